@@ -1,0 +1,217 @@
+"""The `[rl]` config section: GRPO sampling, optimisation, loss, rewards and evaluation settings.
+
+The strict loader (megatron_vlm.config) builds `RLConfig` from the `[rl]` TOML table; nested
+tables are `[rl.eval]` and `[[rl.rewards]]` (one per verifier, `type =` picks it, see
+rl/rewards/config.py). `validate()` holds the cross-field checks and raises ValueError naming the
+field. Names follow the GRPO / PPO literature and the seed recipes (AReaL, verl): a step takes
+`prompts_per_step` prompts, samples `group_size` completions for each, and runs `ppo_epochs`
+passes of `mini_batches_per_step` optimizer steps over them.
+
+This module must stay free of torch imports: reward worker processes import the rewards package.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from megatron_vlm.rl.rewards.config import (
+    ChoiceRewardConfig,
+    CustomRewardConfig,
+    ExactMatchRewardConfig,
+    FormatRewardConfig,
+    MathRewardConfig,
+)
+
+__all__ = ["RLConfig", "RLEvalConfig"]
+
+_DEFAULT_PROMPT_TEMPLATE = (
+    "{problem} You FIRST think about the reasoning process as an internal monologue and then provide "
+    "the final answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final "
+    "answer MUST BE put in \\boxed{{}}."
+)
+
+
+@dataclass(kw_only=True)
+class RLEvalConfig:
+    every_steps: int = 0
+    """Evaluate held-out accuracy every N optimizer steps (0 = only before the first and after the
+    last step)."""
+    at_start: bool = True
+    """Also evaluate before the first step (the "before" number of a before / after comparison)."""
+    k: int = 1
+    """Samples per prompt; the reported accuracy is Avg@k (mean correctness over all k samples)."""
+    temperature: float = 0.0
+    """Sampling temperature for evaluation (0 = greedy; k > 1 needs temperature > 0)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold for evaluation."""
+    max_new_tokens: Optional[int] = None
+    """Generation budget for evaluation (unset = rl.max_new_tokens)."""
+    max_prompts: int = 0
+    """Evaluate on at most this many held-out prompts (0 = all)."""
+    correct_threshold: float = 1.0
+    """A sample counts as correct when its accuracy reward is >= this (rewards are in [0, 1])."""
+
+    def validate(self) -> None:
+        if self.every_steps < 0:
+            raise ValueError(f"every_steps: must be >= 0, got {self.every_steps}")
+        if self.k < 1:
+            raise ValueError(f"k: must be >= 1, got {self.k}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if self.k > 1 and self.temperature == 0:
+            raise ValueError(f"temperature: k = {self.k} samples per prompt need temperature > 0 (greedy repeats one answer)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        if self.max_prompts < 0:
+            raise ValueError(f"max_prompts: must be >= 0, got {self.max_prompts}")
+
+
+@dataclass(kw_only=True)
+class RLConfig:
+    # --- sampling -------------------------------------------------------------------------------
+    group_size: int = 8
+    """Completions sampled per prompt (G); advantages are relative within each group."""
+    temperature: float = 1.0
+    """Sampling temperature of rollouts; the training log-probs use the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = off)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens when sampling (0 = off)."""
+    max_new_tokens: int = 1024
+    """Generation budget per completion; longer completions are cut (and count as truncated)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: generation of a completion ends after the first of these (EOS always stops)."""
+
+    # --- batch and optimisation -----------------------------------------------------------------
+    prompts_per_step: int = 32
+    """Prompts per GRPO step over all data-parallel ranks; a step has prompts_per_step * group_size samples."""
+    ppo_epochs: int = 1
+    """Passes over each step's samples."""
+    mini_batches_per_step: int = 1
+    """Optimizer steps per PPO epoch: the step's samples are split into this many mini-batches
+    (1 = fully on-policy update)."""
+
+    # --- loss -------------------------------------------------------------------------------------
+    clip_ratio_low: float = 0.2
+    """PPO clip range below 1: the ratio is clipped to at least 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """PPO clip range above 1: the ratio is clipped to at most 1 + clip_ratio_high (DAPO's
+    "clip-higher" uses e.g. 0.28)."""
+    kl_coef: float = 0.0
+    """Coefficient of the KL penalty against the frozen reference model; 0 drops the reference model."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """KL estimator per token: k1 = log pi - log pi_ref; k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1
+    (non-negative, unbiased)."""
+    ref_offload: bool = False
+    """Keep the reference model's weights on CPU and move them to the device only to score a batch."""
+    loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
+    """Loss aggregation: token-mean averages over all response tokens of the mini-batch; seq-mean
+    averages each sequence's tokens first, then over sequences."""
+    normalize_adv_std: bool = True
+    """Divide group-relative advantages by the group's reward standard deviation (GRPO); false keeps
+    mean-centred rewards only (Dr. GRPO)."""
+    drop_equal_reward_groups: bool = False
+    """Drop groups whose G rewards are all equal (they carry no learning signal, DAPO's dynamic sampling)."""
+    max_head_offpolicyness: int = 0
+    """Asynchronous GRPO only: a sample is trained on only if the policy version that generated it lags
+    the trainer by at most this many versions (0 = synchronous on-policy training)."""
+    behav_imp_weight_cap: Optional[float] = None
+    """Asynchronous GRPO only (decoupled PPO loss): drop tokens whose importance weight
+    pi_prox / pi_behav exceeds this cap (unset = no cap)."""
+
+    # --- rewards --------------------------------------------------------------------------------
+    rewards: list[MathRewardConfig | ChoiceRewardConfig | FormatRewardConfig | ExactMatchRewardConfig | CustomRewardConfig] = field(
+        default_factory=lambda: [MathRewardConfig()]
+    )
+    """Verifiers whose weighted sum is the reward, one `[[rl.rewards]]` table each (`type =` picks it)."""
+    accuracy_reward: Optional[str] = None
+    """Label of the reward reported as accuracy (and used by evaluation); unset = the first reward."""
+    reward_timeout_s: float = 10.0
+    """Time limit of one verifier call; a call that exceeds it (or raises) scores 0 and is counted."""
+    reward_workers: int = 2
+    """Worker processes that run verifier calls (per rank that scores rewards)."""
+
+    # --- prompts ----------------------------------------------------------------------------------
+    prompt_template: str = _DEFAULT_PROMPT_TEMPLATE
+    """Template of the user turn; `{problem}` is replaced by the dataset's question text
+    (literal braces are written `{{` `}}`)."""
+    system_prompt: Optional[str] = None
+    """Optional system turn of the chat."""
+
+    eval: RLEvalConfig = field(default_factory=RLEvalConfig)
+    """Held-out evaluation ([rl.eval])."""
+
+    def validate(self) -> None:
+        def positive(name: str) -> None:
+            v = getattr(self, name)
+            if v < 1:
+                raise ValueError(f"{name}: must be >= 1, got {v}")
+
+        for name in ("group_size", "max_new_tokens", "prompts_per_step", "ppo_epochs", "mini_batches_per_step", "reward_workers"):
+            positive(name)
+        if self.temperature <= 0:
+            raise ValueError(f"temperature: must be > 0 for GRPO sampling, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k: must be >= 0 (0 = off), got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop: stop strings must not be empty")
+        samples = self.prompts_per_step * self.group_size
+        if self.mini_batches_per_step > samples:
+            raise ValueError(
+                f"mini_batches_per_step: {self.mini_batches_per_step} mini-batches from "
+                f"{samples} samples per step (prompts_per_step * group_size) leaves some empty"
+            )
+        if not 0 <= self.clip_ratio_low < 1:
+            raise ValueError(f"clip_ratio_low: must be in [0, 1), got {self.clip_ratio_low}")
+        if self.clip_ratio_high < 0:
+            raise ValueError(f"clip_ratio_high: must be >= 0, got {self.clip_ratio_high}")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef: must be >= 0, got {self.kl_coef}")
+        if self.ref_offload and self.kl_coef == 0:
+            raise ValueError("ref_offload: has no effect when kl_coef = 0 (no reference model is built)")
+        if self.group_size < 2:
+            # a group of one has advantage 0 always: nothing would be learned
+            raise ValueError(f"group_size: GRPO needs >= 2 samples per prompt for group-relative advantages, got {self.group_size}")
+        if self.max_head_offpolicyness < 0:
+            raise ValueError(f"max_head_offpolicyness: must be >= 0, got {self.max_head_offpolicyness}")
+        if self.behav_imp_weight_cap is not None and self.behav_imp_weight_cap <= 1:
+            raise ValueError(f"behav_imp_weight_cap: must be > 1, got {self.behav_imp_weight_cap}")
+        if not self.rewards:
+            raise ValueError("rewards: at least one [[rl.rewards]] table is required")
+        labels = [r.label() for r in self.rewards]
+        dup = sorted({x for x in labels if labels.count(x) > 1})
+        if dup:
+            raise ValueError(f"rewards: duplicate reward labels {dup}; give each a distinct `name`")
+        for i, r in enumerate(self.rewards):
+            try:
+                r.validate()
+            except ValueError as e:
+                raise ValueError(f"rewards[{i}].{e}") from None
+        if self.accuracy_reward is not None and self.accuracy_reward not in labels:
+            raise ValueError(f"accuracy_reward: {self.accuracy_reward!r} is not one of the reward labels {labels}")
+        if self.reward_timeout_s <= 0:
+            raise ValueError(f"reward_timeout_s: must be > 0, got {self.reward_timeout_s}")
+        if "{problem}" not in self.prompt_template:
+            raise ValueError("prompt_template: must contain the {problem} placeholder")
+        try:
+            self.prompt_template.format(problem="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(
+                f"prompt_template: only {{problem}} may be a placeholder (write literal braces as {{{{ }}}}): {e!r}"
+            ) from None
+        try:
+            self.eval.validate()
+        except ValueError as e:
+            raise ValueError(f"eval.{e}") from None
+
+    def accuracy_label(self) -> str:
+        """Label of the reward that counts as accuracy."""
+        return self.accuracy_reward or self.rewards[0].label()
+
+    def render_prompt(self, problem: str) -> str:
+        """The user turn for one dataset question."""
+        return self.prompt_template.format(problem=problem)

@@ -1,0 +1,39 @@
+"""`[kernels]` config section: which backend runs each op ("auto" lets the registry choose).
+
+The TOML loader builds this dataclass; `megatron_vlm.kernels.configure(KernelsConfig(...))`
+applies it. Values: "auto" or a backend name registered for the op ("torch", "triton", "npu",
+"flash_attn" ...); `validate()` checks them against the registry so a typo fails at load time.
+"""
+from dataclasses import asdict, dataclass
+from typing import Dict
+
+
+@dataclass(kw_only=True)
+class KernelsConfig:
+    """Backend per op; "auto" = fastest available for the tensor's device (logged once)."""
+
+    attention: str = "auto"
+    """Attention (varlen / batched, GQA, causal, windows): auto | torch | triton | flash_attn | npu."""
+    rms_norm: str = "auto"
+    """RMSNorm with optional fused residual add: auto | torch | triton | npu."""
+    layer_norm: str = "auto"
+    """LayerNorm (vision towers, projectors): auto | torch | triton."""
+    apply_rotary: str = "auto"
+    """Rotary embedding with per-token cos/sin (RoPE, M-RoPE, 2-D vision): auto | torch | triton | npu."""
+    swiglu: str = "auto"
+    """silu(gate) * up of the gated MLPs: auto | torch | triton | npu."""
+    linear_token_logprobs: str = "auto"
+    """Fused LM head + token log-probs / entropy (GRPO, chunked): auto | torch | triton."""
+
+    def as_dict(self) -> Dict[str, str]:
+        return asdict(self)
+
+    def validate(self) -> None:
+        from .registry import AUTO, DEFAULT_REGISTRY
+
+        for op, name in self.as_dict().items():
+            if not isinstance(name, str):
+                raise TypeError(f"kernels.{op}: expected a backend name string, got {type(name).__name__}")
+            known = DEFAULT_REGISTRY.backends.get(op, {})
+            if name != AUTO and name not in known:
+                raise ValueError(f"kernels.{op}: unknown backend {name!r}; known: {AUTO}, {', '.join(sorted(known))}")

@@ -1,0 +1,217 @@
+"""Backend choice per op: configuration + tensor device + availability, with one log line per choice.
+
+An op (e.g. "attention") has several backends, each registered with `register_backend`:
+`torch` (the reference, always usable), `triton` (ours; CUDA, or CPU under TRITON_INTERPRET=1),
+`npu` (torch_npu adapters) and third-party ones such as `flash_attn`. Implementations are named by
+an import path ("package.module:function") and imported only when first chosen — Triton decides
+at decoration time whether a kernel is interpreted, so importing kernel modules eagerly would
+freeze that choice before tests can set TRITON_INTERPRET.
+
+`configure({"attention": "triton", ...})` forces a backend per op ("auto" = let the registry
+choose). `auto` takes, among the backends usable for the tensor (device and dtype), the one with
+the highest priority whose `auto_devices` contains the tensor's device type; the torch reference
+is the fallback everywhere. Forcing a backend that cannot run raises `BackendUnavailableError`
+naming the op, the backend and why. Ops can be registered from any module (one call per
+backend), so new ops (MoE, Mamba) plug in without touching this file's logic.
+
+The registry is an object (`KernelRegistry`); the package uses one default instance.
+"""
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Mapping, Optional, Tuple
+
+import torch
+
+logger = logging.getLogger("megatron_vlm.kernels")
+
+AUTO = "auto"
+# Availability check: gets the op's first tensor argument, returns None when usable or the reason.
+Check = Callable[[torch.Tensor], Optional[str]]
+
+
+class BackendUnavailableError(RuntimeError):
+    """A forced backend cannot run this call (not installed, wrong device, unsupported dtype ...)."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One implementation of an op."""
+
+    name: str
+    target: str  # "package.module:function", imported lazily
+    check: Check
+    auto_devices: Tuple[str, ...] = ()  # device types on which `auto` may pick it
+    priority: int = 0  # higher wins in `auto`
+
+
+def _module_installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return name in sys.modules
+
+
+def always(_: torch.Tensor) -> Optional[str]:
+    return None
+
+
+def triton_check(x: torch.Tensor) -> Optional[str]:
+    """Triton kernels run on CUDA, or on CPU through the interpreter (TRITON_INTERPRET=1 before import)."""
+    if not _module_installed("triton"):
+        return "triton is not installed"
+    if x.device.type == "cuda":
+        return None
+    if x.device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
+            return "tensor on cpu and TRITON_INTERPRET is not set"
+        return None
+    return f"tensor on {x.device.type}; triton needs cuda (or cpu with TRITON_INTERPRET=1)"
+
+
+def npu_check(x: torch.Tensor) -> Optional[str]:
+    if not _module_installed("torch_npu"):
+        return "torch_npu is not installed"
+    if x.device.type != "npu":
+        return f"tensor on {x.device.type}; the npu backend needs an npu tensor"
+    return None
+
+
+def cuda_package_check(package: str, dtypes: Tuple[torch.dtype, ...] = ()) -> Check:
+    """Check for a third-party CUDA package (flash_attn, liger_kernel ...), optionally limited to dtypes."""
+
+    def check(x: torch.Tensor) -> Optional[str]:
+        if not _module_installed(package):
+            return f"{package} is not installed"
+        if x.device.type != "cuda":
+            return f"tensor on {x.device.type}; {package} needs a cuda tensor"
+        if dtypes and x.dtype not in dtypes:
+            return f"{package} does not support {x.dtype} (needs one of {', '.join(str(d) for d in dtypes)})"
+        return None
+
+    return check
+
+
+@dataclass
+class KernelRegistry:
+    """Ops -> backends, the forced choice per op, and the log-once bookkeeping."""
+
+    backends: Dict[str, Dict[str, Backend]] = field(default_factory=dict)
+    forced: Dict[str, str] = field(default_factory=dict)
+    _loaded: Dict[Tuple[str, str], Callable] = field(default_factory=dict)
+    _logged: set = field(default_factory=set)
+
+    def register(self, op: str, backend: Backend) -> None:
+        self.backends.setdefault(op, {})[backend.name] = backend
+
+    def ops(self) -> Tuple[str, ...]:
+        return tuple(self.backends)
+
+    def configure(self, choices: Mapping[str, str]) -> Dict[str, str]:
+        """Force a backend ("auto" = choose) per op; returns the previous choices (to restore)."""
+        if hasattr(choices, "as_dict"):
+            choices = choices.as_dict()
+        for op, name in choices.items():
+            if op not in self.backends:
+                raise KeyError(f"kernels: unknown op {op!r}; known ops: {', '.join(sorted(self.backends))}")
+            if name != AUTO and name not in self.backends[op]:
+                raise KeyError(
+                    f"kernels: unknown backend {name!r} for op {op!r}; "
+                    f"known: {AUTO}, {', '.join(sorted(self.backends[op]))}"
+                )
+        previous = dict(self.forced)
+        for op, name in choices.items():
+            if name == AUTO:
+                self.forced.pop(op, None)
+            else:
+                self.forced[op] = name
+        return previous
+
+    def restore(self, previous: Mapping[str, str]) -> None:
+        self.forced = dict(previous)
+
+    def availability(self, op: str, x: torch.Tensor) -> Dict[str, Optional[str]]:
+        """Backend name -> None (usable for x) or the reason it is not."""
+        return {name: b.check(x) for name, b in self._backends_of(op).items()}
+
+    def _backends_of(self, op: str) -> Dict[str, Backend]:
+        if op not in self.backends:
+            raise KeyError(f"kernels: unknown op {op!r}; known ops: {', '.join(sorted(self.backends))}")
+        return self.backends[op]
+
+    def _load(self, op: str, backend: Backend) -> Callable:
+        key = (op, backend.name)
+        if key not in self._loaded:
+            module, _, attr = backend.target.partition(":")
+            self._loaded[key] = getattr(importlib.import_module(module), attr)
+        return self._loaded[key]
+
+    def choose(self, op: str, x: torch.Tensor) -> str:
+        """The backend name that will run `op` for a call whose first tensor is x."""
+        backends = self._backends_of(op)
+        forced = self.forced.get(op)
+        if forced is not None:
+            reason = backends[forced].check(x)
+            if reason is not None:
+                raise BackendUnavailableError(f"kernels: op {op!r} is configured to backend {forced!r}, which cannot run: {reason}")
+            return forced
+        candidates = [
+            b for b in backends.values() if x.device.type in b.auto_devices and b.check(x) is None
+        ]
+        name = max(candidates, key=lambda b: b.priority).name if candidates else "torch"
+        if name not in backends:
+            raise BackendUnavailableError(f"kernels: op {op!r} has no usable backend for a {x.device.type} {x.dtype} tensor")
+        key = (op, x.device.type, name)
+        if key not in self._logged:
+            self._logged.add(key)
+            logger.info("kernels: %s on %s uses backend %s (auto)", op, x.device.type, name)
+        return name
+
+    def resolve(self, op: str, x: torch.Tensor) -> Callable:
+        """The implementation to call for `op` given its first tensor argument."""
+        name = self.choose(op, x)
+        return self._load(op, self.backends[op][name])
+
+
+DEFAULT_REGISTRY = KernelRegistry()
+
+
+def register_backend(
+    op: str,
+    name: str,
+    target: str,
+    *,
+    check: Check = always,
+    auto_devices: Tuple[str, ...] = (),
+    priority: int = 0,
+    registry: Optional[KernelRegistry] = None,
+) -> None:
+    """Register `target` ("module:function") as backend `name` of `op` (in the default registry)."""
+    (registry or DEFAULT_REGISTRY).register(op, Backend(name, target, check, tuple(auto_devices), priority))
+
+
+def configure(choices: Mapping[str, str]) -> Dict[str, str]:
+    """Apply a `[kernels]` section (dict op -> backend or "auto", or a KernelsConfig); returns the previous one."""
+    return DEFAULT_REGISTRY.configure(choices)
+
+
+def resolve(op: str, x: torch.Tensor) -> Callable:
+    return DEFAULT_REGISTRY.resolve(op, x)
+
+
+# Built-in ops. The torch reference is always there; priorities: third-party > triton > npu > torch
+# within the devices each backend is eligible for under `auto`.
+_PKG = __name__.rpartition(".")[0]
+for _op, _fn in (
+    ("attention", "attention"),
+    ("rms_norm", "rms_norm"),
+    ("layer_norm", "layer_norm"),
+    ("apply_rotary", "apply_rotary"),
+    ("swiglu", "swiglu"),
+    ("linear_token_logprobs", "linear_token_logprobs"),
+):
+    _module = {"rms_norm": "norms", "layer_norm": "norms", "apply_rotary": "rotary", "linear_token_logprobs": "token_logprobs"}.get(_op, _op)
+    register_backend(_op, "torch", f"{_PKG}.reference.{_module}:{_fn}", auto_devices=("cpu", "cuda", "npu"), priority=0)

@@ -1,0 +1,50 @@
+#!/usr/bin/env python
+"""The one entry point for every job kind.
+
+    torchrun --nproc_per_node N launch/pretrain_vlm.py --config x.toml [--set section.key=value ...]
+    python launch/pretrain_vlm.py --config x.toml            # one process
+
+`[train] mode` picks the loop ("sft" or "grpo"). Config errors exit with code 2 and one line;
+SIGTERM (SLURM preemption) saves a checkpoint and exits with 143; process groups are torn down on
+success, error and Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megatron_vlm.config import ConfigError, load_config, save_config  # noqa: E402
+from megatron_vlm.config.loader import die  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Train a vision-language model (SFT or GRPO).")
+    p.add_argument("--config", required=True, help="TOML config file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value (value parsed as TOML; bare words are strings)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        die(str(e))
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank{rank}] %(levelname)s %(message)s", datefmt="%H:%M:%S",
+    )
+    from megatron_vlm.training.runner import run_job
+
+    return run_job(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""Hugging Face export from a gathered (unsharded) state dict in our naming.
+
+Builds the family model on the meta device from the source folder's config, materialises it with
+the given tensors and writes it with `save_hf_model`, copying tokenizer / processor / chat-template
+files from the source folder — so transformers, vLLM and VLMEvalKit load the export unchanged.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def export_hf_from_state_dict(state_dict: dict[str, torch.Tensor], src_model_dir: str | Path, out_dir: str | Path) -> None:
+    from megatron_vlm.checkpoint.hf import save_hf_model
+    from megatron_vlm.models import build_model
+
+    src_model_dir = Path(src_model_dir)
+    hf_config = json.loads((src_model_dir / "config.json").read_text())
+    with torch.device("meta"):
+        model = build_model(hf_config)
+    model.load_state_dict(state_dict, assign=True, strict=True)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    save_hf_model(model, out_dir, copy_from=src_model_dir)

@@ -1,0 +1,79 @@
+"""Run configuration: TOML -> nested dataclasses (DESIGN.md §6).
+
+`load_config(path, overrides)` reads the TOML, applies `--set section.key=value` overrides,
+and builds `Config` strictly (unknown keys, wrong types, missing or out-of-range values raise
+`ConfigError` naming the dotted key). `save_config` writes the resolved config; loading that
+file again reproduces the run.
+"""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import tomli_w
+
+from megatron_vlm.config.loader import ConfigError, apply_overrides, from_dict, to_dict
+from megatron_vlm.config.sections import (
+    CheckpointConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    TrainConfig,
+)
+from megatron_vlm.data.config import DataConfig
+from megatron_vlm.kernels.config import KernelsConfig
+from megatron_vlm.rl.config import RLConfig
+
+__all__ = ["Config", "ConfigError", "load_config", "load_config_dict", "save_config"]
+
+
+@dataclass(kw_only=True)
+class Config:
+    model: ModelConfig
+    """The model to train (a Hugging Face folder)."""
+    data: DataConfig
+    """Training / evaluation data."""
+    train: TrainConfig
+    """Loop settings."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Learning-rate schedule."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Device mesh and parallelism."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing, resume and export."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Loggers."""
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    """Kernel backend per op ("auto", "torch", "triton", "npu", ...)."""
+    rl: Optional[RLConfig] = None
+    """GRPO settings (required when train.mode = "grpo")."""
+
+    def validate(self) -> None:
+        if self.train.mode == "grpo" and self.rl is None:
+            raise ValueError("rl: an [rl] section is required when train.mode = \"grpo\"")
+
+
+def load_config_dict(raw: dict, overrides: Optional[list[str]] = None) -> Config:
+    raw = apply_overrides(raw, list(overrides or []))
+    return from_dict(Config, raw)
+
+
+def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> Config:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    return load_config_dict(raw, overrides)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(tomli_w.dumps(to_dict(cfg)))

@@ -1,0 +1,225 @@
+"""Strict TOML -> dataclass loader.
+
+Why strict: a typo in a launch config (`optimizer.lrr`) that is silently ignored costs a whole
+cluster run. Every unknown key, wrong type, missing required value or failed `validate()` becomes a
+`ConfigError` whose message starts with the dotted path of the offending key; the entry point turns
+it into a one-line message and exit code 2.
+
+Supported field types: bool, int, float (ints accepted), str, Literal[...], Optional[X],
+list[X], tuple[X, ...], dict[str, X], nested dataclasses, and unions of dataclasses picked by an
+explicit `type = "..."` key (each member declares `type: Literal["name"]`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import tomllib
+import types
+import typing
+from typing import Any, Literal, Union
+
+__all__ = ["ConfigError", "from_dict", "to_dict", "apply_overrides", "parse_override_value", "field_docs"]
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the dotted key."""
+
+
+_MISSING = dataclasses.MISSING
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "none"
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"[:120]
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        non_none = [a for a in args if a is not type(None)]
+        if value is None and len(non_none) < len(args):
+            return None
+        dc_members = [a for a in non_none if dataclasses.is_dataclass(a)]
+        if dc_members and isinstance(value, dict):
+            return _convert_dataclass_union(value, dc_members, path)
+        if len(non_none) == 1:
+            return _convert(value, non_none[0], path)
+        errors = []
+        for a in non_none:
+            try:
+                return _convert(value, a, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{path}: expected {' or '.join(_type_name(a) for a in non_none)}, got {_describe(value)}")
+    if origin is Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{path}: must be one of {', '.join(repr(a) for a in args)}, got {value!r}{hint}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a table ([{path}]), got {_describe(value)}")
+        return from_dict(tp, value, path)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {_describe(value)}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(f"{path}: expected {len(args)} values, got {len(value)}")
+            return tuple(_convert(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        item_tp = args[0] if args else Any
+        out = [_convert(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(out) if origin is tuple else out
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a table, got {_describe(value)}")
+        vt = args[1] if len(args) == 2 else Any
+        return {str(k): _convert(v, vt, f"{path}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {_describe(value)}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {_describe(value)}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {_describe(value)}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {_describe(value)}")
+        return value
+    raise ConfigError(f"{path}: unsupported field type {tp!r} (a bug in the schema)")
+
+
+def _convert_dataclass_union(value: dict, members: list, path: str) -> Any:
+    names = {}
+    for m in members:
+        hint = typing.get_type_hints(m).get("type")
+        if typing.get_origin(hint) is not Literal:
+            raise ConfigError(f"{path}: schema bug: union member {m.__name__} needs `type: Literal[...]`")
+        for a in typing.get_args(hint):
+            names[a] = m
+    if "type" not in value:
+        raise ConfigError(f"{path}.type: required to choose between {', '.join(repr(n) for n in names)}")
+    t = value["type"]
+    if t not in names:
+        close = difflib.get_close_matches(str(t), list(names), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{path}.type: must be one of {', '.join(repr(n) for n in names)}, got {t!r}{hint}")
+    return from_dict(names[t], value, path)
+
+
+def from_dict(cls: type, data: dict, path: str = "") -> Any:
+    """Build dataclass `cls` from a TOML table, strictly. `path` is the dotted prefix for messages."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    prefix = f"{path}." if path else ""
+    for key, value in data.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else f"; valid keys: {', '.join(sorted(fields))}"
+            raise ConfigError(f"{prefix}{key}: unknown key{hint}")
+        kwargs[key] = _convert(value, hints[key], f"{prefix}{key}")
+    for name, f in fields.items():
+        if name not in kwargs and f.default is _MISSING and f.default_factory is _MISSING:
+            raise ConfigError(f"{prefix}{name}: required value is missing")
+    try:
+        obj = cls(**kwargs)
+    except TypeError as e:  # pragma: no cover - schema bugs
+        raise ConfigError(f"{path or '<root>'}: {e}") from None
+    validate = getattr(obj, "validate", None)
+    if callable(validate):
+        try:
+            validate()
+        except ConfigError as e:
+            raise ConfigError(f"{prefix}{e}" if path and not str(e).startswith(prefix) else str(e)) from None
+        except ValueError as e:
+            msg = str(e)
+            raise ConfigError(msg if msg.startswith(prefix) and prefix else f"{prefix}{msg}") from None
+    return obj
+
+
+def to_dict(obj: Any) -> Any:
+    """Dataclass -> plain TOML-able dict (None values are omitted: TOML has no null)."""
+    if dataclasses.is_dataclass(obj):
+        out = {}
+        for f in dataclasses.fields(obj):
+            v = to_dict(getattr(obj, f.name))
+            if v is not None:
+                out[f.name] = v
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items() if v is not None}
+    return obj
+
+
+def parse_override_value(text: str) -> Any:
+    """`--set` values are TOML (`3e-4`, `true`, `[1, 2]`, `"x"`); a bare word or path is a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply `section.key=value` overrides to a raw TOML dict (before validation)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        key, text = item.split("=", 1)
+        key = key.strip()
+        parts = key.split(".")
+        if not all(parts):
+            raise ConfigError(f"--set {item!r}: empty key segment")
+        node = raw
+        for i, p in enumerate(parts[:-1]):
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"{'.'.join(parts[:i + 1])}: is a value, not a table (from --set {item!r})")
+            node = nxt
+        node[parts[-1]] = parse_override_value(text.strip())
+    return raw
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Per-field docstrings: the string literal that follows each field in the class body."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        src = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    tree = ast.parse(src)
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name):
+            if isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str):
+                docs[a.target.id] = " ".join(b.value.value.split())
+    return docs
+
+
+def die(msg: str) -> typing.NoReturn:
+    """Print a config error and exit 2 (no traceback)."""
+    print(f"config error: {msg}", file=sys.stderr)
+    raise SystemExit(2)

@@ -1,0 +1,177 @@
+"""The training-side config sections: [model] [train] [optimizer] [scheduler] [parallel]
+[checkpoint] [logging].
+
+Each section is a kw_only dataclass; the string under each field is its documentation (the README's
+config reference is generated from these). `validate()` holds cross-field checks and raises
+ValueError("<key>: ...") — the loader prefixes the section name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    path: str
+    """Hugging Face model folder (config.json, safetensors, tokenizer, preprocessor)."""
+    synthesize: Optional[Literal["tiny_qwen2_5_vl"]] = None
+    """If set and `path` does not exist, build this tiny random model + tokenizer + processor there
+    (deterministic, offline; used by the demo and tests)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the master weights held by the optimizer (bf16 compute comes from [train] precision)."""
+
+    def validate(self) -> None:
+        if not self.path:
+            raise ValueError("path: must not be empty")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    mode: Literal["sft", "grpo"] = "sft"
+    """Which loop runs: supervised fine-tuning or GRPO reinforcement learning ([rl] section)."""
+    output_dir: str = "runs/default"
+    """Run folder: config.toml, checkpoints/, metrics CSVs, tensorboard/, exports."""
+    seed: int = 0
+    """Seeds every RNG (python, numpy, torch, data order)."""
+    max_steps: Optional[int] = None
+    """Optimizer steps to run; if unset, `epochs` decides."""
+    epochs: Optional[float] = None
+    """Passes over the training data (used when max_steps is unset)."""
+    micro_batches_per_step: int = 1
+    """Gradient accumulation: packed micro-batches per data-parallel rank per optimizer step."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """Compute dtype: auto = bf16 params / fp32 reduce on GPU/NPU (FSDP2 MixedPrecisionPolicy), fp32 on CPU."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm (computed across shards); 0 disables clipping."""
+    train_layers: list[str] = field(default_factory=list)
+    """Regexes over parameter or module-class names; when non-empty everything else is frozen
+    (e.g. ["Qwen3VLVisionPatchMerger"] or ["^visual\\.merger\\."])."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block in backward to save activation memory."""
+    eval_every: int = 0
+    """Run validation (loss, perplexity, answer accuracy if the data has answers) every N steps; 0 = only at the end."""
+    eval_max_batches: int = 0
+    """Cap on validation micro-batches per evaluation (0 = the whole eval split)."""
+    eval_generate: bool = True
+    """At evaluation also greedy-decode the eval prompts and report answer accuracy (exact match)."""
+    log_every: int = 1
+    """Log metrics every N steps."""
+
+    def validate(self) -> None:
+        if self.max_steps is not None and self.max_steps <= 0:
+            raise ValueError(f"max_steps: must be > 0, got {self.max_steps}")
+        if self.epochs is not None and self.epochs <= 0:
+            raise ValueError(f"epochs: must be > 0, got {self.epochs}")
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError("max_steps: set max_steps or epochs")
+        if self.micro_batches_per_step <= 0:
+            raise ValueError(f"micro_batches_per_step: must be > 0, got {self.micro_batches_per_step}")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm: must be >= 0, got {self.max_grad_norm}")
+        if self.eval_every < 0 or self.log_every <= 0:
+            raise ValueError("eval_every/log_every: must be >= 0 / > 0")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    type: Literal["adamw"] = "adamw"
+    """Optimizer (AdamW; the fused implementation is used on CUDA)."""
+    lr: float = 1e-5
+    """Peak learning rate."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (not applied to biases and norm weights)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"lr: must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay: must be >= 0, got {self.weight_decay}")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas: each must be in [0, 1), got {list(self.betas)}")
+        if self.eps <= 0:
+            raise ValueError(f"eps: must be > 0, got {self.eps}")
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    type: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warmup."""
+    warmup_steps: int = 0
+    """Linear warmup steps (takes precedence over warmup_ratio when > 0)."""
+    warmup_ratio: float = 0.0
+    """Warmup as a fraction of the total steps (seed 003 uses 0.03)."""
+    min_lr_ratio: float = 0.0
+    """Final lr as a fraction of the peak (cosine / linear)."""
+
+    def validate(self) -> None:
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    backend: Literal["native", "mcore"] = "native"
+    """native = PyTorch FSDP2 / DTensor (everywhere); mcore = Megatron-core decoder (CUDA clusters)."""
+    dp_replicate: int = 1
+    """Data-parallel replicas (HSDP outer dimension)."""
+    dp_shard: int = -1
+    """FSDP shard group size; -1 = all remaining ranks."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after forward (ZeRO-3) or keep them until backward (ZeRO-2)."""
+    compile: bool = False
+    """torch.compile each transformer block."""
+
+    def validate(self) -> None:
+        if self.dp_replicate <= 0:
+            raise ValueError(f"dp_replicate: must be > 0, got {self.dp_replicate}")
+        if self.dp_shard == 0 or self.dp_shard < -1:
+            raise ValueError(f"dp_shard: must be -1 or > 0, got {self.dp_shard}")
+        if self.backend == "mcore":
+            raise ValueError("backend: 'mcore' is not implemented yet; use 'native'")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    enable: bool = True
+    """Write distributed checkpoints (model, optimizer, scheduler, data position, RNG, step)."""
+    every_steps: int = 0
+    """Save every N steps (0 = only at the end and on SIGTERM)."""
+    keep_last: int = 2
+    """Keep the newest N complete checkpoints (0 = keep all)."""
+    resume: str = "auto"
+    """"auto" = newest complete checkpoint in output_dir/checkpoints if any; "none"; or a checkpoint folder."""
+    export_hf: bool = True
+    """At the end, export a Hugging Face folder (safetensors + config + tokenizer + processor) to output_dir/hf."""
+
+    def validate(self) -> None:
+        if self.every_steps < 0:
+            raise ValueError(f"every_steps: must be >= 0, got {self.every_steps}")
+        if self.keep_last < 0:
+            raise ValueError(f"keep_last: must be >= 0, got {self.keep_last}")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    console: bool = True
+    """Progress bar and per-step lines on rank 0."""
+    tensorboard: bool = True
+    """TensorBoard event files in output_dir/tensorboard."""
+    csv: bool = True
+    """metrics_train.csv and metrics_eval.csv in output_dir."""
+    wandb: bool = False
+    """Log to Weights & Biases (needs the wandb package)."""
+    wandb_project: str = "megatron-vlm"
+    """W&B project."""
+    wandb_mode: Literal["online", "offline", "disabled"] = "offline"
+    """W&B mode; offline works without a network."""
+    experiment_name: Optional[str] = None
+    """Run name for W&B / TensorBoard (default: the output_dir name)."""

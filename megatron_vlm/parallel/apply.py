@@ -1,0 +1,52 @@
+"""Shared parallelisation helpers; a family's parallelize.py only lists its blocks and calls these.
+
+Activation checkpointing wraps each block's forward in place (no wrapper module), so parameter
+names — and therefore checkpoints and HF exports — are the same with and without it.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def apply_ac(blocks: Iterable[nn.Module]) -> None:
+    for block in blocks:
+        if getattr(block, "_mvlm_ac", False):
+            continue
+        orig = block.forward
+
+        @functools.wraps(orig)
+        def forward(*args, _orig=orig, **kwargs):
+            return checkpoint(_orig, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
+        block._mvlm_ac = True
+
+
+def apply_compile(blocks: Iterable[nn.Module]) -> None:
+    for block in blocks:
+        block.compile()
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh,
+    blocks: Iterable[nn.Module],
+    *,
+    param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = torch.float32,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """FSDP2 (`fully_shard`) per block, then the root. A 2-D mesh gives HSDP (replicate x shard)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    dp_mesh = mesh if mesh.ndim == 1 else mesh[("dp_replicate", "dp_shard")]
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return model

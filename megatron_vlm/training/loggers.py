@@ -1,0 +1,147 @@
+"""Metric sinks on rank 0: console progress bar, TensorBoard, CSV (train and eval), optional W&B.
+
+CSV follows seed 003's habit (one file for train, one for eval; a header of every key seen in the
+first row, new keys appended as they appear by rewriting the header-less tail is avoided: unknown
+late keys go to a per-row `extra` JSON column).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger("megatron_vlm")
+
+
+class _CsvSink:
+    def __init__(self, path: Path):
+        self.path = path
+        self.fields: Optional[list[str]] = None
+        self._fh = None
+        self._w = None
+
+    def write(self, row: dict) -> None:
+        if self.fields is None:
+            exists = self.path.is_file() and self.path.stat().st_size > 0
+            if exists:  # resumed run: keep the existing header
+                with self.path.open() as f:
+                    self.fields = next(csv.reader(f))
+            else:
+                self.fields = list(row) + ["extra"]
+            self._fh = self.path.open("a", newline="")
+            self._w = csv.DictWriter(self._fh, fieldnames=self.fields, extrasaction="ignore")
+            if not exists:
+                self._w.writeheader()
+        extra = {k: v for k, v in row.items() if k not in self.fields}
+        out = dict(row)
+        if "extra" in self.fields:
+            out["extra"] = json.dumps(extra) if extra else ""
+        self._w.writerow(out)
+        self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh:
+            self._fh.close()
+
+
+class MetricsLogger:
+    def __init__(self, log_cfg, output_dir: Path, *, is_main: bool, total_steps: int, run_name: str,
+                 config_dict: Optional[dict] = None):
+        self.is_main = is_main
+        self.cfg = log_cfg
+        self.total_steps = total_steps
+        self.t0 = time.time()
+        self.start_step = 0
+        self._tb = self._wandb = self._bar = None
+        self._csv: dict[str, _CsvSink] = {}
+        if not is_main:
+            return
+        if log_cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(output_dir / "tensorboard"))
+            except ImportError:
+                log.warning("logging.tensorboard = true but tensorboard is not installed; skipping it")
+        if log_cfg.csv:
+            self._csv = {"train": _CsvSink(output_dir / "metrics_train.csv"),
+                         "eval": _CsvSink(output_dir / "metrics_eval.csv")}
+        if log_cfg.wandb:
+            try:
+                import wandb
+            except ImportError as e:
+                raise RuntimeError("logging.wandb = true but the wandb package is not installed "
+                                   "(pip install 'megatron-vlm[wandb]')") from e
+            self._wandb = wandb.init(project=log_cfg.wandb_project, name=log_cfg.experiment_name or run_name,
+                                     mode=log_cfg.wandb_mode, dir=str(output_dir), config=config_dict or {})
+        if log_cfg.console and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, dynamic_ncols=True, desc="train")
+
+    def set_start(self, step: int) -> None:
+        self.start_step = step
+        self.t0 = time.time()
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.refresh()
+
+    def eta_s(self, step: int) -> float:
+        done = step - self.start_step
+        if done <= 0:
+            return float("nan")
+        return (time.time() - self.t0) / done * (self.total_steps - step)
+
+    def log(self, split: str, step: int, metrics: dict) -> None:
+        if not self.is_main:
+            return
+        row = {"step": step, **{k: (float(v) if hasattr(v, "__float__") else v) for k, v in metrics.items()}}
+        if split in self._csv:
+            self._csv[split].write(row)
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self._tb.add_scalar(f"{split}/{k}", v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({f"{split}/{k}": v for k, v in row.items() if k != "step"}, step=step)
+        if self.cfg.console:
+            if split == "train":
+                eta = self.eta_s(step)
+                msg = (f"step {step}/{self.total_steps} loss {row.get('loss', float('nan')):.4f} "
+                       f"lr {row.get('lr', 0):.3g} tok/s {row.get('tokens_per_s', 0):.0f} "
+                       f"grad_norm {row.get('grad_norm', 0):.3f} eta {eta:.0f}s")
+            else:
+                msg = f"[{split}] step {step} " + " ".join(
+                    f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items() if k != "step")
+            if self._bar is not None:
+                self._bar.n = step
+                self._bar.set_postfix_str(msg, refresh=True)
+            log.info(msg)
+
+    def log_table(self, name: str, step: int, header: list[str], rows: list[list]) -> None:
+        """A small table (e.g. per-layer expert load) to TensorBoard text and W&B."""
+        if not self.is_main:
+            return
+        if self._tb is not None:
+            md = "| " + " | ".join(header) + " |\n|" + "---|" * len(header) + "\n"
+            md += "\n".join("| " + " | ".join(str(c) for c in r) + " |" for r in rows)
+            self._tb.add_text(name, md, step)
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({name: wandb.Table(columns=header, data=rows)}, step=step)
+
+    def close(self) -> None:
+        for s in self._csv.values():
+            s.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._bar is not None:
+            self._bar.close()

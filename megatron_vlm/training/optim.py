@@ -1,0 +1,53 @@
+"""AdamW (fused on CUDA) with decay / no-decay groups, and the warmup + decay LR schedule."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+
+def build_optimizer(model: torch.nn.Module, opt_cfg, device_type: str) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        # biases, norm weights and other 1-D parameters are not decayed
+        (no_decay if p.ndim <= 1 or name.endswith(".bias") else decay).append(p)
+    if not decay and not no_decay:
+        raise ValueError("train.train_layers: no trainable parameters left")
+    groups = [{"params": decay, "weight_decay": opt_cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    kwargs = dict(lr=opt_cfg.lr, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps)
+    if device_type == "cuda":
+        kwargs["fused"] = True
+    else:
+        kwargs["foreach"] = False  # deterministic, identical update order on CPU
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+class WarmupDecay:
+    """lr multiplier: linear warmup to 1, then cosine / linear decay to min_lr_ratio, or constant.
+    A picklable callable (not a lambda) so the scheduler state round-trips through checkpoints."""
+
+    def __init__(self, kind: str, warmup: int, total: int, min_ratio: float):
+        self.kind, self.warmup, self.total, self.min_ratio = kind, warmup, max(total, 1), min_ratio
+
+    def __call__(self, step: int) -> float:
+        if self.warmup > 0 and step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.kind == "constant":
+            return 1.0
+        span = max(self.total - self.warmup, 1)
+        progress = min(max(step - self.warmup, 0) / span, 1.0)
+        if self.kind == "cosine":
+            f = 0.5 * (1.0 + math.cos(math.pi * progress))
+        else:
+            f = 1.0 - progress
+        return self.min_ratio + (1.0 - self.min_ratio) * f
+
+
+def build_scheduler(optimizer, sched_cfg, total_steps: int) -> LambdaLR:
+    warmup = sched_cfg.warmup_steps or int(round(sched_cfg.warmup_ratio * total_steps))
+    return LambdaLR(optimizer, WarmupDecay(sched_cfg.type, warmup, total_steps, sched_cfg.min_lr_ratio))

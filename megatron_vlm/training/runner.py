@@ -1,0 +1,58 @@
+"""Job runner behind launch/pretrain_vlm.py: process group, run folder, assets, loop dispatch, teardown."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_vlm.config import save_config
+from megatron_vlm.parallel import destroy_distributed, init_distributed
+
+log = logging.getLogger("megatron_vlm")
+
+
+def _prepare_model_folder(cfg, env) -> None:
+    path = Path(cfg.model.path)
+    if (path / "config.json").is_file():
+        return
+    if cfg.model.synthesize is None:
+        raise FileNotFoundError(f"model.path: {path} has no config.json (set model.synthesize to create a tiny model)")
+    if env.is_main:
+        from megatron_vlm.testing.tiny_model import build_tiny_model_folder
+
+        build_tiny_model_folder(cfg.model.synthesize, path, seed=cfg.train.seed)
+        log.info("created tiny model %s at %s", cfg.model.synthesize, path)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def run_job(cfg) -> int:
+    env = init_distributed()
+    try:
+        run_dir = Path(cfg.train.output_dir)
+        if env.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, run_dir / "config.toml")
+        _prepare_model_folder(cfg, env)
+        from megatron_vlm.training.job import Job
+
+        job = Job(cfg=cfg, env=env, run_dir=run_dir)
+        job.stop.install()
+        if cfg.train.mode == "sft":
+            from megatron_vlm.training.sft import run_sft, sft_setup
+
+            sft_setup(job)
+            code = run_sft(job)
+        else:
+            from megatron_vlm.rl.trainer import run_grpo
+
+            code = run_grpo(job)
+        if job.metrics is not None:
+            job.metrics.close()
+        return code
+    except KeyboardInterrupt:
+        log.warning("interrupted")
+        return 130
+    finally:
+        destroy_distributed()

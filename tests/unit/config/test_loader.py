@@ -1,0 +1,162 @@
+"""Strict config loading: every error class names its dotted key; the CLI exits 2 without a traceback."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import pytest
+
+from megatron_vlm.config import Config, ConfigError, load_config, load_config_dict, save_config
+from megatron_vlm.config.loader import apply_overrides, field_docs, from_dict, parse_override_value
+
+REPO = Path(__file__).resolve().parents[3]
+
+BASE = {
+    "model": {"path": "/tmp/some-model"},
+    "data": {"type": "synthetic_vqa"},
+    "train": {"max_steps": 3},
+    "optimizer": {"lr": 1e-4},
+}
+
+
+def _raw(**changes):
+    import copy
+
+    raw = copy.deepcopy(BASE)
+    for dotted, value in changes.items():
+        sec, key = dotted.split("__")
+        raw.setdefault(sec, {})[key] = value
+    return raw
+
+
+def test_minimal_config_builds_with_defaults():
+    cfg = load_config_dict(_raw())
+    assert cfg.optimizer.lr == 1e-4
+    assert cfg.scheduler.type == "cosine"
+    assert cfg.train.mode == "sft"
+
+
+@pytest.mark.parametrize(
+    "raw_change, expect",
+    [
+        ({"optimizer__lrr": 1e-3}, "optimizer.lrr: unknown key; did you mean lr?"),
+        ({"optimizer__lr": "fast"}, "optimizer.lr: expected a number"),
+        ({"optimizer__lr": -1.0}, "optimizer.lr: must be > 0"),
+        ({"train__micro_batches_per_step": 0}, "train.micro_batches_per_step: must be > 0"),
+        ({"train__activation_checkpointing": "yes"}, "train.activation_checkpointing: expected true or false"),
+        ({"scheduler__type": "cosin"}, "scheduler.type: must be one of"),
+        ({"train__max_steps": 1.5}, "train.max_steps: expected an integer"),
+    ],
+)
+def test_error_names_the_key(raw_change, expect):
+    with pytest.raises(ConfigError) as e:
+        load_config_dict(_raw(**raw_change))
+    assert expect in str(e.value)
+
+
+def test_missing_required_value():
+    raw = _raw()
+    del raw["model"]["path"]
+    with pytest.raises(ConfigError, match=r"model\.path: required value is missing"):
+        load_config_dict(raw)
+
+
+def test_unknown_section_is_an_error():
+    raw = _raw()
+    raw["optimiser"] = {"lr": 1.0}
+    with pytest.raises(ConfigError, match=r"optimiser: unknown key; did you mean optimizer\?"):
+        load_config_dict(raw)
+
+
+def test_set_overrides_parse_toml_values():
+    raw = apply_overrides(_raw(), ["optimizer.lr=3e-4", "train.train_layers=['merger']", "model.path=/ckpt/x-3B"])
+    assert raw["optimizer"]["lr"] == 3e-4
+    assert raw["train"]["train_layers"] == ["merger"]
+    assert raw["model"]["path"] == "/ckpt/x-3B"
+    assert parse_override_value("true") is True
+    assert parse_override_value('"a b"') == "a b"
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        apply_overrides({}, ["optimizer.lr"])
+    with pytest.raises(ConfigError, match=r"optimizer\.lrr: unknown key"):
+        load_config_dict(_raw(), ["optimizer.lrr=1.0"])
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config_dict(_raw(), ["train.seed=7"])
+    save_config(cfg, tmp_path / "config.toml")
+    again = load_config(tmp_path / "config.toml")
+    assert again == cfg
+    assert tomllib.loads((tmp_path / "config.toml").read_text())["train"]["seed"] == 7
+
+
+@dataclass(kw_only=True)
+class _A:
+    type: Literal["a"]
+    x: int = 0
+
+
+@dataclass(kw_only=True)
+class _B:
+    type: Literal["b"]
+    y: str = ""
+
+
+@dataclass(kw_only=True)
+class _Holder:
+    item: _A | _B
+    opt: Optional[int] = None
+    items: list[_A | _B] = field(default_factory=list)
+
+
+def test_union_of_tables_needs_explicit_type():
+    A, B, Holder = _A, _B, _Holder
+    assert from_dict(Holder, {"item": {"type": "b", "y": "q"}}).item == B(type="b", y="q")
+    with pytest.raises(ConfigError, match=r"item\.type: required"):
+        from_dict(Holder, {"item": {"x": 1}})
+    with pytest.raises(ConfigError, match=r"items\[1\]\.type: must be one of"):
+        from_dict(Holder, {"item": {"type": "a"}, "items": [{"type": "a"}, {"type": "c"}]})
+
+
+def test_every_section_field_is_documented():
+    import dataclasses
+
+    docs = field_docs(Config)
+    for f in dataclasses.fields(Config):
+        assert f.name in docs, f"Config.{f.name} has no docstring"
+    from megatron_vlm.config import sections
+
+    for cls in [sections.ModelConfig, sections.TrainConfig, sections.OptimizerConfig, sections.SchedulerConfig,
+                sections.ParallelConfig, sections.CheckpointConfig, sections.LoggingConfig]:
+        docs = field_docs(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in docs]
+        assert not missing, f"{cls.__name__}: undocumented fields {missing}"
+
+
+@pytest.mark.parametrize(
+    "extra_args, expect",
+    [
+        (["--set", "optimizer.lrr=1e-3"], "optimizer.lrr: unknown key; did you mean lr?"),
+        (["--set", "optimizer.lr=-1e-3"], "optimizer.lr: must be > 0"),
+        (["--set", "train.micro_batches_per_step=0"], "train.micro_batches_per_step: must be > 0"),
+    ],
+)
+def test_cli_exits_2_with_a_short_message(tmp_path, extra_args, expect):
+    import tomli_w
+
+    cfg = tmp_path / "x.toml"
+    cfg.write_text(tomli_w.dumps(_raw()))
+    r = subprocess.run([sys.executable, str(REPO / "launch/pretrain_vlm.py"), "--config", str(cfg), *extra_args],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert expect in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_cli_missing_config_file(tmp_path):
+    r = subprocess.run([sys.executable, str(REPO / "launch/pretrain_vlm.py"), "--config", str(tmp_path / "nope.toml")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "config file not found" in r.stderr and "Traceback" not in r.stderr

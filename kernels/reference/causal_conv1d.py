@@ -13,7 +13,7 @@ Layout follows the `causal_conv1d` package (Dao-AILab) so its kernels can be swa
 
 Packed sequences: with `cu_seqlens` (int `[n+1]`, cumulative lengths from 0, B must be 1) every
 sequence is convolved on its own: no tap crosses a boundary; `initial_state` / the final state are
-then per sequence, `[n, D, W-1]`. Math runs in fp32; the output has x's dtype.
+then per sequence, `[n, D, W-1]`. Math runs in fp32 (fp64 inputs stay fp64); the output has x's dtype.
 """
 from __future__ import annotations
 
@@ -23,6 +23,11 @@ import torch
 import torch.nn.functional as F
 
 _ACTIVATIONS = (None, "silu", "swish")
+
+
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """Accumulation dtype: fp32 for half types, fp64 stays fp64 (exact gradient checks)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def _check_inputs(x, weight, bias, activation):
@@ -42,7 +47,7 @@ def _conv_dense(x, weight, bias, activation, initial_state):
     """One run of sequences of equal length: x [B, D, T], state [B, D, W-1] or None."""
     batch, dim, _ = x.shape
     width = weight.shape[1]
-    xf = x.float()
+    xf = _acc(x)
     if initial_state is None:
         state = xf.new_zeros(batch, dim, width - 1)
     else:
@@ -50,9 +55,9 @@ def _conv_dense(x, weight, bias, activation, initial_state):
             raise ValueError(
                 f"causal_conv1d: initial_state must be [{batch}, {dim}, {width - 1}], got {tuple(initial_state.shape)}"
             )
-        state = initial_state.float()
+        state = _acc(initial_state)
     xpad = torch.cat([state, xf], dim=-1)  # [B, D, W-1+T]
-    out = F.conv1d(xpad, weight.float().unsqueeze(1), None if bias is None else bias.float(), groups=dim)
+    out = F.conv1d(xpad, _acc(weight).to(xpad.dtype).unsqueeze(1), None if bias is None else _acc(bias).to(xpad.dtype), groups=dim)
     if activation is not None:
         out = F.silu(out)
     final_state = xpad[..., xpad.shape[-1] - (width - 1):]

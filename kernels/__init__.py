@@ -19,6 +19,12 @@ __all__ = [
     "apply_rotary",
     "swiglu",
     "linear_token_logprobs",
+    "causal_conv1d",
+    "ssd_chunk_scan",
+    "ssd_state_update",
+    "moe_permute",
+    "grouped_mm",
+    "moe_unpermute",
     "configure",
     "register_backend",
     "KernelsConfig",
@@ -91,3 +97,36 @@ def linear_token_logprobs(
     without materialising the `[N, V]` logits; labels == -100 give 0 and no gradient."""
     fn = DEFAULT_REGISTRY.resolve("linear_token_logprobs", hidden)
     return fn(hidden, weight, labels, temperature=temperature, return_entropy=return_entropy, chunk_size=chunk_size)
+
+
+# Mamba2 / MoE ops: signatures, layouts and numerics in kernels/reference/{causal_conv1d,ssd,moe}.py.
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, **kwargs):
+    """Causal depthwise conv1d, x `[B, D, T]`, weight `[D, W]`; kwargs: activation, initial_state,
+    return_final_state, cu_seqlens."""
+    return DEFAULT_REGISTRY.resolve("causal_conv1d", x)(x, weight, bias, **kwargs)
+
+
+def ssd_chunk_scan(x, dt, A, B, C, *, chunk_size: int, **kwargs):
+    """Mamba2 chunked SSD scan, x `[B, T, H, P]`; kwargs: D, z, dt_bias, dt_softplus, dt_limit,
+    initial_states, return_final_states, cu_seqlens."""
+    return DEFAULT_REGISTRY.resolve("ssd_chunk_scan", x)(x, dt, A, B, C, chunk_size=chunk_size, **kwargs)
+
+
+def ssd_state_update(state, x, dt, A, B, C, **kwargs):
+    """One Mamba2 decoding step; updates `state` `[B, H, P, N]` in place, returns y `[B, H, P]`."""
+    return DEFAULT_REGISTRY.resolve("ssd_state_update", x)(state, x, dt, A, B, C, **kwargs)
+
+
+def moe_permute(hidden: torch.Tensor, topk_ids: torch.Tensor, *, num_experts: Optional[int] = None):
+    """Token copies grouped by expert: (permuted `[N*k, H]`, row_map `[N*k]`, tokens_per_expert `[E]`)."""
+    return DEFAULT_REGISTRY.resolve("moe_permute", hidden)(hidden, topk_ids, num_experts=num_experts)
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, **kwargs) -> torch.Tensor:
+    """Per-expert matmul over contiguous row groups; kwargs: tokens_per_expert | offsets, weight_layout."""
+    return DEFAULT_REGISTRY.resolve("grouped_mm", x)(x, weight, **kwargs)
+
+
+def moe_unpermute(permuted_out: torch.Tensor, row_map: torch.Tensor, topk_weights: Optional[torch.Tensor] = None, **kwargs):
+    """Gather each token's expert outputs and combine with topk_weights `[N, k]` -> `[N, H]`."""
+    return DEFAULT_REGISTRY.resolve("moe_unpermute", permuted_out)(permuted_out, row_map, topk_weights, **kwargs)

@@ -215,3 +215,16 @@ for _op, _fn in (
 ):
     _module = {"rms_norm": "norms", "layer_norm": "norms", "apply_rotary": "rotary", "linear_token_logprobs": "token_logprobs"}.get(_op, _op)
     register_backend(_op, "torch", f"{_PKG}.reference.{_module}:{_fn}", auto_devices=("cpu", "cuda", "npu"), priority=0)
+
+# Mamba2 and MoE ops (Nemotron-H, Qwen3-VL-MoE): torch reference everywhere, torch_npu adapters for MoE.
+for _op, _module in (
+    ("causal_conv1d", "causal_conv1d"),
+    ("ssd_chunk_scan", "ssd"),
+    ("ssd_state_update", "ssd"),
+    ("moe_permute", "moe"),
+    ("grouped_mm", "moe"),
+    ("moe_unpermute", "moe"),
+):
+    register_backend(_op, "torch", f"{_PKG}.reference.{_module}:{_op}", auto_devices=("cpu", "cuda", "npu"), priority=0)
+for _op in ("moe_permute", "grouped_mm", "moe_unpermute"):
+    register_backend(_op, "npu", f"{_PKG}.npu.moe:{_op}", check=npu_check, auto_devices=("npu",), priority=10)

@@ -1,0 +1,198 @@
+"""Mamba2 mixer (selective state space layer) with a decoding state, as in NemotronH / Mamba2.
+
+    in_proj(x) = [z (I) | xBC (I + 2*G*N) | dt (H)]      I = H * P inner size, G groups, N state size
+    xBC = silu(causal_conv1d(xBC))  ->  x (I), B (G*N), C (G*N)
+    y   = SSD scan(x, dt, A = -exp(A_log), B, C, D, dt_bias)      (kernels.ssd_chunk_scan)
+    out = out_proj(GatedRMSNorm(y, z))                    norm of y * silu(z), per group of I / G channels
+
+Parameter names and shapes are transformers' `NemotronHMamba2Mixer` (in_proj, conv1d, dt_bias,
+A_log, D, norm.weight, out_proj) so checkpoints map one to one. Inputs are batched `[B, T, hidden]`
+with an optional padding mask (padding positions are zeroed before the projection and after the
+convolution, so left padding leaves the state untouched) or packed `[1, T, hidden]` with
+`cu_seqlens` (the state restarts at every sample). Decoding passes a `Mamba2State` (conv state =
+last W-1 conv inputs, SSM state `[B, H, P, N]` fp32) that the call updates in place: prefill with
+T > 1 tokens, then one token per step; stepping equals the full forward.
+
+dt is clamped below at `time_step_min` in both the scan and the step (transformers clamps only in
+its chunked path; the clamp keeps our decoding equal to our forward).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_vlm import kernels
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of x * silu(gate) computed per group of `group_size` channels (Mamba2 `norm_before_gate=False`)."""
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        if hidden_size % group_size:
+            raise ValueError(f"GatedRMSNorm: group_size {group_size} must divide hidden_size {hidden_size}")
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        if gate is not None:
+            h = h * F.silu(gate.float())
+        groups = h.view(*h.shape[:-1], -1, self.group_size)
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * groups.view(h.shape).to(dtype)
+
+
+@dataclass
+class Mamba2State:
+    """Decoding state of one Mamba2 layer: conv inputs `[B, conv_dim, W-1]` and SSM state `[B, H, P, N]` (fp32)."""
+
+    conv_state: torch.Tensor
+    ssm_state: torch.Tensor
+
+    @classmethod
+    def zeros(cls, mixer: "Mamba2Mixer", batch: int, device=None) -> "Mamba2State":
+        device = device if device is not None else mixer.A_log.device
+        return cls(
+            conv_state=torch.zeros(batch, mixer.conv_dim, mixer.conv_kernel - 1, dtype=torch.float32, device=device),
+            ssm_state=torch.zeros(
+                batch, mixer.num_heads, mixer.head_dim, mixer.state_size, dtype=torch.float32, device=device
+            ),
+        )
+
+    def repeat_interleave(self, g: int) -> "Mamba2State":
+        return Mamba2State(self.conv_state.repeat_interleave(g, 0), self.ssm_state.repeat_interleave(g, 0))
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        *,
+        num_heads: int,
+        head_dim: int,
+        state_size: int,
+        n_groups: int,
+        conv_kernel: int = 4,
+        chunk_size: int = 128,
+        use_conv_bias: bool = True,
+        use_bias: bool = False,
+        norm_eps: float = 1e-5,
+        time_step_min: float = 0.001,
+        time_step_max: float = 0.1,
+        time_step_floor: float = 1e-4,
+        activation: str = "silu",
+    ) -> None:
+        super().__init__()
+        if num_heads % n_groups:
+            raise ValueError(f"Mamba2Mixer: n_groups {n_groups} must divide num_heads {num_heads}")
+        if activation not in ("silu", "swish"):
+            raise ValueError(f"Mamba2Mixer: activation must be silu, got {activation!r}")
+        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        self.state_size, self.n_groups, self.conv_kernel, self.chunk_size = state_size, n_groups, conv_kernel, chunk_size
+        self.intermediate_size = num_heads * head_dim
+        self.conv_dim = self.intermediate_size + 2 * n_groups * state_size
+        self.dt_limit: Tuple[float, float] = (time_step_min, math.inf)
+        self._dt_init = (time_step_min, time_step_max, time_step_floor)
+
+        self.in_proj = nn.Linear(hidden_size, self.intermediate_size + self.conv_dim + num_heads, bias=use_bias)
+        # Kept as nn.Conv1d for checkpoint parity ([conv_dim, 1, W]); the forward runs kernels.causal_conv1d.
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, kernel_size=conv_kernel, groups=self.conv_dim,
+            padding=conv_kernel - 1, bias=use_conv_bias,
+        )
+        self.dt_bias = nn.Parameter(torch.ones(num_heads))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, num_heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(num_heads))
+        self.norm = GatedRMSNorm(self.intermediate_size, self.intermediate_size // n_groups, eps=norm_eps)
+        self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=use_bias)
+
+    @torch.no_grad()
+    def reset_parameters(self, initializer_range: float = 0.02, num_layers: int = 1) -> None:
+        """transformers' NemotronH init: S4D-real A, D = 1, dt_bias = softplus^-1(dt ~ logU[min, max])."""
+        for lin in (self.in_proj, self.out_proj):
+            nn.init.normal_(lin.weight, std=initializer_range)
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+        self.out_proj.weight.div_(math.sqrt(num_layers))
+        self.conv1d.reset_parameters()
+        self.A_log.copy_(torch.log(torch.arange(1, self.num_heads + 1, dtype=torch.float32)))
+        self.D.fill_(1.0)
+        lo, hi, floor = self._dt_init
+        dt = torch.exp(torch.rand(self.num_heads) * (math.log(hi) - math.log(lo)) + math.log(lo)).clamp(min=floor)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        self.norm.weight.fill_(1.0)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        attention_mask: Optional[torch.Tensor] = None,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        state: Optional[Mamba2State] = None,
+    ) -> torch.Tensor:
+        """x `[B, T, hidden]`; attention_mask `[B, T]` (True / 1 = real token); returns `[B, T, hidden]`."""
+        if x.dim() != 3:
+            raise ValueError(f"Mamba2Mixer: x must be [B, T, hidden], got {tuple(x.shape)}")
+        if state is not None and cu_seqlens is not None:
+            raise ValueError("Mamba2Mixer: a decoding state works with batched input, not packed cu_seqlens")
+        batch, seqlen, _ = x.shape
+        dtype = x.dtype
+        mask = None if attention_mask is None else attention_mask[..., None].to(dtype)
+        if mask is not None:
+            x = x * mask
+        z, xBC, dt = self.in_proj(x).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+
+        conv_w, conv_b = self.conv1d.weight.squeeze(1), self.conv1d.bias
+        if state is not None:
+            xBC, conv_state = kernels.causal_conv1d(
+                xBC.transpose(1, 2), conv_w, conv_b, activation="silu",
+                initial_state=state.conv_state, return_final_state=True,
+            )
+            state.conv_state.copy_(conv_state)
+        else:
+            xBC = kernels.causal_conv1d(xBC.transpose(1, 2), conv_w, conv_b, activation="silu", cu_seqlens=cu_seqlens)
+        xBC = xBC.transpose(1, 2)
+        if mask is not None:
+            xBC = xBC * mask
+        xs, B, C = xBC.split([self.intermediate_size, self.n_groups * self.state_size, self.n_groups * self.state_size], -1)
+
+        A = -torch.exp(self.A_log.float())
+        ssm_kwargs = dict(D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
+        if state is not None and seqlen == 1:
+            y = kernels.ssd_state_update(
+                state.ssm_state,
+                xs.view(batch, self.num_heads, self.head_dim),
+                dt[:, 0],
+                A,
+                B.view(batch, self.n_groups, self.state_size),
+                C.view(batch, self.n_groups, self.state_size),
+                **ssm_kwargs,
+            )
+        else:
+            result = kernels.ssd_chunk_scan(
+                xs.reshape(batch, seqlen, self.num_heads, self.head_dim),
+                dt,
+                A,
+                B.reshape(batch, seqlen, self.n_groups, self.state_size),
+                C.reshape(batch, seqlen, self.n_groups, self.state_size),
+                chunk_size=self.chunk_size,
+                initial_states=None if state is None else state.ssm_state,
+                return_final_states=state is not None,
+                cu_seqlens=cu_seqlens,
+                **ssm_kwargs,
+            )
+            if state is not None:
+                y, final = result
+                state.ssm_state.copy_(final)
+            else:
+                y = result
+        y = self.norm(y.reshape(batch, seqlen, self.intermediate_size), z)
+        return self.out_proj(y.to(dtype))

@@ -1,0 +1,237 @@
+"""Hugging Face model folders: load into our modules, save back in the layout transformers loads.
+
+Loading (`load_hf_model`): config.json -> family (by `model_type`) -> module built on the meta
+device -> materialised empty on the target device in the target dtype -> safetensors read one
+tensor at a time (single `model.safetensors` or shards listed in `model.safetensors.index.json`),
+converted by the family's state-dict adapter and copied into place. Peak host memory is about one
+copy of the weights plus one tensor. Every parameter must be filled exactly once: missing,
+unexpected or mis-shaped tensors are errors naming the keys. Only safetensors are read (no pickle).
+
+Saving (`save_hf_model`): the adapter maps our state dict to HF keys; tensors are written as
+safetensors (sharded with an index past `max_shard_size`), with the model's original config.json
+dict (`model.hf_config`, dtype fields updated to what is written) and its generation config; with
+`copy_from`, the tokenizer / processor / chat-template files of a source folder are copied too.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Iterator, Optional, Union
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from megatron_vlm.models.registry import family_for_args, get_family
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+# files of a model folder that describe tokenisation / preprocessing / generation, copied on export
+_TOKENIZER_FILE_PATTERNS = [
+    r"tokenizer.*", r"vocab\..*", r"merges\.txt", r"special_tokens_map\.json", r"added_tokens\.json",
+    r"chat_template\..*", r"preprocessor_config\.json", r"video_preprocessor_config\.json",
+    r"processor_config\.json", r"generation_config\.json", r".*\.tiktoken",
+]
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def read_hf_config(path: Union[str, Path]) -> dict:
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{path}: no config.json (is this a Hugging Face model folder?)")
+    return json.loads(cfg_path.read_text())
+
+
+def safetensors_files(path: Union[str, Path]) -> list[Path]:
+    """The weight files of a folder: the shards named by the index, or the single model.safetensors."""
+    path = Path(path)
+    if (path / _INDEX).is_file():
+        index = json.loads((path / _INDEX).read_text())
+        names = sorted(set(index.get("weight_map", {}).values()))
+        if not names:
+            raise ValueError(f"{path / _INDEX}: empty weight_map")
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{path}: shards listed in {_INDEX} are missing: {missing}")
+        return [path / n for n in names]
+    if (path / _SINGLE).is_file():
+        return [path / _SINGLE]
+    others = sorted(p.name for p in path.glob("*.safetensors"))
+    if others:
+        return [path / n for n in others]
+    raise FileNotFoundError(f"{path}: no {_SINGLE} or {_INDEX} (only safetensors checkpoints are read)")
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, tensor) over all files, one tensor in memory at a time."""
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as reader:
+            for key in reader.keys():
+                yield key, reader.get_tensor(key)
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, path: Union[str, Path], adapter) -> None:
+    """Fill every parameter of `model` (already materialised) from the folder's safetensors via `adapter`."""
+    params = dict(model.named_parameters())  # tied parameters appear once, under their first name
+    buffers = {k: b for k, b in model.named_buffers()}
+    targets = {**params, **buffers}
+    loaded: set[str] = set()
+    pending: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for hf_key, tensor in iter_safetensors(safetensors_files(path)):
+        converted, pending = adapter.from_hf({**pending, hf_key: tensor})
+        for key, value in converted.items():
+            target = targets.get(key)
+            if target is None:
+                unexpected.append(f"{key} (from {hf_key})")
+                continue
+            if tuple(value.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"{path}: {hf_key} -> {key} has shape {tuple(value.shape)}, the model expects {tuple(target.shape)}"
+                )
+            if key in loaded:
+                raise ValueError(f"{path}: {key} is given twice (last from {hf_key})")
+            target.copy_(value.to(dtype=target.dtype))
+            loaded.add(key)
+    if pending:
+        raise ValueError(f"{path}: tensors that could not be converted (incomplete groups): {sorted(pending)[:10]}")
+    if unexpected:
+        raise ValueError(f"{path}: checkpoint tensors with no place in the model: {unexpected[:10]}"
+                         + (f" (+{len(unexpected) - 10} more)" if len(unexpected) > 10 else ""))
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"{path}: model parameters missing from the checkpoint: {missing[:10]}"
+                         + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""))
+
+
+def load_hf_model(
+    path: Union[str, Path], dtype: torch.dtype = torch.float32, device: Union[torch.device, str] = "cpu"
+) -> nn.Module:
+    """Build the family named by config.json's model_type and load its weights (see module docstring)."""
+    path = Path(path)
+    hf_config = read_hf_config(path)
+    family = get_family(hf_config.get("model_type"))
+    args = family.args_cls.from_hf_config(hf_config)
+    with torch.device("meta"):
+        model = family.model_cls(args, hf_config=hf_config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()
+    load_hf_weights(model, path, family.state_dict_adapter(args))
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        model.hf_generation_config = json.loads(gen.read_text())
+    return model
+
+
+def _parse_size(size: Union[int, str]) -> int:
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", size, flags=re.IGNORECASE)
+    if not m:
+        raise ValueError(f"max_shard_size: cannot parse {size!r} (examples: 5GB, 500MB, 1000000)")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    if hasattr(t, "full_tensor"):  # DTensor (FSDP2 / TP shard): gather; collective on all ranks
+        t = t.full_tensor()
+    return t.detach().to("cpu").contiguous()
+
+
+def save_hf_model(
+    model: nn.Module,
+    path: Union[str, Path],
+    *,
+    max_shard_size: Union[int, str] = "5GB",
+    copy_from: Optional[Union[str, Path]] = None,
+    dtype: Optional[torch.dtype] = None,
+) -> Path:
+    """Write `model` as a Hugging Face folder that `AutoModelForImageTextToText.from_pretrained` loads.
+
+    `dtype` converts floating tensors on the way out (default: as held). Returns the folder.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    args = model.args
+    family = family_for_args(args)
+    adapter = family.state_dict_adapter(args)
+    ours = {k: _full_tensor(v) for k, v in model.state_dict().items()}
+    hf = adapter.to_hf(ours)
+    if dtype is not None:
+        hf = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in hf.items()}
+
+    # shards: greedy in key order; a tensor larger than the limit gets a shard of its own
+    limit = _parse_size(max_shard_size)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in sorted(hf):
+        nbytes = hf[key].numel() * hf[key].element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][key] = hf[key]
+        size += nbytes
+    for old in list(path.glob("model*.safetensors")) + [path / _INDEX]:
+        if old.exists():
+            old.unlink()
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(_unshare(shards[0]), str(path / _SINGLE), metadata=meta)
+    else:
+        weight_map = {}
+        n = len(shards)
+        for i, shard in enumerate(shards, start=1):
+            name = f"model-{i:05d}-of-{n:05d}.safetensors"
+            save_file(_unshare(shard), str(path / name), metadata=meta)
+            weight_map.update({k: name for k in shard})
+        total = sum(t.numel() * t.element_size() for t in hf.values())
+        (path / _INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+    config = dict(getattr(model, "hf_config", None) or args.to_hf_config())
+    float_dtypes = {v.dtype for v in hf.values() if v.is_floating_point()}
+    if len(float_dtypes) == 1:
+        name = _DTYPE_NAMES.get(next(iter(float_dtypes)))
+        if name:
+            config["dtype"] = name
+            if "torch_dtype" in config:
+                config["torch_dtype"] = name
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    gen = getattr(model, "hf_generation_config", None)
+    if gen:
+        (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    if copy_from is not None:
+        copy_tokenizer_files(copy_from, path, overwrite_generation_config=not gen)
+    return path
+
+
+def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors sharing storage; clone any that alias an earlier one."""
+    seen: set[int] = set()
+    out = {}
+    for k, t in tensors.items():
+        ptr = t.untyped_storage().data_ptr()
+        out[k] = t.clone() if ptr in seen else t
+        seen.add(ptr)
+    return out
+
+
+def copy_tokenizer_files(src: Union[str, Path], dst: Union[str, Path], *, overwrite_generation_config: bool = True) -> list[str]:
+    """Copy tokenizer / processor / chat-template / generation-config files from `src` to `dst`."""
+    src, dst = Path(src), Path(dst)
+    if not src.is_dir():
+        raise FileNotFoundError(f"copy_from: {src} is not a folder")
+    copied = []
+    for f in sorted(src.iterdir()):
+        if not f.is_file() or not any(re.fullmatch(p, f.name) for p in _TOKENIZER_FILE_PATTERNS):
+            continue
+        if f.name == "generation_config.json" and not overwrite_generation_config:
+            continue
+        shutil.copy2(f, dst / f.name)
+        copied.append(f.name)
+    return copied

@@ -1,0 +1,92 @@
+"""Multi-head self-attention shared by the language decoders and the vision towers.
+
+Covers what the supported families need: grouped-query attention (num_kv_heads divides
+num_heads), optional bias on q/k/v and on the output projection, optional per-head RMSNorm of q and
+k (Qwen3-style QK-norm, applied before the rotary), rotary angles given per token by the caller
+(1-D, M-RoPE or 2-D vision; applied with `kernels.apply_rotary`), and every attention call through
+`kernels.attention`:
+
+* batched x `[B, S, hidden]` with an optional `key_padding_mask` `[B, S]` (True = real token);
+* packed x `[T, hidden]` with `cu_seqlens` (no attention across samples / frames / windows);
+* incremental decoding with a `KVCache` (keys of earlier steps are read from the cache; the kernel's
+  bottom-right causal alignment places the new queries after them).
+
+q, k and v stay separate Linear layers (TP shards them column-wise); checkpoints with a fused qkv
+are split by the family's state-dict adapter, never here.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from megatron_vlm import kernels
+from megatron_vlm.models.common.norms import RMSNorm
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        qkv_bias: bool,
+        o_bias: bool = False,
+        causal: bool = True,
+        qk_norm_eps: Optional[float] = None,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"Attention: num_kv_heads {num_kv_heads} must divide num_heads {num_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.causal = causal
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, eps=qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, eps=qk_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        max_seqlen: Optional[int] = None,
+        key_padding_mask: Optional[torch.Tensor] = None,
+        kv_cache=None,
+        layer_idx: Optional[int] = None,
+    ) -> torch.Tensor:
+        """x [B, S, hidden] or packed [T, hidden]; cos / sin per token [..., head_dim] (fp32)."""
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = kernels.apply_rotary(q, cos, sin)
+        k = kernels.apply_rotary(k, cos, sin)
+        if kv_cache is not None:
+            if cu_seqlens is not None:
+                raise ValueError("Attention: a KV cache works with batched [B, S] input, not packed cu_seqlens")
+            k, v, key_padding_mask = kv_cache.update(layer_idx, k, v)
+        out = kernels.attention(
+            q,
+            k,
+            v,
+            causal=self.causal,
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_k=cu_seqlens,
+            max_seqlen_q=max_seqlen,
+            max_seqlen_k=max_seqlen,
+            key_padding_mask=key_padding_mask,
+        )
+        return self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim))

@@ -1,0 +1,80 @@
+"""Scatter vision-encoder features into the placeholder tokens of the text embeddings.
+
+A VLM's processor expands every image / video into as many placeholder tokens (e.g.
+`<|image_pad|>`) as the encoder will produce features; this step replaces the embeddings at those
+positions, in order, by the features. The counts must agree exactly: when they do not, the error
+names both numbers and, when the per-sample split is known, the first sample where they diverge
+(the usual causes are a truncated sample, a wrong `max_pixels`, or grids that do not belong to the
+batch).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+
+def _first_bad_sample(
+    tokens_per_sample: list[int], features_per_item: Sequence[int]
+) -> Optional[tuple[int, int, int]]:
+    """(sample, its placeholder count, the features that the items in its place provide) or None."""
+    item, used = 0, 0
+    for s, need in enumerate(tokens_per_sample):
+        got = 0
+        while got < need and item < len(features_per_item):
+            got += int(features_per_item[item])
+            item += 1
+        if got != need:
+            return s, need, got
+        used += got
+    if item < len(features_per_item):  # features left over after the last sample
+        return len(tokens_per_sample) - 1, tokens_per_sample[-1] if tokens_per_sample else 0, -1
+    return None
+
+
+def merge_vision_embeddings(
+    inputs_embeds: torch.Tensor,
+    input_ids: torch.Tensor,
+    features: torch.Tensor,
+    placeholder_token_id: int,
+    *,
+    modality: str = "image",
+    features_per_item: Optional[Sequence[int]] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Return inputs_embeds with `features` [N, hidden] written, in order, at `input_ids == placeholder_token_id`.
+
+    inputs_embeds [B, T, hidden], input_ids [B, T]. `features_per_item` (tokens per image/video, in
+    order) and `cu_seqlens` (packed samples) only refine the error message.
+    """
+    mask = input_ids == placeholder_token_id
+    n_tokens = int(mask.sum())
+    n_features = features.shape[0] if features.dim() > 1 else 0
+    if features.dim() != 2 or features.shape[-1] != inputs_embeds.shape[-1]:
+        raise ValueError(
+            f"{modality} features must be [N, {inputs_embeds.shape[-1]}], got {tuple(features.shape)}"
+        )
+    if n_tokens != n_features:
+        msg = (
+            f"{modality} placeholder tokens and {modality} features do not match: {n_tokens} placeholder tokens "
+            f"(token id {placeholder_token_id}) in input_ids but {n_features} {modality} features"
+        )
+        if cu_seqlens is not None:
+            bounds = cu_seqlens.tolist()
+            per_sample = [int(mask[0, a:b].sum()) for a, b in zip(bounds[:-1], bounds[1:])]
+        else:
+            per_sample = mask.sum(dim=1).tolist()
+        if features_per_item is not None:
+            bad = _first_bad_sample(per_sample, list(features_per_item))
+            if bad is not None:
+                s, need, got = bad
+                msg += (
+                    f"; first mismatch at sample {s}: {need} placeholder tokens there but "
+                    + (f"its {modality}s give {got} features" if got >= 0 else f"extra {modality} features remain after it")
+                )
+        elif len(per_sample) == 1:
+            msg += " (sample 0)"
+        raise ValueError(msg)
+    if n_tokens == 0:
+        return inputs_embeds
+    return inputs_embeds.masked_scatter(mask.unsqueeze(-1), features.to(inputs_embeds.dtype))

@@ -1,0 +1,164 @@
+"""3-D (temporal, height, width) M-RoPE position ids of Qwen-VL language models.
+
+Semantics are those of transformers' `Qwen2_5_VLModel.get_rope_index` (transformers 5.x):
+
+* a sequence is split into runs of equal token type (0 text, 1 image, 2 video); each image/video
+  run consumes the next `[t, h, w]` grid (images and videos in their own order, across the batch);
+* a text run of length n gets positions `p, p+1, ..., p+n-1` on all three rows, then p += n;
+* a vision run gets `t_pos = p + floor(i_t * interval)`, `h_pos = p + i_h`, `w_pos = p + i_w` over the
+  merged grid (h/merge, w/merge), with `interval = tokens_per_second * second_per_grid_ts[video]` for
+  videos and 1 for images; then p += max(h, w) / merge. (Note: this is transformers' rule; the
+  original Qwen code restarted text at max(position) + 1, which differs for long videos.)
+* padding (attention_mask == 0) is skipped and gets position 0; the per-sequence
+  `rope_delta = max(position) + 1 - n_valid_tokens` lets decoding continue at
+  `n_valid_tokens_so_far + rope_delta`.
+
+Extensions over transformers: `mm_token_type_ids` is optional (derived from the placeholder token
+ids when absent), and packed input (one row, `cu_seqlens`) restarts positions at every sample.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+
+def mm_token_type_ids_from_input_ids(input_ids: torch.Tensor, image_token_id: int, video_token_id: int) -> torch.Tensor:
+    """0 for text, 1 for image placeholders, 2 for video placeholders (the processor's convention)."""
+    types = torch.zeros_like(input_ids, dtype=torch.int32)
+    types[input_ids == image_token_id] = 1
+    types[input_ids == video_token_id] = 2
+    return types
+
+
+def _runs(types: torch.Tensor) -> list[tuple[int, int, int]]:
+    """[(type, start, end)] of maximal runs of equal values in a 1-D tensor."""
+    n = types.numel()
+    if n == 0:
+        return []
+    change = torch.nonzero(types[1:] != types[:-1]).flatten() + 1
+    bounds = [0] + change.tolist() + [n]
+    values = types[bounds[:-1]].tolist() if len(bounds) > 1 else []
+    return [(int(values[i]), bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+
+
+def _vision_positions(
+    start: int, grid_thw: Sequence[int], spatial_merge_size: int, interval: float, device
+) -> torch.Tensor:
+    t, h, w = int(grid_thw[0]), int(grid_thw[1]) // spatial_merge_size, int(grid_thw[2]) // spatial_merge_size
+    # float32 product then truncation, as transformers does (`(arange(t) * interval).long()`)
+    t_pos = (torch.arange(t, device=device) * interval).long() + start
+    h_pos = torch.arange(h, device=device) + start
+    w_pos = torch.arange(w, device=device) + start
+    tt, hh, ww = torch.meshgrid(t_pos, h_pos, w_pos, indexing="ij")
+    return torch.stack([tt, hh, ww]).reshape(3, -1)
+
+
+def _sequence_positions(
+    types: torch.Tensor,
+    grids: dict[int, Iterator],
+    video_intervals: Iterator[float],
+    spatial_merge_size: int,
+    where: str,
+) -> torch.Tensor:
+    """Positions [3, n] of one unpadded sequence whose token types are `types`."""
+    device = types.device
+    pieces = []
+    pos = 0
+    for kind, start, end in _runs(types):
+        if kind == 0:
+            pieces.append((torch.arange(end - start, device=device) + pos).expand(3, -1))
+            pos += end - start
+            continue
+        if kind not in (1, 2):
+            raise ValueError(f"{where}: mm_token_type_ids has value {kind}; expected 0 (text), 1 (image) or 2 (video)")
+        name = "image" if kind == 1 else "video"
+        grid = next(grids[kind], None)
+        if grid is None:
+            raise ValueError(f"{where}: more {name} placeholder runs than entries in {name}_grid_thw")
+        interval = 1.0
+        if kind == 2:
+            interval = next(video_intervals, None)
+            if interval is None:
+                raise ValueError(f"{where}: more video placeholder runs than entries in second_per_grid_ts")
+        vis = _vision_positions(pos, grid, spatial_merge_size, interval, device)
+        if vis.shape[1] != end - start:
+            raise ValueError(
+                f"{where}: a {name} run has {end - start} placeholder tokens but its grid {list(map(int, grid))} "
+                f"gives {vis.shape[1]} tokens after {spatial_merge_size}x{spatial_merge_size} merging"
+            )
+        pieces.append(vis)
+        pos += max(int(grid[1]), int(grid[2])) // spatial_merge_size
+    if not pieces:
+        return torch.zeros(3, 0, dtype=torch.long, device=device)
+    return torch.cat(pieces, dim=1)
+
+
+def get_mrope_position_ids(
+    input_ids: torch.Tensor,
+    *,
+    image_token_id: int,
+    video_token_id: int,
+    spatial_merge_size: int,
+    tokens_per_second: float,
+    image_grid_thw: Optional[torch.Tensor] = None,
+    video_grid_thw: Optional[torch.Tensor] = None,
+    second_per_grid_ts: Optional[torch.Tensor | Sequence[float]] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    mm_token_type_ids: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (position_ids [3, B, T] long, rope_deltas [S, 1] long).
+
+    S is B for a padded batch and the number of samples for packed input (`cu_seqlens` given,
+    input_ids [1, T]). Padding positions are 0. Grids are consumed in order over the whole batch.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"get_mrope_position_ids: input_ids must be [B, T], got {tuple(input_ids.shape)}")
+    if mm_token_type_ids is None:
+        mm_token_type_ids = mm_token_type_ids_from_input_ids(input_ids, image_token_id, video_token_id)
+    elif mm_token_type_ids.shape != input_ids.shape:
+        raise ValueError(
+            f"mm_token_type_ids shape {tuple(mm_token_type_ids.shape)} != input_ids shape {tuple(input_ids.shape)}"
+        )
+    batch, seq = input_ids.shape
+    device = input_ids.device
+    grids = {
+        1: iter(image_grid_thw.tolist()) if image_grid_thw is not None else iter(()),
+        2: iter(video_grid_thw.tolist()) if video_grid_thw is not None else iter(()),
+    }
+    if second_per_grid_ts is None:
+        intervals = itertools.repeat(float(tokens_per_second))
+    else:
+        sec = second_per_grid_ts.tolist() if torch.is_tensor(second_per_grid_ts) else list(second_per_grid_ts)
+        intervals = iter([tokens_per_second * s for s in sec])
+    position_ids = torch.zeros(3, batch, seq, dtype=torch.long, device=device)
+    deltas = []
+
+    if cu_seqlens is not None:
+        if batch != 1:
+            raise ValueError(f"get_mrope_position_ids: packed input (cu_seqlens) needs batch size 1, got {batch}")
+        if attention_mask is not None:
+            raise ValueError("get_mrope_position_ids: pass either cu_seqlens (packed) or attention_mask (padded), not both")
+        bounds = cu_seqlens.tolist()
+        if bounds[0] != 0 or bounds[-1] != seq or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+            raise ValueError(f"cu_seqlens {bounds} must rise from 0 to the sequence length {seq}")
+        for s, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            pos = _sequence_positions(mm_token_type_ids[0, lo:hi], grids, intervals, spatial_merge_size, f"packed sample {s}")
+            position_ids[:, 0, lo:hi] = pos
+            deltas.append((int(pos.max()) + 1 if pos.numel() else 0) - (hi - lo))
+    else:
+        for b in range(batch):
+            types = mm_token_type_ids[b]
+            keep = None
+            if attention_mask is not None:
+                keep = attention_mask[b].bool()
+                types = types[keep]
+            pos = _sequence_positions(types, grids, intervals, spatial_merge_size, f"sample {b}")
+            if keep is None:
+                position_ids[:, b] = pos
+            else:
+                position_ids[:, b, keep] = pos
+            deltas.append((int(pos.max()) + 1 if pos.numel() else 0) - types.numel())
+    return position_ids, torch.tensor(deltas, dtype=torch.long, device=device).unsqueeze(1)

@@ -1,0 +1,60 @@
+"""Rotary angle tables: 1-D RoPE, M-RoPE (3-D t/h/w sections) and the 2-D rotary of vision towers.
+
+All functions return per-token `(cos, sin)` of width `head_dim` in the rotate-half layout
+(`cat(f, f)`), which is what `megatron_vlm.kernels.apply_rotary` takes for `x` laid out
+`[..., T, H, D]`. Angles are computed in fp32 from integer positions on the fly (no buffers): the
+cost is negligible next to attention, and a module built on the meta device needs no re-init.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def rope_inv_freq(dim: int, theta: float, device=None) -> torch.Tensor:
+    """inv_freq[i] = theta^(-2i/dim), i < dim/2 (fp32), the standard RoPE frequencies."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D RoPE: position_ids [...] -> cos, sin [..., head_dim] (fp32)."""
+    freqs = position_ids[..., None].float() * rope_inv_freq(head_dim, theta, position_ids.device)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def mrope_cos_sin(
+    position_ids: torch.Tensor, head_dim: int, theta: float, mrope_section: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """M-RoPE: position_ids [3, ...] (temporal, height, width) -> cos, sin [..., head_dim] (fp32).
+
+    The head_dim/2 frequencies are split into `mrope_section` = (s_t, s_h, s_w) consecutive chunks;
+    chunk j takes its angle from position row j. Text tokens have equal rows, so this reduces to
+    plain RoPE there.
+    """
+    if position_ids.shape[0] != 3:
+        raise ValueError(f"mrope_cos_sin: position_ids must be [3, ...], got {tuple(position_ids.shape)}")
+    if sum(mrope_section) != head_dim // 2:
+        raise ValueError(f"mrope_cos_sin: mrope_section {list(mrope_section)} does not sum to head_dim/2 = {head_dim // 2}")
+    freqs = position_ids[..., None].float() * rope_inv_freq(head_dim, theta, position_ids.device)  # [3, ..., D/2]
+    chunks = freqs.split(list(mrope_section), dim=-1)
+    freqs = torch.cat([chunk[j] for j, chunk in enumerate(chunks)], dim=-1)  # [..., D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def vision_rope_cos_sin(hw_position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """2-D rotary of the Qwen vision towers: hw_position_ids [N, 2] (row, column) -> cos, sin [N, head_dim].
+
+    head_dim/4 frequencies (RoPE over dim head_dim/2) are applied to the row index and the same
+    frequencies to the column index; the two halves are concatenated and then duplicated for the
+    rotate-half layout.
+    """
+    if hw_position_ids.dim() != 2 or hw_position_ids.shape[-1] != 2:
+        raise ValueError(f"vision_rope_cos_sin: positions must be [N, 2], got {tuple(hw_position_ids.shape)}")
+    inv_freq = rope_inv_freq(head_dim // 2, theta, hw_position_ids.device)  # [head_dim/4]
+    freqs = hw_position_ids[..., None].float() * inv_freq  # [N, 2, head_dim/4]
+    freqs = freqs.flatten(1)  # [N, head_dim/2]: h frequencies then w frequencies
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()

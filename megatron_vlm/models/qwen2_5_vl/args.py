@@ -1,0 +1,233 @@
+"""Qwen2.5-VL model arguments, built from a Hugging Face `config.json` dict.
+
+Two config layouts exist in the wild and both are accepted:
+
+* the hub layout written by transformers 4.x (Qwen/Qwen2.5-VL-*-Instruct): text fields at the top
+  level, `rope_scaling = {"type": "mrope", "mrope_section": [...]}`, `rope_theta` at the top level,
+  `vision_config` with `in_chans` and sometimes `model_type = "qwen2_5_vl"`;
+* the transformers >= 5 layout: `text_config` nested, `rope_parameters` holding `rope_theta` and
+  `mrope_section`.
+
+Unsupported settings (a sliding-window decoder, a non-default RoPE scaling, an activation other than
+SiLU in the gated MLPs) are rejected with an error naming the key, never silently ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+def _rope_settings(cfg: dict, where: str) -> tuple[float, Optional[list[int]], str]:
+    """(rope_theta, mrope_section, rope_type) from either `rope_parameters` or `rope_scaling` + `rope_theta`."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 1000000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "mrope":  # the 4.x spelling of plain M-RoPE
+        rope_type = "default"
+    section = params.get("mrope_section")
+    return float(theta), (list(section) if section is not None else None), rope_type
+
+
+@dataclass(kw_only=True)
+class Qwen2_5_VLVisionArgs:
+    """The vision tower (ViT with window attention + 2x2 patch merger)."""
+
+    depth: int = 32
+    hidden_size: int = 1280
+    intermediate_size: int = 3420
+    num_heads: int = 16
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    window_size: int = 112
+    fullatt_block_indexes: list[int] = field(default_factory=lambda: [7, 15, 23, 31])
+    out_hidden_size: int = 2048
+    tokens_per_second: float = 2
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6  # hard-coded in the reference implementation, not in config.json
+    hidden_act: str = "silu"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_hf(cls, vc: dict) -> "Qwen2_5_VLVisionArgs":
+        theta = (vc.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        kw: dict[str, Any] = {"rope_theta": float(theta)}
+        names = {f.name for f in dataclasses.fields(cls)} - {"rope_theta", "norm_eps"}
+        for name in names:
+            if name in vc:
+                kw[name] = vc[name]
+        if "in_channels" not in vc and "in_chans" in vc:
+            kw["in_channels"] = vc["in_chans"]
+        if "fullatt_block_indexes" in kw:
+            kw["fullatt_block_indexes"] = list(kw["fullatt_block_indexes"])
+        args = cls(**kw)
+        args.validate()
+        return args
+
+    def validate(self) -> None:
+        if self.hidden_act != "silu":
+            raise ValueError(f"vision_config.hidden_act: only 'silu' is supported, got {self.hidden_act!r}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"vision_config: hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.head_dim % 4:
+            raise ValueError(f"vision_config: head_dim {self.head_dim} must be a multiple of 4 (2-D rotary)")
+        for i in self.fullatt_block_indexes:
+            if not 0 <= i < self.depth:
+                raise ValueError(f"vision_config.fullatt_block_indexes: {i} is outside [0, depth={self.depth})")
+        if self.window_size % (self.patch_size * self.spatial_merge_size):
+            raise ValueError(
+                f"vision_config.window_size {self.window_size} must be a multiple of patch_size * spatial_merge_size "
+                f"= {self.patch_size * self.spatial_merge_size}"
+            )
+
+
+@dataclass(kw_only=True)
+class Qwen2_5_VLTextArgs:
+    """The Qwen2 language decoder with M-RoPE."""
+
+    vocab_size: int = 151936
+    hidden_size: int = 2048
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 36
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 2
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    mrope_section: list[int] = field(default_factory=lambda: [16, 24, 24])
+    max_position_embeddings: int = 128000
+    hidden_act: str = "silu"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf(cls, tc: dict) -> "Qwen2_5_VLTextArgs":
+        theta, section, rope_type = _rope_settings(tc, "text_config")
+        if rope_type != "default":
+            raise ValueError(f"text_config.rope_parameters.rope_type: only default M-RoPE is supported, got {rope_type!r}")
+        if tc.get("use_sliding_window"):
+            raise ValueError("text_config.use_sliding_window: sliding-window attention in the decoder is not supported")
+        kw: dict[str, Any] = {"rope_theta": theta}
+        if section is not None:
+            kw["mrope_section"] = section
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "hidden_act"):
+            if tc.get(name) is not None:
+                kw[name] = tc[name]
+        if tc.get("num_key_value_heads") is None and "num_attention_heads" in tc:
+            kw["num_key_value_heads"] = tc["num_attention_heads"]
+        args = cls(**kw)
+        args.validate()
+        return args
+
+    def validate(self) -> None:
+        if self.hidden_act != "silu":
+            raise ValueError(f"text_config.hidden_act: only 'silu' is supported, got {self.hidden_act!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"text_config: hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                f"{self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"text_config: num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if len(self.mrope_section) != 3 or 2 * sum(self.mrope_section) != self.head_dim:
+            raise ValueError(
+                f"text_config.rope_parameters.mrope_section: {self.mrope_section} must have 3 entries summing to "
+                f"head_dim / 2 = {self.head_dim // 2}"
+            )
+
+
+@dataclass(kw_only=True)
+class Qwen2_5_VLArgs:
+    """Everything the Qwen2.5-VL module needs; `from_hf_config` is the only constructor real code uses."""
+
+    text: Qwen2_5_VLTextArgs = field(default_factory=Qwen2_5_VLTextArgs)
+    vision: Qwen2_5_VLVisionArgs = field(default_factory=Qwen2_5_VLVisionArgs)
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "Qwen2_5_VLArgs":
+        if cfg.get("model_type") not in (None, "qwen2_5_vl"):
+            raise ValueError(f"config.json: model_type {cfg.get('model_type')!r} is not qwen2_5_vl")
+        if "vision_config" not in cfg:
+            raise ValueError("config.json: qwen2_5_vl config has no vision_config")
+        text_cfg = cfg.get("text_config")
+        if text_cfg is None:  # hub (4.x) layout: text fields at the top level
+            text_cfg = cfg
+        elif "rope_parameters" not in text_cfg and "rope_scaling" not in text_cfg:
+            # nested text_config whose rope settings stayed at the top level
+            text_cfg = {**text_cfg, **{k: cfg[k] for k in ("rope_scaling", "rope_parameters", "rope_theta") if k in cfg}}
+        tie = bool(cfg.get("tie_word_embeddings", False)) or bool((cfg.get("text_config") or {}).get("tie_word_embeddings", False))
+        kw = {k: cfg[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+              if cfg.get(k) is not None}
+        return cls(
+            text=Qwen2_5_VLTextArgs.from_hf(text_cfg),
+            vision=Qwen2_5_VLVisionArgs.from_hf(cfg["vision_config"]),
+            tie_word_embeddings=tie,
+            **kw,
+        )
+
+    def validate(self) -> None:
+        self.text.validate()
+        self.vision.validate()
+        if self.vision.out_hidden_size != self.text.hidden_size:
+            raise ValueError(
+                f"vision_config.out_hidden_size {self.vision.out_hidden_size} != text hidden_size {self.text.hidden_size}"
+            )
+
+    def to_hf_config(self) -> dict:
+        """A transformers >= 5 style config.json dict describing these args (used when no original exists)."""
+        t, v = self.text, self.vision
+        return {
+            "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+            "model_type": "qwen2_5_vl",
+            "image_token_id": self.image_token_id,
+            "video_token_id": self.video_token_id,
+            "vision_start_token_id": self.vision_start_token_id,
+            "vision_end_token_id": self.vision_end_token_id,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "text_config": {
+                "model_type": "qwen2_5_vl_text",
+                "vocab_size": t.vocab_size,
+                "hidden_size": t.hidden_size,
+                "intermediate_size": t.intermediate_size,
+                "num_hidden_layers": t.num_hidden_layers,
+                "num_attention_heads": t.num_attention_heads,
+                "num_key_value_heads": t.num_key_value_heads,
+                "hidden_act": t.hidden_act,
+                "max_position_embeddings": t.max_position_embeddings,
+                "rms_norm_eps": t.rms_norm_eps,
+                "use_sliding_window": False,
+                "rope_parameters": {"rope_type": "default", "rope_theta": t.rope_theta, "mrope_section": list(t.mrope_section)},
+            },
+            "vision_config": {
+                "model_type": "qwen2_5_vl_vision",
+                "depth": v.depth,
+                "hidden_size": v.hidden_size,
+                "intermediate_size": v.intermediate_size,
+                "num_heads": v.num_heads,
+                "in_channels": v.in_channels,
+                "patch_size": v.patch_size,
+                "temporal_patch_size": v.temporal_patch_size,
+                "spatial_merge_size": v.spatial_merge_size,
+                "window_size": v.window_size,
+                "fullatt_block_indexes": list(v.fullatt_block_indexes),
+                "out_hidden_size": v.out_hidden_size,
+                "tokens_per_second": v.tokens_per_second,
+                "hidden_act": v.hidden_act,
+                "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
+            },
+        }

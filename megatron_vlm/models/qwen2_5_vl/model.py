@@ -1,0 +1,309 @@
+"""Qwen2.5-VL architecture: window-attention ViT + 2x2 patch merger + Qwen2 decoder with M-RoPE.
+
+Architecture only (DESIGN.md §5): no parallelism, no checkpoint I/O, no fused-qkv handling (the
+state-dict adapter maps transformers' weights onto these modules). Forward matches
+`transformers.Qwen2_5_VLForConditionalGeneration` given `mm_token_type_ids`; here the 3-D positions
+are derived from `input_ids` and the grids whether or not `mm_token_type_ids` is passed.
+
+Input forms of `forward`:
+* padded batch: input_ids [B, T] (+ attention_mask [B, T], left or right padding);
+* packed: input_ids [1, T] + `cu_seqlens` int32 [n + 1]; positions restart per sample and no token
+  attends across samples; images / videos of all samples are concatenated in order;
+* decoding: `kv_cache` (a `KVCache`): the new tokens attend to the cached ones and continue each
+  sample's M-RoPE positions from the prefill's `rope_deltas`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_vlm.models.common.attention import Attention
+from megatron_vlm.models.common.decoder import DecoderLayer
+from megatron_vlm.models.common.merge import merge_vision_embeddings
+from megatron_vlm.models.common.mlp import SwiGLUMLP
+from megatron_vlm.models.common.mrope_index import get_mrope_position_ids
+from megatron_vlm.models.common.norms import RMSNorm
+from megatron_vlm.models.common.rotary import mrope_cos_sin, vision_rope_cos_sin
+from megatron_vlm.models.common.vision import (
+    VisionBlock,
+    VisionPatchEmbed,
+    vision_cu_seqlens,
+    vision_hw_position_ids,
+    vision_window_index,
+)
+from megatron_vlm.models.qwen2_5_vl.args import Qwen2_5_VLArgs, Qwen2_5_VLTextArgs, Qwen2_5_VLVisionArgs
+
+
+def _max_seqlen(cu_seqlens: torch.Tensor) -> int:
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+
+
+class Qwen2_5_VLPatchMerger(nn.Module):
+    """RMSNorm, then each 2x2 block of patches (consecutive rows) -> Linear -> GELU -> Linear."""
+
+    def __init__(self, out_hidden_size: int, context_dim: int, spatial_merge_size: int, norm_eps: float) -> None:
+        super().__init__()
+        self.merged_dim = context_dim * spatial_merge_size**2
+        self.ln_q = RMSNorm(context_dim, eps=norm_eps)
+        self.fc1 = nn.Linear(self.merged_dim, self.merged_dim)
+        self.fc2 = nn.Linear(self.merged_dim, out_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.ln_q(x).reshape(-1, self.merged_dim)
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Qwen2_5_VisionTransformer(nn.Module):
+    def __init__(self, args: Qwen2_5_VLVisionArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.patch_embed = VisionPatchEmbed(args.in_channels, args.temporal_patch_size, args.patch_size, args.hidden_size)
+        self.blocks = nn.ModuleList(
+            VisionBlock(args.hidden_size, args.num_heads, args.intermediate_size, args.norm_eps) for _ in range(args.depth)
+        )
+        self.merger = Qwen2_5_VLPatchMerger(args.out_hidden_size, args.hidden_size, args.spatial_merge_size, args.norm_eps)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """pixel_values [N_patches, C*T*P*P], grid_thw [items, 3] -> merged features [N_patches / m^2, out_hidden]."""
+        a = self.args
+        unit = a.spatial_merge_size**2
+        x = self.patch_embed(pixel_values)
+        cu_full = vision_cu_seqlens(grid_thw).to(x.device)
+        if x.shape[0] != int(cu_full[-1]):
+            raise ValueError(
+                f"vision tower: pixel_values has {x.shape[0]} patches but grid_thw {grid_thw.tolist()} describes "
+                f"{int(cu_full[-1])}"
+            )
+        window_index, cu_window = vision_window_index(grid_thw, a.spatial_merge_size, a.window_size, a.patch_size)
+        window_index, cu_window = window_index.to(x.device), cu_window.to(x.device)
+        # window order is defined on merged tokens; expand to their m^2 consecutive patches
+        patch_perm = (window_index[:, None] * unit + torch.arange(unit, device=x.device)).reshape(-1)
+        cos, sin = vision_rope_cos_sin(vision_hw_position_ids(grid_thw, a.spatial_merge_size).to(x.device), a.head_dim, a.rope_theta)
+        x, cos, sin = x[patch_perm], cos[patch_perm], sin[patch_perm]
+        full_max, window_max = _max_seqlen(cu_full), _max_seqlen(cu_window)
+        fullatt = set(a.fullatt_block_indexes)
+        for i, block in enumerate(self.blocks):
+            if i in fullatt:
+                x = block(x, cos, sin, cu_full, full_max)
+            else:
+                x = block(x, cos, sin, cu_window, window_max)
+        merged = self.merger(x)
+        return merged[torch.argsort(window_index)]
+
+
+class Qwen2_5_VLTextModel(nn.Module):
+    """Token embedding, Qwen2 decoder layers (GQA, qkv bias, M-RoPE), final RMSNorm."""
+
+    def __init__(self, args: Qwen2_5_VLTextArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(
+                args.hidden_size,
+                Attention(
+                    args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
+                    qkv_bias=True, o_bias=False, causal=True,
+                ),
+                SwiGLUMLP(args.hidden_size, args.intermediate_size, bias=False),
+                args.rms_norm_eps,
+            )
+            for _ in range(args.num_hidden_layers)
+        )
+        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        *,
+        key_padding_mask: Optional[torch.Tensor] = None,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        kv_cache=None,
+    ) -> torch.Tensor:
+        """inputs_embeds [B, T, H], position_ids [3, B, T] -> final-norm hidden states [B, T, H]."""
+        a = self.args
+        cos, sin = mrope_cos_sin(position_ids, a.head_dim, a.rope_theta, a.mrope_section)  # [B, T, D]
+        x = inputs_embeds
+        max_seqlen = None
+        if cu_seqlens is not None:  # packed: drop the batch dim, attention is segmented by cu_seqlens
+            x, cos, sin = x[0], cos[0], sin[0]
+            max_seqlen = _max_seqlen(cu_seqlens)
+        for i, layer in enumerate(self.layers):
+            x = layer(
+                x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                key_padding_mask=key_padding_mask, kv_cache=kv_cache, layer_idx=i,
+            )
+        x = self.norm(x)
+        return x.unsqueeze(0) if cu_seqlens is not None else x
+
+
+class Qwen2_5_VLForConditionalGeneration(nn.Module):
+    """The full model: `visual`, `language_model`, `lm_head` (shares the embedding Parameter when tied)."""
+
+    def __init__(self, args: Qwen2_5_VLArgs, hf_config: Optional[dict] = None) -> None:
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.hf_config = hf_config  # the original config.json dict, written back unchanged on export
+        self.hf_generation_config: Optional[dict] = None
+        self.visual = Qwen2_5_VisionTransformer(args.vision)
+        self.language_model = Qwen2_5_VLTextModel(args.text)
+        self.lm_head = nn.Linear(args.text.hidden_size, args.text.vocab_size, bias=False)
+        self.tie_weights()
+
+    # ----- structure helpers used by parallelize / loading / training -----
+    def tie_weights(self) -> None:
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.language_model.embed_tokens.weight
+
+    def transformer_blocks(self) -> list[nn.Module]:
+        """The FSDP / activation-checkpointing units: vision blocks then decoder layers."""
+        return list(self.visual.blocks) + list(self.language_model.layers)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """Random init as transformers does: N(0, std) for Linear / Embedding weights, zero biases, unit norms."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+        self.tie_weights()
+
+    # ----- forward -----
+    def _vision_features(self, pixels, grid_thw, name: str) -> torch.Tensor:
+        if grid_thw is None:
+            raise ValueError(f"{name} given without its grid_thw")
+        return self.visual(pixels, grid_thw)
+
+    def compute_position_ids(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        attention_mask: Optional[torch.Tensor] = None,
+        image_grid_thw: Optional[torch.Tensor] = None,
+        video_grid_thw: Optional[torch.Tensor] = None,
+        second_per_grid_ts: Optional[torch.Tensor] = None,
+        mm_token_type_ids: Optional[torch.Tensor] = None,
+        cu_seqlens: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(position_ids [3, B, T], rope_deltas [B or samples, 1]) with get_rope_index semantics."""
+        v = self.args.vision
+        return get_mrope_position_ids(
+            input_ids,
+            image_token_id=self.args.image_token_id,
+            video_token_id=self.args.video_token_id,
+            spatial_merge_size=v.spatial_merge_size,
+            tokens_per_second=v.tokens_per_second,
+            image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw,
+            second_per_grid_ts=second_per_grid_ts,
+            attention_mask=attention_mask,
+            mm_token_type_ids=mm_token_type_ids,
+            cu_seqlens=cu_seqlens,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        pixel_values: Optional[torch.Tensor] = None,
+        image_grid_thw: Optional[torch.Tensor] = None,
+        pixel_values_videos: Optional[torch.Tensor] = None,
+        video_grid_thw: Optional[torch.Tensor] = None,
+        second_per_grid_ts: Optional[torch.Tensor] = None,
+        mm_token_type_ids: Optional[torch.Tensor] = None,
+        *,
+        position_ids: Optional[torch.Tensor] = None,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        kv_cache=None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
+        """Logits [B, T, vocab] (or final-norm hidden states [B, T, H] with `return_hidden=True`)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        if cu_seqlens is not None:
+            if input_ids.shape[0] != 1:
+                raise ValueError(f"packed input (cu_seqlens) needs input_ids [1, T], got {tuple(input_ids.shape)}")
+            if attention_mask is not None:
+                raise ValueError("pass either cu_seqlens (packed) or attention_mask (padded), not both")
+            if kv_cache is not None:
+                raise ValueError("kv_cache is not supported with packed input (cu_seqlens)")
+            if cu_seqlens.dtype != torch.int32:
+                cu_seqlens = cu_seqlens.to(torch.int32)
+        embeds = self.language_model.embed_tokens(input_ids)
+        if pixel_values is not None:
+            feats = self._vision_features(pixel_values, image_grid_thw, "pixel_values")
+            per_item = (image_grid_thw.prod(-1) // self.args.vision.spatial_merge_size**2).tolist()
+            embeds = merge_vision_embeddings(
+                embeds, input_ids, feats, self.args.image_token_id, modality="image",
+                features_per_item=per_item, cu_seqlens=cu_seqlens,
+            )
+        if pixel_values_videos is not None:
+            feats = self._vision_features(pixel_values_videos, video_grid_thw, "pixel_values_videos")
+            per_item = (video_grid_thw.prod(-1) // self.args.vision.spatial_merge_size**2).tolist()
+            embeds = merge_vision_embeddings(
+                embeds, input_ids, feats, self.args.video_token_id, modality="video",
+                features_per_item=per_item, cu_seqlens=cu_seqlens,
+            )
+
+        key_padding_mask = None
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids.shape and kv_cache is None:
+                raise ValueError(
+                    f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+                )
+            key_padding_mask = attention_mask.bool()
+
+        if kv_cache is not None:
+            new_mask = key_padding_mask
+            if new_mask is not None and new_mask.shape[1] != input_ids.shape[1]:
+                new_mask = new_mask[:, -input_ids.shape[1]:]  # a mask over past + new tokens: keep the new part
+            if position_ids is None:
+                position_ids = self._cached_position_ids(
+                    input_ids, kv_cache, new_mask, image_grid_thw, video_grid_thw, second_per_grid_ts, mm_token_type_ids
+                )
+            kv_cache.begin_step(input_ids.shape[1], new_mask)
+            key_padding_mask = None  # the cache supplies the mask over all cached keys
+        elif position_ids is None:
+            position_ids, _ = self.compute_position_ids(
+                input_ids, attention_mask=attention_mask, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+                second_per_grid_ts=second_per_grid_ts, mm_token_type_ids=mm_token_type_ids, cu_seqlens=cu_seqlens,
+            )
+        if position_ids.dim() == 2:
+            position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
+
+        hidden = self.language_model(
+            embeds, position_ids, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, kv_cache=kv_cache
+        )
+        if kv_cache is not None:
+            kv_cache.end_step()
+        if return_hidden:
+            return hidden
+        return self.lm_head(hidden)
+
+    def _cached_position_ids(
+        self, input_ids, kv_cache, new_mask, image_grid_thw, video_grid_thw, second_per_grid_ts, mm_token_type_ids
+    ) -> torch.Tensor:
+        """Prefill (empty cache): full get_rope_index, storing per-sample rope deltas in the cache.
+        Later steps: text positions continue at (valid tokens so far) + rope_delta for each sample."""
+        if kv_cache.seq_len == 0:
+            position_ids, deltas = self.compute_position_ids(
+                input_ids, attention_mask=new_mask, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+                second_per_grid_ts=second_per_grid_ts, mm_token_type_ids=mm_token_type_ids,
+            )
+            kv_cache.set_rope_deltas(deltas)
+            return position_ids
+        if (input_ids == self.args.image_token_id).any() or (input_ids == self.args.video_token_id).any():
+            raise ValueError("decoding with a KV cache: new tokens must be text (images/videos go in the prefill)")
+        valid = new_mask.long() if new_mask is not None else torch.ones_like(input_ids)
+        start = kv_cache.valid_lengths().unsqueeze(1)  # [B, 1] real tokens already cached
+        pos = start + valid.cumsum(-1) - 1 + kv_cache.rope_deltas.to(input_ids.device)
+        pos = pos.masked_fill(valid == 0, 0)
+        return pos.unsqueeze(0).expand(3, -1, -1)

@@ -1,0 +1,108 @@
+"""Qwen2.5-VL weights: Hugging Face checkpoint keys <-> this package's module names.
+
+HF layouts read (both occur on the hub):
+* transformers >= 5: `model.visual.*`, `model.language_model.*`, `lm_head.weight`;
+* transformers 4.x (the original Qwen release): `visual.*`, `model.*` (the decoder), `lm_head.weight`.
+Export always writes the transformers >= 5 layout, which transformers 5 loads natively.
+
+Conversions (the only place fused weights are split or joined):
+* vision `attn.qkv` [3E, E] (+ bias) <-> `attn.q_proj` / `k_proj` / `v_proj` (rows q, then k, then v);
+* vision `attn.proj` <-> `attn.o_proj`; merger `mlp.0` / `mlp.2` <-> `fc1` / `fc2`;
+* `patch_embed.proj.weight`: Conv3d [E, C, T, P, P] <-> Linear [E, C*T*P*P] (same element order).
+With tied embeddings `lm_head.weight` is not a separate tensor: ignored on load, omitted on export.
+
+`from_hf` works on any subset of the checkpoint (one shard or one tensor at a time): every HF
+tensor maps to our tensors on its own, so nothing is left pending between shards.
+"""
+from __future__ import annotations
+
+import re
+import torch
+
+from megatron_vlm.models.qwen2_5_vl.args import Qwen2_5_VLArgs
+
+_VIS_QKV = re.compile(r"^visual\.blocks\.(\d+)\.attn\.qkv\.(weight|bias)$")
+_OUR_VIS_QKV = re.compile(r"^visual\.blocks\.(\d+)\.attn\.([qkv])_proj\.(weight|bias)$")
+
+# our name <-> HF name (after the "model." prefix) for the renamed modules, as regex pairs
+_RENAMES = [
+    (r"^visual\.blocks\.(\d+)\.attn\.o_proj\.", r"visual.blocks.\1.attn.proj."),
+    (r"^visual\.merger\.fc1\.", "visual.merger.mlp.0."),
+    (r"^visual\.merger\.fc2\.", "visual.merger.mlp.2."),
+]
+_RENAMES_BACK = [
+    (r"^visual\.blocks\.(\d+)\.attn\.proj\.", r"visual.blocks.\1.attn.o_proj."),
+    (r"^visual\.merger\.mlp\.0\.", "visual.merger.fc1."),
+    (r"^visual\.merger\.mlp\.2\.", "visual.merger.fc2."),
+]
+
+
+class Qwen2_5_VLStateDictAdapter:
+    def __init__(self, args: Qwen2_5_VLArgs) -> None:
+        self.args = args
+
+    # ----- HF -> ours -----
+    @staticmethod
+    def normalize_hf_key(key: str) -> str:
+        """Any known HF layout -> the transformers >= 5 key without its leading 'model.' (lm_head kept)."""
+        if key.startswith("model.visual.") or key.startswith("model.language_model."):
+            return key[len("model."):]
+        if key.startswith("visual."):
+            return key
+        if key.startswith("model."):  # 4.x decoder
+            return "language_model." + key[len("model."):]
+        return key
+
+    def is_ignored(self, key: str) -> bool:
+        k = self.normalize_hf_key(key)
+        return k.endswith("rotary_emb.inv_freq") or (self.args.tie_word_embeddings and k == "lm_head.weight")
+
+    def from_hf(self, hf: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Map HF tensors to ours; returns (converted, pending) - pending is always empty for this family."""
+        out: dict[str, torch.Tensor] = {}
+        for key, t in hf.items():
+            if self.is_ignored(key):
+                continue
+            k = self.normalize_hf_key(key)
+            m = _VIS_QKV.match(k)
+            if m:
+                layer, kind = m.groups()
+                if t.shape[0] % 3:
+                    raise ValueError(f"{key}: fused qkv has {t.shape[0]} rows, not a multiple of 3")
+                for name, part in zip("qkv", t.chunk(3, dim=0)):
+                    out[f"visual.blocks.{layer}.attn.{name}_proj.{kind}"] = part
+                continue
+            if k == "visual.patch_embed.proj.weight" and t.dim() == 5:
+                t = t.reshape(t.shape[0], -1)
+            for pattern, repl in _RENAMES_BACK:
+                k = re.sub(pattern, repl, k)
+            out[k] = t
+        return out, {}
+
+    # ----- ours -> HF -----
+    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Our full state dict -> HF tensors in the transformers >= 5 layout (fused vision qkv, Conv3d patch embed)."""
+        v = self.args.vision
+        out: dict[str, torch.Tensor] = {}
+        qkv: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+        for key, t in state_dict.items():
+            m = _OUR_VIS_QKV.match(key)
+            if m:
+                layer, name, kind = m.groups()
+                qkv.setdefault((layer, kind), {})[name] = t
+                continue
+            if key == "lm_head.weight":
+                if not self.args.tie_word_embeddings:
+                    out[key] = t
+                continue
+            k = key
+            if k == "visual.patch_embed.proj.weight":
+                t = t.reshape(t.shape[0], v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+            for pattern, repl in _RENAMES:
+                k = re.sub(pattern, repl, k)
+            out["model." + k] = t
+        for (layer, kind), parts in sorted(qkv.items(), key=lambda kv: (int(kv[0][0]), kv[0][1])):
+            if set(parts) != {"q", "k", "v"}:
+                raise ValueError(f"visual.blocks.{layer}.attn: missing {sorted({'q', 'k', 'v'} - set(parts))}_proj.{kind}")
+            out[f"model.visual.blocks.{layer}.attn.qkv.{kind}"] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
+        return out

@@ -202,19 +202,28 @@ def resolve(op: str, x: torch.Tensor) -> Callable:
     return DEFAULT_REGISTRY.resolve(op, x)
 
 
-# Built-in ops. The torch reference is always there; priorities: third-party > triton > npu > torch
-# within the devices each backend is eligible for under `auto`.
+# Built-in ops: (op, module name under reference/ triton/ npu/, function). The torch reference is
+# always there and is the fallback; under `auto` a third-party backend (priority 20) beats our
+# Triton kernels (10) on CUDA, and the torch_npu adapters (10) are taken on NPU.
 _PKG = __name__.rpartition(".")[0]
-for _op, _fn in (
-    ("attention", "attention"),
-    ("rms_norm", "rms_norm"),
-    ("layer_norm", "layer_norm"),
-    ("apply_rotary", "apply_rotary"),
-    ("swiglu", "swiglu"),
-    ("linear_token_logprobs", "linear_token_logprobs"),
-):
-    _module = {"rms_norm": "norms", "layer_norm": "norms", "apply_rotary": "rotary", "linear_token_logprobs": "token_logprobs"}.get(_op, _op)
-    register_backend(_op, "torch", f"{_PKG}.reference.{_module}:{_fn}", auto_devices=("cpu", "cuda", "npu"), priority=0)
+_BUILTIN_OPS = (
+    ("attention", "attention", "attention"),
+    ("rms_norm", "norms", "rms_norm"),
+    ("layer_norm", "norms", "layer_norm"),
+    ("apply_rotary", "rotary", "apply_rotary"),
+    ("swiglu", "swiglu", "swiglu"),
+    ("linear_token_logprobs", "token_logprobs", "linear_token_logprobs"),
+)
+_TRITON_MODULES = {"rms_norm": "rms_norm", "layer_norm": "layer_norm"}  # triton/ splits the two norms
+_NPU_OPS = {}  # filled in once kernels/npu adapters land
+for _op, _module, _fn in _BUILTIN_OPS:
+    register_backend(_op, "torch", f"{_PKG}.reference.{_module}:{_fn}", auto_devices=("cpu", "cuda", "npu"))
+    register_backend(
+        _op, "triton", f"{_PKG}.triton.{_TRITON_MODULES.get(_op, _module)}:{_fn}",
+        check=triton_check, auto_devices=("cuda",), priority=10,
+    )
+    if _op in _NPU_OPS:
+        register_backend(_op, "npu", f"{_PKG}.npu.{_NPU_OPS[_op]}:{_fn}", check=npu_check, auto_devices=("npu",), priority=10)
 
 # Mamba2 and MoE ops (Nemotron-H, Qwen3-VL-MoE): torch reference everywhere, torch_npu adapters for MoE.
 for _op, _module in (

@@ -1,0 +1,34 @@
+"""Helpers shared by the Triton op modules: interpreter detection, launch sizes, dtype mapping."""
+import os
+
+import torch
+import triton
+
+
+def interpreted() -> bool:
+    """True when kernels decorated now run in the Triton interpreter (CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
+
+
+INTERPRETED_AT_IMPORT = interpreted()
+
+
+def check_device(op: str, *tensors: torch.Tensor) -> None:
+    """Fail clearly when a kernel would be launched on a device it was not built for."""
+    for t in tensors:
+        if t.device.type == "cpu" and not INTERPRETED_AT_IMPORT:
+            raise RuntimeError(
+                f"triton {op}: tensor on cpu, but the Triton kernels were imported without TRITON_INTERPRET=1 "
+                "(set it before importing megatron_vlm.kernels.triton modules)"
+            )
+        if t.device.type not in ("cpu", "cuda"):
+            raise RuntimeError(f"triton {op}: tensor on {t.device.type}; triton kernels need cuda (or cpu interpreted)")
+
+
+def row_block(n: int) -> int:
+    """Power-of-two block covering a row of n features (>= 16)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def num_warps_for(block: int) -> int:
+    return 4 if block <= 2048 else (8 if block <= 8192 else 16)

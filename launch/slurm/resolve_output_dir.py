@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""Print the `[train] output_dir` a config + `--set` overrides ask for, or nothing if neither sets it.
+
+train.sbatch calls this to decide the run folder before it starts torchrun: an explicit
+output_dir (TOML or `--set train.output_dir=...`, the last one wins) is used as given, otherwise
+the job gets `runs/<job name>-<job id>/`. Only the standard library is used (no torch import on
+the batch host), and `--set` values are read the way launch/pretrain_vlm.py reads them: a TOML
+value (`"x"`, `'x'`) or else the bare text.
+
+    python3 resolve_output_dir.py <config.toml> [--set section.key=value ...]
+"""
+from __future__ import annotations
+
+import sys
+import tomllib
+
+
+def override_value(text: str):
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def overrides_from_argv(args: list[str]) -> list[str]:
+    """The `section.key=value` items of `--set X` / `--set=X` in the order given."""
+    out, i = [], 0
+    while i < len(args):
+        a = args[i]
+        if a == "--set":
+            if i + 1 >= len(args):
+                raise SystemExit("resolve_output_dir: --set at the end of the command line has no value")
+            out.append(args[i + 1])
+            i += 2
+            continue
+        if a.startswith("--set="):
+            out.append(a[len("--set="):])
+        i += 1
+    return out
+
+
+def resolve_output_dir(config_path: str, args: list[str]) -> str | None:
+    try:
+        with open(config_path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise SystemExit(f"resolve_output_dir: config file {config_path!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SystemExit(f"resolve_output_dir: {config_path}: not valid TOML: {e}") from None
+    train = raw.get("train", {})
+    value = train.get("output_dir") if isinstance(train, dict) else None
+    for item in overrides_from_argv(args):
+        key, sep, text = item.partition("=")
+        if sep and key.strip() == "train.output_dir":
+            value = override_value(text.strip())
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise SystemExit(f"resolve_output_dir: train.output_dir must be a non-empty string, got {value!r}")
+    return value
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
+        return 2
+    value = resolve_output_dir(argv[0], argv[1:])
+    if value is not None:
+        print(value)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,116 @@
+"""DRY_RUN=1 of launch/slurm/train.sbatch and bench_kernels.sbatch: the exact per-node commands.
+
+These need no Slurm daemons: the job is described by SLURM_* variables as Slurm would set them.
+Expected values come from the torchrun / Slurm conventions the script promises (node rank =
+SLURM_NODEID, endpoint = first host of the node list, port 15000 + job id % 15000).
+"""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from slurm_helpers import BENCH_SBATCH, TRAIN_SBATCH, TrainJob, clean_env, dry_run, option, set_values, split_node_line
+
+
+def job_env(**extra):
+    base = dict(SLURM_JOB_ID="31337", SLURM_JOB_NAME="sft", SLURM_NNODES="3",
+                SLURM_JOB_NODELIST="gpu-a,gpu-b,gpu-c")
+    base.update(extra)
+    return clean_env(**base)
+
+
+def test_one_line_per_node_with_rank_endpoint_and_run_folder(tmp_path):
+    job = TrainJob(tmp_path)
+    lines, log = dry_run([str(job.config), "--set", "train.max_steps=2", "--set", "optimizer.lr=1e-4"],
+                         cwd=tmp_path, env=job.env(job_env(NPROC_PER_NODE="4")))
+    assert len(lines) == 3, lines
+    for rank, line in enumerate(lines):
+        cwd, argv = split_node_line(line)
+        assert cwd == str(tmp_path)
+        assert argv[argv.index("-m") + 1] == "torch.distributed.run"
+        assert option(argv, "--nnodes") == "3"
+        assert option(argv, "--nproc_per_node") == "4"
+        assert option(argv, "--node_rank") == str(rank)
+        assert option(argv, "--rdzv_backend") == "c10d"
+        assert option(argv, "--rdzv_endpoint") == f"gpu-a:{15000 + 31337 % 15000}"
+        assert option(argv, "--rdzv_id") == "31337"
+        assert option(argv, "--config") == str(job.config)
+        assert str(job.entry_point) in argv
+        # the user's overrides in order, then the job's own run folder
+        assert set_values(argv) == ["train.max_steps=2", "optimizer.lr=1e-4",
+                                    f'train.output_dir="{tmp_path}/runs/sft-31337"']
+    assert "3 node(s) x 4 process(es)" in log
+
+
+@pytest.mark.parametrize(
+    "extra, want",
+    [
+        (dict(SLURM_GPUS_ON_NODE="8"), "8"),
+        (dict(SLURM_GPUS_PER_NODE="h100:4"), "4"),
+        (dict(SLURM_GPUS_PER_NODE="2"), "2"),
+        (dict(SLURM_GPUS_ON_NODE="8", NPROC_PER_NODE="2"), "2"),
+        ({}, "1"),  # no GPU or NPU on this machine: one CPU process
+    ],
+)
+def test_processes_per_node_from_the_allocation(tmp_path, extra, want):
+    job = TrainJob(tmp_path)
+    lines, _ = dry_run([str(job.config)], cwd=tmp_path,
+                       env=job.env(job_env(SLURM_NNODES="1", SLURM_JOB_NODELIST="n1", **extra)))
+    assert [option(split_node_line(line)[1], "--nproc_per_node") for line in lines] == [want]
+
+
+def test_bad_device_count_is_an_error_naming_its_source(tmp_path):
+    job = TrainJob(tmp_path)
+    res = subprocess.run(["bash", str(TRAIN_SBATCH), str(job.config)], capture_output=True, text=True, cwd=tmp_path,
+                         env=job.env(job_env(DRY_RUN="1", SLURM_GPUS_PER_NODE="gpu:x")))
+    assert res.returncode == 2
+    assert "SLURM_GPUS_PER_NODE" in res.stderr and "'x'" in res.stderr
+
+
+def test_output_dir_from_config_or_set_is_kept(tmp_path):
+    job = TrainJob(tmp_path)
+    job.config.write_text(job.config.read_text() + '\n[extra]\n')  # a later table must not confuse the lookup
+    with_dir = tmp_path / "with_dir.toml"
+    with_dir.write_text(job.config.read_text().replace("[train]\n", '[train]\noutput_dir = "shared/run"\n'))
+    lines, log = dry_run([str(with_dir)], cwd=tmp_path, env=job.env(job_env()))
+    assert all(not any(v.startswith("train.output_dir") for v in set_values(split_node_line(x)[1])) for x in lines)
+    assert f"run folder {tmp_path}/shared/run" in log
+
+    lines, log = dry_run([str(with_dir), "--set", "train.output_dir=/abs/other"], cwd=tmp_path, env=job.env(job_env()))
+    assert set_values(split_node_line(lines[0])[1]) == ["train.output_dir=/abs/other"]
+    assert "run folder /abs/other" in log
+
+
+def test_missing_config_and_node_count_mismatch_are_errors(tmp_path):
+    job = TrainJob(tmp_path)
+    env = job.env(job_env(DRY_RUN="1"))
+    res = subprocess.run(["bash", str(TRAIN_SBATCH), "nope.toml"], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert res.returncode == 2 and "config file 'nope.toml' does not exist" in res.stderr
+    res = subprocess.run(["bash", str(TRAIN_SBATCH), str(job.config)], capture_output=True, text=True, cwd=tmp_path,
+                         env={**env, "SLURM_NNODES": "2"})
+    assert res.returncode == 2 and "has 3 hosts but SLURM_NNODES=2" in res.stderr
+    res = subprocess.run(["bash", str(TRAIN_SBATCH), str(job.config)], capture_output=True, text=True, cwd=tmp_path,
+                         env=clean_env())
+    assert res.returncode == 2 and "not inside a Slurm job" in res.stderr
+
+
+def test_bracketed_node_list_is_expanded_by_scontrol(tmp_path, slurm_cluster):
+    job = TrainJob(tmp_path)
+    env = job.env(slurm_cluster.env(**{k: v for k, v in clean_env().items() if k in ("TORCHRUN", "PYTHON")}))
+    lines, _ = dry_run([str(job.config)], cwd=tmp_path,
+                       env={**env, "SLURM_JOB_ID": "7", "SLURM_NNODES": "4", "SLURM_JOB_NODELIST": "node[08-10],login"})
+    argvs = [split_node_line(line)[1] for line in lines]
+    assert [option(a, "--node_rank") for a in argvs] == ["0", "1", "2", "3"]
+    assert {option(a, "--rdzv_endpoint") for a in argvs} == {"node08:15007"}
+
+
+def test_bench_dry_run_lists_each_benchmark(tmp_path):
+    bench = tmp_path / "benches"
+    bench.mkdir()
+    for name in ("bench_b.py", "bench_a.py", "helper.py"):
+        (bench / name).write_text("print('x')\n")
+    lines, _ = dry_run(["--iters", "3"], cwd=tmp_path, env=clean_env(BENCH_DIR=str(bench)), script=BENCH_SBATCH)
+    argvs = [split_node_line(line)[1] for line in lines]
+    assert [a[1:] for a in argvs] == [[str(bench / "bench_a.py"), "--iters", "3"],
+                                      [str(bench / "bench_b.py"), "--iters", "3"]]

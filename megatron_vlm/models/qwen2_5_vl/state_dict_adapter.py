@@ -1,9 +1,11 @@
 """Qwen2.5-VL weights: Hugging Face checkpoint keys <-> this package's module names.
 
-HF layouts read (both occur on the hub):
-* transformers >= 5: `model.visual.*`, `model.language_model.*`, `lm_head.weight`;
-* transformers 4.x (the original Qwen release): `visual.*`, `model.*` (the decoder), `lm_head.weight`.
-Export always writes the transformers >= 5 layout, which transformers 5 loads natively.
+HF layouts read:
+* the checkpoint layout (the original Qwen release, and what transformers 5's `save_pretrained`
+  still writes): `visual.*`, `model.*` (the decoder), `lm_head.weight`;
+* transformers 5's in-memory module names: `model.visual.*`, `model.language_model.*`, `lm_head.weight`
+  (found in checkpoints saved from a raw `state_dict()`).
+Export writes the checkpoint layout, which transformers (4.x and 5), vLLM and VLMEvalKit all read.
 
 Conversions (the only place fused weights are split or joined):
 * vision `attn.qkv` [3E, E] (+ bias) <-> `attn.q_proj` / `k_proj` / `v_proj` (rows q, then k, then v);
@@ -80,8 +82,15 @@ class Qwen2_5_VLStateDictAdapter:
         return out, {}
 
     # ----- ours -> HF -----
+    @staticmethod
+    def _checkpoint_key(key: str) -> str:
+        """Our module path (renames applied) -> the checkpoint layout key."""
+        if key.startswith("language_model."):
+            return "model." + key[len("language_model."):]
+        return key  # visual.*, lm_head.weight
+
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Our full state dict -> HF tensors in the transformers >= 5 layout (fused vision qkv, Conv3d patch embed)."""
+        """Our full state dict -> HF tensors in the checkpoint layout (fused vision qkv, Conv3d patch embed)."""
         v = self.args.vision
         out: dict[str, torch.Tensor] = {}
         qkv: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
@@ -100,9 +109,9 @@ class Qwen2_5_VLStateDictAdapter:
                 t = t.reshape(t.shape[0], v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
             for pattern, repl in _RENAMES:
                 k = re.sub(pattern, repl, k)
-            out["model." + k] = t
+            out[self._checkpoint_key(k)] = t
         for (layer, kind), parts in sorted(qkv.items(), key=lambda kv: (int(kv[0][0]), kv[0][1])):
             if set(parts) != {"q", "k", "v"}:
                 raise ValueError(f"visual.blocks.{layer}.attn: missing {sorted({'q', 'k', 'v'} - set(parts))}_proj.{kind}")
-            out[f"model.visual.blocks.{layer}.attn.qkv.{kind}"] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
+            out[f"visual.blocks.{layer}.attn.qkv.{kind}"] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
         return out

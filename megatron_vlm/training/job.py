@@ -60,6 +60,9 @@ class Job:
     total_steps: int = 0
     trainable_params: list = field(default_factory=list)
     bad_records: Any = None
+    eval_jsonl: Optional[Path] = None
+    train_loader: Any = None
+    last_eval: dict = field(default_factory=dict)
 
     @property
     def ckpt_cfg(self):

@@ -24,7 +24,12 @@ class TokenLogprobModel(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, batch: dict, *, temperature: float = 1.0, return_entropy: bool = False):
+    def forward(self, batch: dict | None = None, *, temperature: float = 1.0, return_entropy: bool = False,
+                model_kwargs: dict | None = None):
+        """Token log-probs of `batch["labels"]`; or, with `model_kwargs`, the plain model output
+        (logits, hidden states, KV-cache decoding) computed inside the FSDP root's forward."""
+        if model_kwargs is not None:
+            return self.model(**model_kwargs)
         inputs = {k: batch[k] for k in MODEL_INPUT_KEYS if batch.get(k) is not None}
         hidden = self.model(**inputs, return_hidden=True)
         labels = batch["labels"].reshape(-1)

@@ -50,10 +50,42 @@ def _fault_injection(step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def prepare_data(job: Job) -> None:
+    """Bad-record log, the synthetic set written once (rank 0), and the eval JSONL for answer accuracy."""
+    from megatron_vlm.data.bad_records import BadRecordLog
+    from megatron_vlm.training.job import barrier
+
+    d = job.cfg.data
+    job.bad_records = BadRecordLog()
+    if d.type == "synthetic_vqa":
+        from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
+
+        if not d.synthetic_dir:
+            d.synthetic_dir = str(job.run_dir / "data")
+        if job.env.is_main:
+            write_synthetic_vqa(d.synthetic_dir, d.synthetic_train_size, d.synthetic_eval_size,
+                                seed=d.synthetic_seed, image_size=d.synthetic_image_size)
+        barrier()
+        job.eval_jsonl = Path(d.synthetic_dir) / "eval.jsonl" if d.synthetic_eval_size else None
+    elif d.type == "messages_jsonl" and d.eval_path.endswith(".jsonl"):
+        job.eval_jsonl = Path(d.eval_path)
+
+
+def sft_setup(job: Job) -> None:
+    prepare_data(job)
+    tcfg = job.cfg.train
+
+    def steps_per_epoch() -> float:
+        job.train_loader = job.build_train_loader()
+        return job.train_loader.packs_per_epoch / (job.dims.dp_size * tcfg.micro_batches_per_step)
+
+    job.setup(steps_per_epoch_fn=steps_per_epoch)
+
+
 def run_sft(job: Job) -> int:
     cfg, env = job.cfg, job.env
     tcfg = cfg.train
-    loader = job.build_train_loader()
+    loader = job.train_loader if job.train_loader is not None else job.build_train_loader()
     start_step = 0
     if job.resume_extra is not None:
         loader.load_state_dict(job.resume_extra["data"])

@@ -1,0 +1,71 @@
+#!/usr/bin/env python
+"""Generate the README's config reference from the section dataclasses' field docstrings.
+
+    python launch/gen_config_reference.py            # print the markdown
+    python launch/gen_config_reference.py --write    # rewrite the block in README.md
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megatron_vlm.config import Config  # noqa: E402
+from megatron_vlm.config.loader import field_docs  # noqa: E402
+
+BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
+
+
+def _type_str(tp) -> str:
+    s = str(tp).replace("typing.", "")
+    return getattr(tp, "__name__", s) if isinstance(tp, type) else s
+
+
+def _default(f) -> str:
+    if f.default is not dataclasses.MISSING:
+        return repr(f.default) if f.default is not None else "unset"
+    if f.default_factory is not dataclasses.MISSING:
+        v = f.default_factory()
+        return "(table)" if dataclasses.is_dataclass(v) else repr(v)
+    return "**required**"
+
+
+def _section(name: str, cls) -> list[str]:
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    lines = [f"### [{name}]", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        tp = _type_str(hints[f.name]).replace("|", "\\|")
+        doc = docs.get(f.name, "").replace("|", "\\|")
+        lines.append(f"| `{f.name}` | `{tp}` | `{_default(f)}` | {doc} |")
+    return lines + [""]
+
+
+def render() -> str:
+    hints = typing.get_type_hints(Config)
+    out = []
+    for f in dataclasses.fields(Config):
+        tp = hints[f.name]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        cls = args[0] if args else tp
+        out += _section(f.name, cls)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main() -> None:
+    md = render()
+    if "--write" in sys.argv:
+        readme = Path(__file__).resolve().parent.parent / "README.md"
+        text = readme.read_text()
+        head, rest = text.split(BEGIN, 1)
+        _, tail = rest.split(END, 1)
+        readme.write_text(f"{head}{BEGIN}\n{md}{END}{tail}")
+    else:
+        print(md)
+
+
+if __name__ == "__main__":
+    main()

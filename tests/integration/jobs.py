@@ -1,0 +1,70 @@
+"""Helpers to run whole jobs through launch/pretrain_vlm.py (one process or torchrun) in tests."""
+from __future__ import annotations
+
+import csv
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+ENTRY = REPO / "launch" / "pretrain_vlm.py"
+DEMO = REPO / "launch" / "configs" / "demo_sft.toml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def small_demo_overrides(tmp: Path, assets: Path, **extra) -> list[str]:
+    """The demo config shrunk to seconds: few steps, few samples, shared tiny assets."""
+    sets = {
+        "model.path": f'"{assets / "model"}"',
+        "data.synthetic_dir": f'"{assets / "data"}"',
+        "data.synthetic_train_size": "64",
+        "data.synthetic_eval_size": "8",
+        "data.max_tokens_per_pack": "256",
+        "data.num_workers": "0",
+        "train.output_dir": f'"{tmp}"',
+        "train.max_steps": "4",
+        "train.eval_every": "0",
+        "train.log_every": "1",
+        "checkpoint.every_steps": "2",
+        "logging.tensorboard": "false",
+    }
+    sets.update({k: str(v) for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in sets.items()]
+
+
+def run_job(overrides: list[str], *, nproc: int = 1, env: dict | None = None, config: Path = DEMO,
+            timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
+    args = []
+    for o in overrides:
+        args += ["--set", o]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if nproc == 1:
+        cmd = [sys.executable, str(ENTRY), "--config", str(config), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(ENTRY), "--config", str(config), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=str(REPO))
+    if check and r.returncode != 0:
+        raise AssertionError(f"job failed ({r.returncode}):\nSTDOUT:\n{r.stdout[-4000:]}\nSTDERR:\n{r.stderr[-8000:]}")
+    return r
+
+
+def read_metrics(path: Path) -> list[dict]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def load_safetensors_dir(d: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out

@@ -18,7 +18,7 @@ def _first_bad_sample(
     tokens_per_sample: list[int], features_per_item: Sequence[int]
 ) -> Optional[tuple[int, int, int]]:
     """(sample, its placeholder count, the features that the items in its place provide) or None."""
-    item, used = 0, 0
+    item = 0
     for s, need in enumerate(tokens_per_sample):
         got = 0
         while got < need and item < len(features_per_item):
@@ -26,7 +26,6 @@ def _first_bad_sample(
             item += 1
         if got != need:
             return s, need, got
-        used += got
     if item < len(features_per_item):  # features left over after the last sample
         return len(tokens_per_sample) - 1, tokens_per_sample[-1] if tokens_per_sample else 0, -1
     return None

@@ -1,0 +1,479 @@
+"""A small, safe LaTeX-math parser that builds sympy objects directly.
+
+Why our own parser: model outputs are untrusted, and sympy's text parsers (`sympify`, `parse_expr`)
+evaluate Python code. Here the text is first normalised, then split into a whitelisted token set
+(numbers, single letters, a fixed list of LaTeX commands, operators and brackets); any other
+character or command rejects the input. A recursive-descent parser then calls sympy constructors
+(Integer, Rational, Symbol, Add, Mul, Pow, sqrt, sin, ...) — nothing is ever evaluated as code.
+Size limits (characters, tokens, nesting depth, digits, integer exponents) keep adversarial inputs
+from making sympy compute huge numbers.
+
+Covered: integers, decimals, thousands separators, \\frac / \\dfrac (also \\frac12), \\sqrt and
+\\sqrt[n], powers, implicit multiplication (2\\sqrt{3}, 3\\pi, 2x), unary minus, \\pi, \\infty,
+Greek letters, subscripted symbols, trig / log functions, |abs|, n!, percentages, degrees and
+trailing units (dropped), "x = 5" (the right-hand side), tuples / intervals (ordered, bracket kinds
+kept) and \\{sets\\} / bare comma lists (unordered).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Union
+
+import sympy
+
+__all__ = ["LatexParseError", "Seq", "ParsedAnswer", "normalize_latex", "parse_latex", "MAX_INPUT_CHARS"]
+
+MAX_INPUT_CHARS = 512
+MAX_TOKENS = 256
+MAX_DEPTH = 48
+MAX_DIGITS = 40
+MAX_INT_EXPONENT = 1000
+MAX_RESULT_BITS = 20000
+MAX_FACTORIAL = 100
+
+
+class LatexParseError(ValueError):
+    """The text is not in the supported LaTeX-math subset."""
+
+
+@dataclass(frozen=True)
+class Seq:
+    """A tuple / interval (ordered) or a set / bare list (unordered) of parsed items."""
+
+    kind: str  # "tuple" | "set"
+    items: tuple
+    open: str = ""
+    close: str = ""
+
+
+Value = Union[sympy.Basic, Seq]
+
+
+@dataclass(frozen=True)
+class ParsedAnswer:
+    value: Value
+    percent: bool
+    """The text ended in a percent sign (the value is the number before it, not divided by 100)."""
+
+
+_UNIT_WORDS = {
+    "cm", "mm", "m", "km", "in", "inch", "inches", "ft", "feet", "foot", "yd", "yard", "yards", "mi", "mile", "miles",
+    "unit", "units", "degree", "degrees", "deg", "radian", "radians", "rad", "sq", "square", "cubic", "meter", "meters",
+    "metre", "metres", "centimeter", "centimeters", "millimeter", "millimeters", "kilometer", "kilometers", "second",
+    "seconds", "sec", "minute", "minutes", "min", "hour", "hours", "hr", "hrs", "kg", "g", "gram", "grams", "lb", "lbs",
+    "pound", "pounds", "dollar", "dollars", "cent", "cents", "percent", "liter", "liters", "l", "ml", "cm2", "m2", "cm3",
+    "m3", "mph", "kmh", "s", "h",
+}
+_GREEK = {
+    "alpha", "beta", "gamma", "delta", "epsilon", "varepsilon", "zeta", "eta", "theta", "vartheta", "iota", "kappa",
+    "lambda", "mu", "nu", "xi", "rho", "sigma", "tau", "upsilon", "phi", "varphi", "chi", "psi", "omega", "Gamma",
+    "Delta", "Theta", "Lambda", "Xi", "Sigma", "Upsilon", "Phi", "Psi", "Omega",
+}
+_FUNCS = {
+    "sin": sympy.sin, "cos": sympy.cos, "tan": sympy.tan, "cot": sympy.cot, "sec": sympy.sec, "csc": sympy.csc,
+    "arcsin": sympy.asin, "arccos": sympy.acos, "arctan": sympy.atan, "sinh": sympy.sinh, "cosh": sympy.cosh,
+    "tanh": sympy.tanh, "ln": sympy.log, "log": sympy.log, "exp": sympy.exp,
+}
+_TEXT_BLOCK = re.compile(
+    r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mbox|operatorname)\s*\{([^{}]*)\}(\s*\^\s*\{?\s*[23]\s*\}?)?"
+)
+_TOKEN = re.compile(r"\s*(?:(\\[{}])|(\\[A-Za-z]+)|(\d+(?:\.\d*)?|\.\d+)|([A-Za-z])|([-+*/^_(){}\[\],=!|%]))")
+
+
+def _unwrap_text(m: re.Match) -> str:
+    inner = m.group(1).strip()
+    # words (units such as "cm" with their ^2 / ^3, "square units") are dropped; digits or
+    # single-letter symbols are kept
+    if re.fullmatch(r"[A-Za-z .]*", inner) and (len(inner) > 1 or not inner):
+        return " "
+    return " " + inner + (m.group(2) or "") + " "
+
+
+def normalize_latex(text: str) -> tuple[str, bool]:
+    """Rewrite formatting-only LaTeX into the parser's subset. Returns (text, had_percent)."""
+    s = text.strip()
+    for a, b in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if len(s) >= len(a) + len(b) and s.startswith(a) and s.endswith(b):
+            s = s[len(a):len(s) - len(b)]
+            break
+    s = s.replace("\\$", " ").replace("$", " ")
+    s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![A-Za-z])\s*\.?", "", s)
+    s = re.sub(r"\\(?:[,;:! ]|quad|qquad|displaystyle|limits)", " ", s).replace("~", " ")
+    s = re.sub(r"\\[dt]frac(?![A-Za-z])", r"\\frac", s)
+    s = re.sub(r"\\(?:cdot|times|ast)(?![A-Za-z])", "*", s)
+    s = re.sub(r"\\div(?![A-Za-z])", "/", s)
+    s = re.sub(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|\\degree|°", " ", s)
+    s = s.replace("{,}", "")
+    for _ in range(3):  # nested text blocks
+        s = _TEXT_BLOCK.sub(_unwrap_text, s)
+    s = s.replace("\\%", "%").strip()
+    percent = s.endswith("%")
+    if percent:
+        s = s[:-1].strip()
+    # trailing unit words after a number or closing brace: "5 cm", "12 square units", "3 cm^2"
+    words = s.split()
+    while len(words) > 1 and re.sub(r"\^?\{?[23]\}?$", "", words[-1]).lower().rstrip(".") in _UNIT_WORDS:
+        words.pop()
+    s = " ".join(words)
+    if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
+        s = s.replace(",", "")
+    return s.strip().rstrip("."), percent
+
+
+def _tokenize(s: str) -> list[tuple[str, str]]:
+    tokens: list[tuple[str, str]] = []
+    pos = 0
+    s = s.rstrip()
+    while pos < len(s):
+        m = _TOKEN.match(s, pos)
+        if m is None or m.end() == pos:
+            raise LatexParseError(f"unsupported character {s[pos:].lstrip()[:1]!r}")
+        pos = m.end()
+        esc, cmd, num, letter, op = m.groups()
+        if esc:
+            tokens.append(("LSET" if esc == "\\{" else "RSET", esc))
+        elif cmd:
+            name = cmd[1:]
+            if name not in _FUNCS and name not in _GREEK and name not in ("frac", "sqrt", "pi", "infty", "binom"):
+                raise LatexParseError(f"unsupported command \\{name}")
+            tokens.append(("CMD", name))
+        elif num:
+            if len(num.replace(".", "")) > MAX_DIGITS:
+                raise LatexParseError("number too long")
+            tokens.append(("NUM", num))
+        elif letter:
+            tokens.append(("LETTER", letter))
+        else:
+            tokens.append(("OP", op))
+        if len(tokens) > MAX_TOKENS:
+            raise LatexParseError("expression too long")
+    return tokens
+
+
+class _Parser:
+    def __init__(self, tokens: list[tuple[str, str]]):
+        self.toks = tokens
+        self.i = 0
+        self.depth = 0
+        self.abs_depth = 0  # inside |...| a '|' closes instead of opening a nested abs
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def peek(self, k: int = 0):
+        j = self.i + k
+        return self.toks[j] if j < len(self.toks) else ("EOF", "")
+
+    def take(self):
+        t = self.peek()
+        if t[0] == "EOF":
+            raise LatexParseError("unexpected end of input")
+        self.i += 1
+        return t
+
+    def expect_op(self, op: str):
+        t = self.take()
+        if t != ("OP", op):
+            raise LatexParseError(f"expected {op!r}, got {t[1]!r}")
+
+    def enter(self):
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise LatexParseError("nesting too deep")
+
+    # -- grammar -----------------------------------------------------------------------------------
+    def parse_top(self) -> Value:
+        items = [self.relation()]
+        while self.peek() == ("OP", ","):
+            self.take()
+            items.append(self.relation())
+        if self.peek()[0] != "EOF":
+            raise LatexParseError(f"unexpected {self.peek()[1]!r}")
+        if len(items) == 1:
+            return items[0]
+        return Seq("set", tuple(items))
+
+    def relation(self) -> Value:
+        # "x = 5" and "(x, y) = (1, 2)": the answer is the last side
+        value = self.sequence_or_expr()
+        while self.peek() == ("OP", "="):
+            self.take()
+            value = self.sequence_or_expr()
+        return value
+
+    def sequence_or_expr(self) -> Value:
+        t = self.peek()
+        if t == ("OP", "(") or t == ("OP", "["):
+            # a bracketed list standing alone (tuple / interval) — otherwise a normal expression
+            save = self.i
+            seq = self.bracket_list()
+            if isinstance(seq, Seq) and self.peek() in (("EOF", ""), ("OP", ","), ("OP", "="), ("OP", ")"), ("OP", "]"), ("RSET", "\\}")):
+                return seq
+            self.i = save
+        if t[0] == "LSET":
+            return self.set_literal()
+        return self.expr()
+
+    def bracket_list(self) -> Value:
+        open_t = self.take()[1]
+        self.enter()
+        items = [self.relation()]
+        while self.peek() == ("OP", ","):
+            self.take()
+            items.append(self.relation())
+        close = self.take()
+        if close not in (("OP", ")"), ("OP", "]")):
+            raise LatexParseError(f"expected a closing bracket, got {close[1]!r}")
+        self.depth -= 1
+        if len(items) == 1 and not isinstance(items[0], Seq) and (open_t + close[1]) in ("()", "[]"):
+            return items[0]
+        return Seq("tuple", tuple(items), open_t, close[1])
+
+    def set_literal(self) -> Seq:
+        self.take()
+        self.enter()
+        items = []
+        if self.peek()[0] != "RSET":
+            items.append(self.relation())
+            while self.peek() == ("OP", ","):
+                self.take()
+                items.append(self.relation())
+        if self.take()[0] != "RSET":
+            raise LatexParseError("unclosed \\{")
+        self.depth -= 1
+        return Seq("set", tuple(items))
+
+    def expr(self) -> sympy.Basic:
+        left = self.term()
+        while self.peek() in (("OP", "+"), ("OP", "-")):
+            op = self.take()[1]
+            right = self.term()
+            left = left + right if op == "+" else left - right
+        return left
+
+    def _starts_atom(self) -> bool:
+        kind, val = self.peek()
+        return kind in ("NUM", "LETTER", "CMD", "LSET") or (kind == "OP" and val in ("(", "{", "|"))
+
+    def term(self) -> sympy.Basic:
+        left = self.unary()
+        while True:
+            t = self.peek()
+            if t in (("OP", "*"), ("OP", "/")):
+                self.take()
+                right = self.unary()
+                if t[1] == "*":
+                    left = left * right
+                else:
+                    if right == 0:
+                        raise LatexParseError("division by zero")
+                    left = left / right
+            elif self._starts_atom() and not (t == ("OP", "|") and self.abs_depth > 0):
+                left = left * self.power()
+            else:
+                return left
+
+    def unary(self) -> sympy.Basic:
+        t = self.peek()
+        if t == ("OP", "-"):
+            self.take()
+            return -self.unary()
+        if t == ("OP", "+"):
+            self.take()
+            return self.unary()
+        return self.power()
+
+    def power(self) -> sympy.Basic:
+        base = self.postfix()
+        if self.peek() == ("OP", "^"):
+            self.take()
+            exp = self.exponent()
+            base = self._pow(base, exp)
+        return base
+
+    def _pow(self, base, exp):
+        if exp.is_Number:
+            if abs(exp) > MAX_INT_EXPONENT:
+                raise LatexParseError("exponent too large")
+            if base.is_Rational:
+                bits = max(abs(base.p).bit_length(), base.q.bit_length())
+                if bits * abs(float(exp)) > MAX_RESULT_BITS:
+                    raise LatexParseError("power too large")
+        elif base.is_Number and abs(base) != 1 and exp.is_number:
+            try:
+                if abs(complex(exp)) > MAX_INT_EXPONENT:
+                    raise LatexParseError("exponent too large")
+            except (TypeError, ValueError):
+                raise LatexParseError("unsupported exponent") from None
+        if base == 0 and exp.is_Number and exp < 0:
+            raise LatexParseError("division by zero")
+        return sympy.Pow(base, exp)
+
+    def exponent(self) -> sympy.Basic:
+        t = self.peek()
+        if t == ("OP", "{"):
+            return self.group()
+        if t == ("OP", "-"):
+            self.take()
+            return -self.exponent()
+        if t[0] == "NUM":  # x^23 is x^{2}3 in LaTeX
+            self.take()
+            if len(t[1]) > 1 and t[1][0] != ".":
+                self.toks.insert(self.i, ("NUM", t[1][1:]))
+            return self.number(t[1][0])
+        return self.postfix()
+
+    def postfix(self) -> sympy.Basic:
+        value = self.atom()
+        while self.peek() == ("OP", "!"):
+            self.take()
+            if not (value.is_Integer and 0 <= value <= MAX_FACTORIAL):
+                raise LatexParseError("factorial of a non-integer or too large a number")
+            value = sympy.factorial(value)
+        return value
+
+    def number(self, text: str) -> sympy.Basic:
+        f = Fraction(text)  # digits and one '.', checked by the tokenizer
+        return sympy.Rational(f.numerator, f.denominator)
+
+    def group(self) -> sympy.Basic:
+        self.expect_op("{")
+        self.enter()
+        value = self.expr()
+        self.expect_op("}")
+        self.depth -= 1
+        return value
+
+    def frac_arg(self) -> sympy.Basic:
+        t = self.peek()
+        if t == ("OP", "{"):
+            return self.group()
+        if t[0] == "NUM":  # \frac12
+            self.take()
+            if len(t[1]) > 1:
+                self.toks.insert(self.i, ("NUM", t[1][1:]))
+            return self.number(t[1][0])
+        if t[0] == "LETTER":
+            self.take()
+            return sympy.Symbol(t[1])
+        raise LatexParseError("malformed \\frac")
+
+    def symbol(self, name: str) -> sympy.Basic:
+        if self.peek() == ("OP", "_"):
+            self.take()
+            t = self.take()
+            if t == ("OP", "{"):
+                parts = []
+                while self.peek() != ("OP", "}"):
+                    k, v = self.take()
+                    if k not in ("NUM", "LETTER"):
+                        raise LatexParseError("unsupported subscript")
+                    parts.append(v)
+                self.take()
+                sub = "".join(parts)
+            elif t[0] in ("NUM", "LETTER"):
+                sub = t[1][0]
+                if t[0] == "NUM" and len(t[1]) > 1:
+                    self.toks.insert(self.i, ("NUM", t[1][1:]))
+            else:
+                raise LatexParseError("unsupported subscript")
+            name = f"{name}_{sub}"
+        return sympy.Symbol(name)
+
+    def function_call(self, name: str) -> sympy.Basic:
+        fn = _FUNCS[name]
+        base = None
+        if name == "log" and self.peek() == ("OP", "_"):
+            self.take()
+            base = self.group() if self.peek() == ("OP", "{") else self.atom()
+        power = None
+        if self.peek() == ("OP", "^"):  # \sin^2 x
+            self.take()
+            power = self.exponent()
+        if self.peek() == ("OP", "("):
+            self.take()
+            self.enter()
+            arg = self.expr()
+            self.expect_op(")")
+            self.depth -= 1
+        elif self.peek() == ("OP", "{"):
+            arg = self.group()
+        else:
+            arg = self.power()
+        value = fn(arg) if base is None else sympy.log(arg, base)
+        return self._pow(value, power) if power is not None else value
+
+    def atom(self) -> sympy.Basic:
+        self.enter()
+        try:
+            kind, val = self.take()
+            if kind == "NUM":
+                return self.number(val)
+            if kind == "LETTER":
+                return self.symbol(val)
+            if kind == "OP" and val == "(":
+                value = self.expr()
+                self.expect_op(")")
+                return value
+            if kind == "OP" and val == "{":
+                value = self.expr()
+                self.expect_op("}")
+                return value
+            if kind == "OP" and val == "|":
+                self.abs_depth += 1
+                value = self.expr()
+                self.abs_depth -= 1
+                self.expect_op("|")
+                return sympy.Abs(value)
+            if kind == "CMD":
+                if val == "frac":
+                    num = self.frac_arg()
+                    den = self.frac_arg()
+                    if den == 0:
+                        raise LatexParseError("division by zero")
+                    return num / den
+                if val == "binom":
+                    n, k = self.frac_arg(), self.frac_arg()
+                    if not (n.is_Integer and k.is_Integer and 0 <= k <= n <= 1000):
+                        raise LatexParseError("unsupported \\binom")
+                    return sympy.binomial(n, k)
+                if val == "sqrt":
+                    index = None
+                    if self.peek() == ("OP", "["):
+                        self.take()
+                        index = self.expr()
+                        self.expect_op("]")
+                        if not (index.is_Integer and 2 <= index <= MAX_INT_EXPONENT):
+                            raise LatexParseError("unsupported root index")
+                    arg = self.group() if self.peek() == ("OP", "{") else self.postfix()
+                    return sympy.sqrt(arg) if index is None else sympy.root(arg, index)
+                if val == "pi":
+                    return sympy.pi
+                if val == "infty":
+                    return sympy.oo
+                if val in _GREEK:
+                    return self.symbol(val)
+                if val in _FUNCS:
+                    return self.function_call(val)
+            raise LatexParseError(f"unexpected {val!r}")
+        finally:
+            self.depth -= 1
+
+
+def parse_latex(text: str) -> ParsedAnswer:
+    """Parse an answer string; raises LatexParseError if it is outside the supported subset."""
+    if not isinstance(text, str):
+        raise LatexParseError(f"expected a string, got {type(text).__name__}")
+    if len(text) > MAX_INPUT_CHARS:
+        raise LatexParseError("answer too long")
+    norm, percent = normalize_latex(text)
+    if not norm:
+        raise LatexParseError("empty answer")
+    tokens = _tokenize(norm)
+    try:
+        value = _Parser(tokens).parse_top()
+    except RecursionError:
+        raise LatexParseError("nesting too deep") from None
+    except (TypeError, ZeroDivisionError, ArithmeticError) as e:
+        raise LatexParseError(f"cannot build the expression: {type(e).__name__}") from None
+    return ParsedAnswer(value, percent)

@@ -1,0 +1,149 @@
+"""Score completions with the configured verifiers: weighted sums, per-reward values, and counted
+failures.
+
+`RewardManager(cfg.rewards, timeout_s=..., num_workers=...)` turns each `[[rl.rewards]]` table into
+one verifier call per completion, runs all calls of a batch through the `RewardWorkerPool`, and
+sums `weight * value` per completion. A call that times out or raises scores 0 for that verifier
+only; it is counted (`num_timeouts`, `num_errors`, exposed as metrics) and logged — the first few
+per verifier in full, then every 100th — so a broken verifier is visible without flooding the log.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+from megatron_vlm.rl.rewards.config import CustomRewardConfig
+from megatron_vlm.rl.rewards.pool import RewardCall, RewardWorkerPool
+
+__all__ = ["RewardBatch", "RewardManager"]
+
+logger = logging.getLogger(__name__)
+_LOG_FIRST = 5
+_LOG_EVERY = 100
+
+
+@dataclass
+class RewardBatch:
+    total: list[float]
+    """Weighted sum per completion."""
+    per_reward: dict[str, list[float]]
+    """Unweighted value of each verifier (by label) per completion."""
+    timeouts: int = 0
+    """Verifier calls of this batch that timed out."""
+    errors: int = 0
+    """Verifier calls of this batch that raised (or whose worker died)."""
+
+
+def _call_spec(cfg: Any) -> tuple[str, Optional[str], dict]:
+    if isinstance(cfg, CustomRewardConfig):
+        return "custom", cfg.function, dict(cfg.kwargs)
+    skip = {"type", "weight", "name"}
+    options = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in skip}
+    return cfg.type, None, options
+
+
+class RewardManager:
+    """Runs the reward verifiers of one run. Not thread-safe; one per scoring process."""
+
+    def __init__(self, rewards: Sequence[Any], *, timeout_s: float = 10.0, num_workers: int = 2, start_method: str = "spawn"):
+        if not rewards:
+            raise ValueError("rewards: at least one reward config is required")
+        self.rewards = list(rewards)
+        self.labels = [r.label() for r in self.rewards]
+        if len(set(self.labels)) != len(self.labels):
+            raise ValueError(f"rewards: duplicate labels {self.labels}; give each a distinct name")
+        self._specs = [_call_spec(r) for r in self.rewards]
+        custom = sorted({fn for verifier, fn, _ in self._specs if verifier == "custom"})
+        self.pool = RewardWorkerPool(num_workers=num_workers, timeout_s=timeout_s, start_method=start_method, preload=custom)
+        self.num_calls = 0
+        self.num_timeouts = 0
+        self.num_errors = 0
+        self._fail_counts: dict[str, int] = {}
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def __enter__(self) -> "RewardManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def score(
+        self,
+        completions: Sequence[str],
+        answers: Sequence[str],
+        prompts: Optional[Sequence[str]] = None,
+        metadata: Optional[Sequence[Optional[Mapping[str, Any]]]] = None,
+        *,
+        only: Optional[Sequence[str]] = None,
+    ) -> RewardBatch:
+        """Score completion i against answers[i] (prompts / metadata optional, same length).
+
+        `only` restricts scoring to these reward labels (e.g. the accuracy reward at evaluation); the
+        total then sums only those."""
+        n = len(completions)
+        for name, seq in (("answers", answers), ("prompts", prompts), ("metadata", metadata)):
+            if seq is not None and len(seq) != n:
+                raise ValueError(f"{name}: {len(seq)} entries for {n} completions")
+        active = list(range(len(self.rewards)))
+        if only is not None:
+            unknown = [x for x in only if x not in self.labels]
+            if unknown:
+                raise ValueError(f"only: unknown reward labels {unknown}; configured: {self.labels}")
+            active = [k for k in active if self.labels[k] in only]
+        calls = []
+        for k in active:
+            verifier, function, options = self._specs[k]
+            for i in range(n):
+                completion = completions[i]
+                calls.append(RewardCall(
+                    verifier=verifier,
+                    function=function,
+                    options=options,
+                    completion=completion if isinstance(completion, str) else str(completion),
+                    answer=str(answers[i]),
+                    prompt=str(prompts[i]) if prompts is not None else "",
+                    metadata=dict(metadata[i]) if metadata is not None and metadata[i] is not None else None,
+                ))
+        results = self.pool.map(calls)
+        total = [0.0] * n
+        per_reward: dict[str, list[float]] = {}
+        timeouts = errors = 0
+        for j, k in enumerate(active):
+            label, weight = self.labels[k], self.rewards[k].weight
+            values = []
+            for i in range(n):
+                res = results[j * n + i]
+                if res.status != "ok":
+                    if res.status == "timeout":
+                        timeouts += 1
+                    else:
+                        errors += 1
+                    self._warn(label, i, res.status, res.detail)
+                values.append(res.value)
+                total[i] += weight * res.value
+            per_reward[label] = values
+        self.num_calls += len(calls)
+        self.num_timeouts += timeouts
+        self.num_errors += errors
+        return RewardBatch(total=total, per_reward=per_reward, timeouts=timeouts, errors=errors)
+
+    def _warn(self, label: str, index: int, status: str, detail: str) -> None:
+        c = self._fail_counts[label] = self._fail_counts.get(label, 0) + 1
+        if c <= _LOG_FIRST or c % _LOG_EVERY == 0:
+            logger.warning(
+                "reward %r on completion %d: %s (%s) -> reward 0; %d failed calls of %r so far",
+                label, index, status, detail, c, label,
+            )
+
+    def metrics(self) -> dict[str, float]:
+        """Cumulative failure counters (for the step metrics)."""
+        return {
+            "reward/calls": float(self.num_calls),
+            "reward/timeouts": float(self.num_timeouts),
+            "reward/errors": float(self.num_errors),
+            "reward/worker_restarts": float(self.pool.restarts),
+        }

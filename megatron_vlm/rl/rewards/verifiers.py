@@ -1,0 +1,189 @@
+"""Built-in reward verifiers: math, multiple choice, format and exact match.
+
+Every verifier has the signature `fn(completion, answer, *, prompt="", metadata=None, **options)
+-> float` (the options are the fields of its `[[rl.rewards]]` table) and returns a score in
+[0, 1]. They are pure functions of their text arguments, run inside reward worker processes
+(rl/rewards/pool.py) and never evaluate the completion: extraction is string scanning and math goes
+through our own LaTeX parser.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping, Optional, Sequence
+
+from megatron_vlm.rl.rewards.extract import MAX_ANSWER_CHARS, extract_answer, last_boxed, strip_math_delimiters
+from megatron_vlm.rl.rewards.math_equiv import math_equal, normalize_text
+
+__all__ = ["math_reward", "choice_reward", "format_reward", "exact_match_reward", "parse_choices", "BUILTIN_VERIFIERS"]
+
+
+def math_reward(
+    completion: str,
+    answer: str,
+    *,
+    prompt: str = "",
+    metadata: Optional[Mapping[str, Any]] = None,
+    fallback_last_number: bool = False,
+    rel_tol: float = 1e-6,
+    answer_tag: Optional[str] = None,
+) -> float:
+    """1.0 if the completion's final answer is mathematically equal to the reference, else 0.0."""
+    pred = extract_answer(completion, answer_tag=answer_tag, fallback_last_number=fallback_last_number)
+    if pred is None:
+        return 0.0
+    return 1.0 if math_equal(pred, str(answer), rel_tol=rel_tol) else 0.0
+
+
+# --- multiple choice --------------------------------------------------------------------------------
+
+_OPTION_LINE = re.compile(r"^\s*\(?([A-Za-z])\s*[).:：]\s*(.+?)\s*$")
+_LETTER_ANSWER = re.compile(r"^\(?\s*(?:option|choice)?\s*\(?([A-Za-z])\s*\)?\s*[.:)]?(?:\s+(.*))?$", re.IGNORECASE)
+
+
+def parse_choices(prompt: str, letters: str) -> dict[str, str]:
+    """Options written one per line in the prompt ("A. 3", "(B) 5 cm", "C: 7") -> {letter: text}."""
+    out: dict[str, str] = {}
+    for line in prompt.splitlines():
+        m = _OPTION_LINE.match(line)
+        if m and m.group(1).upper() in letters and m.group(1).upper() not in out:
+            out[m.group(1).upper()] = m.group(2)
+    # inline "A. 3 B. 5 C. 7" on one line
+    if len(out) < 2:
+        parts = re.split(r"(?:^|\s)\(?([A-J])[).:]\s+", prompt)
+        if len(parts) >= 5:
+            inline = {}
+            for letter, text in zip(parts[1::2], parts[2::2]):
+                if letter in letters and letter not in inline:
+                    inline[letter] = text.strip()
+            if len(inline) >= 2:
+                out = inline
+    return out
+
+
+def _choice_letter(text: str, letters: str, options: Mapping[str, str]) -> Optional[str]:
+    t = strip_math_delimiters(text.strip())
+    t = re.sub(r"\\(?:text|textbf|mathrm|mathbf)\s*\{([^{}]*)\}", r"\1", t).strip().strip("*").strip()
+    if not t:
+        return None
+    m = _LETTER_ANSWER.match(t)
+    if m and m.group(1).upper() in letters.upper():
+        letter = m.group(1).upper()
+        # a single capital letter, "(b)", "Option C", "B. 5 cm" (then the text, if any, must agree)
+        if (len(t) == 1 or m.group(1).isupper() or t.startswith("(") or t.lower().startswith(("option", "choice"))):
+            tail = m.group(2)
+            if tail and letter in options and normalize_text(tail) != normalize_text(options[letter]):
+                return None
+            return letter
+    norm = normalize_text(t)
+    for letter, opt in options.items():
+        if normalize_text(opt) == norm:
+            return letter
+    return None
+
+
+def choice_reward(
+    completion: str,
+    answer: str,
+    *,
+    prompt: str = "",
+    metadata: Optional[Mapping[str, Any]] = None,
+    letters: str = "ABCDEFGHIJ",
+) -> float:
+    """1.0 if the chosen option (letter or option text) is the reference option, else 0.0.
+
+    Options come from `metadata["choices"]` (a list, lettered in order) or from the prompt's lines."""
+    letters = letters.upper()
+    choices: Sequence[str] | None = (metadata or {}).get("choices") if metadata else None
+    if choices:
+        options = {letters[i]: str(c) for i, c in enumerate(choices) if i < len(letters)}
+    else:
+        options = parse_choices(prompt or "", letters)
+    gold_text = str(answer)
+    gold = _choice_letter(last_boxed(gold_text) or gold_text, letters, options)
+    pred_text = extract_answer(completion)
+    if pred_text is None:
+        # a bare final line such as "B" or "(B) 5 cm"
+        lines = [ln for ln in completion.strip().splitlines() if ln.strip()]
+        pred_text = lines[-1] if lines and len(lines[-1]) <= MAX_ANSWER_CHARS else None
+    if pred_text is None:
+        return 0.0
+    pred = _choice_letter(pred_text, letters, options)
+    if gold is None:  # the reference is not an option: compare texts
+        return 1.0 if normalize_text(pred_text) == normalize_text(gold_text) else 0.0
+    return 1.0 if pred == gold else 0.0
+
+
+# --- format -------------------------------------------------------------------------------------------
+
+
+def format_reward(
+    completion: str,
+    answer: str = "",
+    *,
+    prompt: str = "",
+    metadata: Optional[Mapping[str, Any]] = None,
+    think_start: str = "<think>",
+    think_end: str = "</think>",
+    answer_start: Optional[str] = None,
+    answer_end: Optional[str] = None,
+    require_boxed: bool = False,
+) -> float:
+    """1.0 if the completion is a non-empty reasoning block followed by a non-empty answer."""
+    text = completion.strip()
+    if think_start:
+        if not text.startswith(think_start) or text.count(think_start) != 1:
+            return 0.0
+        text = text[len(think_start):]
+    if text.count(think_end) != 1:
+        return 0.0
+    reasoning, rest = text.split(think_end, 1)
+    if not reasoning.strip():
+        return 0.0
+    rest = rest.strip()
+    if answer_start is not None and answer_end is not None:
+        if not (rest.startswith(answer_start) and rest.endswith(answer_end)) or rest.count(answer_start) != 1:
+            return 0.0
+        rest = rest[len(answer_start):len(rest) - len(answer_end)].strip()
+    if not rest:
+        return 0.0
+    if require_boxed and last_boxed(rest) is None:
+        return 0.0
+    return 1.0
+
+
+# --- exact match ---------------------------------------------------------------------------------------
+
+
+def _norm_exact(s: str, case_sensitive: bool) -> str:
+    s = strip_math_delimiters(" ".join(s.split()))
+    s = s.rstrip(".").strip()
+    return s if case_sensitive else s.casefold()
+
+
+def exact_match_reward(
+    completion: str,
+    answer: str,
+    *,
+    prompt: str = "",
+    metadata: Optional[Mapping[str, Any]] = None,
+    case_sensitive: bool = False,
+    extract: bool = True,
+) -> float:
+    """1.0 if the (extracted) answer equals the reference after whitespace / case normalisation."""
+    if extract:
+        pred = extract_answer(completion)
+        if pred is None:
+            lines = [ln for ln in completion.strip().splitlines() if ln.strip()]
+            pred = lines[-1] if lines else ""
+    else:
+        pred = completion
+    gold = last_boxed(str(answer)) or str(answer)
+    return 1.0 if _norm_exact(pred, case_sensitive) == _norm_exact(gold, case_sensitive) else 0.0
+
+
+BUILTIN_VERIFIERS = {
+    "math": math_reward,
+    "choice": choice_reward,
+    "format": format_reward,
+    "exact_match": exact_match_reward,
+}

@@ -1,0 +1,41 @@
+"""Custom reward functions used by the reward-pool tests (imported by dotted path inside the
+reward worker processes; not a test module)."""
+import os
+import sys
+import time
+
+
+def length_bonus(completion, answer, *, prompt="", metadata=None, scale=1.0):
+    return scale * min(len(completion), 10) / 10
+
+
+def uses_metadata(completion, answer, *, prompt="", metadata=None):
+    return float(metadata["bonus"]) if metadata else -1.0
+
+
+def hang(completion, answer, **kwargs):
+    if completion == "hang":
+        while True:
+            time.sleep(0.05)
+    return 1.0
+
+
+def boom(completion, answer, **kwargs):
+    raise RuntimeError(f"verifier bug on {completion!r}")
+
+
+def exit_call(completion, answer, **kwargs):
+    sys.exit(3)
+
+
+def hard_crash(completion, answer, **kwargs):
+    if completion == "crash":
+        os._exit(7)
+    return 0.5
+
+
+def not_a_number(completion, answer, **kwargs):
+    return float("nan")
+
+
+NOT_CALLABLE = 3

@@ -1,0 +1,103 @@
+"""Reward worker pool and manager: weighted sums per verifier, custom functions by dotted path, and
+failure handling — a hanging verifier times out (its worker is replaced and later calls still run),
+a raising / exiting / crashing verifier gives 0 and is counted, never a stall or an exception."""
+import logging
+import time
+
+import pytest
+
+from megatron_vlm.rl.rewards.config import CustomRewardConfig, FormatRewardConfig, MathRewardConfig
+from megatron_vlm.rl.rewards.manager import RewardManager
+from megatron_vlm.rl.rewards.pool import RewardCall, RewardWorkerPool
+
+FNS = "rl_reward_fns_for_tests"
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RewardWorkerPool(num_workers=2, timeout_s=2.0) as p:
+        yield p
+
+
+def test_builtin_and_custom_calls(pool):
+    calls = [
+        RewardCall("math", "so \\boxed{\\frac{6}{4}}", "1.5"),
+        RewardCall("math", "so \\boxed{2}", "1.5"),
+        RewardCall("custom", "abcde", "", function=f"{FNS}.length_bonus", options={"scale": 2.0}),
+        RewardCall("custom", "x", "", metadata={"bonus": 0.25}, function=f"{FNS}.uses_metadata"),
+        RewardCall("format", "<think>a</think>b", ""),
+    ]
+    res = pool.map(calls)
+    assert [r.status for r in res] == ["ok"] * 5
+    assert [r.value for r in res] == [1.0, 0.0, 1.0, 0.25, 1.0]
+
+
+def test_errors_become_zero_with_reason(pool):
+    calls = [
+        RewardCall("custom", "a", "", function=f"{FNS}.boom"),
+        RewardCall("custom", "a", "", function=f"{FNS}.exit_call"),
+        RewardCall("custom", "a", "", function=f"{FNS}.not_a_number"),
+        RewardCall("custom", "a", "", function=f"{FNS}.NOT_CALLABLE"),
+        RewardCall("custom", "a", "", function="no_such_module_xyz.fn"),
+        RewardCall("nope", "a", ""),
+        RewardCall("math", "\\boxed{1}", "1"),
+    ]
+    res = pool.map(calls)
+    assert [r.status for r in res] == ["error"] * 6 + ["ok"]
+    assert all(r.value == 0.0 for r in res[:6])
+    assert "RuntimeError: verifier bug" in res[0].detail
+    assert "SystemExit" in res[1].detail
+    assert "non-finite" in res[2].detail
+    assert "not a callable" in res[3].detail and "cannot import" in res[4].detail
+    assert "unknown reward verifier" in res[5].detail
+
+
+def test_hanging_verifier_times_out_and_pool_recovers(pool):
+    restarts = pool.restarts
+    calls = [RewardCall("custom", c, "", function=f"{FNS}.hang") for c in ("ok", "hang", "ok", "hang", "ok", "ok")]
+    t0 = time.monotonic()
+    res = pool.map(calls)
+    elapsed = time.monotonic() - t0
+    assert [r.status for r in res] == ["ok", "timeout", "ok", "timeout", "ok", "ok"]
+    assert res[1].value == 0.0 and "2s" in res[1].detail
+    assert pool.restarts == restarts + 2
+    assert elapsed < 60  # bounded: two timeouts of 2 s plus worker restarts, never a stall
+    # the replaced workers serve later calls
+    assert [r.status for r in pool.map([RewardCall("math", "\\boxed{2}", "2")] * 4)] == ["ok"] * 4
+
+
+def test_crashing_worker_is_replaced(pool):
+    calls = [RewardCall("custom", c, "", function=f"{FNS}.hard_crash") for c in ("a", "crash", "b")]
+    res = pool.map(calls)
+    assert [r.status for r in res] == ["ok", "error", "ok"]
+    assert "died (exit code 7)" in res[1].detail
+
+
+def test_manager_weighted_sum_counts_and_warns(caplog):
+    rewards = [
+        MathRewardConfig(),
+        FormatRewardConfig(weight=0.5),
+        CustomRewardConfig(name="flaky", weight=2.0, function=f"{FNS}.hang"),
+    ]
+    completions = ["<think>r</think> \\boxed{4}", "\\boxed{5}", "hang"]
+    with caplog.at_level(logging.WARNING), RewardManager(rewards, timeout_s=1.5, num_workers=2) as m:
+        batch = m.score(completions, ["4", "4", "4"], prompts=["p"] * 3)
+        assert batch.per_reward == {"math": [1.0, 0.0, 0.0], "format": [1.0, 0.0, 0.0], "flaky": [1.0, 1.0, 0.0]}
+        assert batch.total == [1.0 + 0.5 + 2.0, 2.0, 0.0]
+        assert batch.timeouts == 1 and batch.errors == 0
+        only = m.score(completions[:2], ["4", "4"], only=["math"])
+        assert only.total == [1.0, 0.0] and list(only.per_reward) == ["math"]
+        assert m.metrics()["reward/timeouts"] == 1.0 and m.metrics()["reward/calls"] == 11.0
+        with pytest.raises(ValueError, match="answers: 1 entries for 2"):
+            m.score(["a", "b"], ["x"])
+        with pytest.raises(ValueError, match="unknown reward labels"):
+            m.score(["a"], ["x"], only=["nope"])
+    assert any("'flaky' on completion 2: timeout" in r.getMessage() for r in caplog.records)
+
+
+def test_bad_pool_arguments():
+    with pytest.raises(ValueError, match="num_workers"):
+        RewardWorkerPool(num_workers=0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        RewardWorkerPool(timeout_s=0)
+    assert RewardWorkerPool().map([]) == []

@@ -1,10 +1,11 @@
 """Multi-head self-attention shared by the language decoders and the vision towers.
 
 Covers what the supported families need: grouped-query attention (num_kv_heads divides
-num_heads), optional bias on q/k/v and on the output projection, optional per-head RMSNorm of q and
-k (Qwen3-style QK-norm, applied before the rotary), rotary angles given per token by the caller
-(1-D, M-RoPE or 2-D vision; applied with `kernels.apply_rotary`), and every attention call through
-`kernels.attention`:
+num_heads), optional bias on q/k/v and on the output projection, optional RMSNorm of q and
+k (Qwen3-style QK-norm per head, applied before the rotary; or over the full q / k width with
+`qk_norm_per_head=False`, as InternViT does), rotary angles given per token by the caller (1-D,
+M-RoPE or 2-D vision; applied with `kernels.apply_rotary`; `cos=None` skips the rotary for
+encoders with absolute position embeddings), and every attention call through `kernels.attention`:
 
 * batched x `[B, S, hidden]` with an optional `key_padding_mask` `[B, S]` (True = real token);
 * packed x `[T, hidden]` with `cu_seqlens` (no attention across samples / frames / windows);
@@ -37,6 +38,7 @@ class Attention(nn.Module):
         o_bias: bool = False,
         causal: bool = True,
         qk_norm_eps: Optional[float] = None,
+        qk_norm_per_head: bool = True,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -47,17 +49,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.qk_norm_per_head = qk_norm_per_head
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(head_dim, eps=qk_norm_eps)
-            self.k_norm = RMSNorm(head_dim, eps=qk_norm_eps)
+            self.q_norm = RMSNorm(head_dim if qk_norm_per_head else num_heads * head_dim, eps=qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim if qk_norm_per_head else num_kv_heads * head_dim, eps=qk_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos: Optional[torch.Tensor],
+        sin: Optional[torch.Tensor],
         *,
         cu_seqlens: Optional[torch.Tensor] = None,
         max_seqlen: Optional[int] = None,
@@ -65,15 +68,19 @@ class Attention(nn.Module):
         kv_cache=None,
         layer_idx: Optional[int] = None,
     ) -> torch.Tensor:
-        """x [B, S, hidden] or packed [T, hidden]; cos / sin per token [..., head_dim] (fp32)."""
+        """x [B, S, hidden] or packed [T, hidden]; cos / sin per token [..., head_dim] (fp32), or None (no rotary)."""
         lead = x.shape[:-1]
-        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None and not self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = kernels.apply_rotary(q, cos, sin)
-        k = kernels.apply_rotary(k, cos, sin)
+        q = q.view(*lead, self.num_heads, self.head_dim)
+        k = k.view(*lead, self.num_kv_heads, self.head_dim)
+        v = v.view(*lead, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.qk_norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cos is not None:
+            q = kernels.apply_rotary(q, cos, sin)
+            k = kernels.apply_rotary(k, cos, sin)
         if kv_cache is not None:
             if cu_seqlens is not None:
                 raise ValueError("Attention: a KV cache works with batched [B, S] input, not packed cu_seqlens")

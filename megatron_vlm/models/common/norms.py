@@ -1,7 +1,9 @@
-"""RMSNorm module over the last dimension, computed by `megatron_vlm.kernels.rms_norm`.
+"""Norm modules over the last dimension: `RMSNorm` (`megatron_vlm.kernels.rms_norm`) and
+`LayerNorm` (`megatron_vlm.kernels.layer_norm`; weight and bias, as `nn.LayerNorm`).
 
-The weight starts at ones (as in transformers); `eps` comes from the config (`rms_norm_eps`) or
-the family's fixed value (1e-6 in the Qwen vision towers).
+Weights start at ones and biases at zeros (as in transformers); `eps` comes from the config
+(`rms_norm_eps`, `layer_norm_eps`) or the family's fixed value (1e-6 in the Qwen vision towers,
+PyTorch's 1e-5 in the InternVL projector). Parameter names (`weight`, `bias`) match `nn.LayerNorm`.
 """
 from __future__ import annotations
 
@@ -25,3 +27,24 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with affine weight and (optional) bias; used by the Qwen3-VL and InternViT vision towers."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, *, bias: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size)) if bias else None
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.layer_norm(x, self.weight, self.bias, self.eps)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, bias={self.bias is not None}"

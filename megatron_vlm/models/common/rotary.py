@@ -1,4 +1,5 @@
-"""Rotary angle tables: 1-D RoPE, M-RoPE (3-D t/h/w sections) and the 2-D rotary of vision towers.
+"""Rotary angle tables: 1-D RoPE, M-RoPE (3-D t/h/w sections, chunked or interleaved) and the 2-D
+rotary of vision towers.
 
 All functions return per-token `(cos, sin)` of width `head_dim` in the rotate-half layout
 (`cat(f, f)`), which is what `megatron_vlm.kernels.apply_rotary` takes for `x` laid out
@@ -25,21 +26,35 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tup
 
 
 def mrope_cos_sin(
-    position_ids: torch.Tensor, head_dim: int, theta: float, mrope_section: Sequence[int]
+    position_ids: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    mrope_section: Sequence[int],
+    *,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """M-RoPE: position_ids [3, ...] (temporal, height, width) -> cos, sin [..., head_dim] (fp32).
 
-    The head_dim/2 frequencies are split into `mrope_section` = (s_t, s_h, s_w) consecutive chunks;
-    chunk j takes its angle from position row j. Text tokens have equal rows, so this reduces to
-    plain RoPE there.
+    Chunked (Qwen2-VL / Qwen2.5-VL, default): the head_dim/2 frequencies are split into
+    `mrope_section` = (s_t, s_h, s_w) consecutive chunks; chunk j takes its angle from position row j.
+    Interleaved (Qwen3-VL): frequency i takes row 1 (height) when i % 3 == 1 and i < 3 * s_h, row 2
+    (width) when i % 3 == 2 and i < 3 * s_w, and row 0 (temporal) otherwise, so every axis spans low
+    and high frequencies. Text tokens have equal rows, so both reduce to plain RoPE there.
     """
     if position_ids.shape[0] != 3:
         raise ValueError(f"mrope_cos_sin: position_ids must be [3, ...], got {tuple(position_ids.shape)}")
     if sum(mrope_section) != head_dim // 2:
         raise ValueError(f"mrope_cos_sin: mrope_section {list(mrope_section)} does not sum to head_dim/2 = {head_dim // 2}")
     freqs = position_ids[..., None].float() * rope_inv_freq(head_dim, theta, position_ids.device)  # [3, ..., D/2]
-    chunks = freqs.split(list(mrope_section), dim=-1)
-    freqs = torch.cat([chunk[j] for j, chunk in enumerate(chunks)], dim=-1)  # [..., D/2]
+    if interleaved:
+        idx = torch.arange(head_dim // 2, device=position_ids.device)
+        row = torch.zeros_like(idx)
+        row[(idx % 3 == 1) & (idx < 3 * mrope_section[1])] = 1
+        row[(idx % 3 == 2) & (idx < 3 * mrope_section[2])] = 2
+        freqs = freqs.gather(0, row.expand(freqs.shape[1:]).unsqueeze(0)).squeeze(0)  # [..., D/2]
+    else:
+        chunks = freqs.split(list(mrope_section), dim=-1)
+        freqs = torch.cat([chunk[j] for j, chunk in enumerate(chunks)], dim=-1)  # [..., D/2]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 

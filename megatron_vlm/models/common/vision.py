@@ -1,6 +1,6 @@
 """Building blocks of the Qwen-style vision towers (Qwen2.5-VL, reused by later Qwen families).
 
-* `VisionPatchEmbed`: the Conv3d patchifier written as the Linear it is (stride == kernel), over
+* `VisionPatchEmbed`: the Conv3d patchifier (bias optional) written as the Linear it is (stride == kernel), over
   the processor's flattened patches `[N, C * temporal_patch * patch * patch]` (channel-major, the
   Conv3d weight flattening order). The state-dict adapter reshapes the HF Conv3d weight.
 * `VisionBlock`: pre-norm ViT block: RMSNorm -> bidirectional attention (2-D rotary, per-segment
@@ -92,10 +92,12 @@ def vision_window_index(
 class VisionPatchEmbed(nn.Module):
     """Linear patchifier: [N, C * T_p * P * P] -> [N, hidden]."""
 
-    def __init__(self, in_channels: int, temporal_patch_size: int, patch_size: int, hidden_size: int) -> None:
+    def __init__(
+        self, in_channels: int, temporal_patch_size: int, patch_size: int, hidden_size: int, *, bias: bool = False
+    ) -> None:
         super().__init__()
         self.patch_dim = in_channels * temporal_patch_size * patch_size * patch_size
-        self.proj = nn.Linear(self.patch_dim, hidden_size, bias=False)
+        self.proj = nn.Linear(self.patch_dim, hidden_size, bias=bias)  # Qwen2.5-VL: no bias; Qwen3-VL: bias
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         if pixel_values.shape[-1] != self.patch_dim:

@@ -24,9 +24,21 @@ import triton
 import triton.language as tl
 
 from ..reference.attention import check_attention_inputs, normalize_window
-from .common import check_device
+from .common import check_device, to_dtype
 
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """tl.dot; UPCAST_DOT works around the Triton 3.9 interpreter multiplying bf16 operands as their
+    raw uint16 bits (interpreter.py create_dot): exact here, since bf16 products fit in fp32."""
+    if UPCAST_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif DOT_PRECISION == "ieee":
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
 
 
 @triton.jit
@@ -74,6 +86,7 @@ def _attention_fwd_kernel(
     qk_scale, left, right,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KPM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
@@ -107,7 +120,7 @@ def _attention_fwd_kernel(
             K + (k_start + cols)[None, :] * stride_kt + hk * stride_kh + offs_d[:, None],
             mask=mask_n[None, :] & mask_d[:, None], other=0.0,
         )
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        s = _dot(q, kt, DOT_PRECISION, UPCAST_DOT) * qk_scale
         vis = _visible(rows, cols, diag, k_len, left, right)
         if HAS_KPM:
             keep = tl.load(KPM + b * stride_kpm_b + cols, mask=mask_n, other=0)
@@ -122,14 +135,14 @@ def _attention_fwd_kernel(
             V + (k_start + cols)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :], other=0.0,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + _dot(to_dtype(p, v.dtype), v, DOT_PRECISION, UPCAST_DOT)
         m_i = m_new
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     tl.store(
         O + (q_start + rows)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-        out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :],
+        to_dtype(out, O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :],
     )
     lse = tl.where(empty, float("inf"), m_i + tl.math.log2(l_safe))
     tl.store(LSE + h * stride_lse_h + q_start + rows, lse, mask=mask_m)
@@ -144,6 +157,7 @@ def _attention_bwd_kernel(
     qk_scale, sm_scale, left, right,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KPM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
     """dK, dV for one key block of one KV head, summed over the GROUP query heads sharing it."""
     pid_n = tl.program_id(0)
@@ -181,16 +195,16 @@ def _attention_bwd_kernel(
             do = tl.load(DO + (q_start + rows)[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=q_mask, other=0.0)
             lse = tl.load(LSE + h * stride_lse_h + q_start + rows, mask=mask_m, other=float("inf"))
             delta = tl.load(DELTA + h * stride_lse_h + q_start + rows, mask=mask_m, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale
             vis = _visible(rows, cols, diag, k_len, left, right) & keep[None, :] & mask_m[:, None]
             p = tl.where(vis, tl.math.exp2(s - lse[:, None]), 0.0)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            dv += _dot(tl.trans(to_dtype(p, do.dtype)), do, DOT_PRECISION, UPCAST_DOT)
+            dp = _dot(do, tl.trans(v), DOT_PRECISION, UPCAST_DOT)
             ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
+            dk += _dot(tl.trans(to_dtype(ds, q.dtype)), q, DOT_PRECISION, UPCAST_DOT)
     dk = dk * sm_scale
-    tl.store(DK + (k_start + cols)[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + (k_start + cols)[:, None] * stride_dvt + hk * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+    tl.store(DK + (k_start + cols)[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :], to_dtype(dk, DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + (k_start + cols)[:, None] * stride_dvt + hk * stride_dvh + offs_d[None, :], to_dtype(dv, DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
@@ -202,6 +216,7 @@ def _attention_bwd_dq_kernel(
     qk_scale, sm_scale, left, right,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_KPM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
     """dQ for one query block of one query head."""
     pid_m = tl.program_id(0)
@@ -234,17 +249,17 @@ def _attention_bwd_dq_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(K + (k_start + cols)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + (k_start + cols)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale
         vis = _visible(rows, cols, diag, k_len, left, right)
         if HAS_KPM:
             keep = tl.load(KPM + b * stride_kpm_b + cols, mask=mask_n, other=0)
             vis = vis & (keep[None, :] != 0)
         p = tl.where(vis, tl.math.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        dp = _dot(do, tl.trans(v), DOT_PRECISION, UPCAST_DOT)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+        dq += _dot(to_dtype(ds, k.dtype), k, DOT_PRECISION, UPCAST_DOT)
     dq = dq * sm_scale
-    tl.store(DQ + (q_start + rows)[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=q_mask)
+    tl.store(DQ + (q_start + rows)[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :], to_dtype(dq, DQ.dtype.element_ty), mask=q_mask)
 
 
 def _config(q: torch.Tensor, block_d: int) -> dict:
@@ -256,8 +271,13 @@ def _config(q: torch.Tensor, block_d: int) -> dict:
 
 
 def _precision(dtype: torch.dtype) -> str:
-    # fp32 inputs: full-precision dots (tf32 would make fp32 attention less accurate than the reference).
-    return "ieee" if dtype == torch.float32 else "tf32"
+    # fp32 inputs: full-precision dots (tf32 would make fp32 attention less accurate than the reference);
+    # fp16 / bf16: the default (tensor cores, fp32 accumulation).
+    return "ieee" if dtype == torch.float32 else "default"
+
+
+def _upcast_dot(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16)
 
 
 def _kpm_args(kpm: Optional[torch.Tensor], fallback: torch.Tensor):
@@ -284,7 +304,8 @@ def attention_fwd(q, k, v, cu_q, cu_k, kpm, max_q: int, scale: float, left: int,
         lse.stride(0), kpm_stride,
         scale * _LOG2E, left, right,
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, HAS_KPM=has_kpm,
-        DOT_PRECISION=_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        DOT_PRECISION=_precision(q.dtype), UPCAST_DOT=_upcast_dot(q), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return out, lse
 
@@ -305,7 +326,7 @@ def attention_bwd(do, q, k, v, out, lse, cu_q, cu_k, kpm, max_q: int, max_k: int
     kpm_t, kpm_stride, has_kpm = _kpm_args(kpm, cu_q)
     common = dict(
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=block_d, HAS_KPM=has_kpm, DOT_PRECISION=_precision(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        UPCAST_DOT=_upcast_dot(q), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     bm, bn = cfg["dkdv"]
     _attention_bwd_kernel[(triton.cdiv(max(max_k, 1), bn), batch, hkv)](

@@ -32,3 +32,22 @@ def row_block(n: int) -> int:
 
 def num_warps_for(block: int) -> int:
     return 4 if block <= 2048 else (8 if block <= 8192 else 16)
+
+
+import triton.language as tl  # noqa: E402  (kept next to the jit helpers below)
+
+# The Triton 3.9 interpreter converts fp32 -> bf16 by truncation (interpreter.py `_convert_float`
+# without a rounding mode), while GPUs round to nearest even. Truncation biases sums of many
+# rounded terms (e.g. P cast to bf16 before P^T dO), so interpreted kernels round explicitly.
+_EMULATE_BF16_RTNE = tl.constexpr(INTERPRETED_AT_IMPORT)
+
+
+@triton.jit
+def to_dtype(x, DTYPE: tl.constexpr):
+    """x.to(DTYPE) with round-to-nearest-even for bf16 also in the interpreter."""
+    if _EMULATE_BF16_RTNE and DTYPE == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DTYPE)

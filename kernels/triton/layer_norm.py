@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_device, num_warps_for, row_block
+from .common import check_device, to_dtype, num_warps_for, row_block
 
 
 @triton.jit
@@ -40,7 +40,7 @@ def _layer_norm_fwd_kernel(
                 y = y + b
             tl.store(MEAN + row, mean)
             tl.store(RSTD + row, rstd)
-            tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+            tl.store(Y + row * stride_y + cols, to_dtype(y, Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -69,7 +69,7 @@ def _layer_norm_bwd_kernel(
             dw += dy * xhat
             db += dy
             dx = rstd * (dxhat - tl.sum(dxhat, 0) / n_cols - xhat * (tl.sum(dxhat * xhat, 0) / n_cols))
-            tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+            tl.store(DX + row * stride_dx + cols, to_dtype(dx, DX.dtype.element_ty), mask=mask)
     tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=mask)
     tl.store(DB_PARTIAL + pid * n_cols + cols, db, mask=mask)
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_device, num_warps_for, row_block
+from .common import check_device, to_dtype, num_warps_for, row_block
 
 
 @triton.jit
@@ -34,12 +34,12 @@ def _rms_norm_fwd_kernel(
             x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
             if HAS_RESIDUAL:
                 r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+                x = to_dtype((x.to(tl.float32) + r.to(tl.float32)), X.dtype.element_ty)
                 tl.store(S + row * stride_s + cols, x, mask=mask)
             xf = x.to(tl.float32)
             rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
             tl.store(RSTD + row, rstd)
-            tl.store(Y + row * stride_y + cols, (xf * rstd * w).to(Y.dtype.element_ty), mask=mask)
+            tl.store(Y + row * stride_y + cols, to_dtype((xf * rstd * w), Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -64,7 +64,7 @@ def _rms_norm_bwd_kernel(
             dx = rstd * (dxhat - xhat * (tl.sum(dxhat * xhat, 0) / n_cols))
             if HAS_DS_IN:
                 dx += tl.load(DS_IN + row * stride_dsin + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+            tl.store(DX + row * stride_dx + cols, to_dtype(dx, DX.dtype.element_ty), mask=mask)
     tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=mask)
 
 

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ..reference.rotary import expand_cos_sin
-from .common import check_device
+from .common import check_device, to_dtype
 
 
 @triton.jit
@@ -55,7 +55,7 @@ def _rotary_body(
     x = tl.load(base + d[None, :], mask=m2, other=0.0).to(tl.float32)
     xp = tl.load(base + partner[None, :], mask=mask_h[:, None] & rot[None, :], other=0.0).to(tl.float32)
     y = x * cos[None, :] + xp * coef[None, :]
-    tl.store(Y + row * stride_yr + heads[:, None] * stride_yh + d[None, :], y.to(Y.dtype.element_ty), mask=m2)
+    tl.store(Y + row * stride_yr + heads[:, None] * stride_yh + d[None, :], to_dtype(y, Y.dtype.element_ty), mask=m2)
 
 
 @triton.jit

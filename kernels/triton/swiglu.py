@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_device
+from .common import check_device, to_dtype
 
 
 @triton.jit
@@ -19,7 +19,7 @@ def _swiglu_fwd_kernel(G, U, Y, n, BLOCK: tl.constexpr):
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
     y = g * tl.sigmoid(g) * u
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + offs, to_dtype(y, Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -31,8 +31,8 @@ def _swiglu_bwd_kernel(DY, G, U, DG, DU, n, BLOCK: tl.constexpr):
     u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(g)
     silu = g * s
-    tl.store(DG + offs, (dy * u * s * (1.0 + g * (1.0 - s))).to(DG.dtype.element_ty), mask=mask)
-    tl.store(DU + offs, (dy * silu).to(DU.dtype.element_ty), mask=mask)
+    tl.store(DG + offs, to_dtype((dy * u * s * (1.0 + g * (1.0 - s))), DG.dtype.element_ty), mask=mask)
+    tl.store(DU + offs, to_dtype((dy * silu), DU.dtype.element_ty), mask=mask)
 
 
 def _block(t: torch.Tensor) -> int:

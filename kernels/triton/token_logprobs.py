@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..reference.token_logprobs import IGNORE_INDEX, check_token_logprobs_inputs
-from .common import check_device
+from .common import check_device, to_dtype
 
 
 @triton.jit
@@ -82,7 +82,7 @@ def _token_logprobs_bwd_kernel(
         if WITH_ENTROPY:
             dz -= p * (logp + ent) * g_ent
         dz = tl.where(cols == label, dz + g, dz) * inv_temp
-        tl.store(dz_base + cols, dz.to(DZ.dtype.element_ty), mask=mask)
+        tl.store(dz_base + cols, to_dtype(dz, DZ.dtype.element_ty), mask=mask)
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,106 @@
+"""Triton flash attention (interpreted on CPU) against the reference: forward and gradients.
+
+Rule (DESIGN.md §7): the kernel's error against an fp64 reference is at most 2x the error of the
+naive reference computed in the same precision (`upcast=False`: scores, softmax and P @ V
+rounded to the input dtype), plus a small absolute floor. Shapes are awkward on purpose: lengths
+1, 7, 199, varlen batches, GQA / MQA, Sq != Sk, windows, and head dims 64 / 80 (others forward only).
+"""
+import pytest
+import torch
+
+from kernel_checks import assert_within_2x, cu_seqlens, max_err
+from megatron_vlm.kernels.reference.attention import attention as reference
+from megatron_vlm.kernels.triton import attention as triton_attention
+
+FLOOR = {torch.float32: 2e-5, torch.bfloat16: 2e-3}
+
+
+def _check(q, k, v, floor, **kw):
+    """Compare output and dq/dk/dv of the kernel with the fp64 and naive low-precision references."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = triton_attention.attention(*leaves, **kw)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    exact_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    exact = reference(*exact_in, **kw)
+    exact_grads = torch.autograd.grad(exact, exact_in, dout.double())
+    lowp_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    lowp = reference(*lowp_in, upcast=False, **kw)
+    lowp_grads = torch.autograd.grad(lowp, lowp_in, dout)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert_within_2x("out", out, exact, lowp, floor)
+    for name, g, e, l in zip(("dq", "dk", "dv"), grads, exact_grads, lowp_grads):
+        assert_within_2x(name, g, e, l, floor)
+
+
+def _packed(lens_q, lens_k, hq, hkv, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(lens_q), hq, d, generator=g).to(dtype)
+    k = torch.randn(sum(lens_k), hkv, d, generator=g).to(dtype)
+    v = torch.randn(sum(lens_k), hkv, d, generator=g).to(dtype)
+    return q, k, v, dict(cu_seqlens_q=cu_seqlens(lens_q), cu_seqlens_k=cu_seqlens(lens_k))
+
+
+def test_triton_interpreted_at_decoration():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(triton_attention._attention_fwd_kernel, InterpretedFunction)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_causal_gqa_lengths_1_7_199(dtype):
+    q, k, v, cu = _packed([1, 7, 199], [1, 7, 199], hq=2, hkv=1, d=64, dtype=dtype)
+    _check(q, k, v, FLOOR[dtype], causal=True, **cu)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_noncausal_window_head_dim_80(dtype):
+    # vision-tower style: non-causal, windowed, D = 80 (padded to 128 inside the kernel)
+    q, k, v, cu = _packed([7, 70], [7, 70], hq=2, hkv=2, d=80, dtype=dtype, seed=1)
+    _check(q, k, v, FLOOR[dtype], causal=False, window=(16, 5), **cu)
+
+
+def test_noncausal_full_and_causal_left_window():
+    q, k, v, cu = _packed([33, 1], [33, 1], hq=2, hkv=1, d=64, dtype=torch.float32, seed=2)
+    _check(q, k, v, FLOOR[torch.float32], causal=False, **cu)
+    _check(q, k, v, FLOOR[torch.float32], causal=True, window=(8, -1), softmax_scale=0.05, **cu)
+
+
+def test_decode_alignment_and_rows_without_keys_mqa():
+    # Sq < Sk (decoding with a cache, bottom-right) and Sq > Sk (first rows see no key -> zeros)
+    q, k, v, cu = _packed([1, 5, 9], [17, 40, 3], hq=4, hkv=1, d=64, dtype=torch.float32, seed=3)
+    _check(q, k, v, FLOOR[torch.float32], causal=True, **cu)
+    out = triton_attention.attention(q, k, v, causal=True, **cu)
+    assert out[6 : 6 + 6].abs().max() == 0  # sequence 3: rows 0..5 of 9 see no key of 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_left_padding_mask(dtype):
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 7, 2, 64, generator=g).to(dtype) for _ in range(3))
+    keep = torch.ones(2, 7, dtype=torch.bool)
+    keep[0, :3] = False
+    _check(q, k, v, FLOOR[dtype], causal=True, key_padding_mask=keep)
+
+
+def test_batched_cross_lengths_non_causal():
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 3, 4, 64, generator=g)
+    k, v = torch.randn(2, 11, 2, 64, generator=g), torch.randn(2, 11, 2, 64, generator=g)
+    _check(q, k, v, FLOOR[torch.float32], causal=False)
+
+
+@pytest.mark.parametrize("d", [72, 96, 128])
+def test_other_head_dims_forward(d):
+    q, k, v, cu = _packed([7, 20], [7, 20], hq=2, hkv=1, d=d, dtype=torch.float32, seed=d)
+    out = triton_attention.attention(q, k, v, causal=True, **cu)
+    assert max_err(out, reference(q.double(), k.double(), v.double(), causal=True, **cu)) < 1e-5
+
+
+def test_max_seqlen_hints_and_noncontiguous_inputs():
+    # q / k / v as strided slices of one fused qkv projection, as the model produces them
+    qkv = torch.randn(26, 3, 2, 64)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    cu = cu_seqlens([19, 7])
+    out = triton_attention.attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=19, max_seqlen_k=19)
+    assert max_err(out, reference(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)) < 1e-5

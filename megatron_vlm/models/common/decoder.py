@@ -35,7 +35,7 @@ class DecoderLayer(nn.Module):
         kv_cache=None,
         layer_idx: Optional[int] = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(
+        attn_out = self.self_attn(
             self.input_layernorm(x),
             cos,
             sin,
@@ -45,4 +45,6 @@ class DecoderLayer(nn.Module):
             kv_cache=kv_cache,
             layer_idx=layer_idx,
         )
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # fused residual add + norm: h = x + attn_out, normed = rms_norm(h)
+        normed, x = self.post_attention_layernorm(attn_out, residual=x)
+        return x + self.mlp(normed)

@@ -7,6 +7,8 @@ PyTorch's 1e-5 in the InternVL projector). Parameter names (`weight`, `bias`) ma
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -19,8 +21,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """rms_norm(x); with `residual`, the fused (rms_norm(x + residual), x + residual)."""
+        return kernels.rms_norm(x, self.weight, self.eps, residual=residual)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

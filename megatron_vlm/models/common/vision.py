@@ -119,5 +119,6 @@ class VisionBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        return x + self.mlp(self.norm2(x))
+        attn_out = self.attn(self.norm1(x), cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        normed, x = self.norm2(attn_out, residual=x)  # fused residual add + norm
+        return x + self.mlp(normed)

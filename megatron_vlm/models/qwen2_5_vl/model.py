@@ -302,7 +302,8 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         self, input_ids, kv_cache, new_mask, image_grid_thw, video_grid_thw, second_per_grid_ts, mm_token_type_ids
     ) -> torch.Tensor:
         """Prefill (empty cache): full get_rope_index, storing per-sample rope deltas in the cache.
-        Later steps: text positions continue at (valid tokens so far) + rope_delta for each sample."""
+        Later steps: text positions continue at (valid tokens so far) + rope_delta for each sample (new
+        tokens are text; a generated placeholder id is embedded as a plain token, as transformers does)."""
         if kv_cache.seq_len == 0:
             position_ids, deltas = self.compute_position_ids(
                 input_ids, attention_mask=new_mask, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
@@ -310,8 +311,6 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
             )
             kv_cache.set_rope_deltas(deltas)
             return position_ids
-        if (input_ids == self.args.image_token_id).any() or (input_ids == self.args.video_token_id).any():
-            raise ValueError("decoding with a KV cache: new tokens must be text (images/videos go in the prefill)")
         valid = new_mask.long() if new_mask is not None else torch.ones_like(input_ids)
         start = kv_cache.valid_lengths().unsqueeze(1)  # [B, 1] real tokens already cached
         pos = start + valid.cumsum(-1) - 1 + kv_cache.rope_deltas.to(input_ids.device)

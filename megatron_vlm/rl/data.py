@@ -1,0 +1,344 @@
+"""GRPO prompt datasets: Geometry3K, ViRL39K and messages-format JSONL, read from local files.
+
+A prompt sample is a chat prompt (system turn optional, one user turn with images and text, no
+assistant turn) plus the reference answer the reward verifiers compare against. Messages use the
+normalised structure of megatron_vlm.data.messages (seed 002): user content is a list of
+{"type": "image", "image": ref} and {"type": "text", "text": str} items, where ref is an absolute
+path or the image's encoded bytes (decoded later by the data pipeline's processor).
+
+Schemas (column names of the public releases):
+    geometry3k  (hiyouga/geometry3k)   images: list of images ({bytes, path} structs or paths),
+                                       problem: str with "<image>" placeholders, answer: str
+    virl39k     (TIGER-Lab/ViRL39K)    question: str with "<image>" placeholders, answer: str
+                                       (usually "\\boxed{...}"), image: list of paths relative to
+                                       the release folder ("images/..."), qid, category, source,
+                                       PassRate_32BTrained, PassRate_7BBase
+    messages    ({"messages": [...], "answer": ...} JSONL, e.g. the synthetic VQA eval set): the
+                                       turns before the last assistant turn are the prompt; the
+                                       reference is "answer", else the last assistant turn
+
+The user text is `prompt_template.format(problem=...)` ([rl] prompt_template). Images go where the
+"<image>" placeholders are; a row without placeholders gets its images before the text (about 2% of
+ViRL39K rows lost theirs in conversion). Rows that cannot be used (missing image file, more
+placeholders than images, empty question or answer) are skipped and listed in `skipped` with the
+reason, so one bad row does not stop a run.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Literal, Optional, Sequence
+
+__all__ = [
+    "IMAGE_PLACEHOLDER",
+    "PromptSample",
+    "PromptDataset",
+    "detect_schema",
+    "load_prompt_dataset",
+    "prompt_batches",
+]
+
+logger = logging.getLogger(__name__)
+
+IMAGE_PLACEHOLDER = "<image>"
+Schema = Literal["auto", "geometry3k", "virl39k", "messages"]
+_SCHEMA_COLUMNS = {
+    "geometry3k": ("problem", "answer", "images"),
+    "virl39k": ("question", "answer", "image"),
+}
+_VIRL_META = ("category", "source", "PassRate_32BTrained", "PassRate_7BBase")
+
+
+@dataclass
+class PromptSample:
+    prompt_id: str
+    """Stable id: the dataset's id column (ViRL39K qid) or "<file>:<row>"."""
+    messages: list[dict]
+    """Chat prompt without an assistant turn (see module docstring)."""
+    answer: str
+    """Reference answer for the verifiers."""
+    problem: str
+    """The question text without image placeholders (passed to verifiers as `prompt`, e.g. to read
+    multiple-choice options)."""
+    metadata: dict = field(default_factory=dict)
+    """Other columns (category, source, pass rates, question_type, choices, ...)."""
+
+    def images(self) -> list:
+        return [it["image"] for m in self.messages if isinstance(m["content"], list) for it in m["content"] if it["type"] == "image"]
+
+
+@dataclass
+class PromptDataset:
+    samples: list[PromptSample]
+    schema: str
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    """(row id, reason) of rows that were left out."""
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> PromptSample:
+        return self.samples[i]
+
+
+class _SkipRow(ValueError):
+    pass
+
+
+# --- reading files ---------------------------------------------------------------------------------------
+
+
+def _data_files(path: str) -> list[Path]:
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.suffix in (".parquet", ".jsonl", ".json"))
+    elif any(ch in path for ch in "*?["):
+        files = sorted(Path(f) for f in glob.glob(path))
+    else:
+        files = [p] if p.is_file() else []
+    if not files:
+        raise FileNotFoundError(f"prompt data: no .parquet / .jsonl files at {path!r}")
+    return files
+
+
+def _read_rows(file: Path) -> Iterator[dict]:
+    if file.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(file)
+        for batch in table.to_batches(max_chunksize=1024):
+            yield from batch.to_pylist()
+    else:
+        with open(file, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    yield {"__error__": f"line {lineno}: malformed JSON ({e})"}
+                    continue
+                yield row if isinstance(row, dict) else {"__error__": f"line {lineno}: not a JSON object"}
+
+
+def _columns_of(file: Path) -> list[str]:
+    if file.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return list(pq.read_schema(file).names)
+    for row in _read_rows(file):
+        if "__error__" not in row:
+            return list(row)
+    return []
+
+
+def detect_schema(columns: Sequence[str]) -> str:
+    """Which schema a table with these columns follows; ValueError if none."""
+    cols = set(columns)
+    if "messages" in cols:
+        return "messages"
+    for name, required in _SCHEMA_COLUMNS.items():
+        if set(required) <= cols:
+            return name
+    raise ValueError(
+        f"prompt data: columns {sorted(cols)} match no schema; expected geometry3k {list(_SCHEMA_COLUMNS['geometry3k'])}, "
+        f"virl39k {list(_SCHEMA_COLUMNS['virl39k'])} or messages ['messages', 'answer']"
+    )
+
+
+# --- building prompts ------------------------------------------------------------------------------------
+
+
+def _image_ref(value: Any, root: Path, row_id: str) -> Any:
+    if isinstance(value, dict):  # Hugging Face Image feature: {"bytes": ..., "path": ...}
+        if value.get("bytes"):
+            return value["bytes"]
+        value = value.get("path")
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, str) and value:
+        p = Path(value)
+        if not p.is_absolute():
+            p = root / p
+        if not p.is_file():
+            raise _SkipRow(f"image file not found: {p}")
+        return str(p)
+    raise _SkipRow(f"unsupported image entry {type(value).__name__}")
+
+
+def _user_content(text: str, images: list) -> list[dict]:
+    parts = text.split(IMAGE_PLACEHOLDER)
+    n_slots = len(parts) - 1
+    if n_slots == 0:
+        return [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text.strip()}]
+    if n_slots != len(images):
+        raise _SkipRow(f"{n_slots} {IMAGE_PLACEHOLDER} placeholders but {len(images)} images")
+    content: list[dict] = []
+    for k, part in enumerate(parts):
+        if part.strip():
+            content.append({"type": "text", "text": part.strip()})
+        if k < len(images):
+            content.append({"type": "image", "image": images[k]})
+    return content
+
+
+def _make_sample(prompt_id: str, problem: str, answer: Any, images: list, metadata: dict, template: str,
+                 system_prompt: Optional[str]) -> PromptSample:
+    if not isinstance(problem, str) or not problem.replace(IMAGE_PLACEHOLDER, "").strip():
+        raise _SkipRow("empty question")
+    if answer is None or not str(answer).strip():
+        raise _SkipRow("empty answer")
+    rendered = template.format(problem=problem.strip())
+    messages: list[dict] = []
+    if system_prompt:
+        messages.append({"role": "system", "content": system_prompt})
+    messages.append({"role": "user", "content": _user_content(rendered, images)})
+    clean = problem.replace(IMAGE_PLACEHOLDER, "").strip()
+    return PromptSample(prompt_id, messages, str(answer).strip(), clean, metadata)
+
+
+def _from_table_row(schema: str, row: dict, row_id: str, root: Path, template: str, system_prompt: Optional[str]) -> PromptSample:
+    q_col, a_col, img_col = _SCHEMA_COLUMNS[schema]
+    raw_images = row.get(img_col)
+    if raw_images is None:
+        raw_images = []
+    elif not isinstance(raw_images, (list, tuple)):
+        raw_images = [raw_images]
+    images = [_image_ref(v, root, row_id) for v in raw_images]
+    if schema == "virl39k":
+        prompt_id = str(row.get("qid") or row_id)
+        metadata = {k: row[k] for k in _VIRL_META if k in row}
+    else:
+        prompt_id = str(row.get("id") or row_id)
+        metadata = {k: v for k, v in row.items() if k not in (q_col, a_col, img_col) and isinstance(v, (str, int, float, bool))}
+    return _make_sample(prompt_id, row.get(q_col), row.get(a_col), images, metadata, template, system_prompt)
+
+
+def _from_messages_row(row: dict, row_id: str, root: Path, template: str, system_prompt: Optional[str]) -> PromptSample:
+    msgs = row.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _SkipRow("'messages' must be a non-empty list")
+    answer = row.get("answer")
+    if msgs[-1].get("role") == "assistant":
+        if answer is None:
+            answer = msgs[-1].get("content")
+        msgs = msgs[:-1]
+    users = [i for i, m in enumerate(msgs) if m.get("role") == "user"]
+    if not users:
+        raise _SkipRow("no user turn")
+    out: list[dict] = []
+    if system_prompt and not any(m.get("role") == "system" for m in msgs):
+        out.append({"role": "system", "content": system_prompt})
+    problem = ""
+    for i, m in enumerate(msgs):
+        content = m.get("content")
+        if isinstance(content, str):
+            items = [{"type": "text", "text": content}]
+        elif isinstance(content, list):
+            items = []
+            for it in content:
+                if not isinstance(it, dict) or it.get("type") not in ("text", "image"):
+                    raise _SkipRow(f"messages[{i}]: unsupported content item {it!r:.60}")
+                if it["type"] == "image":
+                    items.append({"type": "image", "image": _image_ref(it.get("image"), root, row_id)})
+                else:
+                    items.append({"type": "text", "text": str(it.get("text", ""))})
+        else:
+            raise _SkipRow(f"messages[{i}].content must be a string or a list")
+        if i == users[-1]:  # the question: template applied to its text, images kept in front
+            problem = " ".join(it["text"] for it in items if it["type"] == "text").strip()
+            if not problem:
+                raise _SkipRow("empty question")
+            items = [it for it in items if it["type"] == "image"] + [{"type": "text", "text": template.format(problem=problem)}]
+        out.append({"role": m.get("role"), "content": items if m.get("role") != "system" else content})
+    if answer is None or not str(answer).strip():
+        raise _SkipRow("no answer")
+    metadata = {k: v for k, v in row.items() if k not in ("messages", "answer") and isinstance(v, (str, int, float, bool, list))}
+    return PromptSample(str(row.get("id") or row_id), out, str(answer).strip(), problem, metadata)
+
+
+def load_prompt_dataset(
+    path: str | os.PathLike,
+    *,
+    schema: Schema = "auto",
+    image_root: Optional[str | os.PathLike] = None,
+    prompt_template: str = "{problem}",
+    system_prompt: Optional[str] = None,
+    max_samples: int = 0,
+) -> PromptDataset:
+    """Read prompt samples from a .parquet / .jsonl file, a folder of them, or a glob.
+
+    `image_root`: folder relative image paths resolve against (default: the data file's folder;
+    for ViRL39K the release folder that holds images/). `max_samples` > 0 keeps the first N."""
+    if "{problem}" not in prompt_template:
+        raise ValueError("prompt_template: must contain the {problem} placeholder")
+    files = _data_files(os.fspath(path))
+    if schema == "auto":
+        schema = detect_schema(_columns_of(files[0]))  # type: ignore[assignment]
+    elif schema not in ("geometry3k", "virl39k", "messages"):
+        raise ValueError(f"schema: must be 'auto', 'geometry3k', 'virl39k' or 'messages', got {schema!r}")
+    samples: list[PromptSample] = []
+    skipped: list[tuple[str, str]] = []
+    for file in files:
+        root = Path(image_root) if image_root else file.resolve().parent
+        if schema != "messages":
+            cols = set(_columns_of(file))
+            missing = [c for c in _SCHEMA_COLUMNS[schema] if c not in cols]
+            if missing:
+                raise ValueError(f"{file}: schema {schema!r} needs columns {missing} (has {sorted(cols)})")
+        for r, row in enumerate(_read_rows(file)):
+            row_id = f"{file.name}:{r}"
+            try:
+                if "__error__" in row:
+                    raise _SkipRow(row["__error__"])
+                if schema == "messages":
+                    sample = _from_messages_row(row, row_id, root, prompt_template, system_prompt)
+                else:
+                    sample = _from_table_row(schema, row, row_id, root, prompt_template, system_prompt)
+            except _SkipRow as e:
+                skipped.append((row_id, str(e)))
+                continue
+            samples.append(sample)
+            if max_samples and len(samples) >= max_samples:
+                break
+        if max_samples and len(samples) >= max_samples:
+            break
+    if skipped:
+        logger.warning("prompt data %s: skipped %d rows (first: %s: %s)", path, len(skipped), *skipped[0])
+    if not samples:
+        raise ValueError(f"prompt data {path}: no usable rows ({len(skipped)} skipped; first reason: {skipped[0][1] if skipped else 'empty'})")
+    return PromptDataset(samples, schema, skipped)
+
+
+def prompt_batches(num_samples: int, prompts_per_step: int, *, seed: int, start_step: int = 0) -> Iterator[list[int]]:
+    """Endless deterministic stream of index batches for GRPO steps start_step, start_step + 1, ...
+
+    Each epoch is a fresh permutation (seeded by seed and the epoch); a step takes the next
+    `prompts_per_step` indices and runs over epoch boundaries. Step s always gets the same batch
+    for the same seed, so a resumed run continues the data order exactly."""
+    if num_samples < 1 or prompts_per_step < 1:
+        raise ValueError(f"prompt_batches: need num_samples >= 1 and prompts_per_step >= 1, got {num_samples}, {prompts_per_step}")
+    perms: dict[int, list[int]] = {}
+
+    def perm(epoch: int) -> list[int]:
+        if epoch not in perms:
+            order = list(range(num_samples))
+            random.Random(seed * 1_000_003 + epoch).shuffle(order)
+            perms.clear()
+            perms[epoch] = order
+        return perms[epoch]
+
+    step = start_step
+    while True:
+        start = step * prompts_per_step
+        batch = []
+        for pos in range(start, start + prompts_per_step):
+            epoch, k = divmod(pos, num_samples)
+            batch.append(perm(epoch)[k])
+        yield batch
+        step += 1

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
-def _rope_settings(cfg: dict, where: str) -> tuple[float, Optional[list[int]], str]:
+def _rope_settings(cfg: dict) -> tuple[float, Optional[list[int]], str]:
     """(rope_theta, mrope_section, rope_type) from either `rope_parameters` or `rope_scaling` + `rope_theta`."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     theta = params.get("rope_theta", cfg.get("rope_theta", 1000000.0))
@@ -108,7 +108,7 @@ class Qwen2_5_VLTextArgs:
 
     @classmethod
     def from_hf(cls, tc: dict) -> "Qwen2_5_VLTextArgs":
-        theta, section, rope_type = _rope_settings(tc, "text_config")
+        theta, section, rope_type = _rope_settings(tc)
         if rope_type != "default":
             raise ValueError(f"text_config.rope_parameters.rope_type: only default M-RoPE is supported, got {rope_type!r}")
         if tc.get("use_sliding_window"):

@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 IMAGE_PLACEHOLDER = "<image>"
 Schema = Literal["auto", "geometry3k", "virl39k", "messages"]
+# (a load with an explicit `columns` mapping reports schema "columns", or the preset it equals)
 _SCHEMA_COLUMNS = {
     "geometry3k": ("problem", "answer", "images"),
     "virl39k": ("question", "answer", "image"),
@@ -202,9 +203,10 @@ def _make_sample(prompt_id: str, problem: str, answer: Any, images: list, metada
     return PromptSample(prompt_id, messages, str(answer).strip(), clean, metadata)
 
 
-def _from_table_row(schema: str, row: dict, row_id: str, root: Path, template: str, system_prompt: Optional[str]) -> PromptSample:
-    q_col, a_col, img_col = _SCHEMA_COLUMNS[schema]
-    raw_images = row.get(img_col)
+def _from_table_row(schema: str, cols: tuple[str, str, Optional[str]], row: dict, row_id: str, root: Path, template: str,
+                    system_prompt: Optional[str]) -> PromptSample:
+    q_col, a_col, img_col = cols
+    raw_images = row.get(img_col) if img_col else None
     if raw_images is None:
         raw_images = []
     elif not isinstance(raw_images, (list, tuple)):
@@ -262,10 +264,22 @@ def _from_messages_row(row: dict, row_id: str, root: Path, template: str, system
     return PromptSample(str(row.get("id") or row_id), out, str(answer).strip(), problem, metadata)
 
 
+def _columns_from_mapping(columns: dict[str, str]) -> tuple[str, str, Optional[str]]:
+    unknown = sorted(set(columns) - {"prompt", "answer", "images", "image"})
+    if unknown or not {"prompt", "answer"} <= set(columns):
+        raise ValueError(
+            f"columns: expected keys 'prompt', 'answer' and optionally 'images' (or 'image'), got {sorted(columns)}"
+        )
+    if "images" in columns and "image" in columns:
+        raise ValueError("columns: give 'images' or 'image', not both")
+    return columns["prompt"], columns["answer"], columns.get("images") or columns.get("image")
+
+
 def load_prompt_dataset(
     path: str | os.PathLike,
     *,
     schema: Schema = "auto",
+    columns: Optional[dict[str, str]] = None,
     image_root: Optional[str | os.PathLike] = None,
     prompt_template: str = "{problem}",
     system_prompt: Optional[str] = None,
@@ -273,22 +287,32 @@ def load_prompt_dataset(
 ) -> PromptDataset:
     """Read prompt samples from a .parquet / .jsonl file, a folder of them, or a glob.
 
-    `image_root`: folder relative image paths resolve against (default: the data file's folder;
-    for ViRL39K the release folder that holds images/). `max_samples` > 0 keeps the first N."""
+    `columns` maps our fields to other column names ({"prompt": ..., "answer": ..., "images": ...},
+    the `[data] columns` table of type "hf"); otherwise `schema` picks a known layout ("auto" detects
+    it from the column names). `image_root`: folder relative image paths resolve against (default:
+    the data file's folder; for ViRL39K the release folder that holds images/). `max_samples` > 0
+    keeps the first N."""
     if "{problem}" not in prompt_template:
         raise ValueError("prompt_template: must contain the {problem} placeholder")
     files = _data_files(os.fspath(path))
-    if schema == "auto":
+    table_cols: Optional[tuple[str, str, Optional[str]]] = None
+    if columns:
+        table_cols = _columns_from_mapping(columns)
+        known = [n for n, c in _SCHEMA_COLUMNS.items() if c == table_cols]
+        schema = known[0] if known else "columns"  # type: ignore[assignment]
+    elif schema == "auto":
         schema = detect_schema(_columns_of(files[0]))  # type: ignore[assignment]
     elif schema not in ("geometry3k", "virl39k", "messages"):
         raise ValueError(f"schema: must be 'auto', 'geometry3k', 'virl39k' or 'messages', got {schema!r}")
+    if table_cols is None and schema != "messages":
+        table_cols = _SCHEMA_COLUMNS[schema]
     samples: list[PromptSample] = []
     skipped: list[tuple[str, str]] = []
     for file in files:
         root = Path(image_root) if image_root else file.resolve().parent
-        if schema != "messages":
+        if table_cols is not None:
             cols = set(_columns_of(file))
-            missing = [c for c in _SCHEMA_COLUMNS[schema] if c not in cols]
+            missing = [c for c in table_cols if c is not None and c not in cols]
             if missing:
                 raise ValueError(f"{file}: schema {schema!r} needs columns {missing} (has {sorted(cols)})")
         for r, row in enumerate(_read_rows(file)):
@@ -299,7 +323,7 @@ def load_prompt_dataset(
                 if schema == "messages":
                     sample = _from_messages_row(row, row_id, root, prompt_template, system_prompt)
                 else:
-                    sample = _from_table_row(schema, row, row_id, root, prompt_template, system_prompt)
+                    sample = _from_table_row(schema, table_cols, row, row_id, root, prompt_template, system_prompt)
             except _SkipRow as e:
                 skipped.append((row_id, str(e)))
                 continue

@@ -151,3 +151,20 @@ def test_prompt_batches_are_deterministic_epochs_and_resumable():
     assert next(prompt_batches(10, 4, seed=8)) != batches[0]
     with pytest.raises(ValueError):
         next(prompt_batches(0, 4, seed=0))
+
+
+def test_explicit_column_mapping(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "p.png").write_bytes(_png("red"))
+    rows = [{"query": "<image>How many?", "solution": "3", "pics": ["p.png"], "difficulty": 2}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet")
+    out = load_prompt_dataset(tmp_path / "t.parquet", columns={"prompt": "query", "answer": "solution", "images": "pics"})
+    assert out.schema == "columns" and out[0].answer == "3" and out[0].metadata == {"difficulty": 2}
+    assert out[0].images() == [str(tmp_path / "p.png")]
+    write_virl39k_fixture(tmp_path / "v", n=2)
+    same = load_prompt_dataset(tmp_path / "v", columns={"prompt": "question", "answer": "answer", "image": "image"})
+    assert same.schema == "virl39k" and same[0].prompt_id == "fixture-0-0"
+    with pytest.raises(ValueError, match="columns: expected keys"):
+        load_prompt_dataset(tmp_path / "t.parquet", columns={"question": "query"})

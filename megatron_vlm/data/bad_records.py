@@ -1,0 +1,128 @@
+"""Bad data records: skipped, counted and summarised, never fatal.
+
+A long run must not die on record 812,345 because one image is truncated. Every stage that finds a
+problem with one record (malformed JSON, a missing or corrupt image, placeholder / feature count
+mismatch, a sample longer than the pack budget, ...) raises `BadRecordError`; the caller catches
+it, adds it to a `BadRecordLog` with the record's file and line (JSONL, 1-based) or row index (HF
+datasets, 0-based) and goes on. `write_summary` writes the log as JSON (or text for a `.txt` path)
+at the end of the run.
+
+Records that fail at processing time fail again in every epoch; the log keeps one entry per
+(source, index, category) and counts how often it was skipped.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable
+
+__all__ = ["BadRecord", "BadRecordError", "BadRecordLog", "CATEGORIES"]
+
+CATEGORIES = (
+    "malformed_json",        # the line is not a JSON object
+    "invalid_record",        # JSON is fine but the messages structure is not (roles, content items, ...)
+    "missing_image",         # an image / frame file does not exist
+    "corrupt_image",         # the file exists but cannot be decoded
+    "video",                 # a video cannot be decoded or its frames disagree in size
+    "placeholder_mismatch",  # placeholder tokens in the text vs images / videos / features disagree
+    "too_long",              # the sample alone exceeds max_tokens_per_pack
+    "length_mismatch",       # planned (estimated) and processed lengths disagree; the pack would overflow
+)
+
+
+class BadRecordError(Exception):
+    """Raised for a record that must be skipped; `category` is one of CATEGORIES."""
+
+    def __init__(self, category: str, detail: str):
+        if category not in CATEGORIES:
+            raise ValueError(f"unknown bad-record category {category!r}; expected one of {CATEGORIES}")
+        super().__init__(f"{category}: {detail}")
+        self.category = category
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class BadRecord:
+    source: str
+    """The data file (or dataset path) the record came from."""
+    index: int
+    """1-based line number for JSONL files, 0-based row index for HF datasets."""
+    category: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.source}:{self.index}: {self.category}: {self.detail}"
+
+
+class BadRecordLog:
+    """Collects skipped records; one entry per (source, index, category), with a skip count."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[str, int, str], BadRecord] = {}
+        self._skips: Counter = Counter()
+
+    def add(self, source: str, index: int, category: str, detail: str) -> BadRecord:
+        rec = BadRecord(str(source), int(index), category, detail)
+        key = (rec.source, rec.index, rec.category)
+        self._entries.setdefault(key, rec)
+        self._skips[key] += 1
+        return rec
+
+    def add_error(self, source: str, index: int, err: BadRecordError) -> BadRecord:
+        return self.add(source, index, err.category, err.detail)
+
+    def extend(self, records: Iterable[BadRecord | tuple | dict]) -> None:
+        """Merge records from another log (e.g. gathered from other ranks or worker processes)."""
+        for r in records:
+            if isinstance(r, dict):
+                r = BadRecord(**r)
+            elif isinstance(r, tuple):
+                r = BadRecord(*r)
+            self.add(r.source, r.index, r.category, r.detail)
+
+    @property
+    def entries(self) -> list[BadRecord]:
+        return sorted(self._entries.values(), key=lambda r: (r.source, r.index, r.category))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: tuple[str, int]) -> bool:
+        return any(k[:2] == tuple(key) for k in self._entries)
+
+    @property
+    def total_skips(self) -> int:
+        return sum(self._skips.values())
+
+    def counts_by_category(self) -> dict[str, int]:
+        return dict(sorted(Counter(k[2] for k in self._entries).items()))
+
+    def to_dict(self) -> dict:
+        return {
+            "num_bad_records": len(self),
+            "num_skips": self.total_skips,
+            "by_category": self.counts_by_category(),
+            "records": [
+                {**asdict(r), "skips": self._skips[(r.source, r.index, r.category)]} for r in self.entries
+            ],
+        }
+
+    def write_summary(self, path: str | os.PathLike) -> Path:
+        """Write the log (JSON, or plain text when `path` ends in .txt); returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.suffix == ".txt":
+            d = self.to_dict()
+            lines = [f"{d['num_bad_records']} bad records skipped ({d['num_skips']} skips)"]
+            lines += [f"  {k}: {v}" for k, v in d["by_category"].items()]
+            lines += [str(r) for r in self.entries]
+            text = "\n".join(lines) + "\n"
+        else:
+            text = json.dumps(self.to_dict(), indent=2) + "\n"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+        return path

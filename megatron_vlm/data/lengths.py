@@ -1,0 +1,98 @@
+"""Per-sample token lengths for planning packs, computed cheaply and cached.
+
+Every rank plans the same global sequence of packs, so every rank needs every sample's length —
+but not its pixels: `estimate_length` renders the chat template, tokenises the text and adds the
+image / video token counts from file headers and the processor's resize rule. Records that fail
+here (malformed structure, missing image, unreadable header, ...) get length -1 and are logged.
+
+With a cache folder the result is stored under a key made of the source's identity (path, size,
+mtime, or the HF dataset fingerprint), the processor (tokenizer, chat template, pixel limits,
+patch sizes) and the options; a later run (or another rank) loads it instead of recomputing.
+The cache also stores the bad records found, so a cache hit logs them too.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
+from megatron_vlm.data.processing import estimate_length
+from megatron_vlm.data.processor import VLProcessor
+
+__all__ = ["compute_lengths", "lengths_cache_key"]
+
+log = logging.getLogger("megatron_vlm")
+
+
+def _source_identity(source) -> dict:
+    ds = getattr(source, "dataset", None)
+    if ds is not None and getattr(ds, "_fingerprint", None):
+        return {"name": source.name, "fingerprint": ds._fingerprint, "columns": getattr(source, "columns", None)}
+    p = Path(source.name)
+    if p.is_file():
+        st = p.stat()
+        return {"name": str(p.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "n": len(source)}
+    return {"name": source.name, "n": len(source)}
+
+
+def _processor_identity(proc: VLProcessor) -> dict:
+    backend = getattr(proc.tokenizer, "backend_tokenizer", None)
+    tok = backend.to_str() if backend is not None else repr(sorted(proc.tokenizer.get_vocab().items()))
+    return {
+        "tokenizer": hashlib.sha256(tok.encode()).hexdigest(),
+        "chat_template": hashlib.sha256(proc.chat_template.encode()).hexdigest(),
+        "pixels": [proc.image_min_pixels, proc.image_max_pixels, proc.video_min_pixels, proc.video_max_pixels],
+        "patch": [proc.patch_size, proc.temporal_patch_size, proc.merge_size],
+    }
+
+
+def lengths_cache_key(source, proc: VLProcessor, *, max_frames: int, for_generation: bool) -> str:
+    blob = json.dumps({"source": _source_identity(source), "processor": _processor_identity(proc),
+                       "max_frames": max_frames, "for_generation": for_generation, "version": 1}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def compute_lengths(source, proc: VLProcessor, *, max_frames: int, for_generation: bool = False,
+                    cache_dir: str | os.PathLike | None = None,
+                    bad_records: Optional[BadRecordLog] = None) -> np.ndarray:
+    """int64 [len(source)]: token length of each record, -1 for records that cannot be used."""
+    cache_file = None
+    if cache_dir:
+        key = lengths_cache_key(source, proc, max_frames=max_frames, for_generation=for_generation)
+        cache_file = Path(cache_dir) / f"lengths-{key}.json"
+        if cache_file.is_file():
+            try:
+                data = json.loads(cache_file.read_text())
+                lengths = np.asarray(data["lengths"], dtype=np.int64)
+                if lengths.shape == (len(source),):
+                    if bad_records is not None:
+                        bad_records.extend(tuple(b) for b in data["bad"])
+                    return lengths
+            except (json.JSONDecodeError, KeyError, OSError, TypeError):
+                log.warning("ignoring unreadable length cache %s", cache_file)
+    lengths = np.full(len(source), -1, dtype=np.int64)
+    bad = []
+    for i in range(len(source)):
+        index = i
+        try:
+            rec = source.get(i)
+            index = rec.index
+            lengths[i] = estimate_length(rec, proc, max_frames=max_frames, for_generation=for_generation)
+        except BadRecordError as e:
+            bad.append((source.name, index, e.category, e.detail))
+        except Exception as e:  # a bug or an unexpected file problem must not stop planning the run
+            bad.append((source.name, index, "invalid_record", f"unexpected {type(e).__name__}: {e}"))
+    if bad_records is not None:
+        bad_records.extend(bad)
+    if cache_file is not None:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"lengths": lengths.tolist(), "bad": bad}))
+        os.replace(tmp, cache_file)
+    return lengths

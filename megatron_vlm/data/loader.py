@@ -1,0 +1,344 @@
+"""The data loaders the trainers use.
+
+    loader = build_sft_dataloader(cfg.data, processor, seed=seed, dp_rank=rank, dp_size=dp)
+    for pack in loader: ...            # endless; epochs advance by themselves
+    loader.state_dict() / loader.load_state_dict(sd)   # exact resume position
+    loader.epoch, loader.stats(), loader.bad_records
+
+Each item is one pack (see packing.py): input_ids / labels [1, T] (labels shifted), cu_seqlens,
+the vision tensors, num_samples, num_label_tokens. Planning happens in the main process from the
+cached per-sample lengths (plan.py: the global pack stream is the same for any world size, rank r
+takes packs r, r + dp, ...); the worker processes of a torch DataLoader (batch_size=None) only
+load and process the samples of this rank's packs. Records that fail in a worker are dropped from
+their pack and reported back with it; a pack whose samples all failed becomes a one-token empty
+pack so that every rank still runs the same number of steps.
+
+`build_eval_dataloader` iterates once over the eval split, sharded by rank with the same number of
+items on every rank: packs (for validation loss) or padded prompt batches with reference answers
+(for generation accuracy).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
+from megatron_vlm.data.config import DataConfig
+from megatron_vlm.data.lengths import compute_lengths
+from megatron_vlm.data.packing import collate_pack, collate_padded, empty_pack
+from megatron_vlm.data.plan import PackPlanner
+from megatron_vlm.data.processing import ProcessedSample, process_record
+from megatron_vlm.data.processor import VLProcessor, as_vl_processor
+from megatron_vlm.data.sources import open_split
+
+__all__ = ["SFTDataLoader", "EvalDataLoader", "build_sft_dataloader", "build_eval_dataloader", "build_processor"]
+
+log = logging.getLogger("megatron_vlm")
+
+
+def _identity(x):
+    return x
+
+
+def _worker_init(_worker_id: int) -> None:
+    torch.set_num_threads(1)  # workers tokenise / resize; leave the cores to the main process
+
+
+def build_processor(data_cfg: DataConfig, processor: Any) -> VLProcessor:
+    """The processor (a VLProcessor, a model folder or a transformers processor) with [data]'s pixel limits."""
+    return as_vl_processor(processor).with_overrides(
+        min_pixels=data_cfg.min_pixels, max_pixels=data_cfg.max_pixels,
+        video_min_pixels=data_cfg.video_min_pixels, video_max_pixels=data_cfg.video_max_pixels)
+
+
+class _Processor:
+    """Turns sample indices into ProcessedSamples inside a worker, collecting bad records."""
+
+    def __init__(self, source, proc: VLProcessor, cfg: DataConfig, for_generation: bool = False):
+        self.source, self.proc, self.for_generation = source, proc, for_generation
+        self.max_frames, self.fps = cfg.max_frames, cfg.fps
+
+    def __call__(self, i: int, bad: list) -> Optional[ProcessedSample]:
+        index = i
+        try:
+            rec = self.source.get(i)
+            index = rec.index
+            return process_record(rec, self.proc, max_frames=self.max_frames, fps=self.fps,
+                                  for_generation=self.for_generation)
+        except BadRecordError as e:
+            bad.append((self.source.name, index, e.category, e.detail))
+        except Exception as e:  # keep the run going; the summary names the record
+            bad.append((self.source.name, index, "invalid_record", f"unexpected {type(e).__name__}: {e}"))
+        return None
+
+
+class _PackDataset(Dataset):
+    """key = (global index, epoch, index in epoch, sample indices) -> pack dict (+ "_meta")."""
+
+    def __init__(self, processor: _Processor, capacity: int, pad_token_id: int):
+        self.processor, self.capacity, self.pad_token_id = processor, capacity, pad_token_id
+
+    def __len__(self) -> int:  # the stream is endless; the sampler decides what is asked for
+        raise TypeError("a pack stream has no length")
+
+    def __getitem__(self, key) -> dict:
+        g, epoch, j, sample_ids = key
+        bad: list = []
+        samples, total = [], 0
+        for i in sample_ids:
+            s = self.processor(i, bad)
+            if s is None:
+                continue
+            if total + len(s) > self.capacity:
+                bad.append((self.processor.source.name, s.index, "length_mismatch",
+                            f"{len(s)} tokens do not fit the {self.capacity - total} left in pack {g} "
+                            "(planned lengths disagree with processing)"))
+                continue
+            samples.append(s)
+            total += len(s)
+        pack = collate_pack(samples) if samples else empty_pack(self.pad_token_id)
+        pack["_meta"] = {"global_index": g, "epoch": epoch, "index_in_epoch": j, "bad_records": bad,
+                         "num_tokens": total}
+        return pack
+
+
+class _RankSampler(Sampler):
+    """Endless keys for rank r: global packs r + k * dp for k = start, start + 1, ..."""
+
+    def __init__(self, planner: PackPlanner, rank: int, world: int, start: int):
+        self.planner, self.rank, self.world, self.start = planner, rank, world, start
+
+    def __iter__(self) -> Iterator[tuple]:
+        k = self.start
+        while True:
+            g = self.rank + k * self.world
+            epoch, j = self.planner.locate(g)
+            yield g, epoch, j, tuple(int(i) for i in self.planner.plan(epoch)[j])
+            k += 1
+
+
+class SFTDataLoader:
+    """Endless, resumable, rank-sharded iterator of packs (module docstring)."""
+
+    def __init__(self, dataset: _PackDataset, planner: PackPlanner, *, dp_rank: int, dp_size: int,
+                 num_workers: int, prefetch_factor: int, bad_records: BadRecordLog, split: str):
+        self.dataset, self.planner = dataset, planner
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
+        self.bad_records, self.split = bad_records, split
+        self._consumed = 0
+        self._epoch: Optional[int] = None
+        self._tokens = 0
+        self._packs_seen = 0
+        self._samples = 0
+        self._logged_epochs: set[int] = set()
+
+    # ------------------------------------------------------------------ iteration
+    def __iter__(self) -> Iterator[dict]:
+        sampler = _RankSampler(self.planner, self.dp_rank, self.dp_size, self._consumed)
+        kwargs = {}
+        if self.num_workers > 0:
+            kwargs = {"prefetch_factor": self.prefetch_factor, "worker_init_fn": _worker_init}
+        loader = DataLoader(self.dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers,
+                            collate_fn=_identity, **kwargs)
+        for pack in loader:
+            meta = pack.pop("_meta")
+            self.bad_records.extend(meta["bad_records"])
+            self._consumed += 1
+            self._epoch = meta["epoch"]
+            self._tokens += meta["num_tokens"]
+            self._packs_seen += 1
+            self._samples += int(pack["num_samples"])
+            if self._epoch not in self._logged_epochs:
+                self._logged_epochs.add(self._epoch)
+                log.info("data[%s] epoch %d: %d packs of <= %d tokens, planned packing efficiency %.3f",
+                         self.split, self._epoch, self.planner.num_packs(self._epoch), self.planner.capacity,
+                         self.planner.efficiency(self._epoch))
+            yield pack
+
+    def __len__(self) -> int:
+        """This rank's packs in epoch 0 (for steps-per-epoch arithmetic)."""
+        return math.ceil(self.planner.num_packs(0) / self.dp_size)
+
+    @property
+    def packs_per_epoch(self) -> int:
+        """Global packs in epoch 0 (all ranks together; later epochs differ by a pack or so)."""
+        return self.planner.num_packs(0)
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the last pack yielded (of the next one before the first)."""
+        if self._epoch is not None:
+            return self._epoch
+        return self.planner.locate(self.dp_rank + self._consumed * self.dp_size)[0]
+
+    # ------------------------------------------------------------------ resume
+    def state_dict(self) -> dict:
+        return {"global_packs_consumed": self._consumed * self.dp_size, "packs_consumed_on_rank": self._consumed,
+                "dp_size": self.dp_size, "epoch": self.epoch, "seed": self.planner.seed,
+                "num_records": int(self.planner.lengths.size), "capacity": self.planner.capacity}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume after `global_packs_consumed` packs of the global stream (any former world size
+        whose position divides evenly into the current one)."""
+        g = int(state["global_packs_consumed"])
+        if g % self.dp_size:
+            raise ValueError(f"data state: {g} packs consumed globally cannot be split evenly over "
+                             f"dp_size={self.dp_size}")
+        for key, mine in (("seed", self.planner.seed), ("num_records", int(self.planner.lengths.size)),
+                          ("capacity", self.planner.capacity)):
+            if key in state and int(state[key]) != mine:
+                raise ValueError(f"data state: {key}={state[key]} in the checkpoint but {mine} now; the pack "
+                                 "order would differ")
+        self._consumed = g // self.dp_size
+        self._epoch = None
+
+    # ------------------------------------------------------------------ metrics
+    def stats(self) -> dict:
+        capacity = self.planner.capacity
+        return {
+            "epoch": self.epoch,
+            "packs_consumed": self._consumed,
+            "packing_efficiency": self._tokens / (self._packs_seen * capacity) if self._packs_seen else 0.0,
+            "planned_packing_efficiency": self.planner.efficiency(self.epoch),
+            "samples_seen": self._samples,
+            "bad_records": len(self.bad_records),
+        }
+
+
+def _prepare(data_cfg: DataConfig, processor: Any, split: str, bad_records: Optional[BadRecordLog],
+             for_generation: bool):
+    data_cfg.validate()
+    proc = build_processor(data_cfg, processor)
+    bad_records = bad_records if bad_records is not None else BadRecordLog()
+    source = open_split(data_cfg, split, bad_records)
+    if source is None:
+        return None
+    lengths = compute_lengths(source, proc, max_frames=data_cfg.max_frames, for_generation=for_generation,
+                              cache_dir=data_cfg.length_cache_dir or None, bad_records=bad_records)
+    too_long = np.nonzero(lengths > data_cfg.max_tokens_per_pack)[0]
+    for i in too_long:
+        idx = source.get(int(i)).index
+        bad_records.add(source.name, idx, "too_long",
+                        f"{int(lengths[i])} tokens > max_tokens_per_pack={data_cfg.max_tokens_per_pack}")
+    return proc, bad_records, source, lengths
+
+
+def build_sft_dataloader(data_cfg: DataConfig, processor: Any, *, seed: int, dp_rank: int, dp_size: int,
+                         split: str = "train", bad_records: Optional[BadRecordLog] = None) -> SFTDataLoader:
+    """Endless packed loader for `split` on this rank (module docstring). `processor`: a VLProcessor,
+    a model folder, or a transformers processor; the [data] pixel limits are applied to it."""
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
+    prepared = _prepare(data_cfg, processor, split, bad_records, for_generation=False)
+    if prepared is None:
+        raise ValueError(f"data: no {split} split configured")
+    proc, bad_records, source, lengths = prepared
+    planner = PackPlanner(lengths, data_cfg.max_tokens_per_pack, seed=seed,
+                          shuffle=data_cfg.shuffle and split == "train", name=f"data.{split}")
+    dataset = _PackDataset(_Processor(source, proc, data_cfg), data_cfg.max_tokens_per_pack, proc.pad_token_id)
+    return SFTDataLoader(dataset, planner, dp_rank=dp_rank, dp_size=dp_size, num_workers=data_cfg.num_workers,
+                         prefetch_factor=data_cfg.prefetch_factor, bad_records=bad_records, split=split)
+
+
+class _GenerationDataset(Dataset):
+    """key = list of sample indices (None = padding slot) -> padded prompt batch."""
+
+    def __init__(self, processor: _Processor, proc: VLProcessor, padding_side: str):
+        self.processor, self.proc, self.padding_side = processor, proc, padding_side
+
+    def __len__(self) -> int:
+        raise TypeError("keys come from the sampler")
+
+    def __getitem__(self, key) -> dict:
+        bad: list = []
+        samples, valid, index, answers, meta = [], [], [], [], []
+        for i in key:
+            s = self.processor(i, bad) if i is not None else None
+            if s is None:
+                s = ProcessedSample(input_ids=torch.tensor([self.proc.pad_token_id]),
+                                    label_mask=torch.zeros(1, dtype=torch.bool))
+            samples.append(s)
+            valid.append(i is not None and s.index >= 0)
+            index.append(i if valid[-1] else -1)
+            answers.append(s.answer if valid[-1] else None)
+            meta.append(s.meta if valid[-1] else {})
+        batch = collate_padded(samples, self.proc.pad_token_id, padding_side=self.padding_side,
+                               image_token_id=self.proc.image_token_id, video_token_id=self.proc.video_token_id)
+        batch.update({"sample_valid": torch.tensor(valid), "sample_index": torch.tensor(index),
+                      "answers": answers, "meta": meta, "_bad_records": bad})
+        return batch
+
+
+class EvalDataLoader:
+    """One pass over the eval split per `iter()`, the same number of items on every rank."""
+
+    def __init__(self, dataset: Dataset, keys: list, *, num_workers: int, prefetch_factor: int,
+                 bad_records: BadRecordLog, mode: str):
+        self.dataset, self.keys, self.mode = dataset, keys, mode
+        self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
+        self.bad_records = bad_records
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __iter__(self) -> Iterator[dict]:
+        kwargs = {"prefetch_factor": self.prefetch_factor, "worker_init_fn": _worker_init} if self.num_workers else {}
+        loader = DataLoader(self.dataset, batch_size=None, sampler=self.keys,
+                            num_workers=min(self.num_workers, max(1, len(self.keys))) if self.num_workers else 0,
+                            collate_fn=_identity, **kwargs)
+        for item in loader:
+            if self.mode == "packs":
+                meta = item.pop("_meta")
+                self.bad_records.extend(meta["bad_records"])
+            else:
+                self.bad_records.extend(item.pop("_bad_records"))
+            yield item
+
+
+def build_eval_dataloader(data_cfg: DataConfig, processor: Any, *, dp_rank: int, dp_size: int,
+                          mode: str = "packs", batch_size: int = 8, padding_side: str = "right",
+                          bad_records: Optional[BadRecordLog] = None) -> Optional[EvalDataLoader]:
+    """Loader over the eval split for this rank, or None when there is no eval split.
+
+    mode "packs": the split packed in file order (no shuffle); rank r takes packs r, r + dp, ...,
+      padded with empty packs (num_samples = 0) so every rank yields ceil(P / dp) packs.
+    mode "generation": prompts (messages before the last assistant turn + generation prompt),
+      `batch_size` per batch, padded on `padding_side`; keys "answers" (reference text),
+      "sample_valid" (False for filler rows that even out the ranks), "sample_index", "meta".
+    """
+    if mode not in ("packs", "generation"):
+        raise ValueError(f"mode must be 'packs' or 'generation', got {mode!r}")
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be > 0, got {batch_size}")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
+    prepared = _prepare(data_cfg, processor, "eval", bad_records, for_generation=(mode == "generation"))
+    if prepared is None:
+        return None
+    proc, bad_records, source, lengths = prepared
+    if mode == "packs":
+        planner = PackPlanner(lengths, data_cfg.max_tokens_per_pack, seed=0, shuffle=False, name="data.eval")
+        plan = planner.plan(0)
+        per_rank = math.ceil(len(plan) / dp_size)
+        keys = []
+        for k in range(per_rank):
+            g = dp_rank + k * dp_size
+            keys.append((g, 0, g, tuple(plan[g]) if g < len(plan) else ()))
+        dataset: Dataset = _PackDataset(_Processor(source, proc, data_cfg), data_cfg.max_tokens_per_pack,
+                                        proc.pad_token_id)
+    else:
+        valid = [int(i) for i in np.nonzero((lengths > 0) & (lengths <= data_cfg.max_tokens_per_pack))[0]]
+        if not valid:
+            raise ValueError("data.eval: no usable samples (see the bad-records summary)")
+        per_rank = math.ceil(len(valid) / dp_size)
+        mine: list = [valid[j] if j < len(valid) else None for j in range(dp_rank, per_rank * dp_size, dp_size)]
+        keys = [mine[s:s + batch_size] for s in range(0, len(mine), batch_size)]
+        dataset = _GenerationDataset(_Processor(source, proc, data_cfg, for_generation=True), proc, padding_side)
+    return EvalDataLoader(dataset, keys, num_workers=data_cfg.num_workers, prefetch_factor=data_cfg.prefetch_factor,
+                          bad_records=bad_records, mode=mode)

@@ -1,0 +1,176 @@
+"""Messages-format records (seed 002) and the JSONL reader.
+
+One JSON object per line:
+
+    {"messages": [
+        {"role": "system", "content": "..."},                                   # optional
+        {"role": "user", "content": [{"type": "image", "image": "img/a.png"},
+                                     {"type": "video", "video": ["f0.png", "f1.png"], "fps": 2.0},
+                                     {"type": "text", "text": "What is ...?"}]},
+        {"role": "assistant", "content": "..."},
+        ... any number of further user / assistant turns ...
+    ], "answer": "...", ...}                                                     # other keys -> meta
+
+A video is a list of frame paths, a folder of frames (sorted by name) or a video file (decoded
+through transformers' video loader when a backend such as PyAV is installed). Relative paths
+resolve against `image_root`, else the JSONL file's folder. `normalize_messages` is shared with the
+HF-datasets source: it checks the structure and raises `BadRecordError("invalid_record", ...)`
+naming the offending message / item; the reader logs malformed lines and goes on.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
+
+__all__ = ["Record", "normalize_messages", "read_messages_jsonl", "resolve_path"]
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class Record:
+    messages: list[dict]
+    """Normalised messages: content is a string, or a list of {"type": "text", "text": str},
+    {"type": "image", "image": ref}, {"type": "video", "video": ref, "fps"?: float}; a ref is an
+    absolute path, bytes, a PIL image, or a list of those (video frames). Assistant content is a string."""
+    source: str
+    """File (or dataset) the record came from."""
+    index: int
+    """1-based line (JSONL) or 0-based row (HF dataset)."""
+    meta: dict = field(default_factory=dict)
+    """Other top-level fields (e.g. "answer", "question_type")."""
+
+    def images(self) -> list:
+        return [it["image"] for m in self.messages if not isinstance(m["content"], str)
+                for it in m["content"] if it["type"] == "image"]
+
+    def videos(self) -> list[dict]:
+        return [it for m in self.messages if not isinstance(m["content"], str)
+                for it in m["content"] if it["type"] == "video"]
+
+
+def resolve_path(ref: Any, root: Optional[Path]) -> Any:
+    """Make a relative string path absolute against `root`; other refs are returned unchanged."""
+    if isinstance(ref, os.PathLike):
+        ref = os.fspath(ref)
+    if isinstance(ref, str) and root is not None and not os.path.isabs(ref) and "://" not in ref:
+        return str(root / ref)
+    return ref
+
+
+def _item_type(item: dict, where: str) -> str:
+    t = item.get("type")
+    if t in ("image", "video", "text"):
+        return t
+    if t == "image_url" or "image" in item or "image_url" in item:
+        return "image"
+    if "video" in item:
+        return "video"
+    if "text" in item:
+        return "text"
+    raise BadRecordError("invalid_record", f"{where}: unknown content item type {t!r} (keys {sorted(item)})")
+
+
+def _normalize_item(item: Any, where: str, resolve: Callable[[Any], Any]) -> dict:
+    if not isinstance(item, dict):
+        raise BadRecordError("invalid_record", f"{where}: content item must be an object, got {type(item).__name__}")
+    item = {k: v for k, v in item.items() if v is not None}  # arrow structs carry None for absent keys
+    t = _item_type(item, where)
+    if t == "text":
+        if not isinstance(item.get("text"), str):
+            raise BadRecordError("invalid_record", f"{where}: text item needs a string 'text'")
+        return {"type": "text", "text": item["text"]}
+    if t == "image":
+        ref = item.get("image", item.get("image_url", item.get("path")))
+        if isinstance(ref, dict) and "url" in ref:
+            ref = ref["url"]
+        return {"type": "image", "image": None if ref is None else resolve(ref)}
+    ref = item.get("video", item.get("path"))
+    if isinstance(ref, (list, tuple)):
+        if not ref:
+            raise BadRecordError("invalid_record", f"{where}: video frame list is empty")
+        ref = [resolve(r) for r in ref]
+    elif ref is not None:
+        ref = resolve(ref)
+    out = {"type": "video", "video": ref}
+    if "fps" in item:
+        try:
+            fps = float(item["fps"])
+        except (TypeError, ValueError):
+            raise BadRecordError("invalid_record", f"{where}: fps must be a number, got {item['fps']!r}") from None
+        if fps <= 0:
+            raise BadRecordError("invalid_record", f"{where}: fps must be > 0, got {fps}")
+        out["fps"] = fps
+    return out
+
+
+def normalize_messages(raw: Any, resolve: Callable[[Any], Any] = lambda r: r) -> list[dict]:
+    """Check and normalise a messages list (see `Record.messages`); raises BadRecordError."""
+    if not isinstance(raw, list) or not raw:
+        raise BadRecordError("invalid_record", "'messages' must be a non-empty list")
+    out = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadRecordError("invalid_record", f"{where} must be an object, got {type(m).__name__}")
+        role = m.get("role")
+        if role not in ROLES:
+            raise BadRecordError("invalid_record", f"{where}.role must be one of {ROLES}, got {role!r}")
+        content = m.get("content")
+        if isinstance(content, str):
+            items: Any = content
+        elif isinstance(content, (list, tuple)):
+            items = [_normalize_item(it, f"{where}.content[{j}]", resolve) for j, it in enumerate(content)]
+        else:
+            raise BadRecordError("invalid_record", f"{where}.content must be a string or a list, "
+                                                   f"got {type(content).__name__}")
+        if role == "assistant" and not isinstance(items, str):
+            if any(it["type"] != "text" for it in items):
+                raise BadRecordError("invalid_record", f"{where}: assistant content must be text only")
+            items = "".join(it["text"] for it in items)
+        out.append({"role": role, "content": items})
+    if not any(m["role"] == "assistant" for m in out):
+        raise BadRecordError("invalid_record", "no assistant turn (nothing to train on)")
+    return out
+
+
+def read_messages_jsonl(path: str | os.PathLike, *, image_root: str | os.PathLike | None = None,
+                        bad_records: Optional[BadRecordLog] = None) -> list[Record]:
+    """All well-formed records of a messages JSONL file; bad lines go to `bad_records` (or are dropped)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"messages JSONL not found: {path}")
+    root = Path(image_root) if image_root else path.resolve().parent
+    resolve = lambda ref: resolve_path(ref, root)  # noqa: E731
+    records: list[Record] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise BadRecordError("malformed_json", str(e)) from None
+                if not isinstance(obj, dict):
+                    raise BadRecordError("malformed_json", f"expected a JSON object, got {type(obj).__name__}")
+                if "messages" not in obj:
+                    raise BadRecordError("invalid_record", f"no 'messages' key (keys: {sorted(obj)[:8]})")
+                messages = normalize_messages(obj["messages"], resolve)
+                for m in messages:
+                    if not isinstance(m["content"], str):
+                        for it in m["content"]:
+                            if it["type"] in ("image", "video") and it[it["type"]] is None:
+                                raise BadRecordError("invalid_record", f"an {it['type']} item has no path")
+            except BadRecordError as e:
+                if bad_records is not None:
+                    bad_records.add_error(str(path), lineno, e)
+                continue
+            meta = {k: v for k, v in obj.items() if k != "messages"}
+            records.append(Record(messages, str(path), lineno, meta))
+    return records

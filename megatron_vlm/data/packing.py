@@ -1,0 +1,135 @@
+"""First-fit packing of samples into token budgets, and the pack / padded-batch collates.
+
+A pack is one row of up to `max_tokens_per_pack` tokens holding several samples back to back;
+attention is confined to each sample through `cu_seqlens` (the model restarts M-RoPE positions per
+sample from input_ids, the grids and cu_seqlens). Packs carry no padding, so compute scales with
+real tokens; efficiency = real tokens / (packs x capacity) is tracked by the loader.
+
+Labels are already shifted: labels[t] is the token to predict at position t — input_ids[t + 1]
+when that token is a trained assistant token, else -100 — and the last position of every sample is
+-100, so no label crosses a sample boundary.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from megatron_vlm.data.processing import ProcessedSample
+
+__all__ = ["IGNORE_INDEX", "first_fit_pack", "shifted_labels", "collate_pack", "collate_padded", "empty_pack"]
+
+IGNORE_INDEX = -100
+_VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+
+
+def first_fit_pack(lengths: Sequence[int], order: Sequence[int], capacity: int, max_open: int = 64) -> list[list[int]]:
+    """Place samples (visited in `order`) into the first open pack with room; packs are returned in
+    the order they were opened. At most `max_open` packs stay open (the oldest is closed when a new
+    one would exceed that), which keeps the cost O(n * max_open) and the order close to `order`.
+    Every sample must fit alone (lengths[i] <= capacity)."""
+    if capacity <= 0:
+        raise ValueError(f"capacity must be > 0, got {capacity}")
+    packs: list[list[int]] = []
+    room: list[int] = []
+    open_ids: list[int] = []
+    for i in order:
+        n = int(lengths[i])
+        if n > capacity:
+            raise ValueError(f"sample {i} has {n} tokens, more than the pack capacity {capacity}")
+        if n <= 0:
+            raise ValueError(f"sample {i} has length {n}")
+        for p in open_ids:
+            if room[p] >= n:
+                packs[p].append(i)
+                room[p] -= n
+                if room[p] == 0:
+                    open_ids.remove(p)
+                break
+        else:
+            packs.append([i])
+            room.append(capacity - n)
+            if room[-1] > 0:
+                open_ids.append(len(packs) - 1)
+                if len(open_ids) > max_open:
+                    open_ids.pop(0)
+    return packs
+
+
+def shifted_labels(input_ids: torch.Tensor, label_mask: torch.Tensor) -> torch.Tensor:
+    """[T] labels: labels[t] = input_ids[t+1] if label_mask[t+1] else -100; labels[T-1] = -100."""
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    if input_ids.numel() > 1:
+        nxt = input_ids[1:]
+        labels[:-1] = torch.where(label_mask[1:], nxt, torch.full_like(nxt, IGNORE_INDEX))
+    return labels
+
+
+def _cat_vision(samples: Sequence[ProcessedSample]) -> dict[str, torch.Tensor]:
+    out = {}
+    for key in _VISION_KEYS:
+        parts = [getattr(s, key) for s in samples if getattr(s, key) is not None]
+        if parts:
+            out[key] = torch.cat(parts, dim=0)
+    return out
+
+
+def collate_pack(samples: Sequence[ProcessedSample]) -> dict:
+    """Concatenate samples into one pack: input_ids / labels [1, T], cu_seqlens int32 [n+1], vision
+    tensors concatenated in sample order, num_samples, num_label_tokens (int64 scalars)."""
+    if not samples:
+        raise ValueError("collate_pack: no samples")
+    ids = torch.cat([s.input_ids for s in samples])
+    labels = torch.cat([shifted_labels(s.input_ids, s.label_mask) for s in samples])
+    lens = torch.tensor([len(s) for s in samples], dtype=torch.int32)
+    cu = torch.zeros(len(samples) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lens, 0)
+    return {
+        "input_ids": ids.unsqueeze(0),
+        "labels": labels.unsqueeze(0),
+        "cu_seqlens": cu,
+        **_cat_vision(samples),
+        "num_samples": torch.tensor(len(samples)),
+        "num_label_tokens": (labels != IGNORE_INDEX).sum(),
+    }
+
+
+def empty_pack(pad_token_id: int) -> dict:
+    """A one-token pack with nothing to train on: what a rank yields when every sample planned for
+    its pack turned out bad, so that all ranks still run the same number of forward passes."""
+    return {
+        "input_ids": torch.tensor([[pad_token_id]]),
+        "labels": torch.tensor([[IGNORE_INDEX]]),
+        "cu_seqlens": torch.tensor([0, 1], dtype=torch.int32),
+        "num_samples": torch.tensor(0),
+        "num_label_tokens": torch.tensor(0),
+    }
+
+
+def collate_padded(samples: Sequence[ProcessedSample], pad_token_id: int, *, padding_side: str = "right",
+                   image_token_id: Optional[int] = None, video_token_id: Optional[int] = None) -> dict:
+    """Unpacked batch for evaluation / generation: input_ids, attention_mask, labels (shifted, -100 on
+    padding) [B, T_max], vision tensors concatenated in sample order; mm_token_type_ids (0 text,
+    1 image, 2 video) when the placeholder ids are given."""
+    if padding_side not in ("right", "left"):
+        raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
+    if not samples:
+        raise ValueError("collate_padded: no samples")
+    t_max = max(len(s) for s in samples)
+    b = len(samples)
+    ids = torch.full((b, t_max), pad_token_id, dtype=torch.long)
+    labels = torch.full((b, t_max), IGNORE_INDEX, dtype=torch.long)
+    attn = torch.zeros((b, t_max), dtype=torch.long)
+    for r, s in enumerate(samples):
+        n = len(s)
+        sl = slice(0, n) if padding_side == "right" else slice(t_max - n, t_max)
+        ids[r, sl] = s.input_ids
+        labels[r, sl] = shifted_labels(s.input_ids, s.label_mask)
+        attn[r, sl] = 1
+    out = {"input_ids": ids, "attention_mask": attn, "labels": labels, **_cat_vision(samples)}
+    if image_token_id is not None and video_token_id is not None:
+        mm = torch.zeros_like(ids)
+        mm[(ids == image_token_id) & (attn == 1)] = 1
+        mm[(ids == video_token_id) & (attn == 1)] = 2
+        out["mm_token_type_ids"] = mm
+    return out

@@ -1,0 +1,198 @@
+"""A synthetic visual question-answering set whose answers can only come from the image.
+
+Each image is a small canvas (56x56 by default, so a tiny vision tower is fast) with 1-4 filled
+shapes, one per quadrant, each of one of 5 colours and 3 kinds. Three question types, each with a
+small closed answer set and (close to) uniform answers:
+
+    count            "How many shapes are there?"     -> "1" | "2" | "3" | "4"                 chance 1/4
+    colour_of_shape  "What colour is the <shape>?"    -> red | green | blue | yellow | purple  chance 1/5
+    shape_of_colour  "What shape is <colour>?"        -> circle | square | triangle            chance 1/3
+
+The asked-about shape kind / colour occurs exactly once in the image, so every question has one
+right answer. The text alone carries no information about the answer, so a blind model cannot beat
+`blind_baseline_accuracy(records)` (the best guess per question type from the answer frequencies;
+about (1/4 + 1/5 + 1/3) / 3 ~= 0.26 for a uniform mix). Everything is a pure function of
+(seed, sizes, image_size): the same call writes the same bytes.
+
+`write_synthetic_vqa` writes PNGs under images/ and train.jsonl / eval.jsonl in the messages format
+(seed 002), plus "question_type" and "answer" fields used by evaluation. Files are written
+atomically and meta.json last, so several ranks may call it on the same folder at once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Iterable
+
+from PIL import Image, ImageDraw
+
+__all__ = [
+    "COLOURS", "SHAPES", "QUESTION_TYPES", "ANSWERS", "VOCABULARY_WORDS",
+    "generate_sample", "write_synthetic_vqa", "blind_baseline_accuracy", "normalize_answer",
+]
+
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 80, 230),
+    "yellow": (235, 210, 40),
+    "purple": (150, 60, 190),
+}
+SHAPES = ("circle", "square", "triangle")
+QUESTION_TYPES = ("count", "colour_of_shape", "shape_of_colour")
+ANSWERS: dict[str, tuple[str, ...]] = {
+    "count": ("1", "2", "3", "4"),
+    "colour_of_shape": tuple(COLOURS),
+    "shape_of_colour": SHAPES,
+}
+_BACKGROUND = (245, 245, 245)
+_SPLIT_STREAM = {"train": 0, "eval": 1}
+
+# Words of the task: the tiny tokenizer is trained on them so that questions and answers are short.
+VOCABULARY_WORDS = (
+    list(COLOURS) + list(SHAPES)
+    + ["What", "colour", "shape", "is", "the", "How", "many", "shapes", "are", "there", "?"]
+    + list(ANSWERS["count"])
+)
+
+
+def _question(qtype: str, subject: str = "") -> str:
+    if qtype == "count":
+        return "How many shapes are there?"
+    if qtype == "colour_of_shape":
+        return f"What colour is the {subject}?"
+    return f"What shape is {subject}?"
+
+
+def _draw_shape(draw: ImageDraw.ImageDraw, kind: str, box: tuple[int, int, int, int], rgb) -> None:
+    x0, y0, x1, y1 = box
+    if kind == "circle":
+        draw.ellipse(box, fill=rgb)
+    elif kind == "square":
+        draw.rectangle(box, fill=rgb)
+    else:
+        draw.polygon([((x0 + x1) // 2, y0), (x1, y1), (x0, y1)], fill=rgb)
+
+
+def generate_sample(rng: random.Random, image_size: int = 56) -> tuple[Image.Image, dict]:
+    """One (image, annotation) pair; annotation has question_type, question, answer, shapes.
+
+    The question type, the number of shapes and the answer are drawn uniformly; the other shapes
+    are then drawn so that the asked-about kind (or colour) occurs exactly once.
+    """
+    qtype = rng.choice(QUESTION_TYPES)
+    n = rng.randint(1, 4)
+    colour_names = list(COLOURS)
+    if qtype == "count":
+        shapes = [(rng.choice(SHAPES), rng.choice(colour_names)) for _ in range(n)]
+        question, answer = _question(qtype), str(n)
+    elif qtype == "colour_of_shape":
+        kind, colour = rng.choice(SHAPES), rng.choice(colour_names)
+        others = [k for k in SHAPES if k != kind]
+        shapes = [(kind, colour)] + [(rng.choice(others), rng.choice(colour_names)) for _ in range(n - 1)]
+        question, answer = _question(qtype, kind), colour
+    else:
+        kind, colour = rng.choice(SHAPES), rng.choice(colour_names)
+        others = [c for c in colour_names if c != colour]
+        shapes = [(kind, colour)] + [(rng.choice(SHAPES), rng.choice(others)) for _ in range(n - 1)]
+        question, answer = _question(qtype, colour), kind
+    quadrants = rng.sample(range(4), n)
+
+    img = Image.new("RGB", (image_size, image_size), _BACKGROUND)
+    draw = ImageDraw.Draw(img)
+    cell = image_size // 2
+    lo = max(6, cell // 2)
+    for q, (kind, colour) in zip(quadrants, shapes):
+        side = rng.randint(lo, cell - 4)
+        ox = (q % 2) * cell + rng.randint(2, cell - side - 2)
+        oy = (q // 2) * cell + rng.randint(2, cell - side - 2)
+        _draw_shape(draw, kind, (ox, oy, ox + side - 1, oy + side - 1), COLOURS[colour])
+    ann = {"question_type": qtype, "question": question, "answer": answer,
+           "shapes": [{"kind": k, "colour": c, "quadrant": q} for (k, c), q in zip(shapes, quadrants)]}
+    return img, ann
+
+
+def _record(image_rel: str, ann: dict) -> dict:
+    return {
+        "messages": [
+            {"role": "user", "content": [{"type": "image", "image": image_rel},
+                                         {"type": "text", "text": ann["question"]}]},
+            {"role": "assistant", "content": ann["answer"]},
+        ],
+        "question_type": ann["question_type"],
+        "answer": ann["answer"],
+    }
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _split_records(out: Path, split: str, n: int, seed: int, image_size: int) -> list[dict]:
+    import io
+
+    rng = random.Random(seed * 1_000_003 + _SPLIT_STREAM[split])
+    records = []
+    for i in range(n):
+        img, ann = generate_sample(rng, image_size)
+        rel = f"images/{split}_{i:05d}.png"
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        _atomic_write_bytes(out / rel, buf.getvalue())
+        records.append(_record(rel, ann))
+    return records
+
+
+def write_synthetic_vqa(out_dir: str | os.PathLike, n_train: int, n_eval: int, seed: int = 0,
+                        image_size: int = 56) -> dict[str, Path]:
+    """Write the set into `out_dir`; returns {"train": path, "eval": path, "meta": path}.
+
+    Skips the work when `out_dir/meta.json` already records the same parameters.
+    """
+    if n_train <= 0 or n_eval < 0:
+        raise ValueError(f"n_train must be > 0 and n_eval >= 0, got {n_train}, {n_eval}")
+    if image_size < 28:
+        raise ValueError(f"image_size must be >= 28, got {image_size}")
+    out = Path(out_dir)
+    paths = {"train": out / "train.jsonl", "eval": out / "eval.jsonl", "meta": out / "meta.json"}
+    params = {"n_train": n_train, "n_eval": n_eval, "seed": seed, "image_size": image_size, "version": 1}
+    if paths["meta"].is_file():
+        try:
+            if json.loads(paths["meta"].read_text()).get("params") == params:
+                return paths
+        except (json.JSONDecodeError, OSError):
+            pass
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    meta = {"params": params}
+    for split, n in (("train", n_train), ("eval", n_eval)):
+        records = _split_records(out, split, n, seed, image_size)
+        text = "".join(json.dumps(r) + "\n" for r in records)
+        _atomic_write_bytes(paths[split], text.encode())
+        meta[f"{split}_blind_baseline_accuracy"] = blind_baseline_accuracy(records) if records else None
+    meta["chance_per_question_type"] = {q: 1.0 / len(a) for q, a in ANSWERS.items()}
+    _atomic_write_bytes(paths["meta"], (json.dumps(meta, indent=2) + "\n").encode())
+    return paths
+
+
+def blind_baseline_accuracy(records: Iterable[dict]) -> float:
+    """Accuracy of the best image-blind strategy: per question type, always answer its most frequent
+    answer. This is "chance" for this set (≈ 1/num_choices per type, since answers are ~uniform)."""
+    by_type: dict[str, Counter] = {}
+    n = 0
+    for r in records:
+        by_type.setdefault(r["question_type"], Counter())[r["answer"]] += 1
+        n += 1
+    if n == 0:
+        raise ValueError("blind_baseline_accuracy: no records")
+    return sum(c.most_common(1)[0][1] for c in by_type.values()) / n
+
+
+def normalize_answer(text: str) -> str:
+    """Lower-case first word without punctuation: how a generated answer is compared to the truth."""
+    words = text.strip().lower().replace(".", " ").replace(",", " ").replace("!", " ").split()
+    return words[0] if words else ""

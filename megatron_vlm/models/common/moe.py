@@ -87,6 +87,15 @@ class TopKRouter(nn.Module):
         else:
             self.e_score_correction_bias = None
 
+    def _apply(self, fn, recurse=True):
+        # The score-correction bias stays fp32 whatever dtype the model is cast to (as transformers keeps
+        # it): bias updates of ~1e-3 would vanish in bf16.
+        super()._apply(fn, recurse)
+        bias = self.e_score_correction_bias
+        if bias is not None and bias.is_floating_point() and bias.dtype != torch.float32:
+            self.e_score_correction_bias = bias.float()
+        return self
+
     def forward(self, x: torch.Tensor):
         """x `[N, hidden]` -> (scores `[N, E]` fp32, topk_weights `[N, k]` fp32, topk_ids `[N, k]`)."""
         logits = F.linear(x.float(), self.weight.float())
@@ -171,13 +180,30 @@ class MoE(nn.Module):
             self.fc1_latent_proj = self.fc2_latent_proj = None
         self.aux_loss_coef = aux_loss_coef
         self.last_aux_loss: Optional[torch.Tensor] = None
-        # Load counters (not checkpointed): since the last bias update / since the last report.
-        self.register_buffer("step_load", torch.zeros(num_experts, dtype=torch.float64), persistent=False)
-        self.register_buffer("report_load", torch.zeros(num_experts, dtype=torch.float64), persistent=False)
+        # Load counters (int64, not checkpointed, not cast by .to(dtype)): since the last bias update /
+        # since the last report. Created lazily on the router's device (works after meta init).
+        self._loads: Dict[str, torch.Tensor] = {}
 
     @property
     def num_experts(self) -> int:
         return self.gate.num_experts
+
+    def _load(self, name: str) -> torch.Tensor:
+        device = self.gate.weight.device
+        t = self._loads.get(name)
+        if t is None or t.device != device:
+            t = self._loads[name] = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+        return t
+
+    @property
+    def step_load(self) -> torch.Tensor:
+        """Tokens routed to each expert since the last `update_bias` (int64 `[E]`; sum it over DP ranks before updating)."""
+        return self._load("step")
+
+    @property
+    def report_load(self) -> torch.Tensor:
+        """Tokens routed to each expert since the last `moe_load_report` (int64 `[E]`)."""
+        return self._load("report")
 
     @torch.no_grad()
     def reset_parameters(self, initializer_range: float = 0.02) -> None:
@@ -206,15 +232,17 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
 
-        if self.training:
+        # Count once per real forward: activation checkpointing re-runs this forward inside backward
+        # (the autograd engine then has a current graph task), which must not count twice.
+        if self.training and torch._C._current_graph_task_id() == -1:
             with torch.no_grad():
                 if token_mask is not None:
                     keep = token_mask.reshape(-1).bool()
                     counts = torch.bincount(topk_ids[keep].reshape(-1), minlength=self.num_experts)
                 else:
                     counts = tokens_per_expert
-                self.step_load += counts.to(self.step_load.dtype)
-                self.report_load += counts.to(self.report_load.dtype)
+                self.step_load.add_(counts)
+                self.report_load.add_(counts)
             if self.aux_loss_coef > 0:
                 self.last_aux_loss = self.aux_loss_coef * self._switch_aux_loss(scores, tokens_per_expert, topk_ids.shape[1])
         return out
@@ -230,7 +258,7 @@ class MoE(nn.Module):
         bias = self.gate.e_score_correction_bias
         if bias is None:
             raise RuntimeError("MoE.update_bias: this router has no score-correction bias (score_correction_bias=False)")
-        load = self.step_load
+        load = self.step_load.double()
         if load.sum() > 0:
             delta = rate * torch.sign(load.mean() - load)
             bias += (delta - delta.mean()).to(bias.dtype)
@@ -254,7 +282,7 @@ def moe_load_metrics(layers: Iterable[MoE]) -> Dict[str, float]:
     from the report counters; {} when nothing was routed."""
     entropies, max_fractions, tokens = [], [], []
     for layer in layers:
-        load = layer.report_load
+        load = layer.report_load.double()
         total = float(load.sum())
         if total <= 0:
             continue

@@ -138,7 +138,7 @@ def test_forward_counts_tokens_and_respects_token_mask():
     with torch.no_grad():
         moe(x, token_mask=mask)
         _, _, ids = moe.gate(x.reshape(-1, 16))
-    expected = torch.bincount(ids[mask.reshape(-1)].reshape(-1), minlength=8).double()
+    expected = torch.bincount(ids[mask.reshape(-1)].reshape(-1), minlength=8)
     assert torch.equal(moe.step_load, expected) and torch.equal(moe.report_load, expected)
     moe.eval()
     with torch.no_grad():
@@ -163,6 +163,17 @@ def test_aux_loss_matches_formula_and_has_grad():
     assert float(loss.detach()) == pytest.approx(0.1 * 8 * expected, rel=1e-5)
     loss.backward()
     assert moe.gate.weight.grad is not None and moe.gate.weight.grad.abs().sum() > 0
+
+
+def test_bias_stays_fp32_and_counters_follow_the_device():
+    moe = make_skewed_moe().to(torch.bfloat16)
+    assert moe.gate.e_score_correction_bias.dtype == torch.float32
+    assert moe.gate.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        moe(torch.randn(4, 16, dtype=torch.bfloat16))
+    assert moe.step_load.dtype == torch.int64 and int(moe.step_load.sum()) == 8
+    moe.update_bias(1e-3)
+    assert moe.gate.e_score_correction_bias.abs().max() > 0
 
 
 def test_router_config_errors():

@@ -1,0 +1,311 @@
+"""Nemotron-H hybrid language model and the Nemotron-3-Nano-VL vision-language model.
+
+Architecture only (DESIGN.md §5). The decoder is transformers' `NemotronHModel`: a stack of
+pre-norm residual blocks `x + mixer(RMSNorm(x))` whose mixer is, per `layers_block_type`, a Mamba2
+mixer ("linear_attention"), grouped-query attention without positional encoding
+("full_attention"), a relu^2 MLP ("mlp") or a MoE with sigmoid routing and one shared expert
+("moe"); then `norm_f` and `lm_head`. The VLM adds the RADIO encoder, pixel shuffle and projector
+(vision.py) whose outputs replace the image placeholder tokens (`merge_vision_embeddings`).
+
+Input forms of `forward` (the Qwen2.5-VL family's API):
+* padded batch: input_ids [B, T] (+ attention_mask [B, T], left or right padding): padding is
+  masked out of attention and zeroed in the Mamba mixers, so it never changes real tokens;
+* packed: input_ids [1, T] + `cu_seqlens`: attention and the Mamba scans restart per sample;
+* decoding: `kv_cache` = `model.make_cache(batch, max_len)` (KV for attention layers, conv + SSM
+  state for Mamba layers): prefill, then one or more tokens per call.
+Nemotron-H has no positional encoding (position is carried by the Mamba layers), so
+`position_ids` is accepted for API compatibility and has no effect.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from megatron_vlm.models.common.attention import Attention
+from megatron_vlm.models.common.mamba2 import Mamba2Mixer
+from megatron_vlm.models.common.merge import merge_vision_embeddings
+from megatron_vlm.models.common.moe import MoE, activation_fn
+from megatron_vlm.models.common.norms import RMSNorm
+from megatron_vlm.models.nemotron_vl.args import NemotronHTextArgs, NemotronVLArgs
+from megatron_vlm.models.nemotron_vl.cache import HybridCache
+from megatron_vlm.models.nemotron_vl.vision import (
+    LayerNorm,
+    NemotronVLProjector,
+    RadioEmbeddings,
+    RadioLayerScale,
+    RadioVisionModel,
+    shuffle_and_project,
+)
+
+
+class NemotronHMLP(nn.Module):
+    """down_proj(act(up_proj(x))) - not gated (relu^2 in Nemotron-H); also the MoE shared expert."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = activation_fn(activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+def _identity_rotary(x: torch.Tensor, head_dim: int):
+    shape = (*x.shape[:-1], head_dim)
+    return x.new_ones(1, dtype=torch.float32).expand(shape), x.new_zeros(1, dtype=torch.float32).expand(shape)
+
+
+def _max_seqlen(cu_seqlens: torch.Tensor) -> int:
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+
+
+class NemotronHBlock(nn.Module):
+    def __init__(self, args: NemotronHTextArgs, layer_idx: int) -> None:
+        super().__init__()
+        a = args
+        self.block_type = a.layers_block_type[layer_idx]
+        self.norm = RMSNorm(a.hidden_size, eps=a.layer_norm_epsilon)
+        if self.block_type == "linear_attention":
+            self.mixer = Mamba2Mixer(
+                a.hidden_size, num_heads=a.mamba_num_heads, head_dim=a.mamba_head_dim, state_size=a.ssm_state_size,
+                n_groups=a.n_groups, conv_kernel=a.conv_kernel, chunk_size=a.chunk_size,
+                use_conv_bias=a.use_conv_bias, use_bias=a.use_bias, norm_eps=a.layer_norm_epsilon,
+                time_step_min=a.time_step_min, time_step_max=a.time_step_max, time_step_floor=a.time_step_floor,
+            )
+        elif self.block_type == "full_attention":
+            self.mixer = Attention(
+                a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim, qkv_bias=False, o_bias=False, causal=True
+            )
+        elif self.block_type == "mlp":
+            self.mixer = NemotronHMLP(a.hidden_size, a.intermediate_size, a.mlp_hidden_act, a.mlp_bias)
+        else:
+            self.mixer = MoE(
+                a.hidden_size, num_experts=a.n_routed_experts, top_k=a.num_experts_per_tok,
+                moe_intermediate_size=a.moe_intermediate_size, activation=a.mlp_hidden_act, gated_experts=False,
+                score_func="sigmoid", n_group=a.n_group, topk_group=a.topk_group, norm_topk_prob=a.norm_topk_prob,
+                routed_scaling_factor=a.routed_scaling_factor, score_correction_bias=True,
+                shared_experts=NemotronHMLP(a.hidden_size, a.moe_shared_expert_intermediate_size, a.mlp_hidden_act, a.mlp_bias),
+                latent_size=a.moe_latent_size, latent_bias=a.mlp_bias,
+            )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        attention_mask: Optional[torch.Tensor] = None,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        max_seqlen: Optional[int] = None,
+        cache: Optional[HybridCache] = None,
+        layer_idx: int = 0,
+    ) -> torch.Tensor:
+        """x [B, T, hidden] (packed: B = 1 with cu_seqlens); attention_mask [B, T] of real tokens."""
+        h = self.norm(x)
+        if self.block_type == "linear_attention":
+            state = None if cache is None else cache.mamba_state(layer_idx)
+            h = self.mixer(h, attention_mask=attention_mask, cu_seqlens=cu_seqlens, state=state)
+        elif self.block_type == "full_attention":
+            if cu_seqlens is not None:
+                out = self.mixer(h[0], *_identity_rotary(h[0], self.mixer.head_dim), cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+                h = out.unsqueeze(0)
+            elif cache is not None:
+                h = self.mixer(h, *_identity_rotary(h, self.mixer.head_dim), kv_cache=cache.kv, layer_idx=cache.kv_index(layer_idx))
+            else:
+                mask = None if attention_mask is None else attention_mask.bool()
+                h = self.mixer(h, *_identity_rotary(h, self.mixer.head_dim), key_padding_mask=mask)
+        elif self.block_type == "moe":
+            h = self.mixer(h, token_mask=attention_mask)
+        else:
+            h = self.mixer(h)
+        return x + h
+
+
+class NemotronHTextModel(nn.Module):
+    """Token embedding, the hybrid blocks, final RMSNorm (transformers' NemotronHModel)."""
+
+    def __init__(self, args: NemotronHTextArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(NemotronHBlock(args, i) for i in range(args.num_hidden_layers))
+        self.norm_f = RMSNorm(args.hidden_size, eps=args.layer_norm_epsilon)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        *,
+        attention_mask: Optional[torch.Tensor] = None,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        cache: Optional[HybridCache] = None,
+    ) -> torch.Tensor:
+        x = inputs_embeds
+        max_seqlen = _max_seqlen(cu_seqlens) if cu_seqlens is not None else None
+        for i, layer in enumerate(self.layers):
+            x = layer(x, attention_mask=attention_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cache=cache, layer_idx=i)
+        return self.norm_f(x)
+
+
+class NemotronVLForConditionalGeneration(nn.Module):
+    """`language_model` + `lm_head`, and for nemotron_h_omni `vision_model` + `multi_modal_projector`."""
+
+    def __init__(self, args: NemotronVLArgs, hf_config: Optional[dict] = None) -> None:
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.hf_config = hf_config  # the original config.json dict, written back unchanged on export
+        self.hf_generation_config: Optional[dict] = None
+        self.language_model = NemotronHTextModel(args.text)
+        self.lm_head = nn.Linear(args.text.hidden_size, args.text.vocab_size, bias=False)
+        if args.vision is not None:
+            v = args.vision
+            self.vision_model = RadioVisionModel(v)
+            # Megatron-Core checkpoints with MTP layers carry a final LayerNorm on the vision features.
+            self.vision_final_layernorm = (
+                LayerNorm(args.vision_hidden_size, v.layer_norm_eps) if args.text.num_nextn_predict_layers > 0 else None
+            )
+            self.multi_modal_projector = NemotronVLProjector(
+                args.vision_hidden_size * args.merge_size**2, args.projector_hidden_size, args.text.hidden_size
+            )
+        else:
+            self.vision_model = self.vision_final_layernorm = self.multi_modal_projector = None
+        self.tie_weights()
+
+    # ----- structure helpers used by parallelize / loading / training -----
+    def tie_weights(self) -> None:
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.language_model.embeddings.weight
+
+    def transformer_blocks(self) -> list[nn.Module]:
+        """The FSDP / activation-checkpointing units: vision layers then decoder blocks."""
+        vision = list(self.vision_model.layers) if self.vision_model is not None else []
+        return vision + list(self.language_model.layers)
+
+    def make_cache(self, batch: int, max_len: int, *, dtype: Optional[torch.dtype] = None, device=None) -> HybridCache:
+        """Decoding state for `batch` sequences of up to `max_len` tokens (KV + Mamba conv/SSM states)."""
+        ref = self.lm_head.weight
+        return HybridCache(
+            self.language_model.layers, batch, max_len,
+            dtype=dtype or ref.dtype, device=device if device is not None else ref.device,
+        )
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Random init as transformers does (N(0, std) weights, zero biases, unit norms, Mamba S4D init)."""
+        std = self.args.text.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, (RMSNorm, LayerNorm)):
+                module.reset_parameters()
+            elif isinstance(module, RadioLayerScale):
+                nn.init.ones_(module.lambda1)
+            elif isinstance(module, RadioEmbeddings):
+                nn.init.trunc_normal_(module.position_embedding, std=std)
+                nn.init.trunc_normal_(module.cls_register_token, std=std)
+        for module in self.modules():  # family-specific inits override the generic pass
+            if isinstance(module, Mamba2Mixer):
+                module.reset_parameters(std, num_layers=self.args.text.num_hidden_layers)
+            elif isinstance(module, MoE):
+                module.reset_parameters(std)
+        self.tie_weights()
+
+    # ----- forward -----
+    def _image_features(self, pixel_values, image_grid_hw) -> tuple[torch.Tensor, list[int]]:
+        if self.vision_model is None:
+            raise ValueError("pixel_values given, but this nemotron_h model has no vision tower")
+        if image_grid_hw is None:
+            raise ValueError("pixel_values given without image_grid_hw (or image_grid_thw)")
+        feats = self.vision_model(pixel_values.to(self.lm_head.weight.dtype), image_grid_hw)
+        grids = [tuple(g) for g in image_grid_hw.tolist()]
+        out = shuffle_and_project(feats, grids, self.args.downsample_ratio, self.multi_modal_projector, self.vision_final_layernorm)
+        return out, [gh * gw // self.args.merge_size**2 for gh, gw in grids]
+
+    def _video_features(self, frames) -> tuple[torch.Tensor, list[int]]:
+        if self.vision_model is None:
+            raise ValueError("pixel_values_videos given, but this nemotron_h model has no vision tower")
+        if self.args.video_pruning_rate > 0:
+            raise NotImplementedError("video_pruning_rate > 0 (efficient video sampling) is not supported")
+        feats, gh, gw = self.vision_model.forward_video(frames.to(self.lm_head.weight.dtype))
+        groups = feats.shape[0] // (gh * gw)
+        out = shuffle_and_project(feats, [(gh, gw)] * groups, self.args.downsample_ratio, self.multi_modal_projector,
+                                  self.vision_final_layernorm)
+        return out, [gh * gw // self.args.merge_size**2] * groups
+
+    def embed(self, input_ids, *, pixel_values=None, image_grid_hw=None, pixel_values_videos=None, cu_seqlens=None):
+        """Token embeddings with image / video features written at the placeholder tokens."""
+        embeds = self.language_model.embeddings(input_ids)
+        if pixel_values is not None and pixel_values_videos is not None:
+            raise ValueError("give pixel_values or pixel_values_videos, not both (both use image_token_id placeholders)")
+        for pixels, fn in ((pixel_values, lambda: self._image_features(pixel_values, image_grid_hw)),
+                           (pixel_values_videos, lambda: self._video_features(pixel_values_videos))):
+            if pixels is None:
+                continue
+            feats, per_item = fn()
+            embeds = merge_vision_embeddings(
+                embeds, input_ids, feats, self.args.image_token_id, modality="image",
+                features_per_item=per_item, cu_seqlens=cu_seqlens,
+            )
+        return embeds
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        pixel_values: Optional[torch.Tensor] = None,
+        image_grid_thw: Optional[torch.Tensor] = None,
+        pixel_values_videos: Optional[torch.Tensor] = None,
+        video_grid_thw: Optional[torch.Tensor] = None,
+        second_per_grid_ts: Optional[torch.Tensor] = None,
+        mm_token_type_ids: Optional[torch.Tensor] = None,
+        *,
+        image_grid_hw: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        kv_cache: Optional[HybridCache] = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
+        """Logits [B, T, vocab] (or final-norm hidden states with `return_hidden=True`).
+
+        Images: pixel_values `[total_patches, C*p*p]` + image_grid_hw `[n, 2]` (or image_grid_thw `[n, 3]`
+        with t = 1); videos: pixel_values_videos `[frames, C, H, W]`. video_grid_thw, second_per_grid_ts,
+        mm_token_type_ids and position_ids do not enter this model (no positional encoding).
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        if image_grid_hw is None and image_grid_thw is not None:
+            if image_grid_thw.dim() != 2 or image_grid_thw.shape[-1] != 3 or bool((image_grid_thw[:, 0] != 1).any()):
+                raise ValueError(f"image_grid_thw must be [n, 3] with t = 1 for nemotron images, got {image_grid_thw.tolist()}")
+            image_grid_hw = image_grid_thw[:, 1:]
+        if cu_seqlens is not None:
+            if input_ids.shape[0] != 1:
+                raise ValueError(f"packed input (cu_seqlens) needs input_ids [1, T], got {tuple(input_ids.shape)}")
+            if attention_mask is not None:
+                raise ValueError("pass either cu_seqlens (packed) or attention_mask (padded), not both")
+            if kv_cache is not None:
+                raise ValueError("kv_cache is not supported with packed input (cu_seqlens)")
+            cu_seqlens = cu_seqlens.to(torch.int32)
+        if attention_mask is not None and kv_cache is None and attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+
+        embeds = self.embed(
+            input_ids, pixel_values=pixel_values, image_grid_hw=image_grid_hw,
+            pixel_values_videos=pixel_values_videos, cu_seqlens=cu_seqlens,
+        )
+        new_mask = attention_mask
+        if kv_cache is not None:
+            if new_mask is not None and new_mask.shape[1] != input_ids.shape[1]:
+                new_mask = new_mask[:, -input_ids.shape[1]:]  # a mask over past + new tokens: keep the new part
+            kv_cache.begin_step(input_ids.shape[1], new_mask)
+        try:
+            hidden = self.language_model(embeds, attention_mask=new_mask, cu_seqlens=cu_seqlens, cache=kv_cache)
+        finally:
+            if kv_cache is not None:
+                kv_cache.end_step()
+        if return_hidden:
+            return hidden
+        return self.lm_head(hidden)
+

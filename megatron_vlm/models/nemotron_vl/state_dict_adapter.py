@@ -1,0 +1,159 @@
+"""Nemotron-H / Nemotron-3-Nano-VL weights: Hugging Face checkpoint keys <-> this package's names.
+
+HF layouts read (both model types):
+* checkpoint layout (NVIDIA releases, and what transformers 5's `save_pretrained` writes):
+  `backbone.*` + `lm_head.weight` (nemotron_h); `language_model.backbone.*`,
+  `language_model.lm_head.weight`, `mlp1.{0,1,3}.*` (projector) and
+  `vision_model.radio_model.model.{patch_generator,blocks}.*` (nemotron_h_omni); MoE experts one
+  tensor per expert (`mixer.experts.{e}.up_proj.weight` `[F, H]`);
+* transformers 5's in-memory names: `model.*` / `language_model.model.*`, `multi_modal_projector.*`,
+  `vision_model.embeddings.*` / `vision_model.encoder.layer.*`, experts stacked (`mixer.experts.up_proj`
+  `[E, F, H]`).
+Export writes the checkpoint layout.
+
+Conversions (the only place weights are fused / split / stacked):
+* per-expert `experts.{e}.{up,down}_proj.weight` <-> stacked `experts.{up,down}_proj` `[E, out, in]`
+  (the per-expert tensors of a layer are held back as `pending` until all E have been read);
+* RADIO `attn.qkv` `[3E, E]` (+ bias) <-> `attention.{q,k,v}_proj`; `attn.proj` <-> `attention.o_proj`;
+  patch generator `embedder` / `video_embedder` / `pos_embed` / `cls_token.token` <->
+  `embeddings.patch_projection` / `video_patch_projection` / `position_embedding` / `cls_register_token`.
+Ignored on load: multi-token-prediction heads (`mtp.*`), RADIO's `summary_idxs` and
+`input_conditioner` buffers (normalisation happens in the processor), tied `lm_head.weight`.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from megatron_vlm.models.nemotron_vl.args import NemotronVLArgs
+
+_EXPERT = re.compile(r"^(language_model\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
+_OUR_EXPERT = re.compile(r"^(language_model\.layers\.\d+\.mixer\.experts)\.(up_proj|down_proj)$")
+_QKV = re.compile(r"^vision_model\.encoder\.layer\.(\d+)\.attn\.qkv\.(weight|bias)$")
+_OUR_QKV = re.compile(r"^vision_model\.encoder\.layer\.(\d+)\.attention\.([qkv])_proj\.(weight|bias)$")
+
+_RADIO = "vision_model.radio_model.model."
+# RADIO checkpoint prefix <-> our prefix
+_VISION_PREFIXES = [
+    (_RADIO + "patch_generator.embedder.", "vision_model.embeddings.patch_projection."),
+    (_RADIO + "patch_generator.video_embedder.", "vision_model.embeddings.video_patch_projection."),
+    (_RADIO + "patch_generator.pos_embed", "vision_model.embeddings.position_embedding"),
+    (_RADIO + "patch_generator.cls_token.token", "vision_model.embeddings.cls_register_token"),
+    (_RADIO + "blocks.", "vision_model.encoder.layer."),
+]
+# checkpoint prefix -> our prefix (applied in order; the first match wins)
+_PREFIXES_IN = [
+    ("language_model.backbone.", "language_model."),
+    ("language_model.model.", "language_model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("backbone.", "language_model."),
+    ("model.", "language_model."),
+    ("mlp1.0.", "multi_modal_projector.layer_norm."),
+    ("mlp1.1.", "multi_modal_projector.linear_1."),
+    ("mlp1.3.", "multi_modal_projector.linear_2."),
+    *_VISION_PREFIXES,
+]
+_IGNORED = re.compile(
+    r"^(mtp\.|language_model\.mtp\.|vision_model\.(radio_model\.)?summary_idxs$|vision_model\.(radio_model\.)?input_conditioner\.)"
+    r"|rotary_emb\.inv_freq$"
+)
+
+
+class NemotronVLStateDictAdapter:
+    def __init__(self, args: NemotronVLArgs) -> None:
+        self.args = args
+        self.omni = args.vision is not None
+
+    # ----- HF -> ours -----
+    def normalize_hf_key(self, key: str) -> str:
+        """Any known HF layout -> our module path (fused qkv / per-expert keys are left for from_hf)."""
+        for src, dst in _PREFIXES_IN:
+            if key.startswith(src) and (self.omni or not src.startswith(("language_model.", "mlp1", "vision"))):
+                key = dst + key[len(src):]
+                break
+        return re.sub(r"^(vision_model\.encoder\.layer\.\d+)\.attn\.proj\.", r"\1.attention.o_proj.", key)
+
+    def is_ignored(self, key: str) -> bool:
+        if _IGNORED.search(key):
+            return True
+        return self.args.tie_word_embeddings and self.normalize_hf_key(key) == "lm_head.weight"
+
+    def from_hf(self, hf: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Map HF tensors to ours; per-expert tensors wait in `pending` until their layer is complete."""
+        out: dict[str, torch.Tensor] = {}
+        experts: dict[tuple[str, str], dict[int, tuple[str, torch.Tensor]]] = {}
+        for key, t in hf.items():
+            if self.is_ignored(key):
+                continue
+            k = self.normalize_hf_key(key)
+            m = _EXPERT.match(k)
+            if m:
+                prefix, e, proj = m.groups()
+                experts.setdefault((prefix, proj), {})[int(e)] = (key, t)
+                continue
+            m = _QKV.match(k)
+            if m:
+                layer, kind = m.groups()
+                if t.shape[0] % 3:
+                    raise ValueError(f"{key}: fused qkv has {t.shape[0]} rows, not a multiple of 3")
+                for name, part in zip("qkv", t.chunk(3, dim=0)):
+                    out[f"vision_model.encoder.layer.{layer}.attention.{name}_proj.{kind}"] = part
+                continue
+            out[k] = t
+        pending: dict[str, torch.Tensor] = {}
+        num_experts = self.args.text.n_routed_experts
+        for (prefix, proj), parts in experts.items():
+            if len(parts) == num_experts:
+                if sorted(parts) != list(range(num_experts)):
+                    raise ValueError(f"{prefix}: expert indices {sorted(parts)} are not 0..{num_experts - 1}")
+                out[f"{prefix}.{proj}"] = torch.stack([parts[e][1] for e in range(num_experts)])
+            elif len(parts) > num_experts:
+                raise ValueError(f"{prefix}.{proj}: {len(parts)} experts in the checkpoint, config says {num_experts}")
+            else:
+                pending.update({hf_key: t for hf_key, t in parts.values()})
+        return out, pending
+
+    # ----- ours -> HF -----
+    def _checkpoint_key(self, key: str) -> str:
+        if key.startswith("language_model."):
+            rest = key[len("language_model."):]
+            return ("language_model.backbone." if self.omni else "backbone.") + rest
+        if key.startswith("lm_head."):
+            return ("language_model." if self.omni else "") + key
+        for ours, hf in (("multi_modal_projector.layer_norm.", "mlp1.0."), ("multi_modal_projector.linear_1.", "mlp1.1."),
+                         ("multi_modal_projector.linear_2.", "mlp1.3.")):
+            if key.startswith(ours):
+                return hf + key[len(ours):]
+        for hf, ours in _VISION_PREFIXES:
+            if key.startswith(ours):
+                key = hf + key[len(ours):]
+                break
+        return re.sub(r"\.attention\.o_proj\.", ".attn.proj.", key)
+
+    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Our full state dict -> HF tensors in the checkpoint layout."""
+        out: dict[str, torch.Tensor] = {}
+        qkv: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+        for key, t in state_dict.items():
+            if key == "lm_head.weight" and self.args.tie_word_embeddings:
+                continue
+            m = _OUR_EXPERT.match(key)
+            if m:
+                prefix, proj = m.groups()
+                for e in range(t.shape[0]):
+                    out[self._checkpoint_key(f"{prefix}.{e}.{proj}.weight")] = t[e]
+                continue
+            m = _OUR_QKV.match(key)
+            if m:
+                layer, name, kind = m.groups()
+                qkv.setdefault((layer, kind), {})[name] = t
+                continue
+            out[self._checkpoint_key(key)] = t
+        for (layer, kind), parts in sorted(qkv.items(), key=lambda kv: (int(kv[0][0]), kv[0][1])):
+            if set(parts) != {"q", "k", "v"}:
+                raise ValueError(f"vision layer {layer}: missing {sorted({'q', 'k', 'v'} - set(parts))}_proj.{kind}")
+            out[f"{_RADIO}blocks.{layer}.attn.qkv.{kind}"] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
+        if self.omni:
+            out["vision_model.radio_model.summary_idxs"] = torch.tensor(self.args.vision.summary_idxs, dtype=torch.long)
+        return out

@@ -215,7 +215,7 @@ _BUILTIN_OPS = (
     ("linear_token_logprobs", "token_logprobs", "linear_token_logprobs"),
 )
 _TRITON_MODULES = {"rms_norm": "rms_norm", "layer_norm": "layer_norm"}  # triton/ splits the two norms
-_NPU_OPS = {}  # filled in once kernels/npu adapters land
+_NPU_OPS = {"attention": "attention", "rms_norm": "rms_norm", "apply_rotary": "rotary", "swiglu": "swiglu"}
 for _op, _module, _fn in _BUILTIN_OPS:
     register_backend(_op, "torch", f"{_PKG}.reference.{_module}:{_fn}", auto_devices=("cpu", "cuda", "npu"))
     register_backend(
@@ -224,6 +224,10 @@ for _op, _module, _fn in _BUILTIN_OPS:
     )
     if _op in _NPU_OPS:
         register_backend(_op, "npu", f"{_PKG}.npu.{_NPU_OPS[_op]}:{_fn}", check=npu_check, auto_devices=("npu",), priority=10)
+register_backend(
+    "attention", "flash_attn", f"{_PKG}.thirdparty.flash_attn:attention",
+    check=cuda_package_check("flash_attn", (torch.float16, torch.bfloat16)), auto_devices=("cuda",), priority=20,
+)
 
 # Mamba2 and MoE ops (Nemotron-H, Qwen3-VL-MoE): torch reference everywhere, torch_npu adapters for MoE.
 for _op, _module in (

@@ -37,7 +37,12 @@ def math_reward(
 # --- multiple choice --------------------------------------------------------------------------------
 
 _OPTION_LINE = re.compile(r"^\s*\(?([A-Za-z])\s*[).:：]\s*(.+?)\s*$")
-_LETTER_ANSWER = re.compile(r"^\(?\s*(?:option|choice)?\s*\(?([A-Za-z])\s*\)?\s*[.:)]?(?:\s+(.*))?$", re.IGNORECASE)
+_LETTER_FORMS = (
+    re.compile(r"^\(([A-Za-z])\)\s*[.:]?\s*(.*)$"),  # "(B)", "(b) 5 cm"
+    re.compile(r"^(?:option|choice)\s*\(?([A-Za-z])\)?\s*[.:)]?\s*(.*)$", re.IGNORECASE),  # "Option B", "choice (c)"
+    re.compile(r"^([A-Z])(?:\s*[.:)]\s*(.*))?$"),  # "B", "B.", "B) 5 cm", "B: 5 cm"
+    re.compile(r"^([a-z])$"),  # a lone lower-case letter
+)
 
 
 def parse_choices(prompt: str, letters: str) -> dict[str, str]:
@@ -65,12 +70,12 @@ def _choice_letter(text: str, letters: str, options: Mapping[str, str]) -> Optio
     t = re.sub(r"\\(?:text|textbf|mathrm|mathbf)\s*\{([^{}]*)\}", r"\1", t).strip().strip("*").strip()
     if not t:
         return None
-    m = _LETTER_ANSWER.match(t)
-    if m and m.group(1).upper() in letters.upper():
-        letter = m.group(1).upper()
-        # a single capital letter, "(b)", "Option C", "B. 5 cm" (then the text, if any, must agree)
-        if (len(t) == 1 or m.group(1).isupper() or t.startswith("(") or t.lower().startswith(("option", "choice"))):
-            tail = m.group(2)
+    for form in _LETTER_FORMS:
+        m = form.match(t)
+        if m and m.group(1).upper() in letters.upper():
+            letter = m.group(1).upper()
+            tail = m.group(2) if m.lastindex and m.lastindex >= 2 else None
+            # "B. 5 cm": when the option text is also given it must be that option's text
             if tail and letter in options and normalize_text(tail) != normalize_text(options[letter]):
                 return None
             return letter

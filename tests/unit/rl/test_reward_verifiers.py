@@ -156,6 +156,10 @@ PROMPT = "Find the length of AB.\nChoices:\nA. 3 cm\nB. 5 cm\n(C) 7 cm\nD: 9 cm"
         (r"\boxed{B}", "5 cm", 1.0),  # reference given as option text
         (r"\boxed{C}", "7 cm", 1.0),
         ("I think it is long", "B", 0.0),
+        ("<think>..</think>\nA triangle has three sides.", "A", 0.0),  # the article "A" is not a choice
+        ("Answer: A", "A", 1.0),
+        ("Answer: B) 5 cm", "B", 1.0),
+        ("choice (c)", "C", 1.0),
         ("", "B", 0.0),
     ],
 )

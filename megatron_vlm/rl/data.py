@@ -72,6 +72,15 @@ class PromptSample:
     def images(self) -> list:
         return [it["image"] for m in self.messages if isinstance(m["content"], list) for it in m["content"] if it["type"] == "image"]
 
+    def to_record(self, source: str = "", index: int = -1):
+        """The sample as a `megatron_vlm.data.messages.Record` whose last assistant turn is the
+        reference answer: `process_record(record, proc, for_generation=True)` then gives the
+        generation prompt's tokens and vision inputs, with the answer in `.answer`."""
+        from megatron_vlm.data.messages import Record
+
+        meta = dict(self.metadata, prompt_id=self.prompt_id, problem=self.problem, answer=self.answer)
+        return Record(self.messages + [{"role": "assistant", "content": self.answer}], source or self.prompt_id, index, meta)
+
 
 @dataclass
 class PromptDataset:

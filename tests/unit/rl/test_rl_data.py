@@ -168,3 +168,27 @@ def test_explicit_column_mapping(tmp_path):
     assert same.schema == "virl39k" and same[0].prompt_id == "fixture-0-0"
     with pytest.raises(ValueError, match="columns: expected keys"):
         load_prompt_dataset(tmp_path / "t.parquet", columns={"question": "query"})
+
+
+def test_synthetic_vqa_prompts_through_the_data_pipeline(tmp_path):
+    """The synthetic VQA eval set (messages JSONL written by megatron_vlm.data.synthetic_vqa) becomes
+    GRPO prompts that the data pipeline turns into generation inputs, and its one-word answers are
+    scored by the exact-match verifier."""
+    from megatron_vlm.data.processing import process_record
+    from megatron_vlm.data.synthetic_vqa import VOCABULARY_WORDS, write_synthetic_vqa
+    from megatron_vlm.rl.rewards.verifiers import exact_match_reward
+    from megatron_vlm.testing.tiny_processor import build_tiny_qwen2_5_vl_processor
+
+    paths = write_synthetic_vqa(tmp_path / "vqa", n_train=2, n_eval=4, seed=0)
+    out = load_prompt_dataset(paths["eval"], prompt_template="{problem}")
+    assert out.schema == "messages" and len(out) == 4 and out.skipped == []
+    raw = [json.loads(line) for line in paths["eval"].read_text().splitlines()]
+    assert [s.answer for s in out.samples] == [r["answer"] for r in raw]
+    assert [s.metadata["question_type"] for s in out.samples] == [r["question_type"] for r in raw]
+    for s in out.samples:
+        assert exact_match_reward(s.answer.capitalize() + ".", s.answer) == 1.0
+    proc = build_tiny_qwen2_5_vl_processor(tmp_path / "proc", extra_words=VOCABULARY_WORDS)
+    ps = process_record(out[0].to_record(), proc, max_frames=4, for_generation=True)
+    assert ps.answer == out[0].answer and not ps.label_mask.any()
+    assert int((ps.input_ids == proc.image_token_id).sum()) == proc.num_tokens(ps.image_grid_thw[0])
+    assert proc.tokenizer.decode(ps.input_ids).rstrip().endswith("assistant")  # generation prompt

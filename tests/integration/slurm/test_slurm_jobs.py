@@ -21,55 +21,62 @@ def submit(cluster, job: TrainJob, cwd, *args: str, name: str) -> int:
     return cluster.sbatch(["-J", name, str(TRAIN_SBATCH), str(job.config), *args], cwd=cwd, env=env)
 
 
-def test_short_run_leaves_checkpoint_logs_and_metrics(tmp_path, slurm_cluster):
-    job = TrainJob(tmp_path, max_steps=3)
-    job_id = submit(slurm_cluster, job, tmp_path, "--set", "checkpoint.every_steps=2", name="short")
-    info = slurm_cluster.wait_job(job_id, timeout=120)
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def short_run(slurm_cluster, tmp_path_factory):
+    """One uninterrupted short job through sbatch: checked by itself, and the reference for resume."""
+    folder = tmp_path_factory.mktemp("short")
+    job = TrainJob(folder, max_steps=STEPS)
+    job_id = submit(slurm_cluster, job, folder, "--set", "checkpoint.every_steps=4", name="short")
+    info = slurm_cluster.wait_job(job_id, timeout=150)
+    return job, job_id, folder, info
+
+
+def test_short_run_leaves_checkpoint_logs_and_metrics(short_run):
+    job, job_id, folder, info = short_run
     assert info["ExitCode"] == "0:0" and info["Restarts"] == "0"
 
-    run_dir = tmp_path / "runs" / f"short-{job_id}"
-    assert job.checkpoint_steps(run_dir) == [2, 3]
-    assert job.metric_steps(run_dir) == [1, 2, 3]
+    run_dir = folder / "runs" / f"short-{job_id}"
+    assert job.checkpoint_steps(run_dir) == [4, STEPS]
+    assert job.metric_steps(run_dir) == list(range(1, STEPS + 1))
     assert (run_dir / "config.toml").is_file()
     log_dir = run_dir / "logs" / f"short-{job_id}"
-    node_log = (log_dir / "node0.log").read_text()
-    assert "step 3/3" in node_log
-    assert (log_dir / "batch.log").resolve() == tmp_path / f"slurm-short-{job_id}.out"
+    assert f"step {STEPS}/{STEPS}" in (log_dir / "node0.log").read_text()
+    assert (log_dir / "batch.log").resolve() == folder / f"slurm-short-{job_id}.out"
     launch = (log_dir / "launch.log").read_text()
     assert f"--rdzv_id {job_id}" in launch and "--node_rank 0" in launch
     assert "1 node(s) x 1 process(es)" in (log_dir / "batch.log").read_text()
 
 
 @pytest.mark.slow
-def test_term_mid_run_checkpoints_requeues_and_resumes_exactly(tmp_path, slurm_cluster):
-    steps = 8
-    reference = TrainJob(tmp_path, max_steps=steps)
-    reference.run_direct(tmp_path / "uninterrupted")
-
-    job = TrainJob(tmp_path, max_steps=steps, step_seconds=0.7)
-    job_id = submit(slurm_cluster, job, tmp_path, name="preempt")
+def test_term_mid_run_checkpoints_requeues_and_resumes_exactly(tmp_path, slurm_cluster, short_run):
+    reference, ref_id, ref_folder, _ = short_run
+    job = TrainJob(tmp_path, max_steps=STEPS, step_seconds=0.7)  # slower steps, same arithmetic
+    job_id = submit(slurm_cluster, job, tmp_path, "--set", "checkpoint.every_steps=4", name="preempt")
     run_dir = tmp_path / "runs" / f"preempt-{job_id}"
-    wait_for(lambda: (run_dir / "metrics_train.csv").is_file() and len(job.metric_steps(run_dir)) >= 2,
-             120, "two training steps")
+    wait_for(lambda: (run_dir / "metrics_train.csv").is_file() and len(job.metric_steps(run_dir)) >= 1,
+             120, "the first training step")
     # What Slurm does `--signal=B:TERM@<s>` before the time limit: TERM to the batch shell only.
     slurm_cluster.run(["scancel", "--batch", "--signal=TERM", str(job_id)])
 
-    info = wait_for(lambda: (lambda i: i if i["Restarts"] == "1" else None)(slurm_cluster.job(job_id)),
-                    60, "the job to be requeued")
+    wait_for(lambda: slurm_cluster.job(job_id)["Restarts"] == "1", 60, "the job to be requeued")
     info = slurm_cluster.wait_job(job_id, timeout=150)
     assert info["Restarts"] == "1" and info["ExitCode"] == "0:0"
 
     node_log = (run_dir / "logs" / f"preempt-{job_id}" / "node0.log").read_text()
     saved = int(re.search(r"saved checkpoint at step (\d+)", node_log).group(1))
-    assert 2 <= saved < steps
+    assert 1 <= saved < STEPS
     assert f"Resumed from checkpoint: step={saved}" in node_log
-    assert job.checkpoint_steps(run_dir) == [saved, steps]
+    assert saved in job.checkpoint_steps(run_dir) and job.checkpoint_steps(run_dir)[-1] == STEPS
     # every step trained exactly once across the two allocations
-    assert job.metric_steps(run_dir) == list(range(1, steps + 1))
+    assert job.metric_steps(run_dir) == list(range(1, STEPS + 1))
     batch_log = (tmp_path / f"slurm-preempt-{job_id}.out").read_text()
     assert "requeueing job" in batch_log and "restart 1" in batch_log
 
-    assert_same_params(job.final_params(run_dir), reference.final_params(tmp_path / "uninterrupted"), exact=True)
+    assert_same_params(job.final_params(run_dir), reference.final_params(ref_folder / "runs" / f"short-{ref_id}"),
+                       exact=True)
 
 
 def test_plain_scancel_is_not_requeued(tmp_path, slurm_cluster):

@@ -1,0 +1,398 @@
+"""Qwen3-VL architecture: ViT with DeepStack + 2x2 patch merger + Qwen3 (or Qwen3-MoE) decoder with
+interleaved M-RoPE.
+
+Architecture only (DESIGN.md §5): no parallelism, no checkpoint I/O, no fused-qkv handling (the
+state-dict adapter maps transformers' weights onto these modules). Forward matches
+`transformers.Qwen3VLForConditionalGeneration` / `Qwen3VLMoeForConditionalGeneration` given
+`mm_token_type_ids`; here the 3-D positions are derived from `input_ids` and the grids whether or
+not `mm_token_type_ids` is passed.
+
+What differs from Qwen2.5-VL:
+* vision tower: Conv3d patch embed with bias, a learned square position table (side x side)
+  resampled bilinearly (align_corners) to every image's patch grid, LayerNorm blocks with a plain
+  GELU(tanh) MLP, full attention inside each frame (no windows);
+* DeepStack: the hidden states after the vision blocks `deepstack_visual_indexes[j]` go through
+  their own merger (LayerNorm after the 2x2 shuffle) and are added to the decoder's hidden states at
+  the vision placeholder positions after decoder layer j;
+* decoder: Qwen3 (no qkv bias, per-head RMSNorm of q and k, explicit head_dim); M-RoPE frequencies
+  interleaved t/h/w; MoE layers (`MoE` from `models/common/moe.py`, softmax top-k, renormalised);
+* positions: every video frame (temporal patch) is its own placeholder run, preceded by a
+  `<t seconds>` text timestamp, with temporal position = the run's start (time is carried by the
+  timestamp text, not by `second_per_grid_ts`, which is accepted and unused).
+
+Input forms of `forward` are those of Qwen2.5-VL: padded batch (+ attention_mask, left or right
+padding), packed (input_ids [1, T] + `cu_seqlens`; positions restart per sample), decoding with a
+`KVCache` (positions continue from the prefill's per-sample `rope_deltas`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_vlm.models.common.attention import Attention
+from megatron_vlm.models.common.decoder import DecoderLayer
+from megatron_vlm.models.common.merge import merge_vision_embeddings
+from megatron_vlm.models.common.mlp import MLP, SwiGLUMLP
+from megatron_vlm.models.common.moe import MoE
+from megatron_vlm.models.common.mrope_index import get_mrope_position_ids
+from megatron_vlm.models.common.norms import LayerNorm, RMSNorm
+from megatron_vlm.models.common.rotary import mrope_cos_sin, vision_rope_cos_sin
+from megatron_vlm.models.common.vision import VisionPatchEmbed, vision_cu_seqlens, vision_hw_position_ids
+from megatron_vlm.models.qwen3_vl.args import Qwen3VLArgs, Qwen3VLTextArgs, Qwen3VLVisionArgs
+
+
+def _max_seqlen(cu_seqlens: torch.Tensor) -> int:
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+
+
+def split_video_grids(video_grid_thw: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """[t, h, w] per video -> t rows of [1, h, w]: Qwen3-VL places each temporal patch in its own run."""
+    if video_grid_thw is None:
+        return None
+    grids = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0).clone()
+    grids[:, 0] = 1
+    return grids
+
+
+class Qwen3VLVisionBlock(nn.Module):
+    """Pre-norm ViT block: LayerNorm -> bidirectional attention (2-D rotary, per-frame cu_seqlens) ->
+    residual -> LayerNorm -> fc1 / GELU(tanh) / fc2 -> residual."""
+
+    def __init__(self, args: Qwen3VLVisionArgs) -> None:
+        super().__init__()
+        h = args.hidden_size
+        self.norm1 = LayerNorm(h, eps=args.norm_eps)
+        self.attn = Attention(h, args.num_heads, args.num_heads, args.head_dim, qkv_bias=True, o_bias=True, causal=False)
+        self.norm2 = LayerNorm(h, eps=args.norm_eps)
+        self.mlp = MLP(h, args.intermediate_size, activation=args.hidden_act)
+
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen):
+        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        return x + self.mlp(self.norm2(x))
+
+
+class Qwen3VLVisionPatchMerger(nn.Module):
+    """2x2 patch merge -> Linear -> GELU -> Linear. The main merger normalises each patch before the
+    shuffle (LayerNorm over hidden); the DeepStack mergers normalise after it (over 4 x hidden).
+    (Class name as in transformers, so `train.train_layers = ["Qwen3VLVisionPatchMerger"]` works.)"""
+
+    def __init__(self, args: Qwen3VLVisionArgs, *, postshuffle_norm: bool) -> None:
+        super().__init__()
+        self.merged_dim = args.hidden_size * args.spatial_merge_size**2
+        self.postshuffle_norm = postshuffle_norm
+        self.norm = LayerNorm(self.merged_dim if postshuffle_norm else args.hidden_size, eps=args.norm_eps)
+        self.fc1 = nn.Linear(self.merged_dim, self.merged_dim)
+        self.fc2 = nn.Linear(self.merged_dim, args.out_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.postshuffle_norm:
+            x = self.norm(x.reshape(-1, self.merged_dim))
+        else:
+            x = self.norm(x).reshape(-1, self.merged_dim)
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Qwen3VLVisionModel(nn.Module):
+    def __init__(self, args: Qwen3VLVisionArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.patch_embed = VisionPatchEmbed(
+            args.in_channels, args.temporal_patch_size, args.patch_size, args.hidden_size, bias=True
+        )
+        self.pos_embed = nn.Embedding(args.num_position_embeddings, args.hidden_size)
+        self.blocks = nn.ModuleList(Qwen3VLVisionBlock(args) for _ in range(args.depth))
+        self.merger = Qwen3VLVisionPatchMerger(args, postshuffle_norm=False)
+        self.deepstack_merger_list = nn.ModuleList(
+            Qwen3VLVisionPatchMerger(args, postshuffle_norm=True) for _ in args.deepstack_visual_indexes
+        )
+
+    def position_embeddings(self, grid_thw: torch.Tensor, hw_position_ids: torch.Tensor) -> torch.Tensor:
+        """The side x side table resampled (bilinear, align_corners) to each item's h x w grid, read at
+        every patch's (row, column): [N, hidden]. Frames of a video share their item's table."""
+        side = self.args.num_grid_per_side
+        table = self.pos_embed.weight.view(side, side, -1).permute(2, 0, 1).unsqueeze(0)  # [1, C, side, side]
+        resampled: dict[tuple[int, int], torch.Tensor] = {}
+        pieces, offset = [], 0
+        for t, h, w in grid_thw.tolist():
+            if (h, w) not in resampled:
+                grid = F.interpolate(table.float(), size=(h, w), mode="bilinear", align_corners=True)
+                resampled[(h, w)] = grid[0].permute(1, 2, 0)  # [h, w, C]
+            n = t * h * w
+            rows, cols = hw_position_ids[offset : offset + n].unbind(-1)
+            pieces.append(resampled[(h, w)][rows, cols])
+            offset += n
+        return torch.cat(pieces, dim=0)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """pixel_values [N_patches, C*T*P*P], grid_thw [items, 3] ->
+        (merged features [N / m^2, out_hidden], DeepStack features: one [N / m^2, out_hidden] per index)."""
+        a = self.args
+        x = self.patch_embed(pixel_values)
+        cu = vision_cu_seqlens(grid_thw).to(x.device)
+        if x.shape[0] != int(cu[-1]):
+            raise ValueError(
+                f"vision tower: pixel_values has {x.shape[0]} patches but grid_thw {grid_thw.tolist()} describes {int(cu[-1])}"
+            )
+        hw = vision_hw_position_ids(grid_thw, a.spatial_merge_size).to(x.device)
+        x = x + self.position_embeddings(grid_thw, hw).to(x.dtype)
+        cos, sin = vision_rope_cos_sin(hw, a.head_dim, a.rope_theta)
+        max_seqlen = _max_seqlen(cu)
+        deepstack = []  # in block order (as transformers), each through the merger of its list position
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, cu, max_seqlen)
+            if i in a.deepstack_visual_indexes:
+                deepstack.append(self.deepstack_merger_list[a.deepstack_visual_indexes.index(i)](x))
+        return self.merger(x), deepstack
+
+
+def _moe_block(args: Qwen3VLTextArgs) -> MoE:
+    """Qwen3-MoE sparse block: softmax router, top-k renormalised, SwiGLU experts, no shared experts."""
+    return MoE(
+        args.hidden_size,
+        num_experts=args.num_experts,
+        top_k=args.num_experts_per_tok,
+        moe_intermediate_size=args.moe_intermediate_size,
+        activation=args.hidden_act,
+        gated_experts=True,
+        score_func="softmax",
+        norm_topk_prob=True,
+        score_correction_bias=False,
+    )
+
+
+class Qwen3VLTextModel(nn.Module):
+    """Token embedding, Qwen3 decoder layers (GQA, QK-norm, dense or MoE MLP), final RMSNorm."""
+
+    def __init__(self, args: Qwen3VLTextArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(
+                args.hidden_size,
+                Attention(
+                    args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
+                    qkv_bias=args.attention_bias, o_bias=args.attention_bias, causal=True, qk_norm_eps=args.rms_norm_eps,
+                ),
+                _moe_block(args) if args.is_moe_layer(i) else SwiGLUMLP(args.hidden_size, args.intermediate_size),
+                args.rms_norm_eps,
+            )
+            for i in range(args.num_hidden_layers)
+        )
+        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        *,
+        key_padding_mask: Optional[torch.Tensor] = None,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        kv_cache=None,
+        visual_index: Optional[torch.Tensor] = None,
+        deepstack_embeds: Optional[list[torch.Tensor]] = None,
+    ) -> torch.Tensor:
+        """inputs_embeds [B, T, H], position_ids [3, B, T] -> final-norm hidden states [B, T, H].
+
+        DeepStack: after layer j < len(deepstack_embeds), `deepstack_embeds[j]` [n, H] is added at the
+        flattened token positions `visual_index` [n] (row-major over [B, T])."""
+        a = self.args
+        cos, sin = mrope_cos_sin(position_ids, a.head_dim, a.rope_theta, a.mrope_section, interleaved=True)
+        x = inputs_embeds
+        max_seqlen = None
+        if cu_seqlens is not None:  # packed: drop the batch dim, attention is segmented by cu_seqlens
+            x, cos, sin = x[0], cos[0], sin[0]
+            max_seqlen = _max_seqlen(cu_seqlens)
+        deepstack_embeds = deepstack_embeds or []
+        for i, layer in enumerate(self.layers):
+            x = layer(
+                x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                key_padding_mask=key_padding_mask, kv_cache=kv_cache, layer_idx=i,
+            )
+            if i < len(deepstack_embeds):
+                flat = x.reshape(-1, x.shape[-1]).index_add(0, visual_index, deepstack_embeds[i].to(x.dtype))
+                x = flat.view_as(x)
+        x = self.norm(x)
+        return x.unsqueeze(0) if cu_seqlens is not None else x
+
+
+class Qwen3VLForConditionalGeneration(nn.Module):
+    """The full model: `visual`, `language_model`, `lm_head` (shares the embedding Parameter when tied)."""
+
+    def __init__(self, args: Qwen3VLArgs, hf_config: Optional[dict] = None) -> None:
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.hf_config = hf_config  # the original config.json dict, written back unchanged on export
+        self.hf_generation_config: Optional[dict] = None
+        self.visual = Qwen3VLVisionModel(args.vision)
+        self.language_model = Qwen3VLTextModel(args.text)
+        self.lm_head = nn.Linear(args.text.hidden_size, args.text.vocab_size, bias=False)
+        self.tie_weights()
+
+    # ----- structure helpers used by parallelize / loading / training -----
+    def tie_weights(self) -> None:
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.language_model.embed_tokens.weight
+
+    def transformer_blocks(self) -> list[nn.Module]:
+        """The FSDP / activation-checkpointing units: vision blocks then decoder layers."""
+        return list(self.visual.blocks) + list(self.language_model.layers)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """Random init as transformers does: N(0, std) for Linear / Embedding / expert weights, zero biases,
+        unit norms."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, (RMSNorm, LayerNorm)):
+                module.reset_parameters()
+            elif isinstance(module, MoE):
+                module.reset_parameters(std)
+        self.tie_weights()
+
+    # ----- forward -----
+    def compute_position_ids(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        attention_mask: Optional[torch.Tensor] = None,
+        image_grid_thw: Optional[torch.Tensor] = None,
+        video_grid_thw: Optional[torch.Tensor] = None,
+        mm_token_type_ids: Optional[torch.Tensor] = None,
+        cu_seqlens: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(position_ids [3, B, T], rope_deltas [B or samples, 1]) with Qwen3-VL's get_rope_index semantics."""
+        return get_mrope_position_ids(
+            input_ids,
+            image_token_id=self.args.image_token_id,
+            video_token_id=self.args.video_token_id,
+            spatial_merge_size=self.args.vision.spatial_merge_size,
+            tokens_per_second=1.0,  # unused: every run has one temporal patch, at temporal offset 0
+            image_grid_thw=image_grid_thw,
+            video_grid_thw=split_video_grids(video_grid_thw),
+            attention_mask=attention_mask,
+            mm_token_type_ids=mm_token_type_ids,
+            cu_seqlens=cu_seqlens,
+        )
+
+    def _vision(self, pixels, grid_thw, name: str, placeholder_id: int, embeds, input_ids, cu_seqlens):
+        if grid_thw is None:
+            raise ValueError(f"{name} given without its grid_thw")
+        feats, deepstack = self.visual(pixels, grid_thw)
+        per_item = (grid_thw.prod(-1) // self.args.vision.spatial_merge_size**2).tolist()
+        modality = "image" if name == "pixel_values" else "video"
+        embeds = merge_vision_embeddings(
+            embeds, input_ids, feats, placeholder_id, modality=modality, features_per_item=per_item, cu_seqlens=cu_seqlens,
+        )
+        index = torch.nonzero((input_ids == placeholder_id).reshape(-1)).flatten()
+        return embeds, index, deepstack
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        pixel_values: Optional[torch.Tensor] = None,
+        image_grid_thw: Optional[torch.Tensor] = None,
+        pixel_values_videos: Optional[torch.Tensor] = None,
+        video_grid_thw: Optional[torch.Tensor] = None,
+        second_per_grid_ts: Optional[torch.Tensor] = None,
+        mm_token_type_ids: Optional[torch.Tensor] = None,
+        *,
+        position_ids: Optional[torch.Tensor] = None,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        kv_cache=None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
+        """Logits [B, T, vocab] (or final-norm hidden states [B, T, H] with `return_hidden=True`).
+
+        `second_per_grid_ts` is accepted for a uniform call signature across Qwen-VL families and
+        ignored: Qwen3-VL reads time from the `<t seconds>` text before every frame."""
+        del second_per_grid_ts
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        if cu_seqlens is not None:
+            if input_ids.shape[0] != 1:
+                raise ValueError(f"packed input (cu_seqlens) needs input_ids [1, T], got {tuple(input_ids.shape)}")
+            if attention_mask is not None:
+                raise ValueError("pass either cu_seqlens (packed) or attention_mask (padded), not both")
+            if kv_cache is not None:
+                raise ValueError("kv_cache is not supported with packed input (cu_seqlens)")
+            if cu_seqlens.dtype != torch.int32:
+                cu_seqlens = cu_seqlens.to(torch.int32)
+        embeds = self.language_model.embed_tokens(input_ids)
+        indexes, stacks = [], []
+        if pixel_values is not None:
+            embeds, idx, deep = self._vision(
+                pixel_values, image_grid_thw, "pixel_values", self.args.image_token_id, embeds, input_ids, cu_seqlens
+            )
+            indexes.append(idx)
+            stacks.append(deep)
+        if pixel_values_videos is not None:
+            embeds, idx, deep = self._vision(
+                pixel_values_videos, video_grid_thw, "pixel_values_videos", self.args.video_token_id, embeds, input_ids,
+                cu_seqlens,
+            )
+            indexes.append(idx)
+            stacks.append(deep)
+        visual_index = torch.cat(indexes) if indexes else None
+        deepstack_embeds = [torch.cat(level) for level in zip(*stacks)] if stacks else None
+
+        key_padding_mask = None
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids.shape and kv_cache is None:
+                raise ValueError(
+                    f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+                )
+            key_padding_mask = attention_mask.bool()
+
+        if kv_cache is not None:
+            new_mask = key_padding_mask
+            if new_mask is not None and new_mask.shape[1] != input_ids.shape[1]:
+                new_mask = new_mask[:, -input_ids.shape[1]:]  # a mask over past + new tokens: keep the new part
+            if position_ids is None:
+                position_ids = self._cached_position_ids(input_ids, kv_cache, new_mask, image_grid_thw, video_grid_thw,
+                                                         mm_token_type_ids)
+            kv_cache.begin_step(input_ids.shape[1], new_mask)
+            key_padding_mask = None  # the cache supplies the mask over all cached keys
+        elif position_ids is None:
+            position_ids, _ = self.compute_position_ids(
+                input_ids, attention_mask=attention_mask, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+                mm_token_type_ids=mm_token_type_ids, cu_seqlens=cu_seqlens,
+            )
+        if position_ids.dim() == 2:
+            position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
+
+        hidden = self.language_model(
+            embeds, position_ids, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, kv_cache=kv_cache,
+            visual_index=visual_index, deepstack_embeds=deepstack_embeds,
+        )
+        if kv_cache is not None:
+            kv_cache.end_step()
+        if return_hidden:
+            return hidden
+        return self.lm_head(hidden)
+
+    def _cached_position_ids(self, input_ids, kv_cache, new_mask, image_grid_thw, video_grid_thw, mm_token_type_ids):
+        """Prefill (empty cache): full position computation, storing per-sample rope deltas in the cache.
+        Later steps: text positions continue at (valid tokens so far) + rope_delta for each sample."""
+        if kv_cache.seq_len == 0:
+            position_ids, deltas = self.compute_position_ids(
+                input_ids, attention_mask=new_mask, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+                mm_token_type_ids=mm_token_type_ids,
+            )
+            kv_cache.set_rope_deltas(deltas)
+            return position_ids
+        if (input_ids == self.args.image_token_id).any() or (input_ids == self.args.video_token_id).any():
+            raise ValueError("decoding with a KV cache: new tokens must be text (images/videos go in the prefill)")
+        valid = new_mask.long() if new_mask is not None else torch.ones_like(input_ids)
+        start = kv_cache.valid_lengths().unsqueeze(1)  # [B, 1] real tokens already cached
+        pos = start + valid.cumsum(-1) - 1 + kv_cache.rope_deltas.to(input_ids.device)
+        pos = pos.masked_fill(valid == 0, 0)
+        return pos.unsqueeze(0).expand(3, -1, -1)

@@ -50,11 +50,11 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         non_none = [a for a in args if a is not type(None)]
         if value is None and len(non_none) < len(args):
             return None
+        if len(non_none) == 1:
+            return _convert(value, non_none[0], path)
         dc_members = [a for a in non_none if dataclasses.is_dataclass(a)]
         if dc_members and isinstance(value, dict):
             return _convert_dataclass_union(value, dc_members, path)
-        if len(non_none) == 1:
-            return _convert(value, non_none[0], path)
         errors = []
         for a in non_none:
             try:

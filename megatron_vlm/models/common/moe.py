@@ -21,10 +21,12 @@ under-used experts become more likely to be chosen. `aux_loss_coef > 0` adds the
 E * sum_e f_e * P_e (f = fraction of routed assignments, P = mean router probability), exposed as
 `last_aux_loss` for the trainer to add. `moe_load_metrics` / `moe_load_table` turn the report
 counts of all MoE layers into the `moe/*` metrics and the per-layer expert-load table.
+`MoEConfig` is the `[moe]` config section and `MoELoadBalancer` the trainer-side driver of all this.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
@@ -309,3 +311,76 @@ def moe_load_report(layers: Iterable[MoE], *, reset: bool = True):
         for layer in layers:
             layer.report_load.zero_()
     return metrics, table
+
+
+@dataclass(kw_only=True)
+class MoEConfig:
+    """`[moe]` config section: auxiliary-free load balancing and workload reporting (seed 002's knobs)."""
+
+    enable_moe_load_balancing_training: bool = True
+    """After every optimizer step move each expert's score-correction bias against its load error
+    (bias += rate * sign(mean load - load), DeepSeek-V3); the bias only affects which experts are picked."""
+    bias_update_rate: float = 1e-3
+    """Step size of the bias update (DeepSeek-V3 uses 1e-3)."""
+    n_step_per_workload_report: int = 10
+    """Report `moe/entropy_mean`, `moe/max_fraction_max`, `moe/tokens_per_layer_mean` and the per-layer
+    expert-load table every N optimizer steps (0 = never)."""
+    aux_loss_coef: float = 0.0
+    """Weight of the optional Switch-style auxiliary balance loss added to the training loss (0 = off)."""
+
+    def validate(self) -> None:
+        if self.bias_update_rate < 0:
+            raise ValueError(f"bias_update_rate: must be >= 0, got {self.bias_update_rate}")
+        if self.n_step_per_workload_report < 0:
+            raise ValueError(f"n_step_per_workload_report: must be >= 0, got {self.n_step_per_workload_report}")
+        if self.aux_loss_coef < 0:
+            raise ValueError(f"aux_loss_coef: must be >= 0, got {self.aux_loss_coef}")
+
+
+class MoELoadBalancer:
+    """What the trainer calls around each optimizer step for the model's MoE layers.
+
+    * `aux_loss()` after the forward: the summed auxiliary loss (None when off) to add to the loss;
+    * `after_step(step)` after `optimizer.step()`: sums the step's expert loads over data-parallel
+      ranks with the injected `all_reduce` (in place, SUM; model code does no communication), updates
+      the biases, and every `n_step_per_workload_report` steps returns `(metrics, table)` for the
+      loggers (None otherwise).
+    """
+
+    def __init__(self, model: nn.Module, cfg: MoEConfig, *, all_reduce: Optional[Callable[[torch.Tensor], None]] = None):
+        cfg.validate()
+        self.cfg = cfg
+        self.layers = moe_layers(model)
+        self.all_reduce = all_reduce
+        for layer in self.layers:
+            layer.aux_loss_coef = cfg.aux_loss_coef
+
+    def aux_loss(self) -> Optional[torch.Tensor]:
+        losses = [layer.last_aux_loss for layer in self.layers if layer.last_aux_loss is not None]
+        for layer in self.layers:
+            layer.last_aux_loss = None
+        return torch.stack(losses).sum() if losses else None
+
+    def _sum_over_ranks(self, loads: List[torch.Tensor]) -> None:
+        if self.all_reduce is None or not loads:
+            return
+        stacked = torch.stack(loads)
+        self.all_reduce(stacked)
+        for dst, src in zip(loads, stacked):
+            dst.copy_(src)
+
+    @torch.no_grad()
+    def after_step(self, step: int):
+        if not self.layers:
+            return None
+        self._sum_over_ranks([layer.step_load for layer in self.layers])
+        for layer in self.layers:
+            if self.cfg.enable_moe_load_balancing_training and layer.gate.e_score_correction_bias is not None:
+                layer.update_bias(self.cfg.bias_update_rate)
+            else:
+                layer.step_load.zero_()
+        every = self.cfg.n_step_per_workload_report
+        if every and step % every == 0:
+            self._sum_over_ranks([layer.report_load for layer in self.layers])
+            return moe_load_report(self.layers)
+        return None

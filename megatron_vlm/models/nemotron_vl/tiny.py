@@ -1,0 +1,118 @@
+"""A tiny, deterministic, offline Nemotron-3-Nano-VL folder (config + random weights + tokenizer +
+processor files) for the CPU demo and tests; the loaders that read a downloaded checkpoint read it.
+
+The model is a `nemotron_h_omni` (no audio) with every decoder layer kind (Mamba2, MoE, attention,
+MLP) and a 2-layer RADIO encoder. The tokenizer is the project's tiny byte-level BPE
+(`megatron_vlm.testing.tiny_processor`) plus Nemotron-VL's image tokens: `<image>` (the
+placeholder, one per LLM image token after the 2x2 pixel shuffle) framed by `<img>` / `</img>`; the
+chat template is ChatML with one `<image>` per image (the processor expands it to
+`<img>` + `<image>` * (grid_h * grid_w / 4) + `</img>`, as transformers' Nemotron-H Omni
+processor does). preprocessor_config.json names transformers' Nemotron-H Omni image processor
+with a small patch budget (patch 16, 16..64 patches per image).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+IMAGE_TOKENS = ("<image>", "<img>", "</img>")
+NEMOTRON_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}"
+    "{{ message['content'] }}"
+    "{% else %}"
+    "{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' or 'image' in item or 'image_url' in item %}<image>\n"
+    "{% elif 'text' in item %}{{ item['text'] }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TINY_MIN_NUM_PATCHES = 16
+TINY_MAX_NUM_PATCHES = 64
+
+
+def build_tiny_nemotron_vl_tokenizer():
+    from megatron_vlm.testing.tiny_processor import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": list(IMAGE_TOKENS)})
+    tok.chat_template = NEMOTRON_VL_CHAT_TEMPLATE
+    return tok
+
+
+def tiny_nemotron_vl_hf_config(tokenizer, *, hidden: int = 64) -> dict:
+    """config.json dict of the tiny model (vocab padded to a multiple of 64, as real checkpoints do)."""
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<image>", "<|im_end|>", "<|endoftext|>")}
+    text = dict(
+        model_type="nemotron_h", vocab_size=(len(tokenizer) + 63) // 64 * 64, hidden_size=hidden,
+        layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, intermediate_size=2 * hidden,
+        mamba_num_heads=4, mamba_head_dim=hidden // 4, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=64,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden, moe_shared_expert_intermediate_size=hidden,
+        n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True, layer_norm_epsilon=1e-5,
+        mlp_hidden_act="relu2", tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+    )
+    vision = dict(
+        model_type="radio", hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2.0,
+        patch_size=16, max_img_size=256, num_cls_tokens=2, num_registers=2, video_temporal_patch_size=2,
+        hidden_act="gelu", layer_norm_eps=1e-6, qkv_bias=True,
+    )
+    return {
+        "architectures": ["NemotronH_Omni_Reasoning_V3"],
+        "model_type": "nemotron_h_omni",
+        "text_config": text,
+        "vision_config": vision,
+        "audio_config": None,
+        "downsample_ratio": 0.5,
+        "projector_hidden_size": 2 * hidden,
+        "vision_hidden_size": 32,
+        "image_token_id": ids["<image>"],
+        "video_token_id": None,
+        "video_temporal_patch_size": 2,
+        "video_pruning_rate": 0.0,
+    }
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def build_tiny_nemotron_vl_folder(out_dir: str | Path, *, seed: int = 0) -> Path:
+    """Create `out_dir` (written to a temporary sibling, then renamed) and return it."""
+    from megatron_vlm.checkpoint.hf import save_hf_model
+    from megatron_vlm.models import build_model
+
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_nemotron_vl_tokenizer()
+    tokenizer.save_pretrained(tmp)
+    (tmp / "chat_template.jinja").write_text(NEMOTRON_VL_CHAT_TEMPLATE)
+    clip_mean, clip_std = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+    _write_json(tmp / "preprocessor_config.json", {
+        "image_processor_type": "NemotronH_Omni_Reasoning_V3ImageProcessor",
+        "processor_class": "NemotronH_Omni_Reasoning_V3Processor",
+        "patch_size": 16, "downsample_ratio": 0.5, "min_num_patches": TINY_MIN_NUM_PATCHES,
+        "max_num_patches": TINY_MAX_NUM_PATCHES, "max_model_len": 1024,
+        "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "do_convert_rgb": True, "resample": 3, "image_mean": clip_mean, "image_std": clip_std,
+    })
+    _write_json(tmp / "processor_config.json", {"processor_class": "NemotronH_Omni_Reasoning_V3Processor"})
+    hf_config = tiny_nemotron_vl_hf_config(tokenizer)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = build_model(hf_config)
+    save_hf_model(model, tmp)
+    _write_json(tmp / "generation_config.json", {
+        "eos_token_id": hf_config["text_config"]["eos_token_id"], "pad_token_id": hf_config["text_config"]["pad_token_id"],
+    })
+    tmp.rename(out_dir)
+    return out_dir

@@ -5,6 +5,7 @@ the `--set` overrides of a short run, and how to read the final parameters from 
 """
 from __future__ import annotations
 
+import csv
 import os
 import shlex
 import subprocess
@@ -64,8 +65,8 @@ class TrainJob:
 
     @staticmethod
     def metric_steps(run_dir: Path) -> list[int]:
-        lines = (run_dir / "metrics_train.csv").read_text().splitlines()[1:]
-        return [int(line.split(",")[0]) for line in lines if line]
+        with open(run_dir / "metrics_train.csv", newline="") as f:
+            return [int(row["step"]) for row in csv.DictReader(f)]
 
 
 def assert_same_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], *, exact: bool) -> None:

@@ -136,8 +136,9 @@ def main() -> int:
         if world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item():
+            if rank == 0:  # the message launch/pretrain_vlm.py logs
+                print(f"stop signal received: saving a checkpoint at step {step} and exiting", flush=True)
             save(ckpt_root, step, model, optimizer, rank)
-            print(f"SIGTERM: saved checkpoint at step {step}, exiting", flush=True)
             return 143
         if (every and step % every == 0) or step == max_steps:
             save(ckpt_root, step, model, optimizer, rank)

@@ -66,7 +66,7 @@ def test_term_mid_run_checkpoints_requeues_and_resumes_exactly(tmp_path, slurm_c
     assert info["Restarts"] == "1" and info["ExitCode"] == "0:0"
 
     node_log = (run_dir / "logs" / f"preempt-{job_id}" / "node0.log").read_text()
-    saved = int(re.search(r"saved checkpoint at step (\d+)", node_log).group(1))
+    saved = int(re.search(r"stop signal received: saving a checkpoint at step (\d+)", node_log).group(1))
     assert 1 <= saved < STEPS
     assert f"Resumed from checkpoint: step={saved}" in node_log
     assert saved in job.checkpoint_steps(run_dir) and job.checkpoint_steps(run_dir)[-1] == STEPS

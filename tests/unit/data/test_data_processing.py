@@ -1,6 +1,6 @@
 """processing.py against transformers' Qwen2_5_VLProcessor + chat template, the labels mask against
-the assistant turns tokenised on their own, video pixels against the documented Qwen2-VL video
-patch layout, and the per-record error paths."""
+the assistant turns tokenised on their own, video pixels against transformers' Qwen2-VL video
+patchify, and the per-record error paths."""
 from __future__ import annotations
 
 import numpy as np
@@ -112,30 +112,50 @@ def test_hf_lookalike_call_matches_hf_processor(proc, hf_processor, tmp_path, wr
     torch.testing.assert_close(ours["pixel_values"], ref["pixel_values"].float(), rtol=0, atol=0)
 
 
-def _video_reference(proc, frames):
-    """pixel_values_videos per transformers' Qwen2VLVideoProcessor.patchify (frames already at a
-    size that needs no resize): normalise, pad to a multiple of temporal_patch_size with the last
-    frame, view (B, T, tp, C, H/m, m, p, W/m, m, p), permute to (B, T, H/m, W/m, m, m, C, tp, p, p)."""
+_VIDEO_MODULE = "transformers.models.qwen2_vl.video_processing_qwen2_vl"
+
+
+@pytest.fixture
+def hf_video_patchify(monkeypatch):
+    """transformers' own `Qwen2VLVideoProcessor.patchify` (pure torch view / permute). Its module
+    imports torchvision at the top only for resize helpers that patchify does not use, so the
+    import runs against an empty stand-in package, and the module is dropped again afterwards."""
+    import importlib
+    import sys
+    import types
+
+    import transformers.video_processing_utils  # noqa: F401  (availability checks ran before the stand-in)
+
+    names = ["torchvision", "torchvision.transforms", "torchvision.transforms.v2", "torchvision.transforms.v2.functional"]
+    mods = [types.ModuleType(n) for n in names]
+    for parent, child, n in zip(mods, mods[1:], names[1:]):
+        setattr(parent, n.rsplit(".", 1)[1], child)
+    for n, m in zip(names, mods):
+        monkeypatch.setitem(sys.modules, n, m)
+    monkeypatch.delitem(sys.modules, _VIDEO_MODULE, raising=False)
+    module = importlib.import_module(_VIDEO_MODULE)
+    yield lambda videos, **kw: module.Qwen2VLVideoProcessor.patchify(None, videos, **kw)
+    sys.modules.pop(_VIDEO_MODULE, None)
+
+
+def _video_reference(proc, frames, patchify):
+    """pixel_values_videos by transformers' Qwen2VLVideoProcessor.patchify on frames that need no
+    resize, normalised as every Qwen2-VL processor does ((x / 255 - mean) / std)."""
     ip = proc.image_processor
     x = torch.stack([torch.from_numpy(np.asarray(f, dtype=np.float32) / 255.0).permute(2, 0, 1) for f in frames])
     x = (x - torch.tensor(ip.image_mean)[:, None, None]) / torch.tensor(ip.image_std)[:, None, None]
-    tp, p, m = proc.temporal_patch_size, proc.patch_size, proc.merge_size
-    if len(frames) % tp:
-        x = torch.cat([x, x[-1:].expand(tp - len(frames) % tp, -1, -1, -1)])
-    x = x[None]
-    b, t, c, h, w = x.shape
-    gt, gh, gw = t // tp, h // p, w // p
-    x = x.view(b, gt, tp, c, gh // m, m, p, gw // m, m, p).permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)
-    return x.reshape(gt * gh * gw, c * tp * p * p), (gt, gh, gw)
+    patches, gt, gh, gw = patchify(x[None], patch_size=proc.patch_size, merge_size=proc.merge_size,
+                                   temporal_patch_size=proc.temporal_patch_size)
+    return patches[0], (gt, gh, gw)
 
 
-def test_video_frames_follow_qwen2_vl_patch_layout(proc, tmp_path, write_image):
+def test_video_frames_follow_qwen2_vl_patch_layout(proc, tmp_path, write_image, hf_video_patchify):
     frames = [write_image(tmp_path / f"f{i}.png", size=(56, 56), seed=10 + i) for i in range(5)]
     raw = [{"role": "user", "content": [{"type": "video", "video": [str(f) for f in frames], "fps": 4.0},
                                         {"type": "text", "text": "What happens?"}]},
            {"role": "assistant", "content": "nothing"}]
     ours = process_record(_record(raw), proc, max_frames=8)
-    ref, grid = _video_reference(proc, [Image.open(f).convert("RGB") for f in frames])
+    ref, grid = _video_reference(proc, [Image.open(f).convert("RGB") for f in frames], hf_video_patchify)
     assert ours.video_grid_thw.tolist() == [list(grid)] == [[3, 4, 4]]
     torch.testing.assert_close(ours.pixel_values_videos, ref, rtol=0, atol=1e-6)
     assert ours.second_per_grid_ts.tolist() == [pytest.approx(2 / 4.0)]
@@ -154,13 +174,13 @@ def test_video_of_two_identical_frames_equals_the_image_processor_output(proc, t
     torch.testing.assert_close(video["pixel_values_videos"], ref["pixel_values"].float(), rtol=0, atol=0)
 
 
-def test_max_frames_subsamples_uniformly_and_scales_second_per_grid(proc, tmp_path, write_image):
+def test_max_frames_subsamples_uniformly_and_scales_second_per_grid(proc, tmp_path, write_image, hf_video_patchify):
     frames = [write_image(tmp_path / f"g{i}.png", size=(56, 56), colour=(i * 20, 0, 0)) for i in range(9)]
     raw = [{"role": "user", "content": [{"type": "video", "video": [str(f) for f in frames]}]},
            {"role": "assistant", "content": "red"}]
     ours = process_record(_record(raw), proc, max_frames=4, fps=3.0)
     kept = [0, 3, 5, 8]  # round(linspace(0, 8, 4))
-    ref, _ = _video_reference(proc, [Image.open(frames[i]).convert("RGB") for i in kept])
+    ref, _ = _video_reference(proc, [Image.open(frames[i]).convert("RGB") for i in kept], hf_video_patchify)
     torch.testing.assert_close(ours.pixel_values_videos, ref, rtol=0, atol=1e-6)
     # 9 frames at 3 fps span 3 s; 4 kept frames -> 4/3 fps -> 2 frames per temporal patch = 1.5 s
     assert ours.second_per_grid_ts.tolist() == [pytest.approx(1.5)]

@@ -13,9 +13,26 @@ from megatron_vlm.rl.rewards.pool import RewardCall, RewardWorkerPool
 FNS = "rl_reward_fns_for_tests"
 
 
+# Time limits: calls that must succeed get a generous limit (a loaded 2-core CI machine can take
+# seconds for a first sympy parse); the hanging verifier never returns, so its timeout is certain
+# whatever the limit. `pool` is warmed up (workers started, verifiers imported and run once) before
+# any test relies on its timing.
+HANG_POOL_TIMEOUT_S = 3.0
+GENEROUS_TIMEOUT_S = 30.0
+
+
 @pytest.fixture(scope="module")
 def pool():
-    with RewardWorkerPool(num_workers=2, timeout_s=2.0) as p:
+    with RewardWorkerPool(num_workers=2, timeout_s=GENEROUS_TIMEOUT_S) as p:
+        p.map([RewardCall("math", "\\boxed{1}", "1"), RewardCall("format", "<think>a</think>b", "")] * 2)
+        yield p
+
+
+@pytest.fixture(scope="module")
+def hang_pool():
+    """A short time limit, used only with calls that finish instantly or never."""
+    with RewardWorkerPool(num_workers=2, timeout_s=HANG_POOL_TIMEOUT_S) as p:
+        p.map([RewardCall("custom", "ok", "", function=f"{FNS}.hang")] * 2)
         yield p
 
 
@@ -52,18 +69,19 @@ def test_errors_become_zero_with_reason(pool):
     assert "unknown reward verifier" in res[5].detail
 
 
-def test_hanging_verifier_times_out_and_pool_recovers(pool):
+def test_hanging_verifier_times_out_and_pool_recovers(hang_pool):
+    pool = hang_pool
     restarts = pool.restarts
     calls = [RewardCall("custom", c, "", function=f"{FNS}.hang") for c in ("ok", "hang", "ok", "hang", "ok", "ok")]
     t0 = time.monotonic()
     res = pool.map(calls)
     elapsed = time.monotonic() - t0
     assert [r.status for r in res] == ["ok", "timeout", "ok", "timeout", "ok", "ok"]
-    assert res[1].value == 0.0 and "2s" in res[1].detail
+    assert res[1].value == 0.0 and f"{HANG_POOL_TIMEOUT_S:g}s" in res[1].detail
     assert pool.restarts == restarts + 2
-    assert elapsed < 60  # bounded: two timeouts of 2 s plus worker restarts, never a stall
-    # the replaced workers serve later calls
-    assert [r.status for r in pool.map([RewardCall("math", "\\boxed{2}", "2")] * 4)] == ["ok"] * 4
+    assert elapsed < 60  # bounded: two timeouts of 3 s plus worker restarts, never a stall
+    # the replaced workers serve later calls (instant ones: this pool's limit is short)
+    assert [r.status for r in pool.map([RewardCall("custom", "ok", "", function=f"{FNS}.hang")] * 4)] == ["ok"] * 4
 
 
 def test_crashing_worker_is_replaced(pool):
@@ -80,7 +98,9 @@ def test_manager_weighted_sum_counts_and_warns(caplog):
         CustomRewardConfig(name="flaky", weight=2.0, function=f"{FNS}.hang"),
     ]
     completions = ["<think>r</think> \\boxed{4}", "\\boxed{5}", "hang"]
-    with caplog.at_level(logging.WARNING), RewardManager(rewards, timeout_s=1.5, num_workers=2) as m:
+    # generous limit: 'math' and 'format' must succeed even on a loaded machine; the hang never ends
+    with caplog.at_level(logging.WARNING), RewardManager(rewards, timeout_s=5.0, num_workers=2) as m:
+        m.pool.map([RewardCall("math", "\\boxed{1}", "1")] * 2)  # warm-up: workers started and verifiers run once
         batch = m.score(completions, ["4", "4", "4"], prompts=["p"] * 3)
         assert batch.per_reward == {"math": [1.0, 0.0, 0.0], "format": [1.0, 0.0, 0.0], "flaky": [1.0, 1.0, 0.0]}
         assert batch.total == [1.0 + 0.5 + 2.0, 2.0, 0.0]

@@ -85,9 +85,11 @@ class VLProcessor:
         self.video_token_id = self._token_id(self.video_token)
         self.vision_start_token_id = self._token_id(self.vision_start_token)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.special_strings = tuple(t for t in tokenizer.all_special_tokens + [
+        # Structural tokens user text must not contain (they would fake placeholders or turns);
+        # other special tokens (e.g. Qwen's <|box_start|> for grounding) are legitimate text.
+        self.special_strings = tuple(t for t in (
             self.image_token, self.video_token, self.vision_start_token, self.vision_end_token,
-            "<|im_start|>", self.turn_end] if t)
+            "<|im_start|>", self.turn_end, tokenizer.eos_token, tokenizer.pad_token) if t)
 
     def _token_id(self, token: str) -> int:
         tid = self.tokenizer.convert_tokens_to_ids(token)

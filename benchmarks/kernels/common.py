@@ -1,0 +1,159 @@
+"""Shared pieces of the kernel benchmarks: timing, peak measurement, FLOP conventions, the table.
+
+Method (DESIGN.md §8): on CUDA, `triton.testing.do_bench` (warm-up, L2 flush between runs,
+median of CUDA-event timings); every table row is compared with a baseline timed in the same
+run; throughput is reported against peaks measured in the same run — a large device-to-device
+copy for bandwidth (bytes read + written / time) and a large bf16 matmul for compute.
+`--quick` is a CPU smoke test (tiny shapes, wall-clock median of a few calls): it checks that
+every script runs, not how fast anything is.
+FLOPs: attention forward = 4 * B * H * S_q * S_k * D (matmuls QK^T and PV), halved when causal
+(S_q = S_k); backward = 2.5 x forward; varlen sums over the sequences.
+"""
+import argparse
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import torch
+
+
+def parse_args(description: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="CPU smoke test: tiny shapes, a few calls")
+    parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    args = parser.parse_args()
+    if args.device is None:
+        args.device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"
+    return args
+
+
+def do_bench(fn: Callable[[], object], device: str, quick: bool = False) -> float:
+    """Median milliseconds of fn()."""
+    if device == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()  # warm-up (also compiles)
+    times = []
+    for _ in range(3 if quick else 10):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def measure_peaks(device: str, quick: bool) -> dict:
+    """{"gbps": copy bandwidth, "tflops": bf16 matmul} measured now on this device."""
+    n_bytes = (8 if quick else 2048) * 2**20
+    src = torch.empty(n_bytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), device, quick)
+    gbps = 2 * n_bytes / (ms * 1e-3) / 1e9
+    n = 256 if quick else 8192
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    ms = do_bench(lambda: a @ b, device, quick)
+    tflops = 2 * n**3 / (ms * 1e-3) / 1e12
+    del src, dst, a, b
+    return {"gbps": gbps, "tflops": tflops}
+
+
+def attention_flops(seqlens_q: List[int], seqlens_k: List[int], heads: int, head_dim: int, causal: bool, backward: bool = False) -> float:
+    fwd = sum(4 * heads * sq * sk * head_dim * (0.5 if causal else 1.0) for sq, sk in zip(seqlens_q, seqlens_k))
+    return fwd * (2.5 if backward else 1.0)
+
+
+@dataclass
+class Table:
+    """Rows of one benchmark; the first row of each case is the baseline of its ratios."""
+
+    title: str
+    peaks: dict
+    rows: List[dict] = field(default_factory=list)
+
+    def add(self, case: str, impl: str, ms: Optional[float], *, flops: float = 0.0, bytes_moved: float = 0.0, note: str = "") -> None:
+        self.rows.append(dict(case=case, impl=impl, ms=ms, flops=flops, bytes=bytes_moved, note=note))
+
+    def print(self) -> None:
+        print(f"\n## {self.title}")
+        print(f"peaks measured now: copy {self.peaks['gbps']:.1f} GB/s, matmul {self.peaks['tflops']:.2f} TFLOP/s")
+        header = f"{'case':<44} {'impl':<22} {'ms':>9} {'vs base':>8} {'TFLOP/s':>8} {'GB/s':>8} {'% peak':>7}  note"
+        print(header)
+        print("-" * len(header))
+        baseline = {}
+        for r in self.rows:
+            ms = r["ms"]
+            if ms is None:
+                print(f"{r['case']:<44} {r['impl']:<22} {'n/a':>9} {'':>8} {'':>8} {'':>8} {'':>7}  {r['note']}")
+                continue
+            base = baseline.setdefault(r["case"], ms)
+            tflops = r["flops"] / (ms * 1e-3) / 1e12 if r["flops"] else None
+            gbps = r["bytes"] / (ms * 1e-3) / 1e9 if r["bytes"] else None
+            frac = tflops / self.peaks["tflops"] if tflops else (gbps / self.peaks["gbps"] if gbps else None)
+            print(
+                f"{r['case']:<44} {r['impl']:<22} {ms:>9.3f} {base / ms:>7.2f}x "
+                f"{(f'{tflops:.3g}' if tflops else ''):>8} {(f'{gbps:.3g}' if gbps else ''):>8} "
+                f"{(f'{100 * frac:.0f}%' if frac else ''):>7}  {r['note']}"
+            )
+
+
+def try_bench(table: Table, case: str, impl: str, fn: Callable[[], object], device: str, quick: bool, **kw) -> None:
+    """Time fn and add a row; a failing implementation becomes an 'n/a' row with the error."""
+    try:
+        table.add(case, impl, do_bench(fn, device, quick), **kw)
+    except Exception as exc:  # noqa: BLE001 - a benchmark row must not kill the others
+        table.add(case, impl, None, note=f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
+
+
+def peak_extra_memory_mb(fn: Callable[[], object], device: str) -> Optional[float]:
+    """Peak memory allocated by fn() above what was allocated before it (CUDA only)."""
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def ours_available(device: str) -> bool:
+    """Our Triton kernels are benchmarked on CUDA only (the interpreter is for tests)."""
+    if device != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def compile_fn(fn: Callable, quick: bool) -> Callable:
+    """torch.compile baseline; in --quick the "eager" backend only checks the path (inductor's CPU
+    codegen would take most of the smoke test's time)."""
+    return torch.compile(fn, backend="eager") if quick else torch.compile(fn)
+
+
+def liger():
+    try:
+        import liger_kernel.transformers as lk  # noqa: F401
+    except ImportError:
+        return None
+    return lk
+
+
+def environment() -> str:
+    import platform
+
+    parts = [f"torch {torch.__version__}", f"python {platform.python_version()}"]
+    try:
+        import triton
+
+        parts.append(f"triton {triton.__version__}")
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        parts.append(torch.cuda.get_device_name())
+    return ", ".join(parts)

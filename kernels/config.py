@@ -24,6 +24,18 @@ class KernelsConfig:
     """silu(gate) * up of the gated MLPs: auto | torch | triton | npu."""
     linear_token_logprobs: str = "auto"
     """Fused LM head + token log-probs / entropy (GRPO, chunked): auto | torch | triton."""
+    causal_conv1d: str = "auto"
+    """Mamba2 depthwise causal conv1d (Nemotron-H): auto | torch."""
+    ssd_chunk_scan: str = "auto"
+    """Mamba2 chunked SSD scan (Nemotron-H training / prefill): auto | torch."""
+    ssd_state_update: str = "auto"
+    """Mamba2 single-step state update (decoding): auto | torch."""
+    moe_permute: str = "auto"
+    """MoE token permutation grouped by expert: auto | torch | npu."""
+    grouped_mm: str = "auto"
+    """Per-expert grouped matmul: auto | torch | npu."""
+    moe_unpermute: str = "auto"
+    """MoE un-permutation with routing-weight combine: auto | torch | npu."""
 
     def as_dict(self) -> Dict[str, str]:
         return asdict(self)

@@ -89,3 +89,7 @@ def test_every_builtin_op_has_torch_and_triton_backends():
     for op in ("attention", "rms_norm", "layer_norm", "apply_rotary", "swiglu", "linear_token_logprobs"):
         assert {"torch", "triton"} <= set(DEFAULT_REGISTRY.backends[op]), op
         assert op in K.KernelsConfig().as_dict()
+
+
+def test_kernels_config_has_a_field_per_registered_op():
+    assert set(K.KernelsConfig().as_dict()) == set(DEFAULT_REGISTRY.ops())

@@ -14,6 +14,8 @@ _FAMILY_MODULES = {
     "qwen2_5_vl": "megatron_vlm.models.qwen2_5_vl",
     "qwen3_vl": "megatron_vlm.models.qwen3_vl",
     "qwen3_vl_moe": "megatron_vlm.models.qwen3_vl",
+    "internvl": "megatron_vlm.models.internvl",
+    "internvl_chat": "megatron_vlm.models.internvl",
     "nemotron_h": "megatron_vlm.models.nemotron_vl",
     "nemotron_h_omni": "megatron_vlm.models.nemotron_vl",
 }

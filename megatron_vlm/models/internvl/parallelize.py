@@ -1,0 +1,42 @@
+"""InternVL parallel plan: declare the units, call the shared `megatron_vlm.parallel` helpers.
+
+Order (DESIGN.md §5): TP -> EP -> CP -> activation checkpointing -> compile -> FSDP. The shared
+helpers provide AC, compile and FSDP2 today; a tensor-parallel plan is not declared yet (the model
+is dense, so there is no expert plan). The units are `model.transformer_blocks()` (every InternViT
+layer and decoder layer); patch / position embeddings, the projector, final norm and lm_head stay in
+the root FSDP group, which also keeps tied embeddings in one group.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from megatron_vlm.parallel import apply_ac, apply_compile, apply_fsdp
+
+
+def parallelize_internvl(
+    model: nn.Module,
+    parallel_dims,
+    parallel_cfg,
+    *,
+    mesh=None,
+    activation_checkpointing: bool = False,
+    param_dtype: Optional[torch.dtype] = None,
+) -> nn.Module:
+    """Apply AC / compile / FSDP2 in place and return the model. `mesh` None skips FSDP (one device)."""
+    blocks = model.transformer_blocks()
+    if activation_checkpointing:
+        apply_ac(blocks)
+    if getattr(parallel_cfg, "compile", False):
+        apply_compile(blocks)
+    if mesh is not None:
+        apply_fsdp(
+            model,
+            mesh,
+            blocks,
+            param_dtype=param_dtype,
+            reshard_after_forward=getattr(parallel_cfg, "reshard_after_forward", True),
+        )
+    return model

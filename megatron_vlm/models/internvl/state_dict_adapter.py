@@ -1,0 +1,139 @@
+"""InternVL weights: Hugging Face checkpoint keys <-> this package's module names.
+
+Layouts read (any mix, one tensor at a time):
+* transformers' checkpoint layout (what `save_pretrained` writes and the `-hf` repos hold):
+  `vision_tower.embeddings.*`, `vision_tower.encoder.layer.N.{attention.*, lambda_1/2,
+  layernorm_before/after, mlp.*}`, `multi_modal_projector.{layer_norm, linear_1, linear_2}`,
+  `language_model.model.*`, `language_model.lm_head.weight`;
+* transformers' module names (raw `state_dict()`): the same under `model.` with
+  `model.language_model.*` for the decoder and a top-level `lm_head.weight`;
+* OpenGVLab's remote-code layout (the original repos): `vision_model.embeddings.{class_embedding,
+  position_embedding, patch_embedding}`, `vision_model.encoder.layers.N.{attn.qkv (fused q/k/v rows),
+  attn.proj, attn.q_norm, attn.k_norm, ls1, ls2, norm1, norm2, mlp.fc1, mlp.fc2}`, `mlp1.{0, 1, 3}`
+  (LayerNorm, Linear, -, Linear), `language_model.model.*`, `language_model.lm_head.weight`.
+Export writes transformers' checkpoint layout (loadable by `AutoModelForImageTextToText`, vLLM).
+
+Our names follow the original vision naming (`vision_tower.layers.N.{attn.{q,k,v,o}_proj, ls1, norm1,
+...}`, `vision_tower.embeddings.{cls_token, patch_embedding, position_embedding}`), transformers'
+projector names, and `language_model.{embed_tokens, layers, norm}` + `lm_head`. With tied
+embeddings the LM head is not a separate tensor: ignored on load, omitted on export.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from megatron_vlm.models.internvl.args import InternVLArgs
+
+_ORIG_QKV = re.compile(r"^vision_model\.encoder\.layers\.(\d+)\.attn\.qkv\.(weight|bias)$")
+
+# key -> ours, applied in order to the normalised key (first match wins)
+_TO_OURS = [
+    # transformers vision layout
+    (r"^vision_tower\.embeddings\.position_embeddings$", "vision_tower.embeddings.position_embedding"),
+    (r"^vision_tower\.embeddings\.patch_embeddings\.projection\.", "vision_tower.embeddings.patch_embedding."),
+    (r"^vision_tower\.embeddings\.(cls_token|mask_token)$", r"vision_tower.embeddings.\1"),
+    (r"^vision_tower\.encoder\.layer\.(\d+)\.attention\.projection_layer\.", r"vision_tower.layers.\1.attn.o_proj."),
+    (r"^vision_tower\.encoder\.layer\.(\d+)\.attention\.", r"vision_tower.layers.\1.attn."),
+    (r"^vision_tower\.encoder\.layer\.(\d+)\.lambda_([12])$", r"vision_tower.layers.\1.ls\2"),
+    (r"^vision_tower\.encoder\.layer\.(\d+)\.layernorm_before\.", r"vision_tower.layers.\1.norm1."),
+    (r"^vision_tower\.encoder\.layer\.(\d+)\.layernorm_after\.", r"vision_tower.layers.\1.norm2."),
+    (r"^vision_tower\.encoder\.layer\.(\d+)\.mlp\.", r"vision_tower.layers.\1.mlp."),
+    (r"^vision_tower\.layernorm\.", "vision_tower.layernorm."),
+    # OpenGVLab vision layout (qkv handled separately)
+    (r"^vision_model\.embeddings\.class_embedding$", "vision_tower.embeddings.cls_token"),
+    (r"^vision_model\.embeddings\.position_embedding$", "vision_tower.embeddings.position_embedding"),
+    (r"^vision_model\.embeddings\.patch_embedding\.", "vision_tower.embeddings.patch_embedding."),
+    (r"^vision_model\.encoder\.layers\.(\d+)\.attn\.proj\.", r"vision_tower.layers.\1.attn.o_proj."),
+    (r"^vision_model\.encoder\.layers\.(\d+)\.", r"vision_tower.layers.\1."),
+    # projector
+    (r"^mlp1\.0\.", "multi_modal_projector.layer_norm."),
+    (r"^mlp1\.1\.", "multi_modal_projector.linear_1."),
+    (r"^mlp1\.3\.", "multi_modal_projector.linear_2."),
+    (r"^multi_modal_projector\.", "multi_modal_projector."),
+    # language model
+    (r"^language_model\.model\.", "language_model."),
+    (r"^language_model\.lm_head\.weight$", "lm_head.weight"),
+]
+
+# ours -> transformers' checkpoint layout
+_TO_HF = [
+    (r"^vision_tower\.embeddings\.position_embedding$", "vision_tower.embeddings.position_embeddings"),
+    (r"^vision_tower\.embeddings\.patch_embedding\.", "vision_tower.embeddings.patch_embeddings.projection."),
+    (r"^vision_tower\.embeddings\.(cls_token|mask_token)$", r"vision_tower.embeddings.\1"),
+    (r"^vision_tower\.layers\.(\d+)\.attn\.o_proj\.", r"vision_tower.encoder.layer.\1.attention.projection_layer."),
+    (r"^vision_tower\.layers\.(\d+)\.attn\.", r"vision_tower.encoder.layer.\1.attention."),
+    (r"^vision_tower\.layers\.(\d+)\.ls([12])$", r"vision_tower.encoder.layer.\1.lambda_\2"),
+    (r"^vision_tower\.layers\.(\d+)\.norm1\.", r"vision_tower.encoder.layer.\1.layernorm_before."),
+    (r"^vision_tower\.layers\.(\d+)\.norm2\.", r"vision_tower.encoder.layer.\1.layernorm_after."),
+    (r"^vision_tower\.layers\.(\d+)\.mlp\.", r"vision_tower.encoder.layer.\1.mlp."),
+    (r"^vision_tower\.layernorm\.", "vision_tower.layernorm."),
+    (r"^multi_modal_projector\.", "multi_modal_projector."),
+    (r"^language_model\.", "language_model.model."),
+    (r"^lm_head\.weight$", "language_model.lm_head.weight"),
+]
+
+
+def _apply(table, key: str):
+    for pattern, repl in table:
+        new, n = re.subn(pattern, repl, key)
+        if n:
+            return new
+    return None
+
+
+class InternVLStateDictAdapter:
+    def __init__(self, args: InternVLArgs) -> None:
+        self.args = args
+
+    @staticmethod
+    def normalize_hf_key(key: str) -> str:
+        """transformers' module names -> its checkpoint layout (OpenGVLab keys pass through unchanged)."""
+        if key.startswith("model.language_model."):
+            return "language_model.model." + key[len("model.language_model."):]
+        if key.startswith("model.vision_tower.") or key.startswith("model.multi_modal_projector."):
+            return key[len("model."):]
+        if key == "lm_head.weight":
+            return "language_model.lm_head.weight"
+        return key
+
+    def is_ignored(self, key: str) -> bool:
+        k = self.normalize_hf_key(key)
+        return k.endswith("rotary_emb.inv_freq") or (self.args.tie_word_embeddings and k == "language_model.lm_head.weight")
+
+    # ----- HF -> ours -----
+    def from_hf(self, hf: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Map HF / OpenGVLab tensors to ours; returns (converted, pending) - pending is always empty."""
+        out: dict[str, torch.Tensor] = {}
+        for key, t in hf.items():
+            if self.is_ignored(key):
+                continue
+            k = self.normalize_hf_key(key)
+            m = _ORIG_QKV.match(k)
+            if m:
+                layer, kind = m.groups()
+                width = self.args.vision.hidden_size
+                if t.shape[0] != 3 * width:
+                    raise ValueError(f"{key}: fused qkv has {t.shape[0]} rows, expected 3 x {width}")
+                for name, part in zip("qkv", t.split(width, dim=0)):
+                    out[f"vision_tower.layers.{layer}.attn.{name}_proj.{kind}"] = part
+                continue
+            new = _apply(_TO_OURS, k)
+            if new is None:
+                raise ValueError(f"{key}: not a key of a transformers or OpenGVLab InternVL checkpoint")
+            out[new] = t
+        return out, {}
+
+    # ----- ours -> HF -----
+    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Our full state dict -> transformers' checkpoint layout."""
+        out: dict[str, torch.Tensor] = {}
+        for key, t in state_dict.items():
+            if key == "lm_head.weight" and self.args.tie_word_embeddings:
+                continue
+            new = _apply(_TO_HF, key)
+            if new is None:
+                raise ValueError(f"{key}: no transformers InternVL name for this parameter")
+            out[new] = t
+        return out

@@ -114,6 +114,15 @@ class NemotronVLStateDictAdapter:
                 pending.update({hf_key: t for hf_key, t in parts.values()})
         return out, pending
 
+    @staticmethod
+    def default_for(key: str, shape) -> "torch.Tensor | None":
+        """Value of a parameter a checkpoint may legitimately omit, else None. C-RADIO has no layer
+        scale: released checkpoints carry no `layer_scale{1,2}.lambda1`, which transformers then keeps
+        at its identity value 1 (the loader calls this for parameters still missing at the end)."""
+        if re.fullmatch(r"vision_model\.encoder\.layer\.\d+\.layer_scale[12]\.lambda1", key):
+            return torch.ones(shape)
+        return None
+
     # ----- ours -> HF -----
     def _checkpoint_key(self, key: str) -> str:
         if key.startswith("language_model."):

@@ -183,3 +183,31 @@ def test_legacy_config_names():
     assert (args.text.n_groups, args.text.chunk_size) == (2, 64)
     with pytest.raises(ValueError, match="hybrid_override_pattern"):
         NemotronVLArgs.from_hf_config({"model_type": "nemotron_h", "hybrid_override_pattern": "MX"})
+
+
+def test_parallelize_with_activation_checkpointing_keeps_results(hf_folder):
+    from megatron_vlm.models.nemotron_vl import parallelize_nemotron_vl
+
+    path, _ = hf_folder
+    ids = torch.randint(1, 96, (2, 7), generator=torch.Generator().manual_seed(8))
+    grads = []
+    for ac in (False, True):
+        model = load_hf_model(path).train()
+        parallelize_nemotron_vl(model, None, None, mesh=None, activation_checkpointing=ac)
+        model(ids).float().logsumexp(-1).mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, msg=lambda m: f"{name}: {m}")
+
+    class Dims:
+        ep = 2
+    with pytest.raises(NotImplementedError, match="parallel.ep=2"):
+        parallelize_nemotron_vl(load_hf_model(path), Dims(), None)
+
+
+def test_adapter_defaults_for_checkpoints_without_layer_scale():
+    from megatron_vlm.models.nemotron_vl.state_dict_adapter import NemotronVLStateDictAdapter
+
+    value = NemotronVLStateDictAdapter.default_for("vision_model.encoder.layer.3.layer_scale2.lambda1", (4,))
+    torch.testing.assert_close(value, torch.ones(4))
+    assert NemotronVLStateDictAdapter.default_for("language_model.norm_f.weight", (4,)) is None

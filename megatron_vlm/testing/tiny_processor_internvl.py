@@ -191,3 +191,123 @@ def pack_samples(samples: list[dict]) -> dict:
         "cu_seqlens": torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32),
         "pixel_values": torch.cat(tiles) if tiles else None,
     }
+
+
+# ----------------------------------------------------------------------------- processor folder
+IMAGENET_MEAN = [0.485, 0.456, 0.406]
+IMAGENET_STD = [0.229, 0.224, 0.225]
+TINY_MAX_TILES = 4
+
+# Behaviour of the InternVL `-hf` chat template (written here, not copied): ChatML turns, no default
+# system turn; an image item renders as "<IMG_CONTEXT>\n" (the processor expands it to
+# <img> + tiles x image_seq_length <IMG_CONTEXT> + </img>), a video item as "<video>\n" (expanded to
+# "Frame1: <img>...</img>\nFrame2: ..."), text as is; generation prompt "<|im_start|>assistant\n".
+INTERNVL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}"
+    "{{ message['content'] }}"
+    "{% else %}"
+    "{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}<IMG_CONTEXT>\n"
+    "{% elif item['type'] == 'video' %}<video>\n"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+                    "video_token": "<video>"}
+
+
+def _write_json(path, obj: dict) -> None:
+    import json
+
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def build_tiny_internvl_processor(out_dir, *, extra_words=(), tile_size: int = TILE, image_seq_length: int = TOKENS_PER_TILE):
+    """Write an InternVL (`-hf` layout) tokenizer + processor folder into `out_dir`; returns the folder.
+
+    tokenizer.json / tokenizer_config.json: the tiny byte-level BPE of `megatron_vlm.testing.
+    tiny_processor` plus `<img>`, `</img>`, `<IMG_CONTEXT>`, `<video>`, named in `extra_special_tokens`
+    as transformers' `InternVLProcessor` expects; chat_template.jinja; preprocessor_config.json
+    (`GotOcr2ImageProcessor`: `tile_size`-pixel tiles, dynamic tiling into 1..4 tiles + thumbnail,
+    ImageNet mean / std); video_preprocessor_config.json (`InternVLVideoProcessor`, one tile per
+    frame); processor_config.json (`InternVLProcessor`, `image_seq_length` tokens per tile)."""
+    import json
+    from pathlib import Path
+
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    from megatron_vlm.testing.tiny_processor import build_tiny_tokenizer
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer(list(extra_words))
+    tokenizer.add_tokens(list(_INTERNVL_TOKENS.values()), special_tokens=True)
+    tokenizer.chat_template = INTERNVL_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    cfg["extra_special_tokens"] = dict(_INTERNVL_TOKENS)
+    _write_json(out / "tokenizer_config.json", cfg)
+    (out / "chat_template.jinja").write_text(INTERNVL_CHAT_TEMPLATE)
+    image_processor = GotOcr2ImageProcessorPil(
+        size={"height": tile_size, "width": tile_size}, crop_to_patches=True, min_patches=1, max_patches=TINY_MAX_TILES,
+        image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD, do_convert_rgb=True,
+    )
+    image_processor.save_pretrained(out)
+    pre = json.loads((out / "preprocessor_config.json").read_text())
+    pre["image_processor_type"] = "GotOcr2ImageProcessor"
+    pre["processor_class"] = "InternVLProcessor"
+    _write_json(out / "preprocessor_config.json", pre)
+    _write_json(out / "video_preprocessor_config.json", {
+        "video_processor_type": "InternVLVideoProcessor", "processor_class": "InternVLProcessor",
+        "do_resize": True, "size": {"height": tile_size, "width": tile_size}, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": IMAGENET_MEAN, "image_std": IMAGENET_STD,
+        "do_convert_rgb": True, "resample": 3, "do_sample_frames": False,
+    })
+    _write_json(out / "processor_config.json", {"processor_class": "InternVLProcessor",
+                                                "image_seq_length": image_seq_length})
+    return out
+
+
+def tiny_internvl_token_ids(tokenizer) -> dict:
+    """Token ids an InternVL config.json needs for this tokenizer, and vocab_size = len rounded up to 64."""
+    return {
+        "image_token_id": tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"),
+        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        "pad_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        "bos_token_id": None,
+        "vocab_size": (len(tokenizer) + 63) // 64 * 64,
+    }
+
+
+def build_tiny_internvl_folder(out_dir, seed: int = 0, *, text_model: str = "qwen2"):
+    """A complete tiny InternVL model folder for the CPU demo: processor files (above), config.json (a Qwen2
+    or Qwen3 decoder of width 128 with 2 layers, a 2-layer InternViT on 56-pixel tiles -> 4 tokens per tile)
+    and random weights from `seed`, written by `save_hf_model` (so transformers loads it). Built in
+    `<out_dir>.tmp` and renamed, so a crash never leaves half a folder."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from megatron_vlm.checkpoint.hf import save_hf_model
+    from megatron_vlm.models import build_model
+
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    build_tiny_internvl_processor(tmp)
+    ids = tiny_internvl_token_ids(AutoTokenizer.from_pretrained(tmp))
+    cfg = tiny_internvl_config(text_model=text_model, tie_word_embeddings=False, vocab_size=ids["vocab_size"],
+                               hidden_size=128, token_ids=ids).to_dict()
+    cfg["architectures"] = ["InternVLForConditionalGeneration"]
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = build_model(cfg)
+    save_hf_model(model, tmp)
+    tmp.rename(out)
+    return out

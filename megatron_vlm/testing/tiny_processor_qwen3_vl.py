@@ -205,3 +205,120 @@ def pack_samples(samples: list[dict]) -> dict:
         "pixel_values_videos": cat_or_none([s["pixel_values_videos"] for s in samples]),
         "video_grid_thw": cat_or_none([s["video_grid_thw"] for s in samples]),
     }
+
+
+# ----------------------------------------------------------------------------- processor folder
+TINY_IMAGE_MIN_PIXELS = 64 * 64
+TINY_IMAGE_MAX_PIXELS = 32 * 32 * 16  # at most 16 merged tokens per image (e.g. 128 x 128)
+TINY_VIDEO_MIN_PIXELS = 64 * 64
+TINY_VIDEO_MAX_PIXELS = 32 * 32 * 4  # at most 4 merged tokens per temporal patch
+
+# Behaviour of Qwen3-VL-Instruct's chat template (written here, not copied): no default system turn;
+# string content verbatim; list content renders images / videos as vision placeholders (optionally
+# labelled "Picture N: " / "Video N: ") and text as is; generation prompt "<|im_start|>assistant\n".
+QWEN3_VL_CHAT_TEMPLATE = (
+    "{% set ns = namespace(images=0, videos=0) %}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}"
+    "{{ message['content'] }}"
+    "{% else %}"
+    "{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' or 'image' in item or 'image_url' in item %}"
+    "{% set ns.images = ns.images + 1 %}"
+    "{% if add_vision_id %}Picture {{ ns.images }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif item['type'] == 'video' or 'video' in item %}"
+    "{% set ns.videos = ns.videos + 1 %}"
+    "{% if add_vision_id %}Video {{ ns.videos }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in item %}"
+    "{{ item['text'] }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def build_tiny_qwen3_vl_processor(out_dir: str | os.PathLike, *, extra_words: Iterable[str] = ()) -> Path:
+    """Write a Qwen3-VL tokenizer + processor folder into `out_dir` (same inputs -> same files).
+
+    The layout of a real Qwen3-VL checkpoint: tokenizer.json / tokenizer_config.json (the tiny
+    byte-level BPE of `megatron_vlm.testing.tiny_processor` with the Qwen specials),
+    chat_template.jinja, preprocessor_config.json (`Qwen2VLImageProcessorFast`, patch 16, merge 2,
+    temporal patch 2, mean / std 0.5), video_preprocessor_config.json (`Qwen3VLVideoProcessor`) and
+    processor_config.json (`Qwen3VLProcessor`). Returns the folder."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from megatron_vlm.testing.tiny_processor import build_tiny_tokenizer
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer(list(extra_words))
+    tokenizer.chat_template = QWEN3_VL_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+    (out / "chat_template.jinja").write_text(QWEN3_VL_CHAT_TEMPLATE)
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+        min_pixels=TINY_IMAGE_MIN_PIXELS, max_pixels=TINY_IMAGE_MAX_PIXELS,
+    )
+    image_processor.save_pretrained(out)
+    pre = json.loads((out / "preprocessor_config.json").read_text())
+    pre["image_processor_type"] = "Qwen2VLImageProcessorFast"  # what Qwen3-VL checkpoints name
+    pre["processor_class"] = "Qwen3VLProcessor"
+    _write_json(out / "preprocessor_config.json", pre)
+    _write_json(out / "video_preprocessor_config.json", {
+        "video_processor_type": "Qwen3VLVideoProcessor",
+        "processor_class": "Qwen3VLProcessor",
+        "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "do_convert_rgb": True, "resample": 3, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "size": {"shortest_edge": TINY_VIDEO_MIN_PIXELS, "longest_edge": TINY_VIDEO_MAX_PIXELS},
+        "patch_size": PATCH, "temporal_patch_size": 2, "merge_size": MERGE, "fps": 2, "do_sample_frames": False,
+    })
+    _write_json(out / "processor_config.json", {"processor_class": "Qwen3VLProcessor"})
+    return out
+
+
+def tiny_qwen3_vl_token_ids(tokenizer) -> dict:
+    """Token ids a Qwen3-VL config.json needs for this tokenizer, and vocab_size = len rounded up to 64."""
+    ids = {name: tokenizer.convert_tokens_to_ids(t) for name, t in (
+        ("bos_token_id", "<|endoftext|>"), ("eos_token_id", "<|im_end|>"), ("pad_token_id", "<|endoftext|>"),
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
+    )}
+    ids["vocab_size"] = (len(tokenizer) + 63) // 64 * 64
+    return ids
+
+
+def build_tiny_qwen3_vl_folder(out_dir: str | os.PathLike, seed: int = 0, *, moe: bool = False) -> Path:
+    """A complete tiny Qwen3-VL (or -MoE) model folder for the CPU demo: processor files (above), config.json
+    (text width 128, 2 decoder layers, 2 vision blocks with DeepStack from block 0; tied embeddings like
+    Qwen3-VL-2B) and random weights from `seed`, written by `save_hf_model` (so transformers loads it).
+    Built in `<out_dir>.tmp` and renamed, so a crash never leaves half a folder."""
+    from transformers import AutoTokenizer
+
+    from megatron_vlm.checkpoint.hf import save_hf_model
+    from megatron_vlm.models import build_model
+
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    build_tiny_qwen3_vl_processor(tmp)
+    ids = tiny_qwen3_vl_token_ids(AutoTokenizer.from_pretrained(tmp))
+    cfg = tiny_qwen3_vl_config(
+        moe=moe, tie_word_embeddings=True, text_layers=2, vision_depth=2, deepstack_visual_indexes=(0,),
+        vocab_size=ids["vocab_size"], hidden_size=128, token_ids=ids,
+    ).to_dict()
+    cfg["architectures"] = ["Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"]
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = build_model(cfg)
+    save_hf_model(model, tmp)
+    tmp.rename(out)
+    return out

@@ -1,16 +1,14 @@
 """Periodic evaluation: held-out loss / perplexity over the eval split and, for data whose last
-assistant turn is a short answer, greedy-decoded answer accuracy (exact match after normalising
-case and surrounding punctuation).
+assistant turn is a short answer, greedy-decoded answer accuracy (first word, case and punctuation
+folded — `synthetic_vqa.normalize_answer`).
 
-Every rank runs the same number of forward calls (FSDP all-gathers are collective): shards are
-padded with repeats whose results are not counted.
+Every rank runs the same number of forward calls (FSDP all-gathers are collective): the eval
+loaders pad the ranks with empty packs / filler prompts, which run a forward but are not counted.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,11 +23,9 @@ def _sum(vals, device):
     return t.tolist()
 
 
-def _max_int(v: int, device) -> int:
-    t = torch.tensor([v], dtype=torch.int64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+def _dummy_pack(pad_id: int) -> dict:
+    return {"input_ids": torch.tensor([[pad_id]]), "labels": torch.tensor([[-100]]),
+            "cu_seqlens": torch.tensor([0, 1], dtype=torch.int32), "num_samples": 0}
 
 
 @torch.no_grad()
@@ -37,136 +33,80 @@ def eval_loss(job) -> dict | None:
     from megatron_vlm.data.loader import build_eval_dataloader
 
     loader = build_eval_dataloader(job.cfg.data, job.processor, dp_rank=job.env.rank, dp_size=job.dims.dp_size,
-                                   bad_records=job.bad_records)
+                                   mode="packs", bad_records=job.bad_records)
     if loader is None:
         return None
-    packs = list(loader)
     cap = job.cfg.train.eval_max_batches
-    if cap:
-        packs = packs[:cap]
-    n = _max_int(len(packs), job.env.device)
-    if n == 0:
-        return None
     nll = tok = 0.0
     job.wrapper.eval()
-    for i in range(n):
-        real = i < len(packs)
-        b = job.to_device(packs[i] if real else packs[-1] if packs else None) if (real or packs) else None
-        if b is None:  # this rank has no eval data at all: cannot join the collective forward
-            raise RuntimeError("evaluation: a rank received no eval packs; use fewer processes or more eval data")
+    for i, pack in enumerate(loader):
+        if cap and i >= cap:
+            break
+        real = int(pack.get("num_samples", 1)) > 0
+        b = job.to_device(pack if real else _dummy_pack(job.processor.pad_token_id))
         logp = job.wrapper(b)
         if real:
             nll += float(-logp.double().sum())
             tok += float(logp.numel())
     job.wrapper.train()
     nll, tok = _sum([nll, tok], job.env.device)
-    loss = nll / max(tok, 1.0)
+    if tok == 0:
+        return None
+    loss = nll / tok
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tok}
 
 
-def _normalise(text: str) -> str:
-    return text.strip().strip(".!?,;:\"'").strip().lower()
-
-
-def load_qa_prompts(jsonl_path: Path, image_root: str = "") -> list[dict]:
-    """Records whose last message is an assistant answer -> {"messages": prompt turns, "answer": str}."""
-    out = []
-    root = Path(image_root) if image_root else jsonl_path.parent
-    with jsonl_path.open() as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rec = json.loads(line)
-                msgs = rec["messages"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue
-            if not msgs or msgs[-1].get("role") != "assistant" or not isinstance(msgs[-1].get("content"), str):
-                continue
-            prompt = []
-            for m in msgs[:-1]:
-                content = m["content"]
-                if isinstance(content, list):
-                    fixed = []
-                    for c in content:
-                        c = dict(c)
-                        if c.get("type") == "image" and isinstance(c.get("image"), str) and not Path(c["image"]).is_absolute():
-                            c["image"] = str(root / c["image"])
-                        fixed.append(c)
-                    content = fixed
-                prompt.append({"role": m["role"], "content": content})
-            out.append({"messages": prompt, "answer": msgs[-1]["content"]})
-    return out
-
-
 @torch.no_grad()
-def greedy_generate(job, prompts: list[dict], max_new_tokens: int) -> list[str]:
-    """Batched greedy decoding without a KV cache (short answers); left padding."""
-    from PIL import Image
-
-    proc = job.processor
-    tok = proc.tokenizer
-    texts, images = [], []
-    for p in prompts:
-        texts.append(proc.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True))
-        for m in p["messages"]:
-            if isinstance(m["content"], list):
-                for c in m["content"]:
-                    if c.get("type") == "image":
-                        images.append(Image.open(c["image"]).convert("RGB"))
-    old_side = tok.padding_side
-    tok.padding_side = "left"
-    enc = proc(text=texts, images=images or None, return_tensors="pt", padding=True)
-    tok.padding_side = old_side
-    ids, am = enc["input_ids"], enc["attention_mask"]
-    extra = {k: enc[k] for k in ("pixel_values", "image_grid_thw") if k in enc}
-    eos = {tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id}
-    gen = []
+def greedy_decode(job, batch: dict, max_new_tokens: int, stop_ids: set[int]) -> list[list[int]]:
+    """Greedy decoding with the model's KV cache through the FSDP root (left-padded prompts)."""
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    bsz = ids.shape[0]
+    cache = job.model.new_kv_cache(bsz, ids.shape[1] + max_new_tokens, device=job.env.device)
+    kwargs = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw",
+                                    "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+              if batch.get(k) is not None}
+    logits = job.wrapper(model_kwargs={**job.to_device(kwargs), "kv_cache": cache})
+    out = [[] for _ in range(bsz)]
+    done = torch.zeros(bsz, dtype=torch.bool)
     for _ in range(max_new_tokens):
-        kwargs = job.to_device({"input_ids": ids, "attention_mask": am, **extra})
-        logits = job.wrapper(model_kwargs=kwargs)
         nxt = logits[:, -1].argmax(-1).cpu()
-        gen.append(nxt)
-        ids = torch.cat([ids, nxt[:, None]], 1)
-        am = torch.cat([am, torch.ones_like(nxt)[:, None]], 1)
-    out = []
-    g = torch.stack(gen, 1) if gen else torch.zeros(len(prompts), 0, dtype=torch.long)
-    for row in g.tolist():
-        cut = [t for t in row]
-        for i, t in enumerate(row):
-            if t in eos:
-                cut = row[:i]
-                break
-        out.append(tok.decode(cut, skip_special_tokens=True))
+        for i in range(bsz):
+            if not done[i]:
+                t = int(nxt[i])
+                if t in stop_ids:
+                    done[i] = True
+                else:
+                    out[i].append(t)
+        # all ranks decode the same number of steps (collective forwards), even when done
+        logits = job.wrapper(model_kwargs={"input_ids": nxt[:, None].to(job.env.device), "kv_cache": cache})
     return out
 
 
 @torch.no_grad()
-def eval_answer_accuracy(job, *, max_new_tokens: int = 8, batch_size: int = 16) -> dict | None:
-    path = getattr(job, "eval_jsonl", None)
-    if path is None or not Path(path).is_file():
+def eval_answer_accuracy(job, *, max_new_tokens: int = 6, batch_size: int = 16) -> dict | None:
+    from megatron_vlm.data.loader import build_eval_dataloader
+    from megatron_vlm.data.synthetic_vqa import normalize_answer
+
+    loader = build_eval_dataloader(job.cfg.data, job.processor, dp_rank=job.env.rank, dp_size=job.dims.dp_size,
+                                   mode="generation", batch_size=batch_size, padding_side="left",
+                                   bad_records=job.bad_records)
+    if loader is None:
         return None
-    prompts = load_qa_prompts(Path(path), job.cfg.data.image_root)
-    if not prompts:
-        return None
-    world, rank = job.dims.dp_size, job.env.rank
-    mine = prompts[rank::world]
-    n_batches = _max_int(math.ceil(len(mine) / batch_size), job.env.device)
+    tok = job.processor.tokenizer
+    stop = {i for i in (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id) if i is not None}
     correct = total = 0
     job.wrapper.eval()
-    for bi in range(n_batches):
-        chunk = mine[bi * batch_size:(bi + 1) * batch_size]
-        real = len(chunk)
-        if real == 0:
-            chunk = mine[:1] or prompts[:1]
-        outs = greedy_generate(job, chunk, max_new_tokens)
-        for p, o in zip(chunk[:real], outs[:real]):
-            total += 1
-            correct += int(_normalise(o) == _normalise(p["answer"]))
+    for batch in loader:
+        gen = greedy_decode(job, batch, max_new_tokens, stop)
+        for ok, ref, g in zip(batch["sample_valid"].tolist(), batch["answers"], gen):
+            if ok and ref is not None:
+                total += 1
+                correct += int(normalize_answer(tok.decode(g, skip_special_tokens=True)) == normalize_answer(ref))
     job.wrapper.train()
     correct, total = _sum([correct, total], job.env.device)
-    return {"answer_accuracy": correct / max(total, 1), "answer_n": total}
+    if total == 0:
+        return None
+    return {"answer_accuracy": correct / total, "answer_n": total}
 
 
 def evaluate(job, step: int) -> dict:

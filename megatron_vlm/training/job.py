@@ -70,8 +70,6 @@ class Job:
 
     # ---------------------------------------------------------------- set-up
     def setup(self, *, steps_per_epoch_fn=None) -> None:
-        from transformers import AutoProcessor
-
         from megatron_vlm.models import load_hf_model
         from megatron_vlm import kernels
 
@@ -79,7 +77,9 @@ class Job:
         kernels.configure(cfg.kernels)
         seed_everything(cfg.train.seed)
         self.dims, self.mesh = build_mesh(cfg.parallel, env.world_size, env.device.type)
-        self.processor = AutoProcessor.from_pretrained(cfg.model.path)
+        from megatron_vlm.data.processor import load_processor
+
+        self.processor = load_processor(cfg.model.path, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
         master_dtype = getattr(torch, cfg.model.dtype)
         model = load_hf_model(cfg.model.path, dtype=master_dtype, device="cpu")
         trainable, total = apply_train_layers(model, cfg.train.train_layers)

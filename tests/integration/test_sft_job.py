@@ -1,0 +1,113 @@
+"""Whole SFT jobs through the entry point: run folder contents, 1-vs-2-process equivalence, exact
+resume after kill -9, partial checkpoints ignored, HF export loads in transformers with equal logits."""
+from __future__ import annotations
+
+import shutil
+import tomllib
+
+import pytest
+import torch
+
+from jobs import load_safetensors_dir, read_metrics, run_job, small_demo_overrides
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """Tiny model + synthetic data created once by a first short run, shared by the tests."""
+    root = tmp_path_factory.mktemp("assets")
+    run_job(small_demo_overrides(root / "warmup", root, **{"train.max_steps": 1, "checkpoint.enable": "false",
+                                                             "checkpoint.export_hf": "false"}))
+    return root
+
+
+def test_run_folder_has_everything(tmp_path, assets):
+    out = tmp_path / "run"
+    run_job(small_demo_overrides(out, assets, **{"logging.tensorboard": "true"}))
+    assert (out / "config.toml").is_file()
+    rows = read_metrics(out / "metrics_train.csv")
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm", "lr", "tokens_per_s", "samples_per_s", "peak_memory_gib"):
+        assert key in rows[0] and float(rows[0][key]) == float(rows[0][key])  # present and not NaN
+    assert (out / "metrics_eval.csv").is_file()
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert (out / "checkpoints" / "step_4" / "COMPLETE").is_file()
+    assert (out / "checkpoints" / "step_2" / "COMPLETE").is_file()
+    assert (out / "hf" / "config.json").is_file() and list((out / "hf").glob("*.safetensors"))
+    # the resolved config reproduces the run
+    again = tmp_path / "again"
+    cfg = tomllib.loads((out / "config.toml").read_text())
+    assert cfg["train"]["max_steps"] == 4
+    run_job([f'train.output_dir="{again}"'], config=out / "config.toml")
+    a = [float(r["loss"]) for r in rows]
+    b = [float(r["loss"]) for r in read_metrics(again / "metrics_train.csv")]
+    assert a == b
+
+
+def test_two_processes_match_one(tmp_path, assets):
+    one = tmp_path / "one"
+    two = tmp_path / "two"
+    run_job(small_demo_overrides(one, assets, **{"train.micro_batches_per_step": 2, "checkpoint.enable": "false"}))
+    run_job(small_demo_overrides(two, assets, **{"train.micro_batches_per_step": 1, "checkpoint.enable": "false"}), nproc=2)
+    l1 = [float(r["loss"]) for r in read_metrics(one / "metrics_train.csv")]
+    l2 = [float(r["loss"]) for r in read_metrics(two / "metrics_train.csv")]
+    assert len(l1) == len(l2) == 4
+    assert max(abs(a - b) for a, b in zip(l1, l2)) <= 1e-5, (l1, l2)
+    p1, p2 = load_safetensors_dir(one / "hf"), load_safetensors_dir(two / "hf")
+    assert p1.keys() == p2.keys()
+    assert max((p1[k] - p2[k]).abs().max().item() for k in p1) <= 1e-5
+
+
+def test_exact_resume_after_kill9(tmp_path, assets):
+    straight = tmp_path / "straight"
+    crashed = tmp_path / "crashed"
+    common = {"train.max_steps": 6, "checkpoint.every_steps": 3, "checkpoint.keep_last": 0}
+    run_job(small_demo_overrides(straight, assets, **common))
+    r = run_job(small_demo_overrides(crashed, assets, **common), env={"MEGATRON_VLM_FAULT_KILL_AT_STEP": "5"},
+                check=False)
+    assert r.returncode == -9, (r.returncode, r.stderr[-2000:])
+    assert (crashed / "checkpoints" / "step_3" / "COMPLETE").is_file()
+    assert not (crashed / "checkpoints" / "step_6").exists()
+    r = run_job(small_demo_overrides(crashed, assets, **common))
+    assert "Resumed from checkpoint: step=3" in r.stderr
+    a, b = load_safetensors_dir(straight / "hf"), load_safetensors_dir(crashed / "hf")
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-7
+    la = [float(x["loss"]) for x in read_metrics(straight / "metrics_train.csv")]
+    lb = {int(x["step"]): float(x["loss"]) for x in read_metrics(crashed / "metrics_train.csv")}
+    assert [lb[s] for s in range(1, 7)] == la
+
+
+def test_partial_checkpoint_is_ignored(tmp_path, assets):
+    out = tmp_path / "run"
+    run_job(small_demo_overrides(out, assets, **{"train.max_steps": 2, "checkpoint.every_steps": 2}))
+    ck = out / "checkpoints"
+    # a crash mid-save leaves a temp folder, or a renamed folder without its marker: never loaded
+    shutil.copytree(ck / "step_2", ck / "step_3")
+    (ck / "step_3" / "COMPLETE").unlink()
+    shutil.copytree(ck / "step_2", ck / ".tmp_step_4")
+    r = run_job(small_demo_overrides(out, assets, **{"train.max_steps": 4, "checkpoint.every_steps": 2}))
+    assert "Resumed from checkpoint: step=2" in r.stderr
+
+
+def test_hf_export_loads_in_transformers_with_equal_logits(tmp_path, assets):
+    from transformers import AutoModelForImageTextToText
+
+    from megatron_vlm.models import load_hf_model
+
+    out = tmp_path / "run"
+    run_job(small_demo_overrides(out, assets, **{"train.max_steps": 2}))
+    ours = load_hf_model(out / "hf", dtype=torch.float32)
+    ref = AutoModelForImageTextToText.from_pretrained(out / "hf", dtype=torch.float32).eval()
+    cfg = ref.config
+    torch.manual_seed(0)
+    ids = torch.randint(0, min(cfg.text_config.vocab_size, 200), (2, 12))
+    with torch.no_grad():
+        a = ours(ids)
+        b = ref(input_ids=ids, mm_token_type_ids=torch.zeros_like(ids)).logits
+    assert (a - b).abs().max().item() <= 1e-4
+    # and the trained weights are not the initial ones
+    init = load_safetensors_dir(assets / "model")
+    trained = load_safetensors_dir(out / "hf")
+    assert any((init[k] - trained[k]).abs().max() > 0 for k in init if k in trained)

@@ -29,12 +29,20 @@ import torch
 logger = logging.getLogger("megatron_vlm.kernels")
 
 AUTO = "auto"
-# Availability check: gets the op's first tensor argument, returns None when usable or the reason.
-Check = Callable[[torch.Tensor], Optional[str]]
+# Availability check: gets the device type and dtype of the op's first tensor argument, returns
+# None when the backend can run it, or the reason it cannot.
+Check = Callable[[str, torch.dtype], Optional[str]]
 
 
 class BackendUnavailableError(RuntimeError):
     """A forced backend cannot run this call (not installed, wrong device, unsupported dtype ...)."""
+
+
+class _Slot:
+    """Holds a backend's implementation once imported (an attribute read late, so that dynamo,
+    tracing `resolve`, sees the function loaded by `_traced_choice` during the same trace)."""
+
+    fn: Optional[Callable] = None
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,7 @@ class Backend:
     check: Check
     auto_devices: Tuple[str, ...] = ()  # device types on which `auto` may pick it
     priority: int = 0  # higher wins in `auto`
+    slot: _Slot = field(default_factory=_Slot, compare=False, repr=False)
 
 
 def _module_installed(name: str) -> bool:
@@ -55,41 +64,41 @@ def _module_installed(name: str) -> bool:
         return name in sys.modules
 
 
-def always(_: torch.Tensor) -> Optional[str]:
+def always(device_type: str, dtype: torch.dtype) -> Optional[str]:
     return None
 
 
-def triton_check(x: torch.Tensor) -> Optional[str]:
+def triton_check(device_type: str, dtype: torch.dtype) -> Optional[str]:
     """Triton kernels run on CUDA, or on CPU through the interpreter (TRITON_INTERPRET=1 before import)."""
     if not _module_installed("triton"):
         return "triton is not installed"
-    if x.device.type == "cuda":
+    if device_type == "cuda":
         return None
-    if x.device.type == "cpu":
+    if device_type == "cpu":
         if os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
             return "tensor on cpu and TRITON_INTERPRET is not set"
         return None
-    return f"tensor on {x.device.type}; triton needs cuda (or cpu with TRITON_INTERPRET=1)"
+    return f"tensor on {device_type}; triton needs cuda (or cpu with TRITON_INTERPRET=1)"
 
 
-def npu_check(x: torch.Tensor) -> Optional[str]:
+def npu_check(device_type: str, dtype: torch.dtype) -> Optional[str]:
     if not _module_installed("torch_npu"):
         return "torch_npu is not installed"
-    if x.device.type != "npu":
-        return f"tensor on {x.device.type}; the npu backend needs an npu tensor"
+    if device_type != "npu":
+        return f"tensor on {device_type}; the npu backend needs an npu tensor"
     return None
 
 
 def cuda_package_check(package: str, dtypes: Tuple[torch.dtype, ...] = ()) -> Check:
     """Check for a third-party CUDA package (flash_attn, liger_kernel ...), optionally limited to dtypes."""
 
-    def check(x: torch.Tensor) -> Optional[str]:
+    def check(device_type: str, dtype: torch.dtype) -> Optional[str]:
         if not _module_installed(package):
             return f"{package} is not installed"
-        if x.device.type != "cuda":
-            return f"tensor on {x.device.type}; {package} needs a cuda tensor"
-        if dtypes and x.dtype not in dtypes:
-            return f"{package} does not support {x.dtype} (needs one of {', '.join(str(d) for d in dtypes)})"
+        if device_type != "cuda":
+            return f"tensor on {device_type}; {package} needs a cuda tensor"
+        if dtypes and dtype not in dtypes:
+            return f"{package} does not support {dtype} (needs one of {', '.join(str(d) for d in dtypes)})"
         return None
 
     return check
@@ -101,7 +110,6 @@ class KernelRegistry:
 
     backends: Dict[str, Dict[str, Backend]] = field(default_factory=dict)
     forced: Dict[str, str] = field(default_factory=dict)
-    _loaded: Dict[Tuple[str, str], Callable] = field(default_factory=dict)
     _logged: set = field(default_factory=set)
 
     def register(self, op: str, backend: Backend) -> None:
@@ -135,48 +143,62 @@ class KernelRegistry:
 
     def availability(self, op: str, x: torch.Tensor) -> Dict[str, Optional[str]]:
         """Backend name -> None (usable for x) or the reason it is not."""
-        return {name: b.check(x) for name, b in self._backends_of(op).items()}
+        return {name: b.check(x.device.type, x.dtype) for name, b in self._backends_of(op).items()}
 
     def _backends_of(self, op: str) -> Dict[str, Backend]:
         if op not in self.backends:
             raise KeyError(f"kernels: unknown op {op!r}; known ops: {', '.join(sorted(self.backends))}")
         return self.backends[op]
 
-    def _load(self, op: str, backend: Backend) -> Callable:
-        key = (op, backend.name)
-        if key not in self._loaded:
+    @staticmethod
+    def _load(backend: Backend) -> Callable:
+        if backend.slot.fn is None:
             module, _, attr = backend.target.partition(":")
-            self._loaded[key] = getattr(importlib.import_module(module), attr)
-        return self._loaded[key]
+            backend.slot.fn = getattr(importlib.import_module(module), attr)
+        return backend.slot.fn
 
-    def choose(self, op: str, x: torch.Tensor) -> str:
-        """The backend name that will run `op` for a call whose first tensor is x."""
+    def choose(self, op: str, device_type: str, dtype: torch.dtype) -> str:
+        """The backend name that will run `op` for a call whose first tensor has this device type / dtype."""
         backends = self._backends_of(op)
         forced = self.forced.get(op)
         if forced is not None:
-            reason = backends[forced].check(x)
+            reason = backends[forced].check(device_type, dtype)
             if reason is not None:
                 raise BackendUnavailableError(f"kernels: op {op!r} is configured to backend {forced!r}, which cannot run: {reason}")
             return forced
-        candidates = [
-            b for b in backends.values() if x.device.type in b.auto_devices and b.check(x) is None
-        ]
+        candidates = [b for b in backends.values() if device_type in b.auto_devices and b.check(device_type, dtype) is None]
         name = max(candidates, key=lambda b: b.priority).name if candidates else "torch"
         if name not in backends:
-            raise BackendUnavailableError(f"kernels: op {op!r} has no usable backend for a {x.device.type} {x.dtype} tensor")
-        key = (op, x.device.type, name)
+            raise BackendUnavailableError(f"kernels: op {op!r} has no usable backend for a {device_type} {dtype} tensor")
+        key = (op, device_type, name)
         if key not in self._logged:
             self._logged.add(key)
-            logger.info("kernels: %s on %s uses backend %s (auto)", op, x.device.type, name)
+            logger.info("kernels: %s on %s uses backend %s (auto)", op, device_type, name)
         return name
 
     def resolve(self, op: str, x: torch.Tensor) -> Callable:
-        """The implementation to call for `op` given its first tensor argument."""
-        name = self.choose(op, x)
-        return self._load(op, self.backends[op][name])
+        """The implementation to call for `op` given its first tensor argument.
+
+        Under torch.compile the choice of the default registry is made once at trace time
+        (`_traced_choice`, a constant for dynamo: configure() before compiling), so model code
+        compiles with fullgraph=True through the dispatcher.
+        """
+        if torch.compiler.is_compiling() and self is DEFAULT_REGISTRY:
+            return self.backends[op][_traced_choice(op, x.device.type, x.dtype)].slot.fn
+        name = self.choose(op, x.device.type, x.dtype)
+        return self._load(self.backends[op][name])
 
 
 DEFAULT_REGISTRY = KernelRegistry()
+
+
+@torch.compiler.assume_constant_result
+def _traced_choice(op: str, device_type: str, dtype: torch.dtype) -> str:
+    """The default registry's backend name for op, chosen (and imported) eagerly while dynamo
+    traces; a constant of the graph, so configure() before compiling."""
+    name = DEFAULT_REGISTRY.choose(op, device_type, dtype)
+    DEFAULT_REGISTRY._load(DEFAULT_REGISTRY.backends[op][name])
+    return name
 
 
 def register_backend(

@@ -33,7 +33,7 @@ def test_forced_npu_without_torch_npu_is_a_clear_error():
 def test_forced_triton_runs_interpreted_and_matches_reference():
     x, w = torch.randn(5, 80), torch.randn(80)
     K.configure({"rms_norm": "triton", "swiglu": "triton"})
-    assert DEFAULT_REGISTRY.choose("rms_norm", x) == "triton"
+    assert DEFAULT_REGISTRY.choose("rms_norm", x.device.type, x.dtype) == "triton"
     torch.testing.assert_close(K.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
     torch.testing.assert_close(K.swiglu(x, x), reference.swiglu(x, x))
 
@@ -44,7 +44,7 @@ def test_auto_on_cpu_picks_torch_and_logs_once(caplog):
         register_backend("op", name, "megatron_vlm.kernels.reference.swiglu:swiglu", auto_devices=("cpu",) if name == "torch" else ("cuda",), priority=prio, registry=registry)
     x = torch.randn(3)
     with caplog.at_level(logging.INFO, logger="megatron_vlm.kernels"):
-        assert registry.choose("op", x) == "torch"
+        assert registry.choose("op", "cpu", x.dtype) == "torch"
         registry.resolve("op", x)(x, x)
         registry.resolve("op", x)(x, x)
     lines = [r.getMessage() for r in caplog.records if r.name == "megatron_vlm.kernels"]
@@ -56,10 +56,10 @@ def test_auto_takes_highest_priority_usable_backend():
     target = "megatron_vlm.kernels.reference.swiglu:swiglu"
     register_backend("op", "torch", target, auto_devices=("cpu",), registry=registry)
     register_backend("op", "fast", target, auto_devices=("cpu",), priority=10, registry=registry)
-    register_backend("op", "fastest", target, check=lambda x: "not installed", auto_devices=("cpu",), priority=20, registry=registry)
-    register_backend("op", "bf16_only", target, check=lambda x: None if x.dtype == torch.bfloat16 else "bf16 only", auto_devices=("cpu",), priority=15, registry=registry)
-    assert registry.choose("op", torch.randn(2)) == "fast"
-    assert registry.choose("op", torch.randn(2).bfloat16()) == "bf16_only"
+    register_backend("op", "fastest", target, check=lambda device, dtype: "not installed", auto_devices=("cpu",), priority=20, registry=registry)
+    register_backend("op", "bf16_only", target, check=lambda device, dtype: None if dtype == torch.bfloat16 else "bf16 only", auto_devices=("cpu",), priority=15, registry=registry)
+    assert registry.choose("op", "cpu", torch.float32) == "fast"
+    assert registry.choose("op", "cpu", torch.bfloat16) == "bf16_only"
     assert registry.availability("op", torch.randn(2))["fastest"] == "not installed"
 
 
@@ -93,3 +93,16 @@ def test_every_builtin_op_has_torch_and_triton_backends():
 
 def test_kernels_config_has_a_field_per_registered_op():
     assert set(K.KernelsConfig().as_dict()) == set(DEFAULT_REGISTRY.ops())
+
+
+def test_public_api_compiles_fullgraph_through_the_dispatcher():
+    torch._dynamo.reset()
+    x, w = torch.randn(4, 8), torch.randn(8)
+    q = torch.randn(2, 5, 2, 16)
+
+    def block(x, w, q):
+        return K.rms_norm(x, w, 1e-6), K.attention(q, q, q, causal=True), K.swiglu(x, x)
+
+    got = torch.compile(block, backend="eager", fullgraph=True)(x, w, q)
+    for g, e in zip(got, block(x, w, q)):
+        torch.testing.assert_close(g, e)

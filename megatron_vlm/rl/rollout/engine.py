@@ -1,0 +1,148 @@
+"""The rollout-engine interface: what a GRPO controller asks of any generator.
+
+An engine turns encoded prompts into `n` sampled completions each, with the token ids and the
+behaviour log-probs (log pi_behaviour(token) under the policy version that generated it). Three
+operations, so that other back ends can plug in later without touching the trainer:
+
+    load_weights(weights, version)  make the engine generate with policy `version`. The built-in
+                                    engine shares the trainer's parameters and needs no weights;
+                                    separate rollout ranks or a vLLM server receive the full state
+                                    dict (Hugging Face names) here.
+    generate(prompts, params)       sample `params.n` completions per prompt; results are
+                                    group-major (the n samples of prompt p are p*n ... p*n+n-1), the
+                                    layout of `rl.advantages`.
+    release_memory()                drop rollout-only memory (KV caches, allocator cache) before
+                                    the training phase reuses the device.
+
+Behaviour log-probs are those of the temperature-scaled, *untruncated* distribution
+(log_softmax(logits / temperature)), which is what the trainer recomputes for the PPO ratio;
+top-k / top-p only restrict which tokens may be drawn. With temperature 0 (greedy) they are the
+log-probs at temperature 1.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Literal, Mapping, Optional, Sequence
+
+import torch
+
+__all__ = ["SamplingParams", "RolloutPrompt", "RolloutSample", "RolloutResult", "RolloutEngine"]
+
+FinishReason = Literal["eos", "stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    """Generation budget per completion; a completion that reaches it ends with reason "length"."""
+    n: int = 1
+    """Completions per prompt (the GRPO group size G)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 = greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus sampling: draw only from the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = 0
+    """Draw only from the k most likely tokens (0 = off)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: a completion ends with the token that completes the first occurrence of any."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n: must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k: must be >= 0, got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop: stop strings must not be empty")
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+
+@dataclass
+class RolloutPrompt:
+    """One encoded prompt: token ids with the image / video placeholders expanded, and the vision
+    inputs of that prompt only (the fields of `megatron_vlm.data.processing.ProcessedSample`)."""
+
+    input_ids: torch.Tensor
+    """[T] int64."""
+    pixel_values: Optional[torch.Tensor] = None
+    image_grid_thw: Optional[torch.Tensor] = None
+    pixel_values_videos: Optional[torch.Tensor] = None
+    video_grid_thw: Optional[torch.Tensor] = None
+    second_per_grid_ts: Optional[torch.Tensor] = None
+
+    @classmethod
+    def from_processed(cls, sample) -> "RolloutPrompt":
+        """From a `ProcessedSample` (process_record(..., for_generation=True))."""
+        return cls(
+            input_ids=sample.input_ids, pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw,
+            pixel_values_videos=sample.pixel_values_videos, video_grid_thw=sample.video_grid_thw,
+            second_per_grid_ts=sample.second_per_grid_ts,
+        )
+
+    def __len__(self) -> int:
+        return int(self.input_ids.numel())
+
+
+@dataclass
+class RolloutSample:
+    prompt_index: int
+    """Index of the prompt in the `generate` call."""
+    sample_index: int
+    """0 ... n-1 within the prompt's group."""
+    token_ids: torch.Tensor
+    """[L] int64 generated tokens, including the EOS token when the completion ended on one."""
+    logprobs: torch.Tensor
+    """[L] float32 behaviour log-probs of `token_ids` (see module docstring)."""
+    text: str
+    """Decoded completion without special tokens; cut right after the stop string for reason "stop"."""
+    finish_reason: FinishReason
+    prompt_length: int
+    """Tokens of the prompt (for packing and metrics)."""
+    policy_version: int = 0
+    """Version of the policy that generated the sample (for bounded-staleness asynchronous GRPO)."""
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+@dataclass
+class RolloutResult:
+    samples: list[RolloutSample]
+    """Group-major: samples[p * n + j] is completion j of prompt p."""
+    num_generated_tokens: int = 0
+    """Generated tokens of all samples of the call."""
+    seconds: float = 0.0
+    """Wall-clock time of the call."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """Engine-specific counters (prefill / decode time, forward calls, ...)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class RolloutEngine(abc.ABC):
+    """Interface of a rollout back end (see module docstring)."""
+
+    policy_version: int = 0
+
+    @abc.abstractmethod
+    def load_weights(self, weights: Optional[Mapping[str, torch.Tensor]] = None, *, version: int) -> None:
+        """Generate with policy `version` from now on; `weights` (Hugging Face names) for engines that
+        hold their own copy, None for engines that share the trainer's parameters."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams, *,
+                 generator: Optional[torch.Generator] = None) -> RolloutResult:
+        """`params.n` completions per prompt, group-major."""
+
+    @abc.abstractmethod
+    def release_memory(self) -> None:
+        """Free memory that only generation needs."""

@@ -1,0 +1,70 @@
+"""Next-token selection for rollouts: temperature, top-k, top-p (nucleus) and greedy, returning the
+chosen tokens with their behaviour log-probs.
+
+Numerics: logits are taken in float32. The behaviour log-prob of a token is read from
+log_softmax(logits / temperature) over the whole vocabulary — the distribution the trainer
+recomputes with `kernels.linear_token_logprobs(..., temperature=...)` — not from the top-k / top-p
+truncated one (truncation only restricts the support of the draw, as in vLLM and verl). Greedy
+(temperature 0) reports log_softmax(logits) at temperature 1.
+
+Top-k and top-p share one descending sort: position >= k is dropped, then a token is dropped when
+the probability mass strictly before it (within the kept set, renormalised) already reaches top_p,
+so the most likely token always survives. Ties at the k-th value are broken by the sort order, so
+exactly k tokens remain.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["filter_logits", "sample_tokens"]
+
+
+def filter_logits(scaled: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """`scaled` [N, V] (already divided by the temperature) with the tokens outside the top-k /
+    top-p set set to -inf."""
+    if top_k < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"top_k must be >= 0 and top_p in (0, 1], got top_k={top_k}, top_p={top_p}")
+    vocab = scaled.shape[-1]
+    k_active = 0 < top_k < vocab
+    if not k_active and top_p >= 1.0:
+        return scaled
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if k_active:
+        drop[:, top_k:] = True
+    if top_p < 1.0:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop |= mass_before >= top_p
+    drop[:, 0] = False
+    mask = torch.zeros_like(drop).scatter_(-1, order, drop)
+    return scaled.masked_fill(mask, float("-inf"))
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [N] int64, behaviour log-probs [N] float32) for next-token logits [N, V]."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits: expected [N, vocab], got shape {tuple(logits.shape)}")
+    if temperature < 0:
+        raise ValueError(f"temperature: must be >= 0, got {temperature}")
+    x = logits.float()
+    if temperature == 0:
+        tokens = x.argmax(dim=-1)
+        logp = torch.log_softmax(x, dim=-1)
+    else:
+        scaled = x / temperature
+        logp = torch.log_softmax(scaled, dim=-1)
+        probs = filter_logits(scaled, top_k=top_k, top_p=top_p).softmax(dim=-1)
+        if generator is not None and generator.device != probs.device:
+            raise ValueError(f"generator: on {generator.device}, logits on {probs.device}")
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -1,0 +1,13 @@
+"""RL unit tests: tiny tensors run fastest single-threaded (on a loaded 2-core machine, intra-op
+threads of tiny matmuls mostly wait for each other: ~5x slower), so every test here runs with one
+torch thread; the previous setting is restored afterwards."""
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

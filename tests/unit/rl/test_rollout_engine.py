@@ -1,0 +1,244 @@
+"""The built-in rollout engine on a tiny random Qwen2.5-VL (fp32, images in the prompts):
+
+* KV-cache greedy decoding equals no-cache greedy decoding (a full forward per step, each prompt
+  alone) and transformers' `generate` token for token, with left-padded prompts of different lengths;
+* one shared prefill per prompt (`KVCache.expand`) gives the same completions as n independent
+  prefills, and as generating for the prompt alone;
+* sampled behaviour log-probs (temperature, top-k, top-p) equal the log-probs recomputed by a
+  transformers forward pass over prompt + completion, and by our packed training path;
+* EOS and stop strings end a completion at the right token; dropping finished rows from the cache
+  and lock-step dummy steps (other ranks still generating) change nothing.
+"""
+import pytest
+import torch
+
+from megatron_vlm.models import build_model
+from megatron_vlm.models.qwen2_5_vl import Qwen2_5_VLStateDictAdapter
+from megatron_vlm.rl.logprobs import response_token_logprobs
+from megatron_vlm.rl.rollout import PolicyRolloutEngine, RolloutPrompt, SamplingParams
+from tests.fixtures import tiny_qwen2_5_vl as F
+
+TOL = 1e-4
+NEVER = -1  # an EOS id no token has: completions run to the budget
+
+
+class DigitsTokenizer:
+    """Stand-in tokenizer: token i decodes to "i|"."""
+
+    pad_token_id = F.PAD_TOKEN_ID
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(f"{int(i)}|" for i in ids)
+
+
+@pytest.fixture(scope="module")
+def models():
+    hf = F.hf_reference_model(seed=0)
+    ours = build_model(F.tiny_qwen2_5_vl_config_dict())
+    ours.load_state_dict(Qwen2_5_VLStateDictAdapter(ours.args).from_hf(hf.state_dict())[0], strict=True)
+    return hf, ours.eval()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(7)
+    parts = [[2, ("image", (1, 4, 6)), 3], [5], [1, ("image", (1, 4, 4)), 1, ("image", (1, 6, 4)), 6]]
+    out = []
+    for p in parts:
+        s = F.build_sample(p, g)
+        out.append(RolloutPrompt(torch.tensor(s["input_ids"]), s["pixel_values"], s["image_grid_thw"]))
+    return out
+
+
+def engine(model, **kw):
+    kw.setdefault("eos_token_ids", [NEVER])
+    return PolicyRolloutEngine(model, DigitsTokenizer(), **kw)
+
+
+def hf_inputs(prompt: RolloutPrompt, completion=None) -> dict:
+    ids = prompt.input_ids if completion is None else torch.cat([prompt.input_ids, completion])
+    ids = ids[None]
+    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": F.mm_token_type_ids(ids)}
+    if prompt.pixel_values is not None:
+        out.update(pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw)
+    return out
+
+
+@torch.no_grad()
+def greedy_without_cache(model, prompt: RolloutPrompt, steps: int) -> list[int]:
+    """Reference decoding: a full forward over prompt + tokens so far at every step, prompt alone."""
+    ids = prompt.input_ids.clone()
+    out = []
+    for _ in range(steps):
+        logits = model(ids[None], pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw)
+        nxt = int(logits[0, -1].argmax())
+        out.append(nxt)
+        ids = torch.cat([ids, torch.tensor([nxt])])
+    return out
+
+
+def test_greedy_kv_cache_equals_no_cache_and_transformers_generate(models, prompts):
+    hf, ours = models
+    steps = 8
+    res = engine(ours).generate(prompts, SamplingParams(max_new_tokens=steps, temperature=0.0))
+    assert [s.prompt_index for s in res.samples] == [0, 1, 2]
+    assert res.num_generated_tokens == 3 * steps and res.stats["forward_calls"] == steps  # 1 prefill + 7 decode steps
+    for p, s in zip(prompts, res.samples):
+        assert s.finish_reason == "length" and s.truncated and s.prompt_length == len(p)
+        assert s.token_ids.tolist() == greedy_without_cache(ours, p, steps)
+        with torch.no_grad():
+            ref = hf.generate(**hf_inputs(p), max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+            assert s.token_ids.tolist() == ref[0, len(p):].tolist()
+            # greedy behaviour log-probs: log_softmax at temperature 1 from transformers' full forward
+            logits = hf(**hf_inputs(p, s.token_ids)).logits[0, len(p) - 1:-1]
+        expect = torch.log_softmax(logits.float(), -1).gather(-1, s.token_ids[:, None]).squeeze(-1)
+        torch.testing.assert_close(s.logprobs, expect, atol=TOL, rtol=0)
+
+
+def test_shared_prefix_equals_independent_generation(models, prompts):
+    _, ours = models
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, n=3)
+    shared = engine(ours, share_prefix=True).generate(prompts, params)
+    independent = engine(ours, share_prefix=False).generate(prompts, params)
+    assert shared.stats["forward_calls"] == independent.stats["forward_calls"]
+    assert len(shared.samples) == len(independent.samples) == 9
+    for a, b in zip(shared.samples, independent.samples):
+        assert (a.prompt_index, a.sample_index) == (b.prompt_index, b.sample_index)
+        assert torch.equal(a.token_ids, b.token_ids)
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=TOL, rtol=0)
+    for p_idx, p in enumerate(prompts):
+        alone = engine(ours).generate([p], SamplingParams(max_new_tokens=6, temperature=0.0)).samples[0]
+        for j in range(3):
+            assert torch.equal(shared.samples[p_idx * 3 + j].token_ids, alone.token_ids), (p_idx, j)
+
+
+def test_sampled_logprobs_equal_recomputed(models, prompts):
+    hf, ours = models
+    temperature = 0.7
+    params = SamplingParams(max_new_tokens=6, n=4, temperature=temperature, top_k=50, top_p=0.9)
+    gen = torch.Generator().manual_seed(3)
+    res = engine(ours, max_prompts_per_batch=2).generate(prompts, params, generator=gen)
+    assert len(res.samples) == 12 and [s.prompt_index for s in res.samples] == [0] * 4 + [1] * 4 + [2] * 4
+    assert len({tuple(s.token_ids.tolist()) for s in res.samples}) > 3  # really sampled
+    # transformers: one right-padded batch of prompt + completion rows
+    rows = []
+    for s in res.samples:
+        p = prompts[s.prompt_index]
+        rows.append({"input_ids": torch.cat([p.input_ids, s.token_ids]).tolist(), "pixel_values": p.pixel_values,
+                     "image_grid_thw": p.image_grid_thw, "pixel_values_videos": None, "video_grid_thw": None})
+    batch = F.batch_samples(rows, padding_side="right")
+    with torch.no_grad():
+        hf_logits = hf(**{k: v for k, v in batch.items() if v is not None}).logits
+    packed_ids, resp_mask, pix, grids, cu, behav = [], [], [], [], [0], []
+    for r, s in enumerate(res.samples):
+        p = prompts[s.prompt_index]
+        logits = hf_logits[r, len(p) - 1:len(p) - 1 + len(s.token_ids)]
+        expect = torch.log_softmax(logits.float() / temperature, -1).gather(-1, s.token_ids[:, None]).squeeze(-1)
+        torch.testing.assert_close(s.logprobs, expect, atol=TOL, rtol=0)
+        packed_ids.append(torch.cat([p.input_ids, s.token_ids]))
+        resp_mask.append(torch.cat([torch.zeros(len(p), dtype=torch.bool), torch.ones(len(s.token_ids), dtype=torch.bool)]))
+        if p.pixel_values is not None:
+            pix.append(p.pixel_values)
+            grids.append(p.image_grid_thw)
+        cu.append(cu[-1] + len(packed_ids[-1]))
+        behav.append(s.logprobs)
+    # the trainer's path: one packed forward (cu_seqlens) + fused LM-head log-probs
+    ids, mask = torch.cat(packed_ids), torch.cat(resp_mask)
+    cu_seqlens = torch.tensor(cu, dtype=torch.int32)
+    with torch.no_grad():
+        hidden = ours(ids[None], pixel_values=torch.cat(pix), image_grid_thw=torch.cat(grids), cu_seqlens=cu_seqlens,
+                      return_hidden=True)[0]
+        logp = response_token_logprobs(hidden, ours.lm_head.weight, ids, mask, cu_seqlens=cu_seqlens,
+                                       temperature=temperature)
+    torch.testing.assert_close(logp[mask], torch.cat(behav), atol=TOL, rtol=0)
+
+
+def test_seeded_sampling_is_reproducible(models, prompts):
+    _, ours = models
+    params = SamplingParams(max_new_tokens=5, n=2, temperature=1.0)
+    a = engine(ours).generate(prompts, params, generator=torch.Generator().manual_seed(11))
+    b = engine(ours).generate(prompts, params, generator=torch.Generator().manual_seed(11))
+    assert [s.token_ids.tolist() for s in a.samples] == [s.token_ids.tolist() for s in b.samples]
+
+
+def _first_new(tokens: list[int], start: int) -> int:
+    """Index >= start of the first token that does not occur earlier in `tokens`."""
+    return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+def test_eos_and_stop_strings_end_completions(models, prompts):
+    _, ours = models
+    steps = 8
+    # seeded sampling (greedy decoding of a random tiny model repeats a 2-token cycle); finished rows
+    # stay in the batch (compact_ratio 0), so every run draws the same random numbers
+    params = SamplingParams(max_new_tokens=steps, temperature=1.5)
+
+    def run(stop=(), **kw):
+        p = SamplingParams(max_new_tokens=steps, temperature=1.5, stop=stop)
+        return engine(ours, compact_ratio=0.0, **kw).generate(prompts, p, generator=torch.Generator().manual_seed(5))
+
+    ref = run().samples
+    row0 = ref[0].token_ids.tolist()
+    k = _first_new(row0, 2)
+    res = run(eos_token_ids=[row0[k]]).samples
+    assert res[0].finish_reason == "eos" and res[0].token_ids.tolist() == row0[:k + 1]  # the EOS token is kept
+    for r, out in zip(ref, res):  # every row: cut at its own first occurrence of that id, if any
+        toks = r.token_ids.tolist()
+        cut = toks.index(row0[k]) + 1 if row0[k] in toks else steps
+        assert out.token_ids.tolist() == toks[:cut]
+        torch.testing.assert_close(out.logprobs, r.logprobs[:cut], atol=TOL, rtol=0)
+
+    row1 = ref[1].token_ids.tolist()
+    j = _first_new(row1, 3)
+    stop = f"{row1[j - 1]}|{row1[j]}"  # completed by token j (its trailing "|" is cut from the text)
+    assert stop not in DigitsTokenizer().decode(row1[:j])
+    s = run(stop=("@@", stop)).samples[1]
+    assert s.finish_reason == "stop" and s.token_ids.tolist() == row1[:j + 1]
+    assert s.text == DigitsTokenizer().decode(row1[:j + 1])[:-1] and s.text.endswith(stop)
+
+
+def test_dropping_finished_rows_and_lockstep_dummy_steps_change_nothing(models, prompts):
+    _, ours = models
+    steps = 10
+    params = SamplingParams(max_new_tokens=steps, temperature=0.0, n=2)
+    ref = engine(ours).generate(prompts, params).samples
+    # EOS ids that end the rows at different steps: the second token of prompt 0's completion, the
+    # first of prompt 1's, the second of prompt 2's (a row ends at its first EOS id)
+    eos = {ref[0].token_ids[1].item(), ref[2].token_ids[0].item(), ref[4].token_ids[1].item()}
+    never = engine(ours, eos_token_ids=eos, compact_ratio=0.0).generate(prompts, params)
+    always = engine(ours, eos_token_ids=eos, compact_ratio=1.0).generate(prompts, params)
+    extra = []
+
+    def other_rank_busy(active: bool) -> bool:  # another rank keeps generating 4 steps longer
+        extra.append(active)
+        return active or sum(not a for a in extra) <= 4
+
+    lockstep = engine(ours, eos_token_ids=eos, all_ranks_active=other_rank_busy).generate(prompts, params)
+    assert all(s.finish_reason == "eos" for s in never.samples)
+    lengths = [len(s.token_ids) for s in never.samples]
+    assert max(lengths) <= 2 and min(lengths) == 1
+    for r, a, b, c in zip(ref, never.samples, always.samples, lockstep.samples):
+        assert a.token_ids.tolist() == b.token_ids.tolist() == c.token_ids.tolist() == r.token_ids.tolist()[:len(a.token_ids)]
+        assert a.finish_reason == b.finish_reason == c.finish_reason
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=TOL, rtol=0)
+        torch.testing.assert_close(a.logprobs, c.logprobs, atol=TOL, rtol=0)
+    assert never.stats["forward_calls"] == 1 + max(lengths) - 1
+    assert lockstep.stats["forward_calls"] == never.stats["forward_calls"] + 4
+
+
+def test_bad_arguments(models, prompts):
+    _, ours = models
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(max_new_tokens=1, top_p=0.0)
+    with pytest.raises(ValueError, match="stop strings must not be empty"):
+        SamplingParams(max_new_tokens=1, stop=("",))
+    with pytest.raises(ValueError, match="nothing to generate"):
+        engine(ours).generate([], SamplingParams(max_new_tokens=1))
+    with pytest.raises(TypeError, match="new_kv_cache"):
+        PolicyRolloutEngine(torch.nn.Linear(2, 2), DigitsTokenizer(), eos_token_ids=[0])
+    eng = engine(ours)
+    eng.load_weights(None, version=3)
+    assert eng.generate(prompts[:1], SamplingParams(max_new_tokens=1)).samples[0].policy_version == 3

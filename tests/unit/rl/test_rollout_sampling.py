@@ -1,0 +1,106 @@
+"""Next-token sampling: top-k / top-p supports against a per-row Python reference, empirical
+frequencies against the renormalised distribution, greedy, behaviour log-probs of the untruncated
+temperature-scaled distribution, stop-string and EOS checks."""
+import math
+
+import pytest
+import torch
+
+from megatron_vlm.rl.rollout.sampling import filter_logits, sample_tokens
+from megatron_vlm.rl.rollout.stopping import StopChecker, eos_token_ids_of
+
+
+def reference_support(logits: list[float], top_k: int, top_p: float) -> set[int]:
+    """Kept tokens, computed the textbook way: rank by probability, keep the first k, then keep
+    tokens while the mass of the tokens ranked before them (renormalised over the k) is < top_p."""
+    order = sorted(range(len(logits)), key=lambda i: -logits[i])
+    if top_k:
+        order = order[:top_k]
+    z = sum(math.exp(logits[i]) for i in order)
+    kept, mass = set(), 0.0
+    for i in order:
+        if mass >= top_p and kept:
+            break
+        kept.add(i)
+        mass += math.exp(logits[i]) / z
+    return kept
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (1, 1.0), (5, 1.0), (0, 0.5), (0, 0.9), (7, 0.8), (3, 0.05), (64, 1.0)])
+def test_filter_logits_support(top_k, top_p):
+    g = torch.Generator().manual_seed(top_k * 100 + int(top_p * 100))
+    logits = torch.randn(6, 40, generator=g) * 2
+    out = filter_logits(logits, top_k=top_k, top_p=top_p)
+    for r in range(6):
+        kept = {i for i in range(40) if torch.isfinite(out[r, i])}
+        assert kept == reference_support(logits[r].tolist(), top_k, top_p), r
+        assert torch.equal(out[r, sorted(kept)], logits[r, sorted(kept)])  # kept values untouched
+
+
+def test_sampling_frequencies_follow_the_truncated_distribution():
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.2, -1.0, -3.0]])
+    temperature, top_p = 0.8, 0.85
+    n = 20000
+    gen = torch.Generator().manual_seed(0)
+    tokens, logp = sample_tokens(logits.expand(n, -1), temperature=temperature, top_p=top_p, generator=gen)
+    scaled = logits[0] / temperature
+    kept = sorted(reference_support(scaled.tolist(), 0, top_p))
+    probs = torch.zeros(6)
+    probs[kept] = torch.softmax(scaled[kept], -1)
+    freq = torch.bincount(tokens, minlength=6).float() / n
+    assert set(torch.unique(tokens).tolist()) <= set(kept)
+    assert (freq - probs).abs().max() < 0.02  # ~4 standard errors at n = 20000
+    # behaviour log-probs: the untruncated temperature-scaled distribution
+    torch.testing.assert_close(logp, torch.log_softmax(scaled, -1)[tokens])
+
+
+def test_greedy_and_top_k_one():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 30, generator=g)
+    tok, logp = sample_tokens(logits, temperature=0.0)
+    assert torch.equal(tok, logits.argmax(-1))
+    torch.testing.assert_close(logp, torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1))
+    tok1, logp1 = sample_tokens(logits, temperature=2.0, top_k=1, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(tok1, tok)
+    torch.testing.assert_close(logp1, torch.log_softmax(logits / 2.0, -1).gather(-1, tok[:, None]).squeeze(-1))
+
+
+def test_bad_sampling_arguments():
+    with pytest.raises(ValueError, match="expected \\[N, vocab\\]"):
+        sample_tokens(torch.zeros(3), temperature=1.0)
+    with pytest.raises(ValueError, match="temperature"):
+        sample_tokens(torch.zeros(1, 3), temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        filter_logits(torch.zeros(1, 3), top_p=1.5)
+
+
+class CharTokenizer:
+    """Token i decodes to chr(i); 0 is a special token."""
+
+    eos_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 0))
+
+    def get_vocab(self):
+        return {"<|im_end|>": 0, "a": 97}
+
+
+def test_stop_checker():
+    tok = CharTokenizer()
+    ids = [ord(c) for c in "abc</answer>xyz"]
+    checker = StopChecker(tok, {0}, stop=["</answer>", "STOP"])
+    reasons = [checker.check(ids[:i]) for i in range(1, len(ids) + 1)]
+    first = reasons.index("stop")
+    assert first == len("abc</answer>") - 1 and all(r is None for r in reasons[:first])
+    assert checker.final_text(ids, "stop") == "abc</answer>"
+    assert checker.check([97, 0]) == "eos"
+    assert checker.final_text([97, 98, 0], "eos") == "ab"
+    assert StopChecker(tok, {0}).check(ids) is None
+    with pytest.raises(ValueError, match="must not be empty"):
+        StopChecker(tok, {0}, stop=[""])
+
+
+def test_eos_ids_from_tokenizer_and_generation_config():
+    assert eos_token_ids_of(CharTokenizer(), {"eos_token_id": [5, 6]}) == {0, 5, 6}
+    assert eos_token_ids_of(CharTokenizer(), {"eos_token_id": 9}, extra=[3]) == {0, 3, 9}

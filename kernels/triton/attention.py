@@ -53,6 +53,15 @@ def _visible(rows, cols, diag, k_len, left, right):
 
 
 @triton.jit
+def _fully_visible(m0, n0, diag, k_len, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """True when every (row, col) of the block is visible, so the mask can be skipped (interior blocks)."""
+    ok = n0 + BLOCK_N <= k_len
+    ok = ok & ((right < 0) | (n0 + BLOCK_N - 1 <= m0 + diag + right))
+    ok = ok & ((left < 0) | (n0 >= m0 + BLOCK_M - 1 + diag - left))
+    return ok
+
+
+@triton.jit
 def _key_range(m0, diag, k_len, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key blocks [lo, hi) that rows m0 .. m0 + BLOCK_M - 1 can reach; lo aligned to BLOCK_N."""
     lo = m0 * 0
@@ -121,11 +130,11 @@ def _attention_fwd_kernel(
             mask=mask_n[None, :] & mask_d[:, None], other=0.0,
         )
         s = _dot(q, kt, DOT_PRECISION, UPCAST_DOT) * qk_scale
-        vis = _visible(rows, cols, diag, k_len, left, right)
         if HAS_KPM:
             keep = tl.load(KPM + b * stride_kpm_b + cols, mask=mask_n, other=0)
-            vis = vis & (keep[None, :] != 0)
-        s = tl.where(vis, s, float("-inf"))
+            s = tl.where(_visible(rows, cols, diag, k_len, left, right) & (keep[None, :] != 0), s, float("-inf"))
+        elif _fully_visible(m0, n0, diag, k_len, left, right, BLOCK_M, BLOCK_N) == 0:
+            s = tl.where(_visible(rows, cols, diag, k_len, left, right), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_safe[:, None])
@@ -196,8 +205,12 @@ def _attention_bwd_kernel(
             lse = tl.load(LSE + h * stride_lse_h + q_start + rows, mask=mask_m, other=float("inf"))
             delta = tl.load(DELTA + h * stride_lse_h + q_start + rows, mask=mask_m, other=0.0)
             s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale
-            vis = _visible(rows, cols, diag, k_len, left, right) & keep[None, :] & mask_m[:, None]
-            p = tl.where(vis, tl.math.exp2(s - lse[:, None]), 0.0)
+            # rows past q_len have lse = +inf, so their p is 0 without a mask
+            p = tl.math.exp2(s - lse[:, None])
+            if HAS_KPM:
+                p = tl.where(_visible(rows, cols, diag, k_len, left, right) & keep[None, :], p, 0.0)
+            elif _fully_visible(m0, n0, diag, k_len, left, right, BLOCK_M, BLOCK_N) == 0:
+                p = tl.where(_visible(rows, cols, diag, k_len, left, right), p, 0.0)
             dv += _dot(tl.trans(to_dtype(p, do.dtype)), do, DOT_PRECISION, UPCAST_DOT)
             dp = _dot(do, tl.trans(v), DOT_PRECISION, UPCAST_DOT)
             ds = p * (dp - delta[:, None])
@@ -250,11 +263,12 @@ def _attention_bwd_dq_kernel(
         k = tl.load(K + (k_start + cols)[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + (k_start + cols)[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale
-        vis = _visible(rows, cols, diag, k_len, left, right)
+        p = tl.math.exp2(s - lse[:, None])
         if HAS_KPM:
             keep = tl.load(KPM + b * stride_kpm_b + cols, mask=mask_n, other=0)
-            vis = vis & (keep[None, :] != 0)
-        p = tl.where(vis, tl.math.exp2(s - lse[:, None]), 0.0)
+            p = tl.where(_visible(rows, cols, diag, k_len, left, right) & (keep[None, :] != 0), p, 0.0)
+        elif _fully_visible(m0, n0, diag, k_len, left, right, BLOCK_M, BLOCK_N) == 0:
+            p = tl.where(_visible(rows, cols, diag, k_len, left, right), p, 0.0)
         dp = _dot(do, tl.trans(v), DOT_PRECISION, UPCAST_DOT)
         ds = p * (dp - delta[:, None])
         dq += _dot(to_dtype(ds, k.dtype), k, DOT_PRECISION, UPCAST_DOT)

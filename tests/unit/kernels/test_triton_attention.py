@@ -61,9 +61,16 @@ def test_varlen_noncausal_window_head_dim_80(dtype):
 
 
 def test_noncausal_full_and_causal_left_window():
-    q, k, v, cu = _packed([33, 1], [33, 1], hq=2, hkv=1, d=64, dtype=torch.float32, seed=2)
+    q, k, v, cu = _packed([130, 1], [130, 1], hq=2, hkv=1, d=64, dtype=torch.float32, seed=2)  # interior blocks need no mask
     _check(q, k, v, FLOOR[torch.float32], causal=False, **cu)
     _check(q, k, v, FLOOR[torch.float32], causal=True, window=(8, -1), softmax_scale=0.05, **cu)
+
+
+def test_long_windows_mix_masked_and_unmasked_blocks():
+    # windows wider than a block: some blocks are interior (mask skipped), some cut by the window edge
+    q, k, v, cu = _packed([199], [199], hq=2, hkv=1, d=64, dtype=torch.float32, seed=6)
+    _check(q, k, v, FLOOR[torch.float32], causal=True, window=(100, -1), **cu)
+    _check(q, k, v, FLOOR[torch.float32], causal=False, window=(90, 70), **cu)
 
 
 def test_decode_alignment_and_rows_without_keys_mqa():

@@ -27,6 +27,7 @@ from torch import nn
 
 from megatron_vlm.models.common.attention import Attention
 from megatron_vlm.models.common.decoder import DecoderLayer
+from megatron_vlm.models.common.kv_cache import KVCache
 from megatron_vlm.models.common.merge import merge_vision_embeddings
 from megatron_vlm.models.common.mlp import MLP, SwiGLUMLP, get_activation
 from megatron_vlm.models.common.norms import LayerNorm, RMSNorm
@@ -222,6 +223,15 @@ class InternVLForConditionalGeneration(nn.Module):
     def transformer_blocks(self) -> list[nn.Module]:
         """The FSDP / activation-checkpointing units: vision layers then decoder layers."""
         return list(self.vision_tower.layers) + list(self.language_model.layers)
+
+    def new_kv_cache(self, batch: int, max_len: int, *, dtype=None, device=None) -> KVCache:
+        """An empty KV cache for `batch` sequences of up to `max_len` tokens (prompt + generated)."""
+        t = self.args.text
+        ref = self.lm_head.weight
+        return KVCache(
+            t.num_hidden_layers, batch, max_len, t.num_key_value_heads, t.head_dim,
+            dtype=dtype or ref.dtype, device=device or ref.device,
+        )
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:

@@ -34,6 +34,7 @@ from torch import nn
 
 from megatron_vlm.models.common.attention import Attention
 from megatron_vlm.models.common.decoder import DecoderLayer
+from megatron_vlm.models.common.kv_cache import KVCache
 from megatron_vlm.models.common.merge import merge_vision_embeddings
 from megatron_vlm.models.common.mlp import MLP, SwiGLUMLP
 from megatron_vlm.models.common.moe import MoE
@@ -242,6 +243,15 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         """The FSDP / activation-checkpointing units: vision blocks then decoder layers."""
         return list(self.visual.blocks) + list(self.language_model.layers)
 
+    def new_kv_cache(self, batch: int, max_len: int, *, dtype=None, device=None) -> KVCache:
+        """An empty KV cache for `batch` sequences of up to `max_len` tokens (prompt + generated)."""
+        t = self.args.text
+        ref = self.lm_head.weight
+        return KVCache(
+            t.num_hidden_layers, batch, max_len, t.num_key_value_heads, t.head_dim,
+            dtype=dtype or ref.dtype, device=device or ref.device,
+        )
+
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
         """Random init as transformers does: N(0, std) for Linear / Embedding / expert weights, zero biases,
@@ -381,7 +391,8 @@ class Qwen3VLForConditionalGeneration(nn.Module):
 
     def _cached_position_ids(self, input_ids, kv_cache, new_mask, image_grid_thw, video_grid_thw, mm_token_type_ids):
         """Prefill (empty cache): full position computation, storing per-sample rope deltas in the cache.
-        Later steps: text positions continue at (valid tokens so far) + rope_delta for each sample."""
+        Later steps: text positions continue at (valid tokens so far) + rope_delta for each sample (new
+        tokens are text; a generated placeholder id is embedded as a plain token, as transformers does)."""
         if kv_cache.seq_len == 0:
             position_ids, deltas = self.compute_position_ids(
                 input_ids, attention_mask=new_mask, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
@@ -389,8 +400,6 @@ class Qwen3VLForConditionalGeneration(nn.Module):
             )
             kv_cache.set_rope_deltas(deltas)
             return position_ids
-        if (input_ids == self.args.image_token_id).any() or (input_ids == self.args.video_token_id).any():
-            raise ValueError("decoding with a KV cache: new tokens must be text (images/videos go in the prefill)")
         valid = new_mask.long() if new_mask is not None else torch.ones_like(input_ids)
         start = kv_cache.valid_lengths().unsqueeze(1)  # [B, 1] real tokens already cached
         pos = start + valid.cumsum(-1) - 1 + kv_cache.rope_deltas.to(input_ids.device)

@@ -104,8 +104,8 @@ def test_kv_cache_decoding_matches_full_forward(models):
     full = F.batch_samples([F.build_sample([3, ("image", 1), 5], g), F.build_sample([2, ("image", 2), 9], g)])
     ref = _ref(hf, full)
     n_new = 3
-    a = ours.args.text
-    cache = KVCache(a.num_hidden_layers, 2, full["input_ids"].shape[1], a.num_key_value_heads, a.head_dim)
+    cache = ours.new_kv_cache(2, full["input_ids"].shape[1])
+    assert isinstance(cache, KVCache) and cache.num_layers == ours.args.text.num_hidden_layers
     with torch.no_grad():
         pre = ours(full["input_ids"][:, :-n_new], full["attention_mask"][:, :-n_new], full["pixel_values"], kv_cache=cache)
         _assert_close(ref[:, :-n_new], pre, full["attention_mask"][:, :-n_new])

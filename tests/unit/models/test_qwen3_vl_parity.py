@@ -123,8 +123,8 @@ def test_kv_cache_decoding_matches_full_forward(models):
     n_new = 3
     prompt = {k: v for k, v in full.items()}
     prompt["input_ids"], prompt["attention_mask"] = full["input_ids"][:, :-n_new], full["attention_mask"][:, :-n_new]
-    a = ours.args.text
-    cache = KVCache(a.num_hidden_layers, 2, full["input_ids"].shape[1], a.num_key_value_heads, a.head_dim)
+    cache = ours.new_kv_cache(2, full["input_ids"].shape[1])
+    assert isinstance(cache, KVCache) and cache.num_layers == ours.args.text.num_hidden_layers
     with torch.no_grad():
         pre = ours(prompt["input_ids"], prompt["attention_mask"], full["pixel_values"], full["image_grid_thw"],
                    full["pixel_values_videos"], full["video_grid_thw"], kv_cache=cache)

@@ -26,6 +26,7 @@ from megatron_vlm.config.sections import (
 )
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.kernels.config import KernelsConfig
+from megatron_vlm.models.common.moe import MoEConfig
 from megatron_vlm.rl.config import RLConfig
 
 __all__ = ["Config", "ConfigError", "load_config", "load_config_dict", "save_config"]
@@ -51,6 +52,8 @@ class Config:
     """Loggers."""
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     """Kernel backend per op ("auto", "torch", "triton", "npu", ...)."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-experts load balancing and workload reports (models with MoE layers only)."""
     rl: Optional[RLConfig] = None
     """GRPO settings (required when train.mode = "grpo")."""
 

@@ -62,6 +62,7 @@ class Job:
     bad_records: Any = None
     eval_jsonl: Optional[Path] = None
     train_loader: Any = None
+    moe_balancer: Any = None
     last_eval: dict = field(default_factory=dict)
 
     @property
@@ -98,6 +99,14 @@ class Job:
         apply_fsdp(self.wrapper, self.mesh, blocks, param_dtype=param_dtype, reduce_dtype=torch.float32,
                    reshard_after_forward=cfg.parallel.reshard_after_forward)
         self.trainable_params = [p for p in self.wrapper.parameters() if p.requires_grad]
+        from megatron_vlm.models.common.moe import MoELoadBalancer, moe_layers
+
+        if moe_layers(model):
+            def all_reduce(t: torch.Tensor) -> None:
+                if dist.is_initialized() and dist.get_world_size() > 1:
+                    dist.all_reduce(t)
+
+            self.moe_balancer = MoELoadBalancer(model, cfg.moe, all_reduce=all_reduce)
         self.optimizer = build_optimizer(self.wrapper, cfg.optimizer, env.device.type)
         self.total_steps = self._total_steps(steps_per_epoch_fn)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler, self.total_steps)
@@ -159,5 +168,24 @@ class Job:
         barrier()
 
     def finish_data(self, loader) -> None:
-        if self.bad_records is not None and self.env.is_main:
-            self.bad_records.write_summary(self.run_dir / "bad_records.json")
+        """Gather every rank's skipped records and write one summary (rank 0)."""
+        if self.bad_records is None:
+            return
+        from dataclasses import asdict
+
+        entries = [asdict(e) for e in self.bad_records.entries]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, entries)
+        else:
+            gathered = [entries]
+        if self.env.is_main:
+            from megatron_vlm.data.bad_records import BadRecordLog
+
+            merged = BadRecordLog()
+            for part in gathered:
+                merged.extend(part)
+            merged.write_summary(self.run_dir / "bad_records.json")
+            if len(merged):
+                log.warning("skipped %d bad records %s; see %s", len(merged), merged.counts_by_category(),
+                            self.run_dir / "bad_records.json")

@@ -19,9 +19,9 @@ def _prepare_model_folder(cfg, env) -> None:
     if cfg.model.synthesize is None:
         raise FileNotFoundError(f"model.path: {path} has no config.json (set model.synthesize to create a tiny model)")
     if env.is_main:
-        from megatron_vlm.testing.tiny_model import build_tiny_model_folder
+        from megatron_vlm.testing.synthesize import synthesize_model_folder
 
-        build_tiny_model_folder(cfg.model.synthesize, path, seed=cfg.train.seed)
+        synthesize_model_folder(cfg.model.synthesize, path, seed=cfg.train.seed)
         log.info("created tiny model %s at %s", cfg.model.synthesize, path)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()

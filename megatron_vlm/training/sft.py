@@ -113,6 +113,10 @@ def run_sft(job: Job) -> int:
             b = job.to_device(b)
             logp = job.wrapper(b)
             loss = -logp.sum(dtype=torch.float32) / denom * dp
+            if job.moe_balancer is not None:
+                aux = job.moe_balancer.aux_loss()
+                if aux is not None:
+                    loss = loss + aux / len(micro)
             loss.backward()
             loss_sum += float(-logp.detach().sum(dtype=torch.float64))
         grad_norm = clip_grad_norm_(job.trainable_params, tcfg.max_grad_norm)
@@ -120,6 +124,13 @@ def run_sft(job: Job) -> int:
         job.scheduler.step()
         job.optimizer.zero_grad(set_to_none=True)
         step += 1
+        moe_report = job.moe_balancer.after_step(step) if job.moe_balancer is not None else None
+        if moe_report is not None:
+            moe_metrics, table = moe_report
+            job.metrics.log("train", step, moe_metrics)
+            if table:
+                header = ["layer"] + [f"e{i}" for i in range(len(table[0]))]
+                job.metrics.log_table("moe/layer_expert_table", step, header, [[i, *r] for i, r in enumerate(table)])
         (g_loss_sum,) = _all_reduce_sum([loss_sum], env.device)
         dt = time.time() - t0
         if step % tcfg.log_every == 0 or step == total:

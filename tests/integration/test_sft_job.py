@@ -111,3 +111,32 @@ def test_hf_export_loads_in_transformers_with_equal_logits(tmp_path, assets):
     init = load_safetensors_dir(assets / "model")
     trained = load_safetensors_dir(out / "hf")
     assert any((init[k] - trained[k]).abs().max() > 0 for k in init if k in trained)
+
+
+def test_bad_records_are_skipped_and_counted(tmp_path, assets):
+    import json
+
+    data = assets / "data"
+    lines = (data / "train.jsonl").read_text().splitlines()[:20]
+    good = json.loads(lines[0])
+    missing = json.loads(lines[1])
+    missing["messages"][0]["content"][0]["image"] = "images/does_not_exist.png"
+    (tmp_path / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    corrupt = json.loads(lines[2])
+    corrupt["messages"][0]["content"][0]["image"] = str(tmp_path / "corrupt.png")
+    body = [json.dumps(good)] + lines[3:] + [json.dumps(missing), "{not json", json.dumps(corrupt)]
+    train = data / "train_with_bad.jsonl"
+    train.write_text("\n".join(body) + "\n")
+    out = tmp_path / "run"
+    r = run_job(small_demo_overrides(out, assets, **{
+        "data.type": '"messages_jsonl"', "data.train_path": f'"{train}"',
+        "data.eval_path": f'"{data / "eval.jsonl"}"', "train.max_steps": 2, "checkpoint.enable": "false",
+        "checkpoint.export_hf": "false"}))
+    summary = json.loads((out / "bad_records.json").read_text())
+    assert summary["num_bad_records"] == 3, summary
+    by_line = {rec["index"]: rec for rec in summary["records"]}
+    n = len(body)
+    # indices are 1-based line numbers of the JSONL file (as an editor shows them)
+    assert {n - 2, n - 1, n} == set(by_line), by_line
+    assert all(rec["source"].endswith("train_with_bad.jsonl") for rec in summary["records"])
+    assert "bad records" in r.stderr

@@ -1,0 +1,51 @@
+"""`[model] synthesize = "<name>"`: the tiny, deterministic, offline model folders the demos and
+tests train (config + random weights + tokenizer + processor files, in the real HF layout)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+
+def _qwen2_5_vl(out: Path, seed: int) -> Path:
+    from megatron_vlm.testing.tiny_model import build_tiny_model_folder
+
+    return build_tiny_model_folder("tiny_qwen2_5_vl", out, seed=seed)
+
+
+def _qwen3_vl(out: Path, seed: int) -> Path:
+    from megatron_vlm.testing.tiny_processor_qwen3_vl import build_tiny_qwen3_vl_folder
+
+    return build_tiny_qwen3_vl_folder(out, seed=seed)
+
+
+def _qwen3_vl_moe(out: Path, seed: int) -> Path:
+    from megatron_vlm.testing.tiny_processor_qwen3_vl import build_tiny_qwen3_vl_folder
+
+    return build_tiny_qwen3_vl_folder(out, seed=seed, moe=True)
+
+
+def _internvl(out: Path, seed: int) -> Path:
+    from megatron_vlm.testing.tiny_processor_internvl import build_tiny_internvl_folder
+
+    return build_tiny_internvl_folder(out, seed=seed)
+
+
+def _nemotron_vl(out: Path, seed: int) -> Path:
+    from megatron_vlm.models.nemotron_vl.tiny import build_tiny_nemotron_vl_folder
+
+    return build_tiny_nemotron_vl_folder(out, seed=seed)
+
+
+SYNTHESIZERS: dict[str, Callable[[Path, int], Path]] = {
+    "tiny_qwen2_5_vl": _qwen2_5_vl,
+    "tiny_qwen3_vl": _qwen3_vl,
+    "tiny_qwen3_vl_moe": _qwen3_vl_moe,
+    "tiny_internvl": _internvl,
+    "tiny_nemotron_vl": _nemotron_vl,
+}
+
+
+def synthesize_model_folder(name: str, out_dir: str | Path, *, seed: int = 0) -> Path:
+    if name not in SYNTHESIZERS:
+        raise ValueError(f"model.synthesize: unknown tiny model {name!r}; known: {sorted(SYNTHESIZERS)}")
+    return SYNTHESIZERS[name](Path(out_dir), seed)

@@ -103,6 +103,17 @@ def load_hf_weights(model: nn.Module, path: Union[str, Path], adapter) -> None:
         raise ValueError(f"{path}: checkpoint tensors with no place in the model: {unexpected[:10]}"
                          + (f" (+{len(unexpected) - 10} more)" if len(unexpected) > 10 else ""))
     missing = sorted(set(params) - loaded)
+    default_for = getattr(adapter, "default_for", None)
+    if missing and default_for is not None:
+        # tensors a family's published checkpoints may omit (e.g. C-RADIO layer scales = identity)
+        still = []
+        for key in missing:
+            value = default_for(key, tuple(params[key].shape))
+            if value is None:
+                still.append(key)
+            else:
+                params[key].copy_(value.to(dtype=params[key].dtype))
+        missing = still
     if missing:
         raise ValueError(f"{path}: model parameters missing from the checkpoint: {missing[:10]}"
                          + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""))

@@ -21,3 +21,9 @@ def slurm_cluster():
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_assets(tmp_path_factory):
+    """Folder for the demo's tiny model and synthetic data; the first training job creates them."""
+    return tmp_path_factory.mktemp("demo_assets")

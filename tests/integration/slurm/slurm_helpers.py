@@ -1,7 +1,7 @@
 """Shared pieces of the Slurm launcher tests: script paths, the training job they launch, dry runs.
 
-`TrainJob` describes what train.sbatch starts in these tests: the entry point, a config file and
-the `--set` overrides of a short run, and how to read the final parameters from a run folder.
+`TrainJob` describes what train.sbatch starts in these tests — the real entry point on the demo
+config with the `--set` overrides of a short run — and how to read results from a run folder.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import torch
 REPO = Path(__file__).resolve().parents[3]
 TRAIN_SBATCH = REPO / "launch" / "slurm" / "train.sbatch"
 BENCH_SBATCH = REPO / "launch" / "slurm" / "bench_kernels.sbatch"
-STANDIN = Path(__file__).resolve().parent / "standin_train.py"
+ENTRY = REPO / "launch" / "pretrain_vlm.py"
+DEMO = REPO / "launch" / "configs" / "demo_sft.toml"
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -31,41 +32,85 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 class TrainJob:
-    """The stand-in trainer: a tiny MLP with the entry point's run-folder and SIGTERM contract."""
+    """launch/pretrain_vlm.py on launch/configs/demo_sft.toml, shrunk to seconds with `--set`.
 
-    entry_point = STANDIN
+    The tiny model folder and the synthetic data live in `assets` (shared by the tests of a
+    session; the first job creates them). `output_dir` is left to the launcher unless given.
+    """
 
-    def __init__(self, folder: Path, *, max_steps: int = 6, step_seconds: float = 0.0, global_batch_size: int = 8):
-        self.config = folder / "job.toml"
-        self.config.write_text(
-            f"[train]\nmax_steps = {max_steps}\nseed = 3\nglobal_batch_size = {global_batch_size}\n"
-            f"[standin]\nstep_seconds = {step_seconds}\n"
-        )
+    entry_point = ENTRY
+
+    def __init__(self, assets: Path, *, max_steps: int = 6, every_steps: int = 0, output_dir: Path | None = None,
+                 tokens_per_pack: int = 512, config: Path = DEMO, extra: tuple[str, ...] = ()):
+        self.config = config
         self.max_steps = max_steps
+        self.overrides = [
+            f'model.path="{assets / "model"}"',
+            f'data.synthetic_dir="{assets / "data"}"',
+            "data.synthetic_train_size=96",
+            "data.synthetic_eval_size=0",  # no evaluation: not what the launcher tests are about
+            f"data.max_tokens_per_pack={tokens_per_pack}",
+            # Slurm delivers TERM to every process of the step; data-loader workers do not ignore it
+            # yet (megatron_vlm/data/loader.py), and a killed worker crashes the rank before it can
+            # checkpoint. In-process loading until they do.
+            "data.num_workers=0",
+            f"train.max_steps={max_steps}",
+            "train.eval_every=0",
+            "train.log_every=1",
+            f"checkpoint.every_steps={every_steps}",
+            "checkpoint.keep_last=0",
+            "logging.tensorboard=false",
+        ]
+        self.overrides += list(extra)
+        if output_dir is not None:
+            self.overrides.append(f'train.output_dir="{output_dir}"')
+
+    def args(self) -> list[str]:
+        """What follows the script name: the config, then `--set` overrides."""
+        out = [str(self.config)]
+        for o in self.overrides:
+            out += ["--set", o]
+        return out
 
     def env(self, base: dict[str, str]) -> dict[str, str]:
-        return {**base, "ENTRY_POINT": str(self.entry_point)}
+        return {**base, "ENTRY_POINT": str(self.entry_point), "OMP_NUM_THREADS": "1"}
 
-    def run_direct(self, output_dir: Path, *, timeout: float = 120) -> None:
+    def run_direct(self, output_dir: Path, *, cwd: Path, timeout: float = 300) -> None:
         """The same job without Slurm or torchrun: one plain Python process."""
-        cmd = [sys.executable, str(self.entry_point), "--config", str(self.config),
-               "--set", f'train.output_dir="{output_dir}"']
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env())
-        assert res.returncode == 0, f"{cmd} exited {res.returncode}:\n{res.stdout}\n{res.stderr}"
+        cmd = [sys.executable, str(self.entry_point), "--config", *self.args(), "--set", f'train.output_dir="{output_dir}"']
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                             env=self.env(clean_env()))
+        assert res.returncode == 0, f"{cmd} exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
 
     @staticmethod
     def checkpoint_steps(run_dir: Path) -> list[int]:
         root = run_dir / "checkpoints"
         return sorted(int(p.name.split("_")[1]) for p in root.glob("step_*") if (p / "COMPLETE").is_file())
 
+    @staticmethod
+    def checkpoint_ranks(run_dir: Path, step: int) -> int:
+        """How many processes wrote the checkpoint of `step` (one extra_rank<R>.pt each)."""
+        return len(list((run_dir / "checkpoints" / f"step_{step}").glob("extra_rank*.pt")))
+
     def final_params(self, run_dir: Path) -> dict[str, torch.Tensor]:
+        """The Hugging Face export written at the end of the run."""
+        from safetensors.torch import load_file
+
         steps = self.checkpoint_steps(run_dir)
         assert steps and steps[-1] == self.max_steps, f"{run_dir}: complete checkpoints {steps}, want {self.max_steps}"
-        return torch.load(run_dir / "checkpoints" / f"step_{steps[-1]}" / "state.pt", weights_only=True)["model"]
+        files = sorted((run_dir / "hf").glob("*.safetensors"))
+        assert files, f"{run_dir}/hf has no safetensors export"
+        out = {}
+        for f in files:
+            out.update(load_file(str(f)))
+        return out
 
     @staticmethod
     def metric_steps(run_dir: Path) -> list[int]:
-        with open(run_dir / "metrics_train.csv", newline="") as f:
+        path = run_dir / "metrics_train.csv"
+        if not path.is_file():
+            return []
+        with open(path, newline="") as f:
             return [int(row["step"]) for row in csv.DictReader(f)]
 
 

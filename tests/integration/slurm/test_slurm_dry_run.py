@@ -10,7 +10,13 @@ import subprocess
 
 import pytest
 
-from slurm_helpers import BENCH_SBATCH, TRAIN_SBATCH, TrainJob, clean_env, dry_run, option, set_values, split_node_line
+from slurm_helpers import BENCH_SBATCH, ENTRY, TRAIN_SBATCH, clean_env, dry_run, option, set_values, split_node_line
+
+
+def write_config(folder, text="[train]\nmax_steps = 2\n"):
+    path = folder / "job.toml"
+    path.write_text(text)
+    return path
 
 
 def job_env(**extra):
@@ -20,10 +26,14 @@ def job_env(**extra):
     return clean_env(**base)
 
 
+def run_script(tmp_path, args, env):
+    return subprocess.run(["bash", str(TRAIN_SBATCH), *args], capture_output=True, text=True, cwd=tmp_path, env=env)
+
+
 def test_one_line_per_node_with_rank_endpoint_and_run_folder(tmp_path):
-    job = TrainJob(tmp_path)
-    lines, log = dry_run([str(job.config), "--set", "train.max_steps=2", "--set", "optimizer.lr=1e-4"],
-                         cwd=tmp_path, env=job.env(job_env(NPROC_PER_NODE="4")))
+    config = write_config(tmp_path)
+    lines, log = dry_run([str(config), "--set", "train.max_steps=2", "--set", "optimizer.lr=1e-4"],
+                         cwd=tmp_path, env=job_env(NPROC_PER_NODE="4"))
     assert len(lines) == 3, lines
     for rank, line in enumerate(lines):
         cwd, argv = split_node_line(line)
@@ -35,8 +45,8 @@ def test_one_line_per_node_with_rank_endpoint_and_run_folder(tmp_path):
         assert option(argv, "--rdzv_backend") == "c10d"
         assert option(argv, "--rdzv_endpoint") == f"gpu-a:{15000 + 31337 % 15000}"
         assert option(argv, "--rdzv_id") == "31337"
-        assert option(argv, "--config") == str(job.config)
-        assert str(job.entry_point) in argv
+        assert argv[argv.index("--config") - 1] == str(ENTRY)
+        assert option(argv, "--config") == str(config)
         # the user's overrides in order, then the job's own run folder
         assert set_values(argv) == ["train.max_steps=2", "optimizer.lr=1e-4",
                                     f'train.output_dir="{tmp_path}/runs/sft-31337"']
@@ -54,51 +64,42 @@ def test_one_line_per_node_with_rank_endpoint_and_run_folder(tmp_path):
     ],
 )
 def test_processes_per_node_from_the_allocation(tmp_path, extra, want):
-    job = TrainJob(tmp_path)
-    lines, _ = dry_run([str(job.config)], cwd=tmp_path,
-                       env=job.env(job_env(SLURM_NNODES="1", SLURM_JOB_NODELIST="n1", **extra)))
+    lines, _ = dry_run([str(write_config(tmp_path))], cwd=tmp_path,
+                       env=job_env(SLURM_NNODES="1", SLURM_JOB_NODELIST="n1", **extra))
     assert [option(split_node_line(line)[1], "--nproc_per_node") for line in lines] == [want]
 
 
 def test_bad_device_count_is_an_error_naming_its_source(tmp_path):
-    job = TrainJob(tmp_path)
-    res = subprocess.run(["bash", str(TRAIN_SBATCH), str(job.config)], capture_output=True, text=True, cwd=tmp_path,
-                         env=job.env(job_env(DRY_RUN="1", SLURM_GPUS_PER_NODE="gpu:x")))
+    res = run_script(tmp_path, [str(write_config(tmp_path))], job_env(DRY_RUN="1", SLURM_GPUS_PER_NODE="gpu:x"))
     assert res.returncode == 2
     assert "SLURM_GPUS_PER_NODE" in res.stderr and "'x'" in res.stderr
 
 
 def test_output_dir_from_config_or_set_is_kept(tmp_path):
-    job = TrainJob(tmp_path)
-    job.config.write_text(job.config.read_text() + '\n[extra]\n')  # a later table must not confuse the lookup
-    with_dir = tmp_path / "with_dir.toml"
-    with_dir.write_text(job.config.read_text().replace("[train]\n", '[train]\noutput_dir = "shared/run"\n'))
-    lines, log = dry_run([str(with_dir)], cwd=tmp_path, env=job.env(job_env()))
-    assert all(not any(v.startswith("train.output_dir") for v in set_values(split_node_line(x)[1])) for x in lines)
+    # (a table after [train] must not confuse the lookup)
+    config = write_config(tmp_path, '[train]\noutput_dir = "shared/run"\nmax_steps = 2\n[optimizer]\nlr = 0.1\n')
+    lines, log = dry_run([str(config)], cwd=tmp_path, env=job_env())
+    assert all(set_values(split_node_line(line)[1]) == [] for line in lines)
     assert f"run folder {tmp_path}/shared/run" in log
 
-    lines, log = dry_run([str(with_dir), "--set", "train.output_dir=/abs/other"], cwd=tmp_path, env=job.env(job_env()))
+    lines, log = dry_run([str(config), "--set", "train.output_dir=/abs/other"], cwd=tmp_path, env=job_env())
     assert set_values(split_node_line(lines[0])[1]) == ["train.output_dir=/abs/other"]
     assert "run folder /abs/other" in log
 
 
-def test_missing_config_and_node_count_mismatch_are_errors(tmp_path):
-    job = TrainJob(tmp_path)
-    env = job.env(job_env(DRY_RUN="1"))
-    res = subprocess.run(["bash", str(TRAIN_SBATCH), "nope.toml"], capture_output=True, text=True, cwd=tmp_path, env=env)
+def test_missing_config_node_count_mismatch_and_no_job_are_errors(tmp_path):
+    config = write_config(tmp_path)
+    res = run_script(tmp_path, ["nope.toml"], job_env(DRY_RUN="1"))
     assert res.returncode == 2 and "config file 'nope.toml' does not exist" in res.stderr
-    res = subprocess.run(["bash", str(TRAIN_SBATCH), str(job.config)], capture_output=True, text=True, cwd=tmp_path,
-                         env={**env, "SLURM_NNODES": "2"})
+    res = run_script(tmp_path, [str(config)], job_env(DRY_RUN="1", SLURM_NNODES="2"))
     assert res.returncode == 2 and "has 3 hosts but SLURM_NNODES=2" in res.stderr
-    res = subprocess.run(["bash", str(TRAIN_SBATCH), str(job.config)], capture_output=True, text=True, cwd=tmp_path,
-                         env=clean_env())
+    res = run_script(tmp_path, [str(config)], clean_env())
     assert res.returncode == 2 and "not inside a Slurm job" in res.stderr
 
 
 def test_bracketed_node_list_is_expanded_by_scontrol(tmp_path, slurm_cluster):
-    job = TrainJob(tmp_path)
-    env = job.env(slurm_cluster.env(**{k: v for k, v in clean_env().items() if k in ("TORCHRUN", "PYTHON")}))
-    lines, _ = dry_run([str(job.config)], cwd=tmp_path,
+    env = slurm_cluster.env(**{k: v for k, v in clean_env().items() if k in ("TORCHRUN", "PYTHON")})
+    lines, _ = dry_run([str(write_config(tmp_path))], cwd=tmp_path,
                        env={**env, "SLURM_JOB_ID": "7", "SLURM_NNODES": "4", "SLURM_JOB_NODELIST": "node[08-10],login"})
     argvs = [split_node_line(line)[1] for line in lines]
     assert [option(a, "--node_rank") for a in argvs] == ["0", "1", "2", "3"]

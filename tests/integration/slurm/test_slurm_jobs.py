@@ -1,9 +1,10 @@
 """launch/slurm/*.sbatch submitted to a real single-node Slurm cluster started by the test session.
 
-- a short training job completes and leaves checkpoint, metrics, config and logs in its folders;
+- the demo (launch/configs/demo_sft.toml, shrunk with --set) completes through sbatch and leaves
+  checkpoints, metrics, config, export and logs in its folders;
 - a job signalled with TERM mid-run (what `--signal=B:TERM@<s>` does before the time limit)
-  saves a checkpoint, requeues itself, resumes, and ends with exactly the parameters of a run that
-  was never interrupted (CPU, fp32);
+  saves a checkpoint, requeues itself into the same run folder, resumes, and ends with exactly
+  the parameters of the uninterrupted run (CPU, fp32);
 - a plain `scancel` stops the job without requeueing it;
 - bench_kernels.sbatch runs every benchmark and collects their output, failures included.
 """
@@ -13,35 +14,44 @@ import re
 
 import pytest
 
-from slurm_helpers import BENCH_SBATCH, TRAIN_SBATCH, TrainJob, assert_same_params, clean_env, wait_for
+from slurm_helpers import BENCH_SBATCH, DEMO, TRAIN_SBATCH, TrainJob, assert_same_params, clean_env, wait_for
+
+STEPS = 12
 
 
-def submit(cluster, job: TrainJob, cwd, *args: str, name: str) -> int:
+def submit(cluster, job: TrainJob, cwd, *, name: str) -> int:
     env = job.env(cluster.env(**{k: v for k, v in clean_env().items() if k in ("TORCHRUN", "PYTHON")}))
-    return cluster.sbatch(["-J", name, str(TRAIN_SBATCH), str(job.config), *args], cwd=cwd, env=env)
+    return cluster.sbatch(["-J", name, str(TRAIN_SBATCH), *job.args()], cwd=cwd, env=env)
 
 
-STEPS = 8
+def config_without_output_dir(folder):
+    """The demo config minus its fixed `output_dir`, so that the job gets runs/<name>-<id>/."""
+    text = DEMO.read_text()
+    assert re.search(r'^output_dir = "runs/demo_sft"$', text, flags=re.M)
+    path = folder / "demo_own_folder.toml"
+    path.write_text(re.sub(r"^output_dir = .*\n", "", text, flags=re.M))
+    return path
 
 
 @pytest.fixture(scope="module")
-def short_run(slurm_cluster, tmp_path_factory):
-    """One uninterrupted short job through sbatch: checked by itself, and the reference for resume."""
+def short_run(slurm_cluster, demo_assets, tmp_path_factory):
+    """The demo, uninterrupted, through sbatch: checked by itself, and the reference for resume."""
     folder = tmp_path_factory.mktemp("short")
-    job = TrainJob(folder, max_steps=STEPS)
-    job_id = submit(slurm_cluster, job, folder, "--set", "checkpoint.every_steps=4", name="short")
-    info = slurm_cluster.wait_job(job_id, timeout=150)
+    job = TrainJob(demo_assets, max_steps=STEPS, every_steps=5)
+    job_id = submit(slurm_cluster, job, folder, name="short")
+    info = slurm_cluster.wait_job(job_id, timeout=300)
     return job, job_id, folder, info
 
 
-def test_short_run_leaves_checkpoint_logs_and_metrics(short_run):
+def test_demo_short_run_leaves_checkpoint_logs_and_metrics(short_run):
     job, job_id, folder, info = short_run
     assert info["ExitCode"] == "0:0" and info["Restarts"] == "0"
 
-    run_dir = folder / "runs" / f"short-{job_id}"
-    assert job.checkpoint_steps(run_dir) == [4, STEPS]
+    run_dir = folder / "runs" / "demo_sft"  # the demo config's own output_dir, under the submit folder
+    assert job.checkpoint_steps(run_dir) == [5, 10, STEPS]
     assert job.metric_steps(run_dir) == list(range(1, STEPS + 1))
     assert (run_dir / "config.toml").is_file()
+    assert (run_dir / "hf" / "config.json").is_file()
     log_dir = run_dir / "logs" / f"short-{job_id}"
     assert f"step {STEPS}/{STEPS}" in (log_dir / "node0.log").read_text()
     assert (log_dir / "batch.log").resolve() == folder / f"slurm-short-{job_id}.out"
@@ -51,18 +61,17 @@ def test_short_run_leaves_checkpoint_logs_and_metrics(short_run):
 
 
 @pytest.mark.slow
-def test_term_mid_run_checkpoints_requeues_and_resumes_exactly(tmp_path, slurm_cluster, short_run):
-    reference, ref_id, ref_folder, _ = short_run
-    job = TrainJob(tmp_path, max_steps=STEPS, step_seconds=0.7)  # slower steps, same arithmetic
-    job_id = submit(slurm_cluster, job, tmp_path, "--set", "checkpoint.every_steps=4", name="preempt")
+def test_term_mid_run_checkpoints_requeues_and_resumes_exactly(tmp_path, slurm_cluster, short_run, demo_assets):
+    reference, _, ref_folder, _ = short_run
+    job = TrainJob(demo_assets, max_steps=STEPS, every_steps=5, config=config_without_output_dir(tmp_path))
+    job_id = submit(slurm_cluster, job, tmp_path, name="preempt")
     run_dir = tmp_path / "runs" / f"preempt-{job_id}"
-    wait_for(lambda: (run_dir / "metrics_train.csv").is_file() and len(job.metric_steps(run_dir)) >= 1,
-             120, "the first training step")
+    wait_for(lambda: job.metric_steps(run_dir), 240, "the first training step")
     # What Slurm does `--signal=B:TERM@<s>` before the time limit: TERM to the batch shell only.
     slurm_cluster.run(["scancel", "--batch", "--signal=TERM", str(job_id)])
 
-    wait_for(lambda: slurm_cluster.job(job_id)["Restarts"] == "1", 60, "the job to be requeued")
-    info = slurm_cluster.wait_job(job_id, timeout=150)
+    wait_for(lambda: slurm_cluster.job(job_id)["Restarts"] == "1", 90, "the job to be requeued")
+    info = slurm_cluster.wait_job(job_id, timeout=300)
     assert info["Restarts"] == "1" and info["ExitCode"] == "0:0"
 
     node_log = (run_dir / "logs" / f"preempt-{job_id}" / "node0.log").read_text()
@@ -75,17 +84,28 @@ def test_term_mid_run_checkpoints_requeues_and_resumes_exactly(tmp_path, slurm_c
     batch_log = (tmp_path / f"slurm-preempt-{job_id}.out").read_text()
     assert "requeueing job" in batch_log and "restart 1" in batch_log
 
-    assert_same_params(job.final_params(run_dir), reference.final_params(ref_folder / "runs" / f"short-{ref_id}"),
-                       exact=True)
+    assert_same_params(job.final_params(run_dir), reference.final_params(ref_folder / "runs" / "demo_sft"), exact=True)
+
+
+SLEEPER = """\
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+print("sleeper started", flush=True)
+time.sleep(300)
+"""
 
 
 def test_plain_scancel_is_not_requeued(tmp_path, slurm_cluster):
-    job = TrainJob(tmp_path, max_steps=50, step_seconds=0.5)
-    job_id = submit(slurm_cluster, job, tmp_path, name="cancel")
-    run_dir = tmp_path / "runs" / f"cancel-{job_id}"
-    wait_for(lambda: (run_dir / "metrics_train.csv").is_file(), 120, "the first training step")
+    # Only the launcher's decision matters here, so the "trainer" is a sleeper that exits on TERM.
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    (tmp_path / "job.toml").write_text("[train]\n")
+    env = slurm_cluster.env(ENTRY_POINT=str(tmp_path / "sleeper.py"),
+                            **{k: v for k, v in clean_env().items() if k in ("TORCHRUN", "PYTHON")})
+    job_id = slurm_cluster.sbatch(["-J", "cancel", str(TRAIN_SBATCH), "job.toml"], cwd=tmp_path, env=env)
+    node_log = tmp_path / "runs" / f"cancel-{job_id}" / "logs" / f"cancel-{job_id}" / "node0.log"
+    wait_for(lambda: node_log.is_file() and "sleeper started" in node_log.read_text(), 120, "the sleeper to start")
     slurm_cluster.run(["scancel", str(job_id)])
-    info = slurm_cluster.wait_job(job_id, states=("CANCELLED",), timeout=60)
+    slurm_cluster.wait_job(job_id, states=("CANCELLED",), timeout=90)
     wait_for(lambda: "requeue=0" in (tmp_path / f"slurm-cancel-{job_id}.out").read_text(), 30, "the TERM log line")
     info = slurm_cluster.job(job_id)
     assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0"

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -89,21 +90,42 @@ def test_term_mid_run_checkpoints_requeues_and_resumes_exactly(tmp_path, slurm_c
 
 SLEEPER = """\
 import signal, sys, time
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+def on_term(*_):
+    print("sleeper got TERM", flush=True)
+    sys.exit(143)
+signal.signal(signal.SIGTERM, on_term)
 print("sleeper started", flush=True)
-time.sleep(300)
+time.sleep(600)
 """
 
 
-def test_plain_scancel_is_not_requeued(tmp_path, slurm_cluster):
-    # Only the launcher's decision matters here, so the "trainer" is a sleeper that exits on TERM.
-    (tmp_path / "sleeper.py").write_text(SLEEPER)
-    (tmp_path / "job.toml").write_text("[train]\n")
-    env = slurm_cluster.env(ENTRY_POINT=str(tmp_path / "sleeper.py"),
-                            **{k: v for k, v in clean_env().items() if k in ("TORCHRUN", "PYTHON")})
-    job_id = slurm_cluster.sbatch(["-J", "cancel", str(TRAIN_SBATCH), "job.toml"], cwd=tmp_path, env=env)
-    node_log = tmp_path / "runs" / f"cancel-{job_id}" / "logs" / f"cancel-{job_id}" / "node0.log"
+def submit_sleeper(cluster, folder, name: str, *sbatch_args: str) -> tuple[int, Path]:
+    """train.sbatch with a "trainer" that only sleeps and exits on TERM: for the launcher's own decisions."""
+    (folder / "sleeper.py").write_text(SLEEPER)
+    (folder / "job.toml").write_text("[train]\n")
+    env = cluster.env(ENTRY_POINT=str(folder / "sleeper.py"),
+                      **{k: v for k, v in clean_env().items() if k in ("TORCHRUN", "PYTHON")})
+    job_id = cluster.sbatch(["-J", name, *sbatch_args, str(TRAIN_SBATCH), "job.toml"], cwd=folder, env=env)
+    node_log = folder / "runs" / f"{name}-{job_id}" / "logs" / f"{name}-{job_id}" / "node0.log"
     wait_for(lambda: node_log.is_file() and "sleeper started" in node_log.read_text(), 120, "the sleeper to start")
+    return job_id, node_log
+
+
+@pytest.mark.slow
+def test_header_signal_before_the_time_limit_requeues(tmp_path, slurm_cluster):
+    # A 3-minute limit is shorter than the header's `--signal=B:TERM@180` lead time, so Slurm sends
+    # the warning at its first periodic check (within ~30 s) instead of minutes later.
+    job_id, node_log = submit_sleeper(slurm_cluster, tmp_path, "limit", "--time=3")
+    wait_for(lambda: slurm_cluster.job(job_id)["Restarts"] == "1", 120, "the job to be requeued")
+    slurm_cluster.run(["scancel", str(job_id)])
+    batch_log = (tmp_path / f"slurm-limit-{job_id}.out").read_text()
+    assert "SIGTERM (job state RUNNING)" in batch_log and "requeue=1" in batch_log
+    assert "requeueing job" in batch_log
+    assert "sleeper got TERM" in node_log.read_text()  # forwarded to the Python process under torchrun
+
+
+def test_plain_scancel_is_not_requeued(tmp_path, slurm_cluster):
+    job_id, _ = submit_sleeper(slurm_cluster, tmp_path, "cancel")
     slurm_cluster.run(["scancel", str(job_id)])
     slurm_cluster.wait_job(job_id, states=("CANCELLED",), timeout=90)
     wait_for(lambda: "requeue=0" in (tmp_path / f"slurm-cancel-{job_id}.out").read_text(), 30, "the TERM log line")

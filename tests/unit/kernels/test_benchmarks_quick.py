@@ -1,6 +1,7 @@
 """Every kernel benchmark runs end to end with --quick on CPU (tiny shapes, torch timing): the
-scripts stay runnable in CI; no timing is asserted (DESIGN.md §7). The five scripts start
-together (each is mostly interpreter start-up and imports) to keep the file short."""
+scripts stay runnable in CI; no timing is asserted (DESIGN.md §7). One child interpreter runs
+the five scripts in turn (as `python <script> --quick` would, via runpy) to pay the torch import
+once."""
 import os
 import subprocess
 import sys
@@ -9,26 +10,31 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parents[3] / "benchmarks" / "kernels"
 SCRIPTS = ["bench_attention.py", "bench_rms_norm.py", "bench_rotary.py", "bench_swiglu.py", "bench_linear_token_logprobs.py"]
 
+DRIVER = """
+import runpy, sys, traceback
+sys.path.insert(0, {bench_dir!r})
+for script in {scripts!r}:
+    print("=== " + script, flush=True)
+    sys.argv = [script, "--quick"]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except BaseException:
+        traceback.print_exc(file=sys.stdout)
+        print("=== FAILED " + script, flush=True)
+"""
+
 
 def test_benchmarks_run_quick():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    procs = {
-        script: subprocess.Popen(
-            [sys.executable, str(BENCH_DIR / script), "--quick"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, env=env, cwd=BENCH_DIR,
-        )
-        for script in SCRIPTS
-    }
-    problems = []
-    for script, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
-        if proc.returncode != 0:
-            problems.append(f"{script}: exit {proc.returncode}\n{out[-1500:]}\n{err[-3000:]}")
-        elif "peaks measured now" not in out or "vs base" not in out:
-            problems.append(f"{script}: no result table\n{out[-1500:]}")
-        else:
-            failed = [line for line in out.splitlines() if " n/a " in line]
-            if failed:
-                problems.append(f"{script}: rows failed\n" + "\n".join(failed))
-    assert not problems, "\n\n".join(problems)
+    code = DRIVER.format(bench_dir=str(BENCH_DIR), scripts=SCRIPTS)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env, cwd=BENCH_DIR)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    sections = proc.stdout.split("=== ")[1:]
+    assert [s.splitlines()[0] for s in sections] == SCRIPTS, proc.stdout[-3000:]
+    for section in sections:
+        name = section.splitlines()[0]
+        assert "FAILED" not in section, section[-3000:]
+        assert "peaks measured now" in section and "vs base" in section, f"{name}: no result table\n{section[-1500:]}"
+        failed = [line for line in section.splitlines() if " n/a " in line]
+        assert not failed, f"{name}: rows failed\n" + "\n".join(failed)

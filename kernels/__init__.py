@@ -4,6 +4,8 @@ Every op is backed by a pure-torch reference (`kernels/reference/`, the `torch` 
 faster backends (Triton, torch_npu, third-party) that `kernels/registry.py` chooses per op from
 the `[kernels]` config, the tensor's device and what is installed. Model code calls only these
 functions; the layout and numerics contract of each op is documented in its reference module.
+Call `configure(...)` before `torch.compile`: a compiled graph keeps the backend chosen while
+tracing (the dispatch is traced with fullgraph=True, the choice is a constant of the graph).
 """
 from typing import Optional, Tuple, Union
 

@@ -14,6 +14,7 @@ cluster through `SLURM_CONF` in `env()`.
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -48,6 +49,29 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+        return True
+
+
+def job_id_with_free_rendezvous_ports(count: int = 20) -> int:
+    """A first job id whose train.sbatch ports (15000 + id % 15000) are free for `count` jobs.
+
+    Random, so that test sessions running side by side on one machine (each with its own cluster
+    numbering jobs from 1) do not share a rendezvous port and join each other's jobs.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(1, 15000 - count)
+        if all(_port_is_free(15000 + first + i) for i in range(count)):
+            return first
+    raise SlurmError("no free range of rendezvous ports in 15000-29999")
 
 
 def _sbin(name: str) -> str:
@@ -163,6 +187,7 @@ class SlurmCluster:
         r = self.root
         return f"""\
 ClusterName=pytest
+FirstJobId={job_id_with_free_rendezvous_ports()}
 SlurmctldHost=localhost
 SlurmUser=root
 SlurmdUser=root

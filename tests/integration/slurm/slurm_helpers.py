@@ -123,6 +123,13 @@ def assert_same_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
             torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+def free_job_id() -> str:
+    """A job id whose rendezvous port (15000 + id % 15000, as train.sbatch derives it) is free now."""
+    from slurm_cluster import job_id_with_free_rendezvous_ports
+
+    return str(job_id_with_free_rendezvous_ports(count=1))
+
+
 def dry_run(args: list[str], *, cwd: Path, env: dict[str, str], script: Path = TRAIN_SBATCH) -> tuple[list[str], str]:
     """Run a launcher with DRY_RUN=1; return its command lines (stdout) and its log (stderr)."""
     res = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, cwd=cwd,

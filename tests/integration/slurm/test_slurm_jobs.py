@@ -17,7 +17,7 @@ import pytest
 
 from slurm_helpers import BENCH_SBATCH, DEMO, TRAIN_SBATCH, TrainJob, assert_same_params, clean_env, wait_for
 
-STEPS = 12
+STEPS = 20  # long enough that TERM after step 1 lands mid-run even on a fast machine
 
 
 def submit(cluster, job: TrainJob, cwd, *, name: str) -> int:
@@ -49,7 +49,7 @@ def test_demo_short_run_leaves_checkpoint_logs_and_metrics(short_run):
     assert info["ExitCode"] == "0:0" and info["Restarts"] == "0"
 
     run_dir = folder / "runs" / "demo_sft"  # the demo config's own output_dir, under the submit folder
-    assert job.checkpoint_steps(run_dir) == [5, 10, STEPS]
+    assert job.checkpoint_steps(run_dir) == [5, 10, 15, STEPS]
     assert job.metric_steps(run_dir) == list(range(1, STEPS + 1))
     assert (run_dir / "config.toml").is_file()
     assert (run_dir / "hf" / "config.json").is_file()

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from slurm_helpers import TrainJob, assert_same_params, clean_env, dry_run, option, split_node_line
+from slurm_helpers import TrainJob, assert_same_params, clean_env, dry_run, free_job_id, option, split_node_line
 
 STEPS = 3
 
@@ -21,7 +21,7 @@ STEPS = 3
 def test_two_local_nodes_rendezvous_and_match_one_node(tmp_path, demo_assets):
     two_nodes = tmp_path / "two_nodes"
     job = TrainJob(demo_assets, max_steps=STEPS, output_dir=two_nodes, extra=("train.micro_batches_per_step=1",))
-    env = job.env(clean_env(SLURM_JOB_ID="24680", SLURM_JOB_NAME="twonode", SLURM_NNODES="2",
+    env = job.env(clean_env(SLURM_JOB_ID=free_job_id(), SLURM_JOB_NAME="twonode", SLURM_NNODES="2",
                             SLURM_JOB_NODELIST="localhost,localhost"))
     lines, _ = dry_run(job.args(), cwd=tmp_path, env=env)
     assert len(lines) == 2

@@ -13,6 +13,7 @@ cluster through `SLURM_CONF` in `env()`.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import re
@@ -76,6 +77,13 @@ def job_id_with_free_rendezvous_ports(count: int = 20) -> int:
 
 def _sbin(name: str) -> str:
     return shutil.which(name) or str(Path("/usr/sbin", name))
+
+
+def _detach_but_die_with_parent() -> None:
+    """In the daemon's child process: own session (a terminal's Ctrl-C goes to pytest, which stops
+    the cluster in order), and SIGTERM if pytest itself dies, so that no daemon outlives a test run."""
+    os.setsid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG (Linux)
 
 
 class SlurmError(RuntimeError):
@@ -223,9 +231,9 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 """
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
-        log = open(self.root / "log" / f"{name}.stdout", "w")
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
-                                            start_new_session=True)
+        with open(self.root / "log" / f"{name}.stdout", "w") as log:
+            self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
+                                                preexec_fn=_detach_but_die_with_parent)
 
     def _node_idle(self) -> bool:
         for name, p in self.procs.items():

@@ -95,7 +95,7 @@ def on_term(*_):
     sys.exit(143)
 signal.signal(signal.SIGTERM, on_term)
 print("sleeper started", flush=True)
-time.sleep(600)
+time.sleep(120)  # bounded, in case a test dies without cancelling it
 """
 
 

@@ -2,10 +2,10 @@
 family's `parallelize.py` calls in a fixed order (TP -> EP -> CP -> AC -> compile -> FSDP)."""
 from megatron_vlm.parallel.dist import DistEnv, init_distributed, destroy_distributed
 from megatron_vlm.parallel.mesh import ParallelDims, build_mesh
-from megatron_vlm.parallel.apply import apply_ac, apply_compile, apply_fsdp
+from megatron_vlm.parallel.apply import apply_ac, apply_compile, apply_fsdp, parallelize_blocks
 from megatron_vlm.parallel.grad import clip_grad_norm_
 
 __all__ = [
     "DistEnv", "init_distributed", "destroy_distributed", "ParallelDims", "build_mesh",
-    "apply_ac", "apply_compile", "apply_fsdp", "clip_grad_norm_",
+    "apply_ac", "apply_compile", "apply_fsdp", "parallelize_blocks", "clip_grad_norm_",
 ]

@@ -50,3 +50,28 @@ def apply_fsdp(
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     return model
+
+
+def parallelize_blocks(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    parallel_cfg,
+    *,
+    mesh=None,
+    activation_checkpointing: bool = False,
+    param_dtype: Optional[torch.dtype] = None,
+    root: Optional[nn.Module] = None,
+) -> nn.Module:
+    """The tail every family shares: activation checkpointing -> compile -> FSDP2 over `blocks`.
+
+    `root` is the module that becomes the root FSDP unit (default `model`; the trainer passes its
+    log-prob wrapper so the output projection runs inside the root's forward). `mesh` None skips FSDP.
+    """
+    if activation_checkpointing:
+        apply_ac(blocks)
+    if getattr(parallel_cfg, "compile", False):
+        apply_compile(blocks)
+    if mesh is not None:
+        apply_fsdp(root if root is not None else model, mesh, blocks, param_dtype=param_dtype,
+                   reshard_after_forward=getattr(parallel_cfg, "reshard_after_forward", True))
+    return model

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_vlm.checkpoint.manager import CheckpointManager, full_model_state_dict
-from megatron_vlm.parallel import DistEnv, ParallelDims, apply_ac, apply_compile, apply_fsdp, build_mesh
+from megatron_vlm.parallel import DistEnv, ParallelDims, build_mesh
 from megatron_vlm.training.freeze import apply_train_layers
 from megatron_vlm.training.lm_loss import TokenLogprobModel
 from megatron_vlm.training.loggers import MetricsLogger
@@ -87,17 +87,15 @@ class Job:
         log.info("model %s: %.2fM parameters, %.2fM trainable", type(model).__name__, total / 1e6, trainable / 1e6)
         self.model = model
         self.wrapper = TokenLogprobModel(model)
-        blocks = list(model.transformer_blocks())
-        if cfg.train.activation_checkpointing:
-            apply_ac(blocks)
-        if cfg.parallel.compile:
-            apply_compile(blocks)
         precision = cfg.train.precision
         if precision == "auto":
             precision = "fp32" if env.device.type == "cpu" else "bf16"
-        param_dtype = torch.bfloat16 if precision == "bf16" else None
-        apply_fsdp(self.wrapper, self.mesh, blocks, param_dtype=param_dtype, reduce_dtype=torch.float32,
-                   reshard_after_forward=cfg.parallel.reshard_after_forward)
+        from megatron_vlm.models import get_family
+
+        family = get_family(model.hf_config.get("model_type"))
+        family.parallelize(model, self.dims, cfg.parallel, mesh=self.mesh,
+                           activation_checkpointing=cfg.train.activation_checkpointing,
+                           param_dtype=torch.bfloat16 if precision == "bf16" else None, root=self.wrapper)
         self.trainable_params = [p for p in self.wrapper.parameters() if p.requires_grad]
         from megatron_vlm.models.common.moe import MoELoadBalancer, moe_layers
 

@@ -83,6 +83,9 @@ class RLConfig:
     """Generation budget per completion; longer completions are cut (and count as truncated)."""
     stop: list[str] = field(default_factory=list)
     """Stop strings: generation of a completion ends after the first of these (EOS always stops)."""
+    rollout_batch_prompts: int = 0
+    """Prompts generated together on one rank (their KV cache holds rollout_batch_prompts * group_size
+    sequences); 0 = all of the rank's prompts of a step at once."""
 
     # --- batch and optimisation -----------------------------------------------------------------
     prompts_per_step: int = 32
@@ -117,6 +120,11 @@ class RLConfig:
     max_head_offpolicyness: int = 0
     """Asynchronous GRPO only: a sample is trained on only if the policy version that generated it lags
     the trainer by at most this many versions (0 = synchronous on-policy training)."""
+    recompute_logprobs: bool = False
+    """Recompute the old-policy log-probs of the PPO ratio with a training-layout forward pass before
+    the update, instead of taking the rollout engine's behaviour log-probs (one extra forward over the
+    step's samples; worth it when rollout numerics differ from training's, e.g. bf16 KV-cache decoding
+    against fp32 training, or an external engine)."""
     behav_imp_weight_cap: Optional[float] = None
     """Asynchronous GRPO only (decoupled PPO loss): drop tokens whose importance weight
     pi_prox / pi_behav exceeds this cap (unset = no cap)."""
@@ -140,6 +148,9 @@ class RLConfig:
     system_prompt: Optional[str] = None
     """Optional system turn of the chat."""
 
+    model_path_hint: Optional[str] = None
+    """Shown when model.path has no model yet: how to produce it (e.g. the SFT run a GRPO demo starts from)."""
+
     eval: RLEvalConfig = field(default_factory=RLEvalConfig)
     """Held-out evaluation ([rl.eval])."""
 
@@ -151,6 +162,8 @@ class RLConfig:
 
         for name in ("group_size", "max_new_tokens", "prompts_per_step", "ppo_epochs", "mini_batches_per_step", "reward_workers"):
             positive(name)
+        if self.rollout_batch_prompts < 0:
+            raise ValueError(f"rollout_batch_prompts: must be >= 0 (0 = all at once), got {self.rollout_batch_prompts}")
         if self.temperature <= 0:
             raise ValueError(f"temperature: must be > 0 for GRPO sampling, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -1,0 +1,63 @@
+"""Held-out accuracy of the policy during GRPO: Avg@k (and pass@k) with the rollout engine.
+
+The held-out prompts (`[rl.eval] max_prompts` of them, in file order) are dealt round-robin over
+the ranks; each rank generates k completions per prompt with the evaluation sampling settings
+(greedy by default), scores them with the accuracy reward only, and the per-prompt scores of all
+ranks are combined (megatron_vlm.eval.accuracy). The same engine call pads shards with dummy
+prompts so that every rank makes the same forward calls. Sampling is seeded by (seed, step, rank).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_vlm.eval.accuracy import avg_at_k, pass_at_k, score_accuracy
+from megatron_vlm.rl.collectives import all_gather_objects
+from megatron_vlm.rl.grpo_step import encode_shard, sampling_generator
+from megatron_vlm.rl.rollout.engine import SamplingParams
+
+__all__ = ["evaluate_accuracy"]
+
+_EVAL_SALT = 17
+
+
+@torch.no_grad()
+def evaluate_accuracy(job, rl_cfg, engine, encoder, manager, dataset, step: int) -> Optional[dict[str, float]]:
+    """Metrics "accuracy" (= Avg@k), "avg@k", "pass@k", "num_prompts", "response_length", or None
+    without a held-out set."""
+    if dataset is None or len(dataset) == 0:
+        return None
+    e = rl_cfg.eval
+    prompts = dataset.samples[: e.max_prompts] if e.max_prompts else dataset.samples
+    env = job.env
+    shard = encode_shard(prompts, encoder, env.rank, env.world_size, env.device)
+    params = SamplingParams(max_new_tokens=e.max_new_tokens or rl_cfg.max_new_tokens, n=e.k, temperature=e.temperature,
+                            top_p=e.top_p, stop=tuple(rl_cfg.stop))
+    job.wrapper.eval()
+    result = engine.generate(shard.prompts, params,
+                             generator=sampling_generator(job.cfg.train.seed, step, env.rank, env.device, salt=_EVAL_SALT))
+    engine.release_memory()
+    job.wrapper.train()
+    k = e.k
+    real = result.samples[: shard.num_real * k]
+    scores: list[list[float]] = []
+    if real:
+        completions = [[s.text for s in real[p * k:(p + 1) * k]] for p in range(shard.num_real)]
+        acc = score_accuracy(manager, completions, [p.answer for p in shard.samples], [p.problem for p in shard.samples],
+                             [p.metadata for p in shard.samples], label=rl_cfg.accuracy_label(), threshold=e.correct_threshold)
+        scores = acc.scores
+    parts = all_gather_objects({"scores": scores, "lengths": [int(s.token_ids.numel()) for s in real]})
+    all_scores = [row for p in parts for row in p["scores"]]
+    lengths = [n for p in parts for n in p["lengths"]]
+    if not all_scores:
+        return None
+    correct = [sum(s >= e.correct_threshold for s in row) for row in all_scores]
+    avg = avg_at_k(all_scores, e.correct_threshold)
+    return {
+        "accuracy": avg,
+        f"avg@{k}": avg,
+        f"pass@{k}": sum(pass_at_k(k, c, k) for c in correct) / len(correct),
+        "num_prompts": float(len(all_scores)),
+        "response_length": sum(lengths) / max(len(lengths), 1),
+    }

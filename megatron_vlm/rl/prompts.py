@@ -1,0 +1,108 @@
+"""GRPO prompt sets from the `[data]` section, and their encoding into rollout prompts.
+
+`[data] type` picks where prompts come from (the same section as SFT, read for prompts):
+
+    synthetic_vqa   the shapes-and-colours set written into `synthetic_dir` (train.jsonl / eval.jsonl,
+                    messages format; written by rank 0 if missing)
+    hf              local parquet / jsonl files with `columns = {prompt, answer, images}` (Geometry3K,
+                    ViRL39K or any table); `eval_path` optional
+    messages_jsonl  messages-format JSONL whose last assistant turn (or "answer" field) is the reference
+
+Every user question goes through `[rl] prompt_template` / `system_prompt` (rl.data). A prompt is
+encoded by the data pipeline (`process_record(..., for_generation=True)`: chat template, image
+preprocessing, placeholder expansion), so rollouts see exactly the tokens SFT trains on. A prompt
+that cannot be encoded, or whose prompt + `max_new_tokens` exceeds `data.max_tokens_per_pack`, is
+skipped and counted instead of stopping the run.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from megatron_vlm.rl.data import PromptDataset, PromptSample, load_prompt_dataset
+from megatron_vlm.rl.rollout.engine import RolloutPrompt
+
+__all__ = ["PromptSets", "load_prompt_sets", "PromptEncoder"]
+
+log = logging.getLogger("megatron_vlm")
+
+
+@dataclass
+class PromptSets:
+    train: PromptDataset
+    eval: Optional[PromptDataset]
+
+
+def _synthetic_paths(data_cfg, run_dir: Path, is_main: bool, barrier) -> tuple[Path, Path]:
+    from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
+
+    folder = Path(data_cfg.synthetic_dir) if data_cfg.synthetic_dir else run_dir / "data"
+    if is_main:
+        write_synthetic_vqa(folder, data_cfg.synthetic_train_size, data_cfg.synthetic_eval_size,
+                            seed=data_cfg.synthetic_seed, image_size=data_cfg.synthetic_image_size)
+    barrier()
+    return folder / "train.jsonl", folder / "eval.jsonl"
+
+
+def load_prompt_sets(data_cfg, rl_cfg, *, run_dir: Path, is_main: bool = True, barrier=lambda: None) -> PromptSets:
+    """Train (and, when available, held-out) prompt sets for a GRPO run."""
+    common = dict(prompt_template=rl_cfg.prompt_template, system_prompt=rl_cfg.system_prompt,
+                  image_root=data_cfg.image_root or None)
+    if data_cfg.type == "synthetic_vqa":
+        train_path, eval_path = _synthetic_paths(data_cfg, run_dir, is_main, barrier)
+        train = load_prompt_dataset(train_path, schema="messages", **common)
+        evals = load_prompt_dataset(eval_path, schema="messages", **common) if data_cfg.synthetic_eval_size else None
+        return PromptSets(train, evals)
+    if data_cfg.type == "hf":
+        cols = dict(data_cfg.columns)
+        if "messages" in cols:
+            raise ValueError("data.columns: GRPO reads prompt / answer (/ images) columns, not a 'messages' column; "
+                             "use data.type = 'messages_jsonl' for conversations")
+        mapping = {k: v for k, v in cols.items() if k in ("prompt", "answer", "images", "image")}
+        train = load_prompt_dataset(data_cfg.train_path, columns=mapping, **common)
+        evals = load_prompt_dataset(data_cfg.eval_path, columns=mapping, **common) if data_cfg.eval_path else None
+        return PromptSets(train, evals)
+    if data_cfg.type == "messages_jsonl":
+        train = load_prompt_dataset(data_cfg.train_path, schema="messages", **common)
+        evals = load_prompt_dataset(data_cfg.eval_path, schema="messages", **common) if data_cfg.eval_path else None
+        return PromptSets(train, evals)
+    raise ValueError(f"data.type: {data_cfg.type!r} has no GRPO prompt source")
+
+
+class PromptEncoder:
+    """PromptSample -> RolloutPrompt through the data pipeline, with a per-run skip count."""
+
+    def __init__(self, processor, *, max_frames: int, fps: float, max_new_tokens: int, max_tokens: int):
+        if max_new_tokens >= max_tokens:
+            raise ValueError(
+                f"data.max_tokens_per_pack: {max_tokens} leaves no room for a prompt before rl.max_new_tokens = "
+                f"{max_new_tokens} generated tokens; raise it above prompt length + max_new_tokens"
+            )
+        self.processor = processor
+        self.max_frames, self.fps = max_frames, fps
+        self.max_prompt_tokens = max_tokens - max_new_tokens
+        self.skipped = 0
+        self._warned = 0
+
+    def encode(self, sample: PromptSample) -> Optional[RolloutPrompt]:
+        """The encoded prompt, or None (counted, logged for the first few) if it cannot be used."""
+        from megatron_vlm.data.bad_records import BadRecordError
+        from megatron_vlm.data.processing import process_record
+
+        try:
+            processed = process_record(sample.to_record(), self.processor, max_frames=self.max_frames, fps=self.fps,
+                                       for_generation=True)
+        except BadRecordError as e:
+            return self._skip(sample, str(e))
+        if len(processed) > self.max_prompt_tokens:
+            return self._skip(sample, f"prompt of {len(processed)} tokens + max_new_tokens exceeds data.max_tokens_per_pack")
+        return RolloutPrompt.from_processed(processed)
+
+    def _skip(self, sample: PromptSample, why: str) -> None:
+        self.skipped += 1
+        if self._warned < 5:
+            self._warned += 1
+            log.warning("GRPO prompt %s skipped: %s", sample.prompt_id, why)
+        return None

@@ -20,6 +20,7 @@ items on every rank: packs (for validation loss) or padded prompt batches with r
 from __future__ import annotations
 
 import logging
+import signal
 import math
 from typing import Any, Iterator, Optional
 
@@ -47,6 +48,10 @@ def _identity(x):
 
 def _worker_init(_worker_id: int) -> None:
     torch.set_num_threads(1)  # workers tokenise / resize; leave the cores to the main process
+    # SLURM sends TERM to every process of a job step, worker grandchildren included; the rank
+    # handles TERM by saving a checkpoint, and a worker dying first would crash that save.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def build_processor(data_cfg: DataConfig, processor: Any) -> VLProcessor:

@@ -78,6 +78,7 @@ def resolve_verifier(verifier: str, function: Optional[str] = None) -> Callable[
 def _worker_main(conn: Connection, preload: tuple = ()) -> None:
     """Worker loop: receive (call_id, RewardCall), send (call_id, status, value, detail)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # SLURM TERMs the whole step; the rank decides when to stop
     cache: dict[tuple, Callable] = {}
     # import the built-in verifiers (and sympy) before reporting ready, so that the first call's
     # time limit is not spent on imports

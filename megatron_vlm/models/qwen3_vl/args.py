@@ -140,7 +140,8 @@ class Qwen3VLTextArgs:
     moe_intermediate_size: int = 1408
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
-    router_aux_loss_coef: float = 0.001
+    router_aux_loss_coef: float = 0.001  # read and written back; not applied by the model (transformers adds it
+    # only with output_router_logits); load balancing in training is the trainer's MoE setting
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """transformers' rule: MoE unless listed in mlp_only_layers, every decoder_sparse_step-th layer."""

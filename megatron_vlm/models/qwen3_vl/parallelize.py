@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from megatron_vlm.parallel import apply_ac, apply_compile, apply_fsdp
+from megatron_vlm.parallel import parallelize_blocks
 
 
 def parallelize_qwen3_vl(
@@ -25,19 +25,9 @@ def parallelize_qwen3_vl(
     mesh=None,
     activation_checkpointing: bool = False,
     param_dtype: Optional[torch.dtype] = None,
+    root: Optional[nn.Module] = None,
 ) -> nn.Module:
-    """Apply AC / compile / FSDP2 in place and return the model. `mesh` None skips FSDP (one device)."""
-    blocks = model.transformer_blocks()
-    if activation_checkpointing:
-        apply_ac(blocks)
-    if getattr(parallel_cfg, "compile", False):
-        apply_compile(blocks)
-    if mesh is not None:
-        apply_fsdp(
-            model,
-            mesh,
-            blocks,
-            param_dtype=param_dtype,
-            reshard_after_forward=getattr(parallel_cfg, "reshard_after_forward", True),
-        )
-    return model
+    """Apply AC / compile / FSDP2 in place and return the model. `mesh` None skips FSDP (one device);
+    `root` = the module to make the root FSDP unit (the trainer's log-prob wrapper)."""
+    return parallelize_blocks(model, model.transformer_blocks(), parallel_cfg, mesh=mesh,
+                              activation_checkpointing=activation_checkpointing, param_dtype=param_dtype, root=root)

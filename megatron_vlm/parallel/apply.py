@@ -61,17 +61,24 @@ def parallelize_blocks(
     activation_checkpointing: bool = False,
     param_dtype: Optional[torch.dtype] = None,
     root: Optional[nn.Module] = None,
+    fsdp_blocks: Optional[list[nn.Module]] = None,
 ) -> nn.Module:
-    """The tail every family shares: activation checkpointing -> compile -> FSDP2 over `blocks`.
+    """The tail every family shares: activation checkpointing -> compile -> FSDP2.
 
-    `root` is the module that becomes the root FSDP unit (default `model`; the trainer passes its
-    log-prob wrapper so the output projection runs inside the root's forward). `mesh` None skips FSDP.
+    `blocks` get activation checkpointing / compile; `fsdp_blocks` (default `blocks`) become their
+    own FSDP units. Families pass only the decoder layers as `fsdp_blocks`: a vision block that is
+    its own unit all-gathers in its forward, so a rank whose micro-batch has no image would skip
+    that collective and hang the others; vision parameters in the root unit are gathered with the
+    root on every rank instead. `root` is the module that becomes the root FSDP unit (default
+    `model`; the trainer passes its log-prob wrapper so the output projection runs inside the root's
+    forward). `mesh` None skips FSDP.
     """
     if activation_checkpointing:
         apply_ac(blocks)
     if getattr(parallel_cfg, "compile", False):
         apply_compile(blocks)
     if mesh is not None:
-        apply_fsdp(root if root is not None else model, mesh, blocks, param_dtype=param_dtype,
+        apply_fsdp(root if root is not None else model, mesh, blocks if fsdp_blocks is None else fsdp_blocks,
+                   param_dtype=param_dtype,
                    reshard_after_forward=getattr(parallel_cfg, "reshard_after_forward", True))
     return model

@@ -20,9 +20,22 @@ MODEL_INPUT_KEYS = (
 
 
 class TokenLogprobModel(nn.Module):
+    """Under data parallelism every rank must produce gradients for the same parameters (FSDP
+    reduce-scatters per group): a rank whose micro-batch has no image, or no trained token at all,
+    would otherwise leave the vision tower (or everything) without gradients and hang the others.
+    In training mode the returned log-probs therefore carry a zero-valued anchor that depends on
+    the hidden states and on every trainable parameter outside the language model's layers."""
+
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
+
+    def _anchor(self, hidden: torch.Tensor) -> torch.Tensor:
+        total = hidden.sum()
+        for name, p in self.model.named_parameters():
+            if p.requires_grad and not name.startswith(("language_model.", "lm_head.")):
+                total = total + p.sum()
+        return 0.0 * total
 
     def forward(self, batch: dict | None = None, *, temperature: float = 1.0, return_entropy: bool = False,
                 model_kwargs: dict | None = None):
@@ -39,4 +52,9 @@ class TokenLogprobModel(nn.Module):
         out = kernels.linear_token_logprobs(
             h, weight, labels[sel], temperature=temperature, return_entropy=return_entropy
         )
+        if torch.is_grad_enabled() and self.training:
+            anchor = self._anchor(hidden).to(torch.float32)
+            logp = out[0] if isinstance(out, tuple) else out
+            logp = logp + anchor if logp.numel() else anchor.reshape(1)[:0]
+            out = (logp, *out[1:]) if isinstance(out, tuple) else logp
         return out

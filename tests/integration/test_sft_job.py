@@ -140,3 +140,32 @@ def test_bad_records_are_skipped_and_counted(tmp_path, assets):
     assert {n - 2, n - 1, n} == set(by_line), by_line
     assert all(rec["source"].endswith("train_with_bad.jsonl") for rec in summary["records"])
     assert "bad records" in r.stderr
+
+
+def test_two_ranks_with_text_only_and_uneven_eval(tmp_path, assets):
+    """Rank 1 only ever sees text-only packs and the eval split does not divide evenly: FSDP
+    collectives must still line up (vision tower gradients and all-gathers on every rank)."""
+    import json
+
+    data = assets / "data"
+    imgs = [json.loads(x) for x in (data / "train.jsonl").read_text().splitlines()[:8]]
+    body = []
+    for rec in imgs:
+        body.append(json.dumps(rec))
+        text_only = {"messages": [{"role": "user", "content": [{"type": "text", "text": "How many shapes are there?"}]},
+                                  {"role": "assistant", "content": "2"}]}
+        body.append(json.dumps(text_only))
+    train = tmp_path / "mixed.jsonl"
+    train.write_text("\n".join(body) + "\n")
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text("\n".join((data / "eval.jsonl").read_text().splitlines()[:3]) + "\n")
+    for line in evals.read_text().splitlines():
+        rec = json.loads(line)
+        rec["messages"][0]["content"][0]["image"] = str(data / rec["messages"][0]["content"][0]["image"])
+    out = tmp_path / "run"
+    run_job(small_demo_overrides(out, assets, **{
+        "data.type": '"messages_jsonl"', "data.train_path": f'"{train}"', "data.image_root": f'"{data}"',
+        "data.eval_path": f'"{evals}"', "data.shuffle": "false", "data.max_tokens_per_pack": 64,
+        "train.max_steps": 3, "checkpoint.enable": "false", "checkpoint.export_hf": "false"}), nproc=2, timeout=300)
+    rows = read_metrics(out / "metrics_eval.csv")
+    assert rows and float(rows[-1]["answer_n"]) == 3

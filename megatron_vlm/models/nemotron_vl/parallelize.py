@@ -45,4 +45,5 @@ def parallelize_nemotron_vl(
         if size and size > 1:
             raise NotImplementedError(f"parallel.{dim}={size}: not implemented for nemotron_vl yet (plans: TP_PLAN / EP_PLAN)")
     return parallelize_blocks(model, model.transformer_blocks(), parallel_cfg, mesh=mesh,
-                              activation_checkpointing=activation_checkpointing, param_dtype=param_dtype, root=root)
+                              activation_checkpointing=activation_checkpointing, param_dtype=param_dtype, root=root,
+                              fsdp_blocks=list(model.language_model.layers))

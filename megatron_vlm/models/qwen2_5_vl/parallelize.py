@@ -28,4 +28,5 @@ def parallelize_qwen2_5_vl(
     """Apply AC / compile / FSDP2 in place and return the model. `mesh` None skips FSDP (one device);
     `root` = the module to make the root FSDP unit (the trainer's log-prob wrapper)."""
     return parallelize_blocks(model, model.transformer_blocks(), parallel_cfg, mesh=mesh,
-                              activation_checkpointing=activation_checkpointing, param_dtype=param_dtype, root=root)
+                              activation_checkpointing=activation_checkpointing, param_dtype=param_dtype, root=root,
+                              fsdp_blocks=list(model.language_model.layers))

@@ -2,9 +2,10 @@
 
 Order (DESIGN.md §5): TP -> EP -> CP -> activation checkpointing -> compile -> FSDP. The shared
 helpers provide AC, compile and FSDP2 today; a tensor-parallel plan is not declared yet (the model
-is dense, so there is no expert plan). The units are `model.transformer_blocks()` (every InternViT
-layer and decoder layer); patch / position embeddings, the projector, final norm and lm_head stay in
-the root FSDP group, which also keeps tied embeddings in one group.
+is dense, so there is no expert plan). Activation checkpointing covers `model.transformer_blocks()`
+(InternViT layers and decoder layers); the FSDP units are the decoder layers only: InternViT, the
+projector, embeddings, final norm and lm_head stay in the root unit, so a rank whose micro-batch has
+no image still reduces the same parameters as the others (and tied embeddings stay in one group).
 """
 from __future__ import annotations
 
@@ -29,4 +30,5 @@ def parallelize_internvl(
     """Apply AC / compile / FSDP2 in place and return the model. `mesh` None skips FSDP (one device);
     `root` = the module to make the root FSDP unit (the trainer's log-prob wrapper)."""
     return parallelize_blocks(model, model.transformer_blocks(), parallel_cfg, mesh=mesh,
-                              activation_checkpointing=activation_checkpointing, param_dtype=param_dtype, root=root)
+                              activation_checkpointing=activation_checkpointing, param_dtype=param_dtype, root=root,
+                              fsdp_blocks=list(model.language_model.layers))

@@ -2,10 +2,11 @@
 
 Order (DESIGN.md §5): TP -> EP -> CP -> activation checkpointing -> compile -> FSDP. The shared
 helpers provide AC, compile and FSDP2 today; tensor / expert parallel plans are not declared yet
-(MoE experts are held whole on every rank and sharded by FSDP like any other parameter). The units
-are `model.transformer_blocks()` (every vision block and decoder layer); patch / position
-embeddings, mergers, final norm and lm_head stay in the root FSDP group, which also keeps tied
-embeddings in one group.
+(MoE experts are held whole on every rank and sharded by FSDP like any other parameter).
+Activation checkpointing covers `model.transformer_blocks()` (vision blocks and decoder layers); the
+FSDP units are the decoder layers only: the vision tower (with its DeepStack mergers), embeddings,
+final norm and lm_head stay in the root unit, so a rank whose micro-batch has no image still
+reduces the same parameters as the others (and tied embeddings stay in one group).
 """
 from __future__ import annotations
 
@@ -30,4 +31,5 @@ def parallelize_qwen3_vl(
     """Apply AC / compile / FSDP2 in place and return the model. `mesh` None skips FSDP (one device);
     `root` = the module to make the root FSDP unit (the trainer's log-prob wrapper)."""
     return parallelize_blocks(model, model.transformer_blocks(), parallel_cfg, mesh=mesh,
-                              activation_checkpointing=activation_checkpointing, param_dtype=param_dtype, root=root)
+                              activation_checkpointing=activation_checkpointing, param_dtype=param_dtype, root=root,
+                              fsdp_blocks=list(model.language_model.layers))

@@ -35,11 +35,24 @@ def test_run_folder_has_everything(tmp_path, assets):
     assert (out / "checkpoints" / "step_4" / "COMPLETE").is_file()
     assert (out / "checkpoints" / "step_2" / "COMPLETE").is_file()
     assert (out / "hf" / "config.json").is_file() and list((out / "hf").glob("*.safetensors"))
+    # on-demand conversion of the final distributed checkpoint gives the same tensors as the export
+    import subprocess
+    import sys
+
+    from jobs import REPO
+
+    conv = tmp_path / "converted"
+    subprocess.run([sys.executable, str(REPO / "launch/convert_checkpoint.py"), "--checkpoint",
+                    str(out / "checkpoints" / "step_4"), "--out", str(conv)], check=True, cwd=str(REPO), timeout=300)
+    a, b = load_safetensors_dir(out / "hf"), load_safetensors_dir(conv)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (conv / "tokenizer_config.json").is_file()
     # the resolved config reproduces the run
     again = tmp_path / "again"
     cfg = tomllib.loads((out / "config.toml").read_text())
     assert cfg["train"]["max_steps"] == 4
-    run_job([f'train.output_dir="{again}"'], config=out / "config.toml")
+    run_job([f'train.output_dir="{again}"', "checkpoint.export_hf=false", "checkpoint.enable=false"],
+            config=out / "config.toml")
     a = [float(r["loss"]) for r in rows]
     b = [float(r["loss"]) for r in read_metrics(again / "metrics_train.csv")]
     assert a == b

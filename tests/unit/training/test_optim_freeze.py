@@ -87,3 +87,18 @@ def test_latest_complete_ignores_partial(tmp_path):
             (root / name / MARKER).write_text("x")
     assert latest_complete(root) == root / "step_10"
     assert latest_complete(tmp_path / "none") is None
+
+
+def test_total_steps_from_epochs():
+    from types import SimpleNamespace
+
+    from megatron_vlm.training.job import Job
+
+    job = Job.__new__(Job)
+    job.cfg = SimpleNamespace(train=SimpleNamespace(max_steps=None, epochs=1.5))
+    assert job._total_steps(lambda: 10.5) == 16  # ceil(1.5 * 10.5)
+    job.cfg = SimpleNamespace(train=SimpleNamespace(max_steps=7, epochs=None))
+    assert job._total_steps(lambda: 10.5) == 7
+    job.cfg = SimpleNamespace(train=SimpleNamespace(max_steps=None, epochs=2.0))
+    with pytest.raises(ValueError, match="train.epochs"):
+        job._total_steps(None)

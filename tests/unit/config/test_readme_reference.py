@@ -1,0 +1,15 @@
+"""The README's config reference is generated from the dataclass docstrings and must not go stale."""
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_readme_config_reference_is_current():
+    sys.path.insert(0, str(REPO / "launch"))
+    import gen_config_reference as gen
+
+    text = (REPO / "README.md").read_text()
+    block = text.split(gen.BEGIN, 1)[1].split(gen.END, 1)[0]
+    assert block.strip() == gen.render().strip(), "run: python launch/gen_config_reference.py --write"

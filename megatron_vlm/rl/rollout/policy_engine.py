@@ -76,6 +76,12 @@ def _vision_inputs(prompts: Sequence[RolloutPrompt], repeat: int = 1) -> dict:
     return out
 
 
+def _vision_token_ids(model) -> list[int]:
+    args = getattr(model, "args", None)
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return [int(getattr(args, n)) for n in names if isinstance(getattr(args, n, None), int)]
+
+
 class PolicyRolloutEngine(RolloutEngine):
     def __init__(
         self,
@@ -91,10 +97,12 @@ class PolicyRolloutEngine(RolloutEngine):
         share_prefix: bool = True,
         compact_ratio: float = 0.5,
         all_ranks_active: Optional[Callable[[bool], bool]] = None,
+        suppress_token_ids: Optional[Iterable[int]] = None,
     ):
         """`model`: the family model (`new_kv_cache`, forward with `kv_cache=`); `forward`: how to call
         it (default `model`); `cache_dtype`: the compute dtype of keys / values (bf16 under FSDP
-        mixed precision; default the model's weight dtype)."""
+        mixed precision; default the model's weight dtype); `suppress_token_ids`: tokens never
+        generated (default: the model's vision placeholder / start / end tokens, `model.args.*_token_id`)."""
         if not hasattr(model, "new_kv_cache"):
             raise TypeError(f"{type(model).__name__} has no new_kv_cache(): KV-cache decoding is not supported for it")
         if max_prompts_per_batch < 0:
@@ -115,6 +123,9 @@ class PolicyRolloutEngine(RolloutEngine):
         self.share_prefix = share_prefix
         self.compact_ratio = compact_ratio
         self.all_ranks_active = all_ranks_active or (lambda active: active)
+        if suppress_token_ids is None:
+            suppress_token_ids = _vision_token_ids(model)
+        self.suppress_token_ids = torch.tensor(sorted(set(int(i) for i in suppress_token_ids)), dtype=torch.long)
         self.policy_version = 0
 
     # ------------------------------------------------------------------ interface
@@ -179,13 +190,14 @@ class PolicyRolloutEngine(RolloutEngine):
         stats["forward_calls"] += 1
         t1 = time.perf_counter()
         total = len(prompts) * n
+        suppress = self.suppress_token_ids.to(logits.device)
         tokens: list[list[int]] = [[] for _ in range(total)]
         logps: list[list[float]] = [[] for _ in range(total)]
         reason: list[Optional[str]] = [None] * total
         rows = list(range(total))  # cache row -> sample index
         for t in range(budget):
             tok, lp = sample_tokens(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                                    generator=generator)
+                                    generator=generator, suppress_token_ids=suppress)
             tok_l, lp_l = tok.tolist(), lp.tolist()
             for r, i in enumerate(rows):
                 if reason[i] is not None:

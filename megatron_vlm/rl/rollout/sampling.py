@@ -7,6 +7,11 @@ recomputes with `kernels.linear_token_logprobs(..., temperature=...)` — not fr
 truncated one (truncation only restricts the support of the draw, as in vLLM and verl). Greedy
 (temperature 0) reports log_softmax(logits) at temperature 1.
 
+`suppress_token_ids` are never drawn (nor picked greedily); like top-k / top-p this only restricts
+the support. The rollout engine suppresses a VLM's vision placeholder tokens: a generated
+`<|image_pad|>` would be read as an image slot by the training forward (whose placeholder count
+must equal the image features), so a completion must never contain one.
+
 Top-k and top-p share one descending sort: position >= k is dropped, then a token is dropped when
 the probability mass strictly before it (within the kept set, renormalised) already reaches top_p,
 so the most likely token always survives. Ties at the k-th value are broken by the sort order, so
@@ -50,6 +55,7 @@ def sample_tokens(
     top_k: int = 0,
     top_p: float = 1.0,
     generator: Optional[torch.Generator] = None,
+    suppress_token_ids: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [N] int64, behaviour log-probs [N] float32) for next-token logits [N, V]."""
     if logits.dim() != 2:
@@ -57,13 +63,19 @@ def sample_tokens(
     if temperature < 0:
         raise ValueError(f"temperature: must be >= 0, got {temperature}")
     x = logits.float()
+
+    def allowed(t: torch.Tensor) -> torch.Tensor:
+        if suppress_token_ids is None or suppress_token_ids.numel() == 0:
+            return t
+        return t.index_fill(-1, suppress_token_ids.to(t.device), float("-inf"))
+
     if temperature == 0:
-        tokens = x.argmax(dim=-1)
+        tokens = allowed(x).argmax(dim=-1)
         logp = torch.log_softmax(x, dim=-1)
     else:
         scaled = x / temperature
         logp = torch.log_softmax(scaled, dim=-1)
-        probs = filter_logits(scaled, top_k=top_k, top_p=top_p).softmax(dim=-1)
+        probs = filter_logits(allowed(scaled), top_k=top_k, top_p=top_p).softmax(dim=-1)
         if generator is not None and generator.device != probs.device:
             raise ValueError(f"generator: on {generator.device}, logits on {probs.device}")
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -227,6 +227,27 @@ def test_dropping_finished_rows_and_lockstep_dummy_steps_change_nothing(models, 
     assert lockstep.stats["forward_calls"] == never.stats["forward_calls"] + 4
 
 
+def test_vision_placeholders_are_never_generated(models, prompts):
+    """A generated <|image_pad|> would be taken for an image slot by the training forward: the engine
+    never emits the model's vision tokens, even when the model prefers them."""
+    _, ours = models
+    vision = [F.IMAGE_TOKEN_ID, F.VIDEO_TOKEN_ID, F.VISION_START_TOKEN_ID, F.VISION_END_TOKEN_ID]
+    bias = torch.zeros(F.VOCAB)
+    bias[vision] = 50.0  # the vision tokens are by far the most likely next tokens everywhere
+
+    def biased(**kw):
+        return ours(**kw) + bias
+
+    for temperature in (0.0, 1.0):
+        res = engine(ours, forward=biased).generate(prompts, SamplingParams(max_new_tokens=5, n=2, temperature=temperature),
+                                                    generator=torch.Generator().manual_seed(0))
+        assert not any(set(s.token_ids.tolist()) & set(vision) for s in res.samples)
+        assert all(s.logprobs.max() < -40 for s in res.samples)  # drawn from the rest of the untruncated distribution
+    unsuppressed = engine(ours, forward=biased, suppress_token_ids=[]).generate(
+        prompts, SamplingParams(max_new_tokens=2, temperature=0.0))
+    assert all(set(s.token_ids.tolist()) <= set(vision) for s in unsuppressed.samples)
+
+
 def test_bad_arguments(models, prompts):
     _, ours = models
     with pytest.raises(ValueError, match="max_new_tokens"):

@@ -104,3 +104,14 @@ def test_stop_checker():
 def test_eos_ids_from_tokenizer_and_generation_config():
     assert eos_token_ids_of(CharTokenizer(), {"eos_token_id": [5, 6]}) == {0, 5, 6}
     assert eos_token_ids_of(CharTokenizer(), {"eos_token_id": 9}, extra=[3]) == {0, 3, 9}
+
+
+def test_suppressed_tokens_are_never_drawn_but_logprobs_stay_untruncated():
+    logits = torch.tensor([[5.0, 1.0, 0.5, 0.0]]).expand(500, -1)
+    suppress = torch.tensor([0, 2])
+    tok, logp = sample_tokens(logits, temperature=1.0, generator=torch.Generator().manual_seed(0), suppress_token_ids=suppress)
+    assert set(tok.tolist()) <= {1, 3} and set(tok.tolist()) == {1, 3}
+    torch.testing.assert_close(logp, torch.log_softmax(logits[0], -1)[tok])
+    greedy, glogp = sample_tokens(logits[:2], temperature=0.0, suppress_token_ids=suppress)
+    assert greedy.tolist() == [1, 1]
+    torch.testing.assert_close(glogp, torch.log_softmax(logits[0], -1)[[1, 1]])

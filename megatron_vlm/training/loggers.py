@@ -58,6 +58,7 @@ class MetricsLogger:
         self.start_step = 0
         self._tb = self._wandb = self._bar = None
         self._csv: dict[str, _CsvSink] = {}
+        self.output_dir = output_dir
         if not is_main:
             return
         if log_cfg.tensorboard:
@@ -109,7 +110,7 @@ class MetricsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log({f"{split}/{k}": v for k, v in row.items() if k != "step"}, step=step)
-        if self.cfg.console:
+        if self.cfg.console and not (split == "train" and "loss" not in row):
             if split == "train":
                 eta = self.eta_s(step)
                 msg = (f"step {step}/{self.total_steps} loss {row.get('loss', float('nan')):.4f} "
@@ -127,6 +128,12 @@ class MetricsLogger:
         """A small table (e.g. per-layer expert load) to TensorBoard text and W&B."""
         if not self.is_main:
             return
+        if self.cfg.csv:
+            key = name.replace("/", "_")
+            if key not in self._csv:
+                self._csv[key] = _CsvSink(self.output_dir / f"{key}.csv")
+            for r in rows:
+                self._csv[key].write({"step": step, **dict(zip(header, r))})
         if self._tb is not None:
             md = "| " + " | ".join(header) + " |\n|" + "---|" * len(header) + "\n"
             md += "\n".join("| " + " | ".join(str(c) for c in r) + " |" for r in rows)

@@ -125,12 +125,6 @@ def run_sft(job: Job) -> int:
         job.optimizer.zero_grad(set_to_none=True)
         step += 1
         moe_report = job.moe_balancer.after_step(step) if job.moe_balancer is not None else None
-        if moe_report is not None:
-            moe_metrics, table = moe_report
-            job.metrics.log("train", step, moe_metrics)
-            if table:
-                header = ["layer"] + [f"e{i}" for i in range(len(table[0]))]
-                job.metrics.log_table("moe/layer_expert_table", step, header, [[i, *r] for i, r in enumerate(table)])
         (g_loss_sum,) = _all_reduce_sum([loss_sum], env.device)
         dt = time.time() - t0
         if step % tcfg.log_every == 0 or step == total:
@@ -153,7 +147,16 @@ def run_sft(job: Job) -> int:
                 peak = job.peak_flops()
                 if peak:
                     metrics["mfu"] = 6.0 * n_params * (g_seq / dt) / (peak * env.world_size)
+            if moe_report is not None:
+                metrics.update(moe_report[0])
             job.metrics.log("train", step, metrics)
+        if moe_report is not None:
+            if not (step % tcfg.log_every == 0 or step == total):
+                job.metrics.log("train", step, moe_report[0])
+            table = moe_report[1]
+            if table:
+                header = ["layer"] + [f"e{i}" for i in range(len(table[0]))]
+                job.metrics.log_table("moe/layer_expert_table", step, header, [[i, *r] for i, r in enumerate(table)])
         t_last = time.time()
         if job.ckpt_cfg.enable and job.ckpt_cfg.every_steps and step % job.ckpt_cfg.every_steps == 0 and step < total:
             job.save_checkpoint(step, {"data": loader.state_dict()})

@@ -6,8 +6,8 @@ image / video token counts from file headers and the processor's resize rule. Re
 here (malformed structure, missing image, unreadable header, ...) get length -1 and are logged.
 
 With a cache folder the result is stored under a key made of the source's identity (path, size,
-mtime, or the HF dataset fingerprint), the processor (tokenizer, chat template, pixel limits,
-patch sizes) and the options; a later run (or another rank) loads it instead of recomputing.
+mtime, or the HF dataset fingerprint), the processor (tokenizer, chat template, the family's
+size settings: `VLProcessor.identity()`) and the options (max_frames, fps, generation prompts); a later run (or another rank) loads it instead of recomputing.
 The cache also stores the bad records found, so a cache hit logs them too.
 """
 from __future__ import annotations
@@ -47,24 +47,24 @@ def _processor_identity(proc: VLProcessor) -> dict:
     return {
         "tokenizer": hashlib.sha256(tok.encode()).hexdigest(),
         "chat_template": hashlib.sha256(proc.chat_template.encode()).hexdigest(),
-        "pixels": [proc.image_min_pixels, proc.image_max_pixels, proc.video_min_pixels, proc.video_max_pixels],
-        "patch": [proc.patch_size, proc.temporal_patch_size, proc.merge_size],
+        "vision": proc.identity(),
     }
 
 
-def lengths_cache_key(source, proc: VLProcessor, *, max_frames: int, for_generation: bool) -> str:
+def lengths_cache_key(source, proc: VLProcessor, *, max_frames: int, for_generation: bool, fps: float = 2.0) -> str:
     blob = json.dumps({"source": _source_identity(source), "processor": _processor_identity(proc),
-                       "max_frames": max_frames, "for_generation": for_generation, "version": 1}, sort_keys=True)
+                       "max_frames": max_frames, "for_generation": for_generation, "fps": float(fps), "version": 2},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def compute_lengths(source, proc: VLProcessor, *, max_frames: int, for_generation: bool = False,
+def compute_lengths(source, proc: VLProcessor, *, max_frames: int, for_generation: bool = False, fps: float = 2.0,
                     cache_dir: str | os.PathLike | None = None,
                     bad_records: Optional[BadRecordLog] = None) -> np.ndarray:
     """int64 [len(source)]: token length of each record, -1 for records that cannot be used."""
     cache_file = None
     if cache_dir:
-        key = lengths_cache_key(source, proc, max_frames=max_frames, for_generation=for_generation)
+        key = lengths_cache_key(source, proc, max_frames=max_frames, for_generation=for_generation, fps=fps)
         cache_file = Path(cache_dir) / f"lengths-{key}.json"
         if cache_file.is_file():
             try:
@@ -83,7 +83,7 @@ def compute_lengths(source, proc: VLProcessor, *, max_frames: int, for_generatio
         try:
             rec = source.get(i)
             index = rec.index
-            lengths[i] = estimate_length(rec, proc, max_frames=max_frames, for_generation=for_generation)
+            lengths[i] = estimate_length(rec, proc, max_frames=max_frames, for_generation=for_generation, fps=fps)
         except BadRecordError as e:
             bad.append((source.name, index, e.category, e.detail))
         except Exception as e:  # a bug or an unexpected file problem must not stop planning the run

@@ -225,7 +225,7 @@ def _prepare(data_cfg: DataConfig, processor: Any, split: str, bad_records: Opti
     if source is None:
         return None
     lengths = compute_lengths(source, proc, max_frames=data_cfg.max_frames, for_generation=for_generation,
-                              cache_dir=data_cfg.length_cache_dir or None, bad_records=bad_records)
+                              fps=data_cfg.fps, cache_dir=data_cfg.length_cache_dir or None, bad_records=bad_records)
     too_long = np.nonzero(lengths > data_cfg.max_tokens_per_pack)[0]
     for i in too_long:
         idx = source.get(int(i)).index

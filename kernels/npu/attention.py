@@ -24,7 +24,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..reference.attention import check_attention_inputs, normalize_window, visible_mask
+from ..reference.attention import prepare_attention_args, visible_mask
 from ._torch_npu import torch_npu_module
 
 UNBOUNDED = 2147483647
@@ -54,10 +54,11 @@ def attention(
 ) -> torch.Tensor:
     """Public-signature attention on npu_fusion_attention (contract: kernels/reference/attention.py)."""
     torch_npu = torch_npu_module("attention")
-    cu_seqlens_q, cu_seqlens_k = check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, key_padding_mask)
-    left, right = normalize_window(window, causal)
+    cu_seqlens_q, cu_seqlens_k, left, right, scale = prepare_attention_args(
+        q, k, v, causal=causal, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window,
+        softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,
+    )
     head_dim = q.shape[-1]
-    scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     pad = (-head_dim) % 16
     if pad:
         q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))

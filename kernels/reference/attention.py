@@ -20,7 +20,7 @@ Numerics: with `upcast=True` (the default, what the `torch` backend runs) everyt
 fp32. `upcast=False` computes in the input dtype the naive way (scores, softmax and P @ V rounded
 to it): that is the yardstick of the low-precision tests, not a backend.
 """
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -110,6 +110,36 @@ def visible_mask(sq: int, sk: int, causal: bool, left: int, right: int, device: 
     return mask
 
 
+class AttentionArgs(NamedTuple):
+    """The normalised arguments every backend works from."""
+
+    cu_seqlens_q: Optional[torch.Tensor]
+    cu_seqlens_k: Optional[torch.Tensor]  # defaulted to cu_seqlens_q for packed self-attention
+    left: int  # -1 = unbounded
+    right: int  # -1 = unbounded; <= 0 when causal
+    scale: float
+
+
+def prepare_attention_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    window: _Window,
+    softmax_scale: Optional[float],
+    key_padding_mask: Optional[torch.Tensor],
+) -> AttentionArgs:
+    """Validate the public `attention` arguments (`check_attention_inputs`), resolve the window
+    (`normalize_window`) and the scale (default D ** -0.5): the part every backend shares."""
+    cu_seqlens_q, cu_seqlens_k = check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, key_padding_mask)
+    left, right = normalize_window(window, causal)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return AttentionArgs(cu_seqlens_q, cu_seqlens_k, left, right, scale)
+
+
 def _attend(q, k, v, mask, scale, upcast):
     """q [B, H, Sq, D], k / v [B, H, Sk, D], mask broadcastable to [B, H, Sq, Sk] (True = visible)."""
     dtype = q.dtype
@@ -142,9 +172,10 @@ def attention(
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v per head; see the module docstring for the conventions."""
     del max_seqlen_q, max_seqlen_k  # hints for the kernels; the reference reads cu_seqlens directly
-    cu_seqlens_q, cu_seqlens_k = check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, key_padding_mask)
-    left, right = normalize_window(window, causal)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    cu_seqlens_q, cu_seqlens_k, left, right, scale = prepare_attention_args(
+        q, k, v, causal=causal, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window,
+        softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,
+    )
     groups = q.shape[-2] // k.shape[-2]
     k = k.repeat_interleave(groups, dim=-2)
     v = v.repeat_interleave(groups, dim=-2)

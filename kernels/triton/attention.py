@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.attention import check_attention_inputs, normalize_window
+from ..reference.attention import prepare_attention_args
 from .common import check_device, to_dtype
 
 _LOG2E = 1.4426950408889634
@@ -423,10 +423,11 @@ def attention(
     key_padding_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Public-signature attention on the Triton kernels (contract: kernels/reference/attention.py)."""
-    cu_seqlens_q, cu_seqlens_k = check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, key_padding_mask)
+    cu_seqlens_q, cu_seqlens_k, left, right, scale = prepare_attention_args(
+        q, k, v, causal=causal, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window,
+        softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,
+    )
     check_device("attention", q, k, v)
-    left, right = normalize_window(window, causal)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     batched = q.dim() == 4
     if batched:
         bsz, s_q, s_k = q.shape[0], q.shape[1], k.shape[1]

@@ -27,16 +27,12 @@ from torch import nn
 
 from megatron_vlm.models.common.attention import Attention
 from megatron_vlm.models.common.decoder import DecoderLayer
-from megatron_vlm.models.common.kv_cache import KVCache
 from megatron_vlm.models.common.merge import merge_vision_embeddings
 from megatron_vlm.models.common.mlp import MLP, SwiGLUMLP, get_activation
 from megatron_vlm.models.common.norms import LayerNorm, RMSNorm
 from megatron_vlm.models.common.rotary import rope_cos_sin
+from megatron_vlm.models.common.vlm_base import KVCacheMixin, VLMBase, check_forward_inputs, cu_seqlens_max, new_tokens_mask
 from megatron_vlm.models.internvl.args import InternVisionArgs, InternVLArgs, InternVLTextArgs, exported_hf_config
-
-
-def _max_seqlen(cu_seqlens: torch.Tensor) -> int:
-    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
 
 
 def pixel_shuffle(x: torch.Tensor, factor: int) -> torch.Tensor:
@@ -177,7 +173,7 @@ class InternVLTextModel(nn.Module):
         max_seqlen = None
         if cu_seqlens is not None:
             x, cos, sin = x[0], cos[0], sin[0]
-            max_seqlen = _max_seqlen(cu_seqlens)
+            max_seqlen = cu_seqlens_max(cu_seqlens)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, key_padding_mask=key_padding_mask,
                       kv_cache=kv_cache, layer_idx=i)
@@ -200,58 +196,33 @@ def position_ids_1d(input_ids: torch.Tensor, attention_mask=None, cu_seqlens=Non
     return (valid.cumsum(-1) - 1).masked_fill(valid == 0, 0)
 
 
-class InternVLForConditionalGeneration(nn.Module):
+class InternVLForConditionalGeneration(KVCacheMixin, VLMBase):
     """The full model: `vision_tower`, `multi_modal_projector`, `language_model`, `lm_head`."""
 
+    _normal_init_types = (nn.Linear, nn.Embedding, nn.Conv2d)
+
     def __init__(self, args: InternVLArgs, hf_config: Optional[dict] = None) -> None:
-        super().__init__()
-        args.validate()
-        self.args = args
         # config.json written on export: transformers' internvl layout (converted from internvl_chat)
-        self.hf_config = exported_hf_config(args, hf_config)
-        self.hf_generation_config: Optional[dict] = None
+        super().__init__(args, exported_hf_config(args, hf_config))
         self.vision_tower = InternVisionModel(args.vision)
         self.multi_modal_projector = InternVLMultiModalProjector(args)
         self.language_model = InternVLTextModel(args.text)
         self.lm_head = nn.Linear(args.text.hidden_size, args.text.vocab_size, bias=False)
         self.tie_weights()
 
-    def tie_weights(self) -> None:
-        if self.args.tie_word_embeddings:
-            self.lm_head.weight = self.language_model.embed_tokens.weight
+    def _vision_blocks(self) -> list[nn.Module]:
+        return list(self.vision_tower.layers)
 
-    def transformer_blocks(self) -> list[nn.Module]:
-        """The FSDP / activation-checkpointing units: vision layers then decoder layers."""
-        return list(self.vision_tower.layers) + list(self.language_model.layers)
-
-    def new_kv_cache(self, batch: int, max_len: int, *, dtype=None, device=None) -> KVCache:
-        """An empty KV cache for `batch` sequences of up to `max_len` tokens (prompt + generated)."""
-        t = self.args.text
-        ref = self.lm_head.weight
-        return KVCache(
-            t.num_hidden_layers, batch, max_len, t.num_key_value_heads, t.head_dim,
-            dtype=dtype or ref.dtype, device=device or ref.device,
-        )
-
-    @torch.no_grad()
-    def init_weights(self, std: float = 0.02) -> None:
-        """transformers' init: N(0, std) Linear / Embedding / Conv weights, zero biases, unit norms, zero CLS
-        and position tables, layer scales at `layer_scale_init_value`."""
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv2d)):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, (RMSNorm, LayerNorm)):
-                module.reset_parameters()
-            elif isinstance(module, InternVisionEmbeddings):
-                for p in (module.cls_token, module.mask_token, module.position_embedding):
-                    if p is not None:
-                        nn.init.zeros_(p)
-            elif isinstance(module, InternVisionLayer):
-                nn.init.constant_(module.ls1, self.args.vision.layer_scale_init_value)
-                nn.init.constant_(module.ls2, self.args.vision.layer_scale_init_value)
-        self.tie_weights()
+    def _init_module(self, module: nn.Module, std: float) -> None:
+        """transformers' init beyond the generic one: zero CLS and position tables, layer scales at
+        `layer_scale_init_value`."""
+        if isinstance(module, InternVisionEmbeddings):
+            for p in (module.cls_token, module.mask_token, module.position_embedding):
+                if p is not None:
+                    nn.init.zeros_(p)
+        elif isinstance(module, InternVisionLayer):
+            nn.init.constant_(module.ls1, self.args.vision.layer_scale_init_value)
+            nn.init.constant_(module.ls2, self.args.vision.layer_scale_init_value)
 
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[tiles, C, H, W] -> [tiles * tokens_per_tile, text hidden]: ViT, drop CLS, pixel shuffle, projector."""
@@ -278,16 +249,7 @@ class InternVLForConditionalGeneration(nn.Module):
 
         `pixel_values` [tiles, 3, H, W] holds the tiles of every image and every video frame of the
         batch, in placeholder order (InternVL's processor merges video frames into it)."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
-        if cu_seqlens is not None:
-            if input_ids.shape[0] != 1:
-                raise ValueError(f"packed input (cu_seqlens) needs input_ids [1, T], got {tuple(input_ids.shape)}")
-            if attention_mask is not None:
-                raise ValueError("pass either cu_seqlens (packed) or attention_mask (padded), not both")
-            if kv_cache is not None:
-                raise ValueError("kv_cache is not supported with packed input (cu_seqlens)")
-            cu_seqlens = cu_seqlens.to(torch.int32)
+        cu_seqlens = check_forward_inputs(input_ids, attention_mask, cu_seqlens, kv_cache)
         embeds = self.language_model.embed_tokens(input_ids)
         if pixel_values is not None:
             feats = self.image_features(pixel_values)
@@ -297,14 +259,8 @@ class InternVLForConditionalGeneration(nn.Module):
                 cu_seqlens=cu_seqlens,
             )
         key_padding_mask = attention_mask.bool() if attention_mask is not None else None
-        if key_padding_mask is not None and key_padding_mask.shape != input_ids.shape and kv_cache is None:
-            raise ValueError(
-                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
-            )
         if kv_cache is not None:
-            new_mask = key_padding_mask
-            if new_mask is not None and new_mask.shape[1] != input_ids.shape[1]:
-                new_mask = new_mask[:, -input_ids.shape[1]:]
+            new_mask = new_tokens_mask(key_padding_mask, input_ids)
             if position_ids is None:
                 valid = new_mask.long() if new_mask is not None else torch.ones_like(input_ids)
                 position_ids = kv_cache.valid_lengths().unsqueeze(1) + valid.cumsum(-1) - 1

@@ -24,6 +24,7 @@ import re
 
 import torch
 
+from megatron_vlm.models.common.state_dict_utils import rename_first, split_fused_qkv
 from megatron_vlm.models.internvl.args import InternVLArgs
 
 _ORIG_QKV = re.compile(r"^vision_model\.encoder\.layers\.(\d+)\.attn\.qkv\.(weight|bias)$")
@@ -75,14 +76,6 @@ _TO_HF = [
 ]
 
 
-def _apply(table, key: str):
-    for pattern, repl in table:
-        new, n = re.subn(pattern, repl, key)
-        if n:
-            return new
-    return None
-
-
 class InternVLStateDictAdapter:
     def __init__(self, args: InternVLArgs) -> None:
         self.args = args
@@ -113,13 +106,10 @@ class InternVLStateDictAdapter:
             m = _ORIG_QKV.match(k)
             if m:
                 layer, kind = m.groups()
-                width = self.args.vision.hidden_size
-                if t.shape[0] != 3 * width:
-                    raise ValueError(f"{key}: fused qkv has {t.shape[0]} rows, expected 3 x {width}")
-                for name, part in zip("qkv", t.split(width, dim=0)):
+                for name, part in split_fused_qkv(key, t, rows=self.args.vision.hidden_size).items():
                     out[f"vision_tower.layers.{layer}.attn.{name}_proj.{kind}"] = part
                 continue
-            new = _apply(_TO_OURS, k)
+            new = rename_first(k, _TO_OURS)
             if new is None:
                 raise ValueError(f"{key}: not a key of a transformers or OpenGVLab InternVL checkpoint")
             out[new] = t
@@ -132,7 +122,7 @@ class InternVLStateDictAdapter:
         for key, t in state_dict.items():
             if key == "lm_head.weight" and self.args.tie_word_embeddings:
                 continue
-            new = _apply(_TO_HF, key)
+            new = rename_first(key, _TO_HF)
             if new is None:
                 raise ValueError(f"{key}: no transformers InternVL name for this parameter")
             out[new] = t

@@ -28,6 +28,7 @@ from megatron_vlm.models.common.mamba2 import Mamba2Mixer
 from megatron_vlm.models.common.merge import merge_vision_embeddings
 from megatron_vlm.models.common.moe import MoE, activation_fn
 from megatron_vlm.models.common.norms import RMSNorm
+from megatron_vlm.models.common.vlm_base import VLMBase, check_forward_inputs, cu_seqlens_max, new_tokens_mask
 from megatron_vlm.models.nemotron_vl.args import NemotronHTextArgs, NemotronVLArgs
 from megatron_vlm.models.nemotron_vl.cache import HybridCache
 from megatron_vlm.models.nemotron_vl.vision import (
@@ -56,10 +57,6 @@ class NemotronHMLP(nn.Module):
 def _identity_rotary(x: torch.Tensor, head_dim: int):
     shape = (*x.shape[:-1], head_dim)
     return x.new_ones(1, dtype=torch.float32).expand(shape), x.new_zeros(1, dtype=torch.float32).expand(shape)
-
-
-def _max_seqlen(cu_seqlens: torch.Tensor) -> int:
-    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
 
 
 class NemotronHBlock(nn.Module):
@@ -141,21 +138,19 @@ class NemotronHTextModel(nn.Module):
         cache: Optional[HybridCache] = None,
     ) -> torch.Tensor:
         x = inputs_embeds
-        max_seqlen = _max_seqlen(cu_seqlens) if cu_seqlens is not None else None
+        max_seqlen = cu_seqlens_max(cu_seqlens) if cu_seqlens is not None else None
         for i, layer in enumerate(self.layers):
             x = layer(x, attention_mask=attention_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cache=cache, layer_idx=i)
         return self.norm_f(x)
 
 
-class NemotronVLForConditionalGeneration(nn.Module):
-    """`language_model` + `lm_head`, and for nemotron_h_omni `vision_model` + `multi_modal_projector`."""
+class NemotronVLForConditionalGeneration(VLMBase):
+    """`language_model` + `lm_head`, and for nemotron_h_omni `vision_model` + `multi_modal_projector`.
+
+    Decoding state comes from `make_cache` (KV + Mamba states), not `new_kv_cache`."""
 
     def __init__(self, args: NemotronVLArgs, hf_config: Optional[dict] = None) -> None:
-        super().__init__()
-        args.validate()
-        self.args = args
-        self.hf_config = hf_config  # the original config.json dict, written back unchanged on export
-        self.hf_generation_config: Optional[dict] = None
+        super().__init__(args, hf_config)
         self.language_model = NemotronHTextModel(args.text)
         self.lm_head = nn.Linear(args.text.hidden_size, args.text.vocab_size, bias=False)
         if args.vision is not None:
@@ -173,14 +168,11 @@ class NemotronVLForConditionalGeneration(nn.Module):
         self.tie_weights()
 
     # ----- structure helpers used by parallelize / loading / training -----
-    def tie_weights(self) -> None:
-        if self.args.tie_word_embeddings:
-            self.lm_head.weight = self.language_model.embeddings.weight
+    def _input_embeddings(self) -> nn.Embedding:
+        return self.language_model.embeddings
 
-    def transformer_blocks(self) -> list[nn.Module]:
-        """The FSDP / activation-checkpointing units: vision layers then decoder blocks."""
-        vision = list(self.vision_model.layers) if self.vision_model is not None else []
-        return vision + list(self.language_model.layers)
+    def _vision_blocks(self) -> list[nn.Module]:
+        return list(self.vision_model.layers) if self.vision_model is not None else []
 
     def make_cache(self, batch: int, max_len: int, *, dtype: Optional[torch.dtype] = None, device=None) -> HybridCache:
         """Decoding state for `batch` sequences of up to `max_len` tokens (KV + Mamba conv/SSM states)."""
@@ -190,22 +182,18 @@ class NemotronVLForConditionalGeneration(nn.Module):
             dtype=dtype or ref.dtype, device=device if device is not None else ref.device,
         )
 
+    def _init_module(self, module: nn.Module, std: float) -> None:
+        if isinstance(module, RadioLayerScale):
+            nn.init.ones_(module.lambda1)
+        elif isinstance(module, RadioEmbeddings):
+            nn.init.trunc_normal_(module.position_embedding, std=std)
+            nn.init.trunc_normal_(module.cls_register_token, std=std)
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """Random init as transformers does (N(0, std) weights, zero biases, unit norms, Mamba S4D init)."""
         std = self.args.text.initializer_range
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, (RMSNorm, LayerNorm)):
-                module.reset_parameters()
-            elif isinstance(module, RadioLayerScale):
-                nn.init.ones_(module.lambda1)
-            elif isinstance(module, RadioEmbeddings):
-                nn.init.trunc_normal_(module.position_embedding, std=std)
-                nn.init.trunc_normal_(module.cls_register_token, std=std)
+        super().init_weights(std)
         for module in self.modules():  # family-specific inits override the generic pass
             if isinstance(module, Mamba2Mixer):
                 module.reset_parameters(std, num_layers=self.args.text.num_hidden_layers)
@@ -274,22 +262,11 @@ class NemotronVLForConditionalGeneration(nn.Module):
         with t = 1); videos: pixel_values_videos `[frames, C, H, W]`. video_grid_thw, second_per_grid_ts,
         mm_token_type_ids and position_ids do not enter this model (no positional encoding).
         """
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        cu_seqlens = check_forward_inputs(input_ids, attention_mask, cu_seqlens, kv_cache)
         if image_grid_hw is None and image_grid_thw is not None:
             if image_grid_thw.dim() != 2 or image_grid_thw.shape[-1] != 3 or bool((image_grid_thw[:, 0] != 1).any()):
                 raise ValueError(f"image_grid_thw must be [n, 3] with t = 1 for nemotron images, got {image_grid_thw.tolist()}")
             image_grid_hw = image_grid_thw[:, 1:]
-        if cu_seqlens is not None:
-            if input_ids.shape[0] != 1:
-                raise ValueError(f"packed input (cu_seqlens) needs input_ids [1, T], got {tuple(input_ids.shape)}")
-            if attention_mask is not None:
-                raise ValueError("pass either cu_seqlens (packed) or attention_mask (padded), not both")
-            if kv_cache is not None:
-                raise ValueError("kv_cache is not supported with packed input (cu_seqlens)")
-            cu_seqlens = cu_seqlens.to(torch.int32)
-        if attention_mask is not None and kv_cache is None and attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
 
         embeds = self.embed(
             input_ids, pixel_values=pixel_values, image_grid_hw=image_grid_hw,
@@ -297,8 +274,7 @@ class NemotronVLForConditionalGeneration(nn.Module):
         )
         new_mask = attention_mask
         if kv_cache is not None:
-            if new_mask is not None and new_mask.shape[1] != input_ids.shape[1]:
-                new_mask = new_mask[:, -input_ids.shape[1]:]  # a mask over past + new tokens: keep the new part
+            new_mask = new_tokens_mask(new_mask, input_ids)
             kv_cache.begin_step(input_ids.shape[1], new_mask)
         try:
             hidden = self.language_model(embeds, attention_mask=new_mask, cu_seqlens=cu_seqlens, cache=kv_cache)

@@ -12,12 +12,7 @@ other parameter, which is what the seed's single-node runs need.
 """
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
-from torch import nn
-
-from megatron_vlm.parallel import parallelize_blocks
+from megatron_vlm.models.common.parallel_plan import make_parallelize
 
 # What the TP / EP helpers will shard once they exist (module path patterns inside a decoder block).
 TP_PLAN = {
@@ -27,23 +22,4 @@ TP_PLAN = {
 }
 EP_PLAN = {"mixer.experts": "shard_experts_dim0"}
 
-
-def parallelize_nemotron_vl(
-    model: nn.Module,
-    parallel_dims,
-    parallel_cfg,
-    *,
-    mesh=None,
-    activation_checkpointing: bool = False,
-    param_dtype: Optional[torch.dtype] = None,
-    root: Optional[nn.Module] = None,
-) -> nn.Module:
-    """Apply AC / compile / FSDP2 in place and return the model. `mesh` None skips FSDP (one device);
-    `root` = the module to make the root FSDP unit (the trainer's log-prob wrapper)."""
-    for dim in ("tp", "ep", "cp"):
-        size = getattr(parallel_dims, dim, 1) if parallel_dims is not None else 1
-        if size and size > 1:
-            raise NotImplementedError(f"parallel.{dim}={size}: not implemented for nemotron_vl yet (plans: TP_PLAN / EP_PLAN)")
-    return parallelize_blocks(model, model.transformer_blocks(), parallel_cfg, mesh=mesh,
-                              activation_checkpointing=activation_checkpointing, param_dtype=param_dtype, root=root,
-                              fsdp_blocks=list(model.language_model.layers))
+parallelize_nemotron_vl = make_parallelize("nemotron_vl", unsupported_dims=("tp", "ep", "cp"), note="plans: TP_PLAN / EP_PLAN")

@@ -26,6 +26,7 @@ import re
 
 import torch
 
+from megatron_vlm.models.common.state_dict_utils import join_fused_qkv, split_fused_qkv
 from megatron_vlm.models.nemotron_vl.args import NemotronVLArgs
 
 _EXPERT = re.compile(r"^(language_model\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
@@ -95,9 +96,7 @@ class NemotronVLStateDictAdapter:
             m = _QKV.match(k)
             if m:
                 layer, kind = m.groups()
-                if t.shape[0] % 3:
-                    raise ValueError(f"{key}: fused qkv has {t.shape[0]} rows, not a multiple of 3")
-                for name, part in zip("qkv", t.chunk(3, dim=0)):
+                for name, part in split_fused_qkv(key, t).items():
                     out[f"vision_model.encoder.layer.{layer}.attention.{name}_proj.{kind}"] = part
                 continue
             out[k] = t
@@ -159,10 +158,8 @@ class NemotronVLStateDictAdapter:
                 qkv.setdefault((layer, kind), {})[name] = t
                 continue
             out[self._checkpoint_key(key)] = t
-        for (layer, kind), parts in sorted(qkv.items(), key=lambda kv: (int(kv[0][0]), kv[0][1])):
-            if set(parts) != {"q", "k", "v"}:
-                raise ValueError(f"vision layer {layer}: missing {sorted({'q', 'k', 'v'} - set(parts))}_proj.{kind}")
-            out[f"{_RADIO}blocks.{layer}.attn.qkv.{kind}"] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
+        for layer, kind, fused in join_fused_qkv(qkv, "vision layer {layer}"):
+            out[f"{_RADIO}blocks.{layer}.attn.qkv.{kind}"] = fused
         if self.omni:
             out["vision_model.radio_model.summary_idxs"] = torch.tensor(self.args.vision.summary_idxs, dtype=torch.long)
         return out

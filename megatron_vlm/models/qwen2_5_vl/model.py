@@ -22,7 +22,6 @@ from torch import nn
 
 from megatron_vlm.models.common.attention import Attention
 from megatron_vlm.models.common.decoder import DecoderLayer
-from megatron_vlm.models.common.kv_cache import KVCache
 from megatron_vlm.models.common.merge import merge_vision_embeddings
 from megatron_vlm.models.common.mlp import SwiGLUMLP
 from megatron_vlm.models.common.mrope_index import get_mrope_position_ids
@@ -35,11 +34,8 @@ from megatron_vlm.models.common.vision import (
     vision_hw_position_ids,
     vision_window_index,
 )
+from megatron_vlm.models.common.vlm_base import KVCacheMixin, VLMBase, check_forward_inputs, cu_seqlens_max, new_tokens_mask
 from megatron_vlm.models.qwen2_5_vl.args import Qwen2_5_VLArgs, Qwen2_5_VLTextArgs, Qwen2_5_VLVisionArgs
-
-
-def _max_seqlen(cu_seqlens: torch.Tensor) -> int:
-    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
 
 
 class Qwen2_5_VLPatchMerger(nn.Module):
@@ -84,7 +80,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
         patch_perm = (window_index[:, None] * unit + torch.arange(unit, device=x.device)).reshape(-1)
         cos, sin = vision_rope_cos_sin(vision_hw_position_ids(grid_thw, a.spatial_merge_size).to(x.device), a.head_dim, a.rope_theta)
         x, cos, sin = x[patch_perm], cos[patch_perm], sin[patch_perm]
-        full_max, window_max = _max_seqlen(cu_full), _max_seqlen(cu_window)
+        full_max, window_max = cu_seqlens_max(cu_full), cu_seqlens_max(cu_window)
         fullatt = set(a.fullatt_block_indexes)
         for i, block in enumerate(self.blocks):
             if i in fullatt:
@@ -132,7 +128,7 @@ class Qwen2_5_VLTextModel(nn.Module):
         max_seqlen = None
         if cu_seqlens is not None:  # packed: drop the batch dim, attention is segmented by cu_seqlens
             x, cos, sin = x[0], cos[0], sin[0]
-            max_seqlen = _max_seqlen(cu_seqlens)
+            max_seqlen = cu_seqlens_max(cu_seqlens)
         for i, layer in enumerate(self.layers):
             x = layer(
                 x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
@@ -142,49 +138,18 @@ class Qwen2_5_VLTextModel(nn.Module):
         return x.unsqueeze(0) if cu_seqlens is not None else x
 
 
-class Qwen2_5_VLForConditionalGeneration(nn.Module):
+class Qwen2_5_VLForConditionalGeneration(KVCacheMixin, VLMBase):
     """The full model: `visual`, `language_model`, `lm_head` (shares the embedding Parameter when tied)."""
 
     def __init__(self, args: Qwen2_5_VLArgs, hf_config: Optional[dict] = None) -> None:
-        super().__init__()
-        args.validate()
-        self.args = args
-        self.hf_config = hf_config  # the original config.json dict, written back unchanged on export
-        self.hf_generation_config: Optional[dict] = None
+        super().__init__(args, hf_config)
         self.visual = Qwen2_5_VisionTransformer(args.vision)
         self.language_model = Qwen2_5_VLTextModel(args.text)
         self.lm_head = nn.Linear(args.text.hidden_size, args.text.vocab_size, bias=False)
         self.tie_weights()
 
-    # ----- structure helpers used by parallelize / loading / training -----
-    def tie_weights(self) -> None:
-        if self.args.tie_word_embeddings:
-            self.lm_head.weight = self.language_model.embed_tokens.weight
-
-    def transformer_blocks(self) -> list[nn.Module]:
-        """The FSDP / activation-checkpointing units: vision blocks then decoder layers."""
-        return list(self.visual.blocks) + list(self.language_model.layers)
-
-    def new_kv_cache(self, batch: int, max_len: int, *, dtype=None, device=None) -> KVCache:
-        """An empty KV cache for `batch` sequences of up to `max_len` tokens (prompt + generated)."""
-        t = self.args.text
-        ref = self.lm_head.weight
-        return KVCache(
-            t.num_hidden_layers, batch, max_len, t.num_key_value_heads, t.head_dim,
-            dtype=dtype or ref.dtype, device=device or ref.device,
-        )
-
-    @torch.no_grad()
-    def init_weights(self, std: float = 0.02) -> None:
-        """Random init as transformers does: N(0, std) for Linear / Embedding weights, zero biases, unit norms."""
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, RMSNorm):
-                module.reset_parameters()
-        self.tie_weights()
+    def _vision_blocks(self) -> list[nn.Module]:
+        return list(self.visual.blocks)
 
     # ----- forward -----
     def _vision_features(self, pixels, grid_thw, name: str) -> torch.Tensor:
@@ -236,17 +201,7 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         return_hidden: bool = False,
     ) -> torch.Tensor:
         """Logits [B, T, vocab] (or final-norm hidden states [B, T, H] with `return_hidden=True`)."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
-        if cu_seqlens is not None:
-            if input_ids.shape[0] != 1:
-                raise ValueError(f"packed input (cu_seqlens) needs input_ids [1, T], got {tuple(input_ids.shape)}")
-            if attention_mask is not None:
-                raise ValueError("pass either cu_seqlens (packed) or attention_mask (padded), not both")
-            if kv_cache is not None:
-                raise ValueError("kv_cache is not supported with packed input (cu_seqlens)")
-            if cu_seqlens.dtype != torch.int32:
-                cu_seqlens = cu_seqlens.to(torch.int32)
+        cu_seqlens = check_forward_inputs(input_ids, attention_mask, cu_seqlens, kv_cache)
         embeds = self.language_model.embed_tokens(input_ids)
         if pixel_values is not None:
             feats = self._vision_features(pixel_values, image_grid_thw, "pixel_values")
@@ -263,18 +218,9 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
                 features_per_item=per_item, cu_seqlens=cu_seqlens,
             )
 
-        key_padding_mask = None
-        if attention_mask is not None:
-            if attention_mask.shape != input_ids.shape and kv_cache is None:
-                raise ValueError(
-                    f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
-                )
-            key_padding_mask = attention_mask.bool()
-
+        key_padding_mask = attention_mask.bool() if attention_mask is not None else None
         if kv_cache is not None:
-            new_mask = key_padding_mask
-            if new_mask is not None and new_mask.shape[1] != input_ids.shape[1]:
-                new_mask = new_mask[:, -input_ids.shape[1]:]  # a mask over past + new tokens: keep the new part
+            new_mask = new_tokens_mask(key_padding_mask, input_ids)
             if position_ids is None:
                 position_ids = self._cached_position_ids(
                     input_ids, kv_cache, new_mask, image_grid_thw, video_grid_thw, second_per_grid_ts, mm_token_type_ids

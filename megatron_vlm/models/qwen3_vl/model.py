@@ -34,7 +34,6 @@ from torch import nn
 
 from megatron_vlm.models.common.attention import Attention
 from megatron_vlm.models.common.decoder import DecoderLayer
-from megatron_vlm.models.common.kv_cache import KVCache
 from megatron_vlm.models.common.merge import merge_vision_embeddings
 from megatron_vlm.models.common.mlp import MLP, SwiGLUMLP
 from megatron_vlm.models.common.moe import MoE
@@ -42,11 +41,8 @@ from megatron_vlm.models.common.mrope_index import get_mrope_position_ids
 from megatron_vlm.models.common.norms import LayerNorm, RMSNorm
 from megatron_vlm.models.common.rotary import mrope_cos_sin, vision_rope_cos_sin
 from megatron_vlm.models.common.vision import VisionPatchEmbed, vision_cu_seqlens, vision_hw_position_ids
+from megatron_vlm.models.common.vlm_base import KVCacheMixin, VLMBase, check_forward_inputs, cu_seqlens_max, new_tokens_mask
 from megatron_vlm.models.qwen3_vl.args import Qwen3VLArgs, Qwen3VLTextArgs, Qwen3VLVisionArgs
-
-
-def _max_seqlen(cu_seqlens: torch.Tensor) -> int:
-    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
 
 
 def split_video_grids(video_grid_thw: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -140,7 +136,7 @@ class Qwen3VLVisionModel(nn.Module):
         hw = vision_hw_position_ids(grid_thw, a.spatial_merge_size).to(x.device)
         x = x + self.position_embeddings(grid_thw, hw).to(x.dtype)
         cos, sin = vision_rope_cos_sin(hw, a.head_dim, a.rope_theta)
-        max_seqlen = _max_seqlen(cu)
+        max_seqlen = cu_seqlens_max(cu)
         deepstack = []  # in block order (as transformers), each through the merger of its list position
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, cu, max_seqlen)
@@ -206,7 +202,7 @@ class Qwen3VLTextModel(nn.Module):
         max_seqlen = None
         if cu_seqlens is not None:  # packed: drop the batch dim, attention is segmented by cu_seqlens
             x, cos, sin = x[0], cos[0], sin[0]
-            max_seqlen = _max_seqlen(cu_seqlens)
+            max_seqlen = cu_seqlens_max(cu_seqlens)
         deepstack_embeds = deepstack_embeds or []
         for i, layer in enumerate(self.layers):
             x = layer(
@@ -220,52 +216,22 @@ class Qwen3VLTextModel(nn.Module):
         return x.unsqueeze(0) if cu_seqlens is not None else x
 
 
-class Qwen3VLForConditionalGeneration(nn.Module):
+class Qwen3VLForConditionalGeneration(KVCacheMixin, VLMBase):
     """The full model: `visual`, `language_model`, `lm_head` (shares the embedding Parameter when tied)."""
 
     def __init__(self, args: Qwen3VLArgs, hf_config: Optional[dict] = None) -> None:
-        super().__init__()
-        args.validate()
-        self.args = args
-        self.hf_config = hf_config  # the original config.json dict, written back unchanged on export
-        self.hf_generation_config: Optional[dict] = None
+        super().__init__(args, hf_config)
         self.visual = Qwen3VLVisionModel(args.vision)
         self.language_model = Qwen3VLTextModel(args.text)
         self.lm_head = nn.Linear(args.text.hidden_size, args.text.vocab_size, bias=False)
         self.tie_weights()
 
-    # ----- structure helpers used by parallelize / loading / training -----
-    def tie_weights(self) -> None:
-        if self.args.tie_word_embeddings:
-            self.lm_head.weight = self.language_model.embed_tokens.weight
+    def _vision_blocks(self) -> list[nn.Module]:
+        return list(self.visual.blocks)
 
-    def transformer_blocks(self) -> list[nn.Module]:
-        """The FSDP / activation-checkpointing units: vision blocks then decoder layers."""
-        return list(self.visual.blocks) + list(self.language_model.layers)
-
-    def new_kv_cache(self, batch: int, max_len: int, *, dtype=None, device=None) -> KVCache:
-        """An empty KV cache for `batch` sequences of up to `max_len` tokens (prompt + generated)."""
-        t = self.args.text
-        ref = self.lm_head.weight
-        return KVCache(
-            t.num_hidden_layers, batch, max_len, t.num_key_value_heads, t.head_dim,
-            dtype=dtype or ref.dtype, device=device or ref.device,
-        )
-
-    @torch.no_grad()
-    def init_weights(self, std: float = 0.02) -> None:
-        """Random init as transformers does: N(0, std) for Linear / Embedding / expert weights, zero biases,
-        unit norms."""
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, (RMSNorm, LayerNorm)):
-                module.reset_parameters()
-            elif isinstance(module, MoE):
-                module.reset_parameters(std)
-        self.tie_weights()
+    def _init_module(self, module: nn.Module, std: float) -> None:
+        if isinstance(module, MoE):  # expert weights are Parameters of the MoE block, not Linear modules
+            module.reset_parameters(std)
 
     # ----- forward -----
     def compute_position_ids(
@@ -325,17 +291,7 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         `second_per_grid_ts` is accepted for a uniform call signature across Qwen-VL families and
         ignored: Qwen3-VL reads time from the `<t seconds>` text before every frame."""
         del second_per_grid_ts
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
-        if cu_seqlens is not None:
-            if input_ids.shape[0] != 1:
-                raise ValueError(f"packed input (cu_seqlens) needs input_ids [1, T], got {tuple(input_ids.shape)}")
-            if attention_mask is not None:
-                raise ValueError("pass either cu_seqlens (packed) or attention_mask (padded), not both")
-            if kv_cache is not None:
-                raise ValueError("kv_cache is not supported with packed input (cu_seqlens)")
-            if cu_seqlens.dtype != torch.int32:
-                cu_seqlens = cu_seqlens.to(torch.int32)
+        cu_seqlens = check_forward_inputs(input_ids, attention_mask, cu_seqlens, kv_cache)
         embeds = self.language_model.embed_tokens(input_ids)
         indexes, stacks = [], []
         if pixel_values is not None:
@@ -354,18 +310,9 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         visual_index = torch.cat(indexes) if indexes else None
         deepstack_embeds = [torch.cat(level) for level in zip(*stacks)] if stacks else None
 
-        key_padding_mask = None
-        if attention_mask is not None:
-            if attention_mask.shape != input_ids.shape and kv_cache is None:
-                raise ValueError(
-                    f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
-                )
-            key_padding_mask = attention_mask.bool()
-
+        key_padding_mask = attention_mask.bool() if attention_mask is not None else None
         if kv_cache is not None:
-            new_mask = key_padding_mask
-            if new_mask is not None and new_mask.shape[1] != input_ids.shape[1]:
-                new_mask = new_mask[:, -input_ids.shape[1]:]  # a mask over past + new tokens: keep the new part
+            new_mask = new_tokens_mask(key_padding_mask, input_ids)
             if position_ids is None:
                 position_ids = self._cached_position_ids(input_ids, kv_cache, new_mask, image_grid_thw, video_grid_thw,
                                                          mm_token_type_ids)

@@ -10,26 +10,6 @@ reduces the same parameters as the others (and tied embeddings stay in one group
 """
 from __future__ import annotations
 
-from typing import Optional
+from megatron_vlm.models.common.parallel_plan import make_parallelize
 
-import torch
-from torch import nn
-
-from megatron_vlm.parallel import parallelize_blocks
-
-
-def parallelize_qwen3_vl(
-    model: nn.Module,
-    parallel_dims,
-    parallel_cfg,
-    *,
-    mesh=None,
-    activation_checkpointing: bool = False,
-    param_dtype: Optional[torch.dtype] = None,
-    root: Optional[nn.Module] = None,
-) -> nn.Module:
-    """Apply AC / compile / FSDP2 in place and return the model. `mesh` None skips FSDP (one device);
-    `root` = the module to make the root FSDP unit (the trainer's log-prob wrapper)."""
-    return parallelize_blocks(model, model.transformer_blocks(), parallel_cfg, mesh=mesh,
-                              activation_checkpointing=activation_checkpointing, param_dtype=param_dtype, root=root,
-                              fsdp_blocks=list(model.language_model.layers))
+parallelize_qwen3_vl = make_parallelize("qwen3_vl")

@@ -25,6 +25,7 @@ import re
 
 import torch
 
+from megatron_vlm.models.common.state_dict_utils import join_fused_qkv, rename_all, split_fused_qkv
 from megatron_vlm.models.qwen3_vl.args import Qwen3VLArgs
 
 _VIS_QKV = re.compile(r"^visual\.blocks\.(\d+)\.attn\.qkv\.(weight|bias)$")
@@ -88,9 +89,7 @@ class Qwen3VLStateDictAdapter:
             m = _VIS_QKV.match(k)
             if m:
                 layer, kind = m.groups()
-                if t.shape[0] % 3:
-                    raise ValueError(f"{key}: fused qkv has {t.shape[0]} rows, not a multiple of 3")
-                for name, part in zip("qkv", t.chunk(3, dim=0)):
+                for name, part in split_fused_qkv(key, t).items():
                     out[f"visual.blocks.{layer}.attn.{name}_proj.{kind}"] = part
                 continue
             m = _EXPERTS.match(k)
@@ -99,9 +98,7 @@ class Qwen3VLStateDictAdapter:
                 continue
             if k == "visual.patch_embed.proj.weight" and t.dim() == 5:
                 t = t.reshape(t.shape[0], -1)
-            for pattern, repl in _RENAMES_BACK:
-                k = re.sub(pattern, repl, k)
-            out[k] = t
+            out[rename_all(k, _RENAMES_BACK)] = t
         return out, {}
 
     # ----- ours -> HF -----
@@ -129,11 +126,7 @@ class Qwen3VLStateDictAdapter:
             k = key
             if k == "visual.patch_embed.proj.weight":
                 t = t.reshape(t.shape[0], v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
-            for pattern, repl in _RENAMES:
-                k = re.sub(pattern, repl, k)
-            out["model." + k] = t
-        for (layer, kind), parts in sorted(qkv.items(), key=lambda kv: (int(kv[0][0]), kv[0][1])):
-            if set(parts) != {"q", "k", "v"}:
-                raise ValueError(f"visual.blocks.{layer}.attn: missing {sorted({'q', 'k', 'v'} - set(parts))}_proj.{kind}")
-            out[f"model.visual.blocks.{layer}.attn.qkv.{kind}"] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
+            out["model." + rename_all(k, _RENAMES)] = t
+        for layer, kind, fused in join_fused_qkv(qkv, "visual.blocks.{layer}.attn"):
+            out[f"model.visual.blocks.{layer}.attn.qkv.{kind}"] = fused
         return out

@@ -12,8 +12,8 @@ from megatron_vlm.models import build_model
 from megatron_vlm.models.common.kv_cache import KVCache
 from megatron_vlm.models.internvl import InternVLStateDictAdapter
 from megatron_vlm.models.internvl.model import pixel_shuffle
+from tests.fixtures.parity import assert_logits_close as _assert_close, ref_logits as _ref
 
-TOL = 1e-4
 VARIANTS = {
     "qwen2_layernorm": dict(),
     "qwen3_rmsnorm_qknorm_tied": dict(text_model="qwen3", norm_type="rms_norm", use_qk_norm=True, tie_word_embeddings=True),
@@ -38,22 +38,9 @@ def models(request):
     return hf, ours
 
 
-def _ref(hf, batch):
-    with torch.no_grad():
-        return hf(**batch).logits
-
-
 def _ours(ours, batch, **kw):
     with torch.no_grad():
         return ours(batch["input_ids"], batch.get("attention_mask"), batch.get("pixel_values"), **kw)
-
-
-def _assert_close(ref, out, mask=None):
-    assert ref.shape == out.shape
-    if mask is not None:
-        ref, out = ref[mask.bool()], out[mask.bool()]
-    err = (ref - out).abs().max().item()
-    assert err <= TOL, f"max |logits diff| = {err}"
 
 
 def test_text_only(models):

@@ -7,23 +7,14 @@ import torch
 from megatron_vlm.models import build_model
 from megatron_vlm.models.qwen2_5_vl import Qwen2_5_VLStateDictAdapter
 from tests.fixtures import tiny_qwen2_5_vl as F
-
-TOL = 1e-4
+from tests.fixtures.parity import TOL, assert_logits_close as _assert_close, ref_logits as _ref, load_converted
 
 
 @pytest.fixture(scope="module")
 def models():
     hf = F.hf_reference_model(seed=0)
     ours = build_model(F.tiny_qwen2_5_vl_config_dict())
-    converted, pending = Qwen2_5_VLStateDictAdapter(ours.args).from_hf(hf.state_dict())
-    assert not pending
-    ours.load_state_dict(converted, strict=True)
-    return hf, ours.eval()
-
-
-def _ref(hf, batch):
-    with torch.no_grad():
-        return hf(**batch).logits
+    return hf, load_converted(ours, Qwen2_5_VLStateDictAdapter(ours.args), hf.state_dict())
 
 
 def _ours(ours, batch, with_types=False):
@@ -33,14 +24,6 @@ def _ours(ours, batch, with_types=False):
             batch.get("pixel_values_videos"), batch.get("video_grid_thw"), batch.get("second_per_grid_ts"),
             batch["mm_token_type_ids"] if with_types else None,
         )
-
-
-def _assert_close(ref, out, mask=None):
-    assert ref.shape == out.shape
-    if mask is not None:
-        ref, out = ref[mask.bool()], out[mask.bool()]
-    err = (ref - out).abs().max().item()
-    assert err <= TOL, f"max |logits diff| = {err}"
 
 
 def test_text_only(models):

@@ -9,26 +9,14 @@ from megatron_vlm.models import build_model
 from megatron_vlm.models.common.mlp import SwiGLUMLP
 from megatron_vlm.models.common.moe import MoE
 from megatron_vlm.models.qwen3_vl import Qwen3VLStateDictAdapter
-
-TOL = 1e-4
+from tests.fixtures.parity import assert_logits_close as _assert_close, load_converted
 
 
 @pytest.fixture(scope="module")
 def models():
     hf = F.hf_reference_model(seed=1, moe=True)
     ours = build_model(F.tiny_qwen3_vl_config_dict(moe=True))
-    converted, pending = Qwen3VLStateDictAdapter(ours.args).from_hf(hf.state_dict())
-    assert not pending
-    ours.load_state_dict(converted, strict=True)
-    return hf, ours.eval()
-
-
-def _assert_close(ref, out, mask=None):
-    assert ref.shape == out.shape
-    if mask is not None:
-        ref, out = ref[mask.bool()], out[mask.bool()]
-    err = (ref - out).abs().max().item()
-    assert err <= TOL, f"max |logits diff| = {err}"
+    return hf, load_converted(ours, Qwen3VLStateDictAdapter(ours.args), hf.state_dict())
 
 
 def test_layer_kinds_follow_the_config(models):

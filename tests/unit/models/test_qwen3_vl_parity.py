@@ -11,23 +11,14 @@ import megatron_vlm.testing.tiny_processor_qwen3_vl as F
 from megatron_vlm.models import build_model
 from megatron_vlm.models.common.kv_cache import KVCache
 from megatron_vlm.models.qwen3_vl import Qwen3VLStateDictAdapter
-
-TOL = 1e-4
+from tests.fixtures.parity import TOL, assert_logits_close as _assert_close, ref_logits as _ref, load_converted
 
 
 @pytest.fixture(scope="module")
 def models():
     hf = F.hf_reference_model(seed=0)
     ours = build_model(F.tiny_qwen3_vl_config_dict())
-    converted, pending = Qwen3VLStateDictAdapter(ours.args).from_hf(hf.state_dict())
-    assert not pending
-    ours.load_state_dict(converted, strict=True)
-    return hf, ours.eval()
-
-
-def _ref(hf, batch):
-    with torch.no_grad():
-        return hf(**batch).logits
+    return hf, load_converted(ours, Qwen3VLStateDictAdapter(ours.args), hf.state_dict())
 
 
 def _ours(ours, batch, with_types=False, **kw):
@@ -37,14 +28,6 @@ def _ours(ours, batch, with_types=False, **kw):
             batch.get("pixel_values_videos"), batch.get("video_grid_thw"), None,
             batch["mm_token_type_ids"] if with_types else None, **kw,
         )
-
-
-def _assert_close(ref, out, mask=None):
-    assert ref.shape == out.shape
-    if mask is not None:
-        ref, out = ref[mask.bool()], out[mask.bool()]
-    err = (ref - out).abs().max().item()
-    assert err <= TOL, f"max |logits diff| = {err}"
 
 
 def test_text_only(models):

@@ -9,8 +9,9 @@ Each item is one pack (see packing.py): input_ids / labels [1, T] (labels shifte
 the vision tensors, num_samples, num_label_tokens. Planning happens in the main process from the
 cached per-sample lengths (plan.py: the global pack stream is the same for any world size, rank r
 takes packs r, r + dp, ...); the worker processes of a torch DataLoader (batch_size=None) only
-load and process the samples of this rank's packs. Records that fail in a worker are dropped from
-their pack and reported back with it; a pack whose samples all failed becomes a one-token empty
+load and process the samples of this rank's packs. Records that fail in a worker (or whose video
+frames have a size the pack's other videos do not: Nemotron-VL keeps per-video frame sizes) are
+dropped from their pack and reported back with it; a pack whose samples all failed becomes a one-token empty
 pack so that every rank still runs the same number of steps.
 
 `build_eval_dataloader` iterates once over the eval split, sharded by rank with the same number of
@@ -31,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.data.lengths import compute_lengths
-from megatron_vlm.data.packing import collate_pack, collate_padded, empty_pack
+from megatron_vlm.data.packing import collate_pack, collate_padded, empty_pack, vision_shape_conflict
 from megatron_vlm.data.plan import PackPlanner
 from megatron_vlm.data.processing import ProcessedSample, process_record
 from megatron_vlm.data.processor import VLProcessor, as_vl_processor
@@ -103,6 +104,10 @@ class _PackDataset(Dataset):
                 bad.append((self.processor.source.name, s.index, "length_mismatch",
                             f"{len(s)} tokens do not fit the {self.capacity - total} left in pack {g} "
                             "(planned lengths disagree with processing)"))
+                continue
+            conflict = vision_shape_conflict(samples, s)
+            if conflict:
+                bad.append((self.processor.source.name, s.index, "video", f"{conflict} in pack {g}"))
                 continue
             samples.append(s)
             total += len(s)

@@ -17,7 +17,8 @@ import torch
 
 from megatron_vlm.data.processing import ProcessedSample
 
-__all__ = ["IGNORE_INDEX", "first_fit_pack", "shifted_labels", "collate_pack", "collate_padded", "empty_pack"]
+__all__ = ["IGNORE_INDEX", "first_fit_pack", "shifted_labels", "collate_pack", "collate_padded", "empty_pack",
+           "vision_shape_conflict"]
 
 IGNORE_INDEX = -100
 _VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
@@ -63,6 +64,23 @@ def shifted_labels(input_ids: torch.Tensor, label_mask: torch.Tensor) -> torch.T
         nxt = input_ids[1:]
         labels[:-1] = torch.where(label_mask[1:], nxt, torch.full_like(nxt, IGNORE_INDEX))
     return labels
+
+
+def vision_shape_conflict(samples: Sequence[ProcessedSample], candidate: ProcessedSample) -> Optional[str]:
+    """Why `candidate` cannot join `samples` in one pack, or None. Vision tensors are concatenated
+    along dim 0, so their other dims must agree: always true for flattened patches (Qwen, Nemotron
+    images) and fixed-size tiles (InternVL), but Nemotron-VL video frames keep their per-video
+    tile size [frames, 3, H, W]."""
+    for key in _VISION_KEYS:
+        mine = getattr(candidate, key)
+        if mine is None:
+            continue
+        for s in samples:
+            other = getattr(s, key)
+            if other is not None and other.shape[1:] != mine.shape[1:]:
+                return f"{key} of shape [*, {', '.join(map(str, mine.shape[1:]))}] cannot be packed with " \
+                       f"[*, {', '.join(map(str, other.shape[1:]))}]"
+    return None
 
 
 def _cat_vision(samples: Sequence[ProcessedSample]) -> dict[str, torch.Tensor]:

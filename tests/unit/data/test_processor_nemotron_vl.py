@@ -224,3 +224,32 @@ def test_packs_give_the_per_sample_logits(proc, nemotron_dir, tmp_path):
             single = torch.cat([model(s.input_ids[None], **{k: getattr(s, k) for k in keys
                                                             if getattr(s, k) is not None})[0] for s in samples])
         torch.testing.assert_close(packed, single, rtol=1e-4, atol=1e-4)
+
+
+def test_loader_plans_exact_lengths_for_timestamped_videos(proc, tmp_path):
+    """Frame timestamps depend on [data] fps; planned (estimated) and processed lengths must agree, or
+    the loader would drop samples as length_mismatch. Videos whose frames get another tile size than
+    the pack's first video (another aspect ratio) cannot share its frame tensor: they are reported
+    as bad records, and the run goes on."""
+    from megatron_vlm.data.config import DataConfig
+    from megatron_vlm.data.loader import build_sft_dataloader
+
+    lines = []
+    for i in range(7):
+        width = 128 if i == 6 else 64  # record 7 (1-based line): 2:1 frames -> another tile than 4:3
+        frames = [_image(tmp_path / f"r{i}_{j}.png", (width, 48), 100 * i + j) for j in range(2 + i % 4)]
+        content = [{"type": "video", "video": [f.rsplit("/", 1)[1] for f in frames]}, {"type": "text", "text": f"clip {i}"}]
+        lines.append(json.dumps({"messages": [{"role": "user", "content": content},
+                                              {"role": "assistant", "content": f"answer {i}"}]}))
+    (tmp_path / "v.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = DataConfig(type="messages_jsonl", train_path=str(tmp_path / "v.jsonl"), max_tokens_per_pack=2000,
+                     num_workers=0, max_frames=5, fps=7.0, shuffle=False)
+    loader = build_sft_dataloader(cfg, proc, seed=0, dp_rank=0, dp_size=1)
+    assert loader.packs_per_epoch == 1
+    pack = next(iter(loader))
+    assert [(b.index, b.category) for b in loader.bad_records.entries] == [(7, "video")]
+    assert int(pack["num_samples"]) == 6 and pack["pixel_values_videos"].shape[1:] == (3, 64, 64)
+    seen = [b - a for a, b in zip(pack["cu_seqlens"][:-1].tolist(), pack["cu_seqlens"][1:].tolist())]
+    assert seen == [int(n) for n in loader.planner.lengths[:6]]
+    assert "Frame 1 sampled at 0.00 seconds and frame 2 sampled at 0.14 seconds: <img>" in \
+        proc.tokenizer.decode(pack["input_ids"][0])

@@ -32,7 +32,8 @@ import torch
 
 from megatron_vlm.data.expansion import Expansion, expand, placeholder_order
 
-__all__ = ["VLProcessor", "VisionItem", "load_processor", "as_vl_processor", "read_json", "folder_chat_template"]
+__all__ = ["VLProcessor", "VisionItem", "load_processor", "as_vl_processor", "read_json", "folder_chat_template",
+           "special_token_id", "concat_in_order"]
 
 
 def _kind(item: dict) -> str:
@@ -52,6 +53,16 @@ class VisionItem:
     """Keys among pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, second_per_grid_ts;
     a record's items are concatenated per key in the order of their placeholders."""
     expansion: Expansion
+
+
+def special_token_id(tokenizer, token: str, name_or_path: str = "") -> int:
+    """The id of `token`, which must be an added (special) token of the tokenizer: placeholder runs
+    rely on every copy being split out as one id (expansion.py)."""
+    tid = tokenizer.convert_tokens_to_ids(token)
+    if tid is None or (tokenizer.unk_token_id is not None and tid == tokenizer.unk_token_id) \
+            or token not in tokenizer.get_added_vocab():
+        raise ValueError(f"{name_or_path or 'tokenizer'}: special token {token} is not in the vocabulary")
+    return int(tid)
 
 
 class VLProcessor:
@@ -89,12 +100,7 @@ class VLProcessor:
             tokenizer.pad_token) if t))
 
     def token_id(self, token: str) -> int:
-        """The id of a special token that must be in the vocabulary as an added token."""
-        tid = self.tokenizer.convert_tokens_to_ids(token)
-        if tid is None or (self.tokenizer.unk_token_id is not None and tid == self.tokenizer.unk_token_id) \
-                or token not in self.tokenizer.get_added_vocab():
-            raise ValueError(f"{self.name_or_path or 'tokenizer'}: special token {token} is not in the vocabulary")
-        return int(tid)
+        return special_token_id(self.tokenizer, token, self.name_or_path)
 
     @property
     def placeholders(self) -> dict[str, Optional[str]]:

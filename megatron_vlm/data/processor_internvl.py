@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from megatron_vlm.data.expansion import Expansion, Run
-from megatron_vlm.data.processor import VisionItem, VLProcessor, read_json
+from megatron_vlm.data.processor import VisionItem, VLProcessor, read_json, special_token_id
 
 __all__ = ["InternVLProcessor", "INTERNVL_IMAGE_PROCESSORS"]
 
@@ -58,15 +58,15 @@ class InternVLProcessor(VLProcessor):
                  name_or_path: str = ""):
         """image_processor: a `GotOcr2ImageProcessorPil` (tiling settings); video_processor: one whose
         size / mean / std are the video processor's (frames are not tiled)."""
-        self.tokenizer, self.name_or_path = tokenizer, str(name_or_path)
         self.start_image_token = getattr(tokenizer, "start_image_token", None) or "<img>"
         self.end_image_token = getattr(tokenizer, "end_image_token", None) or "</img>"
         context = getattr(tokenizer, "context_image_token", None) or "<IMG_CONTEXT>"
         video = getattr(tokenizer, "video_token", None) or "<video>"
+        for token in (self.start_image_token, self.end_image_token):
+            special_token_id(tokenizer, token, name_or_path)
         super().__init__(tokenizer, chat_template=chat_template, image_token=context, video_token=video,
-                         image_token_id=self.token_id(context), video_token_id=None,
+                         image_token_id=special_token_id(tokenizer, context, name_or_path), video_token_id=None,
                          structural_tokens=(self.start_image_token, self.end_image_token), name_or_path=name_or_path)
-        self.token_id(self.start_image_token), self.token_id(self.end_image_token)
         if image_seq_length <= 0:
             raise ValueError(f"{name_or_path}: image_seq_length must be > 0, got {image_seq_length}")
         self.image_seq_length = int(image_seq_length)

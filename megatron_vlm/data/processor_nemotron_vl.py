@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_vlm.data.expansion import Expansion, Run
-from megatron_vlm.data.processor import VisionItem, VLProcessor, read_json
+from megatron_vlm.data.processor import VisionItem, VLProcessor, read_json, special_token_id
 
 __all__ = ["NemotronVLProcessor", "NEMOTRON_VL_IMAGE_PROCESSORS", "patch_grid_size", "video_target_patches"]
 
@@ -93,15 +93,15 @@ class NemotronVLProcessor(VLProcessor):
                  resample: int = 3, rescale_factor: float = 1 / 255, image_mean=_CLIP_MEAN, image_std=_CLIP_STD,
                  video_target_num_patches: int = 1024, video_maintain_aspect_ratio: bool = True,
                  video_mean=None, video_std=None, video_temporal_patch_dim: int = 2, name_or_path: str = ""):
-        self.tokenizer, self.name_or_path = tokenizer, str(name_or_path)
         image = getattr(tokenizer, "image_token", None) or "<image>"
-        video = getattr(tokenizer, "video_token", None) or "<video>"
+        video = getattr(tokenizer, "video_token", None) or "<video>"  # text only: videos use the image token
         self.image_start_token = getattr(tokenizer, "image_start_token", None) or "<img>"
         self.image_end_token = getattr(tokenizer, "image_end_token", None) or "</img>"
+        for token in (self.image_start_token, self.image_end_token):
+            special_token_id(tokenizer, token, name_or_path)
         super().__init__(tokenizer, chat_template=chat_template, image_token=image, video_token=video,
-                         image_token_id=self.token_id(image), video_token_id=None,
+                         image_token_id=special_token_id(tokenizer, image, name_or_path), video_token_id=None,
                          structural_tokens=(self.image_start_token, self.image_end_token), name_or_path=name_or_path)
-        self.token_id(self.image_start_token), self.token_id(self.image_end_token)
         if resample not in _MODES:
             raise ValueError(f"{name_or_path}: resample {resample} is not supported (2 bilinear, 3 bicubic)")
         self.patch_size = int(patch_size)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from megatron_vlm.data.expansion import Expansion, Run
-from megatron_vlm.data.processor import VisionItem, VLProcessor, read_json
+from megatron_vlm.data.processor import VisionItem, VLProcessor, read_json, special_token_id
 
 __all__ = ["QwenVLProcessor", "QWEN_VL_IMAGE_PROCESSORS"]
 
@@ -68,16 +68,14 @@ class QwenVLProcessor(VLProcessor):
         """video_timestamps: Qwen3-VL video layout (module docstring); video_norm: the video processor's
         do_resize / resample / do_rescale / rescale_factor / do_normalize / image_mean / image_std
         (default: the image processor's)."""
-        self.image_processor = image_processor
-        self.image_token = "<|image_pad|>"
-        self.video_token = "<|video_pad|>"
-        self.tokenizer = tokenizer
-        self.name_or_path = str(name_or_path)
+        ids = {t: special_token_id(tokenizer, t, name_or_path) for t in (
+            "<|image_pad|>", "<|video_pad|>", self.vision_start_token, self.vision_end_token)}
         super().__init__(
-            tokenizer, chat_template=chat_template, image_token=self.image_token, video_token=self.video_token,
-            image_token_id=self.token_id(self.image_token), video_token_id=self.token_id(self.video_token),
+            tokenizer, chat_template=chat_template, image_token="<|image_pad|>", video_token="<|video_pad|>",
+            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
             structural_tokens=(self.vision_start_token, self.vision_end_token), name_or_path=name_or_path)
-        self.vision_start_token_id = self.token_id(self.vision_start_token)
+        self.image_processor = image_processor
+        self.vision_start_token_id = ids[self.vision_start_token]
         self.image_min_pixels = int(image_min_pixels)
         self.image_max_pixels = int(image_max_pixels)
         self.video_min_pixels = int(video_min_pixels)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import enum
 import importlib
 import json
-import shutil
 import sys
 import types
 

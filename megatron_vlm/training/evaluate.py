@@ -61,7 +61,9 @@ def greedy_decode(job, batch: dict, max_new_tokens: int, stop_ids: set[int]) -> 
     """Greedy decoding with the model's KV cache through the FSDP root (left-padded prompts)."""
     ids, am = batch["input_ids"], batch["attention_mask"]
     bsz = ids.shape[0]
-    cache = job.model.new_kv_cache(bsz, ids.shape[1] + max_new_tokens, device=job.env.device)
+    # attention-only families: KVCache; hybrid Mamba families (Nemotron-H): KV + conv/SSM state
+    make = getattr(job.model, "new_kv_cache", None) or getattr(job.model, "make_cache")
+    cache = make(bsz, ids.shape[1] + max_new_tokens, device=job.env.device)
     kwargs = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw",
                                     "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
               if batch.get(k) is not None}

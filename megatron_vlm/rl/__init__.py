@@ -1,5 +1,5 @@
-"""GRPO reinforcement learning: config, rewards, advantages, losses, prompt data (and, later, the
-rollout engine and the sync / async controllers).
+"""GRPO reinforcement learning: config, rewards, advantages, losses, prompt data, the rollout engine
+(`rollout/`) and the synchronous GRPO loop (`trainer.run_grpo`); see README.md in this folder.
 
 Submodules are imported explicitly (`from megatron_vlm.rl.losses import ...`); this package file
 imports nothing so that reward worker processes start without torch.

@@ -16,7 +16,8 @@ One `generate` call, per batch of prompts (`max_prompts_per_batch`, 0 = all at o
 3. decode: the next token of every unfinished row is drawn (`sampling.sample_tokens`), the rows are
    checked for EOS / stop strings / budget, and the new tokens run through the model one step at a
    time. When at most `compact_ratio` of the cached rows are still generating, finished rows are
-   dropped from the cache so later steps do not pay for them.
+   dropped from the cache so later steps do not pay for them (attention-only `KVCache`; other
+   caches, e.g. the hybrid Mamba cache, keep their rows and step them with padding).
 
 Lock-step across ranks: under FSDP every rank must make the same number of forward calls.
 `all_ranks_active(local_active) -> bool` (an all-reduce supplied by the trainer) decides whether
@@ -31,6 +32,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
+from megatron_vlm.models.common.kv_cache import KVCache
 from megatron_vlm.rl.rollout.engine import RolloutEngine, RolloutPrompt, RolloutResult, RolloutSample, SamplingParams
 from megatron_vlm.rl.rollout.sampling import sample_tokens
 from megatron_vlm.rl.rollout.stopping import StopChecker, eos_token_ids_of
@@ -99,12 +101,14 @@ class PolicyRolloutEngine(RolloutEngine):
         all_ranks_active: Optional[Callable[[bool], bool]] = None,
         suppress_token_ids: Optional[Iterable[int]] = None,
     ):
-        """`model`: the family model (`new_kv_cache`, forward with `kv_cache=`); `forward`: how to call
+        """`model`: the family model (`new_kv_cache` or `make_cache`, forward with `kv_cache=`); `forward`: how to call
         it (default `model`); `cache_dtype`: the compute dtype of keys / values (bf16 under FSDP
         mixed precision; default the model's weight dtype); `suppress_token_ids`: tokens never
         generated (default: the model's vision placeholder / start / end tokens, `model.args.*_token_id`)."""
-        if not hasattr(model, "new_kv_cache"):
-            raise TypeError(f"{type(model).__name__} has no new_kv_cache(): KV-cache decoding is not supported for it")
+        # attention-only families: new_kv_cache; hybrid Mamba families (Nemotron-VL): make_cache
+        self._make_cache = getattr(model, "new_kv_cache", None) or getattr(model, "make_cache", None)
+        if self._make_cache is None:
+            raise TypeError(f"{type(model).__name__} has no new_kv_cache() / make_cache(): cached decoding is not supported for it")
         if max_prompts_per_batch < 0:
             raise ValueError(f"max_prompts_per_batch: must be >= 0, got {max_prompts_per_batch}")
         if not 0 <= compact_ratio <= 1:
@@ -164,7 +168,7 @@ class PolicyRolloutEngine(RolloutEngine):
         return next(self.model.parameters()).device
 
     def _new_cache(self, batch: int, max_len: int):
-        return self.model.new_kv_cache(batch, max_len, dtype=self.cache_dtype, device=self._device())
+        return self._make_cache(batch, max_len, dtype=self.cache_dtype, device=self._device())
 
     def _prefill(self, prompts: Sequence[RolloutPrompt], n: int, max_len: int):
         dev = self._device()
@@ -213,7 +217,7 @@ class PolicyRolloutEngine(RolloutEngine):
             alive = [r for r, i in enumerate(rows) if reason[i] is None]
             if not self.all_ranks_active(bool(alive)):
                 break
-            if len(alive) <= self.compact_ratio * len(rows) and len(rows) > 1:
+            if type(cache) is KVCache and len(alive) <= self.compact_ratio * len(rows) and len(rows) > 1:
                 keep = alive or [0]  # a rank with nothing left steps one dummy row for the others
                 index = torch.tensor(keep, device=cache.mask.device)
                 cache = _select_rows(cache, index)

@@ -34,7 +34,17 @@ def run_job(cfg) -> int:
         if env.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, run_dir / "config.toml")
-        _prepare_model_folder(cfg, env)
+        try:
+            if cfg.train.mode == "grpo":
+                from megatron_vlm.rl.trainer import check_model_folder
+
+                check_model_folder(cfg)  # names the SFT run that produces a missing start checkpoint
+            _prepare_model_folder(cfg, env)
+        except FileNotFoundError as e:
+            import sys
+
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         from megatron_vlm.training.job import Job
 
         job = Job(cfg=cfg, env=env, run_dir=run_dir)

@@ -1,8 +1,9 @@
 """A synthetic visual question-answering set whose answers can only come from the image.
 
 Each image is a small canvas (56x56 by default, so a tiny vision tower is fast) with 1-4 filled
-shapes, one per quadrant, each of one of 5 colours and 3 kinds. Three question types, each with a
-small closed answer set and (close to) uniform answers:
+shapes, one per quadrant, each of one of 5 colours and 3 kinds, centred in its quadrant: with the
+default canvas a quadrant is exactly one merged vision token of Qwen2.5-VL (2x2 patches of 14 px),
+so every shape is seen whole by one token. Three question types, each with a small closed answer set:
 
     count            "How many shapes are there?"     -> "1" | "2" | "3" | "4"                 chance 1/4
     colour_of_shape  "What colour is the <shape>?"    -> red | green | blue | yellow | purple  chance 1/5
@@ -10,9 +11,12 @@ small closed answer set and (close to) uniform answers:
 
 The asked-about shape kind / colour occurs exactly once in the image, so every question has one
 right answer. The text alone carries no information about the answer, so a blind model cannot beat
-`blind_baseline_accuracy(records)` (the best guess per question type from the answer frequencies;
-about (1/4 + 1/5 + 1/3) / 3 ~= 0.26 for a uniform mix). Everything is a pure function of
-(seed, sizes, image_size): the same call writes the same bytes.
+`blind_baseline_accuracy(records)` (the best guess per question type from the answer frequencies).
+Splits are balanced: each question type gets a third of the samples and, within a type, each
+answer the same number (+-1), in shuffled order; so the blind baseline of a split is the
+theoretical (1/4 + 1/5 + 1/3) / 3 = 0.261 (exactly so when its size is a multiple of 180), not an
+optimistic estimate inflated by the sampling noise of a small split. Everything is a pure function
+of (seed, sizes, image_size): the same call writes the same bytes.
 
 `write_synthetic_vqa` writes PNGs under images/ and train.jsonl / eval.jsonl in the messages format
 (seed 002), plus "question_type" and "answer" fields used by evaluation. Files are written
@@ -77,25 +81,46 @@ def _draw_shape(draw: ImageDraw.ImageDraw, kind: str, box: tuple[int, int, int, 
         draw.polygon([((x0 + x1) // 2, y0), (x1, y1), (x0, y1)], fill=rgb)
 
 
-def generate_sample(rng: random.Random, image_size: int = 56) -> tuple[Image.Image, dict]:
+def _shape_box(rng: random.Random, cell: int, col: int, row: int) -> tuple[int, int, int, int]:
+    """Bounding box of a shape in quadrant (col, row): centred in the quadrant (+-1 px), side 64-86%
+    of it, at least 1 px from the quadrant's border so that no two shapes touch. With the default
+    56 px canvas a quadrant is exactly one 28x28 merged vision token (2x2 patches of 14 px), so each
+    shape is seen whole by one token and split evenly over its four patches."""
+    side = rng.randint(round(0.64 * cell), round(0.86 * cell))
+    centred = (cell - side) // 2
+    ox = col * cell + min(max(centred + rng.randint(-1, 1), 1), cell - side - 1)
+    oy = row * cell + min(max(centred + rng.randint(-1, 1), 1), cell - side - 1)
+    return ox, oy, ox + side - 1, oy + side - 1
+
+
+def generate_sample(rng: random.Random, image_size: int = 56, *, question_type: str | None = None,
+                    answer: str | None = None) -> tuple[Image.Image, dict]:
     """One (image, annotation) pair; annotation has question_type, question, answer, shapes.
 
-    The question type, the number of shapes and the answer are drawn uniformly; the other shapes
-    are then drawn so that the asked-about kind (or colour) occurs exactly once.
+    The question type and the answer are drawn uniformly unless given (the split writer passes
+    them to balance the answers exactly); the number of shapes is uniform in 1-4 (it is the answer
+    of a count question). The other shapes are drawn so that the asked-about kind (or colour)
+    occurs exactly once.
     """
-    qtype = rng.choice(QUESTION_TYPES)
-    n = rng.randint(1, 4)
+    qtype = question_type if question_type is not None else rng.choice(QUESTION_TYPES)
+    if qtype not in ANSWERS:
+        raise ValueError(f"question_type must be one of {QUESTION_TYPES}, got {qtype!r}")
+    if answer is not None and answer not in ANSWERS[qtype]:
+        raise ValueError(f"answer {answer!r} is not a possible answer of {qtype!r}: {ANSWERS[qtype]}")
     colour_names = list(COLOURS)
     if qtype == "count":
+        n = int(answer) if answer is not None else rng.randint(1, 4)
         shapes = [(rng.choice(SHAPES), rng.choice(colour_names)) for _ in range(n)]
         question, answer = _question(qtype), str(n)
     elif qtype == "colour_of_shape":
-        kind, colour = rng.choice(SHAPES), rng.choice(colour_names)
+        n = rng.randint(1, 4)
+        kind, colour = rng.choice(SHAPES), answer if answer is not None else rng.choice(colour_names)
         others = [k for k in SHAPES if k != kind]
         shapes = [(kind, colour)] + [(rng.choice(others), rng.choice(colour_names)) for _ in range(n - 1)]
         question, answer = _question(qtype, kind), colour
     else:
-        kind, colour = rng.choice(SHAPES), rng.choice(colour_names)
+        n = rng.randint(1, 4)
+        kind, colour = answer if answer is not None else rng.choice(SHAPES), rng.choice(colour_names)
         others = [c for c in colour_names if c != colour]
         shapes = [(kind, colour)] + [(rng.choice(SHAPES), rng.choice(others)) for _ in range(n - 1)]
         question, answer = _question(qtype, colour), kind
@@ -104,12 +129,9 @@ def generate_sample(rng: random.Random, image_size: int = 56) -> tuple[Image.Ima
     img = Image.new("RGB", (image_size, image_size), _BACKGROUND)
     draw = ImageDraw.Draw(img)
     cell = image_size // 2
-    lo = max(6, cell // 2)
     for q, (kind, colour) in zip(quadrants, shapes):
-        side = rng.randint(lo, cell - 4)
-        ox = (q % 2) * cell + rng.randint(2, cell - side - 2)
-        oy = (q // 2) * cell + rng.randint(2, cell - side - 2)
-        _draw_shape(draw, kind, (ox, oy, ox + side - 1, oy + side - 1), COLOURS[colour])
+        box = _shape_box(rng, cell, q % 2, q // 2)
+        _draw_shape(draw, kind, box, COLOURS[colour])
     ann = {"question_type": qtype, "question": question, "answer": answer,
            "shapes": [{"kind": k, "colour": c, "quadrant": q} for (k, c), q in zip(shapes, quadrants)]}
     return img, ann
@@ -133,13 +155,27 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _balanced_plan(rng: random.Random, n: int) -> list[tuple[str, str]]:
+    """(question_type, answer) for n samples: types in turn, each type's answers in turn, then shuffled.
+
+    Every question type gets n/3 samples (+-1) and, within a type, every answer the same count (+-1),
+    so the blind baseline of even a small split is the theoretical one."""
+    plan = []
+    for t, qtype in enumerate(QUESTION_TYPES):
+        choices = ANSWERS[qtype]
+        per_type = n // len(QUESTION_TYPES) + (1 if t < n % len(QUESTION_TYPES) else 0)
+        plan += [(qtype, choices[i % len(choices)]) for i in range(per_type)]
+    rng.shuffle(plan)
+    return plan
+
+
 def _split_records(out: Path, split: str, n: int, seed: int, image_size: int) -> list[dict]:
     import io
 
     rng = random.Random(seed * 1_000_003 + _SPLIT_STREAM[split])
     records = []
-    for i in range(n):
-        img, ann = generate_sample(rng, image_size)
+    for i, (qtype, answer) in enumerate(_balanced_plan(rng, n)):
+        img, ann = generate_sample(rng, image_size, question_type=qtype, answer=answer)
         rel = f"images/{split}_{i:05d}.png"
         buf = io.BytesIO()
         img.save(buf, format="PNG")
@@ -160,7 +196,7 @@ def write_synthetic_vqa(out_dir: str | os.PathLike, n_train: int, n_eval: int, s
         raise ValueError(f"image_size must be >= 28, got {image_size}")
     out = Path(out_dir)
     paths = {"train": out / "train.jsonl", "eval": out / "eval.jsonl", "meta": out / "meta.json"}
-    params = {"n_train": n_train, "n_eval": n_eval, "seed": seed, "image_size": image_size, "version": 1}
+    params = {"n_train": n_train, "n_eval": n_eval, "seed": seed, "image_size": image_size, "version": 2}
     if paths["meta"].is_file():
         try:
             if json.loads(paths["meta"].read_text()).get("params") == params:

@@ -4,8 +4,10 @@ from megatron_vlm.parallel.dist import DistEnv, init_distributed, destroy_distri
 from megatron_vlm.parallel.mesh import ParallelDims, build_mesh
 from megatron_vlm.parallel.apply import apply_ac, apply_compile, apply_fsdp, parallelize_blocks
 from megatron_vlm.parallel.grad import clip_grad_norm_
+from megatron_vlm.parallel.expert_parallel import apply_ep, expert_parameters
 
 __all__ = [
     "DistEnv", "init_distributed", "destroy_distributed", "ParallelDims", "build_mesh",
     "apply_ac", "apply_compile", "apply_fsdp", "parallelize_blocks", "clip_grad_norm_",
+    "apply_ep", "expert_parameters",
 ]

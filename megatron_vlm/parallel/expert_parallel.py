@@ -1,0 +1,234 @@
+"""Expert parallelism (EP): each rank of an EP group holds E / ep of a MoE block's routed experts and
+the tokens travel to the rank that holds their expert and back, with two all-to-alls.
+
+Why: the routed experts are most of a MoE model's weights (Nemotron-3-Nano-30B-A3B: 128 experts per
+layer) but each token uses only k of them. Sharding the experts instead of gathering them (FSDP)
+keeps the expert weights resident and sends activations, which are much smaller per step.
+
+Design (one MoE block, EP group of size ep, rank r holds the contiguous experts
+[r * E/ep, (r+1) * E/ep) — the `Shard(0)` layout of the stacked `[E, out, in]` weights):
+
+1. The router, the shared experts and the load counts are untouched: every rank routes its own
+   tokens over all E experts, and `tokens_per_expert` `[E]` (which feeds the load-balancing counts
+   and the auxiliary loss) still counts this rank's tokens' choices of every expert.
+2. `kernels.moe_permute` groups this rank's token copies by global expert id; because experts are
+   contiguous per rank, the rows bound for rank d are one contiguous slice.
+3. The per-(destination rank, local expert) counts are exchanged first (an all-to-all of E integers),
+   so every rank knows its variable split sizes; then the token rows are exchanged
+   (`all_to_all_single` with those splits). Received rows come ordered (source rank, local expert);
+   an index permutation regroups them (local expert, source rank) for `kernels.grouped_mm`.
+4. The local experts run with the same kernels ops as the unsharded block (weights cast to the
+   activation dtype, since expert weights are not FSDP parameters and get no mixed-precision cast).
+5. The outputs are put back in (source rank, local expert) order, returned with the reverse
+   all-to-all and combined with the routing weights by `kernels.moe_unpermute` — exactly as the
+   unsharded block does, so a token's result does not depend on where its experts live.
+
+Autograd: `_AllToAll` is a custom Function whose backward is the all-to-all with the splits swapped,
+so the gradient of a token row goes back to the rank that sent it and the local expert weights'
+gradient is the full gradient from every EP rank's tokens. A rank that receives no rows still keeps
+the received rows and its expert weights in the graph (with a zero contribution), so every rank runs
+the same backward collectives and has a (zero) gradient.
+
+Placement: with a `ProcessGroup`, the expert weights become plain local slices (the unit tests'
+form). With a `DeviceMesh` whose last dim is the EP dim, they become DTensors placed `Shard(0)` on
+it (and `Replicate()` on a leading replica dim if the mesh is 2-D), so DCP checkpoints and
+`full_tensor()` / full-state-dict exports see the whole `[E, out, in]` tensors. Such parameters
+must not also be FSDP parameters (`expert_parameters` lists them for `ignored_params`). Their
+gradient is summed over the replica dim (ranks holding the same experts but reading other data) and
+divided by `grad_divide_factor`, matching FSDP's average over the data-parallel ranks.
+"""
+from __future__ import annotations
+
+from typing import Iterable, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_vlm import kernels
+from megatron_vlm.models.common.moe import GroupedExperts
+
+_EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of `x` split by `input_splits` go to the ranks of `group`; returns the rows received
+    (`output_splits` from each rank, in rank order). Backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits: List[int], input_splits: List[int], group):
+        ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group
+        return _all_to_all(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, output_splits: List[int], input_splits: List[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
+class _ReduceGradOverReplicas(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over `group` (replicas of the same expert shard)
+    and divides by `divide_factor`."""
+
+    @staticmethod
+    def forward(ctx, w, group, divide_factor: float):
+        ctx.group, ctx.divide_factor = group, divide_factor
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        if ctx.group is not None:
+            grad = grad.clone()
+            dist.all_reduce(grad, group=ctx.group)
+        if ctx.divide_factor != 1.0:
+            grad = grad / ctx.divide_factor
+        return grad, None, None
+
+
+def _regroup_index(recv_counts: torch.Tensor) -> torch.Tensor:
+    """recv_counts `[ep, El]` (rows from source s for local expert e, received in (s, e) order) ->
+    index into the received rows that orders them (e, s)."""
+    flat = recv_counts.reshape(-1)
+    starts = (torch.cumsum(flat, 0) - flat).view_as(recv_counts)
+    counts_es, starts_es = recv_counts.t().reshape(-1), starts.t().reshape(-1)
+    total = int(flat.sum())
+    group_begin = torch.cumsum(counts_es, 0) - counts_es  # where each (e, s) chunk begins in the target order
+    offset_in_chunk = torch.arange(total, device=flat.device) - torch.repeat_interleave(group_begin, counts_es)
+    return torch.repeat_interleave(starts_es, counts_es) + offset_in_chunk
+
+
+class ExpertParallelGroupedExperts(GroupedExperts):
+    """`GroupedExperts` holding only this rank's experts; the forward dispatches with all-to-all.
+    Made by `apply_ep` (class swap, so parameter names and checkpoints keep their keys)."""
+
+    ep_group: object
+    ep_size: int
+    ep_rank: int
+    num_local_experts: int
+    replica_group: object
+    grad_divide_factor: float
+
+    def _local_weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        w = getattr(self, name)
+        if hasattr(w, "to_local"):
+            w = w.to_local()
+        if self.replica_group is not None or self.grad_divide_factor != 1.0:
+            w = _ReduceGradOverReplicas.apply(w, self.replica_group, self.grad_divide_factor)
+        return w.to(dtype)
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        """x `[N, hidden]` -> (combined output `[N, hidden]`, tokens_per_expert `[E]` of this rank's tokens)."""
+        ep, n_local = self.ep_size, self.num_local_experts
+        permuted, row_map, tokens_per_expert = kernels.moe_permute(x, topk_ids, num_experts=self.num_experts)
+        send_counts = tokens_per_expert.view(ep, n_local).contiguous()  # [destination rank, local expert]
+        recv_counts = torch.empty_like(send_counts)  # [source rank, local expert]
+        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
+        input_splits = send_counts.sum(1).tolist()
+        output_splits = recv_counts.sum(1).tolist()
+        received = _AllToAll.apply(permuted, output_splits, input_splits, self.ep_group)
+
+        order = _regroup_index(recv_counts)
+        local_in = received.index_select(0, order)
+        local_counts = recv_counts.sum(0)
+        dtype = x.dtype
+        first = self._local_weight("gate_up_proj" if self.gated else "up_proj", dtype)
+        hidden = kernels.grouped_mm(local_in, first, tokens_per_expert=local_counts, weight_layout="enk")
+        if self.gated:
+            gate, up = hidden.chunk(2, dim=-1)
+            mid = self.act(gate) * up
+        else:
+            mid = self.act(hidden)
+        down = self._local_weight("down_proj", dtype)
+        local_out = kernels.grouped_mm(mid, down, tokens_per_expert=local_counts, weight_layout="enk")
+        if local_out.shape[0] == 0:
+            # No rows here: grouped_mm's empty output is cut off from its inputs, so tie it to the
+            # received rows and the weights (zero contribution). Otherwise this rank would skip the
+            # backward all-to-all the senders run, and the replica all-reduce of the weight gradients.
+            local_out = local_out + 0.0 * (received.sum() + first.sum() + down.sum())
+
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        by_source = local_out.index_select(0, inverse)
+        returned = _AllToAll.apply(by_source, input_splits, output_splits, self.ep_group)
+        return kernels.moe_unpermute(returned, row_map, topk_weights), tokens_per_expert
+
+
+def _resolve(ep_group_or_mesh):
+    """-> (ep_group, ep_size, ep_rank, mesh or None, replica_group or None)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(ep_group_or_mesh, DeviceMesh):
+        mesh = ep_group_or_mesh
+        if mesh.ndim not in (1, 2):
+            raise ValueError(f"apply_ep: the mesh must be 1-D (ep) or 2-D (replica, ep), got {mesh.ndim} dims")
+        group = mesh.get_group(mesh.ndim - 1)
+        replica = mesh.get_group(0) if mesh.ndim == 2 and mesh.size(0) > 1 else None
+        return group, mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1), mesh, replica
+    if ep_group_or_mesh is None:
+        raise ValueError("apply_ep: give the EP ProcessGroup or DeviceMesh, got None")
+    group = ep_group_or_mesh
+    return group, dist.get_world_size(group), dist.get_rank(group), None, None
+
+
+def apply_ep(moe_modules: Iterable[nn.Module], ep_group_or_mesh, *, grad_divide_factor: float = 1.0) -> None:
+    """Shard the routed experts of each MoE block over the EP group, in place (see module docstring).
+
+    `moe_modules`: MoE blocks (with `.experts`, a `GroupedExperts`) whose experts hold the full
+    `[E, ...]` weights. `ep_group_or_mesh`: a ProcessGroup (local slices as plain parameters) or a
+    DeviceMesh, 1-D ep or 2-D (replica, ep) (DTensor parameters, `Shard(0)` on ep).
+    `grad_divide_factor`: the expert gradients are divided by it (the trainer's data-parallel size,
+    because the loss is scaled by it for FSDP's gradient average).
+    """
+    group, ep, rank, mesh, replica = _resolve(ep_group_or_mesh)
+    if grad_divide_factor <= 0:
+        raise ValueError(f"apply_ep: grad_divide_factor must be > 0, got {grad_divide_factor}")
+    for i, moe in enumerate(moe_modules):
+        experts = getattr(moe, "experts", None)
+        if isinstance(experts, ExpertParallelGroupedExperts):
+            raise ValueError(f"apply_ep: MoE block #{i} already has expert parallelism applied")
+        if not isinstance(experts, GroupedExperts):
+            raise TypeError(f"apply_ep: MoE block #{i} ({type(moe).__name__}) has no GroupedExperts `.experts`")
+        num_experts = experts.num_experts
+        if num_experts % ep:
+            raise ValueError(
+                f"apply_ep: MoE block #{i} has {num_experts} experts, not divisible by the expert-parallel "
+                f"size {ep} (parallel.ep); each rank must hold the same number of experts"
+            )
+        n_local = num_experts // ep
+        for name in _EXPERT_WEIGHTS:
+            w = getattr(experts, name, None)
+            if w is None:
+                continue
+            if w.shape[0] != num_experts:
+                raise ValueError(f"apply_ep: MoE block #{i} {name} has {w.shape[0]} experts, expected {num_experts}")
+            local = w.detach()[rank * n_local:(rank + 1) * n_local].clone()
+            if mesh is not None:
+                from torch.distributed.tensor import DTensor, Replicate, Shard
+
+                placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
+                local = DTensor.from_local(local, mesh, placements, run_check=False,
+                                           shape=w.shape, stride=w.stride())
+            setattr(experts, name, nn.Parameter(local, requires_grad=w.requires_grad))
+        experts.__class__ = ExpertParallelGroupedExperts
+        experts.ep_group, experts.ep_size, experts.ep_rank = group, ep, rank
+        experts.num_local_experts = n_local
+        experts.replica_group = replica
+        experts.grad_divide_factor = float(grad_divide_factor)
+
+
+def expert_parameters(model: nn.Module) -> List[nn.Parameter]:
+    """The parameters sharded by `apply_ep` (to exclude from FSDP and to clip once)."""
+    out: List[nn.Parameter] = []
+    for m in model.modules():
+        if isinstance(m, ExpertParallelGroupedExperts):
+            out += [getattr(m, n) for n in _EXPERT_WEIGHTS if getattr(m, n, None) is not None]
+    return out
+
+
+__all__ = ["apply_ep", "expert_parameters", "ExpertParallelGroupedExperts"]

@@ -6,6 +6,17 @@ Two model types share this family:
 * `nemotron_h_omni` (transformers' `NemotronH_Omni_Reasoning_V3`): RADIO vision encoder + pixel
   shuffle + MLP projector + the same language model under `text_config` (`llm_config` in older
   releases). The audio branch is out of scope: a config with an `audio_config` is rejected.
+* `nemotron_h_omni` whose `vision_config.model_type` is `qwen3_vl` / `qwen3_vl_vision` (the
+  Nemotron-3-Nano-VL variant trained by cosmos-rl, seed 002): the Qwen3-VL vision tower with its
+  patch merger and DeepStack mergers (`Qwen3VLVisionArgs`, `out_hidden_size` = the NemotronH hidden
+  size) in place of RADIO + projector. Layout read and written:
+  `{"model_type": "nemotron_h_omni", "architectures": ["NemotronVLForConditionalGeneration"],
+  "text_config": {nemotron_h fields}, "vision_config": {"model_type": "qwen3_vl_vision", Qwen3-VL
+  vision fields}, "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"}`
+  (the top-level ids as Qwen3-VL's config.json names them; the processor is the Qwen3-VL one).
+  transformers has no class for this composition, so there is no `auto_map`-free loader for it
+  outside this package; the top-level `model_type` stays `nemotron_h_omni` so that the family
+  registry picks this family, and the vision tower is chosen by `vision_config.model_type`.
 
 The layer pattern comes from `layers_block_type` (["linear_attention", "full_attention", "mlp",
 "moe"], "linear_attention" being the Mamba2 mixer) or the legacy `hybrid_override_pattern` string
@@ -16,7 +27,9 @@ transformers reads them. Settings the model code does not implement are rejected
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
+
+from megatron_vlm.models.qwen3_vl.args import Qwen3VLVisionArgs
 
 _PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 _LAYER_TYPES = ("linear_attention", "full_attention", "mlp", "moe")
@@ -30,6 +43,10 @@ _OMNI_LEGACY = {
     "img_context_token_id": "image_token_id", "video_context_token_id": "video_token_id",
     "llm_config": "text_config", "vit_hidden_size": "vision_hidden_size", "sound_config": "audio_config",
 }
+# vision_config.model_type values that select the Qwen3-VL vision tower ("qwen3_vl_vision" is what
+# transformers' Qwen3VLVisionConfig writes; "qwen3_vl" is the family name used in hand-written configs)
+QWEN3_VL_VISION_TYPES = ("qwen3_vl", "qwen3_vl_vision", "qwen3_vl_moe_vision")
+_QWEN3_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
 def _float(value: Any) -> float:
@@ -194,10 +211,12 @@ class RadioVisionArgs:
 
 @dataclass(kw_only=True)
 class NemotronVLArgs:
-    """Everything the family's module needs; `vision` is None for the text-only `nemotron_h`."""
+    """Everything the family's module needs; `vision` is None for the text-only `nemotron_h`,
+    `RadioVisionArgs` for the RADIO model and `Qwen3VLVisionArgs` for the Qwen3-VL-vision variant
+    (whose RADIO-only fields - downsample_ratio, projector / vision hidden sizes - are unused)."""
 
     text: NemotronHTextArgs = field(default_factory=NemotronHTextArgs)
-    vision: Optional[RadioVisionArgs] = None
+    vision: Union[RadioVisionArgs, Qwen3VLVisionArgs, None] = None
     model_type: str = "nemotron_h_omni"
     downsample_ratio: float = 0.5
     projector_hidden_size: int = 4096
@@ -206,10 +225,19 @@ class NemotronVLArgs:
     video_token_id: Optional[int] = None
     video_temporal_patch_size: int = 2
     video_pruning_rate: float = 0.0
+    vision_start_token_id: Optional[int] = None
+    vision_end_token_id: Optional[int] = None
 
     @property
     def tie_word_embeddings(self) -> bool:
         return self.text.tie_word_embeddings
+
+    @property
+    def vision_tower(self) -> Optional[str]:
+        """"radio", "qwen3_vl" or None (text only)."""
+        if self.vision is None:
+            return None
+        return "qwen3_vl" if isinstance(self.vision, Qwen3VLVisionArgs) else "radio"
 
     @property
     def merge_size(self) -> int:
@@ -231,14 +259,33 @@ class NemotronVLArgs:
             raise ValueError("config.json: audio_config is set, but the audio branch of nemotron_h_omni is not supported")
         if cfg.get("text_config") is None or cfg.get("vision_config") is None:
             raise ValueError("config.json: nemotron_h_omni needs text_config (llm_config) and vision_config")
+        if "tie_word_embeddings" in cfg and "tie_word_embeddings" not in cfg["text_config"]:
+            cfg["text_config"] = {**cfg["text_config"], "tie_word_embeddings": cfg["tie_word_embeddings"]}
+        if cfg["vision_config"].get("model_type") in QWEN3_VL_VISION_TYPES:
+            return cls._from_qwen3_vision_config(cfg)
         vc = dict(cfg["vision_config"])
         vc.setdefault("video_temporal_patch_size", cfg.get("video_temporal_patch_size", 2))
         kw = {k: cfg[k] for k in ("downsample_ratio", "projector_hidden_size", "vision_hidden_size", "image_token_id",
                                   "video_token_id", "video_temporal_patch_size", "video_pruning_rate")
               if cfg.get(k) is not None}
-        if "tie_word_embeddings" in cfg and "tie_word_embeddings" not in cfg["text_config"]:
-            cfg["text_config"] = {**cfg["text_config"], "tie_word_embeddings": cfg["tie_word_embeddings"]}
         args = cls(text=NemotronHTextArgs.from_hf(cfg["text_config"]), vision=RadioVisionArgs.from_hf(vc),
+                   model_type="nemotron_h_omni", **kw)
+        args.validate()
+        return args
+
+    @classmethod
+    def _from_qwen3_vision_config(cls, cfg: dict) -> "NemotronVLArgs":
+        vc = cfg["vision_config"]
+        unused = [k for k in ("downsample_ratio", "projector_hidden_size", "vision_hidden_size") if cfg.get(k) is not None]
+        if unused:
+            raise ValueError(
+                f"config.json: {unused} describe the RADIO projector, but vision_config.model_type is "
+                f"{vc.get('model_type')!r} (the Qwen3-VL patch merger is the projector)"
+            )
+        if cfg.get("video_pruning_rate"):
+            raise ValueError("config.json: video_pruning_rate > 0 is not supported with the Qwen3-VL vision tower")
+        kw = {k: cfg[k] for k in _QWEN3_TOKEN_KEYS if cfg.get(k) is not None}
+        args = cls(text=NemotronHTextArgs.from_hf(cfg["text_config"]), vision=Qwen3VLVisionArgs.from_hf(vc),
                    model_type="nemotron_h_omni", **kw)
         args.validate()
         return args
@@ -248,6 +295,9 @@ class NemotronVLArgs:
         if self.vision is None:
             return
         self.vision.validate()
+        if isinstance(self.vision, Qwen3VLVisionArgs):
+            self._validate_qwen3_vision()
+            return
         if self.image_token_id is None:
             raise ValueError("config.json: image_token_id (img_context_token_id) is required for nemotron_h_omni")
         ratio = 1 / self.downsample_ratio
@@ -263,6 +313,23 @@ class NemotronVLArgs:
                 f"video_temporal_patch_size {self.video_temporal_patch_size}"
             )
 
+    def _validate_qwen3_vision(self) -> None:
+        v = self.vision
+        if self.image_token_id is None:
+            raise ValueError("config.json: image_token_id is required with the Qwen3-VL vision tower")
+        if v.out_hidden_size != self.text.hidden_size:
+            raise ValueError(
+                f"config.json: vision_config.out_hidden_size {v.out_hidden_size} != text_config.hidden_size "
+                f"{self.text.hidden_size} (the patch merger writes into the decoder's embedding space)"
+            )
+        if len(v.deepstack_visual_indexes) > self.text.num_hidden_layers:
+            raise ValueError(
+                f"vision_config.deepstack_visual_indexes has {len(v.deepstack_visual_indexes)} entries but the decoder "
+                f"has only {self.text.num_hidden_layers} layers to receive them"
+            )
+        if self.video_token_id is not None and self.video_token_id == self.image_token_id:
+            raise ValueError(f"config.json: video_token_id {self.video_token_id} equals image_token_id")
+
     def to_hf_config(self) -> dict:
         """A transformers 5 config.json dict for these args (used when the model has no original config)."""
         t = self.text
@@ -273,6 +340,16 @@ class NemotronVLArgs:
         text["layers_block_type"] = list(t.layers_block_type)
         if self.vision is None:
             return text
+        if isinstance(self.vision, Qwen3VLVisionArgs):
+            text.pop("architectures")
+            out = {
+                "architectures": ["NemotronVLForConditionalGeneration"],
+                "model_type": "nemotron_h_omni",
+                "text_config": text,
+                "vision_config": self.vision.to_hf("qwen3_vl"),
+            }
+            out.update({k: getattr(self, k) for k in _QWEN3_TOKEN_KEYS if getattr(self, k) is not None})
+            return out
         v = self.vision
         vision = {"model_type": "radio", **{f: getattr(v, f) for f in v.__dataclass_fields__}}
         vision["summary_idxs"] = list(v.summary_idxs)

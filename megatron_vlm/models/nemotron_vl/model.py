@@ -7,6 +7,14 @@ mixer ("linear_attention"), grouped-query attention without positional encoding
 ("moe"); then `norm_f` and `lm_head`. The VLM adds the RADIO encoder, pixel shuffle and projector
 (vision.py) whose outputs replace the image placeholder tokens (`merge_vision_embeddings`).
 
+Qwen3-VL vision variant (`vision_config.model_type` "qwen3_vl", see args.py): `vision_model` is the
+Qwen3-VL family's own `Qwen3VLVisionModel` (ViT + `Qwen3VLVisionPatchMerger`, reused from
+`models/qwen3_vl/model.py`); inputs are Qwen3-VL's (`pixel_values` + `image_grid_thw`,
+`pixel_values_videos` + `video_grid_thw`, placeholders `image_token_id` / `video_token_id`). Its
+DeepStack features (one per `deepstack_visual_indexes` entry) are added to the decoder's hidden
+states at the vision placeholder positions after decoder blocks 0 .. len(deepstack) - 1, as
+Qwen3-VL's text model does; here those blocks are hybrid blocks of any kind (Mamba2, MoE ...).
+
 Input forms of `forward` (the Qwen2.5-VL family's API):
 * padded batch: input_ids [B, T] (+ attention_mask [B, T], left or right padding): padding is
   masked out of attention and zeroed in the Mamba mixers, so it never changes real tokens;
@@ -31,6 +39,7 @@ from megatron_vlm.models.common.norms import RMSNorm
 from megatron_vlm.models.common.vlm_base import VLMBase, check_forward_inputs, cu_seqlens_max, new_tokens_mask
 from megatron_vlm.models.nemotron_vl.args import NemotronHTextArgs, NemotronVLArgs
 from megatron_vlm.models.nemotron_vl.cache import HybridCache
+from megatron_vlm.models.qwen3_vl.model import Qwen3VLVisionModel
 from megatron_vlm.models.nemotron_vl.vision import (
     LayerNorm,
     NemotronVLProjector,
@@ -136,16 +145,27 @@ class NemotronHTextModel(nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         cu_seqlens: Optional[torch.Tensor] = None,
         cache: Optional[HybridCache] = None,
+        visual_index: Optional[torch.Tensor] = None,
+        deepstack_embeds: Optional[list[torch.Tensor]] = None,
     ) -> torch.Tensor:
+        """DeepStack: after block j < len(deepstack_embeds), `deepstack_embeds[j]` [n, H] is added at the
+        flattened token positions `visual_index` [n] (row-major over [B, T])."""
         x = inputs_embeds
         max_seqlen = cu_seqlens_max(cu_seqlens) if cu_seqlens is not None else None
+        deepstack_embeds = deepstack_embeds or []
+        if len(deepstack_embeds) > len(self.layers):
+            raise ValueError(f"{len(deepstack_embeds)} DeepStack feature levels but only {len(self.layers)} decoder blocks")
         for i, layer in enumerate(self.layers):
             x = layer(x, attention_mask=attention_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cache=cache, layer_idx=i)
+            if i < len(deepstack_embeds):
+                flat = x.reshape(-1, x.shape[-1]).index_add(0, visual_index, deepstack_embeds[i].to(x.dtype))
+                x = flat.view_as(x)
         return self.norm_f(x)
 
 
 class NemotronVLForConditionalGeneration(VLMBase):
-    """`language_model` + `lm_head`, and for nemotron_h_omni `vision_model` + `multi_modal_projector`.
+    """`language_model` + `lm_head`, and for nemotron_h_omni `vision_model` + `multi_modal_projector`
+    (RADIO) or `vision_model` alone (the Qwen3-VL tower, whose patch merger is the projector).
 
     Decoding state comes from `make_cache` (KV + Mamba states), not `new_kv_cache`."""
 
@@ -153,7 +173,10 @@ class NemotronVLForConditionalGeneration(VLMBase):
         super().__init__(args, hf_config)
         self.language_model = NemotronHTextModel(args.text)
         self.lm_head = nn.Linear(args.text.hidden_size, args.text.vocab_size, bias=False)
-        if args.vision is not None:
+        if args.vision_tower == "qwen3_vl":
+            self.vision_model = Qwen3VLVisionModel(args.vision)
+            self.vision_final_layernorm = self.multi_modal_projector = None
+        elif args.vision is not None:
             v = args.vision
             self.vision_model = RadioVisionModel(v)
             # Megatron-Core checkpoints with MTP layers carry a final LayerNorm on the vision features.
@@ -172,7 +195,9 @@ class NemotronVLForConditionalGeneration(VLMBase):
         return self.language_model.embeddings
 
     def _vision_blocks(self) -> list[nn.Module]:
-        return list(self.vision_model.layers) if self.vision_model is not None else []
+        if self.vision_model is None:
+            return []
+        return list(self.vision_model.blocks if self.args.vision_tower == "qwen3_vl" else self.vision_model.layers)
 
     def make_cache(self, batch: int, max_len: int, *, dtype: Optional[torch.dtype] = None, device=None) -> HybridCache:
         """Decoding state for `batch` sequences of up to `max_len` tokens (KV + Mamba conv/SSM states)."""
@@ -223,6 +248,36 @@ class NemotronVLForConditionalGeneration(VLMBase):
                                   self.vision_final_layernorm)
         return out, [gh * gw // self.args.merge_size**2] * groups
 
+    def _embed_qwen3_vision(self, input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
+                            cu_seqlens):
+        """(embeddings with image / video features at their placeholders, flat visual positions, DeepStack levels)
+        for the Qwen3-VL vision tower; images and videos may come together (distinct placeholder ids)."""
+        embeds = self.language_model.embeddings(input_ids)
+        merge = self.args.vision.spatial_merge_size
+        indexes, levels = [], []
+        for name, pixels, grid, token_id in (
+            ("pixel_values", pixel_values, image_grid_thw, self.args.image_token_id),
+            ("pixel_values_videos", pixel_values_videos, video_grid_thw, self.args.video_token_id),
+        ):
+            if pixels is None:
+                continue
+            if grid is None:
+                raise ValueError(f"{name} given without its grid ({'image' if name == 'pixel_values' else 'video'}_grid_thw)")
+            if token_id is None:
+                raise ValueError(f"{name} given, but config.json has no video_token_id for the video placeholders")
+            feats, deepstack = self.vision_model(pixels.to(self.lm_head.weight.dtype), grid)
+            modality = "image" if name == "pixel_values" else "video"
+            embeds = merge_vision_embeddings(
+                embeds, input_ids, feats, token_id, modality=modality,
+                features_per_item=(grid.prod(-1) // merge**2).tolist(), cu_seqlens=cu_seqlens,
+            )
+            indexes.append(torch.nonzero((input_ids == token_id).reshape(-1)).flatten())
+            levels.append(deepstack)
+        if not indexes:
+            return embeds, None, None
+        # placeholders of both kinds, each kind in order; index_add makes the joint order irrelevant
+        return embeds, torch.cat(indexes), [torch.cat(level) for level in zip(*levels)]
+
     def embed(self, input_ids, *, pixel_values=None, image_grid_hw=None, pixel_values_videos=None, cu_seqlens=None):
         """Token embeddings with image / video features written at the placeholder tokens."""
         embeds = self.language_model.embeddings(input_ids)
@@ -258,30 +313,44 @@ class NemotronVLForConditionalGeneration(VLMBase):
     ) -> torch.Tensor:
         """Logits [B, T, vocab] (or final-norm hidden states with `return_hidden=True`).
 
-        Images: pixel_values `[total_patches, C*p*p]` + image_grid_hw `[n, 2]` (or image_grid_thw `[n, 3]`
-        with t = 1); videos: pixel_values_videos `[frames, C, H, W]`. video_grid_thw, second_per_grid_ts,
-        mm_token_type_ids and position_ids do not enter this model (no positional encoding).
+        RADIO: images pixel_values `[total_patches, C*p*p]` + image_grid_hw `[n, 2]` (or image_grid_thw
+        `[n, 3]` with t = 1); videos pixel_values_videos `[frames, C, H, W]`. Qwen3-VL tower: as Qwen3-VL,
+        pixel_values `[patches, C*T*p*p]` + image_grid_thw `[n, 3]`, pixel_values_videos + video_grid_thw.
+        second_per_grid_ts, mm_token_type_ids and position_ids do not enter this model (no positional
+        encoding in the decoder).
         """
         cu_seqlens = check_forward_inputs(input_ids, attention_mask, cu_seqlens, kv_cache)
-        if image_grid_hw is None and image_grid_thw is not None:
-            if image_grid_thw.dim() != 2 or image_grid_thw.shape[-1] != 3 or bool((image_grid_thw[:, 0] != 1).any()):
-                raise ValueError(f"image_grid_thw must be [n, 3] with t = 1 for nemotron images, got {image_grid_thw.tolist()}")
-            image_grid_hw = image_grid_thw[:, 1:]
-
-        embeds = self.embed(
-            input_ids, pixel_values=pixel_values, image_grid_hw=image_grid_hw,
-            pixel_values_videos=pixel_values_videos, cu_seqlens=cu_seqlens,
-        )
+        visual_index = deepstack_embeds = None
+        if self.args.vision_tower == "qwen3_vl":
+            if image_grid_thw is None and image_grid_hw is not None:
+                image_grid_thw = torch.cat([torch.ones_like(image_grid_hw[:, :1]), image_grid_hw], dim=1)
+            embeds, visual_index, deepstack_embeds = self._embed_qwen3_vision(
+                input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, cu_seqlens
+            )
+        else:
+            embeds = self._embed_radio(input_ids, pixel_values, image_grid_thw, image_grid_hw, pixel_values_videos,
+                                       cu_seqlens)
         new_mask = attention_mask
         if kv_cache is not None:
             new_mask = new_tokens_mask(new_mask, input_ids)
             kv_cache.begin_step(input_ids.shape[1], new_mask)
         try:
-            hidden = self.language_model(embeds, attention_mask=new_mask, cu_seqlens=cu_seqlens, cache=kv_cache)
+            hidden = self.language_model(embeds, attention_mask=new_mask, cu_seqlens=cu_seqlens, cache=kv_cache,
+                                         visual_index=visual_index, deepstack_embeds=deepstack_embeds)
         finally:
             if kv_cache is not None:
                 kv_cache.end_step()
         if return_hidden:
             return hidden
         return self.lm_head(hidden)
+
+    def _embed_radio(self, input_ids, pixel_values, image_grid_thw, image_grid_hw, pixel_values_videos, cu_seqlens):
+        if image_grid_hw is None and image_grid_thw is not None:
+            if image_grid_thw.dim() != 2 or image_grid_thw.shape[-1] != 3 or bool((image_grid_thw[:, 0] != 1).any()):
+                raise ValueError(f"image_grid_thw must be [n, 3] with t = 1 for nemotron images, got {image_grid_thw.tolist()}")
+            image_grid_hw = image_grid_thw[:, 1:]
+        return self.embed(
+            input_ids, pixel_values=pixel_values, image_grid_hw=image_grid_hw,
+            pixel_values_videos=pixel_values_videos, cu_seqlens=cu_seqlens,
+        )
 

@@ -17,6 +17,19 @@ Conversions (the only place weights are fused / split / stacked):
 * RADIO `attn.qkv` `[3E, E]` (+ bias) <-> `attention.{q,k,v}_proj`; `attn.proj` <-> `attention.o_proj`;
   patch generator `embedder` / `video_embedder` / `pos_embed` / `cls_token.token` <->
   `embeddings.patch_projection` / `video_patch_projection` / `position_embedding` / `cls_register_token`.
+Qwen3-VL vision variant (`vision_config.model_type` "qwen3_vl"): the language model keeps the
+nemotron_h_omni layout above (`language_model.backbone.*`, `language_model.lm_head.weight`); the
+vision tower is written as `vision_model.` + the names transformers' `Qwen3VLVisionModel` uses
+(`patch_embed.proj` Conv3d, `pos_embed`, `blocks.{i}.attn.qkv` / `attn.proj` / `mlp.linear_fc{1,2}`,
+`merger.{norm,linear_fc1,linear_fc2}`, `deepstack_merger_list.{j}.*`), converted by the Qwen3-VL
+family's own adapter (not repeated here). Why this naming: NVIDIA's public Nemotron-3-Nano-VL code
+in cosmos-rl (the `dev/nemotron` branch of seed 002: its `parallelize.py` and weight-check scripts
+for `NVIDIA-Nemotron-3-Nano-VL-30B-A3B`) reads the checkpoint straight into a remote-code model
+whose top-level modules are `vision_model` (a Qwen3-VL vision tower - `train_layers =
+["Qwen3VLVisionPatchMerger"]` selects its mergers by class name) and `language_model`, with
+`config.text_config.layers_block_type`; checkpoint keys are those module paths. The released
+checkpoint itself is not public, so the exact key list could not be checked; Qwen3-VL's own
+`model.visual.*` (and `visual.*`) are therefore read as aliases of `vision_model.*`.
 Ignored on load: multi-token-prediction heads (`mtp.*`), RADIO's `summary_idxs` and
 `input_conditioner` buffers (normalisation happens in the processor), tied `lm_head.weight`.
 """
@@ -28,6 +41,8 @@ import torch
 
 from megatron_vlm.models.common.state_dict_utils import join_fused_qkv, split_fused_qkv
 from megatron_vlm.models.nemotron_vl.args import NemotronVLArgs
+from megatron_vlm.models.qwen3_vl.args import Qwen3VLArgs, Qwen3VLTextArgs
+from megatron_vlm.models.qwen3_vl.state_dict_adapter import Qwen3VLStateDictAdapter
 
 _EXPERT = re.compile(r"^(language_model\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
 _OUR_EXPERT = re.compile(r"^(language_model\.layers\.\d+\.mixer\.experts)\.(up_proj|down_proj)$")
@@ -57,14 +72,32 @@ _PREFIXES_IN = [
 ]
 _IGNORED = re.compile(
     r"^(mtp\.|language_model\.mtp\.|vision_model\.(radio_model\.)?summary_idxs$|vision_model\.(radio_model\.)?input_conditioner\.)"
-    r"|rotary_emb\.inv_freq$"
+    r"|rotary_emb\.inv_freq$|rotary_pos_emb\.inv_freq$"
 )
+# Qwen3-VL vision keys of a checkpoint (ours first, then Qwen3-VL's own layouts)
+_QWEN3_VISION_IN = ("vision_model.", "model.visual.", "visual.")
 
 
 class NemotronVLStateDictAdapter:
     def __init__(self, args: NemotronVLArgs) -> None:
         self.args = args
         self.omni = args.vision is not None
+        self.qwen3_vision = None
+        if args.vision_tower == "qwen3_vl":
+            # the Qwen3-VL adapter converts the vision keys; it reads only `vision` (and the tie flag)
+            self.qwen3_vision = Qwen3VLStateDictAdapter(
+                Qwen3VLArgs(vision=args.vision, text=Qwen3VLTextArgs(hidden_size=args.text.hidden_size),
+                            tie_word_embeddings=False)
+            )
+
+    def _qwen3_vision_key(self, key: str) -> "str | None":
+        """A checkpoint key of the Qwen3-VL tower in Qwen3-VL's hub spelling (`model.visual.*`), else None."""
+        if self.qwen3_vision is None:
+            return None
+        for prefix in _QWEN3_VISION_IN:
+            if key.startswith(prefix):
+                return "model.visual." + key[len(prefix):]
+        return None
 
     # ----- HF -> ours -----
     def normalize_hf_key(self, key: str) -> str:
@@ -84,8 +117,15 @@ class NemotronVLStateDictAdapter:
         """Map HF tensors to ours; per-expert tensors wait in `pending` until their layer is complete."""
         out: dict[str, torch.Tensor] = {}
         experts: dict[tuple[str, str], dict[int, tuple[str, torch.Tensor]]] = {}
+        vision: dict[str, torch.Tensor] = {}
         for key, t in hf.items():
             if self.is_ignored(key):
+                continue
+            qkey = self._qwen3_vision_key(key)
+            if qkey is not None:
+                if qkey in vision:
+                    raise ValueError(f"{key}: the vision tensor {qkey} appears twice (in two key layouts)")
+                vision[qkey] = t
                 continue
             k = self.normalize_hf_key(key)
             m = _EXPERT.match(k)
@@ -100,6 +140,9 @@ class NemotronVLStateDictAdapter:
                     out[f"vision_model.encoder.layer.{layer}.attention.{name}_proj.{kind}"] = part
                 continue
             out[k] = t
+        if vision:
+            converted, _ = self.qwen3_vision.from_hf(vision)
+            out.update({"vision_model." + k[len("visual."):]: v for k, v in converted.items()})
         pending: dict[str, torch.Tensor] = {}
         num_experts = self.args.text.n_routed_experts
         for (prefix, proj), parts in experts.items():
@@ -143,6 +186,11 @@ class NemotronVLStateDictAdapter:
         """Our full state dict -> HF tensors in the checkpoint layout."""
         out: dict[str, torch.Tensor] = {}
         qkv: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+        if self.qwen3_vision is not None:
+            vision = {"visual." + k[len("vision_model."):]: t for k, t in state_dict.items() if k.startswith("vision_model.")}
+            for k, t in self.qwen3_vision.to_hf(vision).items():
+                out["vision_model." + k[len("model.visual."):]] = t
+            state_dict = {k: t for k, t in state_dict.items() if not k.startswith("vision_model.")}
         for key, t in state_dict.items():
             if key == "lm_head.weight" and self.args.tie_word_embeddings:
                 continue
@@ -160,6 +208,6 @@ class NemotronVLStateDictAdapter:
             out[self._checkpoint_key(key)] = t
         for layer, kind, fused in join_fused_qkv(qkv, "vision layer {layer}"):
             out[f"{_RADIO}blocks.{layer}.attn.qkv.{kind}"] = fused
-        if self.omni:
+        if self.args.vision_tower == "radio":
             out["vision_model.radio_model.summary_idxs"] = torch.tensor(self.args.vision.summary_idxs, dtype=torch.long)
         return out

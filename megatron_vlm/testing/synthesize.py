@@ -36,12 +36,19 @@ def _nemotron_vl(out: Path, seed: int) -> Path:
     return build_tiny_nemotron_vl_folder(out, seed=seed)
 
 
+def _nemotron_qwen3_vision(out: Path, seed: int) -> Path:
+    from megatron_vlm.models.nemotron_vl.tiny import build_tiny_nemotron_qwen3_vision_folder
+
+    return build_tiny_nemotron_qwen3_vision_folder(out, seed=seed)
+
+
 SYNTHESIZERS: dict[str, Callable[[Path, int], Path]] = {
     "tiny_qwen2_5_vl": _qwen2_5_vl,
     "tiny_qwen3_vl": _qwen3_vl,
     "tiny_qwen3_vl_moe": _qwen3_vl_moe,
     "tiny_internvl": _internvl,
     "tiny_nemotron_vl": _nemotron_vl,
+    "tiny_nemotron_qwen3_vision": _nemotron_qwen3_vision,
 }
 
 

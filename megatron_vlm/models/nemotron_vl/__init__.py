@@ -1,4 +1,5 @@
-"""Nemotron-H (hybrid Mamba2 / attention / MoE decoder) and Nemotron-3-Nano-VL (RADIO + projector)."""
+"""Nemotron-H (hybrid Mamba2 / attention / MoE decoder) and Nemotron-3-Nano-VL (RADIO + projector, or the
+Qwen3-VL vision tower with its patch merger and DeepStack: see args.py for the config layouts)."""
 from megatron_vlm.models.nemotron_vl.args import NemotronHTextArgs, NemotronVLArgs, RadioVisionArgs
 from megatron_vlm.models.nemotron_vl.cache import HybridCache
 from megatron_vlm.models.nemotron_vl.model import NemotronVLForConditionalGeneration

@@ -6,17 +6,21 @@ Two model types share this family:
 * `nemotron_h_omni` (transformers' `NemotronH_Omni_Reasoning_V3`): RADIO vision encoder + pixel
   shuffle + MLP projector + the same language model under `text_config` (`llm_config` in older
   releases). The audio branch is out of scope: a config with an `audio_config` is rejected.
-* `nemotron_h_omni` whose `vision_config.model_type` is `qwen3_vl` / `qwen3_vl_vision` (the
-  Nemotron-3-Nano-VL variant trained by cosmos-rl, seed 002): the Qwen3-VL vision tower with its
+* `nemotron_h_omni` whose `vision_config.model_type` is `qwen3_vl_vision` (or `qwen3_vl`): the
+  Nemotron-3-Nano-VL variant trained by cosmos-rl (seed 002), with the Qwen3-VL vision tower, its
   patch merger and DeepStack mergers (`Qwen3VLVisionArgs`, `out_hidden_size` = the NemotronH hidden
   size) in place of RADIO + projector. Layout read and written:
   `{"model_type": "nemotron_h_omni", "architectures": ["NemotronVLForConditionalGeneration"],
   "text_config": {nemotron_h fields}, "vision_config": {"model_type": "qwen3_vl_vision", Qwen3-VL
-  vision fields}, "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"}`
-  (the top-level ids as Qwen3-VL's config.json names them; the processor is the Qwen3-VL one).
-  transformers has no class for this composition, so there is no `auto_map`-free loader for it
-  outside this package; the top-level `model_type` stays `nemotron_h_omni` so that the family
-  registry picks this family, and the vision tower is chosen by `vision_config.model_type`.
+  vision fields, "video_temporal_patch_size"}, "video_temporal_patch_size", "image_token_id",
+  "video_token_id", "vision_start_token_id", "vision_end_token_id"}` (token ids named as in
+  Qwen3-VL's config.json; the processor is the Qwen3-VL one). Why this spelling: the top-level
+  `model_type` stays `nemotron_h_omni` so that the family registry picks this family, and with the
+  vision sub-config typed `qwen3_vl_vision` (transformers' `Qwen3VLVisionConfig`) plus
+  `video_temporal_patch_size` (= `temporal_patch_size`), transformers' `AutoConfig` - and so
+  `AutoTokenizer` on the folder - parses it; `qwen3_vl` would be parsed by transformers as a whole
+  Qwen3-VL config, so it is read here but not written. transformers has no model class for this
+  composition: only this package (and NVIDIA's remote code) builds the model.
 
 The layer pattern comes from `layers_block_type` (["linear_attention", "full_attention", "mlp",
 "moe"], "linear_attention" being the Mamba2 mixer) or the legacy `hybrid_override_pattern` string
@@ -284,9 +288,16 @@ class NemotronVLArgs:
             )
         if cfg.get("video_pruning_rate"):
             raise ValueError("config.json: video_pruning_rate > 0 is not supported with the Qwen3-VL vision tower")
+        vision = Qwen3VLVisionArgs.from_hf(vc)
+        for where, value in (("video_temporal_patch_size", cfg.get("video_temporal_patch_size")),
+                             ("vision_config.video_temporal_patch_size", vc.get("video_temporal_patch_size"))):
+            if value is not None and value != vision.temporal_patch_size:
+                raise ValueError(
+                    f"config.json: {where} {value} != vision_config.temporal_patch_size {vision.temporal_patch_size}"
+                )
         kw = {k: cfg[k] for k in _QWEN3_TOKEN_KEYS if cfg.get(k) is not None}
-        args = cls(text=NemotronHTextArgs.from_hf(cfg["text_config"]), vision=Qwen3VLVisionArgs.from_hf(vc),
-                   model_type="nemotron_h_omni", **kw)
+        args = cls(text=NemotronHTextArgs.from_hf(cfg["text_config"]), vision=vision, model_type="nemotron_h_omni",
+                   video_temporal_patch_size=vision.temporal_patch_size, **kw)
         args.validate()
         return args
 
@@ -342,11 +353,13 @@ class NemotronVLArgs:
             return text
         if isinstance(self.vision, Qwen3VLVisionArgs):
             text.pop("architectures")
+            tp = self.vision.temporal_patch_size
             out = {
                 "architectures": ["NemotronVLForConditionalGeneration"],
                 "model_type": "nemotron_h_omni",
                 "text_config": text,
-                "vision_config": self.vision.to_hf("qwen3_vl"),
+                "vision_config": {**self.vision.to_hf("qwen3_vl"), "video_temporal_patch_size": tp},
+                "video_temporal_patch_size": tp,
             }
             out.update({k: getattr(self, k) for k in _QWEN3_TOKEN_KEYS if getattr(self, k) is not None})
             return out

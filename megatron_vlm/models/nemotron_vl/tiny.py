@@ -9,6 +9,12 @@ chat template is ChatML with one `<image>` per image (the processor expands it t
 `<img>` + `<image>` * (grid_h * grid_w / 4) + `</img>`, as transformers' Nemotron-H Omni
 processor does). preprocessor_config.json names transformers' Nemotron-H Omni image processor
 with a small patch budget (patch 16, 16..64 patches per image).
+
+`build_tiny_nemotron_qwen3_vision_folder` writes the Qwen3-VL-vision variant (seed 002's
+Nemotron-3-Nano-VL): the same hybrid decoder with a 2-block Qwen3-VL vision tower (patch 16, merge
+2, DeepStack from block 0) and the tiny Qwen3-VL processor files (`Qwen2VLImageProcessorFast` in
+preprocessor_config.json, so `load_processor` picks the Qwen-VL processor; `<|image_pad|>` /
+`<|video_pad|>` placeholders framed by `<|vision_start|>` / `<|vision_end|>`).
 """
 from __future__ import annotations
 
@@ -79,6 +85,57 @@ def tiny_nemotron_vl_hf_config(tokenizer, *, hidden: int = 64) -> dict:
         "video_temporal_patch_size": 2,
         "video_pruning_rate": 0.0,
     }
+
+
+def tiny_nemotron_qwen3_vision_hf_config(token_ids: dict, *, hidden: int = 64) -> dict:
+    """config.json dict of the tiny Qwen3-VL-vision variant; `token_ids` from `tiny_qwen3_vl_token_ids`."""
+    text = dict(
+        model_type="nemotron_h", vocab_size=token_ids["vocab_size"], hidden_size=hidden,
+        layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, intermediate_size=2 * hidden,
+        mamba_num_heads=4, mamba_head_dim=hidden // 4, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=64,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden, moe_shared_expert_intermediate_size=hidden,
+        n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True, layer_norm_epsilon=1e-5,
+        mlp_hidden_act="relu2", tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=token_ids["eos_token_id"], pad_token_id=token_ids["pad_token_id"],
+    )
+    vision = dict(
+        model_type="qwen3_vl_vision", depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden,
+        patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+        deepstack_visual_indexes=[0], hidden_act="gelu_pytorch_tanh", video_temporal_patch_size=2,
+    )
+    return {
+        "architectures": ["NemotronVLForConditionalGeneration"],
+        "model_type": "nemotron_h_omni",
+        "text_config": text,
+        "vision_config": vision,
+        "video_temporal_patch_size": 2,  # with the vision_config copy: lets transformers' AutoConfig parse the file
+        **{k: token_ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")},
+    }
+
+
+def build_tiny_nemotron_qwen3_vision_folder(out_dir: str | Path, *, seed: int = 0) -> Path:
+    """The Qwen3-VL-vision variant's folder (written to a temporary sibling, then renamed); returns it."""
+    from transformers import AutoTokenizer
+
+    from megatron_vlm.checkpoint.hf import save_hf_model
+    from megatron_vlm.models import build_model
+    from megatron_vlm.testing.tiny_processor_qwen3_vl import build_tiny_qwen3_vl_processor, tiny_qwen3_vl_token_ids
+
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    build_tiny_qwen3_vl_processor(tmp)
+    token_ids = tiny_qwen3_vl_token_ids(AutoTokenizer.from_pretrained(tmp))
+    hf_config = tiny_nemotron_qwen3_vision_hf_config(token_ids)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = build_model(hf_config)
+    save_hf_model(model, tmp)
+    _write_json(tmp / "generation_config.json", {
+        "eos_token_id": token_ids["eos_token_id"], "pad_token_id": token_ids["pad_token_id"],
+    })
+    tmp.rename(out_dir)
+    return out_dir
 
 
 def _write_json(path: Path, obj: dict) -> None:

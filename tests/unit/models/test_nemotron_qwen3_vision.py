@@ -261,6 +261,12 @@ def test_export_then_load_round_trip(pair, tmp_path):
     args_cfg = ours.args.to_hf_config()
     assert NemotronVLArgs.from_hf_config(args_cfg) == ours.args
     assert args_cfg["vision_config"]["model_type"] == "qwen3_vl_vision"
+    from transformers import AutoConfig
+
+    (tmp_path / "args").mkdir()
+    (tmp_path / "args" / "config.json").write_text(json.dumps(args_cfg))
+    parsed = AutoConfig.from_pretrained(tmp_path / "args")  # transformers parses the layout we write
+    assert type(parsed.vision_config).__name__ == "Qwen3VLVisionConfig" and parsed.vision_config.depth == 3
 
 
 def test_train_layers_selects_exactly_the_patch_mergers(pair):
@@ -273,3 +279,33 @@ def test_train_layers_selects_exactly_the_patch_mergers(pair):
                 if n.startswith("vision_model.merger.") or n.startswith("vision_model.deepstack_merger_list.")}
     assert names == expected and len(expected) == 3 * 6
     assert trainable == sum(p.numel() for n, p in model.named_parameters() if n in expected) < total
+
+
+def test_tiny_folder_with_the_qwen3_vl_processor(tmp_path):
+    """`tiny_nemotron_qwen3_vision`: the folder's processor is Qwen3-VL's; its output drives the model."""
+    from PIL import Image
+
+    from megatron_vlm.data.processor import load_processor
+    from megatron_vlm.testing.synthesize import synthesize_model_folder
+
+    path = synthesize_model_folder("tiny_nemotron_qwen3_vision", tmp_path / "tiny", seed=0)
+    proc = load_processor(path)
+    assert proc.family == "qwen_vl"
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["vision_config"]["model_type"] == "qwen3_vl_vision" and proc.image_token_id == cfg["image_token_id"]
+    assert proc.video_token_id == cfg["video_token_id"]
+    text = proc.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "how many circles"}]}],
+        tokenize=False, add_generation_prompt=True)
+    image = Image.fromarray((torch.rand(64, 96, 3) * 255).to(torch.uint8).numpy())
+    batch = proc(text=text, images=[image])
+    assert batch["image_grid_thw"].tolist() == [[1, 4, 6]]  # 64 x 96 px at patch 16
+    assert int((batch["input_ids"] == cfg["image_token_id"]).sum()) == 6
+    model = load_hf_model(path).eval()
+    with torch.no_grad():
+        logits = model(batch["input_ids"], attention_mask=batch["attention_mask"], pixel_values=batch["pixel_values"],
+                       image_grid_thw=batch["image_grid_thw"], mm_token_type_ids=batch["mm_token_type_ids"])
+    assert logits.shape == (1, batch["input_ids"].shape[1], cfg["text_config"]["vocab_size"])
+    assert torch.isfinite(logits).all()
+    again = synthesize_model_folder("tiny_nemotron_qwen3_vision", tmp_path / "again", seed=0)
+    assert (again / "model.safetensors").read_bytes() == (path / "model.safetensors").read_bytes()

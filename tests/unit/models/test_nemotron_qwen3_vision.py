@@ -19,6 +19,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as
 
 from megatron_vlm.checkpoint.hf import save_hf_model
 from megatron_vlm.models import load_hf_model
+from megatron_vlm.models.nemotron_vl.args import NemotronVLArgs
 from megatron_vlm.training.freeze import apply_train_layers
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -144,9 +145,14 @@ def test_config_and_structure(pair):
     blocks = ours.transformer_blocks()
     assert blocks[:3] == list(ours.vision_model.blocks) and blocks[3:] == list(ours.language_model.layers)
     with pytest.raises(ValueError, match="out_hidden_size 24 != text_config.hidden_size 32"):
-        from megatron_vlm.models.nemotron_vl.args import NemotronVLArgs
-
         NemotronVLArgs.from_hf_config({**hf_config(), "vision_config": dict(VISION, out_hidden_size=24, model_type="qwen3_vl")})
+    with pytest.raises(ValueError, match=r"\['downsample_ratio'\] describe the RADIO projector"):
+        NemotronVLArgs.from_hf_config({**hf_config(), "downsample_ratio": 0.5})
+    pixels, grid = vision_inputs(0, [(1, 4, 4)])
+    with pytest.raises(ValueError, match="image_grid_thw"):
+        ours(prompt(0, [4]), pixel_values=pixels)
+    with pytest.raises(ValueError, match=r"5 placeholder tokens .* 4 image features"):
+        ours(prompt(0, [5]), pixel_values=pixels, image_grid_thw=grid)
 
 
 def test_one_image_matches_transformers(pair):
@@ -256,8 +262,6 @@ def test_export_then_load_round_trip(pair, tmp_path):
     for k, v in ours.state_dict().items():
         torch.testing.assert_close(again.state_dict()[k], v, rtol=0, atol=0)
     # an export written from args alone (no original config.json) declares the same layout
-    from megatron_vlm.models.nemotron_vl.args import NemotronVLArgs
-
     args_cfg = ours.args.to_hf_config()
     assert NemotronVLArgs.from_hf_config(args_cfg) == ours.args
     assert args_cfg["vision_config"]["model_type"] == "qwen3_vl_vision"

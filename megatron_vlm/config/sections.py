@@ -129,8 +129,14 @@ class ParallelConfig:
     """FSDP2: free gathered parameters after forward (ZeRO-3) or keep them until backward (ZeRO-2)."""
     compile: bool = False
     """torch.compile each transformer block."""
+    ep: int = 1
+    """Expert parallelism: shard each MoE block's routed experts over groups of `ep` ranks (tokens
+    exchanged with all-to-all); must divide the number of processes and the expert count. EP ranks
+    are data-parallel ranks too (each reads its own data); expert weights are left out of FSDP."""
 
     def validate(self) -> None:
+        if self.ep < 1:
+            raise ValueError(f"ep: must be >= 1, got {self.ep}")
         if self.dp_replicate <= 0:
             raise ValueError(f"dp_replicate: must be > 0, got {self.dp_replicate}")
         if self.dp_shard == 0 or self.dp_shard < -1:

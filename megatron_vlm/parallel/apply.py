@@ -40,15 +40,19 @@ def apply_fsdp(
     param_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = torch.float32,
     reshard_after_forward: bool = True,
+    ignored_params: Optional[set] = None,
 ) -> nn.Module:
-    """FSDP2 (`fully_shard`) per block, then the root. A 2-D mesh gives HSDP (replicate x shard)."""
+    """FSDP2 (`fully_shard`) per block, then the root. A 2-D mesh gives HSDP (replicate x shard).
+    `ignored_params` (expert-parallel weights, sharded on their own mesh) are left out of every unit:
+    FSDP neither gathers, casts nor reduces them."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     dp_mesh = mesh if mesh.ndim == 1 else mesh[("dp_replicate", "dp_shard")]
+    kwargs = {"ignored_params": set(ignored_params)} if ignored_params else {}
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, **kwargs)
     return model
 
 
@@ -62,6 +66,7 @@ def parallelize_blocks(
     param_dtype: Optional[torch.dtype] = None,
     root: Optional[nn.Module] = None,
     fsdp_blocks: Optional[list[nn.Module]] = None,
+    ignored_params: Optional[set] = None,
 ) -> nn.Module:
     """The tail every family shares: activation checkpointing -> compile -> FSDP2.
 
@@ -71,7 +76,7 @@ def parallelize_blocks(
     that collective and hang the others; vision parameters in the root unit are gathered with the
     root on every rank instead. `root` is the module that becomes the root FSDP unit (default
     `model`; the trainer passes its log-prob wrapper so the output projection runs inside the root's
-    forward). `mesh` None skips FSDP.
+    forward). `mesh` None skips FSDP. `ignored_params` are kept out of FSDP (expert-parallel weights).
     """
     if activation_checkpointing:
         apply_ac(blocks)
@@ -80,5 +85,6 @@ def parallelize_blocks(
     if mesh is not None:
         apply_fsdp(root if root is not None else model, mesh, blocks if fsdp_blocks is None else fsdp_blocks,
                    param_dtype=param_dtype,
-                   reshard_after_forward=getattr(parallel_cfg, "reshard_after_forward", True))
+                   reshard_after_forward=getattr(parallel_cfg, "reshard_after_forward", True),
+                   ignored_params=ignored_params)
     return model

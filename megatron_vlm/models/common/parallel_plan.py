@@ -3,7 +3,10 @@
 written once.
 
 Order (DESIGN.md §5): TP -> EP -> CP -> activation checkpointing -> compile -> FSDP. The shared
-helpers provide AC, compile and FSDP2 today. Activation checkpointing covers
+helpers provide EP, AC, compile and FSDP2 today. With `parallel.ep` > 1 the routed experts of every
+MoE block are sharded over the ("ep_replicate", "ep") mesh (`megatron_vlm.parallel.apply_ep`) and left
+out of FSDP (`ignored_params`); their gradients are summed over the replicas and divided by the
+data-parallel size, as FSDP averages the others (the loops scale the loss by it). Activation checkpointing covers
 `model.transformer_blocks()`; the FSDP units are the decoder layers (`model.language_model.layers`):
 the vision tower, projector, embeddings, final norm and lm_head stay in the root unit, so a rank
 whose micro-batch has no image still reduces the same parameters as the others (and tied embeddings
@@ -11,12 +14,16 @@ stay in one group).
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-from megatron_vlm.parallel import parallelize_blocks
+from megatron_vlm.parallel import apply_ep, expert_parameters, parallelize_blocks
+from megatron_vlm.parallel.mesh import build_ep_mesh
+
+log = logging.getLogger("megatron_vlm")
 
 
 def make_parallelize(
@@ -41,9 +48,14 @@ def make_parallelize(
             if size and size > 1:
                 suffix = f" ({note})" if note else ""
                 raise NotImplementedError(f"parallel.{dim}={size}: not implemented for {family} yet{suffix}")
+        ep = getattr(parallel_dims, "ep", 1) if parallel_dims is not None else 1
+        ignored = None
+        if ep > 1:
+            _apply_expert_parallel(model, family, parallel_dims, mesh)
+            ignored = set(expert_parameters(model))
         return parallelize_blocks(model, model.transformer_blocks(), parallel_cfg, mesh=mesh,
                                   activation_checkpointing=activation_checkpointing, param_dtype=param_dtype,
-                                  root=root, fsdp_blocks=list(model.language_model.layers))
+                                  root=root, fsdp_blocks=list(model.language_model.layers), ignored_params=ignored)
 
     parallelize.__name__ = parallelize.__qualname__ = f"parallelize_{family}"
     parallelize.__doc__ = (
@@ -51,3 +63,17 @@ def make_parallelize(
         "device); `root` = the module to make the root FSDP unit (the trainer's log-prob wrapper)."
     )
     return parallelize
+
+
+def _apply_expert_parallel(model: nn.Module, family: str, parallel_dims, mesh) -> None:
+    from megatron_vlm.models.common.moe import moe_layers
+
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError(f"parallel.ep={parallel_dims.ep}: the {family} model has no MoE blocks to shard")
+    if mesh is None:
+        raise NotImplementedError(f"parallel.ep={parallel_dims.ep}: expert parallelism without a device mesh "
+                                  "(one process, no FSDP) is not supported; run it under torchrun")
+    apply_ep(layers, build_ep_mesh(parallel_dims, mesh.device_type), grad_divide_factor=parallel_dims.dp_size)
+    log.info("expert parallelism: %d MoE layers, %d of %d routed experts per rank (parallel.ep=%d)",
+             len(layers), layers[0].num_experts // parallel_dims.ep, layers[0].num_experts, parallel_dims.ep)

@@ -7,7 +7,8 @@ over both ranks, each rank's local expert-weight gradients equal its slice of th
 gradient on the concatenated inputs, and router / shared-expert / latent gradients (all-reduced)
 equal the one-process ones; the load counts still count this rank's choices of all experts. The
 DTensor (DeviceMesh) form is checked too: full weights from `full_tensor()`, gradients divided by
-`grad_divide_factor`, and on a (replica=2, ep=1) mesh summed over the replicas.
+`grad_divide_factor`, and on a (replica=2, ep=1) mesh summed over the replicas. Grad-norm clipping
+over gradients on several meshes counts every shard once.
 """
 from __future__ import annotations
 
@@ -125,6 +126,32 @@ def _check_block(rank: int, make_block, seed: int, group, *, mesh=None, divide: 
         torch.testing.assert_close(g, ref_params[name].grad, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+def _check_clip_across_meshes(rank: int) -> None:
+    """Gradients on the FSDP-like mesh and on the (replica, ep) mesh: each shard counted once, each
+    replica not counted again; the clip scales every shard by the same coefficient."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from megatron_vlm.parallel.grad import clip_grad_norm_
+
+    g = torch.Generator().manual_seed(5)
+    full_a, full_b, full_c = torch.randn(4, 3, generator=g), torch.randn(6, 2, generator=g), torch.randn(5, generator=g)
+    dp_mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp_shard",))
+    ep_mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("ep_replicate", "ep"))
+    rep_mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("ep_replicate", "ep"))
+    params = []
+    for full, mesh, placements in ((full_a, dp_mesh, [Shard(0)]), (full_b, ep_mesh, [Replicate(), Shard(0)]),
+                                   (full_c, rep_mesh, [Replicate(), Shard(0)])):
+        p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(full), mesh, placements))
+        p.grad = distribute_tensor(full.clone(), mesh, placements)
+        params.append(p)
+    expected = torch.linalg.vector_norm(torch.cat([full_a.flatten(), full_b.flatten(), full_c]))
+    total = clip_grad_norm_(params, max_norm=1.0)
+    torch.testing.assert_close(total, expected, rtol=1e-6, atol=0)
+    for p, full in zip(params, (full_a, full_b, full_c)):
+        torch.testing.assert_close(p.grad.full_tensor(), full / (expected + 1e-6), rtol=1e-5, atol=1e-7)
+
+
 def _worker(rank: int, init_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
@@ -144,6 +171,8 @@ def _worker(rank: int, init_file: str) -> None:
         rep_mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("ep_replicate", "ep"))
         _check_block(rank, _sigmoid_block, 14, group, mesh=rep_mesh, divide=2.0)
 
+        _check_clip_across_meshes(rank)
+
         bad = MoE(HIDDEN, num_experts=3, top_k=1, moe_intermediate_size=4, activation="silu", gated_experts=True,
                   score_func="softmax", score_correction_bias=False)
         with pytest.raises(ValueError, match="3 experts, not divisible by the expert-parallel size 2"):
@@ -156,3 +185,26 @@ def _worker(rank: int, init_file: str) -> None:
 
 def test_expert_parallel_matches_unsharded_block(tmp_path):
     mp.spawn(_worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)
+
+
+def test_ep_config_and_mesh_validation():
+    from megatron_vlm.config.sections import ParallelConfig
+    from megatron_vlm.parallel.mesh import build_mesh
+
+    with pytest.raises(ValueError, match="ep: must be >= 1, got 0"):
+        ParallelConfig(ep=0).validate()
+    with pytest.raises(ValueError, match=r"parallel.ep \(3\) must be >= 1 and divide the number of processes \(2\)"):
+        build_mesh(ParallelConfig(ep=3), 2, "cpu")
+
+
+def test_ep_on_a_model_without_moe_blocks_is_an_error():
+    from megatron_vlm.models.common.parallel_plan import make_parallelize
+    from megatron_vlm.parallel.mesh import ParallelDims
+
+    parallelize = make_parallelize("dense_family")
+    model = torch.nn.Module()
+    model.language_model = torch.nn.Module()
+    model.language_model.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+    model.transformer_blocks = lambda: list(model.language_model.layers)
+    with pytest.raises(ValueError, match="parallel.ep=2: the dense_family model has no MoE blocks"):
+        parallelize(model, ParallelDims(1, 2, 2, ep=2), None)

@@ -1,13 +1,17 @@
 """Expert parallelism through the entry point: the tiny Nemotron-VL demo (8 routed experts per MoE
-layer) on 2 processes with parallel.ep=2 trains exactly like parallel.ep=1 (experts sharded by FSDP
-instead; ep=2 also with activation checkpointing): the same loss and grad-norm trajectory (fp32, 1e-5) and the same Hugging Face export (full
-expert tensors gathered from the ep shards); a run resumed from its ep=2 distributed checkpoint
+layer) on 2 processes with parallel.ep=2 (also with activation checkpointing) trains exactly like
+parallel.ep=1 (experts sharded by FSDP instead): the same loss and grad-norm trajectory (fp32, 1e-5)
+and the same Hugging Face export (full expert tensors gathered from the ep shards), also when
+converted offline from the ep=2 distributed checkpoint; a run resumed from its ep=2 checkpoint
 continues with the same losses."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from jobs import REPO, load_safetensors_dir, read_metrics, run_job
 
@@ -50,6 +54,12 @@ def test_ep2_matches_ep1(tmp_path):
     assert experts and all(p1[k].shape == p2[k].shape for k in p1)
     worst = max(((p1[k] - p2[k]).abs().max().item(), k) for k in p1)
     assert worst[0] <= 1e-5, worst
+    # Offline conversion of the ep=2 distributed checkpoint gives the export's tensors.
+    conv = tmp_path / "converted"
+    subprocess.run([sys.executable, str(REPO / "launch/convert_checkpoint.py"), "--checkpoint",
+                    str(ep2 / "checkpoints" / "step_4"), "--out", str(conv)], check=True, cwd=str(REPO), timeout=300)
+    p3 = load_safetensors_dir(conv)
+    assert p3.keys() == p2.keys() and all(torch.equal(p3[k], p2[k]) for k in p2)
 
     # Resume the ep=2 run from its step-2 distributed checkpoint: steps 3-4 repeat exactly.
     resumed = tmp_path / "resumed"

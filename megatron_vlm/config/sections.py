@@ -15,7 +15,8 @@ from typing import Literal, Optional
 class ModelConfig:
     path: str
     """Hugging Face model folder (config.json, safetensors, tokenizer, preprocessor)."""
-    synthesize: Optional[Literal["tiny_qwen2_5_vl", "tiny_qwen3_vl", "tiny_qwen3_vl_moe", "tiny_internvl", "tiny_nemotron_vl"]] = None
+    synthesize: Optional[Literal["tiny_qwen2_5_vl", "tiny_qwen3_vl", "tiny_qwen3_vl_moe", "tiny_internvl", "tiny_nemotron_vl",
+                                 "tiny_nemotron_qwen3_vision"]] = None
     """If set and `path` does not exist, build this tiny random model + tokenizer + processor there
     (deterministic, offline; used by the demo and tests)."""
     dtype: Literal["float32", "bfloat16"] = "float32"

@@ -97,18 +97,37 @@ def eval_answer_accuracy(job, *, max_new_tokens: int = 6, batch_size: int = 16) 
     tok = job.processor.tokenizer
     stop = {i for i in (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id) if i is not None}
     correct = total = 0
+    # per record "question_type" (synthetic VQA): tells which skill was learned, not just how much
+    by_type: dict[str, list[int]] = {}
     job.wrapper.eval()
     for batch in loader:
         gen = greedy_decode(job, batch, max_new_tokens, stop)
-        for ok, ref, g in zip(batch["sample_valid"].tolist(), batch["answers"], gen):
+        metas = batch.get("meta") or [{}] * len(gen)
+        for ok, ref, g, meta in zip(batch["sample_valid"].tolist(), batch["answers"], gen, metas):
             if ok and ref is not None:
+                hit = int(normalize_answer(tok.decode(g, skip_special_tokens=True)) == normalize_answer(ref))
                 total += 1
-                correct += int(normalize_answer(tok.decode(g, skip_special_tokens=True)) == normalize_answer(ref))
+                correct += hit
+                qtype = (meta or {}).get("question_type")
+                if isinstance(qtype, str):
+                    by_type.setdefault(qtype, [0, 0])
+                    by_type[qtype][0] += hit
+                    by_type[qtype][1] += 1
     job.wrapper.train()
-    correct, total = _sum([correct, total], job.env.device)
+    # every rank must all-reduce a vector of the same length, and ranks may see different types:
+    # use the synthetic set's fixed list of types (other values are counted only in the total)
+    from megatron_vlm.data.synthetic_vqa import QUESTION_TYPES
+    flat = [correct, total] + [v for q in QUESTION_TYPES for v in by_type.get(q, [0, 0])]
+    flat = _sum(flat, job.env.device)
+    correct, total = flat[0], flat[1]
     if total == 0:
         return None
-    return {"answer_accuracy": correct / total, "answer_n": total}
+    out = {"answer_accuracy": correct / total, "answer_n": total}
+    for i, q in enumerate(QUESTION_TYPES):
+        c, n = flat[2 + 2 * i], flat[3 + 2 * i]
+        if n > 0:
+            out[f"answer_accuracy/{q}"] = c / n
+    return out
 
 
 def evaluate(job, step: int) -> dict:

@@ -33,6 +33,7 @@ def small_demo_overrides(tmp: Path, assets: Path, **extra) -> list[str]:
         "train.eval_every": "0",
         "train.log_every": "1",
         "checkpoint.every_steps": "2",
+        "checkpoint.keep_last": "2",
         "logging.tensorboard": "false",
     }
     sets.update({k: str(v) for k, v in extra.items()})

@@ -2,6 +2,7 @@
 resume after kill -9, partial checkpoints ignored, HF export loads in transformers with equal logits."""
 from __future__ import annotations
 
+import json
 import shutil
 import tomllib
 
@@ -182,3 +183,59 @@ def test_two_ranks_with_text_only_and_uneven_eval(tmp_path, assets):
         "train.max_steps": 3, "checkpoint.enable": "false", "checkpoint.export_hf": "false"}), nproc=2, timeout=300)
     rows = read_metrics(out / "metrics_eval.csv")
     assert rows and float(rows[-1]["answer_n"]) == 3
+
+
+def test_eval_answer_accuracy_matches_transformers_greedy(tmp_path, assets):
+    """The job's held-out answer accuracy (KV-cache greedy decoding through the FSDP root on two
+    ranks, per question type too) equals greedy decoding of the exported weights by transformers'
+    own model, run without any cache one prompt at a time."""
+    from transformers import AutoModelForImageTextToText
+
+    from megatron_vlm.config import load_config
+    from megatron_vlm.data.loader import build_eval_dataloader
+    from megatron_vlm.data.processor import load_processor
+    from megatron_vlm.data.synthetic_vqa import QUESTION_TYPES, normalize_answer
+
+    out = tmp_path / "run"
+    # long enough at a high rate that the model answers with task words (not one token everywhere)
+    run_job(small_demo_overrides(out, assets, **{
+        "train.max_steps": 24, "train.eval_every": 24, "checkpoint.every_steps": 0,
+        "optimizer.lr": "3e-3", "scheduler.type": '"constant"', "scheduler.warmup_steps": 0}), nproc=2, timeout=300)
+    row = read_metrics(out / "metrics_eval.csv")[-1]
+    assert int(row["step"]) == 24 and float(row["answer_n"]) == 8
+
+    cfg = load_config(out / "config.toml")
+    proc = load_processor(out / "hf")
+    ref = AutoModelForImageTextToText.from_pretrained(out / "hf", dtype=torch.float32).eval()
+    tok = proc.tokenizer
+    stop = {i for i in (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id) if i is not None}
+    loader = build_eval_dataloader(cfg.data, proc, dp_rank=0, dp_size=1, mode="generation", batch_size=1)
+    hits: dict[str, list[int]] = {}
+    answers = []
+    for batch in loader:
+        ids = batch["input_ids"]
+        assert ids.shape[0] == 1 and bool(batch["attention_mask"].all())
+        gen = []
+        with torch.no_grad():
+            for _ in range(6):
+                types = (ids == proc.image_token_id).long()
+                logits = ref(input_ids=ids, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                             mm_token_type_ids=types).logits
+                nxt = int(logits[0, -1].argmax())
+                if nxt in stop:
+                    break
+                gen.append(nxt)
+                ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+        text = tok.decode(gen, skip_special_tokens=True)
+        answers.append(normalize_answer(text))
+        qtype = batch["meta"][0]["question_type"]
+        hits.setdefault(qtype, []).append(int(normalize_answer(text) == normalize_answer(batch["answers"][0])))
+    assert len(set(answers)) >= 2, answers  # the comparison is not between two constant outputs
+    n = sum(len(v) for v in hits.values())
+    assert n == 8
+    assert float(row["answer_accuracy"]) == pytest.approx(sum(map(sum, hits.values())) / n, abs=1e-9)
+    extra = json.loads(row["extra"]) if row.get("extra") else {}
+    for q in QUESTION_TYPES:
+        key = f"answer_accuracy/{q}"
+        got = float(row[key]) if key in row else float(extra[key])
+        assert got == pytest.approx(sum(hits[q]) / len(hits[q]), abs=1e-9), (q, got, hits[q])

@@ -207,8 +207,9 @@ class GRPOStep:
                 job.optimizer.zero_grad(set_to_none=True)
                 losses.append(loss_sum)
                 updates += 1
+        lr = job.scheduler.get_last_lr()[0]  # the lr of this step's updates (step() moves to the next)
         job.scheduler.step()
-        return {"sums": sums, "weights": weights, "losses": losses, "grad_norms": grad_norms, "updates": updates,
+        return {"lr": lr, "sums": sums, "weights": weights, "losses": losses, "grad_norms": grad_norms, "updates": updates,
                 "diff": (diff_sum, diff_n), "train_tokens": train_tokens}
 
     def _loss(self, logp, ent, group: Sequence[TrainSample], normalizer: float):
@@ -244,7 +245,7 @@ class GRPOStep:
         losses = [sum(v) for v in zip(*all_gather_objects(upd["losses"]))] if upd["losses"] else []
         out["loss"] = sum(losses) / len(losses) if losses else 0.0
         out["grad_norm"] = sum(upd["grad_norms"]) / len(upd["grad_norms"]) if upd["grad_norms"] else 0.0
-        out["lr"] = self.job.scheduler.get_last_lr()[0]
+        out["lr"] = upd["lr"]
         out.update(reward_metrics(cat("total"), per, accuracy_label=self.acc_label, threshold=self.rl.eval.correct_threshold))
         out.update(length_metrics(cat("lengths"), cat("truncated")))
         out.update(advantage_stats(torch.tensor(cat("adv")), torch.tensor(cat("keep"), dtype=torch.bool)))

@@ -120,6 +120,7 @@ def run_sft(job: Job) -> int:
             loss.backward()
             loss_sum += float(-logp.detach().sum(dtype=torch.float64))
         grad_norm = clip_grad_norm_(job.trainable_params, tcfg.max_grad_norm)
+        lr = job.scheduler.get_last_lr()[0]  # the lr of this step's update (step() moves to the next)
         job.optimizer.step()
         job.scheduler.step()
         job.optimizer.zero_grad(set_to_none=True)
@@ -131,7 +132,7 @@ def run_sft(job: Job) -> int:
             metrics = {
                 "loss": g_loss_sum / denom,
                 "grad_norm": float(grad_norm),
-                "lr": job.scheduler.get_last_lr()[0],
+                "lr": lr,
                 "tokens_per_s": g_seq / dt,
                 "trained_tokens": g_tokens,
                 "samples_per_s": g_samples / dt,

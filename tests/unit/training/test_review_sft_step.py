@@ -1,0 +1,113 @@
+"""Review tests of the SFT loop (`run_sft`) on a tiny stand-in model and loader, against plain torch:
+
+- the update equals one SGD step on the loss summed over every trained token of the step's
+  micro-batches divided by their total count (not a mean of per-micro-batch means);
+- the "lr" metric logged for step s is the learning rate the optimizer used in step s (seen by a
+  torch optimizer step pre-hook), not the next step's.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+import torch
+from torch import nn
+
+from megatron_vlm.training import sft as sft_mod
+from megatron_vlm.training.job import Job
+
+
+class TinyLM(nn.Module):
+    """Token log-probs of pre-shifted labels, the `TokenLogprobModel` contract."""
+
+    def __init__(self, vocab: int = 11, dim: int = 6):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        labels = batch["labels"].reshape(-1)
+        logits = self.head(self.embed(batch["input_ids"].reshape(-1)))
+        sel = labels != -100
+        return torch.log_softmax(logits[sel], -1).gather(-1, labels[sel][:, None]).squeeze(-1)
+
+
+def _pack(g: torch.Generator, n: int, trained: int) -> dict:
+    ids = torch.randint(0, 11, (1, n), generator=g)
+    labels = torch.full((1, n), -100)
+    labels[0, :trained] = torch.randint(0, 11, (trained,), generator=g)
+    return {"input_ids": ids, "labels": labels, "num_label_tokens": torch.tensor(trained),
+            "num_samples": torch.tensor(1)}
+
+
+class ListLoader:
+    def __init__(self, packs):
+        self.packs, self.epoch = packs, 0
+
+    def __iter__(self):
+        return iter(self.packs)
+
+    def state_dict(self):
+        return {}
+
+
+class Recorder:
+    def __init__(self):
+        self.rows = []
+
+    def set_start(self, step):
+        pass
+
+    def log(self, split, step, metrics):
+        self.rows.append((split, step, dict(metrics)))
+
+
+def _job(tmp_path: Path, model: nn.Module, packs, micro: int, steps: int, lr_lambda) -> Job:
+    cfg = NS(train=NS(micro_batches_per_step=micro, log_every=1, max_grad_norm=0.0, eval_every=0),
+             checkpoint=NS(enable=False, every_steps=0, export_hf=False))
+    job = Job(cfg=cfg, env=NS(device=torch.device("cpu"), world_size=1, rank=0, is_main=True), run_dir=tmp_path)
+    job.model = job.wrapper = model
+    job.dims = NS(dp_size=1)
+    job.train_loader = ListLoader(packs)
+    job.total_steps = steps
+    job.trainable_params = list(model.parameters())
+    job.optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    job.scheduler = torch.optim.lr_scheduler.LambdaLR(job.optimizer, lr_lambda)
+    job.metrics = Recorder()
+    return job
+
+
+def test_micro_batch_loss_is_normalised_by_the_step_token_count(tmp_path, monkeypatch):
+    monkeypatch.setattr(sft_mod, "evaluate", lambda job, step: {})
+    g = torch.Generator().manual_seed(0)
+    packs = [_pack(g, 9, 7), _pack(g, 5, 1)]  # very different token counts per micro-batch
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    job = _job(tmp_path, model, packs, micro=2, steps=1, lr_lambda=lambda s: 1.0)
+    assert sft_mod.run_sft(job) == 0
+
+    # plain torch: one SGD step (lr 0.5) on -sum(log p) / total trained tokens of both packs
+    logp = torch.cat([ref(p) for p in packs])
+    (-logp.sum() / logp.numel()).backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.5 * p.grad
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    loss = job.metrics.rows[0][2]["loss"]
+    assert abs(loss - float(-logp.detach().sum() / logp.numel())) < 1e-5
+
+
+def test_logged_lr_is_the_lr_used_by_that_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(sft_mod, "evaluate", lambda job, step: {})
+    g = torch.Generator().manual_seed(1)
+    packs = [_pack(g, 6, 3) for _ in range(3)]
+    model = TinyLM()
+    job = _job(tmp_path, model, packs, micro=1, steps=3, lr_lambda=lambda s: 0.1 * (s + 1))
+    used = []
+    job.optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
+    assert sft_mod.run_sft(job) == 0
+    logged = [m["lr"] for split, _, m in job.metrics.rows if split == "train"]
+    assert len(used) == 3
+    assert logged == used

@@ -263,3 +263,6 @@ for _op, _module in (
     register_backend(_op, "torch", f"{_PKG}.reference.{_module}:{_op}", auto_devices=("cpu", "cuda", "npu"), priority=0)
 for _op in ("moe_permute", "grouped_mm", "moe_unpermute"):
     register_backend(_op, "npu", f"{_PKG}.npu.moe:{_op}", check=npu_check, auto_devices=("npu",), priority=10)
+# Triton MoE kernels (kernels/triton/moe.py); moe_permute stays on the reference.
+for _op in ("grouped_mm", "moe_unpermute"):
+    register_backend(_op, "triton", f"{_PKG}.triton.moe:{_op}", check=triton_check, auto_devices=("cuda",), priority=10)

@@ -20,7 +20,7 @@ from megatron_vlm.parallel import DistEnv, ParallelDims, build_mesh
 from megatron_vlm.training.freeze import apply_train_layers
 from megatron_vlm.training.lm_loss import TokenLogprobModel
 from megatron_vlm.training.loggers import MetricsLogger
-from megatron_vlm.training.optim import build_optimizer, build_scheduler
+from megatron_vlm.training.optim import build_optimizer, build_scheduler, load_scheduler_state
 from megatron_vlm.training.signals import StopFlag
 
 log = logging.getLogger("megatron_vlm")
@@ -112,7 +112,7 @@ class Job:
         resume_path = self.ckpt.resolve_resume(cfg.checkpoint.resume) if cfg.checkpoint.enable else None
         if resume_path is not None:
             extra = self.ckpt.load(resume_path, self.wrapper, self.optimizer)
-            self.scheduler.load_state_dict(extra["scheduler"])
+            load_scheduler_state(self.scheduler, extra["scheduler"])
             self.resume_extra = extra
             log.info("Resumed from checkpoint: step=%d (%s)", extra["step"], resume_path)
         from megatron_vlm.config import save_config

@@ -1,10 +1,13 @@
 """AdamW (fused on CUDA) with decay / no-decay groups, and the warmup + decay LR schedule."""
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
+
+log = logging.getLogger("megatron_vlm")
 
 
 def build_optimizer(model: torch.nn.Module, opt_cfg, device_type: str) -> torch.optim.Optimizer:
@@ -51,3 +54,24 @@ class WarmupDecay:
 def build_scheduler(optimizer, sched_cfg, total_steps: int) -> LambdaLR:
     warmup = sched_cfg.warmup_steps or int(round(sched_cfg.warmup_ratio * total_steps))
     return LambdaLR(optimizer, WarmupDecay(sched_cfg.type, warmup, total_steps, sched_cfg.min_lr_ratio))
+
+
+def load_scheduler_state(scheduler: LambdaLR, state: dict) -> None:
+    """Resume `scheduler` at the checkpoint's position (steps taken) but keep the schedule the
+    current config built (peak lr, warmup, decay kind, total steps, min ratio). LambdaLR's own
+    `load_state_dict` would also restore the checkpoint's schedule, so a run resumed with a new
+    `train.max_steps` (or lr / warmup) would silently follow the old one — e.g. sit at the final lr
+    after the old total. A changed schedule is logged; with an unchanged config this is exact."""
+    state = dict(state)
+    saved = state.pop("lr_lambdas", None) or []
+    current = [dict(vars(f)) if hasattr(f, "__dict__") else None for f in scheduler.lr_lambdas]
+    base_lrs = list(scheduler.base_lrs)
+    if list(state.get("base_lrs", base_lrs)) != base_lrs or [s for s in saved if s] != [c for c in current if c]:
+        log.warning("resume: the lr schedule differs from the checkpoint's (base lrs %s -> %s, schedule %s -> %s); "
+                    "continuing at step %s with the current one", state.get("base_lrs"), base_lrs,
+                    saved[:1], current[:1], state.get("last_epoch"))
+    scheduler.load_state_dict({**state, "base_lrs": base_lrs, "lr_lambdas": [None] * len(scheduler.lr_lambdas)})
+    lrs = [base * f(scheduler.last_epoch) for base, f in zip(base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs

@@ -1,6 +1,6 @@
 """Every kernel benchmark runs end to end with --quick on CPU (tiny shapes, torch timing): the
 scripts stay runnable in CI; no timing is asserted (DESIGN.md §7). One child interpreter runs
-the five scripts in turn (as `python <script> --quick` would, via runpy) to pay the torch import
+the scripts in turn (as `python <script> --quick` would, via runpy) to pay the torch import
 once."""
 import os
 import subprocess
@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parents[3] / "benchmarks" / "kernels"
-SCRIPTS = ["bench_attention.py", "bench_rms_norm.py", "bench_rotary.py", "bench_swiglu.py", "bench_linear_token_logprobs.py"]
+SCRIPTS = ["bench_attention.py", "bench_rms_norm.py", "bench_rotary.py", "bench_swiglu.py", "bench_linear_token_logprobs.py",
+           "bench_moe.py"]
 
 DRIVER = """
 import runpy, sys, traceback

@@ -17,7 +17,8 @@ weight.transpose(1, 2) for "enk"), so nothing is copied.
   through the strides of the weight-shaped gradient, in the weight's layout and dtype.
 fp32 inputs use `input_precision="ieee"` (no TF32), so fp32 results match torch's default
 matmul. fp64 inputs are delegated to the reference (Triton's fp64 dot is not a hot path).
-The group ends are read on the host (as the reference does) to size the grid.
+The group ends are read on the host (as the reference does) to size the grid. Backward passes
+are first-order only (`once_differentiable`: a double backward is an error, not a silent zero).
 
 moe_unpermute: one program per token gathers its k rows (row_map), weights them and sums in fp32
 (TOPK is a compile-time constant). Backward, per token: d permuted[row_map[i]] = w_i * dOut[t]
@@ -28,6 +29,7 @@ in fp32.
 from typing import List, Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
@@ -151,16 +153,17 @@ def _precision(dtype: torch.dtype) -> str:
 
 def _schedule(ends: List[int], block_m: int, device: torch.device):
     """Tile schedule of the forward / dX kernel: (tile_expert, tile_row) int32 `[T]`, one per
-    BLOCK_M rows of each non-empty group, plus group starts / ends int32 `[E]`."""
-    tile_expert, tile_row, starts, start = [], [], [], 0
-    for e, end in enumerate(ends):
-        starts.append(start)
-        for row in range(start, end, block_m):
-            tile_expert.append(e)
-            tile_row.append(row)
-        start = end
-    as_tensor = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
-    return as_tensor(tile_expert), as_tensor(tile_row), as_tensor(starts), as_tensor(ends)
+    BLOCK_M rows of each non-empty group, plus group starts / ends int32 `[E]`. Built on the host
+    from the group ends (already there for validation), moved in one copy."""
+    ends_t = torch.tensor(ends, dtype=torch.int64)
+    starts_t = torch.cat([ends_t.new_zeros(1), ends_t[:-1]]) if ends else ends_t
+    tiles = (ends_t - starts_t + block_m - 1) // block_m
+    tile_expert = torch.repeat_interleave(torch.arange(len(ends)), tiles)
+    first_tile = torch.cumsum(tiles, 0) - tiles
+    tile_row = starts_t[tile_expert] + (torch.arange(tile_expert.numel()) - first_tile[tile_expert]) * block_m
+    packed = torch.cat([tile_expert, tile_row, starts_t, ends_t]).to(device=device, dtype=torch.int32)
+    n_tiles, n_groups = tile_expert.numel(), len(ends)
+    return packed[:n_tiles], packed[n_tiles: 2 * n_tiles], packed[2 * n_tiles: 2 * n_tiles + n_groups], packed[2 * n_tiles + n_groups:]
 
 
 def _launch_mm(x, b_view, y, tile_expert, tile_row, group_end):
@@ -211,6 +214,7 @@ class _GroupedMM(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         x, weight, tile_expert, tile_row, group_start, group_end = ctx.saved_tensors
         b_view = _logical(weight, ctx.weight_layout)
@@ -242,6 +246,7 @@ class _MoEUnpermute(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout):
         permuted_out, row_map, topk_weights = ctx.saved_tensors
         topk, hidden = ctx.topk, permuted_out.shape[1]

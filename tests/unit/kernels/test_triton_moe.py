@@ -69,7 +69,7 @@ def test_grouped_mm_counts_fp32(layout, counts, k, n):
 @pytest.mark.parametrize("layout", ["ekn", "enk"])
 def test_grouped_mm_offsets_with_padding_rows(layout):
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(30, 12, generator=gen)  # rows 26..29 are padding past the last group
+    x = torch.randn(12, 30, generator=gen).t()  # non-contiguous; rows 26..29 are padding past the last group
     w = _weight(layout, 3, 12, 20, gen)
     got, _ = _compare_grouped_mm(x, w, layout, FP32, offsets=torch.tensor([3, 3, 26]))
     assert got[26:].abs().max() == 0

@@ -34,10 +34,23 @@ import triton
 import triton.language as tl
 
 from ..reference import moe as reference
-from .common import check_device, to_dtype
+from .common import INTERPRETED_AT_IMPORT, check_device, to_dtype
+
+# The Triton 3.9 interpreter multiplies bf16 dot operands as their raw uint16 bits
+# (interpreter.py create_dot); interpreted kernels upcast to fp32 first (exact: bf16 products fit).
+_UPCAST_DOT = tl.constexpr(INTERPRETED_AT_IMPORT)
 
 
 # --------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _dot_acc(a, b, acc, INPUT_PRECISION: tl.constexpr):
+    """acc + a @ b (fp32 accumulator)."""
+    if _UPCAST_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
 @triton.jit
 def _grouped_mm_fwd_kernel(
     X, B, Y, TILE_EXPERT, TILE_ROW, GROUP_END, N, K,
@@ -61,7 +74,7 @@ def _grouped_mm_fwd_kernel(
         k_mask = ks < K - k0
         x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = tl.dot(x, b, acc, input_precision=INPUT_PRECISION)
+        acc = _dot_acc(x, b, acc, INPUT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         b_ptrs += BLOCK_K * stride_bk
     y_ptrs = Y + rows[:, None] * stride_ym + cols[None, :] * stride_yn
@@ -90,7 +103,7 @@ def _grouped_mm_dw_kernel(
         row_mask = rows < end
         xt = tl.load(X + rows[None, :] * stride_xm + ks[:, None] * stride_xk, mask=k_mask[:, None] & row_mask[None, :], other=0.0)
         dy = tl.load(DY + rows[:, None] * stride_dym + cols[None, :] * stride_dyn, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = tl.dot(xt, dy, acc, input_precision=INPUT_PRECISION)
+        acc = _dot_acc(xt, dy, acc, INPUT_PRECISION)
     db_ptrs = DB + e.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn
     tl.store(db_ptrs, to_dtype(acc, DB.dtype.element_ty), mask=k_mask[:, None] & col_mask[None, :])
 
@@ -148,7 +161,7 @@ def _mm_blocks(x: torch.Tensor):
 
 
 def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
+    return "ieee" if dtype == torch.float32 else None
 
 
 def _schedule(ends: List[int], block_m: int, device: torch.device):

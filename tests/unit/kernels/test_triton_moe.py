@@ -5,7 +5,8 @@ moe_unpermute forward and gradients (permuted rows and topk_weights); bad input;
 the triton backend selected equals the torch backend and transformers' Qwen3-VL-MoE block.
 
 The references (kernels/reference/moe.py) were checked against per-row loops in test_moe_ops.py.
-Both sides accumulate in fp32, so fp32 tolerances are a few ulps. bf16 runs on CUDA only.
+Both sides accumulate in fp32, so fp32 tolerances are a few ulps. bf16 is checked on CUDA, plus one
+interpreted grouped_mm case that guards the interpreter bf16-dot workaround.
 """
 import pytest
 import torch
@@ -147,6 +148,15 @@ def test_moe_unpermute_rejects_non_permutation_row_map():
         t_moe.moe_unpermute(permuted, torch.arange(4, dtype=torch.int32), torch.rand(3, 2))
     with pytest.raises(ValueError, match="topk=3"):
         t_moe.moe_unpermute(permuted, torch.arange(4, dtype=torch.int32), topk=3)
+
+
+def test_grouped_mm_bf16_interpreted():
+    """bf16 through the interpreter's dot workaround (it multiplies bf16 operands as raw bits
+    unless upcast): one rounding of an fp32 sum on both sides."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(41, 24, generator=gen).bfloat16()
+    w = (_weight("enk", 3, 24, 20, gen) / 5).bfloat16()
+    _compare_grouped_mm(x, w, "enk", BF16, tokens_per_expert=torch.tensor([17, 0, 24]))
 
 
 @needs_cuda

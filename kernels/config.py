@@ -33,9 +33,9 @@ class KernelsConfig:
     moe_permute: str = "auto"
     """MoE token permutation grouped by expert: auto | torch | npu."""
     grouped_mm: str = "auto"
-    """Per-expert grouped matmul: auto | torch | npu."""
+    """Per-expert grouped matmul: auto | torch | triton | npu."""
     moe_unpermute: str = "auto"
-    """MoE un-permutation with routing-weight combine: auto | torch | npu."""
+    """MoE un-permutation with routing-weight combine: auto | torch | triton | npu."""
 
     def as_dict(self) -> Dict[str, str]:
         return asdict(self)

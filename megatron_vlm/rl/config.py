@@ -193,6 +193,13 @@ class RLConfig:
             raise ValueError(f"max_head_offpolicyness: must be >= 0, got {self.max_head_offpolicyness}")
         if self.behav_imp_weight_cap is not None and self.behav_imp_weight_cap <= 1:
             raise ValueError(f"behav_imp_weight_cap: must be > 1, got {self.behav_imp_weight_cap}")
+        # the trainer is synchronous: accepting these would silently run on-policy GRPO instead
+        if self.max_head_offpolicyness > 0:
+            raise ValueError(f"max_head_offpolicyness: asynchronous GRPO is not implemented yet (only the "
+                             f"synchronous trainer exists); leave it 0, got {self.max_head_offpolicyness}")
+        if self.behav_imp_weight_cap is not None:
+            raise ValueError(f"behav_imp_weight_cap: asynchronous GRPO is not implemented yet (only the "
+                             f"synchronous trainer exists); leave it unset, got {self.behav_imp_weight_cap}")
         if not self.rewards:
             raise ValueError("rewards: at least one [[rl.rewards]] table is required")
         labels = [r.label() for r in self.rewards]

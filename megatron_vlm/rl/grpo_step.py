@@ -163,6 +163,7 @@ class GRPOStep:
 
     def _update(self, step: int, samples: list[TrainSample], dummy: TrainSample) -> dict:
         r, job = self.rl, self.job
+        balancer = getattr(job, "moe_balancer", None)  # None without MoE layers (and on light test jobs)
         sums: dict[str, float] = {}  # token-weighted sums of the loss metrics over this rank's micro-batches
         weights: dict[str, float] = {}
         losses, grad_norms = [], []
@@ -186,12 +187,18 @@ class GRPOStep:
                     group = packs[i] if is_real else [dummy]
                     batch = job.to_device(pack_samples(group))
                     logp, ent = job.wrapper(batch, temperature=r.temperature, return_entropy=True)
+                    # MoE auxiliary loss of this forward (None without MoE layers or aux_loss_coef = 0),
+                    # averaged over the mini-batch's packs as the SFT loop averages over micro-batches
+                    aux = balancer.aux_loss() if balancer is not None else None
                     if not is_real:
-                        (logp.sum() * 0.0).backward()
+                        (logp.sum() * 0.0 + (aux * 0.0 if aux is not None else 0.0)).backward()
                         continue
                     train_tokens += int(batch["input_ids"].numel())
                     out = self._loss(logp, ent, group, normalizer)
-                    (out.loss * self.dp).backward()
+                    total_loss = out.loss * self.dp
+                    if aux is not None:
+                        total_loss = total_loss + aux / n_packs
+                    total_loss.backward()
                     loss_sum += float(out.loss.detach())
                     n_tok = float(out.num_tokens)
                     for k, v in out.metrics.items():
@@ -209,7 +216,15 @@ class GRPOStep:
                 updates += 1
         lr = job.scheduler.get_last_lr()[0]  # the lr of this step's updates (step() moves to the next)
         job.scheduler.step()
-        return {"lr": lr, "sums": sums, "weights": weights, "losses": losses, "grad_norms": grad_norms, "updates": updates,
+        # MoE load balancing once per GRPO step, as the SFT loop does per optimizer step: the loads of
+        # all this step's training forwards (summed over ranks) move the score-correction biases, and
+        # every n_step_per_workload_report steps the moe/* metrics and the expert-load table are reported
+        moe_report = balancer.after_step(step + 1) if balancer is not None else None
+        if moe_report is not None and moe_report[1]:
+            table = moe_report[1]
+            header = ["layer"] + [f"e{i}" for i in range(len(table[0]))]
+            job.metrics.log_table("moe/layer_expert_table", step + 1, header, [[i, *row] for i, row in enumerate(table)])
+        return {"lr": lr, "moe": moe_report[0] if moe_report is not None else None, "sums": sums, "weights": weights, "losses": losses, "grad_norms": grad_norms, "updates": updates,
                 "diff": (diff_sum, diff_n), "train_tokens": train_tokens}
 
     def _loss(self, logp, ent, group: Sequence[TrainSample], normalizer: float):
@@ -246,6 +261,8 @@ class GRPOStep:
         out["loss"] = sum(losses) / len(losses) if losses else 0.0
         out["grad_norm"] = sum(upd["grad_norms"]) / len(upd["grad_norms"]) if upd["grad_norms"] else 0.0
         out["lr"] = upd["lr"]
+        if upd.get("moe"):
+            out.update(upd["moe"])
         out.update(reward_metrics(cat("total"), per, accuracy_label=self.acc_label, threshold=self.rl.eval.correct_threshold))
         out.update(length_metrics(cat("lengths"), cat("truncated")))
         out.update(advantage_stats(torch.tensor(cat("adv")), torch.tensor(cat("keep"), dtype=torch.bool)))

@@ -41,6 +41,9 @@ def test_defaults_validate_and_render_prompt():
         (dict(prompt_template="{problem} {other}"), "prompt_template"),
         (dict(stop=[""]), "stop"),
         (dict(behav_imp_weight_cap=0.5), "behav_imp_weight_cap"),
+        # asynchronous-only knobs are refused while only the synchronous trainer exists
+        (dict(behav_imp_weight_cap=5.0), "behav_imp_weight_cap"),
+        (dict(max_head_offpolicyness=4), "max_head_offpolicyness"),
         (dict(eval=RLEvalConfig(k=4, temperature=0.0)), "eval.temperature"),
     ],
 )

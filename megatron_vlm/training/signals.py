@@ -1,4 +1,7 @@
-"""Graceful stop on SIGTERM (SLURM preemption / time limit) and SIGINT.
+"""Graceful stop on SIGTERM (SLURM preemption / time limit) and SIGUSR1 (SLURM's --signal warning):
+the job saves a checkpoint at the next step boundary and exits 143. Ctrl-C (SIGINT) is not caught
+here: it interrupts at once (no checkpoint; the runner tears down the process groups, exit 130), so
+an interactive user is never kept waiting for a step to finish.
 
 The handler only sets a flag; the loop checks it at a step boundary, and ranks agree through an
 all-reduce (MAX) so every rank saves the same checkpoint step — a rank that stopped alone would

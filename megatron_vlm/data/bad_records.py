@@ -64,24 +64,28 @@ class BadRecordLog:
         self._entries: dict[tuple[str, int, str], BadRecord] = {}
         self._skips: Counter = Counter()
 
-    def add(self, source: str, index: int, category: str, detail: str) -> BadRecord:
+    def add(self, source: str, index: int, category: str, detail: str, skips: int = 1) -> BadRecord:
         rec = BadRecord(str(source), int(index), category, detail)
         key = (rec.source, rec.index, rec.category)
         self._entries.setdefault(key, rec)
-        self._skips[key] += 1
+        self._skips[key] += int(skips)
         return rec
 
     def add_error(self, source: str, index: int, err: BadRecordError) -> BadRecord:
         return self.add(source, index, err.category, err.detail)
 
     def extend(self, records: Iterable[BadRecord | tuple | dict]) -> None:
-        """Merge records from another log (e.g. gathered from other ranks or worker processes)."""
+        """Merge records from another log (e.g. gathered from other ranks or worker processes). A dict
+        may carry "skips" (as `to_dict()["records"]` does): the merged log then counts that many."""
         for r in records:
+            skips = 1
             if isinstance(r, dict):
+                r = dict(r)
+                skips = int(r.pop("skips", 1))
                 r = BadRecord(**r)
             elif isinstance(r, tuple):
                 r = BadRecord(*r)
-            self.add(r.source, r.index, r.category, r.detail)
+            self.add(r.source, r.index, r.category, r.detail, skips=skips)
 
     @property
     def entries(self) -> list[BadRecord]:

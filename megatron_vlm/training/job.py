@@ -169,9 +169,7 @@ class Job:
         """Gather every rank's skipped records and write one summary (rank 0)."""
         if self.bad_records is None:
             return
-        from dataclasses import asdict
-
-        entries = [asdict(e) for e in self.bad_records.entries]
+        entries = self.bad_records.to_dict()["records"]  # with their skip counts
         if dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, entries)

@@ -60,6 +60,12 @@ def run_job(cfg) -> int:
             code = run_grpo(job)
         if job.metrics is not None:
             job.metrics.close()
+        # Leave together: a rank that tears down its process group and exits while rank 0 is still
+        # writing the export has been seen to abort in gloo's teardown (SIGABRT, "terminate called
+        # without an active exception"), failing a finished job. Only on this path, where every rank
+        # got here: after an error a barrier could wait forever on a rank that died.
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
         return code
     except KeyboardInterrupt:
         log.warning("interrupted")

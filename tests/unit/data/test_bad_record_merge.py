@@ -1,0 +1,28 @@
+"""Merging bad-record logs (ranks / workers -> one summary) keeps the skip counts: a record skipped
+3 times on one rank and twice on another is one bad record with 5 skips, not 2."""
+from __future__ import annotations
+
+import json
+
+from megatron_vlm.data.bad_records import BadRecordLog
+
+
+def test_merge_sums_skip_counts(tmp_path):
+    a, b = BadRecordLog(), BadRecordLog()
+    for _ in range(3):
+        a.add("train.jsonl", 7, "missing_image", "no such file: x.png")
+    b.add("train.jsonl", 7, "missing_image", "no such file: x.png")
+    b.add("train.jsonl", 7, "missing_image", "no such file: x.png")
+    b.add("train.jsonl", 9, "malformed_json", "Expecting value")
+    merged = BadRecordLog()
+    for part in (a.to_dict()["records"], b.to_dict()["records"]):
+        json.dumps(part)  # what all_gather_object ships must be plain data
+        merged.extend(part)
+    d = merged.to_dict()
+    assert d["num_bad_records"] == 2
+    assert d["num_skips"] == 6
+    assert {(r["index"], r["skips"]) for r in d["records"]} == {(7, 5), (9, 1)}
+    # plain entries (no "skips" key) still count one each
+    again = BadRecordLog()
+    again.extend([{"source": "t", "index": 1, "category": "malformed_json", "detail": "x"}] * 2)
+    assert again.total_skips == 2 and len(again) == 1

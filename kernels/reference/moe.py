@@ -74,6 +74,48 @@ def _group_ends(tokens_per_expert, offsets, num_groups: int):
     return ends
 
 
+def grouped_mm_group_ends(x, weight, tokens_per_expert, offsets, weight_layout: str) -> list[int]:
+    """Check `grouped_mm`'s arguments (every backend raises the same errors) and return the
+    cumulative row end of each expert's group."""
+    if x.dim() != 2 or weight.dim() != 3:
+        raise ValueError(
+            f"grouped_mm: x must be [M, K] and weight [E, K, N] or [E, N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    if weight_layout not in ("ekn", "enk"):
+        raise ValueError(f"grouped_mm: weight_layout must be 'ekn' or 'enk', got {weight_layout!r}")
+    in_dim = weight.shape[1] if weight_layout == "ekn" else weight.shape[2]
+    if x.shape[1] != in_dim:
+        raise ValueError(
+            f"grouped_mm: x has K={x.shape[1]} but weight ({weight_layout}) {tuple(weight.shape)} expects K={in_dim}"
+        )
+    ends = _group_ends(tokens_per_expert, offsets, weight.shape[0])
+    if ends and ends[-1] > x.shape[0]:
+        raise ValueError(f"grouped_mm: groups cover {ends[-1]} rows but x has {x.shape[0]}")
+    return ends
+
+
+def moe_unpermute_topk(permuted_out, row_map, topk_weights, topk: Optional[int]) -> int:
+    """Check `moe_unpermute`'s arguments (every backend raises the same errors) and return k."""
+    if permuted_out.dim() != 2:
+        raise ValueError(f"moe_unpermute: permuted_out must be [N*k, H], got {tuple(permuted_out.shape)}")
+    if row_map.dim() != 1 or row_map.numel() != permuted_out.shape[0]:
+        raise ValueError(
+            f"moe_unpermute: row_map must be [{permuted_out.shape[0]}] (one entry per permuted row), "
+            f"got {tuple(row_map.shape)}"
+        )
+    if topk_weights is not None:
+        k = topk_weights.shape[-1]
+        if topk_weights.dim() != 2 or topk_weights.numel() != row_map.numel():
+            raise ValueError(
+                f"moe_unpermute: topk_weights must be [N, k] with N*k = {row_map.numel()}, got {tuple(topk_weights.shape)}"
+            )
+        return k
+    k = 1 if topk is None else topk
+    if row_map.numel() % k:
+        raise ValueError(f"moe_unpermute: {row_map.numel()} rows do not split into groups of topk={k}")
+    return k
+
+
 def grouped_mm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -83,21 +125,8 @@ def grouped_mm(
     weight_layout: str = "ekn",
 ) -> torch.Tensor:
     """Per-expert matmul over contiguous row groups (see module docstring); differentiable."""
-    if x.dim() != 2 or weight.dim() != 3:
-        raise ValueError(
-            f"grouped_mm: x must be [M, K] and weight [E, K, N] or [E, N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
-        )
-    if weight_layout not in ("ekn", "enk"):
-        raise ValueError(f"grouped_mm: weight_layout must be 'ekn' or 'enk', got {weight_layout!r}")
-    in_dim = weight.shape[1] if weight_layout == "ekn" else weight.shape[2]
+    ends = grouped_mm_group_ends(x, weight, tokens_per_expert, offsets, weight_layout)
     out_dim = weight.shape[2] if weight_layout == "ekn" else weight.shape[1]
-    if x.shape[1] != in_dim:
-        raise ValueError(
-            f"grouped_mm: x has K={x.shape[1]} but weight ({weight_layout}) {tuple(weight.shape)} expects K={in_dim}"
-        )
-    ends = _group_ends(tokens_per_expert, offsets, weight.shape[0])
-    if ends and ends[-1] > x.shape[0]:
-        raise ValueError(f"grouped_mm: groups cover {ends[-1]} rows but x has {x.shape[0]}")
     outs, start = [], 0
     for e, end in enumerate(ends):
         if end > start:
@@ -122,23 +151,7 @@ def moe_unpermute(
     """Gather each token's k expert outputs back and combine them with `topk_weights` `[N, k]`
     (plain sum when None; then `topk` gives k, default 1). fp32 accumulation, output in
     permuted_out's dtype."""
-    if permuted_out.dim() != 2:
-        raise ValueError(f"moe_unpermute: permuted_out must be [N*k, H], got {tuple(permuted_out.shape)}")
-    if row_map.dim() != 1 or row_map.numel() != permuted_out.shape[0]:
-        raise ValueError(
-            f"moe_unpermute: row_map must be [{permuted_out.shape[0]}] (one entry per permuted row), "
-            f"got {tuple(row_map.shape)}"
-        )
-    if topk_weights is not None:
-        k = topk_weights.shape[-1]
-        if topk_weights.dim() != 2 or topk_weights.numel() != row_map.numel():
-            raise ValueError(
-                f"moe_unpermute: topk_weights must be [N, k] with N*k = {row_map.numel()}, got {tuple(topk_weights.shape)}"
-            )
-    else:
-        k = 1 if topk is None else topk
-        if row_map.numel() % k:
-            raise ValueError(f"moe_unpermute: {row_map.numel()} rows do not split into groups of topk={k}")
+    k = moe_unpermute_topk(permuted_out, row_map, topk_weights, topk)
     gathered = permuted_out.index_select(0, row_map.long())
     gathered = gathered.to(torch.promote_types(gathered.dtype, torch.float32))
     gathered = gathered.view(-1, k, permuted_out.shape[1])

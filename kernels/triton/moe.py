@@ -282,11 +282,6 @@ class _MoEUnpermute(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------ public functions
-def moe_permute(hidden: torch.Tensor, topk_ids: torch.Tensor, *, num_experts: Optional[int] = None):
-    """The reference's permute (argsort + index_select; see module docstring)."""
-    return reference.moe_permute(hidden, topk_ids, num_experts=num_experts)
-
-
 def grouped_mm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -297,26 +292,13 @@ def grouped_mm(
 ) -> torch.Tensor:
     """Per-expert matmul over contiguous row groups on the Triton kernels; same contract and errors
     as `kernels.reference.moe.grouped_mm`; differentiable w.r.t. x and weight."""
-    if x.dim() != 2 or weight.dim() != 3:
-        raise ValueError(
-            f"grouped_mm: x must be [M, K] and weight [E, K, N] or [E, N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
-        )
-    if weight_layout not in ("ekn", "enk"):
-        raise ValueError(f"grouped_mm: weight_layout must be 'ekn' or 'enk', got {weight_layout!r}")
+    ends = reference.grouped_mm_group_ends(x, weight, tokens_per_expert, offsets, weight_layout)
     if x.dtype != weight.dtype:
         raise ValueError(f"grouped_mm: x dtype {x.dtype} != weight dtype {weight.dtype}")
     if x.dtype == torch.float64:
         return reference.grouped_mm(x, weight, tokens_per_expert=tokens_per_expert, offsets=offsets, weight_layout=weight_layout)
-    in_dim = weight.shape[1] if weight_layout == "ekn" else weight.shape[2]
-    if x.shape[1] != in_dim:
-        raise ValueError(
-            f"grouped_mm: x has K={x.shape[1]} but weight ({weight_layout}) {tuple(weight.shape)} expects K={in_dim}"
-        )
     check_device("grouped_mm", x, weight)
-    ends = reference._group_ends(tokens_per_expert, offsets, weight.shape[0])
     covered = ends[-1] if ends else 0
-    if covered > x.shape[0]:
-        raise ValueError(f"grouped_mm: groups cover {covered} rows but x has {x.shape[0]}")
     schedule = _schedule(ends, _mm_blocks(x)[0], x.device)
     return _GroupedMM.apply(x, weight, weight_layout, *schedule, covered)
 
@@ -331,26 +313,13 @@ def moe_unpermute(
     """Gather + weighted sum of each token's k expert rows on the Triton kernels (fp32
     accumulation, output in permuted_out's dtype); same contract as the reference, with the
     extra requirement that row_map is a permutation of the permuted rows (moe_permute's output)."""
-    if permuted_out.dim() != 2:
-        raise ValueError(f"moe_unpermute: permuted_out must be [N*k, H], got {tuple(permuted_out.shape)}")
-    if row_map.dim() != 1 or row_map.numel() != permuted_out.shape[0]:
-        raise ValueError(
-            f"moe_unpermute: row_map must be [{permuted_out.shape[0]}] (one entry per permuted row), "
-            f"got {tuple(row_map.shape)}"
-        )
     if row_map.is_floating_point():
         raise ValueError(f"moe_unpermute: row_map must be an integer tensor, got {row_map.dtype}")
+    if topk_weights is None and topk is not None and topk < 1:
+        raise ValueError(f"moe_unpermute: {row_map.numel()} rows do not split into groups of topk={topk}")
+    k = reference.moe_unpermute_topk(permuted_out, row_map, topk_weights, topk)
     if topk_weights is not None:
-        k = topk_weights.shape[-1]
-        if topk_weights.dim() != 2 or topk_weights.numel() != row_map.numel():
-            raise ValueError(
-                f"moe_unpermute: topk_weights must be [N, k] with N*k = {row_map.numel()}, got {tuple(topk_weights.shape)}"
-            )
         topk_weights = topk_weights.contiguous()
-    else:
-        k = 1 if topk is None else topk
-        if k < 1 or row_map.numel() % k:
-            raise ValueError(f"moe_unpermute: {row_map.numel()} rows do not split into groups of topk={k}")
     if permuted_out.dtype == torch.float64:
         return reference.moe_unpermute(permuted_out, row_map, topk_weights, topk=topk)
     check_device("moe_unpermute", permuted_out, row_map)

@@ -220,10 +220,8 @@ class GRPOStep:
         # all this step's training forwards (summed over ranks) move the score-correction biases, and
         # every n_step_per_workload_report steps the moe/* metrics and the expert-load table are reported
         moe_report = balancer.after_step(step + 1) if balancer is not None else None
-        if moe_report is not None and moe_report[1]:
-            table = moe_report[1]
-            header = ["layer"] + [f"e{i}" for i in range(len(table[0]))]
-            job.metrics.log_table("moe/layer_expert_table", step + 1, header, [[i, *row] for i, row in enumerate(table)])
+        if moe_report is not None:
+            job.log_moe_table(step + 1, moe_report[1])
         return {"lr": lr, "moe": moe_report[0] if moe_report is not None else None, "sums": sums, "weights": weights, "losses": losses, "grad_norms": grad_norms, "updates": updates,
                 "diff": (diff_sum, diff_n), "train_tokens": train_tokens}
 

@@ -87,7 +87,7 @@ def greedy_decode(job, batch: dict, max_new_tokens: int, stop_ids: set[int]) -> 
 @torch.no_grad()
 def eval_answer_accuracy(job, *, max_new_tokens: int = 6, batch_size: int = 16) -> dict | None:
     from megatron_vlm.data.loader import build_eval_dataloader
-    from megatron_vlm.data.synthetic_vqa import normalize_answer
+    from megatron_vlm.data.synthetic_vqa import QUESTION_TYPES, normalize_answer
 
     loader = build_eval_dataloader(job.cfg.data, job.processor, dp_rank=job.env.rank, dp_size=job.dims.dp_size,
                                    mode="generation", batch_size=batch_size, padding_side="left",
@@ -97,8 +97,11 @@ def eval_answer_accuracy(job, *, max_new_tokens: int = 6, batch_size: int = 16) 
     tok = job.processor.tokenizer
     stop = {i for i in (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id) if i is not None}
     correct = total = 0
-    # per record "question_type" (synthetic VQA): tells which skill was learned, not just how much
-    by_type: dict[str, list[int]] = {}
+    # hits and counts per "question_type" of the record (synthetic VQA): which skill was learned, not
+    # just how much. A fixed list of types, so every rank all-reduces a vector of the same length
+    # (ranks may see different types); other values count only in the total.
+    type_index = {q: i for i, q in enumerate(QUESTION_TYPES)}
+    per_type = [0] * (2 * len(QUESTION_TYPES))
     job.wrapper.eval()
     for batch in loader:
         gen = greedy_decode(job, batch, max_new_tokens, stop)
@@ -109,22 +112,17 @@ def eval_answer_accuracy(job, *, max_new_tokens: int = 6, batch_size: int = 16) 
                 total += 1
                 correct += hit
                 qtype = (meta or {}).get("question_type")
-                if isinstance(qtype, str):
-                    by_type.setdefault(qtype, [0, 0])
-                    by_type[qtype][0] += hit
-                    by_type[qtype][1] += 1
+                i = type_index.get(qtype) if isinstance(qtype, str) else None
+                if i is not None:
+                    per_type[2 * i] += hit
+                    per_type[2 * i + 1] += 1
     job.wrapper.train()
-    # every rank must all-reduce a vector of the same length, and ranks may see different types:
-    # use the synthetic set's fixed list of types (other values are counted only in the total)
-    from megatron_vlm.data.synthetic_vqa import QUESTION_TYPES
-    flat = [correct, total] + [v for q in QUESTION_TYPES for v in by_type.get(q, [0, 0])]
-    flat = _sum(flat, job.env.device)
-    correct, total = flat[0], flat[1]
+    correct, total, *per_type = _sum([correct, total, *per_type], job.env.device)
     if total == 0:
         return None
     out = {"answer_accuracy": correct / total, "answer_n": total}
     for i, q in enumerate(QUESTION_TYPES):
-        c, n = flat[2 + 2 * i], flat[3 + 2 * i]
+        c, n = per_type[2 * i], per_type[2 * i + 1]
         if n > 0:
             out[f"answer_accuracy/{q}"] = c / n
     return out

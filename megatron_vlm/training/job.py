@@ -165,6 +165,12 @@ class Job:
             log.info("exported Hugging Face model to %s", out_dir)
         barrier()
 
+    def log_moe_table(self, step: int, table: list) -> None:
+        """The per-layer expert-load table of a MoE workload report (rows = layers, one column per expert)."""
+        if table:
+            header = ["layer"] + [f"e{i}" for i in range(len(table[0]))]
+            self.metrics.log_table("moe/layer_expert_table", step, header, [[i, *row] for i, row in enumerate(table)])
+
     def finish_data(self, loader) -> None:
         """Gather every rank's skipped records and write one summary (rank 0)."""
         if self.bad_records is None:

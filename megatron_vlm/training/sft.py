@@ -154,10 +154,7 @@ def run_sft(job: Job) -> int:
         if moe_report is not None:
             if not (step % tcfg.log_every == 0 or step == total):
                 job.metrics.log("train", step, moe_report[0])
-            table = moe_report[1]
-            if table:
-                header = ["layer"] + [f"e{i}" for i in range(len(table[0]))]
-                job.metrics.log_table("moe/layer_expert_table", step, header, [[i, *r] for i, r in enumerate(table)])
+            job.log_moe_table(step, moe_report[1])
         t_last = time.time()
         if job.ckpt_cfg.enable and job.ckpt_cfg.every_steps and step % job.ckpt_cfg.every_steps == 0 and step < total:
             job.save_checkpoint(step, {"data": loader.state_dict()})

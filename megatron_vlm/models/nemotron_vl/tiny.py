@@ -53,19 +53,25 @@ def build_tiny_nemotron_vl_tokenizer():
     return tok
 
 
-def tiny_nemotron_vl_hf_config(tokenizer, *, hidden: int = 64) -> dict:
-    """config.json dict of the tiny model (vocab padded to a multiple of 64, as real checkpoints do)."""
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<image>", "<|im_end|>", "<|endoftext|>")}
-    text = dict(
-        model_type="nemotron_h", vocab_size=(len(tokenizer) + 63) // 64 * 64, hidden_size=hidden,
+def _tiny_text_config(hidden: int, vocab_size: int, eos_token_id: int, pad_token_id: int) -> dict:
+    """The tiny NemotronH decoder both tiny variants share: one layer of each kind (mamba, moe,
+    attention, mlp)."""
+    return dict(
+        model_type="nemotron_h", vocab_size=vocab_size, hidden_size=hidden,
         layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
         num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, intermediate_size=2 * hidden,
         mamba_num_heads=4, mamba_head_dim=hidden // 4, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=64,
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden, moe_shared_expert_intermediate_size=hidden,
         n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True, layer_norm_epsilon=1e-5,
         mlp_hidden_act="relu2", tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
     )
+
+
+def tiny_nemotron_vl_hf_config(tokenizer, *, hidden: int = 64) -> dict:
+    """config.json dict of the tiny model (vocab padded to a multiple of 64, as real checkpoints do)."""
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<image>", "<|im_end|>", "<|endoftext|>")}
+    text = _tiny_text_config(hidden, (len(tokenizer) + 63) // 64 * 64, ids["<|im_end|>"], ids["<|endoftext|>"])
     vision = dict(
         model_type="radio", hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2.0,
         patch_size=16, max_img_size=256, num_cls_tokens=2, num_registers=2, video_temporal_patch_size=2,
@@ -89,16 +95,7 @@ def tiny_nemotron_vl_hf_config(tokenizer, *, hidden: int = 64) -> dict:
 
 def tiny_nemotron_qwen3_vision_hf_config(token_ids: dict, *, hidden: int = 64) -> dict:
     """config.json dict of the tiny Qwen3-VL-vision variant; `token_ids` from `tiny_qwen3_vl_token_ids`."""
-    text = dict(
-        model_type="nemotron_h", vocab_size=token_ids["vocab_size"], hidden_size=hidden,
-        layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
-        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, intermediate_size=2 * hidden,
-        mamba_num_heads=4, mamba_head_dim=hidden // 4, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=64,
-        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden, moe_shared_expert_intermediate_size=hidden,
-        n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True, layer_norm_epsilon=1e-5,
-        mlp_hidden_act="relu2", tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=token_ids["eos_token_id"], pad_token_id=token_ids["pad_token_id"],
-    )
+    text = _tiny_text_config(hidden, token_ids["vocab_size"], token_ids["eos_token_id"], token_ids["pad_token_id"])
     vision = dict(
         model_type="qwen3_vl_vision", depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden,
         patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,

@@ -15,13 +15,12 @@ from typing import Optional, Sequence
 
 import torch
 
+from megatron_vlm.data.batch import IGNORE_INDEX, VISION_KEYS, shifted_labels
 from megatron_vlm.data.processing import ProcessedSample
 
-__all__ = ["IGNORE_INDEX", "first_fit_pack", "shifted_labels", "collate_pack", "collate_padded", "empty_pack",
+__all__ = ["first_fit_pack", "collate_pack", "collate_padded", "empty_pack",
            "vision_shape_conflict"]
 
-IGNORE_INDEX = -100
-_VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
 def first_fit_pack(lengths: Sequence[int], order: Sequence[int], capacity: int, max_open: int = 64) -> list[list[int]]:
@@ -57,21 +56,12 @@ def first_fit_pack(lengths: Sequence[int], order: Sequence[int], capacity: int, 
     return packs
 
 
-def shifted_labels(input_ids: torch.Tensor, label_mask: torch.Tensor) -> torch.Tensor:
-    """[T] labels: labels[t] = input_ids[t+1] if label_mask[t+1] else -100; labels[T-1] = -100."""
-    labels = torch.full_like(input_ids, IGNORE_INDEX)
-    if input_ids.numel() > 1:
-        nxt = input_ids[1:]
-        labels[:-1] = torch.where(label_mask[1:], nxt, torch.full_like(nxt, IGNORE_INDEX))
-    return labels
-
-
 def vision_shape_conflict(samples: Sequence[ProcessedSample], candidate: ProcessedSample) -> Optional[str]:
     """Why `candidate` cannot join `samples` in one pack, or None. Vision tensors are concatenated
     along dim 0, so their other dims must agree: always true for flattened patches (Qwen, Nemotron
     images) and fixed-size tiles (InternVL), but Nemotron-VL video frames keep their per-video
     tile size [frames, 3, H, W]."""
-    for key in _VISION_KEYS:
+    for key in VISION_KEYS:
         mine = getattr(candidate, key)
         if mine is None:
             continue
@@ -85,7 +75,7 @@ def vision_shape_conflict(samples: Sequence[ProcessedSample], candidate: Process
 
 def _cat_vision(samples: Sequence[ProcessedSample]) -> dict[str, torch.Tensor]:
     out = {}
-    for key in _VISION_KEYS:
+    for key in VISION_KEYS:
         parts = [getattr(s, key) for s in samples if getattr(s, key) is not None]
         if parts:
             out[key] = torch.cat(parts, dim=0)

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from megatron_vlm.data.bad_records import BadRecordError
+from megatron_vlm.data.batch import VISION_KEYS
 from megatron_vlm.data.expansion import expand, omitted_tokens, placeholder_order, run_counts
 from megatron_vlm.data.media import VideoClip, image_hw, load_image, read_video, subsample_indices
 from megatron_vlm.data.messages import Record
@@ -36,7 +37,6 @@ __all__ = [
     "load_image", "image_hw", "read_video", "VideoClip", "subsample_indices",
 ]
 
-_VISION_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
 @dataclass
@@ -144,7 +144,7 @@ def process_record(record: Record, proc: VLProcessor, *, max_frames: int, fps: f
     out = ProcessedSample(input_ids=torch.empty(0, dtype=torch.long), label_mask=torch.empty(0, dtype=torch.bool),
                           source=record.source, index=record.index, answer=answer, meta=record.meta)
     for key, value in concat_in_order(order, items).items():
-        if key not in _VISION_FIELDS:
+        if key not in VISION_KEYS:
             raise ValueError(f"{type(proc).__name__} returned an unknown model input {key!r}")
         setattr(out, key, value)
     expansions = {k: [it.expansion for it in v] for k, v in items.items()}

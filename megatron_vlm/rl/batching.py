@@ -5,7 +5,7 @@ behaviour log-probs, its (scalar) advantage, and later its reference / old-polic
 are packed into micro-batches of at most `max_tokens` tokens (the SFT layout: `input_ids` [1, T],
 `cu_seqlens` so attention and M-RoPE positions restart per sample, images of all samples
 concatenated in order), with pre-shifted `labels` that are set exactly where the next token is a
-response token (`rl.logprobs.shifted_labels`). `TokenLogprobModel` returns the log-probs of the
+response token (`data.batch.shifted_labels`). `TokenLogprobModel` returns the log-probs of the
 labelled positions in order, i.e. the response tokens of the micro-batch concatenated sample by
 sample — the layout `split_by_response` undoes.
 """
@@ -16,12 +16,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_vlm.rl.logprobs import shifted_labels
+from megatron_vlm.data.batch import VISION_KEYS, shifted_labels
 from megatron_vlm.rl.rollout.engine import RolloutPrompt
 
 __all__ = ["TrainSample", "plan_micro_batches", "pack_samples", "split_by_response"]
 
-_VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
 @dataclass
@@ -70,13 +69,13 @@ def pack_samples(samples: Sequence[TrainSample]) -> dict:
     if not samples:
         raise ValueError("pack_samples: no samples")
     ids, resp, cu = [], [], [0]
-    vision: dict[str, list[torch.Tensor]] = {k: [] for k in _VISION_KEYS}
+    vision: dict[str, list[torch.Tensor]] = {k: [] for k in VISION_KEYS}
     for s in samples:
         p_ids = s.prompt.input_ids.to(torch.long)
         ids += [p_ids, s.response_ids.to(torch.long)]
         resp += [torch.zeros(p_ids.numel(), dtype=torch.bool), torch.ones(s.response_length, dtype=torch.bool)]
         cu.append(cu[-1] + s.num_tokens)
-        for k in _VISION_KEYS:
+        for k in VISION_KEYS:
             v = getattr(s.prompt, k)
             if v is not None:
                 vision[k].append(v)

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from megatron_vlm.eval.accuracy import avg_at_k, pass_at_k, score_accuracy
-from megatron_vlm.rl.collectives import all_gather_objects
+from megatron_vlm.parallel.collectives import all_gather_objects
 from megatron_vlm.rl.grpo_step import encode_shard, sampling_generator
 from megatron_vlm.rl.rollout.engine import SamplingParams
 

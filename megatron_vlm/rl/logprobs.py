@@ -17,38 +17,9 @@ from typing import Optional
 import torch
 
 from megatron_vlm import kernels
+from megatron_vlm.data.batch import shifted_labels
 
-__all__ = ["response_token_logprobs", "shifted_labels"]
-
-IGNORE_INDEX = -100
-
-
-def shifted_labels(input_ids: torch.Tensor, response_mask: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """labels[i] = input_ids[i + 1] where token i + 1 is a response token of the same sequence, else -100."""
-    if input_ids.dim() != 1 or response_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"input_ids {tuple(input_ids.shape)} and response_mask {tuple(response_mask.shape)} must be one packed [N] shape"
-        )
-    if response_mask.dtype != torch.bool:
-        raise ValueError(f"response_mask: must be bool, got {response_mask.dtype}")
-    n = input_ids.numel()
-    labels = torch.full_like(input_ids, IGNORE_INDEX)
-    if n < 2:
-        return labels
-    nxt = response_mask[1:].clone()
-    if cu_seqlens is not None:
-        cu = cu_seqlens.to(device=input_ids.device, dtype=torch.long)
-        if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] < cu[:-1]).any()):
-            raise ValueError(f"cu_seqlens: must rise from 0 to N = {n}, got {cu.tolist()[:8]}")
-        if bool(response_mask[cu[:-1].clamp_max(n - 1)].any()):
-            raise ValueError("response_mask: the first token of a sequence cannot be a response token (nothing predicts it)")
-        last = cu[1:-1] - 1  # final position of every sequence but the last: its next token belongs to another sequence
-        nxt[last[last >= 0]] = False
-    elif bool(response_mask[0]):
-        raise ValueError("response_mask: the first token cannot be a response token (nothing predicts it)")
-    labels[:-1] = torch.where(nxt, input_ids[1:], torch.full_like(input_ids[1:], IGNORE_INDEX))
-    return labels
-
+__all__ = ["response_token_logprobs"]
 
 def response_token_logprobs(
     hidden: torch.Tensor,

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_vlm.rl.collectives import any_rank
+from megatron_vlm.parallel.collectives import any_rank
+from megatron_vlm.parallel.precision import compute_dtype
 
 __all__ = ["run_grpo", "check_model_folder"]
 
@@ -44,13 +45,6 @@ def _fault_injection(step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _compute_dtype(cfg, device: torch.device) -> torch.dtype:
-    precision = cfg.train.precision
-    if precision == "auto":
-        precision = "fp32" if device.type == "cpu" else "bf16"
-    return torch.bfloat16 if precision == "bf16" else getattr(torch, cfg.model.dtype)
-
-
 def _data_state(step: int, seed: int, num_prompts: int) -> dict:
     return {"next_step": step, "seed": seed, "num_prompts": num_prompts}
 
@@ -63,7 +57,7 @@ def run_grpo(job) -> int:
     from megatron_vlm.rl.reference import ReferencePolicy
     from megatron_vlm.rl.rewards.manager import RewardManager
     from megatron_vlm.rl.rollout import PolicyRolloutEngine
-    from megatron_vlm.training.job import barrier
+    from megatron_vlm.parallel.collectives import barrier
 
     cfg, env = job.cfg, job.env
     rl = cfg.rl
@@ -75,7 +69,7 @@ def run_grpo(job) -> int:
     job.setup(steps_per_epoch_fn=None)
     sets = load_prompt_sets(cfg.data, rl, run_dir=job.run_dir, is_main=env.is_main, barrier=barrier)
     log.info("GRPO prompts: %d train, %s held-out", len(sets.train), len(sets.eval) if sets.eval else "no")
-    dtype = _compute_dtype(cfg, env.device)
+    dtype = compute_dtype(cfg.train.precision, getattr(torch, cfg.model.dtype), env.device)
     budget = max(rl.max_new_tokens, rl.eval.max_new_tokens or 0)
     encoder = PromptEncoder(job.processor, max_frames=cfg.data.max_frames, fps=cfg.data.fps, max_new_tokens=budget,
                             max_tokens=cfg.data.max_tokens_per_pack)

@@ -11,16 +11,11 @@ import logging
 import math
 
 import torch
-import torch.distributed as dist
+
+from megatron_vlm.data.batch import VISION_KEYS
+from megatron_vlm.parallel.collectives import all_reduce_sum
 
 log = logging.getLogger("megatron_vlm")
-
-
-def _sum(vals, device):
-    t = torch.tensor(vals, dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t.tolist()
 
 
 def _dummy_pack(pad_id: int) -> dict:
@@ -49,7 +44,7 @@ def eval_loss(job) -> dict | None:
             nll += float(-logp.double().sum())
             tok += float(logp.numel())
     job.wrapper.train()
-    nll, tok = _sum([nll, tok], job.env.device)
+    nll, tok = all_reduce_sum([nll, tok], job.env.device)
     if tok == 0:
         return None
     loss = nll / tok
@@ -64,9 +59,7 @@ def greedy_decode(job, batch: dict, max_new_tokens: int, stop_ids: set[int]) -> 
     # attention-only families: KVCache; hybrid Mamba families (Nemotron-H): KV + conv/SSM state
     make = getattr(job.model, "new_kv_cache", None) or getattr(job.model, "make_cache")
     cache = make(bsz, ids.shape[1] + max_new_tokens, device=job.env.device)
-    kwargs = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw",
-                                    "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
-              if batch.get(k) is not None}
+    kwargs = {k: batch[k] for k in ("input_ids", "attention_mask", *VISION_KEYS) if batch.get(k) is not None}
     logits = job.wrapper(model_kwargs={**job.to_device(kwargs), "kv_cache": cache})
     out = [[] for _ in range(bsz)]
     done = torch.zeros(bsz, dtype=torch.bool)
@@ -117,7 +110,7 @@ def eval_answer_accuracy(job, *, max_new_tokens: int = 6, batch_size: int = 16) 
                     per_type[2 * i] += hit
                     per_type[2 * i + 1] += 1
     job.wrapper.train()
-    correct, total, *per_type = _sum([correct, total, *per_type], job.env.device)
+    correct, total, *per_type = all_reduce_sum([correct, total, *per_type], job.env.device)
     if total == 0:
         return None
     out = {"answer_accuracy": correct / total, "answer_n": total}

@@ -13,10 +13,11 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from megatron_vlm.checkpoint.manager import CheckpointManager, full_model_state_dict
 from megatron_vlm.parallel import DistEnv, ParallelDims, build_mesh
+from megatron_vlm.parallel.collectives import all_gather_objects, all_reduce_, barrier
+from megatron_vlm.parallel.precision import resolve_precision
 from megatron_vlm.training.freeze import apply_train_layers
 from megatron_vlm.training.lm_loss import TokenLogprobModel
 from megatron_vlm.training.loggers import MetricsLogger
@@ -34,11 +35,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
-
-
-def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 @dataclass
@@ -87,9 +83,7 @@ class Job:
         log.info("model %s: %.2fM parameters, %.2fM trainable", type(model).__name__, total / 1e6, trainable / 1e6)
         self.model = model
         self.wrapper = TokenLogprobModel(model)
-        precision = cfg.train.precision
-        if precision == "auto":
-            precision = "fp32" if env.device.type == "cpu" else "bf16"
+        precision = resolve_precision(cfg.train.precision, env.device)
         from megatron_vlm.models import get_family
 
         family = get_family(model.hf_config.get("model_type"))
@@ -100,11 +94,7 @@ class Job:
         from megatron_vlm.models.common.moe import MoELoadBalancer, moe_layers
 
         if moe_layers(model):
-            def all_reduce(t: torch.Tensor) -> None:
-                if dist.is_initialized() and dist.get_world_size() > 1:
-                    dist.all_reduce(t)
-
-            self.moe_balancer = MoELoadBalancer(model, cfg.moe, all_reduce=all_reduce)
+            self.moe_balancer = MoELoadBalancer(model, cfg.moe, all_reduce=all_reduce_)
         self.optimizer = build_optimizer(self.wrapper, cfg.optimizer, env.device.type)
         self.total_steps = self._total_steps(steps_per_epoch_fn)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler, self.total_steps)
@@ -176,11 +166,7 @@ class Job:
         if self.bad_records is None:
             return
         entries = self.bad_records.to_dict()["records"]  # with their skip counts
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, entries)
-        else:
-            gathered = [entries]
+        gathered = all_gather_objects(entries)
         if self.env.is_main:
             from megatron_vlm.data.bad_records import BadRecordLog
 

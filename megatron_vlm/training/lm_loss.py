@@ -12,11 +12,8 @@ import torch
 from torch import nn
 
 from megatron_vlm import kernels
+from megatron_vlm.data.batch import IGNORE_INDEX, model_inputs
 
-MODEL_INPUT_KEYS = (
-    "input_ids", "attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
-    "video_grid_thw", "second_per_grid_ts", "position_ids", "cu_seqlens",
-)
 
 
 class TokenLogprobModel(nn.Module):
@@ -43,10 +40,9 @@ class TokenLogprobModel(nn.Module):
         (logits, hidden states, KV-cache decoding) computed inside the FSDP root's forward."""
         if model_kwargs is not None:
             return self.model(**model_kwargs)
-        inputs = {k: batch[k] for k in MODEL_INPUT_KEYS if batch.get(k) is not None}
-        hidden = self.model(**inputs, return_hidden=True)
+        hidden = self.model(**model_inputs(batch), return_hidden=True)
         labels = batch["labels"].reshape(-1)
-        sel = labels != -100
+        sel = labels != IGNORE_INDEX
         h = hidden.reshape(-1, hidden.shape[-1])[sel]
         weight = self.model.lm_head.weight
         out = kernels.linear_token_logprobs(

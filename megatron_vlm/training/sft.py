@@ -16,21 +16,14 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from megatron_vlm.checkpoint.manager import CheckpointManager
 from megatron_vlm.training.job import Job
 from megatron_vlm.training.evaluate import evaluate
 from megatron_vlm.parallel import clip_grad_norm_
+from megatron_vlm.parallel.collectives import all_reduce_sum
 
 log = logging.getLogger("megatron_vlm")
-
-
-def _all_reduce_sum(values: list[float], device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t.tolist()
 
 
 def _peak_memory_gib(device: torch.device) -> float:
@@ -53,7 +46,7 @@ def _fault_injection(step: int) -> None:
 def prepare_data(job: Job) -> None:
     """Bad-record log, the synthetic set written once (rank 0), and the eval JSONL for answer accuracy."""
     from megatron_vlm.data.bad_records import BadRecordLog
-    from megatron_vlm.training.job import barrier
+    from megatron_vlm.parallel.collectives import barrier
 
     d = job.cfg.data
     job.bad_records = BadRecordLog()
@@ -105,7 +98,7 @@ def run_sft(job: Job) -> int:
         local_tokens = sum(int(b["num_label_tokens"]) for b in micro)
         local_samples = sum(int(b["num_samples"]) for b in micro)
         local_seq_tokens = sum(int(b["input_ids"].numel()) for b in micro)
-        g_tokens, g_samples, g_seq = _all_reduce_sum([local_tokens, local_samples, local_seq_tokens], env.device)
+        g_tokens, g_samples, g_seq = all_reduce_sum([local_tokens, local_samples, local_seq_tokens], env.device)
         denom = max(g_tokens, 1.0)
         loss_sum = 0.0
         job.wrapper.train()
@@ -126,7 +119,7 @@ def run_sft(job: Job) -> int:
         job.optimizer.zero_grad(set_to_none=True)
         step += 1
         moe_report = job.moe_balancer.after_step(step) if job.moe_balancer is not None else None
-        (g_loss_sum,) = _all_reduce_sum([loss_sum], env.device)
+        (g_loss_sum,) = all_reduce_sum([loss_sum], env.device)
         dt = time.time() - t0
         if step % tcfg.log_every == 0 or step == total:
             metrics = {

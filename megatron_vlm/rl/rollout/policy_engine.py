@@ -32,6 +32,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
+from megatron_vlm.data.batch import VISION_KEYS
 from megatron_vlm.models.common.kv_cache import KVCache
 from megatron_vlm.rl.rollout.engine import RolloutEngine, RolloutPrompt, RolloutResult, RolloutSample, SamplingParams
 from megatron_vlm.rl.rollout.sampling import sample_tokens
@@ -39,7 +40,6 @@ from megatron_vlm.rl.rollout.stopping import StopChecker, eos_token_ids_of
 
 __all__ = ["PolicyRolloutEngine"]
 
-_VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
 def _select_rows(cache, rows: torch.Tensor):
@@ -71,7 +71,7 @@ def _left_pad(prompts: Sequence[RolloutPrompt], pad_id: int) -> tuple[torch.Tens
 def _vision_inputs(prompts: Sequence[RolloutPrompt], repeat: int = 1) -> dict:
     """Vision tensors of the prompts concatenated in prompt order (each prompt's `repeat` times)."""
     out = {}
-    for key in _VISION_KEYS:
+    for key in VISION_KEYS:
         parts = [getattr(p, key) for p in prompts for _ in range(repeat) if getattr(p, key) is not None]
         if parts:
             out[key] = torch.cat(parts)

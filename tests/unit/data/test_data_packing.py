@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from megatron_vlm.data.packing import IGNORE_INDEX, collate_pack, collate_padded, empty_pack, first_fit_pack
+from megatron_vlm.data.batch import IGNORE_INDEX
+from megatron_vlm.data.packing import collate_pack, collate_padded, empty_pack, first_fit_pack
 from megatron_vlm.data.processing import ProcessedSample
 
 

@@ -3,7 +3,8 @@ packed batch of sequences with prompt and response tokens; gradients and bad lay
 import pytest
 import torch
 
-from megatron_vlm.rl.logprobs import response_token_logprobs, shifted_labels
+from megatron_vlm.data.batch import shifted_labels
+from megatron_vlm.rl.logprobs import response_token_logprobs
 
 
 def _reference(hidden, weight, ids, mask, cu, temperature):

@@ -1,0 +1,56 @@
+"""The few collectives the training loops need, written once, as no-ops in a single process.
+
+Every rank of a loop reaches each call in the same order (all ranks run the same number of steps,
+micro-batches and decode steps), which is also what keeps FSDP's own collectives matched.
+Values travel as float64 / int64 tensors on the job's device (NCCL / HCCL need device tensors).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["world_size", "barrier", "all_reduce_", "all_reduce_sum", "all_reduce_max", "any_rank",
+           "all_gather_objects"]
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce of a tensor over all ranks ("sum" or "max"); returns it."""
+    if world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_sum(values: Sequence[float], device: torch.device) -> list[float]:
+    """Element-wise sum over ranks (float64)."""
+    return all_reduce_(torch.tensor(list(values), dtype=torch.float64, device=device)).tolist()
+
+
+def all_reduce_max(values: Sequence[int], device: torch.device) -> list[int]:
+    """Element-wise max over ranks (int64)."""
+    t = all_reduce_(torch.tensor(list(values), dtype=torch.int64, device=device), op="max")
+    return [int(v) for v in t.tolist()]
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True when `flag` is True on at least one rank."""
+    return bool(all_reduce_max([int(flag)], device)[0])
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """[obj of rank 0, obj of rank 1, ...] (picklable, small objects: metrics, scores, bad records)."""
+    if world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,26 @@
+"""Which dtype a job computes in: `[train] precision` resolved against the device, in one place.
+
+"auto" means fp32 on the CPU (the reference numerics the tests compare against) and bf16 on
+accelerators; bf16 is the compute dtype of FSDP2's mixed-precision policy while the optimizer
+keeps master weights in `[model] dtype`.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+__all__ = ["resolve_precision", "compute_dtype"]
+
+
+def resolve_precision(precision: str, device: torch.device) -> Literal["fp32", "bf16"]:
+    if precision == "auto":
+        return "fp32" if device.type == "cpu" else "bf16"
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"train.precision: expected 'auto', 'fp32' or 'bf16', got {precision!r}")
+    return precision  # type: ignore[return-value]
+
+
+def compute_dtype(precision: str, master_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype activations and KV caches use: bf16 under bf16 precision, else the master weights'."""
+    return torch.bfloat16 if resolve_precision(precision, device) == "bf16" else master_dtype

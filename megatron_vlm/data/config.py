@@ -1,7 +1,7 @@
 """The `[data]` config section: where the training / evaluation data lives and how it is packed.
 
-A kw_only dataclass like every section (DESIGN.md §6); the string under each field documents it and
-feeds the README's config reference. `validate()` raises ValueError("<field>: ...") and the strict
+A kw_only dataclass like every config section (so the strict TOML loader can check every key); the
+string under each field documents it and feeds the README's config reference. `validate()` raises ValueError("<field>: ...") and the strict
 loader prefixes `data.`.
 """
 from __future__ import annotations
@@ -15,12 +15,13 @@ __all__ = ["DataConfig"]
 @dataclass(kw_only=True)
 class DataConfig:
     type: Literal["messages_jsonl", "hf", "synthetic_vqa"] = "messages_jsonl"
-    """Source kind: "messages_jsonl" (one {"messages": [...]} record per line, seed 002's format),
+    """Source kind: "messages_jsonl" (one {"messages": [...]} record per line, see data/messages.py),
     "hf" (a Hugging Face `datasets` table from local parquet / arrow / jsonl files, mapped by
     `columns`) or "synthetic_vqa" (the shapes-and-colours VQA set, generated into `synthetic_dir`)."""
     train_path: str = ""
-    """Training data: a .jsonl file (messages_jsonl), or a file / folder / glob of .parquet, .arrow
-    or .jsonl files (hf). Unused for synthetic_vqa."""
+    """Training data: a file, a folder (searched recursively) or a glob of .jsonl files
+    (messages_jsonl) or of .parquet, .arrow and .jsonl files (hf); SFT and GRPO read it alike.
+    Unused for synthetic_vqa."""
     eval_path: str = ""
     """Held-out data in the same format as `train_path`; empty = no evaluation split."""
     image_root: str = ""

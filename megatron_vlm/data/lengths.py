@@ -5,8 +5,8 @@ but not its pixels: `estimate_length` renders the chat template, tokenises the t
 image / video token counts from file headers and the processor's resize rule. Records that fail
 here (malformed structure, missing image, unreadable header, ...) get length -1 and are logged.
 
-With a cache folder the result is stored under a key made of the source's identity (path, size,
-mtime, or the HF dataset fingerprint), the processor (tokenizer, chat template, the family's
+With a cache folder the result is stored under a key made of the source's identity (each file's
+path, size and mtime, and the column mapping), the processor (tokenizer, chat template, the family's
 size settings: `VLProcessor.identity()`) and the options (max_frames, fps, generation prompts); a later run (or another rank) loads it instead of recomputing.
 The cache also stores the bad records found, so a cache hit logs them too.
 """
@@ -31,14 +31,8 @@ log = logging.getLogger("megatron_vlm")
 
 
 def _source_identity(source) -> dict:
-    ds = getattr(source, "dataset", None)
-    if ds is not None and getattr(ds, "_fingerprint", None):
-        return {"name": source.name, "fingerprint": ds._fingerprint, "columns": getattr(source, "columns", None)}
-    p = Path(source.name)
-    if p.is_file():
-        st = p.stat()
-        return {"name": str(p.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "n": len(source)}
-    return {"name": source.name, "n": len(source)}
+    """The source's files (resolved path, size, mtime) and column mapping: `source.identity()`."""
+    return {"name": source.name, "n": len(source), **source.identity()}
 
 
 def _processor_identity(proc: VLProcessor) -> dict:
@@ -53,7 +47,7 @@ def _processor_identity(proc: VLProcessor) -> dict:
 
 def lengths_cache_key(source, proc: VLProcessor, *, max_frames: int, for_generation: bool, fps: float = 2.0) -> str:
     blob = json.dumps({"source": _source_identity(source), "processor": _processor_identity(proc),
-                       "max_frames": max_frames, "for_generation": for_generation, "fps": float(fps), "version": 2},
+                       "max_frames": max_frames, "for_generation": for_generation, "fps": float(fps), "version": 3},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
@@ -79,15 +73,14 @@ def compute_lengths(source, proc: VLProcessor, *, max_frames: int, for_generatio
     lengths = np.full(len(source), -1, dtype=np.int64)
     bad = []
     for i in range(len(source)):
-        index = i
+        where = source.locate(i)  # (file, line / row): where a bad record is counted
         try:
             rec = source.get(i)
-            index = rec.index
             lengths[i] = estimate_length(rec, proc, max_frames=max_frames, for_generation=for_generation, fps=fps)
         except BadRecordError as e:
-            bad.append((source.name, index, e.category, e.detail))
+            bad.append((*where, e.category, e.detail))
         except Exception as e:  # a bug or an unexpected file problem must not stop planning the run
-            bad.append((source.name, index, "invalid_record", f"unexpected {type(e).__name__}: {e}"))
+            bad.append((*where, "invalid_record", f"unexpected {type(e).__name__}: {e}"))
     if bad_records is not None:
         bad_records.extend(bad)
     if cache_file is not None:

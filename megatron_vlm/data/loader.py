@@ -70,16 +70,15 @@ class _Processor:
         self.max_frames, self.fps = cfg.max_frames, cfg.fps
 
     def __call__(self, i: int, bad: list) -> Optional[ProcessedSample]:
-        index = i
+        where = self.source.locate(i)  # (file, line / row): where a bad record is counted
         try:
             rec = self.source.get(i)
-            index = rec.index
             return process_record(rec, self.proc, max_frames=self.max_frames, fps=self.fps,
                                   for_generation=self.for_generation)
         except BadRecordError as e:
-            bad.append((self.source.name, index, e.category, e.detail))
+            bad.append((*where, e.category, e.detail))
         except Exception as e:  # keep the run going; the summary names the record
-            bad.append((self.source.name, index, "invalid_record", f"unexpected {type(e).__name__}: {e}"))
+            bad.append((*where, "invalid_record", f"unexpected {type(e).__name__}: {e}"))
         return None
 
 
@@ -101,13 +100,13 @@ class _PackDataset(Dataset):
             if s is None:
                 continue
             if total + len(s) > self.capacity:
-                bad.append((self.processor.source.name, s.index, "length_mismatch",
+                bad.append((s.source, s.index, "length_mismatch",
                             f"{len(s)} tokens do not fit the {self.capacity - total} left in pack {g} "
                             "(planned lengths disagree with processing)"))
                 continue
             conflict = vision_shape_conflict(samples, s)
             if conflict:
-                bad.append((self.processor.source.name, s.index, "video", f"{conflict} in pack {g}"))
+                bad.append((s.source, s.index, "video", f"{conflict} in pack {g}"))
                 continue
             samples.append(s)
             total += len(s)
@@ -233,8 +232,8 @@ def _prepare(data_cfg: DataConfig, processor: Any, split: str, bad_records: Opti
                               fps=data_cfg.fps, cache_dir=data_cfg.length_cache_dir or None, bad_records=bad_records)
     too_long = np.nonzero(lengths > data_cfg.max_tokens_per_pack)[0]
     for i in too_long:
-        idx = source.get(int(i)).index
-        bad_records.add(source.name, idx, "too_long",
+        file, idx = source.locate(int(i))
+        bad_records.add(file, idx, "too_long",
                         f"{int(lengths[i])} tokens > max_tokens_per_pack={data_cfg.max_tokens_per_pack}")
     return proc, bad_records, source, lengths
 

@@ -1,4 +1,4 @@
-"""Messages-format records (seed 002) and the JSONL reader.
+"""Messages-format records and the messages JSONL reader (on the shared reader, `table_rows`).
 
 One JSON object per line:
 
@@ -15,19 +15,20 @@ A video is a list of frame paths, a folder of frames (sorted by name) or a video
 through transformers' video loader when a backend such as PyAV is installed). Relative paths
 resolve against `image_root`, else the JSONL file's folder. `normalize_messages` is shared with the
 HF-datasets source: it checks the structure and raises `BadRecordError("invalid_record", ...)`
-naming the offending message / item; the reader logs malformed lines and goes on.
+naming the offending message / item; the reader logs bad lines (file, 1-based line) and goes on.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
+from megatron_vlm.data.data_files import MESSAGES_SUFFIXES
+from megatron_vlm.data.table_rows import TableRows
 
-__all__ = ["Record", "normalize_messages", "read_messages_jsonl", "resolve_path"]
+__all__ = ["Record", "normalize_messages", "read_messages_jsonl", "record_from_messages_row", "resolve_path"]
 
 ROLES = ("system", "user", "assistant")
 
@@ -139,38 +140,33 @@ def normalize_messages(raw: Any, resolve: Callable[[Any], Any] = lambda r: r) ->
     return out
 
 
+def record_from_messages_row(obj: dict, resolve: Callable[[Any], Any], *, source: str, index: int) -> Record:
+    """The `Record` of one {"messages": [...], ...} object; other keys become `meta`. Raises BadRecordError."""
+    if "messages" not in obj:
+        raise BadRecordError("invalid_record", f"no 'messages' key (keys: {sorted(obj)[:8]})")
+    messages = normalize_messages(obj["messages"], resolve)
+    for m in messages:
+        if not isinstance(m["content"], str):
+            for it in m["content"]:
+                if it["type"] in ("image", "video") and it[it["type"]] is None:
+                    raise BadRecordError("invalid_record", f"an {it['type']} item has no path")
+    return Record(messages, source, index, {k: v for k, v in obj.items() if k != "messages"})
+
+
 def read_messages_jsonl(path: str | os.PathLike, *, image_root: str | os.PathLike | None = None,
                         bad_records: Optional[BadRecordLog] = None) -> list[Record]:
-    """All well-formed records of a messages JSONL file; bad lines go to `bad_records` (or are dropped)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"messages JSONL not found: {path}")
-    root = Path(image_root) if image_root else path.resolve().parent
-    resolve = lambda ref: resolve_path(ref, root)  # noqa: E731
+    """All well-formed records of the messages JSONL file(s) at `path` (a file, a folder of .jsonl
+    files searched recursively, or a glob), in file then line order; bad lines go to `bad_records`
+    (or are dropped) under their file and 1-based line."""
+    rows = TableRows(path, suffixes=MESSAGES_SUFFIXES, bad_records=bad_records)
     records: list[Record] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise BadRecordError("malformed_json", str(e)) from None
-                if not isinstance(obj, dict):
-                    raise BadRecordError("malformed_json", f"expected a JSON object, got {type(obj).__name__}")
-                if "messages" not in obj:
-                    raise BadRecordError("invalid_record", f"no 'messages' key (keys: {sorted(obj)[:8]})")
-                messages = normalize_messages(obj["messages"], resolve)
-                for m in messages:
-                    if not isinstance(m["content"], str):
-                        for it in m["content"]:
-                            if it["type"] in ("image", "video") and it[it["type"]] is None:
-                                raise BadRecordError("invalid_record", f"an {it['type']} item has no path")
-            except BadRecordError as e:
-                if bad_records is not None:
-                    bad_records.add_error(str(path), lineno, e)
-                continue
-            meta = {k: v for k, v in obj.items() if k != "messages"}
-            records.append(Record(messages, str(path), lineno, meta))
+    for i in range(len(rows)):
+        source, lineno = rows.locate(i)
+        root = Path(image_root) if image_root else Path(source).resolve().parent
+        try:
+            records.append(record_from_messages_row(rows.row(i), lambda ref: resolve_path(ref, root),
+                                                    source=source, index=lineno))
+        except BadRecordError as e:
+            if bad_records is not None:
+                bad_records.add_error(source, lineno, e)
     return records

@@ -1,8 +1,13 @@
 """GRPO prompt datasets: Geometry3K, ViRL39K and messages-format JSONL, read from local files.
 
+The files are found and read by the data pipeline's reader (`megatron_vlm.data.table_rows`, the one
+SFT uses): a file, a folder searched recursively or a glob of .parquet / .arrow / .jsonl files, the
+same rows in the same order, bad rows named by the same file and line / row. This module maps those
+rows to prompts.
+
 A prompt sample is a chat prompt (system turn optional, one user turn with images and text, no
 assistant turn) plus the reference answer the reward verifiers compare against. Messages use the
-normalised structure of megatron_vlm.data.messages (seed 002): user content is a list of
+normalised structure of megatron_vlm.data.messages: user content is a list of
 {"type": "image", "image": ref} and {"type": "text", "text": str} items, where ref is an absolute
 path or the image's encoded bytes (decoded later by the data pipeline's processor).
 
@@ -20,19 +25,22 @@ Schemas (column names of the public releases):
 The user text is `prompt_template.format(problem=...)` ([rl] prompt_template). Images go where the
 "<image>" placeholders are; a row without placeholders gets its images before the text (about 2% of
 ViRL39K rows lost theirs in conversion). Rows that cannot be used (missing image file, more
-placeholders than images, empty question or answer) are skipped and listed in `skipped` with the
-reason, so one bad row does not stop a run.
+placeholders than images, empty question or answer) are skipped, listed in `skipped` with the
+reason and counted in `bad_records` with the SFT categories, so one bad row does not stop a run.
 """
 from __future__ import annotations
 
-import glob
-import json
 import logging
 import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal, Optional, Sequence
+
+from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
+from megatron_vlm.data.data_files import HF_SUFFIXES
+from megatron_vlm.data.messages import Record
+from megatron_vlm.data.table_rows import TableRows
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
@@ -72,12 +80,15 @@ class PromptSample:
     def images(self) -> list:
         return [it["image"] for m in self.messages if isinstance(m["content"], list) for it in m["content"] if it["type"] == "image"]
 
-    def to_record(self, source: str = "", index: int = -1):
+    source: str = ""
+    """The data file the row came from (empty for samples built in code)."""
+    index: int = -1
+    """The row's place in `source`: 1-based line of a JSONL file, 0-based row of a table."""
+
+    def to_record(self, source: str = "", index: int = -1) -> Record:
         """The sample as a `megatron_vlm.data.messages.Record` whose last assistant turn is the
         reference answer: `process_record(record, proc, for_generation=True)` then gives the
         generation prompt's tokens and vision inputs, with the answer in `.answer`."""
-        from megatron_vlm.data.messages import Record
-
         meta = dict(self.metadata, prompt_id=self.prompt_id, problem=self.problem, answer=self.answer)
         return Record(self.messages + [{"role": "assistant", "content": self.answer}], source or self.prompt_id, index, meta)
 
@@ -88,63 +99,14 @@ class PromptDataset:
     schema: str
     skipped: list[tuple[str, str]] = field(default_factory=list)
     """(row id, reason) of rows that were left out."""
+    bad_records: BadRecordLog = field(default_factory=BadRecordLog)
+    """The same rows by (file, line / row, category), counted as the SFT data loader counts them."""
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, i: int) -> PromptSample:
         return self.samples[i]
-
-
-class _SkipRow(ValueError):
-    pass
-
-
-# --- reading files ---------------------------------------------------------------------------------------
-
-
-def _data_files(path: str) -> list[Path]:
-    p = Path(path)
-    if p.is_dir():
-        files = sorted(f for f in p.iterdir() if f.suffix in (".parquet", ".jsonl", ".json"))
-    elif any(ch in path for ch in "*?["):
-        files = sorted(Path(f) for f in glob.glob(path))
-    else:
-        files = [p] if p.is_file() else []
-    if not files:
-        raise FileNotFoundError(f"prompt data: no .parquet / .jsonl files at {path!r}")
-    return files
-
-
-def _read_rows(file: Path) -> Iterator[dict]:
-    if file.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(file)
-        for batch in table.to_batches(max_chunksize=1024):
-            yield from batch.to_pylist()
-    else:
-        with open(file, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield {"__error__": f"line {lineno}: malformed JSON ({e})"}
-                    continue
-                yield row if isinstance(row, dict) else {"__error__": f"line {lineno}: not a JSON object"}
-
-
-def _columns_of(file: Path) -> list[str]:
-    if file.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return list(pq.read_schema(file).names)
-    for row in _read_rows(file):
-        if "__error__" not in row:
-            return list(row)
-    return []
 
 
 def detect_schema(columns: Sequence[str]) -> str:
@@ -176,9 +138,9 @@ def _image_ref(value: Any, root: Path, row_id: str) -> Any:
         if not p.is_absolute():
             p = root / p
         if not p.is_file():
-            raise _SkipRow(f"image file not found: {p}")
+            raise BadRecordError("missing_image", f"image file not found: {p}")
         return str(p)
-    raise _SkipRow(f"unsupported image entry {type(value).__name__}")
+    raise BadRecordError("invalid_record", f"unsupported image entry {type(value).__name__}")
 
 
 def _user_content(text: str, images: list) -> list[dict]:
@@ -187,7 +149,7 @@ def _user_content(text: str, images: list) -> list[dict]:
     if n_slots == 0:
         return [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text.strip()}]
     if n_slots != len(images):
-        raise _SkipRow(f"{n_slots} {IMAGE_PLACEHOLDER} placeholders but {len(images)} images")
+        raise BadRecordError("placeholder_mismatch", f"{n_slots} {IMAGE_PLACEHOLDER} placeholders but {len(images)} images")
     content: list[dict] = []
     for k, part in enumerate(parts):
         if part.strip():
@@ -200,9 +162,9 @@ def _user_content(text: str, images: list) -> list[dict]:
 def _make_sample(prompt_id: str, problem: str, answer: Any, images: list, metadata: dict, template: str,
                  system_prompt: Optional[str]) -> PromptSample:
     if not isinstance(problem, str) or not problem.replace(IMAGE_PLACEHOLDER, "").strip():
-        raise _SkipRow("empty question")
+        raise BadRecordError("invalid_record", "empty question")
     if answer is None or not str(answer).strip():
-        raise _SkipRow("empty answer")
+        raise BadRecordError("invalid_record", "empty answer")
     rendered = template.format(problem=problem.strip())
     messages: list[dict] = []
     if system_prompt:
@@ -233,7 +195,7 @@ def _from_table_row(schema: str, cols: tuple[str, str, Optional[str]], row: dict
 def _from_messages_row(row: dict, row_id: str, root: Path, template: str, system_prompt: Optional[str]) -> PromptSample:
     msgs = row.get("messages")
     if not isinstance(msgs, list) or not msgs:
-        raise _SkipRow("'messages' must be a non-empty list")
+        raise BadRecordError("invalid_record", "'messages' must be a non-empty list")
     answer = row.get("answer")
     if msgs[-1].get("role") == "assistant":
         if answer is None:
@@ -241,7 +203,7 @@ def _from_messages_row(row: dict, row_id: str, root: Path, template: str, system
         msgs = msgs[:-1]
     users = [i for i, m in enumerate(msgs) if m.get("role") == "user"]
     if not users:
-        raise _SkipRow("no user turn")
+        raise BadRecordError("invalid_record", "no user turn")
     out: list[dict] = []
     if system_prompt and not any(m.get("role") == "system" for m in msgs):
         out.append({"role": "system", "content": system_prompt})
@@ -254,21 +216,21 @@ def _from_messages_row(row: dict, row_id: str, root: Path, template: str, system
             items = []
             for it in content:
                 if not isinstance(it, dict) or it.get("type") not in ("text", "image"):
-                    raise _SkipRow(f"messages[{i}]: unsupported content item {it!r:.60}")
+                    raise BadRecordError("invalid_record", f"messages[{i}]: unsupported content item {it!r:.60}")
                 if it["type"] == "image":
                     items.append({"type": "image", "image": _image_ref(it.get("image"), root, row_id)})
                 else:
                     items.append({"type": "text", "text": str(it.get("text", ""))})
         else:
-            raise _SkipRow(f"messages[{i}].content must be a string or a list")
+            raise BadRecordError("invalid_record", f"messages[{i}].content must be a string or a list")
         if i == users[-1]:  # the question: template applied to its text, images kept in front
             problem = " ".join(it["text"] for it in items if it["type"] == "text").strip()
             if not problem:
-                raise _SkipRow("empty question")
+                raise BadRecordError("invalid_record", "empty question")
             items = [it for it in items if it["type"] == "image"] + [{"type": "text", "text": template.format(problem=problem)}]
         out.append({"role": m.get("role"), "content": items if m.get("role") != "system" else content})
     if answer is None or not str(answer).strip():
-        raise _SkipRow("no answer")
+        raise BadRecordError("invalid_record", "no answer")
     metadata = {k: v for k, v in row.items() if k not in ("messages", "answer") and isinstance(v, (str, int, float, bool, list))}
     return PromptSample(str(row.get("id") or row_id), out, str(answer).strip(), problem, metadata)
 
@@ -284,6 +246,13 @@ def _columns_from_mapping(columns: dict[str, str]) -> tuple[str, str, Optional[s
     return columns["prompt"], columns["answer"], columns.get("images") or columns.get("image")
 
 
+def _row_ids(rows: TableRows, path: str) -> dict[Path, str]:
+    """The name each file contributes to row ids: its path under a folder given as `path`, else its file name."""
+    if os.path.isdir(path):
+        return {f: os.path.relpath(f, path) for f in rows.files}
+    return {f: f.name for f in rows.files}
+
+
 def load_prompt_dataset(
     path: str | os.PathLike,
     *,
@@ -293,59 +262,78 @@ def load_prompt_dataset(
     prompt_template: str = "{problem}",
     system_prompt: Optional[str] = None,
     max_samples: int = 0,
+    suffixes: tuple[str, ...] = HF_SUFFIXES,
+    cache_dir: Optional[str] = None,
 ) -> PromptDataset:
-    """Read prompt samples from a .parquet / .jsonl file, a folder of them, or a glob.
+    """Read prompt samples from the files at `path` through the shared data reader
+    (`megatron_vlm.data.table_rows`): a .parquet / .arrow / .jsonl file, a folder searched
+    recursively, or a glob (`suffixes` narrows what a folder or glob yields, e.g. (".jsonl",) for
+    `[data] type = "messages_jsonl"`).
 
     `columns` maps our fields to other column names ({"prompt": ..., "answer": ..., "images": ...},
     the `[data] columns` table of type "hf"); otherwise `schema` picks a known layout ("auto" detects
     it from the column names). `image_root`: folder relative image paths resolve against (default:
     the data file's folder; for ViRL39K the release folder that holds images/). `max_samples` > 0
-    keeps the first N."""
+    keeps the first N. Rows that cannot be used are listed in `skipped` and counted in
+    `bad_records` under their file and 1-based line (JSONL) / 0-based row (tables)."""
     if "{problem}" not in prompt_template:
         raise ValueError("prompt_template: must contain the {problem} placeholder")
-    files = _data_files(os.fspath(path))
+    rows = TableRows(path, suffixes=suffixes, cache_dir=cache_dir)
     table_cols: Optional[tuple[str, str, Optional[str]]] = None
     if columns:
         table_cols = _columns_from_mapping(columns)
         known = [n for n, c in _SCHEMA_COLUMNS.items() if c == table_cols]
         schema = known[0] if known else "columns"  # type: ignore[assignment]
     elif schema == "auto":
-        schema = detect_schema(_columns_of(files[0]))  # type: ignore[assignment]
+        schema = detect_schema(rows.columns(rows.files[0]))  # type: ignore[assignment]
     elif schema not in ("geometry3k", "virl39k", "messages"):
         raise ValueError(f"schema: must be 'auto', 'geometry3k', 'virl39k' or 'messages', got {schema!r}")
     if table_cols is None and schema != "messages":
         table_cols = _SCHEMA_COLUMNS[schema]
-    samples: list[PromptSample] = []
-    skipped: list[tuple[str, str]] = []
-    for file in files:
-        root = Path(image_root) if image_root else file.resolve().parent
-        if table_cols is not None:
-            cols = set(_columns_of(file))
+    if table_cols is not None:
+        for file in rows.files:
+            cols = set(rows.columns(file))
             missing = [c for c in table_cols if c is not None and c not in cols]
             if missing:
                 raise ValueError(f"{file}: schema {schema!r} needs columns {missing} (has {sorted(cols)})")
-        for r, row in enumerate(_read_rows(file)):
-            row_id = f"{file.name}:{r}"
-            try:
-                if "__error__" in row:
-                    raise _SkipRow(row["__error__"])
-                if schema == "messages":
-                    sample = _from_messages_row(row, row_id, root, prompt_template, system_prompt)
-                else:
-                    sample = _from_table_row(schema, table_cols, row, row_id, root, prompt_template, system_prompt)
-            except _SkipRow as e:
-                skipped.append((row_id, str(e)))
-                continue
-            samples.append(sample)
-            if max_samples and len(samples) >= max_samples:
-                break
+    names = _row_ids(rows, os.fspath(path))
+    file_order = {str(f): k for k, f in enumerate(rows.files)}
+    # rows and unreadable JSON lines, in file then line / row order
+    events: list[tuple[int, int, Any]] = [(file_order[f], n, err) for f, n, err in rows.errors]
+    for i in range(len(rows)):
+        f, n = rows.locate(i)
+        events.append((file_order[f], n, i))
+    events.sort(key=lambda e: e[:2])
+    samples: list[PromptSample] = []
+    skipped: list[tuple[str, str]] = []
+    bad = BadRecordLog()
+    for k, index, item in events:
+        file = rows.files[k]
+        row_id = f"{names[file]}:{index}"
+        root = Path(image_root) if image_root else file.resolve().parent
+        if isinstance(item, BadRecordError):  # a line the reader could not parse
+            skipped.append((row_id, f"line {index}: malformed JSON ({item.detail})"))
+            bad.add_error(str(file), index, item)
+            continue
+        try:
+            row = rows.row(item)
+            if schema == "messages":
+                sample = _from_messages_row(row, row_id, root, prompt_template, system_prompt)
+            else:
+                sample = _from_table_row(schema, table_cols, row, row_id, root, prompt_template, system_prompt)
+        except BadRecordError as e:
+            skipped.append((row_id, e.detail))
+            bad.add_error(str(file), index, e)
+            continue
+        sample.source, sample.index = str(file), index
+        samples.append(sample)
         if max_samples and len(samples) >= max_samples:
             break
     if skipped:
         logger.warning("prompt data %s: skipped %d rows (first: %s: %s)", path, len(skipped), *skipped[0])
     if not samples:
         raise ValueError(f"prompt data {path}: no usable rows ({len(skipped)} skipped; first reason: {skipped[0][1] if skipped else 'empty'})")
-    return PromptDataset(samples, schema, skipped)
+    return PromptDataset(samples, schema, skipped, bad)
 
 
 def prompt_batches(num_samples: int, prompts_per_step: int, *, seed: int, start_step: int = 0) -> Iterator[list[int]]:

@@ -4,9 +4,12 @@
 
     synthetic_vqa   the shapes-and-colours set written into `synthetic_dir` (train.jsonl / eval.jsonl,
                     messages format; written by rank 0 if missing)
-    hf              local parquet / jsonl files with `columns = {prompt, answer, images}` (Geometry3K,
-                    ViRL39K or any table); `eval_path` optional
+    hf              local parquet / arrow / jsonl files with `columns = {prompt, answer, images}`
+                    (Geometry3K, ViRL39K or any table); `eval_path` optional
     messages_jsonl  messages-format JSONL whose last assistant turn (or "answer" field) is the reference
+
+Paths name a file, a folder (searched recursively) or a glob, read by the same reader as SFT
+(`megatron_vlm.data.table_rows`).
 
 Every user question goes through `[rl] prompt_template` / `system_prompt` (rl.data). A prompt is
 encoded by the data pipeline (`process_record(..., for_generation=True)`: chat template, image
@@ -21,6 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from megatron_vlm.data.bad_records import BadRecordError
+from megatron_vlm.data.data_files import HF_SUFFIXES, MESSAGES_SUFFIXES
+from megatron_vlm.data.processing import process_record
+from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
 from megatron_vlm.rl.data import PromptDataset, PromptSample, load_prompt_dataset
 from megatron_vlm.rl.rollout.engine import RolloutPrompt
 
@@ -36,8 +43,6 @@ class PromptSets:
 
 
 def _synthetic_paths(data_cfg, run_dir: Path, is_main: bool, barrier) -> tuple[Path, Path]:
-    from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
-
     folder = Path(data_cfg.synthetic_dir) if data_cfg.synthetic_dir else run_dir / "data"
     if is_main:
         write_synthetic_vqa(folder, data_cfg.synthetic_train_size, data_cfg.synthetic_eval_size,
@@ -61,12 +66,14 @@ def load_prompt_sets(data_cfg, rl_cfg, *, run_dir: Path, is_main: bool = True, b
             raise ValueError("data.columns: GRPO reads prompt / answer (/ images) columns, not a 'messages' column; "
                              "use data.type = 'messages_jsonl' for conversations")
         mapping = {k: v for k, v in cols.items() if k in ("prompt", "answer", "images", "image")}
-        train = load_prompt_dataset(data_cfg.train_path, columns=mapping, **common)
-        evals = load_prompt_dataset(data_cfg.eval_path, columns=mapping, **common) if data_cfg.eval_path else None
+        train = load_prompt_dataset(data_cfg.train_path, columns=mapping, suffixes=HF_SUFFIXES, **common)
+        evals = (load_prompt_dataset(data_cfg.eval_path, columns=mapping, suffixes=HF_SUFFIXES, **common)
+                 if data_cfg.eval_path else None)
         return PromptSets(train, evals)
     if data_cfg.type == "messages_jsonl":
-        train = load_prompt_dataset(data_cfg.train_path, schema="messages", **common)
-        evals = load_prompt_dataset(data_cfg.eval_path, schema="messages", **common) if data_cfg.eval_path else None
+        common.update(schema="messages", suffixes=MESSAGES_SUFFIXES)
+        train = load_prompt_dataset(data_cfg.train_path, **common)
+        evals = load_prompt_dataset(data_cfg.eval_path, **common) if data_cfg.eval_path else None
         return PromptSets(train, evals)
     raise ValueError(f"data.type: {data_cfg.type!r} has no GRPO prompt source")
 
@@ -88,9 +95,6 @@ class PromptEncoder:
 
     def encode(self, sample: PromptSample) -> Optional[RolloutPrompt]:
         """The encoded prompt, or None (counted, logged for the first few) if it cannot be used."""
-        from megatron_vlm.data.bad_records import BadRecordError
-        from megatron_vlm.data.processing import process_record
-
         try:
             processed = process_record(sample.to_record(), self.processor, max_frames=self.max_frames, fps=self.fps,
                                        for_generation=True)

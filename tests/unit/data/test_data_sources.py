@@ -107,7 +107,8 @@ def test_hf_prompt_answer_columns(tmp_path, write_image, fmt):
     else:
         assert ref["bytes"] == png  # not decoded
     assert r0.messages[1] == {"role": "assistant", "content": "12"}
-    assert r0.meta == {"level": 1, "answer": "12"} and r0.index == 0
+    assert r0.meta == {"level": 1, "answer": "12"} and r0.source == str(path)
+    assert (r0.index, r1.index) == ((1, 2) if fmt == "jsonl" else (0, 1))  # a JSONL row is named by its 1-based line
     assert [it["type"] for it in r1.messages[0]["content"]] == ["text"]
 
 

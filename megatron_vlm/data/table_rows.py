@@ -1,0 +1,152 @@
+"""The one reader of `[data]` files: every row of every file at a path, in order, with its location.
+
+SFT (`hf_source.HFRecords`, `messages.read_messages_jsonl`) and GRPO (`rl.data.load_prompt_dataset`)
+read their files through `TableRows`, so both see the same rows in the same order and name a bad
+row the same way:
+
+- files: `data_files.find_data_files` (a file, a folder searched recursively, or a glob; sorted);
+- .parquet / .arrow files: Hugging Face `datasets` tables (memory-mapped; parquet is converted
+  once into the datasets cache), rows returned as plain Python values without decoding anything:
+  an Image feature is its {"bytes", "path"} struct, a list of them a list of structs;
+- every other file: JSON lines. Blank lines are not rows; a line that is not a JSON object is a
+  bad record ("malformed_json") reported at open time and left out of the rows;
+- a row's location is (file, index): the 1-based line of a JSON-lines file or the 0-based row of a
+  table (the `bad_records` convention), for record sources, bad-record logs and prompt ids.
+
+Rows are addressed by a global index 0 .. len-1 over all files; `row(i)` is a dict of the row's
+columns. Mapping rows to conversations is the callers' business (`[data] columns`).
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
+from megatron_vlm.data.data_files import HF_SUFFIXES, TABLE_SUFFIXES, find_data_files
+
+__all__ = ["TableRows", "read_json_lines"]
+
+
+def read_json_lines(file: Path) -> tuple[list[tuple[int, dict]], list[tuple[int, BadRecordError]]]:
+    """(line, object) of each JSON-object line and (line, error) of each malformed one; lines are 1-based."""
+    rows: list[tuple[int, dict]] = []
+    errors: list[tuple[int, BadRecordError]] = []
+    with open(file, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                errors.append((lineno, BadRecordError("malformed_json", str(e))))
+                continue
+            if not isinstance(obj, dict):
+                errors.append((lineno, BadRecordError("malformed_json", f"expected a JSON object, got {type(obj).__name__}")))
+                continue
+            rows.append((lineno, obj))
+    return rows, errors
+
+
+class _JsonLinesPart:
+    def __init__(self, file: Path, rows: list[tuple[int, dict]]):
+        self.lines = [n for n, _ in rows]
+        self.rows = [r for _, r in rows]
+        self.columns = list(self.rows[0]) if self.rows else []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def index(self, k: int) -> int:
+        return self.lines[k]
+
+    def row(self, k: int) -> dict:
+        return self.rows[k]
+
+
+class _TablePart:
+    def __init__(self, file: Path, cache_dir: Optional[str]):
+        # `datasets` takes seconds to import; only tables need it, so JSON-lines reading stays cheap.
+        import datasets
+
+        if file.suffix == ".arrow":
+            ds = datasets.Dataset.from_file(str(file))
+        else:
+            ds = datasets.Dataset.from_parquet(str(file), cache_dir=cache_dir)
+        self.columns = list(ds.column_names)
+        self.table = ds.with_format("arrow")  # rows as raw Arrow values: nothing decoded
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def index(self, k: int) -> int:
+        return k
+
+    def row(self, k: int) -> dict:
+        return self.table[k].to_pylist()[0]
+
+
+class TableRows:
+    """All rows of the data files at `path` (see module docstring).
+
+    `bad_records`, when given, receives the malformed JSON lines (they are also kept in `errors`)."""
+
+    def __init__(self, path: str | os.PathLike, *, suffixes: tuple[str, ...] = HF_SUFFIXES,
+                 bad_records: Optional[BadRecordLog] = None, cache_dir: Optional[str] = None):
+        self.name = os.fspath(path)
+        self.files = find_data_files(path, suffixes)
+        self.errors: list[tuple[str, int, BadRecordError]] = []
+        """(file, line, error) of each line that is not a JSON object, in file order."""
+        self._parts: list[Any] = []
+        self._starts: list[int] = []
+        total = 0
+        for file in self.files:
+            if file.suffix in TABLE_SUFFIXES:
+                part: Any = _TablePart(file, cache_dir)
+            else:
+                rows, errors = read_json_lines(file)
+                part = _JsonLinesPart(file, rows)
+                for lineno, err in errors:
+                    self.errors.append((str(file), lineno, err))
+                    if bad_records is not None:
+                        bad_records.add_error(str(file), lineno, err)
+            self._parts.append(part)
+            self._starts.append(total)
+            total += len(part)
+        self._len = total
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _part(self, i: int) -> tuple[int, int]:
+        if not 0 <= i < self._len:
+            raise IndexError(f"row {i} out of range for {self.name} ({self._len} rows)")
+        p = bisect.bisect_right(self._starts, i) - 1  # the last part starting at or before i: never an empty one
+        return p, i - self._starts[p]
+
+    def row(self, i: int) -> dict:
+        """The columns of row `i` (a global index over all files)."""
+        p, k = self._part(int(i))
+        return self._parts[p].row(k)
+
+    def locate(self, i: int) -> tuple[str, int]:
+        """(file, index) of row `i`: the 1-based line of a JSON-lines file, the 0-based row of a table."""
+        p, k = self._part(int(i))
+        return str(self.files[p]), self._parts[p].index(k)
+
+    def file_of(self, i: int) -> Path:
+        return self.files[self._part(int(i))[0]]
+
+    def columns(self, file: Path) -> list[str]:
+        """Column names of one of `files` (a JSON-lines file: the keys of its first row)."""
+        return self._parts[self.files.index(Path(file))].columns
+
+    def identity(self) -> list[dict]:
+        """What the rows depend on, for caches: each file's resolved path, size and modification time."""
+        out = []
+        for file, part in zip(self.files, self._parts):
+            st = file.stat()
+            out.append({"file": str(file.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "n": len(part)})
+        return out

@@ -19,11 +19,12 @@ optimistic estimate inflated by the sampling noise of a small split. Everything 
 of (seed, sizes, image_size): the same call writes the same bytes.
 
 `write_synthetic_vqa` writes PNGs under images/ and train.jsonl / eval.jsonl in the messages format
-(seed 002), plus "question_type" and "answer" fields used by evaluation. Files are written
+(see data/messages.py), plus "question_type" and "answer" fields used by evaluation. Files are written
 atomically and meta.json last, so several ranks may call it on the same folder at once.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -170,8 +171,6 @@ def _balanced_plan(rng: random.Random, n: int) -> list[tuple[str, str]]:
 
 
 def _split_records(out: Path, split: str, n: int, seed: int, image_size: int) -> list[dict]:
-    import io
-
     rng = random.Random(seed * 1_000_003 + _SPLIT_STREAM[split])
     records = []
     for i, (qtype, answer) in enumerate(_balanced_plan(rng, n)):

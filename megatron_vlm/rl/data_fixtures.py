@@ -18,6 +18,8 @@ import os
 import random
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 from PIL import Image, ImageDraw
 
 __all__ = ["write_geometry3k_fixture", "write_virl39k_fixture", "GEOMETRY3K_ANSWERS"]
@@ -43,9 +45,6 @@ def _png(seed: int, size: int = 56) -> bytes:
 
 
 def _write_parquet(rows: list[dict], path: Path) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 

@@ -1,4 +1,4 @@
-"""Sources: messages JSONL (seed 002 format, relative paths, malformed lines logged by line), HF
+"""Sources: messages JSONL (data/messages.py format, relative paths, malformed lines logged by line), HF
 datasets from local parquet / jsonl / arrow with column mappings, the bad-records summary, and the
 [data] config's validation."""
 from __future__ import annotations

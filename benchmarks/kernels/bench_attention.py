@@ -141,6 +141,7 @@ def main():
         if quick:
             bench_pair(table, name, "torch reference", lambda: reference_attention(q, k, v, **kw), (q, k, v), flops, device, quick)
     table.print()
+    table.write_json(args.json)
 
 
 if __name__ == "__main__":

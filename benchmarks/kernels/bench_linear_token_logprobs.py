@@ -55,6 +55,7 @@ def main():
             try_bench(table, name + " fwd+bwd", impl, step, device, quick, flops=flops,
                       note="" if mem is None else f"peak extra {mem:.0f} MiB")
     table.print()
+    table.write_json(args.json)
 
 
 if __name__ == "__main__":

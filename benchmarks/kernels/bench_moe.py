@@ -104,6 +104,7 @@ def main():
         bench_unpermute(table, f"{model} unpermute {n_tokens}x{topk}x{hidden}", n_tokens, hidden, topk,
                         ref.moe_unpermute, ours and ours.moe_unpermute, device, dtype, quick)
     table.print()
+    table.write_json(args.json)
 
 
 if __name__ == "__main__":

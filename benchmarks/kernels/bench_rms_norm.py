@@ -89,6 +89,7 @@ def main():
         for impl, fn in rows:
             fwd_bwd_rows(table, name, impl, fn, (x, w, b), 2 * nbytes, 3 * nbytes, device, quick)
     table.print()
+    table.write_json(args.json)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ def main():
             except Exception as exc:  # noqa: BLE001
                 table.add(name + " bwd", impl, None, note=f"{type(exc).__name__}: {str(exc)[:60]}")
     table.print()
+    table.write_json(args.json)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,158 @@
+"""One SFT optimizer step of a Qwen2.5-VL-3B-shaped model: tokens/s and MFU.
+
+The numbers a user compares with Megatron, torchtitan and verl: random weights (fp32 master,
+bf16 compute through FSDP2's mixed precision on a one-rank mesh, as a training job runs), fused
+AdamW, activation checkpointing of every decoder layer, one packed micro-batch of `--tokens`
+tokens (`--samples` samples back to back, each with one 448 x 448 image = 256 merged vision tokens)
+through `TokenLogprobModel` (the same loss path as the SFT loop), backward, clip, step.
+
+MFU = model FLOPs / (step time x peak), the peak being a large bf16 matmul measured in the same run
+(not the datasheet), model FLOPs = 6 x (non-embedding language-model parameters) x tokens +
+3 x causal attention forward FLOPs (4 x heads x head_dim x sum of squared sample lengths / 2 per
+layer) + 6 x vision parameters x patches. Activation recomputation is not counted (the usual MFU
+convention; HFU would count it). Target: SFT MFU >= 40% on an H100 / H200.
+
+    python benchmarks/e2e/bench_train_step.py                # GPU, 3B shape, 8k tokens
+    python benchmarks/e2e/bench_train_step.py --quick        # CPU smoke test (tiny model)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_rollout import make_prompts, qwen2_5_vl_3b_config, tiny_config  # noqa: E402
+
+from megatron_vlm.data.batch import shifted_labels  # noqa: E402
+from megatron_vlm.models import build_model, get_family  # noqa: E402
+from megatron_vlm.parallel import build_mesh, clip_grad_norm_, init_distributed  # noqa: E402
+from megatron_vlm.training.lm_loss import TokenLogprobModel  # noqa: E402
+from megatron_vlm.training.optim import build_optimizer  # noqa: E402
+
+
+def packed_batch(cfg: dict, n_samples: int, tokens: int, grid: tuple[int, int, int], seed: int = 1) -> dict:
+    """`n_samples` image + text samples of tokens // n_samples tokens each, packed into one row."""
+    per_sample = tokens // n_samples
+    n_img = grid[0] * grid[1] * grid[2] // 4
+    prompts = make_prompts(n_samples, grid, per_sample - n_img - 2, cfg, seed=seed)
+    ids = torch.cat([p.input_ids for p in prompts])
+    lengths = [len(p) for p in prompts]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    train = torch.zeros_like(ids, dtype=torch.bool)
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        train[s + (e - s) // 2:e] = True  # the second half of every sample is the "answer"
+    train &= ids != cfg["image_token_id"]
+    return {"input_ids": ids[None], "labels": shifted_labels(ids, train, cu)[None], "cu_seqlens": cu,
+            "pixel_values": torch.cat([p.pixel_values for p in prompts]),
+            "image_grid_thw": torch.cat([p.image_grid_thw for p in prompts]), "lengths": lengths}
+
+
+def model_flops(model, cfg: dict, lengths: list[int], patches: int) -> float:
+    text = cfg["text_config"]
+    lm = sum(p.numel() for n, p in model.named_parameters() if n.startswith("language_model.") and "embed" not in n)
+    vision = sum(p.numel() for n, p in model.named_parameters() if n.startswith("visual."))
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    attn_fwd = text["num_hidden_layers"] * 4 * text["num_attention_heads"] * head_dim * sum(s * s for s in lengths) / 2
+    return 6.0 * lm * sum(lengths) + 3.0 * attn_fwd + 6.0 * vision * patches
+
+
+def matmul_peak_tflops(device: torch.device, quick: bool) -> float:
+    n = 256 if quick else 8192
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    for _ in range(3):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(5 if quick else 20):
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / min(times) / 1e12
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny model on the CPU (smoke test)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up step)")
+    ap.add_argument("--tokens", type=int, default=8192, help="tokens of the packed micro-batch")
+    ap.add_argument("--samples", type=int, default=4, help="samples in the pack")
+    ap.add_argument("--no-ac", action="store_true", help="disable activation checkpointing")
+    ap.add_argument("--json", type=str, default=None)
+    args = ap.parse_args()
+    env = init_distributed()
+    device = env.device
+    if args.quick:
+        torch.set_num_threads(1)
+        cfg, grid, tokens, param_dtype = tiny_config(), (1, 8, 8), min(args.tokens, 256), None
+    else:
+        cfg, grid, tokens, param_dtype = qwen2_5_vl_3b_config(), (1, 32, 32), args.tokens, torch.bfloat16
+    torch.manual_seed(0)
+    model = build_model(cfg, dtype=torch.float32, device=device)
+    wrapper = TokenLogprobModel(model)
+    parallel = SimpleNamespace(dp_replicate=1, dp_shard=-1, compile=False, reshard_after_forward=True)
+    dims, mesh = build_mesh(parallel, env.world_size, device.type)
+    get_family(model.hf_config.get("model_type")).parallelize(
+        model, dims, parallel, mesh=mesh, param_dtype=param_dtype, root=wrapper, activation_checkpointing=not args.no_ac)
+    optimizer = build_optimizer(wrapper, SimpleNamespace(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8), device.type)
+    params = [p for p in wrapper.parameters() if p.requires_grad]
+    batch = packed_batch(cfg, args.samples, tokens, grid)
+    lengths = batch.pop("lengths")
+    batch = {k: v.to(device) for k, v in batch.items()}
+    n_tokens = int(batch["input_ids"].numel())
+    n_trained = int((batch["labels"] != -100).sum())
+
+    def step() -> None:
+        logp = wrapper(batch)
+        (-logp.sum(dtype=torch.float32) / n_trained).backward()
+        clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    times = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(args.steps + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i > 0:  # the first step warms up (allocator, kernel selection, autotuning)
+            times.append(time.perf_counter() - t0)
+    peak = matmul_peak_tflops(device, args.quick)
+    flops = model_flops(model, cfg, lengths, int(batch["pixel_values"].shape[0]))
+    step_s = statistics.median(times)
+    summary = {
+        "step_s_median": step_s, "step_s_min": min(times), "tokens_per_s": n_tokens / step_s,
+        "model_tflops_per_step": flops / 1e12, "matmul_peak_tflops": peak,
+        "mfu": flops / step_s / (peak * 1e12),
+    }
+    if device.type == "cuda":
+        summary["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    for k, v in summary.items():
+        print(f"{k:24s} {v:12.4g}")
+    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (1 thread)", "torch": torch.__version__,
+            "quick": args.quick, "tokens": n_tokens, "samples": args.samples, "activation_checkpointing": not args.no_ac,
+            "date": time.strftime("%Y-%m-%d")}
+    print(json.dumps(meta))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "summary": summary}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -13,7 +13,10 @@ Which backend an op uses ("auto" = let the registry choose):
   `[kernels]` TOML section once);
 - `with use_backends({"attention": "torch"}):` overrides it for the code inside the block only
   (a `contextvars` scope: nests, restores on exit, each thread and asyncio task sees its own), so a
-  policy and a reference model in one process can run the same op on different backends.
+  policy and a reference model in one process can run the same op on different backends. A new
+  thread starts without the scope (as with any contextvar); so does a forward recomputed by
+  activation checkpointing inside the autograd engine's worker threads, which therefore uses the
+  process default: scope models that recompute only where the default is what they need.
 `auto` takes, among the backends usable for the tensor (device and dtype), the one with the
 highest priority whose `auto_devices` contains the tensor's device type, logged once; the torch
 reference is the fallback everywhere. Forcing a backend that cannot run raises

@@ -1,7 +1,7 @@
 """Every kernel benchmark runs end to end with --quick on CPU (tiny shapes, torch timing): the
-scripts stay runnable in CI; no timing is asserted (DESIGN.md §7). One child interpreter runs
-the scripts in turn (as `python <script> --quick` would, via runpy) to pay the torch import
-once."""
+scripts stay runnable in CI. No timing is asserted: CPU timings on a shared runner are noise, not
+a performance signal. One child interpreter runs the scripts in turn (as `python <script> --quick`
+would, via runpy) to pay the torch import once."""
 import os
 import subprocess
 import sys

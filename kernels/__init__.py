@@ -4,15 +4,21 @@ Every op is backed by a pure-torch reference (`kernels/reference/`, the `torch` 
 faster backends (Triton, torch_npu, third-party) that `kernels/registry.py` chooses per op from
 the `[kernels]` config, the tensor's device and what is installed. Model code calls only these
 functions; the layout and numerics contract of each op is documented in its reference module.
-Call `configure(...)` before `torch.compile`: a compiled graph keeps the backend chosen while
-tracing (the dispatch is traced with fullgraph=True, the choice is a constant of the graph).
+`configure(...)` sets the process default (the job applies its `[kernels]` section once);
+`with use_backends({...}):` overrides it for one block of code in one thread / asyncio task (e.g.
+a reference model on the torch backend next to a policy on Triton). Configure (or enter the scope)
+before `torch.compile`: a compiled graph keeps the backend chosen while tracing (the dispatch is
+traced with fullgraph=True, the choice is a constant of the graph).
 """
 from typing import Optional, Tuple, Union
 
 import torch
 
+from .builtin_ops import register_builtin_ops
 from .config import KernelsConfig
-from .registry import BackendUnavailableError, DEFAULT_REGISTRY, configure, register_backend
+from .registry import BackendUnavailableError, DEFAULT_REGISTRY, configure, register_backend, use_backends
+
+register_builtin_ops(DEFAULT_REGISTRY)
 
 __all__ = [
     "attention",
@@ -28,6 +34,7 @@ __all__ = [
     "grouped_mm",
     "moe_unpermute",
     "configure",
+    "use_backends",
     "register_backend",
     "KernelsConfig",
     "BackendUnavailableError",

@@ -1,37 +1,50 @@
-"""Backend choice per op: configuration + tensor device + availability, with one log line per choice.
+"""Backend choice per op: process default + scoped overrides + tensor device/dtype + availability.
 
 An op (e.g. "attention") has several backends, each registered with `register_backend`:
 `torch` (the reference, always usable), `triton` (ours; CUDA, or CPU under TRITON_INTERPRET=1),
-`npu` (torch_npu adapters) and third-party ones such as `flash_attn`. Implementations are named by
-an import path ("package.module:function") and imported only when first chosen — Triton decides
-at decoration time whether a kernel is interpreted, so importing kernel modules eagerly would
-freeze that choice before tests can set TRITON_INTERPRET.
+`npu` (torch_npu adapters) and third-party ones such as `flash_attn` (the built-in table is in
+`builtin_ops.py`, the availability checks in `availability.py`). Implementations are named by an import path ("package.module:function") and
+imported only when first chosen — Triton decides at decoration time whether a kernel is
+interpreted, so importing kernel modules eagerly would freeze that choice before tests can set
+TRITON_INTERPRET.
 
-`configure({"attention": "triton", ...})` forces a backend per op ("auto" = let the registry
-choose). `auto` takes, among the backends usable for the tensor (device and dtype), the one with
-the highest priority whose `auto_devices` contains the tensor's device type; the torch reference
-is the fallback everywhere. Forcing a backend that cannot run raises `BackendUnavailableError`
-naming the op, the backend and why. Ops can be registered from any module (one call per
-backend), so new ops (MoE, Mamba) plug in without touching this file's logic.
+Which backend an op uses ("auto" = let the registry choose):
+- `configure({"attention": "triton", ...})` sets the process default (the job applies its
+  `[kernels]` TOML section once);
+- `with use_backends({"attention": "torch"}):` overrides it for the code inside the block only
+  (a `contextvars` scope: nests, restores on exit, each thread and asyncio task sees its own), so a
+  policy and a reference model in one process can run the same op on different backends. A new
+  thread starts without the scope (as with any contextvar); so does a forward recomputed by
+  activation checkpointing inside the autograd engine's worker threads, which therefore uses the
+  process default: scope models that recompute only where the default is what they need.
+`auto` takes, among the backends usable for the tensor (device and dtype), the one with the
+highest priority whose `auto_devices` contains the tensor's device type, logged once; the torch
+reference is the fallback everywhere. Forcing a backend that cannot run raises
+`BackendUnavailableError` naming the op, the backend and why.
 
-The registry is an object (`KernelRegistry`); the package uses one default instance.
+Decisions are cached per (op, device type, dtype, configured choice), and each availability check
+runs once per (op, backend, device type, dtype): an eager call costs a few dict lookups, not an
+import probe. `clear_cache()` forgets them (after changing the environment a check reads);
+registering a backend clears them too.
 """
+import contextlib
+import contextvars
 import importlib
-import importlib.util
 import logging
-import os
-import sys
+import threading
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Mapping, Optional, Tuple
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
+
+if TYPE_CHECKING:  # the checks themselves live in availability.py; this module imports no sibling
+    from .availability import Check
 
 logger = logging.getLogger("megatron_vlm.kernels")
 
 AUTO = "auto"
-# Availability check: gets the device type and dtype of the op's first tensor argument, returns
-# None when the backend can run it, or the reason it cannot.
-Check = Callable[[str, torch.dtype], Optional[str]]
+_NO_SCOPE: Mapping[str, str] = MappingProxyType({})
 
 
 class BackendUnavailableError(RuntimeError):
@@ -51,75 +64,44 @@ class Backend:
 
     name: str
     target: str  # "package.module:function", imported lazily
-    check: Check
+    check: Optional["Check"] = None  # None: usable for every device and dtype
     auto_devices: Tuple[str, ...] = ()  # device types on which `auto` may pick it
     priority: int = 0  # higher wins in `auto`
     slot: _Slot = field(default_factory=_Slot, compare=False, repr=False)
 
 
-def _module_installed(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return name in sys.modules
+@dataclass(frozen=True)
+class _Decision:
+    """A cached choice: the backend name, or why the configured backend cannot run."""
+
+    name: Optional[str]
+    error: Optional[str] = None
 
 
-def always(device_type: str, dtype: torch.dtype) -> Optional[str]:
-    return None
-
-
-def triton_check(device_type: str, dtype: torch.dtype) -> Optional[str]:
-    """Triton kernels run on CUDA, or on CPU through the interpreter (TRITON_INTERPRET=1 before import)."""
-    if not _module_installed("triton"):
-        return "triton is not installed"
-    if device_type == "cuda":
-        return None
-    if device_type == "cpu":
-        if os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
-            return "tensor on cpu and TRITON_INTERPRET is not set"
-        return None
-    return f"tensor on {device_type}; triton needs cuda (or cpu with TRITON_INTERPRET=1)"
-
-
-def npu_check(device_type: str, dtype: torch.dtype) -> Optional[str]:
-    if not _module_installed("torch_npu"):
-        return "torch_npu is not installed"
-    if device_type != "npu":
-        return f"tensor on {device_type}; the npu backend needs an npu tensor"
-    return None
-
-
-def cuda_package_check(package: str, dtypes: Tuple[torch.dtype, ...] = ()) -> Check:
-    """Check for a third-party CUDA package (flash_attn, liger_kernel ...), optionally limited to dtypes."""
-
-    def check(device_type: str, dtype: torch.dtype) -> Optional[str]:
-        if not _module_installed(package):
-            return f"{package} is not installed"
-        if device_type != "cuda":
-            return f"tensor on {device_type}; {package} needs a cuda tensor"
-        if dtypes and dtype not in dtypes:
-            return f"{package} does not support {dtype} (needs one of {', '.join(str(d) for d in dtypes)})"
-        return None
-
-    return check
-
-
-@dataclass
 class KernelRegistry:
-    """Ops -> backends, the forced choice per op, and the log-once bookkeeping."""
+    """Ops -> backends, the process-default choice per op, scoped overrides, and the caches."""
 
-    backends: Dict[str, Dict[str, Backend]] = field(default_factory=dict)
-    forced: Dict[str, str] = field(default_factory=dict)
-    _logged: set = field(default_factory=set)
+    def __init__(self) -> None:
+        self.backends: Dict[str, Dict[str, Backend]] = {}
+        self.forced: Dict[str, str] = {}  # process default; ops absent are "auto"
+        self._scope: contextvars.ContextVar = contextvars.ContextVar("megatron_vlm_kernels_scope", default=_NO_SCOPE)
+        self._logged: set = set()
+        self._probes: Dict[tuple, Optional[str]] = {}
+        self._decisions: Dict[tuple, _Decision] = {}
+        self._lock = threading.Lock()
 
+    # -- registration and configuration ------------------------------------------------------
     def register(self, op: str, backend: Backend) -> None:
-        self.backends.setdefault(op, {})[backend.name] = backend
+        with self._lock:
+            self.backends.setdefault(op, {})[backend.name] = backend
+            self._clear_locked()
 
     def ops(self) -> Tuple[str, ...]:
         return tuple(self.backends)
 
-    def configure(self, choices: Mapping[str, str]) -> Dict[str, str]:
-        """Force a backend ("auto" = choose) per op; returns the previous choices (to restore)."""
+    def validated(self, choices: Mapping[str, str]) -> Dict[str, str]:
+        """choices (a dict op -> backend or "auto", or a KernelsConfig) as a dict, checked against the
+        registered ops and backends (KeyError naming the unknown op / backend)."""
         if hasattr(choices, "as_dict"):
             choices = choices.as_dict()
         for op, name in choices.items():
@@ -130,6 +112,11 @@ class KernelRegistry:
                     f"kernels: unknown backend {name!r} for op {op!r}; "
                     f"known: {AUTO}, {', '.join(sorted(self.backends[op]))}"
                 )
+        return dict(choices)
+
+    def configure(self, choices: Mapping[str, str]) -> Dict[str, str]:
+        """Set the process default ("auto" = choose) per op; returns the previous default (to restore)."""
+        choices = self.validated(choices)
         previous = dict(self.forced)
         for op, name in choices.items():
             if name == AUTO:
@@ -141,14 +128,87 @@ class KernelRegistry:
     def restore(self, previous: Mapping[str, str]) -> None:
         self.forced = dict(previous)
 
-    def availability(self, op: str, x: torch.Tensor) -> Dict[str, Optional[str]]:
-        """Backend name -> None (usable for x) or the reason it is not."""
-        return {name: b.check(x.device.type, x.dtype) for name, b in self._backends_of(op).items()}
+    @contextlib.contextmanager
+    def use_backends(self, choices: Mapping[str, str]) -> Iterator[None]:
+        """Within the block, `choices` (op -> backend, or "auto" to let the registry choose even where
+        an outer scope or the default forces one) override the outer scope and the process default
+        for the current thread / asyncio task; the previous state comes back on exit."""
+        merged = {**self._scope.get(), **self.validated(choices)}
+        token = self._scope.set(MappingProxyType(merged))
+        try:
+            yield
+        finally:
+            self._scope.reset(token)
+
+    def choice(self, op: str) -> str:
+        """The configured backend of op here: the innermost scope's, else the process default's, else "auto"."""
+        scoped = self._scope.get()
+        if op in scoped:
+            return scoped[op]
+        return self.forced.get(op, AUTO)
+
+    def choices(self) -> Dict[str, str]:
+        """op -> configured backend or "auto", as `choice` sees it in the current context."""
+        return {op: self.choice(op) for op in self.backends}
+
+    # -- availability and choice (cached) ----------------------------------------------------
+    def clear_cache(self) -> None:
+        """Forget cached availability checks and decisions (e.g. after changing TRITON_INTERPRET)."""
+        with self._lock:
+            self._clear_locked()
+
+    def _clear_locked(self) -> None:
+        self._probes.clear()
+        self._decisions.clear()
 
     def _backends_of(self, op: str) -> Dict[str, Backend]:
         if op not in self.backends:
             raise KeyError(f"kernels: unknown op {op!r}; known ops: {', '.join(sorted(self.backends))}")
         return self.backends[op]
+
+    def _probe(self, op: str, backend: Backend, device_type: str, dtype: torch.dtype) -> Optional[str]:
+        key = (op, backend.name, device_type, dtype)
+        if key not in self._probes:
+            self._probes[key] = None if backend.check is None else backend.check(device_type, dtype)
+        return self._probes[key]
+
+    def availability(self, op: str, x: torch.Tensor) -> Dict[str, Optional[str]]:
+        """Backend name -> None (usable for x) or the reason it is not."""
+        backends = self._backends_of(op)
+        with self._lock:
+            return {name: self._probe(op, b, x.device.type, x.dtype) for name, b in backends.items()}
+
+    def _decide(self, op: str, device_type: str, dtype: torch.dtype, configured: str) -> _Decision:
+        backends = self._backends_of(op)
+        if configured != AUTO:
+            reason = self._probe(op, backends[configured], device_type, dtype)
+            if reason is not None:
+                return _Decision(None, f"kernels: op {op!r} is configured to backend {configured!r}, which cannot run: {reason}")
+            return _Decision(configured)
+        candidates = [
+            b for b in backends.values()
+            if device_type in b.auto_devices and self._probe(op, b, device_type, dtype) is None
+        ]
+        name = max(candidates, key=lambda b: b.priority).name if candidates else "torch"
+        if name not in backends:
+            return _Decision(None, f"kernels: op {op!r} has no usable backend for a {device_type} {dtype} tensor")
+        if (op, device_type, name) not in self._logged:
+            self._logged.add((op, device_type, name))
+            logger.info("kernels: %s on %s uses backend %s (auto)", op, device_type, name)
+        return _Decision(name)
+
+    def choose(self, op: str, device_type: str, dtype: torch.dtype) -> str:
+        """The backend name that will run `op` for a call whose first tensor has this device type / dtype."""
+        key = (op, device_type, dtype, self.choice(op))
+        decision = self._decisions.get(key)
+        if decision is None:
+            with self._lock:
+                decision = self._decisions.get(key)
+                if decision is None:
+                    decision = self._decisions[key] = self._decide(op, *key[1:])
+        if decision.error is not None:
+            raise BackendUnavailableError(decision.error)
+        return decision.name
 
     @staticmethod
     def _load(backend: Backend) -> Callable:
@@ -157,36 +217,17 @@ class KernelRegistry:
             backend.slot.fn = getattr(importlib.import_module(module), attr)
         return backend.slot.fn
 
-    def choose(self, op: str, device_type: str, dtype: torch.dtype) -> str:
-        """The backend name that will run `op` for a call whose first tensor has this device type / dtype."""
-        backends = self._backends_of(op)
-        forced = self.forced.get(op)
-        if forced is not None:
-            reason = backends[forced].check(device_type, dtype)
-            if reason is not None:
-                raise BackendUnavailableError(f"kernels: op {op!r} is configured to backend {forced!r}, which cannot run: {reason}")
-            return forced
-        candidates = [b for b in backends.values() if device_type in b.auto_devices and b.check(device_type, dtype) is None]
-        name = max(candidates, key=lambda b: b.priority).name if candidates else "torch"
-        if name not in backends:
-            raise BackendUnavailableError(f"kernels: op {op!r} has no usable backend for a {device_type} {dtype} tensor")
-        key = (op, device_type, name)
-        if key not in self._logged:
-            self._logged.add(key)
-            logger.info("kernels: %s on %s uses backend %s (auto)", op, device_type, name)
-        return name
-
     def resolve(self, op: str, x: torch.Tensor) -> Callable:
         """The implementation to call for `op` given its first tensor argument.
 
         Under torch.compile the choice of the default registry is made once at trace time
-        (`_traced_choice`, a constant for dynamo: configure() before compiling), so model code
-        compiles with fullgraph=True through the dispatcher.
+        (`_traced_choice`, a constant for dynamo), so model code compiles with fullgraph=True
+        through the dispatcher; the compiled graph keeps the backend of the scope and default that
+        were active while tracing (configure / enter the scope before compiling).
         """
         if torch.compiler.is_compiling() and self is DEFAULT_REGISTRY:
             return self.backends[op][_traced_choice(op, x.device.type, x.dtype)].slot.fn
-        name = self.choose(op, x.device.type, x.dtype)
-        return self._load(self.backends[op][name])
+        return self._load(self.backends[op][self.choose(op, x.device.type, x.dtype)])
 
 
 DEFAULT_REGISTRY = KernelRegistry()
@@ -195,7 +236,7 @@ DEFAULT_REGISTRY = KernelRegistry()
 @torch.compiler.assume_constant_result
 def _traced_choice(op: str, device_type: str, dtype: torch.dtype) -> str:
     """The default registry's backend name for op, chosen (and imported) eagerly while dynamo
-    traces; a constant of the graph, so configure() before compiling."""
+    traces; a constant of the graph."""
     name = DEFAULT_REGISTRY.choose(op, device_type, dtype)
     DEFAULT_REGISTRY._load(DEFAULT_REGISTRY.backends[op][name])
     return name
@@ -206,7 +247,7 @@ def register_backend(
     name: str,
     target: str,
     *,
-    check: Check = always,
+    check: Optional["Check"] = None,
     auto_devices: Tuple[str, ...] = (),
     priority: int = 0,
     registry: Optional[KernelRegistry] = None,
@@ -216,53 +257,17 @@ def register_backend(
 
 
 def configure(choices: Mapping[str, str]) -> Dict[str, str]:
-    """Apply a `[kernels]` section (dict op -> backend or "auto", or a KernelsConfig); returns the previous one."""
+    """Apply a `[kernels]` section (dict op -> backend or "auto", or a KernelsConfig) as the process
+    default; returns the previous default."""
     return DEFAULT_REGISTRY.configure(choices)
+
+
+def use_backends(choices: Mapping[str, str]) -> "contextlib.AbstractContextManager[None]":
+    """Context manager (also a decorator): `choices` override the default registry's choice inside
+    the block, for this thread / asyncio task only; e.g. a reference model's forward under
+    `use_backends({"attention": "torch"})` while the policy keeps the configured default."""
+    return DEFAULT_REGISTRY.use_backends(choices)
 
 
 def resolve(op: str, x: torch.Tensor) -> Callable:
     return DEFAULT_REGISTRY.resolve(op, x)
-
-
-# Built-in ops: (op, module name under reference/ triton/ npu/, function). The torch reference is
-# always there and is the fallback; under `auto` a third-party backend (priority 20) beats our
-# Triton kernels (10) on CUDA, and the torch_npu adapters (10) are taken on NPU.
-_PKG = __name__.rpartition(".")[0]
-_BUILTIN_OPS = (
-    ("attention", "attention", "attention"),
-    ("rms_norm", "norms", "rms_norm"),
-    ("layer_norm", "norms", "layer_norm"),
-    ("apply_rotary", "rotary", "apply_rotary"),
-    ("swiglu", "swiglu", "swiglu"),
-    ("linear_token_logprobs", "token_logprobs", "linear_token_logprobs"),
-)
-_TRITON_MODULES = {"rms_norm": "rms_norm", "layer_norm": "layer_norm"}  # triton/ splits the two norms
-_NPU_OPS = {"attention": "attention", "rms_norm": "rms_norm", "apply_rotary": "rotary", "swiglu": "swiglu"}
-for _op, _module, _fn in _BUILTIN_OPS:
-    register_backend(_op, "torch", f"{_PKG}.reference.{_module}:{_fn}", auto_devices=("cpu", "cuda", "npu"))
-    register_backend(
-        _op, "triton", f"{_PKG}.triton.{_TRITON_MODULES.get(_op, _module)}:{_fn}",
-        check=triton_check, auto_devices=("cuda",), priority=10,
-    )
-    if _op in _NPU_OPS:
-        register_backend(_op, "npu", f"{_PKG}.npu.{_NPU_OPS[_op]}:{_fn}", check=npu_check, auto_devices=("npu",), priority=10)
-register_backend(
-    "attention", "flash_attn", f"{_PKG}.thirdparty.flash_attn:attention",
-    check=cuda_package_check("flash_attn", (torch.float16, torch.bfloat16)), auto_devices=("cuda",), priority=20,
-)
-
-# Mamba2 and MoE ops (Nemotron-H, Qwen3-VL-MoE): torch reference everywhere, torch_npu adapters for MoE.
-for _op, _module in (
-    ("causal_conv1d", "causal_conv1d"),
-    ("ssd_chunk_scan", "ssd"),
-    ("ssd_state_update", "ssd"),
-    ("moe_permute", "moe"),
-    ("grouped_mm", "moe"),
-    ("moe_unpermute", "moe"),
-):
-    register_backend(_op, "torch", f"{_PKG}.reference.{_module}:{_op}", auto_devices=("cpu", "cuda", "npu"), priority=0)
-for _op in ("moe_permute", "grouped_mm", "moe_unpermute"):
-    register_backend(_op, "npu", f"{_PKG}.npu.moe:{_op}", check=npu_check, auto_devices=("npu",), priority=10)
-# Triton MoE kernels (kernels/triton/moe.py); moe_permute stays on the reference.
-for _op in ("grouped_mm", "moe_unpermute"):
-    register_backend(_op, "triton", f"{_PKG}.triton.moe:{_op}", check=triton_check, auto_devices=("cuda",), priority=10)

@@ -1,9 +1,10 @@
 """torch.compile traces through the Triton custom ops (fake tensors + registered autograd): a
 fullgraph compile with the aot_eager backend (no inductor codegen, fast on CPU) gives the same
-outputs and gradients as eager; torch.library.opcheck validates the registrations."""
+outputs and gradients as eager; torch.library.opcheck validates the registrations. Inputs live on
+`kernel_checks.DEVICE` (compiled kernels on CUDA, interpreted on CPU)."""
 import torch
 
-from kernel_checks import cu_seqlens
+from kernel_checks import DEVICE, cu_seqlens
 from megatron_vlm.kernels.triton import attention as t_attention
 from megatron_vlm.kernels.triton import layer_norm as t_layer_norm
 from megatron_vlm.kernels.triton import rms_norm as t_rms_norm
@@ -22,15 +23,16 @@ def _block(x, w, b, gate_w, cos, sin, cu):
     return t_swiglu.swiglu(o @ gate_w, o) + summed
 
 
+def _leaf(g, *shape):
+    return torch.randn(*shape, generator=g).to(DEVICE).requires_grad_()
+
+
 def test_compiled_block_matches_eager_forward_and_backward():
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(11, 32, generator=g, requires_grad=True)
-    w = torch.randn(32, generator=g, requires_grad=True)
-    b = torch.randn(32, generator=g, requires_grad=True)
-    gate_w = torch.randn(32, 32, generator=g, requires_grad=True)
-    angles = torch.randn(11, 16, generator=g)
-    args = (x, w, b, gate_w, angles.cos(), angles.sin(), cu_seqlens([4, 7]))
+    x, w, b, gate_w = (_leaf(g, *shape) for shape in ((11, 32), (32,), (32,), (32, 32)))
+    angles = torch.randn(11, 16, generator=g).to(DEVICE)
+    args = (x, w, b, gate_w, angles.cos(), angles.sin(), cu_seqlens([4, 7], DEVICE))
     eager = _block(*args)
     compiled = torch.compile(_block, backend="aot_eager", fullgraph=True)(*args)
     torch.testing.assert_close(compiled, eager)
@@ -43,9 +45,8 @@ def test_compiled_block_matches_eager_forward_and_backward():
 def test_compiled_token_logprobs_op_matches_eager():
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(6, 16, generator=g, requires_grad=True)
-    weight = torch.randn(300, 16, generator=g, requires_grad=True)
-    labels = torch.tensor([3, -100, 299, 0, 7, 8])
+    hidden, weight = _leaf(g, 6, 16), _leaf(g, 300, 16)
+    labels = torch.tensor([3, -100, 299, 0, 7, 8], device=DEVICE)
 
     def fn(h, w):
         logp, ent, _ = t_logprobs.token_logprobs_fwd_op(h, w, labels, 0.9, 4, True)
@@ -59,10 +60,9 @@ def test_compiled_token_logprobs_op_matches_eager():
 
 def test_opcheck_custom_op_registrations():
     g = torch.Generator().manual_seed(2)
-    gate, up = torch.randn(3, 20, generator=g, requires_grad=True), torch.randn(3, 20, generator=g, requires_grad=True)
+    gate, up = _leaf(g, 3, 20), _leaf(g, 3, 20)
     torch.library.opcheck(t_swiglu.swiglu_op, (gate, up))
-    x, w = torch.randn(5, 24, generator=g, requires_grad=True), torch.randn(24, generator=g, requires_grad=True)
-    r = torch.randn(5, 24, generator=g, requires_grad=True)
+    x, w, r = _leaf(g, 5, 24), _leaf(g, 24), _leaf(g, 5, 24)
     torch.library.opcheck(t_rms_norm.rms_norm_residual_fwd_op, (x, r, w, 1e-6))
-    cos, sin = torch.randn(1, 5, 16, generator=g), torch.randn(1, 5, 16, generator=g)
-    torch.library.opcheck(t_rotary.rotary_op, (torch.randn(5, 2, 16, generator=g, requires_grad=True), cos, sin, False))
+    cos, sin = torch.randn(1, 5, 16, generator=g).to(DEVICE), torch.randn(1, 5, 16, generator=g).to(DEVICE)
+    torch.library.opcheck(t_rotary.rotary_op, (_leaf(g, 5, 2, 16), cos, sin, False))

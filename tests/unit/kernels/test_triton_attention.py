@@ -1,14 +1,17 @@
-"""Triton flash attention (interpreted on CPU) against the reference: forward and gradients.
+"""Triton flash attention (compiled on CUDA, interpreted on CPU) against the reference: forward and gradients.
 
-Rule (DESIGN.md §7): the kernel's error against an fp64 reference is at most 2x the error of the
-naive reference computed in the same precision (`upcast=False`: scores, softmax and P @ V
-rounded to the input dtype), plus a small absolute floor. Shapes are awkward on purpose: lengths
-1, 7, 199, varlen batches, GQA / MQA, Sq != Sk, windows, and head dims 64 / 80 (others forward only).
+Rule: the kernel's error against an fp64 reference is at most 2x the error of the naive reference
+computed in the same precision (`upcast=False`: scores, softmax and P @ V rounded to the input
+dtype), plus a small absolute floor. A flash kernel reorders the softmax reduction (online
+rescaling, blocked sums), so it cannot match the naive result bit for bit, and fixed tolerances
+would be too loose for fp32 or too tight for bf16; measuring against what the naive computation in
+that precision achieves scales with dtype and length. Shapes are awkward on purpose: lengths 1, 7,
+199, varlen batches, GQA / MQA, Sq != Sk, windows, and head dims 64 / 80 (others forward only).
 """
 import pytest
 import torch
 
-from kernel_checks import assert_within_2x, cu_seqlens, max_err
+from kernel_checks import DEVICE, assert_within_2x, cu_seqlens, max_err
 from megatron_vlm.kernels.reference.attention import attention as reference
 from megatron_vlm.kernels.triton import attention as triton_attention
 
@@ -35,16 +38,20 @@ def _check(q, k, v, floor, **kw):
 
 def _packed(lens_q, lens_k, hq, hkv, d, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(sum(lens_q), hq, d, generator=g).to(dtype)
-    k = torch.randn(sum(lens_k), hkv, d, generator=g).to(dtype)
-    v = torch.randn(sum(lens_k), hkv, d, generator=g).to(dtype)
-    return q, k, v, dict(cu_seqlens_q=cu_seqlens(lens_q), cu_seqlens_k=cu_seqlens(lens_k))
+    q = torch.randn(sum(lens_q), hq, d, generator=g).to(DEVICE, dtype)
+    k = torch.randn(sum(lens_k), hkv, d, generator=g).to(DEVICE, dtype)
+    v = torch.randn(sum(lens_k), hkv, d, generator=g).to(DEVICE, dtype)
+    return q, k, v, dict(cu_seqlens_q=cu_seqlens(lens_q, DEVICE), cu_seqlens_k=cu_seqlens(lens_k, DEVICE))
 
 
-def test_triton_interpreted_at_decoration():
+def test_triton_kernels_compiled_iff_cuda():
+    """tests/conftest.py sets TRITON_INTERPRET before the kernels are decorated: interpreted without
+    CUDA, compiled (and the tests' inputs on cuda) with it, unless TRITON_INTERPRET was set by hand."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    assert isinstance(triton_attention._attention_fwd_kernel, InterpretedFunction)
+    interpreted = isinstance(triton_attention._attention_fwd_kernel, InterpretedFunction)
+    assert interpreted == (DEVICE == "cpu")
+    assert interpreted or torch.cuda.is_available()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -84,16 +91,16 @@ def test_decode_alignment_and_rows_without_keys_mqa():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batched_left_padding_mask(dtype):
     g = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(2, 7, 2, 64, generator=g).to(dtype) for _ in range(3))
-    keep = torch.ones(2, 7, dtype=torch.bool)
+    q, k, v = (torch.randn(2, 7, 2, 64, generator=g).to(DEVICE, dtype) for _ in range(3))
+    keep = torch.ones(2, 7, dtype=torch.bool, device=DEVICE)
     keep[0, :3] = False
     _check(q, k, v, FLOOR[dtype], causal=True, key_padding_mask=keep)
 
 
 def test_batched_cross_lengths_non_causal():
     g = torch.Generator().manual_seed(5)
-    q = torch.randn(2, 3, 4, 64, generator=g)
-    k, v = torch.randn(2, 11, 2, 64, generator=g), torch.randn(2, 11, 2, 64, generator=g)
+    q = torch.randn(2, 3, 4, 64, generator=g).to(DEVICE)
+    k, v = torch.randn(2, 11, 2, 64, generator=g).to(DEVICE), torch.randn(2, 11, 2, 64, generator=g).to(DEVICE)
     _check(q, k, v, FLOOR[torch.float32], causal=False)
 
 
@@ -106,8 +113,8 @@ def test_other_head_dims_forward(d):
 
 def test_max_seqlen_hints_and_noncontiguous_inputs():
     # q / k / v as strided slices of one fused qkv projection, as the model produces them
-    qkv = torch.randn(26, 3, 2, 64)
+    qkv = torch.randn(26, 3, 2, 64, device=DEVICE)
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
-    cu = cu_seqlens([19, 7])
+    cu = cu_seqlens([19, 7], DEVICE)
     out = triton_attention.attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=19, max_seqlen_k=19)
     assert max_err(out, reference(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)) < 1e-5

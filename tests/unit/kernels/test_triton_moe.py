@@ -1,33 +1,32 @@
-"""Triton MoE kernels (interpreted on CPU) against the torch reference: grouped_mm forward and
+"""Triton MoE kernels (compiled on CUDA, interpreted on CPU) against the torch reference: grouped_mm forward and
 gradients (x and weight) in both weight layouts, with empty experts, a single expert, padding rows
 past the last group and sizes that are not multiples of the 16-wide interpreter tiles;
 moe_unpermute forward and gradients (permuted rows and topk_weights); bad input; the MoE block with
 the triton backend selected equals the torch backend and transformers' Qwen3-VL-MoE block.
 
 The references (kernels/reference/moe.py) were checked against per-row loops in test_moe_ops.py.
-Both sides accumulate in fp32, so fp32 tolerances are a few ulps. bf16 is checked on CUDA, plus one
-interpreted grouped_mm case that guards the interpreter bf16-dot workaround.
+Both sides accumulate in fp32, so fp32 tolerances are a few ulps. bf16 at larger shapes is checked
+on CUDA only (`gpu` marker: the interpreter is too slow for them), plus one small grouped_mm case
+that on CPU guards the interpreter bf16-dot workaround.
 """
 import pytest
 import torch
 
+import megatron_vlm.kernels as K
+from kernel_checks import DEVICE
 from megatron_vlm.kernels.reference import moe as reference
 from megatron_vlm.kernels.registry import DEFAULT_REGISTRY
 from megatron_vlm.kernels.triton import moe as t_moe
 
 FP32 = dict(atol=2e-5, rtol=1e-5)
 BF16 = dict(atol=3e-2, rtol=2e-2)
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 Triton kernels are checked on CUDA only (no GPU here)")
 
 
-@pytest.fixture(autouse=True)
-def _restore_registry():
-    previous = dict(DEFAULT_REGISTRY.forced)
-    yield
-    DEFAULT_REGISTRY.restore(previous)
+def _ints(values):
+    return torch.tensor(values, device=DEVICE)
 
 
-def _weight(layout, experts, k, n, gen, dtype=torch.float32, device="cpu"):
+def _weight(layout, experts, k, n, gen, dtype=torch.float32, device=DEVICE):
     shape = (experts, k, n) if layout == "ekn" else (experts, n, k)
     return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
@@ -59,9 +58,9 @@ def _compare_grouped_mm(x, w, layout, tol, **groups):
 )
 def test_grouped_mm_counts_fp32(layout, counts, k, n):
     gen = torch.Generator().manual_seed(sum(counts) + k)
-    x = torch.randn(sum(counts), k, generator=gen)
+    x = torch.randn(sum(counts), k, generator=gen).to(DEVICE)
     w = _weight(layout, len(counts), k, n, gen)
-    _, dw = _compare_grouped_mm(x, w, layout, FP32, tokens_per_expert=torch.tensor(counts))
+    _, dw = _compare_grouped_mm(x, w, layout, FP32, tokens_per_expert=_ints(counts))
     for e, c in enumerate(counts):
         if c == 0:
             assert dw[e].abs().max() == 0, f"expert {e} has no rows but a non-zero weight gradient"
@@ -70,39 +69,39 @@ def test_grouped_mm_counts_fp32(layout, counts, k, n):
 @pytest.mark.parametrize("layout", ["ekn", "enk"])
 def test_grouped_mm_offsets_with_padding_rows(layout):
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(12, 30, generator=gen).t()  # non-contiguous; rows 26..29 are padding past the last group
+    x = torch.randn(12, 30, generator=gen).to(DEVICE).t()  # non-contiguous; rows 26..29 are padding past the last group
     w = _weight(layout, 3, 12, 20, gen)
-    got, _ = _compare_grouped_mm(x, w, layout, FP32, offsets=torch.tensor([3, 3, 26]))
+    got, _ = _compare_grouped_mm(x, w, layout, FP32, offsets=_ints([3, 3, 26]))
     assert got[26:].abs().max() == 0
 
 
 def test_grouped_mm_all_groups_empty_and_no_rows():
     gen = torch.Generator().manual_seed(4)
-    w = torch.randn(2, 8, 5, generator=gen, requires_grad=True)
-    x = torch.randn(3, 8, generator=gen, requires_grad=True)
-    y = t_moe.grouped_mm(x, w, tokens_per_expert=torch.tensor([0, 0]))
+    w = torch.randn(2, 8, 5, generator=gen).to(DEVICE).requires_grad_()
+    x = torch.randn(3, 8, generator=gen).to(DEVICE).requires_grad_()
+    y = t_moe.grouped_mm(x, w, tokens_per_expert=_ints([0, 0]))
     assert y.shape == (3, 5) and y.abs().max() == 0
     dx, dw = torch.autograd.grad(y, (x, w), torch.ones_like(y))
     assert dx.abs().max() == 0 and dw.abs().max() == 0
-    empty = t_moe.grouped_mm(torch.zeros(0, 8), w.detach(), tokens_per_expert=torch.tensor([0, 0]))
+    empty = t_moe.grouped_mm(torch.zeros(0, 8, device=DEVICE), w.detach(), tokens_per_expert=_ints([0, 0]))
     assert empty.shape == (0, 5)
 
 
 def test_grouped_mm_errors_match_reference():
-    x, w = torch.randn(6, 4), torch.randn(2, 4, 3)
+    x, w = torch.randn(6, 4, device=DEVICE), torch.randn(2, 4, 3, device=DEVICE)
     with pytest.raises(ValueError, match="weight_layout"):
-        t_moe.grouped_mm(x, w, tokens_per_expert=torch.tensor([3, 3]), weight_layout="kn")
+        t_moe.grouped_mm(x, w, tokens_per_expert=_ints([3, 3]), weight_layout="kn")
     with pytest.raises(ValueError, match="groups cover 9 rows but x has 6"):
-        t_moe.grouped_mm(x, w, tokens_per_expert=torch.tensor([4, 5]))
+        t_moe.grouped_mm(x, w, tokens_per_expert=_ints([4, 5]))
     with pytest.raises(ValueError, match="3 groups given for a weight with 2 experts"):
-        t_moe.grouped_mm(x, w, tokens_per_expert=torch.tensor([1, 2, 3]))
+        t_moe.grouped_mm(x, w, tokens_per_expert=_ints([1, 2, 3]))
     with pytest.raises(ValueError, match="x has K=4 but weight"):
-        t_moe.grouped_mm(x, w, tokens_per_expert=torch.tensor([3, 3]), weight_layout="enk")
+        t_moe.grouped_mm(x, w, tokens_per_expert=_ints([3, 3]), weight_layout="enk")
     with pytest.raises(ValueError, match="dtype"):
-        t_moe.grouped_mm(x, w.double(), tokens_per_expert=torch.tensor([3, 3]))
+        t_moe.grouped_mm(x, w.double(), tokens_per_expert=_ints([3, 3]))
 
 
-def _permuted(n_tokens, topk, hidden, gen, dtype=torch.float32, device="cpu"):
+def _permuted(n_tokens, topk, hidden, gen, dtype=torch.float32, device=DEVICE):
     ids = torch.stack([torch.randperm(6, generator=gen)[:topk] for _ in range(n_tokens)])
     hidden_states = torch.randn(n_tokens, hidden, generator=gen)
     permuted, row_map, _ = reference.moe_permute(hidden_states, ids, num_experts=6)
@@ -130,7 +129,7 @@ def _compare_unpermute(permuted, row_map, weights, tol, topk=None):
 def test_moe_unpermute_weighted_fp32(n_tokens, topk, hidden):
     gen = torch.Generator().manual_seed(n_tokens * 10 + topk)
     permuted, row_map = _permuted(n_tokens, topk, hidden, gen)
-    weights = torch.rand(n_tokens, topk, generator=gen)
+    weights = torch.rand(n_tokens, topk, generator=gen).to(DEVICE)
     _compare_unpermute(permuted, row_map, weights, FP32)
 
 
@@ -141,25 +140,26 @@ def test_moe_unpermute_unweighted_sum():
 
 
 def test_moe_unpermute_rejects_non_permutation_row_map():
-    permuted = torch.randn(4, 8)
+    permuted = torch.randn(4, 8, device=DEVICE)
+    rows = torch.arange(4, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="permutation of 0..3"):
-        t_moe.moe_unpermute(permuted, torch.tensor([0, 1, 1, 3], dtype=torch.int32), torch.rand(2, 2))
+        t_moe.moe_unpermute(permuted, torch.tensor([0, 1, 1, 3], dtype=torch.int32, device=DEVICE), torch.rand(2, 2, device=DEVICE))
     with pytest.raises(ValueError, match="topk_weights must be"):
-        t_moe.moe_unpermute(permuted, torch.arange(4, dtype=torch.int32), torch.rand(3, 2))
+        t_moe.moe_unpermute(permuted, rows, torch.rand(3, 2, device=DEVICE))
     with pytest.raises(ValueError, match="topk=3"):
-        t_moe.moe_unpermute(permuted, torch.arange(4, dtype=torch.int32), topk=3)
+        t_moe.moe_unpermute(permuted, rows, topk=3)
 
 
-def test_grouped_mm_bf16_interpreted():
-    """bf16 through the interpreter's dot workaround (it multiplies bf16 operands as raw bits
-    unless upcast): one rounding of an fp32 sum on both sides."""
+def test_grouped_mm_bf16_small():
+    """bf16, small: on CPU through the interpreter's dot workaround (it multiplies bf16 operands as
+    raw bits unless upcast); one rounding of an fp32 sum on both sides."""
     gen = torch.Generator().manual_seed(8)
-    x = torch.randn(41, 24, generator=gen).bfloat16()
+    x = torch.randn(41, 24, generator=gen).to(DEVICE, torch.bfloat16)
     w = (_weight("enk", 3, 24, 20, gen) / 5).bfloat16()
-    _compare_grouped_mm(x, w, "enk", BF16, tokens_per_expert=torch.tensor([17, 0, 24]))
+    _compare_grouped_mm(x, w, "enk", BF16, tokens_per_expert=_ints([17, 0, 24]))
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["ekn", "enk"])
 def test_grouped_mm_bf16_cuda(layout):
     gen = torch.Generator().manual_seed(5)
@@ -169,7 +169,7 @@ def test_grouped_mm_bf16_cuda(layout):
     _compare_grouped_mm(x, w, layout, BF16, tokens_per_expert=torch.tensor(counts, device="cuda"))
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_moe_unpermute_bf16_cuda():
     gen = torch.Generator().manual_seed(6)
     permuted, row_map = _permuted(33, 4, 200, gen, dtype=torch.bfloat16, device="cuda")
@@ -201,18 +201,16 @@ def _qwen3_vl_moe_pair(seed):
 
 
 def test_moe_block_triton_backend_equals_torch_backend_and_transformers():
-    import megatron_vlm.kernels as K
-
-    hf, ours = _qwen3_vl_moe_pair(seed=2)
-    x = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(1))
-    upstream = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(2))
+    hf, ours = (m.to(DEVICE) for m in _qwen3_vl_moe_pair(seed=2))
+    x = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    upstream = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     results = {}
     for backend in ("torch", "triton"):
-        K.configure({"grouped_mm": backend, "moe_unpermute": backend})
-        assert DEFAULT_REGISTRY.choose("grouped_mm", "cpu", torch.float32) == backend
-        xi = x.clone().requires_grad_()
-        out = ours(xi)
-        grads = torch.autograd.grad(out, [xi, ours.experts.gate_up_proj, ours.experts.down_proj, ours.gate.weight], upstream)
+        with K.use_backends({"grouped_mm": backend, "moe_unpermute": backend}):
+            assert DEFAULT_REGISTRY.choose("grouped_mm", DEVICE, torch.float32) == backend
+            xi = x.clone().requires_grad_()
+            out = ours(xi)
+            grads = torch.autograd.grad(out, [xi, ours.experts.gate_up_proj, ours.experts.down_proj, ours.gate.weight], upstream)
         results[backend] = (out.detach(), grads)
     with torch.no_grad():
         torch.testing.assert_close(results["triton"][0], hf(x), **FP32)

@@ -1,4 +1,4 @@
-"""Triton rms_norm (with fused residual), layer_norm, rotary and swiglu (interpreted on CPU) against
+"""Triton rms_norm (with fused residual), layer_norm, rotary and swiglu (compiled on CUDA, interpreted on CPU) against
 the references: outputs and gradients, fp32 and bf16, awkward row counts (1, 7, 199) and widths.
 
 The references were checked against transformers / torch in test_reference_ops.py. Both sides
@@ -7,6 +7,7 @@ compute in fp32 and round once, so the tolerances are a few fp32 ulps, and about
 import pytest
 import torch
 
+from kernel_checks import DEVICE
 from megatron_vlm.kernels import reference
 from megatron_vlm.kernels.triton import layer_norm as t_layer_norm
 from megatron_vlm.kernels.triton import rms_norm as t_rms_norm
@@ -26,7 +27,7 @@ def _compare(fn_got, fn_ref, inputs, dtype, n_outputs=1):
     got = got if isinstance(got, tuple) else (got,)
     ref = ref if isinstance(ref, tuple) else (ref,)
     assert len(got) == len(ref) == n_outputs
-    upstream = [torch.randn(r.shape, generator=gen).to(r.dtype) for r in ref]
+    upstream = [torch.randn(r.shape, generator=gen).to(r) for r in ref]
     for g, r in zip(got, ref):
         assert g.dtype == r.dtype and g.shape == r.shape
         torch.testing.assert_close(g.float(), r.float(), **TOL[dtype])
@@ -42,7 +43,7 @@ def _compare(fn_got, fn_ref, inputs, dtype, n_outputs=1):
 
 
 def _rand(*shape, dtype, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,10 +1,10 @@
-"""Triton chunked token log-probs / entropy (interpreted on CPU) against the naive full-logits path
+"""Triton chunked token log-probs / entropy (compiled on CUDA, interpreted on CPU) against the naive full-logits path
 (hidden @ W^T, log_softmax) in fp64: values and gradients w.r.t. hidden and weight, ignore_index,
 chunk boundaries, temperature; bf16 passes when within 2x the naive bf16 path's error."""
 import pytest
 import torch
 
-from kernel_checks import assert_within_2x
+from kernel_checks import DEVICE, assert_within_2x
 from megatron_vlm.kernels.triton import token_logprobs as t_logprobs
 
 
@@ -27,7 +27,7 @@ def _inputs(n, h, v, dtype, seed=0):
     labels = torch.randint(0, v, (n,), generator=g)
     labels[-1] = v - 1
     labels[:-1:3] = -100
-    return hidden, weight, labels
+    return hidden.to(DEVICE), weight.to(DEVICE), labels.to(DEVICE)
 
 
 @pytest.mark.parametrize("n,chunk_size", [(1, None), (7, 3), (20, 7)])
@@ -42,7 +42,7 @@ def test_token_logprobs_fp32_matches_naive(n, chunk_size):
     torch.testing.assert_close(lp.double(), exp_lp, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(ent.double(), exp_ent, atol=2e-5, rtol=1e-5)
     assert (lp[labels == -100] == 0).all() and (ent[labels == -100] == 0).all()
-    a, b = torch.randn(n), torch.randn(n)
+    a, b = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)
     got = torch.autograd.grad((lp * a).sum() + (ent * b).sum(), (h, w))
     exp = torch.autograd.grad((exp_lp * a.double()).sum() + (exp_ent * b.double()).sum(), (h64, w64))
     for name, g, e in zip(("hidden", "weight"), got, exp):
@@ -69,7 +69,7 @@ def test_token_logprobs_bf16_within_2x_of_naive_bf16():
     naive_lp, naive_ent = naive(hb, wb, labels, 1.0, logits_dtype=torch.bfloat16)
     assert_within_2x("logp", lp, exact_lp, naive_lp, 1e-3)
     assert_within_2x("entropy", ent, exact_ent, naive_ent, 1e-3)
-    a = torch.randn(9)
+    a = torch.randn(9, device=DEVICE)
     got = torch.autograd.grad((lp * a).sum() + ent.sum(), (h, w))
     exact = torch.autograd.grad((exact_lp * a.double()).sum() + exact_ent.sum(), (h64, w64))
     lowp = torch.autograd.grad((naive_lp * a.double()).sum() + naive_ent.sum(), (hb, wb))
@@ -80,4 +80,4 @@ def test_token_logprobs_bf16_within_2x_of_naive_bf16():
 def test_token_logprobs_rejects_out_of_range_label():
     hidden, weight, _ = _inputs(2, 16, 50, torch.float32)
     with pytest.raises(ValueError, match="label -3 outside"):
-        t_logprobs.linear_token_logprobs(hidden, weight, torch.tensor([1, -3]))
+        t_logprobs.linear_token_logprobs(hidden, weight, torch.tensor([1, -3], device=DEVICE))

@@ -1,0 +1,61 @@
+"""The built-in ops and their backends, registered in the default registry when the package loads.
+
+Each op has the torch reference (always usable, the fallback) plus faster backends: under `auto`
+a third-party backend (priority 20) beats our Triton kernels (10) on CUDA, and the torch_npu
+adapters (10) are taken on NPU. Targets are import paths, imported only when a backend is first
+chosen (see registry.py for why). The package calls `register_builtin_ops(DEFAULT_REGISTRY)` once;
+the sibling modules are imported inside that function so that no module of the package imports a
+sibling at module level (the package's module-level import graph stays acyclic).
+"""
+import torch
+
+_PKG = __name__.rpartition(".")[0]
+
+# Dense ops: (op, module name under reference/ triton/ npu/, function).
+DENSE_OPS = (
+    ("attention", "attention", "attention"),
+    ("rms_norm", "norms", "rms_norm"),
+    ("layer_norm", "norms", "layer_norm"),
+    ("apply_rotary", "rotary", "apply_rotary"),
+    ("swiglu", "swiglu", "swiglu"),
+    ("linear_token_logprobs", "token_logprobs", "linear_token_logprobs"),
+)
+TRITON_MODULES = {"rms_norm": "rms_norm", "layer_norm": "layer_norm"}  # triton/ splits the two norms
+NPU_MODULES = {"attention": "attention", "rms_norm": "rms_norm", "apply_rotary": "rotary", "swiglu": "swiglu"}
+# Mamba2 and MoE ops (Nemotron-H, Qwen3-VL-MoE): (op, reference module); the function is named as the op.
+MAMBA_MOE_OPS = (
+    ("causal_conv1d", "causal_conv1d"),
+    ("ssd_chunk_scan", "ssd"),
+    ("ssd_state_update", "ssd"),
+    ("moe_permute", "moe"),
+    ("grouped_mm", "moe"),
+    ("moe_unpermute", "moe"),
+)
+NPU_MOE_OPS = ("moe_permute", "grouped_mm", "moe_unpermute")
+TRITON_MOE_OPS = ("grouped_mm", "moe_unpermute")  # kernels/triton/moe.py; moe_permute stays on the reference
+
+
+def register_builtin_ops(registry) -> None:
+    """Register every built-in op's backends in `registry` (a KernelRegistry)."""
+    from .availability import cuda_package_check, npu_check, triton_check
+    from .registry import register_backend
+
+    def register(op, name, target, **kwargs):
+        register_backend(op, name, f"{_PKG}.{target}", registry=registry, **kwargs)
+
+    everywhere = ("cpu", "cuda", "npu")
+    for op, module, fn in DENSE_OPS:
+        register(op, "torch", f"reference.{module}:{fn}", auto_devices=everywhere)
+        register(op, "triton", f"triton.{TRITON_MODULES.get(op, module)}:{fn}", check=triton_check, auto_devices=("cuda",), priority=10)
+        if op in NPU_MODULES:
+            register(op, "npu", f"npu.{NPU_MODULES[op]}:{fn}", check=npu_check, auto_devices=("npu",), priority=10)
+    register(
+        "attention", "flash_attn", "thirdparty.flash_attn:attention",
+        check=cuda_package_check("flash_attn", (torch.float16, torch.bfloat16)), auto_devices=("cuda",), priority=20,
+    )
+    for op, module in MAMBA_MOE_OPS:
+        register(op, "torch", f"reference.{module}:{op}", auto_devices=everywhere)
+    for op in NPU_MOE_OPS:
+        register(op, "npu", f"npu.moe:{op}", check=npu_check, auto_devices=("npu",), priority=10)
+    for op in TRITON_MOE_OPS:
+        register(op, "triton", f"triton.moe:{op}", check=triton_check, auto_devices=("cuda",), priority=10)

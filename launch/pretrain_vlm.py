@@ -18,8 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_vlm.config import ConfigError, load_config, save_config  # noqa: E402
+from megatron_vlm.config import ConfigError, load_config  # noqa: E402
 from megatron_vlm.config.loader import die  # noqa: E402
+from megatron_vlm.runner import run_job  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -41,8 +42,6 @@ def main(argv=None) -> int:
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"%(asctime)s [rank{rank}] %(levelname)s %(message)s", datefmt="%H:%M:%S",
     )
-    from megatron_vlm.training.runner import run_job
-
     return run_job(cfg)
 
 

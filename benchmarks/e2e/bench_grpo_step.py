@@ -38,7 +38,7 @@ from megatron_vlm.rl.rewards.config import ExactMatchRewardConfig  # noqa: E402
 from megatron_vlm.rl.rewards.manager import RewardBatch  # noqa: E402
 from megatron_vlm.rl.rollout import PolicyRolloutEngine  # noqa: E402
 from megatron_vlm.training.lm_loss import TokenLogprobModel  # noqa: E402
-from megatron_vlm.training.optim import build_optimizer, build_scheduler  # noqa: E402
+from megatron_vlm.training.optim import OptimState, build_optimizer, build_scheduler  # noqa: E402
 
 
 class HashReward:
@@ -97,12 +97,12 @@ def main() -> None:
                                                               root=wrapper)
     optimizer = build_optimizer(wrapper, SimpleNamespace(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8), device.type)
     scheduler = build_scheduler(optimizer, SimpleNamespace(warmup_steps=0, warmup_ratio=0.0, type="constant", min_lr_ratio=0.0), 100)
-    job = SimpleNamespace(
-        env=env, dims=dims, wrapper=wrapper, model=model, optimizer=optimizer, scheduler=scheduler,
-        trainable_params=[p for p in wrapper.parameters() if p.requires_grad],
-        cfg=SimpleNamespace(data=SimpleNamespace(max_tokens_per_pack=max_tokens), train=SimpleNamespace(seed=0, max_grad_norm=1.0)),
+    ctx = SimpleNamespace(
+        env=env, cfg=SimpleNamespace(data=SimpleNamespace(max_tokens_per_pack=max_tokens), train=SimpleNamespace(seed=0, max_grad_norm=1.0)),
         to_device=lambda b: {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in b.items()},
     )
+    bundle = SimpleNamespace(model=model, wrapper=wrapper, dims=dims, moe_balancer=None,
+                             trainable_params=[p for p in wrapper.parameters() if p.requires_grad])
     rl = RLConfig(group_size=group, max_new_tokens=new_tokens, prompts_per_step=n_prompts, temperature=1.0,
                   kl_coef=args.kl, rewards=[ExactMatchRewardConfig()])
     rl.validate()
@@ -115,7 +115,7 @@ def main() -> None:
         ref_model.load_state_dict({k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()})
         reference = ReferencePolicy(ref_model, device=device, offload=False, temperature=1.0)
     prompts = make_prompts(n_prompts, grid, text_tokens, cfg, seed=1)
-    step_runner = GRPOStep(job, rl, engine, FixedPrompts(prompts), HashReward(), reference)
+    step_runner = GRPOStep(ctx, bundle, OptimState(optimizer, scheduler), rl, engine, FixedPrompts(prompts), HashReward(), reference)
     batch = [PromptSample(str(i), [], "x", "q") for i in range(n_prompts)]
     rows = []
     for step in range(args.steps + 1):

@@ -1,4 +1,10 @@
-"""Evaluation: answer accuracy (Avg@k, pass@k) scored with the reward verifiers.
+"""Evaluation of every job kind, in one place:
+
+- `heldout_loss`: held-out loss / perplexity of the eval split (SFT);
+- `answer_accuracy` / `answers`: greedy answer accuracy with the rollout engine, overall and per
+  record group (SFT); `sft.SFTEvaluator` runs both at a step;
+- `accuracy`: Avg@k / pass@k scored with the reward verifiers; `grpo_accuracy`: the GRPO held-out
+  evaluation with the rollout engine.
 
 Import from the modules (`megatron_vlm.eval.accuracy`); this file imports nothing.
 """

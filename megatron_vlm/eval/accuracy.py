@@ -1,6 +1,6 @@
 """Answer accuracy of generated completions, scored with the same verifiers as the GRPO rewards.
 
-Avg@k (as reported by VLMEvalKit and the seed recipes, e.g. "Avg@8"): sample k completions per
+Avg@k (as reported by VLMEvalKit, e.g. "Avg@8"): sample k completions per
 prompt, count each as correct when its accuracy reward reaches `threshold`, average over all k
 samples and all prompts. With k = 1 and greedy decoding this is plain accuracy. pass@k (the
 unbiased estimator of Chen et al. 2021, "at least one of k correct") is reported alongside.

@@ -75,13 +75,20 @@ def encode_shard(batch: Sequence[PromptSample], encoder, rank: int, world: int, 
 
 
 class GRPOStep:
-    def __init__(self, job, rl_cfg, engine: RolloutEngine, encoder, manager, reference=None):
-        self.job, self.rl, self.engine, self.encoder, self.manager, self.reference = job, rl_cfg, engine, encoder, manager, reference
-        self.device = job.env.device
-        self.rank, self.world = job.env.rank, job.env.world_size
-        self.dp = job.dims.dp_size
-        self.max_tokens = job.cfg.data.max_tokens_per_pack
-        self.seed = job.cfg.train.seed
+    """`run(step, prompts) -> metrics`. `ctx`: the run context (config, ranks, device); `bundle`: the
+    policy (`wrapper`, `trainable_params`, `dims`, `moe_balancer`); `optim`: optimizer + scheduler;
+    `metrics`: where a MoE workload report's expert table goes (None: not logged)."""
+
+    def __init__(self, ctx, bundle, optim, rl_cfg, engine: RolloutEngine, encoder, manager, reference=None, metrics=None):
+        self.ctx, self.bundle, self.optim = ctx, bundle, optim
+        self.rl, self.engine, self.encoder, self.manager, self.reference = rl_cfg, engine, encoder, manager, reference
+        self.metrics_logger = metrics
+        self.device = ctx.env.device
+        self.rank, self.world = ctx.env.rank, ctx.env.world_size
+        self.dp = bundle.dims.dp_size
+        self.max_tokens = ctx.cfg.data.max_tokens_per_pack
+        self.max_grad_norm = ctx.cfg.train.max_grad_norm
+        self.seed = ctx.cfg.train.seed
         self.acc_label = rl_cfg.accuracy_label()
 
     def sampling_params(self) -> SamplingParams:
@@ -97,7 +104,7 @@ class GRPOStep:
         with timer.phase("rollout"):
             shard = encode_shard(batch, self.encoder, self.rank, self.world, self.device)
             self.engine.load_weights(None, version=step)
-            self.job.wrapper.eval()
+            self.bundle.wrapper.eval()
             result = self.engine.generate(shard.prompts, self.sampling_params(),
                                           generator=sampling_generator(self.seed, step, self.rank, self.device))
             self.engine.release_memory()
@@ -122,7 +129,7 @@ class GRPOStep:
             with timer.phase("old_logprob"):
                 self._recompute_old_logprobs(train_samples, dummy)
         with timer.phase("train"):
-            self.job.wrapper.train()
+            self.bundle.wrapper.train()
             upd = self._update(step, train_samples, dummy)
         return self._metrics(step, timer, result, shard, real, total, per_reward, adv, upd)
 
@@ -145,7 +152,7 @@ class GRPOStep:
     def _reference_logprobs(self, samples: Sequence[TrainSample]) -> None:
         with self.reference.on_device():
             for group in self._packs(samples):
-                logp = self.reference.token_logprobs(self.job.to_device(pack_samples(group)))
+                logp = self.reference.token_logprobs(self.ctx.to_device(pack_samples(group)))
                 for s, piece in zip(group, split_by_response(logp.float().cpu(), group)):
                     s.ref_logp = piece
 
@@ -153,17 +160,17 @@ class GRPOStep:
     def _recompute_old_logprobs(self, samples: Sequence[TrainSample], dummy: TrainSample) -> None:
         packs = self._packs(samples)
         (n,) = all_reduce_max([len(packs)], self.device)
-        self.job.wrapper.eval()
+        self.bundle.wrapper.eval()
         for i in range(n):
             group = packs[i] if i < len(packs) else [dummy]
-            logp = self.job.wrapper(self.job.to_device(pack_samples(group)), temperature=self.rl.temperature)
+            logp = self.bundle.wrapper(self.ctx.to_device(pack_samples(group)), temperature=self.rl.temperature)
             if i < len(packs):
                 for s, piece in zip(group, split_by_response(logp.float().cpu(), group)):
                     s.old_logp = piece
 
     def _update(self, step: int, samples: list[TrainSample], dummy: TrainSample) -> dict:
-        r, job = self.rl, self.job
-        balancer = getattr(job, "moe_balancer", None)  # None without MoE layers (and on light test jobs)
+        r, wrapper, optimizer = self.rl, self.bundle.wrapper, self.optim.optimizer
+        balancer = getattr(self.bundle, "moe_balancer", None)  # None without MoE layers (and on light test bundles)
         sums: dict[str, float] = {}  # token-weighted sums of the loss metrics over this rank's micro-batches
         weights: dict[str, float] = {}
         losses, grad_norms = [], []
@@ -185,8 +192,8 @@ class GRPOStep:
                 for i in range(n_packs):
                     is_real = i < len(packs)
                     group = packs[i] if is_real else [dummy]
-                    batch = job.to_device(pack_samples(group))
-                    logp, ent = job.wrapper(batch, temperature=r.temperature, return_entropy=True)
+                    batch = self.ctx.to_device(pack_samples(group))
+                    logp, ent = wrapper(batch, temperature=r.temperature, return_entropy=True)
                     # MoE auxiliary loss of this forward (None without MoE layers or aux_loss_coef = 0),
                     # averaged over the mini-batch's packs as the SFT loop averages over micro-batches
                     aux = balancer.aux_loss() if balancer is not None else None
@@ -209,19 +216,19 @@ class GRPOStep:
                         behav = torch.cat([s.behav_logp for s in group]).to(logp.device)
                         diff_sum += float((logp.detach().float() - behav).abs().sum())
                         diff_n += float(behav.numel())
-                grad_norms.append(float(clip_grad_norm_(job.trainable_params, job.cfg.train.max_grad_norm)))
-                job.optimizer.step()
-                job.optimizer.zero_grad(set_to_none=True)
+                grad_norms.append(float(clip_grad_norm_(self.bundle.trainable_params, self.max_grad_norm)))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
                 losses.append(loss_sum)
                 updates += 1
-        lr = job.scheduler.get_last_lr()[0]  # the lr of this step's updates (step() moves to the next)
-        job.scheduler.step()
+        lr = self.optim.scheduler.get_last_lr()[0]  # the lr of this step's updates (step() moves to the next)
+        self.optim.scheduler.step()
         # MoE load balancing once per GRPO step, as the SFT loop does per optimizer step: the loads of
         # all this step's training forwards (summed over ranks) move the score-correction biases, and
         # every n_step_per_workload_report steps the moe/* metrics and the expert-load table are reported
         moe_report = balancer.after_step(step + 1) if balancer is not None else None
-        if moe_report is not None:
-            job.log_moe_table(step + 1, moe_report[1])
+        if moe_report is not None and self.metrics_logger is not None:
+            self.metrics_logger.log_moe_table(step + 1, moe_report[1])
         return {"lr": lr, "moe": moe_report[0] if moe_report is not None else None, "sums": sums, "weights": weights, "losses": losses, "grad_norms": grad_norms, "updates": updates,
                 "diff": (diff_sum, diff_n), "train_tokens": train_tokens}
 

@@ -1,4 +1,4 @@
-"""Per-step GRPO metrics (seed 004's list): reward mean / std / min / max and per verifier,
+"""Per-step GRPO metrics: reward mean / std / min / max and per verifier,
 accuracy, response length and truncation, loss-side means (clip fraction, KL, entropy, ...)
 weighted by trained tokens, and the time split rollout / reward / train with tokens per second.
 

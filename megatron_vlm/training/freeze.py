@@ -1,4 +1,4 @@
-"""`train.train_layers`: regexes over parameter names or module class names (seed 002's meaning:
+"""`train.train_layers`: regexes over parameter names or module class names (e.g.
 `["Qwen3VLVisionPatchMerger"]` trains only the modules of that class); everything else is frozen."""
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Metric sinks on rank 0: console progress bar, TensorBoard, CSV (train and eval), optional W&B.
 
-CSV follows seed 003's habit (one file for train, one for eval; a header of every key seen in the
-first row, new keys appended as they appear by rewriting the header-less tail is avoided: unknown
-late keys go to a per-row `extra` JSON column).
+CSV: one file for train, one for eval, with a header of every key of the first row. A file is never
+rewritten to add a column (a resumed run appends under the existing header): keys that appear later
+go to a per-row `extra` JSON column, so every row stays readable with the same header.
 """
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Optional
+
+from megatron_vlm.config.loader import to_dict
 
 log = logging.getLogger("megatron_vlm")
 
@@ -143,6 +145,12 @@ class MetricsLogger:
 
             self._wandb.log({name: wandb.Table(columns=header, data=rows)}, step=step)
 
+    def log_moe_table(self, step: int, table: list) -> None:
+        """The per-layer expert-load table of a MoE workload report (rows = layers, one column per expert)."""
+        if table:
+            header = ["layer"] + [f"e{i}" for i in range(len(table[0]))]
+            self.log_table("moe/layer_expert_table", step, header, [[i, *row] for i, row in enumerate(table)])
+
     def close(self) -> None:
         for s in self._csv.values():
             s.close()
@@ -152,3 +160,9 @@ class MetricsLogger:
             self._wandb.finish()
         if self._bar is not None:
             self._bar.close()
+
+
+def build_metrics_logger(ctx, total_steps: int) -> MetricsLogger:
+    """The run's logger: `[logging]` sinks in the run folder, the resolved config for W&B."""
+    return MetricsLogger(ctx.cfg.logging, ctx.run_dir, is_main=ctx.env.is_main, total_steps=total_steps,
+                         run_name=ctx.run_dir.name, config_dict=to_dict(ctx.cfg))

@@ -1,13 +1,38 @@
-"""AdamW (fused on CUDA) with decay / no-decay groups, and the warmup + decay LR schedule."""
+"""AdamW (fused on CUDA) with decay / no-decay groups, the warmup + decay LR schedule over the
+run's length (`total_steps`), and `OptimState`, the optimizer / scheduler pair the loops step."""
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 log = logging.getLogger("megatron_vlm")
+
+
+@dataclass
+class OptimState:
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+
+
+def total_steps(train_cfg, steps_per_epoch: Optional[float] = None) -> int:
+    """Optimizer steps of the run: `train.max_steps`, or ceil(train.epochs * steps_per_epoch) when
+    only `train.epochs` is set (a job kind without an epoch length passes None: max_steps needed)."""
+    if train_cfg.max_steps is not None:
+        return train_cfg.max_steps
+    if steps_per_epoch is None:
+        raise ValueError("train.epochs: this job kind needs train.max_steps")
+    return max(1, int(math.ceil(train_cfg.epochs * steps_per_epoch)))
+
+
+def build_optim_state(model: torch.nn.Module, ctx_cfg, device_type: str, num_steps: int) -> OptimState:
+    """The optimizer over `model`'s trainable parameters and its schedule over `num_steps` steps."""
+    optimizer = build_optimizer(model, ctx_cfg.optimizer, device_type)
+    return OptimState(optimizer, build_scheduler(optimizer, ctx_cfg.scheduler, num_steps))
 
 
 def build_optimizer(model: torch.nn.Module, opt_cfg, device_type: str) -> torch.optim.Optimizer:

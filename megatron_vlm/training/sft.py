@@ -1,4 +1,5 @@
-"""The SFT loop.
+"""The SFT step object for the training loop (`training/loop.py`): `SFTStep`, and the SFT data it
+owns — the bad-record log, the synthetic data set (written once by rank 0) and the packed train loader.
 
 Per optimizer step each data-parallel rank takes `micro_batches_per_step` packed micro-batches.
 The loss is normalised by the global number of trained (label) tokens of the step, summed over
@@ -9,21 +10,51 @@ ranks, hence the `* dp_size` on each micro-batch loss.
 from __future__ import annotations
 
 import logging
-import math
-import os
-import signal
+import resource
 import time
-from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
-from megatron_vlm.checkpoint.manager import CheckpointManager
-from megatron_vlm.training.job import Job
-from megatron_vlm.training.evaluate import evaluate
+from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.data.loader import build_sft_dataloader
+from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
 from megatron_vlm.parallel import clip_grad_norm_
-from megatron_vlm.parallel.collectives import all_reduce_sum
+from megatron_vlm.parallel.collectives import all_gather_objects, all_reduce_sum, barrier
+from megatron_vlm.training.context import RunContext
+from megatron_vlm.training.model_bundle import ModelBundle
+from megatron_vlm.training.optim import OptimState
+
+__all__ = ["SFTStep", "prepare_sft_data", "build_train_loader", "steps_per_epoch"]
 
 log = logging.getLogger("megatron_vlm")
+
+_PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12, "L40S": 362e12}
+
+
+def prepare_sft_data(ctx: RunContext) -> BadRecordLog:
+    """Write the synthetic set once (rank 0; `data.synthetic_dir` defaults to `<run>/data`) and
+    return the run's bad-record log, shared by the train and eval loaders."""
+    d = ctx.cfg.data
+    if d.type == "synthetic_vqa":
+        if not d.synthetic_dir:
+            d.synthetic_dir = str(ctx.run_dir / "data")
+        if ctx.env.is_main:
+            write_synthetic_vqa(d.synthetic_dir, d.synthetic_train_size, d.synthetic_eval_size,
+                                seed=d.synthetic_seed, image_size=d.synthetic_image_size)
+        barrier()
+    return BadRecordLog()
+
+
+def build_train_loader(ctx: RunContext, bundle: ModelBundle, bad_records: BadRecordLog):
+    """The endless packed loader of the train split for this data-parallel rank."""
+    return build_sft_dataloader(ctx.cfg.data, bundle.processor, seed=ctx.cfg.train.seed, dp_rank=ctx.env.rank,
+                                dp_size=bundle.dims.dp_size, split="train", bad_records=bad_records)
+
+
+def steps_per_epoch(loader, dp_size: int, micro_batches_per_step: int) -> float:
+    """Optimizer steps per pass over the train split (for `train.epochs`)."""
+    return loader.packs_per_epoch / (dp_size * micro_batches_per_step)
 
 
 def _peak_memory_gib(device: torch.device) -> float:
@@ -31,140 +62,105 @@ def _peak_memory_gib(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30
     if device.type == "npu":
         return torch.npu.max_memory_allocated(device) / 2**30  # type: ignore[attr-defined]
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (peak RSS)
 
 
-def _fault_injection(step: int) -> None:
-    """Tests simulate a hard crash (kill -9) at a given step to prove resume never needs a clean exit."""
-    kill_at = os.environ.get("MEGATRON_VLM_FAULT_KILL_AT_STEP")
-    if kill_at and int(kill_at) == step:
-        os.kill(os.getpid(), signal.SIGKILL)
+def _peak_flops() -> Optional[float]:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in _PEAK_BF16_FLOPS.items() if k in name), None)
 
 
-def prepare_data(job: Job) -> None:
-    """Bad-record log, the synthetic set written once (rank 0), and the eval JSONL for answer accuracy."""
-    from megatron_vlm.data.bad_records import BadRecordLog
-    from megatron_vlm.parallel.collectives import barrier
+class SFTStep:
+    """One SFT optimizer step per `train_step`; evaluation through the `evaluate(step)` callable given
+    (held-out loss and answer accuracy, built in `megatron_vlm.eval`)."""
 
-    d = job.cfg.data
-    job.bad_records = BadRecordLog()
-    if d.type == "synthetic_vqa":
-        from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
+    def __init__(self, ctx: RunContext, bundle: ModelBundle, optim: OptimState, metrics, loader, *,
+                 total_steps: int, bad_records: Optional[BadRecordLog] = None,
+                 evaluate: Optional[Callable[[int], Optional[dict]]] = None):
+        self.ctx, self.bundle, self.optim, self.metrics, self.loader = ctx, bundle, optim, metrics, loader
+        self.total_steps = total_steps
+        self.bad_records = bad_records
+        self._evaluate = evaluate
+        self._it = None
+        self.n_params = sum(p.numel() for p in bundle.model.parameters())
 
-        if not d.synthetic_dir:
-            d.synthetic_dir = str(job.run_dir / "data")
-        if job.env.is_main:
-            write_synthetic_vqa(d.synthetic_dir, d.synthetic_train_size, d.synthetic_eval_size,
-                                seed=d.synthetic_seed, image_size=d.synthetic_image_size)
-        barrier()
-        job.eval_jsonl = Path(d.synthetic_dir) / "eval.jsonl" if d.synthetic_eval_size else None
-    elif d.type == "messages_jsonl" and d.eval_path.endswith(".jsonl"):
-        job.eval_jsonl = Path(d.eval_path)
+    # ------------------------------------------------------------------ StepRunner
+    def load_data_state(self, state: dict, step: int) -> None:  # noqa: ARG002
+        self.loader.load_state_dict(state)
 
+    def data_state(self, step: int) -> dict:  # noqa: ARG002
+        return self.loader.state_dict()
 
-def sft_setup(job: Job) -> None:
-    prepare_data(job)
-    tcfg = job.cfg.train
+    def evaluate(self, step: int) -> Optional[dict]:
+        return self._evaluate(step) if self._evaluate is not None else None
 
-    def steps_per_epoch() -> float:
-        job.train_loader = job.build_train_loader()
-        return job.train_loader.packs_per_epoch / (job.dims.dp_size * tcfg.micro_batches_per_step)
-
-    job.setup(steps_per_epoch_fn=steps_per_epoch)
-
-
-def run_sft(job: Job) -> int:
-    cfg, env = job.cfg, job.env
-    tcfg = cfg.train
-    loader = job.train_loader if job.train_loader is not None else job.build_train_loader()
-    start_step = 0
-    if job.resume_extra is not None:
-        loader.load_state_dict(job.resume_extra["data"])
-        start_step = job.resume_extra["step"]
-    total = job.total_steps
-    job.metrics.set_start(start_step)
-    it = iter(loader)
-    n_params = sum(p.numel() for p in job.model.parameters())
-    dp = job.dims.dp_size
-    step = start_step
-    exit_code = 0
-    t_last = time.time()
-    while step < total:
-        _fault_injection(step + 1)
+    def train_step(self, step: int, *, log: bool) -> dict[str, float]:
+        if self._it is None:
+            self._it = iter(self.loader)
+        cfg, env, b = self.ctx.cfg.train, self.ctx.env, self.bundle
         t0 = time.time()
-        micro = [next(it) for _ in range(tcfg.micro_batches_per_step)]
-        local_tokens = sum(int(b["num_label_tokens"]) for b in micro)
-        local_samples = sum(int(b["num_samples"]) for b in micro)
-        local_seq_tokens = sum(int(b["input_ids"].numel()) for b in micro)
-        g_tokens, g_samples, g_seq = all_reduce_sum([local_tokens, local_samples, local_seq_tokens], env.device)
+        micro = [next(self._it) for _ in range(cfg.micro_batches_per_step)]
+        local = [sum(int(m["num_label_tokens"]) for m in micro), sum(int(m["num_samples"]) for m in micro),
+                 sum(int(m["input_ids"].numel()) for m in micro)]
+        g_tokens, g_samples, g_seq = all_reduce_sum(local, env.device)
         denom = max(g_tokens, 1.0)
         loss_sum = 0.0
-        job.wrapper.train()
-        for b in micro:
-            b = job.to_device(b)
-            logp = job.wrapper(b)
-            loss = -logp.sum(dtype=torch.float32) / denom * dp
-            if job.moe_balancer is not None:
-                aux = job.moe_balancer.aux_loss()
+        b.wrapper.train()
+        for m in micro:
+            logp = b.wrapper(self.ctx.to_device(m))
+            loss = -logp.sum(dtype=torch.float32) / denom * b.dims.dp_size
+            if b.moe_balancer is not None:
+                aux = b.moe_balancer.aux_loss()
                 if aux is not None:
                     loss = loss + aux / len(micro)
             loss.backward()
             loss_sum += float(-logp.detach().sum(dtype=torch.float64))
-        grad_norm = clip_grad_norm_(job.trainable_params, tcfg.max_grad_norm)
-        lr = job.scheduler.get_last_lr()[0]  # the lr of this step's update (step() moves to the next)
-        job.optimizer.step()
-        job.scheduler.step()
-        job.optimizer.zero_grad(set_to_none=True)
-        step += 1
-        moe_report = job.moe_balancer.after_step(step) if job.moe_balancer is not None else None
+        grad_norm = clip_grad_norm_(b.trainable_params, cfg.max_grad_norm)
+        lr = self.optim.scheduler.get_last_lr()[0]  # the lr of this step's update (step() moves to the next)
+        self.optim.optimizer.step()
+        self.optim.scheduler.step()
+        self.optim.optimizer.zero_grad(set_to_none=True)
+        moe_report = b.moe_balancer.after_step(step + 1) if b.moe_balancer is not None else None
         (g_loss_sum,) = all_reduce_sum([loss_sum], env.device)
         dt = time.time() - t0
-        if step % tcfg.log_every == 0 or step == total:
-            metrics = {
-                "loss": g_loss_sum / denom,
-                "grad_norm": float(grad_norm),
-                "lr": lr,
-                "tokens_per_s": g_seq / dt,
-                "trained_tokens": g_tokens,
-                "samples_per_s": g_samples / dt,
-                "peak_memory_gib": _peak_memory_gib(env.device),
-                "epoch": getattr(loader, "epoch", 0),
-                "step_time_s": dt,
-            }
-            stats = loader.stats() if hasattr(loader, "stats") else {}
-            for k, v in stats.items():
-                if isinstance(v, (int, float)):
-                    metrics[f"data/{k}"] = v
-            if env.device.type == "cuda":
-                peak = job.peak_flops()
-                if peak:
-                    metrics["mfu"] = 6.0 * n_params * (g_seq / dt) / (peak * env.world_size)
-            if moe_report is not None:
-                metrics.update(moe_report[0])
-            job.metrics.log("train", step, metrics)
         if moe_report is not None:
-            if not (step % tcfg.log_every == 0 or step == total):
-                job.metrics.log("train", step, moe_report[0])
-            job.log_moe_table(step, moe_report[1])
-        t_last = time.time()
-        if job.ckpt_cfg.enable and job.ckpt_cfg.every_steps and step % job.ckpt_cfg.every_steps == 0 and step < total:
-            job.save_checkpoint(step, {"data": loader.state_dict()})
-        if tcfg.eval_every and step % tcfg.eval_every == 0 and step < total:
-            evaluate(job, step)
-        if job.stop.should_stop(env.device):
-            log.warning("stop signal received: saving a checkpoint at step %d and exiting", step)
-            if job.ckpt_cfg.enable:
-                job.save_checkpoint(step, {"data": loader.state_dict()})
-            exit_code = 143
-            break
-    del t_last
-    if exit_code == 0:
-        if job.ckpt_cfg.enable and step > start_step:
-            job.save_checkpoint(step, {"data": loader.state_dict()})
-        evaluate(job, step)
-        if job.ckpt_cfg.export_hf:
-            job.export_hf(job.run_dir / "hf")
-    job.finish_data(loader)
-    return exit_code
+            self.metrics.log_moe_table(step + 1, moe_report[1])
+        if not log:
+            return dict(moe_report[0]) if moe_report is not None else {}
+        out = {
+            "loss": g_loss_sum / denom,
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "tokens_per_s": g_seq / dt,
+            "trained_tokens": g_tokens,
+            "samples_per_s": g_samples / dt,
+            "peak_memory_gib": _peak_memory_gib(env.device),
+            "epoch": getattr(self.loader, "epoch", 0),
+            "step_time_s": dt,
+        }
+        stats = self.loader.stats() if hasattr(self.loader, "stats") else {}
+        out.update({f"data/{k}": v for k, v in stats.items() if isinstance(v, (int, float))})
+        if env.device.type == "cuda":
+            peak = _peak_flops()
+            if peak:
+                out["mfu"] = 6.0 * self.n_params * (g_seq / dt) / (peak * env.world_size)
+        if moe_report is not None:
+            out.update(moe_report[0])
+        return out
+
+    def finish(self) -> None:
+        """Gather every rank's skipped records and write one summary (rank 0)."""
+        if self.bad_records is None:
+            return
+        gathered = all_gather_objects(self.bad_records.to_dict()["records"])  # entries carry their skip counts
+        if not self.ctx.env.is_main:
+            return
+        merged = BadRecordLog()
+        for part in gathered:
+            merged.extend(part)
+        path = self.ctx.run_dir / "bad_records.json"
+        merged.write_summary(path)
+        if len(merged):
+            log.warning("skipped %d bad records %s; see %s", len(merged), merged.counts_by_category(), path)

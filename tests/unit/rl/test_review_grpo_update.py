@@ -19,6 +19,7 @@ from megatron_vlm.rl.batching import TrainSample
 from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.metrics import PhaseTimer
 from megatron_vlm.rl.rollout.engine import RolloutPrompt
+from megatron_vlm.training.optim import OptimState
 
 
 class TinyPolicy(nn.Module):
@@ -52,14 +53,14 @@ def _samples(g: torch.Generator, n: int) -> list[TrainSample]:
 
 def _step(policy, lr_lambda, mini_batches: int) -> GRPOStep:
     opt = torch.optim.SGD(policy.parameters(), lr=0.3)
-    job = NS(env=NS(device=torch.device("cpu"), rank=0, world_size=1), dims=NS(dp_size=1),
-             cfg=NS(data=NS(max_tokens_per_pack=12), train=NS(seed=5, max_grad_norm=0.0)),
-             wrapper=policy, optimizer=opt, scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
-             trainable_params=list(policy.parameters()), to_device=lambda b: b)
+    ctx = NS(env=NS(device=torch.device("cpu"), rank=0, world_size=1),
+             cfg=NS(data=NS(max_tokens_per_pack=12), train=NS(seed=5, max_grad_norm=0.0)), to_device=lambda b: b)
+    bundle = NS(dims=NS(dp_size=1), wrapper=policy, trainable_params=list(policy.parameters()), moe_balancer=None)
+    optim = OptimState(opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda))
     rl = NS(accuracy_label=lambda: "acc", ppo_epochs=1, mini_batches_per_step=mini_batches, loss_agg="token-mean",
             temperature=1.0, clip_ratio_low=0.2, clip_ratio_high=0.2, kl_coef=0.0, kl_estimator="k3",
             eval=NS(correct_threshold=1.0))
-    return GRPOStep(job, rl, engine=None, encoder=NS(skipped=0), manager=NS(labels=["acc"], metrics=lambda: {}))
+    return GRPOStep(ctx, bundle, optim, rl, engine=None, encoder=NS(skipped=0), manager=NS(labels=["acc"], metrics=lambda: {}))
 
 
 def _logp(policy, s: TrainSample) -> torch.Tensor:
@@ -108,7 +109,7 @@ def test_logged_lr_is_the_lr_of_the_step_updates():
             s.old_logp = _logp(policy, s)
     grpo = _step(policy, lambda s: 0.5 ** s, mini_batches=1)
     used = []
-    grpo.job.optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
+    grpo.optim.optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
     logged = []
     for step in range(2):
         upd = grpo._update(step, samples, samples[0])

@@ -92,13 +92,9 @@ def test_latest_complete_ignores_partial(tmp_path):
 def test_total_steps_from_epochs():
     from types import SimpleNamespace
 
-    from megatron_vlm.training.job import Job
+    from megatron_vlm.training.optim import total_steps
 
-    job = Job.__new__(Job)
-    job.cfg = SimpleNamespace(train=SimpleNamespace(max_steps=None, epochs=1.5))
-    assert job._total_steps(lambda: 10.5) == 16  # ceil(1.5 * 10.5)
-    job.cfg = SimpleNamespace(train=SimpleNamespace(max_steps=7, epochs=None))
-    assert job._total_steps(lambda: 10.5) == 7
-    job.cfg = SimpleNamespace(train=SimpleNamespace(max_steps=None, epochs=2.0))
+    assert total_steps(SimpleNamespace(max_steps=None, epochs=1.5), 10.5) == 16  # ceil(1.5 * 10.5)
+    assert total_steps(SimpleNamespace(max_steps=7, epochs=None), 10.5) == 7
     with pytest.raises(ValueError, match="train.epochs"):
-        job._total_steps(None)
+        total_steps(SimpleNamespace(max_steps=None, epochs=2.0), None)

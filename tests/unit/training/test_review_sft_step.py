@@ -1,4 +1,5 @@
-"""Review tests of the SFT loop (`run_sft`) on a tiny stand-in model and loader, against plain torch:
+"""Review tests of the SFT step (`SFTStep` run by `run_loop`) on a tiny stand-in model and loader,
+against plain torch:
 
 - the update equals one SGD step on the loss summed over every trained token of the step's
   micro-batches divided by their total count (not a mean of per-micro-batch means);
@@ -14,8 +15,9 @@ from types import SimpleNamespace as NS
 import torch
 from torch import nn
 
-from megatron_vlm.training import sft as sft_mod
-from megatron_vlm.training.job import Job
+from megatron_vlm.training.loop import run_loop
+from megatron_vlm.training.optim import OptimState
+from megatron_vlm.training.sft import SFTStep
 
 
 class TinyLM(nn.Module):
@@ -63,29 +65,42 @@ class Recorder:
         self.rows.append((split, step, dict(metrics)))
 
 
-def _job(tmp_path: Path, model: nn.Module, packs, micro: int, steps: int, lr_lambda) -> Job:
-    cfg = NS(train=NS(micro_batches_per_step=micro, log_every=1, max_grad_norm=0.0, eval_every=0),
-             checkpoint=NS(enable=False, every_steps=0, export_hf=False))
-    job = Job(cfg=cfg, env=NS(device=torch.device("cpu"), world_size=1, rank=0, is_main=True), run_dir=tmp_path)
-    job.model = job.wrapper = model
-    job.dims = NS(dp_size=1)
-    job.train_loader = ListLoader(packs)
-    job.total_steps = steps
-    job.trainable_params = list(model.parameters())
-    job.optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    job.scheduler = torch.optim.lr_scheduler.LambdaLR(job.optimizer, lr_lambda)
-    job.metrics = Recorder()
-    return job
+class NoCheckpoints:
+    enabled = export_at_end = False
+
+    def periodic_due(self, step):
+        return False
 
 
-def test_micro_batch_loss_is_normalised_by_the_step_token_count(tmp_path, monkeypatch):
-    monkeypatch.setattr(sft_mod, "evaluate", lambda job, step: {})
+class NeverStop:
+    def should_stop(self, device):
+        return False
+
+
+def _run(tmp_path: Path, model: nn.Module, packs, micro: int, steps: int, lr_lambda, pre_hook=None) -> NS:
+    """Run `steps` SFT steps through the loop; the run's pieces (optimizer, metrics rows) come back."""
+    cfg = NS(train=NS(micro_batches_per_step=micro, log_every=1, max_grad_norm=0.0, eval_every=0))
+    ctx = NS(cfg=cfg, env=NS(device=torch.device("cpu"), world_size=1, rank=0, is_main=True), run_dir=tmp_path,
+             stop=NeverStop(), device=torch.device("cpu"), to_device=lambda b: b)
+    bundle = NS(model=model, wrapper=model, dims=NS(dp_size=1), trainable_params=list(model.parameters()),
+                moe_balancer=None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    optim = OptimState(opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda))
+    if pre_hook is not None:
+        opt.register_step_pre_hook(pre_hook)
+    metrics = Recorder()
+    step = SFTStep(ctx, bundle, optim, metrics, ListLoader(packs), total_steps=steps, evaluate=lambda s: {})
+    code = run_loop(ctx, step, total_steps=steps, checkpointer=NoCheckpoints(), metrics=metrics, log_every=1)
+    return NS(code=code, optim=optim, metrics=metrics)
+
+
+def test_micro_batch_loss_is_normalised_by_the_step_token_count(tmp_path):
     g = torch.Generator().manual_seed(0)
     packs = [_pack(g, 9, 7), _pack(g, 5, 1)]  # very different token counts per micro-batch
     model = TinyLM()
     ref = copy.deepcopy(model)
-    job = _job(tmp_path, model, packs, micro=2, steps=1, lr_lambda=lambda s: 1.0)
-    assert sft_mod.run_sft(job) == 0
+    job = _run(tmp_path, model, packs, micro=2, steps=1, lr_lambda=lambda s: 1.0)
+    assert job.code == 0
 
     # plain torch: one SGD step (lr 0.5) on -sum(log p) / total trained tokens of both packs
     logp = torch.cat([ref(p) for p in packs])
@@ -99,15 +114,14 @@ def test_micro_batch_loss_is_normalised_by_the_step_token_count(tmp_path, monkey
     assert abs(loss - float(-logp.detach().sum() / logp.numel())) < 1e-5
 
 
-def test_logged_lr_is_the_lr_used_by_that_step(tmp_path, monkeypatch):
-    monkeypatch.setattr(sft_mod, "evaluate", lambda job, step: {})
+def test_logged_lr_is_the_lr_used_by_that_step(tmp_path):
     g = torch.Generator().manual_seed(1)
     packs = [_pack(g, 6, 3) for _ in range(3)]
     model = TinyLM()
-    job = _job(tmp_path, model, packs, micro=1, steps=3, lr_lambda=lambda s: 0.1 * (s + 1))
     used = []
-    job.optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
-    assert sft_mod.run_sft(job) == 0
+    job = _run(tmp_path, model, packs, micro=1, steps=3, lr_lambda=lambda s: 0.1 * (s + 1),
+               pre_hook=lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
+    assert job.code == 0
     logged = [m["lr"] for split, _, m in job.metrics.rows if split == "train"]
     assert len(used) == 3
     assert logged == used

@@ -1,13 +1,22 @@
-"""Job runner behind launch/pretrain_vlm.py: process group, run folder, assets, loop dispatch, teardown."""
+"""Job runner behind launch/pretrain_vlm.py: process group, run folder, model folder, the job kind
+(`megatron_vlm.jobs`), teardown — and the exit codes: 0 done, 2 a missing model folder (one line on
+stderr), 143 stopped by SIGTERM / SIGUSR1 after a checkpoint, 130 Ctrl-C."""
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import torch.distributed as dist
 
 from megatron_vlm.config import save_config
+from megatron_vlm.jobs import run_kind
 from megatron_vlm.parallel import destroy_distributed, init_distributed
+from megatron_vlm.rl.trainer import check_model_folder
+from megatron_vlm.testing.synthesize import synthesize_model_folder
+from megatron_vlm.training.context import RunContext
+
+__all__ = ["run_job"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -19,8 +28,6 @@ def _prepare_model_folder(cfg, env) -> None:
     if cfg.model.synthesize is None:
         raise FileNotFoundError(f"model.path: {path} has no config.json (set model.synthesize to create a tiny model)")
     if env.is_main:
-        from megatron_vlm.testing.synthesize import synthesize_model_folder
-
         synthesize_model_folder(cfg.model.synthesize, path, seed=cfg.train.seed)
         log.info("created tiny model %s at %s", cfg.model.synthesize, path)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -36,30 +43,14 @@ def run_job(cfg) -> int:
             save_config(cfg, run_dir / "config.toml")
         try:
             if cfg.train.mode == "grpo":
-                from megatron_vlm.rl.trainer import check_model_folder
-
                 check_model_folder(cfg)  # names the SFT run that produces a missing start checkpoint
             _prepare_model_folder(cfg, env)
         except FileNotFoundError as e:
-            import sys
-
             print(f"error: {e}", file=sys.stderr)
             return 2
-        from megatron_vlm.training.job import Job
-
-        job = Job(cfg=cfg, env=env, run_dir=run_dir)
-        job.stop.install()
-        if cfg.train.mode == "sft":
-            from megatron_vlm.training.sft import run_sft, sft_setup
-
-            sft_setup(job)
-            code = run_sft(job)
-        else:
-            from megatron_vlm.rl.trainer import run_grpo
-
-            code = run_grpo(job)
-        if job.metrics is not None:
-            job.metrics.close()
+        ctx = RunContext(cfg=cfg, env=env, run_dir=run_dir)
+        ctx.stop.install()
+        code = run_kind(ctx)
         # Leave together: a rank that tears down its process group and exits while rank 0 is still
         # writing the export has been seen to abort in gloo's teardown (SIGABRT, "terminate called
         # without an active exception"), failing a finished job. Only on this path, where every rank

@@ -16,29 +16,41 @@ from megatron_vlm.eval.accuracy import avg_at_k, pass_at_k, score_accuracy
 from megatron_vlm.parallel.collectives import all_gather_objects
 from megatron_vlm.rl.grpo_step import encode_shard, sampling_generator
 from megatron_vlm.rl.rollout.engine import SamplingParams
+from megatron_vlm.training.context import RunContext
 
-__all__ = ["evaluate_accuracy"]
+__all__ = ["GRPOEvaluator", "evaluate_accuracy"]
 
 _EVAL_SALT = 17
 
 
+class GRPOEvaluator:
+    """`evaluate_accuracy` bound to a run's parts: `GRPOEvaluator(...)(step) -> metrics | None`."""
+
+    def __init__(self, ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager, dataset):
+        self.args = (ctx, wrapper, rl_cfg, engine, encoder, manager, dataset)
+
+    def __call__(self, step: int) -> Optional[dict[str, float]]:
+        return evaluate_accuracy(*self.args, step)
+
+
 @torch.no_grad()
-def evaluate_accuracy(job, rl_cfg, engine, encoder, manager, dataset, step: int) -> Optional[dict[str, float]]:
+def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager, dataset,
+                      step: int) -> Optional[dict[str, float]]:
     """Metrics "accuracy" (= Avg@k), "avg@k", "pass@k", "num_prompts", "response_length", or None
-    without a held-out set."""
+    without a held-out set. `wrapper`: the policy's FSDP root (put in eval mode while generating)."""
     if dataset is None or len(dataset) == 0:
         return None
     e = rl_cfg.eval
     prompts = dataset.samples[: e.max_prompts] if e.max_prompts else dataset.samples
-    env = job.env
+    env = ctx.env
     shard = encode_shard(prompts, encoder, env.rank, env.world_size, env.device)
     params = SamplingParams(max_new_tokens=e.max_new_tokens or rl_cfg.max_new_tokens, n=e.k, temperature=e.temperature,
                             top_p=e.top_p, stop=tuple(rl_cfg.stop))
-    job.wrapper.eval()
+    wrapper.eval()
     result = engine.generate(shard.prompts, params,
-                             generator=sampling_generator(job.cfg.train.seed, step, env.rank, env.device, salt=_EVAL_SALT))
+                             generator=sampling_generator(ctx.cfg.train.seed, step, env.rank, env.device, salt=_EVAL_SALT))
     engine.release_memory()
-    job.wrapper.train()
+    wrapper.train()
     k = e.k
     real = result.samples[: shard.num_real * k]
     scores: list[list[float]] = []

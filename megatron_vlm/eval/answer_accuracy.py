@@ -1,0 +1,78 @@
+"""Held-out answer accuracy of an SFT run: greedy answers generated with the rollout engine
+(`PolicyRolloutEngine`, the one decoder of the code base) compared with the reference answers.
+
+The eval loader yields left-padded prompt batches (the last assistant turn dropped), the same number
+on every rank (filler rows, `sample_valid` False, even out the ranks). Each batch is one engine call
+with temperature 0 (greedy); decoding stops at the tokenizer's / generation config's EOS tokens (the
+engine's rule) or after `max_new_tokens`, and the engine keeps the ranks in lock-step. Answers are
+compared on their first word (`eval.answers`), overall and per record group (`meta.question_type`).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from megatron_vlm.data.batch import VISION_KEYS
+from megatron_vlm.data.loader import build_eval_dataloader
+from megatron_vlm.eval.answers import AnswerTally
+from megatron_vlm.parallel.collectives import any_rank
+from megatron_vlm.rl.rollout import PolicyRolloutEngine, RolloutPrompt, SamplingParams
+from megatron_vlm.training.context import RunContext
+from megatron_vlm.training.model_bundle import ModelBundle
+
+__all__ = ["answer_engine", "batch_prompts", "answer_accuracy"]
+
+
+def answer_engine(ctx: RunContext, bundle: ModelBundle) -> PolicyRolloutEngine:
+    """The engine for answer accuracy: the policy through the FSDP root, whole batches in one
+    prefill, the loader's pad id, no suppressed tokens and no row compaction — the plain greedy
+    decoding of the batch (a finished row only feeds padding until the others end)."""
+    return PolicyRolloutEngine(
+        bundle.model, bundle.processor.tokenizer, forward=lambda **kw: bundle.wrapper(model_kwargs=kw),
+        pad_token_id=bundle.processor.pad_token_id, device=ctx.device, max_prompts_per_batch=0,
+        compact_ratio=0.0, suppress_token_ids=(), all_ranks_active=lambda active: any_rank(active, ctx.device),
+    )
+
+
+def batch_prompts(batch: dict) -> list[RolloutPrompt]:
+    """A left-padded loader batch as engine prompts: each row without its padding. The batch's vision
+    tensors (concatenated over its rows in order, the batched-input layout) ride on the first prompt:
+    the engine concatenates the vision inputs of one call's prompts in order, so its prefill gets
+    exactly the batch's tensors. Valid only for an engine that prefills all prompts of a call together
+    (`max_prompts_per_batch=0`, n = 1)."""
+    ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+    vision = {k: batch[k] for k in VISION_KEYS if batch.get(k) is not None}
+    return [RolloutPrompt(input_ids=ids[r][mask[r]], **(vision if r == 0 else {})) for r in range(ids.shape[0])]
+
+
+def _answer_ids(token_ids: torch.Tensor, eos_ids: Sequence[int]) -> list[int]:
+    out = token_ids.tolist()
+    return out[:-1] if out and out[-1] in eos_ids else out
+
+
+@torch.no_grad()
+def answer_accuracy(ctx: RunContext, bundle: ModelBundle, engine: PolicyRolloutEngine, *, bad_records=None,
+                    max_new_tokens: int = 6, batch_size: int = 16, group_field: str = "question_type") -> Optional[dict]:
+    """`answer_accuracy`, `answer_n` and `answer_accuracy/<group>` over the eval split (all ranks),
+    or None without an eval split or answers."""
+    loader = build_eval_dataloader(ctx.cfg.data, bundle.processor, dp_rank=ctx.env.rank, dp_size=bundle.dims.dp_size,
+                                   mode="generation", batch_size=batch_size, padding_side="left", bad_records=bad_records)
+    if loader is None:
+        return None
+    tok = bundle.processor.tokenizer
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    tally = AnswerTally(group_field)
+    bundle.wrapper.eval()
+    for batch in loader:
+        result = engine.generate(batch_prompts(batch), params)
+        metas = batch.get("meta") or [{}] * len(result.samples)
+        indices = batch["sample_index"].tolist() if "sample_index" in batch else [0] * len(result.samples)
+        for ok, ref, sample, meta, index in zip(batch["sample_valid"].tolist(), batch["answers"], result.samples,
+                                                metas, indices):
+            if ok and ref is not None:
+                text = tok.decode(_answer_ids(sample.token_ids, engine.eos_token_ids), skip_special_tokens=True)
+                tally.add(text, ref, meta, index=index)
+    engine.release_memory()
+    bundle.wrapper.train()
+    return tally.merged().metrics()

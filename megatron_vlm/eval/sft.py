@@ -1,0 +1,27 @@
+"""The evaluation of an SFT run at a step: held-out loss / perplexity and, with `train.eval_generate`,
+greedy answer accuracy — `SFTEvaluator(ctx, bundle, bad_records)(step) -> metrics`."""
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron_vlm.eval.answer_accuracy import answer_accuracy, answer_engine
+from megatron_vlm.eval.heldout_loss import heldout_loss
+from megatron_vlm.training.context import RunContext
+from megatron_vlm.training.model_bundle import ModelBundle
+
+__all__ = ["SFTEvaluator"]
+
+
+class SFTEvaluator:
+    def __init__(self, ctx: RunContext, bundle: ModelBundle, bad_records=None):
+        self.ctx, self.bundle, self.bad_records = ctx, bundle, bad_records
+        self._engine = None  # built at the first evaluation that generates
+
+    def __call__(self, step: int) -> Optional[dict]:  # noqa: ARG002 (same metrics at every step)
+        metrics = dict(heldout_loss(self.ctx, self.bundle, bad_records=self.bad_records,
+                                    max_batches=self.ctx.cfg.train.eval_max_batches) or {})
+        if self.ctx.cfg.train.eval_generate:
+            if self._engine is None:
+                self._engine = answer_engine(self.ctx, self.bundle)
+            metrics.update(answer_accuracy(self.ctx, self.bundle, self._engine, bad_records=self.bad_records) or {})
+        return metrics or None

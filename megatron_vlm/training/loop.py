@@ -1,0 +1,112 @@
+"""The one training loop of every job kind: `run_loop(ctx, steps, ...) -> exit code`.
+
+The loop owns everything around a step; the job kind (SFT, GRPO) owns the step itself through a
+small object (`StepRunner`). From the resume step to `total_steps`, per step:
+
+1. fault injection (`MEGATRON_VLM_FAULT_KILL_AT_STEP=N` kills the process with SIGKILL just before
+   step N runs: tests prove that resuming never needs a clean exit);
+2. `steps.train_step(step, log=...)` runs the step; `log` is True on the logging cadence
+   (`train.log_every` and the last step) and the returned metrics are logged as "train" when not empty;
+3. a periodic checkpoint (`checkpoint.every_steps`, not at the last step: that one is saved once, at the end);
+4. a periodic evaluation (`eval_every`, not at the last step: the final evaluation follows);
+5. the stop flag (SIGTERM / SIGUSR1, agreed by all ranks): save a checkpoint at this step boundary
+   and return 143 on every rank.
+
+A run that reaches `total_steps` saves the final checkpoint (only when it ran a step), evaluates
+and exports a Hugging Face folder (`checkpoint.export_hf`). `steps.finish()` runs in both cases.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Optional, Protocol
+
+from megatron_vlm.training.checkpointing import Checkpointer, ResumePoint
+from megatron_vlm.training.context import RunContext
+
+__all__ = ["StepRunner", "run_loop", "fault_injection", "EXIT_STOPPED", "FAULT_KILL_ENV"]
+
+log = logging.getLogger("megatron_vlm")
+
+EXIT_STOPPED = 143
+"""Exit code of a run stopped by SIGTERM / SIGUSR1 after its checkpoint (128 + SIGTERM)."""
+FAULT_KILL_ENV = "MEGATRON_VLM_FAULT_KILL_AT_STEP"
+
+
+class StepRunner(Protocol):
+    """What a job kind gives the loop. Steps are 0-based when run (`train_step(s)` turns policy /
+    model version s into s + 1); every other method gets the number of steps done."""
+
+    def load_data_state(self, state: dict, step: int) -> None:
+        """Resume the data position from a checkpoint's data state (`step` steps were done)."""
+
+    def train_step(self, step: int, *, log: bool) -> dict[str, float]:
+        """Run step `step`; return the metrics to log as "train" (empty: nothing to log)."""
+
+    def evaluate(self, step: int) -> Optional[dict[str, float]]:
+        """Held-out metrics after `step` steps (None: nothing to evaluate)."""
+
+    def data_state(self, step: int) -> dict:
+        """The data state to save with a checkpoint after `step` steps."""
+
+    def finish(self) -> None:
+        """End of the run (finished or stopped): summaries, releasing workers."""
+
+
+def fault_injection(step: int) -> None:
+    """SIGKILL this process when `MEGATRON_VLM_FAULT_KILL_AT_STEP` equals `step` (1-based)."""
+    kill_at = os.environ.get(FAULT_KILL_ENV)
+    if kill_at and int(kill_at) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpointer: Checkpointer, metrics,
+             log_every: int, eval_every: int = 0, eval_at_start: bool = False,
+             resume: Optional[ResumePoint] = None) -> int:
+    """Run steps until `total_steps` or a stop signal; 0 when finished, 143 when stopped.
+
+    `metrics`: the `MetricsLogger` (`set_start`, `log`); `eval_every` 0 = only at the end;
+    `eval_at_start`: evaluate before the first step of a fresh run (not after a resume)."""
+    start = 0
+    if resume is not None:
+        start = resume.step
+        steps.load_data_state(resume.data, start)
+    metrics.set_start(start)
+
+    def evaluate(step: int) -> None:
+        m = steps.evaluate(step)
+        if m:
+            metrics.log("eval", step, m)
+
+    def save(step: int) -> None:
+        checkpointer.save(step, steps.data_state(step))
+
+    if eval_at_start and start == 0:
+        evaluate(0)
+    step, code = start, 0
+    while step < total_steps:
+        fault_injection(step + 1)
+        done = step + 1
+        m = steps.train_step(step, log=(done % log_every == 0 or done == total_steps))
+        step = done
+        if m:
+            metrics.log("train", step, m)
+        if checkpointer.periodic_due(step) and step < total_steps:
+            save(step)
+        if eval_every and step % eval_every == 0 and step < total_steps:
+            evaluate(step)
+        if ctx.stop.should_stop(ctx.device):
+            log.warning("stop signal received: saving a checkpoint at step %d and exiting", step)
+            if checkpointer.enabled:
+                save(step)
+            code = EXIT_STOPPED
+            break
+    if code == 0:
+        if checkpointer.enabled and step > start:
+            save(step)
+        evaluate(step)
+        if checkpointer.export_at_end:
+            checkpointer.export_hf(ctx.run_dir / "hf")
+    steps.finish()
+    return code

@@ -1,0 +1,63 @@
+"""The model side of a training run, built once by `build_model_bundle(ctx)`: the family model
+loaded from `model.path` with `train.train_layers` applied, its FSDP2 sharding on the device mesh,
+the `TokenLogprobModel` root that every training / evaluation / rollout forward goes through, the
+processor, the trainable parameters and — for models with MoE layers — the load balancer.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from megatron_vlm import kernels
+from megatron_vlm.data.processor import load_processor
+from megatron_vlm.models import get_family, load_hf_model
+from megatron_vlm.models.common.moe import MoELoadBalancer, moe_layers
+from megatron_vlm.parallel import ParallelDims, build_mesh
+from megatron_vlm.parallel.collectives import all_reduce_
+from megatron_vlm.parallel.precision import resolve_precision
+from megatron_vlm.training.context import RunContext, seed_everything
+from megatron_vlm.training.freeze import apply_train_layers
+from megatron_vlm.training.lm_loss import TokenLogprobModel
+
+__all__ = ["ModelBundle", "build_model_bundle"]
+
+log = logging.getLogger("megatron_vlm")
+
+
+@dataclass
+class ModelBundle:
+    model: torch.nn.Module
+    """The family model (sharded in place)."""
+    wrapper: TokenLogprobModel
+    """The FSDP root: token log-probs for training, `wrapper(model_kwargs=...)` for logits / decoding."""
+    processor: Any
+    dims: ParallelDims
+    mesh: Any
+    trainable_params: list
+    moe_balancer: Optional[Any] = None
+    """`MoELoadBalancer` when the model has MoE layers, else None."""
+
+
+def build_model_bundle(ctx: RunContext) -> ModelBundle:
+    """Configure the kernels, seed every RNG with `train.seed`, build the mesh, load, freeze and shard
+    the model. Same order on every rank (the sharding is collective)."""
+    cfg, env = ctx.cfg, ctx.env
+    kernels.configure(cfg.kernels)
+    seed_everything(cfg.train.seed)
+    dims, mesh = build_mesh(cfg.parallel, env.world_size, env.device.type)
+    processor = load_processor(cfg.model.path, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
+    model = load_hf_model(cfg.model.path, dtype=getattr(torch, cfg.model.dtype), device="cpu")
+    trainable, total = apply_train_layers(model, cfg.train.train_layers)
+    log.info("model %s: %.2fM parameters, %.2fM trainable", type(model).__name__, total / 1e6, trainable / 1e6)
+    wrapper = TokenLogprobModel(model)
+    precision = resolve_precision(cfg.train.precision, env.device)
+    family = get_family(model.hf_config.get("model_type"))
+    family.parallelize(model, dims, cfg.parallel, mesh=mesh, activation_checkpointing=cfg.train.activation_checkpointing,
+                       param_dtype=torch.bfloat16 if precision == "bf16" else None, root=wrapper)
+    trainable_params = [p for p in wrapper.parameters() if p.requires_grad]
+    balancer = MoELoadBalancer(model, cfg.moe, all_reduce=all_reduce_) if moe_layers(model) else None
+    return ModelBundle(model=model, wrapper=wrapper, processor=processor, dims=dims, mesh=mesh,
+                       trainable_params=trainable_params, moe_balancer=balancer)

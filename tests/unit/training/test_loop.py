@@ -1,0 +1,157 @@
+"""The one training loop (`training.loop.run_loop`) with a fake step object: step range from the
+resume step, logging / checkpoint / evaluation cadences, the stop signal (save at the step boundary,
+exit 143), no second save of the final step, the final evaluation and export, fault injection."""
+from __future__ import annotations
+
+import os
+import signal
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+from megatron_vlm.training import loop as loop_mod
+from megatron_vlm.training.checkpointing import ResumePoint
+from megatron_vlm.training.loop import EXIT_STOPPED, run_loop
+
+
+class FakeSteps:
+    def __init__(self, eval_metrics=True):
+        self.calls = []
+        self.ran = []
+        self.eval_metrics = eval_metrics
+
+    def load_data_state(self, state, step):
+        self.calls.append(("load", state, step))
+
+    def train_step(self, step, *, log):
+        self.ran.append(step)
+        return {"loss": float(step)} if log else {}
+
+    def evaluate(self, step):
+        self.calls.append(("eval", step))
+        return {"acc": 1.0} if self.eval_metrics else None
+
+    def data_state(self, step):
+        return {"pos": step}
+
+    def finish(self):
+        self.calls.append(("finish",))
+
+
+class FakeCheckpointer:
+    def __init__(self, enabled=True, every=0, export=True):
+        self.enabled, self.every, self.export_at_end = enabled, every, export
+        self.saved, self.exported = [], []
+
+    def periodic_due(self, step):
+        return self.enabled and bool(self.every) and step % self.every == 0
+
+    def save(self, step, data_state):
+        self.saved.append((step, data_state))
+
+    def export_hf(self, out_dir):
+        self.exported.append(out_dir)
+
+
+class Logger:
+    def __init__(self):
+        self.rows, self.start = [], None
+
+    def set_start(self, step):
+        self.start = step
+
+    def log(self, split, step, metrics):
+        self.rows.append((split, step))
+
+
+class StopAt:
+    """A stop flag that reads as raised once `steps.ran` has `n` entries."""
+
+    def __init__(self, steps, n):
+        self.steps, self.n = steps, n
+
+    def should_stop(self, device):
+        return len(self.steps.ran) >= self.n
+
+
+def _ctx(tmp_path, stop):
+    return NS(stop=stop, device=torch.device("cpu"), run_dir=tmp_path)
+
+
+def _run(tmp_path, steps, ckpt, *, total, stop_after=None, **kw):
+    logger = Logger()
+    code = run_loop(_ctx(tmp_path, StopAt(steps, stop_after or 10**9)), steps, total_steps=total, checkpointer=ckpt,
+                    metrics=logger, **kw)
+    return code, logger
+
+
+def test_cadences_final_save_eval_and_export(tmp_path):
+    steps, ckpt = FakeSteps(), FakeCheckpointer(every=2)
+    code, logger = _run(tmp_path, steps, ckpt, total=5, log_every=2, eval_every=2)
+    assert code == 0
+    assert steps.ran == [0, 1, 2, 3, 4]
+    assert [s for split, s in logger.rows if split == "train"] == [2, 4, 5]  # cadence and the last step
+    assert [s for s, _ in ckpt.saved] == [2, 4, 5]
+    assert ckpt.saved[-1] == (5, {"pos": 5})
+    assert [c for c in steps.calls if c[0] == "eval"] == [("eval", 2), ("eval", 4), ("eval", 5)]
+    assert [s for split, s in logger.rows if split == "eval"] == [2, 4, 5]
+    assert ckpt.exported == [tmp_path / "hf"] and steps.calls[-1] == ("finish",)
+
+
+def test_last_step_on_the_cadence_is_saved_and_evaluated_once(tmp_path):
+    steps, ckpt = FakeSteps(), FakeCheckpointer(every=2)
+    _run(tmp_path, steps, ckpt, total=4, log_every=1, eval_every=2)
+    assert [s for s, _ in ckpt.saved] == [2, 4]
+    assert [c for c in steps.calls if c[0] == "eval"] == [("eval", 2), ("eval", 4)]
+
+
+def test_stop_signal_saves_at_the_step_boundary_and_exits_143(tmp_path):
+    steps, ckpt = FakeSteps(), FakeCheckpointer(every=0)
+    code, logger = _run(tmp_path, steps, ckpt, total=10, stop_after=3, log_every=1, eval_every=0)
+    assert code == EXIT_STOPPED == 143
+    assert steps.ran == [0, 1, 2]
+    assert ckpt.saved == [(3, {"pos": 3})]
+    assert ckpt.exported == [] and not [c for c in steps.calls if c[0] == "eval"]  # no final eval / export
+    assert steps.calls[-1] == ("finish",)
+
+
+def test_stop_without_checkpoints_still_exits_143(tmp_path):
+    steps, ckpt = FakeSteps(), FakeCheckpointer(enabled=False)
+    code, _ = _run(tmp_path, steps, ckpt, total=10, stop_after=1, log_every=1)
+    assert code == 143 and ckpt.saved == []
+
+
+def test_resume_starts_at_the_checkpoint_step(tmp_path):
+    steps, ckpt = FakeSteps(), FakeCheckpointer(every=3)
+    code, logger = _run(tmp_path, steps, ckpt, total=6, log_every=1, eval_at_start=True,
+                        resume=ResumePoint(step=3, data={"pos": 3}))
+    assert code == 0
+    assert steps.calls[0] == ("load", {"pos": 3}, 3)
+    assert steps.ran == [3, 4, 5] and logger.start == 3
+    assert ("eval", 0) not in steps.calls  # the evaluation at start belongs to a fresh run only
+    assert [s for s, _ in ckpt.saved] == [6]
+
+
+def test_resumed_at_the_end_saves_nothing_but_evaluates(tmp_path):
+    steps, ckpt = FakeSteps(), FakeCheckpointer(every=3)
+    _run(tmp_path, steps, ckpt, total=6, log_every=1, resume=ResumePoint(step=6, data={}))
+    assert steps.ran == [] and ckpt.saved == []
+    assert ("eval", 6) in steps.calls
+
+
+def test_eval_at_start_of_a_fresh_run_and_empty_eval_not_logged(tmp_path):
+    steps, ckpt = FakeSteps(eval_metrics=False), FakeCheckpointer(enabled=False, export=False)
+    _, logger = _run(tmp_path, steps, ckpt, total=2, log_every=1, eval_at_start=True)
+    assert [c for c in steps.calls if c[0] == "eval"] == [("eval", 0), ("eval", 2)]
+    assert not [r for r in logger.rows if r[0] == "eval"] and ckpt.exported == []
+
+
+def test_fault_injection_kills_before_the_named_step(tmp_path, monkeypatch):
+    killed = []
+    monkeypatch.setenv("MEGATRON_VLM_FAULT_KILL_AT_STEP", "3")
+    monkeypatch.setattr(loop_mod.os, "kill", lambda pid, sig: killed.append((pid, sig)) or (_ for _ in ()).throw(SystemExit))
+    steps = FakeSteps()
+    with pytest.raises(SystemExit):
+        _run(tmp_path, steps, FakeCheckpointer(), total=5, log_every=1)
+    assert steps.ran == [0, 1] and killed == [(os.getpid(), signal.SIGKILL)]

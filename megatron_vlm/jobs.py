@@ -14,6 +14,7 @@ its held-out evaluation from here. Set-up order, per kind (the same on every ran
 """
 from __future__ import annotations
 
+from megatron_vlm.config.loader import to_dict
 from megatron_vlm.eval.grpo_accuracy import GRPOEvaluator
 from megatron_vlm.eval.sft import SFTEvaluator
 from megatron_vlm.rl.grpo_step import GRPOStep
@@ -39,7 +40,7 @@ def run_sft(ctx: RunContext) -> int:
     optim = build_optim_state(bundle.wrapper, cfg, ctx.device.type, num_steps)
     checkpointer = Checkpointer(ctx, bundle.wrapper, optim)
     resume = checkpointer.resume()
-    metrics = build_metrics_logger(ctx, num_steps)
+    metrics = build_metrics_logger(ctx, num_steps, to_dict(ctx.cfg))
     step = SFTStep(ctx, bundle, optim, metrics, loader, total_steps=num_steps, bad_records=bad_records,
                    evaluate=SFTEvaluator(ctx, bundle, bad_records))
     code = run_loop(ctx, step, total_steps=num_steps, checkpointer=checkpointer, metrics=metrics,
@@ -56,7 +57,7 @@ def run_grpo(ctx: RunContext) -> int:
     optim = build_optim_state(bundle.wrapper, cfg, ctx.device.type, num_steps)
     checkpointer = Checkpointer(ctx, bundle.wrapper, optim)
     resume = checkpointer.resume()
-    metrics = build_metrics_logger(ctx, num_steps)
+    metrics = build_metrics_logger(ctx, num_steps, to_dict(ctx.cfg))
     parts = build_grpo_parts(ctx, bundle)
     rl = cfg.rl
     try:

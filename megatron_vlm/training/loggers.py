@@ -14,8 +14,6 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from megatron_vlm.config.loader import to_dict
-
 log = logging.getLogger("megatron_vlm")
 
 
@@ -162,7 +160,9 @@ class MetricsLogger:
             self._bar.close()
 
 
-def build_metrics_logger(ctx, total_steps: int) -> MetricsLogger:
-    """The run's logger: `[logging]` sinks in the run folder, the resolved config for W&B."""
+def build_metrics_logger(ctx, total_steps: int, config_dict: dict) -> MetricsLogger:
+    """The run's logger: `[logging]` sinks in the run folder; `config_dict` (the resolved config as
+    plain data) goes to W&B. Passed in rather than computed here so that training/ does not depend on
+    the config package, which composes every component's section (training included)."""
     return MetricsLogger(ctx.cfg.logging, ctx.run_dir, is_main=ctx.env.is_main, total_steps=total_steps,
-                         run_name=ctx.run_dir.name, config_dict=to_dict(ctx.cfg))
+                         run_name=ctx.run_dir.name, config_dict=config_dict)

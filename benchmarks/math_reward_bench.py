@@ -53,6 +53,7 @@ def math_verify_latex_only():
 
 def run(name, fn, repeat):
     times, agree = [], collections.Counter()
+    slowest = []
     total = collections.Counter()
     wrong = []
     false_pos = 0
@@ -64,6 +65,7 @@ def run(name, fn, repeat):
             dt = time.perf_counter() - t
             best = dt if best is None else min(best, dt)
         times.append(best)
+        slowest.append((best, completion[:60], gold[:30]))
         total[kind] += 1
         if got == label:
             agree[kind] += 1
@@ -79,6 +81,8 @@ def run(name, fn, repeat):
         print(f"   {kind:14s} {agree[kind]:3d}/{total[kind]:3d} = {100 * agree[kind] / total[kind]:5.1f} %")
     print(f"   time per verification: p50 {p(0.5):.2f} ms, p99 {p(0.99):.2f} ms, max {times[-1] * 1e3:.1f} ms, "
           f"mean {statistics.mean(times) * 1e3:.2f} ms")
+    for dt, completion, gold in sorted(slowest, reverse=True)[:3]:
+        print(f"   slowest: {dt * 1e3:7.1f} ms  {completion!r} vs {gold!r}")
     for kind, completion, gold, label in wrong:
         print(f"   disagree [{kind}] label={label}: {completion!r} vs {gold!r}")
     for pname, (completion, gold) in PATHOLOGICAL.items():

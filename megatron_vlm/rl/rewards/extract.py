@@ -41,50 +41,36 @@ _PHRASE = re.compile(
     re.IGNORECASE,
 )
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?|-?\.\d+")
-_ENV_PAIRS = (("$$", "$$"), ("\\[", "\\]"), ("\\(", "\\)"), ("$", "$"))
 _CONNECTOR = re.compile(r"\s*(?:,|;|\bor\b|\band\b)?\s*", re.IGNORECASE)
 
 
+_BOX_SCAN = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z]) *|\\.|[{}]", re.DOTALL)
+
+
 def _scan_boxes(text: str) -> Optional[str]:
-    """One left-to-right pass: the content of the closed box that opens last. Brace depth is tracked
-    with a stack of open positions; escaped braces (\\{ \\}) do not count."""
+    """One left-to-right pass (regex-driven, so the scan itself runs in C): the content of the closed
+    box that opens last. Brace depth is a stack of open positions; escaped braces (\\{ \\}) and other
+    escapes do not count; an unclosed box is never returned."""
     stack: list[tuple[int, bool]] = []  # (content start, is a box opening)
     best_start, best = -1, None
-    n = len(text)
-    i = 0
-    pending_box = False  # a \boxed / \fbox was just read; the next '{' (after spaces) opens it
-    while i < n:
-        c = text[i]
-        if c == "\\":
-            if text.startswith("\\boxed", i) or text.startswith("\\fbox", i):
-                j = i + (6 if text.startswith("\\boxed", i) else 5)
-                if j < n and text[j].isalpha():  # \boxedx: another command
-                    i = j
-                    continue
-                k = j
-                while k < n and text[k] == " ":
-                    k += 1
-                if k < n and text[k] == "{":
-                    pending_box = True
-                    i = k
-                    continue
-                if k > j and k < n:  # "\boxed 5"
-                    m = re.match(r"[^\s$]+", text[k:k + MAX_ANSWER_CHARS + 1])
-                    if m and i > best_start:
-                        best_start, best = i, m.group(0)
-                i = k
-                continue
-            i += 2
+    pending_box = -1  # end of a "\boxed " token just read: a '{' right there opens the box
+    for m in _BOX_SCAN.finditer(text):
+        tok = m.group(0)
+        if tok[0] == "\\":
+            if tok.startswith(("\\boxed", "\\fbox")):
+                end = m.end()
+                if end < len(text) and text[end] != "{" and end > m.start() + len(tok.rstrip()):
+                    word = re.match(r"[^\s$]+", text[end:end + MAX_ANSWER_CHARS + 1])  # "\boxed 5"
+                    if word and m.start() > best_start:
+                        best_start, best = m.start(), word.group(0)
+                pending_box = end
             continue
-        if c == "{":
-            stack.append((i + 1, pending_box))
-            pending_box = False
-        elif c == "}":
-            if stack:
-                start, is_box = stack.pop()
-                if is_box and start > best_start:
-                    best_start, best = start, text[start:i].strip()
-        i += 1
+        if tok == "{":
+            stack.append((m.end(), m.start() == pending_box))
+        elif stack:
+            start, is_box = stack.pop()
+            if is_box and start > best_start:
+                best_start, best = start, text[start:m.start()].strip()
     return best
 
 
@@ -108,24 +94,28 @@ def last_tag_content(text: str, tag: str) -> Optional[str]:
     return text[start + len(open_t):end].strip()
 
 
+_ENV_OPEN = re.compile(r"\$\$|\\\[|\\\(|(?<!\\)\$")
+_ENV_CLOSE = {"$$": "$$", "\\[": "\\]", "\\(": "\\)", "$": "$"}
+
+
 def _math_envs(text: str) -> list[tuple[int, int, str]]:
-    """(start, end, content) of the math environments in text, left to right, in one pass."""
+    """(start, end, content) of the math environments in text, left to right: openers are found by a
+    regex scan, closers with str.find, and the scan resumes after each environment (linear time)."""
     out = []
-    i, n = 0, len(text)
-    while i < n:
-        for a, b in _ENV_PAIRS:
-            if text.startswith(a, i) and not (a == "$" and i > 0 and text[i - 1] == "\\"):
-                j = text.find(b, i + len(a))
-                while b == "$" and j > 0 and text[j - 1] == "\\":  # \$ is a dollar sign
-                    j = text.find(b, j + 1)
-                if j < 0:
-                    return out
-                out.append((i, j + len(b), text[i + len(a):j].strip()))
-                i = j + len(b)
-                break
-        else:
-            i += 1
-    return out
+    pos = 0
+    while True:
+        m = _ENV_OPEN.search(text, pos)
+        if m is None:
+            return out
+        a = m.group(0)
+        b = _ENV_CLOSE[a]
+        j = text.find(b, m.end())
+        while b == "$" and j > 0 and text[j - 1] == "\\":  # \$ is a dollar sign
+            j = text.find(b, j + 1)
+        if j < 0:
+            return out
+        out.append((m.start(), j + len(b), text[m.end():j].strip()))
+        pos = j + len(b)
 
 
 def last_math_env(text: str) -> Optional[str]:
@@ -159,8 +149,9 @@ def _after_phrase(rest: str) -> Optional[str]:
                 break
         return ", ".join(joined)
     line = line.strip("*").strip()
-    # plain text: up to the end of the sentence (". " or a final ".", not a decimal point)
-    m = re.search(r"\.(?:\s|$)", line)
+    # plain text: up to the end of the sentence (a final "." or ". " before a capitalised word; not a
+    # decimal point, and not "B. 7 cm" in a choice)
+    m = re.search(r"\.(?:\s+(?=[A-Z][a-z])|\s*$)", line)
     if m:
         line = line[:m.start()]
     return line.strip() or None

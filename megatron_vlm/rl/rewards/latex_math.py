@@ -194,7 +194,8 @@ def _tokenize(s: str) -> list[tuple[str, str]]:
                 raise LatexParseError(f"unsupported command \\{name}")
             tokens.append(("CMD", name))
         elif num:
-            if tokens and tokens[-1][0] == "NUM":  # "2 3" is two numbers, never 6
+            # "2 3" is two numbers, never 6 (but "\log_2 8" and "x^2 3" are fine)
+            if tokens and tokens[-1][0] == "NUM" and not (len(tokens) > 1 and tokens[-2] in (("OP", "_"), ("OP", "^"))):
                 raise LatexParseError("two numbers in a row")
             if len(num.replace(".", "")) > MAX_DIGITS:
                 raise LatexParseError("number too long")

@@ -158,14 +158,13 @@ def _linear_bound(d: sympy.Basic):
     if len(syms) != 1:
         return None
     s = next(iter(syms))
-    try:
-        poly = sympy.Poly(d, s)
-    except (sympy.PolynomialError, sympy.GeneratorsNeeded, TypeError, ValueError):
+    if _too_big(d):
         return None
-    if poly.degree() != 1:
+    k = sympy.expand(sympy.diff(d, s))
+    if k.free_symbols or k == 0 or not k.is_real:
         return None
-    k, m = poly.all_coeffs()
-    if k.free_symbols or m.free_symbols or k == 0 or not k.is_real:
+    m = sympy.expand(d - k * s)
+    if m.free_symbols:
         return None
     return s, -m / k, k > 0
 

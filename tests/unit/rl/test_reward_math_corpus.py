@@ -114,6 +114,7 @@ def test_last_math_fallback_is_configurable():
         ("\\boxed{2^{10^{10}}}", "1"),
         ("\\boxed{x^{24} - (x+1)^{24}}", "0"),
     ],
+    ids=lambda v: (v[:24] + f"...[{len(v)} chars]") if len(v) > 40 else v,
 )
 def test_pathological_inputs_return(completion, gold):
     assert math_reward(completion, gold) in (0.0, 1.0)

@@ -20,6 +20,10 @@ from typing import Optional
 
 import torch
 
+from megatron_vlm.checkpoint.hf import save_hf_model
+from megatron_vlm.models import build_model
+from megatron_vlm.testing.tiny_processor import build_tiny_tokenizer
+
 VOCAB = 320
 IMAGE_TOKEN_ID = 300  # <IMG_CONTEXT>
 IMG_START_TOKEN_ID = 301  # <img>
@@ -243,8 +247,6 @@ def build_tiny_internvl_processor(out_dir, *, extra_words=(), tile_size: int = T
 
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
-    from megatron_vlm.testing.tiny_processor import build_tiny_tokenizer
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer(list(extra_words))
@@ -294,9 +296,6 @@ def build_tiny_internvl_folder(out_dir, seed: int = 0, *, text_model: str = "qwe
     from pathlib import Path
 
     from transformers import AutoTokenizer
-
-    from megatron_vlm.checkpoint.hf import save_hf_model
-    from megatron_vlm.models import build_model
 
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")

@@ -100,7 +100,7 @@ def _check_block(rank: int, make_block, seed: int, group, *, mesh=None, divide: 
     torch.testing.assert_close(out, ref_outs[rank], rtol=0, atol=1e-5)
     (out * targets[rank]).sum().backward()
     torch.testing.assert_close(x.grad, ref_x_grads[rank], rtol=0, atol=1e-5)
-    assert torch.equal(ep_block.step_load, ref_counts), (ep_block.step_load, ref_counts)
+    assert torch.equal(ep_block.expert_load, ref_counts), (ep_block.expert_load, ref_counts)
 
     ep = ep_block.experts.ep_size
     n_local = ref.num_experts // ep

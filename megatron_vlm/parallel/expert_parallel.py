@@ -44,6 +44,8 @@ from typing import Iterable, List, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron_vlm import kernels
 
@@ -170,8 +172,6 @@ def _expert_parallel_class(cls: type) -> type:
 
 def _resolve(ep_group_or_mesh):
     """-> (ep_group, ep_size, ep_rank, mesh or None, replica_group or None)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     if isinstance(ep_group_or_mesh, DeviceMesh):
         mesh = ep_group_or_mesh
         if mesh.ndim not in (1, 2):
@@ -219,8 +219,6 @@ def apply_ep(moe_modules: Iterable[nn.Module], ep_group_or_mesh, *, grad_divide_
                 raise ValueError(f"apply_ep: MoE block #{i} {name} has {w.shape[0]} experts, expected {num_experts}")
             local = w.detach()[rank * n_local:(rank + 1) * n_local].clone()
             if mesh is not None:
-                from torch.distributed.tensor import DTensor, Replicate, Shard
-
                 placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
                 local = DTensor.from_local(local, mesh, placements, run_check=False,
                                            shape=w.shape, stride=w.stride())

@@ -15,6 +15,7 @@ Everything is built by code, deterministically; nothing is downloaded.
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Optional
 
@@ -228,7 +229,6 @@ _INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>", "
 
 
 def _write_json(path, obj: dict) -> None:
-    import json
 
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
@@ -242,7 +242,6 @@ def build_tiny_internvl_processor(out_dir, *, extra_words=(), tile_size: int = T
     (`GotOcr2ImageProcessor`: `tile_size`-pixel tiles, dynamic tiling into 1..4 tiles + thumbnail,
     ImageNet mean / std); video_preprocessor_config.json (`InternVLVideoProcessor`, one tile per
     frame); processor_config.json (`InternVLProcessor`, `image_seq_length` tokens per tile)."""
-    import json
     from pathlib import Path
 
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil

@@ -62,10 +62,11 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def local_heads(self) -> tuple[int, int]:
-        """(query heads, key/value heads) that this module's projections hold: all of them, or a shard."""
-        q, k = self.q_proj.weight, self.k_proj.weight
-        q, k = (w.to_local() if hasattr(w, "to_local") else w for w in (q, k))
-        return q.shape[0] // self.head_dim, k.shape[0] // self.head_dim
+        """(query heads, key/value heads) that this module's projections hold: all of them, or a shard.
+
+        From the weights' logical shapes: an FSDP-sharded DTensor still reports the whole projection
+        (FSDP gathers it for the forward), a plain tensor holding a head shard reports the shard."""
+        return self.q_proj.weight.shape[0] // self.head_dim, self.k_proj.weight.shape[0] // self.head_dim
 
     def forward(
         self,

@@ -1,4 +1,4 @@
-"""Run configuration: TOML -> nested dataclasses (DESIGN.md §6).
+"""Run configuration: TOML -> nested dataclasses.
 
 `load_config(path, overrides)` reads the TOML, applies `--set section.key=value` overrides,
 and builds `Config` strictly (unknown keys, wrong types, missing or out-of-range values raise
@@ -26,7 +26,7 @@ from megatron_vlm.config.sections import (
 )
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.kernels.config import KernelsConfig
-from megatron_vlm.models.common.moe import MoEConfig
+from megatron_vlm.training.moe_balancing import MoEConfig
 from megatron_vlm.rl.config import RLConfig
 
 __all__ = ["Config", "ConfigError", "load_config", "load_config_dict", "save_config"]

@@ -25,7 +25,7 @@ from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.prompts import PromptEncoder, PromptSets, load_prompt_sets
 from megatron_vlm.rl.reference import ReferencePolicy
 from megatron_vlm.rl.rewards.manager import RewardManager
-from megatron_vlm.rl.rollout import PolicyRolloutEngine
+from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 

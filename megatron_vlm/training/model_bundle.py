@@ -13,14 +13,16 @@ import torch
 
 from megatron_vlm import kernels
 from megatron_vlm.data.processor import load_processor
-from megatron_vlm.models import get_family, load_hf_model
-from megatron_vlm.models.common.moe import MoELoadBalancer, moe_layers
+from megatron_vlm.checkpoint.hf import load_hf_model
+from megatron_vlm.models import get_family
+from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.parallel import ParallelDims, build_mesh
 from megatron_vlm.parallel.collectives import all_reduce_
 from megatron_vlm.parallel.precision import resolve_precision
 from megatron_vlm.training.context import RunContext, seed_everything
 from megatron_vlm.training.freeze import apply_train_layers
 from megatron_vlm.training.lm_loss import TokenLogprobModel
+from megatron_vlm.training.moe_balancing import MoELoadBalancer
 
 __all__ = ["ModelBundle", "build_model_bundle"]
 

@@ -1,4 +1,4 @@
-"""Run configuration: TOML -> nested dataclasses (DESIGN.md §6).
+"""Run configuration: TOML -> nested dataclasses.
 
 `load_config(path, overrides)` reads the TOML, applies `--set section.key=value` overrides,
 and builds `Config` strictly (unknown keys, wrong types, missing or out-of-range values raise

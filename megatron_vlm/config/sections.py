@@ -105,7 +105,7 @@ class SchedulerConfig:
     warmup_steps: int = 0
     """Linear warmup steps (takes precedence over warmup_ratio when > 0)."""
     warmup_ratio: float = 0.0
-    """Warmup as a fraction of the total steps (seed 003 uses 0.03)."""
+    """Warmup as a fraction of the total steps (e.g. 0.03 = the first 3%)."""
     min_lr_ratio: float = 0.0
     """Final lr as a fraction of the peak (cosine / linear)."""
 

@@ -18,6 +18,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.data.media import MediaLimits
 from megatron_vlm.parallel.collectives import any_rank, barrier
 from megatron_vlm.parallel.precision import compute_dtype
 from megatron_vlm.rl.data import prompt_batches
@@ -26,6 +28,7 @@ from megatron_vlm.rl.prompts import PromptEncoder, PromptSets, load_prompt_sets
 from megatron_vlm.rl.reference import ReferencePolicy
 from megatron_vlm.rl.rewards.manager import RewardManager
 from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
+from megatron_vlm.training.bad_record_summary import write_bad_record_summary
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 
@@ -60,16 +63,20 @@ class GRPOParts:
     manager: RewardManager
     """Owns worker processes: `close()` it at the end of the run."""
     reference: Optional[ReferencePolicy] = None
+    bad_records: Optional[BadRecordLog] = None
+    """Prompts left out by the reader and the encoder (written to bad_records.json at the end)."""
 
 
 def build_grpo_parts(ctx: RunContext, bundle: ModelBundle) -> GRPOParts:
     cfg, env, rl = ctx.cfg, ctx.env, ctx.cfg.rl
-    sets = load_prompt_sets(cfg.data, rl, run_dir=ctx.run_dir, is_main=env.is_main, barrier=barrier)
+    bad_records = BadRecordLog()
+    sets = load_prompt_sets(cfg.data, rl, run_dir=ctx.run_dir, is_main=env.is_main, barrier=barrier, bad_records=bad_records)
     log.info("GRPO prompts: %d train, %s held-out", len(sets.train), len(sets.eval) if sets.eval else "no")
     dtype = compute_dtype(cfg.train.precision, getattr(torch, cfg.model.dtype), env.device)
     budget = max(rl.max_new_tokens, rl.eval.max_new_tokens or 0)
     encoder = PromptEncoder(bundle.processor, max_frames=cfg.data.max_frames, fps=cfg.data.fps, max_new_tokens=budget,
-                            max_tokens=cfg.data.max_tokens_per_pack)
+                            max_tokens=cfg.data.max_tokens_per_pack, limits=MediaLimits.from_config(cfg.data),
+                            bad_records=bad_records)
     engine = PolicyRolloutEngine(
         bundle.model, bundle.processor.tokenizer, forward=lambda **kw: bundle.wrapper(model_kwargs=kw), cache_dtype=dtype,
         device=env.device, max_prompts_per_batch=rl.rollout_batch_prompts,
@@ -80,14 +87,16 @@ def build_grpo_parts(ctx: RunContext, bundle: ModelBundle) -> GRPOParts:
         reference = ReferencePolicy.from_pretrained(cfg.model.path, dtype=dtype, device=env.device,
                                                     offload=rl.ref_offload, temperature=rl.temperature)
     manager = RewardManager(rl.rewards, timeout_s=rl.reward_timeout_s, num_workers=rl.reward_workers)
-    return GRPOParts(sets=sets, encoder=encoder, engine=engine, manager=manager, reference=reference)
+    return GRPOParts(sets=sets, encoder=encoder, engine=engine, manager=manager, reference=reference,
+                     bad_records=bad_records)
 
 
 class GRPOLoopStep:
     """The loop's step object of a GRPO run (`training.loop.StepRunner`)."""
 
     def __init__(self, ctx: RunContext, train_set: Any, grpo: GRPOStep,
-                 evaluate: Optional[Callable[[int], Optional[dict]]] = None):
+                 evaluate: Optional[Callable[[int], Optional[dict]]] = None, bad_records: Optional[BadRecordLog] = None):
+        self.ctx, self.bad_records = ctx, bad_records
         self.rl, self.seed = ctx.cfg.rl, ctx.cfg.train.seed
         self.train_set, self.grpo, self._evaluate = train_set, grpo, evaluate
         self._batches = None
@@ -110,4 +119,5 @@ class GRPOLoopStep:
         return self._evaluate(step) if self._evaluate is not None else None
 
     def finish(self) -> None:
-        """Nothing to summarise; the reward workers belong to `GRPOParts` (closed by its owner)."""
+        """The run's bad_records.json (prompts left out); the reward workers belong to `GRPOParts` (closed by its owner)."""
+        write_bad_record_summary(self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main)

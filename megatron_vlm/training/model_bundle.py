@@ -50,7 +50,8 @@ def build_model_bundle(ctx: RunContext) -> ModelBundle:
     kernels.configure(cfg.kernels)
     seed_everything(cfg.train.seed)
     dims, mesh = build_mesh(cfg.parallel, env.world_size, env.device.type)
-    processor = load_processor(cfg.model.path, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
+    processor = load_processor(cfg.model.path, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels,
+                               video_min_pixels=cfg.data.video_min_pixels, video_max_pixels=cfg.data.video_max_pixels)
     model = load_hf_model(cfg.model.path, dtype=getattr(torch, cfg.model.dtype), device="cpu")
     trainable, total = apply_train_layers(model, cfg.train.train_layers)
     log.info("model %s: %.2fM parameters, %.2fM trainable", type(model).__name__, total / 1e6, trainable / 1e6)

@@ -20,7 +20,8 @@ from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.loader import build_sft_dataloader
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
 from megatron_vlm.parallel import clip_grad_norm_
-from megatron_vlm.parallel.collectives import all_gather_objects, all_reduce_sum, barrier
+from megatron_vlm.parallel.collectives import all_reduce_sum, barrier
+from megatron_vlm.training.bad_record_summary import write_bad_record_summary
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 from megatron_vlm.training.optim import OptimState
@@ -152,15 +153,4 @@ class SFTStep:
 
     def finish(self) -> None:
         """Gather every rank's skipped records and write one summary (rank 0)."""
-        if self.bad_records is None:
-            return
-        gathered = all_gather_objects(self.bad_records.to_dict()["records"])  # entries carry their skip counts
-        if not self.ctx.env.is_main:
-            return
-        merged = BadRecordLog()
-        for part in gathered:
-            merged.extend(part)
-        path = self.ctx.run_dir / "bad_records.json"
-        merged.write_summary(path)
-        if len(merged):
-            log.warning("skipped %d bad records %s; see %s", len(merged), merged.counts_by_category(), path)
+        write_bad_record_summary(self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main)

@@ -13,6 +13,7 @@ import torch
 
 from .config import KernelsConfig
 from .registry import BackendUnavailableError, DEFAULT_REGISTRY, configure, register_backend
+from megatron_vlm._ext import backend_check as _csrc_check
 
 __all__ = [
     "attention",
@@ -27,6 +28,7 @@ __all__ = [
     "moe_permute",
     "grouped_mm",
     "moe_unpermute",
+    "moe_topk_gating",
     "configure",
     "register_backend",
     "KernelsConfig",
@@ -132,3 +134,16 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, **kwargs) -> torch.Tensor:
 def moe_unpermute(permuted_out: torch.Tensor, row_map: torch.Tensor, topk_weights: Optional[torch.Tensor] = None, **kwargs):
     """Gather each token's expert outputs and combine with topk_weights `[N, k]` -> `[N, H]`."""
     return DEFAULT_REGISTRY.resolve("moe_unpermute", permuted_out)(permuted_out, row_map, topk_weights, **kwargs)
+
+
+def moe_topk_gating(logits: torch.Tensor, top_k: int, **kwargs):
+    """Router logits `[N, E]` -> (scores `[N, E]`, topk_weights `[N, k]`, topk_ids `[N, k]`), fp32; kwargs:
+    score_func, bias, n_group, topk_group, norm_topk_prob, routed_scaling_factor (reference/moe_routing.py)."""
+    return DEFAULT_REGISTRY.resolve("moe_topk_gating", logits)(logits, top_k, **kwargs)
+
+
+# Compiled backends (megatron_vlm._C, csrc/; loaded lazily, see megatron_vlm/_ext.py).
+register_backend("moe_topk_gating", "torch", f"{__name__}.reference.moe_routing:moe_topk_gating",
+                 auto_devices=("cpu", "cuda", "npu"))
+for _op in ("moe_permute", "moe_topk_gating"):
+    register_backend(_op, "csrc", f"megatron_vlm._ext:{_op}", check=_csrc_check, auto_devices=("cpu", "cuda"), priority=5)

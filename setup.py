@@ -14,7 +14,8 @@ Environment:
   MEGATRON_VLM_NO_CUDA=1      build the CPU ops only
   MEGATRON_VLM_REBUILD=1      wipe the CMake build folder (build/ext-*) first
   MEGATRON_VLM_REQUIRE_EXT=1  make a failed build fail the install
-The CMake build folder is build/ext-<key> in the source tree, so re-installs are incremental.
+  MEGATRON_VLM_BUILD_DIR=...  CMake build folder (default build/ext-<key> in the source tree, so
+                              re-installs are incremental)
 """
 import hashlib
 import os
@@ -99,7 +100,7 @@ class CMakeBuild(build_ext):
         with_cuda = torch_cuda and nvcc is not None and not _flag("MEGATRON_VLM_NO_CUDA")
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
         key = hashlib.sha1(f"{sys.executable}|{prefix}|{with_cuda}".encode()).hexdigest()[:10]
-        build_dir = ROOT / "build" / f"ext-{key}"
+        build_dir = Path(os.environ.get("MEGATRON_VLM_BUILD_DIR") or ROOT / "build" / f"ext-{key}")
         if _flag("MEGATRON_VLM_REBUILD") and build_dir.exists():
             shutil.rmtree(build_dir)
         build_dir.mkdir(parents=True, exist_ok=True)

@@ -117,7 +117,7 @@ std::tuple<at::Tensor, at::Tensor> mrope_position_ids_cpu(
     types = mm_token_type_ids->to(at::kCPU, at::kLong).contiguous();
   } else {
     const at::Tensor ids = input_ids.to(at::kCPU, at::kLong).contiguous();
-    types = at::zeros({batch, seq}, at::kLong);
+    types = at::empty({batch, seq}, at::kLong);
     const int64_t* p = ids.data_ptr<int64_t>();
     int64_t* o = types.data_ptr<int64_t>();
     for (int64_t q = 0; q < batch * seq; ++q) {  // video after image, as the Python assignment order
@@ -139,8 +139,11 @@ std::tuple<at::Tensor, at::Tensor> mrope_position_ids_cpu(
     cur.num_intervals = iv.numel();
   }
 
-  at::Tensor position_ids = at::zeros({3, batch, seq}, at::kLong);
+  // filled here, single-threaded: at::zeros would hand ~1 MB to the intra-op thread pool, whose
+  // wake-up costs more than the fill on a busy machine
+  at::Tensor position_ids = at::empty({3, batch, seq}, at::kLong);
   int64_t* out = position_ids.data_ptr<int64_t>();
+  std::fill(out, out + 3 * batch * seq, int64_t{0});
   const int64_t* ty_all = types.data_ptr<int64_t>();
   std::vector<int64_t> deltas;
   std::vector<int64_t> col(seq), ty(seq);

@@ -7,8 +7,8 @@ reference. CUDA (when a device is present): MoE routing at 8k tokens x 128 exper
 vs the torch reference. Target: >= 10x on the host ops, >= 3x for CUDA routing.
 
 Method: the two implementations run in interleaved rounds (A, B, A, B, ...) after a warm-up, so
-that drifting load on a shared machine hits both alike; the table gives min and median per call
-and the ratio of the medians (and of the mins). Every pair is checked equal before timing.
+that drifting load on a shared machine hits both alike; the table gives min and median wall time per call
+and the ratios of the medians, of the mins and of the process CPU time. Every pair is checked equal before timing.
 `--quick`: tiny shapes and few rounds (a smoke test that the script runs; not a measurement).
 """
 import argparse
@@ -32,23 +32,27 @@ IMAGE, VIDEO, VSTART, VEND = 151655, 151656, 151652, 151653
 
 
 def interleaved(fn_a, fn_b, rounds: int, sync=lambda: None):
-    """Per-call seconds of fn_a and fn_b, timed alternately."""
+    """Per-call wall seconds of fn_a and fn_b, timed alternately, and their total process CPU seconds."""
     fn_a(), fn_b()
-    ta, tb = [], []
+    ta, tb, cpu = [], [], [0.0, 0.0]
     for _ in range(rounds):
-        for fn, out in ((fn_a, ta), (fn_b, tb)):
+        for slot, (fn, out) in enumerate(((fn_a, ta), (fn_b, tb))):
             sync()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             fn()
             sync()
             out.append(time.perf_counter() - start)
-    return ta, tb
+            cpu[slot] += time.process_time() - start_cpu
+    return ta, tb, cpu
 
 
-def row(name, ta, tb, label_a, label_b):
+def row(name, ta, tb, cpu, label_a, label_b):
+    """Wall min / median per call; speed-up of the medians, of the mins, and of the process CPU time
+    (on a shared machine the CPU-time ratio is the least disturbed by other processes)."""
     ma, mb = statistics.median(ta), statistics.median(tb)
-    print(f"{name:<44} {label_a:>6} min {min(ta) * 1e3:9.3f} ms  med {ma * 1e3:9.3f} ms | {label_b:>6} "
-          f"min {min(tb) * 1e3:9.3f} ms  med {mb * 1e3:9.3f} ms | speed-up x{mb / ma:6.1f} (min x{min(tb) / min(ta):.1f})")
+    print(f"{name:<58} {label_a:>6} min {min(ta) * 1e3:9.3f} ms med {ma * 1e3:9.3f} ms | {label_b:>6} "
+          f"min {min(tb) * 1e3:9.3f} ms med {mb * 1e3:9.3f} ms | x{mb / ma:.1f} median, x{min(tb) / min(ta):.1f} min, "
+          f"x{cpu[1] / max(cpu[0], 1e-9):.1f} cpu-time")
 
 
 def python_only(fn):

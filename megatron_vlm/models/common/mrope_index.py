@@ -27,6 +27,8 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
+from megatron_vlm import _ext
+
 
 def mm_token_type_ids_from_input_ids(input_ids: torch.Tensor, image_token_id: int, video_token_id: int) -> torch.Tensor:
     """0 for text, 1 for image placeholders, 2 for video placeholders (the processor's convention)."""
@@ -118,6 +120,13 @@ def get_mrope_position_ids(
     S is B for a padded batch and the number of samples for packed input (`cu_seqlens` given,
     input_ids [1, T]). Padding positions are 0. Grids are consumed in order over the whole batch.
     """
+    compiled = _ext.mrope_position_ids(  # the C++ twin (csrc/); None: run below
+        input_ids, image_token_id=image_token_id, video_token_id=video_token_id, spatial_merge_size=spatial_merge_size,
+        tokens_per_second=tokens_per_second, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+        second_per_grid_ts=second_per_grid_ts, attention_mask=attention_mask, mm_token_type_ids=mm_token_type_ids,
+        cu_seqlens=cu_seqlens)
+    if compiled is not None:
+        return compiled
     if input_ids.dim() != 2:
         raise ValueError(f"get_mrope_position_ids: input_ids must be [B, T], got {tuple(input_ids.shape)}")
     if mm_token_type_ids is None:

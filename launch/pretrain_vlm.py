@@ -31,7 +31,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, before_step=None) -> int:
+    """Parse, load and run; `before_step(n)` is passed to the training loop (tests only: see
+    tests/integration/fault_entry.py)."""
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -42,7 +44,7 @@ def main(argv=None) -> int:
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"%(asctime)s [rank{rank}] %(levelname)s %(message)s", datefmt="%H:%M:%S",
     )
-    return run_job(cfg)
+    return run_job(cfg, before_step=before_step)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from megatron_vlm.training.sft import SFTStep, build_train_loader, prepare_sft_d
 __all__ = ["run_sft", "run_grpo", "run_kind"]
 
 
-def run_sft(ctx: RunContext) -> int:
+def run_sft(ctx: RunContext, *, before_step=None) -> int:
     cfg = ctx.cfg
     bad_records = prepare_sft_data(ctx)
     bundle = build_model_bundle(ctx)
@@ -44,12 +44,12 @@ def run_sft(ctx: RunContext) -> int:
     step = SFTStep(ctx, bundle, optim, metrics, loader, total_steps=num_steps, bad_records=bad_records,
                    evaluate=SFTEvaluator(ctx, bundle, bad_records))
     code = run_loop(ctx, step, total_steps=num_steps, checkpointer=checkpointer, metrics=metrics,
-                    log_every=cfg.train.log_every, eval_every=cfg.train.eval_every, resume=resume)
+                    log_every=cfg.train.log_every, eval_every=cfg.train.eval_every, resume=resume, before_step=before_step)
     metrics.close()
     return code
 
 
-def run_grpo(ctx: RunContext) -> int:
+def run_grpo(ctx: RunContext, *, before_step=None) -> int:
     cfg = ctx.cfg
     check_grpo_config(cfg)
     bundle = build_model_bundle(ctx)
@@ -66,13 +66,14 @@ def run_grpo(ctx: RunContext) -> int:
         step = GRPOLoopStep(ctx, parts.sets.train, grpo, evaluate)
         code = run_loop(ctx, step, total_steps=num_steps, checkpointer=checkpointer, metrics=metrics,
                         log_every=cfg.train.log_every, eval_every=rl.eval.every_steps, eval_at_start=rl.eval.at_start,
-                        resume=resume)
+                        resume=resume, before_step=before_step)
     finally:
         parts.manager.close()
     metrics.close()
     return code
 
 
-def run_kind(ctx: RunContext) -> int:
-    """Run the job kind `train.mode` names ("sft" or "grpo")."""
-    return (run_grpo if ctx.cfg.train.mode == "grpo" else run_sft)(ctx)
+def run_kind(ctx: RunContext, *, before_step=None) -> int:
+    """Run the job kind `train.mode` names ("sft" or "grpo"). `before_step(n)`: the loop's test hook
+    (called before step n; None in production)."""
+    return (run_grpo if ctx.cfg.train.mode == "grpo" else run_sft)(ctx, before_step=before_step)

@@ -34,7 +34,8 @@ def _prepare_model_folder(cfg, env) -> None:
         dist.barrier()
 
 
-def run_job(cfg) -> int:
+def run_job(cfg, *, before_step=None) -> int:
+    """Run the job `cfg` describes; `before_step(n)` is the training loop's test hook (None in production)."""
     env = init_distributed()
     try:
         run_dir = Path(cfg.train.output_dir)
@@ -50,7 +51,7 @@ def run_job(cfg) -> int:
             return 2
         ctx = RunContext(cfg=cfg, env=env, run_dir=run_dir)
         ctx.stop.install()
-        code = run_kind(ctx)
+        code = run_kind(ctx, before_step=before_step)
         # Leave together: a rank that tears down its process group and exits while rank 0 is still
         # writing the export has been seen to abort in gloo's teardown (SIGABRT, "terminate called
         # without an active exception"), failing a finished job. Only on this path, where every rank

@@ -15,6 +15,7 @@ from megatron_vlm.parallel import destroy_distributed, init_distributed
 from megatron_vlm.rl.trainer import check_model_folder
 from megatron_vlm.testing.synthesize import synthesize_model_folder
 from megatron_vlm.training.context import RunContext
+from megatron_vlm.training.step_guard import NonFiniteStepError
 
 __all__ = ["run_job"]
 
@@ -59,6 +60,10 @@ def run_job(cfg, *, before_step=None) -> int:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         return code
+    except NonFiniteStepError as e:
+        log.error("%s", e)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         log.warning("interrupted")
         return 130

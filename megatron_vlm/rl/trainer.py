@@ -79,7 +79,9 @@ def build_grpo_parts(ctx: RunContext, bundle: ModelBundle) -> GRPOParts:
     if rl.kl_coef > 0:
         reference = ReferencePolicy.from_pretrained(cfg.model.path, dtype=dtype, device=env.device,
                                                     offload=rl.ref_offload, temperature=rl.temperature)
-    manager = RewardManager(rl.rewards, timeout_s=rl.reward_timeout_s, num_workers=rl.reward_workers)
+    manager = RewardManager(rl.rewards, timeout_s=rl.reward_timeout_s, num_workers=rl.reward_workers,
+                            memory_limit_mb=rl.reward_memory_limit_mb, batch_timeout_s=rl.reward_batch_timeout_s,
+                            value_limit=rl.reward_abs_max)
     return GRPOParts(sets=sets, encoder=encoder, engine=engine, manager=manager, reference=reference)
 
 

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_vlm.config import ConfigError, load_config  # noqa: E402
 from megatron_vlm.config.loader import die  # noqa: E402
+from megatron_vlm.config.mode_keys import check_keys_for_mode  # noqa: E402
 from megatron_vlm.runner import run_job  # noqa: E402
 
 
@@ -37,6 +38,7 @@ def main(argv=None, *, before_step=None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        check_keys_for_mode(cfg)
     except ConfigError as e:
         die(str(e))
     rank = int(os.environ.get("RANK", 0))

@@ -1,5 +1,6 @@
 """Job runner behind launch/pretrain_vlm.py: process group, run folder, model folder, the job kind
-(`megatron_vlm.jobs`), teardown — and the exit codes: 0 done, 2 a missing model folder (one line on
+(`megatron_vlm.jobs`), teardown — and the exit codes: 0 done, 1 stopped by too many non-finite steps
+in a row, 2 a missing model folder or a config error found once the model is built (one line on
 stderr), 143 stopped by SIGTERM / SIGUSR1 after a checkpoint, 130 Ctrl-C."""
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_vlm.config import save_config
+from megatron_vlm.config import ConfigError, save_config
 from megatron_vlm.jobs import run_kind
 from megatron_vlm.parallel import destroy_distributed, init_distributed
 from megatron_vlm.rl.trainer import check_model_folder
@@ -60,6 +61,9 @@ def run_job(cfg, *, before_step=None) -> int:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         return code
+    except ConfigError as e:  # found once the model is built (e.g. [moe] keys on a dense model)
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     except NonFiniteStepError as e:
         log.error("%s", e)
         print(f"error: {e}", file=sys.stderr)

@@ -3,6 +3,8 @@
 
     torchrun --nproc_per_node N launch/pretrain_vlm.py --config x.toml [--set section.key=value ...]
     python launch/pretrain_vlm.py --config x.toml            # one process
+    python launch/pretrain_vlm.py --config x.toml --check --world-size 8 --device-memory-gib 80
+                                                              # will it start and fit? (no weights)
 
 `[train] mode` picks the loop ("sft" or "grpo"). Config errors exit with code 2 and one line;
 SIGTERM (SLURM preemption) saves a checkpoint and exits with 143; process groups are torn down on
@@ -29,6 +31,13 @@ def parse_args(argv=None):
     p.add_argument("--config", required=True, help="TOML config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value (value parsed as TOML; bare words are strings)")
+    p.add_argument("--check", action="store_true",
+                   help="resolve the config, build the model on the meta device, check sizes and memory per rank; "
+                        "exit 0 with the plan or 2 naming the key to change (no weights, no process group)")
+    p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
+                   help="ranks of the planned run (--check; default $WORLD_SIZE or 1)")
+    p.add_argument("--device-memory-gib", type=float, default=None,
+                   help="memory of one device in GiB (--check; default: the visible accelerator's)")
     return p.parse_args(argv)
 
 
@@ -41,6 +50,10 @@ def main(argv=None, *, before_step=None) -> int:
         check_keys_for_mode(cfg)
     except ConfigError as e:
         die(str(e))
+    if args.check:
+        from megatron_vlm.plan.check import run_check
+
+        return run_check(cfg, world_size=args.world_size, device_memory_gib=args.device_memory_gib)
     rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,

@@ -22,7 +22,7 @@ conservative; the numbers it uses (all in bytes, per rank):
   the vision tower's activations and the LM-head logits (the fused, vocabulary-chunked log-prob
   kernel) are not counted;
 - rollout KV cache (GRPO) = 2 x (sum over attention layers of kv_heads x head_dim) x c x slots,
-  slots = prompts per rollout batch x rl.group_size x data.max_tokens_per_pack (see plan/kv.py).
+  slots = prompts per rollout batch x rl.group_size x data.max_tokens_per_pack (see rl/rollout_budget.py).
   Rollout and training alternate (the cache is freed before the update), so the peak is
   static + max(activations, KV cache), static = master weights + gradients + AdamW + gathered block.
 """
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from megatron_vlm.plan.kv import kv_elements_per_slot
+from megatron_vlm.rl.rollout_budget import kv_elements_per_slot
 
 __all__ = ["ModelShape", "MemoryPlan", "model_shape", "estimate_memory", "GiB"]
 

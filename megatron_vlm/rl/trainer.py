@@ -21,7 +21,7 @@ import torch
 
 from megatron_vlm.parallel.collectives import any_rank, barrier
 from megatron_vlm.parallel.precision import compute_dtype
-from megatron_vlm.plan.kv import kv_bytes_per_slot, rollout_prompts_for_budget
+from megatron_vlm.rl.rollout_budget import kv_bytes_per_slot, rollout_prompts_for_budget
 from megatron_vlm.rl.data import prompt_batches
 from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.prompts import PromptEncoder, PromptSets, load_prompt_sets

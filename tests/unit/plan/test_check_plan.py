@@ -15,7 +15,7 @@ from torch import nn
 from megatron_vlm.config import load_config
 from megatron_vlm.models.common.attention import Attention
 from megatron_vlm.plan.check import run_check
-from megatron_vlm.plan.kv import kv_elements_per_slot
+from megatron_vlm.rl.rollout_budget import kv_elements_per_slot
 from megatron_vlm.plan.memory import ModelShape, _layer_activation_elements, estimate_memory
 from tests.unit.models.test_qwen2_5_vl_args import HUB_3B
 

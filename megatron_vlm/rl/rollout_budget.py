@@ -1,4 +1,4 @@
-"""Rollout KV-cache sizing, shared by the GRPO job (to bound a rollout batch by `rl.rollout_memory_gib`)
+"""Rollout KV-cache sizing (in `rl`, below `plan`: the GRPO job must not import the planner), shared by the GRPO job (to bound a rollout batch by `rl.rollout_memory_gib`)
 and the `--check` planner.
 
 KV cache bytes = 2 (K and V) x sum over the decoder's attention layers of (kv_heads x head_dim) x

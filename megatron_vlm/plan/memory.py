@@ -28,7 +28,6 @@ conservative; the numbers it uses (all in bytes, per rank):
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from torch import nn
@@ -133,5 +132,3 @@ def gib(x: float) -> str:
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b) if b else 0
 
-
-_ = math  # (kept for callers that format sizes)

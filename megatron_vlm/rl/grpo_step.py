@@ -31,6 +31,7 @@ from megatron_vlm.rl.data import PromptSample
 from megatron_vlm.rl.losses import policy_loss
 from megatron_vlm.rl.metrics import PhaseTimer, length_metrics, reward_metrics
 from megatron_vlm.rl.rollout.engine import RolloutEngine, RolloutPrompt, SamplingParams
+from megatron_vlm.training.step_guard import StepGuard
 
 __all__ = ["GRPOStep", "EncodedShard", "encode_shard", "sampling_generator"]
 
@@ -90,6 +91,7 @@ class GRPOStep:
         self.max_grad_norm = ctx.cfg.train.max_grad_norm
         self.seed = ctx.cfg.train.seed
         self.acc_label = rl_cfg.accuracy_label()
+        self.guard = StepGuard.from_config(ctx.cfg.train, self.device, what="GRPO update")
 
     def sampling_params(self) -> SamplingParams:
         r = self.rl
@@ -217,7 +219,8 @@ class GRPOStep:
                         diff_sum += float((logp.detach().float() - behav).abs().sum())
                         diff_n += float(behav.numel())
                 grad_norms.append(float(clip_grad_norm_(self.bundle.trainable_params, self.max_grad_norm)))
-                optimizer.step()
+                if self.guard.allow(loss_sum, grad_norms[-1], step=step + 1):  # non-finite: skip, count
+                    optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 losses.append(loss_sum)
                 updates += 1
@@ -266,6 +269,7 @@ class GRPOStep:
         out["loss"] = sum(losses) / len(losses) if losses else 0.0
         out["grad_norm"] = sum(upd["grad_norms"]) / len(upd["grad_norms"]) if upd["grad_norms"] else 0.0
         out["lr"] = upd["lr"]
+        out["skipped_steps"] = float(self.guard.skipped)
         if upd.get("moe"):
             out.update(upd["moe"])
         out.update(reward_metrics(cat("total"), per, accuracy_label=self.acc_label, threshold=self.rl.eval.correct_threshold))

@@ -25,6 +25,7 @@ from megatron_vlm.training.bad_record_summary import write_bad_record_summary
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 from megatron_vlm.training.optim import OptimState
+from megatron_vlm.training.step_guard import StepGuard
 
 __all__ = ["SFTStep", "prepare_sft_data", "build_train_loader", "steps_per_epoch"]
 
@@ -86,6 +87,7 @@ class SFTStep:
         self._evaluate = evaluate
         self._it = None
         self.n_params = sum(p.numel() for p in bundle.model.parameters())
+        self.guard = StepGuard.from_config(ctx.cfg.train, ctx.env.device)
 
     # ------------------------------------------------------------------ StepRunner
     def load_data_state(self, state: dict, step: int) -> None:  # noqa: ARG002
@@ -120,7 +122,8 @@ class SFTStep:
             loss_sum += float(-logp.detach().sum(dtype=torch.float64))
         grad_norm = clip_grad_norm_(b.trainable_params, cfg.max_grad_norm)
         lr = self.optim.scheduler.get_last_lr()[0]  # the lr of this step's update (step() moves to the next)
-        self.optim.optimizer.step()
+        if self.guard.allow(loss_sum, grad_norm, step=step + 1):  # non-finite: skip the update, count it
+            self.optim.optimizer.step()
         self.optim.scheduler.step()
         self.optim.optimizer.zero_grad(set_to_none=True)
         moe_report = b.moe_balancer.after_step(step + 1) if b.moe_balancer is not None else None
@@ -140,6 +143,7 @@ class SFTStep:
             "peak_memory_gib": _peak_memory_gib(env.device),
             "epoch": getattr(self.loader, "epoch", 0),
             "step_time_s": dt,
+            "skipped_steps": float(self.guard.skipped),
         }
         stats = self.loader.stats() if hasattr(self.loader, "stats") else {}
         out.update({f"data/{k}": v for k, v in stats.items() if isinstance(v, (int, float))})

@@ -387,10 +387,17 @@ def replace_dir(tmp: Path, final: Path, old: Path, *, marker: str, marker_text: 
 
 
 def describe_error(e: BaseException) -> str:
-    """One line for an error, with a plain-words hint for a full disk / quota."""
-    text = f"{type(e).__name__}: {e}"
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+    """One line for an error, with a plain-words hint for a full disk / quota. DCP's
+    CheckpointException (which holds every failing rank's error) is shortened to those errors."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = [(r, pair[0] if isinstance(pair, tuple) else pair) for r, pair in sorted(failures.items())]
+        text = "; ".join(f"DCP rank {r}: {type(x).__name__}: {x}" for r, x in inner)
+        errs = [x for _, x in inner]
+    else:
+        text = f"{type(e).__name__}: {e}"
+        errs = [e]
+    text = " ".join(text.split())  # one line
+    if any(isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT) for x in errs):
         text += " (disk full or quota exceeded)"
-    elif "No space left on device" in text:
-        text += " (disk full)"
     return text

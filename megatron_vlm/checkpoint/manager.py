@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -86,6 +87,11 @@ def list_complete(ckpt_root: Path) -> list[tuple[int, Path]]:
 def latest_complete(ckpt_root: Path) -> Optional[Path]:
     done = list_complete(ckpt_root)
     return done[-1][1] if done else None
+
+
+FAILURES = (Exception, CheckpointException)
+"""What a save / load step may raise that the ranks report to each other (DCP's CheckpointException,
+which carries every rank's error, derives from BaseException, not Exception)."""
 
 
 class CheckpointError(RuntimeError):
@@ -157,7 +163,7 @@ class CheckpointManager:
                 if tmp.exists():
                     shutil.rmtree(tmp)
                 tmp.mkdir()
-            except Exception as e:  # noqa: BLE001 - reported to every rank below
+            except FAILURES as e:  # reported to every rank below
                 err = describe_error(e)
         self._agree(step, "creating the temporary folder", err, tmp)
         err = None
@@ -169,7 +175,7 @@ class CheckpointManager:
                 torch.save({**extra, "rng": rng_state(), "step": step}, f)
                 f.flush()
                 os.fsync(f.fileno())
-        except Exception as e:  # noqa: BLE001
+        except FAILURES as e:
             err = describe_error(e)
         self._agree(step, "writing shards", err, tmp)
         err = None
@@ -177,7 +183,7 @@ class CheckpointManager:
             try:
                 replace_dir(tmp, final, self.root / f".trash_step_{step}", marker=MARKER, marker_text=f"step={step}\n",
                             keep_existing=(final / MARKER).is_file())
-            except Exception as e:  # noqa: BLE001
+            except FAILURES as e:
                 err = describe_error(e)
             else:
                 self._prune(final)

@@ -24,6 +24,7 @@ from typing import Optional
 from megatron_vlm.checkpoint.export import export_hf_from_state_dict
 from megatron_vlm.checkpoint.manager import (
     CheckpointError,
+    FAILURES,
     CheckpointManager,
     describe_error,
     first_error,
@@ -101,7 +102,7 @@ class Checkpointer:
             try:
                 extra = self.manager.load(path, self.wrapper, self.optim.optimizer)
                 load_scheduler_state(self.optim.scheduler, extra["scheduler"])
-            except Exception as e:  # noqa: BLE001 - a corrupt checkpoint can raise anything
+            except FAILURES as e:  # a corrupt checkpoint can raise anything
                 err = describe_error(e)
             failed = first_error(gather_errors(err))  # every rank takes the same branch
             if failed is None:
@@ -133,7 +134,7 @@ class Checkpointer:
             sd = {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")}
             try:
                 export_hf_from_state_dict(sd, self.model_path, out_dir)
-            except Exception as e:  # noqa: BLE001 - reported to every rank below
+            except FAILURES as e:  # reported to every rank below
                 err = describe_error(e)
         failed = first_error(gather_errors(err))  # instead of a barrier: no rank waits on a failed one
         if failed is not None:

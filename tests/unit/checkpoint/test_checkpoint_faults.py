@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_vlm.checkpoint import manager as manager_mod
-from megatron_vlm.checkpoint.manager import MARKER, CheckpointError, CheckpointManager, list_complete
+from megatron_vlm.checkpoint.manager import MARKER, CheckpointManager, list_complete
 from megatron_vlm.training.checkpointing import Checkpointer
 
 
@@ -228,6 +228,8 @@ def test_resume_path_that_is_not_complete_exits_2(tmp_path, capsys):
 
 def test_manager_error_names_the_failing_phase(tmp_path, monkeypatch):
     """The library raises `CheckpointError` (the Checkpointer turns it into the exit)."""
+    from megatron_vlm.checkpoint.manager import CheckpointError
+
     model, optim = _parts()
     mgr = CheckpointManager(tmp_path, keep_last=0, rank=0)
 

@@ -155,3 +155,12 @@ def test_fault_injection_kills_before_the_named_step(tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         _run(tmp_path, steps, FakeCheckpointer(), total=5, log_every=1)
     assert steps.ran == [0, 1] and killed == [(os.getpid(), signal.SIGKILL)]
+
+
+def test_stop_signal_on_a_periodic_save_step_saves_that_step_once(tmp_path):
+    """SIGTERM arriving right after the periodic save of step 3: no second save of step 3 (a second
+    save would replace the complete checkpoint just written, opening a window for losing it)."""
+    steps, ckpt = FakeSteps(), FakeCheckpointer(every=3)
+    code, _ = _run(tmp_path, steps, ckpt, total=10, stop_after=3, log_every=1)
+    assert code == EXIT_STOPPED
+    assert ckpt.saved == [(3, {"pos": 3})]

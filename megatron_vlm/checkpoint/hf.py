@@ -26,7 +26,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 from safetensors import safe_open
@@ -196,10 +196,11 @@ def save_hf_model(
     tmp.mkdir()
     try:
         _write_hf_files(model, args, hf, tmp, max_shard_size, copy_from)
-        if path.is_dir():
-            _carry_over(path, tmp)
+        previous = path if path.is_dir() else old if old.is_dir() else None  # old: a crash between two renames
+        if previous is not None:
+            _carry_over(previous, tmp)
         replace_dir(tmp, path, old, marker=EXPORT_MARKER, marker_text="hugging face export complete\n",
-                    keep_existing=path.exists())
+                    is_complete=Path.is_dir)  # any existing folder is kept until the new one is in place
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -347,21 +348,28 @@ def write_marker(folder: Path, name: str, text: str) -> None:
     fsync_dir(folder)
 
 
-def replace_dir(tmp: Path, final: Path, old: Path, *, marker: str, marker_text: str, keep_existing: bool) -> None:
+def replace_dir(tmp: Path, final: Path, old: Path, *, marker: str, marker_text: str,
+                is_complete: Callable[[Path], bool]) -> None:
     """Put the fully written folder `tmp` in place as `final` and mark it complete.
 
-    `tmp`, `final` and `old` share one parent. An existing `final` is moved to `old` when
-    `keep_existing` (it is complete: it must survive until the new one has its marker), else deleted.
+    `tmp`, `final` and `old` share one parent. A complete existing `final` (`is_complete`) is moved to
+    `old` and deleted only after the new one has its marker; an incomplete one is deleted. An `old`
+    left by a crash is put back first when `final` is not complete (it is the last complete one).
     Order: fsync `tmp` -> `final` to `old` -> `tmp` to `final` -> marker -> fsync parent -> delete `old`.
     On an error the new folder is removed and the previous one put back, then the error is raised.
     """
     parent = final.parent
     fsync_tree(tmp)
     if old.exists():
-        shutil.rmtree(old)
+        if final.exists() and is_complete(final):
+            shutil.rmtree(old)
+        else:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(old, final)
     moved = False
     if final.exists():
-        if keep_existing:
+        if is_complete(final):
             os.replace(final, old)
             moved = True
         else:

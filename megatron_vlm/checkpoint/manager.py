@@ -182,7 +182,7 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 replace_dir(tmp, final, self.root / f".trash_step_{step}", marker=MARKER, marker_text=f"step={step}\n",
-                            keep_existing=(final / MARKER).is_file())
+                            is_complete=lambda p: (p / MARKER).is_file())
             except FAILURES as e:
                 err = describe_error(e)
             else:

@@ -64,3 +64,15 @@ def test_export_replaces_weights_keeps_other_files_and_marks_complete(tmp_path, 
     assert "model.safetensors.index.json" not in names
     assert "tokenizer_config.json" in names and hf_mod.EXPORT_MARKER in names
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_export_after_a_kill_between_the_two_renames(tmp_path, model):
+    """Killed after moving the previous export aside and before renaming the new one into place:
+    the previous export is `.hf.old`; the next export completes normally and keeps its other files."""
+    out = tmp_path / "hf"
+    save_hf_model(model, out)
+    (out / "tokenizer_config.json").write_text("{}")
+    out.rename(tmp_path / ".hf.old")
+    save_hf_model(model, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    assert (out / "tokenizer_config.json").is_file() and (out / "model.safetensors").is_file()

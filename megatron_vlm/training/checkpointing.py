@@ -46,7 +46,6 @@ EXIT_SAVE_FAILED = 1
 
 def _fail(e: CheckpointError, code: int):
     """End the job on this rank with one clear line (every rank gets here with the same error)."""
-    log.error("%s", e)
     print(f"error: {e}", file=sys.stderr, flush=True)
     raise SystemExit(code) from e
 

@@ -10,7 +10,7 @@ small object (`StepRunner`). From the resume step to `total_steps`, per step:
 3. a periodic checkpoint (`checkpoint.every_steps`, not at the last step: that one is saved once, at the end);
 4. a periodic evaluation (`eval_every`, not at the last step: the final evaluation follows);
 5. the stop flag (SIGTERM / SIGUSR1, agreed by all ranks): save a checkpoint at this step boundary
-   and return 143 on every rank.
+   (unless step 3 just saved this very step: a step is never saved twice) and return 143 on every rank.
 
 A run that reaches `total_steps` saves the final checkpoint (only when it ran a step), evaluates
 and exports a Hugging Face folder (`checkpoint.export_hf`). `steps.finish()` runs in both cases.
@@ -70,8 +70,14 @@ def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpoint
         if m:
             metrics.log("eval", step, m)
 
+    saved_at = start  # the step the newest checkpoint holds (the resume point counts)
+
     def save(step: int) -> None:
+        nonlocal saved_at
+        if step == saved_at:
+            return  # already saved (a stop signal on a periodic-save step): never write the same step twice
         checkpointer.save(step, steps.data_state(step))
+        saved_at = step
 
     if eval_at_start and start == 0:
         evaluate(0)
@@ -91,12 +97,12 @@ def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpoint
         if ctx.stop.should_stop(ctx.device):
             log.warning("stop signal received: saving a checkpoint at step %d and exiting", step)
             if checkpointer.enabled:
-                save(step)
+                save(step)  # a no-op when the periodic save above just wrote this step
             code = EXIT_STOPPED
             break
     if code == 0:
-        if checkpointer.enabled and step > start:
-            save(step)
+        if checkpointer.enabled:
+            save(step)  # nothing when no step ran since the resume point
         evaluate(step)
         if checkpointer.export_at_end:
             checkpointer.export_hf(ctx.run_dir / "hf")

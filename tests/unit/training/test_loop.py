@@ -175,3 +175,12 @@ def test_fault_entry_hook_kills_before_the_named_step(monkeypatch):
     assert killed == []
     hook(3)
     assert killed == [(os.getpid(), signal.SIGKILL)]
+
+
+def test_stop_signal_on_a_periodic_save_step_saves_that_step_once(tmp_path):
+    """SIGTERM arriving right after the periodic save of step 3: no second save of step 3 (a second
+    save would replace the complete checkpoint just written, opening a window for losing it)."""
+    steps, ckpt = FakeSteps(), FakeCheckpointer(every=3)
+    code, _ = _run(tmp_path, steps, ckpt, total=10, stop_after=3, log_every=1)
+    assert code == EXIT_STOPPED
+    assert ckpt.saved == [(3, {"pos": 3})]

@@ -1,7 +1,8 @@
 """Job runner behind launch/pretrain_vlm.py: process group, run folder, model folder, the job kind
 (`megatron_vlm.jobs`), teardown — and the exit codes: 0 done, 1 stopped by too many non-finite steps
-in a row, 2 a missing model folder or a config error found once the model is built (one line on
-stderr), 143 stopped by SIGTERM / SIGUSR1 after a checkpoint, 130 Ctrl-C."""
+in a row or a failed checkpoint save / HF export (the previous checkpoint intact), 2 a missing model
+folder, a config error found once the model is built or a checkpoint that cannot be resumed (one line
+on stderr), 143 stopped by SIGTERM / SIGUSR1 after a checkpoint, 130 Ctrl-C."""
 from __future__ import annotations
 
 import logging

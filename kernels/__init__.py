@@ -16,7 +16,7 @@ import torch
 
 from .builtin_ops import register_builtin_ops
 from .config import KernelsConfig
-from .registry import BackendUnavailableError, DEFAULT_REGISTRY, configure, register_backend, use_backends
+from .registry import DEFAULT_REGISTRY, BackendUnavailableError, configure, register_backend, use_backends
 
 register_builtin_ops(DEFAULT_REGISTRY)
 

@@ -21,10 +21,11 @@ import dataclasses
 import difflib
 import math
 import sys
-import tomllib
 import types
 import typing
 from typing import Any, Literal, Union
+
+import tomllib
 
 __all__ = ["ConfigError", "from_dict", "to_dict", "apply_overrides", "parse_override_value", "field_docs"]
 

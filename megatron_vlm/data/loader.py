@@ -24,8 +24,8 @@ items on every rank: packs (for validation loss) or padded prompt batches with r
 from __future__ import annotations
 
 import logging
-import signal
 import math
+import signal
 from typing import Any, Iterator, Optional
 
 import numpy as np

@@ -39,7 +39,7 @@ divided by `grad_divide_factor`, matching FSDP's average over the data-parallel 
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Union
+from typing import Iterable, List
 
 import torch
 import torch.distributed as dist

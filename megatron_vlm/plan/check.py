@@ -23,8 +23,8 @@ import torch
 
 from megatron_vlm.config.loader import ConfigError
 from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
-from megatron_vlm.rl.rollout_budget import rollout_prompts_for_budget
 from megatron_vlm.plan.memory import GiB, ceil_div, estimate_memory, gib, model_shape
+from megatron_vlm.rl.rollout_budget import rollout_prompts_for_budget
 
 __all__ = ["run_check", "CheckFailed"]
 

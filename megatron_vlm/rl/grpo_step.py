@@ -19,14 +19,14 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
 from megatron_vlm.parallel import clip_grad_norm_
+from megatron_vlm.parallel.collectives import all_gather_objects, all_reduce_max, all_reduce_sum
 from megatron_vlm.rl.advantages import advantage_stats, compute_group_advantages
 from megatron_vlm.rl.batching import TrainSample, pack_samples, plan_micro_batches, split_by_response
-from megatron_vlm.parallel.collectives import all_gather_objects, all_reduce_max, all_reduce_sum
 from megatron_vlm.rl.data import PromptSample
 from megatron_vlm.rl.losses import policy_loss
 from megatron_vlm.rl.metrics import PhaseTimer, length_metrics, reward_metrics

@@ -23,8 +23,8 @@ from typing import Optional
 
 from megatron_vlm.checkpoint.export import export_hf_from_state_dict
 from megatron_vlm.checkpoint.manager import (
-    CheckpointError,
     FAILURES,
+    CheckpointError,
     CheckpointManager,
     describe_error,
     first_error,

@@ -12,8 +12,8 @@ from typing import Any, Optional
 import torch
 
 from megatron_vlm import kernels
-from megatron_vlm.data.processor import load_processor
 from megatron_vlm.checkpoint.hf import load_hf_model
+from megatron_vlm.data.processor import load_processor
 from megatron_vlm.models import get_family
 from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.parallel import ParallelDims, build_mesh

@@ -7,8 +7,7 @@ and sequence-mean loss all active."""
 from __future__ import annotations
 
 import pytest
-
-from jobs import DEMO, REPO, load_safetensors_dir, read_metrics, run_job
+from jobs import REPO, load_safetensors_dir, read_metrics, run_job
 
 pytestmark = pytest.mark.distributed
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import tomllib
 
 import pytest
+import tomllib
 import torch
-
 from jobs import load_safetensors_dir, read_metrics, run_job, small_demo_overrides
 
 pytestmark = pytest.mark.distributed

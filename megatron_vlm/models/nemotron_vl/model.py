@@ -40,7 +40,6 @@ from megatron_vlm.models.common.norms import RMSNorm
 from megatron_vlm.models.common.vlm_base import VLMBase, check_forward_inputs, cu_seqlens_max, new_tokens_mask
 from megatron_vlm.models.nemotron_vl.args import NemotronHTextArgs, NemotronVLArgs
 from megatron_vlm.models.nemotron_vl.cache import HybridCache
-from megatron_vlm.models.qwen3_vl.model import Qwen3VLVisionModel
 from megatron_vlm.models.nemotron_vl.vision import (
     LayerNorm,
     NemotronVLProjector,
@@ -49,6 +48,7 @@ from megatron_vlm.models.nemotron_vl.vision import (
     RadioVisionModel,
     shuffle_and_project,
 )
+from megatron_vlm.models.qwen3_vl.model import Qwen3VLVisionModel
 
 
 class NemotronHMLP(nn.Module):

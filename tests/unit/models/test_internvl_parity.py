@@ -10,9 +10,10 @@ import torch
 import megatron_vlm.testing.tiny_processor_internvl as F
 from megatron_vlm.models import build_model
 from megatron_vlm.models.common.kv_cache import KVCache
-from megatron_vlm.models.internvl.state_dict_adapter import InternVLStateDictAdapter
 from megatron_vlm.models.internvl.model import pixel_shuffle
-from tests.fixtures.parity import assert_logits_close as _assert_close, ref_logits as _ref
+from megatron_vlm.models.internvl.state_dict_adapter import InternVLStateDictAdapter
+from tests.fixtures.parity import assert_logits_close as _assert_close
+from tests.fixtures.parity import ref_logits as _ref
 
 VARIANTS = {
     "qwen2_layernorm": dict(),

@@ -7,8 +7,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
-from megatron_vlm.checkpoint.hf import save_hf_model
-from megatron_vlm.checkpoint.hf import load_hf_model
+from megatron_vlm.checkpoint.hf import load_hf_model, save_hf_model
 from megatron_vlm.models import build_model
 from megatron_vlm.models.common.moe import moe_layers
 

@@ -17,8 +17,7 @@ from transformers import NemotronHConfig, NemotronHForCausalLM
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as HFQwen3VLVisionModel
 
-from megatron_vlm.checkpoint.hf import save_hf_model
-from megatron_vlm.checkpoint.hf import load_hf_model
+from megatron_vlm.checkpoint.hf import load_hf_model, save_hf_model
 from megatron_vlm.models.nemotron_vl.args import NemotronVLArgs
 from megatron_vlm.training.freeze import apply_train_layers
 

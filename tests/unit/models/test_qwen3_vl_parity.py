@@ -11,7 +11,9 @@ import megatron_vlm.testing.tiny_processor_qwen3_vl as F
 from megatron_vlm.models import build_model
 from megatron_vlm.models.common.kv_cache import KVCache
 from megatron_vlm.models.qwen3_vl.state_dict_adapter import Qwen3VLStateDictAdapter
-from tests.fixtures.parity import TOL, assert_logits_close as _assert_close, ref_logits as _ref, load_converted
+from tests.fixtures.parity import TOL, load_converted
+from tests.fixtures.parity import assert_logits_close as _assert_close
+from tests.fixtures.parity import ref_logits as _ref
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,13 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from torch import nn
 
 from megatron_vlm.config import load_config
 from megatron_vlm.models.common.attention import Attention
 from megatron_vlm.plan.check import run_check
-from megatron_vlm.rl.rollout_budget import kv_elements_per_slot
 from megatron_vlm.plan.memory import ModelShape, _layer_activation_elements, estimate_memory
+from megatron_vlm.rl.rollout_budget import kv_elements_per_slot
 from tests.unit.models.test_qwen2_5_vl_args import HUB_3B
 
 REPO = Path(__file__).resolve().parents[3]

@@ -2,9 +2,9 @@
 published AReaL Geometry3K / ViRL39K runs (528 prompts per step, 16384 new tokens, clip 0.4, no KL), and their [data] column mapping reads
 files in the dataset's schema."""
 import pathlib
-import tomllib
 
 import pytest
+import tomllib
 
 from megatron_vlm.config.loader import from_dict
 from megatron_vlm.data.config import DataConfig

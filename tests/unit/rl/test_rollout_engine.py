@@ -173,7 +173,6 @@ def test_eos_and_stop_strings_end_completions(models, prompts):
     steps = 8
     # seeded sampling (greedy decoding of a random tiny model repeats a 2-token cycle); finished rows
     # stay in the batch (compact_ratio 0), so every run draws the same random numbers
-    params = SamplingParams(max_new_tokens=steps, temperature=1.5)
 
     def run(stop=(), **kw):
         p = SamplingParams(max_new_tokens=steps, temperature=1.5, stop=stop)

@@ -5,9 +5,9 @@ forward's log-probs of the same tokens (the PPO ratio starts at 1)."""
 import pytest
 import torch
 
+from megatron_vlm.checkpoint.hf import load_hf_model
 from megatron_vlm.data.processor import load_processor
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
-from megatron_vlm.checkpoint.hf import load_hf_model
 from megatron_vlm.rl.batching import TrainSample, pack_samples
 from megatron_vlm.rl.data import load_prompt_dataset
 from megatron_vlm.rl.prompts import PromptEncoder

@@ -7,7 +7,6 @@ import os
 import signal
 from types import SimpleNamespace as NS
 
-import pytest
 import torch
 
 from megatron_vlm.training import loop as loop_mod

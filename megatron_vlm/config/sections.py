@@ -16,9 +16,10 @@ class ModelConfig:
     path: str
     """Hugging Face model folder (config.json, safetensors, tokenizer, preprocessor)."""
     synthesize: Optional[Literal["tiny_qwen2_5_vl", "tiny_qwen3_vl", "tiny_qwen3_vl_moe", "tiny_internvl", "tiny_nemotron_vl",
-                                 "tiny_nemotron_qwen3_vision"]] = None
+                                 "tiny_nemotron_qwen3_vision", "tiny_qwen2", "tiny_qwen3", "tiny_qwen3_moe"]] = None
     """If set and `path` does not exist, build this tiny random model + tokenizer + processor there
-    (deterministic, offline; used by the demo and tests)."""
+    (deterministic, offline; used by the demo and tests; tiny_qwen2 / tiny_qwen3 / tiny_qwen3_moe are
+    text-only)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the master weights held by the optimizer (bf16 compute comes from [train] precision)."""
 

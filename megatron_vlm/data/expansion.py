@@ -69,7 +69,7 @@ def placeholder_order(text: str, placeholders: dict[str, str]) -> list[str]:
 def expand(text: str, placeholders: dict[str, str], expansions: dict[str, list[Expansion]], *,
            compact: bool = False) -> str:
     """Replace the i-th placeholder of each kind by `expansions[kind][i]` (counts must match)."""
-    unknown = set(expansions) - {kind for kind, tok in placeholders.items() if tok}
+    unknown = {kind for kind, items in expansions.items() if items} - {kind for kind, tok in placeholders.items() if tok}
     if unknown:
         raise ValueError(f"no placeholder token for {sorted(unknown)}")
     order = placeholder_order(text, placeholders)

@@ -12,8 +12,10 @@ processor for that family:
     Qwen2-VL / Qwen2.5-VL / Qwen3-VL   processor_qwen_vl.QwenVLProcessor
     InternVL (GotOcr2 tiling)          processor_internvl.InternVLProcessor
     Nemotron-3-Nano-VL (nemotron_h_omni) processor_nemotron_vl.NemotronVLProcessor
+    text-only models (qwen2 / qwen3 / ...)  processor_text.TextProcessor (tokenizer only, no pixels)
 
-`load_processor` picks the family from preprocessor_config.json's `image_processor_type`. The
+`load_processor` picks the family from preprocessor_config.json's `image_processor_type`; a folder
+without one whose config.json has no vision_config gets the text-only processor. The
 per-record pipeline (`processing.py`) talks to a processor only through the hooks defined here:
 `process_images` / `process_video` (pixels + one `Expansion` per item), `image_expansions` /
 `video_expansion` (the same expansions from sizes alone, for exact length planning), the
@@ -75,13 +77,14 @@ class VLProcessor:
     returns_mm_token_type_ids = False
     """Whether the family's transformers processor returns mm_token_type_ids (Qwen's M-RoPE needs it)."""
 
-    def __init__(self, tokenizer, *, chat_template: str, image_token: str, video_token: Optional[str],
-                 image_token_id: int, video_token_id: Optional[int], structural_tokens: Sequence[str] = (),
+    def __init__(self, tokenizer, *, chat_template: str, image_token: Optional[str], video_token: Optional[str],
+                 image_token_id: Optional[int], video_token_id: Optional[int], structural_tokens: Sequence[str] = (),
                  name_or_path: str = ""):
         """image_token / video_token: the placeholders the chat template writes (one per item);
         image_token_id / video_token_id: the ids of the tokens the model fills with image / video
         features (video_token_id None when videos use the image token); structural_tokens: further
-        special tokens that must not appear in user text."""
+        special tokens that must not appear in user text. image_token / image_token_id None: a
+        text-only processor (processor_text.py)."""
         self.name_or_path = str(name_or_path)
         if not chat_template:
             raise ValueError(f"{self.name_or_path or 'processor'}: no chat template (chat_template.jinja / "
@@ -90,7 +93,7 @@ class VLProcessor:
         self.chat_template = chat_template
         self.image_token = image_token
         self.video_token = video_token
-        self.image_token_id = int(image_token_id)
+        self.image_token_id = None if image_token_id is None else int(image_token_id)
         self.video_token_id = None if video_token_id is None else int(video_token_id)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         # Structural tokens user text must not contain (they would fake placeholders or turns);
@@ -266,7 +269,14 @@ def load_processor(path: str | os.PathLike, *, min_pixels: Optional[int] = None,
     folder = Path(path)
     pre_path = folder / "preprocessor_config.json"
     if not pre_path.is_file():
-        raise FileNotFoundError(f"{folder}: no preprocessor_config.json (is this a vision-language model folder?)")
+        from megatron_vlm.data.processor_text import is_text_model_folder, load_text_processor
+
+        if is_text_model_folder(folder):
+            return load_text_processor(folder).with_overrides(
+                min_pixels=min_pixels, max_pixels=max_pixels, video_min_pixels=video_min_pixels,
+                video_max_pixels=video_max_pixels)
+        raise FileNotFoundError(f"{folder}: no preprocessor_config.json and not a text-only model folder (config.json without "
+                                "vision_config + a tokenizer)")
     pre = read_json(pre_path)
     cls = _family_class(pre.get("image_processor_type", ""), pre_path)
     tokenizer = AutoTokenizer.from_pretrained(folder)

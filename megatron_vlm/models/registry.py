@@ -18,6 +18,10 @@ _FAMILY_MODULES = {
     "internvl_chat": "megatron_vlm.models.internvl.family",
     "nemotron_h": "megatron_vlm.models.nemotron_vl.family",
     "nemotron_h_omni": "megatron_vlm.models.nemotron_vl.family",
+    # text-only language models on the Qwen VLMs' decoder (1-D RoPE)
+    "qwen2": "megatron_vlm.models.qwen_text.family",
+    "qwen3": "megatron_vlm.models.qwen_text.family",
+    "qwen3_moe": "megatron_vlm.models.qwen_text.family",
 }
 
 

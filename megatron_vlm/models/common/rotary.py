@@ -1,5 +1,5 @@
 """Rotary angle tables: 1-D RoPE, M-RoPE (3-D t/h/w sections, chunked or interleaved) and the 2-D
-rotary of vision towers.
+rotary of vision towers; `decoder_rope_cos_sin` picks 1-D or M-RoPE for the shared Qwen decoders.
 
 All functions return per-token `(cos, sin)` of width `head_dim` in the rotate-half layout
 (`cat(f, f)`), which is what `megatron_vlm.kernels.apply_rotary` takes for `x` laid out
@@ -8,7 +8,7 @@ cost is negligible next to attention, and a module built on the meta device need
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -73,3 +73,22 @@ def vision_rope_cos_sin(hw_position_ids: torch.Tensor, head_dim: int, theta: flo
     freqs = freqs.flatten(1)  # [N, head_dim/2]: h frequencies then w frequencies
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
+
+
+def decoder_rope_cos_sin(
+    position_ids: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    mrope_section: Optional[Sequence[int]],
+    *,
+    interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary of the Qwen language decoders, shared by the VLMs and the text-only models.
+
+    `mrope_section` given (Qwen2.5-VL / Qwen3-VL): M-RoPE, position_ids [3, B, T]. None (text-only
+    Qwen2 / Qwen3): 1-D RoPE, position_ids [B, T]. Returns cos, sin [B, T, head_dim] (fp32)."""
+    if mrope_section is not None:
+        return mrope_cos_sin(position_ids, head_dim, theta, mrope_section, interleaved=interleaved)
+    if position_ids.dim() != 2:
+        raise ValueError(f"1-D RoPE: position_ids must be [B, T], got {tuple(position_ids.shape)}")
+    return rope_cos_sin(position_ids, head_dim, theta)

@@ -88,7 +88,8 @@ class Qwen2_5_VLVisionArgs:
 
 @dataclass(kw_only=True)
 class Qwen2_5_VLTextArgs:
-    """The Qwen2 language decoder with M-RoPE."""
+    """The Qwen2 language decoder with M-RoPE (`mrope_section` None: 1-D RoPE, the text-only Qwen2 of
+    `models/qwen_text`, which builds these args itself)."""
 
     vocab_size: int = 151936
     hidden_size: int = 2048
@@ -98,7 +99,7 @@ class Qwen2_5_VLTextArgs:
     num_key_value_heads: int = 2
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1000000.0
-    mrope_section: list[int] = field(default_factory=lambda: [16, 24, 24])
+    mrope_section: Optional[list[int]] = field(default_factory=lambda: [16, 24, 24])
     max_position_embeddings: int = 128000
     hidden_act: str = "silu"
 
@@ -139,7 +140,7 @@ class Qwen2_5_VLTextArgs:
                 f"text_config: num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
-        if len(self.mrope_section) != 3 or 2 * sum(self.mrope_section) != self.head_dim:
+        if self.mrope_section is not None and (len(self.mrope_section) != 3 or 2 * sum(self.mrope_section) != self.head_dim):
             raise ValueError(
                 f"text_config.rope_parameters.mrope_section: {self.mrope_section} must have 3 entries summing to "
                 f"head_dim / 2 = {self.head_dim // 2}"

@@ -26,7 +26,7 @@ from megatron_vlm.models.common.merge import merge_vision_embeddings
 from megatron_vlm.models.common.mlp import SwiGLUMLP
 from megatron_vlm.models.common.mrope_index import cached_mrope_position_ids, get_mrope_position_ids
 from megatron_vlm.models.common.norms import RMSNorm
-from megatron_vlm.models.common.rotary import mrope_cos_sin, vision_rope_cos_sin
+from megatron_vlm.models.common.rotary import decoder_rope_cos_sin, vision_rope_cos_sin
 from megatron_vlm.models.common.vision import (
     VisionBlock,
     VisionPatchEmbed,
@@ -92,7 +92,10 @@ class Qwen2_5_VisionTransformer(nn.Module):
 
 
 class Qwen2_5_VLTextModel(nn.Module):
-    """Token embedding, Qwen2 decoder layers (GQA, qkv bias, M-RoPE), final RMSNorm."""
+    """Token embedding, Qwen2 decoder layers (GQA, qkv bias, M-RoPE), final RMSNorm.
+
+    Also the decoder of text-only Qwen2 / Qwen2.5(-Math) (`models/qwen_text`): with
+    `args.mrope_section` None the rotary is plain 1-D RoPE over position_ids [B, T]."""
 
     def __init__(self, args: Qwen2_5_VLTextArgs) -> None:
         super().__init__()
@@ -121,9 +124,10 @@ class Qwen2_5_VLTextModel(nn.Module):
         cu_seqlens: Optional[torch.Tensor] = None,
         kv_cache=None,
     ) -> torch.Tensor:
-        """inputs_embeds [B, T, H], position_ids [3, B, T] -> final-norm hidden states [B, T, H]."""
+        """inputs_embeds [B, T, H], position_ids [3, B, T] (M-RoPE) or [B, T] (1-D RoPE, mrope_section None)
+        -> final-norm hidden states [B, T, H]."""
         a = self.args
-        cos, sin = mrope_cos_sin(position_ids, a.head_dim, a.rope_theta, a.mrope_section)  # [B, T, D]
+        cos, sin = decoder_rope_cos_sin(position_ids, a.head_dim, a.rope_theta, a.mrope_section)  # [B, T, D]
         x = inputs_embeds
         max_seqlen = None
         if cu_seqlens is not None:  # packed: drop the batch dim, attention is segmented by cu_seqlens

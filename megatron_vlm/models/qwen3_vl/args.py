@@ -119,7 +119,9 @@ class Qwen3VLVisionArgs:
 
 @dataclass(kw_only=True)
 class Qwen3VLTextArgs:
-    """The Qwen3 decoder (GQA, QK-norm, interleaved M-RoPE); `num_experts > 0` makes it Qwen3-MoE."""
+    """The Qwen3 decoder (GQA, QK-norm, interleaved M-RoPE); `num_experts > 0` makes it Qwen3-MoE.
+    `mrope_section` None: 1-D RoPE, the text-only Qwen3(-MoE) of `models/qwen_text`, which builds
+    these args itself (with its own `norm_topk_prob`; Qwen3-VL-MoE always renormalises)."""
 
     vocab_size: int = 151936
     hidden_size: int = 4096
@@ -130,7 +132,7 @@ class Qwen3VLTextArgs:
     head_dim: int = 128
     rms_norm_eps: float = 1e-6
     rope_theta: float = 500000.0
-    mrope_section: list[int] = field(default_factory=lambda: [24, 20, 20])
+    mrope_section: Optional[list[int]] = field(default_factory=lambda: [24, 20, 20])
     attention_bias: bool = False
     max_position_embeddings: int = 128000
     hidden_act: str = "silu"
@@ -139,6 +141,7 @@ class Qwen3VLTextArgs:
     num_experts_per_tok: int = 4
     moe_intermediate_size: int = 1408
     decoder_sparse_step: int = 1
+    norm_topk_prob: bool = True  # renormalise the top-k router weights (transformers' Qwen3-VL-MoE always does)
     mlp_only_layers: list[int] = field(default_factory=list)
     router_aux_loss_coef: float = 0.001  # read and written back; not applied by the model (transformers adds it
     # only with output_router_logits); load balancing in training is the trainer's MoE setting
@@ -196,7 +199,7 @@ class Qwen3VLTextArgs:
                 f"text_config: num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
-        if len(self.mrope_section) != 3 or 2 * sum(self.mrope_section) != self.head_dim:
+        if self.mrope_section is not None and (len(self.mrope_section) != 3 or 2 * sum(self.mrope_section) != self.head_dim):
             raise ValueError(
                 f"text_config.rope_parameters.mrope_section: {self.mrope_section} must have 3 entries summing to "
                 f"head_dim / 2 = {self.head_dim // 2}"

@@ -40,7 +40,7 @@ from megatron_vlm.models.common.mlp import MLP, SwiGLUMLP
 from megatron_vlm.models.common.moe import MoE
 from megatron_vlm.models.common.mrope_index import cached_mrope_position_ids, get_mrope_position_ids
 from megatron_vlm.models.common.norms import LayerNorm, RMSNorm
-from megatron_vlm.models.common.rotary import mrope_cos_sin, vision_rope_cos_sin
+from megatron_vlm.models.common.rotary import decoder_rope_cos_sin, vision_rope_cos_sin
 from megatron_vlm.models.common.vision import VisionPatchEmbed, vision_cu_seqlens, vision_hw_position_ids
 from megatron_vlm.models.common.vlm_base import KVCacheMixin, VLMBase, check_forward_inputs, cu_seqlens_max, new_tokens_mask
 from megatron_vlm.models.qwen3_vl.args import Qwen3VLArgs, Qwen3VLTextArgs, Qwen3VLVisionArgs
@@ -147,7 +147,8 @@ class Qwen3VLVisionModel(nn.Module):
 
 
 def _moe_block(args: Qwen3VLTextArgs) -> MoE:
-    """Qwen3-MoE sparse block: softmax router, top-k renormalised, SwiGLU experts, no shared experts."""
+    """Qwen3-MoE sparse block: softmax router, top-k (renormalised when `norm_topk_prob`: always for
+    Qwen3-VL-MoE, per config.json for text-only Qwen3-MoE), SwiGLU experts, no shared experts."""
     return MoE(
         args.hidden_size,
         num_experts=args.num_experts,
@@ -156,13 +157,16 @@ def _moe_block(args: Qwen3VLTextArgs) -> MoE:
         activation=args.hidden_act,
         gated_experts=True,
         score_func="softmax",
-        norm_topk_prob=True,
+        norm_topk_prob=args.norm_topk_prob,
         score_correction_bias=False,
     )
 
 
 class Qwen3VLTextModel(nn.Module):
-    """Token embedding, Qwen3 decoder layers (GQA, QK-norm, dense or MoE MLP), final RMSNorm."""
+    """Token embedding, Qwen3 decoder layers (GQA, QK-norm, dense or MoE MLP), final RMSNorm.
+
+    Also the decoder of text-only Qwen3 / Qwen3-MoE (`models/qwen_text`): with `args.mrope_section`
+    None the rotary is plain 1-D RoPE over position_ids [B, T] (and no DeepStack input is given)."""
 
     def __init__(self, args: Qwen3VLTextArgs) -> None:
         super().__init__()
@@ -193,12 +197,13 @@ class Qwen3VLTextModel(nn.Module):
         visual_index: Optional[torch.Tensor] = None,
         deepstack_embeds: Optional[list[torch.Tensor]] = None,
     ) -> torch.Tensor:
-        """inputs_embeds [B, T, H], position_ids [3, B, T] -> final-norm hidden states [B, T, H].
+        """inputs_embeds [B, T, H], position_ids [3, B, T] (M-RoPE) or [B, T] (1-D RoPE, mrope_section None)
+        -> final-norm hidden states [B, T, H].
 
         DeepStack: after layer j < len(deepstack_embeds), `deepstack_embeds[j]` [n, H] is added at the
         flattened token positions `visual_index` [n] (row-major over [B, T])."""
         a = self.args
-        cos, sin = mrope_cos_sin(position_ids, a.head_dim, a.rope_theta, a.mrope_section, interleaved=True)
+        cos, sin = decoder_rope_cos_sin(position_ids, a.head_dim, a.rope_theta, a.mrope_section, interleaved=True)
         x = inputs_embeds
         max_seqlen = None
         if cu_seqlens is not None:  # packed: drop the batch dim, attention is segmented by cu_seqlens

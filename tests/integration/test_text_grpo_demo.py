@@ -7,7 +7,6 @@ held-out accuracy is measured by the full demo (docs/text_models.md), too long f
 from __future__ import annotations
 
 import pytest
-
 from jobs import REPO, read_metrics, run_job
 
 from megatron_vlm.data.synthetic_arith import write_synthetic_arith

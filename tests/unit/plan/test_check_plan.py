@@ -1,21 +1,30 @@
 """The `--check` planner: the memory formulas on a small hand-computed case, the per-layer
-activation and KV counts of toy modules, and `--check` on the example configs (meta device, no
-weights; device memory 80 GiB): the shipped configs plan within it, and the GRPO config without a
-rollout budget fails naming rl.rollout_memory_gib."""
+activation and KV counts of toy modules, and `--check` on EVERY example config in launch/configs/
+(meta device, no weights; device memory 80 GiB) with a config-only folder of the architecture it
+trains (`ARCH` below: a config without a row fails, so a new example config must be added there):
+the shipped configs plan within it, and the GRPO config without a rollout budget fails naming
+rl.rollout_memory_gib. The real architectures' config.json dicts: tests/fixtures/real_configs.py
+(written from memory; their parameter counts are asserted to be plausible)."""
 from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
 from megatron_vlm.config import load_config
+from megatron_vlm.models import build_model
 from megatron_vlm.models.common.attention import Attention
+from megatron_vlm.models.common.moe import moe_layers
+from megatron_vlm.models.registry import get_family
 from megatron_vlm.plan.check import run_check
 from megatron_vlm.plan.memory import ModelShape, _layer_activation_elements, estimate_memory
 from megatron_vlm.rl.rollout_budget import kv_elements_per_slot
+from tests.fixtures.real_configs import PARAMS_B, REAL_CONFIGS, real_config, write_real_model_folder
 from tests.unit.models.test_qwen2_5_vl_args import HUB_3B
 
 REPO = Path(__file__).resolve().parents[3]
@@ -62,17 +71,90 @@ def qwen2_5_vl_3b(tmp_path_factory) -> Path:
     return d
 
 
-# (config, ranks of its launch line)
-REAL = [("qwen2_5_vl_3b_geometry3k_grpo.toml", 8), ("qwen2_5_vl_3b_virl39k_grpo.toml", 48)]
-DEMOS = [("demo_sft.toml", 2), ("demo_grpo.toml", 2), ("demo_qwen3_vl.toml", 2), ("demo_internvl.toml", 2),
-         ("demo_nemotron_vl.toml", 2), ("demo_nemotron_qwen3_vision.toml", 2)]
+# config -> (architecture, ranks of its launch line). Architecture: a tests/fixtures/real_configs.py
+# name, "qwen2_5_vl_3b" (the published HUB_3B config.json), or "synth:<name>" for a demo's tiny
+# model (`model.synthesize`; the GRPO demos start from their SFT demo's export, the same tiny model).
+ARCH = {
+    "qwen2_5_vl_3b_geometry3k_grpo.toml": ("qwen2_5_vl_3b", 8),
+    "qwen2_5_vl_3b_virl39k_grpo.toml": ("qwen2_5_vl_3b", 48),
+    "qwen3_vl_2b_geometry3k_grpo.toml": ("qwen3_vl_2b", 8),
+    "internvl3_8b_robovqa_stage1.toml": ("internvl3_8b", 8),
+    "internvl3_8b_robovqa_stage2.toml": ("internvl3_8b", 8),  # stage 1's export: transformers' layout
+    "nemotron_3_nano_vl_sft.toml": ("nemotron_3_nano_vl", 8),
+    "qwen2_5_math_1_5b_grpo.toml": ("qwen2_5_math_1_5b", 2),
+    "demo_sft.toml": ("synth:", 2),
+    "demo_grpo.toml": ("synth:tiny_qwen2_5_vl", 2),
+    "demo_qwen3_vl.toml": ("synth:", 2),
+    "demo_internvl.toml": ("synth:", 2),
+    "demo_nemotron_vl.toml": ("synth:", 2),
+    "demo_nemotron_qwen3_vision.toml": ("synth:", 2),
+    "demo_math_sft.toml": ("synth:", 2),
+    "demo_math_grpo.toml": ("synth:tiny_qwen2", 2),
+}
+EXAMPLES = sorted(p.name for p in CONFIGS.glob("*.toml"))
+# total parameters (billions) --check must print for the published Qwen2.5-VL-3B config.json
+PARAMS_B_ALL = {**PARAMS_B, "qwen2_5_vl_3b": (3.7, 3.8)}
 
 
-@pytest.mark.parametrize("name, world", REAL, ids=[r[0] for r in REAL])
-def test_check_real_architecture_configs(name, world, qwen2_5_vl_3b):
-    code, out, err = _check(CONFIGS / name, [f'model.path="{qwen2_5_vl_3b}"'], world)
-    assert code == 0, err
-    assert out.startswith("check ok: grpo run") and "3.755 B parameters" in out and "peak" in out
+def test_every_arch_row_names_an_example_config():
+    assert sorted(ARCH) == EXAMPLES, "ARCH rows and launch/configs/*.toml differ"
+
+
+@pytest.fixture(scope="module")
+def model_folders(tmp_path_factory, qwen2_5_vl_3b) -> dict[str, Path]:
+    """Config-only folders of every real architecture, by name."""
+    root = tmp_path_factory.mktemp("real_models")
+    return {"qwen2_5_vl_3b": qwen2_5_vl_3b, **{n: write_real_model_folder(n, root / n) for n in REAL_CONFIGS}}
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_check_every_example_config(name, model_folders, tmp_path):
+    assert name in ARCH, (f"launch/configs/{name} has no architecture in ARCH (tests/unit/plan/test_check_plan.py): "
+                          "add its row, and a config-only fixture in tests/fixtures/real_configs.py if it is new")
+    arch, world = ARCH[name]
+    if arch.startswith("synth:"):
+        sets = [f'model.path="{tmp_path / "m"}"'] + ([f'model.synthesize="{arch[6:]}"'] if arch[6:] else [])
+    else:
+        sets = [f'model.path="{model_folders[arch]}"']
+    code, out, err = _check(CONFIGS / name, sets, world)
+    assert code == 0, out + err
+    assert out.startswith(f"check ok: {load_config(CONFIGS / name).train.mode} run, {world} ranks") and "peak" in out
+    if not arch.startswith("synth:"):
+        params = float(re.search(r"([0-9.]+) B parameters", out).group(1))
+        lo, hi = PARAMS_B_ALL[arch]
+        assert lo <= params <= hi, f"{arch}: {params} B parameters, expected {lo}..{hi}"
+
+
+def _active_params(model: nn.Module) -> int:
+    """Parameters one token uses: all but the routed experts it is not sent to."""
+    total = sum(p.numel() for p in model.parameters())
+    for moe in moe_layers(model):
+        experts = sum(p.numel() for p in moe.experts.parameters())
+        total -= experts - experts * moe.gate.top_k // moe.gate.num_experts
+    return total
+
+
+# (architecture, model_type, active parameters in billions: inclusive range)
+FIXTURES = [("qwen3_vl_2b", "qwen3_vl", (2.0, 2.3)), ("qwen3_vl_30b_a3b", "qwen3_vl_moe", (3.0, 4.0)),
+            ("internvl3_8b", "internvl", (7.8, 8.1)), ("qwen2_5_math_1_5b", "qwen2", (1.5, 1.6)),
+            ("nemotron_3_nano_vl", "nemotron_h_omni", (3.0, 5.0))]
+
+
+def test_fixture_table_is_complete():
+    assert sorted(f[0] for f in FIXTURES) == sorted(REAL_CONFIGS)
+
+
+@pytest.mark.parametrize("arch, model_type, active_b", FIXTURES, ids=[f[0] for f in FIXTURES])
+def test_real_config_fixtures_parse_with_plausible_sizes(arch, model_type, active_b):
+    cfg = real_config(arch)
+    assert cfg["model_type"] == model_type
+    get_family(model_type).args_cls.from_hf_config(cfg)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    total, active = sum(p.numel() for p in model.parameters()) / 1e9, _active_params(model) / 1e9
+    lo, hi = PARAMS_B[arch]
+    assert lo <= total <= hi, f"{arch}: {total:.3f} B parameters, expected {lo}..{hi}"
+    assert active_b[0] <= active <= active_b[1], f"{arch}: {active:.3f} B active parameters, expected {active_b}"
 
 
 def test_check_grpo_without_rollout_budget_names_the_key(qwen2_5_vl_3b):
@@ -80,16 +162,6 @@ def test_check_grpo_without_rollout_budget_names_the_key(qwen2_5_vl_3b):
                             [f'model.path="{qwen2_5_vl_3b}"', "rl.rollout_memory_gib=0"], 8)
     assert code == 2 and err.startswith("check failed: rl.rollout_memory_gib: estimated peak") and len(err.splitlines()) == 1
     assert "66 per batch" in out  # all of a rank's 66 prompts at once
-
-
-@pytest.mark.parametrize("name, world", DEMOS, ids=[d[0] for d in DEMOS])
-def test_check_demo_configs(name, world, tmp_path):
-    sets = [f'model.path="{tmp_path / "m"}"']
-    if name == "demo_grpo.toml":  # starts from the demo SFT's export: the same tiny architecture
-        sets.append('model.synthesize="tiny_qwen2_5_vl"')
-    code, out, err = _check(CONFIGS / name, sets, world)
-    assert code == 0, err
-    assert "check ok" in out
 
 
 def test_check_layout_error_names_the_key(qwen2_5_vl_3b):

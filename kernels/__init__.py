@@ -16,7 +16,7 @@ import torch
 
 from .builtin_ops import register_builtin_ops
 from .config import KernelsConfig
-from .registry import BackendUnavailableError, DEFAULT_REGISTRY, configure, register_backend, use_backends
+from .registry import DEFAULT_REGISTRY, BackendUnavailableError, configure, register_backend, use_backends
 
 register_builtin_ops(DEFAULT_REGISTRY)
 
@@ -33,6 +33,7 @@ __all__ = [
     "moe_permute",
     "grouped_mm",
     "moe_unpermute",
+    "moe_topk_gating",
     "configure",
     "use_backends",
     "register_backend",
@@ -139,3 +140,10 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, **kwargs) -> torch.Tensor:
 def moe_unpermute(permuted_out: torch.Tensor, row_map: torch.Tensor, topk_weights: Optional[torch.Tensor] = None, **kwargs):
     """Gather each token's expert outputs and combine with topk_weights `[N, k]` -> `[N, H]`."""
     return DEFAULT_REGISTRY.resolve("moe_unpermute", permuted_out)(permuted_out, row_map, topk_weights, **kwargs)
+
+
+def moe_topk_gating(logits: torch.Tensor, top_k: int, **kwargs):
+    """Router logits `[N, E]` -> (scores `[N, E]`, topk_weights `[N, k]`, topk_ids `[N, k]`), fp32; kwargs:
+    score_func, bias, n_group, topk_group, norm_topk_prob, routed_scaling_factor (reference/moe_routing.py)."""
+    return DEFAULT_REGISTRY.resolve("moe_topk_gating", logits)(logits, top_k, **kwargs)
+

@@ -59,3 +59,11 @@ def register_builtin_ops(registry) -> None:
         register(op, "npu", f"npu.moe:{op}", check=npu_check, auto_devices=("npu",), priority=10)
     for op in TRITON_MOE_OPS:
         register(op, "triton", f"triton.moe:{op}", check=triton_check, auto_devices=("cuda",), priority=10)
+    # MoE routing (reference/moe_routing.py) and the compiled backends of megatron_vlm._C (csrc/,
+    # loaded lazily by megatron_vlm/_ext.py; its check says why it is unavailable when it is)
+    register("moe_topk_gating", "torch", "reference.moe_routing:moe_topk_gating", auto_devices=everywhere)
+    from megatron_vlm._ext import backend_check as csrc_check
+
+    for op in ("moe_permute", "moe_topk_gating"):
+        register_backend(op, "csrc", f"megatron_vlm._ext:{op}", registry=registry, check=csrc_check,
+                         auto_devices=("cpu", "cuda"), priority=5)

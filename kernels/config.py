@@ -31,11 +31,13 @@ class KernelsConfig:
     ssd_state_update: str = "auto"
     """Mamba2 single-step state update (decoding): auto | torch."""
     moe_permute: str = "auto"
-    """MoE token permutation grouped by expert: auto | torch | npu."""
+    """MoE token permutation grouped by expert: auto | torch | npu | csrc."""
     grouped_mm: str = "auto"
     """Per-expert grouped matmul: auto | torch | triton | npu."""
     moe_unpermute: str = "auto"
     """MoE un-permutation with routing-weight combine: auto | torch | triton | npu."""
+    moe_topk_gating: str = "auto"
+    """MoE router gating (softmax / sigmoid + bias, grouped top-k): auto | torch | csrc."""
 
     def as_dict(self) -> Dict[str, str]:
         return asdict(self)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -22,7 +23,6 @@ def main(argv=None) -> int:
     p.add_argument("--model-path", default=None, help="source HF folder (default: [model] path of the run's config.toml)")
     a = p.parse_args(argv)
 
-    import torch
     import torch.distributed.checkpoint as dcp
 
     from megatron_vlm.checkpoint.export import export_hf_from_state_dict

@@ -3,6 +3,8 @@
 
     torchrun --nproc_per_node N launch/pretrain_vlm.py --config x.toml [--set section.key=value ...]
     python launch/pretrain_vlm.py --config x.toml            # one process
+    python launch/pretrain_vlm.py --config x.toml --check --world-size 8 --device-memory-gib 80
+                                                              # will it start and fit? (no weights)
 
 `[train] mode` picks the loop ("sft" or "grpo"). Config errors exit with code 2 and one line;
 SIGTERM (SLURM preemption) saves a checkpoint and exits with 143; process groups are torn down on
@@ -20,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_vlm.config import ConfigError, load_config  # noqa: E402
 from megatron_vlm.config.loader import die  # noqa: E402
+from megatron_vlm.config.mode_keys import check_keys_for_mode  # noqa: E402
 from megatron_vlm.runner import run_job  # noqa: E402
 
 
@@ -28,21 +31,35 @@ def parse_args(argv=None):
     p.add_argument("--config", required=True, help="TOML config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value (value parsed as TOML; bare words are strings)")
+    p.add_argument("--check", action="store_true",
+                   help="resolve the config, build the model on the meta device, check sizes and memory per rank; "
+                        "exit 0 with the plan or 2 naming the key to change (no weights, no process group)")
+    p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
+                   help="ranks of the planned run (--check; default $WORLD_SIZE or 1)")
+    p.add_argument("--device-memory-gib", type=float, default=None,
+                   help="memory of one device in GiB (--check; default: the visible accelerator's)")
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, before_step=None) -> int:
+    """Parse, load and run; `before_step(n)` is passed to the training loop (tests only: see
+    tests/integration/fault_entry.py)."""
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        check_keys_for_mode(cfg)
     except ConfigError as e:
         die(str(e))
+    if args.check:
+        from megatron_vlm.plan.check import run_check
+
+        return run_check(cfg, world_size=args.world_size, device_memory_gib=args.device_memory_gib)
     rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"%(asctime)s [rank{rank}] %(levelname)s %(message)s", datefmt="%H:%M:%S",
     )
-    return run_job(cfg)
+    return run_job(cfg, before_step=before_step)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Job runner behind launch/pretrain_vlm.py: process group, run folder, model folder, the job kind
-(`megatron_vlm.jobs`), teardown — and the exit codes: 0 done, 2 a missing model folder (one line on
-stderr), 143 stopped by SIGTERM / SIGUSR1 after a checkpoint, 130 Ctrl-C."""
+(`megatron_vlm.jobs`), teardown — and the exit codes: 0 done, 1 stopped by too many non-finite steps
+in a row or a failed checkpoint save / HF export (the previous checkpoint intact), 2 a missing model
+folder, a config error found once the model is built or a checkpoint that cannot be resumed (one line
+on stderr), 143 stopped by SIGTERM / SIGUSR1 after a checkpoint, 130 Ctrl-C."""
 from __future__ import annotations
 
 import logging
@@ -9,12 +11,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_vlm.config import save_config
+from megatron_vlm.config import ConfigError, save_config
 from megatron_vlm.jobs import run_kind
 from megatron_vlm.parallel import destroy_distributed, init_distributed
 from megatron_vlm.rl.trainer import check_model_folder
 from megatron_vlm.testing.synthesize import synthesize_model_folder
 from megatron_vlm.training.context import RunContext
+from megatron_vlm.training.step_guard import NonFiniteStepError
 
 __all__ = ["run_job"]
 
@@ -34,7 +37,8 @@ def _prepare_model_folder(cfg, env) -> None:
         dist.barrier()
 
 
-def run_job(cfg) -> int:
+def run_job(cfg, *, before_step=None) -> int:
+    """Run the job `cfg` describes; `before_step(n)` is the training loop's test hook (None in production)."""
     env = init_distributed()
     try:
         run_dir = Path(cfg.train.output_dir)
@@ -50,7 +54,7 @@ def run_job(cfg) -> int:
             return 2
         ctx = RunContext(cfg=cfg, env=env, run_dir=run_dir)
         ctx.stop.install()
-        code = run_kind(ctx)
+        code = run_kind(ctx, before_step=before_step)
         # Leave together: a rank that tears down its process group and exits while rank 0 is still
         # writing the export has been seen to abort in gloo's teardown (SIGABRT, "terminate called
         # without an active exception"), failing a finished job. Only on this path, where every rank
@@ -58,6 +62,13 @@ def run_job(cfg) -> int:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         return code
+    except ConfigError as e:  # found once the model is built (e.g. [moe] keys on a dense model)
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except NonFiniteStepError as e:
+        log.error("%s", e)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         log.warning("interrupted")
         return 130

@@ -36,7 +36,7 @@ from megatron_vlm.rl.grpo_step import GRPOStep  # noqa: E402
 from megatron_vlm.rl.reference import ReferencePolicy  # noqa: E402
 from megatron_vlm.rl.rewards.config import ExactMatchRewardConfig  # noqa: E402
 from megatron_vlm.rl.rewards.manager import RewardBatch  # noqa: E402
-from megatron_vlm.rl.rollout import PolicyRolloutEngine  # noqa: E402
+from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine  # noqa: E402
 from megatron_vlm.training.lm_loss import TokenLogprobModel  # noqa: E402
 from megatron_vlm.training.optim import OptimState, build_optimizer, build_scheduler  # noqa: E402
 

@@ -14,10 +14,10 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-
 from common import Table, attention_flops, environment, measure_peaks, ours_available, parse_args, try_bench
 
-from megatron_vlm.kernels.reference.attention import attention as reference_attention, visible_mask
+from megatron_vlm.kernels.reference.attention import attention as reference_attention
+from megatron_vlm.kernels.reference.attention import visible_mask
 
 
 def sdpa_batched(q, k, v, causal, mask=None, backend=None):

@@ -7,7 +7,6 @@ Shape of the target: N = 16384 tokens, H = 2048 (Qwen2.5-VL-3B), V = 151936; als
 Target (issue 4): peak extra memory <= 25% of the naive path, time <= 1.2x the naive path.
 """
 import torch
-
 from common import Table, environment, measure_peaks, ours_available, parse_args, peak_extra_memory_mb, try_bench
 
 from megatron_vlm.kernels.reference.token_logprobs import linear_token_logprobs as reference_logprobs

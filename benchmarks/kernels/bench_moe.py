@@ -13,7 +13,6 @@ is the ideal a grouped kernel aims at: [E, rows/E, K] @ [E, K, N], perfectly bal
 schedule. moe_unpermute is memory-bound: GB/s counts reading the N*k rows and writing N rows.
 """
 import torch
-
 from common import Table, environment, measure_peaks, ours_available, parse_args, try_bench
 
 

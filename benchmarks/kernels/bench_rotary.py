@@ -8,7 +8,6 @@ sin (per token, small next to the per-head tensor).
 Target (issue 4): >= 85% of the copy bandwidth on tensors >= 64 MB and >= 2x torch eager.
 """
 import torch
-
 from common import Table, compile_fn, environment, liger, measure_peaks, ours_available, parse_args, try_bench
 
 

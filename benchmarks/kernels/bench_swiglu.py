@@ -9,7 +9,6 @@ Target (issue 4): >= 85% of the copy bandwidth on tensors >= 64 MB and >= 2x tor
 """
 import torch
 import torch.nn.functional as F
-
 from common import Table, compile_fn, environment, liger, measure_peaks, ours_available, parse_args, try_bench
 
 

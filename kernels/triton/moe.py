@@ -29,9 +29,9 @@ in fp32.
 from typing import List, Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from ..reference import moe as reference
 from .common import INTERPRETED_AT_IMPORT, check_device, to_dtype

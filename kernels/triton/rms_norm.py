@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_device, to_dtype, num_warps_for, row_block
+from .common import check_device, num_warps_for, row_block, to_dtype
 
 
 @triton.jit

@@ -12,6 +12,7 @@ value (`"x"`, `'x'`) or else the bare text.
 from __future__ import annotations
 
 import sys
+
 import tomllib
 
 

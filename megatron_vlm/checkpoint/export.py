@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
+from megatron_vlm.checkpoint.hf import save_hf_model
+from megatron_vlm.models import build_model
+
 
 def export_hf_from_state_dict(state_dict: dict[str, torch.Tensor], src_model_dir: str | Path, out_dir: str | Path) -> None:
-    from megatron_vlm.checkpoint.hf import save_hf_model
-    from megatron_vlm.models import build_model
-
     src_model_dir = Path(src_model_dir)
     hf_config = json.loads((src_model_dir / "config.json").read_text())
     with torch.device("meta"):

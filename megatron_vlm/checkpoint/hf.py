@@ -11,14 +11,22 @@ Saving (`save_hf_model`): the adapter maps our state dict to HF keys; tensors ar
 safetensors (sharded with an index past `max_shard_size`), with the model's original config.json
 dict (`model.hf_config`, dtype fields updated to what is written) and its generation config; with
 `copy_from`, the tokenizer / processor / chat-template files of a source folder are copied too.
+The folder is never written in place: everything goes to a temporary sibling (`.<name>.tmp`), the
+files of an existing folder that this export does not rewrite (e.g. a processor written there
+first) are carried over — old weight shards are not — the whole is fsynced, the old folder is moved
+to `.<name>.old`, the new one renamed into place, a `.export_complete` marker written and the old
+folder deleted (`checkpoint.fsutil.replace_dir`). A crash or a full disk therefore never destroys
+the previous export: at worst it is found under `.<name>.old`, and the next export tidies up.
 """
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 import shutil
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 from safetensors import safe_open
@@ -29,6 +37,8 @@ from megatron_vlm.models.registry import family_for_args, get_family
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
+EXPORT_MARKER = ".export_complete"
+"""Written last into a Hugging Face folder by `save_hf_model` (after every file is on disk)."""
 # files of a model folder that describe tokenisation / preprocessing / generation, copied on export
 _TOKENIZER_FILE_PATTERNS = [
     r"tokenizer.*", r"vocab\..*", r"merges\.txt", r"special_tokens_map\.json", r"added_tokens\.json",
@@ -166,9 +176,10 @@ def save_hf_model(
     """Write `model` as a Hugging Face folder that `AutoModelForImageTextToText.from_pretrained` loads.
 
     `dtype` converts floating tensors on the way out (default: as held). Returns the folder.
+    The folder is replaced as a whole once complete (see the module docstring): a crash or a full
+    disk leaves the previous folder intact.
     """
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     args = model.args
     family = family_for_args(args)
     adapter = family.state_dict_adapter(args)
@@ -177,6 +188,27 @@ def save_hf_model(
     if dtype is not None:
         hf = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in hf.items()}
 
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp"
+    old = path.parent / f".{path.name}.old"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        _write_hf_files(model, args, hf, tmp, max_shard_size, copy_from)
+        previous = path if path.is_dir() else old if old.is_dir() else None  # old: a crash between two renames
+        if previous is not None:
+            _carry_over(previous, tmp)
+        replace_dir(tmp, path, old, marker=EXPORT_MARKER, marker_text="hugging face export complete\n",
+                    is_complete=Path.is_dir)  # any existing folder is kept until the new one is in place
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _write_hf_files(model: nn.Module, args, hf: dict[str, torch.Tensor], path: Path, max_shard_size, copy_from) -> None:
+    """Weights (sharded past `max_shard_size`), config.json, generation config, tokenizer files into `path`."""
     # shards: greedy in key order; a tensor larger than the limit gets a shard of its own
     limit = _parse_size(max_shard_size)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -188,9 +220,6 @@ def save_hf_model(
             size = 0
         shards[-1][key] = hf[key]
         size += nbytes
-    for old in list(path.glob("model*.safetensors")) + [path / _INDEX]:
-        if old.exists():
-            old.unlink()
     meta = {"format": "pt"}
     if len(shards) == 1:
         save_file(_unshare(shards[0]), str(path / _SINGLE), metadata=meta)
@@ -218,7 +247,28 @@ def save_hf_model(
         (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     if copy_from is not None:
         copy_tokenizer_files(copy_from, path, overwrite_generation_config=not gen)
-    return path
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _carry_over(old: Path, new: Path) -> None:
+    """Hard-link (or copy) into `new` what `old` holds that `new` lacks, except weight files and the
+    marker: writing an export into a folder keeps its other files, as writing in place did."""
+    for entry in old.iterdir():
+        name = entry.name
+        if (new / name).exists() or name == EXPORT_MARKER or name == _INDEX or re.fullmatch(r"model.*\.safetensors", name):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, new / name, symlinks=True, copy_function=_link_or_copy)
+        elif entry.is_symlink():
+            os.symlink(os.readlink(entry), new / name)
+        else:
+            _link_or_copy(str(entry), str(new / name))
 
 
 def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -246,3 +296,116 @@ def copy_tokenizer_files(src: Union[str, Path], dst: Union[str, Path], *, overwr
         shutil.copy2(f, dst / f.name)
         copied.append(f.name)
     return copied
+
+
+# ---- crash-safe folder replacement (also used by checkpoint.manager) ----------------------------
+# Crash-safe folder replacement for checkpoints and Hugging Face exports.
+#
+# A folder that readers trust (a `step_<N>` checkpoint, an `hf/` export) is never written in place:
+# it is written to a temporary sibling, every file and folder in it is fsynced, and only then put in
+# place by renames within the same parent (so on the same filesystem, where `os.replace` is atomic),
+# followed by a marker file that is itself written to a temporary name, fsynced and renamed. An
+# existing folder of the same name is moved aside first and deleted only after its replacement has
+# its marker, so a crash or a full disk at any moment leaves the previous complete folder on disk
+# (in place, or under its "old" name, which the next start restores — see `CheckpointManager.cleanup`).
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a folder, so the names created / renamed in it are on disk."""
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file under `root`, then every folder bottom-up (`root` last)."""
+    for dirpath, _, filenames in os.walk(str(root), topdown=False):
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if not os.path.islink(p):
+                _fsync_file(p)
+        fsync_dir(Path(dirpath))
+
+
+def write_marker(folder: Path, name: str, text: str) -> None:
+    """Write `folder/name` atomically and durably: temporary name, fsync, rename, fsync the folder."""
+    tmp = folder / f".{name}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / name)
+    fsync_dir(folder)
+
+
+def replace_dir(tmp: Path, final: Path, old: Path, *, marker: str, marker_text: str,
+                is_complete: Callable[[Path], bool]) -> None:
+    """Put the fully written folder `tmp` in place as `final` and mark it complete.
+
+    `tmp`, `final` and `old` share one parent. A complete existing `final` (`is_complete`) is moved to
+    `old` and deleted only after the new one has its marker; an incomplete one is deleted. An `old`
+    left by a crash is put back first when `final` is not complete (it is the last complete one).
+    Order: fsync `tmp` -> `final` to `old` -> `tmp` to `final` -> marker -> fsync parent -> delete `old`.
+    On an error the new folder is removed and the previous one put back, then the error is raised.
+    """
+    parent = final.parent
+    fsync_tree(tmp)
+    if old.exists():
+        if final.exists() and is_complete(final):
+            shutil.rmtree(old)
+        else:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(old, final)
+    moved = False
+    if final.exists():
+        if is_complete(final):
+            os.replace(final, old)
+            moved = True
+        else:
+            shutil.rmtree(final)
+    renamed = False
+    try:
+        os.replace(tmp, final)
+        renamed = True
+        write_marker(final, marker, marker_text)
+        fsync_dir(parent)
+    except BaseException:
+        if renamed:
+            shutil.rmtree(final, ignore_errors=True)
+        if moved and not final.exists():
+            os.replace(old, final)
+        try:
+            fsync_dir(parent)
+        except OSError:
+            pass
+        raise
+    if moved:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def describe_error(e: BaseException) -> str:
+    """One line for an error, with a plain-words hint for a full disk / quota. DCP's
+    CheckpointException (which holds every failing rank's error) is shortened to those errors."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = [(r, pair[0] if isinstance(pair, tuple) else pair) for r, pair in sorted(failures.items())]
+        text = "; ".join(f"DCP rank {r}: {type(x).__name__}: {x}" for r, x in inner)
+        errs = [x for _, x in inner]
+    else:
+        text = f"{type(e).__name__}: {e}"
+        errs = [e]
+    text = " ".join(text.split())  # one line
+    if any(isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT) for x in errs):
+        text += " (disk full or quota exceeded)"
+    return text

@@ -1,14 +1,30 @@
-"""Distributed checkpoints for exact resume.
+"""Distributed checkpoints for exact resume, safe against crashes, full disks and corrupt files.
 
 Layout: `<output_dir>/checkpoints/step_<N>/` holding a torch.distributed.checkpoint (DCP) of the
 sharded model + optimizer state, `extra_rank<R>.pt` per rank (scheduler, data-loader position, RNG
-states, step) and a `COMPLETE` marker. A checkpoint is written to `.tmp_step_<N>`, all ranks
-barrier, rank 0 renames it and writes the marker last — so a crash at any moment leaves either a
-complete checkpoint or one that `latest_complete` ignores. `keep_last` prunes older complete ones.
+states, step) and a `COMPLETE` marker. Only folders with the marker are ever loaded.
+
+Saving step N (`CheckpointManager.save`), every rank in the same order:
+1. rank 0 creates `.tmp_step_<N>`; 2. every rank writes its DCP shards and its extra file into it
+(fsynced); 3. rank 0 fsyncs the folder, moves an existing complete `step_<N>` to `.trash_step_<N>`,
+renames the temporary folder to `step_<N>`, writes the marker (fsynced), deletes the trash and
+prunes to `keep_last` (marker first, then the files). After each phase all ranks exchange whether
+it worked (an all-gather, not a bare barrier): a failure on any rank — a full disk included — makes
+every rank raise the same `CheckpointError` at once, the temporary folder is removed and the
+previous checkpoint is left as it was; no rank waits in a collective for the one that failed.
+A step this manager already saved is not saved again (the stop signal on a periodic-save step).
+
+At start (`cleanup`, rank 0): leftover `.tmp_step_*` folders and marker-less `step_*` folders of a
+crashed save or prune are deleted, and a `.trash_step_<N>` whose replacement never got its marker
+is put back as `step_<N>`.
+
+Loading unpickles the DCP metadata and the extra files: checkpoints are trusted input. A
+`checkpoint.resume` folder (and its files) must be owned by the current user (`check_owned`).
 """
 from __future__ import annotations
 
 import logging
+import os
 import random
 import re
 import shutil
@@ -19,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -26,9 +43,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from megatron_vlm.checkpoint.hf import describe_error, fsync_dir, replace_dir
+
 log = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
+_TMP_RE = re.compile(r"^\.tmp_step_(\d+)$")
+_TRASH_RE = re.compile(r"^\.trash_step_(\d+)$")
 MARKER = "COMPLETE"
 
 
@@ -68,9 +89,53 @@ def latest_complete(ckpt_root: Path) -> Optional[Path]:
     return done[-1][1] if done else None
 
 
+FAILURES = (Exception, CheckpointException)
+"""What a save / load step may raise that the ranks report to each other (DCP's CheckpointException,
+which carries every rank's error, derives from BaseException, not Exception)."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved, or none could be loaded / may be loaded; the message says
+    why, on which rank, and what is still intact."""
+
+
 def _barrier() -> None:
-    if dist.is_initialized():
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def gather_errors(err: Optional[str]) -> list[Optional[str]]:
+    """Every rank's error (None: fine), on every rank: how the ranks agree that a phase worked."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [err]
+    out: list[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, err)
+    return out
+
+
+def first_error(errors: list[Optional[str]]) -> Optional[str]:
+    """"rank R: <error>" of the first rank that failed (and how many did), None when none did."""
+    bad = [(r, e) for r, e in enumerate(errors) if e]
+    if not bad:
+        return None
+    r, e = bad[0]
+    more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
+    return f"rank {r}: {e}{more}"
+
+
+def check_owned(path: Path) -> None:
+    """Refuse a checkpoint folder, or a file directly in it, that the current user does not own:
+    loading a checkpoint unpickles its metadata and extra files, so it must be trusted input."""
+    getuid = getattr(os, "getuid", None)
+    if getuid is None:  # no uids on this platform
+        return
+    uid = getuid()
+    for p in [path, *sorted(path.iterdir())] if path.is_dir() else [path]:
+        owner = p.stat().st_uid
+        if owner != uid:
+            raise CheckpointError(
+                f"checkpoint.resume: {p} is owned by uid {owner}, not by the current user (uid {uid}); loading a "
+                "checkpoint unpickles its metadata, so only checkpoints you own are loaded (copy it if you trust it)")
 
 
 class CheckpointManager:
@@ -78,46 +143,137 @@ class CheckpointManager:
         self.root = Path(output_dir) / "checkpoints"
         self.keep_last = keep_last
         self.rank = rank
+        self.last_saved: Optional[int] = None
+        """The step this manager saved last (a second save of it is skipped)."""
+
+    # ---- saving -------------------------------------------------------------------------------
 
     def save(self, step: int, model: torch.nn.Module, optimizer, extra: dict[str, Any]) -> Path:
+        """Write `step_<step>` (see the module docstring); raises `CheckpointError` on every rank
+        when any rank failed, with the previous checkpoint untouched."""
         final = self.root / f"step_{step}"
+        if self.last_saved == step:
+            log.info("checkpoint %s was already saved by this run: not saving it again", final)
+            return final
         tmp = self.root / f".tmp_step_{step}"
+        err = None
         if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-        _barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-        torch.save({**extra, "rng": rng_state(), "step": step}, tmp / f"extra_rank{self.rank}.pt")
-        _barrier()
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir()
+            except FAILURES as e:  # reported to every rank below
+                err = describe_error(e)
+        self._agree(step, "creating the temporary folder", err, tmp)
+        err = None
+        try:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+            extra_file = tmp / f"extra_rank{self.rank}.pt"
+            with open(extra_file, "wb") as f:
+                torch.save({**extra, "rng": rng_state(), "step": step}, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except FAILURES as e:
+            err = describe_error(e)
+        self._agree(step, "writing shards", err, tmp)
+        err = None
         if self.rank == 0:
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            (final / MARKER).write_text(f"step={step}\n")
-            self._prune()
-        _barrier()
+            try:
+                replace_dir(tmp, final, self.root / f".trash_step_{step}", marker=MARKER, marker_text=f"step={step}\n",
+                            is_complete=lambda p: (p / MARKER).is_file())
+            except FAILURES as e:
+                err = describe_error(e)
+            else:
+                self._prune(final)
+        self._agree(step, "committing", err, tmp)
+        self.last_saved = step
         log.info("saved checkpoint %s", final)
         return final
 
-    def _prune(self) -> None:
+    def _agree(self, step: int, phase: str, err: Optional[str], tmp: Path) -> None:
+        """All ranks learn whether `phase` worked everywhere; if not, every rank raises the same error."""
+        failed = first_error(gather_errors(err))
+        if failed is None:
+            return
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        prev = latest_complete(self.root)
+        intact = (f"the previous checkpoint {prev} is intact" if prev is not None
+                  else "there is no earlier complete checkpoint")
+        raise CheckpointError(f"saving checkpoint step_{step} failed while {phase} on {failed}; {intact}")
+
+    def _prune(self, just_saved: Path) -> None:
+        """Keep the `keep_last` newest complete checkpoints (and the one just saved): each older one
+        loses its marker first (so a crash mid-delete leaves nothing that looks complete)."""
         if self.keep_last <= 0:
             return
         done = list_complete(self.root)
         for _, p in done[: -self.keep_last]:
+            if p == just_saved:
+                continue
+            try:
+                (p / MARKER).unlink(missing_ok=True)
+                fsync_dir(p)
+            except OSError as e:
+                log.warning("could not prune %s: %s", p, describe_error(e))
+                continue
             shutil.rmtree(p, ignore_errors=True)
 
-    def resolve_resume(self, resume: str) -> Optional[Path]:
+    # ---- start of a run -----------------------------------------------------------------------
+
+    def cleanup(self) -> None:
+        """At start, on rank 0 (all ranks call it): delete what crashed saves / prunes left behind and
+        put back a complete checkpoint that a crash left under its trash name. Never raises."""
+        if self.rank == 0 and self.root.is_dir():
+            for p in sorted(self.root.iterdir()):
+                try:
+                    self._cleanup_one(p)
+                except OSError as e:
+                    log.warning("checkpoint cleanup: could not tidy %s: %s", p, describe_error(e))
+        _barrier()
+
+    def _cleanup_one(self, p: Path) -> None:
+        m = _TRASH_RE.match(p.name)
+        if m:
+            final = self.root / f"step_{m.group(1)}"
+            if (p / MARKER).is_file() and not (final / MARKER).is_file():
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(p, final)
+                fsync_dir(self.root)
+                log.warning("checkpoint cleanup: restored %s (a crash interrupted its replacement)", final)
+            else:
+                shutil.rmtree(p)
+            return
+        if _TMP_RE.match(p.name) or (_STEP_RE.match(p.name) and p.is_dir() and not (p / MARKER).is_file()):
+            shutil.rmtree(p)
+            log.warning("checkpoint cleanup: removed %s (left by an interrupted save)", p)
+
+    # ---- resume -------------------------------------------------------------------------------
+
+    def resume_candidates(self, resume: str) -> list[Path]:
+        """The checkpoints to try, in order: none for "none"; for "auto" every complete one under
+        `checkpoints/`, newest first; else the named folder, which must be complete. Each must be
+        owned by the current user (`check_owned`). Raises `CheckpointError`."""
         if resume == "none":
-            return None
+            return []
         if resume == "auto":
-            return latest_complete(self.root)
-        p = Path(resume)
-        if not (p / MARKER).is_file():
-            raise FileNotFoundError(f"checkpoint.resume: {p} is not a complete checkpoint (no {MARKER} marker)")
-        return p
+            paths = [p for _, p in reversed(list_complete(self.root))]
+        else:
+            p = Path(resume)
+            if not (p / MARKER).is_file():
+                raise CheckpointError(f"checkpoint.resume: {p} is not a complete checkpoint (no {MARKER} marker)")
+            paths = [p]
+        for p in paths:
+            check_owned(p)
+        return paths
+
+    def resolve_resume(self, resume: str) -> Optional[Path]:
+        """The first of `resume_candidates` (None: start fresh)."""
+        paths = self.resume_candidates(resume)
+        return paths[0] if paths else None
 
     def load(self, path: Path, model: torch.nn.Module, optimizer) -> dict:
         model_sd, optim_sd = get_state_dict(model, optimizer)

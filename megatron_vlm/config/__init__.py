@@ -1,4 +1,4 @@
-"""Run configuration: TOML -> nested dataclasses (DESIGN.md §6).
+"""Run configuration: TOML -> nested dataclasses.
 
 `load_config(path, overrides)` reads the TOML, applies `--set section.key=value` overrides,
 and builds `Config` strictly (unknown keys, wrong types, missing or out-of-range values raise
@@ -7,12 +7,12 @@ file again reproduces the run.
 """
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import tomli_w
+import tomllib
 
 from megatron_vlm.config.loader import ConfigError, apply_overrides, from_dict, to_dict
 from megatron_vlm.config.sections import (
@@ -26,8 +26,8 @@ from megatron_vlm.config.sections import (
 )
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.kernels.config import KernelsConfig
-from megatron_vlm.models.common.moe import MoEConfig
 from megatron_vlm.rl.config import RLConfig
+from megatron_vlm.training.moe_balancing import MoEConfig
 
 __all__ = ["Config", "ConfigError", "load_config", "load_config_dict", "save_config"]
 

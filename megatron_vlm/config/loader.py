@@ -8,16 +8,24 @@ it into a one-line message and exit code 2.
 Supported field types: bool, int, float (ints accepted), str, Literal[...], Optional[X],
 list[X], tuple[X, ...], dict[str, X], nested dataclasses, and unions of dataclasses picked by an
 explicit `type = "..."` key (each member declares `type: Literal["name"]`).
+
+Floats must be finite. TOML (and so `--set key=nan`) accepts `nan`, `inf` and `-inf`, and no
+section's `validate()` can be trusted to notice them: `nan <= 0` is False, so `lr = nan` passes a
+"must be > 0" check and `max_grad_norm = nan` would silently disable clipping. The check is made
+here, where every float of every section (and every float inside lists, tuples and tables) is
+converted, so a section defined anywhere gets it without code of its own.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
-import tomllib
 import types
 import typing
 from typing import Any, Literal, Union
+
+import tomllib
 
 __all__ = ["ConfigError", "from_dict", "to_dict", "apply_overrides", "parse_override_value", "field_docs"]
 
@@ -41,10 +49,23 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} {value!r}"[:120]
 
 
+def _check_finite(value: Any, path: str) -> None:
+    """Untyped values (`Any`) are not converted, but a nan / inf inside them is still an error."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{path}: must be finite, got {value}")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_finite(v, f"{path}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_finite(v, f"{path}[{i}]")
+
+
 def _convert(value: Any, tp: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if tp is Any:
+        _check_finite(value, path)
         return value
     if origin in (Union, types.UnionType):
         non_none = [a for a in args if a is not type(None)]
@@ -61,6 +82,9 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
                 return _convert(value, a, path)
             except ConfigError as e:
                 errors.append(str(e))
+        finite = [e for e in errors if ": must be finite, got " in e]
+        if finite:  # a number of the right type but nan / inf: say so, not "expected float or ..."
+            raise ConfigError(finite[0])
         raise ConfigError(f"{path}: expected {' or '.join(_type_name(a) for a in non_none)}, got {_describe(value)}")
     if origin is Literal:
         if value not in args:
@@ -98,6 +122,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {_describe(value)}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{path}: must be finite, got {value}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

@@ -58,6 +58,10 @@ class TrainConfig:
     """At evaluation also greedy-decode the eval prompts and report answer accuracy (exact match)."""
     log_every: int = 1
     """Log metrics every N steps."""
+    max_consecutive_skipped_steps: int = 5
+    """An optimizer step whose loss or gradient norm is not finite is skipped (weights untouched),
+    counted (`train/skipped_steps`) and logged; this many skipped steps in a row stop the run with an
+    error before anything non-finite reaches the weights or a checkpoint (0 = never stop)."""
 
     def validate(self) -> None:
         if self.max_steps is not None and self.max_steps <= 0:
@@ -72,6 +76,8 @@ class TrainConfig:
             raise ValueError(f"max_grad_norm: must be >= 0, got {self.max_grad_norm}")
         if self.eval_every < 0 or self.log_every <= 0:
             raise ValueError("eval_every/log_every: must be >= 0 / > 0")
+        if self.max_consecutive_skipped_steps < 0:
+            raise ValueError(f"max_consecutive_skipped_steps: must be >= 0 (0 = never stop), got {self.max_consecutive_skipped_steps}")
 
 
 @dataclass(kw_only=True)
@@ -105,7 +111,8 @@ class SchedulerConfig:
     warmup_steps: int = 0
     """Linear warmup steps (takes precedence over warmup_ratio when > 0)."""
     warmup_ratio: float = 0.0
-    """Warmup as a fraction of the total steps (seed 003 uses 0.03)."""
+    """Warmup as a fraction of the total steps (e.g. 0.03: a short warmup that spares the first updates of
+    a fine-tune from the full learning rate)."""
     min_lr_ratio: float = 0.0
     """Final lr as a fraction of the peak (cosine / linear)."""
 

@@ -9,17 +9,25 @@ at the end of the run.
 
 Records that fail at processing time fail again in every epoch; the log keeps one entry per
 (source, index, category) and counts how often it was skipped.
+
+An exception that is not a `BadRecordError` (a bug in a processor, a library raising something
+unexpected for one odd file) must not stop the run either, but must not vanish: `unexpected(e)`
+turns it into a BadRecordError("unexpected_error", "<type>: <message>") and logs the first one per
+process as a warning with its traceback.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["BadRecord", "BadRecordError", "BadRecordLog", "CATEGORIES"]
+__all__ = ["BadRecord", "BadRecordError", "BadRecordLog", "CATEGORIES", "unexpected"]
+
+log = logging.getLogger("megatron_vlm")
 
 CATEGORIES = (
     "malformed_json",        # the line is not a JSON object
@@ -30,6 +38,11 @@ CATEGORIES = (
     "placeholder_mismatch",  # placeholder tokens in the text vs images / videos / features disagree
     "too_long",              # the sample alone exceeds max_tokens_per_pack
     "length_mismatch",       # planned (estimated) and processed lengths disagree; the pack would overflow
+    "invalid_encoding",      # the line is not valid UTF-8
+    "image_too_large",       # an image / frame header declares more pixels than data.max_image_pixels
+    "video_too_large",       # a video's sampled frames x pixels exceed data.max_video_pixels
+    "timeout",               # decoding took longer than data.video_decode_timeout_s
+    "unexpected_error",      # any other exception while reading one record (type and message in the detail)
 )
 
 
@@ -42,6 +55,25 @@ class BadRecordError(Exception):
         super().__init__(f"{category}: {detail}")
         self.category = category
         self.detail = detail
+
+
+_warned_unexpected = False
+
+
+def unexpected(err: BaseException, where: str = "") -> BadRecordError:
+    """`err` (not a BadRecordError) as a BadRecordError("unexpected_error", ...) naming its type and
+    message; the first one in this process is logged as a warning with its traceback, since it may
+    be a bug rather than bad data. `where` (e.g. "file:line") goes into that warning."""
+    global _warned_unexpected
+    if isinstance(err, BadRecordError):
+        return err
+    detail = f"{type(err).__name__}: {err}"[:500]
+    if not _warned_unexpected:
+        _warned_unexpected = True
+        log.warning("record %s failed with an unexpected %s (counted as a bad record 'unexpected_error'; further "
+                    "ones are only counted): %s", where or "?", type(err).__name__, err,
+                    exc_info=(type(err), err, err.__traceback__))
+    return BadRecordError("unexpected_error", detail)
 
 
 @dataclass(frozen=True)

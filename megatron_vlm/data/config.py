@@ -9,7 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-__all__ = ["DataConfig"]
+__all__ = ["DataConfig", "DEFAULT_MAX_IMAGE_PIXELS", "DEFAULT_MAX_VIDEO_PIXELS", "DEFAULT_VIDEO_DECODE_TIMEOUT_S"]
+
+DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192
+"""67,108,864 pixels: more than any real photo or scan, below PIL's own bomb limits (warning at
+89,478,485, refusal at twice that), about 200 MB once decoded to RGB."""
+DEFAULT_MAX_VIDEO_PIXELS = 16 * 3840 * 2160
+"""132,710,400 pixels: sixteen 4K frames, about 400 MB once decoded to RGB."""
+DEFAULT_VIDEO_DECODE_TIMEOUT_S = 60.0
 
 
 @dataclass(kw_only=True)
@@ -42,6 +49,27 @@ class DataConfig:
     """Videos with more frames are uniformly subsampled to this many."""
     fps: float = 2.0
     """Frame rate of frame lists whose record gives none (sets second_per_grid_ts for M-RoPE)."""
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    """Largest image (or video frame) area in pixels, width x height as declared by the file header;
+    larger ones are skipped as bad records ("image_too_large") before any pixel is decoded, so a
+    decompression bomb (a few KB of PNG declaring 20000 x 20000 pixels) cannot exhaust a worker's
+    memory. Default 67,108,864 (8192 x 8192). PIL refuses images above 2 x PIL.Image.MAX_IMAGE_PIXELS
+    (178,956,970 by default) on its own; those are counted in the same category."""
+    max_video_pixels: int = DEFAULT_MAX_VIDEO_PIXELS
+    """Largest decoded size of one video in pixels: sampled frames (at most `max_frames`) x frame
+    width x height, from the container's metadata or the first frame's header before decoding;
+    larger videos are skipped as bad records ("video_too_large"). Default 132,710,400 (sixteen 4K
+    frames, about 400 MB as RGB)."""
+    video_decode_timeout_s: float = DEFAULT_VIDEO_DECODE_TIMEOUT_S
+    """Seconds one video-file decoder call (reading the metadata, or decoding the sampled frames) may
+    take; a decoder that hangs on a broken file turns the record into a bad record ("timeout")
+    instead of stalling a DataLoader worker. Default 60. The call runs in a daemon thread that is
+    abandoned, not killed, when the deadline passes (see data/media.py)."""
+    loader_timeout_s: float = 1800.0
+    """Seconds the training process waits for the next pack from a DataLoader worker
+    (torch DataLoader `timeout`, num_workers > 0 only) before failing with an error instead of
+    hanging forever on a stuck worker. Must be at least `video_decode_timeout_s` (a pack may hold
+    several videos); 0 = wait forever. Default 1800."""
     max_tokens_per_pack: int = 4096
     """Token budget of one packed micro-batch; longer samples are skipped as bad records."""
     num_workers: int = 2
@@ -90,6 +118,14 @@ class DataConfig:
             raise ValueError(f"max_frames: must be > 0, got {self.max_frames}")
         if self.fps <= 0:
             raise ValueError(f"fps: must be > 0, got {self.fps}")
+        for name in ("max_image_pixels", "max_video_pixels", "video_decode_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.loader_timeout_s < 0:
+            raise ValueError(f"loader_timeout_s: must be >= 0 (0 = no timeout), got {self.loader_timeout_s}")
+        if 0 < self.loader_timeout_s < self.video_decode_timeout_s:
+            raise ValueError(f"loader_timeout_s: {self.loader_timeout_s} is shorter than video_decode_timeout_s "
+                             f"{self.video_decode_timeout_s}; one slow video would stop the run instead of being skipped")
         if self.max_tokens_per_pack < 16:
             raise ValueError(f"max_tokens_per_pack: must be >= 16, got {self.max_tokens_per_pack}")
         if self.num_workers < 0:

@@ -69,6 +69,9 @@ def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, sourc
                 raw = json.loads(raw)
             except json.JSONDecodeError as e:
                 raise BadRecordError("malformed_json", f"column {c['messages']!r}: {e}") from None
+            except RecursionError:
+                raise BadRecordError("malformed_json", f"column {c['messages']!r}: nested too deeply for the JSON "
+                                                       "parser") from None
         messages = normalize_messages(raw, resolve)
         images = [resolve(x) for x in _as_list(row.get(c["images"]))] if "images" in c else []
         empty = [it for m in messages if not isinstance(m["content"], str)

@@ -7,7 +7,7 @@ here (malformed structure, missing image, unreadable header, ...) get length -1 
 
 With a cache folder the result is stored under a key made of the source's identity (each file's
 path, size and mtime, and the column mapping), the processor (tokenizer, chat template, the family's
-size settings: `VLProcessor.identity()`) and the options (max_frames, fps, generation prompts); a later run (or another rank) loads it instead of recomputing.
+size settings: `VLProcessor.identity()`) and the options (max_frames, fps, generation prompts, pixel caps); a later run (or another rank) loads it instead of recomputing.
 The cache also stores the bad records found, so a cache hit logs them too.
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ from typing import Optional
 
 import numpy as np
 
-from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
+from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpected
+from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
 from megatron_vlm.data.processing import estimate_length
 from megatron_vlm.data.processor import VLProcessor
 
@@ -45,20 +46,23 @@ def _processor_identity(proc: VLProcessor) -> dict:
     }
 
 
-def lengths_cache_key(source, proc: VLProcessor, *, max_frames: int, for_generation: bool, fps: float = 2.0) -> str:
+def lengths_cache_key(source, proc: VLProcessor, *, max_frames: int, for_generation: bool, fps: float = 2.0,
+                      limits: MediaLimits = DEFAULT_LIMITS) -> str:
     blob = json.dumps({"source": _source_identity(source), "processor": _processor_identity(proc),
-                       "max_frames": max_frames, "for_generation": for_generation, "fps": float(fps), "version": 3},
+                       "max_frames": max_frames, "for_generation": for_generation, "fps": float(fps),
+                       "limits": limits.identity(), "version": 4},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
 def compute_lengths(source, proc: VLProcessor, *, max_frames: int, for_generation: bool = False, fps: float = 2.0,
                     cache_dir: str | os.PathLike | None = None,
-                    bad_records: Optional[BadRecordLog] = None) -> np.ndarray:
+                    bad_records: Optional[BadRecordLog] = None, limits: MediaLimits = DEFAULT_LIMITS) -> np.ndarray:
     """int64 [len(source)]: token length of each record, -1 for records that cannot be used."""
     cache_file = None
     if cache_dir:
-        key = lengths_cache_key(source, proc, max_frames=max_frames, for_generation=for_generation, fps=fps)
+        key = lengths_cache_key(source, proc, max_frames=max_frames, for_generation=for_generation, fps=fps,
+                                limits=limits)
         cache_file = Path(cache_dir) / f"lengths-{key}.json"
         if cache_file.is_file():
             try:
@@ -76,11 +80,13 @@ def compute_lengths(source, proc: VLProcessor, *, max_frames: int, for_generatio
         where = source.locate(i)  # (file, line / row): where a bad record is counted
         try:
             rec = source.get(i)
-            lengths[i] = estimate_length(rec, proc, max_frames=max_frames, for_generation=for_generation, fps=fps)
+            lengths[i] = estimate_length(rec, proc, max_frames=max_frames, for_generation=for_generation, fps=fps,
+                                         limits=limits)
         except BadRecordError as e:
             bad.append((*where, e.category, e.detail))
         except Exception as e:  # a bug or an unexpected file problem must not stop planning the run
-            bad.append((*where, "invalid_record", f"unexpected {type(e).__name__}: {e}"))
+            err = unexpected(e, f"{where[0]}:{where[1]}")
+            bad.append((*where, err.category, err.detail))
     if bad_records is not None:
         bad_records.extend(bad)
     if cache_file is not None:

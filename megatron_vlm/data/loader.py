@@ -9,7 +9,10 @@ Each item is one pack (see packing.py): input_ids / labels [1, T] (labels shifte
 the vision tensors, num_samples, num_label_tokens. Planning happens in the main process from the
 cached per-sample lengths (plan.py: the global pack stream is the same for any world size, rank r
 takes packs r, r + dp, ...); the worker processes of a torch DataLoader (batch_size=None) only
-load and process the samples of this rank's packs. Records that fail in a worker (or whose video
+load and process the samples of this rank's packs (`[data] loader_timeout_s` is their DataLoader
+`timeout`: a stuck worker stops the run with an error naming that key instead of hanging it;
+`max_image_pixels`, `max_video_pixels` and `video_decode_timeout_s` are applied by the media
+reader, see media.py). Records that fail in a worker (or whose video
 frames have a size the pack's other videos do not: Nemotron-VL keeps per-video frame sizes) are
 dropped from their pack and reported back with it; a pack whose samples all failed becomes a one-token empty
 pack so that every rank still runs the same number of steps.
@@ -21,17 +24,18 @@ items on every rank: packs (for validation loss) or padded prompt batches with r
 from __future__ import annotations
 
 import logging
-import signal
 import math
+import signal
 from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
+from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpected
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.data.lengths import compute_lengths
+from megatron_vlm.data.media import MediaLimits
 from megatron_vlm.data.packing import collate_pack, collate_padded, empty_pack, vision_shape_conflict
 from megatron_vlm.data.plan import PackPlanner
 from megatron_vlm.data.processing import ProcessedSample, process_record
@@ -55,6 +59,22 @@ def _worker_init(_worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _explain_timeout(loader: DataLoader, timeout_s: float, split: str) -> Iterator:
+    """Iterate `loader`; its "DataLoader timed out" RuntimeError gets the config key that set it."""
+    it = iter(loader)
+    while True:
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        except RuntimeError as e:
+            if timeout_s and "timed out" in str(e):
+                raise RuntimeError(f"data[{split}]: no pack from the DataLoader workers within data.loader_timeout_s = "
+                                   f"{timeout_s:g} s (a worker is stuck; {e})") from e
+            raise
+        yield item
+
+
 def build_processor(data_cfg: DataConfig, processor: Any) -> VLProcessor:
     """The processor (a VLProcessor, a model folder or a transformers processor) with [data]'s pixel limits."""
     return as_vl_processor(processor).with_overrides(
@@ -68,17 +88,19 @@ class _Processor:
     def __init__(self, source, proc: VLProcessor, cfg: DataConfig, for_generation: bool = False):
         self.source, self.proc, self.for_generation = source, proc, for_generation
         self.max_frames, self.fps = cfg.max_frames, cfg.fps
+        self.limits = MediaLimits.from_config(cfg)
 
     def __call__(self, i: int, bad: list) -> Optional[ProcessedSample]:
         where = self.source.locate(i)  # (file, line / row): where a bad record is counted
         try:
             rec = self.source.get(i)
             return process_record(rec, self.proc, max_frames=self.max_frames, fps=self.fps,
-                                  for_generation=self.for_generation)
+                                  for_generation=self.for_generation, limits=self.limits)
         except BadRecordError as e:
             bad.append((*where, e.category, e.detail))
-        except Exception as e:  # keep the run going; the summary names the record
-            bad.append((*where, "invalid_record", f"unexpected {type(e).__name__}: {e}"))
+        except Exception as e:  # keep the run going; the summary names the record and the exception
+            err = unexpected(e, f"{where[0]}:{where[1]}")
+            bad.append((*where, err.category, err.detail))
         return None
 
 
@@ -135,8 +157,10 @@ class SFTDataLoader:
     """Endless, resumable, rank-sharded iterator of packs (module docstring)."""
 
     def __init__(self, dataset: _PackDataset, planner: PackPlanner, *, dp_rank: int, dp_size: int,
-                 num_workers: int, prefetch_factor: int, bad_records: BadRecordLog, split: str):
+                 num_workers: int, prefetch_factor: int, bad_records: BadRecordLog, split: str,
+                 timeout_s: float = 0.0):
         self.dataset, self.planner = dataset, planner
+        self.timeout_s = timeout_s
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
         self.bad_records, self.split = bad_records, split
@@ -152,10 +176,11 @@ class SFTDataLoader:
         sampler = _RankSampler(self.planner, self.dp_rank, self.dp_size, self._consumed)
         kwargs = {}
         if self.num_workers > 0:
-            kwargs = {"prefetch_factor": self.prefetch_factor, "worker_init_fn": _worker_init}
+            kwargs = {"prefetch_factor": self.prefetch_factor, "worker_init_fn": _worker_init,
+                      "timeout": float(self.timeout_s)}
         loader = DataLoader(self.dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers,
                             collate_fn=_identity, **kwargs)
-        for pack in loader:
+        for pack in _explain_timeout(loader, self.timeout_s, self.split):
             meta = pack.pop("_meta")
             self.bad_records.extend(meta["bad_records"])
             self._consumed += 1
@@ -229,6 +254,7 @@ def _prepare(data_cfg: DataConfig, processor: Any, split: str, bad_records: Opti
     if source is None:
         return None
     lengths = compute_lengths(source, proc, max_frames=data_cfg.max_frames, for_generation=for_generation,
+                              limits=MediaLimits.from_config(data_cfg),
                               fps=data_cfg.fps, cache_dir=data_cfg.length_cache_dir or None, bad_records=bad_records)
     too_long = np.nonzero(lengths > data_cfg.max_tokens_per_pack)[0]
     for i in too_long:
@@ -252,7 +278,8 @@ def build_sft_dataloader(data_cfg: DataConfig, processor: Any, *, seed: int, dp_
                           shuffle=data_cfg.shuffle and split == "train", name=f"data.{split}")
     dataset = _PackDataset(_Processor(source, proc, data_cfg), data_cfg.max_tokens_per_pack, proc.pad_token_id)
     return SFTDataLoader(dataset, planner, dp_rank=dp_rank, dp_size=dp_size, num_workers=data_cfg.num_workers,
-                         prefetch_factor=data_cfg.prefetch_factor, bad_records=bad_records, split=split)
+                         prefetch_factor=data_cfg.prefetch_factor, bad_records=bad_records, split=split,
+                         timeout_s=data_cfg.loader_timeout_s)
 
 
 class _GenerationDataset(Dataset):
@@ -288,8 +315,9 @@ class EvalDataLoader:
     """One pass over the eval split per `iter()`, the same number of items on every rank."""
 
     def __init__(self, dataset: Dataset, keys: list, *, num_workers: int, prefetch_factor: int,
-                 bad_records: BadRecordLog, mode: str):
+                 bad_records: BadRecordLog, mode: str, timeout_s: float = 0.0):
         self.dataset, self.keys, self.mode = dataset, keys, mode
+        self.timeout_s = timeout_s
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
         self.bad_records = bad_records
 
@@ -297,11 +325,12 @@ class EvalDataLoader:
         return len(self.keys)
 
     def __iter__(self) -> Iterator[dict]:
-        kwargs = {"prefetch_factor": self.prefetch_factor, "worker_init_fn": _worker_init} if self.num_workers else {}
+        kwargs = {"prefetch_factor": self.prefetch_factor, "worker_init_fn": _worker_init,
+                  "timeout": float(self.timeout_s)} if self.num_workers else {}
         loader = DataLoader(self.dataset, batch_size=None, sampler=self.keys,
                             num_workers=min(self.num_workers, max(1, len(self.keys))) if self.num_workers else 0,
                             collate_fn=_identity, **kwargs)
-        for item in loader:
+        for item in _explain_timeout(loader, self.timeout_s, "eval"):
             if self.mode == "packs":
                 meta = item.pop("_meta")
                 self.bad_records.extend(meta["bad_records"])
@@ -350,4 +379,5 @@ def build_eval_dataloader(data_cfg: DataConfig, processor: Any, *, dp_rank: int,
         keys = [mine[s:s + batch_size] for s in range(0, len(mine), batch_size)]
         dataset = _GenerationDataset(_Processor(source, proc, data_cfg, for_generation=True), proc, padding_side)
     return EvalDataLoader(dataset, keys, num_workers=data_cfg.num_workers, prefetch_factor=data_cfg.prefetch_factor,
-                          bad_records=bad_records, mode=mode)
+                          bad_records=bad_records, mode=mode,
+                          timeout_s=data_cfg.loader_timeout_s)

@@ -1,32 +1,81 @@
-"""Images and videos of a record: open / decode, sizes from file headers, frame subsampling.
+"""Images and videos of a record: open / decode, sizes from file headers, frame subsampling, limits.
 
 An image reference is a path, bytes, a HF-datasets `{"bytes", "path"}` dict or a PIL image. A video
-is a list of frame references, a folder of frames (sorted by name) or a video file (decoded through
-transformers' video loader when a backend such as PyAV is installed). `read_video` returns a
-`VideoClip`: the frames kept after uniform subsampling to `max_frames`, their indices in the source
-and the source frame rate — what the processors need for pixels and for timestamps in the text
-(Qwen3-VL's `<t seconds>`, Nemotron-VL's "sampled at t seconds"). With `decode=False` only the first
-frame's header is read (the token count of a video needs its size, not its pixels).
+is a list of frame references, a folder of frames (sorted by name) or a video file (path, bytes or
+{"bytes", "path"}), read by a `VideoDecoder` (PyAV by default: `pip install av`; tests install a
+stand-in with `set_video_decoder`). `read_video` returns a `VideoClip`: the frames kept after
+uniform subsampling to `max_frames`, their indices in the source and the source frame rate — what
+the processors need for pixels and for timestamps in the text (Qwen3-VL's `<t seconds>`,
+Nemotron-VL's "sampled at t seconds"). With `decode=False` nothing is decoded: a video file's
+metadata (frame count, rate, size) or a frame list's first header gives the token count. With
+`decode=True` only the sampled frames are decoded.
 
-Problems raise `BadRecordError`: missing_image / corrupt_image / video (undecodable, frames that
-differ in size).
+Bad input is refused before it costs memory or time (`MediaLimits`, from `[data]`):
+- images / frames whose header declares more than `max_image_pixels` pixels (decompression bombs;
+  PIL's own DecompressionBombError lands in the same category) -> "image_too_large";
+- videos whose sampled frames x frame pixels exceed `max_video_pixels` -> "video_too_large";
+- a video-file decoder call (metadata or frames) that takes longer than `video_decode_timeout_s`
+  -> "timeout". The call runs in a daemon thread and the caller stops waiting at the deadline. A
+  thread cannot be killed, so a decoder that truly hangs keeps its thread (and its file) until it
+  returns; we chose this over a subprocess per video because DataLoader workers are daemonic
+  processes (multiprocessing cannot start children there), a fresh interpreter per video costs
+  more than most decodes, and frames would have to be copied back between processes. PyAV releases
+  the GIL inside FFmpeg, so the worker goes on with its next record. At most
+  `MAX_ABANDONED_DECODES` such threads may be alive in one process; beyond that video files are
+  refused ("timeout") rather than piling up stuck threads. The DataLoader's own `timeout`
+  (`[data] loader_timeout_s`) is the backstop for a worker that is stuck entirely.
+
+Other problems raise `BadRecordError`: missing_image / corrupt_image / video (undecodable, frames
+that differ in size or disagree with the metadata).
 """
 from __future__ import annotations
 
 import io
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from megatron_vlm.data.bad_records import BadRecordError
+from megatron_vlm.data.config import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_VIDEO_PIXELS,
+    DEFAULT_VIDEO_DECODE_TIMEOUT_S,
+)
 
-__all__ = ["VideoClip", "load_image", "image_hw", "read_video", "subsample_indices", "describe"]
+__all__ = [
+    "MediaLimits", "DEFAULT_LIMITS", "VideoClip", "VideoInfo", "VideoDecoder", "PyAVDecoder", "set_video_decoder",
+    "load_image", "image_hw", "read_video", "subsample_indices", "describe", "MAX_ABANDONED_DECODES",
+]
 
 _FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+MAX_ABANDONED_DECODES = 4
+"""Decoder threads past their deadline that may still be running in one process (module docstring)."""
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    """What one record's images and videos may cost (the `[data]` keys of the same names)."""
+
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_video_pixels: int = DEFAULT_MAX_VIDEO_PIXELS
+    video_decode_timeout_s: float = DEFAULT_VIDEO_DECODE_TIMEOUT_S
+
+    @classmethod
+    def from_config(cls, data_cfg: Any) -> "MediaLimits":
+        return cls(max_image_pixels=int(data_cfg.max_image_pixels), max_video_pixels=int(data_cfg.max_video_pixels),
+                   video_decode_timeout_s=float(data_cfg.video_decode_timeout_s))
+
+    def identity(self) -> dict:
+        """What changes which records are usable (for the length cache key); the timeout does not."""
+        return {"max_image_pixels": self.max_image_pixels, "max_video_pixels": self.max_video_pixels}
+
+
+DEFAULT_LIMITS = MediaLimits()
 
 
 def describe(ref: Any) -> str:
@@ -40,37 +89,53 @@ def describe(ref: Any) -> str:
     return str(ref)
 
 
-def _open(ref: Any) -> Image.Image:
-    """Open lazily (header only); raises BadRecordError for missing / unreadable files."""
+def _check_pixels(ref: Any, width: int, height: int, max_pixels: int) -> None:
+    if width * height > max_pixels:
+        raise BadRecordError("image_too_large", f"{describe(ref)}: {width} x {height} = {width * height} pixels "
+                                                f"> data.max_image_pixels = {max_pixels} (from the header, not decoded)")
+
+
+def _open(ref: Any, max_pixels: int) -> Image.Image:
+    """Open lazily (header only) and check the declared size; raises BadRecordError for missing /
+    unreadable files and images over `max_pixels`."""
     if isinstance(ref, Image.Image):
+        _check_pixels(ref, *ref.size, max_pixels)
         return ref
     if isinstance(ref, dict):  # HF datasets Image(decode=False): {"bytes": ..., "path": ...}
         ref = ref.get("bytes") or ref.get("path")
     try:
         if isinstance(ref, (bytes, bytearray)):
-            return Image.open(io.BytesIO(ref))
-        if isinstance(ref, str):
+            img = Image.open(io.BytesIO(ref))
+        elif isinstance(ref, str):
             if not os.path.isfile(ref):
                 raise BadRecordError("missing_image", f"file not found: {ref}")
-            return Image.open(ref)
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+            img = Image.open(ref)
+        else:
+            raise BadRecordError("invalid_record", f"unsupported image reference {type(ref).__name__}")
+    except Image.DecompressionBombError as e:
+        raise BadRecordError("image_too_large", f"{describe(ref)}: {e}") from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
         raise BadRecordError("corrupt_image", f"{describe(ref)}: {e}") from None
-    raise BadRecordError("invalid_record", f"unsupported image reference {type(ref).__name__}")
+    _check_pixels(ref, *img.size, max_pixels)
+    return img
 
 
-def image_hw(ref: Any) -> tuple[int, int]:
-    """(height, width) from the file header, without decoding pixels."""
-    w, h = _open(ref).size
+def image_hw(ref: Any, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> tuple[int, int]:
+    """(height, width) from the file header, without decoding pixels; over `max_pixels` is a bad record."""
+    w, h = _open(ref, max_pixels).size
     return h, w
 
 
-def load_image(ref: Any) -> Image.Image:
-    """Decode fully to RGB; truncated or corrupt data raises BadRecordError("corrupt_image")."""
-    img = _open(ref)
+def load_image(ref: Any, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
+    """Decode fully to RGB once the header passed the pixel cap; truncated or corrupt data raises
+    BadRecordError("corrupt_image")."""
+    img = _open(ref, max_pixels)
     try:
         img.load()
         return img.convert("RGB")
-    except (OSError, ValueError, SyntaxError) as e:
+    except Image.DecompressionBombError as e:
+        raise BadRecordError("image_too_large", f"{describe(ref)}: {e}") from None
+    except (OSError, ValueError, SyntaxError, EOFError) as e:
         raise BadRecordError("corrupt_image", f"{describe(ref)}: {e}") from None
 
 
@@ -111,6 +176,168 @@ class VideoClip:
         return [i / self.fps for i in self.indices]
 
 
+# ---------------------------------------------------------------------- video files
+@dataclass(frozen=True)
+class VideoInfo:
+    """A video file's metadata, read without decoding frames."""
+
+    num_frames: int
+    fps: Optional[float]
+    """Frames per second of the stream; None when the container does not say."""
+    height: int
+    width: int
+
+
+class VideoDecoder(Protocol):
+    """Reads video files. `src` is a path or a binary file object (fresh for each call)."""
+
+    def probe(self, src: Any) -> VideoInfo:
+        """Frame count, rate and frame size from the container, without decoding frames."""
+
+    def decode(self, src: Any, indices: Sequence[int]) -> list:
+        """The frames at `indices` (ascending), as PIL images or HxWx3 uint8 arrays; decoding stops
+        after the last one."""
+
+
+class PyAVDecoder:
+    """`VideoDecoder` on PyAV (FFmpeg). The frame count is the stream's when the container stores
+    one, else the number of its packets (demuxed, not decoded)."""
+
+    @staticmethod
+    def _av():
+        try:
+            import av
+        except ImportError as e:
+            raise BadRecordError("video", "reading video files needs PyAV (pip install av); "
+                                          "or give a list of frame images instead") from e
+        return av
+
+    def probe(self, src: Any) -> VideoInfo:
+        av = self._av()
+        with av.open(src) as container:
+            if not container.streams.video:
+                raise BadRecordError("video", "the file has no video stream")
+            stream = container.streams.video[0]
+            n = int(stream.frames or 0)
+            if n <= 0:
+                n = sum(1 for packet in container.demux(stream) if packet.size)
+            rate = stream.average_rate or stream.guessed_rate
+            return VideoInfo(n, float(rate) if rate else None, int(stream.codec_context.height),
+                             int(stream.codec_context.width))
+
+    def decode(self, src: Any, indices: Sequence[int]) -> list:
+        av = self._av()
+        wanted, last, out = set(indices), max(indices), {}
+        with av.open(src) as container:
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO"
+            for i, frame in enumerate(container.decode(stream)):
+                if i in wanted:
+                    out[i] = frame.to_image()
+                if i >= last:
+                    break
+        return [out[i] for i in indices if i in out]
+
+
+_decoder: VideoDecoder = PyAVDecoder()
+_abandoned: list[threading.Thread] = []
+_abandoned_lock = threading.Lock()
+
+
+def set_video_decoder(decoder: VideoDecoder) -> VideoDecoder:
+    """Use `decoder` for video files in this process (and in DataLoader workers forked later);
+    returns the previous one."""
+    global _decoder
+    previous, _decoder = _decoder, decoder
+    return previous
+
+
+def _with_deadline(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """`fn()` in a daemon thread; BadRecordError("timeout") if it has not returned after `timeout_s`
+    (the thread is left to finish on its own, see module docstring)."""
+    with _abandoned_lock:
+        _abandoned[:] = [t for t in _abandoned if t.is_alive()]
+        if len(_abandoned) >= MAX_ABANDONED_DECODES:
+            raise BadRecordError("timeout", f"{what}: not started, {len(_abandoned)} earlier video decodes of this "
+                                            "process are still hanging past data.video_decode_timeout_s")
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="megatron-vlm-video-decode", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        with _abandoned_lock:
+            _abandoned.append(thread)
+        raise BadRecordError("timeout", f"{what}: no result within data.video_decode_timeout_s = {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _video_opener(ref: Any) -> Callable[[], Any]:
+    """A function giving a fresh source for the decoder (a path, or a file object over the bytes)."""
+    if isinstance(ref, dict):
+        ref = ref.get("bytes") or ref.get("path")
+    if isinstance(ref, os.PathLike):
+        ref = os.fspath(ref)
+    if isinstance(ref, (bytes, bytearray)):
+        data = bytes(ref)
+        return lambda: io.BytesIO(data)
+    if isinstance(ref, str):
+        if not os.path.isfile(ref):
+            raise BadRecordError("missing_image", f"video file not found: {ref}")
+        return lambda: ref
+    raise BadRecordError("invalid_record", f"unsupported video reference {type(ref).__name__}")
+
+
+def _decoder_call(fn: Callable[[], Any], ref: Any, limits: MediaLimits, what: str) -> Any:
+    try:
+        return _with_deadline(fn, limits.video_decode_timeout_s, f"{what} {describe(ref)}")
+    except BadRecordError:
+        raise
+    except Exception as e:  # unknown codec, corrupt container, ...: the decoder's own exceptions
+        raise BadRecordError("video", f"cannot read video file {describe(ref)} ({type(e).__name__}: {e}); "
+                                      "give a list of frame images instead") from None
+
+
+def _check_video_pixels(ref: Any, n: int, height: int, width: int, limits: MediaLimits) -> None:
+    _check_pixels(ref, width, height, limits.max_image_pixels)
+    if n * height * width > limits.max_video_pixels:
+        raise BadRecordError("video_too_large", f"{describe(ref)}: {n} frames x {width} x {height} = "
+                                                f"{n * height * width} pixels > data.max_video_pixels = "
+                                                f"{limits.max_video_pixels}")
+
+
+def _read_video_file(item: dict, max_frames: int, default_fps: float, decode: bool, limits: MediaLimits) -> VideoClip:
+    ref = item["video"]
+    opener = _video_opener(ref)
+    decoder = _decoder
+    info = _decoder_call(lambda: decoder.probe(opener()), ref, limits, "reading the metadata of")
+    if info.num_frames <= 0 or info.height <= 0 or info.width <= 0:
+        raise BadRecordError("video", f"{describe(ref)}: no frames ({info})")
+    idx = subsample_indices(info.num_frames, max_frames)
+    _check_video_pixels(ref, len(idx), info.height, info.width, limits)
+    fps = float(item.get("fps") or info.fps or default_fps)
+    if not decode:
+        return VideoClip(idx, info.num_frames, fps, info.height, info.width)
+    raw = _decoder_call(lambda: decoder.decode(opener(), idx), ref, limits, "decoding")
+    if len(raw) != len(idx):
+        raise BadRecordError("video", f"{describe(ref)}: decoded {len(raw)} of the {len(idx)} sampled frames "
+                                      f"(the metadata says {info.num_frames} frames)")
+    frames = [(f if isinstance(f, Image.Image) else Image.fromarray(np.asarray(f))).convert("RGB") for f in raw]
+    sizes = {f.size for f in frames}
+    if sizes != {(info.width, info.height)}:
+        raise BadRecordError("video", f"{describe(ref)}: decoded frame sizes {sorted(sizes)} differ from the "
+                                      f"metadata's {info.width} x {info.height}")
+    return VideoClip(idx, info.num_frames, fps, info.height, info.width, frames)
+
+
 def _frame_refs(item: dict) -> Optional[list]:
     ref = item["video"]
     if isinstance(ref, list):
@@ -123,37 +350,20 @@ def _frame_refs(item: dict) -> Optional[list]:
     return None  # a video file
 
 
-def _decode_video_file(path: Any) -> tuple[list[Image.Image], Optional[float]]:
-    if isinstance(path, str) and not os.path.isfile(path):
-        raise BadRecordError("missing_image", f"video file not found: {path}")
-    try:
-        from transformers.video_utils import load_video
-
-        frames, metadata = load_video(path)
-    except Exception as e:  # no backend installed, unknown codec, corrupt file, ...
-        raise BadRecordError("video", f"cannot decode video file {describe(path)} ({type(e).__name__}: {e}); "
-                                      "give a list of frame images instead") from None
-    fps = float(getattr(metadata, "fps", 0) or 0) or None
-    return [Image.fromarray(np.asarray(f)) for f in frames], fps
-
-
-def read_video(item: dict, max_frames: int, default_fps: float, *, decode: bool = True) -> VideoClip:
-    """The kept frames of a video item (module docstring)."""
+def read_video(item: dict, max_frames: int, default_fps: float, *, decode: bool = True,
+               limits: MediaLimits = DEFAULT_LIMITS) -> VideoClip:
+    """The kept frames of a video item (module docstring); only those are decoded, and nothing with
+    decode=False."""
     refs = _frame_refs(item)
     if refs is None:
-        all_frames, file_fps = _decode_video_file(item["video"])
-        if not all_frames:
-            raise BadRecordError("video", f"{describe(item['video'])}: no frames")
-        idx = subsample_indices(len(all_frames), max_frames)
-        frames = [all_frames[i].convert("RGB") for i in idx]
-        return VideoClip(idx, len(all_frames), float(item.get("fps") or file_fps or default_fps),
-                         frames[0].height, frames[0].width, frames if decode else None)
+        return _read_video_file(item, max_frames, default_fps, decode, limits)
     fps = float(item.get("fps") or default_fps)
     idx = subsample_indices(len(refs), max_frames)
+    h, w = image_hw(refs[idx[0]], limits.max_image_pixels)
+    _check_video_pixels(refs[idx[0]], len(idx), h, w, limits)
     if not decode:
-        h, w = image_hw(refs[idx[0]])
         return VideoClip(idx, len(refs), fps, h, w)
-    frames = [load_image(refs[i]) for i in idx]
+    frames = [load_image(refs[i], limits.max_image_pixels) for i in idx]
     sizes = {f.size for f in frames}
     if len(sizes) != 1:
         raise BadRecordError("video", f"frames differ in size {sorted(sizes)} ({describe(refs[0])} ...)")

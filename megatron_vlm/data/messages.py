@@ -15,7 +15,9 @@ A video is a list of frame paths, a folder of frames (sorted by name) or a video
 through transformers' video loader when a backend such as PyAV is installed). Relative paths
 resolve against `image_root`, else the JSONL file's folder. `normalize_messages` is shared with the
 HF-datasets source: it checks the structure and raises `BadRecordError("invalid_record", ...)`
-naming the offending message / item; the reader logs bad lines (file, 1-based line) and goes on.
+naming the offending message / item; the reader logs bad lines (file, 1-based line) and goes on
+(a line that is not UTF-8 or not parseable JSON, see table_rows; any other exception for one line
+is counted as "unexpected_error").
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
+from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpected
 from megatron_vlm.data.data_files import MESSAGES_SUFFIXES
 from megatron_vlm.data.table_rows import TableRows
 
@@ -166,7 +168,7 @@ def read_messages_jsonl(path: str | os.PathLike, *, image_root: str | os.PathLik
         try:
             records.append(record_from_messages_row(rows.row(i), lambda ref: resolve_path(ref, root),
                                                     source=source, index=lineno))
-        except BadRecordError as e:
+        except Exception as e:  # every per-record failure is a counted bad record (unexpected ones by type)
             if bad_records is not None:
-                bad_records.add_error(source, lineno, e)
+                bad_records.add_error(source, lineno, unexpected(e, f"{source}:{lineno}"))
     return records

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from megatron_vlm import _ext
 from megatron_vlm.data.batch import IGNORE_INDEX, VISION_KEYS, shifted_labels
 from megatron_vlm.data.processing import ProcessedSample
 
@@ -28,6 +29,9 @@ def first_fit_pack(lengths: Sequence[int], order: Sequence[int], capacity: int, 
     the order they were opened. At most `max_open` packs stay open (the oldest is closed when a new
     one would exceed that), which keeps the cost O(n * max_open) and the order close to `order`.
     Every sample must fit alone (lengths[i] <= capacity)."""
+    packs = _ext.first_fit_pack(lengths, order, capacity, max_open)  # compiled twin (csrc/); None: run below
+    if packs is not None:
+        return packs
     if capacity <= 0:
         raise ValueError(f"capacity must be > 0, got {capacity}")
     packs: list[list[int]] = []

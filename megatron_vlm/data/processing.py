@@ -15,8 +15,9 @@ image tiles and video frames into one `pixel_values`).
 headers, the expansion from the processor's resize rule; see expansion.py), so packs can be
 planned for a whole epoch cheaply.
 
-Per-record problems raise `BadRecordError` (missing / corrupt image, undecodable video, a
-placeholder count that does not match the images or the features).
+Per-record problems raise `BadRecordError` (missing / corrupt image, an image or video over the
+`[data]` pixel caps, undecodable or too slow video, a placeholder count that does not match the
+images or the features).
 """
 from __future__ import annotations
 
@@ -28,12 +29,12 @@ import torch
 from megatron_vlm.data.bad_records import BadRecordError
 from megatron_vlm.data.batch import VISION_KEYS
 from megatron_vlm.data.expansion import expand, omitted_tokens, placeholder_order, run_counts
-from megatron_vlm.data.media import VideoClip, image_hw, load_image, read_video, subsample_indices
+from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits, VideoClip, image_hw, load_image, read_video, subsample_indices
 from megatron_vlm.data.messages import Record
 from megatron_vlm.data.processor import VLProcessor, concat_in_order
 
 __all__ = [
-    "ProcessedSample", "process_record", "estimate_length", "assistant_char_spans", "prompt_messages",
+    "MediaLimits", "ProcessedSample", "process_record", "estimate_length", "assistant_char_spans", "prompt_messages",
     "load_image", "image_hw", "read_video", "VideoClip", "subsample_indices",
 ]
 
@@ -121,26 +122,30 @@ def _rendered(record: Record, proc: VLProcessor, for_generation: bool):
 
 
 def estimate_length(record: Record, proc: VLProcessor, *, max_frames: int, for_generation: bool = False,
-                    fps: float = 2.0) -> int:
-    """Exact token count of `process_record(record, ...)` from image headers only (no pixel decoding).
-    `fps` only matters for families that write timestamps into the text (Qwen3-VL, Nemotron-VL)."""
+                    fps: float = 2.0, limits: MediaLimits = DEFAULT_LIMITS) -> int:
+    """Exact token count of `process_record(record, ...)` from image headers and video metadata only
+    (no pixel decoding). `fps` only matters for families that write timestamps into the text
+    (Qwen3-VL, Nemotron-VL). `limits`: pixel caps and decode timeout (media.MediaLimits)."""
     _, _, text, images, videos, _ = _rendered(record, proc, for_generation)
-    expansions = {"image": proc.image_expansions([image_hw(ref) for ref in images]) if images else [],
-                  "video": [proc.video_expansion(read_video(it, max_frames, fps, decode=False)) for it in videos]}
+    cap = limits.max_image_pixels
+    expansions = {"image": proc.image_expansions([image_hw(ref, cap) for ref in images]) if images else [],
+                  "video": [proc.video_expansion(read_video(it, max_frames, fps, decode=False, limits=limits))
+                            for it in videos]}
     compact = expand(text, proc.placeholders, expansions, compact=True)
     n = len(proc.tokenizer(compact)["input_ids"])
     return n + sum(omitted_tokens(e) for items in expansions.values() for e in items)
 
 
 def process_record(record: Record, proc: VLProcessor, *, max_frames: int, fps: float = 2.0,
-                   for_generation: bool = False) -> ProcessedSample:
+                   for_generation: bool = False, limits: MediaLimits = DEFAULT_LIMITS) -> ProcessedSample:
     """Tokens, labels mask and vision tensors of one record (see module docstring).
 
     for_generation: drop the last assistant turn, end with the generation prompt, no labels; the
-    dropped text is returned as `answer`."""
+    dropped text is returned as `answer`. `limits`: pixel caps and decode timeout (media.MediaLimits)."""
     messages, answer, text, images, videos, order = _rendered(record, proc, for_generation)
-    items = {"image": proc.process_images([load_image(ref) for ref in images]) if images else [],
-             "video": [proc.process_video(read_video(it, max_frames, fps)) for it in videos]}
+    cap = limits.max_image_pixels
+    items = {"image": proc.process_images([load_image(ref, cap) for ref in images]) if images else [],
+             "video": [proc.process_video(read_video(it, max_frames, fps, limits=limits)) for it in videos]}
     out = ProcessedSample(input_ids=torch.empty(0, dtype=torch.long), label_mask=torch.empty(0, dtype=torch.bool),
                           source=record.source, index=record.index, answer=answer, meta=record.meta)
     for key, value in concat_in_order(order, items).items():

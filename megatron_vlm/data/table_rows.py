@@ -8,8 +8,9 @@ row the same way:
 - .parquet / .arrow files: Hugging Face `datasets` tables (memory-mapped; parquet is converted
   once into the datasets cache), rows returned as plain Python values without decoding anything:
   an Image feature is its {"bytes", "path"} struct, a list of them a list of structs;
-- every other file: JSON lines. Blank lines are not rows; a line that is not a JSON object is a
-  bad record ("malformed_json") reported at open time and left out of the rows;
+- every other file: JSON lines. Blank lines are not rows; a line that is not a JSON object (or
+  nested too deeply to parse) is a bad record ("malformed_json"), a line that is not UTF-8 one
+  ("invalid_encoding"); both are reported at open time and left out of the rows;
 - a row's location is (file, index): the 1-based line of a JSON-lines file or the 0-based row of a
   table (the `bad_records` convention), for record sources, bad-record logs and prompt ids.
 
@@ -30,23 +31,40 @@ from megatron_vlm.data.data_files import HF_SUFFIXES, TABLE_SUFFIXES, find_data_
 __all__ = ["TableRows", "read_json_lines"]
 
 
+def _parse_json_line(raw: bytes, first: bool) -> dict:
+    """One JSON-lines line as an object; BadRecordError for anything else (never another exception)."""
+    try:
+        line = raw.decode("utf-8-sig" if first else "utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRecordError("invalid_encoding", f"not valid UTF-8: {e.reason} at byte {e.start} "
+                                                 f"({raw[max(0, e.start - 8):e.end + 8]!r})") from None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise BadRecordError("malformed_json", str(e)) from None
+    except RecursionError:
+        raise BadRecordError("malformed_json", "nested too deeply for the JSON parser") from None
+    if not isinstance(obj, dict):
+        raise BadRecordError("malformed_json", f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
 def read_json_lines(file: Path) -> tuple[list[tuple[int, dict]], list[tuple[int, BadRecordError]]]:
-    """(line, object) of each JSON-object line and (line, error) of each malformed one; lines are 1-based."""
+    """(line, object) of each JSON-object line and (line, error) of each bad one; lines are 1-based.
+
+    The file is read as bytes and each line decoded on its own, so a line that is not UTF-8 (or a
+    JSON value nested deeper than the parser's recursion limit) is one bad record, not a failed
+    load. Lines end at "\\n" only; a UTF-8 byte-order mark before the first line is ignored."""
     rows: list[tuple[int, dict]] = []
     errors: list[tuple[int, BadRecordError]] = []
-    with open(file, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    with open(file, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip() or (lineno == 1 and not raw.strip().removeprefix(b"\xef\xbb\xbf")):
                 continue
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                errors.append((lineno, BadRecordError("malformed_json", str(e))))
-                continue
-            if not isinstance(obj, dict):
-                errors.append((lineno, BadRecordError("malformed_json", f"expected a JSON object, got {type(obj).__name__}")))
-                continue
-            rows.append((lineno, obj))
+                rows.append((lineno, _parse_json_line(raw, first=lineno == 1)))
+            except BadRecordError as e:
+                errors.append((lineno, e))
     return rows, errors
 
 

@@ -1,10 +1,8 @@
-"""Model families and the two entry points to get a model.
+"""Model families (architecture only) and `build_model(config)`: random initialisation from a
+config.json dict or an args object (tests, the tiny demo model).
 
-* `load_hf_model(path, dtype, device)`: a Hugging Face model folder -> our module with its weights
-  (family chosen by config.json's `model_type`, built on the meta device, safetensors streamed
-  tensor by tensor so peak host memory stays near one copy of the weights).
-* `build_model(config)`: random initialisation from a config.json dict or an args object (tests,
-  the tiny demo model).
+Loading a Hugging Face folder with its weights is checkpoint I/O: `megatron_vlm.checkpoint.load_hf_model`
+(the checkpoint package depends on the models, never the reverse).
 """
 from __future__ import annotations
 
@@ -37,11 +35,4 @@ def build_model(
     return model.to(dtype=dtype)
 
 
-def load_hf_model(path: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> nn.Module:
-    """Model + weights from a Hugging Face folder; returned on `device` in `dtype` (train/eval left to the caller)."""
-    from megatron_vlm.checkpoint.hf import load_hf_model as _load
-
-    return _load(path, dtype=dtype, device=device)
-
-
-__all__ = ["ModelFamily", "build_model", "get_family", "load_hf_model", "supported_model_types"]
+__all__ = ["ModelFamily", "build_model", "get_family", "supported_model_types"]

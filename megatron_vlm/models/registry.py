@@ -1,7 +1,7 @@
 """Model families by `model_type` (the field of a Hugging Face config.json).
 
-Each family package exposes `FAMILY`, a `ModelFamily` naming its args class, module class,
-state-dict adapter and parallelize function. `_FAMILY_MODULES` is a fixed table (one line per
+Each family package has a `family` module exposing `FAMILY`, a `ModelFamily` naming its args class,
+module class, state-dict adapter and parallelize function. `_FAMILY_MODULES` is a fixed table (one line per
 family, imported lazily so that using one family never imports the others).
 """
 from __future__ import annotations
@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 _FAMILY_MODULES = {
-    "qwen2_5_vl": "megatron_vlm.models.qwen2_5_vl",
-    "qwen3_vl": "megatron_vlm.models.qwen3_vl",
-    "qwen3_vl_moe": "megatron_vlm.models.qwen3_vl",
-    "internvl": "megatron_vlm.models.internvl",
-    "internvl_chat": "megatron_vlm.models.internvl",
-    "nemotron_h": "megatron_vlm.models.nemotron_vl",
-    "nemotron_h_omni": "megatron_vlm.models.nemotron_vl",
+    "qwen2_5_vl": "megatron_vlm.models.qwen2_5_vl.family",
+    "qwen3_vl": "megatron_vlm.models.qwen3_vl.family",
+    "qwen3_vl_moe": "megatron_vlm.models.qwen3_vl.family",
+    "internvl": "megatron_vlm.models.internvl.family",
+    "internvl_chat": "megatron_vlm.models.internvl.family",
+    "nemotron_h": "megatron_vlm.models.nemotron_vl.family",
+    "nemotron_h_omni": "megatron_vlm.models.nemotron_vl.family",
 }
 
 

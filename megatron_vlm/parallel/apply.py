@@ -10,6 +10,7 @@ from typing import Iterable, Optional
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 
@@ -45,8 +46,6 @@ def apply_fsdp(
     """FSDP2 (`fully_shard`) per block, then the root. A 2-D mesh gives HSDP (replicate x shard).
     `ignored_params` (expert-parallel weights, sharded on their own mesh) are left out of every unit:
     FSDP neither gathers, casts nor reduces them."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     dp_mesh = mesh if mesh.ndim == 1 else mesh[("dp_replicate", "dp_shard")]
     kwargs = {"ignored_params": set(ignored_params)} if ignored_params else {}

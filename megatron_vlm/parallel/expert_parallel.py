@@ -39,14 +39,15 @@ divided by `grad_divide_factor`, matching FSDP's average over the data-parallel 
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Union
+from typing import Iterable, List
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron_vlm import kernels
-from megatron_vlm.models.common.moe import GroupedExperts
 
 _EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
 
@@ -103,9 +104,16 @@ def _regroup_index(recv_counts: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(starts_es, counts_es) + offset_in_chunk
 
 
-class ExpertParallelGroupedExperts(GroupedExperts):
-    """`GroupedExperts` holding only this rank's experts; the forward dispatches with all-to-all.
-    Made by `apply_ep` (class swap, so parameter names and checkpoints keep their keys)."""
+class ExpertParallelExperts(nn.Module):
+    """Mixin over an experts module that holds only this rank's experts; the forward dispatches with
+    all-to-all. `apply_ep` swaps an experts module's class to `ExpertParallel<Class>(ExpertParallelExperts,
+    <Class>)` (as FSDP2 does), so parameter names and checkpoints keep their keys and this package needs
+    no model class.
+
+    The experts module it wraps provides (`models.common.moe.GroupedExperts` does): `num_experts`,
+    `gated`, stacked weights `[E, out, in]` named `gate_up_proj` (gated) or `up_proj`, and `down_proj`,
+    and `expert_mlp(rows, tokens_per_expert, first, down)`, the per-expert MLP on rows grouped by
+    expert with the given weights."""
 
     ep_group: object
     ep_size: int
@@ -136,16 +144,9 @@ class ExpertParallelGroupedExperts(GroupedExperts):
         order = _regroup_index(recv_counts)
         local_in = received.index_select(0, order)
         local_counts = recv_counts.sum(0)
-        dtype = x.dtype
-        first = self._local_weight("gate_up_proj" if self.gated else "up_proj", dtype)
-        hidden = kernels.grouped_mm(local_in, first, tokens_per_expert=local_counts, weight_layout="enk")
-        if self.gated:
-            gate, up = hidden.chunk(2, dim=-1)
-            mid = self.act(gate) * up
-        else:
-            mid = self.act(hidden)
-        down = self._local_weight("down_proj", dtype)
-        local_out = kernels.grouped_mm(mid, down, tokens_per_expert=local_counts, weight_layout="enk")
+        first = self._local_weight("gate_up_proj" if self.gated else "up_proj", x.dtype)
+        down = self._local_weight("down_proj", x.dtype)
+        local_out = self.expert_mlp(local_in, local_counts, first, down)
         if local_out.shape[0] == 0:
             # No rows here: grouped_mm's empty output is cut off from its inputs, so tie it to the
             # received rows and the weights (zero contribution). Otherwise this rank would skip the
@@ -159,10 +160,18 @@ class ExpertParallelGroupedExperts(GroupedExperts):
         return kernels.moe_unpermute(returned, row_map, topk_weights), tokens_per_expert
 
 
+_EP_CLASSES: dict = {}
+
+
+def _expert_parallel_class(cls: type) -> type:
+    """`ExpertParallel<cls>`: the EP forward over `cls` (one class per wrapped class)."""
+    if cls not in _EP_CLASSES:
+        _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallelExperts, cls), {})
+    return _EP_CLASSES[cls]
+
+
 def _resolve(ep_group_or_mesh):
     """-> (ep_group, ep_size, ep_rank, mesh or None, replica_group or None)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     if isinstance(ep_group_or_mesh, DeviceMesh):
         mesh = ep_group_or_mesh
         if mesh.ndim not in (1, 2):
@@ -179,7 +188,7 @@ def _resolve(ep_group_or_mesh):
 def apply_ep(moe_modules: Iterable[nn.Module], ep_group_or_mesh, *, grad_divide_factor: float = 1.0) -> None:
     """Shard the routed experts of each MoE block over the EP group, in place (see module docstring).
 
-    `moe_modules`: MoE blocks (with `.experts`, a `GroupedExperts`) whose experts hold the full
+    `moe_modules`: MoE blocks (with `.experts`, see `ExpertParallelExperts`) whose experts hold the full
     `[E, ...]` weights. `ep_group_or_mesh`: a ProcessGroup (local slices as plain parameters) or a
     DeviceMesh, 1-D ep or 2-D (replica, ep) (DTensor parameters, `Shard(0)` on ep).
     `grad_divide_factor`: the expert gradients are divided by it (the trainer's data-parallel size,
@@ -190,10 +199,11 @@ def apply_ep(moe_modules: Iterable[nn.Module], ep_group_or_mesh, *, grad_divide_
         raise ValueError(f"apply_ep: grad_divide_factor must be > 0, got {grad_divide_factor}")
     for i, moe in enumerate(moe_modules):
         experts = getattr(moe, "experts", None)
-        if isinstance(experts, ExpertParallelGroupedExperts):
+        if isinstance(experts, ExpertParallelExperts):
             raise ValueError(f"apply_ep: MoE block #{i} already has expert parallelism applied")
-        if not isinstance(experts, GroupedExperts):
-            raise TypeError(f"apply_ep: MoE block #{i} ({type(moe).__name__}) has no GroupedExperts `.experts`")
+        if not (isinstance(experts, nn.Module) and hasattr(experts, "expert_mlp") and hasattr(experts, "down_proj")):
+            raise TypeError(f"apply_ep: MoE block #{i} ({type(moe).__name__}) has no grouped `.experts` "
+                            "(stacked expert weights and `expert_mlp`, see ExpertParallelExperts)")
         num_experts = experts.num_experts
         if num_experts % ep:
             raise ValueError(
@@ -209,13 +219,11 @@ def apply_ep(moe_modules: Iterable[nn.Module], ep_group_or_mesh, *, grad_divide_
                 raise ValueError(f"apply_ep: MoE block #{i} {name} has {w.shape[0]} experts, expected {num_experts}")
             local = w.detach()[rank * n_local:(rank + 1) * n_local].clone()
             if mesh is not None:
-                from torch.distributed.tensor import DTensor, Replicate, Shard
-
                 placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
                 local = DTensor.from_local(local, mesh, placements, run_check=False,
                                            shape=w.shape, stride=w.stride())
             setattr(experts, name, nn.Parameter(local, requires_grad=w.requires_grad))
-        experts.__class__ = ExpertParallelGroupedExperts
+        experts.__class__ = _expert_parallel_class(type(experts))
         experts.ep_group, experts.ep_size, experts.ep_rank = group, ep, rank
         experts.num_local_experts = n_local
         experts.replica_group = replica
@@ -226,9 +234,9 @@ def expert_parameters(model: nn.Module) -> List[nn.Parameter]:
     """The parameters sharded by `apply_ep` (to exclude from FSDP and to clip once)."""
     out: List[nn.Parameter] = []
     for m in model.modules():
-        if isinstance(m, ExpertParallelGroupedExperts):
+        if isinstance(m, ExpertParallelExperts):
             out += [getattr(m, n) for n in _EXPERT_WEIGHTS if getattr(m, n, None) is not None]
     return out
 
 
-__all__ = ["apply_ep", "expert_parameters", "ExpertParallelGroupedExperts"]
+__all__ = ["apply_ep", "expert_parameters", "ExpertParallelExperts"]

@@ -3,7 +3,7 @@
 The strict loader (megatron_vlm.config) builds `RLConfig` from the `[rl]` TOML table; nested
 tables are `[rl.eval]` and `[[rl.rewards]]` (one per verifier, `type =` picks it, see
 rl/rewards/config.py). `validate()` holds the cross-field checks and raises ValueError naming the
-field. Names follow the GRPO / PPO literature and the seed recipes (AReaL, verl): a step takes
+field. Names follow the GRPO / PPO literature and the public recipes (AReaL, verl): a step takes
 `prompts_per_step` prompts, samples `group_size` completions for each, and runs `ppo_epochs`
 passes of `mini_batches_per_step` optimizer steps over them.
 
@@ -195,6 +195,23 @@ class RLConfig:
     eval: RLEvalConfig = field(default_factory=RLEvalConfig)
     """Held-out evaluation ([rl.eval])."""
 
+    # --- reliability limits (appended) --------------------------------------------------------------
+    reward_memory_limit_mb: int = 4096
+    """Address-space cap (RLIMIT_AS) of each reward worker process, interpreter and sympy included;
+    a verifier that exceeds it fails (scores 0, counted) instead of exhausting the node (0 = no cap)."""
+    reward_batch_timeout_s: float = 300.0
+    """Deadline of one batch of verifier calls (a step's or an evaluation's scoring on one rank), from
+    its first call: calls still unfinished then score 0 and count as timeouts, so a step waits at most
+    this long for rewards, not (number of calls) x reward_timeout_s."""
+    reward_abs_max: float = 10.0
+    """A verifier value beyond +-reward_abs_max is clipped to it and a non-finite one (NaN) becomes 0;
+    both are counted (`reward/clipped`). Keeps one custom verifier's 1e30 or inf from swamping the
+    advantages or overflowing the loss."""
+    rollout_memory_gib: float = 0.0
+    """KV-cache budget of one rollout batch per rank, in GiB, used when rollout_batch_prompts = 0:
+    prompts per rollout batch = floor(budget / (group_size x data.max_tokens_per_pack cache slots x KV
+    bytes per slot)), at least 1 (0 = no budget: all of the rank's prompts at once)."""
+
     def validate(self) -> None:
         def positive(name: str) -> None:
             v = getattr(self, name)
@@ -257,6 +274,15 @@ class RLConfig:
             raise ValueError(f"accuracy_reward: {self.accuracy_reward!r} is not one of the reward labels {labels}")
         if self.reward_timeout_s <= 0:
             raise ValueError(f"reward_timeout_s: must be > 0, got {self.reward_timeout_s}")
+        if self.reward_memory_limit_mb < 0 or 0 < self.reward_memory_limit_mb < 256:
+            raise ValueError(f"reward_memory_limit_mb: 0 (no cap) or >= 256 (the interpreter and sympy need some), "
+                             f"got {self.reward_memory_limit_mb}")
+        if not self.reward_batch_timeout_s > 0 or self.reward_batch_timeout_s == float("inf"):
+            raise ValueError(f"reward_batch_timeout_s: must be finite and > 0, got {self.reward_batch_timeout_s}")
+        if not self.reward_abs_max > 0 or self.reward_abs_max == float("inf"):
+            raise ValueError(f"reward_abs_max: must be finite and > 0, got {self.reward_abs_max}")
+        if not self.rollout_memory_gib >= 0 or self.rollout_memory_gib == float("inf"):
+            raise ValueError(f"rollout_memory_gib: must be finite and >= 0 (0 = no budget), got {self.rollout_memory_gib}")
         if "{problem}" not in self.prompt_template:
             raise ValueError("prompt_template: must contain the {problem} placeholder")
         try:

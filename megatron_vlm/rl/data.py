@@ -25,8 +25,10 @@ Schemas (column names of the public releases):
 The user text is `prompt_template.format(problem=...)` ([rl] prompt_template). Images go where the
 "<image>" placeholders are; a row without placeholders gets its images before the text (about 2% of
 ViRL39K rows lost theirs in conversion). Rows that cannot be used (missing image file, more
-placeholders than images, empty question or answer) are skipped, listed in `skipped` with the
-reason and counted in `bad_records` with the SFT categories, so one bad row does not stop a run.
+placeholders than images, empty question or answer; a JSON line that is not UTF-8 or nested too
+deeply to parse; any other exception while mapping one row, as "unexpected_error") are skipped,
+listed in `skipped` with the reason and counted in `bad_records` with the SFT categories, so one
+bad row does not stop a run.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal, Optional, Sequence
 
-from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
+from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpected
 from megatron_vlm.data.data_files import HF_SUFFIXES
 from megatron_vlm.data.messages import Record
 from megatron_vlm.data.table_rows import TableRows
@@ -312,7 +314,8 @@ def load_prompt_dataset(
         row_id = f"{names[file]}:{index}"
         root = Path(image_root) if image_root else file.resolve().parent
         if isinstance(item, BadRecordError):  # a line the reader could not parse
-            skipped.append((row_id, f"line {index}: malformed JSON ({item.detail})"))
+            what = f"malformed JSON ({item.detail})" if item.category == "malformed_json" else str(item)
+            skipped.append((row_id, f"line {index}: {what}"))
             bad.add_error(str(file), index, item)
             continue
         try:
@@ -321,9 +324,10 @@ def load_prompt_dataset(
                 sample = _from_messages_row(row, row_id, root, prompt_template, system_prompt)
             else:
                 sample = _from_table_row(schema, table_cols, row, row_id, root, prompt_template, system_prompt)
-        except BadRecordError as e:
-            skipped.append((row_id, e.detail))
-            bad.add_error(str(file), index, e)
+        except Exception as e:  # every per-row failure is a counted bad record (unexpected ones by type)
+            err = unexpected(e, f"{file}:{index}")
+            skipped.append((row_id, err.detail if err is e else str(err)))
+            bad.add_error(str(file), index, err)
             continue
         sample.source, sample.index = str(file), index
         samples.append(sample)

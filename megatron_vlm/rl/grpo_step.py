@@ -25,13 +25,14 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_vlm.parallel import clip_grad_norm_
+from megatron_vlm.parallel.collectives import all_gather_objects, all_reduce_max, all_reduce_sum
 from megatron_vlm.rl.advantages import GroupAdvantages, advantage_stats, compute_group_advantages, overlong_penalty
 from megatron_vlm.rl.batching import TrainSample, pack_samples, plan_micro_batches, split_by_response
-from megatron_vlm.parallel.collectives import all_gather_objects, all_reduce_max, all_reduce_sum
 from megatron_vlm.rl.data import PromptSample
 from megatron_vlm.rl.losses import kl_penalty, policy_loss, rollout_correction_mask
 from megatron_vlm.rl.metrics import PhaseTimer, length_metrics, reward_metrics
 from megatron_vlm.rl.rollout.engine import RolloutEngine, RolloutPrompt, RolloutResult, RolloutSample, SamplingParams
+from megatron_vlm.training.step_guard import StepGuard
 
 __all__ = ["GRPOStep", "EncodedShard", "encode_shard", "sampling_generator"]
 
@@ -130,6 +131,7 @@ class GRPOStep:
         self.max_grad_norm = ctx.cfg.train.max_grad_norm
         self.seed = ctx.cfg.train.seed
         self.acc_label = rl_cfg.accuracy_label()
+        self.guard = StepGuard.from_config(ctx.cfg.train, self.device, what="GRPO update")
 
     def sampling_params(self) -> SamplingParams:
         r = self.rl
@@ -320,7 +322,8 @@ class GRPOStep:
                         diff_sum += float((logp.detach().float() - behav).abs().sum())
                         diff_n += float(behav.numel())
                 grad_norms.append(float(clip_grad_norm_(self.bundle.trainable_params, self.max_grad_norm)))
-                optimizer.step()
+                if self.guard.allow(loss_sum, grad_norms[-1], step=step + 1):  # non-finite: skip, count
+                    optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 losses.append(loss_sum)
                 updates += 1
@@ -382,6 +385,7 @@ class GRPOStep:
         out["loss"] = sum(losses) / len(losses) if losses else 0.0
         out["grad_norm"] = sum(upd["grad_norms"]) / len(upd["grad_norms"]) if upd["grad_norms"] else 0.0
         out["lr"] = upd["lr"]
+        out["skipped_steps"] = float(self.guard.skipped)
         if upd.get("moe"):
             out.update(upd["moe"])
         out.update(reward_metrics(cat("total"), per, accuracy_label=self.acc_label, threshold=self.rl.eval.correct_threshold))

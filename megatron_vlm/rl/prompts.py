@@ -13,9 +13,13 @@ Paths name a file, a folder (searched recursively) or a glob, read by the same r
 
 Every user question goes through `[rl] prompt_template` / `system_prompt` (rl.data). A prompt is
 encoded by the data pipeline (`process_record(..., for_generation=True)`: chat template, image
-preprocessing, placeholder expansion), so rollouts see exactly the tokens SFT trains on. A prompt
-that cannot be encoded, or whose prompt + `max_new_tokens` exceeds `data.max_tokens_per_pack`, is
-skipped and counted instead of stopping the run.
+preprocessing, placeholder expansion, the `[data]` pixel caps and video decode timeout), so rollouts
+see exactly the tokens SFT trains on. A prompt that cannot be encoded, or whose prompt +
+`max_new_tokens` exceeds `data.max_tokens_per_pack`, is skipped and counted instead of stopping the
+run: every exception of one prompt's encoding (a BadRecordError with its category, a
+decompression-bomb image as "image_too_large", anything else as "unexpected_error" with its type and
+message, the first one logged with a traceback) is a bad record under the prompt's file and line /
+row, so the same prompt met again after a resume is skipped again, never fatal.
 """
 from __future__ import annotations
 
@@ -24,8 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from megatron_vlm.data.bad_records import BadRecordError
+from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpected
 from megatron_vlm.data.data_files import HF_SUFFIXES, MESSAGES_SUFFIXES
+from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
 from megatron_vlm.data.processing import process_record
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
 from megatron_vlm.rl.data import PromptDataset, PromptSample, load_prompt_dataset
@@ -51,8 +56,19 @@ def _synthetic_paths(data_cfg, run_dir: Path, is_main: bool, barrier) -> tuple[P
     return folder / "train.jsonl", folder / "eval.jsonl"
 
 
-def load_prompt_sets(data_cfg, rl_cfg, *, run_dir: Path, is_main: bool = True, barrier=lambda: None) -> PromptSets:
-    """Train (and, when available, held-out) prompt sets for a GRPO run."""
+def load_prompt_sets(data_cfg, rl_cfg, *, run_dir: Path, is_main: bool = True, barrier=lambda: None,
+                     bad_records: Optional[BadRecordLog] = None) -> PromptSets:
+    """Train (and, when available, held-out) prompt sets for a GRPO run. `bad_records`, when given,
+    receives the rows of both sets that were left out (each set also keeps its own log)."""
+    sets = _load_prompt_sets(data_cfg, rl_cfg, run_dir=run_dir, is_main=is_main, barrier=barrier)
+    if bad_records is not None:
+        for ds in (sets.train, sets.eval):
+            if ds is not None:
+                bad_records.extend(ds.bad_records.to_dict()["records"])
+    return sets
+
+
+def _load_prompt_sets(data_cfg, rl_cfg, *, run_dir: Path, is_main: bool, barrier) -> PromptSets:
     common = dict(prompt_template=rl_cfg.prompt_template, system_prompt=rl_cfg.system_prompt,
                   image_root=data_cfg.image_root or None)
     if data_cfg.type == "synthetic_vqa":
@@ -79,9 +95,14 @@ def load_prompt_sets(data_cfg, rl_cfg, *, run_dir: Path, is_main: bool = True, b
 
 
 class PromptEncoder:
-    """PromptSample -> RolloutPrompt through the data pipeline, with a per-run skip count."""
+    """PromptSample -> RolloutPrompt through the data pipeline, with a per-run skip count and a log of
+    the prompts that failed (`bad_records`: by the sample's file and line / row, with the category).
 
-    def __init__(self, processor, *, max_frames: int, fps: float, max_new_tokens: int, max_tokens: int):
+    `limits`: the `[data]` pixel caps and video decode timeout (`MediaLimits.from_config(cfg.data)`);
+    default: the `[data]` defaults."""
+
+    def __init__(self, processor, *, max_frames: int, fps: float, max_new_tokens: int, max_tokens: int,
+                 limits: Optional[MediaLimits] = None, bad_records: Optional[BadRecordLog] = None):
         if max_new_tokens >= max_tokens:
             raise ValueError(
                 f"data.max_tokens_per_pack: {max_tokens} leaves no room for a prompt before rl.max_new_tokens = "
@@ -90,6 +111,8 @@ class PromptEncoder:
         self.processor = processor
         self.max_frames, self.fps = max_frames, fps
         self.max_prompt_tokens = max_tokens - max_new_tokens
+        self.limits = limits or DEFAULT_LIMITS
+        self.bad_records = bad_records if bad_records is not None else BadRecordLog()
         self.skipped = 0
         self._warned = 0
 
@@ -97,15 +120,18 @@ class PromptEncoder:
         """The encoded prompt, or None (counted, logged for the first few) if it cannot be used."""
         try:
             processed = process_record(sample.to_record(), self.processor, max_frames=self.max_frames, fps=self.fps,
-                                       for_generation=True)
-        except BadRecordError as e:
-            return self._skip(sample, str(e))
+                                       for_generation=True, limits=self.limits)
+        except Exception as e:  # every per-prompt failure is a counted bad record (module docstring)
+            return self._skip(sample, unexpected(e, f"prompt {sample.prompt_id}"))
         if len(processed) > self.max_prompt_tokens:
-            return self._skip(sample, f"prompt of {len(processed)} tokens + max_new_tokens exceeds data.max_tokens_per_pack")
+            return self._skip(sample, BadRecordError(
+                "too_long", f"prompt of {len(processed)} tokens + max_new_tokens exceeds data.max_tokens_per_pack"))
         return RolloutPrompt.from_processed(processed)
 
-    def _skip(self, sample: PromptSample, why: str) -> None:
+    def _skip(self, sample: PromptSample, err: BadRecordError) -> None:
         self.skipped += 1
+        self.bad_records.add_error(sample.source or sample.prompt_id, sample.index, err)
+        why = str(err)
         if self._warned < 5:
             self._warned += 1
             log.warning("GRPO prompt %s skipped: %s", sample.prompt_id, why)

@@ -32,7 +32,7 @@ class ReferencePolicy:
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: torch.dtype, device: torch.device, offload: bool,
                         temperature: float) -> "ReferencePolicy":
-        from megatron_vlm.models import load_hf_model
+        from megatron_vlm.checkpoint.hf import load_hf_model
 
         return cls(load_hf_model(path, dtype=dtype, device="cpu"), device=device, offload=offload, temperature=temperature)
 

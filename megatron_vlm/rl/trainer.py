@@ -12,12 +12,15 @@ of a checkpoint (next step, seed, prompt count).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
+from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.data.media import MediaLimits
 from megatron_vlm.parallel.collectives import any_rank, barrier
 from megatron_vlm.parallel.precision import compute_dtype
 from megatron_vlm.rl.data import prompt_batches
@@ -25,11 +28,14 @@ from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.prompts import PromptEncoder, PromptSets, load_prompt_sets
 from megatron_vlm.rl.reference import ReferencePolicy
 from megatron_vlm.rl.rewards.manager import RewardManager
-from megatron_vlm.rl.rollout import PolicyRolloutEngine
+from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
+from megatron_vlm.rl.rollout_budget import kv_bytes_per_slot, rollout_prompts_for_budget
+from megatron_vlm.training.bad_record_summary import write_bad_record_summary
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 
-__all__ = ["check_model_folder", "check_grpo_config", "GRPOParts", "build_grpo_parts", "GRPOLoopStep"]
+__all__ = ["check_model_folder", "check_grpo_config", "grpo_total_steps", "rollout_batch_prompts", "GRPOParts",
+           "build_grpo_parts", "GRPOLoopStep"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -47,9 +53,26 @@ def check_model_folder(cfg) -> None:
 def check_grpo_config(cfg) -> None:
     if cfg.rl is None:
         raise ValueError("rl: train.mode = 'grpo' needs an [rl] section")
-    if cfg.train.max_steps is None:
-        raise ValueError("train.max_steps: GRPO runs a fixed number of steps; set train.max_steps (train.epochs is not used)")
     check_model_folder(cfg)
+
+
+def grpo_total_steps(train_cfg, rl, num_prompts: int) -> int:
+    """`train.max_steps`, else `train.epochs` passes over the train prompts: ceil(epochs x prompts /
+    rl.prompts_per_step) steps (at least 1)."""
+    if train_cfg.max_steps is not None:
+        return train_cfg.max_steps
+    if num_prompts <= 0:
+        raise ValueError("data.train_path: no training prompts to derive the steps of train.epochs from")
+    return max(1, math.ceil(train_cfg.epochs * num_prompts / rl.prompts_per_step))
+
+
+def rollout_batch_prompts(rl, model, *, max_tokens_per_pack: int, bytes_per_element: int) -> int:
+    """Prompts generated together on one rank: `rl.rollout_batch_prompts` when set, else as many as
+    `rl.rollout_memory_gib` of KV cache holds (0 = no budget: all of the rank's prompts)."""
+    if rl.rollout_batch_prompts:
+        return rl.rollout_batch_prompts
+    return rollout_prompts_for_budget(rl.rollout_memory_gib, kv_bytes_per_slot(model, bytes_per_element),
+                                      rl.group_size, max_tokens_per_pack)
 
 
 @dataclass
@@ -60,34 +83,46 @@ class GRPOParts:
     manager: RewardManager
     """Owns worker processes: `close()` it at the end of the run."""
     reference: Optional[ReferencePolicy] = None
+    bad_records: Optional[BadRecordLog] = None
+    """Prompts left out by the reader and the encoder (written to bad_records.json at the end)."""
 
 
 def build_grpo_parts(ctx: RunContext, bundle: ModelBundle) -> GRPOParts:
     cfg, env, rl = ctx.cfg, ctx.env, ctx.cfg.rl
-    sets = load_prompt_sets(cfg.data, rl, run_dir=ctx.run_dir, is_main=env.is_main, barrier=barrier)
+    bad_records = BadRecordLog()
+    sets = load_prompt_sets(cfg.data, rl, run_dir=ctx.run_dir, is_main=env.is_main, barrier=barrier, bad_records=bad_records)
     log.info("GRPO prompts: %d train, %s held-out", len(sets.train), len(sets.eval) if sets.eval else "no")
     dtype = compute_dtype(cfg.train.precision, getattr(torch, cfg.model.dtype), env.device)
     budget = max(rl.max_new_tokens, rl.eval.max_new_tokens or 0)
+    per_batch = rollout_batch_prompts(rl, bundle.model, max_tokens_per_pack=cfg.data.max_tokens_per_pack,
+                                      bytes_per_element=torch.finfo(dtype).bits // 8)
+    if per_batch and not rl.rollout_batch_prompts:
+        log.info("rollout: %d prompts per batch (rl.rollout_memory_gib = %g GiB of KV cache)", per_batch, rl.rollout_memory_gib)
     encoder = PromptEncoder(bundle.processor, max_frames=cfg.data.max_frames, fps=cfg.data.fps, max_new_tokens=budget,
-                            max_tokens=cfg.data.max_tokens_per_pack)
+                            max_tokens=cfg.data.max_tokens_per_pack, limits=MediaLimits.from_config(cfg.data),
+                            bad_records=bad_records)
     engine = PolicyRolloutEngine(
         bundle.model, bundle.processor.tokenizer, forward=lambda **kw: bundle.wrapper(model_kwargs=kw), cache_dtype=dtype,
-        device=env.device, max_prompts_per_batch=rl.rollout_batch_prompts,
+        device=env.device, max_prompts_per_batch=per_batch,
         all_ranks_active=lambda active: any_rank(active, env.device),
     )
     reference = None
     if rl.kl_coef > 0:
         reference = ReferencePolicy.from_pretrained(cfg.model.path, dtype=dtype, device=env.device,
                                                     offload=rl.ref_offload, temperature=rl.temperature)
-    manager = RewardManager(rl.rewards, timeout_s=rl.reward_timeout_s, num_workers=rl.reward_workers)
-    return GRPOParts(sets=sets, encoder=encoder, engine=engine, manager=manager, reference=reference)
+    manager = RewardManager(rl.rewards, timeout_s=rl.reward_timeout_s, num_workers=rl.reward_workers,
+                            memory_limit_mb=rl.reward_memory_limit_mb, batch_timeout_s=rl.reward_batch_timeout_s,
+                            value_limit=rl.reward_abs_max)
+    return GRPOParts(sets=sets, encoder=encoder, engine=engine, manager=manager, reference=reference,
+                     bad_records=bad_records)
 
 
 class GRPOLoopStep:
     """The loop's step object of a GRPO run (`training.loop.StepRunner`)."""
 
     def __init__(self, ctx: RunContext, train_set: Any, grpo: GRPOStep,
-                 evaluate: Optional[Callable[[int], Optional[dict]]] = None):
+                 evaluate: Optional[Callable[[int], Optional[dict]]] = None, bad_records: Optional[BadRecordLog] = None):
+        self.ctx, self.bad_records = ctx, bad_records
         self.rl, self.seed = ctx.cfg.rl, ctx.cfg.train.seed
         self.train_set, self.grpo, self._evaluate = train_set, grpo, evaluate
         self._batches = None
@@ -110,4 +145,5 @@ class GRPOLoopStep:
         return self._evaluate(step) if self._evaluate is not None else None
 
     def finish(self) -> None:
-        """Nothing to summarise; the reward workers belong to `GRPOParts` (closed by its owner)."""
+        """The run's bad_records.json (prompts left out); the reward workers belong to `GRPOParts` (closed by its owner)."""
+        write_bad_record_summary(self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main)

@@ -5,40 +5,33 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from megatron_vlm.testing.tiny_model import build_tiny_model_folder
+from megatron_vlm.testing.tiny_nemotron_vl import build_tiny_nemotron_qwen3_vision_folder, build_tiny_nemotron_vl_folder
+from megatron_vlm.testing.tiny_processor_internvl import build_tiny_internvl_folder
+from megatron_vlm.testing.tiny_processor_qwen3_vl import build_tiny_qwen3_vl_folder
+
 
 def _qwen2_5_vl(out: Path, seed: int) -> Path:
-    from megatron_vlm.testing.tiny_model import build_tiny_model_folder
-
     return build_tiny_model_folder("tiny_qwen2_5_vl", out, seed=seed)
 
 
 def _qwen3_vl(out: Path, seed: int) -> Path:
-    from megatron_vlm.testing.tiny_processor_qwen3_vl import build_tiny_qwen3_vl_folder
-
     return build_tiny_qwen3_vl_folder(out, seed=seed)
 
 
 def _qwen3_vl_moe(out: Path, seed: int) -> Path:
-    from megatron_vlm.testing.tiny_processor_qwen3_vl import build_tiny_qwen3_vl_folder
-
     return build_tiny_qwen3_vl_folder(out, seed=seed, moe=True)
 
 
 def _internvl(out: Path, seed: int) -> Path:
-    from megatron_vlm.testing.tiny_processor_internvl import build_tiny_internvl_folder
-
     return build_tiny_internvl_folder(out, seed=seed)
 
 
 def _nemotron_vl(out: Path, seed: int) -> Path:
-    from megatron_vlm.models.nemotron_vl.tiny import build_tiny_nemotron_vl_folder
-
     return build_tiny_nemotron_vl_folder(out, seed=seed)
 
 
 def _nemotron_qwen3_vision(out: Path, seed: int) -> Path:
-    from megatron_vlm.models.nemotron_vl.tiny import build_tiny_nemotron_qwen3_vision_folder
-
     return build_tiny_nemotron_qwen3_vision_folder(out, seed=seed)
 
 

@@ -8,6 +8,10 @@ from pathlib import Path
 
 import torch
 
+from megatron_vlm.checkpoint.hf import save_hf_model
+from megatron_vlm.models import build_model
+from megatron_vlm.testing.tiny_processor import build_tiny_qwen2_5_vl_processor, tiny_qwen2_5_vl_text_config_ids
+
 
 def tiny_qwen2_5_vl_hf_config(token_ids: dict, *, hidden: int = 128, layers: int = 2, vision_depth: int = 2) -> dict:
     from transformers import Qwen2_5_VLConfig
@@ -40,9 +44,6 @@ def build_tiny_model_folder(kind: str, out_dir: str | Path, *, seed: int = 0) ->
     """Create `out_dir` with config.json, model.safetensors, tokenizer and processor files."""
     if kind != "tiny_qwen2_5_vl":
         raise ValueError(f"model.synthesize: unknown tiny model {kind!r}; known: 'tiny_qwen2_5_vl'")
-    from megatron_vlm.checkpoint.hf import save_hf_model
-    from megatron_vlm.models import build_model
-    from megatron_vlm.testing.tiny_processor import build_tiny_qwen2_5_vl_processor, tiny_qwen2_5_vl_text_config_ids
 
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")

@@ -24,6 +24,9 @@ import os
 from pathlib import Path
 from typing import Iterable
 
+from megatron_vlm.data.processor import load_processor
+from megatron_vlm.data.synthetic_vqa import ANSWERS, QUESTION_TYPES, VOCABULARY_WORDS, _question
+
 __all__ = [
     "SPECIAL_TOKENS", "QWEN2_5_VL_CHAT_TEMPLATE", "build_tiny_tokenizer", "build_tiny_qwen2_5_vl_processor",
     "tiny_qwen2_5_vl_text_config_ids", "TINY_IMAGE_MIN_PIXELS", "TINY_IMAGE_MAX_PIXELS",
@@ -88,8 +91,6 @@ _PUNCTUATION = list(".,:;!?'\"()[]{}<>+-*/=%$#@&_^|~\\") + ["\n", "\n\n", "  "]
 
 
 def _training_corpus(extra_words: Iterable[str]) -> list[str]:
-    from megatron_vlm.data.synthetic_vqa import VOCABULARY_WORDS, QUESTION_TYPES, ANSWERS, _question
-
     words = list(VOCABULARY_WORDS) + _COMMON_WORDS + [str(d) for d in range(10)] + list(extra_words)
     lines = []
     # Repetition sets merge priority: task words first, then common words, then the rest.
@@ -140,8 +141,6 @@ def build_tiny_qwen2_5_vl_processor(out_dir: str | os.PathLike, *, extra_words: 
     """Write the tokenizer + processor folder into `out_dir` and return the loaded processor
     (`megatron_vlm.data.processor.VLProcessor`). Same inputs -> same files."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from megatron_vlm.data.processor import load_processor
 
     extra_words = list(extra_words)
     out = Path(out_dir)

@@ -15,10 +15,15 @@ Everything is built by code, deterministically; nothing is downloaded.
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Optional
 
 import torch
+
+from megatron_vlm.checkpoint.hf import save_hf_model
+from megatron_vlm.models import build_model
+from megatron_vlm.testing.tiny_processor import build_tiny_tokenizer
 
 VOCAB = 320
 IMAGE_TOKEN_ID = 300  # <IMG_CONTEXT>
@@ -224,7 +229,6 @@ _INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>", "
 
 
 def _write_json(path, obj: dict) -> None:
-    import json
 
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
@@ -238,12 +242,9 @@ def build_tiny_internvl_processor(out_dir, *, extra_words=(), tile_size: int = T
     (`GotOcr2ImageProcessor`: `tile_size`-pixel tiles, dynamic tiling into 1..4 tiles + thumbnail,
     ImageNet mean / std); video_preprocessor_config.json (`InternVLVideoProcessor`, one tile per
     frame); processor_config.json (`InternVLProcessor`, `image_seq_length` tokens per tile)."""
-    import json
     from pathlib import Path
 
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
-
-    from megatron_vlm.testing.tiny_processor import build_tiny_tokenizer
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -294,9 +295,6 @@ def build_tiny_internvl_folder(out_dir, seed: int = 0, *, text_model: str = "qwe
     from pathlib import Path
 
     from transformers import AutoTokenizer
-
-    from megatron_vlm.checkpoint.hf import save_hf_model
-    from megatron_vlm.models import build_model
 
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")

@@ -21,6 +21,10 @@ from typing import Iterable, Optional
 
 import torch
 
+from megatron_vlm.checkpoint.hf import save_hf_model
+from megatron_vlm.models import build_model
+from megatron_vlm.testing.tiny_processor import build_tiny_tokenizer
+
 VOCAB = 320
 IMAGE_TOKEN_ID = 300
 VIDEO_TOKEN_ID = 301
@@ -257,8 +261,6 @@ def build_tiny_qwen3_vl_processor(out_dir: str | os.PathLike, *, extra_words: It
     processor_config.json (`Qwen3VLProcessor`). Returns the folder."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from megatron_vlm.testing.tiny_processor import build_tiny_tokenizer
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer(list(extra_words))
@@ -303,9 +305,6 @@ def build_tiny_qwen3_vl_folder(out_dir: str | os.PathLike, seed: int = 0, *, moe
     Qwen3-VL-2B) and random weights from `seed`, written by `save_hf_model` (so transformers loads it).
     Built in `<out_dir>.tmp` and renamed, so a crash never leaves half a folder."""
     from transformers import AutoTokenizer
-
-    from megatron_vlm.checkpoint.hf import save_hf_model
-    from megatron_vlm.models import build_model
 
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")

@@ -4,23 +4,50 @@ step with the loop's data state, and the final Hugging Face export.
 A checkpoint holds the model and optimizer (DCP, sharded), and per rank an extra file with the
 scheduler state, the data state of the job kind (SFT: the loader position; GRPO: the next step,
 seed and prompt count), the RNG states and the step (`checkpoint.manager.CheckpointManager`).
+
+Failures end the job with one clear line on every rank (`error: ...` on stderr), never silently:
+- at start (exit 2): a `checkpoint.resume` folder that is not a complete checkpoint or not owned by
+  the current user, or no complete checkpoint that loads. With `resume = "auto"` a checkpoint that
+  fails to load (corrupt, truncated, missing shards) is logged and the previous complete one is
+  tried; with none at all the run logs that it starts fresh;
+- saving a checkpoint or the Hugging Face export (exit 1): a failure on any rank (a full disk
+  included) is agreed by all ranks, and the previous checkpoint / export is left intact.
 """
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from megatron_vlm.checkpoint.export import export_hf_from_state_dict
-from megatron_vlm.checkpoint.manager import CheckpointManager, full_model_state_dict
-from megatron_vlm.parallel.collectives import barrier
+from megatron_vlm.checkpoint.manager import (
+    FAILURES,
+    CheckpointError,
+    CheckpointManager,
+    describe_error,
+    first_error,
+    full_model_state_dict,
+    gather_errors,
+)
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.optim import OptimState, load_scheduler_state
 
-__all__ = ["Checkpointer", "ResumePoint"]
+__all__ = ["Checkpointer", "ResumePoint", "EXIT_RESUME_FAILED", "EXIT_SAVE_FAILED"]
 
 log = logging.getLogger("megatron_vlm")
+
+EXIT_RESUME_FAILED = 2
+"""Exit code when the run cannot start from the checkpoint it is told to (or any, for "auto")."""
+EXIT_SAVE_FAILED = 1
+"""Exit code when a checkpoint or the Hugging Face export could not be written (e.g. disk full)."""
+
+
+def _fail(e: CheckpointError, code: int):
+    """End the job on this rank with one clear line (every rank gets here with the same error)."""
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    raise SystemExit(code) from e
 
 
 @dataclass(frozen=True)
@@ -53,25 +80,64 @@ class Checkpointer:
         return self.enabled and bool(self.cfg.every_steps) and step % self.cfg.every_steps == 0
 
     def resume(self) -> Optional[ResumePoint]:
-        """Load the checkpoint `checkpoint.resume` names (auto: the latest complete one) into the model,
-        optimizer and scheduler, and restore the RNG states; None when starting fresh."""
-        path = self.manager.resolve_resume(self.cfg.resume) if self.enabled else None
-        if path is None:
+        """Load the checkpoint `checkpoint.resume` names (auto: the newest complete one that loads)
+        into the model, optimizer and scheduler, and restore the RNG states; None when starting fresh.
+        Tidies what interrupted saves left first. Exits 2 (`EXIT_RESUME_FAILED`) when it cannot."""
+        if not self.enabled:
             return None
-        extra = self.manager.load(path, self.wrapper, self.optim.optimizer)
-        load_scheduler_state(self.optim.scheduler, extra["scheduler"])
-        log.info("Resumed from checkpoint: step=%d (%s)", extra["step"], path)
-        return ResumePoint(step=int(extra["step"]), data=extra.get("data", {}))
+        try:
+            self.manager.cleanup()
+            candidates = self.manager.resume_candidates(self.cfg.resume)
+        except CheckpointError as e:
+            _fail(e, EXIT_RESUME_FAILED)
+        if not candidates:
+            if self.cfg.resume == "auto":
+                log.info("checkpoint.resume = auto: no complete checkpoint in %s; starting fresh at step 0",
+                         self.manager.root)
+            return None
+        tried = []
+        for i, path in enumerate(candidates):
+            err, extra = None, None
+            try:
+                extra = self.manager.load(path, self.wrapper, self.optim.optimizer)
+                load_scheduler_state(self.optim.scheduler, extra["scheduler"])
+            except FAILURES as e:  # a corrupt checkpoint can raise anything
+                err = describe_error(e)
+            failed = first_error(gather_errors(err))  # every rank takes the same branch
+            if failed is None:
+                log.info("Resumed from checkpoint: step=%d (%s)", extra["step"], path)
+                return ResumePoint(step=int(extra["step"]), data=extra.get("data", {}))
+            tried.append(f"{path}: {failed}")
+            nxt = candidates[i + 1] if i + 1 < len(candidates) else None
+            log.error("cannot load checkpoint %s (%s)%s", path, failed,
+                      f"; falling back to the previous complete checkpoint {nxt}" if nxt else "")
+        _fail(CheckpointError(
+            "no checkpoint could be loaded (not starting from step 0 over them): " + "; ".join(tried)
+            + '. Remove or repair them, or set checkpoint.resume = "none" to start fresh'), EXIT_RESUME_FAILED)
 
     def save(self, step: int, data_state: dict) -> None:
-        self.manager.save(step, self.wrapper, self.optim.optimizer,
-                          {"data": data_state, "scheduler": self.optim.scheduler.state_dict()})
+        """Save a checkpoint after `step` steps; exits 1 (`EXIT_SAVE_FAILED`) on every rank when any
+        rank could not write it (the previous checkpoint stays intact)."""
+        try:
+            self.manager.save(step, self.wrapper, self.optim.optimizer,
+                              {"data": data_state, "scheduler": self.optim.scheduler.state_dict()})
+        except CheckpointError as e:
+            _fail(e, EXIT_SAVE_FAILED)
 
     def export_hf(self, out_dir: Path) -> None:
-        """Gather the full weights and write a Hugging Face folder (rank 0)."""
+        """Gather the full weights and write a Hugging Face folder (rank 0; a temporary folder put in
+        place when complete). Exits 1 on every rank when it fails (the previous export stays intact)."""
         sd = full_model_state_dict(self.wrapper)
+        err = None
         if self.is_main:
             sd = {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")}
-            export_hf_from_state_dict(sd, self.model_path, out_dir)
+            try:
+                export_hf_from_state_dict(sd, self.model_path, out_dir)
+            except FAILURES as e:  # reported to every rank below
+                err = describe_error(e)
+        failed = first_error(gather_errors(err))  # instead of a barrier: no rank waits on a failed one
+        if failed is not None:
+            _fail(CheckpointError(f"the Hugging Face export to {out_dir} failed on {failed}; "
+                                  "a previous export there (if any) is intact"), EXIT_SAVE_FAILED)
+        if self.is_main:
             log.info("exported Hugging Face model to %s", out_dir)
-        barrier()

@@ -15,7 +15,6 @@ from megatron_vlm import kernels
 from megatron_vlm.data.batch import IGNORE_INDEX, model_inputs
 
 
-
 class TokenLogprobModel(nn.Module):
     """Under data parallelism every rank must produce gradients for the same parameters (FSDP
     reduce-scatters per group): a rank whose micro-batch has no image, or no trained token at all,

@@ -3,14 +3,14 @@
 The loop owns everything around a step; the job kind (SFT, GRPO) owns the step itself through a
 small object (`StepRunner`). From the resume step to `total_steps`, per step:
 
-1. fault injection (`MEGATRON_VLM_FAULT_KILL_AT_STEP=N` kills the process with SIGKILL just before
-   step N runs: tests prove that resuming never needs a clean exit);
+1. the optional `before_step(n)` hook (None in production; the tests' entry script installs one that
+   SIGKILLs the process before step n, to prove that resuming never needs a clean exit);
 2. `steps.train_step(step, log=...)` runs the step; `log` is True on the logging cadence
    (`train.log_every` and the last step) and the returned metrics are logged as "train" when not empty;
 3. a periodic checkpoint (`checkpoint.every_steps`, not at the last step: that one is saved once, at the end);
 4. a periodic evaluation (`eval_every`, not at the last step: the final evaluation follows);
 5. the stop flag (SIGTERM / SIGUSR1, agreed by all ranks): save a checkpoint at this step boundary
-   and return 143 on every rank.
+   (unless step 3 just saved this very step: a step is never saved twice) and return 143 on every rank.
 
 A run that reaches `total_steps` saves the final checkpoint (only when it ran a step), evaluates
 and exports a Hugging Face folder (`checkpoint.export_hf`). `steps.finish()` runs in both cases.
@@ -18,20 +18,17 @@ and exports a Hugging Face folder (`checkpoint.export_hf`). `steps.finish()` run
 from __future__ import annotations
 
 import logging
-import os
-import signal
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 from megatron_vlm.training.checkpointing import Checkpointer, ResumePoint
 from megatron_vlm.training.context import RunContext
 
-__all__ = ["StepRunner", "run_loop", "fault_injection", "EXIT_STOPPED", "FAULT_KILL_ENV"]
+__all__ = ["StepRunner", "run_loop", "EXIT_STOPPED"]
 
 log = logging.getLogger("megatron_vlm")
 
 EXIT_STOPPED = 143
 """Exit code of a run stopped by SIGTERM / SIGUSR1 after its checkpoint (128 + SIGTERM)."""
-FAULT_KILL_ENV = "MEGATRON_VLM_FAULT_KILL_AT_STEP"
 
 
 class StepRunner(Protocol):
@@ -54,20 +51,14 @@ class StepRunner(Protocol):
         """End of the run (finished or stopped): summaries, releasing workers."""
 
 
-def fault_injection(step: int) -> None:
-    """SIGKILL this process when `MEGATRON_VLM_FAULT_KILL_AT_STEP` equals `step` (1-based)."""
-    kill_at = os.environ.get(FAULT_KILL_ENV)
-    if kill_at and int(kill_at) == step:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpointer: Checkpointer, metrics,
              log_every: int, eval_every: int = 0, eval_at_start: bool = False,
-             resume: Optional[ResumePoint] = None) -> int:
+             resume: Optional[ResumePoint] = None, before_step: Optional[Callable[[int], None]] = None) -> int:
     """Run steps until `total_steps` or a stop signal; 0 when finished, 143 when stopped.
 
     `metrics`: the `MetricsLogger` (`set_start`, `log`); `eval_every` 0 = only at the end;
-    `eval_at_start`: evaluate before the first step of a fresh run (not after a resume)."""
+    `eval_at_start`: evaluate before the first step of a fresh run (not after a resume);
+    `before_step(n)`: called before step n (1-based) runs (a test hook; None in production)."""
     start = 0
     if resume is not None:
         start = resume.step
@@ -79,14 +70,21 @@ def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpoint
         if m:
             metrics.log("eval", step, m)
 
+    saved_at = start  # the step the newest checkpoint holds (the resume point counts)
+
     def save(step: int) -> None:
+        nonlocal saved_at
+        if step == saved_at:
+            return  # already saved (a stop signal on a periodic-save step): never write the same step twice
         checkpointer.save(step, steps.data_state(step))
+        saved_at = step
 
     if eval_at_start and start == 0:
         evaluate(0)
     step, code = start, 0
     while step < total_steps:
-        fault_injection(step + 1)
+        if before_step is not None:
+            before_step(step + 1)
         done = step + 1
         m = steps.train_step(step, log=(done % log_every == 0 or done == total_steps))
         step = done
@@ -99,12 +97,12 @@ def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpoint
         if ctx.stop.should_stop(ctx.device):
             log.warning("stop signal received: saving a checkpoint at step %d and exiting", step)
             if checkpointer.enabled:
-                save(step)
+                save(step)  # a no-op when the periodic save above just wrote this step
             code = EXIT_STOPPED
             break
     if code == 0:
-        if checkpointer.enabled and step > start:
-            save(step)
+        if checkpointer.enabled:
+            save(step)  # nothing when no step ran since the resume point
         evaluate(step)
         if checkpointer.export_at_end:
             checkpointer.export_hf(ctx.run_dir / "hf")

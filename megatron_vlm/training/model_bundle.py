@@ -12,15 +12,17 @@ from typing import Any, Optional
 import torch
 
 from megatron_vlm import kernels
+from megatron_vlm.checkpoint.hf import load_hf_model
 from megatron_vlm.data.processor import load_processor
-from megatron_vlm.models import get_family, load_hf_model
-from megatron_vlm.models.common.moe import MoELoadBalancer, moe_layers
+from megatron_vlm.models import get_family
+from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.parallel import ParallelDims, build_mesh
 from megatron_vlm.parallel.collectives import all_reduce_
 from megatron_vlm.parallel.precision import resolve_precision
 from megatron_vlm.training.context import RunContext, seed_everything
 from megatron_vlm.training.freeze import apply_train_layers
 from megatron_vlm.training.lm_loss import TokenLogprobModel
+from megatron_vlm.training.moe_balancing import MoELoadBalancer
 
 __all__ = ["ModelBundle", "build_model_bundle"]
 
@@ -48,7 +50,8 @@ def build_model_bundle(ctx: RunContext) -> ModelBundle:
     kernels.configure(cfg.kernels)
     seed_everything(cfg.train.seed)
     dims, mesh = build_mesh(cfg.parallel, env.world_size, env.device.type)
-    processor = load_processor(cfg.model.path, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
+    processor = load_processor(cfg.model.path, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels,
+                               video_min_pixels=cfg.data.video_min_pixels, video_max_pixels=cfg.data.video_max_pixels)
     model = load_hf_model(cfg.model.path, dtype=getattr(torch, cfg.model.dtype), device="cpu")
     trainable, total = apply_train_layers(model, cfg.train.train_layers)
     log.info("model %s: %.2fM parameters, %.2fM trainable", type(model).__name__, total / 1e6, trainable / 1e6)

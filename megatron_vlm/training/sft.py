@@ -20,10 +20,12 @@ from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.loader import build_sft_dataloader
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
 from megatron_vlm.parallel import clip_grad_norm_
-from megatron_vlm.parallel.collectives import all_gather_objects, all_reduce_sum, barrier
+from megatron_vlm.parallel.collectives import all_reduce_sum, barrier
+from megatron_vlm.training.bad_record_summary import write_bad_record_summary
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 from megatron_vlm.training.optim import OptimState
+from megatron_vlm.training.step_guard import StepGuard
 
 __all__ = ["SFTStep", "prepare_sft_data", "build_train_loader", "steps_per_epoch"]
 
@@ -85,6 +87,7 @@ class SFTStep:
         self._evaluate = evaluate
         self._it = None
         self.n_params = sum(p.numel() for p in bundle.model.parameters())
+        self.guard = StepGuard.from_config(ctx.cfg.train, ctx.env.device)
 
     # ------------------------------------------------------------------ StepRunner
     def load_data_state(self, state: dict, step: int) -> None:  # noqa: ARG002
@@ -119,7 +122,8 @@ class SFTStep:
             loss_sum += float(-logp.detach().sum(dtype=torch.float64))
         grad_norm = clip_grad_norm_(b.trainable_params, cfg.max_grad_norm)
         lr = self.optim.scheduler.get_last_lr()[0]  # the lr of this step's update (step() moves to the next)
-        self.optim.optimizer.step()
+        if self.guard.allow(loss_sum, grad_norm, step=step + 1):  # non-finite: skip the update, count it
+            self.optim.optimizer.step()
         self.optim.scheduler.step()
         self.optim.optimizer.zero_grad(set_to_none=True)
         moe_report = b.moe_balancer.after_step(step + 1) if b.moe_balancer is not None else None
@@ -139,6 +143,7 @@ class SFTStep:
             "peak_memory_gib": _peak_memory_gib(env.device),
             "epoch": getattr(self.loader, "epoch", 0),
             "step_time_s": dt,
+            "skipped_steps": float(self.guard.skipped),
         }
         stats = self.loader.stats() if hasattr(self.loader, "stats") else {}
         out.update({f"data/{k}": v for k, v in stats.items() if isinstance(v, (int, float))})
@@ -152,15 +157,4 @@ class SFTStep:
 
     def finish(self) -> None:
         """Gather every rank's skipped records and write one summary (rank 0)."""
-        if self.bad_records is None:
-            return
-        gathered = all_gather_objects(self.bad_records.to_dict()["records"])  # entries carry their skip counts
-        if not self.ctx.env.is_main:
-            return
-        merged = BadRecordLog()
-        for part in gathered:
-            merged.extend(part)
-        path = self.ctx.run_dir / "bad_records.json"
-        merged.write_summary(path)
-        if len(merged):
-            log.warning("skipped %d bad records %s; see %s", len(merged), merged.counts_by_category(), path)
+        write_bad_record_summary(self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main)

@@ -11,6 +11,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 ENTRY = REPO / "launch" / "pretrain_vlm.py"
 DEMO = REPO / "launch" / "configs" / "demo_sft.toml"
+FAULT_ENTRY = REPO / "tests" / "integration" / "fault_entry.py"
+"""Used instead of ENTRY when a test sets MEGATRON_VLM_FAULT_KILL_AT_STEP (the hook lives in the tests)."""
 
 
 def free_port() -> int:
@@ -46,11 +48,12 @@ def run_job(overrides: list[str], *, nproc: int = 1, env: dict | None = None, co
     for o in overrides:
         args += ["--set", o]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    entry = FAULT_ENTRY if full_env.get("MEGATRON_VLM_FAULT_KILL_AT_STEP") else ENTRY
     if nproc == 1:
-        cmd = [sys.executable, str(ENTRY), "--config", str(config), *args]
+        cmd = [sys.executable, str(entry), "--config", str(config), *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(ENTRY), "--config", str(config), *args]
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(entry), "--config", str(config), *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=str(REPO))
     if check and r.returncode != 0:
         raise AssertionError(f"job failed ({r.returncode}):\nSTDOUT:\n{r.stdout[-4000:]}\nSTDERR:\n{r.stderr[-8000:]}")

@@ -12,7 +12,6 @@ import sys
 
 import pytest
 import torch
-
 from jobs import REPO, load_safetensors_dir, read_metrics, run_job
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

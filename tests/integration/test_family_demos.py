@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from jobs import REPO, read_metrics, run_job
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,6 @@ for)."""
 from __future__ import annotations
 
 import pytest
-
 from jobs import DEMO, REPO, read_metrics, run_job
 
 pytestmark = pytest.mark.distributed

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from jobs import load_safetensors_dir, read_metrics, run_job
 from test_grpo_job import GRPO_DEMO, grpo_overrides
 

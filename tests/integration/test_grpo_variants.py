@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from jobs import REPO, read_metrics, run_job
 from test_grpo_job import grpo_overrides
 

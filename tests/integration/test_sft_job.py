@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import tomllib
 
 import pytest
+import tomllib
 import torch
-
 from jobs import load_safetensors_dir, read_metrics, run_job, small_demo_overrides
 
 pytestmark = pytest.mark.distributed
@@ -108,7 +107,7 @@ def test_partial_checkpoint_is_ignored(tmp_path, assets):
 def test_hf_export_loads_in_transformers_with_equal_logits(tmp_path, assets):
     from transformers import AutoModelForImageTextToText
 
-    from megatron_vlm.models import load_hf_model
+    from megatron_vlm.checkpoint.hf import load_hf_model
 
     out = tmp_path / "run"
     run_job(small_demo_overrides(out, assets, **{"train.max_steps": 2}))

@@ -12,8 +12,13 @@ encoders with absolute position embeddings), and every attention call through `k
 * incremental decoding with a `KVCache` (keys of earlier steps are read from the cache; the kernel's
   bottom-right causal alignment places the new queries after them).
 
-q, k and v stay separate Linear layers (TP shards them column-wise); checkpoints with a fused qkv
-are split by the family's state-dict adapter, never here.
+q, k and v stay separate Linear layers; checkpoints with a fused qkv are split by the family's
+state-dict adapter, never here. Ready for tensor parallelism: the forward takes the number of heads
+from the projections' outputs (`-1` in the reshapes), not from the constructor's global counts, so
+a module whose q/k/v projections hold a column shard of the heads (and o_proj the matching row
+shard) computes exactly those heads; `local_heads()` gives the counts such a module holds (e.g. to
+size its KV cache). Per-head QK-norm works on a shard as is; the full-width QK-norm
+(`qk_norm_per_head=False`) normalises over all heads and would need the whole q / k.
 """
 from __future__ import annotations
 
@@ -56,6 +61,13 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    def local_heads(self) -> tuple[int, int]:
+        """(query heads, key/value heads) that this module's projections hold: all of them, or a shard.
+
+        From the weights' logical shapes: an FSDP-sharded DTensor still reports the whole projection
+        (FSDP gathers it for the forward), a plain tensor holding a head shard reports the shard."""
+        return self.q_proj.weight.shape[0] // self.head_dim, self.k_proj.weight.shape[0] // self.head_dim
+
     def forward(
         self,
         x: torch.Tensor,
@@ -73,9 +85,10 @@ class Attention(nn.Module):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None and not self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(*lead, self.num_heads, self.head_dim)
-        k = k.view(*lead, self.num_kv_heads, self.head_dim)
-        v = v.view(*lead, self.num_kv_heads, self.head_dim)
+        # -1: the heads these projections hold (all of them, or a tensor-parallel shard)
+        q = q.view(*lead, -1, self.head_dim)
+        k = k.view(*lead, -1, self.head_dim)
+        v = v.view(*lead, -1, self.head_dim)
         if self.q_norm is not None and self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:
@@ -96,4 +109,4 @@ class Attention(nn.Module):
             max_seqlen_k=max_seqlen,
             key_padding_mask=key_padding_mask,
         )
-        return self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(*lead, -1))

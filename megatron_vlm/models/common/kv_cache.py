@@ -10,7 +10,8 @@ A model forward with `kv_cache=` calls `begin_step(n_new, new_mask)`, then each 
 the 3-D positions (`position = real tokens so far + rope_delta`).
 
 `expand(g)` / `repeat_interleave(g)` turn a cache prefilled for B prompts into one for B * g
-sequences (each prompt repeated g times, consecutively), so a GRPO group shares one prefill.
+sequences (each prompt repeated g times, consecutively), so a GRPO group shares one prefill;
+`select_rows(rows)` keeps only some sequences (finished ones dropped).
 """
 from __future__ import annotations
 
@@ -91,19 +92,28 @@ class KVCache:
         self.seq_len += self._pending
         self._pending = None
 
+    def _map_rows(self, fn) -> "KVCache":
+        """A new cache whose every per-sequence tensor is fn(tensor) along dim 0; the cached length is kept."""
+        if self._pending is not None:
+            raise RuntimeError("KVCache: cannot change rows in the middle of a step")
+        out = KVCache.__new__(KVCache)
+        out.keys = [fn(k) for k in self.keys]
+        out.values = [fn(v) for v in self.values]
+        out.mask = fn(self.mask)
+        out.rope_deltas = fn(self.rope_deltas)
+        out.seq_len = self.seq_len
+        out._pending = None
+        return out
+
     def repeat_interleave(self, g: int) -> "KVCache":
         """A new cache with every sequence repeated g times consecutively (B -> B * g); the cached prefix is copied."""
         if g < 1:
             raise ValueError(f"KVCache.repeat_interleave: g must be >= 1, got {g}")
-        if self._pending is not None:
-            raise RuntimeError("KVCache: cannot expand in the middle of a step")
-        out = KVCache.__new__(KVCache)
-        out.keys = [k.repeat_interleave(g, dim=0) for k in self.keys]
-        out.values = [v.repeat_interleave(g, dim=0) for v in self.values]
-        out.mask = self.mask.repeat_interleave(g, dim=0)
-        out.rope_deltas = self.rope_deltas.repeat_interleave(g, dim=0)
-        out.seq_len = self.seq_len
-        out._pending = None
-        return out
+        return self._map_rows(lambda t: t.repeat_interleave(g, dim=0))
+
+    def select_rows(self, rows: torch.Tensor) -> "KVCache":
+        """A new cache holding only the sequences `rows` (1-D index), e.g. to drop finished ones."""
+        rows = rows.to(self.mask.device)
+        return self._map_rows(lambda t: t.index_select(0, rows))
 
     expand = repeat_interleave

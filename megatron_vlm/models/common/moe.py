@@ -1,4 +1,4 @@
-"""Mixture-of-Experts block: top-k router, grouped experts, optional shared experts and load balancing.
+"""Mixture-of-Experts block: top-k router, grouped experts, optional shared experts and latent projections.
 
 Router (`TopKRouter`, weight `[E, hidden]`, logits in fp32):
 - `score_func="sigmoid"` (NemotronH, DeepSeek-V3): scores = sigmoid(logits); the choice adds the
@@ -13,21 +13,22 @@ fused `gate_up_proj` = [gate; up], `down_proj`); compute = `kernels.moe_permute`
 `kernels.grouped_mm` -> activation -> `kernels.grouped_mm` -> `kernels.moe_unpermute` (combine
 with the routing weights, fp32 accumulation).
 
-Load balancing (auxiliary-loss-free, DeepSeek-V3 / seed 002): every forward in training adds the
-per-expert token counts to `step_load` (and `report_load`); after the optimizer step the trainer
-sums `step_load` over data-parallel ranks (model code does no communication) and calls
-`update_bias(rate)`: bias_e += rate * sign(mean_load - load_e), centred to zero mean, so
-under-used experts become more likely to be chosen. `aux_loss_coef > 0` adds the Switch-style loss
-E * sum_e f_e * P_e (f = fraction of routed assignments, P = mean router probability), exposed as
-`last_aux_loss` for the trainer to add. `moe_load_metrics` / `moe_load_table` turn the report
-counts of all MoE layers into the `moe/*` metrics and the per-layer expert-load table.
-`MoEConfig` is the `[moe]` config section and `MoELoadBalancer` the trainer-side driver of all this.
+This module is architecture only. How the correction bias is moved, whether an auxiliary balance
+loss is added and how loads are reported is training policy (`megatron_vlm.training.moe_balancing`),
+which reads what every training forward of a `MoE` block routed through a small interface:
+
+* `MoE.expert_load` — int64 `[E]`: real (unmasked) tokens routed to each expert by training forwards
+  since the last `reset_expert_load()` (a forward recomputed by activation checkpointing does not
+  count again; eval forwards do not count);
+* `MoE.record_router_stats` (default False) — when set, every training forward also leaves its
+  `RouterStats` (router scores with their autograd graph, assignments per expert) in
+  `MoE.router_stats` for the policy to take; off, nothing is kept alive past the forward.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -117,7 +118,11 @@ class TopKRouter(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """E experts of the same shape; `gated` = SwiGLU-style act(gate) * up (fused gate_up_proj), else act(up)."""
+    """E experts of the same shape; `gated` = SwiGLU-style act(gate) * up (fused gate_up_proj), else act(up).
+
+    `expert_mlp` is the per-expert MLP on rows already grouped by expert, with the weights passed in,
+    so a module holding a shard of the experts (expert parallelism) runs the same computation on its
+    local weights."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, activation: str, gated: bool) -> None:
         super().__init__()
@@ -129,22 +134,44 @@ class GroupedExperts(nn.Module):
             self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
+    def expert_mlp(
+        self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, first: torch.Tensor, down: torch.Tensor
+    ) -> torch.Tensor:
+        """rows `[n, in]` grouped by expert (`tokens_per_expert` rows each) -> `[n, in]`; `first` is the
+        `gate_up_proj` (gated) or `up_proj` weight `[e, out, in]`, `down` the `down_proj` weight."""
+        hidden = kernels.grouped_mm(rows, first, tokens_per_expert=tokens_per_expert, weight_layout="enk")
+        if self.gated:
+            gate, up = hidden.chunk(2, dim=-1)
+            mid = self.act(gate) * up
+        else:
+            mid = self.act(hidden)
+        return kernels.grouped_mm(mid, down, tokens_per_expert=tokens_per_expert, weight_layout="enk")
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
         """x `[N, hidden]` -> (combined output `[N, hidden]`, tokens_per_expert `[E]`)."""
         permuted, row_map, tokens_per_expert = kernels.moe_permute(x, topk_ids, num_experts=self.num_experts)
-        if self.gated:
-            gate, up = kernels.grouped_mm(
-                permuted, self.gate_up_proj, tokens_per_expert=tokens_per_expert, weight_layout="enk"
-            ).chunk(2, dim=-1)
-            mid = self.act(gate) * up
-        else:
-            mid = self.act(kernels.grouped_mm(permuted, self.up_proj, tokens_per_expert=tokens_per_expert, weight_layout="enk"))
-        out = kernels.grouped_mm(mid, self.down_proj, tokens_per_expert=tokens_per_expert, weight_layout="enk")
+        first = self.gate_up_proj if self.gated else self.up_proj
+        out = self.expert_mlp(permuted, tokens_per_expert, first, self.down_proj)
         return kernels.moe_unpermute(out, row_map, topk_weights), tokens_per_expert
 
 
+@dataclass
+class RouterStats:
+    """What one training forward of a `MoE` block routed, for a balancing policy (e.g. an auxiliary loss).
+
+    `scores` `[N, E]` fp32: the router's probabilities of every token (padding included), with their
+    autograd graph; `tokens_per_expert` `[E]`: assignments per expert (N * top_k in all); `top_k`."""
+
+    scores: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    top_k: int
+
+
 class MoE(nn.Module):
-    """Router + routed experts (+ shared experts, + NemotronH latent projections) over the last dim."""
+    """Router + routed experts (+ shared experts, + NemotronH latent projections) over the last dim.
+
+    Load statistics for a balancing policy: see the module docstring (`expert_load`,
+    `reset_expert_load`, `record_router_stats` / `router_stats`)."""
 
     def __init__(
         self,
@@ -164,7 +191,6 @@ class MoE(nn.Module):
         shared_experts: Optional[nn.Module] = None,
         latent_size: Optional[int] = None,
         latent_bias: bool = False,
-        aux_loss_coef: float = 0.0,
     ) -> None:
         super().__init__()
         self.gate = TopKRouter(
@@ -180,32 +206,30 @@ class MoE(nn.Module):
             self.fc2_latent_proj = nn.Linear(latent_size, hidden_size, bias=latent_bias)
         else:
             self.fc1_latent_proj = self.fc2_latent_proj = None
-        self.aux_loss_coef = aux_loss_coef
-        self.last_aux_loss: Optional[torch.Tensor] = None
-        # Load counters (int64, not checkpointed, not cast by .to(dtype)): since the last bias update /
-        # since the last report. Created lazily on the router's device (works after meta init).
-        self._loads: Dict[str, torch.Tensor] = {}
+        self.record_router_stats = False
+        self.router_stats: Optional[RouterStats] = None
+        # int64, not checkpointed, not cast by .to(dtype); created lazily on the router's device (works
+        # after meta init and follows the module to another device).
+        self._expert_load: Optional[torch.Tensor] = None
 
     @property
     def num_experts(self) -> int:
         return self.gate.num_experts
 
-    def _load(self, name: str) -> torch.Tensor:
+    @property
+    def top_k(self) -> int:
+        return self.gate.top_k
+
+    @property
+    def expert_load(self) -> torch.Tensor:
+        """Real tokens routed to each expert by training forwards since the last `reset_expert_load` (int64 `[E]`)."""
         device = self.gate.weight.device
-        t = self._loads.get(name)
-        if t is None or t.device != device:
-            t = self._loads[name] = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
-        return t
+        if self._expert_load is None or self._expert_load.device != device:
+            self._expert_load = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+        return self._expert_load
 
-    @property
-    def step_load(self) -> torch.Tensor:
-        """Tokens routed to each expert since the last `update_bias` (int64 `[E]`; sum it over DP ranks before updating)."""
-        return self._load("step")
-
-    @property
-    def report_load(self) -> torch.Tensor:
-        """Tokens routed to each expert since the last `moe_load_report` (int64 `[E]`)."""
-        return self._load("report")
+    def reset_expert_load(self) -> None:
+        self.expert_load.zero_()
 
     @torch.no_grad()
     def reset_parameters(self, initializer_range: float = 0.02) -> None:
@@ -222,7 +246,7 @@ class MoE(nn.Module):
                     nn.init.zeros_(lin.bias)
 
     def forward(self, x: torch.Tensor, *, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x `[..., hidden]`; `token_mask` (same leading shape, True = real token) excludes padding from the load counts."""
+        """x `[..., hidden]`; `token_mask` (same leading shape, True = real token) excludes padding from `expert_load`."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         scores, topk_weights, topk_ids = self.gate(flat)
@@ -243,144 +267,12 @@ class MoE(nn.Module):
                     counts = torch.bincount(topk_ids[keep].reshape(-1), minlength=self.num_experts)
                 else:
                     counts = tokens_per_expert
-                self.step_load.add_(counts)
-                self.report_load.add_(counts)
-            if self.aux_loss_coef > 0:
-                self.last_aux_loss = self.aux_loss_coef * self._switch_aux_loss(scores, tokens_per_expert, topk_ids.shape[1])
+                self.expert_load.add_(counts)
+            if self.record_router_stats:
+                self.router_stats = RouterStats(scores, tokens_per_expert, topk_ids.shape[1])
         return out
-
-    def _switch_aux_loss(self, scores: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int) -> torch.Tensor:
-        probs = scores / scores.sum(-1, keepdim=True)  # sigmoid scores need normalising per token
-        fraction = tokens_per_expert.to(probs.dtype) / max(1, scores.shape[0] * top_k)
-        return self.num_experts * torch.sum(fraction * probs.mean(0))
-
-    @torch.no_grad()
-    def update_bias(self, rate: float) -> None:
-        """Move each expert's score-correction bias against its load error (sign update, zero mean); reset step_load."""
-        bias = self.gate.e_score_correction_bias
-        if bias is None:
-            raise RuntimeError("MoE.update_bias: this router has no score-correction bias (score_correction_bias=False)")
-        load = self.step_load.double()
-        if load.sum() > 0:
-            delta = rate * torch.sign(load.mean() - load)
-            bias += (delta - delta.mean()).to(bias.dtype)
-        self.step_load.zero_()
 
 
 def moe_layers(model: nn.Module) -> List[MoE]:
     """The MoE blocks of a model, in module order (= layer order)."""
     return [m for m in model.modules() if isinstance(m, MoE)]
-
-
-def moe_load_table(layers: Iterable[MoE]) -> List[List[int]]:
-    """Per-layer expert token counts since the last report: rows = MoE layers, columns = experts."""
-    return [[int(v) for v in layer.report_load.tolist()] for layer in layers]
-
-
-def moe_load_metrics(layers: Iterable[MoE]) -> Dict[str, float]:
-    """`moe/entropy_mean` (mean over layers of the entropy, in nats, of the expert-load distribution;
-    log E = perfectly balanced), `moe/max_fraction_max` (largest share of routed assignments any
-    expert got, over layers), `moe/tokens_per_layer_mean` (routed tokens per layer = assignments / k),
-    from the report counters; {} when nothing was routed."""
-    entropies, max_fractions, tokens = [], [], []
-    for layer in layers:
-        load = layer.report_load.double()
-        total = float(load.sum())
-        if total <= 0:
-            continue
-        frac = load / total
-        nonzero = frac[frac > 0]
-        entropies.append(float(-(nonzero * nonzero.log()).sum()))
-        max_fractions.append(float(frac.max()))
-        tokens.append(total / layer.gate.top_k)
-    if not entropies:
-        return {}
-    return {
-        "moe/entropy_mean": sum(entropies) / len(entropies),
-        "moe/max_fraction_max": max(max_fractions),
-        "moe/tokens_per_layer_mean": sum(tokens) / len(tokens),
-    }
-
-
-def moe_load_report(layers: Iterable[MoE], *, reset: bool = True):
-    """(metrics, per-layer expert-load table) since the last report; resets the report counters.
-    Call every `n_step_per_workload_report` steps (after summing `report_load` over ranks)."""
-    layers = list(layers)
-    metrics, table = moe_load_metrics(layers), moe_load_table(layers)
-    if reset:
-        for layer in layers:
-            layer.report_load.zero_()
-    return metrics, table
-
-
-@dataclass(kw_only=True)
-class MoEConfig:
-    """`[moe]` config section: auxiliary-free load balancing and workload reporting (seed 002's knobs)."""
-
-    enable_moe_load_balancing_training: bool = True
-    """After every optimizer step move each expert's score-correction bias against its load error
-    (bias += rate * sign(mean load - load), DeepSeek-V3); the bias only affects which experts are picked."""
-    bias_update_rate: float = 1e-3
-    """Step size of the bias update (DeepSeek-V3 uses 1e-3)."""
-    n_step_per_workload_report: int = 10
-    """Report `moe/entropy_mean`, `moe/max_fraction_max`, `moe/tokens_per_layer_mean` and the per-layer
-    expert-load table every N optimizer steps (0 = never)."""
-    aux_loss_coef: float = 0.0
-    """Weight of the optional Switch-style auxiliary balance loss added to the training loss (0 = off)."""
-
-    def validate(self) -> None:
-        if self.bias_update_rate < 0:
-            raise ValueError(f"bias_update_rate: must be >= 0, got {self.bias_update_rate}")
-        if self.n_step_per_workload_report < 0:
-            raise ValueError(f"n_step_per_workload_report: must be >= 0, got {self.n_step_per_workload_report}")
-        if self.aux_loss_coef < 0:
-            raise ValueError(f"aux_loss_coef: must be >= 0, got {self.aux_loss_coef}")
-
-
-class MoELoadBalancer:
-    """What the trainer calls around each optimizer step for the model's MoE layers.
-
-    * `aux_loss()` after the forward: the summed auxiliary loss (None when off) to add to the loss;
-    * `after_step(step)` after `optimizer.step()`: sums the step's expert loads over data-parallel
-      ranks with the injected `all_reduce` (in place, SUM; model code does no communication), updates
-      the biases, and every `n_step_per_workload_report` steps returns `(metrics, table)` for the
-      loggers (None otherwise).
-    """
-
-    def __init__(self, model: nn.Module, cfg: MoEConfig, *, all_reduce: Optional[Callable[[torch.Tensor], None]] = None):
-        cfg.validate()
-        self.cfg = cfg
-        self.layers = moe_layers(model)
-        self.all_reduce = all_reduce
-        for layer in self.layers:
-            layer.aux_loss_coef = cfg.aux_loss_coef
-
-    def aux_loss(self) -> Optional[torch.Tensor]:
-        losses = [layer.last_aux_loss for layer in self.layers if layer.last_aux_loss is not None]
-        for layer in self.layers:
-            layer.last_aux_loss = None
-        return torch.stack(losses).sum() if losses else None
-
-    def _sum_over_ranks(self, loads: List[torch.Tensor]) -> None:
-        if self.all_reduce is None or not loads:
-            return
-        stacked = torch.stack(loads)
-        self.all_reduce(stacked)
-        for dst, src in zip(loads, stacked):
-            dst.copy_(src)
-
-    @torch.no_grad()
-    def after_step(self, step: int):
-        if not self.layers:
-            return None
-        self._sum_over_ranks([layer.step_load for layer in self.layers])
-        for layer in self.layers:
-            if self.cfg.enable_moe_load_balancing_training and layer.gate.e_score_correction_bias is not None:
-                layer.update_bias(self.cfg.bias_update_rate)
-            else:
-                layer.step_load.zero_()
-        every = self.cfg.n_step_per_workload_report
-        if every and step % every == 0:
-            self._sum_over_ranks([layer.report_load for layer in self.layers])
-            return moe_load_report(self.layers)
-        return None

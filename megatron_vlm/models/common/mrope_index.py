@@ -15,13 +15,19 @@ Semantics are those of transformers' `Qwen2_5_VLModel.get_rope_index` (transform
 
 Extensions over transformers: `mm_token_type_ids` is optional (derived from the placeholder token
 ids when absent), and packed input (one row, `cu_seqlens`) restarts positions at every sample.
+
+Cached decoding (`cached_mrope_position_ids`, shared by every M-RoPE family): the prefill computes
+the full positions and stores each sample's `rope_delta` in the cache; later steps continue at
+`n_valid_tokens_so_far + rope_delta`.
 """
 from __future__ import annotations
 
 import itertools
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
+
+from megatron_vlm import _ext
 
 
 def mm_token_type_ids_from_input_ids(input_ids: torch.Tensor, image_token_id: int, video_token_id: int) -> torch.Tensor:
@@ -114,6 +120,13 @@ def get_mrope_position_ids(
     S is B for a padded batch and the number of samples for packed input (`cu_seqlens` given,
     input_ids [1, T]). Padding positions are 0. Grids are consumed in order over the whole batch.
     """
+    compiled = _ext.mrope_position_ids(  # the C++ twin (csrc/); None: run below
+        input_ids, image_token_id=image_token_id, video_token_id=video_token_id, spatial_merge_size=spatial_merge_size,
+        tokens_per_second=tokens_per_second, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+        second_per_grid_ts=second_per_grid_ts, attention_mask=attention_mask, mm_token_type_ids=mm_token_type_ids,
+        cu_seqlens=cu_seqlens)
+    if compiled is not None:
+        return compiled
     if input_ids.dim() != 2:
         raise ValueError(f"get_mrope_position_ids: input_ids must be [B, T], got {tuple(input_ids.shape)}")
     if mm_token_type_ids is None:
@@ -162,3 +175,27 @@ def get_mrope_position_ids(
                 position_ids[:, b, keep] = pos
             deltas.append((int(pos.max()) + 1 if pos.numel() else 0) - types.numel())
     return position_ids, torch.tensor(deltas, dtype=torch.long, device=device).unsqueeze(1)
+
+
+def cached_mrope_position_ids(
+    input_ids: torch.Tensor,
+    kv_cache,
+    new_mask: Optional[torch.Tensor],
+    prefill_positions: Callable[[Optional[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """M-RoPE positions `[3, B, n_new]` of the new tokens of a cached forward.
+
+    Prefill (empty cache): `prefill_positions(new_mask)` -> (position_ids, rope_deltas) (the family's
+    full computation over the prompt and its grids); the deltas are stored in the cache. Later steps:
+    text positions continue at (valid tokens so far) + rope_delta for each sample (new tokens are
+    text; a generated placeholder id is embedded as a plain token, as transformers does); padding
+    gets position 0. `kv_cache` has `seq_len`, `valid_lengths()`, `rope_deltas`, `set_rope_deltas`."""
+    if kv_cache.seq_len == 0:
+        position_ids, deltas = prefill_positions(new_mask)
+        kv_cache.set_rope_deltas(deltas)
+        return position_ids
+    valid = new_mask.long() if new_mask is not None else torch.ones_like(input_ids)
+    start = kv_cache.valid_lengths().unsqueeze(1)  # [B, 1] real tokens already cached
+    pos = start + valid.cumsum(-1) - 1 + kv_cache.rope_deltas.to(input_ids.device)
+    pos = pos.masked_fill(valid == 0, 0)
+    return pos.unsqueeze(0).expand(3, -1, -1)

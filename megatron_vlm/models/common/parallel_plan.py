@@ -1,8 +1,9 @@
 """The shared body of every family's `parallelize_<family>`: one factory, so that each family's
-`parallelize.py` only declares its plan (DESIGN.md §5) and the call into `megatron_vlm.parallel` is
+`parallelize.py` only names what it does not support and the call into `megatron_vlm.parallel` is
 written once.
 
-Order (DESIGN.md §5): TP -> EP -> CP -> activation checkpointing -> compile -> FSDP. The shared
+Order: TP -> EP -> CP -> activation checkpointing -> compile -> FSDP (each step must see the module
+layout the previous one left: FSDP shards whatever TP / EP did not already place). The shared
 helpers provide EP, AC, compile and FSDP2 today. With `parallel.ep` > 1 the routed experts of every
 MoE block are sharded over the ("ep_replicate", "ep") mesh (`megatron_vlm.parallel.apply_ep`) and left
 out of FSDP (`ignored_params`); their gradients are summed over the replicas and divided by the
@@ -20,6 +21,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.parallel import apply_ep, expert_parameters, parallelize_blocks
 from megatron_vlm.parallel.mesh import build_ep_mesh
 
@@ -66,8 +68,6 @@ def make_parallelize(
 
 
 def _apply_expert_parallel(model: nn.Module, family: str, parallel_dims, mesh) -> None:
-    from megatron_vlm.models.common.moe import moe_layers
-
     layers = moe_layers(model)
     if not layers:
         raise ValueError(f"parallel.ep={parallel_dims.ep}: the {family} model has no MoE blocks to shard")

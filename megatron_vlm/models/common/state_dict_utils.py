@@ -1,9 +1,10 @@
 """Helpers shared by the families' state-dict adapters: splitting and joining fused q/k/v tensors,
 and applying regex rename tables to keys.
 
-DESIGN.md §5 keeps fused QKV in the adapters, never in model code; every family with a fused
-vision qkv (Qwen2.5-VL, Qwen3-VL, InternViT, C-RADIO) splits it on import and joins it on export
-the same way: rows stacked q, k, v along dim 0 (weight [3 * out, in], bias [3 * out]).
+Fused QKV lives in the adapters, never in model code (attention keeps separate q/k/v projections,
+which tensor parallelism shards column-wise); every family with a fused vision qkv (Qwen2.5-VL,
+Qwen3-VL, InternViT, C-RADIO) splits it on import and joins it on export the same way:
+rows stacked q, k, v along dim 0 (weight [3 * out, in], bias [3 * out]).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Structure shared by every `<Family>ForConditionalGeneration`: config bookkeeping, weight tying, the
-FSDP / activation-checkpointing units, transformers-style random init, the KV cache, and the checks on
-`forward`'s input forms (padded / packed / cached).
+FSDP / activation-checkpointing units, transformers-style random init, the decoding-cache constructor,
+and the checks on `forward`'s input forms (padded / packed / cached).
 
 The families were written in parallel and repeated these pieces to the letter; they now inherit them.
 Each family says only what differs through small hooks:
@@ -8,10 +8,14 @@ Each family says only what differs through small hooks:
 * `_input_embeddings()`  the token embedding the lm_head is tied to (default `language_model.embed_tokens`);
 * `_vision_blocks()`     the vision tower's blocks, listed before the decoder layers in `transformer_blocks()`;
 * `_normal_init_types`   module types drawn from N(0, std) with zero bias by `init_weights`;
-* `_init_module(m, std)` family-specific init of any other module (layer scales, position tables, MoE).
+* `_init_module(m, std)` family-specific init of any other module (layer scales, position tables, MoE);
+* `new_cache(batch_size, max_len, *, dtype, device)` (abstract): the family's decoding state, passed to
+  `forward(..., kv_cache=)`; `KVCacheMixin` implements it for all-attention decoders (a `KVCache`),
+  Nemotron-VL returns its hybrid KV + Mamba cache. Both follow the same step protocol
+  (`begin_step` / `end_step`, `seq_len`, `valid_lengths()`, `repeat_interleave(g)`).
 
 The trainer, the rollout engine and the checkpoint code call `lm_head`, `transformer_blocks()`,
-`tie_weights()`, `init_weights()`, `new_kv_cache()` and read `hf_config` / `hf_generation_config`.
+`tie_weights()`, `init_weights()`, `new_cache()` and read `hf_config` / `hf_generation_config`.
 """
 from __future__ import annotations
 
@@ -96,6 +100,13 @@ class VLMBase(nn.Module):
         """The FSDP / activation-checkpointing units: vision blocks then decoder layers."""
         return list(self._vision_blocks()) + list(self.language_model.layers)
 
+    def new_cache(
+        self, batch_size: int, max_len: int, *, dtype: Optional[torch.dtype] = None, device=None
+    ):
+        """An empty decoding cache for `batch_size` sequences of up to `max_len` tokens (prompt + generated),
+        in `dtype` on `device` (default: the lm_head weight's). Every family implements it."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement new_cache()")
+
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
         """Random init as transformers does: N(0, std) for `_normal_init_types` weights, zero biases, unit
@@ -113,13 +124,17 @@ class VLMBase(nn.Module):
 
 
 class KVCacheMixin:
-    """`new_kv_cache` for models whose decoder is all attention layers (`args.text` has the KV shape)."""
+    """`new_cache` for models whose decoder is all attention layers (`language_model.layers[i].self_attn`).
 
-    def new_kv_cache(self, batch: int, max_len: int, *, dtype=None, device=None) -> KVCache:
-        """An empty KV cache for `batch` sequences of up to `max_len` tokens (prompt + generated)."""
-        t = self.args.text
+    The KV shape comes from the attention modules themselves (`Attention.local_heads()`), so a decoder
+    whose attention holds a tensor-parallel shard of the heads gets a cache of that shard."""
+
+    def new_cache(self, batch_size: int, max_len: int, *, dtype: Optional[torch.dtype] = None, device=None) -> KVCache:
+        """An empty KV cache for `batch_size` sequences of up to `max_len` tokens (prompt + generated)."""
+        layers = self.language_model.layers
+        attn = layers[0].self_attn
         ref = self.lm_head.weight
         return KVCache(
-            t.num_hidden_layers, batch, max_len, t.num_key_value_heads, t.head_dim,
-            dtype=dtype or ref.dtype, device=device or ref.device,
+            len(layers), batch_size, max_len, attn.local_heads()[1], attn.head_dim,
+            dtype=dtype or ref.dtype, device=device if device is not None else ref.device,
         )

@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from megatron_vlm.models.common.mlp import get_activation
+
 MODEL_TYPES = ("internvl", "internvl_chat")
 TEXT_MODEL_TYPES = ("qwen2", "qwen3")
 DEFAULT_IMAGE_TOKEN_ID = 151667  # <IMG_CONTEXT> in the Qwen-tokenizer InternVL releases
@@ -96,8 +98,6 @@ class InternVisionArgs:
             raise ValueError(f"vision_config.norm_type: expected 'layer_norm' or 'rms_norm', got {self.norm_type!r}")
         if self.image_size % self.patch_size:
             raise ValueError(f"vision_config: image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
-        from megatron_vlm.models.common.mlp import get_activation
-
         get_activation(self.hidden_act)
 
     def to_hf(self) -> dict:
@@ -288,8 +288,6 @@ class InternVLArgs:
         n = self.vision.num_hidden_layers
         if not -(n + 1) <= self.vision_feature_layer <= n:
             raise ValueError(f"config.json: vision_feature_layer {self.vision_feature_layer} is outside [-{n + 1}, {n}]")
-        from megatron_vlm.models.common.mlp import get_activation
-
         get_activation(self.projector_hidden_act)
 
     def to_hf_config(self) -> dict:

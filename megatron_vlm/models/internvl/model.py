@@ -1,6 +1,6 @@
 """InternVL architecture: InternViT + pixel shuffle + MLP projector + Qwen2 / Qwen3 decoder.
 
-Architecture only (DESIGN.md §5): no parallelism, no checkpoint I/O, no fused-qkv handling (the
+Architecture only (parallelism, checkpoint I/O and training policy live elsewhere): no parallelism, no checkpoint I/O, no fused-qkv handling (the
 state-dict adapter maps both transformers' and OpenGVLab's weights onto these modules). Forward
 matches `transformers.InternVLForConditionalGeneration`.
 

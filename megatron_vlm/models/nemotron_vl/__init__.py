@@ -1,21 +1,7 @@
 """Nemotron-H (hybrid Mamba2 / attention / MoE decoder) and Nemotron-3-Nano-VL (RADIO + projector, or the
-Qwen3-VL vision tower with its patch merger and DeepStack: see args.py for the config layouts)."""
-from megatron_vlm.models.nemotron_vl.args import NemotronHTextArgs, NemotronVLArgs, RadioVisionArgs
-from megatron_vlm.models.nemotron_vl.cache import HybridCache
-from megatron_vlm.models.nemotron_vl.model import NemotronVLForConditionalGeneration
-from megatron_vlm.models.nemotron_vl.parallelize import parallelize_nemotron_vl
-from megatron_vlm.models.nemotron_vl.state_dict_adapter import NemotronVLStateDictAdapter
-from megatron_vlm.models.registry import ModelFamily
+Qwen3-VL vision tower with its patch merger and DeepStack: see args.py for the config layouts).
 
-FAMILY = ModelFamily(
-    name="nemotron_vl",
-    args_cls=NemotronVLArgs,
-    model_cls=NemotronVLForConditionalGeneration,
-    state_dict_adapter=NemotronVLStateDictAdapter,
-    parallelize=parallelize_nemotron_vl,
-)
-
-__all__ = [
-    "FAMILY", "NemotronHTextArgs", "NemotronVLArgs", "RadioVisionArgs", "HybridCache",
-    "NemotronVLForConditionalGeneration", "NemotronVLStateDictAdapter", "parallelize_nemotron_vl",
-]
+Import the submodules directly (`args`, `model`, `state_dict_adapter`, `parallelize`; `family` holds
+the registry entry): this package file imports none of them, so importing one submodule never
+cycles back through the package.
+"""

@@ -7,7 +7,7 @@ Two model types share this family:
   shuffle + MLP projector + the same language model under `text_config` (`llm_config` in older
   releases). The audio branch is out of scope: a config with an `audio_config` is rejected.
 * `nemotron_h_omni` whose `vision_config.model_type` is `qwen3_vl_vision` (or `qwen3_vl`): the
-  Nemotron-3-Nano-VL variant trained by cosmos-rl (seed 002), with the Qwen3-VL vision tower, its
+  Nemotron-3-Nano-VL variant trained by cosmos-rl, with the Qwen3-VL vision tower, its
   patch merger and DeepStack mergers (`Qwen3VLVisionArgs`, `out_hidden_size` = the NemotronH hidden
   size) in place of RADIO + projector. Layout read and written:
   `{"model_type": "nemotron_h_omni", "architectures": ["NemotronVLForConditionalGeneration"],

@@ -40,7 +40,7 @@ class HybridCache:
                 self._mamba[i] = Mamba2State.zeros(layer.mixer, batch, device=device)
         if attention is not None:
             self.kv: Optional[KVCache] = KVCache(
-                len(self._kv_index), batch, max_len, attention.num_kv_heads, attention.head_dim, dtype=dtype, device=device
+                len(self._kv_index), batch, max_len, attention.local_heads()[1], attention.head_dim, dtype=dtype, device=device
             )
         else:  # a decoder without attention still tracks lengths and padding
             self.kv = KVCache(1, batch, max_len, 1, 1, dtype=dtype, device=device)

@@ -1,6 +1,6 @@
 """Nemotron-H hybrid language model and the Nemotron-3-Nano-VL vision-language model.
 
-Architecture only (DESIGN.md §5). The decoder is transformers' `NemotronHModel`: a stack of
+Architecture only (no parallelism, checkpoint I/O or training policy). The decoder is transformers' `NemotronHModel`: a stack of
 pre-norm residual blocks `x + mixer(RMSNorm(x))` whose mixer is, per `layers_block_type`, a Mamba2
 mixer ("linear_attention"), grouped-query attention without positional encoding
 ("full_attention"), a relu^2 MLP ("mlp") or a MoE with sigmoid routing and one shared expert
@@ -19,7 +19,7 @@ Input forms of `forward` (the Qwen2.5-VL family's API):
 * padded batch: input_ids [B, T] (+ attention_mask [B, T], left or right padding): padding is
   masked out of attention and zeroed in the Mamba mixers, so it never changes real tokens;
 * packed: input_ids [1, T] + `cu_seqlens`: attention and the Mamba scans restart per sample;
-* decoding: `kv_cache` = `model.make_cache(batch, max_len)` (KV for attention layers, conv + SSM
+* decoding: `kv_cache` = `model.new_cache(batch_size, max_len)` (KV for attention layers, conv + SSM
   state for Mamba layers): prefill, then one or more tokens per call.
 Nemotron-H has no positional encoding (position is carried by the Mamba layers), so
 `position_ids` is accepted for API compatibility and has no effect.
@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from megatron_vlm.models.common.attention import Attention
+from megatron_vlm.models.common.deepstack import add_deepstack
 from megatron_vlm.models.common.mamba2 import Mamba2Mixer
 from megatron_vlm.models.common.merge import merge_vision_embeddings
 from megatron_vlm.models.common.moe import MoE, activation_fn
@@ -39,7 +40,6 @@ from megatron_vlm.models.common.norms import RMSNorm
 from megatron_vlm.models.common.vlm_base import VLMBase, check_forward_inputs, cu_seqlens_max, new_tokens_mask
 from megatron_vlm.models.nemotron_vl.args import NemotronHTextArgs, NemotronVLArgs
 from megatron_vlm.models.nemotron_vl.cache import HybridCache
-from megatron_vlm.models.qwen3_vl.model import Qwen3VLVisionModel
 from megatron_vlm.models.nemotron_vl.vision import (
     LayerNorm,
     NemotronVLProjector,
@@ -48,6 +48,7 @@ from megatron_vlm.models.nemotron_vl.vision import (
     RadioVisionModel,
     shuffle_and_project,
 )
+from megatron_vlm.models.qwen3_vl.model import Qwen3VLVisionModel
 
 
 class NemotronHMLP(nn.Module):
@@ -61,11 +62,6 @@ class NemotronHMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.up_proj(x)))
-
-
-def _identity_rotary(x: torch.Tensor, head_dim: int):
-    shape = (*x.shape[:-1], head_dim)
-    return x.new_ones(1, dtype=torch.float32).expand(shape), x.new_zeros(1, dtype=torch.float32).expand(shape)
 
 
 class NemotronHBlock(nn.Module):
@@ -112,15 +108,14 @@ class NemotronHBlock(nn.Module):
         if self.block_type == "linear_attention":
             state = None if cache is None else cache.mamba_state(layer_idx)
             h = self.mixer(h, attention_mask=attention_mask, cu_seqlens=cu_seqlens, state=state)
-        elif self.block_type == "full_attention":
+        elif self.block_type == "full_attention":  # no positional encoding: cos / sin None skip the rotary
             if cu_seqlens is not None:
-                out = self.mixer(h[0], *_identity_rotary(h[0], self.mixer.head_dim), cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-                h = out.unsqueeze(0)
+                h = self.mixer(h[0], None, None, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen).unsqueeze(0)
             elif cache is not None:
-                h = self.mixer(h, *_identity_rotary(h, self.mixer.head_dim), kv_cache=cache.kv, layer_idx=cache.kv_index(layer_idx))
+                h = self.mixer(h, None, None, kv_cache=cache.kv, layer_idx=cache.kv_index(layer_idx))
             else:
                 mask = None if attention_mask is None else attention_mask.bool()
-                h = self.mixer(h, *_identity_rotary(h, self.mixer.head_dim), key_padding_mask=mask)
+                h = self.mixer(h, None, None, key_padding_mask=mask)
         elif self.block_type == "moe":
             h = self.mixer(h, token_mask=attention_mask)
         else:
@@ -152,14 +147,11 @@ class NemotronHTextModel(nn.Module):
         flattened token positions `visual_index` [n] (row-major over [B, T])."""
         x = inputs_embeds
         max_seqlen = cu_seqlens_max(cu_seqlens) if cu_seqlens is not None else None
-        deepstack_embeds = deepstack_embeds or []
-        if len(deepstack_embeds) > len(self.layers):
+        if deepstack_embeds and len(deepstack_embeds) > len(self.layers):
             raise ValueError(f"{len(deepstack_embeds)} DeepStack feature levels but only {len(self.layers)} decoder blocks")
         for i, layer in enumerate(self.layers):
             x = layer(x, attention_mask=attention_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cache=cache, layer_idx=i)
-            if i < len(deepstack_embeds):
-                flat = x.reshape(-1, x.shape[-1]).index_add(0, visual_index, deepstack_embeds[i].to(x.dtype))
-                x = flat.view_as(x)
+            x = add_deepstack(x, i, visual_index, deepstack_embeds)
         return self.norm_f(x)
 
 
@@ -167,7 +159,7 @@ class NemotronVLForConditionalGeneration(VLMBase):
     """`language_model` + `lm_head`, and for nemotron_h_omni `vision_model` + `multi_modal_projector`
     (RADIO) or `vision_model` alone (the Qwen3-VL tower, whose patch merger is the projector).
 
-    Decoding state comes from `make_cache` (KV + Mamba states), not `new_kv_cache`."""
+    Decoding state comes from `new_cache` (a `HybridCache`: KV for attention layers + Mamba states)."""
 
     def __init__(self, args: NemotronVLArgs, hf_config: Optional[dict] = None) -> None:
         super().__init__(args, hf_config)
@@ -199,11 +191,11 @@ class NemotronVLForConditionalGeneration(VLMBase):
             return []
         return list(self.vision_model.blocks if self.args.vision_tower == "qwen3_vl" else self.vision_model.layers)
 
-    def make_cache(self, batch: int, max_len: int, *, dtype: Optional[torch.dtype] = None, device=None) -> HybridCache:
-        """Decoding state for `batch` sequences of up to `max_len` tokens (KV + Mamba conv/SSM states)."""
+    def new_cache(self, batch_size: int, max_len: int, *, dtype: Optional[torch.dtype] = None, device=None) -> HybridCache:
+        """Decoding state for `batch_size` sequences of up to `max_len` tokens (KV + Mamba conv/SSM states)."""
         ref = self.lm_head.weight
         return HybridCache(
-            self.language_model.layers, batch, max_len,
+            self.language_model.layers, batch_size, max_len,
             dtype=dtype or ref.dtype, device=device if device is not None else ref.device,
         )
 

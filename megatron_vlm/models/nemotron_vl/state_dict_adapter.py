@@ -23,7 +23,7 @@ vision tower is written as `vision_model.` + the names transformers' `Qwen3VLVis
 (`patch_embed.proj` Conv3d, `pos_embed`, `blocks.{i}.attn.qkv` / `attn.proj` / `mlp.linear_fc{1,2}`,
 `merger.{norm,linear_fc1,linear_fc2}`, `deepstack_merger_list.{j}.*`), converted by the Qwen3-VL
 family's own adapter (not repeated here). Why this naming: NVIDIA's public Nemotron-3-Nano-VL code
-in cosmos-rl (the `dev/nemotron` branch of seed 002: its `parallelize.py` and weight-check scripts
+in cosmos-rl (its `dev/nemotron` branch: `parallelize.py` and weight-check scripts
 for `NVIDIA-Nemotron-3-Nano-VL-30B-A3B`) reads the checkpoint straight into a remote-code model
 whose top-level modules are `vision_model` (a Qwen3-VL vision tower - `train_layers =
 ["Qwen3VLVisionPatchMerger"]` selects its mergers by class name) and `language_model`, with

@@ -45,12 +45,6 @@ class LayerNorm(nn.Module):
         nn.init.zeros_(self.bias)
 
 
-def _identity_rotary(x: torch.Tensor, head_dim: int):
-    """cos = 1, sin = 0 per token: RADIO has no rotary (apply_rotary is then exactly the identity)."""
-    shape = (*x.shape[:-1], head_dim)
-    return x.new_ones(1, dtype=torch.float32).expand(shape), x.new_zeros(1, dtype=torch.float32).expand(shape)
-
-
 class RadioLayerScale(nn.Module):
     def __init__(self, hidden_size: int) -> None:
         super().__init__()
@@ -86,7 +80,6 @@ class RadioLayer(nn.Module):
     def __init__(self, args: RadioVisionArgs) -> None:
         super().__init__()
         h = args.hidden_size
-        self.head_dim = args.head_dim
         self.norm1 = LayerNorm(h, args.layer_norm_eps)
         self.attention = Attention(
             h, args.num_attention_heads, args.num_attention_heads, args.head_dim,
@@ -102,8 +95,8 @@ class RadioLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
         """x packed `[T, hidden]`, one segment per image in `cu_seqlens`."""
-        cos, sin = _identity_rotary(x, self.head_dim)
-        x = x + self.layer_scale1(self.attention(self.norm1(x), cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen))
+        # RADIO has absolute position embeddings and no rotary: cos / sin None skip it
+        x = x + self.layer_scale1(self.attention(self.norm1(x), None, None, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen))
         return x + self.layer_scale2(self.mlp(self.norm2(x)))
 
 

@@ -1,6 +1,6 @@
 """Qwen2.5-VL architecture: window-attention ViT + 2x2 patch merger + Qwen2 decoder with M-RoPE.
 
-Architecture only (DESIGN.md §5): no parallelism, no checkpoint I/O, no fused-qkv handling (the
+Architecture only (parallelism, checkpoint I/O and training policy live elsewhere): no parallelism, no checkpoint I/O, no fused-qkv handling (the
 state-dict adapter maps transformers' weights onto these modules). Forward matches
 `transformers.Qwen2_5_VLForConditionalGeneration` given `mm_token_type_ids`; here the 3-D positions
 are derived from `input_ids` and the grids whether or not `mm_token_type_ids` is passed.
@@ -24,7 +24,7 @@ from megatron_vlm.models.common.attention import Attention
 from megatron_vlm.models.common.decoder import DecoderLayer
 from megatron_vlm.models.common.merge import merge_vision_embeddings
 from megatron_vlm.models.common.mlp import SwiGLUMLP
-from megatron_vlm.models.common.mrope_index import get_mrope_position_ids
+from megatron_vlm.models.common.mrope_index import cached_mrope_position_ids, get_mrope_position_ids
 from megatron_vlm.models.common.norms import RMSNorm
 from megatron_vlm.models.common.rotary import mrope_cos_sin, vision_rope_cos_sin
 from megatron_vlm.models.common.vision import (
@@ -222,9 +222,10 @@ class Qwen2_5_VLForConditionalGeneration(KVCacheMixin, VLMBase):
         if kv_cache is not None:
             new_mask = new_tokens_mask(key_padding_mask, input_ids)
             if position_ids is None:
-                position_ids = self._cached_position_ids(
-                    input_ids, kv_cache, new_mask, image_grid_thw, video_grid_thw, second_per_grid_ts, mm_token_type_ids
-                )
+                position_ids = cached_mrope_position_ids(input_ids, kv_cache, new_mask, lambda mask: self.compute_position_ids(
+                    input_ids, attention_mask=mask, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+                    second_per_grid_ts=second_per_grid_ts, mm_token_type_ids=mm_token_type_ids,
+                ))
             kv_cache.begin_step(input_ids.shape[1], new_mask)
             key_padding_mask = None  # the cache supplies the mask over all cached keys
         elif position_ids is None:
@@ -243,22 +244,3 @@ class Qwen2_5_VLForConditionalGeneration(KVCacheMixin, VLMBase):
         if return_hidden:
             return hidden
         return self.lm_head(hidden)
-
-    def _cached_position_ids(
-        self, input_ids, kv_cache, new_mask, image_grid_thw, video_grid_thw, second_per_grid_ts, mm_token_type_ids
-    ) -> torch.Tensor:
-        """Prefill (empty cache): full get_rope_index, storing per-sample rope deltas in the cache.
-        Later steps: text positions continue at (valid tokens so far) + rope_delta for each sample (new
-        tokens are text; a generated placeholder id is embedded as a plain token, as transformers does)."""
-        if kv_cache.seq_len == 0:
-            position_ids, deltas = self.compute_position_ids(
-                input_ids, attention_mask=new_mask, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
-                second_per_grid_ts=second_per_grid_ts, mm_token_type_ids=mm_token_type_ids,
-            )
-            kv_cache.set_rope_deltas(deltas)
-            return position_ids
-        valid = new_mask.long() if new_mask is not None else torch.ones_like(input_ids)
-        start = kv_cache.valid_lengths().unsqueeze(1)  # [B, 1] real tokens already cached
-        pos = start + valid.cumsum(-1) - 1 + kv_cache.rope_deltas.to(input_ids.device)
-        pos = pos.masked_fill(valid == 0, 0)
-        return pos.unsqueeze(0).expand(3, -1, -1)

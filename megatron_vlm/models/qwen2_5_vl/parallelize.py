@@ -1,9 +1,9 @@
-"""Qwen2.5-VL parallel plan: declare the units, call the shared `megatron_vlm.parallel` helpers.
+"""Qwen2.5-VL parallelisation: the shared `make_parallelize` body.
 
-Order (DESIGN.md §5): TP -> EP -> CP -> activation checkpointing -> compile -> FSDP. This family is
-dense and its tensor-parallel plan is not declared yet, so only the last three steps apply. The
-units are `model.transformer_blocks()` (every vision block and decoder layer); embeddings, merger,
-final norm and lm_head stay in the root FSDP group, which also keeps tied embeddings in one group.
+This family is dense, so of TP -> EP -> CP -> activation checkpointing -> compile -> FSDP only the
+last three apply. Activation checkpointing covers `model.transformer_blocks()` (every vision block
+and decoder layer); the decoder layers are the FSDP units; embeddings, merger, final norm and lm_head
+stay in the root FSDP group, which also keeps tied embeddings in one group.
 """
 from __future__ import annotations
 

@@ -20,6 +20,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from megatron_vlm.models.common.mlp import get_activation
+
 MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 
 
@@ -94,8 +96,6 @@ class Qwen3VLVisionArgs:
                 raise ValueError(f"vision_config.deepstack_visual_indexes: {i} is outside [0, depth={self.depth})")
         if len(set(self.deepstack_visual_indexes)) != len(self.deepstack_visual_indexes):
             raise ValueError(f"vision_config.deepstack_visual_indexes: {self.deepstack_visual_indexes} has repeats")
-        from megatron_vlm.models.common.mlp import get_activation
-
         get_activation(self.hidden_act)
 
     def to_hf(self, model_type: str) -> dict:

@@ -1,7 +1,7 @@
 """Qwen3-VL architecture: ViT with DeepStack + 2x2 patch merger + Qwen3 (or Qwen3-MoE) decoder with
 interleaved M-RoPE.
 
-Architecture only (DESIGN.md §5): no parallelism, no checkpoint I/O, no fused-qkv handling (the
+Architecture only (parallelism, checkpoint I/O and training policy live elsewhere): no parallelism, no checkpoint I/O, no fused-qkv handling (the
 state-dict adapter maps transformers' weights onto these modules). Forward matches
 `transformers.Qwen3VLForConditionalGeneration` / `Qwen3VLMoeForConditionalGeneration` given
 `mm_token_type_ids`; here the 3-D positions are derived from `input_ids` and the grids whether or
@@ -34,10 +34,11 @@ from torch import nn
 
 from megatron_vlm.models.common.attention import Attention
 from megatron_vlm.models.common.decoder import DecoderLayer
+from megatron_vlm.models.common.deepstack import add_deepstack
 from megatron_vlm.models.common.merge import merge_vision_embeddings
 from megatron_vlm.models.common.mlp import MLP, SwiGLUMLP
 from megatron_vlm.models.common.moe import MoE
-from megatron_vlm.models.common.mrope_index import get_mrope_position_ids
+from megatron_vlm.models.common.mrope_index import cached_mrope_position_ids, get_mrope_position_ids
 from megatron_vlm.models.common.norms import LayerNorm, RMSNorm
 from megatron_vlm.models.common.rotary import mrope_cos_sin, vision_rope_cos_sin
 from megatron_vlm.models.common.vision import VisionPatchEmbed, vision_cu_seqlens, vision_hw_position_ids
@@ -203,15 +204,12 @@ class Qwen3VLTextModel(nn.Module):
         if cu_seqlens is not None:  # packed: drop the batch dim, attention is segmented by cu_seqlens
             x, cos, sin = x[0], cos[0], sin[0]
             max_seqlen = cu_seqlens_max(cu_seqlens)
-        deepstack_embeds = deepstack_embeds or []
         for i, layer in enumerate(self.layers):
             x = layer(
                 x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                 key_padding_mask=key_padding_mask, kv_cache=kv_cache, layer_idx=i,
             )
-            if i < len(deepstack_embeds):
-                flat = x.reshape(-1, x.shape[-1]).index_add(0, visual_index, deepstack_embeds[i].to(x.dtype))
-                x = flat.view_as(x)
+            x = add_deepstack(x, i, visual_index, deepstack_embeds)
         x = self.norm(x)
         return x.unsqueeze(0) if cu_seqlens is not None else x
 
@@ -314,8 +312,10 @@ class Qwen3VLForConditionalGeneration(KVCacheMixin, VLMBase):
         if kv_cache is not None:
             new_mask = new_tokens_mask(key_padding_mask, input_ids)
             if position_ids is None:
-                position_ids = self._cached_position_ids(input_ids, kv_cache, new_mask, image_grid_thw, video_grid_thw,
-                                                         mm_token_type_ids)
+                position_ids = cached_mrope_position_ids(input_ids, kv_cache, new_mask, lambda mask: self.compute_position_ids(
+                    input_ids, attention_mask=mask, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+                    mm_token_type_ids=mm_token_type_ids,
+                ))
             kv_cache.begin_step(input_ids.shape[1], new_mask)
             key_padding_mask = None  # the cache supplies the mask over all cached keys
         elif position_ids is None:
@@ -335,20 +335,3 @@ class Qwen3VLForConditionalGeneration(KVCacheMixin, VLMBase):
         if return_hidden:
             return hidden
         return self.lm_head(hidden)
-
-    def _cached_position_ids(self, input_ids, kv_cache, new_mask, image_grid_thw, video_grid_thw, mm_token_type_ids):
-        """Prefill (empty cache): full position computation, storing per-sample rope deltas in the cache.
-        Later steps: text positions continue at (valid tokens so far) + rope_delta for each sample (new
-        tokens are text; a generated placeholder id is embedded as a plain token, as transformers does)."""
-        if kv_cache.seq_len == 0:
-            position_ids, deltas = self.compute_position_ids(
-                input_ids, attention_mask=new_mask, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
-                mm_token_type_ids=mm_token_type_ids,
-            )
-            kv_cache.set_rope_deltas(deltas)
-            return position_ids
-        valid = new_mask.long() if new_mask is not None else torch.ones_like(input_ids)
-        start = kv_cache.valid_lengths().unsqueeze(1)  # [B, 1] real tokens already cached
-        pos = start + valid.cumsum(-1) - 1 + kv_cache.rope_deltas.to(input_ids.device)
-        pos = pos.masked_fill(valid == 0, 0)
-        return pos.unsqueeze(0).expand(3, -1, -1)

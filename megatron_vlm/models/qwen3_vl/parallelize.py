@@ -1,7 +1,7 @@
-"""Qwen3-VL parallel plan: declare the units, call the shared `megatron_vlm.parallel` helpers.
+"""Qwen3-VL parallelisation: the shared `make_parallelize` body.
 
-Order (DESIGN.md §5): TP -> EP -> CP -> activation checkpointing -> compile -> FSDP. The shared
-helpers provide EP, AC, compile and FSDP2 today. MoE variants: with `parallel.ep` > 1 the routed
+Of TP -> EP -> CP -> activation checkpointing -> compile -> FSDP, the shared helpers provide EP, AC,
+compile and FSDP2. MoE variants: with `parallel.ep` > 1 the routed
 experts are sharded over the "ep" mesh dim (`apply_ep`, all-to-all token dispatch) and kept out of
 FSDP; with ep = 1 they are sharded by FSDP like any other parameter. Tensor / context parallelism
 are not implemented yet and fail loudly.

@@ -48,11 +48,15 @@ class _RewardCommon:
 @dataclass(kw_only=True)
 class MathRewardConfig(_RewardCommon):
     type: Literal["math"] = "math"
-    """Math answer verification: the final answer (last `\\boxed{}`, else a "final answer is ..." /
-    "answer: ..." phrase, else an `answer_tag` block) equals the reference numerically or
-    symbolically. LaTeX is parsed by our own parser into sympy objects; text is never evaluated."""
+    """Math answer verification: the final answer (an `answer_tag` block when set, else the last
+    `\\boxed{}`, else a "final answer is ..." / "answer: ..." phrase, else the last math environment)
+    equals the reference numerically, symbolically, as a set / interval / relation / matrix. LaTeX is
+    parsed by our own parser into sympy objects; text is never evaluated. Answer forms:
+    megatron_vlm/rl/rewards/README.md."""
+    fallback_last_math: bool = True
+    """If no boxed / phrased answer is found, use the last math environment ($...$, \\[...\\], ...)."""
     fallback_last_number: bool = False
-    """If no boxed / phrased answer is found, use the last number in the completion."""
+    """If no boxed / phrased answer or math environment is found, use the last number in the completion."""
     rel_tol: float = 1e-6
     """Relative tolerance for numeric equality (absolute 1e-9 near zero)."""
     answer_tag: Optional[str] = None

@@ -1,10 +1,18 @@
 """Find the final answer inside a model completion.
 
-Completions are untrusted text: everything here is plain string scanning (no regex with nested
-quantifiers over the whole text, no evaluation). The order of preference is the convention of
-the seed recipes and of math-verify: the last `\\boxed{...}` (or `\\fbox{...}`), then an
-`<answer>`-style tag when configured, then a "final answer is ..." / "Answer: ..." phrase, then
-(optionally) the last number.
+Completions are untrusted text: everything here is plain string scanning in linear time (one pass
+for boxes, no regex with nested quantifiers over the whole text, no evaluation). The order of
+preference follows math-verify's documented LaTeX extraction (boxed first), with our options:
+
+1. the content of an `<answer_tag>...</answer_tag>` block, when configured (its own box / phrase
+   / math inside it win);
+2. the last `\\boxed{...}` / `\\fbox{...}` that closes (also the brace-less `\\boxed 5`);
+3. the last final-answer phrase: "final answer is", "the answer is", "correct answer is",
+   "Answer:" (also bold "**Answer:**"), taking the math after it on its line (or on the next
+   non-empty line): one math environment, several joined by "or" / "and" / "," (kept as a list), or
+   the plain text up to the end of the sentence;
+4. with `fallback_last_math`: the last math environment (`$...$`, `$$...$$`, `\\(...\\)`, `\\[...\\]`);
+5. with `fallback_last_number`: the last number.
 """
 from __future__ import annotations
 
@@ -16,6 +24,7 @@ __all__ = [
     "last_boxed",
     "last_tag_content",
     "answer_phrase",
+    "last_math_env",
     "last_number",
     "extract_answer",
     "strip_math_delimiters",
@@ -27,56 +36,50 @@ the work any downstream parser does on adversarial text."""
 
 _BOXED = ("\\boxed", "\\fbox")
 _PHRASE = re.compile(
-    r"(?:final\s+answer\s*(?:is|:|=)|the\s+answer\s+is|answer\s*:|correct\s+(?:answer|option|choice)\s+is)\s*",
+    r"(?:final\s+answer\s*(?:is|:|=)|the\s+answer\s+is|answer\s+is|correct\s+(?:answer|option|choice)\s+is"
+    r"|answer(?:\*\*)?[ \t]*:)[ \t]*:?[ \t]*\**[ \t]*",
     re.IGNORECASE,
 )
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?|-?\.\d+")
+_CONNECTOR = re.compile(r"\s*(?:,|;|\bor\b|\band\b)?\s*", re.IGNORECASE)
 
 
-def _braced(text: str, start: int) -> Optional[tuple[str, int]]:
-    """Content of the balanced {...} group opening at text[start] == '{', and the index after it.
-    Escaped braces (\\{ \\}) do not count."""
-    depth = 0
-    i = start
-    while i < len(text):
-        c = text[i]
-        if c == "\\":
-            i += 2
+_BOX_SCAN = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z]) *|\\.|[{}]", re.DOTALL)
+
+
+def _scan_boxes(text: str) -> Optional[str]:
+    """One left-to-right pass (regex-driven, so the scan itself runs in C): the content of the closed
+    box that opens last. Brace depth is a stack of open positions; escaped braces (\\{ \\}) and other
+    escapes do not count; an unclosed box is never returned."""
+    stack: list[tuple[int, bool]] = []  # (content start, is a box opening)
+    best_start, best = -1, None
+    pending_box = -1  # end of a "\boxed " token just read: a '{' right there opens the box
+    for m in _BOX_SCAN.finditer(text):
+        tok = m.group(0)
+        if tok[0] == "\\":
+            if tok.startswith(("\\boxed", "\\fbox")):
+                end = m.end()
+                if end < len(text) and text[end] != "{" and end > m.start() + len(tok.rstrip()):
+                    word = re.match(r"[^\s$]+", text[end:end + MAX_ANSWER_CHARS + 1])  # "\boxed 5"
+                    if word and m.start() > best_start:
+                        best_start, best = m.start(), word.group(0)
+                pending_box = end
             continue
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + 1:i], i + 1
-        i += 1
-    return None
+        if tok == "{":
+            stack.append((m.end(), m.start() == pending_box))
+        elif stack:
+            start, is_box = stack.pop()
+            if is_box and start > best_start:
+                best_start, best = start, text[start:m.start()].strip()
+    return best
 
 
 def last_boxed(text: str) -> Optional[str]:
-    """Content of the last \\boxed{...} / \\fbox{...} (also the brace-less `\\boxed 5` form)."""
-    best = -1
-    for cmd in _BOXED:
-        best = max(best, text.rfind(cmd))
-    while best >= 0:
-        cmd = next(c for c in _BOXED if text.startswith(c, best))
-        j = best + len(cmd)
-        while j < len(text) and text[j] == " ":
-            j += 1
-        if j < len(text) and text[j] == "{":
-            got = _braced(text, j)
-            if got is not None:
-                return got[0].strip()
-        elif j > best + len(cmd) and j < len(text):
-            m = re.match(r"[^\s$]+", text[j:])
-            if m:
-                return m.group(0)
-        # malformed (unclosed) box: try an earlier one
-        nxt = -1
-        for c in _BOXED:
-            nxt = max(nxt, text.rfind(c, 0, best))
-        best = nxt
-    return None
+    """Content of the last \\boxed{...} / \\fbox{...} that is closed (also the brace-less `\\boxed 5`).
+    An unclosed box is skipped; an earlier closed one (or one nested inside it) is used instead."""
+    if not isinstance(text, str) or ("\\boxed" not in text and "\\fbox" not in text):
+        return None
+    return _scan_boxes(text)
 
 
 def last_tag_content(text: str, tag: str) -> Optional[str]:
@@ -91,28 +94,78 @@ def last_tag_content(text: str, tag: str) -> Optional[str]:
     return text[start + len(open_t):end].strip()
 
 
+_ENV_OPEN = re.compile(r"\$\$|\\\[|\\\(|(?<!\\)\$")
+_ENV_CLOSE = {"$$": "$$", "\\[": "\\]", "\\(": "\\)", "$": "$"}
+
+
+def _math_envs(text: str) -> list[tuple[int, int, str]]:
+    """(start, end, content) of the math environments in text, left to right: openers are found by a
+    regex scan, closers with str.find, and the scan resumes after each environment (linear time)."""
+    out = []
+    pos = 0
+    while True:
+        m = _ENV_OPEN.search(text, pos)
+        if m is None:
+            return out
+        a = m.group(0)
+        b = _ENV_CLOSE[a]
+        j = text.find(b, m.end())
+        while b == "$" and j > 0 and text[j - 1] == "\\":  # \$ is a dollar sign
+            j = text.find(b, j + 1)
+        if j < 0:
+            return out
+        out.append((m.start(), j + len(b), text[m.end():j].strip()))
+        pos = j + len(b)
+
+
+def last_math_env(text: str) -> Optional[str]:
+    """Content of the last non-empty math environment ($...$, $$...$$, \\(...\\), \\[...\\])."""
+    envs = [e for e in _math_envs(text) if e[2]]
+    return envs[-1][2] if envs else None
+
+
+def _after_phrase(rest: str) -> Optional[str]:
+    lines = rest.split("\n")
+    line = lines[0].strip()
+    k = 1
+    while not line and k < len(lines) and k < 4:  # "Answer:\n\n42"
+        line = lines[k].strip()
+        k += 1
+    if not line:
+        return None
+    if line.startswith(("$$", "\\[")) and len(lines) > k:  # display math spanning lines
+        line = " ".join([line] + [ln.strip() for ln in lines[k:k + 4]])
+    boxed = last_boxed(line)
+    if boxed is not None:
+        return boxed
+    envs = [e for e in _math_envs(line) if e[2]]
+    if envs:
+        # several environments joined only by connectors ("$x=2$ or $x=3$") form a list
+        joined = [envs[0][2]]
+        for prev, cur in zip(envs, envs[1:]):
+            if _CONNECTOR.fullmatch(line[prev[1]:cur[0]]):
+                joined.append(cur[2])
+            else:
+                break
+        return ", ".join(joined)
+    line = line.strip("*").strip()
+    # plain text: up to the end of the sentence (a final "." or ". " before a capitalised word; not a
+    # decimal point, and not "B. 7 cm" in a choice)
+    m = re.search(r"\.(?:\s+(?=[A-Z][a-z])|\s*$)", line)
+    if m:
+        line = line[:m.start()]
+    return line.strip() or None
+
+
 def answer_phrase(text: str) -> Optional[str]:
-    """What follows the last "final answer is" / "the answer is" / "Answer:" phrase, up to the end of
-    its line (a trailing period and surrounding $ or ** are dropped)."""
+    """The answer after the last "final answer is" / "the answer is" / "Answer:" phrase (see the
+    module docstring)."""
     last = None
     for m in _PHRASE.finditer(text):
         last = m
     if last is None:
         return None
-    rest = text[last.end():]
-    line = rest.split("\n", 1)[0].strip()
-    if not line and "\n" in rest:  # "Answer:\n42"
-        line = rest.split("\n", 2)[1].strip()
-    boxed = last_boxed(line)
-    if boxed is not None:
-        return boxed
-    line = line.strip("*").strip()
-    if line.endswith("."):
-        line = line[:-1].rstrip()
-    line = strip_math_delimiters(line)
-    if line.endswith("."):
-        line = line[:-1].rstrip()
-    return line or None
+    return _after_phrase(text[last.end():])
 
 
 def last_number(text: str) -> Optional[str]:
@@ -134,9 +187,10 @@ def extract_answer(
     text: str,
     *,
     answer_tag: Optional[str] = None,
+    fallback_last_math: bool = False,
     fallback_last_number: bool = False,
 ) -> Optional[str]:
-    """The final answer of a completion, or None if it states none (see module docstring)."""
+    """The final answer of a completion, or None if it states none (order: module docstring)."""
     if not isinstance(text, str):
         return None
     candidate = None
@@ -148,6 +202,8 @@ def extract_answer(
         candidate = last_boxed(text)
     if candidate is None:
         candidate = answer_phrase(text)
+    if candidate is None and fallback_last_math:
+        candidate = last_math_env(text)
     if candidate is None and fallback_last_number:
         candidate = last_number(text)
     if candidate is None or len(candidate) > MAX_ANSWER_CHARS:

@@ -8,11 +8,14 @@ character or command rejects the input. A recursive-descent parser then calls sy
 Size limits (characters, tokens, nesting depth, digits, integer exponents) keep adversarial inputs
 from making sympy compute huge numbers.
 
-Covered: integers, decimals, thousands separators, \\frac / \\dfrac (also \\frac12), \\sqrt and
-\\sqrt[n], powers, implicit multiplication (2\\sqrt{3}, 3\\pi, 2x), unary minus, \\pi, \\infty,
-Greek letters, subscripted symbols, trig / log functions, |abs|, n!, percentages, degrees and
-trailing units (dropped), "x = 5" (the right-hand side), tuples / intervals (ordered, bracket kinds
-kept) and \\{sets\\} / bare comma lists (unordered).
+Covered: integers, decimals, thousands separators (1,000 / 1{,}000 / 1\\,000), \\frac / \\dfrac (also
+\\frac12), \\sqrt and \\sqrt[n], powers, implicit multiplication (2\\sqrt{3}, 3\\pi, 2x; never two
+numbers: "2 3" is rejected), unary minus, \\pi, \\infty, Greek letters, subscripted symbols,
+trig / log functions (\\sin 2x is sin(2x)), |abs|, n!, percentages ("%", "\\%", "percent"), degrees,
+trailing units and \\text{} words (dropped), relations (=, <, >, \\le, \\ge, \\ne, chains such as
+-1 < x \\le 4; `Rel`), "x \\in S" (S), tuples / intervals (ordered, bracket kinds kept), \\cup of
+intervals, \\mathbb{R}, \\emptyset, \\{sets\\} / bare comma lists and "or" / "and" lists (unordered),
+\\pm / \\mp (the set of both readings) and matrices (pmatrix / bmatrix / matrix / array; `Matrix`).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from typing import Union
 
 import sympy
 
-__all__ = ["LatexParseError", "Seq", "ParsedAnswer", "normalize_latex", "parse_latex", "MAX_INPUT_CHARS"]
+__all__ = ["LatexParseError", "Seq", "Rel", "Matrix", "ParsedAnswer", "normalize_latex", "parse_latex", "MAX_INPUT_CHARS"]
 
 MAX_INPUT_CHARS = 512
 MAX_TOKENS = 256
@@ -48,7 +51,25 @@ class Seq:
     close: str = ""
 
 
-Value = Union[sympy.Basic, Seq]
+@dataclass(frozen=True)
+class Rel:
+    """A relation or a chain of them: sides[0] ops[0] sides[1] ops[1] sides[2] ... The operators are
+    "=", "<", ">", "<=", ">=", "!="."""
+
+    ops: tuple
+    sides: tuple
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """A matrix (rows of sympy expressions); a vector is a one-column or one-row matrix."""
+
+    rows: tuple
+
+
+Value = Union[sympy.Basic, Seq, Rel, Matrix]
+_RELOPS = {"=": "=", "<": "<", ">": ">", "≤": "<=", "≥": ">=", "≠": "!="}
+MAX_PM = 4
 
 
 @dataclass(frozen=True)
@@ -64,7 +85,7 @@ _UNIT_WORDS = {
     "metre", "metres", "centimeter", "centimeters", "millimeter", "millimeters", "kilometer", "kilometers", "second",
     "seconds", "sec", "minute", "minutes", "min", "hour", "hours", "hr", "hrs", "kg", "g", "gram", "grams", "lb", "lbs",
     "pound", "pounds", "dollar", "dollars", "cent", "cents", "percent", "liter", "liters", "l", "ml", "cm2", "m2", "cm3",
-    "m3", "mph", "kmh", "s", "h",
+    "m3", "mph", "kmh", "s", "h", "mg", "km/h", "m/s", "ways", "people", "students", "days", "weeks", "years",
 }
 _GREEK = {
     "alpha", "beta", "gamma", "delta", "epsilon", "varepsilon", "zeta", "eta", "theta", "vartheta", "iota", "kappa",
@@ -79,14 +100,21 @@ _FUNCS = {
 _TEXT_BLOCK = re.compile(
     r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mbox|operatorname)\s*\{([^{}]*)\}(\s*\^\s*\{?\s*[23]\s*\}?)?"
 )
-_TOKEN = re.compile(r"\s*(?:(\\[{}])|(\\[A-Za-z]+)|(\d+(?:\.\d*)?|\.\d+)|([A-Za-z])|([-+*/^_(){}\[\],=!|%]))")
+_TOKEN = re.compile(r"\s*(?:(\\[{}])|(\\[A-Za-z]+)|(\d+(?:\.\d*)?|\.\d+)|([A-Za-z])|([-+*/^_(){}\[\],=!|%&<>≤≥≠∈]))")
+_COMMANDS = {"frac", "sqrt", "pi", "infty", "binom", "cup", "reals", "emptyset", "matbegin", "matend", "rowsep"}
+_CONNECTIVES = {"or", "and"}
 
 
 def _unwrap_text(m: re.Match) -> str:
     inner = m.group(1).strip()
-    # words (units such as "cm" with their ^2 / ^3, "square units") are dropped; digits or
+    low = inner.lower().strip(" .")
+    if low in _CONNECTIVES:  # "1 \text{ or } 2" is a list
+        return " , "
+    if low == "percent":
+        return " % "
+    # words (units such as "cm", "km/h" with their ^2 / ^3, "square units") are dropped; digits or
     # single-letter symbols are kept
-    if re.fullmatch(r"[A-Za-z .]*", inner) and (len(inner) > 1 or not inner):
+    if re.fullmatch(r"[A-Za-z ./]*", inner) and (len(re.sub(r"[^A-Za-z]", "", inner)) > 1 or not inner):
         return " "
     return " " + inner + (m.group(2) or "") + " "
 
@@ -100,25 +128,51 @@ def normalize_latex(text: str) -> tuple[str, bool]:
             break
     s = s.replace("\\$", " ").replace("$", " ")
     s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![A-Za-z])\s*\.?", "", s)
+    s = s.replace("\\\\", " \\rowsep ")  # matrix row separator, before "\\ " (a space) is dropped
     s = re.sub(r"\\(?:[,;:! ]|quad|qquad|displaystyle|limits)", " ", s).replace("~", " ")
     s = re.sub(r"\\[dt]frac(?![A-Za-z])", r"\\frac", s)
     s = re.sub(r"\\(?:cdot|times|ast)(?![A-Za-z])", "*", s)
     s = re.sub(r"\\div(?![A-Za-z])", "/", s)
     s = re.sub(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|\\degree|°", " ", s)
     s = s.replace("{,}", "")
+    s = re.sub(r"\\mathbb\s*\{\s*R\s*\}|\\mathbb\s*R(?![A-Za-z])|\\R(?![A-Za-z])", r"\\reals ", s)
+    s = re.sub(r"\\(?:varnothing|emptyset)(?![A-Za-z])|\\\{\s*\\\}", r"\\emptyset ", s)
+    s = re.sub(r"\\(?:leqslant|leq|le)(?![A-Za-z])|<=", "≤", s)
+    s = re.sub(r"\\(?:geqslant|geq|ge)(?![A-Za-z])|>=", "≥", s)
+    s = re.sub(r"\\(?:neq|ne)(?![A-Za-z])|!=", "≠", s)
+    s = re.sub(r"\\lt(?![A-Za-z])", "<", s)
+    s = re.sub(r"\\gt(?![A-Za-z])", ">", s)
+    s = re.sub(r"\\in(?![A-Za-z])", "∈", s)
+    s = re.sub(r"\\(?:angle|measuredangle)(?![A-Za-z])", " ", s)
+    # matrices: \begin{pmatrix} a & b \\ c & d \end{pmatrix} (also bmatrix, matrix, array{cc})
+    s = re.sub(r"\\begin\s*\{array\}\s*\{[^{}]*\}", r"\\begin{matrix}", s)
+    s = re.sub(r"\\begin\s*\{[pbBvV]?matrix\}", r" \\matbegin ", s)
+    s = re.sub(r"\\end\s*\{(?:[pbBvV]?matrix|array)\}", r" \\matend ", s)
+    s = re.sub(r"^\s*\(\s*(\\matbegin\b.*\\matend)\s*\)\s*$", r"\1", s)
     for _ in range(3):  # nested text blocks
         s = _TEXT_BLOCK.sub(_unwrap_text, s)
+    s = re.sub(r"(?<![A-Za-z\\])(?:or|and)(?![A-Za-z])", " , ", s)  # "x = 1 or x = 2"
+    s = re.sub(r"(?<![A-Za-z\\])percent(?![A-Za-z])", "%", s)
     s = s.replace("\\%", "%").strip()
     percent = s.endswith("%")
     if percent:
         s = s[:-1].strip()
-    # trailing unit words after a number or closing brace: "5 cm", "12 square units", "3 cm^2"
+    # trailing unit words after a number or closing brace: "5 cm", "12 square units", "3 cm^2",
+    # "10 apples" (plain words of three or more letters)
     words = s.split()
-    while len(words) > 1 and re.sub(r"\^?\{?[23]\}?$", "", words[-1]).lower().rstrip(".") in _UNIT_WORDS:
-        words.pop()
+    while len(words) > 1:
+        w = re.sub(r"\^?\{?[23]\}?$", "", words[-1]).rstrip(".")
+        if w.lower() in _UNIT_WORDS or re.fullmatch(r"[A-Za-z]{3,}", w):
+            words.pop()
+        else:
+            break
     s = " ".join(words)
-    if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
-        s = s.replace(",", "")
+    # "f(x) = ..." names the function: the answer is the right-hand side
+    s = re.sub(r"^\s*([A-Za-z])\s*\(\s*[A-Za-z]\s*\)\s*=", r"\1 =", s)
+    # thousands separators: "1,000", "1 000" (from 1\,000), also after "x ="
+    m = re.fullmatch(r"((?:[A-Za-z]\s*=\s*)?)(-?\d{1,3}(?:(?:,| )\d{3})+(?:\.\d+)?)", s.strip())
+    if m:
+        s = m.group(1) + re.sub(r"[, ]", "", m.group(2))
     return s.strip().rstrip("."), percent
 
 
@@ -136,10 +190,13 @@ def _tokenize(s: str) -> list[tuple[str, str]]:
             tokens.append(("LSET" if esc == "\\{" else "RSET", esc))
         elif cmd:
             name = cmd[1:]
-            if name not in _FUNCS and name not in _GREEK and name not in ("frac", "sqrt", "pi", "infty", "binom"):
+            if name not in _FUNCS and name not in _GREEK and name not in _COMMANDS:
                 raise LatexParseError(f"unsupported command \\{name}")
             tokens.append(("CMD", name))
         elif num:
+            # "2 3" is two numbers, never 6 (but "\log_2 8" and "x^2 3" are fine)
+            if tokens and tokens[-1][0] == "NUM" and not (len(tokens) > 1 and tokens[-2] in (("OP", "_"), ("OP", "^"))):
+                raise LatexParseError("two numbers in a row")
             if len(num.replace(".", "")) > MAX_DIGITS:
                 raise LatexParseError("number too long")
             tokens.append(("NUM", num))
@@ -194,25 +251,87 @@ class _Parser:
         return Seq("set", tuple(items))
 
     def relation(self) -> Value:
-        # "x = 5" and "(x, y) = (1, 2)": the answer is the last side
-        value = self.sequence_or_expr()
-        while self.peek() == ("OP", "="):
+        # "x = 5", "(x, y) = (1, 2)", "-1 < x \le 4"; "x \in S" is S
+        sides = [self.union()]
+        ops = []
+        while self.peek()[0] == "OP" and self.peek()[1] in _RELOPS or self.peek() == ("OP", "∈"):
+            op = self.take()[1]
+            if op == "∈":
+                if ops or len(sides) != 1:
+                    raise LatexParseError("unsupported use of \\in")
+                return self.union()
+            ops.append(_RELOPS[op])
+            sides.append(self.union())
+            if len(ops) > 3:
+                raise LatexParseError("relation chain too long")
+        if not ops:
+            return sides[0]
+        return Rel(tuple(ops), tuple(sides))
+
+    def union(self) -> Value:
+        items = [self.sequence_or_expr()]
+        while self.peek() == ("CMD", "cup"):
             self.take()
-            value = self.sequence_or_expr()
-        return value
+            items.append(self.sequence_or_expr())
+        if len(items) == 1:
+            return items[0]
+        flat = []
+        for it in items:
+            flat.extend(it.items if isinstance(it, Seq) and it.kind == "set" else (it,))
+        return Seq("set", tuple(flat))
+
+    _SEQ_FOLLOW = {("EOF", ""), ("OP", ","), ("OP", ")"), ("OP", "]"), ("RSET", "\\}"), ("CMD", "cup")} | {
+        ("OP", op) for op in _RELOPS
+    }
 
     def sequence_or_expr(self) -> Value:
         t = self.peek()
         if t == ("OP", "(") or t == ("OP", "["):
             # a bracketed list standing alone (tuple / interval) — otherwise a normal expression
             save = self.i
-            seq = self.bracket_list()
-            if isinstance(seq, Seq) and self.peek() in (("EOF", ""), ("OP", ","), ("OP", "="), ("OP", ")"), ("OP", "]"), ("RSET", "\\}")):
+            try:
+                seq = self.bracket_list()
+            except LatexParseError:
+                seq = None
+            if isinstance(seq, (Seq, Matrix)) and self.peek() in self._SEQ_FOLLOW:
                 return seq
             self.i = save
+            self.depth = 0 if self.depth < 0 else self.depth
         if t[0] == "LSET":
             return self.set_literal()
+        if t == ("CMD", "reals"):
+            self.take()
+            return Seq("tuple", (-sympy.oo, sympy.oo), "(", ")")
+        if t == ("CMD", "emptyset"):
+            self.take()
+            return Seq("set", ())
+        if t == ("CMD", "matbegin"):
+            return self.matrix()
         return self.expr()
+
+    def matrix(self) -> Matrix:
+        self.take()
+        self.enter()
+        rows, row = [], [self.expr()]
+        while True:
+            t = self.take()
+            if t == ("OP", "&"):
+                row.append(self.expr())
+            elif t == ("CMD", "rowsep"):
+                rows.append(tuple(row))
+                if self.peek() == ("CMD", "matend"):
+                    self.take()
+                    break
+                row = [self.expr()]
+            elif t == ("CMD", "matend"):
+                rows.append(tuple(row))
+                break
+            else:
+                raise LatexParseError(f"unexpected {t[1]!r} in a matrix")
+        self.depth -= 1
+        if len({len(r) for r in rows}) != 1:
+            raise LatexParseError("ragged matrix")
+        return Matrix(tuple(rows))
 
     def bracket_list(self) -> Value:
         open_t = self.take()[1]
@@ -253,7 +372,9 @@ class _Parser:
 
     def _starts_atom(self) -> bool:
         kind, val = self.peek()
-        return kind in ("NUM", "LETTER", "CMD", "LSET") or (kind == "OP" and val in ("(", "{", "|"))
+        if kind == "CMD":
+            return val in _FUNCS or val in _GREEK or val in ("frac", "sqrt", "pi", "infty", "binom")
+        return kind in ("NUM", "LETTER", "LSET") or (kind == "OP" and val in ("(", "{", "|"))
 
     def term(self) -> sympy.Basic:
         left = self.unary()
@@ -398,8 +519,10 @@ class _Parser:
             self.depth -= 1
         elif self.peek() == ("OP", "{"):
             arg = self.group()
-        else:
+        else:  # "\sin 2x" is sin(2x): the following run of numbers / letters / constants
             arg = self.power()
+            while self.peek()[0] == "LETTER" or self.peek()[0] == "CMD" and (self.peek()[1] in _GREEK or self.peek()[1] == "pi"):
+                arg = arg * self.power()
         value = fn(arg) if base is None else sympy.log(arg, base)
         return self._pow(value, power) if power is not None else value
 
@@ -469,11 +592,26 @@ def parse_latex(text: str) -> ParsedAnswer:
     norm, percent = normalize_latex(text)
     if not norm:
         raise LatexParseError("empty answer")
+    n_pm = len(re.findall(r"\\(?:pm|mp)(?![A-Za-z])", norm))
+    if n_pm == 0:
+        return ParsedAnswer(_parse_tokens(norm), percent)
+    if n_pm > MAX_PM:
+        raise LatexParseError("too many \\pm")
+    # "a \pm b" is the set {a + b, a - b} (every \pm read the same way, \mp the other)
+    items = []
+    for plus, minus in (("+", "-"), ("-", "+")):
+        variant = re.sub(r"\\pm(?![A-Za-z])", plus, norm)
+        variant = re.sub(r"\\mp(?![A-Za-z])", minus, variant)
+        value = _parse_tokens(variant)
+        items.extend(value.items if isinstance(value, Seq) and value.kind == "set" else (value,))
+    return ParsedAnswer(Seq("set", tuple(items)), percent)
+
+
+def _parse_tokens(norm: str) -> Value:
     tokens = _tokenize(norm)
     try:
-        value = _Parser(tokens).parse_top()
+        return _Parser(tokens).parse_top()
     except RecursionError:
         raise LatexParseError("nesting too deep") from None
     except (TypeError, ZeroDivisionError, ArithmeticError) as e:
         raise LatexParseError(f"cannot build the expression: {type(e).__name__}") from None
-    return ParsedAnswer(value, percent)

@@ -6,6 +6,9 @@ one verifier call per completion, runs all calls of a batch through the `RewardW
 sums `weight * value` per completion. A call that times out or raises scores 0 for that verifier
 only; it is counted (`num_timeouts`, `num_errors`, exposed as metrics) and logged — the first few
 per verifier in full, then every 100th — so a broken verifier is visible without flooding the log.
+A non-finite or out-of-range value (beyond +-`value_limit`) is clipped by the pool and counted
+(`num_clipped`, `reward/clipped`); the clipped value is used. The pool's memory cap, parent-death
+and batch deadline are passed through (see pool.py).
 """
 from __future__ import annotations
 
@@ -34,6 +37,8 @@ class RewardBatch:
     """Verifier calls of this batch that timed out."""
     errors: int = 0
     """Verifier calls of this batch that raised (or whose worker died)."""
+    clipped: int = 0
+    """Verifier values of this batch that were non-finite or beyond +-value_limit (clipped)."""
 
 
 def _call_spec(cfg: Any) -> tuple[str, Optional[str], dict]:
@@ -47,7 +52,8 @@ def _call_spec(cfg: Any) -> tuple[str, Optional[str], dict]:
 class RewardManager:
     """Runs the reward verifiers of one run. Not thread-safe; one per scoring process."""
 
-    def __init__(self, rewards: Sequence[Any], *, timeout_s: float = 10.0, num_workers: int = 2, start_method: str = "spawn"):
+    def __init__(self, rewards: Sequence[Any], *, timeout_s: float = 10.0, num_workers: int = 2, start_method: str = "spawn",
+                 memory_limit_mb: int = 0, batch_timeout_s: Optional[float] = None, value_limit: Optional[float] = None):
         if not rewards:
             raise ValueError("rewards: at least one reward config is required")
         self.rewards = list(rewards)
@@ -56,10 +62,13 @@ class RewardManager:
             raise ValueError(f"rewards: duplicate labels {self.labels}; give each a distinct name")
         self._specs = [_call_spec(r) for r in self.rewards]
         custom = sorted({fn for verifier, fn, _ in self._specs if verifier == "custom"})
-        self.pool = RewardWorkerPool(num_workers=num_workers, timeout_s=timeout_s, start_method=start_method, preload=custom)
+        self.pool = RewardWorkerPool(num_workers=num_workers, timeout_s=timeout_s, start_method=start_method, preload=custom,
+                                     memory_limit_mb=memory_limit_mb, batch_timeout_s=batch_timeout_s,
+                                     value_limit=value_limit)
         self.num_calls = 0
         self.num_timeouts = 0
         self.num_errors = 0
+        self.num_clipped = 0
         self._fail_counts: dict[str, int] = {}
 
     def close(self) -> None:
@@ -111,14 +120,16 @@ class RewardManager:
         results = self.pool.map(calls)
         total = [0.0] * n
         per_reward: dict[str, list[float]] = {}
-        timeouts = errors = 0
+        timeouts = errors = clipped = 0
         for j, k in enumerate(active):
             label, weight = self.labels[k], self.rewards[k].weight
             values = []
             for i in range(n):
                 res = results[j * n + i]
                 if res.status != "ok":
-                    if res.status == "timeout":
+                    if res.status == "clipped":
+                        clipped += 1
+                    elif res.status == "timeout":
                         timeouts += 1
                     else:
                         errors += 1
@@ -129,14 +140,15 @@ class RewardManager:
         self.num_calls += len(calls)
         self.num_timeouts += timeouts
         self.num_errors += errors
-        return RewardBatch(total=total, per_reward=per_reward, timeouts=timeouts, errors=errors)
+        self.num_clipped += clipped
+        return RewardBatch(total=total, per_reward=per_reward, timeouts=timeouts, errors=errors, clipped=clipped)
 
     def _warn(self, label: str, index: int, status: str, detail: str) -> None:
         c = self._fail_counts[label] = self._fail_counts.get(label, 0) + 1
         if c <= _LOG_FIRST or c % _LOG_EVERY == 0:
             logger.warning(
-                "reward %r on completion %d: %s (%s) -> reward 0; %d failed calls of %r so far",
-                label, index, status, detail, c, label,
+                "reward %r on completion %d: %s (%s)%s; %d failed or clipped calls of %r so far",
+                label, index, status, detail, "" if status == "clipped" else " -> reward 0", c, label,
             )
 
     def metrics(self) -> dict[str, float]:
@@ -145,5 +157,6 @@ class RewardManager:
             "reward/calls": float(self.num_calls),
             "reward/timeouts": float(self.num_timeouts),
             "reward/errors": float(self.num_errors),
+            "reward/clipped": float(self.num_clipped),
             "reward/worker_restarts": float(self.pool.restarts),
         }

@@ -12,6 +12,22 @@ threads or large tensors) and import only the rewards package (no torch). Custom
 by dotted path are imported inside the worker; `sys.path` is inherited from the parent. A script
 that creates a pool must guard its entry code with `if __name__ == "__main__":` (spawn re-imports
 the main module).
+
+Limits, so that a verifier cannot take the run down with it:
+
+- memory: each worker caps its own address space (`RLIMIT_AS`, `memory_limit_mb`, 0 = no cap) before
+  importing anything, so a verifier that allocates without bound gets a MemoryError (an error
+  result) or dies (replaced) instead of driving the node into the OOM killer, which may pick a
+  training rank. The cap covers the interpreter and sympy too (a few hundred MiB of address space);
+- parent death: a worker dies with the process that started it (Linux `PR_SET_PDEATHSIG` = SIGKILL,
+  plus a watchdog thread that exits when the parent pid changes), so a rank killed with SIGKILL
+  (OOM killer, `scancel`, a crashed node agent) leaves no worker behind busy in a hung verifier;
+- batch deadline: `map` returns within `batch_timeout_s` of its first call however many calls time
+  out one after the other (a per-call limit alone allows N x timeout_s); calls still running at the
+  deadline score "timeout" (their workers are replaced), calls not started score "timeout" too;
+- values: a finite value within +-`value_limit` is returned as is; NaN scores 0, +-inf and larger
+  values are clipped to +-`value_limit`, with status "clipped" (counted by the manager), so one
+  custom verifier returning 1e30 cannot swamp the advantages of its group or overflow the loss.
 """
 from __future__ import annotations
 
@@ -21,6 +37,8 @@ import math
 import multiprocessing as mp
 import os
 import signal
+import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -50,7 +68,7 @@ class RewardCall:
 @dataclass(frozen=True)
 class CallResult:
     value: float
-    status: str  # "ok" | "timeout" | "error"
+    status: str  # "ok" | "timeout" | "error" | "clipped" (value replaced: non-finite or beyond the limit)
     detail: str = ""
 
 
@@ -75,8 +93,46 @@ def resolve_verifier(verifier: str, function: Optional[str] = None) -> Callable[
     return BUILTIN_VERIFIERS[verifier]
 
 
-def _worker_main(conn: Connection, preload: tuple = ()) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent dies: the kernel's parent-death signal where there is one
+    (Linux; it fires when the thread that started the worker exits, so pools are started from the
+    thread that uses them), and a watchdog thread that notices a changed parent pid (re-parenting)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def _limit_memory(limit_mb: int) -> None:
+    if limit_mb > 0:
+        import resource
+
+        cap = int(limit_mb) * 2**20
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if hard != resource.RLIM_INFINITY:
+            cap = min(cap, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+
+
+def _worker_main(conn: Connection, preload: tuple = (), memory_limit_mb: int = 0, parent_pid: int = 0) -> None:
     """Worker loop: receive (call_id, RewardCall), send (call_id, status, value, detail)."""
+    if parent_pid:
+        _die_with_parent(parent_pid)
+    _limit_memory(memory_limit_mb)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # SLURM TERMs the whole step; the rank decides when to stop
     cache: dict[tuple, Callable] = {}
@@ -104,8 +160,6 @@ def _worker_main(conn: Connection, preload: tuple = ()) -> None:
             if fn is None:
                 fn = cache[key] = resolve_verifier(call.verifier, call.function)
             value = float(fn(call.completion, call.answer, prompt=call.prompt, metadata=call.metadata, **call.options))
-            if not math.isfinite(value):
-                raise ValueError(f"verifier returned a non-finite value {value}")
             reply = (call_id, "ok", value, "")
         except BaseException as e:  # noqa: BLE001 - SystemExit / KeyboardInterrupt from user code too
             reply = (call_id, "error", 0.0, f"{type(e).__name__}: {e}"[:300])
@@ -116,10 +170,11 @@ def _worker_main(conn: Connection, preload: tuple = ()) -> None:
 
 
 class _Worker:
-    def __init__(self, ctx, start_timeout_s: float, preload: tuple):
+    def __init__(self, ctx, start_timeout_s: float, preload: tuple, memory_limit_mb: int = 0):
         parent, child = ctx.Pipe(duplex=True)
         self.conn: Connection = parent
-        self.proc = ctx.Process(target=_worker_main, args=(child, preload), daemon=True, name="reward-worker")
+        self.proc = ctx.Process(target=_worker_main, args=(child, preload, memory_limit_mb, os.getpid()), daemon=True,
+                                name="reward-worker")
         self.proc.start()
         child.close()
         self.ready = False
@@ -147,15 +202,30 @@ class RewardWorkerPool:
         start_timeout_s: float = 120.0,
         start_method: str = "spawn",
         preload: Sequence[str] = (),
+        memory_limit_mb: int = 0,
+        batch_timeout_s: Optional[float] = None,
+        value_limit: Optional[float] = None,
     ):
         """`preload`: dotted paths of custom verifiers to import at worker start-up (so a slow import
-        does not count against the first call's time limit)."""
+        does not count against the first call's time limit); `memory_limit_mb`: each worker's address
+        space cap (0 = none); `batch_timeout_s`: the deadline of one `map` from its first call (None =
+        none); `value_limit`: values beyond +-this are clipped to it, NaN to 0
+        (None = no bound: only non-finite values are replaced, by 0)."""
         if num_workers < 1:
             raise ValueError(f"num_workers: must be >= 1, got {num_workers}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
+        if batch_timeout_s is not None and batch_timeout_s <= 0:
+            raise ValueError(f"batch_timeout_s: must be > 0, got {batch_timeout_s}")
+        if value_limit is not None and not (value_limit > 0 and math.isfinite(value_limit)):
+            raise ValueError(f"value_limit: must be finite and > 0, got {value_limit}")
+        if memory_limit_mb < 0:
+            raise ValueError(f"memory_limit_mb: must be >= 0, got {memory_limit_mb}")
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
+        self.memory_limit_mb = int(memory_limit_mb)
+        self.batch_timeout_s = batch_timeout_s
+        self.value_limit = value_limit
         self.start_timeout_s = float(start_timeout_s)
         self._ctx = mp.get_context(start_method)
         self._preload = tuple(preload)
@@ -166,7 +236,7 @@ class RewardWorkerPool:
     # -- lifecycle -------------------------------------------------------------------------------
     def _ensure_started(self) -> None:
         while len(self._workers) < self.num_workers:
-            self._workers.append(_Worker(self._ctx, self.start_timeout_s, self._preload))
+            self._workers.append(_Worker(self._ctx, self.start_timeout_s, self._preload, self.memory_limit_mb))
 
     def close(self) -> None:
         for w in self._workers:
@@ -189,21 +259,39 @@ class RewardWorkerPool:
     def _replace(self, w: _Worker) -> _Worker:
         w.kill()
         self.restarts += 1
-        nw = _Worker(self._ctx, self.start_timeout_s, self._preload)
+        nw = _Worker(self._ctx, self.start_timeout_s, self._preload, self.memory_limit_mb)
         self._workers[self._workers.index(w)] = nw
         return nw
 
     # -- running ---------------------------------------------------------------------------------
+    def _checked(self, value: float, status: str, detail: str) -> CallResult:
+        """Clip a verifier's value: NaN -> 0, beyond +-value_limit (inf included) -> +-value_limit."""
+        if status != "ok":
+            return CallResult(value, status, detail)
+        limit = self.value_limit
+        if math.isfinite(value) and (limit is None or abs(value) <= limit):
+            return CallResult(value, "ok", detail)
+        if math.isnan(value) or limit is None:
+            clipped = 0.0
+        else:
+            clipped = math.copysign(limit, value)
+        return CallResult(clipped, "clipped", f"verifier returned {value!r}; clipped to {clipped:g}")
+
     def map(self, calls: Sequence[RewardCall]) -> list[CallResult]:
         """Run every call; returns one result per call, in order. Never raises for a verifier's
-        failure; raises RuntimeError only if workers cannot start at all."""
+        failure; raises RuntimeError only if workers cannot start at all. Returns within
+        `batch_timeout_s` of the first call sent (when set)."""
         results: list[Optional[CallResult]] = [None] * len(calls)
         if not calls:
             return []
         self._ensure_started()
         pending = deque(range(len(calls)))
+        batch_deadline = float("inf")  # set when the first call is sent (worker start-up has its own limit)
         while pending or any(w.call_id is not None for w in self._workers):
             now = time.monotonic()
+            if now >= batch_deadline:
+                self._expire(results, pending)
+                break
             for w in self._workers:
                 if w.ready and w.call_id is None and pending:
                     cid = pending.popleft()
@@ -215,9 +303,11 @@ class RewardWorkerPool:
                             self._replace(w)
                         continue
                     w.call_id, w.deadline = cid, now + self.timeout_s
+                    if self.batch_timeout_s is not None and batch_deadline == float("inf"):
+                        batch_deadline = now + self.batch_timeout_s
             waiting = [w for w in self._workers if w.call_id is not None or not w.ready]
             deadlines = [w.deadline if w.call_id is not None else w.start_deadline for w in waiting]
-            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else 0.0
+            timeout = max(0.0, min([*deadlines, batch_deadline]) - time.monotonic()) if deadlines else 0.0
             ready_conns = wait([w.conn for w in waiting], timeout=timeout)
             for conn in ready_conns:
                 w = next(x for x in self._workers if x.conn is conn)
@@ -238,7 +328,7 @@ class RewardWorkerPool:
                 if cid == "ready":
                     w.ready = True
                     continue
-                results[cid] = CallResult(value, status, detail)
+                results[cid] = self._checked(value, status, detail)
                 w.call_id = None
             now = time.monotonic()
             for w in list(self._workers):
@@ -249,3 +339,13 @@ class RewardWorkerPool:
                     self.close()
                     raise RuntimeError(f"reward worker did not start within {self.start_timeout_s:g}s")
         return [r if r is not None else CallResult(0.0, "error", "lost result") for r in results]
+
+    def _expire(self, results: list, pending: deque) -> None:
+        """The batch deadline passed: running calls and calls never sent score "timeout"."""
+        detail = f"batch deadline: no result within {self.batch_timeout_s:g}s for the whole batch"
+        for w in list(self._workers):
+            if w.call_id is not None:
+                results[w.call_id] = CallResult(0.0, "timeout", detail)
+                self._replace(w)
+        while pending:
+            results[pending.popleft()] = CallResult(0.0, "timeout", detail + " (not started)")

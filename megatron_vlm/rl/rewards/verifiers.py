@@ -24,11 +24,19 @@ def math_reward(
     prompt: str = "",
     metadata: Optional[Mapping[str, Any]] = None,
     fallback_last_number: bool = False,
+    fallback_last_math: bool = True,
     rel_tol: float = 1e-6,
     answer_tag: Optional[str] = None,
 ) -> float:
-    """1.0 if the completion's final answer is mathematically equal to the reference, else 0.0."""
-    pred = extract_answer(completion, answer_tag=answer_tag, fallback_last_number=fallback_last_number)
+    """1.0 if the completion's final answer is mathematically equal to the reference, else 0.0.
+
+    The answer is extracted as in `extract.extract_answer` (boxed first, then a final-answer phrase,
+    then the last math environment when `fallback_last_math`, then the last number when
+    `fallback_last_number`); equivalence is `math_equiv.math_equal`. Supported answer forms:
+    megatron_vlm/rl/rewards/README.md."""
+    pred = extract_answer(
+        completion, answer_tag=answer_tag, fallback_last_math=fallback_last_math, fallback_last_number=fallback_last_number
+    )
     if pred is None:
         return 0.0
     return 1.0 if math_equal(pred, str(answer), rel_tol=rel_tol) else 0.0

@@ -34,25 +34,12 @@ import torch
 
 from megatron_vlm.data.batch import VISION_KEYS
 from megatron_vlm.models.common.kv_cache import KVCache
+from megatron_vlm.models.common.vlm_base import VLMBase
 from megatron_vlm.rl.rollout.engine import RolloutEngine, RolloutPrompt, RolloutResult, RolloutSample, SamplingParams
 from megatron_vlm.rl.rollout.sampling import sample_tokens
 from megatron_vlm.rl.rollout.stopping import StopChecker, eos_token_ids_of
 
 __all__ = ["PolicyRolloutEngine"]
-
-
-
-def _select_rows(cache, rows: torch.Tensor):
-    """A KV cache holding only `rows` of `cache` (same cached length). Builds the cache's fields
-    directly, as `KVCache.repeat_interleave` does (models/common/kv_cache.py has no row selection)."""
-    out = type(cache).__new__(type(cache))
-    out.keys = [k.index_select(0, rows) for k in cache.keys]
-    out.values = [v.index_select(0, rows) for v in cache.values]
-    out.mask = cache.mask.index_select(0, rows)
-    out.rope_deltas = cache.rope_deltas.index_select(0, rows)
-    out.seq_len = cache.seq_len
-    out._pending = None
-    return out
 
 
 def _left_pad(prompts: Sequence[RolloutPrompt], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,14 +88,12 @@ class PolicyRolloutEngine(RolloutEngine):
         all_ranks_active: Optional[Callable[[bool], bool]] = None,
         suppress_token_ids: Optional[Iterable[int]] = None,
     ):
-        """`model`: the family model (`new_kv_cache` or `make_cache`, forward with `kv_cache=`); `forward`: how to call
+        """`model`: the family model (a `VLMBase`: `new_cache`, forward with `kv_cache=`); `forward`: how to call
         it (default `model`); `cache_dtype`: the compute dtype of keys / values (bf16 under FSDP
         mixed precision; default the model's weight dtype); `suppress_token_ids`: tokens never
         generated (default: the model's vision placeholder / start / end tokens, `model.args.*_token_id`)."""
-        # attention-only families: new_kv_cache; hybrid Mamba families (Nemotron-VL): make_cache
-        self._make_cache = getattr(model, "new_kv_cache", None) or getattr(model, "make_cache", None)
-        if self._make_cache is None:
-            raise TypeError(f"{type(model).__name__} has no new_kv_cache() / make_cache(): cached decoding is not supported for it")
+        if not isinstance(model, VLMBase):
+            raise TypeError(f"{type(model).__name__} is not a family model (VLMBase): cached decoding needs its new_cache()")
         if max_prompts_per_batch < 0:
             raise ValueError(f"max_prompts_per_batch: must be >= 0, got {max_prompts_per_batch}")
         if not 0 <= compact_ratio <= 1:
@@ -168,7 +153,7 @@ class PolicyRolloutEngine(RolloutEngine):
         return next(self.model.parameters()).device
 
     def _new_cache(self, batch: int, max_len: int):
-        return self._make_cache(batch, max_len, dtype=self.cache_dtype, device=self._device())
+        return self.model.new_cache(batch, max_len, dtype=self.cache_dtype, device=self._device())
 
     def _prefill(self, prompts: Sequence[RolloutPrompt], n: int, max_len: int):
         dev = self._device()
@@ -220,7 +205,7 @@ class PolicyRolloutEngine(RolloutEngine):
             if type(cache) is KVCache and len(alive) <= self.compact_ratio * len(rows) and len(rows) > 1:
                 keep = alive or [0]  # a rank with nothing left steps one dummy row for the others
                 index = torch.tensor(keep, device=cache.mask.device)
-                cache = _select_rows(cache, index)
+                cache = cache.select_rows(index)
                 rows = [rows[r] for r in keep]
                 tok = tok.index_select(0, index.to(tok.device))
             feed = tok.clone()

@@ -7,7 +7,6 @@ test here is skipped with the reason.
 from __future__ import annotations
 
 import pytest
-
 from slurm_cluster import SlurmCluster, ensure_installed
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-
 from slurm_helpers import BENCH_SBATCH, ENTRY, TRAIN_SBATCH, clean_env, dry_run, option, set_values, split_node_line
 
 

@@ -14,7 +14,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from slurm_helpers import BENCH_SBATCH, DEMO, TRAIN_SBATCH, TrainJob, assert_same_params, clean_env, wait_for
 
 STEPS = 20  # long enough that TERM after step 1 lands mid-run even on a fast machine

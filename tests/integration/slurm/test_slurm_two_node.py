@@ -11,7 +11,6 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-
 from slurm_helpers import TrainJob, assert_same_params, clean_env, dry_run, free_job_id, option, split_node_line
 
 STEPS = 3

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
 import pytest
+import tomllib
 
 from megatron_vlm.config import Config, ConfigError, load_config, load_config_dict, save_config
 from megatron_vlm.config.loader import apply_overrides, field_docs, from_dict, parse_override_value
@@ -113,7 +113,7 @@ class _Holder:
 
 
 def test_union_of_tables_needs_explicit_type():
-    A, B, Holder = _A, _B, _Holder
+    B, Holder = _B, _Holder
     assert from_dict(Holder, {"item": {"type": "b", "y": "q"}}).item == B(type="b", y="q")
     with pytest.raises(ConfigError, match=r"item\.type: required"):
         from_dict(Holder, {"item": {"x": 1}})

@@ -1,5 +1,4 @@
 """The README's config reference is generated from the dataclass docstrings and must not go stale."""
-import subprocess
 import sys
 from pathlib import Path
 

@@ -12,7 +12,11 @@ import pytest
 from PIL import Image
 
 from megatron_vlm.data.synthetic_vqa import (
-    ANSWERS, COLOURS, blind_baseline_accuracy, normalize_answer, write_synthetic_vqa,
+    ANSWERS,
+    COLOURS,
+    blind_baseline_accuracy,
+    normalize_answer,
+    write_synthetic_vqa,
 )
 
 
@@ -140,7 +144,7 @@ def test_each_shape_lies_inside_one_quadrant(tmp_path):
     """On the default 56 px canvas each shape is inside one 28x28 quadrant (a merged vision token),
     roughly centred, never touching the quadrant border; on a larger canvas the quadrants scale."""
     for size in (56, 112):
-        paths = write_synthetic_vqa(tmp_path / str(size), n_train=40, n_eval=0, seed=2, image_size=size)
+        write_synthetic_vqa(tmp_path / str(size), n_train=40, n_eval=0, seed=2, image_size=size)
         cell = size // 2
         for i in range(40):
             img = np.asarray(Image.open(tmp_path / str(size) / f"images/train_{i:05d}.png").convert("RGB"))

@@ -7,7 +7,9 @@ import json
 import pytest
 
 from megatron_vlm.testing.tiny_processor import (
-    SPECIAL_TOKENS, build_tiny_qwen2_5_vl_processor, tiny_qwen2_5_vl_text_config_ids,
+    SPECIAL_TOKENS,
+    build_tiny_qwen2_5_vl_processor,
+    tiny_qwen2_5_vl_text_config_ids,
 )
 
 

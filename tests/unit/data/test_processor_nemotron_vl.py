@@ -51,7 +51,7 @@ def _image(path, size, seed):
 def nemotron_dir(tmp_path_factory):
     """The tiny Nemotron-VL folder, with a chat template that also renders videos (`<video>`) and a
     small video tile (20 patches)."""
-    from megatron_vlm.models.nemotron_vl.tiny import build_tiny_nemotron_vl_folder
+    from megatron_vlm.testing.tiny_nemotron_vl import build_tiny_nemotron_vl_folder
 
     folder = build_tiny_nemotron_vl_folder(tmp_path_factory.mktemp("nem") / "tiny-nemotron-vl", seed=0)
     (folder / "chat_template.jinja").write_text(VIDEO_TEMPLATE)

@@ -3,8 +3,8 @@ fullgraph compile with the aot_eager backend (no inductor codegen, fast on CPU) 
 outputs and gradients as eager; torch.library.opcheck validates the registrations. Inputs live on
 `kernel_checks.DEVICE` (compiled kernels on CUDA, interpreted on CPU)."""
 import torch
-
 from kernel_checks import DEVICE, cu_seqlens
+
 from megatron_vlm.kernels.triton import attention as t_attention
 from megatron_vlm.kernels.triton import layer_norm as t_layer_norm
 from megatron_vlm.kernels.triton import rms_norm as t_rms_norm

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from megatron_vlm.kernels.reference.causal_conv1d import causal_conv1d
 from megatron_vlm.kernels.reference.ssd import ssd_chunk_scan, ssd_state_update
 
-
 # ----------------------------------------------------------------------------- causal conv1d
 
 

@@ -1,9 +1,9 @@
 """MoE dispatch ops (moe_permute, grouped_mm, moe_unpermute) against loops, and the NPU adapters
 against an emulator of torch_npu's documented semantics."""
+import npu_moe_emulator
 import pytest
 import torch
 
-import npu_moe_emulator
 from megatron_vlm.kernels.npu import moe as npu_moe
 from megatron_vlm.kernels.reference.moe import grouped_mm, moe_permute, moe_unpermute
 

@@ -1,11 +1,11 @@
 """NPU adapters against the reference, with torch_npu replaced by an emulator of its documented
 semantics (npu_emulator.py): layouts (TND with cumulative actual_seq_qlen, BSND), mask polarity,
 sparse_mode for causal / windows, head-dim padding, fused add + RMSNorm, rotary modes, swiglu."""
+import npu_emulator
 import pytest
 import torch
-
-import npu_emulator
 from kernel_checks import cu_seqlens
+
 from megatron_vlm.kernels import reference
 from megatron_vlm.kernels.npu import attention as npu_attention
 from megatron_vlm.kernels.npu import rms_norm as npu_rms_norm

@@ -4,10 +4,10 @@ Qwen2 RMSNorm / rotary helpers, F.layer_norm, F.silu, complex-number rotation, n
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_checks import cu_seqlens
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
 
-from kernel_checks import cu_seqlens
 from megatron_vlm.kernels.reference import apply_rotary, attention, layer_norm, linear_token_logprobs, rms_norm, swiglu
 
 

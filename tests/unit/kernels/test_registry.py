@@ -9,9 +9,9 @@ import threading
 
 import pytest
 import torch
+from kernel_checks import DEVICE
 
 import megatron_vlm.kernels as K
-from kernel_checks import DEVICE
 from megatron_vlm.kernels import reference
 from megatron_vlm.kernels.registry import DEFAULT_REGISTRY, KernelRegistry, register_backend
 

@@ -10,8 +10,8 @@ that precision achieves scales with dtype and length. Shapes are awkward on purp
 """
 import pytest
 import torch
-
 from kernel_checks import DEVICE, assert_within_2x, cu_seqlens, max_err
+
 from megatron_vlm.kernels.reference.attention import attention as reference
 from megatron_vlm.kernels.triton import attention as triton_attention
 

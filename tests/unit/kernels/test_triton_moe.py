@@ -11,9 +11,9 @@ that on CPU guards the interpreter bf16-dot workaround.
 """
 import pytest
 import torch
+from kernel_checks import DEVICE
 
 import megatron_vlm.kernels as K
-from kernel_checks import DEVICE
 from megatron_vlm.kernels.reference import moe as reference
 from megatron_vlm.kernels.registry import DEFAULT_REGISTRY
 from megatron_vlm.kernels.triton import moe as t_moe

@@ -6,8 +6,8 @@ compute in fp32 and round once, so the tolerances are a few fp32 ulps, and about
 """
 import pytest
 import torch
-
 from kernel_checks import DEVICE
+
 from megatron_vlm.kernels import reference
 from megatron_vlm.kernels.triton import layer_norm as t_layer_norm
 from megatron_vlm.kernels.triton import rms_norm as t_rms_norm

@@ -3,8 +3,8 @@
 chunk boundaries, temperature; bf16 passes when within 2x the naive bf16 path's error."""
 import pytest
 import torch
-
 from kernel_checks import DEVICE, assert_within_2x
+
 from megatron_vlm.kernels.triton import token_logprobs as t_logprobs
 
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 import megatron_vlm.testing.tiny_processor_internvl as F
 from megatron_vlm.checkpoint import load_hf_model, save_hf_model
 from megatron_vlm.models import supported_model_types
-from megatron_vlm.models.internvl import InternVLArgs
+from megatron_vlm.models.internvl.args import InternVLArgs
 
 TOL = 1e-4
 

@@ -10,9 +10,10 @@ import torch
 import megatron_vlm.testing.tiny_processor_internvl as F
 from megatron_vlm.models import build_model
 from megatron_vlm.models.common.kv_cache import KVCache
-from megatron_vlm.models.internvl import InternVLStateDictAdapter
 from megatron_vlm.models.internvl.model import pixel_shuffle
-from tests.fixtures.parity import assert_logits_close as _assert_close, ref_logits as _ref
+from megatron_vlm.models.internvl.state_dict_adapter import InternVLStateDictAdapter
+from tests.fixtures.parity import assert_logits_close as _assert_close
+from tests.fixtures.parity import ref_logits as _ref
 
 VARIANTS = {
     "qwen2_layernorm": dict(),
@@ -91,7 +92,7 @@ def test_kv_cache_decoding_matches_full_forward(models):
     full = F.batch_samples([F.build_sample([3, ("image", 1), 5], g), F.build_sample([2, ("image", 2), 9], g)])
     ref = _ref(hf, full)
     n_new = 3
-    cache = ours.new_kv_cache(2, full["input_ids"].shape[1])
+    cache = ours.new_cache(2, full["input_ids"].shape[1])
     assert isinstance(cache, KVCache) and cache.num_layers == ours.args.text.num_hidden_layers
     with torch.no_grad():
         pre = ours(full["input_ids"][:, :-n_new], full["attention_mask"][:, :-n_new], full["pixel_values"], kv_cache=cache)

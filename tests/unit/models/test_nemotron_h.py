@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
-from megatron_vlm.checkpoint.hf import save_hf_model
-from megatron_vlm.models import build_model, load_hf_model
+from megatron_vlm.checkpoint.hf import load_hf_model, save_hf_model
+from megatron_vlm.models import build_model
 from megatron_vlm.models.common.moe import moe_layers
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -102,7 +102,7 @@ def test_step_decoding_equals_full_forward(ours):
     ids = torch.randint(1, 96, (2, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         full = ours(ids)
-        cache = ours.make_cache(batch=2, max_len=16)
+        cache = ours.new_cache(batch_size=2, max_len=16)
         outs = [ours(ids[:, :7], kv_cache=cache)]
         for t in range(7, 12):
             outs.append(ours(ids[:, t : t + 1], kv_cache=cache))
@@ -120,7 +120,7 @@ def test_left_padded_prefill_then_decode_and_group_expand(ours):
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     with torch.no_grad():
-        cache = ours.make_cache(batch=2, max_len=12)
+        cache = ours.new_cache(batch_size=2, max_len=12)
         first = ours(ids, attention_mask=mask, kv_cache=cache)
         group = cache.repeat_interleave(2)
         steps = [ours(nxt[:, t : t + 1], kv_cache=cache) for t in range(3)]
@@ -169,7 +169,7 @@ def test_build_model_random_init_and_backward():
     logits.float().logsumexp(-1).mean().backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if "experts" not in n)
     # MoE layers counted the routed tokens of this training forward
-    assert [int(m.step_load.sum()) for m in moe_layers(model)] == [2 * 6 * 2] * 2
+    assert [int(m.expert_load.sum()) for m in moe_layers(model)] == [2 * 6 * 2] * 2
 
 
 def test_legacy_config_names():
@@ -186,7 +186,7 @@ def test_legacy_config_names():
 
 
 def test_parallelize_with_activation_checkpointing_keeps_results(hf_folder):
-    from megatron_vlm.models.nemotron_vl import parallelize_nemotron_vl
+    from megatron_vlm.models.nemotron_vl.parallelize import parallelize_nemotron_vl
 
     path, _ = hf_folder
     ids = torch.randint(1, 96, (2, 7), generator=torch.Generator().manual_seed(8))

@@ -17,8 +17,7 @@ from transformers import NemotronHConfig, NemotronHForCausalLM
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as HFQwen3VLVisionModel
 
-from megatron_vlm.checkpoint.hf import save_hf_model
-from megatron_vlm.models import load_hf_model
+from megatron_vlm.checkpoint.hf import load_hf_model, save_hf_model
 from megatron_vlm.models.nemotron_vl.args import NemotronVLArgs
 from megatron_vlm.training.freeze import apply_train_layers
 
@@ -229,7 +228,7 @@ def test_step_decoding_with_cache_equals_full_forward(pair):
     nxt = torch.randint(1, 80, (1, 4), generator=torch.Generator().manual_seed(15))
     with torch.no_grad():
         full = ours(torch.cat([ids, nxt], 1), pixel_values=pixels, image_grid_thw=grid)
-        cache = ours.make_cache(batch=1, max_len=20)
+        cache = ours.new_cache(batch_size=1, max_len=20)
         steps = [ours(ids, pixel_values=pixels, image_grid_thw=grid, kv_cache=cache)]
         steps += [ours(nxt[:, t : t + 1], kv_cache=cache) for t in range(4)]
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)

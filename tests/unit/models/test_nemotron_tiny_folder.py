@@ -5,9 +5,9 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
 
-from megatron_vlm.models import load_hf_model
+from megatron_vlm.checkpoint.hf import load_hf_model
 from megatron_vlm.models.common.moe import moe_layers
-from megatron_vlm.models.nemotron_vl.tiny import build_tiny_nemotron_vl_folder
+from megatron_vlm.testing.tiny_nemotron_vl import build_tiny_nemotron_vl_folder
 
 
 def test_tiny_folder_round_trip(tmp_path):

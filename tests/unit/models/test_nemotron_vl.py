@@ -4,8 +4,7 @@ import pytest
 import torch
 from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3, NemotronH_Omni_Reasoning_V3_Config
 
-from megatron_vlm.checkpoint.hf import save_hf_model
-from megatron_vlm.models import load_hf_model
+from megatron_vlm.checkpoint.hf import load_hf_model, save_hf_model
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 IMG = 90  # image placeholder token id

@@ -2,7 +2,7 @@
 import pytest
 
 from megatron_vlm.models import build_model, get_family
-from megatron_vlm.models.qwen2_5_vl import Qwen2_5_VLArgs
+from megatron_vlm.models.qwen2_5_vl.args import Qwen2_5_VLArgs
 from tests.fixtures import tiny_qwen2_5_vl as F
 
 # the published Qwen/Qwen2.5-VL-3B-Instruct config.json (transformers 4.x layout)

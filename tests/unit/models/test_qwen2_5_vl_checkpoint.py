@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_vlm.checkpoint import save_hf_model
-from megatron_vlm.models import build_model, load_hf_model
+from megatron_vlm.checkpoint.hf import load_hf_model
+from megatron_vlm.models import build_model
 from tests.fixtures import tiny_qwen2_5_vl as F
 
 TOL = 1e-4

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_vlm.models import build_model
-from megatron_vlm.models.qwen2_5_vl import Qwen2_5_VLStateDictAdapter
+from megatron_vlm.models.qwen2_5_vl.state_dict_adapter import Qwen2_5_VLStateDictAdapter
 from tests.fixtures import tiny_qwen2_5_vl as F
 
 TOL = 1e-4
@@ -26,7 +26,7 @@ def _vision(batch):
 @torch.no_grad()
 def _greedy_cached(model, batch, steps, max_len=None):
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    cache = model.new_kv_cache(ids.shape[0], max_len or ids.shape[1] + steps)
+    cache = model.new_cache(ids.shape[0], max_len or ids.shape[1] + steps)
     logits = model(ids, mask, **_vision(batch), kv_cache=cache)
     out, step_logits = [], []
     nxt = logits[:, -1].argmax(-1, keepdim=True)
@@ -63,7 +63,7 @@ def test_cached_logits_equal_full_forward(models):
     full["second_per_grid_ts"] = prompt["second_per_grid_ts"] = torch.tensor([1.5])
     with torch.no_grad():
         ref = hf(**full).logits
-        cache = ours.new_kv_cache(1, full["input_ids"].shape[1] + 3)
+        cache = ours.new_cache(1, full["input_ids"].shape[1] + 3)
         n = prompt["input_ids"].shape[1]
         pieces = [ours(prompt["input_ids"], **_vision(prompt), second_per_grid_ts=prompt["second_per_grid_ts"],
                        kv_cache=cache)]
@@ -115,7 +115,7 @@ def test_one_prefill_serves_a_group(models):
     prompt = F.batch_samples([F.build_sample([3, ("image", (1, 4, 6)), 4], g)])
     group = 3
     with torch.no_grad():
-        cache = ours.new_kv_cache(1, prompt["input_ids"].shape[1] + 4)
+        cache = ours.new_cache(1, prompt["input_ids"].shape[1] + 4)
         ours(prompt["input_ids"], **_vision(prompt), kv_cache=cache)
         shared = cache.expand(group)
         answers = torch.tensor([F.text_tokens(4, g) for _ in range(group)])

@@ -4,7 +4,7 @@ import torch
 
 from megatron_vlm.config.sections import ParallelConfig
 from megatron_vlm.models import build_model
-from megatron_vlm.models.qwen2_5_vl import parallelize_qwen2_5_vl
+from megatron_vlm.models.qwen2_5_vl.parallelize import parallelize_qwen2_5_vl
 from tests.fixtures import tiny_qwen2_5_vl as F
 
 

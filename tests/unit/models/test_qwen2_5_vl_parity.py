@@ -5,9 +5,11 @@ import pytest
 import torch
 
 from megatron_vlm.models import build_model
-from megatron_vlm.models.qwen2_5_vl import Qwen2_5_VLStateDictAdapter
+from megatron_vlm.models.qwen2_5_vl.state_dict_adapter import Qwen2_5_VLStateDictAdapter
 from tests.fixtures import tiny_qwen2_5_vl as F
-from tests.fixtures.parity import TOL, assert_logits_close as _assert_close, ref_logits as _ref, load_converted
+from tests.fixtures.parity import TOL, load_converted
+from tests.fixtures.parity import assert_logits_close as _assert_close
+from tests.fixtures.parity import ref_logits as _ref
 
 
 @pytest.fixture(scope="module")

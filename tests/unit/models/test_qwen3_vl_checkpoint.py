@@ -12,7 +12,7 @@ from safetensors import safe_open
 import megatron_vlm.testing.tiny_processor_qwen3_vl as F
 from megatron_vlm.checkpoint import load_hf_model, save_hf_model
 from megatron_vlm.models import build_model, supported_model_types
-from megatron_vlm.models.qwen3_vl import Qwen3VLArgs
+from megatron_vlm.models.qwen3_vl.args import Qwen3VLArgs
 
 TOL = 1e-4
 

@@ -8,8 +8,9 @@ import megatron_vlm.testing.tiny_processor_qwen3_vl as F
 from megatron_vlm.models import build_model
 from megatron_vlm.models.common.mlp import SwiGLUMLP
 from megatron_vlm.models.common.moe import MoE
-from megatron_vlm.models.qwen3_vl import Qwen3VLStateDictAdapter
-from tests.fixtures.parity import assert_logits_close as _assert_close, load_converted
+from megatron_vlm.models.qwen3_vl.state_dict_adapter import Qwen3VLStateDictAdapter
+from tests.fixtures.parity import assert_logits_close as _assert_close
+from tests.fixtures.parity import load_converted
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,10 @@ import torch
 import megatron_vlm.testing.tiny_processor_qwen3_vl as F
 from megatron_vlm.models import build_model
 from megatron_vlm.models.common.kv_cache import KVCache
-from megatron_vlm.models.qwen3_vl import Qwen3VLStateDictAdapter
-from tests.fixtures.parity import TOL, assert_logits_close as _assert_close, ref_logits as _ref, load_converted
+from megatron_vlm.models.qwen3_vl.state_dict_adapter import Qwen3VLStateDictAdapter
+from tests.fixtures.parity import TOL, load_converted
+from tests.fixtures.parity import assert_logits_close as _assert_close
+from tests.fixtures.parity import ref_logits as _ref
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +108,7 @@ def test_kv_cache_decoding_matches_full_forward(models):
     n_new = 3
     prompt = {k: v for k, v in full.items()}
     prompt["input_ids"], prompt["attention_mask"] = full["input_ids"][:, :-n_new], full["attention_mask"][:, :-n_new]
-    cache = ours.new_kv_cache(2, full["input_ids"].shape[1])
+    cache = ours.new_cache(2, full["input_ids"].shape[1])
     assert isinstance(cache, KVCache) and cache.num_layers == ours.args.text.num_hidden_layers
     with torch.no_grad():
         pre = ours(prompt["input_ids"], prompt["attention_mask"], full["pixel_values"], full["image_grid_thw"],

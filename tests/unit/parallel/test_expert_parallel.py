@@ -100,7 +100,7 @@ def _check_block(rank: int, make_block, seed: int, group, *, mesh=None, divide: 
     torch.testing.assert_close(out, ref_outs[rank], rtol=0, atol=1e-5)
     (out * targets[rank]).sum().backward()
     torch.testing.assert_close(x.grad, ref_x_grads[rank], rtol=0, atol=1e-5)
-    assert torch.equal(ep_block.step_load, ref_counts), (ep_block.step_load, ref_counts)
+    assert torch.equal(ep_block.expert_load, ref_counts), (ep_block.expert_load, ref_counts)
 
     ep = ep_block.experts.ep_size
     n_local = ref.num_experts // ep
@@ -177,7 +177,7 @@ def _worker(rank: int, init_file: str) -> None:
                   score_func="softmax", score_correction_bias=False)
         with pytest.raises(ValueError, match="3 experts, not divisible by the expert-parallel size 2"):
             apply_ep([bad], group)
-        with pytest.raises(TypeError, match="GroupedExperts"):
+        with pytest.raises(TypeError, match="has no grouped `.experts`"):
             apply_ep([torch.nn.Linear(2, 2)], group)
     finally:
         dist.destroy_process_group()

@@ -39,3 +39,23 @@ def not_a_number(completion, answer, **kwargs):
 
 
 NOT_CALLABLE = 3
+
+
+def value_of_completion(completion, answer, **kwargs):
+    """The completion text as the reward value ("nan", "inf", "1e30", ...)."""
+    return float(completion)
+
+
+def allocate_mib(completion, answer, **kwargs):
+    """Allocate (and touch) int(completion) MiB; 1.0 when that worked."""
+    block = bytearray(int(completion) * 2**20)
+    block[::4096] = b"x" * len(block[::4096])
+    return 1.0
+
+
+def hang_and_record_pid(completion, answer, *, metadata=None, **kwargs):
+    """Write this worker's pid to metadata["pid_file"], then never return."""
+    with open(metadata["pid_file"], "w") as f:
+        f.write(str(os.getpid()))
+    while True:
+        time.sleep(0.05)

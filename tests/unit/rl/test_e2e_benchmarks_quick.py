@@ -1,5 +1,5 @@
 """The GRPO / rollout benchmarks run end to end with --quick on the CPU (tiny model): the scripts stay
-runnable in CI. No timing is asserted (DESIGN.md §7); the rollout benchmark's own check that
+runnable in CI. No timing is asserted (wall-clock on a shared CI machine is noise); the rollout benchmark's own check that
 transformers holds the same weights as our engine (equal logits) is. One child interpreter runs both
 scripts (via runpy, as `python <script> --quick` would) to pay the torch / transformers import once."""
 import json

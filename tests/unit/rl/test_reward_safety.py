@@ -11,6 +11,7 @@ import pytest
 
 from megatron_vlm.rl.rewards.pool import RewardCall, RewardWorkerPool
 from megatron_vlm.rl.rewards.verifiers import BUILTIN_VERIFIERS
+from tests.unit.rl.math_reward_corpus import CASES
 
 REWARDS_DIR = pathlib.Path(__import__("megatron_vlm.rl.rewards", fromlist=["x"]).__file__).parent
 
@@ -101,3 +102,29 @@ def test_rewards_source_has_no_eval_based_parsing():
             if forbidden.search(code) and not code.strip().startswith(('"', "'")):
                 offenders.append(f"{path.name}:{i}: {line.strip()}")
     assert offenders == []
+
+
+def test_sympy_text_parsers_are_never_reached(tmp_path, monkeypatch, no_eval):
+    """sympy's string parsers (`parse_expr`, and `sympify` on a string, which goes through it) run
+    Python `eval`: make them raise, then verify the payloads and the whole answer corpus — nothing may
+    reach them (our parser builds sympy objects directly)."""
+    import sympy.parsing.sympy_parser as sp
+
+    calls = []
+
+    def forbidden(*args, **kwargs):
+        calls.append(str(args[0])[:80] if args else "")
+        raise AssertionError("a sympy text parser was called")
+
+    monkeypatch.setattr(sp, "parse_expr", forbidden)
+    monkeypatch.setattr(sp, "eval_expr", forbidden)
+    math = BUILTIN_VERIFIERS["math"]
+    for text in _payloads(tmp_path / "pwned_sympy"):
+        math(text, "0")
+        math("\\boxed{0}", text)
+    for _, completion, gold, _ in CASES:
+        math(completion, gold)
+    assert calls == []
+    # allowed: exec of compiled module code (the import system loading sympy submodules on first use)
+    # and sympy.polys' monomial functions, generated from sympy's fixed templates (no input text)
+    assert [c for c in no_eval if not c[1].startswith(("<code object", "def monomial_"))] == []

@@ -1,10 +1,10 @@
-"""The GRPO example configs: their [rl] and [data] sections load strictly, carry the seeds' settings
-(528 prompts per step, 16384 new tokens, clip 0.4, no KL), and their [data] column mapping reads
+"""The GRPO example configs: their [rl] and [data] sections load strictly, carry the settings of the
+published AReaL Geometry3K / ViRL39K runs (528 prompts per step, 16384 new tokens, clip 0.4, no KL), and their [data] column mapping reads
 files in the dataset's schema."""
 import pathlib
-import tomllib
 
 import pytest
+import tomllib
 
 from megatron_vlm.config.loader import from_dict
 from megatron_vlm.data.config import DataConfig

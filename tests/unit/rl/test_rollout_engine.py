@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from megatron_vlm.models import build_model
-from megatron_vlm.models.qwen2_5_vl import Qwen2_5_VLStateDictAdapter
+from megatron_vlm.models.qwen2_5_vl.state_dict_adapter import Qwen2_5_VLStateDictAdapter
 from megatron_vlm.rl.logprobs import response_token_logprobs
-from megatron_vlm.rl.rollout import PolicyRolloutEngine, RolloutPrompt, SamplingParams
+from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams
+from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
 from tests.fixtures import tiny_qwen2_5_vl as F
 
 TOL = 1e-4
@@ -172,7 +173,6 @@ def test_eos_and_stop_strings_end_completions(models, prompts):
     steps = 8
     # seeded sampling (greedy decoding of a random tiny model repeats a 2-token cycle); finished rows
     # stay in the batch (compact_ratio 0), so every run draws the same random numbers
-    params = SamplingParams(max_new_tokens=steps, temperature=1.5)
 
     def run(stop=(), **kw):
         p = SamplingParams(max_new_tokens=steps, temperature=1.5, stop=stop)
@@ -258,7 +258,7 @@ def test_bad_arguments(models, prompts):
         SamplingParams(max_new_tokens=1, stop=("",))
     with pytest.raises(ValueError, match="nothing to generate"):
         engine(ours).generate([], SamplingParams(max_new_tokens=1))
-    with pytest.raises(TypeError, match="new_kv_cache\(\) / make_cache"):
+    with pytest.raises(TypeError, match="not a family model"):
         PolicyRolloutEngine(torch.nn.Linear(2, 2), DigitsTokenizer(), eos_token_ids=[0])
     eng = engine(ours)
     eng.load_weights(None, version=3)

@@ -7,7 +7,6 @@ import os
 import signal
 from types import SimpleNamespace as NS
 
-import pytest
 import torch
 
 from megatron_vlm.training import loop as loop_mod
@@ -147,11 +146,40 @@ def test_eval_at_start_of_a_fresh_run_and_empty_eval_not_logged(tmp_path):
     assert not [r for r in logger.rows if r[0] == "eval"] and ckpt.exported == []
 
 
-def test_fault_injection_kills_before_the_named_step(tmp_path, monkeypatch):
+def test_before_step_hook_runs_before_each_step_and_production_reads_no_fault_variable(tmp_path, monkeypatch):
+    """The kill-at-step fault injection is a test hook (tests/integration/fault_entry.py): the loop
+    calls `before_step(n)` before step n and never reads MEGATRON_VLM_FAULT_KILL_AT_STEP itself."""
+    monkeypatch.setenv("MEGATRON_VLM_FAULT_KILL_AT_STEP", "2")
+    steps, seen = FakeSteps(), []
+    _run(tmp_path, steps, FakeCheckpointer(enabled=False, export=False), total=3, log_every=1,
+         before_step=lambda n: seen.append((n, list(steps.ran))))
+    assert steps.ran == [0, 1, 2]  # the variable alone kills nothing
+    assert seen == [(1, []), (2, [0]), (3, [0, 1])]
+    import pathlib
+    pkg = pathlib.Path(loop_mod.__file__).resolve().parents[1]
+    assert not [p for p in pkg.rglob("*.py") if "FAULT_KILL" in p.read_text()]
+
+
+def test_fault_entry_hook_kills_before_the_named_step(monkeypatch):
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[2] / "integration" / "fault_entry.py"
+    spec = importlib.util.spec_from_file_location("fault_entry", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
     killed = []
-    monkeypatch.setenv("MEGATRON_VLM_FAULT_KILL_AT_STEP", "3")
-    monkeypatch.setattr(loop_mod.os, "kill", lambda pid, sig: killed.append((pid, sig)) or (_ for _ in ()).throw(SystemExit))
-    steps = FakeSteps()
-    with pytest.raises(SystemExit):
-        _run(tmp_path, steps, FakeCheckpointer(), total=5, log_every=1)
-    assert steps.ran == [0, 1] and killed == [(os.getpid(), signal.SIGKILL)]
+    monkeypatch.setattr(mod.os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    hook = mod.kill_before(3)
+    hook(1), hook(2)
+    assert killed == []
+    hook(3)
+    assert killed == [(os.getpid(), signal.SIGKILL)]
+
+
+def test_stop_signal_on_a_periodic_save_step_saves_that_step_once(tmp_path):
+    """SIGTERM arriving right after the periodic save of step 3: no second save of step 3 (a second
+    save would replace the complete checkpoint just written, opening a window for losing it)."""
+    steps, ckpt = FakeSteps(), FakeCheckpointer(every=3)
+    code, _ = _run(tmp_path, steps, ckpt, total=10, stop_after=3, log_every=1)
+    assert code == EXIT_STOPPED
+    assert ckpt.saved == [(3, {"pos": 3})]

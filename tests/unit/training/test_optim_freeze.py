@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 from torch import nn
 
 from megatron_vlm.checkpoint.manager import MARKER, latest_complete

@@ -10,9 +10,9 @@ chat template is ChatML with one `<image>` per image (the processor expands it t
 processor does). preprocessor_config.json names transformers' Nemotron-H Omni image processor
 with a small patch budget (patch 16, 16..64 patches per image).
 
-`build_tiny_nemotron_qwen3_vision_folder` writes the Qwen3-VL-vision variant (seed 002's
-Nemotron-3-Nano-VL): the same hybrid decoder with a 2-block Qwen3-VL vision tower (patch 16, merge
-2, DeepStack from block 0) and the tiny Qwen3-VL processor files (`Qwen2VLImageProcessorFast` in
+`build_tiny_nemotron_qwen3_vision_folder` writes the Qwen3-VL-vision variant (the Nemotron-3-Nano-VL
+layout with a Qwen3-VL vision tower): the same hybrid decoder with a 2-block Qwen3-VL vision tower
+(patch 16, merge 2, DeepStack from block 0) and the tiny Qwen3-VL processor files (`Qwen2VLImageProcessorFast` in
 preprocessor_config.json, so `load_processor` picks the Qwen-VL processor; `<|image_pad|>` /
 `<|video_pad|>` placeholders framed by `<|vision_start|>` / `<|vision_end|>`).
 """
@@ -22,6 +22,11 @@ import json
 from pathlib import Path
 
 import torch
+
+from megatron_vlm.checkpoint.hf import save_hf_model
+from megatron_vlm.models import build_model
+from megatron_vlm.testing.tiny_processor import build_tiny_tokenizer
+from megatron_vlm.testing.tiny_processor_qwen3_vl import build_tiny_qwen3_vl_processor, tiny_qwen3_vl_token_ids
 
 IMAGE_TOKENS = ("<image>", "<img>", "</img>")
 NEMOTRON_VL_CHAT_TEMPLATE = (
@@ -45,8 +50,6 @@ TINY_MAX_NUM_PATCHES = 64
 
 
 def build_tiny_nemotron_vl_tokenizer():
-    from megatron_vlm.testing.tiny_processor import build_tiny_tokenizer
-
     tok = build_tiny_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": list(IMAGE_TOKENS)})
     tok.chat_template = NEMOTRON_VL_CHAT_TEMPLATE
@@ -115,10 +118,6 @@ def build_tiny_nemotron_qwen3_vision_folder(out_dir: str | Path, *, seed: int = 
     """The Qwen3-VL-vision variant's folder (written to a temporary sibling, then renamed); returns it."""
     from transformers import AutoTokenizer
 
-    from megatron_vlm.checkpoint.hf import save_hf_model
-    from megatron_vlm.models import build_model
-    from megatron_vlm.testing.tiny_processor_qwen3_vl import build_tiny_qwen3_vl_processor, tiny_qwen3_vl_token_ids
-
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     build_tiny_qwen3_vl_processor(tmp)
@@ -141,9 +140,6 @@ def _write_json(path: Path, obj: dict) -> None:
 
 def build_tiny_nemotron_vl_folder(out_dir: str | Path, *, seed: int = 0) -> Path:
     """Create `out_dir` (written to a temporary sibling, then renamed) and return it."""
-    from megatron_vlm.checkpoint.hf import save_hf_model
-    from megatron_vlm.models import build_model
-
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)

@@ -3,8 +3,8 @@ balancing on, and the balancer reports the moe/* metrics and the expert-load tab
 import torch
 
 from megatron_vlm.models import build_model
-from megatron_vlm.models.common.moe import MoEConfig, MoELoadBalancer
-from megatron_vlm.models.nemotron_vl.tiny import build_tiny_nemotron_vl_tokenizer, tiny_nemotron_vl_hf_config
+from megatron_vlm.testing.tiny_nemotron_vl import build_tiny_nemotron_vl_tokenizer, tiny_nemotron_vl_hf_config
+from megatron_vlm.training.moe_balancing import MoEConfig, MoELoadBalancer
 
 
 def test_tiny_model_learns_and_reports_moe_metrics():

@@ -1,0 +1,42 @@
+// megatron_vlm._C: declarations shared by the translation units of the compiled extension.
+//
+// The ops live in the `megatron_vlm` torch library namespace (schemas in registration.cpp):
+//   mrope_position_ids   host-side M-RoPE position ids (Qwen2.5-VL / Qwen3-VL get_rope_index rules)
+//   first_fit_pack       host-side packing planner (megatron_vlm/data/packing.py first_fit_pack)
+//   topk_gating          MoE router: softmax / sigmoid(+bias) scores, grouped top-k, renormalised weights
+//   moe_permute_indices  token -> expert permutation by counting (no sort) and per-expert counts
+// CPU implementations are in host_ops.cpp and moe_routing_cpu.cpp, CUDA ones in cuda/.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+
+namespace megatron_vlm {
+
+std::tuple<at::Tensor, at::Tensor> mrope_position_ids_cpu(
+    const at::Tensor& input_ids, const std::optional<at::Tensor>& mm_token_type_ids,
+    const std::optional<at::Tensor>& attention_mask, const std::optional<at::Tensor>& cu_seqlens,
+    const std::optional<at::Tensor>& image_grid_thw, const std::optional<at::Tensor>& video_grid_thw,
+    const std::optional<at::Tensor>& video_intervals, double default_interval, int64_t image_token_id,
+    int64_t video_token_id, int64_t spatial_merge_size);
+
+std::tuple<at::Tensor, at::Tensor> first_fit_pack_cpu(const at::Tensor& lengths, const at::Tensor& order,
+                                                      int64_t capacity, int64_t max_open);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_gating_cpu(const at::Tensor& logits,
+                                                               const std::optional<at::Tensor>& bias,
+                                                               int64_t top_k, bool use_sigmoid, int64_t n_group,
+                                                               int64_t topk_group, bool renormalize,
+                                                               double scaling);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_permute_indices_cpu(const at::Tensor& topk_ids,
+                                                                       int64_t num_experts);
+
+// Argument checks shared by the CPU, CUDA and Meta kernels (they raise ValueError in Python).
+void check_topk_gating_args(const at::Tensor& logits, const std::optional<at::Tensor>& bias, int64_t top_k,
+                            int64_t n_group, int64_t topk_group);
+void check_permute_args(const at::Tensor& topk_ids, int64_t num_experts);
+
+}  // namespace megatron_vlm

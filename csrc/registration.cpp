@@ -1,0 +1,90 @@
+// megatron_vlm._C: op schemas (TORCH_LIBRARY(megatron_vlm)), CPU and Meta registrations, and the
+// Python module entry point.
+//
+// The library is a plain shared object that Python imports as `megatron_vlm._C` (PyInit__C below
+// creates an empty module); importing it runs the static registrations, after which the ops are
+// torch.ops.megatron_vlm.*. It links libtorch but not libtorch_python or pybind11, which keeps the
+// build small. The Meta kernels give output shapes for FakeTensor / torch.compile; the packing op
+// has a data-dependent output size and gets its fake kernel in Python (megatron_vlm/_ext.py).
+#include <Python.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+
+namespace megatron_vlm {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> mrope_position_ids_meta(
+    const at::Tensor& input_ids, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&, double, int64_t, int64_t, int64_t) {
+  TORCH_CHECK_VALUE(input_ids.dim() == 2, "input_ids must be [B, T]");
+  const auto opts = input_ids.options().dtype(at::kLong);
+  const int64_t samples = cu_seqlens.has_value() ? cu_seqlens->size(0) - 1 : input_ids.size(0);
+  return {at::empty({3, input_ids.size(0), input_ids.size(1)}, opts), at::empty({samples, 1}, opts)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_gating_meta(const at::Tensor& logits,
+                                                                const std::optional<at::Tensor>& bias,
+                                                                int64_t top_k, bool, int64_t n_group,
+                                                                int64_t topk_group, bool, double) {
+  check_topk_gating_args(logits, bias, top_k, n_group, topk_group);
+  return {at::empty_like(logits), at::empty({logits.size(0), top_k}, logits.options()),
+          at::empty({logits.size(0), top_k}, logits.options().dtype(at::kLong))};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_permute_indices_meta(const at::Tensor& topk_ids,
+                                                                        int64_t num_experts) {
+  check_permute_args(topk_ids, num_experts);
+  const int64_t pairs = topk_ids.size(0) * topk_ids.size(1);
+  const auto opts = topk_ids.options();
+  return {at::empty({pairs}, opts.dtype(at::kInt)), at::empty({pairs}, opts.dtype(at::kLong)),
+          at::empty({num_experts}, opts.dtype(at::kLong))};
+}
+
+}  // namespace
+}  // namespace megatron_vlm
+
+TORCH_LIBRARY(megatron_vlm, m) {
+  m.def(
+      "mrope_position_ids(Tensor input_ids, Tensor? mm_token_type_ids, Tensor? attention_mask, "
+      "Tensor? cu_seqlens, Tensor? image_grid_thw, Tensor? video_grid_thw, Tensor? video_intervals, "
+      "float default_interval, int image_token_id, int video_token_id, int spatial_merge_size) -> (Tensor, Tensor)");
+  m.def("first_fit_pack(Tensor lengths, Tensor order, int capacity, int max_open) -> (Tensor, Tensor)");
+  m.def(
+      "topk_gating(Tensor logits, Tensor? bias, int top_k, bool use_sigmoid, int n_group, int topk_group, "
+      "bool renormalize, float scaling) -> (Tensor, Tensor, Tensor)");
+  m.def("moe_permute_indices(Tensor topk_ids, int num_experts) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(megatron_vlm, CPU, m) {
+  m.impl("mrope_position_ids", &megatron_vlm::mrope_position_ids_cpu);
+  m.impl("first_fit_pack", &megatron_vlm::first_fit_pack_cpu);
+  m.impl("topk_gating", &megatron_vlm::topk_gating_cpu);
+  m.impl("moe_permute_indices", &megatron_vlm::moe_permute_indices_cpu);
+}
+
+TORCH_LIBRARY_IMPL(megatron_vlm, Meta, m) {
+  m.impl("mrope_position_ids", &megatron_vlm::mrope_position_ids_meta);
+  m.impl("topk_gating", &megatron_vlm::topk_gating_meta);
+  m.impl("moe_permute_indices", &megatron_vlm::moe_permute_indices_meta);
+}
+
+// `import megatron_vlm._C` (after `import torch`): an empty module; the registrations above ran
+// when the shared object was loaded.
+extern "C" PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "megatron_vlm._C",
+                                      "Compiled ops of megatron-vlm (torch.ops.megatron_vlm.*)", -1, nullptr};
+  PyObject* m = PyModule_Create(&module);
+  if (m != nullptr) {
+#ifdef MEGATRON_VLM_WITH_CUDA
+    PyModule_AddIntConstant(m, "with_cuda", 1);
+#else
+    PyModule_AddIntConstant(m, "with_cuda", 0);
+#endif
+  }
+  return m;
+}

@@ -1,0 +1,85 @@
+"""Refuse config keys that the chosen job kind would silently ignore.
+
+Why: a key that loads without error but does nothing is worse than a typo — the user believes that
+evaluation runs every 50 steps, that four loader workers feed the run, or that the MoE balancer is
+tuned, and nothing says otherwise. The strict loader already refuses unknown keys; this module
+refuses known keys that have no effect in this run, with one line naming the dotted key and what to
+use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
+
+- GRPO (`train.mode = "grpo"`) reads its batches from `[rl]` and its prompts without the packed SFT
+  loader: `train.micro_batches_per_step`, `train.eval_every`, `train.eval_max_batches`,
+  `train.eval_generate`, `data.num_workers`, `data.prefetch_factor`, `data.shuffle`,
+  `data.length_cache_dir` must keep their defaults (evaluation is `[rl.eval]`; batching is
+  `rl.prompts_per_step` / `rl.mini_batches_per_step` / `data.max_tokens_per_pack`);
+- SFT: an `[rl]` section is refused (it is only read by GRPO), and so are `train.eval_every` /
+  `train.eval_max_batches` when there is no held-out split to evaluate (`data.eval_path` empty);
+- `[moe]` keys other than their defaults on a model without MoE layers (`check_moe_section`, once
+  the model — or its meta-device twin in `--check` — is built).
+
+A key counts as set when its value differs from the field's default (the loaded config does not
+remember which keys the file spelled out; setting a default value explicitly is harmless).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_vlm.config.loader import ConfigError
+
+__all__ = ["check_keys_for_mode", "check_moe_section", "changed_keys"]
+
+_GRPO_IGNORED = {
+    "train": {
+        "micro_batches_per_step": "GRPO batches by rl.prompts_per_step and rl.mini_batches_per_step",
+        "eval_every": "GRPO evaluates with [rl.eval] (rl.eval.every_steps)",
+        "eval_max_batches": "GRPO evaluates with [rl.eval] (rl.eval.max_prompts)",
+        "eval_generate": "GRPO evaluation always generates ([rl.eval])",
+    },
+    "data": {
+        "num_workers": "GRPO reads its prompts in the training process (no loader workers)",
+        "prefetch_factor": "GRPO reads its prompts in the training process (no loader workers)",
+        "shuffle": "the GRPO prompt order is a function of train.seed and the step",
+        "length_cache_dir": "GRPO does not pack by sample length",
+    },
+}
+
+
+def changed_keys(section) -> list[str]:
+    """Fields of a dataclass section whose value differs from the field's default."""
+    out = []
+    for f in dataclasses.fields(section):
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        else:
+            continue
+        if getattr(section, f.name) != default:
+            out.append(f.name)
+    return out
+
+
+def check_keys_for_mode(cfg) -> None:
+    """Raise ConfigError naming the first key that this job kind would ignore."""
+    if cfg.train.mode == "grpo":
+        for name, why in _GRPO_IGNORED.items():
+            section = getattr(cfg, name)
+            for key in changed_keys(section):
+                if key in why:
+                    raise ConfigError(f"{name}.{key}: has no effect when train.mode = \"grpo\" ({why[key]}); remove it")
+        return
+    if cfg.rl is not None:
+        raise ConfigError("rl: an [rl] section is only read when train.mode = \"grpo\"; remove it or set train.mode")
+    no_eval_split = cfg.data.type != "synthetic_vqa" and not cfg.data.eval_path
+    if no_eval_split:
+        for key in ("eval_every", "eval_max_batches"):
+            if getattr(cfg.train, key):
+                raise ConfigError(f"train.{key}: there is no held-out split to evaluate (data.eval_path is empty)")
+
+
+def check_moe_section(cfg, model) -> None:
+    """Raise ConfigError when `[moe]` sets anything and `model` has no MoE layers."""
+    from megatron_vlm.models.common.moe import moe_layers
+
+    changed = changed_keys(cfg.moe)
+    if changed and not list(moe_layers(model)):
+        raise ConfigError(f"moe.{changed[0]}: the model ({type(model).__name__}) has no MoE layers; remove the [moe] section")

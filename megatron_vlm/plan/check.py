@@ -1,0 +1,162 @@
+"""`launch/pretrain_vlm.py --config x.toml --check`: will this run start and fit? Answered in seconds,
+with no weights, no process group and no accelerator needed.
+
+Steps: the keys this job kind ignores (config/mode_keys.py); the model folder's config.json (a
+`model.synthesize` tiny model is described by a temporary synthesized folder); the model built on
+the meta device (`build_model` under `torch.device("meta")`: shapes only); `train.train_layers`,
+`[moe]` on a dense model; the parallel layout for `world_size` ranks (dp_replicate x dp_shard =
+world, ep divides the world and the expert count); GRPO sizes (room for a prompt before
+rl.max_new_tokens in data.max_tokens_per_pack, prompts per rank, the rollout batch); then the memory
+per rank (plan/memory.py) against the device's. Exit 0 with a one-screen plan, or 2 with one line
+`check failed: <dotted key>: <why>` on stderr naming the key to change (the plan on stdout when
+memory is the problem).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional, TextIO
+
+import torch
+
+from megatron_vlm.config.loader import ConfigError
+from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
+from megatron_vlm.plan.memory import GiB, ceil_div, estimate_memory, gib, model_shape
+from megatron_vlm.rl.rollout_budget import rollout_prompts_for_budget
+
+__all__ = ["run_check", "CheckFailed"]
+
+_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+class CheckFailed(Exception):
+    """`key`: the dotted config key (or option) to change."""
+
+    def __init__(self, key: str, why: str, plan: Optional[list[str]] = None):
+        super().__init__(f"{key}: {why}")
+        self.key, self.plan = key, plan or []
+
+
+def _read_model_config(cfg) -> dict:
+    path = Path(cfg.model.path) / "config.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    if cfg.model.synthesize is None:
+        raise CheckFailed("model.path", f"{path} does not exist (--check reads the model's config.json, no weights)")
+    from megatron_vlm.testing.synthesize import synthesize_model_folder
+
+    with tempfile.TemporaryDirectory() as tmp:  # the tiny model the first run would create
+        folder = synthesize_model_folder(cfg.model.synthesize, Path(tmp) / "model", seed=cfg.train.seed)
+        return json.loads((Path(folder) / "config.json").read_text())
+
+
+def _meta_model(hf_config: dict):
+    from megatron_vlm.models import build_model
+
+    try:
+        with torch.device("meta"):
+            return build_model(hf_config)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckFailed("model.path", f"config.json cannot be built: {e}") from None
+
+
+def _layout(cfg, world: int, num_experts: int) -> tuple[int, int]:
+    p = cfg.parallel
+    rep = p.dp_replicate
+    if world % rep:
+        raise CheckFailed("parallel.dp_replicate", f"{rep} does not divide the {world} ranks")
+    shard = p.dp_shard if p.dp_shard != -1 else world // rep
+    if rep * shard != world:
+        raise CheckFailed("parallel.dp_shard", f"dp_replicate {rep} x dp_shard {shard} = {rep * shard}, not the {world} ranks")
+    if world % p.ep:
+        raise CheckFailed("parallel.ep", f"{p.ep} does not divide the {world} ranks")
+    if p.ep > 1 and (num_experts == 0 or num_experts % p.ep):
+        raise CheckFailed("parallel.ep", f"{p.ep} does not divide the model's {num_experts} routed experts per MoE block")
+    return rep, shard
+
+
+def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
+    """The plan's lines; raises CheckFailed / ConfigError naming the key to change."""
+    check_keys_for_mode(cfg)
+    hf = _read_model_config(cfg)
+    model = _meta_model(hf)
+    check_moe_section(cfg, model)
+    from megatron_vlm.models.common.moe import moe_layers
+    from megatron_vlm.training.freeze import apply_train_layers
+
+    try:
+        apply_train_layers(model, cfg.train.train_layers)
+    except ValueError as e:
+        raise CheckFailed("train.train_layers", str(e).split(": ", 1)[-1]) from None
+    moes = moe_layers(model)
+    num_experts = moes[0].num_experts if moes else 0
+    rep, shard = _layout(cfg, world_size, num_experts)
+    shape = model_shape(model)
+    tokens = cfg.data.max_tokens_per_pack
+    compute = 4 if cfg.train.precision == "fp32" else 2
+    master = _BYTES[cfg.model.dtype]
+    lines = [f"model      {hf.get('model_type')}: {shape.params / 1e9:.3f} B parameters ({shape.trainable / 1e9:.3f} B trainable), "
+             f"{shape.layers} decoder layers, hidden {shape.hidden}",
+             f"layout     {world_size} ranks = dp_replicate {rep} x dp_shard {shard} (FSDP), ep {cfg.parallel.ep}",
+             f"batch      {tokens} tokens per packed micro-batch, activation checkpointing "
+             f"{'on' if cfg.train.activation_checkpointing else 'off'}"]
+    rollout_prompts, group = 0, 0
+    if cfg.train.mode == "grpo":
+        rl = cfg.rl
+        budget = max(rl.max_new_tokens, rl.eval.max_new_tokens or 0)
+        if budget >= tokens:
+            raise CheckFailed("data.max_tokens_per_pack", f"{tokens} leaves no room for a prompt before "
+                                                          f"{budget} generated tokens (rl.max_new_tokens)")
+        per_rank = ceil_div(rl.prompts_per_step, world_size)
+        group = rl.group_size
+        rollout_prompts = rl.rollout_batch_prompts or rollout_prompts_for_budget(
+            rl.rollout_memory_gib, shape.kv_per_slot * compute, group, tokens) or per_rank
+        rollout_prompts = min(rollout_prompts, per_rank)
+        lines.append(f"rollout    {per_rank} prompts per rank and step, {rollout_prompts} per batch x group {group} x "
+                     f"{tokens} cache slots ({ceil_div(per_rank, rollout_prompts)} batches)")
+    mem = estimate_memory(shape, fsdp=shard, master_bytes=master, compute_bytes=compute, tokens=tokens,
+                          activation_checkpointing=cfg.train.activation_checkpointing,
+                          rollout_prompts=rollout_prompts, group_size=group)
+    lines += [
+        "memory per rank (estimate; formulas in megatron_vlm/plan/memory.py)",
+        f"  master weights {gib(mem.params):>12}   gradients {gib(mem.grads):>12}   AdamW {gib(mem.optimizer):>12}",
+        f"  gathered block {gib(mem.gathered):>12}   activations {gib(mem.activations)} (checkpointing on "
+        f"{gib(mem.activations_ckpt)}, off {gib(mem.activations_no_ckpt)})",
+        f"  rollout KV cache {gib(mem.kv_cache)}",
+        f"  peak {gib(mem.peak)} of {device_memory_gib:g} GiB",
+    ]
+    if mem.peak > device_memory_gib * GiB:
+        raise CheckFailed(_key_to_change(cfg, mem), f"estimated peak {gib(mem.peak)} per rank exceeds the device's "
+                                                    f"{device_memory_gib:g} GiB (plan on stdout)", lines)
+    return lines
+
+
+def _key_to_change(cfg, mem) -> str:
+    if mem.kv_cache > mem.activations and mem.kv_cache > mem.static:
+        return "rl.rollout_batch_prompts" if cfg.rl.rollout_batch_prompts else "rl.rollout_memory_gib"
+    if mem.activations > mem.static:
+        return "data.max_tokens_per_pack" if cfg.train.activation_checkpointing else "train.activation_checkpointing"
+    return "parallel.dp_shard"
+
+
+def run_check(cfg, *, world_size: int, device_memory_gib: Optional[float], out: TextIO = sys.stdout,
+              err: TextIO = sys.stderr) -> int:
+    """Print the plan and return 0, or print one `check failed: <key>: ...` line (plus the plan when
+    memory is the problem) and return 2."""
+    if device_memory_gib is None:
+        if torch.cuda.is_available():
+            device_memory_gib = torch.cuda.get_device_properties(0).total_memory / GiB
+        else:
+            print("check failed: --device-memory-gib: no accelerator visible; give the device memory in GiB", file=err)
+            return 2
+    try:
+        lines = plan_run(cfg, world_size=world_size, device_memory_gib=device_memory_gib)
+    except (CheckFailed, ConfigError) as e:
+        if getattr(e, "plan", None):
+            print("\n".join(e.plan), file=out)
+        print(f"check failed: {e}", file=err)
+        return 2
+    print("\n".join(["check ok: " + f"{cfg.train.mode} run, {world_size} ranks", *lines]), file=out)
+    return 0

@@ -1,0 +1,134 @@
+"""Memory per rank of a run, estimated from a meta-device model and the config (no weights, no device).
+
+Why: a run that cannot fit should fail in a second on a login node with the key to change, not after
+an hour of queueing, loading and the first rollout. The estimate is deliberately simple and
+conservative; the numbers it uses (all in bytes, per rank):
+
+- F = FSDP shard size (`parallel.dp_shard`, -1 = world / dp_replicate); P = parameters, T = trainable
+  parameters (`train.train_layers`), m = bytes of `model.dtype` (the master weights the optimizer
+  updates), c = bytes of the compute dtype (`train.precision`: bf16 = 2, fp32 = 4; "auto" = bf16);
+- master weights (params)  = P x m / F
+- gradients                = T x m / F
+- AdamW states             = T x 2 x 4 / F (exp_avg, exp_avg_sq in fp32)
+- gathered block           = 2 x B x c, B = parameters of the largest transformer block (FSDP2
+  all-gathers one block for compute and prefetches the next);
+- activations: t = `data.max_tokens_per_pack` tokens per micro-batch, L decoder layers, h = hidden
+  size, and per layer per token a = 2h + 2 x (sum of out_features of the layer's nn.Linear modules)
+  + per MoE block 2 x top_k x (expert up/gate rows + h): each projection's output and one elementwise
+  result derived from it (attention core output, activation product, residual / norm) are kept for
+  backward; routed experts see top_k copies of each token;
+  without activation checkpointing: t x L x a x c;
+  with: t x L x h x c (the saved block inputs) + t x a x c (one block recomputed at a time);
+  the vision tower's activations and the LM-head logits (the fused, vocabulary-chunked log-prob
+  kernel) are not counted;
+- rollout KV cache (GRPO) = 2 x (sum over attention layers of kv_heads x head_dim) x c x slots,
+  slots = prompts per rollout batch x rl.group_size x data.max_tokens_per_pack (see rl/rollout_budget.py).
+  Rollout and training alternate (the cache is freed before the update), so the peak is
+  static + max(activations, KV cache), static = master weights + gradients + AdamW + gathered block.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from megatron_vlm.rl.rollout_budget import kv_elements_per_slot
+
+__all__ = ["ModelShape", "MemoryPlan", "model_shape", "estimate_memory", "GiB"]
+
+GiB = 2**30
+
+
+@dataclass
+class ModelShape:
+    params: int
+    trainable: int
+    largest_block: int
+    """Parameters of the largest transformer block (the FSDP unit)."""
+    layers: int
+    hidden: int
+    act_per_token_layer: int
+    """Elements kept for backward per token per decoder layer (the largest layer), `a` above."""
+    kv_per_slot: int
+    """2 x sum over attention layers of kv_heads x head_dim."""
+
+
+def _layer_activation_elements(layer: nn.Module, hidden: int) -> int:
+    from megatron_vlm.models.common.moe import MoE
+
+    total = 2 * hidden
+    experts = set()
+    for m in layer.modules():
+        if isinstance(m, MoE):
+            ex = m.experts
+            experts.update(id(x) for x in ex.modules())
+            up = ex.gate_up_proj if getattr(ex, "gated", False) else ex.up_proj
+            total += 2 * m.gate.top_k * (up.shape[1] + hidden)
+    for m in layer.modules():
+        if isinstance(m, nn.Linear) and id(m) not in experts:
+            total += 2 * m.out_features
+    return total
+
+
+def model_shape(model: nn.Module) -> ModelShape:
+    """Counts from a (meta-device) family model; trainable = parameters with requires_grad."""
+    params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    blocks = model.transformer_blocks() if hasattr(model, "transformer_blocks") else []
+    largest = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=params)
+    layers = list(model.language_model.layers)
+    hidden = model.lm_head.weight.shape[1]
+    act = max(_layer_activation_elements(layer, hidden) for layer in layers)
+    return ModelShape(params=params, trainable=trainable, largest_block=largest, layers=len(layers), hidden=hidden,
+                      act_per_token_layer=act, kv_per_slot=kv_elements_per_slot(model))
+
+
+@dataclass
+class MemoryPlan:
+    params: float
+    grads: float
+    optimizer: float
+    gathered: float
+    activations: float
+    activations_no_ckpt: float
+    activations_ckpt: float
+    kv_cache: float
+    rollout_prompts: int
+    """Prompts per rollout batch on one rank (0 = not a GRPO run)."""
+
+    @property
+    def static(self) -> float:
+        return self.params + self.grads + self.optimizer + self.gathered
+
+    @property
+    def peak(self) -> float:
+        return self.static + max(self.activations, self.kv_cache)
+
+
+def estimate_memory(shape: ModelShape, *, fsdp: int, master_bytes: int, compute_bytes: int, tokens: int,
+                    activation_checkpointing: bool, rollout_prompts: int = 0, group_size: int = 0) -> MemoryPlan:
+    """The formulas of the module docstring; `rollout_prompts` 0 = no rollout (SFT)."""
+    f = max(1, fsdp)
+    no_ckpt = tokens * shape.layers * shape.act_per_token_layer * compute_bytes
+    ckpt = tokens * shape.layers * shape.hidden * compute_bytes + tokens * shape.act_per_token_layer * compute_bytes
+    kv = shape.kv_per_slot * compute_bytes * rollout_prompts * group_size * tokens
+    return MemoryPlan(
+        params=shape.params * master_bytes / f,
+        grads=shape.trainable * master_bytes / f,
+        optimizer=shape.trainable * 2 * 4 / f,
+        gathered=2 * shape.largest_block * compute_bytes,
+        activations=ckpt if activation_checkpointing else no_ckpt,
+        activations_no_ckpt=no_ckpt,
+        activations_ckpt=ckpt,
+        kv_cache=kv,
+        rollout_prompts=rollout_prompts,
+    )
+
+
+def gib(x: float) -> str:
+    return f"{x / GiB:.2f} GiB"
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b) if b else 0
+

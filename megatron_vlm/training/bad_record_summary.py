@@ -1,0 +1,33 @@
+"""One `bad_records.json` per run, whatever the job kind: every rank's skipped records gathered and
+written by rank 0 at the end of the run (SFT's loader and GRPO's prompt reader / encoder log into a
+`BadRecordLog` each; the summary keeps each entry's skip count, so a record skipped again after a
+resume or in a later epoch is counted, not listed twice)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.parallel.collectives import all_gather_objects
+
+__all__ = ["write_bad_record_summary"]
+
+log = logging.getLogger("megatron_vlm")
+
+
+def write_bad_record_summary(bad_records: Optional[BadRecordLog], run_dir: Path, *, is_main: bool) -> None:
+    """Collective: every rank calls it. Rank 0 writes `<run_dir>/bad_records.json` and logs a warning
+    with the counts by category when anything was skipped."""
+    if bad_records is None:
+        return
+    gathered = all_gather_objects(bad_records.to_dict()["records"])
+    if not is_main:
+        return
+    merged = BadRecordLog()
+    for part in gathered:
+        merged.extend(part)
+    path = Path(run_dir) / "bad_records.json"
+    merged.write_summary(path)
+    if len(merged):
+        log.warning("skipped %d bad records %s; see %s", len(merged), merged.counts_by_category(), path)

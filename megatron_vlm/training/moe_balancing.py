@@ -1,0 +1,154 @@
+"""Mixture-of-Experts load-balancing policy: the `[moe]` config section and the trainer-side driver.
+
+The model's `MoE` blocks (`megatron_vlm.models.common.moe`) only route and count; what to do with the
+counts is decided here, once per optimizer step:
+
+* auxiliary-loss-free balancing (DeepSeek-V3): after the optimizer step the per-expert loads of the
+  step (`MoE.expert_load`) are summed over data-parallel ranks (with the collective the trainer
+  injects: model code does no communication) and each router's score-correction bias moves against
+  its load error, `bias_e += rate * sign(mean_load - load_e)`, centred to zero mean, so under-used
+  experts become more likely to be picked (the bias only affects the choice, not the combine weights);
+* optional Switch-style auxiliary loss `coef * E * sum_e f_e * P_e` (f = fraction of routed
+  assignments, P = mean router probability), built from the `RouterStats` each training forward
+  leaves on the block when `record_router_stats` is set;
+* workload reports every `n_step_per_workload_report` steps: `moe/*` metrics and the per-layer
+  expert-load table, from the loads summed since the last report.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from megatron_vlm.models.common.moe import MoE, moe_layers
+
+
+@dataclass(kw_only=True)
+class MoEConfig:
+    """`[moe]` config section: auxiliary-free load balancing, the optional auxiliary loss and workload reports."""
+
+    enable_moe_load_balancing_training: bool = True
+    """After every optimizer step move each expert's score-correction bias against its load error
+    (bias += rate * sign(mean load - load), DeepSeek-V3); the bias only affects which experts are picked."""
+    bias_update_rate: float = 1e-3
+    """Step size of the bias update (DeepSeek-V3 uses 1e-3)."""
+    n_step_per_workload_report: int = 10
+    """Report `moe/entropy_mean`, `moe/max_fraction_max`, `moe/tokens_per_layer_mean` and the per-layer
+    expert-load table every N optimizer steps (0 = never)."""
+    aux_loss_coef: float = 0.0
+    """Weight of the optional Switch-style auxiliary balance loss added to the training loss (0 = off)."""
+
+    def validate(self) -> None:
+        if self.bias_update_rate < 0:
+            raise ValueError(f"bias_update_rate: must be >= 0, got {self.bias_update_rate}")
+        if self.n_step_per_workload_report < 0:
+            raise ValueError(f"n_step_per_workload_report: must be >= 0, got {self.n_step_per_workload_report}")
+        if self.aux_loss_coef < 0:
+            raise ValueError(f"aux_loss_coef: must be >= 0, got {self.aux_loss_coef}")
+
+
+def switch_aux_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int) -> torch.Tensor:
+    """E * sum_e f_e * P_e for one block: scores `[N, E]` (normalised per token, since sigmoid scores do
+    not sum to 1), f_e = assignments of expert e / (N * top_k), P_e = mean probability of expert e."""
+    num_experts = scores.shape[-1]
+    probs = scores / scores.sum(-1, keepdim=True)
+    fraction = tokens_per_expert.to(probs.dtype) / max(1, scores.shape[0] * top_k)
+    return num_experts * torch.sum(fraction * probs.mean(0))
+
+
+@torch.no_grad()
+def update_correction_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> None:
+    """Move each expert's bias against its load error, in place: += rate * sign(mean - load), centred
+    (zero-mean change). No change when nothing was routed."""
+    load = load.double()
+    if load.sum() > 0:
+        delta = rate * torch.sign(load.mean() - load)
+        bias += (delta - delta.mean()).to(bias.dtype)
+
+
+def moe_load_table(loads: Sequence[torch.Tensor]) -> List[List[int]]:
+    """Per-layer expert token counts: rows = MoE layers, columns = experts."""
+    return [[int(v) for v in load.tolist()] for load in loads]
+
+
+def moe_load_metrics(loads: Sequence[torch.Tensor], top_k: Sequence[int]) -> Dict[str, float]:
+    """`moe/entropy_mean` (mean over layers of the entropy, in nats, of the expert-load distribution;
+    log E = perfectly balanced), `moe/max_fraction_max` (largest share of routed assignments any
+    expert got, over layers), `moe/tokens_per_layer_mean` (routed tokens per layer = assignments / k);
+    {} when nothing was routed. `loads[i]` are layer i's counts, `top_k[i]` its experts per token."""
+    entropies, max_fractions, tokens = [], [], []
+    for load, k in zip(loads, top_k):
+        load = load.double()
+        total = float(load.sum())
+        if total <= 0:
+            continue
+        frac = load / total
+        nonzero = frac[frac > 0]
+        entropies.append(float(-(nonzero * nonzero.log()).sum()))
+        max_fractions.append(float(frac.max()))
+        tokens.append(total / k)
+    if not entropies:
+        return {}
+    return {
+        "moe/entropy_mean": sum(entropies) / len(entropies),
+        "moe/max_fraction_max": max(max_fractions),
+        "moe/tokens_per_layer_mean": sum(tokens) / len(tokens),
+    }
+
+
+class MoELoadBalancer:
+    """What the trainer calls around each optimizer step for the model's MoE layers.
+
+    * `aux_loss()` after the forward: the summed auxiliary loss (None when off) to add to the loss;
+    * `after_step(step)` after `optimizer.step()`: sums the step's expert loads over data-parallel
+      ranks with the injected `all_reduce` (in place, SUM; one call per step), updates the biases,
+      and every `n_step_per_workload_report` steps returns `(metrics, table)` for the loggers (None
+      otherwise).
+    """
+
+    def __init__(self, model: nn.Module, cfg: MoEConfig, *, all_reduce: Optional[Callable[[torch.Tensor], None]] = None):
+        cfg.validate()
+        self.cfg = cfg
+        self.layers: List[MoE] = moe_layers(model)
+        self.all_reduce = all_reduce
+        for layer in self.layers:
+            layer.record_router_stats = cfg.aux_loss_coef > 0
+        # loads summed over ranks since the last report (kept here: reporting is policy, not model state)
+        self._report_loads = [torch.zeros_like(layer.expert_load) for layer in self.layers]
+
+    def aux_loss(self) -> Optional[torch.Tensor]:
+        losses = []
+        for layer in self.layers:
+            stats, layer.router_stats = layer.router_stats, None
+            if stats is not None:
+                losses.append(self.cfg.aux_loss_coef * switch_aux_loss(stats.scores, stats.tokens_per_expert, stats.top_k))
+        return torch.stack(losses).sum() if losses else None
+
+    @torch.no_grad()
+    def after_step(self, step: int):
+        if not self.layers:
+            return None
+        loads = torch.stack([layer.expert_load for layer in self.layers])
+        if self.all_reduce is not None:
+            self.all_reduce(loads)
+        for i, (layer, load) in enumerate(zip(self.layers, loads)):
+            bias = layer.gate.e_score_correction_bias
+            if self.cfg.enable_moe_load_balancing_training and bias is not None:
+                update_correction_bias(bias, load, self.cfg.bias_update_rate)
+            layer.reset_expert_load()
+            report = self._report_loads[i]
+            self._report_loads[i] = report.to(load.device) + load
+        every = self.cfg.n_step_per_workload_report
+        if every and step % every == 0:
+            metrics = moe_load_metrics(self._report_loads, [layer.top_k for layer in self.layers])
+            table = moe_load_table(self._report_loads)
+            self._report_loads = [torch.zeros_like(r) for r in self._report_loads]
+            return metrics, table
+        return None
+
+
+__all__ = [
+    "MoEConfig", "MoELoadBalancer", "moe_load_metrics", "moe_load_table", "switch_aux_loss", "update_correction_bias",
+]

@@ -1,0 +1,78 @@
+"""The Hugging Face export is never written in place: a full disk (or a crash) while writing a new
+export leaves the previous one byte for byte, with no temporary folder left; a successful export
+replaces the old weights (stale shards gone), keeps the folder's other files, and ends with its
+marker."""
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+from megatron_vlm.checkpoint import hf as hf_mod
+from megatron_vlm.checkpoint.hf import save_hf_model
+from megatron_vlm.models import build_model
+from tests.fixtures import tiny_qwen2_5_vl as F
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return build_model(F.tiny_qwen2_5_vl_config_dict())
+
+
+def _files(path):
+    return {p.name: p.read_bytes() for p in path.iterdir()}
+
+
+def test_disk_full_while_exporting_keeps_the_previous_export(tmp_path, model, monkeypatch):
+    out = tmp_path / "hf"
+    save_hf_model(model, out, max_shard_size="100KB")
+    before = _files(out)
+    written = []
+    real = hf_mod.save_file
+
+    def fill_the_disk(tensors, filename, metadata=None):
+        if written:  # the second shard no longer fits
+            with open(filename, "wb") as f:
+                f.write(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+        written.append(filename)
+        return real(tensors, filename, metadata=metadata)
+
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    monkeypatch.setattr(hf_mod, "save_file", fill_the_disk)
+    with pytest.raises(OSError, match="No space left"):
+        save_hf_model(model, out, max_shard_size="100KB")
+    monkeypatch.undo()
+    with torch.no_grad():
+        next(model.parameters()).sub_(1.0)
+    assert _files(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary / old folder left
+
+
+def test_export_replaces_weights_keeps_other_files_and_marks_complete(tmp_path, model):
+    out = tmp_path / "hf"
+    save_hf_model(model, out, max_shard_size="100KB")
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    (out / "tokenizer_config.json").write_text("{}")  # e.g. a processor written there first
+    save_hf_model(model, out)  # one file this time
+    names = {p.name for p in out.iterdir()}
+    assert "model.safetensors" in names and not any(n.startswith("model-") for n in names)
+    assert "model.safetensors.index.json" not in names
+    assert "tokenizer_config.json" in names and hf_mod.EXPORT_MARKER in names
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_export_after_a_kill_between_the_two_renames(tmp_path, model):
+    """Killed after moving the previous export aside and before renaming the new one into place:
+    the previous export is `.hf.old`; the next export completes normally and keeps its other files."""
+    out = tmp_path / "hf"
+    save_hf_model(model, out)
+    (out / "tokenizer_config.json").write_text("{}")
+    out.rename(tmp_path / ".hf.old")
+    save_hf_model(model, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    assert (out / "tokenizer_config.json").is_file() and (out / "model.safetensors").is_file()

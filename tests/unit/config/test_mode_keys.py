@@ -1,0 +1,84 @@
+"""Config keys that a job kind would silently ignore are refused (exit 2, one line naming the dotted
+key), GRPO honours `train.epochs`, a rollout batch is bounded by `rl.rollout_memory_gib`, and every
+shipped example config passes these checks."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+from megatron_vlm.config import ConfigError, load_config
+from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
+from megatron_vlm.rl.rollout_budget import rollout_prompts_for_budget
+from megatron_vlm.rl.trainer import grpo_total_steps
+
+REPO = Path(__file__).resolve().parents[3]
+CONFIGS = REPO / "launch" / "configs"
+GRPO = CONFIGS / "qwen2_5_vl_3b_geometry3k_grpo.toml"
+SFT = CONFIGS / "demo_sft.toml"
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)
+def test_example_configs_set_no_ignored_key(config):
+    check_keys_for_mode(load_config(config))
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.micro_batches_per_step=2", "train.micro_batches_per_step"),
+    ("train.eval_every=10", "train.eval_every"),
+    ("train.eval_max_batches=3", "train.eval_max_batches"),
+    ("train.eval_generate=false", "train.eval_generate"),
+    ("data.num_workers=4", "data.num_workers"),
+    ("data.prefetch_factor=4", "data.prefetch_factor"),
+    ("data.shuffle=false", "data.shuffle"),
+    ('data.length_cache_dir="x"', "data.length_cache_dir"),
+])
+def test_grpo_refuses_keys_it_ignores(override, key):
+    with pytest.raises(ConfigError, match=rf"^{key}: has no effect when train.mode = \"grpo\""):
+        check_keys_for_mode(load_config(GRPO, [override]))
+
+
+def test_sft_refuses_an_rl_section_and_eval_without_a_split():
+    with pytest.raises(ConfigError, match=r"^rl: an \[rl\] section is only read"):
+        check_keys_for_mode(load_config(SFT, ["rl.group_size=4"]))
+    with pytest.raises(ConfigError, match=r"^train.eval_every: there is no held-out split"):
+        check_keys_for_mode(load_config(CONFIGS / "internvl3_8b_robovqa_stage1.toml", ['data.eval_path=""', "train.eval_every=5"]))
+
+
+def test_moe_keys_refused_on_a_dense_model():
+    from megatron_vlm.models.common.moe import MoE
+    dense = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    cfg = load_config(SFT, ["moe.aux_loss_coef=0.01"])
+    with pytest.raises(ConfigError, match=r"^moe.aux_loss_coef: the model \(Sequential\) has no MoE layers"):
+        check_moe_section(cfg, dense)
+    check_moe_section(load_config(SFT), dense)  # defaults: fine
+    class BareMoE(MoE):
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+
+    moe = torch.nn.Sequential(BareMoE())
+    check_moe_section(cfg, moe)  # a MoE model: fine
+
+
+def test_launcher_exits_2_with_one_line_naming_the_key(tmp_path):
+    r = subprocess.run([sys.executable, str(REPO / "launch" / "pretrain_vlm.py"), "--config", str(GRPO),
+                        "--set", "train.eval_every=5", "--set", f'train.output_dir="{tmp_path}"'],
+                       capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: train.eval_every:"), r.stderr
+
+
+def test_grpo_steps_from_epochs_and_rollout_budget():
+    rl = NS(prompts_per_step=528)
+    assert grpo_total_steps(NS(max_steps=None, epochs=70), rl, 2101) == 279  # ceil(70 * 2101 / 528)
+    assert grpo_total_steps(NS(max_steps=7, epochs=70), rl, 2101) == 7
+    per_slot = 2 * 36 * 2 * 128 * 2  # K+V x layers x kv_heads x head_dim x bf16 bytes
+    per_prompt = per_slot * 4 * 20480  # group of 4, 20480 slots each: 2.8125 GiB
+    assert rollout_prompts_for_budget(24.0, per_slot, 4, 20480) == int(24 * 2**30 // per_prompt) == 8
+    assert rollout_prompts_for_budget(1.0, per_slot, 4, 20480) == 1  # at least one prompt
+    assert rollout_prompts_for_budget(0.0, per_slot, 4, 20480) == 0  # no budget: all at once

@@ -1,0 +1,165 @@
+"""MoE load-balancing policy (`training/moe_balancing.py`): the bias update rule on a skewed router, the
+load metrics / table, the Switch auxiliary loss, the `MoELoadBalancer` driver (rank sums, bias
+updates, reports) and load counting under activation checkpointing (the recomputed forward must not
+count twice)."""
+import math
+
+import pytest
+import torch
+
+from megatron_vlm.models import build_model
+from megatron_vlm.models.common.moe import MoE, moe_layers
+from megatron_vlm.parallel import apply_ac
+from megatron_vlm.training.moe_balancing import (
+    MoEConfig,
+    MoELoadBalancer,
+    moe_load_metrics,
+    moe_load_table,
+    switch_aux_loss,
+    update_correction_bias,
+)
+
+TEXT = dict(
+    model_type="nemotron_h", vocab_size=64, hidden_size=16, layers_block_type=["moe", "linear_attention", "moe"],
+    num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=16, mamba_num_heads=2,
+    mamba_head_dim=8, ssm_state_size=4, n_groups=1, chunk_size=4, n_routed_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=8, moe_shared_expert_intermediate_size=8,
+)
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return build_model(dict(TEXT)).train()
+
+
+def make_skewed_moe(num_experts=8, top_k=2, hidden=16):
+    torch.manual_seed(2)
+    moe = MoE(hidden, num_experts=num_experts, top_k=top_k, moe_intermediate_size=4, activation="relu2",
+              gated_experts=False)
+    moe.reset_parameters()
+    with torch.no_grad():  # a router that strongly prefers experts 0 and 1
+        moe.gate.weight.copy_(torch.randn(num_experts, hidden) * 0.1)
+        moe.gate.weight[:2] += 0.6
+    return moe.train()
+
+
+def balance(load):
+    """(max share * E, entropy / log E): (1, 1) is perfectly uniform."""
+    frac = load / load.sum()
+    nz = frac[frac > 0]
+    return float(frac.max() * len(frac)), float(-(nz * nz.log()).sum() / math.log(len(frac)))
+
+
+def test_bias_update_moves_load_toward_uniform():
+    moe = make_skewed_moe()
+    gen = torch.Generator().manual_seed(3)
+    history = []
+    for _ in range(50):
+        x = torch.randn(256, 16, generator=gen).abs()  # positive inputs keep the skew
+        with torch.no_grad():
+            moe(x)
+        history.append(balance(moe.expert_load.clone()))
+        update_correction_bias(moe.gate.e_score_correction_bias, moe.expert_load, 0.02)
+        moe.reset_expert_load()
+    first_max, first_entropy = history[0]
+    assert first_max > 3.5 and first_entropy < 0.5, f"router not skewed enough for the test: {history[0]}"
+    late = history[-10:]
+    mean_max = sum(m for m, _ in late) / len(late)
+    mean_entropy = sum(e for _, e in late) / len(late)
+    assert mean_max < 2.5 and mean_entropy > 0.9, f"load did not move toward uniform: {history[0]} -> {late}"
+    bias = moe.gate.e_score_correction_bias
+    assert bias[:2].max() < bias[2:].min()  # the favoured experts were pushed down
+    assert abs(float(bias.mean())) < 1e-6  # centred updates
+
+
+def test_load_metrics_and_table_hand_computed():
+    a, b = torch.tensor([2, 2, 0, 4]), torch.tensor([1, 1, 1, 1])
+    m = moe_load_metrics([a, b], [2, 2])
+    ent_a = -(2 * 0.25 * math.log(0.25) + 0.5 * math.log(0.5))
+    assert m["moe/entropy_mean"] == pytest.approx((ent_a + math.log(4)) / 2)
+    assert m["moe/max_fraction_max"] == pytest.approx(0.5)
+    assert m["moe/tokens_per_layer_mean"] == pytest.approx((8 / 2 + 4 / 2) / 2)
+    assert moe_load_table([a, b]) == [[2, 2, 0, 4], [1, 1, 1, 1]]
+    assert moe_load_metrics([torch.zeros(4), torch.zeros(4)], [2, 2]) == {}
+
+
+def test_aux_loss_matches_formula_and_has_grad():
+    moe = make_skewed_moe()
+    moe.record_router_stats = True
+    x = torch.randn(10, 16)
+    moe(x)
+    stats = moe.router_stats
+    loss = 0.1 * switch_aux_loss(stats.scores, stats.tokens_per_expert, stats.top_k)
+    with torch.no_grad():
+        scores, _, ids = moe.gate(x)
+    probs = scores / scores.sum(-1, keepdim=True)
+    expected = 0.0
+    for e in range(8):
+        f_e = float((ids == e).sum()) / (10 * 2)
+        expected += f_e * float(probs[:, e].mean())
+    assert float(loss.detach()) == pytest.approx(0.1 * 8 * expected, rel=1e-5)
+    loss.backward()
+    assert moe.gate.weight.grad is not None and moe.gate.weight.grad.abs().sum() > 0
+
+
+def test_after_step_sums_ranks_updates_bias_and_reports_every_n():
+    model = tiny_model()
+    calls = []
+
+    def fake_all_reduce(t):  # two identical ranks
+        calls.append(t.shape)
+        t.mul_(2)
+
+    balancer = MoELoadBalancer(model, MoEConfig(bias_update_rate=0.01, n_step_per_workload_report=2), all_reduce=fake_all_reduce)
+    ids = torch.randint(0, 64, (2, 5))
+    model(ids)
+    local = [layer.expert_load.clone() for layer in balancer.layers]
+    assert [int(x.sum()) for x in local] == [2 * 5 * 2] * 2
+    assert balancer.after_step(1) is None
+    for layer, load in zip(balancer.layers, local):
+        delta = 0.01 * torch.sign((2 * load).double().mean() - 2 * load)
+        torch.testing.assert_close(layer.gate.e_score_correction_bias, (delta - delta.mean()).float())
+        assert int(layer.expert_load.sum()) == 0
+    model(ids)
+    metrics, table = balancer.after_step(2)
+    assert len(calls) == 2  # one all-reduce per step; the report sums the already-reduced step loads
+    assert set(metrics) == {"moe/entropy_mean", "moe/max_fraction_max", "moe/tokens_per_layer_mean"}
+    assert metrics["moe/tokens_per_layer_mean"] == pytest.approx(2 * 2 * 10)  # 2 steps x 10 tokens x 2 ranks
+    assert len(table) == 2 and all(len(row) == 4 and sum(row) == 2 * 2 * 10 * 2 for row in table)
+
+
+def test_balancing_off_leaves_bias_and_aux_loss_is_summed():
+    model = tiny_model(1)
+    balancer = MoELoadBalancer(model, MoEConfig(enable_moe_load_balancing_training=False, aux_loss_coef=0.5,
+                                                n_step_per_workload_report=0))
+    out = model(torch.randint(0, 64, (1, 6)))
+    aux = balancer.aux_loss()
+    assert aux is not None and aux.requires_grad and float(aux.detach()) > 0
+    assert balancer.aux_loss() is None  # consumed
+    (out.float().mean() + aux).backward()
+    assert balancer.after_step(1) is None
+    assert all(float(layer.gate.e_score_correction_bias.abs().sum()) == 0 for layer in balancer.layers)
+    assert all(int(layer.expert_load.sum()) == 0 for layer in balancer.layers)
+    assert all(layer.record_router_stats for layer in balancer.layers)
+
+
+def test_counts_are_not_doubled_by_activation_checkpointing():
+    ids = torch.randint(0, 64, (2, 7))
+    plain, ckpt = tiny_model(2), tiny_model(2)
+    apply_ac(ckpt.transformer_blocks())
+    # without early stop the recomputation re-runs each whole block, including the counting code
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        for model in (plain, ckpt):
+            model(ids).float().square().mean().backward()
+    for a, b in zip(moe_layers(plain), moe_layers(ckpt)):
+        assert torch.equal(a.expert_load, b.expert_load)
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}")
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="bias_update_rate"):
+        MoEConfig(bias_update_rate=-1).validate()
+    with pytest.raises(ValueError, match="n_step_per_workload_report"):
+        MoEConfig(n_step_per_workload_report=-2).validate()
+    assert isinstance(moe_layers(tiny_model())[0], MoE)

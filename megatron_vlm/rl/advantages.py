@@ -1,9 +1,21 @@
-"""Group-relative advantages (GRPO).
+"""Group-relative advantages (`[rl] advantage`) and DAPO's overlong reward shaping.
 
-A GRPO step samples G completions per prompt; a completion's advantage is its reward minus the mean
-reward of its group, optionally divided by the group's standard deviation (GRPO; Dr. GRPO drops the
-division). Groups whose rewards are all equal carry no signal (every advantage is 0) and can be
-dropped from the batch (DAPO's dynamic sampling keeps only informative groups).
+A GRPO step samples G completions per prompt; a completion's advantage compares its reward with the
+other rewards of its group:
+
+    grpo     (r_i - mean) / (std + eps), std the unbiased group std (Shao et al. 2024, DeepSeekMath);
+             with normalize_std = false: r_i - mean
+    dr_grpo  r_i - mean: no std division, which up-weights near-uniform groups (Dr. GRPO, Liu et al.
+             2025, "Understanding R1-Zero-Like Training: A Critical Perspective"; use it with
+             loss_agg = "seq-mean-token-sum-norm" for the paper's length-unbiased loss)
+    rloo     r_i - mean of the other G - 1 rewards = G / (G - 1) * (r_i - mean) (REINFORCE
+             leave-one-out, Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style
+             Optimization for Learning from Human Feedback in LLMs")
+
+Groups whose rewards are all equal carry no signal (every advantage is 0): they are counted
+(`zero_variance`) and can be dropped from the batch (DAPO's dynamic sampling, Yu et al. 2025, keeps
+only informative groups). `overlong_penalty` is DAPO's soft overlong punishment, added to the
+reward before the advantages.
 
 Layout: rewards are a flat [P * G] tensor, group-major (the G samples of prompt p are at
 p*G ... p*G+G-1), which is the order the rollout engine returns them in.
@@ -11,10 +23,27 @@ p*G ... p*G+G-1), which is the order the rollout engine returns them in.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, Optional, Sequence
 
 import torch
 
-__all__ = ["GroupAdvantages", "compute_group_advantages", "advantage_stats"]
+__all__ = ["GroupAdvantages", "compute_group_advantages", "advantage_stats", "overlong_penalty", "ADVANTAGE_ESTIMATORS",
+           "default_normalize_std"]
+
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+
+
+def default_normalize_std(estimator: str, normalize_std: Optional[bool]) -> bool:
+    """Whether `estimator` divides by the group std: grpo does unless told not to; dr_grpo and rloo
+    never do (asking them to is a ValueError: that is `grpo`)."""
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"advantage: must be one of {ADVANTAGE_ESTIMATORS}, got {estimator!r}")
+    if estimator == "grpo":
+        return True if normalize_std is None else bool(normalize_std)
+    if normalize_std:
+        raise ValueError(f"normalize_adv_std: advantage = {estimator!r} is defined without the std division "
+                         "(leave normalize_adv_std unset or false; advantage = 'grpo' divides by the std)")
+    return False
 
 
 @dataclass
@@ -29,23 +58,28 @@ class GroupAdvantages:
     """[P] standard deviation of each group's rewards (unbiased, as torch.std)."""
     num_dropped_groups: int
     """Groups dropped because all their rewards were equal."""
+    zero_variance: Optional[torch.Tensor] = None
+    """[P] bool: the group's rewards are all equal (max - min <= equal_atol), dropped or not."""
 
 
 def compute_group_advantages(
     rewards: torch.Tensor,
     group_size: int,
     *,
-    normalize_std: bool = True,
+    estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo",
+    normalize_std: Optional[bool] = None,
     drop_equal_reward_groups: bool = False,
     eps: float = 1e-6,
     equal_atol: float = 1e-6,
 ) -> GroupAdvantages:
-    """Advantages of a group-major [P * G] reward vector.
+    """Advantages of a group-major [P * G] reward vector by `estimator` (module docstring).
 
-    `normalize_std`: A = (r - mean) / (std + eps), with the unbiased std of the group (as TRL and
-    verl); otherwise A = r - mean. `drop_equal_reward_groups`: groups whose max - min reward is at
-    most `equal_atol` get keep = False. Computed in float32 whatever the input dtype.
+    `normalize_std` (grpo only; None = true): A = (r - mean) / (std + eps), with the unbiased std of
+    the group (as TRL and verl); otherwise A = r - mean. `drop_equal_reward_groups`: groups whose
+    max - min reward is at most `equal_atol` get keep = False. Computed in float32 for float32 or
+    lower-precision input, in float64 for float64 input.
     """
+    normalize_std = default_normalize_std(estimator, normalize_std)
     if rewards.dim() != 1:
         raise ValueError(f"rewards: expected a flat [P * G] tensor, got shape {tuple(rewards.shape)}")
     if group_size < 2:
@@ -56,14 +90,20 @@ def compute_group_advantages(
     if not torch.isfinite(rewards).all():
         bad = torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()[:5]
         raise ValueError(f"rewards: non-finite reward at sample index {bad}")
-    r = rewards.detach().float().view(-1, group_size)
+    dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
+    r = rewards.detach().to(dtype).view(-1, group_size)
     mean = r.mean(dim=1)
     std = r.std(dim=1)  # unbiased (Bessel), G >= 2
     centred = r - mean[:, None]
-    adv = centred / (std[:, None] + eps) if normalize_std else centred
+    if estimator == "rloo":
+        # r_i - (sum_j r_j - r_i) / (G - 1) = G / (G - 1) * (r_i - mean)
+        adv = r - (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
+    else:
+        adv = centred / (std[:, None] + eps) if normalize_std else centred
+    zero_var = (r.max(dim=1).values - r.min(dim=1).values) <= equal_atol
     keep_group = torch.ones(r.shape[0], dtype=torch.bool, device=r.device)
     if drop_equal_reward_groups:
-        keep_group = (r.max(dim=1).values - r.min(dim=1).values) > equal_atol
+        keep_group = ~zero_var
         adv = adv * keep_group[:, None]
     keep = keep_group[:, None].expand_as(r).reshape(-1)
     return GroupAdvantages(
@@ -72,7 +112,24 @@ def compute_group_advantages(
         group_mean=mean,
         group_std=std,
         num_dropped_groups=int((~keep_group).sum().item()),
+        zero_variance=zero_var,
     )
+
+
+def overlong_penalty(lengths: Sequence[int], max_new_tokens: int, buffer: int, penalty: float) -> list[float]:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), scaled by `penalty`: 0 for a response of
+    at most max_new_tokens - buffer tokens, then falling linearly to -penalty at max_new_tokens:
+
+        R(|y|) = penalty * max(-1, min(0, ((max_new_tokens - buffer) - |y|) / buffer))
+
+    (DAPO's -1 for |y| > L_max is the clamp; generation stops at max_new_tokens, so a response
+    reaches at most the end of the ramp)."""
+    if buffer < 1 or buffer >= max_new_tokens:
+        raise ValueError(f"overlong_buffer: must be in [1, max_new_tokens = {max_new_tokens}), got {buffer}")
+    if penalty < 0:
+        raise ValueError(f"overlong_penalty: must be >= 0, got {penalty}")
+    start = max_new_tokens - buffer
+    return [penalty * max(-1.0, min(0.0, (start - int(n)) / buffer)) for n in lengths]
 
 
 def advantage_stats(advantages: torch.Tensor, keep: torch.Tensor | None = None) -> dict[str, float]:

@@ -109,14 +109,55 @@ class RLConfig:
     (non-negative, unbiased)."""
     ref_offload: bool = False
     """Keep the reference model's weights on CPU and move them to the device only to score a batch."""
-    loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
+    policy_loss: Literal["clip", "gspo", "gspo_token", "cispo"] = "clip"
+    """Policy-gradient loss (megatron_vlm/rl/losses.py): "clip" = PPO / GRPO clipped token ratio;
+    "gspo" = GSPO (Zheng et al. 2025): the sequence ratio exp(mean_t (log pi - log pi_old)), clipped
+    per sequence — its paper uses tiny clip ranges, clip_ratio_low = 3e-4, clip_ratio_high = 4e-4,
+    and loss_agg = "seq-mean"; "gspo_token" = GSPO-token (the sequence ratio with per-token
+    advantages); "cispo" = CISPO (MiniMax-M1 2025): clipped, detached importance weight x advantage x
+    log pi, every token keeps its gradient. clip_ratio_low / clip_ratio_high are the ranges of all four."""
+    loss_agg: Literal["token-mean", "seq-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """Loss aggregation: token-mean averages over all response tokens of the mini-batch; seq-mean
-    averages each sequence's tokens first, then over sequences."""
-    normalize_adv_std: bool = True
-    """Divide group-relative advantages by the group's reward standard deviation (GRPO); false keeps
-    mean-centred rewards only (Dr. GRPO)."""
+    averages each sequence's tokens first, then over sequences; seq-mean-token-sum-norm sums over all
+    tokens and divides by the constant max_new_tokens x sequences (Dr. GRPO, Liu et al. 2025)."""
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    """Advantage estimator (megatron_vlm/rl/advantages.py): "grpo" = group mean-centred reward divided by
+    the group std (normalize_adv_std); "dr_grpo" = mean-centred, no std division (Dr. GRPO, Liu et al.
+    2025; pair it with loss_agg = "seq-mean-token-sum-norm"); "rloo" = reward minus the mean of the
+    other G - 1 rewards of the group (Ahmadian et al. 2024)."""
+    normalize_adv_std: Optional[bool] = None
+    """Divide group-relative advantages by the group's reward standard deviation. Unset = the
+    estimator's definition (grpo: true; dr_grpo, rloo: false); false with grpo keeps mean-centred
+    rewards only; true with dr_grpo or rloo is refused."""
     drop_equal_reward_groups: bool = False
-    """Drop groups whose G rewards are all equal (they carry no learning signal, DAPO's dynamic sampling)."""
+    """Drop groups whose G rewards are all equal (they carry no learning signal) without sampling more
+    (dynamic_sampling refills the step)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (Yu et al. 2025): groups whose rewards are all equal are dropped and more
+    prompts are generated (prompts_per_step per round, drawn from the training set) until the step has
+    prompts_per_step groups with non-zero reward variance or max_sampling_rounds rounds ran; surplus
+    groups of the last round are dropped. Rounds and dropped groups are logged (sampling/*)."""
+    max_sampling_rounds: int = 3
+    """Dynamic sampling: at most this many generation rounds per step (the first included); a step
+    that still has fewer informative groups trains on those it has (sampling/kept_groups says so)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: the last overlong_buffer tokens of the max_new_tokens budget,
+    over which the penalty rises linearly from 0 to overlong_penalty (0 = off)."""
+    overlong_penalty: float = 0.0
+    """Reward subtracted at max_new_tokens (DAPO uses 1.0); needs overlong_buffer >= 1."""
+    mask_truncated: bool = False
+    """Exclude completions cut at max_new_tokens from the loss (DAPO's overlong filtering); they still
+    count in their group's advantages."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss subtracts entropy_coef x the policy entropy aggregated like the loss."""
+    rollout_correction: Literal["none", "tis", "mis"] = "none"
+    """Rollout / training mismatch correction (rollout numerics differ from training's; Yao et al. 2025,
+    "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"): "tis" multiplies each
+    token's loss by min(pi_train_old / pi_rollout, C); "mis" drops sequences whose geometric-mean ratio
+    lies outside [1/C, C]. Needs recompute_logprobs = true (the training-side old log-probs). The
+    mismatch KL and ratio min / mean / max are logged whenever recompute_logprobs is on."""
+    rollout_correction_cap: float = 2.0
+    """C of rollout_correction (> 1)."""
     max_head_offpolicyness: int = 0
     """Asynchronous GRPO only: a sample is trained on only if the policy version that generated it lags
     the trainer by at most this many versions (0 = synchronous on-policy training)."""
@@ -201,6 +242,7 @@ class RLConfig:
             raise ValueError(f"clip_ratio_high: must be >= 0, got {self.clip_ratio_high}")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef: must be >= 0, got {self.kl_coef}")
+        self._validate_algorithm()
         if self.ref_offload and self.kl_coef == 0:
             raise ValueError("ref_offload: has no effect when kl_coef = 0 (no reference model is built)")
         if self.group_size < 2:
@@ -253,6 +295,42 @@ class RLConfig:
             self.eval.validate()
         except ValueError as e:
             raise ValueError(f"eval.{e}") from None
+
+    def _validate_algorithm(self) -> None:
+        """The policy-loss / advantage / sampling / shaping / correction keys and their combinations."""
+        choices = {"policy_loss": ("clip", "gspo", "gspo_token", "cispo"),
+                   "loss_agg": ("token-mean", "seq-mean", "seq-mean-token-sum-norm"),
+                   "advantage": ("grpo", "dr_grpo", "rloo"), "rollout_correction": ("none", "tis", "mis")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}: must be one of {list(allowed)}, got {getattr(self, name)!r}")
+        if self.advantage != "grpo" and self.normalize_adv_std:
+            raise ValueError(f"normalize_adv_std: advantage = {self.advantage!r} is defined without the std division; "
+                             "leave normalize_adv_std unset (or false), or use advantage = 'grpo'")
+        if self.max_sampling_rounds < 1:
+            raise ValueError(f"max_sampling_rounds: must be >= 1, got {self.max_sampling_rounds}")
+        if self.overlong_buffer < 0:
+            raise ValueError(f"overlong_buffer: must be >= 0 (0 = off), got {self.overlong_buffer}")
+        if self.overlong_penalty < 0:
+            raise ValueError(f"overlong_penalty: must be >= 0, got {self.overlong_penalty}")
+        if self.overlong_buffer >= self.max_new_tokens:
+            raise ValueError(f"overlong_buffer: must be smaller than max_new_tokens ({self.max_new_tokens}), "
+                             f"got {self.overlong_buffer}")
+        if (self.overlong_buffer > 0) != (self.overlong_penalty > 0):
+            raise ValueError(f"overlong_penalty: the soft overlong penalty needs both overlong_buffer >= 1 and "
+                             f"overlong_penalty > 0 (one alone has no effect), got overlong_buffer = "
+                             f"{self.overlong_buffer}, overlong_penalty = {self.overlong_penalty}")
+        if self.entropy_coef < 0:
+            raise ValueError(f"entropy_coef: must be >= 0, got {self.entropy_coef}")
+        if self.rollout_correction_cap <= 1:
+            raise ValueError(f"rollout_correction_cap: must be > 1, got {self.rollout_correction_cap}")
+        if self.rollout_correction != "none" and not self.recompute_logprobs:
+            raise ValueError(f"rollout_correction: {self.rollout_correction!r} compares the training-side old "
+                             "log-probs with the rollout's; set recompute_logprobs = true")
+
+    def adv_normalize_std(self) -> bool:
+        """Whether advantages are divided by the group std (normalize_adv_std resolved for `advantage`)."""
+        return self.normalize_adv_std if self.normalize_adv_std is not None else self.advantage == "grpo"
 
     def accuracy_label(self) -> str:
         """Label of the reward that counts as accuracy."""

@@ -17,20 +17,21 @@ mini-batch order, so a resumed run repeats the uninterrupted one exactly.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from megatron_vlm.parallel import clip_grad_norm_
 from megatron_vlm.parallel.collectives import all_gather_objects, all_reduce_max, all_reduce_sum
-from megatron_vlm.rl.advantages import advantage_stats, compute_group_advantages
+from megatron_vlm.rl.advantages import GroupAdvantages, advantage_stats, compute_group_advantages, overlong_penalty
 from megatron_vlm.rl.batching import TrainSample, pack_samples, plan_micro_batches, split_by_response
 from megatron_vlm.rl.data import PromptSample
-from megatron_vlm.rl.losses import policy_loss
+from megatron_vlm.rl.losses import kl_penalty, policy_loss, rollout_correction_mask
 from megatron_vlm.rl.metrics import PhaseTimer, length_metrics, reward_metrics
-from megatron_vlm.rl.rollout.engine import RolloutEngine, RolloutPrompt, SamplingParams
+from megatron_vlm.rl.rollout.engine import RolloutEngine, RolloutPrompt, RolloutResult, RolloutSample, SamplingParams
 from megatron_vlm.training.step_guard import StepGuard
 
 __all__ = ["GRPOStep", "EncodedShard", "encode_shard", "sampling_generator"]
@@ -75,6 +76,45 @@ def encode_shard(batch: Sequence[PromptSample], encoder, rank: int, world: int, 
     return EncodedShard(mine, encoded)
 
 
+@dataclass
+class _Round:
+    """One generation round of a step (one, or up to max_sampling_rounds with dynamic sampling)."""
+    shard: EncodedShard
+    result: RolloutResult
+    real: list[RolloutSample]
+    """The samples of this rank's real prompts, group-major."""
+    total: list[float]
+    """Summed reward per sample, overlong penalty included."""
+    per_reward: dict[str, list[float]]
+    penalty: list[float]
+    """Overlong penalty per sample (empty when off)."""
+    adv: Optional[GroupAdvantages]
+    keep_group: list[bool]
+    """Per group of this rank: trained (false: equal rewards dropped, or dynamic sampling's surplus)."""
+
+
+def _mismatch_sums(samples: Sequence[TrainSample]) -> dict:
+    """Sums for the rollout / training mismatch metrics over the samples' tokens: rho = pi_old / pi_rollout
+    (training-side recomputed old log-probs vs the rollout engine's), k3 of KL(pi_rollout || pi_old)."""
+    out = {"n": 0, "kl": 0.0, "ratio": 0.0, "min": math.inf, "max": -math.inf, "mis_dropped": 0, "seqs": len(samples)}
+    for s in samples:
+        d = (s.old_logp.double() - s.behav_logp.double()).clamp(-20.0, 20.0)
+        rho = torch.exp(d)
+        out["n"] += int(d.numel())
+        out["kl"] += float(kl_penalty(s.behav_logp.double(), s.old_logp.double(), "k3").sum())
+        out["ratio"] += float(rho.sum())
+        out["min"] = min(out["min"], float(rho.min()))
+        out["max"] = max(out["max"], float(rho.max()))
+    return out
+
+
+def _mis_keep(s: TrainSample, cap: float) -> bool:
+    """MIS: the sample's geometric-mean ratio pi_old / pi_rollout lies in [1/cap, cap]."""
+    n = s.response_length
+    return bool(rollout_correction_mask(s.old_logp, s.behav_logp, torch.ones(n, dtype=torch.bool), cap=cap,
+                                        seq_ids=torch.zeros(n, dtype=torch.long)).all())
+
+
 class GRPOStep:
     """`run(step, prompts) -> metrics`. `ctx`: the run context (config, ranks, device); `bundle`: the
     policy (`wrapper`, `trainable_params`, `dims`, `moe_balancer`); `optim`: optimizer + scheduler;
@@ -99,41 +139,104 @@ class GRPOStep:
                               top_p=r.top_p, top_k=r.top_k, stop=tuple(r.stop))
 
     # ------------------------------------------------------------------ the step
-    def run(self, step: int, batch: Sequence[PromptSample]) -> dict[str, float]:
-        """Run GRPO step `step` (0-based: the policy version that generates) on the global prompt batch."""
+    def run(self, step: int, batch: Sequence[PromptSample], prompt_pool: Optional[Sequence[PromptSample]] = None) -> dict[str, float]:
+        """Run GRPO step `step` (0-based: the policy version that generates) on the global prompt batch.
+
+        `prompt_pool` (the training set): where dynamic sampling draws the prompts of its extra rounds
+        (a function of (seed, step, round)); without it an extra round samples `batch` again."""
         timer = PhaseTimer()
-        G = self.rl.group_size
-        with timer.phase("rollout"):
-            shard = encode_shard(batch, self.encoder, self.rank, self.world, self.device)
-            self.engine.load_weights(None, version=step)
-            self.bundle.wrapper.eval()
-            result = self.engine.generate(shard.prompts, self.sampling_params(),
-                                          generator=sampling_generator(self.seed, step, self.rank, self.device))
-            self.engine.release_memory()
-        real = result.samples[: shard.num_real * G]
-        with timer.phase("reward"):
-            total, per_reward = self._score(shard, real)
-        adv = compute_group_advantages(torch.tensor(total, dtype=torch.float32), G,
-                                       normalize_std=self.rl.normalize_adv_std,
-                                       drop_equal_reward_groups=self.rl.drop_equal_reward_groups) if real else None
-        train_samples = [
-            TrainSample(prompt=shard.prompts[s.prompt_index], response_ids=s.token_ids, behav_logp=s.logprobs,
-                        advantage=float(adv.advantages[i]), old_logp=s.logprobs)
-            for i, s in enumerate(real) if bool(adv.keep[i])
-        ] if real else []
-        first = result.samples[0]
-        dummy = TrainSample(prompt=shard.prompts[0], response_ids=first.token_ids, behav_logp=first.logprobs,
+        r, G = self.rl, self.rl.group_size
+        self.engine.load_weights(None, version=step)
+        rounds: list[_Round] = []
+        kept_before = surplus = 0
+        for rnd in range(r.max_sampling_rounds if r.dynamic_sampling else 1):
+            prompts = batch if rnd == 0 else self._round_prompts(step, rnd, batch, prompt_pool)
+            rd = self._sample_round(step, rnd, prompts, timer)
+            rounds.append(rd)
+            if not r.dynamic_sampling:
+                break
+            # every rank decides alike: the kept (non-zero variance) groups of this round, per rank
+            counts = [int(c) for c in all_reduce_sum([sum(rd.keep_group) if i == self.rank else 0
+                                                      for i in range(self.world)], self.device)]
+            need = r.prompts_per_step - kept_before
+            if sum(counts) >= need:  # enough: drop the surplus of this round, ranks in order
+                quota = []
+                for c in counts:
+                    quota.append(min(c, need))
+                    need -= quota[-1]
+                surplus = sum(counts) - sum(quota)
+                mine = quota[self.rank]
+                for gi, k in enumerate(rd.keep_group):
+                    if k:
+                        rd.keep_group[gi] = mine > 0
+                        mine -= 1
+                break
+            kept_before += sum(counts)
+        train_samples: list[TrainSample] = []
+        masked_truncated = 0
+        for rd in rounds:
+            for i, s in enumerate(rd.real):
+                if not rd.keep_group[i // G]:
+                    continue
+                if r.mask_truncated and s.truncated:
+                    masked_truncated += 1
+                    continue
+                train_samples.append(TrainSample(prompt=rd.shard.prompts[s.prompt_index], response_ids=s.token_ids,
+                                                 behav_logp=s.logprobs, advantage=float(rd.adv.advantages[i]),
+                                                 old_logp=s.logprobs))
+        first = rounds[0].result.samples[0]
+        dummy = TrainSample(prompt=rounds[0].shard.prompts[0], response_ids=first.token_ids, behav_logp=first.logprobs,
                             advantage=0.0, old_logp=first.logprobs, ref_logp=first.logprobs)
         if self.reference is not None:
             with timer.phase("ref"):
                 self._reference_logprobs(train_samples)
-        if self.rl.recompute_logprobs:
+        mismatch = None
+        if r.recompute_logprobs:
             with timer.phase("old_logprob"):
                 self._recompute_old_logprobs(train_samples, dummy)
+            mismatch = _mismatch_sums(train_samples)
+            if r.rollout_correction == "mis":
+                kept = [s for s in train_samples if _mis_keep(s, r.rollout_correction_cap)]
+                mismatch["mis_dropped"] = len(train_samples) - len(kept)
+                train_samples = kept
         with timer.phase("train"):
             self.bundle.wrapper.train()
             upd = self._update(step, train_samples, dummy)
-        return self._metrics(step, timer, result, shard, real, total, per_reward, adv, upd)
+        extra = {"rounds": len(rounds), "surplus": surplus, "masked_truncated": masked_truncated, "mismatch": mismatch}
+        return self._metrics(step, timer, rounds, upd, extra)
+
+    def _round_prompts(self, step: int, rnd: int, batch: Sequence[PromptSample],
+                       pool: Optional[Sequence[PromptSample]]) -> Sequence[PromptSample]:
+        """The prompts of dynamic-sampling round rnd >= 1: len(batch) prompts of the pool drawn by
+        (seed, step, round) — the same on every rank and in a resumed run — or `batch` again."""
+        if not pool:
+            return batch
+        rng = random.Random(((self.seed * 1_000_003 + step) * 7919 + rnd) * 104_729 + 17)
+        return [pool[i] for i in rng.sample(range(len(pool)), min(len(batch), len(pool)))]
+
+    def _sample_round(self, step: int, rnd: int, prompts: Sequence[PromptSample], timer: PhaseTimer) -> "_Round":
+        """Generate, score, shape and compute the advantages of one round of prompts."""
+        r, G = self.rl, self.rl.group_size
+        with timer.phase("rollout"):
+            shard = encode_shard(prompts, self.encoder, self.rank, self.world, self.device)
+            self.bundle.wrapper.eval()
+            result = self.engine.generate(shard.prompts, self.sampling_params(),
+                                          generator=sampling_generator(self.seed, step, self.rank, self.device, salt=rnd))
+            self.engine.release_memory()
+        real = result.samples[: shard.num_real * G]
+        with timer.phase("reward"):
+            total, per_reward = self._score(shard, real)
+        penalty: list[float] = []
+        if r.overlong_buffer > 0 and real:
+            penalty = overlong_penalty([int(s.token_ids.numel()) for s in real], r.max_new_tokens,
+                                       r.overlong_buffer, r.overlong_penalty)
+            total = [t + p for t, p in zip(total, penalty)]
+        adv = compute_group_advantages(torch.tensor(total, dtype=torch.float32), G, estimator=r.advantage,
+                                       normalize_std=r.adv_normalize_std(),
+                                       drop_equal_reward_groups=r.drop_equal_reward_groups or r.dynamic_sampling) if real else None
+        keep_group = [bool(k) for k in adv.keep[::G].tolist()] if adv is not None else []
+        return _Round(shard=shard, result=result, real=real, total=total, per_reward=per_reward, penalty=penalty,
+                      adv=adv, keep_group=keep_group)
 
     # ------------------------------------------------------------------ phases
     def _score(self, shard: EncodedShard, real) -> tuple[list[float], dict[str, list[float]]]:
@@ -189,7 +292,7 @@ class GRPOStep:
                 (n_packs,) = all_reduce_max([len(packs)], self.device)
                 if g_tokens == 0:
                     continue  # every group of this mini-batch was dropped on every rank
-                normalizer = g_tokens if r.loss_agg == "token-mean" else g_seqs
+                normalizer = {"token-mean": g_tokens, "seq-mean": g_seqs}.get(r.loss_agg, g_seqs * r.max_new_tokens)
                 loss_sum = 0.0
                 for i in range(n_packs):
                     is_real = i < len(packs)
@@ -211,7 +314,7 @@ class GRPOStep:
                     loss_sum += float(out.loss.detach())
                     n_tok = float(out.num_tokens)
                     for k, v in out.metrics.items():
-                        if k != "pg_loss":
+                        if k != "pg_loss" and not k.startswith("mismatch_"):  # mismatch: once per step, in run()
                             sums[k] = sums.get(k, 0.0) + float(v) * n_tok
                             weights[k] = weights.get(k, 0.0) + n_tok
                     if epoch == 0 and m == 0:  # the policy before any update of this step vs the rollout's numbers
@@ -243,22 +346,35 @@ class GRPOStep:
         ref = torch.cat([s.ref_logp for s in group]).to(logp.device) if self.reference is not None else None
         seq_ids = torch.repeat_interleave(torch.arange(len(group), device=logp.device), lengths)
         mask = torch.ones_like(logp, dtype=torch.bool)
+        rollout = torch.cat([s.behav_logp for s in group]).to(logp.device) if r.rollout_correction != "none" else None
         return policy_loss(
             logp, old, adv.to(logp.dtype), mask, clip_ratio_low=r.clip_ratio_low, clip_ratio_high=r.clip_ratio_high,
-            loss_agg=r.loss_agg, seq_ids=seq_ids, normalizer=float(normalizer), ref_logp=ref, kl_coef=r.kl_coef,
-            kl_estimator=r.kl_estimator, entropy=ent,
+            loss_agg=r.loss_agg, variant=r.policy_loss, seq_ids=seq_ids, normalizer=float(normalizer),
+            ref_logp=ref, kl_coef=r.kl_coef, kl_estimator=r.kl_estimator, entropy=ent,
+            entropy_coef=r.entropy_coef, rollout_logp=rollout, rollout_correction=r.rollout_correction,
+            rollout_correction_cap=r.rollout_correction_cap,
         )
 
     # ------------------------------------------------------------------ metrics
-    def _metrics(self, step, timer, result, shard, real, total, per_reward, adv, upd) -> dict[str, float]:
+    def _metrics(self, step, timer, rounds: Sequence[_Round], upd, extra) -> dict[str, float]:
+        G = self.rl.group_size
+        real = [x for rd in rounds for x in rd.real]
+        trained = []  # per real sample: its group is trained (mask_truncated is counted separately)
+        for rd in rounds:
+            trained += [rd.keep_group[i // G] for i in range(len(rd.real))]
+        zero_var = [bool(z) for rd in rounds if rd.adv is not None for z in rd.adv.zero_variance.tolist()]
         local = {
-            "total": total, "per_reward": per_reward,
+            "total": [t for rd in rounds for t in rd.total],
+            "per_reward": {label: [v for rd in rounds for v in rd.per_reward.get(label, [])] for label in self.manager.labels},
+            "penalty": [p for rd in rounds for p in rd.penalty],
             "lengths": [int(s.token_ids.numel()) for s in real], "truncated": [s.truncated for s in real],
-            "adv": adv.advantages.tolist() if adv is not None else [], "keep": adv.keep.tolist() if adv is not None else [],
-            "dropped": adv.num_dropped_groups if adv is not None else 0,
+            "adv": [a for rd in rounds if rd.adv is not None for a in rd.adv.advantages.tolist()], "keep": trained,
+            "dropped": sum(rd.adv.num_dropped_groups for rd in rounds if rd.adv is not None),
+            "groups": len(zero_var), "zero_var": sum(zero_var), "kept_groups": sum(sum(rd.keep_group) for rd in rounds),
+            "masked_truncated": extra["masked_truncated"], "mismatch": extra["mismatch"],
             "sums": upd["sums"], "weights": upd["weights"], "diff": upd["diff"], "train_tokens": upd["train_tokens"],
             "gen_tokens": sum(int(s.token_ids.numel()) for s in real), "skipped": self.encoder.skipped,
-            "reward_fail": self.manager.metrics(), "prompts": shard.num_real,
+            "reward_fail": self.manager.metrics(), "prompts": sum(rd.shard.num_real for rd in rounds),
         }
         parts = all_gather_objects(local)
         cat = lambda key: [x for p in parts for x in p[key]]  # noqa: E731
@@ -276,6 +392,28 @@ class GRPOStep:
         out.update(length_metrics(cat("lengths"), cat("truncated")))
         out.update(advantage_stats(torch.tensor(cat("adv")), torch.tensor(cat("keep"), dtype=torch.bool)))
         out["advantage/dropped_groups"] = float(sum(p["dropped"] for p in parts))
+        groups = sum(p["groups"] for p in parts)
+        if groups:
+            out["reward/zero_var_group_frac"] = sum(p["zero_var"] for p in parts) / groups
+        if self.rl.overlong_buffer > 0 and cat("penalty"):
+            out["reward/overlong_penalty"] = sum(cat("penalty")) / len(cat("penalty"))
+        if self.rl.dynamic_sampling:
+            out["sampling/rounds"] = float(extra["rounds"])
+            out["sampling/extra_rounds"] = float(extra["rounds"] - 1)
+            out["sampling/kept_groups"] = float(sum(p["kept_groups"] for p in parts))
+            out["sampling/dropped_groups"] = float(sum(p["dropped"] for p in parts))
+            out["sampling/surplus_groups"] = float(extra["surplus"])
+        if self.rl.mask_truncated:
+            out["train/masked_truncated"] = float(sum(p["masked_truncated"] for p in parts))
+        mm = [p["mismatch"] for p in parts if p["mismatch"] is not None]
+        n_tok = sum(m["n"] for m in mm)
+        if n_tok:
+            out["rollout/mismatch_kl"] = sum(m["kl"] for m in mm) / n_tok
+            out["rollout/mismatch_ratio_mean"] = sum(m["ratio"] for m in mm) / n_tok
+            out["rollout/mismatch_ratio_min"] = min(m["min"] for m in mm)
+            out["rollout/mismatch_ratio_max"] = max(m["max"] for m in mm)
+            if self.rl.rollout_correction == "mis":
+                out["rollout/mis_dropped_frac"] = sum(m["mis_dropped"] for m in mm) / max(1, sum(m["seqs"] for m in mm))
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
         for p in parts:

@@ -137,7 +137,7 @@ class GRPOLoopStep:
     def train_step(self, step: int, *, log: bool) -> dict[str, float]:
         if self._batches is None:
             self._batches = prompt_batches(len(self.train_set), self.rl.prompts_per_step, seed=self.seed, start_step=step)
-        metrics = self.grpo.run(step, [self.train_set[i] for i in next(self._batches)])
+        metrics = self.grpo.run(step, [self.train_set[i] for i in next(self._batches)], prompt_pool=self.train_set)
         metrics["epoch"] = (step + 1) * self.rl.prompts_per_step / len(self.train_set)
         return metrics if log else {}
 

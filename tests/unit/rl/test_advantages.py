@@ -1,12 +1,15 @@
 """Group-relative advantages against a hand-written per-group reference (Python floats,
-statistics module), including std normalisation, equal-reward group dropping and bad input."""
+statistics module), including std normalisation, equal-reward group dropping and bad input; the
+dr_grpo and rloo estimators against their papers' definitions (Dr. GRPO: the group mean-centred
+reward; RLOO: the reward minus the mean of the other G - 1, = G / (G - 1) x the mean-centred reward);
+DAPO's overlong penalty at the edges of its buffer."""
 import math
 import statistics
 
 import pytest
 import torch
 
-from megatron_vlm.rl.advantages import advantage_stats, compute_group_advantages
+from megatron_vlm.rl.advantages import advantage_stats, compute_group_advantages, overlong_penalty
 
 
 def _reference(rewards, g, normalize_std, drop_equal, eps=1e-6):
@@ -72,3 +75,76 @@ def test_dtype_and_stats():
 def test_bad_input(rewards, g, msg):
     with pytest.raises(ValueError, match=msg):
         compute_group_advantages(rewards, g)
+
+
+REWARDS = [1.0, 0.0, 0.0, 1.0,   0.5, 0.5, 0.5, 0.5,   0.0, 0.0, 0.0, 1.0,   2.0, -1.0, 0.25, 3.5]
+
+
+@pytest.mark.parametrize("g", [2, 4])
+def test_dr_grpo_is_the_group_mean_centred_reward(g):
+    rewards = torch.tensor(REWARDS, dtype=torch.float64)
+    res = compute_group_advantages(rewards, g, estimator="dr_grpo")
+    expected = []
+    for p in range(len(REWARDS) // g):
+        grp = REWARDS[p * g:(p + 1) * g]
+        expected += [r - sum(grp) / g for r in grp]
+    assert res.advantages.dtype == torch.float64
+    torch.testing.assert_close(res.advantages, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-15)
+    # the same as grpo without the std division, and different from grpo with it
+    torch.testing.assert_close(res.advantages, compute_group_advantages(rewards, g, normalize_std=False).advantages)
+    assert not torch.allclose(res.advantages, compute_group_advantages(rewards, g).advantages)
+
+
+@pytest.mark.parametrize("g", [2, 4, 8])
+def test_rloo_is_leave_one_out_and_g_over_g_minus_1_times_dr_grpo(g):
+    rewards = torch.tensor(REWARDS, dtype=torch.float64)
+    res = compute_group_advantages(rewards, g, estimator="rloo")
+    expected = []
+    for p in range(len(REWARDS) // g):
+        grp = REWARDS[p * g:(p + 1) * g]
+        for i, r in enumerate(grp):
+            others = grp[:i] + grp[i + 1:]
+            expected.append(r - sum(others) / (g - 1))
+    torch.testing.assert_close(res.advantages, torch.tensor(expected, dtype=torch.float64), rtol=1e-14, atol=1e-14)
+    dr = compute_group_advantages(rewards, g, estimator="dr_grpo").advantages
+    torch.testing.assert_close(res.advantages, g / (g - 1) * dr, rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_zero_variance_groups_are_counted_and_dropped_by_every_estimator(estimator):
+    res = compute_group_advantages(torch.tensor(REWARDS), 4, estimator=estimator, drop_equal_reward_groups=True)
+    assert res.zero_variance.tolist() == [False, True, False, False]
+    assert res.keep.tolist() == [True] * 4 + [False] * 4 + [True] * 8 and res.num_dropped_groups == 1
+    assert (res.advantages[4:8] == 0).all()
+
+
+def test_std_division_is_refused_for_dr_grpo_and_rloo():
+    for est in ("dr_grpo", "rloo"):
+        with pytest.raises(ValueError, match="normalize_adv_std"):
+            compute_group_advantages(torch.tensor(REWARDS), 4, estimator=est, normalize_std=True)
+    with pytest.raises(ValueError, match="advantage"):
+        compute_group_advantages(torch.tensor(REWARDS), 4, estimator="ppo")
+
+
+def _dapo_length_reward(n, l_max, l_cache):
+    """DAPO (Yu et al. 2025) eq. 13, as written: 0 / linear / -1."""
+    if n <= l_max - l_cache:
+        return 0.0
+    if n <= l_max:
+        return ((l_max - l_cache) - n) / l_cache
+    return -1.0
+
+
+@pytest.mark.parametrize("penalty", [1.0, 0.5])
+def test_overlong_penalty_at_the_buffer_edges(penalty):
+    l_max, buf = 20, 5
+    lengths = [1, 14, 15, 16, 18, 19, 20]
+    got = overlong_penalty(lengths, l_max, buf, penalty)
+    assert got == pytest.approx([penalty * _dapo_length_reward(n, l_max, buf) for n in lengths], abs=0)
+    # edges: nothing at the start of the buffer, -penalty / buffer one token into it, -penalty at max_new_tokens
+    assert got[2] == 0.0 and got[3] == pytest.approx(-penalty / buf) and got[-1] == pytest.approx(-penalty)
+    assert overlong_penalty([25], l_max, buf, penalty) == [-penalty]  # DAPO's -1 beyond L_max (not reachable here)
+    assert overlong_penalty([1, 2], 2, 1, 1.0) == [0.0, -1.0]  # buffer of one token
+    for bad in (0, 20):
+        with pytest.raises(ValueError, match="overlong_buffer"):
+            overlong_penalty([1], l_max, bad, 1.0)

@@ -59,6 +59,8 @@ def _step(policy, lr_lambda, mini_batches: int) -> GRPOStep:
     optim = OptimState(opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda))
     rl = NS(accuracy_label=lambda: "acc", ppo_epochs=1, mini_batches_per_step=mini_batches, loss_agg="token-mean",
             temperature=1.0, clip_ratio_low=0.2, clip_ratio_high=0.2, kl_coef=0.0, kl_estimator="k3",
+            policy_loss="clip", entropy_coef=0.0, rollout_correction="none", rollout_correction_cap=2.0,
+            max_new_tokens=8, group_size=2, overlong_buffer=0, dynamic_sampling=False, mask_truncated=False,
             eval=NS(correct_threshold=1.0))
     return GRPOStep(ctx, bundle, optim, rl, engine=None, encoder=NS(skipped=0), manager=NS(labels=["acc"], metrics=lambda: {}))
 
@@ -113,7 +115,7 @@ def test_logged_lr_is_the_lr_of_the_step_updates():
     logged = []
     for step in range(2):
         upd = grpo._update(step, samples, samples[0])
-        out = grpo._metrics(step, PhaseTimer(), NS(samples=[]), NS(num_real=0), [], [], {"acc": []}, None, upd)
+        out = grpo._metrics(step, PhaseTimer(), [], upd, {"rounds": 1, "surplus": 0, "masked_truncated": 0, "mismatch": None})
         logged.append(out["lr"])
     assert len(used) == 2
     assert logged == used

@@ -45,6 +45,23 @@ def test_defaults_validate_and_render_prompt():
         (dict(behav_imp_weight_cap=5.0), "behav_imp_weight_cap"),
         (dict(max_head_offpolicyness=4), "max_head_offpolicyness"),
         (dict(eval=RLEvalConfig(k=4, temperature=0.0)), "eval.temperature"),
+        # algorithm keys
+        (dict(policy_loss="ppo"), "policy_loss"),
+        (dict(advantage="reinforce"), "advantage"),
+        (dict(loss_agg="sum"), "loss_agg"),
+        (dict(advantage="dr_grpo", normalize_adv_std=True), "normalize_adv_std"),
+        (dict(advantage="rloo", normalize_adv_std=True), "normalize_adv_std"),
+        (dict(dynamic_sampling=True, max_sampling_rounds=0), "max_sampling_rounds"),
+        (dict(overlong_buffer=-1), "overlong_buffer"),
+        (dict(overlong_buffer=1024, overlong_penalty=1.0), "overlong_buffer"),
+        (dict(overlong_buffer=64), "overlong_penalty"),
+        (dict(overlong_penalty=1.0), "overlong_penalty"),
+        (dict(overlong_buffer=64, overlong_penalty=-1.0), "overlong_penalty"),
+        (dict(entropy_coef=-0.01), "entropy_coef"),
+        (dict(rollout_correction="tis"), "rollout_correction"),  # needs recompute_logprobs
+        (dict(rollout_correction="mis"), "rollout_correction"),
+        (dict(rollout_correction="is", recompute_logprobs=True), "rollout_correction"),
+        (dict(rollout_correction="tis", recompute_logprobs=True, rollout_correction_cap=1.0), "rollout_correction_cap"),
     ],
 )
 def test_validate_names_the_field(kwargs, field):
@@ -75,3 +92,17 @@ def test_reward_from_dict_is_strict():
         reward_from_dict({"type": "custom", "function": "a.b", "kwargs": {"prompt": 1}})
     c = reward_from_dict({"type": "custom", "function": "my_pkg.rewards.fn", "kwargs": {"alpha": 2}})
     assert isinstance(c, CustomRewardConfig) and c.kwargs == {"alpha": 2}
+
+
+def test_algorithm_keys_load_strictly():
+    from megatron_vlm.config.loader import ConfigError, from_dict
+
+    rl = from_dict(RLConfig, {"policy_loss": "gspo", "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4, "loss_agg": "seq-mean",
+                              "advantage": "dr_grpo", "dynamic_sampling": True, "max_sampling_rounds": 4,
+                              "overlong_buffer": 256, "overlong_penalty": 1.0, "mask_truncated": True, "entropy_coef": 0.001,
+                              "recompute_logprobs": True, "rollout_correction": "mis", "rollout_correction_cap": 2.0}, "rl")
+    assert rl.policy_loss == "gspo" and rl.adv_normalize_std() is False
+    with pytest.raises(ConfigError, match=r"^rl\.rollout_correction: .*recompute_logprobs"):
+        from_dict(RLConfig, {"rollout_correction": "tis"}, "rl")
+    with pytest.raises(ConfigError, match=r"^rl\.policy_loss"):
+        from_dict(RLConfig, {"policy_loss": "GSPO"}, "rl")

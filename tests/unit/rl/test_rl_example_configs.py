@@ -38,3 +38,23 @@ def test_example_config(name, group_size, schema, writer, tmp_path):
     ds = load_prompt_dataset(path, columns=data.columns, prompt_template=rl.prompt_template)
     assert ds.schema == schema and len(ds) == 4 and ds.skipped == []
     assert "\\boxed{}" in ds[0].messages[-1]["content"][-1]["text"]
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl_30b_a3b_geometry3k_gspo.toml", "nemotron_3_nano_vl_geometry3k_gspo.toml"])
+def test_moe_examples_use_gspo(name):
+    raw = tomllib.loads((CONFIGS / name).read_text())
+    rl = from_dict(RLConfig, raw["rl"], "rl")
+    assert (rl.policy_loss, rl.clip_ratio_low, rl.clip_ratio_high, rl.loss_agg) == ("gspo", 3e-4, 4e-4, "seq-mean")
+    assert rl.mini_batches_per_step > 1 and rl.recompute_logprobs  # off-policy updates: the ratio is not 1
+    assert raw["parallel"]["ep"] > 1 and raw["moe"]["enable_moe_load_balancing_training"]
+    assert raw["train"]["max_steps"] > 0  # GRPO runs a fixed number of steps
+
+
+def test_dapo_example():
+    raw = tomllib.loads((CONFIGS / "qwen2_5_vl_3b_geometry3k_dapo.toml").read_text())
+    rl = from_dict(RLConfig, raw["rl"], "rl")
+    assert (rl.clip_ratio_low, rl.clip_ratio_high, rl.loss_agg, rl.kl_coef) == (0.2, 0.28, "token-mean", 0.0)
+    assert rl.dynamic_sampling and (rl.overlong_buffer, rl.overlong_penalty) == (4096, 1.0)
+    assert (rl.group_size, rl.prompts_per_step, rl.mini_batches_per_step) == (16, 512, 16)
+    assert rl.rollout_correction == "tis" and rl.recompute_logprobs
+    assert raw["train"]["max_steps"] > 0

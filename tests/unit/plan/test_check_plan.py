@@ -82,6 +82,10 @@ ARCH = {
     "internvl3_8b_robovqa_stage2.toml": ("internvl3_8b", 8),  # stage 1's export: transformers' layout
     "nemotron_3_nano_vl_sft.toml": ("nemotron_3_nano_vl", 8),
     "qwen2_5_math_1_5b_grpo.toml": ("qwen2_5_math_1_5b", 2),
+    "qwen2_5_math_1_5b_dapo.toml": ("qwen2_5_math_1_5b", 2),
+    "qwen2_5_vl_3b_geometry3k_dapo.toml": ("qwen2_5_vl_3b", 8),
+    "qwen3_vl_30b_a3b_geometry3k_gspo.toml": ("qwen3_vl_30b_a3b", 16),
+    "nemotron_3_nano_vl_geometry3k_gspo.toml": ("nemotron_3_nano_vl", 16),
     "demo_sft.toml": ("synth:", 2),
     "demo_grpo.toml": ("synth:tiny_qwen2_5_vl", 2),
     "demo_qwen3_vl.toml": ("synth:", 2),

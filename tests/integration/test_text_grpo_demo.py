@@ -25,8 +25,8 @@ def _sets(d: dict) -> list[str]:
 def test_text_math_demo_runs_and_logs_the_recipe_metrics(tmp_path):
     paths = write_synthetic_arith(tmp_path / "data", max_operand=9, eval_size=8)
     data = {"data.train_path": f'"{paths["train"]}"', "data.eval_path": f'"{paths["eval"]}"',
-            "data.max_tokens_per_pack": "256", "data.num_workers": "0", "logging.tensorboard": "false"}
-    run_job(_sets({**data, "model.path": f'"{tmp_path / "model"}"', "train.output_dir": f'"{tmp_path / "sft"}"',
+            "data.max_tokens_per_pack": "256", "logging.tensorboard": "false"}
+    run_job(_sets({**data, "data.num_workers": "0", "model.path": f'"{tmp_path / "model"}"', "train.output_dir": f'"{tmp_path / "sft"}"',
                    "train.max_steps": "4", "train.eval_every": "0", "checkpoint.every_steps": "0"}), nproc=2, config=SFT)
     assert (tmp_path / "sft" / "hf" / "config.json").is_file()
     run_job(_sets({**data, "model.path": f'"{tmp_path / "sft" / "hf"}"', "train.output_dir": f'"{tmp_path / "grpo"}"',

@@ -64,6 +64,9 @@ def register_builtin_ops(registry) -> None:
     register("moe_topk_gating", "torch", "reference.moe_routing:moe_topk_gating", auto_devices=everywhere)
     from megatron_vlm._ext import backend_check as csrc_check
 
-    for op in ("moe_permute", "moe_topk_gating"):
-        register_backend(op, "csrc", f"megatron_vlm._ext:{op}", registry=registry, check=csrc_check,
-                         auto_devices=("cpu", "cuda"), priority=5)
+    # auto devices: where it was measured faster than the reference (CPU gating is not: it calls torch's
+    # own softmax / sigmoid for bitwise-equal scores and loses on the top-k; docs/extension.md)
+    register_backend("moe_permute", "csrc", "megatron_vlm._ext:moe_permute", registry=registry, check=csrc_check,
+                     auto_devices=("cpu", "cuda"), priority=5)
+    register_backend("moe_topk_gating", "csrc", "megatron_vlm._ext:moe_topk_gating", registry=registry,
+                     check=csrc_check, auto_devices=("cuda",), priority=5)

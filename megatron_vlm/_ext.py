@@ -162,14 +162,9 @@ def first_fit_pack(lengths: Sequence[int], order: Sequence[int], capacity: int, 
 
 def moe_permute(hidden: torch.Tensor, topk_ids: torch.Tensor, *, num_experts: Optional[int] = None):
     """kernels.moe_permute with the indices from counting (csrc/): same outputs and errors as the reference."""
-    if hidden.dim() != 2:
-        raise ValueError(f"moe_permute: hidden must be [N, H], got {tuple(hidden.shape)}")
-    if topk_ids.dim() == 1:
-        topk_ids = topk_ids[:, None]
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
-        raise ValueError(f"moe_permute: topk_ids must be [N={hidden.shape[0]}, k], got {tuple(topk_ids.shape)}")
-    if topk_ids.is_floating_point():
-        raise ValueError(f"moe_permute: topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    from megatron_vlm.kernels.reference.moe import moe_permute_topk_ids  # kernels imports this module
+
+    topk_ids = moe_permute_topk_ids(hidden, topk_ids)
     if not torch.compiler.is_compiling():  # value checks need a host sync, as in the reference
         if topk_ids.numel() and int(topk_ids.min()) < 0:
             raise ValueError(f"moe_permute: negative expert id {int(topk_ids.min())} in topk_ids")

@@ -25,9 +25,9 @@ from typing import Optional
 import torch
 
 
-def moe_permute(hidden: torch.Tensor, topk_ids: torch.Tensor, *, num_experts: Optional[int] = None):
-    """Group token copies by expert (see module docstring). `num_experts` sizes tokens_per_expert
-    (default: max id + 1; pass it explicitly so every layer reports all E experts)."""
+def moe_permute_topk_ids(hidden: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The shape / dtype checks of moe_permute (shared by every backend, so the errors are the same);
+    returns topk_ids as [N, k] (a [N] vector is top-1)."""
     if hidden.dim() != 2:
         raise ValueError(f"moe_permute: hidden must be [N, H], got {tuple(hidden.shape)}")
     if topk_ids.dim() == 1:
@@ -38,6 +38,13 @@ def moe_permute(hidden: torch.Tensor, topk_ids: torch.Tensor, *, num_experts: Op
         )
     if topk_ids.is_floating_point():
         raise ValueError(f"moe_permute: topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    return topk_ids
+
+
+def moe_permute(hidden: torch.Tensor, topk_ids: torch.Tensor, *, num_experts: Optional[int] = None):
+    """Group token copies by expert (see module docstring). `num_experts` sizes tokens_per_expert
+    (default: max id + 1; pass it explicitly so every layer reports all E experts)."""
+    topk_ids = moe_permute_topk_ids(hidden, topk_ids)
     topk = topk_ids.shape[1]
     flat = topk_ids.reshape(-1).long()
     if flat.numel() and int(flat.min()) < 0:

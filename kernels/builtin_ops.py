@@ -2,7 +2,8 @@
 
 Each op has the torch reference (always usable, the fallback) plus faster backends: under `auto`
 a third-party backend (priority 20) beats our Triton kernels (10) on CUDA, and the torch_npu
-adapters (10) are taken on NPU. Targets are import paths, imported only when a backend is first
+adapters (10) are taken on NPU. Attention also has `sdpa` (torch's scaled_dot_product_attention,
+priority 5), so `auto` never runs the reference's fp32 S x S scores: it is what CPU uses. Targets are import paths, imported only when a backend is first
 chosen (see registry.py for why). The package calls `register_builtin_ops(DEFAULT_REGISTRY)` once;
 the sibling modules are imported inside that function so that no module of the package imports a
 sibling at module level (the package's module-level import graph stays acyclic).
@@ -49,6 +50,9 @@ def register_builtin_ops(registry) -> None:
         register(op, "triton", f"triton.{TRITON_MODULES.get(op, module)}:{fn}", check=triton_check, auto_devices=("cuda",), priority=10)
         if op in NPU_MODULES:
             register(op, "npu", f"npu.{NPU_MODULES[op]}:{fn}", check=npu_check, auto_devices=("npu",), priority=10)
+    # torch SDPA: fused kernels on every device, no fp32 S x S scores; above the reference everywhere,
+    # below our Triton kernel and flash-attn on CUDA and the torch_npu adapter on NPU.
+    register("attention", "sdpa", "sdpa.attention:attention", auto_devices=everywhere, priority=5)
     register(
         "attention", "flash_attn", "thirdparty.flash_attn:attention",
         check=cuda_package_check("flash_attn", (torch.float16, torch.bfloat16)), auto_devices=("cuda",), priority=20,

@@ -13,7 +13,7 @@ class KernelsConfig:
     """Backend per op; "auto" = fastest available for the tensor's device (logged once)."""
 
     attention: str = "auto"
-    """Attention (varlen / batched, GQA, causal, windows): auto | torch | triton | flash_attn | npu."""
+    """Attention (varlen / batched, GQA, causal, windows): auto | torch | sdpa | triton | flash_attn | npu."""
     rms_norm: str = "auto"
     """RMSNorm with optional fused residual add: auto | torch | triton | npu."""
     layer_norm: str = "auto"

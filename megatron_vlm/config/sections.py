@@ -84,7 +84,7 @@ class TrainConfig:
 @dataclass(kw_only=True)
 class OptimizerConfig:
     type: Literal["adamw"] = "adamw"
-    """Optimizer (AdamW; the fused implementation is used on CUDA)."""
+    """Optimizer (AdamW; the fused implementation is used on CUDA and CPU)."""
     lr: float = 1e-5
     """Peak learning rate."""
     weight_decay: float = 0.01

@@ -58,13 +58,14 @@ def _sdpa(q, k, v, mask, scale, is_causal=False):
 
 
 def _rule(pos_q, pos_k, causal: bool, left: int, right: int) -> Optional[torch.Tensor]:
-    """[Sq, Sk] (or broadcast) bools of the causal / window rule between aligned positions, or None."""
-    rel = pos_k[None, :] - pos_q[:, None]  # key minus query position
+    """[Sq, Sk] bools of the causal / window rule between aligned positions (None: no constraint).
+    One comparison of [Sq, Sk] per bound (the mask is rebuilt per layer; keep it cheap)."""
+    del causal  # folded into `right` (0 when causal) by normalize_window
     mask = None
-    if causal or right >= 0:
-        mask = rel <= (0 if causal and right < 0 else right)
+    if right >= 0:
+        mask = pos_k[None, :] <= (pos_q + right)[:, None]
     if left >= 0:
-        lo = rel >= -left
+        lo = pos_k[None, :] >= (pos_q - left)[:, None]
         mask = lo if mask is None else mask & lo
     return mask
 
@@ -86,10 +87,11 @@ def _batched(q, k, v, causal, left, right, scale, key_padding_mask):
 
 def _segments(cu: torch.Tensor, total: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(segment id, position in its segment, segment length) per token, from cumulative lengths."""
-    cu = cu.long()
+    cu = cu.to(torch.int32)
     lengths = cu[1:] - cu[:-1]
-    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths, output_size=total)
-    pos = torch.arange(total, device=cu.device) - cu[seg]
+    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device, dtype=torch.int32), lengths,
+                                  output_size=total)
+    pos = torch.arange(total, device=cu.device, dtype=torch.int32) - cu[seg]
     return seg, pos, lengths
 
 

@@ -5,13 +5,17 @@ samples in Python, so a 16k-token sequence needs gigabytes and a pack of 40 shor
 small matmuls per layer. SDPA picks torch's fused kernels (the flash kernel on CPU, flash /
 memory-efficient on CUDA), which stream over keys and never hold the scores.
 
-Packed varlen `[T, H, D]` + cu_seqlens runs in one SDPA call over the whole pack with a
-block-diagonal boolean mask built by tensor ops from the segment ids (no Python loop over samples):
-query i of sample s sees key j iff j belongs to s and the causal / window rule holds between their
-in-sample positions (bottom-right alignment, as in the reference). The mask is `[Tq, Tk]` bools; when
-that exceeds `MAX_MASK_ELEMENTS`, the queries are cut into tiles and each tile attends only to the
-keys of the samples it touches, so memory stays O(tile x span) for 16-20k-token sequences. A single
-causal / full sample without window needs no mask at all (SDPA's `is_causal`).
+Packed varlen `[T, H, D]` + cu_seqlens runs in one SDPA call without a Python loop over samples, on
+the cheaper of two layouts (the fused kernels compute every score a mask lets through or not):
+- a right-padded batch `[n, max_len, H, D]` gathered by one index_select (work n x max_q x max_k:
+  many short samples, the usual SFT / GRPO pack), with a per-sample causal / window / length mask;
+- the whole pack with a block-diagonal boolean mask built by tensor ops from the segment ids (work
+  Tq x Tk: one long sample among short ones). When that `[Tq, Tk]` mask exceeds
+  `MAX_MASK_ELEMENTS`, the queries are cut into tiles and each tile attends only to the keys of
+  the samples it touches, so memory stays O(tile x span) for 16-20k-token sequences.
+Query i of sample s sees key j iff j belongs to s and the causal / window rule holds between their
+in-sample positions (bottom-right alignment, as in the reference). A single causal / full sample
+without window needs no mask at all (SDPA's `is_causal`).
 
 Rows that see no key (Sq > Sk with causal, fully padded rows) output zeros, as in the reference:
 such a row is given one dummy visible key (so that no kernel produces NaN, whose gradient would
@@ -95,6 +99,34 @@ def _segments(cu: torch.Tensor, total: int) -> Tuple[torch.Tensor, torch.Tensor,
     return seg, pos, lengths
 
 
+def _padded(q, k, v, cu_q, cu_k, max_q, max_k, left, right, scale):
+    """Packed samples gathered into a right-padded batch [n, max_len, H, D] (one index_select, no
+    loop), one batched SDPA call with a per-sample mask, and the valid rows gathered back in pack
+    order. Attention work is n x max_q x max_k instead of the pack's Tq x Tk under a block mask (which
+    the fused kernels compute in full): what makes many short samples per pack cheap."""
+    dev = q.device
+    cu_q, cu_k = cu_q.to(dev, torch.long), cu_k.to(dev, torch.long)
+    len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    ar_q, ar_k = torch.arange(max_q, device=dev), torch.arange(max_k, device=dev)
+    valid_q = ar_q[None, :] < len_q[:, None]  # [n, max_q]
+    valid_k = ar_k[None, :] < len_k[:, None]
+    idx_q = (cu_q[:-1, None] + ar_q[None, :]).clamp_(max=max(q.shape[0] - 1, 0))
+    idx_k = (cu_k[:-1, None] + ar_k[None, :]).clamp_(max=max(k.shape[0] - 1, 0))
+    n = len_q.numel()
+    qb = q.index_select(0, idx_q.reshape(-1)).view(n, max_q, *q.shape[1:]).transpose(1, 2)
+    kb = k.index_select(0, idx_k.reshape(-1)).view(n, max_k, *k.shape[1:]).transpose(1, 2)
+    vb = v.index_select(0, idx_k.reshape(-1)).view(n, max_k, *v.shape[1:]).transpose(1, 2)
+    mask = valid_k[:, None, :]  # [n, 1 (queries broadcast), max_k]
+    aligned = ar_q[None, :] + (len_k - len_q)[:, None]  # bottom-right alignment per sample
+    if right >= 0:
+        mask = mask & (ar_k[None, None, :] <= (aligned + right)[:, :, None])
+    if left >= 0:
+        mask = mask & (ar_k[None, None, :] >= (aligned - left)[:, :, None])
+    mask = mask.expand(n, max_q, max_k) & valid_q[:, :, None]
+    out = _sdpa(qb, kb, vb, mask[:, None], scale)  # [n, H, max_q, D]
+    return out.transpose(1, 2)[valid_q]
+
+
 def _packed(q, k, v, cu_q, cu_k, causal, left, right, scale):
     bq, bk = cu_q.tolist(), cu_k.tolist()  # one host sync, as the reference; validates the ranges
     tq, tk = q.shape[0], k.shape[0]
@@ -120,6 +152,11 @@ def _packed(q, k, v, cu_q, cu_k, causal, left, right, scale):
         rule = _rule(aligned_q[q0:q1], pos_k[k0:k1], causal, left, right)
         return mask if rule is None else mask & rule
 
+    n = len(bq) - 1
+    max_q = max(b - a for a, b in zip(bq, bq[1:]))
+    max_k = max(b - a for a, b in zip(bk, bk[1:]))
+    if n * max_q * max_k <= min(tq * tk, MAX_MASK_ELEMENTS):
+        return _padded(q, k, v, cu_q, cu_k, max_q, max_k, left, right, scale)
     if tq * tk <= MAX_MASK_ELEMENTS:
         return _sdpa(qt, kt, vt, tile_mask(0, tq, 0, tk), scale)[0].transpose(0, 1)
     # Long packs: query tiles, each against the keys of the samples it touches.

@@ -1,6 +1,7 @@
 """The `sdpa` attention backend (torch scaled_dot_product_attention) against the torch reference.
 
-fp32: output and gradients within 1e-5 of the reference (which computes fp32 softmax over
+Packed inputs take one of three paths (padded batch, one block-diagonal mask, query tiles); each is
+tested. fp32: output and gradients within 1e-5 of the reference (which computes fp32 softmax over
 materialised scores; SDPA's fused kernels reorder the reduction, hence not bit-exact). bf16: the
 2x-of-the-naive-low-precision-reference rule of the other attention kernels. Cases: packed varlen
 (several samples, awkward lengths, empty samples, Sq != Sk, rows without keys), batched with and
@@ -48,6 +49,20 @@ def test_packed_gqa_causal_and_bidirectional(causal, window):
     q, k, v = _inputs((sum(lens), 4, 16), (sum(lens), 2, 16), seed=1)
     cu = cu_seqlens(lens)
     _compare_fp32(q, k, v, causal=causal, window=window, cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
+@pytest.mark.parametrize("path", ["padded", "block_mask"])
+def test_packed_many_short_samples_both_paths(path, monkeypatch):
+    # many short samples: the padded-batch path wins; with a huge-sample pack the block mask does
+    lq, lk = ([5, 9, 3, 0, 8, 7, 1, 6, 9], [5, 12, 3, 0, 8, 4, 1, 6, 9]) if path == "padded" else ([3, 60, 2, 1], [3, 60, 4, 1])
+    calls = []
+    real = sdpa_mod._padded
+    monkeypatch.setattr(sdpa_mod, "_padded", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = _inputs((sum(lq), 4, 8), (sum(lk), 2, 8), seed=8)
+    cq, ck = cu_seqlens(lq), cu_seqlens(lk)
+    for causal, window in ((True, None), (False, None), (True, (2, -1)), (False, (3, 1))):
+        _compare_fp32(q, k, v, causal=causal, window=window, cu_seqlens_q=cq, cu_seqlens_k=ck)
+    assert bool(calls) == (path == "padded")
 
 
 def test_packed_cross_lengths_rows_without_keys_mqa():

@@ -56,8 +56,13 @@ def sample_tokens(
     top_p: float = 1.0,
     generator: Optional[torch.Generator] = None,
     suppress_token_ids: Optional[torch.Tensor] = None,
+    noise: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [N] int64, behaviour log-probs [N] float32) for next-token logits [N, V]."""
+    """(tokens [N] int64, behaviour log-probs [N] float32) for next-token logits [N, V].
+
+    `noise`: [N, V] independent Exp(1) draws; the token is then argmax(p / noise) (the exponential race,
+    an exact draw from p), so the caller decides which random numbers each row gets; without it,
+    `torch.multinomial` with `generator`."""
     if logits.dim() != 2:
         raise ValueError(f"logits: expected [N, vocab], got shape {tuple(logits.shape)}")
     if temperature < 0:
@@ -76,7 +81,12 @@ def sample_tokens(
         scaled = x / temperature
         logp = torch.log_softmax(scaled, dim=-1)
         probs = filter_logits(allowed(scaled), top_k=top_k, top_p=top_p).softmax(dim=-1)
-        if generator is not None and generator.device != probs.device:
-            raise ValueError(f"generator: on {generator.device}, logits on {probs.device}")
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        if noise is not None:
+            if noise.shape != probs.shape:
+                raise ValueError(f"noise: expected shape {tuple(probs.shape)}, got {tuple(noise.shape)}")
+            tokens = (probs / noise).argmax(dim=-1)
+        else:
+            if generator is not None and generator.device != probs.device:
+                raise ValueError(f"generator: on {generator.device}, logits on {probs.device}")
+            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -29,7 +29,7 @@ def test_engine_on_every_family(kind, vqa, tmp_path):
     encoder = PromptEncoder(proc, max_frames=4, fps=2.0, max_new_tokens=5, max_tokens=4096)
     prompts = [encoder.encode(s) for s in load_prompt_dataset(vqa, schema="messages").samples]
     assert all(p is not None for p in prompts)
-    res = PolicyRolloutEngine(model, proc.tokenizer, compact_ratio=1.0).generate(
+    res = PolicyRolloutEngine(model, proc.tokenizer).generate(
         prompts, SamplingParams(max_new_tokens=5, n=2, temperature=1.0), generator=torch.Generator().manual_seed(0))
     assert len(res.samples) == 6 and all(1 <= len(s.token_ids) <= 5 for s in res.samples)
     samples = [TrainSample(prompt=prompts[s.prompt_index], response_ids=s.token_ids, behav_logp=s.logprobs, advantage=0.0)

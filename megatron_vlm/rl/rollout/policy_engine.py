@@ -155,7 +155,7 @@ class PolicyRolloutEngine(RolloutEngine):
             suppress_token_ids = _vision_token_ids(model)
         self.suppress_token_ids = torch.tensor(sorted(set(int(i) for i in suppress_token_ids)), dtype=torch.long)
         self.policy_version = 0
-        self._step_lock = threading.Lock()
+        self._step_lock = threading.RLock()  # re-entrant: a forward hook may load weights
         self._interrupt = threading.Event()
 
     # ------------------------------------------------------------------ interface

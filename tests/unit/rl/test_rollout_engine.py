@@ -265,3 +265,57 @@ def test_bad_arguments(models, prompts):
     eng = engine(ours)
     eng.load_weights(None, version=3)
     assert eng.generate(prompts[:1], SamplingParams(max_new_tokens=1)).samples[0].policy_version == 3
+
+
+def test_interrupt_returns_partial_completions_and_token_versions(models, prompts):
+    """`interrupt()` stops at a token boundary: finished samples stay whole, running ones keep the tokens
+    drawn so far (a prefix of the uninterrupted run), waiting ones come back empty; weights loaded while
+    generating apply from the next token on, and every token records its version."""
+    _, ours = models
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, n=2)
+    full = engine(ours, max_num_seqs=2).generate(prompts, params)
+    calls = []
+    eng = None
+
+    def forward(**kw):
+        calls.append(1)
+        if len(calls) == 3:  # prefill, 1 decode step, then: new weights (same values) as version 7
+            eng.load_weights({k: v.clone() for k, v in ours.state_dict().items()}, version=7)
+        if len(calls) == 5:
+            eng.interrupt()
+        return ours(**kw)
+
+    eng = engine(ours, forward=forward, max_num_seqs=2)
+    res = eng.generate(prompts, params)
+    assert res.interrupted and len(res.samples) == 6
+    partial = [s for s in res.samples if s.finish_reason == "interrupted"]
+    # interrupted during the 4th decode forward: its logits still give a token (1 from the prefill + 4)
+    assert [len(s.token_ids) for s in res.samples[:2]] == [5, 5]
+    assert all(len(s.token_ids) == 0 for s in res.samples[2:]) and len(partial) == 6
+    for a, b in zip(res.samples, full.samples):
+        assert a.token_ids.tolist() == b.token_ids.tolist()[:len(a.token_ids)]
+        assert a.token_versions.tolist() == [0, 0, 7, 7, 7][:len(a.token_ids)]
+    assert res.samples[0].policy_version == 0 and eng.policy_version == 7
+    again = eng.generate(prompts[:1], SamplingParams(max_new_tokens=2, temperature=0.0))  # the flag was cleared
+    assert not again.interrupted and again.samples[0].token_versions.tolist() == [7, 7]
+
+
+def test_own_weight_copy_is_refreshed_by_load_weights(models, prompts):
+    """An engine with its own copy of the policy generates with the weights it was last given."""
+    import copy
+
+    _, ours = models
+    params = SamplingParams(max_new_tokens=5, temperature=0.0)
+    changed = copy.deepcopy(ours)
+    with torch.no_grad():
+        for p in changed.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    eng = engine(copy.deepcopy(ours))
+    before = eng.generate(prompts, params)
+    eng.load_weights(changed.state_dict(), version=1)
+    after = eng.generate(prompts, params)
+    expect = engine(changed).generate(prompts, params)
+    assert [s.token_ids.tolist() for s in after.samples] == [s.token_ids.tolist() for s in expect.samples]
+    assert [s.token_ids.tolist() for s in after.samples] != [s.token_ids.tolist() for s in before.samples]
+    with pytest.raises(KeyError, match="unknown parameter"):
+        eng.load_weights({"no.such.weight": torch.zeros(1)}, version=2)

@@ -15,11 +15,12 @@ the query is the last position and sees every cached key. A sequence with no cac
 zeros. `max_seqlen_k` (an int the caller knows without a device sync) bounds the keys read; default
 the whole cache.
 
-Numerics: scores, softmax and the weighted sum in fp32 (as the `torch` backend of `attention`), so
-a decoding step equals the batched masked attention over the same keys up to summation order.
+Numerics: the loop computes in fp32; the vectorised backend runs torch's fused SDPA (fp32 for fp32
+inputs, fp32 accumulation for bf16 / fp16), so a decoding step equals the batched masked attention over
+the same keys up to summation order.
 
 `decode_attention_loop` is the ground truth of the tests (one sequence at a time, the plain formula);
-`decode_attention` is the vectorised torch backend (one batched matmul pair for all sequences).
+`decode_attention` is the vectorised torch backend (one fused SDPA call for all sequences).
 """
 from typing import Optional
 
@@ -89,14 +90,16 @@ def decode_attention(
         return torch.zeros_like(q)
     k = _gather_keys(k_cache, slot_ids, block_table, length)[:batch]
     v = _gather_keys(v_cache, slot_ids, block_table, length)[:batch]
-    hkv = k.shape[2]
-    qg = q.float().view(batch, hkv, hq // hkv, dim)
-    scores = torch.einsum("bkgd,bskd->bkgs", qg, k.float()) * scale
+    # torch's fused SDPA on the cache's own layout: [B, S, Hkv, D] -> [B, Hkv, S, D] is a strided view
+    # (no copy into a head-major layout; decoding is bound by reading the cache), GQA natively, fp32
+    # accumulation inside the kernel for low-precision inputs.
     visible = torch.arange(length, device=q.device)[None, :] < cache_seqlens.to(q.device)[:, None]  # [B, S]
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a sequence without keys: all -inf -> zeros
-    out = torch.einsum("bkgs,bskd->bkgd", probs, v.float())
-    return out.reshape(batch, hq, dim).to(q.dtype)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible[:, None, None, :],
+        scale=scale, enable_gqa=hq != k.shape[2],
+    )[:, :, 0]
+    # a sequence without keys: the softmax over no key is 0/0; the convention is zeros
+    return out.nan_to_num(0.0).masked_fill(~visible.any(1)[:, None, None], 0.0)
 
 
 def decode_attention_loop(

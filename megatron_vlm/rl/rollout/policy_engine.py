@@ -299,14 +299,13 @@ class PolicyRolloutEngine(RolloutEngine):
                 feed = None
                 if cur_slots:
                     index = torch.as_tensor(cur_slots, dtype=torch.long, device=dev)
-                    noise = None
+                    uniform = None
                     if params.temperature > 0:  # one draw per slot and step: a row's numbers do not depend on the others
                         if generator is not None and generator.device != cur_logits.device:
                             raise ValueError(f"generator: on {generator.device}, logits on {cur_logits.device}")
-                        noise = torch.empty(num_slots + 1, cur_logits.shape[-1], device=dev)
-                        noise = noise.exponential_(generator=generator).index_select(0, index)
+                        uniform = torch.rand(num_slots + 1, device=dev, generator=generator).index_select(0, index)
                     tok, lp = sample_tokens(cur_logits, temperature=params.temperature, top_k=params.top_k,
-                                            top_p=params.top_p, suppress_token_ids=suppress, noise=noise)
+                                            top_p=params.top_p, suppress_token_ids=suppress, uniform=uniform)
                     pos = run.gen_len.index_select(0, index)
                     run.tokens[index, pos] = tok
                     run.logprobs[index, pos] = lp.float()

@@ -30,6 +30,7 @@ __all__ = [
     "causal_conv1d",
     "ssd_chunk_scan",
     "ssd_state_update",
+    "decode_attention",
     "moe_permute",
     "grouped_mm",
     "moe_unpermute",
@@ -125,6 +126,13 @@ def ssd_chunk_scan(x, dt, A, B, C, *, chunk_size: int, **kwargs):
 def ssd_state_update(state, x, dt, A, B, C, **kwargs):
     """One Mamba2 decoding step; updates `state` `[B, H, P, N]` in place, returns y `[B, H, P]`."""
     return DEFAULT_REGISTRY.resolve("ssd_state_update", x)(state, x, dt, A, B, C, **kwargs)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor, **kwargs):
+    """One query per sequence q `[B, H, D]` against its cached keys: slot cache `[slots, L, Hkv, D]` (+ slot_ids)
+    or paged cache `[blocks, block_size, Hkv, D]` + block_table; kwargs: slot_ids, block_table, max_seqlen_k,
+    softmax_scale. Contract: `kernels/reference/decode_attention.py`."""
+    return DEFAULT_REGISTRY.resolve("decode_attention", q)(q, k_cache, v_cache, cache_seqlens, **kwargs)
 
 
 def moe_permute(hidden: torch.Tensor, topk_ids: torch.Tensor, *, num_experts: Optional[int] = None):

@@ -23,11 +23,13 @@ DENSE_OPS = (
 )
 TRITON_MODULES = {"rms_norm": "rms_norm", "layer_norm": "layer_norm"}  # triton/ splits the two norms
 NPU_MODULES = {"attention": "attention", "rms_norm": "rms_norm", "apply_rotary": "rotary", "swiglu": "swiglu"}
-# Mamba2 and MoE ops (Nemotron-H, Qwen3-VL-MoE): (op, reference module); the function is named as the op.
+# Mamba2, MoE and decode-attention ops (Nemotron-H, Qwen3-VL-MoE, rollout decoding): (op, reference module);
+# the function is named as the op.
 MAMBA_MOE_OPS = (
     ("causal_conv1d", "causal_conv1d"),
     ("ssd_chunk_scan", "ssd"),
     ("ssd_state_update", "ssd"),
+    ("decode_attention", "decode_attention"),
     ("moe_permute", "moe"),
     ("grouped_mm", "moe"),
     ("moe_unpermute", "moe"),

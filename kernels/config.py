@@ -30,6 +30,8 @@ class KernelsConfig:
     """Mamba2 chunked SSD scan (Nemotron-H training / prefill): auto | torch."""
     ssd_state_update: str = "auto"
     """Mamba2 single-step state update (decoding): auto | torch."""
+    decode_attention: str = "auto"
+    """One query token per sequence against a slot / paged KV cache (rollout decoding): auto | torch."""
     moe_permute: str = "auto"
     """MoE token permutation grouped by expert: auto | torch | npu | csrc."""
     grouped_mm: str = "auto"

@@ -1,26 +1,35 @@
 """Rollout throughput: our policy engine with and without prefix sharing vs transformers `generate`.
 
-Issue 5's GPU target: with G = 8 on a Qwen2.5-VL-3B-shaped model (random weights, bf16), a ~1k-token
-image prompt and 512 new tokens, our rollout reaches >= 3x the tokens/s of transformers' `generate`
-on the same weights. Every completion runs to the budget (no EOS), so all three generate the same
-number of tokens; sampling at temperature 1.
+Every completion runs to the budget (no EOS), so all three generate the same number of tokens;
+sampling at temperature 1, on the same weights (our model exported to a Hugging Face folder and
+loaded by transformers' own loader; one forward of both is compared first).
 
-    ours (shared prefix)      PolicyRolloutEngine: each prompt prefilled once, KV cache expanded to G rows
-    ours (no sharing)         the same engine, every prompt repeated G times and prefilled G times
+    ours (shared prefix)      PolicyRolloutEngine: each prompt prefilled once and copied into its G slots,
+                              continuous batching over the slot cache, kernels.decode_attention
+    ours (no sharing)         the same engine, every sample prefilled on its own
     transformers generate     Qwen2_5_VLForConditionalGeneration.generate(num_return_sequences=G), sdpa
 
-Timing: wall clock around whole `generate` calls after one warm-up call (each call holds hundreds of
-kernel launches and host work: CUDA-event timing of a single kernel does not apply), synchronised,
-median of `--repeats`. `--quick` runs a tiny model on the CPU (a smoke test for CI; its ratios say
-nothing about the GPU target).
+Rows:
+    (default, no GPU) CPU: a small Qwen2.5-VL shape (hidden 256, 4 layers, vocab 8k), 8 prompts x G = 8
+                      x 64 new tokens, fp32. Target: ours >= 1.5x transformers.
+    (default, GPU)    Qwen2.5-VL-3B shape (random weights, bf16), ~1k-token image prompts, G = 8,
+                      512 new tokens. Target: >= 3x.
+    --quick           a tiny model on the CPU (a smoke test for CI; its ratios say nothing).
 
-    python benchmarks/e2e/bench_rollout.py                 # GPU, 3B shape
+Timing: wall clock around whole `generate` calls after one warm-up call each (synchronised on CUDA).
+The three runs are interleaved round by round (ours, ours without sharing, transformers, then again)
+so that load from other jobs on a shared machine hits them alike; the ratio ours / transformers is
+taken per round and reported as min and median over `--repeats` rounds.
+
+    python benchmarks/e2e/bench_rollout.py                 # GPU 3B row if CUDA, else the CPU row
+    python benchmarks/e2e/bench_rollout.py --cpu           # the CPU row
     python benchmarks/e2e/bench_rollout.py --quick         # CPU smoke test
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -75,6 +84,24 @@ def tiny_config() -> dict:
     return d
 
 
+def cpu_config() -> dict:
+    """The CPU row's model: Qwen2.5-VL layout at a size a CPU decodes in seconds."""
+    from transformers import Qwen2_5_VLConfig
+
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=4096,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+                         bos_token_id=None, eos_token_id=1, pad_token_id=0),
+        vision_config=dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=256, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1]),
+        image_token_id=8000, video_token_id=8001, vision_start_token_id=8002, vision_end_token_id=8003,
+    )
+    d = cfg.to_dict()
+    d["architectures"] = ["Qwen2_5_VLForConditionalGeneration"]
+    return d
+
+
 class NoDecode:
     """Token ids are not decoded: the benchmark has no tokenizer and no stop strings."""
 
@@ -92,7 +119,8 @@ def make_prompts(n: int, grid: tuple[int, int, int], text_tokens: int, cfg: dict
     n_img = t * h * w // 4
     out = []
     for _ in range(n):
-        text = torch.randint(10, min(vocab, 150000), (text_tokens,), generator=g)
+        special = min(cfg[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"))
+        text = torch.randint(10, min(vocab, special), (text_tokens,), generator=g)  # plain text tokens only
         ids = torch.cat([text[:8], torch.tensor([cfg["vision_start_token_id"]] + [cfg["image_token_id"]] * n_img
                                                 + [cfg["vision_end_token_id"]]), text[8:]])
         pixels = torch.randn(t * h * w, 3 * 2 * 14 * 14, generator=g)
@@ -100,35 +128,44 @@ def make_prompts(n: int, grid: tuple[int, int, int], text_tokens: int, cfg: dict
     return out
 
 
-def timed(fn, device: str, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+def interleaved(fns: dict, device: str, repeats: int) -> dict[str, list[float]]:
+    """Seconds per call of every function, one call of each per round, rounds interleaved (warm-up first)."""
+    for fn in fns.values():
         fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU (smoke test)")
+    ap.add_argument("--cpu", action="store_true", help="the CPU row even when a GPU is present")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--prompts", type=int, default=None, help="prompts per generate call")
     ap.add_argument("--group", type=int, default=8, help="samples per prompt (G)")
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=str, default=None, help="also write the results here")
     args = ap.parse_args()
-    device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"
+    device = "cpu" if args.quick or args.cpu or not torch.cuda.is_available() else "cuda"
+    if args.threads or args.quick:
+        torch.set_num_threads(args.threads or 1)
     if args.quick:
-        torch.set_num_threads(1)
         cfg, dtype, grid, text_tokens = tiny_config(), torch.float32, (1, 8, 8), 24
         prompts_n, new_tokens = args.prompts or 2, args.new_tokens or 16
         group = min(args.group, 4)
+    elif device == "cpu":
+        cfg, dtype, grid, text_tokens = cpu_config(), torch.float32, (1, 8, 8), 48
+        prompts_n, new_tokens, group = args.prompts or 8, args.new_tokens or 64, args.group
     else:
         # ~1k-token prompt: a 56 x 64-patch image (896 merged tokens) + 104 text tokens
         cfg, dtype, grid, text_tokens = qwen2_5_vl_3b_config(), torch.bfloat16, (1, 56, 64), 104
@@ -147,15 +184,11 @@ def main() -> None:
         gen = torch.Generator(device=device).manual_seed(0)
         return lambda: eng.generate(prompts, params, generator=gen)
 
-    for name, share in (("ours_shared_prefix", True), ("ours_no_sharing", False)):
-        s = timed(ours(share), device, args.repeats)
-        results[name] = {"seconds": s, "tokens_per_s": gen_tokens / s}
-        print(f"{name:24s} {gen_tokens / s:10.1f} tok/s  ({s:.3f} s)", flush=True)
-
     # the same weights in transformers: written as a Hugging Face folder by our exporter, read back by
     # transformers' own loader (which maps the hub key layout onto its modules)
     import tempfile
 
+    import transformers
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from megatron_vlm.checkpoint.hf import save_hf_model
@@ -188,18 +221,24 @@ def main() -> None:
             return hf.generate(**inputs, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=group,
                                max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
 
-    s = timed(hf_generate, device, args.repeats)
-    results["transformers_generate"] = {"seconds": s, "tokens_per_s": gen_tokens / s}
-    print(f"{'transformers_generate':24s} {gen_tokens / s:10.1f} tok/s  ({s:.3f} s)", flush=True)
-    base = results["transformers_generate"]["tokens_per_s"]
+    times = interleaved({"ours_shared_prefix": ours(True), "ours_no_sharing": ours(False),
+                         "transformers_generate": hf_generate}, device, args.repeats)
+    for name, ts in times.items():
+        s = statistics.median(ts)
+        results[name] = {"seconds": s, "seconds_min": min(ts), "tokens_per_s": gen_tokens / s}
+        print(f"{name:24s} {gen_tokens / s:10.1f} tok/s  (median {s:.3f} s, min {min(ts):.3f} s)", flush=True)
     for name in ("ours_shared_prefix", "ours_no_sharing"):
-        results[name]["vs_transformers"] = results[name]["tokens_per_s"] / base
-        print(f"{name} / transformers generate = {results[name]['vs_transformers']:.2f}x")
+        ratios = [h / o for o, h in zip(times[name], times["transformers_generate"])]  # per round
+        results[name]["vs_transformers"] = statistics.median(ratios)
+        results[name]["vs_transformers_min"] = min(ratios)
+        print(f"{name} / transformers generate = median {statistics.median(ratios):.2f}x, min {min(ratios):.2f}x "
+              f"({len(ratios)} interleaved rounds)")
     share_gain = results["ours_shared_prefix"]["tokens_per_s"] / results["ours_no_sharing"]["tokens_per_s"]
     print(f"prefix sharing speed-up = {share_gain:.2f}x")
     meta = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.processor() or 'unknown'}, 1 thread)",
-        "torch": torch.__version__, "dtype": str(dtype), "quick": args.quick, "prompts": prompts_n, "group": group,
+        "device": torch.cuda.get_device_name() if device == "cuda" else
+        f"cpu ({platform.processor() or 'unknown'}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f})",
+        "torch": torch.__version__, "transformers": transformers.__version__, "dtype": str(dtype), "quick": args.quick, "prompts": prompts_n, "group": group,
         "prompt_tokens": len(prompts[0]), "new_tokens": new_tokens, "date": time.strftime("%Y-%m-%d"),
         "max_logit_diff_vs_transformers": diff,
     }

@@ -27,12 +27,12 @@ __all__ = ["answer_engine", "batch_prompts", "answer_accuracy"]
 
 def answer_engine(ctx: RunContext, bundle: ModelBundle) -> PolicyRolloutEngine:
     """The engine for answer accuracy: the policy through the FSDP root, whole batches in one
-    prefill, the loader's pad id, no suppressed tokens and no row compaction — the plain greedy
-    decoding of the batch (a finished row only feeds padding until the others end)."""
+    prefill (one lock-step wave), the loader's pad id and no suppressed tokens — the plain greedy
+    decoding of the batch."""
     return PolicyRolloutEngine(
         bundle.model, bundle.processor.tokenizer, forward=lambda **kw: bundle.wrapper(model_kwargs=kw),
         pad_token_id=bundle.processor.pad_token_id, device=ctx.device, max_prompts_per_batch=0,
-        compact_ratio=0.0, suppress_token_ids=(), all_ranks_active=lambda active: any_rank(active, ctx.device),
+        suppress_token_ids=(), all_ranks_active=lambda active: any_rank(active, ctx.device),
     )
 
 

@@ -10,7 +10,8 @@ encoders with absolute position embeddings), and every attention call through `k
 * batched x `[B, S, hidden]` with an optional `key_padding_mask` `[B, S]` (True = real token);
 * packed x `[T, hidden]` with `cu_seqlens` (no attention across samples / frames / windows);
 * incremental decoding with a `KVCache` (keys of earlier steps are read from the cache; the kernel's
-  bottom-right causal alignment places the new queries after them).
+  bottom-right causal alignment places the new queries after them), or with the rollout engine's
+  `SlotCache`, whose `attend` runs `kernels.decode_attention` on the slot layout.
 
 q, k and v stay separate Linear layers; checkpoints with a fused qkv are split by the family's
 state-dict adapter, never here. Ready for tensor parallelism: the forward takes the number of heads
@@ -97,6 +98,8 @@ class Attention(nn.Module):
         if kv_cache is not None:
             if cu_seqlens is not None:
                 raise ValueError("Attention: a KV cache works with batched [B, S] input, not packed cu_seqlens")
+            if hasattr(kv_cache, "attend"):  # a slot cache: one query token against each sequence's slot
+                return self.o_proj(kv_cache.attend(layer_idx, q, k, v).reshape(*lead, -1))
             k, v, key_padding_mask = kv_cache.update(layer_idx, k, v)
         out = kernels.attention(
             q,

@@ -13,6 +13,9 @@ operations, so that other back ends can plug in later without touching the train
                                     layout of `rl.advantages`.
     release_memory()                drop rollout-only memory (KV caches, allocator cache) before
                                     the training phase reuses the device.
+    interrupt()                     (optional) stop a running `generate` at a token boundary; it
+                                    returns the partial completions with the policy version of
+                                    every token (the asynchronous trainer refreshes weights then).
 
 Behaviour log-probs are those of the temperature-scaled, *untruncated* distribution
 (log_softmax(logits / temperature)), which is what the trainer recomputes for the PPO ratio;
@@ -29,7 +32,7 @@ import torch
 
 __all__ = ["SamplingParams", "RolloutPrompt", "RolloutSample", "RolloutResult", "RolloutEngine"]
 
-FinishReason = Literal["eos", "stop", "length"]
+FinishReason = Literal["eos", "stop", "length", "interrupted"]
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,11 @@ class RolloutSample:
     prompt_length: int
     """Tokens of the prompt (for packing and metrics)."""
     policy_version: int = 0
-    """Version of the policy that generated the sample (for bounded-staleness asynchronous GRPO)."""
+    """Version of the policy that generated the sample (for bounded-staleness asynchronous GRPO); the
+    oldest version among its tokens when weights changed during generation."""
+    token_versions: Optional[torch.Tensor] = None
+    """[L] int64 policy version of every token (an engine whose weights are refreshed while it generates
+    mixes versions within a completion); None from engines that do not track it."""
 
     @property
     def truncated(self) -> bool:
@@ -122,6 +129,9 @@ class RolloutResult:
     """Wall-clock time of the call."""
     stats: dict[str, float] = field(default_factory=dict)
     """Engine-specific counters (prefill / decode time, forward calls, ...)."""
+    interrupted: bool = False
+    """The call was stopped by `RolloutEngine.interrupt()`: unfinished samples end with reason
+    "interrupted" and hold the tokens generated so far (none for samples that never started)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -146,3 +156,7 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def release_memory(self) -> None:
         """Free memory that only generation needs."""
+
+    def interrupt(self) -> None:
+        """Ask a running `generate` (another thread) to stop at the next token boundary and return the
+        partial completions. Engines that cannot be interrupted ignore it."""

@@ -1,39 +1,59 @@
-"""The built-in rollout engine: generation with the policy model itself.
+"""The built-in rollout engine: continuous batching over a slot KV cache, with the policy model itself.
 
-`PolicyRolloutEngine(model, tokenizer, forward=...)` generates with the very parameters the trainer
-updates (no weight copy on one device): `forward` defaults to `model(**kwargs)`; the GRPO trainer
-passes `lambda **kw: job.wrapper(model_kwargs=kw)` so that every call runs inside the FSDP root's
-forward (parameters all-gathered per call, mixed precision applied).
+`PolicyRolloutEngine(model, tokenizer, forward=...)` generates with `model`. Two ways to hold the
+weights (see `load_weights`):
 
-One `generate` call, per batch of prompts (`max_prompts_per_batch`, 0 = all at once):
+* its own inference copy (`forward=None`, the model is unsharded on the engine's device): the trainer
+  refreshes it once per step with `load_weights(named_tensors, version)`; no collective runs while
+  decoding, so sequences are batched continuously (below);
+* the trainer's parameters (`forward=lambda **kw: wrapper(model_kwargs=kw)`: every call runs inside
+  the FSDP root, parameters all-gathered per call). Cheaper on one device (no copy to keep), but every
+  rank must make the same forward calls, so decoding runs in lock-step waves (below).
 
-1. prefill: the prompts, left-padded into one batch, run once with their images / videos (each image
-   encoded once) into a KV cache of prompt + max_new_tokens slots; M-RoPE rope deltas are stored in
-   the cache so decoding continues the 3-D positions;
-2. the cache is expanded to n rows per prompt (`KVCache.expand`): the group shares the prefix; with
-   `share_prefix=False` (the benchmark baseline) every prompt is instead repeated n times and
-   prefilled n times;
-3. decode: the next token of every unfinished row is drawn (`sampling.sample_tokens`), the rows are
-   checked for EOS / stop strings / budget, and the new tokens run through the model one step at a
-   time. When at most `compact_ratio` of the cached rows are still generating, finished rows are
-   dropped from the cache so later steps do not pay for them (attention-only `KVCache`; other
-   caches, e.g. the hybrid Mamba cache, keep their rows and step them with padding).
+One `generate` call:
 
-Lock-step across ranks: under FSDP every rank must make the same number of forward calls.
-`all_ranks_active(local_active) -> bool` (an all-reduce supplied by the trainer) decides whether
-another decode step runs; a rank whose rows are all finished keeps stepping one dummy row until
-every rank is done. The caller gives every rank the same number of prompts (padding with dummies).
+1. samples wait in a queue (group-major: the n samples of prompt p are p*n ... p*n+n-1);
+2. admission: free slots of a pre-allocated `SlotCache` (`max_num_seqs` slots of prompt + budget
+   tokens) take the next waiting samples. Their prompts, left-padded into one batch, are prefilled
+   once with their images / videos into an ordinary padded cache; only the last position's logits are
+   computed (`logits_to_keep`: hidden states, then the LM head on one row); each prompt's cache row is
+   copied into the slots of its samples (the group shares one prefill; `share_prefix=False`, the
+   benchmark baseline, prefills every sample);
+3. decoding: the next token of every active slot is drawn in one batched call (`sampling.sample_tokens`:
+   temperature, top-k, top-p, behaviour log-probs; the random numbers are drawn for every slot at every
+   step, so a sample's draws depend on its slot and step only, not on which other rows still run) and
+   written to device buffers; the only host sync
+   per step is the stop check (EOS flags, plus the token ids when stop strings are set). Finished
+   slots are freed; with continuous batching a freed slot takes the next waiting sample at once
+   (step 2), so the batch stays full until the queue is empty. The tokens run through the model one
+   step at a time, attention by `kernels.decode_attention` on the slots (no padding), the Mamba2
+   state of the hybrid decoder per slot.
+
+Lock-step waves (when `all_ranks_active` is given, i.e. under FSDP with the trainer's parameters):
+`max_prompts_per_batch` prompts (0 = all) are admitted at the start of a wave and no slot is refilled
+until it ends; `all_ranks_active(local_active) -> bool` (an all-reduce supplied by the trainer)
+decides whether another decode step runs, and a rank whose rows are all finished steps one dummy row
+(a scratch slot) until every rank is done. The caller gives every rank the same number of prompts.
+
+Interruption and versions: `interrupt()` (from another thread) stops `generate` at the next token
+boundary; the result holds the partial completions (reason "interrupted"). `load_weights` from
+another thread waits for the current step and applies to the next one, so the cached prefix of a
+running completion keeps the older version's keys; every token records the version that drew it
+(`RolloutSample.token_versions`). Lock-stepped ranks are not interrupted (a rank leaving alone would
+stall the others' collectives).
 """
 from __future__ import annotations
 
 import gc
+import threading
 import time
+from collections import deque
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
 from megatron_vlm.data.batch import VISION_KEYS
-from megatron_vlm.models.common.kv_cache import KVCache
+from megatron_vlm.models.common.slot_cache import SlotCache
 from megatron_vlm.models.common.vlm_base import VLMBase
 from megatron_vlm.rl.rollout.engine import RolloutEngine, RolloutPrompt, RolloutResult, RolloutSample, SamplingParams
 from megatron_vlm.rl.rollout.sampling import sample_tokens
@@ -55,11 +75,11 @@ def _left_pad(prompts: Sequence[RolloutPrompt], pad_id: int) -> tuple[torch.Tens
     return ids, mask
 
 
-def _vision_inputs(prompts: Sequence[RolloutPrompt], repeat: int = 1) -> dict:
-    """Vision tensors of the prompts concatenated in prompt order (each prompt's `repeat` times)."""
+def _vision_inputs(prompts: Sequence[RolloutPrompt]) -> dict:
+    """Vision tensors of the prompts concatenated in prompt order."""
     out = {}
     for key in VISION_KEYS:
-        parts = [getattr(p, key) for p in prompts for _ in range(repeat) if getattr(p, key) is not None]
+        parts = [getattr(p, key) for p in prompts if getattr(p, key) is not None]
         if parts:
             out[key] = torch.cat(parts)
     return out
@@ -69,6 +89,21 @@ def _vision_token_ids(model) -> list[int]:
     args = getattr(model, "args", None)
     names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
     return [int(getattr(args, n)) for n in names if isinstance(getattr(args, n, None), int)]
+
+
+class _Run:
+    """Device buffers and bookkeeping of one batch of slots (one `generate` wave)."""
+
+    def __init__(self, num_slots: int, budget: int, device) -> None:
+        rows = num_slots + 1  # + the scratch slot
+        self.tokens = torch.zeros(rows, budget, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(rows, budget, dtype=torch.float32, device=device)
+        self.versions = torch.zeros(rows, budget, dtype=torch.long, device=device)
+        self.gen_len = torch.zeros(rows, dtype=torch.long, device=device)
+        self.host_len = [0] * rows
+        self.host_tokens: dict[int, list[int]] = {}  # slot -> tokens (only with stop strings)
+        self.slot_sample: dict[int, int] = {}
+        self.free = deque(range(num_slots))
 
 
 class PolicyRolloutEngine(RolloutEngine):
@@ -83,24 +118,27 @@ class PolicyRolloutEngine(RolloutEngine):
         cache_dtype: Optional[torch.dtype] = None,
         device: Optional[torch.device | str] = None,
         max_prompts_per_batch: int = 0,
+        max_num_seqs: int = 0,
         share_prefix: bool = True,
-        compact_ratio: float = 0.5,
         all_ranks_active: Optional[Callable[[bool], bool]] = None,
         suppress_token_ids: Optional[Iterable[int]] = None,
     ):
         """`model`: the family model (a `VLMBase`: `new_cache`, forward with `kv_cache=`); `forward`: how to call
-        it (default `model`); `cache_dtype`: the compute dtype of keys / values (bf16 under FSDP
-        mixed precision; default the model's weight dtype); `suppress_token_ids`: tokens never
-        generated (default: the model's vision placeholder / start / end tokens, `model.args.*_token_id`)."""
+        it (default `model`: the engine's own copy, continuous batching); `cache_dtype`: the compute dtype of
+        keys / values (bf16 under FSDP mixed precision; default the model's weight dtype);
+        `max_prompts_per_batch`: prompts per lock-step wave (0 = all); `max_num_seqs`: slots of continuous
+        batching (0 = max_prompts_per_batch * n, or every sample of the call); `suppress_token_ids`: tokens
+        never generated (default: the model's vision placeholder / start / end tokens, `model.args.*_token_id`)."""
         if not isinstance(model, VLMBase):
             raise TypeError(f"{type(model).__name__} is not a family model (VLMBase): cached decoding needs its new_cache()")
         if max_prompts_per_batch < 0:
             raise ValueError(f"max_prompts_per_batch: must be >= 0, got {max_prompts_per_batch}")
-        if not 0 <= compact_ratio <= 1:
-            raise ValueError(f"compact_ratio: must be in [0, 1], got {compact_ratio}")
+        if max_num_seqs < 0:
+            raise ValueError(f"max_num_seqs: must be >= 0, got {max_num_seqs}")
         self.model = model
         self.tokenizer = tokenizer
         self.forward = forward or model
+        self.owns_forward = forward is None
         gen_cfg = getattr(model, "hf_generation_config", None)
         self.eos_token_ids = set(eos_token_ids) if eos_token_ids is not None else eos_token_ids_of(tokenizer, gen_cfg)
         if pad_token_id is None:
@@ -109,22 +147,33 @@ class PolicyRolloutEngine(RolloutEngine):
         self.cache_dtype = cache_dtype
         self.device = torch.device(device) if device is not None else None
         self.max_prompts_per_batch = max_prompts_per_batch
+        self.max_num_seqs = max_num_seqs
         self.share_prefix = share_prefix
-        self.compact_ratio = compact_ratio
+        self.lockstep = all_ranks_active is not None
         self.all_ranks_active = all_ranks_active or (lambda active: active)
         if suppress_token_ids is None:
             suppress_token_ids = _vision_token_ids(model)
         self.suppress_token_ids = torch.tensor(sorted(set(int(i) for i in suppress_token_ids)), dtype=torch.long)
         self.policy_version = 0
+        self._step_lock = threading.RLock()  # re-entrant: a forward hook may load weights
+        self._interrupt = threading.Event()
 
     # ------------------------------------------------------------------ interface
     def load_weights(self, weights: Optional[Mapping[str, torch.Tensor]] = None, *, version: int) -> None:
-        """The engine generates with the model it was given, so an update by the optimizer is already
-        visible: only the version moves. `weights` (the model's own state-dict names) are copied in
-        for an engine that holds a separate copy of the policy."""
-        if weights is not None:
-            self.model.load_state_dict(dict(weights), strict=True)
-        self.policy_version = int(version)
+        """`weights` (the model's own state-dict names, full tensors) are copied into the engine's model;
+        None when the engine shares the trainer's parameters (an optimizer update is already visible) —
+        then only the version moves. Waits for a running decode step (another thread) to finish."""
+        with self._step_lock:
+            if weights is not None:
+                missing, unexpected = self.model.load_state_dict(dict(weights), strict=False)
+                if unexpected:
+                    raise KeyError(f"load_weights: unknown parameter names {sorted(unexpected)[:5]}")
+                if missing and len(missing) == len(self.model.state_dict()):
+                    raise KeyError("load_weights: none of the names matches the model's parameters")
+            self.policy_version = int(version)
+
+    def interrupt(self) -> None:
+        self._interrupt.set()
 
     def release_memory(self) -> None:
         gc.collect()
@@ -136,15 +185,34 @@ class PolicyRolloutEngine(RolloutEngine):
                  generator: Optional[torch.Generator] = None) -> RolloutResult:
         if not prompts:
             raise ValueError("prompts: nothing to generate from")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompts[{i}]: empty prompt")
         t0 = time.perf_counter()
         checker = StopChecker(self.tokenizer, self.eos_token_ids, params.stop)
-        stats = {"prefill_s": 0.0, "decode_s": 0.0, "forward_calls": 0.0, "decode_steps": 0.0}
-        step = self.max_prompts_per_batch or len(prompts)
+        stats = {"prefill_s": 0.0, "decode_s": 0.0, "forward_calls": 0.0, "decode_steps": 0.0, "prefill_calls": 0.0}
+        n = params.n
+        if self.lockstep:
+            step = self.max_prompts_per_batch or len(prompts)
+            waves = [(start, min(start + step, len(prompts)), (min(step, len(prompts) - start)) * n)
+                     for start in range(0, len(prompts), step)]
+        else:
+            slots = self.max_num_seqs or (self.max_prompts_per_batch * n) or len(prompts) * n
+            waves = [(0, len(prompts), min(slots, len(prompts) * n))]
         samples: list[RolloutSample] = []
-        for start in range(0, len(prompts), step):
-            samples += self._generate_batch(prompts[start:start + step], start, params, checker, generator, stats)
+        interrupted = False
+        try:
+            for start, end, num_slots in waves:
+                if interrupted:
+                    samples += [self._unstarted(prompts, start, i, n) for i in range((end - start) * n)]
+                    continue
+                out, interrupted = self._run(prompts[start:end], start, num_slots, params, checker, generator, stats)
+                samples += out
+        finally:
+            self._interrupt.clear()
         n_tokens = sum(int(s.token_ids.numel()) for s in samples)
-        return RolloutResult(samples=samples, num_generated_tokens=n_tokens, seconds=time.perf_counter() - t0, stats=stats)
+        return RolloutResult(samples=samples, num_generated_tokens=n_tokens, seconds=time.perf_counter() - t0,
+                             stats=stats, interrupted=interrupted)
 
     # ------------------------------------------------------------------ internals
     def _device(self) -> torch.device:
@@ -152,76 +220,167 @@ class PolicyRolloutEngine(RolloutEngine):
             return self.device
         return next(self.model.parameters()).device
 
-    def _new_cache(self, batch: int, max_len: int):
-        return self.model.new_cache(batch, max_len, dtype=self.cache_dtype, device=self._device())
+    def _unstarted(self, prompts, offset: int, i: int, n: int) -> RolloutSample:
+        empty = torch.zeros(0, dtype=torch.long)
+        return RolloutSample(
+            prompt_index=offset + i // n, sample_index=i % n, token_ids=empty, logprobs=torch.zeros(0),
+            text="", finish_reason="interrupted", prompt_length=len(prompts[i // n]),
+            policy_version=self.policy_version, token_versions=empty,
+        )
 
-    def _prefill(self, prompts: Sequence[RolloutPrompt], n: int, max_len: int):
+    def _prefill(self, prompts: Sequence[RolloutPrompt]):
+        """(padded prefill cache, logits of the last position [P, V]) of a batch of prompts."""
         dev = self._device()
         ids, mask = _left_pad(prompts, self.pad_token_id)
-        repeat = 1 if (self.share_prefix or n == 1) else n
-        if repeat > 1:
-            ids, mask = ids.repeat_interleave(repeat, 0), mask.repeat_interleave(repeat, 0)
-        vision = {k: v.to(dev) for k, v in _vision_inputs(prompts, repeat).items()}
-        cache = self._new_cache(ids.shape[0], max_len)
-        logits = self.forward(input_ids=ids.to(dev), attention_mask=mask.to(dev), kv_cache=cache, **vision)[:, -1]
-        if repeat == 1 and n > 1:
-            cache = cache.expand(n)
-            logits = logits.repeat_interleave(n, 0)
+        vision = {k: v.to(dev) for k, v in _vision_inputs(prompts).items()}
+        cache = self.model.new_cache(ids.shape[0], ids.shape[1], dtype=self.cache_dtype, device=dev)
+        kwargs = dict(input_ids=ids.to(dev), attention_mask=mask.to(dev), kv_cache=cache, **vision)
+        if self.owns_forward:  # logits_to_keep = 1: the LM head runs on the last position only
+            hidden = self.model(**kwargs, return_hidden=True)[:, -1]
+            logits = self.model.lm_head(hidden)
+        else:
+            logits = self.forward(**kwargs)[:, -1]
         return cache, logits
 
-    def _generate_batch(self, prompts, offset: int, params: SamplingParams, checker: StopChecker,
-                        generator: Optional[torch.Generator], stats: dict) -> list[RolloutSample]:
+    def _admit(self, queue: deque, run: _Run, cache: SlotCache, prompts, n: int, prefixes: dict, stats: dict):
+        """Fill free slots with waiting samples: ([slots], logits [len, V]) or ([], None)."""
+        take = []
+        while queue and run.free:
+            take.append((queue.popleft(), run.free.popleft()))
+        if not take:
+            return [], None
+        key_of = (lambda i: i // n) if self.share_prefix else (lambda i: i)
+        need = list(dict.fromkeys(key_of(i) for i, _ in take if key_of(i) not in prefixes))
+        if need:
+            t0 = time.perf_counter()
+            pcache, logits = self._prefill([prompts[k // (1 if self.share_prefix else n)] for k in need])
+            uses = n if self.share_prefix else 1
+            for row, key in enumerate(need):
+                prefixes[key] = [pcache, row, logits[row], uses]
+            stats["prefill_s"] += time.perf_counter() - t0
+            stats["forward_calls"] += 1
+            stats["prefill_calls"] += 1
+        slots, rows = [], []
+        for sample, slot in take:
+            entry = prefixes[key_of(sample)]
+            cache.load_prefix([slot], entry[0], entry[1])
+            run.slot_sample[slot] = sample
+            run.gen_len[slot] = 0
+            run.host_len[slot] = 0
+            run.host_tokens[slot] = []
+            slots.append(slot)
+            rows.append(entry[2])
+            entry[3] -= 1
+            if entry[3] == 0:
+                del prefixes[key_of(sample)]
+        return slots, torch.stack(rows)
+
+    def _run(self, prompts, offset: int, num_slots: int, params: SamplingParams, checker: StopChecker,
+             generator: Optional[torch.Generator], stats: dict) -> tuple[list[RolloutSample], bool]:
         n, budget = params.n, params.max_new_tokens
         dev = self._device()
-        t0 = time.perf_counter()
-        cache, logits = self._prefill(prompts, n, max(len(p) for p in prompts) + budget)
-        stats["prefill_s"] += time.perf_counter() - t0
-        stats["forward_calls"] += 1
-        t1 = time.perf_counter()
         total = len(prompts) * n
-        suppress = self.suppress_token_ids.to(logits.device)
-        tokens: list[list[int]] = [[] for _ in range(total)]
-        logps: list[list[float]] = [[] for _ in range(total)]
-        reason: list[Optional[str]] = [None] * total
-        rows = list(range(total))  # cache row -> sample index
-        for t in range(budget):
-            tok, lp = sample_tokens(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                                    generator=generator, suppress_token_ids=suppress)
-            tok_l, lp_l = tok.tolist(), lp.tolist()
-            for r, i in enumerate(rows):
-                if reason[i] is not None:
-                    continue
-                tokens[i].append(tok_l[r])
-                logps[i].append(lp_l[r])
-                why = checker.check(tokens[i])
-                if why is None and len(tokens[i]) >= budget:
-                    why = "length"
-                reason[i] = why
-            if t == budget - 1:
-                break
-            alive = [r for r, i in enumerate(rows) if reason[i] is None]
-            if not self.all_ranks_active(bool(alive)):
-                break
-            if type(cache) is KVCache and len(alive) <= self.compact_ratio * len(rows) and len(rows) > 1:
-                keep = alive or [0]  # a rank with nothing left steps one dummy row for the others
-                index = torch.tensor(keep, device=cache.mask.device)
-                cache = cache.select_rows(index)
-                rows = [rows[r] for r in keep]
-                tok = tok.index_select(0, index.to(tok.device))
-            feed = tok.clone()
-            done = torch.tensor([reason[i] is not None for i in rows], device=feed.device)
-            feed[done] = self.pad_token_id
-            logits = self.forward(input_ids=feed[:, None].to(dev), kv_cache=cache)[:, -1]
-            stats["forward_calls"] += 1
-            stats["decode_steps"] += 1
+        max_len = max(len(p) for p in prompts) + budget
+        cache = SlotCache(self.model.new_cache(num_slots + 1, max_len, dtype=self.cache_dtype, device=dev))
+        run = _Run(num_slots, budget, dev)
+        queue = deque(range(total))
+        prefixes: dict = {}
+        finished: dict[int, tuple] = {}
+        eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=dev)
+        suppress = self.suppress_token_ids.to(dev)
+        stop_strings = bool(checker.stop)
+
+        cur_slots, cur_logits = self._admit(queue, run, cache, prompts, n, prefixes, stats)
+        interrupted = False
+        t1 = time.perf_counter()
+        while True:
+            with self._step_lock:
+                running: list[int] = []
+                feed = None
+                if cur_slots:
+                    index = torch.as_tensor(cur_slots, dtype=torch.long, device=dev)
+                    uniform = None
+                    if params.temperature > 0:  # one draw per slot and step: a row's numbers do not depend on the others
+                        if generator is not None and generator.device != cur_logits.device:
+                            raise ValueError(f"generator: on {generator.device}, logits on {cur_logits.device}")
+                        uniform = torch.rand(num_slots + 1, device=dev, generator=generator).index_select(0, index)
+                    tok, lp = sample_tokens(cur_logits, temperature=params.temperature, top_k=params.top_k,
+                                            top_p=params.top_p, suppress_token_ids=suppress, uniform=uniform)
+                    pos = run.gen_len.index_select(0, index)
+                    run.tokens[index, pos] = tok
+                    run.logprobs[index, pos] = lp.float()
+                    run.versions[index, pos] = self.policy_version
+                    run.gen_len.index_add_(0, index, torch.ones_like(index))
+                    # the stop check: the step's one host sync
+                    if stop_strings:
+                        tok_l = tok.tolist()
+                        is_eos = [t in self.eos_token_ids for t in tok_l]
+                    else:
+                        tok_l, is_eos = None, torch.isin(tok, eos).tolist()
+                    keep = []
+                    for r, slot in enumerate(cur_slots):
+                        run.host_len[slot] += 1
+                        why = "eos" if is_eos[r] else None
+                        if why is None and stop_strings:
+                            run.host_tokens[slot].append(tok_l[r])
+                            why = checker.check(run.host_tokens[slot])
+                        if why is None and run.host_len[slot] >= budget:
+                            why = "length"
+                        if why is None:
+                            running.append(slot)
+                            keep.append(r)
+                        else:
+                            self._finish(run, slot, why, finished)
+                    if keep:
+                        feed = tok.index_select(0, torch.as_tensor(keep, dtype=torch.long, device=dev))
+                if self._interrupt.is_set() and not self.lockstep:
+                    for slot in running:
+                        self._finish(run, slot, "interrupted", finished)
+                    interrupted = True
+                    break
+                admitted, new_logits = ([], None) if self.lockstep else self._admit(queue, run, cache, prompts, n, prefixes, stats)
+                if not self.all_ranks_active(bool(running or admitted)):
+                    break
+                logits_parts = []
+                if running or self.lockstep:
+                    if not running:  # lock-step: a dummy row on the scratch slot keeps this rank's calls in step
+                        cache.reset_scratch()
+                        slots_now = [cache.scratch_slot]
+                        feed = torch.full((1,), self.pad_token_id, dtype=torch.long, device=dev)
+                    else:
+                        slots_now = running
+                    cache.set_active(slots_now)
+                    logits = self.forward(input_ids=feed[:, None], kv_cache=cache)[:, -1]
+                    stats["forward_calls"] += 1
+                    stats["decode_steps"] += 1
+                    if running:
+                        logits_parts.append(logits)
+                if admitted:
+                    logits_parts.append(new_logits)
+                cur_slots = running + admitted
+                cur_logits = torch.cat(logits_parts) if len(logits_parts) > 1 else (logits_parts[0] if logits_parts else None)
         stats["decode_s"] += time.perf_counter() - t1
         out = []
         for i in range(total):
-            why = reason[i] or "length"
-            ids = torch.tensor(tokens[i], dtype=torch.long)
+            if i not in finished:
+                out.append(self._unstarted(prompts, offset, i, n))
+                continue
+            ids, logps, versions, why = finished[i]
+            ids, versions = ids.cpu(), versions.cpu()
             out.append(RolloutSample(
-                prompt_index=offset + i // n, sample_index=i % n, token_ids=ids,
-                logprobs=torch.tensor(logps[i], dtype=torch.float32), text=checker.final_text(tokens[i], why),
-                finish_reason=why, prompt_length=len(prompts[i // n]), policy_version=self.policy_version,
+                prompt_index=offset + i // n, sample_index=i % n, token_ids=ids, logprobs=logps.cpu(),
+                text=checker.final_text(ids.tolist(), why), finish_reason=why, prompt_length=len(prompts[i // n]),
+                policy_version=int(versions.min()) if versions.numel() else self.policy_version,
+                token_versions=versions,
             ))
-        return out
+        return out, interrupted
+
+    @staticmethod
+    def _finish(run: _Run, slot: int, why: str, finished: dict) -> None:
+        """Keep the slot's tokens (device copies, no sync) and free the slot."""
+        length = run.host_len[slot]
+        sample = run.slot_sample.pop(slot)
+        finished[sample] = (run.tokens[slot, :length].clone(), run.logprobs[slot, :length].clone(),
+                            run.versions[slot, :length].clone(), why)
+        run.host_tokens.pop(slot, None)
+        run.free.append(slot)

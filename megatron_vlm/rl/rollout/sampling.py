@@ -56,27 +56,44 @@ def sample_tokens(
     top_p: float = 1.0,
     generator: Optional[torch.Generator] = None,
     suppress_token_ids: Optional[torch.Tensor] = None,
+    uniform: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [N] int64, behaviour log-probs [N] float32) for next-token logits [N, V]."""
+    """(tokens [N] int64, behaviour log-probs [N] float32) for next-token logits [N, V].
+
+    `uniform`: [N] draws from U[0, 1), one per row: the token is then found by inverse CDF (the first
+    token whose cumulative probability exceeds u * total), so the caller decides which random number
+    each row gets and a row needs one number, not V; without it, `torch.multinomial` with `generator`."""
     if logits.dim() != 2:
         raise ValueError(f"logits: expected [N, vocab], got shape {tuple(logits.shape)}")
     if temperature < 0:
         raise ValueError(f"temperature: must be >= 0, got {temperature}")
     x = logits.float()
+    suppress = suppress_token_ids is not None and suppress_token_ids.numel() > 0
 
-    def allowed(t: torch.Tensor) -> torch.Tensor:
-        if suppress_token_ids is None or suppress_token_ids.numel() == 0:
-            return t
-        return t.index_fill(-1, suppress_token_ids.to(t.device), float("-inf"))
+    def allowed(t: torch.Tensor, fill: float) -> torch.Tensor:
+        return t.index_fill(-1, suppress_token_ids.to(t.device), fill) if suppress else t
 
     if temperature == 0:
-        tokens = allowed(x).argmax(dim=-1)
+        tokens = allowed(x, float("-inf")).argmax(dim=-1)
         logp = torch.log_softmax(x, dim=-1)
     else:
-        scaled = x / temperature
+        scaled = x if temperature == 1 else x / temperature
         logp = torch.log_softmax(scaled, dim=-1)
-        probs = filter_logits(allowed(scaled), top_k=top_k, top_p=top_p).softmax(dim=-1)
-        if generator is not None and generator.device != probs.device:
-            raise ValueError(f"generator: on {generator.device}, logits on {probs.device}")
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        if (0 < top_k < x.shape[-1]) or top_p < 1.0:
+            probs = filter_logits(allowed(scaled, float("-inf")), top_k=top_k, top_p=top_p).softmax(dim=-1)
+        else:  # no truncation: the untruncated probabilities, suppressed tokens zeroed (need not sum to 1)
+            probs = allowed(logp.exp(), 0.0)
+        if uniform is not None:
+            if uniform.shape != (x.shape[0],):
+                raise ValueError(f"uniform: expected shape ({x.shape[0]},), got {tuple(uniform.shape)}")
+            cdf = probs.cumsum(dim=-1)
+            total = cdf[:, -1:]
+            # target < total strictly, so the first token with cdf > target (right=True) exists and has
+            # probability > 0 (cdf rises there), never a suppressed or truncated token
+            target = torch.minimum(uniform.to(cdf.dtype)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+            tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+        else:
+            if generator is not None and generator.device != probs.device:
+                raise ValueError(f"generator: on {generator.device}, logits on {probs.device}")
+            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -88,7 +88,7 @@ def test_grpo_prompts_and_rollout_on_a_text_model(folder, arith):
     prompts = [encoder.encode(s) for s in dataset.samples[:3]]
     assert all(p is not None and all(getattr(p, k) is None for k in VISION_KEYS) for p in prompts)
     assert dataset.samples[0].answer == arith_rows(9, 20, seed=3)[1][0]["answer"]
-    res = PolicyRolloutEngine(model, proc.tokenizer, compact_ratio=1.0).generate(
+    res = PolicyRolloutEngine(model, proc.tokenizer).generate(
         prompts, SamplingParams(max_new_tokens=4, n=2, temperature=1.0), generator=torch.Generator().manual_seed(0))
     assert len(res.samples) == 6
     samples = [TrainSample(prompt=prompts[s.prompt_index], response_ids=s.token_ids, behav_logp=s.logprobs, advantage=0.0)

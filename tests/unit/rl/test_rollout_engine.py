@@ -2,12 +2,13 @@
 
 * KV-cache greedy decoding equals no-cache greedy decoding (a full forward per step, each prompt
   alone) and transformers' `generate` token for token, with left-padded prompts of different lengths;
-* one shared prefill per prompt (`KVCache.expand`) gives the same completions as n independent
-  prefills, and as generating for the prompt alone;
+* one shared prefill per prompt (copied into the group's slots) gives the same completions as n
+  independent prefills, and as generating for the prompt alone;
 * sampled behaviour log-probs (temperature, top-k, top-p) equal the log-probs recomputed by a
   transformers forward pass over prompt + completion, and by our packed training path;
-* EOS and stop strings end a completion at the right token; dropping finished rows from the cache
-  and lock-step dummy steps (other ranks still generating) change nothing.
+* EOS and stop strings end a completion at the right token; continuous batching (a finished row's
+  slot taken by the next waiting sample) and lock-step dummy steps (other ranks still generating)
+  change nothing.
 """
 import pytest
 import torch
@@ -171,12 +172,12 @@ def _first_new(tokens: list[int], start: int) -> int:
 def test_eos_and_stop_strings_end_completions(models, prompts):
     _, ours = models
     steps = 8
-    # seeded sampling (greedy decoding of a random tiny model repeats a 2-token cycle); finished rows
-    # stay in the batch (compact_ratio 0), so every run draws the same random numbers
+    # seeded sampling (greedy decoding of a random tiny model repeats a 2-token cycle); the engine draws
+    # the random numbers per slot and step, so a row's draws do not depend on the rows that ended
 
     def run(stop=(), **kw):
         p = SamplingParams(max_new_tokens=steps, temperature=1.5, stop=stop)
-        return engine(ours, compact_ratio=0.0, **kw).generate(prompts, p, generator=torch.Generator().manual_seed(5))
+        return engine(ours, **kw).generate(prompts, p, generator=torch.Generator().manual_seed(5))
 
     ref = run().samples
     row0 = ref[0].token_ids.tolist()
@@ -198,7 +199,7 @@ def test_eos_and_stop_strings_end_completions(models, prompts):
     assert s.text == DigitsTokenizer().decode(row1[:j + 1])[:-1] and s.text.endswith(stop)
 
 
-def test_dropping_finished_rows_and_lockstep_dummy_steps_change_nothing(models, prompts):
+def test_continuous_batching_and_lockstep_dummy_steps_change_nothing(models, prompts):
     _, ours = models
     steps = 10
     params = SamplingParams(max_new_tokens=steps, temperature=0.0, n=2)
@@ -206,8 +207,8 @@ def test_dropping_finished_rows_and_lockstep_dummy_steps_change_nothing(models, 
     # EOS ids that end the rows at different steps: the second token of prompt 0's completion, the
     # first of prompt 1's, the second of prompt 2's (a row ends at its first EOS id)
     eos = {ref[0].token_ids[1].item(), ref[2].token_ids[0].item(), ref[4].token_ids[1].item()}
-    never = engine(ours, eos_token_ids=eos, compact_ratio=0.0).generate(prompts, params)
-    always = engine(ours, eos_token_ids=eos, compact_ratio=1.0).generate(prompts, params)
+    never = engine(ours, eos_token_ids=eos).generate(prompts, params)  # a slot per sample: no refill
+    always = engine(ours, eos_token_ids=eos, max_num_seqs=2).generate(prompts, params)  # 2 slots, refilled
     extra = []
 
     def other_rank_busy(active: bool) -> bool:  # another rank keeps generating 4 steps longer
@@ -224,6 +225,7 @@ def test_dropping_finished_rows_and_lockstep_dummy_steps_change_nothing(models, 
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=TOL, rtol=0)
         torch.testing.assert_close(a.logprobs, c.logprobs, atol=TOL, rtol=0)
     assert never.stats["forward_calls"] == 1 + max(lengths) - 1
+    assert always.stats["prefill_calls"] == 3 and never.stats["prefill_calls"] == 1
     assert lockstep.stats["forward_calls"] == never.stats["forward_calls"] + 4
 
 
@@ -263,3 +265,57 @@ def test_bad_arguments(models, prompts):
     eng = engine(ours)
     eng.load_weights(None, version=3)
     assert eng.generate(prompts[:1], SamplingParams(max_new_tokens=1)).samples[0].policy_version == 3
+
+
+def test_interrupt_returns_partial_completions_and_token_versions(models, prompts):
+    """`interrupt()` stops at a token boundary: finished samples stay whole, running ones keep the tokens
+    drawn so far (a prefix of the uninterrupted run), waiting ones come back empty; weights loaded while
+    generating apply from the next token on, and every token records its version."""
+    _, ours = models
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, n=2)
+    full = engine(ours, max_num_seqs=2).generate(prompts, params)
+    calls = []
+    eng = None
+
+    def forward(**kw):
+        calls.append(1)
+        if len(calls) == 3:  # prefill, 1 decode step, then: new weights (same values) as version 7
+            eng.load_weights({k: v.clone() for k, v in ours.state_dict().items()}, version=7)
+        if len(calls) == 5:
+            eng.interrupt()
+        return ours(**kw)
+
+    eng = engine(ours, forward=forward, max_num_seqs=2)
+    res = eng.generate(prompts, params)
+    assert res.interrupted and len(res.samples) == 6
+    partial = [s for s in res.samples if s.finish_reason == "interrupted"]
+    # interrupted during the 4th decode forward: its logits still give a token (1 from the prefill + 4)
+    assert [len(s.token_ids) for s in res.samples[:2]] == [5, 5]
+    assert all(len(s.token_ids) == 0 for s in res.samples[2:]) and len(partial) == 6
+    for a, b in zip(res.samples, full.samples):
+        assert a.token_ids.tolist() == b.token_ids.tolist()[:len(a.token_ids)]
+        assert a.token_versions.tolist() == [0, 0, 7, 7, 7][:len(a.token_ids)]
+    assert res.samples[0].policy_version == 0 and eng.policy_version == 7
+    again = eng.generate(prompts[:1], SamplingParams(max_new_tokens=2, temperature=0.0))  # the flag was cleared
+    assert not again.interrupted and again.samples[0].token_versions.tolist() == [7, 7]
+
+
+def test_own_weight_copy_is_refreshed_by_load_weights(models, prompts):
+    """An engine with its own copy of the policy generates with the weights it was last given."""
+    import copy
+
+    _, ours = models
+    params = SamplingParams(max_new_tokens=5, temperature=0.0)
+    changed = copy.deepcopy(ours)
+    with torch.no_grad():
+        for p in changed.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    eng = engine(copy.deepcopy(ours))
+    before = eng.generate(prompts, params)
+    eng.load_weights(changed.state_dict(), version=1)
+    after = eng.generate(prompts, params)
+    expect = engine(changed).generate(prompts, params)
+    assert [s.token_ids.tolist() for s in after.samples] == [s.token_ids.tolist() for s in expect.samples]
+    assert [s.token_ids.tolist() for s in after.samples] != [s.token_ids.tolist() for s in before.samples]
+    with pytest.raises(KeyError, match="unknown parameter"):
+        eng.load_weights({"no.such.weight": torch.zeros(1)}, version=2)

@@ -115,3 +115,30 @@ def test_suppressed_tokens_are_never_drawn_but_logprobs_stay_untruncated():
     greedy, glogp = sample_tokens(logits[:2], temperature=0.0, suppress_token_ids=suppress)
     assert greedy.tolist() == [1, 1]
     torch.testing.assert_close(glogp, torch.log_softmax(logits[0], -1)[[1, 1]])
+
+
+def test_inverse_cdf_draws_follow_the_distribution_and_respect_the_support():
+    """With one uniform number per row (the engine's per-slot draws), the token is the inverse CDF of the
+    allowed distribution: a grid of uniforms hits every token in proportion to its probability, and no
+    uniform — 0 or the largest float below 1 — lands on a suppressed or truncated token."""
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.0, 3.0, 0.0]])
+    grid = 6000
+    u = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid
+    rows = logits.expand(grid, -1)
+    tokens, logp = sample_tokens(rows, temperature=0.8, uniform=u.float())
+    probs = torch.softmax(logits[0] / 0.8, -1)
+    counts = torch.bincount(tokens, minlength=6).double()
+    torch.testing.assert_close(counts / grid, probs.double(), atol=2.0 / grid, rtol=0)
+    torch.testing.assert_close(logp, torch.log_softmax(logits[0] / 0.8, -1)[tokens])  # untruncated behaviour log-probs
+    edge = torch.tensor([0.0, 0.5, 1.0 - 2.0 ** -24])
+    three = logits.expand(3, -1)
+    for kw in (dict(suppress_token_ids=torch.tensor([4, 5])), dict(top_k=2), dict(top_p=0.5), dict(top_k=3, top_p=0.9)):
+        allowed = set(range(6))
+        if "suppress_token_ids" in kw:
+            allowed -= {4, 5}
+        if "top_k" in kw or "top_p" in kw:
+            kept = filter_logits(logits / 0.8, top_k=kw.get("top_k", 0), top_p=kw.get("top_p", 1.0))
+            allowed &= set(torch.isfinite(kept[0]).nonzero().flatten().tolist())
+        tok, _ = sample_tokens(three, temperature=0.8, uniform=edge, **kw)
+        assert set(tok.tolist()) <= allowed, (kw, tok)
+        assert tok[0] == min(allowed) and tok[2] == max(allowed)  # the ends of the CDF

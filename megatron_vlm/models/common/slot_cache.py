@@ -1,0 +1,201 @@
+"""Slot cache for continuous-batching decoding: a fixed pool of sequence slots, each with its own length.
+
+The rollout engine prefills prompts into an ordinary left-padded cache (`model.new_cache`, a
+`KVCache` or Nemotron's `HybridCache`), then copies each prefilled row into one or more free slots
+(`load_prefix`: the prompt's keys land at positions 0 ... n-1 of the slot, its Mamba2 states and
+M-RoPE delta with them). Decoding steps only the slots in `set_active(slots)`: a finished sequence
+frees its slot for the next waiting sample while the others keep going, and nothing is padded.
+
+Storage is pre-allocated once: the per-layer `[num_slots, max_len, Hkv, D]` tensors of the cache
+`model.new_cache(num_slots, max_len)` returned, which this class wraps (so the KV shape, the
+tensor-parallel head shard and the dtype are the family's own). One extra slot (index `num_slots`)
+is a scratch slot for the dummy row a lock-stepped rank feeds when it has nothing left.
+
+Same step protocol as `KVCache`, seen by the model as a batch of the active slots: `begin_step(1)`,
+per attention layer `attend(layer_idx, q, k, v)` (writes the new key / value at each slot's length
+and runs `kernels.decode_attention` on the slot layout; `update` is the fallback that returns the
+gathered keys with a padding mask), `end_step()`. `valid_lengths()` and `rope_deltas` are those of
+the active slots, so positions continue exactly as with the padded cache. For the hybrid decoder,
+`kv` is the cache itself, `kv_index` maps decoder layers to attention slots, and `mamba_state(i)`
+hands out the active slots' conv / SSM states, written back to their slots at `end_step`.
+Only single-token steps run here: prompts are prefilled elsewhere.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence
+
+import torch
+
+from megatron_vlm import kernels
+from megatron_vlm.models.common.kv_cache import KVCache
+from megatron_vlm.models.common.mamba2 import Mamba2State
+
+__all__ = ["SlotCache"]
+
+
+def _kv_part(cache) -> KVCache:
+    return cache if isinstance(cache, KVCache) else cache.kv
+
+
+class SlotCache:
+    def __init__(self, storage) -> None:
+        """`storage`: an empty cache from `model.new_cache(num_slots + 1, max_len)` (the last slot is scratch)."""
+        kv = _kv_part(storage)
+        if kv.seq_len:
+            raise ValueError("SlotCache: the storage cache must be empty")
+        self.keys, self.values = kv.keys, kv.values
+        self.num_slots = kv.batch - 1
+        self.max_len = kv.max_len
+        self._kv_index: Optional[Dict[int, int]] = dict(getattr(storage, "_kv_index", {})) or None
+        self._mamba: Dict[int, Mamba2State] = dict(getattr(storage, "_mamba", {}))
+        device = kv.mask.device
+        self.device = device
+        self.lengths = torch.zeros(kv.batch, dtype=torch.long, device=device)
+        self.host_lengths = [0] * kv.batch
+        self.slot_rope_deltas = torch.zeros(kv.batch, 1, dtype=torch.long, device=device)
+        self._active = torch.zeros(0, dtype=torch.long, device=device)
+        self._active_list: list[int] = []
+        self._contiguous = True
+        self._pending = False
+        self._step_states: Dict[int, Mamba2State] = {}
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_slots
+
+    # ----- filling slots -----
+    def load_prefix(self, slots: Sequence[int], prefill, row: int) -> None:
+        """Copy row `row` of a prefilled left-padded cache (`KVCache` / `HybridCache`) into every slot of `slots`."""
+        src = _kv_part(prefill)
+        n = int(src.mask[row, : src.seq_len].sum())
+        if n > self.max_len:
+            raise ValueError(f"SlotCache: a prompt of {n} tokens does not fit slots of {self.max_len}")
+        # left padding: the prompt's n real tokens are the last n cached positions
+        valid = src.mask[row, : src.seq_len]
+        index = torch.as_tensor(list(slots), dtype=torch.long, device=self.device)
+        for layer in range(len(self.keys)):
+            k = src.keys[layer][row, : src.seq_len][valid]
+            v = src.values[layer][row, : src.seq_len][valid]
+            self.keys[layer][index, :n] = k.to(self.keys[layer].dtype)
+            self.values[layer][index, :n] = v.to(self.values[layer].dtype)
+        for i, state in self._mamba.items():
+            src_state = prefill._mamba[i]
+            state.conv_state[index] = src_state.conv_state[row]
+            state.ssm_state[index] = src_state.ssm_state[row]
+        self.lengths[index] = n
+        self.slot_rope_deltas[index] = src.rope_deltas[row].to(self.device)
+        for s in slots:
+            self.host_lengths[s] = n
+
+    def reset_scratch(self) -> None:
+        """Rewind the scratch slot to one (garbage) cached token before a dummy step: never empty, so a
+        model does not mistake the step for a prefill, and never full however many dummy steps run."""
+        self.lengths[self.scratch_slot] = 1
+        self.host_lengths[self.scratch_slot] = 1
+
+    def set_active(self, slots: Sequence[int]) -> None:
+        """The slots the next step runs, in the row order of its input batch."""
+        if self._pending:
+            raise RuntimeError("SlotCache: cannot change the active slots in the middle of a step")
+        slots = [int(s) for s in slots]
+        if not slots:
+            raise ValueError("SlotCache: a step needs at least one active slot")
+        self._active_list = slots
+        self._contiguous = slots == list(range(len(slots)))
+        self._active = torch.as_tensor(slots, dtype=torch.long, device=self.device)
+
+    # ----- the step protocol the models drive -----
+    @property
+    def batch(self) -> int:
+        return len(self._active_list)
+
+    @property
+    def seq_len(self) -> int:
+        """Longest active sequence (> 0: a slot always holds a prefilled prompt)."""
+        return max(self.host_lengths[s] for s in self._active_list)
+
+    @property
+    def rope_deltas(self) -> torch.Tensor:
+        return self.slot_rope_deltas.index_select(0, self._active)
+
+    def valid_lengths(self) -> torch.Tensor:
+        return self.lengths.index_select(0, self._active)
+
+    def set_rope_deltas(self, deltas: torch.Tensor) -> None:  # noqa: ARG002 (the prefill cache stores them)
+        raise RuntimeError("SlotCache: prompts are prefilled into a padded cache and copied in with load_prefix")
+
+    def begin_step(self, n_new: int, new_mask: Optional[torch.Tensor] = None) -> None:
+        if self._pending:
+            raise RuntimeError("SlotCache: begin_step called twice without end_step")
+        if n_new != 1 or new_mask is not None:
+            raise ValueError("SlotCache: decoding steps take exactly one token per active slot, without a mask")
+        if not self._active_list:
+            raise RuntimeError("SlotCache: set_active before a step")
+        full = [s for s in self._active_list if self.host_lengths[s] >= self.max_len]
+        if full:
+            raise ValueError(f"SlotCache: slots {full} are full ({self.max_len} tokens)")
+        self._pending = True
+
+    def _write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not self._pending:
+            raise RuntimeError("SlotCache: attend / update outside begin_step / end_step")
+        if k.shape[:2] != (self.batch, 1):
+            raise ValueError(f"SlotCache: layer {layer_idx} k has shape {tuple(k.shape)}, expected [{self.batch}, 1, ...]")
+        pos = self.lengths.index_select(0, self._active)
+        self.keys[layer_idx][self._active, pos] = k[:, 0].to(self.keys[layer_idx].dtype)
+        self.values[layer_idx][self._active, pos] = v[:, 0].to(self.values[layer_idx].dtype)
+        return pos + 1
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, 1, Hq, D], k / v [B, 1, Hkv, D] of the active slots -> attention output [B, 1, Hq, D]."""
+        seqlens = self._write(layer_idx, k, v)
+        out = kernels.decode_attention(
+            q[:, 0], self.keys[layer_idx], self.values[layer_idx], seqlens,
+            slot_ids=None if self._contiguous else self._active, max_seqlen_k=self.seq_len + 1,
+        )
+        return out.unsqueeze(1)
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        """Fallback for an attention that does not call `attend`: (keys, values, key_padding_mask) of the
+        active slots up to the longest one, gathered."""
+        seqlens = self._write(layer_idx, k, v)
+        end = self.seq_len + 1
+        keys = self.keys[layer_idx][:, :end].index_select(0, self._active)
+        values = self.values[layer_idx][:, :end].index_select(0, self._active)
+        mask = torch.arange(end, device=self.device)[None, :] < seqlens[:, None]
+        return keys, values, mask
+
+    def end_step(self) -> None:
+        if not self._pending:
+            raise RuntimeError("SlotCache: end_step without begin_step")
+        self.lengths.index_add_(0, self._active, torch.ones_like(self._active))
+        for s in self._active_list:
+            self.host_lengths[s] += 1
+        for i, state in self._step_states.items():
+            self._mamba[i].conv_state[self._active] = state.conv_state
+            self._mamba[i].ssm_state[self._active] = state.ssm_state
+        self._step_states = {}
+        self._pending = False
+
+    # ----- the hybrid decoder's view (Nemotron-H) -----
+    @property
+    def kv(self) -> "SlotCache":
+        return self
+
+    def kv_index(self, layer_idx: int) -> int:
+        if self._kv_index is None:
+            return layer_idx
+        if layer_idx not in self._kv_index:
+            raise KeyError(f"SlotCache: layer {layer_idx} is not an attention layer")
+        return self._kv_index[layer_idx]
+
+    def mamba_state(self, layer_idx: int) -> Mamba2State:
+        """The active slots' state of a Mamba2 layer (a copy the mixer updates in place; written back at end_step)."""
+        if layer_idx not in self._mamba:
+            raise KeyError(f"SlotCache: layer {layer_idx} is not a Mamba2 layer")
+        if layer_idx not in self._step_states:
+            full = self._mamba[layer_idx]
+            self._step_states[layer_idx] = Mamba2State(
+                full.conv_state.index_select(0, self._active), full.ssm_state.index_select(0, self._active)
+            )
+        return self._step_states[layer_idx]

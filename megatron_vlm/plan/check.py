@@ -90,6 +90,15 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         apply_train_layers(model, cfg.train.train_layers)
     except ValueError as e:
         raise CheckFailed("train.train_layers", str(e).split(": ", 1)[-1]) from None
+    if cfg.lora is not None:  # the adapters' layers are checked here; only they count as trainable
+        from megatron_vlm.models.common.lora import apply_lora
+        from megatron_vlm.training.lora import select_lora_targets
+
+        try:
+            targets = select_lora_targets(model, hf, cfg.lora.target_modules, include_vision=cfg.lora.include_vision)
+        except ValueError as e:
+            raise CheckFailed("lora.target_modules", str(e).split(": ", 1)[-1]) from None
+        apply_lora(model, targets, r=cfg.lora.r, alpha=cfg.lora.alpha)
     moes = moe_layers(model)
     num_experts = moes[0].num_experts if moes else 0
     rep, shard = _layout(cfg, world_size, num_experts)

@@ -106,7 +106,10 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     tokens = cfg.data.max_tokens_per_pack
     compute = 4 if cfg.train.precision == "fp32" else 2
     master = _BYTES[cfg.model.dtype]
-    lines = [f"model      {hf.get('model_type')}: {shape.params / 1e9:.3f} B parameters ({shape.trainable / 1e9:.3f} B trainable), "
+    adapters = sum(p.numel() for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n)
+    lora = f"+ {adapters / 1e9:.3f} B LoRA, " if adapters else ""
+    lines = [f"model      {hf.get('model_type')}: {(shape.params - adapters) / 1e9:.3f} B parameters "
+             f"({lora}{shape.trainable / 1e9:.3f} B trainable), "
              f"{shape.layers} decoder layers, hidden {shape.hidden}",
              f"layout     {world_size} ranks = dp_replicate {rep} x dp_shard {shard} (FSDP), ep {cfg.parallel.ep}",
              f"batch      {tokens} tokens per packed micro-batch, activation checkpointing "

@@ -26,10 +26,14 @@ from torch import nn
 from megatron_vlm.checkpoint.peft_format import PeftNames, read_peft_adapter, save_peft_adapter
 from megatron_vlm.models.common.lora import LORA_KEY_PARTS, apply_lora, lora_modules, lora_scaling, merge_lora_
 
-__all__ = ["DEFAULT_TARGETS", "select_lora_targets", "setup_lora", "lora_factors", "write_adapter", "base_state_dict",
+__all__ = ["LoRASetupError", "DEFAULT_TARGETS", "select_lora_targets", "setup_lora", "lora_factors", "write_adapter", "base_state_dict",
            "scaling_of"]
 
 log = logging.getLogger("megatron_vlm")
+
+class LoRASetupError(ValueError):
+    """A `[lora]` key that cannot be applied to this model (the run exits 2, as for a config error)."""
+
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -78,7 +82,10 @@ def setup_lora(model: nn.Module, cfg, hf_config: dict) -> dict[str, str]:
     `cfg.init_from`. Returns our name -> PEFT name of the adapted layers. Raises ValueError with the key."""
     init = None
     if cfg.init_from:
-        init, factors = read_peft_adapter(cfg.init_from, hf_config)
+        try:
+            init, factors = read_peft_adapter(cfg.init_from, hf_config)
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"lora.init_from: {e}") from None
         for key, ours in (("r", cfg.r), ("lora_alpha", cfg.alpha), ("use_rslora", cfg.use_rslora)):
             theirs = init.get(key, False if key == "use_rslora" else None)
             if theirs != ours and not (isinstance(theirs, (int, float)) and float(theirs) == float(ours)):

@@ -13,7 +13,6 @@ import torch
 
 from megatron_vlm import kernels
 from megatron_vlm.checkpoint.hf import load_hf_model
-from megatron_vlm.config.loader import ConfigError
 from megatron_vlm.data.processor import load_processor
 from megatron_vlm.models import get_family
 from megatron_vlm.models.common.moe import moe_layers
@@ -23,7 +22,7 @@ from megatron_vlm.parallel.precision import resolve_precision
 from megatron_vlm.training.context import RunContext, seed_everything
 from megatron_vlm.training.freeze import apply_train_layers
 from megatron_vlm.training.lm_loss import TokenLogprobModel
-from megatron_vlm.training.lora import setup_lora
+from megatron_vlm.training.lora import LoRASetupError, setup_lora
 from megatron_vlm.training.moe_balancing import MoELoadBalancer
 
 __all__ = ["ModelBundle", "build_model_bundle"]
@@ -59,7 +58,7 @@ def build_model_bundle(ctx: RunContext) -> ModelBundle:
         try:
             setup_lora(model, cfg.lora, model.hf_config)
         except (ValueError, FileNotFoundError) as e:  # a wrong [lora] key / adapter folder: exit 2, like a config error
-            raise ConfigError(str(e)) from None
+            raise LoRASetupError(str(e)) from None
     trainable, total = apply_train_layers(model, cfg.train.train_layers)
     if cfg.lora is not None:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

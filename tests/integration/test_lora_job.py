@@ -17,7 +17,7 @@ pytest.importorskip("peft")
 def _overrides(out, assets, **extra):
     lora = {"train.train_layers": "[]", "lora.r": 4, "lora.alpha": 8, "lora.dropout": 0.1,
             "lora.target_modules": '["q_proj", "v_proj", "o_proj", "down_proj"]', "train.activation_checkpointing": "true",
-            "train.max_steps": 4, "checkpoint.every_steps": 2, "checkpoint.keep_last": 0, "train.eval_generate": "false",
+            "train.max_steps": 3, "checkpoint.every_steps": 2, "checkpoint.keep_last": 0, "train.eval_generate": "false",
             "data.synthetic_eval_size": 4, "optimizer.lr": 3e-3}
     return small_demo_overrides(out, assets, **{**lora, **extra})
 
@@ -40,15 +40,15 @@ def test_lora_job_adapter_resume_and_merge(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     la = {int(x["step"]): float(x["loss"]) for x in read_metrics(straight / "metrics_train.csv")}
     lb = {int(x["step"]): float(x["loss"]) for x in read_metrics(resumed / "metrics_train.csv")}
-    assert [lb[s] for s in (3, 4)] == [la[s] for s in (3, 4)]
+    assert lb[3] == la[3] and sorted(lb) == [3]
     # the adapter trained: B moved away from its zero initialisation
     assert max(v.abs().max().item() for k, v in a.items() if "lora_B" in k) > 0
 
     # convert_checkpoint: the adapter again, and the merged model equal to the run's export
-    assert _convert(["--checkpoint", str(ckpt / "step_4"), "--out", str(tmp_path / "adapter2")]) == 0
+    assert _convert(["--checkpoint", str(ckpt / "step_3"), "--out", str(tmp_path / "adapter2")]) == 0
     c = load_safetensors_dir(tmp_path / "adapter2")
     assert c.keys() == a.keys() and all(torch.equal(a[k], c[k]) for k in a)
-    assert _convert(["--checkpoint", str(ckpt / "step_4"), "--out", str(tmp_path / "merged"), "--merge"]) == 0
+    assert _convert(["--checkpoint", str(ckpt / "step_3"), "--out", str(tmp_path / "merged"), "--merge"]) == 0
     m, hf = load_safetensors_dir(tmp_path / "merged"), load_safetensors_dir(straight / "hf")
     assert m.keys() == hf.keys() and all(torch.equal(m[k], hf[k]) for k in m)
 
@@ -66,7 +66,6 @@ def test_lora_job_adapter_resume_and_merge(tmp_path):
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": F.mm_token_type_ids(ids)}
     with torch.no_grad():
         ref, got = peft_model(**batch).logits, merged(**batch).logits
-        plain = base.get_base_model()(**batch).logits if hasattr(base, "get_base_model") else None
     assert (ref - got).abs().max().item() <= 1e-4
     with torch.no_grad(), peft_model.disable_adapter():
         plain = peft_model(**batch).logits

@@ -149,7 +149,7 @@ setup(
         "sympy",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "triton>=3.2", "math-verify", "ruff"],
+        "dev": ["pytest", "pytest-timeout", "triton>=3.2", "math-verify", "ruff", "peft"],
         "gpu": ["flash-attn", "transformer-engine", "mamba-ssm", "causal-conv1d", "deep_ep", "liger-kernel"],
         "rollout": ["vllm"],
         "npu": ["torch_npu"],

@@ -17,6 +17,7 @@ from megatron_vlm.parallel import destroy_distributed, init_distributed
 from megatron_vlm.rl.trainer import check_model_folder
 from megatron_vlm.testing.synthesize import synthesize_model_folder
 from megatron_vlm.training.context import RunContext
+from megatron_vlm.training.lora import LoRASetupError
 from megatron_vlm.training.step_guard import NonFiniteStepError
 
 __all__ = ["run_job"]
@@ -62,7 +63,7 @@ def run_job(cfg, *, before_step=None) -> int:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         return code
-    except ConfigError as e:  # found once the model is built (e.g. [moe] keys on a dense model)
+    except (ConfigError, LoRASetupError) as e:  # found once the model is built (e.g. [moe] keys on a dense model)
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except NonFiniteStepError as e:

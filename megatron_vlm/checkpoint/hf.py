@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from megatron_vlm.models.common.lora import lora_modules, merged_state_dict
 from megatron_vlm.models.registry import family_for_args, get_family
 
 _INDEX = "model.safetensors.index.json"
@@ -175,7 +176,8 @@ def save_hf_model(
 ) -> Path:
     """Write `model` as a Hugging Face folder that `AutoModelForImageTextToText.from_pretrained` loads.
 
-    `dtype` converts floating tensors on the way out (default: as held). Returns the folder.
+    `dtype` converts floating tensors on the way out (default: as held). A model with LoRA adapters is
+    written merged (`models.common.lora.merged_state_dict`). Returns the folder.
     The folder is replaced as a whole once complete (see the module docstring): a crash or a full
     disk leaves the previous folder intact.
     """
@@ -184,6 +186,9 @@ def save_hf_model(
     family = family_for_args(args)
     adapter = family.state_dict_adapter(args)
     ours = {k: _full_tensor(v) for k, v in model.state_dict().items()}
+    adapted = lora_modules(model)
+    if adapted:  # LoRA: the export is the merged model (W + scaling B A), which transformers loads as is
+        ours = merged_state_dict(ours, next(iter(adapted.values())).scaling)
     hf = adapter.to_hf(ours)
     if dtype is not None:
         hf = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in hf.items()}

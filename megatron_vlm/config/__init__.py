@@ -18,6 +18,7 @@ from megatron_vlm.config.loader import ConfigError, apply_overrides, from_dict, 
 from megatron_vlm.config.sections import (
     CheckpointConfig,
     LoggingConfig,
+    LoRAConfig,
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
@@ -56,10 +57,14 @@ class Config:
     """Mixture-of-experts load balancing and workload reports (models with MoE layers only)."""
     rl: Optional[RLConfig] = None
     """GRPO settings (required when train.mode = "grpo")."""
+    lora: Optional[LoRAConfig] = None
+    """LoRA adapters (present = only the adapters train; the base weights stay frozen)."""
 
     def validate(self) -> None:
         if self.train.mode == "grpo" and self.rl is None:
             raise ValueError("rl: an [rl] section is required when train.mode = \"grpo\"")
+        if self.lora is not None and self.train.train_layers:
+            raise ValueError("train.train_layers: cannot be combined with [lora] (only the adapters train)")
 
 
 def load_config_dict(raw: dict, overrides: Optional[list[str]] = None) -> Config:

@@ -13,6 +13,7 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
   `rl.prompts_per_step` / `rl.mini_batches_per_step` / `data.max_tokens_per_pack`);
 - SFT: an `[rl]` section is refused (it is only read by GRPO), and so are `train.eval_every` /
   `train.eval_max_batches` when there is no held-out split to evaluate (`data.eval_path` empty);
+- GRPO with `[lora]`: `rl.ref_offload` (the reference is the policy without its adapters, no copy);
 - `[moe]` keys other than their defaults on a model without MoE layers (`check_moe_section`, once
   the model — or its meta-device twin in `--check` — is built).
 
@@ -61,6 +62,9 @@ def changed_keys(section) -> list[str]:
 def check_keys_for_mode(cfg) -> None:
     """Raise ConfigError naming the first key that this job kind would ignore."""
     if cfg.train.mode == "grpo":
+        if getattr(cfg, "lora", None) is not None and cfg.rl is not None and cfg.rl.ref_offload:
+            raise ConfigError("rl.ref_offload: has no effect with [lora] (the reference is the policy without its "
+                              "adapters, no separate copy to offload); remove it")
         for name, why in _GRPO_IGNORED.items():
             section = getattr(cfg, name)
             for key in changed_keys(section):

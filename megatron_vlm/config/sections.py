@@ -190,3 +190,43 @@ class LoggingConfig:
     """W&B mode; offline works without a network."""
     experiment_name: Optional[str] = None
     """Run name for W&B / TensorBoard (default: the output_dir name)."""
+
+
+@dataclass(kw_only=True)
+class LoRAConfig:
+    """[lora]: train low-rank adapters instead of the full weights (PEFT-compatible; see README "LoRA")."""
+
+    r: int = 8
+    """Adapter rank."""
+    alpha: float = 16.0
+    """Scaling numerator: the update is (alpha / r) B A (alpha / sqrt(r) with use_rslora)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (training only)."""
+    target_modules: list[str] = field(default_factory=list)
+    """Layers to adapt, by their transformers (PEFT) module names: a plain name ("q_proj") matches the
+    last part of a name, anything else is a regex matched against the whole name
+    ("model\\.language_model\\.layers\\.[0-9]\\..*_proj"). Empty = the decoder's q/k/v/o/gate/up/down
+    projections. Only linear layers with one Hugging Face counterpart (not fused there) can be adapted;
+    routed MoE experts and the LM head never are."""
+    include_vision: bool = False
+    """Also adapt matching layers of the vision tower and projector (default: the language model only)."""
+    init: Literal["default", "gaussian"] = "default"
+    """PEFT's initialisation: default = A Kaiming-uniform, B = 0; gaussian = A ~ N(0, 1/r), B = 0."""
+    use_rslora: bool = False
+    """Rank-stabilised LoRA: scale by alpha / sqrt(r) instead of alpha / r."""
+    init_from: str = ""
+    """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors, e.g. an earlier stage's
+    <output_dir>/adapter) to start from; its r / alpha / use_rslora must equal this section's."""
+    init_from_mode: Literal["continue", "merge"] = "continue"
+    """continue = train that adapter further (target_modules empty: its layers); merge = fold it into the
+    base weights and train a new adapter (exports and the GRPO reference then include it)."""
+
+    def validate(self) -> None:
+        if self.r <= 0:
+            raise ValueError(f"r: must be > 0, got {self.r}")
+        if self.alpha <= 0:
+            raise ValueError(f"alpha: must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout: must be in [0, 1), got {self.dropout}")
+        if self.init_from_mode != "continue" and not self.init_from:
+            raise ValueError("init_from_mode: only meaningful with init_from")

@@ -178,8 +178,10 @@ class SFTDataLoader:
         if self.num_workers > 0:
             kwargs = {"prefetch_factor": self.prefetch_factor, "worker_init_fn": _worker_init,
                       "timeout": float(self.timeout_s)}
+        # generator: each DataLoader iterator draws its base seed from it instead of the global torch RNG,
+        # so creating the iterator after a resume does not shift the RNG that training dropout draws from
         loader = DataLoader(self.dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers,
-                            collate_fn=_identity, **kwargs)
+                            collate_fn=_identity, generator=torch.Generator().manual_seed(self._consumed), **kwargs)
         for pack in _explain_timeout(loader, self.timeout_s, self.split):
             meta = pack.pop("_meta")
             self.bad_records.extend(meta["bad_records"])

@@ -90,6 +90,15 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         apply_train_layers(model, cfg.train.train_layers)
     except ValueError as e:
         raise CheckFailed("train.train_layers", str(e).split(": ", 1)[-1]) from None
+    if cfg.lora is not None:  # the adapters' layers are checked here; only they count as trainable
+        from megatron_vlm.models.common.lora import apply_lora
+        from megatron_vlm.training.lora import select_lora_targets
+
+        try:
+            targets = select_lora_targets(model, hf, cfg.lora.target_modules, include_vision=cfg.lora.include_vision)
+        except ValueError as e:
+            raise CheckFailed("lora.target_modules", str(e).split(": ", 1)[-1]) from None
+        apply_lora(model, targets, r=cfg.lora.r, alpha=cfg.lora.alpha)
     moes = moe_layers(model)
     num_experts = moes[0].num_experts if moes else 0
     rep, shard = _layout(cfg, world_size, num_experts)
@@ -97,7 +106,10 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     tokens = cfg.data.max_tokens_per_pack
     compute = 4 if cfg.train.precision == "fp32" else 2
     master = _BYTES[cfg.model.dtype]
-    lines = [f"model      {hf.get('model_type')}: {shape.params / 1e9:.3f} B parameters ({shape.trainable / 1e9:.3f} B trainable), "
+    adapters = sum(p.numel() for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n)
+    lora = f"+ {adapters / 1e9:.3f} B LoRA, " if adapters else ""
+    lines = [f"model      {hf.get('model_type')}: {(shape.params - adapters) / 1e9:.3f} B parameters "
+             f"({lora}{shape.trainable / 1e9:.3f} B trainable), "
              f"{shape.layers} decoder layers, hidden {shape.hidden}",
              f"layout     {world_size} ranks = dp_replicate {rep} x dp_shard {shard} (FSDP), ep {cfg.parallel.ep}",
              f"batch      {tokens} tokens per packed micro-batch, activation checkpointing "

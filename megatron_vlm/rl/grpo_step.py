@@ -189,7 +189,7 @@ class GRPOStep:
                             advantage=0.0, old_logp=first.logprobs, ref_logp=first.logprobs)
         if self.reference is not None:
             with timer.phase("ref"):
-                self._reference_logprobs(train_samples)
+                self._reference_logprobs(train_samples, dummy)
         mismatch = None
         if r.recompute_logprobs:
             with timer.phase("old_logprob"):
@@ -254,12 +254,18 @@ class GRPOStep:
         return [[samples[i] for i in group] for group in plan]
 
     @torch.no_grad()
-    def _reference_logprobs(self, samples: Sequence[TrainSample]) -> None:
+    def _reference_logprobs(self, samples: Sequence[TrainSample], dummy: TrainSample) -> None:
+        packs = self._packs(samples)
+        n = len(packs)
+        if getattr(self.reference, "collective", False):  # the sharded policy's forward: same count on every rank
+            (n,) = all_reduce_max([len(packs)], self.device)
         with self.reference.on_device():
-            for group in self._packs(samples):
+            for i in range(n):
+                group = packs[i] if i < len(packs) else [dummy]
                 logp = self.reference.token_logprobs(self.ctx.to_device(pack_samples(group)))
-                for s, piece in zip(group, split_by_response(logp.float().cpu(), group)):
-                    s.ref_logp = piece
+                if i < len(packs):
+                    for s, piece in zip(group, split_by_response(logp.float().cpu(), group)):
+                        s.ref_logp = piece
 
     @torch.no_grad()
     def _recompute_old_logprobs(self, samples: Sequence[TrainSample], dummy: TrainSample) -> None:

@@ -6,6 +6,9 @@ compute dtype, on the device, or on the CPU with `rl.ref_offload` (moved to the 
 it scores a step: `with ref.on_device(): ...`). Log-probs use the same fused, vocabulary-chunked
 path as the policy (`TokenLogprobModel`), at the rollout temperature. With `rl.kl_coef = 0` no
 reference model is built at all.
+
+With `[lora]` the reference is the policy's own model with its adapters switched off
+(`BaseModelReference`): the base weights, sharded like the policy, and no second copy.
 """
 from __future__ import annotations
 
@@ -14,9 +17,10 @@ from typing import Iterator
 
 import torch
 
+from megatron_vlm.models.common.lora import lora_disabled
 from megatron_vlm.training.lm_loss import TokenLogprobModel
 
-__all__ = ["ReferencePolicy"]
+__all__ = ["ReferencePolicy", "BaseModelReference"]
 
 
 class ReferencePolicy:
@@ -59,3 +63,28 @@ class ReferencePolicy:
             with self.on_device():
                 return self.scorer(batch, temperature=self.temperature)
         return self.scorer(batch, temperature=self.temperature)
+
+
+class BaseModelReference:
+    """The reference of a LoRA run: `wrapper` (the policy's FSDP root) with every adapter of `model`
+    disabled, in eval mode (no adapter dropout). Its forward is collective like the policy's
+    (`collective`: every rank scores the same number of packs)."""
+
+    collective = True
+
+    def __init__(self, wrapper: torch.nn.Module, model: torch.nn.Module, *, temperature: float):
+        self.wrapper, self.model, self.temperature = wrapper, model, temperature
+
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator["BaseModelReference"]:
+        yield self  # the policy's weights are already where they train
+
+    @torch.no_grad()
+    def token_logprobs(self, batch: dict) -> torch.Tensor:
+        was_training = self.wrapper.training
+        self.wrapper.eval()
+        try:
+            with lora_disabled(self.model):
+                return self.wrapper(batch, temperature=self.temperature)
+        finally:
+            self.wrapper.train(was_training)

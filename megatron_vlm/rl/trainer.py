@@ -15,7 +15,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -26,7 +26,7 @@ from megatron_vlm.parallel.precision import compute_dtype
 from megatron_vlm.rl.data import prompt_batches
 from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.prompts import PromptEncoder, PromptSets, load_prompt_sets
-from megatron_vlm.rl.reference import ReferencePolicy
+from megatron_vlm.rl.reference import BaseModelReference, ReferencePolicy
 from megatron_vlm.rl.rewards.manager import RewardManager
 from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
 from megatron_vlm.rl.rollout_budget import kv_bytes_per_slot, rollout_prompts_for_budget
@@ -82,7 +82,7 @@ class GRPOParts:
     engine: PolicyRolloutEngine
     manager: RewardManager
     """Owns worker processes: `close()` it at the end of the run."""
-    reference: Optional[ReferencePolicy] = None
+    reference: Optional[Union[ReferencePolicy, BaseModelReference]] = None
     bad_records: Optional[BadRecordLog] = None
     """Prompts left out by the reader and the encoder (written to bad_records.json at the end)."""
 
@@ -107,7 +107,9 @@ def build_grpo_parts(ctx: RunContext, bundle: ModelBundle) -> GRPOParts:
         all_ranks_active=lambda active: any_rank(active, env.device),
     )
     reference = None
-    if rl.kl_coef > 0:
+    if rl.kl_coef > 0 and cfg.lora is not None:  # base = the policy without its adapters: no second copy
+        reference = BaseModelReference(bundle.wrapper, bundle.model, temperature=rl.temperature)
+    elif rl.kl_coef > 0:
         reference = ReferencePolicy.from_pretrained(cfg.model.path, dtype=dtype, device=env.device,
                                                     offload=rl.ref_offload, temperature=rl.temperature)
     manager = RewardManager(rl.rewards, timeout_s=rl.reward_timeout_s, num_workers=rl.reward_workers,

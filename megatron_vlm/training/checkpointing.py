@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_vlm.checkpoint.export import export_hf_from_state_dict
+from megatron_vlm.checkpoint.hf import read_hf_config
 from megatron_vlm.checkpoint.manager import (
     FAILURES,
     CheckpointError,
@@ -31,7 +32,9 @@ from megatron_vlm.checkpoint.manager import (
     full_model_state_dict,
     gather_errors,
 )
+from megatron_vlm.models.common.lora import merged_state_dict
 from megatron_vlm.training.context import RunContext
+from megatron_vlm.training.lora import scaling_of, write_adapter
 from megatron_vlm.training.optim import OptimState, load_scheduler_state
 
 __all__ = ["Checkpointer", "ResumePoint", "EXIT_RESUME_FAILED", "EXIT_SAVE_FAILED"]
@@ -62,6 +65,7 @@ class Checkpointer:
     def __init__(self, ctx: RunContext, wrapper, optim: OptimState):
         self.cfg = ctx.cfg.checkpoint
         self.model_path = ctx.cfg.model.path
+        self.lora = ctx.cfg.lora
         self.is_main = ctx.env.is_main
         self.wrapper, self.optim = wrapper, optim
         self.manager = CheckpointManager(ctx.run_dir, self.cfg.keep_last, ctx.env.rank)
@@ -72,8 +76,9 @@ class Checkpointer:
 
     @property
     def export_at_end(self) -> bool:
-        """`checkpoint.export_hf`: write `<run>/hf` when the run finishes."""
-        return bool(self.cfg.export_hf)
+        """`checkpoint.export_hf`: write `<run>/hf` when the run finishes; a LoRA run always writes its
+        adapter (`<run>/adapter`)."""
+        return bool(self.cfg.export_hf) or self.lora is not None
 
     def periodic_due(self, step: int) -> bool:
         """`checkpoint.every_steps` says to save after `step` (the loop skips the final step: saved once at the end)."""
@@ -132,12 +137,19 @@ class Checkpointer:
         if self.is_main:
             sd = {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")}
             try:
-                export_hf_from_state_dict(sd, self.model_path, out_dir)
+                if self.lora is not None:  # the PEFT adapter beside hf/, and hf/ = base + adapter merged
+                    hf_config = read_hf_config(self.model_path)
+                    adapter_dir = write_adapter(out_dir.parent / "adapter", sd, hf_config, self.lora,
+                                                base_model_name_or_path=str(self.model_path))
+                    log.info("wrote the LoRA adapter (PEFT format) to %s", adapter_dir)
+                    sd = merged_state_dict(sd, scaling_of(self.lora))
+                if self.cfg.export_hf:
+                    export_hf_from_state_dict(sd, self.model_path, out_dir)
             except FAILURES as e:  # reported to every rank below
                 err = describe_error(e)
         failed = first_error(gather_errors(err))  # instead of a barrier: no rank waits on a failed one
         if failed is not None:
             _fail(CheckpointError(f"the Hugging Face export to {out_dir} failed on {failed}; "
                                   "a previous export there (if any) is intact"), EXIT_SAVE_FAILED)
-        if self.is_main:
+        if self.is_main and self.cfg.export_hf:
             log.info("exported Hugging Face model to %s", out_dir)

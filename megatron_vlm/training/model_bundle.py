@@ -1,7 +1,7 @@
 """The model side of a training run, built once by `build_model_bundle(ctx)`: the family model
 loaded from `model.path` with `train.train_layers` applied, its FSDP2 sharding on the device mesh,
-the `TokenLogprobModel` root that every training / evaluation / rollout forward goes through, the
-processor, the trainable parameters and — for models with MoE layers — the load balancer.
+the `[lora]` adapters when configured, the `TokenLogprobModel` root that every training / evaluation /
+rollout forward goes through, the processor, the trainable parameters and — for models with MoE layers — the load balancer.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from megatron_vlm.parallel.precision import resolve_precision
 from megatron_vlm.training.context import RunContext, seed_everything
 from megatron_vlm.training.freeze import apply_train_layers
 from megatron_vlm.training.lm_loss import TokenLogprobModel
+from megatron_vlm.training.lora import LoRASetupError, setup_lora
 from megatron_vlm.training.moe_balancing import MoELoadBalancer
 
 __all__ = ["ModelBundle", "build_model_bundle"]
@@ -53,7 +54,14 @@ def build_model_bundle(ctx: RunContext) -> ModelBundle:
     processor = load_processor(cfg.model.path, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels,
                                video_min_pixels=cfg.data.video_min_pixels, video_max_pixels=cfg.data.video_max_pixels)
     model = load_hf_model(cfg.model.path, dtype=getattr(torch, cfg.model.dtype), device="cpu")
+    if cfg.lora is not None:  # adapters before sharding: FSDP2 wraps them with the rest of each block
+        try:
+            setup_lora(model, cfg.lora, model.hf_config)
+        except (ValueError, FileNotFoundError) as e:  # a wrong [lora] key / adapter folder: exit 2, like a config error
+            raise LoRASetupError(str(e)) from None
     trainable, total = apply_train_layers(model, cfg.train.train_layers)
+    if cfg.lora is not None:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("model %s: %.2fM parameters, %.2fM trainable", type(model).__name__, total / 1e6, trainable / 1e6)
     wrapper = TokenLogprobModel(model)
     precision = resolve_precision(cfg.train.precision, env.device)

@@ -1,0 +1,151 @@
+"""`[lora]` in a training run: which layers get adapters, starting from an earlier adapter, and the
+adapter / merged outputs.
+
+Target selection works on transformers' module names (what PEFT users write and what the adapter
+file holds), computed per layer by `checkpoint.peft_format.PeftNames`: a plain entry of
+`lora.target_modules` ("q_proj") matches the last part of a name, any other entry is a regex matched
+against the whole name. Candidates are the model's `nn.Linear` layers that have a PEFT name, under
+`language_model.` (plus the vision tower and projector with `lora.include_vision`), never the LM head
+(the fused log-prob path reads its weight directly). Routed MoE experts are grouped 3-D weights, not
+linear layers: with expert parallelism they stay frozen and EP-sharded as before, and the adapters
+(attention, dense and shared-expert MLPs) are FSDP-sharded with the rest of each block.
+
+Every entry must match at least one layer; a match that cannot be written in PEFT format is an error
+rather than a silently skipped layer.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from megatron_vlm.checkpoint.peft_format import PeftNames, read_peft_adapter, save_peft_adapter
+from megatron_vlm.models.common.lora import LORA_KEY_PARTS, apply_lora, lora_modules, lora_scaling, merge_lora_
+
+__all__ = ["LoRASetupError", "DEFAULT_TARGETS", "select_lora_targets", "setup_lora", "lora_factors", "write_adapter", "base_state_dict",
+           "scaling_of"]
+
+log = logging.getLogger("megatron_vlm")
+
+class LoRASetupError(ValueError):
+    """A `[lora]` key that cannot be applied to this model (the run exits 2, as for a config error)."""
+
+
+DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+_PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def select_lora_targets(model: nn.Module, hf_config: dict, patterns: list[str], *, include_vision: bool) -> dict[str, str]:
+    """our module name -> PEFT module name of the layers to adapt (see the module docstring)."""
+    names = PeftNames(hf_config)
+    patterns = list(patterns) or DEFAULT_TARGETS
+    matchers = []
+    for pat in patterns:
+        if _PLAIN.fullmatch(pat):
+            matchers.append((pat, lambda n, p=pat: n == p or n.endswith("." + p)))
+        else:
+            try:
+                rx = re.compile(pat)
+            except re.error as e:
+                raise ValueError(f"lora.target_modules: invalid regex {pat!r}: {e}") from None
+            matchers.append((pat, lambda n, rx=rx: rx.fullmatch(n) is not None))
+    hits = {pat: 0 for pat in patterns}
+    selected: dict[str, str] = {}
+    for name, mod in model.named_modules():
+        if type(mod) is not nn.Linear or name == "lm_head":
+            continue
+        if not include_vision and not name.startswith("language_model."):
+            continue
+        peft = names.to_peft(name, tuple(mod.weight.shape))
+        if peft is None:  # fused / reshaped in the HF checkpoint (e.g. Qwen2.5-VL's vision qkv): no PEFT name
+            continue
+        matched = [pat for pat, m in matchers if m(peft)]
+        if not matched:
+            continue
+        for pat in matched:
+            hits[pat] += 1
+        selected[name] = peft
+    missing = [p for p, n in hits.items() if n == 0]
+    if missing:
+        scope = "the model" if include_vision else "the language model (lora.include_vision = false)"
+        raise ValueError(f"lora.target_modules: {missing} match no adaptable linear layer of {scope} (names are "
+                         "transformers' module names; layers fused in the Hugging Face checkpoint cannot be adapted)")
+    return selected
+
+
+def setup_lora(model: nn.Module, cfg, hf_config: dict) -> dict[str, str]:
+    """Apply `[lora]` (`cfg`) to an unsharded `model` (before FSDP): select, wrap, and load / merge
+    `cfg.init_from`. Returns our name -> PEFT name of the adapted layers. Raises ValueError with the key."""
+    init = None
+    if cfg.init_from:
+        try:
+            init, factors = read_peft_adapter(cfg.init_from, hf_config)
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"lora.init_from: {e}") from None
+        for key, ours in (("r", cfg.r), ("lora_alpha", cfg.alpha), ("use_rslora", cfg.use_rslora)):
+            theirs = init.get(key, False if key == "use_rslora" else None)
+            if theirs != ours and not (isinstance(theirs, (int, float)) and float(theirs) == float(ours)):
+                raise ValueError(f"lora.init_from: the adapter in {cfg.init_from} has {key} = {theirs!r}, "
+                                 f"this section {ours!r}; they must agree")
+    if init is not None and not cfg.target_modules:
+        modules = dict(model.named_modules())
+        selected = {}
+        names = PeftNames(hf_config)
+        for ours in factors:
+            mod = modules.get(ours)
+            if type(mod) is not nn.Linear:
+                raise ValueError(f"lora.init_from: {ours} is not a linear layer of the model")
+            selected[ours] = names.to_peft(ours, tuple(mod.weight.shape)) or ours
+    else:
+        selected = select_lora_targets(model, hf_config, cfg.target_modules, include_vision=cfg.include_vision)
+    apply_lora(model, selected, r=cfg.r, alpha=cfg.alpha, dropout=cfg.dropout, use_rslora=cfg.use_rslora, init=cfg.init)
+    if init is not None:
+        extra, lacking = sorted(set(factors) - set(selected)), sorted(set(selected) - set(factors))
+        if extra or lacking:
+            raise ValueError(f"lora.init_from: the adapter's layers differ from lora.target_modules "
+                             f"(only in the adapter: {extra[:5]}; only in the config: {lacking[:5]})")
+        mods = lora_modules(model)
+        with torch.no_grad():
+            for ours, (a, b) in factors.items():
+                mod = mods[ours]
+                if tuple(a.shape) != tuple(mod.lora_A.weight.shape) or tuple(b.shape) != tuple(mod.lora_B.weight.shape):
+                    raise ValueError(f"lora.init_from: {ours}: shapes {tuple(a.shape)} / {tuple(b.shape)} do not fit "
+                                     f"{tuple(mod.lora_A.weight.shape)} / {tuple(mod.lora_B.weight.shape)}")
+                mod.lora_A.weight.copy_(a)
+                mod.lora_B.weight.copy_(b)
+        if cfg.init_from_mode == "merge":
+            merge_lora_(model)
+        log.info("LoRA: %s the adapter of %s", "merged" if cfg.init_from_mode == "merge" else "continuing", cfg.init_from)
+    n = sum(m.lora_A.weight.numel() + m.lora_B.weight.numel() for m in lora_modules(model).values())
+    log.info("LoRA: r=%d alpha=%g on %d layers (%.2fM adapter parameters)", cfg.r, cfg.alpha, len(selected), n / 1e6)
+    return selected
+
+
+def lora_factors(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """our module name -> (lora_A, lora_B) from a full (unsharded) state dict of a LoRA model."""
+    out = {}
+    for key, a in state_dict.items():
+        if key.endswith(".lora_A.weight"):
+            prefix = key[: -len(".lora_A.weight")]
+            out[prefix] = (a, state_dict[f"{prefix}.lora_B.weight"])
+    return out
+
+
+def base_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict without adapter factors."""
+    return {k: v for k, v in state_dict.items() if not any(p in k for p in LORA_KEY_PARTS)}
+
+
+def write_adapter(path: Path, state_dict: dict[str, torch.Tensor], hf_config: dict, cfg,
+                  base_model_name_or_path: Optional[str] = None) -> Path:
+    """Write the adapter factors of a full state dict (our names) as a PEFT folder at `path`."""
+    return save_peft_adapter(path, lora_factors(state_dict), hf_config, r=cfg.r, alpha=cfg.alpha, dropout=cfg.dropout,
+                             use_rslora=cfg.use_rslora, base_model_name_or_path=base_model_name_or_path)
+
+
+def scaling_of(cfg) -> float:
+    return lora_scaling(cfg.r, cfg.alpha, cfg.use_rslora)

@@ -94,6 +94,7 @@ ARCH = {
     "demo_nemotron_qwen3_vision.toml": ("synth:", 2),
     "demo_math_sft.toml": ("synth:", 2),
     "demo_math_grpo.toml": ("synth:tiny_qwen2", 2),
+    "demo_internvl_video.toml": ("synth:", 2),
 }
 EXAMPLES = sorted(p.name for p in CONFIGS.glob("*.toml"))
 # total parameters (billions) --check must print for the published Qwen2.5-VL-3B config.json

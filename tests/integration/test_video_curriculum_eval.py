@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import sys
-import tomllib
 
 import pytest
+import tomllib
 from jobs import REPO, read_metrics
 
 from megatron_vlm.data.messages import read_messages_jsonl

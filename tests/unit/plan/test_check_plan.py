@@ -80,6 +80,7 @@ ARCH = {
     "qwen3_vl_2b_geometry3k_grpo.toml": ("qwen3_vl_2b", 8),
     "internvl3_8b_robovqa_stage1.toml": ("internvl3_8b", 8),
     "internvl3_8b_robovqa_stage2.toml": ("internvl3_8b", 8),  # stage 1's export: transformers' layout
+    "internvl3_8b_robovqa_curriculum.toml": ("internvl3_8b", 8),
     "nemotron_3_nano_vl_sft.toml": ("nemotron_3_nano_vl", 8),
     "qwen2_5_math_1_5b_grpo.toml": ("qwen2_5_math_1_5b", 2),
     "qwen2_5_math_1_5b_dapo.toml": ("qwen2_5_math_1_5b", 2),

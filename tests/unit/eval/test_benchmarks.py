@@ -3,6 +3,7 @@ against the verifier functions called directly, and the [eval] config / mode che
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -141,3 +142,21 @@ def test_eval_config_and_mode_keys():
     sft = load_config_dict({**_eval_raw(), "train": {"mode": "sft", "max_steps": 1}, "data": {"train_path": "/x"}})
     with pytest.raises(ConfigError, match="eval: the \\[eval\\] section is only read"):
         check_keys_for_mode(sft)
+
+
+def test_adapter_refused_with_exit_2(tmp_path, capsys):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "launch"))
+    import evaluate
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")  # never read: the adapter is refused first
+    cfg = tmp_path / "e.toml"
+    cfg.write_text(f'[model]\npath = "{tmp_path / "m"}"\n[train]\noutput_dir = "{tmp_path / "out"}"\n'
+                   f'[eval]\nadapter = "{tmp_path / "lora"}"\n[[eval.benchmarks]]\nname = "x"\npath = "{tmp_path}"\nformat = "geometry3k"\n')
+    assert evaluate.main(["--config", str(cfg)]) == 2
+    assert "eval.adapter: LoRA adapters need the [lora] support" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a training key in an evaluation job: refused before anything runs
+        evaluate.main(["--config", str(cfg), "--set", "optimizer.lr=0.1"])
+    assert e.value.code == 2 and "optimizer.lr: has no effect" in capsys.readouterr().err

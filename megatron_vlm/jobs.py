@@ -27,7 +27,7 @@ from pathlib import Path
 
 from megatron_vlm.config import load_config_dict, save_config
 from megatron_vlm.config.loader import ConfigError, to_dict
-from megatron_vlm.config.mode_keys import check_moe_section
+from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
 from megatron_vlm.eval.answer_accuracy import answer_engine
 from megatron_vlm.eval.benchmark_eval import VerifierScorer, evaluate_benchmark
 from megatron_vlm.eval.grpo_accuracy import GRPOEvaluator
@@ -100,8 +100,10 @@ def run_stages(ctx: RunContext, *, before_step=None) -> int:
     finish (its exit code)."""
     raw = to_dict(ctx.cfg)
     stages = ctx.cfg.stages
-    for i, stage in enumerate(stages):
-        cfg = load_config_dict(stage_overrides(raw, stages, i))
+    configs = [load_config_dict(stage_overrides(raw, stages, i)) for i in range(len(stages))]
+    for cfg in configs:  # every stage's keys checked before the first one trains
+        check_keys_for_mode(cfg)
+    for i, (stage, cfg) in enumerate(zip(stages, configs)):
         run_dir = Path(cfg.train.output_dir)
         if (run_dir / "hf" / "config.json").is_file():
             log.info("stage %d/%d %r: finished earlier (%s), skipped", i + 1, len(stages), stage.name, run_dir / "hf")

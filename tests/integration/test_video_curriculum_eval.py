@@ -3,9 +3,13 @@
 - `demo_internvl_video.toml` (tiny InternVL, 16-frame synthetic clips): stage 1 (4 frames) and
   stage 2 (8 frames, multi-turn) run from one command; stage 2 starts from stage 1's export; a
   second run of the command skips both finished stages;
-- `launch/evaluate.py` on stage 1's export and stage 1's held-out file reports the greedy accuracy
-  that stage 1's own end-of-run evaluation logged (one generation path), and scores an MMMU-style
-  file (images, choice verifier) with sampled Avg@k / pass@k consistent with its predictions.
+- `launch/evaluate.py` on stage 1's export and stage 1's held-out file (16-frame videos, 4 used)
+  scores the rows that stage 1's own end-of-run evaluation scored, with its accuracy (after 4 steps
+  the tiny model still answers with EOS, so this checks the plumbing; the answers themselves are
+  compared with transformers' greedy decoding, for a model that answers with task words, in
+  test_sft_job.py::test_eval_answer_accuracy_matches_transformers_greedy), and scores an MMMU-style
+  file (two images per row, choice verifier, a bad row) with sampled Avg@k / pass@k consistent with
+  its predictions.
 """
 from __future__ import annotations
 

@@ -13,8 +13,9 @@ Scoring (each rank its own rows, then gathered): `short_answer` rows compare the
 reward verifiers (RewardManager: worker processes with time limits; a verifier that times out or
 fails scores 0 and is counted). Greedy: one completion at temperature 0, accuracy = Avg@1. Sampled
 (`eval.samples` = k > 0): k completions per prompt, Avg@k = mean correctness over all samples,
-pass@k = share of prompts with at least one correct sample (eval/accuracy.py). Sampling is seeded by
-(train.seed, benchmark, rank).
+pass@k = share of prompts with at least one correct sample (eval/accuracy.py). Rows whose metadata
+has a `question_type` (the synthetic sets, MathVista, MMMU) also get the greedy accuracy per type. Sampling
+is seeded by (train.seed, benchmark, rank).
 """
 from __future__ import annotations
 
@@ -156,8 +157,9 @@ def evaluate_benchmark(ctx: RunContext, bundle: ModelBundle, engine, bcfg: Bench
 
 
 def _row_record(row: GeneratedAnswers) -> dict:
+    group = row.meta.get("question_type")
     return {"index": row.index, "id": row.meta.get("id"), "answer": row.reference,
-            "verifier": row.meta.get("verifier", "short_answer")}
+            "verifier": row.meta.get("verifier", "short_answer"), "group": group if isinstance(group, str) else None}
 
 
 def _metrics(rows: list[dict], ecfg: EvalConfig) -> dict:
@@ -166,6 +168,12 @@ def _metrics(rows: list[dict], ecfg: EvalConfig) -> dict:
     greedy = [r["greedy_score"] for r in rows if "greedy_score" in r]
     if ecfg.greedy:
         out["greedy_accuracy"] = sum(s >= thr for s in greedy) / len(greedy) if greedy else None
+        groups: dict[str, list[bool]] = {}
+        for r in rows:  # per question type (first-seen order), as the training-time answer accuracy reports it
+            if r.get("group") is not None and "greedy_score" in r:
+                groups.setdefault(r["group"], []).append(r["greedy_score"] >= thr)
+        for name, hits in groups.items():
+            out[f"greedy_accuracy/{name}"] = sum(hits) / len(hits)
     sampled = [r["sample_scores"] for r in rows if "sample_scores" in r]
     if ecfg.samples:
         k = ecfg.samples

@@ -7,7 +7,8 @@ prompt. The prompt text is `prompt_template.format(problem=...)`, where the prob
 with its image placeholders (`<image>`, `<image1>`, `<image 1>`) removed — the images are placed
 before the text — and, for formats that keep the options apart from the question, the options as
 lines "A. ...". The record's metadata carries what the verifiers need: `answer`, `problem`,
-`choices` (option texts, lettered in order), `verifier` (which scorer this row uses) and `id`.
+`choices` (option texts, lettered in order), `verifier` (which scorer this row uses), `id`, and a
+`question_type` column when the release has one (MathVista, MMMU: per-type accuracy).
 
 Formats and the columns they expect (`[[eval.benchmarks]] columns` renames any of them; question,
 answer and a given images column must exist, choices and id are used when present):
@@ -159,6 +160,8 @@ def benchmark_record(row: dict, fmt: BenchmarkFormat, columns: dict[str, str], *
         meta["choices"] = choices
     if "id" in columns and row.get(columns["id"]) is not None:
         meta["id"] = str(row[columns["id"]])
+    if isinstance(row.get("question_type"), str):  # MathVista / MMMU: per-type accuracy in the results
+        meta["question_type"] = row["question_type"]
     return Record(messages, source, index, meta)
 
 

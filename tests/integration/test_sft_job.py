@@ -255,3 +255,5 @@ def test_eval_answer_accuracy_matches_transformers_greedy(tmp_path, assets):
     assert result["metrics"]["greedy_accuracy"] == pytest.approx(float(row["answer_accuracy"]), abs=1e-9)
     preds = [json.loads(x) for x in (tmp_path / "eval" / "eval_predictions" / "heldout.jsonl").open()]
     assert [normalize_answer(p["greedy"]) for p in preds] == answers
+    for q in QUESTION_TYPES:
+        assert result["metrics"][f"greedy_accuracy/{q}"] == pytest.approx(sum(hits[q]) / len(hits[q]), abs=1e-9)

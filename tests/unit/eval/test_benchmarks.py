@@ -65,6 +65,7 @@ def test_adapter_reads_release_columns(tmp_path, fmt):
             assert _pixels(images[0]) == _pixels(row["decoded_image"]) and rec.meta["id"] == row["pid"]
             assert rec.meta["verifier"] == ("choice" if row["choices"] else "math")
             assert rec.meta.get("choices") == row["choices"]
+            assert rec.meta["question_type"] == row["question_type"]
         elif fmt == "mathvision":
             letters = [f"{chr(65 + k)}. {o}" for k, o in enumerate(row["options"])]
             assert text == "Q: " + "\n".join([row["question"].replace("<image1>", "").strip(), *letters]).strip()

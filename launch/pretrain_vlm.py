@@ -6,7 +6,7 @@
     python launch/pretrain_vlm.py --config x.toml --check --world-size 8 --device-memory-gib 80
                                                               # will it start and fit? (no weights)
 
-`[train] mode` picks the loop ("sft" or "grpo"). Config errors exit with code 2 and one line;
+`[train] mode` picks the job ("sft", "grpo", or "eval": benchmark evaluation, see launch/evaluate.py). Config errors exit with code 2 and one line;
 SIGTERM (SLURM preemption) saves a checkpoint and exits with 143; process groups are torn down on
 success, error and Ctrl-C.
 """
@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -26,8 +27,8 @@ from megatron_vlm.config.mode_keys import check_keys_for_mode  # noqa: E402
 from megatron_vlm.runner import run_job  # noqa: E402
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Train a vision-language model (SFT or GRPO).")
+def parse_args(argv=None, description: str = "Train or evaluate a vision-language model (SFT, GRPO or eval)."):
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--config", required=True, help="TOML config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value (value parsed as TOML; bare words are strings)")
@@ -41,10 +42,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def main(argv=None, *, before_step=None) -> int:
+def main(argv=None, *, before_step=None, description: Optional[str] = None) -> int:
     """Parse, load and run; `before_step(n)` is passed to the training loop (tests only: see
-    tests/integration/fault_entry.py)."""
-    args = parse_args(argv)
+    tests/integration/fault_entry.py); `description`: the help text of another entry point
+    (launch/evaluate.py)."""
+    args = parse_args(argv, description) if description else parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
         check_keys_for_mode(cfg)

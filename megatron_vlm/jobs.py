@@ -1,5 +1,7 @@
 """The job kinds assembled from their parts and run by the one training loop:
-`run_sft(ctx)` and `run_grpo(ctx)` -> exit code (0 finished, 143 stopped by a signal).
+`run_sft(ctx)` and `run_grpo(ctx)` -> exit code (0 finished, 143 stopped by a signal); `run_stages`
+chains SFT runs (`[[stages]]`, training/stages.py); `run_eval(ctx)` evaluates a model folder on
+benchmark files without training (`[train] mode = "eval"`, eval/benchmark_eval.py).
 
 This module sits above `training`, `rl` and `eval` (it imports all three; none of them imports it),
 so each of those stays free of the others' set-up: the SFT step gets its evaluator and the GRPO step
@@ -12,14 +14,29 @@ its held-out evaluation from here. Set-up order, per kind (the same on every ran
   (`train.max_steps`, or `train.epochs` x ceil(prompts / rl.prompts_per_step)), optimizer + schedule,
   checkpointer + resume, metrics logger, evaluator, loop; the reward workers are closed however the
   run ends.
-- both: `[moe]` keys on a model without MoE layers are refused (config error, exit 2).
+- both: `[moe]` keys on a model without MoE layers are refused (config error, exit 2);
+- stages: for each stage its own config (`stage_overrides`) and run folder, run as an SFT job; a
+  stage whose Hugging Face export is complete is skipped (the command can be run again after a stop);
+- eval: model bundle, the rollout engine of the answer accuracy, each benchmark in turn, the result
+  files (eval/report.py) written by rank 0; the reward workers are closed however the run ends.
 """
 from __future__ import annotations
 
-from megatron_vlm.config.loader import to_dict
-from megatron_vlm.config.mode_keys import check_moe_section
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+from megatron_vlm.config import load_config_dict, save_config
+from megatron_vlm.config.loader import ConfigError, to_dict
+from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
+from megatron_vlm.config.sections import LoRAConfig
+from megatron_vlm.eval.answer_accuracy import answer_engine
+from megatron_vlm.eval.benchmark_eval import VerifierScorer, evaluate_benchmark
 from megatron_vlm.eval.grpo_accuracy import GRPOEvaluator
+from megatron_vlm.eval.report import write_eval_results
 from megatron_vlm.eval.sft import SFTEvaluator
+from megatron_vlm.parallel.collectives import barrier
 from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.trainer import GRPOLoopStep, build_grpo_parts, check_grpo_config, grpo_total_steps
 from megatron_vlm.training.checkpointing import Checkpointer
@@ -29,8 +46,11 @@ from megatron_vlm.training.loop import run_loop
 from megatron_vlm.training.model_bundle import build_model_bundle
 from megatron_vlm.training.optim import build_optim_state, total_steps
 from megatron_vlm.training.sft import SFTStep, build_train_loader, prepare_sft_data, steps_per_epoch
+from megatron_vlm.training.stages import stage_overrides
 
-__all__ = ["run_sft", "run_grpo", "run_kind"]
+__all__ = ["run_sft", "run_grpo", "run_stages", "run_eval", "run_kind"]
+
+log = logging.getLogger("megatron_vlm")
 
 
 def run_sft(ctx: RunContext, *, before_step=None) -> int:
@@ -78,7 +98,78 @@ def run_grpo(ctx: RunContext, *, before_step=None) -> int:
     return code
 
 
+def run_stages(ctx: RunContext, *, before_step=None) -> int:
+    """Run the `[[stages]]` in order (training/stages.py); stops at the first stage that does not
+    finish (its exit code)."""
+    raw = to_dict(ctx.cfg)
+    stages = ctx.cfg.stages
+    configs = [load_config_dict(stage_overrides(raw, stages, i)) for i in range(len(stages))]
+    for cfg in configs:  # every stage's keys checked before the first one trains
+        check_keys_for_mode(cfg)
+    for i, (stage, cfg) in enumerate(zip(stages, configs)):
+        run_dir = Path(cfg.train.output_dir)
+        if (run_dir / "hf" / "config.json").is_file():
+            log.info("stage %d/%d %r: finished earlier (%s), skipped", i + 1, len(stages), stage.name, run_dir / "hf")
+            continue
+        log.info("stage %d/%d %r: model %s, data %s -> %s", i + 1, len(stages), stage.name, cfg.model.path,
+                 cfg.data.train_path or cfg.data.type, run_dir)
+        if ctx.env.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, run_dir / "config.toml")
+        barrier()
+        code = run_sft(RunContext(cfg=cfg, env=ctx.env, run_dir=run_dir, stop=ctx.stop), before_step=before_step)
+        if code != 0:
+            return code
+        barrier()
+    return 0
+
+
+def _eval_adapter_lora(folder: str) -> LoRAConfig:
+    """`eval.adapter` as a `[lora]` section that loads the PEFT adapter in `folder` onto the model's layers
+    (its own r / alpha / rsLoRA; no dropout): the forward is base + adapter, as `PeftModel` computes it."""
+    path = Path(folder) / "adapter_config.json"
+    try:
+        meta = json.loads(path.read_text())
+        return LoRAConfig(r=int(meta["r"]), alpha=float(meta["lora_alpha"]), dropout=0.0,
+                          use_rslora=bool(meta.get("use_rslora", False)), init_from=folder, init_from_mode="continue")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"eval.adapter: {path} is not a readable PEFT LoRA adapter config ({e})") from None
+
+
+def run_eval(ctx: RunContext) -> int:
+    """Evaluate `model.path` on every `[[eval.benchmarks]]` table and write the results (eval/report.py)."""
+    cfg = ctx.cfg
+    if cfg.eval.adapter:
+        ctx = dataclasses.replace(ctx, cfg=dataclasses.replace(cfg, lora=_eval_adapter_lora(cfg.eval.adapter)))
+    bundle = build_model_bundle(ctx)
+    engine = answer_engine(ctx, bundle)
+    scorer = VerifierScorer(cfg.eval)
+    results = []
+    try:
+        for i, bench in enumerate(cfg.eval.benchmarks):
+            result = evaluate_benchmark(ctx, bundle, engine, bench, scorer, bench_index=i)
+            log.info("eval %s: %s (%d rows, %d bad records)", bench.name,
+                     {k: round(v, 4) for k, v in result["metrics"].items() if isinstance(v, float)},
+                     result["num_rows"], result["bad_records"]["num_bad_records"])
+            results.append(result)
+    finally:
+        scorer.close()
+    if ctx.env.is_main:
+        e = cfg.eval
+        settings = {"model": cfg.model.path, "adapter": e.adapter or None, "greedy": e.greedy, "samples": e.samples,
+                    "temperature": e.temperature, "top_p": e.top_p, "top_k": e.top_k, "max_new_tokens": e.max_new_tokens,
+                    "prompt_template": e.prompt_template, "seed": cfg.train.seed, "world_size": ctx.env.world_size}
+        path = write_eval_results(ctx.run_dir, results, settings)
+        log.info("evaluation results: %s and %s", path, path.with_suffix(".md"))
+    return 0
+
+
 def run_kind(ctx: RunContext, *, before_step=None) -> int:
-    """Run the job kind `train.mode` names ("sft" or "grpo"). `before_step(n)`: the loop's test hook
-    (called before step n; None in production)."""
-    return (run_grpo if ctx.cfg.train.mode == "grpo" else run_sft)(ctx, before_step=before_step)
+    """Run the job kind `train.mode` names ("sft", "grpo" or "eval"; SFT with `[[stages]]` chains
+    them). `before_step(n)`: the loop's test hook (called before step n; None in production)."""
+    mode = ctx.cfg.train.mode
+    if mode == "eval":
+        return run_eval(ctx)
+    if mode == "sft" and ctx.cfg.stages:
+        return run_stages(ctx, before_step=before_step)
+    return (run_grpo if mode == "grpo" else run_sft)(ctx, before_step=before_step)

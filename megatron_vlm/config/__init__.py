@@ -26,9 +26,11 @@ from megatron_vlm.config.sections import (
     TrainConfig,
 )
 from megatron_vlm.data.config import DataConfig
+from megatron_vlm.eval.config import EvalConfig
 from megatron_vlm.kernels.config import KernelsConfig
 from megatron_vlm.rl.config import RLConfig
 from megatron_vlm.training.moe_balancing import MoEConfig
+from megatron_vlm.training.stages import StageConfig
 
 __all__ = ["Config", "ConfigError", "load_config", "load_config_dict", "save_config"]
 
@@ -37,8 +39,8 @@ __all__ = ["Config", "ConfigError", "load_config", "load_config_dict", "save_con
 class Config:
     model: ModelConfig
     """The model to train (a Hugging Face folder)."""
-    data: DataConfig
-    """Training / evaluation data."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training / evaluation data (required by the training modes; an evaluation job reads [eval])."""
     train: TrainConfig
     """Loop settings."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -59,12 +61,42 @@ class Config:
     """GRPO settings (required when train.mode = "grpo")."""
     lora: Optional[LoRAConfig] = None
     """LoRA adapters (present = only the adapters train; the base weights stay frozen)."""
+    eval: Optional[EvalConfig] = None
+    """Benchmark evaluation (required when train.mode = "eval"; launch/evaluate.py)."""
+    stages: list[StageConfig] = field(default_factory=list)
+    """Curriculum: SFT stages run one after the other, each from the previous stage's export
+    (training/stages.py); empty = one run."""
 
     def validate(self) -> None:
-        if self.train.mode == "grpo" and self.rl is None:
+        mode = self.train.mode
+        if mode == "grpo" and self.rl is None:
             raise ValueError("rl: an [rl] section is required when train.mode = \"grpo\"")
         if self.lora is not None and self.train.train_layers:
             raise ValueError("train.train_layers: cannot be combined with [lora] (only the adapters train)")
+        if mode == "eval" and self.eval is None:
+            raise ValueError("eval: an [eval] section with [[eval.benchmarks]] is required when train.mode = \"eval\"")
+        if mode != "eval" and self.data.type in ("messages_jsonl", "hf") and not self.data.train_path and not (
+                self.stages and all(s.train_path for s in self.stages)):
+            raise ValueError(f"data.train_path: required when type = {self.data.type!r}")
+        if mode != "eval" and self.train.max_steps is None and self.train.epochs is None and not (
+                self.stages and all(s.max_steps or s.epochs for s in self.stages)):
+            raise ValueError("train.max_steps: set max_steps or epochs")
+        if self.stages:
+            self._validate_stages()
+
+    def _validate_stages(self) -> None:
+        if self.train.mode != "sft":
+            raise ValueError(f"stages: only SFT runs chain stages, not train.mode = {self.train.mode!r}")
+        names = [s.name for s in self.stages]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"stages: duplicate stage names {dup}")
+        if not self.checkpoint.export_hf and len(self.stages) > 1:
+            raise ValueError("checkpoint.export_hf: stages start from the previous stage's export; it must be true")
+        if self.checkpoint.resume not in ("auto", "none"):
+            raise ValueError("checkpoint.resume: with [[stages]] use \"auto\" or \"none\" (each stage has its own folder)")
+        if self.data.type == "synthetic_vqa" and any(s.train_path or s.eval_path for s in self.stages):
+            raise ValueError("stages: train_path / eval_path need data.type 'messages_jsonl' or 'hf'")
 
 
 def load_config_dict(raw: dict, overrides: Optional[list[str]] = None) -> Config:

@@ -14,6 +14,11 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
 - SFT: an `[rl]` section is refused (it is only read by GRPO), and so are `train.eval_every` /
   `train.eval_max_batches` when there is no held-out split to evaluate (`data.eval_path` empty);
 - GRPO with `[lora]`: `rl.ref_offload` (the reference is the policy without its adapters, no copy);
+- evaluation (`train.mode = "eval"`, launch/evaluate.py) trains nothing and reads its files from
+  `[eval]`: `[optimizer]`, `[scheduler]`, `[checkpoint]`, `[moe]`, `[rl]`, `[[stages]]`, the `[train]`
+  keys other than mode / output_dir / seed / precision, and the `[data]` keys that name or shape
+  training data are refused; the `[data]` image / video limits, `max_tokens_per_pack` and loader
+  workers apply to the benchmark prompts. An `[eval]` section in a training mode is refused too;
 - `[moe]` keys other than their defaults on a model without MoE layers (`check_moe_section`, once
   the model — or its meta-device twin in `--check` — is built).
 
@@ -44,6 +49,35 @@ _GRPO_IGNORED = {
 }
 
 
+_EVAL_TRAIN_KEYS = {"mode", "output_dir", "seed", "precision"}
+_EVAL_DATA_IGNORED = ("type", "train_path", "eval_path", "image_root", "columns", "shuffle", "synthetic_dir",
+                      "synthetic_train_size", "synthetic_eval_size", "synthetic_seed", "synthetic_image_size")
+_EVAL_IGNORED_SECTIONS = ("optimizer", "scheduler", "checkpoint", "moe")
+
+
+def _check_eval_keys(cfg) -> None:
+    why = "an evaluation job (train.mode = \"eval\") trains nothing"
+    for key in changed_keys(cfg.train):
+        if key not in _EVAL_TRAIN_KEYS:
+            raise ConfigError(f"train.{key}: has no effect when {why}; remove it")
+    for key in changed_keys(cfg.data):
+        if key in _EVAL_DATA_IGNORED:
+            raise ConfigError(f"data.{key}: has no effect when train.mode = \"eval\" (benchmark files and their "
+                              "image_root are given in [[eval.benchmarks]]); remove it")
+    for name in _EVAL_IGNORED_SECTIONS:
+        changed = changed_keys(getattr(cfg, name))
+        if changed:
+            raise ConfigError(f"{name}.{changed[0]}: has no effect when {why}; remove the [{name}] section")
+    if cfg.rl is not None:
+        raise ConfigError("rl: an [rl] section is only read when train.mode = \"grpo\"; the verifiers of an "
+                          "evaluation are chosen per benchmark ([[eval.benchmarks]] verifier)")
+    if cfg.stages:
+        raise ConfigError("stages: [[stages]] chain SFT runs; an evaluation job has none")
+    if getattr(cfg, "lora", None) is not None:
+        raise ConfigError("lora: an evaluation job trains no adapter; evaluate a PEFT adapter with eval.adapter "
+                          "(or a merged export as model.path)")
+
+
 def changed_keys(section) -> list[str]:
     """Fields of a dataclass section whose value differs from the field's default."""
     out = []
@@ -61,6 +95,12 @@ def changed_keys(section) -> list[str]:
 
 def check_keys_for_mode(cfg) -> None:
     """Raise ConfigError naming the first key that this job kind would ignore."""
+    if cfg.train.mode == "eval":
+        _check_eval_keys(cfg)
+        return
+    if getattr(cfg, "eval", None) is not None:
+        raise ConfigError(f"eval: the [eval] section is only read when train.mode = \"eval\" (launch/evaluate.py), "
+                          f"not {cfg.train.mode!r}; SFT evaluates with train.eval_*, GRPO with [rl.eval]")
     if cfg.train.mode == "grpo":
         if getattr(cfg, "lora", None) is not None and cfg.rl is not None and cfg.rl.ref_offload:
             raise ConfigError("rl.ref_offload: has no effect with [lora] (the reference is the policy without its "
@@ -73,7 +113,9 @@ def check_keys_for_mode(cfg) -> None:
         return
     if cfg.rl is not None:
         raise ConfigError("rl: an [rl] section is only read when train.mode = \"grpo\"; remove it or set train.mode")
-    no_eval_split = cfg.data.type != "synthetic_vqa" and not cfg.data.eval_path
+    stages = getattr(cfg, "stages", None) or []
+    stage_eval = bool(stages) and all(s.eval_path for s in stages)  # every stage brings its held-out split
+    no_eval_split = cfg.data.type != "synthetic_vqa" and not cfg.data.eval_path and not stage_eval
     if no_eval_split:
         for key in ("eval_every", "eval_max_batches"):
             if getattr(cfg.train, key):

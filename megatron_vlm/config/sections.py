@@ -30,8 +30,9 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    mode: Literal["sft", "grpo"] = "sft"
-    """Which loop runs: supervised fine-tuning or GRPO reinforcement learning ([rl] section)."""
+    mode: Literal["sft", "grpo", "eval"] = "sft"
+    """Which job runs: supervised fine-tuning, GRPO reinforcement learning ([rl] section) or
+    benchmark evaluation without training ([eval] section; `launch/evaluate.py`)."""
     output_dir: str = "runs/default"
     """Run folder: config.toml, checkpoints/, metrics CSVs, tensorboard/, exports."""
     seed: int = 0
@@ -69,8 +70,8 @@ class TrainConfig:
             raise ValueError(f"max_steps: must be > 0, got {self.max_steps}")
         if self.epochs is not None and self.epochs <= 0:
             raise ValueError(f"epochs: must be > 0, got {self.epochs}")
-        if self.max_steps is None and self.epochs is None:
-            raise ValueError("max_steps: set max_steps or epochs")
+        # "set max_steps or epochs" is checked by config.Config.validate: an evaluation job has no
+        # length and [[stages]] may give each stage its own
         if self.micro_batches_per_step <= 0:
             raise ValueError(f"micro_batches_per_step: must be > 0, got {self.micro_batches_per_step}")
         if self.max_grad_norm < 0:

@@ -93,8 +93,8 @@ class DataConfig:
     """synthetic_vqa only: side of the square canvas in pixels (a multiple of 28)."""
 
     def validate(self) -> None:
-        if self.type in ("messages_jsonl", "hf") and not self.train_path:
-            raise ValueError(f"train_path: required when type = {self.type!r}")
+        # train_path is required by the training modes only (config.Config.validate): an evaluation
+        # job reads its benchmarks from [eval] and may leave [data] out.
         if self.type == "hf" and not self.columns:
             raise ValueError("columns: required when type = 'hf' (e.g. {messages = \"conversations\"})")
         if self.type == "hf":

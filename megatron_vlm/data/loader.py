@@ -248,11 +248,12 @@ class SFTDataLoader:
 
 
 def _prepare(data_cfg: DataConfig, processor: Any, split: str, bad_records: Optional[BadRecordLog],
-             for_generation: bool):
+             for_generation: bool, source=None):
     data_cfg.validate()
     proc = build_processor(data_cfg, processor)
     bad_records = bad_records if bad_records is not None else BadRecordLog()
-    source = open_split(data_cfg, split, bad_records)
+    if source is None:
+        source = open_split(data_cfg, split, bad_records)
     if source is None:
         return None
     lengths = compute_lengths(source, proc, max_frames=data_cfg.max_frames, for_generation=for_generation,
@@ -343,8 +344,10 @@ class EvalDataLoader:
 
 def build_eval_dataloader(data_cfg: DataConfig, processor: Any, *, dp_rank: int, dp_size: int,
                           mode: str = "packs", batch_size: int = 8, padding_side: str = "right",
-                          bad_records: Optional[BadRecordLog] = None) -> Optional[EvalDataLoader]:
-    """Loader over the eval split for this rank, or None when there is no eval split.
+                          bad_records: Optional[BadRecordLog] = None, source=None) -> Optional[EvalDataLoader]:
+    """Loader over the eval split for this rank, or None when there is no eval split. `source`: a
+    record source (`sources.RecordSource`, e.g. a benchmark's rows) read instead of the eval split;
+    `data_cfg` then only gives the processing limits and loader settings.
 
     mode "packs": the split packed in file order (no shuffle); rank r takes packs r, r + dp, ...,
       padded with empty packs (num_samples = 0) so every rank yields ceil(P / dp) packs.
@@ -358,7 +361,7 @@ def build_eval_dataloader(data_cfg: DataConfig, processor: Any, *, dp_rank: int,
         raise ValueError(f"batch_size must be > 0, got {batch_size}")
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
-    prepared = _prepare(data_cfg, processor, "eval", bad_records, for_generation=(mode == "generation"))
+    prepared = _prepare(data_cfg, processor, "eval", bad_records, for_generation=(mode == "generation"), source=source)
     if prepared is None:
         return None
     proc, bad_records, source, lengths = prepared

@@ -4,7 +4,10 @@
 - `answer_accuracy` / `answers`: greedy answer accuracy with the rollout engine, overall and per
   record group (SFT); `sft.SFTEvaluator` runs both at a step;
 - `accuracy`: Avg@k / pass@k scored with the reward verifiers; `grpo_accuracy`: the GRPO held-out
-  evaluation with the rollout engine.
+  evaluation with the rollout engine;
+- the evaluation job (`[train] mode = "eval"`, launch/evaluate.py): `config` (the `[eval]` section),
+  `benchmarks` (column adapters of the public benchmark releases), `benchmark_eval` (greedy and
+  sampled scoring through `answer_accuracy.generate_answers`), `report` (eval_results.json / .md).
 
 Import from the modules (`megatron_vlm.eval.accuracy`); this file imports nothing.
 """

@@ -6,10 +6,15 @@ on every rank (filler rows, `sample_valid` False, even out the ranks). Each batc
 with temperature 0 (greedy); decoding stops at the tokenizer's / generation config's EOS tokens (the
 engine's rule) or after `max_new_tokens`, and the engine keeps the ranks in lock-step. Answers are
 compared on their first word (`eval.answers`), overall and per record group (`meta.question_type`).
+
+`generate_answers` is the generation half, shared with the benchmark evaluation of
+`launch/evaluate.py` (eval/benchmark_eval.py), so a model scores the same there as here: the same
+loader, batches, engine settings and decoding of the completions.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -22,7 +27,7 @@ from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 
-__all__ = ["answer_engine", "batch_prompts", "answer_accuracy"]
+__all__ = ["answer_engine", "batch_prompts", "GeneratedAnswers", "completion_text", "generate_answers", "answer_accuracy"]
 
 
 def answer_engine(ctx: RunContext, bundle: ModelBundle) -> PolicyRolloutEngine:
@@ -41,7 +46,7 @@ def batch_prompts(batch: dict) -> list[RolloutPrompt]:
     tensors (concatenated over its rows in order, the batched-input layout) ride on the first prompt:
     the engine concatenates the vision inputs of one call's prompts in order, so its prefill gets
     exactly the batch's tensors. Valid only for an engine that prefills all prompts of a call together
-    (`max_prompts_per_batch=0`, n = 1)."""
+    (`max_prompts_per_batch=0`) once, sharing the prefix over the n samples (`share_prefix`, the default)."""
     ids, mask = batch["input_ids"], batch["attention_mask"].bool()
     vision = {k: batch[k] for k in VISION_KEYS if batch.get(k) is not None}
     return [RolloutPrompt(input_ids=ids[r][mask[r]], **(vision if r == 0 else {})) for r in range(ids.shape[0])]
@@ -50,6 +55,54 @@ def batch_prompts(batch: dict) -> list[RolloutPrompt]:
 def _answer_ids(token_ids: torch.Tensor, eos_ids: Sequence[int]) -> list[int]:
     out = token_ids.tolist()
     return out[:-1] if out and out[-1] in eos_ids else out
+
+
+@dataclass
+class GeneratedAnswers:
+    """The completions of one valid prompt row of this rank."""
+
+    index: int
+    """The row's index in its record source (file order)."""
+    reference: str
+    """The reference answer (the record's last assistant turn)."""
+    meta: dict
+    """The record's metadata (question_type, verifier, choices, ...)."""
+    completions: list[str]
+    """The n completions, decoded without the EOS token (cut after a stop string)."""
+
+
+def completion_text(tokenizer, sample, eos_ids: Sequence[int]) -> str:
+    if sample.finish_reason == "stop":
+        return sample.text
+    return tokenizer.decode(_answer_ids(sample.token_ids, eos_ids), skip_special_tokens=True)
+
+
+@torch.no_grad()
+def generate_answers(bundle: ModelBundle, engine: PolicyRolloutEngine, loader, params: SamplingParams, *,
+                     generator: Optional[torch.Generator] = None,
+                     progress: Optional[Callable[[int, int], None]] = None) -> list[GeneratedAnswers]:
+    """`params.n` completions for every valid row of the left-padded generation `loader` (one engine
+    call per batch, the ranks in lock-step), in loader order. `progress(done, total)` after each batch."""
+    tok = bundle.processor.tokenizer
+    n = params.n
+    out: list[GeneratedAnswers] = []
+    bundle.wrapper.eval()
+    try:
+        for b, batch in enumerate(loader):
+            result = engine.generate(batch_prompts(batch), params, generator=generator)
+            rows = len(batch["answers"])
+            metas = batch.get("meta") or [{}] * rows
+            indices = batch["sample_index"].tolist() if "sample_index" in batch else [0] * rows
+            for r, (ok, ref, meta, index) in enumerate(zip(batch["sample_valid"].tolist(), batch["answers"], metas, indices)):
+                if ok and ref is not None:
+                    texts = [completion_text(tok, s, engine.eos_token_ids) for s in result.samples[r * n:(r + 1) * n]]
+                    out.append(GeneratedAnswers(index, ref, meta, texts))
+            if progress is not None:
+                progress(b + 1, len(loader))
+    finally:
+        engine.release_memory()
+        bundle.wrapper.train()
+    return out
 
 
 @torch.no_grad()
@@ -61,19 +114,8 @@ def answer_accuracy(ctx: RunContext, bundle: ModelBundle, engine: PolicyRolloutE
                                    mode="generation", batch_size=batch_size, padding_side="left", bad_records=bad_records)
     if loader is None:
         return None
-    tok = bundle.processor.tokenizer
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     tally = AnswerTally(group_field)
-    bundle.wrapper.eval()
-    for batch in loader:
-        result = engine.generate(batch_prompts(batch), params)
-        metas = batch.get("meta") or [{}] * len(result.samples)
-        indices = batch["sample_index"].tolist() if "sample_index" in batch else [0] * len(result.samples)
-        for ok, ref, sample, meta, index in zip(batch["sample_valid"].tolist(), batch["answers"], result.samples,
-                                                metas, indices):
-            if ok and ref is not None:
-                text = tok.decode(_answer_ids(sample.token_ids, engine.eos_token_ids), skip_special_tokens=True)
-                tally.add(text, ref, meta, index=index)
-    engine.release_memory()
-    bundle.wrapper.train()
+    for row in generate_answers(bundle, engine, loader, params):
+        tally.add(row.completions[0], row.reference, row.meta, index=row.index)
     return tally.merged().metrics()

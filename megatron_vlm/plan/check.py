@@ -21,10 +21,12 @@ from typing import Optional, TextIO
 
 import torch
 
-from megatron_vlm.config.loader import ConfigError
+from megatron_vlm.config import load_config_dict
+from megatron_vlm.config.loader import ConfigError, to_dict
 from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
 from megatron_vlm.plan.memory import GiB, ceil_div, estimate_memory, gib, model_shape
 from megatron_vlm.rl.rollout_budget import rollout_prompts_for_budget
+from megatron_vlm.training.stages import stage_overrides
 
 __all__ = ["run_check", "CheckFailed"]
 
@@ -153,6 +155,20 @@ def _key_to_change(cfg, mem) -> str:
     return "parallel.dp_shard"
 
 
+def _stage_configs(cfg) -> list:
+    """The config of every `[[stages]]` table, planned with the first stage's model (a later stage's
+    model is the previous stage's export of the same architecture, not there before the run)."""
+    if not getattr(cfg, "stages", None):
+        return []
+    raw = to_dict(cfg)
+    out = []
+    for i in range(len(cfg.stages)):
+        stage = stage_overrides(raw, cfg.stages, i)
+        stage["model"] = dict(raw["model"])
+        out.append(load_config_dict(stage))
+    return out
+
+
 def run_check(cfg, *, world_size: int, device_memory_gib: Optional[float], out: TextIO = sys.stdout,
               err: TextIO = sys.stderr) -> int:
     """Print the plan and return 0, or print one `check failed: <key>: ...` line (plus the plan when
@@ -165,6 +181,9 @@ def run_check(cfg, *, world_size: int, device_memory_gib: Optional[float], out: 
             return 2
     try:
         lines = plan_run(cfg, world_size=world_size, device_memory_gib=device_memory_gib)
+        for stage_cfg in _stage_configs(cfg):  # each [[stages]] table with its own frames / pack size / layers
+            stage_lines = plan_run(stage_cfg, world_size=world_size, device_memory_gib=device_memory_gib)
+            lines += [f"stage {Path(stage_cfg.train.output_dir).name}:"] + [f"  {x}" for x in stage_lines]
     except (CheckFailed, ConfigError) as e:
         if getattr(e, "plan", None):
             print("\n".join(e.plan), file=out)

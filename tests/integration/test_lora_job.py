@@ -5,6 +5,7 @@ with the logits of the merged export; resuming from a checkpoint reproduces the 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 
 import pytest
@@ -70,3 +71,18 @@ def test_lora_job_adapter_resume_and_merge(tmp_path):
     with torch.no_grad(), peft_model.disable_adapter():
         plain = peft_model(**batch).logits
     assert (plain - got).abs().max().item() > 1e-3  # the merged export is not the base model
+
+    # launch/evaluate.py with eval.adapter on the base model answers as the merged export does
+    sys.path.insert(0, str(REPO / "launch"))
+    import evaluate
+
+    def evaluate_run(name, model, adapter=""):
+        ev = tmp_path / f"{name}.toml"
+        ev.write_text(f'[model]\npath = "{model}"\n[data]\nmax_tokens_per_pack = 262\nnum_workers = 0\n'
+                      f'[train]\noutput_dir = "{tmp_path / name}"\n[eval]\nmax_new_tokens = 6\nadapter = "{adapter}"\n'
+                      f'[[eval.benchmarks]]\nname = "heldout"\npath = "{tmp_path / "data" / "eval.jsonl"}"\nformat = "messages"\n')
+        assert evaluate.main(["--config", str(ev)]) == 0
+        return [json.loads(x)["greedy"] for x in (tmp_path / name / "eval_predictions" / "heldout.jsonl").open()]
+
+    with_adapter = evaluate_run("eval_adapter", tmp_path / "model", straight / "adapter")
+    assert len(with_adapter) == 4 and with_adapter == evaluate_run("eval_merged", straight / "hf")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import tomllib
 import torch
-from jobs import load_safetensors_dir, read_metrics, run_job, small_demo_overrides
+from jobs import REPO, load_safetensors_dir, read_metrics, run_job, small_demo_overrides
 
 pytestmark = pytest.mark.distributed
 
@@ -238,3 +240,20 @@ def test_eval_answer_accuracy_matches_transformers_greedy(tmp_path, assets):
         key = f"answer_accuracy/{q}"
         got = float(row[key]) if key in row else float(extra[key])
         assert got == pytest.approx(sum(hits[q]) / len(hits[q]), abs=1e-9), (q, got, hits[q])
+
+    # launch/evaluate.py on the export and the same held-out file: the same answers, the same accuracy
+    sys.path.insert(0, str(REPO / "launch"))
+    import evaluate
+
+    ev = tmp_path / "eval.toml"
+    ev.write_text(f'[model]\npath = "{out / "hf"}"\n[data]\nmax_tokens_per_pack = {cfg.data.max_tokens_per_pack + 6}\n'
+                  f'num_workers = 0\n[train]\noutput_dir = "{tmp_path / "eval"}"\n[eval]\nmax_new_tokens = 6\n'
+                  f'[[eval.benchmarks]]\nname = "heldout"\npath = "{Path(cfg.data.synthetic_dir) / "eval.jsonl"}"\n'
+                  'format = "messages"\n')
+    assert evaluate.main(["--config", str(ev)]) == 0
+    result = json.loads((tmp_path / "eval" / "eval_results.json").read_text())["benchmarks"]["heldout"]
+    assert result["metrics"]["greedy_accuracy"] == pytest.approx(float(row["answer_accuracy"]), abs=1e-9)
+    preds = [json.loads(x) for x in (tmp_path / "eval" / "eval_predictions" / "heldout.jsonl").open()]
+    assert [normalize_answer(p["greedy"]) for p in preds] == answers
+    for q in QUESTION_TYPES:
+        assert result["metrics"][f"greedy_accuracy/{q}"] == pytest.approx(sum(hits[q]) / len(hits[q]), abs=1e-9)

@@ -80,6 +80,7 @@ ARCH = {
     "qwen3_vl_2b_geometry3k_grpo.toml": ("qwen3_vl_2b", 8),
     "internvl3_8b_robovqa_stage1.toml": ("internvl3_8b", 8),
     "internvl3_8b_robovqa_stage2.toml": ("internvl3_8b", 8),  # stage 1's export: transformers' layout
+    "internvl3_8b_robovqa_curriculum.toml": ("internvl3_8b", 8),
     "nemotron_3_nano_vl_sft.toml": ("nemotron_3_nano_vl", 8),
     "qwen2_5_math_1_5b_grpo.toml": ("qwen2_5_math_1_5b", 2),
     "qwen2_5_math_1_5b_dapo.toml": ("qwen2_5_math_1_5b", 2),
@@ -94,6 +95,7 @@ ARCH = {
     "demo_nemotron_qwen3_vision.toml": ("synth:", 2),
     "demo_math_sft.toml": ("synth:", 2),
     "demo_math_grpo.toml": ("synth:tiny_qwen2", 2),
+    "demo_internvl_video.toml": ("synth:", 2),
 }
 EXAMPLES = sorted(p.name for p in CONFIGS.glob("*.toml"))
 # total parameters (billions) --check must print for the published Qwen2.5-VL-3B config.json

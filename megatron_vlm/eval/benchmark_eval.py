@@ -1,0 +1,183 @@
+"""Benchmark evaluation of a model folder (`[train] mode = "eval"`, launch/evaluate.py): greedy
+accuracy and sampled Avg@k / pass@k per benchmark, scored with the training verifiers.
+
+Per `[[eval.benchmarks]]` table: the rows (eval/benchmarks.py) go through the data pipeline's eval
+loader — split over all ranks, the same number of left-padded batches on each — and every batch is
+one call of the rollout engine (`answer_accuracy.generate_answers`, the generation half of the SFT
+run's answer accuracy, so the same model on the same held-out file scores the same here). A prompt
+longer than `data.max_tokens_per_pack - eval.max_new_tokens`, an image that cannot be read or a row
+without question / answer is a bad record: skipped, counted and listed in the results.
+
+Scoring (each rank its own rows, then gathered): `short_answer` rows compare the first word
+(eval/answers.py, the training-time rule); `math` / `choice` / `exact_match` rows go to the GRPO
+reward verifiers (RewardManager: worker processes with time limits; a verifier that times out or
+fails scores 0 and is counted). Greedy: one completion at temperature 0, accuracy = Avg@1. Sampled
+(`eval.samples` = k > 0): k completions per prompt, Avg@k = mean correctness over all samples,
+pass@k = share of prompts with at least one correct sample (eval/accuracy.py). Rows whose metadata
+has a `question_type` (the synthetic sets, MathVista, MMMU) also get the greedy accuracy per type. Sampling
+is seeded by (train.seed, benchmark, rank).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter
+from typing import Optional
+
+from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.data.loader import build_eval_dataloader
+from megatron_vlm.eval.accuracy import avg_at_k, pass_at_k
+from megatron_vlm.eval.answer_accuracy import GeneratedAnswers, generate_answers
+from megatron_vlm.eval.answers import normalize_answer
+from megatron_vlm.eval.benchmarks import open_benchmark
+from megatron_vlm.eval.config import BenchmarkConfig, EvalConfig
+from megatron_vlm.parallel.collectives import all_gather_objects
+from megatron_vlm.rl.grpo_step import sampling_generator
+from megatron_vlm.rl.rewards.config import ChoiceRewardConfig, ExactMatchRewardConfig, MathRewardConfig
+from megatron_vlm.rl.rewards.manager import RewardManager
+from megatron_vlm.rl.rollout.engine import SamplingParams
+from megatron_vlm.training.context import RunContext
+from megatron_vlm.training.model_bundle import ModelBundle
+
+__all__ = ["VerifierScorer", "evaluate_benchmark"]
+
+log = logging.getLogger("megatron_vlm")
+
+_SAMPLING_SALT = 29
+
+
+class VerifierScorer:
+    """Scores completions with the verifier named in each row's metadata; the reward worker
+    processes start at the first row that needs one. `close()` them at the end."""
+
+    def __init__(self, ecfg: EvalConfig):
+        self.ecfg = ecfg
+        self.manager: Optional[RewardManager] = None
+
+    def _manager(self) -> RewardManager:
+        if self.manager is None:
+            rewards = [MathRewardConfig(), ChoiceRewardConfig(), ExactMatchRewardConfig()]
+            self.manager = RewardManager(rewards, timeout_s=self.ecfg.reward_timeout_s, num_workers=self.ecfg.reward_workers)
+        return self.manager
+
+    def score(self, rows: list[GeneratedAnswers]) -> list[list[float]]:
+        """Score of every completion of every row, [row][sample]."""
+        out: list[list[float]] = [[] for _ in rows]
+        by_verifier: dict[str, list[int]] = {}
+        for r, row in enumerate(rows):
+            by_verifier.setdefault(row.meta.get("verifier", "short_answer"), []).append(r)
+        for verifier, members in by_verifier.items():
+            if verifier == "short_answer":
+                for r in members:
+                    ref = normalize_answer(rows[r].reference)
+                    out[r] = [float(normalize_answer(c) == ref) for c in rows[r].completions]
+                continue
+            flat, answers, prompts, metas = [], [], [], []
+            for r in members:
+                meta = {k: v for k, v in rows[r].meta.items() if k in ("choices", "answer")}
+                for c in rows[r].completions:
+                    flat.append(c)
+                    answers.append(rows[r].reference)
+                    prompts.append(str(rows[r].meta.get("problem", "")))
+                    metas.append(meta)
+            values = self._manager().score(flat, answers, prompts, metas, only=[verifier]).per_reward[verifier]
+            at = 0
+            for r in members:
+                k = len(rows[r].completions)
+                out[r] = [float(v) for v in values[at:at + k]]
+                at += k
+        return out
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.close()
+            self.manager = None
+
+
+def _progress(name: str, what: str, is_main: bool):
+    t0 = time.perf_counter()
+    last = [0.0]
+
+    def report(done: int, total: int) -> None:
+        now = time.perf_counter() - t0
+        if is_main and (done == total or now - last[0] >= 10.0 or done == 1):
+            last[0] = now
+            log.info("eval %s (%s): batch %d/%d, %.1f s", name, what, done, total, now)
+    return report
+
+
+def evaluate_benchmark(ctx: RunContext, bundle: ModelBundle, engine, bcfg: BenchmarkConfig, scorer: VerifierScorer,
+                       *, bench_index: int = 0) -> dict:
+    """The results of one benchmark (the same dict on every rank; collective)."""
+    ecfg: EvalConfig = ctx.cfg.eval
+    env = ctx.env
+    opened = open_benchmark(bcfg, template=bcfg.prompt_template or ecfg.prompt_template, system_prompt=ecfg.system_prompt)
+    bad: BadRecordLog = opened.bad_records
+    prompt_budget = ctx.cfg.data.max_tokens_per_pack - ecfg.max_new_tokens
+    if prompt_budget < 16:
+        raise ValueError(f"data.max_tokens_per_pack: {ctx.cfg.data.max_tokens_per_pack} leaves {prompt_budget} tokens for "
+                         f"a prompt before eval.max_new_tokens = {ecfg.max_new_tokens}; raise it")
+    data_cfg = dataclasses.replace(ctx.cfg.data, max_tokens_per_pack=prompt_budget)
+    local: list[dict] = []
+    try:
+        loader = build_eval_dataloader(data_cfg, bundle.processor, dp_rank=env.rank, dp_size=bundle.dims.dp_size,
+                                       mode="generation", batch_size=ecfg.batch_size, padding_side="left",
+                                       bad_records=bad, source=opened.source)
+    except ValueError as e:  # no usable row at all: reported, not fatal for the other benchmarks
+        log.warning("eval %s: %s", bcfg.name, e)
+        loader = None
+    if loader is not None:
+        stop = tuple(ecfg.stop)
+        rows_by_index: dict[int, dict] = {}
+        if ecfg.greedy:
+            params = SamplingParams(max_new_tokens=ecfg.max_new_tokens, temperature=0.0, stop=stop)
+            rows = generate_answers(bundle, engine, loader, params, progress=_progress(bcfg.name, "greedy", env.is_main))
+            for row, scores in zip(rows, scorer.score(rows)):
+                rows_by_index[row.index] = _row_record(row) | {"greedy": row.completions[0], "greedy_score": scores[0]}
+        if ecfg.samples:
+            params = SamplingParams(max_new_tokens=ecfg.max_new_tokens, n=ecfg.samples, temperature=ecfg.temperature,
+                                    top_p=ecfg.top_p, top_k=ecfg.top_k, stop=stop)
+            gen = sampling_generator(ctx.cfg.train.seed, bench_index, env.rank, env.device, salt=_SAMPLING_SALT)
+            rows = generate_answers(bundle, engine, loader, params, generator=gen,
+                                    progress=_progress(bcfg.name, f"{ecfg.samples} samples", env.is_main))
+            for row, scores in zip(rows, scorer.score(rows)):
+                rows_by_index.setdefault(row.index, _row_record(row)).update(samples=row.completions, sample_scores=scores)
+        local = list(rows_by_index.values())
+    parts = all_gather_objects({"rows": local, "bad": bad.to_dict()["records"]})
+    merged_bad = BadRecordLog()
+    rows_all: list[dict] = []
+    for p in parts:
+        rows_all += p["rows"]
+        merged_bad.extend(p["bad"])
+    rows_all.sort(key=lambda r: r["index"])
+    return {"name": bcfg.name, "format": bcfg.format, "path": bcfg.path, "num_rows": len(opened.source),
+            "metrics": _metrics(rows_all, ecfg), "verifiers": dict(Counter(r["verifier"] for r in rows_all)),
+            "bad_records": merged_bad.to_dict(), "rows": rows_all}
+
+
+def _row_record(row: GeneratedAnswers) -> dict:
+    group = row.meta.get("question_type")
+    return {"index": row.index, "id": row.meta.get("id"), "answer": row.reference,
+            "verifier": row.meta.get("verifier", "short_answer"), "group": group if isinstance(group, str) else None}
+
+
+def _metrics(rows: list[dict], ecfg: EvalConfig) -> dict:
+    thr = ecfg.correct_threshold
+    out: dict = {"num_scored": len(rows)}
+    greedy = [r["greedy_score"] for r in rows if "greedy_score" in r]
+    if ecfg.greedy:
+        out["greedy_accuracy"] = sum(s >= thr for s in greedy) / len(greedy) if greedy else None
+        groups: dict[str, list[bool]] = {}
+        for r in rows:  # per question type (first-seen order), as the training-time answer accuracy reports it
+            if r.get("group") is not None and "greedy_score" in r:
+                groups.setdefault(r["group"], []).append(r["greedy_score"] >= thr)
+        for name, hits in groups.items():
+            out[f"greedy_accuracy/{name}"] = sum(hits) / len(hits)
+    sampled = [r["sample_scores"] for r in rows if "sample_scores" in r]
+    if ecfg.samples:
+        k = ecfg.samples
+        out[f"avg@{k}"] = avg_at_k(sampled, thr) if sampled else None
+        out[f"pass@{k}"] = (sum(pass_at_k(k, sum(s >= thr for s in row), k) for row in sampled) / len(sampled)
+                            if sampled else None)
+    return out

@@ -1,0 +1,244 @@
+"""Benchmark files as evaluation records: column adapters for the public releases, read locally.
+
+A benchmark row becomes a `Record` (data/messages.py) with one user turn — the row's images, then
+the prompt text — and the reference answer as the last assistant turn, so the data pipeline's eval
+loader (`build_eval_dataloader(..., source=...)`) encodes it exactly as it encodes an SFT held-out
+prompt. The prompt text is `prompt_template.format(problem=...)`, where the problem is the question
+with its image placeholders (`<image>`, `<image1>`, `<image 1>`) removed — the images are placed
+before the text — and, for formats that keep the options apart from the question, the options as
+lines "A. ...". The record's metadata carries what the verifiers need: `answer`, `problem`,
+`choices` (option texts, lettered in order), `verifier` (which scorer this row uses), `id`, and a
+`question_type` column when the release has one (MathVista, MMMU: per-type accuracy).
+
+Formats and the columns they expect (`[[eval.benchmarks]] columns` renames any of them; question,
+answer and a given images column must exist, choices and id are used when present):
+
+    format      question   answer   images                       choices            id    verifier (auto)
+    geometry3k  problem    answer   images (list)                -                  -     math
+    mathvista   query      answer   decoded_image                choices (list)     pid   choice if choices else math
+    mathvision  question   answer   decoded_image                options (list)     id    choice if options else math
+    logicvista  question   answer   image                        -                  -     choice (options in the question)
+    mmmu        question   answer   image_1 ... image_7          options            id    choice if options else math
+    columns     (all from `columns`)                                                      choice if choices else math
+    messages    a messages JSONL record (the last assistant turn is the answer)           short_answer
+
+- geometry3k: hiyouga/geometry3k (test split): `images` a list of Image structs, `problem` with
+  "<image>" markers, `answer` a LaTeX expression.
+- mathvista: AI4Math/MathVista testmini: `query` is the official prompt (hint, question and the
+  "Choices:" lines already in it, so options are not appended again), `decoded_image` the Image,
+  `choices` the option texts of multi-choice rows (null for free-form), `answer` the option text
+  or the number, `pid` the id.
+- mathvision: MathLLMs/MathVision (test / testmini): `question` with "<image1>" markers, `options`
+  a list (empty for free-form rows), `answer` a letter or a value, `decoded_image` the Image.
+- logicvista: LogicVista: `question` with its lettered options in the text, `answer` the letter,
+  `image` the Image.
+- mmmu: MMMU-style multiple choice: `question` with "<image 1>" markers, `options` the option
+  texts as a list or as the Python-literal string the MMMU release stores ("['a', 'b']", read with
+  `ast.literal_eval`, which accepts literals only), `image_1` ... `image_7` (null when unused),
+  `answer` the letter (open questions: the value).
+
+An image is an Image struct ({"bytes", "path"}), raw bytes or a path (relative paths resolve
+against `image_root`, else the data file's folder). A row without a question or answer, or with
+options it cannot read, is a bad record (counted by file and row, never fatal).
+"""
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
+from megatron_vlm.data.data_files import HF_SUFFIXES, MESSAGES_SUFFIXES, find_data_files
+from megatron_vlm.data.messages import Record, read_messages_jsonl, resolve_path
+from megatron_vlm.data.sources import ListRecords
+from megatron_vlm.data.table_rows import TableRows
+from megatron_vlm.eval.config import BenchmarkConfig
+
+__all__ = ["BenchmarkFormat", "FORMATS", "BenchmarkRecords", "OpenedBenchmark", "open_benchmark", "benchmark_record",
+           "format_options"]
+
+OPTION_LETTERS = "ABCDEFGHIJ"
+_PLACEHOLDER = re.compile(r"<image\s*\d*>", re.IGNORECASE)
+_MAX_OPTIONS_CHARS = 100_000
+
+
+@dataclass(frozen=True)
+class BenchmarkFormat:
+    columns: dict[str, str]
+    """Our field -> the release's column (question, answer, choices, id)."""
+    image_columns: tuple[str, ...] = ()
+    """Columns holding images (each one image, a list of images or null), in prompt order."""
+    append_options: bool = True
+    """Write the options under the question ("A. ..."); false when the question text has them."""
+    free_verifier: str = "math"
+    """The "auto" verifier of rows without options."""
+    choice_verifier: str = "choice"
+    """The "auto" verifier of rows with options."""
+
+
+FORMATS: dict[str, BenchmarkFormat] = {
+    "geometry3k": BenchmarkFormat({"question": "problem", "answer": "answer"}, ("images",)),
+    "mathvista": BenchmarkFormat({"question": "query", "answer": "answer", "choices": "choices", "id": "pid"},
+                                 ("decoded_image",), append_options=False),
+    "mathvision": BenchmarkFormat({"question": "question", "answer": "answer", "choices": "options", "id": "id"},
+                                  ("decoded_image",)),
+    "logicvista": BenchmarkFormat({"question": "question", "answer": "answer"}, ("image",), free_verifier="choice"),
+    "mmmu": BenchmarkFormat({"question": "question", "answer": "answer", "choices": "options", "id": "id"},
+                            tuple(f"image_{k}" for k in range(1, 8))),
+    "columns": BenchmarkFormat({}),
+}
+
+
+def _as_list(value: Any) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _image_ref(value: Any, root: Path) -> Any:
+    if isinstance(value, dict):  # an Image feature's {"bytes", "path"} struct
+        if value.get("bytes"):
+            return {"bytes": value["bytes"], "path": value.get("path")}
+        value = value.get("path")
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, str) and value:
+        return resolve_path(value, root)
+    raise BadRecordError("invalid_record", f"unsupported image entry {type(value).__name__}")
+
+
+def _options(value: Any, column: str) -> list[str]:
+    """Option texts from a list or from the Python-literal string of a list (MMMU)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        text = value.strip()
+        if not text:
+            return []
+        if len(text) > _MAX_OPTIONS_CHARS:
+            raise BadRecordError("invalid_record", f"column {column!r}: options longer than {_MAX_OPTIONS_CHARS} characters")
+        try:
+            value = ast.literal_eval(text)  # literals only: no names, calls or attributes are evaluated
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            raise BadRecordError("invalid_record", f"column {column!r}: options are not a list literal: {text[:60]!r}") from None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, (str, int, float)) for v in value):
+        raise BadRecordError("invalid_record", f"column {column!r}: expected a list of option texts")
+    if len(value) > len(OPTION_LETTERS):
+        raise BadRecordError("invalid_record", f"column {column!r}: {len(value)} options, at most {len(OPTION_LETTERS)}")
+    return [str(v) for v in value]
+
+
+def format_options(choices: list[str]) -> str:
+    return "\n".join(f"{OPTION_LETTERS[i]}. {c}" for i, c in enumerate(choices))
+
+
+def benchmark_record(row: dict, fmt: BenchmarkFormat, columns: dict[str, str], *, verifier: str, template: str,
+                     system_prompt: Optional[str], root: Path, source: str, index: int) -> Record:
+    """The evaluation `Record` of one benchmark row (module docstring)."""
+    question, answer = row.get(columns["question"]), row.get(columns["answer"])
+    if not isinstance(question, str) or not _PLACEHOLDER.sub("", question).strip():
+        raise BadRecordError("invalid_record", f"column {columns['question']!r}: empty or not text")
+    if answer is None or not str(answer).strip():
+        raise BadRecordError("invalid_record", f"column {columns['answer']!r} is empty")
+    answer = str(answer).strip()
+    choices = _options(row.get(columns["choices"]), columns["choices"]) if "choices" in columns else []
+    problem = _PLACEHOLDER.sub("", question).strip()
+    if choices and fmt.append_options:
+        problem = f"{problem}\n{format_options(choices)}"
+    image_cols = (columns["images"],) if "images" in columns else fmt.image_columns
+    images = [_image_ref(v, root) for col in image_cols for v in _as_list(row.get(col))]
+    if verifier == "auto":
+        verifier = fmt.choice_verifier if choices else fmt.free_verifier
+    content: list[dict] = [{"type": "image", "image": im} for im in images]
+    content.append({"type": "text", "text": template.format(problem=problem)})
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages += [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]
+    meta: dict[str, Any] = {"answer": answer, "problem": problem, "verifier": verifier}
+    if choices:
+        meta["choices"] = choices
+    if "id" in columns and row.get(columns["id"]) is not None:
+        meta["id"] = str(row[columns["id"]])
+    if isinstance(row.get("question_type"), str):  # MathVista / MMMU: per-type accuracy in the results
+        meta["question_type"] = row["question_type"]
+    return Record(messages, source, index, meta)
+
+
+class BenchmarkRecords:
+    """The rows of one benchmark's files as records (a data-pipeline record source: `get`, `locate`)."""
+
+    def __init__(self, cfg: BenchmarkConfig, *, template: str, system_prompt: Optional[str] = None):
+        self.name = cfg.path
+        self.fmt = FORMATS[cfg.format]
+        self.columns = {**self.fmt.columns, **cfg.columns}
+        self.verifier, self.template, self.system_prompt = cfg.verifier, template, system_prompt
+        self.image_root = Path(cfg.image_root) if cfg.image_root else None
+        self.bad_records = BadRecordLog()
+        self.rows = TableRows(cfg.path, suffixes=HF_SUFFIXES, bad_records=self.bad_records)
+        image_cols = (self.columns["images"],) if "images" in self.columns else ()
+        for file in self.rows.files:
+            have = set(self.rows.columns(file))
+            required = [self.columns[k] for k in ("question", "answer", "images") if k in self.columns]
+            missing = sorted(c for c in required if c not in have)  # choices / id: used when present
+            if have and missing:
+                raise ValueError(f"eval.benchmarks {cfg.name!r}: {file} has no column(s) {missing} for format "
+                                 f"{cfg.format!r} (has {sorted(have)}); rename them with `columns`")
+            if have and not image_cols and self.fmt.image_columns and not have & set(self.fmt.image_columns):
+                raise ValueError(f"eval.benchmarks {cfg.name!r}: {file} has none of the image columns "
+                                 f"{list(self.fmt.image_columns)} of format {cfg.format!r}; name one with columns.images")
+        self._n = min(len(self.rows), cfg.max_samples) if cfg.max_samples else len(self.rows)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def locate(self, i: int) -> tuple[str, int]:
+        return self.rows.locate(i)
+
+    def identity(self) -> dict:
+        """What the records depend on (the length cache's key): files, mapping, prompt and count."""
+        return {"files": self.rows.identity(), "columns": self.columns, "template": self.template,
+                "system": self.system_prompt, "verifier": self.verifier, "n": self._n}
+
+    def get(self, i: int) -> Record:
+        source, index = self.rows.locate(i)
+        root = self.image_root or Path(source).resolve().parent
+        return benchmark_record(self.rows.row(i), self.fmt, self.columns, verifier=self.verifier, template=self.template,
+                                system_prompt=self.system_prompt, root=root, source=source, index=index)
+
+
+@dataclass
+class OpenedBenchmark:
+    source: Any
+    """The record source (`BenchmarkRecords`, or `ListRecords` for messages JSONL)."""
+    bad_records: BadRecordLog = field(default_factory=BadRecordLog)
+    """Rows left out while opening (malformed JSON lines); per-row problems are added by the loader."""
+
+
+def _messages_source(cfg: BenchmarkConfig, template: str, system_prompt: Optional[str]) -> OpenedBenchmark:
+    bad = BadRecordLog()
+    records = read_messages_jsonl(cfg.path, image_root=cfg.image_root or None, bad_records=bad)
+    verifier = "short_answer" if cfg.verifier == "auto" else cfg.verifier
+    out = []
+    for r in records[: cfg.max_samples or None]:
+        messages = [dict(m) for m in r.messages]
+        if template != "{problem}":  # the template applies to the text of the last user turn
+            last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+            c = messages[last]["content"]
+            messages[last]["content"] = (template.format(problem=c) if isinstance(c, str) else
+                                         [dict(it, text=template.format(problem=it["text"])) if it["type"] == "text" else it
+                                          for it in c])
+        if system_prompt and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        out.append(Record(messages, r.source, r.index, dict(r.meta, verifier=verifier)))
+    return OpenedBenchmark(ListRecords(cfg.path, out, find_data_files(cfg.path, MESSAGES_SUFFIXES)), bad)
+
+
+def open_benchmark(cfg: BenchmarkConfig, *, template: str, system_prompt: Optional[str] = None) -> OpenedBenchmark:
+    """The record source of one `[[eval.benchmarks]]` table (ValueError when its files or columns do
+    not fit the format)."""
+    if cfg.format == "messages":
+        return _messages_source(cfg, template, system_prompt)
+    src = BenchmarkRecords(cfg, template=template, system_prompt=system_prompt)
+    return OpenedBenchmark(src, src.bad_records)
+

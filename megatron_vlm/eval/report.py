@@ -1,0 +1,74 @@
+"""The files an evaluation job writes into its run folder (rank 0):
+
+- `eval_results.json`: the model, the settings, and per benchmark its metrics (greedy accuracy,
+  Avg@k, pass@k), how many rows it has / were scored, which verifiers scored them and the bad
+  records (skipped rows by file, row and category);
+- `eval_results.md`: the same as a table (benchmark x metric, with the sample and bad-record
+  counts) followed by the bad records of each benchmark — what a person reads;
+- `eval_predictions/<benchmark>.jsonl`: every scored row (reference, completions, scores) for
+  looking at what the model answered.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["write_eval_results", "results_table"]
+
+_MAX_LISTED_BAD = 20
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _fmt(v: Any) -> str:
+    return "-" if v is None else f"{100 * v:.1f}"
+
+
+def results_table(results: list[dict], settings: dict) -> str:
+    """The markdown report (module docstring); metrics in percent."""
+    k = settings.get("samples") or 0
+    metric_cols = (["greedy"] if settings.get("greedy") else []) + ([f"avg@{k}", f"pass@{k}"] if k else [])
+    head = ["benchmark", "rows", "scored", "bad records"] + [
+        "greedy Avg@1" if m == "greedy" else m.replace("avg@", "Avg@") for m in metric_cols]
+    lines = [f"# Evaluation of {settings.get('model')}", "",
+             f"Accuracy in percent. Greedy = temperature 0, one completion; Avg@{k} / pass@{k} = {k} samples at "
+             f"temperature {settings.get('temperature')}." if k else "Accuracy in percent (greedy: temperature 0).", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        m = r["metrics"]
+        cells = [r["name"], str(r["num_rows"]), str(m["num_scored"]), str(r["bad_records"]["num_bad_records"])]
+        cells += [_fmt(m.get("greedy_accuracy" if c == "greedy" else c)) for c in metric_cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    for r in results:
+        bad = r["bad_records"]
+        if not bad["num_bad_records"]:
+            continue
+        lines += ["", f"## Bad records of {r['name']} ({bad['num_bad_records']}: "
+                      + ", ".join(f"{c} {n}" for c, n in bad["by_category"].items()) + ")", ""]
+        for rec in bad["records"][:_MAX_LISTED_BAD]:
+            lines.append(f"- {rec['source']}:{rec['index']} {rec['category']}: {rec['detail']}")
+        if len(bad["records"]) > _MAX_LISTED_BAD:
+            lines.append(f"- ... {len(bad['records']) - _MAX_LISTED_BAD} more in eval_results.json")
+    return "\n".join(lines) + "\n"
+
+
+def write_eval_results(run_dir: str | os.PathLike, results: list[dict], settings: dict) -> Path:
+    """Write the three outputs (module docstring); returns the path of eval_results.json."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    summary = {"settings": settings,
+               "benchmarks": {r["name"]: {k: v for k, v in r.items() if k not in ("rows", "name")} for r in results}}
+    path = run_dir / "eval_results.json"
+    _atomic_write(path, json.dumps(summary, indent=2, default=str) + "\n")
+    _atomic_write(run_dir / "eval_results.md", results_table(results, settings))
+    pred_dir = run_dir / "eval_predictions"
+    pred_dir.mkdir(exist_ok=True)
+    for r in results:
+        _atomic_write(pred_dir / f"{r['name']}.jsonl", "".join(json.dumps(row, default=str) + "\n" for row in r["rows"]))
+    return path

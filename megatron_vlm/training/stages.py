@@ -1,0 +1,97 @@
+"""Curriculum stages: one SFT command that runs `[[stages]]` one after the other, each stage starting
+from the previous stage's Hugging Face export.
+
+Why: a curriculum (the RoboVQA recipe: single questions first, then multi-turn conversations over
+the same videos) is several SFT runs chained by hand — stage 2's `model.path` is stage 1's export,
+its optimizer and schedule start fresh, its data, frames, length budget, learning rate and trained
+layers differ. Written as `[[stages]]` tables it is one command that resumes where it stopped.
+
+Each stage is the run's config with the stage's keys put in place (a key left out keeps the value of
+the main sections) and:
+
+- `train.output_dir` = `<output_dir>/<stage name>` (its own checkpoints, metrics and `hf/` export);
+- `model.path` = the previous stage's `<output_dir>/<previous name>/hf` (the first stage uses
+  `model.path`, synthesized when `model.synthesize` says so);
+- a fresh optimizer and schedule (a new run folder); `checkpoint.resume = "auto"` applies per stage,
+  so an interrupted stage continues from its newest checkpoint and a finished stage (its `hf/`
+  export is complete: exports are put in place atomically) is skipped when the command runs again.
+
+`stage_overrides` is the pure part (dict edits on the resolved config); `megatron_vlm.jobs.run_stages`
+runs the stages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = ["StageConfig", "stage_overrides", "stage_dir"]
+
+
+@dataclass(kw_only=True)
+class StageConfig:
+    name: str
+    """Stage name: its run folder is `<train.output_dir>/<name>`."""
+    train_path: Optional[str] = None
+    """Training data of this stage (same format as data.train_path); unset = data.train_path."""
+    eval_path: Optional[str] = None
+    """Held-out data of this stage; unset = data.eval_path."""
+    max_frames: Optional[int] = None
+    """data.max_frames for this stage (e.g. 4 frames, then 10)."""
+    max_tokens_per_pack: Optional[int] = None
+    """data.max_tokens_per_pack for this stage (longer multi-turn samples need more)."""
+    max_steps: Optional[int] = None
+    """Optimizer steps of this stage; with `epochs` unset too, the main [train] length applies."""
+    epochs: Optional[float] = None
+    """Passes over this stage's data (used when max_steps is unset)."""
+    lr: Optional[float] = None
+    """Peak learning rate of this stage (optimizer.lr)."""
+    train_layers: Optional[list[str]] = None
+    """train.train_layers for this stage (which parameters train; [] = all)."""
+
+    def validate(self) -> None:
+        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"name: use letters, digits, '_' and '-' (it names a folder), got {self.name!r}")
+        if self.max_steps is not None and self.max_steps <= 0:
+            raise ValueError(f"max_steps: must be > 0, got {self.max_steps}")
+        if self.epochs is not None and self.epochs <= 0:
+            raise ValueError(f"epochs: must be > 0, got {self.epochs}")
+        if self.lr is not None and self.lr <= 0:
+            raise ValueError(f"lr: must be > 0, got {self.lr}")
+        if self.max_frames is not None and self.max_frames <= 0:
+            raise ValueError(f"max_frames: must be > 0, got {self.max_frames}")
+
+
+def stage_dir(output_dir: str | Path, stage: StageConfig) -> Path:
+    return Path(output_dir) / stage.name
+
+
+def stage_overrides(raw: dict, stages: list[StageConfig], index: int) -> dict:
+    """The config dict of stage `index` from the run's resolved config dict `raw` (`to_dict(cfg)`):
+    the stage's keys in place, its own run folder, the previous stage's export as the model, no
+    `[[stages]]` left (a stage is a plain SFT run)."""
+    stage = stages[index]
+    out: dict[str, Any] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items() if k != "stages"}
+    data, train = dict(out.get("data", {})), dict(out.get("train", {}))
+    for key in ("train_path", "eval_path", "max_frames", "max_tokens_per_pack"):
+        if getattr(stage, key) is not None:
+            data[key] = getattr(stage, key)
+    if stage.max_steps is not None or stage.epochs is not None:
+        train.pop("max_steps", None)
+        train.pop("epochs", None)
+        if stage.max_steps is not None:
+            train["max_steps"] = stage.max_steps
+        if stage.epochs is not None:
+            train["epochs"] = stage.epochs
+    if stage.train_layers is not None:
+        train["train_layers"] = list(stage.train_layers)
+    train["output_dir"] = str(stage_dir(raw["train"]["output_dir"], stage))
+    if stage.lr is not None:
+        out["optimizer"] = dict(out.get("optimizer", {}), lr=stage.lr)
+    if index > 0:
+        model = dict(out["model"])
+        model["path"] = str(stage_dir(raw["train"]["output_dir"], stages[index - 1]) / "hf")
+        model.pop("synthesize", None)
+        out["model"] = model
+    out["data"], out["train"] = data, train
+    return out

@@ -92,7 +92,7 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         apply_train_layers(model, cfg.train.train_layers)
     except ValueError as e:
         raise CheckFailed("train.train_layers", str(e).split(": ", 1)[-1]) from None
-    if cfg.lora is not None:  # the adapters' layers are checked here; only they count as trainable
+    if getattr(cfg, "lora", None) is not None:  # the adapters' layers are checked here; only they count as trainable
         from megatron_vlm.models.common.lora import apply_lora
         from megatron_vlm.training.lora import select_lora_targets
 

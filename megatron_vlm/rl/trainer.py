@@ -107,7 +107,7 @@ def build_grpo_parts(ctx: RunContext, bundle: ModelBundle) -> GRPOParts:
         all_ranks_active=lambda active: any_rank(active, env.device),
     )
     reference = None
-    if rl.kl_coef > 0 and cfg.lora is not None:  # base = the policy without its adapters: no second copy
+    if rl.kl_coef > 0 and getattr(cfg, "lora", None) is not None:  # base = the policy without its adapters: no second copy
         reference = BaseModelReference(bundle.wrapper, bundle.model, temperature=rl.temperature)
     elif rl.kl_coef > 0:
         reference = ReferencePolicy.from_pretrained(cfg.model.path, dtype=dtype, device=env.device,

@@ -65,7 +65,7 @@ class Checkpointer:
     def __init__(self, ctx: RunContext, wrapper, optim: OptimState):
         self.cfg = ctx.cfg.checkpoint
         self.model_path = ctx.cfg.model.path
-        self.lora = ctx.cfg.lora
+        self.lora = getattr(ctx.cfg, "lora", None)  # [lora] section, None for full fine-tuning
         self.is_main = ctx.env.is_main
         self.wrapper, self.optim = wrapper, optim
         self.manager = CheckpointManager(ctx.run_dir, self.cfg.keep_last, ctx.env.rank)

@@ -54,13 +54,14 @@ def build_model_bundle(ctx: RunContext) -> ModelBundle:
     processor = load_processor(cfg.model.path, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels,
                                video_min_pixels=cfg.data.video_min_pixels, video_max_pixels=cfg.data.video_max_pixels)
     model = load_hf_model(cfg.model.path, dtype=getattr(torch, cfg.model.dtype), device="cpu")
-    if cfg.lora is not None:  # adapters before sharding: FSDP2 wraps them with the rest of each block
+    lora = getattr(cfg, "lora", None)  # [lora] section (None: full fine-tuning)
+    if lora is not None:  # adapters before sharding: FSDP2 wraps them with the rest of each block
         try:
-            setup_lora(model, cfg.lora, model.hf_config)
+            setup_lora(model, lora, model.hf_config)
         except (ValueError, FileNotFoundError) as e:  # a wrong [lora] key / adapter folder: exit 2, like a config error
             raise LoRASetupError(str(e)) from None
     trainable, total = apply_train_layers(model, cfg.train.train_layers)
-    if cfg.lora is not None:
+    if lora is not None:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("model %s: %.2fM parameters, %.2fM trainable", type(model).__name__, total / 1e6, trainable / 1e6)
     wrapper = TokenLogprobModel(model)

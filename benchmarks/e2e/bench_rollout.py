@@ -233,6 +233,21 @@ def main() -> None:
         results[name]["vs_transformers_min"] = min(ratios)
         print(f"{name} / transformers generate = median {statistics.median(ratios):.2f}x, min {min(ratios):.2f}x "
               f"({len(ratios)} interleaved rounds)")
+    # the per-step cost of rl.rollout_weights = "copy" on one device: refreshing an engine-owned copy
+    # from the trainer's full weights (here: our model's state dict into a second model)
+    import copy
+
+    copy_engine = PolicyRolloutEngine(copy.deepcopy(model), NoDecode(), eos_token_ids=[-1], device=device, sync_from=model)
+    refresh = []
+    for version in range(3):
+        copy_engine.load_weights(None, version=version)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        refresh.append(copy_engine.weight_sync_s)
+        copy_engine.weight_sync_s = 0.0
+    results["weight_refresh"] = {"seconds": statistics.median(refresh)}
+    print(f"weight refresh (copy mode, one device): {statistics.median(refresh) * 1e3:.1f} ms per step "
+          f"= {statistics.median(refresh) / results['ours_shared_prefix']['seconds']:.1%} of one generate call")
     share_gain = results["ours_shared_prefix"]["tokens_per_s"] / results["ours_no_sharing"]["tokens_per_s"]
     print(f"prefix sharing speed-up = {share_gain:.2f}x")
     meta = {

@@ -86,6 +86,14 @@ class RLConfig:
     rollout_batch_prompts: int = 0
     """Prompts generated together on one rank (their KV cache holds rollout_batch_prompts * group_size
     sequences); 0 = all of the rank's prompts of a step at once."""
+    rollout_weights: str = "shared"
+    """Weights the rollout engine generates with. "shared": the trainer's parameters, called through the
+    FSDP root (no extra memory, but the parameters are all-gathered at every decoding step and ranks
+    decode in lock-step waves of rollout_batch_prompts). "copy": an unsharded inference copy of the
+    policy on every rank, refreshed once per step from the trainer (one gather of the full weights per
+    step, one more model in memory), decoding with continuous batching (rollout_batch_prompts *
+    group_size slots, refilled as completions end) and no collective per token. On one device nothing
+    is gathered, so "shared" is the cheaper choice there."""
 
     # --- batch and optimisation -----------------------------------------------------------------
     prompts_per_step: int = 32
@@ -220,6 +228,8 @@ class RLConfig:
 
         for name in ("group_size", "max_new_tokens", "prompts_per_step", "ppo_epochs", "mini_batches_per_step", "reward_workers"):
             positive(name)
+        if self.rollout_weights not in ("shared", "copy"):
+            raise ValueError(f"rollout_weights: must be 'shared' or 'copy', got {self.rollout_weights!r}")
         if self.rollout_batch_prompts < 0:
             raise ValueError(f"rollout_batch_prompts: must be >= 0 (0 = all at once), got {self.rollout_batch_prompts}")
         if self.temperature <= 0:

@@ -34,7 +34,7 @@ from megatron_vlm.training.bad_record_summary import write_bad_record_summary
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 
-__all__ = ["check_model_folder", "check_grpo_config", "grpo_total_steps", "rollout_batch_prompts", "GRPOParts",
+__all__ = ["check_model_folder", "check_grpo_config", "grpo_total_steps", "rollout_batch_prompts", "build_rollout_engine", "GRPOParts",
            "build_grpo_parts", "GRPOLoopStep"]
 
 log = logging.getLogger("megatron_vlm")
@@ -75,6 +75,26 @@ def rollout_batch_prompts(rl, model, *, max_tokens_per_pack: int, bytes_per_elem
                                       rl.group_size, max_tokens_per_pack)
 
 
+def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: torch.dtype, device: torch.device,
+                         per_batch: int) -> PolicyRolloutEngine:
+    """`rl.rollout_weights = "shared"`: the engine calls the trainer's model through the FSDP root, ranks in
+    lock-step. "copy": an unsharded copy of the policy on this rank (read from the model folder, then
+    refreshed from the trainer's weights at every `load_weights`), continuous batching with
+    per_batch * group_size slots (0: all of the step's samples)."""
+    if rl.rollout_weights == "copy":
+        from megatron_vlm.checkpoint.hf import load_hf_model
+
+        policy_copy = load_hf_model(model_path, dtype=dtype, device=device).eval()
+        policy_copy.requires_grad_(False)
+        return PolicyRolloutEngine(policy_copy, bundle.processor.tokenizer, cache_dtype=dtype, device=device,
+                                   max_num_seqs=per_batch * rl.group_size, sync_from=bundle.model)
+    return PolicyRolloutEngine(
+        bundle.model, bundle.processor.tokenizer, forward=lambda **kw: bundle.wrapper(model_kwargs=kw), cache_dtype=dtype,
+        device=device, max_prompts_per_batch=per_batch,
+        all_ranks_active=lambda active: any_rank(active, device),
+    )
+
+
 @dataclass
 class GRPOParts:
     sets: PromptSets
@@ -101,11 +121,7 @@ def build_grpo_parts(ctx: RunContext, bundle: ModelBundle) -> GRPOParts:
     encoder = PromptEncoder(bundle.processor, max_frames=cfg.data.max_frames, fps=cfg.data.fps, max_new_tokens=budget,
                             max_tokens=cfg.data.max_tokens_per_pack, limits=MediaLimits.from_config(cfg.data),
                             bad_records=bad_records)
-    engine = PolicyRolloutEngine(
-        bundle.model, bundle.processor.tokenizer, forward=lambda **kw: bundle.wrapper(model_kwargs=kw), cache_dtype=dtype,
-        device=env.device, max_prompts_per_batch=per_batch,
-        all_ranks_active=lambda active: any_rank(active, env.device),
-    )
+    engine = build_rollout_engine(rl, bundle, cfg.model.path, dtype=dtype, device=env.device, per_batch=per_batch)
     reference = None
     if rl.kl_coef > 0 and getattr(cfg, "lora", None) is not None:  # base = the policy without its adapters: no second copy
         reference = BaseModelReference(bundle.wrapper, bundle.model, temperature=rl.temperature)

@@ -91,6 +91,15 @@ def _vision_token_ids(model) -> list[int]:
     return [int(getattr(args, n)) for n in names if isinstance(getattr(args, n, None), int)]
 
 
+def _full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with every sharded (DTensor) entry gathered to its full tensor."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        full = getattr(tensor, "full_tensor", None)
+        out[name] = full() if callable(full) else tensor
+    return out
+
+
 class _Run:
     """Device buffers and bookkeeping of one batch of slots (one `generate` wave)."""
 
@@ -122,11 +131,13 @@ class PolicyRolloutEngine(RolloutEngine):
         share_prefix: bool = True,
         all_ranks_active: Optional[Callable[[bool], bool]] = None,
         suppress_token_ids: Optional[Iterable[int]] = None,
+        sync_from: Optional[torch.nn.Module] = None,
     ):
         """`model`: the family model (a `VLMBase`: `new_cache`, forward with `kv_cache=`); `forward`: how to call
         it (default `model`: the engine's own copy, continuous batching); `cache_dtype`: the compute dtype of
         keys / values (bf16 under FSDP mixed precision; default the model's weight dtype);
-        `max_prompts_per_batch`: prompts per lock-step wave (0 = all); `max_num_seqs`: slots of continuous
+        `sync_from`: the trainer's model (possibly FSDP-sharded) whose full weights `load_weights(None, ...)`
+        copies into `model` (the engine's own copy); `max_prompts_per_batch`: prompts per lock-step wave (0 = all); `max_num_seqs`: slots of continuous
         batching (0 = max_prompts_per_batch * n, or every sample of the call); `suppress_token_ids`: tokens
         never generated (default: the model's vision placeholder / start / end tokens, `model.args.*_token_id`)."""
         if not isinstance(model, VLMBase):
@@ -154,15 +165,24 @@ class PolicyRolloutEngine(RolloutEngine):
         if suppress_token_ids is None:
             suppress_token_ids = _vision_token_ids(model)
         self.suppress_token_ids = torch.tensor(sorted(set(int(i) for i in suppress_token_ids)), dtype=torch.long)
+        if sync_from is not None and not self.owns_forward:
+            raise ValueError("sync_from: only for an engine that generates with its own copy (forward=None)")
+        self.sync_from = sync_from
+        self.weight_sync_s = 0.0
         self.policy_version = 0
         self._step_lock = threading.RLock()  # re-entrant: a forward hook may load weights
         self._interrupt = threading.Event()
 
     # ------------------------------------------------------------------ interface
     def load_weights(self, weights: Optional[Mapping[str, torch.Tensor]] = None, *, version: int) -> None:
-        """`weights` (the model's own state-dict names, full tensors) are copied into the engine's model;
-        None when the engine shares the trainer's parameters (an optimizer update is already visible) —
-        then only the version moves. Waits for a running decode step (another thread) to finish."""
+        """`weights` (the model's own state-dict names, full tensors) are copied into the engine's model.
+        None: with `sync_from`, its full weights are gathered (a collective for a sharded model: every rank
+        calls this together) and copied; otherwise the engine shares the trainer's parameters (an optimizer
+        update is already visible) and only the version moves. Waits for a running decode step (another
+        thread) to finish. The time of the copy is reported as `weight_sync_s` in the next result's stats."""
+        t0 = time.perf_counter()
+        if weights is None and self.sync_from is not None:
+            weights = _full_state_dict(self.sync_from)
         with self._step_lock:
             if weights is not None:
                 missing, unexpected = self.model.load_state_dict(dict(weights), strict=False)
@@ -171,6 +191,8 @@ class PolicyRolloutEngine(RolloutEngine):
                 if missing and len(missing) == len(self.model.state_dict()):
                     raise KeyError("load_weights: none of the names matches the model's parameters")
             self.policy_version = int(version)
+        if weights is not None:
+            self.weight_sync_s += time.perf_counter() - t0
 
     def interrupt(self) -> None:
         self._interrupt.set()
@@ -190,7 +212,9 @@ class PolicyRolloutEngine(RolloutEngine):
                 raise ValueError(f"prompts[{i}]: empty prompt")
         t0 = time.perf_counter()
         checker = StopChecker(self.tokenizer, self.eos_token_ids, params.stop)
-        stats = {"prefill_s": 0.0, "decode_s": 0.0, "forward_calls": 0.0, "decode_steps": 0.0, "prefill_calls": 0.0}
+        stats = {"prefill_s": 0.0, "decode_s": 0.0, "forward_calls": 0.0, "decode_steps": 0.0, "prefill_calls": 0.0,
+                 "weight_sync_s": self.weight_sync_s}
+        self.weight_sync_s = 0.0
         n = params.n
         if self.lockstep:
             step = self.max_prompts_per_batch or len(prompts)

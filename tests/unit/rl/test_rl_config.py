@@ -37,6 +37,7 @@ def test_defaults_validate_and_render_prompt():
         (dict(accuracy_reward="nope"), "accuracy_reward"),
         (dict(reward_timeout_s=0.0), "reward_timeout_s"),
         (dict(rollout_batch_prompts=-1), "rollout_batch_prompts"),
+        (dict(rollout_weights="both"), "rollout_weights"),
         (dict(prompt_template="no placeholder"), "prompt_template"),
         (dict(prompt_template="{problem} {other}"), "prompt_template"),
         (dict(stop=[""]), "stop"),

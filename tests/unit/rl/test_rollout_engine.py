@@ -319,3 +319,12 @@ def test_own_weight_copy_is_refreshed_by_load_weights(models, prompts):
     assert [s.token_ids.tolist() for s in after.samples] != [s.token_ids.tolist() for s in before.samples]
     with pytest.raises(KeyError, match="unknown parameter"):
         eng.load_weights({"no.such.weight": torch.zeros(1)}, version=2)
+    # sync_from: load_weights(None) gathers the trainer model's weights (rl.rollout_weights = "copy")
+    trainer_model = copy.deepcopy(changed)
+    synced = engine(copy.deepcopy(ours), sync_from=trainer_model)
+    synced.load_weights(None, version=4)
+    res = synced.generate(prompts, params)
+    assert [s.token_ids.tolist() for s in res.samples] == [s.token_ids.tolist() for s in expect.samples]
+    assert res.stats["weight_sync_s"] > 0 and all(s.policy_version == 4 for s in res.samples)
+    with pytest.raises(ValueError, match="sync_from"):
+        engine(ours, forward=ours, sync_from=trainer_model)

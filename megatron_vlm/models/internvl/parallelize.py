@@ -10,4 +10,4 @@ from __future__ import annotations
 
 from megatron_vlm.models.common.parallel_plan import make_parallelize
 
-parallelize_internvl = make_parallelize("internvl")
+parallelize_internvl = make_parallelize("internvl", tp_layer_children={"self_attn": "attention", "mlp": "mlp"})

@@ -12,4 +12,5 @@ from __future__ import annotations
 
 from megatron_vlm.models.common.parallel_plan import make_parallelize
 
-parallelize_nemotron_vl = make_parallelize("nemotron_vl", unsupported_dims=("tp", "cp"))
+parallelize_nemotron_vl = make_parallelize("nemotron_vl", unsupported_dims=("cp",), tp_layer_children={"mixer": "auto"},
+                                           tp_embedding="language_model.embeddings")

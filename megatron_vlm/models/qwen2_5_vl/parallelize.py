@@ -9,4 +9,4 @@ from __future__ import annotations
 
 from megatron_vlm.models.common.parallel_plan import make_parallelize
 
-parallelize_qwen2_5_vl = make_parallelize("qwen2_5_vl")
+parallelize_qwen2_5_vl = make_parallelize("qwen2_5_vl", tp_layer_children={"self_attn": "attention", "mlp": "mlp"})

@@ -14,4 +14,5 @@ from __future__ import annotations
 
 from megatron_vlm.models.common.parallel_plan import make_parallelize
 
-parallelize_qwen3_vl = make_parallelize("qwen3_vl", unsupported_dims=("tp", "cp"))
+parallelize_qwen3_vl = make_parallelize("qwen3_vl", unsupported_dims=("cp",),
+                                        tp_layer_children={"self_attn": "attention", "mlp": "auto"})

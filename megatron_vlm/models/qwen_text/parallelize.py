@@ -9,4 +9,5 @@ from __future__ import annotations
 
 from megatron_vlm.models.common.parallel_plan import make_parallelize
 
-parallelize_qwen_text = make_parallelize("qwen_text", unsupported_dims=("tp", "cp"))
+parallelize_qwen_text = make_parallelize("qwen_text", unsupported_dims=("cp",),
+                                         tp_layer_children={"self_attn": "attention", "mlp": "auto"})

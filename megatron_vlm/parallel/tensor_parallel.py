@@ -1,0 +1,218 @@
+"""Tensor parallelism (TP) of the language decoders on PyTorch DTensor (`torch.distributed.tensor.parallel`).
+
+Why: a decoder layer of an 8B model no longer fits one device's activations and weights at long
+sequence lengths even when FSDP shards the weights at rest; TP splits every layer's matmuls (and the
+attention heads) over `tp` ranks, which then read the same data.
+
+Layout (Megatron's, expressed with DTensor placements on the "tp" mesh dim):
+
+* attention: q / k / v projections column-parallel (each rank holds `num_heads / tp` query heads and
+  `num_kv_heads / tp` KV heads; `Attention` takes the head count from the projection outputs), o_proj
+  row-parallel (one all-reduce of the output). Per-head QK-norm weights stay whole on every rank (each
+  rank normalises its own heads), their gradient is summed over the tp ranks (`_partial_grad_params`).
+* dense MLP: gate / up (or up alone) column-parallel, down row-parallel (one all-reduce);
+* embedding: vocab-parallel (`Shard(0)` rows, masked lookup + all-reduce); lm_head: the same `Shard(0)`
+  rows (tied or not); its logits are gathered over the vocabulary only for decoding, while training's
+  token log-probs (`vocab_parallel_token_logprobs`) reduce a max, a sum of exponentials and the label's
+  logit over the tp ranks instead of gathering `[N, vocab]`;
+* the residual stream, the norms, the Mamba2 mixers and the MoE blocks (router, shared and routed
+  experts) are replicated over the tp ranks: every rank computes them on the whole sequence, so their
+  gradients are already whole and FSDP treats them as ordinary data-parallel parameters. With expert
+  parallelism the routed experts are sharded by `apply_ep` over ep ranks of the same tp coordinate.
+* vision towers and projectors are replicated: they are a small fraction of the FLOPs of a VLM step
+  (InternViT-300M next to an 8B decoder; RADIO next to a 30B MoE), their sequence (patches) differs
+  from the decoder's, and a replicated tower keeps `merge_vision_embeddings` a local scatter.
+
+Numerics: every tp rank computes the same loss; TP changes only the order of the sums inside the
+sharded matmuls, so losses agree with the dp-only run to fp32 rounding. Checkpoints are DCP over the
+DTensors' global shapes, hence a checkpoint saved with tp=2 loads with any other layout.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+__all__ = ["apply_tp", "check_tp_sizes", "TPError", "vocab_parallel_token_logprobs", "is_vocab_parallel"]
+
+
+class TPError(ValueError):
+    """A size that the tensor-parallel degree does not divide (a configuration error: exit 2)."""
+
+
+def check_tp_sizes(tp: int, sizes: dict[str, int]) -> None:
+    """Raise `TPError` naming the first `key = value` of `sizes` that `parallel.tp` does not divide."""
+    for key, value in sizes.items():
+        if value % tp:
+            raise TPError(f"parallel.tp={tp} does not divide {key}={value}: every tensor-parallel rank must "
+                          "hold the same number of heads / columns / vocabulary rows")
+
+
+def _linear_plan(module: nn.Module, col: Iterable[str], row: Iterable[str]) -> dict:
+    plan = {name: ColwiseParallel() for name in col if getattr(module, name, None) is not None}
+    plan.update({name: RowwiseParallel() for name in row if getattr(module, name, None) is not None})
+    return plan
+
+
+def _partial_grad_params(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Make `module`'s parameters `Replicate` DTensors on the tp mesh whose forward uses the local tensor
+    and whose gradient (different on each tp rank: each rank uses them on its own heads) is summed over
+    the tp ranks (`Partial`), which FSDP2 reduces when it redistributes the gradient to `Replicate`."""
+    names = [n for n, _ in module.named_parameters(recurse=False)]
+    for name in names:
+        p = getattr(module, name)
+        module.register_parameter(name, nn.Parameter(distribute_tensor(p.data, mesh, [Replicate()]),
+                                                     requires_grad=p.requires_grad))
+    orig = module.forward
+
+    @functools.wraps(orig)
+    def forward(*args, _orig=orig, **kwargs):
+        saved = {n: module._parameters[n] for n in names}
+        try:
+            for n, p in saved.items():
+                if isinstance(p, DTensor):
+                    module._parameters[n] = p.to_local(grad_placements=[Partial()])
+            return _orig(*args, **kwargs)
+        finally:
+            module._parameters.update(saved)
+
+    module.forward = forward
+
+
+def _attention_plan(attn: nn.Module, mesh: DeviceMesh, tp: int, where: str) -> None:
+    check_tp_sizes(tp, {f"{where}.num_attention_heads": attn.num_heads, f"{where}.num_key_value_heads": attn.num_kv_heads})
+    if attn.q_norm is not None and not attn.qk_norm_per_head:
+        raise TPError(f"parallel.tp={tp}: {where} normalises q / k over all heads (qk_norm_per_head=False), "
+                      "which needs every head on one rank")
+    parallelize_module(attn, mesh, _linear_plan(attn, ("q_proj", "k_proj", "v_proj"), ("o_proj",)))
+    for norm in (attn.q_norm, attn.k_norm):
+        if norm is not None:
+            _partial_grad_params(norm, mesh)
+    attn.tp_size = tp  # read by Attention.local_heads(): the KV cache holds this rank's heads
+
+
+def _mlp_plan(mlp: nn.Module, mesh: DeviceMesh, tp: int, where: str) -> None:
+    width = (getattr(mlp, "up_proj", None) or mlp.gate_proj).out_features
+    check_tp_sizes(tp, {f"{where}.intermediate_size": width})
+    parallelize_module(mlp, mesh, _linear_plan(mlp, ("gate_proj", "up_proj"), ("down_proj",)))
+
+
+def _is_attention(m: nn.Module) -> bool:
+    return all(hasattr(m, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "num_kv_heads"))
+
+
+def _is_dense_mlp(m: nn.Module) -> bool:
+    return hasattr(m, "down_proj") and isinstance(getattr(m, "down_proj"), nn.Linear) and \
+        isinstance(getattr(m, "up_proj", None), nn.Linear)
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, *, layer_children: dict[str, str], embedding: str) -> None:
+    """Shard `model`'s language decoder over the 1-D tp `mesh`, in place (see the module docstring).
+
+    `layer_children`: for each decoder layer (`model.language_model.layers`), child name -> "attention",
+    "mlp" or "replicated"; a child of kind "auto" is classified by its structure (attention / dense MLP
+    / anything else replicated, e.g. a Mamba2 mixer or a MoE block). `embedding`: the dotted name of the
+    token embedding (vocab-parallel, as is `lm_head`). Raises `TPError` naming a size tp does not divide.
+    """
+    tp = mesh.size()
+    if tp == 1:
+        return
+    check_tp_sizes(tp, {"text_config.vocab_size": model.lm_head.weight.shape[0]})
+    for i, layer in enumerate(model.language_model.layers):
+        for child, kind in layer_children.items():
+            m = getattr(layer, child, None)
+            if m is None:
+                continue
+            if kind == "auto":
+                kind = "attention" if _is_attention(m) else "mlp" if _is_dense_mlp(m) else "replicated"
+            where = f"language_model.layers.{i}.{child}"
+            if kind == "attention":
+                _attention_plan(m, mesh, tp, where)
+            elif kind == "mlp":
+                _mlp_plan(m, mesh, tp, where)
+            elif kind != "replicated":
+                raise ValueError(f"apply_tp: unknown kind {kind!r} for {where}")
+    tied = model.lm_head.weight is model.get_submodule(embedding).weight
+    parallelize_module(model, mesh, {
+        embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        # decoding: logits gathered over the vocabulary; training uses `vocab_parallel_token_logprobs`
+        "lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    })
+    if tied:
+        model.lm_head.weight = model.get_submodule(embedding).weight
+    model.tp_mesh = mesh
+
+
+# ---------------------------------------------------------------------------------------------------
+# vocab-parallel token log-probs
+
+
+def is_vocab_parallel(weight: torch.Tensor) -> bool:
+    """True for an lm_head weight sharded by `apply_tp` (rows = vocabulary split over the tp ranks)."""
+    return isinstance(weight, DTensor) and any(isinstance(p, Shard) and p.dim == 0 for p in weight.placements)
+
+
+class _AllReduce(torch.autograd.Function):
+    """Sum over the tp group; backward passes the gradient through (every tp rank computes the same
+    loss from the sum, so the gradient of each rank's term is the gradient of the sum)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def vocab_parallel_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                                  temperature: float = 1.0, return_entropy: bool = False,
+                                  chunk_size: Optional[int] = None):
+    """log p(labels) `[N]` fp32 (and entropy `[N]`) of softmax(hidden @ W^T / temperature) with W `[V, H]` a
+    `Shard(0)` DTensor over the tp ranks; `hidden` `[N, H]` is the same on every tp rank.
+
+    Each rank computes its `[rows, V / tp]` logits block (rows chunked by `chunk_size`); the softmax is
+    combined with three all-reduces (max, sum of exponentials, the label's logit from the rank that owns
+    it; and for the entropy the sum of p * z): the `[N, V]` logits are never gathered. Labels -100 give 0. The gradient of
+    `hidden` is summed over the tp ranks (each holds the contribution of its vocabulary rows)."""
+    mesh = weight.device_mesh
+    tp_dim = next(i for i, p in enumerate(weight.placements) if isinstance(p, Shard) and p.dim == 0)
+    group = mesh.get_group(tp_dim)
+    tp, rank = mesh.size(tp_dim), mesh.get_local_rank(tp_dim)
+    local_w = weight.to_local()
+    vocab = weight.shape[0]
+    start = rank * (vocab // tp)
+    # identity forward, sum of the tp ranks' partial gradients backward
+    h = DTensor.from_local(hidden, mesh, [Replicate()] * mesh.ndim, run_check=False).to_local(
+        grad_placements=[Partial()] * mesh.ndim)
+    n = h.shape[0]
+    chunk = n if not chunk_size else max(1, int(chunk_size))
+    logps, ents = [], []
+    for s in range(0, max(n, 1), chunk):
+        hc, lc = h[s:s + chunk], labels[s:s + chunk]
+        z = (hc @ local_w.t()).float() / temperature                     # [rows, V / tp]
+        m = z.detach().max(-1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        e = torch.exp(z - m[:, None])
+        total = _AllReduce.apply(e.sum(-1), group)
+        local_label = lc - start
+        own = (local_label >= 0) & (local_label < local_w.shape[0])
+        picked = z.gather(-1, local_label.clamp(0, local_w.shape[0] - 1)[:, None])[:, 0] * own
+        label_logit = _AllReduce.apply(picked, group)
+        log_total = torch.log(total) + m
+        logps.append((label_logit - log_total) * (lc != -100))
+        if return_entropy:
+            pz = _AllReduce.apply((e * z).sum(-1), group) / total
+            ents.append(log_total - pz)
+    logp = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)
+    if return_entropy:
+        return logp, (torch.cat(ents) if ents else logp.new_zeros(0))
+    return logp

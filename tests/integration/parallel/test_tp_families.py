@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import os
+import shutil
 import traceback
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import torch.multiprocessing as mp
 from megatron_vlm.config import load_config
 from megatron_vlm.data.synthetic_arith import write_synthetic_arith
 from megatron_vlm.jobs import run_kind
-from megatron_vlm.parallel import init_distributed
+from megatron_vlm.parallel import DistEnv, init_distributed
 from megatron_vlm.testing.synthesize import synthesize_model_folder
 from megatron_vlm.training.context import RunContext
 
@@ -49,7 +50,7 @@ def _sets(tmp: Path, family: str, out: Path, **extra) -> list[str]:
         "model.path": f'"{tmp / family / "model"}"', "model.synthesize": f'"{synth}"',
         "data.max_tokens_per_pack": 128, "data.num_workers": 0, "train.output_dir": f'"{out}"',
         "train.max_steps": STEPS, "train.eval_every": 0, "train.log_every": 1, "checkpoint.every_steps": 0,
-        "checkpoint.resume": '"none"', "logging.tensorboard": "false", "logging.console": "false",
+        "checkpoint.keep_last": 0, "checkpoint.resume": '"none"', "logging.tensorboard": "false", "logging.console": "false",
         "scheduler.warmup_steps": 1, "optimizer.lr": 1e-5,
     }
     if family == "qwen_text":
@@ -74,6 +75,23 @@ def _run(tmp: Path, family: str, out: Path, **extra) -> None:
     dist.barrier()
 
 
+def _grpo(model: Path, out: Path, env: DistEnv, **extra) -> None:
+    """Two GRPO steps of the demo config on the tiny Qwen2.5-VL with a graded (length) reward."""
+    sets = {
+        "model.path": f'"{model}"', "data.synthetic_dir": f'"{model.parent / "data"}"', "data.synthetic_train_size": 48,
+        "data.synthetic_eval_size": 0, "data.max_tokens_per_pack": 160, "train.output_dir": f'"{out}"',
+        "train.max_steps": 2, "logging.tensorboard": "false", "logging.console": "false", "checkpoint.enable": "false",
+        "checkpoint.export_hf": "false", "optimizer.lr": 1e-3, "rl.group_size": 4, "rl.prompts_per_step": 4,
+        "rl.max_new_tokens": 6, "rl.model_path_hint": '""', "rl.eval.every_steps": 0, "rl.eval.at_start": "false",
+        "rl.rewards": '[{type = "custom", function = "tests.integration.grpo_reward_fns.text_length", kwargs = {cap = 40}}]',
+    }
+    sets.update(extra)
+    cfg = load_config(CONFIGS / "demo_grpo.toml", [f"{k}={v}" for k, v in sets.items()])
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    assert run_kind(RunContext(cfg=cfg, env=env, run_dir=out)) == 0
+
+
 def _column(out: Path, key: str) -> list[float]:
     with open(out / "metrics_train.csv") as f:
         return [float(r[key]) for r in csv.DictReader(f)]
@@ -92,15 +110,22 @@ def _worker(rank: int, world: int, port: int, tmp: str, errors) -> None:
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     tmp = Path(tmp)
+    grpo_model = tmp / "grpo" / "model"
     try:
-        init_distributed()
         if rank == 0:
+            # the one-process GRPO reference, in a one-rank group before the 2-rank group exists
+            # (rank 1 waits for rank 0 in the rendezvous below)
             write_synthetic_arith(tmp / "arith", max_operand=9, eval_size=8)
-        dist.barrier()
+            synthesize_model_folder("tiny_qwen2_5_vl", grpo_model, seed=0)
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            _grpo(grpo_model, tmp / "grpo" / "dp1", DistEnv(0, 1, 0, torch.device("cpu"), "gloo"))
+            dist.destroy_process_group()
+        init_distributed()
         for family in FAMILIES:
             dp, tp = tmp / family / "dp", tmp / family / "tp"
             _run(tmp, family, dp, **{"train.micro_batches_per_step": 1})
-            _run(tmp, family, tp, **{"parallel.tp": 2, "train.micro_batches_per_step": 2})
+            _run(tmp, family, tp, **{"parallel.tp": 2, "train.micro_batches_per_step": 2,
+                                     "checkpoint.every_steps": STEPS // 2 if family == "qwen2_5_vl" else 0})
             if rank == 0:
                 l_dp, l_tp = _column(dp, "loss"), _column(tp, "loss")
                 assert len(l_dp) == len(l_tp) == STEPS, (family, l_dp, l_tp)
@@ -114,6 +139,27 @@ def _worker(rank: int, world: int, port: int, tmp: str, errors) -> None:
                 diff = max(((e_dp[k] - e_tp[k]).abs().max().item(), k) for k in e_dp)
                 assert diff[0] <= 1e-6, (family, diff)
             dist.barrier()
+        # layout change: the tp=2 checkpoint of step 5 resumes as a dp-only run (2 data-parallel ranks)
+        tp, resumed = tmp / "qwen2_5_vl" / "tp", tmp / "qwen2_5_vl" / "resumed"
+        if rank == 0:
+            shutil.copytree(tp / "checkpoints" / f"step_{STEPS // 2}", resumed / "checkpoints" / f"step_{STEPS // 2}")
+        dist.barrier()
+        _run(tmp, "qwen2_5_vl", resumed, **{"train.micro_batches_per_step": 1, "checkpoint.resume": '"auto"'})
+        if rank == 0:
+            l_tp, l_res = _column(tp, "loss"), _column(resumed, "loss")
+            assert len(l_res) == STEPS - STEPS // 2, l_res
+            assert max(abs(a - b) for a, b in zip(l_tp[STEPS // 2:], l_res)) <= 1e-5, (l_tp, l_res)
+            e_tp, e_res = _export(tp), _export(resumed)
+            assert max((e_tp[k] - e_res[k]).abs().max().item() for k in e_tp) <= 1e-6
+        # GRPO with tp=2 (the rollout engine runs sharded): the same first steps as one process
+        _grpo(grpo_model, tmp / "grpo" / "tp2", init_distributed(), **{"parallel.tp": 2})
+        if rank == 0:
+            for key in ("loss", "grad_norm", "reward/mean"):
+                ref, got = _column(tmp / "grpo" / "dp1", key), _column(tmp / "grpo" / "tp2", key)
+                scale = max(1.0, max(abs(v) for v in ref))  # grad norms: relative
+                assert len(ref) == len(got) == 2 and max(abs(a - b) for a, b in zip(ref, got)) <= 1e-5 * scale, \
+                    (key, ref, got)
+            assert _column(tmp / "grpo" / "dp1", "grad_norm")[0] > 0  # a real update
     except BaseException:  # noqa: BLE001 - reported to the parent
         errors.put((rank, traceback.format_exc()))
         raise

@@ -39,7 +39,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-__all__ = ["apply_tp", "check_tp_sizes", "TPError", "vocab_parallel_token_logprobs", "is_vocab_parallel"]
+__all__ = ["apply_tp", "check_tp_sizes", "check_tp_divides", "decoder_tp_plan", "tp_sharded_numel", "TPError",
+           "vocab_parallel_token_logprobs", "is_vocab_parallel"]
 
 
 class TPError(ValueError):
@@ -85,24 +86,6 @@ def _partial_grad_params(module: nn.Module, mesh: DeviceMesh) -> None:
     module.forward = forward
 
 
-def _attention_plan(attn: nn.Module, mesh: DeviceMesh, tp: int, where: str) -> None:
-    check_tp_sizes(tp, {f"{where}.num_attention_heads": attn.num_heads, f"{where}.num_key_value_heads": attn.num_kv_heads})
-    if attn.q_norm is not None and not attn.qk_norm_per_head:
-        raise TPError(f"parallel.tp={tp}: {where} normalises q / k over all heads (qk_norm_per_head=False), "
-                      "which needs every head on one rank")
-    parallelize_module(attn, mesh, _linear_plan(attn, ("q_proj", "k_proj", "v_proj"), ("o_proj",)))
-    for norm in (attn.q_norm, attn.k_norm):
-        if norm is not None:
-            _partial_grad_params(norm, mesh)
-    attn.tp_size = tp  # read by Attention.local_heads(): the KV cache holds this rank's heads
-
-
-def _mlp_plan(mlp: nn.Module, mesh: DeviceMesh, tp: int, where: str) -> None:
-    width = (getattr(mlp, "up_proj", None) or mlp.gate_proj).out_features
-    check_tp_sizes(tp, {f"{where}.intermediate_size": width})
-    parallelize_module(mlp, mesh, _linear_plan(mlp, ("gate_proj", "up_proj"), ("down_proj",)))
-
-
 def _is_attention(m: nn.Module) -> bool:
     return all(hasattr(m, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "num_kv_heads"))
 
@@ -112,32 +95,91 @@ def _is_dense_mlp(m: nn.Module) -> bool:
         isinstance(getattr(m, "up_proj", None), nn.Linear)
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, *, layer_children: dict[str, str], embedding: str) -> None:
-    """Shard `model`'s language decoder over the 1-D tp `mesh`, in place (see the module docstring).
-
-    `layer_children`: for each decoder layer (`model.language_model.layers`), child name -> "attention",
-    "mlp" or "replicated"; a child of kind "auto" is classified by its structure (attention / dense MLP
-    / anything else replicated, e.g. a Mamba2 mixer or a MoE block). `embedding`: the dotted name of the
-    token embedding (vocab-parallel, as is `lm_head`). Raises `TPError` naming a size tp does not divide.
-    """
-    tp = mesh.size()
-    if tp == 1:
-        return
-    check_tp_sizes(tp, {"text_config.vocab_size": model.lm_head.weight.shape[0]})
+def decoder_tp_plan(model: nn.Module, layer_children: Optional[dict[str, str]] = None) -> list[tuple[str, str, nn.Module]]:
+    """(dotted name, kind, module) of every decoder-layer child TP acts on: kind "attention" (heads split),
+    "mlp" (columns split) or "replicated". `layer_children`: child name -> kind or "auto" (classified by
+    structure: attention / dense MLP / anything else replicated, e.g. a Mamba2 mixer or a MoE block);
+    None = "auto" for every child (the `--check` planner's view)."""
+    out = []
     for i, layer in enumerate(model.language_model.layers):
-        for child, kind in layer_children.items():
+        children = layer_children if layer_children is not None else {n: "auto" for n, _ in layer.named_children()}
+        for child, kind in children.items():
             m = getattr(layer, child, None)
             if m is None:
                 continue
             if kind == "auto":
                 kind = "attention" if _is_attention(m) else "mlp" if _is_dense_mlp(m) else "replicated"
-            where = f"language_model.layers.{i}.{child}"
-            if kind == "attention":
-                _attention_plan(m, mesh, tp, where)
-            elif kind == "mlp":
-                _mlp_plan(m, mesh, tp, where)
-            elif kind != "replicated":
-                raise ValueError(f"apply_tp: unknown kind {kind!r} for {where}")
+            if kind not in ("attention", "mlp", "replicated"):
+                raise ValueError(f"tensor parallelism: unknown kind {kind!r} for language_model.layers.{i}.{child}")
+            out.append((f"language_model.layers.{i}.{child}", kind, m))
+    return out
+
+
+def _check_module(tp: int, where: str, kind: str, m: nn.Module) -> None:
+    if kind == "attention":
+        check_tp_sizes(tp, {f"{where}.num_attention_heads": m.num_heads, f"{where}.num_key_value_heads": m.num_kv_heads})
+        if m.q_norm is not None and not m.qk_norm_per_head:
+            raise TPError(f"parallel.tp={tp}: {where} normalises q / k over all heads (qk_norm_per_head=False), "
+                          "which needs every head on one rank")
+    elif kind == "mlp":
+        check_tp_sizes(tp, {f"{where}.intermediate_size": m.up_proj.out_features})
+
+
+def check_tp_divides(model: nn.Module, tp: int, layer_children: Optional[dict[str, str]] = None) -> None:
+    """Raise `TPError` naming the first size `tp` does not divide: the vocabulary, a layer's attention /
+    KV heads or MLP width (works on a meta-device model: the `--check` planner calls it)."""
+    if tp == 1:
+        return
+    check_tp_sizes(tp, {"vocab_size": model.lm_head.weight.shape[0]})
+    for where, kind, m in decoder_tp_plan(model, layer_children):
+        _check_module(tp, where, kind, m)
+
+
+def tp_sharded_numel(module: nn.Module, layer_children: Optional[dict[str, str]] = None, *,
+                     trainable: bool = False) -> int:
+    """Parameters of `module` (a model or one of its decoder layers) that TP splits over the tp ranks
+    (only those with requires_grad when `trainable`)."""
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+    def count(ps) -> int:
+        return sum(p.numel() for p in ps if p.requires_grad or not trainable)
+
+    total = 0
+    if hasattr(module, "language_model"):
+        plan = decoder_tp_plan(module, layer_children)
+        total += count([module.lm_head.weight])
+        emb = module._input_embeddings() if hasattr(module, "_input_embeddings") else None
+        if emb is not None and emb.weight is not module.lm_head.weight:
+            total += count([emb.weight])
+    else:
+        plan = [(n, "auto", m) for n, m in module.named_children()]
+        plan = [(n, "attention" if _is_attention(m) else "mlp" if _is_dense_mlp(m) else "replicated", m) for n, _, m in plan]
+    for _, kind, m in plan:
+        if kind != "replicated":
+            total += count([p for n in names if getattr(m, n, None) is not None for p in getattr(m, n).parameters()])
+    return total
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, *, layer_children: dict[str, str], embedding: str) -> None:
+    """Shard `model`'s language decoder over the 1-D tp `mesh`, in place (see the module docstring).
+
+    `layer_children`: for each decoder layer (`model.language_model.layers`), child name -> "attention",
+    "mlp", "replicated" or "auto" (see `decoder_tp_plan`). `embedding`: the dotted name of the token
+    embedding (vocab-parallel, as is `lm_head`). Raises `TPError` naming a size tp does not divide.
+    """
+    tp = mesh.size()
+    if tp == 1:
+        return
+    check_tp_divides(model, tp, layer_children)
+    for where, kind, m in decoder_tp_plan(model, layer_children):
+        if kind == "attention":
+            parallelize_module(m, mesh, _linear_plan(m, ("q_proj", "k_proj", "v_proj"), ("o_proj",)))
+            for norm in (m.q_norm, m.k_norm):
+                if norm is not None:
+                    _partial_grad_params(norm, mesh)
+            m.tp_size = tp  # read by Attention.local_heads(): the KV cache holds this rank's heads
+        elif kind == "mlp":
+            parallelize_module(m, mesh, _linear_plan(m, ("gate_proj", "up_proj"), ("down_proj",)))
     tied = model.lm_head.weight is model.get_submodule(embedding).weight
     parallelize_module(model, mesh, {
         embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
@@ -146,7 +188,6 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, layer_children: dict[str, st
     })
     if tied:
         model.lm_head.weight = model.get_submodule(embedding).weight
-    model.tp_mesh = mesh
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -4,6 +4,11 @@ data-parallel ranks, 1 micro-batch each: the same packs per step) give the same 
 and the same Hugging Face export (1e-6); the tp run's lm_head / embedding and attention projections
 really are split (each rank holds half the rows), so the comparison is not between two replicated runs.
 
+In the same workers: the tp=2 run's step-5 checkpoint resumes as a dp-only run (layout change) with the
+tp run's last 5 losses and export; and two GRPO steps with tp=2 (the rollout engine runs sharded, every
+tp rank of a group generating the same answers) match one process (loss, grad norm, reward). A second,
+slow test on 4 processes: tp=2 x dp=2 and ep=2 x tp=2 (MoE) against dp=4.
+
 The jobs run in-process in the workers (`megatron_vlm.jobs.run_kind` on one process group) to pay the
 process start-up and imports once for all six families.
 """
@@ -180,6 +185,50 @@ def test_tp2_matches_dp_for_every_family(tmp_path):
     errors = ctx.SimpleQueue()
     try:
         mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path), errors), nprocs=2, start_method="spawn")
+    except Exception:
+        msgs = []
+        while not errors.empty():
+            msgs.append("rank %d:\n%s" % errors.get())
+        raise AssertionError("\n".join(msgs) or "a worker failed")
+
+
+def _worker4(rank: int, world: int, port: int, tmp: str, errors) -> None:
+    """tp=2 x dp=2 (Qwen2.5-VL) and ep=2 x tp=2 (Nemotron-VL: MoE experts split over the ep ranks of one
+    tp coordinate, attention / MLP over tp) against dp=4, 4 steps each."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    tmp = Path(tmp)
+    try:
+        init_distributed()
+        for family, layout in (("qwen2_5_vl", {"parallel.tp": 2}), ("nemotron_vl", {"parallel.tp": 2, "parallel.ep": 2})):
+            dp, tp = tmp / family / "dp", tmp / family / "tp"
+            _run(tmp, family, dp, **{"train.micro_batches_per_step": 1, "train.max_steps": 4})
+            _run(tmp, family, tp, **{**layout, "train.micro_batches_per_step": 2, "train.max_steps": 4})
+            if rank == 0:
+                for key in ("loss", "grad_norm"):
+                    a, b = _column(dp, key), _column(tp, key)
+                    assert len(a) == len(b) == 4 and max(abs(x - y) / max(1.0, abs(x)) for x, y in zip(a, b)) <= 1e-5, \
+                        (family, key, a, b)
+                e_dp, e_tp = _export(dp), _export(tp)
+                assert e_dp.keys() == e_tp.keys() and e_dp, family
+                diff = max(((e_dp[k] - e_tp[k]).abs().max().item(), k) for k in e_dp)
+                assert diff[0] <= 1e-6, (family, diff)
+            dist.barrier()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_tp2_with_dp2_and_with_ep2_on_4_processes(tmp_path):
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.start_processes(_worker4, args=(4, _free_port(), str(tmp_path), errors), nprocs=4, start_method="spawn")
     except Exception:
         msgs = []
         while not errors.empty():

@@ -13,14 +13,12 @@ import torch
 
 from megatron_vlm import kernels
 from megatron_vlm.checkpoint.hf import load_hf_model
-from megatron_vlm.config import ConfigError
 from megatron_vlm.data.processor import load_processor
 from megatron_vlm.models import get_family
 from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.parallel import ParallelDims, build_mesh
 from megatron_vlm.parallel.collectives import all_reduce_
 from megatron_vlm.parallel.precision import resolve_precision
-from megatron_vlm.parallel.tensor_parallel import TPError
 from megatron_vlm.training.context import RunContext, seed_everything
 from megatron_vlm.training.freeze import apply_train_layers
 from megatron_vlm.training.lm_loss import TokenLogprobModel
@@ -72,11 +70,9 @@ def build_model_bundle(ctx: RunContext) -> ModelBundle:
     wrapper = TokenLogprobModel(model)
     precision = resolve_precision(cfg.train.precision, env.device)
     family = get_family(model.hf_config.get("model_type"))
-    try:
-        family.parallelize(model, dims, cfg.parallel, mesh=mesh, activation_checkpointing=cfg.train.activation_checkpointing,
-                           param_dtype=torch.bfloat16 if precision == "bf16" else None, root=wrapper)
-    except TPError as e:  # a size parallel.tp does not divide: a config error (exit 2)
-        raise ConfigError(str(e)) from e
+    # a size parallel.tp does not divide raises TPError: a config error (exit 2, megatron_vlm/runner.py)
+    family.parallelize(model, dims, cfg.parallel, mesh=mesh, activation_checkpointing=cfg.train.activation_checkpointing,
+                       param_dtype=torch.bfloat16 if precision == "bf16" else None, root=wrapper)
     trainable_params = [p for p in wrapper.parameters() if p.requires_grad]
     balancer = MoELoadBalancer(model, cfg.moe, all_reduce=_load_all_reduce(dims)) if moe_layers(model) else None
     return ModelBundle(model=model, wrapper=wrapper, processor=processor, dims=dims, mesh=mesh,

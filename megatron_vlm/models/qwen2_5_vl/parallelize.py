@@ -1,7 +1,8 @@
 """Qwen2.5-VL parallelisation: the shared `make_parallelize` body.
 
-This family is dense, so of TP -> EP -> CP -> activation checkpointing -> compile -> FSDP only the
-last three apply. Activation checkpointing covers `model.transformer_blocks()` (every vision block
+This family is dense, so of TP -> EP -> CP -> activation checkpointing -> compile -> FSDP all but EP
+and CP apply. TP plan (`parallel.tp`): each decoder layer's `self_attn` split by heads and `mlp` by
+columns, vocab-parallel embedding and lm_head; the vision tower is replicated over the tp ranks. Activation checkpointing covers `model.transformer_blocks()` (every vision block
 and decoder layer); the decoder layers are the FSDP units; embeddings, merger, final norm and lm_head
 stay in the root FSDP group, which also keeps tied embeddings in one group.
 """

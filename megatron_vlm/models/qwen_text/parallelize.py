@@ -3,7 +3,9 @@
 Activation checkpointing and the FSDP units are the decoder layers (`model.transformer_blocks()`,
 no vision blocks); embeddings, final norm and lm_head stay in the root unit (tied embeddings stay in
 one group). Qwen3-MoE: with `parallel.ep` > 1 the routed experts are sharded over the "ep" mesh dim
-and kept out of FSDP. Tensor / context parallelism are not implemented yet and fail loudly.
+and kept out of FSDP. TP plan (`parallel.tp`): attention split by heads, dense MLPs by columns, MoE
+blocks replicated over the tp ranks, vocab-parallel embedding and lm_head. Context parallelism is not
+implemented yet and fails loudly.
 """
 from __future__ import annotations
 

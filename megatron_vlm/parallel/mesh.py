@@ -21,8 +21,6 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from megatron_vlm.parallel.tensor_parallel import TPError
-
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
@@ -54,8 +52,8 @@ def build_mesh(parallel_cfg, world_size: int, device_type: str) -> tuple[Paralle
     tp = getattr(parallel_cfg, "tp", 1)
     cp = getattr(parallel_cfg, "cp", 1)
     pp = getattr(parallel_cfg, "pp", 1)
-    if tp < 1 or world_size % tp:  # TPError: a config error (exit 2)
-        raise TPError(f"parallel.tp={tp} does not divide the number of processes ({world_size})")
+    if tp < 1 or world_size % tp:
+        raise ValueError(f"parallel.tp ({tp}) must be >= 1 and divide the number of processes ({world_size})")
     rep = parallel_cfg.dp_replicate
     others = tp * cp * pp
     shard = parallel_cfg.dp_shard if parallel_cfg.dp_shard != -1 else world_size // (rep * others)

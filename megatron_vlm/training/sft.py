@@ -50,7 +50,8 @@ def prepare_sft_data(ctx: RunContext) -> BadRecordLog:
 
 def build_train_loader(ctx: RunContext, bundle: ModelBundle, bad_records: BadRecordLog):
     """The endless packed loader of the train split for this data-parallel rank."""
-    return build_sft_dataloader(ctx.cfg.data, bundle.processor, seed=ctx.cfg.train.seed, dp_rank=getattr(bundle.dims, "dp_rank", ctx.env.rank),
+    dp_rank = getattr(bundle.dims, "dp_rank", ctx.env.rank)  # the tp ranks of a group read the same shard
+    return build_sft_dataloader(ctx.cfg.data, bundle.processor, seed=ctx.cfg.train.seed, dp_rank=dp_rank,
                                 dp_size=bundle.dims.dp_size, split="train", bad_records=bad_records)
 
 

@@ -8,17 +8,24 @@ Layout (Megatron's, expressed with DTensor placements on the "tp" mesh dim):
 
 * attention: q / k / v projections column-parallel (each rank holds `num_heads / tp` query heads and
   `num_kv_heads / tp` KV heads; `Attention` takes the head count from the projection outputs), o_proj
-  row-parallel (one all-reduce of the output). Per-head QK-norm weights stay whole on every rank (each
-  rank normalises its own heads), their gradient is summed over the tp ranks (`_partial_grad_params`).
-* dense MLP: gate / up (or up alone) column-parallel, down row-parallel (one all-reduce);
+  row-parallel. Per-head QK-norm weights stay whole on every rank (each rank normalises its own heads),
+  their gradient is summed over the tp ranks (`_partial_grad_params`).
+* dense MLP: gate / up (or up alone) column-parallel, down row-parallel;
+* sequence parallelism inside each decoder layer: the layer enters with the whole sequence, keeps only
+  its tp rank's token shard (dim -2, `torch.chunk` sizes: any length works, a decode step of one token
+  included), runs the norms and residual adds on the shard (norm weights whole, gradients summed over
+  tp), all-gathers the shard before the attention / MLP and reduce-scatters their row-parallel output
+  back to the shard (the all-reduce of plain TP, split in two with the norms in between), and leaves
+  with the whole sequence again (all-gather). Between layers the stream is whole, so code that the
+  family runs between layers (DeepStack's feature add) and masks over the whole sequence stay as they are;
+* Mamba2 mixers and MoE blocks (router, shared and routed experts) are replicated over the tp ranks:
+  they gather the sequence, every tp rank computes them whole and keeps its shard of the output; their
+  gradients are the same on every tp rank, so FSDP treats them as ordinary data-parallel parameters.
+  With expert parallelism the routed experts are sharded by `apply_ep` over ep ranks of one tp coordinate;
 * embedding: vocab-parallel (`Shard(0)` rows, masked lookup + all-reduce); lm_head: the same `Shard(0)`
   rows (tied or not); its logits are gathered over the vocabulary only for decoding, while training's
   token log-probs (`vocab_parallel_token_logprobs`) reduce a max, a sum of exponentials and the label's
   logit over the tp ranks instead of gathering `[N, vocab]`;
-* the residual stream, the norms, the Mamba2 mixers and the MoE blocks (router, shared and routed
-  experts) are replicated over the tp ranks: every rank computes them on the whole sequence, so their
-  gradients are already whole and FSDP treats them as ordinary data-parallel parameters. With expert
-  parallelism the routed experts are sharded by `apply_ep` over ep ranks of the same tp coordinate.
 * vision towers and projectors are replicated: they are a small fraction of the FLOPs of a VLM step
   (InternViT-300M next to an 8B decoder; RADIO next to a 30B MoE), their sequence (patches) differs
   from the decoder's, and a replicated tower keeps `merge_vision_embeddings` a local scatter.
@@ -56,9 +63,85 @@ def check_tp_sizes(tp: int, sizes: dict[str, int]) -> None:
 
 
 def _linear_plan(module: nn.Module, col: Iterable[str], row: Iterable[str]) -> dict:
+    # row-parallel outputs stay Partial: the region's output hook reduce-scatters them over the sequence
     plan = {name: ColwiseParallel() for name in col if getattr(module, name, None) is not None}
-    plan.update({name: RowwiseParallel() for name in row if getattr(module, name, None) is not None})
+    plan.update({name: RowwiseParallel(output_layouts=Partial(), use_local_output=False)
+                 for name in row if getattr(module, name, None) is not None})
     return plan
+
+
+# ---------------------------------------------------------------------------------------------------
+# sequence parallelism inside each decoder layer
+
+
+class _SeqState:
+    """The token count of the sequence a decoder layer is running on (set by the layer's entry hook,
+    read by its regions' hooks to give DTensor the global shape of an uneven sequence shard)."""
+
+    length: int = 0
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(stride))
+
+
+def _gather_seq(x: torch.Tensor, mesh: DeviceMesh, length: int) -> DTensor:
+    """This rank's sequence shard (dim -2; torch.chunk sizes, possibly empty) -> the whole sequence,
+    a Replicate DTensor (all-gather; backward: reduce-scatter of a Partial or slice of a Replicate grad)."""
+    d = x.dim() - 2
+    shape = list(x.shape)
+    shape[d] = length
+    return DTensor.from_local(x, mesh, [Shard(d)], run_check=False, shape=torch.Size(shape),
+                              stride=_contiguous_stride(shape)).redistribute(placements=[Replicate()])
+
+
+def _to_seq_shard(x) -> torch.Tensor:
+    """A Replicate / Partial DTensor (or a whole-sequence tensor the same on every tp rank) -> this rank's
+    sequence shard (a slice or a reduce-scatter)."""
+    return x.redistribute(placements=[Shard(x.dim() - 2)]).to_local()
+
+
+def _sequence_parallel_layer(layer: nn.Module, mesh: DeviceMesh, state: _SeqState) -> None:
+    """The layer takes and returns the whole sequence (so code between layers, e.g. DeepStack, sees it)
+    and runs on its tp rank's sequence shard inside: the norms and residual adds are sharded."""
+
+    def enter(module, args, kwargs):
+        x = args[0]
+        state.length = x.shape[x.dim() - 2]
+        local = _to_seq_shard(DTensor.from_local(x, mesh, [Replicate()], run_check=False))
+        return (local, *args[1:]), kwargs
+
+    def leave(module, args, kwargs, out):
+        # a copy, not the view to_local() gives: the layer is an FSDP unit, whose output must not be a view
+        return _gather_seq(out, mesh, state.length).to_local().clone()
+
+    layer.register_forward_pre_hook(enter, with_kwargs=True)
+    layer.register_forward_hook(leave, with_kwargs=True)
+
+
+def _sequence_parallel_region(m: nn.Module, mesh: DeviceMesh, state: _SeqState, *, split: bool) -> None:
+    """Input: the sequence shard, all-gathered. `split` (attention / MLP): the row-parallel output is
+    Partial and reduce-scattered to the shard; otherwise (a replicated block, every tp rank computing the
+    whole sequence) the output is sliced to the shard."""
+
+    def enter(module, args, kwargs):
+        full = _gather_seq(args[0], mesh, state.length)
+        return (full if split else full.to_local(), *args[1:]), kwargs
+
+    def leave(module, args, kwargs, out):
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"tensor parallelism: {type(module).__name__} returned {type(out).__name__}, "
+                            "expected one tensor")
+        if not isinstance(out, DTensor):
+            out = DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+        return _to_seq_shard(out)
+
+    m.register_forward_pre_hook(enter, with_kwargs=True)
+    m.register_forward_hook(leave, with_kwargs=True)
 
 
 def _partial_grad_params(module: nn.Module, mesh: DeviceMesh) -> None:
@@ -95,21 +178,36 @@ def _is_dense_mlp(m: nn.Module) -> bool:
         isinstance(getattr(m, "up_proj", None), nn.Linear)
 
 
+def _is_norm(m: nn.Module) -> bool:
+    """A norm over the last dim (RMSNorm / LayerNorm: `eps`, a 1-D weight, no children)."""
+    w = getattr(m, "weight", None)
+    return hasattr(m, "eps") and w is not None and w.dim() == 1 and not list(m.children())
+
+
+def _classify(m: nn.Module) -> str:
+    if _is_attention(m):
+        return "attention"
+    if _is_dense_mlp(m):
+        return "mlp"
+    return "norm" if _is_norm(m) else "replicated"
+
+
 def decoder_tp_plan(model: nn.Module, layer_children: Optional[dict[str, str]] = None) -> list[tuple[str, str, nn.Module]]:
-    """(dotted name, kind, module) of every decoder-layer child TP acts on: kind "attention" (heads split),
-    "mlp" (columns split) or "replicated". `layer_children`: child name -> kind or "auto" (classified by
-    structure: attention / dense MLP / anything else replicated, e.g. a Mamba2 mixer or a MoE block);
-    None = "auto" for every child (the `--check` planner's view)."""
+    """(dotted name, kind, module) of every decoder-layer child: kind "attention" (heads split), "mlp"
+    (columns split), "norm" (runs on the sequence shard) or "replicated" (whole sequence on every tp
+    rank, e.g. a Mamba2 mixer or a MoE block). `layer_children`: child name -> kind or "auto" (classified
+    by structure); children it does not name are "auto"."""
     out = []
     for i, layer in enumerate(model.language_model.layers):
-        children = layer_children if layer_children is not None else {n: "auto" for n, _ in layer.named_children()}
+        children = {n: "auto" for n, _ in layer.named_children()}
+        children.update(layer_children or {})
         for child, kind in children.items():
             m = getattr(layer, child, None)
             if m is None:
                 continue
             if kind == "auto":
-                kind = "attention" if _is_attention(m) else "mlp" if _is_dense_mlp(m) else "replicated"
-            if kind not in ("attention", "mlp", "replicated"):
+                kind = _classify(m)
+            if kind not in ("attention", "mlp", "norm", "replicated"):
                 raise ValueError(f"tensor parallelism: unknown kind {kind!r} for language_model.layers.{i}.{child}")
             out.append((f"language_model.layers.{i}.{child}", kind, m))
     return out
@@ -152,8 +250,7 @@ def tp_sharded_numel(module: nn.Module, layer_children: Optional[dict[str, str]]
         if emb is not None and emb.weight is not module.lm_head.weight:
             total += count([emb.weight])
     else:
-        plan = [(n, "auto", m) for n, m in module.named_children()]
-        plan = [(n, "attention" if _is_attention(m) else "mlp" if _is_dense_mlp(m) else "replicated", m) for n, _, m in plan]
+        plan = [(n, _classify(m), m) for n, m in module.named_children()]
     for _, kind, m in plan:
         if kind != "replicated":
             total += count([p for n in names if getattr(m, n, None) is not None for p in getattr(m, n).parameters()])
@@ -171,15 +268,25 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, layer_children: dict[str, st
     if tp == 1:
         return
     check_tp_divides(model, tp, layer_children)
+    states = {id(layer): _SeqState() for layer in model.language_model.layers}
+    for layer in model.language_model.layers:
+        _sequence_parallel_layer(layer, mesh, states[id(layer)])
     for where, kind, m in decoder_tp_plan(model, layer_children):
+        state = states[id(model.language_model.layers[int(where.split(".")[2])])]
         if kind == "attention":
             parallelize_module(m, mesh, _linear_plan(m, ("q_proj", "k_proj", "v_proj"), ("o_proj",)))
             for norm in (m.q_norm, m.k_norm):
                 if norm is not None:
                     _partial_grad_params(norm, mesh)
             m.tp_size = tp  # read by Attention.local_heads(): the KV cache holds this rank's heads
+            _sequence_parallel_region(m, mesh, state, split=True)
         elif kind == "mlp":
             parallelize_module(m, mesh, _linear_plan(m, ("gate_proj", "up_proj"), ("down_proj",)))
+            _sequence_parallel_region(m, mesh, state, split=True)
+        elif kind == "norm":
+            _partial_grad_params(m, mesh)
+        else:
+            _sequence_parallel_region(m, mesh, state, split=False)
     tied = model.lm_head.weight is model.get_submodule(embedding).weight
     parallelize_module(model, mesh, {
         embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),

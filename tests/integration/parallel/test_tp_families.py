@@ -55,7 +55,7 @@ def _sets(tmp: Path, family: str, out: Path, **extra) -> list[str]:
         "model.path": f'"{tmp / family / "model"}"', "model.synthesize": f'"{synth}"',
         "data.max_tokens_per_pack": 128, "data.num_workers": 0, "train.output_dir": f'"{out}"',
         "train.max_steps": STEPS, "train.eval_every": 0, "train.log_every": 1, "checkpoint.every_steps": 0,
-        "checkpoint.keep_last": 0, "checkpoint.resume": '"none"', "logging.tensorboard": "false", "logging.console": "false",
+        "checkpoint.enable": "false", "checkpoint.keep_last": 0, "checkpoint.resume": '"none"', "logging.tensorboard": "false", "logging.console": "false",
         "scheduler.warmup_steps": 1, "optimizer.lr": 1e-5,
     }
     if family == "qwen_text":
@@ -129,8 +129,8 @@ def _worker(rank: int, world: int, port: int, tmp: str, errors) -> None:
         for family in FAMILIES:
             dp, tp = tmp / family / "dp", tmp / family / "tp"
             _run(tmp, family, dp, **{"train.micro_batches_per_step": 1})
-            _run(tmp, family, tp, **{"parallel.tp": 2, "train.micro_batches_per_step": 2,
-                                     "checkpoint.every_steps": STEPS // 2 if family == "qwen2_5_vl" else 0})
+            resumable = {"checkpoint.enable": "true", "checkpoint.every_steps": STEPS // 2} if family == "qwen2_5_vl" else {}
+            _run(tmp, family, tp, **{"parallel.tp": 2, "train.micro_batches_per_step": 2, **resumable})
             if rank == 0:
                 l_dp, l_tp = _column(dp, "loss"), _column(tp, "loss")
                 assert len(l_dp) == len(l_tp) == STEPS, (family, l_dp, l_tp)
@@ -149,7 +149,8 @@ def _worker(rank: int, world: int, port: int, tmp: str, errors) -> None:
         if rank == 0:
             shutil.copytree(tp / "checkpoints" / f"step_{STEPS // 2}", resumed / "checkpoints" / f"step_{STEPS // 2}")
         dist.barrier()
-        _run(tmp, "qwen2_5_vl", resumed, **{"train.micro_batches_per_step": 1, "checkpoint.resume": '"auto"'})
+        _run(tmp, "qwen2_5_vl", resumed, **{"train.micro_batches_per_step": 1, "checkpoint.enable": "true",
+                                            "checkpoint.resume": '"auto"'})
         if rank == 0:
             l_tp, l_res = _column(tp, "loss"), _column(resumed, "loss")
             assert len(l_res) == STEPS - STEPS // 2, l_res

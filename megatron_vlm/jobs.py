@@ -87,7 +87,8 @@ def run_grpo(ctx: RunContext, *, before_step=None) -> int:
         resume = checkpointer.resume()
         metrics = build_metrics_logger(ctx, num_steps, to_dict(ctx.cfg))
         grpo = GRPOStep(ctx, bundle, optim, rl, parts.engine, parts.encoder, parts.manager, parts.reference, metrics=metrics)
-        evaluate = GRPOEvaluator(ctx, bundle.wrapper, rl, parts.engine, parts.encoder, parts.manager, parts.sets.eval)
+        evaluate = GRPOEvaluator(ctx, bundle.wrapper, rl, parts.engine, parts.encoder, parts.manager, parts.sets.eval,
+                                 dims=bundle.dims)
         step = GRPOLoopStep(ctx, parts.sets.train, grpo, evaluate, bad_records=parts.bad_records)
         code = run_loop(ctx, step, total_steps=num_steps, checkpointer=checkpointer, metrics=metrics,
                         log_every=cfg.train.log_every, eval_every=rl.eval.every_steps, eval_at_start=rl.eval.at_start,

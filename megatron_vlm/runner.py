@@ -1,7 +1,8 @@
 """Job runner behind launch/pretrain_vlm.py: process group, run folder, model folder, the job kind
 (`megatron_vlm.jobs`), teardown — and the exit codes: 0 done, 1 stopped by too many non-finite steps
 in a row or a failed checkpoint save / HF export (the previous checkpoint intact), 2 a missing model
-folder, a config error found once the model is built or a checkpoint that cannot be resumed (one line
+folder, a config error found once the model is built (including a `parallel.tp` the model's heads /
+MLP / vocabulary do not divide) or a checkpoint that cannot be resumed (one line
 on stderr), 143 stopped by SIGTERM / SIGUSR1 after a checkpoint, 130 Ctrl-C."""
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from megatron_vlm.config import ConfigError, save_config
 from megatron_vlm.jobs import run_kind
 from megatron_vlm.parallel import destroy_distributed, init_distributed
+from megatron_vlm.parallel.tensor_parallel import TPError
 from megatron_vlm.rl.trainer import check_model_folder
 from megatron_vlm.testing.synthesize import synthesize_model_folder
 from megatron_vlm.training.context import RunContext
@@ -63,7 +65,7 @@ def run_job(cfg, *, before_step=None) -> int:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         return code
-    except (ConfigError, LoRASetupError) as e:  # found once the model is built (e.g. [moe] keys on a dense model)
+    except (ConfigError, LoRASetupError, TPError) as e:  # found once the model is built ([moe] keys on a dense model, [lora], parallel.tp)
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except NonFiniteStepError as e:

@@ -143,8 +143,15 @@ class ParallelConfig:
     """Expert parallelism: shard each MoE block's routed experts over groups of `ep` ranks (tokens
     exchanged with all-to-all); must divide the number of processes and the expert count. EP ranks
     are data-parallel ranks too (each reads its own data); expert weights are left out of FSDP."""
+    tp: int = 1
+    """Tensor parallelism: shard each decoder layer's attention heads and MLP columns over groups of `tp`
+    consecutive ranks (sequence-parallel norms between them, vocab-parallel embedding and lm_head). The
+    `tp` ranks of a group read the same data; must divide the number of processes, the attention and KV
+    heads, the MLP width and the vocabulary."""
 
     def validate(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"tp: must be >= 1, got {self.tp}")
         if self.ep < 1:
             raise ValueError(f"ep: must be >= 1, got {self.ep}")
         if self.dp_replicate <= 0:

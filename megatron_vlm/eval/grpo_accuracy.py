@@ -26,29 +26,34 @@ _EVAL_SALT = 17
 class GRPOEvaluator:
     """`evaluate_accuracy` bound to a run's parts: `GRPOEvaluator(...)(step) -> metrics | None`."""
 
-    def __init__(self, ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager, dataset):
+    def __init__(self, ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager, dataset, *, dims=None):
         self.args = (ctx, wrapper, rl_cfg, engine, encoder, manager, dataset)
+        self.dims = dims
 
     def __call__(self, step: int) -> Optional[dict[str, float]]:
-        return evaluate_accuracy(*self.args, step)
+        return evaluate_accuracy(*self.args, step, dims=self.dims)
 
 
 @torch.no_grad()
 def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager, dataset,
-                      step: int) -> Optional[dict[str, float]]:
+                      step: int, *, dims=None) -> Optional[dict[str, float]]:
     """Metrics "accuracy" (= Avg@k), "avg@k", "pass@k", "num_prompts", "response_length", or None
-    without a held-out set. `wrapper`: the policy's FSDP root (put in eval mode while generating)."""
+    without a held-out set. `wrapper`: the policy's FSDP root (put in eval mode while generating).
+    `dims` (`ParallelDims`): prompts are sharded over its data-parallel ranks (the tp ranks of a group
+    generate the same answers); None = one shard per process."""
     if dataset is None or len(dataset) == 0:
         return None
     e = rl_cfg.eval
     prompts = dataset.samples[: e.max_prompts] if e.max_prompts else dataset.samples
     env = ctx.env
-    shard = encode_shard(prompts, encoder, env.rank, env.world_size, env.device)
+    rank, world = (dims.dp_rank, dims.dp_size) if dims is not None else (env.rank, env.world_size)
+    copies = dims.data_copies if dims is not None else 1
+    shard = encode_shard(prompts, encoder, rank, world, env.device)
     params = SamplingParams(max_new_tokens=e.max_new_tokens or rl_cfg.max_new_tokens, n=e.k, temperature=e.temperature,
                             top_p=e.top_p, stop=tuple(rl_cfg.stop))
     wrapper.eval()
     result = engine.generate(shard.prompts, params,
-                             generator=sampling_generator(ctx.cfg.train.seed, step, env.rank, env.device, salt=_EVAL_SALT))
+                             generator=sampling_generator(ctx.cfg.train.seed, step, rank, env.device, salt=_EVAL_SALT))
     engine.release_memory()
     wrapper.train()
     k = e.k
@@ -59,7 +64,7 @@ def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager
         acc = score_accuracy(manager, completions, [p.answer for p in shard.samples], [p.problem for p in shard.samples],
                              [p.metadata for p in shard.samples], label=rl_cfg.accuracy_label(), threshold=e.correct_threshold)
         scores = acc.scores
-    parts = all_gather_objects({"scores": scores, "lengths": [int(s.token_ids.numel()) for s in real]})
+    parts = all_gather_objects({"scores": scores, "lengths": [int(s.token_ids.numel()) for s in real]})[::copies]
     all_scores = [row for p in parts for row in p["scores"]]
     lengths = [n for p in parts for n in p["lengths"]]
     if not all_scores:

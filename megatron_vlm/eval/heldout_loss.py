@@ -29,7 +29,8 @@ def _filler_pack(pad_id: int) -> dict:
 def heldout_loss(ctx: RunContext, bundle: ModelBundle, *, bad_records=None, max_batches: int = 0) -> Optional[dict]:
     """{"loss", "perplexity", "tokens"} over the eval split (at most `max_batches` packs per rank,
     0 = all), or None without an eval split or trained tokens."""
-    loader = build_eval_dataloader(ctx.cfg.data, bundle.processor, dp_rank=ctx.env.rank, dp_size=bundle.dims.dp_size,
+    loader = build_eval_dataloader(ctx.cfg.data, bundle.processor, dp_rank=getattr(bundle.dims, "dp_rank", ctx.env.rank),
+                                   dp_size=bundle.dims.dp_size,
                                    mode="packs", bad_records=bad_records)
     if loader is None:
         return None

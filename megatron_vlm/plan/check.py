@@ -4,8 +4,9 @@ with no weights, no process group and no accelerator needed.
 Steps: the keys this job kind ignores (config/mode_keys.py); the model folder's config.json (a
 `model.synthesize` tiny model is described by a temporary synthesized folder); the model built on
 the meta device (`build_model` under `torch.device("meta")`: shapes only); `train.train_layers`,
-`[moe]` on a dense model; the parallel layout for `world_size` ranks (dp_replicate x dp_shard =
-world, ep divides the world and the expert count); GRPO sizes (room for a prompt before
+`[moe]` on a dense model; the parallel layout for `world_size` ranks (dp_replicate x dp_shard x tp =
+world, ep divides the data-parallel ranks and the expert count, tp divides the vocabulary and every
+decoder layer's attention / KV heads and MLP width); GRPO sizes (room for a prompt before
 rl.max_new_tokens in data.max_tokens_per_pack, prompts per rank, the rollout batch); then the memory
 per rank (plan/memory.py) against the device's. Exit 0 with a one-screen plan, or 2 with one line
 `check failed: <dotted key>: <why>` on stderr naming the key to change (the plan on stdout when
@@ -24,6 +25,7 @@ import torch
 from megatron_vlm.config import load_config_dict
 from megatron_vlm.config.loader import ConfigError, to_dict
 from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
+from megatron_vlm.parallel.tensor_parallel import TPError, check_tp_divides
 from megatron_vlm.plan.memory import GiB, ceil_div, estimate_memory, gib, model_shape
 from megatron_vlm.rl.rollout_budget import rollout_prompts_for_budget
 from megatron_vlm.training.stages import stage_overrides
@@ -66,14 +68,19 @@ def _meta_model(hf_config: dict):
 
 def _layout(cfg, world: int, num_experts: int) -> tuple[int, int]:
     p = cfg.parallel
-    rep = p.dp_replicate
-    if world % rep:
-        raise CheckFailed("parallel.dp_replicate", f"{rep} does not divide the {world} ranks")
-    shard = p.dp_shard if p.dp_shard != -1 else world // rep
-    if rep * shard != world:
-        raise CheckFailed("parallel.dp_shard", f"dp_replicate {rep} x dp_shard {shard} = {rep * shard}, not the {world} ranks")
-    if world % p.ep:
-        raise CheckFailed("parallel.ep", f"{p.ep} does not divide the {world} ranks")
+    rep, tp = p.dp_replicate, getattr(p, "tp", 1)
+    if world % tp:
+        raise CheckFailed("parallel.tp", f"{tp} does not divide the {world} ranks")
+    if world % (rep * tp):
+        raise CheckFailed("parallel.dp_replicate", f"{rep} does not divide the {world // tp} data-parallel ranks "
+                                                   f"({world} ranks / parallel.tp {tp})")
+    shard = p.dp_shard if p.dp_shard != -1 else world // (rep * tp)
+    if rep * shard * tp != world:
+        raise CheckFailed("parallel.dp_shard", f"dp_replicate {rep} x dp_shard {shard} x tp {tp} = {rep * shard * tp}, "
+                                               f"not the {world} ranks")
+    if world % p.ep or (world // tp) % p.ep:
+        raise CheckFailed("parallel.ep", f"{p.ep} does not divide the {world // tp} data-parallel ranks "
+                                         f"({world} ranks / parallel.tp {tp})")
     if p.ep > 1 and (num_experts == 0 or num_experts % p.ep):
         raise CheckFailed("parallel.ep", f"{p.ep} does not divide the model's {num_experts} routed experts per MoE block")
     return rep, shard
@@ -104,6 +111,12 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     moes = moe_layers(model)
     num_experts = moes[0].num_experts if moes else 0
     rep, shard = _layout(cfg, world_size, num_experts)
+    tp = getattr(cfg.parallel, "tp", 1)
+    try:
+        check_tp_divides(model, tp)
+    except TPError as e:
+        msg = str(e)
+        raise CheckFailed("parallel.tp", msg[len("parallel.tp="):] if msg.startswith("parallel.tp=") else msg) from None
     shape = model_shape(model)
     tokens = cfg.data.max_tokens_per_pack
     compute = 4 if cfg.train.precision == "fp32" else 2
@@ -113,7 +126,7 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     lines = [f"model      {hf.get('model_type')}: {(shape.params - adapters) / 1e9:.3f} B parameters "
              f"({lora}{shape.trainable / 1e9:.3f} B trainable), "
              f"{shape.layers} decoder layers, hidden {shape.hidden}",
-             f"layout     {world_size} ranks = dp_replicate {rep} x dp_shard {shard} (FSDP), ep {cfg.parallel.ep}",
+             f"layout     {world_size} ranks = dp_replicate {rep} x dp_shard {shard} (FSDP) x tp {tp}, ep {cfg.parallel.ep}",
              f"batch      {tokens} tokens per packed micro-batch, activation checkpointing "
              f"{'on' if cfg.train.activation_checkpointing else 'off'}"]
     rollout_prompts, group = 0, 0
@@ -123,7 +136,7 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         if budget >= tokens:
             raise CheckFailed("data.max_tokens_per_pack", f"{tokens} leaves no room for a prompt before "
                                                           f"{budget} generated tokens (rl.max_new_tokens)")
-        per_rank = ceil_div(rl.prompts_per_step, world_size)
+        per_rank = ceil_div(rl.prompts_per_step, world_size // tp)
         group = rl.group_size
         rollout_prompts = rl.rollout_batch_prompts or rollout_prompts_for_budget(
             rl.rollout_memory_gib, shape.kv_per_slot * compute, group, tokens) or per_rank
@@ -132,7 +145,7 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
                      f"{tokens} cache slots ({ceil_div(per_rank, rollout_prompts)} batches)")
     mem = estimate_memory(shape, fsdp=shard, master_bytes=master, compute_bytes=compute, tokens=tokens,
                           activation_checkpointing=cfg.train.activation_checkpointing,
-                          rollout_prompts=rollout_prompts, group_size=group)
+                          rollout_prompts=rollout_prompts, group_size=group, tp=tp)
     lines += [
         "memory per rank (estimate; formulas in megatron_vlm/plan/memory.py)",
         f"  master weights {gib(mem.params):>12}   gradients {gib(mem.grads):>12}   AdamW {gib(mem.optimizer):>12}",

@@ -4,25 +4,29 @@ Why: a run that cannot fit should fail in a second on a login node with the key 
 an hour of queueing, loading and the first rollout. The estimate is deliberately simple and
 conservative; the numbers it uses (all in bytes, per rank):
 
-- F = FSDP shard size (`parallel.dp_shard`, -1 = world / dp_replicate); P = parameters, T = trainable
+- F = FSDP shard size (`parallel.dp_shard`, -1 = world / (dp_replicate x tp)); P = parameters, T = trainable
   parameters (`train.train_layers`), m = bytes of `model.dtype` (the master weights the optimizer
   updates), c = bytes of the compute dtype (`train.precision`: bf16 = 2, fp32 = 4; "auto" = bf16);
-- master weights (params)  = P x m / F
-- gradients                = T x m / F
-- AdamW states             = T x 2 x 4 / F (exp_avg, exp_avg_sq in fp32)
-- gathered block           = 2 x B x c, B = parameters of the largest transformer block (FSDP2
-  all-gathers one block for compute and prefetches the next);
+- tensor parallelism (`parallel.tp`): the parameters TP splits (attention and dense-MLP projections,
+  embedding, lm_head: S of P, S_T of T) count S / tp per rank: P' = P - S + S / tp, likewise T';
+- master weights (params)  = P' x m / F
+- gradients                = T' x m / F
+- AdamW states             = T' x 2 x 4 / F (exp_avg, exp_avg_sq in fp32)
+- gathered block           = 2 x B' x c, B' = parameters of the largest transformer block, its TP-split
+  part divided by tp (FSDP2 all-gathers one block for compute and prefetches the next);
 - activations: t = `data.max_tokens_per_pack` tokens per micro-batch, L decoder layers, h = hidden
   size, and per layer per token a = 2h + 2 x (sum of out_features of the layer's nn.Linear modules)
   + per MoE block 2 x top_k x (expert up/gate rows + h): each projection's output and one elementwise
   result derived from it (attention core output, activation product, residual / norm) are kept for
-  backward; routed experts see top_k copies of each token;
+  backward; routed experts see top_k copies of each token; with tp the column-parallel outputs
+  (q / k / v, gate / up: `a_col` of a) count a_col / tp;
   without activation checkpointing: t x L x a x c;
   with: t x L x h x c (the saved block inputs) + t x a x c (one block recomputed at a time);
   the vision tower's activations and the LM-head logits (the fused, vocabulary-chunked log-prob
   kernel) are not counted;
 - rollout KV cache (GRPO) = 2 x (sum over attention layers of kv_heads x head_dim) x c x slots,
-  slots = prompts per rollout batch x rl.group_size x data.max_tokens_per_pack (see rl/rollout_budget.py).
+  slots = prompts per rollout batch x rl.group_size x data.max_tokens_per_pack (see rl/rollout_budget.py);
+  each tp rank caches its kv_heads / tp.
   Rollout and training alternate (the cache is freed before the update), so the peak is
   static + max(activations, KV cache), static = master weights + gradients + AdamW + gathered block.
 """
@@ -51,6 +55,32 @@ class ModelShape:
     """Elements kept for backward per token per decoder layer (the largest layer), `a` above."""
     kv_per_slot: int
     """2 x sum over attention layers of kv_heads x head_dim."""
+    tp_params: int = 0
+    """Parameters tensor parallelism splits (S above)."""
+    tp_trainable: int = 0
+    """Trainable parameters tensor parallelism splits (S_T above)."""
+    tp_largest_block: int = 0
+    """Of `largest_block`, the parameters tensor parallelism splits."""
+    act_col_per_token_layer: int = 0
+    """Of `act_per_token_layer`, the elements of column-parallel outputs (a_col above)."""
+
+
+def _colwise_activation_elements(layer: nn.Module) -> int:
+    """2 x out_features of the layer's column-parallel projections under tensor parallelism."""
+    from megatron_vlm.parallel.tensor_parallel import decoder_tp_plan
+
+    total = 0
+    for _, kind, m in decoder_tp_plan(_Wrap(layer)):
+        names = ("q_proj", "k_proj", "v_proj") if kind == "attention" else ("gate_proj", "up_proj") if kind == "mlp" else ()
+        total += sum(2 * getattr(m, n).out_features for n in names if getattr(m, n, None) is not None)
+    return total
+
+
+class _Wrap:
+    """A one-layer stand-in for a model (`language_model.layers`), to classify one layer's children."""
+
+    def __init__(self, layer: nn.Module):
+        self.language_model = type("LM", (), {"layers": [layer]})()
 
 
 def _layer_activation_elements(layer: nn.Module, hidden: int) -> int:
@@ -74,13 +104,20 @@ def model_shape(model: nn.Module) -> ModelShape:
     """Counts from a (meta-device) family model; trainable = parameters with requires_grad."""
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    from megatron_vlm.parallel.tensor_parallel import tp_sharded_numel
+
     blocks = model.transformer_blocks() if hasattr(model, "transformer_blocks") else []
-    largest = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=params)
+    sizes = [(sum(p.numel() for p in b.parameters()), i) for i, b in enumerate(blocks)]
+    largest, at = max(sizes, default=(params, -1))
     layers = list(model.language_model.layers)
     hidden = model.lm_head.weight.shape[1]
-    act = max(_layer_activation_elements(layer, hidden) for layer in layers)
+    act, big = max((_layer_activation_elements(layer, hidden), i) for i, layer in enumerate(layers))
+    tp_params = tp_sharded_numel(model)
     return ModelShape(params=params, trainable=trainable, largest_block=largest, layers=len(layers), hidden=hidden,
-                      act_per_token_layer=act, kv_per_slot=kv_elements_per_slot(model))
+                      act_per_token_layer=act, kv_per_slot=kv_elements_per_slot(model), tp_params=tp_params,
+                      tp_trainable=tp_sharded_numel(model, trainable=True),
+                      tp_largest_block=tp_sharded_numel(blocks[at]) if at >= 0 else 0,
+                      act_col_per_token_layer=_colwise_activation_elements(layers[big]))
 
 
 @dataclass
@@ -106,17 +143,21 @@ class MemoryPlan:
 
 
 def estimate_memory(shape: ModelShape, *, fsdp: int, master_bytes: int, compute_bytes: int, tokens: int,
-                    activation_checkpointing: bool, rollout_prompts: int = 0, group_size: int = 0) -> MemoryPlan:
+                    activation_checkpointing: bool, rollout_prompts: int = 0, group_size: int = 0, tp: int = 1) -> MemoryPlan:
     """The formulas of the module docstring; `rollout_prompts` 0 = no rollout (SFT)."""
     f = max(1, fsdp)
-    no_ckpt = tokens * shape.layers * shape.act_per_token_layer * compute_bytes
-    ckpt = tokens * shape.layers * shape.hidden * compute_bytes + tokens * shape.act_per_token_layer * compute_bytes
-    kv = shape.kv_per_slot * compute_bytes * rollout_prompts * group_size * tokens
+    keep = 1.0 - 1.0 / max(1, tp)  # the part of a TP-split quantity that lives on the other tp ranks
+    params = shape.params - shape.tp_params * keep
+    trainable = shape.trainable - shape.tp_trainable * keep
+    act = shape.act_per_token_layer - shape.act_col_per_token_layer * keep
+    no_ckpt = tokens * shape.layers * act * compute_bytes
+    ckpt = tokens * shape.layers * shape.hidden * compute_bytes + tokens * act * compute_bytes
+    kv = shape.kv_per_slot * compute_bytes * rollout_prompts * group_size * tokens / max(1, tp)
     return MemoryPlan(
-        params=shape.params * master_bytes / f,
-        grads=shape.trainable * master_bytes / f,
-        optimizer=shape.trainable * 2 * 4 / f,
-        gathered=2 * shape.largest_block * compute_bytes,
+        params=params * master_bytes / f,
+        grads=trainable * master_bytes / f,
+        optimizer=trainable * 2 * 4 / f,
+        gathered=2 * (shape.largest_block - shape.tp_largest_block * keep) * compute_bytes,
         activations=ckpt if activation_checkpointing else no_ckpt,
         activations_no_ckpt=no_ckpt,
         activations_ckpt=ckpt,

@@ -125,7 +125,10 @@ class GRPOStep:
         self.rl, self.engine, self.encoder, self.manager, self.reference = rl_cfg, engine, encoder, manager, reference
         self.metrics_logger = metrics
         self.device = ctx.env.device
-        self.rank, self.world = ctx.env.rank, ctx.env.world_size
+        # data-parallel coordinates: the tp ranks of a group generate, score and train on the same prompts
+        dims = bundle.dims
+        self.rank, self.world = getattr(dims, "dp_rank", ctx.env.rank), dims.dp_size
+        self.copies = getattr(dims, "data_copies", 1)
         self.dp = bundle.dims.dp_size
         self.max_tokens = ctx.cfg.data.max_tokens_per_pack
         self.max_grad_norm = ctx.cfg.train.max_grad_norm
@@ -137,6 +140,16 @@ class GRPOStep:
         r = self.rl
         return SamplingParams(max_new_tokens=r.max_new_tokens, n=r.group_size, temperature=r.temperature,
                               top_p=r.top_p, top_k=r.top_k, stop=tuple(r.stop))
+
+    def _sum(self, values, device=None) -> list[float]:
+        """Element-wise sum over the data shards (each counted once, not once per tp rank)."""
+        out = all_reduce_sum(values, device if device is not None else self.device)
+        return out if self.copies == 1 else [v / self.copies for v in out]
+
+    def _gather(self, obj) -> list:
+        """[obj of data shard 0, obj of data shard 1, ...]: one rank per tp group (tp is the innermost
+        mesh dim, so the group of world rank r is r // tp)."""
+        return all_gather_objects(obj)[::self.copies]
 
     # ------------------------------------------------------------------ the step
     def run(self, step: int, batch: Sequence[PromptSample], prompt_pool: Optional[Sequence[PromptSample]] = None) -> dict[str, float]:
@@ -156,7 +169,7 @@ class GRPOStep:
             if not r.dynamic_sampling:
                 break
             # every rank decides alike: the kept (non-zero variance) groups of this round, per rank
-            counts = [int(c) for c in all_reduce_sum([sum(rd.keep_group) if i == self.rank else 0
+            counts = [int(c) for c in self._sum([sum(rd.keep_group) if i == self.rank else 0
                                                       for i in range(self.world)], self.device)]
             need = r.prompts_per_step - kept_before
             if sum(counts) >= need:  # enough: drop the surplus of this round, ranks in order
@@ -294,7 +307,7 @@ class GRPOStep:
             for m in range(r.mini_batches_per_step):
                 mb = [samples[i] for i in order[m::r.mini_batches_per_step]]
                 packs = self._packs(mb)
-                g_tokens, g_seqs = all_reduce_sum([sum(s.response_length for s in mb), len(mb)], self.device)
+                g_tokens, g_seqs = self._sum([sum(s.response_length for s in mb), len(mb)], self.device)
                 (n_packs,) = all_reduce_max([len(packs)], self.device)
                 if g_tokens == 0:
                     continue  # every group of this mini-batch was dropped on every rank
@@ -382,12 +395,12 @@ class GRPOStep:
             "gen_tokens": sum(int(s.token_ids.numel()) for s in real), "skipped": self.encoder.skipped,
             "reward_fail": self.manager.metrics(), "prompts": sum(rd.shard.num_real for rd in rounds),
         }
-        parts = all_gather_objects(local)
+        parts = self._gather(local)
         cat = lambda key: [x for p in parts for x in p[key]]  # noqa: E731
         per = {label: [x for p in parts for x in p["per_reward"].get(label, [])] for label in self.manager.labels}
         out: dict[str, float] = {}
         # loss (mean over the optimizer updates of this step; identical on every rank once summed)
-        losses = [sum(v) for v in zip(*all_gather_objects(upd["losses"]))] if upd["losses"] else []
+        losses = [sum(v) for v in zip(*self._gather(upd["losses"]))] if upd["losses"] else []
         out["loss"] = sum(losses) / len(losses) if losses else 0.0
         out["grad_norm"] = sum(upd["grad_norms"]) / len(upd["grad_norms"]) if upd["grad_norms"] else 0.0
         out["lr"] = upd["lr"]

@@ -13,6 +13,7 @@ from torch import nn
 
 from megatron_vlm import kernels
 from megatron_vlm.data.batch import IGNORE_INDEX, model_inputs
+from megatron_vlm.parallel.tensor_parallel import is_vocab_parallel, vocab_parallel_token_logprobs
 
 
 class TokenLogprobModel(nn.Module):
@@ -44,9 +45,9 @@ class TokenLogprobModel(nn.Module):
         sel = labels != IGNORE_INDEX
         h = hidden.reshape(-1, hidden.shape[-1])[sel]
         weight = self.model.lm_head.weight
-        out = kernels.linear_token_logprobs(
-            h, weight, labels[sel], temperature=temperature, return_entropy=return_entropy
-        )
+        # tensor parallelism: the lm_head rows are split over the tp ranks; log-probs without gathering them
+        logprobs = vocab_parallel_token_logprobs if is_vocab_parallel(weight) else kernels.linear_token_logprobs
+        out = logprobs(h, weight, labels[sel], temperature=temperature, return_entropy=return_entropy)
         if torch.is_grad_enabled() and self.training:
             anchor = self._anchor(hidden).to(torch.float32)
             logp = out[0] if isinstance(out, tuple) else out

@@ -44,6 +44,18 @@ class ModelBundle:
     """`MoELoadBalancer` when the model has MoE layers, else None."""
 
 
+def _load_all_reduce(dims: ParallelDims):
+    """Sum of the MoE loads over the ranks, each data shard counted once (the tp ranks of a group route
+    the same tokens)."""
+    if dims.data_copies == 1:
+        return all_reduce_
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        all_reduce_(t)
+        return t.div_(dims.data_copies, rounding_mode="floor") if not t.is_floating_point() else t.div_(dims.data_copies)
+    return reduce
+
+
 def build_model_bundle(ctx: RunContext) -> ModelBundle:
     """Configure the kernels, seed every RNG with `train.seed`, build the mesh, load, freeze and shard
     the model. Same order on every rank (the sharding is collective)."""
@@ -67,9 +79,10 @@ def build_model_bundle(ctx: RunContext) -> ModelBundle:
     wrapper = TokenLogprobModel(model)
     precision = resolve_precision(cfg.train.precision, env.device)
     family = get_family(model.hf_config.get("model_type"))
+    # a size parallel.tp does not divide raises TPError: a config error (exit 2, megatron_vlm/runner.py)
     family.parallelize(model, dims, cfg.parallel, mesh=mesh, activation_checkpointing=cfg.train.activation_checkpointing,
                        param_dtype=torch.bfloat16 if precision == "bf16" else None, root=wrapper)
     trainable_params = [p for p in wrapper.parameters() if p.requires_grad]
-    balancer = MoELoadBalancer(model, cfg.moe, all_reduce=all_reduce_) if moe_layers(model) else None
+    balancer = MoELoadBalancer(model, cfg.moe, all_reduce=_load_all_reduce(dims)) if moe_layers(model) else None
     return ModelBundle(model=model, wrapper=wrapper, processor=processor, dims=dims, mesh=mesh,
                        trainable_params=trainable_params, moe_balancer=balancer)

@@ -66,8 +66,11 @@ class Attention(nn.Module):
         """(query heads, key/value heads) that this module's projections hold: all of them, or a shard.
 
         From the weights' logical shapes: an FSDP-sharded DTensor still reports the whole projection
-        (FSDP gathers it for the forward), a plain tensor holding a head shard reports the shard."""
-        return self.q_proj.weight.shape[0] // self.head_dim, self.k_proj.weight.shape[0] // self.head_dim
+        (FSDP gathers it for the forward), a plain tensor holding a head shard reports the shard; a
+        tensor-parallel DTensor reports the whole projection too, divided here by `tp_size` (set by
+        `megatron_vlm.parallel.tensor_parallel.apply_tp`)."""
+        tp = getattr(self, "tp_size", 1)
+        return self.q_proj.weight.shape[0] // self.head_dim // tp, self.k_proj.weight.shape[0] // self.head_dim // tp
 
     def forward(
         self,

@@ -3,8 +3,10 @@
 written once.
 
 Order: TP -> EP -> CP -> activation checkpointing -> compile -> FSDP (each step must see the module
-layout the previous one left: FSDP shards whatever TP / EP did not already place). The shared
-helpers provide EP, AC, compile and FSDP2 today. With `parallel.ep` > 1 the routed experts of every
+layout the previous one left: FSDP shards whatever TP / EP did not already place). With `parallel.tp`
+> 1 the family's TP plan (attention heads and MLP columns sharded, vocab-parallel embedding and
+lm_head; `megatron_vlm.parallel.tensor_parallel`) is applied on the "tp" dim of the world mesh, and
+FSDP2 then shards those DTensors over the data-parallel dims (2-D FSDP x TP). With `parallel.ep` > 1 the routed experts of every
 MoE block are sharded over the ("ep_replicate", "ep") mesh (`megatron_vlm.parallel.apply_ep`) and left
 out of FSDP (`ignored_params`); their gradients are summed over the replicas and divided by the
 data-parallel size, as FSDP averages the others (the loops scale the loss by it). Activation checkpointing covers
@@ -24,16 +26,24 @@ from torch import nn
 from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.parallel import apply_ep, expert_parameters, parallelize_blocks
 from megatron_vlm.parallel.mesh import build_ep_mesh
+from megatron_vlm.parallel.tensor_parallel import apply_tp
 
 log = logging.getLogger("megatron_vlm")
 
 
 def make_parallelize(
-    family: str, *, unsupported_dims: tuple[str, ...] = (), note: str = ""
+    family: str, *, unsupported_dims: tuple[str, ...] = (), note: str = "",
+    tp_layer_children: Optional[dict[str, str]] = None, tp_embedding: str = "language_model.embed_tokens",
 ) -> Callable[..., nn.Module]:
     """`parallelize_<family>(model, parallel_dims, parallel_cfg, *, mesh, activation_checkpointing,
     param_dtype, root)`. A size > 1 in one of `unsupported_dims` ("tp", "ep", "cp") of `parallel_dims`
-    raises NotImplementedError (with `note` appended) instead of silently running replicated."""
+    raises NotImplementedError (with `note` appended) instead of silently running replicated.
+
+    The family's TP plan: `tp_layer_children` (decoder-layer child -> "attention" / "mlp" / "replicated"
+    / "auto", see `megatron_vlm.parallel.tensor_parallel.apply_tp`) and `tp_embedding` (the token
+    embedding's dotted name); a family without `tp_layer_children` refuses parallel.tp > 1."""
+    if tp_layer_children is None and "tp" not in unsupported_dims:
+        unsupported_dims = (*unsupported_dims, "tp")
 
     def parallelize(
         model: nn.Module,
@@ -50,6 +60,11 @@ def make_parallelize(
             if size and size > 1:
                 suffix = f" ({note})" if note else ""
                 raise NotImplementedError(f"parallel.{dim}={size}: not implemented for {family} yet{suffix}")
+        tp = getattr(parallel_dims, "tp", 1) if parallel_dims is not None else 1
+        if tp > 1:
+            if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+                raise NotImplementedError(f"parallel.tp={tp}: tensor parallelism needs the world device mesh")
+            apply_tp(model, mesh["tp"], layer_children=tp_layer_children, embedding=tp_embedding)
         ep = getattr(parallel_dims, "ep", 1) if parallel_dims is not None else 1
         ignored = None
         if ep > 1:

@@ -82,6 +82,8 @@ ARCH = {
     "internvl3_8b_robovqa_stage2.toml": ("internvl3_8b", 8),  # stage 1's export: transformers' layout
     "internvl3_8b_robovqa_curriculum.toml": ("internvl3_8b", 8),
     "nemotron_3_nano_vl_sft.toml": ("nemotron_3_nano_vl", 8),
+    "nemotron_3_nano_vl_sft_ep8_tp2.toml": ("nemotron_3_nano_vl", 16),
+    "internvl3_8b_sft_tp2.toml": ("internvl3_8b", 8),
     "qwen2_5_math_1_5b_grpo.toml": ("qwen2_5_math_1_5b", 2),
     "qwen2_5_math_1_5b_dapo.toml": ("qwen2_5_math_1_5b", 2),
     "qwen2_5_vl_3b_geometry3k_dapo.toml": ("qwen2_5_vl_3b", 8),

@@ -1,0 +1,237 @@
+"""Tensor parallelism for every family's tiny model, on 2 gloo processes started once: for each family a
+`parallel.tp=2` SFT run (one data-parallel rank reading 2 micro-batches per step) and a dp-only run (2
+data-parallel ranks, 1 micro-batch each: the same packs per step) give the same 10 losses (fp32, 1e-5)
+and the same Hugging Face export (1e-6); the tp run's lm_head / embedding and attention projections
+really are split (each rank holds half the rows), so the comparison is not between two replicated runs.
+
+In the same workers: the tp=2 run's step-5 checkpoint resumes as a dp-only run (layout change) with the
+tp run's last 5 losses and export; and two GRPO steps with tp=2 (the rollout engine runs sharded, every
+tp rank of a group generating the same answers) match one process (loss, grad norm, reward). A second,
+slow test on 4 processes: ep=2 x tp=2 (MoE), which is also tp=2 x dp=2, against dp=4.
+
+The jobs run in-process in the workers (`megatron_vlm.jobs.run_kind` on one process group) to pay the
+process start-up and imports once for all six families.
+"""
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_vlm.config import load_config
+from megatron_vlm.data.synthetic_arith import write_synthetic_arith
+from megatron_vlm.jobs import run_kind
+from megatron_vlm.parallel import DistEnv, init_distributed
+from megatron_vlm.testing.synthesize import synthesize_model_folder
+from megatron_vlm.training.context import RunContext
+
+pytestmark = [pytest.mark.distributed]
+
+REPO = Path(__file__).resolve().parents[3]
+CONFIGS = REPO / "launch" / "configs"
+STEPS = 10
+
+# family -> (config, tiny model)
+FAMILIES = {
+    "qwen2_5_vl": ("demo_sft.toml", "tiny_qwen2_5_vl"),
+    "qwen3_vl": ("demo_qwen3_vl.toml", "tiny_qwen3_vl"),
+    "qwen3_vl_moe": ("demo_qwen3_vl.toml", "tiny_qwen3_vl_moe"),
+    "internvl": ("demo_internvl.toml", "tiny_internvl"),
+    "nemotron_vl": ("demo_nemotron_vl.toml", "tiny_nemotron_vl"),
+    "qwen_text": ("demo_math_sft.toml", "tiny_qwen3"),
+}
+
+
+def _sets(tmp: Path, family: str, out: Path, **extra) -> list[str]:
+    config, synth = FAMILIES[family]
+    sets = {
+        "model.path": f'"{tmp / family / "model"}"', "model.synthesize": f'"{synth}"',
+        "data.max_tokens_per_pack": 128, "data.num_workers": 0, "train.output_dir": f'"{out}"',
+        "train.max_steps": STEPS, "train.eval_every": 0, "train.log_every": 1, "checkpoint.every_steps": 0,
+        "checkpoint.enable": "false", "checkpoint.keep_last": 0, "checkpoint.resume": '"none"', "logging.tensorboard": "false", "logging.console": "false",
+        "scheduler.warmup_steps": 1, "optimizer.lr": 1e-5,
+    }
+    if family == "qwen_text":
+        paths = tmp / "arith"
+        sets.update({"data.train_path": f'"{paths / "train.parquet"}"', "data.eval_path": '""'})
+    else:
+        sets.update({"data.synthetic_dir": f'"{tmp / family / "data"}"', "data.synthetic_train_size": 48,
+                     "data.synthetic_eval_size": 0})
+    sets.update(extra)
+    return [f"{k}={v}" for k, v in sets.items()]
+
+
+def _run(tmp: Path, family: str, out: Path, **extra) -> None:
+    cfg = load_config(CONFIGS / FAMILIES[family][0], _sets(tmp, family, out, **extra))
+    env = init_distributed()
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        if not (Path(cfg.model.path) / "config.json").is_file():
+            synthesize_model_folder(cfg.model.synthesize, cfg.model.path, seed=cfg.train.seed)
+    dist.barrier()
+    assert run_kind(RunContext(cfg=cfg, env=env, run_dir=out)) == 0
+    dist.barrier()
+
+
+def _grpo(model: Path, out: Path, env: DistEnv, **extra) -> None:
+    """Two GRPO steps of the demo config on the tiny Qwen2.5-VL with a graded (length) reward."""
+    sets = {
+        "model.path": f'"{model}"', "data.synthetic_dir": f'"{model.parent / "data"}"', "data.synthetic_train_size": 48,
+        "data.synthetic_eval_size": 0, "data.max_tokens_per_pack": 160, "train.output_dir": f'"{out}"',
+        "train.max_steps": 2, "logging.tensorboard": "false", "logging.console": "false", "checkpoint.enable": "false",
+        "checkpoint.export_hf": "false", "optimizer.lr": 1e-3, "rl.group_size": 4, "rl.prompts_per_step": 4,
+        "rl.max_new_tokens": 6, "rl.model_path_hint": '""', "rl.eval.every_steps": 0, "rl.eval.at_start": "false",
+        "rl.rewards": '[{type = "custom", function = "tests.integration.grpo_reward_fns.text_length", kwargs = {cap = 40}}]',
+    }
+    sets.update(extra)
+    cfg = load_config(CONFIGS / "demo_grpo.toml", [f"{k}={v}" for k, v in sets.items()])
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    assert run_kind(RunContext(cfg=cfg, env=env, run_dir=out)) == 0
+
+
+def _column(out: Path, key: str) -> list[float]:
+    with open(out / "metrics_train.csv") as f:
+        return [float(r[key]) for r in csv.DictReader(f)]
+
+
+def _export(out: Path) -> dict:
+    from safetensors.torch import load_file
+    tensors = {}
+    for f in sorted((out / "hf").glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def _worker(rank: int, world: int, port: int, tmp: str, errors) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    tmp = Path(tmp)
+    grpo_model = tmp / "grpo" / "model"
+    try:
+        if rank == 0:
+            # the one-process GRPO reference, in a one-rank group before the 2-rank group exists
+            # (rank 1 waits for rank 0 in the rendezvous below)
+            write_synthetic_arith(tmp / "arith", max_operand=9, eval_size=8)
+            synthesize_model_folder("tiny_qwen2_5_vl", grpo_model, seed=0)
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            _grpo(grpo_model, tmp / "grpo" / "dp1", DistEnv(0, 1, 0, torch.device("cpu"), "gloo"))
+            dist.destroy_process_group()
+        init_distributed()
+        for family in FAMILIES:
+            dp, tp = tmp / family / "dp", tmp / family / "tp"
+            _run(tmp, family, dp, **{"train.micro_batches_per_step": 1})
+            resumable = {"checkpoint.enable": "true", "checkpoint.every_steps": STEPS // 2} if family == "qwen2_5_vl" else {}
+            _run(tmp, family, tp, **{"parallel.tp": 2, "train.micro_batches_per_step": 2, **resumable})
+            if rank == 0:
+                l_dp, l_tp = _column(dp, "loss"), _column(tp, "loss")
+                assert len(l_dp) == len(l_tp) == STEPS, (family, l_dp, l_tp)
+                worst = max(abs(a - b) for a, b in zip(l_dp, l_tp))
+                assert worst <= 1e-5, (family, worst, l_dp, l_tp)
+                # the gradients too (a wrongly scaled gradient would hide behind Adam's normalisation)
+                g_dp, g_tp = _column(dp, "grad_norm"), _column(tp, "grad_norm")
+                assert max(abs(a - b) / a for a, b in zip(g_dp, g_tp)) <= 1e-5, (family, g_dp, g_tp)
+                e_dp, e_tp = _export(dp), _export(tp)
+                assert e_dp.keys() == e_tp.keys() and e_dp, family
+                diff = max(((e_dp[k] - e_tp[k]).abs().max().item(), k) for k in e_dp)
+                assert diff[0] <= 1e-6, (family, diff)
+            dist.barrier()
+        # layout change: the tp=2 checkpoint of step 5 resumes as a dp-only run (2 data-parallel ranks)
+        tp, resumed = tmp / "qwen2_5_vl" / "tp", tmp / "qwen2_5_vl" / "resumed"
+        if rank == 0:
+            shutil.copytree(tp / "checkpoints" / f"step_{STEPS // 2}", resumed / "checkpoints" / f"step_{STEPS // 2}")
+        dist.barrier()
+        _run(tmp, "qwen2_5_vl", resumed, **{"train.micro_batches_per_step": 1, "checkpoint.enable": "true",
+                                            "checkpoint.resume": '"auto"'})
+        if rank == 0:
+            l_tp, l_res = _column(tp, "loss"), _column(resumed, "loss")
+            assert len(l_res) == STEPS - STEPS // 2, l_res
+            assert max(abs(a - b) for a, b in zip(l_tp[STEPS // 2:], l_res)) <= 1e-5, (l_tp, l_res)
+            e_tp, e_res = _export(tp), _export(resumed)
+            assert max((e_tp[k] - e_res[k]).abs().max().item() for k in e_tp) <= 1e-6
+        # GRPO with tp=2 (the rollout engine runs sharded): the same first steps as one process
+        _grpo(grpo_model, tmp / "grpo" / "tp2", init_distributed(), **{"parallel.tp": 2})
+        if rank == 0:
+            for key in ("loss", "grad_norm", "reward/mean"):
+                ref, got = _column(tmp / "grpo" / "dp1", key), _column(tmp / "grpo" / "tp2", key)
+                scale = max(1.0, max(abs(v) for v in ref))  # grad norms: relative
+                assert len(ref) == len(got) == 2 and max(abs(a - b) for a, b in zip(ref, got)) <= 1e-5 * scale, \
+                    (key, ref, got)
+            assert _column(tmp / "grpo" / "dp1", "grad_norm")[0] > 0  # a real update
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tp2_matches_dp_for_every_family(tmp_path):
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path), errors), nprocs=2, start_method="spawn")
+    except Exception:
+        msgs = []
+        while not errors.empty():
+            msgs.append("rank %d:\n%s" % errors.get())
+        raise AssertionError("\n".join(msgs) or "a worker failed")
+
+
+def _worker4(rank: int, world: int, port: int, tmp: str, errors) -> None:
+    """ep=2 x tp=2 x dp=2 on Nemotron-VL (MoE experts split over the 2 ep ranks of one tp coordinate,
+    attention / MLP over tp, 2 data-parallel ranks) against dp=4, 4 steps each."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    tmp = Path(tmp)
+    try:
+        init_distributed()
+        for family, layout in (("nemotron_vl", {"parallel.tp": 2, "parallel.ep": 2}),):
+            dp, tp = tmp / family / "dp", tmp / family / "tp"
+            _run(tmp, family, dp, **{"train.micro_batches_per_step": 1, "train.max_steps": 4})
+            _run(tmp, family, tp, **{**layout, "train.micro_batches_per_step": 2, "train.max_steps": 4})
+            if rank == 0:
+                for key in ("loss", "grad_norm"):
+                    a, b = _column(dp, key), _column(tp, key)
+                    assert len(a) == len(b) == 4 and max(abs(x - y) / max(1.0, abs(x)) for x, y in zip(a, b)) <= 1e-5, \
+                        (family, key, a, b)
+                e_dp, e_tp = _export(dp), _export(tp)
+                assert e_dp.keys() == e_tp.keys() and e_dp, family
+                diff = max(((e_dp[k] - e_tp[k]).abs().max().item(), k) for k in e_dp)
+                assert diff[0] <= 1e-6, (family, diff)
+            dist.barrier()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_tp2_with_dp2_and_with_ep2_on_4_processes(tmp_path):
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.start_processes(_worker4, args=(4, _free_port(), str(tmp_path), errors), nprocs=4, start_method="spawn")
+    except Exception:
+        msgs = []
+        while not errors.empty():
+            msgs.append("rank %d:\n%s" % errors.get())
+        raise AssertionError("\n".join(msgs) or "a worker failed")

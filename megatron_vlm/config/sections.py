@@ -142,8 +142,23 @@ class ParallelConfig:
     """Expert parallelism: shard each MoE block's routed experts over groups of `ep` ranks (tokens
     exchanged with all-to-all); must divide the number of processes and the expert count. EP ranks
     are data-parallel ranks too (each reads its own data); expert weights are left out of FSDP."""
+    cp: int = 1
+    """Context parallelism: the tokens of each packed sequence are split over groups of `cp` consecutive
+    ranks (load-balanced causal chunks, attention over the all-gathered keys / values); the ranks of a
+    group read the same packs. Divides the number of processes; data.max_tokens_per_pack must be
+    divisible by 2 x cp. Mamba2 layers run the whole sequence on every cp rank. Not with ep > 1."""
+    pp: int = 1
+    """Pipeline stages of the language decoder: only 1 is supported (pipeline parallelism is not
+    implemented; values > 1 are refused)."""
 
     def validate(self) -> None:
+        if self.cp < 1:
+            raise ValueError(f"cp: must be >= 1, got {self.cp}")
+        if self.pp != 1:
+            raise ValueError(f"pp: pipeline parallelism is not implemented; only pp = 1 is supported, got {self.pp}")
+        if self.cp > 1 and self.ep > 1:
+            raise ValueError(f"cp: context parallelism (cp = {self.cp}) with expert parallelism (ep = {self.ep}) "
+                             "is not supported; set one of them to 1")
         if self.ep < 1:
             raise ValueError(f"ep: must be >= 1, got {self.ep}")
         if self.dp_replicate <= 0:

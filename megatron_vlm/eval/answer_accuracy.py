@@ -57,7 +57,8 @@ def answer_accuracy(ctx: RunContext, bundle: ModelBundle, engine: PolicyRolloutE
                     max_new_tokens: int = 6, batch_size: int = 16, group_field: str = "question_type") -> Optional[dict]:
     """`answer_accuracy`, `answer_n` and `answer_accuracy/<group>` over the eval split (all ranks),
     or None without an eval split or answers."""
-    loader = build_eval_dataloader(ctx.cfg.data, bundle.processor, dp_rank=ctx.env.rank, dp_size=bundle.dims.dp_size,
+    # generation is not context-parallel: every rank (cp ranks too) decodes its own share
+    loader = build_eval_dataloader(ctx.cfg.data, bundle.processor, dp_rank=ctx.env.rank, dp_size=ctx.env.world_size,
                                    mode="generation", batch_size=batch_size, padding_side="left", bad_records=bad_records)
     if loader is None:
         return None

@@ -29,7 +29,8 @@ def _filler_pack(pad_id: int) -> dict:
 def heldout_loss(ctx: RunContext, bundle: ModelBundle, *, bad_records=None, max_batches: int = 0) -> Optional[dict]:
     """{"loss", "perplexity", "tokens"} over the eval split (at most `max_batches` packs per rank,
     0 = all), or None without an eval split or trained tokens."""
-    loader = build_eval_dataloader(ctx.cfg.data, bundle.processor, dp_rank=ctx.env.rank, dp_size=bundle.dims.dp_size,
+    loader = build_eval_dataloader(ctx.cfg.data, bundle.processor, dp_rank=bundle.dims.dp_rank(ctx.env.rank),
+                                   dp_size=bundle.dims.dp_size,
                                    mode="packs", bad_records=bad_records)
     if loader is None:
         return None
@@ -44,7 +45,7 @@ def heldout_loss(ctx: RunContext, bundle: ModelBundle, *, bad_records=None, max_
             nll += float(-logp.double().sum())
             tok += float(logp.numel())
     bundle.wrapper.train()
-    nll, tok = all_reduce_sum([nll, tok], ctx.device)
+    nll, tok = (v / bundle.dims.cp for v in all_reduce_sum([nll, tok], ctx.device))  # cp ranks: same packs
     if tok == 0:
         return None
     loss = nll / tok

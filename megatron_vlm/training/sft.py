@@ -5,7 +5,9 @@ Per optimizer step each data-parallel rank takes `micro_batches_per_step` packed
 The loss is normalised by the global number of trained (label) tokens of the step, summed over
 all ranks and micro-batches — not a mean of per-micro-batch means — so the gradient equals the
 one-process, whole-batch gradient whatever the world size. FSDP averages gradients over the dp
-ranks, hence the `* dp_size` on each micro-batch loss.
+ranks, hence the `* dp_size` on each micro-batch loss. With context parallelism the `cp` ranks of a
+group read the same packs and compute the same loss (parallel/context_parallel.py): sums over all ranks
+are divided by cp.
 """
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ def prepare_sft_data(ctx: RunContext) -> BadRecordLog:
 
 def build_train_loader(ctx: RunContext, bundle: ModelBundle, bad_records: BadRecordLog):
     """The endless packed loader of the train split for this data-parallel rank."""
-    return build_sft_dataloader(ctx.cfg.data, bundle.processor, seed=ctx.cfg.train.seed, dp_rank=ctx.env.rank,
+    return build_sft_dataloader(ctx.cfg.data, bundle.processor, seed=ctx.cfg.train.seed,
+                                dp_rank=bundle.dims.dp_rank(ctx.env.rank),
                                 dp_size=bundle.dims.dp_size, split="train", bad_records=bad_records)
 
 
@@ -107,7 +110,7 @@ class SFTStep:
         micro = [next(self._it) for _ in range(cfg.micro_batches_per_step)]
         local = [sum(int(m["num_label_tokens"]) for m in micro), sum(int(m["num_samples"]) for m in micro),
                  sum(int(m["input_ids"].numel()) for m in micro)]
-        g_tokens, g_samples, g_seq = all_reduce_sum(local, env.device)
+        g_tokens, g_samples, g_seq = (v / b.dims.cp for v in all_reduce_sum(local, env.device))
         denom = max(g_tokens, 1.0)
         loss_sum = 0.0
         b.wrapper.train()
@@ -127,7 +130,7 @@ class SFTStep:
         self.optim.scheduler.step()
         self.optim.optimizer.zero_grad(set_to_none=True)
         moe_report = b.moe_balancer.after_step(step + 1) if b.moe_balancer is not None else None
-        (g_loss_sum,) = all_reduce_sum([loss_sum], env.device)
+        g_loss_sum = all_reduce_sum([loss_sum], env.device)[0] / b.dims.cp
         dt = time.time() - t0
         if moe_report is not None:
             self.metrics.log_moe_table(step + 1, moe_report[1])

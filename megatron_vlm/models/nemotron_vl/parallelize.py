@@ -5,11 +5,13 @@ decoder block); the decoder blocks are the FSDP units; embeddings, projector, fi
 stay in the root FSDP group. Expert parallelism (`parallel.ep` > 1): the routed experts of every MoE
 mixer (stacked `[E, out, in]` weights, split along E) are sharded over the "ep" mesh dim by the
 shared `apply_ep` (tokens exchanged with all-to-all) and kept out of FSDP; the router, shared experts
-and latent projections stay FSDP parameters. Tensor and context parallelism are not implemented:
-a config asking for them fails loudly instead of silently running replicated.
+and latent projections stay FSDP parameters. Context parallelism (`parallel.cp`)
+splits the attention / MLP / MoE blocks; the Mamba2 blocks run the whole sequence on every cp rank
+(their state would have to pass across chunks). Tensor parallelism is not implemented: a config asking
+for it fails loudly instead of silently running replicated.
 """
 from __future__ import annotations
 
 from megatron_vlm.models.common.parallel_plan import make_parallelize
 
-parallelize_nemotron_vl = make_parallelize("nemotron_vl", unsupported_dims=("tp", "cp"))
+parallelize_nemotron_vl = make_parallelize("nemotron_vl", unsupported_dims=("tp",))

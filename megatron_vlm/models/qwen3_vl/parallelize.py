@@ -3,8 +3,8 @@
 Of TP -> EP -> CP -> activation checkpointing -> compile -> FSDP, the shared helpers provide EP, AC,
 compile and FSDP2. MoE variants: with `parallel.ep` > 1 the routed
 experts are sharded over the "ep" mesh dim (`apply_ep`, all-to-all token dispatch) and kept out of
-FSDP; with ep = 1 they are sharded by FSDP like any other parameter. Tensor / context parallelism
-are not implemented yet and fail loudly.
+FSDP; with ep = 1 they are sharded by FSDP like any other parameter. Context parallelism
+(`parallel.cp`) is the shared one; tensor parallelism is not implemented yet and fails loudly.
 Activation checkpointing covers `model.transformer_blocks()` (vision blocks and decoder layers); the
 FSDP units are the decoder layers only: the vision tower (with its DeepStack mergers), embeddings,
 final norm and lm_head stay in the root unit, so a rank whose micro-batch has no image still
@@ -14,4 +14,4 @@ from __future__ import annotations
 
 from megatron_vlm.models.common.parallel_plan import make_parallelize
 
-parallelize_qwen3_vl = make_parallelize("qwen3_vl", unsupported_dims=("tp", "cp"))
+parallelize_qwen3_vl = make_parallelize("qwen3_vl", unsupported_dims=("tp",))

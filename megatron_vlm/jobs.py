@@ -16,7 +16,7 @@ its held-out evaluation from here. Set-up order, per kind (the same on every ran
 """
 from __future__ import annotations
 
-from megatron_vlm.config.loader import to_dict
+from megatron_vlm.config.loader import ConfigError, to_dict
 from megatron_vlm.config.mode_keys import check_moe_section
 from megatron_vlm.eval.grpo_accuracy import GRPOEvaluator
 from megatron_vlm.eval.sft import SFTEvaluator
@@ -81,4 +81,8 @@ def run_grpo(ctx: RunContext, *, before_step=None) -> int:
 def run_kind(ctx: RunContext, *, before_step=None) -> int:
     """Run the job kind `train.mode` names ("sft" or "grpo"). `before_step(n)`: the loop's test hook
     (called before step n; None in production)."""
+    p, world = ctx.cfg.parallel, ctx.env.world_size
+    if world % p.cp or (p.dp_shard != -1 and p.dp_replicate * p.dp_shard * p.cp != world):
+        raise ConfigError(f"parallel.cp: dp_replicate ({p.dp_replicate}) x dp_shard ({p.dp_shard}) x cp ({p.cp}) "
+                          f"does not fit the {world} processes (cp must divide them)")
     return (run_grpo if ctx.cfg.train.mode == "grpo" else run_sft)(ctx, before_step=before_step)

@@ -13,6 +13,9 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
   `rl.prompts_per_step` / `rl.mini_batches_per_step` / `data.max_tokens_per_pack`);
 - SFT: an `[rl]` section is refused (it is only read by GRPO), and so are `train.eval_every` /
   `train.eval_max_batches` when there is no held-out split to evaluate (`data.eval_path` empty);
+- `parallel.cp` > 1 in GRPO (context parallelism is implemented for SFT's packed forward; GRPO's rollouts
+  are sharded by process rank, so the ranks of a cp group would not share their samples), and a
+  `data.max_tokens_per_pack` not divisible by 2 x `parallel.cp` (the load-balanced causal chunks);
 - `[moe]` keys other than their defaults on a model without MoE layers (`check_moe_section`, once
   the model — or its meta-device twin in `--check` — is built).
 
@@ -60,6 +63,13 @@ def changed_keys(section) -> list[str]:
 
 def check_keys_for_mode(cfg) -> None:
     """Raise ConfigError naming the first key that this job kind would ignore."""
+    cp = cfg.parallel.cp
+    if cp > 1 and cfg.train.mode == "grpo":
+        raise ConfigError(f"parallel.cp: context parallelism (cp = {cp}) is supported for train.mode = \"sft\" only; "
+                          "use parallel.cp = 1 for GRPO")
+    if cp > 1 and cfg.data.max_tokens_per_pack % (2 * cp):
+        raise ConfigError(f"parallel.cp: data.max_tokens_per_pack ({cfg.data.max_tokens_per_pack}) must be divisible by "
+                          f"2 x parallel.cp ({2 * cp}): each pack is cut into 2 x cp load-balanced chunks")
     if cfg.train.mode == "grpo":
         for name, why in _GRPO_IGNORED.items():
             section = getattr(cfg, name)

@@ -4,7 +4,7 @@ with no weights, no process group and no accelerator needed.
 Steps: the keys this job kind ignores (config/mode_keys.py); the model folder's config.json (a
 `model.synthesize` tiny model is described by a temporary synthesized folder); the model built on
 the meta device (`build_model` under `torch.device("meta")`: shapes only); `train.train_layers`,
-`[moe]` on a dense model; the parallel layout for `world_size` ranks (dp_replicate x dp_shard =
+`[moe]` on a dense model; the parallel layout for `world_size` ranks (dp_replicate x dp_shard x cp =
 world, ep divides the world and the expert count); GRPO sizes (room for a prompt before
 rl.max_new_tokens in data.max_tokens_per_pack, prompts per rank, the rollout batch); then the memory
 per rank (plan/memory.py) against the device's. Exit 0 with a one-screen plan, or 2 with one line
@@ -64,12 +64,15 @@ def _meta_model(hf_config: dict):
 
 def _layout(cfg, world: int, num_experts: int) -> tuple[int, int]:
     p = cfg.parallel
-    rep = p.dp_replicate
-    if world % rep:
-        raise CheckFailed("parallel.dp_replicate", f"{rep} does not divide the {world} ranks")
-    shard = p.dp_shard if p.dp_shard != -1 else world // rep
-    if rep * shard != world:
-        raise CheckFailed("parallel.dp_shard", f"dp_replicate {rep} x dp_shard {shard} = {rep * shard}, not the {world} ranks")
+    rep, cp = p.dp_replicate, p.cp
+    if world % cp:
+        raise CheckFailed("parallel.cp", f"{cp} does not divide the {world} ranks")
+    if world % (rep * cp):
+        raise CheckFailed("parallel.dp_replicate", f"{rep} x parallel.cp {cp} does not divide the {world} ranks")
+    shard = p.dp_shard if p.dp_shard != -1 else world // (rep * cp)
+    if rep * shard * cp != world:
+        raise CheckFailed("parallel.dp_shard", f"dp_replicate {rep} x dp_shard {shard} x cp {cp} = {rep * shard * cp}, "
+                          f"not the {world} ranks")
     if world % p.ep:
         raise CheckFailed("parallel.ep", f"{p.ep} does not divide the {world} ranks")
     if p.ep > 1 and (num_experts == 0 or num_experts % p.ep):
@@ -99,7 +102,8 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     master = _BYTES[cfg.model.dtype]
     lines = [f"model      {hf.get('model_type')}: {shape.params / 1e9:.3f} B parameters ({shape.trainable / 1e9:.3f} B trainable), "
              f"{shape.layers} decoder layers, hidden {shape.hidden}",
-             f"layout     {world_size} ranks = dp_replicate {rep} x dp_shard {shard} (FSDP), ep {cfg.parallel.ep}",
+             f"layout     {world_size} ranks = dp_replicate {rep} x dp_shard {shard} (FSDP) x cp {cfg.parallel.cp}, "
+             f"ep {cfg.parallel.ep}",
              f"batch      {tokens} tokens per packed micro-batch, activation checkpointing "
              f"{'on' if cfg.train.activation_checkpointing else 'off'}"]
     rollout_prompts, group = 0, 0
@@ -116,7 +120,7 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         rollout_prompts = min(rollout_prompts, per_rank)
         lines.append(f"rollout    {per_rank} prompts per rank and step, {rollout_prompts} per batch x group {group} x "
                      f"{tokens} cache slots ({ceil_div(per_rank, rollout_prompts)} batches)")
-    mem = estimate_memory(shape, fsdp=shard, master_bytes=master, compute_bytes=compute, tokens=tokens,
+    mem = estimate_memory(shape, fsdp=shard * cfg.parallel.cp, master_bytes=master, compute_bytes=compute, tokens=tokens,
                           activation_checkpointing=cfg.train.activation_checkpointing,
                           rollout_prompts=rollout_prompts, group_size=group)
     lines += [

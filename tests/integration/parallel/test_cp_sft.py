@@ -29,8 +29,8 @@ FAMILIES = [("tiny_qwen2_5_vl", "vqa"), ("tiny_qwen3_vl", "vqa"), ("tiny_qwen3_v
 def _overrides(tmp: Path, name: str, kind: str, layout: str, out: Path) -> list[str]:
     sets = {
         "model.synthesize": f'"{name}"', "model.path": f'"{tmp / name}"', "train.output_dir": f'"{out}"',
-        "train.max_steps": STEPS, "train.eval_every": 0, "train.log_every": 1, "checkpoint.every_steps": STEPS - 2,
-        "checkpoint.keep_last": 0, "logging.tensorboard": "false", "logging.console": "false",
+        "train.max_steps": STEPS, "train.eval_every": 0, "train.log_every": 1, "checkpoint.enable": "false",
+        "logging.tensorboard": "false", "logging.console": "false",
         "data.num_workers": 0, "data.max_tokens_per_pack": 128, "scheduler.warmup_steps": 1,
         "train.train_layers": '[".*"]', "optimizer.lr": 1e-4,
     }

@@ -147,11 +147,29 @@ class ParallelConfig:
     """Tensor parallelism: shard each decoder layer's attention heads and MLP columns over groups of `tp`
     consecutive ranks (sequence-parallel norms between them, vocab-parallel embedding and lm_head). The
     `tp` ranks of a group read the same data; must divide the number of processes, the attention and KV
-    heads, the MLP width and the vocabulary."""
+    heads, the MLP width and the vocabulary. Not with cp > 1 yet."""
+    cp: int = 1
+    """Context parallelism: the tokens of each packed sequence are split over groups of `cp` consecutive
+    ranks (load-balanced causal chunks, attention over the all-gathered keys / values); the ranks of a
+    group read the same packs. Divides the number of processes; data.max_tokens_per_pack must be
+    divisible by 2 x cp. Mamba2 layers run the whole sequence on every cp rank. Not with ep > 1."""
+    pp: int = 1
+    """Pipeline stages of the language decoder: only 1 is supported (pipeline parallelism is not
+    implemented; values > 1 are refused)."""
 
     def validate(self) -> None:
+        if self.cp < 1:
+            raise ValueError(f"cp: must be >= 1, got {self.cp}")
+        if self.pp != 1:
+            raise ValueError(f"pp: pipeline parallelism is not implemented; only pp = 1 is supported, got {self.pp}")
+        if self.cp > 1 and self.ep > 1:
+            raise ValueError(f"cp: context parallelism (cp = {self.cp}) with expert parallelism (ep = {self.ep}) "
+                             "is not supported; set one of them to 1")
         if self.tp < 1:
             raise ValueError(f"tp: must be >= 1, got {self.tp}")
+        if self.tp > 1 and self.cp > 1:
+            raise ValueError(f"cp: tensor parallelism (tp = {self.tp}) with context parallelism (cp = {self.cp}) "
+                             "is not supported yet; set one of them to 1")
         if self.ep < 1:
             raise ValueError(f"ep: must be >= 1, got {self.ep}")
         if self.dp_replicate <= 0:

@@ -45,7 +45,8 @@ def heldout_loss(ctx: RunContext, bundle: ModelBundle, *, bad_records=None, max_
             nll += float(-logp.double().sum())
             tok += float(logp.numel())
     bundle.wrapper.train()
-    nll, tok = all_reduce_sum([nll, tok], ctx.device)
+    # the tp / cp ranks of a group evaluate the same packs: count each once
+    nll, tok = (v / bundle.dims.data_copies for v in all_reduce_sum([nll, tok], ctx.device))
     if tok == 0:
         return None
     loss = nll / tok

@@ -47,7 +47,12 @@ def apply_fsdp(
     `ignored_params` (expert-parallel weights, sharded on their own mesh) are left out of every unit:
     FSDP neither gathers, casts nor reduces them."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    dp_mesh = mesh if mesh.ndim == 1 else mesh[("dp_replicate", "dp_shard")]
+    if mesh.ndim == 1:
+        dp_mesh = mesh
+    elif "cp" in (mesh.mesh_dim_names or ()) and mesh["cp"].size() > 1:  # FSDP over dp_shard x cp (context_parallel.py)
+        dp_mesh = mesh[("dp_replicate", "dp_shard_cp")]
+    else:
+        dp_mesh = mesh[("dp_replicate", "dp_shard")]
     kwargs = {"ignored_params": set(ignored_params)} if ignored_params else {}
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, **kwargs)

@@ -13,6 +13,12 @@ does), and replicated over the data-parallel replicas (the "ep_replicate" dim, w
 summed); the tp ranks of a group run the MoE blocks on the same tokens, so each tp coordinate has its
 own ("ep_replicate", "ep") sub-mesh and the expert gradients are not summed over tp. Expert weights
 are excluded from FSDP (see `parallel_plan.make_parallelize`).
+
+Context parallelism adds the innermost dim "cp" (`parallel.cp` consecutive ranks split the tokens of
+the same packs): the ranks of a cp group share their data-parallel coordinate, and FSDP shards over
+dp_shard x cp flattened ("dp_shard_cp"; parallel/context_parallel.py).
+`parallel.pp` > 1 is refused by the config (not implemented); tp and cp together are refused
+(not tested together yet).
 """
 from __future__ import annotations
 
@@ -42,9 +48,9 @@ class ParallelDims:
 
     @property
     def data_copies(self) -> int:
-        """Ranks that read the same data shard (the tp ranks of a group): a sum over all ranks of
+        """Ranks that read the same data shard (the tp and cp ranks of a group): a sum over all ranks of
         per-data-shard counts counts each shard this many times."""
-        return self.tp
+        return self.tp * self.cp
 
 
 def build_mesh(parallel_cfg, world_size: int, device_type: str) -> tuple[ParallelDims, DeviceMesh]:
@@ -66,12 +72,20 @@ def build_mesh(parallel_cfg, world_size: int, device_type: str) -> tuple[Paralle
     ep = getattr(parallel_cfg, "ep", 1)
     if ep < 1 or world_size % ep:
         raise ValueError(f"parallel.ep ({ep}) must be >= 1 and divide the number of processes ({world_size})")
+    if tp > 1 and cp > 1:
+        raise ValueError(f"parallel.tp ({tp}) with parallel.cp ({cp}): tensor and context parallelism together "
+                         "are not supported yet; set one of them to 1")
+    if ep > 1 and cp > 1:
+        raise ValueError(f"parallel.ep ({ep}) with parallel.cp ({cp}): expert parallelism with context "
+                         "parallelism is not supported; set one of them to 1")
     if (rep * shard * cp) % ep:
         raise ValueError(f"parallel.ep ({ep}) must divide the data-parallel x context-parallel ranks "
                          f"({rep * shard * cp} = {world_size} processes / parallel.tp {tp})")
     mesh = init_device_mesh(device_type, (pp, rep, shard, cp, tp), mesh_dim_names=MESH_DIMS)
     dp_rank = mesh.get_local_rank("dp_replicate") * shard + mesh.get_local_rank("dp_shard")
     dims = ParallelDims(rep, shard, world_size, ep, tp=tp, cp=cp, pp=pp, dp_rank=dp_rank)
+    if cp > 1:  # FSDP shards over dp_shard x cp (context_parallel.py)
+        mesh[("dp_shard", "cp")]._flatten(mesh_dim_name="dp_shard_cp")
     return dims, mesh
 
 

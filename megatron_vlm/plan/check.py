@@ -4,7 +4,7 @@ with no weights, no process group and no accelerator needed.
 Steps: the keys this job kind ignores (config/mode_keys.py); the model folder's config.json (a
 `model.synthesize` tiny model is described by a temporary synthesized folder); the model built on
 the meta device (`build_model` under `torch.device("meta")`: shapes only); `train.train_layers`,
-`[moe]` on a dense model; the parallel layout for `world_size` ranks (dp_replicate x dp_shard x tp =
+`[moe]` on a dense model; the parallel layout for `world_size` ranks (dp_replicate x dp_shard x tp x cp =
 world, ep divides the data-parallel ranks and the expert count, tp divides the vocabulary and every
 decoder layer's attention / KV heads and MLP width); GRPO sizes (room for a prompt before
 rl.max_new_tokens in data.max_tokens_per_pack, prompts per rank, the rollout batch); then the memory
@@ -68,18 +68,20 @@ def _meta_model(hf_config: dict):
 
 def _layout(cfg, world: int, num_experts: int) -> tuple[int, int]:
     p = cfg.parallel
-    rep, tp = p.dp_replicate, getattr(p, "tp", 1)
-    if world % tp:
-        raise CheckFailed("parallel.tp", f"{tp} does not divide the {world} ranks")
-    if world % (rep * tp):
-        raise CheckFailed("parallel.dp_replicate", f"{rep} does not divide the {world // tp} data-parallel ranks "
-                                                   f"({world} ranks / parallel.tp {tp})")
-    shard = p.dp_shard if p.dp_shard != -1 else world // (rep * tp)
-    if rep * shard * tp != world:
-        raise CheckFailed("parallel.dp_shard", f"dp_replicate {rep} x dp_shard {shard} x tp {tp} = {rep * shard * tp}, "
-                                               f"not the {world} ranks")
+    rep, tp, cp = p.dp_replicate, p.tp, p.cp
+    for key, n in (("parallel.tp", tp), ("parallel.cp", cp)):
+        if world % n:
+            raise CheckFailed(key, f"{n} does not divide the {world} ranks")
+    mp, by = tp * cp, f"parallel.tp {tp} x parallel.cp {cp}"
+    if world % (rep * mp):
+        raise CheckFailed("parallel.dp_replicate", f"{rep} does not divide the {world // mp} data-parallel ranks "
+                                                   f"({world} ranks / {by})")
+    shard = p.dp_shard if p.dp_shard != -1 else world // (rep * mp)
+    if rep * shard * mp != world:
+        raise CheckFailed("parallel.dp_shard", f"dp_replicate {rep} x dp_shard {shard} x tp {tp} x cp {cp} = "
+                                               f"{rep * shard * mp}, not the {world} ranks")
     if world % p.ep or (world // tp) % p.ep:
-        raise CheckFailed("parallel.ep", f"{p.ep} does not divide the {world // tp} data-parallel ranks "
+        raise CheckFailed("parallel.ep", f"{p.ep} does not divide the {world // tp} data-parallel x context-parallel ranks "
                                          f"({world} ranks / parallel.tp {tp})")
     if p.ep > 1 and (num_experts == 0 or num_experts % p.ep):
         raise CheckFailed("parallel.ep", f"{p.ep} does not divide the model's {num_experts} routed experts per MoE block")
@@ -126,7 +128,8 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     lines = [f"model      {hf.get('model_type')}: {(shape.params - adapters) / 1e9:.3f} B parameters "
              f"({lora}{shape.trainable / 1e9:.3f} B trainable), "
              f"{shape.layers} decoder layers, hidden {shape.hidden}",
-             f"layout     {world_size} ranks = dp_replicate {rep} x dp_shard {shard} (FSDP) x tp {tp}, ep {cfg.parallel.ep}",
+             f"layout     {world_size} ranks = dp_replicate {rep} x dp_shard {shard} (FSDP) x tp {tp} x cp {cfg.parallel.cp}, "
+             f"ep {cfg.parallel.ep}",
              f"batch      {tokens} tokens per packed micro-batch, activation checkpointing "
              f"{'on' if cfg.train.activation_checkpointing else 'off'}"]
     rollout_prompts, group = 0, 0
@@ -143,7 +146,7 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         rollout_prompts = min(rollout_prompts, per_rank)
         lines.append(f"rollout    {per_rank} prompts per rank and step, {rollout_prompts} per batch x group {group} x "
                      f"{tokens} cache slots ({ceil_div(per_rank, rollout_prompts)} batches)")
-    mem = estimate_memory(shape, fsdp=shard, master_bytes=master, compute_bytes=compute, tokens=tokens,
+    mem = estimate_memory(shape, fsdp=shard * cfg.parallel.cp, master_bytes=master, compute_bytes=compute, tokens=tokens,
                           activation_checkpointing=cfg.train.activation_checkpointing,
                           rollout_prompts=rollout_prompts, group_size=group, tp=tp)
     lines += [

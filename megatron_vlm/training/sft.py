@@ -5,7 +5,9 @@ Per optimizer step each data-parallel rank takes `micro_batches_per_step` packed
 The loss is normalised by the global number of trained (label) tokens of the step, summed over
 all ranks and micro-batches — not a mean of per-micro-batch means — so the gradient equals the
 one-process, whole-batch gradient whatever the world size. FSDP averages gradients over the dp
-ranks, hence the `* dp_size` on each micro-batch loss.
+ranks, hence the `* dp_size` on each micro-batch loss. With context parallelism the `cp` ranks of a
+group read the same packs and compute the same loss (parallel/context_parallel.py): sums over all ranks
+are divided by cp.
 """
 from __future__ import annotations
 

@@ -33,6 +33,10 @@ from megatron_vlm.models.common.norms import RMSNorm
 
 
 class Attention(nn.Module):
+    context_parallel = None
+    """Set by `megatron_vlm.parallel.context_parallel.apply_cp`: packed input then holds this rank's
+    tokens only and attends to the keys / values of the whole cp group."""
+
     def __init__(
         self,
         hidden_size: int,
@@ -104,6 +108,9 @@ class Attention(nn.Module):
             if hasattr(kv_cache, "attend"):  # a slot cache: one query token against each sequence's slot
                 return self.o_proj(kv_cache.attend(layer_idx, q, k, v).reshape(*lead, -1))
             k, v, key_padding_mask = kv_cache.update(layer_idx, k, v)
+        if self.context_parallel is not None and cu_seqlens is not None and kv_cache is None:
+            out = self.context_parallel.attention(q, k, v, cu_seqlens, causal=self.causal)
+            return self.o_proj(out.reshape(*lead, -1))
         out = kernels.attention(
             q,
             k,

@@ -9,7 +9,9 @@ lm_head; `megatron_vlm.parallel.tensor_parallel`) is applied on the "tp" dim of 
 FSDP2 then shards those DTensors over the data-parallel dims (2-D FSDP x TP). With `parallel.ep` > 1 the routed experts of every
 MoE block are sharded over the ("ep_replicate", "ep") mesh (`megatron_vlm.parallel.apply_ep`) and left
 out of FSDP (`ignored_params`); their gradients are summed over the replicas and divided by the
-data-parallel size, as FSDP averages the others (the loops scale the loss by it). Activation checkpointing covers
+data-parallel size, as FSDP averages the others (the loops scale the loss by it). With `parallel.cp` > 1
+every decoder layer without a Mamba2 mixer becomes context-parallel for packed input
+(`megatron_vlm.parallel.context_parallel`). Activation checkpointing covers
 `model.transformer_blocks()`; the FSDP units are the decoder layers (`model.language_model.layers`):
 the vision tower, projector, embeddings, final norm and lm_head stay in the root unit, so a rank
 whose micro-batch has no image still reduces the same parameters as the others (and tied embeddings
@@ -23,8 +25,10 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from megatron_vlm.models.common.mamba2 import Mamba2Mixer
 from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.parallel import apply_ep, expert_parameters, parallelize_blocks
+from megatron_vlm.parallel.context_parallel import ContextParallel, apply_cp
 from megatron_vlm.parallel.mesh import build_ep_mesh
 from megatron_vlm.parallel.tensor_parallel import apply_tp
 
@@ -70,6 +74,9 @@ def make_parallelize(
         if ep > 1:
             _apply_expert_parallel(model, family, parallel_dims, mesh)
             ignored = set(expert_parameters(model))
+        cp = getattr(parallel_dims, "cp", 1) if parallel_dims is not None else 1
+        if cp > 1:
+            _apply_context_parallel(model, cp, mesh)
         return parallelize_blocks(model, model.transformer_blocks(), parallel_cfg, mesh=mesh,
                                   activation_checkpointing=activation_checkpointing, param_dtype=param_dtype,
                                   root=root, fsdp_blocks=list(model.language_model.layers), ignored_params=ignored)
@@ -92,3 +99,14 @@ def _apply_expert_parallel(model: nn.Module, family: str, parallel_dims, mesh) -
     apply_ep(layers, build_ep_mesh(parallel_dims, mesh.device_type), grad_divide_factor=parallel_dims.dp_size)
     log.info("expert parallelism: %d MoE layers, %d of %d routed experts per rank (parallel.ep=%d)",
              len(layers), layers[0].num_experts // parallel_dims.ep, layers[0].num_experts, parallel_dims.ep)
+
+
+def _apply_context_parallel(model: nn.Module, cp: int, mesh) -> None:
+    if mesh is None or "cp" not in (mesh.mesh_dim_names or ()):
+        raise NotImplementedError(f"parallel.cp={cp}: context parallelism needs the device mesh; run it under torchrun")
+    cp_mesh = mesh["cp"]
+    layers = [layer for layer in model.language_model.layers
+              if not any(isinstance(m, Mamba2Mixer) for m in layer.modules())]
+    n = apply_cp(layers, ContextParallel(cp_mesh.get_group(), cp, cp_mesh.get_local_rank()))
+    log.info("context parallelism: %d of %d decoder layers split over %d ranks (Mamba2 layers run the whole "
+             "sequence)", n, len(model.language_model.layers), cp)

@@ -8,12 +8,13 @@ shared `apply_ep` (tokens exchanged with all-to-all) and kept out of FSDP; the r
 and latent projections stay FSDP parameters. TP plan (`parallel.tp`, "auto" per block's `mixer`):
 attention mixers split by heads, MLP mixers by columns, Mamba2 and MoE mixers replicated over the tp
 ranks (every tp rank runs them on the whole sequence); vocab-parallel embedding (`embeddings`) and
-lm_head; the vision side replicated. Context parallelism is not implemented: a config asking for it
-fails loudly instead of silently running replicated.
+lm_head; the vision side replicated. Context parallelism (`parallel.cp`) splits the attention / MLP / MoE
+blocks; the Mamba2 blocks run the whole sequence on every cp rank (their state would have to pass
+across chunks).
 """
 from __future__ import annotations
 
 from megatron_vlm.models.common.parallel_plan import make_parallelize
 
-parallelize_nemotron_vl = make_parallelize("nemotron_vl", unsupported_dims=("cp",), tp_layer_children={"mixer": "auto"},
+parallelize_nemotron_vl = make_parallelize("nemotron_vl", tp_layer_children={"mixer": "auto"},
                                            tp_embedding="language_model.embeddings")

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron_vlm.config import ConfigError, save_config
 from megatron_vlm.jobs import run_kind
 from megatron_vlm.parallel import destroy_distributed, init_distributed
+from megatron_vlm.parallel.mesh import LayoutError
 from megatron_vlm.parallel.tensor_parallel import TPError
 from megatron_vlm.rl.trainer import check_model_folder
 from megatron_vlm.testing.synthesize import synthesize_model_folder
@@ -65,7 +66,7 @@ def run_job(cfg, *, before_step=None) -> int:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         return code
-    except (ConfigError, LoRASetupError, TPError) as e:  # found once the model is built ([moe] keys on a dense model, [lora], parallel.tp)
+    except (ConfigError, LoRASetupError, TPError, LayoutError) as e:  # found once the model is built ([moe] keys, [lora], parallel sizes)
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except NonFiniteStepError as e:

@@ -14,6 +14,7 @@ from typing import Optional
 import tomli_w
 import tomllib
 
+from megatron_vlm.config.eval_section import EvalConfig
 from megatron_vlm.config.loader import ConfigError, apply_overrides, from_dict, to_dict
 from megatron_vlm.config.sections import (
     CheckpointConfig,
@@ -26,7 +27,6 @@ from megatron_vlm.config.sections import (
     TrainConfig,
 )
 from megatron_vlm.data.config import DataConfig
-from megatron_vlm.eval.config import EvalConfig
 from megatron_vlm.kernels.config import KernelsConfig
 from megatron_vlm.rl.config import RLConfig
 from megatron_vlm.training.moe_balancing import MoEConfig

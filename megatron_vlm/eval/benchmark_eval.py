@@ -25,13 +25,13 @@ import time
 from collections import Counter
 from typing import Optional
 
+from megatron_vlm.config.eval_section import BenchmarkConfig, EvalConfig
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.loader import build_eval_dataloader
 from megatron_vlm.eval.accuracy import avg_at_k, pass_at_k
 from megatron_vlm.eval.answer_accuracy import GeneratedAnswers, generate_answers
 from megatron_vlm.eval.answers import normalize_answer
 from megatron_vlm.eval.benchmarks import open_benchmark
-from megatron_vlm.eval.config import BenchmarkConfig, EvalConfig
 from megatron_vlm.parallel.collectives import all_gather_objects
 from megatron_vlm.rl.grpo_step import sampling_generator
 from megatron_vlm.rl.rewards.config import ChoiceRewardConfig, ExactMatchRewardConfig, MathRewardConfig

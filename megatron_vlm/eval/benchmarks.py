@@ -49,12 +49,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from megatron_vlm.config.eval_section import BenchmarkConfig
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
 from megatron_vlm.data.data_files import HF_SUFFIXES, MESSAGES_SUFFIXES, find_data_files
 from megatron_vlm.data.messages import Record, read_messages_jsonl, resolve_path
 from megatron_vlm.data.sources import ListRecords
 from megatron_vlm.data.table_rows import TableRows
-from megatron_vlm.eval.config import BenchmarkConfig
 
 __all__ = ["BenchmarkFormat", "FORMATS", "BenchmarkRecords", "OpenedBenchmark", "open_benchmark", "benchmark_record",
            "format_options"]

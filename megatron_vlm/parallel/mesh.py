@@ -30,6 +30,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
+class LayoutError(ValueError):
+    """Parallel sizes that do not fit the processes (a configuration error: the runner exits 2)."""
+
+
 @dataclass
 class ParallelDims:
     dp_replicate: int
@@ -59,27 +63,27 @@ def build_mesh(parallel_cfg, world_size: int, device_type: str) -> tuple[Paralle
     cp = getattr(parallel_cfg, "cp", 1)
     pp = getattr(parallel_cfg, "pp", 1)
     if tp < 1 or world_size % tp:
-        raise ValueError(f"parallel.tp ({tp}) must be >= 1 and divide the number of processes ({world_size})")
+        raise LayoutError(f"parallel.tp ({tp}) must be >= 1 and divide the number of processes ({world_size})")
     rep = parallel_cfg.dp_replicate
     others = tp * cp * pp
     shard = parallel_cfg.dp_shard if parallel_cfg.dp_shard != -1 else world_size // (rep * others)
     if rep * shard * others != world_size:
-        raise ValueError(
+        raise LayoutError(
             f"parallel.dp_replicate ({rep}) x parallel.dp_shard ({shard}) x parallel.tp ({tp})"
             + (f" x parallel.cp ({cp})" if cp > 1 else "") + (f" x parallel.pp ({pp})" if pp > 1 else "")
             + f" = {rep * shard * others} does not equal the number of processes ({world_size})"
         )
     ep = getattr(parallel_cfg, "ep", 1)
     if ep < 1 or world_size % ep:
-        raise ValueError(f"parallel.ep ({ep}) must be >= 1 and divide the number of processes ({world_size})")
+        raise LayoutError(f"parallel.ep ({ep}) must be >= 1 and divide the number of processes ({world_size})")
     if tp > 1 and cp > 1:
-        raise ValueError(f"parallel.tp ({tp}) with parallel.cp ({cp}): tensor and context parallelism together "
+        raise LayoutError(f"parallel.tp ({tp}) with parallel.cp ({cp}): tensor and context parallelism together "
                          "are not supported yet; set one of them to 1")
     if ep > 1 and cp > 1:
-        raise ValueError(f"parallel.ep ({ep}) with parallel.cp ({cp}): expert parallelism with context "
+        raise LayoutError(f"parallel.ep ({ep}) with parallel.cp ({cp}): expert parallelism with context "
                          "parallelism is not supported; set one of them to 1")
     if (rep * shard * cp) % ep:
-        raise ValueError(f"parallel.ep ({ep}) must divide the data-parallel x context-parallel ranks "
+        raise LayoutError(f"parallel.ep ({ep}) must divide the data-parallel x context-parallel ranks "
                          f"({rep * shard * cp} = {world_size} processes / parallel.tp {tp})")
     mesh = init_device_mesh(device_type, (pp, rep, shard, cp, tp), mesh_dim_names=MESH_DIMS)
     dp_rank = mesh.get_local_rank("dp_replicate") * shard + mesh.get_local_rank("dp_shard")

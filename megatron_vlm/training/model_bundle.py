@@ -13,7 +13,6 @@ import torch
 
 from megatron_vlm import kernels
 from megatron_vlm.checkpoint.hf import load_hf_model
-from megatron_vlm.config.loader import ConfigError
 from megatron_vlm.data.processor import load_processor
 from megatron_vlm.models import get_family
 from megatron_vlm.models.common.moe import moe_layers
@@ -63,10 +62,7 @@ def build_model_bundle(ctx: RunContext) -> ModelBundle:
     cfg, env = ctx.cfg, ctx.env
     kernels.configure(cfg.kernels)
     seed_everything(cfg.train.seed)
-    try:
-        dims, mesh = build_mesh(cfg.parallel, env.world_size, env.device.type)
-    except ValueError as e:  # sizes that do not fit the processes: a config error (exit 2) naming the key
-        raise ConfigError(str(e)) from None
+    dims, mesh = build_mesh(cfg.parallel, env.world_size, env.device.type)  # LayoutError: exit 2 (runner)
     processor = load_processor(cfg.model.path, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels,
                                video_min_pixels=cfg.data.video_min_pixels, video_max_pixels=cfg.data.video_max_pixels)
     model = load_hf_model(cfg.model.path, dtype=getattr(torch, cfg.model.dtype), device="cpu")

@@ -9,12 +9,12 @@ import pytest
 from PIL import Image
 
 from megatron_vlm.config import ConfigError, load_config_dict
+from megatron_vlm.config.eval_section import BenchmarkConfig, EvalConfig
 from megatron_vlm.config.mode_keys import check_keys_for_mode
 from megatron_vlm.data.bad_records import BadRecordError
 from megatron_vlm.eval.answer_accuracy import GeneratedAnswers
 from megatron_vlm.eval.benchmark_eval import VerifierScorer
 from megatron_vlm.eval.benchmarks import open_benchmark
-from megatron_vlm.eval.config import BenchmarkConfig, EvalConfig
 from megatron_vlm.rl.rewards.verifiers import choice_reward, exact_match_reward, math_reward
 from tests.fixtures.benchmark_files import (
     write_geometry3k,

@@ -130,7 +130,9 @@ def _worker(rank: int, world: int, port: int, tmp: str, errors) -> None:
             dp, tp = tmp / family / "dp", tmp / family / "tp"
             _run(tmp, family, dp, **{"train.micro_batches_per_step": 1})
             resumable = {"checkpoint.enable": "true", "checkpoint.every_steps": STEPS // 2} if family == "qwen2_5_vl" else {}
-            _run(tmp, family, tp, **{"parallel.tp": 2, "train.micro_batches_per_step": 2, **resumable})
+            # activation checkpointing recomputes the sequence-parallel layers (hooks, collectives) in backward
+            recompute = {"train.activation_checkpointing": "true"} if family in ("qwen3_vl", "nemotron_vl") else {}
+            _run(tmp, family, tp, **{"parallel.tp": 2, "train.micro_batches_per_step": 2, **resumable, **recompute})
             if rank == 0:
                 l_dp, l_tp = _column(dp, "loss"), _column(tp, "loss")
                 assert len(l_dp) == len(l_tp) == STEPS, (family, l_dp, l_tp)

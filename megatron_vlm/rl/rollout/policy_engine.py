@@ -202,9 +202,19 @@ class PolicyRolloutEngine(RolloutEngine):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    @torch.no_grad()
     def generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams, *,
                  generator: Optional[torch.Generator] = None) -> RolloutResult:
+        # An engine-owned model decodes under inference mode (less per-op bookkeeping than no_grad: it
+        # matters for small decode steps); the trainer's FSDP model under no_grad, since FSDP keeps
+        # tensors of the forward for later training steps. The returned tensors are ordinary ones.
+        with torch.inference_mode() if self.owns_forward else torch.no_grad():
+            result = self._generate(prompts, params, generator)
+        for s in result.samples:
+            s.token_ids, s.logprobs, s.token_versions = s.token_ids.clone(), s.logprobs.clone(), s.token_versions.clone()
+        return result
+
+    def _generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams,
+                  generator: Optional[torch.Generator]) -> RolloutResult:
         if not prompts:
             raise ValueError("prompts: nothing to generate from")
         for i, p in enumerate(prompts):

@@ -32,7 +32,7 @@ __all__ = ["answer_engine", "batch_prompts", "GeneratedAnswers", "completion_tex
 
 def answer_engine(ctx: RunContext, bundle: ModelBundle) -> PolicyRolloutEngine:
     """The engine for answer accuracy: the policy through the FSDP root, whole batches in one
-    prefill (one lock-step wave), the loader's pad id and no suppressed tokens — the plain greedy
+    prefill (one lock-step batch), the loader's pad id and no suppressed tokens — the plain greedy
     decoding of the batch."""
     return PolicyRolloutEngine(
         bundle.model, bundle.processor.tokenizer, forward=lambda **kw: bundle.wrapper(model_kwargs=kw),

@@ -89,7 +89,7 @@ class RLConfig:
     rollout_weights: str = "shared"
     """Weights the rollout engine generates with. "shared": the trainer's parameters, called through the
     FSDP root (no extra memory, but the parameters are all-gathered at every decoding step and ranks
-    decode in lock-step waves of rollout_batch_prompts). "copy": an unsharded inference copy of the
+    decode in lock-step batches of rollout_batch_prompts). "copy": an unsharded inference copy of the
     policy on every rank, refreshed once per step from the trainer (one gather of the full weights per
     step, one more model in memory), decoding with continuous batching (rollout_batch_prompts *
     group_size slots, refilled as completions end) and no collective per token. On one device nothing

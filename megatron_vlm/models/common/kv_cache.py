@@ -1,4 +1,5 @@
-"""Pre-allocated key/value cache for incremental decoding (the GRPO rollout engine's prefill + decode).
+"""Pre-allocated key/value cache for incremental decoding of a left-padded batch (the rollout engine's
+prefill, whose rows it then copies into its `SlotCache`; cached generation in tests and tools).
 
 Layout per layer: k, v `[B, max_len, num_kv_heads, head_dim]` (the batched layout of
 `kernels.attention`), plus one `[B, max_len]` bool mask of real tokens shared by all layers, so

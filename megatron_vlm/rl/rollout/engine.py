@@ -5,9 +5,10 @@ behaviour log-probs (log pi_behaviour(token) under the policy version that gener
 operations, so that other back ends can plug in later without touching the trainer:
 
     load_weights(weights, version)  make the engine generate with policy `version`. The built-in
-                                    engine shares the trainer's parameters and needs no weights;
+                                    engine either shares the trainer's parameters (no weights) or
+                                    holds its own unsharded copy, refreshed here once per step;
                                     separate rollout ranks or a vLLM server receive the full state
-                                    dict (Hugging Face names) here.
+                                    dict here.
     generate(prompts, params)       sample `params.n` completions per prompt; results are
                                     group-major (the n samples of prompt p are p*n ... p*n+n-1), the
                                     layout of `rl.advantages`.

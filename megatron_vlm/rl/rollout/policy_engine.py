@@ -8,7 +8,7 @@ weights (see `load_weights`):
   decoding, so sequences are batched continuously (below);
 * the trainer's parameters (`forward=lambda **kw: wrapper(model_kwargs=kw)`: every call runs inside
   the FSDP root, parameters all-gathered per call). Cheaper on one device (no copy to keep), but every
-  rank must make the same forward calls, so decoding runs in lock-step waves (below).
+  rank must make the same forward calls, so decoding runs in lock-step batches (below).
 
 One `generate` call:
 
@@ -29,8 +29,8 @@ One `generate` call:
    step at a time, attention by `kernels.decode_attention` on the slots (no padding), the Mamba2
    state of the hybrid decoder per slot.
 
-Lock-step waves (when `all_ranks_active` is given, i.e. under FSDP with the trainer's parameters):
-`max_prompts_per_batch` prompts (0 = all) are admitted at the start of a wave and no slot is refilled
+Lock-step batches (when `all_ranks_active` is given, i.e. under FSDP with the trainer's parameters):
+`max_prompts_per_batch` prompts (0 = all) are admitted at the start of a batch and no slot is refilled
 until it ends; `all_ranks_active(local_active) -> bool` (an all-reduce supplied by the trainer)
 decides whether another decode step runs, and a rank whose rows are all finished steps one dummy row
 (a scratch slot) until every rank is done. The caller gives every rank the same number of prompts.
@@ -101,7 +101,7 @@ def _full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 class _Run:
-    """Device buffers and bookkeeping of one batch of slots (one `generate` wave)."""
+    """Device buffers and bookkeeping of one batch of slots (one batch of a `generate` call)."""
 
     def __init__(self, num_slots: int, budget: int, device) -> None:
         rows = num_slots + 1  # + the scratch slot
@@ -137,7 +137,7 @@ class PolicyRolloutEngine(RolloutEngine):
         it (default `model`: the engine's own copy, continuous batching); `cache_dtype`: the compute dtype of
         keys / values (bf16 under FSDP mixed precision; default the model's weight dtype);
         `sync_from`: the trainer's model (possibly FSDP-sharded) whose full weights `load_weights(None, ...)`
-        copies into `model` (the engine's own copy); `max_prompts_per_batch`: prompts per lock-step wave (0 = all); `max_num_seqs`: slots of continuous
+        copies into `model` (the engine's own copy); `max_prompts_per_batch`: prompts per lock-step batch (0 = all); `max_num_seqs`: slots of continuous
         batching (0 = max_prompts_per_batch * n, or every sample of the call); `suppress_token_ids`: tokens
         never generated (default: the model's vision placeholder / start / end tokens, `model.args.*_token_id`)."""
         if not isinstance(model, VLMBase):
@@ -202,9 +202,19 @@ class PolicyRolloutEngine(RolloutEngine):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    @torch.no_grad()
     def generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams, *,
                  generator: Optional[torch.Generator] = None) -> RolloutResult:
+        # An engine-owned model decodes under inference mode (less per-op bookkeeping than no_grad: it
+        # matters for small decode steps); the trainer's FSDP model under no_grad, since FSDP keeps
+        # tensors of the forward for later training steps. The returned tensors are ordinary ones.
+        with torch.inference_mode() if self.owns_forward else torch.no_grad():
+            result = self._generate(prompts, params, generator)
+        for s in result.samples:
+            s.token_ids, s.logprobs, s.token_versions = s.token_ids.clone(), s.logprobs.clone(), s.token_versions.clone()
+        return result
+
+    def _generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams,
+                  generator: Optional[torch.Generator]) -> RolloutResult:
         if not prompts:
             raise ValueError("prompts: nothing to generate from")
         for i, p in enumerate(prompts):
@@ -218,15 +228,15 @@ class PolicyRolloutEngine(RolloutEngine):
         n = params.n
         if self.lockstep:
             step = self.max_prompts_per_batch or len(prompts)
-            waves = [(start, min(start + step, len(prompts)), (min(step, len(prompts) - start)) * n)
-                     for start in range(0, len(prompts), step)]
+            batches = [(start, min(start + step, len(prompts)), (min(step, len(prompts) - start)) * n)
+                       for start in range(0, len(prompts), step)]
         else:
             slots = self.max_num_seqs or (self.max_prompts_per_batch * n) or len(prompts) * n
-            waves = [(0, len(prompts), min(slots, len(prompts) * n))]
+            batches = [(0, len(prompts), min(slots, len(prompts) * n))]
         samples: list[RolloutSample] = []
         interrupted = False
         try:
-            for start, end, num_slots in waves:
+            for start, end, num_slots in batches:
                 if interrupted:
                     samples += [self._unstarted(prompts, start, i, n) for i in range((end - start) * n)]
                     continue

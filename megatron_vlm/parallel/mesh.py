@@ -64,6 +64,8 @@ def build_mesh(parallel_cfg, world_size: int, device_type: str) -> tuple[Paralle
     pp = getattr(parallel_cfg, "pp", 1)
     if tp < 1 or world_size % tp:
         raise LayoutError(f"parallel.tp ({tp}) must be >= 1 and divide the number of processes ({world_size})")
+    if cp < 1 or world_size % cp:
+        raise LayoutError(f"parallel.cp ({cp}) must be >= 1 and divide the number of processes ({world_size})")
     rep = parallel_cfg.dp_replicate
     others = tp * cp * pp
     shard = parallel_cfg.dp_shard if parallel_cfg.dp_shard != -1 else world_size // (rep * others)

@@ -45,14 +45,15 @@ class ModelBundle:
 
 
 def _load_all_reduce(dims: ParallelDims):
-    """Sum of the MoE loads over the ranks, each data shard counted once (the tp ranks of a group route
-    the same tokens)."""
-    if dims.data_copies == 1:
+    """Sum of the MoE loads over the ranks, each token counted once: the tp ranks of a group route the
+    same tokens (MoE blocks are replicated over tp), while the cp ranks of a group route disjoint halves
+    of them (context parallelism splits the MoE layers' tokens), so only tp copies are divided out."""
+    if dims.tp == 1:
         return all_reduce_
 
     def reduce(t: torch.Tensor) -> torch.Tensor:
         all_reduce_(t)
-        return t.div_(dims.data_copies, rounding_mode="floor") if not t.is_floating_point() else t.div_(dims.data_copies)
+        return t.div_(dims.tp, rounding_mode="floor") if not t.is_floating_point() else t.div_(dims.tp)
     return reduce
 
 

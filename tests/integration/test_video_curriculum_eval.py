@@ -106,3 +106,28 @@ format = "mmmu"
     assert m["metrics"]["pass@2"] == sum(max(s) for s in scores) / len(rows)
     table = (tmp_path / "eval" / "eval_results.md").read_text()
     assert "| mmmu_style | 2 | 1 | 1 |" in table and "invalid_record" in table
+
+
+def test_robovqa_lora_curriculum_runs_as_written_on_a_tiny_internvl(tmp_path):
+    """internvl3_8b_robovqa_curriculum.toml unchanged except for its sizes: its data folder replaced by
+    the synthetic RoboVQA-layout clips, the tiny InternVL, 2 steps per stage. Both stages train LoRA
+    adapters (r 128 as written), stage 2 on stage 1's merged export, and each leaves a PEFT adapter."""
+    data, out, model = tmp_path / "robovqa", tmp_path / "run", tmp_path / "model"
+    write_synthetic_video(data, train_clips=8, val_clips=2)
+    text = (REPO / "launch" / "configs" / "internvl3_8b_robovqa_curriculum.toml").read_text()
+    assert text.count("epochs = 1\n") == 3 and "[lora]" in text
+    text = text.replace("data/robovqa/processed", str(data)).replace("epochs = 1\nlr", "max_steps = 2\nlr")
+    cfg = tmp_path / "robovqa.toml"
+    cfg.write_text(text)
+    sets = [f'model.path="{model}"', 'model.synthesize="tiny_internvl"', "data.num_workers=0", f'train.output_dir="{out}"',
+            "train.eval_every=0", "train.log_every=1", "train.micro_batches_per_step=1", "checkpoint.every_steps=0",
+            "logging.tensorboard=false"]
+    argv = ["--config", str(cfg)] + [x for s in sets for x in ("--set", s)]
+    assert pretrain_vlm.main(argv) == 0
+    s1, s2 = out / "stage1", out / "stage2"
+    assert [len(read_metrics(d / "metrics_train.csv")) for d in (s1, s2)] == [2, 2]
+    for d in (s1, s2):
+        adapter = json.loads((d / "adapter" / "adapter_config.json").read_text())
+        assert (adapter["r"], adapter["lora_alpha"], adapter["lora_dropout"]) == (128, 256, 0.05)
+        assert (d / "hf" / "config.json").is_file()
+    assert tomllib.loads((s2 / "config.toml").read_text())["model"]["path"] == str(s1 / "hf")

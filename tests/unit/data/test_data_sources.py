@@ -138,8 +138,8 @@ def test_hf_messages_column_fills_image_items_from_images_column(tmp_path, write
         HFRecords(tmp_path / "m.parquet", {"messages": "nope"}, cache_dir=str(tmp_path / "cache"))
 
 
+# (a missing train_path is a whole-config check: evaluation jobs have none; tests/unit/eval, tests/unit/training)
 @pytest.mark.parametrize("kwargs, field", [
-    ({"type": "messages_jsonl"}, "train_path"),
     ({"type": "hf", "train_path": "x"}, "columns"),
     ({"type": "hf", "train_path": "x", "columns": {"prompt": "q"}}, "columns"),
     ({"type": "hf", "train_path": "x", "columns": {"messages": "m", "imagez": "i"}}, "columns"),

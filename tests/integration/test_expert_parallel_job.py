@@ -35,6 +35,7 @@ def _column(out, key):
     return [float(r[key]) for r in read_metrics(out / "metrics_train.csv")]
 
 
+@pytest.mark.heavy
 def test_ep2_matches_ep1(tmp_path):
     ep1, ep2 = tmp_path / "ep1", tmp_path / "ep2"
     run_job(_sets(tmp_path, ep1, **{"parallel.ep": 1}), nproc=2, config=DEMO, timeout=600)

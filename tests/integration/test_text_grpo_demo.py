@@ -22,6 +22,7 @@ def _sets(d: dict) -> list[str]:
     return [f"{k}={v}" for k, v in d.items()]
 
 
+@pytest.mark.heavy
 def test_text_math_demo_runs_and_logs_the_recipe_metrics(tmp_path):
     paths = write_synthetic_arith(tmp_path / "data", max_operand=9, eval_size=8)
     data = {"data.train_path": f'"{paths["train"]}"', "data.eval_path": f'"{paths["eval"]}"',

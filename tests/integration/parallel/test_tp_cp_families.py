@@ -239,6 +239,7 @@ def _worker4(rank: int, world: int, port: int, tmp: str, errors) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_tp2_with_dp2_and_with_ep2_on_4_processes(tmp_path):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()

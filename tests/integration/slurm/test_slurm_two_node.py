@@ -17,6 +17,7 @@ STEPS = 3
 
 
 @pytest.mark.distributed
+@pytest.mark.heavy
 def test_two_local_nodes_rendezvous_and_match_one_node(tmp_path, demo_assets):
     two_nodes = tmp_path / "two_nodes"
     job = TrainJob(demo_assets, max_steps=STEPS, output_dir=two_nodes, extra=("train.micro_batches_per_step=1",))

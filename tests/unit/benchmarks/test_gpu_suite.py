@@ -105,6 +105,7 @@ def test_summary_from_results_on_disk(tmp_path):
     assert len(saved["targets"]) == len(TARGETS)
 
 
+@pytest.mark.heavy
 def test_train_step_benchmark_quick(tmp_path):
     out = tmp_path / "step.json"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "e2e" / "bench_train_step.py"), "--quick", "--steps", "1",

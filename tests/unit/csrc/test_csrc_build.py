@@ -34,6 +34,7 @@ print(json.dumps({"with_cuda": mod.with_cuda, "pack_equal": got == want, "permut
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_build_without_cuda_sources(tmp_path):
     env = dict(os.environ, MEGATRON_VLM_NO_CUDA="1", MEGATRON_VLM_REQUIRE_EXT="1",
                MEGATRON_VLM_BUILD_DIR=str(tmp_path / "cmake"))

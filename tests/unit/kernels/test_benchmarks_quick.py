@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH_DIR = Path(__file__).resolve().parents[3] / "benchmarks" / "kernels"
 SCRIPTS = ["bench_attention.py", "bench_rms_norm.py", "bench_rotary.py", "bench_swiglu.py", "bench_linear_token_logprobs.py",
            "bench_moe.py"]
@@ -26,6 +28,7 @@ for script in {scripts!r}:
 """
 
 
+@pytest.mark.heavy
 def test_benchmarks_run_quick():
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     code = DRIVER.format(bench_dir=str(BENCH_DIR), scripts=SCRIPTS)

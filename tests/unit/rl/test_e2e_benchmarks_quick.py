@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH_DIR = Path(__file__).resolve().parents[3] / "benchmarks" / "e2e"
 
 DRIVER = """
@@ -19,6 +21,7 @@ for script, args in {runs!r}:
 """
 
 
+@pytest.mark.heavy
 def test_e2e_benchmarks_run_quick(tmp_path):
     rollout_json, step_json = tmp_path / "rollout.json", tmp_path / "step.json"
     runs = [("bench_rollout.py", ["--repeats", "1", "--json", str(rollout_json)]),

@@ -198,8 +198,12 @@ class PolicyRolloutEngine(RolloutEngine):
         self._interrupt.set()
 
     def release_memory(self) -> None:
-        gc.collect()
-        if torch.cuda.is_available():
+        """The caches of a `generate` call are freed when it returns (no reference cycle holds them); on
+        CUDA the collector and the allocator's cache then give the memory back to the training step. On
+        the CPU there is nothing to give back: a full `gc.collect()` walks every Python object of the
+        process (~0.3-0.9 s per call with transformers / trl imported) for nothing."""
+        if self._device().type == "cuda":
+            gc.collect()
             torch.cuda.empty_cache()
 
     def generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams, *,

@@ -58,6 +58,9 @@ class SlotCache:
         self._contiguous = True
         self._pending = False
         self._step_states: Dict[int, Mamba2State] = {}
+        self._pos: Optional[torch.Tensor] = None  # per step: the active slots' write positions
+        self._seqlens: Optional[torch.Tensor] = None  # ... and their key counts after the write
+        self._max_k = 0  # ... and the longest of those, known on the host
 
     @property
     def scratch_slot(self) -> int:
@@ -134,6 +137,10 @@ class SlotCache:
         full = [s for s in self._active_list if self.host_lengths[s] >= self.max_len]
         if full:
             raise ValueError(f"SlotCache: slots {full} are full ({self.max_len} tokens)")
+        # the same for every layer of the step: computed once here, not per layer
+        self._pos = self.lengths.index_select(0, self._active)
+        self._seqlens = self._pos + 1
+        self._max_k = self.seq_len + 1
         self._pending = True
 
     def _write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -141,17 +148,17 @@ class SlotCache:
             raise RuntimeError("SlotCache: attend / update outside begin_step / end_step")
         if k.shape[:2] != (self.batch, 1):
             raise ValueError(f"SlotCache: layer {layer_idx} k has shape {tuple(k.shape)}, expected [{self.batch}, 1, ...]")
-        pos = self.lengths.index_select(0, self._active)
+        pos = self._pos
         self.keys[layer_idx][self._active, pos] = k[:, 0].to(self.keys[layer_idx].dtype)
         self.values[layer_idx][self._active, pos] = v[:, 0].to(self.values[layer_idx].dtype)
-        return pos + 1
+        return self._seqlens
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, 1, Hq, D], k / v [B, 1, Hkv, D] of the active slots -> attention output [B, 1, Hq, D]."""
         seqlens = self._write(layer_idx, k, v)
         out = kernels.decode_attention(
             q[:, 0], self.keys[layer_idx], self.values[layer_idx], seqlens,
-            slot_ids=None if self._contiguous else self._active, max_seqlen_k=self.seq_len + 1,
+            slot_ids=None if self._contiguous else self._active, max_seqlen_k=self._max_k,
         )
         return out.unsqueeze(1)
 
@@ -159,7 +166,7 @@ class SlotCache:
         """Fallback for an attention that does not call `attend`: (keys, values, key_padding_mask) of the
         active slots up to the longest one, gathered."""
         seqlens = self._write(layer_idx, k, v)
-        end = self.seq_len + 1
+        end = self._max_k
         keys = self.keys[layer_idx][:, :end].index_select(0, self._active)
         values = self.values[layer_idx][:, :end].index_select(0, self._active)
         mask = torch.arange(end, device=self.device)[None, :] < seqlens[:, None]
@@ -175,6 +182,7 @@ class SlotCache:
             self._mamba[i].conv_state[self._active] = state.conv_state
             self._mamba[i].ssm_state[self._active] = state.ssm_state
         self._step_states = {}
+        self._pos = self._seqlens = None
         self._pending = False
 
     # ----- the hybrid decoder's view (Nemotron-H) -----

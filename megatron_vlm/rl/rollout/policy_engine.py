@@ -29,6 +29,11 @@ One `generate` call:
    step at a time, attention by `kernels.decode_attention` on the slots (no padding), the Mamba2
    state of the hybrid decoder per slot.
 
+With `kv_block_size` > 0 the keys live in a paged pool (`PagedSlotCache`, attention-only models): an
+admitted sample reserves the blocks of its prompt + budget and returns them when it finishes, and a
+waiting sample is admitted only when its blocks are free, so a pool smaller than slots x longest
+sequence bounds the running batch by memory (GPU); on the CPU it is ~5-9 % slower, so off by default.
+
 Lock-step batches (when `all_ranks_active` is given, i.e. under FSDP with the trainer's parameters):
 `max_prompts_per_batch` prompts (0 = all) are admitted at the start of a batch and no slot is refilled
 until it ends; `all_ranks_active(local_active) -> bool` (an all-reduce supplied by the trainer)

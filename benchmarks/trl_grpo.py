@@ -9,7 +9,10 @@ in its generation kwargs; ours: no EOS token), temperature 1; a stand-in reward 
 completion, so groups have non-zero advantages; no reward workers); no KL term (TRL's default
 beta = 0); one optimizer step per generation round (TRL: `steps_per_generation = 1`, `num_iterations
 = 1`). Each framework runs its default path: TRL `model.generate` on padded prompts; ours the
-rollout engine (prefix sharing, KV cache) and the real `GRPOStep` under FSDP2 on a one-rank mesh.
+rollout engine (prefix sharing, slot KV cache, continuous batching) and the real `GRPOStep` under
+FSDP2 on a one-rank mesh. `--rollout-weights copy` (default, `rl.rollout_weights = "copy"`): the engine
+decodes with its own unsharded copy, refreshed from the trainer's weights once per step (included in
+the step time); `shared`: every decode step runs through the FSDP root.
 
 Timing: rounds interleaved in one process — a TRL `TrainerCallback` times each TRL step
 (`on_step_begin` -> `on_step_end`, generation included) and then runs and times one of our steps —
@@ -51,7 +54,7 @@ def hash_reward(text: str) -> float:
 class OurGRPO:
     """Our synchronous GRPO step (`megatron_vlm.rl.grpo_step.GRPOStep`), wired as bench_grpo_step.py does."""
 
-    def __init__(self, folder: Path, tokenizer, prompts: list[str], group: int, new_tokens: int):
+    def __init__(self, folder: Path, tokenizer, prompts: list[str], group: int, new_tokens: int, rollout_weights: str = "copy"):
         from bench_grpo_step import FixedPrompts, HashReward, TokenIds
 
         from megatron_vlm.checkpoint.hf import load_hf_model
@@ -83,8 +86,14 @@ class OurGRPO:
         rl = RLConfig(group_size=group, max_new_tokens=new_tokens, prompts_per_step=len(prompts), temperature=1.0,
                       kl_coef=0.0, rewards=[ExactMatchRewardConfig()])
         rl.validate()
-        engine = PolicyRolloutEngine(model, TokenIds(), forward=lambda **kw: wrapper(model_kwargs=kw), cache_dtype=torch.float32,
-                                     device=env.device, eos_token_ids=[-1])
+        if rollout_weights == "copy":  # as rl.rollout_weights = "copy": an unsharded copy, refreshed once per step
+            policy_copy = load_hf_model(str(folder), dtype=torch.float32, device="cpu").eval()
+            policy_copy.requires_grad_(False)
+            engine = PolicyRolloutEngine(policy_copy, TokenIds(), cache_dtype=torch.float32, device=env.device,
+                                         eos_token_ids=[-1], sync_from=model)
+        else:  # "shared": the trainer's parameters, every decode step through the FSDP root
+            engine = PolicyRolloutEngine(model, TokenIds(), forward=lambda **kw: wrapper(model_kwargs=kw),
+                                         cache_dtype=torch.float32, device=env.device, eos_token_ids=[-1])
         encoded = [RolloutPrompt(torch.tensor(tokenizer(p, add_special_tokens=False)["input_ids"])) for p in prompts]
         self.runner = GRPOStep(ctx, bundle, OptimState(optimizer, scheduler), rl, engine, FixedPrompts(encoded), HashReward())
         self.batch = [PromptSample(str(i), [], "x", "q") for i in range(len(prompts))]
@@ -108,6 +117,8 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rollout-weights", choices=("copy", "shared"), default="copy",
+                    help="our engine's weights (rl.rollout_weights): its own copy (default) or the trainer's FSDP parameters")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
     if importlib.util.find_spec("trl") is None:
@@ -130,7 +141,7 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
     prompts = make_prompts(args.prompts)
-    ours = OurGRPO(folder, tokenizer, prompts, args.group, args.new_tokens)
+    ours = OurGRPO(folder, tokenizer, prompts, args.group, args.new_tokens, args.rollout_weights)
 
     steps = args.warmup + args.rounds
     times = {"trl": [], "ours": []}
@@ -168,7 +179,8 @@ def main() -> int:
     print(f"TRL / ours step time: x{ratio_median:.2f} (median), x{ratio_min:.2f} (min)  [target >= 2]")
     meta = {"device": f"cpu ({args.threads} thread(s))", "torch": torch.__version__, "transformers": transformers.__version__,
             "trl": trl.__version__, "prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens,
-            "hidden": args.hidden, "layers": args.layers, "rounds": args.rounds, "date": time.strftime("%Y-%m-%d")}
+            "hidden": args.hidden, "layers": args.layers, "rounds": args.rounds, "rollout_weights": args.rollout_weights,
+            "load_avg": round(os.getloadavg()[0], 1), "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(meta))
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows, "ratio_median": ratio_median,

@@ -65,6 +65,9 @@ def register_builtin_ops(registry) -> None:
         register(op, "npu", f"npu.moe:{op}", check=npu_check, auto_devices=("npu",), priority=10)
     for op in TRITON_MOE_OPS:
         register(op, "triton", f"triton.moe:{op}", check=triton_check, auto_devices=("cuda",), priority=10)
+    # rollout decoding: one launch per layer over the slot / paged cache (kernels/triton/decode_attention.py)
+    register("decode_attention", "triton", "triton.decode_attention:decode_attention", check=triton_check,
+             auto_devices=("cuda",), priority=10)
     # MoE routing (reference/moe_routing.py) and the compiled backends of megatron_vlm._C (csrc/,
     # loaded lazily by megatron_vlm/_ext.py; its check says why it is unavailable when it is)
     register("moe_topk_gating", "torch", "reference.moe_routing:moe_topk_gating", auto_devices=everywhere)

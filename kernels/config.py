@@ -31,7 +31,7 @@ class KernelsConfig:
     ssd_state_update: str = "auto"
     """Mamba2 single-step state update (decoding): auto | torch."""
     decode_attention: str = "auto"
-    """One query token per sequence against a slot / paged KV cache (rollout decoding): auto | torch."""
+    """One query token per sequence against a slot / paged KV cache (rollout decoding): auto | torch | triton."""
     moe_permute: str = "auto"
     """MoE token permutation grouped by expert: auto | torch | npu | csrc."""
     grouped_mm: str = "auto"

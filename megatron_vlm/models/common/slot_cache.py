@@ -58,6 +58,9 @@ class SlotCache:
         self._contiguous = True
         self._pending = False
         self._step_states: Dict[int, Mamba2State] = {}
+        self._pos: Optional[torch.Tensor] = None  # per step: the active slots' write positions
+        self._seqlens: Optional[torch.Tensor] = None  # ... and their key counts after the write
+        self._max_k = 0  # ... and the longest of those, known on the host
 
     @property
     def scratch_slot(self) -> int:
@@ -134,6 +137,10 @@ class SlotCache:
         full = [s for s in self._active_list if self.host_lengths[s] >= self.max_len]
         if full:
             raise ValueError(f"SlotCache: slots {full} are full ({self.max_len} tokens)")
+        # the same for every layer of the step: computed once here, not per layer
+        self._pos = self.lengths.index_select(0, self._active)
+        self._seqlens = self._pos + 1
+        self._max_k = self.seq_len + 1
         self._pending = True
 
     def _write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -141,17 +148,17 @@ class SlotCache:
             raise RuntimeError("SlotCache: attend / update outside begin_step / end_step")
         if k.shape[:2] != (self.batch, 1):
             raise ValueError(f"SlotCache: layer {layer_idx} k has shape {tuple(k.shape)}, expected [{self.batch}, 1, ...]")
-        pos = self.lengths.index_select(0, self._active)
+        pos = self._pos
         self.keys[layer_idx][self._active, pos] = k[:, 0].to(self.keys[layer_idx].dtype)
         self.values[layer_idx][self._active, pos] = v[:, 0].to(self.values[layer_idx].dtype)
-        return pos + 1
+        return self._seqlens
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, 1, Hq, D], k / v [B, 1, Hkv, D] of the active slots -> attention output [B, 1, Hq, D]."""
         seqlens = self._write(layer_idx, k, v)
         out = kernels.decode_attention(
             q[:, 0], self.keys[layer_idx], self.values[layer_idx], seqlens,
-            slot_ids=None if self._contiguous else self._active, max_seqlen_k=self.seq_len + 1,
+            slot_ids=None if self._contiguous else self._active, max_seqlen_k=self._max_k,
         )
         return out.unsqueeze(1)
 
@@ -159,7 +166,7 @@ class SlotCache:
         """Fallback for an attention that does not call `attend`: (keys, values, key_padding_mask) of the
         active slots up to the longest one, gathered."""
         seqlens = self._write(layer_idx, k, v)
-        end = self.seq_len + 1
+        end = self._max_k
         keys = self.keys[layer_idx][:, :end].index_select(0, self._active)
         values = self.values[layer_idx][:, :end].index_select(0, self._active)
         mask = torch.arange(end, device=self.device)[None, :] < seqlens[:, None]
@@ -175,6 +182,7 @@ class SlotCache:
             self._mamba[i].conv_state[self._active] = state.conv_state
             self._mamba[i].ssm_state[self._active] = state.ssm_state
         self._step_states = {}
+        self._pos = self._seqlens = None
         self._pending = False
 
     # ----- the hybrid decoder's view (Nemotron-H) -----
@@ -199,3 +207,147 @@ class SlotCache:
                 full.conv_state.index_select(0, self._active), full.ssm_state.index_select(0, self._active)
             )
         return self._step_states[layer_idx]
+
+
+class PagedSlotCache(SlotCache):
+    """The slot cache with its keys in a pool of fixed-size blocks addressed by a block table.
+
+    Why: a slot of `SlotCache` holds `max_len` positions (the longest prompt + the budget) whatever its
+    own prompt's length, and the pool is as large as the number of slots times that; on a GPU the KV
+    cache is what bounds the batch. Here a sequence takes `ceil((prompt + budget) / block_size)` blocks
+    of the pool when it is admitted (`reserve`) and gives them back when it finishes (`release`), so
+    memory follows the real lengths, and a pool smaller than slots x max_len bounds how many sequences
+    run at once (`can_reserve`: the engine admits a waiting sample only when its blocks are free).
+    Attention reads the blocks in place through the table (`kernels.decode_attention(block_table=...)`).
+
+    `storage`: an empty `model.new_cache(num_blocks, block_size)` of an attention-only model (Mamba2
+    states are per sequence: the hybrid decoder keeps the slot layout). One block is kept for the
+    scratch slot's dummy rows.
+    """
+
+    def __init__(self, storage, num_slots: int, max_len: int) -> None:
+        if not isinstance(storage, KVCache):
+            raise ValueError("PagedSlotCache: needs an attention-only KV cache (Mamba2 states stay in SlotCache)")
+        if storage.seq_len:
+            raise ValueError("PagedSlotCache: the storage cache must be empty")
+        if storage.batch < 2:
+            raise ValueError("PagedSlotCache: the pool needs at least 2 blocks (one is the scratch slot's)")
+        self.keys, self.values = storage.keys, storage.values
+        self.block_size, self.num_blocks = storage.max_len, storage.batch
+        self.num_slots, self.max_len = num_slots, max_len
+        self.blocks_per_slot = -(-max_len // self.block_size)
+        self._kv_index, self._mamba = None, {}
+        device = storage.mask.device
+        self.device = device
+        rows = num_slots + 1
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        self.host_lengths = [0] * rows
+        self.slot_rope_deltas = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self._active = torch.zeros(0, dtype=torch.long, device=device)
+        self._active_list = []
+        self._contiguous = True
+        self._pending = False
+        self._step_states = {}
+        self._pos = self._seqlens = None
+        self._max_k = 0
+        self.table = torch.zeros(rows, self.blocks_per_slot, dtype=torch.int32, device=device)
+        self.slot_blocks: list[list[int]] = [[] for _ in range(rows)]
+        self.slot_capacity = [0] * rows
+        self.free_blocks = list(range(self.num_blocks - 1, 0, -1))  # block 0: the scratch slot's
+        self.slot_blocks[num_slots] = [0]
+        self.slot_capacity[num_slots] = self.block_size
+
+    # ----- block bookkeeping -----
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def can_reserve(self, tokens: int) -> bool:
+        return self.blocks_for(tokens) <= len(self.free_blocks)
+
+    def reserve(self, slot: int, tokens: int) -> None:
+        """Give `slot` the blocks of `tokens` positions (its prompt + budget); its previous blocks are released."""
+        if tokens > self.max_len:
+            raise ValueError(f"PagedSlotCache: {tokens} tokens do not fit slots of {self.max_len}")
+        self.release(slot)
+        need = self.blocks_for(tokens)
+        if need > len(self.free_blocks):
+            raise RuntimeError(f"PagedSlotCache: {need} blocks needed, {len(self.free_blocks)} free "
+                               f"(pool of {self.num_blocks} x {self.block_size} positions)")
+        blocks = [self.free_blocks.pop() for _ in range(need)]
+        self.slot_blocks[slot] = blocks
+        self.slot_capacity[slot] = need * self.block_size
+        self.table[slot, :need] = torch.tensor(blocks, dtype=torch.int32, device=self.device)
+
+    def release(self, slot: int) -> None:
+        """Return a finished slot's blocks to the pool."""
+        if slot == self.scratch_slot:
+            return
+        self.free_blocks.extend(reversed(self.slot_blocks[slot]))
+        self.slot_blocks[slot] = []
+        self.slot_capacity[slot] = 0
+
+    # ----- filling slots -----
+    def load_prefix(self, slots: Sequence[int], prefill, row: int) -> None:
+        """As `SlotCache.load_prefix`; every slot must hold a reservation covering the prompt."""
+        src = _kv_part(prefill)
+        n = int(src.mask[row, : src.seq_len].sum())
+        short = [s for s in slots if self.slot_capacity[s] < n]
+        if short:
+            raise ValueError(f"PagedSlotCache: slots {short} have no reservation for a prompt of {n} tokens")
+        valid = src.mask[row, : src.seq_len]
+        nb = self.blocks_for(n)
+        for s in slots:
+            blocks = torch.as_tensor(self.slot_blocks[s][:nb], dtype=torch.long, device=self.device)
+            for layer in range(len(self.keys)):
+                for store, cache in ((self.keys[layer], src.keys[layer]), (self.values[layer], src.values[layer])):
+                    x = cache[row, : src.seq_len][valid].to(store.dtype)
+                    padded = torch.zeros(nb * self.block_size, *x.shape[1:], dtype=store.dtype, device=store.device)
+                    padded[:n] = x
+                    store[blocks] = padded.view(nb, self.block_size, *x.shape[1:])
+        index = torch.as_tensor(list(slots), dtype=torch.long, device=self.device)
+        self.lengths[index] = n
+        self.slot_rope_deltas[index] = src.rope_deltas[row].to(self.device)
+        for s in slots:
+            self.host_lengths[s] = n
+
+    def reset_scratch(self) -> None:
+        """The scratch slot's one block, rewound to one (garbage) token as in `SlotCache`."""
+        super().reset_scratch()
+
+    # ----- the step protocol -----
+    def begin_step(self, n_new: int, new_mask: Optional[torch.Tensor] = None) -> None:
+        over = [s for s in self._active_list if self.host_lengths[s] >= self.slot_capacity[s]
+                and self.host_lengths[s] < self.max_len and s != self.scratch_slot]
+        if over:
+            raise ValueError(f"PagedSlotCache: slots {over} are past their reserved blocks")
+        super().begin_step(n_new, new_mask)
+        if self.scratch_slot in self._active_list and self.host_lengths[self.scratch_slot] >= self.block_size:
+            raise ValueError("PagedSlotCache: the scratch slot must be rewound with reset_scratch")
+        self._step_table = self.table.index_select(0, self._active)
+        self._wblock = self._step_table.gather(1, (self._pos // self.block_size)[:, None]).squeeze(1).long()
+        self._woff = self._pos % self.block_size
+
+    def _write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not self._pending:
+            raise RuntimeError("PagedSlotCache: attend / update outside begin_step / end_step")
+        if k.shape[:2] != (self.batch, 1):
+            raise ValueError(f"PagedSlotCache: layer {layer_idx} k has shape {tuple(k.shape)}, expected [{self.batch}, 1, ...]")
+        self.keys[layer_idx][self._wblock, self._woff] = k[:, 0].to(self.keys[layer_idx].dtype)
+        self.values[layer_idx][self._wblock, self._woff] = v[:, 0].to(self.values[layer_idx].dtype)
+        return self._seqlens
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        seqlens = self._write(layer_idx, k, v)
+        out = kernels.decode_attention(q[:, 0], self.keys[layer_idx], self.values[layer_idx], seqlens,
+                                       block_table=self._step_table, max_seqlen_k=self._max_k)
+        return out.unsqueeze(1)
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        seqlens = self._write(layer_idx, k, v)
+        end = self._max_k
+        nb = self.blocks_for(end)
+        def gather(store):
+            blocks = store.index_select(0, self._step_table[:, :nb].reshape(-1).long())
+            return blocks.view(self.batch, nb * self.block_size, *store.shape[2:])[:, :end]
+        mask = torch.arange(end, device=self.device)[None, :] < seqlens[:, None]
+        return gather(self.keys[layer_idx]), gather(self.values[layer_idx]), mask

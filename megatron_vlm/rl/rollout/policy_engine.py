@@ -29,6 +29,11 @@ One `generate` call:
    step at a time, attention by `kernels.decode_attention` on the slots (no padding), the Mamba2
    state of the hybrid decoder per slot.
 
+With `kv_block_size` > 0 the keys live in a paged pool (`PagedSlotCache`, attention-only models): an
+admitted sample reserves the blocks of its prompt + budget and returns them when it finishes, and a
+waiting sample is admitted only when its blocks are free, so a pool smaller than slots x longest
+sequence bounds the running batch by memory (GPU); on the CPU it is ~5-9 % slower, so off by default.
+
 Lock-step batches (when `all_ranks_active` is given, i.e. under FSDP with the trainer's parameters):
 `max_prompts_per_batch` prompts (0 = all) are admitted at the start of a batch and no slot is refilled
 until it ends; `all_ranks_active(local_active) -> bool` (an all-reduce supplied by the trainer)
@@ -53,7 +58,8 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 import torch
 
 from megatron_vlm.data.batch import VISION_KEYS
-from megatron_vlm.models.common.slot_cache import SlotCache
+from megatron_vlm.models.common.kv_cache import KVCache
+from megatron_vlm.models.common.slot_cache import PagedSlotCache, SlotCache
 from megatron_vlm.models.common.vlm_base import VLMBase
 from megatron_vlm.rl.rollout.engine import RolloutEngine, RolloutPrompt, RolloutResult, RolloutSample, SamplingParams
 from megatron_vlm.rl.rollout.sampling import sample_tokens
@@ -113,6 +119,8 @@ class _Run:
         self.host_tokens: dict[int, list[int]] = {}  # slot -> tokens (only with stop strings)
         self.slot_sample: dict[int, int] = {}
         self.free = deque(range(num_slots))
+        self.budget = budget
+        self.release: Optional[Callable[[int], None]] = None  # the paged cache's: a finished slot's blocks
 
 
 class PolicyRolloutEngine(RolloutEngine):
@@ -132,6 +140,8 @@ class PolicyRolloutEngine(RolloutEngine):
         all_ranks_active: Optional[Callable[[bool], bool]] = None,
         suppress_token_ids: Optional[Iterable[int]] = None,
         sync_from: Optional[torch.nn.Module] = None,
+        kv_block_size: int = 0,
+        kv_cache_blocks: int = 0,
     ):
         """`model`: the family model (a `VLMBase`: `new_cache`, forward with `kv_cache=`); `forward`: how to call
         it (default `model`: the engine's own copy, continuous batching); `cache_dtype`: the compute dtype of
@@ -139,13 +149,19 @@ class PolicyRolloutEngine(RolloutEngine):
         `sync_from`: the trainer's model (possibly FSDP-sharded) whose full weights `load_weights(None, ...)`
         copies into `model` (the engine's own copy); `max_prompts_per_batch`: prompts per lock-step batch (0 = all); `max_num_seqs`: slots of continuous
         batching (0 = max_prompts_per_batch * n, or every sample of the call); `suppress_token_ids`: tokens
-        never generated (default: the model's vision placeholder / start / end tokens, `model.args.*_token_id`)."""
+        never generated (default: the model's vision placeholder / start / end tokens, `model.args.*_token_id`);
+        `kv_block_size` > 0: a paged KV cache (`PagedSlotCache`, attention-only models; the hybrid decoder keeps
+        slots) of `kv_cache_blocks` blocks (0 = enough for every slot at full length): a sample is admitted when
+        the blocks of its prompt + budget are free, and gives them back when it finishes."""
         if not isinstance(model, VLMBase):
             raise TypeError(f"{type(model).__name__} is not a family model (VLMBase): cached decoding needs its new_cache()")
         if max_prompts_per_batch < 0:
             raise ValueError(f"max_prompts_per_batch: must be >= 0, got {max_prompts_per_batch}")
         if max_num_seqs < 0:
             raise ValueError(f"max_num_seqs: must be >= 0, got {max_num_seqs}")
+        if kv_block_size < 0 or kv_cache_blocks < 0 or kv_block_size == 1:
+            raise ValueError(f"kv_block_size (0 or >= 2) / kv_cache_blocks (>= 0): got {kv_block_size} / {kv_cache_blocks}")
+        self.kv_block_size, self.kv_cache_blocks = kv_block_size, kv_cache_blocks
         self.model = model
         self.tokenizer = tokenizer
         self.forward = forward or model
@@ -198,8 +214,12 @@ class PolicyRolloutEngine(RolloutEngine):
         self._interrupt.set()
 
     def release_memory(self) -> None:
-        gc.collect()
-        if torch.cuda.is_available():
+        """The caches of a `generate` call are freed when it returns (no reference cycle holds them); on
+        CUDA the collector and the allocator's cache then give the memory back to the training step. On
+        the CPU there is nothing to give back: a full `gc.collect()` walks every Python object of the
+        process (~0.3-0.9 s per call with transformers / trl imported) for nothing."""
+        if self._device().type == "cuda":
+            gc.collect()
             torch.cuda.empty_cache()
 
     def generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams, *,
@@ -279,7 +299,16 @@ class PolicyRolloutEngine(RolloutEngine):
     def _admit(self, queue: deque, run: _Run, cache: SlotCache, prompts, n: int, prefixes: dict, stats: dict):
         """Fill free slots with waiting samples: ([slots], logits [len, V]) or ([], None)."""
         take = []
+        paged = isinstance(cache, PagedSlotCache)
         while queue and run.free:
+            if paged:
+                tokens = len(prompts[queue[0] // n]) + run.budget
+                if not cache.can_reserve(tokens):
+                    if len(run.free) == cache.num_slots:  # nothing runs that could give blocks back
+                        raise RuntimeError(f"kv_cache_blocks: the pool cannot hold one sample of {tokens} tokens "
+                                           f"({len(cache.free_blocks)} free blocks of {cache.block_size})")
+                    break
+                cache.reserve(run.free[0], tokens)
             take.append((queue.popleft(), run.free.popleft()))
         if not take:
             return [], None
@@ -315,8 +344,19 @@ class PolicyRolloutEngine(RolloutEngine):
         dev = self._device()
         total = len(prompts) * n
         max_len = max(len(p) for p in prompts) + budget
-        cache = SlotCache(self.model.new_cache(num_slots + 1, max_len, dtype=self.cache_dtype, device=dev))
+        cache = None
+        if self.kv_block_size:
+            bs = self.kv_block_size
+            blocks = self.kv_cache_blocks or 1 + num_slots * -(-max_len // bs)
+            storage = self.model.new_cache(blocks, bs, dtype=self.cache_dtype, device=dev)
+            if isinstance(storage, KVCache):  # attention-only: paged; the hybrid decoder keeps slots
+                cache = PagedSlotCache(storage, num_slots, max_len)
+            del storage
+        if cache is None:
+            cache = SlotCache(self.model.new_cache(num_slots + 1, max_len, dtype=self.cache_dtype, device=dev))
         run = _Run(num_slots, budget, dev)
+        if isinstance(cache, PagedSlotCache):
+            run.release = cache.release
         queue = deque(range(total))
         prefixes: dict = {}
         finished: dict[int, tuple] = {}
@@ -325,6 +365,8 @@ class PolicyRolloutEngine(RolloutEngine):
         stop_strings = bool(checker.stop)
 
         cur_slots, cur_logits = self._admit(queue, run, cache, prompts, n, prefixes, stats)
+        if self.lockstep and queue:  # no refill in lock-step batches: every sample must start now
+            raise RuntimeError(f"kv_cache_blocks: {len(queue)} samples of a lock-step batch do not fit the paged cache")
         interrupted = False
         t1 = time.perf_counter()
         while True:
@@ -417,4 +459,6 @@ class PolicyRolloutEngine(RolloutEngine):
         finished[sample] = (run.tokens[slot, :length].clone(), run.logprobs[slot, :length].clone(),
                             run.versions[slot, :length].clone(), why)
         run.host_tokens.pop(slot, None)
+        if run.release is not None:
+            run.release(slot)
         run.free.append(slot)

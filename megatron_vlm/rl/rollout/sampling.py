@@ -82,11 +82,13 @@ def sample_tokens(
         if (0 < top_k < x.shape[-1]) or top_p < 1.0:
             probs = filter_logits(allowed(scaled, float("-inf")), top_k=top_k, top_p=top_p).softmax(dim=-1)
         else:  # no truncation: the untruncated probabilities, suppressed tokens zeroed (need not sum to 1)
-            probs = allowed(logp.exp(), 0.0)
+            probs = logp.exp()
+            if suppress:  # in place: one [N, V] buffer less per decoding step
+                probs.index_fill_(-1, suppress_token_ids.to(probs.device), 0.0)
         if uniform is not None:
             if uniform.shape != (x.shape[0],):
                 raise ValueError(f"uniform: expected shape ({x.shape[0]},), got {tuple(uniform.shape)}")
-            cdf = probs.cumsum(dim=-1)
+            cdf = probs.cumsum_(dim=-1)  # probs is this function's own buffer: the running sum in place
             total = cdf[:, -1:]
             # target < total strictly, so the first token with cdf > target (right=True) exists and has
             # probability > 0 (cdf rises there), never a suppressed or truncated token

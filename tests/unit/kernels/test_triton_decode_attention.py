@@ -1,0 +1,144 @@
+"""Triton decode attention (compiled on CUDA, interpreted on CPU) against the per-sequence loop of the
+reference module (`decode_attention_loop`, itself checked against the batched attention op in
+test_decode_attention.py): slot layout with permuted slot ids, paged layout with a shuffled block
+table, sequences without keys, GQA / MQA, `max_seqlen_k` bounds, bf16; and a greedy rollout of the
+tiny Qwen2.5-VL with the triton backend selected equals the torch backend token for token. Larger
+bf16 shapes run on CUDA only (`gpu`: the interpreter is too slow for them)."""
+import pytest
+import torch
+from kernel_checks import DEVICE
+
+import megatron_vlm.kernels as K
+from megatron_vlm.kernels.reference.decode_attention import decode_attention as torch_backend
+from megatron_vlm.kernels.reference.decode_attention import decode_attention_loop
+from megatron_vlm.kernels.registry import DEFAULT_REGISTRY
+from megatron_vlm.kernels.triton.decode_attention import decode_attention
+
+FP32 = dict(atol=2e-6, rtol=1e-5)
+
+
+def _slot_case(b, slots, length, hq, hkv, d, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, d, generator=g).to(dtype)
+    k = torch.randn(slots, length, hkv, d, generator=g).to(dtype)
+    v = torch.randn(slots, length, hkv, d, generator=g).to(dtype)
+    slot_ids = torch.randperm(slots, generator=g)[:b]
+    seqlens = torch.randint(0, length + 1, (b,), generator=g)
+    seqlens[0] = length  # a full slot (keys past the first 64-key block) next to short and empty ones
+    return q, k, v, slot_ids, seqlens
+
+
+def _on(*tensors):
+    return [t.to(DEVICE) for t in tensors]
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 70, 4, 2, 16), (5, 6, 9, 6, 1, 24), (2, 2, 3, 2, 2, 8)])
+def test_slot_layout_matches_loop(shape):
+    q, k, v, slot_ids, seqlens = _slot_case(*shape, seed=sum(shape))
+    seqlens[-1] = 0  # no keys: zeros
+    ref = decode_attention_loop(q, k, v, seqlens, slot_ids=slot_ids)
+    out = decode_attention(*_on(q, k, v, seqlens), slot_ids=slot_ids.to(DEVICE))
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.cpu(), ref, **FP32)
+    assert out[-1].abs().max() == 0
+    # max_seqlen_k bounds the keys read, as in the reference
+    bound = 5
+    ref = decode_attention_loop(q, k, v, seqlens, slot_ids=slot_ids, max_seqlen_k=bound)
+    out = decode_attention(*_on(q, k, v, seqlens), slot_ids=slot_ids.to(DEVICE), max_seqlen_k=bound)
+    torch.testing.assert_close(out.cpu(), ref, **FP32)
+    # without slot ids sequence b reads slot b; a softmax scale is honoured
+    out = decode_attention(*_on(q, k, v, seqlens), softmax_scale=0.3)
+    torch.testing.assert_close(out.cpu(), decode_attention_loop(q, k, v, seqlens, softmax_scale=0.3), **FP32)
+
+
+def test_paged_layout_matches_loop_and_slot_layout():
+    g = torch.Generator().manual_seed(3)
+    b, hq, hkv, d, block, blocks, per_seq = 4, 8, 2, 16, 4, 24, 5
+    q = torch.randn(b, hq, d, generator=g)
+    k = torch.randn(blocks, block, hkv, d, generator=g)
+    v = torch.randn(blocks, block, hkv, d, generator=g)
+    table = torch.randperm(blocks, generator=g)[: b * per_seq].view(b, per_seq).to(torch.int32)
+    seqlens = torch.tensor([1, 4, 17, 20])
+    out = decode_attention(*_on(q, k, v, seqlens), block_table=table.to(DEVICE))
+    ref = decode_attention_loop(q, k, v, seqlens, block_table=table)
+    torch.testing.assert_close(out.cpu(), ref, **FP32)
+    # the same keys laid out as slots (the blocks of a sequence concatenated) give the same output
+    ks = k[table.long()].reshape(b, per_seq * block, hkv, d)
+    vs = v[table.long()].reshape(b, per_seq * block, hkv, d)
+    slot_out = decode_attention(*_on(q, ks, vs, seqlens))
+    torch.testing.assert_close(slot_out.cpu(), ref, **FP32)
+    bounded = decode_attention(*_on(q, k, v, seqlens), block_table=table.to(DEVICE), max_seqlen_k=6)
+    torch.testing.assert_close(bounded.cpu(), decode_attention_loop(q, k, v, seqlens, block_table=table, max_seqlen_k=6), **FP32)
+
+
+def test_bf16_small():
+    q, k, v, slot_ids, seqlens = _slot_case(3, 4, 21, 4, 2, 16, seed=11, dtype=torch.bfloat16)
+    out = decode_attention(*_on(q, k, v, seqlens), slot_ids=slot_ids.to(DEVICE))
+    assert out.dtype == torch.bfloat16
+    exact = decode_attention_loop(q.float(), k.float(), v.float(), seqlens, slot_ids=slot_ids)  # fp32 of the same inputs
+    torch.testing.assert_close(out.cpu().float(), exact, atol=1.6e-2, rtol=1.6e-2)  # one bf16 rounding of the output
+
+
+def test_bad_input_is_refused():
+    q, k, v, slot_ids, seqlens = _slot_case(2, 3, 5, 4, 2, 8, seed=1)
+    with pytest.raises(ValueError, match="not both"):
+        decode_attention(*_on(q, k, v, seqlens), slot_ids=slot_ids.to(DEVICE),
+                         block_table=torch.zeros(2, 1, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="kv heads"):
+        decode_attention(*_on(q[:, :3], k, v, seqlens))
+
+
+def test_greedy_rollout_with_triton_backend_equals_torch_backend():
+    from megatron_vlm.models import build_model
+    from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams
+    from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
+    from tests.fixtures import tiny_qwen2_5_vl as F
+
+    class Tok:
+        pad_token_id = F.PAD_TOKEN_ID
+        eos_token_id = None
+
+        def decode(self, ids, skip_special_tokens=False):
+            return ""
+
+    torch.manual_seed(0)
+    model = build_model(F.tiny_qwen2_5_vl_config_dict()).to(DEVICE).eval()
+    g = torch.Generator().manual_seed(7)
+    prompts = []
+    for parts in ([2, ("image", (1, 4, 4)), 3], [5, 1]):
+        s = F.build_sample(parts, g)
+        prompts.append(RolloutPrompt(torch.tensor(s["input_ids"]), s["pixel_values"], s["image_grid_thw"]))
+    params = SamplingParams(max_new_tokens=4, n=2, temperature=0.0)
+    results = {}
+    for backend in ("torch", "triton"):
+        with K.use_backends({"decode_attention": backend}):
+            assert DEFAULT_REGISTRY.choose("decode_attention", DEVICE, torch.float32) == backend
+            eng = PolicyRolloutEngine(model, Tok(), eos_token_ids=[-1], device=DEVICE, max_num_seqs=3)  # slots refilled
+            results[backend] = eng.generate(prompts, params).samples
+    for a, b in zip(results["torch"], results["triton"]):
+        assert a.token_ids.tolist() == b.token_ids.tolist()
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["slot", "paged"])
+def test_bf16_cuda_large_matches_torch_backend(layout):
+    """Decode shapes of the 3B rollout (16 / 2 heads, D 128) over ~1.5k cached keys, bf16 on CUDA."""
+    g = torch.Generator().manual_seed(5)
+    b, hq, hkv, d, length = 32, 16, 2, 128, 1536
+    q = torch.randn(b, hq, d, generator=g).to("cuda", torch.bfloat16)
+    seqlens = torch.randint(1, length + 1, (b,), generator=g).cuda()
+    if layout == "slot":
+        k = torch.randn(b + 3, length, hkv, d, generator=g).to("cuda", torch.bfloat16)
+        v = torch.randn_like(k)
+        kw = dict(slot_ids=torch.randperm(b + 3, generator=g)[:b].cuda())
+    else:
+        block = 16
+        per_seq = length // block
+        k = torch.randn(b * per_seq + 7, block, hkv, d, generator=g).to("cuda", torch.bfloat16)
+        v = torch.randn_like(k)
+        kw = dict(block_table=torch.randperm(b * per_seq + 7, generator=g)[: b * per_seq].view(b, per_seq).to("cuda", torch.int32))
+    out = decode_attention(q, k, v, seqlens, **kw)
+    ref = torch_backend(q.float(), k.float(), v.float(), seqlens, **kw)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    assert K.DEFAULT_REGISTRY.choose("decode_attention", "cuda", torch.bfloat16) == "triton"

@@ -17,6 +17,7 @@ from megatron_vlm.jobs import run_kind
 from megatron_vlm.parallel import destroy_distributed, init_distributed
 from megatron_vlm.parallel.mesh import LayoutError
 from megatron_vlm.parallel.tensor_parallel import TPError
+from megatron_vlm.rl.async_bridge import setup_roles
 from megatron_vlm.rl.trainer import check_model_folder
 from megatron_vlm.testing.synthesize import synthesize_model_folder
 from megatron_vlm.training.context import RunContext
@@ -43,6 +44,11 @@ def _prepare_model_folder(cfg, env) -> None:
 
 def run_job(cfg, *, before_step=None) -> int:
     """Run the job `cfg` describes; `before_step(n)` is the training loop's test hook (None in production)."""
+    try:
+        setup_roles(cfg)  # asynchronous GRPO (rl.allocation): rollout / training ranks, each with its own group
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     env = init_distributed()
     try:
         run_dir = Path(cfg.train.output_dir)

@@ -197,6 +197,13 @@ class PolicyRolloutEngine(RolloutEngine):
     def interrupt(self) -> None:
         self._interrupt.set()
 
+    def paused(self):
+        """Context manager (from another thread): decoding stops at the next token boundary and waits
+        until the block ends, so the caller can write new weights into `self.model` in place — the
+        asynchronous trainer's weight push without a staging copy — and set the version with
+        `load_weights(None, version=...)` inside the block."""
+        return self._step_lock
+
     def release_memory(self) -> None:
         gc.collect()
         if torch.cuda.is_available():

@@ -46,7 +46,7 @@ def run_job(cfg, *, before_step=None) -> int:
     """Run the job `cfg` describes; `before_step(n)` is the training loop's test hook (None in production)."""
     try:
         role = setup_roles(cfg)  # asynchronous GRPO (rl.allocation): rollout / training ranks, each with its own group
-    except ConfigError as e:
+    except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     env = init_distributed()

@@ -29,7 +29,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_vlm.config.loader import ConfigError
 from megatron_vlm.rl.async_allocation import ALLOCATION_GRAMMAR, Allocation, parse_allocation
 
 __all__ = ["Bridge", "Role", "setup_roles", "current_role", "BridgeError"]
@@ -111,8 +110,8 @@ def current_role() -> Optional[Role]:
 
 
 def setup_roles(cfg, timeout_s: float = 1800.0) -> Optional[Role]:
-    """Split the processes by `cfg.rl.allocation` (module docstring); None without it. ConfigError when
-    N + M differs from the number of processes. Afterwards RANK / WORLD_SIZE describe the role's own
+    """Split the processes by `cfg.rl.allocation` (module docstring); None without it. ValueError
+    naming the key (the launcher: config error, exit 2) when N + M differs from the number of processes. Afterwards RANK / WORLD_SIZE describe the role's own
     world, so `parallel.dist.init_distributed` returns the role's environment."""
     global _ROLE
     rl = getattr(cfg, "rl", None)
@@ -121,11 +120,11 @@ def setup_roles(cfg, timeout_s: float = 1800.0) -> Optional[Role]:
     alloc = parse_allocation(rl.allocation)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world != alloc.world_size:
-        raise ConfigError(f"rl.allocation: {rl.allocation!r} asks for {alloc.rollout} rollout + {alloc.train} training "
+        raise ValueError(f"rl.allocation: {rl.allocation!r} asks for {alloc.rollout} rollout + {alloc.train} training "
                           f"= {alloc.world_size} processes, but the job has {world} ({ALLOCATION_GRAMMAR}; launch "
                           f"with torchrun --nproc_per_node {alloc.world_size} or change the sizes)")
     if "MASTER_ADDR" not in os.environ:
-        raise ConfigError("rl.allocation: an asynchronous job needs several processes; launch it with torchrun")
+        raise ValueError("rl.allocation: an asynchronous job needs several processes; launch it with torchrun")
     name, role_rank = alloc.role_of(rank)
     timeout = datetime.timedelta(seconds=timeout_s)
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=timeout))

@@ -15,8 +15,8 @@ prompt stream, an inference copy of the policy, the reward workers and the bridg
   decoding paused at a token boundary (rl/async_weights.py), then the version moves; "stop" ends the
   rank;
 - scoring: scores each finished step in the reward worker pool while the next step generates, then
-  sends the step's groups to the trainer once the trainer has asked for that step (it has pushed
-  version b, i.e. finished step b - 1), so no message is ever left without a receiver.
+  sends the step's groups to the trainer once the trainer has asked for that step (a "want"
+  message at the start of its step b), so no message is ever left without a receiver.
 
 Exit: the trainer's "stop" message (end of the run, or a SIGTERM stop: then 143 like every rank). A
 trainer that dies makes the weight thread's receive fail: the rank logs the error and exits 1. Steps
@@ -62,6 +62,9 @@ class _State:
     def __init__(self, version: int):
         self.cond = threading.Condition()
         self.version = version
+        self.wanted = -1
+        """The step the trainer waits for (its "want" message): a step is sent only then, so no message
+        is ever left without a receiver (a trainer stopped by SIGTERM asks for nothing more)."""
         self.stop = False
         self.error: Optional[BaseException] = None
         self.engine = None
@@ -152,6 +155,11 @@ def _weights_loop(state: _State, bridge, model, engine) -> None:
             msg = bridge.broadcast_object()
             if msg["kind"] == "stop":
                 break
+            if msg["kind"] == "want":
+                with state.cond:
+                    state.wanted = int(msg["step"])
+                    state.cond.notify_all()
+                continue
             receive_weights(model, bridge, msg, engine)
             with state.cond:
                 state.version = int(msg["version"])
@@ -181,8 +189,8 @@ def _score_loop(state: _State, bridge, todo, manager, train_set) -> None:
                        "reward_s": time.perf_counter() - t0, "idle_s": item["idle_s"], "busy_s": item["busy_s"],
                        "gen_s": result.seconds if result is not None else 0.0, "skipped": item["skipped"],
                        "reward_fail": manager.metrics()}
-            with state.cond:  # send step b once the trainer waits for it (it pushed version b)
-                state.cond.wait_for(lambda: state.stop or state.version >= b)
+            with state.cond:  # send step b once the trainer waits for it
+                state.cond.wait_for(lambda: state.stop or state.wanted >= b)
                 if state.stop:
                     return
             bridge.send_object(payload)

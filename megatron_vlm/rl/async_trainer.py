@@ -70,6 +70,7 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         """Step `step`'s payloads of every rollout rank, on every training rank."""
         payloads = None
         if self.bridge is not None:
+            self.bridge.broadcast_object({"kind": "want", "step": step})
             payloads = [self.bridge.recv_object(1 + r) for r in range(self.role.allocation.rollout)]
             for r, p in enumerate(payloads):
                 if p["step"] != step:

@@ -83,3 +83,37 @@ def test_bounded_staleness_and_decoupled_loss(tmp_path):
         w = float(r["actor/behav_imp_weight"])
         assert w == w and w > 0 and 0 <= float(r["async/trainer_idle_frac"]) <= 1
         assert 0 <= float(r["async/rollout_idle_frac"]) <= 1
+
+
+@pytest.mark.heavy  # one more job; the synchronous SIGTERM path is tested in CI
+def test_sigterm_saves_and_every_rank_exits_143(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from jobs import ENTRY, free_port
+
+    out = tmp_path / "run"
+    sets = _tiny(out, tmp_path / "assets", **{"rl.allocation": '"rollout:1+train:1"', "rl.max_head_offpolicyness": "1",
+                                               "train.max_steps": "200", "checkpoint.every_steps": "1000"})
+    args = [a for s in sets for a in ("--set", s)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(ENTRY), "--config", str(GRPO_DEMO), *args]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO),
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    csv_path = out / "metrics_train.csv"
+    deadline = time.time() + 400
+    while time.time() < deadline and (not csv_path.is_file() or len(read_metrics(csv_path)) < 2):
+        time.sleep(1)
+    ranks = [int(x) for x in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()]
+    assert len(ranks) == 2
+    for pid in ranks:  # both ranks, as SLURM signals every task (torchrun would only forward it)
+        os.kill(pid, signal.SIGTERM)
+    _, err = p.communicate(timeout=300)
+    # torchrun reports the failed ranks; both stopped with 143, none with another code
+    assert p.returncode != 0 and err.count("exitcode  : 143") >= 1 and "exitcode  : 1 " not in err, err[-3000:]
+    assert "stop signal received: saving a checkpoint" in err
+    saved = [d.name for d in (out / "checkpoints").iterdir() if (d / "COMPLETE").is_file()]
+    assert saved, err[-3000:]

@@ -136,7 +136,7 @@ class GRPOStep:
         self.acc_label = rl_cfg.accuracy_label()
         self.guard = StepGuard.from_config(ctx.cfg.train, self.device, what="GRPO update")
         # asynchronous GRPO with stale samples: the decoupled loss (proximal vs behaviour policy)
-        self.decoupled = rl_cfg.allocation is not None and rl_cfg.max_head_offpolicyness > 0
+        self.decoupled = getattr(rl_cfg, "allocation", None) is not None and getattr(rl_cfg, "max_head_offpolicyness", 0) > 0
 
     def sampling_params(self) -> SamplingParams:
         r = self.rl

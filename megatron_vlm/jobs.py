@@ -37,6 +37,9 @@ from megatron_vlm.eval.grpo_accuracy import GRPOEvaluator
 from megatron_vlm.eval.report import write_eval_results
 from megatron_vlm.eval.sft import SFTEvaluator
 from megatron_vlm.parallel.collectives import barrier
+from megatron_vlm.rl.async_bridge import current_role
+from megatron_vlm.rl.async_rollout import run_rollout_rank
+from megatron_vlm.rl.async_trainer import AsyncGRPOLoopStep
 from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.trainer import GRPOLoopStep, build_grpo_parts, check_grpo_config, grpo_total_steps
 from megatron_vlm.training.checkpointing import Checkpointer
@@ -76,6 +79,9 @@ def run_sft(ctx: RunContext, *, before_step=None) -> int:
 def run_grpo(ctx: RunContext, *, before_step=None) -> int:
     cfg = ctx.cfg
     check_grpo_config(cfg)
+    role = current_role()  # asynchronous GRPO (rl.allocation): this process's role
+    if role is not None and role.is_rollout:
+        return run_rollout_rank(ctx, role)
     bundle = build_model_bundle(ctx)
     check_moe_section(cfg, bundle.model)
     parts = build_grpo_parts(ctx, bundle)
@@ -89,7 +95,12 @@ def run_grpo(ctx: RunContext, *, before_step=None) -> int:
         grpo = GRPOStep(ctx, bundle, optim, rl, parts.engine, parts.encoder, parts.manager, parts.reference, metrics=metrics)
         evaluate = GRPOEvaluator(ctx, bundle.wrapper, rl, parts.engine, parts.encoder, parts.manager, parts.sets.eval,
                                  dims=bundle.dims)
-        step = GRPOLoopStep(ctx, parts.sets.train, grpo, evaluate, bad_records=parts.bad_records)
+        if role is not None:
+            step = AsyncGRPOLoopStep(ctx, parts.sets.train, grpo, role, model=bundle.model,
+                                     start_step=resume.step if resume is not None else 0, total_steps=num_steps,
+                                     evaluate=evaluate, bad_records=parts.bad_records)
+        else:
+            step = GRPOLoopStep(ctx, parts.sets.train, grpo, evaluate, bad_records=parts.bad_records)
         code = run_loop(ctx, step, total_steps=num_steps, checkpointer=checkpointer, metrics=metrics,
                         log_every=cfg.train.log_every, eval_every=rl.eval.every_steps, eval_at_start=rl.eval.at_start,
                         resume=resume, before_step=before_step)

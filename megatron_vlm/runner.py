@@ -17,6 +17,7 @@ from megatron_vlm.jobs import run_kind
 from megatron_vlm.parallel import destroy_distributed, init_distributed
 from megatron_vlm.parallel.mesh import LayoutError
 from megatron_vlm.parallel.tensor_parallel import TPError
+from megatron_vlm.rl.async_bridge import setup_roles
 from megatron_vlm.rl.trainer import check_model_folder
 from megatron_vlm.testing.synthesize import synthesize_model_folder
 from megatron_vlm.training.context import RunContext
@@ -43,16 +44,23 @@ def _prepare_model_folder(cfg, env) -> None:
 
 def run_job(cfg, *, before_step=None) -> int:
     """Run the job `cfg` describes; `before_step(n)` is the training loop's test hook (None in production)."""
+    try:
+        role = setup_roles(cfg)  # asynchronous GRPO (rl.allocation): rollout / training ranks, each with its own group
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     env = init_distributed()
     try:
         run_dir = Path(cfg.train.output_dir)
-        if env.is_main:
+        rollout_rank = role is not None and role.is_rollout  # waits for the trainer's set-up instead
+        if env.is_main and not rollout_rank:
             run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, run_dir / "config.toml")
         try:
             if cfg.train.mode == "grpo":
                 check_model_folder(cfg)  # names the SFT run that produces a missing start checkpoint
-            _prepare_model_folder(cfg, env)
+            if not rollout_rank:
+                _prepare_model_folder(cfg, env)
         except FileNotFoundError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -13,7 +13,8 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
   `rl.prompts_per_step` / `rl.mini_batches_per_step` / `data.max_tokens_per_pack`);
 - SFT: an `[rl]` section is refused (it is only read by GRPO), and so are `train.eval_every` /
   `train.eval_max_batches` when there is no held-out split to evaluate (`data.eval_path` empty);
-- GRPO with `[lora]`: `rl.ref_offload` (the reference is the policy without its adapters, no copy);
+- GRPO with `[lora]`: `rl.ref_offload` (the reference is the policy without its adapters, no copy),
+  and `rl.allocation` (the asynchronous weight push sends full weights, not adapters);
 - evaluation (`train.mode = "eval"`, launch/evaluate.py) trains nothing and reads its files from
   `[eval]`: `[optimizer]`, `[scheduler]`, `[checkpoint]`, `[moe]`, `[rl]`, `[[stages]]`, the `[train]`
   keys other than mode / output_dir / seed / precision, and the `[data]` keys that name or shape
@@ -115,6 +116,9 @@ def check_keys_for_mode(cfg) -> None:
         if getattr(cfg, "lora", None) is not None and cfg.rl is not None and cfg.rl.ref_offload:
             raise ConfigError("rl.ref_offload: has no effect with [lora] (the reference is the policy without its "
                               "adapters, no separate copy to offload); remove it")
+        if getattr(cfg, "lora", None) is not None and cfg.rl is not None and cfg.rl.allocation is not None:
+            raise ConfigError("rl.allocation: asynchronous GRPO pushes full weights to the rollout ranks and does not "
+                              "support [lora] yet; remove rl.allocation or the [lora] section")
         for name, why in _GRPO_IGNORED.items():
             section = getattr(cfg, name)
             for key in changed_keys(section):

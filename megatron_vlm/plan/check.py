@@ -27,6 +27,7 @@ from megatron_vlm.config.loader import ConfigError, to_dict
 from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
 from megatron_vlm.parallel.tensor_parallel import TPError, check_tp_divides
 from megatron_vlm.plan.memory import GiB, ceil_div, estimate_memory, gib, model_shape
+from megatron_vlm.rl.async_allocation import parse_allocation
 from megatron_vlm.rl.rollout_budget import rollout_prompts_for_budget
 from megatron_vlm.training.stages import stage_overrides
 
@@ -112,6 +113,14 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         apply_lora(model, targets, r=cfg.lora.r, alpha=cfg.lora.alpha)
     moes = moe_layers(model)
     num_experts = moes[0].num_experts if moes else 0
+    total_ranks, rollout_ranks = world_size, 0
+    if cfg.train.mode == "grpo" and cfg.rl is not None and cfg.rl.allocation is not None:
+        # asynchronous GRPO: the training ranks form the FSDP layout, the rollout ranks each hold a full copy
+        alloc = parse_allocation(cfg.rl.allocation)
+        if alloc.world_size != world_size:
+            raise CheckFailed("rl.allocation", f"{cfg.rl.allocation!r} = {alloc.rollout} rollout + {alloc.train} training "
+                                               f"ranks, but the run has {world_size}")
+        world_size, rollout_ranks = alloc.train, alloc.rollout
     rep, shard = _layout(cfg, world_size, num_experts)
     tp = getattr(cfg.parallel, "tp", 1)
     try:
@@ -139,8 +148,11 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         if budget >= tokens:
             raise CheckFailed("data.max_tokens_per_pack", f"{tokens} leaves no room for a prompt before "
                                                           f"{budget} generated tokens (rl.max_new_tokens)")
-        per_rank = ceil_div(rl.prompts_per_step, world_size // tp)
+        per_rank = ceil_div(rl.prompts_per_step, rollout_ranks or world_size // tp)
         group = rl.group_size
+        if rollout_ranks:
+            lines.append(f"async      {rollout_ranks} rollout + {world_size} training ranks of {total_ranks}, "
+                         f"max_head_offpolicyness {rl.max_head_offpolicyness}")
         rollout_prompts = rl.rollout_batch_prompts or rollout_prompts_for_budget(
             rl.rollout_memory_gib, shape.kv_per_slot * compute, group, tokens) or per_rank
         rollout_prompts = min(rollout_prompts, per_rank)

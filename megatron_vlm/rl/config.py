@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from megatron_vlm.rl.async_allocation import parse_allocation
 from megatron_vlm.rl.rewards.config import (
     ChoiceRewardConfig,
     CustomRewardConfig,
@@ -167,16 +168,28 @@ class RLConfig:
     rollout_correction_cap: float = 2.0
     """C of rollout_correction (> 1)."""
     max_head_offpolicyness: int = 0
-    """Asynchronous GRPO only: a sample is trained on only if the policy version that generated it lags
-    the trainer by at most this many versions (0 = synchronous on-policy training)."""
+    """Asynchronous GRPO (`allocation` set): how many policy versions the oldest token of a trained
+    sample may lag the trainer (version = GRPO steps done). A rollout rank does not start the prompts
+    of step b before it holds version b - max_head_offpolicyness, so every token of a sample trained at
+    step s was drawn by a version >= s - max_head_offpolicyness. 0 = synchronous: the same results as
+    the synchronous loop; > 0 trains with the decoupled PPO loss (proximal = the trainer's log-probs
+    before the update, behaviour = the rollout's, weight capped by behav_imp_weight_cap)."""
     recompute_logprobs: bool = False
     """Recompute the old-policy log-probs of the PPO ratio with a training-layout forward pass before
     the update, instead of taking the rollout engine's behaviour log-probs (one extra forward over the
     step's samples; worth it when rollout numerics differ from training's, e.g. bf16 KV-cache decoding
     against fp32 training, or an external engine)."""
     behav_imp_weight_cap: Optional[float] = None
-    """Asynchronous GRPO only (decoupled PPO loss): drop tokens whose importance weight
-    pi_prox / pi_behav exceeds this cap (unset = no cap)."""
+    """Asynchronous GRPO with max_head_offpolicyness > 0 (decoupled PPO loss): tokens whose importance
+    weight pi_prox / pi_behav exceeds this cap get weight 0 (kept in the normaliser, counted as
+    actor/behav_capped_frac); unset = no cap."""
+    allocation: Optional[str] = None
+    """Asynchronous GRPO: split the job's processes into rollout and training ranks,
+    "rollout:N+train:M" (N + M = number of processes; the AReaL spelling "vllm:dN+dM" means the
+    same). Rollout ranks generate continuously with their own copy of the policy and score the
+    completions; training ranks (the first M global ranks) train on completed groups and push the
+    new weights after every step (megatron_vlm/rl/async_allocation.py, rl/README.md). Unset = the
+    synchronous loop on every rank."""
 
     # --- rewards --------------------------------------------------------------------------------
     rewards: list[MathRewardConfig | ChoiceRewardConfig | FormatRewardConfig | ExactMatchRewardConfig | CustomRewardConfig] = field(
@@ -262,13 +275,7 @@ class RLConfig:
             raise ValueError(f"max_head_offpolicyness: must be >= 0, got {self.max_head_offpolicyness}")
         if self.behav_imp_weight_cap is not None and self.behav_imp_weight_cap <= 1:
             raise ValueError(f"behav_imp_weight_cap: must be > 1, got {self.behav_imp_weight_cap}")
-        # the trainer is synchronous: accepting these would silently run on-policy GRPO instead
-        if self.max_head_offpolicyness > 0:
-            raise ValueError(f"max_head_offpolicyness: asynchronous GRPO is not implemented yet (only the "
-                             f"synchronous trainer exists); leave it 0, got {self.max_head_offpolicyness}")
-        if self.behav_imp_weight_cap is not None:
-            raise ValueError(f"behav_imp_weight_cap: asynchronous GRPO is not implemented yet (only the "
-                             f"synchronous trainer exists); leave it unset, got {self.behav_imp_weight_cap}")
+        self._validate_async()
         if not self.rewards:
             raise ValueError("rewards: at least one [[rl.rewards]] table is required")
         labels = [r.label() for r in self.rewards]
@@ -337,6 +344,25 @@ class RLConfig:
         if self.rollout_correction != "none" and not self.recompute_logprobs:
             raise ValueError(f"rollout_correction: {self.rollout_correction!r} compares the training-side old "
                              "log-probs with the rollout's; set recompute_logprobs = true")
+
+    def _validate_async(self) -> None:
+        """`allocation`, `max_head_offpolicyness`, `behav_imp_weight_cap` and what the asynchronous loop refuses."""
+        if self.allocation is not None:
+            parse_allocation(self.allocation)  # ValueError naming the grammar
+        elif self.max_head_offpolicyness > 0:
+            raise ValueError(f"max_head_offpolicyness: {self.max_head_offpolicyness} needs the asynchronous loop; "
+                             "set allocation = 'rollout:N+train:M' (or leave it 0)")
+        if self.behav_imp_weight_cap is not None and self.max_head_offpolicyness == 0:
+            raise ValueError("behav_imp_weight_cap: only read by the decoupled loss of asynchronous GRPO "
+                             "(allocation set and max_head_offpolicyness > 0); leave it unset")
+        if self.allocation is None:
+            return
+        if self.dynamic_sampling:
+            raise ValueError("dynamic_sampling: not supported with allocation (asynchronous GRPO streams a fixed "
+                             "number of prompts per step); use drop_equal_reward_groups or the synchronous loop")
+        if self.max_head_offpolicyness > 0 and self.rollout_correction != "none":
+            raise ValueError(f"rollout_correction: {self.rollout_correction!r} with max_head_offpolicyness > 0: the "
+                             "decoupled loss already weights by pi_prox / pi_behav; use behav_imp_weight_cap instead")
 
     def adv_normalize_std(self) -> bool:
         """Whether advantages are divided by the group std (normalize_adv_std resolved for `advantage`)."""

@@ -135,6 +135,8 @@ class GRPOStep:
         self.seed = ctx.cfg.train.seed
         self.acc_label = rl_cfg.accuracy_label()
         self.guard = StepGuard.from_config(ctx.cfg.train, self.device, what="GRPO update")
+        # asynchronous GRPO with stale samples: the decoupled loss (proximal vs behaviour policy)
+        self.decoupled = getattr(rl_cfg, "allocation", None) is not None and getattr(rl_cfg, "max_head_offpolicyness", 0) > 0
 
     def sampling_params(self) -> SamplingParams:
         r = self.rl
@@ -158,7 +160,7 @@ class GRPOStep:
         `prompt_pool` (the training set): where dynamic sampling draws the prompts of its extra rounds
         (a function of (seed, step, round)); without it an extra round samples `batch` again."""
         timer = PhaseTimer()
-        r, G = self.rl, self.rl.group_size
+        r = self.rl
         self.engine.load_weights(None, version=step)
         rounds: list[_Round] = []
         kept_before = surplus = 0
@@ -185,6 +187,16 @@ class GRPOStep:
                         mine -= 1
                 break
             kept_before += sum(counts)
+        return self.train_on_rounds(step, rounds, timer, surplus=surplus)
+
+    def train_on_rounds(self, step: int, rounds: Sequence["_Round"], timer: PhaseTimer, *, surplus: int = 0,
+                        extra_metrics: Optional[dict] = None) -> dict[str, float]:
+        """Everything after generation and scoring: log-probs, updates, metrics. The synchronous `run`
+        and the asynchronous trainer (rl/async_trainer.py, rounds built from the rollout ranks'
+        completions) share it. With `rl.max_head_offpolicyness > 0` the loss is the decoupled PPO
+        loss: old_logp = the proximal policy (recomputed under the current weights before the
+        update), behav_logp = the rollout's, weight capped by `rl.behav_imp_weight_cap`."""
+        r, G = self.rl, self.rl.group_size
         train_samples: list[TrainSample] = []
         masked_truncated = 0
         for rd in rounds:
@@ -204,7 +216,7 @@ class GRPOStep:
             with timer.phase("ref"):
                 self._reference_logprobs(train_samples, dummy)
         mismatch = None
-        if r.recompute_logprobs:
+        if r.recompute_logprobs or self.decoupled:
             with timer.phase("old_logprob"):
                 self._recompute_old_logprobs(train_samples, dummy)
             mismatch = _mismatch_sums(train_samples)
@@ -216,7 +228,9 @@ class GRPOStep:
             self.bundle.wrapper.train()
             upd = self._update(step, train_samples, dummy)
         extra = {"rounds": len(rounds), "surplus": surplus, "masked_truncated": masked_truncated, "mismatch": mismatch}
-        return self._metrics(step, timer, rounds, upd, extra)
+        out = self._metrics(step, timer, rounds, upd, extra)
+        out.update(extra_metrics or {})
+        return out
 
     def _round_prompts(self, step: int, rnd: int, batch: Sequence[PromptSample],
                        pool: Optional[Sequence[PromptSample]]) -> Sequence[PromptSample]:
@@ -229,7 +243,7 @@ class GRPOStep:
 
     def _sample_round(self, step: int, rnd: int, prompts: Sequence[PromptSample], timer: PhaseTimer) -> "_Round":
         """Generate, score, shape and compute the advantages of one round of prompts."""
-        r, G = self.rl, self.rl.group_size
+        G = self.rl.group_size
         with timer.phase("rollout"):
             shard = encode_shard(prompts, self.encoder, self.rank, self.world, self.device)
             self.bundle.wrapper.eval()
@@ -239,6 +253,12 @@ class GRPOStep:
         real = result.samples[: shard.num_real * G]
         with timer.phase("reward"):
             total, per_reward = self._score(shard, real)
+        return self.shape_round(shard, result, real, total, per_reward)
+
+    def shape_round(self, shard: EncodedShard, result: RolloutResult, real: list[RolloutSample], total: list[float],
+                    per_reward: dict[str, list[float]]) -> "_Round":
+        """A scored round: overlong shaping, group advantages, the groups to train on."""
+        r, G = self.rl, self.rl.group_size
         penalty: list[float] = []
         if r.overlong_buffer > 0 and real:
             penalty = overlong_penalty([int(s.token_ids.numel()) for s in real], r.max_new_tokens,
@@ -366,12 +386,14 @@ class GRPOStep:
         seq_ids = torch.repeat_interleave(torch.arange(len(group), device=logp.device), lengths)
         mask = torch.ones_like(logp, dtype=torch.bool)
         rollout = torch.cat([s.behav_logp for s in group]).to(logp.device) if r.rollout_correction != "none" else None
+        behav = torch.cat([s.behav_logp for s in group]).to(logp.device) if self.decoupled else None
         return policy_loss(
             logp, old, adv.to(logp.dtype), mask, clip_ratio_low=r.clip_ratio_low, clip_ratio_high=r.clip_ratio_high,
             loss_agg=r.loss_agg, variant=r.policy_loss, seq_ids=seq_ids, normalizer=float(normalizer),
             ref_logp=ref, kl_coef=r.kl_coef, kl_estimator=r.kl_estimator, entropy=ent,
             entropy_coef=r.entropy_coef, rollout_logp=rollout, rollout_correction=r.rollout_correction,
-            rollout_correction_cap=r.rollout_correction_cap,
+            rollout_correction_cap=r.rollout_correction_cap, behav_logp=behav,
+            behav_imp_weight_cap=r.behav_imp_weight_cap if self.decoupled else None,
         )
 
     # ------------------------------------------------------------------ metrics

@@ -49,6 +49,7 @@ stall the others' collectives).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
@@ -188,6 +189,7 @@ class PolicyRolloutEngine(RolloutEngine):
         self.policy_version = 0
         self._step_lock = threading.RLock()  # re-entrant: a forward hook may load weights
         self._interrupt = threading.Event()
+        self._pause = threading.Event()  # set by `paused()`: the decode loop leaves the step lock to it
 
     # ------------------------------------------------------------------ interface
     def load_weights(self, weights: Optional[Mapping[str, torch.Tensor]] = None, *, version: int) -> None:
@@ -212,6 +214,20 @@ class PolicyRolloutEngine(RolloutEngine):
 
     def interrupt(self) -> None:
         self._interrupt.set()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Context manager (from another thread): decoding stops at the next token boundary and waits
+        until the block ends, so the caller can write new weights into `self.model` in place — the
+        asynchronous trainer's weight push without a staging copy — and set the version with
+        `load_weights(None, version=...)` inside the block. The decoding thread steps aside at its next
+        token boundary (a plain lock would let it re-take the lock at once, step after step)."""
+        self._pause.set()
+        try:
+            with self._step_lock:
+                yield
+        finally:
+            self._pause.clear()
 
     def release_memory(self) -> None:
         """The caches of a `generate` call are freed when it returns (no reference cycle holds them); on
@@ -370,6 +386,8 @@ class PolicyRolloutEngine(RolloutEngine):
         interrupted = False
         t1 = time.perf_counter()
         while True:
+            while self._pause.is_set():  # `paused()` from another thread: let it take the lock (no starvation)
+                time.sleep(0.0005)
             with self._step_lock:
                 running: list[int] = []
                 feed = None

@@ -91,6 +91,7 @@ ARCH = {
     "nemotron_3_nano_vl_geometry3k_gspo.toml": ("nemotron_3_nano_vl", 16),
     "demo_sft.toml": ("synth:", 2),
     "demo_grpo.toml": ("synth:tiny_qwen2_5_vl", 2),
+    "demo_grpo_async.toml": ("synth:tiny_qwen2_5_vl", 2),
     "demo_qwen3_vl.toml": ("synth:", 2),
     "demo_internvl.toml": ("synth:", 2),
     "demo_nemotron_vl.toml": ("synth:", 2),
@@ -169,7 +170,7 @@ def test_check_grpo_without_rollout_budget_names_the_key(qwen2_5_vl_3b):
     code, out, err = _check(CONFIGS / "qwen2_5_vl_3b_geometry3k_grpo.toml",
                             [f'model.path="{qwen2_5_vl_3b}"', "rl.rollout_memory_gib=0"], 8)
     assert code == 2 and err.startswith("check failed: rl.rollout_memory_gib: estimated peak") and len(err.splitlines()) == 1
-    assert "66 per batch" in out  # all of a rank's 66 prompts at once
+    assert "132 per batch" in out  # all of a rollout rank's 132 prompts at once (528 over rl.allocation's 4 rollout ranks)
 
 
 def test_check_layout_error_names_the_key(qwen2_5_vl_3b):

@@ -29,8 +29,9 @@ def test_example_config(name, group_size, schema, writer, tmp_path):
     rl = from_dict(RLConfig, raw["rl"], "rl")
     assert (rl.prompts_per_step, rl.max_new_tokens, rl.group_size) == (528, 16384, group_size)
     assert (rl.clip_ratio_low, rl.clip_ratio_high, rl.kl_coef) == (0.4, 0.4, 0.0)
-    assert rl.max_head_offpolicyness == 0  # synchronous loop; the async value 4 is documented, commented out
-    assert "max_head_offpolicyness = 4" in (CONFIGS / name).read_text()
+    assert (rl.max_head_offpolicyness, rl.behav_imp_weight_cap) == (4, 5.0)  # asynchronous, as the reference runs
+    assert rl.allocation is not None
+    rl.validate()
     assert rl.rewards == [MathRewardConfig()]
     data = from_dict(DataConfig, raw["data"], "data")
     assert data.type == "hf"

@@ -26,6 +26,17 @@ What runs where:
   sequence on every cp rank (correct, not faster). Loss and log-prob reductions therefore need no
   change: every cp rank computes the token mean over the whole sequence.
 
+GRPO: the ranks of a cp group share their data-parallel coordinate, hence their prompts and sampling
+seed (`rl.grpo_step` deals prompts by dp rank), and each runs the rollout whole and unsharded (decoding
+passes no `cu_seqlens`, so the layers run unwrapped): they generate the same samples. Splitting the
+prompts over the cp group instead would need the group to exchange samples before training and would
+not shrink a 16k-token rollout's KV cache (each sequence still lives on one rank); the memory that does
+not fit at 16k tokens is the training forward's activations, which cp divides. The packed training
+forwards (policy, recomputed old log-probs, a LoRA base reference) run context-parallel like SFT's; the
+token log-probs are computed from the whole final hidden states on every cp rank (`rl.logprobs`,
+chunked: the `[N, V]` logits never exist), so the GRPO loss needs no change. The separate reference
+model (`rl.kl_coef` > 0 without LoRA) is an unsharded copy and runs the whole pack.
+
 Gradients: FSDP shards and averages over dp x cp ranks (the "dp_shard_cp" mesh dim). Parameters outside
 the context-parallel layers get the same full gradient on every cp rank (their average is it); a
 layer's parameters see only the local tokens' contribution, so inside the layers the gradient is

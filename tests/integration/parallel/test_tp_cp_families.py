@@ -8,7 +8,9 @@ Nemotron's Mamba2 layers left unsplit), so neither comparison is between two rep
 
 In the same workers: the tp=2 run's step-5 checkpoint resumes as a dp-only run (layout change) with the
 tp run's last 5 losses and export; and two GRPO steps with tp=2 (the rollout engine runs sharded, every
-tp rank of a group generating the same answers) match one process (loss, grad norm, reward). A second,
+tp rank of a group generating the same answers) and with cp=2 (the rollout runs unsharded on both cp
+ranks, which generate the same answers; the packed policy forwards split the tokens) match one process
+(loss, grad norm, reward). A second,
 slow test on 4 processes: ep=2 x tp=2 (MoE), which is also tp=2 x dp=2, against dp=4.
 
 The jobs run in-process in the workers (`megatron_vlm.jobs.run_kind` on one process group) to pay the
@@ -171,15 +173,17 @@ def _worker(rank: int, world: int, port: int, tmp: str, errors) -> None:
             assert max(abs(a - b) for a, b in zip(l_tp[STEPS // 2:], l_res)) <= 1e-5, (l_tp, l_res)
             e_tp, e_res = _export(tp), _export(resumed)
             assert max((e_tp[k] - e_res[k]).abs().max().item() for k in e_tp) <= 1e-6
-        # GRPO with tp=2 (the rollout engine runs sharded): the same first steps as one process
-        _grpo(grpo_model, tmp / "grpo" / "tp2", init_distributed(), **{"parallel.tp": 2})
-        if rank == 0:
-            for key in ("loss", "grad_norm", "reward/mean"):
-                ref, got = _column(tmp / "grpo" / "dp1", key), _column(tmp / "grpo" / "tp2", key)
-                scale = max(1.0, max(abs(v) for v in ref))  # grad norms: relative
-                assert len(ref) == len(got) == 2 and max(abs(a - b) for a, b in zip(ref, got)) <= 1e-5 * scale, \
-                    (key, ref, got)
-            assert _column(tmp / "grpo" / "dp1", "grad_norm")[0] > 0  # a real update
+        # GRPO with tp=2 (the rollout engine runs sharded) and with cp=2: the same first steps as one process
+        for layout in ("tp", "cp"):
+            _grpo(grpo_model, tmp / "grpo" / f"{layout}2", init_distributed(), **{f"parallel.{layout}": 2})
+            if rank == 0:
+                for key in ("loss", "grad_norm", "reward/mean"):
+                    ref, got = _column(tmp / "grpo" / "dp1", key), _column(tmp / "grpo" / f"{layout}2", key)
+                    scale = max(1.0, max(abs(v) for v in ref))  # grad norms: relative
+                    assert len(ref) == len(got) == 2 and max(abs(a - b) for a, b in zip(ref, got)) <= 1e-5 * scale, \
+                        (layout, key, ref, got)
+                assert _column(tmp / "grpo" / "dp1", "grad_norm")[0] > 0  # a real update
+            dist.barrier()
     except BaseException:  # noqa: BLE001 - reported to the parent
         errors.put((rank, traceback.format_exc()))
         raise

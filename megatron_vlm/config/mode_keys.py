@@ -20,9 +20,9 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
   keys other than mode / output_dir / seed / precision, and the `[data]` keys that name or shape
   training data are refused; the `[data]` image / video limits, `max_tokens_per_pack` and loader
   workers apply to the benchmark prompts. An `[eval]` section in a training mode is refused too;
-- `parallel.cp` > 1 in GRPO (context parallelism is implemented for SFT's packed forward; GRPO's rollouts
-  are sharded by process rank, so the ranks of a cp group would not share their samples), and a
-  `data.max_tokens_per_pack` not divisible by 2 x `parallel.cp` (the load-balanced causal chunks);
+- a `data.max_tokens_per_pack` not divisible by 2 x `parallel.cp` (the load-balanced causal chunks);
+  `parallel.cp` works in SFT and GRPO alike (GRPO: the ranks of a cp group generate the same samples,
+  unsharded, and split the tokens of the packed training forwards);
 - `[moe]` keys other than their defaults on a model without MoE layers (`check_moe_section`, once
   the model — or its meta-device twin in `--check` — is built).
 
@@ -106,9 +106,6 @@ def check_keys_for_mode(cfg) -> None:
         raise ConfigError(f"eval: the [eval] section is only read when train.mode = \"eval\" (launch/evaluate.py), "
                           f"not {cfg.train.mode!r}; SFT evaluates with train.eval_*, GRPO with [rl.eval]")
     cp = cfg.parallel.cp
-    if cp > 1 and cfg.train.mode == "grpo":
-        raise ConfigError(f"parallel.cp: context parallelism (cp = {cp}) is supported for train.mode = \"sft\" only; "
-                          "use parallel.cp = 1 for GRPO")
     if cp > 1 and cfg.data.max_tokens_per_pack % (2 * cp):
         raise ConfigError(f"parallel.cp: data.max_tokens_per_pack ({cfg.data.max_tokens_per_pack}) must be divisible by "
                           f"2 x parallel.cp ({2 * cp}): each pack is cut into 2 x cp load-balanced chunks")

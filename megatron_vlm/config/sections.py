@@ -144,12 +144,12 @@ class ParallelConfig:
     exchanged with all-to-all); must divide the number of processes and the expert count. EP ranks
     are data-parallel ranks too (each reads its own data); expert weights are left out of FSDP."""
     tp: int = 1
-    """Tensor parallelism: shard each decoder layer's attention heads and MLP columns over groups of `tp`
-    consecutive ranks (sequence-parallel norms between them, vocab-parallel embedding and lm_head). The
-    `tp` ranks of a group read the same data; must divide the number of processes, the attention and KV
-    heads, the MLP width and the vocabulary. Not with cp > 1 yet."""
+    """Tensor parallelism: shard each decoder layer's attention heads, Mamba2 heads and MLP columns over
+    groups of `tp` consecutive ranks (sequence-parallel norms between them, vocab-parallel embedding and
+    lm_head). The `tp` ranks of a group read the same data; must divide the number of processes, the
+    attention and KV heads, the Mamba2 heads and groups, the MLP width and the vocabulary. Composes with cp."""
     cp: int = 1
-    """Context parallelism: the tokens of each packed sequence are split over groups of `cp` consecutive
+    """Context parallelism (SFT and GRPO): the tokens of each packed sequence are split over groups of `cp`
     ranks (load-balanced causal chunks, attention over the all-gathered keys / values); the ranks of a
     group read the same packs. Divides the number of processes; data.max_tokens_per_pack must be
     divisible by 2 x cp. Mamba2 layers run the whole sequence on every cp rank. Not with ep > 1."""
@@ -167,9 +167,6 @@ class ParallelConfig:
                              "is not supported; set one of them to 1")
         if self.tp < 1:
             raise ValueError(f"tp: must be >= 1, got {self.tp}")
-        if self.tp > 1 and self.cp > 1:
-            raise ValueError(f"cp: tensor parallelism (tp = {self.tp}) with context parallelism (cp = {self.cp}) "
-                             "is not supported yet; set one of them to 1")
         if self.ep < 1:
             raise ValueError(f"ep: must be >= 1, got {self.ep}")
         if self.dp_replicate <= 0:

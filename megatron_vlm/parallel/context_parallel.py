@@ -11,8 +11,8 @@ hold none of a very short pack); `--check` asks for `data.max_tokens_per_pack` d
 
 What runs where:
 
-* each context-parallel decoder layer (`apply_cp` wraps its forward in place, so parameter names do
-  not change) takes the full-length hidden states, keeps its rank's tokens (and their rotary cos / sin:
+* each context-parallel decoder layer (`apply_cp` adds forward hooks, so parameter names do not
+  change) takes the full-length hidden states, keeps its rank's tokens (and their rotary cos / sin:
   M-RoPE / 1-D positions are computed on the whole pack first, so every chunk keeps its true
   positions), runs the layer on them, and all-gathers its output back to the whole pack;
 * attention inside such a layer all-gathers the keys / values of the group and attends its local
@@ -26,6 +26,17 @@ What runs where:
   sequence on every cp rank (correct, not faster). Loss and log-prob reductions therefore need no
   change: every cp rank computes the token mean over the whole sequence.
 
+GRPO: the ranks of a cp group share their data-parallel coordinate, hence their prompts and sampling
+seed (`rl.grpo_step` deals prompts by dp rank), and each runs the rollout whole and unsharded (decoding
+passes no `cu_seqlens`, so the layers run unwrapped): they generate the same samples. Splitting the
+prompts over the cp group instead would need the group to exchange samples before training and would
+not shrink a 16k-token rollout's KV cache (each sequence still lives on one rank); the memory that does
+not fit at 16k tokens is the training forward's activations, which cp divides. The packed training
+forwards (policy, recomputed old log-probs, a LoRA base reference) run context-parallel like SFT's; the
+token log-probs are computed from the whole final hidden states on every cp rank (`rl.logprobs`,
+chunked: the `[N, V]` logits never exist), so the GRPO loss needs no change. The separate reference
+model (`rl.kl_coef` > 0 without LoRA) is an unsharded copy and runs the whole pack.
+
 Gradients: FSDP shards and averages over dp x cp ranks (the "dp_shard_cp" mesh dim). Parameters outside
 the context-parallel layers get the same full gradient on every cp rank (their average is it); a
 layer's parameters see only the local tokens' contribution, so inside the layers the gradient is
@@ -35,7 +46,6 @@ whole-sequence gradient. Keys / values: the all-gather's backward sums every ran
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -171,7 +181,13 @@ def apply_cp(layers: Iterable[nn.Module], cpx: ContextParallel) -> int:
     """Make `layers` (decoder layers without a recurrent mixer: the caller leaves Mamba2 layers out)
     context-parallel for packed input (`cu_seqlens` given; decoding and padded batches run unchanged):
     their attention modules (those with a `context_parallel` attribute) get `cpx`. Returns how many
-    layers it wrapped."""
+    layers it wrapped.
+
+    The split is a pair of forward hooks, the entry one prepended and the exit one appended, so that it
+    encloses every other hook of the layer: with tensor parallelism (`apply_tp` hooks: the sequence
+    parallel shard of the layer's input) the cp rank keeps its chunks of the pack first and the tp ranks
+    then split those chunks; on the way out tp gathers its shard, then cp its chunks. Parameter names do
+    not change (no wrapper module)."""
     wrapped = 0
     for layer in layers:
         if getattr(layer, "_mvlm_cp", False):
@@ -179,22 +195,26 @@ def apply_cp(layers: Iterable[nn.Module], cpx: ContextParallel) -> int:
         for m in layer.modules():
             if hasattr(m, "context_parallel"):
                 m.context_parallel = cpx
-        orig = layer.forward
+        plans: list = []  # this layer's plans of the calls in progress (None: a call without cu_seqlens)
 
-        @functools.wraps(orig)
-        def forward(*args, _orig=orig, **kwargs):
+        def enter(module, args, kwargs, _plans=plans):
             cu = kwargs.get("cu_seqlens")
             if cu is None:
-                return _orig(*args, **kwargs)
+                _plans.append(None)
+                return None
             plan = cpx.plan(cu)
+            _plans.append(plan)
             x = args[0]
-            dim = x.dim() - 2  # the token dim: [T, H] or [1, T, H]
             rest = [a.index_select(0, plan.index) if torch.is_tensor(a) and a.dim() >= 1 and a.shape[0] == plan.total
                     else a for a in args[1:]]  # per-token rotary cos / sin [T, D]
-            out = _orig(cpx.shard(x, plan, dim), *rest, **kwargs)
-            return cpx.unshard(out, plan, dim)
+            return (cpx.shard(x, plan, x.dim() - 2), *rest), kwargs  # the token dim: [T, H] or [1, T, H]
 
-        layer.forward = forward
+        def leave(module, args, kwargs, out, _plans=plans):
+            plan = _plans.pop()
+            return None if plan is None else cpx.unshard(out, plan, out.dim() - 2)
+
+        layer.register_forward_pre_hook(enter, with_kwargs=True, prepend=True)
+        layer.register_forward_hook(leave, with_kwargs=True)
         layer._mvlm_cp = True
         wrapped += 1
     return wrapped

@@ -17,8 +17,9 @@ are excluded from FSDP (see `parallel_plan.make_parallelize`).
 Context parallelism adds the innermost dim "cp" (`parallel.cp` consecutive ranks split the tokens of
 the same packs): the ranks of a cp group share their data-parallel coordinate, and FSDP shards over
 dp_shard x cp flattened ("dp_shard_cp"; parallel/context_parallel.py).
-`parallel.pp` > 1 is refused by the config (not implemented); tp and cp together are refused
-(not tested together yet).
+`parallel.pp` > 1 is refused by the config (not implemented). tp and cp compose: a cp group is the
+ranks with the same tp coordinate (their attention heads match), the cp split encloses the tp
+sequence shard inside each decoder layer (`apply_cp`).
 """
 from __future__ import annotations
 
@@ -78,9 +79,6 @@ def build_mesh(parallel_cfg, world_size: int, device_type: str) -> tuple[Paralle
     ep = getattr(parallel_cfg, "ep", 1)
     if ep < 1 or world_size % ep:
         raise LayoutError(f"parallel.ep ({ep}) must be >= 1 and divide the number of processes ({world_size})")
-    if tp > 1 and cp > 1:
-        raise LayoutError(f"parallel.tp ({tp}) with parallel.cp ({cp}): tensor and context parallelism together "
-                         "are not supported yet; set one of them to 1")
     if ep > 1 and cp > 1:
         raise LayoutError(f"parallel.ep ({ep}) with parallel.cp ({cp}): expert parallelism with context "
                          "parallelism is not supported; set one of them to 1")

@@ -18,7 +18,14 @@ Layout (Megatron's, expressed with DTensor placements on the "tp" mesh dim):
   back to the shard (the all-reduce of plain TP, split in two with the norms in between), and leaves
   with the whole sequence again (all-gather). Between layers the stream is whole, so code that the
   family runs between layers (DeepStack's feature add) and masks over the whole sequence stay as they are;
-* Mamba2 mixers and MoE blocks (router, shared and routed experts) are replicated over the tp ranks:
+* Mamba2 mixers: heads split as in Megatron (each tp rank runs `num_heads / tp` heads and their
+  `n_groups / tp` B / C groups: its rows of in_proj, its conv channels, A / D / dt_bias and gated-norm
+  groups, its columns of out_proj; `Mamba2Mixer.tp_shard`): the mixer gathers the sequence, its output is
+  a partial sum reduce-scattered back to the shard, like attention's. The scan, the convolution and the
+  projections' FLOPs and activations are divided by tp; the weights stay whole on every tp rank (in_proj
+  interleaves z | xBC | dt rows, so a row split of the checkpoint tensor is not a head split), their
+  gradient, non-zero on each rank's rows only, summed over tp (`_partial_grad_params`);
+* MoE blocks (router, shared and routed experts) are replicated over the tp ranks:
   they gather the sequence, every tp rank computes them whole and keeps its shard of the output; their
   gradients are the same on every tp rank, so FSDP treats them as ordinary data-parallel parameters.
   With expert parallelism the routed experts are sharded by `apply_ep` over ep ranks of one tp coordinate;
@@ -123,48 +130,55 @@ def _sequence_parallel_layer(layer: nn.Module, mesh: DeviceMesh, state: _SeqStat
     layer.register_forward_hook(leave, with_kwargs=True)
 
 
-def _sequence_parallel_region(m: nn.Module, mesh: DeviceMesh, state: _SeqState, *, split: bool) -> None:
+def _sequence_parallel_region(m: nn.Module, mesh: DeviceMesh, state: _SeqState, *, split: bool,
+                              local_partial: bool = False) -> None:
     """Input: the sequence shard, all-gathered. `split` (attention / MLP): the row-parallel output is
     Partial and reduce-scattered to the shard; otherwise (a replicated block, every tp rank computing the
-    whole sequence) the output is sliced to the shard."""
+    whole sequence) the output is sliced to the shard. `local_partial` (a Mamba2 mixer running its own
+    heads on plain tensors): the input is the local whole sequence, whose gradient is a partial sum over
+    the tp ranks, and the output, a partial sum, is reduce-scattered to the shard."""
+    grads = [Partial()] if local_partial else None
 
     def enter(module, args, kwargs):
         full = _gather_seq(args[0], mesh, state.length)
-        return (full if split else full.to_local(), *args[1:]), kwargs
+        return (full if split else full.to_local(grad_placements=grads), *args[1:]), kwargs
 
     def leave(module, args, kwargs, out):
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"tensor parallelism: {type(module).__name__} returned {type(out).__name__}, "
                             "expected one tensor")
         if not isinstance(out, DTensor):
-            out = DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+            out = DTensor.from_local(out, mesh, [Partial() if local_partial else Replicate()], run_check=False)
         return _to_seq_shard(out)
 
     m.register_forward_pre_hook(enter, with_kwargs=True)
     m.register_forward_hook(leave, with_kwargs=True)
 
 
-def _partial_grad_params(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Make `module`'s parameters `Replicate` DTensors on the tp mesh whose forward uses the local tensor
-    and whose gradient (different on each tp rank: each rank uses them on its own heads) is summed over
-    the tp ranks (`Partial`), which FSDP2 reduces when it redistributes the gradient to `Replicate`."""
-    names = [n for n, _ in module.named_parameters(recurse=False)]
-    for name in names:
-        p = getattr(module, name)
-        module.register_parameter(name, nn.Parameter(distribute_tensor(p.data, mesh, [Replicate()]),
-                                                     requires_grad=p.requires_grad))
+def _partial_grad_params(module: nn.Module, mesh: DeviceMesh, *, recurse: bool = False) -> None:
+    """Make `module`'s parameters (and its children's when `recurse`) `Replicate` DTensors on the tp mesh
+    whose forward uses the local tensor and whose gradient (different on each tp rank: each rank uses them
+    on its own heads) is summed over the tp ranks (`Partial`), which FSDP2 reduces when it redistributes
+    the gradient to `Replicate`."""
+    owners = [(mod, n) for mod in (module.modules() if recurse else [module])
+              for n, _ in mod.named_parameters(recurse=False)]
+    for mod, name in owners:
+        p = getattr(mod, name)
+        mod.register_parameter(name, nn.Parameter(distribute_tensor(p.data, mesh, [Replicate()]),
+                                                  requires_grad=p.requires_grad))
     orig = module.forward
 
     @functools.wraps(orig)
     def forward(*args, _orig=orig, **kwargs):
-        saved = {n: module._parameters[n] for n in names}
+        saved = [(mod, n, mod._parameters[n]) for mod, n in owners]
         try:
-            for n, p in saved.items():
+            for mod, n, p in saved:
                 if isinstance(p, DTensor):
-                    module._parameters[n] = p.to_local(grad_placements=[Partial()])
+                    mod._parameters[n] = p.to_local(grad_placements=[Partial()])
             return _orig(*args, **kwargs)
         finally:
-            module._parameters.update(saved)
+            for mod, n, p in saved:
+                mod._parameters[n] = p
 
     module.forward = forward
 
@@ -184,9 +198,15 @@ def _is_norm(m: nn.Module) -> bool:
     return hasattr(m, "eps") and w is not None and w.dim() == 1 and not list(m.children())
 
 
+def _is_mamba2(m: nn.Module) -> bool:
+    return all(hasattr(m, n) for n in ("in_proj", "conv1d", "out_proj", "A_log", "n_groups", "tp_shard"))
+
+
 def _classify(m: nn.Module) -> str:
     if _is_attention(m):
         return "attention"
+    if _is_mamba2(m):
+        return "mamba2"
     if _is_dense_mlp(m):
         return "mlp"
     return "norm" if _is_norm(m) else "replicated"
@@ -194,8 +214,8 @@ def _classify(m: nn.Module) -> str:
 
 def decoder_tp_plan(model: nn.Module, layer_children: Optional[dict[str, str]] = None) -> list[tuple[str, str, nn.Module]]:
     """(dotted name, kind, module) of every decoder-layer child: kind "attention" (heads split), "mlp"
-    (columns split), "norm" (runs on the sequence shard) or "replicated" (whole sequence on every tp
-    rank, e.g. a Mamba2 mixer or a MoE block). `layer_children`: child name -> kind or "auto" (classified
+    (columns split), "mamba2" (Mamba2 heads split), "norm" (runs on the sequence shard) or "replicated"
+    (whole sequence on every tp rank, e.g. a MoE block). `layer_children`: child name -> kind or "auto" (classified
     by structure); children it does not name are "auto"."""
     out = []
     for i, layer in enumerate(model.language_model.layers):
@@ -207,7 +227,7 @@ def decoder_tp_plan(model: nn.Module, layer_children: Optional[dict[str, str]] =
                 continue
             if kind == "auto":
                 kind = _classify(m)
-            if kind not in ("attention", "mlp", "norm", "replicated"):
+            if kind not in ("attention", "mlp", "mamba2", "norm", "replicated"):
                 raise ValueError(f"tensor parallelism: unknown kind {kind!r} for language_model.layers.{i}.{child}")
             out.append((f"language_model.layers.{i}.{child}", kind, m))
     return out
@@ -221,11 +241,13 @@ def _check_module(tp: int, where: str, kind: str, m: nn.Module) -> None:
                           "which needs every head on one rank")
     elif kind == "mlp":
         check_tp_sizes(tp, {f"{where}.intermediate_size": m.up_proj.out_features})
+    elif kind == "mamba2":
+        check_tp_sizes(tp, {f"{where}.mamba_num_heads": m.num_heads, f"{where}.n_groups": m.n_groups})
 
 
 def check_tp_divides(model: nn.Module, tp: int, layer_children: Optional[dict[str, str]] = None) -> None:
     """Raise `TPError` naming the first size `tp` does not divide: the vocabulary, a layer's attention /
-    KV heads or MLP width (works on a meta-device model: the `--check` planner calls it)."""
+    KV heads, Mamba2 heads / groups or MLP width (works on a meta-device model: the `--check` planner calls it)."""
     if tp == 1:
         return
     check_tp_sizes(tp, {"vocab_size": model.lm_head.weight.shape[0]})
@@ -252,7 +274,7 @@ def tp_sharded_numel(module: nn.Module, layer_children: Optional[dict[str, str]]
     else:
         plan = [(n, _classify(m), m) for n, m in module.named_children()]
     for _, kind, m in plan:
-        if kind != "replicated":
+        if kind not in ("replicated", "mamba2"):  # a Mamba2 mixer's weights stay whole (compute split only)
             total += count([p for n in names if getattr(m, n, None) is not None for p in getattr(m, n).parameters()])
     return total
 
@@ -261,7 +283,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, layer_children: dict[str, st
     """Shard `model`'s language decoder over the 1-D tp `mesh`, in place (see the module docstring).
 
     `layer_children`: for each decoder layer (`model.language_model.layers`), child name -> "attention",
-    "mlp", "replicated" or "auto" (see `decoder_tp_plan`). `embedding`: the dotted name of the token
+    "mlp", "mamba2", "replicated" or "auto" (see `decoder_tp_plan`). `embedding`: the dotted name of the token
     embedding (vocab-parallel, as is `lm_head`). Raises `TPError` naming a size tp does not divide.
     """
     tp = mesh.size()
@@ -283,6 +305,10 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, layer_children: dict[str, st
         elif kind == "mlp":
             parallelize_module(m, mesh, _linear_plan(m, ("gate_proj", "up_proj"), ("down_proj",)))
             _sequence_parallel_region(m, mesh, state, split=True)
+        elif kind == "mamba2":
+            m.tp_shard(tp, mesh.get_local_rank())
+            _partial_grad_params(m, mesh, recurse=True)
+            _sequence_parallel_region(m, mesh, state, split=False, local_partial=True)
         elif kind == "norm":
             _partial_grad_params(m, mesh)
         else:

@@ -15,6 +15,15 @@ T > 1 tokens, then one token per step; stepping equals the full forward.
 
 dt is clamped below at `time_step_min` in both the scan and the step (transformers clamps only in
 its chunked path; the clamp keeps our decoding equal to our forward).
+
+Tensor parallelism (`tp_size` > 1, set by `parallel.tensor_parallel.apply_tp`): as in Megatron, each tp
+rank runs a contiguous block of `num_heads / tp` heads and their `n_groups / tp` B / C groups: the rows of
+in_proj for its z / x / B / C / dt, the same conv channels, its heads' A / D / dt_bias, its groups of the
+gated norm (the norm is per group, so no communication) and the matching columns of out_proj, whose
+output is a partial sum over the tp ranks (bias added by rank 0 only). The parameters keep their
+whole (checkpoint) shapes on every tp rank: in_proj's rows interleave the z | xBC | dt segments, so a
+contiguous row split would not be a head split; each rank selects its rows and the gradients, non-zero
+only on a rank's rows, are summed over the tp ranks. The decoding state holds the local heads.
 """
 from __future__ import annotations
 
@@ -40,14 +49,17 @@ class GatedRMSNorm(nn.Module):
         self.group_size = group_size
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: Optional[torch.Tensor] = None,
+                weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`weight`: the channels' slice of `self.weight` when x holds only some groups (tensor parallelism)."""
+        weight = self.weight if weight is None else weight
         dtype = x.dtype
         h = x.float()
         if gate is not None:
             h = h * F.silu(gate.float())
         groups = h.view(*h.shape[:-1], -1, self.group_size)
         groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * groups.view(h.shape).to(dtype)
+        return weight * groups.view(h.shape).to(dtype)
 
 
 @dataclass
@@ -61,9 +73,11 @@ class Mamba2State:
     def zeros(cls, mixer: "Mamba2Mixer", batch: int, device=None) -> "Mamba2State":
         device = device if device is not None else mixer.A_log.device
         return cls(
-            conv_state=torch.zeros(batch, mixer.conv_dim, mixer.conv_kernel - 1, dtype=torch.float32, device=device),
+            conv_state=torch.zeros(batch, mixer.conv_dim // mixer.tp_size, mixer.conv_kernel - 1, dtype=torch.float32,
+                                   device=device),
             ssm_state=torch.zeros(
-                batch, mixer.num_heads, mixer.head_dim, mixer.state_size, dtype=torch.float32, device=device
+                batch, mixer.num_heads // mixer.tp_size, mixer.head_dim, mixer.state_size, dtype=torch.float32,
+                device=device,
             ),
         )
 
@@ -113,6 +127,44 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(num_heads))
         self.norm = GatedRMSNorm(self.intermediate_size, self.intermediate_size // n_groups, eps=norm_eps)
         self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=use_bias)
+        self.tp_size, self.tp_rank = 1, 0  # tensor parallelism: this rank runs heads block tp_rank of tp_size
+
+    def tp_shard(self, tp_size: int, tp_rank: int) -> None:
+        """Run heads block `tp_rank` of `tp_size` (see the module docstring); raises ValueError naming a count
+        `tp_size` does not divide."""
+        for key, n in (("mamba_num_heads", self.num_heads), ("n_groups", self.n_groups)):
+            if n % tp_size:
+                raise ValueError(f"parallel.tp={tp_size} does not divide {key}={n}: every tensor-parallel rank "
+                                 "must hold the same number of Mamba2 heads and groups")
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+
+    def _local_index(self, device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(in_proj rows, conv channels) of this tp rank's heads and groups."""
+        r, tp = self.tp_rank, self.tp_size
+        inner, gn = self.intermediate_size, self.n_groups * self.state_size
+        il, gl, hl = inner // tp, gn // tp, self.num_heads // tp
+
+        def span(start, n):
+            return torch.arange(start + r * n, start + (r + 1) * n, device=device)
+
+        conv = torch.cat([span(0, il), span(inner, gl), span(inner + gn, gl)])
+        rows = torch.cat([span(0, il), inner + conv, span(inner + self.conv_dim, hl)])
+        return rows, conv
+
+    def _weights(self, device):
+        """This rank's (in_proj w, b, conv w, b, dt_bias, A_log, D, norm w, out_proj w, b): whole without tp."""
+        conv_w, conv_b = self.conv1d.weight.squeeze(1), self.conv1d.bias
+        inb, outb = self.in_proj.bias, self.out_proj.bias
+        if self.tp_size == 1:
+            return (self.in_proj.weight, inb, conv_w, conv_b, self.dt_bias, self.A_log, self.D, self.norm.weight,
+                    self.out_proj.weight, outb)
+        rows, conv = self._local_index(device)
+        il, hl = self.intermediate_size // self.tp_size, self.num_heads // self.tp_size
+        heads, inner = slice(self.tp_rank * hl, (self.tp_rank + 1) * hl), slice(self.tp_rank * il, (self.tp_rank + 1) * il)
+        return (self.in_proj.weight.index_select(0, rows), None if inb is None else inb.index_select(0, rows),
+                conv_w.index_select(0, conv), None if conv_b is None else conv_b.index_select(0, conv),
+                self.dt_bias[heads], self.A_log[heads], self.D[heads], self.norm.weight[inner],
+                self.out_proj.weight[:, inner], outb if self.tp_rank == 0 else None)
 
     @torch.no_grad()
     def reset_parameters(self, initializer_range: float = 0.02, num_layers: int = 1) -> None:
@@ -145,12 +197,17 @@ class Mamba2Mixer(nn.Module):
             raise ValueError("Mamba2Mixer: a decoding state works with batched input, not packed cu_seqlens")
         batch, seqlen, _ = x.shape
         dtype = x.dtype
+        tp = self.tp_size
+        heads, groups, inner = self.num_heads // tp, self.n_groups // tp, self.intermediate_size // tp
+        in_w, in_b, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_w, out_b = self._weights(x.device)
         mask = None if attention_mask is None else attention_mask[..., None].to(dtype)
         if mask is not None:
             x = x * mask
-        z, xBC, dt = self.in_proj(x).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        gn = groups * self.state_size
+        # without tp the modules are called (adapters such as LoRA may wrap them)
+        proj = self.in_proj(x) if tp == 1 else F.linear(x, in_w, in_b)
+        z, xBC, dt = proj.split([inner, inner + 2 * gn, heads], dim=-1)
 
-        conv_w, conv_b = self.conv1d.weight.squeeze(1), self.conv1d.bias
         if state is not None:
             xBC, conv_state = kernels.causal_conv1d(
                 xBC.transpose(1, 2), conv_w, conv_b, activation="silu",
@@ -162,27 +219,27 @@ class Mamba2Mixer(nn.Module):
         xBC = xBC.transpose(1, 2)
         if mask is not None:
             xBC = xBC * mask
-        xs, B, C = xBC.split([self.intermediate_size, self.n_groups * self.state_size, self.n_groups * self.state_size], -1)
+        xs, B, C = xBC.split([inner, gn, gn], -1)
 
-        A = -torch.exp(self.A_log.float())
-        ssm_kwargs = dict(D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
+        A = -torch.exp(A_log.float())
+        ssm_kwargs = dict(D=D, dt_bias=dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
         if state is not None and seqlen == 1:
             y = kernels.ssd_state_update(
                 state.ssm_state,
-                xs.view(batch, self.num_heads, self.head_dim),
+                xs.view(batch, heads, self.head_dim),
                 dt[:, 0],
                 A,
-                B.view(batch, self.n_groups, self.state_size),
-                C.view(batch, self.n_groups, self.state_size),
+                B.view(batch, groups, self.state_size),
+                C.view(batch, groups, self.state_size),
                 **ssm_kwargs,
             )
         else:
             result = kernels.ssd_chunk_scan(
-                xs.reshape(batch, seqlen, self.num_heads, self.head_dim),
+                xs.reshape(batch, seqlen, heads, self.head_dim),
                 dt,
                 A,
-                B.reshape(batch, seqlen, self.n_groups, self.state_size),
-                C.reshape(batch, seqlen, self.n_groups, self.state_size),
+                B.reshape(batch, seqlen, groups, self.state_size),
+                C.reshape(batch, seqlen, groups, self.state_size),
                 chunk_size=self.chunk_size,
                 initial_states=None if state is None else state.ssm_state,
                 return_final_states=state is not None,
@@ -194,5 +251,5 @@ class Mamba2Mixer(nn.Module):
                 state.ssm_state.copy_(final)
             else:
                 y = result
-        y = self.norm(y.reshape(batch, seqlen, self.intermediate_size), z)
-        return self.out_proj(y.to(dtype))
+        y = self.norm(y.reshape(batch, seqlen, inner), z, weight=norm_w)
+        return self.out_proj(y.to(dtype)) if tp == 1 else F.linear(y.to(dtype), out_w, out_b)

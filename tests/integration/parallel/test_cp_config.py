@@ -1,6 +1,6 @@
 """Context / pipeline parallel sizes that cannot work are config errors naming the key and the numbers
 (exit 2 from the launcher and `--check`): cp not dividing the processes, packs not divisible into
-2 x cp chunks, cp in GRPO, cp with ep, pp > 1 (not implemented)."""
+2 x cp chunks, cp with ep, pp > 1 (not implemented). GRPO takes cp (same pack-length rule)."""
 from __future__ import annotations
 
 import pytest
@@ -39,7 +39,8 @@ def test_refused_sizes(sets, match):
         load_config(REPO_CFG, sets)
 
 
-def test_cp_refused_in_grpo():
-    cfg = load_config("launch/configs/qwen2_5_vl_3b_geometry3k_grpo.toml", ["parallel.cp=2"])
-    with pytest.raises(ConfigError, match=r"parallel.cp: context parallelism \(cp = 2\) is supported for train.mode = \"sft\" only"):
-        check_keys_for_mode(cfg)
+def test_cp_accepted_in_grpo_with_the_pack_rule():
+    grpo = "launch/configs/qwen2_5_vl_3b_geometry3k_grpo.toml"
+    check_keys_for_mode(load_config(grpo, ["parallel.cp=2", "data.max_tokens_per_pack=16384"]))
+    with pytest.raises(ConfigError, match=r"data.max_tokens_per_pack \(16382\).*2 x parallel.cp \(4\)"):
+        check_keys_for_mode(load_config(grpo, ["parallel.cp=2", "data.max_tokens_per_pack=16382"]))

@@ -3,13 +3,15 @@ each family a dp-only SFT run (2 data-parallel ranks, 1 micro-batch each), a `pa
 `parallel.cp=2` run (one data-parallel rank reading the same 2 micro-batches per step: the same packs
 per step) give the same 10 losses and grad norms (fp32, 1e-5) and the same Hugging Face export (1e-6).
 The tp run's lm_head / embedding and attention projections really are split (each rank holds half the
-rows), and the cp run's decoder layers hold half of every pack's tokens (load-balanced causal chunks;
+rows; Nemotron's Mamba2 mixers run half of the heads each, tests/unit/models/test_mamba2_tp_heads.py), and the cp run's decoder layers hold half of every pack's tokens (load-balanced causal chunks;
 Nemotron's Mamba2 layers left unsplit), so neither comparison is between two replicated runs.
 
 In the same workers: the tp=2 run's step-5 checkpoint resumes as a dp-only run (layout change) with the
 tp run's last 5 losses and export; and two GRPO steps with tp=2 (the rollout engine runs sharded, every
-tp rank of a group generating the same answers) match one process (loss, grad norm, reward). A second,
-slow test on 4 processes: ep=2 x tp=2 (MoE), which is also tp=2 x dp=2, against dp=4.
+tp rank of a group generating the same answers) and with cp=2 (the rollout runs unsharded on both cp
+ranks, which generate the same answers; the packed policy forwards split the tokens) match one process
+(loss, grad norm, reward). A second,
+slow test on 4 processes against dp=4: ep=2 x tp=2 (MoE), which is also tp=2 x dp=2, and tp=2 x cp=2.
 
 The jobs run in-process in the workers (`megatron_vlm.jobs.run_kind` on one process group) to pay the
 process start-up and imports once for all six families.
@@ -171,15 +173,17 @@ def _worker(rank: int, world: int, port: int, tmp: str, errors) -> None:
             assert max(abs(a - b) for a, b in zip(l_tp[STEPS // 2:], l_res)) <= 1e-5, (l_tp, l_res)
             e_tp, e_res = _export(tp), _export(resumed)
             assert max((e_tp[k] - e_res[k]).abs().max().item() for k in e_tp) <= 1e-6
-        # GRPO with tp=2 (the rollout engine runs sharded): the same first steps as one process
-        _grpo(grpo_model, tmp / "grpo" / "tp2", init_distributed(), **{"parallel.tp": 2})
-        if rank == 0:
-            for key in ("loss", "grad_norm", "reward/mean"):
-                ref, got = _column(tmp / "grpo" / "dp1", key), _column(tmp / "grpo" / "tp2", key)
-                scale = max(1.0, max(abs(v) for v in ref))  # grad norms: relative
-                assert len(ref) == len(got) == 2 and max(abs(a - b) for a, b in zip(ref, got)) <= 1e-5 * scale, \
-                    (key, ref, got)
-            assert _column(tmp / "grpo" / "dp1", "grad_norm")[0] > 0  # a real update
+        # GRPO with tp=2 (the rollout engine runs sharded) and with cp=2: the same first steps as one process
+        for layout in ("tp", "cp"):
+            _grpo(grpo_model, tmp / "grpo" / f"{layout}2", init_distributed(), **{f"parallel.{layout}": 2})
+            if rank == 0:
+                for key in ("loss", "grad_norm", "reward/mean"):
+                    ref, got = _column(tmp / "grpo" / "dp1", key), _column(tmp / "grpo" / f"{layout}2", key)
+                    scale = max(1.0, max(abs(v) for v in ref))  # grad norms: relative
+                    assert len(ref) == len(got) == 2 and max(abs(a - b) for a, b in zip(ref, got)) <= 1e-5 * scale, \
+                        (layout, key, ref, got)
+                assert _column(tmp / "grpo" / "dp1", "grad_norm")[0] > 0  # a real update
+            dist.barrier()
     except BaseException:  # noqa: BLE001 - reported to the parent
         errors.put((rank, traceback.format_exc()))
         raise
@@ -208,27 +212,33 @@ def test_tp2_and_cp2_match_dp_for_every_family(tmp_path):
 
 
 def _worker4(rank: int, world: int, port: int, tmp: str, errors) -> None:
-    """ep=2 x tp=2 x dp=2 on Nemotron-VL (MoE experts split over the 2 ep ranks of one tp coordinate,
-    attention / MLP over tp, 2 data-parallel ranks) against dp=4, 4 steps each."""
+    """Against dp=4, 4 steps each: ep=2 x tp=2 x dp=2 on Nemotron-VL (MoE experts split over the 2 ep ranks
+    of one tp coordinate, attention / MLP / Mamba2 over tp, 2 data-parallel ranks), and tp=2 x cp=2 (one
+    data-parallel rank reading the 4 micro-batches) on Nemotron-VL and Qwen2.5-VL (M-RoPE): the cp ranks
+    keep their chunks of each pack, the tp ranks split those chunks' tokens and the heads."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     tmp = Path(tmp)
     try:
         init_distributed()
-        for family, layout in (("nemotron_vl", {"parallel.tp": 2, "parallel.ep": 2}),):
-            dp, tp = tmp / family / "dp", tmp / family / "tp"
-            _run(tmp, family, dp, **{"train.micro_batches_per_step": 1, "train.max_steps": 4})
-            _run(tmp, family, tp, **{**layout, "train.micro_batches_per_step": 2, "train.max_steps": 4})
+        runs = (("nemotron_vl", "tp_ep", {"parallel.tp": 2, "parallel.ep": 2, "train.micro_batches_per_step": 2}),
+                ("nemotron_vl", "tp_cp", {"parallel.tp": 2, "parallel.cp": 2, "train.micro_batches_per_step": 4}),
+                ("qwen2_5_vl", "tp_cp", {"parallel.tp": 2, "parallel.cp": 2, "train.micro_batches_per_step": 4}))
+        for family, name, layout in runs:
+            dp, tp = tmp / family / "dp", tmp / family / name
+            if not (dp / "metrics_train.csv").is_file():
+                _run(tmp, family, dp, **{"train.micro_batches_per_step": 1, "train.max_steps": 4})
+            _run(tmp, family, tp, **{**layout, "train.max_steps": 4})
             if rank == 0:
                 for key in ("loss", "grad_norm"):
                     a, b = _column(dp, key), _column(tp, key)
                     assert len(a) == len(b) == 4 and max(abs(x - y) / max(1.0, abs(x)) for x, y in zip(a, b)) <= 1e-5, \
-                        (family, key, a, b)
+                        (family, name, key, a, b)
                 e_dp, e_tp = _export(dp), _export(tp)
                 assert e_dp.keys() == e_tp.keys() and e_dp, family
                 diff = max(((e_dp[k] - e_tp[k]).abs().max().item(), k) for k in e_dp)
-                assert diff[0] <= 1e-6, (family, diff)
+                assert diff[0] <= 1e-6, (family, name, diff)
             dist.barrier()
     except BaseException:  # noqa: BLE001 - reported to the parent
         errors.put((rank, traceback.format_exc()))
@@ -240,7 +250,7 @@ def _worker4(rank: int, world: int, port: int, tmp: str, errors) -> None:
 
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_tp2_with_dp2_and_with_ep2_on_4_processes(tmp_path):
+def test_tp2_with_dp2_ep2_and_cp2_on_4_processes(tmp_path):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     try:

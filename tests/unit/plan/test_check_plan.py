@@ -76,6 +76,7 @@ def qwen2_5_vl_3b(tmp_path_factory) -> Path:
 # model (`model.synthesize`; the GRPO demos start from their SFT demo's export, the same tiny model).
 ARCH = {
     "qwen2_5_vl_3b_geometry3k_grpo.toml": ("qwen2_5_vl_3b", 8),
+    "qwen2_5_vl_3b_geometry3k_grpo_cp2.toml": ("qwen2_5_vl_3b", 8),
     "qwen2_5_vl_3b_virl39k_grpo.toml": ("qwen2_5_vl_3b", 48),
     "qwen3_vl_2b_geometry3k_grpo.toml": ("qwen3_vl_2b", 8),
     "internvl3_8b_robovqa_stage1.toml": ("internvl3_8b", 8),

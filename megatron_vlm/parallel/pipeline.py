@@ -179,6 +179,29 @@ class PipelineStageModel:
             merged.update(part)
         return merged
 
+    def optim_state_dict_for_save(self, optim_sd: dict) -> dict:
+        """DCP writes one copy of the optimizer's `param_groups` (the same key on every rank), whose `params`
+        list names the parameters of each group: on every stage it becomes the list of all stages (stage
+        order), so that a checkpoint loaded with another layout (pp=1) finds every parameter in its group.
+        Collective over the stages."""
+        groups = [list(g["params"]) for g in optim_sd["param_groups"]]
+        parts = [None] * self.num_stages
+        dist.all_gather_object(parts, groups, group=self.pp_group)
+        if any(len(p) != len(groups) for p in parts):
+            raise ValueError(f"pipeline stages have different optimizer param groups: {[len(p) for p in parts]}")
+        for i, g in enumerate(optim_sd["param_groups"]):
+            # a tied lm_head is the first stage's embedding under a second name: listed once, as in one stage
+            names = [n for s, part in enumerate(parts) for n in part[i]
+                     if not (self.tied and s > 0 and n.endswith("lm_head.weight"))]
+            g["params"] = list(dict.fromkeys(names))
+        return optim_sd
+
+    @staticmethod
+    def restore_local_param_groups(optim_sd: dict, local_groups: list) -> None:
+        """After a load: back to this stage's own parameter names (the saved lists name every stage's)."""
+        for g, names in zip(optim_sd["param_groups"], local_groups):
+            g["params"] = list(names)
+
     @property
     def is_first(self) -> bool:
         return self.stage == 0

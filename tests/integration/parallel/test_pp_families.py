@@ -24,7 +24,13 @@ import torch.multiprocessing as mp
 from megatron_vlm.data.synthetic_arith import write_synthetic_arith
 from megatron_vlm.parallel import init_distributed
 from tests.integration.parallel.test_tp_cp_families import (
-    FAMILIES, STEPS, _assert_same_training, _column, _export, _free_port, _run,
+    FAMILIES,
+    STEPS,
+    _assert_same_training,
+    _column,
+    _export,
+    _free_port,
+    _run,
 )
 
 pytestmark = [pytest.mark.distributed]

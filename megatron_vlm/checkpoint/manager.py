@@ -169,6 +169,8 @@ class CheckpointManager:
         err = None
         try:
             model_sd, optim_sd = get_state_dict(model, optimizer)
+            if hasattr(model, "optim_state_dict_for_save"):  # parallel.pp > 1 (parallel/pipeline.py)
+                optim_sd = model.optim_state_dict_for_save(optim_sd)
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
             extra_file = tmp / f"extra_rank{self.rank}.pt"
             with open(extra_file, "wb") as f:
@@ -278,7 +280,10 @@ class CheckpointManager:
     def load(self, path: Path, model: torch.nn.Module, optimizer) -> dict:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
+        local_groups = [list(g["params"]) for g in optim_sd.get("param_groups", [])]
         dcp.load(state, checkpoint_id=str(path))
+        if hasattr(model, "restore_local_param_groups"):  # parallel.pp > 1: saved lists name every stage's
+            model.restore_local_param_groups(state["optim"], local_groups)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         extra_file = path / f"extra_rank{self.rank}.pt"
         if not extra_file.is_file():

@@ -97,6 +97,26 @@ def changed_keys(section) -> list[str]:
     return out
 
 
+def _check_pipeline_keys(cfg) -> None:
+    """parallel.pp > 1 runs SFT training steps only (parallel/pipeline.py): what it cannot run is refused."""
+    pp = cfg.parallel.pp
+    if pp <= 1:
+        return
+    if cfg.train.mode != "sft":
+        raise ConfigError(f"parallel.pp: pipeline parallelism (pp = {pp}) is supported for train.mode = \"sft\" only "
+                          "(no rollout through a pipeline); use parallel.pp = 1")
+    if getattr(cfg, "stages", None):
+        raise ConfigError(f"parallel.pp: pipeline parallelism (pp = {pp}) does not run [[stages]] curricula yet; "
+                          "use parallel.pp = 1")
+    d = cfg.data
+    if d.eval_path or (d.type == "synthetic_vqa" and d.synthetic_eval_size > 0):
+        raise ConfigError(f"parallel.pp: held-out evaluation does not run through a pipeline (pp = {pp}); set "
+                          "data.eval_path = \"\" (synthetic data: data.synthetic_eval_size = 0)")
+    if cfg.moe.aux_loss_coef > 0:
+        raise ConfigError(f"parallel.pp: moe.aux_loss_coef ({cfg.moe.aux_loss_coef}) with pipeline parallelism "
+                          f"(pp = {pp}) is not supported; set moe.aux_loss_coef = 0 (auxiliary-free balancing works)")
+
+
 def check_keys_for_mode(cfg) -> None:
     """Raise ConfigError naming the first key that this job kind would ignore."""
     if cfg.train.mode == "eval":
@@ -109,6 +129,7 @@ def check_keys_for_mode(cfg) -> None:
     if cp > 1 and cfg.data.max_tokens_per_pack % (2 * cp):
         raise ConfigError(f"parallel.cp: data.max_tokens_per_pack ({cfg.data.max_tokens_per_pack}) must be divisible by "
                           f"2 x parallel.cp ({2 * cp}): each pack is cut into 2 x cp load-balanced chunks")
+    _check_pipeline_keys(cfg)
     if cfg.train.mode == "grpo":
         if getattr(cfg, "lora", None) is not None and cfg.rl is not None and cfg.rl.ref_offload:
             raise ConfigError("rl.ref_offload: has no effect with [lora] (the reference is the policy without its "

@@ -154,14 +154,20 @@ class ParallelConfig:
     group read the same packs. Divides the number of processes; data.max_tokens_per_pack must be
     divisible by 2 x cp. Mamba2 layers run the whole sequence on every cp rank. Not with ep > 1."""
     pp: int = 1
-    """Pipeline stages of the language decoder: only 1 is supported (pipeline parallelism is not
-    implemented; values > 1 are refused)."""
+    """Pipeline stages of the language decoder (torch.distributed.pipelining, 1F1B schedule over the
+    `train.micro_batches_per_step` micro-batches): the first stage also holds the embedding and the vision
+    tower, the last the final norm and lm_head. Must divide the number of processes and be at most the
+    number of decoder layers; SFT only, with data parallelism (not with tp, cp or ep > 1)."""
 
     def validate(self) -> None:
         if self.cp < 1:
             raise ValueError(f"cp: must be >= 1, got {self.cp}")
-        if self.pp != 1:
-            raise ValueError(f"pp: pipeline parallelism is not implemented; only pp = 1 is supported, got {self.pp}")
+        if self.pp < 1:
+            raise ValueError(f"pp: must be >= 1, got {self.pp}")
+        for key in ("tp", "cp", "ep"):
+            if self.pp > 1 and getattr(self, key) > 1:
+                raise ValueError(f"pp: pipeline parallelism (pp = {self.pp}) composes with data parallelism only; "
+                                 f"{key} = {getattr(self, key)} must be 1")
         if self.cp > 1 and self.ep > 1:
             raise ValueError(f"cp: context parallelism (cp = {self.cp}) with expert parallelism (ep = {self.ep}) "
                              "is not supported; set one of them to 1")

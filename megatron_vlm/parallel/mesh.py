@@ -17,7 +17,9 @@ are excluded from FSDP (see `parallel_plan.make_parallelize`).
 Context parallelism adds the innermost dim "cp" (`parallel.cp` consecutive ranks split the tokens of
 the same packs): the ranks of a cp group share their data-parallel coordinate, and FSDP shards over
 dp_shard x cp flattened ("dp_shard_cp"; parallel/context_parallel.py).
-`parallel.pp` > 1 is refused by the config (not implemented). tp and cp compose: a cp group is the
+Pipeline parallelism adds the outermost dim "pp" (parallel/pipeline.py): the stages of one pipeline share
+their data-parallel coordinate (they read the same micro-batches) and FSDP shards each stage's parameters
+over that stage's dp ranks only (pp composes with dp only). tp and cp compose: a cp group is the
 ranks with the same tp coordinate (their attention heads match), the cp split encloses the tp
 sequence shard inside each decoder layer (`apply_cp`).
 """
@@ -53,9 +55,9 @@ class ParallelDims:
 
     @property
     def data_copies(self) -> int:
-        """Ranks that read the same data shard (the tp and cp ranks of a group): a sum over all ranks of
-        per-data-shard counts counts each shard this many times."""
-        return self.tp * self.cp
+        """Ranks that read the same data shard (the tp and cp ranks of a group, and the pp stages): a sum over
+        all ranks of per-data-shard counts counts each shard this many times."""
+        return self.tp * self.cp * self.pp
 
 
 def build_mesh(parallel_cfg, world_size: int, device_type: str) -> tuple[ParallelDims, DeviceMesh]:
@@ -65,6 +67,8 @@ def build_mesh(parallel_cfg, world_size: int, device_type: str) -> tuple[Paralle
     pp = getattr(parallel_cfg, "pp", 1)
     if tp < 1 or world_size % tp:
         raise LayoutError(f"parallel.tp ({tp}) must be >= 1 and divide the number of processes ({world_size})")
+    if pp < 1 or world_size % pp:
+        raise LayoutError(f"parallel.pp ({pp}) must be >= 1 and divide the number of processes ({world_size})")
     if cp < 1 or world_size % cp:
         raise LayoutError(f"parallel.cp ({cp}) must be >= 1 and divide the number of processes ({world_size})")
     rep = parallel_cfg.dp_replicate

@@ -69,17 +69,18 @@ def _meta_model(hf_config: dict):
 
 def _layout(cfg, world: int, num_experts: int) -> tuple[int, int]:
     p = cfg.parallel
-    rep, tp, cp = p.dp_replicate, p.tp, p.cp
-    for key, n in (("parallel.tp", tp), ("parallel.cp", cp)):
+    rep, tp, cp, pp = p.dp_replicate, p.tp, p.cp, p.pp
+    for key, n in (("parallel.tp", tp), ("parallel.cp", cp), ("parallel.pp", pp)):
         if world % n:
             raise CheckFailed(key, f"{n} does not divide the {world} ranks")
-    mp, by = tp * cp, f"parallel.tp {tp} x parallel.cp {cp}"
+    mp, by = tp * cp * pp, f"parallel.tp {tp} x parallel.cp {cp}" + (f" x parallel.pp {pp}" if pp > 1 else "")
     if world % (rep * mp):
         raise CheckFailed("parallel.dp_replicate", f"{rep} does not divide the {world // mp} data-parallel ranks "
                                                    f"({world} ranks / {by})")
     shard = p.dp_shard if p.dp_shard != -1 else world // (rep * mp)
     if rep * shard * mp != world:
-        raise CheckFailed("parallel.dp_shard", f"dp_replicate {rep} x dp_shard {shard} x tp {tp} x cp {cp} = "
+        raise CheckFailed("parallel.dp_shard", f"dp_replicate {rep} x dp_shard {shard} x tp {tp} x cp {cp}"
+                                               + (f" x pp {pp}" if pp > 1 else "") + " = "
                                                f"{rep * shard * mp}, not the {world} ranks")
     if world % p.ep or (world // tp) % p.ep:
         raise CheckFailed("parallel.ep", f"{p.ep} does not divide the {world // tp} data-parallel x context-parallel ranks "
@@ -128,6 +129,13 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     except TPError as e:
         msg = str(e)
         raise CheckFailed("parallel.tp", msg[len("parallel.tp="):] if msg.startswith("parallel.tp=") else msg) from None
+    if cfg.parallel.pp > 1:  # layers < stages, DeepStack layers beyond the first stage (parallel/pipeline.py)
+        from megatron_vlm.parallel.mesh import LayoutError
+        from megatron_vlm.parallel.pipeline import check_pipeline_layout
+        try:
+            check_pipeline_layout(model, cfg.parallel, world_size)
+        except LayoutError as e:
+            raise CheckFailed("parallel.pp", str(e)) from None
     shape = model_shape(model)
     tokens = cfg.data.max_tokens_per_pack
     compute = 4 if cfg.train.precision == "fp32" else 2

@@ -132,7 +132,8 @@ class Checkpointer:
     def export_hf(self, out_dir: Path) -> None:
         """Gather the full weights and write a Hugging Face folder (rank 0; a temporary folder put in
         place when complete). Exits 1 on every rank when it fails (the previous export stays intact)."""
-        sd = full_model_state_dict(self.wrapper)
+        stages = getattr(self.wrapper, "full_state_dict", None)  # parallel.pp > 1: gathered over the stages
+        sd = stages() if stages is not None else full_model_state_dict(self.wrapper)
         err = None
         if self.is_main:
             sd = {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")}

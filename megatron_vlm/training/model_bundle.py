@@ -18,6 +18,7 @@ from megatron_vlm.models import get_family
 from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.parallel import ParallelDims, build_mesh
 from megatron_vlm.parallel.collectives import all_reduce_
+from megatron_vlm.parallel.pipeline import PipelineRunner, check_pipeline_layout, split_model_for_stage, stage_all_reduce
 from megatron_vlm.parallel.precision import resolve_precision
 from megatron_vlm.training.context import RunContext, seed_everything
 from megatron_vlm.training.freeze import apply_train_layers
@@ -42,6 +43,8 @@ class ModelBundle:
     trainable_params: list
     moe_balancer: Optional[Any] = None
     """`MoELoadBalancer` when the model has MoE layers, else None."""
+    pipeline: Optional[Any] = None
+    """`PipelineRunner` with parallel.pp > 1 (this rank's stage; the SFT step runs through it), else None."""
 
 
 def _load_all_reduce(dims: ParallelDims):
@@ -79,11 +82,19 @@ def build_model_bundle(ctx: RunContext) -> ModelBundle:
     log.info("model %s: %.2fM parameters, %.2fM trainable", type(model).__name__, total / 1e6, trainable / 1e6)
     wrapper = TokenLogprobModel(model)
     precision = resolve_precision(cfg.train.precision, env.device)
+    pp = cfg.parallel.pp
+    if pp > 1:  # keep only this rank's pipeline stage (parallel/pipeline.py); LayoutError: exit 2
+        check_pipeline_layout(model, cfg.parallel, env.world_size)
+        act_dtype = torch.bfloat16 if precision == "bf16" else getattr(torch, cfg.model.dtype)
+        wrapper = split_model_for_stage(model, TokenLogprobModel, stage=mesh.get_local_rank("pp"), pp=pp,
+                                        max_tokens=cfg.data.max_tokens_per_pack, act_dtype=act_dtype)
     family = get_family(model.hf_config.get("model_type"))
     # a size parallel.tp does not divide raises TPError: a config error (exit 2, megatron_vlm/runner.py)
     family.parallelize(model, dims, cfg.parallel, mesh=mesh, activation_checkpointing=cfg.train.activation_checkpointing,
                        param_dtype=torch.bfloat16 if precision == "bf16" else None, root=wrapper)
     trainable_params = [p for p in wrapper.parameters() if p.requires_grad]
-    balancer = MoELoadBalancer(model, cfg.moe, all_reduce=_load_all_reduce(dims)) if moe_layers(model) else None
+    reduce = stage_all_reduce(mesh) if pp > 1 else _load_all_reduce(dims)  # pp: each stage has its own MoE layers
+    balancer = MoELoadBalancer(model, cfg.moe, all_reduce=reduce) if moe_layers(model) else None
+    pipeline = PipelineRunner(wrapper, mesh, env.device, cfg.train.micro_batches_per_step) if pp > 1 else None
     return ModelBundle(model=model, wrapper=wrapper, processor=processor, dims=dims, mesh=mesh,
-                       trainable_params=trainable_params, moe_balancer=balancer)
+                       trainable_params=trainable_params, moe_balancer=balancer, pipeline=pipeline)

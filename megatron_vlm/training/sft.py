@@ -116,7 +116,9 @@ class SFTStep:
         denom = max(g_tokens, 1.0)
         loss_sum = 0.0
         b.wrapper.train()
-        for m in micro:
+        if b.pipeline is not None:  # parallel.pp > 1: the 1F1B schedule runs forward + backward (parallel/pipeline.py)
+            loss_sum = b.pipeline.run([self.ctx.to_device(m) for m in micro], b.dims.dp_size / denom)
+        for m in (micro if b.pipeline is None else ()):
             logp = b.wrapper(self.ctx.to_device(m))
             loss = -logp.sum(dtype=torch.float32) / denom * b.dims.dp_size
             if b.moe_balancer is not None:
@@ -125,7 +127,8 @@ class SFTStep:
                     loss = loss + aux / len(micro)
             loss.backward()
             loss_sum += float(-logp.detach().sum(dtype=torch.float64))
-        grad_norm = clip_grad_norm_(b.trainable_params, cfg.max_grad_norm)
+        clip = clip_grad_norm_ if b.pipeline is None else b.pipeline.clip_grad_norm_  # pp: norm over all stages
+        grad_norm = clip(b.trainable_params, cfg.max_grad_norm)
         lr = self.optim.scheduler.get_last_lr()[0]  # the lr of this step's update (step() moves to the next)
         if self.guard.allow(loss_sum, grad_norm, step=step + 1):  # non-finite: skip the update, count it
             self.optim.optimizer.step()

@@ -1,6 +1,6 @@
 """Context / pipeline parallel sizes that cannot work are config errors naming the key and the numbers
 (exit 2 from the launcher and `--check`): cp not dividing the processes, packs not divisible into
-2 x cp chunks, cp with ep, pp > 1 (not implemented). GRPO takes cp (same pack-length rule)."""
+2 x cp chunks, cp with ep, pp with tp (pp composes with dp only). GRPO takes cp (same pack-length rule).
 from __future__ import annotations
 
 import pytest
@@ -30,7 +30,7 @@ def test_cp_must_divide_processes():
 
 
 @pytest.mark.parametrize("sets, match", [
-    (["parallel.pp=2"], r"parallel.pp: pipeline parallelism is not implemented.*got 2"),
+    (["parallel.pp=2", "parallel.tp=2"], r"parallel.pp: pipeline parallelism \(pp = 2\).*tp = 2 must be 1"),
     (["parallel.cp=2", "parallel.ep=2"], r"parallel.cp: .*cp = 2.*ep = 2"),
     (["parallel.cp=0"], r"parallel.cp: must be >= 1, got 0"),
 ])

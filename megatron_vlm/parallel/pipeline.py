@@ -1,0 +1,373 @@
+"""Pipeline parallelism (`parallel.pp`): the language decoder's layers split into `pp` consecutive stages,
+run by `torch.distributed.pipelining` (`PipelineStage` + `Schedule1F1B`).
+
+Layout. Stage s holds decoder layers [lo_s, hi_s) (`stage_layer_range`: as even as possible, earlier
+stages take the remainder). The first stage also holds everything before the decoder (token embedding,
+vision tower, projector, DeepStack mergers), the last stage the final norm and `lm_head` and computes
+the token log-probs (`TokenLogprobModel`, unchanged). `split_model_for_stage` removes what a stage does
+not hold *in place* (stubs without parameters), so each stage's parameter names — and therefore its DCP
+checkpoint keys and its part of the HF export — are the single-stage names: a pp=2 checkpoint resumes
+with pp=1 (both stages' keys together are the full state).
+
+Why a stage runs the family's own forward. The families' forwards differ (M-RoPE position ids, DeepStack,
+Mamba2 / MoE blocks, packed `cu_seqlens`); instead of a second, per-family forward, every stage calls the
+family forward with its stubs in place: the layers before the stage return the activation received from
+the previous stage (`_StageInput`), the layers after it pass their input through (`_PassThrough`) and the
+final norm is an identity before the last stage. What every stage recomputes from the micro-batch itself
+is cheap and parameter-free (position ids, rotary tables, `cu_seqlens`); later stages do not get the
+vision inputs (`_FIRST_STAGE_ONLY`), so the vision tower runs on the first stage only. DeepStack features
+are added inside the first stage, so the first stage must hold the DeepStack layers (checked).
+
+Why static shapes, padded. `PipelineStage` allocates its receive buffers once from the shapes it is
+given, while packs differ in length; the activation sent between stages is the packed hidden states
+[T, H] zero-padded to `data.max_tokens_per_pack` rows ([L, H]); the receiver keeps the first T rows (T is
+known from its own copy of the micro-batch), so the padding never reaches a layer and carries no gradient.
+
+Why 1F1B on CPU / gloo. `Schedule1F1B` keeps at most `pp` micro-batches' activations alive (GPipe keeps
+all of them) and uses only point-to-point isend / irecv, which gloo implements; the interleaved schedules
+need several stages per rank (`pp` x virtual stages <= layers), which the tiny test models (2-4 layers)
+cannot give. Micro-batches are the gradient-accumulation micro-batches (`train.micro_batches_per_step`):
+the schedule is driven with the packed list (`_step_microbatches`), not with a tensor it would split.
+
+The loss stays the dp loss: the last stage returns -sum(log p) / global trained tokens x dp_size for each
+micro-batch (gradients not rescaled by the schedule: `scale_grads=False`); the grad norm is the global
+norm over all stages (`PipelineRunner.clip_grad_norm_`); a tied embedding / lm_head (held by the first
+and the last stage) gets the sum of both stages' gradients and is counted once in the norm, so both copies
+take the same optimizer step.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from megatron_vlm.data.batch import model_inputs
+from megatron_vlm.parallel.grad import clip_grad_norm_
+from megatron_vlm.parallel.mesh import LayoutError
+
+__all__ = ["stage_layer_range", "check_pipeline_layout", "split_model_for_stage", "PipelineStageModel",
+           "PipelineRunner"]
+
+_FIRST_STAGE_ONLY = ("pixel_values", "pixel_values_videos")
+"""Micro-batch entries only the first stage reads (the vision tower's input)."""
+
+
+def stage_layer_range(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
+    """Decoder layers [lo, hi) of `stage` out of `pp`: sizes differ by at most one, earlier stages larger."""
+    base, extra = divmod(num_layers, pp)
+    lo = stage * base + min(stage, extra)
+    return lo, lo + base + (1 if stage < extra else 0)
+
+
+def _deepstack_levels(model: nn.Module) -> int:
+    args = getattr(model, "args", None)
+    vision = getattr(args, "vision", None)
+    return len(getattr(vision, "deepstack_visual_indexes", None) or ())
+
+
+def check_pipeline_layout(model: nn.Module, parallel_cfg, world_size: int) -> None:
+    """LayoutError (exit 2) for a pipeline the model or the processes cannot form, naming key and numbers."""
+    pp = parallel_cfg.pp
+    if pp <= 1:
+        return
+    n = len(model.language_model.layers)
+    if n < pp:
+        raise LayoutError(f"parallel.pp ({pp}) is larger than the number of decoder layers ({n}): "
+                          "every pipeline stage needs at least one layer")
+    if world_size % pp:
+        raise LayoutError(f"parallel.pp ({pp}) must divide the number of processes ({world_size})")
+    for key in ("tp", "cp", "ep"):
+        if getattr(parallel_cfg, key, 1) > 1:
+            raise LayoutError(f"parallel.pp ({pp}) with parallel.{key} ({getattr(parallel_cfg, key)}): pipeline "
+                              f"parallelism composes with data parallelism only; set parallel.{key} = 1")
+    levels = _deepstack_levels(model)
+    lo, hi = stage_layer_range(n, pp, 0)
+    if levels > hi:
+        raise LayoutError(f"parallel.pp ({pp}): the first stage holds {hi} of the {n} decoder layers, but the model "
+                          f"adds DeepStack features after the first {levels}; use a smaller parallel.pp")
+
+
+class _StageInput(nn.Module):
+    """A decoder layer held by an earlier stage: returns the activation received from that stage, shaped as
+    the hidden states this layer would have returned (the first rows of the padded [L, H] buffer)."""
+
+    def __init__(self, owner: "PipelineStageModel"):
+        super().__init__()
+        self._owner = [owner]  # a list: not a submodule (no cycle in named_modules)
+
+    def forward(self, x, *args, **kwargs):  # noqa: ARG002 - the layer's other inputs are not needed
+        received = self._owner[0].received
+        if received is None:
+            raise RuntimeError("pipeline stage: no activation received for this micro-batch")
+        rows = x.numel() // x.shape[-1]
+        return received[:rows].reshape(x.shape).to(x.dtype)
+
+
+class _PassThrough(nn.Module):
+    """A decoder layer held by a later stage (or the final norm before the last stage): identity."""
+
+    def forward(self, x, *args, **kwargs):  # noqa: ARG002
+        return x
+
+
+class _ZeroEmbedding(nn.Module):
+    """The token embedding after the first stage: zeros of the right shape (overwritten by `_StageInput`)."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.hidden_size, self.dtype = hidden_size, dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*input_ids.shape, self.hidden_size, dtype=self.dtype, device=input_ids.device)
+
+
+class _HeadStub(nn.Module):
+    """`lm_head` before the last stage: only its dtype is read (by the vision path)."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("weight", torch.empty(0, dtype=dtype), persistent=False)
+
+
+def _replace_child(root: nn.Module, target: nn.Module, new: nn.Module) -> None:
+    for name, mod in list(root.named_modules()):
+        for child_name, child in list(mod.named_children()):
+            if child is target:
+                setattr(mod, child_name, new)
+
+
+def _final_norm_name(lm: nn.Module) -> str:
+    for name in ("norm", "norm_f"):
+        if isinstance(getattr(lm, name, None), nn.Module):
+            return name
+    raise LayoutError(f"parallel.pp: {type(lm).__name__} has no final norm (norm / norm_f) to place on the last stage")
+
+
+class PipelineStageModel:
+    """Mixed into the trainer's log-prob root (`TokenLogprobModel`, passed to `split_model_for_stage`: the
+    parallel package does not import the training one) to make the FSDP root of one pipeline stage, with the
+    same parameter names: `forward(x, batch=...)` is what `PipelineStage` calls per micro-batch. Non-last
+    stages return their layers' output as a padded [L, H] buffer; the last stage returns the micro-batch's
+    loss [1] (the base class's log-probs; their -sum is kept in `logp_sums`)."""
+
+    def __init__(self, model: nn.Module, *, stage: int, num_stages: int, max_tokens: int, act_dtype: torch.dtype,
+                 hidden_size: int, tied: bool, tied_shape: tuple):
+        super().__init__(model)
+        self.stage, self.num_stages = stage, num_stages
+        self.max_tokens, self.act_dtype, self.hidden_size = max_tokens, act_dtype, hidden_size
+        self.tied, self.tied_shape = tied, tied_shape
+        self.received: Optional[torch.Tensor] = None
+        self.loss_scale = 0.0
+        self.logp_sums: list[float] = []
+
+    def full_state_dict(self) -> dict:
+        """The full model's gathered CPU state dict on every rank (for the HF export; collective): each stage's
+        entries, gathered over its data-parallel ranks, then over the pipeline group. (The one-stage
+        `full_model_state_dict` keeps the values on global rank 0 only, which holds no later stage.)"""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(self, options=StateDictOptions(full_state_dict=True))
+        sd = {k: v.detach().cpu() for k, v in sd.items()}
+        parts = [None] * self.num_stages
+        dist.all_gather_object(parts, sd, group=self.pp_group)
+        merged: dict = {}
+        for part in parts:
+            merged.update(part)
+        return merged
+
+    def optim_state_dict_for_save(self, optim_sd: dict) -> dict:
+        """DCP writes one copy of the optimizer's `param_groups` (the same key on every rank), whose `params`
+        list names the parameters of each group: on every stage it becomes the list of all stages (stage
+        order), so that a checkpoint loaded with another layout (pp=1) finds every parameter in its group.
+        Collective over the stages."""
+        groups = [list(g["params"]) for g in optim_sd["param_groups"]]
+        parts = [None] * self.num_stages
+        dist.all_gather_object(parts, groups, group=self.pp_group)
+        if any(len(p) != len(groups) for p in parts):
+            raise ValueError(f"pipeline stages have different optimizer param groups: {[len(p) for p in parts]}")
+        for i, g in enumerate(optim_sd["param_groups"]):
+            # a tied lm_head is the first stage's embedding under a second name: listed once, as in one stage
+            names = [n for s, part in enumerate(parts) for n in part[i]
+                     if not (self.tied and s > 0 and n.endswith("lm_head.weight"))]
+            g["params"] = list(dict.fromkeys(names))
+        return optim_sd
+
+    @staticmethod
+    def restore_local_param_groups(optim_sd: dict, local_groups: list) -> None:
+        """After a load: back to this stage's own parameter names (the saved lists name every stage's)."""
+        for g, names in zip(optim_sd["param_groups"], local_groups):
+            g["params"] = list(names)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def forward(self, x: Optional[torch.Tensor] = None, batch: Optional[dict] = None, **kwargs):
+        if batch is None or kwargs:  # generation / evaluation paths: not through a pipeline
+            raise RuntimeError("parallel.pp > 1 runs SFT training steps only (no evaluation or generation "
+                               "through the pipeline)")
+        if not self.is_first:
+            self.received = x
+            batch = {k: v for k, v in batch.items() if k not in _FIRST_STAGE_ONLY}
+        try:
+            if self.is_last:
+                logp = super().forward(batch)
+                self.logp_sums.append(float(-logp.detach().sum(dtype=torch.float64)))
+                return (-logp.sum(dtype=torch.float32) * self.loss_scale).reshape(1)
+            hidden = self.model(**model_inputs(batch), return_hidden=True)
+        finally:
+            self.received = None
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if flat.shape[0] > self.max_tokens:
+            raise ValueError(f"parallel.pp: a micro-batch of {flat.shape[0]} tokens exceeds data.max_tokens_per_pack "
+                             f"({self.max_tokens}), the size of the activation sent between pipeline stages")
+        if self.is_first and torch.is_grad_enabled() and self.training:
+            flat = flat + self._anchor(flat).to(flat.dtype)  # every first-stage parameter gets a gradient (FSDP)
+        out = flat.new_zeros(self.max_tokens, flat.shape[-1], dtype=self.act_dtype)
+        return torch.cat([flat.to(self.act_dtype), out[flat.shape[0]:]], dim=0)
+
+
+def split_model_for_stage(model: nn.Module, root_cls: type, *, stage: int, pp: int, max_tokens: int,
+                          act_dtype: torch.dtype) -> nn.Module:
+    """Keep in `model` only what `stage` holds (see the module docstring); returns the stage's root: a
+    `root_cls` (the trainer's log-prob module) with `PipelineStageModel` mixed in. Call after the weights are
+    loaded (and LoRA / freezing applied), before `parallelize`."""
+    lm = model.language_model
+    n = len(lm.layers)
+    lo, hi = stage_layer_range(n, pp, stage)
+    embed = model._input_embeddings()
+    hidden, dtype = embed.weight.shape[-1], embed.weight.dtype
+    tied = model.lm_head.weight is embed.weight
+    cls = type(f"PipelineStage{root_cls.__name__}", (PipelineStageModel, root_cls), {})
+    wrapper = cls(model, stage=stage, num_stages=pp, max_tokens=max_tokens, act_dtype=act_dtype,
+                  hidden_size=hidden, tied=tied, tied_shape=tuple(embed.weight.shape))
+    for i in range(n):
+        if i < lo:
+            lm.layers[i] = _StageInput(wrapper)
+        elif i >= hi:
+            lm.layers[i] = _PassThrough()
+    if stage < pp - 1:
+        setattr(lm, _final_norm_name(lm), _PassThrough())
+        if not (tied and stage == 0):  # stage 0 keeps a tied head: it is its embedding, no extra weight
+            model.lm_head = _HeadStub(dtype)
+    if stage > 0:
+        _replace_child(model, embed, _ZeroEmbedding(hidden, dtype))
+        keep = {"language_model", "lm_head"}
+        for name, _ in list(model.named_children()):
+            if name not in keep:
+                setattr(model, name, nn.Module())  # vision tower, projector: first stage only
+        model._vision_blocks = lambda: []  # no vision blocks to checkpoint / shard on this stage
+    return wrapper
+
+
+class PipelineRunner:
+    """One SFT step's forward / backward through the pipeline, and the cross-stage gradient bookkeeping."""
+
+    def __init__(self, wrapper: PipelineStageModel, mesh, device: torch.device, n_microbatches: int):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        self.wrapper = wrapper
+        self.pp_group = wrapper.pp_group = mesh["pp"].get_group()
+        self.device = device
+        stage, pp = wrapper.stage, wrapper.num_stages
+        act = torch.empty(wrapper.max_tokens, wrapper.hidden_size, dtype=wrapper.act_dtype, device="meta",
+                          requires_grad=True)  # the activation and its gradient travel between stages
+        first_in = torch.empty(1, device="meta")
+        out = torch.empty(1, dtype=torch.float32, device="meta", requires_grad=True) if wrapper.is_last else act
+        self.stage = PipelineStage(wrapper, stage, pp, device, input_args=(first_in if stage == 0 else act,),
+                                   output_args=(out,), group=self.pp_group)
+        self.schedule = Schedule1F1B(self.stage, n_microbatches, loss_fn=lambda out, target: out.sum(),  # noqa: ARG005
+                                     scale_grads=False)
+        self.n_microbatches = n_microbatches
+        self._dummy = torch.zeros(1, device=device)
+
+    def run(self, micro: list[dict], loss_scale: float) -> float:
+        """Forward and backward of the step's micro-batches; the sum of -log p over them, computed on the last
+        stage and given to every stage (each stage's step guard then takes the same decision)."""
+        if len(micro) != self.n_microbatches:
+            raise ValueError(f"pipeline: {len(micro)} micro-batches, the schedule was built for {self.n_microbatches}")
+        w = self.wrapper
+        w.loss_scale, w.logp_sums = loss_scale, []
+        self.stage.has_backward = True
+        self.stage.clear_runtime_states()
+        args = [(self._dummy,) if w.is_first else () for _ in micro]
+        self.schedule._step_microbatches(args, [{"batch": m} for m in micro], [None] * len(micro), [])
+        self._sum_tied_grad()
+        total = torch.tensor([sum(w.logp_sums)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total, group=self.pp_group)  # the other stages contribute 0
+        return float(total[0])
+
+    def _tied_param(self):
+        w = self.wrapper
+        if not w.tied:
+            return None
+        if w.is_first:
+            return w.model._input_embeddings().weight
+        if w.is_last:
+            return w.model.lm_head.weight
+        return None
+
+    def _sum_tied_grad(self) -> None:
+        """A tied embedding / lm_head: both holders get the sum of the two stages' gradients."""
+        if not self.wrapper.tied:
+            return
+        p = self._tied_param()
+        if p is None or p.grad is None:
+            local = None
+            buf = torch.zeros(_local_shape(p, self.wrapper.tied_shape), device=self.device)
+        else:
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            buf = local.float().clone()
+        dist.all_reduce(buf, group=self.pp_group)
+        if p is not None:
+            if local is None:
+                p.grad = None  # no gradient reached this holder: nothing to take the sum into
+                return
+            local.copy_(buf)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, params: list, max_norm: float) -> torch.Tensor:
+        """The global gradient norm over all stages (a tied weight counted once, on the first stage); the
+        gradients of every stage scaled by the same coefficient."""
+        tied = self._tied_param() if not self.wrapper.is_first else None
+        counted = [p for p in params if p is not tied]
+        local = clip_grad_norm_(counted, 0.0)
+        sq = (local.to(self.device, torch.float64) ** 2).reshape(1)
+        dist.all_reduce(sq, group=self.pp_group)
+        total = sq.sqrt().to(torch.float32)[0]
+        if max_norm > 0 and math.isfinite(float(total)):
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for p in params:
+                if p.grad is not None:
+                    g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                    g.mul_(coef.to(g.dtype))
+        return total
+
+
+def _local_shape(p, full_shape):
+    if p is None:
+        return full_shape
+    return tuple((p.to_local() if isinstance(p, DTensor) else p).shape)
+
+
+def stage_all_reduce(mesh):
+    """In-place SUM over the ranks of this rank's pipeline stage (its data-parallel ranks), for per-layer
+    statistics such as the MoE loads: each stage holds different layers, so a sum over all ranks would mix
+    tensors of different layers (and shapes)."""
+    sub = mesh[("dp_replicate", "dp_shard", "cp", "tp")]
+    if sub.size() == 1:
+        return lambda t: t
+    group = sub._flatten(mesh_dim_name="pp_stage_ranks").get_group()
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=group)
+        return t
+    return reduce

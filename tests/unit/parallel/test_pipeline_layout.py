@@ -1,0 +1,121 @@
+"""Pipeline stages (`parallel.pp`, megatron_vlm/parallel/pipeline.py) without a process group: the layer
+split, the size errors (exit 2, naming the key and the numbers), the keys refused with pp > 1, and each
+stage's part of a real tiny model — its parameters are a partition of the model's (a tied lm_head held by
+both end stages), and chaining the stages' forwards in one process gives the one-stage token log-probs."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_vlm.checkpoint.hf import load_hf_model
+from megatron_vlm.config import ConfigError, load_config
+from megatron_vlm.config.mode_keys import check_keys_for_mode
+from megatron_vlm.config.sections import ParallelConfig
+from megatron_vlm.parallel.mesh import LayoutError, build_mesh
+from megatron_vlm.parallel.pipeline import check_pipeline_layout, split_model_for_stage, stage_layer_range
+from megatron_vlm.plan.check import run_check
+from megatron_vlm.testing.synthesize import synthesize_model_folder
+from megatron_vlm.training.lm_loss import TokenLogprobModel
+
+CONFIGS = Path(__file__).resolve().parents[3] / "launch" / "configs"
+
+
+@pytest.mark.parametrize("layers,pp", [(2, 2), (5, 2), (7, 3), (36, 4), (3, 3)])
+def test_stage_layer_range_partitions_the_layers(layers, pp):
+    ranges = [stage_layer_range(layers, pp, s) for s in range(pp)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == layers
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    sizes = [hi - lo for lo, hi in ranges]
+    assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def _fake(layers: int, deepstack: int = 0):
+    model = SimpleNamespace(language_model=SimpleNamespace(layers=[None] * layers),
+                            args=SimpleNamespace(vision=SimpleNamespace(deepstack_visual_indexes=list(range(deepstack)))))
+    return model
+
+
+def test_size_errors_name_the_key_and_numbers():
+    with pytest.raises(LayoutError, match=r"parallel.pp \(4\) is larger than the number of decoder layers \(2\)"):
+        check_pipeline_layout(_fake(2), ParallelConfig(pp=4), 4)
+    with pytest.raises(LayoutError, match=r"parallel.pp \(2\) must divide the number of processes \(3\)"):
+        check_pipeline_layout(_fake(4), ParallelConfig(pp=2), 3)
+    with pytest.raises(LayoutError, match=r"first stage holds 1 of the 2 decoder layers.*DeepStack.*first 2"):
+        check_pipeline_layout(_fake(2, deepstack=2), ParallelConfig(pp=2), 2)
+    check_pipeline_layout(_fake(4, deepstack=2), ParallelConfig(pp=2), 2)  # fits: no error
+    with pytest.raises(LayoutError, match=r"parallel.pp \(2\) must be >= 1 and divide the number of processes \(3\)"):
+        build_mesh(ParallelConfig(pp=2), 3, "cpu")  # refused before any process group is touched
+    with pytest.raises(LayoutError, match=r"parallel.dp_shard \(2\) x parallel.tp \(1\) x parallel.pp \(2\) = 4 does not equal the number of processes \(6\)"):
+        build_mesh(ParallelConfig(pp=2, dp_shard=2), 6, "cpu")
+    for key in ("tp", "cp", "ep"):
+        with pytest.raises(ValueError, match=rf"pp: pipeline parallelism \(pp = 2\).*{key} = 2 must be 1"):
+            ParallelConfig(pp=2, **{key: 2}).validate()
+    with pytest.raises(ValueError, match=r"pp: must be >= 1, got 0"):
+        ParallelConfig(pp=0).validate()
+
+
+def test_keys_refused_with_pp():
+    grpo = load_config(CONFIGS / "demo_grpo.toml", ["parallel.pp=2"])
+    with pytest.raises(ConfigError, match=r"parallel.pp: .*train.mode = \"sft\" only"):
+        check_keys_for_mode(grpo)
+    sft = load_config(CONFIGS / "demo_sft.toml", ["parallel.pp=2"])  # synthetic data with a held-out split
+    with pytest.raises(ConfigError, match=r"parallel.pp: held-out evaluation .*synthetic_eval_size = 0"):
+        check_keys_for_mode(sft)
+    check_keys_for_mode(load_config(CONFIGS / "demo_sft.toml", ["parallel.pp=2", "data.synthetic_eval_size=0"]))
+
+
+def test_check_refuses_more_stages_than_layers(tmp_path):
+    folder = synthesize_model_folder("tiny_qwen2_5_vl", tmp_path / "m")
+    cfg = load_config(CONFIGS / "demo_sft.toml", [f'model.path="{folder}"', "parallel.pp=8",
+                                                  "data.synthetic_eval_size=0"])
+    out, err = io.StringIO(), io.StringIO()
+    code = run_check(cfg, world_size=8, device_memory_gib=80.0, out=out, err=err)
+    assert code == 2 and err.getvalue().startswith("check failed: parallel.pp:"), err.getvalue()
+    assert "larger than the number of decoder layers (2)" in err.getvalue()
+
+
+def _batch(vocab: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (1, 23), generator=g)
+    labels = torch.randint(3, vocab, (1, 23), generator=g)
+    labels[0, ::4] = -100
+    return {"input_ids": ids, "cu_seqlens": torch.tensor([0, 9, 23], dtype=torch.int32), "labels": labels}
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen2_5_vl", "tiny_nemotron_vl"])
+def test_stages_partition_the_model_and_chain_to_the_full_logprobs(tmp_path, name):
+    folder = synthesize_model_folder(name, tmp_path / name)
+    full = TokenLogprobModel(load_hf_model(folder, dtype=torch.float32, device="cpu")).train()
+    names = {n for n, _ in full.named_parameters()}
+    tied = full.model.lm_head.weight is full.model._input_embeddings().weight
+    batch = _batch(full.model.lm_head.weight.shape[0])
+    ref = full(batch)
+    stages, held = [], []
+    for s in range(2):
+        model = load_hf_model(folder, dtype=torch.float32, device="cpu")
+        stage = split_model_for_stage(model, TokenLogprobModel, stage=s, pp=2, max_tokens=32, act_dtype=torch.float32)
+        stages.append(stage.train())
+        held.append({n for n, _ in stage.named_parameters(remove_duplicate=False)})
+    assert held[0] | held[1] >= names and held[0] and held[1]
+    shared = held[0] & held[1]
+    assert shared == ({"model.lm_head.weight"} if tied else set()), shared
+    n_layers = len(full.model.language_model.layers)
+    assert not any(n.startswith(f"model.language_model.layers.{n_layers - 1}.") for n in held[0])
+    assert not any(n.startswith("model.language_model.layers.0.") for n in held[1])
+    assert all(n.startswith(("model.language_model.layers.", "model.language_model.norm", "model.lm_head."))
+               for n in held[1]), sorted(held[1])
+    for st in stages:
+        st.loss_scale, st.logp_sums = 1.0, []
+    act = stages[0](torch.zeros(1), batch=batch)
+    assert act.shape == (32, act.shape[-1]) and not act[23:].any()  # padded to max_tokens rows
+    loss = stages[1](act, batch=batch)
+    torch.testing.assert_close(loss, -ref.sum().reshape(1), rtol=1e-6, atol=1e-5)
+    # the gradient reaches the first stage through the sent activation
+    loss.backward()
+    assert act.requires_grad
+    with pytest.raises(RuntimeError, match="SFT training steps only"):
+        stages[0](batch)

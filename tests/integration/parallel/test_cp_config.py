@@ -1,6 +1,6 @@
 """Context / pipeline parallel sizes that cannot work are config errors naming the key and the numbers
 (exit 2 from the launcher and `--check`): cp not dividing the processes, packs not divisible into
-2 x cp chunks, cp with ep, pp with tp (pp composes with dp only). GRPO takes cp (same pack-length rule).
+2 x cp chunks, cp with ep, pp with tp (pp composes with dp only). GRPO takes cp (same pack-length rule)."""
 from __future__ import annotations
 
 import pytest

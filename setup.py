@@ -149,11 +149,12 @@ setup(
         "sympy",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "triton>=3.2", "math-verify", "ruff", "peft"],
+        "dev": ["pytest", "pytest-timeout", "triton>=3.2", "math-verify", "ruff", "peft", "megatron-core==0.16.1"],
         "gpu": ["flash-attn", "transformer-engine", "mamba-ssm", "causal-conv1d", "deep_ep", "liger-kernel"],
         "rollout": ["vllm"],
         "npu": ["torch_npu"],
-        "mcore": ["megatron-core"],
+        # megatron-core interop (megatron_vlm/models/mcore; tested with 0.16.1, the last line for Python 3.11)
+        "mcore": ["megatron-core>=0.16.1"],
         "wandb": ["wandb"],
     },
 )

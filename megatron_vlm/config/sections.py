@@ -180,7 +180,9 @@ class ParallelConfig:
         if self.dp_shard == 0 or self.dp_shard < -1:
             raise ValueError(f"dp_shard: must be -1 or > 0, got {self.dp_shard}")
         if self.backend == "mcore":
-            raise ValueError("backend: 'mcore' is not implemented yet; use 'native'")
+            raise ValueError("backend: 'mcore' is not implemented yet; use 'native' (what exists: the exact HF <-> "
+                             "megatron-core weight conversion of the dense decoders, megatron_vlm/models/mcore; what "
+                             "does not: building the training model from megatron-core)")
 
 
 @dataclass(kw_only=True)

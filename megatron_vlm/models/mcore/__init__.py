@@ -1,0 +1,8 @@
+"""Megatron-core interop for the language decoders: HF <-> megatron-core state dicts and the
+TransformerConfig that builds the matching megatron-core GPT model (`convert.py`, `config.py`).
+
+megatron-core is optional (`pip install -e ".[mcore]"`); nothing here imports it at module level.
+"""
+from .convert import hf_to_mcore, mcore_to_hf
+
+__all__ = ["hf_to_mcore", "mcore_to_hf"]

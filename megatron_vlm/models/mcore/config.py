@@ -1,7 +1,7 @@
 """The megatron-core `TransformerConfig` (and GPT model) matching a dense Qwen2 / Qwen3-style HF text
 config, so a converted state dict (`convert.py`) loads into megatron-core's own modules.
 
-Mapping: hidden_size, intermediate_size -> ffn_hidden_size, num_hidden_layers, num_attention_heads,
+Mapping (dense Qwen2 / Qwen3 and Qwen3-MoE): hidden_size, intermediate_size -> ffn_hidden_size, num_hidden_layers, num_attention_heads,
 num_key_value_heads -> num_query_groups, head_dim -> kv_channels, rms_norm_eps -> layernorm_epsilon,
 SwiGLU (gated_linear_unit + silu), no linear biases except q/k/v for Qwen2 (add_qkv_bias), per-head
 q/k RMSNorm for Qwen3 (qk_layernorm), rope_theta -> rotary_base, tie_word_embeddings ->
@@ -16,7 +16,7 @@ import torch
 
 __all__ = ["transformer_config_kwargs", "gpt_model_kwargs", "build_gpt_model"]
 
-_DENSE_TYPES = ("qwen2", "qwen3")
+_TYPES = ("qwen2", "qwen3", "qwen3_moe")
 
 
 def _rope_theta(cfg) -> float:
@@ -30,18 +30,30 @@ def _rope_theta(cfg) -> float:
 def transformer_config_kwargs(cfg) -> Dict[str, Any]:
     """Keyword arguments of megatron-core's TransformerConfig for the HF text config `cfg`."""
     model_type = getattr(cfg, "model_type", None)
-    if model_type not in _DENSE_TYPES:
-        raise ValueError(f"megatron-core mapping: model_type {model_type!r} is not supported (dense {_DENSE_TYPES} "
-                         "language decoders only; MoE and Mamba2 hybrids are not mapped)")
+    if model_type not in _TYPES:
+        raise ValueError(f"megatron-core mapping: model_type {model_type!r} is not supported ({_TYPES} language "
+                         "decoders only; Mamba2 hybrids are not mapped)")
     if getattr(cfg, "hidden_act", "silu") != "silu":
         raise ValueError(f"megatron-core mapping: hidden_act {cfg.hidden_act!r} (only SwiGLU / silu is mapped)")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    moe: Dict[str, Any] = {}
+    if model_type == "qwen3_moe":
+        if getattr(cfg, "decoder_sparse_step", 1) != 1 or getattr(cfg, "mlp_only_layers", None):
+            raise ValueError("megatron-core mapping: qwen3_moe with dense layers between MoE layers "
+                             "(decoder_sparse_step != 1 or mlp_only_layers) is not mapped")
+        # Qwen3-MoE routes by softmax over all experts, top-k, renormalised when norm_topk_prob: megatron-core's
+        # softmax router takes the top-k logits then the softmax over them (the same numbers), or with
+        # pre-softmax the softmax over all experts first (no renormalisation)
+        moe = dict(num_moe_experts=cfg.num_experts, moe_router_topk=cfg.num_experts_per_tok,
+                   moe_ffn_hidden_size=cfg.moe_intermediate_size, moe_router_pre_softmax=not cfg.norm_topk_prob,
+                   moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="aux_loss",
+                   moe_aux_loss_coeff=float(getattr(cfg, "router_aux_loss_coef", 0.0)))
     return dict(
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_key_value_heads, kv_channels=head_dim,
         normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=model_type == "qwen2",
-        qk_layernorm=model_type == "qwen3", hidden_dropout=0.0, attention_dropout=0.0,
+        qk_layernorm=model_type.startswith("qwen3"), hidden_dropout=0.0, attention_dropout=0.0, **moe,
     )
 
 
@@ -62,5 +74,6 @@ def build_gpt_model(cfg, *, dtype: torch.dtype = torch.float32, **config_overrid
     kwargs = transformer_config_kwargs(cfg)
     kwargs.update(params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=True, **config_overrides)
     config = TransformerConfig(**kwargs)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=kwargs["qk_layernorm"])
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=kwargs["qk_layernorm"],
+                                    num_experts=kwargs.get("num_moe_experts"), moe_grouped_gemm=False)
     return GPTModel(config, spec, **gpt_model_kwargs(cfg))

@@ -12,7 +12,10 @@ Engine layers the norms are fused into `linear_qkv.layer_norm_weight` / `linear_
 Keys: HF `model.embed_tokens.weight`, `model.layers.{i}.…`, `model.norm.weight`, `lm_head.weight`
 (absent when embeddings are tied) <-> megatron-core `embedding.word_embeddings.weight`,
 `decoder.layers.{i}.…`, `decoder.final_layernorm.weight`, `output_layer.weight`.
-MoE and Mamba2 (Nemotron-H) layers are not converted here: a key this module does not know is an error.
+Qwen3-MoE blocks (transformers' fused expert tensors `mlp.experts.gate_up_proj` [E, 2I, H] and
+`mlp.experts.down_proj` [E, H, I], router `mlp.gate.weight`) <-> megatron-core's MoE layer with local
+experts (`mlp.router.weight`, `mlp.experts.local_experts.{j}.linear_fc1 / linear_fc2.weight`).
+Mamba2 (Nemotron-H) layers are not converted here: a key this module does not know is an error.
 """
 from __future__ import annotations
 
@@ -28,8 +31,10 @@ _MCORE_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER_KEYS = frozenset(
     [f"self_attn.{n}_proj.{kind}" for n in "qkv" for kind in ("weight", "bias")]
     + ["self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-       "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+       "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+       "mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
 )
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 
 
 def _check_heads(num_heads: int, num_kv_heads: int) -> int:
@@ -96,8 +101,14 @@ def hf_to_mcore(hf: Mapping[str, torch.Tensor], *, num_attention_heads: int, num
                 elif any(t is not None for t in qkv):
                     raise KeyError(f"hf_to_mcore: layer {i} has only some of q/k/v_proj.{kind}")
             out[pre + "self_attention.linear_proj.weight"] = p.pop("self_attn.o_proj.weight")
-            out[pre + "mlp.linear_fc1.weight"] = torch.cat([p.pop("mlp.gate_proj.weight"), p.pop("mlp.up_proj.weight")])
-            out[pre + "mlp.linear_fc2.weight"] = p.pop("mlp.down_proj.weight")
+            if "mlp.experts.gate_up_proj" in p:
+                out[pre + "mlp.router.weight"] = p.pop("mlp.gate.weight")
+                for j, (fc1, fc2) in enumerate(zip(p.pop("mlp.experts.gate_up_proj"), p.pop("mlp.experts.down_proj"))):
+                    out[pre + f"mlp.experts.local_experts.{j}.linear_fc1.weight"] = fc1
+                    out[pre + f"mlp.experts.local_experts.{j}.linear_fc2.weight"] = fc2
+            else:
+                out[pre + "mlp.linear_fc1.weight"] = torch.cat([p.pop("mlp.gate_proj.weight"), p.pop("mlp.up_proj.weight")])
+                out[pre + "mlp.linear_fc2.weight"] = p.pop("mlp.down_proj.weight")
             out[pre + in_norm] = p.pop("input_layernorm.weight")
             out[pre + mlp_norm] = p.pop("post_attention_layernorm.weight")
         except KeyError as e:
@@ -123,6 +134,7 @@ def mcore_to_hf(mc: Mapping[str, torch.Tensor], *, num_attention_heads: int, num
         "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
         "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     }
+    experts: Dict[tuple, Dict[int, torch.Tensor]] = {}
     for key, value in mc.items():
         if key.endswith("._extra_state"):
             continue
@@ -135,7 +147,12 @@ def mcore_to_hf(mc: Mapping[str, torch.Tensor], *, num_attention_heads: int, num
             out[top[key]] = value
             continue
         pre, name = f"model.layers.{m.group(1)}.", m.group(2)
-        if name in simple:
+        e = _EXPERT.match(name)
+        if e:
+            experts.setdefault((pre, e.group(2)), {})[int(e.group(1))] = value
+        elif name == "mlp.router.weight":
+            out[pre + "mlp.gate.weight"] = value
+        elif name in simple:
             out[pre + simple[name]] = value
         elif name.startswith("self_attention.linear_qkv."):
             kind = name.rsplit(".", 1)[1]
@@ -146,4 +163,9 @@ def mcore_to_hf(mc: Mapping[str, torch.Tensor], *, num_attention_heads: int, num
             out[pre + "mlp.gate_proj.weight"], out[pre + "mlp.up_proj.weight"] = gate, up
         else:
             raise KeyError(f"mcore_to_hf: no HF counterpart for {key!r}")
+    for (pre, which), by_index in experts.items():
+        if sorted(by_index) != list(range(len(by_index))):
+            raise KeyError(f"mcore_to_hf: {pre} has experts {sorted(by_index)}, not 0..{len(by_index) - 1}")
+        name = "mlp.experts.gate_up_proj" if which == "linear_fc1" else "mlp.experts.down_proj"
+        out[pre + name] = torch.stack([by_index[j] for j in range(len(by_index))])
     return out

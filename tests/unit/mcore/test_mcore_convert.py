@@ -3,10 +3,11 @@ modules: a tiny random transformers Qwen2 / Qwen3 causal LM is converted and loa
 into megatron-core's GPTModel (local layer spec, built on the CPU), whose logits must equal
 transformers' in fp32, and the round trip back to HF must be bit-exact.
 
-megatron-core's local layers hard-code CUDA in three places that do not touch the math: the rotary
-cache's device (`torch.cuda.current_device()`), the default causal mask (built on "cuda"; we pass the
-mask) and the CUDA RNG tracker forked around attention dropout (dropout is 0 here). The fixture maps
-those to the CPU for the test only."""
+megatron-core's local layers hard-code CUDA in places that do not touch the math: the rotary cache's
+device (`torch.cuda.current_device()`), the default causal mask (built on "cuda"; we pass the mask), the
+CUDA RNG tracker forked around attention dropout (dropout is 0 here), and the MoE router's gating linear
+reads a Transformer Engine symbol that 0.16.1 leaves undefined without TE (set to None: its plain
+torch path). The fixture maps those to the CPU for the test only."""
 from __future__ import annotations
 
 import contextlib
@@ -24,6 +25,7 @@ from megatron_vlm.models.mcore.config import build_gpt_model, transformer_config
 def mcore_cpu(tmp_path_factory):
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.transformer.moe import moe_utils
 
     own = not dist.is_initialized()
     if own:
@@ -33,6 +35,7 @@ def mcore_cpu(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setattr(torch.cuda, "current_device", lambda: "cpu")
     mp.setattr(tensor_parallel.get_cuda_rng_tracker(), "fork", lambda *a, **k: contextlib.nullcontext())
+    mp.setattr(moe_utils, "te_general_gemm", None, raising=False)
     yield
     mp.undo()
     parallel_state.destroy_model_parallel()
@@ -48,6 +51,10 @@ def _tiny(kind: str, tie: bool):
     if kind == "qwen2":
         cfg = transformers.Qwen2Config(**common)
         model = transformers.Qwen2ForCausalLM(cfg)
+    elif kind.startswith("qwen3_moe"):  # "qwen3_moe_raw": top-k weights not renormalised
+        cfg = transformers.Qwen3MoeConfig(head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                          norm_topk_prob=kind == "qwen3_moe", **common)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
     else:
         cfg = transformers.Qwen3Config(head_dim=24, **common)  # head_dim != hidden / heads, as in Qwen3
         model = transformers.Qwen3ForCausalLM(cfg)
@@ -58,7 +65,8 @@ def _tiny(kind: str, tie: bool):
     return cfg, model.eval()
 
 
-@pytest.mark.parametrize("kind,tie", [("qwen2", False), ("qwen3", False), ("qwen2", True)])
+@pytest.mark.parametrize("kind,tie", [("qwen2", False), ("qwen3", False), ("qwen2", True), ("qwen3_moe", False),
+                                      ("qwen3_moe_raw", False)])
 def test_converted_weights_give_transformers_logits_and_round_trip_exactly(mcore_cpu, kind, tie):
     cfg, hf_model = _tiny(kind, tie)
     hf_sd = {k: v for k, v in hf_model.state_dict().items() if not (tie and k == "lm_head.weight")}
@@ -102,7 +110,7 @@ def test_qkv_rows_are_grouped_per_kv_head():
 
 
 def test_unknown_keys_and_families_are_errors():
-    with pytest.raises(KeyError, match="block_sparse_moe"):
+    with pytest.raises(KeyError, match="block_sparse_moe"):  # Mixtral-style per-expert keys
         hf_to_mcore({"model.layers.0.block_sparse_moe.gate.weight": torch.zeros(1)}, num_attention_heads=1,
                     num_key_value_heads=1)
     with pytest.raises(KeyError, match="mixer"):

@@ -61,6 +61,12 @@ def register_builtin_ops(registry) -> None:
     )
     for op, module in MAMBA_MOE_OPS:
         register(op, "torch", f"reference.{module}:{op}", auto_devices=everywhere)
+    # experimental: not yet run on a GPU (kernels/thirdparty/causal_conv1d.py says what falls back and why)
+    register(
+        "causal_conv1d", "causal_conv1d", "thirdparty.causal_conv1d:causal_conv1d",
+        check=cuda_package_check("causal_conv1d", (torch.float32, torch.float16, torch.bfloat16)),
+        auto_devices=("cuda",), priority=20,
+    )
     for op in NPU_MOE_OPS:
         register(op, "npu", f"npu.moe:{op}", check=npu_check, auto_devices=("npu",), priority=10)
     for op in TRITON_MOE_OPS:

@@ -25,7 +25,7 @@ class KernelsConfig:
     linear_token_logprobs: str = "auto"
     """Fused LM head + token log-probs / entropy (GRPO, chunked): auto | torch | triton."""
     causal_conv1d: str = "auto"
-    """Mamba2 depthwise causal conv1d (Nemotron-H): auto | torch."""
+    """Mamba2 depthwise causal conv1d (Nemotron-H): auto | torch | causal_conv1d (the causal-conv1d package on CUDA; experimental: not yet run on a GPU)."""
     ssd_chunk_scan: str = "auto"
     """Mamba2 chunked SSD scan (Nemotron-H training / prefill): auto | torch."""
     ssd_state_update: str = "auto"

@@ -1,0 +1,85 @@
+"""`causal_conv1d` on the causal-conv1d package (Dao-AILab), chosen by `auto` on CUDA when installed
+(experimental: not yet run on a GPU).
+
+Our contract (kernels/reference/causal_conv1d.py) was written in that package's layout, so most calls
+map directly onto `causal_conv1d_fn(x, weight, bias, seq_idx, initial_states, return_final_states,
+final_states_out, activation)`. Its documented constraints, and what the adapter does about them:
+
+- widths 2 to 4 only -> other widths run the reference (logged once);
+- packed sequences are given as `seq_idx` `[B, T]` int32 (the sequence index of every token) with x in
+  channel-last memory (stride 1 over channels) -> built from `cu_seqlens`, x re-strided;
+- `seq_idx` cannot be combined with `initial_states` or `return_final_states` -> packed calls that need a
+  state run the reference (logged once);
+- final states are returned only for channel-last x -> x re-strided; our final state is fp32, theirs
+  has x's dtype, so it is cast.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from ..reference import causal_conv1d as reference
+
+logger = logging.getLogger("megatron_vlm.kernels")
+_WIDTHS = (2, 3, 4)
+_logged: set = set()
+
+
+def _fallback(reason: str, *args, **kwargs):
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.info("causal_conv1d: backend causal_conv1d falls back to the torch reference: %s", reason)
+    return reference.causal_conv1d(*args, **kwargs)
+
+
+def _channel_last(x: torch.Tensor) -> torch.Tensor:
+    """[B, D, T] with stride 1 over D (the package's channel-last layout), same values."""
+    return x if x.stride(1) == 1 else x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """cu_seqlens `[n+1]` -> seq_idx `[1, total]` int32: token t belongs to sequence i when
+    cu_seqlens[i] <= t < cu_seqlens[i+1]."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
+    if ids.numel() != total:
+        raise ValueError(f"causal_conv1d: cu_seqlens cover {ids.numel()} tokens, x has {total}")
+    return ids.to(torch.int32)[None]
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    activation: Optional[str] = "silu",
+    initial_state: Optional[torch.Tensor] = None,
+    return_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+):
+    """Public-signature causal_conv1d on the causal-conv1d package (contract: the reference)."""
+    args = (x, weight, bias)
+    kwargs = dict(activation=activation, initial_state=initial_state, return_final_state=return_final_state,
+                  cu_seqlens=cu_seqlens)
+    if weight.dim() != 2 or weight.shape[1] not in _WIDTHS:
+        return _fallback(f"width {tuple(weight.shape)[1:]} (the package supports {_WIDTHS})", *args, **kwargs)
+    if cu_seqlens is not None and (initial_state is not None or return_final_state):
+        return _fallback("packed sequences with a conv state (the package's seq_idx excludes states)", *args, **kwargs)
+    from causal_conv1d import causal_conv1d_fn
+
+    reference._check_inputs(x, weight, bias, activation)
+    if cu_seqlens is not None:
+        if x.shape[0] != 1:
+            raise ValueError(f"causal_conv1d: packed input (cu_seqlens) needs batch 1, got batch {x.shape[0]}")
+        seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, x.shape[-1])
+        return causal_conv1d_fn(_channel_last(x), weight, bias, seq_idx=seq_idx, activation=activation)
+    if not return_final_state:
+        state = None if initial_state is None else _channel_last(initial_state.to(x.dtype))
+        xin = x if state is None else _channel_last(x)
+        return causal_conv1d_fn(xin, weight, bias, initial_states=state, activation=activation)
+    state = None if initial_state is None else _channel_last(initial_state.to(x.dtype))
+    out, final = causal_conv1d_fn(_channel_last(x), weight, bias, initial_states=state, return_final_states=True,
+                                  activation=activation)
+    return out, final.float()

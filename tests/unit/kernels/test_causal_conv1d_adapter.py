@@ -1,0 +1,140 @@
+"""The causal-conv1d adapter (`kernels/thirdparty/causal_conv1d.py`).
+
+On the CPU (always): the adapter runs against a stand-in `causal_conv1d` module written here from the
+package's documented interface — `causal_conv1d_fn(x [B, D, T], weight [D, W], bias, seq_idx [B, T] int32,
+initial_states [B, D, W-1], return_final_states, final_states_out, activation)`, widths 2-4, `seq_idx`
+only without states, final states only for channel-last x — computed token by token, and must give
+our reference's numbers (fallbacks included, and logged). On a GPU with the package installed
+(`gpu` marker): the real package against the reference.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+import torch
+
+from megatron_vlm.kernels.reference.causal_conv1d import causal_conv1d as reference
+from megatron_vlm.kernels.thirdparty import causal_conv1d as adapter
+
+
+def _fake_package():
+    mod = types.ModuleType("causal_conv1d")
+    calls = []
+
+    def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
+                         final_states_out=None, activation=None):
+        assert activation in (None, "silu", "swish")
+        dim, width = weight.shape
+        assert width in (2, 3, 4), "the package supports widths 2-4"
+        if seq_idx is not None:
+            assert seq_idx.dtype == torch.int32 and seq_idx.shape == (x.shape[0], x.shape[2])
+            assert initial_states is None and not return_final_states, "seq_idx excludes states"
+            assert x.stride(1) == 1, "seq_idx needs channel-last x"
+        if return_final_states:
+            assert x.stride(1) == 1, "final states only for channel-last x"
+        calls.append((seq_idx is not None, initial_states is not None, return_final_states))
+        batch, _, total = x.shape
+        out = torch.zeros_like(x, dtype=torch.float64)
+        for b in range(batch):
+            for t in range(total):
+                acc = torch.zeros(dim, dtype=torch.float64) if bias is None else bias.double().clone()
+                for w in range(width):
+                    src = t - (width - 1) + w
+                    if seq_idx is not None and src >= 0 and seq_idx[b, src] != seq_idx[b, t]:
+                        continue
+                    if src >= 0:
+                        acc += weight[:, w].double() * x[b, :, src].double()
+                    elif initial_states is not None:
+                        acc += weight[:, w].double() * initial_states[b, :, width - 1 + src].double()
+                out[b, :, t] = acc
+        if activation is not None:
+            out = torch.nn.functional.silu(out)
+        out = out.to(x.dtype)
+        if not return_final_states:
+            return out
+        init = initial_states if initial_states is not None else x.new_zeros(batch, dim, width - 1)
+        final = torch.cat([init, x], dim=-1)[..., -(width - 1):].to(x.dtype)
+        return out, final
+
+    mod.causal_conv1d_fn = causal_conv1d_fn
+    return mod, calls
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    mod, calls = _fake_package()
+    monkeypatch.setitem(sys.modules, "causal_conv1d", mod)
+    adapter._logged.clear()
+    return calls
+
+
+def _inputs(batch, dim, total, width, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, dim, total, generator=g, dtype=torch.float64)
+    return x, torch.randn(dim, width, generator=g, dtype=torch.float64), torch.randn(dim, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_plain_and_stateful_calls_match_the_reference(fake, activation):
+    x, w, b = _inputs(2, 5, 7, 4)
+    torch.testing.assert_close(adapter.causal_conv1d(x, w, b, activation=activation),
+                               reference(x, w, b, activation=activation))
+    state = torch.randn(2, 5, 3, dtype=torch.float64)
+    ours = adapter.causal_conv1d(x, w, b, activation=activation, initial_state=state, return_final_state=True)
+    ref = reference(x, w, b, activation=activation, initial_state=state, return_final_state=True)
+    torch.testing.assert_close(ours[0], ref[0])
+    torch.testing.assert_close(ours[1], ref[1].float())
+    assert ours[1].dtype == torch.float32
+    assert fake == [(False, False, False), (False, True, True)]
+
+
+def test_packed_sequences_use_seq_idx(fake):
+    x, w, b = _inputs(1, 3, 9, 3)
+    cu = torch.tensor([0, 2, 6, 9])
+    torch.testing.assert_close(adapter.causal_conv1d(x, w, b, cu_seqlens=cu), reference(x, w, b, cu_seqlens=cu))
+    assert fake == [(True, False, False)]
+    assert adapter.seq_idx_from_cu_seqlens(cu, 9).tolist() == [[0, 0, 1, 1, 1, 1, 2, 2, 2]]
+
+
+def test_unsupported_calls_fall_back_to_the_reference_and_say_why(fake, caplog):
+    x, w, b = _inputs(1, 3, 9, 3)
+    cu = torch.tensor([0, 4, 9])
+    state = torch.randn(2, 3, 2, dtype=torch.float64)
+    with caplog.at_level(logging.INFO, logger="megatron_vlm.kernels"):
+        ours = adapter.causal_conv1d(x, w, b, cu_seqlens=cu, initial_state=state, return_final_state=True)
+        x5, w5, b5 = _inputs(1, 3, 6, 5)
+        wide = adapter.causal_conv1d(x5, w5, b5)
+    ref = reference(x, w, b, cu_seqlens=cu, initial_state=state, return_final_state=True)
+    torch.testing.assert_close(ours[0], ref[0])
+    torch.testing.assert_close(wide, reference(x5, w5, b5))
+    assert fake == []  # neither call reached the package
+    assert "seq_idx excludes states" in caplog.text and "width (5,)" in caplog.text
+
+
+def test_auto_picks_it_on_cuda_only_and_says_why_not_elsewhere(fake):
+    from megatron_vlm.kernels.registry import DEFAULT_REGISTRY
+
+    DEFAULT_REGISTRY.clear_cache()
+    try:
+        assert DEFAULT_REGISTRY.choose("causal_conv1d", "cuda", torch.bfloat16) == "causal_conv1d"
+        assert DEFAULT_REGISTRY.choose("causal_conv1d", "cpu", torch.float32) == "torch"
+        why = DEFAULT_REGISTRY.availability("causal_conv1d", torch.zeros(1))["causal_conv1d"]
+        assert why and "cuda" in why
+    finally:
+        DEFAULT_REGISTRY.clear_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_real_package_matches_the_reference(dtype):
+    pytest.importorskip("causal_conv1d")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    x, w, b = (t.to("cuda", dtype) for t in _inputs(2, 64, 300, 4))
+    cu = torch.tensor([0, 100, 300], device="cuda")
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(adapter.causal_conv1d(x, w, b), reference(x, w, b), **tol)
+    torch.testing.assert_close(adapter.causal_conv1d(x[:1], w, b, cu_seqlens=cu), reference(x[:1], w, b, cu_seqlens=cu), **tol)

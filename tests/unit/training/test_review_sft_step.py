@@ -83,7 +83,7 @@ def _run(tmp_path: Path, model: nn.Module, packs, micro: int, steps: int, lr_lam
     ctx = NS(cfg=cfg, env=NS(device=torch.device("cpu"), world_size=1, rank=0, is_main=True), run_dir=tmp_path,
              stop=NeverStop(), device=torch.device("cpu"), to_device=lambda b: b)
     bundle = NS(model=model, wrapper=model, dims=NS(dp_size=1), trainable_params=list(model.parameters()),
-                moe_balancer=None)
+                moe_balancer=None, pipeline=None)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     optim = OptimState(opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda))
     if pre_hook is not None:

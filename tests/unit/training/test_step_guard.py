@@ -48,7 +48,7 @@ def _sft(tmp_path, model, packs, steps, max_consecutive, checkpointer=None):
                       max_consecutive_skipped_steps=max_consecutive))
     ctx = NS(cfg=cfg, env=NS(device=torch.device("cpu"), world_size=1, rank=0, is_main=True), run_dir=tmp_path,
              stop=NeverStop(), device=torch.device("cpu"), to_device=lambda b: b)
-    bundle = NS(model=model, wrapper=model, dims=NS(dp_size=1), trainable_params=list(model.parameters()), moe_balancer=None)
+    bundle = NS(model=model, wrapper=model, dims=NS(dp_size=1), trainable_params=list(model.parameters()), moe_balancer=None, pipeline=None)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     updates = []
     opt.register_step_pre_hook(lambda o, a, k: updates.append(1))

@@ -67,6 +67,13 @@ def register_builtin_ops(registry) -> None:
         check=cuda_package_check("causal_conv1d", (torch.float32, torch.float16, torch.bfloat16)),
         auto_devices=("cuda",), priority=20,
     )
+    # experimental: not yet run on a GPU (kernels/thirdparty/mamba_ssm.py says what falls back and why)
+    for op in ("ssd_chunk_scan", "ssd_state_update"):
+        register(
+            op, "mamba_ssm", f"thirdparty.mamba_ssm:{op}",
+            check=cuda_package_check("mamba_ssm", (torch.float32, torch.float16, torch.bfloat16)),
+            auto_devices=("cuda",), priority=20,
+        )
     for op in NPU_MOE_OPS:
         register(op, "npu", f"npu.moe:{op}", check=npu_check, auto_devices=("npu",), priority=10)
     for op in TRITON_MOE_OPS:

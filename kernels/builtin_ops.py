@@ -96,3 +96,12 @@ def register_builtin_ops(registry) -> None:
                      auto_devices=("cpu", "cuda"), priority=5)
     register_backend("moe_topk_gating", "csrc", "megatron_vlm._ext:moe_topk_gating", registry=registry,
                      check=csrc_check, auto_devices=("cuda",), priority=5)
+    # experimental: not yet run on a GPU. Transformer Engine's fused norms and DotProductAttention
+    # (kernels/thirdparty/transformer_engine.py says what falls back and why); attention one below
+    # flash-attn so that `auto` keeps flash-attn until bench_transformer_engine.py says otherwise
+    half = (torch.float16, torch.bfloat16)
+    for op in ("rms_norm", "layer_norm"):
+        register(op, "transformer_engine", f"thirdparty.transformer_engine:{op}",
+                 check=cuda_package_check("transformer_engine", (torch.float32, *half)), auto_devices=("cuda",), priority=20)
+    register("attention", "transformer_engine", "thirdparty.transformer_engine:attention",
+             check=cuda_package_check("transformer_engine", half), auto_devices=("cuda",), priority=19)

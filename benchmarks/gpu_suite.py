@@ -38,6 +38,7 @@ from targets import evaluate_all  # noqa: E402
 
 KERNEL_BENCHES = ["bench_attention", "bench_rms_norm", "bench_rotary", "bench_swiglu", "bench_linear_token_logprobs", "bench_liger",
                   "bench_moe"]
+KERNEL_BENCHES += ["bench_mamba_ssm", "bench_transformer_engine"]  # third-party backends' rows (decide `auto` priorities)
 
 
 @dataclass

@@ -310,3 +310,32 @@ def test_forced_without_the_package_names_the_reason():
     with K.use_backends({"rms_norm": "transformer_engine"}):
         with pytest.raises(K.BackendUnavailableError, match=r"'rms_norm'.*'transformer_engine'.*transformer_engine is not installed"):
             K.rms_norm(x, torch.ones(8), 1e-6)
+
+
+def test_a_job_with_a_forced_backend_that_cannot_run_exits_2(tmp_path, monkeypatch, capsys):
+    """`[kernels] rms_norm = "transformer_engine"` on a machine without it: the job stops with exit 2 and the
+    registry's reason on stderr (the runner's config-error path), not a traceback."""
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("transformer_engine is installed here")
+    from megatron_vlm import runner
+    from megatron_vlm.config import load_config
+
+    repo = __import__("pathlib").Path(__file__).resolve().parents[3]
+    cfg = load_config(repo / "launch" / "configs" / "demo_sft.toml",
+                      [f'train.output_dir="{tmp_path}"', 'kernels.rms_norm="transformer_engine"'])
+
+    def run_kind(ctx, before_step=None):  # what the job's first forward does: configure, then call the op
+        previous = K.configure(ctx.cfg.kernels)
+        try:
+            K.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6)
+        finally:
+            DEFAULT_REGISTRY.restore(previous)
+        return 0
+
+    monkeypatch.setattr(runner, "run_kind", run_kind)
+    monkeypatch.setattr(runner, "_prepare_model_folder", lambda cfg, env: None)
+    DEFAULT_REGISTRY.clear_cache()
+    assert runner.run_job(cfg) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: kernels: op 'rms_norm' is configured to backend 'transformer_engine'"), err
+    assert "transformer_engine is not installed" in err

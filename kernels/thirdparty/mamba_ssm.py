@@ -30,6 +30,7 @@ from ..reference import ssd as reference
 from .causal_conv1d import seq_idx_from_cu_seqlens
 
 logger = logging.getLogger("megatron_vlm.kernels")
+logger.info("kernels: mamba-ssm backend loaded (experimental: not yet run on a GPU)")  # imported when first chosen
 _logged: set = set()
 _NO_LIMIT = (0.0, math.inf)
 

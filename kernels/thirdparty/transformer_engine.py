@@ -45,7 +45,7 @@ from ..reference import norms as reference_norms
 from ..reference.attention import check_attention_inputs, normalize_window
 
 logger = logging.getLogger("megatron_vlm.kernels")
-logger.info("kernels: Transformer Engine backend loaded (experimental: not yet run on a GPU)")
+logger.info("kernels: Transformer Engine backend loaded (experimental: not yet run on a GPU)")  # imported when first chosen
 _logged: set = set()
 _MIN_VERSION = (2, 1)
 _MAX_HEAD_DIM = 256

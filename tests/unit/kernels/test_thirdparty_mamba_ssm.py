@@ -222,3 +222,18 @@ def test_real_package_matches_the_reference(dtype):
         y_ref, fin_ref = reference.ssd_chunk_scan(*args, chunk_size=64, cu_seqlens=cu, return_final_states=True, **extra)
     torch.testing.assert_close(y.float(), y_ref.float(), **tol)
     torch.testing.assert_close(fin, fin_ref, **tol)
+
+
+def test_forced_without_the_package_names_the_reason():
+    import importlib.util
+
+    from megatron_vlm import kernels as K
+    from megatron_vlm.kernels.registry import DEFAULT_REGISTRY
+
+    if importlib.util.find_spec("mamba_ssm") is not None:
+        pytest.skip("mamba_ssm is installed here")
+    DEFAULT_REGISTRY.clear_cache()
+    (x, dt, A, B, C), _ = _scan_inputs(batch=1, total=4)
+    with K.use_backends({"ssd_chunk_scan": "mamba_ssm"}):
+        with pytest.raises(K.BackendUnavailableError, match=r"'ssd_chunk_scan'.*'mamba_ssm'.*mamba_ssm is not installed"):
+            K.ssd_chunk_scan(x, dt, A, B, C, chunk_size=4)

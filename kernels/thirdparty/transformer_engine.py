@@ -30,9 +30,12 @@ output `[T, H * D]` is viewed back to q's shape. Documented constraints, and wha
   head dims run torch SDPA (our `sdpa` backend, same contract; logged once);
 - windows must be (-1, -1) or (>= 0, >= 0) without causal -> a window bounded on one side only runs SDPA;
 - a batched call with `key_padding_mask` runs SDPA (TE would need its own padding-mask convention);
-- a query that sees no key outputs zeros in our contract; TE's behaviour there is not documented -> packed
-  calls whose query sequences are longer than their key sequences run SDPA (checked once per call, one
-  device sync, only when `cu_seqlens_k` differs from `cu_seqlens_q`).
+- a query that sees no key outputs zeros in our contract; TE's behaviour there is not documented -> calls
+  whose query sequences are longer than their key sequences run SDPA (packed: checked once per call, one
+  device sync, only when `cu_seqlens_k` differs from `cu_seqlens_q`);
+- TE aligns windows with the causal mask's corner (bottom-right for the "bottom_right" types); for
+  non-causal windows the corner depends on the TE version -> a non-causal window with query and key
+  lengths that differ runs SDPA.
 """
 from __future__ import annotations
 
@@ -179,10 +182,18 @@ def _attention_reason(q, k, causal, left, right, cu_seqlens_q, cu_seqlens_k, key
         return "key_padding_mask on the batched layout"
     if not causal and (left < 0) != (right < 0):
         return f"window ({left}, {right}) bounded on one side only (TE takes (-1, -1) or (>= 0, >= 0))"
-    if q.dim() == 3 and cu_seqlens_k is not cu_seqlens_q:
+    windowed = not causal and (left >= 0 or right >= 0)
+    if q.dim() == 4:
+        if q.shape[1] > k.shape[1]:
+            return "a query sequence longer than its key sequence (queries without keys)"
+        if windowed and q.shape[1] != k.shape[1]:
+            return "a non-causal window with query and key lengths that differ (alignment not documented)"
+    elif cu_seqlens_k is not cu_seqlens_q:
         lq, lk = cu_seqlens_q.diff(), cu_seqlens_k.diff()
         if bool((lq > lk).any()):
             return "a query sequence longer than its key sequence (queries without keys)"
+        if windowed and not torch.equal(lq, lk):
+            return "a non-causal window with query and key lengths that differ (alignment not documented)"
     return None
 
 

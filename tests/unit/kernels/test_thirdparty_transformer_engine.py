@@ -277,18 +277,22 @@ def test_attention_fallbacks_run_sdpa_and_say_why(fake, caplog):
     mask = torch.ones(1, 8, dtype=torch.bool)
     mask[0, :2] = False
     qx, kx, vx, cu_q, cu_k = _packed([4, 2], [3, 2])
+    qw, kw_, vw, cu_wq, cu_wk = _packed([3, 2], [4, 2])
     with caplog.at_level(logging.INFO, logger="megatron_vlm.kernels"):
         cases = [
             (dict(q=q, k=k, v=v, causal=True, cu_seqlens_q=cu)),
             (dict(q=qb, k=kb, v=vb, causal=False, key_padding_mask=mask)),
             (dict(q=q8, k=k8, v=v8, causal=False, cu_seqlens_q=cu8, window=(2, -1))),
             (dict(q=qx, k=kx, v=vx, causal=False, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)),
+            (dict(q=qw, k=kw_, v=vw, causal=False, cu_seqlens_q=cu_wq, cu_seqlens_k=cu_wk, window=(1, 1))),
+            (dict(q=qb, k=kb[:, :5], v=vb[:, :5], causal=True)),
         ]
         for kw in cases:
             args = (kw.pop("q"), kw.pop("k"), kw.pop("v"))
             torch.testing.assert_close(adapter.attention(*args, **kw), ref_attention(*args, **kw), atol=1e-10, rtol=1e-10)
     assert fake == []
-    for reason in ("head dim 12", "key_padding_mask", "window (2, -1)", "longer than its key sequence"):
+    for reason in ("head dim 12", "key_padding_mask", "window (2, -1)", "longer than its key sequence",
+                   "non-causal window with query and key lengths that differ"):
         assert reason in caplog.text, reason
     assert "falls back to torch SDPA" in caplog.text
 

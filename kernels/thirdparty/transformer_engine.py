@@ -19,7 +19,7 @@ gradients reach the caller's weight and bias. Documented constraints, and what t
 
 Attention: `DotProductAttention(num_attention_heads, kv_channels, num_gqa_groups, attention_dropout=0,
 qkv_format, softmax_scale)` (one module per heads / head dim / scale / layout, cached: the scale is a
-constructor argument), called with packed `[T, H, D]` as `qkv_format="thd"` + `cu_seqlens_q` /
+constructor argument; `attention_type="cross"` where query and key lengths may differ), called with packed `[T, H, D]` as `qkv_format="thd"` + `cu_seqlens_q` /
 `cu_seqlens_kv` / `max_seqlen_q` / `max_seqlen_kv`, batched `[B, S, H, D]` as `"bshd"`; causal is
 `"padding_causal_bottom_right"` / `"causal_bottom_right"` (our bottom-right alignment), non-causal
 `"padding"` / `"no_mask"`; `window_size=(left, right)` with -1 unbounded; GQA by `num_gqa_groups`. TE's
@@ -162,14 +162,14 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[t
     return _LayerNorm.apply(_rows(x), w, b, float(eps)).view(x.shape)
 
 
-def _module(heads: int, kv_heads: int, head_dim: int, scale: float, qkv_format: str, device: torch.device):
-    key = (heads, kv_heads, head_dim, scale, qkv_format, str(device))
+def _module(heads: int, kv_heads: int, head_dim: int, scale: float, qkv_format: str, cross: bool, device: torch.device):
+    key = (heads, kv_heads, head_dim, scale, qkv_format, cross, str(device))
     if key not in _modules:
         from transformer_engine.pytorch import DotProductAttention
 
         _modules[key] = DotProductAttention(
             heads, head_dim, num_gqa_groups=kv_heads, attention_dropout=0.0, qkv_format=qkv_format,
-            softmax_scale=scale,
+            attention_type="cross" if cross else "self", softmax_scale=scale,
         )
     return _modules[key]
 
@@ -226,7 +226,7 @@ def attention(
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     window_size = (left, right)
     if q.dim() == 4:
-        module = _module(q.shape[2], k.shape[2], q.shape[3], scale, "bshd", q.device)
+        module = _module(q.shape[2], k.shape[2], q.shape[3], scale, "bshd", q.shape[1] != k.shape[1], q.device)
         out = module(q, k, v, qkv_format="bshd", attn_mask_type="causal_bottom_right" if causal else "no_mask",
                      window_size=window_size)
         return out.reshape(q.shape)
@@ -234,7 +234,7 @@ def attention(
         max_seqlen_q = int(cu_q.diff().max().item())
     if max_seqlen_k is None:
         max_seqlen_k = max_seqlen_q if cu_k is cu_q else int(cu_k.diff().max().item())
-    module = _module(q.shape[1], k.shape[1], q.shape[2], scale, "thd", q.device)
+    module = _module(q.shape[1], k.shape[1], q.shape[2], scale, "thd", cu_k is not cu_q, q.device)
     out = module(
         q, k, v, qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, max_seqlen_q=int(max_seqlen_q),
         max_seqlen_kv=int(max_seqlen_k), attn_mask_type="padding_causal_bottom_right" if causal else "padding",

@@ -123,15 +123,20 @@ def _fake_te(calls, version="2.9.0"):
 
     class DotProductAttention:
         def __init__(self, num_attention_heads, kv_channels, num_gqa_groups=None, attention_dropout=0.0,
-                     qkv_format="sbhd", attn_mask_type="causal", window_size=None, softmax_scale=None):
+                     qkv_format="sbhd", attn_mask_type="causal", window_size=None, attention_type="self",
+                     softmax_scale=None):
             assert attention_dropout == 0.0 and num_attention_heads % num_gqa_groups == 0
+            assert attention_type in ("self", "cross")
+            self.cross = attention_type == "cross"
             self.heads, self.head_dim, self.groups, self.qkv_format = num_attention_heads, kv_channels, num_gqa_groups, qkv_format
             self.scale = kv_channels ** -0.5 if softmax_scale is None else softmax_scale
-            calls.append(("init", num_attention_heads, num_gqa_groups, qkv_format))
+            calls.append(("init", num_attention_heads, num_gqa_groups, qkv_format, attention_type))
 
         def __call__(self, query_layer, key_layer, value_layer, attention_mask=None, qkv_format=None, cu_seqlens_q=None,
                      cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None, attn_mask_type=None, window_size=None):
             q, k, v = query_layer, key_layer, value_layer
+            if not self.cross:  # self-attention: one set of lengths
+                assert q.shape[:-2] == k.shape[:-2] and (cu_seqlens_q is None or torch.equal(cu_seqlens_q, cu_seqlens_kv))
             assert attention_mask is None and q.shape[-2] == self.heads and k.shape[-2] == self.groups
             assert q.shape[-1] == self.head_dim
             window = tuple(window_size) if window_size is not None else None
@@ -248,7 +253,7 @@ def test_packed_thd_translation_matches_the_reference(fake, causal, window):
     got = adapter.attention(q, k, v, causal=causal, cu_seqlens_q=cu, window=window, softmax_scale=0.3)
     want = ref_attention(q, k, v, causal=causal, cu_seqlens_q=cu, window=window, softmax_scale=0.3)
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
-    assert fake[0] == ("init", 4, 2, "thd")
+    assert fake[0] == ("init", 4, 2, "thd", "self")
     assert fake[-1][:2] == ("thd", "padding_causal_bottom_right" if causal else "padding")
 
 
@@ -258,6 +263,7 @@ def test_packed_queries_behind_a_longer_key_sequence_are_bottom_right_aligned(fa
     got = adapter.attention(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     want = ref_attention(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    assert fake[0] == ("init", 4, 2, "thd", "cross")
 
 
 def test_batched_bshd_decoding_shape_matches_the_reference(fake):
@@ -268,6 +274,7 @@ def test_batched_bshd_decoding_shape_matches_the_reference(fake):
         got = adapter.attention(q, k, v, causal=causal)
         torch.testing.assert_close(got, ref_attention(q, k, v, causal=causal), atol=1e-10, rtol=1e-10)
     assert [c[:2] for c in fake if c[0] == "bshd"] == [("bshd", "causal_bottom_right"), ("bshd", "no_mask")]
+    assert fake[0] == ("init", 4, 1, "bshd", "cross")
 
 
 def test_attention_fallbacks_run_sdpa_and_say_why(fake, caplog):

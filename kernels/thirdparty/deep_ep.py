@@ -45,6 +45,12 @@ def _log_once(reason: str) -> None:
         logger.info("moe_ep_dispatch: backend deep_ep falls back to the torch all-to-all: %s", reason)
 
 
+def _log_start() -> None:
+    if "start" not in _logged:
+        _logged.add("start")
+        logger.info("moe_ep_dispatch: DeepEP dispatch / combine (experimental: not yet run on a GPU)")
+
+
 def dispatch_layout(topk_ids: torch.Tensor, num_experts: int, ep: int):
     """What DeepEP's `get_dispatch_layout` computes, in torch (for checks and the docs): topk_ids
     `[N, k]` (-1 = none) -> (tokens per rank `[ep]` int32, tokens per expert `[E]` int32,
@@ -134,6 +140,7 @@ def ep_forward(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     if ep not in _TUNED_SIZES:
         _log_once(f"expert-parallel size {ep} (DeepEP has tuned configs for {_TUNED_SIZES})")
         return all_to_all_forward(experts, x, topk_ids, topk_weights)
+    _log_start()
     buffer = _buffer(experts.ep_group, x.shape[1] * x.element_size())
     topk_idx = topk_ids.to(torch.int64)
     per_rank, _rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, experts.num_experts)

@@ -48,6 +48,10 @@ def _fallback_reason(op: str, reason: str) -> None:
 def _functional():
     from liger_kernel.transformers import functional
 
+    if "start" not in _logged:
+        _logged.add("start")
+        logger.info("kernels: Liger-Kernel backend in use (experimental: not yet run on a GPU)")
+
     return functional
 
 

@@ -239,3 +239,31 @@ def test_auto_picks_deep_ep_for_bf16_on_cuda_and_forcing_it_elsewhere_is_refused
         assert DEFAULT_REGISTRY.choose("moe_ep_dispatch", "cpu", torch.bfloat16) == "torch"
     finally:
         DEFAULT_REGISTRY.clear_cache()
+
+
+def test_a_forced_backend_that_cannot_run_exits_2_with_the_reason(monkeypatch, tmp_path, capsys):
+    import megatron_vlm.kernels as K
+    from megatron_vlm import runner
+
+    def first_forward(ctx, before_step=None):
+        with K.use_backends({"moe_ep_dispatch": "deep_ep"}):
+            K.DEFAULT_REGISTRY.resolve("moe_ep_dispatch", torch.zeros(1, dtype=torch.bfloat16))
+        return 0
+
+    monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
+    K.DEFAULT_REGISTRY.clear_cache()
+    monkeypatch.setattr(runner, "setup_roles", lambda cfg: None)
+    monkeypatch.setattr(runner, "init_distributed", lambda: types.SimpleNamespace(is_main=True))
+    monkeypatch.setattr(runner, "save_config", lambda cfg, path: None)
+    monkeypatch.setattr(runner, "_prepare_model_folder", lambda cfg, env: None)
+    monkeypatch.setattr(runner, "run_kind", first_forward)
+    monkeypatch.setattr(runner, "destroy_distributed", lambda: None)
+    monkeypatch.setattr(runner.RunContext, "__init__", lambda self, **kw: None)
+    monkeypatch.setattr(runner.RunContext, "stop", types.SimpleNamespace(install=lambda: None), raising=False)
+    cfg = types.SimpleNamespace(train=types.SimpleNamespace(output_dir=str(tmp_path), mode="sft"))
+    try:
+        assert runner.run_job(cfg) == 2
+    finally:
+        K.DEFAULT_REGISTRY.clear_cache()
+    err = capsys.readouterr().err
+    assert "config error" in err and "'deep_ep', which cannot run" in err

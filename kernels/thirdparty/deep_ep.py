@@ -22,7 +22,8 @@ combine's backward is `dispatch(grad, handle=handle)`, as megatron-core wraps th
 Documented constraints and what happens: x must be bf16 (DeepEP's normal-mode dispatch / combine),
 other dtypes -> the `torch` all-to-all (logged once); the EP size must be one of DeepEP's tuned
 configs (`Buffer.get_dispatch_config`: 2, 4, 8, 16, ...) -> otherwise the `torch` path (logged);
-intranode needs NVLink between the ranks (DeepEP asserts). One `Buffer` per process group, sized by
+intranode needs NVLink between the ranks (DeepEP asserts); torch's deterministic algorithms together with
+`fill_uninitialized_memory` are refused by DeepEP -> the `torch` path (logged). One `Buffer` per process group, sized by
 DeepEP's own `get_nvl_buffer_size_hint` for the largest hidden size seen, kept for the run.
 """
 from __future__ import annotations
@@ -90,9 +91,8 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_x, grad_w, _grad_idx, _grad_handle):
-        if grad_w is None:
-            grad_w = torch.zeros(0)
-        gx, gw, _ = ctx.buffer.combine(grad_x.contiguous(), ctx.handle, topk_weights=grad_w.float().contiguous())
+        weights = None if grad_w is None else grad_w.float().contiguous()
+        gx, gw, _ = ctx.buffer.combine(grad_x.contiguous(), ctx.handle, topk_weights=weights)
         return gx, gw, None, None, None, None, None
 
 
@@ -139,6 +139,9 @@ def ep_forward(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
         return all_to_all_forward(experts, x, topk_ids, topk_weights)
     if ep not in _TUNED_SIZES:
         _log_once(f"expert-parallel size {ep} (DeepEP has tuned configs for {_TUNED_SIZES})")
+        return all_to_all_forward(experts, x, topk_ids, topk_weights)
+    if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
+        _log_once("torch deterministic algorithms with fill_uninitialized_memory (DeepEP asserts they are not both on)")
         return all_to_all_forward(experts, x, topk_ids, topk_weights)
     _log_start()
     buffer = _buffer(experts.ep_group, x.shape[1] * x.element_size())

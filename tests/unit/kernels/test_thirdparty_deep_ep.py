@@ -216,8 +216,12 @@ def test_unsupported_cases_use_the_torch_all_to_all_and_say_why(monkeypatch, cap
         assert adapter.ep_forward(m, x, None, None) == "torch path"
         m3 = types.SimpleNamespace(ep_size=3)
         assert adapter.ep_forward(m3, x.bfloat16(), None, None) == "torch path"
-    assert called == [2, 3]
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+        monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+        assert adapter.ep_forward(m, x.bfloat16(), None, None) == "torch path"
+    assert called == [2, 3, 2]
     assert "torch.float32 activations" in caplog.text and "expert-parallel size 3" in caplog.text
+    assert "fill_uninitialized_memory" in caplog.text
 
 
 def test_auto_picks_deep_ep_for_bf16_on_cuda_and_forcing_it_elsewhere_is_refused(monkeypatch):

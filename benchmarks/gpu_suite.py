@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from targets import evaluate_all  # noqa: E402
 
-KERNEL_BENCHES = ["bench_attention", "bench_rms_norm", "bench_rotary", "bench_swiglu", "bench_linear_token_logprobs",
+KERNEL_BENCHES = ["bench_attention", "bench_rms_norm", "bench_rotary", "bench_swiglu", "bench_linear_token_logprobs", "bench_liger",
                   "bench_moe"]
 
 

@@ -57,3 +57,14 @@ def cuda_package_check(package: str, dtypes: Tuple[torch.dtype, ...] = ()) -> Ch
         return None
 
     return check
+
+
+def triton_package_check(package: str) -> Check:
+    """For a third-party package of Triton kernels (liger_kernel ...): installed, and triton can run here."""
+
+    def check(device_type: str, dtype: torch.dtype) -> Optional[str]:
+        if not _module_installed(package):
+            return f"{package} is not installed"
+        return triton_check(device_type, dtype)
+
+    return check

@@ -40,7 +40,7 @@ TRITON_MOE_OPS = ("grouped_mm", "moe_unpermute")  # kernels/triton/moe.py; moe_p
 
 def register_builtin_ops(registry) -> None:
     """Register every built-in op's backends in `registry` (a KernelRegistry)."""
-    from .availability import cuda_package_check, npu_check, triton_check
+    from .availability import cuda_package_check, npu_check, triton_check, triton_package_check
     from .registry import register_backend
 
     def register(op, name, target, **kwargs):
@@ -67,6 +67,17 @@ def register_builtin_ops(registry) -> None:
         check=cuda_package_check("causal_conv1d", (torch.float32, torch.float16, torch.bfloat16)),
         auto_devices=("cuda",), priority=20,
     )
+    # experimental: not yet run on a GPU (kernels/thirdparty/mamba_ssm.py says what falls back and why)
+    for op in ("ssd_chunk_scan", "ssd_state_update"):
+        register(
+            op, "mamba_ssm", f"thirdparty.mamba_ssm:{op}",
+            check=cuda_package_check("mamba_ssm", (torch.float32, torch.float16, torch.bfloat16)),
+            auto_devices=("cuda",), priority=20,
+        )
+    # Liger's fused linear cross-entropy: forceable only (no auto device) until a GPU measurement says it
+    # beats ours; no-gradient calls only (kernels/thirdparty/liger.py says why)
+    register("linear_token_logprobs", "liger", "thirdparty.liger:linear_token_logprobs",
+             check=triton_package_check("liger_kernel"), auto_devices=(), priority=0)
     for op in NPU_MOE_OPS:
         register(op, "npu", f"npu.moe:{op}", check=npu_check, auto_devices=("npu",), priority=10)
     for op in TRITON_MOE_OPS:
@@ -94,5 +105,5 @@ def register_builtin_ops(registry) -> None:
     # experimental: not yet run on a GPU. Liger-Kernel: forced only (no auto devices) until a GPU
     # measurement says it beats our Triton kernels (kernels/thirdparty/liger.py says why)
     liger_dtypes = (torch.float32, torch.float16, torch.bfloat16)
-    for op in ("linear_token_logprobs", "rms_norm", "swiglu"):
+    for op in ("rms_norm", "swiglu"):  # linear_token_logprobs: registered above
         register(op, "liger", f"thirdparty.liger:{op}", check=cuda_package_check("liger_kernel", liger_dtypes))

@@ -1,73 +1,57 @@
-"""Liger-Kernel backends vs ours, through the registry's adapters (what `[kernels] <op> = "liger"` runs):
-linear_token_logprobs, rms_norm (with and without the fused residual) and swiglu, forward + backward.
+"""Token log-probs without gradients (reference / old-policy log-probs in GRPO): Liger-Kernel's fused linear
+cross-entropy (`kernels/thirdparty/liger.py`) vs ours (Triton, chunked) and the chunked torch reference.
 
-Why: the Liger backends are registered forced-only until a measurement shows they beat our Triton
-kernels; these rows (ratio to the torch reference, the first row of each case) decide `auto`.
-Skipped rows without CUDA or without liger_kernel (the script still runs with --quick on CPU: the
-reference and, under TRITON_INTERPRET=1, our Triton rows).
-Shapes: Qwen2.5-VL-7B LM head (hidden 3584, vocab 152064, 4k tokens), its RMSNorm (8k x 3584) and
-MLP intermediate (8k x 18944).
+Why a row of its own: the Liger backend is registered forceable-only until this measurement says it beats
+ours on a GPU (then `auto` may take it for no-gradient calls). Shapes as bench_linear_token_logprobs.py
+(N = 16384 tokens, Qwen2.5-VL-3B / 7B and Nemotron-3-Nano heads), bf16, forward only under no_grad.
+Rows are skipped (with the reason) when liger-kernel or CUDA is missing.
 """
+import importlib.util
+import os
+
 import torch
-from common import Table, environment, liger, measure_peaks, ours_available, parse_args, try_bench
+from common import Table, environment, measure_peaks, ours_available, parse_args, try_bench
 
-
-def _fwd_bwd(fn, inputs):
-    def run():
-        out = fn()
-        out = out[0] if isinstance(out, tuple) else out
-        torch.autograd.grad(out.float().sum(), inputs)
-    return run
+from megatron_vlm.kernels.reference.token_logprobs import linear_token_logprobs as reference_logprobs
 
 
 def main():
     args = parse_args(__doc__.splitlines()[0])
     device, quick = args.device, args.quick
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    table = Table(f"liger backends ({environment()})", measure_peaks(device, quick))
-    from megatron_vlm.kernels.reference.norms import rms_norm as ref_rms_norm
-    from megatron_vlm.kernels.reference.swiglu import swiglu as ref_swiglu
-    from megatron_vlm.kernels.reference.token_logprobs import linear_token_logprobs as ref_logprobs
-    from megatron_vlm.kernels.thirdparty import liger as lg
-
-    impls = {"linear_token_logprobs": [("torch reference", ref_logprobs)], "rms_norm": [("torch reference", ref_rms_norm)],
-             "swiglu": [("torch reference", ref_swiglu)]}
+    table = Table(f"linear_token_logprobs, no gradients ({environment()})", measure_peaks(device, quick))
+    impls = [("torch chunked reference", reference_logprobs)]
     if ours_available(device):
-        from megatron_vlm.kernels.triton.rms_norm import rms_norm as t_rms_norm
-        from megatron_vlm.kernels.triton.swiglu import swiglu as t_swiglu
-        from megatron_vlm.kernels.triton.token_logprobs import linear_token_logprobs as t_logprobs
+        from megatron_vlm.kernels.triton.token_logprobs import linear_token_logprobs as ours
 
-        for op, fn in (("linear_token_logprobs", t_logprobs), ("rms_norm", t_rms_norm), ("swiglu", t_swiglu)):
-            impls[op].append(("ours triton", fn))
-    for op in impls:
-        if liger() is not None and device == "cuda":
-            impls[op].append(("liger", getattr(lg, op)))
-        else:
-            table.add(op, "liger", None, note="skipped: needs CUDA and liger_kernel")
-    n, h, v, inter = (4096, 3584, 152064, 18944) if not quick else (33, 64, 1000, 80)
-    g = torch.Generator(device=device).manual_seed(0)
-    hidden = torch.randn(n, h, device=device, dtype=dtype, generator=g, requires_grad=True)
-    weight = (0.02 * torch.randn(v, h, device=device, dtype=dtype, generator=g)).requires_grad_(True)
-    labels = torch.randint(0, v, (n,), device=device, generator=g)
-    x = torch.randn(2 * n, h, device=device, dtype=dtype, generator=g, requires_grad=True)
-    res = torch.randn_like(x)
-    w = torch.ones(h, device=device, dtype=dtype, requires_grad=True)
-    gate = torch.randn(2 * n, inter, device=device, dtype=dtype, generator=g, requires_grad=True)
-    up = torch.randn_like(gate, requires_grad=True)
-    for impl, fn in impls["linear_token_logprobs"]:
-        try_bench(table, f"logprobs {n} x {h} -> {v} fwd+bwd", impl,
-                  _fwd_bwd(lambda fn=fn: fn(hidden, weight, labels), (hidden, weight)), device, quick,
-                  flops=3 * 2 * n * h * v)
-    for impl, fn in impls["rms_norm"]:
-        nbytes = x.numel() * x.element_size()
-        try_bench(table, f"rms_norm {2 * n} x {h} fwd+bwd", impl, _fwd_bwd(lambda fn=fn: fn(x, w, 1e-6), (x, w)),
-                  device, quick, bytes_moved=5 * nbytes)
-        try_bench(table, f"rms_norm+residual {2 * n} x {h} fwd", impl, lambda fn=fn: fn(x, w, 1e-6, residual=res),
-                  device, quick, bytes_moved=4 * nbytes)
-    for impl, fn in impls["swiglu"]:
-        nbytes = gate.numel() * gate.element_size()
-        try_bench(table, f"swiglu {2 * n} x {inter} fwd+bwd", impl, _fwd_bwd(lambda fn=fn: fn(gate, up), (gate, up)),
-                  device, quick, bytes_moved=8 * nbytes)
+        impls.append(("ours triton", ours))
+    liger_note = None
+    if importlib.util.find_spec("liger_kernel") is None:
+        liger_note = "liger-kernel not installed"
+    elif device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        liger_note = "needs CUDA (or TRITON_INTERPRET=1 on the CPU: Triton's interpreter)"
+    else:
+        from megatron_vlm.kernels.thirdparty.liger import linear_token_logprobs as liger
+
+        impls.append(("liger fused linear CE", liger))
+    cases = [("N16k H2048 V151936 (Qwen2.5-VL-3B)", 16384, 2048, 151936),
+             ("N16k H3584 V152064 (Qwen2.5-VL-7B)", 16384, 3584, 152064),
+             ("N16k H2688 V131072 (Nemotron-3-Nano)", 16384, 2688, 131072)]
+    if quick:
+        cases = [("tiny N64 H32 V1000", 64, 32, 1000)]
+    for name, n, h, v in cases:
+        g = torch.Generator(device=device).manual_seed(0)
+        hidden = (torch.randn(n, h, device=device, generator=g) * 0.5).to(dtype)
+        weight = (torch.randn(v, h, device=device, generator=g) * h**-0.5).to(dtype)
+        labels = torch.randint(0, v, (n,), device=device, generator=g)
+        for impl, fn in impls:
+            def step(fn=fn):
+                with torch.no_grad():
+                    return fn(hidden, weight, labels)
+
+            try_bench(table, name + " fwd", impl, step, device, quick, flops=2 * n * h * v)
+        if liger_note:
+            table.add(name + " fwd", "liger fused linear CE", None, note=liger_note)
     table.print()
     table.write_json(args.json)
 

@@ -46,7 +46,7 @@ def main():
     if ours:
         from megatron_vlm.kernels.triton.layer_norm import layer_norm as ours_ln
         from megatron_vlm.kernels.triton.rms_norm import rms_norm as ours_rms
-    lk = liger()
+    lk = liger(device)
     eps = 1e-6
     compiled_rms = compile_fn(eager_rms_norm, quick)
     compiled_add = compile_fn(eager_add_rms_norm, quick)

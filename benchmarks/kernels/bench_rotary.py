@@ -30,7 +30,7 @@ def main():
     ours = None
     if ours_available(device):
         from megatron_vlm.kernels.triton.rotary import apply_rotary as ours
-    lk = liger()
+    lk = liger(device)
     compiled = compile_fn(eager_rotary, quick)
     cases = [("Qwen2.5-VL-7B q 16k x 28 x 128", 1, 16384, 28, 128), ("Nemotron-3-Nano q 16k x 32 x 128", 1, 16384, 32, 128),
              ("Qwen2.5-VL ViT 64k x 16 x 80", 1, 65536, 16, 80)]

@@ -24,7 +24,7 @@ def main():
     ours = None
     if ours_available(device):
         from megatron_vlm.kernels.triton.swiglu import swiglu as ours
-    lk = liger()
+    lk = liger(device)
     compiled = compile_fn(eager_swiglu, quick)
     cases = [("Qwen2.5-VL-3B MLP 8k x 11008", 8192, 11008), ("Qwen2.5-VL-7B MLP 8k x 18944", 8192, 18944),
              ("Qwen2.5-VL ViT MLP 32k x 3420", 32768, 3420), ("Nemotron-3-Nano experts 64k x 1856", 65536, 1856)]

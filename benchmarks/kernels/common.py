@@ -166,7 +166,11 @@ def compile_fn(fn: Callable, quick: bool) -> Callable:
     return torch.compile(fn, backend="eager") if quick else torch.compile(fn)
 
 
-def liger():
+def liger(device: str):
+    """liger_kernel.transformers (a baseline row), or None: not installed, or not on CUDA (Liger's norm,
+    SwiGLU and rotary kernels do not run in Triton's CPU interpreter)."""
+    if device != "cuda":
+        return None
     try:
         import liger_kernel.transformers as lk  # noqa: F401
     except ImportError:

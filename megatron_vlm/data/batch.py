@@ -3,7 +3,8 @@
 A batch is a dict of tensors. Model inputs (`MODEL_INPUT_KEYS`, all optional but `input_ids`):
 
 - `input_ids` [B, T] (packed: B = 1, samples back to back), `attention_mask` [B, T] (padded batches),
-  `position_ids` (3, B, T) M-RoPE or [B, T], `cu_seqlens` [n + 1] int32 sample boundaries of a pack;
+  `position_ids` (3, B, T) M-RoPE or [B, T], `cu_seqlens` [n + 1] int32 sample boundaries of a pack,
+  `prefix_segments` [n] (packs whose segments continue a shared prompt: models/common/prefix_sharing.py);
 - vision (`VISION_KEYS`): `pixel_values` (flattened patches or tiles, concatenated over the batch's
   images in order), `image_grid_thw` [n_images, 3], `pixel_values_videos`, `video_grid_thw`,
   `second_per_grid_ts` [n_videos].
@@ -24,7 +25,7 @@ IGNORE_INDEX = -100
 
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
-MODEL_INPUT_KEYS = ("input_ids", "attention_mask", *VISION_KEYS, "position_ids", "cu_seqlens")
+MODEL_INPUT_KEYS = ("input_ids", "attention_mask", *VISION_KEYS, "position_ids", "cu_seqlens", "prefix_segments")
 
 
 def model_inputs(batch: dict) -> dict:

@@ -19,7 +19,8 @@ import torch
 from megatron_vlm.data.batch import VISION_KEYS, shifted_labels
 from megatron_vlm.rl.rollout.engine import RolloutPrompt
 
-__all__ = ["TrainSample", "plan_micro_batches", "pack_samples", "split_by_response"]
+__all__ = ["TrainSample", "plan_micro_batches", "plan_shared_micro_batches", "pack_samples", "split_by_response",
+           "group_by_prompt"]
 
 
 
@@ -64,21 +65,88 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
     return groups
 
 
-def pack_samples(samples: Sequence[TrainSample]) -> dict:
-    """One packed micro-batch (CPU tensors) for `TokenLogprobModel` / the family model."""
+def group_by_prompt(samples: Sequence[TrainSample]) -> list[TrainSample]:
+    """`samples` reordered so that the samples of one prompt are adjacent (stable: prompts in order
+    of first appearance, samples of a prompt in their order) — what lets a pack share the prompt."""
+    first: dict[int, int] = {}
+    for i, s in enumerate(samples):
+        first.setdefault(id(s.prompt), i)
+    return sorted(samples, key=lambda s: first[id(s.prompt)])
+
+
+def _shareable(prompt: RolloutPrompt, vision_token_ids: frozenset) -> bool:
+    return len(prompt) >= 2 and int(prompt.input_ids[-1]) not in vision_token_ids
+
+
+def _runs(samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
+    """Maximal runs of consecutive samples with the same prompt object."""
+    runs: list[list[TrainSample]] = []
+    for s in samples:
+        if runs and runs[-1][0].prompt is s.prompt:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return runs
+
+
+def plan_shared_micro_batches(samples: Sequence[TrainSample], max_tokens: int,
+                              vision_token_ids: frozenset = frozenset()) -> list[list[int]]:
+    """`plan_micro_batches` for `pack_samples(..., share_prompts=True)`: a sample whose prompt is
+    already in the pack (the previous sample's) costs its response + 1 token."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, s in enumerate(samples):
+        if s.num_tokens > max_tokens:
+            raise ValueError(f"sample {i}: {s.num_tokens} tokens exceed the micro-batch budget of {max_tokens} "
+                             "(data.max_tokens_per_pack)")
+        shared = bool(current) and samples[current[-1]].prompt is s.prompt and _shareable(s.prompt, vision_token_ids)
+        cost = s.response_length + 1 if shared else s.num_tokens
+        if current and used + cost > max_tokens:
+            groups.append(current)
+            current, used, cost = [], 0, s.num_tokens
+        current.append(i)
+        used += cost
+    if current:
+        groups.append(current)
+    return groups
+
+
+def pack_samples(samples: Sequence[TrainSample], *, share_prompts: bool = False,
+                 vision_token_ids: frozenset = frozenset()) -> dict:
+    """One packed micro-batch (CPU tensors) for `TokenLogprobModel` / the family model; with
+    `share_prompts`, adjacent samples of one prompt share it (module docstring)."""
     if not samples:
         raise ValueError("pack_samples: no samples")
-    ids, resp, cu = [], [], [0]
+    ids, resp, cu, prefix = [], [], [0], []
     vision: dict[str, list[torch.Tensor]] = {k: [] for k in VISION_KEYS}
-    for s in samples:
-        p_ids = s.prompt.input_ids.to(torch.long)
-        ids += [p_ids, s.response_ids.to(torch.long)]
-        resp += [torch.zeros(p_ids.numel(), dtype=torch.bool), torch.ones(s.response_length, dtype=torch.bool)]
-        cu.append(cu[-1] + s.num_tokens)
-        for k in VISION_KEYS:
-            v = getattr(s.prompt, k)
-            if v is not None:
-                vision[k].append(v)
+
+    def segment(parts, mask_parts, of=-1):
+        ids.extend(parts)
+        resp.extend(mask_parts)
+        cu.append(cu[-1] + sum(int(t.numel()) for t in parts))
+        prefix.append(of)
+
+    runs = _runs(samples) if share_prompts else [[s] for s in samples]
+    for run in runs:
+        prompt = run[0].prompt
+        p_ids = prompt.input_ids.to(torch.long)
+        shared = len(run) >= 2 and _shareable(prompt, vision_token_ids)
+        for _ in range(1 if shared else len(run)):  # the prompt's images: once per copy of the prompt
+            for k in VISION_KEYS:
+                v = getattr(prompt, k)
+                if v is not None:
+                    vision[k].append(v)
+        if shared:
+            head = len(prefix)
+            segment([p_ids[:-1]], [torch.zeros(p_ids.numel() - 1, dtype=torch.bool)])
+            for s in run:
+                segment([p_ids[-1:], s.response_ids.to(torch.long)],
+                        [torch.zeros(1, dtype=torch.bool), torch.ones(s.response_length, dtype=torch.bool)], of=head)
+        else:
+            for s in run:
+                segment([p_ids, s.response_ids.to(torch.long)],
+                        [torch.zeros(p_ids.numel(), dtype=torch.bool), torch.ones(s.response_length, dtype=torch.bool)])
     input_ids = torch.cat(ids)
     response_mask = torch.cat(resp)
     cu_seqlens = torch.tensor(cu, dtype=torch.int32)
@@ -88,6 +156,8 @@ def pack_samples(samples: Sequence[TrainSample]) -> dict:
         "labels": shifted_labels(input_ids, response_mask, cu_seqlens)[None],
         "num_response_tokens": int(response_mask.sum()),
     }
+    if any(p >= 0 for p in prefix):
+        batch["prefix_segments"] = torch.tensor(prefix, dtype=torch.long)
     for k, parts in vision.items():
         if parts:
             batch[k] = torch.cat(parts)

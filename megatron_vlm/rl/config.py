@@ -95,6 +95,13 @@ class RLConfig:
     step, one more model in memory), decoding with continuous batching (rollout_batch_prompts *
     group_size slots, refilled as completions end) and no collective per token. On one device nothing
     is gathered, so "shared" is the cheaper choice there."""
+    prompt_sharing: str = "auto"
+    """Training forwards (policy update, old and reference log-probs) with each prompt packed once for
+    the completions of its group instead of once per completion: the same log-probs and gradients up to
+    float rounding, with the prompt's projections, MLPs and images computed once (G times less prompt
+    work). "auto": where the decoder supports it (attention-only decoders, not Nemotron-VL's Mamba2
+    hybrid) and tensor / context parallelism are off (the startup log says which); "off": every
+    completion packed with its own copy of the prompt."""
 
     # --- batch and optimisation -----------------------------------------------------------------
     prompts_per_step: int = 32
@@ -241,6 +248,8 @@ class RLConfig:
 
         for name in ("group_size", "max_new_tokens", "prompts_per_step", "ppo_epochs", "mini_batches_per_step", "reward_workers"):
             positive(name)
+        if self.prompt_sharing not in ("auto", "off"):
+            raise ValueError(f"prompt_sharing: must be 'auto' or 'off', got {self.prompt_sharing!r}")
         if self.rollout_weights not in ("shared", "copy"):
             raise ValueError(f"rollout_weights: must be 'shared' or 'copy', got {self.rollout_weights!r}")
         if self.rollout_batch_prompts < 0:

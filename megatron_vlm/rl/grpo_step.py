@@ -24,10 +24,18 @@ from typing import Optional, Sequence
 
 import torch
 
+from megatron_vlm.models.common.prefix_sharing import accepts_prefix_segments
 from megatron_vlm.parallel import clip_grad_norm_
 from megatron_vlm.parallel.collectives import all_gather_objects, all_reduce_max, all_reduce_sum
 from megatron_vlm.rl.advantages import GroupAdvantages, advantage_stats, compute_group_advantages, overlong_penalty
-from megatron_vlm.rl.batching import TrainSample, pack_samples, plan_micro_batches, split_by_response
+from megatron_vlm.rl.batching import (
+    TrainSample,
+    group_by_prompt,
+    pack_samples,
+    plan_micro_batches,
+    plan_shared_micro_batches,
+    split_by_response,
+)
 from megatron_vlm.rl.data import PromptSample
 from megatron_vlm.rl.losses import kl_penalty, policy_loss, rollout_correction_mask
 from megatron_vlm.rl.metrics import PhaseTimer, length_metrics, reward_metrics
@@ -137,6 +145,25 @@ class GRPOStep:
         self.guard = StepGuard.from_config(ctx.cfg.train, self.device, what="GRPO update")
         # asynchronous GRPO with stale samples: the decoupled loss (proximal vs behaviour policy)
         self.decoupled = getattr(rl_cfg, "allocation", None) is not None and getattr(rl_cfg, "max_head_offpolicyness", 0) > 0
+        self.share_prompts, why = self._prompt_sharing()
+        model = getattr(bundle, "model", None)
+        args = getattr(model, "args", None)
+        self.vision_ids = frozenset(int(t) for t in (getattr(args, "image_token_id", None), getattr(args, "video_token_id", None))
+                                    if t is not None)
+        if ctx.env.rank == 0 and model is not None:
+            log.info("rl.prompt_sharing: %s (%s)", "on" if self.share_prompts else "off", why)
+
+    def _prompt_sharing(self) -> tuple[bool, str]:
+        """Whether the training forwards pack each prompt once per group (`rl.prompt_sharing`), and why."""
+        if getattr(self.rl, "prompt_sharing", "auto") == "off":
+            return False, "rl.prompt_sharing = 'off'"
+        model = getattr(self.bundle, "model", None)
+        if model is None or not accepts_prefix_segments(model):
+            return False, f"{type(model).__name__}'s decoder does not support shared prompts"
+        dims = self.bundle.dims
+        if getattr(dims, "tp", 1) > 1 or getattr(dims, "cp", 1) > 1:
+            return False, "not with tensor or context parallelism"
+        return True, "each prompt packed once per group in the training forwards"
 
     def sampling_params(self) -> SamplingParams:
         r = self.rl
@@ -283,8 +310,15 @@ class GRPOStep:
         return scored.total, scored.per_reward
 
     def _packs(self, samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
-        plan = plan_micro_batches([s.num_tokens for s in samples], self.max_tokens)
+        if self.share_prompts:  # a group's samples next to each other, so that a pack holds their prompt once
+            samples = group_by_prompt(samples)
+            plan = plan_shared_micro_batches(samples, self.max_tokens, self.vision_ids)
+        else:
+            plan = plan_micro_batches([s.num_tokens for s in samples], self.max_tokens)
         return [[samples[i] for i in group] for group in plan]
+
+    def _pack(self, group: Sequence[TrainSample]) -> dict:
+        return self.ctx.to_device(pack_samples(group, share_prompts=self.share_prompts, vision_token_ids=self.vision_ids))
 
     @torch.no_grad()
     def _reference_logprobs(self, samples: Sequence[TrainSample], dummy: TrainSample) -> None:
@@ -295,7 +329,7 @@ class GRPOStep:
         with self.reference.on_device():
             for i in range(n):
                 group = packs[i] if i < len(packs) else [dummy]
-                logp = self.reference.token_logprobs(self.ctx.to_device(pack_samples(group)))
+                logp = self.reference.token_logprobs(self._pack(group))
                 if i < len(packs):
                     for s, piece in zip(group, split_by_response(logp.float().cpu(), group)):
                         s.ref_logp = piece
@@ -307,7 +341,7 @@ class GRPOStep:
         self.bundle.wrapper.eval()
         for i in range(n):
             group = packs[i] if i < len(packs) else [dummy]
-            logp = self.bundle.wrapper(self.ctx.to_device(pack_samples(group)), temperature=self.rl.temperature)
+            logp = self.bundle.wrapper(self._pack(group), temperature=self.rl.temperature)
             if i < len(packs):
                 for s, piece in zip(group, split_by_response(logp.float().cpu(), group)):
                     s.old_logp = piece
@@ -336,7 +370,7 @@ class GRPOStep:
                 for i in range(n_packs):
                     is_real = i < len(packs)
                     group = packs[i] if is_real else [dummy]
-                    batch = self.ctx.to_device(pack_samples(group))
+                    batch = self._pack(group)
                     logp, ent = wrapper(batch, temperature=r.temperature, return_entropy=True)
                     # MoE auxiliary loss of this forward (None without MoE layers or aux_loss_coef = 0),
                     # averaged over the mini-batch's packs as the SFT loop averages over micro-batches

@@ -87,8 +87,12 @@ class Attention(nn.Module):
         key_padding_mask: Optional[torch.Tensor] = None,
         kv_cache=None,
         layer_idx: Optional[int] = None,
+        prefix_layout=None,
     ) -> torch.Tensor:
-        """x [B, S, hidden] or packed [T, hidden]; cos / sin per token [..., head_dim] (fp32), or None (no rotary)."""
+        """x [B, S, hidden] or packed [T, hidden]; cos / sin per token [..., head_dim] (fp32), or None (no rotary).
+
+        `prefix_layout` (a `prefix_sharing.PrefixLayout`, packed input only): segments continuing a shared
+        prompt attend to its keys too."""
         lead = x.shape[:-1]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None and not self.qk_norm_per_head:
@@ -108,6 +112,13 @@ class Attention(nn.Module):
             if hasattr(kv_cache, "attend"):  # a slot cache: one query token against each sequence's slot
                 return self.o_proj(kv_cache.attend(layer_idx, q, k, v).reshape(*lead, -1))
             k, v, key_padding_mask = kv_cache.update(layer_idx, k, v)
+        cu_k, max_k = cu_seqlens, max_seqlen
+        if prefix_layout is not None:
+            if cu_seqlens is None or kv_cache is not None or self.context_parallel is not None:
+                raise ValueError("Attention: prefix_layout works with packed input (cu_seqlens), no KV cache and "
+                                 "no context parallelism")
+            k, v = prefix_layout.gather(k, v)
+            cu_k, max_k = prefix_layout.cu_seqlens_k, prefix_layout.max_seqlen_k
         if self.context_parallel is not None and cu_seqlens is not None and kv_cache is None:
             out = self.context_parallel.attention(q, k, v, cu_seqlens, causal=self.causal)
             return self.o_proj(out.reshape(*lead, -1))
@@ -117,9 +128,9 @@ class Attention(nn.Module):
             v,
             causal=self.causal,
             cu_seqlens_q=cu_seqlens,
-            cu_seqlens_k=cu_seqlens,
+            cu_seqlens_k=cu_k,
             max_seqlen_q=max_seqlen,
-            max_seqlen_k=max_seqlen,
+            max_seqlen_k=max_k,
             key_padding_mask=key_padding_mask,
         )
         return self.o_proj(out.reshape(*lead, -1))

@@ -34,6 +34,7 @@ class DecoderLayer(nn.Module):
         key_padding_mask: Optional[torch.Tensor] = None,
         kv_cache=None,
         layer_idx: Optional[int] = None,
+        prefix_layout=None,
     ) -> torch.Tensor:
         attn_out = self.self_attn(
             self.input_layernorm(x),
@@ -44,6 +45,7 @@ class DecoderLayer(nn.Module):
             key_padding_mask=key_padding_mask,
             kv_cache=kv_cache,
             layer_idx=layer_idx,
+            prefix_layout=prefix_layout,
         )
         # fused residual add + norm: h = x + attn_out, normed = rms_norm(h)
         normed, x = self.post_attention_layernorm(attn_out, residual=x)

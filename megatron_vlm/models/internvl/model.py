@@ -30,6 +30,7 @@ from megatron_vlm.models.common.decoder import DecoderLayer
 from megatron_vlm.models.common.merge import merge_vision_embeddings
 from megatron_vlm.models.common.mlp import MLP, SwiGLUMLP, get_activation
 from megatron_vlm.models.common.norms import LayerNorm, RMSNorm
+from megatron_vlm.models.common.prefix_sharing import prefix_layout_and_positions
 from megatron_vlm.models.common.rotary import rope_cos_sin
 from megatron_vlm.models.common.vlm_base import KVCacheMixin, VLMBase, check_forward_inputs, cu_seqlens_max, new_tokens_mask
 from megatron_vlm.models.internvl.args import InternVisionArgs, InternVLArgs, InternVLTextArgs, exported_hf_config
@@ -165,7 +166,8 @@ class InternVLTextModel(nn.Module):
         )
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def forward(self, inputs_embeds, position_ids, *, key_padding_mask=None, cu_seqlens=None, kv_cache=None):
+    def forward(self, inputs_embeds, position_ids, *, key_padding_mask=None, cu_seqlens=None, kv_cache=None,
+                prefix_layout=None):
         """inputs_embeds [B, T, H], position_ids [B, T] -> final-norm hidden states [B, T, H]."""
         a = self.args
         cos, sin = rope_cos_sin(position_ids, a.head_dim, a.rope_theta)
@@ -176,7 +178,7 @@ class InternVLTextModel(nn.Module):
             max_seqlen = cu_seqlens_max(cu_seqlens)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, key_padding_mask=key_padding_mask,
-                      kv_cache=kv_cache, layer_idx=i)
+                      kv_cache=kv_cache, layer_idx=i, prefix_layout=prefix_layout)
         x = self.norm(x)
         return x.unsqueeze(0) if cu_seqlens is not None else x
 
@@ -244,8 +246,11 @@ class InternVLForConditionalGeneration(KVCacheMixin, VLMBase):
         cu_seqlens: Optional[torch.Tensor] = None,
         kv_cache=None,
         return_hidden: bool = False,
+        prefix_segments: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Logits [B, T, vocab] (or final-norm hidden states with `return_hidden=True`).
+
+        `prefix_segments` (packed input): a prompt shared by several segments (models/common/prefix_sharing.py).
 
         `pixel_values` [tiles, 3, H, W] holds the tiles of every image and every video frame of the
         batch, in placeholder order (InternVL's processor merges video frames into it)."""
@@ -269,8 +274,10 @@ class InternVLForConditionalGeneration(KVCacheMixin, VLMBase):
             key_padding_mask = None
         elif position_ids is None:
             position_ids = position_ids_1d(input_ids, attention_mask, cu_seqlens)
+        position_ids, prefix_layout = prefix_layout_and_positions(position_ids, cu_seqlens, prefix_segments)
         hidden = self.language_model(
-            embeds, position_ids, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, kv_cache=kv_cache
+            embeds, position_ids, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, kv_cache=kv_cache,
+            prefix_layout=prefix_layout,
         )
         if kv_cache is not None:
             kv_cache.end_step()

@@ -26,6 +26,7 @@ from megatron_vlm.models.common.merge import merge_vision_embeddings
 from megatron_vlm.models.common.mlp import SwiGLUMLP
 from megatron_vlm.models.common.mrope_index import cached_mrope_position_ids, get_mrope_position_ids
 from megatron_vlm.models.common.norms import RMSNorm
+from megatron_vlm.models.common.prefix_sharing import prefix_layout_and_positions
 from megatron_vlm.models.common.rotary import decoder_rope_cos_sin, vision_rope_cos_sin
 from megatron_vlm.models.common.vision import (
     VisionBlock,
@@ -123,6 +124,7 @@ class Qwen2_5_VLTextModel(nn.Module):
         key_padding_mask: Optional[torch.Tensor] = None,
         cu_seqlens: Optional[torch.Tensor] = None,
         kv_cache=None,
+        prefix_layout=None,
     ) -> torch.Tensor:
         """inputs_embeds [B, T, H], position_ids [3, B, T] (M-RoPE) or [B, T] (1-D RoPE, mrope_section None)
         -> final-norm hidden states [B, T, H]."""
@@ -136,7 +138,7 @@ class Qwen2_5_VLTextModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(
                 x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                key_padding_mask=key_padding_mask, kv_cache=kv_cache, layer_idx=i,
+                key_padding_mask=key_padding_mask, kv_cache=kv_cache, layer_idx=i, prefix_layout=prefix_layout,
             )
         x = self.norm(x)
         return x.unsqueeze(0) if cu_seqlens is not None else x
@@ -203,8 +205,11 @@ class Qwen2_5_VLForConditionalGeneration(KVCacheMixin, VLMBase):
         cu_seqlens: Optional[torch.Tensor] = None,
         kv_cache=None,
         return_hidden: bool = False,
+        prefix_segments: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """Logits [B, T, vocab] (or final-norm hidden states [B, T, H] with `return_hidden=True`)."""
+        """Logits [B, T, vocab] (or final-norm hidden states [B, T, H] with `return_hidden=True`).
+
+        `prefix_segments` (packed input): a prompt shared by several segments (models/common/prefix_sharing.py)."""
         cu_seqlens = check_forward_inputs(input_ids, attention_mask, cu_seqlens, kv_cache)
         embeds = self.language_model.embed_tokens(input_ids)
         if pixel_values is not None:
@@ -239,9 +244,11 @@ class Qwen2_5_VLForConditionalGeneration(KVCacheMixin, VLMBase):
             )
         if position_ids.dim() == 2:
             position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
+        position_ids, prefix_layout = prefix_layout_and_positions(position_ids, cu_seqlens, prefix_segments)
 
         hidden = self.language_model(
-            embeds, position_ids, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, kv_cache=kv_cache
+            embeds, position_ids, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, kv_cache=kv_cache,
+            prefix_layout=prefix_layout,
         )
         if kv_cache is not None:
             kv_cache.end_step()

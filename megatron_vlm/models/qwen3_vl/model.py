@@ -40,6 +40,7 @@ from megatron_vlm.models.common.mlp import MLP, SwiGLUMLP
 from megatron_vlm.models.common.moe import MoE
 from megatron_vlm.models.common.mrope_index import cached_mrope_position_ids, get_mrope_position_ids
 from megatron_vlm.models.common.norms import LayerNorm, RMSNorm
+from megatron_vlm.models.common.prefix_sharing import prefix_layout_and_positions
 from megatron_vlm.models.common.rotary import decoder_rope_cos_sin, vision_rope_cos_sin
 from megatron_vlm.models.common.vision import VisionPatchEmbed, vision_cu_seqlens, vision_hw_position_ids
 from megatron_vlm.models.common.vlm_base import KVCacheMixin, VLMBase, check_forward_inputs, cu_seqlens_max, new_tokens_mask
@@ -194,6 +195,7 @@ class Qwen3VLTextModel(nn.Module):
         key_padding_mask: Optional[torch.Tensor] = None,
         cu_seqlens: Optional[torch.Tensor] = None,
         kv_cache=None,
+        prefix_layout=None,
         visual_index: Optional[torch.Tensor] = None,
         deepstack_embeds: Optional[list[torch.Tensor]] = None,
     ) -> torch.Tensor:
@@ -212,7 +214,7 @@ class Qwen3VLTextModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(
                 x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                key_padding_mask=key_padding_mask, kv_cache=kv_cache, layer_idx=i,
+                key_padding_mask=key_padding_mask, kv_cache=kv_cache, layer_idx=i, prefix_layout=prefix_layout,
             )
             x = add_deepstack(x, i, visual_index, deepstack_embeds)
         x = self.norm(x)
@@ -288,9 +290,11 @@ class Qwen3VLForConditionalGeneration(KVCacheMixin, VLMBase):
         cu_seqlens: Optional[torch.Tensor] = None,
         kv_cache=None,
         return_hidden: bool = False,
+        prefix_segments: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Logits [B, T, vocab] (or final-norm hidden states [B, T, H] with `return_hidden=True`).
 
+        `prefix_segments` (packed input): a prompt shared by several segments (models/common/prefix_sharing.py).
         `second_per_grid_ts` is accepted for a uniform call signature across Qwen-VL families and
         ignored: Qwen3-VL reads time from the `<t seconds>` text before every frame."""
         del second_per_grid_ts
@@ -330,10 +334,11 @@ class Qwen3VLForConditionalGeneration(KVCacheMixin, VLMBase):
             )
         if position_ids.dim() == 2:
             position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
+        position_ids, prefix_layout = prefix_layout_and_positions(position_ids, cu_seqlens, prefix_segments)
 
         hidden = self.language_model(
             embeds, position_ids, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, kv_cache=kv_cache,
-            visual_index=visual_index, deepstack_embeds=deepstack_embeds,
+            prefix_layout=prefix_layout, visual_index=visual_index, deepstack_embeds=deepstack_embeds,
         )
         if kv_cache is not None:
             kv_cache.end_step()

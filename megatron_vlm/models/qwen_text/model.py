@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from megatron_vlm.models.common.moe import MoE
+from megatron_vlm.models.common.prefix_sharing import prefix_layout_and_positions
 from megatron_vlm.models.common.text_positions import text_position_ids
 from megatron_vlm.models.common.vlm_base import KVCacheMixin, VLMBase, check_forward_inputs, new_tokens_mask
 from megatron_vlm.models.qwen2_5_vl.model import Qwen2_5_VLTextModel
@@ -59,10 +60,12 @@ class QwenTextForCausalLM(KVCacheMixin, VLMBase):
         cu_seqlens: Optional[torch.Tensor] = None,
         kv_cache=None,
         return_hidden: bool = False,
+        prefix_segments: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Logits [B, T, vocab] (or final-norm hidden states [B, T, H] with `return_hidden=True`).
 
-        `position_ids` [B, T] overrides the derived positions ([3, B, T] is accepted, its first row used)."""
+        `position_ids` [B, T] overrides the derived positions ([3, B, T] is accepted, its first row used).
+        `prefix_segments` (packed input): a prompt shared by several segments (models/common/prefix_sharing.py)."""
         del second_per_grid_ts, mm_token_type_ids
         given = [name for name, t in zip(_VISION_INPUTS, (pixel_values, image_grid_thw, pixel_values_videos,
                                                           video_grid_thw)) if t is not None]
@@ -81,8 +84,10 @@ class QwenTextForCausalLM(KVCacheMixin, VLMBase):
             position_ids = text_position_ids(input_ids, attention_mask=attention_mask, cu_seqlens=cu_seqlens)
         if position_ids.dim() == 3:
             position_ids = position_ids[0]
+        position_ids, prefix_layout = prefix_layout_and_positions(position_ids, cu_seqlens, prefix_segments)
         hidden = self.language_model(
-            embeds, position_ids, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, kv_cache=kv_cache
+            embeds, position_ids, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, kv_cache=kv_cache,
+            prefix_layout=prefix_layout,
         )
         if kv_cache is not None:
             kv_cache.end_step()

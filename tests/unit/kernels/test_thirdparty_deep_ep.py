@@ -8,7 +8,7 @@ local ids and -1 elsewhere, recv_topk_weights, counts, handle, event), `dispatch
 `combine(x, handle, topk_weights=) -> (sum over destination ranks, summed weights, event)`. The sharded
 forward and backward must equal the unsharded experts module (inputs, routing weights and expert weight
 gradients), the layout translation must equal the stand-in's own, and the unsupported cases fall back to
-the torch all-to-all with a logged reason. On a GPU with deep_ep and 2 GPUs: tests/gpu/test_thirdparty_deep_ep.py.
+the torch all-to-all with a logged reason. On a GPU with deep_ep and 2 GPUs: tests/gpu/test_gpu_thirdparty_deep_ep.py.
 """
 from __future__ import annotations
 

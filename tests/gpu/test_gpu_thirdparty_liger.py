@@ -26,21 +26,15 @@ def liger():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_token_logprobs_and_grads(liger, dtype):
+@torch.no_grad()
+def test_linear_token_logprobs_without_gradients(liger, dtype):
     g = torch.Generator(device="cuda").manual_seed(0)
-    hidden = torch.randn(300, 256, device="cuda", generator=g).to(dtype).requires_grad_(True)
-    weight = (0.05 * torch.randn(5000, 256, device="cuda", generator=g)).to(dtype).requires_grad_(True)
+    hidden = torch.randn(300, 256, device="cuda", generator=g).to(dtype)
+    weight = (0.05 * torch.randn(5000, 256, device="cuda", generator=g)).to(dtype)
     labels = torch.randint(0, 5000, (300,), device="cuda", generator=g)
     labels[::7] = -100
-    grads = []
-    outs = []
-    for fn in (liger.linear_token_logprobs, ref_logprobs):
-        out = fn(hidden, weight, labels, temperature=0.8)
-        outs.append(out)
-        grads.append(torch.autograd.grad(out.sum(), (hidden, weight)))
-    torch.testing.assert_close(outs[0], outs[1], **TOL[dtype])
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a.float(), b.float(), **TOL[dtype])
+    torch.testing.assert_close(liger.linear_token_logprobs(hidden, weight, labels, temperature=0.8),
+                               ref_logprobs(hidden, weight, labels, temperature=0.8), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron_vlm.config import ConfigError, save_config
 from megatron_vlm.jobs import run_kind
+from megatron_vlm.kernels import BackendUnavailableError
 from megatron_vlm.models.mcore.layer import McoreBackendError
 from megatron_vlm.parallel import destroy_distributed, init_distributed
 from megatron_vlm.parallel.mesh import LayoutError
@@ -75,7 +76,9 @@ def run_job(cfg, *, before_step=None) -> int:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         return code
-    except (ConfigError, LoRASetupError, TPError, LayoutError, McoreBackendError) as e:  # found once the model is built ([moe] keys, [lora], parallel sizes)
+    except (ConfigError, LoRASetupError, TPError, LayoutError, BackendUnavailableError, McoreBackendError) as e:
+        # found once the model is built or first runs ([moe] keys, [lora], parallel sizes, a forced [kernels]
+        # backend that cannot run here: not installed, wrong device or dtype, parallel.backend = "mcore" layers)
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except NonFiniteStepError as e:

@@ -16,6 +16,20 @@ of our contract (kernels/reference/token_logprobs.py), each fallback to the refe
   applied wrongly -> a call that records gradients runs the reference; without gradients the inputs are
   detached, so Liger skips computing them;
 - `chunk_size` is ignored (Liger sizes its chunks itself).
+
+`rms_norm` and `swiglu` (forceable only, CUDA only: Liger's norm / SwiGLU kernels do not run in the
+Triton interpreter; experimental: not yet run on a GPU):
+
+- `rms_norm` -> `liger_rms_norm(x, w, eps, offset=0, casting_mode="gemma", in_place=False)`: the "gemma"
+  casting mode computes in fp32 and casts at the end, as our contract does (Liger's default "llama" mode
+  casts to x's dtype before the weight, which differs in bf16); with a residual,
+  `liger_fused_add_rms_norm(x, residual, w, eps, casting_mode="gemma")` returns (normed, x + residual),
+  the sum rounded to x's dtype as in our contract. Shape errors are the reference's.
+- `swiglu` -> `liger_swiglu(gate, up)` (silu in fp32, the product in the input dtype: bf16 results may
+  differ from the reference in the last bit).
+- `apply_rotary` is not mapped: `liger_rope(q, k, cos, sin)` rotates q and k together in the [B, H, S, D]
+  layout with non-interleaved halves over the full head dim; our op rotates one token-major tensor with
+  optional interleaving and a partial `rotary_dim`.
 """
 from __future__ import annotations
 
@@ -62,3 +76,27 @@ def linear_token_logprobs(
     loss = liger_fused_linear_cross_entropy(h, weight.detach(), labels, ignore_index=reference.IGNORE_INDEX,
                                             reduction="none")
     return -loss.float()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: Optional[torch.Tensor] = None):
+    """Public-signature rms_norm on Liger's RMSNorm, fp32 "gemma" casting (contract: kernels/reference/norms.py)."""
+    from ..reference.norms import rms_norm as reference_rms_norm
+
+    if weight.shape != (x.shape[-1],) or (residual is not None and residual.shape != x.shape):
+        return reference_rms_norm(x, weight, eps, residual=residual)  # raises the reference's shape error
+    from liger_kernel.transformers.functional import liger_fused_add_rms_norm, liger_rms_norm
+
+    if residual is None:
+        return liger_rms_norm(x.contiguous(), weight, eps, offset=0.0, casting_mode="gemma", in_place=False)
+    out, summed = liger_fused_add_rms_norm(x.contiguous(), residual.contiguous(), weight, eps, offset=0.0,
+                                             casting_mode="gemma", in_place=False)
+    return out, summed
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Public-signature swiglu on Liger's SiLU-mul (contract: kernels/reference/swiglu.py)."""
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
+    from liger_kernel.transformers.functional import liger_swiglu
+
+    return liger_swiglu(gate.contiguous(), up.contiguous())

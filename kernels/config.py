@@ -23,7 +23,7 @@ class KernelsConfig:
     swiglu: str = "auto"
     """silu(gate) * up of the gated MLPs: auto | torch | triton | npu | liger (Liger-Kernel on CUDA; forced only; experimental: not yet run on a GPU)."""
     linear_token_logprobs: str = "auto"
-    """Fused LM head + token log-probs / entropy (GRPO, chunked): auto | torch | triton | liger (Liger-Kernel's fused linear cross-entropy, for calls without gradients; forced only; experimental: not yet run on a GPU)."""
+    """Fused LM head + token log-probs / entropy (GRPO, chunked): auto | torch | triton | liger (Liger-Kernel's fused linear cross-entropy; entropy runs the reference; forced only; experimental: not yet run on a GPU)."""
     causal_conv1d: str = "auto"
     """Mamba2 depthwise causal conv1d (Nemotron-H): auto | torch | causal_conv1d (the causal-conv1d package on CUDA; experimental: not yet run on a GPU)."""
     ssd_chunk_scan: str = "auto"

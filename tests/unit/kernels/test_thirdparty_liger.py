@@ -43,8 +43,8 @@ def fake(monkeypatch):
     def liger_fused_linear_cross_entropy(input, weight, target, bias=None, ce_weight=None, ignore_index=-100,
                                          lse_square_scale=0.0, label_smoothing=0.0, reduction="mean", softcap=None,
                                          return_z_loss=False, **kw):
-        assert reduction == "none" and not input.requires_grad and not weight.requires_grad
-        calls.append(ignore_index)
+        assert reduction == "none"
+        calls.append((ignore_index, input.requires_grad or weight.requires_grad))
         logits = (input.double() @ weight.double().t())
         loss = torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index, reduction="none")
         return loss.to(input.dtype)
@@ -67,12 +67,13 @@ def test_no_grad_logprobs_match_the_reference(fake, temperature):
         ref = reference(hidden, weight, labels, temperature=temperature)
     torch.testing.assert_close(ours, ref)
     assert ours.dtype == torch.float32 and bool((ours[labels == -100] == 0).all())
-    assert fake == [-100]
+    assert fake == [(-100, False)]  # detached: Liger computes no gradients under no_grad
 
 
-def test_entropy_and_gradients_fall_back_and_say_why(fake, caplog):
+def test_entropy_and_old_releases_gradients_fall_back_and_say_why(fake, caplog, monkeypatch):
     hidden, weight, labels = _inputs()
     hidden.requires_grad_()
+    monkeypatch.setattr(adapter, "_per_token_backward", lambda: False)  # as liger-kernel < 0.8.5
     with caplog.at_level(logging.INFO, logger="megatron_vlm.kernels"):
         with torch.no_grad():
             logp, ent = adapter.linear_token_logprobs(hidden, weight, labels, return_entropy=True)
@@ -83,6 +84,22 @@ def test_entropy_and_gradients_fall_back_and_say_why(fake, caplog):
     assert with_grad.requires_grad  # the reference's autograd path
     assert fake == []
     assert "entropy" in caplog.text and "one scalar" in caplog.text
+
+
+def test_graded_calls_reach_liger_from_0_8_5(fake, monkeypatch):
+    monkeypatch.setattr(adapter, "_per_token_backward", lambda: True)
+    hidden, weight, labels = _inputs()
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    w = torch.randn(hidden.shape[0], generator=torch.Generator().manual_seed(5))
+    ours = adapter.linear_token_logprobs(hidden, weight, labels, temperature=0.8)
+    grads = torch.autograd.grad((ours * w).sum(), (hidden, weight))
+    ref = reference(hidden, weight, labels, temperature=0.8)
+    grads_ref = torch.autograd.grad((ref * w).sum(), (hidden, weight))
+    torch.testing.assert_close(ours, ref)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b)
+    assert fake == [(-100, True)]
 
 
 def test_auto_never_picks_it(fake):
@@ -103,6 +120,16 @@ def test_real_package_through_the_registry_matches_the_reference():
     with torch.no_grad(), kernels.use_backends({"linear_token_logprobs": "liger"}):
         ours = kernels.linear_token_logprobs(hidden, weight, labels, temperature=0.9)
     torch.testing.assert_close(ours, reference(hidden, weight, labels, temperature=0.9), atol=1e-5, rtol=1e-5)
+    # per-token upstream gradients (GRPO advantages): the installed release applies them per token
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    w = torch.randn(hidden.shape[0], generator=torch.Generator().manual_seed(3))
+    with kernels.use_backends({"linear_token_logprobs": "liger"}):
+        ours = kernels.linear_token_logprobs(hidden, weight, labels, temperature=0.9)
+    grads = torch.autograd.grad((ours * w).sum(), (hidden, weight))
+    grads_ref = torch.autograd.grad((reference(hidden, weight, labels, temperature=0.9) * w).sum(), (hidden, weight))
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.gpu

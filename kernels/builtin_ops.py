@@ -96,6 +96,17 @@ def register_builtin_ops(registry) -> None:
                      auto_devices=("cpu", "cuda"), priority=5)
     register_backend("moe_topk_gating", "csrc", "megatron_vlm._ext:moe_topk_gating", registry=registry,
                      check=csrc_check, auto_devices=("cuda",), priority=5)
+    # experimental: not yet run on a GPU. Expert-parallel dispatch / combine (parallel/expert_parallel.py):
+    # our all_to_all_single, or DeepEP's Buffer.dispatch / combine (kernels/thirdparty/deep_ep.py)
+    register_backend("moe_ep_dispatch", "torch", "megatron_vlm.parallel.expert_parallel:all_to_all_forward",
+                     registry=registry, auto_devices=everywhere)
+    register("moe_ep_dispatch", "deep_ep", "thirdparty.deep_ep:ep_forward",
+             check=cuda_package_check("deep_ep", (torch.bfloat16,)), auto_devices=("cuda",), priority=20)
+    # experimental: not yet run on a GPU. Liger-Kernel: forced only (no auto devices) until a GPU
+    # measurement says it beats our Triton kernels (kernels/thirdparty/liger.py says why)
+    liger_dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    for op in ("rms_norm", "swiglu"):  # linear_token_logprobs: registered above
+        register(op, "liger", f"thirdparty.liger:{op}", check=cuda_package_check("liger_kernel", liger_dtypes))
     # experimental: not yet run on a GPU. Transformer Engine's fused norms and DotProductAttention
     # (kernels/thirdparty/transformer_engine.py says what falls back and why); attention one below
     # flash-attn so that `auto` keeps flash-attn until bench_transformer_engine.py says otherwise

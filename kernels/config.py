@@ -15,15 +15,15 @@ class KernelsConfig:
     attention: str = "auto"
     """Attention (varlen / batched, GQA, causal, windows): auto | torch | sdpa | triton | flash_attn | npu | transformer_engine (Transformer Engine's DotProductAttention on CUDA; experimental: not yet run on a GPU)."""
     rms_norm: str = "auto"
-    """RMSNorm with optional fused residual add: auto | torch | triton | npu | transformer_engine (Transformer Engine's fused RMSNorm on CUDA; experimental: not yet run on a GPU)."""
+    """RMSNorm with optional fused residual add: auto | torch | triton | npu | liger (Liger-Kernel on CUDA; forced only; experimental: not yet run on a GPU) | transformer_engine (Transformer Engine's fused RMSNorm on CUDA; experimental: not yet run on a GPU)."""
     layer_norm: str = "auto"
     """LayerNorm (vision towers, projectors): auto | torch | triton | transformer_engine (Transformer Engine's fused LayerNorm on CUDA; experimental: not yet run on a GPU)."""
     apply_rotary: str = "auto"
     """Rotary embedding with per-token cos/sin (RoPE, M-RoPE, 2-D vision): auto | torch | triton | npu."""
     swiglu: str = "auto"
-    """silu(gate) * up of the gated MLPs: auto | torch | triton | npu."""
+    """silu(gate) * up of the gated MLPs: auto | torch | triton | npu | liger (Liger-Kernel on CUDA; forced only; experimental: not yet run on a GPU)."""
     linear_token_logprobs: str = "auto"
-    """Fused LM head + token log-probs / entropy (GRPO, chunked): auto | torch | triton | liger (Liger-Kernel's fused linear cross-entropy, for calls without gradients; forced only; experimental: not yet run on a GPU)."""
+    """Fused LM head + token log-probs / entropy (GRPO, chunked): auto | torch | triton | liger (Liger-Kernel's fused linear cross-entropy; entropy runs the reference; forced only; experimental: not yet run on a GPU)."""
     causal_conv1d: str = "auto"
     """Mamba2 depthwise causal conv1d (Nemotron-H): auto | torch | causal_conv1d (the causal-conv1d package on CUDA; experimental: not yet run on a GPU)."""
     ssd_chunk_scan: str = "auto"
@@ -40,6 +40,8 @@ class KernelsConfig:
     """MoE un-permutation with routing-weight combine: auto | torch | triton | npu."""
     moe_topk_gating: str = "auto"
     """MoE router gating (softmax / sigmoid + bias, grouped top-k): auto | torch | csrc."""
+    moe_ep_dispatch: str = "auto"
+    """Expert-parallel token dispatch / combine (parallel.ep > 1): auto | torch (all_to_all_single) | deep_ep (DeepEP's Buffer.dispatch / combine on CUDA, bf16; experimental: not yet run on a GPU)."""
 
     def as_dict(self) -> Dict[str, str]:
         return asdict(self)

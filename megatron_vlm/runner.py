@@ -2,9 +2,8 @@
 (`megatron_vlm.jobs`), teardown — and the exit codes: 0 done, 1 stopped by too many non-finite steps
 in a row or a failed checkpoint save / HF export (the previous checkpoint intact), 2 a missing model
 folder, a config error found once the model is built (including a `parallel.tp` the model's heads /
-MLP / vocabulary do not divide, and a `[kernels]` backend forced where it cannot run: not installed, wrong
-device or dtype) or a checkpoint that cannot be resumed (one line on stderr), 143 stopped by SIGTERM /
-SIGUSR1 after a checkpoint, 130 Ctrl-C."""
+MLP / vocabulary do not divide) or a checkpoint that cannot be resumed (one line
+on stderr), 143 stopped by SIGTERM / SIGUSR1 after a checkpoint, 130 Ctrl-C."""
 from __future__ import annotations
 
 import logging
@@ -16,6 +15,7 @@ import torch.distributed as dist
 from megatron_vlm.config import ConfigError, save_config
 from megatron_vlm.jobs import run_kind
 from megatron_vlm.kernels import BackendUnavailableError
+from megatron_vlm.models.mcore.layer import McoreBackendError
 from megatron_vlm.parallel import destroy_distributed, init_distributed
 from megatron_vlm.parallel.mesh import LayoutError
 from megatron_vlm.parallel.tensor_parallel import TPError
@@ -76,8 +76,9 @@ def run_job(cfg, *, before_step=None) -> int:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         return code
-    # found once the model is built ([moe] keys, [lora], parallel sizes) or runs (a forced [kernels] backend)
-    except (ConfigError, LoRASetupError, TPError, LayoutError, BackendUnavailableError) as e:
+    except (ConfigError, LoRASetupError, TPError, LayoutError, BackendUnavailableError, McoreBackendError) as e:
+        # found once the model is built or first runs ([moe] keys, [lora], parallel sizes, a forced [kernels]
+        # backend that cannot run here: not installed, wrong device or dtype, parallel.backend = "mcore" layers)
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except NonFiniteStepError as e:

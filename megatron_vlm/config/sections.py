@@ -130,7 +130,10 @@ class SchedulerConfig:
 @dataclass(kw_only=True)
 class ParallelConfig:
     backend: Literal["native", "mcore"] = "native"
-    """native = PyTorch FSDP2 / DTensor (everywhere); mcore = Megatron-core decoder (CUDA clusters)."""
+    """native = our decoder layers, PyTorch FSDP2 / DTensor. mcore = the language decoder's layers are megatron-core
+    TransformerLayers (Transformer Engine's fused modules when TE is installed), converted exactly from the HF
+    weights and back at export; dense attention decoders only, data parallelism only (experimental: not yet run
+    on a GPU; README "Megatron-core")."""
     dp_replicate: int = 1
     """Data-parallel replicas (HSDP outer dimension)."""
     dp_shard: int = -1
@@ -180,9 +183,13 @@ class ParallelConfig:
         if self.dp_shard == 0 or self.dp_shard < -1:
             raise ValueError(f"dp_shard: must be -1 or > 0, got {self.dp_shard}")
         if self.backend == "mcore":
-            raise ValueError("backend: 'mcore' is not implemented yet; use 'native' (what exists: the exact HF <-> "
-                             "megatron-core weight conversion of the dense decoders, megatron_vlm/models/mcore; what "
-                             "does not: building the training model from megatron-core)")
+            for key in ("tp", "cp", "pp", "ep"):
+                if getattr(self, key) > 1:
+                    raise ValueError(f"backend: 'mcore' with {key} = {getattr(self, key)}: megatron-core's own tensor / "
+                                     "context / pipeline / expert process groups are not wired to this mesh yet; use "
+                                     f"{key} = 1 (data parallelism only) or backend = 'native'")
+            if self.compile:
+                raise ValueError("backend: 'mcore' with compile = true is not supported yet; set compile = false")
 
 
 @dataclass(kw_only=True)

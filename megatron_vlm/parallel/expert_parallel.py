@@ -23,6 +23,10 @@ Design (one MoE block, EP group of size ep, rank r holds the contiguous experts
    all-to-all and combined with the routing weights by `kernels.moe_unpermute` — exactly as the
    unsharded block does, so a token's result does not depend on where its experts live.
 
+Backend: steps 2-5 are the kernels op `moe_ep_dispatch` (`[kernels] moe_ep_dispatch`): `torch` is
+`all_to_all_forward` below, `deep_ep` sends each token once per destination rank with DeepEP's
+dispatch / combine (kernels/thirdparty/deep_ep.py; auto on CUDA for bf16 when deep_ep imports).
+
 Autograd: `_AllToAll` is a custom Function whose backward is the all-to-all with the splits swapped,
 so the gradient of a token row goes back to the rank that sent it and the local expert weights'
 gradient is the full gradient from every EP rank's tokens. A rank that receives no rows still keeps
@@ -131,33 +135,40 @@ class ExpertParallelExperts(nn.Module):
         return w.to(dtype)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
-        """x `[N, hidden]` -> (combined output `[N, hidden]`, tokens_per_expert `[E]` of this rank's tokens)."""
-        ep, n_local = self.ep_size, self.num_local_experts
-        permuted, row_map, tokens_per_expert = kernels.moe_permute(x, topk_ids, num_experts=self.num_experts)
-        send_counts = tokens_per_expert.view(ep, n_local).contiguous()  # [destination rank, local expert]
-        recv_counts = torch.empty_like(send_counts)  # [source rank, local expert]
-        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
-        input_splits = send_counts.sum(1).tolist()
-        output_splits = recv_counts.sum(1).tolist()
-        received = _AllToAll.apply(permuted, output_splits, input_splits, self.ep_group)
+        """x `[N, hidden]` -> (combined output `[N, hidden]`, tokens_per_expert `[E]` of this rank's tokens),
+        by the `moe_ep_dispatch` kernels backend: `torch` (`all_to_all_forward`) or `deep_ep`."""
+        return kernels.DEFAULT_REGISTRY.resolve("moe_ep_dispatch", x)(self, x, topk_ids, topk_weights)
 
-        order = _regroup_index(recv_counts)
-        local_in = received.index_select(0, order)
-        local_counts = recv_counts.sum(0)
-        first = self._local_weight("gate_up_proj" if self.gated else "up_proj", x.dtype)
-        down = self._local_weight("down_proj", x.dtype)
-        local_out = self.expert_mlp(local_in, local_counts, first, down)
-        if local_out.shape[0] == 0:
-            # No rows here: grouped_mm's empty output is cut off from its inputs, so tie it to the
-            # received rows and the weights (zero contribution). Otherwise this rank would skip the
-            # backward all-to-all the senders run, and the replica all-reduce of the weight gradients.
-            local_out = local_out + 0.0 * (received.sum() + first.sum() + down.sum())
 
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        by_source = local_out.index_select(0, inverse)
-        returned = _AllToAll.apply(by_source, input_splits, output_splits, self.ep_group)
-        return kernels.moe_unpermute(returned, row_map, topk_weights), tokens_per_expert
+def all_to_all_forward(experts: ExpertParallelExperts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+    """The `torch` backend of `moe_ep_dispatch`: steps 2-5 of the module docstring with two
+    `all_to_all_single`s over the (token, expert) copies. Returns (combined `[N, hidden]`, tokens_per_expert `[E]`)."""
+    ep, n_local = experts.ep_size, experts.num_local_experts
+    permuted, row_map, tokens_per_expert = kernels.moe_permute(x, topk_ids, num_experts=experts.num_experts)
+    send_counts = tokens_per_expert.view(ep, n_local).contiguous()  # [destination rank, local expert]
+    recv_counts = torch.empty_like(send_counts)  # [source rank, local expert]
+    dist.all_to_all_single(recv_counts, send_counts, group=experts.ep_group)
+    input_splits = send_counts.sum(1).tolist()
+    output_splits = recv_counts.sum(1).tolist()
+    received = _AllToAll.apply(permuted, output_splits, input_splits, experts.ep_group)
+
+    order = _regroup_index(recv_counts)
+    local_in = received.index_select(0, order)
+    local_counts = recv_counts.sum(0)
+    first = experts._local_weight("gate_up_proj" if experts.gated else "up_proj", x.dtype)
+    down = experts._local_weight("down_proj", x.dtype)
+    local_out = experts.expert_mlp(local_in, local_counts, first, down)
+    if local_out.shape[0] == 0:
+        # No rows here: grouped_mm's empty output is cut off from its inputs, so tie it to the
+        # received rows and the weights (zero contribution). Otherwise this rank would skip the
+        # backward all-to-all the senders run, and the replica all-reduce of the weight gradients.
+        local_out = local_out + 0.0 * (received.sum() + first.sum() + down.sum())
+
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    by_source = local_out.index_select(0, inverse)
+    returned = _AllToAll.apply(by_source, input_splits, output_splits, experts.ep_group)
+    return kernels.moe_unpermute(returned, row_map, topk_weights), tokens_per_expert
 
 
 _EP_CLASSES: dict = {}
@@ -239,4 +250,4 @@ def expert_parameters(model: nn.Module) -> List[nn.Parameter]:
     return out
 
 
-__all__ = ["apply_ep", "expert_parameters", "ExpertParallelExperts"]
+__all__ = ["all_to_all_forward", "apply_ep", "expert_parameters", "ExpertParallelExperts"]

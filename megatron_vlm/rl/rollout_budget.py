@@ -19,12 +19,10 @@ __all__ = ["kv_elements_per_slot", "kv_bytes_per_slot", "rollout_prompts_for_bud
 
 def kv_elements_per_slot(model: nn.Module) -> int:
     """2 x sum over the decoder's attention layers of kv_heads x head_dim (elements per cached token)."""
-    from megatron_vlm.models.common.attention import Attention
-
     decoder = getattr(model, "language_model", model)
     total = 0
-    for m in decoder.modules():
-        if isinstance(m, Attention):
+    for m in decoder.modules():  # Attention modules, or megatron-core layers (models/mcore/layer.py) answering for theirs
+        if callable(getattr(m, "local_heads", None)):
             total += 2 * m.local_heads()[1] * m.head_dim
     return total
 

@@ -33,6 +33,7 @@ from megatron_vlm.checkpoint.manager import (
     gather_errors,
 )
 from megatron_vlm.models.common.lora import merged_state_dict
+from megatron_vlm.models.mcore.layer import native_state_dict
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.lora import scaling_of, write_adapter
 from megatron_vlm.training.optim import OptimState, load_scheduler_state
@@ -137,6 +138,7 @@ class Checkpointer:
         err = None
         if self.is_main:
             sd = {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")}
+            sd = native_state_dict(sd, self.wrapper.model)  # parallel.backend = "mcore": back to native names
             try:
                 if self.lora is not None:  # the PEFT adapter beside hf/, and hf/ = base + adapter merged
                     hf_config = read_hf_config(self.model_path)

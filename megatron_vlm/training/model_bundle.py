@@ -16,6 +16,7 @@ from megatron_vlm.checkpoint.hf import load_hf_model
 from megatron_vlm.data.processor import load_processor
 from megatron_vlm.models import get_family
 from megatron_vlm.models.common.moe import moe_layers
+from megatron_vlm.models.mcore.layer import use_mcore_layers
 from megatron_vlm.parallel import ParallelDims, build_mesh
 from megatron_vlm.parallel.collectives import all_reduce_
 from megatron_vlm.parallel.pipeline import PipelineRunner, check_pipeline_layout, split_model_for_stage, stage_all_reduce
@@ -60,6 +61,16 @@ def _load_all_reduce(dims: ParallelDims):
     return reduce
 
 
+def use_mcore_backend(model) -> None:
+    """`parallel.backend = "mcore"`: swap the language decoder's layers for megatron-core ones (McoreBackendError,
+    exit 2, when the family's layers cannot be mapped) and say so at startup."""
+    use_mcore_layers(model)
+    layer = model.language_model.layers[0]
+    log.info("parallel.backend = mcore: %d language-decoder layers are megatron-core TransformerLayers (%s layer spec); "
+             "experimental: not yet run on a GPU", len(model.language_model.layers),
+             "Transformer Engine" if layer.te_fused_norms else "local")
+
+
 def build_model_bundle(ctx: RunContext) -> ModelBundle:
     """Configure the kernels, seed every RNG with `train.seed`, build the mesh, load, freeze and shard
     the model. Same order on every rank (the sharding is collective)."""
@@ -70,6 +81,8 @@ def build_model_bundle(ctx: RunContext) -> ModelBundle:
     processor = load_processor(cfg.model.path, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels,
                                video_min_pixels=cfg.data.video_min_pixels, video_max_pixels=cfg.data.video_max_pixels)
     model = load_hf_model(cfg.model.path, dtype=getattr(torch, cfg.model.dtype), device="cpu")
+    if cfg.parallel.backend == "mcore":  # megatron-core decoder layers, converted from the loaded weights
+        use_mcore_backend(model)
     lora = getattr(cfg, "lora", None)  # [lora] section (None: full fine-tuning)
     if lora is not None:  # adapters before sharding: FSDP2 wraps them with the rest of each block
         try:

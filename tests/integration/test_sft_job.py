@@ -257,3 +257,23 @@ def test_eval_answer_accuracy_matches_transformers_greedy(tmp_path, assets):
     assert [normalize_answer(p["greedy"]) for p in preds] == answers
     for q in QUESTION_TYPES:
         assert result["metrics"][f"greedy_accuracy/{q}"] == pytest.approx(sum(hits[q]) / len(hits[q]), abs=1e-9)
+
+
+def test_mcore_backend_job_matches_native(tmp_path, assets):
+    """parallel.backend = "mcore" through the entry point: the same losses, end-of-run answer accuracy
+    (greedy decoding through the megatron-core layers) and HF export as the native decoder."""
+    pytest.importorskip("megatron.core")
+    runs = {}
+    for backend in ("native", "mcore"):
+        out = tmp_path / backend
+        r = run_job(small_demo_overrides(out, assets, **{"parallel.backend": f'"{backend}"', "checkpoint.enable": "false",
+                                                         "train.max_steps": 3}))
+        runs[backend] = (out, r)
+    assert "parallel.backend = mcore" in runs["mcore"][1].stderr + runs["mcore"][1].stdout
+    loss = {b: [float(r["loss"]) for r in read_metrics(out / "metrics_train.csv")] for b, (out, _) in runs.items()}
+    assert len(loss["native"]) == 3 and max(abs(a - b) for a, b in zip(loss["native"], loss["mcore"])) <= 1e-5, loss
+    ev = {b: read_metrics(out / "metrics_eval.csv")[-1] for b, (out, _) in runs.items()}
+    assert ev["native"]["answer_accuracy"] == ev["mcore"]["answer_accuracy"]
+    p1, p2 = load_safetensors_dir(runs["native"][0] / "hf"), load_safetensors_dir(runs["mcore"][0] / "hf")
+    assert p1.keys() == p2.keys()
+    assert max((p1[k] - p2[k]).abs().max().item() for k in p1) <= 1e-5

@@ -32,6 +32,47 @@ from megatron_vlm import kernels
 from megatron_vlm.models.common.norms import RMSNorm
 
 
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: Optional[torch.Tensor],
+    sin: Optional[torch.Tensor],
+    *,
+    causal: bool,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    max_seqlen: Optional[int] = None,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    kv_cache=None,
+    layer_idx: Optional[int] = None,
+    prefix_layout=None,
+    context_parallel=None,
+) -> torch.Tensor:
+    """Rotary, then attention of per-head q / k / v (`[B, S, H, D]` or packed `[T, H, D]`) in every input
+    form above; returns the per-head output (before the output projection). Shared with decoder layers
+    whose projections are not this module's (megatron-core layers: models/mcore/layer.py)."""
+    if cos is not None:
+        q = kernels.apply_rotary(q, cos, sin)
+        k = kernels.apply_rotary(k, cos, sin)
+    if kv_cache is not None:
+        if cu_seqlens is not None:
+            raise ValueError("Attention: a KV cache works with batched [B, S] input, not packed cu_seqlens")
+        if hasattr(kv_cache, "attend"):  # a slot cache: one query token against each sequence's slot
+            return kv_cache.attend(layer_idx, q, k, v)
+        k, v, key_padding_mask = kv_cache.update(layer_idx, k, v)
+    cu_k, max_k = cu_seqlens, max_seqlen
+    if prefix_layout is not None:
+        if cu_seqlens is None or kv_cache is not None or context_parallel is not None:
+            raise ValueError("Attention: prefix_layout works with packed input (cu_seqlens), no KV cache and "
+                             "no context parallelism")
+        k, v = prefix_layout.gather(k, v)
+        cu_k, max_k = prefix_layout.cu_seqlens_k, prefix_layout.max_seqlen_k
+    if context_parallel is not None and cu_seqlens is not None and kv_cache is None:
+        return context_parallel.attention(q, k, v, cu_seqlens, causal=causal)
+    return kernels.attention(q, k, v, causal=causal, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_k,
+                             max_seqlen_q=max_seqlen, max_seqlen_k=max_k, key_padding_mask=key_padding_mask)
+
+
 class Attention(nn.Module):
     context_parallel = None
     """Set by `megatron_vlm.parallel.context_parallel.apply_cp`: packed input then holds this rank's
@@ -103,34 +144,7 @@ class Attention(nn.Module):
         v = v.view(*lead, -1, self.head_dim)
         if self.q_norm is not None and self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
-        if cos is not None:
-            q = kernels.apply_rotary(q, cos, sin)
-            k = kernels.apply_rotary(k, cos, sin)
-        if kv_cache is not None:
-            if cu_seqlens is not None:
-                raise ValueError("Attention: a KV cache works with batched [B, S] input, not packed cu_seqlens")
-            if hasattr(kv_cache, "attend"):  # a slot cache: one query token against each sequence's slot
-                return self.o_proj(kv_cache.attend(layer_idx, q, k, v).reshape(*lead, -1))
-            k, v, key_padding_mask = kv_cache.update(layer_idx, k, v)
-        cu_k, max_k = cu_seqlens, max_seqlen
-        if prefix_layout is not None:
-            if cu_seqlens is None or kv_cache is not None or self.context_parallel is not None:
-                raise ValueError("Attention: prefix_layout works with packed input (cu_seqlens), no KV cache and "
-                                 "no context parallelism")
-            k, v = prefix_layout.gather(k, v)
-            cu_k, max_k = prefix_layout.cu_seqlens_k, prefix_layout.max_seqlen_k
-        if self.context_parallel is not None and cu_seqlens is not None and kv_cache is None:
-            out = self.context_parallel.attention(q, k, v, cu_seqlens, causal=self.causal)
-            return self.o_proj(out.reshape(*lead, -1))
-        out = kernels.attention(
-            q,
-            k,
-            v,
-            causal=self.causal,
-            cu_seqlens_q=cu_seqlens,
-            cu_seqlens_k=cu_k,
-            max_seqlen_q=max_seqlen,
-            max_seqlen_k=max_k,
-            key_padding_mask=key_padding_mask,
-        )
+        out = attend(q, k, v, cos, sin, causal=self.causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                     key_padding_mask=key_padding_mask, kv_cache=kv_cache, layer_idx=layer_idx,
+                     prefix_layout=prefix_layout, context_parallel=self.context_parallel)
         return self.o_proj(out.reshape(*lead, -1))

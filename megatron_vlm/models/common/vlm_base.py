@@ -132,7 +132,7 @@ class KVCacheMixin:
     def new_cache(self, batch_size: int, max_len: int, *, dtype: Optional[torch.dtype] = None, device=None) -> KVCache:
         """An empty KV cache for `batch_size` sequences of up to `max_len` tokens (prompt + generated)."""
         layers = self.language_model.layers
-        attn = layers[0].self_attn
+        attn = getattr(layers[0], "self_attn", layers[0])  # a megatron-core layer answers for its attention itself
         ref = self.lm_head.weight
         return KVCache(
             len(layers), batch_size, max_len, attn.local_heads()[1], attn.head_dim,

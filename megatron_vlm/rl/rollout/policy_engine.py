@@ -62,6 +62,7 @@ from megatron_vlm.data.batch import VISION_KEYS
 from megatron_vlm.models.common.kv_cache import KVCache
 from megatron_vlm.models.common.slot_cache import PagedSlotCache, SlotCache
 from megatron_vlm.models.common.vlm_base import VLMBase
+from megatron_vlm.models.mcore.layer import native_state_dict
 from megatron_vlm.rl.rollout.engine import RolloutEngine, RolloutPrompt, RolloutResult, RolloutSample, SamplingParams
 from megatron_vlm.rl.rollout.sampling import sample_tokens
 from megatron_vlm.rl.rollout.stopping import StopChecker, eos_token_ids_of
@@ -200,7 +201,8 @@ class PolicyRolloutEngine(RolloutEngine):
         thread) to finish. The time of the copy is reported as `weight_sync_s` in the next result's stats."""
         t0 = time.perf_counter()
         if weights is None and self.sync_from is not None:
-            weights = _full_state_dict(self.sync_from)
+            # a trainer with megatron-core layers (parallel.backend = "mcore"): its weights under native names
+            weights = native_state_dict(_full_state_dict(self.sync_from), self.sync_from)
         with self._step_lock:
             if weights is not None:
                 missing, unexpected = self.model.load_state_dict(dict(weights), strict=False)

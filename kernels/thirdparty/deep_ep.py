@@ -1,0 +1,159 @@
+"""The expert-parallel all-to-all on DeepEP (deepseek-ai/DeepEP), normal (not low-latency) mode, chosen
+by `auto` on CUDA for bf16 when `deep_ep` imports (experimental: not yet run on a GPU).
+
+Op `moe_ep_dispatch` (`[kernels] moe_ep_dispatch`): the forward of an expert-parallel experts module
+(`parallel/expert_parallel.py`, used only when parallel.ep > 1): `fn(experts, x, topk_ids, topk_weights)
+-> (combined [N, hidden], tokens_per_expert [E])`. The `torch` backend is our two `all_to_all_single`s
+over (token, expert) copies; this one sends each token once per destination rank with DeepEP:
+
+1. `Buffer.get_dispatch_layout(topk_idx int64 [N, k], E)` -> tokens per rank / per expert and
+   `is_token_in_rank [N, ep]`, from our router's top-k ids (cast to int64; DeepEP's `topk_idx_t`).
+2. `Buffer.dispatch(x, num_tokens_per_rank=, is_token_in_rank=, num_tokens_per_expert=, topk_idx=,
+   topk_weights= fp32)` -> the tokens this rank received, their top-k ids already local (expert id
+   minus rank * E/ep, -1 where the expert lives elsewhere) and weights, and a handle.
+3. The local experts run on the received tokens with our ops: `kernels.moe_permute` over E/ep + 1
+   groups (the extra one collects the -1 slots and is dropped), `expert_mlp`, `kernels.moe_unpermute`
+   with the received weights (0 on the -1 slots): one weighted partial sum per received token.
+4. `Buffer.combine(partial, handle)` sums the partial sums of every destination rank per source token
+   (DeepEP's combine adds without weights, so the weights are applied in step 3).
+Autograd (DeepEP has none): dispatch's backward is `combine(grad_x, handle, topk_weights=grad_w)`,
+combine's backward is `dispatch(grad, handle=handle)`, as megatron-core wraps them.
+
+Documented constraints and what happens: x must be bf16 (DeepEP's normal-mode dispatch / combine),
+other dtypes -> the `torch` all-to-all (logged once); the EP size must be one of DeepEP's tuned
+configs (`Buffer.get_dispatch_config`: 2, 4, 8, 16, ...) -> otherwise the `torch` path (logged);
+intranode needs NVLink between the ranks (DeepEP asserts); torch's deterministic algorithms together with
+`fill_uninitialized_memory` are refused by DeepEP -> the `torch` path (logged). One `Buffer` per process group, sized by
+DeepEP's own `get_nvl_buffer_size_hint` for the largest hidden size seen, kept for the run.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Tuple
+
+import torch
+
+logger = logging.getLogger("megatron_vlm.kernels")
+_logged: set = set()
+_BUFFERS: Dict[object, Tuple[object, int]] = {}  # process group -> (Buffer, nvl bytes)
+DTYPES = (torch.bfloat16,)  # what DeepEP's normal-mode dispatch / combine take
+_TUNED_SIZES = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
+
+
+def _log_once(reason: str) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.info("moe_ep_dispatch: backend deep_ep falls back to the torch all-to-all: %s", reason)
+
+
+def _log_start() -> None:
+    if "start" not in _logged:
+        _logged.add("start")
+        logger.info("moe_ep_dispatch: DeepEP dispatch / combine (experimental: not yet run on a GPU)")
+
+
+def dispatch_layout(topk_ids: torch.Tensor, num_experts: int, ep: int):
+    """What DeepEP's `get_dispatch_layout` computes, in torch (for checks and the docs): topk_ids
+    `[N, k]` (-1 = none) -> (tokens per rank `[ep]` int32, tokens per expert `[E]` int32,
+    is_token_in_rank `[N, ep]` bool). A token counts once per rank however many of its experts live there."""
+    n_local = num_experts // ep
+    valid = topk_ids >= 0
+    rank_of = torch.where(valid, topk_ids // n_local, ep)  # ep = a column that is dropped
+    in_rank = torch.zeros(topk_ids.shape[0], ep + 1, dtype=torch.bool, device=topk_ids.device)
+    in_rank.scatter_(1, rank_of.long(), True)
+    in_rank = in_rank[:, :ep]
+    per_expert = torch.bincount(topk_ids[valid].long(), minlength=num_experts).to(torch.int32)
+    return in_rank.sum(0).to(torch.int32), per_expert, in_rank
+
+
+def _buffer(group, hidden_bytes: int):
+    import deep_ep
+
+    ep = torch.distributed.get_world_size(group)
+    nvl = max(deep_ep.Buffer.get_dispatch_config(ep).get_nvl_buffer_size_hint(hidden_bytes, ep),
+              deep_ep.Buffer.get_combine_config(ep).get_nvl_buffer_size_hint(hidden_bytes, ep))
+    cached = _BUFFERS.get(group)
+    if cached is None or cached[1] < nvl:
+        _BUFFERS[group] = (deep_ep.Buffer(group, nvl, 0), nvl)
+    return _BUFFERS[group][0]
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weights, topk_idx, per_rank, in_rank, per_expert, buffer):
+        recv_x, recv_idx, recv_w, _counts, handle, _ = buffer.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx, topk_weights=topk_weights,
+        )
+        ctx.buffer, ctx.handle = buffer, handle
+        ctx.mark_non_differentiable(recv_idx)
+        return recv_x, recv_w, recv_idx, handle
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_w, _grad_idx, _grad_handle):
+        weights = None if grad_w is None else grad_w.float().contiguous()
+        gx, gw, _ = ctx.buffer.combine(grad_x.contiguous(), ctx.handle, topk_weights=weights)
+        return gx, gw, None, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, handle, buffer):
+        ctx.buffer, ctx.handle = buffer, handle
+        out, _, _ = buffer.combine(y.contiguous(), handle)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        gy = ctx.buffer.dispatch(grad.contiguous(), handle=ctx.handle)[0]
+        return gy, None, None
+
+
+def _local_experts(experts, recv_x: torch.Tensor, recv_idx: torch.Tensor, recv_w: torch.Tensor) -> torch.Tensor:
+    """Received tokens -> one weighted partial sum per token over its experts held here (step 3)."""
+    from megatron_vlm import kernels
+
+    n_local = experts.num_local_experts
+    mine = recv_idx >= 0
+    ids = torch.where(mine, recv_idx, n_local)  # the -1 slots go to an extra group that is dropped
+    weights = torch.where(mine, recv_w, torch.zeros_like(recv_w))
+    permuted, row_map, counts = kernels.moe_permute(recv_x, ids, num_experts=n_local + 1)
+    local_counts = counts[:n_local]
+    rows = int(local_counts.sum())
+    first = experts._local_weight("gate_up_proj" if experts.gated else "up_proj", recv_x.dtype)
+    down = experts._local_weight("down_proj", recv_x.dtype)
+    out = experts.expert_mlp(permuted[:rows], local_counts, first, down)
+    # tie the weights into the graph even with no rows, so every rank runs the same backward collectives
+    out = out + 0.0 * (recv_x.sum() + recv_w.sum() + first.sum() + down.sum()) if rows == 0 else out
+    padded = torch.cat([out, out.new_zeros(permuted.shape[0] - rows, out.shape[1])])
+    return kernels.moe_unpermute(padded, row_map, weights)
+
+
+def ep_forward(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+    """Public-signature moe_ep_dispatch on DeepEP (contract: `parallel.expert_parallel.all_to_all_forward`)."""
+    from megatron_vlm.parallel.expert_parallel import all_to_all_forward
+
+    ep = experts.ep_size
+    if x.dtype not in DTYPES:
+        _log_once(f"{x.dtype} activations (DeepEP dispatches and combines bf16 only)")
+        return all_to_all_forward(experts, x, topk_ids, topk_weights)
+    if ep not in _TUNED_SIZES:
+        _log_once(f"expert-parallel size {ep} (DeepEP has tuned configs for {_TUNED_SIZES})")
+        return all_to_all_forward(experts, x, topk_ids, topk_weights)
+    if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
+        _log_once("torch deterministic algorithms with fill_uninitialized_memory (DeepEP asserts they are not both on)")
+        return all_to_all_forward(experts, x, topk_ids, topk_weights)
+    _log_start()
+    buffer = _buffer(experts.ep_group, x.shape[1] * x.element_size())
+    topk_idx = topk_ids.to(torch.int64)
+    per_rank, _rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, experts.num_experts)
+    recv_x, recv_w, recv_idx, handle = _Dispatch.apply(
+        x.contiguous(), topk_weights.float().contiguous(), topk_idx, per_rank, in_rank, per_expert, buffer,
+    )
+    partial = _local_experts(experts, recv_x, recv_idx, recv_w)
+    combined = _Combine.apply(partial.to(x.dtype), handle, buffer)
+    tokens_per_expert = torch.bincount(topk_idx.reshape(-1), minlength=experts.num_experts)
+    return combined, tokens_per_expert
+
+
+__all__: List[str] = ["dispatch_layout", "ep_forward"]

@@ -1,0 +1,202 @@
+"""`parallel.backend = "mcore"`: the language decoder's layers are megatron-core `TransformerLayer`s.
+
+Why a layer swap and not megatron-core's `GPTModel`: everything around the decoder layers stays ours and
+unchanged — token embedding, vision tower and merge, M-RoPE / DeepStack positions and injections, final
+norm, the fused LM-head log-probs, packing, checkpoints and export. Each family's `DecoderLayer` is
+replaced, after its HF weights are loaded, by a `McoreDecoderLayer` holding a megatron-core
+`TransformerLayer` built from a layer spec (`get_gpt_layer_local_spec`: megatron-core's own column / row
+parallel linears and norms; Transformer Engine's fused LayerNorm-linear modules when TE is installed), its
+weights converted from the native layer (`convert.py`, exact).
+
+Why the layer's forward is composed here from the TransformerLayer's submodules (input norm, `linear_qkv`
+with QK-norm, `linear_proj`, pre-MLP norm, MLP) instead of calling `TransformerLayer.forward`: the
+attention itself runs through our `attend` (models/common/attention.py) — the kernel registry (SDPA on the
+CPU, our Triton kernel or flash-attn on CUDA), packed varlen samples without an S x S mask, shared-prompt
+packs, the KV / slot caches of decoding and evaluation, the per-token M-RoPE angles — none of which
+megatron-core's core attention takes without Transformer Engine's THD path. The math equals the native
+layer's (tests/unit/mcore/test_mcore_backend.py: logits, gradients and the HF export).
+
+Limits, refused with exit 2 before a run starts (config/sections.py, `check_mcore_model`): tensor / context
+/ pipeline / expert parallelism sizes > 1 (megatron-core's own process groups are not wired to our mesh
+yet), MoE and Mamba2 layers (Qwen3-VL-MoE, Qwen3-MoE, Nemotron-VL), LoRA; experimental: not yet run on a GPU.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_vlm.models.common.attention import attend
+from megatron_vlm.models.common.decoder import DecoderLayer
+from megatron_vlm.models.common.mlp import SwiGLUMLP
+from megatron_vlm.models.mcore.convert import hf_to_mcore, mcore_to_hf
+
+__all__ = ["McoreDecoderLayer", "McoreBackendError", "use_mcore_layers", "native_state_dict", "check_mcore_model",
+           "ensure_parallel_state"]
+
+_WRAPPED = re.compile(r"^(?P<pre>.*\blayers\.(?P<i>\d+)\.)mcore\.(?P<name>.+)$")
+
+
+class McoreBackendError(ValueError):
+    """The model or run cannot use megatron-core layers (a config error: exit 2)."""
+
+
+def ensure_parallel_state() -> None:
+    """megatron-core's linears read its model-parallel groups: tp = pp = 1 over the initialised world."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+
+
+def _check_layer(i: int, layer: nn.Module) -> None:
+    if not isinstance(layer, DecoderLayer) or not isinstance(layer.mlp, SwiGLUMLP):
+        kind = type(layer.mlp).__name__ if isinstance(layer, DecoderLayer) else type(layer).__name__
+        raise McoreBackendError(f"parallel.backend = 'mcore': decoder layer {i} is a {kind}; only attention + dense "
+                                "SwiGLU layers are built from megatron-core so far (not MoE or Mamba2 layers)")
+    attn = layer.self_attn
+    if attn.o_proj.bias is not None:
+        raise McoreBackendError("parallel.backend = 'mcore': an output-projection bias is not mapped")
+    if attn.q_norm is not None and not attn.qk_norm_per_head:
+        raise McoreBackendError("parallel.backend = 'mcore': QK-norm over the full width is not mapped (per head only)")
+
+
+def check_mcore_model(model: nn.Module) -> None:
+    """Raise McoreBackendError when `model`'s language decoder cannot be built from megatron-core layers."""
+    layers = getattr(getattr(model, "language_model", None), "layers", None)
+    if layers is None:
+        raise McoreBackendError(f"parallel.backend = 'mcore': {type(model).__name__} has no language_model.layers")
+    for i, layer in enumerate(layers):
+        _check_layer(i, layer)
+
+
+def _config(layer: DecoderLayer, num_layers: int, dtype: torch.dtype):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    attn = layer.self_attn
+    heads, kv_heads = attn.local_heads()
+    return TransformerConfig(
+        num_layers=num_layers, hidden_size=layer.input_layernorm.weight.shape[0],
+        ffn_hidden_size=layer.mlp.gate_proj.weight.shape[0], num_attention_heads=heads, num_query_groups=kv_heads,
+        kv_channels=attn.head_dim, normalization="RMSNorm", layernorm_epsilon=layer.input_layernorm.eps,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=attn.q_proj.bias is not None, qk_layernorm=attn.q_norm is not None,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16, use_cpu_initialization=True, perform_initialization=False,
+    )
+
+
+def _layer_spec(qk_layernorm: bool):
+    """Transformer Engine's spec when TE imports (fused norm + linear), megatron-core's local one otherwise."""
+    try:
+        import transformer_engine  # noqa: F401
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm), True
+    except ImportError:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm), False
+
+
+class McoreDecoderLayer(nn.Module):
+    """A `DecoderLayer` stand-in (same call signature) around a megatron-core TransformerLayer (`self.mcore`)."""
+
+    def __init__(self, native: DecoderLayer, index: int, num_layers: int) -> None:
+        super().__init__()
+        from megatron.core.transformer.spec_utils import build_module
+
+        _check_layer(index, native)
+        dtype = native.input_layernorm.weight.dtype
+        config = _config(native, num_layers, dtype)
+        spec, self.te_fused_norms = _layer_spec(config.qk_layernorm)
+        self.heads = dict(num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_query_groups)
+        self.head_dim = config.kv_channels
+        self.mcore = build_module(spec, config=config, layer_number=index + 1)
+        self.mcore.to(native.input_layernorm.weight.device)
+        self.load_native(native.state_dict())
+
+    def load_native(self, state: dict) -> None:
+        """Load a native DecoderLayer state dict (HF layer names), converted exactly."""
+        converted = hf_to_mcore({f"model.layers.0.{k}": v for k, v in state.items()}, te_fused_norms=self.te_fused_norms,
+                                **self.heads)
+        missing, unexpected = self.mcore.load_state_dict({k.removeprefix("decoder.layers.0."): v
+                                                          for k, v in converted.items()}, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise McoreBackendError(f"megatron-core layer: weights missing {missing}, unexpected {unexpected}")
+
+    def native_state(self, state: Optional[dict] = None) -> dict:
+        """This layer's weights under native DecoderLayer (HF layer) names."""
+        state = self.mcore.state_dict() if state is None else state
+        hf = mcore_to_hf({f"decoder.layers.0.{k}": v for k, v in state.items()}, te_fused_norms=self.te_fused_norms,
+                         **self.heads)
+        return {k.removeprefix("model.layers.0."): v for k, v in hf.items()}
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        max_seqlen: Optional[int] = None,
+        key_padding_mask: Optional[torch.Tensor] = None,
+        kv_cache=None,
+        layer_idx: Optional[int] = None,
+        prefix_layout=None,
+    ) -> torch.Tensor:
+        layer = self.mcore
+        packed = x.dim() == 2  # [T, hidden] with cu_seqlens; megatron-core's linears take 3-D input
+
+        def three_d(t):
+            return t[None] if packed else t
+
+        def caller(t):  # back to the caller's layout; the residual adds below make fresh (non-view) outputs
+            return t[0] if packed else t
+
+        q, k, v = layer.self_attention.get_query_key_value_tensors(layer.input_layernorm(three_d(x)))  # + QK-norm
+        out = attend(caller(q), caller(k), caller(v), cos, sin, causal=True, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                     key_padding_mask=key_padding_mask, kv_cache=kv_cache, layer_idx=layer_idx, prefix_layout=prefix_layout)
+        proj, bias = layer.self_attention.linear_proj(three_d(out.reshape(*out.shape[:-2], -1)))
+        h = x + caller(proj) if bias is None else x + caller(proj) + bias
+        mlp_out, bias = layer.mlp(layer.pre_mlp_layernorm(three_d(h)))
+        return h + caller(mlp_out) if bias is None else h + caller(mlp_out) + bias
+
+    def local_heads(self) -> tuple[int, int]:
+        return self.heads["num_attention_heads"], self.heads["num_key_value_heads"]
+
+
+def use_mcore_layers(model: nn.Module) -> None:
+    """Replace every language-decoder layer of `model` (weights loaded) by a McoreDecoderLayer."""
+    check_mcore_model(model)
+    ensure_parallel_state()
+    layers = model.language_model.layers
+    for i in range(len(layers)):
+        layers[i] = McoreDecoderLayer(layers[i], i, len(layers))
+
+
+def native_state_dict(state: dict, model: nn.Module) -> dict:
+    """A full state dict of `model` (keys relative to it) -> native DecoderLayer names for its
+    McoreDecoderLayers (what the HF export maps); the same dict when it has none."""
+    layers = getattr(getattr(model, "language_model", None), "layers", [])
+    swapped = {f"language_model.layers.{i}.mcore.": layer for i, layer in enumerate(layers)
+               if isinstance(layer, McoreDecoderLayer)}
+    if not swapped:
+        return state
+    out: dict[str, torch.Tensor] = {}
+    grouped: dict[str, dict[str, torch.Tensor]] = {pre: {} for pre in swapped}
+    for key, value in state.items():
+        m = _WRAPPED.match(key)
+        pre = m.group("pre") + "mcore." if m else None
+        if pre in grouped:
+            grouped[pre][m.group("name")] = value
+        else:
+            out[key] = value
+    for pre, layer_state in grouped.items():
+        native_pre = pre.removesuffix("mcore.")
+        out.update({native_pre + k: v for k, v in swapped[pre].native_state(layer_state).items()})
+    return out

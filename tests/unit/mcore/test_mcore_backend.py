@@ -1,0 +1,135 @@
+"""`parallel.backend = "mcore"` (models/mcore/layer.py): each dense family's language-decoder layers swapped
+for megatron-core 0.16.1 TransformerLayers (local spec, on the CPU) give the native model's log-probs and
+gradients on a packed batch with images and shared prompts, its logits on a left-padded batch, the same
+greedy rollout through the KV slot cache, and the native state dict back for the HF export. MoE and
+Mamba2 decoders are refused with the reason."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")  # installed by the dev extra
+
+from megatron_vlm.checkpoint.hf import load_hf_model  # noqa: E402
+from megatron_vlm.data.processor import load_processor  # noqa: E402
+from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa  # noqa: E402
+from megatron_vlm.models.mcore.layer import (  # noqa: E402
+    McoreBackendError,
+    McoreDecoderLayer,
+    native_state_dict,
+    use_mcore_layers,
+)
+from megatron_vlm.rl.batching import TrainSample, pack_samples  # noqa: E402
+from megatron_vlm.rl.data import load_prompt_dataset  # noqa: E402
+from megatron_vlm.rl.prompts import PromptEncoder  # noqa: E402
+from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams  # noqa: E402
+from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine  # noqa: E402
+from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
+from megatron_vlm.training.lm_loss import TokenLogprobModel  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def mcore_state(tmp_path_factory):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'init'}", rank=0,
+                                world_size=1)
+    yield
+    parallel_state.destroy_model_parallel()
+    if own:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def vqa(tmp_path_factory):
+    return write_synthetic_vqa(tmp_path_factory.mktemp("vqa"), 2, 3, seed=0)["eval"]
+
+
+def _prompts(kind, folder, vocab, vqa):
+    proc = load_processor(str(folder))
+    if kind == "tiny_qwen3":
+        g = torch.Generator().manual_seed(1)
+        return [RolloutPrompt(torch.randint(0, vocab, (n,), generator=g)) for n in (7, 12, 4)], proc
+    encoder = PromptEncoder(proc, max_frames=4, fps=2.0, max_new_tokens=5, max_tokens=4096)
+    return [encoder.encode(s) for s in load_prompt_dataset(vqa, schema="messages").samples], proc
+
+
+
+def _logp_grads(model, batch, weights):
+    model.zero_grad(set_to_none=True)
+    logp = TokenLogprobModel(model).train()({k: v for k, v in batch.items() if k != "num_response_tokens"})
+    (logp * weights).sum().backward()
+    grads = {}
+    for i, layer in enumerate(model.language_model.layers):  # per native name, mcore layers mapped back
+        own = {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
+        if isinstance(layer, McoreDecoderLayer):
+            own = layer.native_state({n.removeprefix("mcore."): g for n, g in own.items()})
+        grads.update({f"layer{i}.{n}": g for n, g in own.items()})
+    rest = {n: p.grad for n, p in model.named_parameters() if p.grad is not None and ".layers." not in n}
+    return logp.detach(), {**grads, **rest}
+
+
+@pytest.mark.parametrize("kind", ["tiny_qwen2_5_vl", "tiny_qwen3_vl", "tiny_internvl", "tiny_qwen3"])
+def test_mcore_layers_equal_the_native_decoder(kind, mcore_state, vqa, tmp_path):
+    folder = synthesize_model_folder(kind, tmp_path / kind, seed=0)
+    native = load_hf_model(str(folder), dtype=torch.float32)
+    mc = copy.deepcopy(native)
+    use_mcore_layers(mc)
+    assert all(isinstance(layer, McoreDecoderLayer) for layer in mc.language_model.layers)
+    assert type(mc.language_model.layers[0].mcore).__name__ == "TransformerLayer"
+    vocab = native.lm_head.weight.shape[0]
+
+    # export: the native names and tensors back, bit-exactly
+    back = native_state_dict(mc.state_dict(), mc)
+    ref = native.state_dict()
+    assert back.keys() == ref.keys() and all(torch.equal(back[k], ref[k]) for k in ref)
+
+    # training forward: packed samples with shared prompts (and images), log-probs and gradients
+    prompts, proc = _prompts(kind, folder, vocab, vqa)
+    g = torch.Generator().manual_seed(2)
+    samples = [TrainSample(p, torch.randint(0, vocab, (int(n),), generator=g), torch.zeros(int(n)), 0.0)
+               for p in prompts for n in torch.randint(1, 6, (2,), generator=g)]
+    batch = pack_samples(samples, share_prompts=True)
+    weights = torch.randn(batch["num_response_tokens"], generator=g)
+    lp_n, g_n = _logp_grads(native, batch, weights)
+    lp_m, g_m = _logp_grads(mc, batch, weights)
+    torch.testing.assert_close(lp_m, lp_n, atol=1e-5, rtol=0)
+    assert g_m.keys() == g_n.keys()
+    for name in g_n:
+        torch.testing.assert_close(g_m[name], g_n[name], atol=1e-5, rtol=1e-4, msg=name)
+
+    # decoding: greedy completions through the engine's KV slot cache, and a left-padded batch's logits
+    params = SamplingParams(max_new_tokens=4, n=1, temperature=0.0)
+    tok = proc.tokenizer
+    out_n = PolicyRolloutEngine(native.eval(), tok, eos_token_ids=[-1]).generate(prompts, params)
+    out_m = PolicyRolloutEngine(mc.eval(), tok, eos_token_ids=[-1]).generate(prompts, params)
+    assert [s.token_ids.tolist() for s in out_m.samples] == [s.token_ids.tolist() for s in out_n.samples]
+    torch.testing.assert_close(torch.cat([s.logprobs for s in out_m.samples]),
+                               torch.cat([s.logprobs for s in out_n.samples]), atol=1e-5, rtol=0)
+    if kind == "tiny_qwen3":
+        ids = torch.randint(0, vocab, (2, 6), generator=g)
+        mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+        with torch.no_grad():
+            torch.testing.assert_close(mc(ids, attention_mask=mask)[mask.bool()],
+                                       native(ids, attention_mask=mask)[mask.bool()], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind,why", [("tiny_qwen3_vl_moe", "MoE"), ("tiny_nemotron_vl", "Mamba2")])
+def test_moe_and_mamba_decoders_are_refused(kind, why, mcore_state, tmp_path):
+    folder = synthesize_model_folder(kind, tmp_path / kind, seed=0)
+    with pytest.raises(McoreBackendError, match="parallel.backend = 'mcore'"):
+        use_mcore_layers(load_hf_model(str(folder)))
+
+
+def test_config_refusals():
+    from megatron_vlm.config.sections import ParallelConfig
+
+    for key in ("tp", "cp", "pp", "ep"):
+        with pytest.raises(ValueError, match=f"{key} = 2"):
+            ParallelConfig(backend="mcore", **{key: 2}).validate()
+    ParallelConfig(backend="mcore", dp_shard=2).validate()  # data parallelism is fine

@@ -11,7 +11,7 @@ kv_channels, num_gqa_groups, attention_dropout, qkv_format, softmax_scale)` whos
 `check_set_window_size` table, and returns `[T, H * D]` / `[B, S, H * D]`. The stand-ins compute in float64
 the plain way (per sequence, per head; norms through autograd) and the adapter must give our references'
 values and gradients; unsupported calls must fall back (logged, the stand-in never called). The real
-package against the references: tests/gpu/test_thirdparty_transformer_engine.py.
+package against the references: tests/gpu/test_gpu_thirdparty_transformer_engine.py.
 """
 from __future__ import annotations
 

@@ -41,10 +41,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
 
 
-def make_prompts(n: int, seed: int = 0) -> list[str]:
+def make_prompts(n: int, seed: int = 0, tokenizer=None, prompt_tokens: int = 0) -> list[str]:
+    """`n` short arithmetic questions; with `prompt_tokens` > 0 each is preceded by its own context of
+    numbered facts, grown until the prompt has at least that many tokens (the seed GRPO recipes' prompts are a
+    question plus an image: hundreds of tokens; the bare question is ~15)."""
     g = torch.Generator().manual_seed(seed)
     a, b = torch.randint(10, 1000, (n,), generator=g).tolist(), torch.randint(10, 1000, (n,), generator=g).tolist()
-    return [f"What is {x} plus {y}? Answer with a number." for x, y in zip(a, b)]
+    prompts = [f"What is {x} plus {y}? Answer with a number." for x, y in zip(a, b)]
+    if prompt_tokens <= 0:
+        return prompts
+    out = []
+    for i, question in enumerate(prompts):
+        facts: list[str] = []
+        while len(tokenizer(" ".join(facts) + " " + question, add_special_tokens=False)["input_ids"]) < prompt_tokens:
+            k = len(facts)
+            facts.append(f"Fact {k}: box {(i * 31 + k * 7) % 97} holds {(i * 13 + k * 11) % 89} stones.")
+        out.append(" ".join(facts) + " " + question)
+    return out
 
 
 def hash_reward(text: str) -> float:
@@ -54,7 +67,8 @@ def hash_reward(text: str) -> float:
 class OurGRPO:
     """Our synchronous GRPO step (`megatron_vlm.rl.grpo_step.GRPOStep`), wired as bench_grpo_step.py does."""
 
-    def __init__(self, folder: Path, tokenizer, prompts: list[str], group: int, new_tokens: int, rollout_weights: str = "copy"):
+    def __init__(self, folder: Path, tokenizer, prompts: list[str], group: int, new_tokens: int, rollout_weights: str = "copy",
+                 prompt_sharing: str = "auto"):
         from bench_grpo_step import FixedPrompts, HashReward, TokenIds
 
         from megatron_vlm.checkpoint.hf import load_hf_model
@@ -84,7 +98,7 @@ class OurGRPO:
         bundle = SimpleNamespace(model=model, wrapper=wrapper, dims=dims, moe_balancer=None,
                                  trainable_params=[p for p in wrapper.parameters() if p.requires_grad])
         rl = RLConfig(group_size=group, max_new_tokens=new_tokens, prompts_per_step=len(prompts), temperature=1.0,
-                      kl_coef=0.0, rewards=[ExactMatchRewardConfig()])
+                      kl_coef=0.0, rewards=[ExactMatchRewardConfig()], prompt_sharing=prompt_sharing)
         rl.validate()
         if rollout_weights == "copy":  # as rl.rollout_weights = "copy": an unsharded copy, refreshed once per step
             policy_copy = load_hf_model(str(folder), dtype=torch.float32, device="cpu").eval()
@@ -114,11 +128,15 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="grow each prompt to at least this many tokens with a context of facts (0: the bare ~15-token question)")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rollout-weights", choices=("copy", "shared"), default="copy",
                     help="our engine's weights (rl.rollout_weights): its own copy (default) or the trainer's FSDP parameters")
+    ap.add_argument("--prompt-sharing", choices=("auto", "off"), default="auto",
+                    help="rl.prompt_sharing of our update (off: every completion's pack row carries its own prompt copy, as TRL's)")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
     if importlib.util.find_spec("trl") is None:
@@ -140,8 +158,9 @@ def main() -> int:
     folder = build_tiny_qwen_text_folder(tmp / "tiny-qwen2", model_type="qwen2", hidden=args.hidden, layers=args.layers)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
-    prompts = make_prompts(args.prompts)
-    ours = OurGRPO(folder, tokenizer, prompts, args.group, args.new_tokens, args.rollout_weights)
+    prompts = make_prompts(args.prompts, tokenizer=tokenizer, prompt_tokens=args.prompt_tokens)
+    prompt_lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+    ours = OurGRPO(folder, tokenizer, prompts, args.group, args.new_tokens, args.rollout_weights, args.prompt_sharing)
 
     steps = args.warmup + args.rounds
     times = {"trl": [], "ours": []}
@@ -179,7 +198,9 @@ def main() -> int:
     print(f"TRL / ours step time: x{ratio_median:.2f} (median), x{ratio_min:.2f} (min)  [target >= 2]")
     meta = {"device": f"cpu ({args.threads} thread(s))", "torch": torch.__version__, "transformers": transformers.__version__,
             "trl": trl.__version__, "prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens,
+            "prompt_tokens_mean": round(statistics.mean(prompt_lengths), 1),
             "hidden": args.hidden, "layers": args.layers, "rounds": args.rounds, "rollout_weights": args.rollout_weights,
+            "prompt_sharing": args.prompt_sharing,
             "load_avg": round(os.getloadavg()[0], 1), "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(meta))
     if args.json:

@@ -243,7 +243,13 @@ class GRPOStep:
             with timer.phase("ref"):
                 self._reference_logprobs(train_samples, dummy)
         mismatch = None
-        if r.recompute_logprobs or self.decoupled:
+        # The decoupled loss's proximal policy is the trainer's weights before this step's update. With a single
+        # update per step (one epoch, one mini-batch) those are the weights of the update's own forward, so the
+        # proximal log-probs are that forward's, detached (`_update`), and the extra forward is skipped: the same
+        # loss value and gradient (ratio exp(0) = 1 instead of exp(+-1e-7)), ~30 % less trainer time per step.
+        proximal_in_update = (self.decoupled and not r.recompute_logprobs and r.ppo_epochs == 1
+                              and r.mini_batches_per_step == 1 and r.rollout_correction == "none")
+        if (r.recompute_logprobs or self.decoupled) and not proximal_in_update:
             with timer.phase("old_logprob"):
                 self._recompute_old_logprobs(train_samples, dummy)
             mismatch = _mismatch_sums(train_samples)
@@ -253,7 +259,9 @@ class GRPOStep:
                 train_samples = kept
         with timer.phase("train"):
             self.bundle.wrapper.train()
-            upd = self._update(step, train_samples, dummy)
+            upd = self._update(step, train_samples, dummy, proximal_from_forward=proximal_in_update)
+        if proximal_in_update:
+            mismatch = _mismatch_sums(train_samples)  # old_logp = the update forward's (pre-update) log-probs
         extra = {"rounds": len(rounds), "surplus": surplus, "masked_truncated": masked_truncated, "mismatch": mismatch}
         out = self._metrics(step, timer, rounds, upd, extra)
         out.update(extra_metrics or {})
@@ -346,7 +354,9 @@ class GRPOStep:
                 for s, piece in zip(group, split_by_response(logp.float().cpu(), group)):
                     s.old_logp = piece
 
-    def _update(self, step: int, samples: list[TrainSample], dummy: TrainSample) -> dict:
+    def _update(self, step: int, samples: list[TrainSample], dummy: TrainSample, *, proximal_from_forward: bool = False) -> dict:
+        """The optimizer updates of one step. `proximal_from_forward` (a single update): each sample's old_logp is
+        set from this forward's detached log-probs before the loss (the proximal policy = the current weights)."""
         r, wrapper, optimizer = self.rl, self.bundle.wrapper, self.optim.optimizer
         balancer = getattr(self.bundle, "moe_balancer", None)  # None without MoE layers (and on light test bundles)
         sums: dict[str, float] = {}  # token-weighted sums of the loss metrics over this rank's micro-batches
@@ -379,6 +389,9 @@ class GRPOStep:
                         (logp.sum() * 0.0 + (aux * 0.0 if aux is not None else 0.0)).backward()
                         continue
                     train_tokens += int(batch["input_ids"].numel())
+                    if proximal_from_forward:
+                        for s, piece in zip(group, split_by_response(logp.detach().float().cpu(), group)):
+                            s.old_logp = piece
                     out = self._loss(logp, ent, group, normalizer)
                     total_loss = out.loss * self.dp
                     if aux is not None:

@@ -7,7 +7,9 @@ on a tiny stand-in policy, a scripted rollout engine and a scripted reward (no m
 - the overlong penalty enters the advantages; mask_truncated keeps cut completions out of the update
   but in their group's advantages;
 - MIS drops the sequences whose geometric-mean rollout ratio is outside [1/C, C] before the update;
-  the mismatch KL / ratio metrics are logged with recompute_logprobs.
+  the mismatch KL / ratio metrics are logged with recompute_logprobs;
+- the decoupled (asynchronous) loss with a single update per step takes its proximal log-probs from
+  the update's own forward: the same step as with the separate proximal forward.
 """
 from __future__ import annotations
 
@@ -118,9 +120,9 @@ def _grpo(rl: RLConfig, pool, engine=None, recompute_shift=None):
     seen = {}
     update = grpo._update
 
-    def spy(step, samples, dummy):
+    def spy(step, samples, dummy, **kw):
         seen["samples"] = list(samples)
-        return update(step, samples, dummy)
+        return update(step, samples, dummy, **kw)
 
     grpo._update = spy
     return grpo, engine, seen
@@ -244,3 +246,29 @@ def test_config_refuses_incompatible_combinations():
         _rl(entropy_coef=-0.1)
     assert _rl(advantage="dr_grpo").adv_normalize_std() is False and _rl().adv_normalize_std() is True
     assert _rl(normalize_adv_std=False).adv_normalize_std() is False
+
+
+@pytest.mark.parametrize("minis", [1, 2])
+def test_decoupled_single_update_takes_proximal_logprobs_from_the_update_forward(minis):
+    """Asynchronous GRPO (decoupled loss) with one optimizer update per step: the proximal policy is the
+    weights of that update's forward, so the separate proximal forward is skipped (no `old_logprob`
+    phase) and the step equals the one with the proximal log-probs recomputed first (recompute_logprobs);
+    with two mini-batches the proximal forward stays."""
+    pool = _pool(4)
+    shift = lambda p: 0.3 * (int(p.input_ids[0]) % 3)  # noqa: E731 - stale behaviour log-probs per prompt
+    runs = {}
+    for recompute in (False, True):
+        rl = _rl(recompute_logprobs=recompute, behav_imp_weight_cap=50.0, mini_batches_per_step=minis,
+                 allocation="rollout:1+train:1", max_head_offpolicyness=2)
+        grpo, _, _ = _grpo(rl, pool, engine=Engine(rl.group_size, rl.max_new_tokens, shift=shift))
+        assert grpo.decoupled
+        m = grpo.run(0, pool, prompt_pool=pool)
+        runs[recompute] = (m, [p.detach().clone() for p in grpo.bundle.wrapper.parameters()])
+    (fast, p_fast), (slow, p_slow) = runs[False], runs[True]
+    assert ("time/old_logprob_s" in fast) == (minis > 1)
+    assert "time/old_logprob_s" in slow
+    for key in ("loss", "grad_norm", "actor/behav_imp_weight", "rollout/mismatch_kl", "rollout/mismatch_ratio_mean"):
+        assert fast[key] == pytest.approx(slow[key], rel=1e-5, abs=1e-7), key
+    assert fast["actor/behav_imp_weight"] != pytest.approx(1.0, abs=1e-3)  # the behaviour policy differs
+    for a, b in zip(p_fast, p_slow):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

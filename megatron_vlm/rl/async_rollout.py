@@ -16,7 +16,9 @@ prompt stream, an inference copy of the policy, the reward workers and the bridg
   rank;
 - scoring: scores each finished step in the reward worker pool while the next step generates, then
   sends the step's groups to the trainer once the trainer has asked for that step (a "want"
-  message at the start of its step b), so no message is ever left without a receiver.
+  message, sent as soon as the trainer holds step b - 1's groups), so no message is ever left without a
+  receiver; a "want" still open when the rank stops is answered with a "stopped" payload, so the
+  trainer's receive of it ends too.
 
 Exit: the trainer's "stop" message (end of the run, or a SIGTERM stop: then 143 like every rank). A
 trainer that dies makes the weight thread's receive fail: the rank logs the error and exits 1. Steps
@@ -63,6 +65,8 @@ class _State:
         self.cond = threading.Condition()
         self.version = version
         self.wanted = -1
+        self.sent = -1
+        """The last step whose payload went to the trainer."""
         """The step the trainer waits for (its "want" message): a step is sent only then, so no message
         is ever left without a receiver (a trainer stopped by SIGTERM asks for nothing more)."""
         self.stop = False
@@ -174,26 +178,11 @@ def _weights_loop(state: _State, bridge, model, engine) -> None:
 
 def _score_loop(state: _State, bridge, todo, manager, train_set) -> None:
     try:
-        while True:
-            item = todo.get()
-            if item is None:
-                return
-            b, result = item["step"], item["result"]
-            samples = result.samples if result is not None else []
-            owners = [train_set[item["indices"][s.prompt_index]] for s in samples]
-            t0 = time.perf_counter()
-            scored = manager.score([s.text for s in samples], [p.answer for p in owners],
-                                   prompts=[p.problem for p in owners], metadata=[p.metadata for p in owners]) if samples else None
-            payload = {"step": b, "indices": item["indices"], "samples": [_sample_payload(s) for s in samples],
-                       "total": scored.total if scored else [], "per_reward": scored.per_reward if scored else {},
-                       "reward_s": time.perf_counter() - t0, "idle_s": item["idle_s"], "busy_s": item["busy_s"],
-                       "gen_s": result.seconds if result is not None else 0.0, "skipped": item["skipped"],
-                       "reward_fail": manager.metrics()}
-            with state.cond:  # send step b once the trainer waits for it
-                state.cond.wait_for(lambda: state.stop or state.wanted >= b)
-                if state.stop:
-                    return
-            bridge.send_object(payload)
+        _score_items(state, bridge, todo, manager, train_set)
+        with state.cond:
+            owed = state.wanted if state.wanted > state.sent and state.error is None else None
+        if owed is not None:  # the trainer waits for a step this rank will not generate: release it
+            bridge.send_object({"step": owed, "stopped": True})
     except BaseException as e:  # noqa: BLE001 - handed to the main thread
         state.error = e
         with state.cond:
@@ -201,3 +190,29 @@ def _score_loop(state: _State, bridge, todo, manager, train_set) -> None:
             state.cond.notify_all()
         if state.engine is not None:
             state.engine.interrupt()
+
+
+def _score_items(state: _State, bridge, todo, manager, train_set) -> None:
+    """Score and send finished steps until the generation loop ends (None) or the rank stops."""
+    while True:
+        item = todo.get()
+        if item is None:
+            return
+        b, result = item["step"], item["result"]
+        samples = result.samples if result is not None else []
+        owners = [train_set[item["indices"][s.prompt_index]] for s in samples]
+        t0 = time.perf_counter()
+        scored = manager.score([s.text for s in samples], [p.answer for p in owners],
+                               prompts=[p.problem for p in owners], metadata=[p.metadata for p in owners]) if samples else None
+        payload = {"step": b, "indices": item["indices"], "samples": [_sample_payload(s) for s in samples],
+                   "total": scored.total if scored else [], "per_reward": scored.per_reward if scored else {},
+                   "reward_s": time.perf_counter() - t0, "idle_s": item["idle_s"], "busy_s": item["busy_s"],
+                   "gen_s": result.seconds if result is not None else 0.0, "skipped": item["skipped"],
+                   "reward_fail": manager.metrics()}
+        with state.cond:  # send step b once the trainer waits for it
+            state.cond.wait_for(lambda: state.stop or state.wanted >= b)
+            if state.stop:
+                return
+        bridge.send_object(payload)
+        with state.cond:
+            state.sent = b

@@ -8,7 +8,10 @@ happens after the update. Per step s (the trainer holds policy version s = steps
 
 1. receive step s's groups (training rank 0 from every rollout rank; with M > 1 training ranks the
    groups are dealt round-robin over them): completions, behaviour log-probs, per-token versions,
-   rewards — the wait is the trainer's idle time;
+   rewards — the wait is the trainer's idle time. Step s + 1's groups are asked for ("want") as soon as
+   step s's have arrived and received by a background thread while step s trains (`_Prefetch`), so the
+   exchange (the rollout rank's scoring thread waking, pickling, the transfer) overlaps the update
+   instead of adding to every step;
 2. check the staleness bound on every token: s - version <= max_head_offpolicyness (an error, not a
    warning: the rollout's gate guarantees it);
 3. encode the prompts of the groups (the same encoder as the rollout's), group advantages, and the
@@ -23,6 +26,7 @@ in flight when the job stopped are generated again. `finish()` sends "stop" to t
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -47,6 +51,29 @@ class StalenessError(RuntimeError):
     """A sample arrived with a token older than max_head_offpolicyness allows."""
 
 
+class _Prefetch:
+    """Training rank 0 receives one step's payloads of every rollout rank on a background thread (the
+    bridge's sample group is used by this thread only; control messages and weight pushes stay on the
+    main thread, in order)."""
+
+    def __init__(self, bridge, step: int, n_rollout: int):
+        self.step, self.payloads, self.error = step, None, None
+        self._thread = threading.Thread(target=self._run, args=(bridge, n_rollout), daemon=True, name=f"prefetch-{step}")
+        self._thread.start()
+
+    def _run(self, bridge, n_rollout: int) -> None:
+        try:
+            self.payloads = [bridge.recv_object(1 + r) for r in range(n_rollout)]
+        except BaseException as e:  # noqa: BLE001 - re-raised by get() on the main thread
+            self.error = e
+
+    def get(self) -> list[dict]:
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.payloads
+
+
 class AsyncGRPOLoopStep(GRPOLoopStep):
     def __init__(self, ctx: RunContext, train_set: Any, grpo: GRPOStep, role: Role, *, model: torch.nn.Module,
                  start_step: int, total_steps: int, evaluate: Optional[Callable[[int], Optional[dict]]] = None,
@@ -57,6 +84,8 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         self.k = self.rl.max_head_offpolicyness
         self._trainable = trainable_names(model)
         self._stopped = False
+        self.total_steps = total_steps
+        self._prefetch: Optional[_Prefetch] = None
         self._last_end = time.perf_counter()
         if self.bridge is not None:
             self.bridge.broadcast_object({"kind": "hello", "start_step": start_step, "total_steps": total_steps,
@@ -70,11 +99,19 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         """Step `step`'s payloads of every rollout rank, on every training rank."""
         payloads = None
         if self.bridge is not None:
-            self.bridge.broadcast_object({"kind": "want", "step": step})
-            payloads = [self.bridge.recv_object(1 + r) for r in range(self.role.allocation.rollout)]
+            n_rollout = self.role.allocation.rollout
+            pending, self._prefetch = self._prefetch, None
+            if pending is None or pending.step != step:
+                self.bridge.broadcast_object({"kind": "want", "step": step})
+                pending = _Prefetch(self.bridge, step, n_rollout)
+            payloads = pending.get()
             for r, p in enumerate(payloads):
-                if p["step"] != step:
-                    raise RuntimeError(f"asynchronous GRPO: rollout rank {r} sent step {p['step']}'s samples, the trainer is at {step}")
+                if p["step"] != step or p.get("stopped"):
+                    raise RuntimeError(f"asynchronous GRPO: rollout rank {r} sent step {p['step']}'s samples"
+                                       f"{' (stopped)' if p.get('stopped') else ''}, the trainer is at {step}")
+            if step + 1 < self.total_steps:  # ask for the next step now: it arrives while this one trains
+                self.bridge.broadcast_object({"kind": "want", "step": step + 1})
+                self._prefetch = _Prefetch(self.bridge, step + 1, n_rollout)
         if self.role.allocation.train > 1:
             payloads = all_gather_objects(payloads)[0]
         return payloads
@@ -169,4 +206,7 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         if self.bridge is not None and not self._stopped:
             self._stopped = True
             self.bridge.broadcast_object({"kind": "stop"})
+            if self._prefetch is not None:  # a step asked for but not trained: the rollout ranks answer a "want"
+                self._prefetch.get()       # with its samples or, once stopped, with a "stopped" payload; dropped
+                self._prefetch = None
         super().finish()

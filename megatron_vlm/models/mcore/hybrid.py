@@ -158,6 +158,9 @@ class McoreHybridBlock(nn.Module):
         self._gated_experts = bool(moe is not None and moe.experts.gated)
         from megatron.core.process_groups_config import ProcessGroupCollection
 
+        from megatron_vlm.models.mcore.layer import ensure_parallel_state
+
+        ensure_parallel_state()
         pgs = ProcessGroupCollection.use_mpu_process_groups()  # megatron-core's groups (tp = pp = 1)
         self.mcore = build_module(_spec(self.block_type, config, native), config=config, layer_number=index + 1,
                                   pg_collection=pgs)

@@ -205,7 +205,8 @@ def mcore_moe_classes():
             """hidden_states [..., hidden] (megatron-core flattens the tokens in that order); `token_mask`
             (same leading shape, True = real token) excludes padding from `expert_load`."""
             out, bias = super().forward(hidden_states)
-            logits, routing_map = self.router.last_logits, self._last_map
+            logits, routing_map = self.router.last_logits, self._last_map  # logits [..., E] -> [N, E] as ours
+            logits = logits.reshape(-1, logits.shape[-1])
             self.router.last_logits = self._last_map = None
             if self.training and torch._C._current_graph_task_id() == -1:  # not a recomputation in backward
                 with torch.no_grad():

@@ -144,6 +144,15 @@ def mcore_moe_classes():
                                                                 device=self.weight.device))
             self.last_logits: Optional[torch.Tensor] = None
 
+        def _apply(self, fn, recurse=True):
+            # the expert bias stays fp32 whatever the model is cast to, as the native router's correction bias
+            # (bias updates of ~1e-3 vanish in bf16); megatron-core restores it only at the next forward
+            super()._apply(fn, recurse)
+            bias = self.expert_bias
+            if bias is not None and bias.is_floating_point() and bias.dtype != torch.float32:
+                self.expert_bias = bias.float()
+            return self
+
         def gating(self, input: torch.Tensor) -> torch.Tensor:
             from megatron.core.transformer.moe import moe_utils
 

@@ -73,7 +73,7 @@ def _with_expert_bias(model, seed):
             moe.gate.e_score_correction_bias.copy_(torch.randn(moe.num_experts, generator=g) * 0.3)
 
 
-@pytest.mark.parametrize("kind", ["tiny_qwen3_moe", "tiny_qwen3_vl_moe", "tiny_nemotron_vl"])
+@pytest.mark.parametrize("kind", ["tiny_qwen3_moe", "tiny_qwen3_vl_moe", "tiny_nemotron_vl", "tiny_nemotron_qwen3_vision"])
 def test_mcore_moe_and_hybrid_decoders_equal_the_native(kind, mcore_state, tmp_path):
     folder = synthesize_model_folder(kind, tmp_path / kind, seed=0)
     native = load_hf_model(str(folder), dtype=torch.float32)
@@ -81,7 +81,7 @@ def test_mcore_moe_and_hybrid_decoders_equal_the_native(kind, mcore_state, tmp_p
     mc = copy.deepcopy(native)
     use_mcore_layers(mc)
     vocab = native.lm_head.weight.shape[0]
-    if kind == "tiny_nemotron_vl":
+    if kind.startswith("tiny_nemotron"):
         kinds = {type(layer.mcore).__name__ for layer in mc.language_model.layers}
         assert kinds == {"MambaLayer", "TransformerLayer", "MLPLayer"}
         assert all(isinstance(layer, McoreHybridBlock) for layer in mc.language_model.layers)
@@ -104,7 +104,7 @@ def test_mcore_moe_and_hybrid_decoders_equal_the_native(kind, mcore_state, tmp_p
     g = torch.Generator().manual_seed(2)
     samples = [TrainSample(p, torch.randint(0, vocab, (int(n),), generator=g), torch.zeros(int(n)), 0.0)
                for p in prompts for n in torch.randint(1, 6, (2,), generator=g)]
-    batch = pack_samples(samples, share_prompts=kind != "tiny_nemotron_vl")  # Nemotron-VL: no shared-prompt packs
+    batch = pack_samples(samples, share_prompts=not kind.startswith("tiny_nemotron"))  # Nemotron-VL: no shared-prompt packs
     weights = torch.randn(batch["num_response_tokens"], generator=g)
     lp_n, g_n = _logp_grads(native, batch, weights)
     lp_m, g_m = _logp_grads(mc, batch, weights)
@@ -194,3 +194,11 @@ def test_unmapped_routing_features_are_refused(variant, feature, mcore_state):
     args = _moe_args(**variant)
     with pytest.raises(McoreBackendError, match=f"parallel.backend = 'mcore'.*{feature}"):
         McoreHybridBlock(NemotronHTextModel(args).layers[0], 0, args)
+
+
+def test_expert_bias_stays_fp32_and_is_the_balancers(mcore_state):
+    args = _moe_args()
+    block = McoreHybridBlock(_native_moe_model(args).layers[0], 0, args).to(torch.bfloat16)
+    router = block.mcore.mlp.router
+    assert router.weight.dtype == torch.bfloat16 and router.expert_bias.dtype == torch.float32
+    assert moe_layers(block)[0].gate.e_score_correction_bias is router.expert_bias

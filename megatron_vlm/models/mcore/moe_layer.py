@@ -41,6 +41,7 @@ megatron-core is imported only when a layer is built (`mcore_moe_classes`).
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any, Dict, Optional
 
 import torch
@@ -172,6 +173,12 @@ def mcore_moe_classes():
         def top_k(self) -> int:
             return self.topk
 
+    # megatron-core's TransformerLayer passes its process groups only to the MoELayer class itself and logs
+    # "Unknown MLP type" for any other MLP module, our subclass included (its groups come with the spec:
+    # `moe_layer_spec`); the only MLP specs this project builds are megatron-core's and this subclass
+    logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(
+        lambda record: not record.getMessage().startswith("Unknown MLP type"))
+
     class _MoELayer(MoELayer):
         """megatron-core's MoELayer with the native `MoE` block's load-statistics interface."""
 
@@ -240,8 +247,8 @@ def moe_layer_spec(mlp_spec, *, expert_bias: bool):
                     router=functools.partial(router, expert_bias=expert_bias))
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    # megatron-core's TransformerLayer passes its process groups only to the MoELayer class itself (and logs
-    # "Unknown MLP type" for a subclass): they are given here (tp = ep = 1 groups)
+    # megatron-core's TransformerLayer passes its process groups only to the MoELayer class itself: they are
+    # given here (tp = ep = 1 groups)
     params = dict(mlp_spec.params or {}, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     return ModuleSpec(module=layer, params=params, submodules=sub)
 

@@ -111,9 +111,9 @@ def moe_config_kwargs(moe: MoE) -> Dict[str, Any]:
     if shared is not None:
         up, down = getattr(shared, "up_proj", None), getattr(shared, "down_proj", None)
         if not isinstance(up, nn.Linear) or not isinstance(down, nn.Linear) or hasattr(shared, "gate_proj") \
-                or experts.gated:
-            raise _refuse(f"shared experts of type {type(shared).__name__}",
-                          "only a non-gated up / down shared expert with non-gated routed experts is mapped")
+                or experts.gated or getattr(shared, "act", None) is not experts.act:
+            raise _refuse(f"shared experts of type {type(shared).__name__}", "only a non-gated up / down shared expert "
+                          "with the routed experts' activation (one megatron-core activation_func) is mapped")
         kw["moe_shared_expert_intermediate_size"] = up.weight.shape[0]
     return kw
 

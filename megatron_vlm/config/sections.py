@@ -131,9 +131,9 @@ class SchedulerConfig:
 class ParallelConfig:
     backend: Literal["native", "mcore"] = "native"
     """native = our decoder layers, PyTorch FSDP2 / DTensor. mcore = the language decoder's layers are megatron-core
-    TransformerLayers (Transformer Engine's fused modules when TE is installed), converted exactly from the HF
-    weights and back at export; dense attention decoders only, data parallelism only (experimental: not yet run
-    on a GPU; README "Megatron-core")."""
+    TransformerLayers (Transformer Engine's fused modules when TE is installed; MoELayer for MoE decoders, the
+    hybrid stack's Mamba / attention / MLP / MoE layers for Nemotron-H), converted exactly from the HF weights and
+    back at export; data parallelism only (experimental: not yet run on a GPU; README "Megatron-core")."""
     dp_replicate: int = 1
     """Data-parallel replicas (HSDP outer dimension)."""
     dp_shard: int = -1

@@ -65,10 +65,11 @@ def use_mcore_backend(model) -> None:
     """`parallel.backend = "mcore"`: swap the language decoder's layers for megatron-core ones (McoreBackendError,
     exit 2, when the family's layers cannot be mapped) and say so at startup."""
     use_mcore_layers(model)
-    layer = model.language_model.layers[0]
-    log.info("parallel.backend = mcore: %d language-decoder layers are megatron-core TransformerLayers (%s layer spec); "
-             "experimental: not yet run on a GPU", len(model.language_model.layers),
-             "Transformer Engine" if layer.te_fused_norms else "local")
+    layers = model.language_model.layers
+    kinds = ", ".join(sorted({type(layer.mcore).__name__ for layer in layers}))
+    log.info("parallel.backend = mcore: %d language-decoder layers are megatron-core layers (%s; %s layer spec); "
+             "experimental: not yet run on a GPU", len(layers), kinds,
+             "Transformer Engine" if layers[0].te_fused_norms else "local")
 
 
 def build_model_bundle(ctx: RunContext) -> ModelBundle:

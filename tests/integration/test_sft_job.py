@@ -259,15 +259,26 @@ def test_eval_answer_accuracy_matches_transformers_greedy(tmp_path, assets):
         assert result["metrics"][f"greedy_accuracy/{q}"] == pytest.approx(sum(hits[q]) / len(hits[q]), abs=1e-9)
 
 
-def test_mcore_backend_job_matches_native(tmp_path, assets):
+# the MoE / Nemotron-H rows cost ~35 s each on the 2-core CI machine (two more job start-ups): heavy
+@pytest.mark.parametrize("family", ["demo", pytest.param("tiny_qwen3_vl_moe", marks=pytest.mark.heavy),
+                                    pytest.param("tiny_nemotron_vl", marks=pytest.mark.heavy)])
+def test_mcore_backend_job_matches_native(family, tmp_path, assets):
     """parallel.backend = "mcore" through the entry point: the same losses, end-of-run answer accuracy
-    (greedy decoding through the megatron-core layers) and HF export as the native decoder."""
+    (greedy decoding through the megatron-core layers) and HF export as the native decoder; for the demo
+    model and a MoE model (megatron-core's MoELayer, the [moe] balancer fed from its routing)."""
     pytest.importorskip("megatron.core")
+    extra = {}
+    if family != "demo":
+        from megatron_vlm.testing.synthesize import synthesize_model_folder
+
+        extra["model.path"] = f'"{synthesize_model_folder(family, tmp_path / family, seed=0)}"'
+        # the demo's train_layers name Qwen's merger; the [moe] balancer with its auxiliary loss and bias updates
+        extra.update({"train.train_layers": '["^language_model\\\\."]', "moe.aux_loss_coef": 0.01})
     runs = {}
     for backend in ("native", "mcore"):
         out = tmp_path / backend
         r = run_job(small_demo_overrides(out, assets, **{"parallel.backend": f'"{backend}"', "checkpoint.enable": "false",
-                                                         "train.max_steps": 3}))
+                                                         "train.max_steps": 3, **extra}))
         runs[backend] = (out, r)
     assert "parallel.backend = mcore" in runs["mcore"][1].stderr + runs["mcore"][1].stdout
     loss = {b: [float(r["loss"]) for r in read_metrics(out / "metrics_train.csv")] for b, (out, _) in runs.items()}

@@ -274,5 +274,6 @@ class MoE(nn.Module):
 
 
 def moe_layers(model: nn.Module) -> List[MoE]:
-    """The MoE blocks of a model, in module order (= layer order)."""
-    return [m for m in model.modules() if isinstance(m, MoE)]
+    """The MoE blocks of a model, in module order (= layer order): native `MoE` blocks and the megatron-core
+    MoE layers of `parallel.backend = "mcore"` (models/mcore/moe_layer.py), which report the same statistics."""
+    return [m for m in model.modules() if isinstance(m, MoE) or getattr(type(m), "reports_expert_load", False)]

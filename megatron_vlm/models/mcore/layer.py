@@ -16,9 +16,14 @@ packs, the KV / slot caches of decoding and evaluation, the per-token M-RoPE ang
 megatron-core's core attention takes without Transformer Engine's THD path. The math equals the native
 layer's (tests/unit/mcore/test_mcore_backend.py: logits, gradients and the HF export).
 
+MoE layers (Qwen3-VL-MoE, Qwen3-MoE) hold megatron-core's `MoELayer` (router, token dispatcher, experts:
+models/mcore/moe_layer.py, local spec); the Nemotron-H hybrid's blocks become `McoreHybridBlock`s
+(models/mcore/hybrid.py: MambaLayer with our Mamba2 mixer, attention / MLP / MoE layers).
+
 Limits, refused with exit 2 before a run starts (config/sections.py, `check_mcore_model`): tensor / context
 / pipeline / expert parallelism sizes > 1 (megatron-core's own process groups are not wired to our mesh
-yet), MoE and Mamba2 layers (Qwen3-VL-MoE, Qwen3-MoE, Nemotron-VL), LoRA; experimental: not yet run on a GPU.
+yet), MoE routing features megatron-core cannot express (moe_layer.py), LoRA; experimental: not yet run
+on a GPU.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from torch import nn
 from megatron_vlm.models.common.attention import attend
 from megatron_vlm.models.common.decoder import DecoderLayer
 from megatron_vlm.models.common.mlp import SwiGLUMLP
+from megatron_vlm.models.common.moe import MoE
 from megatron_vlm.models.mcore.convert import hf_to_mcore, mcore_to_hf
 
 __all__ = ["McoreDecoderLayer", "McoreBackendError", "use_mcore_layers", "native_state_dict", "check_mcore_model",
@@ -53,10 +59,18 @@ def ensure_parallel_state() -> None:
 
 
 def _check_layer(i: int, layer: nn.Module) -> None:
-    if not isinstance(layer, DecoderLayer) or not isinstance(layer.mlp, SwiGLUMLP):
+    from megatron_vlm.models.mcore.hybrid import check_hybrid_block, is_hybrid_block
+
+    if is_hybrid_block(layer):
+        return check_hybrid_block(i, layer)
+    if not isinstance(layer, DecoderLayer) or not isinstance(layer.mlp, (SwiGLUMLP, MoE)):
         kind = type(layer.mlp).__name__ if isinstance(layer, DecoderLayer) else type(layer).__name__
-        raise McoreBackendError(f"parallel.backend = 'mcore': decoder layer {i} is a {kind}; only attention + dense "
-                                "SwiGLU layers are built from megatron-core so far (not MoE or Mamba2 layers)")
+        raise McoreBackendError(f"parallel.backend = 'mcore': decoder layer {i} is a {kind}; only attention + SwiGLU "
+                                "or MoE layers and Nemotron-H blocks are built from megatron-core")
+    if isinstance(layer.mlp, MoE):
+        from megatron_vlm.models.mcore.moe_layer import check_decoder_moe
+
+        check_decoder_moe(layer.mlp)
     attn = layer.self_attn
     if attn.o_proj.bias is not None:
         raise McoreBackendError("parallel.backend = 'mcore': an output-projection bias is not mapped")
@@ -80,13 +94,27 @@ def _config(layer: DecoderLayer, num_layers: int, dtype: torch.dtype):
     heads, kv_heads = attn.local_heads()
     return TransformerConfig(
         num_layers=num_layers, hidden_size=layer.input_layernorm.weight.shape[0],
-        ffn_hidden_size=layer.mlp.gate_proj.weight.shape[0], num_attention_heads=heads, num_query_groups=kv_heads,
+        ffn_hidden_size=_ffn_hidden_size(layer.mlp), num_attention_heads=heads, num_query_groups=kv_heads,
         kv_channels=attn.head_dim, normalization="RMSNorm", layernorm_epsilon=layer.input_layernorm.eps,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         add_qkv_bias=attn.q_proj.bias is not None, qk_layernorm=attn.q_norm is not None,
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16, use_cpu_initialization=True, perform_initialization=False,
+        **_moe_fields(layer.mlp),
     )
+
+
+def _ffn_hidden_size(mlp: nn.Module) -> int:
+    return mlp.experts.down_proj.shape[-1] if isinstance(mlp, MoE) else mlp.gate_proj.weight.shape[0]
+
+
+def _moe_fields(mlp: nn.Module) -> dict:
+    """megatron-core's moe_* fields for a MoE block (moe_layer.py); none for a dense MLP."""
+    if not isinstance(mlp, MoE):
+        return {}
+    from megatron_vlm.models.mcore.moe_layer import moe_config_kwargs
+
+    return {k: v for k, v in moe_config_kwargs(mlp).items() if k.startswith("moe_") or k == "num_moe_experts"}
 
 
 def _layer_spec(qk_layernorm: bool):
@@ -112,7 +140,12 @@ class McoreDecoderLayer(nn.Module):
         _check_layer(index, native)
         dtype = native.input_layernorm.weight.dtype
         config = _config(native, num_layers, dtype)
-        spec, self.te_fused_norms = _layer_spec(config.qk_layernorm)
+        if isinstance(native.mlp, MoE):  # megatron-core's MoELayer, local spec (moe_layer.py)
+            from megatron_vlm.models.mcore.moe_layer import moe_decoder_layer_spec
+
+            spec, self.te_fused_norms = moe_decoder_layer_spec(config, expert_bias=False), False
+        else:
+            spec, self.te_fused_norms = _layer_spec(config.qk_layernorm)
         self.heads = dict(num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_query_groups)
         self.head_dim = config.kv_channels
         self.mcore = build_module(spec, config=config, layer_number=index + 1)
@@ -171,20 +204,28 @@ class McoreDecoderLayer(nn.Module):
 
 
 def use_mcore_layers(model: nn.Module) -> None:
-    """Replace every language-decoder layer of `model` (weights loaded) by a McoreDecoderLayer."""
+    """Replace every language-decoder layer of `model` (weights loaded) by a McoreDecoderLayer (a
+    McoreHybridBlock for Nemotron-H blocks)."""
+    from megatron_vlm.models.mcore.hybrid import McoreHybridBlock, is_hybrid_block
+
     check_mcore_model(model)
     ensure_parallel_state()
     layers = model.language_model.layers
     for i in range(len(layers)):
-        layers[i] = McoreDecoderLayer(layers[i], i, len(layers))
+        if is_hybrid_block(layers[i]):
+            layers[i] = McoreHybridBlock(layers[i], i, model.language_model.args)
+        else:
+            layers[i] = McoreDecoderLayer(layers[i], i, len(layers))
 
 
 def native_state_dict(state: dict, model: nn.Module) -> dict:
     """A full state dict of `model` (keys relative to it) -> native DecoderLayer names for its
     McoreDecoderLayers (what the HF export maps); the same dict when it has none."""
+    from megatron_vlm.models.mcore.hybrid import McoreHybridBlock
+
     layers = getattr(getattr(model, "language_model", None), "layers", [])
     swapped = {f"language_model.layers.{i}.mcore.": layer for i, layer in enumerate(layers)
-               if isinstance(layer, McoreDecoderLayer)}
+               if isinstance(layer, (McoreDecoderLayer, McoreHybridBlock))}
     if not swapped:
         return state
     out: dict[str, torch.Tensor] = {}

@@ -2,7 +2,7 @@
 for megatron-core 0.16.1 TransformerLayers (local spec, on the CPU) give the native model's log-probs and
 gradients on a packed batch with images and shared prompts, its logits on a left-padded batch, the same
 greedy rollout through the KV slot cache, and the native state dict back for the HF export. MoE and
-Mamba2 decoders are refused with the reason."""
+Nemotron-H decoders: test_mcore_moe_hybrid.py."""
 from __future__ import annotations
 
 import copy
@@ -16,7 +16,6 @@ from megatron_vlm.checkpoint.hf import load_hf_model  # noqa: E402
 from megatron_vlm.data.processor import load_processor  # noqa: E402
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa  # noqa: E402
 from megatron_vlm.models.mcore.layer import (  # noqa: E402
-    McoreBackendError,
     McoreDecoderLayer,
     native_state_dict,
     use_mcore_layers,
@@ -117,13 +116,6 @@ def test_mcore_layers_equal_the_native_decoder(kind, mcore_state, vqa, tmp_path)
         with torch.no_grad():
             torch.testing.assert_close(mc(ids, attention_mask=mask)[mask.bool()],
                                        native(ids, attention_mask=mask)[mask.bool()], atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("kind,why", [("tiny_qwen3_vl_moe", "MoE"), ("tiny_nemotron_vl", "Mamba2")])
-def test_moe_and_mamba_decoders_are_refused(kind, why, mcore_state, tmp_path):
-    folder = synthesize_model_folder(kind, tmp_path / kind, seed=0)
-    with pytest.raises(McoreBackendError, match="parallel.backend = 'mcore'"):
-        use_mcore_layers(load_hf_model(str(folder)))
 
 
 def test_config_refusals():

@@ -1,0 +1,319 @@
+"""megatron-core's `MoELayer` in place of our `MoE` block (models/common/moe.py) for `parallel.backend = "mcore"`.
+
+What is megatron-core's and what is ours: routing is megatron-core's `TopKRouter` (its
+`topk_routing_with_score_function`), tokens go through its "allgather" token dispatcher (ep = 1) into
+`SequentialMLP` experts (megatron-core MLPs, one per expert) and its `SharedExpertMLP`; the math is chosen
+from the native block's settings so it is the same function:
+
+* Qwen3-MoE (softmax, top-k, renormalised when `norm_topk_prob`): megatron-core takes the top-k logits and
+  the softmax over them (= renormalised top-k of the full softmax); without renormalisation
+  `moe_router_pre_softmax` (softmax over all experts, then top-k);
+* Nemotron-H / DeepSeek-V3 (sigmoid scores, score-correction bias for the choice only, group-limited
+  selection, `routed_scaling_factor`, a shared expert, non-gated relu^2 experts): `moe_router_score_function
+  = "sigmoid"`, the router's `expert_bias`, `moe_router_num_groups` / `moe_router_group_topk`,
+  `moe_router_topk_scaling_factor`, `moe_shared_expert_intermediate_size`, `gated_linear_unit = False` with
+  megatron-core's `squared_relu`.
+
+Where the two differ, the model is refused (McoreBackendError, exit 2) naming the feature, never
+approximated: megatron-core always renormalises sigmoid top-k weights when k > 1 and never when k = 1
+(ours follows `norm_topk_prob`); its group score is the sum of the top `k / topk_group` scores of a
+group (ours: the top two); its softmax router ignores an expert bias and scores groups on logits unless
+pre-softmax; its latent projections (`moe_latent_size`) are Transformer Engine linears; the dispatcher
+takes no expert biases (`mlp_bias`).
+
+Two things are ours, in a subclass each (`_Router`, `_MoELayer`), and only these:
+* the router's gating linear runs where its weight is: megatron-core 0.16.1 moves a CPU router weight to
+  `torch.cuda.current_device()` on every call and allocates the expert bias there, which cannot run on a
+  CPU and would split the parameter from its optimizer state on a GPU; the logits are its
+  `router_gating_linear` in fp32 (`moe_router_dtype = "fp32"`, as our router computes them) where
+  Transformer Engine imports, else the same fp32 `F.linear` (without TE, 0.16.1's function refers to an
+  undefined `te_general_gemm`);
+* the load statistics our balancing policy reads (training/moe_balancing.py) — `expert_load`,
+  `reset_expert_load`, `record_router_stats` / `router_stats`, `gate.e_score_correction_bias`, `top_k`,
+  `num_experts` — fed from megatron-core's routing output (its routing map and the router logits), with
+  the native block's counting rules (training forwards only, once under activation recomputation, padding
+  excluded when a token mask is given). megatron-core's own auxiliary losses and expert-bias updates are
+  off (`moe_router_load_balancing_type = "none"`): the `[moe]` policy drives both, as for native blocks,
+  and moves the router's `expert_bias` in place.
+
+megatron-core is imported only when a layer is built (`mcore_moe_classes`).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_vlm.models.common.moe import MoE, RouterStats
+
+__all__ = ["moe_config_kwargs", "moe_layer_spec", "moe_decoder_layer_spec", "check_decoder_moe", "moe_to_mcore",
+           "mcore_to_moe", "mcore_moe_classes"]
+
+
+def _refuse(feature: str, why: str):
+    from megatron_vlm.models.mcore.layer import McoreBackendError
+
+    return McoreBackendError(f"parallel.backend = 'mcore': MoE {feature} has no megatron-core equivalent ({why})")
+
+
+def _activation(name: str):
+    from megatron.core.activations import squared_relu
+
+    acts = {"silu": F.silu, "relu2": squared_relu}
+    if name not in acts:
+        raise _refuse(f"activation {name!r}", "only SwiGLU (silu) and relu^2 experts are mapped")
+    return acts[name]
+
+
+def moe_config_kwargs(moe: MoE) -> Dict[str, Any]:
+    """TransformerConfig fields (moe_* and the experts' activation) that give `moe`'s routing and experts;
+    McoreBackendError naming the feature when megatron-core cannot express it (module docstring)."""
+    gate, experts = moe.gate, moe.experts
+    k, n_experts = gate.top_k, gate.num_experts
+    bias = gate.e_score_correction_bias is not None
+    if moe.fc1_latent_proj is not None:
+        raise _refuse("latent projections (moe_latent_size)", "megatron-core 0.16.1 builds them as Transformer Engine "
+                      "linears only")
+    if moe.fc2_latent_proj is not None or any(getattr(m, "bias", None) is not None for m in moe.modules()
+                                              if isinstance(m, nn.Linear)):
+        raise _refuse("linear biases (mlp_bias)", "megatron-core's token dispatcher takes no expert biases")
+    kw: Dict[str, Any] = dict(num_moe_experts=n_experts, moe_router_topk=k,
+                              moe_ffn_hidden_size=experts.down_proj.shape[-1], moe_router_dtype="fp32",
+                              moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
+                              moe_aux_loss_coeff=0.0, moe_grouped_gemm=False, moe_shared_expert_overlap=False,
+                              gated_linear_unit=experts.gated, activation_func=_activation(_activation_name(experts)),
+                              add_bias_linear=False)
+    if gate.score_func == "sigmoid":
+        if gate.norm_topk_prob != (k > 1):
+            raise _refuse(f"sigmoid routing with norm_topk_prob={gate.norm_topk_prob} and top_k={k}",
+                          "megatron-core renormalises sigmoid top-k weights exactly when top_k > 1")
+        kw["moe_router_score_function"] = "sigmoid"
+    else:
+        if bias:
+            raise _refuse("score-correction bias with softmax routing", "megatron-core's softmax router ignores it")
+        if gate.n_group > 1 and gate.norm_topk_prob:
+            raise _refuse("group-limited softmax routing with norm_topk_prob",
+                          "megatron-core scores the groups on logits, not probabilities")
+        kw.update(moe_router_score_function="softmax", moe_router_pre_softmax=not gate.norm_topk_prob)
+    if gate.n_group > 1:
+        group_size = n_experts // gate.n_group
+        if k % gate.topk_group or k // gate.topk_group != min(2, group_size):
+            raise _refuse(f"group-limited routing with top_k={k}, topk_group={gate.topk_group}, n_group={gate.n_group}",
+                          "megatron-core scores a group by its top top_k/topk_group experts, ours by its top two")
+        kw.update(moe_router_num_groups=gate.n_group, moe_router_group_topk=gate.topk_group)
+    if gate.routed_scaling_factor != 1.0:
+        kw["moe_router_topk_scaling_factor"] = float(gate.routed_scaling_factor)
+    shared = moe.shared_experts
+    if shared is not None:
+        up, down = getattr(shared, "up_proj", None), getattr(shared, "down_proj", None)
+        if not isinstance(up, nn.Linear) or not isinstance(down, nn.Linear) or hasattr(shared, "gate_proj") \
+                or experts.gated or getattr(shared, "act", None) is not experts.act:
+            raise _refuse(f"shared experts of type {type(shared).__name__}", "only a non-gated up / down shared expert "
+                          "with the routed experts' activation (one megatron-core activation_func) is mapped")
+        kw["moe_shared_expert_intermediate_size"] = up.weight.shape[0]
+    return kw
+
+
+def _activation_name(experts) -> str:
+    from megatron_vlm.models.common.moe import _ACTIVATIONS
+
+    for name, fn in _ACTIVATIONS.items():
+        if fn is experts.act:
+            return name
+    return repr(experts.act)
+
+
+@functools.lru_cache(maxsize=None)
+def mcore_moe_classes():
+    """(router class, MoE layer class): megatron-core's TopKRouter / MoELayer with our two additions."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    class _Router(TopKRouter):
+        """TopKRouter whose gating runs on its weight's device; `expert_bias` (fp32) allocated there."""
+
+        def __init__(self, config, pg_collection=None, *, expert_bias: bool = False):
+            super().__init__(config=config, pg_collection=pg_collection)
+            if expert_bias:  # megatron-core allocates it on the current CUDA device: ours follows the module
+                del self.expert_bias
+                self.register_buffer("expert_bias", torch.zeros(config.num_moe_experts, dtype=torch.float32,
+                                                                device=self.weight.device))
+            self.last_logits: Optional[torch.Tensor] = None
+
+        def _apply(self, fn, recurse=True):
+            # the expert bias stays fp32 whatever the model is cast to, as the native router's correction bias
+            # (bias updates of ~1e-3 vanish in bf16); megatron-core restores it only at the next forward
+            super()._apply(fn, recurse)
+            bias = self.expert_bias
+            if bias is not None and bias.is_floating_point() and bias.dtype != torch.float32:
+                self.expert_bias = bias.float()
+            return self
+
+        def gating(self, input: torch.Tensor) -> torch.Tensor:
+            from megatron.core.transformer.moe import moe_utils
+
+            if getattr(moe_utils, "te_general_gemm", None) is not None:  # Transformer Engine's fp32 GEMM
+                logits = router_gating_linear(input, self.weight, self.bias, torch.float32)
+            else:  # the same fp32 linear; 0.16.1's own path names an undefined te_general_gemm without TE
+                logits = F.linear(input.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+            self.last_logits = logits
+            return logits
+
+        @property
+        def e_score_correction_bias(self) -> Optional[torch.Tensor]:
+            """The native name the balancing policy updates in place."""
+            return self.expert_bias
+
+        @property
+        def top_k(self) -> int:
+            return self.topk
+
+    # megatron-core's TransformerLayer passes its process groups only to the MoELayer class itself and logs
+    # "Unknown MLP type" for any other MLP module, our subclass included (its groups come with the spec:
+    # `moe_layer_spec`); the only MLP specs this project builds are megatron-core's and this subclass
+    logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(
+        lambda record: not record.getMessage().startswith("Unknown MLP type"))
+
+    class _MoELayer(MoELayer):
+        """megatron-core's MoELayer with the native `MoE` block's load-statistics interface."""
+
+        reports_expert_load = True  # found by models.common.moe.moe_layers
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.record_router_stats = False
+            self.router_stats: Optional[RouterStats] = None
+            self._expert_load: Optional[torch.Tensor] = None
+            self._last_map: Optional[torch.Tensor] = None
+            self.router.register_forward_hook(self._keep_map)
+
+        def _keep_map(self, module, args, output):
+            self._last_map = output[1]
+
+        @property
+        def gate(self):
+            return self.router
+
+        @property
+        def num_experts(self) -> int:
+            return self.config.num_moe_experts
+
+        @property
+        def top_k(self) -> int:
+            return self.config.moe_router_topk
+
+        @property
+        def expert_load(self) -> torch.Tensor:
+            device = self.router.weight.device
+            if self._expert_load is None or self._expert_load.device != device:
+                self._expert_load = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+            return self._expert_load
+
+        def reset_expert_load(self) -> None:
+            self.expert_load.zero_()
+
+        def forward(self, hidden_states: torch.Tensor, *, token_mask: Optional[torch.Tensor] = None):
+            """hidden_states [..., hidden] (megatron-core flattens the tokens in that order); `token_mask`
+            (same leading shape, True = real token) excludes padding from `expert_load`."""
+            out, bias = super().forward(hidden_states)
+            logits, routing_map = self.router.last_logits, self._last_map  # logits [..., E] -> [N, E] as ours
+            logits = logits.reshape(-1, logits.shape[-1])
+            self.router.last_logits = self._last_map = None
+            if self.training and torch._C._current_graph_task_id() == -1:  # not a recomputation in backward
+                with torch.no_grad():
+                    rows = routing_map if token_mask is None else routing_map[token_mask.reshape(-1).bool()]
+                    self.expert_load.add_(rows.sum(0))
+                if self.record_router_stats:
+                    scores = (torch.sigmoid(logits) if self.config.moe_router_score_function == "sigmoid"
+                              else torch.softmax(logits, dim=-1))
+                    self.router_stats = RouterStats(scores, routing_map.sum(0), self.top_k)
+            return out, bias
+
+    return _Router, _MoELayer
+
+
+def moe_layer_spec(mlp_spec, *, expert_bias: bool):
+    """`mlp_spec` (a megatron-core MoE ModuleSpec from a layer spec) with our router / MoELayer subclasses."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    router, layer = mcore_moe_classes()
+    sub = mlp_spec.submodules
+    sub = type(sub)(experts=sub.experts, shared_experts=sub.shared_experts,
+                    router=functools.partial(router, expert_bias=expert_bias))
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    # megatron-core's TransformerLayer passes its process groups only to the MoELayer class itself: they are
+    # given here (tp = ep = 1 groups)
+    params = dict(mlp_spec.params or {}, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    return ModuleSpec(module=layer, params=params, submodules=sub)
+
+
+def check_decoder_moe(moe: MoE) -> None:
+    """The MoE block of a pre-norm `DecoderLayer` (Qwen3-MoE): its layer's TransformerConfig is the dense one
+    (SwiGLU, no biases), so the experts must be SwiGLU and there is no shared expert."""
+    kw = moe_config_kwargs(moe)
+    if not kw["gated_linear_unit"] or kw["activation_func"] is not F.silu or moe.shared_experts is not None:
+        raise _refuse("of a decoder layer with non-SwiGLU experts or shared experts",
+                      "the layer's megatron-core config is the SwiGLU decoder's")
+
+
+def moe_decoder_layer_spec(config, *, expert_bias: bool):
+    """megatron-core's local TransformerLayer spec with a MoE MLP (SequentialMLP experts) and our subclasses."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm,
+                                    num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    spec.submodules.mlp = moe_layer_spec(spec.submodules.mlp, expert_bias=expert_bias)
+    return spec
+
+
+def moe_to_mcore(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Native `MoE` block state (keys relative to it) -> megatron-core MoELayer state (relative); exact."""
+    state = dict(state)
+    out = {"router.weight": state.pop("gate.weight")}
+    if "gate.e_score_correction_bias" in state:
+        out["router.expert_bias"] = state.pop("gate.e_score_correction_bias")
+    first = state.pop("experts.gate_up_proj", None)
+    first = state.pop("experts.up_proj") if first is None else first
+    for j, (fc1, fc2) in enumerate(zip(first, state.pop("experts.down_proj"))):
+        out[f"experts.local_experts.{j}.linear_fc1.weight"] = fc1
+        out[f"experts.local_experts.{j}.linear_fc2.weight"] = fc2
+    for ours, theirs in (("shared_experts.up_proj.weight", "shared_experts.linear_fc1.weight"),
+                         ("shared_experts.down_proj.weight", "shared_experts.linear_fc2.weight")):
+        if ours in state:
+            out[theirs] = state.pop(ours)
+    if state:
+        raise KeyError(f"moe_to_mcore: no megatron-core counterpart for {sorted(state)}")
+    return out
+
+
+def mcore_to_moe(state: Dict[str, torch.Tensor], *, gated: bool) -> Dict[str, torch.Tensor]:
+    """megatron-core MoELayer state (relative keys, `_extra_state` dropped) -> native `MoE` block state."""
+    out: Dict[str, torch.Tensor] = {}
+    fc1: Dict[int, torch.Tensor] = {}
+    fc2: Dict[int, torch.Tensor] = {}
+    named = {"router.weight": "gate.weight", "router.expert_bias": "gate.e_score_correction_bias",
+             "shared_experts.linear_fc1.weight": "shared_experts.up_proj.weight",
+             "shared_experts.linear_fc2.weight": "shared_experts.down_proj.weight"}
+    for key, value in state.items():
+        if key.endswith("_extra_state"):
+            continue
+        if key in named:
+            out[named[key]] = value
+            continue
+        parts = key.split(".")
+        if len(parts) == 5 and parts[:2] == ["experts", "local_experts"] and parts[3] in ("linear_fc1", "linear_fc2") \
+                and parts[4] == "weight":
+            (fc1 if parts[3] == "linear_fc1" else fc2)[int(parts[2])] = value
+        else:
+            raise KeyError(f"mcore_to_moe: no native counterpart for {key!r}")
+    for which, by_index in ((("experts.gate_up_proj" if gated else "experts.up_proj"), fc1), ("experts.down_proj", fc2)):
+        if sorted(by_index) != list(range(len(by_index))):
+            raise KeyError(f"mcore_to_moe: experts {sorted(by_index)} are not 0..{len(by_index) - 1}")
+        out[which] = torch.stack([by_index[j] for j in range(len(by_index))])
+    return out

@@ -132,8 +132,10 @@ class ParallelConfig:
     backend: Literal["native", "mcore"] = "native"
     """native = our decoder layers, PyTorch FSDP2 / DTensor. mcore = the language decoder's layers are megatron-core
     TransformerLayers (Transformer Engine's fused modules when TE is installed), converted exactly from the HF
-    weights and back at export; dense attention decoders only, data parallelism only (experimental: not yet run
-    on a GPU; README "Megatron-core")."""
+    weights and back at export; dense attention decoders only. Data, tensor (megatron-core's column / row parallel
+    linears over our tp groups; plain tp inside the layer: its torch RMSNorms refuse sequence parallelism) and
+    context parallelism (through our attention); not pp or ep (experimental: not yet run on a GPU; README
+    "Megatron-core")."""
     dp_replicate: int = 1
     """Data-parallel replicas (HSDP outer dimension)."""
     dp_shard: int = -1
@@ -183,11 +185,11 @@ class ParallelConfig:
         if self.dp_shard == 0 or self.dp_shard < -1:
             raise ValueError(f"dp_shard: must be -1 or > 0, got {self.dp_shard}")
         if self.backend == "mcore":
-            for key in ("tp", "cp", "pp", "ep"):
+            for key in ("pp", "ep"):
                 if getattr(self, key) > 1:
-                    raise ValueError(f"backend: 'mcore' with {key} = {getattr(self, key)}: megatron-core's own tensor / "
-                                     "context / pipeline / expert process groups are not wired to this mesh yet; use "
-                                     f"{key} = 1 (data parallelism only) or backend = 'native'")
+                    raise ValueError(f"backend: 'mcore' with {key} = {getattr(self, key)}: megatron-core's own "
+                                     "pipeline / expert process groups are not wired to this mesh yet; use "
+                                     f"{key} = 1 (data, tensor and context parallelism only) or backend = 'native'")
             if self.compile:
                 raise ValueError("backend: 'mcore' with compile = true is not supported yet; set compile = false")
 

@@ -61,10 +61,11 @@ def _load_all_reduce(dims: ParallelDims):
     return reduce
 
 
-def use_mcore_backend(model) -> None:
+def use_mcore_backend(model, tp_mesh=None) -> None:
     """`parallel.backend = "mcore"`: swap the language decoder's layers for megatron-core ones (McoreBackendError,
-    exit 2, when the family's layers cannot be mapped) and say so at startup."""
-    use_mcore_layers(model)
+    exit 2, when the family's layers cannot be mapped) and say so at startup. `tp_mesh` (parallel.tp > 1): the
+    layers are built tensor-parallel over it, each rank holding its blocks."""
+    use_mcore_layers(model, tp_mesh=tp_mesh)
     layer = model.language_model.layers[0]
     log.info("parallel.backend = mcore: %d language-decoder layers are megatron-core TransformerLayers (%s layer spec); "
              "experimental: not yet run on a GPU", len(model.language_model.layers),
@@ -82,7 +83,7 @@ def build_model_bundle(ctx: RunContext) -> ModelBundle:
                                video_min_pixels=cfg.data.video_min_pixels, video_max_pixels=cfg.data.video_max_pixels)
     model = load_hf_model(cfg.model.path, dtype=getattr(torch, cfg.model.dtype), device="cpu")
     if cfg.parallel.backend == "mcore":  # megatron-core decoder layers, converted from the loaded weights
-        use_mcore_backend(model)
+        use_mcore_backend(model, tp_mesh=mesh["tp"] if dims.tp > 1 else None)
     lora = getattr(cfg, "lora", None)  # [lora] section (None: full fine-tuning)
     if lora is not None:  # adapters before sharding: FSDP2 wraps them with the rest of each block
         try:

@@ -18,7 +18,10 @@ In the training run the local blocks become DTensors on the "tp" mesh dim (`Shar
 `Replicate`), so FSDP2 shards them over the data-parallel dims like the native tp weights, the gradient
 norm counts each block once (parallel/grad.py), and the full state dict (checkpoints, HF export) is their
 concatenation along the split dim: the "global" tensor. That global tensor is the full weight for every
-key but `linear_fc1`, whose global rows are [gate_0; up_0; gate_1; up_1; ...]: `global_to_full` undoes it.
+key but `linear_fc1`, whose global rows are [gate_0; up_0; gate_1; up_1; ...]: `global_to_full` undoes it for
+the HF export (and the rollout engine's weight sync). A training checkpoint (DCP) stores the global tensors,
+so its fc1 rows depend on tp: it records the tp size (`mcore_tp`) and resuming under another tp is refused
+(`check_saved_mcore_tp`) instead of loading permuted rows; the HF export is the layout-free hand-over.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import torch
 from torch import nn
 
 __all__ = ["SPLIT_DIM", "split_dim", "shard_layer_state", "unshard_layer_state", "global_to_full",
-           "distribute_layer_params"]
+           "distribute_layer_params", "local_params", "mcore_tp_of", "check_saved_mcore_tp"]
 
 SPLIT_DIM = {
     "self_attention.linear_qkv.weight": 0,
@@ -151,3 +154,24 @@ def local_params(fn):
                 mod._parameters[n] = p
 
     return wrapper
+
+
+def mcore_tp_of(model: nn.Module) -> Optional[int]:
+    """The tp size of `model`'s megatron-core decoder layers (None: it has none)."""
+    layers = getattr(getattr(model, "language_model", None), "layers", None) or []
+    sizes = {getattr(layer, "tp", 1) for layer in layers if hasattr(layer, "mcore")}
+    return max(sizes) if sizes else None
+
+
+def check_saved_mcore_tp(extra: Mapping, tp: Optional[int]) -> None:
+    """Refuse a checkpoint whose megatron-core layers were saved under another tp size (their fc1 rows are
+    laid out per tp rank); a checkpoint without the record was saved with tp = 1 (or by the native backend,
+    whose parameter names do not match anyway)."""
+    if tp is None:
+        return
+    saved = int(extra.get("mcore_tp", 1))
+    if saved != tp:
+        raise ValueError(f"this checkpoint's megatron-core layers were saved with parallel.tp = {saved}; with "
+                         f"parallel.backend = 'mcore' a checkpoint resumes with the same parallel.tp (now {tp}): "
+                         "their linear_fc1 rows are stored per tp rank. Resume with parallel.tp = "
+                         f"{saved}, or start from the run's Hugging Face export")

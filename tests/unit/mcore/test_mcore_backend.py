@@ -129,7 +129,7 @@ def test_moe_and_mamba_decoders_are_refused(kind, why, mcore_state, tmp_path):
 def test_config_refusals():
     from megatron_vlm.config.sections import ParallelConfig
 
-    for key in ("tp", "cp", "pp", "ep"):
+    for key in ("pp", "ep"):  # tp / cp: tests/unit/mcore/test_mcore_tp_shard.py
         with pytest.raises(ValueError, match=f"{key} = 2"):
             ParallelConfig(backend="mcore", **{key: 2}).validate()
     ParallelConfig(backend="mcore", dp_shard=2).validate()  # data parallelism is fine

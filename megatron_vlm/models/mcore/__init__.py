@@ -1,6 +1,6 @@
 """Megatron-core interop for the language decoders: HF <-> megatron-core state dicts and the
 TransformerConfig that builds the matching megatron-core GPT model (`convert.py`, `config.py`), and the
-`parallel.backend = "mcore"` decoder layers (`layer.py`).
+`parallel.backend = "mcore"` decoder layers (`layer.py`) and their tensor-parallel weight blocks (`tp_shard.py`).
 
 megatron-core is optional (`pip install -e ".[mcore]"`); nothing here imports it at module level.
 """

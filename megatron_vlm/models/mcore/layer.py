@@ -16,9 +16,16 @@ packs, the KV / slot caches of decoding and evaluation, the per-token M-RoPE ang
 megatron-core's core attention takes without Transformer Engine's THD path. The math equals the native
 layer's (tests/unit/mcore/test_mcore_backend.py: logits, gradients and the HF export).
 
-Limits, refused with exit 2 before a run starts (config/sections.py, `check_mcore_model`): tensor / context
-/ pipeline / expert parallelism sizes > 1 (megatron-core's own process groups are not wired to our mesh
-yet), MoE and Mamba2 layers (Qwen3-VL-MoE, Qwen3-MoE, Nemotron-VL), LoRA; experimental: not yet run on a GPU.
+Tensor parallelism (parallel.tp > 1): megatron-core's parallel state gets tensor_model_parallel_size = tp over
+our mesh's tp groups (`ensure_parallel_state` checks they coincide), each layer holds its rank's blocks of the
+converted weights as DTensors on the tp mesh (`tp_shard.py`), attention runs on the rank's heads, and the
+layer takes / returns the whole sequence like our native tp layers (plain tp inside: the local spec's torch
+RMSNorms refuse megatron-core's sequence parallelism). Context parallelism: `apply_cp` sets
+`context_parallel`, passed to `attend`, as for our own attention.
+
+Limits, refused with exit 2 before a run starts (config/sections.py, `check_mcore_model`): pipeline / expert
+parallelism sizes > 1 (megatron-core's own process groups for those are not wired to our mesh yet), MoE and
+Mamba2 layers (Qwen3-VL-MoE, Qwen3-MoE, Nemotron-VL), LoRA; experimental: not yet run on a GPU.
 """
 from __future__ import annotations
 

@@ -100,8 +100,11 @@ def check_mcore_model(model: nn.Module) -> None:
 
 
 def _config(layer: DecoderLayer, num_layers: int, dtype: torch.dtype, tp: int = 1):
-    """Plain tensor parallelism under tp > 1 (sequence_parallel=False): megatron-core's local layer spec builds
-    torch RMSNorms, which refuse sequence parallelism (`WrappedTorchNorm`); the layer runs the whole sequence."""
+    """Plain tensor parallelism under tp > 1 (sequence_parallel=False; our native tp's sequence-parallel norms
+    have no counterpart here): megatron-core's local layer spec builds torch RMSNorms, which refuse sequence
+    parallelism (`WrappedTorchNorm`), and its sequence-parallel gathers allocate their buffers on CUDA
+    (`torch.cuda.current_device()`), so that path could not run, nor be tested, on the CPU. The layer runs
+    the whole sequence: norms replicated, one all-reduce after the attention and one after the MLP."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     attn = layer.self_attn

@@ -1,11 +1,16 @@
-"""`parallel.backend = "mcore"` with tensor and context parallelism, on 2 gloo processes started once.
+"""`parallel.backend = "mcore"` with tensor and context parallelism, on 2 gloo processes (one start per test).
 
-For Qwen2.5-VL (q/k/v biases, M-RoPE, a vision tower) and the text-only Qwen3 (per-head QK-norm): the SFT job
-with megatron-core decoder layers split over tp = 2 (megatron-core's column / row parallel linears on its own
-tp group, which must be our mesh's) gives the losses, grad norms and HF export of the native decoder with
-tp = 2 (fp32: 1e-5 losses and relative grad norms, 1e-6 export); with cp = 2 those of the native cp = 2 run.
-Before the jobs, in the same workers: a tp = 2 megatron-core layer holds half of every split weight (so the
-comparison is not of two replicated runs) and gathers back to the native layer's weights exactly.
+SFT with tp (in CI, ~25 s): for Qwen2.5-VL (q/k/v biases, M-RoPE, a vision tower) and the text-only Qwen3 (per-head
+QK-norm), the job with megatron-core decoder layers split over tp = 2 (megatron-core's column / row parallel
+linears on its own tp group, which must be our mesh's) gives the losses, grad norms and HF export of the
+native decoder with tp = 2 (fp32: 1e-5 losses and relative grad norms, 1e-6 export). Before the jobs, in the same workers: a tp = 2 megatron-core layer holds half
+of every split weight (so the comparison is not of two replicated runs) and gathers back to the native
+layer's weights exactly.
+
+Heavy: Qwen2.5-VL's SFT with cp = 2 (the attention's context parallelism inside the megatron-core layers)
+gives the native cp = 2 run's losses, grad norms and export; GRPO, two steps with tp = 2 give the native tp = 2 run's loss, grad norm and reward, with the rollout
+decoding through the split megatron-core layers (`rl.rollout_weights = "shared"`) or through a native copy
+refreshed from their gathered weights ("copy").
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ pytest.importorskip("megatron.core")
 from megatron_vlm.checkpoint.hf import load_hf_model  # noqa: E402
 from megatron_vlm.parallel import init_distributed  # noqa: E402
 from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
-from tests.integration.parallel.test_tp_cp_families import _column, _export, _free_port, _run  # noqa: E402
+from tests.integration.parallel.test_tp_cp_families import _column, _export, _free_port, _grpo, _run  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
 
@@ -73,28 +78,60 @@ def _assert_same(tag: str, a: Path, b: Path) -> None:
     assert diff[0] <= 1e-6, (tag, diff)
 
 
-def _worker(rank: int, world: int, port: int, tmp: str, errors) -> None:
+def _sft(tmp: Path, rank: int) -> None:
     from megatron_vlm.data.synthetic_arith import write_synthetic_arith
 
+    _check_layer_shards(tmp, rank)
+    if rank == 0:
+        write_synthetic_arith(tmp / "arith", max_operand=9, eval_size=8)
+    dist.barrier()
+    for family in ("qwen2_5_vl", "qwen_text"):
+        _same_sft(tmp, rank, family, "tp")
+
+
+def _same_sft(tmp: Path, rank: int, family: str, layout: str) -> None:
+    runs = {}
+    for backend in ("native", "mcore"):
+        out = runs[backend] = tmp / family / f"{layout}_{backend}"
+        _run(tmp, family, out, **{f"parallel.{layout}": 2, "parallel.backend": f'"{backend}"',
+                                  "train.micro_batches_per_step": 2, "train.max_steps": STEPS})
+    if rank == 0:
+        _assert_same(f"{family} {layout}", runs["native"], runs["mcore"])
+    dist.barrier()
+
+
+def _cp_and_grpo(tmp: Path, rank: int) -> None:
+    _same_sft(tmp, rank, "qwen2_5_vl", "cp")
+    # GRPO, two steps: the rollout engine decodes through the tp-split megatron-core layers ("shared") or
+    # a native copy refreshed from their gathered weights ("copy")
+    grpo_model = tmp / "grpo" / "model"
+    if rank == 0:
+        synthesize_model_folder("tiny_qwen2_5_vl", grpo_model, seed=0)
+    dist.barrier()
+    grpo = {}
+    for name, backend, weights in (("native", "native", "shared"), ("mcore", "mcore", "shared"),
+                                   ("mcore_copy", "mcore", "copy")):
+        grpo[name] = tmp / "grpo" / name
+        _grpo(grpo_model, grpo[name], init_distributed(), **{"parallel.tp": 2, "parallel.backend": f'"{backend}"',
+                                                             "rl.rollout_weights": f'"{weights}"'})
+    if rank == 0:
+        for name in ("mcore", "mcore_copy"):
+            for key in ("loss", "grad_norm", "reward/mean"):
+                ref, got = _column(grpo["native"], key), _column(grpo[name], key)
+                scale = max(1.0, max(abs(v) for v in ref))
+                assert len(ref) == len(got) == 2 and max(abs(a - b) for a, b in zip(ref, got)) <= 1e-5 * scale, \
+                    (name, key, ref, got)
+        assert _column(grpo["native"], "grad_norm")[0] > 0
+    dist.barrier()
+
+
+def _worker(rank: int, world: int, port: int, tmp: str, errors, part) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    tmp = Path(tmp)
     try:
         init_distributed()
-        _check_layer_shards(tmp, rank)
-        if rank == 0:
-            write_synthetic_arith(tmp / "arith", max_operand=9, eval_size=8)
-        dist.barrier()
-        for family, layout in (("qwen2_5_vl", "tp"), ("qwen_text", "tp"), ("qwen2_5_vl", "cp")):
-            runs = {}
-            for backend in ("native", "mcore"):
-                out = runs[backend] = tmp / family / f"{layout}_{backend}"
-                _run(tmp, family, out, **{f"parallel.{layout}": 2, "parallel.backend": f'"{backend}"',
-                                          "train.micro_batches_per_step": 2, "train.max_steps": STEPS})
-            if rank == 0:
-                _assert_same(f"{family} {layout}", runs["native"], runs["mcore"])
-            dist.barrier()
+        part(Path(tmp), rank)
     except BaseException:  # noqa: BLE001 - reported to the parent
         errors.put((rank, traceback.format_exc()))
         raise
@@ -103,13 +140,22 @@ def _worker(rank: int, world: int, port: int, tmp: str, errors) -> None:
             dist.destroy_process_group()
 
 
-def test_mcore_tp2_and_cp2_match_native(tmp_path):
+def _spawn(tmp_path, part) -> None:
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     try:
-        mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path), errors), nprocs=2, start_method="spawn")
+        mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path), errors, part), nprocs=2, start_method="spawn")
     except Exception:
         msgs = []
         while not errors.empty():
             msgs.append("rank %d:\n%s" % errors.get())
         raise AssertionError("\n".join(msgs) or "a worker failed")
+
+
+def test_mcore_tp2_sft_matches_native(tmp_path):
+    _spawn(tmp_path, _sft)
+
+
+@pytest.mark.heavy
+def test_mcore_cp2_sft_and_tp2_grpo_match_native(tmp_path):
+    _spawn(tmp_path, _cp_and_grpo)

@@ -8,13 +8,17 @@ of every split weight (so the comparison is not of two replicated runs) and gath
 layer's weights exactly.
 
 Heavy: Qwen2.5-VL's SFT with cp = 2 (the attention's context parallelism inside the megatron-core layers)
-gives the native cp = 2 run's losses, grad norms and export; GRPO, two steps with tp = 2 give the native tp = 2 run's loss, grad norm and reward, with the rollout
+gives the native cp = 2 run's losses, grad norms and export; a tp = 2 megatron-core checkpoint resumes with
+tp = 2 (the uninterrupted run's losses and export) and is refused, exit 2, with tp = 1; GRPO, two steps with tp = 2 give the native tp = 2 run's loss, grad norm and reward, with the rollout
 decoding through the split megatron-core layers (`rl.rollout_weights = "shared"`) or through a native copy
 refreshed from their gathered weights ("copy").
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import shutil
 import traceback
 from pathlib import Path
 
@@ -78,30 +82,63 @@ def _assert_same(tag: str, a: Path, b: Path) -> None:
     assert diff[0] <= 1e-6, (tag, diff)
 
 
-def _sft(tmp: Path, rank: int) -> None:
+def _arith(tmp: Path, rank: int) -> None:
     from megatron_vlm.data.synthetic_arith import write_synthetic_arith
 
-    _check_layer_shards(tmp, rank)
     if rank == 0:
         write_synthetic_arith(tmp / "arith", max_operand=9, eval_size=8)
     dist.barrier()
-    for family in ("qwen2_5_vl", "qwen_text"):
-        _same_sft(tmp, rank, family, "tp")
 
 
-def _same_sft(tmp: Path, rank: int, family: str, layout: str) -> None:
+def _sft(tmp: Path, rank: int) -> None:
+    _check_layer_shards(tmp, rank)
+    _arith(tmp, rank)
+    _same_sft(tmp, rank, "qwen2_5_vl", "tp")
+    # activation checkpointing recomputes the layer (its local-weight swap and megatron-core's collectives)
+    _same_sft(tmp, rank, "qwen_text", "tp", **{"train.activation_checkpointing": "true"})
+
+
+def _same_sft(tmp: Path, rank: int, family: str, layout: str, **extra) -> None:
     runs = {}
     for backend in ("native", "mcore"):
         out = runs[backend] = tmp / family / f"{layout}_{backend}"
         _run(tmp, family, out, **{f"parallel.{layout}": 2, "parallel.backend": f'"{backend}"',
-                                  "train.micro_batches_per_step": 2, "train.max_steps": STEPS})
+                                  "train.micro_batches_per_step": 2, "train.max_steps": STEPS, **extra})
     if rank == 0:
         _assert_same(f"{family} {layout}", runs["native"], runs["mcore"])
     dist.barrier()
 
 
+def _resume(tmp: Path, rank: int) -> None:
+    """A tp = 2 megatron-core checkpoint of step 2 resumes with tp = 2 (the uninterrupted run's last losses and
+    export); resuming it with tp = 1 (2 data-parallel ranks) is refused: exit 2 naming parallel.tp."""
+    full, resumed, other = (tmp / "resume" / n for n in ("full", "resumed", "tp1"))
+    _arith(tmp, rank)
+    ck = {"parallel.backend": '"mcore"', "train.max_steps": STEPS, "checkpoint.enable": "true",
+          "checkpoint.every_steps": 2}
+    _run(tmp, "qwen_text", full, **{**ck, "parallel.tp": 2, "train.micro_batches_per_step": 2})
+    if rank == 0:
+        for out in (resumed, other):
+            shutil.copytree(full / "checkpoints" / "step_2", out / "checkpoints" / "step_2")
+    dist.barrier()
+    _run(tmp, "qwen_text", resumed, **{**ck, "parallel.tp": 2, "train.micro_batches_per_step": 2,
+                                       "checkpoint.resume": '"auto"'})
+    if rank == 0:
+        a, b = _column(full, "loss"), _column(resumed, "loss")
+        assert len(b) == STEPS - 2 and max(abs(x - y) for x, y in zip(a[2:], b)) <= 1e-6, (a, b)
+        e_a, e_b = _export(full), _export(resumed)
+        assert e_a.keys() == e_b.keys() and max((e_a[k] - e_b[k]).abs().max().item() for k in e_a) <= 1e-6
+    dist.barrier()
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(err):
+        _run(tmp, "qwen_text", other, **{**ck, "train.micro_batches_per_step": 1, "checkpoint.resume": '"auto"'})
+    assert e.value.code == 2 and "saved with parallel.tp = 2" in err.getvalue(), err.getvalue()
+    dist.barrier()
+
+
 def _cp_and_grpo(tmp: Path, rank: int) -> None:
     _same_sft(tmp, rank, "qwen2_5_vl", "cp")
+    _resume(tmp, rank)
     # GRPO, two steps: the rollout engine decodes through the tp-split megatron-core layers ("shared") or
     # a native copy refreshed from their gathered weights ("copy")
     grpo_model = tmp / "grpo" / "model"

@@ -1,17 +1,18 @@
 """`parallel.backend = "mcore"` with tensor and context parallelism, on 2 gloo processes (one start per test).
 
-SFT with tp (in CI, ~25 s): for Qwen2.5-VL (q/k/v biases, M-RoPE, a vision tower) and the text-only Qwen3 (per-head
-QK-norm), the job with megatron-core decoder layers split over tp = 2 (megatron-core's column / row parallel
-linears on its own tp group, which must be our mesh's) gives the losses, grad norms and HF export of the
-native decoder with tp = 2 (fp32: 1e-5 losses and relative grad norms, 1e-6 export). Before the jobs, in the same workers: a tp = 2 megatron-core layer holds half
-of every split weight (so the comparison is not of two replicated runs) and gathers back to the native
-layer's weights exactly.
+SFT with tp (in CI, ~30 s): for Qwen2.5-VL (q/k/v biases, M-RoPE, a vision tower) and the text-only Qwen3
+(per-head QK-norm; with activation checkpointing), the job with megatron-core decoder layers split over tp = 2
+(megatron-core's column / row parallel linears on its own tp group, which must be our mesh's) gives the
+losses, grad norms and HF export of the native decoder with tp = 2 (fp32: 1e-5 losses and relative grad norms,
+1e-6 export). Before the jobs, in the same workers: a tp = 2 megatron-core layer holds half of every split
+weight (so the comparison is not of two replicated runs) and gathers back to the native weights exactly.
 
-Heavy: Qwen2.5-VL's SFT with cp = 2 (the attention's context parallelism inside the megatron-core layers)
+Heavy: Qwen2.5-VL's SFT with cp = 2 (our context parallelism inside the megatron-core layers' attention)
 gives the native cp = 2 run's losses, grad norms and export; a tp = 2 megatron-core checkpoint resumes with
-tp = 2 (the uninterrupted run's losses and export) and is refused, exit 2, with tp = 1; GRPO, two steps with tp = 2 give the native tp = 2 run's loss, grad norm and reward, with the rollout
-decoding through the split megatron-core layers (`rl.rollout_weights = "shared"`) or through a native copy
-refreshed from their gathered weights ("copy").
+tp = 2 (the uninterrupted run's losses and export) and is refused, exit 2, with tp = 1; two GRPO steps with
+tp = 2 give the native tp = 2 run's loss, grad norm and reward, the rollout decoding through the split
+megatron-core layers (`rl.rollout_weights = "shared"`) or through a native copy refreshed from their
+gathered weights ("copy").
 """
 from __future__ import annotations
 

@@ -67,9 +67,9 @@ def use_mcore_backend(model, tp_mesh=None) -> None:
     layers are built tensor-parallel over it, each rank holding its blocks."""
     use_mcore_layers(model, tp_mesh=tp_mesh)
     layer = model.language_model.layers[0]
-    log.info("parallel.backend = mcore: %d language-decoder layers are megatron-core TransformerLayers (%s layer spec); "
-             "experimental: not yet run on a GPU", len(model.language_model.layers),
-             "Transformer Engine" if layer.te_fused_norms else "local")
+    log.info("parallel.backend = mcore: %d language-decoder layers are megatron-core TransformerLayers (%s layer spec, "
+             "tensor_model_parallel_size %d); experimental: not yet run on a GPU", len(model.language_model.layers),
+             "Transformer Engine" if layer.te_fused_norms else "local", layer.tp)
 
 
 def build_model_bundle(ctx: RunContext) -> ModelBundle:

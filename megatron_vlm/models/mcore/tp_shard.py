@@ -31,6 +31,8 @@ from typing import Mapping, Optional
 import torch
 from torch import nn
 
+from megatron_vlm.parallel.tensor_parallel import _contiguous_stride
+
 __all__ = ["SPLIT_DIM", "split_dim", "shard_layer_state", "unshard_layer_state", "global_to_full",
            "distribute_layer_params", "local_params", "mcore_tp_of", "check_saved_mcore_tp"]
 
@@ -101,11 +103,11 @@ def global_to_full(state: Mapping[str, torch.Tensor], tp: int) -> dict[str, torc
 
 def distribute_layer_params(layer: nn.Module, mesh) -> None:
     """Make the parameters of `layer` (a megatron-core TransformerLayer holding rank-local blocks) DTensors on
-    the 1-D tp `mesh` and wrap `layer`'s forward callers' view of them: `call_local(layer, fn)` runs `fn`
-    with the local tensors in place. Split weights are `Shard(dim)` (gradient: this rank's block); the input /
-    pre-MLP norms `Replicate` (plain tensor parallelism: they see the whole sequence and receive the same,
-    complete gradient on every tp rank); the per-head QK-norms `Replicate` with a `Partial` gradient (each
-    rank normalises its own heads: the gradient is summed over the tp ranks, by FSDP2's reduction)."""
+    the 1-D tp `mesh`; a forward decorated with `local_params` runs megatron-core's modules on the local blocks.
+    Split weights are `Shard(dim)` (gradient: this rank's block); the input / pre-MLP norms `Replicate` (plain
+    tensor parallelism: they see the whole sequence and receive the same, complete gradient on every tp rank);
+    the per-head QK-norms `Replicate` with a `Partial` gradient (each rank normalises its own heads: the
+    gradient is summed over the tp ranks, by FSDP2's reduction)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     owners = []
@@ -123,14 +125,6 @@ def distribute_layer_params(layer: nn.Module, mesh) -> None:
             mod.register_parameter(name, nn.Parameter(d, requires_grad=p.requires_grad))
             owners.append((mod, name, grad))
     layer._mvlm_tp_owners = owners
-
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= max(int(n), 1)
-    return tuple(reversed(stride))
 
 
 def local_params(fn):

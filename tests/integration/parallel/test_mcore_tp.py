@@ -70,6 +70,10 @@ def _check_layer_shards(tmp: Path, rank: int) -> None:
     own = layer.native_state()  # the layer gathers its own blocks (collective)
     for k, v in own.items():
         assert torch.equal(v, ref[f"language_model.layers.0.{k}"]), k
+    # loading native weights into the distributed layer writes this rank's blocks
+    other = {k.removeprefix("language_model.layers.1."): v for k, v in ref.items() if k.startswith("language_model.layers.1.")}
+    layer.load_native(other)
+    assert all(torch.equal(v, other[k]) for k, v in layer.native_state().items())
 
 
 def _assert_same(tag: str, a: Path, b: Path) -> None:

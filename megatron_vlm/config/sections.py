@@ -133,7 +133,10 @@ class ParallelConfig:
     """native = our decoder layers, PyTorch FSDP2 / DTensor. mcore = the language decoder's layers are megatron-core
     TransformerLayers (Transformer Engine's fused modules when TE is installed; MoELayer for MoE decoders, the
     hybrid stack's Mamba / attention / MLP / MoE layers for Nemotron-H), converted exactly from the HF weights and
-    back at export; data parallelism only (experimental: not yet run on a GPU; README "Megatron-core")."""
+    back at export. Data, tensor (dense attention decoders: megatron-core's column / row parallel linears over our
+    tp groups; plain tp inside the layer: its torch RMSNorms refuse sequence parallelism) and context parallelism
+    (dense attention decoders, through our attention); not pp or ep (experimental: not yet run on a GPU; README
+    "Megatron-core")."""
     dp_replicate: int = 1
     """Data-parallel replicas (HSDP outer dimension)."""
     dp_shard: int = -1
@@ -183,11 +186,11 @@ class ParallelConfig:
         if self.dp_shard == 0 or self.dp_shard < -1:
             raise ValueError(f"dp_shard: must be -1 or > 0, got {self.dp_shard}")
         if self.backend == "mcore":
-            for key in ("tp", "cp", "pp", "ep"):
+            for key in ("pp", "ep"):
                 if getattr(self, key) > 1:
-                    raise ValueError(f"backend: 'mcore' with {key} = {getattr(self, key)}: megatron-core's own tensor / "
-                                     "context / pipeline / expert process groups are not wired to this mesh yet; use "
-                                     f"{key} = 1 (data parallelism only) or backend = 'native'")
+                    raise ValueError(f"backend: 'mcore' with {key} = {getattr(self, key)}: megatron-core's own "
+                                     "pipeline / expert process groups are not wired to this mesh yet; use "
+                                     f"{key} = 1 (data, tensor and context parallelism only) or backend = 'native'")
             if self.compile:
                 raise ValueError("backend: 'mcore' with compile = true is not supported yet; set compile = false")
 

@@ -216,9 +216,12 @@ def decoder_tp_plan(model: nn.Module, layer_children: Optional[dict[str, str]] =
     """(dotted name, kind, module) of every decoder-layer child: kind "attention" (heads split), "mlp"
     (columns split), "mamba2" (Mamba2 heads split), "norm" (runs on the sequence shard) or "replicated"
     (whole sequence on every tp rank, e.g. a MoE block). `layer_children`: child name -> kind or "auto" (classified
-    by structure); children it does not name are "auto"."""
+    by structure); children it does not name are "auto". Layers that split themselves (`tp_sharded_itself`:
+    megatron-core layers, models/mcore/layer.py) are left out."""
     out = []
     for i, layer in enumerate(model.language_model.layers):
+        if getattr(layer, "tp_sharded_itself", False):
+            continue
         children = {n: "auto" for n, _ in layer.named_children()}
         children.update(layer_children or {})
         for child, kind in children.items():
@@ -292,7 +295,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, layer_children: dict[str, st
     check_tp_divides(model, tp, layer_children)
     states = {id(layer): _SeqState() for layer in model.language_model.layers}
     for layer in model.language_model.layers:
-        _sequence_parallel_layer(layer, mesh, states[id(layer)])
+        if not getattr(layer, "tp_sharded_itself", False):  # megatron-core layers take / return the whole sequence
+            _sequence_parallel_layer(layer, mesh, states[id(layer)])
     for where, kind, m in decoder_tp_plan(model, layer_children):
         state = states[id(model.language_model.layers[int(where.split(".")[2])])]
         if kind == "attention":

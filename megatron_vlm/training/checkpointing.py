@@ -34,6 +34,7 @@ from megatron_vlm.checkpoint.manager import (
 )
 from megatron_vlm.models.common.lora import merged_state_dict
 from megatron_vlm.models.mcore.layer import native_state_dict
+from megatron_vlm.models.mcore.tp_shard import check_saved_mcore_tp, mcore_tp_of
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.lora import scaling_of, write_adapter
 from megatron_vlm.training.optim import OptimState, load_scheduler_state
@@ -70,6 +71,7 @@ class Checkpointer:
         self.is_main = ctx.env.is_main
         self.wrapper, self.optim = wrapper, optim
         self.manager = CheckpointManager(ctx.run_dir, self.cfg.keep_last, ctx.env.rank)
+        self.mcore_tp = mcore_tp_of(getattr(wrapper, "model", wrapper))  # None: no megatron-core layers
 
     @property
     def enabled(self) -> bool:
@@ -106,6 +108,7 @@ class Checkpointer:
             err, extra = None, None
             try:
                 extra = self.manager.load(path, self.wrapper, self.optim.optimizer)
+                check_saved_mcore_tp(extra, self.mcore_tp)
                 load_scheduler_state(self.optim.scheduler, extra["scheduler"])
             except FAILURES as e:  # a corrupt checkpoint can raise anything
                 err = describe_error(e)
@@ -125,8 +128,10 @@ class Checkpointer:
         """Save a checkpoint after `step` steps; exits 1 (`EXIT_SAVE_FAILED`) on every rank when any
         rank could not write it (the previous checkpoint stays intact)."""
         try:
-            self.manager.save(step, self.wrapper, self.optim.optimizer,
-                              {"data": data_state, "scheduler": self.optim.scheduler.state_dict()})
+            extra = {"data": data_state, "scheduler": self.optim.scheduler.state_dict()}
+            if self.mcore_tp is not None:  # the layout of the megatron-core layers' fc1 rows (tp_shard.py)
+                extra["mcore_tp"] = self.mcore_tp
+            self.manager.save(step, self.wrapper, self.optim.optimizer, extra)
         except CheckpointError as e:
             _fail(e, EXIT_SAVE_FAILED)
 

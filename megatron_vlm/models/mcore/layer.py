@@ -20,10 +20,17 @@ MoE layers (Qwen3-VL-MoE, Qwen3-MoE) hold megatron-core's `MoELayer` (router, to
 models/mcore/moe_layer.py, local spec); the Nemotron-H hybrid's blocks become `McoreHybridBlock`s
 (models/mcore/hybrid.py: MambaLayer with our Mamba2 mixer, attention / MLP / MoE layers).
 
-Limits, refused with exit 2 before a run starts (config/sections.py, `check_mcore_model`): tensor / context
-/ pipeline / expert parallelism sizes > 1 (megatron-core's own process groups are not wired to our mesh
-yet), MoE routing features megatron-core cannot express (moe_layer.py), LoRA; experimental: not yet run
-on a GPU.
+Tensor parallelism (parallel.tp > 1, dense attention decoders): megatron-core's parallel state gets
+tensor_model_parallel_size = tp over our mesh's tp groups (`ensure_parallel_state` checks they coincide), each
+layer holds its rank's blocks of the converted weights as DTensors on the tp mesh (`tp_shard.py`), attention runs
+on the rank's heads, and the layer takes / returns the whole sequence like our native tp layers (plain tp inside:
+the local spec's torch RMSNorms refuse megatron-core's sequence parallelism). Context parallelism: `apply_cp` sets
+`context_parallel`, passed to `attend`, as for our own attention.
+
+Limits, refused with exit 2 before a run starts (config/sections.py, `check_mcore_model`): pipeline / expert
+parallelism sizes > 1 (megatron-core's own process groups for those are not wired to our mesh yet), tp or cp > 1
+with MoE or Mamba2 decoders (their megatron-core layers are built unsplit), MoE routing features megatron-core
+cannot express (moe_layer.py), LoRA; experimental: not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -33,12 +40,15 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from megatron_vlm.models.common.attention import attend
 from megatron_vlm.models.common.decoder import DecoderLayer
 from megatron_vlm.models.common.mlp import SwiGLUMLP
 from megatron_vlm.models.common.moe import MoE
 from megatron_vlm.models.mcore.convert import hf_to_mcore, mcore_to_hf
+from megatron_vlm.models.mcore.tp_shard import distribute_layer_params, global_to_full, local_params, shard_layer_state
+from megatron_vlm.parallel.tensor_parallel import check_tp_sizes
 
 __all__ = ["McoreDecoderLayer", "McoreBackendError", "use_mcore_layers", "native_state_dict", "check_mcore_model",
            "ensure_parallel_state"]
@@ -50,12 +60,28 @@ class McoreBackendError(ValueError):
     """The model or run cannot use megatron-core layers (a config error: exit 2)."""
 
 
-def ensure_parallel_state() -> None:
-    """megatron-core's linears read its model-parallel groups: tp = pp = 1 over the initialised world."""
+def ensure_parallel_state(tp_mesh=None) -> None:
+    """megatron-core's linears read its model-parallel groups: tensor_model_parallel_size = the size of `tp_mesh`
+    (our mesh's "tp" dim; None: 1), pp = 1, over the initialised world. megatron-core's default rank order
+    ("tp-cp-ep-dp-pp") makes its tp groups consecutive ranks, as our mesh's are (tp innermost); this rank's
+    group is checked against `tp_mesh`'s. An earlier initialisation with another tp size or other ranks (a
+    job before this one in the same process) is replaced."""
+    import torch.distributed as dist
     from megatron.core import parallel_state
 
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+    tp = 1 if tp_mesh is None else tp_mesh.size()
+    want = None if tp_mesh is None else dist.get_process_group_ranks(tp_mesh.get_group())
+    if parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_tensor_model_parallel_group()
+        have = dist.get_process_group_ranks(group) if tp > 1 else None
+        if parallel_state.get_tensor_model_parallel_world_size() == tp and have == want:
+            return
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+    if tp > 1:
+        have = dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
+        if have != want:
+            raise AssertionError(f"megatron-core's tensor-parallel group {have} is not our mesh's tp group {want}")
 
 
 def _check_layer(i: int, layer: nn.Module) -> None:
@@ -87,7 +113,12 @@ def check_mcore_model(model: nn.Module) -> None:
         _check_layer(i, layer)
 
 
-def _config(layer: DecoderLayer, num_layers: int, dtype: torch.dtype):
+def _config(layer: DecoderLayer, num_layers: int, dtype: torch.dtype, tp: int = 1):
+    """Plain tensor parallelism under tp > 1 (sequence_parallel=False; our native tp's sequence-parallel norms
+    have no counterpart here): megatron-core's local layer spec builds torch RMSNorms, which refuse sequence
+    parallelism (`WrappedTorchNorm`), and its sequence-parallel gathers allocate their buffers on CUDA
+    (`torch.cuda.current_device()`), so that path could not run, nor be tested, on the CPU. The layer runs
+    the whole sequence: norms replicated, one all-reduce after the attention and one after the MLP."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     attn = layer.self_attn
@@ -101,6 +132,7 @@ def _config(layer: DecoderLayer, num_layers: int, dtype: torch.dtype):
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16, use_cpu_initialization=True, perform_initialization=False,
         **_moe_fields(layer.mlp),
+        tensor_model_parallel_size=tp, sequence_parallel=False,
     )
 
 
@@ -131,16 +163,36 @@ def _layer_spec(qk_layernorm: bool):
 
 
 class McoreDecoderLayer(nn.Module):
-    """A `DecoderLayer` stand-in (same call signature) around a megatron-core TransformerLayer (`self.mcore`)."""
+    """A `DecoderLayer` stand-in (same call signature) around a megatron-core TransformerLayer (`self.mcore`).
 
-    def __init__(self, native: DecoderLayer, index: int, num_layers: int) -> None:
+    With a `tp_mesh` of size tp > 1 the TransformerLayer is built with tensor_model_parallel_size = tp and holds
+    this rank's blocks of the converted weights (`tp_shard.py`), as DTensors on `tp_mesh`; it takes and returns
+    the whole sequence (the contract of our native tp layers), so the native vocab-parallel embedding / lm_head
+    and the code between layers see what they expect."""
+
+    context_parallel = None
+    """Set by `parallel.context_parallel.apply_cp` (packed input then holds this rank's tokens); passed to `attend`."""
+    tp_sharded_itself = True
+    """`parallel.tensor_parallel.apply_tp` leaves this layer alone: megatron-core's linears split it."""
+
+    def __init__(self, native: DecoderLayer, index: int, num_layers: int, tp_mesh=None) -> None:
         super().__init__()
         from megatron.core.transformer.spec_utils import build_module
 
         _check_layer(index, native)
         dtype = native.input_layernorm.weight.dtype
-        config = _config(native, num_layers, dtype)
-        if isinstance(native.mlp, MoE):  # megatron-core's MoELayer, local spec (moe_layer.py)
+        self.tp = 1 if tp_mesh is None else tp_mesh.size()
+        self.tp_rank = 0 if tp_mesh is None else tp_mesh.get_local_rank()
+        config = _config(native, num_layers, dtype, self.tp)
+        if self.tp > 1:
+            if isinstance(native.mlp, MoE):
+                raise McoreBackendError(f"parallel.backend = 'mcore': decoder layer {index} is a MoE layer; tensor "
+                                        "parallelism with megatron-core MoE layers is not wired yet")
+            check_tp_sizes(self.tp, {f"language_model.layers.{index}.num_attention_heads": config.num_attention_heads,
+                                     f"language_model.layers.{index}.num_key_value_heads": config.num_query_groups,
+                                     f"language_model.layers.{index}.intermediate_size": config.ffn_hidden_size})
+        self.is_moe = isinstance(native.mlp, MoE)
+        if self.is_moe:  # megatron-core's MoELayer, local spec (moe_layer.py)
             from megatron_vlm.models.mcore.moe_layer import moe_decoder_layer_spec
 
             spec, self.te_fused_norms = moe_decoder_layer_spec(config, expert_bias=False), False
@@ -151,24 +203,44 @@ class McoreDecoderLayer(nn.Module):
         self.mcore = build_module(spec, config=config, layer_number=index + 1)
         self.mcore.to(native.input_layernorm.weight.device)
         self.load_native(native.state_dict())
+        if self.tp > 1:
+            distribute_layer_params(self.mcore, tp_mesh)
 
     def load_native(self, state: dict) -> None:
-        """Load a native DecoderLayer state dict (HF layer names), converted exactly."""
+        """Load a native DecoderLayer state dict (HF layer names, full tensors), converted exactly; this rank's
+        blocks of it under tensor parallelism."""
         converted = hf_to_mcore({f"model.layers.0.{k}": v for k, v in state.items()}, te_fused_norms=self.te_fused_norms,
                                 **self.heads)
-        missing, unexpected = self.mcore.load_state_dict({k.removeprefix("decoder.layers.0."): v
-                                                          for k, v in converted.items()}, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
+        full = {k.removeprefix("decoder.layers.0."): v for k, v in converted.items()}
+        local = shard_layer_state(full, self.tp, self.tp_rank) if self.tp > 1 else full
+        own = self.mcore.state_dict()
+        if any(isinstance(v, DTensor) for v in own.values()):  # after distribute_layer_params: copy into the blocks
+            missing = [k for k in own if k not in local and not k.endswith("_extra_state")]
+            unexpected = [k for k in local if k not in own]
+            if not (missing or unexpected):
+                with torch.no_grad():
+                    for k, v in local.items():
+                        (own[k].to_local() if isinstance(own[k], DTensor) else own[k]).copy_(v)
+        else:
+            missing, unexpected = self.mcore.load_state_dict(local, strict=False)
+            missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise McoreBackendError(f"megatron-core layer: weights missing {missing}, unexpected {unexpected}")
 
     def native_state(self, state: Optional[dict] = None) -> dict:
-        """This layer's weights under native DecoderLayer (HF layer) names."""
-        state = self.mcore.state_dict() if state is None else state
+        """This layer's weights under native DecoderLayer (HF layer) names, full tensors. `state`: the
+        megatron-core layer's state (or gradients) as global tensors (a DTensor's full tensor: the rank blocks
+        concatenated, `tp_shard.global_to_full`); None = this layer's own (gathered over tp: collective)."""
+        if state is None:
+            state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in self.mcore.state_dict().items()}
+        else:
+            state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+        state = global_to_full({k: v for k, v in state.items() if not k.endswith("_extra_state")}, self.tp)
         hf = mcore_to_hf({f"decoder.layers.0.{k}": v for k, v in state.items()}, te_fused_norms=self.te_fused_norms,
                          **self.heads)
         return {k.removeprefix("model.layers.0."): v for k, v in hf.items()}
 
+    @local_params
     def forward(
         self,
         x: torch.Tensor,
@@ -193,29 +265,39 @@ class McoreDecoderLayer(nn.Module):
 
         q, k, v = layer.self_attention.get_query_key_value_tensors(layer.input_layernorm(three_d(x)))  # + QK-norm
         out = attend(caller(q), caller(k), caller(v), cos, sin, causal=True, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                     key_padding_mask=key_padding_mask, kv_cache=kv_cache, layer_idx=layer_idx, prefix_layout=prefix_layout)
+                     key_padding_mask=key_padding_mask, kv_cache=kv_cache, layer_idx=layer_idx, prefix_layout=prefix_layout,
+                     context_parallel=self.context_parallel)
         proj, bias = layer.self_attention.linear_proj(three_d(out.reshape(*out.shape[:-2], -1)))
         h = x + caller(proj) if bias is None else x + caller(proj) + bias
         mlp_out, bias = layer.mlp(layer.pre_mlp_layernorm(three_d(h)))
         return h + caller(mlp_out) if bias is None else h + caller(mlp_out) + bias
 
     def local_heads(self) -> tuple[int, int]:
-        return self.heads["num_attention_heads"], self.heads["num_key_value_heads"]
+        """(query heads, KV heads) this rank computes: the KV cache holds these."""
+        return self.heads["num_attention_heads"] // self.tp, self.heads["num_key_value_heads"] // self.tp
 
 
-def use_mcore_layers(model: nn.Module) -> None:
+def use_mcore_layers(model: nn.Module, tp_mesh=None) -> None:
     """Replace every language-decoder layer of `model` (weights loaded) by a McoreDecoderLayer (a
-    McoreHybridBlock for Nemotron-H blocks)."""
+    McoreHybridBlock for Nemotron-H blocks); `tp_mesh`: the world mesh's "tp" dim when parallel.tp > 1
+    (collective then: every rank calls it; dense attention decoders only)."""
     from megatron_vlm.models.mcore.hybrid import McoreHybridBlock, is_hybrid_block
 
     check_mcore_model(model)
-    ensure_parallel_state()
     layers = model.language_model.layers
+    if tp_mesh is not None:  # before any collective: the refusal is the same on every rank
+        for i, layer in enumerate(layers):
+            if is_hybrid_block(layer) or isinstance(getattr(layer, "mlp", None), MoE):
+                raise McoreBackendError(f"parallel.backend = 'mcore': decoder layer {i} is a "
+                                        f"{'Nemotron-H hybrid block' if is_hybrid_block(layer) else 'MoE layer'}; tensor "
+                                        "parallelism (parallel.tp > 1) with megatron-core MoE / Mamba2 layers is not "
+                                        "wired yet (they are built unsplit); use tp = 1 or backend = 'native'")
+    ensure_parallel_state(tp_mesh)
     for i in range(len(layers)):
         if is_hybrid_block(layers[i]):
             layers[i] = McoreHybridBlock(layers[i], i, model.language_model.args)
         else:
-            layers[i] = McoreDecoderLayer(layers[i], i, len(layers))
+            layers[i] = McoreDecoderLayer(layers[i], i, len(layers), tp_mesh=tp_mesh)
 
 
 def native_state_dict(state: dict, model: nn.Module) -> dict:

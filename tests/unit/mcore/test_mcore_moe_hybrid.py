@@ -207,3 +207,28 @@ def test_expert_bias_stays_fp32_and_is_the_balancers(mcore_state):
     router = block.mcore.mlp.router
     assert router.weight.dtype == torch.bfloat16 and router.expert_bias.dtype == torch.float32
     assert moe_layers(block)[0].gate.e_score_correction_bias is router.expert_bias
+
+
+class _TwoRankMesh:
+    """Stands in for the world mesh's "tp" dim of size 2 (the refusal comes before any collective)."""
+
+    def size(self):
+        return 2
+
+    def get_local_rank(self):
+        return 0
+
+
+@pytest.mark.parametrize("kind,what", [("tiny_qwen3_vl_moe", "MoE layer"), ("tiny_nemotron_vl", "Nemotron-H hybrid block")])
+def test_tensor_parallel_moe_and_hybrid_decoders_are_refused(kind, what, tmp_path, mcore_state):
+    model = load_hf_model(str(synthesize_model_folder(kind, tmp_path / kind, seed=0)), dtype=torch.float32)
+    with pytest.raises(McoreBackendError, match=f"decoder layer \\d+ is a {what}; tensor parallelism"):
+        use_mcore_layers(model, tp_mesh=_TwoRankMesh())
+
+
+def test_context_parallel_moe_and_hybrid_decoders_are_refused(tmp_path, mcore_state):
+    from megatron_vlm.training.model_bundle import use_mcore_backend
+
+    model = load_hf_model(str(synthesize_model_folder("tiny_nemotron_vl", tmp_path / "n", seed=0)), dtype=torch.float32)
+    with pytest.raises(McoreBackendError, match="parallel.cp = 2: context parallelism is wired for dense attention"):
+        use_mcore_backend(model, cp=2)

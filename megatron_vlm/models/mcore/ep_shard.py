@@ -40,10 +40,17 @@ def expert_index(key: str) -> Optional[tuple[str, int, str]]:
 
 
 def _num_experts(keys) -> int:
-    found = {expert_index(k)[1] for k in keys if expert_index(k) is not None}
-    if found != set(range(len(found))):
-        raise KeyError(f"expert parallelism: routed experts {sorted(found)} are not 0..{len(found) - 1}")
-    return len(found)
+    """The number of routed experts; KeyError unless every expert weight (fc1, fc2) is there for 0 .. n - 1."""
+    found: dict[tuple[str, str], set] = {}
+    for key in keys:
+        idx = expert_index(key)
+        if idx is not None:
+            found.setdefault((idx[0], idx[2]), set()).add(idx[1])
+    n = max((len(v) for v in found.values()), default=0)
+    for (pre, post), ids in found.items():
+        if ids != set(range(n)):
+            raise KeyError(f"expert parallelism: {pre}*{post} has experts {sorted(ids)}, not 0..{n - 1}")
+    return n
 
 
 def shard_expert_state(full: Mapping[str, torch.Tensor], ep: int, rank: int) -> dict[str, torch.Tensor]:

@@ -313,13 +313,6 @@ def use_mcore_layers(model: nn.Module, tp_mesh=None, ep_mesh=None, grad_divide_f
 
     check_mcore_model(model)
     layers = model.language_model.layers
-    if tp_mesh is not None:  # before any collective: the refusal is the same on every rank
-        for i, layer in enumerate(layers):
-            if is_hybrid_block(layer) or isinstance(getattr(layer, "mlp", None), MoE):
-                raise McoreBackendError(f"parallel.backend = 'mcore': decoder layer {i} is a "
-                                        f"{'Nemotron-H hybrid block' if is_hybrid_block(layer) else 'MoE layer'}; tensor "
-                                        "parallelism (parallel.tp > 1) with megatron-core MoE / Mamba2 layers is not "
-                                        "wired yet (they are built unsplit); use tp = 1 or backend = 'native'")
     if ep_mesh is not None:  # before any collective: the refusal is the same on every rank
         ep = ep_mesh.size(ep_mesh.ndim - 1)
         if tp_mesh is not None:
@@ -331,6 +324,13 @@ def use_mcore_layers(model: nn.Module, tp_mesh=None, ep_mesh=None, grad_divide_f
                                     "megatron-core blocks; use ep = 1 or backend = 'native'")
         if not any(isinstance(getattr(layer, "mlp", None), MoE) for layer in layers):
             raise McoreBackendError(f"parallel.ep = {ep}: the model has no MoE layers to shard")
+    if tp_mesh is not None:  # before any collective: the refusal is the same on every rank
+        for i, layer in enumerate(layers):
+            if is_hybrid_block(layer) or isinstance(getattr(layer, "mlp", None), MoE):
+                raise McoreBackendError(f"parallel.backend = 'mcore': decoder layer {i} is a "
+                                        f"{'Nemotron-H hybrid block' if is_hybrid_block(layer) else 'MoE layer'}; tensor "
+                                        "parallelism (parallel.tp > 1) with megatron-core MoE / Mamba2 layers is not "
+                                        "wired yet (they are built unsplit); use tp = 1 or backend = 'native'")
     ensure_parallel_state(tp_mesh, ep_mesh)
     for i in range(len(layers)):
         if is_hybrid_block(layers[i]):

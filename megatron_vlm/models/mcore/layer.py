@@ -27,9 +27,14 @@ on the rank's heads, and the layer takes / returns the whole sequence like our n
 the local spec's torch RMSNorms refuse megatron-core's sequence parallelism). Context parallelism: `apply_cp` sets
 `context_parallel`, passed to `attend`, as for our own attention.
 
-Limits, refused with exit 2 before a run starts (config/sections.py, `check_mcore_model`): pipeline / expert
-parallelism sizes > 1 (megatron-core's own process groups for those are not wired to our mesh yet), tp or cp > 1
-with MoE or Mamba2 decoders (their megatron-core layers are built unsplit), MoE routing features megatron-core
+Expert parallelism (parallel.ep > 1, MoE attention decoders): megatron-core's parallel state gets
+expert_model_parallel_size = ep over our ep mesh's groups (checked), the MoE layers use its all-to-all token
+dispatcher and hold their rank's experts as DTensors on the ("ep_replicate", "ep") mesh (`ep_shard.py`).
+
+Limits, refused with exit 2 before a run starts (config/sections.py, `check_mcore_model`, `use_mcore_layers`):
+pipeline parallelism (megatron-core's own process groups for it are not wired to our mesh yet), tp or cp > 1
+with MoE or Mamba2 decoders (their megatron-core layers are built unsplit), ep > 1 with tp > 1 or for the
+Nemotron-H hybrid, MoE routing features megatron-core
 cannot express (moe_layer.py), LoRA; experimental: not yet run on a GPU.
 """
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """megatron-core's `MoELayer` in place of our `MoE` block (models/common/moe.py) for `parallel.backend = "mcore"`.
 
 What is megatron-core's and what is ours: routing is megatron-core's `TopKRouter` (its
-`topk_routing_with_score_function`), tokens go through its "allgather" token dispatcher (ep = 1) into
+`topk_routing_with_score_function`), tokens go through its "allgather" token dispatcher (ep = 1; with
+parallel.ep > 1 its "alltoall" one, `alltoall_dispatcher`, each rank holding E / ep experts: ep_shard.py) into
 `SequentialMLP` experts (megatron-core MLPs, one per expert) and its `SharedExpertMLP`; the math is chosen
 from the native block's settings so it is the same function:
 

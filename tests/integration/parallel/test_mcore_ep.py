@@ -7,6 +7,10 @@ tokens, and the gathered state maps back to the native weights exactly. Then the
 megatron-core MoE layers (all-to-all dispatcher) and ep = 2 gives the native ep = 2 run's per-step losses and
 grad norms (fp32, 1e-5), MoE load statistics, and HF export (all experts gathered back; 1e-6); its ep = 2
 checkpoint resumes with the uninterrupted run's losses.
+
+Heavy: two GRPO steps with ep = 2 give the native ep = 2 run's loss, grad norm and reward, the rollout decoding
+in lock-step through the expert-parallel megatron-core layers (`rl.rollout_weights = "shared"`) or through a
+native copy refreshed from their gathered weights ("copy").
 """
 from __future__ import annotations
 
@@ -21,9 +25,10 @@ import torch.distributed as dist
 pytest.importorskip("megatron.core")
 
 from megatron_vlm.checkpoint.hf import load_hf_model  # noqa: E402
+from megatron_vlm.parallel import init_distributed  # noqa: E402
 from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
 from tests.integration.parallel.test_mcore_tp import _spawn  # noqa: E402
-from tests.integration.parallel.test_tp_cp_families import _column, _export, _run  # noqa: E402
+from tests.integration.parallel.test_tp_cp_families import _column, _export, _grpo, _run  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
 
@@ -111,3 +116,30 @@ def _parts(tmp: Path, rank: int) -> None:
 
 def test_mcore_ep2_sft_matches_native_ep2(tmp_path):
     _spawn(tmp_path, _parts)
+
+
+def _grpo_parts(tmp: Path, rank: int) -> None:
+    model = tmp / "grpo" / "model"
+    if rank == 0:
+        synthesize_model_folder("tiny_qwen3_vl_moe", model, seed=0)
+    dist.barrier()
+    runs = {}
+    for name, backend, weights in (("native", "native", "shared"), ("mcore", "mcore", "shared"),
+                                   ("mcore_copy", "mcore", "copy")):
+        runs[name] = tmp / "grpo" / name
+        _grpo(model, runs[name], init_distributed(), **{"parallel.ep": 2, "parallel.backend": f'"{backend}"',
+                                                        "rl.rollout_weights": f'"{weights}"'})
+    if rank == 0:
+        assert _column(runs["native"], "grad_norm")[0] > 0
+        for name in ("mcore", "mcore_copy"):
+            for key in ("loss", "grad_norm", "reward/mean"):
+                ref, got = _column(runs["native"], key), _column(runs[name], key)
+                scale = max(1.0, max(abs(v) for v in ref))
+                assert len(ref) == len(got) == 2 and max(abs(a - b) for a, b in zip(ref, got)) <= 1e-5 * scale, \
+                    (name, key, ref, got)
+    dist.barrier()
+
+
+@pytest.mark.heavy
+def test_mcore_ep2_grpo_matches_native_ep2(tmp_path):
+    _spawn(tmp_path, _grpo_parts)

@@ -4,9 +4,9 @@ Before the jobs, in the same workers: megatron-core's expert-parallel group is o
 megatron-core MoE layer holds half of the routed experts (the native experts rank * E/2 ...), the layer's
 forward equals the native block's and its expert gradients are the native ones summed over the ep ranks'
 tokens, and the gathered state maps back to the native weights exactly. Then the tiny Qwen3-VL-MoE SFT with
-megatron-core MoE layers (all-to-all dispatcher) and ep = 2 gives the native ep = 2 run's per-step losses and
-grad norms (fp32, 1e-5), MoE load statistics, and HF export (all experts gathered back; 1e-6); its ep = 2
-checkpoint resumes with the uninterrupted run's losses.
+megatron-core MoE layers (all-to-all dispatcher; activation checkpointing on) and ep = 2 gives the native
+ep = 2 run's per-step losses and grad norms (fp32, 1e-5), MoE load statistics, and HF export (all experts
+gathered back; 1e-6); its ep = 2 checkpoint resumes with the uninterrupted run's losses.
 
 Heavy: two GRPO steps with ep = 2 give the native ep = 2 run's loss, grad norm and reward, the rollout decoding
 in lock-step through the expert-parallel megatron-core layers (`rl.rollout_weights = "shared"`) or through a
@@ -85,8 +85,11 @@ def _parts(tmp: Path, rank: int) -> None:
     ck = {"checkpoint.enable": "true", "checkpoint.every_steps": 2, "moe.n_step_per_workload_report": 1}
     for backend in ("native", "mcore"):
         out = runs[backend] = tmp / f"ep_{backend}"
+        # mcore with activation checkpointing: the recomputed forward repeats the dispatcher's all-to-alls (and
+        # must not count the expert loads twice)
         _run(tmp, "qwen3_vl_moe", out, **{"parallel.ep": 2, "parallel.backend": f'"{backend}"',
-                                          "train.max_steps": STEPS, **ck})
+                                          "train.max_steps": STEPS, **ck,
+                                          "train.activation_checkpointing": str(backend == "mcore").lower()})
     resumed = tmp / "ep_mcore_resumed"
     if rank == 0:
         shutil.copytree(runs["mcore"] / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")

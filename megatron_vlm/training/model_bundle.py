@@ -77,8 +77,9 @@ def use_mcore_backend(model, tp_mesh=None, cp: int = 1, ep_mesh=None, grad_divid
                                 "dense attention decoders only, not MoE or Mamba2 ones; use cp = 1 or backend = 'native'")
     kinds = ", ".join(sorted(kinds))
     log.info("parallel.backend = mcore: %d language-decoder layers are megatron-core layers (%s; %s layer spec, "
-             "tensor_model_parallel_size %d); experimental: not yet run on a GPU", len(layers), kinds,
-             "Transformer Engine" if layers[0].te_fused_norms else "local", getattr(layers[0], "tp", 1))
+             "tensor_model_parallel_size %d, expert_model_parallel_size %d); experimental: not yet run on a GPU",
+             len(layers), kinds, "Transformer Engine" if layers[0].te_fused_norms else "local", getattr(layers[0], "tp", 1),
+             max(getattr(layer, "ep", 1) for layer in layers))
 
 
 def build_model_bundle(ctx: RunContext) -> ModelBundle:

@@ -9,8 +9,8 @@ lm_head; `megatron_vlm.parallel.tensor_parallel`) is applied on the "tp" dim of 
 FSDP2 then shards those DTensors over the data-parallel dims (2-D FSDP x TP). With `parallel.ep` > 1 the routed experts of every
 MoE block are sharded over the ("ep_replicate", "ep") mesh (`megatron_vlm.parallel.apply_ep`) and left
 out of FSDP (`ignored_params`; with `parallel.backend = "mcore"` the megatron-core MoE layers were built
-holding their rank's experts, models/mcore/ep_shard.py, and are only left out of FSDP here); their gradients are summed over the replicas and divided by the
-data-parallel size, as FSDP averages the others (the loops scale the loss by it). With `parallel.cp` > 1
+holding their rank's experts, models/mcore/ep_shard.py, and are only left out of FSDP here); their
+gradients are summed over the replicas and divided by the data-parallel size, as FSDP averages the others (the loops scale the loss by it). With `parallel.cp` > 1
 every decoder layer without a Mamba2 mixer becomes context-parallel for packed input
 (`megatron_vlm.parallel.context_parallel`). Activation checkpointing covers
 `model.transformer_blocks()`; the FSDP units are the decoder layers (`model.language_model.layers`):

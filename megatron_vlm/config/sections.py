@@ -135,9 +135,9 @@ class ParallelConfig:
     hybrid stack's Mamba / attention / MLP / MoE layers for Nemotron-H), converted exactly from the HF weights and
     back at export. Data, tensor (dense attention decoders: megatron-core's column / row parallel linears over our
     tp groups; plain tp inside the layer: its torch RMSNorms refuse sequence parallelism) and context parallelism
-    (dense attention decoders, through our attention) and expert parallelism (ep > 1, MoE attention decoders:
-    megatron-core's all-to-all token dispatcher over our ep groups, each rank holding its E / ep experts; not with
-    tp > 1 nor for the Nemotron-H hybrid); not pp (experimental: not yet run on a GPU; README "Megatron-core")."""
+    (dense attention decoders, through our attention) and expert parallelism (ep > 1, MoE decoders and the
+    Nemotron-H hybrid's MoE blocks: megatron-core's all-to-all token dispatcher over our ep groups, each rank
+    holding its E / ep experts; not with tp > 1); not pp (experimental: not yet run on a GPU; README "Megatron-core")."""
     dp_replicate: int = 1
     """Data-parallel replicas (HSDP outer dimension)."""
     dp_shard: int = -1

@@ -123,13 +123,6 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
                                                f"ranks, but the run has {world_size}")
         world_size, rollout_ranks = alloc.train, alloc.rollout
     rep, shard = _layout(cfg, world_size, num_experts)
-    if cfg.parallel.backend == "mcore" and cfg.parallel.ep > 1:  # models/mcore/layer.py: use_mcore_layers
-        from megatron_vlm.models.mcore.hybrid import is_hybrid_block
-
-        if any(is_hybrid_block(layer) for layer in model.language_model.layers):
-            raise CheckFailed("parallel.ep", f"{cfg.parallel.ep} with parallel.backend = 'mcore': expert parallelism is "
-                                             "wired for MoE attention decoders, not the Nemotron-H hybrid's megatron-core "
-                                             "blocks; use ep = 1 or backend = 'native'")
     tp = getattr(cfg.parallel, "tp", 1)
     try:
         check_tp_divides(model, tp)

@@ -27,14 +27,15 @@ on the rank's heads, and the layer takes / returns the whole sequence like our n
 the local spec's torch RMSNorms refuse megatron-core's sequence parallelism). Context parallelism: `apply_cp` sets
 `context_parallel`, passed to `attend`, as for our own attention.
 
-Expert parallelism (parallel.ep > 1, MoE attention decoders): megatron-core's parallel state gets
+Expert parallelism (parallel.ep > 1, MoE decoders and the Nemotron-H hybrid's MoE blocks): megatron-core's
+parallel state gets
 expert_model_parallel_size = ep over our ep mesh's groups (checked), the MoE layers use its all-to-all token
 dispatcher and hold their rank's experts as DTensors on the ("ep_replicate", "ep") mesh (`ep_shard.py`).
 
 Limits, refused with exit 2 before a run starts (config/sections.py, `check_mcore_model`, `use_mcore_layers`):
 pipeline parallelism (megatron-core's own process groups for it are not wired to our mesh yet), tp or cp > 1
-with MoE or Mamba2 decoders (their megatron-core layers are built unsplit), ep > 1 with tp > 1 or for the
-Nemotron-H hybrid, MoE routing features megatron-core
+with MoE or Mamba2 decoders (their megatron-core layers are built unsplit), ep > 1 with tp > 1, MoE routing
+features megatron-core
 cannot express (moe_layer.py), LoRA; experimental: not yet run on a GPU.
 """
 from __future__ import annotations
@@ -312,7 +313,7 @@ def use_mcore_layers(model: nn.Module, tp_mesh=None, ep_mesh=None, grad_divide_f
     """Replace every language-decoder layer of `model` (weights loaded) by a McoreDecoderLayer (a
     McoreHybridBlock for Nemotron-H blocks); `tp_mesh`: the world mesh's "tp" dim when parallel.tp > 1
     (collective then: every rank calls it; dense attention decoders only). `ep_mesh`: the ("ep_replicate", "ep")
-    mesh when parallel.ep > 1 (collective; MoE attention decoders only): each MoE layer holds its rank's experts
+    mesh when parallel.ep > 1 (collective; MoE decoders, Nemotron-H MoE blocks): each MoE layer holds its rank's experts
     (ep_shard.py), their gradient divided by `grad_divide_factor` (the data-parallel size)."""
     from megatron_vlm.models.mcore.hybrid import McoreHybridBlock, is_hybrid_block
 
@@ -323,11 +324,8 @@ def use_mcore_layers(model: nn.Module, tp_mesh=None, ep_mesh=None, grad_divide_f
         if tp_mesh is not None:
             raise McoreBackendError(f"parallel.backend = 'mcore' with parallel.ep = {ep} and parallel.tp = "
                                     f"{tp_mesh.size()}: expert and tensor parallelism together are not wired yet")
-        if any(is_hybrid_block(layer) for layer in layers):
-            raise McoreBackendError(f"parallel.backend = 'mcore' with parallel.ep = {ep}: expert parallelism is wired "
-                                    "for MoE attention decoders (Qwen3-MoE, Qwen3-VL-MoE), not the Nemotron-H hybrid's "
-                                    "megatron-core blocks; use ep = 1 or backend = 'native'")
-        if not any(isinstance(getattr(layer, "mlp", None), MoE) for layer in layers):
+        if not any(isinstance(getattr(layer, "mlp", None), MoE) or getattr(layer, "block_type", None) == "moe"
+                   for layer in layers):
             raise McoreBackendError(f"parallel.ep = {ep}: the model has no MoE layers to shard")
     if tp_mesh is not None:  # before any collective: the refusal is the same on every rank
         for i, layer in enumerate(layers):
@@ -339,7 +337,8 @@ def use_mcore_layers(model: nn.Module, tp_mesh=None, ep_mesh=None, grad_divide_f
     ensure_parallel_state(tp_mesh, ep_mesh)
     for i in range(len(layers)):
         if is_hybrid_block(layers[i]):
-            layers[i] = McoreHybridBlock(layers[i], i, model.language_model.args)
+            layers[i] = McoreHybridBlock(layers[i], i, model.language_model.args, ep_mesh=ep_mesh,
+                                         grad_divide_factor=grad_divide_factor)
         else:
             layers[i] = McoreDecoderLayer(layers[i], i, len(layers), tp_mesh=tp_mesh, ep_mesh=ep_mesh,
                                           grad_divide_factor=grad_divide_factor)

@@ -8,7 +8,9 @@ megatron-core MoE layers (all-to-all dispatcher; activation checkpointing on) an
 ep = 2 run's per-step losses and grad norms (fp32, 1e-5), MoE load statistics, and HF export (all experts
 gathered back; 1e-6); its ep = 2 checkpoint resumes with the uninterrupted run's losses.
 
-Heavy: two GRPO steps with ep = 2 give the native ep = 2 run's loss, grad norm and reward, the rollout decoding
+Heavy: the tiny Nemotron-VL SFT (the hybrid's MoE blocks: sigmoid routing with the expert bias, shared expert)
+with ep = 2 likewise gives the native ep = 2 run's losses, grad norms, MoE statistics and export; two GRPO steps
+(Qwen3-VL-MoE) with ep = 2 give the native ep = 2 run's loss, grad norm and reward, the rollout decoding
 in lock-step through the expert-parallel megatron-core layers (`rl.rollout_weights = "shared"`) or through a
 native copy refreshed from their gathered weights ("copy").
 """
@@ -79,17 +81,40 @@ def _check_layer_experts(tmp: Path, rank: int) -> None:
     dist.barrier()
 
 
-def _parts(tmp: Path, rank: int) -> None:
-    _check_layer_experts(tmp, rank)
+def _same_sft(tmp: Path, rank: int, family: str, **ck) -> dict:
+    """The native and the mcore ep = 2 SFT runs of `family`; rank 0 asserts they train alike."""
     runs = {}
-    ck = {"checkpoint.enable": "true", "checkpoint.every_steps": 2, "moe.n_step_per_workload_report": 1}
     for backend in ("native", "mcore"):
-        out = runs[backend] = tmp / f"ep_{backend}"
+        out = runs[backend] = tmp / f"{family}_ep_{backend}"
         # mcore with activation checkpointing: the recomputed forward repeats the dispatcher's all-to-alls (and
         # must not count the expert loads twice)
-        _run(tmp, "qwen3_vl_moe", out, **{"parallel.ep": 2, "parallel.backend": f'"{backend}"',
-                                          "train.max_steps": STEPS, **ck,
-                                          "train.activation_checkpointing": str(backend == "mcore").lower()})
+        _run(tmp, family, out, **{"parallel.ep": 2, "parallel.backend": f'"{backend}"', "train.max_steps": STEPS,
+                                  "moe.n_step_per_workload_report": 1, **ck,
+                                  "train.activation_checkpointing": str(backend == "mcore").lower()})
+    if rank == 0:
+        a, b = runs["native"], runs["mcore"]
+        for key in ("loss", "grad_norm"):
+            x, y = _column(a, key), _column(b, key)
+            assert len(x) == len(y) == STEPS and len(set(x)) > 1, (family, key, x, y)
+            assert max(abs(p - q) / max(1.0, abs(p)) for p, q in zip(x, y)) <= 1e-5, (family, key, x, y)
+        # the [moe] statistics are global: every rank's tokens counted, as the native ep run counts them
+        for key in ("moe/tokens_per_layer_mean", "moe/max_fraction_max", "moe/entropy_mean"):
+            x, y = _column(a, key), _column(b, key)
+            assert len(x) == STEPS and max(abs(p - q) for p, q in zip(x, y)) <= 1e-6, (family, key, x, y)
+        table = (b / "moe_layer_expert_table.csv").read_text()
+        assert table == (a / "moe_layer_expert_table.csv").read_text() and len(table.splitlines()) > STEPS
+        e_a, e_b = _export(a), _export(b)
+        assert e_a.keys() == e_b.keys() and any(".experts." in k for k in e_a)
+        diff = max(((e_a[k] - e_b[k]).abs().max().item(), k) for k in e_a)
+        assert diff[0] <= 1e-6, (family, diff)
+    dist.barrier()
+    return runs
+
+
+def _parts(tmp: Path, rank: int) -> None:
+    _check_layer_experts(tmp, rank)
+    ck = {"checkpoint.enable": "true", "checkpoint.every_steps": 2}
+    runs = _same_sft(tmp, rank, "qwen3_vl_moe", **ck)
     resumed = tmp / "ep_mcore_resumed"
     if rank == 0:
         shutil.copytree(runs["mcore"] / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
@@ -97,22 +122,7 @@ def _parts(tmp: Path, rank: int) -> None:
     _run(tmp, "qwen3_vl_moe", resumed, **{"parallel.ep": 2, "parallel.backend": '"mcore"', "train.max_steps": STEPS,
                                           **ck, "checkpoint.resume": '"auto"', "checkpoint.export_hf": "false"})
     if rank == 0:
-        a, b = runs["native"], runs["mcore"]
-        for key in ("loss", "grad_norm"):
-            x, y = _column(a, key), _column(b, key)
-            assert len(x) == len(y) == STEPS and len(set(x)) > 1, (key, x, y)
-            assert max(abs(p - q) / max(1.0, abs(p)) for p, q in zip(x, y)) <= 1e-5, (key, x, y)
-        # the [moe] statistics are global: every rank's tokens counted, as the native ep run counts them
-        for key in ("moe/tokens_per_layer_mean", "moe/max_fraction_max", "moe/entropy_mean"):
-            x, y = _column(a, key), _column(b, key)
-            assert len(x) == STEPS and max(abs(p - q) for p, q in zip(x, y)) <= 1e-6, (key, x, y)
-        table = (b / "moe_layer_expert_table.csv").read_text()
-        assert table == (a / "moe_layer_expert_table.csv").read_text() and len(table.splitlines()) == STEPS + 1
-        e_a, e_b = _export(a), _export(b)
-        assert e_a.keys() == e_b.keys() and any(".experts." in k for k in e_a)
-        diff = max(((e_a[k] - e_b[k]).abs().max().item(), k) for k in e_a)
-        assert diff[0] <= 1e-6, diff
-        full, res = _column(b, "loss"), _column(resumed, "loss")
+        full, res = _column(runs["mcore"], "loss"), _column(resumed, "loss")
         assert len(res) == STEPS - 2 and max(abs(p - q) for p, q in zip(full[2:], res)) <= 1e-6, (full, res)
     dist.barrier()
 
@@ -121,7 +131,8 @@ def test_mcore_ep2_sft_matches_native_ep2(tmp_path):
     _spawn(tmp_path, _parts)
 
 
-def _grpo_parts(tmp: Path, rank: int) -> None:
+def _heavy_parts(tmp: Path, rank: int) -> None:
+    _same_sft(tmp, rank, "nemotron_vl")
     model = tmp / "grpo" / "model"
     if rank == 0:
         synthesize_model_folder("tiny_qwen3_vl_moe", model, seed=0)
@@ -144,5 +155,5 @@ def _grpo_parts(tmp: Path, rank: int) -> None:
 
 
 @pytest.mark.heavy
-def test_mcore_ep2_grpo_matches_native_ep2(tmp_path):
-    _spawn(tmp_path, _grpo_parts)
+def test_mcore_ep2_nemotron_sft_and_grpo_match_native_ep2(tmp_path):
+    _spawn(tmp_path, _heavy_parts)

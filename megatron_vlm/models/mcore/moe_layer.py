@@ -229,13 +229,16 @@ def mcore_moe_classes():
             logits, routing_map = self.router.last_logits, self._last_map  # logits [..., E] -> [N, E] as ours
             logits = logits.reshape(-1, logits.shape[-1])
             self.router.last_logits = self._last_map = None
+            if self.training:
+                # the scores (the auxiliary loss's input) are computed in every training forward, as the native
+                # router's are: activation checkpointing's recomputation must save the same tensors as the forward
+                scores = (torch.sigmoid(logits) if self.config.moe_router_score_function == "sigmoid"
+                          else torch.softmax(logits, dim=-1))
             if self.training and torch._C._current_graph_task_id() == -1:  # not a recomputation in backward
                 with torch.no_grad():
                     rows = routing_map if token_mask is None else routing_map[token_mask.reshape(-1).bool()]
                     self.expert_load.add_(rows.sum(0))
                 if self.record_router_stats:
-                    scores = (torch.sigmoid(logits) if self.config.moe_router_score_function == "sigmoid"
-                              else torch.softmax(logits, dim=-1))
                     self.router_stats = RouterStats(scores, routing_map.sum(0), self.top_k)
             return out, bias
 

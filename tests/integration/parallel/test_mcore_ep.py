@@ -4,12 +4,14 @@ Before the jobs, in the same workers: megatron-core's expert-parallel group is o
 megatron-core MoE layer holds half of the routed experts (the native experts rank * E/2 ...), the layer's
 forward equals the native block's and its expert gradients are the native ones summed over the ep ranks'
 tokens, and the gathered state maps back to the native weights exactly. Then the tiny Qwen3-VL-MoE SFT with
-megatron-core MoE layers (all-to-all dispatcher; activation checkpointing on) and ep = 2 gives the native
-ep = 2 run's per-step losses and grad norms (fp32, 1e-5), MoE load statistics, and HF export (all experts
-gathered back; 1e-6); its ep = 2 checkpoint resumes with the uninterrupted run's losses.
+megatron-core MoE layers (all-to-all dispatcher; activation checkpointing on; the [moe] auxiliary loss) and
+ep = 2 gives the native ep = 2 run's per-step losses and grad norms (fp32, 1e-5), MoE load statistics and HF
+export (all experts gathered back; 1e-6).
 
 Heavy: the tiny Nemotron-VL SFT (the hybrid's MoE blocks: sigmoid routing with the expert bias, shared expert)
-with ep = 2 likewise gives the native ep = 2 run's losses, grad norms, MoE statistics and export; two GRPO steps
+with ep = 2 likewise gives the native ep = 2 run's losses, grad norms, MoE statistics, end-of-run evaluation
+(loss, greedy answer accuracy: decoding in lock-step through the ep layers) and export, and its ep = 2
+checkpoint resumes with the uninterrupted run's losses; two GRPO steps
 (Qwen3-VL-MoE) with ep = 2 give the native ep = 2 run's loss, grad norm and reward, the rollout decoding
 in lock-step through the expert-parallel megatron-core layers (`rl.rollout_weights = "shared"`) or through a
 native copy refreshed from their gathered weights ("copy").
@@ -17,6 +19,7 @@ native copy refreshed from their gathered weights ("copy").
 from __future__ import annotations
 
 import copy
+import csv
 import shutil
 from pathlib import Path
 
@@ -83,6 +86,7 @@ def _check_layer_experts(tmp: Path, rank: int) -> None:
 
 def _same_sft(tmp: Path, rank: int, family: str, **ck) -> dict:
     """The native and the mcore ep = 2 SFT runs of `family`; rank 0 asserts they train alike."""
+    eval_ = int(ck.get("data.synthetic_eval_size", 0)) > 0
     runs = {}
     for backend in ("native", "mcore"):
         out = runs[backend] = tmp / f"{family}_ep_{backend}"
@@ -103,6 +107,10 @@ def _same_sft(tmp: Path, rank: int, family: str, **ck) -> dict:
             assert len(x) == STEPS and max(abs(p - q) for p, q in zip(x, y)) <= 1e-6, (family, key, x, y)
         table = (b / "moe_layer_expert_table.csv").read_text()
         assert table == (a / "moe_layer_expert_table.csv").read_text() and len(table.splitlines()) > STEPS
+        if eval_:  # the end-of-run evaluation: loss, and greedy decoding in lock-step through the ep layers
+            ev = [list(csv.DictReader(open(o / "metrics_eval.csv")))[-1] for o in (a, b)]
+            assert float(ev[0]["answer_n"]) > 0 and ev[0]["answer_accuracy"] == ev[1]["answer_accuracy"], ev
+            assert abs(float(ev[0]["loss"]) - float(ev[1]["loss"])) <= 1e-5, ev
         e_a, e_b = _export(a), _export(b)
         assert e_a.keys() == e_b.keys() and any(".experts." in k for k in e_a)
         diff = max(((e_a[k] - e_b[k]).abs().max().item(), k) for k in e_a)
@@ -113,14 +121,18 @@ def _same_sft(tmp: Path, rank: int, family: str, **ck) -> dict:
 
 def _parts(tmp: Path, rank: int) -> None:
     _check_layer_experts(tmp, rank)
-    ck = {"checkpoint.enable": "true", "checkpoint.every_steps": 2}
-    runs = _same_sft(tmp, rank, "qwen3_vl_moe", **ck)
-    resumed = tmp / "ep_mcore_resumed"
+    _same_sft(tmp, rank, "qwen3_vl_moe", **{"moe.aux_loss_coef": 0.01})
+
+
+def _resume(tmp: Path, rank: int, family: str, runs: dict, ck: dict) -> None:
+    """The mcore ep = 2 run's step-2 checkpoint resumes with the uninterrupted run's losses."""
+    resumed = tmp / f"{family}_ep_mcore_resumed"
     if rank == 0:
         shutil.copytree(runs["mcore"] / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
     dist.barrier()
-    _run(tmp, "qwen3_vl_moe", resumed, **{"parallel.ep": 2, "parallel.backend": '"mcore"', "train.max_steps": STEPS,
-                                          **ck, "checkpoint.resume": '"auto"', "checkpoint.export_hf": "false"})
+    _run(tmp, family, resumed, **{"parallel.ep": 2, "parallel.backend": '"mcore"', "train.max_steps": STEPS,
+                                  "train.activation_checkpointing": "true", **ck, "checkpoint.resume": '"auto"',
+                                  "checkpoint.export_hf": "false"})
     if rank == 0:
         full, res = _column(runs["mcore"], "loss"), _column(resumed, "loss")
         assert len(res) == STEPS - 2 and max(abs(p - q) for p, q in zip(full[2:], res)) <= 1e-6, (full, res)
@@ -132,7 +144,8 @@ def test_mcore_ep2_sft_matches_native_ep2(tmp_path):
 
 
 def _heavy_parts(tmp: Path, rank: int) -> None:
-    _same_sft(tmp, rank, "nemotron_vl")
+    ck = {"checkpoint.enable": "true", "checkpoint.every_steps": 2}
+    _resume(tmp, rank, "nemotron_vl", _same_sft(tmp, rank, "nemotron_vl", **ck, **{"data.synthetic_eval_size": 8}), ck)
     model = tmp / "grpo" / "model"
     if rank == 0:
         synthesize_model_folder("tiny_qwen3_vl_moe", model, seed=0)

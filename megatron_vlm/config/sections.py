@@ -135,8 +135,9 @@ class ParallelConfig:
     hybrid stack's Mamba / attention / MLP / MoE layers for Nemotron-H), converted exactly from the HF weights and
     back at export. Data, tensor (dense attention decoders: megatron-core's column / row parallel linears over our
     tp groups; plain tp inside the layer: its torch RMSNorms refuse sequence parallelism) and context parallelism
-    (dense attention decoders, through our attention); not pp or ep (experimental: not yet run on a GPU; README
-    "Megatron-core")."""
+    (dense attention decoders, through our attention) and expert parallelism (ep > 1, MoE decoders and the
+    Nemotron-H hybrid's MoE blocks: megatron-core's all-to-all token dispatcher over our ep groups, each rank
+    holding its E / ep experts; not with tp > 1); not pp (experimental: not yet run on a GPU; README "Megatron-core")."""
     dp_replicate: int = 1
     """Data-parallel replicas (HSDP outer dimension)."""
     dp_shard: int = -1
@@ -186,11 +187,13 @@ class ParallelConfig:
         if self.dp_shard == 0 or self.dp_shard < -1:
             raise ValueError(f"dp_shard: must be -1 or > 0, got {self.dp_shard}")
         if self.backend == "mcore":
-            for key in ("pp", "ep"):
-                if getattr(self, key) > 1:
-                    raise ValueError(f"backend: 'mcore' with {key} = {getattr(self, key)}: megatron-core's own "
-                                     "pipeline / expert process groups are not wired to this mesh yet; use "
-                                     f"{key} = 1 (data, tensor and context parallelism only) or backend = 'native'")
+            if self.pp > 1:
+                raise ValueError(f"backend: 'mcore' with pp = {self.pp}: megatron-core's own pipeline process groups "
+                                 "are not wired to this mesh yet; use pp = 1 (data, tensor, context and expert "
+                                 "parallelism only) or backend = 'native'")
+            if self.ep > 1 and self.tp > 1:
+                raise ValueError(f"backend: 'mcore' with ep = {self.ep} and tp = {self.tp}: expert parallelism with "
+                                 "tensor parallelism is not wired for megatron-core layers; set one of them to 1")
             if self.compile:
                 raise ValueError("backend: 'mcore' with compile = true is not supported yet; set compile = false")
 

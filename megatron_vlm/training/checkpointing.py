@@ -33,6 +33,7 @@ from megatron_vlm.checkpoint.manager import (
     gather_errors,
 )
 from megatron_vlm.models.common.lora import merged_state_dict
+from megatron_vlm.models.mcore.ep_shard import check_saved_mcore_ep, mcore_ep_of
 from megatron_vlm.models.mcore.layer import native_state_dict
 from megatron_vlm.models.mcore.tp_shard import check_saved_mcore_tp, mcore_tp_of
 from megatron_vlm.training.context import RunContext
@@ -72,6 +73,7 @@ class Checkpointer:
         self.wrapper, self.optim = wrapper, optim
         self.manager = CheckpointManager(ctx.run_dir, self.cfg.keep_last, ctx.env.rank)
         self.mcore_tp = mcore_tp_of(getattr(wrapper, "model", wrapper))  # None: no megatron-core layers
+        self.mcore_ep = mcore_ep_of(getattr(wrapper, "model", wrapper))
 
     @property
     def enabled(self) -> bool:
@@ -109,6 +111,7 @@ class Checkpointer:
             try:
                 extra = self.manager.load(path, self.wrapper, self.optim.optimizer)
                 check_saved_mcore_tp(extra, self.mcore_tp)
+                check_saved_mcore_ep(extra, self.mcore_ep)
                 load_scheduler_state(self.optim.scheduler, extra["scheduler"])
             except FAILURES as e:  # a corrupt checkpoint can raise anything
                 err = describe_error(e)
@@ -131,6 +134,7 @@ class Checkpointer:
             extra = {"data": data_state, "scheduler": self.optim.scheduler.state_dict()}
             if self.mcore_tp is not None:  # the layout of the megatron-core layers' fc1 rows (tp_shard.py)
                 extra["mcore_tp"] = self.mcore_tp
+                extra["mcore_ep"] = self.mcore_ep  # and of their expert rows (ep_shard.py)
             self.manager.save(step, self.wrapper, self.optim.optimizer, extra)
         except CheckpointError as e:
             _fail(e, EXIT_SAVE_FAILED)

@@ -8,8 +8,9 @@ layout the previous one left: FSDP shards whatever TP / EP did not already place
 lm_head; `megatron_vlm.parallel.tensor_parallel`) is applied on the "tp" dim of the world mesh, and
 FSDP2 then shards those DTensors over the data-parallel dims (2-D FSDP x TP). With `parallel.ep` > 1 the routed experts of every
 MoE block are sharded over the ("ep_replicate", "ep") mesh (`megatron_vlm.parallel.apply_ep`) and left
-out of FSDP (`ignored_params`); their gradients are summed over the replicas and divided by the
-data-parallel size, as FSDP averages the others (the loops scale the loss by it). With `parallel.cp` > 1
+out of FSDP (`ignored_params`; with `parallel.backend = "mcore"` the megatron-core MoE layers were built
+holding their rank's experts, models/mcore/ep_shard.py, and are only left out of FSDP here); their
+gradients are summed over the replicas and divided by the data-parallel size, as FSDP averages the others (the loops scale the loss by it). With `parallel.cp` > 1
 every decoder layer without a Mamba2 mixer becomes context-parallel for packed input
 (`megatron_vlm.parallel.context_parallel`). Activation checkpointing covers
 `model.transformer_blocks()`; the FSDP units are the decoder layers (`model.language_model.layers`):
@@ -27,6 +28,7 @@ from torch import nn
 
 from megatron_vlm.models.common.mamba2 import Mamba2Mixer
 from megatron_vlm.models.common.moe import moe_layers
+from megatron_vlm.models.mcore.ep_shard import ep_expert_parameters
 from megatron_vlm.parallel import apply_ep, expert_parameters, parallelize_blocks
 from megatron_vlm.parallel.context_parallel import ContextParallel, apply_cp
 from megatron_vlm.parallel.mesh import build_ep_mesh
@@ -73,7 +75,7 @@ def make_parallelize(
         ignored = None
         if ep > 1:
             _apply_expert_parallel(model, family, parallel_dims, mesh)
-            ignored = set(expert_parameters(model))
+            ignored = set(expert_parameters(model)) | set(ep_expert_parameters(model))
         cp = getattr(parallel_dims, "cp", 1) if parallel_dims is not None else 1
         if cp > 1:
             _apply_context_parallel(model, cp, mesh)
@@ -91,6 +93,10 @@ def make_parallelize(
 
 def _apply_expert_parallel(model: nn.Module, family: str, parallel_dims, mesh) -> None:
     layers = moe_layers(model)
+    if layers and ep_expert_parameters(model):  # parallel.backend = "mcore": its MoE layers were built sharded
+        log.info("expert parallelism: %d megatron-core MoE layers, %d of %d routed experts per rank (parallel.ep=%d)",
+                 len(layers), layers[0].num_experts // parallel_dims.ep, layers[0].num_experts, parallel_dims.ep)
+        return
     if not layers:
         raise ValueError(f"parallel.ep={parallel_dims.ep}: the {family} model has no MoE blocks to shard")
     if mesh is None:

@@ -16,7 +16,8 @@ a relu^2 MLP or a MoE (models/nemotron_vl/model.py). Each native `NemotronHBlock
   and no MLP; the attention runs through our `attend` (no positional encoding), as McoreDecoderLayer does.
 * MLP -> megatron-core's `MLPLayer` (`pre_mlp_layernorm` + `MLP`, non-gated, `squared_relu` for relu^2).
 * MoE -> a `TransformerLayer` with `pre_mlp_layernorm` + megatron-core's `MoELayer` (models/mcore/moe_layer.py:
-  sigmoid router with the expert bias, shared expert).
+  sigmoid router with the expert bias, shared expert); with parallel.ep > 1 its all-to-all dispatcher and this
+  rank's experts as DTensors on the ep mesh (ep_shard.py), as for McoreDecoderLayer's MoE layers.
 
 The layers come from megatron-core's local spec pieces (the MoE and hybrid layers do not use the
 Transformer Engine spec: its fused norm + linear modules and TEGroupedMLP have other weight layouts that
@@ -32,12 +33,15 @@ from typing import Dict, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from megatron_vlm.models.common.attention import attend
 from megatron_vlm.models.common.mamba2 import Mamba2Mixer
 from megatron_vlm.models.common.moe import MoE
 from megatron_vlm.models.mcore.convert import _fuse_qkv, _split_qkv
+from megatron_vlm.models.mcore.ep_shard import distribute_expert_params, global_to_full_experts, shard_expert_state
 from megatron_vlm.models.mcore.moe_layer import mcore_to_moe, moe_config_kwargs, moe_layer_spec, moe_to_mcore
+from megatron_vlm.models.mcore.tp_shard import local_params
 
 __all__ = ["McoreHybridBlock", "check_hybrid_block", "is_hybrid_block"]
 
@@ -95,11 +99,13 @@ def _mixer_kwargs(m: Mamba2Mixer) -> dict:
                 time_step_floor=floor)
 
 
-def _config(model_args, num_layers: int, dtype: torch.dtype, moe: Optional[MoE]):
+def _config(model_args, num_layers: int, dtype: torch.dtype, moe: Optional[MoE], ep: int = 1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     a = model_args
     extra = moe_config_kwargs(moe) if moe is not None else {}
+    if ep > 1:  # expert parallelism: E / ep experts per rank, tokens sent with all-to-alls (ep_shard.py)
+        extra.update(moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep)
     return TransformerConfig(
         num_layers=num_layers, hidden_size=a.hidden_size, ffn_hidden_size=a.intermediate_size,
         num_attention_heads=a.num_attention_heads, num_query_groups=a.num_key_value_heads, kv_channels=a.head_dim,
@@ -144,7 +150,7 @@ class McoreHybridBlock(nn.Module):
 
     te_fused_norms = False
 
-    def __init__(self, native: nn.Module, index: int, model_args) -> None:
+    def __init__(self, native: nn.Module, index: int, model_args, ep_mesh=None, grad_divide_factor: float = 1.0) -> None:
         super().__init__()
         from megatron.core.transformer.spec_utils import build_module
 
@@ -152,7 +158,13 @@ class McoreHybridBlock(nn.Module):
         self.block_type = native.block_type
         dtype = native.norm.weight.dtype
         moe = native.mixer if self.block_type == "moe" else None
-        config = _config(model_args, model_args.num_hidden_layers, dtype, moe)
+        # expert parallelism (MoE blocks; ep_shard.py): this rank holds experts ep_rank * E/ep ...
+        self.ep = 1 if ep_mesh is None or moe is None else ep_mesh.size(ep_mesh.ndim - 1)
+        self.ep_rank = 0 if self.ep == 1 else ep_mesh.get_local_rank(ep_mesh.ndim - 1)
+        if self.ep > 1 and moe.num_experts % self.ep:
+            raise _error(f"parallel.ep = {self.ep}: decoder layer {index} has {moe.num_experts} routed experts, not "
+                         "divisible by the expert-parallel size")
+        config = _config(model_args, model_args.num_hidden_layers, dtype, moe, self.ep)
         self.heads = dict(num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_query_groups)
         self.head_dim = config.kv_channels
         self._gated_experts = bool(moe is not None and moe.experts.gated)
@@ -160,12 +172,14 @@ class McoreHybridBlock(nn.Module):
 
         from megatron_vlm.models.mcore.layer import ensure_parallel_state
 
-        ensure_parallel_state()
-        pgs = ProcessGroupCollection.use_mpu_process_groups()  # megatron-core's groups (tp = pp = 1)
+        ensure_parallel_state(None, ep_mesh)
+        pgs = ProcessGroupCollection.use_mpu_process_groups()  # megatron-core's groups (tp = pp = 1, ep)
         self.mcore = build_module(_spec(self.block_type, config, native), config=config, layer_number=index + 1,
                                   pg_collection=pgs)
         self.mcore.to(native.norm.weight.device)
         self.load_native(native.state_dict())
+        if self.ep > 1:
+            distribute_expert_params(self.mcore, ep_mesh, grad_divide_factor)
 
     # ----- what the decoding caches read -----
     @property
@@ -204,16 +218,31 @@ class McoreHybridBlock(nn.Module):
         return dict(num_heads=self.heads["num_attention_heads"], num_kv_heads=self.heads["num_key_value_heads"])
 
     def load_native(self, state: dict) -> None:
-        """Load a native NemotronHBlock state dict, converted exactly."""
-        missing, unexpected = self.mcore.load_state_dict(self._to_mcore(state), strict=False)
+        """Load a native NemotronHBlock state dict, converted exactly (this rank's experts under ep > 1)."""
+        converted = self._to_mcore(state)
+        if self.ep > 1:
+            converted = shard_expert_state(converted, self.ep, self.ep_rank)
+        own = self.mcore.state_dict()
+        if any(isinstance(v, DTensor) for v in own.values()):  # after distribute_expert_params: into the local slices
+            missing = [k for k in own if k not in converted and not k.endswith("_extra_state")]
+            unexpected = [k for k in converted if k not in own]
+            if not (missing or unexpected):
+                with torch.no_grad():
+                    for k, v in converted.items():
+                        (own[k].to_local() if isinstance(own[k], DTensor) else own[k]).copy_(v)
+        else:
+            missing, unexpected = self.mcore.load_state_dict(converted, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise _error(f"megatron-core {self.block_type} layer: weights missing {missing}, unexpected {unexpected}")
 
     def native_state(self, state: Optional[dict] = None) -> dict:
-        """This block's weights (or `state`, keys relative to `self.mcore`) under native NemotronHBlock names."""
+        """This block's weights (or `state`, keys relative to `self.mcore`, global tensors) under native
+        NemotronHBlock names; all experts (gathered over ep: collective when `state` is None)."""
         state = self.mcore.state_dict() if state is None else state
-        state = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
+        state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()
+                 if not k.endswith("_extra_state")}
+        state = global_to_full_experts(state, self.ep)
         kind = self.block_type
         if kind == "linear_attention":
             return dict(state)
@@ -233,6 +262,7 @@ class McoreHybridBlock(nn.Module):
             raise KeyError(f"McoreHybridBlock ({kind}): no native counterpart for {sorted(state)}")
         return out
 
+    @local_params
     def forward(
         self,
         x: torch.Tensor,

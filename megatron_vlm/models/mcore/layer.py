@@ -27,9 +27,15 @@ on the rank's heads, and the layer takes / returns the whole sequence like our n
 the local spec's torch RMSNorms refuse megatron-core's sequence parallelism). Context parallelism: `apply_cp` sets
 `context_parallel`, passed to `attend`, as for our own attention.
 
-Limits, refused with exit 2 before a run starts (config/sections.py, `check_mcore_model`): pipeline / expert
-parallelism sizes > 1 (megatron-core's own process groups for those are not wired to our mesh yet), tp or cp > 1
-with MoE or Mamba2 decoders (their megatron-core layers are built unsplit), MoE routing features megatron-core
+Expert parallelism (parallel.ep > 1, MoE decoders and the Nemotron-H hybrid's MoE blocks): megatron-core's
+parallel state gets
+expert_model_parallel_size = ep over our ep mesh's groups (checked), the MoE layers use its all-to-all token
+dispatcher and hold their rank's experts as DTensors on the ("ep_replicate", "ep") mesh (`ep_shard.py`).
+
+Limits, refused with exit 2 before a run starts (config/sections.py, `check_mcore_model`, `use_mcore_layers`):
+pipeline parallelism (megatron-core's own process groups for it are not wired to our mesh yet), tp or cp > 1
+with MoE or Mamba2 decoders (their megatron-core layers are built unsplit), ep > 1 with tp > 1, MoE routing
+features megatron-core
 cannot express (moe_layer.py), LoRA; experimental: not yet run on a GPU.
 """
 from __future__ import annotations
@@ -47,6 +53,7 @@ from megatron_vlm.models.common.decoder import DecoderLayer
 from megatron_vlm.models.common.mlp import SwiGLUMLP
 from megatron_vlm.models.common.moe import MoE
 from megatron_vlm.models.mcore.convert import hf_to_mcore, mcore_to_hf
+from megatron_vlm.models.mcore.ep_shard import distribute_expert_params, global_to_full_experts, shard_expert_state
 from megatron_vlm.models.mcore.tp_shard import distribute_layer_params, global_to_full, local_params, shard_layer_state
 from megatron_vlm.parallel.tensor_parallel import check_tp_sizes
 
@@ -60,28 +67,38 @@ class McoreBackendError(ValueError):
     """The model or run cannot use megatron-core layers (a config error: exit 2)."""
 
 
-def ensure_parallel_state(tp_mesh=None) -> None:
+def ensure_parallel_state(tp_mesh=None, ep_mesh=None) -> None:
     """megatron-core's linears read its model-parallel groups: tensor_model_parallel_size = the size of `tp_mesh`
-    (our mesh's "tp" dim; None: 1), pp = 1, over the initialised world. megatron-core's default rank order
-    ("tp-cp-ep-dp-pp") makes its tp groups consecutive ranks, as our mesh's are (tp innermost); this rank's
-    group is checked against `tp_mesh`'s. An earlier initialisation with another tp size or other ranks (a
-    job before this one in the same process) is replaced."""
+    (our mesh's "tp" dim; None: 1), expert_model_parallel_size = the size of `ep_mesh`'s "ep" dim (our
+    ("ep_replicate", "ep") mesh, `parallel.mesh.build_ep_mesh`; None: 1), pp = 1, over the initialised world.
+    megatron-core's default rank order ("tp-cp-ep-dp-pp") makes its tp groups consecutive ranks, as our mesh's are
+    (tp innermost), and its ep groups (tp = 1) `ep` consecutive ranks, as our ep mesh's are; this rank's groups
+    are checked against `tp_mesh`'s / `ep_mesh`'s (AssertionError otherwise). An earlier initialisation with
+    other sizes or ranks (a job before this one in the same process) is replaced."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     tp = 1 if tp_mesh is None else tp_mesh.size()
+    ep = 1 if ep_mesh is None else ep_mesh.size(ep_mesh.ndim - 1)
     want = None if tp_mesh is None else dist.get_process_group_ranks(tp_mesh.get_group())
+    want_ep = None if ep_mesh is None else dist.get_process_group_ranks(ep_mesh.get_group(ep_mesh.ndim - 1))
+
+    def groups():
+        return (dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group()) if tp > 1 else None,
+                dist.get_process_group_ranks(parallel_state.get_expert_model_parallel_group()) if ep > 1 else None)
+
     if parallel_state.model_parallel_is_initialized():
-        group = parallel_state.get_tensor_model_parallel_group()
-        have = dist.get_process_group_ranks(group) if tp > 1 else None
-        if parallel_state.get_tensor_model_parallel_world_size() == tp and have == want:
+        if (parallel_state.get_tensor_model_parallel_world_size() == tp
+                and parallel_state.get_expert_model_parallel_world_size() == ep and groups() == (want, want_ep)):
             return
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
-    if tp > 1:
-        have = dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
-        if have != want:
-            raise AssertionError(f"megatron-core's tensor-parallel group {have} is not our mesh's tp group {want}")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+                                             expert_model_parallel_size=ep)
+    have, have_ep = groups()
+    if have != want:
+        raise AssertionError(f"megatron-core's tensor-parallel group {have} is not our mesh's tp group {want}")
+    if have_ep != want_ep:
+        raise AssertionError(f"megatron-core's expert-parallel group {have_ep} is not our mesh's ep group {want_ep}")
 
 
 def _check_layer(i: int, layer: nn.Module) -> None:
@@ -113,7 +130,7 @@ def check_mcore_model(model: nn.Module) -> None:
         _check_layer(i, layer)
 
 
-def _config(layer: DecoderLayer, num_layers: int, dtype: torch.dtype, tp: int = 1):
+def _config(layer: DecoderLayer, num_layers: int, dtype: torch.dtype, tp: int = 1, ep: int = 1):
     """Plain tensor parallelism under tp > 1 (sequence_parallel=False; our native tp's sequence-parallel norms
     have no counterpart here): megatron-core's local layer spec builds torch RMSNorms, which refuse sequence
     parallelism (`WrappedTorchNorm`), and its sequence-parallel gathers allocate their buffers on CUDA
@@ -123,6 +140,9 @@ def _config(layer: DecoderLayer, num_layers: int, dtype: torch.dtype, tp: int = 
 
     attn = layer.self_attn
     heads, kv_heads = attn.local_heads()
+    moe = _moe_fields(layer.mlp)
+    if ep > 1:  # each rank holds E / ep experts; tokens travel to them with all-to-alls
+        moe["moe_token_dispatcher_type"] = "alltoall"
     return TransformerConfig(
         num_layers=num_layers, hidden_size=layer.input_layernorm.weight.shape[0],
         ffn_hidden_size=_ffn_hidden_size(layer.mlp), num_attention_heads=heads, num_query_groups=kv_heads,
@@ -131,7 +151,7 @@ def _config(layer: DecoderLayer, num_layers: int, dtype: torch.dtype, tp: int = 
         add_qkv_bias=attn.q_proj.bias is not None, qk_layernorm=attn.q_norm is not None,
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16, use_cpu_initialization=True, perform_initialization=False,
-        **_moe_fields(layer.mlp),
+        **moe, expert_model_parallel_size=ep,
         tensor_model_parallel_size=tp, sequence_parallel=False,
     )
 
@@ -175,7 +195,8 @@ class McoreDecoderLayer(nn.Module):
     tp_sharded_itself = True
     """`parallel.tensor_parallel.apply_tp` leaves this layer alone: megatron-core's linears split it."""
 
-    def __init__(self, native: DecoderLayer, index: int, num_layers: int, tp_mesh=None) -> None:
+    def __init__(self, native: DecoderLayer, index: int, num_layers: int, tp_mesh=None, ep_mesh=None,
+                 grad_divide_factor: float = 1.0) -> None:
         super().__init__()
         from megatron.core.transformer.spec_utils import build_module
 
@@ -183,7 +204,14 @@ class McoreDecoderLayer(nn.Module):
         dtype = native.input_layernorm.weight.dtype
         self.tp = 1 if tp_mesh is None else tp_mesh.size()
         self.tp_rank = 0 if tp_mesh is None else tp_mesh.get_local_rank()
-        config = _config(native, num_layers, dtype, self.tp)
+        self.is_moe = isinstance(native.mlp, MoE)
+        # expert parallelism (MoE layers only; ep_shard.py): this rank holds experts ep_rank * E/ep ...
+        self.ep = 1 if ep_mesh is None or not self.is_moe else ep_mesh.size(ep_mesh.ndim - 1)
+        self.ep_rank = 0 if self.ep == 1 else ep_mesh.get_local_rank(ep_mesh.ndim - 1)
+        if self.ep > 1 and native.mlp.num_experts % self.ep:
+            raise McoreBackendError(f"parallel.ep = {self.ep}: decoder layer {index} has {native.mlp.num_experts} "
+                                    "routed experts, not divisible by the expert-parallel size")
+        config = _config(native, num_layers, dtype, self.tp, self.ep)
         if self.tp > 1:
             if isinstance(native.mlp, MoE):
                 raise McoreBackendError(f"parallel.backend = 'mcore': decoder layer {index} is a MoE layer; tensor "
@@ -191,7 +219,6 @@ class McoreDecoderLayer(nn.Module):
             check_tp_sizes(self.tp, {f"language_model.layers.{index}.num_attention_heads": config.num_attention_heads,
                                      f"language_model.layers.{index}.num_key_value_heads": config.num_query_groups,
                                      f"language_model.layers.{index}.intermediate_size": config.ffn_hidden_size})
-        self.is_moe = isinstance(native.mlp, MoE)
         if self.is_moe:  # megatron-core's MoELayer, local spec (moe_layer.py)
             from megatron_vlm.models.mcore.moe_layer import moe_decoder_layer_spec
 
@@ -205,6 +232,8 @@ class McoreDecoderLayer(nn.Module):
         self.load_native(native.state_dict())
         if self.tp > 1:
             distribute_layer_params(self.mcore, tp_mesh)
+        if self.ep > 1:
+            distribute_expert_params(self.mcore, ep_mesh, grad_divide_factor)
 
     def load_native(self, state: dict) -> None:
         """Load a native DecoderLayer state dict (HF layer names, full tensors), converted exactly; this rank's
@@ -213,6 +242,8 @@ class McoreDecoderLayer(nn.Module):
                                 **self.heads)
         full = {k.removeprefix("decoder.layers.0."): v for k, v in converted.items()}
         local = shard_layer_state(full, self.tp, self.tp_rank) if self.tp > 1 else full
+        if self.ep > 1:
+            local = shard_expert_state(local, self.ep, self.ep_rank)
         own = self.mcore.state_dict()
         if any(isinstance(v, DTensor) for v in own.values()):  # after distribute_layer_params: copy into the blocks
             missing = [k for k in own if k not in local and not k.endswith("_extra_state")]
@@ -235,7 +266,8 @@ class McoreDecoderLayer(nn.Module):
             state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in self.mcore.state_dict().items()}
         else:
             state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
-        state = global_to_full({k: v for k, v in state.items() if not k.endswith("_extra_state")}, self.tp)
+        state = global_to_full_experts({k: v for k, v in state.items() if not k.endswith("_extra_state")}, self.ep)
+        state = global_to_full(state, self.tp)
         hf = mcore_to_hf({f"decoder.layers.0.{k}": v for k, v in state.items()}, te_fused_norms=self.te_fused_norms,
                          **self.heads)
         return {k.removeprefix("model.layers.0."): v for k, v in hf.items()}
@@ -277,14 +309,24 @@ class McoreDecoderLayer(nn.Module):
         return self.heads["num_attention_heads"] // self.tp, self.heads["num_key_value_heads"] // self.tp
 
 
-def use_mcore_layers(model: nn.Module, tp_mesh=None) -> None:
+def use_mcore_layers(model: nn.Module, tp_mesh=None, ep_mesh=None, grad_divide_factor: float = 1.0) -> None:
     """Replace every language-decoder layer of `model` (weights loaded) by a McoreDecoderLayer (a
     McoreHybridBlock for Nemotron-H blocks); `tp_mesh`: the world mesh's "tp" dim when parallel.tp > 1
-    (collective then: every rank calls it; dense attention decoders only)."""
+    (collective then: every rank calls it; dense attention decoders only). `ep_mesh`: the ("ep_replicate", "ep")
+    mesh when parallel.ep > 1 (collective; MoE decoders, Nemotron-H MoE blocks): each MoE layer holds its rank's experts
+    (ep_shard.py), their gradient divided by `grad_divide_factor` (the data-parallel size)."""
     from megatron_vlm.models.mcore.hybrid import McoreHybridBlock, is_hybrid_block
 
     check_mcore_model(model)
     layers = model.language_model.layers
+    if ep_mesh is not None:  # before any collective: the refusal is the same on every rank
+        ep = ep_mesh.size(ep_mesh.ndim - 1)
+        if tp_mesh is not None:
+            raise McoreBackendError(f"parallel.backend = 'mcore' with parallel.ep = {ep} and parallel.tp = "
+                                    f"{tp_mesh.size()}: expert and tensor parallelism together are not wired yet")
+        if not any(isinstance(getattr(layer, "mlp", None), MoE) or getattr(layer, "block_type", None) == "moe"
+                   for layer in layers):
+            raise McoreBackendError(f"parallel.ep = {ep}: the model has no MoE layers to shard")
     if tp_mesh is not None:  # before any collective: the refusal is the same on every rank
         for i, layer in enumerate(layers):
             if is_hybrid_block(layer) or isinstance(getattr(layer, "mlp", None), MoE):
@@ -292,12 +334,14 @@ def use_mcore_layers(model: nn.Module, tp_mesh=None) -> None:
                                         f"{'Nemotron-H hybrid block' if is_hybrid_block(layer) else 'MoE layer'}; tensor "
                                         "parallelism (parallel.tp > 1) with megatron-core MoE / Mamba2 layers is not "
                                         "wired yet (they are built unsplit); use tp = 1 or backend = 'native'")
-    ensure_parallel_state(tp_mesh)
+    ensure_parallel_state(tp_mesh, ep_mesh)
     for i in range(len(layers)):
         if is_hybrid_block(layers[i]):
-            layers[i] = McoreHybridBlock(layers[i], i, model.language_model.args)
+            layers[i] = McoreHybridBlock(layers[i], i, model.language_model.args, ep_mesh=ep_mesh,
+                                         grad_divide_factor=grad_divide_factor)
         else:
-            layers[i] = McoreDecoderLayer(layers[i], i, len(layers), tp_mesh=tp_mesh)
+            layers[i] = McoreDecoderLayer(layers[i], i, len(layers), tp_mesh=tp_mesh, ep_mesh=ep_mesh,
+                                          grad_divide_factor=grad_divide_factor)
 
 
 def native_state_dict(state: dict, model: nn.Module) -> dict:

@@ -1,7 +1,8 @@
 """megatron-core's `MoELayer` in place of our `MoE` block (models/common/moe.py) for `parallel.backend = "mcore"`.
 
 What is megatron-core's and what is ours: routing is megatron-core's `TopKRouter` (its
-`topk_routing_with_score_function`), tokens go through its "allgather" token dispatcher (ep = 1) into
+`topk_routing_with_score_function`), tokens go through its "allgather" token dispatcher (ep = 1; with
+parallel.ep > 1 its "alltoall" one, `alltoall_dispatcher`, each rank holding E / ep experts: ep_shard.py) into
 `SequentialMLP` experts (megatron-core MLPs, one per expert) and its `SharedExpertMLP`; the math is chosen
 from the native block's settings so it is the same function:
 
@@ -40,6 +41,7 @@ megatron-core is imported only when a layer is built (`mcore_moe_classes`).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Any, Dict, Optional
@@ -185,7 +187,10 @@ def mcore_moe_classes():
         reports_expert_load = True  # found by models.common.moe.moe_layers
 
         def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
+            with _alltoall_without_cuda():
+                super().__init__(*args, **kwargs)
+            if type(self.token_dispatcher) is alltoall_dispatcher().__mro__[1]:
+                self.token_dispatcher.__class__ = alltoall_dispatcher()
             self.record_router_stats = False
             self.router_stats: Optional[RouterStats] = None
             self._expert_load: Optional[torch.Tensor] = None
@@ -224,17 +229,95 @@ def mcore_moe_classes():
             logits, routing_map = self.router.last_logits, self._last_map  # logits [..., E] -> [N, E] as ours
             logits = logits.reshape(-1, logits.shape[-1])
             self.router.last_logits = self._last_map = None
+            if self.training:
+                # the scores (the auxiliary loss's input) are computed in every training forward, as the native
+                # router's are: activation checkpointing's recomputation must save the same tensors as the forward
+                scores = (torch.sigmoid(logits) if self.config.moe_router_score_function == "sigmoid"
+                          else torch.softmax(logits, dim=-1))
             if self.training and torch._C._current_graph_task_id() == -1:  # not a recomputation in backward
                 with torch.no_grad():
                     rows = routing_map if token_mask is None else routing_map[token_mask.reshape(-1).bool()]
                     self.expert_load.add_(rows.sum(0))
                 if self.record_router_stats:
-                    scores = (torch.sigmoid(logits) if self.config.moe_router_score_function == "sigmoid"
-                              else torch.softmax(logits, dim=-1))
                     self.router_stats = RouterStats(scores, routing_map.sum(0), self.top_k)
             return out, bias
 
     return _Router, _MoELayer
+
+
+@contextlib.contextmanager
+def _alltoall_without_cuda():
+    """megatron-core 0.16.1's all-to-all dispatcher creates a CUDA stream (for its device-to-host copies) when it is
+    built; without CUDA a placeholder stands in while it is built (`alltoall_dispatcher` never uses it there)."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as base
+
+    placeholder = base.cuda_dtoh_stream is None and not torch.cuda.is_available()
+    if placeholder:
+        base.cuda_dtoh_stream = object()
+    try:
+        yield
+    finally:
+        if placeholder:
+            base.cuda_dtoh_stream = None
+
+
+@functools.lru_cache(maxsize=None)
+def alltoall_dispatcher():
+    """megatron-core's all-to-all token dispatcher (parallel.ep > 1), also on the CPU: where the routing tensors
+    are not on CUDA, its device-to-host stream synchronisation is skipped (there is nothing to copy), the token
+    counts are all-gathered with `dist.all_gather` (its preprocess, dropless and tp = 1 only there) and its
+    all-to-alls, whose outputs megatron-core 0.16.1 allocates on `torch.cuda.current_device()`, are our
+    `parallel.expert_parallel._AllToAll` (the same `all_to_all_single`, output on the input's device; backward:
+    the reverse exchange). On CUDA it is megatron-core's, unchanged."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from megatron_vlm.parallel.expert_parallel import _AllToAll
+
+    def splits(s):
+        return [int(v) for v in (s.tolist() if hasattr(s, "tolist") else s)]
+
+    class _AllToAllDispatcher(MoEAlltoAllTokenDispatcher):
+        def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
+            """megatron-core's dropless preprocess (tp = 1) with the token counts all-gathered on their device."""
+            if routing_map.is_cuda:
+                return super().preprocess(routing_map)
+            if (self.drop_and_pad or self.config.moe_expert_capacity_factor is not None or self.tp_size > 1
+                    or self.config.moe_router_padding_for_quantization):
+                raise _refuse("token dropping / padding or tensor parallelism with expert parallelism on the CPU",
+                              "only megatron-core's dropless all-to-all with tp = 1 runs without CUDA")
+            import torch.distributed as dist
+
+            counts = routing_map.sum(dim=0).long()  # [E]: this rank's token copies per expert
+            self.num_out_tokens = routing_map.size(0) * self.config.moe_router_topk
+            self.input_splits = counts.reshape(self.ep_size, self.num_local_experts).sum(dim=1)
+            gathered = [torch.empty_like(counts) for _ in range(self.ep_size)]
+            dist.all_gather(gathered, counts, group=self.tp_ep_group)
+            lo, hi = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
+            per_local = torch.stack(gathered)[:, lo:hi].contiguous()  # [source ep rank, local expert]
+            self.output_splits = per_local.sum(dim=1)
+            self.output_splits_tp = per_local.sum().reshape(1)
+            if self.num_local_experts > 1:
+                self.num_global_tokens_per_local_expert = per_local
+            return per_local.sum(dim=0)
+
+        def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+            if self.routing_map.is_cuda:
+                return super()._maybe_dtoh_and_synchronize(point, tokens_per_expert)
+            return tokens_per_expert
+
+        def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
+            if permutated_local_input_tokens.is_cuda:
+                return super().token_dispatch(permutated_local_input_tokens, permuted_probs)
+            out, inp = splits(self.output_splits), splits(self.input_splits)
+            return (_AllToAll.apply(permutated_local_input_tokens, out, inp, self.ep_group),
+                    _AllToAll.apply(permuted_probs, out, inp, self.ep_group))
+
+        def token_combine(self, hidden_states, async_finish: bool = True, allocate_on_comm_stream: bool = True):
+            if hidden_states.is_cuda:
+                return super().token_combine(hidden_states, async_finish, allocate_on_comm_stream)
+            return _AllToAll.apply(hidden_states, splits(self.input_splits), splits(self.output_splits), self.ep_group)
+
+    return _AllToAllDispatcher
 
 
 def moe_layer_spec(mlp_spec, *, expert_bias: bool):
@@ -248,7 +331,7 @@ def moe_layer_spec(mlp_spec, *, expert_bias: bool):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     # megatron-core's TransformerLayer passes its process groups only to the MoELayer class itself: they are
-    # given here (tp = ep = 1 groups)
+    # given here (megatron-core's parallel state: tp = 1, ep = parallel.ep, layer.ensure_parallel_state)
     params = dict(mlp_spec.params or {}, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     return ModuleSpec(module=layer, params=params, submodules=sub)
 

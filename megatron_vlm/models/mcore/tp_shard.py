@@ -31,6 +31,7 @@ from typing import Mapping, Optional
 import torch
 from torch import nn
 
+from megatron_vlm.parallel.expert_parallel import _ReduceGradOverReplicas
 from megatron_vlm.parallel.tensor_parallel import _contiguous_stride
 
 __all__ = ["SPLIT_DIM", "split_dim", "shard_layer_state", "unshard_layer_state", "global_to_full",
@@ -128,20 +129,27 @@ def distribute_layer_params(layer: nn.Module, mesh) -> None:
 
 
 def local_params(fn):
-    """Decorate a method of a module whose `self.mcore` went through `distribute_layer_params`: during the
-    call, its parameters are the local blocks (autograd flows into the DTensor parameters)."""
+    """Decorate a method of a module whose `self.mcore` went through `distribute_layer_params` and / or
+    `ep_shard.distribute_expert_params`: during the call, its parameters are the local blocks (autograd flows
+    into the DTensor parameters; an expert weight's gradient is summed over its replicas and divided by the
+    data-parallel size, as the native expert-parallel weights')."""
     from torch.distributed.tensor import DTensor
 
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
-        owners = getattr(self.mcore, "_mvlm_tp_owners", None)
-        if not owners:
+        owners = getattr(self.mcore, "_mvlm_tp_owners", None) or []
+        ep_owners = getattr(self.mcore, "_mvlm_ep_owners", None) or []  # ep_shard.distribute_expert_params
+        if not (owners or ep_owners):
             return fn(self, *args, **kwargs)
-        saved = [(mod, n, mod._parameters[n]) for mod, n, _ in owners]
+        saved = [(mod, n, mod._parameters[n]) for mod, n, *_ in owners + ep_owners]
         try:
             for (mod, n, p), (_, _, grad) in zip(saved, owners):
                 if isinstance(p, DTensor):
                     mod._parameters[n] = p.to_local(grad_placements=grad)
+            for mod, n, replica, divide in ep_owners:
+                p = mod._parameters[n]
+                if isinstance(p, DTensor):
+                    mod._parameters[n] = _ReduceGradOverReplicas.apply(p.to_local(), replica, divide)
             return fn(self, *args, **kwargs)
         finally:
             for mod, n, p in saved:

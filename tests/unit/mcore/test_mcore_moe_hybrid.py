@@ -232,3 +232,22 @@ def test_context_parallel_moe_and_hybrid_decoders_are_refused(tmp_path, mcore_st
     model = load_hf_model(str(synthesize_model_folder("tiny_nemotron_vl", tmp_path / "n", seed=0)), dtype=torch.float32)
     with pytest.raises(McoreBackendError, match="parallel.cp = 2: context parallelism is wired for dense attention"):
         use_mcore_backend(model, cp=2)
+
+
+class _EpMesh:
+    """Stands in for the ("ep_replicate", "ep") mesh with ep = 2 (the refusals come before any collective)."""
+
+    ndim = 2
+
+    def size(self, dim=None):
+        return 2 if dim == 1 else 1
+
+
+@pytest.mark.parametrize("kind", ["tiny_qwen3_vl_moe", "tiny_qwen3"])
+def test_expert_parallel_dense_decoders_and_tp_are_refused(kind, tmp_path, mcore_state):
+    model = load_hf_model(str(synthesize_model_folder(kind, tmp_path / kind, seed=0)), dtype=torch.float32)
+    if kind == "tiny_qwen3":
+        with pytest.raises(McoreBackendError, match="parallel.ep = 2: the model has no MoE layers"):
+            use_mcore_layers(model, ep_mesh=_EpMesh())
+    with pytest.raises(McoreBackendError, match="expert and tensor parallelism together"):
+        use_mcore_layers(model, tp_mesh=_TwoRankMesh(), ep_mesh=_EpMesh())

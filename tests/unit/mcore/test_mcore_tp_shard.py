@@ -98,12 +98,13 @@ def test_checkpoint_tp_guard():
         check_saved_mcore_tp({}, 2)
 
 
-def test_config_accepts_tp_and_cp_refuses_pp_and_ep():
+def test_config_accepts_tp_and_cp_refuses_pp_and_tp_with_ep():
     for key in ("tp", "cp"):
         ParallelConfig(backend="mcore", **{key: 2}).validate()
-    for key in ("pp", "ep"):
-        with pytest.raises(ValueError, match=f"backend: 'mcore' with {key} = 2: megatron-core's own pipeline / expert"):
-            ParallelConfig(backend="mcore", **{key: 2}).validate()
+    with pytest.raises(ValueError, match="backend: 'mcore' with pp = 2: megatron-core's own pipeline"):
+        ParallelConfig(backend="mcore", pp=2).validate()
+    with pytest.raises(ValueError, match="backend: 'mcore' with ep = 2 and tp = 2"):
+        ParallelConfig(backend="mcore", tp=2, ep=2).validate()
 
 
 def test_check_plans_mcore_with_tp2(tmp_path):
@@ -112,6 +113,7 @@ def test_check_plans_mcore_with_tp2(tmp_path):
     assert run_check(load_config(CONFIGS / "demo_sft.toml", sets), world_size=2, device_memory_gib=80.0,
                      out=out, err=err) == 0, out.getvalue() + err.getvalue()
     assert "tp 2" in out.getvalue()
-    for key in ("pp", "ep"):
-        with pytest.raises(ValueError, match=f"parallel.backend: 'mcore' with {key} = 2"):
-            load_config(CONFIGS / "demo_sft.toml", sets[:2] + [f"parallel.{key}=2"])
+    with pytest.raises(ValueError, match="parallel.backend: 'mcore' with pp = 2"):
+        load_config(CONFIGS / "demo_sft.toml", sets[:2] + ["parallel.pp=2"])
+    with pytest.raises(ValueError, match="parallel.backend: 'mcore' with ep = 2 and tp = 2"):
+        load_config(CONFIGS / "demo_sft.toml", sets + ["parallel.ep=2"])

@@ -1,0 +1,164 @@
+"""Decode steps on static per-bucket buffers (rl/rollout/decode_graphs.py, `cuda_graphs`): on the CPU the
+same static step a CUDA graph captures runs eagerly, so everything but the capture is checked here.
+
+- greedy rollouts through the static path equal the eager engine's (same tokens, log-probs within 1e-5,
+  fp32) for a dense family (tiny Qwen2.5-VL, images in the prompts) and the Nemotron hybrid decoder
+  (Mamba2 + attention, states per slot), with early finishes and refills so the batch crosses bucket
+  sizes (rows padded onto the scratch slot);
+- the graph-safety probe reports a host read of a tensor value and an op sequence that follows the data;
+- combinations that cannot work are refused ("on") or logged off ("auto"), and parameters that moved
+  drop the graphs.
+"""
+import logging
+
+import pytest
+import torch
+
+from megatron_vlm.models import build_model
+from megatron_vlm.models.common.slot_cache import SlotCache
+from megatron_vlm.rl.rollout import decode_graphs
+from megatron_vlm.rl.rollout.decode_graphs import DecodeStepRunner, GraphUnsafeError, bucket_sizes
+from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams
+from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
+from megatron_vlm.testing.tiny_nemotron_vl import build_tiny_nemotron_vl_tokenizer, tiny_nemotron_vl_hf_config
+from tests.fixtures import tiny_qwen2_5_vl as F
+
+
+class Tok:
+    pad_token_id = 0
+    eos_token_id = -1  # never drawn
+
+    def decode(self, ids, skip_special_tokens=False):
+        return ""
+
+
+def _qwen():
+    torch.manual_seed(0)
+    model = build_model(F.tiny_qwen2_5_vl_config_dict()).eval()
+    g = torch.Generator().manual_seed(7)
+    prompts = []
+    for parts in ([2, ("image", (1, 4, 4)), 3], [5, 1], [1, ("image", (1, 4, 6)), 1, 6, 2], [4], [3, 2, 2]):
+        s = F.build_sample(parts, g)
+        prompts.append(RolloutPrompt(torch.tensor(s["input_ids"]), s["pixel_values"], s["image_grid_thw"]))
+    return model, prompts
+
+
+def _hybrid_config(moe: bool) -> dict:
+    cfg = tiny_nemotron_vl_hf_config(build_tiny_nemotron_vl_tokenizer())
+    if not moe:
+        cfg["text_config"]["layers_block_type"] = ["linear_attention", "full_attention", "mlp", "linear_attention"]
+    return cfg
+
+
+def _nemotron():
+    torch.manual_seed(0)
+    model = build_model(_hybrid_config(moe=False)).eval()
+    g = torch.Generator().manual_seed(0)
+    return model, [RolloutPrompt(torch.randint(10, 200, (n,), generator=g)) for n in (5, 9, 3, 7, 4)]
+
+
+def _generate(model, prompts, eos, mode, n=2):
+    eng = PolicyRolloutEngine(model, Tok(), eos_token_ids=eos, max_num_seqs=5, cuda_graphs=mode)
+    return eng.generate(prompts, SamplingParams(max_new_tokens=8, n=n, temperature=0.0)).samples
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "nemotron_hybrid"])
+def test_static_steps_equal_eager_steps(family, monkeypatch):
+    model, prompts = _qwen() if family == "qwen2_5_vl" else _nemotron()
+    # end-of-sequence ids taken from an eager run with none: samples finish at different steps
+    free = _generate(model, prompts, [-1], "off", n=1)
+    eos = sorted({s.token_ids[k].item() for s, k in zip(free, (2, 5, 3, 6, 1))})
+    ref = _generate(model, prompts, eos, "off")
+    rows = []
+    step = DecodeStepRunner.step
+
+    def spy(self, slots, input_ids):
+        rows.append(len(slots))
+        return step(self, slots, input_ids)
+
+    monkeypatch.setattr(DecodeStepRunner, "step", spy)
+    got = _generate(model, prompts, eos, "on")
+    assert len({len(s.token_ids) for s in ref}) > 1  # early finishes happened
+    buckets = {next(b for b in bucket_sizes(5) if b >= r) for r in rows}
+    assert len(buckets) >= 3 and any(r not in bucket_sizes(5) for r in rows), rows  # padded rows, several buckets
+    assert [(s.prompt_index, s.sample_index) for s in got] == [(s.prompt_index, s.sample_index) for s in ref]
+    for a, b in zip(ref, got):
+        assert a.token_ids.tolist() == b.token_ids.tolist()
+        assert a.finish_reason == b.finish_reason
+        torch.testing.assert_close(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
+
+
+def test_bucket_sizes():
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(5) == [1, 2, 4, 5]
+    assert bucket_sizes(8) == [1, 2, 4, 8]
+    with pytest.raises(ValueError):
+        bucket_sizes(0)
+
+
+def _runner_on_cache(model, forward, probe=True):
+    cache = SlotCache(model.new_cache(3, 16))
+    prompt = model.new_cache(1, 4)
+    model(input_ids=torch.tensor([[3, 4, 5, 6]]), kv_cache=prompt)
+    cache.load_prefix([0, 1], prompt, 0)
+    return DecodeStepRunner(forward, cache, pad_token_id=0, capture=False, probe=probe, params=list(model.parameters()))
+
+
+def test_probe_reports_host_reads_and_data_dependent_ops():
+    model, _ = _qwen()
+    with torch.no_grad():
+        def reads_a_value(**kw):
+            logits = model(**kw)
+            return logits * 2 if bool(kw["input_ids"].sum() > 0) else logits
+        runner = _runner_on_cache(model, reads_a_value)
+        with pytest.raises(GraphUnsafeError, match="host"):
+            runner.step([0, 1], torch.tensor([7, 8]))
+
+        def data_sized(**kw):
+            logits = model(**kw)
+            keep = sum(1 for t in kw["input_ids"].view(-1).tolist() if t == 7)  # invisible to the dispatcher on CPU
+            return logits[:, :, : keep + 1]
+        runner = _runner_on_cache(model, data_sized)
+        runner.step([0, 1], torch.tensor([7, 8]))
+        with pytest.raises(GraphUnsafeError, match="different ops"):
+            runner.step([0, 1], torch.tensor([7, 7]))
+
+        runner = _runner_on_cache(model, model)  # the real decode step is clean
+        for ids in ([7, 8], [9, 9], [1, 2]):
+            runner.step([0, 1], torch.tensor(ids))
+
+
+def test_moved_parameters_drop_the_graphs(caplog):
+    model, _ = _qwen()
+    with torch.no_grad():
+        runner = _runner_on_cache(model, model, probe=False)
+        runner.step([0, 1], torch.tensor([7, 8]))
+        runner._check_addresses()
+        runner._check_addresses()
+        assert runner.buckets  # same storage: kept
+        p = next(model.parameters())
+        p.data = p.data.clone()
+        with caplog.at_level(logging.WARNING, logger=decode_graphs.__name__):
+            runner._check_addresses()
+        assert not runner.buckets and "reallocated" in caplog.text
+
+
+def test_refused_and_auto_off_combinations(caplog):
+    model, _ = _qwen()
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        PolicyRolloutEngine(model, Tok(), cuda_graphs="yes")
+    cases = [dict(forward=model), dict(kv_block_size=4)]
+    moe_model = build_model(_hybrid_config(moe=True)).eval()
+    for kw in cases + [dict(model=moe_model)]:
+        m = kw.pop("model", model)
+        with pytest.raises(ValueError, match="cuda_graphs: 'on'"):
+            PolicyRolloutEngine(m, Tok(), cuda_graphs="on", **kw)
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            eng = PolicyRolloutEngine(m, Tok(), cuda_graphs="auto", **kw)
+        assert eng.cuda_graphs == "off" and "CUDA graphs off" in caplog.text
+    eng = PolicyRolloutEngine(model, Tok(), cuda_graphs="auto")  # no CUDA device here: eager steps
+    cache = SlotCache(model.new_cache(3, 8))
+    assert (eng._decode_runner(cache) is None) == (cache.device.type != "cuda")
+    on = PolicyRolloutEngine(model, Tok(), cuda_graphs="on")
+    assert isinstance(on._decode_runner(cache), DecodeStepRunner)

@@ -162,3 +162,23 @@ def test_refused_and_auto_off_combinations(caplog):
     assert (eng._decode_runner(cache) is None) == (cache.device.type != "cuda")
     on = PolicyRolloutEngine(model, Tok(), cuda_graphs="on")
     assert isinstance(on._decode_runner(cache), DecodeStepRunner)
+
+
+def test_config_key_reaches_the_engine_and_moe_is_a_config_error(tmp_path):
+    from types import SimpleNamespace
+
+    from megatron_vlm.config import ConfigError
+    from megatron_vlm.data.processor import load_processor
+    from megatron_vlm.rl.config import RLConfig
+    from megatron_vlm.rl.trainer import build_rollout_engine
+    from megatron_vlm.testing.synthesize import synthesize_model_folder
+
+    RLConfig(rollout_cuda_graphs="on", rollout_weights="copy").validate()
+    RLConfig(rollout_cuda_graphs="on", allocation="rollout:1+train:1").validate()  # rollout ranks hold a copy
+    folder = synthesize_model_folder("tiny_nemotron_vl", tmp_path / "nemotron", seed=0)  # has a MoE layer
+    bundle = SimpleNamespace(model=None, processor=load_processor(str(folder)))
+    kw = dict(dtype=torch.float32, device=torch.device("cpu"), per_batch=1)
+    with pytest.raises(ConfigError, match=r"^rl\.rollout_cuda_graphs: 'on'.*MoE"):
+        build_rollout_engine(RLConfig(rollout_weights="copy", rollout_cuda_graphs="on"), bundle, str(folder), **kw)
+    eng = build_rollout_engine(RLConfig(rollout_weights="copy", rollout_cuda_graphs="auto"), bundle, str(folder), **kw)
+    assert eng.cuda_graphs == "off"

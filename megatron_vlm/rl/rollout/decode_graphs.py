@@ -200,7 +200,7 @@ class DecodeStepRunner:
                     self._step(bucket)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):  # other threads may use CUDA
                 bucket.logits = self._step(bucket)
         except RuntimeError as e:
             self.cache._pending, self.cache._step_states = False, {}  # a step interrupted by the failure

@@ -22,7 +22,8 @@ tensor values. `DecodeStepRunner` gives it that form:
 
 A graph holds raw pointers: the parameters and the cache must keep their storage while it lives.
 `load_state_dict` copies into the parameters in place (same storage), which a replay then reads; the
-runner also records the parameters' addresses at capture and re-captures when one moved. It lives for
+runner records the parameters' addresses at its first step and, after each `weights_loaded()` (the
+engine's `load_weights`), drops the graphs for a re-capture if one moved. It lives for
 one batch of slots (its cache); `drop()` frees the graphs.
 
 The logits a step returns are a view of the bucket's output buffer, valid until the next step.
@@ -115,6 +116,7 @@ class DecodeStepRunner:
         self.buckets: dict[int, _Bucket] = {}
         self._pool = None
         self._addresses: Optional[list[int]] = None
+        self._weights_loaded = True  # check the addresses before the next replay
         self.captures = 0
 
     # ------------------------------------------------------------------ the step
@@ -139,7 +141,7 @@ class DecodeStepRunner:
         full = [s for s in slots if cache.host_lengths[s] >= cache.max_len]
         if full:
             raise ValueError(f"SlotCache: slots {full} are full ({cache.max_len} tokens)")
-        if self.capture:
+        if self.capture and self._weights_loaded:
             self._check_addresses()
         size = self.bucket_for(n)
         bucket = self.buckets.get(size)
@@ -179,7 +181,12 @@ class DecodeStepRunner:
     def _param_addresses(self) -> list[int]:
         return [p.data_ptr() for p in self.params]
 
+    def weights_loaded(self) -> None:
+        """New weights were written (`load_weights`): check before the next replay that none was reallocated."""
+        self._weights_loaded = True
+
     def _check_addresses(self) -> None:
+        self._weights_loaded = False
         now = self._param_addresses()
         if self._addresses is not None and now != self._addresses:
             log.warning("decode graphs: parameters were reallocated since the capture; capturing again")

@@ -244,6 +244,8 @@ class PolicyRolloutEngine(RolloutEngine):
                 if missing and len(missing) == len(self.model.state_dict()):
                     raise KeyError("load_weights: none of the names matches the model's parameters")
             self.policy_version = int(version)
+            if self._runner is not None:  # graphs hold the parameters' addresses
+                self._runner.weights_loaded()
         if weights is not None:
             self.weight_sync_s += time.perf_counter() - t0
 

@@ -4,7 +4,8 @@ same static step a CUDA graph captures runs eagerly, so everything but the captu
 - greedy rollouts through the static path equal the eager engine's (same tokens, log-probs within 1e-5,
   fp32) for a dense family (tiny Qwen2.5-VL, images in the prompts) and the Nemotron hybrid decoder
   (Mamba2 + attention, states per slot), with early finishes and refills so the batch crosses bucket
-  sizes (rows padded onto the scratch slot);
+  sizes (rows padded onto the scratch slot); Qwen3-VL, InternVL and the text-only Qwen3 pass the probe and
+  match too;
 - the graph-safety probe reports a host read of a tensor value and an op sequence that follows the data;
 - combinations that cannot work are refused ("on") or logged off ("auto"), and parameters that moved
   drop the graphs.
@@ -182,3 +183,18 @@ def test_config_key_reaches_the_engine_and_moe_is_a_config_error(tmp_path):
         build_rollout_engine(RLConfig(rollout_weights="copy", rollout_cuda_graphs="on"), bundle, str(folder), **kw)
     eng = build_rollout_engine(RLConfig(rollout_weights="copy", rollout_cuda_graphs="auto"), bundle, str(folder), **kw)
     assert eng.cuda_graphs == "off"
+
+
+@pytest.mark.parametrize("kind", ["tiny_qwen3_vl", "tiny_internvl", "tiny_qwen3"])
+def test_other_dense_families_pass_the_probe_and_match(kind, tmp_path):
+    from megatron_vlm.checkpoint.hf import load_hf_model
+    from megatron_vlm.testing.synthesize import synthesize_model_folder
+
+    model = load_hf_model(str(synthesize_model_folder(kind, tmp_path / kind, seed=0))).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [RolloutPrompt(torch.randint(10, 100, (k,), generator=g)) for k in (5, 9, 3)]
+    ref = _generate(model, prompts, [-1], "off")
+    got = _generate(model, prompts, [-1], "on")
+    for a, b in zip(ref, got):
+        assert a.token_ids.tolist() == b.token_ids.tolist()
+        torch.testing.assert_close(b.logprobs, a.logprobs, atol=1e-5, rtol=0)

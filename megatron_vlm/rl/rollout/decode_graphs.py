@@ -197,6 +197,13 @@ class DecodeStepRunner:
         """Warm-up and capture on scratch rows only (no sequence's cache is touched), then restore the inputs."""
         bucket.ids.fill_(self.pad_token_id)
         bucket.slots.fill_(self.cache.scratch_slot)
+        with torch.cuda.device(self.cache.device):  # the cache's GPU, whichever is current
+            self._capture_on_device(bucket)
+        self.captures += 1
+        bucket.ids[:n, 0].copy_(input_ids)
+        bucket.slots[:n].copy_(torch.as_tensor(list(slots), dtype=torch.long))
+
+    def _capture_on_device(self, bucket: _Bucket) -> None:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
@@ -213,9 +220,6 @@ class DecodeStepRunner:
             self.cache._pending, self.cache._step_states = False, {}  # a step interrupted by the failure
             raise GraphUnsafeError(f"decode step (bucket {bucket.size}) could not be captured: {e}") from e
         bucket.graph = graph
-        self.captures += 1
-        bucket.ids[:n, 0].copy_(input_ids)
-        bucket.slots[:n].copy_(torch.as_tensor(list(slots), dtype=torch.long))
 
     def drop(self) -> None:
         """Free every graph and buffer (re-captured on the next use)."""

@@ -198,3 +198,67 @@ def test_other_dense_families_pass_the_probe_and_match(kind, tmp_path):
     for a, b in zip(ref, got):
         assert a.token_ids.tolist() == b.token_ids.tolist()
         torch.testing.assert_close(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
+
+
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: replay re-runs the bucket's step and writes its output
+    into the buffer captured first (a real replay writes the same tensors in place)."""
+
+    def __init__(self):
+        self.runner = self.bucket = None
+
+    def replay(self):
+        out = self.runner._step(self.bucket)
+        self.bucket.logits.copy_(out)
+
+
+def test_capture_control_flow_with_a_fake_cuda_graph(monkeypatch):
+    """The capture path without a GPU: warm-up and capture on scratch rows only (the live slots' caches
+    untouched), the step's inputs restored after the capture, one capture per bucket, outputs read
+    from the static buffer; the tokens equal the eager engine's."""
+    import contextlib
+
+    model, prompts = _nemotron()
+    free = _generate(model, prompts, [-1], "off", n=1)
+    eos = sorted({s.token_ids[k].item() for s, k in zip(free, (2, 5, 3, 6, 1))})
+    ref = _generate(model, prompts, eos, "off")
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "Stream", Stream)
+    monkeypatch.setattr(cuda, "current_stream", lambda: Stream())
+    monkeypatch.setattr(cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(cuda, "graph", lambda g, pool=None, capture_error_mode="global": contextlib.nullcontext())
+    captured, runners = [], []
+    capture_on_device = DecodeStepRunner._capture_on_device
+
+    def capture(self, bucket):
+        lengths, keys = self.cache.lengths.clone(), [k.clone() for k in self.cache.keys]
+        capture_on_device(self, bucket)
+        bucket.graph.runner, bucket.graph.bucket = self, bucket
+        live = list(range(self.cache.num_slots))  # warm-up and capture touched the scratch slot only
+        assert torch.equal(self.cache.lengths[live], lengths[live])
+        assert all(torch.equal(k[live], k0[live]) for k, k0 in zip(self.cache.keys, keys))
+        captured.append(bucket.size)
+
+    monkeypatch.setattr(DecodeStepRunner, "_capture_on_device", capture)
+    decode_runner = PolicyRolloutEngine._decode_runner
+
+    def graphs_on_cpu(self, cache):
+        runner = decode_runner(self, cache)
+        runner.capture, runner.probe = True, False
+        runners.append(runner)
+        return runner
+
+    monkeypatch.setattr(PolicyRolloutEngine, "_decode_runner", graphs_on_cpu)
+    got = _generate(model, prompts, eos, "on")
+    assert len(captured) >= 3 and len(captured) == len(set(captured)) == runners[0].captures, captured
+    for a, b in zip(ref, got):
+        assert a.token_ids.tolist() == b.token_ids.tolist()
+        torch.testing.assert_close(b.logprobs, a.logprobs, atol=1e-5, rtol=0)

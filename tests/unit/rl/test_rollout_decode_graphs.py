@@ -183,6 +183,10 @@ def test_config_key_reaches_the_engine_and_moe_is_a_config_error(tmp_path):
         build_rollout_engine(RLConfig(rollout_weights="copy", rollout_cuda_graphs="on"), bundle, str(folder), **kw)
     eng = build_rollout_engine(RLConfig(rollout_weights="copy", rollout_cuda_graphs="auto"), bundle, str(folder), **kw)
     assert eng.cuda_graphs == "off"
+    dense = synthesize_model_folder("tiny_qwen2_5_vl", tmp_path / "qwen", seed=0)
+    bundle = SimpleNamespace(model=None, processor=load_processor(str(dense)))
+    eng = build_rollout_engine(RLConfig(rollout_weights="copy", rollout_cuda_graphs="on"), bundle, str(dense), **kw)
+    assert eng.cuda_graphs == "on" and eng.owns_forward
 
 
 @pytest.mark.parametrize("kind", ["tiny_qwen3_vl", "tiny_internvl", "tiny_qwen3"])

@@ -123,7 +123,8 @@ class SlotCache:
         if self._pending:
             raise RuntimeError("SlotCache: cannot change the active slots in the middle of a step")
         if slot_ids.dim() != 1 or slot_ids.dtype != torch.long or slot_ids.numel() == 0:
-            raise ValueError(f"SlotCache: slot_ids must be a non-empty 1-D long tensor, got {slot_ids.dtype} {tuple(slot_ids.shape)}")
+            raise ValueError(f"SlotCache: slot_ids must be a non-empty 1-D long tensor, got {slot_ids.dtype} "
+                             f"{tuple(slot_ids.shape)}")
         self._active = slot_ids
         self._active_list = []
         self._contiguous = False

@@ -45,7 +45,8 @@ on static buffers per batch-size bucket, captured once per bucket and replayed o
 a CUDA device, else off; "on": also on the CPU, where the same static step runs eagerly (tests; its
 first runs per bucket are checked for graph safety, a failure raised). Needs the engine's own weights
 copy, the slot layout and a decode step without host reads: "on" with `forward=` (lock-step, FSDP
-parameters), `kv_block_size` or MoE layers (routing sizes its GEMMs on the host) is refused, "auto" falls back to eager steps with a logged reason (also when a capture fails).
+parameters), `kv_block_size` or MoE layers (routing sizes its GEMMs on the host) is refused; "auto"
+falls back to eager steps with a logged reason (also when a capture fails).
 
 Interruption and versions: `interrupt()` (from another thread) stops `generate` at the next token
 boundary; the result holds the partial completions (reason "interrupted"). `load_weights` from

@@ -10,7 +10,8 @@ loaded by transformers' own loader; one forward of both is compared first).
     transformers generate     Qwen2_5_VLForConditionalGeneration.generate(num_return_sequences=G), sdpa
     ours (CUDA graphs)        with --cuda-graphs (GPU only): the shared-prefix engine with cuda_graphs = "on",
                               decode steps replayed from CUDA graphs per batch-size bucket; the captures
-                              (one per bucket used, per generate call: the cache is per call) are in the time
+                              (one per bucket, at the warm-up call: the engine keeps its cache and graphs
+                              between calls of the same shape) are not in the timed rounds
 
 Rows:
     (default, no GPU) CPU: a small Qwen2.5-VL shape (hidden 256, 4 layers, vocab 8k), 8 prompts x G = 8

@@ -23,8 +23,9 @@ tensor values. `DecodeStepRunner` gives it that form:
 A graph holds raw pointers: the parameters and the cache must keep their storage while it lives.
 `load_state_dict` copies into the parameters in place (same storage), which a replay then reads; the
 runner records the parameters' addresses at its first step and, after each `weights_loaded()` (the
-engine's `load_weights`), drops the graphs for a re-capture if one moved. It lives for
-one batch of slots (its cache); `drop()` frees the graphs.
+engine's `load_weights`), drops the graphs for a re-capture if one moved. It lives as long as its
+slot cache (the engine keeps both across `generate` calls of the same slot shape until
+`release_memory`); `drop()` frees the graphs.
 
 The logits a step returns are a view of the bucket's output buffer, valid until the next step.
 """

@@ -46,7 +46,8 @@ a CUDA device, else off; "on": also on the CPU, where the same static step runs 
 first runs per bucket are checked for graph safety, a failure raised). Needs the engine's own weights
 copy, the slot layout and a decode step without host reads: "on" with `forward=` (lock-step, FSDP
 parameters), `kv_block_size` or MoE layers (routing sizes its GEMMs on the host) is refused; "auto"
-falls back to eager steps with a logged reason (also when a capture fails).
+falls back to eager steps with a logged reason (also when a capture fails). The slot cache and its
+graphs are kept for the next call of the same slot shape, until `release_memory()`.
 
 Interruption and versions: `interrupt()` (from another thread) stops `generate` at the next token
 boundary; the result holds the partial completions (reason "interrupted"). `load_weights` from
@@ -197,7 +198,8 @@ class PolicyRolloutEngine(RolloutEngine):
             log.info("rollout CUDA graphs off: %s", why_not)
             cuda_graphs = "off"
         self.cuda_graphs = cuda_graphs
-        self._runner: Optional[DecodeStepRunner] = None
+        self._runner: Optional[DecodeStepRunner] = None  # with its slot cache, kept across calls (_kept_runner)
+        self._runner_key: tuple = ()
         self.model = model
         self.tokenizer = tokenizer
         self.forward = forward or model
@@ -272,9 +274,7 @@ class PolicyRolloutEngine(RolloutEngine):
         CUDA the collector and the allocator's cache then give the memory back to the training step. On
         the CPU there is nothing to give back: a full `gc.collect()` walks every Python object of the
         process (~0.3-0.9 s per call with transformers / trl imported) for nothing."""
-        if self._runner is not None:  # a graph holds its memory pool and the cache's addresses
-            self._runner.drop()
-            self._runner = None
+        self._drop_runner()  # the kept slot cache and graphs (memory pool) of the CUDA-graph decode steps
         if self._device().type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
@@ -430,20 +430,45 @@ class PolicyRolloutEngine(RolloutEngine):
             if isinstance(storage, KVCache):  # attention-only: paged; the hybrid decoder keeps slots
                 cache = PagedSlotCache(storage, num_slots, max_len)
             del storage
+        runner = None
         if cache is None:
-            cache = SlotCache(self.model.new_cache(num_slots + 1, max_len, dtype=self.cache_dtype, device=dev))
+            runner = self._kept_runner(num_slots, max_len, dev)
+            cache = runner.cache if runner is not None else SlotCache(
+                self.model.new_cache(num_slots + 1, max_len, dtype=self.cache_dtype, device=dev))
         run = _Run(num_slots, budget, dev)
         if isinstance(cache, PagedSlotCache):
             run.release = cache.release
         queue = deque(range(total))
         prefixes: dict = {}
-        self._runner = runner = self._decode_runner(cache)
         try:
             return self._loop(prompts, offset, params, checker, generator, stats, cache, run, queue, prefixes,
                               num_slots, runner)
+        except BaseException:  # a step that failed half-way: nothing of this cache is kept
+            self._drop_runner()
+            raise
         finally:
-            if runner is not None:
-                runner.drop()
+            if self.cuda_graphs == "off":  # "auto" gave up on graphs during the call
+                self._drop_runner()
+
+    def _kept_runner(self, num_slots: int, max_len: int, dev) -> Optional[DecodeStepRunner]:
+        """With graphs on: the slot cache and graphs of an earlier call when the slot count and the slot length
+        (rounded up to 64 positions, so calls with similar lengths match) are the same, else new ones (kept
+        for the next call until `release_memory`). Stale keys of an earlier call lie beyond each slot's length
+        (masked); `load_prefix` rewrites the lengths, Mamba2 states and M-RoPE deltas of an admitted slot."""
+        if self.cuda_graphs == "off" or (self.cuda_graphs == "auto" and dev.type != "cuda"):
+            return None
+        max_len = -(-max_len // 64) * 64
+        key = (num_slots, max_len, str(dev))
+        if self._runner is not None and self._runner_key == key:
+            return self._runner
+        self._drop_runner()
+        cache = SlotCache(self.model.new_cache(num_slots + 1, max_len, dtype=self.cache_dtype, device=dev))
+        self._runner, self._runner_key = self._decode_runner(cache), key
+        return self._runner
+
+    def _drop_runner(self) -> None:
+        if self._runner is not None:
+            self._runner.drop()
             self._runner = None
 
     def _loop(self, prompts, offset, params, checker, generator, stats, cache, run, queue, prefixes, num_slots, runner):

@@ -266,3 +266,26 @@ def test_capture_control_flow_with_a_fake_cuda_graph(monkeypatch):
     for a, b in zip(ref, got):
         assert a.token_ids.tolist() == b.token_ids.tolist()
         torch.testing.assert_close(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
+
+
+def test_slot_cache_and_graphs_are_kept_across_calls():
+    """A second call whose slots have the same count and (rounded) length decodes on the first call's cache
+    and graphs, stale keys and states of that call notwithstanding; other shapes and release_memory drop them."""
+    model, prompts = _nemotron()
+    params = SamplingParams(max_new_tokens=8, n=2, temperature=0.0)
+    eng = PolicyRolloutEngine(model, Tok(), eos_token_ids=[-1], max_num_seqs=5, cuda_graphs="on")
+    eager = PolicyRolloutEngine(model, Tok(), eos_token_ids=[-1], max_num_seqs=5)
+    first = eng.generate(prompts[:3], params)
+    runner = eng._runner
+    assert runner is not None and runner.cache.max_len == 64
+    for batch in (prompts[2:], prompts[1:4]):  # other prompts, same slot shape
+        got, ref = eng.generate(batch, params).samples, eager.generate(batch, params).samples
+        assert eng._runner is runner
+        for a, b in zip(ref, got):
+            assert a.token_ids.tolist() == b.token_ids.tolist()
+            torch.testing.assert_close(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
+    long = [RolloutPrompt(torch.arange(10, 80))]
+    eng.generate(long, params)
+    assert eng._runner is not runner and eng._runner.cache.max_len == 128
+    eng.release_memory()
+    assert eng._runner is None and first.samples

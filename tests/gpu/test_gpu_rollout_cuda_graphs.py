@@ -4,7 +4,7 @@ Skipped without CUDA. Greedy rollouts in fp32 with early finishes and refills (s
 buckets): the tokens of the replayed graphs equal the eager engine's and the log-probs agree within
 1e-4 (attention over the whole slot capacity vs the longest sequence: a different summation order);
 a capture happened for every bucket used and never twice; weights copied in place between calls
-(what `load_weights` does) are what the next call's graphs read. The CPU tests
+(what `load_weights` does) are what the kept graphs of the next call read. The CPU tests
 (tests/unit/rl/test_rollout_decode_graphs.py) check the same static step run eagerly.
 """
 from __future__ import annotations
@@ -40,9 +40,11 @@ def _model(family: str):
     return build_model(cfg).eval().cuda()
 
 
-def _generate(model, prompts, eos, mode, n=2):
-    eng = PolicyRolloutEngine(model, Tok(), eos_token_ids=eos, max_num_seqs=5, cuda_graphs=mode)
-    return eng.generate(prompts, SamplingParams(max_new_tokens=12, n=n, temperature=0.0)).samples
+def _engine(model, eos, mode):
+    return PolicyRolloutEngine(model, Tok(), eos_token_ids=eos, max_num_seqs=5, cuda_graphs=mode)
+
+
+PARAMS = SamplingParams(max_new_tokens=12, n=2, temperature=0.0)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "nemotron_hybrid"])
@@ -50,9 +52,9 @@ def test_replayed_graphs_equal_eager_steps(family, monkeypatch):
     model = _model(family)
     g = torch.Generator().manual_seed(0)
     prompts = [RolloutPrompt(torch.randint(10, 200, (k,), generator=g)) for k in (5, 9, 3, 7, 4)]
-    free = _generate(model, prompts, [-1], "off", n=1)
+    free = _engine(model, [-1], "off").generate(prompts, SamplingParams(max_new_tokens=12, n=1, temperature=0.0)).samples
     eos = sorted({int(s.token_ids[k]) for s, k in zip(free, (2, 5, 3, 8, 1))})
-    ref = _generate(model, prompts, eos, "off")
+    eager, graphs = _engine(model, eos, "off"), _engine(model, eos, "on")
     captured = []
     capture = DecodeStepRunner._capture
 
@@ -61,16 +63,19 @@ def test_replayed_graphs_equal_eager_steps(family, monkeypatch):
         return capture(self, bucket, *args)
 
     monkeypatch.setattr(DecodeStepRunner, "_capture", spy)
-    got = _generate(model, prompts, eos, "on")
+    ref, got = eager.generate(prompts, PARAMS).samples, graphs.generate(prompts, PARAMS).samples
     assert len(captured) >= 2 and len(captured) == len(set(captured)), captured
     for a, b in zip(ref, got):
         assert a.token_ids.tolist() == b.token_ids.tolist()
         torch.testing.assert_close(b.logprobs, a.logprobs, atol=1e-4, rtol=0)
 
-    # weights written in place (load_weights / the asynchronous push): the graphs read them
+    # weights written in place (load_weights / the asynchronous push): the kept graphs replay them
+    n_captured = len(captured)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.5)
-    ref2 = _generate(model, prompts, eos, "off")
-    got2 = _generate(model, prompts, eos, "on")
-    assert [s.token_ids.tolist() for s in got2] == [s.token_ids.tolist() for s in ref2]
+    graphs.load_weights(None, version=1)
+    ref, got = eager.generate(prompts, PARAMS).samples, graphs.generate(prompts, PARAMS).samples
+    assert [s.token_ids.tolist() for s in got] == [s.token_ids.tolist() for s in ref]
+    assert len(captured) >= n_captured  # new buckets only (no bucket captured twice)
+    assert len(captured) == len(set(captured)), captured

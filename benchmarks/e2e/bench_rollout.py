@@ -8,6 +8,10 @@ loaded by transformers' own loader; one forward of both is compared first).
                               continuous batching over the slot cache, kernels.decode_attention
     ours (no sharing)         the same engine, every sample prefilled on its own
     transformers generate     Qwen2_5_VLForConditionalGeneration.generate(num_return_sequences=G), sdpa
+    ours (CUDA graphs)        with --cuda-graphs (GPU only): the shared-prefix engine with cuda_graphs = "on",
+                              decode steps replayed from CUDA graphs per batch-size bucket; the captures
+                              (one per bucket, at the warm-up call: the engine keeps its cache and graphs
+                              between calls of the same shape) are not in the timed rounds
 
 Rows:
     (default, no GPU) CPU: a small Qwen2.5-VL shape (hidden 256, 4 layers, vocab 8k), 8 prompts x G = 8
@@ -24,6 +28,7 @@ taken per round and reported as min and median over `--repeats` rounds.
     python benchmarks/e2e/bench_rollout.py                 # GPU 3B row if CUDA, else the CPU row
     python benchmarks/e2e/bench_rollout.py --cpu           # the CPU row
     python benchmarks/e2e/bench_rollout.py --quick         # CPU smoke test
+    python benchmarks/e2e/bench_rollout.py --cuda-graphs   # + the CUDA-graph row (needs a GPU)
 """
 from __future__ import annotations
 
@@ -155,8 +160,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=str, default=None, help="also write the results here")
+    ap.add_argument("--cuda-graphs", action="store_true", help="also the engine with CUDA-graph decode steps (GPU only)")
     args = ap.parse_args()
     device = "cpu" if args.quick or args.cpu or not torch.cuda.is_available() else "cuda"
+    if args.cuda_graphs and device != "cuda":
+        ap.error("--cuda-graphs: needs a CUDA device (on the CPU the static steps run eagerly: nothing to measure)")
     if args.threads or args.quick:
         torch.set_num_threads(args.threads or 1)
     if args.quick:
@@ -179,8 +187,8 @@ def main() -> None:
     gen_tokens = prompts_n * group * new_tokens
     results = {}
 
-    def ours(share: bool):
-        eng = PolicyRolloutEngine(model, NoDecode(), eos_token_ids=[-1], share_prefix=share, device=device)
+    def ours(share: bool, graphs: str = "off"):
+        eng = PolicyRolloutEngine(model, NoDecode(), eos_token_ids=[-1], share_prefix=share, device=device, cuda_graphs=graphs)
         gen = torch.Generator(device=device).manual_seed(0)
         return lambda: eng.generate(prompts, params, generator=gen)
 
@@ -221,13 +229,19 @@ def main() -> None:
             return hf.generate(**inputs, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=group,
                                max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
 
-    times = interleaved({"ours_shared_prefix": ours(True), "ours_no_sharing": ours(False),
-                         "transformers_generate": hf_generate}, device, args.repeats)
+    runs = {"ours_shared_prefix": ours(True), "ours_no_sharing": ours(False), "transformers_generate": hf_generate}
+    if args.cuda_graphs:
+        runs["ours_cuda_graphs"] = ours(True, "on")
+    times = interleaved(runs, device, args.repeats)
     for name, ts in times.items():
         s = statistics.median(ts)
         results[name] = {"seconds": s, "seconds_min": min(ts), "tokens_per_s": gen_tokens / s}
         print(f"{name:24s} {gen_tokens / s:10.1f} tok/s  (median {s:.3f} s, min {min(ts):.3f} s)", flush=True)
-    for name in ("ours_shared_prefix", "ours_no_sharing"):
+    if args.cuda_graphs:
+        gain = [e / g for e, g in zip(times["ours_shared_prefix"], times["ours_cuda_graphs"])]
+        results["ours_cuda_graphs"]["vs_eager_steps"] = statistics.median(gain)
+        print(f"CUDA graphs / eager decode steps = median {statistics.median(gain):.2f}x, min {min(gain):.2f}x")
+    for name in [n for n in times if n.startswith("ours")]:
         ratios = [h / o for o, h in zip(times[name], times["transformers_generate"])]  # per round
         results[name]["vs_transformers"] = statistics.median(ratios)
         results[name]["vs_transformers_min"] = min(ratios)

@@ -95,6 +95,15 @@ class RLConfig:
     step, one more model in memory), decoding with continuous batching (rollout_batch_prompts *
     group_size slots, refilled as completions end) and no collective per token. On one device nothing
     is gathered, so "shared" is the cheaper choice there."""
+    rollout_cuda_graphs: str = "off"
+    """Decode steps of the rollout engine on static buffers per batch-size bucket (1, 2, 4, ... slots),
+    captured once per bucket as CUDA graphs and replayed (one launch per step instead of hundreds of small
+    kernels; rl/rollout/decode_graphs.py). "auto": on for a CUDA device, off elsewhere and where it cannot
+    work (logged): rollout_weights = "shared" (lock-step FSDP forwards), MoE layers (routing sizes its
+    GEMMs on the host), a failed capture. "on": as "auto", but those cases are errors, and on a CPU the
+    same static step runs eagerly (for tests: its first runs are checked for host reads). "off": eager
+    steps. Needs rollout_weights = "copy" (or asynchronous GRPO, whose rollout ranks hold their own copy,
+    written in place by the weight pushes, which a graph then reads)."""
     prompt_sharing: str = "auto"
     """Training forwards (policy update, old and reference log-probs) with each prompt packed once for
     the completions of its group instead of once per completion: the same log-probs and gradients up to
@@ -252,6 +261,11 @@ class RLConfig:
             raise ValueError(f"prompt_sharing: must be 'auto' or 'off', got {self.prompt_sharing!r}")
         if self.rollout_weights not in ("shared", "copy"):
             raise ValueError(f"rollout_weights: must be 'shared' or 'copy', got {self.rollout_weights!r}")
+        if self.rollout_cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"rollout_cuda_graphs: must be 'auto', 'on' or 'off', got {self.rollout_cuda_graphs!r}")
+        if self.rollout_cuda_graphs == "on" and self.rollout_weights != "copy" and self.allocation is None:
+            raise ValueError("rollout_cuda_graphs: 'on' needs rollout_weights = 'copy' (the engine's own weights; "
+                             "'shared' runs lock-step forwards through the FSDP root)")
         if self.rollout_batch_prompts < 0:
             raise ValueError(f"rollout_batch_prompts: must be >= 0 (0 = all at once), got {self.rollout_batch_prompts}")
         if self.temperature <= 0:

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from megatron_vlm.config import ConfigError
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.media import MediaLimits
 from megatron_vlm.parallel.collectives import any_rank, barrier
@@ -86,12 +87,18 @@ def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: tor
 
         policy_copy = load_hf_model(model_path, dtype=dtype, device=device).eval()
         policy_copy.requires_grad_(False)
-        return PolicyRolloutEngine(policy_copy, bundle.processor.tokenizer, cache_dtype=dtype, device=device,
-                                   max_num_seqs=per_batch * rl.group_size, sync_from=bundle.model)
+        try:
+            return PolicyRolloutEngine(policy_copy, bundle.processor.tokenizer, cache_dtype=dtype, device=device,
+                                       max_num_seqs=per_batch * rl.group_size, sync_from=bundle.model,
+                                       cuda_graphs=rl.rollout_cuda_graphs)
+        except ValueError as e:  # a model whose decode step cannot be captured (MoE layers): a config error
+            if str(e).startswith("cuda_graphs:"):
+                raise ConfigError(f"rl.rollout_{e}") from None
+            raise
     return PolicyRolloutEngine(
         bundle.model, bundle.processor.tokenizer, forward=lambda **kw: bundle.wrapper(model_kwargs=kw), cache_dtype=dtype,
         device=device, max_prompts_per_batch=per_batch,
-        all_ranks_active=lambda active: any_rank(active, device),
+        all_ranks_active=lambda active: any_rank(active, device), cuda_graphs=rl.rollout_cuda_graphs,
     )
 
 

@@ -19,6 +19,13 @@ the active slots, so positions continue exactly as with the padded cache. For th
 `kv` is the cache itself, `kv_index` maps decoder layers to attention slots, and `mamba_state(i)`
 hands out the active slots' conv / SSM states, written back to their slots at `end_step`.
 Only single-token steps run here: prompts are prefilled elsewhere.
+
+Static steps (`set_active_static(slot_ids)`, the CUDA-graph decode runner: rl/rollout/decode_graphs.py):
+the active slots are a device tensor of a fixed size (a batch-size bucket, extra rows on the scratch
+slot) and a step reads nothing from the host: attention spans the whole slot capacity (a constant
+`max_seqlen_k`, masking by the device lengths), `seq_len` is the constant capacity, and the host
+lengths are left to the runner (a replayed graph runs no Python). The checks `begin_step` makes on the
+host (a full slot) are the runner's then.
 """
 from __future__ import annotations
 
@@ -61,6 +68,7 @@ class SlotCache:
         self._pos: Optional[torch.Tensor] = None  # per step: the active slots' write positions
         self._seqlens: Optional[torch.Tensor] = None  # ... and their key counts after the write
         self._max_k = 0  # ... and the longest of those, known on the host
+        self._static = False  # set_active_static: a graph-safe step (no host reads)
 
     @property
     def scratch_slot(self) -> int:
@@ -106,15 +114,41 @@ class SlotCache:
         self._active_list = slots
         self._contiguous = slots == list(range(len(slots)))
         self._active = torch.as_tensor(slots, dtype=torch.long, device=self.device)
+        self._static = False
+
+    def set_active_static(self, slot_ids: torch.Tensor) -> None:
+        """The next steps run the slots of the device tensor `slot_ids` (a static buffer whose values the
+        caller rewrites between steps; rows it does not use point at the scratch slot): see the module
+        docstring. The host lengths of the slots are not advanced (the caller's job)."""
+        if self._pending:
+            raise RuntimeError("SlotCache: cannot change the active slots in the middle of a step")
+        if slot_ids.dim() != 1 or slot_ids.dtype != torch.long or slot_ids.numel() == 0:
+            raise ValueError(f"SlotCache: slot_ids must be a non-empty 1-D long tensor, got {slot_ids.dtype} "
+                             f"{tuple(slot_ids.shape)}")
+        self._active = slot_ids
+        self._active_list = []
+        self._contiguous = False
+        self._static = True
+
+    def reset_scratch_state(self) -> None:
+        """Device-only rewind of the scratch slot (graph-safe): one cached position, zero Mamba2 states, so the
+        padding rows of a static step, however many and however many steps, never run past the slot."""
+        s = self.scratch_slot
+        self.lengths[s:s + 1].fill_(1)
+        for state in self._mamba.values():
+            state.conv_state[s:s + 1].zero_()
+            state.ssm_state[s:s + 1].zero_()
 
     # ----- the step protocol the models drive -----
     @property
     def batch(self) -> int:
-        return len(self._active_list)
+        return self._active.shape[0] if self._static else len(self._active_list)
 
     @property
     def seq_len(self) -> int:
-        """Longest active sequence (> 0: a slot always holds a prefilled prompt)."""
+        """Longest active sequence (> 0: a slot always holds a prefilled prompt); a static step: the capacity."""
+        if self._static:
+            return self.max_len
         return max(self.host_lengths[s] for s in self._active_list)
 
     @property
@@ -132,6 +166,12 @@ class SlotCache:
             raise RuntimeError("SlotCache: begin_step called twice without end_step")
         if n_new != 1 or new_mask is not None:
             raise ValueError("SlotCache: decoding steps take exactly one token per active slot, without a mask")
+        if self._static:  # no host reads: attention over the whole capacity, masked by the device lengths
+            self._pos = self.lengths.index_select(0, self._active)
+            self._seqlens = self._pos + 1
+            self._max_k = self.max_len
+            self._pending = True
+            return
         if not self._active_list:
             raise RuntimeError("SlotCache: set_active before a step")
         full = [s for s in self._active_list if self.host_lengths[s] >= self.max_len]
@@ -250,12 +290,17 @@ class PagedSlotCache(SlotCache):
         self._step_states = {}
         self._pos = self._seqlens = None
         self._max_k = 0
+        self._static = False
         self.table = torch.zeros(rows, self.blocks_per_slot, dtype=torch.int32, device=device)
         self.slot_blocks: list[list[int]] = [[] for _ in range(rows)]
         self.slot_capacity = [0] * rows
         self.free_blocks = list(range(self.num_blocks - 1, 0, -1))  # block 0: the scratch slot's
         self.slot_blocks[num_slots] = [0]
         self.slot_capacity[num_slots] = self.block_size
+
+    def set_active_static(self, slot_ids: torch.Tensor) -> None:
+        raise ValueError("PagedSlotCache: static (CUDA-graph) steps need the slot layout: the block table "
+                         "changes as samples come and go")
 
     # ----- block bookkeeping -----
     def blocks_for(self, tokens: int) -> int:

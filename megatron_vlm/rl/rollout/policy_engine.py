@@ -40,6 +40,15 @@ until it ends; `all_ranks_active(local_active) -> bool` (an all-reduce supplied 
 decides whether another decode step runs, and a rank whose rows are all finished steps one dummy row
 (a scratch slot) until every rank is done. The caller gives every rank the same number of prompts.
 
+CUDA graphs (`cuda_graphs`, rl/rollout/decode_graphs.py): the decode steps of continuous batching run
+on static buffers per batch-size bucket, captured once per bucket and replayed on CUDA. "auto": on for
+a CUDA device, else off; "on": also on the CPU, where the same static step runs eagerly (tests; its
+first runs per bucket are checked for graph safety, a failure raised). Needs the engine's own weights
+copy, the slot layout and a decode step without host reads: "on" with `forward=` (lock-step, FSDP
+parameters), `kv_block_size` or MoE layers (routing sizes its GEMMs on the host) is refused; "auto"
+falls back to eager steps with a logged reason (also when a capture fails). The slot cache and its
+graphs are kept for the next call of the same slot shape, until `release_memory()`.
+
 Interruption and versions: `interrupt()` (from another thread) stops `generate` at the next token
 boundary; the result holds the partial completions (reason "interrupted"). `load_weights` from
 another thread waits for the current step and applies to the next one, so the cached prefix of a
@@ -51,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import threading
 import time
 from collections import deque
@@ -60,14 +70,20 @@ import torch
 
 from megatron_vlm.data.batch import VISION_KEYS
 from megatron_vlm.models.common.kv_cache import KVCache
+from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.models.common.slot_cache import PagedSlotCache, SlotCache
 from megatron_vlm.models.common.vlm_base import VLMBase
 from megatron_vlm.models.mcore.layer import native_state_dict
+from megatron_vlm.rl.rollout.decode_graphs import DecodeStepRunner, GraphUnsafeError
 from megatron_vlm.rl.rollout.engine import RolloutEngine, RolloutPrompt, RolloutResult, RolloutSample, SamplingParams
 from megatron_vlm.rl.rollout.sampling import sample_tokens
 from megatron_vlm.rl.rollout.stopping import StopChecker, eos_token_ids_of
 
-__all__ = ["PolicyRolloutEngine"]
+__all__ = ["PolicyRolloutEngine", "CUDA_GRAPH_MODES"]
+
+log = logging.getLogger(__name__)
+
+CUDA_GRAPH_MODES = ("auto", "on", "off")
 
 
 def _left_pad(prompts: Sequence[RolloutPrompt], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,6 +160,7 @@ class PolicyRolloutEngine(RolloutEngine):
         sync_from: Optional[torch.nn.Module] = None,
         kv_block_size: int = 0,
         kv_cache_blocks: int = 0,
+        cuda_graphs: str = "off",
     ):
         """`model`: the family model (a `VLMBase`: `new_cache`, forward with `kv_cache=`); `forward`: how to call
         it (default `model`: the engine's own copy, continuous batching); `cache_dtype`: the compute dtype of
@@ -154,7 +171,8 @@ class PolicyRolloutEngine(RolloutEngine):
         never generated (default: the model's vision placeholder / start / end tokens, `model.args.*_token_id`);
         `kv_block_size` > 0: a paged KV cache (`PagedSlotCache`, attention-only models; the hybrid decoder keeps
         slots) of `kv_cache_blocks` blocks (0 = enough for every slot at full length): a sample is admitted when
-        the blocks of its prompt + budget are free, and gives them back when it finishes."""
+        the blocks of its prompt + budget are free, and gives them back when it finishes; `cuda_graphs`
+        ("auto" | "on" | "off"): decode steps on static buffers, captured as CUDA graphs (module docstring)."""
         if not isinstance(model, VLMBase):
             raise TypeError(f"{type(model).__name__} is not a family model (VLMBase): cached decoding needs its new_cache()")
         if max_prompts_per_batch < 0:
@@ -164,6 +182,24 @@ class PolicyRolloutEngine(RolloutEngine):
         if kv_block_size < 0 or kv_cache_blocks < 0 or kv_block_size == 1:
             raise ValueError(f"kv_block_size (0 or >= 2) / kv_cache_blocks (>= 0): got {kv_block_size} / {kv_cache_blocks}")
         self.kv_block_size, self.kv_cache_blocks = kv_block_size, kv_cache_blocks
+        if cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graphs: must be one of {CUDA_GRAPH_MODES}, got {cuda_graphs!r}")
+        why_not = None
+        if forward is not None or all_ranks_active is not None:
+            why_not = "the engine calls the trainer's model (forward= / lock-step batches), not its own copy"
+        elif kv_block_size:
+            why_not = "the paged KV cache (kv_block_size > 0) changes its block table as samples come and go"
+        elif moe_layers(model):
+            why_not = ("MoE layers: expert routing sizes its grouped GEMMs from the routed counts on the host "
+                       "(kernels.moe_permute / grouped_mm), which a CUDA graph cannot replay")
+        if cuda_graphs == "on" and why_not:
+            raise ValueError(f"cuda_graphs: 'on' is not possible: {why_not}")
+        if cuda_graphs == "auto" and why_not:
+            log.info("rollout CUDA graphs off: %s", why_not)
+            cuda_graphs = "off"
+        self.cuda_graphs = cuda_graphs
+        self._runner: Optional[DecodeStepRunner] = None  # with its slot cache, kept across calls (_kept_runner)
+        self._runner_key: tuple = ()
         self.model = model
         self.tokenizer = tokenizer
         self.forward = forward or model
@@ -211,6 +247,8 @@ class PolicyRolloutEngine(RolloutEngine):
                 if missing and len(missing) == len(self.model.state_dict()):
                     raise KeyError("load_weights: none of the names matches the model's parameters")
             self.policy_version = int(version)
+            if self._runner is not None:  # graphs hold the parameters' addresses
+                self._runner.weights_loaded()
         if weights is not None:
             self.weight_sync_s += time.perf_counter() - t0
 
@@ -236,6 +274,7 @@ class PolicyRolloutEngine(RolloutEngine):
         CUDA the collector and the allocator's cache then give the memory back to the training step. On
         the CPU there is nothing to give back: a full `gc.collect()` walks every Python object of the
         process (~0.3-0.9 s per call with transformers / trl imported) for nothing."""
+        self._drop_runner()  # the kept slot cache and graphs (memory pool) of the CUDA-graph decode steps
         if self._device().type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
@@ -314,6 +353,27 @@ class PolicyRolloutEngine(RolloutEngine):
             logits = self.forward(**kwargs)[:, -1]
         return cache, logits
 
+    def _decode_runner(self, cache) -> Optional[DecodeStepRunner]:
+        """The static-buffer step runner of this batch's cache, or None (eager steps)."""
+        dev_type = cache.device.type
+        if self.cuda_graphs == "off" or (self.cuda_graphs == "auto" and dev_type != "cuda"):
+            return None
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        return DecodeStepRunner(self.forward, cache, pad_token_id=self.pad_token_id, capture=dev_type == "cuda",
+                                probe=dev_type != "cuda", params=tensors)
+
+    def _graph_step(self, runner: DecodeStepRunner, cache, slots: list[int], feed: torch.Tensor):
+        """Logits of one static step, or None when "auto" gives up on graphs (the step then runs eagerly)."""
+        try:
+            return runner.step(slots, feed)
+        except GraphUnsafeError as e:
+            if self.cuda_graphs == "on":
+                raise
+            log.warning("rollout CUDA graphs off for this engine: %s", e)
+            self.cuda_graphs = "off"
+            runner.drop()
+            return None
+
     def _admit(self, queue: deque, run: _Run, cache: SlotCache, prompts, n: int, prefixes: dict, stats: dict):
         """Fill free slots with waiting samples: ([slots], logits [len, V]) or ([], None)."""
         take = []
@@ -370,18 +430,56 @@ class PolicyRolloutEngine(RolloutEngine):
             if isinstance(storage, KVCache):  # attention-only: paged; the hybrid decoder keeps slots
                 cache = PagedSlotCache(storage, num_slots, max_len)
             del storage
+        runner = None
         if cache is None:
-            cache = SlotCache(self.model.new_cache(num_slots + 1, max_len, dtype=self.cache_dtype, device=dev))
+            runner = self._kept_runner(num_slots, max_len, dev)
+            cache = runner.cache if runner is not None else SlotCache(
+                self.model.new_cache(num_slots + 1, max_len, dtype=self.cache_dtype, device=dev))
         run = _Run(num_slots, budget, dev)
         if isinstance(cache, PagedSlotCache):
             run.release = cache.release
         queue = deque(range(total))
         prefixes: dict = {}
+        try:
+            return self._loop(prompts, offset, params, checker, generator, stats, cache, run, queue, prefixes,
+                              num_slots, runner)
+        except BaseException:  # a step that failed half-way: nothing of this cache is kept
+            self._drop_runner()
+            raise
+        finally:
+            if self.cuda_graphs == "off":  # "auto" gave up on graphs during the call
+                self._drop_runner()
+
+    def _kept_runner(self, num_slots: int, max_len: int, dev) -> Optional[DecodeStepRunner]:
+        """With graphs on: the slot cache and graphs of an earlier call when the slot count and the slot length
+        (rounded up to 64 positions, so calls with similar lengths match) are the same, else new ones (kept
+        for the next call until `release_memory`). Stale keys of an earlier call lie beyond each slot's length
+        (masked); `load_prefix` rewrites the lengths, Mamba2 states and M-RoPE deltas of an admitted slot."""
+        if self.cuda_graphs == "off" or (self.cuda_graphs == "auto" and dev.type != "cuda"):
+            return None
+        max_len = -(-max_len // 64) * 64
+        key = (num_slots, max_len, str(dev))
+        if self._runner is not None and self._runner_key == key:
+            return self._runner
+        self._drop_runner()
+        cache = SlotCache(self.model.new_cache(num_slots + 1, max_len, dtype=self.cache_dtype, device=dev))
+        self._runner, self._runner_key = self._decode_runner(cache), key
+        return self._runner
+
+    def _drop_runner(self) -> None:
+        if self._runner is not None:
+            self._runner.drop()
+            self._runner = None
+
+    def _loop(self, prompts, offset, params, checker, generator, stats, cache, run, queue, prefixes, num_slots, runner):
+        """The admission / sampling / decode-step loop of one batch of slots (`_run`'s cache and buffers)."""
+        n, budget = params.n, params.max_new_tokens
+        dev = self._device()
+        total = len(prompts) * n
         finished: dict[int, tuple] = {}
         eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=dev)
         suppress = self.suppress_token_ids.to(dev)
         stop_strings = bool(checker.stop)
-
         cur_slots, cur_logits = self._admit(queue, run, cache, prompts, n, prefixes, stats)
         if self.lockstep and queue:  # no refill in lock-step batches: every sample must start now
             raise RuntimeError(f"kv_cache_blocks: {len(queue)} samples of a lock-step batch do not fit the paged cache")
@@ -445,8 +543,12 @@ class PolicyRolloutEngine(RolloutEngine):
                         feed = torch.full((1,), self.pad_token_id, dtype=torch.long, device=dev)
                     else:
                         slots_now = running
-                    cache.set_active(slots_now)
-                    logits = self.forward(input_ids=feed[:, None], kv_cache=cache)[:, -1]
+                    logits = None
+                    if runner is not None and self.cuda_graphs != "off":
+                        logits = self._graph_step(runner, cache, slots_now, feed)
+                    if logits is None:
+                        cache.set_active(slots_now)
+                        logits = self.forward(input_ids=feed[:, None], kv_cache=cache)[:, -1]
                     stats["forward_calls"] += 1
                     stats["decode_steps"] += 1
                     if running:

@@ -38,6 +38,8 @@ def test_defaults_validate_and_render_prompt():
         (dict(reward_timeout_s=0.0), "reward_timeout_s"),
         (dict(rollout_batch_prompts=-1), "rollout_batch_prompts"),
         (dict(rollout_weights="both"), "rollout_weights"),
+        (dict(rollout_cuda_graphs="yes"), "rollout_cuda_graphs"),
+        (dict(rollout_cuda_graphs="on"), "rollout_cuda_graphs"),  # rollout_weights = "shared": lock-step FSDP forwards
         (dict(prompt_template="no placeholder"), "prompt_template"),
         (dict(prompt_template="{problem} {other}"), "prompt_template"),
         (dict(stop=[""]), "stop"),

@@ -35,7 +35,6 @@ from typing import Optional
 import torch
 
 from megatron_vlm.checkpoint.hf import load_hf_model
-from megatron_vlm.config import ConfigError
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.media import MediaLimits
 from megatron_vlm.data.processor import load_processor
@@ -99,13 +98,9 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
     model.requires_grad_(False)
     per_batch = rl.rollout_batch_prompts or rollout_prompts_for_budget(
         rl.rollout_memory_gib, kv_bytes_per_slot(model, torch.finfo(dtype).bits // 8), rl.group_size, cfg.data.max_tokens_per_pack)
-    try:
-        engine = PolicyRolloutEngine(model, processor.tokenizer, cache_dtype=dtype, device=env.device,
-                                     max_num_seqs=per_batch * rl.group_size, cuda_graphs=rl.rollout_cuda_graphs)
-    except ValueError as e:  # a model whose decode step cannot be captured (MoE layers): a config error
-        if str(e).startswith("cuda_graphs:"):
-            raise ConfigError(f"rl.rollout_{e}") from None
-        raise
+    # CudaGraphsConfigError (exit 2): "on" with a model whose decode step cannot be captured (MoE layers)
+    engine = PolicyRolloutEngine(model, processor.tokenizer, cache_dtype=dtype, device=env.device,
+                                 max_num_seqs=per_batch * rl.group_size, cuda_graphs=rl.rollout_cuda_graphs)
     receive_weights(model, bridge, bridge.broadcast_object(), engine)  # the trainer's weights at `start`
     manager = RewardManager(rl.rewards, timeout_s=rl.reward_timeout_s, num_workers=rl.reward_workers,
                             memory_limit_mb=rl.reward_memory_limit_mb, batch_timeout_s=rl.reward_batch_timeout_s,

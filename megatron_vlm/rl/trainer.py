@@ -19,7 +19,6 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from megatron_vlm.config import ConfigError
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.media import MediaLimits
 from megatron_vlm.parallel.collectives import any_rank, barrier
@@ -87,14 +86,10 @@ def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: tor
 
         policy_copy = load_hf_model(model_path, dtype=dtype, device=device).eval()
         policy_copy.requires_grad_(False)
-        try:
-            return PolicyRolloutEngine(policy_copy, bundle.processor.tokenizer, cache_dtype=dtype, device=device,
-                                       max_num_seqs=per_batch * rl.group_size, sync_from=bundle.model,
-                                       cuda_graphs=rl.rollout_cuda_graphs)
-        except ValueError as e:  # a model whose decode step cannot be captured (MoE layers): a config error
-            if str(e).startswith("cuda_graphs:"):
-                raise ConfigError(f"rl.rollout_{e}") from None
-            raise
+        # CudaGraphsConfigError (exit 2): "on" with a model whose decode step cannot be captured (MoE layers)
+        return PolicyRolloutEngine(policy_copy, bundle.processor.tokenizer, cache_dtype=dtype, device=device,
+                                   max_num_seqs=per_batch * rl.group_size, sync_from=bundle.model,
+                                   cuda_graphs=rl.rollout_cuda_graphs)
     return PolicyRolloutEngine(
         bundle.model, bundle.processor.tokenizer, forward=lambda **kw: bundle.wrapper(model_kwargs=kw), cache_dtype=dtype,
         device=device, max_prompts_per_batch=per_batch,

@@ -79,11 +79,15 @@ from megatron_vlm.rl.rollout.engine import RolloutEngine, RolloutPrompt, Rollout
 from megatron_vlm.rl.rollout.sampling import sample_tokens
 from megatron_vlm.rl.rollout.stopping import StopChecker, eos_token_ids_of
 
-__all__ = ["PolicyRolloutEngine", "CUDA_GRAPH_MODES"]
+__all__ = ["PolicyRolloutEngine", "CUDA_GRAPH_MODES", "CudaGraphsConfigError"]
 
 log = logging.getLogger(__name__)
 
 CUDA_GRAPH_MODES = ("auto", "on", "off")
+
+
+class CudaGraphsConfigError(ValueError):
+    """`rl.rollout_cuda_graphs = "on"` where the decode step cannot be captured (a config error: exit 2)."""
 
 
 def _left_pad(prompts: Sequence[RolloutPrompt], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,7 +197,7 @@ class PolicyRolloutEngine(RolloutEngine):
             why_not = ("MoE layers: expert routing sizes its grouped GEMMs from the routed counts on the host "
                        "(kernels.moe_permute / grouped_mm), which a CUDA graph cannot replay")
         if cuda_graphs == "on" and why_not:
-            raise ValueError(f"cuda_graphs: 'on' is not possible: {why_not}")
+            raise CudaGraphsConfigError(f"rl.rollout_cuda_graphs: 'on' is not possible: {why_not}")
         if cuda_graphs == "auto" and why_not:
             log.info("rollout CUDA graphs off: %s", why_not)
             cuda_graphs = "off"

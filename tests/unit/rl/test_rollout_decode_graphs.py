@@ -168,9 +168,9 @@ def test_refused_and_auto_off_combinations(caplog):
 def test_config_key_reaches_the_engine_and_moe_is_a_config_error(tmp_path):
     from types import SimpleNamespace
 
-    from megatron_vlm.config import ConfigError
     from megatron_vlm.data.processor import load_processor
     from megatron_vlm.rl.config import RLConfig
+    from megatron_vlm.rl.rollout.policy_engine import CudaGraphsConfigError
     from megatron_vlm.rl.trainer import build_rollout_engine
     from megatron_vlm.testing.synthesize import synthesize_model_folder
 
@@ -179,7 +179,7 @@ def test_config_key_reaches_the_engine_and_moe_is_a_config_error(tmp_path):
     folder = synthesize_model_folder("tiny_nemotron_vl", tmp_path / "nemotron", seed=0)  # has a MoE layer
     bundle = SimpleNamespace(model=None, processor=load_processor(str(folder)))
     kw = dict(dtype=torch.float32, device=torch.device("cpu"), per_batch=1)
-    with pytest.raises(ConfigError, match=r"^rl\.rollout_cuda_graphs: 'on'.*MoE"):
+    with pytest.raises(CudaGraphsConfigError, match=r"^rl\.rollout_cuda_graphs: 'on'.*MoE"):
         build_rollout_engine(RLConfig(rollout_weights="copy", rollout_cuda_graphs="on"), bundle, str(folder), **kw)
     eng = build_rollout_engine(RLConfig(rollout_weights="copy", rollout_cuda_graphs="auto"), bundle, str(folder), **kw)
     assert eng.cuda_graphs == "off"

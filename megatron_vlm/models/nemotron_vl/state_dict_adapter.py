@@ -68,6 +68,9 @@ _PREFIXES_IN = [
     ("mlp1.0.", "multi_modal_projector.layer_norm."),
     ("mlp1.1.", "multi_modal_projector.linear_1."),
     ("mlp1.3.", "multi_modal_projector.linear_2."),
+    # the vision tower's final LayerNorm of checkpoints whose language model has MTP layers: the original
+    # checkpoint's name (transformers >= 5.24 also saves it so); `vision_final_layernorm.` is ours already
+    ("vision_projector.vision_final_layernorm.", "vision_final_layernorm."),
     *_VISION_PREFIXES,
 ]
 _IGNORED = re.compile(

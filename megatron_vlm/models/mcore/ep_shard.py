@@ -25,6 +25,7 @@ from typing import Mapping, Optional
 import torch
 from torch import nn
 
+from megatron_vlm.models.mcore.tp_shard import mcore_size_of
 from megatron_vlm.parallel.tensor_parallel import _contiguous_stride
 
 __all__ = ["expert_index", "shard_expert_state", "unshard_expert_state", "global_to_full_experts",
@@ -133,9 +134,7 @@ def ep_expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 def mcore_ep_of(model: nn.Module) -> Optional[int]:
     """The ep size of `model`'s megatron-core decoder layers (None: it has none)."""
-    layers = getattr(getattr(model, "language_model", None), "layers", None) or []
-    sizes = {getattr(layer, "ep", 1) for layer in layers if hasattr(layer, "mcore")}
-    return max(sizes) if sizes else None
+    return mcore_size_of(model, "ep")
 
 
 def check_saved_mcore_ep(extra: Mapping, ep: Optional[int]) -> None:

@@ -158,11 +158,16 @@ def local_params(fn):
     return wrapper
 
 
+def mcore_size_of(model: nn.Module, dim: str) -> Optional[int]:
+    """The `dim` ("tp" / "ep") size of `model`'s megatron-core decoder layers (None: it has none)."""
+    layers = getattr(getattr(model, "language_model", None), "layers", None) or []
+    sizes = {getattr(layer, dim, 1) for layer in layers if hasattr(layer, "mcore")}
+    return max(sizes) if sizes else None
+
+
 def mcore_tp_of(model: nn.Module) -> Optional[int]:
     """The tp size of `model`'s megatron-core decoder layers (None: it has none)."""
-    layers = getattr(getattr(model, "language_model", None), "layers", None) or []
-    sizes = {getattr(layer, "tp", 1) for layer in layers if hasattr(layer, "mcore")}
-    return max(sizes) if sizes else None
+    return mcore_size_of(model, "tp")
 
 
 def check_saved_mcore_tp(extra: Mapping, tp: Optional[int]) -> None:

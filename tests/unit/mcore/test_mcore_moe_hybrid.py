@@ -30,21 +30,6 @@ from megatron_vlm.training.lm_loss import TokenLogprobModel  # noqa: E402
 from megatron_vlm.training.moe_balancing import MoEConfig, MoELoadBalancer  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def mcore_state(tmp_path_factory):
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'init'}", rank=0,
-                                world_size=1)
-    yield
-    parallel_state.destroy_model_parallel()
-    if own:
-        dist.destroy_process_group()
-
-
 def _grads(model):
     grads = {}
     decoder = getattr(model, "language_model", model)

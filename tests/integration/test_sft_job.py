@@ -186,6 +186,18 @@ def test_two_ranks_with_text_only_and_uneven_eval(tmp_path, assets):
     assert rows and float(rows[-1]["answer_n"]) == 3
 
 
+def test_bf16_precision_job_evaluates(tmp_path, assets):
+    """train.precision = "bf16" (FSDP mixed precision, the GPU default): the held-out answer accuracy's KV
+    cache holds bf16 keys / values like the forward computing them. It was allocated in the fp32 weight
+    dtype, so the first evaluation failed on a GPU with 'q, k, v dtypes differ'; bf16 runs on the CPU too."""
+    out = tmp_path / "run"
+    run_job(small_demo_overrides(out, assets, **{"train.max_steps": 2, "train.precision": '"bf16"',
+                                                 "checkpoint.every_steps": 0}))
+    rows = read_metrics(out / "metrics_eval.csv")
+    assert rows and all(0.0 <= float(r["answer_accuracy"]) <= 1.0 for r in rows if r.get("answer_accuracy"))
+    assert any(r.get("answer_accuracy") for r in rows)
+
+
 def test_eval_answer_accuracy_matches_transformers_greedy(tmp_path, assets):
     """The job's held-out answer accuracy (KV-cache greedy decoding through the FSDP root on two
     ranks, per question type too) equals greedy decoding of the exported weights by transformers'

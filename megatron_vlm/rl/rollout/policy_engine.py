@@ -76,7 +76,7 @@ from megatron_vlm.models.common.vlm_base import VLMBase
 from megatron_vlm.models.mcore.layer import native_state_dict
 from megatron_vlm.rl.rollout.decode_graphs import DecodeStepRunner, GraphUnsafeError
 from megatron_vlm.rl.rollout.engine import RolloutEngine, RolloutPrompt, RolloutResult, RolloutSample, SamplingParams
-from megatron_vlm.rl.rollout.sampling import sample_tokens
+from megatron_vlm.rl.rollout.sampling import same_device, sample_tokens
 from megatron_vlm.rl.rollout.stopping import StopChecker, eos_token_ids_of
 
 __all__ = ["PolicyRolloutEngine", "CUDA_GRAPH_MODES", "CudaGraphsConfigError"]
@@ -499,7 +499,7 @@ class PolicyRolloutEngine(RolloutEngine):
                     index = torch.as_tensor(cur_slots, dtype=torch.long, device=dev)
                     uniform = None
                     if params.temperature > 0:  # one draw per slot and step: a row's numbers do not depend on the others
-                        if generator is not None and generator.device != cur_logits.device:
+                        if generator is not None and not same_device(generator.device, cur_logits.device):
                             raise ValueError(f"generator: on {generator.device}, logits on {cur_logits.device}")
                         uniform = torch.rand(num_slots + 1, device=dev, generator=generator).index_select(0, index)
                     tok, lp = sample_tokens(cur_logits, temperature=params.temperature, top_k=params.top_k,

@@ -26,6 +26,18 @@ import torch
 __all__ = ["filter_logits", "sample_tokens"]
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """True when a and b name one device: `cuda` (a generator's device) and `cuda:0` (a tensor's) are the
+    same one when 0 is the current device. Plain `==` says they differ."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.index == b.index or a.type == "cpu":
+        return True
+    current = getattr(torch, a.type).current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
 def filter_logits(scaled: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """`scaled` [N, V] (already divided by the temperature) with the tokens outside the top-k /
     top-p set set to -inf."""
@@ -95,7 +107,7 @@ def sample_tokens(
             target = torch.minimum(uniform.to(cdf.dtype)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
             tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
         else:
-            if generator is not None and generator.device != probs.device:
+            if generator is not None and not same_device(generator.device, probs.device):
                 raise ValueError(f"generator: on {generator.device}, logits on {probs.device}")
             tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

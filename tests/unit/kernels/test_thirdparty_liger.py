@@ -21,6 +21,7 @@ import types
 
 import pytest
 import torch
+from kernel_checks import DEVICE
 
 from megatron_vlm import kernels
 from megatron_vlm.kernels.reference.token_logprobs import linear_token_logprobs as reference
@@ -115,7 +116,8 @@ def test_auto_never_picks_it(fake):
 
 @pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="liger-kernel not installed (dev extra)")
 def test_real_package_through_the_registry_matches_the_reference():
-    hidden, weight, labels = _inputs(n=10, h=32, v=50, seed=1)
+    # on the device the kernels run on: compiled on CUDA, interpreted on the CPU
+    hidden, weight, labels = (t.to(DEVICE) for t in _inputs(n=10, h=32, v=50, seed=1))
     adapter._logged.clear()
     with torch.no_grad(), kernels.use_backends({"linear_token_logprobs": "liger"}):
         ours = kernels.linear_token_logprobs(hidden, weight, labels, temperature=0.9)
@@ -123,7 +125,7 @@ def test_real_package_through_the_registry_matches_the_reference():
     # per-token upstream gradients (GRPO advantages): the installed release applies them per token
     hidden.requires_grad_()
     weight.requires_grad_()
-    w = torch.randn(hidden.shape[0], generator=torch.Generator().manual_seed(3))
+    w = torch.randn(hidden.shape[0], generator=torch.Generator().manual_seed(3)).to(DEVICE)
     with kernels.use_backends({"linear_token_logprobs": "liger"}):
         ours = kernels.linear_token_logprobs(hidden, weight, labels, temperature=0.9)
     grads = torch.autograd.grad((ours * w).sum(), (hidden, weight))

@@ -176,10 +176,20 @@ def test_moe_unpermute_bf16_cuda():
     _compare_unpermute(permuted, row_map, torch.rand(33, 4, generator=gen).cuda(), BF16)
 
 
-def test_registry_auto_takes_triton_on_cuda_only():
-    for op in ("grouped_mm", "moe_unpermute"):
-        assert DEFAULT_REGISTRY.choose(op, "cuda", torch.bfloat16) == "triton"
-        assert DEFAULT_REGISTRY.choose(op, "cpu", torch.float32) == "torch"
+def test_registry_auto_takes_triton_on_cuda_only(monkeypatch):
+    """auto: Triton on CUDA, the reference on the CPU; grouped_mm in bf16 on sm90+ goes to torch._grouped_mm
+    (measured faster there, kernels/torch_fused/grouped_mm.py), on older GPUs or other dtypes to Triton."""
+    for capability, bf16_grouped in (((9, 0), "torch_grouped_mm"), ((8, 0), "triton")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, c=capability: c)
+        DEFAULT_REGISTRY.clear_cache()
+        try:
+            assert DEFAULT_REGISTRY.choose("grouped_mm", "cuda", torch.bfloat16) == bf16_grouped
+            assert DEFAULT_REGISTRY.choose("grouped_mm", "cuda", torch.float32) == "triton"
+            assert DEFAULT_REGISTRY.choose("moe_unpermute", "cuda", torch.bfloat16) == "triton"
+            for op in ("grouped_mm", "moe_unpermute"):
+                assert DEFAULT_REGISTRY.choose(op, "cpu", torch.float32) == "torch"
+        finally:
+            DEFAULT_REGISTRY.clear_cache()
 
 
 def _qwen3_vl_moe_pair(seed):

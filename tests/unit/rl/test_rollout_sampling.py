@@ -142,3 +142,16 @@ def test_inverse_cdf_draws_follow_the_distribution_and_respect_the_support():
         tok, _ = sample_tokens(three, temperature=0.8, uniform=edge, **kw)
         assert set(tok.tolist()) <= allowed, (kw, tok)
         assert tok[0] == min(allowed) and tok[2] == max(allowed)  # the ends of the CDF
+
+
+def test_same_device_reads_a_bare_cuda_as_the_current_index(monkeypatch):
+    """A generator made with device="cuda" reports `cuda`, a tensor on it `cuda:0`: the same device. A plain `!=`
+    said they differ, and the engine refused every sampled rollout on a GPU (seen on an H200)."""
+    from megatron_vlm.rl.rollout.sampling import same_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert same_device(torch.device("cuda"), torch.device("cuda:0"))
+    assert same_device("cuda:0", "cuda")
+    assert not same_device("cuda", "cuda:1")
+    assert not same_device("cpu", "cuda:0")
+    assert same_device("cpu", torch.device("cpu"))

@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LIST=benchmarks/gpu_wheels.txt
-DEST=.whl
+DEST=${GPU_WHEELS_DIR:-.whl}  # the suite reads .whl (its --wheels); the variable is for tests
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 specs=$(sed -e 's/#.*//' -e 's/[[:space:]]//g' "$LIST" | grep -v '^$')
 if [[ "${1:-}" == "--list" ]]; then

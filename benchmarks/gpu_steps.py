@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import time
@@ -104,7 +105,7 @@ def run_batch(steps: list[Step], logs: dict[str, Path], on_done: Optional[Callab
     results: dict[str, tuple[int, float]] = {}
     for st in steps:
         log = open(logs[st.name], "a")
-        log.write(f"\n$ {' '.join(st.argv)}\n")
+        log.write(f"\n$ {shlex.join(st.argv)}\n")
         log.flush()
         t0 = time.time()
         try:

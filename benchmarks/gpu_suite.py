@@ -219,9 +219,16 @@ def main(argv=None) -> int:
     tar_copy = Path(args.tar) if args.tar else None
 
     def record() -> None:
+        """Statuses, summary and tarball as they stand: called after every step, so nothing here may end the run."""
         statuses_path.write_text(json.dumps({"statuses": statuses, "steps": step_info}, indent=1))
-        write_summary(run_dir, statuses, out / tag, step_info)
-        pack(out, tag, tar_copy)
+        try:
+            write_summary(run_dir, statuses, out / tag, step_info)
+        except Exception as exc:  # noqa: BLE001 - a bad benchmark output must not stop the remaining steps
+            print(f"[gpu_suite] summary not written: {type(exc).__name__}: {exc}", flush=True)
+        try:
+            pack(out, tag, tar_copy)
+        except OSError as exc:
+            print(f"[gpu_suite] results not packed: {exc}", flush=True)
 
     for s in chosen:
         if s.name == "summary":

@@ -146,10 +146,16 @@ def evaluate(target: Target, data: Optional[dict]) -> dict:
 
 
 def evaluate_all(results_dir: Path) -> list[dict]:
-    """Every target against `<results_dir>/<bench>.json` (missing file = not run)."""
+    """Every target against `<results_dir>/<bench>.json` (missing file = not run; unreadable = said so)."""
     rows = []
     for t in TARGETS:
         path = Path(results_dir) / f"{t.bench}.json"
-        data = json.loads(path.read_text()) if path.is_file() else None
+        try:
+            data = json.loads(path.read_text()) if path.is_file() else None
+        except ValueError as exc:  # a benchmark ended by its time limit while writing
+            row = evaluate(t, None)
+            row["why"] = f"unreadable {path.name}: {exc}"
+            rows.append(row)
+            continue
         rows.append(evaluate(t, data))
     return rows

@@ -156,3 +156,13 @@ def test_kernel_benchmark_selection_and_partial_json(tmp_path, monkeypatch):
     assert saved["partial"] is True and [r["ms"] for r in saved["rows"]] == [2.0]  # written before the run ends
     table.write_json(str(tmp_path / "t.json"))
     assert "partial" not in json.loads((tmp_path / "t.json").read_text())
+
+
+def test_unreadable_benchmark_json_is_reported_not_fatal(tmp_path):
+    run = tmp_path / "dev"
+    run.mkdir()
+    (run / "bench_train_step.json").write_text('{"meta": {"tokens": 8192}, "summ')  # cut off mid-write
+    text = gpu_suite.write_summary(run, {"benchmarks / bench_train_step": 124}, tmp_path / "dev")
+    row = next(line for line in text.splitlines() if line.startswith("| SFT step MFU"))
+    assert "not measured (unreadable bench_train_step.json" in row
+    assert "unreadable JSON" in text

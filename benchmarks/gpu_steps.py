@@ -82,6 +82,18 @@ def child_env(extra: dict) -> dict:
     return env
 
 
+_LIVE: dict[int, subprocess.Popen] = {}
+"""Steps running now (pid -> process), for end_all."""
+
+
+def end_all() -> None:
+    """End every running step's process group (the suite itself is being stopped: its steps must not outlive it,
+    since each runs in a session of its own and would keep the GPU busy)."""
+    for proc in list(_LIVE.values()):
+        _end_group(proc)
+    _LIVE.clear()
+
+
 def _end_group(proc: subprocess.Popen) -> None:
     """SIGTERM to the step's process group, SIGKILL after 5 s."""
     for sig, wait_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
@@ -119,6 +131,7 @@ def run_batch(steps: list[Step], logs: dict[str, Path], on_done: Optional[Callab
                 on_done(st, 127, 0.0)
             continue
         running[st.name] = (st, proc, log, t0)
+        _LIVE[proc.pid] = proc
     while running:
         time.sleep(poll_s)
         for name in list(running):
@@ -133,6 +146,7 @@ def run_batch(steps: list[Step], logs: dict[str, Path], on_done: Optional[Callab
                 continue
             if code != 124:
                 _end_group(proc)  # whatever the step left running in its group (a background server, a worker)
+            _LIVE.pop(proc.pid, None)
             log.write(f"[gpu_suite] {st.name}: exit {code} after {elapsed:.0f} s\n")
             log.close()
             del running[name]

@@ -37,6 +37,7 @@ import argparse
 import json
 import re
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -46,7 +47,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpu_lease import LEASE_BUDGET_MIN, LEASE_LEFT_OUT, lease_plan, resolve_wheels, wanted_wheels  # noqa: E402
 from gpu_pack import pack  # noqa: E402
-from gpu_steps import Section, Step, batch_limit_s, batches, run_batch, slug  # noqa: E402
+from gpu_steps import Section, Step, batch_limit_s, batches, end_all, run_batch, slug  # noqa: E402
 from targets import evaluate_all  # noqa: E402
 
 __all__ = ["KERNEL_BENCHES", "Section", "Step", "plan", "lease_plan", "write_summary", "main"]
@@ -230,6 +231,23 @@ def main(argv=None) -> int:
         except OSError as exc:
             print(f"[gpu_suite] results not packed: {exc}", flush=True)
 
+    def stop(signum, frame) -> None:
+        """Stopped from outside (a lease's command limit, Ctrl-C): end the steps' process groups, pack what is there."""
+        end_all()
+        print(f"[gpu_suite] stopped by signal {signum}: running steps ended, results packed", flush=True)
+        record()
+        sys.exit(128 + signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        return _run_sections(chosen, only, args, run_dir, statuses, step_info, deadline, record)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run_sections(chosen, only, args, run_dir, statuses, step_info, deadline, record) -> int:
+    out, tag = run_dir.parent, run_dir.name
     for s in chosen:
         if s.name == "summary":
             continue
@@ -271,10 +289,10 @@ def main(argv=None) -> int:
             marker.write_text(time.strftime("%Y-%m-%d %H:%M:%S\n"))
         record()
     if not only or "summary" in only:
-        text = write_summary(run_dir, statuses, out / tag, step_info)
-        pack(out, tag, tar_copy)
+        record()
+        text = (out / f"{tag}.md").read_text() if (out / f"{tag}.md").is_file() else ""
         print(text.split("\n\n| section")[0])
-        print(f"written: {out / tag}.md, .json and {out / tag}.tgz" + (f" (copied to {tar_copy})" if tar_copy else ""))
+        print(f"written: {out / tag}.md, .json and {out / tag}.tgz" + (f" (copied to {args.tar})" if args.tar else ""))
     failed = {k: v for k, v in statuses.items() if v != 0}
     return 1 if failed else 0
 

@@ -213,3 +213,34 @@ def test_budget_spent_skips_and_keeps_the_section_open(tmp_path, monkeypatch, ca
     printed = capsys.readouterr().out
     assert "first: exit 0 earlier; skipped" in printed and "second: exit 0" in printed and code == 0
     assert (out / tag / "benchmarks.done").exists()
+
+
+def test_suite_stopped_from_outside_ends_its_steps_and_packs(tmp_path):
+    """A lease's command limit stops the suite with SIGTERM: the running step's process group (its own session)
+    must not outlive it, and what finished is in the tarball."""
+    pidfile, out = tmp_path / "sleep.pid", tmp_path / "results"
+    driver = f"""
+import sys
+sys.path.insert(0, {str(REPO / "benchmarks")!r})
+import gpu_suite
+from gpu_steps import Section, Step
+gpu_suite.lease_plan = lambda *a: [Section("tests", [
+    Step("quick", [sys.executable, "-c", "pass"], 20),
+    Step("long", ["bash", "-c", "sleep 60 & echo $! > {pidfile}; wait"], 50)]), Section("summary", [])]
+sys.exit(gpu_suite.main(["--lease", "--out", {str(out)!r}, "--tag", "t", "--wheels", {str(tmp_path)!r},
+                         "--tar", {str(tmp_path / "res.tgz")!r}]))
+"""
+    proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 30
+    while not (pidfile.is_file() and pidfile.read_text().strip()) and time.time() < deadline:
+        time.sleep(0.1)
+    pid = int(pidfile.read_text())
+    proc.terminate()
+    printed, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 143, printed
+    assert "stopped by signal 15" in printed
+    time.sleep(0.3)
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    with tarfile.open(tmp_path / "res.tgz") as tar:
+        saved = json.load(tar.extractfile("t/statuses.json"))
+    assert saved["statuses"] == {"tests / quick": 0}

@@ -13,7 +13,9 @@ Sections:
   setup       nvidia-smi, install the wheels, the kernels symlink, versions (one after another, ~30 s)
   tests       three correctness steps at once (~150 s): the extension build (~95 s alone) then its tests; the
               `gpu`-marked tests; the kernel tests on 6 xdist workers. The two test steps load no
-              extension (MEGATRON_VLM_NO_EXT=1) so the build running beside them cannot race them.
+              extension (MEGATRON_VLM_NO_EXT=1) so the build running beside them cannot race them. `heavy`
+              tests are left out: they are CPU smoke tests (benchmarks under Triton's interpreter, a
+              CPU-only rebuild of the extension) that CI runs, minutes of a lease for no GPU fact.
   benchmarks  one at a time (timings), most informative first (LEASE_BENCHES), each time-boxed and with
               lease-sized arguments: the shapes each measures are in its output JSON / title, and the
               summary marks an e2e figure taken at a smaller shape than its target's as such.
@@ -110,11 +112,11 @@ def lease_plan(run_dir: Path, python: str, site: str, wheel_dir: Path) -> list[S
     pytest = py + ["-m", "pytest", "-q", "-rfEs", "-p", "no:randomly", "--continue-on-collection-errors", "--timeout", "150"]
     build = f"MEGATRON_VLM_REQUIRE_EXT=1 {shlex.quote(python)} setup.py build_ext --inplace"
     tests = [
-        Step("extension build + csrc tests", ["bash", "-c", f"{build} && {shlex.join(pytest)} tests/unit/csrc"], 190,
+        Step("extension build + csrc tests", ["bash", "-c", f"{build} && {shlex.join(pytest + ['-m', 'not heavy'])} tests/unit/csrc"], 190,
              env=env, group="correctness"),
-        Step("gpu-marked tests", pytest + ["-m", "gpu", "tests", "--ignore=tests/unit/kernels", "--ignore=tests/unit/csrc"],
+        Step("gpu-marked tests", pytest + ["-m", "gpu and not heavy", "tests", "--ignore=tests/unit/kernels", "--ignore=tests/unit/csrc"],
              170, env=no_ext, group="correctness"),
-        Step("kernel tests (compiled Triton, 6 workers)", pytest + ["-n", "6", "tests/unit/kernels"], 170, env=no_ext,
+        Step("kernel tests (compiled Triton, 6 workers)", pytest + ["-n", "6", "-m", "not heavy", "tests/unit/kernels"], 170, env=no_ext,
              group="correctness"),
     ]
     benches = []

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one command; figures vs targets in benchmarks/gpu_results/.
-# Options: --dry-run (print the plan), --only env,tests,kernels,e2e,summary, --force (re-run done sections).
-# See benchmarks/gpu_suite.py for the sections and their time limits.
+# Options: --lease (the plan that fits one 15-minute GPU lease; run benchmarks/gpu_wheels.sh here first),
+# --tar PATH (copy the results tarball there after every step), --dry-run (print the plan),
+# --only <sections>, --force (re-run done sections and steps), --budget-min N.
+# See benchmarks/gpu_suite.py (full plan) and benchmarks/gpu_lease.py (lease plan) for the steps and limits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec python benchmarks/gpu_suite.py "$@"
+PY=${PYTHON:-$(command -v python3 || command -v python)}  # the GPU image has python3 only
+exec "$PY" benchmarks/gpu_suite.py "$@"

@@ -13,6 +13,10 @@ Kernel rules (rows of `benchmarks/kernels/common.Table.computed_rows()`):
   note) <= threshold.
 Every matched case must meet the rule; the reported figure is the worst one.
 End-to-end rules read `summary` / `results` keys of the e2e scripts' JSON (`min`: >= threshold).
+An e2e target may name its shape (`shape`: dotted keys of the JSON and the values the target is stated
+at, e.g. meta.new_tokens = 512): a figure measured at another shape (a GPU lease runs smaller ones) is
+reported with met = None and why, never as meeting or missing the target; a JSON that does not record
+a key is taken at its word.
 """
 from __future__ import annotations
 
@@ -38,6 +42,8 @@ class Target:
     baseline: str = ""
     key: str = ""
     """Dotted path into the e2e JSON (e.g. "summary.mfu")."""
+    shape: tuple = ()
+    """((dotted key, value the target is stated at), ...) checked before an e2e figure is judged."""
 
 
 _NORM_CASES = r"(Qwen2\.5-VL-3B LM|Qwen2\.5-VL-7B LM|Nemotron-3-Nano|Qwen2\.5-VL ViT) .*(fwd|bwd)$"
@@ -61,9 +67,11 @@ TARGETS: list[Target] = [
            case=r"^N16k", baseline="naive (full logits)"),
     Target("grouped GEMM (MoE up/down) vs torch._grouped_mm", "bench_moe", "ratio", 0.9,
            case=r"(up|down) .*(fwd|bwd)$", baseline="torch._grouped_mm"),
-    Target("SFT step MFU, Qwen2.5-VL-3B shape, 8k packed tokens", "bench_train_step", "min", 0.40, key="summary.mfu"),
+    Target("SFT step MFU, Qwen2.5-VL-3B shape, 8k packed tokens", "bench_train_step", "min", 0.40, key="summary.mfu",
+           shape=(("meta.tokens", 8192), ("meta.quick", False))),
     Target("rollout tokens/s vs transformers generate (3B shape, G=8)", "bench_rollout", "min", 3.0,
-           key="results.ours_shared_prefix.vs_transformers"),
+           key="results.ours_shared_prefix.vs_transformers",
+           shape=(("meta.prompts", 4), ("meta.group", 8), ("meta.new_tokens", 512), ("meta.quick", False))),
 ]
 
 _PEAK_EXTRA = re.compile(r"peak extra ([0-9.]+) MiB")
@@ -95,6 +103,10 @@ def evaluate(target: Target, data: Optional[dict]) -> dict:
             out["why"] = f"no {target.key} in the output"
             return out
         out.update(figure=float(value), met=value >= target.threshold, cases=1)
+        off = [(k, _dig(data, k), want) for k, want in target.shape if _dig(data, k) is not None and _dig(data, k) != want]
+        if off:
+            out["met"] = None
+            out["why"] = "measured at " + ", ".join(f"{k.split('.')[-1]} {got} (target: {want})" for k, got, want in off)
         return out
     rows = data.get("rows", [])
     by_case: dict[str, dict[str, dict]] = {}
@@ -134,10 +146,16 @@ def evaluate(target: Target, data: Optional[dict]) -> dict:
 
 
 def evaluate_all(results_dir: Path) -> list[dict]:
-    """Every target against `<results_dir>/<bench>.json` (missing file = not run)."""
+    """Every target against `<results_dir>/<bench>.json` (missing file = not run; unreadable = said so)."""
     rows = []
     for t in TARGETS:
         path = Path(results_dir) / f"{t.bench}.json"
-        data = json.loads(path.read_text()) if path.is_file() else None
+        try:
+            data = json.loads(path.read_text()) if path.is_file() else None
+        except ValueError as exc:  # a benchmark ended by its time limit while writing
+            row = evaluate(t, None)
+            row["why"] = f"unreadable {path.name}: {exc}"
+            rows.append(row)
+            continue
         rows.append(evaluate(t, data))
     return rows

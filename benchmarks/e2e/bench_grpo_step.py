@@ -9,6 +9,10 @@ the step spent generating.
 
     python benchmarks/e2e/bench_grpo_step.py                 # GPU, 3B shape, 8 prompts x G=8, 512 new tokens
     python benchmarks/e2e/bench_grpo_step.py --quick         # CPU smoke test (tiny model)
+    python benchmarks/e2e/bench_grpo_step.py --steps 1 --prompts 2 --group 4 --new-tokens 64   # a GPU lease's size
+
+`--prompts`, `--group` and `--new-tokens` override the shape (defaults above); the shape measured is in
+the JSON's `meta` and printed first, so a lease-sized step is not mistaken for the default one.
 """
 from __future__ import annotations
 
@@ -76,6 +80,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU (smoke test)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--kl", type=float, default=0.0, help="rl.kl_coef (> 0 adds the reference model)")
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per step (default 8; --quick 4)")
+    ap.add_argument("--group", type=int, default=None, help="samples per prompt G (default 8; --quick 4)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="new tokens per completion (default 512; --quick 16)")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
     env = init_distributed()
@@ -87,6 +94,11 @@ def main() -> None:
     else:
         cfg, grid, text_tokens, n_prompts, group, new_tokens, max_tokens = qwen2_5_vl_3b_config(), (1, 56, 64), 104, 8, 8, 512, 16384
         param_dtype = torch.bfloat16
+    for flag, value in (("--prompts", args.prompts), ("--group", args.group), ("--new-tokens", args.new_tokens)):
+        if value is not None and value < 1:
+            ap.error(f"{flag} must be >= 1, got {value}")
+    n_prompts, group, new_tokens = args.prompts or n_prompts, args.group or group, args.new_tokens or new_tokens
+    print(f"shape: {n_prompts} prompts x G {group} x {new_tokens} new tokens, {args.steps} timed step(s)", flush=True)
     torch.manual_seed(0)
     model = build_model(cfg, dtype=torch.float32, device=device)
     model.init_weights()

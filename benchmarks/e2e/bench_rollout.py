@@ -29,6 +29,13 @@ taken per round and reported as min and median over `--repeats` rounds.
     python benchmarks/e2e/bench_rollout.py --cpu           # the CPU row
     python benchmarks/e2e/bench_rollout.py --quick         # CPU smoke test
     python benchmarks/e2e/bench_rollout.py --cuda-graphs   # + the CUDA-graph row (needs a GPU)
+
+Shorter runs (a 15-minute GPU lease): `--prompts`, `--group`, `--new-tokens`, `--repeats` size the call, and
+`--runs ours_shared_prefix,transformers_generate` leaves out the no-sharing engine (the target needs only
+those two). The shape measured is in the JSON's `meta` (prompts, group, new_tokens, prompt_tokens) and in
+the first printed line; the GPU suite's summary does not compare a smaller shape with the target's. Every
+phase (model, export, load, each generate call) prints its seconds as it ends, and the JSON is written
+with the meta at the start, so a run ended by a time limit still says how far it got.
 """
 from __future__ import annotations
 
@@ -50,6 +57,7 @@ from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams  # noqa
 from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine  # noqa: E402
 
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 151655, 151656, 151652, 151653
+RUNS = ("ours_shared_prefix", "ours_no_sharing", "transformers_generate")
 
 
 def qwen2_5_vl_3b_config(vocab: int = 151936) -> dict:
@@ -133,20 +141,25 @@ def make_prompts(n: int, grid: tuple[int, int, int], text_tokens: int, cfg: dict
     return out
 
 
+def _timed(fn, device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def interleaved(fns: dict, device: str, repeats: int) -> dict[str, list[float]]:
     """Seconds per call of every function, one call of each per round, rounds interleaved (warm-up first)."""
-    for fn in fns.values():
-        fn()
+    for name, fn in fns.items():
+        print(f"warm-up {name}: {_timed(fn, device):.2f} s", flush=True)
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
+    for i in range(repeats):
         for name, fn in fns.items():
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(_timed(fn, device))
+            print(f"round {i + 1} {name}: {times[name][-1]:.2f} s", flush=True)
     return times
 
 
@@ -161,7 +174,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=str, default=None, help="also write the results here")
     ap.add_argument("--cuda-graphs", action="store_true", help="also the engine with CUDA-graph decode steps (GPU only)")
+    ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)} (transformers_generate "
+                                                          "is always run: every ratio is against it)")
     args = ap.parse_args()
+    runs_wanted = [r for r in args.runs.split(",") if r]
+    unknown = [r for r in runs_wanted if r not in RUNS]
+    if unknown:
+        ap.error(f"--runs: unknown {unknown}; known: {list(RUNS)}")
+    if not any(r.startswith("ours") for r in runs_wanted) and not args.cuda_graphs:
+        ap.error("--runs: name at least one of our engines (ours_shared_prefix, ours_no_sharing) or pass --cuda-graphs")
     device = "cpu" if args.quick or args.cpu or not torch.cuda.is_available() else "cuda"
     if args.cuda_graphs and device != "cuda":
         ap.error("--cuda-graphs: needs a CUDA device (on the CPU the static steps run eagerly: nothing to measure)")
@@ -178,6 +199,7 @@ def main() -> None:
         # ~1k-token prompt: a 56 x 64-patch image (896 merged tokens) + 104 text tokens
         cfg, dtype, grid, text_tokens = qwen2_5_vl_3b_config(), torch.bfloat16, (1, 56, 64), 104
         prompts_n, new_tokens, group = args.prompts or 4, args.new_tokens or 512, args.group
+    t_phase = time.perf_counter()
     torch.manual_seed(0)
     model = build_model(cfg, dtype=dtype, device=device)
     model.init_weights()
@@ -186,6 +208,11 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=new_tokens, n=group, temperature=1.0)
     gen_tokens = prompts_n * group * new_tokens
     results = {}
+    shape = {"prompts": prompts_n, "group": group, "new_tokens": new_tokens, "prompt_tokens": len(prompts[0])}
+    print(f"shape: {prompts_n} prompts x G {group} x {new_tokens} new tokens, {len(prompts[0])}-token prompts, {dtype}; "
+          f"model built in {time.perf_counter() - t_phase:.1f} s", flush=True)
+    if args.json:  # the shape first: a run ended by a time limit still says what it was measuring
+        Path(args.json).write_text(json.dumps({"meta": {**shape, "quick": args.quick, "partial": True}, "results": {}}, indent=2))
 
     def ours(share: bool, graphs: str = "off"):
         eng = PolicyRolloutEngine(model, NoDecode(), eos_token_ids=[-1], share_prefix=share, device=device, cuda_graphs=graphs)
@@ -201,9 +228,13 @@ def main() -> None:
 
     from megatron_vlm.checkpoint.hf import save_hf_model
 
+    t_phase = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         save_hf_model(model, tmp)
+        print(f"exported to a Hugging Face folder in {time.perf_counter() - t_phase:.1f} s", flush=True)
+        t_phase = time.perf_counter()
         hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp, attn_implementation="sdpa", dtype=dtype).to(device).eval()
+    print(f"loaded by transformers in {time.perf_counter() - t_phase:.1f} s", flush=True)
     longest = max(len(p) for p in prompts)
     ids = torch.full((prompts_n, longest), 0, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -230,6 +261,7 @@ def main() -> None:
                                max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
 
     runs = {"ours_shared_prefix": ours(True), "ours_no_sharing": ours(False), "transformers_generate": hf_generate}
+    runs = {k: v for k, v in runs.items() if k in runs_wanted or k == "transformers_generate"}
     if args.cuda_graphs:
         runs["ours_cuda_graphs"] = ours(True, "on")
     times = interleaved(runs, device, args.repeats)
@@ -237,7 +269,7 @@ def main() -> None:
         s = statistics.median(ts)
         results[name] = {"seconds": s, "seconds_min": min(ts), "tokens_per_s": gen_tokens / s}
         print(f"{name:24s} {gen_tokens / s:10.1f} tok/s  (median {s:.3f} s, min {min(ts):.3f} s)", flush=True)
-    if args.cuda_graphs:
+    if args.cuda_graphs and "ours_shared_prefix" in times:
         gain = [e / g for e, g in zip(times["ours_shared_prefix"], times["ours_cuda_graphs"])]
         results["ours_cuda_graphs"]["vs_eager_steps"] = statistics.median(gain)
         print(f"CUDA graphs / eager decode steps = median {statistics.median(gain):.2f}x, min {min(gain):.2f}x")
@@ -262,16 +294,17 @@ def main() -> None:
         refresh.append(copy_engine.weight_sync_s)
         copy_engine.weight_sync_s = 0.0
     results["weight_refresh"] = {"seconds": statistics.median(refresh)}
+    first = next(n for n in times if n.startswith("ours"))
     print(f"weight refresh (copy mode, one device): {statistics.median(refresh) * 1e3:.1f} ms per step "
-          f"= {statistics.median(refresh) / results['ours_shared_prefix']['seconds']:.1%} of one generate call")
-    share_gain = results["ours_shared_prefix"]["tokens_per_s"] / results["ours_no_sharing"]["tokens_per_s"]
-    print(f"prefix sharing speed-up = {share_gain:.2f}x")
+          f"= {statistics.median(refresh) / results[first]['seconds']:.1%} of one generate call ({first})")
+    if "ours_shared_prefix" in results and "ours_no_sharing" in results:
+        share_gain = results["ours_shared_prefix"]["tokens_per_s"] / results["ours_no_sharing"]["tokens_per_s"]
+        print(f"prefix sharing speed-up = {share_gain:.2f}x")
     meta = {
         "device": torch.cuda.get_device_name() if device == "cuda" else
         f"cpu ({platform.processor() or 'unknown'}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f})",
-        "torch": torch.__version__, "transformers": transformers.__version__, "dtype": str(dtype), "quick": args.quick, "prompts": prompts_n, "group": group,
-        "prompt_tokens": len(prompts[0]), "new_tokens": new_tokens, "date": time.strftime("%Y-%m-%d"),
-        "max_logit_diff_vs_transformers": diff,
+        "torch": torch.__version__, "transformers": transformers.__version__, "dtype": str(dtype), "quick": args.quick, **shape,
+        "repeats": args.repeats, "runs": list(times), "date": time.strftime("%Y-%m-%d"), "max_logit_diff_vs_transformers": diff,
     }
     print(json.dumps(meta))
     if args.json:

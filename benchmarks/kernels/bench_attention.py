@@ -9,12 +9,14 @@ sliding window, plus full attention per image; InternViT-300M: 16 heads, D = 64,
 448px tile). Forward and backward are timed separately (backward with the graph retained).
 Targets (issue 4): fwd >= 0.9x and bwd >= 0.8x SDPA default at 8k causal; varlen >= 2x SDPA with
 the block-diagonal mask; vision shapes >= 1.5x SDPA.
+`--cases REGEX` times only the matching cases (the GPU lease runs `--cases 'LM causal 8k|packed|ViT'`,
+the target shapes); the title names the selection (common.py).
 """
 import contextlib
 
 import torch
 import torch.nn.functional as F
-from common import Table, attention_flops, environment, measure_peaks, ours_available, parse_args, try_bench
+from common import Table, attention_flops, environment, measure_peaks, ours_available, parse_args, try_bench, wanted
 
 from megatron_vlm.kernels.reference.attention import attention as reference_attention
 from megatron_vlm.kernels.reference.attention import visible_mask
@@ -95,6 +97,8 @@ def main():
     if quick:
         lm_cases = [("tiny causal (4/2, D64)", 1, 64, 4, 2, 64)]
     for name, b, s, hq, hkv, d in lm_cases:
+        if not wanted(name):
+            continue
         q, k, v = make(b, s, hq, hkv, d, dtype, device)
         flops = attention_flops([s] * b, [s] * b, hq, d, causal=True)
         bench_pair(table, name, "sdpa default", lambda: sdpa_batched(q, k, v, True), (q, k, v), flops, device, quick)
@@ -119,6 +123,8 @@ def main():
         varlen_cases = [("tiny varlen causal (4/2, D64)", [5, 17, 42], 4, 2, 64, True, None),
                         ("tiny window (2/2, D80)", [48], 2, 2, 80, False, (8, 8))]
     for name, lengths, hq, hkv, d, causal, window in varlen_cases:
+        if not wanted(name):
+            continue
         total = sum(lengths)
         q, k, v = (t[0] for t in make(1, total, hq, hkv, d, dtype, device))
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))

@@ -6,10 +6,12 @@ Shapes: 16k tokens of the Qwen2.5-VL-3B / 7B and Nemotron-3-Nano language models
 LayerNorm). Memory-bound: GB/s counts the bytes each implementation must move at least
 (forward: read x (+ residual), write y (+ sum); backward: read dy and x, write dx).
 Target (issue 4): >= 85% of the copy bandwidth on tensors >= 64 MB and >= 2x torch eager.
+`--no-compile` leaves out the torch.compile rows (the GPU lease does: compiling them takes most of its
+slot); `--cases REGEX` selects cases; the title names the selection (common.py).
 """
 import torch
 import torch.nn.functional as F
-from common import Table, compile_fn, environment, liger, measure_peaks, ours_available, parse_args, try_bench
+from common import Table, compile_fn, environment, liger, measure_peaks, ours_available, parse_args, try_bench, wanted
 
 
 def eager_rms_norm(x, w, eps):
@@ -68,11 +70,15 @@ def main():
             liger_norm = lk.LigerRMSNorm(h, eps=eps).to(device=device, dtype=dtype)
             rows.append(("liger", lambda: liger_norm(x)))
         for impl, fn in rows:
+            if not wanted(name + " rms", impl):
+                continue
             fwd_bwd_rows(table, name + " rms", impl, fn, (x, w), 2 * nbytes, 3 * nbytes, device, quick)
         rows = [("eager", lambda: eager_add_rms_norm(x, r, w, eps)), ("torch.compile", lambda: compiled_add(x, r, w, eps))]
         if ours:
             rows.append(("ours triton", lambda: ours_rms(x, w, eps, residual=r)))
         for impl, fn in rows:
+            if not wanted(name + " add+rms", impl):
+                continue
             fwd_bwd_rows(table, name + " add+rms", impl, fn, (x, r, w), 4 * nbytes, 4 * nbytes, device, quick)
 
     ln_cases = [("InternViT 32 tiles x 1025 x 1024", 32 * 1025, 1024)] if not quick else [("tiny LN 64 x 80", 64, 80)]
@@ -86,6 +92,8 @@ def main():
         if ours:
             rows.append(("ours triton", lambda: ours_ln(x, w, b, eps)))
         for impl, fn in rows:
+            if not wanted(name, impl):
+                continue
             fwd_bwd_rows(table, name, impl, fn, (x, w, b), 2 * nbytes, 3 * nbytes, device, quick)
     table.print()
     table.write_json(args.json)

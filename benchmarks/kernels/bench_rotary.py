@@ -6,9 +6,10 @@ Nemotron-3-Nano (32 heads), and Qwen2.5-VL ViT tokens (16 heads, D = 80; the 2-D
 arrives as full-width cos / sin, as transformers builds it). Bytes: read x, write y, read cos /
 sin (per token, small next to the per-head tensor).
 Target (issue 4): >= 85% of the copy bandwidth on tensors >= 64 MB and >= 2x torch eager.
+`--no-compile` leaves out the torch.compile rows (the GPU lease does); `--cases REGEX` selects cases (common.py).
 """
 import torch
-from common import Table, compile_fn, environment, liger, measure_peaks, ours_available, parse_args, try_bench
+from common import Table, compile_fn, environment, liger, measure_peaks, ours_available, parse_args, try_bench, wanted
 
 
 def rotate_half(x):
@@ -50,6 +51,8 @@ def main():
             xt = x.transpose(1, 2)  # Liger takes [B, H, S, D] q and k: benchmark q = k = x (counts both)
             rows.append(("liger (q and k)", lambda: liger_rotary_pos_emb(xt, xt, cos.to(dtype), sin.to(dtype))))
         for impl, fn in rows:
+            if not wanted(name, impl):
+                continue
             try_bench(table, name + " fwd", impl, fn, device, quick, bytes_moved=nbytes)
             try:
                 out = fn()

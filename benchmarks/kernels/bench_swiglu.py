@@ -6,10 +6,11 @@ Shapes: 8k tokens of the MLP intermediate of Qwen2.5-VL-3B (11008), Qwen2.5-VL-7
 (18944), the Qwen2.5-VL ViT MLP (3420, 32k patches) and a Nemotron-3-Nano MoE expert batch
 (1856 per expert, 64k routed token copies).
 Target (issue 4): >= 85% of the copy bandwidth on tensors >= 64 MB and >= 2x torch eager.
+`--no-compile` leaves out the torch.compile rows (the GPU lease does); `--cases REGEX` selects cases (common.py).
 """
 import torch
 import torch.nn.functional as F
-from common import Table, compile_fn, environment, liger, measure_peaks, ours_available, parse_args, try_bench
+from common import Table, compile_fn, environment, liger, measure_peaks, ours_available, parse_args, try_bench, wanted
 
 
 def eager_swiglu(gate, up):
@@ -42,6 +43,8 @@ def main():
 
             rows.append(("liger", lambda: LigerSiLUMulFunction.apply(g, u)))
         for impl, fn in rows:
+            if not wanted(name, impl):
+                continue
             try_bench(table, name + " fwd", impl, fn, device, quick, bytes_moved=3 * nbytes)
             try:
                 out = fn()

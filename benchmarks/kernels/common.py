@@ -6,12 +6,17 @@ run; throughput is reported against peaks measured in the same run — a large d
 copy for bandwidth (bytes read + written / time) and a large bf16 matmul for compute.
 `--quick` is a CPU smoke test (tiny shapes, wall-clock median of a few calls): it checks that
 every script runs, not how fast anything is.
+Short runs (a 15-minute GPU lease, gpu_suite.py --lease): `--cases REGEX` times only the cases whose
+name matches and `--no-compile` leaves out the torch.compile baselines (their compilation takes most
+of a short run); the table's title says so. With `--json`, the file is rewritten after every row
+(marked "partial" until the end), so a benchmark ended by its time limit keeps the rows it finished.
 FLOPs: attention forward = 4 * B * H * S_q * S_k * D (matmuls QK^T and PV), halved when causal
 (S_q = S_k); backward = 2.5 x forward; varlen sums over the sequences.
 """
 import argparse
 import json
 import os
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -25,10 +30,34 @@ def parse_args(description: str) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="CPU smoke test: tiny shapes, a few calls")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the table here as JSON (rows with ratios)")
+    parser.add_argument("--cases", default=None, metavar="REGEX", help="time only the cases whose name matches (re.search)")
+    parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows")
     args = parser.parse_args()
     if args.device is None:
         args.device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"
+    SELECTION.update(cases=re.compile(args.cases) if args.cases else None, no_compile=args.no_compile, json=args.json)
     return args
+
+
+SELECTION: dict = {"cases": None, "no_compile": False, "json": None}
+"""What parse_args selected: the case regex, whether torch.compile rows are left out, the JSON path."""
+
+
+def wanted(case: str, impl: str = "") -> bool:
+    """Whether a case (and implementation) is to be timed under --cases / --no-compile."""
+    if SELECTION["cases"] is not None and not SELECTION["cases"].search(case):
+        return False
+    return not (SELECTION["no_compile"] and impl.startswith("torch.compile"))
+
+
+def selection_note() -> str:
+    """Suffix of a table title naming what --cases / --no-compile left out ("" when nothing)."""
+    parts = []
+    if SELECTION["cases"] is not None:
+        parts.append(f"cases /{SELECTION['cases'].pattern}/ only")
+    if SELECTION["no_compile"]:
+        parts.append("no torch.compile rows")
+    return f" [{'; '.join(parts)}]" if parts else ""
 
 
 def do_bench(fn: Callable[[], object], device: str, quick: bool = False) -> float:
@@ -75,8 +104,14 @@ class Table:
     peaks: dict
     rows: List[dict] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.title += selection_note()
+
     def add(self, case: str, impl: str, ms: Optional[float], *, flops: float = 0.0, bytes_moved: float = 0.0, note: str = "") -> None:
         self.rows.append(dict(case=case, impl=impl, ms=ms, flops=flops, bytes=bytes_moved, note=note))
+        print(f"[row] {case} | {impl} | " + (f"{ms:.4g} ms" if ms is not None else f"n/a {note}"), flush=True)
+        if SELECTION["json"]:
+            self.write_json(SELECTION["json"], partial=True)
 
     def computed_rows(self) -> List[dict]:
         """Rows with the derived figures: ratio to the case's baseline (first timed row), TFLOP/s,
@@ -98,11 +133,15 @@ class Table:
             out.append(row)
         return out
 
-    def write_json(self, path: Optional[str]) -> None:
+    def write_json(self, path: Optional[str], partial: bool = False) -> None:
         if path:
-            with open(path, "w") as f:
-                json.dump({"title": self.title, "environment": environment(), "peaks": self.peaks,
-                           "rows": self.computed_rows()}, f, indent=1)
+            data = {"title": self.title, "environment": environment(), "peaks": self.peaks, "rows": self.computed_rows()}
+            if partial:
+                data["partial"] = True
+            tmp = f"{path}.partial"
+            with open(tmp, "w") as f:
+                json.dump(data, f, indent=1)
+            os.replace(tmp, path)
 
     def print(self) -> None:
         print(f"\n## {self.title}")

@@ -115,3 +115,54 @@ def test_train_step_benchmark_quick(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(out.read_text())["summary"]
     assert summary["tokens_per_s"] > 0 and summary["model_tflops_per_step"] > 0 and 0 < summary["mfu"] < 1.5
+
+
+def test_e2e_figure_at_another_shape_is_not_judged():
+    """A lease-sized rollout (128 new tokens) must not read as meeting or missing the 512-token target."""
+    rollout = next(t for t in TARGETS if t.bench == "bench_rollout")
+    at_target = {"meta": {"prompts": 4, "group": 8, "new_tokens": 512, "quick": False},
+                 "results": {"ours_shared_prefix": {"vs_transformers": 3.5}}}
+    assert evaluate(rollout, at_target)["met"] is True
+    small = json.loads(json.dumps(at_target))
+    small["meta"].update(prompts=2, new_tokens=128)
+    r = evaluate(rollout, small)
+    assert r["met"] is None and r["figure"] == pytest.approx(3.5)
+    assert "new_tokens 128 (target: 512)" in r["why"] and "prompts 2 (target: 4)" in r["why"]
+
+
+def test_summary_says_not_comparable_for_a_smaller_shape(tmp_path):
+    run = tmp_path / "dev"
+    run.mkdir()
+    (run / "bench_rollout.json").write_text(json.dumps({"meta": {"prompts": 2, "group": 8, "new_tokens": 128},
+                                                        "results": {"ours_shared_prefix": {"vs_transformers": 0.5}}}))
+    text = gpu_suite.write_summary(run, {}, tmp_path / "dev")
+    row = next(line for line in text.splitlines() if line.startswith("| rollout tokens/s"))
+    assert "not comparable (measured at" in row and "**no**" not in row
+
+
+def test_kernel_benchmark_selection_and_partial_json(tmp_path, monkeypatch):
+    sys.path.insert(0, str(REPO / "benchmarks" / "kernels"))
+    import common
+
+    monkeypatch.setattr(sys, "argv", ["bench", "--quick", "--cases", "8k|ViT", "--no-compile", "--json", str(tmp_path / "t.json")])
+    monkeypatch.setattr(common, "SELECTION", dict(common.SELECTION))
+    common.parse_args("test")
+    assert common.wanted("LM causal 8k fwd") and common.wanted("ViT windows", "eager")
+    assert not common.wanted("packed 16k") and not common.wanted("LM causal 8k fwd", "torch.compile")
+    table = common.Table("t", {"gbps": 1.0, "tflops": 1.0})
+    assert "cases /8k|ViT/ only" in table.title and "no torch.compile rows" in table.title
+    table.add("LM causal 8k fwd", "eager", 2.0)
+    saved = json.loads((tmp_path / "t.json").read_text())
+    assert saved["partial"] is True and [r["ms"] for r in saved["rows"]] == [2.0]  # written before the run ends
+    table.write_json(str(tmp_path / "t.json"))
+    assert "partial" not in json.loads((tmp_path / "t.json").read_text())
+
+
+def test_unreadable_benchmark_json_is_reported_not_fatal(tmp_path):
+    run = tmp_path / "dev"
+    run.mkdir()
+    (run / "bench_train_step.json").write_text('{"meta": {"tokens": 8192}, "summ')  # cut off mid-write
+    text = gpu_suite.write_summary(run, {"benchmarks / bench_train_step": 124}, tmp_path / "dev")
+    row = next(line for line in text.splitlines() if line.startswith("| SFT step MFU"))
+    assert "not measured (unreadable bench_train_step.json" in row
+    assert "unreadable JSON" in text

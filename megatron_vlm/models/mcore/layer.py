@@ -72,7 +72,8 @@ def ensure_parallel_state(tp_mesh=None, ep_mesh=None) -> None:
     (our mesh's "tp" dim; None: 1), expert_model_parallel_size = the size of `ep_mesh`'s "ep" dim (our
     ("ep_replicate", "ep") mesh, `parallel.mesh.build_ep_mesh`; None: 1), pp = 1, over the initialised world.
     megatron-core's default rank order ("tp-cp-ep-dp-pp") makes its tp groups consecutive ranks, as our mesh's are
-    (tp innermost), and its ep groups (tp = 1) `ep` consecutive ranks, as our ep mesh's are; this rank's groups
+    (tp innermost), and its ep groups (tp = 1) `ep` consecutive ranks, as our ep mesh's are; its expert tensor
+    parallelism is 1 (MoE layers replicated over tp, `moe_layer.moe_layer_spec`); this rank's groups
     are checked against `tp_mesh`'s / `ep_mesh`'s (AssertionError otherwise). An earlier initialisation with
     other sizes or ranks (a job before this one in the same process) is replaced."""
     import torch.distributed as dist
@@ -89,11 +90,14 @@ def ensure_parallel_state(tp_mesh=None, ep_mesh=None) -> None:
 
     if parallel_state.model_parallel_is_initialized():
         if (parallel_state.get_tensor_model_parallel_world_size() == tp
-                and parallel_state.get_expert_model_parallel_world_size() == ep and groups() == (want, want_ep)):
+                and parallel_state.get_expert_model_parallel_world_size() == ep
+                and parallel_state.get_expert_tensor_parallel_world_size() == 1 and groups() == (want, want_ep)):
             return
         parallel_state.destroy_model_parallel()
+    # expert_tensor_parallel_size = 1: MoE layers are replicated over the tp ranks (moe_layer.moe_layer_spec
+    # gives them this size-1 group as their tp group), as the native backend's MoE blocks are
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
-                                             expert_model_parallel_size=ep)
+                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     have, have_ep = groups()
     if have != want:
         raise AssertionError(f"megatron-core's tensor-parallel group {have} is not our mesh's tp group {want}")
@@ -151,9 +155,31 @@ def _config(layer: DecoderLayer, num_layers: int, dtype: torch.dtype, tp: int = 
         add_qkv_bias=attn.q_proj.bias is not None, qk_layernorm=attn.q_norm is not None,
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16, use_cpu_initialization=True, perform_initialization=False,
-        **moe, expert_model_parallel_size=ep,
+        **moe, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,  # MoE replicated over tp
         tensor_model_parallel_size=tp, sequence_parallel=False,
     )
+
+
+def _tp_sizes(index: int, layer: nn.Module) -> dict[str, int]:
+    """The sizes tensor parallelism splits in decoder layer `index` (a DecoderLayer or a Nemotron-H block), by
+    the names `check_tp_sizes` reports: attention / KV heads, the dense MLP width, Mamba2 heads and groups (a MoE
+    block is replicated over tp: nothing of it is split)."""
+    where = f"language_model.layers.{index}"
+    kind = getattr(layer, "block_type", None)
+    if kind is None:  # DecoderLayer
+        heads, kv_heads = layer.self_attn.local_heads()
+        sizes = {f"{where}.num_attention_heads": heads, f"{where}.num_key_value_heads": kv_heads}
+        if not isinstance(layer.mlp, MoE):
+            sizes[f"{where}.intermediate_size"] = _ffn_hidden_size(layer.mlp)
+        return sizes
+    m = layer.mixer
+    if kind == "full_attention":
+        return {f"{where}.num_attention_heads": m.num_heads, f"{where}.num_key_value_heads": m.num_kv_heads}
+    if kind == "mlp":
+        return {f"{where}.intermediate_size": m.up_proj.weight.shape[0]}
+    if kind == "linear_attention":
+        return {f"{where}.mamba_num_heads": m.num_heads, f"{where}.n_groups": m.n_groups}
+    return {}
 
 
 def _ffn_hidden_size(mlp: nn.Module) -> int:
@@ -213,12 +239,7 @@ class McoreDecoderLayer(nn.Module):
                                     "routed experts, not divisible by the expert-parallel size")
         config = _config(native, num_layers, dtype, self.tp, self.ep)
         if self.tp > 1:
-            if isinstance(native.mlp, MoE):
-                raise McoreBackendError(f"parallel.backend = 'mcore': decoder layer {index} is a MoE layer; tensor "
-                                        "parallelism with megatron-core MoE layers is not wired yet")
-            check_tp_sizes(self.tp, {f"language_model.layers.{index}.num_attention_heads": config.num_attention_heads,
-                                     f"language_model.layers.{index}.num_key_value_heads": config.num_query_groups,
-                                     f"language_model.layers.{index}.intermediate_size": config.ffn_hidden_size})
+            check_tp_sizes(self.tp, _tp_sizes(index, native))
         if self.is_moe:  # megatron-core's MoELayer, local spec (moe_layer.py)
             from megatron_vlm.models.mcore.moe_layer import moe_decoder_layer_spec
 
@@ -327,17 +348,13 @@ def use_mcore_layers(model: nn.Module, tp_mesh=None, ep_mesh=None, grad_divide_f
         if not any(isinstance(getattr(layer, "mlp", None), MoE) or getattr(layer, "block_type", None) == "moe"
                    for layer in layers):
             raise McoreBackendError(f"parallel.ep = {ep}: the model has no MoE layers to shard")
-    if tp_mesh is not None:  # before any collective: the refusal is the same on every rank
+    if tp_mesh is not None:  # before any collective: the refusal (TPError, exit 2) is the same on every rank
         for i, layer in enumerate(layers):
-            if is_hybrid_block(layer) or isinstance(getattr(layer, "mlp", None), MoE):
-                raise McoreBackendError(f"parallel.backend = 'mcore': decoder layer {i} is a "
-                                        f"{'Nemotron-H hybrid block' if is_hybrid_block(layer) else 'MoE layer'}; tensor "
-                                        "parallelism (parallel.tp > 1) with megatron-core MoE / Mamba2 layers is not "
-                                        "wired yet (they are built unsplit); use tp = 1 or backend = 'native'")
+            check_tp_sizes(tp_mesh.size(), _tp_sizes(i, layer))
     ensure_parallel_state(tp_mesh, ep_mesh)
     for i in range(len(layers)):
         if is_hybrid_block(layers[i]):
-            layers[i] = McoreHybridBlock(layers[i], i, model.language_model.args, ep_mesh=ep_mesh,
+            layers[i] = McoreHybridBlock(layers[i], i, model.language_model.args, tp_mesh=tp_mesh, ep_mesh=ep_mesh,
                                          grad_divide_factor=grad_divide_factor)
         else:
             layers[i] = McoreDecoderLayer(layers[i], i, len(layers), tp_mesh=tp_mesh, ep_mesh=ep_mesh,

@@ -52,7 +52,7 @@ from torch import nn
 
 from megatron_vlm.models.common.moe import MoE, RouterStats
 
-__all__ = ["moe_config_kwargs", "moe_layer_spec", "moe_decoder_layer_spec", "check_decoder_moe", "moe_to_mcore",
+__all__ = ["moe_config_kwargs", "moe_layer_spec", "replicated_over_tp", "moe_decoder_layer_spec", "check_decoder_moe", "moe_to_mcore",
            "mcore_to_moe", "mcore_moe_classes"]
 
 
@@ -331,9 +331,26 @@ def moe_layer_spec(mlp_spec, *, expert_bias: bool):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     # megatron-core's TransformerLayer passes its process groups only to the MoELayer class itself: they are
-    # given here (megatron-core's parallel state: tp = 1, ep = parallel.ep, layer.ensure_parallel_state)
-    params = dict(mlp_spec.params or {}, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    # given here (megatron-core's parallel state: tp = parallel.tp, expert tp = 1, ep = parallel.ep,
+    # layer.ensure_parallel_state)
+    params = dict(mlp_spec.params or {}, pg_collection=replicated_over_tp(ProcessGroupCollection.use_mpu_process_groups()))
     return ModuleSpec(module=layer, params=params, submodules=sub)
+
+
+def replicated_over_tp(pgs):
+    """megatron-core's process groups `pgs` with the tensor-parallel ones (`tp`, `tp_cp`) replaced by the expert
+    tensor-parallel group, of size 1: the MoE layer built with them is whole on every tp rank and runs the whole
+    sequence there, as the native backend's MoE blocks under tp (parallel/tensor_parallel.py, "replicated").
+    Why not megatron-core's own tp MoE: its MoELayer refuses training with tp > 1 without sequence parallelism,
+    which its local spec's torch RMSNorms refuse (and whose gathers allocate on CUDA); and the native reference
+    replicates. The layer's parameters then get the same, complete gradient on every tp rank (counted once:
+    `tp_shard.distribute_layer_params` makes them `Replicate` on the tp mesh)."""
+    one = pgs.expt_tp
+    if one is None or one.size() != 1:
+        raise AssertionError("megatron-core's expert tensor-parallel group must be of size 1 (ensure_parallel_state)")
+    pgs.tp = one
+    pgs.tp_cp = one
+    return pgs
 
 
 def check_decoder_moe(moe: MoE) -> None:

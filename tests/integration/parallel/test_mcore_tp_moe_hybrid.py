@@ -8,6 +8,11 @@ replicated; with activation checkpointing) gives the native run's losses and gra
 and its HF export (1e-6). Before the jobs, in the same workers: the tp = 2 hybrid blocks really are split (half
 of the attention / MLP weights per rank, the Mamba2 mixer on half of the heads), MoE weights whole, and the
 blocks gather back to the native weights exactly.
+
+Heavy: two GRPO steps with tp = 2 of the tiny Nemotron-VL and Qwen3-VL-MoE give the native tp = 2 run's loss,
+grad norm and reward, the rollout decoding through the split megatron-core layers (`rl.rollout_weights =
+"shared"`: the KV cache of the rank's attention heads, the Mamba2 state of its heads) or through a native copy
+refreshed from their gathered weights ("copy").
 """
 from __future__ import annotations
 
@@ -20,8 +25,10 @@ import torch.distributed as dist
 pytest.importorskip("megatron.core")
 
 from megatron_vlm.checkpoint.hf import load_hf_model  # noqa: E402
+from megatron_vlm.parallel import init_distributed  # noqa: E402
 from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
 from tests.integration.parallel.test_mcore_tp import _same_sft, _spawn  # noqa: E402
+from tests.integration.parallel.test_tp_cp_families import _column, _grpo  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
 
@@ -73,3 +80,32 @@ def _sft(tmp: Path, rank: int) -> None:
 
 def test_mcore_tp2_moe_and_hybrid_sft_match_native(tmp_path):
     _spawn(tmp_path, _sft)
+
+
+def _grpo_parts(tmp: Path, rank: int) -> None:
+    for kind in ("tiny_nemotron_vl", "tiny_qwen3_vl_moe"):
+        model = tmp / kind / "model"
+        if rank == 0:
+            synthesize_model_folder(kind, model, seed=0)
+        dist.barrier()
+        runs = {}
+        for name, backend, weights in (("native", "native", "shared"), ("mcore", "mcore", "shared"),
+                                       ("mcore_copy", "mcore", "copy")):
+            runs[name] = tmp / kind / name
+            _grpo(model, runs[name], init_distributed(), **{"parallel.tp": 2, "parallel.backend": f'"{backend}"',
+                                                            "rl.rollout_weights": f'"{weights}"',
+                                                            "train.train_layers": '["^language_model\\\\."]'})
+        if rank == 0:
+            assert _column(runs["native"], "grad_norm")[0] > 0, kind
+            for name in ("mcore", "mcore_copy"):
+                for key in ("loss", "grad_norm", "reward/mean"):
+                    ref, got = _column(runs["native"], key), _column(runs[name], key)
+                    scale = max(1.0, max(abs(v) for v in ref))
+                    assert len(ref) == len(got) == 2 and max(abs(a - b) for a, b in zip(ref, got)) <= 1e-5 * scale, \
+                        (kind, name, key, ref, got)
+        dist.barrier()
+
+
+@pytest.mark.heavy
+def test_mcore_tp2_moe_and_hybrid_grpo_match_native(tmp_path):
+    _spawn(tmp_path, _grpo_parts)

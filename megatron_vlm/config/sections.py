@@ -133,8 +133,9 @@ class ParallelConfig:
     """native = our decoder layers, PyTorch FSDP2 / DTensor. mcore = the language decoder's layers are megatron-core
     TransformerLayers (Transformer Engine's fused modules when TE is installed; MoELayer for MoE decoders, the
     hybrid stack's Mamba / attention / MLP / MoE layers for Nemotron-H), converted exactly from the HF weights and
-    back at export. Data, tensor (dense attention decoders: megatron-core's column / row parallel linears over our
-    tp groups; plain tp inside the layer: its torch RMSNorms refuse sequence parallelism) and context parallelism
+    back at export. Data, tensor (megatron-core's column / row parallel linears over our tp groups, MoE layers
+    replicated over tp, Mamba2 mixers split by heads; plain tp inside the layer: its torch RMSNorms refuse
+    sequence parallelism) and context parallelism
     (dense attention decoders, through our attention) and expert parallelism (ep > 1, MoE decoders and the
     Nemotron-H hybrid's MoE blocks: megatron-core's all-to-all token dispatcher over our ep groups, each rank
     holding its E / ep experts; not with tp > 1); not pp (experimental: not yet run on a GPU; README "Megatron-core")."""

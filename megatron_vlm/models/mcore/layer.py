@@ -20,11 +20,14 @@ MoE layers (Qwen3-VL-MoE, Qwen3-MoE) hold megatron-core's `MoELayer` (router, to
 models/mcore/moe_layer.py, local spec); the Nemotron-H hybrid's blocks become `McoreHybridBlock`s
 (models/mcore/hybrid.py: MambaLayer with our Mamba2 mixer, attention / MLP / MoE layers).
 
-Tensor parallelism (parallel.tp > 1, dense attention decoders): megatron-core's parallel state gets
+Tensor parallelism (parallel.tp > 1): megatron-core's parallel state gets
 tensor_model_parallel_size = tp over our mesh's tp groups (`ensure_parallel_state` checks they coincide), each
 layer holds its rank's blocks of the converted weights as DTensors on the tp mesh (`tp_shard.py`), attention runs
 on the rank's heads, and the layer takes / returns the whole sequence like our native tp layers (plain tp inside:
-the local spec's torch RMSNorms refuse megatron-core's sequence parallelism). Context parallelism: `apply_cp` sets
+the local spec's torch RMSNorms refuse megatron-core's sequence parallelism). MoE layers are replicated over the
+tp ranks, as the native MoE blocks are: megatron-core's MoELayer gets a tp group of size 1 (expert tensor
+parallelism 1, `moe_layer.replicated_over_tp`) and runs whole on every tp rank; the Nemotron-H blocks split their
+attention / MLP the same way and their Mamba2 mixers by heads (hybrid.py). Context parallelism: `apply_cp` sets
 `context_parallel`, passed to `attend`, as for our own attention.
 
 Expert parallelism (parallel.ep > 1, MoE decoders and the Nemotron-H hybrid's MoE blocks): megatron-core's
@@ -33,9 +36,10 @@ expert_model_parallel_size = ep over our ep mesh's groups (checked), the MoE lay
 dispatcher and hold their rank's experts as DTensors on the ("ep_replicate", "ep") mesh (`ep_shard.py`).
 
 Limits, refused with exit 2 before a run starts (config/sections.py, `check_mcore_model`, `use_mcore_layers`):
-pipeline parallelism (megatron-core's own process groups for it are not wired to our mesh yet), tp or cp > 1
-with MoE or Mamba2 decoders (their megatron-core layers are built unsplit), ep > 1 with tp > 1, MoE routing
-features megatron-core
+pipeline parallelism (megatron-core's own process groups for it are not wired to our mesh yet), cp > 1 with
+MoE or Mamba2 decoders (their megatron-core layers were not checked under context parallelism), ep > 1 with
+tp > 1 (megatron-core's expert groups, built for expert tp = 1, are not our ep mesh's tp-strided groups),
+a tp that does not divide a layer's heads / groups / MLP width (TPError), MoE routing features megatron-core
 cannot express (moe_layer.py), LoRA; experimental: not yet run on a GPU.
 """
 from __future__ import annotations
@@ -333,7 +337,7 @@ class McoreDecoderLayer(nn.Module):
 def use_mcore_layers(model: nn.Module, tp_mesh=None, ep_mesh=None, grad_divide_factor: float = 1.0) -> None:
     """Replace every language-decoder layer of `model` (weights loaded) by a McoreDecoderLayer (a
     McoreHybridBlock for Nemotron-H blocks); `tp_mesh`: the world mesh's "tp" dim when parallel.tp > 1
-    (collective then: every rank calls it; dense attention decoders only). `ep_mesh`: the ("ep_replicate", "ep")
+    (collective then: every rank calls it; attention / MLP / Mamba2 split, MoE replicated). `ep_mesh`: the ("ep_replicate", "ep")
     mesh when parallel.ep > 1 (collective; MoE decoders, Nemotron-H MoE blocks): each MoE layer holds its rank's experts
     (ep_shard.py), their gradient divided by `grad_divide_factor` (the data-parallel size)."""
     from megatron_vlm.models.mcore.hybrid import McoreHybridBlock, is_hybrid_block

@@ -135,7 +135,7 @@ def _config(model_args, num_layers: int, dtype: torch.dtype, moe: Optional[MoE],
     )
 
 
-def _spec(kind: str, config, native: nn.Module):
+def _spec(kind: str, config, native: nn.Module, ep_group=None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
     from megatron.core.ssm.mlp_layer import MLPLayer
@@ -156,7 +156,7 @@ def _spec(kind: str, config, native: nn.Module):
     if kind == "mlp":
         return ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=sub.pre_mlp_layernorm, mlp=sub.mlp, mlp_bda=sub.mlp_bda))
-    mlp = moe_layer_spec(sub.mlp, expert_bias=native.mixer.gate.e_score_correction_bias is not None)
+    mlp = moe_layer_spec(sub.mlp, expert_bias=native.mixer.gate.e_score_correction_bias is not None, ep_group=ep_group)
     return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         pre_mlp_layernorm=sub.pre_mlp_layernorm, mlp=mlp, mlp_bda=sub.mlp_bda))
 
@@ -199,16 +199,17 @@ class McoreHybridBlock(nn.Module):
 
         ensure_parallel_state(tp_mesh, ep_mesh)
         pgs = ProcessGroupCollection.use_mpu_process_groups()  # megatron-core's groups (tp, pp = 1, ep)
-        self.mcore = build_module(_spec(self.block_type, config, native), config=config, layer_number=index + 1,
+        ep_group = ep_mesh.get_group(ep_mesh.ndim - 1) if self.ep > 1 else None  # ours (ensure_parallel_state)
+        self.mcore = build_module(_spec(self.block_type, config, native, ep_group), config=config, layer_number=index + 1,
                                   pg_collection=pgs)
         self.mcore.to(native.norm.weight.device)
         if self.tp > 1 and self.block_type == "linear_attention":
             self.mcore.mixer.tp_shard(self.tp, self.tp_rank)  # this rank's heads; the weights stay whole
         self.load_native(native.state_dict())
+        if self.ep > 1:  # the expert weights first: on the ep mesh, replicated over tp (left alone by the tp step)
+            distribute_expert_params(self.mcore, ep_mesh, grad_divide_factor)
         if self.tp > 1:
             distribute_layer_params(self.mcore, tp_mesh, partial_grad_prefixes=("mixer.",))
-        if self.ep > 1:
-            distribute_expert_params(self.mcore, ep_mesh, grad_divide_factor)
 
     # ----- what the decoding caches read -----
     @property

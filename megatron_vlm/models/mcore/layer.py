@@ -33,13 +33,14 @@ attention / MLP the same way and their Mamba2 mixers by heads (hybrid.py). Conte
 Expert parallelism (parallel.ep > 1, MoE decoders and the Nemotron-H hybrid's MoE blocks): megatron-core's
 parallel state gets
 expert_model_parallel_size = ep over our ep mesh's groups (checked), the MoE layers use its all-to-all token
-dispatcher and hold their rank's experts as DTensors on the ("ep_replicate", "ep") mesh (`ep_shard.py`).
+dispatcher and hold their rank's experts as DTensors on the ("ep_replicate", "ep") mesh (`ep_shard.py`). With
+tp > 1 as well, our ep groups (ranks of one tp coordinate) are given to the MoE layers directly (megatron-core
+builds its expert groups from consecutive ranks; `ensure_parallel_state`), which are replicated over tp.
 
 Limits, refused with exit 2 before a run starts (config/sections.py, `check_mcore_model`, `use_mcore_layers`):
 pipeline parallelism (megatron-core's own process groups for it are not wired to our mesh yet), cp > 1 with
-MoE or Mamba2 decoders (their megatron-core layers were not checked under context parallelism), ep > 1 with
-tp > 1 (megatron-core's expert groups, built for expert tp = 1, are not our ep mesh's tp-strided groups),
-a tp that does not divide a layer's heads / groups / MLP width (TPError), MoE routing features megatron-core
+MoE or Mamba2 decoders (their megatron-core layers were not checked under context parallelism), a tp that
+does not divide a layer's heads / groups / MLP width (TPError), MoE routing features megatron-core
 cannot express (moe_layer.py), LoRA; experimental: not yet run on a GPU.
 """
 from __future__ import annotations
@@ -78,13 +79,18 @@ def ensure_parallel_state(tp_mesh=None, ep_mesh=None) -> None:
     megatron-core's default rank order ("tp-cp-ep-dp-pp") makes its tp groups consecutive ranks, as our mesh's are
     (tp innermost), and its ep groups (tp = 1) `ep` consecutive ranks, as our ep mesh's are; its expert tensor
     parallelism is 1 (MoE layers replicated over tp, `moe_layer.moe_layer_spec`); this rank's groups
-    are checked against `tp_mesh`'s / `ep_mesh`'s (AssertionError otherwise). An earlier initialisation with
+    are checked against `tp_mesh`'s / `ep_mesh`'s (AssertionError otherwise). With tp > 1 and ep > 1 our ep groups
+    (`ep` ranks of one tp coordinate, strided by tp) are not megatron-core's expert groups (consecutive ranks for
+    expert tp = 1): its parallel state then gets expert_model_parallel_size = 1, and the MoE layers are given our
+    ep group itself (`moe_layer.replicated_over_tp`, as they are with tp = 1). An earlier initialisation with
     other sizes or ranks (a job before this one in the same process) is replaced."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     tp = 1 if tp_mesh is None else tp_mesh.size()
     ep = 1 if ep_mesh is None else ep_mesh.size(ep_mesh.ndim - 1)
+    if tp > 1:  # our ep groups are given to the MoE layers directly (docstring)
+        ep, ep_mesh = 1, None
     want = None if tp_mesh is None else dist.get_process_group_ranks(tp_mesh.get_group())
     want_ep = None if ep_mesh is None else dist.get_process_group_ranks(ep_mesh.get_group(ep_mesh.ndim - 1))
 
@@ -247,7 +253,8 @@ class McoreDecoderLayer(nn.Module):
         if self.is_moe:  # megatron-core's MoELayer, local spec (moe_layer.py)
             from megatron_vlm.models.mcore.moe_layer import moe_decoder_layer_spec
 
-            spec, self.te_fused_norms = moe_decoder_layer_spec(config, expert_bias=False), False
+            ep_group = ep_mesh.get_group(ep_mesh.ndim - 1) if self.ep > 1 else None  # ours (ensure_parallel_state)
+            spec, self.te_fused_norms = moe_decoder_layer_spec(config, expert_bias=False, ep_group=ep_group), False
         else:
             spec, self.te_fused_norms = _layer_spec(config.qk_layernorm)
         self.heads = dict(num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_query_groups)
@@ -255,10 +262,10 @@ class McoreDecoderLayer(nn.Module):
         self.mcore = build_module(spec, config=config, layer_number=index + 1)
         self.mcore.to(native.input_layernorm.weight.device)
         self.load_native(native.state_dict())
+        if self.ep > 1:  # the expert weights first: on the ep mesh, replicated over tp (left alone by the tp step)
+            distribute_expert_params(self.mcore, ep_mesh, grad_divide_factor)
         if self.tp > 1:
             distribute_layer_params(self.mcore, tp_mesh)
-        if self.ep > 1:
-            distribute_expert_params(self.mcore, ep_mesh, grad_divide_factor)
 
     def load_native(self, state: dict) -> None:
         """Load a native DecoderLayer state dict (HF layer names, full tensors), converted exactly; this rank's
@@ -346,9 +353,6 @@ def use_mcore_layers(model: nn.Module, tp_mesh=None, ep_mesh=None, grad_divide_f
     layers = model.language_model.layers
     if ep_mesh is not None:  # before any collective: the refusal is the same on every rank
         ep = ep_mesh.size(ep_mesh.ndim - 1)
-        if tp_mesh is not None:
-            raise McoreBackendError(f"parallel.backend = 'mcore' with parallel.ep = {ep} and parallel.tp = "
-                                    f"{tp_mesh.size()}: expert and tensor parallelism together are not wired yet")
         if not any(isinstance(getattr(layer, "mlp", None), MoE) or getattr(layer, "block_type", None) == "moe"
                    for layer in layers):
             raise McoreBackendError(f"parallel.ep = {ep}: the model has no MoE layers to shard")

@@ -116,12 +116,16 @@ def distribute_layer_params(layer: nn.Module, mesh, partial_grad_prefixes: tuple
     gradient is summed over the tp ranks, by FSDP2's reduction); so are the parameters under
     `partial_grad_prefixes` (a Mamba2 mixer running its own heads on whole weights: each rank's gradient is
     non-zero on its heads' rows only). Whole blocks replicated over tp (a MoE layer: every rank computes it on
-    the whole sequence) are `Replicate` with the same, complete gradient on every tp rank: counted once."""
+    the whole sequence) are `Replicate` with the same, complete gradient on every tp rank: counted once.
+    Parameters that are DTensors already (routed experts under expert parallelism, `ep_shard.distribute_expert_params`:
+    on the ep mesh, the same on every tp rank of their group) are left as they are."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     owners = []
     for mod_name, mod in layer.named_modules():
         for name, p in list(mod.named_parameters(recurse=False)):
+            if isinstance(p, DTensor):  # placed already: expert weights on the ep mesh (ep_shard.py)
+                continue
             key = f"{mod_name}.{name}" if mod_name else name
             dim = split_dim(key)
             placement = Shard(dim) if dim is not None else Replicate()

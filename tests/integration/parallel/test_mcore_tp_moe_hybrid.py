@@ -12,7 +12,9 @@ blocks gather back to the native weights exactly.
 Heavy: two GRPO steps with tp = 2 of the tiny Nemotron-VL and Qwen3-VL-MoE give the native tp = 2 run's loss,
 grad norm and reward, the rollout decoding through the split megatron-core layers (`rl.rollout_weights =
 "shared"`: the KV cache of the rank's attention heads, the Mamba2 state of its heads) or through a native copy
-refreshed from their gathered weights ("copy").
+refreshed from their gathered weights ("copy"). And on 4 processes, tp = 2 x ep = 2 (x dp = 2): the SFT of the
+tiny Nemotron-VL and Qwen3-VL-MoE gives the native tp = 2 x ep = 2 run's losses, grad norms and export (each MoE
+layer replicated over tp, its experts split over the 2 ep ranks of one tp coordinate, as native).
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ pytest.importorskip("megatron.core")
 from megatron_vlm.checkpoint.hf import load_hf_model  # noqa: E402
 from megatron_vlm.parallel import init_distributed  # noqa: E402
 from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
-from tests.integration.parallel.test_mcore_tp import _same_sft, _spawn  # noqa: E402
-from tests.integration.parallel.test_tp_cp_families import _column, _grpo  # noqa: E402
+from tests.integration.parallel.test_mcore_tp import _assert_same, _same_sft, _spawn, _worker  # noqa: E402
+from tests.integration.parallel.test_tp_cp_families import _column, _free_port, _grpo, _run  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
 
@@ -109,3 +111,65 @@ def _grpo_parts(tmp: Path, rank: int) -> None:
 @pytest.mark.heavy
 def test_mcore_tp2_moe_and_hybrid_grpo_match_native(tmp_path):
     _spawn(tmp_path, _grpo_parts)
+
+
+def _check_tp_ep_shards(tmp: Path, rank: int) -> None:
+    """tp = 2 x ep = 2 on 4 ranks: each MoE layer's megatron-core expert-parallel group is our ep mesh's (the
+    ranks of one tp coordinate, not megatron-core's consecutive expert ranks), it holds half of the experts and
+    half of the attention weights, and the layers gather back to the native weights exactly."""
+    from torch.distributed.tensor import DTensor
+
+    from megatron_vlm.config.sections import ParallelConfig
+    from megatron_vlm.models.mcore.layer import native_state_dict, use_mcore_layers
+    from megatron_vlm.parallel.mesh import build_ep_mesh, build_mesh
+
+    folder = tmp / "shards" / "model"
+    if rank == 0:
+        synthesize_model_folder("tiny_qwen3_vl_moe", folder, seed=0)
+    dist.barrier()
+    model = load_hf_model(str(folder), dtype=torch.float32)
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    dims, mesh = build_mesh(ParallelConfig(backend="mcore", tp=2, ep=2), 4, "cpu")
+    ep_mesh = build_ep_mesh(dims, "cpu")
+    use_mcore_layers(model, tp_mesh=mesh["tp"], ep_mesh=ep_mesh, grad_divide_factor=dims.dp_size)
+    layer = model.language_model.layers[0]
+    moe = layer.mcore.mlp
+    assert dist.get_process_group_ranks(moe.ep_group) == [rank % 2, rank % 2 + 2]  # tp innermost: same tp coordinate
+    assert moe.num_local_experts * 2 == moe.config.num_moe_experts
+    assert moe.attn_tp_group.size() == 1  # replicated over tp
+    qkv = layer.mcore.get_parameter("self_attention.linear_qkv.weight")
+    assert isinstance(qkv, DTensor) and qkv.to_local().numel() * 2 == qkv.numel()
+    gathered = native_state_dict({k: v.full_tensor() if isinstance(v, DTensor) else v
+                                  for k, v in model.state_dict().items()}, model)
+    assert gathered.keys() == ref.keys()
+    for k in ref:
+        assert torch.equal(gathered[k], ref[k]), k
+
+
+def _tp_ep_parts(tmp: Path, rank: int) -> None:
+    _check_tp_ep_shards(tmp, rank)
+    for family in ("nemotron_vl", "qwen3_vl_moe"):
+        runs = {}
+        for backend in ("native", "mcore"):
+            runs[backend] = tmp / family / f"tp_ep_{backend}"
+            _run(tmp, family, runs[backend], **{"parallel.tp": 2, "parallel.ep": 2, "parallel.backend": f'"{backend}"',
+                                                "train.micro_batches_per_step": 2, "train.max_steps": 4})
+        if rank == 0:
+            _assert_same(f"{family} tp x ep", runs["native"], runs["mcore"])
+        dist.barrier()
+
+
+@pytest.mark.heavy
+def test_mcore_tp2_ep2_sft_matches_native(tmp_path):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.start_processes(_worker, args=(4, _free_port(), str(tmp_path), errors, _tp_ep_parts), nprocs=4,
+                           start_method="spawn")
+    except Exception:
+        msgs = []
+        while not errors.empty():
+            msgs.append("rank %d:\n%s" % errors.get())
+        raise AssertionError("\n".join(msgs) or "a worker failed")

@@ -120,13 +120,11 @@ def test_checkpoint_tp_guard():
         check_saved_mcore_tp({}, 2)
 
 
-def test_config_accepts_tp_and_cp_refuses_pp_and_tp_with_ep():
+def test_config_accepts_tp_and_cp_refuses_pp():
     for key in ("tp", "cp"):
         ParallelConfig(backend="mcore", **{key: 2}).validate()
     with pytest.raises(ValueError, match="backend: 'mcore' with pp = 2: megatron-core's own pipeline"):
         ParallelConfig(backend="mcore", pp=2).validate()
-    with pytest.raises(ValueError, match="backend: 'mcore' with ep = 2 and tp = 2"):
-        ParallelConfig(backend="mcore", tp=2, ep=2).validate()
 
 
 def test_check_plans_mcore_with_tp2(tmp_path):
@@ -137,5 +135,3 @@ def test_check_plans_mcore_with_tp2(tmp_path):
     assert "tp 2" in out.getvalue()
     with pytest.raises(ValueError, match="parallel.backend: 'mcore' with pp = 2"):
         load_config(CONFIGS / "demo_sft.toml", sets[:2] + ["parallel.pp=2"])
-    with pytest.raises(ValueError, match="parallel.backend: 'mcore' with ep = 2 and tp = 2"):
-        load_config(CONFIGS / "demo_sft.toml", sets + ["parallel.ep=2"])

@@ -4,8 +4,8 @@ processes (one start).
 The reference is the native backend at the same tp = 2 (itself checked against tp = 1 in
 test_tp_cp_families.py): SFT of the tiny Qwen3-VL-MoE (attention split, megatron-core MoELayer replicated over
 tp) and of the tiny Nemotron-VL (Mamba2 mixers on half of the heads each, attention and relu^2 MLP split, MoE
-replicated; with activation checkpointing) gives the native run's losses and grad norms per step (fp32, 1e-5)
-and its HF export (1e-6). Before the jobs, in the same workers: the tp = 2 hybrid blocks really are split (half
+replicated; with activation checkpointing) gives the native run's losses and grad norms per step (fp32, 1e-5),
+its [moe] statistics and its HF export (1e-6). Before the jobs, in the same workers: the tp = 2 hybrid blocks really are split (half
 of the attention / MLP weights per rank, the Mamba2 mixer on half of the heads), MoE weights whole, and the
 blocks gather back to the native weights exactly.
 
@@ -29,7 +29,7 @@ pytest.importorskip("megatron.core")
 from megatron_vlm.checkpoint.hf import load_hf_model  # noqa: E402
 from megatron_vlm.parallel import init_distributed  # noqa: E402
 from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
-from tests.integration.parallel.test_mcore_tp import _assert_same, _same_sft, _spawn, _worker  # noqa: E402
+from tests.integration.parallel.test_mcore_tp import STEPS, _assert_same, _same_sft, _spawn, _worker  # noqa: E402
 from tests.integration.parallel.test_tp_cp_families import _column, _free_port, _grpo, _run  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
@@ -75,9 +75,25 @@ def _check_hybrid_shards(tmp: Path, rank: int) -> None:
 
 def _sft(tmp: Path, rank: int) -> None:
     _check_hybrid_shards(tmp, rank)
-    _same_sft(tmp, rank, "qwen3_vl_moe", "tp")
+    stats = {"moe.n_step_per_workload_report": 1}
+    _same_sft(tmp, rank, "qwen3_vl_moe", "tp", **stats)
+    _same_moe_stats(tmp / "qwen3_vl_moe", rank)
     # activation checkpointing recomputes the blocks (the local-weight swap and the tp collectives)
-    _same_sft(tmp, rank, "nemotron_vl", "tp", **{"train.activation_checkpointing": "true"})
+    _same_sft(tmp, rank, "nemotron_vl", "tp", **{"train.activation_checkpointing": "true"}, **stats)
+    _same_moe_stats(tmp / "nemotron_vl", rank)
+
+
+def _same_moe_stats(family_dir: Path, rank: int) -> None:
+    """The [moe] statistics: each token counted once although every tp rank routes it (the balancer divides the
+    tp copies out), as in the native tp run."""
+    if rank == 0:
+        a, b = family_dir / "tp_native", family_dir / "tp_mcore"
+        for key in ("moe/tokens_per_layer_mean", "moe/max_fraction_max", "moe/entropy_mean"):
+            x, y = _column(a, key), _column(b, key)
+            assert len(x) == STEPS and max(abs(p - q) for p, q in zip(x, y)) <= 1e-6, (key, x, y)
+        table = (b / "moe_layer_expert_table.csv").read_text()
+        assert table == (a / "moe_layer_expert_table.csv").read_text() and len(table.splitlines()) > STEPS
+    dist.barrier()
 
 
 def test_mcore_tp2_moe_and_hybrid_sft_match_native(tmp_path):

@@ -9,7 +9,8 @@ its [moe] statistics and its HF export (1e-6). Before the jobs, in the same work
 of the attention / MLP weights per rank, the Mamba2 mixer on half of the heads), MoE weights whole, and the
 blocks gather back to the native weights exactly.
 
-Heavy: two GRPO steps with tp = 2 of the tiny Nemotron-VL and Qwen3-VL-MoE give the native tp = 2 run's loss,
+Heavy: a tp = 2 Nemotron-VL checkpoint resumes with tp = 2 (the uninterrupted run's losses and export) and is
+refused, exit 2, with tp = 1; two GRPO steps with tp = 2 of the tiny Nemotron-VL and Qwen3-VL-MoE give the native tp = 2 run's loss,
 grad norm and reward, the rollout decoding through the split megatron-core layers (`rl.rollout_weights =
 "shared"`: the KV cache of the rank's attention heads, the Mamba2 state of its heads) or through a native copy
 refreshed from their gathered weights ("copy"). And on 4 processes, tp = 2 x ep = 2 (x dp = 2): the SFT of the
@@ -18,6 +19,9 @@ layer replicated over tp, its experts split over the 2 ep ranks of one tp coordi
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import shutil
 from pathlib import Path
 
 import pytest
@@ -30,7 +34,7 @@ from megatron_vlm.checkpoint.hf import load_hf_model  # noqa: E402
 from megatron_vlm.parallel import init_distributed  # noqa: E402
 from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
 from tests.integration.parallel.test_mcore_tp import STEPS, _assert_same, _same_sft, _spawn, _worker  # noqa: E402
-from tests.integration.parallel.test_tp_cp_families import _column, _free_port, _grpo, _run  # noqa: E402
+from tests.integration.parallel.test_tp_cp_families import _column, _export, _free_port, _grpo, _run  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
 
@@ -100,7 +104,34 @@ def test_mcore_tp2_moe_and_hybrid_sft_match_native(tmp_path):
     _spawn(tmp_path, _sft)
 
 
+def _resume_hybrid(tmp: Path, rank: int) -> None:
+    """A tp = 2 megatron-core Nemotron-VL checkpoint of step 2 resumes with tp = 2 (the uninterrupted run's last
+    losses and export); resuming it with tp = 1 is refused, exit 2 naming parallel.tp."""
+    full, resumed, other = (tmp / "resume" / n for n in ("full", "resumed", "tp1"))
+    ck = {"parallel.backend": '"mcore"', "train.max_steps": STEPS, "checkpoint.enable": "true",
+          "checkpoint.every_steps": 2}
+    _run(tmp, "nemotron_vl", full, **{**ck, "parallel.tp": 2, "train.micro_batches_per_step": 2})
+    if rank == 0:
+        for out in (resumed, other):
+            shutil.copytree(full / "checkpoints" / "step_2", out / "checkpoints" / "step_2")
+    dist.barrier()
+    _run(tmp, "nemotron_vl", resumed, **{**ck, "parallel.tp": 2, "train.micro_batches_per_step": 2,
+                                         "checkpoint.resume": '"auto"'})
+    if rank == 0:
+        a, b = _column(full, "loss"), _column(resumed, "loss")
+        assert len(b) == STEPS - 2 and max(abs(x - y) for x, y in zip(a[2:], b)) <= 1e-6, (a, b)
+        e_a, e_b = _export(full), _export(resumed)
+        assert e_a.keys() == e_b.keys() and max((e_a[k] - e_b[k]).abs().max().item() for k in e_a) <= 1e-6
+    dist.barrier()
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(err):
+        _run(tmp, "nemotron_vl", other, **{**ck, "train.micro_batches_per_step": 1, "checkpoint.resume": '"auto"'})
+    assert e.value.code == 2 and "saved with parallel.tp = 2" in err.getvalue(), err.getvalue()
+    dist.barrier()
+
+
 def _grpo_parts(tmp: Path, rank: int) -> None:
+    _resume_hybrid(tmp, rank)
     for kind in ("tiny_nemotron_vl", "tiny_qwen3_vl_moe"):
         model = tmp / kind / "model"
         if rank == 0:
@@ -125,7 +156,7 @@ def _grpo_parts(tmp: Path, rank: int) -> None:
 
 
 @pytest.mark.heavy
-def test_mcore_tp2_moe_and_hybrid_grpo_match_native(tmp_path):
+def test_mcore_tp2_hybrid_resume_and_grpo_match_native(tmp_path):
     _spawn(tmp_path, _grpo_parts)
 
 

@@ -133,11 +133,12 @@ class ParallelConfig:
     """native = our decoder layers, PyTorch FSDP2 / DTensor. mcore = the language decoder's layers are megatron-core
     TransformerLayers (Transformer Engine's fused modules when TE is installed; MoELayer for MoE decoders, the
     hybrid stack's Mamba / attention / MLP / MoE layers for Nemotron-H), converted exactly from the HF weights and
-    back at export. Data, tensor (dense attention decoders: megatron-core's column / row parallel linears over our
-    tp groups; plain tp inside the layer: its torch RMSNorms refuse sequence parallelism) and context parallelism
+    back at export. Data, tensor (megatron-core's column / row parallel linears over our tp groups, MoE layers
+    replicated over tp, Mamba2 mixers split by heads; plain tp inside the layer: its torch RMSNorms refuse
+    sequence parallelism) and context parallelism
     (dense attention decoders, through our attention) and expert parallelism (ep > 1, MoE decoders and the
     Nemotron-H hybrid's MoE blocks: megatron-core's all-to-all token dispatcher over our ep groups, each rank
-    holding its E / ep experts; not with tp > 1); not pp (experimental: not yet run on a GPU; README "Megatron-core")."""
+    holding its E / ep experts; with tp > 1 too, MoE layers replicated over tp); not pp (experimental: not yet run on a GPU; README "Megatron-core")."""
     dp_replicate: int = 1
     """Data-parallel replicas (HSDP outer dimension)."""
     dp_shard: int = -1
@@ -191,9 +192,6 @@ class ParallelConfig:
                 raise ValueError(f"backend: 'mcore' with pp = {self.pp}: megatron-core's own pipeline process groups "
                                  "are not wired to this mesh yet; use pp = 1 (data, tensor, context and expert "
                                  "parallelism only) or backend = 'native'")
-            if self.ep > 1 and self.tp > 1:
-                raise ValueError(f"backend: 'mcore' with ep = {self.ep} and tp = {self.tp}: expert parallelism with "
-                                 "tensor parallelism is not wired for megatron-core layers; set one of them to 1")
             if self.compile:
                 raise ValueError("backend: 'mcore' with compile = true is not supported yet; set compile = false")
 

@@ -19,6 +19,22 @@ a relu^2 MLP or a MoE (models/nemotron_vl/model.py). Each native `NemotronHBlock
   sigmoid router with the expert bias, shared expert); with parallel.ep > 1 its all-to-all dispatcher and this
   rank's experts as DTensors on the ep mesh (ep_shard.py), as for McoreDecoderLayer's MoE layers.
 
+Tensor parallelism (parallel.tp > 1; the layout of the native backend's tp, parallel/tensor_parallel.py, with
+plain tp inside the block as McoreDecoderLayer has: the block takes and returns the whole sequence):
+
+* attention: megatron-core's column / row parallel `linear_qkv` / `linear_proj` over its tp group (our mesh's),
+  this rank's blocks of the converted weights as DTensors (tp_shard.py), attention on the rank's heads;
+* MLP: `linear_fc1` row blocks (non-gated: a plain row split), `linear_fc2` column blocks;
+* Mamba2: our mixer runs this rank's heads (`Mamba2Mixer.tp_shard`, as native tp does) on whole weights
+  (`Replicate` DTensors whose gradient, non-zero on the rank's heads only, is summed over tp); its input goes
+  through megatron-core's copy-to-tp region (gradient all-reduced), its output, a partial sum over the
+  heads, through the reduce-from-tp region (all-reduced);
+* MoE: replicated over the tp ranks (whole on each, the whole sequence: megatron-core's MoELayer given a
+  tp group of size 1, `moe_layer.replicated_over_tp`), as the native MoE blocks under tp; its parameters are
+  `Replicate` with the same gradient on every tp rank (counted once in the gradient norm).
+
+The HF export gathers the blocks back to the full native weights (`native_state`).
+
 The layers come from megatron-core's local spec pieces (the MoE and hybrid layers do not use the
 Transformer Engine spec: its fused norm + linear modules and TEGroupedMLP have other weight layouts that
 are not mapped here). The block keeps the native call signature (`attention_mask`, `cu_seqlens`,
@@ -41,7 +57,7 @@ from megatron_vlm.models.common.moe import MoE
 from megatron_vlm.models.mcore.convert import _fuse_qkv, _split_qkv
 from megatron_vlm.models.mcore.ep_shard import distribute_expert_params, global_to_full_experts, shard_expert_state
 from megatron_vlm.models.mcore.moe_layer import mcore_to_moe, moe_config_kwargs, moe_layer_spec, moe_to_mcore
-from megatron_vlm.models.mcore.tp_shard import local_params
+from megatron_vlm.models.mcore.tp_shard import distribute_layer_params, global_to_full, local_params, shard_layer_state
 
 __all__ = ["McoreHybridBlock", "check_hybrid_block", "is_hybrid_block"]
 
@@ -99,7 +115,7 @@ def _mixer_kwargs(m: Mamba2Mixer) -> dict:
                 time_step_floor=floor)
 
 
-def _config(model_args, num_layers: int, dtype: torch.dtype, moe: Optional[MoE], ep: int = 1):
+def _config(model_args, num_layers: int, dtype: torch.dtype, moe: Optional[MoE], ep: int = 1, tp: int = 1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     a = model_args
@@ -113,12 +129,13 @@ def _config(model_args, num_layers: int, dtype: torch.dtype, moe: Optional[MoE],
         activation_func=_mlp_activation(a.mlp_hidden_act), add_bias_linear=False, add_qkv_bias=False,
         qk_layernorm=False, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_cpu_initialization=True,
-        perform_initialization=False, **{k: v for k, v in extra.items()
+        perform_initialization=False, tensor_model_parallel_size=tp, sequence_parallel=False,
+        expert_tensor_parallel_size=1, **{k: v for k, v in extra.items()
                                          if k not in ("gated_linear_unit", "activation_func", "add_bias_linear")},
     )
 
 
-def _spec(kind: str, config, native: nn.Module):
+def _spec(kind: str, config, native: nn.Module, ep_group=None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
     from megatron.core.ssm.mlp_layer import MLPLayer
@@ -139,7 +156,7 @@ def _spec(kind: str, config, native: nn.Module):
     if kind == "mlp":
         return ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=sub.pre_mlp_layernorm, mlp=sub.mlp, mlp_bda=sub.mlp_bda))
-    mlp = moe_layer_spec(sub.mlp, expert_bias=native.mixer.gate.e_score_correction_bias is not None)
+    mlp = moe_layer_spec(sub.mlp, expert_bias=native.mixer.gate.e_score_correction_bias is not None, ep_group=ep_group)
     return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         pre_mlp_layernorm=sub.pre_mlp_layernorm, mlp=mlp, mlp_bda=sub.mlp_bda))
 
@@ -149,13 +166,21 @@ class McoreHybridBlock(nn.Module):
     layer (`self.mcore`) of the block's kind."""
 
     te_fused_norms = False
+    tp_sharded_itself = True
+    """`parallel.tensor_parallel.apply_tp` leaves this block alone: it splits itself (`tp_mesh`)."""
 
-    def __init__(self, native: nn.Module, index: int, model_args, ep_mesh=None, grad_divide_factor: float = 1.0) -> None:
+    def __init__(self, native: nn.Module, index: int, model_args, tp_mesh=None, ep_mesh=None,
+                 grad_divide_factor: float = 1.0) -> None:
         super().__init__()
         from megatron.core.transformer.spec_utils import build_module
 
         check_hybrid_block(index, native)
         self.block_type = native.block_type
+        # tensor parallelism (module docstring): attention / MLP split by megatron-core's linears, Mamba2 heads
+        # split by our mixer, MoE replicated
+        self.tp = 1 if tp_mesh is None else tp_mesh.size()
+        self.tp_rank = 0 if tp_mesh is None else tp_mesh.get_local_rank()
+        self._tp_group = None if tp_mesh is None else tp_mesh.get_group()
         dtype = native.norm.weight.dtype
         moe = native.mixer if self.block_type == "moe" else None
         # expert parallelism (MoE blocks; ep_shard.py): this rank holds experts ep_rank * E/ep ...
@@ -164,7 +189,7 @@ class McoreHybridBlock(nn.Module):
         if self.ep > 1 and moe.num_experts % self.ep:
             raise _error(f"parallel.ep = {self.ep}: decoder layer {index} has {moe.num_experts} routed experts, not "
                          "divisible by the expert-parallel size")
-        config = _config(model_args, model_args.num_hidden_layers, dtype, moe, self.ep)
+        config = _config(model_args, model_args.num_hidden_layers, dtype, moe, self.ep, self.tp)
         self.heads = dict(num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_query_groups)
         self.head_dim = config.kv_channels
         self._gated_experts = bool(moe is not None and moe.experts.gated)
@@ -172,14 +197,19 @@ class McoreHybridBlock(nn.Module):
 
         from megatron_vlm.models.mcore.layer import ensure_parallel_state
 
-        ensure_parallel_state(None, ep_mesh)
-        pgs = ProcessGroupCollection.use_mpu_process_groups()  # megatron-core's groups (tp = pp = 1, ep)
-        self.mcore = build_module(_spec(self.block_type, config, native), config=config, layer_number=index + 1,
+        ensure_parallel_state(tp_mesh, ep_mesh)
+        pgs = ProcessGroupCollection.use_mpu_process_groups()  # megatron-core's groups (tp, pp = 1, ep)
+        ep_group = ep_mesh.get_group(ep_mesh.ndim - 1) if self.ep > 1 else None  # ours (ensure_parallel_state)
+        self.mcore = build_module(_spec(self.block_type, config, native, ep_group), config=config, layer_number=index + 1,
                                   pg_collection=pgs)
         self.mcore.to(native.norm.weight.device)
+        if self.tp > 1 and self.block_type == "linear_attention":
+            self.mcore.mixer.tp_shard(self.tp, self.tp_rank)  # this rank's heads; the weights stay whole
         self.load_native(native.state_dict())
-        if self.ep > 1:
+        if self.ep > 1:  # the expert weights first: on the ep mesh, replicated over tp (left alone by the tp step)
             distribute_expert_params(self.mcore, ep_mesh, grad_divide_factor)
+        if self.tp > 1:
+            distribute_layer_params(self.mcore, tp_mesh, partial_grad_prefixes=("mixer.",))
 
     # ----- what the decoding caches read -----
     @property
@@ -190,7 +220,8 @@ class McoreHybridBlock(nn.Module):
         return self
 
     def local_heads(self) -> tuple[int, int]:
-        return self.heads["num_attention_heads"], self.heads["num_key_value_heads"]
+        """(query heads, KV heads) this rank computes: the KV cache holds these."""
+        return self.heads["num_attention_heads"] // self.tp, self.heads["num_key_value_heads"] // self.tp
 
     # ----- weights, both ways -----
     def _to_mcore(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -218,12 +249,15 @@ class McoreHybridBlock(nn.Module):
         return dict(num_heads=self.heads["num_attention_heads"], num_kv_heads=self.heads["num_key_value_heads"])
 
     def load_native(self, state: dict) -> None:
-        """Load a native NemotronHBlock state dict, converted exactly (this rank's experts under ep > 1)."""
+        """Load a native NemotronHBlock state dict, converted exactly (this rank's blocks of the attention / MLP
+        weights under tp > 1, its experts under ep > 1)."""
         converted = self._to_mcore(state)
+        if self.tp > 1:
+            converted = shard_layer_state(converted, self.tp, self.tp_rank, gated=False)
         if self.ep > 1:
             converted = shard_expert_state(converted, self.ep, self.ep_rank)
         own = self.mcore.state_dict()
-        if any(isinstance(v, DTensor) for v in own.values()):  # after distribute_expert_params: into the local slices
+        if any(isinstance(v, DTensor) for v in own.values()):  # after distribute_*_params: into the local blocks
             missing = [k for k in own if k not in converted and not k.endswith("_extra_state")]
             unexpected = [k for k in converted if k not in own]
             if not (missing or unexpected):
@@ -238,11 +272,12 @@ class McoreHybridBlock(nn.Module):
 
     def native_state(self, state: Optional[dict] = None) -> dict:
         """This block's weights (or `state`, keys relative to `self.mcore`, global tensors) under native
-        NemotronHBlock names; all experts (gathered over ep: collective when `state` is None)."""
+        NemotronHBlock names, full tensors: all experts, all tp blocks (gathered over ep / tp: collective when
+        `state` is None)."""
         state = self.mcore.state_dict() if state is None else state
         state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()
                  if not k.endswith("_extra_state")}
-        state = global_to_full_experts(state, self.ep)
+        state = global_to_full(global_to_full_experts(state, self.ep), self.tp, gated=False)
         kind = self.block_type
         if kind == "linear_attention":
             return dict(state)
@@ -277,7 +312,18 @@ class McoreHybridBlock(nn.Module):
         layer, kind = self.mcore, self.block_type
         if kind == "linear_attention":
             state = None if cache is None else cache.mamba_state(layer_idx)
-            return x + layer.mixer(layer.norm(x), attention_mask=attention_mask, cu_seqlens=cu_seqlens, state=state)
+            h = layer.norm(x)
+            if self.tp > 1:  # this rank's heads: the input's gradient and the output are partial sums over tp
+                from megatron.core.tensor_parallel.mappings import (
+                    copy_to_tensor_model_parallel_region,
+                    reduce_from_tensor_model_parallel_region,
+                )
+
+                h = copy_to_tensor_model_parallel_region(h, group=self._tp_group)
+            out = layer.mixer(h, attention_mask=attention_mask, cu_seqlens=cu_seqlens, state=state)
+            if self.tp > 1:
+                out = reduce_from_tensor_model_parallel_region(out, group=self._tp_group)
+            return x + out
         if kind == "full_attention":  # no positional encoding: cos / sin None skip the rotary
             q, k, v = layer.self_attention.get_query_key_value_tensors(layer.input_layernorm(x))
             if cu_seqlens is not None:

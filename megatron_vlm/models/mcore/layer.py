@@ -20,22 +20,27 @@ MoE layers (Qwen3-VL-MoE, Qwen3-MoE) hold megatron-core's `MoELayer` (router, to
 models/mcore/moe_layer.py, local spec); the Nemotron-H hybrid's blocks become `McoreHybridBlock`s
 (models/mcore/hybrid.py: MambaLayer with our Mamba2 mixer, attention / MLP / MoE layers).
 
-Tensor parallelism (parallel.tp > 1, dense attention decoders): megatron-core's parallel state gets
+Tensor parallelism (parallel.tp > 1): megatron-core's parallel state gets
 tensor_model_parallel_size = tp over our mesh's tp groups (`ensure_parallel_state` checks they coincide), each
 layer holds its rank's blocks of the converted weights as DTensors on the tp mesh (`tp_shard.py`), attention runs
 on the rank's heads, and the layer takes / returns the whole sequence like our native tp layers (plain tp inside:
-the local spec's torch RMSNorms refuse megatron-core's sequence parallelism). Context parallelism: `apply_cp` sets
+the local spec's torch RMSNorms refuse megatron-core's sequence parallelism). MoE layers are replicated over the
+tp ranks, as the native MoE blocks are: megatron-core's MoELayer gets a tp group of size 1 (expert tensor
+parallelism 1, `moe_layer.replicated_over_tp`) and runs whole on every tp rank; the Nemotron-H blocks split their
+attention / MLP the same way and their Mamba2 mixers by heads (hybrid.py). Context parallelism: `apply_cp` sets
 `context_parallel`, passed to `attend`, as for our own attention.
 
 Expert parallelism (parallel.ep > 1, MoE decoders and the Nemotron-H hybrid's MoE blocks): megatron-core's
 parallel state gets
 expert_model_parallel_size = ep over our ep mesh's groups (checked), the MoE layers use its all-to-all token
-dispatcher and hold their rank's experts as DTensors on the ("ep_replicate", "ep") mesh (`ep_shard.py`).
+dispatcher and hold their rank's experts as DTensors on the ("ep_replicate", "ep") mesh (`ep_shard.py`). With
+tp > 1 as well, our ep groups (ranks of one tp coordinate) are given to the MoE layers directly (megatron-core
+builds its expert groups from consecutive ranks; `ensure_parallel_state`), which are replicated over tp.
 
 Limits, refused with exit 2 before a run starts (config/sections.py, `check_mcore_model`, `use_mcore_layers`):
-pipeline parallelism (megatron-core's own process groups for it are not wired to our mesh yet), tp or cp > 1
-with MoE or Mamba2 decoders (their megatron-core layers are built unsplit), ep > 1 with tp > 1, MoE routing
-features megatron-core
+pipeline parallelism (megatron-core's own process groups for it are not wired to our mesh yet), cp > 1 with
+MoE or Mamba2 decoders (their megatron-core layers were not checked under context parallelism), a tp that
+does not divide a layer's heads / groups / MLP width (TPError), MoE routing features megatron-core
 cannot express (moe_layer.py), LoRA; experimental: not yet run on a GPU.
 """
 from __future__ import annotations
@@ -72,14 +77,20 @@ def ensure_parallel_state(tp_mesh=None, ep_mesh=None) -> None:
     (our mesh's "tp" dim; None: 1), expert_model_parallel_size = the size of `ep_mesh`'s "ep" dim (our
     ("ep_replicate", "ep") mesh, `parallel.mesh.build_ep_mesh`; None: 1), pp = 1, over the initialised world.
     megatron-core's default rank order ("tp-cp-ep-dp-pp") makes its tp groups consecutive ranks, as our mesh's are
-    (tp innermost), and its ep groups (tp = 1) `ep` consecutive ranks, as our ep mesh's are; this rank's groups
-    are checked against `tp_mesh`'s / `ep_mesh`'s (AssertionError otherwise). An earlier initialisation with
+    (tp innermost), and its ep groups (tp = 1) `ep` consecutive ranks, as our ep mesh's are; its expert tensor
+    parallelism is 1 (MoE layers replicated over tp, `moe_layer.moe_layer_spec`); this rank's groups
+    are checked against `tp_mesh`'s / `ep_mesh`'s (AssertionError otherwise). With tp > 1 and ep > 1 our ep groups
+    (`ep` ranks of one tp coordinate, strided by tp) are not megatron-core's expert groups (consecutive ranks for
+    expert tp = 1): its parallel state then gets expert_model_parallel_size = 1, and the MoE layers are given our
+    ep group itself (`moe_layer.replicated_over_tp`, as they are with tp = 1). An earlier initialisation with
     other sizes or ranks (a job before this one in the same process) is replaced."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     tp = 1 if tp_mesh is None else tp_mesh.size()
     ep = 1 if ep_mesh is None else ep_mesh.size(ep_mesh.ndim - 1)
+    if tp > 1:  # our ep groups are given to the MoE layers directly (docstring)
+        ep, ep_mesh = 1, None
     want = None if tp_mesh is None else dist.get_process_group_ranks(tp_mesh.get_group())
     want_ep = None if ep_mesh is None else dist.get_process_group_ranks(ep_mesh.get_group(ep_mesh.ndim - 1))
 
@@ -89,11 +100,14 @@ def ensure_parallel_state(tp_mesh=None, ep_mesh=None) -> None:
 
     if parallel_state.model_parallel_is_initialized():
         if (parallel_state.get_tensor_model_parallel_world_size() == tp
-                and parallel_state.get_expert_model_parallel_world_size() == ep and groups() == (want, want_ep)):
+                and parallel_state.get_expert_model_parallel_world_size() == ep
+                and parallel_state.get_expert_tensor_parallel_world_size() == 1 and groups() == (want, want_ep)):
             return
         parallel_state.destroy_model_parallel()
+    # expert_tensor_parallel_size = 1: MoE layers are replicated over the tp ranks (moe_layer.moe_layer_spec
+    # gives them this size-1 group as their tp group), as the native backend's MoE blocks are
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
-                                             expert_model_parallel_size=ep)
+                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     have, have_ep = groups()
     if have != want:
         raise AssertionError(f"megatron-core's tensor-parallel group {have} is not our mesh's tp group {want}")
@@ -151,9 +165,31 @@ def _config(layer: DecoderLayer, num_layers: int, dtype: torch.dtype, tp: int = 
         add_qkv_bias=attn.q_proj.bias is not None, qk_layernorm=attn.q_norm is not None,
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16, use_cpu_initialization=True, perform_initialization=False,
-        **moe, expert_model_parallel_size=ep,
+        **moe, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,  # MoE replicated over tp
         tensor_model_parallel_size=tp, sequence_parallel=False,
     )
+
+
+def _tp_sizes(index: int, layer: nn.Module) -> dict[str, int]:
+    """The sizes tensor parallelism splits in decoder layer `index` (a DecoderLayer or a Nemotron-H block), by
+    the names `check_tp_sizes` reports: attention / KV heads, the dense MLP width, Mamba2 heads and groups (a MoE
+    block is replicated over tp: nothing of it is split)."""
+    where = f"language_model.layers.{index}"
+    kind = getattr(layer, "block_type", None)
+    if kind is None:  # DecoderLayer
+        heads, kv_heads = layer.self_attn.local_heads()
+        sizes = {f"{where}.num_attention_heads": heads, f"{where}.num_key_value_heads": kv_heads}
+        if not isinstance(layer.mlp, MoE):
+            sizes[f"{where}.intermediate_size"] = _ffn_hidden_size(layer.mlp)
+        return sizes
+    m = layer.mixer
+    if kind == "full_attention":
+        return {f"{where}.num_attention_heads": m.num_heads, f"{where}.num_key_value_heads": m.num_kv_heads}
+    if kind == "mlp":
+        return {f"{where}.intermediate_size": m.up_proj.weight.shape[0]}
+    if kind == "linear_attention":
+        return {f"{where}.mamba_num_heads": m.num_heads, f"{where}.n_groups": m.n_groups}
+    return {}
 
 
 def _ffn_hidden_size(mlp: nn.Module) -> int:
@@ -213,16 +249,12 @@ class McoreDecoderLayer(nn.Module):
                                     "routed experts, not divisible by the expert-parallel size")
         config = _config(native, num_layers, dtype, self.tp, self.ep)
         if self.tp > 1:
-            if isinstance(native.mlp, MoE):
-                raise McoreBackendError(f"parallel.backend = 'mcore': decoder layer {index} is a MoE layer; tensor "
-                                        "parallelism with megatron-core MoE layers is not wired yet")
-            check_tp_sizes(self.tp, {f"language_model.layers.{index}.num_attention_heads": config.num_attention_heads,
-                                     f"language_model.layers.{index}.num_key_value_heads": config.num_query_groups,
-                                     f"language_model.layers.{index}.intermediate_size": config.ffn_hidden_size})
+            check_tp_sizes(self.tp, _tp_sizes(index, native))
         if self.is_moe:  # megatron-core's MoELayer, local spec (moe_layer.py)
             from megatron_vlm.models.mcore.moe_layer import moe_decoder_layer_spec
 
-            spec, self.te_fused_norms = moe_decoder_layer_spec(config, expert_bias=False), False
+            ep_group = ep_mesh.get_group(ep_mesh.ndim - 1) if self.ep > 1 else None  # ours (ensure_parallel_state)
+            spec, self.te_fused_norms = moe_decoder_layer_spec(config, expert_bias=False, ep_group=ep_group), False
         else:
             spec, self.te_fused_norms = _layer_spec(config.qk_layernorm)
         self.heads = dict(num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_query_groups)
@@ -230,10 +262,10 @@ class McoreDecoderLayer(nn.Module):
         self.mcore = build_module(spec, config=config, layer_number=index + 1)
         self.mcore.to(native.input_layernorm.weight.device)
         self.load_native(native.state_dict())
+        if self.ep > 1:  # the expert weights first: on the ep mesh, replicated over tp (left alone by the tp step)
+            distribute_expert_params(self.mcore, ep_mesh, grad_divide_factor)
         if self.tp > 1:
             distribute_layer_params(self.mcore, tp_mesh)
-        if self.ep > 1:
-            distribute_expert_params(self.mcore, ep_mesh, grad_divide_factor)
 
     def load_native(self, state: dict) -> None:
         """Load a native DecoderLayer state dict (HF layer names, full tensors), converted exactly; this rank's
@@ -312,7 +344,7 @@ class McoreDecoderLayer(nn.Module):
 def use_mcore_layers(model: nn.Module, tp_mesh=None, ep_mesh=None, grad_divide_factor: float = 1.0) -> None:
     """Replace every language-decoder layer of `model` (weights loaded) by a McoreDecoderLayer (a
     McoreHybridBlock for Nemotron-H blocks); `tp_mesh`: the world mesh's "tp" dim when parallel.tp > 1
-    (collective then: every rank calls it; dense attention decoders only). `ep_mesh`: the ("ep_replicate", "ep")
+    (collective then: every rank calls it; attention / MLP / Mamba2 split, MoE replicated). `ep_mesh`: the ("ep_replicate", "ep")
     mesh when parallel.ep > 1 (collective; MoE decoders, Nemotron-H MoE blocks): each MoE layer holds its rank's experts
     (ep_shard.py), their gradient divided by `grad_divide_factor` (the data-parallel size)."""
     from megatron_vlm.models.mcore.hybrid import McoreHybridBlock, is_hybrid_block
@@ -321,23 +353,16 @@ def use_mcore_layers(model: nn.Module, tp_mesh=None, ep_mesh=None, grad_divide_f
     layers = model.language_model.layers
     if ep_mesh is not None:  # before any collective: the refusal is the same on every rank
         ep = ep_mesh.size(ep_mesh.ndim - 1)
-        if tp_mesh is not None:
-            raise McoreBackendError(f"parallel.backend = 'mcore' with parallel.ep = {ep} and parallel.tp = "
-                                    f"{tp_mesh.size()}: expert and tensor parallelism together are not wired yet")
         if not any(isinstance(getattr(layer, "mlp", None), MoE) or getattr(layer, "block_type", None) == "moe"
                    for layer in layers):
             raise McoreBackendError(f"parallel.ep = {ep}: the model has no MoE layers to shard")
-    if tp_mesh is not None:  # before any collective: the refusal is the same on every rank
+    if tp_mesh is not None:  # before any collective: the refusal (TPError, exit 2) is the same on every rank
         for i, layer in enumerate(layers):
-            if is_hybrid_block(layer) or isinstance(getattr(layer, "mlp", None), MoE):
-                raise McoreBackendError(f"parallel.backend = 'mcore': decoder layer {i} is a "
-                                        f"{'Nemotron-H hybrid block' if is_hybrid_block(layer) else 'MoE layer'}; tensor "
-                                        "parallelism (parallel.tp > 1) with megatron-core MoE / Mamba2 layers is not "
-                                        "wired yet (they are built unsplit); use tp = 1 or backend = 'native'")
+            check_tp_sizes(tp_mesh.size(), _tp_sizes(i, layer))
     ensure_parallel_state(tp_mesh, ep_mesh)
     for i in range(len(layers)):
         if is_hybrid_block(layers[i]):
-            layers[i] = McoreHybridBlock(layers[i], i, model.language_model.args, ep_mesh=ep_mesh,
+            layers[i] = McoreHybridBlock(layers[i], i, model.language_model.args, tp_mesh=tp_mesh, ep_mesh=ep_mesh,
                                          grad_divide_factor=grad_divide_factor)
         else:
             layers[i] = McoreDecoderLayer(layers[i], i, len(layers), tp_mesh=tp_mesh, ep_mesh=ep_mesh,

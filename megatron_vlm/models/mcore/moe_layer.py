@@ -52,7 +52,7 @@ from torch import nn
 
 from megatron_vlm.models.common.moe import MoE, RouterStats
 
-__all__ = ["moe_config_kwargs", "moe_layer_spec", "moe_decoder_layer_spec", "check_decoder_moe", "moe_to_mcore",
+__all__ = ["moe_config_kwargs", "moe_layer_spec", "replicated_over_tp", "moe_decoder_layer_spec", "check_decoder_moe", "moe_to_mcore",
            "mcore_to_moe", "mcore_moe_classes"]
 
 
@@ -320,8 +320,9 @@ def alltoall_dispatcher():
     return _AllToAllDispatcher
 
 
-def moe_layer_spec(mlp_spec, *, expert_bias: bool):
-    """`mlp_spec` (a megatron-core MoE ModuleSpec from a layer spec) with our router / MoELayer subclasses."""
+def moe_layer_spec(mlp_spec, *, expert_bias: bool, ep_group=None):
+    """`mlp_spec` (a megatron-core MoE ModuleSpec from a layer spec) with our router / MoELayer subclasses;
+    `ep_group`: our ep mesh's expert-parallel group (None: megatron-core's, ep = 1 or checked equal to ours)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     router, layer = mcore_moe_classes()
@@ -331,9 +332,34 @@ def moe_layer_spec(mlp_spec, *, expert_bias: bool):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     # megatron-core's TransformerLayer passes its process groups only to the MoELayer class itself: they are
-    # given here (megatron-core's parallel state: tp = 1, ep = parallel.ep, layer.ensure_parallel_state)
-    params = dict(mlp_spec.params or {}, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    # given here (megatron-core's parallel state: tp = parallel.tp, expert tp = 1, ep = parallel.ep,
+    # layer.ensure_parallel_state)
+    pgs = replicated_over_tp(ProcessGroupCollection.use_mpu_process_groups(), ep_group)
+    params = dict(mlp_spec.params or {}, pg_collection=pgs)
     return ModuleSpec(module=layer, params=params, submodules=sub)
+
+
+def replicated_over_tp(pgs, ep_group=None):
+    """megatron-core's process groups `pgs` with the tensor-parallel ones (`tp`, `tp_cp`) replaced by the expert
+    tensor-parallel group, of size 1: the MoE layer built with them is whole on every tp rank and runs the whole
+    sequence there, as the native backend's MoE blocks under tp (parallel/tensor_parallel.py, "replicated").
+    Why not megatron-core's own tp MoE: its MoELayer refuses training with tp > 1 without sequence parallelism,
+    which its local spec's torch RMSNorms refuse (and whose gathers allocate on CUDA); and the native reference
+    replicates. The layer's parameters then get the same, complete gradient on every tp rank (counted once:
+    `tp_shard.distribute_layer_params` makes them `Replicate` on the tp mesh).
+
+    `ep_group` (expert parallelism with tp > 1): our ep mesh's group — `ep` ranks of one tp coordinate
+    (parallel/mesh.py build_ep_mesh), which megatron-core's expert groups for expert tp = 1 (consecutive ranks)
+    are not — becomes the layer's expert-parallel group and, expert tp being 1, its expert tp x ep group."""
+    one = pgs.expt_tp
+    if one is None or one.size() != 1:
+        raise AssertionError("megatron-core's expert tensor-parallel group must be of size 1 (ensure_parallel_state)")
+    pgs.tp = one
+    pgs.tp_cp = one
+    if ep_group is not None:
+        pgs.ep = ep_group
+        pgs.tp_ep = ep_group
+    return pgs
 
 
 def check_decoder_moe(moe: MoE) -> None:
@@ -345,13 +371,13 @@ def check_decoder_moe(moe: MoE) -> None:
                       "the layer's megatron-core config is the SwiGLU decoder's")
 
 
-def moe_decoder_layer_spec(config, *, expert_bias: bool):
+def moe_decoder_layer_spec(config, *, expert_bias: bool, ep_group=None):
     """megatron-core's local TransformerLayer spec with a MoE MLP (SequentialMLP experts) and our subclasses."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm,
                                     num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    spec.submodules.mlp = moe_layer_spec(spec.submodules.mlp, expert_bias=expert_bias)
+    spec.submodules.mlp = moe_layer_spec(spec.submodules.mlp, expert_bias=expert_bias, ep_group=ep_group)
     return spec
 
 

@@ -10,9 +10,12 @@ layouts, for `tp` ranks and rank r (megatron-core's `ColumnParallelLinear` split
   divide the KV heads) — no reordering needed, the block is exactly megatron-core's local layout;
 * `self_attention.linear_proj.weight`: the r-th column block (the outputs of rank r's query heads);
 * `mlp.linear_fc1.weight` = [gate; up]: rank r holds [gate_r; up_r] (megatron-core's local GLU chunks
-  its output in two), NOT the r-th row block of [gate; up] — the per-shard interleaving below;
+  its output in two), NOT the r-th row block of [gate; up] — the per-shard interleaving below; a
+  non-gated fc1 (the Nemotron-H relu^2 MLP, `gated=False`) is a plain row split;
 * `mlp.linear_fc2.weight`: the r-th column block;
-* norms (input / pre-MLP, per-head QK-norm): whole on every rank.
+* norms (input / pre-MLP, per-head QK-norm): whole on every rank;
+* anything else (a MoE layer's router, routed and shared experts; a Mamba2 layer's mixer, which splits its
+  compute by heads itself, `Mamba2Mixer.tp_shard`): whole on every rank.
 
 In the training run the local blocks become DTensors on the "tp" mesh dim (`Shard(0)` / `Shard(1)` /
 `Replicate`), so FSDP2 shards them over the data-parallel dims like the native tp weights, the gradient
@@ -56,24 +59,26 @@ def split_dim(key: str) -> Optional[int]:
     return SPLIT_DIM.get(key)
 
 
-def _shard(key: str, value: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+def _shard(key: str, value: torch.Tensor, tp: int, rank: int, gated: bool) -> torch.Tensor:
     dim = split_dim(key)
     if dim is None:
         return value
-    if value.shape[dim] % (2 * tp if key == _GLU else tp):
+    glu = gated and key == _GLU
+    if value.shape[dim] % (2 * tp if glu else tp):
         raise ValueError(f"tensor parallelism: {key} {tuple(value.shape)} does not split into {tp} equal blocks")
-    if key == _GLU:
+    if glu:
         gate, up = value.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]])
     return value.chunk(tp, dim=dim)[rank]
 
 
-def shard_layer_state(full: Mapping[str, torch.Tensor], tp: int, rank: int) -> dict[str, torch.Tensor]:
-    """Full megatron-core layer weights (layer-relative keys) -> rank `rank`'s local blocks (copies)."""
-    return {k: _shard(k, v, tp, rank).clone() for k, v in full.items()}
+def shard_layer_state(full: Mapping[str, torch.Tensor], tp: int, rank: int, *, gated: bool = True) -> dict[str, torch.Tensor]:
+    """Full megatron-core layer weights (layer-relative keys) -> rank `rank`'s local blocks (copies). `gated`:
+    `mlp.linear_fc1.weight` is [gate; up] (SwiGLU; False: a plain up projection)."""
+    return {k: _shard(k, v, tp, rank, gated).clone() for k, v in full.items()}
 
 
-def unshard_layer_state(shards: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def unshard_layer_state(shards: list[Mapping[str, torch.Tensor]], *, gated: bool = True) -> dict[str, torch.Tensor]:
     """The local blocks of every rank (rank order) -> the full megatron-core layer weights."""
     out = {}
     for key in shards[0]:
@@ -81,7 +86,7 @@ def unshard_layer_state(shards: list[Mapping[str, torch.Tensor]]) -> dict[str, t
         dim = split_dim(key)
         if dim is None:
             out[key] = parts[0]
-        elif key == _GLU:
+        elif gated and key == _GLU:
             halves = [p.chunk(2, dim=0) for p in parts]
             out[key] = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
         else:
@@ -89,7 +94,7 @@ def unshard_layer_state(shards: list[Mapping[str, torch.Tensor]]) -> dict[str, t
     return out
 
 
-def global_to_full(state: Mapping[str, torch.Tensor], tp: int) -> dict[str, torch.Tensor]:
+def global_to_full(state: Mapping[str, torch.Tensor], tp: int, *, gated: bool = True) -> dict[str, torch.Tensor]:
     """The global tensors of a tp-sharded layer (each the concatenation of the rank blocks along its split
     dim, as a DTensor's full tensor is) -> the full megatron-core layer weights."""
     if tp == 1:
@@ -99,25 +104,32 @@ def global_to_full(state: Mapping[str, torch.Tensor], tp: int) -> dict[str, torc
         dim = split_dim(key)
         for r in range(tp):
             blocks[r][key] = value if dim is None else value.chunk(tp, dim=dim)[r]
-    return unshard_layer_state(blocks)
+    return unshard_layer_state(blocks, gated=gated)
 
 
-def distribute_layer_params(layer: nn.Module, mesh) -> None:
+def distribute_layer_params(layer: nn.Module, mesh, partial_grad_prefixes: tuple[str, ...] = ()) -> None:
     """Make the parameters of `layer` (a megatron-core TransformerLayer holding rank-local blocks) DTensors on
     the 1-D tp `mesh`; a forward decorated with `local_params` runs megatron-core's modules on the local blocks.
     Split weights are `Shard(dim)` (gradient: this rank's block); the input / pre-MLP norms `Replicate` (plain
     tensor parallelism: they see the whole sequence and receive the same, complete gradient on every tp rank);
     the per-head QK-norms `Replicate` with a `Partial` gradient (each rank normalises its own heads: the
-    gradient is summed over the tp ranks, by FSDP2's reduction)."""
+    gradient is summed over the tp ranks, by FSDP2's reduction); so are the parameters under
+    `partial_grad_prefixes` (a Mamba2 mixer running its own heads on whole weights: each rank's gradient is
+    non-zero on its heads' rows only). Whole blocks replicated over tp (a MoE layer: every rank computes it on
+    the whole sequence) are `Replicate` with the same, complete gradient on every tp rank: counted once.
+    Parameters that are DTensors already (routed experts under expert parallelism, `ep_shard.distribute_expert_params`:
+    on the ep mesh, the same on every tp rank of their group) are left as they are."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     owners = []
     for mod_name, mod in layer.named_modules():
         for name, p in list(mod.named_parameters(recurse=False)):
+            if isinstance(p, DTensor):  # placed already: expert weights on the ep mesh (ep_shard.py)
+                continue
             key = f"{mod_name}.{name}" if mod_name else name
             dim = split_dim(key)
             placement = Shard(dim) if dim is not None else Replicate()
-            grad = [Partial()] if key in _QK_NORMS else [placement]
+            grad = [Partial()] if key in _QK_NORMS or key.startswith(partial_grad_prefixes) else [placement]
             shape = list(p.shape)
             if dim is not None:
                 shape[dim] *= mesh.size()

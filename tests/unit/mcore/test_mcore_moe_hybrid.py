@@ -204,11 +204,22 @@ class _TwoRankMesh:
         return 0
 
 
-@pytest.mark.parametrize("kind,what", [("tiny_qwen3_vl_moe", "MoE layer"), ("tiny_nemotron_vl", "Nemotron-H hybrid block")])
-def test_tensor_parallel_moe_and_hybrid_decoders_are_refused(kind, what, tmp_path, mcore_state):
+class _ThreeRankMesh(_TwoRankMesh):
+    def size(self):
+        return 3
+
+
+@pytest.mark.parametrize("kind,key", [("tiny_qwen3_vl_moe", "num_attention_heads"),
+                                      ("tiny_nemotron_vl", "(num_attention_heads|mamba_num_heads|intermediate_size)")])
+def test_tensor_parallel_sizes_not_divided_are_refused(kind, key, tmp_path, mcore_state):
+    """tp = 3 divides none of the tiny models' head counts: refused (TPError, exit 2) naming the layer's size,
+    before any collective (the stand-in mesh has none). The 2-process tp = 2 runs of these models:
+    tests/integration/parallel/test_mcore_tp_moe_hybrid.py."""
+    from megatron_vlm.parallel.tensor_parallel import TPError
+
     model = load_hf_model(str(synthesize_model_folder(kind, tmp_path / kind, seed=0)), dtype=torch.float32)
-    with pytest.raises(McoreBackendError, match=f"decoder layer \\d+ is a {what}; tensor parallelism"):
-        use_mcore_layers(model, tp_mesh=_TwoRankMesh())
+    with pytest.raises(TPError, match=f"parallel.tp=3 does not divide language_model.layers.\\d+.{key}="):
+        use_mcore_layers(model, tp_mesh=_ThreeRankMesh())
 
 
 def test_context_parallel_moe_and_hybrid_decoders_are_refused(tmp_path, mcore_state):
@@ -228,11 +239,8 @@ class _EpMesh:
         return 2 if dim == 1 else 1
 
 
-@pytest.mark.parametrize("kind", ["tiny_qwen3_vl_moe", "tiny_qwen3"])
-def test_expert_parallel_dense_decoders_and_tp_are_refused(kind, tmp_path, mcore_state):
-    model = load_hf_model(str(synthesize_model_folder(kind, tmp_path / kind, seed=0)), dtype=torch.float32)
-    if kind == "tiny_qwen3":
+def test_expert_parallel_dense_decoders_are_refused(tmp_path, mcore_state):
+    model = load_hf_model(str(synthesize_model_folder("tiny_qwen3", tmp_path / "q", seed=0)), dtype=torch.float32)
+    for tp_mesh in (None, _TwoRankMesh()):  # with or without tp, before any collective
         with pytest.raises(McoreBackendError, match="parallel.ep = 2: the model has no MoE layers"):
-            use_mcore_layers(model, ep_mesh=_EpMesh())
-    with pytest.raises(McoreBackendError, match="expert and tensor parallelism together"):
-        use_mcore_layers(model, tp_mesh=_TwoRankMesh(), ep_mesh=_EpMesh())
+            use_mcore_layers(model, tp_mesh=tp_mesh, ep_mesh=_EpMesh())

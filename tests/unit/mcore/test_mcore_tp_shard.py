@@ -82,6 +82,28 @@ def test_rank_blocks_are_the_native_shares_and_gather_back(tp):
     assert all(torch.equal(got[k], full[k]) for k in full)
 
 
+def test_non_gated_mlp_is_a_plain_row_split():
+    """The Nemotron-H relu^2 MLP (`gated=False`): rank r's fc1 block is its rows of up_proj as the native tp's
+    ColwiseParallel takes them (no gate / up interleaving), fc2 its columns of down_proj; the global tensor is the
+    full weight."""
+    g = torch.Generator().manual_seed(3)
+    up, down, norm = torch.randn(FFN, H, generator=g), torch.randn(H, FFN, generator=g), torch.randn(H, generator=g)
+    full = {"mlp.linear_fc1.weight": up, "mlp.linear_fc2.weight": down, "pre_mlp_layernorm.weight": norm}
+    blocks = [shard_layer_state(full, 2, r, gated=False) for r in range(2)]
+    for r, block in enumerate(blocks):
+        assert torch.equal(block["mlp.linear_fc1.weight"], up.chunk(2, 0)[r])
+        assert torch.equal(block["mlp.linear_fc2.weight"], down.chunk(2, 1)[r])
+        assert torch.equal(block["pre_mlp_layernorm.weight"], norm)
+    assert not torch.equal(shard_layer_state(full, 2, 0)["mlp.linear_fc1.weight"], up.chunk(2, 0)[0])  # gated differs
+    back = unshard_layer_state(blocks, gated=False)
+    assert all(torch.equal(back[k], full[k]) for k in full)
+    glob = {"mlp.linear_fc1.weight": torch.cat([b["mlp.linear_fc1.weight"] for b in blocks]),
+            "mlp.linear_fc2.weight": torch.cat([b["mlp.linear_fc2.weight"] for b in blocks], dim=1),
+            "pre_mlp_layernorm.weight": norm}
+    got = global_to_full(glob, 2, gated=False)
+    assert all(torch.equal(got[k], full[k]) for k in full)
+
+
 def test_uneven_split_is_refused():
     full = _mcore(_hf_layer(torch.Generator().manual_seed(0), ffn=10), HEADS, KV)
     with pytest.raises(ValueError, match="linear_fc1.weight"):
@@ -98,13 +120,11 @@ def test_checkpoint_tp_guard():
         check_saved_mcore_tp({}, 2)
 
 
-def test_config_accepts_tp_and_cp_refuses_pp_and_tp_with_ep():
+def test_config_accepts_tp_and_cp_refuses_pp():
     for key in ("tp", "cp"):
         ParallelConfig(backend="mcore", **{key: 2}).validate()
     with pytest.raises(ValueError, match="backend: 'mcore' with pp = 2: megatron-core's own pipeline"):
         ParallelConfig(backend="mcore", pp=2).validate()
-    with pytest.raises(ValueError, match="backend: 'mcore' with ep = 2 and tp = 2"):
-        ParallelConfig(backend="mcore", tp=2, ep=2).validate()
 
 
 def test_check_plans_mcore_with_tp2(tmp_path):
@@ -115,5 +135,3 @@ def test_check_plans_mcore_with_tp2(tmp_path):
     assert "tp 2" in out.getvalue()
     with pytest.raises(ValueError, match="parallel.backend: 'mcore' with pp = 2"):
         load_config(CONFIGS / "demo_sft.toml", sets[:2] + ["parallel.pp=2"])
-    with pytest.raises(ValueError, match="parallel.backend: 'mcore' with ep = 2 and tp = 2"):
-        load_config(CONFIGS / "demo_sft.toml", sets + ["parallel.ep=2"])

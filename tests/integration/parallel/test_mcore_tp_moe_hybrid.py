@@ -1,0 +1,222 @@
+"""`parallel.backend = "mcore"` with tensor parallelism for MoE decoders and the Nemotron-H hybrid, on 2 gloo
+processes (one start).
+
+The reference is the native backend at the same tp = 2 (itself checked against tp = 1 in
+test_tp_cp_families.py): SFT of the tiny Qwen3-VL-MoE (attention split, megatron-core MoELayer replicated over
+tp) and of the tiny Nemotron-VL (Mamba2 mixers on half of the heads each, attention and relu^2 MLP split, MoE
+replicated; with activation checkpointing) gives the native run's losses and grad norms per step (fp32, 1e-5),
+its [moe] statistics and its HF export (1e-6). Before the jobs, in the same workers: the tp = 2 hybrid blocks really are split (half
+of the attention / MLP weights per rank, the Mamba2 mixer on half of the heads), MoE weights whole, and the
+blocks gather back to the native weights exactly.
+
+Heavy: a tp = 2 Nemotron-VL checkpoint resumes with tp = 2 (the uninterrupted run's losses and export) and is
+refused, exit 2, with tp = 1; two GRPO steps with tp = 2 of the tiny Nemotron-VL and Qwen3-VL-MoE give the native tp = 2 run's loss,
+grad norm and reward, the rollout decoding through the split megatron-core layers (`rl.rollout_weights =
+"shared"`: the KV cache of the rank's attention heads, the Mamba2 state of its heads) or through a native copy
+refreshed from their gathered weights ("copy"). And on 4 processes, tp = 2 x ep = 2 (x dp = 2): the SFT of the
+tiny Nemotron-VL and Qwen3-VL-MoE gives the native tp = 2 x ep = 2 run's losses, grad norms and export (each MoE
+layer replicated over tp, its experts split over the 2 ep ranks of one tp coordinate, as native).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("megatron.core")
+
+from megatron_vlm.checkpoint.hf import load_hf_model  # noqa: E402
+from megatron_vlm.parallel import init_distributed  # noqa: E402
+from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
+from tests.integration.parallel.test_mcore_tp import STEPS, _assert_same, _same_sft, _spawn, _worker  # noqa: E402
+from tests.integration.parallel.test_tp_cp_families import _column, _export, _free_port, _grpo, _run  # noqa: E402
+
+pytestmark = [pytest.mark.distributed]
+
+
+def _check_hybrid_shards(tmp: Path, rank: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from megatron_vlm.models.mcore.hybrid import McoreHybridBlock
+    from megatron_vlm.models.mcore.layer import native_state_dict, use_mcore_layers
+
+    folder = tmp / "shards" / "model"
+    if rank == 0:
+        synthesize_model_folder("tiny_nemotron_vl", folder, seed=0)
+    dist.barrier()
+    model = load_hf_model(str(folder), dtype=torch.float32)
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    use_mcore_layers(model, tp_mesh=mesh["tp"])
+    blocks = list(model.language_model.layers)
+    assert all(isinstance(b, McoreHybridBlock) for b in blocks)
+    split = {"full_attention": ("self_attention.linear_qkv.weight", "self_attention.linear_proj.weight"),
+             "mlp": ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")}
+    seen = set()
+    for b in blocks:
+        seen.add(b.block_type)
+        for name, p in b.mcore.named_parameters():
+            assert isinstance(p, DTensor), (b.block_type, name)
+            halved = name in split.get(b.block_type, ())
+            assert p.to_local().numel() * (2 if halved else 1) == p.numel(), (b.block_type, name)
+        if b.block_type == "linear_attention":
+            assert (b.mixer.tp_size, b.mixer.tp_rank) == (2, rank)
+        if b.block_type == "full_attention":
+            assert b.local_heads() == tuple(n // 2 for n in b.heads.values())
+    assert seen == {"full_attention", "mlp", "linear_attention", "moe"}, seen
+    gathered = native_state_dict({k: v.full_tensor() if isinstance(v, DTensor) else v
+                                  for k, v in model.state_dict().items()}, model)
+    assert gathered.keys() == ref.keys()
+    for k in ref:
+        assert torch.equal(gathered[k], ref[k]), k
+
+
+def _sft(tmp: Path, rank: int) -> None:
+    _check_hybrid_shards(tmp, rank)
+    stats = {"moe.n_step_per_workload_report": 1}
+    _same_sft(tmp, rank, "qwen3_vl_moe", "tp", **stats)
+    _same_moe_stats(tmp / "qwen3_vl_moe", rank)
+    # activation checkpointing recomputes the blocks (the local-weight swap and the tp collectives)
+    _same_sft(tmp, rank, "nemotron_vl", "tp", **{"train.activation_checkpointing": "true"}, **stats)
+    _same_moe_stats(tmp / "nemotron_vl", rank)
+
+
+def _same_moe_stats(family_dir: Path, rank: int) -> None:
+    """The [moe] statistics: each token counted once although every tp rank routes it (the balancer divides the
+    tp copies out), as in the native tp run."""
+    if rank == 0:
+        a, b = family_dir / "tp_native", family_dir / "tp_mcore"
+        for key in ("moe/tokens_per_layer_mean", "moe/max_fraction_max", "moe/entropy_mean"):
+            x, y = _column(a, key), _column(b, key)
+            assert len(x) == STEPS and max(abs(p - q) for p, q in zip(x, y)) <= 1e-6, (key, x, y)
+        table = (b / "moe_layer_expert_table.csv").read_text()
+        assert table == (a / "moe_layer_expert_table.csv").read_text() and len(table.splitlines()) > STEPS
+    dist.barrier()
+
+
+def test_mcore_tp2_moe_and_hybrid_sft_match_native(tmp_path):
+    _spawn(tmp_path, _sft)
+
+
+def _resume_hybrid(tmp: Path, rank: int) -> None:
+    """A tp = 2 megatron-core Nemotron-VL checkpoint of step 2 resumes with tp = 2 (the uninterrupted run's last
+    losses and export); resuming it with tp = 1 is refused, exit 2 naming parallel.tp."""
+    full, resumed, other = (tmp / "resume" / n for n in ("full", "resumed", "tp1"))
+    ck = {"parallel.backend": '"mcore"', "train.max_steps": STEPS, "checkpoint.enable": "true",
+          "checkpoint.every_steps": 2}
+    _run(tmp, "nemotron_vl", full, **{**ck, "parallel.tp": 2, "train.micro_batches_per_step": 2})
+    if rank == 0:
+        for out in (resumed, other):
+            shutil.copytree(full / "checkpoints" / "step_2", out / "checkpoints" / "step_2")
+    dist.barrier()
+    _run(tmp, "nemotron_vl", resumed, **{**ck, "parallel.tp": 2, "train.micro_batches_per_step": 2,
+                                         "checkpoint.resume": '"auto"'})
+    if rank == 0:
+        a, b = _column(full, "loss"), _column(resumed, "loss")
+        assert len(b) == STEPS - 2 and max(abs(x - y) for x, y in zip(a[2:], b)) <= 1e-6, (a, b)
+        e_a, e_b = _export(full), _export(resumed)
+        assert e_a.keys() == e_b.keys() and max((e_a[k] - e_b[k]).abs().max().item() for k in e_a) <= 1e-6
+    dist.barrier()
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(err):
+        _run(tmp, "nemotron_vl", other, **{**ck, "train.micro_batches_per_step": 1, "checkpoint.resume": '"auto"'})
+    assert e.value.code == 2 and "saved with parallel.tp = 2" in err.getvalue(), err.getvalue()
+    dist.barrier()
+
+
+def _grpo_parts(tmp: Path, rank: int) -> None:
+    _resume_hybrid(tmp, rank)
+    for kind in ("tiny_nemotron_vl", "tiny_qwen3_vl_moe"):
+        model = tmp / kind / "model"
+        if rank == 0:
+            synthesize_model_folder(kind, model, seed=0)
+        dist.barrier()
+        runs = {}
+        for name, backend, weights in (("native", "native", "shared"), ("mcore", "mcore", "shared"),
+                                       ("mcore_copy", "mcore", "copy")):
+            runs[name] = tmp / kind / name
+            _grpo(model, runs[name], init_distributed(), **{"parallel.tp": 2, "parallel.backend": f'"{backend}"',
+                                                            "rl.rollout_weights": f'"{weights}"',
+                                                            "train.train_layers": '["^language_model\\\\."]'})
+        if rank == 0:
+            assert _column(runs["native"], "grad_norm")[0] > 0, kind
+            for name in ("mcore", "mcore_copy"):
+                for key in ("loss", "grad_norm", "reward/mean"):
+                    ref, got = _column(runs["native"], key), _column(runs[name], key)
+                    scale = max(1.0, max(abs(v) for v in ref))
+                    assert len(ref) == len(got) == 2 and max(abs(a - b) for a, b in zip(ref, got)) <= 1e-5 * scale, \
+                        (kind, name, key, ref, got)
+        dist.barrier()
+
+
+@pytest.mark.heavy
+def test_mcore_tp2_hybrid_resume_and_grpo_match_native(tmp_path):
+    _spawn(tmp_path, _grpo_parts)
+
+
+def _check_tp_ep_shards(tmp: Path, rank: int) -> None:
+    """tp = 2 x ep = 2 on 4 ranks: each MoE layer's megatron-core expert-parallel group is our ep mesh's (the
+    ranks of one tp coordinate, not megatron-core's consecutive expert ranks), it holds half of the experts and
+    half of the attention weights, and the layers gather back to the native weights exactly."""
+    from torch.distributed.tensor import DTensor
+
+    from megatron_vlm.config.sections import ParallelConfig
+    from megatron_vlm.models.mcore.layer import native_state_dict, use_mcore_layers
+    from megatron_vlm.parallel.mesh import build_ep_mesh, build_mesh
+
+    folder = tmp / "shards" / "model"
+    if rank == 0:
+        synthesize_model_folder("tiny_qwen3_vl_moe", folder, seed=0)
+    dist.barrier()
+    model = load_hf_model(str(folder), dtype=torch.float32)
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    dims, mesh = build_mesh(ParallelConfig(backend="mcore", tp=2, ep=2), 4, "cpu")
+    ep_mesh = build_ep_mesh(dims, "cpu")
+    use_mcore_layers(model, tp_mesh=mesh["tp"], ep_mesh=ep_mesh, grad_divide_factor=dims.dp_size)
+    layer = model.language_model.layers[0]
+    moe = layer.mcore.mlp
+    assert dist.get_process_group_ranks(moe.ep_group) == [rank % 2, rank % 2 + 2]  # tp innermost: same tp coordinate
+    assert moe.num_local_experts * 2 == moe.config.num_moe_experts
+    assert moe.attn_tp_group.size() == 1  # replicated over tp
+    qkv = layer.mcore.get_parameter("self_attention.linear_qkv.weight")
+    assert isinstance(qkv, DTensor) and qkv.to_local().numel() * 2 == qkv.numel()
+    gathered = native_state_dict({k: v.full_tensor() if isinstance(v, DTensor) else v
+                                  for k, v in model.state_dict().items()}, model)
+    assert gathered.keys() == ref.keys()
+    for k in ref:
+        assert torch.equal(gathered[k], ref[k]), k
+
+
+def _tp_ep_parts(tmp: Path, rank: int) -> None:
+    _check_tp_ep_shards(tmp, rank)
+    for family in ("nemotron_vl", "qwen3_vl_moe"):
+        runs = {}
+        for backend in ("native", "mcore"):
+            runs[backend] = tmp / family / f"tp_ep_{backend}"
+            _run(tmp, family, runs[backend], **{"parallel.tp": 2, "parallel.ep": 2, "parallel.backend": f'"{backend}"',
+                                                "train.micro_batches_per_step": 2, "train.max_steps": 4})
+        if rank == 0:
+            _assert_same(f"{family} tp x ep", runs["native"], runs["mcore"])
+        dist.barrier()
+
+
+@pytest.mark.heavy
+def test_mcore_tp2_ep2_sft_matches_native(tmp_path):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.start_processes(_worker, args=(4, _free_port(), str(tmp_path), errors, _tp_ep_parts), nprocs=4,
+                           start_method="spawn")
+    except Exception:
+        msgs = []
+        while not errors.empty():
+            msgs.append("rank %d:\n%s" % errors.get())
+        raise AssertionError("\n".join(msgs) or "a worker failed")

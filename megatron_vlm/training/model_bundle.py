@@ -16,7 +16,7 @@ from megatron_vlm.checkpoint.hf import load_hf_model
 from megatron_vlm.data.processor import load_processor
 from megatron_vlm.models import get_family
 from megatron_vlm.models.common.moe import moe_layers
-from megatron_vlm.models.mcore.layer import McoreBackendError, McoreDecoderLayer, use_mcore_layers
+from megatron_vlm.models.mcore.layer import use_mcore_layers
 from megatron_vlm.parallel import ParallelDims, build_mesh
 from megatron_vlm.parallel.collectives import all_reduce_
 from megatron_vlm.parallel.mesh import build_ep_mesh
@@ -62,20 +62,17 @@ def _load_all_reduce(dims: ParallelDims):
     return reduce
 
 
-def use_mcore_backend(model, tp_mesh=None, cp: int = 1, ep_mesh=None, grad_divide_factor: float = 1.0) -> None:
+def use_mcore_backend(model, tp_mesh=None, ep_mesh=None, grad_divide_factor: float = 1.0) -> None:
     """`parallel.backend = "mcore"`: swap the language decoder's layers for megatron-core ones (McoreBackendError,
     exit 2, when the family's layers cannot be mapped) and say so at startup. `tp_mesh` (parallel.tp > 1): the
-    layers are built tensor-parallel over it, each rank holding its blocks. `cp` > 1: dense attention decoders only
-    (the MoE / hybrid megatron-core layers were checked without context parallelism). `ep_mesh` (parallel.ep > 1):
+    layers are built tensor-parallel over it, each rank holding its blocks. `cp` > 1 (dense, MoE and Nemotron-H
+    decoders alike) needs nothing here: the family's `parallelize` splits the layers as the native ones (the Mamba2
+    blocks left whole, `models/common/parallel_plan.py`). `ep_mesh` (parallel.ep > 1):
     the MoE layers hold their rank's experts (models/mcore/ep_shard.py), gradients divided by `grad_divide_factor`
     (the data-parallel size)."""
     use_mcore_layers(model, tp_mesh=tp_mesh, ep_mesh=ep_mesh, grad_divide_factor=grad_divide_factor)
     layers = model.language_model.layers
-    kinds = {type(layer.mcore).__name__ for layer in layers}
-    if cp > 1 and (kinds != {"TransformerLayer"} or any(not isinstance(layer, McoreDecoderLayer) or layer.is_moe for layer in layers)):
-        raise McoreBackendError(f"parallel.backend = 'mcore' with parallel.cp = {cp}: context parallelism is wired for "
-                                "dense attention decoders only, not MoE or Mamba2 ones; use cp = 1 or backend = 'native'")
-    kinds = ", ".join(sorted(kinds))
+    kinds = ", ".join(sorted({type(layer.mcore).__name__ for layer in layers}))
     log.info("parallel.backend = mcore: %d language-decoder layers are megatron-core layers (%s; %s layer spec, "
              "tensor_model_parallel_size %d, expert_model_parallel_size %d); experimental: not yet run on a GPU",
              len(layers), kinds, "Transformer Engine" if layers[0].te_fused_norms else "local", getattr(layers[0], "tp", 1),
@@ -94,7 +91,7 @@ def build_model_bundle(ctx: RunContext) -> ModelBundle:
     model = load_hf_model(cfg.model.path, dtype=getattr(torch, cfg.model.dtype), device="cpu")
     if cfg.parallel.backend == "mcore":  # megatron-core decoder layers, converted from the loaded weights
         ep_mesh = build_ep_mesh(dims, env.device.type) if dims.ep > 1 else None  # the native ep groups (collective)
-        use_mcore_backend(model, tp_mesh=mesh["tp"] if dims.tp > 1 else None, cp=cfg.parallel.cp, ep_mesh=ep_mesh,
+        use_mcore_backend(model, tp_mesh=mesh["tp"] if dims.tp > 1 else None, ep_mesh=ep_mesh,
                           grad_divide_factor=dims.dp_size)
     lora = getattr(cfg, "lora", None)  # [lora] section (None: full fine-tuning)
     if lora is not None:  # adapters before sharding: FSDP2 wraps them with the rest of each block

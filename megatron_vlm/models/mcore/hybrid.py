@@ -168,6 +168,9 @@ class McoreHybridBlock(nn.Module):
     te_fused_norms = False
     tp_sharded_itself = True
     """`parallel.tensor_parallel.apply_tp` leaves this block alone: it splits itself (`tp_mesh`)."""
+    context_parallel = None
+    """Set by `parallel.context_parallel.apply_cp` on the attention / MLP / MoE blocks (the Mamba2 blocks, holding a
+    `Mamba2Mixer`, are left out: they run the whole sequence); the attention passes it to `attend`."""
 
     def __init__(self, native: nn.Module, index: int, model_args, tp_mesh=None, ep_mesh=None,
                  grad_divide_factor: float = 1.0) -> None:
@@ -327,7 +330,8 @@ class McoreHybridBlock(nn.Module):
         if kind == "full_attention":  # no positional encoding: cos / sin None skip the rotary
             q, k, v = layer.self_attention.get_query_key_value_tensors(layer.input_layernorm(x))
             if cu_seqlens is not None:
-                out = attend(q[0], k[0], v[0], None, None, causal=True, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)[None]
+                out = attend(q[0], k[0], v[0], None, None, causal=True, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                             context_parallel=self.context_parallel)[None]
             elif cache is not None:
                 out = attend(q, k, v, None, None, causal=True, kv_cache=cache.kv, layer_idx=cache.kv_index(layer_idx))
             else:

@@ -222,12 +222,52 @@ def test_tensor_parallel_sizes_not_divided_are_refused(kind, key, tmp_path, mcor
         use_mcore_layers(model, tp_mesh=_ThreeRankMesh())
 
 
-def test_context_parallel_moe_and_hybrid_decoders_are_refused(tmp_path, mcore_state):
-    from megatron_vlm.training.model_bundle import use_mcore_backend
+class _CpMesh:
+    """Stands in for the world mesh's "cp" dim of size 2 (`apply_cp` only stores the group: no collective)."""
 
-    model = load_hf_model(str(synthesize_model_folder("tiny_nemotron_vl", tmp_path / "n", seed=0)), dtype=torch.float32)
-    with pytest.raises(McoreBackendError, match="parallel.cp = 2: context parallelism is wired for dense attention"):
-        use_mcore_backend(model, cp=2)
+    mesh_dim_names = ("cp",)
+
+    def __getitem__(self, name):
+        return self
+
+    def get_group(self):
+        return None
+
+    def get_local_rank(self):
+        return 0
+
+
+@pytest.mark.parametrize("kind", ["tiny_qwen3_vl_moe", "tiny_nemotron_vl"])
+def test_context_parallel_splits_the_layers_native_splits(kind, tmp_path, mcore_state):
+    """cp = 2 with MoE / hybrid megatron-core decoders: the family's cp step wraps the same layers as for the native
+    model (every one but the Mamba2 blocks, which run the whole sequence) and hands the attention its cp group.
+    The numerics, 2 processes: tests/integration/parallel/test_mcore_cp_moe_hybrid.py."""
+    from megatron_vlm.models.common.parallel_plan import _apply_context_parallel
+    from megatron_vlm.models.mcore.layer import McoreDecoderLayer
+
+    folder = synthesize_model_folder(kind, tmp_path / kind, seed=0)
+    native, model = (load_hf_model(str(folder), dtype=torch.float32) for _ in range(2))
+    use_mcore_layers(model)
+    for m in (native, model):
+        _apply_context_parallel(m, 2, _CpMesh())
+    split = [getattr(layer, "_mvlm_cp", False) for layer in model.language_model.layers]
+    assert split == [getattr(layer, "_mvlm_cp", False) for layer in native.language_model.layers]
+    for layer, cut in zip(model.language_model.layers, split):
+        mamba = getattr(layer, "block_type", None) == "linear_attention"
+        assert cut != mamba and isinstance(layer, (McoreDecoderLayer, McoreHybridBlock))
+        attends = isinstance(layer, McoreDecoderLayer) or layer.block_type == "full_attention"
+        if attends:
+            assert layer.context_parallel is not None and layer.context_parallel.size == 2
+    assert any(not cut for cut in split) == (kind == "tiny_nemotron_vl")
+
+
+def test_context_parallel_with_expert_parallel_is_refused():
+    """cp > 1 with ep > 1 is refused for both backends (config validation, exit 2), naming both keys."""
+    from megatron_vlm.config.sections import ParallelConfig
+
+    for backend in ("native", "mcore"):
+        with pytest.raises(ValueError, match=r"cp: context parallelism \(cp = 2\) with expert parallelism \(ep = 2\)"):
+            ParallelConfig(backend=backend, cp=2, ep=2).validate()
 
 
 class _EpMesh:

@@ -35,6 +35,12 @@ plain tp inside the block as McoreDecoderLayer has: the block takes and returns 
 
 The HF export gathers the blocks back to the full native weights (`native_state`).
 
+Context parallelism (parallel.cp > 1), as the native Nemotron-H blocks: the attention, MLP and MoE blocks get
+`apply_cp`'s hooks (this rank's chunks of the pack; the attention over the group's all-gathered keys / values
+through `attend`'s `context_parallel`), the Mamba2 blocks do not and run the whole sequence on every cp rank
+(their recurrent state would have to pass from chunk to chunk; `parallel_plan._apply_context_parallel` leaves
+out every layer holding a `Mamba2Mixer`, ours inside the MambaLayer included).
+
 The layers come from megatron-core's local spec pieces (the MoE and hybrid layers do not use the
 Transformer Engine spec: its fused norm + linear modules and TEGroupedMLP have other weight layouts that
 are not mapped here). The block keeps the native call signature (`attention_mask`, `cu_seqlens`,

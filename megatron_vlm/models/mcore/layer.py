@@ -27,8 +27,16 @@ on the rank's heads, and the layer takes / returns the whole sequence like our n
 the local spec's torch RMSNorms refuse megatron-core's sequence parallelism). MoE layers are replicated over the
 tp ranks, as the native MoE blocks are: megatron-core's MoELayer gets a tp group of size 1 (expert tensor
 parallelism 1, `moe_layer.replicated_over_tp`) and runs whole on every tp rank; the Nemotron-H blocks split their
-attention / MLP the same way and their Mamba2 mixers by heads (hybrid.py). Context parallelism: `apply_cp` sets
-`context_parallel`, passed to `attend`, as for our own attention.
+attention / MLP the same way and their Mamba2 mixers by heads (hybrid.py).
+
+Context parallelism (parallel.cp > 1): the layers are split exactly as the native ones (`parallel_plan.py`,
+`apply_cp`): every McoreDecoderLayer (dense or MoE) and every Nemotron-H attention / MLP / MoE block keeps its
+rank's chunks of the pack and all-gathers its output; `apply_cp` sets `context_parallel`, passed to `attend`, as
+for our own attention. The Mamba2 blocks (our mixer inside megatron-core's MambaLayer) run the whole sequence on
+every cp rank, as native. A MoE layer routes only its rank's tokens, so its `[moe]` loads and auxiliary-loss
+statistics are over the same tokens as the native block's (summed over the ranks by the balancer). With tp > 1
+too, the cp split encloses the layer's tp split (MoE layers replicated over tp). cp with ep > 1 is refused for
+both backends (config validation).
 
 Expert parallelism (parallel.ep > 1, MoE decoders and the Nemotron-H hybrid's MoE blocks): megatron-core's
 parallel state gets
@@ -38,8 +46,7 @@ tp > 1 as well, our ep groups (ranks of one tp coordinate) are given to the MoE 
 builds its expert groups from consecutive ranks; `ensure_parallel_state`), which are replicated over tp.
 
 Limits, refused with exit 2 before a run starts (config/sections.py, `check_mcore_model`, `use_mcore_layers`):
-pipeline parallelism (megatron-core's own process groups for it are not wired to our mesh yet), cp > 1 with
-MoE or Mamba2 decoders (their megatron-core layers were not checked under context parallelism), a tp that
+pipeline parallelism (megatron-core's own process groups for it are not wired to our mesh yet), a tp that
 does not divide a layer's heads / groups / MLP width (TPError), MoE routing features megatron-core
 cannot express (moe_layer.py), LoRA; experimental: not yet run on a GPU.
 """

@@ -28,8 +28,8 @@ pytest.importorskip("megatron.core")
 from megatron_vlm.checkpoint.hf import load_hf_model  # noqa: E402
 from megatron_vlm.parallel import init_distributed  # noqa: E402
 from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
-from tests.integration.parallel.test_mcore_tp import STEPS, _same_sft, _spawn  # noqa: E402
-from tests.integration.parallel.test_tp_cp_families import _column, _grpo  # noqa: E402
+from tests.integration.parallel.test_mcore_tp import STEPS, _assert_same, _same_sft, _spawn, _worker  # noqa: E402
+from tests.integration.parallel.test_tp_cp_families import _column, _free_port, _grpo, _run  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
 
@@ -147,3 +147,34 @@ def _grpo_parts(tmp: Path, rank: int) -> None:
 @pytest.mark.heavy
 def test_mcore_cp2_moe_and_hybrid_grpo_match_native(tmp_path):
     _spawn(tmp_path, _grpo_parts)
+
+
+def _tp_cp_parts(tmp: Path, rank: int) -> None:
+    """tp = 2 x cp = 2 on 4 ranks (one data-parallel rank reading 4 micro-batches per step): the cp ranks keep their
+    chunks of each pack, inside which the megatron-core layers split heads / MLP columns / Mamba2 heads over tp and
+    the MoE layers run replicated over tp, as the native layers do."""
+    for family in ("nemotron_vl", "qwen3_vl_moe"):
+        runs = {}
+        for backend in ("native", "mcore"):
+            runs[backend] = tmp / family / f"tp_cp_{backend}"
+            _run(tmp, family, runs[backend], **{"parallel.tp": 2, "parallel.cp": 2, "parallel.backend": f'"{backend}"',
+                                                "train.micro_batches_per_step": 4, "train.max_steps": STEPS})
+        if rank == 0:
+            _assert_same(f"{family} tp x cp", runs["native"], runs["mcore"])
+        dist.barrier()
+
+
+@pytest.mark.heavy
+def test_mcore_tp2_cp2_moe_and_hybrid_sft_match_native(tmp_path):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.start_processes(_worker, args=(4, _free_port(), str(tmp_path), errors, _tp_cp_parts), nprocs=4,
+                           start_method="spawn")
+    except Exception:
+        msgs = []
+        while not errors.empty():
+            msgs.append("rank %d:\n%s" % errors.get())
+        raise AssertionError("\n".join(msgs) or "a worker failed")

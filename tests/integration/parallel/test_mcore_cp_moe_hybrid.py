@@ -4,8 +4,9 @@ processes (one start).
 The reference is the native backend at the same cp = 2 (itself checked against one data-parallel rank in
 test_tp_cp_families.py): SFT of the tiny Qwen3-VL-MoE (megatron-core attention + MoELayer, both split over the
 cp ranks) and of the tiny Nemotron-VL (attention, relu^2 MLP and MoE blocks split, Mamba2 blocks whole on every
-cp rank; with activation checkpointing) gives the native run's losses and grad norms per step (fp32, 1e-5), its
-[moe] statistics (each cp rank routes its own tokens, summed over the ranks) and its HF export (1e-6).
+cp rank; with activation checkpointing), both with the [moe] auxiliary loss on, gives the native run's losses and
+grad norms per step (fp32, 1e-5), its [moe] statistics (each cp rank routes its own tokens, summed over the ranks)
+and its HF export (1e-6).
 
 Since context parallelism is exact, an mcore run whose layers were not split at all would match native too:
 before the jobs, in the same workers, the layers are checked to be split as native's (the same layers wrapped,
@@ -99,7 +100,8 @@ def _check_split(tmp: Path, rank: int) -> None:
 
 def _sft(tmp: Path, rank: int) -> None:
     _check_split(tmp, rank)
-    stats = {"moe.n_step_per_workload_report": 1}
+    # the auxiliary loss on: its router statistics are over the rank's tokens, its gradient enters the split layers
+    stats = {"moe.n_step_per_workload_report": 1, "moe.aux_loss_coef": 0.1}
     _same_sft(tmp, rank, "qwen3_vl_moe", "cp", **stats)
     _same_moe_stats(tmp / "qwen3_vl_moe", rank)
     # activation checkpointing recomputes the split layers (their cp slices and gathers)

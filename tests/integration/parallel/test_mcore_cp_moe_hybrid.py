@@ -14,7 +14,9 @@ Mamba2 blocks not), an MoE layer is checked to route only this rank's half of a 
 MoE layer's output is checked equal to the same layer run whole (the attention only is right if it attends over
 the all-gathered keys / values of the group).
 
-Heavy: two GRPO steps with cp = 2 of both tiny models give the native cp = 2 run's loss, grad norm and reward.
+Heavy: two GRPO steps with cp = 2 of both tiny models give the native cp = 2 run's loss, grad norm and reward
+(~40 s); and on 4 processes, tp = 2 x cp = 2 SFT of both gives the native tp = 2 x cp = 2 run's losses, grad
+norms and export (~85 s). cp with ep > 1 is refused for both backends (tests/unit/mcore/test_mcore_moe_hybrid.py).
 """
 from __future__ import annotations
 

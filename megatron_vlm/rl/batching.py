@@ -127,7 +127,7 @@ def pack_samples(samples: Sequence[TrainSample], *, share_prompts: bool = False,
     ids, resp, cu, prefix, completes = [], [], [0], [], []
     vision: dict[str, list[torch.Tensor]] = {k: [] for k in VISION_KEYS}
 
-    def segment(parts, mask_parts, of=-1, completion=True):
+    def segment(parts, mask_parts, of=-1, completion=False):
         ids.extend(parts)
         resp.extend(mask_parts)
         cu.append(cu[-1] + sum(int(t.numel()) for t in parts))
@@ -149,11 +149,13 @@ def pack_samples(samples: Sequence[TrainSample], *, share_prompts: bool = False,
             segment([p_ids[:-1]], [torch.zeros(p_ids.numel() - 1, dtype=torch.bool)], completion=False)
             for s in run:
                 segment([p_ids[-1:], s.response_ids.to(torch.long)],
-                        [torch.zeros(1, dtype=torch.bool), torch.ones(s.response_length, dtype=torch.bool)], of=head)
+                        [torch.zeros(1, dtype=torch.bool), torch.ones(s.response_length, dtype=torch.bool)], of=head,
+                        completion=s.response_length > 0)
         else:
             for s in run:
                 segment([p_ids, s.response_ids.to(torch.long)],
-                        [torch.zeros(p_ids.numel(), dtype=torch.bool), torch.ones(s.response_length, dtype=torch.bool)])
+                        [torch.zeros(p_ids.numel(), dtype=torch.bool), torch.ones(s.response_length, dtype=torch.bool)],
+                        completion=s.response_length > 0)
     input_ids = torch.cat(ids)
     response_mask = torch.cat(resp)
     labels = shifted_labels(input_ids, response_mask, torch.tensor(cu, dtype=torch.int32))

@@ -82,3 +82,20 @@ def test_vlm_pack_without_final_tokens_equals_full_pack():
         resp = torch.tensor(F.text_tokens(2 + i, g))
         samples.append(TrainSample(prompt=prompt, response_ids=resp, behav_logp=torch.zeros(len(resp)), advantage=0.0))
     _assert_same(model, samples, share_prompts=False)
+
+
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_empty_completion_keeps_its_segment(share_prompts):
+    prompt = RolloutPrompt(torch.tensor([5, 6, 7]))
+    samples = [TrainSample(prompt=prompt, response_ids=torch.tensor([8, 9], dtype=torch.long), behav_logp=torch.zeros(2),
+                           advantage=0.0),
+               TrainSample(prompt=prompt, response_ids=torch.zeros(0, dtype=torch.long), behav_logp=torch.zeros(0),
+                           advantage=0.0)]
+    batch = pack_samples(samples, share_prompts=share_prompts)
+    cu = batch["cu_seqlens"].tolist()
+    assert all(b > a for a, b in zip(cu[:-1], cu[1:]))  # no empty segment
+    if share_prompts:  # [5, 6] | [7, 8] (9 left out) | [7]
+        assert batch["input_ids"][0].tolist() == [5, 6, 7, 8, 7] and cu == [0, 2, 4, 5]
+    else:  # [5, 6, 7, 8] | [5, 6, 7]
+        assert batch["input_ids"][0].tolist() == [5, 6, 7, 8, 5, 6, 7] and cu == [0, 4, 7]
+    assert batch["labels"][0].tolist().count(-100) == batch["input_ids"].shape[1] - 2

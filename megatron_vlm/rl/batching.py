@@ -8,15 +8,21 @@ concatenated in order), with pre-shifted `labels` that are set exactly where the
 response token (`data.batch.shifted_labels`). `TokenLogprobModel` returns the log-probs of the
 labelled positions in order, i.e. the response tokens of the micro-batch concatenated sample by
 sample — the layout `split_by_response` undoes.
+
+A completion's final token is left out of the pack: its position would only predict the token after
+the completion, which no loss reads, and under causal attention no earlier position sees it — the
+log-probs and gradients are those of the full sequence, with one position per sample less to compute
+(the micro-batch plans still count it: a bound).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-from megatron_vlm.data.batch import VISION_KEYS, shifted_labels
+from megatron_vlm.data.batch import IGNORE_INDEX, VISION_KEYS, shifted_labels
 from megatron_vlm.rl.rollout.engine import RolloutPrompt
 
 __all__ = ["TrainSample", "plan_micro_batches", "plan_shared_micro_batches", "pack_samples", "split_by_response",
@@ -118,14 +124,15 @@ def pack_samples(samples: Sequence[TrainSample], *, share_prompts: bool = False,
     `share_prompts`, adjacent samples of one prompt share it (module docstring)."""
     if not samples:
         raise ValueError("pack_samples: no samples")
-    ids, resp, cu, prefix = [], [], [0], []
+    ids, resp, cu, prefix, completes = [], [], [0], [], []
     vision: dict[str, list[torch.Tensor]] = {k: [] for k in VISION_KEYS}
 
-    def segment(parts, mask_parts, of=-1):
+    def segment(parts, mask_parts, of=-1, completion=False):
         ids.extend(parts)
         resp.extend(mask_parts)
         cu.append(cu[-1] + sum(int(t.numel()) for t in parts))
         prefix.append(of)
+        completes.append(completion)
 
     runs = _runs(samples) if share_prompts else [[s] for s in samples]
     for run in runs:
@@ -139,21 +146,29 @@ def pack_samples(samples: Sequence[TrainSample], *, share_prompts: bool = False,
                     vision[k].append(v)
         if shared:
             head = len(prefix)
-            segment([p_ids[:-1]], [torch.zeros(p_ids.numel() - 1, dtype=torch.bool)])
+            segment([p_ids[:-1]], [torch.zeros(p_ids.numel() - 1, dtype=torch.bool)], completion=False)
             for s in run:
                 segment([p_ids[-1:], s.response_ids.to(torch.long)],
-                        [torch.zeros(1, dtype=torch.bool), torch.ones(s.response_length, dtype=torch.bool)], of=head)
+                        [torch.zeros(1, dtype=torch.bool), torch.ones(s.response_length, dtype=torch.bool)], of=head,
+                        completion=s.response_length > 0)
         else:
             for s in run:
                 segment([p_ids, s.response_ids.to(torch.long)],
-                        [torch.zeros(p_ids.numel(), dtype=torch.bool), torch.ones(s.response_length, dtype=torch.bool)])
+                        [torch.zeros(p_ids.numel(), dtype=torch.bool), torch.ones(s.response_length, dtype=torch.bool)],
+                        completion=s.response_length > 0)
     input_ids = torch.cat(ids)
     response_mask = torch.cat(resp)
-    cu_seqlens = torch.tensor(cu, dtype=torch.int32)
+    labels = shifted_labels(input_ids, response_mask, torch.tensor(cu, dtype=torch.int32))
+    # the final token of every completion segment: no label of this pack is read there (module docstring)
+    keep = torch.ones(input_ids.numel(), dtype=torch.bool)
+    keep[[end - 1 for end, c in zip(cu[1:], completes) if c]] = False
+    if bool((labels[~keep] != IGNORE_INDEX).any()):
+        raise AssertionError("pack_samples: a completion's final position carries a label")
+    lengths = [b - a - int(c) for a, b, c in zip(cu[:-1], cu[1:], completes)]
     batch = {
-        "input_ids": input_ids[None],
-        "cu_seqlens": cu_seqlens,
-        "labels": shifted_labels(input_ids, response_mask, cu_seqlens)[None],
+        "input_ids": input_ids[keep][None],
+        "cu_seqlens": torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32),
+        "labels": labels[keep][None],
         "num_response_tokens": int(response_mask.sum()),
     }
     if any(p >= 0 for p in prefix):

@@ -405,10 +405,16 @@ class PolicyRolloutEngine(RolloutEngine):
             stats["prefill_s"] += time.perf_counter() - t0
             stats["forward_calls"] += 1
             stats["prefill_calls"] += 1
+        # one copy per prefilled row into all of its new slots (a group's G slots at once: the row's keys are
+        # gathered once per layer, not once per slot)
+        slots_of: dict = {}
+        for sample, slot in take:
+            slots_of.setdefault(key_of(sample), []).append(slot)
+        for key, group in slots_of.items():
+            cache.load_prefix(group, prefixes[key][0], prefixes[key][1])
         slots, rows = [], []
         for sample, slot in take:
             entry = prefixes[key_of(sample)]
-            cache.load_prefix([slot], entry[0], entry[1])
             run.slot_sample[slot] = sample
             run.gen_len[slot] = 0
             run.host_len[slot] = 0

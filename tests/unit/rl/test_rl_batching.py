@@ -30,7 +30,9 @@ def test_packed_logprobs_equal_per_sample_full_forward():
     model = F.randomize_constants_(build_model(F.tiny_qwen2_5_vl_config_dict())).eval()
     samples = _samples()
     batch = pack_samples(samples)
-    assert batch["input_ids"].shape == (1, sum(s.num_tokens for s in samples))
+    # every sample's final response token is left out (it predicts nothing the loss reads)
+    assert batch["input_ids"].shape == (1, sum(s.num_tokens - 1 for s in samples))
+    assert batch["cu_seqlens"].tolist() == [0, *torch.cumsum(torch.tensor([s.num_tokens - 1 for s in samples]), 0).tolist()]
     assert batch["num_response_tokens"] == sum(s.response_length for s in samples)
     assert int((batch["labels"] != -100).sum()) == batch["num_response_tokens"]
     assert batch["image_grid_thw"].tolist() == [[1, 4, 6], [1, 4, 4], [1, 4, 6]]  # text-only prompt has none

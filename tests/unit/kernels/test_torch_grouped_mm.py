@@ -49,6 +49,30 @@ def test_offsets_equal_counts_and_errors_are_the_reference_ones():
         assert str(ours.value) == str(ref.value)
 
 
+@pytest.mark.parametrize("dtype,k,n", [(torch.float32, 10, 6), (torch.bfloat16, 12, 20), (torch.bfloat16, 16, 12)])
+@pytest.mark.parametrize("layout", ["enk", "ekn"])
+def test_rows_not_in_16_byte_units_take_the_reference(dtype, k, n, layout, monkeypatch):
+    """torch._grouped_mm refuses K or N rows that are not whole 16-byte units ("strides should be multiple of 16
+    bytes"; the tiny models' expert widths 10, 12, 20 in bf16): those calls give the reference's result instead
+    of the error, and aligned ones still go to torch._grouped_mm."""
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x, w, tpe = _case([3, 0, 4], k=k, n=n, layout=layout, tail=1)
+    x, w = (x.detach().to(dtype).requires_grad_(), w.detach().to(dtype).requires_grad_())
+    assert not backend.aligned(x, w)
+    got = backend.grouped_mm(x, w, tokens_per_expert=tpe, weight_layout=layout)
+    exp = reference(x, w, tokens_per_expert=tpe, weight_layout=layout)
+    torch.testing.assert_close(got, exp, atol=0, rtol=0)
+    up = torch.randn_like(exp)
+    for a, b in zip(torch.autograd.grad(got, (x, w), up), torch.autograd.grad(exp, (x, w), up)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert not calls
+    x16, w16, _ = _case([3, 0, 4], k=16, n=24, layout=layout, tail=1)
+    backend.grouped_mm(x16.to(dtype), w16.to(dtype), tokens_per_expert=tpe, weight_layout=layout)
+    assert calls
+
+
 def test_no_rows_in_any_group_gives_zeros():
     x, w, _ = _case([1, 1])
     out = backend.grouped_mm(x, w, tokens_per_expert=torch.tensor([0, 0]), weight_layout="enk")

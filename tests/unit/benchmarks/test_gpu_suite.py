@@ -158,6 +158,23 @@ def test_kernel_benchmark_selection_and_partial_json(tmp_path, monkeypatch):
     assert "partial" not in json.loads((tmp_path / "t.json").read_text())
 
 
+def test_kernel_benchmark_selection_holds_for_scripts_that_do_not_ask(tmp_path, monkeypatch):
+    """bench_moe / bench_linear_token_logprobs / bench_liger never call `wanted`: their rows outside --cases /
+    --no-compile are still left out (and not timed), as the table's title says."""
+    sys.path.insert(0, str(REPO / "benchmarks" / "kernels"))
+    import common
+
+    monkeypatch.setattr(sys, "argv", ["bench", "--quick", "--cases", "down", "--no-compile"])
+    monkeypatch.setattr(common, "SELECTION", dict(common.SELECTION))
+    common.parse_args("test")
+    table, timed = common.Table("t", {"gbps": 1.0, "tflops": 1.0}), []
+    for case, impl in (("Qwen3 up fwd", "ours"), ("Qwen3 down fwd", "ours"), ("Qwen3 down fwd", "torch.compile")):
+        common.try_bench(table, case, impl, lambda c=case, i=impl: timed.append((c, i)), "cpu", True)
+    table.add("Qwen3 up unpermute", "reference", None, note="n/a")
+    assert {r["case"] for r in table.rows} == {"Qwen3 down fwd"} and [r["impl"] for r in table.rows] == ["ours"]
+    assert set(timed) == {("Qwen3 down fwd", "ours")}
+
+
 def test_unreadable_benchmark_json_is_reported_not_fatal(tmp_path):
     run = tmp_path / "dev"
     run.mkdir()

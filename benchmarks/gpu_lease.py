@@ -112,12 +112,14 @@ def lease_plan(run_dir: Path, python: str, site: str, wheel_dir: Path) -> list[S
     pytest = py + ["-m", "pytest", "-q", "-rfEs", "-p", "no:randomly", "--continue-on-collection-errors", "--timeout", "150"]
     build = f"MEGATRON_VLM_REQUIRE_EXT=1 {shlex.quote(python)} setup.py build_ext --inplace"
     tests = [
-        Step("extension build + csrc tests", ["bash", "-c", f"{build} && {shlex.join(pytest + ['-m', 'not heavy'])} tests/unit/csrc"], 190,
+        Step("extension build + csrc tests",
+             ["bash", "-c", f"{build} && {shlex.join(pytest + ['-m', 'not heavy'])} tests/unit/csrc"], 190,
              env=env, group="correctness"),
-        Step("gpu-marked tests", pytest + ["-m", "gpu and not heavy", "tests", "--ignore=tests/unit/kernels", "--ignore=tests/unit/csrc"],
+        Step("gpu-marked tests",
+             pytest + ["-m", "gpu and not heavy", "tests", "--ignore=tests/unit/kernels", "--ignore=tests/unit/csrc"],
              170, env=no_ext, group="correctness"),
-        Step("kernel tests (compiled Triton, 6 workers)", pytest + ["-n", "6", "-m", "not heavy", "tests/unit/kernels"], 170, env=no_ext,
-             group="correctness"),
+        Step("kernel tests (compiled Triton, 6 workers)", pytest + ["-n", "6", "-m", "not heavy", "tests/unit/kernels"],
+             170, env=no_ext, group="correctness"),
     ]
     benches = []
     for script, limit, args, note in LEASE_BENCHES:

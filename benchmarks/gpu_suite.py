@@ -150,7 +150,8 @@ def _print_plan(sections: list[Section], run_dir: Path, args, wheel_dir: Path) -
     if args.lease:
         found, missing = resolve_wheels(wheel_dir, wanted_wheels())
         print(f"wheels from {wheel_dir}: {len(found)} of {len(found) + len(missing)} found, installed into {args.site} "
-              f"(first on the children's PYTHONPATH)" + (f"; missing {missing}: run bash benchmarks/gpu_wheels.sh" if missing else ""))
+              "(first on the children's PYTHONPATH)"
+              + (f"; missing {missing}: run bash benchmarks/gpu_wheels.sh" if missing else ""))
         for name, why in LEASE_LEFT_OUT.items():
             print(f"left out of the lease: {name} ({why})")
     total = 0

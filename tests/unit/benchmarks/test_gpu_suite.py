@@ -144,7 +144,8 @@ def test_kernel_benchmark_selection_and_partial_json(tmp_path, monkeypatch):
     sys.path.insert(0, str(REPO / "benchmarks" / "kernels"))
     import common
 
-    monkeypatch.setattr(sys, "argv", ["bench", "--quick", "--cases", "8k|ViT", "--no-compile", "--json", str(tmp_path / "t.json")])
+    monkeypatch.setattr(sys, "argv", ["bench", "--quick", "--cases", "8k|ViT", "--no-compile",
+                                      "--json", str(tmp_path / "t.json")])
     monkeypatch.setattr(common, "SELECTION", dict(common.SELECTION))
     common.parse_args("test")
     assert common.wanted("LM causal 8k fwd") and common.wanted("ViT windows", "eager")

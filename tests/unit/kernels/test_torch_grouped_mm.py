@@ -93,3 +93,23 @@ def test_forced_through_the_registry_on_cpu_is_refused_with_the_reason():
     with kernels.use_backends({"grouped_mm": "torch_grouped_mm"}):
         with pytest.raises(Exception, match="chosen only on cuda"):
             kernels.grouped_mm(x, w, tokens_per_expert=tpe, weight_layout="enk")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["enk", "ekn"])
+@pytest.mark.parametrize("k,n", [(96, 136), (20, 12)])
+def test_bf16_cuda_matches_the_reference_through_auto(layout, k, n):
+    """On the GPU, in bf16, through `auto` (torch._grouped_mm on sm90+, Triton before): forward and gradients
+    against the reference's per-expert matmuls in fp32, also for a tiny model's widths (20 / 12: not whole
+    16-byte rows, which torch._grouped_mm refuses; the backend hands them to the reference)."""
+    x, w, tpe = _case([0, 70, 3, 200, 1], k=k, n=n, layout=layout, tail=5)
+    xb, wb = (t.detach().to("cuda", torch.bfloat16).requires_grad_() for t in (x, w))
+    got = kernels.grouped_mm(xb, wb, tokens_per_expert=tpe.cuda(), weight_layout=layout)
+    xf, wf = (t.detach().float().requires_grad_() for t in (xb, wb))
+    exp = reference(xf, wf, tokens_per_expert=tpe.cuda(), weight_layout=layout)
+    torch.testing.assert_close(got.float(), exp, atol=2e-2, rtol=2e-2)
+    up = torch.randn(exp.shape, generator=torch.Generator().manual_seed(1)).cuda()
+    g_got = torch.autograd.grad(got, (xb, wb), up.bfloat16())
+    g_exp = torch.autograd.grad(exp, (xf, wf), up.bfloat16().float())
+    for a, b in zip(g_got, g_exp):
+        torch.testing.assert_close(a.float(), b, atol=5e-2, rtol=2e-2)

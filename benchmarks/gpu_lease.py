@@ -23,7 +23,8 @@ Sections:
 
 The step limits add up to at most 12 minutes (a CPU test checks it); the default --budget-min of the
 lease, 9.5, keeps one command under the 10-minute cap: steps the budget cannot start are reported as
-skipped and run in a second command (finished steps are not re-run).
+skipped and run in a second command, as is a step whose limit the budget cut and that ran into it (steps
+that exited 0 are not re-run).
 """
 from __future__ import annotations
 

@@ -37,6 +37,8 @@ def cuda_check(device_type: str, dtype: torch.dtype) -> Optional[str]:
         return f"tensor on {device_type}; chosen only on cuda (the measured device)"
     if dtype != torch.bfloat16:
         return f"torch._grouped_mm is used for bfloat16 only, got {dtype}"
+    if getattr(torch.version, "hip", None):  # ROCm reports its gfx version as the capability (MI300: 9.4)
+        return f"ROCm (HIP {torch.version.hip}): measured on NVIDIA Hopper only"
     try:
         major, minor = torch.cuda.get_device_capability()
     except (RuntimeError, AssertionError) as exc:  # torch without CUDA / no device visible

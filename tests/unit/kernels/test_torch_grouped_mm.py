@@ -86,6 +86,9 @@ def test_check_takes_only_the_measured_configuration(monkeypatch):
     assert "bfloat16" in backend.cuda_check("cuda", torch.float32)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     assert "9.0" in backend.cuda_check("cuda", torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 4))  # an MI300 under ROCm
+    monkeypatch.setattr(torch.version, "hip", "6.4", raising=False)
+    assert "ROCm" in backend.cuda_check("cuda", torch.bfloat16)
 
 
 def test_forced_through_the_registry_on_cpu_is_refused_with_the_reason():

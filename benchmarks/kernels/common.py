@@ -51,6 +51,13 @@ def wanted(case: str, impl: str = "") -> bool:
     return not (SELECTION["no_compile"] and impl.startswith("torch.compile"))
 
 
+def row_wanted(case: str, impl: str = "") -> bool:
+    """`wanted` for a table row: its case name or that name without its last word (" fwd" / " bwd": scripts that
+    ask `wanted` themselves ask it for the case before adding that suffix, e.g. bench_attention with `--cases
+    'causal 8k$'`)."""
+    return wanted(case, impl) or wanted(case.rsplit(" ", 1)[0], impl)
+
+
 def selection_note() -> str:
     """Suffix of a table title naming what --cases / --no-compile left out ("" when nothing)."""
     parts = []
@@ -109,7 +116,7 @@ class Table:
         self.title += selection_note()
 
     def add(self, case: str, impl: str, ms: Optional[float], *, flops: float = 0.0, bytes_moved: float = 0.0, note: str = "") -> None:
-        if not wanted(case, impl):  # the title says only the selection is here, in every script
+        if not row_wanted(case, impl):  # the title says only the selection is here, in every script
             return
         self.rows.append(dict(case=case, impl=impl, ms=ms, flops=flops, bytes=bytes_moved, note=note))
         print(f"[row] {case} | {impl} | " + (f"{ms:.4g} ms" if ms is not None else f"n/a {note}"), flush=True)
@@ -172,7 +179,7 @@ class Table:
 def try_bench(table: Table, case: str, impl: str, fn: Callable[[], object], device: str, quick: bool, **kw) -> None:
     """Time fn and add a row; a failing implementation becomes an 'n/a' row with the error. A case / implementation
     left out by --cases / --no-compile is not timed (scripts that do not ask `wanted` themselves skip it here)."""
-    if not wanted(case, impl):
+    if not row_wanted(case, impl):
         return
     try:
         table.add(case, impl, do_bench(fn, device, quick), **kw)

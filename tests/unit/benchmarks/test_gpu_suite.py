@@ -174,6 +174,9 @@ def test_kernel_benchmark_selection_holds_for_scripts_that_do_not_ask(tmp_path, 
     table.add("Qwen3 up unpermute", "reference", None, note="n/a")
     assert {r["case"] for r in table.rows} == {"Qwen3 down fwd"} and [r["impl"] for r in table.rows] == ["ours"]
     assert set(timed) == {("Qwen3 down fwd", "ours")}
+    common.SELECTION["cases"] = re.compile("causal 8k$")  # asked by the script for the case, before " fwd" is added
+    table.add("LM causal 8k fwd", "eager", 1.0)
+    assert table.rows[-1]["case"] == "LM causal 8k fwd"
 
 
 def test_unreadable_benchmark_json_is_reported_not_fatal(tmp_path):

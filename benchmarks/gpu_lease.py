@@ -23,7 +23,8 @@ Sections:
 
 The step limits add up to at most 12 minutes (a CPU test checks it); the default --budget-min of the
 lease, 9.5, keeps one command under the 10-minute cap: steps the budget cannot start are reported as
-skipped and run in a second command (finished steps are not re-run).
+skipped and run in a second command, as is a step whose limit the budget cut and that ran into it (steps
+that exited 0 are not re-run).
 """
 from __future__ import annotations
 
@@ -112,12 +113,14 @@ def lease_plan(run_dir: Path, python: str, site: str, wheel_dir: Path) -> list[S
     pytest = py + ["-m", "pytest", "-q", "-rfEs", "-p", "no:randomly", "--continue-on-collection-errors", "--timeout", "150"]
     build = f"MEGATRON_VLM_REQUIRE_EXT=1 {shlex.quote(python)} setup.py build_ext --inplace"
     tests = [
-        Step("extension build + csrc tests", ["bash", "-c", f"{build} && {shlex.join(pytest + ['-m', 'not heavy'])} tests/unit/csrc"], 190,
+        Step("extension build + csrc tests",
+             ["bash", "-c", f"{build} && {shlex.join(pytest + ['-m', 'not heavy'])} tests/unit/csrc"], 190,
              env=env, group="correctness"),
-        Step("gpu-marked tests", pytest + ["-m", "gpu and not heavy", "tests", "--ignore=tests/unit/kernels", "--ignore=tests/unit/csrc"],
+        Step("gpu-marked tests",
+             pytest + ["-m", "gpu and not heavy", "tests", "--ignore=tests/unit/kernels", "--ignore=tests/unit/csrc"],
              170, env=no_ext, group="correctness"),
-        Step("kernel tests (compiled Triton, 6 workers)", pytest + ["-n", "6", "-m", "not heavy", "tests/unit/kernels"], 170, env=no_ext,
-             group="correctness"),
+        Step("kernel tests (compiled Triton, 6 workers)", pytest + ["-n", "6", "-m", "not heavy", "tests/unit/kernels"],
+             170, env=no_ext, group="correctness"),
     ]
     benches = []
     for script, limit, args, note in LEASE_BENCHES:

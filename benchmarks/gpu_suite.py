@@ -150,7 +150,8 @@ def _print_plan(sections: list[Section], run_dir: Path, args, wheel_dir: Path) -
     if args.lease:
         found, missing = resolve_wheels(wheel_dir, wanted_wheels())
         print(f"wheels from {wheel_dir}: {len(found)} of {len(found) + len(missing)} found, installed into {args.site} "
-              f"(first on the children's PYTHONPATH)" + (f"; missing {missing}: run bash benchmarks/gpu_wheels.sh" if missing else ""))
+              "(first on the children's PYTHONPATH)"
+              + (f"; missing {missing}: run bash benchmarks/gpu_wheels.sh" if missing else ""))
         for name, why in LEASE_LEFT_OUT.items():
             print(f"left out of the lease: {name} ({why})")
     total = 0
@@ -258,7 +259,7 @@ def _run_sections(chosen, only, args, run_dir, statuses, step_info, deadline, re
         print(f"[{s.name}] running", flush=True)
         complete = True
         for b in batches(s.steps):
-            todo = []
+            todo, cut = [], set()
             for st in b:
                 key = f"{s.name} / {st.name}"
                 if statuses.get(key) == 0 and not args.force:
@@ -271,7 +272,9 @@ def _run_sections(chosen, only, args, run_dir, statuses, step_info, deadline, re
                     print(f"  {st.name}: skipped (budget spent)", flush=True)
                     complete = False
                     continue
-                st.timeout_s = min(st.timeout_s, left)
+                if left < st.timeout_s:  # cut by the budget: a time-out then is the budget's, not the step's
+                    st.timeout_s = left
+                    cut.add(st.name)
                 todo.append(st)
             if not todo:
                 continue
@@ -284,7 +287,11 @@ def _run_sections(chosen, only, args, run_dir, statuses, step_info, deadline, re
                 print(f"  {st.name}: exit {code} after {secs:.0f} s", flush=True)
                 record()
 
-            run_batch(todo, logs, done)
+            results = run_batch(todo, logs, done)
+            for name in cut:
+                if results.get(name, (0,))[0] == 124:  # the next command runs it again, with its own limit
+                    print(f"  {name}: ended at its budget-cut limit; the section stays open", flush=True)
+                    complete = False
         if complete:  # every step ran (failed ones too): a re-run goes on with the next section
             marker.write_text(time.strftime("%Y-%m-%d %H:%M:%S\n"))
         record()

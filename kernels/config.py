@@ -35,7 +35,8 @@ class KernelsConfig:
     moe_permute: str = "auto"
     """MoE token permutation grouped by expert: auto | torch | npu | csrc."""
     grouped_mm: str = "auto"
-    """Per-expert grouped matmul: auto | torch | triton | npu | torch_grouped_mm (torch._grouped_mm; auto on CUDA in bf16 on sm90+, where it ran 2.2-3.0x our Triton kernel on an H200)."""
+    """Per-expert grouped matmul: auto | torch | triton | npu | torch_grouped_mm (torch._grouped_mm; auto on CUDA in
+    bf16 on sm90+, where it ran 2.2-3.0x our Triton kernel on an H200)."""
     moe_unpermute: str = "auto"
     """MoE un-permutation with routing-weight combine: auto | torch | triton | npu."""
     moe_topk_gating: str = "auto"

@@ -1,6 +1,8 @@
 """MoE expert compute: ours (Triton grouped_mm, moe_unpermute) vs the torch reference (a loop of
 per-expert matmuls / index_select + weighted sum), a dense bmm of the same FLOPs, and
-torch._grouped_mm when this torch build has it for the device; forward and backward.
+torch._grouped_mm when this torch build has it for the device; forward and backward. On CUDA in bf16 on
+sm90+ also "ours torch_grouped_mm (auto)", the backend `auto` takes there (kernels/torch_fused/grouped_mm.py):
+torch._grouped_mm plus our wrapper's group-count read on the host and offsets copy, against the bare op.
 
 Shapes (8k tokens, uniform random top-k routing, bf16):
 - Qwen3-VL-30B-A3B MoE: hidden 2048, 128 experts, top-8, expert intermediate 768, gated
@@ -48,6 +50,11 @@ def bench_grouped_mm(table, name, rows, k, n, experts, counts, ref, ours, device
         impls.append(("torch._grouped_mm", tgm, (x, w)))
     if ours is not None:
         impls.append(("ours triton", lambda: ours(x, w, tokens_per_expert=counts, weight_layout="enk"), (x, w)))
+    from megatron_vlm.kernels.torch_fused import grouped_mm as torch_fused
+
+    if torch_fused.cuda_check(x.device.type, x.dtype) is None:  # what `auto` runs there: torch._grouped_mm + our wrapper
+        impls.append(("ours torch_grouped_mm (auto)",
+                      lambda: torch_fused.grouped_mm(x, w, tokens_per_expert=counts, weight_layout="enk"), (x, w)))
     for impl, fn, leaves in impls:
         try_bench(table, name + " fwd", impl, fn, device, quick, flops=flops)
         try:

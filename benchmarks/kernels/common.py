@@ -8,7 +8,8 @@ copy for bandwidth (bytes read + written / time) and a large bf16 matmul for com
 every script runs, not how fast anything is.
 Short runs (a 15-minute GPU lease, gpu_suite.py --lease): `--cases REGEX` times only the cases whose
 name matches and `--no-compile` leaves out the torch.compile baselines (their compilation takes most
-of a short run); the table's title says so. With `--json`, the file is rewritten after every row
+of a short run); the table's title says so, and `Table.add` / `try_bench` leave out (untimed) every
+row the selection excludes, in every script. With `--json`, the file is rewritten after every row
 (marked "partial" until the end), so a benchmark ended by its time limit keeps the rows it finished.
 FLOPs: attention forward = 4 * B * H * S_q * S_k * D (matmuls QK^T and PV), halved when causal
 (S_q = S_k); backward = 2.5 x forward; varlen sums over the sequences.
@@ -48,6 +49,13 @@ def wanted(case: str, impl: str = "") -> bool:
     if SELECTION["cases"] is not None and not SELECTION["cases"].search(case):
         return False
     return not (SELECTION["no_compile"] and impl.startswith("torch.compile"))
+
+
+def row_wanted(case: str, impl: str = "") -> bool:
+    """`wanted` for a table row: its case name or that name without its last word (" fwd" / " bwd": scripts that
+    ask `wanted` themselves ask it for the case before adding that suffix, e.g. bench_attention with `--cases
+    'causal 8k$'`)."""
+    return wanted(case, impl) or wanted(case.rsplit(" ", 1)[0], impl)
 
 
 def selection_note() -> str:
@@ -108,6 +116,8 @@ class Table:
         self.title += selection_note()
 
     def add(self, case: str, impl: str, ms: Optional[float], *, flops: float = 0.0, bytes_moved: float = 0.0, note: str = "") -> None:
+        if not row_wanted(case, impl):  # the title says only the selection is here, in every script
+            return
         self.rows.append(dict(case=case, impl=impl, ms=ms, flops=flops, bytes=bytes_moved, note=note))
         print(f"[row] {case} | {impl} | " + (f"{ms:.4g} ms" if ms is not None else f"n/a {note}"), flush=True)
         if SELECTION["json"]:
@@ -167,7 +177,10 @@ class Table:
 
 
 def try_bench(table: Table, case: str, impl: str, fn: Callable[[], object], device: str, quick: bool, **kw) -> None:
-    """Time fn and add a row; a failing implementation becomes an 'n/a' row with the error."""
+    """Time fn and add a row; a failing implementation becomes an 'n/a' row with the error. A case / implementation
+    left out by --cases / --no-compile is not timed (scripts that do not ask `wanted` themselves skip it here)."""
+    if not row_wanted(case, impl):
+        return
     try:
         table.add(case, impl, do_bench(fn, device, quick), **kw)
     except Exception as exc:  # noqa: BLE001 - a benchmark row must not kill the others

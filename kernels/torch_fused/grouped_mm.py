@@ -9,7 +9,10 @@ CPU implementation too, used by the tests, but no measurement says it beats the 
 
 Contract as kernels/reference/moe.py: groups from `tokens_per_expert` (counts) or `offsets`
 (cumulative ends, torch._grouped_mm's own convention), both weight layouts, rows past the last group
-come out as zeros (torch._grouped_mm leaves them unspecified), the same errors.
+come out as zeros (torch._grouped_mm leaves them unspecified), the same errors. torch._grouped_mm refuses
+(RuntimeError "strides should be multiple of 16 bytes") a K or N whose rows are not a multiple of 16 bytes
+(bf16: of 8 elements) and data not 16-byte aligned: the tiny test models' expert widths (4, 10, 12, 20) are
+such, so those calls take the reference (per-expert matmuls; the shapes measured are all aligned).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from ..reference.moe import grouped_mm as reference_grouped_mm
 from ..reference.moe import grouped_mm_group_ends
 
 
@@ -33,6 +37,8 @@ def cuda_check(device_type: str, dtype: torch.dtype) -> Optional[str]:
         return f"tensor on {device_type}; chosen only on cuda (the measured device)"
     if dtype != torch.bfloat16:
         return f"torch._grouped_mm is used for bfloat16 only, got {dtype}"
+    if getattr(torch.version, "hip", None):  # ROCm reports its gfx version as the capability (MI300: 9.4)
+        return f"ROCm (HIP {torch.version.hip}): measured on NVIDIA Hopper only"
     try:
         major, minor = torch.cuda.get_device_capability()
     except (RuntimeError, AssertionError) as exc:  # torch without CUDA / no device visible
@@ -40,6 +46,13 @@ def cuda_check(device_type: str, dtype: torch.dtype) -> Optional[str]:
     if major < 9:
         return f"compute capability {major}.{minor}: torch._grouped_mm's fast path needs 9.0 (Hopper) or newer"
     return None
+
+
+def aligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm takes these operands: K and N rows of whole 16-byte units, 16-byte aligned data."""
+    unit = 16 // x.element_size()
+    return (x.shape[1] % unit == 0 and weight.shape[1] % unit == 0 and weight.shape[2] % unit == 0
+            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
 
 
 def grouped_mm(
@@ -56,6 +69,9 @@ def grouped_mm(
     covered = ends[-1] if ends else 0
     if covered == 0:
         return x.new_zeros(x.shape[0], out_dim)  # as the reference: no group holds a row
+    if not aligned(x, weight):  # torch._grouped_mm would refuse them (module docstring)
+        return reference_grouped_mm(x, weight, tokens_per_expert=tokens_per_expert, offsets=offsets,
+                                    weight_layout=weight_layout)
     offs = torch.tensor(ends, dtype=torch.int32, device=x.device)
     w_ekn = weight if weight_layout == "ekn" else weight.transpose(1, 2)
     rows = x if covered == x.shape[0] else x[:covered]

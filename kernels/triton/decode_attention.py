@@ -17,7 +17,8 @@ Algorithm: one program per (sequence, KV head) holds the query heads of that GQA
 softmax (running max, running sum, fp32 accumulator; base-2 exponentials on pre-scaled scores).
 Products are elementwise + row sums, not `tl.dot`: a group has 1-8 query rows, under the 16-row
 minimum of `tl.dot`, and the step is bound by reading the cache anyway. Inference only (no backward).
-Block sizes are untuned heuristics (no GPU was available while writing this).
+Block sizes are untuned heuristics (written without a GPU; its bf16 tests passed on an H200, 2026-11-25,
+benchmarks/RESULTS.md; its speed there is not measured yet).
 """
 from typing import Optional
 

@@ -135,10 +135,10 @@ class ParallelConfig:
     hybrid stack's Mamba / attention / MLP / MoE layers for Nemotron-H), converted exactly from the HF weights and
     back at export. Data, tensor (megatron-core's column / row parallel linears over our tp groups, MoE layers
     replicated over tp, Mamba2 mixers split by heads; plain tp inside the layer: its torch RMSNorms refuse
-    sequence parallelism), context parallelism
-    (the same layers split as native's, Mamba2 blocks whole; through our attention) and expert parallelism (ep > 1, MoE decoders and the
-    Nemotron-H hybrid's MoE blocks: megatron-core's all-to-all token dispatcher over our ep groups, each rank
-    holding its E / ep experts; with tp > 1 too, MoE layers replicated over tp); not pp (experimental: not yet run on a GPU; README "Megatron-core")."""
+    sequence parallelism), context parallelism (the same layers split as native's, Mamba2 blocks whole; through
+    our attention) and expert parallelism (ep > 1, MoE decoders and the Nemotron-H hybrid's MoE blocks:
+    megatron-core's all-to-all token dispatcher over our ep groups, each rank holding its E / ep experts; with
+    tp > 1 too, MoE layers replicated over tp); not pp (experimental: not yet run on a GPU; README "Megatron-core")."""
     dp_replicate: int = 1
     """Data-parallel replicas (HSDP outer dimension)."""
     dp_shard: int = -1

@@ -52,8 +52,8 @@ from torch import nn
 
 from megatron_vlm.models.common.moe import MoE, RouterStats
 
-__all__ = ["moe_config_kwargs", "moe_layer_spec", "replicated_over_tp", "moe_decoder_layer_spec", "check_decoder_moe", "moe_to_mcore",
-           "mcore_to_moe", "mcore_moe_classes"]
+__all__ = ["moe_config_kwargs", "moe_layer_spec", "replicated_over_tp", "moe_decoder_layer_spec", "check_decoder_moe",
+           "moe_to_mcore", "mcore_to_moe", "mcore_moe_classes"]
 
 
 def _refuse(feature: str, why: str):

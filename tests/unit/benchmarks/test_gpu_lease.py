@@ -216,6 +216,33 @@ def test_budget_spent_skips_and_keeps_the_section_open(tmp_path, monkeypatch, ca
     assert (out / tag / "benchmarks.done").exists()
 
 
+def test_a_step_cut_by_the_budget_and_timed_out_keeps_the_section_open(tmp_path, monkeypatch, capsys):
+    """A 42 s budget cuts a 60 s step's limit to ~42 s; ending there (124) is the budget's doing, not the step's: the
+    section is not marked done, so the next command runs the step again with its own limit. (Steps run by a stand-in
+    for run_batch that reports each one's exit at once; the real runner is exercised above.)"""
+    out, tag = tmp_path / "results", "dev-cut"
+    limits, code_of = [], {"value": 124}
+
+    def fake_run_batch(todo, logs, on_done):
+        results = {}
+        for st in todo:
+            limits.append(st.timeout_s)
+            results[st.name] = (code_of["value"], 1.0)
+            on_done(st, code_of["value"], 1.0)
+        return results
+
+    monkeypatch.setattr(gpu_suite, "run_batch", fake_run_batch)
+    monkeypatch.setattr(gpu_suite, "lease_plan", lambda *a: [
+        Section("benchmarks", [Step("long", _py("pass"), 60)]), Section("summary", [])])
+    gpu_suite.main(["--lease", "--out", str(out), "--tag", tag, "--budget-min", "0.7", "--wheels", str(tmp_path)])
+    assert 30 <= limits[-1] <= 42
+    assert "long: ended at its budget-cut limit; the section stays open" in capsys.readouterr().out
+    assert not (out / tag / "benchmarks.done").exists()
+    code_of["value"] = 0
+    assert gpu_suite.main(["--lease", "--out", str(out), "--tag", tag, "--wheels", str(tmp_path)]) == 0
+    assert limits[-1] == 60 and (out / tag / "benchmarks.done").exists()
+
+
 def test_suite_stopped_from_outside_ends_its_steps_and_packs(tmp_path):
     """A lease's command limit stops the suite with SIGTERM: the running step's process group (its own session)
     must not outlive it, and what finished is in the tarball."""

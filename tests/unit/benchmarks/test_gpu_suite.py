@@ -144,7 +144,8 @@ def test_kernel_benchmark_selection_and_partial_json(tmp_path, monkeypatch):
     sys.path.insert(0, str(REPO / "benchmarks" / "kernels"))
     import common
 
-    monkeypatch.setattr(sys, "argv", ["bench", "--quick", "--cases", "8k|ViT", "--no-compile", "--json", str(tmp_path / "t.json")])
+    monkeypatch.setattr(sys, "argv", ["bench", "--quick", "--cases", "8k|ViT", "--no-compile",
+                                      "--json", str(tmp_path / "t.json")])
     monkeypatch.setattr(common, "SELECTION", dict(common.SELECTION))
     common.parse_args("test")
     assert common.wanted("LM causal 8k fwd") and common.wanted("ViT windows", "eager")
@@ -156,6 +157,26 @@ def test_kernel_benchmark_selection_and_partial_json(tmp_path, monkeypatch):
     assert saved["partial"] is True and [r["ms"] for r in saved["rows"]] == [2.0]  # written before the run ends
     table.write_json(str(tmp_path / "t.json"))
     assert "partial" not in json.loads((tmp_path / "t.json").read_text())
+
+
+def test_kernel_benchmark_selection_holds_for_scripts_that_do_not_ask(tmp_path, monkeypatch):
+    """bench_moe / bench_linear_token_logprobs / bench_liger never call `wanted`: their rows outside --cases /
+    --no-compile are still left out (and not timed), as the table's title says."""
+    sys.path.insert(0, str(REPO / "benchmarks" / "kernels"))
+    import common
+
+    monkeypatch.setattr(sys, "argv", ["bench", "--quick", "--cases", "down", "--no-compile"])
+    monkeypatch.setattr(common, "SELECTION", dict(common.SELECTION))
+    common.parse_args("test")
+    table, timed = common.Table("t", {"gbps": 1.0, "tflops": 1.0}), []
+    for case, impl in (("Qwen3 up fwd", "ours"), ("Qwen3 down fwd", "ours"), ("Qwen3 down fwd", "torch.compile")):
+        common.try_bench(table, case, impl, lambda c=case, i=impl: timed.append((c, i)), "cpu", True)
+    table.add("Qwen3 up unpermute", "reference", None, note="n/a")
+    assert {r["case"] for r in table.rows} == {"Qwen3 down fwd"} and [r["impl"] for r in table.rows] == ["ours"]
+    assert set(timed) == {("Qwen3 down fwd", "ours")}
+    common.SELECTION["cases"] = re.compile("causal 8k$")  # asked by the script for the case, before " fwd" is added
+    table.add("LM causal 8k fwd", "eager", 1.0)
+    assert table.rows[-1]["case"] == "LM causal 8k fwd"
 
 
 def test_unreadable_benchmark_json_is_reported_not_fatal(tmp_path):

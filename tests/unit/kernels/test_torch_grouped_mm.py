@@ -49,6 +49,30 @@ def test_offsets_equal_counts_and_errors_are_the_reference_ones():
         assert str(ours.value) == str(ref.value)
 
 
+@pytest.mark.parametrize("dtype,k,n", [(torch.float32, 10, 6), (torch.bfloat16, 12, 20), (torch.bfloat16, 16, 12)])
+@pytest.mark.parametrize("layout", ["enk", "ekn"])
+def test_rows_not_in_16_byte_units_take_the_reference(dtype, k, n, layout, monkeypatch):
+    """torch._grouped_mm refuses K or N rows that are not whole 16-byte units ("strides should be multiple of 16
+    bytes"; the tiny models' expert widths 10, 12, 20 in bf16): those calls give the reference's result instead
+    of the error, and aligned ones still go to torch._grouped_mm."""
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x, w, tpe = _case([3, 0, 4], k=k, n=n, layout=layout, tail=1)
+    x, w = (x.detach().to(dtype).requires_grad_(), w.detach().to(dtype).requires_grad_())
+    assert not backend.aligned(x, w)
+    got = backend.grouped_mm(x, w, tokens_per_expert=tpe, weight_layout=layout)
+    exp = reference(x, w, tokens_per_expert=tpe, weight_layout=layout)
+    torch.testing.assert_close(got, exp, atol=0, rtol=0)
+    up = torch.randn_like(exp)
+    for a, b in zip(torch.autograd.grad(got, (x, w), up), torch.autograd.grad(exp, (x, w), up)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert not calls
+    x16, w16, _ = _case([3, 0, 4], k=16, n=24, layout=layout, tail=1)
+    backend.grouped_mm(x16.to(dtype), w16.to(dtype), tokens_per_expert=tpe, weight_layout=layout)
+    assert calls
+
+
 def test_no_rows_in_any_group_gives_zeros():
     x, w, _ = _case([1, 1])
     out = backend.grouped_mm(x, w, tokens_per_expert=torch.tensor([0, 0]), weight_layout="enk")
@@ -62,6 +86,9 @@ def test_check_takes_only_the_measured_configuration(monkeypatch):
     assert "bfloat16" in backend.cuda_check("cuda", torch.float32)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     assert "9.0" in backend.cuda_check("cuda", torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 4))  # an MI300 under ROCm
+    monkeypatch.setattr(torch.version, "hip", "6.4", raising=False)
+    assert "ROCm" in backend.cuda_check("cuda", torch.bfloat16)
 
 
 def test_forced_through_the_registry_on_cpu_is_refused_with_the_reason():
@@ -69,3 +96,23 @@ def test_forced_through_the_registry_on_cpu_is_refused_with_the_reason():
     with kernels.use_backends({"grouped_mm": "torch_grouped_mm"}):
         with pytest.raises(Exception, match="chosen only on cuda"):
             kernels.grouped_mm(x, w, tokens_per_expert=tpe, weight_layout="enk")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["enk", "ekn"])
+@pytest.mark.parametrize("k,n", [(96, 136), (20, 12)])
+def test_bf16_cuda_matches_the_reference_through_auto(layout, k, n):
+    """On the GPU, in bf16, through `auto` (torch._grouped_mm on sm90+, Triton before): forward and gradients
+    against the reference's per-expert matmuls in fp32, also for a tiny model's widths (20 / 12: not whole
+    16-byte rows, which torch._grouped_mm refuses; the backend hands them to the reference)."""
+    x, w, tpe = _case([0, 70, 3, 200, 1], k=k, n=n, layout=layout, tail=5)
+    xb, wb = (t.detach().to("cuda", torch.bfloat16).requires_grad_() for t in (x, w))
+    got = kernels.grouped_mm(xb, wb, tokens_per_expert=tpe.cuda(), weight_layout=layout)
+    xf, wf = (t.detach().float().requires_grad_() for t in (xb, wb))
+    exp = reference(xf, wf, tokens_per_expert=tpe.cuda(), weight_layout=layout)
+    torch.testing.assert_close(got.float(), exp, atol=2e-2, rtol=2e-2)
+    up = torch.randn(exp.shape, generator=torch.Generator().manual_seed(1)).cuda()
+    g_got = torch.autograd.grad(got, (xb, wb), up.bfloat16())
+    g_exp = torch.autograd.grad(exp, (xf, wf), up.bfloat16().float())
+    for a, b in zip(g_got, g_exp):
+        torch.testing.assert_close(a.float(), b, atol=5e-2, rtol=2e-2)

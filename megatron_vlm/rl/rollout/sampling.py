@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["filter_logits", "sample_tokens"]
+__all__ = ["filter_logits", "same_device", "sample_tokens"]
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
@@ -34,7 +34,10 @@ def same_device(a: torch.device, b: torch.device) -> bool:
         return False
     if a.index == b.index or a.type == "cpu":
         return True
-    current = getattr(torch, a.type).current_device()
+    module = getattr(torch, a.type, None)
+    if module is None or not hasattr(module, "current_device"):  # no notion of a current device: indices decide
+        return False
+    current = module.current_device()
     return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 

@@ -155,3 +155,10 @@ def test_same_device_reads_a_bare_cuda_as_the_current_index(monkeypatch):
     assert not same_device("cuda", "cuda:1")
     assert not same_device("cpu", "cuda:0")
     assert same_device("cpu", torch.device("cpu"))
+
+
+def test_same_device_without_a_current_device_compares_indices():
+    from megatron_vlm.rl.rollout.sampling import same_device
+
+    assert not same_device(torch.device("meta", 0), torch.device("meta"))  # torch.meta has no current_device
+    assert same_device(torch.device("meta", 0), torch.device("meta", 0))

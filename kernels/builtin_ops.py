@@ -107,8 +107,8 @@ def register_builtin_ops(registry) -> None:
                      registry=registry, auto_devices=everywhere)
     register("moe_ep_dispatch", "deep_ep", "thirdparty.deep_ep:ep_forward",
              check=cuda_package_check("deep_ep", (torch.bfloat16,)), auto_devices=("cuda",), priority=20)
-    # experimental: not yet run on a GPU. Liger-Kernel: forced only (no auto devices) until a GPU
-    # measurement says it beats our Triton kernels (kernels/thirdparty/liger.py says why)
+    # Liger-Kernel (matched our references on an H200; not yet benchmarked): forced only (no auto devices) until a
+    # GPU measurement says it beats our Triton kernels (kernels/thirdparty/liger.py says why)
     liger_dtypes = (torch.float32, torch.float16, torch.bfloat16)
     for op in ("rms_norm", "swiglu"):  # linear_token_logprobs: registered above
         register(op, "liger", f"thirdparty.liger:{op}", check=cuda_package_check("liger_kernel", liger_dtypes))

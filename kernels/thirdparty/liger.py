@@ -20,7 +20,8 @@ of our contract (kernels/reference/token_logprobs.py), each fallback to the refe
 - `chunk_size` is ignored (Liger sizes its chunks itself).
 
 `rms_norm` and `swiglu` (forceable only, CUDA only: Liger's norm / SwiGLU kernels do not run in the
-Triton interpreter; experimental: not yet run on a GPU):
+Triton interpreter; on an H200 (2026-11-25) both matched our references in bf16, tests/gpu/test_gpu_thirdparty_liger.py;
+not yet benchmarked against ours):
 
 - `rms_norm` -> `liger_rms_norm(x, w, eps, offset=0, casting_mode="gemma", in_place=False)`: the "gemma"
   casting mode computes in fp32 and casts at the end, as our contract does (Liger's default "llama" mode

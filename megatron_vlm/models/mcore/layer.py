@@ -403,6 +403,8 @@ def native_state_dict(state: dict, model: nn.Module) -> dict:
         else:
             out[key] = value
     for pre, layer_state in grouped.items():
+        if not layer_state:  # already under native names (a pipeline stage converted its own layers)
+            continue
         native_pre = pre.removesuffix("mcore.")
         out.update({native_pre + k: v for k, v in swapped[pre].native_state(layer_state).items()})
     return out

@@ -9,8 +9,9 @@ a vision tower on the first) trained with megatron-core layers and pp = 2 gives 
 grad norms (1e-5) and HF export (1e-6); its step-2 checkpoint resumes with pp = 1 (2 data-parallel ranks, the
 same megatron-core layers) with the uninterrupted run's last losses (1e-5) and export (1e-6).
 
-Heavy: the same comparison for the Nemotron-VL hybrid (Mamba2 / attention / MLP / MoE blocks as megatron-core
-layers, split over the stages, the MoE loads balanced per stage).
+Heavy (~35 s): the same comparison for the tiny Qwen3-VL-MoE (megatron-core MoELayers, DeepStack on the first
+stage) and the Nemotron-VL hybrid (Mamba2 / attention / MLP / MoE blocks as megatron-core layers), split over
+the stages, the MoE loads balanced per stage.
 """
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ def _dense_and_resume(tmp: Path, rank: int) -> None:
         _assert_close_runs("qwen2_5_vl mcore pp=2 -> pp=1 resume", full, resumed, first=2)
 
 
-def _hybrid(tmp: Path, rank: int) -> None:
+def _moe_and_hybrid(tmp: Path, rank: int) -> None:
+    _same_pp(tmp, rank, "qwen3_vl_moe")
     _same_pp(tmp, rank, "nemotron_vl")
 
 
@@ -110,4 +112,4 @@ def test_mcore_pp2_matches_native_pp2_and_resumes_with_pp1(tmp_path):
 
 @pytest.mark.heavy
 def test_mcore_pp2_matches_native_pp2_hybrid_moe(tmp_path):
-    _spawn(tmp_path, "_hybrid")
+    _spawn(tmp_path, "_moe_and_hybrid")

@@ -138,7 +138,9 @@ class ParallelConfig:
     sequence parallelism), context parallelism (the same layers split as native's, Mamba2 blocks whole; through
     our attention) and expert parallelism (ep > 1, MoE decoders and the Nemotron-H hybrid's MoE blocks:
     megatron-core's all-to-all token dispatcher over our ep groups, each rank holding its E / ep experts; with
-    tp > 1 too, MoE layers replicated over tp); not pp (experimental: not yet run on a GPU; README "Megatron-core")."""
+    tp > 1 too, MoE layers replicated over tp) and pipeline parallelism (pp > 1 with data parallelism, as native: our
+    1F1B schedule drives stages whose decoder layers are megatron-core layers; megatron-core's own pipeline size
+    stays 1) (experimental: not yet run on a GPU; README "Megatron-core")."""
     dp_replicate: int = 1
     """Data-parallel replicas (HSDP outer dimension)."""
     dp_shard: int = -1
@@ -188,10 +190,6 @@ class ParallelConfig:
         if self.dp_shard == 0 or self.dp_shard < -1:
             raise ValueError(f"dp_shard: must be -1 or > 0, got {self.dp_shard}")
         if self.backend == "mcore":
-            if self.pp > 1:
-                raise ValueError(f"backend: 'mcore' with pp = {self.pp}: megatron-core's own pipeline process groups "
-                                 "are not wired to this mesh yet; use pp = 1 (data, tensor, context and expert "
-                                 "parallelism only) or backend = 'native'")
             if self.compile:
                 raise ValueError("backend: 'mcore' with compile = true is not supported yet; set compile = false")
 

@@ -38,7 +38,7 @@ take the same optimizer step.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -164,14 +164,19 @@ class PipelineStageModel:
         self.loss_scale = 0.0
         self.logp_sums: list[float] = []
 
-    def full_state_dict(self) -> dict:
+    def full_state_dict(self, stage_transform: Optional[Callable[[dict], dict]] = None) -> dict:
         """The full model's gathered CPU state dict on every rank (for the HF export; collective): each stage's
         entries, gathered over its data-parallel ranks, then over the pipeline group. (The one-stage
-        `full_model_state_dict` keeps the values on global rank 0 only, which holds no later stage.)"""
+        `full_model_state_dict` keeps the values on global rank 0 only, which holds no later stage.)
+        `stage_transform` maps each stage's own entries before the gather: what only the stage holding a layer
+        can do (the megatron-core layers' conversion back to native names needs the layer objects, which the
+        other stages replaced by stubs)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(self, options=StateDictOptions(full_state_dict=True))
-        sd = {k: v.detach().cpu() for k, v in sd.items()}
+        sd = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}  # mcore: None extra state
+        if stage_transform is not None:
+            sd = stage_transform(sd)
         parts = [None] * self.num_stages
         dist.all_gather_object(parts, sd, group=self.pp_group)
         merged: dict = {}

@@ -139,11 +139,18 @@ class Checkpointer:
         except CheckpointError as e:
             _fail(e, EXIT_SAVE_FAILED)
 
+    def _stage_native(self, sd: dict) -> dict:
+        """One pipeline stage's wrapper state dict with its megatron-core layers under native names."""
+        inner = native_state_dict({k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")},
+                                  self.wrapper.model)
+        return {**{k: v for k, v in sd.items() if not k.startswith("model.")}, **{"model." + k: v for k, v in inner.items()}}
+
     def export_hf(self, out_dir: Path) -> None:
         """Gather the full weights and write a Hugging Face folder (rank 0; a temporary folder put in
         place when complete). Exits 1 on every rank when it fails (the previous export stays intact)."""
         stages = getattr(self.wrapper, "full_state_dict", None)  # parallel.pp > 1: gathered over the stages
-        sd = stages() if stages is not None else full_model_state_dict(self.wrapper)
+        # each stage converts its own megatron-core layers (the others hold stubs for them) before the gather
+        sd = stages(self._stage_native) if stages is not None else full_model_state_dict(self.wrapper)
         err = None
         if self.is_main:
             sd = {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")}

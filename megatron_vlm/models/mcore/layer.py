@@ -45,9 +45,16 @@ dispatcher and hold their rank's experts as DTensors on the ("ep_replicate", "ep
 tp > 1 as well, our ep groups (ranks of one tp coordinate) are given to the MoE layers directly (megatron-core
 builds its expert groups from consecutive ranks; `ensure_parallel_state`), which are replicated over tp.
 
+Pipeline parallelism (parallel.pp > 1, SFT with data parallelism only, as native): `use_mcore_layers` runs on
+the whole loaded model first, then `parallel.pipeline.split_model_for_stage` replaces the layers of other stages
+by stubs; a held layer keeps its global index, megatron-core layer_number (index + 1) and parameter names, so
+checkpoint keys equal pp = 1's. Our 1F1B schedule sends the activations between stages: megatron-core's
+parallel state keeps pipeline_model_parallel_size = 1 (the layers need no pipeline groups). `native_state_dict`
+needs the layer objects, so for the HF export each stage converts its own layers before the gather
+(`PipelineStageModel.full_state_dict(stage_transform)`).
+
 Limits, refused with exit 2 before a run starts (config/sections.py, `check_mcore_model`, `use_mcore_layers`):
-pipeline parallelism (megatron-core's own process groups for it are not wired to our mesh yet), a tp that
-does not divide a layer's heads / groups / MLP width (TPError), MoE routing features megatron-core
+pipeline parallelism with tp / cp / ep > 1 (as for the native backend), a tp that does not divide a layer's heads / groups / MLP width (TPError), MoE routing features megatron-core
 cannot express (moe_layer.py), LoRA; experimental: not yet run on a GPU.
 """
 from __future__ import annotations
@@ -396,6 +403,8 @@ def native_state_dict(state: dict, model: nn.Module) -> dict:
         else:
             out[key] = value
     for pre, layer_state in grouped.items():
+        if not layer_state:  # already under native names (a pipeline stage converted its own layers)
+            continue
         native_pre = pre.removesuffix("mcore.")
         out.update({native_pre + k: v for k, v in swapped[pre].native_state(layer_state).items()})
     return out

@@ -106,6 +106,7 @@ def test_mcore_layers_equal_the_native_decoder(kind, mcore_state, vqa, tmp_path)
 def test_config_refusals():
     from megatron_vlm.config.sections import ParallelConfig
 
-    with pytest.raises(ValueError, match="pp = 2"):  # tp / cp: test_mcore_tp_shard.py, ep: test_mcore_ep_shard.py
-        ParallelConfig(backend="mcore", pp=2).validate()
+    ParallelConfig(backend="mcore", pp=2).validate()  # pipeline parallelism: tests/integration/parallel/test_mcore_pp.py
+    with pytest.raises(ValueError, match=r"pp: pipeline parallelism \(pp = 2\).*ep = 2 must be 1"):  # as native
+        ParallelConfig(backend="mcore", pp=2, ep=2).validate()  # tp / cp: test_mcore_tp_shard.py
     ParallelConfig(backend="mcore", dp_shard=2).validate()  # data parallelism is fine

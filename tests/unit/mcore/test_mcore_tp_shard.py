@@ -120,11 +120,13 @@ def test_checkpoint_tp_guard():
         check_saved_mcore_tp({}, 2)
 
 
-def test_config_accepts_tp_and_cp_refuses_pp():
-    for key in ("tp", "cp"):
+def test_config_accepts_tp_cp_and_pp_refuses_pp_with_tp_or_cp():
+    for key in ("tp", "cp", "pp"):
         ParallelConfig(backend="mcore", **{key: 2}).validate()
-    with pytest.raises(ValueError, match="backend: 'mcore' with pp = 2: megatron-core's own pipeline"):
-        ParallelConfig(backend="mcore", pp=2).validate()
+    for key in ("tp", "cp"):  # pipeline parallelism composes with data parallelism only, as native's
+        with pytest.raises(ValueError, match=rf"pp: pipeline parallelism \(pp = 2\) composes with data parallelism only; "
+                                             rf"{key} = 2 must be 1"):
+            ParallelConfig(backend="mcore", pp=2, **{key: 2}).validate()
 
 
 def test_check_plans_mcore_with_tp2(tmp_path):
@@ -133,5 +135,9 @@ def test_check_plans_mcore_with_tp2(tmp_path):
     assert run_check(load_config(CONFIGS / "demo_sft.toml", sets), world_size=2, device_memory_gib=80.0,
                      out=out, err=err) == 0, out.getvalue() + err.getvalue()
     assert "tp 2" in out.getvalue()
-    with pytest.raises(ValueError, match="parallel.backend: 'mcore' with pp = 2"):
-        load_config(CONFIGS / "demo_sft.toml", sets[:2] + ["parallel.pp=2"])
+    with pytest.raises(ValueError, match=r"parallel.pp: pipeline parallelism \(pp = 2\).*tp = 2 must be 1"):
+        load_config(CONFIGS / "demo_sft.toml", sets + ["parallel.pp=2"])
+    out, err = io.StringIO(), io.StringIO()  # mcore with pp = 2 (data parallelism only) is planned
+    pp_sets = sets[:2] + ["parallel.pp=2", "data.synthetic_eval_size=0"]  # no evaluation through a pipeline
+    assert run_check(load_config(CONFIGS / "demo_sft.toml", pp_sets), world_size=2,
+                     device_memory_gib=80.0, out=out, err=err) == 0, out.getvalue() + err.getvalue()

@@ -93,13 +93,15 @@ def decode_attention(
     # torch's fused SDPA on the cache's own layout: [B, S, Hkv, D] -> [B, Hkv, S, D] is a strided view
     # (no copy into a head-major layout; decoding is bound by reading the cache), GQA natively, fp32
     # accumulation inside the kernel for low-precision inputs.
-    visible = torch.arange(length, device=q.device)[None, :] < cache_seqlens.to(q.device)[:, None]  # [B, S]
+    seqlens = cache_seqlens.to(q.device)
+    visible = torch.arange(length, device=q.device)[None, :] < seqlens[:, None]  # [B, S]
     out = torch.nn.functional.scaled_dot_product_attention(
         q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible[:, None, None, :],
         scale=scale, enable_gqa=hq != k.shape[2],
     )[:, :, 0]
-    # a sequence without keys: the softmax over no key is 0/0; the convention is zeros
-    return out.nan_to_num(0.0).masked_fill(~visible.any(1)[:, None, None], 0.0)
+    # a sequence without keys (seqlen <= 0; length > 0 here): the softmax over no key is 0/0 (NaN rows, and
+    # only those rows); the convention is zeros, written over the whole row
+    return out.masked_fill((seqlens <= 0)[:, None, None], 0.0)
 
 
 def decode_attention_loop(

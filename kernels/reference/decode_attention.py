@@ -91,7 +91,7 @@ def decode_attention(
     k = _gather_keys(k_cache, slot_ids, block_table, length)[:batch]
     v = _gather_keys(v_cache, slot_ids, block_table, length)[:batch]
     # torch's fused SDPA on the cache's own layout: [B, S, Hkv, D] -> [B, Hkv, S, D] is a strided view
-    # (no copy into a head-major layout; decoding is bound by reading the cache), GQA natively, fp32
+    # (no copy into a head-major layout; decoding is bound by reading the cache), GQA as query rows (below), fp32
     # accumulation inside the kernel for low-precision inputs.
     # GQA as queries: the Hq / Hkv query heads that read one kv head are that head's `group` query rows
     # ([B, Hkv, group, D]; no causal mask, every query sees every key), so the kernel runs B x Hkv tasks of

@@ -23,6 +23,15 @@ from typing import Optional, Tuple
 import torch
 
 
+def _broadcasts_to(shape: Tuple[int, ...], target: Tuple[int, ...]) -> bool:
+    """`torch.broadcast_shapes(shape, target) == target`, in plain Python: this check runs for every
+    rotary call (twice per layer and decode step), and the torch helper costs more than the rotation of
+    a decode step's few rows."""
+    if len(shape) > len(target):
+        return False
+    return all(s == t or s == 1 for s, t in zip(reversed(shape), reversed(target)))
+
+
 def expand_cos_sin(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, rotary_dim: Optional[int]
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -44,11 +53,7 @@ def expand_cos_sin(
         else:
             cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    try:
-        ok = torch.broadcast_shapes(cos.shape, x[..., :d_rot].shape) == x[..., :d_rot].shape
-    except RuntimeError:
-        ok = False
-    if not ok:
+    if not _broadcasts_to(tuple(cos.shape), tuple(x.shape[:-1]) + (d_rot,)):
         raise ValueError(
             f"apply_rotary: cos/sin {tuple(cos.shape[:-2]) + (cos.shape[-1],)} do not broadcast against x "
             f"{tuple(x.shape)} (cos/sin must be [..., T, C] matching x's [..., T] dims)"

@@ -67,6 +67,7 @@ class SlotCache:
         self._step_states: Dict[int, Mamba2State] = {}
         self._pos: Optional[torch.Tensor] = None  # per step: the active slots' write positions
         self._seqlens: Optional[torch.Tensor] = None  # ... and their key counts after the write
+        self._flat: Optional[torch.Tensor] = None  # ... and their rows in a layer's flattened cache (eager steps)
         self._max_k = 0  # ... and the longest of those, known on the host
         self._static = False  # set_active_static: a graph-safe step (no host reads)
 
@@ -181,6 +182,9 @@ class SlotCache:
         self._pos = self.lengths.index_select(0, self._active)
         self._seqlens = self._pos + 1
         self._max_k = self.seq_len + 1
+        # the new keys' rows in the [slots * max_len, Hkv, D] view of a layer's cache: one index_copy_ per
+        # layer instead of a two-index index_put_ (~3x cheaper at decode sizes; the same writes)
+        self._flat = self._active * self.max_len + self._pos
         self._pending = True
 
     def _write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -188,9 +192,13 @@ class SlotCache:
             raise RuntimeError("SlotCache: attend / update outside begin_step / end_step")
         if k.shape[:2] != (self.batch, 1):
             raise ValueError(f"SlotCache: layer {layer_idx} k has shape {tuple(k.shape)}, expected [{self.batch}, 1, ...]")
-        pos = self._pos
-        self.keys[layer_idx][self._active, pos] = k[:, 0].to(self.keys[layer_idx].dtype)
-        self.values[layer_idx][self._active, pos] = v[:, 0].to(self.values[layer_idx].dtype)
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if self._flat is not None and keys.is_contiguous() and values.is_contiguous():
+            keys.view(-1, *keys.shape[2:]).index_copy_(0, self._flat, k[:, 0].to(keys.dtype))
+            values.view(-1, *values.shape[2:]).index_copy_(0, self._flat, v[:, 0].to(values.dtype))
+        else:  # a static (graph) step, or a cache that is not one block
+            keys[self._active, self._pos] = k[:, 0].to(keys.dtype)
+            values[self._active, self._pos] = v[:, 0].to(values.dtype)
         return self._seqlens
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -222,7 +230,7 @@ class SlotCache:
             self._mamba[i].conv_state[self._active] = state.conv_state
             self._mamba[i].ssm_state[self._active] = state.ssm_state
         self._step_states = {}
-        self._pos = self._seqlens = None
+        self._pos = self._seqlens = self._flat = None
         self._pending = False
 
     # ----- the hybrid decoder's view (Nemotron-H) -----

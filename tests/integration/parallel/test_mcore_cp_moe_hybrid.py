@@ -31,8 +31,8 @@ pytest.importorskip("megatron.core")
 from megatron_vlm.checkpoint.hf import load_hf_model  # noqa: E402
 from megatron_vlm.parallel import init_distributed  # noqa: E402
 from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
-from tests.integration.parallel.test_mcore_tp import STEPS, _assert_same, _same_sft, _spawn, _worker  # noqa: E402
-from tests.integration.parallel.test_tp_cp_families import _column, _free_port, _grpo, _run  # noqa: E402
+from tests.integration.parallel.test_mcore_tp import STEPS, _assert_same, _same_sft, _spawn  # noqa: E402
+from tests.integration.parallel.test_tp_cp_families import _column, _grpo, _run  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
 
@@ -170,15 +170,4 @@ def _tp_cp_parts(tmp: Path, rank: int) -> None:
 
 @pytest.mark.heavy
 def test_mcore_tp2_cp2_moe_and_hybrid_sft_match_native(tmp_path):
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(_worker, args=(4, _free_port(), str(tmp_path), errors, _tp_cp_parts), nprocs=4,
-                           start_method="spawn")
-    except Exception:
-        msgs = []
-        while not errors.empty():
-            msgs.append("rank %d:\n%s" % errors.get())
-        raise AssertionError("\n".join(msgs) or "a worker failed")
+    _spawn(tmp_path, _tp_cp_parts, world=4)

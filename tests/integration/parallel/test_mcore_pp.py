@@ -15,20 +15,16 @@ the stages, the MoE loads balanced per stage.
 """
 from __future__ import annotations
 
-import os
 import shutil
-import traceback
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytest.importorskip("megatron.core")
 
-from megatron_vlm.parallel import init_distributed  # noqa: E402
-from tests.integration.parallel.test_tp_cp_families import _column, _export, _free_port, _run  # noqa: E402
+from tests.integration.parallel.test_mcore_tp import _spawn  # noqa: E402
+from tests.integration.parallel.test_tp_cp_families import _column, _export, _run  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
 
@@ -78,38 +74,10 @@ def _moe_and_hybrid(tmp: Path, rank: int) -> None:
     _same_pp(tmp, rank, "nemotron_vl")
 
 
-def _worker(rank: int, world: int, port: int, tmp: str, body: str, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    try:
-        init_distributed()
-        dist.barrier()
-        globals()[body](Path(tmp), rank)
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        errors.put((rank, traceback.format_exc()))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _spawn(tmp_path: Path, body: str) -> None:
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path), body, errors), nprocs=2, start_method="spawn")
-    except Exception:
-        msgs = []
-        while not errors.empty():
-            msgs.append("rank %d:\n%s" % errors.get())
-        raise AssertionError("\n".join(msgs) or "a worker failed")
-
-
 def test_mcore_pp2_matches_native_pp2_and_resumes_with_pp1(tmp_path):
-    _spawn(tmp_path, "_dense_and_resume")
+    _spawn(tmp_path, _dense_and_resume)
 
 
 @pytest.mark.heavy
 def test_mcore_pp2_matches_native_pp2_hybrid_moe(tmp_path):
-    _spawn(tmp_path, "_moe_and_hybrid")
+    _spawn(tmp_path, _moe_and_hybrid)

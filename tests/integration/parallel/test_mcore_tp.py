@@ -114,20 +114,19 @@ def _same_sft(tmp: Path, rank: int, family: str, layout: str, **extra) -> None:
     dist.barrier()
 
 
-def _resume(tmp: Path, rank: int) -> None:
+def _resume_at_tp2(tmp: Path, rank: int, family: str) -> None:
     """A tp = 2 megatron-core checkpoint of step 2 resumes with tp = 2 (the uninterrupted run's last losses and
     export); resuming it with tp = 1 (2 data-parallel ranks) is refused: exit 2 naming parallel.tp."""
     full, resumed, other = (tmp / "resume" / n for n in ("full", "resumed", "tp1"))
-    _arith(tmp, rank)
     ck = {"parallel.backend": '"mcore"', "train.max_steps": STEPS, "checkpoint.enable": "true",
           "checkpoint.every_steps": 2}
-    _run(tmp, "qwen_text", full, **{**ck, "parallel.tp": 2, "train.micro_batches_per_step": 2})
+    _run(tmp, family, full, **{**ck, "parallel.tp": 2, "train.micro_batches_per_step": 2})
     if rank == 0:
         for out in (resumed, other):
             shutil.copytree(full / "checkpoints" / "step_2", out / "checkpoints" / "step_2")
     dist.barrier()
-    _run(tmp, "qwen_text", resumed, **{**ck, "parallel.tp": 2, "train.micro_batches_per_step": 2,
-                                       "checkpoint.resume": '"auto"'})
+    _run(tmp, family, resumed, **{**ck, "parallel.tp": 2, "train.micro_batches_per_step": 2,
+                                  "checkpoint.resume": '"auto"'})
     if rank == 0:
         a, b = _column(full, "loss"), _column(resumed, "loss")
         assert len(b) == STEPS - 2 and max(abs(x - y) for x, y in zip(a[2:], b)) <= 1e-6, (a, b)
@@ -136,9 +135,14 @@ def _resume(tmp: Path, rank: int) -> None:
     dist.barrier()
     err = io.StringIO()
     with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(err):
-        _run(tmp, "qwen_text", other, **{**ck, "train.micro_batches_per_step": 1, "checkpoint.resume": '"auto"'})
+        _run(tmp, family, other, **{**ck, "train.micro_batches_per_step": 1, "checkpoint.resume": '"auto"'})
     assert e.value.code == 2 and "saved with parallel.tp = 2" in err.getvalue(), err.getvalue()
     dist.barrier()
+
+
+def _resume(tmp: Path, rank: int) -> None:
+    _arith(tmp, rank)
+    _resume_at_tp2(tmp, rank, "qwen_text")
 
 
 def _cp_and_grpo(tmp: Path, rank: int) -> None:
@@ -182,11 +186,13 @@ def _worker(rank: int, world: int, port: int, tmp: str, errors, part) -> None:
             dist.destroy_process_group()
 
 
-def _spawn(tmp_path, part) -> None:
+def _spawn(tmp_path, part, world: int = 2) -> None:
+    """Run `part(tmp, rank)` on `world` spawned gloo ranks; a worker's traceback becomes the assertion message."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     try:
-        mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path), errors, part), nprocs=2, start_method="spawn")
+        mp.start_processes(_worker, args=(world, _free_port(), str(tmp_path), errors, part), nprocs=world,
+                           start_method="spawn")
     except Exception:
         msgs = []
         while not errors.empty():

@@ -19,9 +19,6 @@ layer replicated over tp, its experts split over the 2 ep ranks of one tp coordi
 """
 from __future__ import annotations
 
-import contextlib
-import io
-import shutil
 from pathlib import Path
 
 import pytest
@@ -33,8 +30,8 @@ pytest.importorskip("megatron.core")
 from megatron_vlm.checkpoint.hf import load_hf_model  # noqa: E402
 from megatron_vlm.parallel import init_distributed  # noqa: E402
 from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
-from tests.integration.parallel.test_mcore_tp import STEPS, _assert_same, _same_sft, _spawn, _worker  # noqa: E402
-from tests.integration.parallel.test_tp_cp_families import _column, _export, _free_port, _grpo, _run  # noqa: E402
+from tests.integration.parallel.test_mcore_tp import STEPS, _assert_same, _resume_at_tp2, _same_sft, _spawn  # noqa: E402
+from tests.integration.parallel.test_tp_cp_families import _column, _grpo, _run  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
 
@@ -104,34 +101,8 @@ def test_mcore_tp2_moe_and_hybrid_sft_match_native(tmp_path):
     _spawn(tmp_path, _sft)
 
 
-def _resume_hybrid(tmp: Path, rank: int) -> None:
-    """A tp = 2 megatron-core Nemotron-VL checkpoint of step 2 resumes with tp = 2 (the uninterrupted run's last
-    losses and export); resuming it with tp = 1 is refused, exit 2 naming parallel.tp."""
-    full, resumed, other = (tmp / "resume" / n for n in ("full", "resumed", "tp1"))
-    ck = {"parallel.backend": '"mcore"', "train.max_steps": STEPS, "checkpoint.enable": "true",
-          "checkpoint.every_steps": 2}
-    _run(tmp, "nemotron_vl", full, **{**ck, "parallel.tp": 2, "train.micro_batches_per_step": 2})
-    if rank == 0:
-        for out in (resumed, other):
-            shutil.copytree(full / "checkpoints" / "step_2", out / "checkpoints" / "step_2")
-    dist.barrier()
-    _run(tmp, "nemotron_vl", resumed, **{**ck, "parallel.tp": 2, "train.micro_batches_per_step": 2,
-                                         "checkpoint.resume": '"auto"'})
-    if rank == 0:
-        a, b = _column(full, "loss"), _column(resumed, "loss")
-        assert len(b) == STEPS - 2 and max(abs(x - y) for x, y in zip(a[2:], b)) <= 1e-6, (a, b)
-        e_a, e_b = _export(full), _export(resumed)
-        assert e_a.keys() == e_b.keys() and max((e_a[k] - e_b[k]).abs().max().item() for k in e_a) <= 1e-6
-    dist.barrier()
-    err = io.StringIO()
-    with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(err):
-        _run(tmp, "nemotron_vl", other, **{**ck, "train.micro_batches_per_step": 1, "checkpoint.resume": '"auto"'})
-    assert e.value.code == 2 and "saved with parallel.tp = 2" in err.getvalue(), err.getvalue()
-    dist.barrier()
-
-
 def _grpo_parts(tmp: Path, rank: int) -> None:
-    _resume_hybrid(tmp, rank)
+    _resume_at_tp2(tmp, rank, "nemotron_vl")  # a tp = 2 Nemotron-VL checkpoint: resumes at tp = 2, refused at tp = 1
     for kind in ("tiny_nemotron_vl", "tiny_qwen3_vl_moe"):
         model = tmp / kind / "model"
         if rank == 0:
@@ -208,15 +179,4 @@ def _tp_ep_parts(tmp: Path, rank: int) -> None:
 
 @pytest.mark.heavy
 def test_mcore_tp2_ep2_sft_matches_native(tmp_path):
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(_worker, args=(4, _free_port(), str(tmp_path), errors, _tp_ep_parts), nprocs=4,
-                           start_method="spawn")
-    except Exception:
-        msgs = []
-        while not errors.empty():
-            msgs.append("rank %d:\n%s" % errors.get())
-        raise AssertionError("\n".join(msgs) or "a worker failed")
+    _spawn(tmp_path, _tp_ep_parts, world=4)

@@ -31,7 +31,7 @@ pytest.importorskip("megatron.core")
 from megatron_vlm.checkpoint.hf import load_hf_model  # noqa: E402
 from megatron_vlm.parallel import init_distributed  # noqa: E402
 from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
-from tests.integration.parallel.test_mcore_tp import STEPS, _assert_same, _same_sft, _spawn  # noqa: E402
+from tests.integration.parallel.test_mcore_tp import STEPS, _assert_same, _same_moe_stats, _same_sft, _spawn  # noqa: E402
 from tests.integration.parallel.test_tp_cp_families import _column, _grpo, _run  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
@@ -105,22 +105,10 @@ def _sft(tmp: Path, rank: int) -> None:
     # the auxiliary loss on: its router statistics are over the rank's tokens, its gradient enters the split layers
     stats = {"moe.n_step_per_workload_report": 1, "moe.aux_loss_coef": 0.1}
     _same_sft(tmp, rank, "qwen3_vl_moe", "cp", **stats)
-    _same_moe_stats(tmp / "qwen3_vl_moe", rank)
+    _same_moe_stats(tmp / "qwen3_vl_moe", rank, "cp")
     # activation checkpointing recomputes the split layers (their cp slices and gathers)
     _same_sft(tmp, rank, "nemotron_vl", "cp", **{"train.activation_checkpointing": "true"}, **stats)
-    _same_moe_stats(tmp / "nemotron_vl", rank)
-
-
-def _same_moe_stats(family_dir: Path, rank: int) -> None:
-    """The [moe] statistics: each cp rank routes its half of the tokens, summed over the ranks, as in native."""
-    if rank == 0:
-        a, b = family_dir / "cp_native", family_dir / "cp_mcore"
-        for key in ("moe/tokens_per_layer_mean", "moe/max_fraction_max", "moe/entropy_mean"):
-            x, y = _column(a, key), _column(b, key)
-            assert len(x) == STEPS and max(abs(p - q) for p, q in zip(x, y)) <= 1e-6, (key, x, y)
-        table = (b / "moe_layer_expert_table.csv").read_text()
-        assert table == (a / "moe_layer_expert_table.csv").read_text() and len(table.splitlines()) > STEPS
-    dist.barrier()
+    _same_moe_stats(tmp / "nemotron_vl", rank, "cp")
 
 
 def test_mcore_cp2_moe_and_hybrid_sft_match_native(tmp_path):

@@ -114,6 +114,20 @@ def _same_sft(tmp: Path, rank: int, family: str, layout: str, **extra) -> None:
     dist.barrier()
 
 
+def _same_moe_stats(family_dir: Path, rank: int, layout: str) -> None:
+    """The [moe] statistics of the `layout` (tp / cp) runs equal native's: under tp each token is counted once although
+    every tp rank routes it (the balancer divides the tp copies out); under cp each rank routes its part of the
+    tokens, summed over the ranks."""
+    if rank == 0:
+        a, b = family_dir / f"{layout}_native", family_dir / f"{layout}_mcore"
+        for key in ("moe/tokens_per_layer_mean", "moe/max_fraction_max", "moe/entropy_mean"):
+            x, y = _column(a, key), _column(b, key)
+            assert len(x) == STEPS and max(abs(p - q) for p, q in zip(x, y)) <= 1e-6, (key, x, y)
+        table = (b / "moe_layer_expert_table.csv").read_text()
+        assert table == (a / "moe_layer_expert_table.csv").read_text() and len(table.splitlines()) > STEPS
+    dist.barrier()
+
+
 def _resume_at_tp2(tmp: Path, rank: int, family: str) -> None:
     """A tp = 2 megatron-core checkpoint of step 2 resumes with tp = 2 (the uninterrupted run's last losses and
     export); resuming it with tp = 1 (2 data-parallel ranks) is refused: exit 2 naming parallel.tp."""

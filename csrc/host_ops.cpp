@@ -9,6 +9,7 @@
 // Both must equal the Python implementations exactly. On any invalid input they raise, and the
 // Python dispatch (megatron_vlm/_ext.py) then runs the Python implementation, which raises the
 // documented error; so the messages here only need to be useful, not identical.
+#include <string>
 #include "ops.h"
 
 #include <ATen/ops/empty.h>
@@ -87,7 +88,11 @@ int64_t sequence_positions(const int64_t* ty, const int64_t* col, int64_t n, Gri
       if (w > 0) max_pos = std::max(max_pos, pos + w - 1);
       pos += std::max(grid[1], grid[2]) / merge;
     } else {
-      TORCH_CHECK_VALUE(false, "mm_token_type_ids has value ", kind, "; expected 0, 1 or 2");
+      // The message is built with std::to_string and passed as one C string: formatting the integer through
+      // c10::str (an std::ostringstream) crashed this error path on a CUDA machine (SIGSEGV, torch 2.11 / nvcc 13
+      // build) while the checks with literal messages raised ValueError there.
+      const std::string msg = "mm_token_type_ids has value " + std::to_string(kind) + "; expected 0, 1 or 2";
+      TORCH_CHECK_VALUE(false, msg.c_str());
     }
     i = j;
   }

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megatron_vlm.config import ConfigError, load_config  # noqa: E402
 from megatron_vlm.config.loader import die  # noqa: E402
 from megatron_vlm.config.mode_keys import check_keys_for_mode  # noqa: E402
-from megatron_vlm.runner import run_job  # noqa: E402
+from megatron_vlm.runner import exit_process, run_job  # noqa: E402
 
 
 def parse_args(argv=None, description: str = "Train or evaluate a vision-language model (SFT, GRPO or eval)."):
@@ -65,4 +65,4 @@ def main(argv=None, *, before_step=None, description: Optional[str] = None) -> i
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # no interpreter finalization after a job (runner.exit_process)

@@ -7,6 +7,7 @@ on stderr), 143 stopped by SIGTERM / SIGUSR1 after a checkpoint, 130 Ctrl-C."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.lora import LoRASetupError
 from megatron_vlm.training.step_guard import NonFiniteStepError
 
-__all__ = ["run_job"]
+__all__ = ["exit_process", "run_job"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -92,3 +93,22 @@ def run_job(cfg, *, before_step=None) -> int:
         return 130
     finally:
         destroy_distributed()
+
+
+def exit_process(code: int) -> None:
+    """Leave the process with `code` once `run_job` has returned, without interpreter finalization.
+
+    Why: by then every output is written and closed (checkpoints, metrics, the HF export, reward
+    workers) and the process group is destroyed, but torch's native threads (gloo's work threads
+    release the tensors of finished collectives) can still be about to take the GIL. A thread that
+    takes it while the interpreter finalizes is ended by a forced unwind, which C++ turns into
+    `std::terminate` ("terminate called without an active exception", SIGABRT): a finished 2-rank job
+    exited -6 that way, now and then, after its last barrier. `os._exit` skips finalization; the logs
+    and standard streams are flushed first. Only for the command-line entry points: a caller in the same
+    process (tests) gets `run_job`'s code back instead."""
+    try:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(int(code))

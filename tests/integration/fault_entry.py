@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import sys
 from pathlib import Path
 
 FAULT_KILL_ENV = "MEGATRON_VLM_FAULT_KILL_AT_STEP"
@@ -36,4 +35,6 @@ def _entry_main():
 if __name__ == "__main__":
     kill_at = os.environ.get(FAULT_KILL_ENV)
     hook = kill_before(int(kill_at)) if kill_at else None
-    sys.exit(_entry_main()(before_step=hook))
+    from megatron_vlm.runner import exit_process
+
+    exit_process(_entry_main()(before_step=hook))

@@ -190,3 +190,12 @@ def test_mrope_op_meta_kernel(ext):
         pos, deltas = torch.ops.megatron_vlm.mrope_position_ids(
             ids, None, None, torch.empty(4, dtype=torch.int32), None, None, None, 2.0, IMAGE, VIDEO, 2)
     assert pos.shape == (3, 1, 50) and deltas.shape == (3, 1)
+
+
+def test_mrope_op_names_the_bad_token_type(ext):
+    """The compiled op's own message (not the Python fallback's) for an unknown mm_token_type_ids value: the
+    one error path that puts a number into its message (built with std::to_string, see host_ops.cpp)."""
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match=r"mm_token_type_ids has value 3; expected 0, 1 or 2"):
+        torch.ops.megatron_vlm.mrope_position_ids(ids, torch.full_like(ids, 3), None, None, None, None, None,
+                                                   1.0, IMAGE, VIDEO, 2)

@@ -1,7 +1,7 @@
 """A LoRA SFT job through the entry point with `parallel.backend = "mcore"` (tiny Qwen2.5-VL, adapter dropout and
 activation checkpointing on, 1 process): its losses, grad norms, PEFT adapter and merged export equal the native
 backend's run of the same config, and its checkpoint resumes to the same adapter. The layouts the megatron-core
-adapters are not built for (parallel.tp / ep > 1) exit 2 with the key named."""
+adapters are not built for (parallel.tp > 1) exits 2 with the key named."""
 from __future__ import annotations
 
 import json
@@ -53,7 +53,6 @@ def test_mcore_lora_job_equals_native(tmp_path):
 
 
 def test_mcore_lora_tensor_parallel_job_exits_2(tmp_path):
-    """One refused layout through the entry point (tp and ep: tests/unit/mcore/test_mcore_lora.py)."""
     r = run_job(_overrides(tmp_path / "out", tmp_path, **{"parallel.backend": '"mcore"', "parallel.tp": 2}), check=False)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "parallel.tp: 2 with [lora] and parallel.backend = 'mcore' is not supported" in r.stderr

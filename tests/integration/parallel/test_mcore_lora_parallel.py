@@ -1,10 +1,12 @@
 """`[lora]` with `parallel.backend = "mcore"` on 2 gloo processes (one start): data parallelism (FSDP2 shards the
-adapters with their blocks), context parallelism (each rank's layers see half of every pack's tokens) and
-pipeline parallelism (each stage holds its own layers' adapters; the adapter file and export gathered over the
-stages). For each layout the megatron-core run equals the native LoRA run of the same layout: losses and grad
-norms (1e-5), the merged HF export (1e-6) and the PEFT adapter (1e-5: Adam steps on a ~1e-7 gradient difference). The tiny Qwen3-VL-MoE: MoE layers with
-adapted attention (QK-norm after the q / k updates) and a dense layer with adapted MLP; adapter dropout on.
-tp and ep are refused with [lora] under mcore (tests/unit/mcore/test_mcore_lora.py)."""
+adapters with their blocks), context parallelism (each rank's layers see half of every pack's tokens), expert
+parallelism (each rank's MoE layers hold half of the frozen routed experts) and pipeline parallelism (each
+stage holds its own layers' adapters; the adapter file and export gathered over the stages). For each layout
+the megatron-core run equals the native LoRA run of the same layout: losses and grad norms (1e-5), the merged
+HF export (1e-6) and the PEFT adapter (1e-5: Adam steps on a ~1e-7 gradient difference). The tiny
+Qwen3-VL-MoE: MoE layers with adapted attention (QK-norm after the q / k updates) and a dense layer with an
+adapted MLP; adapter dropout on. tp is refused with [lora] under mcore (tests/unit/mcore/test_mcore_lora.py).
+In CI ~30 s."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,7 +24,7 @@ pytestmark = [pytest.mark.distributed]
 
 LORA = {"train.train_layers": "[]", "lora.r": 4, "lora.alpha": 8, "lora.dropout": 0.1, "optimizer.lr": 1e-3,
         "train.max_steps": STEPS}
-LAYOUTS = {"dp": {}, "cp": {"parallel.cp": 2}, "pp": {"parallel.pp": 2, "train.micro_batches_per_step": 2}}
+LAYOUTS = {"dp": {}, "cp": {"parallel.cp": 2}, "ep": {"parallel.ep": 2}, "pp": {"parallel.pp": 2, "train.micro_batches_per_step": 2}}
 
 
 def _adapter(out: Path) -> dict:
@@ -47,5 +49,5 @@ def _layouts(tmp: Path, rank: int) -> None:
         dist.barrier()
 
 
-def test_mcore_lora_dp_cp_pp_match_native(tmp_path):
+def test_mcore_lora_dp_cp_ep_pp_match_native(tmp_path):
     _spawn(tmp_path, _layouts)

@@ -2,8 +2,8 @@
 adapters' updates to the slices of their fused projections, so a model whose native layers got LoRA
 (training/lora.py `setup_lora`, the native backend's verified path) and were then swapped for megatron-core
 layers must give the native LoRA model's log-probs and adapter gradients (random non-zero B, dropout on), the
-same parameter names / trainable set, the same PEFT adapter file and merged export, and the base model with the
-adapters switched off (GRPO's reference). Layers the megatron-core backend does not adapt are refused."""
+same greedy decoding through the KV slot cache, the same parameter names / trainable set, the same PEFT adapter
+file and merged export, and the base model with the adapters switched off (GRPO's reference). Layers the megatron-core backend does not adapt are refused."""
 from __future__ import annotations
 
 import copy
@@ -17,13 +17,15 @@ pytest.importorskip("megatron.core")  # installed by the dev extra
 
 from megatron_vlm.checkpoint.hf import load_hf_model  # noqa: E402
 from megatron_vlm.config.sections import LoRAConfig  # noqa: E402
+from megatron_vlm.data.processor import load_processor  # noqa: E402
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa  # noqa: E402
 from megatron_vlm.models.common.lora import lora_disabled, lora_modules, merged_state_dict  # noqa: E402
 from megatron_vlm.models.mcore.layer import McoreBackendError, McoreDecoderLayer, native_state_dict, use_mcore_layers  # noqa: E402
 from megatron_vlm.rl.batching import TrainSample, pack_samples  # noqa: E402
 from megatron_vlm.rl.data import load_prompt_dataset  # noqa: E402
 from megatron_vlm.rl.prompts import PromptEncoder  # noqa: E402
-from megatron_vlm.rl.rollout.engine import RolloutPrompt  # noqa: E402
+from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams  # noqa: E402
+from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine  # noqa: E402
 from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
 from megatron_vlm.training.lm_loss import TokenLogprobModel  # noqa: E402
 from megatron_vlm.training.lora import scaling_of, setup_lora, write_adapter  # noqa: E402
@@ -50,15 +52,17 @@ def _lora_models(kind, tmp_path, cfg):
     return native, mc, folder
 
 
-def _batch(kind, folder, vocab, vqa):
-    g = torch.Generator().manual_seed(2)
+def _prompts(kind, folder, vocab, vqa):
     if kind == "tiny_qwen3":
-        prompts = [RolloutPrompt(torch.randint(0, vocab, (n,), generator=g)) for n in (7, 12, 4)]
-    else:
-        from megatron_vlm.data.processor import load_processor
+        g = torch.Generator().manual_seed(1)
+        return [RolloutPrompt(torch.randint(0, vocab, (n,), generator=g)) for n in (7, 12, 4)]
+    encoder = PromptEncoder(load_processor(str(folder)), max_frames=4, fps=2.0, max_new_tokens=5, max_tokens=4096)
+    return [encoder.encode(s) for s in load_prompt_dataset(vqa, schema="messages").samples]
 
-        encoder = PromptEncoder(load_processor(str(folder)), max_frames=4, fps=2.0, max_new_tokens=5, max_tokens=4096)
-        prompts = [encoder.encode(s) for s in load_prompt_dataset(vqa, schema="messages").samples]
+
+def _batch(kind, folder, vocab, vqa):
+    prompts = _prompts(kind, folder, vocab, vqa)
+    g = torch.Generator().manual_seed(2)
     samples = [TrainSample(p, torch.randint(0, vocab, (int(n),), generator=g), torch.zeros(int(n)), 0.0)
                for p in prompts for n in torch.randint(1, 6, (2,), generator=g)]
     batch = pack_samples(samples, share_prompts=True)
@@ -106,6 +110,16 @@ def test_mcore_lora_equals_native_lora(kind, targets, dropout, rslora, mcore_sta
         base_m, base_n = TokenLogprobModel(mc).eval()(batch), TokenLogprobModel(native).eval()(batch)
     torch.testing.assert_close(base_m, base_n, atol=1e-5, rtol=0)
     assert (base_m - lp_m).abs().max() > 1e-3
+
+    # decoding through the KV slot cache (GRPO's rollout with rl.rollout_weights = "shared"): the same greedy tokens
+    prompts = _prompts(kind, folder, native.lm_head.weight.shape[0], vqa)
+    params = SamplingParams(max_new_tokens=4, n=1, temperature=0.0)
+    tok = load_processor(str(folder)).tokenizer
+    out_n = PolicyRolloutEngine(native.eval(), tok, eos_token_ids=[-1]).generate(prompts, params)
+    out_m = PolicyRolloutEngine(mc.eval(), tok, eos_token_ids=[-1]).generate(prompts, params)
+    assert [s.token_ids.tolist() for s in out_m.samples] == [s.token_ids.tolist() for s in out_n.samples]
+    torch.testing.assert_close(torch.cat([s.logprobs for s in out_m.samples]),
+                               torch.cat([s.logprobs for s in out_n.samples]), atol=1e-5, rtol=0)
 
     # state dict under native names (checkpoint export), the PEFT adapter files and the merged export
     back, want = native_state_dict(mc.state_dict(), mc), native.state_dict()

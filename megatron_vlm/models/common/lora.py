@@ -10,6 +10,10 @@ exactly as PEFT computes it, so an adapter written in PEFT's format gives the sa
 `peft.PeftModel`. Initialisation follows PEFT: "default" = A Kaiming-uniform (a = sqrt(5), as
 `nn.Linear`), B = 0; "gaussian" = A ~ N(0, 1/r), B = 0. Both start as the base model.
 
+`LoRAAdapter` is the adapter alone (factors, dropout, scaling, on / off), of which `LoRALinear` is the
+nn.Linear form: parallel.backend = "mcore" layers hold the same adapters without base layers and add
+`add_lora` to the slices of their fused projections (models/mcore/layer.py), with the same math.
+
 `lora_disabled(model)` switches every adapter off for a block (GRPO's reference policy is the base
 model: the same weights, no second copy); `merged_state_dict` folds W + scaling * B A into a plain
 state dict (the merged export). Routed MoE experts are grouped 3-D weights, not `nn.Linear`, so they

@@ -5,8 +5,10 @@ stage holds its own layers' adapters; the adapter file and export gathered over 
 the megatron-core run equals the native LoRA run of the same layout: losses and grad norms (1e-5), the merged
 HF export (1e-6) and the PEFT adapter (1e-5: Adam steps on a ~1e-7 gradient difference). The tiny
 Qwen3-VL-MoE: MoE layers with adapted attention (QK-norm after the q / k updates) and a dense layer with an
-adapted MLP; adapter dropout on. tp is refused with [lora] under mcore (tests/unit/mcore/test_mcore_lora.py).
-In CI ~30 s."""
+adapted MLP; adapter dropout on. Then two GRPO steps of the tiny Qwen2.5-VL (dp = 2, rl.kl_coef > 0: rollouts
+decoded through the adapted megatron-core layers, the reference = the policy with its adapters off) give the
+native LoRA run's loss, grad norm and reward (1e-5). tp is refused with [lora] under mcore
+(tests/unit/mcore/test_mcore_lora.py). In CI ~25 s."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,9 +18,11 @@ import torch.distributed as dist
 
 pytest.importorskip("megatron.core")
 
+from megatron_vlm.parallel import init_distributed  # noqa: E402
+from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
 from tests.integration.parallel.test_mcore_pp import STEPS, _assert_close_runs  # noqa: E402
 from tests.integration.parallel.test_mcore_tp import _spawn  # noqa: E402
-from tests.integration.parallel.test_tp_cp_families import _run  # noqa: E402
+from tests.integration.parallel.test_tp_cp_families import _column, _grpo, _run  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
 
@@ -49,5 +53,31 @@ def _layouts(tmp: Path, rank: int) -> None:
         dist.barrier()
 
 
+def _grpo_lora(tmp: Path, rank: int) -> None:
+    """Two GRPO steps (dp = 2) with [lora] and a KL term: the rollout decodes through the adapted layers, the
+    reference is the policy with its adapters switched off."""
+    model = tmp / "grpo" / "model"
+    if rank == 0:
+        synthesize_model_folder("tiny_qwen2_5_vl", model, seed=0)
+    dist.barrier()
+    runs = {}
+    for backend in ("native", "mcore"):
+        runs[backend] = tmp / "grpo" / backend
+        _grpo(model, runs[backend], init_distributed(), **{"parallel.backend": f'"{backend}"', "rl.kl_coef": 0.1,
+                                                           **{k: v for k, v in LORA.items() if k != "train.max_steps"}})
+    if rank == 0:
+        for key in ("loss", "grad_norm", "reward/mean"):
+            ref, got = _column(runs["native"], key), _column(runs["mcore"], key)
+            scale = max(1.0, max(abs(v) for v in ref))
+            assert len(ref) == len(got) == 2 and max(abs(a - b) for a, b in zip(ref, got)) <= 1e-5 * scale, (key, ref, got)
+        assert _column(runs["native"], "grad_norm")[0] > 0
+    dist.barrier()
+
+
+def _all(tmp: Path, rank: int) -> None:
+    _layouts(tmp, rank)
+    _grpo_lora(tmp, rank)
+
+
 def test_mcore_lora_dp_cp_ep_pp_match_native(tmp_path):
-    _spawn(tmp_path, _layouts)
+    _spawn(tmp_path, _all)

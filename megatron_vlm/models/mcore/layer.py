@@ -58,7 +58,7 @@ by PEFT names, `init_from`, merge — all unchanged), and each McoreDecoderLayer
 adapter factors (the same Parameters, `LoRAAdapter.of`) under the native names (`self_attn.q_proj.lora_A.weight`
 ...), so checkpoints, the PEFT adapter file, the merged export, `lora_disabled` (GRPO's reference) and the
 rollout weight copy see what they see with the native backend; the base weights of the megatron-core layer are
-frozen as the native ones were. Why the update is added to slices of the fused outputs rather than by wrapping
+frozen as the native ones were (`use_mcore_layers`, every block kind). Why the update is added to slices of the fused outputs rather than by wrapping
 megatron-core's linears: the forward is composed here anyway, and this keeps the fused GEMMs and the converted
 weights untouched. q / k / v: `linear_qkv`'s output split per query group as megatron-core splits it, each
 adapter's update added to its slice (heads in native order) before QK-norm and rotary — where the native
@@ -294,7 +294,6 @@ class McoreDecoderLayer(nn.Module):
 
         _check_layer(index, native)
         adapters = lora_modules(native)  # [lora]: applied to the native layer before the swap (training/lora.py)
-        frozen = not any(p.requires_grad for n, p in native.named_parameters() if not _is_lora_key(n))
         dtype = native.input_layernorm.weight.dtype
         self.tp = 1 if tp_mesh is None else tp_mesh.size()
         self.tp_rank = 0 if tp_mesh is None else tp_mesh.get_local_rank()
@@ -324,8 +323,6 @@ class McoreDecoderLayer(nn.Module):
             distribute_expert_params(self.mcore, ep_mesh, grad_divide_factor)
         if self.tp > 1:
             distribute_layer_params(self.mcore, tp_mesh)
-        if frozen:  # the native layer's base weights were frozen ([lora]): so are the megatron-core layer's
-            self.mcore.requires_grad_(False)
         # the native LoRALinears' factors (the same Parameters), under the native names: self_attn.q_proj.lora_A...
         for part in ("self_attn", "mlp"):
             own = {n.split(".", 1)[1]: LoRAAdapter.of(m) for n, m in adapters.items() if n.startswith(part + ".")}
@@ -473,12 +470,18 @@ def use_mcore_layers(model: nn.Module, tp_mesh=None, ep_mesh=None, grad_divide_f
             check_tp_sizes(tp_mesh.size(), _tp_sizes(i, layer))
     ensure_parallel_state(tp_mesh, ep_mesh)
     for i in range(len(layers)):
+        # base weights frozen in the native layer ([lora]: all of them) stay frozen in the megatron-core one
+        frozen = not any(p.requires_grad for n, p in layers[i].named_parameters() if not _is_lora_key(n))
         if is_hybrid_block(layers[i]):
             layers[i] = McoreHybridBlock(layers[i], i, model.language_model.args, tp_mesh=tp_mesh, ep_mesh=ep_mesh,
                                          grad_divide_factor=grad_divide_factor)
         else:
             layers[i] = McoreDecoderLayer(layers[i], i, len(layers), tp_mesh=tp_mesh, ep_mesh=ep_mesh,
                                           grad_divide_factor=grad_divide_factor)
+        if frozen:
+            for n, p in layers[i].named_parameters():
+                if not _is_lora_key(n):
+                    p.requires_grad_(False)
 
 
 def native_state_dict(state: dict, model: nn.Module) -> dict:

@@ -159,6 +159,19 @@ def test_mcore_lora_init_from_merge_and_continue(mcore_state, tmp_path):
                 torch.testing.assert_close(m2(ids), n2(ids), atol=1e-5, rtol=0)
 
 
+def test_frozen_base_stays_frozen(mcore_state, tmp_path):
+    """A LoRA run whose adapters are elsewhere (here: none in the decoder) freezes every base weight: the
+    megatron-core layers built from frozen native layers (Nemotron-H's Mamba / attention / MLP / MoE blocks) are
+    frozen too, and a layer that trains stays trainable."""
+    native = load_hf_model(str(synthesize_model_folder("tiny_nemotron_vl", tmp_path / "nemo", seed=0)), dtype=torch.float32)
+    native.requires_grad_(False)
+    native.language_model.layers[0].requires_grad_(True)
+    use_mcore_layers(native)
+    layers = native.language_model.layers
+    assert all(p.requires_grad for p in layers[0].parameters())
+    assert not any(p.requires_grad for layer in layers[1:] for p in layer.parameters())
+
+
 def test_unadapted_layers_are_refused(mcore_state, tmp_path):
     """Nemotron-H blocks are not adapted under mcore. (Native target selection finds no PEFT names in their language
     layers either; the adapter is applied directly here, as an adapter file naming such a layer would.)"""

@@ -56,21 +56,22 @@ needs the layer objects, so for the HF export each stage converts its own layers
 LoRA (`[lora]`): the adapters are applied to the native model before the swap (training/lora.py: target selection
 by PEFT names, `init_from`, merge — all unchanged), and each McoreDecoderLayer takes over its native layer's
 adapter factors (the same Parameters, `LoRAAdapter.of`) under the native names (`self_attn.q_proj.lora_A.weight`
-...), so checkpoints, the PEFT adapter file, the merged export, `lora_disabled` (GRPO's reference) and the
-rollout weight copy see what they see with the native backend; the base weights of the megatron-core layer are
-frozen as the native ones were (`use_mcore_layers`, every block kind). Why the update is added to slices of the fused outputs rather than by wrapping
-megatron-core's linears: the forward is composed here anyway, and this keeps the fused GEMMs and the converted
-weights untouched. q / k / v: `linear_qkv`'s output split per query group as megatron-core splits it, each
-adapter's update added to its slice (heads in native order) before QK-norm and rotary — where the native
-q_proj / k_proj / v_proj outputs are; gate / up: `linear_fc1`'s halves before SwiGLU; o_proj / down_proj: added
-to `linear_proj` / `linear_fc2`'s outputs. The adapters run in the native call order, so dropout masks match.
-With adapters the layer uses megatron-core's local spec (TE's fused norm + linear keeps the normed input that
-the adapters read inside). Adapted: attention q/k/v/o of every decoder layer and the dense SwiGLU MLPs; MoE
-layers' routed experts are grouped weights, never adapted (as native); a LoRA on any other layer (a Nemotron-H
-block: native target selection finds no PEFT names there either) is refused (McoreBackendError). Works with
-dp, cp, ep and pp (tests/integration/parallel/test_mcore_lora_parallel.py against native LoRA); tp > 1 is
-refused (config validation): the adapters would need splitting like the base weights (B by output rows for
-column-parallel targets, A by input columns for row-parallel ones), and native LoRA at tp > 1 is no reference.
+...), so checkpoints, the PEFT adapter file, the merged export and `lora_disabled` (GRPO's reference) see what
+they see with the native backend; the base weights of the megatron-core layer are frozen as the native ones were
+(`use_mcore_layers`, every block kind). Why the update is added to slices of the fused outputs rather than by
+wrapping megatron-core's linears: the forward is composed here anyway, and this keeps the fused GEMMs and the
+converted weights untouched. q / k / v: `linear_qkv`'s output split per query group as megatron-core splits it,
+each adapter's update added to its slice (heads in native order) before QK-norm and rotary — where the native
+q_proj / k_proj / v_proj outputs are; gate / up: `linear_fc1`'s halves before SwiGLU; o_proj / down_proj: added to
+`linear_proj` / `linear_fc2`'s outputs. The adapters run in the native call order, so dropout masks match. With
+adapters the layer uses megatron-core's local spec (TE's fused norm + linear keeps the normed input that the
+adapters read inside). Adapted: attention q/k/v/o of every decoder layer and the dense SwiGLU MLPs; MoE layers'
+routed experts are grouped weights, never adapted (as native); a LoRA on any other layer (a Nemotron-H block:
+native target selection finds no PEFT names there either) is refused (McoreBackendError). Works with dp, cp, ep
+and pp (tests/integration/parallel/test_mcore_lora_parallel.py against native LoRA); tp > 1 is refused (config
+validation): the adapters would need splitting like the base weights (B by output rows for column-parallel
+targets, A by input columns for row-parallel ones), and there is no native LoRA at tp > 1 to equal (its tp plan
+cannot shard a LoRALinear yet).
 
 Limits, refused with exit 2 before a run starts (config/sections.py, config/mode_keys.py, `check_mcore_model`,
 `use_mcore_layers`): pipeline parallelism with tp / cp / ep > 1 (as for the native backend), a tp that does not

@@ -10,6 +10,9 @@ against the whole name. Candidates are the model's `nn.Linear` layers that have 
 linear layers: with expert parallelism they stay frozen and EP-sharded as before, and the adapters
 (attention, dense and shared-expert MLPs) are FSDP-sharded with the rest of each block.
 
+With `parallel.backend = "mcore"` this runs on the native model before its decoder layers are swapped for
+megatron-core ones, which take the adapters over under the same names (models/mcore/layer.py).
+
 Every entry must match at least one layer; a match that cannot be written in PEFT format is an error
 rather than a silently skipped layer.
 """

@@ -89,16 +89,17 @@ def build_model_bundle(ctx: RunContext) -> ModelBundle:
     processor = load_processor(cfg.model.path, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels,
                                video_min_pixels=cfg.data.video_min_pixels, video_max_pixels=cfg.data.video_max_pixels)
     model = load_hf_model(cfg.model.path, dtype=getattr(torch, cfg.model.dtype), device="cpu")
-    if cfg.parallel.backend == "mcore":  # megatron-core decoder layers, converted from the loaded weights
-        ep_mesh = build_ep_mesh(dims, env.device.type) if dims.ep > 1 else None  # the native ep groups (collective)
-        use_mcore_backend(model, tp_mesh=mesh["tp"] if dims.tp > 1 else None, ep_mesh=ep_mesh,
-                          grad_divide_factor=dims.dp_size)
     lora = getattr(cfg, "lora", None)  # [lora] section (None: full fine-tuning)
     if lora is not None:  # adapters before sharding: FSDP2 wraps them with the rest of each block
         try:
             setup_lora(model, lora, model.hf_config)
         except (ValueError, FileNotFoundError) as e:  # a wrong [lora] key / adapter folder: exit 2, like a config error
             raise LoRASetupError(str(e)) from None
+    if cfg.parallel.backend == "mcore":  # megatron-core decoder layers, converted from the loaded weights; after
+        # [lora] (targets, init_from, merge on the native layers): each layer takes over its native adapters' factors
+        ep_mesh = build_ep_mesh(dims, env.device.type) if dims.ep > 1 else None  # the native ep groups (collective)
+        use_mcore_backend(model, tp_mesh=mesh["tp"] if dims.tp > 1 else None, ep_mesh=ep_mesh,
+                          grad_divide_factor=dims.dp_size)
     trainable, total = apply_train_layers(model, cfg.train.train_layers)
     if lora is not None:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

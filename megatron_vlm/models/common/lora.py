@@ -10,6 +10,10 @@ exactly as PEFT computes it, so an adapter written in PEFT's format gives the sa
 `peft.PeftModel`. Initialisation follows PEFT: "default" = A Kaiming-uniform (a = sqrt(5), as
 `nn.Linear`), B = 0; "gaussian" = A ~ N(0, 1/r), B = 0. Both start as the base model.
 
+`LoRAAdapter` is the adapter alone (factors, dropout, scaling, on / off), of which `LoRALinear` is the
+nn.Linear form: parallel.backend = "mcore" layers hold the same adapters without base layers and add
+`add_lora` to the slices of their fused projections (models/mcore/layer.py), with the same math.
+
 `lora_disabled(model)` switches every adapter off for a block (GRPO's reference policy is the base
 model: the same weights, no second copy); `merged_state_dict` folds W + scaling * B A into a plain
 state dict (the merged export). Routed MoE experts are grouped 3-D weights, not `nn.Linear`, so they
@@ -25,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LoRALinear", "apply_lora", "lora_modules", "lora_disabled", "lora_scaling", "merged_state_dict",
+__all__ = ["LoRAAdapter", "LoRALinear", "apply_lora", "lora_modules", "lora_disabled", "lora_scaling", "merged_state_dict",
            "merge_lora_", "LORA_KEY_PARTS"]
 
 LORA_KEY_PARTS = (".lora_A.", ".lora_B.")
@@ -37,26 +41,35 @@ def lora_scaling(r: int, alpha: float, use_rslora: bool) -> float:
     return alpha / math.sqrt(r) if use_rslora else alpha / r
 
 
-class LoRALinear(nn.Linear):
-    """An `nn.Linear` (same `weight` / `bias` Parameters) plus a LoRA adapter; see the module docstring."""
+class LoRAAdapter(nn.Module):
+    """The adapter alone: factors `lora_A` [r, in] / `lora_B` [out, r], dropout, scaling, on / off switch.
 
-    def __init__(self, base: nn.Linear, *, r: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False,
-                 init: Literal["default", "gaussian"] = "default") -> None:
-        nn.Module.__init__(self)  # not nn.Linear.__init__: the base layer's Parameters are reused, not reallocated
+    `LoRALinear` is this plus its base `nn.Linear`. The adapter without a base layer exists for layers
+    whose projections are fused into one weight (parallel.backend = "mcore": megatron-core's `linear_qkv`
+    holds q / k / v, `linear_fc1` gate | up): the layer adds `add_lora(out, x)` to the slice of its fused
+    output that the native projection would have produced, so both backends run this same math."""
+
+    def _init_lora(self, in_features: int, out_features: int, *, r: int, alpha: float, dropout: float,
+                   use_rslora: bool, init: str, device, dtype) -> None:
         if r <= 0:
             raise ValueError(f"LoRA rank must be > 0, got {r}")
-        self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight = base.weight
-        self.bias = base.bias
-        dev, dtype = base.weight.device, base.weight.dtype
-        self.lora_A = nn.Linear(self.in_features, r, bias=False, device=dev, dtype=dtype)
-        self.lora_B = nn.Linear(r, self.out_features, bias=False, device=dev, dtype=dtype)
+        self.lora_A = nn.Linear(in_features, r, bias=False, device=device, dtype=dtype)
+        self.lora_B = nn.Linear(r, out_features, bias=False, device=device, dtype=dtype)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.r, self.alpha, self.use_rslora, self.init = r, alpha, use_rslora, init
         self.scaling = lora_scaling(r, alpha, use_rslora)
         self.lora_enabled = True
-        if dev.type != "meta":
+        if torch.device(device).type != "meta":
             self.reset_lora_parameters()
+
+    @classmethod
+    def of(cls, adapted: "LoRAAdapter") -> "LoRAAdapter":
+        """An adapter holding the same factor / dropout modules (the same Parameters) as `adapted`."""
+        out = cls()
+        out.lora_A, out.lora_B, out.lora_dropout = adapted.lora_A, adapted.lora_B, adapted.lora_dropout
+        out.r, out.alpha, out.use_rslora, out.init = adapted.r, adapted.alpha, adapted.use_rslora, adapted.init
+        out.scaling, out.lora_enabled = adapted.scaling, adapted.lora_enabled
+        return out
 
     @torch.no_grad()
     def reset_lora_parameters(self) -> None:
@@ -69,8 +82,8 @@ class LoRALinear(nn.Linear):
             raise ValueError(f"LoRA init {self.init!r}: expected 'default' or 'gaussian'")
         nn.init.zeros_(self.lora_B.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+    def add_lora(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`out` (the base layer's output for input `x`) + scaling * B(A(dropout(x))); `out` when disabled."""
         if not self.lora_enabled:
             return out
         # PEFT casts the input to the adapter's dtype and the result back (bf16 base + fp32 adapter work too)
@@ -79,8 +92,28 @@ class LoRALinear(nn.Linear):
         return out + delta.to(out.dtype)
 
     def delta_weight(self) -> torch.Tensor:
-        """scaling * B @ A, [out, in] (the update a merge adds to `weight`)."""
+        """scaling * B @ A, [out, in] (the update a merge adds to the base weight)."""
         return (self.lora_B.weight @ self.lora_A.weight) * self.scaling
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.lora_A.in_features}, out_features={self.lora_B.out_features}, r={self.r}, "
+                f"alpha={self.alpha}, rslora={self.use_rslora}")
+
+
+class LoRALinear(nn.Linear, LoRAAdapter):
+    """An `nn.Linear` (same `weight` / `bias` Parameters) plus a LoRA adapter; see the module docstring."""
+
+    def __init__(self, base: nn.Linear, *, r: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False,
+                 init: Literal["default", "gaussian"] = "default") -> None:
+        nn.Module.__init__(self)  # not nn.Linear.__init__: the base layer's Parameters are reused, not reallocated
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self._init_lora(self.in_features, self.out_features, r=r, alpha=alpha, dropout=dropout, use_rslora=use_rslora,
+                        init=init, device=base.weight.device, dtype=base.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.add_lora(F.linear(x, self.weight, self.bias), x)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -111,9 +144,9 @@ def apply_lora(model: nn.Module, names: Iterable[str], *, r: int, alpha: float, 
     return names
 
 
-def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
-    """name -> LoRALinear of every adapted layer."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+def lora_modules(model: nn.Module) -> dict[str, LoRAAdapter]:
+    """name -> adapter (a LoRALinear, or a LoRAAdapter of a fused megatron-core projection) of every adapted layer."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoRAAdapter)}
 
 
 @contextlib.contextmanager
@@ -150,6 +183,9 @@ def merged_state_dict(state_dict: dict[str, torch.Tensor], scaling: float) -> di
 def merge_lora_(model: nn.Module) -> None:
     """Fold every adapter into its base weight in place and restart it from PEFT's initialisation (B = 0)
     — used to continue training a new adapter on top of a merged earlier one. Unsharded models only."""
-    for mod in lora_modules(model).values():
+    for name, mod in lora_modules(model).items():
+        if not isinstance(mod, LoRALinear):
+            raise ValueError(f"{name}: an adapter of a fused projection (parallel.backend = 'mcore'); merge before "
+                             "the megatron-core layers are built")
         mod.weight.add_(mod.delta_weight().to(mod.weight.dtype))
         mod.reset_lora_parameters()

@@ -132,7 +132,8 @@ class KVCacheMixin:
     def new_cache(self, batch_size: int, max_len: int, *, dtype: Optional[torch.dtype] = None, device=None) -> KVCache:
         """An empty KV cache for `batch_size` sequences of up to `max_len` tokens (prompt + generated)."""
         layers = self.language_model.layers
-        attn = getattr(layers[0], "self_attn", layers[0])  # a megatron-core layer answers for its attention itself
+        # a megatron-core layer answers for its attention itself (its `self_attn`, if any, holds LoRA adapters)
+        attn = layers[0] if hasattr(layers[0], "local_heads") else layers[0].self_attn
         ref = self.lm_head.weight
         return KVCache(
             len(layers), batch_size, max_len, attn.local_heads()[1], attn.head_dim,

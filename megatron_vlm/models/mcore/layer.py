@@ -53,9 +53,31 @@ parallel state keeps pipeline_model_parallel_size = 1 (the layers need no pipeli
 needs the layer objects, so for the HF export each stage converts its own layers before the gather
 (`PipelineStageModel.full_state_dict(stage_transform)`).
 
-Limits, refused with exit 2 before a run starts (config/sections.py, `check_mcore_model`, `use_mcore_layers`):
-pipeline parallelism with tp / cp / ep > 1 (as for the native backend), a tp that does not divide a layer's heads / groups / MLP width (TPError), MoE routing features megatron-core
-cannot express (moe_layer.py), LoRA; experimental: not yet run on a GPU.
+LoRA (`[lora]`): the adapters are applied to the native model before the swap (training/lora.py: target selection
+by PEFT names, `init_from`, merge — all unchanged), and each McoreDecoderLayer takes over its native layer's
+adapter factors (the same Parameters, `LoRAAdapter.of`) under the native names (`self_attn.q_proj.lora_A.weight`
+...), so checkpoints, the PEFT adapter file, the merged export and `lora_disabled` (GRPO's reference) see what
+they see with the native backend; the base weights of the megatron-core layer are frozen as the native ones were
+(`use_mcore_layers`, every block kind). Why the update is added to slices of the fused outputs rather than by
+wrapping megatron-core's linears: the forward is composed here anyway, and this keeps the fused GEMMs and the
+converted weights untouched. q / k / v: `linear_qkv`'s output split per query group as megatron-core splits it,
+each adapter's update added to its slice (heads in native order) before QK-norm and rotary — where the native
+q_proj / k_proj / v_proj outputs are; gate / up: `linear_fc1`'s halves before SwiGLU; o_proj / down_proj: added to
+`linear_proj` / `linear_fc2`'s outputs. The adapters run in the native call order, so dropout masks match. With
+adapters the layer uses megatron-core's local spec (TE's fused norm + linear keeps the normed input that the
+adapters read inside). Adapted: attention q/k/v/o of every decoder layer and the dense SwiGLU MLPs; MoE layers'
+routed experts are grouped weights, never adapted (as native); a LoRA on any other layer (a Nemotron-H block:
+native target selection finds no PEFT names there either) is refused (McoreBackendError). Works with dp, cp, ep
+and pp (tests/integration/parallel/test_mcore_lora_parallel.py against native LoRA); tp > 1 is refused (config
+validation): the adapters would need splitting like the base weights (B by output rows for column-parallel
+targets, A by input columns for row-parallel ones), and there is no native LoRA at tp > 1 to equal (its tp plan
+cannot shard a LoRALinear yet).
+
+Limits, refused with exit 2 before a run starts (config/sections.py, config/mode_keys.py, `check_mcore_model`,
+`use_mcore_layers`): pipeline parallelism with tp / cp / ep > 1 (as for the native backend), a tp that does not
+divide a layer's heads / groups / MLP width (TPError), MoE routing features megatron-core cannot express
+(moe_layer.py), `[lora]` with tp > 1 or on a layer the megatron-core layer does not adapt (above); experimental:
+not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -67,8 +89,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from megatron_vlm import kernels
 from megatron_vlm.models.common.attention import attend
 from megatron_vlm.models.common.decoder import DecoderLayer
+from megatron_vlm.models.common.lora import LORA_KEY_PARTS, LoRAAdapter, lora_modules
 from megatron_vlm.models.common.mlp import SwiGLUMLP
 from megatron_vlm.models.common.moe import MoE
 from megatron_vlm.models.mcore.convert import hf_to_mcore, mcore_to_hf
@@ -129,10 +153,25 @@ def ensure_parallel_state(tp_mesh=None, ep_mesh=None) -> None:
         raise AssertionError(f"megatron-core's expert-parallel group {have_ep} is not our mesh's ep group {want_ep}")
 
 
+_ATTN_LORA = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+_MLP_LORA = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _check_lora(i: int, layer: nn.Module, adaptable: tuple[str, ...]) -> None:
+    """Every LoRA adapter of native layer `i` must be one the megatron-core layer applies (McoreBackendError)."""
+    other = sorted(set(lora_modules(layer)) - set(adaptable))
+    if other:
+        can = ", ".join(n.rsplit(".", 1)[-1] for n in adaptable) or "none"
+        raise McoreBackendError(f"lora.target_modules: adapts language_model.layers.{i}.{other[0]}, which "
+                                f"parallel.backend = 'mcore' does not adapt in this layer (adaptable here: {can}); "
+                                "narrow lora.target_modules or use parallel.backend = 'native'")
+
+
 def _check_layer(i: int, layer: nn.Module) -> None:
     from megatron_vlm.models.mcore.hybrid import check_hybrid_block, is_hybrid_block
 
     if is_hybrid_block(layer):
+        _check_lora(i, layer, ())
         return check_hybrid_block(i, layer)
     if not isinstance(layer, DecoderLayer) or not isinstance(layer.mlp, (SwiGLUMLP, MoE)):
         kind = type(layer.mlp).__name__ if isinstance(layer, DecoderLayer) else type(layer).__name__
@@ -142,6 +181,7 @@ def _check_layer(i: int, layer: nn.Module) -> None:
         from megatron_vlm.models.mcore.moe_layer import check_decoder_moe
 
         check_decoder_moe(layer.mlp)
+    _check_lora(i, layer, _ATTN_LORA if isinstance(layer.mlp, MoE) else _ATTN_LORA + _MLP_LORA)
     attn = layer.self_attn
     if attn.o_proj.bias is not None:
         raise McoreBackendError("parallel.backend = 'mcore': an output-projection bias is not mapped")
@@ -219,9 +259,12 @@ def _moe_fields(mlp: nn.Module) -> dict:
     return {k: v for k, v in moe_config_kwargs(mlp).items() if k.startswith("moe_") or k == "num_moe_experts"}
 
 
-def _layer_spec(qk_layernorm: bool):
-    """Transformer Engine's spec when TE imports (fused norm + linear), megatron-core's local one otherwise."""
+def _layer_spec(qk_layernorm: bool, *, local: bool = False):
+    """Transformer Engine's spec when TE imports (fused norm + linear), megatron-core's local one otherwise
+    (and with `local`: LoRA adapters read the normed input, which TE's fused norm + linear keeps inside)."""
     try:
+        if local:
+            raise ImportError
         import transformer_engine  # noqa: F401
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -251,6 +294,7 @@ class McoreDecoderLayer(nn.Module):
         from megatron.core.transformer.spec_utils import build_module
 
         _check_layer(index, native)
+        adapters = lora_modules(native)  # [lora]: applied to the native layer before the swap (training/lora.py)
         dtype = native.input_layernorm.weight.dtype
         self.tp = 1 if tp_mesh is None else tp_mesh.size()
         self.tp_rank = 0 if tp_mesh is None else tp_mesh.get_local_rank()
@@ -270,16 +314,21 @@ class McoreDecoderLayer(nn.Module):
             ep_group = ep_mesh.get_group(ep_mesh.ndim - 1) if self.ep > 1 else None  # ours (ensure_parallel_state)
             spec, self.te_fused_norms = moe_decoder_layer_spec(config, expert_bias=False, ep_group=ep_group), False
         else:
-            spec, self.te_fused_norms = _layer_spec(config.qk_layernorm)
+            spec, self.te_fused_norms = _layer_spec(config.qk_layernorm, local=bool(adapters))
         self.heads = dict(num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_query_groups)
         self.head_dim = config.kv_channels
         self.mcore = build_module(spec, config=config, layer_number=index + 1)
         self.mcore.to(native.input_layernorm.weight.device)
-        self.load_native(native.state_dict())
+        self.load_native({k: v for k, v in native.state_dict().items() if not _is_lora_key(k)})
         if self.ep > 1:  # the expert weights first: on the ep mesh, replicated over tp (left alone by the tp step)
             distribute_expert_params(self.mcore, ep_mesh, grad_divide_factor)
         if self.tp > 1:
             distribute_layer_params(self.mcore, tp_mesh)
+        # the native LoRALinears' factors (the same Parameters), under the native names: self_attn.q_proj.lora_A...
+        for part in ("self_attn", "mlp"):
+            own = {n.split(".", 1)[1]: LoRAAdapter.of(m) for n, m in adapters.items() if n.startswith(part + ".")}
+            if own:
+                setattr(self, part, nn.ModuleDict(own))
 
     def load_native(self, state: dict) -> None:
         """Load a native DecoderLayer state dict (HF layer names, full tensors), converted exactly; this rank's
@@ -341,18 +390,65 @@ class McoreDecoderLayer(nn.Module):
         def caller(t):  # back to the caller's layout; the residual adds below make fresh (non-view) outputs
             return t[0] if packed else t
 
-        q, k, v = layer.self_attention.get_query_key_value_tensors(layer.input_layernorm(three_d(x)))  # + QK-norm
+        q, k, v = self._qkv(layer.input_layernorm(three_d(x)))  # + QK-norm
         out = attend(caller(q), caller(k), caller(v), cos, sin, causal=True, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                      key_padding_mask=key_padding_mask, kv_cache=kv_cache, layer_idx=layer_idx, prefix_layout=prefix_layout,
                      context_parallel=self.context_parallel)
-        proj, bias = layer.self_attention.linear_proj(three_d(out.reshape(*out.shape[:-2], -1)))
+        flat = three_d(out.reshape(*out.shape[:-2], -1))
+        proj, bias = layer.self_attention.linear_proj(flat)
+        proj = self._lora("self_attn", "o_proj", proj, flat)
         h = x + caller(proj) if bias is None else x + caller(proj) + bias
-        mlp_out, bias = layer.mlp(layer.pre_mlp_layernorm(three_d(h)))
+        mlp_out, bias = self._mlp(layer.pre_mlp_layernorm(three_d(h)))
         return h + caller(mlp_out) if bias is None else h + caller(mlp_out) + bias
+
+    def _lora(self, part: str, name: str, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`out` (a slice of a fused projection's output, [..., heads, head_dim] or [..., width]) plus the LoRA
+        update of the native projection `part.name` for input `x`, where that layer has an adapter."""
+        adapters = getattr(self, part, None)
+        if adapters is None or name not in adapters:
+            return out
+        return adapters[name].add_lora(out.flatten(x.dim() - 1), x).view_as(out)
+
+    def _qkv(self, hn: torch.Tensor):
+        """Query, key, value ([s, b, heads, head_dim], QK-normed) of the normed input `hn`: megatron-core's own
+        split of `linear_qkv`'s per-group interleaved output, or, with q / k / v adapters, that split, the LoRA
+        updates added where the native q_proj / k_proj / v_proj outputs are (before QK-norm), then QK-norm."""
+        attn = self.mcore.self_attention
+        adapters = getattr(self, "self_attn", None)
+        if adapters is None or not any(n in adapters for n in ("q_proj", "k_proj", "v_proj")):
+            return attn.get_query_key_value_tensors(hn)
+        mixed, sizes = attn.get_query_key_value_tensors(hn, split_qkv=False)  # [s, b, groups, (q/g + 2) * head_dim]
+        q, k, v = torch.split(mixed, sizes, dim=3)
+        q = q.reshape(q.size(0), q.size(1), -1, self.head_dim)  # the groups' heads in native order
+        q, k, v = (self._lora("self_attn", f"{n}_proj", t, hn) for n, t in zip("qkv", (q, k, v)))  # native call order
+        if attn.q_layernorm is not None:
+            q = attn.q_layernorm(q)
+        if attn.k_layernorm is not None:
+            k = attn.k_layernorm(k)
+        return q, k, v
+
+    def _mlp(self, hn: torch.Tensor):
+        """(output, bias) of the MLP for the normed input `hn`: megatron-core's MLP / MoELayer, or, with dense-MLP
+        adapters, `linear_fc1` split into gate | up (+ their LoRA updates), SwiGLU, `linear_fc2` (+ down_proj's)."""
+        mlp = self.mcore.mlp
+        if getattr(self, "mlp", None) is None:
+            return mlp(hn)
+        fc1, bias = mlp.linear_fc1(hn)
+        if bias is not None:
+            fc1 = fc1 + bias
+        gate, up = torch.chunk(fc1, 2, dim=-1)
+        gate, up = self._lora("mlp", "gate_proj", gate, hn), self._lora("mlp", "up_proj", up, hn)
+        inter = kernels.swiglu(gate, up)
+        out, bias = mlp.linear_fc2(inter)
+        return self._lora("mlp", "down_proj", out, inter), bias
 
     def local_heads(self) -> tuple[int, int]:
         """(query heads, KV heads) this rank computes: the KV cache holds these."""
         return self.heads["num_attention_heads"] // self.tp, self.heads["num_key_value_heads"] // self.tp
+
+
+def _is_lora_key(name: str) -> bool:
+    return any(p in f".{name}" for p in LORA_KEY_PARTS)
 
 
 def use_mcore_layers(model: nn.Module, tp_mesh=None, ep_mesh=None, grad_divide_factor: float = 1.0) -> None:
@@ -375,12 +471,18 @@ def use_mcore_layers(model: nn.Module, tp_mesh=None, ep_mesh=None, grad_divide_f
             check_tp_sizes(tp_mesh.size(), _tp_sizes(i, layer))
     ensure_parallel_state(tp_mesh, ep_mesh)
     for i in range(len(layers)):
+        # base weights frozen in the native layer ([lora]: all of them) stay frozen in the megatron-core one
+        frozen = not any(p.requires_grad for n, p in layers[i].named_parameters() if not _is_lora_key(n))
         if is_hybrid_block(layers[i]):
             layers[i] = McoreHybridBlock(layers[i], i, model.language_model.args, tp_mesh=tp_mesh, ep_mesh=ep_mesh,
                                          grad_divide_factor=grad_divide_factor)
         else:
             layers[i] = McoreDecoderLayer(layers[i], i, len(layers), tp_mesh=tp_mesh, ep_mesh=ep_mesh,
                                           grad_divide_factor=grad_divide_factor)
+        if frozen:
+            for n, p in layers[i].named_parameters():
+                if not _is_lora_key(n):
+                    p.requires_grad_(False)
 
 
 def native_state_dict(state: dict, model: nn.Module) -> dict:

@@ -78,13 +78,16 @@ def rollout_batch_prompts(rl, model, *, max_tokens_per_pack: int, bytes_per_elem
 def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: torch.dtype, device: torch.device,
                          per_batch: int) -> PolicyRolloutEngine:
     """`rl.rollout_weights = "shared"`: the engine calls the trainer's model through the FSDP root, ranks in
-    lock-step. "copy": an unsharded copy of the policy on this rank (read from the model folder, then
-    refreshed from the trainer's weights at every `load_weights`), continuous batching with
+    lock-step. "copy": an unsharded copy of the policy on this rank (read from the model folder, with the
+    trainer's LoRA adapters if it has any, then refreshed from the trainer's weights at every `load_weights`), continuous batching with
     per_batch * group_size slots (0: all of the step's samples)."""
     if rl.rollout_weights == "copy":
         from megatron_vlm.checkpoint.hf import load_hf_model
+        from megatron_vlm.models.common.lora import mirror_lora
 
         policy_copy = load_hf_model(model_path, dtype=dtype, device=device).eval()
+        if bundle.model is not None:  # [lora]: the copy holds the same adapters, refreshed with the rest
+            mirror_lora(policy_copy, bundle.model)
         policy_copy.requires_grad_(False)
         # CudaGraphsConfigError (exit 2): "on" with a model whose decode step cannot be captured (MoE layers)
         return PolicyRolloutEngine(policy_copy, bundle.processor.tokenizer, cache_dtype=dtype, device=device,

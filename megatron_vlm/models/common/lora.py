@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LoRAAdapter", "LoRALinear", "apply_lora", "lora_modules", "lora_disabled", "lora_scaling", "merged_state_dict",
+__all__ = ["LoRAAdapter", "LoRALinear", "apply_lora", "mirror_lora", "lora_modules", "lora_disabled", "lora_scaling", "merged_state_dict",
            "merge_lora_", "LORA_KEY_PARTS"]
 
 LORA_KEY_PARTS = (".lora_A.", ".lora_B.")
@@ -147,6 +147,18 @@ def apply_lora(model: nn.Module, names: Iterable[str], *, r: int, alpha: float, 
 def lora_modules(model: nn.Module) -> dict[str, LoRAAdapter]:
     """name -> adapter (a LoRALinear, or a LoRAAdapter of a fused megatron-core projection) of every adapted layer."""
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRAAdapter)}
+
+
+def mirror_lora(target: nn.Module, source: nn.Module) -> list[str]:
+    """Give `target` (an unsharded copy of `source`'s architecture, e.g. the rollout engine's own weights) an
+    adapter at each name where `source` has one, with the same rank / alpha / rsLoRA, so that `source`'s state
+    dict (adapter factors included) loads into it and its forward computes what `source`'s does. No dropout:
+    a copy that only decodes runs in eval mode. Returns the names adapted (none when `source` has no adapter)."""
+    adapters = lora_modules(source)
+    if not adapters:
+        return []
+    first = next(iter(adapters.values()))
+    return apply_lora(target, adapters, r=first.r, alpha=first.alpha, use_rslora=first.use_rslora)
 
 
 @contextlib.contextmanager

@@ -328,3 +328,38 @@ def test_own_weight_copy_is_refreshed_by_load_weights(models, prompts):
     assert res.stats["weight_sync_s"] > 0 and all(s.policy_version == 4 for s in res.samples)
     with pytest.raises(ValueError, match="sync_from"):
         engine(ours, forward=ours, sync_from=trainer_model)
+
+
+def test_own_weight_copy_of_a_lora_policy(models, prompts):
+    """rl.rollout_weights = "copy" with [lora]: the trainer's state dict holds adapter factors, which the copy
+    (read from the model folder, no adapters) could not load. `mirror_lora` gives the copy the same adapters; it
+    then generates what the LoRA policy itself generates (same tokens and behaviour log-probs)."""
+    import copy
+
+    from megatron_vlm.models.common.lora import apply_lora, lora_modules, mirror_lora
+
+    _, ours = models
+    trainer_model = copy.deepcopy(ours)
+    targets = [n for n, m in trainer_model.named_modules()
+               if n.startswith("language_model.") and n.endswith(("q_proj", "v_proj", "down_proj"))]
+    apply_lora(trainer_model, targets, r=4, alpha=8.0)
+    torch.manual_seed(0)
+    with torch.no_grad():  # non-zero B: the adapters change the policy
+        for m in lora_modules(trainer_model).values():
+            m.lora_B.weight.normal_(0.0, 0.5)
+    params = SamplingParams(max_new_tokens=5, temperature=0.0)
+    expect = engine(trainer_model).generate(prompts, params)
+    base = engine(ours).generate(prompts, params)
+    assert [s.token_ids.tolist() for s in expect.samples] != [s.token_ids.tolist() for s in base.samples]
+    plain = engine(copy.deepcopy(ours), sync_from=trainer_model)
+    with pytest.raises(KeyError, match="lora_A"):  # what a copy without adapters does
+        plain.load_weights(None, version=1)
+    policy_copy = copy.deepcopy(ours)
+    assert sorted(mirror_lora(policy_copy, trainer_model)) == sorted(targets)
+    synced = engine(policy_copy, sync_from=trainer_model)
+    synced.load_weights(None, version=1)
+    res = synced.generate(prompts, params)
+    assert [s.token_ids.tolist() for s in res.samples] == [s.token_ids.tolist() for s in expect.samples]
+    for a, b in zip(res.samples, expect.samples):
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-6, rtol=0)
+    assert mirror_lora(copy.deepcopy(ours), ours) == []  # no adapters: nothing changes

@@ -53,6 +53,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from megatron_vlm.models.common.lora import LoRALinear
+from megatron_vlm.parallel.lora_tp import LoRAColwiseParallel, LoRARowwiseParallel
+
 __all__ = ["apply_tp", "check_tp_sizes", "check_tp_divides", "decoder_tp_plan", "tp_sharded_numel", "TPError",
            "vocab_parallel_token_logprobs", "is_vocab_parallel"]
 
@@ -69,10 +72,17 @@ def check_tp_sizes(tp: int, sizes: dict[str, int]) -> None:
                           "hold the same number of heads / columns / vocabulary rows")
 
 
+def _is_lora(m: Optional[nn.Module]) -> bool:
+    return isinstance(m, LoRALinear)
+
+
 def _linear_plan(module: nn.Module, col: Iterable[str], row: Iterable[str]) -> dict:
-    # row-parallel outputs stay Partial: the region's output hook reduce-scatters them over the sequence
-    plan = {name: ColwiseParallel() for name in col if getattr(module, name, None) is not None}
-    plan.update({name: RowwiseParallel(output_layouts=Partial(), use_local_output=False)
+    # row-parallel outputs stay Partial: the region's output hook reduce-scatters them over the sequence;
+    # LoRA-adapted projections place their factors as Megatron does (parallel/lora_tp.py)
+    plan = {name: (LoRAColwiseParallel if _is_lora(getattr(module, name)) else ColwiseParallel)()
+            for name in col if getattr(module, name, None) is not None}
+    plan.update({name: (LoRARowwiseParallel if _is_lora(getattr(module, name)) else RowwiseParallel)(
+                     output_layouts=Partial(), use_local_output=False)
                  for name in row if getattr(module, name, None) is not None})
     return plan
 

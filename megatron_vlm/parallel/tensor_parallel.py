@@ -288,7 +288,13 @@ def tp_sharded_numel(module: nn.Module, layer_children: Optional[dict[str, str]]
         plan = [(n, _classify(m), m) for n, m in module.named_children()]
     for _, kind, m in plan:
         if kind not in ("replicated", "mamba2"):  # a Mamba2 mixer's weights stay whole (compute split only)
-            total += count([p for n in names if getattr(m, n, None) is not None for p in getattr(m, n).parameters()])
+            for n in names:
+                lin = getattr(m, n, None)
+                if lin is None:
+                    continue
+                total += count(lin.parameters(recurse=False))
+                if _is_lora(lin):  # the factor split like the base weight; the other one is replicated
+                    total += count([(lin.lora_A if n in ("o_proj", "down_proj") else lin.lora_B).weight])
     return total
 
 

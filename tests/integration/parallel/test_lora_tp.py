@@ -10,7 +10,11 @@ run with `parallel.tp = 2` equals the same run with tp = 1 (2 data-parallel rank
 losses and grad norms (1e-5), the PEFT adapter file (full factors, 1e-5) and the merged HF export (1e-5). The
 tp = 2 run resumed from its step-2 checkpoint (DCP of the sharded factors) writes the straight run's adapter;
 a tp = 2 run with adapter dropout trains; two GRPO steps with [lora], a KL term (reference = adapters off)
-and tp = 2 equal the one-process run (loss, grad norm, reward).
+and tp = 2 equal the one-process run (loss, grad norm, reward). In CI ~30 s.
+
+Heavy: the tiny Qwen3-VL-MoE (MoE layers replicated over tp with adapted attention and per-head QK-norm, a
+dense layer with an adapted MLP) at tp = 2 equals tp = 1, and so does a second stage started from the first's
+adapter (`lora.init_from`, init_from_mode = "merge").
 """
 from __future__ import annotations
 
@@ -110,16 +114,10 @@ def _jobs(tmp: Path, rank: int) -> None:
     _run(tmp, family, tp1, **{**LORA, "train.micro_batches_per_step": 1})
     _run(tmp, family, tp2, **{**LORA, **ck, "parallel.tp": 2, "train.micro_batches_per_step": 2})
     if rank == 0:
-        for key in ("loss", "grad_norm"):
-            x, y = _column(tp1, key), _column(tp2, key)
-            assert len(x) == len(y) == STEPS and len(set(x)) > 1, (key, x, y)
-            assert max(abs(p - q) / max(1.0, abs(p)) for p, q in zip(x, y)) <= 1e-5, (key, x, y)
-        a1, a2 = _adapter(tp1), _adapter(tp2)
+        assert len(_column(tp1, "loss")) == STEPS
+        a1 = _adapter(tp1)
         assert len(a1) == 2 * 7 * 2 and any(v.abs().max() > 1e-3 for k, v in a1.items() if "lora_B" in k)
-        diff = _max_diff(a1, a2)
-        assert diff[0] <= 1e-5, diff
-        diff = _max_diff(_export(tp1), _export(tp2))
-        assert diff[0] <= 1e-5, diff
+        _same_runs(f"{family} tp=2 vs tp=1", tp1, tp2)
         shutil.copytree(tp2 / "checkpoints" / f"step_{STEPS // 2}", resumed / "checkpoints" / f"step_{STEPS // 2}")
     dist.barrier()
     _run(tmp, family, resumed, **{**LORA, **ck, "parallel.tp": 2, "train.micro_batches_per_step": 2,
@@ -153,22 +151,58 @@ def _grpo_lora(tmp: Path, rank: int) -> None:
     dist.barrier()
 
 
-def _worker(rank: int, world: int, port: int, tmp: str, errors) -> None:
+def _qwen2_5_vl(tmp: Path, rank: int) -> None:
+    if rank == 0:  # the one-process GRPO reference, before the 2-rank group exists
+        synthesize_model_folder("tiny_qwen2_5_vl", tmp / "grpo" / "model", seed=0)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        sets = {k: v for k, v in LORA.items() if k != "train.max_steps"} | {"rl.kl_coef": 0.1}
+        _grpo(tmp / "grpo" / "model", tmp / "grpo" / "dp1", DistEnv(0, 1, 0, torch.device("cpu"), "gloo"), **sets)
+        dist.destroy_process_group()
+    init_distributed()
+    _layer_checks(rank)
+    _jobs(tmp, rank)
+    _grpo_lora(tmp, rank)
+
+
+def _same_runs(tag: str, a: Path, b: Path) -> None:
+    for key in ("loss", "grad_norm"):
+        x, y = _column(a, key), _column(b, key)
+        assert len(x) == len(y) and len(set(x)) > 1, (tag, key, x, y)
+        assert max(abs(p - q) / max(1.0, abs(p)) for p, q in zip(x, y)) <= 1e-5, (tag, key, x, y)
+    diff = _max_diff(_adapter(a), _adapter(b))
+    assert diff[0] <= 1e-5, (tag, diff)
+    diff = _max_diff(_export(a), _export(b))
+    assert diff[0] <= 1e-5, (tag, diff)
+
+
+def _qwen3_vl_moe(tmp: Path, rank: int) -> None:
+    """MoE layers (replicated over tp) with adapted attention (per-head QK-norm after the q / k updates), a dense
+    layer with an adapted MLP; then a second stage from the first's adapter (`lora.init_from`, merged into the
+    base, a new adapter trained) at tp = 1 and tp = 2."""
+    init_distributed()
+    family = "qwen3_vl_moe"
+    runs = {}
+    for tp in (1, 2):
+        runs[tp] = tmp / family / f"tp{tp}"
+        _run(tmp, family, runs[tp], **{**LORA, "parallel.tp": tp, "train.micro_batches_per_step": tp})
+    if rank == 0:
+        _same_runs(f"{family} tp=2 vs tp=1", runs[1], runs[2])
+    dist.barrier()
+    stage2 = {**LORA, "train.max_steps": 2, "lora.init_from": f'"{runs[1] / "adapter"}"', "lora.init_from_mode": '"merge"'}
+    for tp in (1, 2):
+        runs[tp] = tmp / family / f"stage2_tp{tp}"
+        _run(tmp, family, runs[tp], **{**stage2, "parallel.tp": tp, "train.micro_batches_per_step": tp})
+    if rank == 0:
+        _same_runs(f"{family} init_from merge, tp=2 vs tp=1", runs[1], runs[2])
+    dist.barrier()
+
+
+def _worker(rank: int, world: int, port: int, tmp: str, errors, part) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    tmp = Path(tmp)
     try:
-        if rank == 0:  # the one-process GRPO reference, before the 2-rank group exists
-            synthesize_model_folder("tiny_qwen2_5_vl", tmp / "grpo" / "model", seed=0)
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            sets = {k: v for k, v in LORA.items() if k != "train.max_steps"} | {"rl.kl_coef": 0.1}
-            _grpo(tmp / "grpo" / "model", tmp / "grpo" / "dp1", DistEnv(0, 1, 0, torch.device("cpu"), "gloo"), **sets)
-            dist.destroy_process_group()
-        init_distributed()
-        _layer_checks(rank)
-        _jobs(tmp, rank)
-        _grpo_lora(tmp, rank)
+        part(Path(tmp), rank)
     except BaseException:  # noqa: BLE001 - reported to the parent
         errors.put((rank, traceback.format_exc()))
         raise
@@ -177,13 +211,22 @@ def _worker(rank: int, world: int, port: int, tmp: str, errors) -> None:
             dist.destroy_process_group()
 
 
-def test_lora_tp2_matches_tp1(tmp_path):
+def _spawn(tmp_path, part) -> None:
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     try:
-        mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path), errors), nprocs=2, start_method="spawn")
+        mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path), errors, part), nprocs=2, start_method="spawn")
     except Exception:
         msgs = []
         while not errors.empty():
             msgs.append("rank %d:\n%s" % errors.get())
         raise AssertionError("\n".join(msgs) or "a worker failed")
+
+
+def test_lora_tp2_matches_tp1(tmp_path):
+    _spawn(tmp_path, _qwen2_5_vl)
+
+
+@pytest.mark.heavy
+def test_lora_tp2_moe_and_init_from_match_tp1(tmp_path):
+    _spawn(tmp_path, _qwen3_vl_moe)

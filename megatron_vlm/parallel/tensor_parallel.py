@@ -33,6 +33,12 @@ Layout (Megatron's, expressed with DTensor placements on the "tp" mesh dim):
   rows (tied or not); its logits are gathered over the vocabulary only for decoding, while training's
   token log-probs (`vocab_parallel_token_logprobs`) reduce a max, a sum of exponentials and the label's
   logit over the tp ranks instead of gathering `[N, vocab]`;
+* LoRA adapters (`[lora]`, `LoRALinear`) on the column- / row-parallel projections are split as in
+  Megatron (`lora_tp.py`): column-parallel, `lora_A` replicated and `lora_B` split on its output rows like
+  the base weight; row-parallel, `lora_A` split on its input columns and `lora_B` replicated, its update a
+  partial sum joining the base's before the reduce-scatter; the replicated factor's gradient is summed over
+  tp. Inside a Mamba2 mixer the adapters of in_proj / out_proj follow the mixer's head split. The LM head
+  and embedding are never adapted;
 * vision towers and projectors are replicated: they are a small fraction of the FLOPs of a VLM step
   (InternViT-300M next to an 8B decoder; RADIO next to a 30B MoE), their sequence (patches) differs
   from the decoder's, and a replicated tower keeps `merge_vision_embeddings` a local scatter.

@@ -69,9 +69,13 @@ adapters read inside). Adapted: attention q/k/v/o of every decoder layer and the
 routed experts are grouped weights, never adapted (as native); a LoRA on any other layer (a Nemotron-H block:
 native target selection finds no PEFT names there either) is refused (McoreBackendError). Works with dp, cp, ep
 and pp (tests/integration/parallel/test_mcore_lora_parallel.py against native LoRA); tp > 1 is refused (config
-validation): the adapters would need splitting like the base weights (B by output rows for column-parallel
-targets, A by input columns for row-parallel ones), and there is no native LoRA at tp > 1 to equal (its tp plan
-cannot shard a LoRALinear yet).
+validation). The native backend runs LoRA at tp > 1 (parallel/lora_tp.py: B split by output rows for
+column-parallel targets, A by input columns for row-parallel ones, the other factor replicated), but here the
+same placements are not enough: this layer runs megatron-core's linears on local blocks (`local_params`), whose
+tp collectives are inside them (the input-gradient all-reduce of the column-parallel linear_qkv / linear_fc1,
+the output all-reduce of the row-parallel linear_proj / linear_fc2), so an adapter added outside them would need
+collectives of its own (the input gradient of the replicated A, an all-reduce of A_local x_local before B)
+and local factor blocks with summed gradients: not done.
 
 Limits, refused with exit 2 before a run starts (config/sections.py, config/mode_keys.py, `check_mcore_model`,
 `use_mcore_layers`): pipeline parallelism with tp / cp / ep > 1 (as for the native backend), a tp that does not

@@ -35,7 +35,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-__all__ = ["LoRAColwiseParallel", "LoRARowwiseParallel"]
+__all__ = ["LoRAColwiseParallel", "LoRARowwiseParallel", "is_lora_linear"]
+
+
+def is_lora_linear(module) -> bool:
+    """A `LoRALinear` (models/common/lora.py), told by its structure: the parallel package does not import
+    the models package (tests/unit/test_import_graph.py), which imports it."""
+    return isinstance(module, nn.Linear) and isinstance(getattr(module, "lora_A", None), nn.Linear) \
+        and isinstance(getattr(module, "lora_B", None), nn.Linear)
 
 
 def _place(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement, src_data_rank) -> None:
@@ -47,7 +54,7 @@ def _place(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement,
 
 
 def _check_lora(module: nn.Module, style: str) -> None:
-    if not (isinstance(module, nn.Linear) and hasattr(module, "lora_A") and hasattr(module, "lora_B")):
+    if not is_lora_linear(module):
         raise TypeError(f"{style}: expected a LoRALinear, got {type(module).__name__}")
 
 

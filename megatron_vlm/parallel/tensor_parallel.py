@@ -59,8 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from megatron_vlm.models.common.lora import LoRALinear
-from megatron_vlm.parallel.lora_tp import LoRAColwiseParallel, LoRARowwiseParallel
+from megatron_vlm.parallel.lora_tp import LoRAColwiseParallel, LoRARowwiseParallel, is_lora_linear
 
 __all__ = ["apply_tp", "check_tp_sizes", "check_tp_divides", "decoder_tp_plan", "tp_sharded_numel", "TPError",
            "vocab_parallel_token_logprobs", "is_vocab_parallel"]
@@ -79,7 +78,7 @@ def check_tp_sizes(tp: int, sizes: dict[str, int]) -> None:
 
 
 def _is_lora(m: Optional[nn.Module]) -> bool:
-    return isinstance(m, LoRALinear)
+    return is_lora_linear(m)
 
 
 def _linear_plan(module: nn.Module, col: Iterable[str], row: Iterable[str]) -> dict:

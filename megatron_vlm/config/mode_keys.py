@@ -135,10 +135,6 @@ def check_keys_for_mode(cfg) -> None:
                           f"2 x parallel.cp ({2 * cp}): each pack is cut into 2 x cp load-balanced chunks")
     _check_pipeline_keys(cfg)
     if cfg.parallel.backend == "mcore":
-        if getattr(cfg, "lora", None) is not None and cfg.parallel.tp > 1:  # adapters: dp / cp / ep / pp (layer.py)
-            raise ConfigError(f"parallel.tp: {cfg.parallel.tp} with [lora] and parallel.backend = 'mcore' is not supported "
-                              "yet (data, context, expert and pipeline parallelism are); set parallel.tp = 1, or "
-                              "parallel.backend = 'native', which runs [lora] with tp > 1")
         if cfg.train.mode == "grpo" and cfg.rl is not None and cfg.rl.allocation is not None:
             raise ConfigError("rl.allocation: asynchronous GRPO pushes the trainer's parameters by name and does not "
                               "support parallel.backend = 'mcore' yet; remove rl.allocation or use backend = 'native'")

@@ -91,7 +91,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 
 from megatron_vlm import kernels
 from megatron_vlm.models.common.attention import attend
@@ -333,6 +333,21 @@ class McoreDecoderLayer(nn.Module):
             own = {n.split(".", 1)[1]: LoRAAdapter.of(m) for n, m in adapters.items() if n.startswith(part + ".")}
             if own:
                 setattr(self, part, nn.ModuleDict(own))
+        if self.tp > 1 and adapters:
+            self._distribute_adapters(tp_mesh)
+
+    def _distribute_adapters(self, mesh) -> None:
+        """tp > 1: every adapter factor whole on each tp rank (`Replicate` on the tp mesh; the adapter file and
+        checkpoints see the global factors), used in the forward as the local tensor (`local_params`) of which
+        each rank reads its block (`_lora`), its gradient summed over the tp ranks (`Partial`, reduced by FSDP2)."""
+        owners = self.mcore._mvlm_tp_owners  # distribute_layer_params
+        for part in ("self_attn", "mlp"):
+            for adapter in (getattr(self, part, None) or {}).values():
+                for lin in (adapter.lora_A, adapter.lora_B):
+                    p = lin.weight
+                    lin.register_parameter("weight", nn.Parameter(distribute_tensor(p.data, mesh, [Replicate()]),
+                                                                  requires_grad=p.requires_grad))
+                    owners.append((lin, "weight", [Partial()]))
 
     def load_native(self, state: dict) -> None:
         """Load a native DecoderLayer state dict (HF layer names, full tensors), converted exactly; this rank's
@@ -411,7 +426,30 @@ class McoreDecoderLayer(nn.Module):
         adapters = getattr(self, part, None)
         if adapters is None or name not in adapters:
             return out
-        return adapters[name].add_lora(out.flatten(x.dim() - 1), x).view_as(out)
+        adapter = adapters[name]
+        if self.tp == 1:
+            return adapter.add_lora(out.flatten(x.dim() - 1), x).view_as(out)
+        if not adapter.lora_enabled:
+            return out
+        # tp > 1, Megatron's layout: column-parallel targets (q / k / v / gate / up: `out` holds this rank's rows)
+        # read the whole input with the whole A and this rank's rows of B, the input's gradient summed over tp as
+        # megatron-core's linear sums its own; row-parallel ones (o / down: `x` holds this rank's columns) this
+        # rank's columns of A and the whole B, the partial update summed over tp (megatron-core's linear has
+        # reduced its output already)
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
+
+        flat = out.flatten(x.dim() - 1)
+        a, b = adapter.lora_A.weight, adapter.lora_B.weight
+        row = name in ("o_proj", "down_proj")
+        if row:
+            a = a.chunk(self.tp, dim=1)[self.tp_rank]
+        else:
+            b = b.chunk(self.tp, dim=0)[self.tp_rank]
+            x = copy_to_tensor_model_parallel_region(x)
+        delta = F.linear(F.linear(adapter.lora_dropout(x.to(a.dtype)), a), b) * adapter.scaling
+        if row:
+            delta = reduce_from_tensor_model_parallel_region(delta)
+        return (flat + delta.to(flat.dtype)).view_as(out)
 
     def _qkv(self, hn: torch.Tensor):
         """Query, key, value ([s, b, heads, head_dim], QK-normed) of the normed input `hn`: megatron-core's own

@@ -28,7 +28,8 @@ pytestmark = [pytest.mark.distributed]
 
 LORA = {"train.train_layers": "[]", "lora.r": 4, "lora.alpha": 8, "lora.dropout": 0.1, "optimizer.lr": 1e-3,
         "train.max_steps": STEPS}
-LAYOUTS = {"dp": {}, "cp": {"parallel.cp": 2}, "ep": {"parallel.ep": 2}, "pp": {"parallel.pp": 2, "train.micro_batches_per_step": 2}}
+LAYOUTS = {"dp": {}, "cp": {"parallel.cp": 2}, "ep": {"parallel.ep": 2}, "pp": {"parallel.pp": 2, "train.micro_batches_per_step": 2},
+           "tp": {"parallel.tp": 2}}
 
 
 def _adapter(out: Path) -> dict:
@@ -53,30 +54,32 @@ def _layouts(tmp: Path, rank: int) -> None:
         dist.barrier()
 
 
-def _grpo_lora(tmp: Path, rank: int) -> None:
-    """Two GRPO steps (dp = 2) with [lora] and a KL term: the rollout decodes through the adapted layers, the
-    reference is the policy with its adapters switched off."""
+def _grpo_lora(tmp: Path, rank: int, tp: int) -> None:
+    """Two GRPO steps (dp = 2, or tp = 2) with [lora] and a KL term: the rollout decodes through the adapted
+    layers, the reference is the policy with its adapters switched off."""
     model = tmp / "grpo" / "model"
-    if rank == 0:
+    if rank == 0 and not model.is_dir():
         synthesize_model_folder("tiny_qwen2_5_vl", model, seed=0)
     dist.barrier()
     runs = {}
     for backend in ("native", "mcore"):
-        runs[backend] = tmp / "grpo" / backend
+        runs[backend] = tmp / "grpo" / f"{backend}_tp{tp}"
         _grpo(model, runs[backend], init_distributed(), **{"parallel.backend": f'"{backend}"', "rl.kl_coef": 0.1,
+                                                           "parallel.tp": tp,
                                                            **{k: v for k, v in LORA.items() if k != "train.max_steps"}})
     if rank == 0:
         for key in ("loss", "grad_norm", "reward/mean"):
             ref, got = _column(runs["native"], key), _column(runs["mcore"], key)
             scale = max(1.0, max(abs(v) for v in ref))
-            assert len(ref) == len(got) == 2 and max(abs(a - b) for a, b in zip(ref, got)) <= 1e-5 * scale, (key, ref, got)
+            assert len(ref) == len(got) == 2 and max(abs(a - b) for a, b in zip(ref, got)) <= 1e-5 * scale, (tp, key, ref, got)
         assert _column(runs["native"], "grad_norm")[0] > 0
     dist.barrier()
 
 
 def _all(tmp: Path, rank: int) -> None:
     _layouts(tmp, rank)
-    _grpo_lora(tmp, rank)
+    _grpo_lora(tmp, rank, tp=1)
+    _grpo_lora(tmp, rank, tp=2)
 
 
 def test_mcore_lora_dp_cp_ep_pp_match_native(tmp_path):

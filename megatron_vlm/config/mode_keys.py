@@ -20,10 +20,6 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
   keys other than mode / output_dir / seed / precision, and the `[data]` keys that name or shape
   training data are refused; the `[data]` image / video limits, `max_tokens_per_pack` and loader
   workers apply to the benchmark prompts. An `[eval]` section in a training mode is refused too;
-- `[lora]` with `parallel.backend = "mcore"` and parallel.tp > 1 (the megatron-core layers' adapters are built
-  and tested with data, context, expert and pipeline parallelism; at tp > 1 they would need collectives of
-  their own around megatron-core's linears: models/mcore/layer.py). The native backend runs `[lora]` with
-  tp > 1 (parallel/lora_tp.py);
 - a `data.max_tokens_per_pack` not divisible by 2 x `parallel.cp` (the load-balanced causal chunks);
   `parallel.cp` works in SFT and GRPO alike (GRPO: the ranks of a cp group generate the same samples,
   unsharded, and split the tokens of the packed training forwards);

@@ -68,19 +68,18 @@ adapters the layer uses megatron-core's local spec (TE's fused norm + linear kee
 adapters read inside). Adapted: attention q/k/v/o of every decoder layer and the dense SwiGLU MLPs; MoE layers'
 routed experts are grouped weights, never adapted (as native); a LoRA on any other layer (a Nemotron-H block:
 native target selection finds no PEFT names there either) is refused (McoreBackendError). Works with dp, cp, ep
-and pp (tests/integration/parallel/test_mcore_lora_parallel.py against native LoRA); tp > 1 is refused (config
-validation). The native backend runs LoRA at tp > 1 (parallel/lora_tp.py: B split by output rows for
-column-parallel targets, A by input columns for row-parallel ones, the other factor replicated), but here the
-same placements are not enough: this layer runs megatron-core's linears on local blocks (`local_params`), whose
-tp collectives are inside them (the input-gradient all-reduce of the column-parallel linear_qkv / linear_fc1,
-the output all-reduce of the row-parallel linear_proj / linear_fc2), so an adapter added outside them would need
-collectives of its own (the input gradient of the replicated A, an all-reduce of A_local x_local before B)
-and local factor blocks with summed gradients: not done.
+pp, and tp (tests/integration/parallel/test_mcore_lora_parallel.py against native LoRA). With tp > 1 the layout
+is Megatron's, as the native backend's (parallel/lora_tp.py), computed on local blocks: each factor is whole on
+every tp rank (`Replicate`: checkpoints and the adapter file see the global factors) and its gradient summed
+over tp (`Partial`, as the QK-norms'); a column-parallel target (q / k / v, gate / up) reads the whole input
+with the whole A and this rank's rows of B, its input gradient all-reduced over tp (megatron-core's
+linear_qkv / linear_fc1 all-reduce only their own); a row-parallel one (o / down) this rank's columns of A
+and the whole B, its partial update all-reduced (linear_proj / linear_fc2 reduced their output inside).
 
 Limits, refused with exit 2 before a run starts (config/sections.py, config/mode_keys.py, `check_mcore_model`,
 `use_mcore_layers`): pipeline parallelism with tp / cp / ep > 1 (as for the native backend), a tp that does not
 divide a layer's heads / groups / MLP width (TPError), MoE routing features megatron-core cannot express
-(moe_layer.py), `[lora]` with tp > 1 or on a layer the megatron-core layer does not adapt (above); experimental:
+(moe_layer.py), `[lora]` on a layer the megatron-core layer does not adapt (above); experimental:
 not yet run on a GPU.
 """
 from __future__ import annotations

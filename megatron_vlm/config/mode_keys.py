@@ -20,8 +20,6 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
   keys other than mode / output_dir / seed / precision, and the `[data]` keys that name or shape
   training data are refused; the `[data]` image / video limits, `max_tokens_per_pack` and loader
   workers apply to the benchmark prompts. An `[eval]` section in a training mode is refused too;
-- `[lora]` with `parallel.backend = "mcore"` and parallel.tp > 1 (the megatron-core layers' adapters are built
-  and tested with data, context, expert and pipeline parallelism: models/mcore/layer.py);
 - a `data.max_tokens_per_pack` not divisible by 2 x `parallel.cp` (the load-balanced causal chunks);
   `parallel.cp` works in SFT and GRPO alike (GRPO: the ranks of a cp group generate the same samples,
   unsharded, and split the tokens of the packed training forwards);
@@ -133,9 +131,6 @@ def check_keys_for_mode(cfg) -> None:
                           f"2 x parallel.cp ({2 * cp}): each pack is cut into 2 x cp load-balanced chunks")
     _check_pipeline_keys(cfg)
     if cfg.parallel.backend == "mcore":
-        if getattr(cfg, "lora", None) is not None and cfg.parallel.tp > 1:  # adapters: dp / cp / ep / pp (layer.py)
-            raise ConfigError(f"parallel.tp: {cfg.parallel.tp} with [lora] and parallel.backend = 'mcore' is not supported "
-                              "yet (data, context, expert and pipeline parallelism are); set parallel.tp = 1")
         if cfg.train.mode == "grpo" and cfg.rl is not None and cfg.rl.allocation is not None:
             raise ConfigError("rl.allocation: asynchronous GRPO pushes the trainer's parameters by name and does not "
                               "support parallel.backend = 'mcore' yet; remove rl.allocation or use backend = 'native'")

@@ -33,6 +33,12 @@ Layout (Megatron's, expressed with DTensor placements on the "tp" mesh dim):
   rows (tied or not); its logits are gathered over the vocabulary only for decoding, while training's
   token log-probs (`vocab_parallel_token_logprobs`) reduce a max, a sum of exponentials and the label's
   logit over the tp ranks instead of gathering `[N, vocab]`;
+* LoRA adapters (`[lora]`, `LoRALinear`) on the column- / row-parallel projections are split as in
+  Megatron (`lora_tp.py`): column-parallel, `lora_A` replicated and `lora_B` split on its output rows like
+  the base weight; row-parallel, `lora_A` split on its input columns and `lora_B` replicated, its update a
+  partial sum joining the base's before the reduce-scatter; the replicated factor's gradient is summed over
+  tp. Inside a Mamba2 mixer the adapters of in_proj / out_proj follow the mixer's head split. The LM head
+  and embedding are never adapted;
 * vision towers and projectors are replicated: they are a small fraction of the FLOPs of a VLM step
   (InternViT-300M next to an 8B decoder; RADIO next to a 30B MoE), their sequence (patches) differs
   from the decoder's, and a replicated tower keeps `merge_vision_embeddings` a local scatter.
@@ -53,6 +59,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from megatron_vlm.parallel.lora_tp import LoRAColwiseParallel, LoRARowwiseParallel, is_lora_linear
+
 __all__ = ["apply_tp", "check_tp_sizes", "check_tp_divides", "decoder_tp_plan", "tp_sharded_numel", "TPError",
            "vocab_parallel_token_logprobs", "is_vocab_parallel"]
 
@@ -69,10 +77,17 @@ def check_tp_sizes(tp: int, sizes: dict[str, int]) -> None:
                           "hold the same number of heads / columns / vocabulary rows")
 
 
+def _is_lora(m: Optional[nn.Module]) -> bool:
+    return is_lora_linear(m)
+
+
 def _linear_plan(module: nn.Module, col: Iterable[str], row: Iterable[str]) -> dict:
-    # row-parallel outputs stay Partial: the region's output hook reduce-scatters them over the sequence
-    plan = {name: ColwiseParallel() for name in col if getattr(module, name, None) is not None}
-    plan.update({name: RowwiseParallel(output_layouts=Partial(), use_local_output=False)
+    # row-parallel outputs stay Partial: the region's output hook reduce-scatters them over the sequence;
+    # LoRA-adapted projections place their factors as Megatron does (parallel/lora_tp.py)
+    plan = {name: (LoRAColwiseParallel if _is_lora(getattr(module, name)) else ColwiseParallel)()
+            for name in col if getattr(module, name, None) is not None}
+    plan.update({name: (LoRARowwiseParallel if _is_lora(getattr(module, name)) else RowwiseParallel)(
+                     output_layouts=Partial(), use_local_output=False)
                  for name in row if getattr(module, name, None) is not None})
     return plan
 
@@ -278,7 +293,13 @@ def tp_sharded_numel(module: nn.Module, layer_children: Optional[dict[str, str]]
         plan = [(n, _classify(m), m) for n, m in module.named_children()]
     for _, kind, m in plan:
         if kind not in ("replicated", "mamba2"):  # a Mamba2 mixer's weights stay whole (compute split only)
-            total += count([p for n in names if getattr(m, n, None) is not None for p in getattr(m, n).parameters()])
+            for n in names:
+                lin = getattr(m, n, None)
+                if lin is None:
+                    continue
+                total += count(lin.parameters(recurse=False))
+                if _is_lora(lin):  # the factor split like the base weight; the other one is replicated
+                    total += count([(lin.lora_A if n in ("o_proj", "down_proj") else lin.lora_B).weight])
     return total
 
 

@@ -10,6 +10,10 @@ against the whole name. Candidates are the model's `nn.Linear` layers that have 
 linear layers: with expert parallelism they stay frozen and EP-sharded as before, and the adapters
 (attention, dense and shared-expert MLPs) are FSDP-sharded with the rest of each block.
 
+Everything here works on the unsharded model (before TP / FSDP); with `parallel.tp > 1` the tp plan then
+splits each adapter like its base layer (parallel/lora_tp.py), and the files are written from gathered
+(full) factors.
+
 With `parallel.backend = "mcore"` this runs on the native model before its decoder layers are swapped for
 megatron-core ones, which take the adapters over under the same names (models/mcore/layer.py).
 

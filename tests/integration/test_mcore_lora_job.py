@@ -1,7 +1,7 @@
 """A LoRA SFT job through the entry point with `parallel.backend = "mcore"` (tiny Qwen2.5-VL, adapter dropout and
 activation checkpointing on, 1 process): its losses, grad norms, PEFT adapter and merged export equal the native
-backend's run of the same config, and its checkpoint resumes to the same adapter. The layouts the megatron-core
-adapters are not built for (parallel.tp > 1) exits 2 with the key named."""
+backend's run of the same config, and its checkpoint resumes to the same adapter. Parallel layouts (tp included):
+tests/integration/parallel/test_mcore_lora_parallel.py."""
 from __future__ import annotations
 
 import json
@@ -50,9 +50,3 @@ def test_mcore_lora_job_equals_native(tmp_path):
     a_r = load_safetensors_dir(resumed / "adapter")
     assert a_r.keys() == a_m.keys() and all(torch.equal(a_r[k], a_m[k]) for k in a_m)
     assert _metrics(resumed)[3] == m_m[3]
-
-
-def test_mcore_lora_tensor_parallel_job_exits_2(tmp_path):
-    r = run_job(_overrides(tmp_path / "out", tmp_path, **{"parallel.backend": '"mcore"', "parallel.tp": 2}), check=False)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "parallel.tp: 2 with [lora] and parallel.backend = 'mcore' is not supported" in r.stderr

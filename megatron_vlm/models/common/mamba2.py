@@ -23,7 +23,10 @@ gated norm (the norm is per group, so no communication) and the matching columns
 output is a partial sum over the tp ranks (bias added by rank 0 only). The parameters keep their
 whole (checkpoint) shapes on every tp rank: in_proj's rows interleave the z | xBC | dt segments, so a
 contiguous row split would not be a head split; each rank selects its rows and the gradients, non-zero
-only on a rank's rows, are summed over the tp ranks. The decoding state holds the local heads.
+only on a rank's rows, are summed over the tp ranks. The decoding state holds the local heads. A LoRA
+adapter on in_proj / out_proj (`LoRALinear`) is split the same way: its B's rows of the rank's heads for
+in_proj (A whole: the input is), its A's columns of the rank's channels for out_proj (B whole: the update
+is a partial sum like the base output); its factors' gradients are summed over the tp ranks too.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_vlm import kernels
+from megatron_vlm.models.common.lora import LoRAAdapter
 
 
 class GatedRMSNorm(nn.Module):
@@ -205,7 +209,11 @@ class Mamba2Mixer(nn.Module):
             x = x * mask
         gn = groups * self.state_size
         # without tp the modules are called (adapters such as LoRA may wrap them)
-        proj = self.in_proj(x) if tp == 1 else F.linear(x, in_w, in_b)
+        if tp == 1:
+            proj = self.in_proj(x)
+        else:
+            rows = self._local_index(x.device)[0]
+            proj = self._tp_lora(self.in_proj, F.linear(x, in_w, in_b), x, rows=rows)
         z, xBC, dt = proj.split([inner, inner + 2 * gn, heads], dim=-1)
 
         if state is not None:
@@ -252,4 +260,20 @@ class Mamba2Mixer(nn.Module):
             else:
                 y = result
         y = self.norm(y.reshape(batch, seqlen, inner), z, weight=norm_w)
-        return self.out_proj(y.to(dtype)) if tp == 1 else F.linear(y.to(dtype), out_w, out_b)
+        if tp == 1:
+            return self.out_proj(y.to(dtype))
+        y = y.to(dtype)
+        return self._tp_lora(self.out_proj, F.linear(y, out_w, out_b), y, cols=slice(self.tp_rank * inner, (self.tp_rank + 1) * inner))
+
+    @staticmethod
+    def _tp_lora(lin: nn.Module, out: torch.Tensor, x: torch.Tensor, *, rows: Optional[torch.Tensor] = None,
+                 cols: Optional[slice] = None) -> torch.Tensor:
+        """Under tp: `out` (this rank's block of a projection) + its LoRA update's block, when `lin` is adapted:
+        B's `rows` (in_proj: the rank's heads) or A's `cols` (out_proj: the rank's channels, a partial sum)."""
+        if not isinstance(lin, LoRAAdapter) or not lin.lora_enabled:
+            return out
+        a, b = lin.lora_A.weight, lin.lora_B.weight
+        a = a if cols is None else a[:, cols]
+        b = b if rows is None else b.index_select(0, rows)
+        delta = F.linear(F.linear(lin.lora_dropout(x.to(a.dtype)), a), b) * lin.scaling
+        return out + delta.to(out.dtype)

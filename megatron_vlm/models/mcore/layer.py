@@ -68,15 +68,18 @@ adapters the layer uses megatron-core's local spec (TE's fused norm + linear kee
 adapters read inside). Adapted: attention q/k/v/o of every decoder layer and the dense SwiGLU MLPs; MoE layers'
 routed experts are grouped weights, never adapted (as native); a LoRA on any other layer (a Nemotron-H block:
 native target selection finds no PEFT names there either) is refused (McoreBackendError). Works with dp, cp, ep
-and pp (tests/integration/parallel/test_mcore_lora_parallel.py against native LoRA); tp > 1 is refused (config
-validation): the adapters would need splitting like the base weights (B by output rows for column-parallel
-targets, A by input columns for row-parallel ones), and there is no native LoRA at tp > 1 to equal (its tp plan
-cannot shard a LoRALinear yet).
+pp, and tp (tests/integration/parallel/test_mcore_lora_parallel.py against native LoRA). With tp > 1 the layout
+is Megatron's, as the native backend's (parallel/lora_tp.py), computed on local blocks: each factor is whole on
+every tp rank (`Replicate`: checkpoints and the adapter file see the global factors) and its gradient summed
+over tp (`Partial`, as the QK-norms'); a column-parallel target (q / k / v, gate / up) reads the whole input
+with the whole A and this rank's rows of B, its input gradient all-reduced over tp (megatron-core's
+linear_qkv / linear_fc1 all-reduce only their own); a row-parallel one (o / down) this rank's columns of A
+and the whole B, its partial update all-reduced (linear_proj / linear_fc2 reduced their output inside).
 
 Limits, refused with exit 2 before a run starts (config/sections.py, config/mode_keys.py, `check_mcore_model`,
 `use_mcore_layers`): pipeline parallelism with tp / cp / ep > 1 (as for the native backend), a tp that does not
 divide a layer's heads / groups / MLP width (TPError), MoE routing features megatron-core cannot express
-(moe_layer.py), `[lora]` with tp > 1 or on a layer the megatron-core layer does not adapt (above); experimental:
+(moe_layer.py), `[lora]` on a layer the megatron-core layer does not adapt (above); experimental:
 not yet run on a GPU.
 """
 from __future__ import annotations
@@ -87,7 +90,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 
 from megatron_vlm import kernels
 from megatron_vlm.models.common.attention import attend
@@ -329,6 +332,21 @@ class McoreDecoderLayer(nn.Module):
             own = {n.split(".", 1)[1]: LoRAAdapter.of(m) for n, m in adapters.items() if n.startswith(part + ".")}
             if own:
                 setattr(self, part, nn.ModuleDict(own))
+        if self.tp > 1 and adapters:
+            self._distribute_adapters(tp_mesh)
+
+    def _distribute_adapters(self, mesh) -> None:
+        """tp > 1: every adapter factor whole on each tp rank (`Replicate` on the tp mesh; the adapter file and
+        checkpoints see the global factors), used in the forward as the local tensor (`local_params`) of which
+        each rank reads its block (`_lora`), its gradient summed over the tp ranks (`Partial`, reduced by FSDP2)."""
+        owners = self.mcore._mvlm_tp_owners  # distribute_layer_params
+        for part in ("self_attn", "mlp"):
+            for adapter in (getattr(self, part, None) or {}).values():
+                for lin in (adapter.lora_A, adapter.lora_B):
+                    p = lin.weight
+                    lin.register_parameter("weight", nn.Parameter(distribute_tensor(p.data, mesh, [Replicate()]),
+                                                                  requires_grad=p.requires_grad))
+                    owners.append((lin, "weight", [Partial()]))
 
     def load_native(self, state: dict) -> None:
         """Load a native DecoderLayer state dict (HF layer names, full tensors), converted exactly; this rank's
@@ -407,7 +425,30 @@ class McoreDecoderLayer(nn.Module):
         adapters = getattr(self, part, None)
         if adapters is None or name not in adapters:
             return out
-        return adapters[name].add_lora(out.flatten(x.dim() - 1), x).view_as(out)
+        adapter = adapters[name]
+        if self.tp == 1:
+            return adapter.add_lora(out.flatten(x.dim() - 1), x).view_as(out)
+        if not adapter.lora_enabled:
+            return out
+        # tp > 1, Megatron's layout: column-parallel targets (q / k / v / gate / up: `out` holds this rank's rows)
+        # read the whole input with the whole A and this rank's rows of B, the input's gradient summed over tp as
+        # megatron-core's linear sums its own; row-parallel ones (o / down: `x` holds this rank's columns) this
+        # rank's columns of A and the whole B, the partial update summed over tp (megatron-core's linear has
+        # reduced its output already)
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
+
+        flat = out.flatten(x.dim() - 1)
+        a, b = adapter.lora_A.weight, adapter.lora_B.weight
+        row = name in ("o_proj", "down_proj")
+        if row:
+            a = a.chunk(self.tp, dim=1)[self.tp_rank]
+        else:
+            b = b.chunk(self.tp, dim=0)[self.tp_rank]
+            x = copy_to_tensor_model_parallel_region(x)
+        delta = F.linear(F.linear(adapter.lora_dropout(x.to(a.dtype)), a), b) * adapter.scaling
+        if row:
+            delta = reduce_from_tensor_model_parallel_region(delta)
+        return (flat + delta.to(flat.dtype)).view_as(out)
 
     def _qkv(self, hn: torch.Tensor):
         """Query, key, value ([s, b, heads, head_dim], QK-normed) of the normed input `hn`: megatron-core's own

@@ -1,14 +1,14 @@
 """`[lora]` with `parallel.backend = "mcore"` on 2 gloo processes (one start): data parallelism (FSDP2 shards the
 adapters with their blocks), context parallelism (each rank's layers see half of every pack's tokens), expert
 parallelism (each rank's MoE layers hold half of the frozen routed experts) and pipeline parallelism (each
-stage holds its own layers' adapters; the adapter file and export gathered over the stages). For each layout
+stage holds its own layers' adapters; the adapter file and export gathered over the stages) and tensor
+parallelism (each rank reads its blocks of the whole factors; native: split DTensor factors). For each layout
 the megatron-core run equals the native LoRA run of the same layout: losses and grad norms (1e-5), the merged
 HF export (1e-6) and the PEFT adapter (1e-5: Adam steps on a ~1e-7 gradient difference). The tiny
 Qwen3-VL-MoE: MoE layers with adapted attention (QK-norm after the q / k updates) and a dense layer with an
 adapted MLP; adapter dropout on. Then two GRPO steps of the tiny Qwen2.5-VL (dp = 2, rl.kl_coef > 0: rollouts
 decoded through the adapted megatron-core layers, the reference = the policy with its adapters off) give the
-native LoRA run's loss, grad norm and reward (1e-5). tp is refused with [lora] under mcore
-(tests/unit/mcore/test_mcore_lora.py). In CI ~25 s."""
+native LoRA run's loss, grad norm and reward (1e-5), and so do two GRPO steps with tp = 2. In CI ~40 s."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,7 +28,8 @@ pytestmark = [pytest.mark.distributed]
 
 LORA = {"train.train_layers": "[]", "lora.r": 4, "lora.alpha": 8, "lora.dropout": 0.1, "optimizer.lr": 1e-3,
         "train.max_steps": STEPS}
-LAYOUTS = {"dp": {}, "cp": {"parallel.cp": 2}, "ep": {"parallel.ep": 2}, "pp": {"parallel.pp": 2, "train.micro_batches_per_step": 2}}
+LAYOUTS = {"dp": {}, "cp": {"parallel.cp": 2}, "ep": {"parallel.ep": 2}, "pp": {"parallel.pp": 2, "train.micro_batches_per_step": 2},
+           "tp": {"parallel.tp": 2}}
 
 
 def _adapter(out: Path) -> dict:
@@ -53,30 +54,32 @@ def _layouts(tmp: Path, rank: int) -> None:
         dist.barrier()
 
 
-def _grpo_lora(tmp: Path, rank: int) -> None:
-    """Two GRPO steps (dp = 2) with [lora] and a KL term: the rollout decodes through the adapted layers, the
-    reference is the policy with its adapters switched off."""
+def _grpo_lora(tmp: Path, rank: int, tp: int) -> None:
+    """Two GRPO steps (dp = 2, or tp = 2) with [lora] and a KL term: the rollout decodes through the adapted
+    layers, the reference is the policy with its adapters switched off."""
     model = tmp / "grpo" / "model"
-    if rank == 0:
+    if rank == 0 and not model.is_dir():
         synthesize_model_folder("tiny_qwen2_5_vl", model, seed=0)
     dist.barrier()
     runs = {}
     for backend in ("native", "mcore"):
-        runs[backend] = tmp / "grpo" / backend
+        runs[backend] = tmp / "grpo" / f"{backend}_tp{tp}"
         _grpo(model, runs[backend], init_distributed(), **{"parallel.backend": f'"{backend}"', "rl.kl_coef": 0.1,
+                                                           "parallel.tp": tp,
                                                            **{k: v for k, v in LORA.items() if k != "train.max_steps"}})
     if rank == 0:
         for key in ("loss", "grad_norm", "reward/mean"):
             ref, got = _column(runs["native"], key), _column(runs["mcore"], key)
             scale = max(1.0, max(abs(v) for v in ref))
-            assert len(ref) == len(got) == 2 and max(abs(a - b) for a, b in zip(ref, got)) <= 1e-5 * scale, (key, ref, got)
+            assert len(ref) == len(got) == 2 and max(abs(a - b) for a, b in zip(ref, got)) <= 1e-5 * scale, (tp, key, ref, got)
         assert _column(runs["native"], "grad_norm")[0] > 0
     dist.barrier()
 
 
 def _all(tmp: Path, rank: int) -> None:
     _layouts(tmp, rank)
-    _grpo_lora(tmp, rank)
+    _grpo_lora(tmp, rank, tp=1)
+    _grpo_lora(tmp, rank, tp=2)
 
 
 def test_mcore_lora_dp_cp_ep_pp_match_native(tmp_path):

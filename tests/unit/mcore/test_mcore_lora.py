@@ -185,15 +185,12 @@ def test_unadapted_layers_are_refused(mcore_state, tmp_path):
         use_mcore_layers(native)
 
 
-def test_tensor_parallel_is_refused():
-    """Config validation (exit 2): the megatron-core adapters run with data, context, expert and pipeline
-    parallelism (tests/integration/parallel/test_mcore_lora_parallel.py), not with tp > 1."""
-    from megatron_vlm.config import ConfigError, load_config
+def test_every_parallel_layout_is_accepted():
+    """Config validation accepts the megatron-core adapters with data, context, expert, pipeline and tensor
+    parallelism (each run against native LoRA in tests/integration/parallel/test_mcore_lora_parallel.py)."""
+    from megatron_vlm.config import load_config
     from megatron_vlm.config.mode_keys import check_keys_for_mode
 
     sets = ['parallel.backend="mcore"', "lora.r=4", "train.train_layers=[]", "data.synthetic_eval_size=0", "data.eval_path=\"\""]
-    for ok in ("dp_shard", "cp", "ep", "pp"):  # accepted
+    for ok in ("dp_shard", "cp", "ep", "pp", "tp"):
         check_keys_for_mode(load_config("launch/configs/demo_sft.toml", [*sets, f"parallel.{ok}=2"]))
-    with pytest.raises(ConfigError, match=r"parallel\.tp: 2 with \[lora\] and parallel\.backend = 'mcore' is not supported "
-                                          r"yet.*set parallel\.tp = 1"):
-        check_keys_for_mode(load_config("launch/configs/demo_sft.toml", [*sets, "parallel.tp=2"]))

@@ -73,3 +73,30 @@ def test_decoding_state_holds_local_heads():
 def test_tp_that_does_not_divide_groups_is_refused():
     with pytest.raises(ValueError, match="n_groups=2"):
         _mixer(False).tp_shard(4, 0)
+
+
+def test_lora_adapters_split_with_the_heads():
+    """LoRA on in_proj / out_proj: the ranks' outputs and factor gradients add up to the unsplit adapted mixer's
+    (B non-zero, so a wrongly split factor shows); with the adapters off, the base mixer's output."""
+    from megatron_vlm.models.common.lora import apply_lora, lora_disabled
+
+    full = _mixer(True)
+    apply_lora(full, ["in_proj", "out_proj"], r=3, alpha=6)
+    with torch.no_grad():
+        for n, p in full.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn_like(p) * 0.3)
+    parts = _split(full, 2)
+    x = torch.randn(1, 9, 32)
+    ref = full(x)
+    got = sum(p(x) for p in parts)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    with torch.no_grad(), lora_disabled(full):
+        base = full(x)
+    assert (base - ref).abs().max() > 1e-3  # the adapters matter
+    ref.pow(2).sum().backward()
+    got.pow(2).sum().backward()
+    for name, p in full.named_parameters():
+        if "lora_" in name:
+            grads = [dict(q.named_parameters())[name].grad for q in parts]
+            torch.testing.assert_close(sum(grads), p.grad, rtol=1e-4, atol=1e-5, msg=name)

@@ -164,6 +164,12 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         rollout_prompts = rl.rollout_batch_prompts or rollout_prompts_for_budget(
             rl.rollout_memory_gib, shape.kv_per_slot * compute, group, tokens) or per_rank
         rollout_prompts = min(rollout_prompts, per_rank)
+        if rl.rollout_cuda_graphs == "on":  # the engine's own refusal (rl/rollout/policy_engine.py), found here too
+            from megatron_vlm.rl.rollout.policy_engine import cuda_graphs_blocker
+
+            why_not = cuda_graphs_blocker(model)
+            if why_not:
+                raise CheckFailed("rl.rollout_cuda_graphs", f"'on' is not possible: {why_not}")
         lines.append(f"rollout    {per_rank} prompts per rank and step, {rollout_prompts} per batch x group {group} x "
                      f"{tokens} cache slots ({ceil_div(per_rank, rollout_prompts)} batches)")
     mem = estimate_memory(shape, fsdp=shard * cfg.parallel.cp, master_bytes=master, compute_bytes=compute, tokens=tokens,

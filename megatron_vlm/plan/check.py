@@ -94,6 +94,10 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     """The plan's lines; raises CheckFailed / ConfigError naming the key to change."""
     check_keys_for_mode(cfg)
     hf = _read_model_config(cfg)
+    if cfg.train.mode != "eval" and cfg.data.type == "synthetic_vqa" and "vision_config" not in hf:
+        # the job finds it only as "no usable samples" (every record an image placeholder mismatch)
+        raise CheckFailed("data.type", f"'synthetic_vqa' asks questions about images, and {hf.get('model_type')!r} is a "
+                                       "text-only model (no vision_config); give it text data (messages_jsonl / hf)")
     model = _meta_model(hf)
     check_moe_section(cfg, model)
     from megatron_vlm.models.common.moe import moe_layers

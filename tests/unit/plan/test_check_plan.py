@@ -189,3 +189,16 @@ def test_check_refuses_rollout_cuda_graphs_on_where_the_job_does(tmp_path, qwen2
     assert len(err.splitlines()) == 1
     code, _, err = _check(CONFIGS / "qwen3_vl_2b_geometry3k_grpo.toml", [f'model.path="{qwen2_5_vl_3b}"', *sets], 8)
     assert "rollout_cuda_graphs" not in err, err  # a dense decoder can be captured
+
+
+def test_check_refuses_image_questions_for_a_text_only_model(tmp_path):
+    """A text-only model on the synthetic VQA set: every record is an image placeholder mismatch, so the job
+    exits 2 ("no usable samples"); --check used to say ok. Checked on every family of the demo configs."""
+    for name, image_model in (("tiny_qwen3", False), ("tiny_qwen2_5_vl", True)):
+        sets = [f'model.path="{tmp_path / name}"', f'model.synthesize="{name}"']
+        code, _, err = _check(CONFIGS / "demo_sft.toml", sets, 1)
+        if image_model:
+            assert code == 0, err
+        else:
+            assert code == 2 and err.startswith("check failed: data.type: 'synthetic_vqa' asks questions about images, "
+                                                "and 'qwen3' is a text-only model"), err

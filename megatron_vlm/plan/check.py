@@ -116,6 +116,14 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         except ValueError as e:
             raise CheckFailed("lora.target_modules", str(e).split(": ", 1)[-1]) from None
         apply_lora(model, targets, r=cfg.lora.r, alpha=cfg.lora.alpha)
+    if cfg.parallel.backend == "mcore":  # the job's own refusal (layer kinds, routing, adapters), found here too
+        from megatron_vlm.models.mcore.layer import McoreBackendError, check_mcore_model
+
+        try:
+            check_mcore_model(model)
+        except McoreBackendError as e:
+            key, _, why = str(e).partition(": ")  # its messages start with the key
+            raise CheckFailed(key, why) from None
     moes = moe_layers(model)
     num_experts = moes[0].num_experts if moes else 0
     total_ranks, rollout_ranks = world_size, 0

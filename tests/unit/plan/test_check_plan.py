@@ -202,3 +202,14 @@ def test_check_refuses_image_questions_for_a_text_only_model(tmp_path):
         else:
             assert code == 2 and err.startswith("check failed: data.type: 'synthetic_vqa' asks questions about images, "
                                                 "and 'qwen3' is a text-only model"), err
+
+
+def test_check_runs_the_mcore_backend_refusals(tmp_path):
+    """parallel.backend = "mcore" with [lora] on Nemotron-VL: the megatron-core hybrid blocks take no adapters, so
+    the job exits 2 (models/mcore/layer.py check_mcore_model); --check used to say ok. Native: accepted."""
+    sets = [f'model.path="{tmp_path / "m"}"', 'model.synthesize="tiny_nemotron_vl"', "train.train_layers=[]", "lora.r=4"]
+    code, _, err = _check(CONFIGS / "demo_sft.toml", sets, 1)
+    assert code == 0, err
+    code, _, err = _check(CONFIGS / "demo_sft.toml", [*sets, 'parallel.backend="mcore"'], 1)
+    assert code == 2 and err.startswith("check failed: lora.target_modules: adapts language_model.layers.") and \
+        "parallel.backend = 'mcore' does not adapt" in err, err

@@ -52,10 +52,12 @@ _IN_MEMORY_RENAMES = {
         (r"^language_model\.lm_head$", "lm_head"),
         (r"^(vision_tower|multi_modal_projector)\.", r"model.\1."),
     ],
+    "nemotron_h_omni": [(r"^language_model\.backbone\.", "language_model.model.")],
 }
 # model types whose export layout is not the layout of the model PEFT would wrap outside the decoder
 # (OpenGVLab's remote-code InternVL: fused vision qkv, `mlp1`): only `language_model.*` layers have names
-_DECODER_ONLY = {"internvl_chat"}
+# Nemotron-VL: the RADIO tower's checkpoint names are not transformers' module names (no rename checked yet)
+_DECODER_ONLY = {"internvl_chat", "nemotron_h_omni"}
 
 
 class PeftNames:
@@ -65,6 +67,9 @@ class PeftNames:
         self.model_type = hf_config.get("model_type")
         family = get_family(self.model_type)
         self.adapter = family.state_dict_adapter(family.args_cls.from_hf_config(hf_config))
+        # tensors the export adds whatever it is given (Nemotron-VL's RADIO `summary_idxs` constant): not
+        # part of any one layer's name, so left out when a single weight is mapped (else no layer had a name)
+        self._constant = frozenset(self.adapter.to_hf({}))
 
     def to_peft(self, module: str, shape: tuple[int, int]) -> Optional[str]:
         """PEFT name of our Linear `module` with weight `shape`, or None when it has no 1:1 HF twin."""
@@ -72,7 +77,7 @@ class PeftNames:
             return None
         w = torch.empty(shape, device="meta")
         try:
-            hf = self.adapter.to_hf({f"{module}.weight": w})
+            hf = {k: v for k, v in self.adapter.to_hf({f"{module}.weight": w}).items() if k not in self._constant}
             if len(hf) != 1:
                 return None
             (key, t), = hf.items()

@@ -77,6 +77,9 @@ def _check_eval_keys(cfg) -> None:
                           "evaluation are chosen per benchmark ([[eval.benchmarks]] verifier)")
     if cfg.stages:
         raise ConfigError("stages: [[stages]] chain SFT runs; an evaluation job has none")
+    if cfg.parallel.pp > 1:  # _check_pipeline_keys is not reached for eval: the same refusal, named here
+        raise ConfigError(f"parallel.pp: pipeline parallelism (pp = {cfg.parallel.pp}) is supported for train.mode = "
+                          "\"sft\" only (no generation through a pipeline); use parallel.pp = 1")
     if getattr(cfg, "lora", None) is not None:
         raise ConfigError("lora: an evaluation job trains no adapter; evaluate a PEFT adapter with eval.adapter "
                           "(or a merged export as model.path)")

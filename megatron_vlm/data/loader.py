@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from megatron_vlm.config.loader import ConfigError
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpected
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.data.lengths import compute_lengths
@@ -267,6 +268,18 @@ def _prepare(data_cfg: DataConfig, processor: Any, split: str, bad_records: Opti
     return proc, bad_records, source, lengths
 
 
+def require_usable(lengths: np.ndarray, capacity: int, name: str, bad_records: BadRecordLog) -> None:
+    """A split none of whose records can be trained on is a config / data mistake, not a crash: a
+    ConfigError (exit 2, one line) naming the split, the pack budget and the first bad record's reason
+    (e.g. a text-only model given image records), since the run dies before the summary is written."""
+    if np.any((lengths > 0) & (lengths <= capacity)):
+        return
+    entries = bad_records.entries
+    why = f"; bad records by category {bad_records.counts_by_category()}, first: {entries[0]}" if entries else ""
+    raise ConfigError(f"{name}: no usable samples ({lengths.size} records, all bad or longer than "
+                      f"data.max_tokens_per_pack={capacity}){why}")
+
+
 def build_sft_dataloader(data_cfg: DataConfig, processor: Any, *, seed: int, dp_rank: int, dp_size: int,
                          split: str = "train", bad_records: Optional[BadRecordLog] = None) -> SFTDataLoader:
     """Endless packed loader for `split` on this rank (module docstring). `processor`: a VLProcessor,
@@ -277,6 +290,7 @@ def build_sft_dataloader(data_cfg: DataConfig, processor: Any, *, seed: int, dp_
     if prepared is None:
         raise ValueError(f"data: no {split} split configured")
     proc, bad_records, source, lengths = prepared
+    require_usable(lengths, data_cfg.max_tokens_per_pack, f"data.{split}", bad_records)
     planner = PackPlanner(lengths, data_cfg.max_tokens_per_pack, seed=seed,
                           shuffle=data_cfg.shuffle and split == "train", name=f"data.{split}")
     dataset = _PackDataset(_Processor(source, proc, data_cfg), data_cfg.max_tokens_per_pack, proc.pad_token_id)
@@ -365,6 +379,7 @@ def build_eval_dataloader(data_cfg: DataConfig, processor: Any, *, dp_rank: int,
     if prepared is None:
         return None
     proc, bad_records, source, lengths = prepared
+    require_usable(lengths, data_cfg.max_tokens_per_pack, "data.eval", bad_records)
     if mode == "packs":
         planner = PackPlanner(lengths, data_cfg.max_tokens_per_pack, seed=0, shuffle=False, name="data.eval")
         plan = planner.plan(0)
@@ -377,8 +392,6 @@ def build_eval_dataloader(data_cfg: DataConfig, processor: Any, *, dp_rank: int,
                                         proc.pad_token_id)
     else:
         valid = [int(i) for i in np.nonzero((lengths > 0) & (lengths <= data_cfg.max_tokens_per_pack))[0]]
-        if not valid:
-            raise ValueError("data.eval: no usable samples (see the bad-records summary)")
         per_rank = math.ceil(len(valid) / dp_size)
         mine: list = [valid[j] if j < len(valid) else None for j in range(dp_rank, per_rank * dp_size, dp_size)]
         keys = [mine[s:s + batch_size] for s in range(0, len(mine), batch_size)]

@@ -122,4 +122,5 @@ def answer_accuracy(ctx: RunContext, bundle: ModelBundle, engine: PolicyRolloutE
     tally = AnswerTally(group_field)
     for row in generate_answers(bundle, engine, loader, params):
         tally.add(row.completions[0], row.reference, row.meta, index=row.index)
-    return tally.merged().metrics()
+    copies = getattr(bundle.dims, "tp", 1) * getattr(bundle.dims, "cp", 1)  # pp: no held-out eval (refused)
+    return tally.merged(copies=copies).metrics()

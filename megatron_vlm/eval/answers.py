@@ -45,10 +45,12 @@ class AnswerTally:
             g[2] = min(g[2], index)
         return hit
 
-    def merged(self) -> "AnswerTally":
-        """The tally of all ranks (collective: every rank must call it)."""
+    def merged(self, copies: int = 1) -> "AnswerTally":
+        """The tally of all ranks (collective: every rank must call it). `copies`: ranks that scored the same
+        rows (`ParallelDims.data_copies`: the tp / cp ranks of a data-parallel group); one of each counts."""
         out = AnswerTally(self.group_field)
-        for part in all_gather_objects({"correct": self.correct, "total": self.total, "groups": self.groups}):
+        parts = all_gather_objects({"correct": self.correct, "total": self.total, "groups": self.groups})
+        for part in parts[::copies]:  # tp innermost, cp next: consecutive ranks share a data shard
             out.correct += part["correct"]
             out.total += part["total"]
             for name, (hits, count, first) in part["groups"].items():

@@ -15,7 +15,7 @@ fails scores 0 and is counted). Greedy: one completion at temperature 0, accurac
 (`eval.samples` = k > 0): k completions per prompt, Avg@k = mean correctness over all samples,
 pass@k = share of prompts with at least one correct sample (eval/accuracy.py). Rows whose metadata
 has a `question_type` (the synthetic sets, MathVista, MMMU) also get the greedy accuracy per type. Sampling
-is seeded by (train.seed, benchmark, rank).
+is seeded by (train.seed, benchmark, data-parallel rank): the tp / cp ranks of a group sample alike.
 """
 from __future__ import annotations
 
@@ -120,8 +120,11 @@ def evaluate_benchmark(ctx: RunContext, bundle: ModelBundle, engine, bcfg: Bench
                          f"a prompt before eval.max_new_tokens = {ecfg.max_new_tokens}; raise it")
     data_cfg = dataclasses.replace(ctx.cfg.data, max_tokens_per_pack=prompt_budget)
     local: list[dict] = []
+    dp_rank = getattr(bundle.dims, "dp_rank", env.rank)
     try:
-        loader = build_eval_dataloader(data_cfg, bundle.processor, dp_rank=env.rank, dp_size=bundle.dims.dp_size,
+        # the data-parallel coordinate, not the rank: the tp / cp ranks of a group decode the same rows together
+        # (env.rank with tp = 2 gave rank 1 "dp_rank must be in [0, 1)": it skipped the benchmark, rank 0 hung)
+        loader = build_eval_dataloader(data_cfg, bundle.processor, dp_rank=dp_rank, dp_size=bundle.dims.dp_size,
                                        mode="generation", batch_size=ecfg.batch_size, padding_side="left",
                                        bad_records=bad, source=opened.source)
     except ValueError as e:  # no usable row at all: reported, not fatal for the other benchmarks
@@ -138,7 +141,7 @@ def evaluate_benchmark(ctx: RunContext, bundle: ModelBundle, engine, bcfg: Bench
         if ecfg.samples:
             params = SamplingParams(max_new_tokens=ecfg.max_new_tokens, n=ecfg.samples, temperature=ecfg.temperature,
                                     top_p=ecfg.top_p, top_k=ecfg.top_k, stop=stop)
-            gen = sampling_generator(ctx.cfg.train.seed, bench_index, env.rank, env.device, salt=_SAMPLING_SALT)
+            gen = sampling_generator(ctx.cfg.train.seed, bench_index, dp_rank, env.device, salt=_SAMPLING_SALT)
             rows = generate_answers(bundle, engine, loader, params, generator=gen,
                                     progress=_progress(bcfg.name, f"{ecfg.samples} samples", env.is_main))
             for row, scores in zip(rows, scorer.score(rows)):
@@ -146,11 +149,12 @@ def evaluate_benchmark(ctx: RunContext, bundle: ModelBundle, engine, bcfg: Bench
         local = list(rows_by_index.values())
     parts = all_gather_objects({"rows": local, "bad": bad.to_dict()["records"]})
     merged_bad = BadRecordLog()
-    rows_all: list[dict] = []
-    for p in parts:
-        rows_all += p["rows"]
+    by_index: dict[int, dict] = {}
+    for p in parts:  # the ranks of one data-parallel group (tp, cp) hold the same rows: each row once
+        for r in p["rows"]:
+            by_index.setdefault(r["index"], r)
         merged_bad.extend(p["bad"])
-    rows_all.sort(key=lambda r: r["index"])
+    rows_all = [by_index[i] for i in sorted(by_index)]
     return {"name": bcfg.name, "format": bcfg.format, "path": bcfg.path, "num_rows": len(opened.source),
             "metrics": _metrics(rows_all, ecfg), "verifiers": dict(Counter(r["verifier"] for r in rows_all)),
             "bad_records": merged_bad.to_dict(), "rows": rows_all}

@@ -262,7 +262,7 @@ def split_model_for_stage(model: nn.Module, root_cls: type, *, stage: int, pp: i
     if stage < pp - 1:
         setattr(lm, _final_norm_name(lm), _PassThrough())
         if not (tied and stage == 0):  # stage 0 keeps a tied head: it is its embedding, no extra weight
-            model.lm_head = _HeadStub(dtype)
+            model.lm_head = _HeadStub(act_dtype)  # the compute dtype (bf16 precision: FSDP casts real weights, not it)
     if stage > 0:
         _replace_child(model, embed, _ZeroEmbedding(hidden, dtype))
         keep = {"language_model", "lm_head"}

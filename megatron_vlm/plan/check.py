@@ -94,6 +94,10 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     """The plan's lines; raises CheckFailed / ConfigError naming the key to change."""
     check_keys_for_mode(cfg)
     hf = _read_model_config(cfg)
+    if cfg.train.mode != "eval" and cfg.data.type == "synthetic_vqa" and "vision_config" not in hf:
+        # the job finds it only as "no usable samples" (every record an image placeholder mismatch)
+        raise CheckFailed("data.type", f"'synthetic_vqa' asks questions about images, and {hf.get('model_type')!r} is a "
+                                       "text-only model (no vision_config); give it text data (messages_jsonl / hf)")
     model = _meta_model(hf)
     check_moe_section(cfg, model)
     from megatron_vlm.models.common.moe import moe_layers
@@ -112,6 +116,14 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         except ValueError as e:
             raise CheckFailed("lora.target_modules", str(e).split(": ", 1)[-1]) from None
         apply_lora(model, targets, r=cfg.lora.r, alpha=cfg.lora.alpha)
+    if cfg.parallel.backend == "mcore":  # the job's own refusal (layer kinds, routing, adapters), found here too
+        from megatron_vlm.models.mcore.layer import McoreBackendError, check_mcore_model
+
+        try:
+            check_mcore_model(model)
+        except McoreBackendError as e:
+            key, _, why = str(e).partition(": ")  # its messages start with the key
+            raise CheckFailed(key, why) from None
     moes = moe_layers(model)
     num_experts = moes[0].num_experts if moes else 0
     total_ranks, rollout_ranks = world_size, 0
@@ -164,6 +176,12 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         rollout_prompts = rl.rollout_batch_prompts or rollout_prompts_for_budget(
             rl.rollout_memory_gib, shape.kv_per_slot * compute, group, tokens) or per_rank
         rollout_prompts = min(rollout_prompts, per_rank)
+        if rl.rollout_cuda_graphs == "on":  # the engine's own refusal (rl/rollout/policy_engine.py), found here too
+            from megatron_vlm.rl.rollout.policy_engine import cuda_graphs_blocker
+
+            why_not = cuda_graphs_blocker(model)
+            if why_not:
+                raise CheckFailed("rl.rollout_cuda_graphs", f"'on' is not possible: {why_not}")
         lines.append(f"rollout    {per_rank} prompts per rank and step, {rollout_prompts} per batch x group {group} x "
                      f"{tokens} cache slots ({ceil_div(per_rank, rollout_prompts)} batches)")
     mem = estimate_memory(shape, fsdp=shard * cfg.parallel.cp, master_bytes=master, compute_bytes=compute, tokens=tokens,

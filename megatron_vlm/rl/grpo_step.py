@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from megatron_vlm.config.loader import ConfigError
 from megatron_vlm.models.common.prefix_sharing import accepts_prefix_segments
 from megatron_vlm.parallel import clip_grad_norm_
 from megatron_vlm.parallel.collectives import all_gather_objects, all_reduce_max, all_reduce_sum
@@ -74,8 +75,10 @@ def encode_shard(batch: Sequence[PromptSample], encoder, rank: int, world: int, 
             mine.append(s)
             encoded.append(e)
     (longest,) = all_reduce_max([len(encoded)], device)
-    if longest == 0:
-        raise RuntimeError(f"GRPO: none of the {len(batch)} prompts of this step could be encoded (see the warnings above)")
+    if longest == 0:  # every rank sees 0: all raise. Bad data or a model that cannot read it (text-only, images)
+        last = getattr(encoder, "last_skip", None)
+        raise ConfigError(f"data: none of the {len(batch)} prompts of this step could be encoded"
+                          + (f"; the last one skipped: {last}" if last else "") + " (the warnings above name more)")
     if len(encoded) < longest:
         filler = encoded[0] if encoded else next((e for e in map(encoder.encode, batch) if e is not None), None)
         if filler is None:

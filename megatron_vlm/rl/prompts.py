@@ -114,6 +114,8 @@ class PromptEncoder:
         self.limits = limits or DEFAULT_LIMITS
         self.bad_records = bad_records if bad_records is not None else BadRecordLog()
         self.skipped = 0
+        self.last_skip: Optional[str] = None
+        """`<prompt id>: <category>: <detail>` of the latest skipped prompt (named when a whole step is unusable)."""
         self._warned = 0
 
     def encode(self, sample: PromptSample) -> Optional[RolloutPrompt]:
@@ -132,6 +134,7 @@ class PromptEncoder:
         self.skipped += 1
         self.bad_records.add_error(sample.source or sample.prompt_id, sample.index, err)
         why = str(err)
+        self.last_skip = f"{sample.prompt_id}: {why}"
         if self._warned < 5:
             self._warned += 1
             log.warning("GRPO prompt %s skipped: %s", sample.prompt_id, why)

@@ -1,10 +1,14 @@
 """`train.train_layers`: regexes over parameter names or module class names (e.g.
-`["Qwen3VLVisionPatchMerger"]` trains only the modules of that class); everything else is frozen."""
+`["Qwen3VLVisionPatchMerger"]` trains only the modules of that class); everything else is frozen.
+A pattern can only be checked against the built model, so its errors are ConfigError: the runner turns
+them into exit 2 and one line, as --check does, instead of a traceback."""
 from __future__ import annotations
 
 import re
 
 import torch
+
+from megatron_vlm.config.loader import ConfigError
 
 
 def apply_train_layers(model: torch.nn.Module, patterns: list[str]) -> tuple[int, int]:
@@ -17,7 +21,7 @@ def apply_train_layers(model: torch.nn.Module, patterns: list[str]) -> tuple[int
         try:
             regexes.append(re.compile(pat))
         except re.error as e:
-            raise ValueError(f"train.train_layers: invalid regex {pat!r}: {e}") from None
+            raise ConfigError(f"train.train_layers: invalid regex {pat!r}: {e}") from None
     keep: set[int] = set()
     hits = {pat: 0 for pat in patterns}
     for mod_name, mod in model.named_modules():
@@ -34,7 +38,7 @@ def apply_train_layers(model: torch.nn.Module, patterns: list[str]) -> tuple[int
                 hits[pat] += 1
     missing = [p for p, n in hits.items() if n == 0]
     if missing:
-        raise ValueError(f"train.train_layers: {missing} match no parameter name or module class of the model")
+        raise ConfigError(f"train.train_layers: {missing} match no parameter name or module class of the model")
     for p in model.parameters():
         p.requires_grad_(id(p) in keep)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -17,7 +17,8 @@ splits each adapter like its base layer (parallel/lora_tp.py), and the files are
 With `parallel.backend = "mcore"` this runs on the native model before its decoder layers are swapped for
 megatron-core ones, which take the adapters over under the same names (models/mcore/layer.py).
 
-Every entry must match at least one layer; a match that cannot be written in PEFT format is an error
+Every entry the config names must match at least one layer (of the default list, at least one entry must:
+Nemotron-H has no gate_proj); a match that cannot be written in PEFT format is an error
 rather than a silently skipped layer.
 """
 from __future__ import annotations
@@ -49,6 +50,7 @@ _PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 def select_lora_targets(model: nn.Module, hf_config: dict, patterns: list[str], *, include_vision: bool) -> dict[str, str]:
     """our module name -> PEFT module name of the layers to adapt (see the module docstring)."""
     names = PeftNames(hf_config)
+    explicit = bool(patterns)
     patterns = list(patterns) or DEFAULT_TARGETS
     matchers = []
     for pat in patterns:
@@ -77,6 +79,8 @@ def select_lora_targets(model: nn.Module, hf_config: dict, patterns: list[str], 
             hits[pat] += 1
         selected[name] = peft
     missing = [p for p, n in hits.items() if n == 0]
+    if not explicit and selected:  # the defaults name every family's projections; Nemotron-H has no gate_proj
+        missing = []
     if missing:
         scope = "the model" if include_vision else "the language model (lora.include_vision = false)"
         raise ValueError(f"lora.target_modules: {missing} match no adaptable linear layer of {scope} (names are "

@@ -10,6 +10,8 @@ from typing import Optional
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from megatron_vlm.config.loader import ConfigError
+
 log = logging.getLogger("megatron_vlm")
 
 FUSED_ADAMW_DEVICES = ("cuda", "cpu")  # torch's fused AdamW kernels that this project runs on
@@ -45,7 +47,7 @@ def build_optimizer(model: torch.nn.Module, opt_cfg, device_type: str) -> torch.
         # biases, norm weights and other 1-D parameters are not decayed
         (no_decay if p.ndim <= 1 or name.endswith(".bias") else decay).append(p)
     if not decay and not no_decay:
-        raise ValueError("train.train_layers: no trainable parameters left")
+        raise ConfigError("train.train_layers: no trainable parameters left")
     groups = [{"params": decay, "weight_decay": opt_cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]

@@ -79,11 +79,25 @@ from megatron_vlm.rl.rollout.engine import RolloutEngine, RolloutPrompt, Rollout
 from megatron_vlm.rl.rollout.sampling import same_device, sample_tokens
 from megatron_vlm.rl.rollout.stopping import StopChecker, eos_token_ids_of
 
-__all__ = ["PolicyRolloutEngine", "CUDA_GRAPH_MODES", "CudaGraphsConfigError"]
+__all__ = ["PolicyRolloutEngine", "CUDA_GRAPH_MODES", "CudaGraphsConfigError", "cuda_graphs_blocker"]
 
 log = logging.getLogger(__name__)
 
 CUDA_GRAPH_MODES = ("auto", "on", "off")
+
+
+def cuda_graphs_blocker(model, *, trainer_forward: bool = False, kv_block_size: int = 0) -> Optional[str]:
+    """Why the decode step of `model` cannot be captured as a CUDA graph, or None. One function for the
+    engine and `--check` (plan/check.py), so that the check refuses rl.rollout_cuda_graphs = "on" exactly
+    where the job would (a model on the meta device is enough: only its layer kinds are read)."""
+    if trainer_forward:
+        return "the engine calls the trainer's model (forward= / lock-step batches), not its own copy"
+    if kv_block_size:
+        return "the paged KV cache (kv_block_size > 0) changes its block table as samples come and go"
+    if moe_layers(model):
+        return ("MoE layers: expert routing sizes its grouped GEMMs from the routed counts on the host "
+                "(kernels.moe_permute / grouped_mm), which a CUDA graph cannot replay")
+    return None
 
 
 class CudaGraphsConfigError(ValueError):
@@ -188,14 +202,8 @@ class PolicyRolloutEngine(RolloutEngine):
         self.kv_block_size, self.kv_cache_blocks = kv_block_size, kv_cache_blocks
         if cuda_graphs not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graphs: must be one of {CUDA_GRAPH_MODES}, got {cuda_graphs!r}")
-        why_not = None
-        if forward is not None or all_ranks_active is not None:
-            why_not = "the engine calls the trainer's model (forward= / lock-step batches), not its own copy"
-        elif kv_block_size:
-            why_not = "the paged KV cache (kv_block_size > 0) changes its block table as samples come and go"
-        elif moe_layers(model):
-            why_not = ("MoE layers: expert routing sizes its grouped GEMMs from the routed counts on the host "
-                       "(kernels.moe_permute / grouped_mm), which a CUDA graph cannot replay")
+        why_not = cuda_graphs_blocker(model, trainer_forward=forward is not None or all_ranks_active is not None,
+                                      kv_block_size=kv_block_size)
         if cuda_graphs == "on" and why_not:
             raise CudaGraphsConfigError(f"rl.rollout_cuda_graphs: 'on' is not possible: {why_not}")
         if cuda_graphs == "auto" and why_not:

@@ -155,3 +155,19 @@ def test_new_data_keys_are_validated(key, value, expect):
     assert str(e.value).startswith(expect), str(e.value)
     ok = from_dict(DataConfig, {"type": "synthetic_vqa", "loader_timeout_s": 0.0}, "data")  # 0 = no timeout
     assert ok.loader_timeout_s == 0.0 and ok.max_image_pixels == 8192 * 8192
+
+
+def test_a_split_with_no_usable_record_is_a_config_error_naming_the_reason(tmp_path, proc, write_image):
+    """Every record bad (here: missing images) or every record over the pack budget: the job cannot train, a
+    config / data mistake (a text-only model given image records ends the same way). ConfigError (exit 2,
+    one line) with the first bad record, not a ValueError traceback before any summary is written."""
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(_line(0, "gone.png") + _line(1, "gone.png"))
+    cfg = DataConfig(type="messages_jsonl", train_path=str(path), num_workers=0, max_tokens_per_pack=512)
+    with pytest.raises(ConfigError, match=r"data\.train: no usable samples \(2 records.*missing_image.*train\.jsonl:1"):
+        build_sft_dataloader(cfg, proc, seed=0, dp_rank=0, dp_size=1)
+    write_image(tmp_path / "ok.png", size=(56, 56))
+    path.write_bytes(_line(0, "ok.png"))
+    cfg = DataConfig(type="messages_jsonl", train_path=str(path), num_workers=0, max_tokens_per_pack=16)
+    with pytest.raises(ConfigError, match=r"max_tokens_per_pack=16.*too_long"):
+        build_sft_dataloader(cfg, proc, seed=0, dp_rank=0, dp_size=1)

@@ -128,6 +128,7 @@ def test_eval_config_and_mode_keys():
         (_eval_raw(optimizer={"lr": 1e-3}), "optimizer.lr: has no effect"),
         (_eval_raw(train={"max_steps": 3}), "train.max_steps: has no effect"),
         (_eval_raw(data={"train_path": "/x"}), "data.train_path: has no effect"),
+        (_eval_raw(parallel={"pp": 2}), "parallel.pp: pipeline parallelism"),  # was a ValueError traceback in the job
     ]:
         with pytest.raises(ConfigError, match=match):
             check_keys_for_mode(load_config_dict(raw))

@@ -177,3 +177,39 @@ def test_check_grpo_without_rollout_budget_names_the_key(qwen2_5_vl_3b):
 def test_check_layout_error_names_the_key(qwen2_5_vl_3b):
     code, _, err = _check(CONFIGS / "qwen2_5_vl_3b_geometry3k_grpo.toml", [f'model.path="{qwen2_5_vl_3b}"', "parallel.dp_shard=3"], 8)
     assert code == 2 and err.startswith("check failed: parallel.dp_shard:")
+
+
+def test_check_refuses_rollout_cuda_graphs_on_where_the_job_does(tmp_path, qwen2_5_vl_3b):
+    """rl.rollout_cuda_graphs = "on" with MoE layers: the rollout engine refuses it (exit 2) at the job's start;
+    --check used to accept it. Both now ask rl/rollout/policy_engine.cuda_graphs_blocker."""
+    moe = write_real_model_folder("qwen3_vl_30b_a3b", tmp_path / "moe")
+    sets = ['rl.rollout_weights="copy"', 'rl.rollout_cuda_graphs="on"']
+    code, _, err = _check(CONFIGS / "qwen3_vl_2b_geometry3k_grpo.toml", [f'model.path="{moe}"', *sets], 8)
+    assert code == 2 and err.startswith("check failed: rl.rollout_cuda_graphs: 'on' is not possible: MoE layers"), err
+    assert len(err.splitlines()) == 1
+    code, _, err = _check(CONFIGS / "qwen3_vl_2b_geometry3k_grpo.toml", [f'model.path="{qwen2_5_vl_3b}"', *sets], 8)
+    assert "rollout_cuda_graphs" not in err, err  # a dense decoder can be captured
+
+
+def test_check_refuses_image_questions_for_a_text_only_model(tmp_path):
+    """A text-only model on the synthetic VQA set: every record is an image placeholder mismatch, so the job
+    exits 2 ("no usable samples"); --check used to say ok. Checked on every family of the demo configs."""
+    for name, image_model in (("tiny_qwen3", False), ("tiny_qwen2_5_vl", True)):
+        sets = [f'model.path="{tmp_path / name}"', f'model.synthesize="{name}"']
+        code, _, err = _check(CONFIGS / "demo_sft.toml", sets, 1)
+        if image_model:
+            assert code == 0, err
+        else:
+            assert code == 2 and err.startswith("check failed: data.type: 'synthetic_vqa' asks questions about images, "
+                                                "and 'qwen3' is a text-only model"), err
+
+
+def test_check_runs_the_mcore_backend_refusals(tmp_path):
+    """parallel.backend = "mcore" with [lora] on Nemotron-VL: the megatron-core hybrid blocks take no adapters, so
+    the job exits 2 (models/mcore/layer.py check_mcore_model); --check used to say ok. Native: accepted."""
+    sets = [f'model.path="{tmp_path / "m"}"', 'model.synthesize="tiny_nemotron_vl"', "train.train_layers=[]", "lora.r=4"]
+    code, _, err = _check(CONFIGS / "demo_sft.toml", sets, 1)
+    assert code == 0, err
+    code, _, err = _check(CONFIGS / "demo_sft.toml", [*sets, 'parallel.backend="mcore"'], 1)
+    assert code == 2 and err.startswith("check failed: lora.target_modules: adapts language_model.layers.") and \
+        "parallel.backend = 'mcore' does not adapt" in err, err

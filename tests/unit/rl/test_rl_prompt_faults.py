@@ -139,3 +139,21 @@ def test_load_prompt_sets_hands_left_out_rows_to_the_run_log(tmp_path):
     sets = load_prompt_sets(data_cfg, rl_cfg, run_dir=tmp_path, bad_records=log)
     assert len(sets.train) == 1 and sets.eval is None
     assert [(b.source, b.index, b.category) for b in log.entries] == [(str(path), 2, "invalid_encoding")]
+
+
+def test_a_step_with_no_encodable_prompt_is_a_config_error_naming_one(tmp_path, proc, write_image):
+    """Every prompt of a step bad (here too long; a text-only model given image prompts ends the same way): the
+    run cannot go on, and it is the data or the model choice, so ConfigError (exit 2, one line naming the last
+    skipped prompt and why), not a RuntimeError traceback."""
+    import torch
+
+    from megatron_vlm.config.loader import ConfigError
+    from megatron_vlm.rl.grpo_step import encode_shard
+
+    path, ds = _prompts(tmp_path, write_image)
+    enc = PromptEncoder(proc, max_frames=4, fps=2.0, max_new_tokens=8, max_tokens=20)
+    with pytest.raises(ConfigError, match=r"^data: none of the 1 prompts .*last one skipped: .*too_long"):
+        encode_shard([ds[0]], enc, 0, 1, torch.device("cpu"))
+    shard = encode_shard([ds[0]], PromptEncoder(proc, max_frames=4, fps=2.0, max_new_tokens=8, max_tokens=4096), 0, 1,
+                         torch.device("cpu"))
+    assert shard.num_real == 1

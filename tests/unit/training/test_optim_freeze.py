@@ -7,6 +7,7 @@ import pytest
 from torch import nn
 
 from megatron_vlm.checkpoint.manager import MARKER, latest_complete
+from megatron_vlm.config.loader import ConfigError
 from megatron_vlm.config.sections import OptimizerConfig, SchedulerConfig
 from megatron_vlm.training.freeze import apply_train_layers
 from megatron_vlm.training.optim import build_optimizer, build_scheduler
@@ -72,10 +73,22 @@ def test_train_layers_by_class_and_regex():
     m = Toy()
     apply_train_layers(m, [r"^head\."])
     assert [n for n, p in m.named_parameters() if p.requires_grad] == ["head.weight"]
-    with pytest.raises(ValueError, match="match no parameter"):
+
+
+
+def test_train_layers_errors_are_config_errors():
+    """Found with the model only, but a config mistake: ConfigError, which the runner turns into exit 2
+    and one line (a plain ValueError was a traceback and exit 1 in the job while --check said exit 2)."""
+    with pytest.raises(ConfigError, match="match no parameter"):
         apply_train_layers(Toy(), ["Nope"])
-    with pytest.raises(ValueError, match="invalid regex"):
+    with pytest.raises(ConfigError, match="invalid regex"):
         apply_train_layers(Toy(), ["("])
+    m = Toy()
+    apply_train_layers(m, ["PatchMerger"])
+    for p in m.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ConfigError, match="no trainable parameters"):
+        build_optimizer(m, OptimizerConfig(), "cpu")
 
 
 def test_latest_complete_ignores_partial(tmp_path):

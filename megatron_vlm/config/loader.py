@@ -27,11 +27,9 @@ from typing import Any, Literal, Union
 
 import tomllib
 
+from megatron_vlm.errors import ConfigError
+
 __all__ = ["ConfigError", "from_dict", "to_dict", "apply_overrides", "parse_override_value", "field_docs"]
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the dotted key."""
 
 
 _MISSING = dataclasses.MISSING

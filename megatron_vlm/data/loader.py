@@ -32,7 +32,6 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from megatron_vlm.config.loader import ConfigError
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpected
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.data.lengths import compute_lengths
@@ -42,6 +41,7 @@ from megatron_vlm.data.plan import PackPlanner
 from megatron_vlm.data.processing import ProcessedSample, process_record
 from megatron_vlm.data.processor import VLProcessor, as_vl_processor
 from megatron_vlm.data.sources import open_split
+from megatron_vlm.errors import ConfigError
 
 __all__ = ["SFTDataLoader", "EvalDataLoader", "build_sft_dataloader", "build_eval_dataloader", "build_processor"]
 

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_vlm.config.loader import ConfigError
+from megatron_vlm.errors import ConfigError
 from megatron_vlm.models.common.prefix_sharing import accepts_prefix_segments
 from megatron_vlm.parallel import clip_grad_norm_
 from megatron_vlm.parallel.collectives import all_gather_objects, all_reduce_max, all_reduce_sum

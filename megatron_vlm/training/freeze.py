@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from megatron_vlm.config.loader import ConfigError
+from megatron_vlm.errors import ConfigError
 
 
 def apply_train_layers(model: torch.nn.Module, patterns: list[str]) -> tuple[int, int]:

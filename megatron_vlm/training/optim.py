@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from megatron_vlm.config.loader import ConfigError
+from megatron_vlm.errors import ConfigError
 
 log = logging.getLogger("megatron_vlm")
 

@@ -99,15 +99,18 @@ time.sleep(120)  # bounded, in case a test dies without cancelling it
 """
 
 
-def submit_sleeper(cluster, folder, name: str, *sbatch_args: str) -> tuple[int, Path]:
-    """train.sbatch with a "trainer" that only sleeps and exits on TERM: for the launcher's own decisions."""
+def submit_sleeper(cluster, folder, name: str, *sbatch_args: str, wait_started: bool = True) -> tuple[int, Path]:
+    """train.sbatch with a "trainer" that only sleeps and exits on TERM: for the launcher's own decisions.
+    `wait_started`: return once the sleeper runs (else at once: a job that Slurm signals before the sleeper is
+    up requeues without ever launching it, so the sleeper may never start)."""
     (folder / "sleeper.py").write_text(SLEEPER)
     (folder / "job.toml").write_text("[train]\n")
     env = cluster.env(ENTRY_POINT=str(folder / "sleeper.py"),
                       **{k: v for k, v in clean_env().items() if k in ("TORCHRUN", "PYTHON")})
     job_id = cluster.sbatch(["-J", name, *sbatch_args, str(TRAIN_SBATCH), "job.toml"], cwd=folder, env=env)
     node_log = folder / "runs" / f"{name}-{job_id}" / "logs" / f"{name}-{job_id}" / "node0.log"
-    wait_for(lambda: node_log.is_file() and "sleeper started" in node_log.read_text(), 120, "the sleeper to start")
+    if wait_started:
+        wait_for(lambda: node_log.is_file() and "sleeper started" in node_log.read_text(), 120, "the sleeper to start")
     return job_id, node_log
 
 
@@ -115,7 +118,8 @@ def submit_sleeper(cluster, folder, name: str, *sbatch_args: str) -> tuple[int, 
 def test_header_signal_before_the_time_limit_requeues(tmp_path, slurm_cluster):
     # A 3-minute limit is shorter than the header's `--signal=B:TERM@180` lead time, so Slurm sends
     # the warning at its first periodic check (within ~30 s) instead of minutes later.
-    job_id, node_log = submit_sleeper(slurm_cluster, tmp_path, "limit", "--time=3")
+    # The warning may come before the sleeper is up (a loaded machine): do not wait for it to start.
+    job_id, node_log = submit_sleeper(slurm_cluster, tmp_path, "limit", "--time=3", wait_started=False)
     wait_for(lambda: slurm_cluster.job(job_id)["Restarts"] == "1", 120, "the job to be requeued")
     slurm_cluster.run(["scancel", str(job_id)])
     batch_log = (tmp_path / f"slurm-limit-{job_id}.out").read_text()
@@ -125,7 +129,7 @@ def test_header_signal_before_the_time_limit_requeues(tmp_path, slurm_cluster):
     # machine): then the first allocation requeues without launching, which the log must say.
     # Either way, a sleeper that was running when the warning came must have got the TERM.
     first_allocation = batch_log.split("(restart 1)")[0]
-    if "sleeper started (restart 0)" in node_log.read_text():
+    if node_log.is_file() and "sleeper started (restart 0)" in node_log.read_text():
         assert "sleeper got TERM (restart 0)" in node_log.read_text()  # forwarded to Python under torchrun
     else:  # the warning came before the sleeper (or torchrun) was up
         assert "not launching it" in first_allocation or "training step exited" in first_allocation

@@ -11,7 +11,6 @@ tests/unit/parallel/test_pipeline_layout.py (no process group needed).
 """
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -24,8 +23,7 @@ from tests.integration.parallel.test_tp_cp_families import (
     FAMILIES,
     STEPS,
     _assert_same_training,
-    _column,
-    _export,
+    _resumes_as_dp,
     _run,
 )
 
@@ -46,19 +44,7 @@ def _families(tmp: Path, rank: int) -> None:
             _assert_same_training(family, "pp", dp, pp)
         dist.barrier()
     # layout change: the pp=2 checkpoint of step 5 resumes as a dp-only run (2 data-parallel ranks)
-    pp, resumed = tmp / "qwen2_5_vl" / "pp", tmp / "qwen2_5_vl" / "resumed"
-    if rank == 0:
-        shutil.copytree(pp / "checkpoints" / f"step_{STEPS // 2}", resumed / "checkpoints" / f"step_{STEPS // 2}")
-    dist.barrier()
-    _run(tmp, "qwen2_5_vl", resumed, **{"train.micro_batches_per_step": 1, "checkpoint.enable": "true",
-                                        "checkpoint.resume": '"auto"'})
-    if rank == 0:
-        l_pp, l_res = _column(pp, "loss"), _column(resumed, "loss")
-        assert len(l_res) == STEPS - STEPS // 2, l_res
-        assert max(abs(a - b) for a, b in zip(l_pp[STEPS // 2:], l_res)) <= 1e-5, (l_pp, l_res)
-        e_pp, e_res = _export(pp), _export(resumed)
-        assert e_pp.keys() == e_res.keys() and e_pp
-        assert max((e_pp[k] - e_res[k]).abs().max().item() for k in e_pp) <= 1e-6
+    _resumes_as_dp(tmp, rank, "pp")
 
 
 def test_pp2_matches_dp_for_every_family(tmp_path):

@@ -127,6 +127,24 @@ def _assert_same_training(family: str, layout: str, dp: Path, other: Path) -> No
     assert diff[0] <= 1e-6, (family, layout, diff)
 
 
+def _resumes_as_dp(tmp: Path, rank: int, layout: str) -> None:
+    """Layout change: the Qwen2.5-VL `layout` run's checkpoint of step STEPS // 2 resumes as a dp-only run (2
+    data-parallel ranks) with that run's last losses (1e-5) and its export (1e-6)."""
+    run, resumed = tmp / "qwen2_5_vl" / layout, tmp / "qwen2_5_vl" / "resumed"
+    if rank == 0:
+        shutil.copytree(run / "checkpoints" / f"step_{STEPS // 2}", resumed / "checkpoints" / f"step_{STEPS // 2}")
+    dist.barrier()
+    _run(tmp, "qwen2_5_vl", resumed, **{"train.micro_batches_per_step": 1, "checkpoint.enable": "true",
+                                        "checkpoint.resume": '"auto"'})
+    if rank == 0:
+        l_run, l_res = _column(run, "loss"), _column(resumed, "loss")
+        assert len(l_res) == STEPS - STEPS // 2, l_res
+        assert max(abs(a - b) for a, b in zip(l_run[STEPS // 2:], l_res)) <= 1e-5, (layout, l_run, l_res)
+        e_run, e_res = _export(run), _export(resumed)
+        assert e_run.keys() == e_res.keys() and e_run, layout
+        assert max((e_run[k] - e_res[k]).abs().max().item() for k in e_run) <= 1e-6, layout
+
+
 def _families(tmp: Path, rank: int) -> None:
     grpo_model = tmp / "grpo" / "model"
     if rank == 0:
@@ -154,18 +172,7 @@ def _families(tmp: Path, rank: int) -> None:
             _assert_same_training(family, "cp", dp, cp)
         dist.barrier()
     # layout change: the tp=2 checkpoint of step 5 resumes as a dp-only run (2 data-parallel ranks)
-    tp, resumed = tmp / "qwen2_5_vl" / "tp", tmp / "qwen2_5_vl" / "resumed"
-    if rank == 0:
-        shutil.copytree(tp / "checkpoints" / f"step_{STEPS // 2}", resumed / "checkpoints" / f"step_{STEPS // 2}")
-    dist.barrier()
-    _run(tmp, "qwen2_5_vl", resumed, **{"train.micro_batches_per_step": 1, "checkpoint.enable": "true",
-                                        "checkpoint.resume": '"auto"'})
-    if rank == 0:
-        l_tp, l_res = _column(tp, "loss"), _column(resumed, "loss")
-        assert len(l_res) == STEPS - STEPS // 2, l_res
-        assert max(abs(a - b) for a, b in zip(l_tp[STEPS // 2:], l_res)) <= 1e-5, (l_tp, l_res)
-        e_tp, e_res = _export(tp), _export(resumed)
-        assert max((e_tp[k] - e_res[k]).abs().max().item() for k in e_tp) <= 1e-6
+    _resumes_as_dp(tmp, rank, "tp")
     # GRPO with tp=2 (the rollout engine runs sharded) and with cp=2: the same first steps as one process
     for layout in ("tp", "cp"):
         _grpo(grpo_model, tmp / "grpo" / f"{layout}2", init_distributed(), **{f"parallel.{layout}": 2})

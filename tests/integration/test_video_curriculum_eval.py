@@ -25,6 +25,7 @@ from megatron_vlm.data.processing import process_record
 from megatron_vlm.data.processor import load_processor
 from megatron_vlm.data.synthetic_video import write_synthetic_video
 from tests.fixtures.benchmark_files import write_mmmu
+from tests.fixtures.eval_config import write_eval_config
 
 sys.path.insert(0, str(REPO / "launch"))
 import evaluate  # noqa: E402
@@ -66,31 +67,11 @@ def test_video_curriculum_then_evaluate(tmp_path):
     assert [len(read_metrics(d / "metrics_train.csv")) for d in (s1, s2)] == [4, 2]
 
     mmmu, _ = write_mmmu(tmp_path / "bench")
-    ev = tmp_path / "eval.toml"
-    ev.write_text(f"""
-[model]
-path = "{s1 / 'hf'}"
-[data]
-max_frames = 4
-max_tokens_per_pack = 1030
-num_workers = 0
-[train]
-output_dir = "{tmp_path / 'eval'}"
-[eval]
-max_new_tokens = 6
-batch_size = 16
-samples = 2
-reward_workers = 1
-[[eval.benchmarks]]
-name = "stage1_val"
-path = "{data / 'stage1' / 'val.jsonl'}"
-image_root = "{data}"
-format = "messages"
-[[eval.benchmarks]]
-name = "mmmu_style"
-path = "{mmmu}"
-format = "mmmu"
-""")
+    ev = write_eval_config(
+        tmp_path / "eval.toml", s1 / "hf", tmp_path / "eval",
+        [{"name": "stage1_val", "path": data / "stage1" / "val.jsonl", "image_root": data, "format": "messages"},
+         {"name": "mmmu_style", "path": mmmu, "format": "mmmu"}],
+        data={"max_frames": 4, "max_tokens_per_pack": 1030}, eval={"max_new_tokens": 6, "batch_size": 16, "samples": 2})
     assert evaluate.main(["--config", str(ev)]) == 0
     res = json.loads((tmp_path / "eval" / "eval_results.json").read_text())["benchmarks"]
     trained = [r for r in read_metrics(s1 / "metrics_eval.csv") if r.get("answer_accuracy")][-1]

@@ -8,35 +8,21 @@ greedy answers the 2-rank jobs must give exactly (tiny random Qwen2.5-VL, fp32, 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from jobs import REPO, read_metrics, run_job, small_demo_overrides
 
+from tests.fixtures.eval_config import write_eval_config
+
 pytestmark = pytest.mark.distributed
 
 
-def _eval_config(tmp_path, model, data) -> object:
-    cfg = tmp_path / "eval.toml"
-    cfg.write_text(f'''
-[model]
-path = "{model}"
-[data]
-max_tokens_per_pack = 256
-num_workers = 0
-[train]
-mode = "eval"
-output_dir = "{tmp_path / 'unused'}"
-[eval]
-max_new_tokens = 4
-batch_size = 3
-reward_workers = 1
-[[eval.benchmarks]]
-name = "vqa"
-path = "{data / 'eval.jsonl'}"
-image_root = "{data}"
-format = "messages"
-''')
-    return cfg
+def _eval_config(tmp_path, model, data) -> Path:
+    return write_eval_config(
+        tmp_path / "eval.toml", model, tmp_path / "unused",
+        [{"name": "vqa", "path": data / "eval.jsonl", "image_root": data, "format": "messages"}],
+        data={"max_tokens_per_pack": 256}, train={"mode": "eval"}, eval={"max_new_tokens": 4, "batch_size": 3})
 
 
 def _rows(out):

@@ -20,22 +20,20 @@ adapter (`lora.init_from`, init_from_mode = "merge").
 """
 from __future__ import annotations
 
-import os
 import shutil
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from megatron_vlm.models.common.lora import LoRALinear
 from megatron_vlm.parallel import DistEnv, init_distributed
 from megatron_vlm.parallel.lora_tp import LoRAColwiseParallel, LoRARowwiseParallel
 from megatron_vlm.testing.synthesize import synthesize_model_folder
-from tests.integration.parallel.test_tp_cp_families import _column, _export, _free_port, _grpo, _run
+from tests.integration.parallel.spawn import spawn
+from tests.integration.parallel.test_tp_cp_families import _column, _export, _grpo, _run
 
 pytestmark = [pytest.mark.distributed]
 
@@ -215,36 +213,10 @@ def _qwen3_vl_moe(tmp: Path, rank: int) -> None:
     dist.barrier()
 
 
-def _worker(rank: int, world: int, port: int, tmp: str, errors, part) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    try:
-        part(Path(tmp), rank)
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        errors.put((rank, traceback.format_exc()))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _spawn(tmp_path, part) -> None:
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path), errors, part), nprocs=2, start_method="spawn")
-    except Exception:
-        msgs = []
-        while not errors.empty():
-            msgs.append("rank %d:\n%s" % errors.get())
-        raise AssertionError("\n".join(msgs) or "a worker failed")
-
-
 def test_lora_tp2_matches_tp1(tmp_path):
-    _spawn(tmp_path, _qwen2_5_vl)
+    spawn(tmp_path, _qwen2_5_vl, init_group=False)  # rank 0 runs the one-process GRPO reference first
 
 
 @pytest.mark.heavy
 def test_lora_tp2_moe_and_init_from_match_tp1(tmp_path):
-    _spawn(tmp_path, _qwen3_vl_moe)
+    spawn(tmp_path, _qwen3_vl_moe, init_group=False)

@@ -31,7 +31,8 @@ pytest.importorskip("megatron.core")
 from megatron_vlm.checkpoint.hf import load_hf_model  # noqa: E402
 from megatron_vlm.parallel import init_distributed  # noqa: E402
 from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
-from tests.integration.parallel.test_mcore_tp import STEPS, _assert_same, _same_moe_stats, _same_sft, _spawn  # noqa: E402
+from tests.integration.parallel.spawn import spawn  # noqa: E402
+from tests.integration.parallel.test_mcore_tp import STEPS, _assert_same, _same_moe_stats, _same_sft  # noqa: E402
 from tests.integration.parallel.test_tp_cp_families import _column, _grpo, _run  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
@@ -112,7 +113,7 @@ def _sft(tmp: Path, rank: int) -> None:
 
 
 def test_mcore_cp2_moe_and_hybrid_sft_match_native(tmp_path):
-    _spawn(tmp_path, _sft)
+    spawn(tmp_path, _sft)
 
 
 def _grpo_parts(tmp: Path, rank: int) -> None:
@@ -138,7 +139,7 @@ def _grpo_parts(tmp: Path, rank: int) -> None:
 
 @pytest.mark.heavy
 def test_mcore_cp2_moe_and_hybrid_grpo_match_native(tmp_path):
-    _spawn(tmp_path, _grpo_parts)
+    spawn(tmp_path, _grpo_parts)
 
 
 def _tp_cp_parts(tmp: Path, rank: int) -> None:
@@ -158,4 +159,4 @@ def _tp_cp_parts(tmp: Path, rank: int) -> None:
 
 @pytest.mark.heavy
 def test_mcore_tp2_cp2_moe_and_hybrid_sft_match_native(tmp_path):
-    _spawn(tmp_path, _tp_cp_parts, world=4)
+    spawn(tmp_path, _tp_cp_parts, world=4)

@@ -32,7 +32,7 @@ pytest.importorskip("megatron.core")
 from megatron_vlm.checkpoint.hf import load_hf_model  # noqa: E402
 from megatron_vlm.parallel import init_distributed  # noqa: E402
 from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
-from tests.integration.parallel.test_mcore_tp import _spawn  # noqa: E402
+from tests.integration.parallel.spawn import spawn  # noqa: E402
 from tests.integration.parallel.test_tp_cp_families import _column, _export, _grpo, _run  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
@@ -140,7 +140,7 @@ def _resume(tmp: Path, rank: int, family: str, runs: dict, ck: dict) -> None:
 
 
 def test_mcore_ep2_sft_matches_native_ep2(tmp_path):
-    _spawn(tmp_path, _parts)
+    spawn(tmp_path, _parts)
 
 
 def _heavy_parts(tmp: Path, rank: int) -> None:
@@ -169,4 +169,4 @@ def _heavy_parts(tmp: Path, rank: int) -> None:
 
 @pytest.mark.heavy
 def test_mcore_ep2_nemotron_sft_and_grpo_match_native_ep2(tmp_path):
-    _spawn(tmp_path, _heavy_parts)
+    spawn(tmp_path, _heavy_parts)

@@ -20,8 +20,8 @@ pytest.importorskip("megatron.core")
 
 from megatron_vlm.parallel import init_distributed  # noqa: E402
 from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
+from tests.integration.parallel.spawn import spawn  # noqa: E402
 from tests.integration.parallel.test_mcore_pp import STEPS, _assert_close_runs  # noqa: E402
-from tests.integration.parallel.test_mcore_tp import _spawn  # noqa: E402
 from tests.integration.parallel.test_tp_cp_families import _column, _grpo, _run  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
@@ -83,4 +83,4 @@ def _all(tmp: Path, rank: int) -> None:
 
 
 def test_mcore_lora_dp_cp_ep_pp_match_native(tmp_path):
-    _spawn(tmp_path, _all)
+    spawn(tmp_path, _all)

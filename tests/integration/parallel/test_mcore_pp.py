@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 pytest.importorskip("megatron.core")
 
-from tests.integration.parallel.test_mcore_tp import _spawn  # noqa: E402
+from tests.integration.parallel.spawn import spawn  # noqa: E402
 from tests.integration.parallel.test_tp_cp_families import _column, _export, _run  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
@@ -75,9 +75,9 @@ def _moe_and_hybrid(tmp: Path, rank: int) -> None:
 
 
 def test_mcore_pp2_matches_native_pp2_and_resumes_with_pp1(tmp_path):
-    _spawn(tmp_path, _dense_and_resume)
+    spawn(tmp_path, _dense_and_resume)
 
 
 @pytest.mark.heavy
 def test_mcore_pp2_matches_native_pp2_hybrid_moe(tmp_path):
-    _spawn(tmp_path, _moe_and_hybrid)
+    spawn(tmp_path, _moe_and_hybrid)

@@ -18,22 +18,20 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import shutil
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytest.importorskip("megatron.core")
 
 from megatron_vlm.checkpoint.hf import load_hf_model  # noqa: E402
 from megatron_vlm.parallel import init_distributed  # noqa: E402
 from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
-from tests.integration.parallel.test_tp_cp_families import _column, _export, _free_port, _grpo, _run  # noqa: E402
+from tests.integration.parallel.spawn import spawn  # noqa: E402
+from tests.integration.parallel.test_tp_cp_families import _column, _export, _grpo, _run  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
 
@@ -185,39 +183,10 @@ def _cp_and_grpo(tmp: Path, rank: int) -> None:
     dist.barrier()
 
 
-def _worker(rank: int, world: int, port: int, tmp: str, errors, part) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    try:
-        init_distributed()
-        part(Path(tmp), rank)
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        errors.put((rank, traceback.format_exc()))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _spawn(tmp_path, part, world: int = 2) -> None:
-    """Run `part(tmp, rank)` on `world` spawned gloo ranks; a worker's traceback becomes the assertion message."""
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(_worker, args=(world, _free_port(), str(tmp_path), errors, part), nprocs=world,
-                           start_method="spawn")
-    except Exception:
-        msgs = []
-        while not errors.empty():
-            msgs.append("rank %d:\n%s" % errors.get())
-        raise AssertionError("\n".join(msgs) or "a worker failed")
-
-
 def test_mcore_tp2_sft_matches_native(tmp_path):
-    _spawn(tmp_path, _sft)
+    spawn(tmp_path, _sft)
 
 
 @pytest.mark.heavy
 def test_mcore_cp2_sft_and_tp2_grpo_match_native(tmp_path):
-    _spawn(tmp_path, _cp_and_grpo)
+    spawn(tmp_path, _cp_and_grpo)

@@ -30,7 +30,8 @@ pytest.importorskip("megatron.core")
 from megatron_vlm.checkpoint.hf import load_hf_model  # noqa: E402
 from megatron_vlm.parallel import init_distributed  # noqa: E402
 from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
-from tests.integration.parallel.test_mcore_tp import _assert_same, _resume_at_tp2, _same_moe_stats, _same_sft, _spawn  # noqa: E402
+from tests.integration.parallel.spawn import spawn  # noqa: E402
+from tests.integration.parallel.test_mcore_tp import _assert_same, _resume_at_tp2, _same_moe_stats, _same_sft  # noqa: E402
 from tests.integration.parallel.test_tp_cp_families import _column, _grpo, _run  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
@@ -85,7 +86,7 @@ def _sft(tmp: Path, rank: int) -> None:
 
 
 def test_mcore_tp2_moe_and_hybrid_sft_match_native(tmp_path):
-    _spawn(tmp_path, _sft)
+    spawn(tmp_path, _sft)
 
 
 def _grpo_parts(tmp: Path, rank: int) -> None:
@@ -115,7 +116,7 @@ def _grpo_parts(tmp: Path, rank: int) -> None:
 
 @pytest.mark.heavy
 def test_mcore_tp2_hybrid_resume_and_grpo_match_native(tmp_path):
-    _spawn(tmp_path, _grpo_parts)
+    spawn(tmp_path, _grpo_parts)
 
 
 def _check_tp_ep_shards(tmp: Path, rank: int) -> None:
@@ -166,4 +167,4 @@ def _tp_ep_parts(tmp: Path, rank: int) -> None:
 
 @pytest.mark.heavy
 def test_mcore_tp2_ep2_sft_matches_native(tmp_path):
-    _spawn(tmp_path, _tp_ep_parts, world=4)
+    spawn(tmp_path, _tp_ep_parts, world=4)

@@ -11,78 +11,41 @@ tests/unit/parallel/test_pipeline_layout.py (no process group needed).
 """
 from __future__ import annotations
 
-import os
-import shutil
-import traceback
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_vlm.data.synthetic_arith import write_synthetic_arith
 from megatron_vlm.parallel import init_distributed
+from tests.integration.parallel.spawn import spawn
 from tests.integration.parallel.test_tp_cp_families import (
     FAMILIES,
     STEPS,
     _assert_same_training,
-    _column,
-    _export,
-    _free_port,
+    _resumes_as_dp,
     _run,
 )
 
 pytestmark = [pytest.mark.distributed]
 
 
-def _worker(rank: int, world: int, port: int, tmp: str, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    tmp = Path(tmp)
-    try:
+def _families(tmp: Path, rank: int) -> None:
+    if rank == 0:
+        write_synthetic_arith(tmp / "arith", max_operand=9, eval_size=8)
+    init_distributed()
+    dist.barrier()
+    for family in FAMILIES:
+        dp, pp = tmp / family / "dp", tmp / family / "pp"
+        _run(tmp, family, dp, **{"train.micro_batches_per_step": 1})
+        resumable = {"checkpoint.enable": "true", "checkpoint.every_steps": STEPS // 2} if family == "qwen2_5_vl" else {}
+        _run(tmp, family, pp, **{"parallel.pp": 2, "train.micro_batches_per_step": 2, **resumable})
         if rank == 0:
-            write_synthetic_arith(tmp / "arith", max_operand=9, eval_size=8)
-        init_distributed()
+            _assert_same_training(family, "pp", dp, pp)
         dist.barrier()
-        for family in FAMILIES:
-            dp, pp = tmp / family / "dp", tmp / family / "pp"
-            _run(tmp, family, dp, **{"train.micro_batches_per_step": 1})
-            resumable = {"checkpoint.enable": "true", "checkpoint.every_steps": STEPS // 2} if family == "qwen2_5_vl" else {}
-            _run(tmp, family, pp, **{"parallel.pp": 2, "train.micro_batches_per_step": 2, **resumable})
-            if rank == 0:
-                _assert_same_training(family, "pp", dp, pp)
-            dist.barrier()
-        # layout change: the pp=2 checkpoint of step 5 resumes as a dp-only run (2 data-parallel ranks)
-        pp, resumed = tmp / "qwen2_5_vl" / "pp", tmp / "qwen2_5_vl" / "resumed"
-        if rank == 0:
-            shutil.copytree(pp / "checkpoints" / f"step_{STEPS // 2}", resumed / "checkpoints" / f"step_{STEPS // 2}")
-        dist.barrier()
-        _run(tmp, "qwen2_5_vl", resumed, **{"train.micro_batches_per_step": 1, "checkpoint.enable": "true",
-                                            "checkpoint.resume": '"auto"'})
-        if rank == 0:
-            l_pp, l_res = _column(pp, "loss"), _column(resumed, "loss")
-            assert len(l_res) == STEPS - STEPS // 2, l_res
-            assert max(abs(a - b) for a, b in zip(l_pp[STEPS // 2:], l_res)) <= 1e-5, (l_pp, l_res)
-            e_pp, e_res = _export(pp), _export(resumed)
-            assert e_pp.keys() == e_res.keys() and e_pp
-            assert max((e_pp[k] - e_res[k]).abs().max().item() for k in e_pp) <= 1e-6
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        errors.put((rank, traceback.format_exc()))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # layout change: the pp=2 checkpoint of step 5 resumes as a dp-only run (2 data-parallel ranks)
+    _resumes_as_dp(tmp, rank, "pp")
 
 
 def test_pp2_matches_dp_for_every_family(tmp_path):
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path), errors), nprocs=2, start_method="spawn")
-    except Exception:
-        msgs = []
-        while not errors.empty():
-            msgs.append("rank %d:\n%s" % errors.get())
-        raise AssertionError("\n".join(msgs) or "a worker failed")
+    spawn(tmp_path, _families, init_group=False)  # rank 0 writes the arithmetic data before the rendezvous

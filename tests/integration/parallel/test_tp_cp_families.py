@@ -19,15 +19,12 @@ process start-up and imports once for all six families.
 from __future__ import annotations
 
 import csv
-import os
 import shutil
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_vlm.config import load_config
 from megatron_vlm.data.synthetic_arith import write_synthetic_arith
@@ -35,6 +32,7 @@ from megatron_vlm.jobs import run_kind
 from megatron_vlm.parallel import DistEnv, init_distributed
 from megatron_vlm.testing.synthesize import synthesize_model_folder
 from megatron_vlm.training.context import RunContext
+from tests.integration.parallel.spawn import spawn
 
 pytestmark = [pytest.mark.distributed]
 
@@ -129,134 +127,95 @@ def _assert_same_training(family: str, layout: str, dp: Path, other: Path) -> No
     assert diff[0] <= 1e-6, (family, layout, diff)
 
 
-def _worker(rank: int, world: int, port: int, tmp: str, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    tmp = Path(tmp)
+def _resumes_as_dp(tmp: Path, rank: int, layout: str) -> None:
+    """Layout change: the Qwen2.5-VL `layout` run's checkpoint of step STEPS // 2 resumes as a dp-only run (2
+    data-parallel ranks) with that run's last losses (1e-5) and its export (1e-6)."""
+    run, resumed = tmp / "qwen2_5_vl" / layout, tmp / "qwen2_5_vl" / "resumed"
+    if rank == 0:
+        shutil.copytree(run / "checkpoints" / f"step_{STEPS // 2}", resumed / "checkpoints" / f"step_{STEPS // 2}")
+    dist.barrier()
+    _run(tmp, "qwen2_5_vl", resumed, **{"train.micro_batches_per_step": 1, "checkpoint.enable": "true",
+                                        "checkpoint.resume": '"auto"'})
+    if rank == 0:
+        l_run, l_res = _column(run, "loss"), _column(resumed, "loss")
+        assert len(l_res) == STEPS - STEPS // 2, l_res
+        assert max(abs(a - b) for a, b in zip(l_run[STEPS // 2:], l_res)) <= 1e-5, (layout, l_run, l_res)
+        e_run, e_res = _export(run), _export(resumed)
+        assert e_run.keys() == e_res.keys() and e_run, layout
+        assert max((e_run[k] - e_res[k]).abs().max().item() for k in e_run) <= 1e-6, layout
+
+
+def _families(tmp: Path, rank: int) -> None:
     grpo_model = tmp / "grpo" / "model"
-    try:
+    if rank == 0:
+        # the one-process GRPO reference, in a one-rank group before the 2-rank group exists
+        # (rank 1 waits for rank 0 in the rendezvous below)
+        write_synthetic_arith(tmp / "arith", max_operand=9, eval_size=8)
+        synthesize_model_folder("tiny_qwen2_5_vl", grpo_model, seed=0)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        _grpo(grpo_model, tmp / "grpo" / "dp1", DistEnv(0, 1, 0, torch.device("cpu"), "gloo"))
+        dist.destroy_process_group()
+    init_distributed()
+    for family in FAMILIES:
+        dp, tp = tmp / family / "dp", tmp / family / "tp"
+        _run(tmp, family, dp, **{"train.micro_batches_per_step": 1})
+        resumable = {"checkpoint.enable": "true", "checkpoint.every_steps": STEPS // 2} if family == "qwen2_5_vl" else {}
+        # activation checkpointing recomputes the sequence-parallel layers (hooks, collectives) in backward
+        recompute = {"train.activation_checkpointing": "true"} if family in ("qwen3_vl", "nemotron_vl") else {}
+        _run(tmp, family, tp, **{"parallel.tp": 2, "train.micro_batches_per_step": 2, **resumable, **recompute})
         if rank == 0:
-            # the one-process GRPO reference, in a one-rank group before the 2-rank group exists
-            # (rank 1 waits for rank 0 in the rendezvous below)
-            write_synthetic_arith(tmp / "arith", max_operand=9, eval_size=8)
-            synthesize_model_folder("tiny_qwen2_5_vl", grpo_model, seed=0)
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            _grpo(grpo_model, tmp / "grpo" / "dp1", DistEnv(0, 1, 0, torch.device("cpu"), "gloo"))
-            dist.destroy_process_group()
-        init_distributed()
-        for family in FAMILIES:
-            dp, tp = tmp / family / "dp", tmp / family / "tp"
-            _run(tmp, family, dp, **{"train.micro_batches_per_step": 1})
-            resumable = {"checkpoint.enable": "true", "checkpoint.every_steps": STEPS // 2} if family == "qwen2_5_vl" else {}
-            # activation checkpointing recomputes the sequence-parallel layers (hooks, collectives) in backward
-            recompute = {"train.activation_checkpointing": "true"} if family in ("qwen3_vl", "nemotron_vl") else {}
-            _run(tmp, family, tp, **{"parallel.tp": 2, "train.micro_batches_per_step": 2, **resumable, **recompute})
-            if rank == 0:
-                _assert_same_training(family, "tp", dp, tp)
-            dist.barrier()
-            cp = tmp / family / "cp"
-            _run(tmp, family, cp, **{"parallel.cp": 2, "train.micro_batches_per_step": 2})
-            if rank == 0:
-                _assert_same_training(family, "cp", dp, cp)
-            dist.barrier()
-        # layout change: the tp=2 checkpoint of step 5 resumes as a dp-only run (2 data-parallel ranks)
-        tp, resumed = tmp / "qwen2_5_vl" / "tp", tmp / "qwen2_5_vl" / "resumed"
-        if rank == 0:
-            shutil.copytree(tp / "checkpoints" / f"step_{STEPS // 2}", resumed / "checkpoints" / f"step_{STEPS // 2}")
+            _assert_same_training(family, "tp", dp, tp)
         dist.barrier()
-        _run(tmp, "qwen2_5_vl", resumed, **{"train.micro_batches_per_step": 1, "checkpoint.enable": "true",
-                                            "checkpoint.resume": '"auto"'})
+        cp = tmp / family / "cp"
+        _run(tmp, family, cp, **{"parallel.cp": 2, "train.micro_batches_per_step": 2})
         if rank == 0:
-            l_tp, l_res = _column(tp, "loss"), _column(resumed, "loss")
-            assert len(l_res) == STEPS - STEPS // 2, l_res
-            assert max(abs(a - b) for a, b in zip(l_tp[STEPS // 2:], l_res)) <= 1e-5, (l_tp, l_res)
-            e_tp, e_res = _export(tp), _export(resumed)
-            assert max((e_tp[k] - e_res[k]).abs().max().item() for k in e_tp) <= 1e-6
-        # GRPO with tp=2 (the rollout engine runs sharded) and with cp=2: the same first steps as one process
-        for layout in ("tp", "cp"):
-            _grpo(grpo_model, tmp / "grpo" / f"{layout}2", init_distributed(), **{f"parallel.{layout}": 2})
-            if rank == 0:
-                for key in ("loss", "grad_norm", "reward/mean"):
-                    ref, got = _column(tmp / "grpo" / "dp1", key), _column(tmp / "grpo" / f"{layout}2", key)
-                    scale = max(1.0, max(abs(v) for v in ref))  # grad norms: relative
-                    assert len(ref) == len(got) == 2 and max(abs(a - b) for a, b in zip(ref, got)) <= 1e-5 * scale, \
-                        (layout, key, ref, got)
-                assert _column(tmp / "grpo" / "dp1", "grad_norm")[0] > 0  # a real update
-            dist.barrier()
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        errors.put((rank, traceback.format_exc()))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+            _assert_same_training(family, "cp", dp, cp)
+        dist.barrier()
+    # layout change: the tp=2 checkpoint of step 5 resumes as a dp-only run (2 data-parallel ranks)
+    _resumes_as_dp(tmp, rank, "tp")
+    # GRPO with tp=2 (the rollout engine runs sharded) and with cp=2: the same first steps as one process
+    for layout in ("tp", "cp"):
+        _grpo(grpo_model, tmp / "grpo" / f"{layout}2", init_distributed(), **{f"parallel.{layout}": 2})
+        if rank == 0:
+            for key in ("loss", "grad_norm", "reward/mean"):
+                ref, got = _column(tmp / "grpo" / "dp1", key), _column(tmp / "grpo" / f"{layout}2", key)
+                scale = max(1.0, max(abs(v) for v in ref))  # grad norms: relative
+                assert len(ref) == len(got) == 2 and max(abs(a - b) for a, b in zip(ref, got)) <= 1e-5 * scale, \
+                    (layout, key, ref, got)
+            assert _column(tmp / "grpo" / "dp1", "grad_norm")[0] > 0  # a real update
+        dist.barrier()
 
 
 def test_tp2_and_cp2_match_dp_for_every_family(tmp_path):
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path), errors), nprocs=2, start_method="spawn")
-    except Exception:
-        msgs = []
-        while not errors.empty():
-            msgs.append("rank %d:\n%s" % errors.get())
-        raise AssertionError("\n".join(msgs) or "a worker failed")
+    spawn(tmp_path, _families, init_group=False)  # rank 0 runs the one-process GRPO reference first
 
 
-def _worker4(rank: int, world: int, port: int, tmp: str, errors) -> None:
+def _four_ranks(tmp: Path, rank: int) -> None:
     """Against dp=4, 4 steps each: ep=2 x tp=2 x dp=2 on Nemotron-VL (MoE experts split over the 2 ep ranks
     of one tp coordinate, attention / MLP / Mamba2 over tp, 2 data-parallel ranks), and tp=2 x cp=2 (one
     data-parallel rank reading the 4 micro-batches) on Nemotron-VL and Qwen2.5-VL (M-RoPE): the cp ranks
     keep their chunks of each pack, the tp ranks split those chunks' tokens and the heads."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    tmp = Path(tmp)
-    try:
-        init_distributed()
-        runs = (("nemotron_vl", "tp_ep", {"parallel.tp": 2, "parallel.ep": 2, "train.micro_batches_per_step": 2}),
-                ("nemotron_vl", "tp_cp", {"parallel.tp": 2, "parallel.cp": 2, "train.micro_batches_per_step": 4}),
-                ("qwen2_5_vl", "tp_cp", {"parallel.tp": 2, "parallel.cp": 2, "train.micro_batches_per_step": 4}))
-        for family, name, layout in runs:
-            dp, tp = tmp / family / "dp", tmp / family / name
-            if not (dp / "metrics_train.csv").is_file():
-                _run(tmp, family, dp, **{"train.micro_batches_per_step": 1, "train.max_steps": 4})
-            _run(tmp, family, tp, **{**layout, "train.max_steps": 4})
-            if rank == 0:
-                for key in ("loss", "grad_norm"):
-                    a, b = _column(dp, key), _column(tp, key)
-                    assert len(a) == len(b) == 4 and max(abs(x - y) / max(1.0, abs(x)) for x, y in zip(a, b)) <= 1e-5, \
-                        (family, name, key, a, b)
-                e_dp, e_tp = _export(dp), _export(tp)
-                assert e_dp.keys() == e_tp.keys() and e_dp, family
-                diff = max(((e_dp[k] - e_tp[k]).abs().max().item(), k) for k in e_dp)
-                assert diff[0] <= 1e-6, (family, name, diff)
-            dist.barrier()
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        errors.put((rank, traceback.format_exc()))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    runs = (("nemotron_vl", "tp_ep", {"parallel.tp": 2, "parallel.ep": 2, "train.micro_batches_per_step": 2}),
+            ("nemotron_vl", "tp_cp", {"parallel.tp": 2, "parallel.cp": 2, "train.micro_batches_per_step": 4}),
+            ("qwen2_5_vl", "tp_cp", {"parallel.tp": 2, "parallel.cp": 2, "train.micro_batches_per_step": 4}))
+    for family, name, layout in runs:
+        dp, tp = tmp / family / "dp", tmp / family / name
+        if not (dp / "metrics_train.csv").is_file():
+            _run(tmp, family, dp, **{"train.micro_batches_per_step": 1, "train.max_steps": 4})
+        _run(tmp, family, tp, **{**layout, "train.max_steps": 4})
+        if rank == 0:
+            for key in ("loss", "grad_norm"):
+                a, b = _column(dp, key), _column(tp, key)
+                assert len(a) == len(b) == 4 and max(abs(x - y) / max(1.0, abs(x)) for x, y in zip(a, b)) <= 1e-5, \
+                    (family, name, key, a, b)
+            e_dp, e_tp = _export(dp), _export(tp)
+            assert e_dp.keys() == e_tp.keys() and e_dp, family
+            diff = max(((e_dp[k] - e_tp[k]).abs().max().item(), k) for k in e_dp)
+            assert diff[0] <= 1e-6, (family, name, diff)
+        dist.barrier()
 
 
 @pytest.mark.slow
 @pytest.mark.heavy
 def test_tp2_with_dp2_ep2_and_cp2_on_4_processes(tmp_path):
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(_worker4, args=(4, _free_port(), str(tmp_path), errors), nprocs=4, start_method="spawn")
-    except Exception:
-        msgs = []
-        while not errors.empty():
-            msgs.append("rank %d:\n%s" % errors.get())
-        raise AssertionError("\n".join(msgs) or "a worker failed")
+    spawn(tmp_path, _four_ranks, world=4)

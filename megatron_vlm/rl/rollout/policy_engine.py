@@ -223,6 +223,8 @@ class PolicyRolloutEngine(RolloutEngine):
             why_not_paged = paged_kv_blocker(model)
             if why_not_paged:
                 raise PagedKVConfigError(f"rl.kv_block_size: {kv_block_size} (the paged KV cache) is not possible: {why_not_paged}")
+            log.info("rollout KV cache: paged, %d positions per block, pool of %s", kv_block_size,
+                     f"{kv_cache_blocks} blocks" if kv_cache_blocks else "1 + slots x blocks per slot (derived per batch)")
         self.kv_block_size, self.kv_cache_blocks = kv_block_size, kv_cache_blocks
         if cuda_graphs not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graphs: must be one of {CUDA_GRAPH_MODES}, got {cuda_graphs!r}")

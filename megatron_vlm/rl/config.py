@@ -116,11 +116,13 @@ class RLConfig:
     kv_cache_blocks: int = 0
     """Blocks in the paged KV cache's pool (with kv_block_size >= 2; 0 = derived: 1 + slots x
     ceil((longest prompt + budget) / kv_block_size), room for every slot at full length, so memory is the
-    slot cache's). Smaller: the pool bounds the KV memory and a waiting sample is admitted when the
-    blocks of its prompt + budget are free (fewer run at once; sampled tokens then differ from the slot
-    cache's, since a sample's random numbers follow its slot and step). Needs rollout_weights = "copy"
-    (continuous batching: "shared" lock-step batches start every sample at once) and room for one
-    sample: >= 1 + ceil(data.max_tokens_per_pack / kv_block_size) (one block is the engine's scratch row)."""
+    slot cache's). Set: the pool fixes the rollout's KV memory whatever the slot count
+    (rollout_batch_prompts x group_size) and a waiting sample is admitted when the blocks of its prompt +
+    budget are free (with a pool smaller than the slots' full length fewer run at once, and sampled tokens
+    differ from the slot cache's, since a sample's random numbers follow its slot and step; --check plans
+    the pool's memory). Needs rollout_weights = "copy" (continuous batching: "shared" lock-step batches
+    start every sample at once) and room for one sample: >= 1 + ceil(data.max_tokens_per_pack /
+    kv_block_size) (one block is the engine's scratch row)."""
     prompt_sharing: str = "auto"
     """Training forwards (policy update, old and reference log-probs) with each prompt packed once for
     the completions of its group instead of once per completion: the same log-probs and gradients up to

@@ -169,6 +169,8 @@ def test_check_plans_the_paged_cache_and_refuses_the_hybrid(tmp_path):
     code, out, err = _check([*qwen, "rl.kv_block_size=16", "rl.kv_cache_blocks=65", 'rl.rollout_weights="copy"'])
     assert code == 0 and "pool 65 blocks (rl.kv_cache_blocks)" in out, err
     assert [x for x in out.splitlines() if "rollout KV cache" in x] != slots_plan  # a fixed pool: its own size
+    code, _, err = _check([*qwen, "rl.kv_block_size=16", "rl.kv_cache_blocks=400000000", 'rl.rollout_weights="copy"'])
+    assert code == 2 and err.startswith("check failed: rl.kv_cache_blocks: estimated peak"), err  # the pool is what to shrink
     nemotron = [f'model.path="{tmp_path / "nemotron"}"', 'model.synthesize="tiny_nemotron_vl"', "train.train_layers=[]"]
     assert _check(nemotron)[0] == 0
     code, _, err = _check([*nemotron, "rl.kv_block_size=16"])

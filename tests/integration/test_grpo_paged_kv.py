@@ -4,7 +4,12 @@ job on the slot cache. Sampled at temperature 1 with the job's fixed seed, so eq
 lengths mean equal tokens; the rollout log-probs enter the logged rollout / training mismatch (recomputed
 old log-probs vs the engine's) and, through the PPO ratio, the loss; the held-out evaluation before and
 after training (greedy, the same engine) must agree too. The log shows the engine took the paged cache.
-The default weights mode ("shared": lock-step forwards through the FSDP root) is the one exercised."""
+The default weights mode ("shared": lock-step forwards through the FSDP root) is the one exercised.
+
+Heavy (three jobs, one of two processes, ~1-2 min): asynchronous GRPO (1 rollout + 1 training rank, the
+rollout rank's own engine) with rl.kv_block_size = 4 equals the synchronous "copy" job on the slot cache, and
+a "copy" job with the smallest pool rl.kv_cache_blocks allows (one sample of a full pack: samples wait for
+blocks) runs to the end with the pool the log names."""
 from __future__ import annotations
 
 import pytest
@@ -45,3 +50,31 @@ def test_paged_kv_cache_job_trains_like_the_slot_cache(tmp_path):
     for a, b in zip(evals[0], evals[4]):
         for key in ("avg@1", "pass@1", "response_length"):
             assert float(b[key]) == float(a[key]), (a["step"], key)
+
+
+@pytest.mark.heavy  # three jobs (one of two processes); CI keeps the comparison above and the unit tests
+def test_async_rollout_ranks_and_a_fixed_pool(tmp_path):
+    assets = tmp_path / "assets"
+    common = {"rl.kl_coef": "0.0", "rl.recompute_logprobs": "false", "rl.ppo_epochs": "1", "rl.eval.at_start": "false",
+              "train.max_steps": "2", "checkpoint.export_hf": "false", "rl.reward_workers": "1", "checkpoint.enable": "false"}
+    sync = tmp_path / "sync"
+    run_job(grpo_overrides(sync, assets, **common, **{"rl.rollout_weights": '"copy"'}), config=GRPO_DEMO)
+    want = read_metrics(sync / "metrics_train.csv")
+    out = tmp_path / "async"
+    run_job(grpo_overrides(out, assets, **common, **{"rl.allocation": '"rollout:1+train:1"', "rl.kv_block_size": "4"}),
+            nproc=2, config=GRPO_DEMO)
+    got = read_metrics(out / "metrics_train.csv")
+    assert [int(r["step"]) for r in got] == [int(r["step"]) for r in want] == [1, 2]
+    for a, b in zip(want, got):
+        for key in EXACT:
+            assert float(b[key]) == float(a[key]), (a["step"], key, a[key], b[key])
+        for key in ("loss", "grad_norm"):
+            assert float(b[key]) == pytest.approx(float(a[key]), abs=CLOSE[key]), (a["step"], key)
+        assert float(b["async/version_lag_max"]) == 0.0
+    pool = tmp_path / "pool"  # data.max_tokens_per_pack = 160: 1 + 160 / 4 blocks, room for one sample at a time
+    r = run_job(grpo_overrides(pool, assets, **common, **{"rl.rollout_weights": '"copy"', "rl.kv_block_size": "4",
+                                                          "rl.kv_cache_blocks": "41"}), config=GRPO_DEMO)
+    assert "rollout KV cache: paged, 4 positions per block, pool of 41 blocks" in r.stderr, r.stderr[-3000:]
+    rows = read_metrics(pool / "metrics_train.csv")
+    assert [int(x["step"]) for x in rows] == [1, 2]
+    assert all(float(x["loss"]) == float(x["loss"]) and float(x["response_length/mean"]) >= 1 for x in rows)

@@ -4,7 +4,8 @@ job on the slot cache. Sampled at temperature 1 with the job's fixed seed, so eq
 lengths mean equal tokens; the rollout log-probs enter the logged rollout / training mismatch (recomputed
 old log-probs vs the engine's) and, through the PPO ratio, the loss; the held-out evaluation before and
 after training (greedy, the same engine) must agree too. The log shows the engine took the paged cache.
-The default weights mode ("shared": lock-step forwards through the FSDP root) is the one exercised.
+The default weights mode ("shared": lock-step forwards through the FSDP root) is the one exercised. A Nemotron-VL
+(Mamba2 hybrid) job with the key exits 2 naming it.
 
 Heavy (three jobs, one of two processes, ~1-2 min): asynchronous GRPO (1 rollout + 1 training rank, the
 rollout rank's own engine) with rl.kv_block_size = 4 equals the synchronous "copy" job on the slot cache, and
@@ -50,6 +51,16 @@ def test_paged_kv_cache_job_trains_like_the_slot_cache(tmp_path):
     for a, b in zip(evals[0], evals[4]):
         for key in ("avg@1", "pass@1", "response_length"):
             assert float(b[key]) == float(a[key]), (a["step"], key)
+
+
+def test_hybrid_decoder_job_exits_2_naming_the_key(tmp_path):
+    """Nemotron-VL (Mamba2 hybrid) with rl.kv_block_size: the job's engine refuses it (exit 2, one line), ~5 s."""
+    r = run_job(grpo_overrides(tmp_path / "out", tmp_path / "assets", **{
+        "model.path": f'"{tmp_path / "nemotron"}"', "model.synthesize": '"tiny_nemotron_vl"', "train.train_layers": "[]",
+        "rl.kv_block_size": "4"}), config=GRPO_DEMO, check=False)
+    errors = [x for x in r.stderr.splitlines() if x.startswith("config error:")]
+    assert r.returncode == 2 and len(errors) == 1, r.stderr[-3000:]
+    assert errors[0].startswith("config error: rl.kv_block_size: 4 (the paged KV cache) is not possible: ") and "Mamba2" in errors[0]
 
 
 @pytest.mark.heavy  # three jobs (one of two processes); CI keeps the comparison above and the unit tests

@@ -21,7 +21,7 @@ from megatron_vlm.parallel import destroy_distributed, init_distributed
 from megatron_vlm.parallel.mesh import LayoutError
 from megatron_vlm.parallel.tensor_parallel import TPError
 from megatron_vlm.rl.async_bridge import setup_roles
-from megatron_vlm.rl.rollout.policy_engine import CudaGraphsConfigError
+from megatron_vlm.rl.rollout.policy_engine import CudaGraphsConfigError, PagedKVConfigError
 from megatron_vlm.rl.trainer import check_model_folder
 from megatron_vlm.testing.synthesize import synthesize_model_folder
 from megatron_vlm.training.context import RunContext
@@ -79,7 +79,7 @@ def run_job(cfg, *, before_step=None) -> int:
             dist.barrier()
         return code
     except (ConfigError, LoRASetupError, TPError, LayoutError, BackendUnavailableError, McoreBackendError,
-            CudaGraphsConfigError) as e:
+            CudaGraphsConfigError, PagedKVConfigError) as e:
         # found once the model is built or first runs ([moe] keys, [lora], parallel sizes, a forced [kernels]
         # backend that cannot run here: not installed, wrong device or dtype, parallel.backend = "mcore" layers)
         print(f"config error: {e}", file=sys.stderr)

@@ -182,11 +182,22 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
             why_not = cuda_graphs_blocker(model)
             if why_not:
                 raise CheckFailed("rl.rollout_cuda_graphs", f"'on' is not possible: {why_not}")
+        if rl.kv_block_size:  # the engine's refusal (PagedKVConfigError), found here too
+            from megatron_vlm.rl.rollout.policy_engine import paged_kv_blocker
+
+            why_not = paged_kv_blocker(model)
+            if why_not:
+                raise CheckFailed("rl.kv_block_size", f"{rl.kv_block_size} (the paged KV cache) is not possible: {why_not}")
         lines.append(f"rollout    {per_rank} prompts per rank and step, {rollout_prompts} per batch x group {group} x "
                      f"{tokens} cache slots ({ceil_div(per_rank, rollout_prompts)} batches)")
+        if rl.kv_block_size:
+            pool = (f"{rl.kv_cache_blocks} blocks (rl.kv_cache_blocks)" if rl.kv_cache_blocks else
+                    "derived: room for every slot at full length")
+            lines.append(f"kv cache   paged, {rl.kv_block_size} positions per block, pool {pool}")
     mem = estimate_memory(shape, fsdp=shard * cfg.parallel.cp, master_bytes=master, compute_bytes=compute, tokens=tokens,
                           activation_checkpointing=cfg.train.activation_checkpointing,
-                          rollout_prompts=rollout_prompts, group_size=group, tp=tp)
+                          rollout_prompts=rollout_prompts, group_size=group, tp=tp,
+                          kv_slots=cfg.rl.kv_cache_blocks * cfg.rl.kv_block_size if cfg.train.mode == "grpo" else 0)
     lines += [
         "memory per rank (estimate; formulas in megatron_vlm/plan/memory.py)",
         f"  master weights {gib(mem.params):>12}   gradients {gib(mem.grads):>12}   AdamW {gib(mem.optimizer):>12}",
@@ -203,6 +214,8 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
 
 def _key_to_change(cfg, mem) -> str:
     if mem.kv_cache > mem.activations and mem.kv_cache > mem.static:
+        if cfg.rl.kv_cache_blocks:
+            return "rl.kv_cache_blocks"
         return "rl.rollout_batch_prompts" if cfg.rl.rollout_batch_prompts else "rl.rollout_memory_gib"
     if mem.activations > mem.static:
         return "data.max_tokens_per_pack" if cfg.train.activation_checkpointing else "train.activation_checkpointing"

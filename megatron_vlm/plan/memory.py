@@ -25,7 +25,8 @@ conservative; the numbers it uses (all in bytes, per rank):
   the vision tower's activations and the LM-head logits (the fused, vocabulary-chunked log-prob
   kernel) are not counted;
 - rollout KV cache (GRPO) = 2 x (sum over attention layers of kv_heads x head_dim) x c x slots,
-  slots = prompts per rollout batch x rl.group_size x data.max_tokens_per_pack (see rl/rollout_budget.py);
+  slots = prompts per rollout batch x rl.group_size x data.max_tokens_per_pack (see rl/rollout_budget.py),
+  or with a paged pool of fixed size slots = rl.kv_cache_blocks x rl.kv_block_size;
   each tp rank caches its kv_heads / tp.
   Rollout and training alternate (the cache is freed before the update), so the peak is
   static + max(activations, KV cache), static = master weights + gradients + AdamW + gathered block.
@@ -143,8 +144,10 @@ class MemoryPlan:
 
 
 def estimate_memory(shape: ModelShape, *, fsdp: int, master_bytes: int, compute_bytes: int, tokens: int,
-                    activation_checkpointing: bool, rollout_prompts: int = 0, group_size: int = 0, tp: int = 1) -> MemoryPlan:
-    """The formulas of the module docstring; `rollout_prompts` 0 = no rollout (SFT)."""
+                    activation_checkpointing: bool, rollout_prompts: int = 0, group_size: int = 0, tp: int = 1,
+                    kv_slots: int = 0) -> MemoryPlan:
+    """The formulas of the module docstring; `rollout_prompts` 0 = no rollout (SFT); `kv_slots` > 0: the
+    rollout cache's token positions when they are fixed (the paged pool, rl.kv_cache_blocks)."""
     f = max(1, fsdp)
     keep = 1.0 - 1.0 / max(1, tp)  # the part of a TP-split quantity that lives on the other tp ranks
     params = shape.params - shape.tp_params * keep
@@ -152,7 +155,8 @@ def estimate_memory(shape: ModelShape, *, fsdp: int, master_bytes: int, compute_
     act = shape.act_per_token_layer - shape.act_col_per_token_layer * keep
     no_ckpt = tokens * shape.layers * act * compute_bytes
     ckpt = tokens * shape.layers * shape.hidden * compute_bytes + tokens * act * compute_bytes
-    kv = shape.kv_per_slot * compute_bytes * rollout_prompts * group_size * tokens / max(1, tp)
+    slots = kv_slots if kv_slots and rollout_prompts else rollout_prompts * group_size * tokens
+    kv = shape.kv_per_slot * compute_bytes * slots / max(1, tp)
     return MemoryPlan(
         params=params * master_bytes / f,
         grads=trainable * master_bytes / f,

@@ -49,6 +49,7 @@ from megatron_vlm.rl.rewards.manager import RewardManager
 from megatron_vlm.rl.rollout.engine import SamplingParams
 from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
 from megatron_vlm.rl.rollout_budget import kv_bytes_per_slot, rollout_prompts_for_budget
+from megatron_vlm.rl.trainer import paged_kv_kwargs
 from megatron_vlm.training.context import RunContext
 
 __all__ = ["run_rollout_rank", "EXIT_STOPPED"]
@@ -98,9 +99,11 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
     model.requires_grad_(False)
     per_batch = rl.rollout_batch_prompts or rollout_prompts_for_budget(
         rl.rollout_memory_gib, kv_bytes_per_slot(model, torch.finfo(dtype).bits // 8), rl.group_size, cfg.data.max_tokens_per_pack)
-    # CudaGraphsConfigError (exit 2): "on" with a model whose decode step cannot be captured (MoE layers)
+    # CudaGraphsConfigError (exit 2): "on" with a model whose decode step cannot be captured (MoE layers);
+    # PagedKVConfigError (exit 2): rl.kv_block_size with a Mamba2 hybrid decoder
     engine = PolicyRolloutEngine(model, processor.tokenizer, cache_dtype=dtype, device=env.device,
-                                 max_num_seqs=per_batch * rl.group_size, cuda_graphs=rl.rollout_cuda_graphs)
+                                 max_num_seqs=per_batch * rl.group_size, cuda_graphs=rl.rollout_cuda_graphs,
+                                 **paged_kv_kwargs(rl))
     receive_weights(model, bridge, bridge.broadcast_object(), engine)  # the trainer's weights at `start`
     manager = RewardManager(rl.rewards, timeout_s=rl.reward_timeout_s, num_workers=rl.reward_workers,
                             memory_limit_mb=rl.reward_memory_limit_mb, batch_timeout_s=rl.reward_batch_timeout_s,

@@ -104,6 +104,25 @@ class RLConfig:
     same static step runs eagerly (for tests: its first runs are checked for host reads). "off": eager
     steps. Needs rollout_weights = "copy" (or asynchronous GRPO, whose rollout ranks hold their own copy,
     written in place by the weight pushes, which a graph then reads)."""
+    kv_block_size: int = 0
+    """Positions per block of the rollout engine's paged KV cache (0 = the slot cache: every sequence holds
+    a slot of the batch's longest prompt + the budget). >= 2: the keys / values live in a pool of blocks
+    addressed by a block table (`PagedSlotCache`, models/common/slot_cache.py); an admitted sample takes
+    ceil((prompt + budget) / kv_block_size) blocks and returns them when it finishes. Same tokens and
+    log-probs as the slot cache (float rounding aside); on the CPU ~5-9 % slower. Attention-only decoders:
+    refused for the Mamba2 hybrid (Nemotron-VL, its recurrent state is per slot) and with
+    rollout_cuda_graphs = "on" (static decode steps need the slot layout; "auto" decodes eagerly, logged).
+    Read by every engine of the job: synchronous and asynchronous GRPO rollouts and [rl.eval]."""
+    kv_cache_blocks: int = 0
+    """Blocks in the paged KV cache's pool (with kv_block_size >= 2; 0 = derived: 1 + slots x
+    ceil((longest prompt + budget) / kv_block_size), room for every slot at full length, so memory is the
+    slot cache's). Set: the pool fixes the rollout's KV memory whatever the slot count
+    (rollout_batch_prompts x group_size) and a waiting sample is admitted when the blocks of its prompt +
+    budget are free (with a pool smaller than the slots' full length fewer run at once, and sampled tokens
+    differ from the slot cache's, since a sample's random numbers follow its slot and step; --check plans
+    the pool's memory). Needs rollout_weights = "copy" (continuous batching: "shared" lock-step batches
+    start every sample at once) and room for one sample: >= 1 + ceil(data.max_tokens_per_pack /
+    kv_block_size) (one block is the engine's scratch row)."""
     prompt_sharing: str = "auto"
     """Training forwards (policy update, old and reference log-probs) with each prompt packed once for
     the completions of its group instead of once per completion: the same log-probs and gradients up to
@@ -266,6 +285,7 @@ class RLConfig:
         if self.rollout_cuda_graphs == "on" and self.rollout_weights != "copy" and self.allocation is None:
             raise ValueError("rollout_cuda_graphs: 'on' needs rollout_weights = 'copy' (the engine's own weights; "
                              "'shared' runs lock-step forwards through the FSDP root)")
+        self._validate_paged_kv()
         if self.rollout_batch_prompts < 0:
             raise ValueError(f"rollout_batch_prompts: must be >= 0 (0 = all at once), got {self.rollout_batch_prompts}")
         if self.temperature <= 0:
@@ -367,6 +387,26 @@ class RLConfig:
         if self.rollout_correction != "none" and not self.recompute_logprobs:
             raise ValueError(f"rollout_correction: {self.rollout_correction!r} compares the training-side old "
                              "log-probs with the rollout's; set recompute_logprobs = true")
+
+    def _validate_paged_kv(self) -> None:
+        """`kv_block_size` / `kv_cache_blocks` and the rollout modes that cannot use the paged KV cache (the
+        model-dependent refusal, Mamba2 hybrid decoders, is the engine's: rl/rollout/policy_engine.py)."""
+        if self.kv_block_size < 0 or self.kv_block_size == 1:
+            raise ValueError(f"kv_block_size: must be 0 (the slot cache) or >= 2 positions per block (one block "
+                             f"also holds the engine's scratch row of 2 positions), got {self.kv_block_size}")
+        if self.kv_block_size and self.rollout_cuda_graphs == "on":
+            raise ValueError(f"kv_block_size: {self.kv_block_size} (the paged KV cache) cannot run with rollout_cuda_graphs "
+                             "= 'on': static CUDA-graph decode steps need the slot layout (the block table changes as "
+                             "samples come and go); set kv_block_size = 0 or rollout_cuda_graphs = 'auto' / 'off'")
+        if self.kv_cache_blocks < 0:
+            raise ValueError(f"kv_cache_blocks: must be >= 0 (0 = derived from the slots), got {self.kv_cache_blocks}")
+        if self.kv_cache_blocks and not self.kv_block_size:
+            raise ValueError(f"kv_cache_blocks: {self.kv_cache_blocks} sizes the paged KV cache, which is off "
+                             "(kv_block_size = 0); set kv_block_size >= 2 too, or leave kv_cache_blocks 0")
+        if self.kv_cache_blocks and self.rollout_weights != "copy":
+            raise ValueError(f"kv_cache_blocks: {self.kv_cache_blocks} needs rollout_weights = 'copy' (continuous "
+                             "batching); with 'shared' every sample of a lock-step batch starts at once, so the pool "
+                             "must hold them all: leave kv_cache_blocks 0 (derived)")
 
     def _validate_async(self) -> None:
         """`allocation`, `max_head_offpolicyness`, `behav_imp_weight_cap` and what the asynchronous loop refuses."""

@@ -75,6 +75,12 @@ def rollout_batch_prompts(rl, model, *, max_tokens_per_pack: int, bytes_per_elem
                                       rl.group_size, max_tokens_per_pack)
 
 
+def paged_kv_kwargs(rl) -> dict:
+    """The engine's paged-KV-cache arguments from `[rl]` (every engine of a GRPO job: the synchronous
+    trainer's, which also runs [rl.eval], and the asynchronous rollout ranks')."""
+    return {"kv_block_size": rl.kv_block_size, "kv_cache_blocks": rl.kv_cache_blocks}
+
+
 def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: torch.dtype, device: torch.device,
                          per_batch: int) -> PolicyRolloutEngine:
     """`rl.rollout_weights = "shared"`: the engine calls the trainer's model through the FSDP root, ranks in
@@ -89,14 +95,15 @@ def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: tor
         if bundle.model is not None:  # [lora]: the copy holds the same adapters, refreshed with the rest
             mirror_lora(policy_copy, bundle.model)
         policy_copy.requires_grad_(False)
-        # CudaGraphsConfigError (exit 2): "on" with a model whose decode step cannot be captured (MoE layers)
+        # CudaGraphsConfigError (exit 2): "on" with a model whose decode step cannot be captured (MoE layers);
+        # PagedKVConfigError (exit 2): rl.kv_block_size with a Mamba2 hybrid decoder
         return PolicyRolloutEngine(policy_copy, bundle.processor.tokenizer, cache_dtype=dtype, device=device,
                                    max_num_seqs=per_batch * rl.group_size, sync_from=bundle.model,
-                                   cuda_graphs=rl.rollout_cuda_graphs)
+                                   cuda_graphs=rl.rollout_cuda_graphs, **paged_kv_kwargs(rl))
     return PolicyRolloutEngine(
         bundle.model, bundle.processor.tokenizer, forward=lambda **kw: bundle.wrapper(model_kwargs=kw), cache_dtype=dtype,
         device=device, max_prompts_per_batch=per_batch,
-        all_ranks_active=lambda active: any_rank(active, device), cuda_graphs=rl.rollout_cuda_graphs,
+        all_ranks_active=lambda active: any_rank(active, device), cuda_graphs=rl.rollout_cuda_graphs, **paged_kv_kwargs(rl),
     )
 
 

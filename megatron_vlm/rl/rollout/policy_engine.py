@@ -29,10 +29,12 @@ One `generate` call:
    step at a time, attention by `kernels.decode_attention` on the slots (no padding), the Mamba2
    state of the hybrid decoder per slot.
 
-With `kv_block_size` > 0 the keys live in a paged pool (`PagedSlotCache`, attention-only models): an
-admitted sample reserves the blocks of its prompt + budget and returns them when it finishes, and a
-waiting sample is admitted only when its blocks are free, so a pool smaller than slots x longest
-sequence bounds the running batch by memory (GPU); on the CPU it is ~5-9 % slower, so off by default.
+With `kv_block_size` > 0 (`rl.kv_block_size`) the keys live in a paged pool (`PagedSlotCache`;
+attention-only models, a Mamba2 hybrid is refused: `paged_kv_blocker`): an admitted sample reserves
+the blocks of its prompt + budget and returns them when it finishes, and a waiting sample is admitted
+only when its blocks are free, so a pool (`kv_cache_blocks`, `rl.kv_cache_blocks`) smaller than slots
+x longest sequence bounds the running batch by memory (GPU); on the CPU it is ~5-9 % slower, so off
+by default.
 
 Lock-step batches (when `all_ranks_active` is given, i.e. under FSDP with the trainer's parameters):
 `max_prompts_per_batch` prompts (0 = all) are admitted at the start of a batch and no slot is refilled
@@ -79,7 +81,8 @@ from megatron_vlm.rl.rollout.engine import RolloutEngine, RolloutPrompt, Rollout
 from megatron_vlm.rl.rollout.sampling import same_device, sample_tokens
 from megatron_vlm.rl.rollout.stopping import StopChecker, eos_token_ids_of
 
-__all__ = ["PolicyRolloutEngine", "CUDA_GRAPH_MODES", "CudaGraphsConfigError", "cuda_graphs_blocker"]
+__all__ = ["PolicyRolloutEngine", "CUDA_GRAPH_MODES", "CudaGraphsConfigError", "cuda_graphs_blocker", "PagedKVConfigError",
+           "paged_kv_blocker"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +105,23 @@ def cuda_graphs_blocker(model, *, trainer_forward: bool = False, kv_block_size: 
 
 class CudaGraphsConfigError(ValueError):
     """`rl.rollout_cuda_graphs = "on"` where the decode step cannot be captured (a config error: exit 2)."""
+
+
+def paged_kv_blocker(model) -> Optional[str]:
+    """Why `model` cannot decode on the paged KV cache (`kv_block_size` > 0), or None. One function for the
+    engine and `--check` (plan/check.py), like `cuda_graphs_blocker`: the pool holds keys / values only, so a
+    decoder whose cache is more than a `KVCache` (the Mamba2 hybrid's per-sequence recurrent states) keeps
+    the slot layout. Asks the model for a one-position cache on the meta device (no memory; a meta-device
+    model is enough)."""
+    probe = model.new_cache(1, 1, device="meta")
+    if isinstance(probe, KVCache):
+        return None
+    return (f"{type(model).__name__}'s decoder keeps per-sequence recurrent (Mamba2) states besides its keys / values "
+            f"({type(probe).__name__}), which stay in the slot layout; the paged cache is for attention-only decoders")
+
+
+class PagedKVConfigError(ValueError):
+    """`rl.kv_block_size` > 0 with a model that cannot decode on the paged KV cache (a config error: exit 2)."""
 
 
 def _left_pad(prompts: Sequence[RolloutPrompt], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,8 +207,8 @@ class PolicyRolloutEngine(RolloutEngine):
         copies into `model` (the engine's own copy); `max_prompts_per_batch`: prompts per lock-step batch (0 = all); `max_num_seqs`: slots of continuous
         batching (0 = max_prompts_per_batch * n, or every sample of the call); `suppress_token_ids`: tokens
         never generated (default: the model's vision placeholder / start / end tokens, `model.args.*_token_id`);
-        `kv_block_size` > 0: a paged KV cache (`PagedSlotCache`, attention-only models; the hybrid decoder keeps
-        slots) of `kv_cache_blocks` blocks (0 = enough for every slot at full length): a sample is admitted when
+        `kv_block_size` > 0: a paged KV cache (`PagedSlotCache`, attention-only models; a Mamba2 hybrid decoder
+        is refused, `PagedKVConfigError`) of `kv_cache_blocks` blocks (0 = enough for every slot at full length): a sample is admitted when
         the blocks of its prompt + budget are free, and gives them back when it finishes; `cuda_graphs`
         ("auto" | "on" | "off"): decode steps on static buffers, captured as CUDA graphs (module docstring)."""
         if not isinstance(model, VLMBase):
@@ -199,6 +219,12 @@ class PolicyRolloutEngine(RolloutEngine):
             raise ValueError(f"max_num_seqs: must be >= 0, got {max_num_seqs}")
         if kv_block_size < 0 or kv_cache_blocks < 0 or kv_block_size == 1:
             raise ValueError(f"kv_block_size (0 or >= 2) / kv_cache_blocks (>= 0): got {kv_block_size} / {kv_cache_blocks}")
+        if kv_block_size:
+            why_not_paged = paged_kv_blocker(model)
+            if why_not_paged:
+                raise PagedKVConfigError(f"rl.kv_block_size: {kv_block_size} (the paged KV cache) is not possible: {why_not_paged}")
+            log.info("rollout KV cache: paged, %d positions per block, pool of %s", kv_block_size,
+                     f"{kv_cache_blocks} blocks" if kv_cache_blocks else "1 + slots x blocks per slot (derived per batch)")
         self.kv_block_size, self.kv_cache_blocks = kv_block_size, kv_cache_blocks
         if cuda_graphs not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graphs: must be one of {CUDA_GRAPH_MODES}, got {cuda_graphs!r}")
@@ -444,10 +470,7 @@ class PolicyRolloutEngine(RolloutEngine):
         if self.kv_block_size:
             bs = self.kv_block_size
             blocks = self.kv_cache_blocks or 1 + num_slots * -(-max_len // bs)
-            storage = self.model.new_cache(blocks, bs, dtype=self.cache_dtype, device=dev)
-            if isinstance(storage, KVCache):  # attention-only: paged; the hybrid decoder keeps slots
-                cache = PagedSlotCache(storage, num_slots, max_len)
-            del storage
+            cache = PagedSlotCache(self.model.new_cache(blocks, bs, dtype=self.cache_dtype, device=dev), num_slots, max_len)
         runner = None
         if cache is None:
             runner = self._kept_runner(num_slots, max_len, dev)

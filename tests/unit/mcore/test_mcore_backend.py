@@ -1,7 +1,7 @@
 """`parallel.backend = "mcore"` (models/mcore/layer.py): each dense family's language-decoder layers swapped
 for megatron-core 0.16.1 TransformerLayers (local spec, on the CPU) give the native model's log-probs and
 gradients on a packed batch with images and shared prompts, its logits on a left-padded batch, the same
-greedy rollout through the KV slot cache, and the native state dict back for the HF export. MoE and
+greedy rollout through the KV slot cache and the paged one (`rl.kv_block_size`), and the native state dict back for the HF export. MoE and
 Nemotron-H decoders: test_mcore_moe_hybrid.py."""
 from __future__ import annotations
 
@@ -92,9 +92,11 @@ def test_mcore_layers_equal_the_native_decoder(kind, mcore_state, vqa, tmp_path)
     tok = proc.tokenizer
     out_n = PolicyRolloutEngine(native.eval(), tok, eos_token_ids=[-1]).generate(prompts, params)
     out_m = PolicyRolloutEngine(mc.eval(), tok, eos_token_ids=[-1]).generate(prompts, params)
-    assert [s.token_ids.tolist() for s in out_m.samples] == [s.token_ids.tolist() for s in out_n.samples]
-    torch.testing.assert_close(torch.cat([s.logprobs for s in out_m.samples]),
-                               torch.cat([s.logprobs for s in out_n.samples]), atol=1e-5, rtol=0)
+    out_p = PolicyRolloutEngine(mc.eval(), tok, eos_token_ids=[-1], kv_block_size=4).generate(prompts, params)  # paged
+    for out in (out_m, out_p):
+        assert [s.token_ids.tolist() for s in out.samples] == [s.token_ids.tolist() for s in out_n.samples]
+        torch.testing.assert_close(torch.cat([s.logprobs for s in out.samples]),
+                                   torch.cat([s.logprobs for s in out_n.samples]), atol=1e-5, rtol=0)
     if kind == "tiny_qwen3":
         ids = torch.randint(0, vocab, (2, 6), generator=g)
         mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])

@@ -6,11 +6,12 @@ state that covers only them), `lora.r`, the adapted layers and the model itself 
 shapes. A run whose settings differ used to fail deep inside DCP with "Missing key in checkpoint
 state_dict: ..." — true, but it did not say which setting differs, what it was, or what to do. So every
 checkpoint records these settings (`run_layout`, written by rank 0 with the shards) and a resume compares
-them with the run's before any shard is read (`layout_refusals`, `adapter_refusal`): a difference ends
-the run (exit 2) with the key, the checkpoint's value, this run's value and the way out.
+them with the run's before any shard is read (`layout_refusals`, `adapter_refusal`, `trained_refusal`): a
+difference ends the run (exit 2) with the key, the checkpoint's value, this run's value and the way out.
 
 Only settings whose change cannot load are refused. Data-parallel size, native tp / cp / pp (DCP reshards
-the global tensors) and `lora.alpha` (a scaling, not a shape) change freely. The megatron-core tp / ep
+the global tensors) and `lora.alpha` (a scaling, not a shape) change freely; `train.train_layers` may train
+fewer parameters than the checkpoint has optimizer state for, not others. The megatron-core tp / ep
 sizes are recorded too and checked with their own rules (models/mcore/tp_shard.py, ep_shard.py). The
 parallel sizes are written for information.
 
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 __all__ = ["LAYOUT_FILE", "PREDATES", "run_layout", "write_layout", "read_layout", "layout_refusals",
-           "checkpoint_adapters", "run_adapters", "adapter_refusal"]
+           "checkpoint_adapters", "run_adapters", "adapter_refusal", "checkpoint_trained", "trained_refusal"]
 
 LAYOUT_FILE = "layout.json"
 FORMAT = 1
@@ -49,6 +50,7 @@ def run_layout(cfg: Any, *, model_type: Optional[str], world_size: int, mcore_tp
         "lora": None if lora is None else {
             "r": lora.r, "alpha": lora.alpha, "use_rslora": lora.use_rslora,
             "target_modules": list(lora.target_modules), "include_vision": lora.include_vision},
+        "train.train_layers": list(getattr(getattr(cfg, "train", None), "train_layers", [])),
         "sizes": {"world_size": world_size, **{k: getattr(parallel, k, 1) for k in ("tp", "cp", "ep", "pp")}},
     }
     if mcore_tp is not None:  # the megatron-core layers' own layout (tp_shard.py / ep_shard.py)
@@ -165,3 +167,22 @@ def adapter_refusal(saved: dict, now: dict, in_ckpt: set[str], in_run: set[str],
             f"was written with lora.target_modules = {_v(l_saved['target_modules'])}, lora.include_vision = "
             f"{_v(l_saved['include_vision'])}, this run has lora.target_modules = {_v(l_now['target_modules'])}, "
             f"lora.include_vision = {_v(l_now['include_vision'])}. Set them as they were to resume it, " + _new_run(how))
+
+
+def checkpoint_trained(metadata_keys: Iterable[str]) -> set[str]:
+    """The parameters with optimizer state in a checkpoint, from its DCP metadata keys
+    ("optim.state.<parameter>.<state name>")."""
+    return {k[len("optim.state."):].rsplit(".", 1)[0] for k in metadata_keys if k.startswith("optim.state.")}
+
+
+def trained_refusal(saved: dict, now: dict, in_ckpt: set[str], in_run: set[str], ckpt: Path) -> Optional[str]:
+    """Refuse a full fine-tuning checkpoint without optimizer state for parameters this run trains
+    (`train.train_layers` widened; training fewer parameters loads). None: it has state for all of them."""
+    missing = in_run - in_ckpt
+    if not missing:
+        return None
+    return (f"train.train_layers: {ckpt} holds optimizer state for {len(in_ckpt)} parameters, this run trains "
+            f"{len(in_run)}, {len(missing)} of them with no state in it ({_some(missing)}); it was written with "
+            f"train.train_layers = {_v(saved.get('train.train_layers'))}, this run has train.train_layers = "
+            f"{_v(now.get('train.train_layers'))}. Set train.train_layers as it was (or to a subset) to resume it, "
+            + _new_run(_hf_folder(saved, ckpt, merged=False)))

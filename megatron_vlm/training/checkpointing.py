@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
 from megatron_vlm.checkpoint.export import export_hf_from_state_dict
 from megatron_vlm.checkpoint.hf import read_hf_config
@@ -36,10 +36,12 @@ from megatron_vlm.checkpoint.layout import (
     PREDATES,
     adapter_refusal,
     checkpoint_adapters,
+    checkpoint_trained,
     layout_refusals,
     read_layout,
     run_adapters,
     run_layout,
+    trained_refusal,
 )
 from megatron_vlm.checkpoint.manager import (
     FAILURES,
@@ -134,12 +136,14 @@ class Checkpointer:
                 log.info("checkpoint.resume = auto: no complete checkpoint in %s; starting fresh at step 0",
                          self.manager.root)
             return None
-        adapters = self._adapters() if self.layout["lora"] is not None else set()
+        # what this run holds, computed on every rank before any checkpoint is looked at (may be collective)
+        lora = self.layout["lora"] is not None
+        adapters, trained = (self._adapters(), set()) if lora else (set(), self._trained())
         tried = []
         for i, path in enumerate(candidates):
             err, extra, refused = None, None, None
             try:
-                refused = self._layout_refusal(path, adapters)
+                refused = self._layout_refusal(path, adapters, trained)
             except FAILURES as e:  # an unreadable record or DCP metadata: like a corrupt checkpoint
                 err = describe_error(e)
             refusals = [r for r in gather_errors(refused) if r]  # a rank's own adapters may differ (pp)
@@ -167,9 +171,10 @@ class Checkpointer:
             "no checkpoint could be loaded (not starting from step 0 over them): " + "; ".join(tried)
             + '. Remove or repair them, or set checkpoint.resume = "none" to start fresh'), EXIT_RESUME_FAILED)
 
-    def _layout_refusal(self, path: Path, adapters: set[str]) -> Optional[str]:
-        """Why this run (adapted layers `adapters`) cannot load checkpoint `path` with its settings (None: it
-        may try; also for a checkpoint without the layout record). Reads only the record and the DCP metadata."""
+    def _layout_refusal(self, path: Path, adapters: set[str], trained: set[str]) -> Optional[str]:
+        """Why this run (adapted layers `adapters`, or with full fine-tuning the parameters `trained` with optimizer
+        state on this rank) cannot load checkpoint `path` with its settings (None: it may try; also for a checkpoint
+        without the layout record). Reads only the record and the DCP metadata."""
         saved = read_layout(path)
         if saved is None:
             log.info("checkpoint %s has no layout record (%s; written before it existed): loading it as it is",
@@ -182,11 +187,17 @@ class Checkpointer:
                     check(saved, size)
                 except ValueError as e:
                     problems.append(f"{e} ({path})")
-        if not problems and saved.get("lora") is not None:
-            in_ckpt = checkpoint_adapters(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-            refused = adapter_refusal(saved, self.layout, in_ckpt, adapters, path)
+        if not problems:
+            keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            refused = (adapter_refusal(saved, self.layout, checkpoint_adapters(keys), adapters, path)
+                       if saved.get("lora") is not None
+                       else trained_refusal(saved, self.layout, checkpoint_trained(keys), trained, path))
             problems += [refused] if refused else []
         return "; ".join(problems) or None
+
+    def _trained(self) -> set[str]:
+        """The parameters this rank's optimizer holds state for, under the names a load asks the checkpoint for."""
+        return set(get_state_dict(self.wrapper, self.optim.optimizer)[1].get("state", {}))
 
     def _adapters(self) -> set[str]:
         """The adapted layers of the whole model (every pipeline stage's): a collective, on every rank."""

@@ -5,8 +5,10 @@ jobs of the demo config (Qwen2.5-VL), run in this process by the job runner (one
   resumed with [lora] and the reverse, a LoRA checkpoint resumed with another lora.r or other target layers:
   exit 2 before any shard is read, the message naming the key, the checkpoint's value, this run's value and
   what to do (not DCP's "Missing key"); with resume = "auto" no fallback to an older checkpoint;
+- a full fine-tuning checkpoint resumed with train.train_layers training more parameters (no optimizer state for
+  them): exit 2 naming train.train_layers and both values;
 - what resumes today still does: the same settings, another lora.alpha, target_modules spelled differently
-  for the same layers;
+  for the same layers, train.train_layers training a subset;
 - a checkpoint without the record (written before it existed) loads as before, and when it cannot, the
   error says that it predates the record.
 """
@@ -122,6 +124,14 @@ def test_other_adapted_layers_are_refused(ckpts, tmp_path):
                     'this run has lora.target_modules = ["q_proj"]', 'lora.init_from_mode = "merge"')
 
 
+def test_training_more_parameters_is_refused(ckpts, tmp_path):
+    """The demo trains the merger and the language model; train_layers = [] trains the vision tower too."""
+    code, err = _job(tmp_path / "run", ckpts, **_resume(ckpts, "native"), **{"train.train_layers": "[]"})
+    _assert_refused(code, err, "error: train.train_layers:", "of them with no state in it (model.visual.blocks.",
+                    'written with train.train_layers = ["^visual\\\\.merger\\\\.", "^language_model\\\\."]',
+                    "this run has train.train_layers = []", "Set train.train_layers as it was (or to a subset)")
+
+
 def test_auto_does_not_fall_back_past_a_refused_checkpoint(ckpts, tmp_path):
     _need_mcore(ckpts)
     run = tmp_path / "run"
@@ -132,10 +142,13 @@ def test_auto_does_not_fall_back_past_a_refused_checkpoint(ckpts, tmp_path):
 
 
 def test_resumes_that_worked_still_work(ckpts, tmp_path):
-    """Another lora.alpha (a scaling, not a shape), and target_modules naming the default layers explicitly."""
+    """Another lora.alpha (a scaling, not a shape), target_modules naming the default layers explicitly, and
+    train.train_layers training a subset of what the checkpoint has optimizer state for."""
     default = '["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]'
-    for name, sets in (("same", {}), ("alpha", {"lora.alpha": 16}), ("targets", {"lora.target_modules": default})):
-        code, err = _job(tmp_path / name, ckpts, **_resume(ckpts, "lora"), **{**LORA, "train.max_steps": 3, **sets})
+    for name, run, sets in (("same", "lora", LORA), ("alpha", "lora", {**LORA, "lora.alpha": 16}),
+                            ("targets", "lora", {**LORA, "lora.target_modules": default}),
+                            ("subset", "native", {"train.train_layers": "['^language_model\\.']"})):
+        code, err = _job(tmp_path / name, ckpts, **_resume(ckpts, run), **{"train.max_steps": 3, **sets})
         assert code == 0, (name, err[-4000:])
         assert [int(r["step"]) for r in read_metrics(tmp_path / name / "metrics_train.csv")] == [3], name
 

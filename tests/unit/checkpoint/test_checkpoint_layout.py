@@ -16,6 +16,7 @@ import torch
 from megatron_vlm.checkpoint.layout import (
     LAYOUT_FILE,
     checkpoint_adapters,
+    checkpoint_trained,
     layout_refusals,
     read_layout,
     run_adapters,
@@ -73,11 +74,13 @@ def test_several_differences_are_all_named():
     assert [m.split(":")[0] for m in msgs] == ["parallel.backend", "lora"]
 
 
-def test_adapter_names_from_checkpoint_metadata_and_state_dict():
+def test_adapted_and_trained_names_from_checkpoint_metadata_and_state_dict():
     meta = ["model.model.layers.0.q_proj.lora_A.weight", "model.model.layers.0.q_proj.lora_B.weight",
             "model.model.layers.0.q_proj.weight", "optim.state.model.layers.0.q_proj.lora_A.weight.exp_avg"]
     assert checkpoint_adapters(meta) == {"model.layers.0.q_proj"}
     assert run_adapters(["model.layers.0.q_proj.lora_A.weight", "model.layers.0.q_proj.weight"]) == {"model.layers.0.q_proj"}
+    assert checkpoint_trained(meta + ["optim.state.model.norm.weight.step", "optim.param_groups.model.norm.weight.lr"]) == {
+        "model.layers.0.q_proj.lora_A.weight", "model.norm.weight"}
 
 
 def test_recorded_mcore_tp_is_checked_before_the_shards(tmp_path, capsys, monkeypatch):

@@ -2,8 +2,8 @@
 
 Why: a checkpoint holds the parameters under the names and shapes the writing run's settings gave
 them. `parallel.backend` ("native" / "mcore" decoder layers), `[lora]` (adapter factors, and an optimizer
-state that covers only them), `lora.r`, the adapted layers and the model itself decide those names and
-shapes. A run whose settings differ used to fail deep inside DCP with "Missing key in checkpoint
+state that covers only them), `lora.r`, the adapted layers, the model itself and, with full fine-tuning,
+`train.train_layers` (the parameters with optimizer state) decide those names and shapes. A run whose settings differ used to fail deep inside DCP with "Missing key in checkpoint
 state_dict: ..." — true, but it did not say which setting differs, what it was, or what to do. So every
 checkpoint records these settings (`run_layout`, written by rank 0 with the shards) and a resume compares
 them with the run's before any shard is read (`layout_refusals`, `adapter_refusal`, `trained_refusal`): a

@@ -2,7 +2,8 @@
 
 Layout: `<output_dir>/checkpoints/step_<N>/` holding a torch.distributed.checkpoint (DCP) of the
 sharded model + optimizer state, `extra_rank<R>.pt` per rank (scheduler, data-loader position, RNG
-states, step) and a `COMPLETE` marker. Only folders with the marker are ever loaded.
+states, step), `layout.json` (the settings that decide the parameter names and shapes, checked before a
+resume: checkpoint/layout.py) and a `COMPLETE` marker. Only folders with the marker are ever loaded.
 
 Saving step N (`CheckpointManager.save`), every rank in the same order:
 1. rank 0 creates `.tmp_step_<N>`; 2. every rank writes its DCP shards and its extra file into it
@@ -44,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from megatron_vlm.checkpoint.hf import describe_error, fsync_dir, replace_dir
+from megatron_vlm.checkpoint.layout import write_layout
 
 log = logging.getLogger(__name__)
 
@@ -148,9 +150,11 @@ class CheckpointManager:
 
     # ---- saving -------------------------------------------------------------------------------
 
-    def save(self, step: int, model: torch.nn.Module, optimizer, extra: dict[str, Any]) -> Path:
-        """Write `step_<step>` (see the module docstring); raises `CheckpointError` on every rank
-        when any rank failed, with the previous checkpoint untouched."""
+    def save(self, step: int, model: torch.nn.Module, optimizer, extra: dict[str, Any],
+             layout: Optional[dict] = None) -> Path:
+        """Write `step_<step>` (see the module docstring), with the `layout` record (checkpoint/layout.py)
+        when given; raises `CheckpointError` on every rank when any rank failed, with the previous
+        checkpoint untouched."""
         final = self.root / f"step_{step}"
         if self.last_saved == step:
             log.info("checkpoint %s was already saved by this run: not saving it again", final)
@@ -177,6 +181,8 @@ class CheckpointManager:
                 torch.save({**extra, "rng": rng_state(), "step": step}, f)
                 f.flush()
                 os.fsync(f.fileno())
+            if layout is not None and self.rank == 0:
+                write_layout(tmp, layout)
         except FAILURES as e:
             err = describe_error(e)
         self._agree(step, "writing shards", err, tmp)

@@ -204,7 +204,9 @@ class CheckpointConfig:
     keep_last: int = 2
     """Keep the newest N complete checkpoints (0 = keep all)."""
     resume: str = "auto"
-    """"auto" = newest complete checkpoint in output_dir/checkpoints if any; "none"; or a checkpoint folder."""
+    """"auto" = newest complete checkpoint in output_dir/checkpoints if any; "none"; or a checkpoint folder. A checkpoint
+    resumes with the parallel.backend, [lora] (lora.r, adapted layers) and model family it was written with; a run
+    with others exits 2 naming the key and both values (other data-parallel / native tp / cp / pp sizes reshard)."""
     export_hf: bool = True
     """At the end, export a Hugging Face folder (safetensors + config + tokenizer + processor) to output_dir/hf."""
 

@@ -7,7 +7,11 @@ seed and prompt count), the RNG states and the step (`checkpoint.manager.Checkpo
 
 Failures end the job with one clear line on every rank (`error: ...` on stderr), never silently:
 - at start (exit 2): a `checkpoint.resume` folder that is not a complete checkpoint or not owned by
-  the current user, or no complete checkpoint that loads. With `resume = "auto"` a checkpoint that
+  the current user; a checkpoint written with other layout-defining settings (`parallel.backend`,
+  `[lora]`, `lora.r`, the adapted layers, the model, the megatron-core tp / ep: checkpoint/layout.py),
+  refused before any shard is read with the key, both values and what to do (no fallback to an older
+  checkpoint: the settings are the problem, not the file); or no complete checkpoint that loads. With
+  `resume = "auto"` a checkpoint that
   fails to load (corrupt, truncated, missing shards) is logged and the previous complete one is
   tried; with none at all the run logs that it starts fresh;
 - saving a checkpoint or the Hugging Face export (exit 1): a failure on any rank (a full disk
@@ -21,8 +25,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
 from megatron_vlm.checkpoint.export import export_hf_from_state_dict
 from megatron_vlm.checkpoint.hf import read_hf_config
+from megatron_vlm.checkpoint.layout import (
+    LAYOUT_FILE,
+    PREDATES,
+    adapter_refusal,
+    checkpoint_adapters,
+    checkpoint_trained,
+    layout_refusals,
+    read_layout,
+    run_adapters,
+    run_layout,
+    trained_refusal,
+)
 from megatron_vlm.checkpoint.manager import (
     FAILURES,
     CheckpointError,
@@ -56,6 +76,14 @@ def _fail(e: CheckpointError, code: int):
     raise SystemExit(code) from e
 
 
+def _model_type(model_path) -> Optional[str]:
+    """`model_type` of the model folder's config.json (None when it cannot be read)."""
+    try:
+        return read_hf_config(model_path).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
 @dataclass(frozen=True)
 class ResumePoint:
     step: int
@@ -74,6 +102,9 @@ class Checkpointer:
         self.manager = CheckpointManager(ctx.run_dir, self.cfg.keep_last, ctx.env.rank)
         self.mcore_tp = mcore_tp_of(getattr(wrapper, "model", wrapper))  # None: no megatron-core layers
         self.mcore_ep = mcore_ep_of(getattr(wrapper, "model", wrapper))
+        self.layout = run_layout(ctx.cfg, model_type=_model_type(self.model_path),
+                                 world_size=getattr(ctx.env, "world_size", 1), mcore_tp=self.mcore_tp, mcore_ep=self.mcore_ep)
+        """The record saved with each checkpoint and compared at resume (checkpoint/layout.py)."""
 
     @property
     def enabled(self) -> bool:
@@ -105,20 +136,33 @@ class Checkpointer:
                 log.info("checkpoint.resume = auto: no complete checkpoint in %s; starting fresh at step 0",
                          self.manager.root)
             return None
+        # what this run holds, computed on every rank before any checkpoint is looked at (may be collective)
+        lora = self.layout["lora"] is not None
+        adapters, trained = (self._adapters(), set()) if lora else (set(), self._trained())
         tried = []
         for i, path in enumerate(candidates):
-            err, extra = None, None
+            err, extra, refused = None, None, None
             try:
-                extra = self.manager.load(path, self.wrapper, self.optim.optimizer)
-                check_saved_mcore_tp(extra, self.mcore_tp)
-                check_saved_mcore_ep(extra, self.mcore_ep)
-                load_scheduler_state(self.optim.scheduler, extra["scheduler"])
-            except FAILURES as e:  # a corrupt checkpoint can raise anything
+                refused = self._layout_refusal(path, adapters, trained)
+            except FAILURES as e:  # an unreadable record or DCP metadata: like a corrupt checkpoint
                 err = describe_error(e)
+            refusals = [r for r in gather_errors(refused) if r]  # a rank's own adapters may differ (pp)
+            if refusals:
+                _fail(CheckpointError(refusals[0]), EXIT_RESUME_FAILED)
+            if err is None:
+                try:
+                    extra = self.manager.load(path, self.wrapper, self.optim.optimizer)
+                    check_saved_mcore_tp(extra, self.mcore_tp)
+                    check_saved_mcore_ep(extra, self.mcore_ep)
+                    load_scheduler_state(self.optim.scheduler, extra["scheduler"])
+                except FAILURES as e:  # a corrupt checkpoint can raise anything
+                    err = describe_error(e)
             failed = first_error(gather_errors(err))  # every rank takes the same branch
             if failed is None:
                 log.info("Resumed from checkpoint: step=%d (%s)", extra["step"], path)
                 return ResumePoint(step=int(extra["step"]), data=extra.get("data", {}))
+            if not (path / LAYOUT_FILE).is_file():
+                failed += f" ({PREDATES})"
             tried.append(f"{path}: {failed}")
             nxt = candidates[i + 1] if i + 1 < len(candidates) else None
             log.error("cannot load checkpoint %s (%s)%s", path, failed,
@@ -126,6 +170,43 @@ class Checkpointer:
         _fail(CheckpointError(
             "no checkpoint could be loaded (not starting from step 0 over them): " + "; ".join(tried)
             + '. Remove or repair them, or set checkpoint.resume = "none" to start fresh'), EXIT_RESUME_FAILED)
+
+    def _layout_refusal(self, path: Path, adapters: set[str], trained: set[str]) -> Optional[str]:
+        """Why this run (adapted layers `adapters`, or with full fine-tuning the parameters `trained` with optimizer
+        state on this rank) cannot load checkpoint `path` with its settings (None: it may try; also for a checkpoint
+        without the layout record). Reads only the record and the DCP metadata."""
+        saved = read_layout(path)
+        if saved is None:
+            log.info("checkpoint %s has no layout record (%s; written before it existed): loading it as it is",
+                     path, LAYOUT_FILE)
+            return None
+        problems = layout_refusals(saved, self.layout, path)
+        if not problems and saved.get("parallel.backend") == "mcore" and self.mcore_tp is not None:
+            for check, size in ((check_saved_mcore_tp, self.mcore_tp), (check_saved_mcore_ep, self.mcore_ep)):
+                try:
+                    check(saved, size)
+                except ValueError as e:
+                    problems.append(f"{e} ({path})")
+        if not problems:
+            keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            refused = (adapter_refusal(saved, self.layout, checkpoint_adapters(keys), adapters, path)
+                       if saved.get("lora") is not None
+                       else trained_refusal(saved, self.layout, checkpoint_trained(keys), trained, path))
+            problems += [refused] if refused else []
+        return "; ".join(problems) or None
+
+    def _trained(self) -> set[str]:
+        """The parameters this rank's optimizer holds state for, under the names a load asks the checkpoint for."""
+        return set(get_state_dict(self.wrapper, self.optim.optimizer)[1].get("state", {}))
+
+    def _adapters(self) -> set[str]:
+        """The adapted layers of the whole model (every pipeline stage's): a collective, on every rank."""
+        local = sorted(run_adapters(get_model_state_dict(self.wrapper).keys()))
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return set(local)
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, local)
+        return {n for names in every for n in names}
 
     def save(self, step: int, data_state: dict) -> None:
         """Save a checkpoint after `step` steps; exits 1 (`EXIT_SAVE_FAILED`) on every rank when any
@@ -135,7 +216,7 @@ class Checkpointer:
             if self.mcore_tp is not None:  # the layout of the megatron-core layers' fc1 rows (tp_shard.py)
                 extra["mcore_tp"] = self.mcore_tp
                 extra["mcore_ep"] = self.mcore_ep  # and of their expert rows (ep_shard.py)
-            self.manager.save(step, self.wrapper, self.optim.optimizer, extra)
+            self.manager.save(step, self.wrapper, self.optim.optimizer, extra, layout=self.layout)
         except CheckpointError as e:
             _fail(e, EXIT_SAVE_FAILED)
 

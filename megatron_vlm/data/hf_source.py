@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
-from megatron_vlm.data.data_files import HF_SUFFIXES
+from megatron_vlm.data.data_files import HF_SUFFIXES, DataFileError
 from megatron_vlm.data.messages import Record, normalize_messages, resolve_path
 from megatron_vlm.data.table_rows import TableRows
 
@@ -48,14 +48,14 @@ def _resolver(root: Path):
 
 
 def check_columns(rows: TableRows, columns: dict[str, str]) -> None:
-    """ValueError unless the mapping is usable and every file (with rows) has the mapped columns."""
+    """ValueError unless the mapping is usable and DataFileError unless every file (with rows) has the mapped columns."""
     if "messages" not in columns and not {"prompt", "answer"} <= set(columns):
         raise ValueError(f"{rows.name}: columns needs 'messages' or both 'prompt' and 'answer', got {sorted(columns)}")
     for file in rows.files:
         have = rows.columns(file)
         missing = sorted(c for c in columns.values() if c not in have)
         if have and missing:
-            raise ValueError(f"{file}: columns {missing} not in the dataset (has {have})")
+            raise DataFileError(f"{file}: columns {missing} not in the dataset (has {have})")
 
 
 def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, source: str, index: int) -> Record:

@@ -62,6 +62,8 @@ def run_sft(ctx: RunContext, *, before_step=None) -> int:
     bundle = build_model_bundle(ctx)
     check_moe_section(cfg, bundle.model)
     loader = build_train_loader(ctx, bundle, bad_records)
+    evaluate = SFTEvaluator(ctx, bundle, bad_records)
+    evaluate.prepare()  # an unusable eval split stops the job here, not at its first evaluation
     per_epoch = steps_per_epoch(loader, bundle.dims.dp_size, cfg.train.micro_batches_per_step)
     num_steps = total_steps(cfg.train, per_epoch)
     optim = build_optim_state(bundle.wrapper, cfg, ctx.device.type, num_steps)
@@ -69,7 +71,7 @@ def run_sft(ctx: RunContext, *, before_step=None) -> int:
     resume = checkpointer.resume()
     metrics = build_metrics_logger(ctx, num_steps, to_dict(ctx.cfg))
     step = SFTStep(ctx, bundle, optim, metrics, loader, total_steps=num_steps, bad_records=bad_records,
-                   evaluate=SFTEvaluator(ctx, bundle, bad_records))
+                   evaluate=evaluate)
     code = run_loop(ctx, step, total_steps=num_steps, checkpointer=checkpointer, metrics=metrics,
                     log_every=cfg.train.log_every, eval_every=cfg.train.eval_every, resume=resume, before_step=before_step)
     metrics.close()

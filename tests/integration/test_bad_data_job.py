@@ -1,14 +1,18 @@
-"""Bad data found by whole jobs (launch/pretrain_vlm.py, one process): stopped before training, exit 2.
+"""Bad data found by whole jobs (launch/pretrain_vlm.py, one process): refused before training or
+left out and counted, never an exit in the middle of a run.
 
-An SFT eval split none of whose records is usable (here: a malformed line and a record whose image
-is missing) used to be opened only at the first evaluation: the job trained, then exited 2 there,
-losing the steps since its last checkpoint. It is now refused at start-up, before step 1.
+- An SFT eval split none of whose records is usable (here: a malformed line and a record whose image
+  is missing) used to be opened only at the first evaluation: the job trained, then exited 2 there,
+  losing the steps since its last checkpoint. It is now refused at start-up, before step 1.
+- A GRPO prompt set with half its prompts over-long, one prompt per step: the first step that drew
+  only over-long prompts ended the run with exit 2. They are now left out at start-up and counted
+  (rl/prompt_lengths.py); the run trains every step.
 """
 from __future__ import annotations
 
 import json
 
-from jobs import run_job, small_demo_overrides
+from jobs import REPO, read_metrics, run_job, small_demo_overrides
 from PIL import Image
 
 
@@ -36,3 +40,27 @@ def test_unusable_eval_split_stops_the_job_before_the_first_step(tmp_path):
     assert "malformed_json" in last and "missing_image" in last and "Traceback" not in r.stderr
     assert "step 1/" not in r.stderr + r.stdout  # nothing trained
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+
+
+def test_grpo_over_long_prompts_are_left_out_at_start_not_fatal_mid_run(tmp_path):
+    from test_grpo_job import grpo_overrides
+
+    data = tmp_path / "data"
+    data.mkdir()
+    Image.new("RGB", (56, 56), (200, 30, 30)).save(data / "ok.png")
+    lines = [_line("ok.png", i) if i % 2 else json.dumps(json.loads(_line("ok.png", i)) | {"messages": [
+        {"role": "user", "content": [{"type": "image", "image": "ok.png"}, {"type": "text", "text": "word " * 300}]},
+        {"role": "assistant", "content": "red"}]}) + "\n" for i in range(8)]
+    (data / "prompts.jsonl").write_text("".join(lines))
+    out = tmp_path / "run"
+    overrides = [o for o in grpo_overrides(out, tmp_path / "assets", **{
+        "train.max_steps": 4, "rl.prompts_per_step": 1, "rl.group_size": 2, "rl.mini_batches_per_step": 1,
+        "rl.ppo_epochs": 1, "checkpoint.every_steps": 4}) if not o.startswith("data.synthetic")]
+    overrides += ['data.type="messages_jsonl"', f'data.train_path="{data / "prompts.jsonl"}"']
+    r = run_job(overrides, check=False, timeout=300, config=REPO / "launch" / "configs" / "demo_grpo.toml")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [int(row["step"]) for row in read_metrics(out / "metrics_train.csv")] == [1, 2, 3, 4]
+    bad = json.loads((out / "bad_records.json").read_text())
+    assert bad["by_category"] == {"too_long": 4}
+    assert sorted(rec["index"] for rec in bad["records"]) == [1, 3, 5, 7]
+    assert "4 of 8 prompts left out at start-up" in r.stderr

@@ -33,6 +33,7 @@ from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
 from megatron_vlm.config.sections import LoRAConfig
 from megatron_vlm.eval.answer_accuracy import answer_engine
 from megatron_vlm.eval.benchmark_eval import VerifierScorer, evaluate_benchmark
+from megatron_vlm.eval.benchmarks import open_benchmark
 from megatron_vlm.eval.grpo_accuracy import GRPOEvaluator
 from megatron_vlm.eval.report import write_eval_results
 from megatron_vlm.eval.sft import SFTEvaluator
@@ -155,6 +156,9 @@ def run_eval(ctx: RunContext) -> int:
     cfg = ctx.cfg
     if cfg.eval.adapter:
         ctx = dataclasses.replace(ctx, cfg=dataclasses.replace(cfg, lora=_eval_adapter_lora(cfg.eval.adapter)))
+    for i, bench in enumerate(cfg.eval.benchmarks):  # every benchmark's files readable before the first is scored
+        open_benchmark(bench, template=bench.prompt_template or cfg.eval.prompt_template,
+                       system_prompt=cfg.eval.system_prompt, key=f"eval.benchmarks[{i}].path")
     bundle = build_model_bundle(ctx)
     engine = answer_engine(ctx, bundle)
     scorer = VerifierScorer(cfg.eval)

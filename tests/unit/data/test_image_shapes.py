@@ -1,9 +1,10 @@
-"""An image shape the Qwen-VL image processors refuse is a named bad record, not an unexpected error.
+"""An image shape the model's image processor refuses is a named bad record, not an unexpected error.
 
-transformers' `smart_resize` raises ValueError for an aspect ratio over 200 (a 4000 x 3 strip); a job
-counted it as "unexpected_error" and logged its traceback as a possible bug. It is now
-"unsupported_shape", decided by the same rule (the reference: transformers raises exactly when we do,
-and agrees on the size otherwise).
+transformers' Qwen-VL `smart_resize` raises ValueError for an aspect ratio over 200 (a 4000 x 3 strip),
+and Nemotron-H Omni's `get_patch_grid_size` divides by zero when a thin image scales to 0 patches on
+one side; jobs counted them as "unexpected_error" and logged a traceback as a possible bug. They are
+now "unsupported_shape", decided by the same rules (the reference: transformers fails exactly when we
+refuse, and agrees on the size otherwise).
 """
 from __future__ import annotations
 
@@ -43,3 +44,4 @@ def test_a_strip_image_is_one_counted_bad_record(tmp_path, proc, write_image):
     loader = build_sft_dataloader(cfg, proc, seed=0, dp_rank=0, dp_size=1)
     assert [(b.index, b.category) for b in loader.bad_records.entries] == [(2, "unsupported_shape")]
     assert int(next(iter(loader))["num_samples"]) == 1
+

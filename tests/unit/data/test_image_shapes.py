@@ -4,7 +4,8 @@ transformers' Qwen-VL `smart_resize` raises ValueError for an aspect ratio over 
 and Nemotron-H Omni's `get_patch_grid_size` divides by zero when a thin image scales to 0 patches on
 one side; jobs counted them as "unexpected_error" and logged a traceback as a possible bug. They are
 now "unsupported_shape", decided by the same rules (the reference: transformers fails exactly when we
-refuse, and agrees on the size otherwise).
+refuse, and agrees on the size otherwise). Qwen-VL here; Nemotron-VL in test_processor_nemotron_vl.py,
+where transformers' torchvision-backed module can be imported.
 """
 from __future__ import annotations
 

@@ -4,6 +4,10 @@ left out and counted, never an exit in the middle of a run.
 - An SFT eval split none of whose records is usable (here: a malformed line and a record whose image
   is missing) used to be opened only at the first evaluation: the job trained, then exited 2 there,
   losing the steps since its last checkpoint. It is now refused at start-up, before step 1.
+- SFT packs whose every sample fails when processed (an image whose header reads but whose pixels do
+  not decode) made steps with no trained token: the optimizer still moved the weights (momentum,
+  weight decay) and the metrics logged a loss of 0. Such a step now takes the next packs (counted as
+  `data/empty_steps_skipped`); a split where no sample can be processed is exit 2 after an epoch.
 - A GRPO prompt set with half its prompts over-long, one prompt per step: the first step that drew
   only over-long prompts ended the run with exit 2. They are now left out at start-up and counted
   (rl/prompt_lengths.py); the run trains every step.
@@ -64,3 +68,36 @@ def test_grpo_over_long_prompts_are_left_out_at_start_not_fatal_mid_run(tmp_path
     assert bad["by_category"] == {"too_long": 4}
     assert sorted(rec["index"] for rec in bad["records"]) == [1, 3, 5, 7]
     assert "4 of 8 prompts left out at start-up" in r.stderr
+
+
+def _sft_on(tmp_path, images: list[str], **extra):
+    data = tmp_path / "data"
+    data.mkdir()
+    Image.new("RGB", (56, 56), (200, 30, 30)).save(data / "ok.png")
+    ok = (data / "ok.png").read_bytes()
+    (data / "cut.png").write_bytes(ok[: len(ok) // 2])  # the header reads (planning), the pixels do not
+    (data / "train.jsonl").write_text("".join(_line(name, i) for i, name in enumerate(images)))
+    out = tmp_path / "run"
+    overrides = [o for o in small_demo_overrides(out, tmp_path / "assets", **{
+        "data.max_tokens_per_pack": 60, "data.shuffle": "false", "checkpoint.enable": "false",
+        "checkpoint.export_hf": "false", **extra}) if not o.startswith("data.synthetic")]
+    overrides += ['data.type="messages_jsonl"', f'data.train_path="{data / "train.jsonl"}"', 'data.eval_path=""']
+    return out, run_job(overrides, check=False, timeout=300)
+
+
+def test_sft_step_whose_packs_hold_no_trained_token_takes_the_next_packs(tmp_path):
+    out, r = _sft_on(tmp_path, ["ok.png", "cut.png"] * 3, **{"train.max_steps": 4})  # one sample per pack
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = read_metrics(out / "metrics_train.csv")
+    assert [float(x["trained_tokens"]) for x in rows] == [3.0] * 4  # every step trains one real sample
+    assert [float(x["data/empty_steps_skipped"]) for x in rows] == [0.0, 1.0, 2.0, 3.0]
+    assert all(float(x["loss"]) > 1.0 for x in rows)
+    assert json.loads((out / "bad_records.json").read_text())["by_category"] == {"corrupt_image": 3}
+
+
+def test_sft_split_whose_samples_all_fail_when_processed_is_exit_2(tmp_path):
+    _, r = _sft_on(tmp_path, ["cut.png"] * 3, **{"train.max_steps": 4})
+    assert r.returncode == 2, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("config error: data.train: 4 packs in a row without a trained token"), last
+    assert "corrupt_image" in last and "Traceback" not in r.stderr

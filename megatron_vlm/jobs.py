@@ -179,6 +179,13 @@ def run_eval(ctx: RunContext) -> int:
                     "prompt_template": e.prompt_template, "seed": cfg.train.seed, "world_size": ctx.env.world_size}
         path = write_eval_results(ctx.run_dir, results, settings)
         log.info("evaluation results: %s and %s", path, path.with_suffix(".md"))
+    if results and not any(r["metrics"]["num_scored"] for r in results):
+        # one unusable benchmark among others is reported and the job goes on; none scored at all is a data /
+        # config mistake (the results files above name the bad records), exit 2 like an SFT split with nothing usable
+        first = next((b for r in results for b in r["bad_records"]["records"]), None)
+        raise ConfigError(f"eval.benchmarks: no row of any benchmark could be scored; first bad record: "
+                          f"{first['source']}:{first['index']}: {first['category']}: {first['detail']}" if first else
+                          "eval.benchmarks: no row of any benchmark could be scored (no rows)")
     return 0
 
 

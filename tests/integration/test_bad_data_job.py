@@ -8,6 +8,9 @@ left out and counted, never an exit in the middle of a run.
   not decode) made steps with no trained token: the optimizer still moved the weights (momentum,
   weight decay) and the metrics logged a loss of 0. Such a step now takes the next packs (counted as
   `data/empty_steps_skipped`); a split where no sample can be processed is exit 2 after an epoch.
+- An evaluation job none of whose benchmark rows could be scored (all malformed, all images missing)
+  exited 0 with empty metrics; it now writes its results and exits 2 naming the first bad record
+  (one unusable benchmark among usable ones is still reported and skipped).
 - A GRPO prompt set with half its prompts over-long, one prompt per step: the first step that drew
   only over-long prompts ended the run with exit 2. They are now left out at start-up and counted
   (rl/prompt_lengths.py); the run trains every step.
@@ -15,6 +18,9 @@ left out and counted, never an exit in the middle of a run.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 from jobs import REPO, read_metrics, run_job, small_demo_overrides
 from PIL import Image
@@ -101,3 +107,25 @@ def test_sft_split_whose_samples_all_fail_when_processed_is_exit_2(tmp_path):
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("config error: data.train: 4 packs in a row without a trained token"), last
     assert "corrupt_image" in last and "Traceback" not in r.stderr
+
+
+def test_eval_job_with_no_scorable_row_is_exit_2_after_writing_its_results(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "malformed.jsonl").write_text("{not json\n[1, 2]\n")
+    (data / "no_images.jsonl").write_text("".join(_line("missing.png", i) for i in range(2)))
+    out = tmp_path / "eval"
+    cfg = tmp_path / "eval.toml"
+    cfg.write_text(f'[model]\npath = "{tmp_path / "model"}"\nsynthesize = "tiny_qwen2_5_vl"\n[data]\nmax_tokens_per_pack = 256\n'
+                   f'num_workers = 0\n[train]\nmode = "eval"\noutput_dir = "{out}"\n[eval]\nmax_new_tokens = 4\n'
+                   f'[[eval.benchmarks]]\nname = "a"\npath = "{data / "malformed.jsonl"}"\nformat = "messages"\n'
+                   f'[[eval.benchmarks]]\nname = "b"\npath = "{data / "no_images.jsonl"}"\nformat = "messages"\n')
+    r = subprocess.run([sys.executable, str(REPO / "launch" / "pretrain_vlm.py"), "--config", str(cfg)], capture_output=True,
+                       text=True, timeout=300, cwd=str(REPO), env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("config error: eval.benchmarks: no row of any benchmark could be scored; first bad record: "
+                           f"{data / 'malformed.jsonl'}:1: malformed_json"), last
+    results = json.loads((out / "eval_results.json").read_text())["benchmarks"]
+    assert {k: v["bad_records"]["by_category"] for k, v in results.items()} == {
+        "a": {"malformed_json": 2}, "b": {"missing_image": 2}}

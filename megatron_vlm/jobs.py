@@ -33,6 +33,7 @@ from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
 from megatron_vlm.config.sections import LoRAConfig
 from megatron_vlm.eval.answer_accuracy import answer_engine
 from megatron_vlm.eval.benchmark_eval import VerifierScorer, evaluate_benchmark
+from megatron_vlm.eval.benchmarks import open_benchmark
 from megatron_vlm.eval.grpo_accuracy import GRPOEvaluator
 from megatron_vlm.eval.report import write_eval_results
 from megatron_vlm.eval.sft import SFTEvaluator
@@ -62,6 +63,8 @@ def run_sft(ctx: RunContext, *, before_step=None) -> int:
     bundle = build_model_bundle(ctx)
     check_moe_section(cfg, bundle.model)
     loader = build_train_loader(ctx, bundle, bad_records)
+    evaluate = SFTEvaluator(ctx, bundle, bad_records)
+    evaluate.prepare()  # an unusable eval split stops the job here, not at its first evaluation
     per_epoch = steps_per_epoch(loader, bundle.dims.dp_size, cfg.train.micro_batches_per_step)
     num_steps = total_steps(cfg.train, per_epoch)
     optim = build_optim_state(bundle.wrapper, cfg, ctx.device.type, num_steps)
@@ -69,7 +72,7 @@ def run_sft(ctx: RunContext, *, before_step=None) -> int:
     resume = checkpointer.resume()
     metrics = build_metrics_logger(ctx, num_steps, to_dict(ctx.cfg))
     step = SFTStep(ctx, bundle, optim, metrics, loader, total_steps=num_steps, bad_records=bad_records,
-                   evaluate=SFTEvaluator(ctx, bundle, bad_records))
+                   evaluate=evaluate)
     code = run_loop(ctx, step, total_steps=num_steps, checkpointer=checkpointer, metrics=metrics,
                     log_every=cfg.train.log_every, eval_every=cfg.train.eval_every, resume=resume, before_step=before_step)
     metrics.close()
@@ -153,6 +156,9 @@ def run_eval(ctx: RunContext) -> int:
     cfg = ctx.cfg
     if cfg.eval.adapter:
         ctx = dataclasses.replace(ctx, cfg=dataclasses.replace(cfg, lora=_eval_adapter_lora(cfg.eval.adapter)))
+    for i, bench in enumerate(cfg.eval.benchmarks):  # every benchmark's files readable before the first is scored
+        open_benchmark(bench, template=bench.prompt_template or cfg.eval.prompt_template,
+                       system_prompt=cfg.eval.system_prompt, key=f"eval.benchmarks[{i}].path")
     bundle = build_model_bundle(ctx)
     engine = answer_engine(ctx, bundle)
     scorer = VerifierScorer(cfg.eval)
@@ -173,6 +179,13 @@ def run_eval(ctx: RunContext) -> int:
                     "prompt_template": e.prompt_template, "seed": cfg.train.seed, "world_size": ctx.env.world_size}
         path = write_eval_results(ctx.run_dir, results, settings)
         log.info("evaluation results: %s and %s", path, path.with_suffix(".md"))
+    if results and not any(r["metrics"]["num_scored"] for r in results):
+        # one unusable benchmark among others is reported and the job goes on; none scored at all is a data /
+        # config mistake (the results files above name the bad records), exit 2 like an SFT split with nothing usable
+        first = next((b for r in results for b in r["bad_records"]["records"]), None)
+        raise ConfigError(f"eval.benchmarks: no row of any benchmark could be scored; first bad record: "
+                          f"{first['source']}:{first['index']}: {first['category']}: {first['detail']}" if first else
+                          "eval.benchmarks: no row of any benchmark could be scored (no rows)")
     return 0
 
 

@@ -42,6 +42,8 @@ CATEGORIES = (
     "image_too_large",       # an image / frame header declares more pixels than data.max_image_pixels
     "video_too_large",       # a video's sampled frames x pixels exceed data.max_video_pixels
     "timeout",               # decoding took longer than data.video_decode_timeout_s
+    "unsupported_shape",     # an image shape the model's processor refuses (Qwen-VL: aspect ratio over 200;
+                             # Nemotron-VL: a side that scales to 0 patches)
     "unexpected_error",      # any other exception while reading one record (type and message in the detail)
 )
 

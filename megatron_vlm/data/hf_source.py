@@ -9,7 +9,9 @@ row on demand, through the column mapping of the `[data] columns` table:
 - prompt / answer datasets (Geometry3K, ViRL39K style): {"prompt": col, "answer": col} with
   optional "image" / "images" (one or a list), "video" (frame list or path) and "system" columns;
   the user turn is [images..., video, prompt text]; "<image>" markers in the prompt are removed
-  because the images are placed before the text.
+  because the images are placed before the text. A prompt with markers must have as many as it has
+  images (else "placeholder_mismatch", as GRPO's prompt reader decides: a question about two
+  images given one must not train); a prompt without markers takes any number.
 
 Image columns are taken as stored (an Image feature's {bytes, path} struct, or a path), so planning
 packs reads only image headers. Relative paths resolve against `image_root`, else the folder of the
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
-from megatron_vlm.data.data_files import HF_SUFFIXES
+from megatron_vlm.data.data_files import HF_SUFFIXES, DataFileError
 from megatron_vlm.data.messages import Record, normalize_messages, resolve_path
 from megatron_vlm.data.table_rows import TableRows
 
@@ -48,14 +50,14 @@ def _resolver(root: Path):
 
 
 def check_columns(rows: TableRows, columns: dict[str, str]) -> None:
-    """ValueError unless the mapping is usable and every file (with rows) has the mapped columns."""
+    """ValueError unless the mapping is usable and DataFileError unless every file (with rows) has the mapped columns."""
     if "messages" not in columns and not {"prompt", "answer"} <= set(columns):
         raise ValueError(f"{rows.name}: columns needs 'messages' or both 'prompt' and 'answer', got {sorted(columns)}")
     for file in rows.files:
         have = rows.columns(file)
         missing = sorted(c for c in columns.values() if c not in have)
         if have and missing:
-            raise ValueError(f"{file}: columns {missing} not in the dataset (has {have})")
+            raise DataFileError(f"{file}: columns {missing} not in the dataset (has {have})")
 
 
 def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, source: str, index: int) -> Record:
@@ -97,6 +99,11 @@ def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, sourc
         if video is not None:
             items.append({"type": "video", "video": [resolve(x) for x in video] if isinstance(video, (list, tuple))
                           else resolve(video)})
+        markers = prompt.count("<image>")
+        n_images = sum(it["type"] == "image" for it in items)
+        if markers and markers != n_images:  # the rule of GRPO's reader (rl/data.py): the same rows usable in both
+            raise BadRecordError("placeholder_mismatch", f"column {c['prompt']!r}: {markers} <image> placeholders "
+                                                         f"but {n_images} images")
         items.append({"type": "text", "text": prompt.replace("<image>", "").strip()})
         system = row.get(c["system"]) if "system" in c else None
         raw = [{"role": "system", "content": system}] if system else []

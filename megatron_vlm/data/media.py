@@ -27,6 +27,13 @@ Bad input is refused before it costs memory or time (`MediaLimits`, from `[data]
 
 Other problems raise `BadRecordError`: missing_image / corrupt_image / video (undecodable, frames
 that differ in size or disagree with the metadata).
+
+Every decoded image and frame goes through `to_rgb`, not PIL's bare `convert("RGB")`, which is wrong
+for two common kinds of file: it drops the alpha channel, so a transparent PNG (a logo, a diagram,
+a screenshot) shows whatever colour its invisible pixels hold, often black on black; and it clips
+16-bit grayscale (medical / scientific PNG and TIFF) at 255, so most of such an image turns white.
+`to_rgb` composites transparency onto white, as transformers' image processors do
+(`image_transforms.convert_to_rgb`), and scales 16-bit samples to 8 bits (v / 257).
 """
 from __future__ import annotations
 
@@ -49,7 +56,7 @@ from megatron_vlm.data.config import (
 
 __all__ = [
     "MediaLimits", "DEFAULT_LIMITS", "VideoClip", "VideoInfo", "VideoDecoder", "PyAVDecoder", "set_video_decoder",
-    "load_image", "image_hw", "read_video", "subsample_indices", "describe", "MAX_ABANDONED_DECODES",
+    "load_image", "image_hw", "read_video", "subsample_indices", "describe", "MAX_ABANDONED_DECODES", "to_rgb",
 ]
 
 _FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
@@ -126,13 +133,35 @@ def image_hw(ref: Any, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> tuple[int,
     return h, w
 
 
+_WIDE_GRAY_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """`img` as 8-bit RGB (module docstring): transparency composited onto white; 16-bit samples
+    ("I;16*" modes) scaled by 1 / 257. 32-bit "I" and float "F" images are scaled the same way when
+    their values exceed 255 (they hold 16-bit data: older Pillow opens 16-bit PNGs as "I"), else
+    taken as 8-bit values."""
+    if img.mode == "RGB":
+        return img
+    if img.mode in _WIDE_GRAY_MODES:
+        a = np.asarray(img, dtype=np.float64)
+        if img.mode.startswith("I;16") or (a.size and a.max() > 255):
+            a = np.clip(a, 0, 65535) / 257.0
+        img = Image.fromarray(np.clip(np.round(a), 0, 255).astype(np.uint8), mode="L")
+    if "A" in img.getbands() or img.info.get("transparency") is not None:
+        rgba = img.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
 def load_image(ref: Any, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
-    """Decode fully to RGB once the header passed the pixel cap; truncated or corrupt data raises
-    BadRecordError("corrupt_image")."""
+    """Decode fully to RGB (`to_rgb`) once the header passed the pixel cap; truncated or corrupt data
+    raises BadRecordError("corrupt_image")."""
     img = _open(ref, max_pixels)
     try:
         img.load()
-        return img.convert("RGB")
+        return to_rgb(img)
     except Image.DecompressionBombError as e:
         raise BadRecordError("image_too_large", f"{describe(ref)}: {e}") from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:
@@ -330,7 +359,7 @@ def _read_video_file(item: dict, max_frames: int, default_fps: float, decode: bo
     if len(raw) != len(idx):
         raise BadRecordError("video", f"{describe(ref)}: decoded {len(raw)} of the {len(idx)} sampled frames "
                                       f"(the metadata says {info.num_frames} frames)")
-    frames = [(f if isinstance(f, Image.Image) else Image.fromarray(np.asarray(f))).convert("RGB") for f in raw]
+    frames = [to_rgb(f if isinstance(f, Image.Image) else Image.fromarray(np.asarray(f))) for f in raw]
     sizes = {f.size for f in frames}
     if sizes != {(info.width, info.height)}:
         raise BadRecordError("video", f"{describe(ref)}: decoded frame sizes {sorted(sizes)} differ from the "

@@ -17,7 +17,15 @@ planned for a whole epoch cheaply.
 
 Per-record problems raise `BadRecordError` (missing / corrupt image, an image or video over the
 `[data]` pixel caps, undecodable or too slow video, a placeholder count that does not match the
-images or the features).
+images or the features, an empty assistant answer).
+
+An assistant turn that is empty or only whitespace is a bad record ("invalid_record"), counted and
+skipped like the others: trained, it teaches the model to close its turn at once (its only label
+is the end-of-turn token), and a file of them is almost always a conversion bug (a wrong column,
+a failed generation) that would otherwise train silently on nothing. For generation (held-out
+answer accuracy, benchmarks) an empty reference answer cannot be scored and is refused the same
+way. Both are found while planning, from the text alone, so a split of only such records is a
+config error before training (`loader.require_usable`).
 """
 from __future__ import annotations
 
@@ -105,11 +113,22 @@ def _media(messages: list[dict]) -> tuple[list, list[dict]]:
     return images, videos
 
 
+def _blank(content) -> bool:
+    return isinstance(content, str) and not content.strip()
+
+
 def _rendered(record: Record, proc: VLProcessor, for_generation: bool):
     """(messages, reference answer, rendered text, image refs, video items, placeholder order)."""
     messages, answer = record.messages, None
     if for_generation:
         messages, answer = prompt_messages(messages)
+        if _blank(answer):
+            raise BadRecordError("invalid_record", "the last assistant turn (the reference answer) is empty")
+    else:
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant" and _blank(m["content"]):
+                raise BadRecordError("invalid_record", f"messages[{i}]: empty assistant answer (it would train "
+                                                       "the model to end its turn at once)")
     _check_text(messages, proc)
     text = proc.render(messages, add_generation_prompt=for_generation)
     images, videos = _media(messages)

@@ -178,13 +178,13 @@ class VLProcessor:
         family has them) and the vision tensors concatenated in placeholder order."""
         from transformers import BatchFeature
 
-        from megatron_vlm.data.media import VideoClip
+        from megatron_vlm.data.media import VideoClip, to_rgb
 
         texts = [text] if isinstance(text, str) else list(text or [])
         images = [images] if images is not None and not isinstance(images, (list, tuple)) else list(images or [])
-        items = {"image": self.process_images([im.convert("RGB") for im in images]) if images else [],
+        items = {"image": self.process_images([to_rgb(im) for im in images]) if images else [],
                  "video": [self.process_video(VideoClip(list(range(len(v))), len(v), float(fps), v[0].height,
-                                                        v[0].width, [f.convert("RGB") for f in v]))
+                                                        v[0].width, [to_rgb(f) for f in v]))
                            for v in (videos or [])]}
         order = [k for t in texts for k in placeholder_order(t, self.placeholders)]
         for kind in ("image", "video"):

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from megatron_vlm.data.bad_records import BadRecordError
 from megatron_vlm.data.expansion import Expansion, Run
 from megatron_vlm.data.processor import VisionItem, VLProcessor, read_json, special_token_id
 
@@ -45,10 +46,15 @@ _MODES = {2: "bilinear", 3: "bicubic"}  # PIL resample codes -> interpolate mode
 
 def patch_grid_size(height: int, width: int, patch_size: int, merge_size: int, min_num_patches: int,
                     max_num_patches: int) -> tuple[int, int]:
-    """(grid_h, grid_w) an image is resized to (Nemotron-H Omni's rule, module docstring)."""
+    """(grid_h, grid_w) an image is resized to (Nemotron-H Omni's rule, module docstring). An image so
+    thin that scaling it into max_num_patches leaves a side of 0 patches (transformers' rule divides by
+    zero there) is a bad record "unsupported_shape"."""
     gh, gw = _own_grid(height, patch_size), _own_grid(width, patch_size)
     scale = min(math.sqrt(max_num_patches / (gh * gw)), 1.0)
     gh, gw = math.floor(scale * gh), math.floor(scale * gw)
+    if gh * gw == 0:
+        raise BadRecordError("unsupported_shape", f"{width} x {height} pixels: a side scales to 0 patches within "
+                                                  f"max_num_patches = {max_num_patches} (aspect ratio too extreme)")
     if max_num_patches > min_num_patches and gh * gw < min_num_patches:
         scale = math.sqrt(min_num_patches / (gh * gw))
         gh, gw = math.ceil(scale * gh), math.ceil(scale * gw)

@@ -31,6 +31,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from megatron_vlm.data.bad_records import BadRecordError
 from megatron_vlm.data.expansion import Expansion, Run
 from megatron_vlm.data.processor import VisionItem, VLProcessor, read_json, special_token_id
 
@@ -40,8 +41,14 @@ QWEN_VL_IMAGE_PROCESSORS = frozenset({"Qwen2VLImageProcessor", "Qwen2VLImageProc
 
 
 def _smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """transformers' resize rule; an image it refuses (aspect ratio over 200, e.g. a 4000 x 3 strip)
+    is a bad record "unsupported_shape", not an unexpected error with a traceback."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
+    ratio = max(height, width) / max(min(height, width), 1)
+    if ratio > 200:
+        raise BadRecordError("unsupported_shape", f"{width} x {height} pixels: aspect ratio {ratio:.1f} is over 200, "
+                                                  "the limit of the Qwen-VL image processors")
     return smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
 
 

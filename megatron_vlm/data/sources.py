@@ -15,7 +15,7 @@ from typing import Optional, Protocol
 
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.config import DataConfig
-from megatron_vlm.data.data_files import MESSAGES_SUFFIXES, find_data_files
+from megatron_vlm.data.data_files import MESSAGES_SUFFIXES, data_path_errors, find_data_files
 from megatron_vlm.data.hf_source import HFRecords
 from megatron_vlm.data.messages import Record, read_messages_jsonl
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
@@ -81,8 +81,9 @@ def open_split(cfg: DataConfig, split: str, bad_records: Optional[BadRecordLog] 
         if split == "train":
             raise ValueError("data.train_path: required")
         return None
-    if cfg.type == "messages_jsonl":
-        return _messages_source(path, cfg.image_root or None, bad_records)
-    if cfg.type == "hf":
-        return HFRecords(path, cfg.columns, image_root=cfg.image_root or None, bad_records=bad_records)
+    with data_path_errors(f"data.{split}_path"):  # no files there, an unreadable table, missing columns: exit 2
+        if cfg.type == "messages_jsonl":
+            return _messages_source(path, cfg.image_root or None, bad_records)
+        if cfg.type == "hf":
+            return HFRecords(path, cfg.columns, image_root=cfg.image_root or None, bad_records=bad_records)
     raise ValueError(f"data.type: unknown source type {cfg.type!r}")

@@ -7,7 +7,8 @@ row the same way:
 - files: `data_files.find_data_files` (a file, a folder searched recursively, or a glob; sorted);
 - .parquet / .arrow files: Hugging Face `datasets` tables (memory-mapped; parquet is converted
   once into the datasets cache), rows returned as plain Python values without decoding anything:
-  an Image feature is its {"bytes", "path"} struct, a list of them a list of structs;
+  an Image feature is its {"bytes", "path"} struct, a list of them a list of structs; a file that
+  does not open as a table is a `DataFileError` naming it (the whole file, not one record);
 - every other file: JSON lines. Blank lines are not rows; a line that is not a JSON object (or
   nested too deeply to parse) is a bad record ("malformed_json"), a line that is not UTF-8 one
   ("invalid_encoding"); both are reported at open time and left out of the rows;
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
-from megatron_vlm.data.data_files import HF_SUFFIXES, TABLE_SUFFIXES, find_data_files
+from megatron_vlm.data.data_files import HF_SUFFIXES, TABLE_SUFFIXES, DataFileError, find_data_files
 
 __all__ = ["TableRows", "read_json_lines"]
 
@@ -89,10 +90,14 @@ class _TablePart:
         # `datasets` takes seconds to import; only tables need it, so JSON-lines reading stays cheap.
         import datasets
 
-        if file.suffix == ".arrow":
-            ds = datasets.Dataset.from_file(str(file))
-        else:
-            ds = datasets.Dataset.from_parquet(str(file), cache_dir=cache_dir)
+        try:
+            if file.suffix == ".arrow":
+                ds = datasets.Dataset.from_file(str(file))
+            else:
+                ds = datasets.Dataset.from_parquet(str(file), cache_dir=cache_dir)
+        except Exception as e:  # pyarrow / datasets raise many types for a file that is not a table
+            raise DataFileError(f"{file}: cannot be read as a {file.suffix} table ({type(e).__name__}: "
+                                f"{str(e)[:300]})") from None
         self.columns = list(ds.column_names)
         self.table = ds.with_format("arrow")  # rows as raw Arrow values: nothing decoded
 

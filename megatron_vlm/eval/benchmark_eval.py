@@ -112,7 +112,8 @@ def evaluate_benchmark(ctx: RunContext, bundle: ModelBundle, engine, bcfg: Bench
     """The results of one benchmark (the same dict on every rank; collective)."""
     ecfg: EvalConfig = ctx.cfg.eval
     env = ctx.env
-    opened = open_benchmark(bcfg, template=bcfg.prompt_template or ecfg.prompt_template, system_prompt=ecfg.system_prompt)
+    opened = open_benchmark(bcfg, template=bcfg.prompt_template or ecfg.prompt_template, system_prompt=ecfg.system_prompt,
+                            key=f"eval.benchmarks[{bench_index}].path")
     bad: BadRecordLog = opened.bad_records
     prompt_budget = ctx.cfg.data.max_tokens_per_pack - ecfg.max_new_tokens
     if prompt_budget < 16:

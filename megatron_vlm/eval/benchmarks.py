@@ -51,7 +51,7 @@ from typing import Any, Optional
 
 from megatron_vlm.config.eval_section import BenchmarkConfig
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
-from megatron_vlm.data.data_files import HF_SUFFIXES, MESSAGES_SUFFIXES, find_data_files
+from megatron_vlm.data.data_files import HF_SUFFIXES, MESSAGES_SUFFIXES, DataFileError, data_path_errors, find_data_files
 from megatron_vlm.data.messages import Record, read_messages_jsonl, resolve_path
 from megatron_vlm.data.sources import ListRecords
 from megatron_vlm.data.table_rows import TableRows
@@ -182,10 +182,10 @@ class BenchmarkRecords:
             required = [self.columns[k] for k in ("question", "answer", "images") if k in self.columns]
             missing = sorted(c for c in required if c not in have)  # choices / id: used when present
             if have and missing:
-                raise ValueError(f"eval.benchmarks {cfg.name!r}: {file} has no column(s) {missing} for format "
+                raise DataFileError(f"{file} has no column(s) {missing} for format "
                                  f"{cfg.format!r} (has {sorted(have)}); rename them with `columns`")
             if have and not image_cols and self.fmt.image_columns and not have & set(self.fmt.image_columns):
-                raise ValueError(f"eval.benchmarks {cfg.name!r}: {file} has none of the image columns "
+                raise DataFileError(f"{file} has none of the image columns "
                                  f"{list(self.fmt.image_columns)} of format {cfg.format!r}; name one with columns.images")
         self._n = min(len(self.rows), cfg.max_samples) if cfg.max_samples else len(self.rows)
 
@@ -234,11 +234,14 @@ def _messages_source(cfg: BenchmarkConfig, template: str, system_prompt: Optiona
     return OpenedBenchmark(ListRecords(cfg.path, out, find_data_files(cfg.path, MESSAGES_SUFFIXES)), bad)
 
 
-def open_benchmark(cfg: BenchmarkConfig, *, template: str, system_prompt: Optional[str] = None) -> OpenedBenchmark:
-    """The record source of one `[[eval.benchmarks]]` table (ValueError when its files or columns do
-    not fit the format)."""
-    if cfg.format == "messages":
-        return _messages_source(cfg, template, system_prompt)
-    src = BenchmarkRecords(cfg, template=template, system_prompt=system_prompt)
+def open_benchmark(cfg: BenchmarkConfig, *, template: str, system_prompt: Optional[str] = None,
+                   key: str = "eval.benchmarks.path") -> OpenedBenchmark:
+    """The record source of one `[[eval.benchmarks]]` table. No files at its path, a table that does not
+    open, or columns that do not fit the format: ConfigError starting with `key` (the caller's
+    "eval.benchmarks[i].path"; exit 2)."""
+    with data_path_errors(key):
+        if cfg.format == "messages":
+            return _messages_source(cfg, template, system_prompt)
+        src = BenchmarkRecords(cfg, template=template, system_prompt=system_prompt)
     return OpenedBenchmark(src, src.bad_records)
 

@@ -17,7 +17,7 @@ from megatron_vlm.parallel.collectives import all_reduce_sum
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 
-__all__ = ["heldout_loss"]
+__all__ = ["heldout_loss", "heldout_loader"]
 
 
 def _filler_pack(pad_id: int) -> dict:
@@ -25,13 +25,21 @@ def _filler_pack(pad_id: int) -> dict:
             "cu_seqlens": torch.tensor([0, 1], dtype=torch.int32), "num_samples": 0}
 
 
+def heldout_loader(ctx: RunContext, bundle: ModelBundle, *, bad_records=None):
+    """The eval split packed in file order for this rank, or None without an eval split; ConfigError
+    when no record of it is usable."""
+    return build_eval_dataloader(ctx.cfg.data, bundle.processor, dp_rank=getattr(bundle.dims, "dp_rank", ctx.env.rank),
+                                 dp_size=bundle.dims.dp_size, mode="packs", bad_records=bad_records)
+
+
 @torch.no_grad()
-def heldout_loss(ctx: RunContext, bundle: ModelBundle, *, bad_records=None, max_batches: int = 0) -> Optional[dict]:
+def heldout_loss(ctx: RunContext, bundle: ModelBundle, *, bad_records=None, max_batches: int = 0,
+                 loader=None) -> Optional[dict]:
     """{"loss", "perplexity", "tokens"} over the eval split (at most `max_batches` packs per rank,
-    0 = all), or None without an eval split or trained tokens."""
-    loader = build_eval_dataloader(ctx.cfg.data, bundle.processor, dp_rank=getattr(bundle.dims, "dp_rank", ctx.env.rank),
-                                   dp_size=bundle.dims.dp_size,
-                                   mode="packs", bad_records=bad_records)
+    0 = all), or None without an eval split or trained tokens. `loader`: the split's loader from
+    `heldout_loader` (built here when not given)."""
+    if loader is None:
+        loader = heldout_loader(ctx, bundle, bad_records=bad_records)
     if loader is None:
         return None
     nll = tok = 0.0

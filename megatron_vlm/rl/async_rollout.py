@@ -44,6 +44,7 @@ from megatron_vlm.rl.async_bridge import Role
 from megatron_vlm.rl.async_weights import receive_weights
 from megatron_vlm.rl.data import prompt_batches
 from megatron_vlm.rl.grpo_step import sampling_generator
+from megatron_vlm.rl.prompt_lengths import drop_unusable_prompts
 from megatron_vlm.rl.prompts import PromptEncoder, load_prompt_sets
 from megatron_vlm.rl.rewards.manager import RewardManager
 from megatron_vlm.rl.rollout.engine import SamplingParams
@@ -90,6 +91,7 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
     processor = load_processor(cfg.model.path, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
     bad = BadRecordLog()
     sets = load_prompt_sets(cfg.data, rl, run_dir=ctx.run_dir, is_main=False, barrier=barrier, bad_records=bad)
+    sets = drop_unusable_prompts(sets, processor, cfg.data, rl, bad)  # the trainer's filter: the same prompts
     if len(sets.train) != hello["num_prompts"]:
         raise RuntimeError(f"asynchronous GRPO: this rollout rank reads {len(sets.train)} training prompts, the trainer "
                            f"{hello['num_prompts']}")

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, Optional, Sequence
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpected
-from megatron_vlm.data.data_files import HF_SUFFIXES
+from megatron_vlm.data.data_files import HF_SUFFIXES, DataFileError
 from megatron_vlm.data.messages import Record
 from megatron_vlm.data.table_rows import TableRows
 
@@ -119,7 +119,7 @@ def detect_schema(columns: Sequence[str]) -> str:
     for name, required in _SCHEMA_COLUMNS.items():
         if set(required) <= cols:
             return name
-    raise ValueError(
+    raise DataFileError(
         f"prompt data: columns {sorted(cols)} match no schema; expected geometry3k {list(_SCHEMA_COLUMNS['geometry3k'])}, "
         f"virl39k {list(_SCHEMA_COLUMNS['virl39k'])} or messages ['messages', 'answer']"
     )
@@ -297,7 +297,7 @@ def load_prompt_dataset(
             cols = set(rows.columns(file))
             missing = [c for c in table_cols if c is not None and c not in cols]
             if missing:
-                raise ValueError(f"{file}: schema {schema!r} needs columns {missing} (has {sorted(cols)})")
+                raise DataFileError(f"{file}: schema {schema!r} needs columns {missing} (has {sorted(cols)})")
     names = _row_ids(rows, os.fspath(path))
     file_order = {str(f): k for k, f in enumerate(rows.files)}
     # rows and unreadable JSON lines, in file then line / row order
@@ -336,7 +336,7 @@ def load_prompt_dataset(
     if skipped:
         logger.warning("prompt data %s: skipped %d rows (first: %s: %s)", path, len(skipped), *skipped[0])
     if not samples:
-        raise ValueError(f"prompt data {path}: no usable rows ({len(skipped)} skipped; first reason: {skipped[0][1] if skipped else 'empty'})")
+        raise DataFileError(f"prompt data {path}: no usable rows ({len(skipped)} skipped; first reason: {skipped[0][1] if skipped else 'empty'})")
     return PromptDataset(samples, schema, skipped, bad)
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpected
-from megatron_vlm.data.data_files import HF_SUFFIXES, MESSAGES_SUFFIXES
+from megatron_vlm.data.data_files import HF_SUFFIXES, MESSAGES_SUFFIXES, data_path_errors
 from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
 from megatron_vlm.data.processing import process_record
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
@@ -81,17 +81,18 @@ def _load_prompt_sets(data_cfg, rl_cfg, *, run_dir: Path, is_main: bool, barrier
         if "messages" in cols:
             raise ValueError("data.columns: GRPO reads prompt / answer (/ images) columns, not a 'messages' column; "
                              "use data.type = 'messages_jsonl' for conversations")
-        mapping = {k: v for k, v in cols.items() if k in ("prompt", "answer", "images", "image")}
-        train = load_prompt_dataset(data_cfg.train_path, columns=mapping, suffixes=HF_SUFFIXES, **common)
-        evals = (load_prompt_dataset(data_cfg.eval_path, columns=mapping, suffixes=HF_SUFFIXES, **common)
-                 if data_cfg.eval_path else None)
-        return PromptSets(train, evals)
-    if data_cfg.type == "messages_jsonl":
+        common.update(columns={k: v for k, v in cols.items() if k in ("prompt", "answer", "images", "image")},
+                      suffixes=HF_SUFFIXES)
+    elif data_cfg.type == "messages_jsonl":
         common.update(schema="messages", suffixes=MESSAGES_SUFFIXES)
+    else:
+        raise ValueError(f"data.type: {data_cfg.type!r} has no GRPO prompt source")
+    # no files, an unreadable table, missing columns or no usable row: a ConfigError naming the key (exit 2)
+    with data_path_errors("data.train_path"):
         train = load_prompt_dataset(data_cfg.train_path, **common)
+    with data_path_errors("data.eval_path"):
         evals = load_prompt_dataset(data_cfg.eval_path, **common) if data_cfg.eval_path else None
-        return PromptSets(train, evals)
-    raise ValueError(f"data.type: {data_cfg.type!r} has no GRPO prompt source")
+    return PromptSets(train, evals)
 
 
 class PromptEncoder:

@@ -25,6 +25,7 @@ from megatron_vlm.parallel.collectives import any_rank, barrier
 from megatron_vlm.parallel.precision import compute_dtype
 from megatron_vlm.rl.data import prompt_batches
 from megatron_vlm.rl.grpo_step import GRPOStep
+from megatron_vlm.rl.prompt_lengths import drop_unusable_prompts
 from megatron_vlm.rl.prompts import PromptEncoder, PromptSets, load_prompt_sets
 from megatron_vlm.rl.reference import BaseModelReference, ReferencePolicy
 from megatron_vlm.rl.rewards.manager import RewardManager
@@ -123,6 +124,8 @@ def build_grpo_parts(ctx: RunContext, bundle: ModelBundle) -> GRPOParts:
     cfg, env, rl = ctx.cfg, ctx.env, ctx.cfg.rl
     bad_records = BadRecordLog()
     sets = load_prompt_sets(cfg.data, rl, run_dir=ctx.run_dir, is_main=env.is_main, barrier=barrier, bad_records=bad_records)
+    # over-long / unreadable prompts out before the first step (exit 2 when none is left), as the rollout ranks do
+    sets = drop_unusable_prompts(sets, bundle.processor, cfg.data, rl, bad_records)
     log.info("GRPO prompts: %d train, %s held-out", len(sets.train), len(sets.eval) if sets.eval else "no")
     dtype = compute_dtype(cfg.train.precision, getattr(torch, cfg.model.dtype), env.device)
     budget = max(rl.max_new_tokens, rl.eval.max_new_tokens or 0)

@@ -21,6 +21,7 @@ import torch
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.loader import build_sft_dataloader
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
+from megatron_vlm.errors import ConfigError
 from megatron_vlm.parallel import clip_grad_norm_
 from megatron_vlm.parallel.collectives import all_reduce_sum, barrier
 from megatron_vlm.training.bad_record_summary import write_bad_record_summary
@@ -91,6 +92,8 @@ class SFTStep:
         self._it = None
         self.n_params = sum(p.numel() for p in bundle.model.parameters())
         self.guard = StepGuard.from_config(ctx.cfg.train, ctx.env.device)
+        self.empty_steps_skipped = 0
+        """Times a step's packs held no trained token and were replaced by the next ones (`_skip_empty`)."""
 
     # ------------------------------------------------------------------ StepRunner
     def load_data_state(self, state: dict, step: int) -> None:  # noqa: ARG002
@@ -107,13 +110,19 @@ class SFTStep:
             self._it = iter(self.loader)
         cfg, env, b = self.ctx.cfg.train, self.ctx.env, self.bundle
         t0 = time.time()
-        micro = [next(self._it) for _ in range(cfg.micro_batches_per_step)]
-        local = [sum(int(m["num_label_tokens"]) for m in micro), sum(int(m["num_samples"]) for m in micro),
-                 sum(int(m["input_ids"].numel()) for m in micro)]
         # the tp ranks of a group read the same micro-batches: count each data shard once
         copies = getattr(b.dims, "data_copies", 1)
-        g_tokens, g_samples, g_seq = (v / copies for v in all_reduce_sum(local, env.device))
-        denom = max(g_tokens, 1.0)
+        fetched = 0
+        while True:
+            micro = [next(self._it) for _ in range(cfg.micro_batches_per_step)]
+            fetched += len(micro)
+            local = [sum(int(m["num_label_tokens"]) for m in micro), sum(int(m["num_samples"]) for m in micro),
+                     sum(int(m["input_ids"].numel()) for m in micro)]
+            g_tokens, g_samples, g_seq = (v / copies for v in all_reduce_sum(local, env.device))
+            if g_tokens > 0:
+                break
+            self._skip_empty(step, fetched)  # every rank sees the same sums: all fetch again together
+        denom = g_tokens
         loss_sum = 0.0
         b.wrapper.train()
         if b.pipeline is not None:  # parallel.pp > 1: the 1F1B schedule runs forward + backward (parallel/pipeline.py)
@@ -152,6 +161,7 @@ class SFTStep:
             "epoch": getattr(self.loader, "epoch", 0),
             "step_time_s": dt,
             "skipped_steps": float(self.guard.skipped),
+            "data/empty_steps_skipped": float(self.empty_steps_skipped),
         }
         stats = self.loader.stats() if hasattr(self.loader, "stats") else {}
         out.update({f"data/{k}": v for k, v in stats.items() if isinstance(v, (int, float))})
@@ -162,6 +172,23 @@ class SFTStep:
         if moe_report is not None:
             out.update(moe_report[0])
         return out
+
+    def _skip_empty(self, step: int, fetched: int) -> None:
+        """No rank's micro-batches of this step hold a trained token: every sample in them failed when it
+        was processed (an image whose header read but whose pixels do not decode, a video decoder past
+        its timeout; counted in bad_records.json). Updating on them would move the weights by momentum
+        and weight decay alone and log a loss of 0, so the step takes the next packs instead (counted
+        as `data/empty_steps_skipped`). A whole epoch of packs without one trained token is a
+        ConfigError (exit 2): nothing of the split can be trained on."""
+        self.empty_steps_skipped += 1
+        if self.empty_steps_skipped <= 5:
+            log.warning("step %d: no trained token in this step's packs (their samples failed when processed; see "
+                        "bad_records.json): taking the next packs instead of updating on nothing", step + 1)
+        per_epoch = getattr(self.loader, "packs_per_epoch", 0) // max(1, self.bundle.dims.dp_size)
+        if fetched > max(per_epoch, 1):
+            raise ConfigError(f"data.train: {fetched} packs in a row without a trained token (more than an epoch, "
+                              f"{per_epoch} packs per rank): every sample failed when processed; see "
+                              f"{self.bad_records.counts_by_category() if self.bad_records is not None else 'the log'}")
 
     def finish(self) -> None:
         """Gather every rank's skipped records and write one summary (rank 0)."""

@@ -6,7 +6,10 @@ one verifier call per completion, runs all calls of a batch through the `RewardW
 sums `weight * value` per completion. A call that times out or raises scores 0 for that verifier
 only; it is counted (`num_timeouts`, `num_errors`, exposed as metrics) and logged — the first few
 per verifier in full, then every 100th — so a broken verifier is visible without flooding the log.
-A non-finite or out-of-range value (beyond +-`value_limit`) is clipped by the pool and counted
+A custom verifier whose module or function cannot be imported is a ConfigError naming
+`rl.rewards[i].function` when the manager is built (the workers start then and report what they
+could not import): found by a job whose misspelt function scored every completion 0, with a warning
+per call, and trained on nothing. A non-finite or out-of-range value (beyond +-`value_limit`) is clipped by the pool and counted
 (`num_clipped`, `reward/clipped`); the clipped value is used. The pool's memory cap, parent-death
 and batch deadline are passed through (see pool.py).
 """
@@ -17,6 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
+from megatron_vlm.errors import ConfigError
 from megatron_vlm.rl.rewards.config import CustomRewardConfig
 from megatron_vlm.rl.rewards.pool import RewardCall, RewardWorkerPool
 
@@ -65,6 +69,13 @@ class RewardManager:
         self.pool = RewardWorkerPool(num_workers=num_workers, timeout_s=timeout_s, start_method=start_method, preload=custom,
                                      memory_limit_mb=memory_limit_mb, batch_timeout_s=batch_timeout_s,
                                      value_limit=value_limit)
+        if custom:  # a custom verifier that does not import is a config error now, not 0 for every call
+            failed = self.pool.start()
+            bad = [(i, fn) for i, (verifier, fn, _) in enumerate(self._specs) if verifier == "custom" and fn in failed]
+            if bad:
+                self.pool.close()
+                i, fn = bad[0]
+                raise ConfigError(f"rl.rewards[{i}].function: {failed[fn]}")
         self.num_calls = 0
         self.num_timeouts = 0
         self.num_errors = 0

@@ -32,6 +32,7 @@ Limits, so that a verifier cannot take the run down with it:
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import math
 import multiprocessing as mp
@@ -140,12 +141,13 @@ def _worker_main(conn: Connection, preload: tuple = (), memory_limit_mb: int = 0
     # time limit is not spent on imports
     import megatron_vlm.rl.rewards.verifiers  # noqa: F401
 
-    for function in preload:  # custom verifiers; an import error is reported by the first call instead
+    failed: dict[str, str] = {}
+    for function in preload:  # custom verifiers; a failure goes back with "ready" (`start`) and to every call
         try:
             cache[("custom", function)] = resolve_verifier("custom", function)
-        except Exception:  # noqa: BLE001
-            pass
-    conn.send(("ready", os.getpid(), 0.0, ""))
+        except Exception as e:  # noqa: BLE001
+            failed[function] = (str(e) if type(e) is ValueError else f"{type(e).__name__}: {e}")[:300]
+    conn.send(("ready", os.getpid(), 0.0, json.dumps(failed) if failed else ""))
     while True:
         try:
             msg = conn.recv()
@@ -262,6 +264,31 @@ class RewardWorkerPool:
         nw = _Worker(self._ctx, self.start_timeout_s, self._preload, self.memory_limit_mb)
         self._workers[self._workers.index(w)] = nw
         return nw
+
+    def start(self) -> dict[str, str]:
+        """Start the workers now and wait until each is ready; returns {dotted path: error} for the
+        `preload` functions a worker could not import (empty when all resolve), so a caller can refuse
+        a misspelt custom verifier before the first step instead of scoring every call 0. RuntimeError
+        when a worker does not start."""
+        self._ensure_started()
+        failed: dict[str, str] = {}
+        for w in self._workers:
+            while not w.ready:
+                left = w.start_deadline - time.monotonic()
+                if left <= 0 or not w.conn.poll(left):
+                    self.close()
+                    raise RuntimeError(f"reward worker did not start within {self.start_timeout_s:g} s")
+                try:
+                    cid, _, _, detail = w.conn.recv()
+                except (EOFError, OSError):
+                    w.proc.join(timeout=5)
+                    code = w.proc.exitcode
+                    self.close()
+                    raise RuntimeError(f"reward worker exited during start-up (exit code {code}); see its traceback above")
+                if cid == "ready":
+                    w.ready = True
+                    failed.update(json.loads(detail) if detail else {})
+        return failed
 
     # -- running ---------------------------------------------------------------------------------
     def _checked(self, value: float, status: str, detail: str) -> CallResult:

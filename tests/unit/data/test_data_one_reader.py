@@ -114,3 +114,19 @@ def test_messages_jsonl_folder_same_records_for_sft_and_grpo(tmp_path):
     assert [(s.source, s.index, s.answer) for s in grpo.samples] == [(r.source, r.index, r.messages[-1]["content"]) for r in sft]
     assert [(e.source, e.index, e.category) for e in log.entries] == [(b, 2, "malformed_json")]
     assert [(e.source, e.index, e.category) for e in grpo.bad_records.entries] == [(b, 2, "malformed_json")]
+
+
+def test_image_placeholder_count_is_checked_identically(tmp_path, write_image, proc):
+    """A prompt whose "<image>" markers do not match its images (two markers, one image; a marker and no
+    image) is a "placeholder_mismatch" in SFT as in GRPO; a prompt without markers takes its images."""
+    write_image(tmp_path / "a.png")
+    rows = [("<image> and <image>: which is larger?", ["a.png"]), ("<image> What colour?", []),
+            ("What colour?", ["a.png"]), ("<image> What colour?", ["a.png"])]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"problem": q, "answer": "red", "images": ims}) + "\n" for q, ims in rows))
+    cfg = DataConfig(type="hf", train_path=str(path), columns=COLUMNS, num_workers=0)
+    sft = build_sft_dataloader(cfg, proc, seed=0, dp_rank=0, dp_size=1).bad_records
+    grpo = load_prompt_dataset(path, columns=COLUMNS).bad_records
+    where = lambda log: [(b.index, b.category) for b in log.entries]  # noqa: E731
+    assert where(sft) == where(grpo) == [(1, "placeholder_mismatch"), (2, "placeholder_mismatch")]
+    assert "2 <image> placeholders but 1 images" in sft.entries[0].detail

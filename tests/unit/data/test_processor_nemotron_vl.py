@@ -145,6 +145,25 @@ def test_patch_grid_rule_matches_transformers(hf_image_module):
             assert patch_grid_size(h, w, 16, 2, lo, hi) == hf_image_module.get_patch_grid_size(h, w, 16, 2, lo, hi), (h, w, lo, hi)
 
 
+@pytest.mark.parametrize("hw", [(3, 4000), (4000, 3), (3, 600), (20, 2000), (17, 2100), (1, 1)])
+@pytest.mark.parametrize("budget", [64, 1024])
+def test_too_thin_image_is_a_bad_record_where_transformers_divides_by_zero(hf_image_module, hw, budget):
+    """A side that scales to 0 patches: transformers' rule raises ZeroDivisionError, ours the bad record
+    "unsupported_shape" (was counted as "unexpected_error" with a traceback); sizes agree otherwise."""
+    from megatron_vlm.data.bad_records import BadRecordError
+    from megatron_vlm.data.processor_nemotron_vl import patch_grid_size
+
+    args = (*hw, 16, 2, 16, budget)
+    try:
+        expected = hf_image_module.get_patch_grid_size(*args)
+    except ZeroDivisionError:
+        with pytest.raises(BadRecordError, match="scales to 0 patches") as got:
+            patch_grid_size(*args)
+        assert got.value.category == "unsupported_shape"
+    else:
+        assert patch_grid_size(*args) == expected
+
+
 def test_images_match_transformers_processor(proc, hf_proc, tmp_path):
     from megatron_vlm.data.processor_nemotron_vl import NemotronVLProcessor
 

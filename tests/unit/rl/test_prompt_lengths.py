@@ -1,0 +1,79 @@
+"""GRPO prompts that cannot fit (or be read) are left out at start-up, counted, never a mid-run exit.
+
+Found by a job with half its prompts over-long and `rl.prompts_per_step = 1`: the first step that drew
+only over-long prompts ended the run with exit 2. `drop_unusable_prompts` now drops them before the
+first step, with the exact boundary of the step-time encoder (the reference here: `PromptEncoder`
+encodes what is kept and refuses what is dropped as too long), counts them as bad records, and a set
+with nothing left is a ConfigError naming its key.
+"""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from PIL import Image
+from test_rl_prompt_faults import write_png_bomb
+
+from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.data.config import DataConfig
+from megatron_vlm.data.processing import process_record
+from megatron_vlm.errors import ConfigError
+from megatron_vlm.rl.data import load_prompt_dataset
+from megatron_vlm.rl.prompt_lengths import drop_unusable_prompts
+from megatron_vlm.rl.prompts import PromptEncoder, PromptSets
+
+NEW, EVAL_NEW = 8, 12
+
+
+@pytest.fixture(scope="module")
+def proc(tmp_path_factory):
+    from megatron_vlm.testing.tiny_processor import build_tiny_qwen2_5_vl_processor
+
+    return build_tiny_qwen2_5_vl_processor(tmp_path_factory.mktemp("proc"))
+
+
+def _row(image: str, q: str) -> str:
+    return json.dumps({"messages": [{"role": "user", "content": [{"type": "image", "image": image},
+                                                                 {"type": "text", "text": q}]},
+                                    {"role": "assistant", "content": "x"}]}) + "\n"
+
+
+def _set(tmp_path, questions, name="p.jsonl", image="ok.png"):
+    Image.new("RGB", (56, 56), (200, 30, 30)).save(tmp_path / "ok.png")
+    path = tmp_path / name
+    path.write_text("".join(_row(image if q != "BOMB" else "bomb.png", q) for q in questions))
+    return path, load_prompt_dataset(path, schema="messages")
+
+
+def _cfgs(max_tokens: int):
+    return (DataConfig(type="messages_jsonl", max_tokens_per_pack=max_tokens),
+            SimpleNamespace(max_new_tokens=NEW, eval=SimpleNamespace(max_new_tokens=EVAL_NEW)))
+
+
+def test_the_boundary_is_the_encoders(tmp_path, proc):
+    write_png_bomb(tmp_path / "bomb.png", 9_000)
+    qs = ["What colour?", "What colour is it?", "word " * 300, "BOMB", "What shape?"]
+    path, ds = _set(tmp_path, qs)
+    n = len(process_record(ds[0].to_record(), proc, max_frames=4, for_generation=True))
+    assert len(process_record(ds[1].to_record(), proc, max_frames=4, for_generation=True)) > n
+    data_cfg, rl_cfg = _cfgs(n + EVAL_NEW)  # the first prompt fits exactly (the larger of the two budgets)
+    log = BadRecordLog()
+    out = drop_unusable_prompts(PromptSets(ds, None), proc, data_cfg, rl_cfg, log)
+    kept = [s.index for s in out.train.samples]
+    assert kept == [1, 5] and out.eval is None
+    assert [(b.index, b.category) for b in log.entries] == [(2, "too_long"), (3, "too_long"), (4, "image_too_large")]
+    assert [(b.index, b.category) for b in out.train.bad_records.entries] == [(b.index, b.category) for b in log.entries]
+    enc = PromptEncoder(proc, max_frames=4, fps=2.0, max_new_tokens=EVAL_NEW, max_tokens=n + EVAL_NEW)
+    assert all(enc.encode(s) is not None for s in out.train.samples)
+    assert enc.encode(ds[1]) is None and enc.last_skip.split(": ")[1] == "too_long"
+
+
+def test_a_set_with_nothing_left_is_a_config_error_naming_its_key(tmp_path, proc):
+    _, train = _set(tmp_path, ["What colour?"], "train.jsonl")
+    _, evals = _set(tmp_path, ["word " * 300, "word " * 200], "eval.jsonl")
+    data_cfg, rl_cfg = _cfgs(200)
+    with pytest.raises(ConfigError, match=r"^data\.eval_path: none of the 2 prompts can be used .*too_long.*eval\.jsonl:1"):
+        drop_unusable_prompts(PromptSets(train, evals), proc, data_cfg, rl_cfg)
+    with pytest.raises(ConfigError, match=r"^data\.train_path: none of the 2 prompts"):
+        drop_unusable_prompts(PromptSets(evals, None), proc, data_cfg, rl_cfg)

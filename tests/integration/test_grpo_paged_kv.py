@@ -30,6 +30,7 @@ CLOSE = {"loss": 1e-6, "grad_norm": 1e-6, "actor/clip_frac": 1e-6, "rollout/mism
          "rollout/mismatch_ratio_min": 2e-7, "rollout/mismatch_ratio_max": 2e-7, "rollout/logprob_abs_diff": 1e-7}
 
 
+@pytest.mark.heavy  # two GRPO jobs (~21 s); CI keeps the unit tests (config flow, lock-step steps on the paged cache)
 def test_paged_kv_cache_job_trains_like_the_slot_cache(tmp_path):
     assets = tmp_path / "assets"
     rows, evals = {}, {}
@@ -63,7 +64,7 @@ def test_hybrid_decoder_job_exits_2_naming_the_key(tmp_path):
     assert errors[0].startswith("config error: rl.kv_block_size: 4 (the paged KV cache) is not possible: ") and "Mamba2" in errors[0]
 
 
-@pytest.mark.heavy  # three jobs (one of two processes); CI keeps the comparison above and the unit tests
+@pytest.mark.heavy  # three jobs (one of two processes)
 def test_async_rollout_ranks_and_a_fixed_pool(tmp_path):
     assets = tmp_path / "assets"
     common = {"rl.kl_coef": "0.0", "rl.recompute_logprobs": "false", "rl.ppo_epochs": "1", "rl.eval.at_start": "false",

@@ -82,5 +82,6 @@ def _all(tmp: Path, rank: int) -> None:
     _grpo_lora(tmp, rank, tp=2)
 
 
+@pytest.mark.heavy  # ~38 s; CI keeps the one-process megatron-core LoRA job
 def test_mcore_lora_dp_cp_ep_pp_match_native(tmp_path):
     spawn(tmp_path, _all)

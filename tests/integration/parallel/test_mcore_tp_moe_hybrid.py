@@ -85,6 +85,7 @@ def _sft(tmp: Path, rank: int) -> None:
     _same_moe_stats(tmp / "nemotron_vl", rank, "tp")
 
 
+@pytest.mark.heavy  # ~25 s; CI keeps test_mcore_tp's dense tp = 2 job
 def test_mcore_tp2_moe_and_hybrid_sft_match_native(tmp_path):
     spawn(tmp_path, _sft)
 

@@ -12,6 +12,7 @@ from jobs import read_metrics, run_job, small_demo_overrides
 pytestmark = pytest.mark.distributed
 
 
+@pytest.mark.heavy  # ~15 s; CI keeps the fp32 pp = 2 family test
 def test_pp2_bf16_nemotron_vl_trains_like_dp2(tmp_path):
     assets = tmp_path / "assets"
     common = {"model.synthesize": '"tiny_nemotron_vl"', "train.train_layers": "[]", "train.precision": '"bf16"',

@@ -20,6 +20,7 @@ GRPO_STEPS = 40
 WINDOW = 10
 
 
+@pytest.mark.heavy  # ~50 s; CI keeps the GRPO job tests (test_grpo_job.py)
 def test_short_grpo_demo_raises_reward(tmp_path):
     assets, sft, grpo = tmp_path / "assets", tmp_path / "sft", tmp_path / "grpo"
     data = {"data.synthetic_dir": f'"{assets / "data"}"', "data.synthetic_train_size": "512", "data.synthetic_eval_size": "16"}

@@ -13,6 +13,7 @@ from test_grpo_job import GRPO_DEMO, grpo_overrides
 pytestmark = pytest.mark.distributed
 
 
+@pytest.mark.heavy  # ~15 s; CI keeps tests/unit/training/test_moe_balancing.py
 def test_grpo_moe_load_balancing(tmp_path):
     out, assets = tmp_path / "run", tmp_path / "assets"
     sets = grpo_overrides(out, assets, **{

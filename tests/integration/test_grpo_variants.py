@@ -58,6 +58,7 @@ ALWAYS = ("actor/entropy", "response_length/mean", "response_length/max", "respo
           "reward/zero_var_group_frac", "loss", "grad_norm")
 
 
+@pytest.mark.heavy  # ~31 s; CI keeps the loss-variant unit tests (tests/unit/rl/test_loss_variants.py)
 def test_grpo_demo_runs_every_variant(tmp_path):
     assets = tmp_path / "assets"
     for name, sets in JOBS.items():

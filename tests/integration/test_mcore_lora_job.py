@@ -24,6 +24,7 @@ def _assert_close(a: dict, b: dict, atol: float) -> None:
     assert worst[0] <= atol, worst
 
 
+@pytest.mark.heavy  # ~21 s; CI keeps the unit tests (tests/unit/mcore/test_mcore_lora.py)
 def test_mcore_lora_job_equals_native(tmp_path):
     native, mcore, resumed = tmp_path / "native", tmp_path / "mcore", tmp_path / "resumed"
     run_job(_overrides(native, tmp_path))

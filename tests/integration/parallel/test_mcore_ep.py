@@ -139,6 +139,7 @@ def _resume(tmp: Path, rank: int, family: str, runs: dict, ck: dict) -> None:
     dist.barrier()
 
 
+@pytest.mark.heavy  # ~14 s; CI keeps tests/unit/mcore/test_mcore_ep_shard.py
 def test_mcore_ep2_sft_matches_native_ep2(tmp_path):
     spawn(tmp_path, _parts)
 

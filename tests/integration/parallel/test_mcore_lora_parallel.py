@@ -82,6 +82,6 @@ def _all(tmp: Path, rank: int) -> None:
     _grpo_lora(tmp, rank, tp=2)
 
 
-@pytest.mark.heavy  # ~38 s; CI keeps the one-process megatron-core LoRA job
+@pytest.mark.heavy  # ~38 s; CI keeps the unit tests (tests/unit/mcore/test_mcore_lora.py)
 def test_mcore_lora_dp_cp_ep_pp_match_native(tmp_path):
     spawn(tmp_path, _all)

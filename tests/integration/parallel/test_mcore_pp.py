@@ -74,6 +74,7 @@ def _moe_and_hybrid(tmp: Path, rank: int) -> None:
     _same_pp(tmp, rank, "nemotron_vl")
 
 
+@pytest.mark.heavy  # ~16 s; CI keeps tests/unit/mcore/test_mcore_pipeline_stages.py
 def test_mcore_pp2_matches_native_pp2_and_resumes_with_pp1(tmp_path):
     spawn(tmp_path, _dense_and_resume)
 

@@ -114,6 +114,7 @@ def submit_sleeper(cluster, folder, name: str, *sbatch_args: str, wait_started: 
     return job_id, node_log
 
 
+@pytest.mark.heavy  # ~22 s; CI keeps the SIGTERM mid-run requeue test
 @pytest.mark.slow
 def test_header_signal_before_the_time_limit_requeues(tmp_path, slurm_cluster):
     # A 3-minute limit is shorter than the header's `--signal=B:TERM@180` lead time, so Slurm sends

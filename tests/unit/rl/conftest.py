@@ -11,3 +11,11 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def proc(tmp_path_factory):
+    """A tiny Qwen2.5-VL processor, built once per module (prompt-set tests)."""
+    from megatron_vlm.testing.tiny_processor import build_tiny_qwen2_5_vl_processor
+
+    return build_tiny_qwen2_5_vl_processor(tmp_path_factory.mktemp("proc"))

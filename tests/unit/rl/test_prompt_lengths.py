@@ -8,12 +8,11 @@ with nothing left is a ConfigError naming its key.
 """
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
 from PIL import Image
-from test_rl_prompt_faults import write_png_bomb
+from test_rl_prompt_faults import _row, write_png_bomb
 
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.config import DataConfig
@@ -24,19 +23,6 @@ from megatron_vlm.rl.prompt_lengths import drop_unusable_prompts
 from megatron_vlm.rl.prompts import PromptEncoder, PromptSets
 
 NEW, EVAL_NEW = 8, 12
-
-
-@pytest.fixture(scope="module")
-def proc(tmp_path_factory):
-    from megatron_vlm.testing.tiny_processor import build_tiny_qwen2_5_vl_processor
-
-    return build_tiny_qwen2_5_vl_processor(tmp_path_factory.mktemp("proc"))
-
-
-def _row(image: str, q: str) -> str:
-    return json.dumps({"messages": [{"role": "user", "content": [{"type": "image", "image": image},
-                                                                 {"type": "text", "text": q}]},
-                                    {"role": "assistant", "content": "x"}]}) + "\n"
 
 
 def _set(tmp_path, questions, name="p.jsonl", image="ok.png"):

@@ -44,13 +44,6 @@ def write_image():
     return write
 
 
-@pytest.fixture(scope="module")
-def proc(tmp_path_factory):
-    from megatron_vlm.testing.tiny_processor import build_tiny_qwen2_5_vl_processor
-
-    return build_tiny_qwen2_5_vl_processor(tmp_path_factory.mktemp("proc"))
-
-
 def _row(image: str, q: str) -> str:
     return json.dumps({"messages": [{"role": "user", "content": [{"type": "image", "image": image},
                                                                  {"type": "text", "text": q}]},

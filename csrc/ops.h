@@ -5,7 +5,9 @@
 //   first_fit_pack       host-side packing planner (megatron_vlm/data/packing.py first_fit_pack)
 //   topk_gating          MoE router: softmax / sigmoid(+bias) scores, grouped top-k, renormalised weights
 //   moe_permute_indices  token -> expert permutation by counting (no sort) and per-expert counts
-// CPU implementations are in host_ops.cpp and moe_routing_cpu.cpp, CUDA ones in cuda/.
+//   rms_norm_fwd / _bwd, swiglu_fwd / _bwd, rotary, decode_attention
+//                        fused fp32 CPU kernels of the per-token layer ops (cpu_layer_ops.cpp)
+// CPU implementations are in host_ops.cpp, moe_routing_cpu.cpp and cpu_layer_ops.cpp, CUDA ones in cuda/.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -33,6 +35,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_gating_cpu(const at::Tensor&
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_permute_indices_cpu(const at::Tensor& topk_ids,
                                                                        int64_t num_experts);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cpu(const at::Tensor& x, const at::Tensor& weight,
+                                                                const std::optional<at::Tensor>& residual,
+                                                                double eps);
+std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cpu(const at::Tensor& grad, const std::optional<at::Tensor>& grad_summed,
+                                                    const at::Tensor& normed_input, const at::Tensor& weight,
+                                                    const at::Tensor& rstd);
+at::Tensor swiglu_fwd_cpu(const at::Tensor& gate, const at::Tensor& up);
+std::tuple<at::Tensor, at::Tensor> swiglu_bwd_cpu(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up);
+at::Tensor rotary_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward);
+at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& cache_seqlens, const at::Tensor& block_table, int64_t max_seqlen_k,
+                                double scale);
 
 // Argument checks shared by the CPU, CUDA and Meta kernels (they raise ValueError in Python).
 void check_topk_gating_args(const at::Tensor& logits, const std::optional<at::Tensor>& bias, int64_t top_k,

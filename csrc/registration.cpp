@@ -45,6 +45,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_permute_indices_meta(const at
           at::empty({num_experts}, opts.dtype(at::kLong))};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_meta(const at::Tensor& x, const at::Tensor&,
+                                                                 const std::optional<at::Tensor>& residual, double) {
+  const int64_t h = x.size(-1);
+  return {at::empty_like(x), residual.has_value() ? at::empty_like(x) : at::empty({0}, x.options()),
+          at::empty({h ? x.numel() / h : 0}, x.options())};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_meta(const at::Tensor&, const std::optional<at::Tensor>&,
+                                                     const at::Tensor& normed_input, const at::Tensor& weight,
+                                                     const at::Tensor&) {
+  return {at::empty_like(normed_input), at::empty_like(weight)};
+}
+
+at::Tensor swiglu_fwd_meta(const at::Tensor& gate, const at::Tensor&) { return at::empty_like(gate); }
+
+std::tuple<at::Tensor, at::Tensor> swiglu_bwd_meta(const at::Tensor&, const at::Tensor& gate, const at::Tensor& up) {
+  return {at::empty_like(gate), at::empty_like(up)};
+}
+
+at::Tensor rotary_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&, bool) { return at::empty_like(x); }
+
+at::Tensor decode_attention_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, int64_t, double) {
+  return at::empty_like(q);
+}
+
 }  // namespace
 }  // namespace megatron_vlm
 
@@ -58,6 +84,14 @@ TORCH_LIBRARY(megatron_vlm, m) {
       "topk_gating(Tensor logits, Tensor? bias, int top_k, bool use_sigmoid, int n_group, int topk_group, "
       "bool renormalize, float scaling) -> (Tensor, Tensor, Tensor)");
   m.def("moe_permute_indices(Tensor topk_ids, int num_experts) -> (Tensor, Tensor, Tensor)");
+  m.def("rms_norm_fwd(Tensor x, Tensor weight, Tensor? residual, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("rms_norm_bwd(Tensor grad, Tensor? grad_summed, Tensor normed_input, Tensor weight, Tensor rstd) -> (Tensor, Tensor)");
+  m.def("swiglu_fwd(Tensor gate, Tensor up) -> Tensor");
+  m.def("swiglu_bwd(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
+  m.def("rotary(Tensor x, Tensor cos, Tensor sin, bool backward) -> Tensor");
+  m.def(
+      "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor block_table, "
+      "int max_seqlen_k, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(megatron_vlm, CPU, m) {
@@ -65,12 +99,24 @@ TORCH_LIBRARY_IMPL(megatron_vlm, CPU, m) {
   m.impl("first_fit_pack", &megatron_vlm::first_fit_pack_cpu);
   m.impl("topk_gating", &megatron_vlm::topk_gating_cpu);
   m.impl("moe_permute_indices", &megatron_vlm::moe_permute_indices_cpu);
+  m.impl("rms_norm_fwd", &megatron_vlm::rms_norm_fwd_cpu);
+  m.impl("rms_norm_bwd", &megatron_vlm::rms_norm_bwd_cpu);
+  m.impl("swiglu_fwd", &megatron_vlm::swiglu_fwd_cpu);
+  m.impl("swiglu_bwd", &megatron_vlm::swiglu_bwd_cpu);
+  m.impl("rotary", &megatron_vlm::rotary_cpu);
+  m.impl("decode_attention", &megatron_vlm::decode_attention_cpu);
 }
 
 TORCH_LIBRARY_IMPL(megatron_vlm, Meta, m) {
   m.impl("mrope_position_ids", &megatron_vlm::mrope_position_ids_meta);
   m.impl("topk_gating", &megatron_vlm::topk_gating_meta);
   m.impl("moe_permute_indices", &megatron_vlm::moe_permute_indices_meta);
+  m.impl("rms_norm_fwd", &megatron_vlm::rms_norm_fwd_meta);
+  m.impl("rms_norm_bwd", &megatron_vlm::rms_norm_bwd_meta);
+  m.impl("swiglu_fwd", &megatron_vlm::swiglu_fwd_meta);
+  m.impl("swiglu_bwd", &megatron_vlm::swiglu_bwd_meta);
+  m.impl("rotary", &megatron_vlm::rotary_meta);
+  m.impl("decode_attention", &megatron_vlm::decode_attention_meta);
 }
 
 // `import megatron_vlm._C` (after `import torch`): an empty module; the registrations above ran

@@ -101,6 +101,12 @@ def register_builtin_ops(registry) -> None:
                      auto_devices=("cpu", "cuda"), priority=5)
     register_backend("moe_topk_gating", "csrc", "megatron_vlm._ext:moe_topk_gating", registry=registry,
                      check=csrc_check, auto_devices=("cuda",), priority=5)
+    # fused fp32 CPU kernels of the per-token layer ops (csrc/cpu_layer_ops.cpp, kernels/csrc/layer_ops.py): auto
+    # on the CPU, where the references are chains of elementwise calls (benchmarks/kernels/bench_csrc_layer_ops.py)
+    from .csrc.layer_ops import check as csrc_layer_check
+
+    for op in ("rms_norm", "swiglu", "apply_rotary", "decode_attention"):
+        register(op, "csrc", f"csrc.layer_ops:{op}", check=csrc_layer_check, auto_devices=("cpu",), priority=5)
     # experimental: not yet run on a GPU. Expert-parallel dispatch / combine (parallel/expert_parallel.py):
     # our all_to_all_single, or DeepEP's Buffer.dispatch / combine (kernels/thirdparty/deep_ep.py)
     register_backend("moe_ep_dispatch", "torch", "megatron_vlm.parallel.expert_parallel:all_to_all_forward",

@@ -1,21 +1,29 @@
 """One decode step of `attend` on a `SlotCache` (the rollout engine's eager step) against a plain
-reconstruction: q and k rotated separately by the reference rotary, the new keys / values written with
+reconstruction: q and k rotated separately by `kernels.apply_rotary` (the same backend the step uses: the
+reference, or the fused CPU kernel under `auto`), the new keys / values written with
 ordinary indexing into a copy of the cache, and the loop ground truth of decode attention.
 
 Why: the step rotates q and k in one rotary call (heads side by side) and writes the keys with one
 `index_copy_` into the flattened cache; both are per-step shortcuts that must give exactly the same
 numbers and the same cache contents, also for slots that are not the first B in order."""
+import pytest
 import torch
 
 from kernels.reference.decode_attention import decode_attention_loop
-from kernels.reference.rotary import apply_rotary
+from megatron_vlm.kernels import apply_rotary, use_backends
 from megatron_vlm.models.common.attention import attend
 from megatron_vlm.models.common.kv_cache import KVCache
 from megatron_vlm.models.common.rotary import rope_cos_sin
 from megatron_vlm.models.common.slot_cache import SlotCache
 
 
-def test_slot_cache_step_equals_separate_rotary_and_indexed_write():
+@pytest.mark.parametrize("ops", ["torch", "auto"])
+def test_slot_cache_step_equals_separate_rotary_and_indexed_write(ops):
+    with use_backends({"apply_rotary": ops, "decode_attention": ops}):
+        _check_step()
+
+
+def _check_step():
     torch.manual_seed(0)
     layers, slots, max_len, hq, hkv, d = 2, 5, 12, 4, 2, 8
     cache = SlotCache(KVCache(layers, slots + 1, max_len, hkv, d))

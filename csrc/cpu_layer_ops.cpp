@@ -1,0 +1,501 @@
+// CPU kernels of the per-token layer ops: RMSNorm (+ fused residual add) forward / backward, SwiGLU
+// forward / backward, and decode attention over a slot / paged KV cache.
+//
+// Why: on a CPU the torch references of these ops are chains of 4-10 elementwise ATen calls, each
+// allocating a fresh full-size temporary and streaming it through memory once; at the GRPO and SFT
+// shapes of a small model that is a third of the step next to GEMMs that already run at the core's
+// rate. Here each op reads its inputs once and writes its outputs once, with the row reductions in
+// registers. Decode attention is one task per (sequence, kv head) over that sequence's own cached keys
+// (no padded batch, no mask), which is what a decoding step needs and what torch's flash SDPA does
+// with much more per-task overhead at one query token.
+//
+// Numerics: fp32 in and out (the Python wrappers in kernels/csrc/layer_ops.py send other dtypes to
+// the torch reference); reductions in fp32 in a fixed order per row, so a row's result does not depend
+// on the other rows, the thread count or the batch it came in. exp() is a Cephes-style polynomial
+// (range reduction to [-ln2/2, ln2/2], degree-5 polynomial, exponent by bit arithmetic, relative error
+// ~2e-7) in 8-wide vector code. Hot loops are compiled twice (AVX2 + FMA and the baseline ISA) and the
+// loader picks one for the running CPU (GCC target_clones on x86-64).
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MVLM_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define MVLM_CLONES
+#endif
+
+namespace megatron_vlm {
+namespace {
+
+// Eight floats as one value (GCC / Clang vector extension): AVX registers in the AVX2 clone, SSE pairs in the
+// baseline one. Loads and stores go through memcpy (unaligned). Written out rather than left to the
+// auto-vectoriser, which turned the rounding and clamps of exp() into slow code (~2x slower measured).
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+inline v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline v8f splat8(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+
+inline float hsum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+// exp(x) for x <= 0 (larger x is not passed here): clamp at -87.3 (exp underflows to ~1e-38, never 0 / NaN),
+// n = round(x / ln2) (x <= 0: truncating x / ln2 - 0.5), r = x - n ln2 in two parts, exp(r) by a degree-5
+// polynomial (|r| <= ln2 / 2), times 2^n built in the exponent bits. Relative error ~2e-7.
+inline v8f vexp_nonpos(v8f x) {
+  x = x < splat8(-87.3f) ? splat8(-87.3f) : x;
+  const v8i ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v8i);
+  const v8f n = __builtin_convertvector(ni, v8f);
+  const v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v8f p = splat8(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const v8f y = p * r * r + r + 1.0f;
+  const v8i bits = (ni + 127) << 23;
+  v8f scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+// sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) for x < 0, with e = exp(-|x|) <= 1 (no overflow).
+inline v8f vsigmoid(v8f x) {
+  const v8f e = vexp_nonpos(x < splat8(0.0f) ? x : -x);
+  const v8f inv = 1.0f / (1.0f + e);
+  return x < splat8(0.0f) ? e * inv : inv;
+}
+
+// Apply f(i, n8) over [0, n) in 8-wide steps; the last partial step runs on a zero-padded copy, so every
+// element goes through the same vector code (results do not depend on an element's position).
+template <typename F>
+inline void for_each8(int64_t n, F&& f) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) f(i, 8);
+  if (i < n) f(i, n - i);
+}
+
+inline v8f load_part(const float* p, int64_t k) {
+  if (k == 8) return load8(p);
+  float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  std::memcpy(tmp, p, sizeof(float) * k);
+  return load8(tmp);
+}
+
+inline void store_part(float* p, v8f v, int64_t k) {
+  if (k == 8) return store8(p, v);
+  float tmp[8];
+  store8(tmp, v);
+  std::memcpy(p, tmp, sizeof(float) * k);
+}
+
+// ---- RMSNorm --------------------------------------------------------------------------------------
+
+// Row reductions and elementwise loops below go through for_each8 (explicit 8-wide code, padded tail): the
+// auto-vectoriser may peel a few scalar iterations to align a row, and how many depends on the row's address,
+// which would make a row's sum (its rounding) depend on where it sits in the batch.
+MVLM_CLONES void rms_norm_rows(const float* x, const float* res, const float* w, float* out, float* summed,
+                               float* rstd, int64_t rows, int64_t h, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* s = x + r * h;
+    if (res != nullptr) {
+      float* sr = summed + r * h;
+      const float* rr = res + r * h;
+      for_each8(h, [&](int64_t i, int64_t k) { store_part(sr + i, load_part(s + i, k) + load_part(rr + i, k), k); });
+      s = sr;
+    }
+    v8f acc = splat8(0.0f);
+    for_each8(h, [&](int64_t i, int64_t k) {
+      const v8f v = load_part(s + i, k);
+      acc += v * v;
+    });
+    const float inv = 1.0f / std::sqrt(hsum8(acc) / static_cast<float>(h) + eps);
+    rstd[r] = inv;
+    float* o = out + r * h;
+    for_each8(h, [&](int64_t i, int64_t k) { store_part(o + i, load_part(s + i, k) * inv * load_part(w + i, k), k); });
+  }
+}
+
+// y = s * rstd * w: ds = rstd * g * w - s * rstd^3 * sum(g * w * s) / h (+ the gradient of the summed
+// output), dw += g * s * rstd (into this chunk's partial row).
+MVLM_CLONES void rms_norm_bwd_rows(const float* g, const float* g_summed, const float* s, const float* w,
+                                   const float* rstd, float* gs, float* gw, int64_t rows, int64_t h) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gr = g + r * h;
+    const float* sr = s + r * h;
+    const float inv = rstd[r];
+    v8f acc = splat8(0.0f);
+    for_each8(h, [&](int64_t i, int64_t k) { acc += load_part(gr + i, k) * load_part(w + i, k) * load_part(sr + i, k); });
+    const float c = inv * inv * inv * hsum8(acc) / static_cast<float>(h);
+    float* o = gs + r * h;
+    const float* gsr = g_summed != nullptr ? g_summed + r * h : nullptr;
+    for_each8(h, [&](int64_t i, int64_t k) {
+      const v8f gv = load_part(gr + i, k), sv = load_part(sr + i, k);
+      v8f d = inv * gv * load_part(w + i, k) - c * sv;
+      if (gsr != nullptr) d += load_part(gsr + i, k);
+      store_part(o + i, d, k);
+      store_part(gw + i, load_part(gw + i, k) + gv * sv * inv, k);
+    });
+  }
+}
+
+MVLM_CLONES void add_rows(const float* src, float* dst, int64_t n) {
+  for_each8(n, [&](int64_t i, int64_t k) { store_part(dst + i, load_part(dst + i, k) + load_part(src + i, k), k); });
+}
+
+// ---- SwiGLU ---------------------------------------------------------------------------------------
+
+MVLM_CLONES void swiglu_fwd_span(const float* g, const float* u, float* o, int64_t n) {
+  for_each8(n, [&](int64_t i, int64_t k) {
+    const v8f x = load_part(g + i, k);
+    store_part(o + i, x * vsigmoid(x) * load_part(u + i, k), k);
+  });
+}
+
+// out = silu(g) * u: du = grad * silu(g); dg = grad * u * sig(g) * (1 + g * (1 - sig(g))).
+MVLM_CLONES void swiglu_bwd_span(const float* grad, const float* g, const float* u, float* dg, float* du,
+                                 int64_t n) {
+  for_each8(n, [&](int64_t i, int64_t k) {
+    const v8f x = load_part(g + i, k), gr = load_part(grad + i, k);
+    const v8f sg = vsigmoid(x);
+    store_part(du + i, gr * x * sg, k);
+    store_part(dg + i, gr * load_part(u + i, k) * sg * (1.0f + x * (1.0f - sg)), k);
+  });
+}
+
+// ---- rotary (rotate-half convention, full width) --------------------------------------------------
+
+// out = x * cos + rotate_half(x) * sin per head, rotate_half(x1, x2) = (-x2, x1); backward (transpose):
+// g_x1 = g1 * cos1 + g2 * sin2, g_x2 = g2 * cos2 - g1 * sin1.
+MVLM_CLONES void rotary_rows(const float* x, const float* cs, const float* sn, float* out, int64_t rows, int64_t heads,
+                             int64_t d, bool backward) {
+  const int64_t half = d / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* c = cs + r * d;
+    const float* s = sn + r * d;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* xr = x + (r * heads + h) * d;
+      float* o = out + (r * heads + h) * d;
+      for_each8(half, [&](int64_t i, int64_t k) {
+        const v8f x1 = load_part(xr + i, k), x2 = load_part(xr + half + i, k);
+        const v8f c1 = load_part(c + i, k), c2 = load_part(c + half + i, k);
+        const v8f s1 = load_part(s + i, k), s2 = load_part(s + half + i, k);
+        if (!backward) {
+          store_part(o + i, x1 * c1 - x2 * s1, k);
+          store_part(o + half + i, x2 * c2 + x1 * s2, k);
+        } else {
+          store_part(o + i, x1 * c1 + x2 * s2, k);
+          store_part(o + half + i, x2 * c2 - x1 * s1, k);
+        }
+      });
+    }
+  }
+}
+
+// ---- decode attention -----------------------------------------------------------------------------
+
+// s[j] <- exp(s[j] - m) (m = max s), returns their sum (8 partial sums, added in a fixed order).
+inline float softmax_numerators(float* s, int64_t n, float m) {
+  v8f acc = splat8(0.0f);
+  for_each8(n, [&](int64_t j, int64_t k) {
+    v8f e = vexp_nonpos(load_part(s + j, k) - m);
+    if (k < 8) {  // padding lanes hold exp(0 - m): not part of the sum
+      for (int64_t lane = k; lane < 8; ++lane) e[lane] = 0.0f;
+    }
+    store_part(s + j, e, k);
+    acc += e;
+  });
+  return hsum8(acc);
+}
+
+// One (sequence, kv head): the `group` query rows of q (d apart) against `n` keys / values; key j of the
+// sequence is row `rows[j]` of the cache (rows d floats apart). kC = d / 8 as a template constant for the
+// common head sizes (the query chunks and the output accumulators stay in registers); 0 = runtime d (a
+// multiple of 8). Scores: one dot per (key, query) with two accumulators; output: for each key, every
+// 8-wide chunk of the output gets p_j * v_j (independent accumulators, no reduction chain).
+template <int64_t kC>
+__attribute__((always_inline)) inline void decode_attention_rows(const float* q, const float* kc, const float* vc,
+                                                                 const int64_t* rows, int64_t n, int64_t group,
+                                                                 int64_t d, float scale, float* scores, float* out) {
+  constexpr int64_t kMax = kC > 0 ? kC : 1;
+  const int64_t chunks = kC > 0 ? kC : d / 8;
+  for (int64_t gq = 0; gq < group; ++gq) {
+    const float* qg = q + gq * d;
+    float* s = scores + gq * n;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* k = kc + rows[j] * d;
+      v8f a0 = {0, 0, 0, 0, 0, 0, 0, 0}, a1 = a0;
+      int64_t c = 0;
+      for (; c + 1 < chunks; c += 2) {
+        a0 += load8(qg + 8 * c) * load8(k + 8 * c);
+        a1 += load8(qg + 8 * c + 8) * load8(k + 8 * c + 8);
+      }
+      if (c < chunks) a0 += load8(qg + 8 * c) * load8(k + 8 * c);
+      s[j] = hsum8(a0 + a1) * scale;
+    }
+    float m = s[0];
+    for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
+    const float sum = softmax_numerators(s, n, m);
+    const float inv = 1.0f / sum;
+    float* og = out + gq * d;
+    if (kC > 0) {
+      v8f acc[kMax];
+      for (int64_t c = 0; c < kMax; ++c) acc[c] = v8f{0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t j = 0; j < n; ++j) {
+        const float* v = vc + rows[j] * d;
+        const float p = s[j];
+        for (int64_t c = 0; c < kMax; ++c) acc[c] += p * load8(v + 8 * c);
+      }
+      for (int64_t c = 0; c < kMax; ++c) store8(og + 8 * c, acc[c] * inv);
+    } else {
+      for (int64_t i = 0; i < d; ++i) og[i] = 0.0f;
+      for (int64_t j = 0; j < n; ++j) {
+        const float* v = vc + rows[j] * d;
+        const float p = s[j];
+        for (int64_t c = 0; c < chunks; ++c) store8(og + 8 * c, load8(og + 8 * c) + p * load8(v + 8 * c));
+      }
+      for (int64_t c = 0; c < chunks; ++c) store8(og + 8 * c, load8(og + 8 * c) * inv);
+    }
+  }
+}
+
+// The same in plain loops for a head dim that is not a multiple of 8.
+inline void decode_attention_rows_any(const float* q, const float* kc, const float* vc, const int64_t* rows, int64_t n,
+                                      int64_t group, int64_t d, float scale, float* scores, float* out) {
+  for (int64_t gq = 0; gq < group; ++gq) {
+    const float* qg = q + gq * d;
+    float* s = scores + gq * n;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* k = kc + rows[j] * d;
+      float dot = 0.0f;
+      for (int64_t i = 0; i < d; ++i) dot += qg[i] * k[i];
+      s[j] = dot * scale;
+    }
+    float m = s[0];
+    for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
+    const float sum = softmax_numerators(s, n, m);
+    float* og = out + gq * d;
+    for (int64_t i = 0; i < d; ++i) og[i] = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* v = vc + rows[j] * d;
+      for (int64_t i = 0; i < d; ++i) og[i] += s[j] * v[i];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t i = 0; i < d; ++i) og[i] *= inv;
+  }
+}
+
+MVLM_CLONES void decode_attention_task(const float* q, const float* kc, const float* vc, const int64_t* rows,
+                                       int64_t n, int64_t group, int64_t d, float scale, float* scores, float* out) {
+  if (d == 64) {
+    decode_attention_rows<8>(q, kc, vc, rows, n, group, d, scale, scores, out);
+  } else if (d == 128) {
+    decode_attention_rows<16>(q, kc, vc, rows, n, group, d, scale, scores, out);
+  } else if (d % 8 == 0) {
+    decode_attention_rows<0>(q, kc, vc, rows, n, group, d, scale, scores, out);
+  } else {
+    decode_attention_rows_any(q, kc, vc, rows, n, group, d, scale, scores, out);
+  }
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), name,
+                    " must be a contiguous float32 CPU tensor");
+}
+
+constexpr int64_t kNormChunk = 256;  // rows per partial weight-gradient row (fixed: deterministic sums)
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cpu(const at::Tensor& x, const at::Tensor& weight,
+                                                                const std::optional<at::Tensor>& residual,
+                                                                double eps) {
+  check_rows(x, "rms_norm: x");
+  check_rows(weight, "rms_norm: weight");
+  const int64_t h = x.size(-1);
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == h, "rms_norm: weight must be [", h, "]");
+  const int64_t rows = h ? x.numel() / h : 0;
+  auto out = at::empty_like(x);
+  auto rstd = at::empty({rows}, x.options());
+  at::Tensor summed;
+  const float* res = nullptr;
+  if (residual.has_value()) {
+    check_rows(*residual, "rms_norm: residual");
+    TORCH_CHECK_VALUE(residual->sizes() == x.sizes(), "rms_norm: residual shape must equal x's");
+    summed = at::empty_like(x);
+    res = residual->data_ptr<float>();
+  }
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* sp = summed.defined() ? summed.data_ptr<float>() : nullptr;
+  float* rp = rstd.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(h, 1)), [&](int64_t b, int64_t e) {
+    rms_norm_rows(xp + b * h, res ? res + b * h : nullptr, wp, op + b * h, sp ? sp + b * h : nullptr, rp + b,
+                  e - b, h, static_cast<float>(eps));
+  });
+  return {out, summed.defined() ? summed : at::empty({0}, x.options()), rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cpu(const at::Tensor& grad, const std::optional<at::Tensor>& grad_summed,
+                                                    const at::Tensor& normed_input, const at::Tensor& weight,
+                                                    const at::Tensor& rstd) {
+  check_rows(grad, "rms_norm backward: grad");
+  check_rows(normed_input, "rms_norm backward: input");
+  check_rows(weight, "rms_norm backward: weight");
+  check_rows(rstd, "rms_norm backward: rstd");
+  TORCH_CHECK_VALUE(grad.sizes() == normed_input.sizes(), "rms_norm backward: grad shape must equal the input's");
+  const int64_t h = normed_input.size(-1);
+  const int64_t rows = h ? normed_input.numel() / h : 0;
+  const float* gsp = nullptr;
+  if (grad_summed.has_value()) {
+    check_rows(*grad_summed, "rms_norm backward: grad of the sum");
+    TORCH_CHECK_VALUE(grad_summed->sizes() == grad.sizes(), "rms_norm backward: grad of the sum has the wrong shape");
+    gsp = grad_summed->data_ptr<float>();
+  }
+  auto gs = at::empty_like(normed_input);
+  const int64_t chunks = (rows + kNormChunk - 1) / kNormChunk;
+  auto partial = at::zeros({std::max<int64_t>(chunks, 1), h}, weight.options());
+  const float* gp = grad.data_ptr<float>();
+  const float* sp = normed_input.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const float* rp = rstd.data_ptr<float>();
+  float* out = gs.data_ptr<float>();
+  float* pp = partial.data_ptr<float>();
+  at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c) {
+      const int64_t r0 = c * kNormChunk, n = std::min(kNormChunk, rows - r0);
+      rms_norm_bwd_rows(gp + r0 * h, gsp ? gsp + r0 * h : nullptr, sp + r0 * h, wp, rp + r0, out + r0 * h,
+                        pp + c * h, n, h);
+    }
+  });
+  auto gw = at::empty({h}, weight.options());
+  float* gwp = gw.data_ptr<float>();
+  std::memcpy(gwp, pp, sizeof(float) * h);
+  for (int64_t c = 1; c < chunks; ++c) add_rows(pp + c * h, gwp, h);
+  return {gs, gw};
+}
+
+at::Tensor swiglu_fwd_cpu(const at::Tensor& gate, const at::Tensor& up) {
+  check_rows(gate, "swiglu: gate");
+  check_rows(up, "swiglu: up");
+  TORCH_CHECK_VALUE(gate.sizes() == up.sizes(), "swiglu: gate shape ", gate.sizes(), " != up shape ", up.sizes());
+  auto out = at::empty_like(gate);
+  const float* g = gate.data_ptr<float>();
+  const float* u = up.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, gate.numel(), 32768, [&](int64_t b, int64_t e) { swiglu_fwd_span(g + b, u + b, o + b, e - b); });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> swiglu_bwd_cpu(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up) {
+  check_rows(grad, "swiglu backward: grad");
+  check_rows(gate, "swiglu backward: gate");
+  check_rows(up, "swiglu backward: up");
+  TORCH_CHECK_VALUE(gate.sizes() == up.sizes() && grad.sizes() == gate.sizes(), "swiglu backward: shapes differ");
+  auto dg = at::empty_like(gate);
+  auto du = at::empty_like(up);
+  const float* gr = grad.data_ptr<float>();
+  const float* g = gate.data_ptr<float>();
+  const float* u = up.data_ptr<float>();
+  float* dgp = dg.data_ptr<float>();
+  float* dup = du.data_ptr<float>();
+  at::parallel_for(0, gate.numel(), 32768, [&](int64_t b, int64_t e) {
+    swiglu_bwd_span(gr + b, g + b, u + b, dgp + b, dup + b, e - b);
+  });
+  return {dg, du};
+}
+
+at::Tensor rotary_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward) {
+  check_rows(x, "apply_rotary: x");
+  check_rows(cos, "apply_rotary: cos");
+  check_rows(sin, "apply_rotary: sin");
+  TORCH_CHECK_VALUE(x.dim() == 3 && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) &&
+                        cos.size(1) == x.size(2) && x.size(2) % 2 == 0,
+                    "apply_rotary: x [N, H, D] (D even) with cos / sin [N, D]");
+  auto out = at::empty_like(x);
+  const int64_t heads = x.size(1), d = x.size(2);
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), std::max<int64_t>(1, 16384 / std::max<int64_t>(heads * d, 1)), [&](int64_t b, int64_t e) {
+    rotary_rows(xp + b * heads * d, cp + b * d, sp + b * d, op + b * heads * d, e - b, heads, d, backward);
+  });
+  return out;
+}
+
+at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& cache_seqlens, const at::Tensor& block_table, int64_t max_seqlen_k,
+                                double scale) {
+  check_rows(q, "decode_attention: q");
+  check_rows(k_cache, "decode_attention: k_cache");
+  check_rows(v_cache, "decode_attention: v_cache");
+  TORCH_CHECK_VALUE(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+                    "decode_attention: q [B, Hq, D] and equal caches [blocks, block_size, Hkv, D]");
+  const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t block = k_cache.size(1), hkv = k_cache.size(2);
+  TORCH_CHECK_VALUE(k_cache.size(3) == d && hkv > 0 && hq % hkv == 0, "decode_attention: head dims / GQA groups");
+  TORCH_CHECK_VALUE(cache_seqlens.scalar_type() == at::kLong && cache_seqlens.is_contiguous() &&
+                        cache_seqlens.numel() == batch,
+                    "decode_attention: cache_seqlens must be int64 [B]");
+  TORCH_CHECK_VALUE(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 2 &&
+                        block_table.size(0) == batch,
+                    "decode_attention: block table must be int64 [B, blocks]");
+  const int64_t max_blocks = block_table.size(1);
+  const int64_t length = std::min(max_seqlen_k, max_blocks * block);
+  const int64_t group = hq / hkv;
+  auto out = at::zeros_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int64_t* lens = cache_seqlens.data_ptr<int64_t>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t n_cache_blocks = k_cache.size(0);
+  for (int64_t b = 0; b < batch; ++b) {  // validate the table entries a sequence will read, before any work
+    const int64_t n = std::min(lens[b], length);
+    for (int64_t j = 0; j < n; j += block) {
+      const int64_t blk = table[b * max_blocks + j / block];
+      TORCH_CHECK_INDEX(blk >= 0 && blk < n_cache_blocks, "decode_attention: sequence ", b, " reads cache block / slot ",
+                        blk, " of ", n_cache_blocks);
+    }
+  }
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, batch * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> rows;
+    std::vector<float> scores;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / hkv, kvh = t % hkv;
+      const int64_t n = std::min(lens[b], length);
+      if (n <= 0) continue;  // no key: zeros (the convention of the reference)
+      rows.resize(n);
+      for (int64_t j = 0; j < n; ++j) rows[j] = (table[b * max_blocks + j / block] * block + j % block) * hkv + kvh;
+      scores.resize(group * n);
+      decode_attention_task(qp + (b * hq + kvh * group) * d, kp, vp, rows.data(), n, group, d,
+                            static_cast<float>(scale), scores.data(), op + (b * hq + kvh * group) * d);
+    }
+  });
+  return out;
+}
+
+}  // namespace megatron_vlm

@@ -15,6 +15,7 @@
 // (range reduction to [-ln2/2, ln2/2], degree-5 polynomial, exponent by bit arithmetic, relative error
 // ~2e-7) in 8-wide vector code. Hot loops are compiled twice (AVX2 + FMA and the baseline ISA) and the
 // loader picks one for the running CPU (GCC target_clones on x86-64).
+#include "cpu_vec.h"
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -31,83 +32,10 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define MVLM_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define MVLM_CLONES
-#endif
-
 namespace megatron_vlm {
 namespace {
 
-// Eight floats as one value (GCC / Clang vector extension): AVX registers in the AVX2 clone, SSE pairs in the
-// baseline one. Loads and stores go through memcpy (unaligned). Written out rather than left to the
-// auto-vectoriser, which turned the rounding and clamps of exp() into slow code (~2x slower measured).
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-inline v8f load8(const float* p) {
-  v8f v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline v8f splat8(float x) { return v8f{x, x, x, x, x, x, x, x}; }
-
-inline float hsum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
-
-// exp(x) for x <= 0 (larger x is not passed here): clamp at -87.3 (exp underflows to ~1e-38, never 0 / NaN),
-// n = round(x / ln2) (x <= 0: truncating x / ln2 - 0.5), r = x - n ln2 in two parts, exp(r) by a degree-5
-// polynomial (|r| <= ln2 / 2), times 2^n built in the exponent bits. Relative error ~2e-7.
-inline v8f vexp_nonpos(v8f x) {
-  x = x < splat8(-87.3f) ? splat8(-87.3f) : x;
-  const v8i ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v8i);
-  const v8f n = __builtin_convertvector(ni, v8f);
-  const v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v8f p = splat8(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const v8f y = p * r * r + r + 1.0f;
-  const v8i bits = (ni + 127) << 23;
-  v8f scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
-
-// sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) for x < 0, with e = exp(-|x|) <= 1 (no overflow).
-inline v8f vsigmoid(v8f x) {
-  const v8f e = vexp_nonpos(x < splat8(0.0f) ? x : -x);
-  const v8f inv = 1.0f / (1.0f + e);
-  return x < splat8(0.0f) ? e * inv : inv;
-}
-
-// Apply f(i, n8) over [0, n) in 8-wide steps; the last partial step runs on a zero-padded copy, so every
-// element goes through the same vector code (results do not depend on an element's position).
-template <typename F>
-inline void for_each8(int64_t n, F&& f) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) f(i, 8);
-  if (i < n) f(i, n - i);
-}
-
-inline v8f load_part(const float* p, int64_t k) {
-  if (k == 8) return load8(p);
-  float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  std::memcpy(tmp, p, sizeof(float) * k);
-  return load8(tmp);
-}
-
-inline void store_part(float* p, v8f v, int64_t k) {
-  if (k == 8) return store8(p, v);
-  float tmp[8];
-  store8(tmp, v);
-  std::memcpy(p, tmp, sizeof(float) * k);
-}
+using namespace cpu_vec;  // NOLINT: the vector helpers of this file's kernels
 
 // ---- RMSNorm --------------------------------------------------------------------------------------
 
@@ -214,76 +142,11 @@ MVLM_CLONES void rotary_rows(const float* x, const float* cs, const float* sn, f
 
 // ---- decode attention -----------------------------------------------------------------------------
 
-// s[j] <- exp(s[j] - m) (m = max s), returns their sum (8 partial sums, added in a fixed order).
-inline float softmax_numerators(float* s, int64_t n, float m) {
-  v8f acc = splat8(0.0f);
-  for_each8(n, [&](int64_t j, int64_t k) {
-    v8f e = vexp_nonpos(load_part(s + j, k) - m);
-    if (k < 8) {  // padding lanes hold exp(0 - m): not part of the sum
-      for (int64_t lane = k; lane < 8; ++lane) e[lane] = 0.0f;
-    }
-    store_part(s + j, e, k);
-    acc += e;
-  });
-  return hsum8(acc);
-}
-
-// One (sequence, kv head): the `group` query rows of q (d apart) against `n` keys / values; key j of the
-// sequence is row `rows[j]` of the cache (rows d floats apart). kC = d / 8 as a template constant for the
-// common head sizes (the query chunks and the output accumulators stay in registers); 0 = runtime d (a
-// multiple of 8). Scores: one dot per (key, query) with two accumulators; output: for each key, every
-// 8-wide chunk of the output gets p_j * v_j (independent accumulators, no reduction chain).
-template <int64_t kC>
-__attribute__((always_inline)) inline void decode_attention_rows(const float* q, const float* kc, const float* vc,
-                                                                 const int64_t* rows, int64_t n, int64_t group,
-                                                                 int64_t d, float scale, float* scores, float* out) {
-  constexpr int64_t kMax = kC > 0 ? kC : 1;
-  const int64_t chunks = kC > 0 ? kC : d / 8;
-  for (int64_t gq = 0; gq < group; ++gq) {
-    const float* qg = q + gq * d;
-    float* s = scores + gq * n;
-    for (int64_t j = 0; j < n; ++j) {
-      const float* k = kc + rows[j] * d;
-      v8f a0 = {0, 0, 0, 0, 0, 0, 0, 0}, a1 = a0;
-      int64_t c = 0;
-      for (; c + 1 < chunks; c += 2) {
-        a0 += load8(qg + 8 * c) * load8(k + 8 * c);
-        a1 += load8(qg + 8 * c + 8) * load8(k + 8 * c + 8);
-      }
-      if (c < chunks) a0 += load8(qg + 8 * c) * load8(k + 8 * c);
-      s[j] = hsum8(a0 + a1) * scale;
-    }
-    float m = s[0];
-    for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
-    const float sum = softmax_numerators(s, n, m);
-    const float inv = 1.0f / sum;
-    float* og = out + gq * d;
-    if (kC > 0) {
-      v8f acc[kMax];
-      for (int64_t c = 0; c < kMax; ++c) acc[c] = v8f{0, 0, 0, 0, 0, 0, 0, 0};
-      for (int64_t j = 0; j < n; ++j) {
-        const float* v = vc + rows[j] * d;
-        const float p = s[j];
-        for (int64_t c = 0; c < kMax; ++c) acc[c] += p * load8(v + 8 * c);
-      }
-      for (int64_t c = 0; c < kMax; ++c) store8(og + 8 * c, acc[c] * inv);
-    } else {
-      for (int64_t i = 0; i < d; ++i) og[i] = 0.0f;
-      for (int64_t j = 0; j < n; ++j) {
-        const float* v = vc + rows[j] * d;
-        const float p = s[j];
-        for (int64_t c = 0; c < chunks; ++c) store8(og + 8 * c, load8(og + 8 * c) + p * load8(v + 8 * c));
-      }
-      for (int64_t c = 0; c < chunks; ++c) store8(og + 8 * c, load8(og + 8 * c) * inv);
-    }
-  }
-}
-
 // The same in plain loops for a head dim that is not a multiple of 8.
-inline void decode_attention_rows_any(const float* q, const float* kc, const float* vc, const int64_t* rows, int64_t n,
-                                      int64_t group, int64_t d, float scale, float* scores, float* out) {
+inline void decode_attention_rows_any(const float* q, int64_t q_stride, const float* kc, const float* vc,
+                                      const int64_t* rows, int64_t n, int64_t group, int64_t d, float scale, float* scores, float* out) {
   for (int64_t gq = 0; gq < group; ++gq) {
-    const float* qg = q + gq * d;
+    const float* qg = q + gq * q_stride;
     float* s = scores + gq * n;
     for (int64_t j = 0; j < n; ++j) {
       const float* k = kc + rows[j] * d;
@@ -305,16 +168,16 @@ inline void decode_attention_rows_any(const float* q, const float* kc, const flo
   }
 }
 
-MVLM_CLONES void decode_attention_task(const float* q, const float* kc, const float* vc, const int64_t* rows,
-                                       int64_t n, int64_t group, int64_t d, float scale, float* scores, float* out) {
+MVLM_CLONES void decode_attention_task(const float* q, int64_t q_stride, const float* kc, const float* vc,
+                                       const int64_t* rows, int64_t n, int64_t group, int64_t d, float scale, float* scores, float* out) {
   if (d == 64) {
-    decode_attention_rows<8>(q, kc, vc, rows, n, group, d, scale, scores, out);
+    decode_attention_rows<8>(q, q_stride, kc, vc, rows, n, group, d, scale, scores, out);
   } else if (d == 128) {
-    decode_attention_rows<16>(q, kc, vc, rows, n, group, d, scale, scores, out);
+    decode_attention_rows<16>(q, q_stride, kc, vc, rows, n, group, d, scale, scores, out);
   } else if (d % 8 == 0) {
-    decode_attention_rows<0>(q, kc, vc, rows, n, group, d, scale, scores, out);
+    decode_attention_rows<0>(q, q_stride, kc, vc, rows, n, group, d, scale, scores, out);
   } else {
-    decode_attention_rows_any(q, kc, vc, rows, n, group, d, scale, scores, out);
+    decode_attention_rows_any(q, q_stride, kc, vc, rows, n, group, d, scale, scores, out);
   }
 }
 
@@ -430,9 +293,9 @@ at::Tensor rotary_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   check_rows(x, "apply_rotary: x");
   check_rows(cos, "apply_rotary: cos");
   check_rows(sin, "apply_rotary: sin");
-  TORCH_CHECK_VALUE(x.dim() == 3 && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) &&
-                        cos.size(1) == x.size(2) && x.size(2) % 2 == 0,
-                    "apply_rotary: x [N, H, D] (D even) with cos / sin [N, D]");
+  TORCH_CHECK_VALUE(x.dim() == 3 && cos.sizes() == sin.sizes() && cos.numel() == x.size(0) * x.size(2) &&
+                        cos.size(-1) == x.size(2) && x.size(2) % 2 == 0,
+                    "apply_rotary: x [N, H, D] (D even) with cos / sin of N x D values");
   auto out = at::empty_like(x);
   const int64_t heads = x.size(1), d = x.size(2);
   const float* xp = x.data_ptr<float>();
@@ -446,31 +309,47 @@ at::Tensor rotary_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 }
 
 at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                const at::Tensor& cache_seqlens, const at::Tensor& block_table, int64_t max_seqlen_k,
-                                double scale) {
-  check_rows(q, "decode_attention: q");
+                                const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& slot_ids,
+                                const std::optional<at::Tensor>& block_table, int64_t max_seqlen_k, double scale) {
+  TORCH_CHECK_VALUE(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1,
+                    "decode_attention: q must be a float32 CPU [B, Hq, D] tensor with contiguous rows");
   check_rows(k_cache, "decode_attention: k_cache");
   check_rows(v_cache, "decode_attention: v_cache");
-  TORCH_CHECK_VALUE(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-                    "decode_attention: q [B, Hq, D] and equal caches [blocks, block_size, Hkv, D]");
+  TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+                    "decode_attention: equal caches [slots or blocks, length, Hkv, D]");
   const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t block = k_cache.size(1), hkv = k_cache.size(2);
   TORCH_CHECK_VALUE(k_cache.size(3) == d && hkv > 0 && hq % hkv == 0, "decode_attention: head dims / GQA groups");
-  TORCH_CHECK_VALUE(cache_seqlens.scalar_type() == at::kLong && cache_seqlens.is_contiguous() &&
-                        cache_seqlens.numel() == batch,
-                    "decode_attention: cache_seqlens must be int64 [B]");
-  TORCH_CHECK_VALUE(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 2 &&
-                        block_table.size(0) == batch,
-                    "decode_attention: block table must be int64 [B, blocks]");
-  const int64_t max_blocks = block_table.size(1);
-  const int64_t length = std::min(max_seqlen_k, max_blocks * block);
+  TORCH_CHECK_VALUE(cache_seqlens.numel() == batch, "decode_attention: cache_seqlens must be [B]");
+  TORCH_CHECK_VALUE(!(slot_ids.has_value() && block_table.has_value()), "decode_attention: slot_ids or block_table");
+  const auto lens_t = cache_seqlens.to(at::kLong).contiguous();
+  const int64_t* lens = lens_t.data_ptr<int64_t>();
+  // The slot layout is the paged one with one block (the whole slot) per sequence: table[b] = slot of b.
+  at::Tensor table_t;
+  std::vector<int64_t> slots;
+  const int64_t* table = nullptr;
+  int64_t max_blocks = 1;
+  if (block_table.has_value()) {
+    TORCH_CHECK_VALUE(block_table->dim() == 2 && block_table->size(0) == batch, "decode_attention: block_table [B, blocks]");
+    table_t = block_table->to(at::kLong).contiguous();
+    table = table_t.data_ptr<int64_t>();
+    max_blocks = table_t.size(1);
+  } else if (slot_ids.has_value()) {
+    TORCH_CHECK_VALUE(slot_ids->numel() == batch, "decode_attention: slot_ids must be [B]");
+    table_t = slot_ids->to(at::kLong).contiguous();
+    table = table_t.data_ptr<int64_t>();
+  } else {
+    slots.resize(batch);
+    for (int64_t b = 0; b < batch; ++b) slots[b] = b;
+    table = slots.data();
+  }
+  const int64_t length = std::max<int64_t>(0, std::min(max_seqlen_k, max_blocks * block));
   const int64_t group = hq / hkv;
-  auto out = at::zeros_like(q);
+  auto out = at::zeros({batch, hq, d}, q.options());
   const float* qp = q.data_ptr<float>();
+  const int64_t q_batch_stride = q.stride(0), q_head_stride = q.stride(1);
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
-  const int64_t* lens = cache_seqlens.data_ptr<int64_t>();
-  const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t n_cache_blocks = k_cache.size(0);
   for (int64_t b = 0; b < batch; ++b) {  // validate the table entries a sequence will read, before any work
     const int64_t n = std::min(lens[b], length);
@@ -491,8 +370,8 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
       rows.resize(n);
       for (int64_t j = 0; j < n; ++j) rows[j] = (table[b * max_blocks + j / block] * block + j % block) * hkv + kvh;
       scores.resize(group * n);
-      decode_attention_task(qp + (b * hq + kvh * group) * d, kp, vp, rows.data(), n, group, d,
-                            static_cast<float>(scale), scores.data(), op + (b * hq + kvh * group) * d);
+      decode_attention_task(qp + b * q_batch_stride + kvh * group * q_head_stride, q_head_stride, kp, vp, rows.data(),
+                            n, group, d, static_cast<float>(scale), scores.data(), op + (b * hq + kvh * group) * d);
     }
   });
   return out;

@@ -7,6 +7,10 @@
 //   moe_permute_indices  token -> expert permutation by counting (no sort) and per-expert counts
 //   rms_norm_fwd / _bwd, swiglu_fwd / _bwd, rotary, decode_attention
 //                        fused fp32 CPU kernels of the per-token layer ops (cpu_layer_ops.cpp)
+//   varlen_attention_fwd / _bwd
+//                        CPU attention over packed short samples, in place (cpu_varlen_attention.cpp)
+//   token_logprob_rows / token_logprob_grad_rows
+//                        row algebra of the fused LM head + token log-probs (cpu_token_logprobs.cpp)
 // CPU implementations are in host_ops.cpp, moe_routing_cpu.cpp and cpu_layer_ops.cpp, CUDA ones in cuda/.
 #pragma once
 
@@ -46,8 +50,21 @@ at::Tensor swiglu_fwd_cpu(const at::Tensor& gate, const at::Tensor& up);
 std::tuple<at::Tensor, at::Tensor> swiglu_bwd_cpu(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up);
 at::Tensor rotary_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward);
 at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                const at::Tensor& cache_seqlens, const at::Tensor& block_table, int64_t max_seqlen_k,
-                                double scale);
+                                const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& slot_ids,
+                                const std::optional<at::Tensor>& block_table, int64_t max_seqlen_k, double scale);
+
+std::tuple<at::Tensor, at::Tensor> varlen_attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& v, const at::Tensor& cu_q,
+                                                            const at::Tensor& cu_k, bool causal, double scale);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd_cpu(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_q, const at::Tensor& cu_k, bool causal, double scale);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprob_rows_cpu(const at::Tensor& z, const at::Tensor& labels,
+                                                                      bool with_entropy);
+void token_logprob_grad_rows_cpu(const at::Tensor& z, const at::Tensor& labels, const at::Tensor& lse,
+                                 const at::Tensor& ent, const at::Tensor& grad_logp,
+                                 const std::optional<at::Tensor>& grad_ent, double inv_temperature);
 
 // Argument checks shared by the CPU, CUDA and Meta kernels (they raise ValueError in Python).
 void check_topk_gating_args(const at::Tensor& logits, const std::optional<at::Tensor>& bias, int64_t top_k,

@@ -67,9 +67,28 @@ std::tuple<at::Tensor, at::Tensor> swiglu_bwd_meta(const at::Tensor&, const at::
 at::Tensor rotary_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&, bool) { return at::empty_like(x); }
 
 at::Tensor decode_attention_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                 const at::Tensor&, int64_t, double) {
-  return at::empty_like(q);
+                                 const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t, double) {
+  return at::empty(q.sizes(), q.options());
 }
+
+std::tuple<at::Tensor, at::Tensor> varlen_attention_fwd_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&,
+                                                             const at::Tensor&, const at::Tensor&, bool, double) {
+  return {at::empty_like(q), at::empty({q.size(0), q.size(1)}, q.options())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd_meta(
+    const at::Tensor&, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, double) {
+  return {at::empty_like(q), at::empty_like(k), at::empty_like(v)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprob_rows_meta(const at::Tensor& z, const at::Tensor&, bool) {
+  const auto opts = z.options();
+  return {at::empty({z.size(0)}, opts), at::empty({z.size(0)}, opts), at::empty({z.size(0)}, opts)};
+}
+
+void token_logprob_grad_rows_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&, const std::optional<at::Tensor>&, double) {}
 
 }  // namespace
 }  // namespace megatron_vlm
@@ -89,8 +108,17 @@ TORCH_LIBRARY(megatron_vlm, m) {
   m.def("swiglu_fwd(Tensor gate, Tensor up) -> Tensor");
   m.def("swiglu_bwd(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, bool backward) -> Tensor");
+  m.def("token_logprob_rows(Tensor z, Tensor labels, bool with_entropy) -> (Tensor, Tensor, Tensor)");
   m.def(
-      "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor block_table, "
+      "token_logprob_grad_rows(Tensor(a!) z, Tensor labels, Tensor lse, Tensor ent, Tensor grad_logp, Tensor? grad_ent, "
+      "float inv_temperature) -> ()");
+  m.def("varlen_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_k, bool causal, float scale) -> "
+        "(Tensor, Tensor)");
+  m.def(
+      "varlen_attention_bwd(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_q, "
+      "Tensor cu_k, bool causal, float scale) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? slot_ids, Tensor? block_table, "
       "int max_seqlen_k, float scale) -> Tensor");
 }
 
@@ -104,6 +132,10 @@ TORCH_LIBRARY_IMPL(megatron_vlm, CPU, m) {
   m.impl("swiglu_fwd", &megatron_vlm::swiglu_fwd_cpu);
   m.impl("swiglu_bwd", &megatron_vlm::swiglu_bwd_cpu);
   m.impl("rotary", &megatron_vlm::rotary_cpu);
+  m.impl("token_logprob_rows", &megatron_vlm::token_logprob_rows_cpu);
+  m.impl("token_logprob_grad_rows", &megatron_vlm::token_logprob_grad_rows_cpu);
+  m.impl("varlen_attention_fwd", &megatron_vlm::varlen_attention_fwd_cpu);
+  m.impl("varlen_attention_bwd", &megatron_vlm::varlen_attention_bwd_cpu);
   m.impl("decode_attention", &megatron_vlm::decode_attention_cpu);
 }
 
@@ -116,6 +148,10 @@ TORCH_LIBRARY_IMPL(megatron_vlm, Meta, m) {
   m.impl("swiglu_fwd", &megatron_vlm::swiglu_fwd_meta);
   m.impl("swiglu_bwd", &megatron_vlm::swiglu_bwd_meta);
   m.impl("rotary", &megatron_vlm::rotary_meta);
+  m.impl("token_logprob_rows", &megatron_vlm::token_logprob_rows_meta);
+  m.impl("token_logprob_grad_rows", &megatron_vlm::token_logprob_grad_rows_meta);
+  m.impl("varlen_attention_fwd", &megatron_vlm::varlen_attention_fwd_meta);
+  m.impl("varlen_attention_bwd", &megatron_vlm::varlen_attention_bwd_meta);
   m.impl("decode_attention", &megatron_vlm::decode_attention_meta);
 }
 

@@ -107,6 +107,10 @@ def register_builtin_ops(registry) -> None:
 
     for op in ("rms_norm", "swiglu", "apply_rotary", "decode_attention"):
         register(op, "csrc", f"csrc.layer_ops:{op}", check=csrc_layer_check, auto_devices=("cpu",), priority=5)
+    register("linear_token_logprobs", "csrc", "csrc.token_logprobs:linear_token_logprobs", check=csrc_layer_check,
+             auto_devices=("cpu",), priority=5)
+    # packed short samples in place on the CPU (above sdpa there; long samples, windows, padded batches -> sdpa)
+    register("attention", "csrc", "csrc.attention:attention", check=csrc_layer_check, auto_devices=("cpu",), priority=6)
     # experimental: not yet run on a GPU. Expert-parallel dispatch / combine (parallel/expert_parallel.py):
     # our all_to_all_single, or DeepEP's Buffer.dispatch / combine (kernels/thirdparty/deep_ep.py)
     register_backend("moe_ep_dispatch", "torch", "megatron_vlm.parallel.expert_parallel:all_to_all_forward",

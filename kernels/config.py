@@ -13,7 +13,7 @@ class KernelsConfig:
     """Backend per op; "auto" = fastest available for the tensor's device (logged once)."""
 
     attention: str = "auto"
-    """Attention (varlen / batched, GQA, causal, windows): auto | torch | sdpa | triton | flash_attn | npu | transformer_engine (Transformer Engine's DotProductAttention on CUDA; experimental: not yet run on a GPU)."""
+    """Attention (varlen / batched, GQA, causal, windows): auto | torch | sdpa | csrc (C++ packed short samples on CPU, in place; auto on CPU, others go to sdpa) | triton | flash_attn | npu | transformer_engine (Transformer Engine's DotProductAttention on CUDA; experimental: not yet run on a GPU)."""
     rms_norm: str = "auto"
     """RMSNorm with optional fused residual add: auto | torch | triton | npu | csrc (fused fp32 C++ kernel of megatron_vlm._C; auto on CPU) | liger (Liger-Kernel on CUDA; forced only; matched our references on an H200, not yet benchmarked) | transformer_engine (Transformer Engine's fused RMSNorm on CUDA; experimental: not yet run on a GPU)."""
     layer_norm: str = "auto"
@@ -23,7 +23,7 @@ class KernelsConfig:
     swiglu: str = "auto"
     """silu(gate) * up of the gated MLPs: auto | torch | triton | npu | csrc (fused fp32 C++ kernel; auto on CPU) | liger (Liger-Kernel on CUDA; forced only; matched our references on an H200, not yet benchmarked)."""
     linear_token_logprobs: str = "auto"
-    """Fused LM head + token log-probs / entropy (GRPO, chunked): auto | torch | triton | liger (Liger-Kernel's fused linear cross-entropy; entropy runs the reference; forced only; matched our reference on an H200, not yet benchmarked)."""
+    """Fused LM head + token log-probs / entropy (GRPO, chunked): auto | torch | csrc (C++ row algebra, fp32; auto on CPU) | triton | liger (Liger-Kernel's fused linear cross-entropy; entropy runs the reference; forced only; matched our reference on an H200, not yet benchmarked)."""
     causal_conv1d: str = "auto"
     """Mamba2 depthwise causal conv1d (Nemotron-H): auto | torch | causal_conv1d (the causal-conv1d package on CUDA; experimental: not yet run on a GPU)."""
     ssd_chunk_scan: str = "auto"

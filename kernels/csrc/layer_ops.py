@@ -62,6 +62,10 @@ def _fits(*tensors) -> bool:
     return True
 
 
+def _on_cpu(*tensors) -> bool:
+    return all(t is None or t.device.type == "cpu" for t in tensors)
+
+
 def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -143,15 +147,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inter
                  rotary_dim: Optional[int] = None) -> torch.Tensor:
     """kernels.apply_rotary, rotate-half convention over the whole head dim (Qwen / Llama / InternVL LMs);
     interleaved pairs and partial rotary run the reference. cos / sin: constants (no gradient)."""
-    full, fsin = expand_cos_sin(x, cos, sin, interleaved, rotary_dim)  # the reference's checks and errors
-    head_dim = x.shape[-1]
-    if interleaved or full.shape[-1] != head_dim or not _fits(x, cos, sin) or _needs_grad(cos, sin):
-        return _ref_apply_rotary(x, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim)
-    lead = x.shape[:-2]
-    rows = math.prod(lead)
-    x3 = x.contiguous().view(rows, x.shape[-2], head_dim)
-    c = full.squeeze(-2).expand(*lead, head_dim).reshape(rows, head_dim)
-    s = fsin.squeeze(-2).expand(*lead, head_dim).reshape(rows, head_dim)
+    head_dim, lead = x.shape[-1], x.shape[:-2]
+    if (not interleaved and rotary_dim in (None, head_dim) and cos.shape == sin.shape and cos.shape[:-1] == lead
+            and cos.shape[-1] == head_dim and x.dim() >= 3 and cos.is_contiguous() and sin.is_contiguous()
+            and _fits(x, cos, sin) and not _needs_grad(cos, sin) and head_dim % 2 == 0):
+        c, s = cos, sin  # per token already: [..., T, D] for x [..., T, H, D] (the decoder's layout)
+    else:
+        full, fsin = expand_cos_sin(x, cos, sin, interleaved, rotary_dim)  # the reference's checks and errors
+        if interleaved or full.shape[-1] != head_dim or not _fits(x, cos, sin) or _needs_grad(cos, sin):
+            return _ref_apply_rotary(x, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim)
+        c = full.squeeze(-2).expand(*lead, head_dim).contiguous()
+        s = fsin.squeeze(-2).expand(*lead, head_dim).contiguous()
+    x3 = x.contiguous().view(math.prod(lead), x.shape[-2], head_dim)
     out = _Rotary.apply(x3, c, s) if _needs_grad(x) else _ops().rotary(x3, c, s, False)
     return out.view(x.shape)
 
@@ -171,18 +178,12 @@ def decode_attention(
     (decoding runs without gradients: a call that needs them runs the reference)."""
     check_decode_attention_inputs(q, k_cache, v_cache, cache_seqlens, slot_ids, block_table)
     if (not _fits(q, k_cache, v_cache) or not k_cache.is_contiguous() or not v_cache.is_contiguous()
-            or _needs_grad(q, k_cache, v_cache) or cache_seqlens.device.type != "cpu"):
+            or _needs_grad(q, k_cache, v_cache) or not _on_cpu(cache_seqlens, slot_ids, block_table)):
         return _ref_decode_attention(q, k_cache, v_cache, cache_seqlens, slot_ids=slot_ids, block_table=block_table,
-                                            max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale)
-    batch = q.shape[0]
-    if block_table is not None:
-        table = block_table.to(torch.long).contiguous()
-        capacity = block_table.shape[1] * k_cache.shape[1]
-    else:  # the slot layout is the paged one with one block of max_len per sequence
-        ids = torch.arange(batch) if slot_ids is None else slot_ids
-        table = ids.to(torch.long).reshape(batch, 1).contiguous()
-        capacity = k_cache.shape[1]
+                                     max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale)
+    capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
     length = capacity if max_seqlen_k is None else min(int(max_seqlen_k), capacity)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    return _ops().decode_attention(
-        q.contiguous(), k_cache, v_cache, cache_seqlens.to(torch.long).contiguous(), table, max(length, 0), scale)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    return _ops().decode_attention(q, k_cache, v_cache, cache_seqlens, slot_ids, block_table, length, scale)

@@ -150,6 +150,20 @@ def test_decode_attention_slot_layout_matches_the_loop(ops, hq, hkv, d):
         assert torch.equal(got[2], torch.zeros_like(got[2]))
 
 
+def test_decode_attention_strided_query_and_int32_indices(ops):
+    """The decode step passes q as a view of the joint q / k rotary output (rows not contiguous) and the cache's
+    int32 / int64 index tensors as they are."""
+    g = torch.Generator().manual_seed(12)
+    qk = torch.randn(6, 4 + 2, 64, generator=g)
+    q = qk[:, :4]
+    assert not q.is_contiguous()
+    kc, vc = _caches(g, 8, 10, 2, 64)
+    seqlens, slots = torch.tensor([3, 10, 1, 7, 0, 5], dtype=torch.int32), torch.tensor([7, 0, 3, 1, 2, 6], dtype=torch.int32)
+    got = ops.decode_attention(q, kc, vc, seqlens, slot_ids=slots, max_seqlen_k=10)
+    assert torch.equal(got, ops.decode_attention(q.contiguous(), kc, vc, seqlens.long(), slot_ids=slots.long()))
+    _close(got, ref_decode.decode_attention_loop(q.double(), kc.double(), vc.double(), seqlens, slot_ids=slots))
+
+
 def test_decode_attention_paged_layout_matches_the_loop_and_the_slot_layout(ops):
     g = torch.Generator().manual_seed(7)
     batch, hq, hkv, d, block = 5, 4, 2, 64, 4

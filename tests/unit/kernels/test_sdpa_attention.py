@@ -131,8 +131,14 @@ def test_bf16_within_2x_of_naive_reference(packed):
 
 def test_auto_picks_sdpa_on_cpu_and_bad_cu_seqlens_fail():
     q, k, v = _inputs((10, 2, 8), (10, 2, 8), seed=7)
+    from megatron_vlm import _ext
+
+    # auto on CPU: the packed C++ kernel when the extension is built (it hands what it does not take to sdpa)
     with K.use_backends({"attention": "auto"}):
-        assert K.DEFAULT_REGISTRY.resolve("attention", q) is sdpa_mod.attention
+        expected = "csrc" if _ext.available() else "sdpa"
+        assert K.DEFAULT_REGISTRY.choose("attention", "cpu", torch.float32) == expected
+    with K.use_backends({"attention": "auto"}):
+        assert K.DEFAULT_REGISTRY.resolve("attention", q.bfloat16()) is sdpa_mod.attention
     with K.use_backends({"attention": "sdpa"}):
         out = K.attention(q, k, v, causal=True, cu_seqlens_q=cu_seqlens([4, 6]))
     assert max_err(out, reference(q, k, v, causal=True, cu_seqlens_q=cu_seqlens([4, 6]))) <= TOL

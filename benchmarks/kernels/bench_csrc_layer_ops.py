@@ -1,11 +1,13 @@
 """Fused CPU layer ops of megatron_vlm._C (the `csrc` backend) vs the torch references and torch's own ops, one process.
 
-Ops: rms_norm (plain and with the fused residual add), swiglu, apply_rotary (forward + backward at the
-training shape, forward at the decode shape), decode_attention over a slot cache. Shapes: those of the GRPO
+Ops: rms_norm (plain and with the fused residual add), swiglu, apply_rotary, packed-varlen attention and
+linear_token_logprobs (forward + backward at the training shape), and rms_norm / swiglu / apply_rotary /
+decode_attention at the decode shape (forward). Shapes: those of the GRPO
 step of benchmarks/trl_grpo.py (tiny Qwen2, hidden 256, MLP 768, 4 / 2 heads of 64): 2,206 packed tokens in
 the update, 64 rows x 1 token per decoding step, 48 cached keys. Baselines: the torch reference each op
 replaces (`kernels/reference/`, the CPU backend before this one) and, where torch has one, the fused torch op a
-user would call instead (F.rms_norm; F.silu(gate) * up).
+user would call instead (F.rms_norm; F.silu(gate) * up); for attention the sdpa backend (torch's flash SDPA on a padded batch), which
+`auto` took on the CPU before.
 
 Method: interleaved rounds (bench_csrc.interleaved: A, B, A, B, ... after a warm-up) so drifting load hits both;
 wall min / median per call and the ratios of the medians, of the mins and of the process CPU time. Each pair is
@@ -61,6 +63,10 @@ def main() -> int:
     ref_swiglu = importlib.import_module("megatron_vlm.kernels.reference.swiglu")
     ref_rotary = importlib.import_module("megatron_vlm.kernels.reference.rotary")
     ref_decode = importlib.import_module("megatron_vlm.kernels.reference.decode_attention")
+    ref_logprobs = importlib.import_module("megatron_vlm.kernels.reference.token_logprobs")
+    sdpa = importlib.import_module("megatron_vlm.kernels.sdpa.attention")
+    csrc_attention = importlib.import_module("megatron_vlm.kernels.csrc.attention")
+    csrc_logprobs = importlib.import_module("megatron_vlm.kernels.csrc.token_logprobs")
     rounds = 3 if args.quick else args.rounds
     tokens, hidden, ffn, heads, kv_heads, dim, batch, keys = 2206, 256, 768, 4, 2, 64, 64, 48
     if args.quick:
@@ -74,7 +80,27 @@ def main() -> int:
     x, r, w = randn(tokens, hidden, grad=True), randn(tokens, hidden, grad=True), randn(hidden, grad=True)
     gate, up = randn(tokens, ffn, grad=True), randn(tokens, ffn, grad=True)
     xr, cos, sin = randn(tokens, heads, dim, grad=True), randn(tokens, dim), randn(tokens, dim)
+    # the GRPO update's pack: 8 prompts of 15 tokens, 64 completions of 31 tokens after their prompt's 15 keys
+    lens_q, lens_k = [15] * 8 + [31] * 64, [15] * 8 + [46] * 64
+    if args.quick:
+        lens_q, lens_k = [5, 7], [5, 9]
+
+    def cu(lens):
+        return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    qa, ka, va = randn(sum(lens_q), heads, dim, grad=True), randn(sum(lens_k), kv_heads, dim, grad=True), randn(
+        sum(lens_k), kv_heads, dim, grad=True)
+    vocab = 1024 if not args.quick else 64
+    hl, wl = randn(2048 if not args.quick else 40, hidden, grad=True), randn(vocab, hidden, grad=True)
+    labels = torch.randint(0, vocab, (hl.shape[0],), generator=g)
     training = [
+        (f"attention varlen fwd+bwd {len(lens_q)} samples ({sum(lens_q)} q)",
+         lambda: csrc_attention.attention(qa, ka, va, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k),
+         {"sdpa": lambda: sdpa.attention(qa, ka, va, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)}, (qa, ka, va)),
+        (f"token logprobs+entropy fwd+bwd [{hl.shape[0]}, V={vocab}]",
+         lambda: csrc_logprobs.linear_token_logprobs(hl, wl, labels, return_entropy=True, chunk_size=512),
+         {"reference": lambda: ref_logprobs.linear_token_logprobs(hl, wl, labels, return_entropy=True, chunk_size=512)},
+         (hl, wl)),
         (f"rms_norm fwd+bwd [{tokens}, {hidden}]", lambda: ops.rms_norm(x, w, 1e-6),
          {"reference": lambda: ref_norms.rms_norm(x, w, 1e-6), "F.rms_norm": lambda: F.rms_norm(x, (hidden,), w, 1e-6)},
          (x, w)),

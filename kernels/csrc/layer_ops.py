@@ -99,12 +99,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: Opt
     if not _fits(x, weight, residual) or weight.shape != (x.shape[-1],) or (
             residual is not None and residual.shape != x.shape) or x.shape[-1] == 0:
         return _ref_rms_norm(x, weight, eps, residual=residual)
-    x = x.contiguous()
+    x, weight = x.contiguous(), weight.contiguous()
     residual = None if residual is None else residual.contiguous()
     if _needs_grad(x, weight, residual):
         out, summed = _RMSNorm.apply(x, weight, residual, float(eps))
     else:
-        out, summed, _ = _ops().rms_norm_fwd(x, weight.contiguous(), residual, float(eps))
+        out, summed, _ = _ops().rms_norm_fwd(x, weight, residual, float(eps))
     return out if residual is None else (out, summed)
 
 

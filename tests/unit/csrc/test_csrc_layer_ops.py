@@ -229,6 +229,11 @@ def test_other_dtypes_and_noncontiguous_inputs(ops):
     assert torch.equal(ops.swiglu(xb, xb), ref_swiglu.swiglu(xb, xb))
     xt = torch.randn(32, 8, generator=g).t()  # non-contiguous fp32: copied, same numbers as the contiguous call
     assert torch.equal(ops.rms_norm(xt, w, 1e-6), ops.rms_norm(xt.contiguous(), w, 1e-6))
+    wt = torch.randn(32, 2, generator=g).t()[0].requires_grad_()  # a non-contiguous weight that trains
+    out = ops.rms_norm(x, wt, 1e-6)
+    _close(out, ref_norms.rms_norm(x.double(), wt.detach().double(), 1e-6))
+    out.sum().backward()
+    assert wt.grad is not None and wt.grad.shape == (32,)
     with pytest.raises(ValueError, match="does not match hidden size"):
         ops.rms_norm(x, torch.randn(31), 1e-6)
     with pytest.raises(ValueError, match="gate shape"):

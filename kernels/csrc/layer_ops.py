@@ -43,12 +43,19 @@ def check(device_type: str, dtype: torch.dtype) -> Optional[str]:
     return None
 
 
-def _ops():
-    """torch.ops.megatron_vlm once the extension is loaded (the registry's check loads it first in normal use)."""
-    from megatron_vlm._ext import load
+_LOADED = False
 
-    if load() is None:
-        raise RuntimeError("megatron_vlm._C is not available; the csrc backend cannot run")
+
+def _ops():
+    """torch.ops.megatron_vlm once the extension is loaded (the registry's check loads it first in normal use);
+    the load is checked once, not on every call of these per-token ops."""
+    global _LOADED
+    if not _LOADED:
+        from megatron_vlm._ext import load
+
+        if load() is None:
+            raise RuntimeError("megatron_vlm._C is not available; the csrc backend cannot run")
+        _LOADED = True
     return torch.ops.megatron_vlm
 
 

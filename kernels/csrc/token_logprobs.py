@@ -13,7 +13,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ..reference.token_logprobs import IGNORE_INDEX, check_token_logprobs_inputs, default_chunk_size
+from ..reference.token_logprobs import check_token_logprobs_inputs, label_mask, resolve_chunk_size
 from ..reference.token_logprobs import linear_token_logprobs as _ref_linear_token_logprobs
 from .layer_ops import _fits, _ops
 
@@ -24,11 +24,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, temperature, chunk_size, with_entropy):
         n, vocab = hidden.shape[0], weight.shape[0]
-        valid = labels != IGNORE_INDEX
-        if bool(((labels < 0) & valid).any()) or bool((labels >= vocab).any()):
-            bad = labels[((labels < 0) & valid) | (labels >= vocab)][0].item()
-            raise ValueError(f"linear_token_logprobs: label {bad} outside [0, {vocab}) and not {IGNORE_INDEX}")
-        safe = torch.where(valid, labels, 0).long()
+        safe, valid = label_mask(labels, vocab)
         parts = []
         for s in range(0, n, chunk_size):
             z = torch.matmul(hidden[s:s + chunk_size], weight.t())
@@ -84,8 +80,6 @@ def linear_token_logprobs(
         return _ref_linear_token_logprobs(hidden, weight, labels, temperature=temperature,
                                           return_entropy=return_entropy, chunk_size=chunk_size)
     check_token_logprobs_inputs(hidden, weight, labels, temperature)
-    chunk = default_chunk_size(hidden.shape[0], weight.shape[0]) if chunk_size is None else int(chunk_size)
-    if chunk < 1:
-        raise ValueError(f"linear_token_logprobs: chunk_size must be >= 1, got {chunk_size}")
+    chunk = resolve_chunk_size(hidden, weight, chunk_size)
     logp, ent = _LinearTokenLogprobs.apply(hidden, weight, labels, float(temperature), chunk, bool(return_entropy))
     return (logp, ent) if return_entropy else logp

@@ -42,15 +42,29 @@ def check_token_logprobs_inputs(hidden: torch.Tensor, weight: torch.Tensor, labe
         raise ValueError(f"linear_token_logprobs: hidden dtype {hidden.dtype} != weight dtype {weight.dtype}")
 
 
+def label_mask(labels: torch.Tensor, vocab: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(labels with ignored ones set to 0 as int64, valid mask); a label outside [0, vocab) that is not
+    `IGNORE_INDEX` is an error. Shared by every backend of `linear_token_logprobs`."""
+    valid = labels != IGNORE_INDEX
+    if bool(((labels < 0) & valid).any()) or bool((labels >= vocab).any()):
+        bad = labels[((labels < 0) & valid) | (labels >= vocab)][0].item()
+        raise ValueError(f"linear_token_logprobs: label {bad} outside [0, {vocab}) and not {IGNORE_INDEX}")
+    return torch.where(valid, labels, 0).long(), valid
+
+
+def resolve_chunk_size(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: Optional[int]) -> int:
+    """Rows per chunk: `chunk_size`, or `default_chunk_size` when None; < 1 is an error."""
+    chunk = default_chunk_size(hidden.shape[0], weight.shape[0]) if chunk_size is None else int(chunk_size)
+    if chunk < 1:
+        raise ValueError(f"linear_token_logprobs: chunk_size must be >= 1, got {chunk_size}")
+    return chunk
+
+
 class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, temperature, chunk_size, with_entropy):
         n, vocab = hidden.shape[0], weight.shape[0]
-        valid = labels != IGNORE_INDEX
-        if bool(((labels < 0) & valid).any()) or bool((labels >= vocab).any()):
-            bad = labels[((labels < 0) & valid) | (labels >= vocab)][0].item()
-            raise ValueError(f"linear_token_logprobs: label {bad} outside [0, {vocab}) and not {IGNORE_INDEX}")
-        safe = torch.where(valid, labels, 0).long()
+        safe, valid = label_mask(labels, vocab)
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ent = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -109,8 +123,6 @@ def linear_token_logprobs(
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """log p(labels) [N] fp32 (and entropy [N] fp32) of softmax(hidden @ weight^T / temperature), chunked."""
     check_token_logprobs_inputs(hidden, weight, labels, temperature)
-    chunk = default_chunk_size(hidden.shape[0], weight.shape[0]) if chunk_size is None else int(chunk_size)
-    if chunk < 1:
-        raise ValueError(f"linear_token_logprobs: chunk_size must be >= 1, got {chunk_size}")
+    chunk = resolve_chunk_size(hidden, weight, chunk_size)
     logp, ent = _LinearTokenLogprobs.apply(hidden, weight, labels, float(temperature), chunk, bool(return_entropy))
     return (logp, ent) if return_entropy else logp

@@ -53,7 +53,7 @@ from targets import evaluate_all  # noqa: E402
 __all__ = ["KERNEL_BENCHES", "Section", "Step", "plan", "lease_plan", "write_summary", "main"]
 
 KERNEL_BENCHES = ["bench_attention", "bench_rms_norm", "bench_rotary", "bench_swiglu", "bench_linear_token_logprobs", "bench_liger",
-                  "bench_moe"]
+                  "bench_moe", "bench_decode_attention"]
 KERNEL_BENCHES += ["bench_mamba_ssm", "bench_transformer_engine"]  # third-party backends' rows (decide `auto` priorities)
 
 

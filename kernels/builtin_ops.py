@@ -87,9 +87,17 @@ def register_builtin_ops(registry) -> None:
 
     register("grouped_mm", "torch_grouped_mm", "torch_fused.grouped_mm:grouped_mm", check=grouped_mm_check,
              auto_devices=("cuda",), priority=15)
-    # rollout decoding: one launch per layer over the slot / paged cache (kernels/triton/decode_attention.py)
+    # rollout decoding over the slot / paged cache (kernels/triton/decode_attention.py): forced only. Its first
+    # version was 3.3x slower per decode step than the torch backend on an H100 (benchmarks/RESULTS.md,
+    # 2026-11-26); the split-K rewrite is not yet timed on a GPU (benchmarks/kernels/bench_decode_attention.py)
     register("decode_attention", "triton", "triton.decode_attention:decode_attention", check=triton_check,
-             auto_devices=("cuda",), priority=10)
+             auto_devices=(), priority=10)
+    # torch's fused LayerNorm: our Triton layer_norm ran 0.68x / 0.97x its time (fwd / bwd) on an H100 at the
+    # InternViT shape (bench_rms_norm, benchmarks/RESULTS.md, 2026-11-26)
+    from .torch_fused.norms import cuda_check as layer_norm_check
+
+    register("layer_norm", "torch_fused", "torch_fused.norms:layer_norm", check=layer_norm_check, auto_devices=("cuda",),
+             priority=15)
     # MoE routing (reference/moe_routing.py) and the compiled backends of megatron_vlm._C (csrc/,
     # loaded lazily by megatron_vlm/_ext.py; its check says why it is unavailable when it is)
     register("moe_topk_gating", "torch", "reference.moe_routing:moe_topk_gating", auto_devices=everywhere)

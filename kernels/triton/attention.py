@@ -16,7 +16,9 @@ output zeros (their lse is +inf so the backward gives them zero gradient).
 
 Block sizes are fixed (see `_config`: picked on an H200 among a few configs, not autotuned). Measured
 there (fwd + bwd, bf16), this kernel takes 2.3x (LM shape) to 4x (D-80 vision shape) the time of torch's
-flash SDPA on dense batches: see benchmarks/RESULTS.md.
+flash SDPA on dense batches (benchmarks/RESULTS.md), so a dense block in half precision on CUDA (a batch
+without padding mask or window, a pack of one sample) is handed to the `sdpa` backend (`_dense_for_sdpa`);
+packs of several samples and windows, where SDPA needs a mask, stay here.
 """
 from typing import Optional, Tuple
 
@@ -416,6 +418,26 @@ def _backward(ctx, dout, _dlse):
 attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+DENSE_TO_SDPA = True
+"""Hand dense blocks to SDPA (`_dense_for_sdpa`); the benchmark and the GPU tests turn it off to time / test the kernel."""
+
+
+def _dense_for_sdpa(q, k, left, right, causal, cu_seqlens_q, key_padding_mask) -> bool:
+    """Whether this call is one dense block that torch's fused SDPA (cuDNN / flash) runs unmasked, and faster:
+    a batch without padding mask or window, or a pack of one sample, same query and key lengths when causal,
+    in half precision on CUDA. Measured on an H100 (bf16, 8k causal, 28 / 4 heads, D 128): SDPA 0.84 / 2.46 ms
+    fwd / bwd, this kernel 1.64 / 5.23 ms (benchmarks/RESULTS.md, 2026-11-26). Packs of several samples and
+    windows stay here (4-53x SDPA with the mask they would need)."""
+    if not DENSE_TO_SDPA or q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if not (left < 0 and (right < 0 or (causal and right == 0))) or key_padding_mask is not None:
+        return False
+    seq_dim = 1 if q.dim() == 4 else 0
+    if causal and q.shape[seq_dim] != k.shape[seq_dim]:
+        return False
+    return q.dim() == 4 or cu_seqlens_q.numel() == 2
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -436,6 +458,11 @@ def attention(
         softmax_scale=softmax_scale, key_padding_mask=key_padding_mask,
     )
     check_device("attention", q, k, v)
+    if _dense_for_sdpa(q, k, left, right, causal, cu_seqlens_q, key_padding_mask):
+        from ..sdpa.attention import attention as sdpa_attention
+
+        return sdpa_attention(q, k, v, causal=causal, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                              window=window, softmax_scale=softmax_scale, key_padding_mask=key_padding_mask)
     batched = q.dim() == 4
     if batched:
         bsz, s_q, s_k = q.shape[0], q.shape[1], k.shape[1]

@@ -51,3 +51,19 @@ def to_dtype(x, DTYPE: tl.constexpr):
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(DTYPE)
+
+
+# The Triton 3.9 interpreter multiplies bf16 dot operands as their raw uint16 bits (interpreter.py
+# create_dot); interpreted kernels upcast to fp32 first (exact: bf16 products fit in fp32).
+_UPCAST_DOT = tl.constexpr(INTERPRETED_AT_IMPORT)
+
+
+@triton.jit
+def dot(a, b, IEEE: tl.constexpr):
+    """tl.dot with an fp32 accumulator; IEEE: full fp32 precision (no TF32) for fp32 operands."""
+    if _UPCAST_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)

@@ -3,8 +3,8 @@
 Why a kernel: a decoding step reads every cached key once and does almost no arithmetic per byte, so
 the torch backend (`kernels/reference/decode_attention.py`: gather the keys to `[B, S, Hkv, D]`, then
 a masked SDPA) pays for a gather copy of the paged cache and for reading masked padding up to the
-longest sequence, plus several launches per layer. Here each program reads only its own sequence's
-keys, in place, in the cache's own strides, and the whole step is one launch.
+longest sequence. Here each program reads only its share of one sequence's keys, in place, in the
+cache's own strides.
 
 Contract: `kernels/reference/decode_attention.py` (slot layout `[slots, max_len, Hkv, D]` + slot_ids,
 or paged `[blocks, block_size, Hkv, D]` + block_table; `cache_seqlens` counts the keys of each
@@ -12,13 +12,20 @@ sequence, the new token's already written; `max_seqlen_k` bounds the keys read; 
 keys outputs zeros). Both layouts go through one kernel: the slot layout is the paged one with a
 one-column block table (the slot id) and blocks of `max_len` positions.
 
-Algorithm: one program per (sequence, KV head) holds the query heads of that GQA group as a
-`[group, D]` tile and walks the sequence's keys in blocks of `BLOCK_N` positions with an online
-softmax (running max, running sum, fp32 accumulator; base-2 exponentials on pre-scaled scores).
-Products are elementwise + row sums, not `tl.dot`: a group has 1-8 query rows, under the 16-row
-minimum of `tl.dot`, and the step is bound by reading the cache anyway. Inference only (no backward).
-Block sizes are untuned heuristics (written without a GPU; its bf16 tests passed on an H200, 2026-11-25,
-benchmarks/RESULTS.md; its speed there is not measured yet).
+Algorithm (split-K "flash decoding"): the keys of a sequence are cut into `splits` chunks so that
+batch x kv heads x splits programs fill the GPU (a decode batch has only batch x kv heads = e.g. 32
+(sequence, kv head) pairs, a quarter of an H100's 132 SMs). A program holds the query heads of one GQA
+group as a `[16, D]` tile (the group's 1-8 rows padded to `tl.dot`'s 16-row minimum with zero rows:
+the step is bound by reading the cache, the padded rows cost no memory traffic) and walks its chunk in
+blocks of `BLOCK_N` keys with an online softmax (running max, running sum, fp32 accumulator, base-2
+exponentials), both products on the tensor cores (`tl.dot`; fp32 inputs in IEEE precision, not TF32).
+With one split it writes the output; otherwise each writes its normalised partial output and base-2
+log-sum-exp, and a second kernel merges the splits of each (sequence, head).
+
+History: the first version (one program per (sequence, kv head), products as elementwise `[G, N, D]`
+register tiles reduced by `tl.sum`) took 3.0 ms per call on an H100 at 16 sequences x 1.1k keys
+(16 / 2 heads, D 128, bf16): 93 % of a decode step, 3.3x slower per step than the torch backend
+(benchmarks/RESULTS.md, 2026-11-26). Inference only (no backward).
 """
 from typing import Optional
 
@@ -27,60 +34,117 @@ import triton
 import triton.language as tl
 
 from ..reference.decode_attention import check_decode_attention_inputs
-from .common import check_device, row_block
+from .common import INTERPRETED_AT_IMPORT, check_device, dot, row_block, to_dtype
 
-__all__ = ["decode_attention"]
+__all__ = ["decode_attention", "num_splits"]
 
 _LOG2E = 1.4426950408889634
+_BLOCK_N = 16 if INTERPRETED_AT_IMPORT else 64
+"""Keys per inner step (the interpreter's smaller blocks make the tests' short caches span several splits)."""
+_INTERPRETER_SMS = 8
+"""Stand-in SM count when interpreted (CPU tests): small enough that the tests' shapes split."""
 
 
 @triton.jit
-def _decode_attention_kernel(
-    Q, K, V, O, SEQLENS, TABLE,
+def _decode_attention_split_kernel(
+    Q, K, V, O, MID_O, MID_LSE, SEQLENS, TABLE,
     sq_b, sq_h, sq_d,
     sk_blk, sk_pos, sk_h, sk_d,
     sv_blk, sv_pos, sv_h, sv_d,
     so_b, so_h, so_d,
     st_b, st_n,
-    max_len, block_size, scale_log2,
+    max_len, block_size, chunk, scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     hk = tl.program_id(1)
+    split = tl.program_id(2)
     n = tl.minimum(tl.load(SEQLENS + b), max_len)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, n)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     g_ok = offs_g < GROUP
     d_ok = offs_d < HEAD_DIM
     heads = hk * GROUP + offs_g
     q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + offs_d[None, :] * sq_d,
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    q = q * scale_log2  # scores come out in log2 units: softmax by exp2
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for start in range(0, n, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < n
+        valid = pos < hi
         blk = tl.load(TABLE + b * st_b + (pos // block_size) * st_n, mask=valid, other=0).to(tl.int64)
         off = (pos % block_size).to(tl.int64)
         kv_mask = valid[:, None] & d_ok[None, :]
         k = tl.load(K + (blk * sk_blk + off * sk_pos + hk * sk_h)[:, None] + offs_d[None, :] * sk_d,
-                    mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, N]
-        s = tl.where(valid[None, :], s, float("-inf"))
+                    mask=kv_mask, other=0.0)
+        s = dot(q, tl.trans(k), IEEE)
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))  # [G, N], log2 units
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padded row sees no key: keep exp2 at 0, not NaN
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         v = tl.load(V + (blk * sv_blk + off * sv_pos + hk * sv_h)[:, None] + offs_d[None, :] * sv_d,
-                    mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+                    mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + dot(to_dtype(p, v.dtype), v, IEEE)  # bf16: P rounded once, as in flash attention
         m = m_new
     out = tl.where(l_sum[:, None] > 0, acc / tl.maximum(l_sum, 1e-30)[:, None], 0.0)
-    tl.store(O + b * so_b + heads[:, None] * so_h + offs_d[None, :] * so_d, out.to(O.dtype.element_ty),
-             mask=g_ok[:, None] & d_ok[None, :])
+    if SPLITS == 1:
+        tl.store(O + b * so_b + heads[:, None] * so_h + offs_d[None, :] * so_d, out.to(O.dtype.element_ty),
+                 mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        # partials: MID_O [B, Hq, SPLITS, BLOCK_D] fp32, MID_LSE [B, Hq, SPLITS] fp32 (contiguous)
+        row = (b * (tl.num_programs(1) * GROUP) + heads) * SPLITS + split
+        tl.store(MID_O + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=g_ok[:, None])
+        lse = tl.where(l_sum > 0, m + tl.log2(tl.maximum(l_sum, 1e-30)), float("-inf"))
+        tl.store(MID_LSE + row, lse, mask=g_ok)
+
+
+@triton.jit
+def _decode_attention_merge_kernel(
+    O, MID_O, MID_LSE, so_b, so_h, so_d,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < SPLITS
+    row = (b * tl.num_programs(1) + h) * SPLITS
+    lse = tl.load(MID_LSE + row + offs_s, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top)))
+    parts = tl.load(MID_O + (row + offs_s)[:, None] * BLOCK_D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * parts, axis=0) / tl.maximum(total, 1e-30)  # no key anywhere: all w 0, zeros
+    tl.store(O + b * so_b + h * so_h + offs_d * so_d, out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def num_splits(pairs: int, length: int, sm_count: int, block_n: int = _BLOCK_N) -> tuple[int, int]:
+    """(splits, keys per split) for `pairs` (sequence, kv head) programs over caches of up to `length` keys:
+    enough splits for ~2 programs per SM, none shorter than one key block, chunks a whole number of blocks.
+    Depends on host integers only (a CUDA-graph capture of a decode step replays the same grid)."""
+    blocks = max(1, -(-length // block_n))
+    want = max(1, -(-2 * sm_count // max(pairs, 1)))
+    per_split = -(-blocks // min(want, blocks))
+    chunk = per_split * block_n
+    return -(-length // chunk), chunk
 
 
 def decode_attention(
@@ -115,11 +179,23 @@ def decode_attention(
     out = torch.empty_like(q)
     scale = dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     group = hq // hkv
-    _decode_attention_kernel[(batch, hkv)](
-        q, k_cache, v_cache, out, seqlens, table,
+    block_d = row_block(dim)
+    splits, chunk = num_splits(batch * hkv, length, _sm_count(q.device))
+    if splits > 1:
+        mid_o = torch.empty(batch, hq, splits, block_d, device=q.device, dtype=torch.float32)
+        mid_lse = torch.empty(batch, hq, splits, device=q.device, dtype=torch.float32)
+    else:
+        mid_o = mid_lse = out  # unused
+    _decode_attention_split_kernel[(batch, hkv, splits)](
+        q, k_cache, v_cache, out, mid_o, mid_lse, seqlens, table,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *table.stride(),
-        length, block_size, scale * _LOG2E,
-        GROUP=group, HEAD_DIM=dim, BLOCK_G=max(2, triton.next_power_of_2(group)), BLOCK_D=row_block(dim),
-        BLOCK_N=64, num_warps=4,
+        length, block_size, chunk, scale * _LOG2E,
+        GROUP=group, HEAD_DIM=dim, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+        BLOCK_N=_BLOCK_N, SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=4,
     )
+    if splits > 1:
+        _decode_attention_merge_kernel[(batch, hq)](
+            out, mid_o, mid_lse, *out.stride(),
+            HEAD_DIM=dim, BLOCK_D=block_d, SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4,
+        )
     return out

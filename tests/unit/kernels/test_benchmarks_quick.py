@@ -12,7 +12,7 @@ import pytest
 
 BENCH_DIR = Path(__file__).resolve().parents[3] / "benchmarks" / "kernels"
 SCRIPTS = ["bench_attention.py", "bench_rms_norm.py", "bench_rotary.py", "bench_swiglu.py", "bench_linear_token_logprobs.py",
-           "bench_moe.py"]
+           "bench_moe.py", "bench_decode_attention.py"]
 
 DRIVER = """
 import runpy, sys, traceback

@@ -18,6 +18,38 @@ from megatron_vlm.kernels.triton import attention as triton_attention
 FLOOR = {torch.float32: 2e-5, torch.bfloat16: 2e-3}
 
 
+@pytest.fixture(autouse=True)
+def _kernel_only(monkeypatch):
+    """The tests below check the Triton kernel itself: no hand-off of dense half-precision blocks to SDPA."""
+    monkeypatch.setattr(triton_attention, "DENSE_TO_SDPA", False)
+
+
+def test_dense_half_precision_blocks_go_to_sdpa_on_cuda(monkeypatch):
+    """A batch without mask / window and a one-sample pack (same lengths if causal) in bf16 / fp16 on CUDA go to
+    SDPA (measured 2x faster there); packs of several samples, windows, padding masks, fp32 and the CPU do not."""
+    from types import SimpleNamespace as T
+
+    monkeypatch.setattr(triton_attention, "DENSE_TO_SDPA", True)
+    dense = triton_attention._dense_for_sdpa
+
+    def t(*shape, device="cuda", dtype=torch.bfloat16):
+        return T(shape=shape, device=torch.device(device) if device == "cpu" else T(type=device), dtype=dtype,
+                 dim=lambda: len(shape))
+
+    one, two = torch.tensor([0, 8]), torch.tensor([0, 3, 8])
+    assert dense(t(2, 8, 4, 64), t(2, 8, 2, 64), -1, 0, True, None, None)  # batched causal
+    assert dense(t(8, 4, 64, dtype=torch.float16), t(8, 2, 64), -1, -1, False, one, None)  # one-sample pack
+    assert dense(t(2, 3, 4, 64), t(2, 8, 2, 64), -1, -1, False, None, None)  # cross lengths, not causal
+    assert not dense(t(2, 3, 4, 64), t(2, 8, 2, 64), -1, 0, True, None, None)  # causal, bottom-right aligned
+    assert not dense(t(8, 4, 64), t(8, 2, 64), -1, 0, True, two, None)  # several samples
+    assert not dense(t(2, 8, 4, 64), t(2, 8, 2, 64), 16, 0, True, None, None)  # window
+    assert not dense(t(2, 8, 4, 64), t(2, 8, 2, 64), -1, 0, True, None, torch.ones(2, 8))  # padding mask
+    assert not dense(t(2, 8, 4, 64, dtype=torch.float32), t(2, 8, 2, 64), -1, 0, True, None, None)
+    assert not dense(t(2, 8, 4, 64, device="cpu"), t(2, 8, 2, 64), -1, 0, True, None, None)
+    monkeypatch.setattr(triton_attention, "DENSE_TO_SDPA", False)
+    assert not dense(t(2, 8, 4, 64), t(2, 8, 2, 64), -1, 0, True, None, None)
+
+
 def _check(q, k, v, floor, **kw):
     """Compare output and dq/dk/dv of the kernel with the fp64 and naive low-precision references."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]

@@ -377,4 +377,14 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   return out;
 }
 
+int64_t parallel_threads(int64_t n) {
+  TORCH_CHECK_VALUE(n >= 1, "parallel_threads: n must be >= 1");
+  std::vector<char> used(std::max(at::get_num_threads(), 1), 0);
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+    const int t = at::get_thread_num();
+    if (t >= 0 && t < static_cast<int>(used.size())) used[t] = 1;
+  });
+  return std::count(used.begin(), used.end(), 1);
+}
+
 }  // namespace megatron_vlm

@@ -94,6 +94,7 @@ void token_logprob_grad_rows_meta(const at::Tensor&, const at::Tensor&, const at
 }  // namespace megatron_vlm
 
 TORCH_LIBRARY(megatron_vlm, m) {
+  m.def("parallel_threads(int n) -> int", &megatron_vlm::parallel_threads);
   m.def(
       "mrope_position_ids(Tensor input_ids, Tensor? mm_token_type_ids, Tensor? attention_mask, "
       "Tensor? cu_seqlens, Tensor? image_grid_thw, Tensor? video_grid_thw, Tensor? video_intervals, "

@@ -206,6 +206,20 @@ def test_results_of_a_row_do_not_depend_on_the_batch(ops):
     assert torch.equal(batch[3:4], alone)
 
 
+def test_the_cpu_ops_run_on_torchs_threads(ext):
+    """at::parallel_for inside _C spreads work over torch.set_num_threads threads: compiled without OpenMP it
+    silently ran every op on the calling thread (CMakeLists.txt)."""
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.ops.megatron_vlm.parallel_threads(64) == 1
+        torch.set_num_threads(2)
+        assert torch.ops.megatron_vlm.parallel_threads(64) == 2
+        assert torch.ops.megatron_vlm.parallel_threads(1) == 1  # one item: no second thread
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_weight_gradient_does_not_depend_on_the_thread_count(ops):
     g = torch.Generator().manual_seed(9)
     x, w = torch.randn(1500, 64, generator=g), torch.randn(64, generator=g)

@@ -45,8 +45,9 @@ LEASE_BENCHES = [
     ("kernels/bench_attention", 80, ["--cases", r"LM causal 8k|packed|ViT"],
      "target cases only: Qwen2.5-VL-7B causal 8k, packed 16k, ViT (no Nemotron 8k, no InternViT)"),
     ("e2e/bench_rollout", 110, ["--prompts", "2", "--group", "8", "--new-tokens", "128", "--repeats", "1",
-                                "--runs", "ours_shared_prefix,transformers_generate"],
-     "3B shape, 2 prompts x G 8 x 128 new tokens (target: 4 x 8 x 512), 1 round, no no-sharing run"),
+                                "--runs", "ours_shared_prefix,transformers_generate", "--cuda-graphs"],
+     "3B shape, 2 prompts x G 8 x 128 new tokens (target: 4 x 8 x 512), 1 round, eager and CUDA-graph decode steps, "
+     "no no-sharing run"),
     ("e2e/bench_train_step", 35, ["--steps", "3"], "3B shape, 8k packed tokens (the target's), 3 timed steps"),
     ("e2e/bench_grpo_step", 60, ["--steps", "1", "--prompts", "2", "--group", "4", "--new-tokens", "64"],
      "3B shape, 2 prompts x G 4 x 64 new tokens (default: 8 x 8 x 512), 1 timed step"),

@@ -111,7 +111,7 @@ def write_summary(run_dir: Path, statuses: dict, out_stem: Path, steps: dict | N
         if r["met"] is None:
             met = ("not comparable" if r["figure"] is not None else "not measured") + (f" ({r['why']})" if r["why"] else "")
         else:
-            met = {True: "yes", False: "**no**"}[r["met"]]
+            met = {True: "yes", False: "**no**"}[r["met"]] + (f" ({r['why']})" if r["why"] else "")
         lines.append(f"| {r['target']} | {r['bench']} | {r['rule']} | {r['threshold']} | {_fmt(r['figure'])} | {met} |")
     lines += ["", "| section / step | exit code | seconds | arguments / shapes |", "|---|---|---|---|"]
     for k, v in statuses.items():

@@ -130,6 +130,20 @@ def test_e2e_figure_at_another_shape_is_not_judged():
     assert "new_tokens 128 (target: 512)" in r["why"] and "prompts 2 (target: 4)" in r["why"]
 
 
+def test_rollout_target_reads_the_cuda_graph_row_when_there_is_one():
+    """The engine's fastest configuration on CUDA (graph-replayed decode steps) is the figure; without that row the
+    eager one; the summary says which row it read."""
+    rollout = next(t for t in TARGETS if t.bench == "bench_rollout")
+    data = {"meta": {"prompts": 4, "group": 8, "new_tokens": 512, "quick": False},
+            "results": {"ours_shared_prefix": {"vs_transformers": 1.2}, "ours_cuda_graphs": {"vs_transformers": 3.4}}}
+    r = evaluate(rollout, data)
+    assert r["figure"] == pytest.approx(3.4) and r["met"] is True and "ours_cuda_graphs" in r["why"]
+    del data["results"]["ours_cuda_graphs"]
+    r = evaluate(rollout, data)
+    assert r["figure"] == pytest.approx(1.2) and r["met"] is False and "ours_shared_prefix" in r["why"]
+    assert "no results.ours_cuda_graphs" in evaluate(rollout, {"meta": {}, "results": {}})["why"]
+
+
 def test_summary_says_not_comparable_for_a_smaller_shape(tmp_path):
     run = tmp_path / "dev"
     run.mkdir()
@@ -137,7 +151,7 @@ def test_summary_says_not_comparable_for_a_smaller_shape(tmp_path):
                                                         "results": {"ours_shared_prefix": {"vs_transformers": 0.5}}}))
     text = gpu_suite.write_summary(run, {}, tmp_path / "dev")
     row = next(line for line in text.splitlines() if line.startswith("| rollout tokens/s"))
-    assert "not comparable (measured at" in row and "**no**" not in row
+    assert "not comparable (" in row and "measured at prompts 2" in row and "**no**" not in row
 
 
 def test_kernel_benchmark_selection_and_partial_json(tmp_path, monkeypatch):

@@ -68,7 +68,7 @@ class OurGRPO:
     """Our synchronous GRPO step (`megatron_vlm.rl.grpo_step.GRPOStep`), wired as bench_grpo_step.py does."""
 
     def __init__(self, folder: Path, tokenizer, prompts: list[str], group: int, new_tokens: int, rollout_weights: str = "copy",
-                 prompt_sharing: str = "auto"):
+                 prompt_sharing: str = "auto", fsdp: str = "auto"):
         from bench_grpo_step import FixedPrompts, HashReward, TokenIds
 
         from megatron_vlm.checkpoint.hf import load_hf_model
@@ -88,7 +88,11 @@ class OurGRPO:
         wrapper = TokenLogprobModel(model)
         parallel = SimpleNamespace(dp_replicate=1, dp_shard=-1, compile=False, reshard_after_forward=True)
         dims, mesh = build_mesh(parallel, env.world_size, "cpu")
-        get_family(model.hf_config.get("model_type")).parallelize(model, dims, parallel, mesh=mesh, root=wrapper)
+        from megatron_vlm.training.model_bundle import fsdp_needed
+
+        # as a job does: one fp32 process keeps plain parameters (fsdp "on": FSDP2 units anyway, for comparison)
+        fsdp_mesh = mesh if fsdp == "on" or fsdp_needed(env.world_size, "fp32") else None
+        get_family(model.hf_config.get("model_type")).parallelize(model, dims, parallel, mesh=fsdp_mesh, root=wrapper)
         optimizer = build_optimizer(wrapper, SimpleNamespace(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8), "cpu")
         scheduler = build_scheduler(optimizer, SimpleNamespace(warmup_steps=0, warmup_ratio=0.0, type="constant", min_lr_ratio=0.0), 10**6)
         ctx = SimpleNamespace(
@@ -137,6 +141,8 @@ def main() -> int:
                     help="our engine's weights (rl.rollout_weights): its own copy (default) or the trainer's FSDP parameters")
     ap.add_argument("--prompt-sharing", choices=("auto", "off"), default="auto",
                     help="rl.prompt_sharing of our update (off: every completion's pack row carries its own prompt copy, as TRL's)")
+    ap.add_argument("--fsdp", choices=("auto", "on"), default="auto",
+                    help="our model's FSDP2 units: as a job (auto: none for one fp32 process) or always (on)")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
     if importlib.util.find_spec("trl") is None:
@@ -160,7 +166,8 @@ def main() -> int:
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
     prompts = make_prompts(args.prompts, tokenizer=tokenizer, prompt_tokens=args.prompt_tokens)
     prompt_lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
-    ours = OurGRPO(folder, tokenizer, prompts, args.group, args.new_tokens, args.rollout_weights, args.prompt_sharing)
+    ours = OurGRPO(folder, tokenizer, prompts, args.group, args.new_tokens, args.rollout_weights, args.prompt_sharing,
+                   fsdp=args.fsdp)
 
     steps = args.warmup + args.rounds
     times = {"trl": [], "ours": []}
@@ -200,7 +207,7 @@ def main() -> int:
             "trl": trl.__version__, "prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens,
             "prompt_tokens_mean": round(statistics.mean(prompt_lengths), 1),
             "hidden": args.hidden, "layers": args.layers, "rounds": args.rounds, "rollout_weights": args.rollout_weights,
-            "prompt_sharing": args.prompt_sharing,
+            "prompt_sharing": args.prompt_sharing, "fsdp": args.fsdp,
             "load_avg": round(os.getloadavg()[0], 1), "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(meta))
     if args.json:

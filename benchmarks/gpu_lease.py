@@ -11,7 +11,9 @@ otherwise provides.
 
 Sections:
   setup       nvidia-smi, install the wheels, the kernels symlink, versions (one after another, ~30 s)
-  tests       three correctness steps at once (~150 s): the extension build (~95 s alone) then its tests; the
+  tests       three correctness steps at once (~150 s): the extension build (~25-95 s alone) then its tests (2 xdist
+              workers, so that a test crashing the interpreter loses one worker, not the step; native frames printed:
+              MEGATRON_VLM_SEGV_BACKTRACE); the
               `gpu`-marked tests; the kernel tests on 6 xdist workers. The two test steps load no
               extension (MEGATRON_VLM_NO_EXT=1) so the build running beside them cannot race them. `heavy`
               tests are left out: they are CPU smoke tests (benchmarks under Triton's interpreter, a
@@ -115,9 +117,10 @@ def lease_plan(run_dir: Path, python: str, site: str, wheel_dir: Path) -> list[S
     pytest = py + ["-m", "pytest", "-q", "-rfEs", "-p", "no:randomly", "--continue-on-collection-errors", "--timeout", "150"]
     build = f"MEGATRON_VLM_REQUIRE_EXT=1 {shlex.quote(python)} setup.py build_ext --inplace"
     tests = [
+        # native frames on a crash (two csrc tests crashed pytest on the first H100 lease: csrc/segv_backtrace.cpp)
         Step("extension build + csrc tests",
-             ["bash", "-c", f"{build} && {shlex.join(pytest + ['-m', 'not heavy'])} tests/unit/csrc"], 190,
-             env=env, group="correctness"),
+             ["bash", "-c", f"{build} && {shlex.join(pytest + ['-n', '2', '-m', 'not heavy'])} tests/unit/csrc"], 190,
+             env={**env, "MEGATRON_VLM_SEGV_BACKTRACE": "1"}, group="correctness"),
         Step("gpu-marked tests",
              pytest + ["-m", "gpu and not heavy", "tests", "--ignore=tests/unit/kernels", "--ignore=tests/unit/csrc"],
              170, env=no_ext, group="correctness"),

@@ -49,6 +49,10 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cpu(const at::Tensor& grad, cons
 at::Tensor swiglu_fwd_cpu(const at::Tensor& gate, const at::Tensor& up);
 std::tuple<at::Tensor, at::Tensor> swiglu_bwd_cpu(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up);
 at::Tensor rotary_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward);
+// Print native frames on SIGSEGV / SIGBUS / SIGILL / SIGFPE, then chain to the previous handler
+// (segv_backtrace.cpp). True when every handler was installed.
+bool install_segv_backtrace();
+
 // How many threads at::parallel_for used over n items (grain 1): the thread count the CPU ops get. 1 where the
 // library was compiled without OpenMP, whatever torch.set_num_threads says (CMakeLists.txt).
 int64_t parallel_threads(int64_t n);

@@ -95,6 +95,7 @@ void token_logprob_grad_rows_meta(const at::Tensor&, const at::Tensor&, const at
 
 TORCH_LIBRARY(megatron_vlm, m) {
   m.def("parallel_threads(int n) -> int", &megatron_vlm::parallel_threads);
+  m.def("install_segv_backtrace() -> bool", &megatron_vlm::install_segv_backtrace);
   m.def(
       "mrope_position_ids(Tensor input_ids, Tensor? mm_token_type_ids, Tensor? attention_mask, "
       "Tensor? cu_seqlens, Tensor? image_grid_thw, Tensor? video_grid_thw, Tensor? video_intervals, "

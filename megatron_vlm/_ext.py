@@ -47,6 +47,9 @@ def _import():
     except (ImportError, OSError) as err:  # e.g. built against another torch
         return None, f"import failed: {err}"
     _register_python_parts()
+    if os.environ.get("MEGATRON_VLM_SEGV_BACKTRACE", "0").lower() not in ("", "0", "false", "no"):
+        # diagnostic: native frames on a crash, then Python's faulthandler (csrc/segv_backtrace.cpp)
+        torch.ops.megatron_vlm.install_segv_backtrace()
     return _C, None
 
 

@@ -74,7 +74,8 @@ def use_mcore_backend(model, tp_mesh=None, ep_mesh=None, grad_divide_factor: flo
     layers = model.language_model.layers
     kinds = ", ".join(sorted({type(layer.mcore).__name__ for layer in layers}))
     log.info("parallel.backend = mcore: %d language-decoder layers are megatron-core layers (%s; %s layer spec, "
-             "tensor_model_parallel_size %d, expert_model_parallel_size %d); experimental: not yet run on a GPU",
+             "tensor_model_parallel_size %d, expert_model_parallel_size %d); experimental: the local spec has run on one "
+             "GPU (H100), Transformer Engine's spec and multi-GPU layouts not yet",
              len(layers), kinds, "Transformer Engine" if layers[0].te_fused_norms else "local", getattr(layers[0], "tp", 1),
              max(getattr(layer, "ep", 1) for layer in layers))
 

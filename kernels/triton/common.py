@@ -25,6 +25,17 @@ def check_device(op: str, *tensors: torch.Tensor) -> None:
             raise RuntimeError(f"triton {op}: tensor on {t.device.type}; triton kernels need cuda (or cpu interpreted)")
 
 
+def direct_launch(*tensors) -> bool:
+    """Whether a wrapper may launch its kernel directly instead of through its `torch.library.custom_op`: no
+    autograd graph to record (grad mode off, or no input that requires grad) and no torch.compile trace. The
+    custom op is what autograd and the compiler need; in plain inference its dispatch is only overhead, ~30 us of
+    host time per call (measured on the CPU, 2026-11-26), while an eager decode step of a 36-layer model calls
+    rms_norm / apply_rotary / swiglu ~150 times. Same kernel, same result either way."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+
 def row_block(n: int) -> int:
     """Power-of-two block covering a row of n features (>= 16)."""
     return max(16, triton.next_power_of_2(n))

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_device, num_warps_for, row_block, to_dtype
+from .common import check_device, direct_launch, num_warps_for, row_block, to_dtype
 
 
 @triton.jit
@@ -197,9 +197,16 @@ def rms_norm(
     check_device("rms_norm", x)
     shape = x.shape
     x2d = x.reshape(-1, shape[-1]).contiguous()
+    direct = direct_launch(x, weight, residual)  # inference: no custom-op dispatch (common.direct_launch)
     if residual is None:
-        y, _ = rms_norm_fwd_op(x2d, weight.contiguous(), float(eps))
+        if direct:
+            y, _, _ = rms_norm_fwd(x2d, None, weight.contiguous(), float(eps))
+        else:
+            y, _ = rms_norm_fwd_op(x2d, weight.contiguous(), float(eps))
         return y.reshape(shape)
     r2d = residual.to(x.dtype).reshape(-1, shape[-1]).contiguous()
-    y, summed, _ = rms_norm_residual_fwd_op(x2d, r2d, weight.contiguous(), float(eps))
+    if direct:
+        y, summed, _ = rms_norm_fwd(x2d, r2d, weight.contiguous(), float(eps))
+    else:
+        y, summed, _ = rms_norm_residual_fwd_op(x2d, r2d, weight.contiguous(), float(eps))
     return y.reshape(shape), summed.reshape(shape)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ..reference.rotary import expand_cos_sin
-from .common import check_device, to_dtype
+from .common import check_device, direct_launch, to_dtype
 
 
 @triton.jit
@@ -150,4 +150,6 @@ def apply_rotary(
     if sin3.stride() != cos3.stride():
         cos3, sin3 = cos3.contiguous(), sin3.contiguous()
     x3 = x.reshape(batch * n_tokens, heads, d).contiguous()
+    if direct_launch(x, cos, sin):  # inference: no custom-op dispatch (common.direct_launch)
+        return _launch(_rotary_fwd_kernel, x3, cos3, sin3, cos3.shape[1], bool(interleaved)).reshape(shape)
     return rotary_op(x3, cos3, sin3, bool(interleaved)).reshape(shape)

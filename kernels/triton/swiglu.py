@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_device, to_dtype
+from .common import check_device, direct_launch, to_dtype
 
 
 @triton.jit
@@ -39,14 +39,18 @@ def _block(t: torch.Tensor) -> int:
     return 4096 if t.device.type == "cpu" else 1024
 
 
-@torch.library.custom_op("megatron_vlm::triton_swiglu", mutates_args=())
-def swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(gate)
     n = gate.numel()
     if n:
         block = _block(gate)
         _swiglu_fwd_kernel[(triton.cdiv(n, block),)](gate, up, y, n, BLOCK=block, num_warps=4)
     return y
+
+
+@torch.library.custom_op("megatron_vlm::triton_swiglu", mutates_args=())
+def swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _swiglu_fwd(gate, up)
 
 
 @swiglu_op.register_fake
@@ -89,4 +93,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.dtype != up.dtype:
         raise ValueError(f"swiglu: gate dtype {gate.dtype} != up dtype {up.dtype}")
     check_device("swiglu", gate, up)
+    if direct_launch(gate, up):  # inference: no custom-op dispatch (common.direct_launch)
+        return _swiglu_fwd(gate.contiguous(), up.contiguous())
     return swiglu_op(gate.contiguous(), up.contiguous())

@@ -91,7 +91,7 @@ class OurGRPO:
         from megatron_vlm.training.model_bundle import fsdp_needed
 
         # as a job does: one fp32 process keeps plain parameters (fsdp "on": FSDP2 units anyway, for comparison)
-        fsdp_mesh = mesh if fsdp == "on" or fsdp_needed(env.world_size, "fp32") else None
+        fsdp_mesh = mesh if fsdp == "on" or fsdp_needed(env.world_size, "fp32", "cpu") else None
         get_family(model.hf_config.get("model_type")).parallelize(model, dims, parallel, mesh=fsdp_mesh, root=wrapper)
         optimizer = build_optimizer(wrapper, SimpleNamespace(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8), "cpu")
         scheduler = build_scheduler(optimizer, SimpleNamespace(warmup_steps=0, warmup_ratio=0.0, type="constant", min_lr_ratio=0.0), 10**6)

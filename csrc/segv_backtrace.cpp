@@ -43,6 +43,9 @@ void on_fatal_signal(int sig, siginfo_t*, void*) {
 }  // namespace
 
 bool install_segv_backtrace() {
+  static bool installed = false;  // a second install would save our own handler as the "previous" one (a loop)
+  if (installed) return true;
+  installed = true;
   void* warm[1];
   ::backtrace(warm, 1);  // loads libgcc's unwinder now, not inside the handler
   struct sigaction action;

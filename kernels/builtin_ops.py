@@ -94,10 +94,7 @@ def register_builtin_ops(registry) -> None:
              auto_devices=(), priority=10)
     # torch's fused LayerNorm: our Triton layer_norm ran 0.68x / 0.97x its time (fwd / bwd) on an H100 at the
     # InternViT shape (bench_rms_norm, benchmarks/RESULTS.md, 2026-11-26)
-    from .torch_fused.norms import cuda_check as layer_norm_check
-
-    register("layer_norm", "torch_fused", "torch_fused.norms:layer_norm", check=layer_norm_check, auto_devices=("cuda",),
-             priority=15)
+    register("layer_norm", "torch_fused", "torch_fused.norms:layer_norm", auto_devices=("cuda",), priority=15)
     # MoE routing (reference/moe_routing.py) and the compiled backends of megatron_vlm._C (csrc/,
     # loaded lazily by megatron_vlm/_ext.py; its check says why it is unavailable when it is)
     register("moe_topk_gating", "torch", "reference.moe_routing:moe_topk_gating", auto_devices=everywhere)

@@ -49,7 +49,11 @@ def _import():
     _register_python_parts()
     if os.environ.get("MEGATRON_VLM_SEGV_BACKTRACE", "0").lower() not in ("", "0", "false", "no"):
         # diagnostic: native frames on a crash, then Python's faulthandler (csrc/segv_backtrace.cpp)
-        torch.ops.megatron_vlm.install_segv_backtrace()
+        try:
+            torch.ops.megatron_vlm.install_segv_backtrace()
+        except (AttributeError, RuntimeError) as err:  # a _C built before the op existed
+            warnings.warn(f"MEGATRON_VLM_SEGV_BACKTRACE: not installed ({err}); rebuild megatron_vlm._C", RuntimeWarning,
+                          stacklevel=2)
     return _C, None
 
 

@@ -2,9 +2,12 @@
 
 Why: on an H100 (bf16, InternViT 32 tiles x 1025 x 1024) our Triton layer_norm took 1.47x / 1.03x the time of
 F.layer_norm (fwd / bwd; bench_rms_norm, benchmarks/RESULTS.md, 2026-11-26), so `auto` takes this on CUDA.
-Numerics match the reference (`kernels/reference/norms.py`): statistics and the affine transform in fp32,
-one rounding to x's dtype at the end (torch's CUDA kernel accumulates in fp32 for half inputs). The torch
-backend stays the reference: it is a chain of eager ops that reads the activation several times.
+Numerics match the reference (`kernels/reference/norms.py`) when the weight and bias are in x's dtype (as
+training holds them): statistics and the affine transform in fp32, one rounding to x's dtype at the end (torch's
+CUDA kernel accumulates in fp32 for half inputs). Parameters of another dtype are cast to x's first (fp32
+parameters with bf16 x: rounded to bf16, where the reference multiplies in fp32). The torch backend stays the
+reference: a chain of eager ops that reads the activation several times. `auto` takes this on CUDA only (the
+measured device); forced, it runs on any device.
 """
 from typing import Optional
 
@@ -13,14 +16,7 @@ import torch.nn.functional as F
 
 from ..reference.norms import _check_weight
 
-__all__ = ["layer_norm", "cuda_check"]
-
-
-def cuda_check(device_type: str, dtype: torch.dtype) -> Optional[str]:
-    """Registry check: chosen on CUDA only (the measured device); forced elsewhere it still runs."""
-    if device_type != "cuda":
-        return f"tensor on {device_type}; chosen only on cuda (the measured device)"
-    return None
+__all__ = ["layer_norm"]
 
 
 def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:

@@ -424,18 +424,17 @@ DENSE_TO_SDPA = True
 
 def _dense_for_sdpa(q, k, left, right, causal, cu_seqlens_q, key_padding_mask) -> bool:
     """Whether this call is one dense block that torch's fused SDPA (cuDNN / flash) runs unmasked, and faster:
-    a batch without padding mask or window, or a pack of one sample, same query and key lengths when causal,
-    in half precision on CUDA. Measured on an H100 (bf16, 8k causal, 28 / 4 heads, D 128): SDPA 0.84 / 2.46 ms
+    a batch without padding mask or window (same query and key lengths when causal), or a pack of one sample of
+    equal query and key lengths, in half precision on CUDA. Measured on an H100 (bf16, 8k causal, 28 / 4 heads, D 128): SDPA 0.84 / 2.46 ms
     fwd / bwd, this kernel 1.64 / 5.23 ms (benchmarks/RESULTS.md, 2026-11-26). Packs of several samples and
     windows stay here (4-53x SDPA with the mask they would need)."""
     if not DENSE_TO_SDPA or q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         return False
     if not (left < 0 and (right < 0 or (causal and right == 0))) or key_padding_mask is not None:
         return False
-    seq_dim = 1 if q.dim() == 4 else 0
-    if causal and q.shape[seq_dim] != k.shape[seq_dim]:
-        return False
-    return q.dim() == 4 or cu_seqlens_q.numel() == 2
+    if q.dim() == 4:
+        return not causal or q.shape[1] == k.shape[1]  # causal SDPA aligns top-left, ours bottom-right
+    return cu_seqlens_q.numel() == 2 and q.shape[0] == k.shape[0]  # one sample of equal lengths
 
 
 def attention(
@@ -459,10 +458,13 @@ def attention(
     )
     check_device("attention", q, k, v)
     if _dense_for_sdpa(q, k, left, right, causal, cu_seqlens_q, key_padding_mask):
-        from ..sdpa.attention import attention as sdpa_attention
+        from ..sdpa.attention import _sdpa
 
-        return sdpa_attention(q, k, v, causal=causal, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                              window=window, softmax_scale=softmax_scale, key_padding_mask=key_padding_mask)
+        # straight to SDPA on [B, H, S, D] views, no mask; a valid one-sample pack is cu_seqlens [0, T] (the
+        # contract: they end at the token count), so they are not read on the host (no sync per layer)
+        qt, kt, vt = (t.transpose(1, 2) if q.dim() == 4 else t.transpose(0, 1)[None] for t in (q, k, v))
+        out = _sdpa(qt, kt, vt, None, scale, is_causal=causal)
+        return out.transpose(1, 2) if q.dim() == 4 else out[0].transpose(0, 1)
     batched = q.dim() == 4
     if batched:
         bsz, s_q, s_k = q.shape[0], q.shape[1], k.shape[1]

@@ -43,6 +43,8 @@ _BLOCK_N = 16 if INTERPRETED_AT_IMPORT else 64
 """Keys per inner step (the interpreter's smaller blocks make the tests' short caches span several splits)."""
 _INTERPRETER_SMS = 8
 """Stand-in SM count when interpreted (CPU tests): small enough that the tests' shapes split."""
+_MERGE_BLOCK = 2 if INTERPRETED_AT_IMPORT else 16
+"""Splits merged per step of the merge kernel's loop (the interpreter's 2 makes the tests loop)."""
 
 
 @triton.jit
@@ -53,9 +55,9 @@ def _decode_attention_split_kernel(
     sv_blk, sv_pos, sv_h, sv_d,
     so_b, so_h, so_d,
     st_b, st_n,
-    max_len, block_size, chunk, scale_log2,
+    max_len, block_size, chunk, splits, scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -84,7 +86,7 @@ def _decode_attention_split_kernel(
         s = dot(q, tl.trans(k), IEEE)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))  # [G, N], log2 units
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padded row sees no key: keep exp2 at 0, not NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # guard: an all -inf row would give NaN, not 0
         alpha = tl.exp2(m - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
@@ -93,12 +95,12 @@ def _decode_attention_split_kernel(
         acc = acc * alpha[:, None] + dot(to_dtype(p, v.dtype), v, IEEE)  # bf16: P rounded once, as in flash attention
         m = m_new
     out = tl.where(l_sum[:, None] > 0, acc / tl.maximum(l_sum, 1e-30)[:, None], 0.0)
-    if SPLITS == 1:
+    if ONE_SPLIT:
         tl.store(O + b * so_b + heads[:, None] * so_h + offs_d[None, :] * so_d, out.to(O.dtype.element_ty),
                  mask=g_ok[:, None] & d_ok[None, :])
     else:
-        # partials: MID_O [B, Hq, SPLITS, BLOCK_D] fp32, MID_LSE [B, Hq, SPLITS] fp32 (contiguous)
-        row = (b * (tl.num_programs(1) * GROUP) + heads) * SPLITS + split
+        # partials: MID_O [B, Hq, splits, BLOCK_D] fp32, MID_LSE [B, Hq, splits] fp32 (contiguous)
+        row = (b * (tl.num_programs(1) * GROUP) + heads) * splits + split
         tl.store(MID_O + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=g_ok[:, None])
         lse = tl.where(l_sum > 0, m + tl.log2(tl.maximum(l_sum, 1e-30)), float("-inf"))
         tl.store(MID_LSE + row, lse, mask=g_ok)
@@ -106,21 +108,31 @@ def _decode_attention_split_kernel(
 
 @triton.jit
 def _decode_attention_merge_kernel(
-    O, MID_O, MID_LSE, so_b, so_h, so_d,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    O, MID_O, MID_LSE, splits, so_b, so_h, so_d,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
+    """out = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s - max lse), over the splits in blocks of BLOCK_S (online:
+    running max, running weight sum and output rescaled per block); no key anywhere: zeros."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < SPLITS
-    row = (b * tl.num_programs(1) + h) * SPLITS
-    lse = tl.load(MID_LSE + row + offs_s, mask=s_ok, other=float("-inf"))
-    top = tl.max(lse, axis=0)
-    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top)))
-    parts = tl.load(MID_O + (row + offs_s)[:, None] * BLOCK_D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-    total = tl.sum(w, axis=0)
-    out = tl.sum(w[:, None] * parts, axis=0) / tl.maximum(total, 1e-30)  # no key anywhere: all w 0, zeros
+    row0 = (b * tl.num_programs(1) + h) * splits
+    m = tl.max(tl.full([BLOCK_S], float("-inf"), dtype=tl.float32), axis=0)
+    total = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), axis=0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, splits, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        s_ok = offs_s < splits
+        lse = tl.load(MID_LSE + row0 + offs_s, mask=s_ok, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)  # m = -inf (nothing yet): 0, and acc / total are still 0
+        w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m_safe))
+        parts = tl.load(MID_O + (row0 + offs_s)[:, None] * BLOCK_D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(w[:, None] * parts, axis=0)
+        total = total * alpha + tl.sum(w, axis=0)
+        m = m_new
+    out = acc / tl.maximum(total, 1e-30)  # total 0 (no key anywhere): acc is 0 too, zeros
     tl.store(O + b * so_b + h * so_h + offs_d * so_d, out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
@@ -189,13 +201,13 @@ def decode_attention(
     _decode_attention_split_kernel[(batch, hkv, splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse, seqlens, table,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *table.stride(),
-        length, block_size, chunk, scale * _LOG2E,
+        length, block_size, chunk, splits, scale * _LOG2E,
         GROUP=group, HEAD_DIM=dim, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=_BLOCK_N, SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=4,
+        BLOCK_N=_BLOCK_N, ONE_SPLIT=splits == 1, IEEE=q.dtype == torch.float32, num_warps=4,
     )
-    if splits > 1:
+    if splits > 1:  # the split count is a runtime argument: a growing cache does not compile new kernels
         _decode_attention_merge_kernel[(batch, hq)](
-            out, mid_o, mid_lse, *out.stride(),
-            HEAD_DIM=dim, BLOCK_D=block_d, SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4,
+            out, mid_o, mid_lse, splits, *out.stride(),
+            HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=_MERGE_BLOCK, num_warps=4,
         )
     return out

@@ -2,8 +2,8 @@
 (nccl / hccl / gloo), under torchrun or as a plain single process.
 
 A single plain-python process still gets a (one-rank, in-memory HashStore) process group so that the
-same collective code runs for 1 and N processes (the device mesh, all-reduces of metrics); its model is
-FSDP2-wrapped only in bf16 (training/model_bundle.py `fsdp_needed`), so the 1-vs-2-process loss
+same collective code runs for 1 and N processes (the device mesh, all-reduces of metrics); on the CPU its
+model is FSDP2-wrapped only in bf16 (training/model_bundle.py `fsdp_needed`), so the 1-vs-2-process loss
 equivalence tests compare plain parameters with FSDP2 shards. No port is opened in that case.
 """
 from __future__ import annotations

@@ -80,14 +80,14 @@ def use_mcore_backend(model, tp_mesh=None, ep_mesh=None, grad_divide_factor: flo
              max(getattr(layer, "ep", 1) for layer in layers))
 
 
-def fsdp_needed(world_size: int, precision: str) -> bool:
-    """Whether the model becomes FSDP2 units. One process in full precision has nothing to shard, gather or
-    reduce, and FSDP2's per-unit hooks and copies were ~40 ms of a ~1.1 s GRPO step on the CPU (3 %,
-    benchmarks/RESULTS.md); so its parameters stay plain tensors there. bf16 keeps FSDP2 at any size: its
-    MixedPrecisionPolicy is what casts the fp32 parameters for the forward and reduces gradients in fp32.
-    Checkpoints are DCP either way (a plain tensor loads into a DTensor shard and back), so a run resumes at
-    another process count."""
-    return world_size > 1 or precision == "bf16"
+def fsdp_needed(world_size: int, precision: str, device_type: str) -> bool:
+    """Whether the model becomes FSDP2 units. One CPU process in full precision has nothing to shard, gather
+    or reduce, and FSDP2's per-unit hooks and copies were ~40 ms of a ~1.1 s GRPO step there (3 %,
+    benchmarks/RESULTS.md); so its parameters stay plain tensors. Everywhere else FSDP2 stays: bf16 needs its
+    MixedPrecisionPolicy (fp32 parameters cast for the forward, gradients reduced in fp32), and on a GPU / NPU
+    it is also what moves the parameters, loaded on the CPU, to the device. Checkpoints are DCP either way (a
+    plain tensor loads into a DTensor shard and back), so a run resumes at another process count."""
+    return world_size > 1 or precision == "bf16" or device_type != "cpu"
 
 
 def build_model_bundle(ctx: RunContext) -> ModelBundle:
@@ -124,10 +124,10 @@ def build_model_bundle(ctx: RunContext) -> ModelBundle:
         wrapper = split_model_for_stage(model, TokenLogprobModel, stage=mesh.get_local_rank("pp"), pp=pp,
                                         max_tokens=cfg.data.max_tokens_per_pack, act_dtype=act_dtype)
     family = get_family(model.hf_config.get("model_type"))
-    fsdp_mesh = mesh if fsdp_needed(env.world_size, precision) else None
+    fsdp_mesh = mesh if fsdp_needed(env.world_size, precision, env.device.type) else None
     if fsdp_mesh is None:
-        log.info("one process in %s precision: parameters stay plain tensors (no FSDP2 units: nothing to shard or "
-                 "gather, and their hooks cost ~3%% of a CPU GRPO step)", precision)
+        log.info("one CPU process in %s precision: parameters stay plain tensors (no FSDP2 units: nothing to shard "
+                 "or gather, and their hooks cost ~3%% of a CPU GRPO step)", precision)
     # a size parallel.tp does not divide raises TPError: a config error (exit 2, megatron_vlm/runner.py)
     family.parallelize(model, dims, cfg.parallel, mesh=fsdp_mesh,
                        activation_checkpointing=cfg.train.activation_checkpointing,

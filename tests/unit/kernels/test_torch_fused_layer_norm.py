@@ -41,6 +41,12 @@ def test_bad_weight_shape_is_refused_like_the_reference():
         layer_norm(x, torch.ones(7), None, 1e-5)
 
 
-def test_auto_takes_it_on_cuda_only():
+def test_auto_takes_it_on_cuda_only_and_forced_it_runs_anywhere():
+    import megatron_vlm.kernels as K
+
     assert DEFAULT_REGISTRY.choose("layer_norm", "cuda", torch.bfloat16) == "torch_fused"
     assert DEFAULT_REGISTRY.choose("layer_norm", "cpu", torch.float32) == "torch"
+    x, w, b = torch.randn(3, 16), torch.randn(16), torch.randn(16)
+    with K.use_backends({"layer_norm": "torch_fused"}):
+        assert DEFAULT_REGISTRY.choose("layer_norm", "cpu", torch.float32) == "torch_fused"
+        torch.testing.assert_close(K.layer_norm(x, w, b, 1e-5), reference(x, w, b, 1e-5), atol=2e-6, rtol=1e-5)

@@ -39,6 +39,7 @@ def test_dense_half_precision_blocks_go_to_sdpa_on_cuda(monkeypatch):
     one, two = torch.tensor([0, 8]), torch.tensor([0, 3, 8])
     assert dense(t(2, 8, 4, 64), t(2, 8, 2, 64), -1, 0, True, None, None)  # batched causal
     assert dense(t(8, 4, 64, dtype=torch.float16), t(8, 2, 64), -1, -1, False, one, None)  # one-sample pack
+    assert not dense(t(5, 4, 64), t(8, 2, 64), -1, -1, False, torch.tensor([0, 5]), None)  # pack, other lengths
     assert dense(t(2, 3, 4, 64), t(2, 8, 2, 64), -1, -1, False, None, None)  # cross lengths, not causal
     assert not dense(t(2, 3, 4, 64), t(2, 8, 2, 64), -1, 0, True, None, None)  # causal, bottom-right aligned
     assert not dense(t(8, 4, 64), t(8, 2, 64), -1, 0, True, two, None)  # several samples

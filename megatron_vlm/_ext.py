@@ -36,8 +36,12 @@ _tried = False
 _python_only = 0
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").lower() not in ("", "0", "false", "no")
+
+
 def _import():
-    if os.environ.get("MEGATRON_VLM_NO_EXT", "0").lower() not in ("", "0", "false", "no"):
+    if _env_flag("MEGATRON_VLM_NO_EXT"):
         return None, "MEGATRON_VLM_NO_EXT is set"
     try:
         from megatron_vlm import _C
@@ -47,7 +51,7 @@ def _import():
     except (ImportError, OSError) as err:  # e.g. built against another torch
         return None, f"import failed: {err}"
     _register_python_parts()
-    if os.environ.get("MEGATRON_VLM_SEGV_BACKTRACE", "0").lower() not in ("", "0", "false", "no"):
+    if _env_flag("MEGATRON_VLM_SEGV_BACKTRACE"):
         # diagnostic: native frames on a crash, then Python's faulthandler (csrc/segv_backtrace.cpp)
         try:
             torch.ops.megatron_vlm.install_segv_backtrace()

@@ -34,11 +34,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from ..reference import moe as reference
-from .common import INTERPRETED_AT_IMPORT, check_device, to_dtype
-
-# The Triton 3.9 interpreter multiplies bf16 dot operands as their raw uint16 bits
-# (interpreter.py create_dot); interpreted kernels upcast to fp32 first (exact: bf16 products fit).
-_UPCAST_DOT = tl.constexpr(INTERPRETED_AT_IMPORT)
+from .common import _UPCAST_DOT, check_device, to_dtype  # _UPCAST_DOT: the interpreter's bf16 dot work-around
 
 
 # --------------------------------------------------------------------------------------- kernels

@@ -17,7 +17,7 @@ output zeros (their lse is +inf so the backward gives them zero gradient).
 Block sizes are fixed (see `_config`: picked on an H200 among a few configs, not autotuned). Measured
 there (fwd + bwd, bf16), this kernel takes 2.3x (LM shape) to 4x (D-80 vision shape) the time of torch's
 flash SDPA on dense batches (benchmarks/RESULTS.md), so a dense block in half precision on CUDA (a batch
-without padding mask or window, a pack of one sample) is handed to the `sdpa` backend (`_dense_for_sdpa`);
+without padding mask or window, a one-sample pack) is handed to torch's SDPA (`_dense_for_sdpa`);
 packs of several samples and windows, where SDPA needs a mask, stay here.
 """
 from typing import Optional, Tuple
@@ -425,9 +425,9 @@ DENSE_TO_SDPA = True
 def _dense_for_sdpa(q, k, left, right, causal, cu_seqlens_q, key_padding_mask) -> bool:
     """Whether this call is one dense block that torch's fused SDPA (cuDNN / flash) runs unmasked, and faster:
     a batch without padding mask or window (same query and key lengths when causal), or a pack of one sample of
-    equal query and key lengths, in half precision on CUDA. Measured on an H100 (bf16, 8k causal, 28 / 4 heads, D 128): SDPA 0.84 / 2.46 ms
-    fwd / bwd, this kernel 1.64 / 5.23 ms (benchmarks/RESULTS.md, 2026-11-26). Packs of several samples and
-    windows stay here (4-53x SDPA with the mask they would need)."""
+    equal query and key lengths, in half precision on CUDA. Measured on an H100 (bf16, 8k causal, 28 / 4 heads,
+    D 128): SDPA 0.84 / 2.46 ms fwd / bwd, this kernel 1.64 / 5.23 ms (benchmarks/RESULTS.md, 2026-11-26).
+    Packs of several samples and windows stay here (4-53x SDPA with the mask they would need)."""
     if not DENSE_TO_SDPA or q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         return False
     if not (left < 0 and (right < 0 or (causal and right == 0))) or key_padding_mask is not None:

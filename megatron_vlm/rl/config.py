@@ -194,6 +194,17 @@ class RLConfig:
     count in their group's advantages."""
     entropy_coef: float = 0.0
     """Entropy bonus: the loss subtracts entropy_coef x the policy entropy aggregated like the loss."""
+    skip_zero_advantage: bool = True
+    """Leave completions whose advantage is exactly 0 (every completion of a group whose rewards are all
+    equal, under grpo's std normalisation or not) out of the update's forwards and backwards. Their loss
+    and gradient are exactly 0, and the normaliser (tokens / sequences of the mini-batch) still counts
+    them, so the update is the same up to float rounding (packs hold other samples) for a fraction of
+    the compute: late in training most groups are often solved or hopeless. Applied only where it is
+    exact: no KL term (kl_coef = 0), no entropy bonus, no MoE layers (their auxiliary loss and load
+    statistics see every token); a mini-batch with nothing left still runs one zero-gradient forward, so
+    the optimizer steps as it would have. The actor/* metrics (entropy, clip fractions) then cover the
+    trained completions only; false: every completion is forwarded (unlike drop_equal_reward_groups,
+    neither setting changes the normaliser)."""
     rollout_correction: Literal["none", "tis", "mis"] = "none"
     """Rollout / training mismatch correction (rollout numerics differ from training's; Yao et al. 2025,
     "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"): "tis" multiplies each

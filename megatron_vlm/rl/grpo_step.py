@@ -155,6 +155,9 @@ class GRPOStep:
                                     if t is not None)
         if ctx.env.rank == 0 and model is not None:
             log.info("rl.prompt_sharing: %s (%s)", "on" if self.share_prompts else "off", why)
+        self.skip_zero_adv, why_skip = self._skip_zero_advantage()
+        if ctx.env.rank == 0 and model is not None:
+            log.info("rl.skip_zero_advantage: %s (%s)", "on" if self.skip_zero_adv else "off", why_skip)
 
     def _prompt_sharing(self) -> tuple[bool, str]:
         """Whether the training forwards pack each prompt once per group (`rl.prompt_sharing`), and why."""
@@ -167,6 +170,24 @@ class GRPOStep:
         if getattr(dims, "tp", 1) > 1 or getattr(dims, "cp", 1) > 1:
             return False, "not with tensor or context parallelism"
         return True, "each prompt packed once per group in the training forwards"
+
+    def _skip_zero_advantage(self) -> tuple[bool, str]:
+        """Whether the update leaves zero-advantage completions out (`rl.skip_zero_advantage`): only where their
+        gradient is exactly zero, and why."""
+        r = self.rl
+        if not getattr(r, "skip_zero_advantage", True):
+            return False, "rl.skip_zero_advantage = false"
+        if self.reference is not None or r.kl_coef > 0:
+            return False, "kl_coef > 0: the KL term has a gradient at advantage 0"
+        if r.entropy_coef > 0:
+            return False, "entropy_coef > 0: the entropy bonus has a gradient at advantage 0"
+        if getattr(self.bundle, "moe_balancer", None) is not None:
+            return False, "MoE layers: their auxiliary loss and load statistics see every token"
+        return True, "completions with advantage 0 are not forwarded in the update (their gradient is 0)"
+
+    def trains(self, s: TrainSample) -> bool:
+        """Whether the update forwards sample `s` (False: a zero-advantage completion it leaves out)."""
+        return not (self.skip_zero_adv and s.advantage == 0.0)
 
     def sampling_params(self) -> SamplingParams:
         r = self.rl
@@ -255,17 +276,19 @@ class GRPOStep:
         if (r.recompute_logprobs or self.decoupled) and not proximal_in_update:
             with timer.phase("old_logprob"):
                 self._recompute_old_logprobs(train_samples, dummy)
-            mismatch = _mismatch_sums(train_samples)
+            # over the samples the update forwards (as when the update's own forward gives the old log-probs)
+            mismatch = _mismatch_sums([s for s in train_samples if self.trains(s)])
             if r.rollout_correction == "mis":
                 kept = [s for s in train_samples if _mis_keep(s, r.rollout_correction_cap)]
-                mismatch["mis_dropped"] = len(train_samples) - len(kept)
+                mismatch["mis_dropped"], mismatch["seqs"] = len(train_samples) - len(kept), len(train_samples)
                 train_samples = kept
         with timer.phase("train"):
             self.bundle.wrapper.train()
             upd = self._update(step, train_samples, dummy, proximal_from_forward=proximal_in_update)
-        if proximal_in_update:
-            mismatch = _mismatch_sums(train_samples)  # old_logp = the update forward's (pre-update) log-probs
-        extra = {"rounds": len(rounds), "surplus": surplus, "masked_truncated": masked_truncated, "mismatch": mismatch}
+        if proximal_in_update:  # old_logp = the update forward's (pre-update) log-probs, of the samples it forwarded
+            mismatch = _mismatch_sums([s for s in train_samples if self.trains(s)])
+        extra = {"rounds": len(rounds), "surplus": surplus, "masked_truncated": masked_truncated, "mismatch": mismatch,
+                 "zero_adv_skipped": sum(not self.trains(s) for s in train_samples)}
         out = self._metrics(step, timer, rounds, upd, extra)
         out.update(extra_metrics or {})
         return out
@@ -373,11 +396,15 @@ class GRPOStep:
             random.Random(((self.seed * 1_000_003 + step) * 131 + epoch) * 8191 + self.rank).shuffle(order)
             for m in range(r.mini_batches_per_step):
                 mb = [samples[i] for i in order[m::r.mini_batches_per_step]]
-                packs = self._packs(mb)
+                # the normaliser counts every sample of the mini-batch, the forwards skip zero-advantage ones
+                packs = self._packs([s for s in mb if self.trains(s)])
                 g_tokens, g_seqs = self._sum([sum(s.response_length for s in mb), len(mb)], self.device)
                 (n_packs,) = all_reduce_max([len(packs)], self.device)
                 if g_tokens == 0:
                     continue  # every group of this mini-batch was dropped on every rank
+                # nothing left to forward anywhere (all advantages 0): one dummy forward, so every parameter gets
+                # its zero gradient and the optimizer steps (momentum, weight decay) as it would have
+                n_packs = max(n_packs, 1)
                 normalizer = {"token-mean": g_tokens, "seq-mean": g_seqs}.get(r.loss_agg, g_seqs * r.max_new_tokens)
                 loss_sum = 0.0
                 for i in range(n_packs):
@@ -463,6 +490,7 @@ class GRPOStep:
             "dropped": sum(rd.adv.num_dropped_groups for rd in rounds if rd.adv is not None),
             "groups": len(zero_var), "zero_var": sum(zero_var), "kept_groups": sum(sum(rd.keep_group) for rd in rounds),
             "masked_truncated": extra["masked_truncated"], "mismatch": extra["mismatch"],
+            "zero_adv_skipped": extra["zero_adv_skipped"],
             "sums": upd["sums"], "weights": upd["weights"], "diff": upd["diff"], "train_tokens": upd["train_tokens"],
             "gen_tokens": sum(int(s.token_ids.numel()) for s in real), "skipped": self.encoder.skipped,
             "reward_fail": self.manager.metrics(), "prompts": sum(rd.shard.num_real for rd in rounds),
@@ -496,6 +524,8 @@ class GRPOStep:
             out["sampling/surplus_groups"] = float(extra["surplus"])
         if self.rl.mask_truncated:
             out["train/masked_truncated"] = float(sum(p["masked_truncated"] for p in parts))
+        if self.skip_zero_adv:
+            out["train/zero_adv_skipped"] = float(sum(p["zero_adv_skipped"] for p in parts))
         mm = [p["mismatch"] for p in parts if p["mismatch"] is not None]
         n_tok = sum(m["n"] for m in mm)
         if n_tok:

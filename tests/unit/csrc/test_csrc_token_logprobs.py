@@ -48,3 +48,42 @@ def test_errors_and_dispatch(csrc_logprobs):
     labels = torch.tensor([0, 1, 2, 3])
     assert torch.equal(csrc_logprobs.linear_token_logprobs(hb, wb, labels), ref.linear_token_logprobs(hb, wb, labels))
     assert DEFAULT_REGISTRY.choose("linear_token_logprobs", "cpu", torch.float32) == "csrc"
+
+
+@pytest.mark.parametrize("temperature,entropy", [(1.0, False), (0.7, True)])
+def test_kept_logits_give_the_recomputed_gradients(csrc_logprobs, monkeypatch, temperature, entropy):
+    """Small logits are kept for the backward (one GEMM less per chunk); the gradients are the recomputing
+    backward's bit for bit, a second backward (retain_graph) recomputes, and no_grad keeps nothing."""
+    g = torch.Generator().manual_seed(2)
+    h, w = torch.randn(29, 16, generator=g), torch.randn(53, 16, generator=g)
+    labels = torch.randint(0, 53, (29,), generator=g)
+    cot = torch.randn(29, generator=g)
+    calls = []
+    real = csrc_logprobs._LinearTokenLogprobs.forward
+
+    def spy(ctx, *args):
+        out = real(ctx, *args)
+        calls.append(ctx.kept)
+        return out
+
+    monkeypatch.setattr(csrc_logprobs._LinearTokenLogprobs, "forward", staticmethod(spy))
+
+    def grads(retain: bool = False):
+        hl, wl = h.clone().requires_grad_(), w.clone().requires_grad_()
+        res = csrc_logprobs.linear_token_logprobs(hl, wl, labels, temperature=temperature, return_entropy=entropy,
+                                                  chunk_size=8)
+        loss = ((res[0] if entropy else res) * cot).sum() + (res[1].sum() if entropy else 0.0)
+        first = torch.autograd.grad(loss, (hl, wl), retain_graph=retain)
+        return first, (torch.autograd.grad(loss, (hl, wl)) if retain else None)
+
+    kept, again = grads(retain=True)
+    assert calls[-1] is not None and len(calls[-1]) == 4  # 29 rows in chunks of 8
+    monkeypatch.setattr(csrc_logprobs, "KEEP_LOGITS_BYTES", 0)
+    recomputed, _ = grads()
+    assert calls[-1] is None
+    for a, b, c in zip(kept, recomputed, again):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    monkeypatch.setattr(csrc_logprobs, "KEEP_LOGITS_BYTES", 64 * 2**20)
+    with torch.no_grad():
+        csrc_logprobs.linear_token_logprobs(h.requires_grad_(), w, labels)
+    assert calls[-1] is None

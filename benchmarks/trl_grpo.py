@@ -6,11 +6,13 @@ folder (`testing.tiny_text_model`, random weights) loaded by transformers (SDPA 
 and by our loader for us; `--prompts` short arithmetic prompts tokenised by the folder's tokenizer
 for both; `--group` completions per prompt of exactly `--new-tokens` tokens (TRL: `min_new_tokens`
 in its generation kwargs; ours: no EOS token), temperature 1; a stand-in reward (a hash of the
-completion, so groups have non-zero advantages; no reward workers); no KL term (TRL's default
+completion scores 1 for about one completion in three, so ~4 % of groups have equal rewards, advantage 0,
+which our update does not forward by default, `rl.skip_zero_advantage`; `--skip-zero-advantage off`
+forwards them as TRL does; no reward workers); no KL term (TRL's default
 beta = 0); one optimizer step per generation round (TRL: `steps_per_generation = 1`, `num_iterations
 = 1`). Each framework runs its default path: TRL `model.generate` on padded prompts; ours the
-rollout engine (prefix sharing, slot KV cache, continuous batching) and the real `GRPOStep` under
-FSDP2 on a one-rank mesh. `--rollout-weights copy` (default, `rl.rollout_weights = "copy"`): the engine
+rollout engine (prefix sharing, slot KV cache, continuous batching) and the real `GRPOStep` (one fp32
+process: plain parameters, as a job runs; `--fsdp on`: FSDP2 units on a one-rank mesh). `--rollout-weights copy` (default, `rl.rollout_weights = "copy"`): the engine
 decodes with its own unsharded copy, refreshed from the trainer's weights once per step (included in
 the step time); `shared`: every decode step runs through the FSDP root.
 
@@ -68,7 +70,7 @@ class OurGRPO:
     """Our synchronous GRPO step (`megatron_vlm.rl.grpo_step.GRPOStep`), wired as bench_grpo_step.py does."""
 
     def __init__(self, folder: Path, tokenizer, prompts: list[str], group: int, new_tokens: int, rollout_weights: str = "copy",
-                 prompt_sharing: str = "auto", fsdp: str = "auto"):
+                 prompt_sharing: str = "auto", fsdp: str = "auto", skip_zero_advantage: bool = True):
         from bench_grpo_step import FixedPrompts, HashReward, TokenIds
 
         from megatron_vlm.checkpoint.hf import load_hf_model
@@ -102,7 +104,8 @@ class OurGRPO:
         bundle = SimpleNamespace(model=model, wrapper=wrapper, dims=dims, moe_balancer=None,
                                  trainable_params=[p for p in wrapper.parameters() if p.requires_grad])
         rl = RLConfig(group_size=group, max_new_tokens=new_tokens, prompts_per_step=len(prompts), temperature=1.0,
-                      kl_coef=0.0, rewards=[ExactMatchRewardConfig()], prompt_sharing=prompt_sharing)
+                      kl_coef=0.0, rewards=[ExactMatchRewardConfig()], prompt_sharing=prompt_sharing,
+                      skip_zero_advantage=skip_zero_advantage)
         rl.validate()
         if rollout_weights == "copy":  # as rl.rollout_weights = "copy": an unsharded copy, refreshed once per step
             policy_copy = load_hf_model(str(folder), dtype=torch.float32, device="cpu").eval()
@@ -116,12 +119,15 @@ class OurGRPO:
         self.runner = GRPOStep(ctx, bundle, OptimState(optimizer, scheduler), rl, engine, FixedPrompts(encoded), HashReward())
         self.batch = [PromptSample(str(i), [], "x", "q") for i in range(len(prompts))]
         self.n = 0
+        self.skipped: list[float] = []  # zero-advantage completions our update did not forward, per step
 
     def step(self) -> float:
         t0 = time.perf_counter()
-        self.runner.run(self.n, self.batch)
+        metrics = self.runner.run(self.n, self.batch)
+        dt = time.perf_counter() - t0
+        self.skipped.append(metrics.get("train/zero_adv_skipped", 0.0))
         self.n += 1
-        return time.perf_counter() - t0
+        return dt
 
 
 def main() -> int:
@@ -141,6 +147,8 @@ def main() -> int:
                     help="our engine's weights (rl.rollout_weights): its own copy (default) or the trainer's FSDP parameters")
     ap.add_argument("--prompt-sharing", choices=("auto", "off"), default="auto",
                     help="rl.prompt_sharing of our update (off: every completion's pack row carries its own prompt copy, as TRL's)")
+    ap.add_argument("--skip-zero-advantage", choices=("on", "off"), default="on",
+                    help="rl.skip_zero_advantage of our update (off: zero-advantage completions are forwarded too, as TRL's)")
     ap.add_argument("--fsdp", choices=("auto", "on"), default="auto",
                     help="our model's FSDP2 units: as a job (auto: none for one fp32 process) or always (on)")
     ap.add_argument("--json", type=str, default=None)
@@ -167,7 +175,7 @@ def main() -> int:
     prompts = make_prompts(args.prompts, tokenizer=tokenizer, prompt_tokens=args.prompt_tokens)
     prompt_lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
     ours = OurGRPO(folder, tokenizer, prompts, args.group, args.new_tokens, args.rollout_weights, args.prompt_sharing,
-                   fsdp=args.fsdp)
+                   fsdp=args.fsdp, skip_zero_advantage=args.skip_zero_advantage == "on")
 
     steps = args.warmup + args.rounds
     times = {"trl": [], "ours": []}
@@ -203,11 +211,15 @@ def main() -> int:
     for r in rows:
         print(f"{r['name']:6s} {r['min_s']:9.3f} {r['median_s']:9.3f}")
     print(f"TRL / ours step time: x{ratio_median:.2f} (median), x{ratio_min:.2f} (min)  [target >= 2]")
+    skipped = ours.skipped[args.warmup:]
+    print(f"ours: zero-advantage completions not forwarded (rl.skip_zero_advantage = {args.skip_zero_advantage}): "
+          f"{sum(skipped) / max(1, len(skipped)):.1f} of {args.prompts * args.group} per step on average")
     meta = {"device": f"cpu ({args.threads} thread(s))", "torch": torch.__version__, "transformers": transformers.__version__,
             "trl": trl.__version__, "prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens,
             "prompt_tokens_mean": round(statistics.mean(prompt_lengths), 1),
             "hidden": args.hidden, "layers": args.layers, "rounds": args.rounds, "rollout_weights": args.rollout_weights,
-            "prompt_sharing": args.prompt_sharing, "fsdp": args.fsdp,
+            "prompt_sharing": args.prompt_sharing, "fsdp": args.fsdp, "skip_zero_advantage": args.skip_zero_advantage,
+            "zero_adv_skipped_mean": round(sum(skipped) / max(1, len(skipped)), 2),
             "load_avg": round(os.getloadavg()[0], 1), "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(meta))
     if args.json:

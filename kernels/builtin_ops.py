@@ -74,8 +74,8 @@ def register_builtin_ops(registry) -> None:
             check=cuda_package_check("mamba_ssm", (torch.float32, torch.float16, torch.bfloat16)),
             auto_devices=("cuda",), priority=20,
         )
-    # Liger's fused linear cross-entropy: forceable only (no auto device) until a GPU measurement says it
-    # beats ours; no-gradient calls only (kernels/thirdparty/liger.py says why)
+    # Liger's fused linear cross-entropy: forceable only (no auto device): on an H100 it tied our Triton kernel
+    # (0.94-1.03x its time, no gradients; kernels/thirdparty/liger.py has the figures and the gradient caveat)
     register("linear_token_logprobs", "liger", "thirdparty.liger:linear_token_logprobs",
              check=triton_package_check("liger_kernel"), auto_devices=(), priority=0)
     for op in NPU_MOE_OPS:
@@ -122,8 +122,8 @@ def register_builtin_ops(registry) -> None:
                      registry=registry, auto_devices=everywhere)
     register("moe_ep_dispatch", "deep_ep", "thirdparty.deep_ep:ep_forward",
              check=cuda_package_check("deep_ep", (torch.bfloat16,)), auto_devices=("cuda",), priority=20)
-    # Liger-Kernel (matched our references on an H200; not yet benchmarked): forced only (no auto devices) until a
-    # GPU measurement says it beats our Triton kernels (kernels/thirdparty/liger.py says why)
+    # Liger-Kernel (matched our references on an H200 and an H100): forced only (no auto devices), because on
+    # the H100 it did not beat our Triton kernels (kernels/thirdparty/liger.py has the figures)
     liger_dtypes = (torch.float32, torch.float16, torch.bfloat16)
     for op in ("rms_norm", "swiglu"):  # linear_token_logprobs: registered above
         register(op, "liger", f"thirdparty.liger:{op}", check=cuda_package_check("liger_kernel", liger_dtypes))

@@ -1,9 +1,15 @@
 """`linear_token_logprobs` on Liger-Kernel's fused linear cross-entropy (linkedin/Liger-Kernel), with and
 without gradients (with them only on liger-kernel >= 0.8.5, see below).
 
-Forceable only (`[kernels] linear_token_logprobs = "liger"`), never chosen by `auto`: nothing here has
-measured it against our chunked op or our Triton kernel on a GPU (benchmarks/kernels/bench_liger.py
-holds the row that decides), so it stays opt-in until a measurement says it is faster.
+Forceable only (`[kernels] <op> = "liger"`), never chosen by `auto`, decided from the benchmarks: on an
+NVIDIA H100 (2026-11-26, torch 2.11, triton 3.6, liger-kernel 0.8.5; one run per case, benchmarks/RESULTS.md
+"Second GPU run") none of Liger's ops beat ours:
+- linear_token_logprobs without gradients (benchmarks/kernels/bench_liger.py, N 16k): 20.3 / 30.1 / 20.1 ms
+  vs our Triton kernel's 19.7 / 31.3 / 21.3 ms at the 3B / 7B / Nemotron vocabularies, a tie within noise;
+- swiglu (bench_swiglu.py): 93-99 % of copy bandwidth forward, 83-97 % backward; ours 98-100 % / 99 %;
+- rms_norm forward (bench_rms_norm.py): 86-93 %; ours 88-96 % (its backward row is not measured yet);
+- rotary (liger_rope, bench_rotary.py, q and k together): 80-83 % forward, 29-31 % backward; ours 94-95 %
+  and 56-95 %.
 
 Liger's `liger_fused_linear_cross_entropy(input, weight, target, ..., ignore_index, reduction="none")`
 returns -log p per token (0 at ignored labels, as our contract). What the adapter does about the rest
@@ -20,8 +26,8 @@ of our contract (kernels/reference/token_logprobs.py), each fallback to the refe
 - `chunk_size` is ignored (Liger sizes its chunks itself).
 
 `rms_norm` and `swiglu` (forceable only, CUDA only: Liger's norm / SwiGLU kernels do not run in the
-Triton interpreter; on an H200 (2026-11-25) both matched our references in bf16, tests/gpu/test_gpu_thirdparty_liger.py;
-not yet benchmarked against ours):
+Triton interpreter; on an H200 (2026-11-25) and an H100 (2026-11-26) both matched our references in bf16,
+tests/gpu/test_gpu_thirdparty_liger.py):
 
 - `rms_norm` -> `liger_rms_norm(x, w, eps, offset=0, casting_mode="gemma", in_place=False)`: the "gemma"
   casting mode computes in fp32 and casts at the end, as our contract does (Liger's default "llama" mode

@@ -196,7 +196,9 @@ class RLConfig:
     """Entropy bonus: the loss subtracts entropy_coef x the policy entropy aggregated like the loss."""
     skip_zero_advantage: bool = True
     """Leave completions whose advantage is exactly 0 (every completion of a group whose rewards are all
-    equal, under grpo's std normalisation or not) out of the update's forwards and backwards. Their loss
+    equal, under grpo's std normalisation or not) out of the update's forwards and backwards, and out of
+    the old-log-prob forward (recompute_logprobs; except with rollout_correction = "mis", whose drops
+    read every sample's old log-probs). Their loss
     and gradient are exactly 0, and the normaliser (tokens / sequences of the mini-batch) still counts
     them, so the update is the same up to float rounding (packs hold other samples) for a fraction of
     the compute: late in training most groups are often solved or hopeless. Applied only where it is

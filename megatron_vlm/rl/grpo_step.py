@@ -274,8 +274,11 @@ class GRPOStep:
         proximal_in_update = (self.decoupled and not r.recompute_logprobs and r.ppo_epochs == 1
                               and r.mini_batches_per_step == 1 and r.rollout_correction == "none")
         if (r.recompute_logprobs or self.decoupled) and not proximal_in_update:
+            # MIS decides per sample from its old log-probs (a drop changes the normaliser): every sample; otherwise a
+            # zero-advantage sample's old log-probs reach only its zero loss term, so the skipped ones are not forwarded
+            needs_old = train_samples if r.rollout_correction == "mis" else [s for s in train_samples if self.trains(s)]
             with timer.phase("old_logprob"):
-                self._recompute_old_logprobs(train_samples, dummy)
+                self._recompute_old_logprobs(needs_old, dummy)
             # over the samples the update forwards (as when the update's own forward gives the old log-probs)
             mismatch = _mismatch_sums([s for s in train_samples if self.trains(s)])
             if r.rollout_correction == "mis":

@@ -115,7 +115,8 @@ def test_logged_lr_is_the_lr_of_the_step_updates():
     logged = []
     for step in range(2):
         upd = grpo._update(step, samples, samples[0])
-        out = grpo._metrics(step, PhaseTimer(), [], upd, {"rounds": 1, "surplus": 0, "masked_truncated": 0, "mismatch": None})
+        out = grpo._metrics(step, PhaseTimer(), [], upd, {"rounds": 1, "surplus": 0, "masked_truncated": 0, "mismatch": None,
+                                                                "zero_adv_skipped": 0})
         logged.append(out["lr"])
     assert len(used) == 2
     assert logged == used

@@ -88,3 +88,36 @@ def test_nothing_is_skipped_where_the_zero_advantage_gradient_is_not_zero(why, k
     assert not on and why in reason
     grpo.skip_zero_adv = on
     assert grpo.trains(NS(advantage=0.0))
+
+
+def _old_logprob_counts(monkeypatch) -> list[int]:
+    """Records how many samples each old-log-prob forward is given."""
+    from megatron_vlm.rl.grpo_step import GRPOStep
+
+    counts: list[int] = []
+    real = GRPOStep._recompute_old_logprobs
+
+    def spy(self, samples, dummy):
+        counts.append(len(samples))
+        return real(self, samples, dummy)
+
+    monkeypatch.setattr(GRPOStep, "_recompute_old_logprobs", spy)
+    return counts
+
+
+@pytest.mark.parametrize("correction, forwarded", [("none", 6), ("tis", 6), ("mis", 12)])
+def test_the_old_logprob_forward_skips_them_unless_mis_reads_them(monkeypatch, correction, forwarded):
+    """recompute_logprobs, plain or TIS: zero-advantage samples' old log-probs reach only their zero loss term, so
+    that forward leaves them out as well; MIS's drops read every sample's old log-probs, so it forwards all.
+    The step is the same as without skipping in each case."""
+    counts = _old_logprob_counts(monkeypatch)
+    pool = _pool(8)  # 4 prompts x G = 3, 2 of the 4 groups constant
+    kw = dict(recompute_logprobs=True, rollout_correction=correction)
+    if correction == "mis":
+        kw["rollout_correction_cap"] = 1e3  # drops nothing here: the update runs
+    p_on, m_on, _, _ = _run(True, [pool[:4]], **kw)
+    p_off, _, _, _ = _run(False, [pool[:4]], **kw)
+    for a, b in zip(p_on, p_off):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert "time/old_logprob_s" in m_on[0]
+    assert counts == [forwarded, 12]

@@ -100,7 +100,12 @@ def compute_group_advantages(
         adv = r - (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
     else:
         adv = centred / (std[:, None] + eps) if normalize_std else centred
-    zero_var = (r.max(dim=1).values - r.min(dim=1).values) <= equal_atol
+    spread = r.max(dim=1).values - r.min(dim=1).values
+    # all G rewards identical: the advantage is 0. Computed, it need not be: the mean of G equal floats can land
+    # an ulp off them (e.g. 8 x 0.2), so centred is ~1e-8 and so is std, and grpo's centred / (std + eps) is
+    # ~1e-2 — one push up or down for the whole group, from rounding alone
+    adv = torch.where((spread == 0)[:, None], torch.zeros_like(adv), adv)
+    zero_var = spread <= equal_atol
     keep_group = torch.ones(r.shape[0], dtype=torch.bool, device=r.device)
     if drop_equal_reward_groups:
         keep_group = ~zero_var

@@ -200,7 +200,8 @@ class RLConfig:
     the old-log-prob forward (recompute_logprobs; except with rollout_correction = "mis", whose drops
     read every sample's old log-probs). Their loss
     and gradient are exactly 0, and the normaliser (tokens / sequences of the mini-batch) still counts
-    them, so the update is the same up to float rounding (packs hold other samples) for a fraction of
+    them, so the update is the same up to float rounding (packs hold other samples; with LoRA dropout, other
+    random masks) for a fraction of
     the compute: late in training most groups are often solved or hopeless. Applied only where it is
     exact: no KL term (kl_coef = 0), no entropy bonus, no MoE layers (their auxiliary loss and load
     statistics see every token); a mini-batch with nothing left still runs one zero-gradient forward, so

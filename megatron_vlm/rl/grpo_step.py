@@ -279,11 +279,11 @@ class GRPOStep:
             needs_old = train_samples if r.rollout_correction == "mis" else [s for s in train_samples if self.trains(s)]
             with timer.phase("old_logprob"):
                 self._recompute_old_logprobs(needs_old, dummy)
-            # over the samples the update forwards (as when the update's own forward gives the old log-probs)
-            mismatch = _mismatch_sums([s for s in train_samples if self.trains(s)])
+            # over the samples whose old log-probs were recomputed (as when the update's own forward gives them)
+            mismatch = _mismatch_sums(needs_old)
             if r.rollout_correction == "mis":
                 kept = [s for s in train_samples if _mis_keep(s, r.rollout_correction_cap)]
-                mismatch["mis_dropped"], mismatch["seqs"] = len(train_samples) - len(kept), len(train_samples)
+                mismatch["mis_dropped"] = len(train_samples) - len(kept)
                 train_samples = kept
         with timer.phase("train"):
             self.bundle.wrapper.train()

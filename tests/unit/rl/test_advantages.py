@@ -148,3 +148,16 @@ def test_overlong_penalty_at_the_buffer_edges(penalty):
     for bad in (0, 20):
         with pytest.raises(ValueError, match="overlong_buffer"):
             overlong_penalty([1], l_max, bad, 1.0)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+@pytest.mark.parametrize("value", [0.2, 0.9, 0.3, 1 / 3, 0.7])
+@pytest.mark.parametrize("g", [3, 4, 6, 8, 16])
+def test_identical_fractional_rewards_give_exactly_zero(estimator, value, g):
+    """G equal rewards that floats cannot average exactly (8 x 0.2: the mean lands an ulp off) still give
+    advantage 0, not rounding noise divided by a rounding-noise std (grpo gave -0.0147 for 8 x 0.2)."""
+    rewards = torch.tensor([value] * g + [0.0, 1.0] + [0.5] * (g - 2))
+    out = compute_group_advantages(rewards, g, estimator=estimator)
+    assert torch.equal(out.advantages[:g], torch.zeros(g))
+    assert out.advantages[g:].abs().max() > 0.1  # the informative group is untouched
+    assert out.zero_variance.tolist() == [True, False]

@@ -116,8 +116,22 @@ def test_the_old_logprob_forward_skips_them_unless_mis_reads_them(monkeypatch, c
     if correction == "mis":
         kw["rollout_correction_cap"] = 1e3  # drops nothing here: the update runs
     p_on, m_on, _, _ = _run(True, [pool[:4]], **kw)
-    p_off, _, _, _ = _run(False, [pool[:4]], **kw)
+    p_off, m_off, _, _ = _run(False, [pool[:4]], **kw)
     for a, b in zip(p_on, p_off):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert "time/old_logprob_s" in m_on[0]
     assert counts == [forwarded, 12]
+    if correction == "mis":  # the mismatch metrics cover every recomputed sample, skipped or not
+        for key in ("rollout/mis_dropped_frac", "rollout/mismatch_kl", "rollout/mismatch_ratio_mean"):
+            assert m_on[0][key] == m_off[0][key], key
+
+
+def test_mis_metrics_are_logged_when_every_group_is_constant():
+    """Every sample has advantage 0 (nothing to train) and MIS drops them all: the drop fraction and the mismatch
+    metrics are still logged, as without skipping."""
+    flat = [p for p in _pool(40) if constant(p)][:4]
+    kw = dict(recompute_logprobs=True, rollout_correction="mis", rollout_correction_cap=1.5)
+    _, m_on, _, _ = _run(True, [flat], **kw)
+    _, m_off, _, _ = _run(False, [flat], **kw)
+    for key in ("rollout/mis_dropped_frac", "rollout/mismatch_kl"):
+        assert key in m_on[0] and m_on[0][key] == m_off[0][key], key

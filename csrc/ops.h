@@ -11,6 +11,7 @@
 //                        CPU attention over packed short samples, in place (cpu_varlen_attention.cpp)
 //   token_logprob_rows / token_logprob_grad_rows
 //                        row algebra of the fused LM head + token log-probs (cpu_token_logprobs.cpp)
+//   sample_rows          the rollout's untruncated inverse-CDF draw + behaviour log-prob per row (cpu_sampling.cpp)
 // CPU implementations are in host_ops.cpp, moe_routing_cpu.cpp and cpu_layer_ops.cpp, CUDA ones in cuda/.
 #pragma once
 
@@ -68,6 +69,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd_cpu(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& cu_q, const at::Tensor& cu_k, bool causal, double scale);
 
+// rollout sampling (cpu_sampling.cpp): per row the token drawn by inverse CDF at u and its log-prob
+std::tuple<at::Tensor, at::Tensor> sample_rows_cpu(const at::Tensor& logits, const at::Tensor& uniform,
+                                                   const std::optional<at::Tensor>& suppress_ids, double temperature);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprob_rows_cpu(const at::Tensor& z, const at::Tensor& labels,
                                                                       bool with_entropy);
 void token_logprob_grad_rows_cpu(const at::Tensor& z, const at::Tensor& labels, const at::Tensor& lse,

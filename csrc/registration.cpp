@@ -111,6 +111,7 @@ TORCH_LIBRARY(megatron_vlm, m) {
   m.def("swiglu_bwd(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, bool backward) -> Tensor");
   m.def("token_logprob_rows(Tensor z, Tensor labels, bool with_entropy) -> (Tensor, Tensor, Tensor)");
+  m.def("sample_rows(Tensor logits, Tensor uniform, Tensor? suppress_ids, float temperature) -> (Tensor, Tensor)");
   m.def(
       "token_logprob_grad_rows(Tensor(a!) z, Tensor labels, Tensor lse, Tensor ent, Tensor grad_logp, Tensor? grad_ent, "
       "float inv_temperature) -> ()");
@@ -135,6 +136,7 @@ TORCH_LIBRARY_IMPL(megatron_vlm, CPU, m) {
   m.impl("swiglu_bwd", &megatron_vlm::swiglu_bwd_cpu);
   m.impl("rotary", &megatron_vlm::rotary_cpu);
   m.impl("token_logprob_rows", &megatron_vlm::token_logprob_rows_cpu);
+  m.impl("sample_rows", &megatron_vlm::sample_rows_cpu);
   m.impl("token_logprob_grad_rows", &megatron_vlm::token_logprob_grad_rows_cpu);
   m.impl("varlen_attention_fwd", &megatron_vlm::varlen_attention_fwd_cpu);
   m.impl("varlen_attention_bwd", &megatron_vlm::varlen_attention_bwd_cpu);

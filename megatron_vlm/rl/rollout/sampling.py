@@ -16,6 +16,12 @@ Top-k and top-p share one descending sort: position >= k is dropped, then a toke
 the probability mass strictly before it (within the kept set, renormalised) already reaches top_p,
 so the most likely token always survives. Ties at the k-th value are broken by the sort order, so
 exactly k tokens remain.
+
+On the CPU (float32 logits, `megatron_vlm._C` built, not inside `_ext.python_only()`) the untruncated
+draw with given uniforms — what the rollout engine asks at every decoding step without top-k / top-p —
+runs fused in C++ (csrc/cpu_sampling.cpp `sample_rows`: three passes over a row instead of the five
+ATen passes and three [N, V] buffers below, same inverse-CDF rule; tokens equal this module's except
+when a uniform lands within float rounding of a CDF step, log-probs within ~1e-6).
 """
 from __future__ import annotations
 
@@ -63,6 +69,15 @@ def filter_logits(scaled: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -
     return scaled.masked_fill(mask, float("-inf"))
 
 
+def _fused_cpu(x: torch.Tensor) -> bool:
+    """The C++ sampler takes x: a plain float32 CPU tensor, with the extension loaded."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or type(x) is not torch.Tensor or x.shape[-1] == 0:
+        return False
+    from megatron_vlm import _ext
+
+    return _ext.available()
+
+
 def sample_tokens(
     logits: torch.Tensor,
     *,
@@ -84,6 +99,14 @@ def sample_tokens(
         raise ValueError(f"temperature: must be >= 0, got {temperature}")
     x = logits.float()
     suppress = suppress_token_ids is not None and suppress_token_ids.numel() > 0
+    truncated = (0 < top_k < x.shape[-1]) or top_p < 1.0
+    if uniform is not None and temperature > 0 and not truncated and _fused_cpu(x):
+        if uniform.shape != (x.shape[0],):
+            raise ValueError(f"uniform: expected shape ({x.shape[0]},), got {tuple(uniform.shape)}")
+        from megatron_vlm.kernels.csrc.layer_ops import _ops
+
+        return _ops().sample_rows(x.contiguous(), uniform.float().contiguous(),
+                                  suppress_token_ids if suppress else None, float(temperature))
 
     def allowed(t: torch.Tensor, fill: float) -> torch.Tensor:
         return t.index_fill(-1, suppress_token_ids.to(t.device), fill) if suppress else t
@@ -94,7 +117,7 @@ def sample_tokens(
     else:
         scaled = x if temperature == 1 else x / temperature
         logp = torch.log_softmax(scaled, dim=-1)
-        if (0 < top_k < x.shape[-1]) or top_p < 1.0:
+        if truncated:
             probs = filter_logits(allowed(scaled, float("-inf")), top_k=top_k, top_p=top_p).softmax(dim=-1)
         else:  # no truncation: the untruncated probabilities, suppressed tokens zeroed (need not sum to 1)
             probs = logp.exp()

@@ -288,10 +288,11 @@ class GRPOStep:
         with timer.phase("train"):
             self.bundle.wrapper.train()
             upd = self._update(step, train_samples, dummy, proximal_from_forward=proximal_in_update)
+        forwarded = [s for s in train_samples if self.trains(s)]
         if proximal_in_update:  # old_logp = the update forward's (pre-update) log-probs, of the samples it forwarded
-            mismatch = _mismatch_sums([s for s in train_samples if self.trains(s)])
+            mismatch = _mismatch_sums(forwarded)
         extra = {"rounds": len(rounds), "surplus": surplus, "masked_truncated": masked_truncated, "mismatch": mismatch,
-                 "zero_adv_skipped": sum(not self.trains(s) for s in train_samples)}
+                 "zero_adv_skipped": len(train_samples) - len(forwarded)}
         out = self._metrics(step, timer, rounds, upd, extra)
         out.update(extra_metrics or {})
         return out

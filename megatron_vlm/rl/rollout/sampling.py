@@ -70,12 +70,11 @@ def filter_logits(scaled: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -
 
 
 def _fused_cpu(x: torch.Tensor) -> bool:
-    """The C++ sampler takes x: a plain float32 CPU tensor, with the extension loaded."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or type(x) is not torch.Tensor or x.shape[-1] == 0:
-        return False
+    """The C++ sampler takes x: what the csrc kernels take (a plain float32 CPU tensor), with the extension loaded."""
     from megatron_vlm import _ext
+    from megatron_vlm.kernels.csrc.layer_ops import _fits
 
-    return _ext.available()
+    return x.shape[-1] > 0 and _fits(x) and _ext.available()
 
 
 def sample_tokens(
@@ -100,9 +99,9 @@ def sample_tokens(
     x = logits.float()
     suppress = suppress_token_ids is not None and suppress_token_ids.numel() > 0
     truncated = (0 < top_k < x.shape[-1]) or top_p < 1.0
+    if uniform is not None and temperature > 0 and uniform.shape != (x.shape[0],):
+        raise ValueError(f"uniform: expected shape ({x.shape[0]},), got {tuple(uniform.shape)}")
     if uniform is not None and temperature > 0 and not truncated and _fused_cpu(x):
-        if uniform.shape != (x.shape[0],):
-            raise ValueError(f"uniform: expected shape ({x.shape[0]},), got {tuple(uniform.shape)}")
         from megatron_vlm.kernels.csrc.layer_ops import _ops
 
         return _ops().sample_rows(x.contiguous(), uniform.float().contiguous(),
@@ -124,8 +123,6 @@ def sample_tokens(
             if suppress:  # in place: one [N, V] buffer less per decoding step
                 probs.index_fill_(-1, suppress_token_ids.to(probs.device), 0.0)
         if uniform is not None:
-            if uniform.shape != (x.shape[0],):
-                raise ValueError(f"uniform: expected shape ({x.shape[0]},), got {tuple(uniform.shape)}")
             cdf = probs.cumsum_(dim=-1)  # probs is this function's own buffer: the running sum in place
             total = cdf[:, -1:]
             # target < total strictly, so the first token with cdf > target (right=True) exists and has

@@ -2,7 +2,7 @@
 # Download, HERE (a machine with the package index), the wheels the GPU machine lacks into .whl/ at the
 # repository root, for `bash benchmarks/gpu_suite.sh --lease` to install there (it has no network).
 # The list is benchmarks/gpu_wheels.txt (NAME==VERSION); wheels are for CPython 3.12 on manylinux x86_64,
-# the GPU image's Python. Idempotent: a wheel already present is kept, other versions of the same
+# the GPU image's Python (BUILD_HERE: built here as pure-Python wheels). Idempotent: a wheel already present is kept, other versions of the same
 # package are removed, so .whl/ holds exactly one version of each.
 #   bash benchmarks/gpu_wheels.sh          # download what is missing, print the total size
 #   bash benchmarks/gpu_wheels.sh --list   # print the NAME==VERSION list and exit
@@ -18,6 +18,8 @@ if [[ "${1:-}" == "--list" ]]; then
 fi
 [[ $# -eq 0 ]] || { echo "gpu_wheels.sh: unknown argument $1 (only --list)" >&2; exit 2; }
 mkdir -p "$DEST"
+# packages whose PyPI release is sources that need a CUDA build; only their Python part is wanted there
+BUILD_HERE="mamba-ssm"
 # wheel file names spell the project name in lower case with runs of - _ . as one _ (PEP 427 / 503)
 norm() { echo "$1" | tr 'A-Z' 'a-z' | sed -E 's/[-_.]+/_/g'; }
 failed=()
@@ -41,9 +43,35 @@ for spec in $specs; do
     echo "have $(basename "${have[0]}")"
     continue
   fi
-  if ! "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  if [[ " $BUILD_HERE " == *" $name "* ]]; then
+    # MAMBA_SKIP_CUDA_BUILD: a pure-Python wheel (the CUDA extension is not needed: megatron_vlm/testing/
+    # mamba_ssm_triton.py); MAMBA_FORCE_BUILD: no attempt to download a prebuilt wheel from elsewhere
+    if ! MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE "$PY" -m pip wheel -q --no-deps --no-build-isolation \
+        -w "$DEST" "$spec"; then
+      failed+=("$spec")
+    fi
+  elif ! "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$DEST" "$spec"; then
+    failed+=("$spec")
+  fi
+done
+# Built here: packages that publish only sources needing a CUDA build, of which the GPU tests need only the Python
+# part. mamba-ssm without its CUDA extension (MAMBA_SKIP_CUDA_BUILD; MAMBA_FORCE_BUILD: no prebuilt-wheel download)
+# is a pure-Python wheel holding the Mamba-2 Triton kernels our adapter calls (megatron_vlm/testing/mamba_ssm_triton.py).
+BUILT="mamba-ssm==2.3.2.post1"
+for spec in $BUILT; do
+  stem=$(norm "${spec%%==*}")
+  version=${spec##*==}
+  shopt -s nullglob
+  have=("$DEST"/"$stem"-"$version"-*.whl)
+  shopt -u nullglob
+  if [[ ${#have[@]} -gt 0 ]]; then
+    echo "have $(basename "${have[0]}")"
+    continue
+  fi
+  if ! MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE "$PY" -m pip wheel -q --no-deps --no-build-isolation \
+      -w "$DEST" "$spec"; then
     failed+=("$spec")
   fi
 done

@@ -44,8 +44,24 @@ def npu_check(device_type: str, dtype: torch.dtype) -> Optional[str]:
     return None
 
 
-def cuda_package_check(package: str, dtypes: Tuple[torch.dtype, ...] = ()) -> Check:
-    """Check for a third-party CUDA package (flash_attn, liger_kernel ...), optionally limited to dtypes."""
+def import_error(module: str) -> Optional[str]:
+    """None if `module` imports here, else why not. Why a real import and not only `find_spec`: a compiled
+    package built against another torch or CUDA (flash-attn, causal-conv1d, mamba-ssm, TE after a torch
+    upgrade: "undefined symbol ...") is installed but cannot load; `auto` must pass over it with that
+    reason, not pick it and fail at the model's first call. Import failures are not cached by Python, but
+    the registry caches each check's answer."""
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # ImportError, OSError from a shared library, a package's own RuntimeError
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def cuda_package_check(package: str, dtypes: Tuple[torch.dtype, ...] = (), modules: Tuple[str, ...] = ()) -> Check:
+    """Check for a third-party CUDA package (flash_attn, liger_kernel ...), optionally limited to dtypes.
+
+    `modules`: what the adapter imports (default: the package itself); imported on CUDA only, after the
+    device and dtype checks, so a CPU run never loads a GPU package."""
 
     def check(device_type: str, dtype: torch.dtype) -> Optional[str]:
         if not _module_installed(package):
@@ -54,17 +70,29 @@ def cuda_package_check(package: str, dtypes: Tuple[torch.dtype, ...] = ()) -> Ch
             return f"tensor on {device_type}; {package} needs a cuda tensor"
         if dtypes and dtype not in dtypes:
             return f"{package} does not support {dtype} (needs one of {', '.join(str(d) for d in dtypes)})"
+        for module in modules or (package,):
+            error = import_error(module)
+            if error is not None:
+                return f"{package} is installed but {module} does not import ({error})"
         return None
 
     return check
 
 
-def triton_package_check(package: str) -> Check:
-    """For a third-party package of Triton kernels (liger_kernel ...): installed, and triton can run here."""
+def triton_package_check(package: str, modules: Tuple[str, ...] = ()) -> Check:
+    """For a third-party package of Triton kernels (liger_kernel ...): installed, triton can run here, and
+    `modules` (default: the package) import."""
 
     def check(device_type: str, dtype: torch.dtype) -> Optional[str]:
         if not _module_installed(package):
             return f"{package} is not installed"
-        return triton_check(device_type, dtype)
+        reason = triton_check(device_type, dtype)
+        if reason is not None:
+            return reason
+        for module in modules or (package,):
+            error = import_error(module)
+            if error is not None:
+                return f"{package} is installed but {module} does not import ({error})"
+        return None
 
     return check

@@ -35,6 +35,9 @@ MAMBA_MOE_OPS = (
     ("moe_unpermute", "moe"),
 )
 NPU_MOE_OPS = ("moe_permute", "grouped_mm", "moe_unpermute")
+# the mamba-ssm module each op's adapter imports (kernels/thirdparty/mamba_ssm.py)
+MAMBA_SSM_MODULES = {"ssd_chunk_scan": "mamba_ssm.ops.triton.ssd_combined",
+                     "ssd_state_update": "mamba_ssm.ops.triton.selective_state_update"}
 TRITON_MOE_OPS = ("grouped_mm", "moe_unpermute")  # kernels/triton/moe.py; moe_permute stays on the reference
 
 
@@ -68,16 +71,16 @@ def register_builtin_ops(registry) -> None:
         auto_devices=("cuda",), priority=20,
     )
     # experimental: not yet run on a GPU (kernels/thirdparty/mamba_ssm.py says what falls back and why)
-    for op in ("ssd_chunk_scan", "ssd_state_update"):
+    for op in MAMBA_SSM_MODULES:
         register(
             op, "mamba_ssm", f"thirdparty.mamba_ssm:{op}",
-            check=cuda_package_check("mamba_ssm", (torch.float32, torch.float16, torch.bfloat16)),
+            check=cuda_package_check("mamba_ssm", (torch.float32, torch.float16, torch.bfloat16), modules=(MAMBA_SSM_MODULES[op],)),
             auto_devices=("cuda",), priority=20,
         )
     # Liger's fused linear cross-entropy: forceable only (no auto device): on an H100 it tied our Triton kernel
     # (0.94-1.03x its time, no gradients; kernels/thirdparty/liger.py has the figures and the gradient caveat)
     register("linear_token_logprobs", "liger", "thirdparty.liger:linear_token_logprobs",
-             check=triton_package_check("liger_kernel"), auto_devices=(), priority=0)
+             check=triton_package_check("liger_kernel", modules=("liger_kernel.transformers.functional",)), auto_devices=(), priority=0)
     for op in NPU_MOE_OPS:
         register(op, "npu", f"npu.moe:{op}", check=npu_check, auto_devices=("npu",), priority=10)
     for op in TRITON_MOE_OPS:
@@ -126,13 +129,14 @@ def register_builtin_ops(registry) -> None:
     # the H100 it did not beat our Triton kernels (kernels/thirdparty/liger.py has the figures)
     liger_dtypes = (torch.float32, torch.float16, torch.bfloat16)
     for op in ("rms_norm", "swiglu"):  # linear_token_logprobs: registered above
-        register(op, "liger", f"thirdparty.liger:{op}", check=cuda_package_check("liger_kernel", liger_dtypes))
+        register(op, "liger", f"thirdparty.liger:{op}", check=cuda_package_check("liger_kernel", liger_dtypes, modules=("liger_kernel.transformers.functional",)))
     # experimental: not yet run on a GPU. Transformer Engine's fused norms and DotProductAttention
     # (kernels/thirdparty/transformer_engine.py says what falls back and why); attention one below
     # flash-attn so that `auto` keeps flash-attn until bench_transformer_engine.py says otherwise
     half = (torch.float16, torch.bfloat16)
+    te_modules = ("transformer_engine.pytorch", "transformer_engine_torch")
     for op in ("rms_norm", "layer_norm"):
         register(op, "transformer_engine", f"thirdparty.transformer_engine:{op}",
-                 check=cuda_package_check("transformer_engine", (torch.float32, *half)), auto_devices=("cuda",), priority=20)
+                 check=cuda_package_check("transformer_engine", (torch.float32, *half), modules=te_modules), auto_devices=("cuda",), priority=20)
     register("attention", "transformer_engine", "thirdparty.transformer_engine:attention",
-             check=cuda_package_check("transformer_engine", half), auto_devices=("cuda",), priority=19)
+             check=cuda_package_check("transformer_engine", half, modules=te_modules), auto_devices=("cuda",), priority=19)

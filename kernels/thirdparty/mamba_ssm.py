@@ -17,6 +17,10 @@ once per reason):
   `[H, P]` — ours are per head, so they are expanded (stride-0 views, no copy, as mamba-ssm's own Mamba2
   decoding step does); it has no `dt_limit` clamp -> a call with a limit runs the reference;
 - dtypes fp32 / fp16 / bf16; final states are returned in fp32 as the reference does.
+
+Tested on the CPU against stand-ins of these two functions (tests/unit/kernels/test_thirdparty_mamba_ssm.py) and
+against mamba-ssm 2.3.2's own Triton kernels run by Triton's interpreter (test_thirdparty_mamba_ssm_real.py: the
+scan forward and backward, batched and packed, states, decoding; fp32 and fp16). Not yet compiled on a GPU.
 """
 from __future__ import annotations
 

@@ -1,18 +1,27 @@
 """mamba-ssm backends (`kernels/thirdparty/mamba_ssm.py`) on a CUDA device against our references, at
 Nemotron-H-like sizes: the chunked scan (batched with D / z / dt_bias and initial / final states, packed
 with seq_idx and per-sequence final states), its gradients in fp32, and the decoding step token by token
-against the scan. Run by `benchmarks/gpu_suite.sh` (section "tests"); skipped without CUDA or mamba-ssm."""
+against the scan. Run by `benchmarks/gpu_suite.sh` (section "tests"); skipped without CUDA or mamba-ssm.
+A full mamba-ssm install is imported as it is; the Python-only wheel that `benchmarks/gpu_wheels.sh` builds
+for a lease (no CUDA extension) through `triton_modules` (megatron_vlm/testing/mamba_ssm_triton.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from megatron_vlm.kernels.reference import ssd as reference
+from megatron_vlm.kernels.thirdparty import mamba_ssm as adapter
+from megatron_vlm.testing import mamba_ssm_triton
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-pytest.importorskip("mamba_ssm")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.skipif(not mamba_ssm_triton.installed(), reason="mamba-ssm is not installed")]
 
-from megatron_vlm.kernels.thirdparty import mamba_ssm as adapter  # noqa: E402
+
+@pytest.fixture(scope="module", autouse=True)
+def _mamba_ssm_kernels():
+    with mamba_ssm_triton.triton_modules():
+        yield
+
 
 TOL = {torch.float32: dict(rtol=2e-3, atol=2e-3), torch.bfloat16: dict(rtol=5e-2, atol=5e-2)}
 

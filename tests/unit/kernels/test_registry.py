@@ -5,6 +5,7 @@ caches (one availability check per key however many eager calls)."""
 import asyncio
 import dataclasses
 import logging
+import sys
 import threading
 
 import pytest
@@ -275,3 +276,50 @@ def test_default_registry_probes_once_over_eager_calls(monkeypatch, fresh_decisi
     with K.use_backends({"swiglu": "triton"}):  # another scope with the same choice: same cached decision
         K.swiglu(x, x)
     assert calls == [(x.device.type, torch.float32)]
+
+
+def test_a_package_that_is_installed_but_does_not_import_is_passed_over_with_its_error(tmp_path, monkeypatch):
+    """A compiled package built against another torch is installed (find_spec sees it) but fails to load;
+    `auto` on CUDA must not pick it (it would fail at the model's first call) and forcing it names the error.
+    The package here is real, on disk: its __init__ raises what a mismatched build raises."""
+    from megatron_vlm.kernels.availability import cuda_package_check, triton_package_check
+    from megatron_vlm.kernels.builtin_ops import register_builtin_ops
+
+    for name in ("flash_attn", "liger_kernel"):
+        pkg = tmp_path / name
+        pkg.mkdir()
+        (pkg / "__init__.py").write_text('raise ImportError("flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi")')
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    check = cuda_package_check("flash_attn", (torch.float16, torch.bfloat16))
+    assert check("cpu", torch.bfloat16) == "tensor on cpu; flash_attn needs a cuda tensor"  # not imported on the CPU
+    assert "flash_attn" not in sys.modules
+    reason = check("cuda", torch.bfloat16)
+    assert reason.startswith("flash_attn is installed but flash_attn does not import (ImportError: ")
+    assert "undefined symbol" in reason
+    assert check("cuda", torch.float32).startswith("flash_attn does not support torch.float32")  # dtype first
+
+    registry = KernelRegistry()
+    register_builtin_ops(registry)
+    assert registry.choose("attention", "cuda", torch.bfloat16) != "flash_attn"
+    with registry.use_backends({"attention": "flash_attn"}):
+        with pytest.raises(K.BackendUnavailableError, match="flash_attn does not import .*undefined symbol"):
+            registry.choose("attention", "cuda", torch.bfloat16)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "liger_kernel does not import" in triton_package_check("liger_kernel")("cpu", torch.float32)
+
+
+def test_an_importable_package_passes_the_import_check(tmp_path, monkeypatch):
+    from megatron_vlm.kernels.availability import cuda_package_check
+
+    pkg = tmp_path / "fake_cuda_pkg"
+    (pkg / "ops").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "ops" / "__init__.py").write_text("")
+    (pkg / "ops" / "broken.py").write_text("raise OSError('libcudart.so.13: cannot open shared object file')")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cuda_package_check("fake_cuda_pkg", modules=("fake_cuda_pkg.ops",))("cuda", torch.float32) is None
+    reason = cuda_package_check("fake_cuda_pkg", modules=("fake_cuda_pkg.ops", "fake_cuda_pkg.ops.broken"))("cuda", torch.float32)
+    assert reason == ("fake_cuda_pkg is installed but fake_cuda_pkg.ops.broken does not import "
+                      "(OSError: libcudart.so.13: cannot open shared object file)")

@@ -209,9 +209,17 @@ def test_auto_picks_it_on_cuda_only(fake):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_real_package_matches_the_reference(dtype):
-    pytest.importorskip("mamba_ssm")
+    from megatron_vlm.testing import mamba_ssm_triton
+
+    if not mamba_ssm_triton.installed():
+        pytest.skip("mamba_ssm is not installed")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+    with mamba_ssm_triton.triton_modules():
+        _real_package_matches_the_reference(dtype)
+
+
+def _real_package_matches_the_reference(dtype):
     args, extra = _scan_inputs(batch=1, total=300, heads=8, headdim=64, groups=1, dstate=128)
     args = [t.to("cuda", dtype if t.dim() > 1 else torch.float32) for t in args]
     extra = {k: v.to("cuda", dtype if v.dim() > 1 else torch.float32) for k, v in extra.items()}
@@ -224,16 +232,24 @@ def test_real_package_matches_the_reference(dtype):
     torch.testing.assert_close(fin, fin_ref, **tol)
 
 
-def test_forced_without_the_package_names_the_reason():
+@pytest.mark.parametrize("installed", [False, True])
+def test_forced_on_the_cpu_names_the_reason(installed, monkeypatch):
+    """Absent (find_spec finds nothing, whether or not this machine has it): "not installed"; present: the CPU
+    tensor is the reason (the package is never imported for it)."""
     import importlib.util
 
     from megatron_vlm import kernels as K
     from megatron_vlm.kernels.registry import DEFAULT_REGISTRY
 
-    if importlib.util.find_spec("mamba_ssm") is not None:
-        pytest.skip("mamba_ssm is installed here")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (object() if installed else None)
+                        if name == "mamba_ssm" else find_spec(name, *a))
     DEFAULT_REGISTRY.clear_cache()
-    (x, dt, A, B, C), _ = _scan_inputs(batch=1, total=4)
-    with K.use_backends({"ssd_chunk_scan": "mamba_ssm"}):
-        with pytest.raises(K.BackendUnavailableError, match=r"'ssd_chunk_scan'.*'mamba_ssm'.*mamba_ssm is not installed"):
-            K.ssd_chunk_scan(x, dt, A, B, C, chunk_size=4)
+    try:
+        (x, dt, A, B, C), _ = _scan_inputs(batch=1, total=4)
+        reason = "mamba_ssm needs a cuda tensor" if installed else "mamba_ssm is not installed"
+        with K.use_backends({"ssd_chunk_scan": "mamba_ssm"}):
+            with pytest.raises(K.BackendUnavailableError, match=rf"'ssd_chunk_scan'.*'mamba_ssm'.*{reason}"):
+                K.ssd_chunk_scan(x, dt, A, B, C, chunk_size=4)
+    finally:
+        DEFAULT_REGISTRY.clear_cache()

@@ -1,0 +1,145 @@
+"""The mamba-ssm adapter (`kernels/thirdparty/mamba_ssm.py`) against the real package's Triton kernels, run on
+the CPU by Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA).
+
+test_thirdparty_mamba_ssm.py checks the adapter against stand-ins written here from mamba-ssm's documented
+interfaces; this file runs the package's own `mamba_chunk_scan_combined` (forward and backward: chunk cumsum,
+chunk state, state passing, chunk scan, their backward kernels) and `selective_state_update`, so an argument
+the adapter translates wrongly (a layout, a per-head vs per-channel parameter, seq_idx, varlen states) shows
+as a wrong number, against our reference (kernels/reference/ssd.py), never against our own reading.
+
+The package is installed without its CUDA extension (README: MAMBA_SKIP_CUDA_BUILD=TRUE) and its Mamba-2
+modules are imported without its `__init__` (megatron_vlm/testing/mamba_ssm_triton.py says why). Three
+things the interpreter cannot do are stood in for, none of which changes a computed value:
+`torch.cuda.device(None)` for CPU tensors is a no-op context (a CUDA tensor's index is never None); the SM
+count that `_chunk_state_bwd_db` reads (it only splits the dB reduction over programs) is an H100's 132;
+each autotuned kernel keeps its first config (the interpreter cannot time configs; any config computes the
+same numbers). bf16 is not tested here: the interpreter's `tl.dot` on bf16 operands returns garbage (a bare
+bf16 `tl.dot` kernel does too); the GPU test (tests/gpu/test_gpu_thirdparty_mamba_ssm.py) covers it.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import types
+
+import pytest
+import torch
+
+from megatron_vlm.kernels.reference import ssd as reference
+from megatron_vlm.kernels.thirdparty import mamba_ssm as adapter
+from megatron_vlm.testing import mamba_ssm_triton
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() or not mamba_ssm_triton.installed(),
+    reason="mamba-ssm's Python part is not installed (README, install section)" if not mamba_ssm_triton.installed()
+    else "on CUDA the GPU test runs the compiled kernels")
+
+_MODULES = ("ssd_bmm", "ssd_chunk_state", "ssd_state_passing", "ssd_chunk_scan", "ssd_combined", "selective_state_update")
+
+
+@pytest.fixture(scope="module")
+def real_kernels():
+    import triton
+
+    with mamba_ssm_triton.triton_only_package(), pytest.MonkeyPatch.context() as mp:
+        device, properties = torch.cuda.device, torch.cuda.get_device_properties
+        mp.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext() if index is None else device(index))
+        mp.setattr(torch.cuda, "get_device_properties", lambda d=None: types.SimpleNamespace(multi_processor_count=132)
+                   if d is not None and torch.device(d).type == "cpu" else properties(d))
+        tuned = 0
+        for name in _MODULES:
+            module = importlib.import_module(f"mamba_ssm.ops.triton.{name}")
+            for kernel in vars(module).values():
+                if isinstance(kernel, triton.runtime.autotuner.Autotuner):
+                    mp.setattr(kernel, "configs", kernel.configs[:1])
+                    tuned += 1
+        assert tuned > 10, "mamba-ssm's autotuned kernels were not found: has the package moved them?"
+        yield
+
+
+def _inputs(batch, total, heads=4, headdim=8, groups=2, dstate=16, dtype=torch.float32, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0, dt=dtype):
+        return (torch.randn(*shape, generator=g) * scale).to(dt).requires_grad_(grad)
+
+    x, dt = r(batch, total, heads, headdim), r(batch, total, heads, scale=0.5)
+    A = (-torch.rand(heads, generator=g) - 0.1).requires_grad_(grad)
+    B, C = r(batch, total, groups, dstate, scale=0.3), r(batch, total, groups, dstate, scale=0.3)
+    extra = dict(D=r(heads, dt=torch.float32), z=r(batch, total, heads, headdim), dt_bias=r(heads, scale=0.3, dt=torch.float32))
+    return (x, dt, A, B, C), extra
+
+
+def _close(a, b, rtol=1e-4):
+    torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * max(b.abs().max().item(), 1.0))
+
+
+def test_batched_scan_states_limit_and_gradients(real_kernels):
+    """Batch rows with initial states, final states and a dt clamp (a chunk split mid-sequence): outputs and
+    the gradients of every input, the initial states' included, through both outputs."""
+    args, extra = _inputs(2, 21, grad=True)
+    init = (torch.randn(2, 4, 8, 16, generator=torch.Generator().manual_seed(1)) * 0.1).requires_grad_(True)
+    kw = dict(chunk_size=8, initial_states=init, return_final_states=True, dt_limit=(0.05, 1.5), **extra)
+    y, final = adapter.ssd_chunk_scan(*args, **kw)
+    y_ref, final_ref = reference.ssd_chunk_scan(*args, **kw)
+    _close(y, y_ref)
+    _close(final, final_ref)
+    assert final.dtype == torch.float32
+    w, wf = torch.randn_like(y), torch.randn_like(final)
+    leaves = [*args, *extra.values(), init]
+    ours = torch.autograd.grad((y * w).sum() + (final * wf).sum(), leaves)
+    ref = torch.autograd.grad((y_ref * w).sum() + (final_ref * wf).sum(), leaves)
+    for a, b in zip(ours, ref):
+        _close(a, b)
+
+
+def test_packed_scan_gradients_and_per_sequence_states(real_kernels):
+    """Packed sequences (cu_seqlens -> seq_idx; sequences end inside chunks and across chunk edges): outputs and
+    gradients; then, without gradients (rollout prefill), one final state per sequence (varlen states)."""
+    args, extra = _inputs(1, 40, grad=True)
+    cu = torch.tensor([0, 9, 27, 40], dtype=torch.int32)
+    y = adapter.ssd_chunk_scan(*args, chunk_size=16, cu_seqlens=cu, **extra)
+    y_ref = reference.ssd_chunk_scan(*args, chunk_size=16, cu_seqlens=cu, **extra)
+    _close(y, y_ref)
+    w = torch.randn_like(y)
+    leaves = [*args, *extra.values()]
+    for a, b in zip(torch.autograd.grad((y * w).sum(), leaves), torch.autograd.grad((y_ref * w).sum(), leaves)):
+        _close(a, b)
+    with torch.no_grad():
+        y, finals = adapter.ssd_chunk_scan(*args, chunk_size=16, cu_seqlens=cu, return_final_states=True, **extra)
+        y_ref, finals_ref = reference.ssd_chunk_scan(*args, chunk_size=16, cu_seqlens=cu, return_final_states=True,
+                                                     **extra)
+    _close(y, y_ref)
+    assert finals.shape == finals_ref.shape == (3, 4, 8, 16)
+    _close(finals, finals_ref)
+
+
+def test_fp16_scan(real_kernels):
+    args, extra = _inputs(2, 19, dtype=torch.float16)
+    with torch.no_grad():
+        y = adapter.ssd_chunk_scan(*args, chunk_size=8, **extra)
+        y_ref = reference.ssd_chunk_scan(*args, chunk_size=8, **extra)
+    assert y.dtype == torch.float16
+    _close(y.float(), y_ref.float(), rtol=2e-3)
+
+
+@pytest.mark.parametrize("per_channel_d", [False, True])
+def test_decoding_steps_follow_the_scan(real_kernels, per_channel_d):
+    """Token-by-token `selective_state_update` (per-head dt / A / dt_bias expanded per channel by the adapter)
+    gives the scan's outputs and leaves its final state in place."""
+    (x, dt, A, B, C), extra = _inputs(3, 6)
+    if per_channel_d:
+        extra["D"] = extra["D"][:, None].repeat(1, 8) + torch.linspace(0, 0.5, 8)
+    state = torch.zeros(3, 4, 8, 16)
+    ys = [adapter.ssd_state_update(state, x[:, t], dt[:, t], A, B[:, t], C[:, t], D=extra["D"], z=extra["z"][:, t],
+                                   dt_bias=extra["dt_bias"]) for t in range(6)]
+    if per_channel_d:  # the scan takes D per head only: the reference's single step is the yardstick
+        ref_state, ref = torch.zeros(3, 4, 8, 16), []
+        for t in range(6):
+            ref.append(reference.ssd_state_update(ref_state, x[:, t], dt[:, t], A, B[:, t], C[:, t], D=extra["D"],
+                                                  z=extra["z"][:, t], dt_bias=extra["dt_bias"]))
+        y_ref, final_ref = torch.stack(ref, 1), ref_state
+    else:
+        y_ref, final_ref = reference.ssd_chunk_scan(x, dt, A, B, C, chunk_size=4, return_final_states=True, **extra)
+    _close(torch.stack(ys, 1), y_ref)
+    _close(state, final_ref)

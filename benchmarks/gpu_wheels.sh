@@ -56,25 +56,6 @@ for spec in $specs; do
     failed+=("$spec")
   fi
 done
-# Built here: packages that publish only sources needing a CUDA build, of which the GPU tests need only the Python
-# part. mamba-ssm without its CUDA extension (MAMBA_SKIP_CUDA_BUILD; MAMBA_FORCE_BUILD: no prebuilt-wheel download)
-# is a pure-Python wheel holding the Mamba-2 Triton kernels our adapter calls (megatron_vlm/testing/mamba_ssm_triton.py).
-BUILT="mamba-ssm==2.3.2.post1"
-for spec in $BUILT; do
-  stem=$(norm "${spec%%==*}")
-  version=${spec##*==}
-  shopt -s nullglob
-  have=("$DEST"/"$stem"-"$version"-*.whl)
-  shopt -u nullglob
-  if [[ ${#have[@]} -gt 0 ]]; then
-    echo "have $(basename "${have[0]}")"
-    continue
-  fi
-  if ! MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE "$PY" -m pip wheel -q --no-deps --no-build-isolation \
-      -w "$DEST" "$spec"; then
-    failed+=("$spec")
-  fi
-done
 if [[ ${#failed[@]} -gt 0 ]]; then
   echo "gpu_wheels.sh: could not download ${failed[*]} (no network or no package index? pip's message is above)" >&2
   exit 1

@@ -3,7 +3,8 @@
 
 Our contract (kernels/reference/causal_conv1d.py) was written in that package's layout, so most calls
 map directly onto `causal_conv1d_fn(x, weight, bias, seq_idx, initial_states, return_final_states,
-final_states_out, activation)`. Its documented constraints, and what the adapter does about them:
+final_states_out, activation)` and, for decoding steps, `causal_conv1d_update`. Its documented
+constraints, and what the adapter does about them:
 
 - widths 2 to 4 only -> other widths run the reference (logged once);
 - packed sequences are given as `seq_idx` `[B, T]` int32 (the sequence index of every token) with x in
@@ -11,7 +12,10 @@ final_states_out, activation)`. Its documented constraints, and what the adapter
 - `seq_idx` cannot be combined with `initial_states` or `return_final_states` -> packed calls that need a
   state run the reference (logged once);
 - final states are returned only for channel-last x -> x re-strided; our final state is fp32, theirs
-  has x's dtype, so it is cast.
+  has x's dtype, so it is cast;
+- a decoding step (one token per row, a state in and out, no gradients) runs `causal_conv1d_update(x [B, D],
+  conv_state [B, D, W-1], weight, bias, activation)`, which rolls the state in place (on a copy: the caller's
+  state is left as it was) and has no backward; with gradients the step takes `causal_conv1d_fn`.
 """
 from __future__ import annotations
 
@@ -37,6 +41,21 @@ def _fallback(reason: str, *args, **kwargs):
 def _channel_last(x: torch.Tensor) -> torch.Tensor:
     """[B, D, T] with stride 1 over D (the package's channel-last layout), same values."""
     return x if x.stride(1) == 1 else x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _records_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _decode_step(x, weight, bias, initial_state, activation):
+    """One token per row (rollout decoding): `causal_conv1d_update` rolls a copy of the state in place — the
+    caller's state is not written, as with the other paths; x `[B, D, 1]` is given as `[B, D]`, the layout
+    mamba-ssm's own decoding step uses."""
+    from causal_conv1d import causal_conv1d_update
+
+    state = initial_state.to(x.dtype, memory_format=torch.contiguous_format, copy=True)
+    out = causal_conv1d_update(x[..., 0].contiguous(), state, weight.contiguous(), bias, activation=activation)
+    return out.unsqueeze(-1), state.float()
 
 
 def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -67,9 +86,12 @@ def causal_conv1d(
         return _fallback(f"width {tuple(weight.shape)[1:]} (the package supports {_WIDTHS})", *args, **kwargs)
     if cu_seqlens is not None and (initial_state is not None or return_final_state):
         return _fallback("packed sequences with a conv state (the package's seq_idx excludes states)", *args, **kwargs)
+    reference._check_inputs(x, weight, bias, activation)
+    if (initial_state is not None and return_final_state and cu_seqlens is None and x.shape[-1] == 1
+            and not _records_grad(x, weight, bias, initial_state)):
+        return _decode_step(x, weight, bias, initial_state, activation)
     from causal_conv1d import causal_conv1d_fn
 
-    reference._check_inputs(x, weight, bias, activation)
     if cu_seqlens is not None:
         if x.shape[0] != 1:
             raise ValueError(f"causal_conv1d: packed input (cu_seqlens) needs batch 1, got batch {x.shape[0]}")

@@ -59,7 +59,26 @@ def _fake_package():
         final = torch.cat([init, x], dim=-1)[..., -(width - 1):].to(x.dtype)
         return out, final
 
+    def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
+                             conv_state_indices=None):
+        """x [B, D] or [B, D, T]; conv_state [B, D, state_len >= W-1], rolled in place; out shaped like x."""
+        assert activation in (None, "silu", "swish") and cache_seqlens is None and conv_state_indices is None
+        dim, width = weight.shape
+        assert conv_state.shape[:2] == (x.shape[0], dim) and conv_state.shape[2] >= width - 1
+        assert conv_state.dtype == x.dtype
+        calls.append("update")
+        x3 = x if x.dim() == 3 else x[..., None]
+        out = torch.empty_like(x3)
+        for t in range(x3.shape[-1]):
+            full = torch.cat([conv_state, x3[..., t:t + 1]], dim=-1)
+            conv_state.copy_(full[..., 1:])
+            acc = (full[..., -width:].double() * weight.double()).sum(-1)
+            acc = acc if bias is None else acc + bias.double()
+            out[..., t] = (acc if activation is None else torch.nn.functional.silu(acc)).to(x.dtype)
+        return out if x.dim() == 3 else out[..., 0]
+
     mod.causal_conv1d_fn = causal_conv1d_fn
+    mod.causal_conv1d_update = causal_conv1d_update
     return mod, calls
 
 
@@ -89,6 +108,34 @@ def test_plain_and_stateful_calls_match_the_reference(fake, activation):
     torch.testing.assert_close(ours[1], ref[1].float())
     assert ours[1].dtype == torch.float32
     assert fake == [(False, False, False), (False, True, True)]
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_decoding_steps_use_the_update_kernel_and_leave_the_callers_state(fake, activation):
+    """Token by token through `causal_conv1d_update` (no gradients): the outputs and the final state of the
+    whole sequence at once; each step's input state is left as it was. A step that records gradients takes
+    causal_conv1d_fn (the update has no backward)."""
+    x, w, b = _inputs(3, 5, 6, 4)
+    x = x.transpose(1, 2).contiguous().transpose(1, 2)  # channel-last, as the Mamba2 mixer passes it
+    state0 = torch.randn(3, 5, 3, dtype=torch.float64)
+    ref_out, ref_state = reference(x, w, b, activation=activation, initial_state=state0, return_final_state=True)
+    state, outs = state0.float(), []
+    with torch.no_grad():
+        for t in range(6):
+            before = state.clone()
+            out, new = adapter.causal_conv1d(x[..., t:t + 1], w, b, activation=activation, initial_state=state,
+                                             return_final_state=True)
+            assert torch.equal(state, before) and new.dtype == torch.float32 and out.shape == (3, 5, 1)
+            outs.append(out)
+            state = new
+    torch.testing.assert_close(torch.cat(outs, -1), ref_out, rtol=1e-6, atol=1e-6)  # the state travels in fp32
+    torch.testing.assert_close(state, ref_state.float())
+    assert fake == ["update"] * 6
+    wg = w.clone().requires_grad_(True)
+    out, _ = adapter.causal_conv1d(x[..., :1], wg, b, activation=activation, initial_state=state0,
+                                   return_final_state=True)
+    out.sum().backward()
+    assert wg.grad is not None and fake[-1] == (False, True, True)
 
 
 def test_packed_sequences_use_seq_idx(fake):

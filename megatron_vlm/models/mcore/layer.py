@@ -84,6 +84,8 @@ not yet run on a GPU.
 """
 from __future__ import annotations
 
+import importlib.util
+import logging
 import re
 from typing import Optional
 
@@ -93,6 +95,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 
 from megatron_vlm import kernels
+from megatron_vlm.kernels.availability import import_error
 from megatron_vlm.models.common.attention import attend
 from megatron_vlm.models.common.decoder import DecoderLayer
 from megatron_vlm.models.common.lora import LORA_KEY_PARTS, LoRAAdapter, lora_modules
@@ -106,6 +109,7 @@ from megatron_vlm.parallel.tensor_parallel import check_tp_sizes
 __all__ = ["McoreDecoderLayer", "McoreBackendError", "use_mcore_layers", "native_state_dict", "check_mcore_model",
            "ensure_parallel_state"]
 
+logger = logging.getLogger(__name__)
 _WRAPPED = re.compile(r"^(?P<pre>.*\blayers\.(?P<i>\d+)\.)mcore\.(?P<name>.+)$")
 
 
@@ -263,19 +267,23 @@ def _moe_fields(mlp: nn.Module) -> dict:
 
 
 def _layer_spec(qk_layernorm: bool, *, local: bool = False):
-    """Transformer Engine's spec when TE imports (fused norm + linear), megatron-core's local one otherwise
-    (and with `local`: LoRA adapters read the normed input, which TE's fused norm + linear keeps inside)."""
-    try:
-        if local:
-            raise ImportError
-        import transformer_engine  # noqa: F401
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    """Transformer Engine's spec when `transformer_engine.pytorch` imports (fused norm + linear), megatron-core's
+    local one otherwise (and with `local`: LoRA adapters read the normed input, which TE's fused norm + linear
+    keeps inside). A TE that is installed but does not load (built for another torch) is named in the log, once."""
+    from megatron.core.models.gpt import gpt_layer_specs
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm), True
-    except ImportError:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    if not local and importlib.util.find_spec("transformer_engine") is not None:
+        error = import_error("transformer_engine.pytorch")
+        if error is None:
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm), True
+        if error not in _TE_LOGGED:
+            _TE_LOGGED.add(error)
+            logger.warning("parallel.backend = 'mcore': Transformer Engine is installed but does not import (%s); "
+                           "megatron-core's local layer spec is used", error)
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm), False
 
-        return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm), False
+
+_TE_LOGGED: set = set()
 
 
 class McoreDecoderLayer(nn.Module):

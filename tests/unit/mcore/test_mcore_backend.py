@@ -112,3 +112,28 @@ def test_config_refusals():
     with pytest.raises(ValueError, match=r"pp: pipeline parallelism \(pp = 2\).*ep = 2 must be 1"):  # as native
         ParallelConfig(backend="mcore", pp=2, ep=2).validate()  # tp / cp: test_mcore_tp_shard.py
     ParallelConfig(backend="mcore", dp_shard=2).validate()  # data parallelism is fine
+
+
+def test_a_transformer_engine_that_does_not_import_gives_the_local_spec_and_says_why(tmp_path, monkeypatch, caplog):
+    """TE installed (found on the path) but built for another torch: its `pytorch` module fails to load. The
+    layers are built from megatron-core's local spec, and the warning names the import error (once)."""
+    import logging
+    import sys
+
+    from megatron_vlm.models.mcore import layer as mcore_layer
+
+    pkg = tmp_path / "transformer_engine"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "pytorch.py").write_text("raise ImportError('transformer_engine_torch.so: undefined symbol: _ZN2at4_ops')")
+    for name in [n for n in sys.modules if n.startswith("transformer_engine")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(mcore_layer, "_TE_LOGGED", set())
+    with caplog.at_level(logging.WARNING, logger=mcore_layer.__name__):
+        for _ in range(2):
+            spec, te_fused = mcore_layer._layer_spec(qk_layernorm=False)
+            assert te_fused is False
+            assert "TENorm" not in repr(spec) and "TELayerNorm" not in repr(spec)
+    warnings = [r.getMessage() for r in caplog.records if "Transformer Engine" in r.getMessage()]
+    assert len(warnings) == 1 and "undefined symbol" in warnings[0] and "local layer spec" in warnings[0]

@@ -7,6 +7,11 @@ final_states_out, activation)` and, for decoding steps, `causal_conv1d_update`. 
 constraints, and what the adapter does about them:
 
 - widths 2 to 4 only -> other widths run the reference (logged once);
+- its channel-last kernels (the only ones that take seq_idx or states) need D % 8 == 0 and x's batch / time
+  strides multiples of 8 -> x is copied into that layout when it is not in it (the Mamba2 mixer's xBC view
+  often is not), and calls with seq_idx or states and D % 8 != 0 run the reference (logged once); plain calls
+  take an aligned channel-last x as it is and anything else channel-first;
+- bias in the weight's dtype (checked there) -> cast;
 - packed sequences are given as `seq_idx` `[B, T]` int32 (the sequence index of every token) with x in
   channel-last memory (stride 1 over channels) -> built from `cu_seqlens`, x re-strided;
 - `seq_idx` cannot be combined with `initial_states` or `return_final_states` -> packed calls that need a
@@ -38,9 +43,25 @@ def _fallback(reason: str, *args, **kwargs):
     return reference.causal_conv1d(*args, **kwargs)
 
 
+_ALIGN = 8  # the package's channel-last kernels check that D and x's batch / time strides are multiples of 8
+
+
+def _aligned_channel_last(x: torch.Tensor) -> bool:
+    return x.stride(1) == 1 and x.stride(2) % _ALIGN == 0 and x.stride(0) % _ALIGN == 0
+
+
 def _channel_last(x: torch.Tensor) -> torch.Tensor:
-    """[B, D, T] with stride 1 over D (the package's channel-last layout), same values."""
-    return x if x.stride(1) == 1 else x.transpose(1, 2).contiguous().transpose(1, 2)
+    """[B, D, T] in the package's channel-last layout (stride 1 over D, batch and time strides multiples of 8:
+    its kernels refuse others), same values: x itself when it already is, else a copy. The Mamba2 mixer's xBC
+    is a channel-last view whose time stride is the whole in_proj width, often not a multiple of 8. D % 8 == 0
+    is checked by `causal_conv1d` before."""
+    return x if _aligned_channel_last(x) else x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _plain_layout(x: torch.Tensor) -> torch.Tensor:
+    """For a call without seq_idx or states: an aligned channel-last x as it is, else channel-first (stride 1
+    over T: no alignment rule), copying only when x is neither."""
+    return x if _aligned_channel_last(x) or x.stride(2) == 1 else x.contiguous()
 
 
 def _records_grad(*tensors) -> bool:
@@ -87,9 +108,15 @@ def causal_conv1d(
     if cu_seqlens is not None and (initial_state is not None or return_final_state):
         return _fallback("packed sequences with a conv state (the package's seq_idx excludes states)", *args, **kwargs)
     reference._check_inputs(x, weight, bias, activation)
+    if bias is not None and bias.dtype != weight.dtype:  # the package checks that they match
+        bias = bias.to(weight.dtype)
     if (initial_state is not None and return_final_state and cu_seqlens is None and x.shape[-1] == 1
             and not _records_grad(x, weight, bias, initial_state)):
-        return _decode_step(x, weight, bias, initial_state, activation)
+        return _decode_step(x, weight, bias, initial_state, activation)  # any layout, any D
+    needs_channel_last = cu_seqlens is not None or initial_state is not None or return_final_state
+    if needs_channel_last and x.shape[1] % _ALIGN:
+        return _fallback(f"{x.shape[1]} channels with packed sequences or a conv state (the package's channel-last "
+                         f"kernels, which those need, take multiples of {_ALIGN})", *args, **kwargs)
     from causal_conv1d import causal_conv1d_fn
 
     if cu_seqlens is not None:
@@ -99,7 +126,7 @@ def causal_conv1d(
         return causal_conv1d_fn(_channel_last(x), weight, bias, seq_idx=seq_idx, activation=activation)
     if not return_final_state:
         state = None if initial_state is None else _channel_last(initial_state.to(x.dtype))
-        xin = x if state is None else _channel_last(x)
+        xin = _plain_layout(x) if state is None else _channel_last(x)
         return causal_conv1d_fn(xin, weight, bias, initial_states=state, activation=activation)
     state = None if initial_state is None else _channel_last(initial_state.to(x.dtype))
     out, final = causal_conv1d_fn(_channel_last(x), weight, bias, initial_states=state, return_final_states=True,

@@ -4,8 +4,10 @@ On the CPU (always): the adapter runs against a stand-in `causal_conv1d` module 
 package's documented interface — `causal_conv1d_fn(x [B, D, T], weight [D, W], bias, seq_idx [B, T] int32,
 initial_states [B, D, W-1], return_final_states, final_states_out, activation)`, widths 2-4, `seq_idx`
 only without states, final states only for channel-last x — computed token by token, and must give
-our reference's numbers (fallbacks included, and logged). On a GPU with the package installed
-(`gpu` marker): the real package against the reference.
+our reference's numbers (fallbacks included, and logged); it also makes the checks of the package's C++
+extension (csrc/causal_conv1d.cpp: the channel-last kernels' D % 8 == 0 and strides multiples of 8, states and
+seq_idx only channel-last, bias in the weight's dtype), so a call the real package would refuse fails here.
+On a GPU with the package installed: tests/gpu/test_gpu_thirdparty_causal_conv1d.py and the `gpu` test below.
 """
 from __future__ import annotations
 
@@ -29,12 +31,25 @@ def _fake_package():
         assert activation in (None, "silu", "swish")
         dim, width = weight.shape
         assert width in (2, 3, 4), "the package supports widths 2-4"
+        if x.stride(2) != 1 and x.stride(1) != 1:  # the Python wrapper's own fix-up
+            x = x.contiguous()
+        # the C++ extension's checks (csrc/causal_conv1d.cpp, causal_conv1d_fwd)
+        channel_last = x.stride(1) == 1 and x.stride(2) > 1
+        if channel_last:
+            assert dim % 8 == 0, "causal_conv1d only supports channel dimension divisible by 8 for now"
+            assert x.stride(2) % 8 == 0 and x.stride(0) % 8 == 0, "channel last layout requires strides multiples of 8"
+        if bias is not None:
+            assert bias.dtype == weight.dtype and bias.stride(-1) == 1 and bias.shape == (dim,)
         if seq_idx is not None:
-            assert seq_idx.dtype == torch.int32 and seq_idx.shape == (x.shape[0], x.shape[2])
+            assert seq_idx.dtype == torch.int32 and seq_idx.shape == (x.shape[0], x.shape[2]) and seq_idx.is_contiguous()
             assert initial_states is None and not return_final_states, "seq_idx excludes states"
-            assert x.stride(1) == 1, "seq_idx needs channel-last x"
+            assert channel_last, "seq_idx is only supported for channel last layout"
+        if initial_states is not None:
+            assert channel_last, "initial_states is only supported for channel last layout"
+            assert initial_states.dtype == x.dtype and initial_states.shape == (x.shape[0], dim, width - 1)
+            assert initial_states.stride(1) == 1
         if return_final_states:
-            assert x.stride(1) == 1, "final states only for channel-last x"
+            assert x.stride(1) == 1, "Only channel-last layout support returning final_states_out"
         calls.append((seq_idx is not None, initial_states is not None, return_final_states))
         batch, _, total = x.shape
         out = torch.zeros_like(x, dtype=torch.float64)
@@ -98,10 +113,10 @@ def _inputs(batch, dim, total, width, seed=0):
 
 @pytest.mark.parametrize("activation", [None, "silu"])
 def test_plain_and_stateful_calls_match_the_reference(fake, activation):
-    x, w, b = _inputs(2, 5, 7, 4)
+    x, w, b = _inputs(2, 8, 7, 4)
     torch.testing.assert_close(adapter.causal_conv1d(x, w, b, activation=activation),
                                reference(x, w, b, activation=activation))
-    state = torch.randn(2, 5, 3, dtype=torch.float64)
+    state = torch.randn(2, 8, 3, dtype=torch.float64)
     ours = adapter.causal_conv1d(x, w, b, activation=activation, initial_state=state, return_final_state=True)
     ref = reference(x, w, b, activation=activation, initial_state=state, return_final_state=True)
     torch.testing.assert_close(ours[0], ref[0])
@@ -115,9 +130,9 @@ def test_decoding_steps_use_the_update_kernel_and_leave_the_callers_state(fake, 
     """Token by token through `causal_conv1d_update` (no gradients): the outputs and the final state of the
     whole sequence at once; each step's input state is left as it was. A step that records gradients takes
     causal_conv1d_fn (the update has no backward)."""
-    x, w, b = _inputs(3, 5, 6, 4)
+    x, w, b = _inputs(3, 8, 6, 4)
     x = x.transpose(1, 2).contiguous().transpose(1, 2)  # channel-last, as the Mamba2 mixer passes it
-    state0 = torch.randn(3, 5, 3, dtype=torch.float64)
+    state0 = torch.randn(3, 8, 3, dtype=torch.float64)
     ref_out, ref_state = reference(x, w, b, activation=activation, initial_state=state0, return_final_state=True)
     state, outs = state0.float(), []
     with torch.no_grad():
@@ -125,7 +140,7 @@ def test_decoding_steps_use_the_update_kernel_and_leave_the_callers_state(fake, 
             before = state.clone()
             out, new = adapter.causal_conv1d(x[..., t:t + 1], w, b, activation=activation, initial_state=state,
                                              return_final_state=True)
-            assert torch.equal(state, before) and new.dtype == torch.float32 and out.shape == (3, 5, 1)
+            assert torch.equal(state, before) and new.dtype == torch.float32 and out.shape == (3, 8, 1)
             outs.append(out)
             state = new
     torch.testing.assert_close(torch.cat(outs, -1), ref_out, rtol=1e-6, atol=1e-6)  # the state travels in fp32
@@ -139,11 +154,49 @@ def test_decoding_steps_use_the_update_kernel_and_leave_the_callers_state(fake, 
 
 
 def test_packed_sequences_use_seq_idx(fake):
-    x, w, b = _inputs(1, 3, 9, 3)
+    x, w, b = _inputs(1, 16, 9, 3)
     cu = torch.tensor([0, 2, 6, 9])
     torch.testing.assert_close(adapter.causal_conv1d(x, w, b, cu_seqlens=cu), reference(x, w, b, cu_seqlens=cu))
     assert fake == [(True, False, False)]
     assert adapter.seq_idx_from_cu_seqlens(cu, 9).tolist() == [[0, 0, 1, 1, 1, 1, 2, 2, 2]]
+
+
+def test_the_mixers_channel_last_view_is_realigned_for_the_package(fake):
+    """The Mamba2 mixer passes xBC as a view of its in_proj output: stride 1 over channels but a time stride of the
+    whole projection width (here 8 + 8 + 3 = 19, not a multiple of 8), which the package's channel-last kernels
+    refuse: the adapter copies it (the stand-in makes the package's checks)."""
+    g = torch.Generator().manual_seed(5)
+    proj = torch.randn(2, 9, 19, generator=g, dtype=torch.float64)
+    x = proj[..., 8:16].transpose(1, 2)  # [2, 8, 9], strides (171, 1, 19)
+    _, w, b = _inputs(2, 8, 9, 4)
+    assert x.stride() == (171, 1, 19)
+    state = torch.randn(2, 8, 3, dtype=torch.float64)
+    torch.testing.assert_close(adapter.causal_conv1d(x, w, b), reference(x, w, b))
+    ours = adapter.causal_conv1d(x, w, b, initial_state=state, return_final_state=True)
+    ref = reference(x, w, b, initial_state=state, return_final_state=True)
+    torch.testing.assert_close(ours[0], ref[0])
+    torch.testing.assert_close(ours[1], ref[1].float())
+    packed = adapter.causal_conv1d(x[:1], w, b, cu_seqlens=torch.tensor([0, 4, 9]))
+    torch.testing.assert_close(packed, reference(x[:1], w, b, cu_seqlens=torch.tensor([0, 4, 9])))
+    assert fake == [(False, False, False), (False, True, True), (True, False, False)]
+
+
+def test_channels_not_a_multiple_of_8_run_channel_first_or_the_reference(fake, caplog):
+    """D = 5: a plain call goes to the package channel-first; calls that need its channel-last kernels (states,
+    seq_idx) run the reference, logged; a decoding step (the update kernel has no such rule) still uses it."""
+    x, w, b = _inputs(2, 5, 7, 4)
+    x = x.transpose(1, 2).contiguous().transpose(1, 2)  # channel-last, as the mixer passes it
+    state = torch.randn(2, 5, 3, dtype=torch.float64)
+    with caplog.at_level(logging.INFO, logger="megatron_vlm.kernels"):
+        plain = adapter.causal_conv1d(x, w, b)
+        stateful = adapter.causal_conv1d(x, w, b, initial_state=state, return_final_state=True)
+        with torch.no_grad():
+            step = adapter.causal_conv1d(x[..., :1], w, b, initial_state=state, return_final_state=True)
+    torch.testing.assert_close(plain, reference(x, w, b))
+    torch.testing.assert_close(stateful[0], reference(x, w, b, initial_state=state, return_final_state=True)[0])
+    torch.testing.assert_close(step[0], reference(x[..., :1], w, b, initial_state=state, return_final_state=True)[0])
+    assert fake == [(False, False, False), "update"]
+    assert "5 channels" in caplog.text
 
 
 def test_unsupported_calls_fall_back_to_the_reference_and_say_why(fake, caplog):

@@ -143,3 +143,25 @@ def test_decoding_steps_follow_the_scan(real_kernels, per_channel_d):
         y_ref, final_ref = reference.ssd_chunk_scan(x, dt, A, B, C, chunk_size=4, return_final_states=True, **extra)
     _close(torch.stack(ys, 1), y_ref)
     _close(state, final_ref)
+
+
+def test_the_mixers_strided_views(real_kernels):
+    """x, B, C as the Mamba2 mixer passes them: views of one conv output split along its last dim, so their time
+    strides are the whole conv width; dt a view of the in_proj output. Forward and gradients."""
+    g = torch.Generator().manual_seed(7)
+    heads, headdim, groups, dstate, total = 4, 8, 2, 16, 23
+    inner, gn = heads * headdim, groups * dstate
+    xbc = torch.randn(2, total, inner + 2 * gn, generator=g).requires_grad_(True)
+    proj = torch.randn(2, total, 3 + heads, generator=g).requires_grad_(True)
+    xs, B, C = xbc.split([inner, gn, gn], -1)
+    args = (xs.reshape(2, total, heads, headdim), proj[..., 3:], -torch.rand(heads, generator=g) - 0.1,
+            (B * 0.3).reshape(2, total, groups, dstate), (C * 0.3).reshape(2, total, groups, dstate))
+    assert not args[0].is_contiguous() and not args[1].is_contiguous()
+    kw = dict(chunk_size=8, D=torch.randn(heads, generator=g), dt_bias=torch.randn(heads, generator=g) * 0.3)
+    y = adapter.ssd_chunk_scan(*args, **kw)
+    y_ref = reference.ssd_chunk_scan(*args, **kw)
+    _close(y, y_ref)
+    w = torch.randn_like(y)
+    ours = torch.autograd.grad((y * w).sum(), [xbc, proj], retain_graph=True)  # the split views' graph is shared
+    for a, b in zip(ours, torch.autograd.grad((y_ref * w).sum(), [xbc, proj])):
+        _close(a, b)

@@ -15,7 +15,9 @@ once per reason):
   reference;
 - `selective_state_update` takes per-channel parameters: A `[H, P, N]`, dt `[B, H, P]`, dt_bias and D
   `[H, P]` — ours are per head, so they are expanded (stride-0 views, no copy, as mamba-ssm's own Mamba2
-  decoding step does); it has no `dt_limit` clamp -> a call with a limit runs the reference;
+  decoding step does); it has no `dt_limit` clamp -> with a limit (Nemotron-H's (time_step_min, inf)) dt is
+  discretised here (dt + dt_bias, softplus, clamp, in fp32: the reference's `_discretize_dt`) and passed
+  without bias or softplus;
 - dtypes fp32 / fp16 / bf16; final states are returned in fp32 as the reference does.
 
 Tested on the CPU against stand-ins of these two functions (tests/unit/kernels/test_thirdparty_mamba_ssm.py) and
@@ -111,15 +113,23 @@ def ssd_state_update(
     dt_limit: Sequence[float] = _NO_LIMIT,
 ) -> torch.Tensor:
     """Public-signature decoding step on `selective_state_update` (updates `state` in place)."""
-    if tuple(float(v) for v in dt_limit) != _NO_LIMIT:
-        return _fallback("ssd_state_update", "dt_limit (selective_state_update does not clamp dt)")(
-            state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
     from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+
+    if tuple(float(v) for v in dt_limit) != _NO_LIMIT:
+        # the kernel has no clamp: dt is discretised here as the reference does it (dt + dt_bias, softplus, clamp;
+        # fp32, [B, H]) and handed over as final (no bias, no softplus), which the kernel then uses as is
+        dt = reference._discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
+        dt_bias, dt_softplus = None, False
 
     batch, heads, headdim = x.shape
     dstate = state.shape[-1]
+    # D and dt_bias are given even when absent (zeros: exact): mamba-ssm 2.3's wrapper reads dt_bias.stride() and
+    # unpacks D's strides without a None check, so None fails there (found running its code in the interpreter)
+    zeros = torch.zeros(heads, device=x.device, dtype=torch.float32)
+    D = zeros if D is None else D
+    dt_bias = zeros if dt_bias is None else dt_bias
     return selective_state_update(
         state, x, dt[:, :, None].expand(batch, heads, headdim), A[:, None, None].expand(heads, headdim, dstate), B, C,
-        D=None if D is None else (D[:, None].expand(heads, headdim) if D.dim() == 1 else D), z=z,
-        dt_bias=None if dt_bias is None else dt_bias[:, None].expand(heads, headdim), dt_softplus=dt_softplus,
+        D=D[:, None].expand(heads, headdim) if D.dim() == 1 else D, z=z,
+        dt_bias=dt_bias[:, None].expand(heads, headdim), dt_softplus=dt_softplus,
     )

@@ -74,8 +74,9 @@ def _fake_package(calls):
         batch, heads, headdim, dstate = state.shape
         assert x.shape == dt.shape == (batch, heads, headdim) and A.shape == (heads, headdim, dstate)
         assert B.shape == C.shape and B.shape[0] == batch and B.shape[2] == dstate
-        assert D is None or D.shape == (heads, headdim)
-        assert dt_bias is None or dt_bias.shape == (heads, headdim)
+        # mamba-ssm 2.3.2's wrapper reads dt_bias.stride() and unpacks D's strides with no None check
+        assert D is not None and dt_bias is not None, "selective_state_update fails on D / dt_bias = None"
+        assert D.shape == (heads, headdim) and dt_bias.shape == (heads, headdim)
         calls.append(("update",))
         rep = heads // B.shape[1]
         dtd = _discretize(dt, dt_bias, dt_softplus, (0.0, math.inf))
@@ -184,13 +185,22 @@ def test_state_update_matches_the_reference_in_place(fake, per_channel_d):
     assert fake == [("update",)]
 
 
-def test_state_update_with_dt_limit_falls_back(fake, caplog):
-    state = torch.zeros(1, 2, 2, 3)
-    args = (torch.ones(1, 2, 2), torch.ones(1, 2), -torch.ones(2), torch.ones(1, 1, 3), torch.ones(1, 1, 3))
-    with caplog.at_level(logging.INFO, logger="megatron_vlm.kernels"):
-        y = adapter.ssd_state_update(state, *args, dt_limit=(0.0, 0.5))
-    torch.testing.assert_close(y, reference.ssd_state_update(torch.zeros(1, 2, 2, 3), *args, dt_limit=(0.0, 0.5)))
-    assert fake == [] and "dt_limit" in caplog.text
+@pytest.mark.parametrize("dt_limit", [(0.0, 0.5), (0.9, math.inf)])
+def test_state_update_with_dt_limit_discretises_dt_itself(fake, dt_limit):
+    """selective_state_update has no clamp: the adapter hands it dt already discretised (bias, softplus, clamp) —
+    the limits here bind (softplus(1 + 0.2) = 1.46 > 0.5; softplus(-1 + 0.2) = 0.37 < 0.9)."""
+    state = torch.randn(2, 2, 2, 3, dtype=torch.float64)
+    dt = torch.tensor([[1.0, -1.0], [0.5, -0.5]], dtype=torch.float64)
+    args = (torch.randn(2, 2, 2, dtype=torch.float64), dt, -torch.ones(2, dtype=torch.float64),
+            torch.randn(2, 1, 3, dtype=torch.float64), torch.randn(2, 1, 3, dtype=torch.float64))
+    kw = dict(dt_bias=torch.full((2,), 0.2, dtype=torch.float64), D=torch.ones(2, dtype=torch.float64), dt_limit=dt_limit)
+    ours_state, ref_state = state.clone(), state.clone()
+    y = adapter.ssd_state_update(ours_state, *args, **kw)
+    torch.testing.assert_close(y, reference.ssd_state_update(ref_state, *args, **kw))
+    torch.testing.assert_close(ours_state, ref_state)
+    unclamped = reference.ssd_state_update(state.clone(), *args, **{**kw, "dt_limit": (0.0, math.inf)})
+    assert not torch.allclose(y, unclamped)
+    assert fake == [("update",)]
 
 
 def test_auto_picks_it_on_cuda_only(fake):
@@ -253,3 +263,16 @@ def test_forced_on_the_cpu_names_the_reason(installed, monkeypatch):
                 K.ssd_chunk_scan(x, dt, A, B, C, chunk_size=4)
     finally:
         DEFAULT_REGISTRY.clear_cache()
+
+
+def test_state_update_without_d_or_dt_bias(fake):
+    """No D and no dt_bias: the adapter passes zeros (mamba-ssm 2.3.2's wrapper fails on None there)."""
+    g = torch.Generator().manual_seed(4)
+    state = torch.randn(2, 4, 2, 3, generator=g, dtype=torch.float64)
+    args = (torch.randn(2, 4, 2, generator=g, dtype=torch.float64), torch.randn(2, 4, generator=g, dtype=torch.float64),
+            -torch.rand(4, generator=g, dtype=torch.float64), torch.randn(2, 2, 3, generator=g, dtype=torch.float64),
+            torch.randn(2, 2, 3, generator=g, dtype=torch.float64))
+    ours_state, ref_state = state.clone(), state.clone()
+    torch.testing.assert_close(adapter.ssd_state_update(ours_state, *args), reference.ssd_state_update(ref_state, *args))
+    torch.testing.assert_close(ours_state, ref_state)
+    assert fake == [("update",)]

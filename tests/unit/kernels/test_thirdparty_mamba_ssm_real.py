@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import types
 
 import pytest
@@ -123,21 +124,24 @@ def test_fp16_scan(real_kernels):
     _close(y.float(), y_ref.float(), rtol=2e-3)
 
 
-@pytest.mark.parametrize("per_channel_d", [False, True])
-def test_decoding_steps_follow_the_scan(real_kernels, per_channel_d):
+@pytest.mark.parametrize("per_channel_d,dt_limit", [(False, (0.0, math.inf)), (True, (0.0, math.inf)),
+                                                    (False, (0.6, math.inf)), (False, (0.0, 0.7))])
+def test_decoding_steps_follow_the_scan(real_kernels, per_channel_d, dt_limit):
     """Token-by-token `selective_state_update` (per-head dt / A / dt_bias expanded per channel by the adapter)
-    gives the scan's outputs and leaves its final state in place."""
+    gives the scan's outputs and leaves its final state in place; with a dt clamp (Nemotron-H's is
+    (time_step_min, inf)), which the adapter applies itself, the scan's clamped outputs."""
     (x, dt, A, B, C), extra = _inputs(3, 6)
+    extra["dt_limit"] = dt_limit
     if per_channel_d:
         extra["D"] = extra["D"][:, None].repeat(1, 8) + torch.linspace(0, 0.5, 8)
     state = torch.zeros(3, 4, 8, 16)
     ys = [adapter.ssd_state_update(state, x[:, t], dt[:, t], A, B[:, t], C[:, t], D=extra["D"], z=extra["z"][:, t],
-                                   dt_bias=extra["dt_bias"]) for t in range(6)]
+                                   dt_bias=extra["dt_bias"], dt_limit=dt_limit) for t in range(6)]
     if per_channel_d:  # the scan takes D per head only: the reference's single step is the yardstick
         ref_state, ref = torch.zeros(3, 4, 8, 16), []
         for t in range(6):
             ref.append(reference.ssd_state_update(ref_state, x[:, t], dt[:, t], A, B[:, t], C[:, t], D=extra["D"],
-                                                  z=extra["z"][:, t], dt_bias=extra["dt_bias"]))
+                                                  z=extra["z"][:, t], dt_bias=extra["dt_bias"], dt_limit=dt_limit))
         y_ref, final_ref = torch.stack(ref, 1), ref_state
     else:
         y_ref, final_ref = reference.ssd_chunk_scan(x, dt, A, B, C, chunk_size=4, return_final_states=True, **extra)
@@ -164,4 +168,67 @@ def test_the_mixers_strided_views(real_kernels):
     w = torch.randn_like(y)
     ours = torch.autograd.grad((y * w).sum(), [xbc, proj], retain_graph=True)  # the split views' graph is shared
     for a, b in zip(ours, torch.autograd.grad((y_ref * w).sum(), [xbc, proj])):
+        _close(a, b)
+
+
+def test_decoding_step_without_d_or_dt_bias(real_kernels):
+    (x, dt, A, B, C), _ = _inputs(2, 1)
+    state = torch.randn(2, 4, 8, 16) * 0.1
+    ref_state = state.clone()
+    y = adapter.ssd_state_update(state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0])
+    _close(y, reference.ssd_state_update(ref_state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0]))
+    _close(state, ref_state)
+
+
+@pytest.fixture
+def mamba_ssm_backend(real_kernels, monkeypatch):
+    """The adapter as a backend the CPU may run (the registered one checks for CUDA), for this test only."""
+    from megatron_vlm.kernels.registry import DEFAULT_REGISTRY, Backend
+
+    for op in ("ssd_chunk_scan", "ssd_state_update"):
+        monkeypatch.setitem(DEFAULT_REGISTRY.backends[op], "mamba_ssm_interpreted",
+                            Backend("mamba_ssm_interpreted", f"megatron_vlm.kernels.thirdparty.mamba_ssm:{op}"))
+    DEFAULT_REGISTRY.clear_cache()
+    yield {"ssd_chunk_scan": "mamba_ssm_interpreted", "ssd_state_update": "mamba_ssm_interpreted"}
+    DEFAULT_REGISTRY.clear_cache()
+
+
+def test_a_nemotron_h_mixer_on_the_real_kernels(mamba_ssm_backend):
+    """Our Mamba2 mixer (Nemotron-H's; dt clamped below at time_step_min) with its SSD ops on mamba-ssm's kernels
+    through the registry, against the same mixer on the torch references: a left-padded batch, a packed batch and
+    its parameter gradients, and decoding (a prefill, then one token per step) with its states."""
+    from megatron_vlm import kernels
+    from megatron_vlm.models.common.mamba2 import Mamba2Mixer, Mamba2State
+
+    torch.manual_seed(0)
+    mixer = Mamba2Mixer(32, num_heads=4, head_dim=8, state_size=16, n_groups=2, chunk_size=8, time_step_min=0.05)
+    with torch.no_grad():
+        mixer.dt_bias.uniform_(-2.0, 0.5)  # softplus(dt + dt_bias) falls under time_step_min for some tokens
+    torch_ops = {"ssd_chunk_scan": "torch", "ssd_state_update": "torch"}
+    x = torch.randn(2, 13, 32)
+    mask = torch.ones(2, 13, dtype=torch.bool)
+    mask[1, :4] = False
+
+    def run(ops):
+        with kernels.use_backends(ops):
+            batched = mixer(x, attention_mask=mask)
+            packed = mixer(x.reshape(1, 26, 32), cu_seqlens=torch.tensor([0, 9, 26], dtype=torch.int32))
+            grads = torch.autograd.grad(packed.square().sum(), [mixer.in_proj.weight, mixer.A_log, mixer.dt_bias, mixer.D])
+            state = Mamba2State.zeros(mixer, 2)
+            with torch.no_grad():
+                steps = [mixer(x[:, :5], state=state)] + [mixer(x[:, t:t + 1], state=state) for t in range(5, 8)]
+            return batched, packed, grads, torch.cat(steps, 1), state
+
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:  # count the package's calls: nothing may fall back to the reference
+        for module, name in (("ssd_combined", "mamba_chunk_scan_combined"), ("selective_state_update", "selective_state_update")):
+            mod = importlib.import_module(f"mamba_ssm.ops.triton.{module}")
+            fn = getattr(mod, name)
+            mp.setattr(mod, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
+        adapter._logged.clear()
+        ours = run(mamba_ssm_backend)
+    assert calls == ["mamba_chunk_scan_combined"] * 3 + ["selective_state_update"] * 3 and not adapter._logged
+    ref = run(torch_ops)
+    for a, b in zip([*ours[:2], *ours[2], ours[3], ours[4].conv_state, ours[4].ssm_state],
+                    [*ref[:2], *ref[2], ref[3], ref[4].conv_state, ref[4].ssm_state]):
         _close(a, b)

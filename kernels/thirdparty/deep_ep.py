@@ -6,8 +6,8 @@ Op `moe_ep_dispatch` (`[kernels] moe_ep_dispatch`): the forward of an expert-par
 -> (combined [N, hidden], tokens_per_expert [E])`. The `torch` backend is our two `all_to_all_single`s
 over (token, expert) copies; this one sends each token once per destination rank with DeepEP:
 
-1. `Buffer.get_dispatch_layout(topk_idx int64 [N, k], E)` -> tokens per rank / per expert and
-   `is_token_in_rank [N, ep]`, from our router's top-k ids (cast to int64; DeepEP's `topk_idx_t`).
+1. `Buffer.get_dispatch_layout(topk_idx [N, k], E)` -> tokens per rank / per expert and
+   `is_token_in_rank [N, ep]`, from our router's top-k ids (cast to DeepEP's `topk_idx_t`, int64 by default).
 2. `Buffer.dispatch(x, num_tokens_per_rank=, is_token_in_rank=, num_tokens_per_expert=, topk_idx=,
    topk_weights= fp32)` -> the tokens this rank received, their top-k ids already local (expert id
    minus rank * E/ep, -1 where the expert lives elsewhere) and weights, and a handle.
@@ -19,12 +19,27 @@ over (token, expert) copies; this one sends each token once per destination rank
 Autograd (DeepEP has none): dispatch's backward is `combine(grad_x, handle, topk_weights=grad_w)`,
 combine's backward is `dispatch(grad, handle=handle)`, as megatron-core wraps them.
 
-Documented constraints and what happens: x must be bf16 (DeepEP's normal-mode dispatch / combine),
-other dtypes -> the `torch` all-to-all (logged once); the EP size must be one of DeepEP's tuned
-configs (`Buffer.get_dispatch_config`: 2, 4, 8, 16, ...) -> otherwise the `torch` path (logged);
-intranode needs NVLink between the ranks (DeepEP asserts); torch's deterministic algorithms together with
-`fill_uninitialized_memory` are refused by DeepEP -> the `torch` path (logged). One `Buffer` per process group, sized by
-DeepEP's own `get_nvl_buffer_size_hint` for the largest hidden size seen, kept for the run.
+What DeepEP checks (read in deepseek-ai/DeepEP main, 2.1.0: `deep_ep/buffers/legacy.py` `Buffer`,
+`csrc/legacy/buffer.hpp` `get_dispatch_layout` / `intranode_dispatch` / `intranode_combine`, the kernels in
+`csrc/kernels/legacy/intranode.cu` and `launch.cuh`; 1.x has the same checks in `deep_ep/buffer.py` and
+`csrc/deep_ep.cpp`), and what the adapter does. Every decision depends only on things all EP ranks share
+(dtype, sizes, config, the package build), never on a rank's token count, so all ranks take the same path:
+
+- x bf16 (combine's kernel is built for bf16 only) -> other dtypes run the `torch` all-to-all (logged once);
+- EP size 2, 4 or 8: the intranode kernels are built for those (`SWITCH_RANKS`); larger groups go internode
+  inside `Buffer.dispatch`, which needs an RDMA (NVSHMEM) buffer this adapter does not allocate -> `torch` (logged);
+- torch deterministic algorithms together with `fill_uninitialized_memory` (asserted by dispatch / combine) -> `torch`;
+- top-k <= 32 (device asserts of the dispatch and combine kernels) -> more runs `torch` (logged);
+- at most 128 local experts (`notify_dispatch`: experts per rank <= its 128 threads; E % ep == 0 is `apply_ep`'s) -> `torch`;
+- a row of x a multiple of 16 bytes (`hidden * 2 % 16`, host assert) and, on SM90 builds (`Buffer.is_sm90_compiled()`),
+  an even number of 16-byte units whose half plus 8 bytes fits the dispatch kernel's 8192-byte TMA buffer: bf16
+  hidden a multiple of 16 and <= 8176 (a device trap otherwise, DeepEP issue #722) -> other sizes run `torch` (logged);
+- PCIe GPUs: `Buffer` asserts at most 2 ranks -> more run `torch` (logged); the pairwise NVLink check DeepEP then
+  makes for 2 PCIe ranks (pynvml) is left to DeepEP's own assert;
+- top-k ids in `deep_ep.topk_idx_t` (int64 unless DeepEP was built with `EP_NUM_TOPK_IDX_BITS=32`) -> cast to it;
+  top-k weights fp32, x / weights / gradients contiguous -> cast / made contiguous.
+One `Buffer(group, num_nvl_bytes, 0)` per process group, sized by DeepEP's own `get_nvl_buffer_size_hint` (it
+covers up to 128 top-k slots and 128 scales per token) for the largest hidden size seen, kept for the run.
 """
 from __future__ import annotations
 
@@ -37,7 +52,12 @@ logger = logging.getLogger("megatron_vlm.kernels")
 _logged: set = set()
 _BUFFERS: Dict[object, Tuple[object, int]] = {}  # process group -> (Buffer, nvl bytes)
 DTYPES = (torch.bfloat16,)  # what DeepEP's normal-mode dispatch / combine take
-_TUNED_SIZES = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
+# Group sizes DeepEP's intranode kernels are built for (csrc/kernels/legacy/launch.cuh SWITCH_RANKS); its tuned
+# configs (Buffer.get_dispatch_config) also cover 16-160, but those go internode (RDMA buffer, NVSHMEM)
+INTRANODE_SIZES = (2, 4, 8)
+MAX_TOPK = 32  # intranode.cu dispatch / combine kernels: EP_DEVICE_ASSERT(num_topk <= 32)
+MAX_LOCAL_EXPERTS = 128  # intranode.cu notify_dispatch: num_experts / num_ranks <= kNumThreads (128)
+_TMA_BYTES_PER_WARP = 8192  # intranode.cu dispatch: kNumTMABytesPerWarp, holds half a row plus an 8-byte mbarrier
 
 
 def _log_once(reason: str) -> None:
@@ -50,6 +70,25 @@ def _log_start() -> None:
     if "start" not in _logged:
         _logged.add("start")
         logger.info("moe_ep_dispatch: DeepEP dispatch / combine (experimental: not yet run on a GPU)")
+
+
+def hidden_refusal(hidden: int, element_size: int, sm90: bool = True):
+    """Why DeepEP's intranode dispatch / combine would refuse rows of `hidden` elements of `element_size` bytes,
+    or None: `intranode_dispatch` / `intranode_combine` assert `hidden * element_size % sizeof(int4) == 0`; on
+    SM90 builds the dispatch kernel copies each row as two halves through its per-warp TMA buffer and traps
+    unless the row is an even number of int4 and half of it plus the 8-byte mbarrier fits 8192 bytes."""
+    row = hidden * element_size
+    if row % 16:
+        return f"hidden size {hidden}: a row of {row} bytes is not a multiple of 16 (DeepEP asserts it)"
+    half = row // 16 // 2 * 16
+    if sm90 and ((row // 16) % 2 or half + 8 > _TMA_BYTES_PER_WARP):
+        return (f"hidden size {hidden}: DeepEP's SM90 dispatch kernel stages half a row (of {row} bytes) plus 8 bytes in "
+                f"{_TMA_BYTES_PER_WARP} bytes and needs an even number of 16-byte units (it traps otherwise)")
+    return None
+
+
+def _device_name(x: torch.Tensor) -> str:
+    return torch.cuda.get_device_name(x.device) if x.is_cuda else ""
 
 
 def dispatch_layout(topk_ids: torch.Tensor, num_experts: int, ep: int):
@@ -66,10 +105,9 @@ def dispatch_layout(topk_ids: torch.Tensor, num_experts: int, ep: int):
     return in_rank.sum(0).to(torch.int32), per_expert, in_rank
 
 
-def _buffer(group, hidden_bytes: int):
+def _buffer(group, ep: int, hidden_bytes: int):
     import deep_ep
 
-    ep = torch.distributed.get_world_size(group)
     nvl = max(deep_ep.Buffer.get_dispatch_config(ep).get_nvl_buffer_size_hint(hidden_bytes, ep),
               deep_ep.Buffer.get_combine_config(ep).get_nvl_buffer_size_hint(hidden_bytes, ep))
     cached = _BUFFERS.get(group)
@@ -129,23 +167,47 @@ def _local_experts(experts, recv_x: torch.Tensor, recv_idx: torch.Tensor, recv_w
     return kernels.moe_unpermute(padded, row_map, weights)
 
 
+def _refusal(experts, x: torch.Tensor, topk_ids: torch.Tensor):
+    """Why DeepEP would refuse this call (module docstring), or None. Only what every EP rank shares is looked at
+    (a rank with no tokens decides as the others do), so that all ranks take the same path."""
+    ep = experts.ep_size
+    if x.dtype not in DTYPES:
+        return f"{x.dtype} activations (DeepEP dispatches and combines bf16 only)"
+    if ep not in INTRANODE_SIZES:
+        return (f"expert-parallel size {ep} (DeepEP's intranode kernels are built for {INTRANODE_SIZES}; larger "
+                "groups go internode, which needs an RDMA / NVSHMEM buffer this adapter does not set up)")
+    if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
+        return "torch deterministic algorithms with fill_uninitialized_memory (DeepEP asserts they are not both on)"
+    if topk_ids.shape[-1] > MAX_TOPK:
+        return f"top-k {topk_ids.shape[-1]} (DeepEP's dispatch / combine kernels take at most {MAX_TOPK})"
+    if experts.num_local_experts > MAX_LOCAL_EXPERTS:
+        return (f"{experts.num_local_experts} experts per rank (DeepEP's notify_dispatch takes at most "
+                f"{MAX_LOCAL_EXPERTS})")
+    import deep_ep
+
+    is_sm90 = getattr(deep_ep.Buffer, "is_sm90_compiled", None)
+    hidden = hidden_refusal(x.shape[-1], x.element_size(), True if is_sm90 is None else bool(is_sm90()))
+    if hidden is not None:
+        return hidden
+    if ep > 2 and "PCIE" in _device_name(x):
+        return f"expert-parallel size {ep} on PCIe GPUs (DeepEP's Buffer asserts at most 2: pairwise NVLink only)"
+    return None
+
+
 def ep_forward(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
     """Public-signature moe_ep_dispatch on DeepEP (contract: `parallel.expert_parallel.all_to_all_forward`)."""
     from megatron_vlm.parallel.expert_parallel import all_to_all_forward
 
     ep = experts.ep_size
-    if x.dtype not in DTYPES:
-        _log_once(f"{x.dtype} activations (DeepEP dispatches and combines bf16 only)")
+    reason = _refusal(experts, x, topk_ids)
+    if reason is not None:
+        _log_once(reason)
         return all_to_all_forward(experts, x, topk_ids, topk_weights)
-    if ep not in _TUNED_SIZES:
-        _log_once(f"expert-parallel size {ep} (DeepEP has tuned configs for {_TUNED_SIZES})")
-        return all_to_all_forward(experts, x, topk_ids, topk_weights)
-    if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
-        _log_once("torch deterministic algorithms with fill_uninitialized_memory (DeepEP asserts they are not both on)")
-        return all_to_all_forward(experts, x, topk_ids, topk_weights)
+    import deep_ep
+
     _log_start()
-    buffer = _buffer(experts.ep_group, x.shape[1] * x.element_size())
-    topk_idx = topk_ids.to(torch.int64)
+    buffer = _buffer(experts.ep_group, ep, x.shape[1] * x.element_size())
+    topk_idx = topk_ids.to(getattr(deep_ep, "topk_idx_t", torch.int64)).contiguous()
     per_rank, _rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, experts.num_experts)
     recv_x, recv_w, recv_idx, handle = _Dispatch.apply(
         x.contiguous(), topk_weights.float().contiguous(), topk_idx, per_rank, in_rank, per_expert, buffer,
@@ -156,4 +218,4 @@ def ep_forward(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     return combined, tokens_per_expert
 
 
-__all__: List[str] = ["dispatch_layout", "ep_forward"]
+__all__: List[str] = ["dispatch_layout", "ep_forward", "hidden_refusal"]

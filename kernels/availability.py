@@ -70,13 +70,18 @@ def cuda_package_check(package: str, dtypes: Tuple[torch.dtype, ...] = (), modul
             return f"tensor on {device_type}; {package} needs a cuda tensor"
         if dtypes and dtype not in dtypes:
             return f"{package} does not support {dtype} (needs one of {', '.join(str(d) for d in dtypes)})"
-        for module in modules or (package,):
-            error = import_error(module)
-            if error is not None:
-                return f"{package} is installed but {module} does not import ({error})"
-        return None
+        return _modules_error(package, modules)
 
     return check
+
+
+def _modules_error(package: str, modules: Tuple[str, ...]) -> Optional[str]:
+    """Why the first of `modules` (default: the package) that does not import fails, or None."""
+    for module in modules or (package,):
+        error = import_error(module)
+        if error is not None:
+            return f"{package} is installed but {module} does not import ({error})"
+    return None
 
 
 def triton_package_check(package: str, modules: Tuple[str, ...] = ()) -> Check:
@@ -87,12 +92,6 @@ def triton_package_check(package: str, modules: Tuple[str, ...] = ()) -> Check:
         if not _module_installed(package):
             return f"{package} is not installed"
         reason = triton_check(device_type, dtype)
-        if reason is not None:
-            return reason
-        for module in modules or (package,):
-            error = import_error(module)
-            if error is not None:
-                return f"{package} is installed but {module} does not import ({error})"
-        return None
+        return reason if reason is not None else _modules_error(package, modules)
 
     return check

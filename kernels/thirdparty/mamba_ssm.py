@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..reference import ssd as reference
-from .causal_conv1d import seq_idx_from_cu_seqlens
+from .causal_conv1d import _records_grad, seq_idx_from_cu_seqlens
 
 logger = logging.getLogger("megatron_vlm.kernels")
 logger.info("kernels: mamba-ssm backend loaded (experimental: not yet run on a GPU)")  # imported when first chosen
@@ -46,10 +46,6 @@ def _fallback(op: str, reason: str):
         _logged.add((op, reason))
         logger.info("%s: backend mamba_ssm falls back to the torch reference: %s", op, reason)
     return getattr(reference, op)
-
-
-def _records_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def ssd_chunk_scan(

@@ -85,6 +85,10 @@ def _fake_flash_attn(gpu):
         assert head_size % 8 == 0, "query, key, value, and out_ must have a head_size that is a multiple of 8"
         assert num_heads % num_heads_k == 0, "Number of heads in key/value must divide number of heads in query"
 
+    def unbound_beyond(left, right, seqlen_k):
+        # mha_fwd / mha_varlen_fwd: a window side >= seqlen_k (varlen: max_seqlen_k) becomes -1
+        return (-1 if left >= seqlen_k else left), (-1 if right >= seqlen_k else right)
+
     def set_params_window(left, right, seqlen_k):
         # set_params_fprop: a window bounded on one side only gets seqlen_k on the other
         if left < 0 and right >= 0:
@@ -106,10 +110,7 @@ def _fake_flash_attn(gpu):
         seqlen_k, num_heads_k = k.shape[1], k.shape[2]
         assert batch_size > 0, "batch size must be positive"
         head_checks(head_size, num_heads, num_heads_k)
-        if left >= seqlen_k:
-            left = -1
-        if right >= seqlen_k:
-            right = -1
+        left, right = unbound_beyond(left, right, seqlen_k)
         if seqlen_q == 1:
             causal = False  # "causal=true is the same as causal=false in this case"
         if causal:
@@ -150,10 +151,7 @@ def _fake_flash_attn(gpu):
             q.reshape(batch_size, num_heads_k, num_heads // num_heads_k, head_size)
         assert batch_size > 0, "batch size must be positive"
         head_checks(head_size, num_heads, num_heads_k)
-        if left >= max_seqlen_k:
-            left = -1
-        if right >= max_seqlen_k:
-            right = -1
+        left, right = unbound_beyond(left, right, max_seqlen_k)
         assert k.shape == (k.shape[0], num_heads_k, head_size) and v.shape == k.shape  # CHECK_SHAPE
         assert cu_seqlens_q.shape == (batch_size + 1,) and cu_seqlens_k.shape == (batch_size + 1,)
         left, right = set_params_window(left, right, max_seqlen_k)

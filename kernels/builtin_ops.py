@@ -98,6 +98,12 @@ def register_builtin_ops(registry) -> None:
     # torch's fused LayerNorm: our Triton layer_norm ran 0.68x / 0.97x its time (fwd / bwd) on an H100 at the
     # InternViT shape (bench_rms_norm, benchmarks/RESULTS.md, 2026-11-26)
     register("layer_norm", "torch_fused", "torch_fused.norms:layer_norm", auto_devices=("cuda",), priority=15)
+    # torch's flash varlen kernel for packed training attention: forced only until measured against our Triton
+    # varlen kernel on a GPU (benchmarks/kernels/bench_attention.py, "torch varlen_attn" rows)
+    from .torch_fused.varlen_attention import check as torch_varlen_check
+
+    register("attention", "torch_varlen", "torch_fused.varlen_attention:attention", check=torch_varlen_check,
+             auto_devices=(), priority=25)
     # MoE routing (reference/moe_routing.py) and the compiled backends of megatron_vlm._C (csrc/,
     # loaded lazily by megatron_vlm/_ext.py; its check says why it is unavailable when it is)
     register("moe_topk_gating", "torch", "reference.moe_routing:moe_topk_gating", auto_devices=everywhere)

@@ -6,14 +6,14 @@
 # cut short still returns what finished). Figures go to benchmarks/RESULTS.md by hand, with device and versions.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 MEGATRON_VLM_NO_EXT=1
+export PYTHONUNBUFFERED=1 MEGATRON_VLM_NO_EXT=1 PYTHONPATH=$PWD
 PY=python3
 OUTDIR=${OUT:-/tmp/out}
 R=/tmp/w3
 mkdir -p "$R" "$OUTDIR"
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
+    && export PYTHONPATH=/tmp/site:$PWD
 fi
 test -e megatron_vlm/kernels || ln -sfn ../kernels megatron_vlm/kernels
 START=$(date +%s)

@@ -90,11 +90,12 @@ def register_builtin_ops(registry) -> None:
 
     register("grouped_mm", "torch_grouped_mm", "torch_fused.grouped_mm:grouped_mm", check=grouped_mm_check,
              auto_devices=("cuda",), priority=15)
-    # rollout decoding over the slot / paged cache (kernels/triton/decode_attention.py): forced only. Its first
-    # version was 3.3x slower per decode step than the torch backend on an H100 (benchmarks/RESULTS.md,
-    # 2026-11-26); the split-K rewrite is not yet timed on a GPU (benchmarks/kernels/bench_decode_attention.py)
+    # rollout decoding over the slot / paged cache (kernels/triton/decode_attention.py, split-K flash decoding): auto on
+    # CUDA. Decode step of the Qwen2.5-VL-3B shape, 16 sequences x ~1.05k cached keys, bf16, NVIDIA H200
+    # (benchmarks/e2e/profile_decode.py, benchmarks/RESULTS.md, 2026-11-27): 5.92 ms median (5.01 min) with CUDA
+    # graphs vs 7.61 (7.38) for the torch backend (gather + SDPA); eager steps 33.5 vs 35.9 ms (host-bound both)
     register("decode_attention", "triton", "triton.decode_attention:decode_attention", check=triton_check,
-             auto_devices=(), priority=10)
+             auto_devices=("cuda",), priority=10)
     # torch's fused LayerNorm: our Triton layer_norm ran 0.68x / 0.97x its time (fwd / bwd) on an H100 at the
     # InternViT shape (bench_rms_norm, benchmarks/RESULTS.md, 2026-11-26)
     register("layer_norm", "torch_fused", "torch_fused.norms:layer_norm", auto_devices=("cuda",), priority=15)

@@ -84,22 +84,10 @@ def matmul_peak_tflops(device: torch.device, quick: bool) -> float:
     return 2 * n**3 / min(times) / 1e12
 
 
-KERNEL_CATEGORIES = [  # first match wins; kernel names of cuBLAS / CUTLASS / Triton / ATen on Hopper
-    ("attention", r"attn|attention|fmha|flash"),
-    ("gemm", r"gemm|nvjet|xmma|cutlass|sm90|matmul|_mm_|splitk"),
-    ("optimizer", r"adam|multi_tensor|foreach"),
-    ("norm / rotary / swiglu (ours)", r"rms|rotary|swiglu|layer_norm|_norm"),
-    ("logprobs / loss", r"logprob|log_softmax|cross_entropy|logsumexp"),
-    ("copies / casts", r"copy|cast|memcpy|memset|fill"),
-    ("reductions", r"reduce|sum|norm"),
-]
-
-
 def profile_step(step, device: torch.device, path: Path) -> None:
     """One step under torch.profiler: device time by kernel (top 40) and by category, and the step's wall time,
     so that `1 - kernel time / wall time` is the share of the step the GPU waited on the host."""
-    import re
-
+    from kernel_table import categories, kernel_rows
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -111,18 +99,9 @@ def profile_step(step, device: torch.device, path: Path) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1e3
-    rows = []
-    for e in prof.key_averages():
-        us = (getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)) if device.type == "cuda" \
-            else e.self_cpu_time_total
-        if us > 0 and (device.type != "cuda" or e.device_type.name == "CUDA"):
-            rows.append({"name": e.key[:120], "calls": e.count, "ms": us / 1e3})
-    rows.sort(key=lambda r: -r["ms"])
+    rows = kernel_rows(prof, device.type)
     kernel_ms = sum(r["ms"] for r in rows)
-    cats: dict[str, float] = {}
-    for r in rows:
-        cat = next((c for c, pat in KERNEL_CATEGORIES if re.search(pat, r["name"], re.I)), "other")
-        cats[cat] = cats.get(cat, 0.0) + r["ms"]
+    cats = categories(rows)
     out = {"wall_ms": wall_ms, "kernel_ms": kernel_ms, "device_busy": kernel_ms / wall_ms,
            "categories": {c: {"ms": ms, "share_of_kernels": ms / kernel_ms} for c, ms in sorted(cats.items(), key=lambda x: -x[1])},
            "kernels": rows[:40]}

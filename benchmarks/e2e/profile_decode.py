@@ -72,20 +72,14 @@ def decode_bytes(model, cfg: dict, n_seqs: int, cached_tokens_per_seq: float, dt
 
 
 def kernel_table(prof, steps: int, device: str, top: int = 25) -> list[dict]:
-    """Ops / kernels by self time on the device (CPU: self CPU time of the ops), largest first."""
-    rows = []
-    for e in prof.key_averages():
-        if device == "cuda":
-            cuda_us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        else:
-            cuda_us = e.self_cpu_time_total
-        if cuda_us <= 0:
-            continue
-        rows.append({"name": e.key[:90], "calls": e.count, "cuda_ms_total": cuda_us / 1e3, "ms_per_step": cuda_us / 1e3 / steps})
-    rows.sort(key=lambda r: -r["cuda_ms_total"])
-    total = sum(r["cuda_ms_total"] for r in rows)
+    """The call's kernels (kernel_table.kernel_rows), with time per decode step and share of the call."""
+    from kernel_table import kernel_rows
+
+    rows = kernel_rows(prof, device)
+    total = sum(r["ms"] for r in rows)
     for r in rows:
-        r["share"] = r["cuda_ms_total"] / total if total else 0.0
+        r["ms_per_step"] = r["ms"] / steps
+        r["share"] = r["ms"] / total if total else 0.0
     return rows[:top]
 
 
@@ -97,7 +91,7 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=8, help="new tokens of the short call")
     ap.add_argument("--steps", type=int, default=48, help="extra decode steps of the long call")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--variants", default="torch:off,torch:on,triton:off,triton:on",
+    ap.add_argument("--variants", default="triton:on,torch:on,triton:off,torch:off",
                     help="decode_attention backend:cuda_graphs pairs, comma-separated")
     ap.add_argument("--profile", action="store_true", help="kernel table of the first variant's long call")
     ap.add_argument("--json", default=None)

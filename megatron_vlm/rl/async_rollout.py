@@ -101,7 +101,7 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
     model.requires_grad_(False)
     per_batch = rl.rollout_batch_prompts or rollout_prompts_for_budget(
         rl.rollout_memory_gib, kv_bytes_per_slot(model, torch.finfo(dtype).bits // 8), rl.group_size, cfg.data.max_tokens_per_pack)
-    # CudaGraphsConfigError (exit 2): "on" with a model whose decode step cannot be captured (MoE layers);
+    # CudaGraphsConfigError (exit 2): "on" with a decode step that cannot be captured (a paged cache);
     # PagedKVConfigError (exit 2): rl.kv_block_size with a Mamba2 hybrid decoder
     engine = PolicyRolloutEngine(model, processor.tokenizer, cache_dtype=dtype, device=env.device,
                                  max_num_seqs=per_batch * rl.group_size, cuda_graphs=rl.rollout_cuda_graphs,

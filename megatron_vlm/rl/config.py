@@ -99,8 +99,8 @@ class RLConfig:
     """Decode steps of the rollout engine on static buffers per batch-size bucket (1, 2, 4, ... slots),
     captured once per bucket as CUDA graphs and replayed (one launch per step instead of hundreds of small
     kernels; rl/rollout/decode_graphs.py). "auto": on for a CUDA device, off elsewhere and where it cannot
-    work (logged): rollout_weights = "shared" (lock-step FSDP forwards), MoE layers (routing sizes its
-    GEMMs on the host), a failed capture. "on": as "auto", but those cases are errors, and on a CPU the
+    work (logged): rollout_weights = "shared" (lock-step FSDP forwards), the paged KV cache, a failed
+    capture (MoE blocks route graph-safely there: models/common/moe_static.py). "on": as "auto", but those cases are errors, and on a CPU the
     same static step runs eagerly (for tests: its first runs are checked for host reads). "off": eager
     steps. Needs rollout_weights = "copy" (or asynchronous GRPO, whose rollout ranks hold their own copy,
     written in place by the weight pushes, which a graph then reads)."""

@@ -96,7 +96,7 @@ def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: tor
         if bundle.model is not None:  # [lora]: the copy holds the same adapters, refreshed with the rest
             mirror_lora(policy_copy, bundle.model)
         policy_copy.requires_grad_(False)
-        # CudaGraphsConfigError (exit 2): "on" with a model whose decode step cannot be captured (MoE layers);
+        # CudaGraphsConfigError (exit 2): "on" with a decode step that cannot be captured (a paged cache);
         # PagedKVConfigError (exit 2): rl.kv_block_size with a Mamba2 hybrid decoder
         return PolicyRolloutEngine(policy_copy, bundle.processor.tokenizer, cache_dtype=dtype, device=device,
                                    max_num_seqs=per_batch * rl.group_size, sync_from=bundle.model,

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_vlm import kernels
+from megatron_vlm.models.common.moe_static import experts_static, static_routing_active
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -251,7 +252,11 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         scores, topk_weights, topk_ids = self.gate(flat)
         routed_in = flat if self.fc1_latent_proj is None else self.fc1_latent_proj(flat)
-        routed, tokens_per_expert = self.experts(routed_in, topk_ids, topk_weights)
+        if static_routing_active():  # a static decode step (CUDA graphs): no host-sized GEMMs (moe_static.py)
+            routed = experts_static(self.experts, routed_in, topk_ids, topk_weights).to(routed_in.dtype)
+            tokens_per_expert = None
+        else:
+            routed, tokens_per_expert = self.experts(routed_in, topk_ids, topk_weights)
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
         out = routed.to(x.dtype).view(shape)

@@ -38,6 +38,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron_vlm.models.common.moe_static import static_routing
 from megatron_vlm.models.common.slot_cache import SlotCache
 
 __all__ = ["DecodeStepRunner", "GraphUnsafeError", "GraphSafetyProbe", "bucket_sizes"]
@@ -125,7 +126,8 @@ class DecodeStepRunner:
         """The static step: reads bucket.ids / bucket.slots and the cache, no host value read."""
         self.cache.reset_scratch_state()
         self.cache.set_active_static(bucket.slots)
-        return self.forward(input_ids=bucket.ids, kv_cache=self.cache)[:, -1]
+        with static_routing():  # MoE experts without host-sized GEMMs
+            return self.forward(input_ids=bucket.ids, kv_cache=self.cache)[:, -1]
 
     def bucket_for(self, n: int) -> int:
         for b in self.sizes:

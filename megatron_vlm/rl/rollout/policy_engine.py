@@ -47,7 +47,7 @@ on static buffers per batch-size bucket, captured once per bucket and replayed o
 a CUDA device, else off; "on": also on the CPU, where the same static step runs eagerly (tests; its
 first runs per bucket are checked for graph safety, a failure raised). Needs the engine's own weights
 copy, the slot layout and a decode step without host reads: "on" with `forward=` (lock-step, FSDP
-parameters), `kv_block_size` or MoE layers (routing sizes its GEMMs on the host) is refused; "auto"
+parameters) or `kv_block_size` is refused (MoE blocks route graph-safely there: models/common/moe_static.py); "auto"
 falls back to eager steps with a logged reason (also when a capture fails). The slot cache and its
 graphs are kept for the next call of the same slot shape, until `release_memory()`.
 
@@ -72,7 +72,7 @@ import torch
 
 from megatron_vlm.data.batch import VISION_KEYS
 from megatron_vlm.models.common.kv_cache import KVCache
-from megatron_vlm.models.common.moe import moe_layers
+from megatron_vlm.models.common.moe import MoE, moe_layers
 from megatron_vlm.models.common.slot_cache import PagedSlotCache, SlotCache
 from megatron_vlm.models.common.vlm_base import VLMBase
 from megatron_vlm.models.mcore.layer import native_state_dict
@@ -97,9 +97,10 @@ def cuda_graphs_blocker(model, *, trainer_forward: bool = False, kv_block_size: 
         return "the engine calls the trainer's model (forward= / lock-step batches), not its own copy"
     if kv_block_size:
         return "the paged KV cache (kv_block_size > 0) changes its block table as samples come and go"
-    if moe_layers(model):
-        return ("MoE layers: expert routing sizes its grouped GEMMs from the routed counts on the host "
-                "(kernels.moe_permute / grouped_mm), which a CUDA graph cannot replay")
+    foreign = [m for m in moe_layers(model) if not isinstance(m, MoE)]
+    if foreign:  # native MoE blocks route graph-safely in static steps (models/common/moe_static.py)
+        return (f"MoE layers of another backend ({type(foreign[0]).__name__}): their routing sizes the grouped GEMMs "
+                "from the routed counts on the host, which a CUDA graph cannot replay")
     return None
 
 

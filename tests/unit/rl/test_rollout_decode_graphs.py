@@ -148,9 +148,7 @@ def test_refused_and_auto_off_combinations(caplog):
     model, _ = _qwen()
     with pytest.raises(ValueError, match="cuda_graphs"):
         PolicyRolloutEngine(model, Tok(), cuda_graphs="yes")
-    cases = [dict(forward=model), dict(kv_block_size=4)]
-    moe_model = build_model(_hybrid_config(moe=True)).eval()
-    for kw in cases + [dict(model=moe_model)]:
+    for kw in [dict(forward=model), dict(kv_block_size=4)]:
         m = kw.pop("model", model)
         with pytest.raises(ValueError, match="cuda_graphs: 'on'"):
             PolicyRolloutEngine(m, Tok(), cuda_graphs="on", **kw)
@@ -165,24 +163,21 @@ def test_refused_and_auto_off_combinations(caplog):
     assert isinstance(on._decode_runner(cache), DecodeStepRunner)
 
 
-def test_config_key_reaches_the_engine_and_moe_is_a_config_error(tmp_path):
+def test_config_key_reaches_the_engine_moe_included(tmp_path):
     from types import SimpleNamespace
 
     from megatron_vlm.data.processor import load_processor
     from megatron_vlm.rl.config import RLConfig
-    from megatron_vlm.rl.rollout.policy_engine import CudaGraphsConfigError
     from megatron_vlm.rl.trainer import build_rollout_engine
     from megatron_vlm.testing.synthesize import synthesize_model_folder
 
     RLConfig(rollout_cuda_graphs="on", rollout_weights="copy").validate()
     RLConfig(rollout_cuda_graphs="on", allocation="rollout:1+train:1").validate()  # rollout ranks hold a copy
-    folder = synthesize_model_folder("tiny_nemotron_vl", tmp_path / "nemotron", seed=0)  # has a MoE layer
+    folder = synthesize_model_folder("tiny_nemotron_vl", tmp_path / "nemotron", seed=0)  # has a MoE layer: graph-safe now
     bundle = SimpleNamespace(model=None, processor=load_processor(str(folder)))
     kw = dict(dtype=torch.float32, device=torch.device("cpu"), per_batch=1)
-    with pytest.raises(CudaGraphsConfigError, match=r"^rl\.rollout_cuda_graphs: 'on'.*MoE"):
-        build_rollout_engine(RLConfig(rollout_weights="copy", rollout_cuda_graphs="on"), bundle, str(folder), **kw)
-    eng = build_rollout_engine(RLConfig(rollout_weights="copy", rollout_cuda_graphs="auto"), bundle, str(folder), **kw)
-    assert eng.cuda_graphs == "off"
+    eng = build_rollout_engine(RLConfig(rollout_weights="copy", rollout_cuda_graphs="on"), bundle, str(folder), **kw)
+    assert eng.cuda_graphs == "on"
     dense = synthesize_model_folder("tiny_qwen2_5_vl", tmp_path / "qwen", seed=0)
     bundle = SimpleNamespace(model=None, processor=load_processor(str(dense)))
     eng = build_rollout_engine(RLConfig(rollout_weights="copy", rollout_cuda_graphs="on"), bundle, str(dense), **kw)

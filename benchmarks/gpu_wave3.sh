@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # One GPU lease for the training-speed and rollout-speed work (first pass): profiles, levers, honest baselines.
+# Sections: sft sft16k decode decode32 moe decode_attn rollout attn segv fp8.
 # Run on the leased machine from the repository root with `.whl` carried (bash benchmarks/gpu_wheels.sh here first):
 #   bash benchmarks/gpu_wave3.sh [sections]      # sections: sft decode rollout attn segv (default: all, in that order)
 # Every step is time-boxed; logs and JSON go to $OUT/w3 (packed into $OUT/w3.tgz after every step, so a command
@@ -50,6 +51,14 @@ fi
 if want decode; then
   step decode_profile 130 $PY benchmarks/e2e/profile_decode.py --prompts 2 --group 8 --short 8 --steps 48 --rounds 2 \
     --profile --json "$R/decode.json"
+fi
+if want moe; then  # the MoE decode step in CUDA graphs, Qwen3-VL-30B-A3B at full width, 4 of 48 layers
+  step moe_decode 80 $PY benchmarks/e2e/profile_decode.py --moe-slice 4 --prompts 2 --group 8 --short 8 --steps 48 \
+    --rounds 2 --variants triton:on,triton:off --json "$R/moe_decode.json"
+fi
+if want decode32; then  # the target's 32 sequences (4 prompts x G 8), split-K decode attention in CUDA graphs
+  step decode32 70 $PY benchmarks/e2e/profile_decode.py --prompts 4 --group 8 --short 8 --steps 48 --rounds 2 \
+    --variants triton:on --profile --json "$R/decode32.json"
 fi
 if want decode_attn; then
   step decode_attention_bench 40 $PY benchmarks/kernels/bench_decode_attention.py --json "$R/decode_attention.json"

@@ -37,7 +37,7 @@ from bench_rollout import NoDecode, make_prompts, qwen2_5_vl_3b_config, tiny_con
 
 from megatron_vlm.kernels import registry  # noqa: E402
 from megatron_vlm.models import build_model  # noqa: E402
-from megatron_vlm.rl.rollout.engine import SamplingParams  # noqa: E402
+from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams  # noqa: E402
 from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine  # noqa: E402
 
 
@@ -63,12 +63,19 @@ def decode_bytes(model, cfg: dict, n_seqs: int, cached_tokens_per_seq: float, dt
     tied to the output head, which reads it whole) and every running sequence's cached keys and values."""
     text = cfg["text_config"]
     params = dict(model.named_parameters())  # named_parameters lists a tied weight once
-    weights = sum(p.numel() for n, p in params.items() if n.startswith("language_model.") and "embed_tokens" not in n)
+    experts = {n for n in params if ".experts." in n}
+    weights = sum(p.numel() for n, p in params.items()
+                  if n.startswith("language_model.") and "embed_tokens" not in n and n not in experts)
     head = params.get("lm_head.weight", params.get("language_model.embed_tokens.weight"))
     weights = (weights + head.numel()) * dtype_bytes
+    hit = 1.0
+    if experts:  # a step reads only the experts some token chose: expected share for uniform routing
+        e, k = text["num_experts"], text["num_experts_per_tok"]
+        hit = 1.0 - (1.0 - k / e) ** n_seqs
+        weights += hit * sum(params[n].numel() for n in experts) * dtype_bytes
     head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
     kv = 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head_dim * dtype_bytes * n_seqs * cached_tokens_per_seq
-    return {"weight_bytes": weights, "kv_bytes": kv, "total": weights + kv}
+    return {"weight_bytes": weights, "kv_bytes": kv, "total": weights + kv, "expert_hit_fraction": hit}
 
 
 def kernel_table(prof, steps: int, device: str, top: int = 25) -> list[dict]:
@@ -93,6 +100,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--variants", default="triton:on,torch:on,triton:off,torch:off",
                     help="decode_attention backend:cuda_graphs pairs, comma-separated")
+    ap.add_argument("--moe-slice", type=int, default=0, metavar="LAYERS",
+                    help="Qwen3-VL-30B-A3B at full width with only LAYERS decoder layers (MoE, 128 experts, top 8; "
+                         "text prompts), instead of the dense 3B shape: the MoE decode step, to extrapolate to 48 layers")
+    ap.add_argument("--prompt-tokens", type=int, default=1000, help="prompt length of --moe-slice's text prompts")
     ap.add_argument("--profile", action="store_true", help="kernel table of the first variant's long call")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -105,15 +116,27 @@ def main() -> None:
     else:
         cfg, dtype, grid, text_tokens = qwen2_5_vl_3b_config(), torch.bfloat16, (1, 56, 64), 104
         variants = [tuple(v.split(":")) for v in args.variants.split(",") if v]
+    if args.moe_slice:
+        from tests.fixtures.real_configs import real_config
+
+        cfg = real_config("qwen3_vl_30b_a3b")
+        cfg["text_config"]["num_hidden_layers"] = args.moe_slice
+        cfg["vision_config"]["depth"] = 1
+        cfg["vision_config"]["deepstack_visual_indexes"] = []
     torch.manual_seed(0)
     model = build_model(cfg, dtype=dtype, device=device)
     model.init_weights()
     model.eval()
-    prompts = make_prompts(args.prompts, grid, text_tokens, cfg, seed=1)
+    if args.moe_slice:
+        g = torch.Generator().manual_seed(1)
+        prompts = [RolloutPrompt(torch.randint(10, 150000, (args.prompt_tokens,), generator=g)) for _ in range(args.prompts)]
+    else:
+        prompts = make_prompts(args.prompts, grid, text_tokens, cfg, seed=1)
     n_seqs = args.prompts * args.group
     out = {"meta": {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
                     "dtype": str(dtype), "prompts": args.prompts, "group": args.group, "prompt_tokens": len(prompts[0]),
-                    "short": args.short, "steps": args.steps, "rounds": args.rounds, "date": time.strftime("%Y-%m-%d")},
+                    "short": args.short, "steps": args.steps, "rounds": args.rounds, "date": time.strftime("%Y-%m-%d"),
+                    "model": f"qwen3_vl_30b_a3b, {args.moe_slice} of 48 layers" if args.moe_slice else "qwen2_5_vl_3b"},
            "variants": {}}
     peak = copy_bandwidth_gbs(device, args.quick)
     out["meta"]["copy_peak_gbs"] = peak

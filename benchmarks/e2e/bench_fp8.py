@@ -5,7 +5,9 @@ Shape: the 7B language model's widths (hidden 3584, intermediate 18944, 28 heads
 vision tower (default 2), one packed micro-batch of `--tokens` tokens (`--samples` samples, one 448 x 448
 image each), fp32 master weights, bf16 compute through FSDP2's mixed precision on a one-rank mesh,
 activation checkpointing and `torch.compile` of every block (torchao's float8 casts are fast only when
-compiled), fused AdamW: the step `bench_train_step.py` times, through `TokenLogprobModel`.
+compiled), fused AdamW at learning rate 0 (the update runs at full cost and leaves the weights, so every
+variant's loss is taken at the same weights: a variant whose loss equals bf16's bit for bit did not take
+effect, and the run stops): the step `bench_train_step.py` times, through `TokenLogprobModel`.
 
 The variants share one model and one optimizer, so that the three fit one H100 and run interleaved: the
 model is converted once by `megatron_vlm.training.fp8.convert_to_fp8` (the training code path), then each
@@ -19,7 +21,7 @@ tower and the lm_head stay bf16 in every variant, as in training.
     python benchmarks/e2e/bench_fp8.py --json fp8.json           # GPU (sm89+), the 7B-width slice
     python benchmarks/e2e/bench_fp8.py --quick                   # CPU smoke test (tiny model, emulated fp8)
 Args: --layers N --vision-depth N --tokens N --samples N --rounds N --steps N --warmup N
-      --variants bf16,tensorwise,rowwise --no-compile --no-ac --json PATH
+      --variants bf16,tensorwise,rowwise --no-compile --no-ac --json PATH (--quick --compile: compiled blocks on the CPU)
 """
 from __future__ import annotations
 
@@ -108,6 +110,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant before the rounds (compiles)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of bf16,tensorwise,rowwise")
     ap.add_argument("--no-compile", action="store_true", help="eager blocks (fp8 casts then run unfused)")
+    ap.add_argument("--compile", action="store_true", help="with --quick: compile the blocks anyway (checks the switch)")
     ap.add_argument("--no-ac", action="store_true", help="disable activation checkpointing")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
@@ -118,7 +121,7 @@ def main() -> None:
     device = env.device
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         sys.exit(f"bench_fp8: {torch.cuda.get_device_name(device)} has no float8 matmuls (compute capability < 8.9)")
-    compile_blocks = not args.no_compile and not args.quick
+    compile_blocks = not args.no_compile and (not args.quick or args.compile)
     if args.quick:
         torch.set_num_threads(1)
         cfg, grid, tokens = tiny_config(), (1, 8, 8), min(args.tokens, 256)
@@ -136,7 +139,7 @@ def main() -> None:
     dims, mesh = build_mesh(parallel, env.world_size, device.type)
     get_family(model.hf_config.get("model_type")).parallelize(
         model, dims, parallel, mesh=mesh, param_dtype=torch.bfloat16, root=wrapper, activation_checkpointing=not args.no_ac)
-    optimizer = build_optimizer(wrapper, SimpleNamespace(lr=1e-7, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8), device.type)
+    optimizer = build_optimizer(wrapper, SimpleNamespace(lr=0.0, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8), device.type)
     params = [p for p in wrapper.parameters() if p.requires_grad]
     batch = packed_batch(cfg, args.samples, tokens, grid)
     batch.pop("lengths")
@@ -160,6 +163,7 @@ def main() -> None:
         return loss.detach()
 
     times = {v: [] for v in variants}
+    last_loss = {}
     peak = {v: 0.0 for v in variants}
     losses = {}
     t_warm = time.perf_counter()
@@ -169,6 +173,11 @@ def main() -> None:
             losses[v] = float(step())
     sync()
     warmup_s = time.perf_counter() - t_warm
+    # lr 0 keeps the weights: equal losses would mean a variant did not take effect (e.g. a compiled block
+    # that kept another variant's graph)
+    for v in variants:
+        if v != "bf16" and "bf16" in losses and losses[v] == losses["bf16"]:
+            sys.exit(f"bench_fp8: variant {v} gave bf16's loss bit for bit ({losses[v]}): the switch did not take effect")
     for _ in range(args.rounds):
         for v in variants:
             use(v)
@@ -177,11 +186,17 @@ def main() -> None:
             for _ in range(args.steps):
                 sync()
                 t0 = time.perf_counter()
-                step()
+                loss = step()
                 sync()
                 times[v].append(time.perf_counter() - t0)
+            last_loss[v] = float(loss)
             if cuda:
                 peak[v] = max(peak[v], torch.cuda.max_memory_allocated() / 2**30)
+    # and each variant, switched back to in the last round, still computes its own loss (nearest its warm-up one)
+    for v in variants:
+        nearest = min(variants, key=lambda u: abs(last_loss[v] - losses[u]))
+        if abs(last_loss[v] - losses[nearest]) < abs(last_loss[v] - losses[v]):
+            sys.exit(f"bench_fp8: variant {v} computed {nearest}'s loss in the last round: the switch did not take effect")
     results = {}
     for v in variants:
         med = statistics.median(times[v])

@@ -23,6 +23,7 @@ from megatron_vlm.parallel.mesh import build_ep_mesh
 from megatron_vlm.parallel.pipeline import PipelineRunner, check_pipeline_layout, split_model_for_stage, stage_all_reduce
 from megatron_vlm.parallel.precision import resolve_precision
 from megatron_vlm.training.context import RunContext, seed_everything
+from megatron_vlm.training.fp8 import convert_to_fp8
 from megatron_vlm.training.freeze import apply_train_layers
 from megatron_vlm.training.lm_loss import TokenLogprobModel
 from megatron_vlm.training.lora import LoRASetupError, setup_lora
@@ -123,6 +124,8 @@ def build_model_bundle(ctx: RunContext) -> ModelBundle:
         act_dtype = torch.bfloat16 if precision == "bf16" else getattr(torch, cfg.model.dtype)
         wrapper = split_model_for_stage(model, TokenLogprobModel, stage=mesh.get_local_rank("pp"), pp=pp,
                                         max_tokens=cfg.data.max_tokens_per_pack, act_dtype=act_dtype)
+    if cfg.train.precision == "fp8":  # before sharding, as torchao's FSDP2 integration expects
+        convert_to_fp8(model, cfg.train.fp8_recipe, env.device)
     family = get_family(model.hf_config.get("model_type"))
     fsdp_mesh = mesh if fsdp_needed(env.world_size, precision, env.device.type) else None
     if fsdp_mesh is None:

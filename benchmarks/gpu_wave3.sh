@@ -60,6 +60,10 @@ if want decode32; then  # the target's 32 sequences (4 prompts x G 8), split-K d
   step decode32 70 $PY benchmarks/e2e/profile_decode.py --prompts 4 --group 8 --short 8 --steps 48 --rounds 2 \
     --variants triton:on --profile --json "$R/decode32.json"
 fi
+if want fp8; then  # train.precision = "fp8" (torchao float8 linears): step at a 7B-width slice, loss curve vs bf16
+  step fp8_step 120 $PY benchmarks/e2e/bench_fp8.py --rounds 2 --steps 2 --warmup 2 --json "$R/fp8_step.json"
+  step fp8_loss 70 $PY benchmarks/e2e/fp8_loss_curve.py --steps 200 --variants bf16,tensorwise --json "$R/fp8_loss.json"
+fi
 if want decode_attn; then
   step decode_attention_bench 40 $PY benchmarks/kernels/bench_decode_attention.py --json "$R/decode_attention.json"
 fi

@@ -2,18 +2,20 @@
 //
 // Why: on a CUDA machine (NVIDIA H200, torch 2.11.0+cu130, extension built with g++ 13.3 + nvcc 13.0, the
 // system libstdc++.so.6 loaded at run time) a TORCH_CHECK whose message held a number crashed the process
-// with SIGSEGV instead of raising. TORCH_CHECK formats its arguments with c10::str, an std::ostringstream;
-// inserting a `long` goes through the locale's num_put facet, and cuda-gdb showed the crash right there:
+// with SIGSEGV instead of raising (under pytest there; a plain `python -c` raised). TORCH_CHECK formats its
+// arguments with c10::str, an std::ostringstream; inserting a `long` goes through the locale's num_put facet,
+// and cuda-gdb showed the crash right there:
 //   #0 std::codecvt<char16_t, ...>::do_unshift          (in megatron_vlm/_C.so)
 //   #1 std::basic_ostream<char>::_M_insert<long>(long)   (in megatron_vlm/_C.so)
 //   #2 c10::detail::_str_wrapper<...>::call               (in megatron_vlm/_C.so)
-// i.e. the stream code instantiated in our .so from the toolchain's headers did not agree with the locale
+// Most likely the stream code instantiated in our .so from the toolchain's headers did not agree with the locale
 // facets of the libstdc++ loaded at run time. Checks with string-literal-only messages raised fine (inserting a
 // string uses no facet). The machine cannot be fixed from here, so the extension never formats through an
-// iostream: mvlm::msg builds the text by appending (std::to_string for integers, snprintf "%g" for floating
-// point -- the text an ostream gives by default -- c10::toString for dtypes, "[a, b, c]" for sizes), and the
-// MVLM_CHECK* macros hand it to the matching TORCH_CHECK* as one C string, which c10 passes through unformatted.
-// The message is built only when the check fails.
+// iostream: mvlm::msg builds the text by appending, and gives what c10::str (an ostream's defaults) gives:
+// std::to_string for integers, snprintf "%g" for floating point, c10::toString for dtypes, "[a, b, c]" for
+// sizes, 1 / 0 for bools, characters for the char types. The MVLM_CHECK* macros hand it to the matching
+// TORCH_CHECK* as one C string, which c10 passes through unformatted. The message is built only when the check
+// fails.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -37,9 +39,9 @@ template <typename T>
 void append(std::string& out, const T& v) {
   using U = std::decay_t<T>;
   if constexpr (std::is_same_v<U, bool>) {
-    out += v ? "true" : "false";
-  } else if constexpr (std::is_same_v<U, char>) {
-    out += v;
+    out += v ? '1' : '0';
+  } else if constexpr (std::is_same_v<U, char> || std::is_same_v<U, signed char> || std::is_same_v<U, unsigned char>) {
+    out += static_cast<char>(v);
   } else if constexpr (std::is_integral_v<U> && std::is_signed_v<U>) {
     out += std::to_string(static_cast<long long>(v));
   } else if constexpr (std::is_integral_v<U>) {

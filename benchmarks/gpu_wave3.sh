@@ -79,7 +79,8 @@ if want segv; then
   T1='tests/unit/csrc/test_csrc_attention.py::test_other_cases_run_sdpa_bitwise'
   T2='tests/unit/csrc/test_csrc_layer_ops.py::test_decode_attention_rejects_out_of_range_blocks_before_reading'
   step ext_build 60 env -u MEGATRON_VLM_NO_EXT MEGATRON_VLM_REQUIRE_EXT=1 $PY setup.py build_ext --inplace
-  step segv_pytest 40 env -u MEGATRON_VLM_NO_EXT MEGATRON_VLM_SEGV_BACKTRACE=1 $PY -m pytest -x -q -p no:randomly -p no:cacheprovider "$T1" "$T2"
+  step segv_pytest 40 env -u MEGATRON_VLM_NO_EXT MEGATRON_VLM_SEGV_BACKTRACE=1 $PY -m pytest -x -q -p no:randomly -p no:cacheprovider "$T1" "$T2" \
+    tests/unit/csrc/test_csrc_error_messages.py
   grep -q "exit 0 after" <(grep segv_pytest "$R/steps.txt") && SEGV_DONE=1 || SEGV_DONE=0
   [ "$SEGV_DONE" = 1 ] || step segv_no_plugins 40 env -u MEGATRON_VLM_NO_EXT PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $PY -m pytest -x -q -p no:cacheprovider "$T1" "$T2"
   [ "$SEGV_DONE" = 1 ] || step segv_gdb 60 env -u MEGATRON_VLM_NO_EXT cuda-gdb -batch -ex run -ex bt -ex 'info sharedlibrary' \

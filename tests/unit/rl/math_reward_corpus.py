@@ -11,6 +11,8 @@ completions are full model-style texts. label True: the completion's final answe
 mathematically the gold answer; False: it is not (or the completion states no answer).
 """
 
+from tests.unit.rl.math_reward_corpus_forms import FORMS
+
 __all__ = ["CASES", "KINDS"]
 
 
@@ -323,7 +325,8 @@ _C = [
 
 # Left out as ambiguous (a careful reader could label them either way): "e" / "i" as Euler's number
 # or the imaginary unit vs plain symbols, "1e3" as scientific notation vs 1*e*3, an equation such as
-# "x + y = 5" against the value 5, repeated list items ("1, 1, 2" vs "1, 2").
+# "x + y = 5" against the value 5. (A repeated list item, "1, 2, 2" vs "1, 2", is labelled equal: a
+# list of answers is the set of solutions; see math_reward_corpus_forms.py.)
 
 
 _MORE = [
@@ -358,5 +361,5 @@ _MORE = [
     ("basic", B(r"a_1"), "a_2", False),
 ]
 
-CASES = _C + _MORE
+CASES = _C + _MORE + FORMS
 KINDS = sorted({c[0] for c in CASES})

@@ -1,0 +1,169 @@
+"""Rewrite formatting-only LaTeX (and the words around an answer) into the parser's token subset.
+
+Why a separate step: model answers mix math with typesetting (`\\left(`, `\\dfrac`, `\\,`), units
+(`5 \\text{ cm}`), connectives (`1 \\text{ or } 2`) and whole sentences (`\\text{The minimum is } -2`,
+`x = 3 is the only solution`). latex_math.py parses only a small whitelisted token set, so
+everything that does not change the value is rewritten or dropped here first, with plain regular
+expressions over at most MAX_INPUT_CHARS characters (linear, nothing evaluated).
+
+Words are the risky part: dropping "not" from "x = 3 is not a solution" would score a wrong
+answer as right. So words that qualify or negate a value ("not", "no", "except", "at least",
+"less than", "approximately", "if", ...) make the whole answer unparseable (it can then only match
+the gold answer as text), while only a fixed list of filler words ("the", "is", "value",
+"minimum", "answer", "solution", ...) is removed; any other word stays and is read as a product of
+letters, which matches nothing numeric.
+"""
+from __future__ import annotations
+
+import re
+
+__all__ = ["QualifiedAnswer", "normalize_latex"]
+
+
+class QualifiedAnswer(ValueError):
+    """The answer text negates or qualifies its value (e.g. "not 3", "at least 4")."""
+
+
+UNIT_WORDS = {
+    "cm", "mm", "m", "km", "in", "inch", "inches", "ft", "feet", "foot", "yd", "yard", "yards", "mi", "mile", "miles",
+    "unit", "units", "degree", "degrees", "deg", "radian", "radians", "rad", "sq", "square", "cubic", "meter", "meters",
+    "metre", "metres", "centimeter", "centimeters", "millimeter", "millimeters", "kilometer", "kilometers", "second",
+    "seconds", "sec", "minute", "minutes", "min", "hour", "hours", "hr", "hrs", "kg", "g", "gram", "grams", "lb", "lbs",
+    "pound", "pounds", "dollar", "dollars", "cent", "cents", "percent", "liter", "liters", "l", "ml", "cm2", "m2", "cm3",
+    "m3", "mph", "kmh", "s", "h", "mg", "km/h", "m/s", "ways", "people", "students", "days", "weeks", "years",
+}
+QUALIFIERS = {
+    "not", "no", "none", "never", "neither", "nor", "except", "excluding", "without", "cannot", "impossible",
+    "undefined", "least", "most", "more", "less", "fewer", "than", "greater", "smaller", "larger", "between",
+    "above", "below", "exceed", "exceeds", "under", "over", "approximately", "approx", "about", "around", "nearly",
+    "almost", "roughly", "maybe", "perhaps", "possibly", "unless", "if", "when", "whenever", "where", "while",
+    "until", "before", "after", "because", "since", "minus", "plus", "times", "half", "twice", "double",
+    "triple", "isn", "doesn", "aren", "wrong", "incorrect", "false", "other", "otherwise",
+}
+"""Words that change what the value next to them means; an answer containing one is not parsed."""
+FILLER = {
+    "the", "a", "an", "is", "are", "was", "be", "it", "its", "this", "that", "which", "so", "thus", "hence",
+    "therefore", "we", "get", "got", "have", "has", "obtain", "find", "found", "answer", "answers", "final",
+    "value", "values", "solution", "solutions", "only", "unique", "result", "required", "equals", "equal",
+    "to", "of", "yes", "there", "exactly", "minimum", "maximum", "min", "max", "smallest", "largest", "greatest",
+    "sum", "total", "number", "area", "length", "perimeter", "volume", "distance", "probability", "ratio",
+    "vector", "matrix", "point", "coordinates", "measure", "angle", "side", "radius", "height", "product",
+    "difference", "quotient", "remainder", "root", "roots", "zero", "zeros", "real", "possible", "all",
+    "correct", "option", "choice", "then", "given", "by", "expression", "equation", "function", "as", "follows",
+}
+"""Words a model writes around an answer without changing its value; they are removed."""
+
+_TEXT_BLOCK = re.compile(
+    r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mbox|operatorname)\s*\{([^{}]*)\}(\s*\^\s*\{?\s*[23]\s*\}?)?"
+)
+_CONNECTIVES = {"or", "and"}
+_WORD = re.compile(r"(?<![\\A-Za-z_^])([A-Za-z][a-z]+)(?![A-Za-z])")  # "is", "The"; not "AB" (a name)
+_NAME_MARK = re.compile(
+    r"\\(?:overline|overrightarrow|overleftrightarrow|vec|widehat|hat|bar|boldsymbol)\s*"
+    r"(?:\{\s*([A-Za-z]+)\s*\}|([A-Za-z])(?![A-Za-z]))"
+)
+
+
+def _words(text: str) -> list[str]:
+    return [w.lower() for w in _WORD.findall(text)]
+
+
+def _check_qualifiers(text: str) -> None:
+    for w in _words(text):
+        if w in QUALIFIERS:
+            raise QualifiedAnswer(f"the answer is qualified by {w!r}")
+
+
+def _unwrap_text(m: re.Match) -> str:
+    inner = m.group(1).strip()
+    low = inner.lower().strip(" .")
+    if low in _CONNECTIVES:  # "1 \text{ or } 2" is a list
+        return " , "
+    if low == "percent":
+        return " % "
+    if low in (",", ";"):
+        return " , "
+    _check_qualifiers(inner)
+    # words (units such as "cm", "km/h" with their ^2 / ^3, "square units", filler such as "the
+    # answer is") are dropped; digits or single-letter symbols are kept
+    if re.fullmatch(r"[A-Za-z ./,:]*", inner) and (len(re.sub(r"[^A-Za-z]", "", inner)) > 1 or not inner):
+        return " "
+    return " " + inner + (m.group(2) or "") + " "
+
+
+def _drop_filler(s: str) -> str:
+    """Remove filler words written outside \\text{} ("x = 3 is the solution" -> "x = 3")."""
+    if not _WORD.search(s):
+        return s
+    _check_qualifiers(s)
+    out = _WORD.sub(lambda m: " " if m.group(1).lower() in FILLER else m.group(0), s)
+    if out == s:
+        return s
+    out = re.sub(r"^[\s,.:;]+|[\s,:;]+$", "", out)
+    return re.sub(r",\s*(?=,)", "", out)
+
+
+def normalize_latex(text: str) -> tuple[str, bool]:
+    """Rewrite formatting-only LaTeX into the parser's subset. Returns (text, had_percent).
+
+    Raises QualifiedAnswer when words in the answer qualify or negate its value."""
+    s = text.strip()
+    for a, b in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if len(s) >= len(a) + len(b) and s.startswith(a) and s.endswith(b):
+            s = s[len(a):len(s) - len(b)]
+            break
+    s = s.replace("\\$", " ").replace("$", " ")
+    s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![A-Za-z])\s*\.?", "", s)
+    s = s.replace("\\\\", " \\rowsep ")  # matrix row separator, before "\\ " (a space) is dropped
+    s = re.sub(r"\\(?:[,;:! ]|quad|qquad|displaystyle|limits)", " ", s).replace("~", " ")
+    s = re.sub(r"\\colon(?![A-Za-z])", ":", s)
+    s = s.replace(";", ",")  # "1; 0; 4", "(1;0;4)": a semicolon separates items like a comma
+    s = re.sub(r"\\(?:mid|vert|lvert|rvert)(?![A-Za-z])", "|", s)
+    s = re.sub(r"\\[dt]frac(?![A-Za-z])", r"\\frac", s)
+    s = re.sub(r"\\(?:cdot|times|ast)(?![A-Za-z])", "*", s)
+    s = re.sub(r"\\div(?![A-Za-z])", "/", s)
+    s = re.sub(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|\\degree|°", " ", s)
+    s = s.replace("{,}", "")
+    s = re.sub(r"\\mathbb\s*\{\s*R\s*\}|\\mathbb\s*R(?![A-Za-z])|\\R(?![A-Za-z])", r"\\reals ", s)
+    s = re.sub(r"\\(?:varnothing|emptyset)(?![A-Za-z])|\\\{\s*\\\}", r"\\emptyset ", s)
+    s = re.sub(r"\\(?:leqslant|leq|le)(?![A-Za-z])|<=", "≤", s)
+    s = re.sub(r"\\(?:geqslant|geq|ge)(?![A-Za-z])|>=", "≥", s)
+    s = re.sub(r"\\(?:neq|ne)(?![A-Za-z])|!=", "≠", s)
+    s = re.sub(r"\\lt(?![A-Za-z])", "<", s)
+    s = re.sub(r"\\gt(?![A-Za-z])", ">", s)
+    s = re.sub(r"\\in(?![A-Za-z])", "∈", s)
+    s = re.sub(r"\\(?:angle|measuredangle)(?![A-Za-z])", " ", s)
+    # segment and vector names: \overline{AB}, \vec{v}, \mathbf{M} name the thing (letters only)
+    s = _NAME_MARK.sub(lambda m: " " + (m.group(1) or m.group(2)) + " ", s)
+    # matrices: \begin{pmatrix} a & b \\ c & d \end{pmatrix} (also bmatrix, matrix, array{cc})
+    s = re.sub(r"\\begin\s*\{array\}\s*\{[^{}]*\}", r"\\begin{matrix}", s)
+    s = re.sub(r"\\begin\s*\{[pbBvV]?matrix\}", r" \\matbegin ", s)
+    s = re.sub(r"\\end\s*\{(?:[pbBvV]?matrix|array)\}", r" \\matend ", s)
+    s = re.sub(r"^\s*\(\s*(\\matbegin\b.*\\matend)\s*\)\s*$", r"\1", s)
+    for _ in range(3):  # nested text blocks
+        s = _TEXT_BLOCK.sub(_unwrap_text, s)
+    s = re.sub(r"(?<![A-Za-z\\])(?:or|and)(?![A-Za-z])", " , ", s)  # "x = 1 or x = 2"
+    s = re.sub(r"(?<![A-Za-z\\])percent(?![A-Za-z])", "%", s)
+    s = s.replace("\\%", "%").strip()
+    percent = s.endswith("%")
+    if percent:
+        s = s[:-1].strip()
+    # trailing unit words after a number, a closing bracket or another such word: "5 cm",
+    # "12 square units", "3 cm^2", "10 apples" (plain words of three or more letters); not the
+    # variable in "-2 \ge m"
+    words = s.split()
+    while len(words) > 1:
+        w = re.sub(r"\^?\{?[23]\}?$", "", words[-1]).rstrip(".")
+        prev = words[-2]
+        if (w.lower() in UNIT_WORDS or re.fullmatch(r"[A-Za-z]{3,}", w) and w.lower() not in QUALIFIERS) and (
+            re.search(r"[0-9})\]]$", prev) or re.fullmatch(r"[A-Za-z]{2,}", prev)
+        ):
+            words.pop()
+        else:
+            break
+    s = _drop_filler(" ".join(words))
+    # thousands separators: "1,000", "1 000" (from 1\,000), also after "x ="
+    m = re.fullmatch(r"((?:[A-Za-z]\s*=\s*)?)(-?\d{1,3}(?:(?:,| )\d{3})+(?:\.\d+)?)", s.strip())
+    if m:
+        s = m.group(1) + re.sub(r"[, ]", "", m.group(2))
+    return s.strip().rstrip("."), percent

@@ -38,29 +38,31 @@ QUALIFIERS = {
     "above", "below", "exceed", "exceeds", "under", "over", "approximately", "approx", "about", "around", "nearly",
     "almost", "roughly", "maybe", "perhaps", "possibly", "unless", "if", "when", "whenever", "where", "while",
     "until", "before", "after", "because", "since", "minus", "plus", "times", "half", "twice", "double",
-    "triple", "isn", "doesn", "aren", "wrong", "incorrect", "false", "other", "otherwise",
+    "triple", "isn", "doesn", "aren", "wrong", "incorrect", "false", "other", "otherwise", "but", "however",
+    "rejected", "reject", "extraneous", "invalid", "discard", "discarded",
 }
 """Words that change what the value next to them means; an answer containing one is not parsed."""
 FILLER = {
     "the", "a", "an", "is", "are", "was", "be", "it", "its", "this", "that", "which", "so", "thus", "hence",
     "therefore", "we", "get", "got", "have", "has", "obtain", "find", "found", "answer", "answers", "final",
     "value", "values", "solution", "solutions", "only", "unique", "result", "required", "equals", "equal",
-    "to", "of", "yes", "there", "exactly", "minimum", "maximum", "min", "max", "smallest", "largest", "greatest",
-    "sum", "total", "number", "area", "length", "perimeter", "volume", "distance", "probability", "ratio",
-    "vector", "matrix", "point", "coordinates", "measure", "angle", "side", "radius", "height", "product",
-    "difference", "quotient", "remainder", "root", "roots", "zero", "zeros", "real", "possible", "all",
+    "to", "of", "yes", "there", "exactly", "minimum", "maximum", "smallest", "largest", "greatest",
+    "total", "number", "area", "length", "perimeter", "volume", "distance", "probability", "ratio",
+    "vector", "matrix", "point", "coordinates", "measure", "angle", "side", "radius", "height",
+    "root", "roots", "zero", "zeros", "real", "possible", "all",
     "correct", "option", "choice", "then", "given", "by", "expression", "equation", "function", "as", "follows",
 }
-"""Words a model writes around an answer without changing its value; they are removed."""
+"""Words a model writes around an answer without changing its value; they are removed. (Not "sum",
+"product", "max", ...: "the product of 3 and 5" must not become the list 3, 5.)"""
 
 _TEXT_BLOCK = re.compile(
     r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mbox|operatorname)\s*\{([^{}]*)\}(\s*\^\s*\{?\s*[23]\s*\}?)?"
 )
 _CONNECTIVES = {"or", "and"}
 _WORD = re.compile(r"(?<![\\A-Za-z_^])([A-Za-z][a-z]+)(?![A-Za-z])")  # "is", "The"; not "AB" (a name)
-_NAME_MARK = re.compile(
-    r"\\(?:overline|overrightarrow|overleftrightarrow|vec|widehat|hat|bar|boldsymbol)\s*"
-    r"(?:\{\s*([A-Za-z]+)\s*\}|([A-Za-z])(?![A-Za-z]))"
+_NAME_MARK = re.compile(  # a vector of any letters; a segment or arc of two or more (\overline{z} is a conjugate)
+    r"\\(?:overrightarrow|overleftrightarrow|vec|boldsymbol)\s*(?:\{\s*([A-Za-z]+)\s*\}|([A-Za-z])(?![A-Za-z]))"
+    r"|\\(?:overline|widehat)\s*\{\s*([A-Za-z]{2,})\s*\}"
 )
 
 
@@ -68,17 +70,22 @@ def _words(text: str) -> list[str]:
     return [w.lower() for w in _WORD.findall(text)]
 
 
+_OPERATION = re.compile(r"\b(?:sum|product|difference|quotient|average|mean|remainder|square|cube|root)s?\s+of\b", re.I)
+
+
 def _check_qualifiers(text: str) -> None:
     for w in _words(text):
         if w in QUALIFIERS:
             raise QualifiedAnswer(f"the answer is qualified by {w!r}")
+    if _OPERATION.search(text):  # "the sum of 2 and 3" is 5, not the list 2, 3
+        raise QualifiedAnswer("the answer names an operation on the values")
 
 
 def _unwrap_text(m: re.Match) -> str:
     inner = m.group(1).strip()
     low = inner.lower().strip(" .")
-    if low in _CONNECTIVES:  # "1 \text{ or } 2" is a list
-        return " , "
+    if low in _CONNECTIVES:  # "1 \text{ or } 2" is a list ("and" is checked against inequalities later)
+        return " , " if low == "or" else " and "
     if low == "percent":
         return " % "
     if low in (",", ";"):
@@ -134,7 +141,7 @@ def normalize_latex(text: str) -> tuple[str, bool]:
     s = re.sub(r"\\in(?![A-Za-z])", "∈", s)
     s = re.sub(r"\\(?:angle|measuredangle)(?![A-Za-z])", " ", s)
     # segment and vector names: \overline{AB}, \vec{v}, \mathbf{M} name the thing (letters only)
-    s = _NAME_MARK.sub(lambda m: " " + (m.group(1) or m.group(2)) + " ", s)
+    s = _NAME_MARK.sub(lambda m: " " + (m.group(1) or m.group(2) or m.group(3)) + " ", s)
     # matrices: \begin{pmatrix} a & b \\ c & d \end{pmatrix} (also bmatrix, matrix, array{cc})
     s = re.sub(r"\\begin\s*\{array\}\s*\{[^{}]*\}", r"\\begin{matrix}", s)
     s = re.sub(r"\\begin\s*\{[pbBvV]?matrix\}", r" \\matbegin ", s)
@@ -142,6 +149,9 @@ def normalize_latex(text: str) -> tuple[str, bool]:
     s = re.sub(r"^\s*\(\s*(\\matbegin\b.*\\matend)\s*\)\s*$", r"\1", s)
     for _ in range(3):  # nested text blocks
         s = _TEXT_BLOCK.sub(_unwrap_text, s)
+    if re.search(r"(?<![A-Za-z\\])and(?![A-Za-z])", s) and re.search(r"[<>≤≥]", s):
+        # "x > 1 and x < 3" is an intersection, not the list (union) that "and" makes elsewhere
+        raise QualifiedAnswer("inequalities joined by 'and'")
     s = re.sub(r"(?<![A-Za-z\\])(?:or|and)(?![A-Za-z])", " , ", s)  # "x = 1 or x = 2"
     s = re.sub(r"(?<![A-Za-z\\])percent(?![A-Za-z])", "%", s)
     s = s.replace("\\%", "%").strip()

@@ -79,7 +79,8 @@ def _reciprocal_names(a, b) -> bool:
     qa, qb = _quotient(a), _quotient(b)
     if isinstance(qa, sympy.Basic) and isinstance(qb, sympy.Basic):
         return qa * qb == 1 and qa != qb
-    return isinstance(a, Seq) and isinstance(b, Seq) and a.kind == b.kind == "ratio" and a.items == b.items[::-1] != a.items
+    return (isinstance(a, Seq) and isinstance(b, Seq) and a.kind == b.kind == "ratio" and a.items == b.items[::-1]
+            and a.items != b.items)
 
 
 def _reversed_value(v):

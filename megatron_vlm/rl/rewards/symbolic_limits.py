@@ -14,7 +14,7 @@ MAX_SYMBOLIC_OPS = 120
 """Expressions with more operations than this are not compared symbolically (answer: not equal)."""
 MAX_SYMBOLIC_DEGREE = 24
 """Powers of a symbolic base above this exponent are not expanded (answer: not equal)."""
-MAX_ITEM_PAIRS = 1024
+MAX_ITEM_PAIRS = 256
 """Two lists / sets whose item counts multiply to more than this are not compared (not equal)."""
 
 

@@ -29,7 +29,7 @@ from typing import Union
 
 import sympy
 
-from megatron_vlm.rl.rewards.latex_normalize import QualifiedAnswer, normalize_latex
+from megatron_vlm.rl.rewards.latex_normalize import QualifiedAnswer, normalize_latex, split_domain
 
 __all__ = ["LatexParseError", "Seq", "Rel", "Matrix", "ParsedAnswer", "normalize_latex", "parse_latex", "MAX_INPUT_CHARS"]
 
@@ -549,12 +549,37 @@ def parse_latex(text: str) -> ParsedAnswer:
         raise LatexParseError(f"expected a string, got {type(text).__name__}")
     if len(text) > MAX_INPUT_CHARS:
         raise LatexParseError("answer too long")
+    text, integer = split_domain(text)
     try:
         norm, percent = normalize_latex(text)
     except QualifiedAnswer as e:
         raise LatexParseError(str(e)) from None
     if not norm:
         raise LatexParseError("empty answer")
+    parsed = _parse_pm(norm, percent)
+    if integer is None:
+        return parsed
+    return ParsedAnswer(rename(parsed.value, {sympy.Symbol(integer): INTEGER_PARAMETER}), parsed.percent)
+
+
+INTEGER_PARAMETER = sympy.Symbol("ℤ")
+"""The integer parameter of a periodic answer ("k" in "k \\in \\mathbb{Z}"), whatever letter it had."""
+
+
+def rename(v, mapping: dict):
+    """Substitute symbols throughout a parsed value (a function's variable, an integer parameter)."""
+    if isinstance(v, sympy.Basic):
+        return v.xreplace(mapping)
+    if isinstance(v, Seq):
+        return Seq(v.kind, tuple(rename(i, mapping) for i in v.items), v.open, v.close)
+    if isinstance(v, Rel):
+        return Rel(v.ops, tuple(rename(i, mapping) for i in v.sides))
+    if isinstance(v, Matrix):
+        return Matrix(tuple(tuple(rename(i, mapping) for i in row) for row in v.rows))
+    return v
+
+
+def _parse_pm(norm: str, percent: bool) -> ParsedAnswer:
     n_pm = len(re.findall(r"\\(?:pm|mp)(?![A-Za-z])", norm))
     if n_pm == 0:
         return ParsedAnswer(_parse_tokens(norm), percent)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["QualifiedAnswer", "normalize_latex"]
+__all__ = ["QualifiedAnswer", "normalize_latex", "split_domain"]
 
 
 class QualifiedAnswer(ValueError):
@@ -110,6 +110,34 @@ def _drop_filler(s: str) -> str:
     return re.sub(r",\s*(?=,)", "", out)
 
 
+_DOMAIN = re.compile(
+    r"(?:\s|,|;|\\[,;:! ]|\\q?quad|~)*\(?\s*(?:\\text\s*\{\s*(?:where|for|with)\s*\}|where|for|with)?\s*"
+    r"([A-Za-z])\s*\\in\s*\\mathbb\s*\{?\s*([ZN])\s*\}?\s*(?:\^\s*\{?\s*[*+]\s*\}?|_\s*\{?\s*\+\s*\}?)?\s*\)?\s*\.?\s*$"
+)
+_SYSTEM = re.compile(
+    r"\\begin\s*\{cases\}(.*?)\\end\s*\{cases\}"
+    r"|\\left\s*\\\{\s*\\begin\s*\{array\}\s*\{[^{}]*\}(.*?)\\end\s*\{array\}\s*\\right\s*\.",
+    re.S,
+)
+
+
+def split_domain(text: str) -> tuple[str, str | None]:
+    """Remove a trailing domain clause: "x = \\frac{\\pi}{4} + k\\pi, k \\in \\mathbb{Z}" -> the answer and
+    "k" (the integer parameter, renamed by the parser so that k and n compare equal);
+    "a_n = 2n - 1 (n \\in \\mathbb{N}^*)" -> the answer and None (the index keeps its name)."""
+    m = _DOMAIN.search(text)
+    if m is None or m.start() == 0:
+        return text, None
+    return text[:m.start()], m.group(1) if m.group(2) == "Z" else None
+
+
+def _system(m: re.Match) -> str:
+    """\\begin{cases} x = 1 \\\\ y = 2 \\end{cases} (a system's solution) -> "x = 1, y = 2"."""
+    body = m.group(1) if m.group(1) is not None else m.group(2)
+    rows = [r.replace("&", " ").strip() for r in body.split("\\\\")]
+    return " " + " , ".join(r for r in rows if r) + " "
+
+
 def normalize_latex(text: str) -> tuple[str, bool]:
     """Rewrite formatting-only LaTeX into the parser's subset. Returns (text, had_percent).
 
@@ -120,6 +148,7 @@ def normalize_latex(text: str) -> tuple[str, bool]:
             s = s[len(a):len(s) - len(b)]
             break
     s = s.replace("\\$", " ").replace("$", " ")
+    s = _SYSTEM.sub(_system, s)
     s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![A-Za-z])\s*\.?", "", s)
     s = s.replace("\\\\", " \\rowsep ")  # matrix row separator, before "\\ " (a space) is dropped
     s = re.sub(r"\\(?:[,;:! ]|quad|qquad|displaystyle|limits)", " ", s).replace("~", " ")
@@ -139,7 +168,7 @@ def normalize_latex(text: str) -> tuple[str, bool]:
     s = re.sub(r"\\lt(?![A-Za-z])", "<", s)
     s = re.sub(r"\\gt(?![A-Za-z])", ">", s)
     s = re.sub(r"\\in(?![A-Za-z])", "∈", s)
-    s = re.sub(r"\\(?:angle|measuredangle)(?![A-Za-z])", " ", s)
+    s = re.sub(r"\\(?:angle|measuredangle|triangle)(?![A-Za-z])", " ", s)
     # segment and vector names: \overline{AB}, \vec{v}, \mathbf{M} name the thing (letters only)
     s = _NAME_MARK.sub(lambda m: " " + (m.group(1) or m.group(2) or m.group(3)) + " ", s)
     # matrices: \begin{pmatrix} a & b \\ c & d \end{pmatrix} (also bmatrix, matrix, array{cc})

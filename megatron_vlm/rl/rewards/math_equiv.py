@@ -251,6 +251,17 @@ def _candidates(p: ParsedAnswer) -> list:
     return [p.value]
 
 
+_CHOICE = re.compile(r"\s*(?:\\text(?:bf|rm)?\s*\{\s*)?\(\s*([A-Ea-e])\s*\)\s*\}?(?:\s|\\[ ,;:]|~)*(.*)", re.S)
+
+
+def _choice_label(text: str) -> tuple[str, str]:
+    """"\\textbf{(B)}\\ 12" -> ("b", "12"); "(C)" -> ("c", ""); anything else -> ("", "")."""
+    m = _CHOICE.fullmatch(strip_math_delimiters(text))
+    if m is None:
+        return "", ""
+    return m.group(1).lower(), m.group(2).strip()
+
+
 def math_equal(pred: str, gold: str, *, rel_tol: float = 1e-6, rounding_min_decimals: int = 2) -> bool:
     """Is the predicted answer text equivalent to the gold answer text? (see module docstring)."""
     if not isinstance(pred, str) or not isinstance(gold, str) or not pred.strip() or not gold.strip():
@@ -260,6 +271,16 @@ def math_equal(pred: str, gold: str, *, rel_tol: float = 1e-6, rounding_min_deci
         gold = boxed
     if normalize_text(pred) == normalize_text(gold):
         return True
+    (pl, pv), (gl, gv) = _choice_label(pred), _choice_label(gold)
+    if pl and gl:  # "\textbf{(B)}\ 12" against "(B) 12": the options are distinct, the letters decide
+        return pl == gl
+    if pl or gl:
+        letter, value, other = (pl, pv, gold) if pl else (gl, gv, pred)
+        if re.fullmatch(r"[a-e]", normalize_text(other)):
+            return letter == normalize_text(other)
+        if not value:
+            return False
+        pred, gold = (value, gold) if pl else (pred, value)
     try:
         p = parse_latex(pred)
         g = parse_latex(gold)

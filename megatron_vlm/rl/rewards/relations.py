@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import sympy
 from sympy.core.function import AppliedUndef
 
-from megatron_vlm.rl.rewards.latex_math import Matrix, Rel, Seq
+from megatron_vlm.rl.rewards.latex_math import Rel, Seq, rename
 from megatron_vlm.rl.rewards.symbolic_limits import too_big
 
 __all__ = ["is_name", "as_interval", "answer_side", "named_solutions", "by_names", "rel_equal"]
@@ -91,19 +91,6 @@ def _reversed_value(v):
     return None
 
 
-def _rename(v, mapping: dict):
-    """Substitute symbols (a function's variable) throughout a parsed value."""
-    if isinstance(v, sympy.Basic):
-        return v.xreplace(mapping)
-    if isinstance(v, Seq):
-        return Seq(v.kind, tuple(_rename(i, mapping) for i in v.items), v.open, v.close)
-    if isinstance(v, Rel):
-        return Rel(v.ops, tuple(_rename(i, mapping) for i in v.sides))
-    if isinstance(v, Matrix):
-        return Matrix(tuple(tuple(_rename(i, mapping) for i in row) for row in v.rows))
-    return v
-
-
 def _named_equal(na, va, nb, vb, eq: Eq) -> bool:
     """Two equations with named left sides: same name (P(t) and P(x) after renaming the variable,
     |PQ| and PQ, S_1:S_2 and S_1/S_2) and equal values, or reversed names and reversed values."""
@@ -112,7 +99,7 @@ def _named_equal(na, va, nb, vb, eq: Eq) -> bool:
             return False
         if na.func != nb.func or len(na.args) != len(nb.args) or len(set(na.args)) != len(na.args):
             return False
-        return eq(va, _rename(vb, dict(zip(nb.args, na.args))))
+        return eq(va, rename(vb, dict(zip(nb.args, na.args))))
     if _same_name(na, nb):
         return eq(va, vb)
     if _reciprocal_names(na, nb):

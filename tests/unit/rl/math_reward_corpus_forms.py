@@ -188,6 +188,27 @@ FORMS = [
     ("text_around", "Final answer: the area is $12\\sqrt{2}$ square units.", r"12\sqrt3", False),
     ("text_around", "**Answer**: There are no such numbers, not 42.", "42", False),
     ("text_around", B(r"\text{No, } 4 \text{ is not possible}"), "4", False),
+    # --- systems, periodic answers with their integer parameter, choice labels ----------------------------
+    ("lists", B(r"\begin{cases} x = 1 \\ y = 2 \end{cases}"), "(1, 2)", True),
+    ("lists", B(r"\left\{\begin{array}{l} x = 2 \\ y = -1 \end{array}\right."), "x = 2, y = -1", True),
+    ("lists", B(r"\begin{cases} x = 2 \\ y = 1 \end{cases}"), "(1, 2)", False),
+    ("lists", B(r"\left\{\begin{array}{l} x = 2 \\ y = 1 \end{array}\right."), "x = 2, y = -1", False),
+    ("multi_part", B(r"x = \frac{\pi}{4} + k\pi, k \in \mathbb{Z}"), r"x = \frac{\pi}{4} + n\pi \ (n \in \mathbb{Z})", True),
+    ("multi_part", B(r"\left[k\pi - \frac{\pi}{3}, k\pi + \frac{\pi}{6}\right] (k \in \mathbb{Z})"),
+     r"[n\pi - \frac{\pi}{3}, n\pi + \frac{\pi}{6}], n \in \mathbb{Z}", True),
+    ("multi_part", B(r"a_n = 2n - 1 \ (n \in \mathbb{N}^*)"), "2n - 1", True),
+    ("multi_part", B(r"x = \frac{\pi}{4} + 2k\pi, k \in \mathbb{Z}"), r"x = \frac{\pi}{4} + n\pi \ (n \in \mathbb{Z})", False),
+    ("multi_part", B(r"\left(k\pi - \frac{\pi}{3}, k\pi + \frac{\pi}{6}\right] (k \in \mathbb{Z})"),
+     r"[n\pi - \frac{\pi}{3}, n\pi + \frac{\pi}{6}], n \in \mathbb{Z}", False),
+    ("multi_part", B(r"a_n = 2n + 1 \ (n \in \mathbb{N}^*)"), "2n - 1", False),
+    ("text_around", B(r"\textbf{(B)}\ 12"), "12", True),
+    ("text_around", B(r"\textbf{(B)}\ 12"), "B", True),
+    ("text_around", B("12"), r"\textbf{(D) }12", True),
+    ("text_around", B(r"\textbf{(B)}\ 12"), r"\textbf{(C)}\ 12", False),
+    ("text_around", B(r"\textbf{(B)}\ 12"), "13", False),
+    ("text_around", B(r"\textbf{(B)}\ 12"), "C", False),
+    ("named", B(r"S_{\triangle ABC} = 6"), "6", True),
+    ("named", B(r"S_{\triangle ABC} = 6"), "12", False),
 ]
 
 FORM_KINDS = ("multi_box", "named", "ratio", "lists", "relations", "multi_part", "text_around")

@@ -135,6 +135,13 @@ def test_qualified_or_unsupported_answers_are_not_parsed(text):
         (r"\text{Answer: } (1, 2)", "(1, 2)", True),
         (r"x = \frac{1}{2} \text{ is the minimum point}", r"\frac12", True),
         (r"\text{No, } 4 \text{ is not possible}", "4", False),
+        # choice labels, systems, periodic answers
+        ("(B)", "C", False),
+        (r"\textbf{(B)}\ 12", "(C) 12", False),
+        (r"\textbf{(B)}\ 12", "12", True),
+        (r"\begin{cases} x = 1 \\ y = 2 \end{cases}", "(2, 1)", False),
+        (r"x = k\pi, k \in \mathbb{Z}", r"x = 2n\pi, n \in \mathbb{Z}", False),
+        (r"x = k\pi, k \in \mathbb{Z}", r"x = n\pi \ (n \in \mathbb{Z})", True),
         ("There are no such numbers, not 42", "42", False),
     ],
 )

@@ -293,12 +293,16 @@ class _Parser:
         self.take()
         self.enter()
         builder = self.set_builder_start()
-        if builder:  # "\{x \mid x > 3\}" is the relation's solution set (an interval once compared)
-            cond = self.relation()
+        if builder:  # "\{x \mid x > 3\}" is the relation's solution set (an interval once compared);
+            # conditions joined by "or" (a comma here) are a union
+            conds = [self.relation()]
+            while self.peek() == ("OP", ","):
+                self.take()
+                conds.append(self.relation())
             if self.take()[0] != "RSET":
                 raise LatexParseError("unsupported set-builder condition")
             self.depth -= 1
-            return cond
+            return conds[0] if len(conds) == 1 else Seq("set", tuple(conds))
         items = []
         if self.peek()[0] != "RSET":
             items.append(self.relation())

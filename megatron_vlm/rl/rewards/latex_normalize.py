@@ -169,6 +169,10 @@ def normalize_latex(text: str) -> tuple[str, bool]:
     s = re.sub(r"\\gt(?![A-Za-z])", ">", s)
     s = re.sub(r"\\in(?![A-Za-z])", "∈", s)
     s = re.sub(r"\\(?:angle|measuredangle|triangle)(?![A-Za-z])", " ", s)
+    # extremes as names: "f(x)_{\max}", "f_{\max}(x)", "y_{\min}" -> f_{max}, y_{min}
+    s = re.sub(r"_\s*\{\s*\\?(max|min)\s*\}|_\s*\\(max|min)(?![A-Za-z])", lambda m: "_{" + (m.group(1) or m.group(2)) + "}", s)
+    s = re.sub(r"([A-Za-z])\s*\(\s*[A-Za-z]\s*\)\s*(_\{(?:max|min)\})", r"\1\2", s)
+    s = re.sub(r"(_\{(?:max|min)\})\s*\(\s*[A-Za-z]\s*\)", r"\1", s)
     # segment and vector names: \overline{AB}, \vec{v}, \mathbf{M} name the thing (letters only)
     s = _NAME_MARK.sub(lambda m: " " + (m.group(1) or m.group(2) or m.group(3)) + " ", s)
     # matrices: \begin{pmatrix} a & b \\ c & d \end{pmatrix} (also bmatrix, matrix, array{cc})

@@ -45,12 +45,18 @@ def _symbol_quotient(v) -> bool:
     return up > 0
 
 
+_NAMED_FUNCS = (sympy.sin, sympy.cos, sympy.tan, sympy.cot, sympy.sec, sympy.csc)
+
+
 def is_name(v) -> bool:
-    """x, x_1, ABC, |PQ|, AE/EC, S_1:S_2, P(t), (x, y): the thing an equation's left side asks for."""
+    """x, x_1, ABC, |PQ|, AE/EC, S_1:S_2, P(t), \\cos A, (x, y): the thing an equation's left side
+    asks for."""
     if isinstance(v, Seq):
         return v.kind in ("tuple", "ratio") and all(is_name(i) for i in v.items)
     if isinstance(v, AppliedUndef):
         return all(isinstance(a, sympy.Symbol) for a in v.args)
+    if isinstance(v, _NAMED_FUNCS):  # "\\tan \\alpha = -\\frac43": the value of tan(alpha)
+        return isinstance(v.args[0], sympy.Symbol)
     return isinstance(v, sympy.Basic) and _symbol_quotient(v)
 
 

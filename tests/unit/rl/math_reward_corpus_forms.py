@@ -209,6 +209,15 @@ FORMS = [
     ("text_around", B(r"\textbf{(B)}\ 12"), "C", False),
     ("named", B(r"S_{\triangle ABC} = 6"), "6", True),
     ("named", B(r"S_{\triangle ABC} = 6"), "12", False),
+    ("named", "The value of $\\tan \\alpha$ is $\\boxed{-\\frac{4}{3}}$.", r"\tan\alpha = -\frac{4}{3}", True),
+    ("named", B(r"\cos A = \frac{3}{5}"), r"\frac35", True),
+    ("named", B(r"f(x)_{\max} = 3"), "3", True),
+    ("named", B(r"\sin A = \frac{3}{5}"), r"\cos A = \frac35", False),
+    ("named", B(r"f(x)_{\min} = 3"), r"f(x)_{\max} = 3", False),
+    ("named", B(r"\tan \alpha = \frac{4}{3}"), r"\tan\alpha = -\frac{4}{3}", False),
+    ("relations", B(r"(-\infty, -1) \cup (3, +\infty)"), r"\{x | x < -1 \text{ or } x > 3\}", True),
+    ("relations", B(r"(-\infty, -1] \cup (3, +\infty)"), r"\{x | x < -1 \text{ or } x > 3\}", False),
+    ("relations", B(r"[-1, +\infty)"), r"\{y | y > -1\}", False),
 ]
 
 FORM_KINDS = ("multi_box", "named", "ratio", "lists", "relations", "multi_part", "text_around")

@@ -18,6 +18,7 @@ preference follows math-verify's documented LaTeX extraction (boxed first), with
 """
 from __future__ import annotations
 
+import bisect
 import re
 from typing import Optional
 
@@ -60,12 +61,14 @@ MAX_JOINED_BOXES = 8
 MAX_BOX_GAP = 80
 
 
-def _scan_boxes(text: str) -> list[tuple[int, int, int, int]]:
+def _scan_boxes(text: str) -> list[tuple[int, int, int, int, bool]]:
     """One left-to-right pass (regex-driven, so the scan itself runs in C): every closed box as
-    (command start, content start, content end, end). Brace depth is a stack of open positions;
-    escaped braces (\\{ \\}) and other escapes do not count; an unclosed box is never returned."""
+    (command start, content start, content end, end, inside another box). Brace depth is a stack of
+    open positions; escaped braces (\\{ \\}) and other escapes do not count; an unclosed box is never
+    returned."""
     stack: list[tuple[int, int]] = []  # (content start, box command start or -1)
-    boxes: list[tuple[int, int, int, int]] = []
+    boxes: list[tuple[int, int, int, int, bool]] = []
+    open_boxes = 0
     pending_box, pending_cmd = -1, -1  # end of a "\boxed " token just read: a '{' right there opens the box
     for m in _BOX_SCAN.finditer(text):
         tok = m.group(0)
@@ -75,19 +78,21 @@ def _scan_boxes(text: str) -> list[tuple[int, int, int, int]]:
                 if end < len(text) and text[end] != "{" and end > m.start() + len(tok.rstrip()):
                     word = re.match(r"[^\s$]+", text[end:end + MAX_ANSWER_CHARS + 1])  # "\boxed 5"
                     if word:
-                        boxes.append((m.start(), end, end + word.end(), end + word.end()))
+                        boxes.append((m.start(), end, end + word.end(), end + word.end(), open_boxes > 0))
                 pending_box, pending_cmd = end, m.start()
             continue
         if tok == "{":
             stack.append((m.end(), pending_cmd if m.start() == pending_box else -1))
+            open_boxes += stack[-1][1] >= 0
         elif stack:
             start, cmd = stack.pop()
             if cmd >= 0:
-                boxes.append((cmd, start, m.start(), m.end()))
+                open_boxes -= 1
+                boxes.append((cmd, start, m.start(), m.end(), open_boxes > 0))
     return boxes
 
 
-def _joined_boxes(text: str, boxes: list[tuple[int, int, int, int]]) -> Optional[str]:
+def _joined_boxes(text: str, boxes: list[tuple[int, int, int, int, bool]]) -> Optional[str]:
     """The content of the box that opens last; when boxes before it are separated from it only by
     connectors (",", ";", "and", "or", "\\quad", math delimiters), all of them as one list:
     "$x = \\boxed{3}$ or $x = \\boxed{5}$" -> "x = 3, x = 5", "\\boxed{3}, \\boxed{5}" -> "3, 5"."""
@@ -96,12 +101,14 @@ def _joined_boxes(text: str, boxes: list[tuple[int, int, int, int]]) -> Optional
     last = max(boxes, key=lambda b: b[1])
     chain = [last]
     names = [""]
-    ends = sorted((b for b in boxes if b[3] <= last[0]), key=lambda b: b[3])
-    while ends and len(chain) < MAX_JOINED_BOXES:
-        prev = ends.pop()
-        if any(b[0] < prev[0] and b[3] > prev[3] for b in boxes):  # nested in another box
+    by_end = sorted(boxes, key=lambda b: b[3])
+    ends = [b[3] for b in by_end]
+    while len(chain) < MAX_JOINED_BOXES:
+        k = bisect.bisect_right(ends, chain[0][0])  # the box that closes last before this one opens
+        if k == 0:
             break
-        if chain[0][0] - prev[3] > MAX_BOX_GAP:
+        prev = by_end[k - 1]
+        if prev[4] or chain[0][0] - prev[3] > MAX_BOX_GAP:  # inside another box, or too far
             break
         gap = _BOX_GAP.fullmatch(text, prev[3], chain[0][0])
         if gap is None:
@@ -109,7 +116,6 @@ def _joined_boxes(text: str, boxes: list[tuple[int, int, int, int]]) -> Optional
         names[0] = gap.group("name") or ""
         chain.insert(0, prev)
         names.insert(0, "")
-        ends = [b for b in ends if b[3] <= prev[0]]
     items = [text[b[1]:b[2]].strip() for b in chain]
     if len(chain) == 1:
         return items[0]

@@ -57,6 +57,8 @@ def is_name(v) -> bool:
         return all(isinstance(a, sympy.Symbol) for a in v.args)
     if isinstance(v, _NAMED_FUNCS):  # "\\tan \\alpha = -\\frac43": the value of tan(alpha)
         return isinstance(v.args[0], sympy.Symbol)
+    if isinstance(v, sympy.Add):  # "a + b = 5", "AB + BC = 7" (no coefficients: "a - b", "2a + b" are not)
+        return all(_symbol_quotient(t) for t in v.args)
     return isinstance(v, sympy.Basic) and _symbol_quotient(v)
 
 
@@ -116,8 +118,18 @@ def _named_equal(na, va, nb, vb, eq: Eq) -> bool:
 
 def answer_side(r: Rel):
     """The value an equation states, "x = 5" -> 5 (chains "x = 4 = 2^2" -> the last side)."""
-    if all(op == "=" for op in r.ops) and is_name(r.sides[0]):
+    if not all(op == "=" for op in r.ops):
+        return None
+    if is_name(r.sides[0]):
         return r.sides[-1]
+    # a computation ending in its value, "3 \times 4 = 12": every side the same number
+    last = r.sides[-1]
+    if all(isinstance(s, sympy.Basic) and s.is_number for s in r.sides):
+        try:
+            if all(abs(complex(sympy.N(s - last, 30))) < 1e-9 for s in r.sides[:-1]):
+                return last
+        except (TypeError, ValueError, OverflowError):
+            return None
     return None
 
 
@@ -293,7 +305,11 @@ def rel_equal(a: Rel, b: Rel, eq: Eq) -> bool:
     <, <=); chains side by side, or flipped."""
     if len(a.ops) == 1 and len(b.ops) == 1:
         if a.ops[0] == "=" == b.ops[0] and is_name(a.sides[0]) and is_name(b.sides[0]):
-            return _named_equal(a.sides[0], a.sides[1], b.sides[0], b.sides[1], eq)
+            if _named_equal(a.sides[0], a.sides[1], b.sides[0], b.sides[1], eq):
+                return True
+            if _same_name(a.sides[0], b.sides[0]) or not all(isinstance(x, sympy.Basic) for x in a.sides + b.sides):
+                return False
+            # different names may still be the same equation: "x + y = 5" is the line "y = 5 - x"
         if not all(isinstance(x, sympy.Basic) for x in a.sides + b.sides):
             return (a.ops == b.ops and all(eq(x, y) for x, y in zip(a.sides, b.sides))) or (
                 b.ops[0] == _FLIP[a.ops[0]] and all(eq(x, y) for x, y in zip(a.sides, b.sides[::-1]))

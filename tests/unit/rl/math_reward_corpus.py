@@ -324,9 +324,9 @@ _C = [
 ]
 
 # Left out as ambiguous (a careful reader could label them either way): "e" / "i" as Euler's number
-# or the imaginary unit vs plain symbols, "1e3" as scientific notation vs 1*e*3, an equation such as
-# "x + y = 5" against the value 5. (A repeated list item, "1, 2, 2" vs "1, 2", is labelled equal: a
-# list of answers is the set of solutions; see math_reward_corpus_forms.py.)
+# or the imaginary unit vs plain symbols, "1e3" as scientific notation vs 1*e*3. (An equation such as
+# "a + b = 5" against the value 5, and a repeated list item, "1, 2, 2" vs "1, 2", are labelled
+# equal, as math-verify counts them: see math_reward_corpus_forms.py.)
 
 
 _MORE = [

@@ -26,6 +26,7 @@ __all__ = [
     "MAX_ANSWER_CHARS",
     "last_boxed",
     "boxed_answer",
+    "last_boxes",
     "last_tag_content",
     "answer_phrase",
     "last_math_env",
@@ -142,6 +143,28 @@ def boxed_answer(text: str) -> Optional[str]:
     if not isinstance(text, str) or ("\\boxed" not in text and "\\fbox" not in text):
         return None
     return _joined_boxes(text, _scan_boxes(text))
+
+
+_PART_MARK = re.compile(
+    r"(?:^|\n)[ \t#*>]*(?:\*\*)?[ \t]*(?:\(\s*(?:\d|[IV]{1,3}|[ivx]{1,3})\s*\)|(?:\d|[IV]{1,3})[.)](?!\d)|Part\s+\(?\w\)?)"
+)
+
+
+def last_boxes(text: str, k: int) -> Optional[str]:
+    """The last k boxes that are not inside another box, joined as one list ("3, 5"), when each
+    follows a new part of the solution: a line starting with "(2)", "2.", "(II)", "Part 2", ...
+    ("(1) ... \\boxed{a_n = 2n - 1} ... (2) ... \\boxed{T_n = n^2}"). None when there are fewer boxes
+    or a box is not in a part of its own: "First \\boxed{4}. Wait, ... \\boxed{5}" is one answer, 5.
+    The caller decides when k parts are wanted."""
+    if not isinstance(text, str) or k < 2 or k > MAX_JOINED_BOXES or "\\boxed" not in text and "\\fbox" not in text:
+        return None
+    top = sorted((b for b in _scan_boxes(text) if not b[4]), key=lambda b: b[0])
+    if len(top) < k:
+        return None
+    chosen = top[-k:]
+    if any(_PART_MARK.search(text, a[3], b[0]) is None for a, b in zip(chosen, chosen[1:])):
+        return None
+    return ", ".join(text[b[1]:b[2]].strip() for b in chosen)
 
 
 def last_tag_content(text: str, tag: str) -> Optional[str]:

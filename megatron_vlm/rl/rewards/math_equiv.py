@@ -33,7 +33,7 @@ from megatron_vlm.rl.rewards.latex_math import LatexParseError, Matrix, ParsedAn
 from megatron_vlm.rl.rewards.relations import answer_side, as_interval, by_names, named_solutions, rel_equal
 from megatron_vlm.rl.rewards.symbolic_limits import MAX_ITEM_PAIRS, MAX_SYMBOLIC_DEGREE, MAX_SYMBOLIC_OPS, too_big
 
-__all__ = ["normalize_text", "math_equal", "values_equal", "MAX_SYMBOLIC_OPS", "MAX_SYMBOLIC_DEGREE"]
+__all__ = ["normalize_text", "math_equal", "values_equal", "answer_parts", "MAX_SYMBOLIC_OPS", "MAX_SYMBOLIC_DEGREE"]
 
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
 _PROBES = (sympy.Rational(7, 13), sympy.Rational(-11, 7), sympy.Rational(23, 9), sympy.Rational(-3, 17), sympy.Rational(5, 3))
@@ -260,6 +260,17 @@ def _choice_label(text: str) -> tuple[str, str]:
     if m is None:
         return "", ""
     return m.group(1).lower(), m.group(2).strip()
+
+
+def answer_parts(gold: str) -> int:
+    """How many items the reference answer lists ("a_n = 2n - 1, T_n = n^2" -> 2); 1 when it is not a
+    list or does not parse."""
+    boxed = boxed_answer(gold) if isinstance(gold, str) else None
+    try:
+        value = parse_latex(boxed if boxed is not None else gold).value
+    except LatexParseError:
+        return 1
+    return len(value.items) if isinstance(value, Seq) and value.kind == "set" and value.items else 1
 
 
 def math_equal(pred: str, gold: str, *, rel_tol: float = 1e-6, rounding_min_decimals: int = 2) -> bool:

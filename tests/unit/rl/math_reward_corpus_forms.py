@@ -40,6 +40,15 @@ FORMS = [
     ("multi_box", r"So $x = \boxed{-1}$, $y = \boxed{2}$.", "(2, -1)", False),
     ("multi_box", r"First guess \boxed{4}. After checking the cases, the answer is \boxed{5}.", "4, 5", False),
     ("multi_box", r"\boxed{x_1 = -2}, \boxed{x_2 = -4}", "-2, 4", False),
+    # an answer in parts, each boxed where it is solved
+    ("multi_box", "(1) From $a_1 = 1$ and $d = 2$ we get $\\boxed{a_n = 2n - 1}$.\n\n(2) Summing, $\\boxed{S_n = n^2}$.",
+     "a_n = 2n - 1, S_n = n^2", True),
+    ("multi_box", "**Part (I)**\nSo $\\boxed{2}$.\n\n**Part (II)**\nHence the range is $\\boxed{[1, 3)}$.", "2; [1, 3)", True),
+    ("multi_box", "1. The value is $\\boxed{2}$.\n2. The minimum is $\\boxed{-\\frac{1}{2}}$.", r"2, -\frac12", True),
+    ("multi_box", "(1) From $a_1 = 1$ and $d = 2$ we get $\\boxed{a_n = 2n + 1}$.\n\n(2) Summing, $\\boxed{S_n = n^2}$.",
+     "a_n = 2n - 1, S_n = n^2", False),
+    ("multi_box", "**Part (I)**\nSo $\\boxed{2}$.\n\n**Part (II)**\nHence the range is $\\boxed{[1, 3)}$.", "2; [1, 3]", False),
+    ("multi_box", r"First \boxed{-\frac{1}{2}}. Wait, that is the maximum; the answer is \boxed{2}.", r"2, -\frac12", False),
     ("multi_box", r"So $x = \boxed{1}$ or $x = \boxed{-1}$.", "1", False),
     # --- a named relation against its value ------------------------------------------------------------
     ("named", B("2"), "|PQ| = 2", True),

@@ -9,7 +9,7 @@ ratios) are hang guards, not timings (those live in benchmarks/math_reward_bench
 """
 import pytest
 
-from megatron_vlm.rl.rewards.extract import boxed_answer, extract_answer, last_boxed
+from megatron_vlm.rl.rewards.extract import boxed_answer, extract_answer, last_boxed, last_boxes
 from megatron_vlm.rl.rewards.latex_math import LatexParseError, Seq, parse_latex
 from megatron_vlm.rl.rewards.math_equiv import math_equal
 from megatron_vlm.rl.rewards.verifiers import math_reward
@@ -34,6 +34,17 @@ from megatron_vlm.rl.rewards.verifiers import math_reward
 )
 def test_several_boxes(text, expected):
     assert extract_answer(text) == expected
+
+
+def test_answer_in_parts():
+    parts = "(1) So $\\boxed{a_n = 2n - 1}$.\n\n(2) Summing, $\\boxed{S_n = n^2}$."
+    assert last_boxes(parts, 2) == "a_n = 2n - 1, S_n = n^2"
+    assert last_boxes(parts, 3) is None
+    assert last_boxes(r"First \boxed{4}. Wait, the answer is \boxed{5}.", 2) is None  # no new part
+    assert math_reward(parts, "a_n = 2n - 1, S_n = n^2") == 1.0
+    assert math_reward(parts, "S_n = n^2") == 1.0
+    assert math_reward(parts, "a_n = 2n - 1, S_n = n^2 + 1") == 0.0
+    assert math_reward(r"First \boxed{4}. Wait, the answer is \boxed{5}.", "4, 5") == 0.0
 
 
 def test_last_boxed_is_unchanged():

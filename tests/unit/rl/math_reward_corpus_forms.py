@@ -197,6 +197,10 @@ FORMS = [
     ("text_around", "Final answer: the area is $12\\sqrt{2}$ square units.", r"12\sqrt3", False),
     ("text_around", "**Answer**: There are no such numbers, not 42.", "42", False),
     ("text_around", B(r"\text{No, } 4 \text{ is not possible}"), "4", False),
+    ("text_around", B(r"\text{The projection is } \begin{pmatrix} 1 \\ 2 \end{pmatrix}"), "(1, 2)", True),
+    ("text_around", B(r"\text{The range is } [1, 3)"), "[1, 3)", True),
+    ("text_around", B(r"\text{The projection is } \begin{pmatrix} 2 \\ 1 \end{pmatrix}"), "(1, 2)", False),
+    ("text_around", B(r"\text{The range is } [1, 3]"), "[1, 3)", False),
     # --- systems, periodic answers with their integer parameter, choice labels ----------------------------
     ("lists", B(r"\begin{cases} x = 1 \\ y = 2 \end{cases}"), "(1, 2)", True),
     ("lists", B(r"\left\{\begin{array}{l} x = 2 \\ y = -1 \end{array}\right."), "x = 2, y = -1", True),

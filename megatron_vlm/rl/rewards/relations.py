@@ -307,9 +307,11 @@ def rel_equal(a: Rel, b: Rel, eq: Eq) -> bool:
         if a.ops[0] == "=" == b.ops[0] and is_name(a.sides[0]) and is_name(b.sides[0]):
             if _named_equal(a.sides[0], a.sides[1], b.sides[0], b.sides[1], eq):
                 return True
+            if not (isinstance(a.sides[0], sympy.Add) or isinstance(b.sides[0], sympy.Add)):
+                return False  # "a = 1.5" is not "b = 1.5", "y_1 = ..." not "y_2 = ...", "P(t)" not "Q(t)"
             if _same_name(a.sides[0], b.sides[0]) or not all(isinstance(x, sympy.Basic) for x in a.sides + b.sides):
                 return False
-            # different names may still be the same equation: "x + y = 5" is the line "y = 5 - x"
+            # a sum of names may still be the same equation as another: "x + y = 5" is "y = 5 - x"
         if not all(isinstance(x, sympy.Basic) for x in a.sides + b.sides):
             return (a.ops == b.ops and all(eq(x, y) for x, y in zip(a.sides, b.sides))) or (
                 b.ops[0] == _FLIP[a.ops[0]] and all(eq(x, y) for x, y in zip(a.sides, b.sides[::-1]))

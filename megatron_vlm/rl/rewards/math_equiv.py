@@ -2,6 +2,8 @@
 
 `math_equal(pred, gold)` is the core of the math verifier. Order of checks:
 1. normalised strings are equal ("Yes" vs "yes.", "\\text{B}" vs "B", "\\text{(C)}" vs "C");
+   a choice label with its value ("\\textbf{(B)}\\ 12") compares by letter with a lettered answer, by
+   value otherwise;
 2. both parse (latex_math, no evaluation of text) and their values agree:
    - numbers: |a - b| <= rel_tol * max(|a|, |b|) (1e-9 absolute near zero); a decimal written with
      d >= 2 places matches any value that rounds to it: a prediction (5.20 for 3\\sqrt{3}) or a gold
@@ -10,14 +12,19 @@
    - expressions with symbols: expand(a - b) == 0, else numeric probes at fixed points of mixed sign
      (symbolic work is capped first: over MAX_SYMBOLIC_OPS operations or a power of a symbolic base
      above MAX_SYMBOLIC_DEGREE, the answer is "not equal" without any expansion);
-   - tuples / intervals element-wise with the same brackets; sets / lists as multisets; a one-item set
-     equals its item; `\\emptyset` the empty set;
-   - inequalities in one variable (x > 3, 3 < x, 2x > 6, -1 < x \\le 4, chains flipped) are intervals,
-     so they match interval notation and each other; other relations match when sides flipped and
-     multiplied out agree: (l1 - r1) = c * (l2 - r2) with c a constant (c > 0 for <, <=);
-   - equations: "x = 5" (a named left side: x, x_1, ABC, f(x), (x, y)) against a value compares the
-     right-hand side, in both directions; two equations with the same named left side compare their
-     right-hand sides; a list "x = 2, y = 3" matches the tuple (2, 3);
+   - tuples / intervals element-wise with the same brackets; sets / lists as sets (any order, a
+     repeated element counts once); a set equals a single value only when every element is it
+     ("\\{-1\\}" = -1, "2, 5" != 2); `\\emptyset` the empty set; ratios a:b:c up to a positive factor,
+     a two-part ratio also as its quotient;
+   - inequalities in one variable (x > 3, 3 < x, 2x > 6, -1 < 2x + 1 < 5, -1 < g(t) < 2, |x - 1| <= 2,
+     2 <= |w| <= 3, chains flipped) are intervals or unions, so they match interval notation and each
+     other; other relations match when sides flipped and multiplied out agree: (l1 - r1) = c * (l2 - r2)
+     with c a constant (c > 0 for <, <=) (relations.py);
+   - equations: "x = 5" with a named left side (x, ABC, |PQ|, AE/EC, S_1:S_2, a + b, \\cos A, P(t),
+     (x, y); relations.is_name) against a value compares the right-hand side, in both directions; two
+     equations with the same name compare their right-hand sides (P(t) and P(x) after renaming the
+     variable, reversed ratio names with reversed values); equations in repeated blocks
+     ("x=1, y=2; x=3, y=0") are solution tuples;
    - matrices element-wise; a one-column or one-row matrix also matches a tuple.
 Everything is bounded before sympy starts; callers still run this in a reward worker with a timeout.
 """

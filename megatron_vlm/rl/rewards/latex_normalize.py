@@ -124,6 +124,12 @@ _SYSTEM = re.compile(
 )
 
 
+_WHERE_ATTAINED = re.compile(
+    r"\s*(?:\\text\s*\{\s*(?:at|when|where)\s*\}|(?<![A-Za-z\\])(?:at|when|where)(?![A-Za-z]))\s*"
+    r"[A-Za-z](?:_\s*\{?\s*[A-Za-z0-9]+\s*\}?)?\s*=\s*[^,<>=]*$"
+)
+
+
 def split_domain(text: str) -> tuple[str, str | None]:
     """Remove a trailing domain clause: "x = \\frac{\\pi}{4} + k\\pi, k \\in \\mathbb{Z}" -> the answer and
     "k" (the integer parameter, renamed by the parser so that k and n compare equal);
@@ -151,6 +157,10 @@ def normalize_latex(text: str) -> tuple[str, bool]:
             s = s[len(a):len(s) - len(b)]
             break
     s = s.replace("\\$", " ").replace("$", " ")
+    # "-\frac14 \text{ at } x = \frac12", "3 when x = 1": where an extreme is attained is not the value
+    m = _WHERE_ATTAINED.search(s)
+    if m and s[:m.start()].strip():
+        s = s[:m.start()]
     s = _SYSTEM.sub(_system, s)
     s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![A-Za-z])\s*\.?", "", s)
     s = s.replace("\\\\", " \\rowsep ")  # matrix row separator, before "\\ " (a space) is dropped

@@ -201,6 +201,10 @@ FORMS = [
     ("text_around", B(r"\text{The range is } [1, 3)"), "[1, 3)", True),
     ("text_around", B(r"\text{The projection is } \begin{pmatrix} 2 \\ 1 \end{pmatrix}"), "(1, 2)", False),
     ("text_around", B(r"\text{The range is } [1, 3]"), "[1, 3)", False),
+    ("text_around", B(r"\text{Minimum value is } -\frac{1}{4} \text{ at } x = \frac{1}{2}"), r"-\frac14", True),
+    ("text_around", B(r"3 \text{ when } x = 1"), "3", True),
+    ("text_around", B(r"\text{Minimum value is } -\frac{1}{2} \text{ at } x = \frac{1}{4}"), r"-\frac14", False),
+    ("text_around", B(r"3 \text{ when } x > 1"), "3", False),
     # --- systems, periodic answers with their integer parameter, choice labels ----------------------------
     ("lists", B(r"\begin{cases} x = 1 \\ y = 2 \end{cases}"), "(1, 2)", True),
     ("lists", B(r"\left\{\begin{array}{l} x = 2 \\ y = -1 \end{array}\right."), "x = 2, y = -1", True),

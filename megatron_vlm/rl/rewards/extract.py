@@ -109,7 +109,7 @@ def _joined_boxes(text: str, boxes: list[tuple[int, int, int, int, bool]]) -> Op
         if k == 0:
             break
         prev = by_end[k - 1]
-        if prev[4] or chain[0][0] - prev[3] > MAX_BOX_GAP:  # inside another box, or too far
+        if prev[4] != last[4] or chain[0][0] - prev[3] > MAX_BOX_GAP:  # another nesting level, or too far
             break
         gap = _BOX_GAP.fullmatch(text, prev[3], chain[0][0])
         if gap is None:
@@ -204,9 +204,17 @@ def _math_envs(text: str) -> list[tuple[int, int, str]]:
 
 
 def last_math_env(text: str) -> Optional[str]:
-    """Content of the last non-empty math environment ($...$, $$...$$, \\(...\\), \\[...\\])."""
+    """Content of the last non-empty math environment ($...$, $$...$$, \\(...\\), \\[...\\]), with the
+    environments just before it that only connectors separate from it, as one list ("so $x = 2$ or
+    $x = 3$" -> "x = 2, x = 3"; "the area is $6$ and the side is $3$" -> "3")."""
     envs = [e for e in _math_envs(text) if e[2]]
-    return envs[-1][2] if envs else None
+    if not envs:
+        return None
+    k = len(envs) - 1
+    while k > 0 and len(envs) - k < MAX_JOINED_BOXES and envs[k][0] - envs[k - 1][1] <= MAX_BOX_GAP and \
+            _CONNECTOR.fullmatch(text, envs[k - 1][1], envs[k][0]):
+        k -= 1
+    return ", ".join(e[2] for e in envs[k:])
 
 
 def _after_phrase(rest: str) -> Optional[str]:

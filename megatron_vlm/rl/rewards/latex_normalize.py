@@ -156,6 +156,7 @@ def normalize_latex(text: str) -> tuple[str, bool]:
         if len(s) >= len(a) + len(b) and s.startswith(a) and s.endswith(b):
             s = s[len(a):len(s) - len(b)]
             break
+    s = re.sub(r"\.?\s*I hope it is correct\.?\s*$", "", s)  # the closing line of a common answer format
     s = s.replace("\\$", " ").replace("$", " ")
     # "-\frac14 \text{ at } x = \frac12", "3 when x = 1": where an extreme is attained is not the value
     m = _WHERE_ATTAINED.search(s)

@@ -205,6 +205,16 @@ FORMS = [
     ("text_around", B(r"3 \text{ when } x = 1"), "3", True),
     ("text_around", B(r"\text{Minimum value is } -\frac{1}{2} \text{ at } x = \frac{1}{4}"), r"-\frac14", False),
     ("text_around", B(r"3 \text{ when } x > 1"), "3", False),
+    ("text_around", r"\boxed{Therefore, the final answer is $\frac{1}{2}$. I hope it is correct.}", "0.5", True),
+    ("text_around", r"\boxed{Therefore, the final answer is $\frac{1}{3}$. I hope it is correct.}", "0.5", False),
+    # no box: the last math environments, joined when only connectors separate them
+    ("lists", "Solving the quadratic, we get $x = 2$ or $x = 3$.", "2, 3", True),
+    ("lists", "We get $a = 12$ and $b = 3$.", "a = 12, b = 3", True),
+    ("lists", "The area is $6$ and the side is $3$.", "3", True),
+    ("lists", "Solving the quadratic, we get $x = 2$ or $x = 3$.", "3", False),
+    ("lists", "We get $a = 12$ and $b = 4$.", "a = 12, b = 3", False),
+    ("multi_box", r"\boxed{Thus $\boxed{3}$ and $\boxed{5}$}", "3, 5", True),
+    ("multi_box", r"\boxed{Thus $\boxed{3}$ and $\boxed{5}$}", "5", False),
     # --- systems, periodic answers with their integer parameter, choice labels ----------------------------
     ("lists", B(r"\begin{cases} x = 1 \\ y = 2 \end{cases}"), "(1, 2)", True),
     ("lists", B(r"\left\{\begin{array}{l} x = 2 \\ y = -1 \end{array}\right."), "x = 2, y = -1", True),

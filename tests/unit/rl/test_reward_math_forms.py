@@ -29,11 +29,14 @@ from megatron_vlm.rl.rewards.verifiers import math_reward
         ("$\\boxed{2}$\n\n**Final Answer**\n$\\boxed{3}$", "3"),
         ("\\boxed{2}" + " " * 200 + "\\boxed{3}", "3"),  # a long gap is not a connector
         (r"\boxed{1} then \boxed{\boxed{2}}", "2"),  # nested: the inner box, as before
+        (r"\boxed{Thus $\boxed{3}$ and $\boxed{5}$}", "3, 5"),  # both inside the same box
+        ("Solving, we get $x = 2$ or $x = 3$.", "x = 2, x = 3"),  # no box: the last math, joined
+        ("The area is $6$ and the side is $3$.", "3"),
         (r"\boxed{2} and an unclosed \boxed{3", "2"),
     ],
 )
 def test_several_boxes(text, expected):
-    assert extract_answer(text) == expected
+    assert extract_answer(text, fallback_last_math=True) == expected
 
 
 def test_answer_in_parts():

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterator, Mapping, Optional, T
 
 import torch
 
+from megatron_vlm.errors import ConfigError
+
 if TYPE_CHECKING:  # the checks themselves live in availability.py; this module imports no sibling
     from .availability import Check
 
@@ -47,8 +49,11 @@ AUTO = "auto"
 _NO_SCOPE: Mapping[str, str] = MappingProxyType({})
 
 
-class BackendUnavailableError(RuntimeError):
-    """A forced backend cannot run this call (not installed, wrong device, unsupported dtype ...)."""
+class BackendUnavailableError(ConfigError, RuntimeError):
+    """A forced backend cannot run this call (not installed, wrong device, unsupported dtype ...).
+
+    A `ConfigError` (the `[kernels]` key asks for what this run cannot do: the runner exits 2) and still a
+    `RuntimeError`, as callers that predate that catch it."""
 
 
 class _Slot:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from megatron_vlm.checkpoint.peft_format import PeftNames, read_peft_adapter, save_peft_adapter
+from megatron_vlm.errors import ConfigError
 from megatron_vlm.models.common.lora import LORA_KEY_PARTS, apply_lora, lora_modules, lora_scaling, merge_lora_
 
 __all__ = ["LoRASetupError", "DEFAULT_TARGETS", "select_lora_targets", "setup_lora", "lora_factors", "write_adapter", "base_state_dict",
@@ -39,7 +40,7 @@ __all__ = ["LoRASetupError", "DEFAULT_TARGETS", "select_lora_targets", "setup_lo
 
 log = logging.getLogger("megatron_vlm")
 
-class LoRASetupError(ValueError):
+class LoRASetupError(ConfigError):
     """A `[lora]` key that cannot be applied to this model (the run exits 2, as for a config error)."""
 
 

@@ -95,6 +95,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 
 from megatron_vlm import kernels
+from megatron_vlm.errors import ConfigError
 from megatron_vlm.kernels.availability import import_error
 from megatron_vlm.models.common.attention import attend
 from megatron_vlm.models.common.decoder import DecoderLayer
@@ -113,7 +114,7 @@ logger = logging.getLogger(__name__)
 _WRAPPED = re.compile(r"^(?P<pre>.*\blayers\.(?P<i>\d+)\.)mcore\.(?P<name>.+)$")
 
 
-class McoreBackendError(ValueError):
+class McoreBackendError(ConfigError):
     """The model or run cannot use megatron-core layers (a config error: exit 2)."""
 
 

@@ -222,6 +222,14 @@ class KernelRegistry:
             backend.slot.fn = getattr(importlib.import_module(module), attr)
         return backend.slot.fn
 
+    def implementation(self, op: str, name: str) -> Callable:
+        """Backend `name` of `op` itself, whatever the configuration chooses: how a backend reaches another one
+        (DeepEP's adapter falls back to the `torch` all-to-all) without importing the package that defines it."""
+        backends = self._backends_of(op)
+        if name not in backends:
+            raise KeyError(f"kernels: op {op!r} has no backend {name!r}; known: {', '.join(sorted(backends))}")
+        return self._load(backends[name])
+
     def resolve(self, op: str, x: torch.Tensor) -> Callable:
         """The implementation to call for `op` given its first tensor argument.
 

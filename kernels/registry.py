@@ -42,6 +42,7 @@ from megatron_vlm.errors import ConfigError
 
 if TYPE_CHECKING:  # the checks themselves live in availability.py; this module imports no sibling
     from .availability import Check
+    from .config import KernelsConfig
 
 logger = logging.getLogger("megatron_vlm.kernels")
 
@@ -104,7 +105,7 @@ class KernelRegistry:
     def ops(self) -> Tuple[str, ...]:
         return tuple(self.backends)
 
-    def validated(self, choices: Mapping[str, str]) -> Dict[str, str]:
+    def validated(self, choices: "Mapping[str, str] | KernelsConfig") -> Dict[str, str]:
         """choices (a dict op -> backend or "auto", or a KernelsConfig) as a dict, checked against the
         registered ops and backends (KeyError naming the unknown op / backend)."""
         if hasattr(choices, "as_dict"):
@@ -119,7 +120,7 @@ class KernelRegistry:
                 )
         return dict(choices)
 
-    def configure(self, choices: Mapping[str, str]) -> Dict[str, str]:
+    def configure(self, choices: "Mapping[str, str] | KernelsConfig") -> Dict[str, str]:
         """Set the process default ("auto" = choose) per op; returns the previous default (to restore)."""
         choices = self.validated(choices)
         previous = dict(self.forced)
@@ -269,7 +270,7 @@ def register_backend(
     (registry or DEFAULT_REGISTRY).register(op, Backend(name, target, check, tuple(auto_devices), priority))
 
 
-def configure(choices: Mapping[str, str]) -> Dict[str, str]:
+def configure(choices: "Mapping[str, str] | KernelsConfig") -> Dict[str, str]:
     """Apply a `[kernels]` section (dict op -> backend or "auto", or a KernelsConfig) as the process
     default; returns the previous default."""
     return DEFAULT_REGISTRY.configure(choices)

@@ -91,8 +91,8 @@ def changed_keys(section) -> list[str]:
     for f in dataclasses.fields(section):
         if f.default is not dataclasses.MISSING:
             default = f.default
-        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            default = f.default_factory()  # type: ignore[misc]
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
         else:
             continue
         if getattr(section, f.name) != default:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 from torch import nn
@@ -70,7 +70,7 @@ def select_lora_targets(model: nn.Module, hf_config: dict, patterns: list[str], 
             continue
         if not include_vision and not name.startswith("language_model."):
             continue
-        peft = names.to_peft(name, tuple(mod.weight.shape))
+        peft = names.to_peft(name, cast(tuple[int, int], tuple(mod.weight.shape)))
         if peft is None:  # fused / reshaped in the HF checkpoint (e.g. Qwen2.5-VL's vision qkv): no PEFT name
             continue
         matched = [pat for pat, m in matchers if m(peft)]
@@ -111,7 +111,7 @@ def setup_lora(model: nn.Module, cfg, hf_config: dict) -> dict[str, str]:
             mod = modules.get(ours)
             if type(mod) is not nn.Linear:
                 raise ValueError(f"lora.init_from: {ours} is not a linear layer of the model")
-            selected[ours] = names.to_peft(ours, tuple(mod.weight.shape)) or ours
+            selected[ours] = names.to_peft(ours, cast(tuple[int, int], tuple(mod.weight.shape))) or ours
     else:
         selected = select_lora_targets(model, hf_config, cfg.target_modules, include_vision=cfg.include_vision)
     apply_lora(model, selected, r=cfg.r, alpha=cfg.alpha, dropout=cfg.dropout, use_rslora=cfg.use_rslora, init=cfg.init)

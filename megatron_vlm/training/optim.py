@@ -40,7 +40,8 @@ def build_optim_state(model: torch.nn.Module, ctx_cfg, device_type: str, num_ste
 
 
 def build_optimizer(model: torch.nn.Module, opt_cfg, device_type: str) -> torch.optim.Optimizer:
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue

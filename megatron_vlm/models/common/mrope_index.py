@@ -199,10 +199,3 @@ def cached_mrope_position_ids(
     pos = start + valid.cumsum(-1) - 1 + kv_cache.rope_deltas.to(input_ids.device)
     pos = pos.masked_fill(valid == 0, 0)
     return pos.unsqueeze(0).expand(3, -1, -1)
-
-
-def mrope_inputs(inputs: dict) -> dict:
-    """The forward inputs a family's `compute_position_ids` takes (grids, frame intervals, token types), from
-    the inputs it was given (`VLMBase.forward`: only those the family reads)."""
-    keys = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids")
-    return {k: inputs[k] for k in keys if k in inputs}

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from megatron_vlm.models.common.kv_cache import KVCache
-from megatron_vlm.models.common.mrope_index import cached_mrope_position_ids, mrope_inputs
+from megatron_vlm.models.common.mrope_index import cached_mrope_position_ids, get_mrope_position_ids
 from megatron_vlm.models.common.norms import LayerNorm, RMSNorm
 from megatron_vlm.models.common.prefix_sharing import prefix_layout_and_positions
 from megatron_vlm.models.common.text_positions import text_position_ids
@@ -257,17 +257,34 @@ class KVCacheMixin:
 
 
 class MRopePositionsMixin:
-    """The position hooks of the M-RoPE families (Qwen2.5-VL, Qwen3-VL): positions [3, B, T] from the family's
-    `compute_position_ids` (get_rope_index semantics, `mrope_index.py`); cached decoding continues them at the
-    rope deltas the prefill stored in the cache; given [B, T] positions are broadcast to the three rows."""
+    """The position hooks of the M-RoPE families (Qwen2.5-VL, Qwen3-VL): positions [3, B, T] with transformers'
+    get_rope_index semantics (`mrope_index.get_mrope_position_ids`, from the grids, frame intervals and token
+    types given); cached decoding continues them at the rope deltas the prefill stored in the cache; given
+    [B, T] positions are broadcast to the three rows. A family may override how video time is counted
+    (`_tokens_per_second`, `_video_grids`)."""
+
+    def _tokens_per_second(self) -> float:
+        return self.args.vision.tokens_per_second
+
+    def _video_grids(self, video_grid_thw: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return video_grid_thw
+
+    def _rope_index(self, input_ids, attention_mask, cu_seqlens, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(position_ids [3, B, T], rope_deltas [B or samples, 1])."""
+        return get_mrope_position_ids(
+            input_ids, image_token_id=self.args.image_token_id, video_token_id=self.args.video_token_id,
+            spatial_merge_size=self.args.vision.spatial_merge_size, tokens_per_second=self._tokens_per_second(),
+            image_grid_thw=inputs.get("image_grid_thw"), video_grid_thw=self._video_grids(inputs.get("video_grid_thw")),
+            second_per_grid_ts=inputs.get("second_per_grid_ts"), attention_mask=attention_mask,
+            mm_token_type_ids=inputs.get("mm_token_type_ids"), cu_seqlens=cu_seqlens,
+        )
 
     def _positions(self, input_ids, attention_mask, cu_seqlens, inputs):
-        return self.compute_position_ids(input_ids, attention_mask=attention_mask, cu_seqlens=cu_seqlens,
-                                         **mrope_inputs(inputs))[0]
+        return self._rope_index(input_ids, attention_mask, cu_seqlens, inputs)[0]
 
     def _cached_positions(self, input_ids, new_mask, kv_cache, inputs):
-        return cached_mrope_position_ids(input_ids, kv_cache, new_mask, lambda mask: self.compute_position_ids(
-            input_ids, attention_mask=mask, **mrope_inputs(inputs)))
+        return cached_mrope_position_ids(
+            input_ids, kv_cache, new_mask, lambda mask: self._rope_index(input_ids, mask, None, inputs))
 
     def _position_layout(self, position_ids):
         return position_ids.unsqueeze(0).expand(3, -1, -1) if position_ids.dim() == 2 else position_ids

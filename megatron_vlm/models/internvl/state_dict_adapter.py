@@ -24,7 +24,7 @@ import re
 
 import torch
 
-from megatron_vlm.models.common.state_dict_utils import rename_first, split_fused_qkv
+from megatron_vlm.models.common.state_dict_utils import StateDictAdapter, rename_first
 from megatron_vlm.models.internvl.args import InternVLArgs
 
 _ORIG_QKV = re.compile(r"^vision_model\.encoder\.layers\.(\d+)\.attn\.qkv\.(weight|bias)$")
@@ -76,9 +76,11 @@ _TO_HF = [
 ]
 
 
-class InternVLStateDictAdapter:
-    def __init__(self, args: InternVLArgs) -> None:
-        self.args = args
+class InternVLStateDictAdapter(StateDictAdapter):
+    args: InternVLArgs
+    _hf_qkv = _ORIG_QKV  # OpenGVLab's fused InternViT qkv; exported as transformers' separate q / k / v
+    _ours_qkv = "vision_tower.layers.{layer}.attn.{name}_proj.{kind}"
+    _lm_head = "language_model.lm_head.weight"
 
     @staticmethod
     def normalize_hf_key(key: str) -> str:
@@ -91,39 +93,19 @@ class InternVLStateDictAdapter:
             return "language_model.lm_head.weight"
         return key
 
-    def is_ignored(self, key: str) -> bool:
-        k = self.normalize_hf_key(key)
-        return k.endswith("rotary_emb.inv_freq") or (self.args.tie_word_embeddings and k == "language_model.lm_head.weight")
+    def _qkv_rows(self) -> int:
+        return self.args.vision.hidden_size
 
-    # ----- HF -> ours -----
-    def from_hf(self, hf: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Map HF / OpenGVLab tensors to ours; returns (converted, pending) - pending is always empty."""
-        out: dict[str, torch.Tensor] = {}
-        for key, t in hf.items():
-            if self.is_ignored(key):
-                continue
-            k = self.normalize_hf_key(key)
-            m = _ORIG_QKV.match(k)
-            if m:
-                layer, kind = m.groups()
-                for name, part in split_fused_qkv(key, t, rows=self.args.vision.hidden_size).items():
-                    out[f"vision_tower.layers.{layer}.attn.{name}_proj.{kind}"] = part
-                continue
-            new = rename_first(k, _TO_OURS)
-            if new is None:
-                raise ValueError(f"{key}: not a key of a transformers or OpenGVLab InternVL checkpoint")
-            out[new] = t
-        return out, {}
+    # ----- HF / OpenGVLab -> ours -----
+    def _from_hf_one(self, key: str, k: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        new = rename_first(k, _TO_OURS)
+        if new is None:
+            raise ValueError(f"{key}: not a key of a transformers or OpenGVLab InternVL checkpoint")
+        return {new: t}
 
-    # ----- ours -> HF -----
-    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Our full state dict -> transformers' checkpoint layout."""
-        out: dict[str, torch.Tensor] = {}
-        for key, t in state_dict.items():
-            if key == "lm_head.weight" and self.args.tie_word_embeddings:
-                continue
-            new = rename_first(key, _TO_HF)
-            if new is None:
-                raise ValueError(f"{key}: no transformers InternVL name for this parameter")
-            out[new] = t
-        return out
+    # ----- ours -> HF (transformers' checkpoint layout) -----
+    def _to_hf_one(self, key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        new = rename_first(key, _TO_HF)
+        if new is None:
+            raise ValueError(f"{key}: no transformers InternVL name for this parameter")
+        return {new: t}

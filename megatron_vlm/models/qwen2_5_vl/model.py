@@ -23,7 +23,6 @@ from torch import nn
 from megatron_vlm.models.common.decoder import RotaryTextModel
 from megatron_vlm.models.common.merge import VISION_INPUTS, embed_vision_inputs
 from megatron_vlm.models.common.mlp import SwiGLUMLP
-from megatron_vlm.models.common.mrope_index import get_mrope_position_ids
 from megatron_vlm.models.common.norms import RMSNorm
 from megatron_vlm.models.common.rotary import decoder_rope_cos_sin, vision_rope_cos_sin
 from megatron_vlm.models.common.vision import (
@@ -124,33 +123,6 @@ class Qwen2_5_VLForConditionalGeneration(MRopePositionsMixin, KVCacheMixin, VLMB
 
     # ----- forward (the template is VLMBase.forward) -----
     _takes = frozenset(VLMBase._takes | set(VISION_INPUTS) | {"second_per_grid_ts", "mm_token_type_ids"})
-
-    def compute_position_ids(
-        self,
-        input_ids: torch.Tensor,
-        *,
-        attention_mask: Optional[torch.Tensor] = None,
-        image_grid_thw: Optional[torch.Tensor] = None,
-        video_grid_thw: Optional[torch.Tensor] = None,
-        second_per_grid_ts: Optional[torch.Tensor] = None,
-        mm_token_type_ids: Optional[torch.Tensor] = None,
-        cu_seqlens: Optional[torch.Tensor] = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(position_ids [3, B, T], rope_deltas [B or samples, 1]) with get_rope_index semantics."""
-        v = self.args.vision
-        return get_mrope_position_ids(
-            input_ids,
-            image_token_id=self.args.image_token_id,
-            video_token_id=self.args.video_token_id,
-            spatial_merge_size=v.spatial_merge_size,
-            tokens_per_second=v.tokens_per_second,
-            image_grid_thw=image_grid_thw,
-            video_grid_thw=video_grid_thw,
-            second_per_grid_ts=second_per_grid_ts,
-            attention_mask=attention_mask,
-            mm_token_type_ids=mm_token_type_ids,
-            cu_seqlens=cu_seqlens,
-        )
 
     def _embed(self, input_ids, cu_seqlens, inputs):
         return embed_vision_inputs(

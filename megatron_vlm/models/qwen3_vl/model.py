@@ -37,7 +37,6 @@ from megatron_vlm.models.common.decoder import RotaryTextModel
 from megatron_vlm.models.common.merge import VISION_INPUTS, embed_vision_inputs
 from megatron_vlm.models.common.mlp import MLP, SwiGLUMLP
 from megatron_vlm.models.common.moe import MoE
-from megatron_vlm.models.common.mrope_index import get_mrope_position_ids
 from megatron_vlm.models.common.norms import LayerNorm
 from megatron_vlm.models.common.rotary import decoder_rope_cos_sin, vision_rope_cos_sin
 from megatron_vlm.models.common.vision import VisionPatchEmbed, vision_cu_seqlens, vision_hw_position_ids
@@ -206,29 +205,11 @@ class Qwen3VLForConditionalGeneration(MRopePositionsMixin, KVCacheMixin, VLMBase
     """Qwen3-VL reads time from the `<t seconds>` text before every frame: `second_per_grid_ts` (taken for a
     uniform call signature across Qwen-VL families) is ignored."""
 
-    def compute_position_ids(
-        self,
-        input_ids: torch.Tensor,
-        *,
-        attention_mask: Optional[torch.Tensor] = None,
-        image_grid_thw: Optional[torch.Tensor] = None,
-        video_grid_thw: Optional[torch.Tensor] = None,
-        mm_token_type_ids: Optional[torch.Tensor] = None,
-        cu_seqlens: Optional[torch.Tensor] = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(position_ids [3, B, T], rope_deltas [B or samples, 1]) with Qwen3-VL's get_rope_index semantics."""
-        return get_mrope_position_ids(
-            input_ids,
-            image_token_id=self.args.image_token_id,
-            video_token_id=self.args.video_token_id,
-            spatial_merge_size=self.args.vision.spatial_merge_size,
-            tokens_per_second=1.0,  # unused: every run has one temporal patch, at temporal offset 0
-            image_grid_thw=image_grid_thw,
-            video_grid_thw=split_video_grids(video_grid_thw),
-            attention_mask=attention_mask,
-            mm_token_type_ids=mm_token_type_ids,
-            cu_seqlens=cu_seqlens,
-        )
+    def _tokens_per_second(self) -> float:
+        return 1.0  # unused: every run has one temporal patch, at temporal offset 0
+
+    def _video_grids(self, video_grid_thw: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return split_video_grids(video_grid_thw)  # one run of placeholders per frame
 
     def _embed(self, input_ids, cu_seqlens, inputs):
         return embed_vision_inputs(

@@ -84,3 +84,15 @@ def pad_rows(rows: list[list[int]], pad_id: int, padding_side: str) -> tuple[tor
         ids.append(row)
         mask.append(m)
     return torch.tensor(ids), torch.tensor(mask)
+
+
+def save_image_processor(folder: Path, image_processor, image_processor_type: str, processor_class: str) -> dict:
+    """Write `image_processor`'s preprocessor_config.json into `folder` under the class names a real checkpoint
+    names (so that transformers, with torchvision, picks its default backend and AutoProcessor builds the
+    family's processor); returns the written config."""
+    image_processor.save_pretrained(folder)
+    pre = json.loads((folder / "preprocessor_config.json").read_text())
+    pre["image_processor_type"] = image_processor_type
+    pre["processor_class"] = processor_class
+    write_json(folder / "preprocessor_config.json", pre)
+    return pre

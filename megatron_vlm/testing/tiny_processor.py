@@ -19,14 +19,13 @@ image processor. `AutoTokenizer.from_pretrained(out_dir)` works everywhere.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Iterable
 
 from megatron_vlm.data.processor import load_processor
 from megatron_vlm.data.synthetic_vqa import ANSWERS, QUESTION_TYPES, VOCABULARY_WORDS, _question
-from megatron_vlm.testing.folders import QWEN_VL_ITEMS, chatml_template, write_json
+from megatron_vlm.testing.folders import QWEN_VL_ITEMS, chatml_template, save_image_processor, write_json
 
 __all__ = [
     "SPECIAL_TOKENS", "QWEN2_5_VL_CHAT_TEMPLATE", "build_tiny_tokenizer", "build_tiny_qwen2_5_vl_processor",
@@ -120,13 +119,7 @@ def build_tiny_qwen2_5_vl_processor(out_dir: str | os.PathLike, *, extra_words: 
     tokenizer.save_pretrained(out)
     (out / "chat_template.jinja").write_text(QWEN2_5_VL_CHAT_TEMPLATE)
     image_processor = Qwen2VLImageProcessorPil(min_pixels=TINY_IMAGE_MIN_PIXELS, max_pixels=TINY_IMAGE_MAX_PIXELS)
-    image_processor.save_pretrained(out)
-    # Name the processor classes a real checkpoint names, so that transformers (with torchvision)
-    # picks its default backend and AutoProcessor builds a Qwen2_5_VLProcessor.
-    pre = json.loads((out / "preprocessor_config.json").read_text())
-    pre["image_processor_type"] = "Qwen2VLImageProcessor"
-    pre["processor_class"] = "Qwen2_5_VLProcessor"
-    write_json(out / "preprocessor_config.json", pre)
+    pre = save_image_processor(out, image_processor, "Qwen2VLImageProcessor", "Qwen2_5_VLProcessor")
     write_json(out / "video_preprocessor_config.json", {
         "video_processor_type": "Qwen2VLVideoProcessor",
         "processor_class": "Qwen2_5_VLProcessor",

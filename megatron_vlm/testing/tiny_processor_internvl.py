@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from megatron_vlm.testing.folders import chatml_template, pad_rows, save_random_model, write_json
+from megatron_vlm.testing.folders import chatml_template, pad_rows, save_image_processor, save_random_model, write_json
 from megatron_vlm.testing.tiny_processor import build_tiny_tokenizer
 
 VOCAB = 320
@@ -233,11 +233,7 @@ def build_tiny_internvl_processor(out_dir, *, extra_words=(), tile_size: int = T
         size={"height": tile_size, "width": tile_size}, crop_to_patches=True, min_patches=1, max_patches=TINY_MAX_TILES,
         image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD, do_convert_rgb=True,
     )
-    image_processor.save_pretrained(out)
-    pre = json.loads((out / "preprocessor_config.json").read_text())
-    pre["image_processor_type"] = "GotOcr2ImageProcessor"
-    pre["processor_class"] = "InternVLProcessor"
-    write_json(out / "preprocessor_config.json", pre)
+    save_image_processor(out, image_processor, "GotOcr2ImageProcessor", "InternVLProcessor")
     write_json(out / "video_preprocessor_config.json", {
         "video_processor_type": "InternVLVideoProcessor", "processor_class": "InternVLProcessor",
         "do_resize": True, "size": {"height": tile_size, "width": tile_size}, "do_rescale": True,

@@ -14,14 +14,20 @@ Everything is built by code, deterministically; nothing is downloaded.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
 
-from megatron_vlm.testing.folders import QWEN_VL_ITEMS, chatml_template, pad_rows, save_random_model, write_json
+from megatron_vlm.testing.folders import (
+    QWEN_VL_ITEMS,
+    chatml_template,
+    pad_rows,
+    save_image_processor,
+    save_random_model,
+    write_json,
+)
 from megatron_vlm.testing.tiny_processor import build_tiny_tokenizer
 
 VOCAB = 320
@@ -232,11 +238,7 @@ def build_tiny_qwen3_vl_processor(out_dir: str | os.PathLike, *, extra_words: It
         patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
         min_pixels=TINY_IMAGE_MIN_PIXELS, max_pixels=TINY_IMAGE_MAX_PIXELS,
     )
-    image_processor.save_pretrained(out)
-    pre = json.loads((out / "preprocessor_config.json").read_text())
-    pre["image_processor_type"] = "Qwen2VLImageProcessorFast"  # what Qwen3-VL checkpoints name
-    pre["processor_class"] = "Qwen3VLProcessor"
-    write_json(out / "preprocessor_config.json", pre)
+    save_image_processor(out, image_processor, "Qwen2VLImageProcessorFast", "Qwen3VLProcessor")  # what Qwen3-VL checkpoints name
     write_json(out / "video_preprocessor_config.json", {
         "video_processor_type": "Qwen3VLVideoProcessor",
         "processor_class": "Qwen3VLProcessor",

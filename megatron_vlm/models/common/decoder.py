@@ -26,30 +26,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps=norm_eps)
         self.mlp = mlp
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        *,
-        cu_seqlens: Optional[torch.Tensor] = None,
-        max_seqlen: Optional[int] = None,
-        key_padding_mask: Optional[torch.Tensor] = None,
-        kv_cache=None,
-        layer_idx: Optional[int] = None,
-        prefix_layout=None,
-    ) -> torch.Tensor:
-        attn_out = self.self_attn(
-            self.input_layernorm(x),
-            cos,
-            sin,
-            cu_seqlens=cu_seqlens,
-            max_seqlen=max_seqlen,
-            key_padding_mask=key_padding_mask,
-            kv_cache=kv_cache,
-            layer_idx=layer_idx,
-            prefix_layout=prefix_layout,
-        )
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, **attention_kwargs: Any) -> torch.Tensor:
+        """x [B, S, hidden] or packed [T, hidden]; `attention_kwargs` are `Attention.forward`'s (cu_seqlens,
+        max_seqlen, key_padding_mask, kv_cache, layer_idx, prefix_layout)."""
+        attn_out = self.self_attn(self.input_layernorm(x), cos, sin, **attention_kwargs)
         # fused residual add + norm: h = x + attn_out, normed = rms_norm(h)
         normed, x = self.post_attention_layernorm(attn_out, residual=x)
         return x + self.mlp(normed)
@@ -124,21 +104,18 @@ class RotaryTextModel(nn.Module):
         inputs_embeds: torch.Tensor,
         position_ids: torch.Tensor,
         *,
-        key_padding_mask: Optional[torch.Tensor] = None,
-        cu_seqlens: Optional[torch.Tensor] = None,
-        kv_cache=None,
-        prefix_layout=None,
         visual_index: Optional[torch.Tensor] = None,
         deepstack_embeds: Optional[list[torch.Tensor]] = None,
+        **decoder_kwargs: Any,
     ) -> torch.Tensor:
         """inputs_embeds [B, T, H], position_ids ([3, B, T] M-RoPE or [B, T] 1-D RoPE, as `_cos_sin` takes)
-        -> final-norm hidden states [B, T, H].
+        -> final-norm hidden states [B, T, H]; `decoder_kwargs` are `run_rotary_decoder`'s (key_padding_mask,
+        cu_seqlens, kv_cache, prefix_layout).
 
         DeepStack (Qwen3-VL): after layer j < len(deepstack_embeds), `deepstack_embeds[j]` [n, H] is added at
         the flattened token positions `visual_index` [n] (row-major over [B, T])."""
         cos, sin = self._cos_sin(position_ids)
         return run_rotary_decoder(
-            self.layers, self.norm, inputs_embeds, cos, sin, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
-            kv_cache=kv_cache, prefix_layout=prefix_layout,
+            self.layers, self.norm, inputs_embeds, cos, sin, **decoder_kwargs,
             after_layer=(lambda x, i: add_deepstack(x, i, visual_index, deepstack_embeds)) if deepstack_embeds else None,
         )

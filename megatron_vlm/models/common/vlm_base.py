@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from megatron_vlm.models.common.kv_cache import KVCache
+from megatron_vlm.models.common.merge import VISION_INPUTS, embed_vision_inputs
 from megatron_vlm.models.common.mrope_index import cached_mrope_position_ids, get_mrope_position_ids
 from megatron_vlm.models.common.norms import LayerNorm, RMSNorm
 from megatron_vlm.models.common.prefix_sharing import prefix_layout_and_positions
@@ -303,3 +304,30 @@ class TextPositionsMixin:
 
     def _position_layout(self, position_ids):
         return position_ids[0] if position_ids.dim() == 3 else position_ids
+
+
+class QwenVLBase(MRopePositionsMixin, KVCacheMixin, VLMBase):
+    """Qwen2.5-VL and Qwen3-VL: `visual` (the family's `_vision_cls`), `language_model` (`_text_cls`) and `lm_head`
+    (shares the embedding Parameter when tied); images and videos through the tower at their placeholders
+    (`merge.embed_vision_inputs`; `_deepstack`: the tower also returns DeepStack levels), M-RoPE positions."""
+
+    _vision_cls: type
+    _text_cls: type
+    _deepstack = False
+    _takes = frozenset(VLMBase._takes | set(VISION_INPUTS) | {"second_per_grid_ts", "mm_token_type_ids"})
+
+    def __init__(self, args: Any, hf_config: Optional[dict] = None) -> None:
+        super().__init__(args, hf_config)
+        self.visual = self._vision_cls(args.vision)
+        self.language_model = self._text_cls(args.text)
+        self.lm_head = nn.Linear(args.text.hidden_size, args.text.vocab_size, bias=False)
+        self.tie_weights()
+
+    def _vision_blocks(self) -> list[nn.Module]:
+        return list(self.visual.blocks)
+
+    def _embed(self, input_ids, cu_seqlens, inputs):
+        return embed_vision_inputs(
+            self.language_model.embed_tokens(input_ids), input_ids, inputs, self.args, self.visual,
+            merge_size=self.args.vision.spatial_merge_size, cu_seqlens=cu_seqlens, deepstack=self._deepstack,
+        )

@@ -29,51 +29,52 @@ from megatron_vlm.models.internvl.args import InternVLArgs
 
 _ORIG_QKV = re.compile(r"^vision_model\.encoder\.layers\.(\d+)\.attn\.qkv\.(weight|bias)$")
 
-# key -> ours, applied in order to the normalised key (first match wins)
-_TO_OURS = [
-    # transformers vision layout
-    (r"^vision_tower\.embeddings\.position_embeddings$", "vision_tower.embeddings.position_embedding"),
-    (r"^vision_tower\.embeddings\.patch_embeddings\.projection\.", "vision_tower.embeddings.patch_embedding."),
-    (r"^vision_tower\.embeddings\.(cls_token|mask_token)$", r"vision_tower.embeddings.\1"),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.attention\.projection_layer\.", r"vision_tower.layers.\1.attn.o_proj."),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.attention\.", r"vision_tower.layers.\1.attn."),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.lambda_([12])$", r"vision_tower.layers.\1.ls\2"),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.layernorm_before\.", r"vision_tower.layers.\1.norm1."),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.layernorm_after\.", r"vision_tower.layers.\1.norm2."),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.mlp\.", r"vision_tower.layers.\1.mlp."),
-    (r"^vision_tower\.layernorm\.", "vision_tower.layernorm."),
+# (transformers' checkpoint name, ours), one line per renamed piece: `{i}` is a layer index; a name ending in "."
+# renames every key under it, any other names one key. Both directions are generated from this one list.
+_HF_NAMES = [
+    ("vision_tower.embeddings.position_embeddings", "vision_tower.embeddings.position_embedding"),
+    ("vision_tower.embeddings.patch_embeddings.projection.", "vision_tower.embeddings.patch_embedding."),
+    ("vision_tower.embeddings.cls_token", "vision_tower.embeddings.cls_token"),
+    ("vision_tower.embeddings.mask_token", "vision_tower.embeddings.mask_token"),
+    ("vision_tower.encoder.layer.{i}.attention.projection_layer.", "vision_tower.layers.{i}.attn.o_proj."),
+    ("vision_tower.encoder.layer.{i}.attention.", "vision_tower.layers.{i}.attn."),
+    ("vision_tower.encoder.layer.{i}.lambda_1", "vision_tower.layers.{i}.ls1"),
+    ("vision_tower.encoder.layer.{i}.lambda_2", "vision_tower.layers.{i}.ls2"),
+    ("vision_tower.encoder.layer.{i}.layernorm_before.", "vision_tower.layers.{i}.norm1."),
+    ("vision_tower.encoder.layer.{i}.layernorm_after.", "vision_tower.layers.{i}.norm2."),
+    ("vision_tower.encoder.layer.{i}.mlp.", "vision_tower.layers.{i}.mlp."),
+    ("vision_tower.layernorm.", "vision_tower.layernorm."),
+    ("multi_modal_projector.", "multi_modal_projector."),
+    ("language_model.model.", "language_model."),
+    ("language_model.lm_head.weight", "lm_head.weight"),
+]
+
+
+def _rename_table(names: list[tuple[str, str]], *, to_ours: bool) -> list[tuple[str, str]]:
+    """`names` as (regex, replacement) pairs in one direction, in list order (first match wins)."""
+    table = []
+    for hf, ours in names:
+        src, dst = (hf, ours) if to_ours else (ours, hf)
+        pattern = "^" + re.escape(src).replace(re.escape("{i}"), r"(\d+)") + ("" if src.endswith(".") else "$")
+        table.append((pattern, dst.replace("{i}", r"\1")))
+    return table
+
+
+# key -> ours, applied to the normalised key (first match wins): transformers' layout, then OpenGVLab's
+_TO_OURS = _rename_table(_HF_NAMES, to_ours=True) + [
     # OpenGVLab vision layout (qkv handled separately)
     (r"^vision_model\.embeddings\.class_embedding$", "vision_tower.embeddings.cls_token"),
     (r"^vision_model\.embeddings\.position_embedding$", "vision_tower.embeddings.position_embedding"),
     (r"^vision_model\.embeddings\.patch_embedding\.", "vision_tower.embeddings.patch_embedding."),
     (r"^vision_model\.encoder\.layers\.(\d+)\.attn\.proj\.", r"vision_tower.layers.\1.attn.o_proj."),
     (r"^vision_model\.encoder\.layers\.(\d+)\.", r"vision_tower.layers.\1."),
-    # projector
+    # OpenGVLab projector
     (r"^mlp1\.0\.", "multi_modal_projector.layer_norm."),
     (r"^mlp1\.1\.", "multi_modal_projector.linear_1."),
     (r"^mlp1\.3\.", "multi_modal_projector.linear_2."),
-    (r"^multi_modal_projector\.", "multi_modal_projector."),
-    # language model
-    (r"^language_model\.model\.", "language_model."),
-    (r"^language_model\.lm_head\.weight$", "lm_head.weight"),
 ]
-
 # ours -> transformers' checkpoint layout
-_TO_HF = [
-    (r"^vision_tower\.embeddings\.position_embedding$", "vision_tower.embeddings.position_embeddings"),
-    (r"^vision_tower\.embeddings\.patch_embedding\.", "vision_tower.embeddings.patch_embeddings.projection."),
-    (r"^vision_tower\.embeddings\.(cls_token|mask_token)$", r"vision_tower.embeddings.\1"),
-    (r"^vision_tower\.layers\.(\d+)\.attn\.o_proj\.", r"vision_tower.encoder.layer.\1.attention.projection_layer."),
-    (r"^vision_tower\.layers\.(\d+)\.attn\.", r"vision_tower.encoder.layer.\1.attention."),
-    (r"^vision_tower\.layers\.(\d+)\.ls([12])$", r"vision_tower.encoder.layer.\1.lambda_\2"),
-    (r"^vision_tower\.layers\.(\d+)\.norm1\.", r"vision_tower.encoder.layer.\1.layernorm_before."),
-    (r"^vision_tower\.layers\.(\d+)\.norm2\.", r"vision_tower.encoder.layer.\1.layernorm_after."),
-    (r"^vision_tower\.layers\.(\d+)\.mlp\.", r"vision_tower.encoder.layer.\1.mlp."),
-    (r"^vision_tower\.layernorm\.", "vision_tower.layernorm."),
-    (r"^multi_modal_projector\.", "multi_modal_projector."),
-    (r"^language_model\.", "language_model.model."),
-    (r"^lm_head\.weight$", "language_model.lm_head.weight"),
-]
+_TO_HF = _rename_table(_HF_NAMES, to_ours=False)
 
 
 class InternVLStateDictAdapter(StateDictAdapter):

@@ -14,14 +14,11 @@ Input forms of `forward`:
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megatron_vlm.models.common.decoder import RotaryTextModel
-from megatron_vlm.models.common.merge import VISION_INPUTS, embed_vision_inputs
 from megatron_vlm.models.common.mlp import SwiGLUMLP
 from megatron_vlm.models.common.norms import RMSNorm
 from megatron_vlm.models.common.rotary import decoder_rope_cos_sin, vision_rope_cos_sin
@@ -32,8 +29,8 @@ from megatron_vlm.models.common.vision import (
     vision_hw_position_ids,
     vision_window_index,
 )
-from megatron_vlm.models.common.vlm_base import KVCacheMixin, MRopePositionsMixin, VLMBase, cu_seqlens_max
-from megatron_vlm.models.qwen2_5_vl.args import Qwen2_5_VLArgs, Qwen2_5_VLTextArgs, Qwen2_5_VLVisionArgs
+from megatron_vlm.models.common.vlm_base import QwenVLBase, cu_seqlens_max
+from megatron_vlm.models.qwen2_5_vl.args import Qwen2_5_VLTextArgs, Qwen2_5_VLVisionArgs
 
 
 class Qwen2_5_VLPatchMerger(nn.Module):
@@ -108,24 +105,8 @@ class Qwen2_5_VLTextModel(RotaryTextModel):
         return decoder_rope_cos_sin(position_ids, a.head_dim, a.rope_theta, a.mrope_section)  # [B, T, D]
 
 
-class Qwen2_5_VLForConditionalGeneration(MRopePositionsMixin, KVCacheMixin, VLMBase):
-    """The full model: `visual`, `language_model`, `lm_head` (shares the embedding Parameter when tied)."""
+class Qwen2_5_VLForConditionalGeneration(QwenVLBase):
+    """The full model: `visual` (window-attention ViT), `language_model`, `lm_head` (models/common/vlm_base.py)."""
 
-    def __init__(self, args: Qwen2_5_VLArgs, hf_config: Optional[dict] = None) -> None:
-        super().__init__(args, hf_config)
-        self.visual = Qwen2_5_VisionTransformer(args.vision)
-        self.language_model = Qwen2_5_VLTextModel(args.text)
-        self.lm_head = nn.Linear(args.text.hidden_size, args.text.vocab_size, bias=False)
-        self.tie_weights()
-
-    def _vision_blocks(self) -> list[nn.Module]:
-        return list(self.visual.blocks)
-
-    # ----- forward (the template is VLMBase.forward) -----
-    _takes = frozenset(VLMBase._takes | set(VISION_INPUTS) | {"second_per_grid_ts", "mm_token_type_ids"})
-
-    def _embed(self, input_ids, cu_seqlens, inputs):
-        return embed_vision_inputs(
-            self.language_model.embed_tokens(input_ids), input_ids, inputs, self.args, self.visual,
-            merge_size=self.args.vision.spatial_merge_size, cu_seqlens=cu_seqlens,
-        )
+    _vision_cls = Qwen2_5_VisionTransformer
+    _text_cls = Qwen2_5_VLTextModel

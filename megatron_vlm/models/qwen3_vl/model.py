@@ -34,14 +34,13 @@ from torch import nn
 
 from megatron_vlm.models.common.attention import Attention
 from megatron_vlm.models.common.decoder import RotaryTextModel
-from megatron_vlm.models.common.merge import VISION_INPUTS, embed_vision_inputs
 from megatron_vlm.models.common.mlp import MLP, SwiGLUMLP
 from megatron_vlm.models.common.moe import MoE
 from megatron_vlm.models.common.norms import LayerNorm
 from megatron_vlm.models.common.rotary import decoder_rope_cos_sin, vision_rope_cos_sin
 from megatron_vlm.models.common.vision import VisionPatchEmbed, vision_cu_seqlens, vision_hw_position_ids
-from megatron_vlm.models.common.vlm_base import KVCacheMixin, MRopePositionsMixin, VLMBase, cu_seqlens_max
-from megatron_vlm.models.qwen3_vl.args import Qwen3VLArgs, Qwen3VLTextArgs, Qwen3VLVisionArgs
+from megatron_vlm.models.common.vlm_base import QwenVLBase, cu_seqlens_max
+from megatron_vlm.models.qwen3_vl.args import Qwen3VLTextArgs, Qwen3VLVisionArgs
 
 
 def split_video_grids(video_grid_thw: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -182,37 +181,23 @@ class Qwen3VLTextModel(RotaryTextModel):
         return decoder_rope_cos_sin(position_ids, a.head_dim, a.rope_theta, a.mrope_section, interleaved=True)
 
 
-class Qwen3VLForConditionalGeneration(MRopePositionsMixin, KVCacheMixin, VLMBase):
-    """The full model: `visual`, `language_model`, `lm_head` (shares the embedding Parameter when tied)."""
+class Qwen3VLForConditionalGeneration(QwenVLBase):
+    """The full model: `visual` (ViT with DeepStack mergers), `language_model` (dense or MoE), `lm_head`
+    (models/common/vlm_base.py). Qwen3-VL reads time from the `<t seconds>` text before every frame:
+    `second_per_grid_ts`, taken for a uniform call signature across the Qwen-VL families, is ignored."""
 
-    def __init__(self, args: Qwen3VLArgs, hf_config: Optional[dict] = None) -> None:
-        super().__init__(args, hf_config)
-        self.visual = Qwen3VLVisionModel(args.vision)
-        self.language_model = Qwen3VLTextModel(args.text)
-        self.lm_head = nn.Linear(args.text.hidden_size, args.text.vocab_size, bias=False)
-        self.tie_weights()
-
-    def _vision_blocks(self) -> list[nn.Module]:
-        return list(self.visual.blocks)
+    _vision_cls = Qwen3VLVisionModel
+    _text_cls = Qwen3VLTextModel
+    _deepstack = True
+    _takes = QwenVLBase._takes - {"second_per_grid_ts"}
+    _ignores = frozenset({"second_per_grid_ts"})
 
     def _init_module(self, module: nn.Module, std: float) -> None:
         if isinstance(module, MoE):  # expert weights are Parameters of the MoE block, not Linear modules
             module.reset_parameters(std)
-
-    # ----- forward (the template is VLMBase.forward) -----
-    _takes = frozenset(VLMBase._takes | set(VISION_INPUTS) | {"mm_token_type_ids"})
-    _ignores = frozenset({"second_per_grid_ts"})
-    """Qwen3-VL reads time from the `<t seconds>` text before every frame: `second_per_grid_ts` (taken for a
-    uniform call signature across Qwen-VL families) is ignored."""
 
     def _tokens_per_second(self) -> float:
         return 1.0  # unused: every run has one temporal patch, at temporal offset 0
 
     def _video_grids(self, video_grid_thw: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return split_video_grids(video_grid_thw)  # one run of placeholders per frame
-
-    def _embed(self, input_ids, cu_seqlens, inputs):
-        return embed_vision_inputs(
-            self.language_model.embed_tokens(input_ids), input_ids, inputs, self.args, self.visual,
-            merge_size=self.args.vision.spatial_merge_size, cu_seqlens=cu_seqlens, deepstack=True,
-        )

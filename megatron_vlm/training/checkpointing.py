@@ -76,7 +76,7 @@ def _fail(e: CheckpointError, code: int) -> NoReturn:
     raise SystemExit(code) from e
 
 
-def _model_type(model_path) -> Optional[str]:
+def _model_type(model_path: str | Path) -> Optional[str]:
     """`model_type` of the model folder's config.json (None when it cannot be read)."""
     try:
         return read_hf_config(model_path).get("model_type")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -49,7 +49,7 @@ class ModelBundle:
     """`PipelineRunner` with parallel.pp > 1 (this rank's stage; the SFT step runs through it), else None."""
 
 
-def _load_all_reduce(dims: ParallelDims):
+def _load_all_reduce(dims: ParallelDims) -> Callable[[torch.Tensor], Any]:
     """Sum of the MoE loads over the ranks, each token counted once: the tp ranks of a group route the
     same tokens (MoE blocks are replicated over tp), while the cp ranks of a group route disjoint halves
     of them (context parallelism splits the MoE layers' tokens), so only tp copies are divided out."""

@@ -58,7 +58,7 @@ def build_train_loader(ctx: RunContext, bundle: ModelBundle, bad_records: BadRec
                                 dp_size=bundle.dims.dp_size, split="train", bad_records=bad_records)
 
 
-def steps_per_epoch(loader, dp_size: int, micro_batches_per_step: int) -> float:
+def steps_per_epoch(loader: Any, dp_size: int, micro_batches_per_step: int) -> float:
     """Optimizer steps per pass over the train split (for `train.epochs`)."""
     return loader.packs_per_epoch / (dp_size * micro_batches_per_step)
 

@@ -149,9 +149,9 @@ setup(
         "sympy",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "triton>=3.2", "math-verify", "ruff", "peft", "megatron-core==0.16.1",
+        "dev": ["pytest", "pytest-timeout", "triton>=3.2", "math-verify", "ruff", "mypy>=1.11", "peft", "megatron-core==0.16.1",
                 "liger-kernel==0.8.5",  # pure Python + Triton: its kernels run in the CPU tests through the interpreter
-                "setuptools", "wheel",  # what mamba-ssm's setup.py imports for the README's --no-build-isolation install
+                "setuptools", "wheel",  # what mamba-ssm's setup.py imports for scripts/setup_dev.sh's --no-build-isolation install
                 "torchao==0.18.0"],  # the fp8 extra: its float8 training runs emulated in the CPU tests
         "gpu": ["flash-attn", "transformer-engine", "mamba-ssm", "causal-conv1d", "deep_ep", "liger-kernel"],
         "rollout": ["vllm"],

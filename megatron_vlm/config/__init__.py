@@ -81,7 +81,7 @@ class Config:
         if mode != "eval" and self.train.max_steps is None and self.train.epochs is None and not (
                 self.stages and all(s.max_steps or s.epochs for s in self.stages)):
             raise ValueError("train.max_steps: set max_steps or epochs")
-        if mode == "grpo" and self.rl.kv_cache_blocks:
+        if mode == "grpo" and self.rl is not None and self.rl.kv_cache_blocks:
             rl, tokens = self.rl, self.data.max_tokens_per_pack
             need = 1 + -(-tokens // rl.kv_block_size)  # the scratch row's block + one sample of a full pack
             if rl.kv_cache_blocks < need:

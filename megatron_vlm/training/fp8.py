@@ -92,9 +92,10 @@ def convert_to_fp8(model: nn.Module, recipe: Optional[str], device: torch.device
     """Swap the language decoder's eligible Linear layers of `model` (before FSDP2 sharding) for Float8Linear
     with `recipe` (None = tensorwise); returns how many. ConfigError (exit 2) when the device cannot run
     fp8, torchao is missing, or no layer qualifies (the run would silently be bf16)."""
-    recipe = recipe or "tensorwise"
+    if recipe not in (None, "tensorwise", "rowwise"):
+        raise ConfigError(f"train.fp8_recipe: {recipe!r}; expected 'tensorwise' or 'rowwise'")
     emulate = fp8_emulated(device)
-    config = fp8_linear_config(recipe, emulate)
+    config = fp8_linear_config("rowwise" if recipe == "rowwise" else "tensorwise", emulate)
     _, convert_to_float8_training = _import_torchao()
     names = [n for n, m in model.named_modules() if fp8_module_filter(m, n)]
     if not names:

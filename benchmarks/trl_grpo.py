@@ -74,14 +74,14 @@ class OurGRPO:
         from bench_grpo_step import FixedPrompts, HashReward, TokenIds
 
         from megatron_vlm.checkpoint.hf import load_hf_model
+        from megatron_vlm.inference.engine import RolloutPrompt
+        from megatron_vlm.inference.policy_engine import PolicyRolloutEngine
         from megatron_vlm.models import get_family
         from megatron_vlm.parallel import build_mesh, init_distributed
         from megatron_vlm.rl.config import RLConfig
-        from megatron_vlm.rl.data import PromptSample
         from megatron_vlm.rl.grpo_step import GRPOStep
+        from megatron_vlm.rl.prompts.dataset import PromptSample
         from megatron_vlm.rl.rewards.config import ExactMatchRewardConfig
-        from megatron_vlm.rl.rollout.engine import RolloutPrompt
-        from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
         from megatron_vlm.training.lm_loss import TokenLogprobModel
         from megatron_vlm.training.optim import OptimState, build_optimizer, build_scheduler
 

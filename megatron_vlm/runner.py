@@ -14,14 +14,14 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_vlm.config import ConfigError, save_config
+from megatron_vlm.inference.policy_engine import CudaGraphsConfigError, PagedKVConfigError
 from megatron_vlm.jobs import run_kind
 from megatron_vlm.kernels import BackendUnavailableError
 from megatron_vlm.models.mcore.layer import McoreBackendError
 from megatron_vlm.parallel import destroy_distributed, init_distributed
 from megatron_vlm.parallel.mesh import LayoutError
 from megatron_vlm.parallel.tensor_parallel import TPError
-from megatron_vlm.rl.async_bridge import setup_roles
-from megatron_vlm.rl.rollout.policy_engine import CudaGraphsConfigError, PagedKVConfigError
+from megatron_vlm.rl.asynchronous.bridge import setup_roles
 from megatron_vlm.rl.trainer import check_model_folder
 from megatron_vlm.testing.synthesize import synthesize_model_folder
 from megatron_vlm.training.context import RunContext

@@ -32,15 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_rollout import NoDecode, make_prompts, qwen2_5_vl_3b_config, tiny_config  # noqa: E402
 
+from megatron_vlm.inference.policy_engine import PolicyRolloutEngine  # noqa: E402
 from megatron_vlm.models import build_model, get_family  # noqa: E402
 from megatron_vlm.parallel import build_mesh, init_distributed  # noqa: E402
 from megatron_vlm.rl.config import RLConfig  # noqa: E402
-from megatron_vlm.rl.data import PromptSample  # noqa: E402
 from megatron_vlm.rl.grpo_step import GRPOStep  # noqa: E402
+from megatron_vlm.rl.prompts.dataset import PromptSample  # noqa: E402
 from megatron_vlm.rl.reference import ReferencePolicy  # noqa: E402
 from megatron_vlm.rl.rewards.config import ExactMatchRewardConfig  # noqa: E402
 from megatron_vlm.rl.rewards.manager import RewardBatch  # noqa: E402
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine  # noqa: E402
 from megatron_vlm.training.lm_loss import TokenLogprobModel  # noqa: E402
 from megatron_vlm.training.optim import OptimState, build_optimizer, build_scheduler  # noqa: E402
 

@@ -21,10 +21,10 @@ import torch
 from megatron_vlm.data.batch import VISION_KEYS
 from megatron_vlm.data.loader import build_eval_dataloader
 from megatron_vlm.eval.answers import AnswerTally
+from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
+from megatron_vlm.inference.policy_engine import PolicyRolloutEngine
 from megatron_vlm.parallel.collectives import any_rank
 from megatron_vlm.parallel.precision import compute_dtype
-from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 

@@ -13,9 +13,10 @@ from typing import Optional
 import torch
 
 from megatron_vlm.eval.accuracy import avg_at_k, pass_at_k, score_accuracy
+from megatron_vlm.inference.engine import SamplingParams
+from megatron_vlm.inference.generators import sampling_generator
 from megatron_vlm.parallel.collectives import all_gather_objects
-from megatron_vlm.rl.grpo_step import encode_shard, sampling_generator
-from megatron_vlm.rl.rollout.engine import SamplingParams
+from megatron_vlm.rl.prompts.shard import encode_shard
 from megatron_vlm.training.context import RunContext
 
 __all__ = ["GRPOEvaluator", "evaluate_accuracy"]

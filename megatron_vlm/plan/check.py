@@ -25,10 +25,10 @@ import torch
 from megatron_vlm.config import load_config_dict
 from megatron_vlm.config.loader import ConfigError, to_dict
 from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
+from megatron_vlm.inference.kv_budget import rollout_prompts_for_budget
 from megatron_vlm.parallel.tensor_parallel import TPError, check_tp_divides
 from megatron_vlm.plan.memory import GiB, ceil_div, estimate_memory, gib, model_shape
-from megatron_vlm.rl.async_allocation import parse_allocation
-from megatron_vlm.rl.rollout_budget import rollout_prompts_for_budget
+from megatron_vlm.rl.asynchronous.allocation import parse_allocation
 from megatron_vlm.training.stages import stage_overrides
 
 __all__ = ["run_check", "CheckFailed"]
@@ -176,14 +176,14 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         rollout_prompts = rl.rollout_batch_prompts or rollout_prompts_for_budget(
             rl.rollout_memory_gib, shape.kv_per_slot * compute, group, tokens) or per_rank
         rollout_prompts = min(rollout_prompts, per_rank)
-        if rl.rollout_cuda_graphs == "on":  # the engine's own refusal (rl/rollout/policy_engine.py), found here too
-            from megatron_vlm.rl.rollout.policy_engine import cuda_graphs_blocker
+        if rl.rollout_cuda_graphs == "on":  # the engine's own refusal (inference/policy_engine.py), found here too
+            from megatron_vlm.inference.policy_engine import cuda_graphs_blocker
 
             why_not = cuda_graphs_blocker(model)
             if why_not:
                 raise CheckFailed("rl.rollout_cuda_graphs", f"'on' is not possible: {why_not}")
         if rl.kv_block_size:  # the engine's refusal (PagedKVConfigError), found here too
-            from megatron_vlm.rl.rollout.policy_engine import paged_kv_blocker
+            from megatron_vlm.inference.policy_engine import paged_kv_blocker
 
             why_not = paged_kv_blocker(model)
             if why_not:

@@ -25,7 +25,7 @@ conservative; the numbers it uses (all in bytes, per rank):
   the vision tower's activations and the LM-head logits (the fused, vocabulary-chunked log-prob
   kernel) are not counted;
 - rollout KV cache (GRPO) = 2 x (sum over attention layers of kv_heads x head_dim) x c x slots,
-  slots = prompts per rollout batch x rl.group_size x data.max_tokens_per_pack (see rl/rollout_budget.py),
+  slots = prompts per rollout batch x rl.group_size x data.max_tokens_per_pack (see inference/kv_budget.py),
   or with a paged pool of fixed size slots = rl.kv_cache_blocks x rl.kv_block_size;
   each tp rank caches its kv_heads / tp.
   Rollout and training alternate (the cache is freed before the update), so the peak is
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from megatron_vlm.rl.rollout_budget import kv_elements_per_slot
+from megatron_vlm.inference.kv_budget import kv_elements_per_slot
 
 __all__ = ["ModelShape", "MemoryPlan", "model_shape", "estimate_memory", "GiB"]
 

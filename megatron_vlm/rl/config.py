@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from megatron_vlm.rl.async_allocation import parse_allocation
+from megatron_vlm.rl.asynchronous.allocation import parse_allocation
 from megatron_vlm.rl.rewards.config import (
     ChoiceRewardConfig,
     CustomRewardConfig,
@@ -98,7 +98,7 @@ class RLConfig:
     rollout_cuda_graphs: str = "off"
     """Decode steps of the rollout engine on static buffers per batch-size bucket (1, 2, 4, ... slots),
     captured once per bucket as CUDA graphs and replayed (one launch per step instead of hundreds of small
-    kernels; rl/rollout/decode_graphs.py). "auto": on for a CUDA device, off elsewhere and where it cannot
+    kernels; inference/decode_graphs.py). "auto": on for a CUDA device, off elsewhere and where it cannot
     work (logged): rollout_weights = "shared" (lock-step FSDP forwards), MoE layers (routing sizes its
     GEMMs on the host), a failed capture. "on": as "auto", but those cases are errors, and on a CPU the
     same static step runs eagerly (for tests: its first runs are checked for host reads). "off": eager
@@ -237,7 +237,7 @@ class RLConfig:
     "rollout:N+train:M" (N + M = number of processes; the AReaL spelling "vllm:dN+dM" means the
     same). Rollout ranks generate continuously with their own copy of the policy and score the
     completions; training ranks (the first M global ranks) train on completed groups and push the
-    new weights after every step (megatron_vlm/rl/async_allocation.py, rl/README.md). Unset = the
+    new weights after every step (megatron_vlm/rl/asynchronous/allocation.py, rl/README.md). Unset = the
     synchronous loop on every rank."""
 
     # --- rewards --------------------------------------------------------------------------------
@@ -404,7 +404,7 @@ class RLConfig:
 
     def _validate_paged_kv(self) -> None:
         """`kv_block_size` / `kv_cache_blocks` and the rollout modes that cannot use the paged KV cache (the
-        model-dependent refusal, Mamba2 hybrid decoders, is the engine's: rl/rollout/policy_engine.py)."""
+        model-dependent refusal, Mamba2 hybrid decoders, is the engine's: inference/policy_engine.py)."""
         if self.kv_block_size < 0 or self.kv_block_size == 1:
             raise ValueError(f"kv_block_size: must be 0 (the slot cache) or >= 2 positions per block (one block "
                              f"also holds the engine's scratch row of 2 positions), got {self.kv_block_size}")

@@ -21,16 +21,17 @@ import torch
 
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.media import MediaLimits
+from megatron_vlm.inference.kv_budget import kv_bytes_per_slot, rollout_prompts_for_budget
+from megatron_vlm.inference.policy_engine import PolicyRolloutEngine
 from megatron_vlm.parallel.collectives import any_rank, barrier
 from megatron_vlm.parallel.precision import compute_dtype
-from megatron_vlm.rl.data import prompt_batches
 from megatron_vlm.rl.grpo_step import GRPOStep
-from megatron_vlm.rl.prompt_lengths import drop_unusable_prompts
-from megatron_vlm.rl.prompts import PromptEncoder, PromptSets, load_prompt_sets
+from megatron_vlm.rl.prompts.dataset import prompt_batches
+from megatron_vlm.rl.prompts.encoder import PromptEncoder
+from megatron_vlm.rl.prompts.lengths import drop_unusable_prompts
+from megatron_vlm.rl.prompts.sets import PromptSets, load_prompt_sets
 from megatron_vlm.rl.reference import BaseModelReference, ReferencePolicy
 from megatron_vlm.rl.rewards.manager import RewardManager
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
-from megatron_vlm.rl.rollout_budget import kv_bytes_per_slot, rollout_prompts_for_budget
 from megatron_vlm.training.bad_record_summary import write_bad_record_summary
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle

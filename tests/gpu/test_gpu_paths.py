@@ -63,9 +63,9 @@ def test_grpo_job_on_gpu(tmp_path):
 
 
 def test_greedy_rollout_same_tokens_on_gpu_and_cpu(devices=("cpu", "cuda")):
+    from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
+    from megatron_vlm.inference.policy_engine import PolicyRolloutEngine
     from megatron_vlm.models import build_model
-    from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams
-    from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
     from megatron_vlm.testing.tiny_model import tiny_qwen2_5_vl_hf_config
 
     torch.manual_seed(0)

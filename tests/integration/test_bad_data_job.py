@@ -13,7 +13,7 @@ left out and counted, never an exit in the middle of a run.
   (one unusable benchmark among usable ones is still reported and skipped).
 - A GRPO prompt set with half its prompts over-long, one prompt per step: the first step that drew
   only over-long prompts ended the run with exit 2. They are now left out at start-up and counted
-  (rl/prompt_lengths.py); the run trains every step.
+  (rl/prompts/lengths.py); the run trains every step.
 """
 from __future__ import annotations
 

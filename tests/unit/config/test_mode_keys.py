@@ -13,7 +13,7 @@ import torch
 
 from megatron_vlm.config import ConfigError, load_config
 from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
-from megatron_vlm.rl.rollout_budget import rollout_prompts_for_budget
+from megatron_vlm.inference.kv_budget import rollout_prompts_for_budget
 from megatron_vlm.rl.trainer import grpo_total_steps
 
 REPO = Path(__file__).resolve().parents[3]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_vlm import _ext
-from megatron_vlm.rl.rollout.sampling import sample_tokens
+from megatron_vlm.inference.sampling import sample_tokens
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ import pytest
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.data.sources import open_split
 from megatron_vlm.errors import ConfigError
-from megatron_vlm.rl.prompts import load_prompt_sets
+from megatron_vlm.rl.prompts.sets import load_prompt_sets
 
 GOOD = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]}
 

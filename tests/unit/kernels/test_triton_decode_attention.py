@@ -90,9 +90,9 @@ def test_bad_input_is_refused():
 
 
 def test_greedy_rollout_with_triton_backend_equals_torch_backend():
+    from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
+    from megatron_vlm.inference.policy_engine import PolicyRolloutEngine
     from megatron_vlm.models import build_model
-    from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams
-    from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
     from tests.fixtures import tiny_qwen2_5_vl as F
 
     class Tok:

@@ -17,13 +17,13 @@ import torch
 from torch import nn
 
 from megatron_vlm.config import load_config
+from megatron_vlm.inference.kv_budget import kv_elements_per_slot
 from megatron_vlm.models import build_model
 from megatron_vlm.models.common.attention import Attention
 from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.models.registry import get_family
 from megatron_vlm.plan.check import run_check
 from megatron_vlm.plan.memory import ModelShape, _layer_activation_elements, estimate_memory
-from megatron_vlm.rl.rollout_budget import kv_elements_per_slot
 from tests.fixtures.real_configs import PARAMS_B, REAL_CONFIGS, real_config, write_real_model_folder
 from tests.unit.models.test_qwen2_5_vl_args import HUB_3B
 
@@ -181,7 +181,7 @@ def test_check_layout_error_names_the_key(qwen2_5_vl_3b):
 
 def test_check_refuses_rollout_cuda_graphs_on_where_the_job_does(tmp_path, qwen2_5_vl_3b):
     """rl.rollout_cuda_graphs = "on" with MoE layers: the rollout engine refuses it (exit 2) at the job's start;
-    --check used to accept it. Both now ask rl/rollout/policy_engine.cuda_graphs_blocker."""
+    --check used to accept it. Both now ask inference/policy_engine.cuda_graphs_blocker."""
     moe = write_real_model_folder("qwen3_vl_30b_a3b", tmp_path / "moe")
     sets = ['rl.rollout_weights="copy"', 'rl.rollout_cuda_graphs="on"']
     code, _, err = _check(CONFIGS / "qwen3_vl_2b_geometry3k_grpo.toml", [f'model.path="{moe}"', *sets], 8)

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from megatron_vlm.config import load_config
-from megatron_vlm.rl.async_allocation import Allocation, parse_allocation
-from megatron_vlm.rl.async_bridge import setup_roles
+from megatron_vlm.rl.asynchronous.allocation import Allocation, parse_allocation
+from megatron_vlm.rl.asynchronous.bridge import setup_roles
 from megatron_vlm.rl.config import RLConfig
 
 REPO = Path(__file__).resolve().parents[3]

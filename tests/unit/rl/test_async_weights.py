@@ -12,11 +12,11 @@ import threading
 import pytest
 import torch
 
+from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
+from megatron_vlm.inference.policy_engine import PolicyRolloutEngine
 from megatron_vlm.models import build_model
-from megatron_vlm.rl.async_trainer import AsyncGRPOLoopStep, StalenessError
-from megatron_vlm.rl.async_weights import push_weights, receive_weights
-from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
+from megatron_vlm.rl.asynchronous.trainer import AsyncGRPOLoopStep, StalenessError
+from megatron_vlm.rl.asynchronous.weights import push_weights, receive_weights
 from tests.fixtures import tiny_qwen2_5_vl as F
 
 

@@ -20,11 +20,11 @@ import pytest
 import torch
 from torch import nn
 
+from megatron_vlm.inference.engine import RolloutPrompt, RolloutResult, RolloutSample
 from megatron_vlm.rl.config import RLConfig
-from megatron_vlm.rl.data import PromptSample
 from megatron_vlm.rl.grpo_step import GRPOStep
+from megatron_vlm.rl.prompts.dataset import PromptSample
 from megatron_vlm.rl.rewards.config import ExactMatchRewardConfig
-from megatron_vlm.rl.rollout.engine import RolloutPrompt, RolloutResult, RolloutSample
 from megatron_vlm.training.optim import OptimState
 
 VOCAB = 11
@@ -118,13 +118,13 @@ def _grpo(rl: RLConfig, pool, engine=None, recompute_shift=None):
     engine = engine or Engine(rl.group_size, rl.max_new_tokens)
     grpo = GRPOStep(ctx, bundle, optim, rl, engine, Encoder(), Manager(pool))
     seen = {}
-    update = grpo._update
+    update = grpo.policy.update
 
     def spy(step, samples, dummy, **kw):
         seen["samples"] = list(samples)
         return update(step, samples, dummy, **kw)
 
-    grpo._update = spy
+    grpo.policy.update = spy  # the policy update's public method, wrapped on this instance
     return grpo, engine, seen
 
 
@@ -212,7 +212,7 @@ def test_mis_drops_mismatched_sequences_and_metrics_are_logged():
         for s in res.samples:
             ts = TrainSample(prompt=prompts[s.prompt_index], response_ids=s.token_ids, behav_logp=s.logprobs, advantage=0.0)
             with torch.no_grad():
-                own = grpo.bundle.wrapper(pack_samples([ts]))
+                own = grpo.policy.bundle.wrapper(pack_samples([ts]))
             s.logprobs = own.float() - by_ids[tuple(prompts[s.prompt_index].input_ids.tolist())]
         return res
 
@@ -261,9 +261,9 @@ def test_decoupled_single_update_takes_proximal_logprobs_from_the_update_forward
         rl = _rl(recompute_logprobs=recompute, behav_imp_weight_cap=50.0, mini_batches_per_step=minis,
                  allocation="rollout:1+train:1", max_head_offpolicyness=2)
         grpo, _, _ = _grpo(rl, pool, engine=Engine(rl.group_size, rl.max_new_tokens, shift=shift))
-        assert grpo.decoupled
+        assert grpo.policy.decoupled
         m = grpo.run(0, pool, prompt_pool=pool)
-        runs[recompute] = (m, [p.detach().clone() for p in grpo.bundle.wrapper.parameters()])
+        runs[recompute] = (m, [p.detach().clone() for p in grpo.policy.bundle.wrapper.parameters()])
     (fast, p_fast), (slow, p_slow) = runs[False], runs[True]
     assert ("time/old_logprob_s" in fast) == (minis > 1)
     assert "time/old_logprob_s" in slow

@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from megatron_vlm.config import ConfigError, load_config
+from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
+from megatron_vlm.inference.policy_engine import PagedKVConfigError, PolicyRolloutEngine, paged_kv_blocker
 from megatron_vlm.models import build_model
 from megatron_vlm.models.common.slot_cache import PagedSlotCache
 from megatron_vlm.plan.check import run_check
 from megatron_vlm.rl.config import RLConfig
-from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams
-from megatron_vlm.rl.rollout.policy_engine import PagedKVConfigError, PolicyRolloutEngine, paged_kv_blocker
 from megatron_vlm.rl.trainer import build_rollout_engine
 from megatron_vlm.testing.tiny_nemotron_vl import build_tiny_nemotron_vl_tokenizer, tiny_nemotron_vl_hf_config
 from tests.fixtures import tiny_qwen2_5_vl as F

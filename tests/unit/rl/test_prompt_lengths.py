@@ -18,9 +18,10 @@ from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.data.processing import process_record
 from megatron_vlm.errors import ConfigError
-from megatron_vlm.rl.data import load_prompt_dataset
-from megatron_vlm.rl.prompt_lengths import drop_unusable_prompts
-from megatron_vlm.rl.prompts import PromptEncoder, PromptSets
+from megatron_vlm.rl.prompts.dataset import load_prompt_dataset
+from megatron_vlm.rl.prompts.encoder import PromptEncoder
+from megatron_vlm.rl.prompts.lengths import drop_unusable_prompts
+from megatron_vlm.rl.prompts.sets import PromptSets
 
 NEW, EVAL_NEW = 8, 12
 

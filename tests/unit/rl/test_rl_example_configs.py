@@ -9,9 +9,9 @@ import tomllib
 from megatron_vlm.config.loader import from_dict
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.rl.config import RLConfig
-from megatron_vlm.rl.data import load_prompt_dataset
-from megatron_vlm.rl.data_fixtures import write_geometry3k_fixture, write_virl39k_fixture
+from megatron_vlm.rl.prompts.dataset import load_prompt_dataset
 from megatron_vlm.rl.rewards.config import MathRewardConfig
+from tests.fixtures.rl_prompt_tables import write_geometry3k_fixture, write_virl39k_fixture
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[3] / "launch" / "configs"
 

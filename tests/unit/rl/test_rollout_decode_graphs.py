@@ -1,4 +1,4 @@
-"""Decode steps on static per-bucket buffers (rl/rollout/decode_graphs.py, `cuda_graphs`): on the CPU the
+"""Decode steps on static per-bucket buffers (inference/decode_graphs.py, `cuda_graphs`): on the CPU the
 same static step a CUDA graph captures runs eagerly, so everything but the capture is checked here.
 
 - greedy rollouts through the static path equal the eager engine's (same tokens, log-probs within 1e-5,
@@ -15,12 +15,12 @@ import logging
 import pytest
 import torch
 
+from megatron_vlm.inference import decode_graphs
+from megatron_vlm.inference.decode_graphs import DecodeStepRunner, GraphUnsafeError, bucket_sizes
+from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
+from megatron_vlm.inference.policy_engine import PolicyRolloutEngine
 from megatron_vlm.models import build_model
 from megatron_vlm.models.common.slot_cache import SlotCache
-from megatron_vlm.rl.rollout import decode_graphs
-from megatron_vlm.rl.rollout.decode_graphs import DecodeStepRunner, GraphUnsafeError, bucket_sizes
-from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
 from megatron_vlm.testing.tiny_nemotron_vl import build_tiny_nemotron_vl_tokenizer, tiny_nemotron_vl_hf_config
 from tests.fixtures import tiny_qwen2_5_vl as F
 
@@ -169,8 +169,8 @@ def test_config_key_reaches_the_engine_and_moe_is_a_config_error(tmp_path):
     from types import SimpleNamespace
 
     from megatron_vlm.data.processor import load_processor
+    from megatron_vlm.inference.policy_engine import CudaGraphsConfigError
     from megatron_vlm.rl.config import RLConfig
-    from megatron_vlm.rl.rollout.policy_engine import CudaGraphsConfigError
     from megatron_vlm.rl.trainer import build_rollout_engine
     from megatron_vlm.testing.synthesize import synthesize_model_folder
 

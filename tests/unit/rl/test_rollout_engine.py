@@ -13,11 +13,11 @@
 import pytest
 import torch
 
+from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
+from megatron_vlm.inference.policy_engine import PolicyRolloutEngine
 from megatron_vlm.models import build_model
 from megatron_vlm.models.qwen2_5_vl.state_dict_adapter import Qwen2_5_VLStateDictAdapter
 from megatron_vlm.rl.logprobs import response_token_logprobs
-from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
 from tests.fixtures import tiny_qwen2_5_vl as F
 
 TOL = 1e-4

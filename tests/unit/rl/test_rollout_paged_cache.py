@@ -7,10 +7,10 @@ is refused. Tiny random Qwen2.5-VL, images in the prompts, prompts of different 
 import pytest
 import torch
 
+from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
+from megatron_vlm.inference.policy_engine import PolicyRolloutEngine
 from megatron_vlm.models import build_model
 from megatron_vlm.models.common.slot_cache import PagedSlotCache
-from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
 from tests.fixtures import tiny_qwen2_5_vl as F
 
 

@@ -31,8 +31,8 @@ from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.lengths import compute_lengths
 from megatron_vlm.data.media import MediaLimits
 from megatron_vlm.errors import ConfigError
-from megatron_vlm.rl.data import PromptDataset
-from megatron_vlm.rl.prompts import PromptSets
+from megatron_vlm.rl.prompts.dataset import PromptDataset
+from megatron_vlm.rl.prompts.sets import PromptSets
 
 __all__ = ["prompt_token_budget", "drop_unusable_prompts"]
 

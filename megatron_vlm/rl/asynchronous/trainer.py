@@ -17,7 +17,7 @@ happens after the update. Per step s (the trainer holds policy version s = steps
 3. encode the prompts of the groups (the same encoder as the rollout's), group advantages, and the
    update of the synchronous step (`GRPOStep.train_on_rounds`: with max_head_offpolicyness > 0 the
    decoupled loss, proximal log-probs recomputed before the update);
-4. push the weights (rl/async_weights.py) as version s + 1; the rollout ranks waiting for it go on.
+4. push the weights (rl/asynchronous/weights.py) as version s + 1; the rollout ranks waiting for it go on.
 
 The first push (at construction, after the checkpoint is resumed) sends the whole state dict with the
 run's start step, so a resumed run's rollout continues from the checkpoint's weights; steps that were
@@ -33,12 +33,14 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.inference.engine import RolloutResult, RolloutSample
 from megatron_vlm.parallel.collectives import all_gather_objects
-from megatron_vlm.rl.async_bridge import Role
-from megatron_vlm.rl.async_weights import push_weights, trainable_names
-from megatron_vlm.rl.grpo_step import EncodedShard, GRPOStep
+from megatron_vlm.rl.asynchronous.bridge import Role
+from megatron_vlm.rl.asynchronous.weights import push_weights, trainable_names
+from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.metrics import PhaseTimer
-from megatron_vlm.rl.rollout.engine import RolloutResult, RolloutSample
+from megatron_vlm.rl.prompts.shard import EncodedShard, PromptEncoding
+from megatron_vlm.rl.rounds import Round, shape_round
 from megatron_vlm.rl.trainer import GRPOLoopStep
 from megatron_vlm.training.context import RunContext
 
@@ -76,10 +78,10 @@ class _Prefetch:
 
 class AsyncGRPOLoopStep(GRPOLoopStep):
     def __init__(self, ctx: RunContext, train_set: Any, grpo: GRPOStep, role: Role, *, model: torch.nn.Module,
-                 start_step: int, total_steps: int, evaluate: Optional[Callable[[int], Optional[dict]]] = None,
-                 bad_records: Optional[BadRecordLog] = None):
+                 encoder: PromptEncoding, start_step: int, total_steps: int,
+                 evaluate: Optional[Callable[[int], Optional[dict]]] = None, bad_records: Optional[BadRecordLog] = None):
         super().__init__(ctx, train_set, grpo, evaluate, bad_records=bad_records)
-        self.role, self.model = role, model
+        self.role, self.model, self.encoder = role, model, encoder
         self.bridge = role.bridge  # training rank 0 only
         self.k = self.rl.max_head_offpolicyness
         self._trainable = trainable_names(model)
@@ -116,7 +118,7 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
             payloads = all_gather_objects(payloads)[0]
         return payloads
 
-    def _round(self, step: int, payloads: list[dict]):
+    def _round(self, step: int, payloads: list[dict]) -> Round:
         """This training rank's groups of the step as a scored round of the synchronous step."""
         G, M, me = self.rl.group_size, self.role.allocation.train, self.role.rank
         groups = []  # (dataset index, [sample payloads], [total], {label: [values]})
@@ -134,10 +136,10 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
             raise RuntimeError(f"asynchronous GRPO: step {step} has {len(groups)} groups for {M} training ranks "
                                "(raise rl.prompts_per_step)")
         shard_samples, prompts, real, total = [], [], [], []
-        per_reward: dict[str, list[float]] = {label: [] for label in self.grpo.manager.labels}
+        per_reward: dict[str, list[float]] = {label: [] for label in self.grpo.reward_labels}
         for gi, (idx, samples, tot, per) in enumerate(mine):
             sample = self.train_set[idx]
-            enc = self.grpo.encoder.encode(sample)
+            enc = self.encoder.encode(sample)
             if enc is None:
                 raise RuntimeError(f"asynchronous GRPO: prompt {sample.prompt_id} encoded on the rollout rank but not here")
             shard_samples.append(sample)
@@ -153,7 +155,7 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
                 per_reward[label] += per.get(label, [])
         shard = EncodedShard(shard_samples, prompts)
         result = RolloutResult(samples=real, num_generated_tokens=sum(int(s.token_ids.numel()) for s in real))
-        return self.grpo.shape_round(shard, result, real, total, per_reward)
+        return shape_round(self.rl, shard, result, real, total, per_reward)
 
     def _staleness(self, step: int, payloads: list[dict]) -> dict[str, float]:
         lags, interrupted, n = [], 0, 0
@@ -180,7 +182,6 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         extra = self._staleness(step, payloads)
         timer = PhaseTimer()
         rd = self._round(step, payloads)
-        self.grpo.bundle.wrapper.train()
         metrics = self.grpo.train_on_rounds(step, [rd], timer, extra_metrics=extra)
         self.push_s = push_weights(self.model, self.bridge, step + 1, self._trainable)
         end = time.perf_counter()

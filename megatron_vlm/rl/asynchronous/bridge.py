@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_vlm.rl.async_allocation import ALLOCATION_GRAMMAR, Allocation, parse_allocation
+from megatron_vlm.rl.asynchronous.allocation import ALLOCATION_GRAMMAR, Allocation, parse_allocation
 
 __all__ = ["Bridge", "Role", "setup_roles", "current_role", "BridgeError"]
 

@@ -42,7 +42,7 @@ until it ends; `all_ranks_active(local_active) -> bool` (an all-reduce supplied 
 decides whether another decode step runs, and a rank whose rows are all finished steps one dummy row
 (a scratch slot) until every rank is done. The caller gives every rank the same number of prompts.
 
-CUDA graphs (`cuda_graphs`, rl/rollout/decode_graphs.py): the decode steps of continuous batching run
+CUDA graphs (`cuda_graphs`, inference/decode_graphs.py): the decode steps of continuous batching run
 on static buffers per batch-size bucket, captured once per bucket and replayed on CUDA. "auto": on for
 a CUDA device, else off; "on": also on the CPU, where the same static step runs eagerly (tests; its
 first runs per bucket are checked for graph safety, a failure raised). Needs the engine's own weights
@@ -71,15 +71,15 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 import torch
 
 from megatron_vlm.data.batch import VISION_KEYS
+from megatron_vlm.inference.decode_graphs import DecodeStepRunner, GraphUnsafeError
+from megatron_vlm.inference.engine import RolloutEngine, RolloutPrompt, RolloutResult, RolloutSample, SamplingParams
+from megatron_vlm.inference.sampling import same_device, sample_tokens
+from megatron_vlm.inference.stopping import StopChecker, eos_token_ids_of
 from megatron_vlm.models.common.kv_cache import KVCache
 from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.models.common.slot_cache import PagedSlotCache, SlotCache
 from megatron_vlm.models.common.vlm_base import VLMBase
 from megatron_vlm.models.mcore.layer import native_state_dict
-from megatron_vlm.rl.rollout.decode_graphs import DecodeStepRunner, GraphUnsafeError
-from megatron_vlm.rl.rollout.engine import RolloutEngine, RolloutPrompt, RolloutResult, RolloutSample, SamplingParams
-from megatron_vlm.rl.rollout.sampling import same_device, sample_tokens
-from megatron_vlm.rl.rollout.stopping import StopChecker, eos_token_ids_of
 
 __all__ = ["PolicyRolloutEngine", "CUDA_GRAPH_MODES", "CudaGraphsConfigError", "cuda_graphs_blocker", "PagedKVConfigError",
            "paged_kv_blocker"]

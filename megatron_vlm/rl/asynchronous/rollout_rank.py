@@ -3,7 +3,7 @@ training (but never further ahead than `rl.max_head_offpolicyness` allows).
 
 Why its own loop: a rollout rank holds no optimizer and runs no training collective; it only needs the
 prompt stream, an inference copy of the policy, the reward workers and the bridge to training rank 0
-(rl/async_bridge.py). Three threads per rollout rank:
+(rl/asynchronous/bridge.py). Three threads per rollout rank:
 
 - generation (the caller's thread): for steps b = start, start + 1, ... (the prompts of step b are the
   synchronous loop's: `prompt_batches(seed, b)`, rollout rank r taking prompts r, r + N, ...; the
@@ -12,7 +12,7 @@ prompt stream, an inference copy of the policy, the reward workers and the bridg
   a version the trainer at step b accepts), then `engine.generate` the rank's prompts (continuous
   batching; the weights may change between two tokens);
 - weights: receives the trainer's control messages; a weight push is written into the model with
-  decoding paused at a token boundary (rl/async_weights.py), then the version moves; "stop" ends the
+  decoding paused at a token boundary (rl/asynchronous/weights.py), then the version moves; "stop" ends the
   rank;
 - scoring: scores each finished step in the reward worker pool while the next step generates, then
   sends the step's groups to the trainer once the trainer has asked for that step (a "want"
@@ -38,18 +38,19 @@ from megatron_vlm.checkpoint.hf import load_hf_model
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.media import MediaLimits
 from megatron_vlm.data.processor import load_processor
+from megatron_vlm.inference.engine import SamplingParams
+from megatron_vlm.inference.generators import sampling_generator
+from megatron_vlm.inference.kv_budget import kv_bytes_per_slot, rollout_prompts_for_budget
+from megatron_vlm.inference.policy_engine import PolicyRolloutEngine
 from megatron_vlm.parallel.collectives import barrier
 from megatron_vlm.parallel.precision import compute_dtype
-from megatron_vlm.rl.async_bridge import Role
-from megatron_vlm.rl.async_weights import receive_weights
-from megatron_vlm.rl.data import prompt_batches
-from megatron_vlm.rl.grpo_step import sampling_generator
-from megatron_vlm.rl.prompt_lengths import drop_unusable_prompts
-from megatron_vlm.rl.prompts import PromptEncoder, load_prompt_sets
+from megatron_vlm.rl.asynchronous.bridge import Role
+from megatron_vlm.rl.asynchronous.weights import receive_weights
+from megatron_vlm.rl.prompts.dataset import prompt_batches
+from megatron_vlm.rl.prompts.encoder import PromptEncoder
+from megatron_vlm.rl.prompts.lengths import drop_unusable_prompts
+from megatron_vlm.rl.prompts.sets import load_prompt_sets
 from megatron_vlm.rl.rewards.manager import RewardManager
-from megatron_vlm.rl.rollout.engine import SamplingParams
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
-from megatron_vlm.rl.rollout_budget import kv_bytes_per_slot, rollout_prompts_for_budget
 from megatron_vlm.rl.trainer import paged_kv_kwargs
 from megatron_vlm.training.context import RunContext
 

@@ -32,6 +32,8 @@ import torch
 from megatron_vlm.models.common.prefix_sharing import accepts_prefix_segments
 from megatron_vlm.parallel import clip_grad_norm_
 from megatron_vlm.parallel.collectives import all_reduce_max
+from megatron_vlm.rl.algorithms.loss_terms import kl_penalty, rollout_correction_mask
+from megatron_vlm.rl.algorithms.policy_losses import PolicyLossOutput, PolicyLossSpec, compute_policy_loss
 from megatron_vlm.rl.batching import (
     TrainSample,
     group_by_prompt,
@@ -41,7 +43,6 @@ from megatron_vlm.rl.batching import (
     split_by_response,
 )
 from megatron_vlm.rl.data_shards import DataShards
-from megatron_vlm.rl.losses import PolicyLossOutput, kl_penalty, policy_loss, rollout_correction_mask
 from megatron_vlm.rl.metrics import PhaseTimer
 from megatron_vlm.training.step_guard import StepGuard
 
@@ -125,6 +126,8 @@ class PolicyUpdate:
         self.guard = StepGuard.from_config(ctx.cfg.train, self.device, what="GRPO update")
         # asynchronous GRPO with stale samples: the decoupled loss (proximal vs behaviour policy)
         self.decoupled = getattr(rl_cfg, "allocation", None) is not None and getattr(rl_cfg, "max_head_offpolicyness", 0) > 0
+        # the loss's settings, validated once here (not per micro-batch)
+        self.loss_spec = PolicyLossSpec.from_config(rl_cfg, decoupled=self.decoupled)
         self.share_prompts, why = self._prompt_sharing()
         model = getattr(bundle, "model", None)
         args = getattr(model, "args", None)
@@ -333,11 +336,6 @@ class PolicyUpdate:
         mask = torch.ones_like(logp, dtype=torch.bool)
         rollout = torch.cat([s.behav_logp for s in group]).to(logp.device) if r.rollout_correction != "none" else None
         behav = torch.cat([s.behav_logp for s in group]).to(logp.device) if self.decoupled else None
-        return policy_loss(
-            logp, old, adv.to(logp.dtype), mask, clip_ratio_low=r.clip_ratio_low, clip_ratio_high=r.clip_ratio_high,
-            loss_agg=r.loss_agg, variant=r.policy_loss, seq_ids=seq_ids, normalizer=float(normalizer),
-            ref_logp=ref, kl_coef=r.kl_coef, kl_estimator=r.kl_estimator, entropy=ent,
-            entropy_coef=r.entropy_coef, rollout_logp=rollout, rollout_correction=r.rollout_correction,
-            rollout_correction_cap=r.rollout_correction_cap, behav_logp=behav,
-            behav_imp_weight_cap=r.behav_imp_weight_cap if self.decoupled else None,
-        )
+        return compute_policy_loss(self.loss_spec, logp, old, adv.to(logp.dtype), mask, seq_ids=seq_ids,
+                                   normalizer=float(normalizer), ref_logp=ref, entropy=ent, rollout_logp=rollout,
+                                   behav_logp=behav)

@@ -23,6 +23,7 @@ import torch
 from megatron_vlm.inference.engine import RolloutEngine, RolloutResult, RolloutSample, SamplingParams
 from megatron_vlm.inference.generators import sampling_generator
 from megatron_vlm.rl.advantages import GroupAdvantages, compute_group_advantages, overlong_penalty
+from megatron_vlm.rl.algorithms.advantage_estimators import AdvantageSpec
 from megatron_vlm.rl.data_shards import DataShards
 from megatron_vlm.rl.metrics import PhaseTimer
 from megatron_vlm.rl.prompts.dataset import PromptSample
@@ -64,18 +65,19 @@ def sampling_params(rl: Any) -> SamplingParams:
                           top_p=rl.top_p, top_k=rl.top_k, stop=tuple(rl.stop))
 
 
-def shape_round(rl: Any, shard: EncodedShard, result: RolloutResult, real: list[RolloutSample], total: list[float],
-                per_reward: dict[str, list[float]]) -> Round:
-    """A scored round: overlong shaping, group advantages, the groups to train on."""
+def shape_round(rl: Any, advantage: AdvantageSpec, shard: EncodedShard, result: RolloutResult, real: list[RolloutSample],
+                total: list[float], per_reward: dict[str, list[float]]) -> Round:
+    """A scored round: overlong shaping, group advantages (`advantage`: built once per run from `[rl]`), the
+    groups to train on."""
     G = rl.group_size
     penalty: list[float] = []
     if rl.overlong_buffer > 0 and real:
         penalty = overlong_penalty([int(s.token_ids.numel()) for s in real], rl.max_new_tokens,
                                    rl.overlong_buffer, rl.overlong_penalty)
         total = [t + p for t, p in zip(total, penalty)]
-    adv = compute_group_advantages(torch.tensor(total, dtype=torch.float32), G, estimator=rl.advantage,
-                                   normalize_std=rl.adv_normalize_std(),
-                                   drop_equal_reward_groups=rl.drop_equal_reward_groups or rl.dynamic_sampling) if real else None
+    adv = compute_group_advantages(torch.tensor(total, dtype=torch.float32), G, estimator=advantage.estimator,
+                                   normalize_std=advantage.normalize_std,
+                                   drop_equal_reward_groups=advantage.drop_equal_reward_groups) if real else None
     keep_group = [bool(k) for k in adv.keep[::G].tolist()] if adv is not None else []
     return Round(shard=shard, result=result, real=real, total=total, per_reward=per_reward, penalty=penalty,
                  adv=adv, keep_group=keep_group)
@@ -90,6 +92,7 @@ class RoundSampler:
                  shards: DataShards, seed: int, eval_mode: Any = None):
         self.rl, self.engine, self.encoder, self.rewards = rl_cfg, engine, encoder, rewards
         self.shards, self.seed, self._eval_mode = shards, seed, eval_mode
+        self.advantage = AdvantageSpec.from_config(rl_cfg)  # validated once here
 
     def sample(self, step: int, batch: Sequence[PromptSample], pool: Optional[Sequence[PromptSample]],
                timer: PhaseTimer) -> tuple[list[Round], int]:
@@ -145,7 +148,7 @@ class RoundSampler:
         real = result.samples[: shard.num_real * G]
         with timer.phase("reward"):
             total, per_reward = self.score(shard, real)
-        return shape_round(self.rl, shard, result, real, total, per_reward)
+        return shape_round(self.rl, self.advantage, shard, result, real, total, per_reward)
 
     def score(self, shard: EncodedShard, real: Sequence[RolloutSample]) -> tuple[list[float], dict[str, list[float]]]:
         """Summed and per-verifier rewards of this rank's real samples."""

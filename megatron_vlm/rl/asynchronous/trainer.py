@@ -35,6 +35,7 @@ import torch
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.inference.engine import RolloutResult, RolloutSample
 from megatron_vlm.parallel.collectives import all_gather_objects
+from megatron_vlm.rl.algorithms.advantage_estimators import AdvantageSpec
 from megatron_vlm.rl.asynchronous.bridge import Role
 from megatron_vlm.rl.asynchronous.weights import push_weights, trainable_names
 from megatron_vlm.rl.grpo_step import GRPOStep
@@ -82,6 +83,7 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
                  evaluate: Optional[Callable[[int], Optional[dict]]] = None, bad_records: Optional[BadRecordLog] = None):
         super().__init__(ctx, train_set, grpo, evaluate, bad_records=bad_records)
         self.role, self.model, self.encoder = role, model, encoder
+        self.advantage = AdvantageSpec.from_config(self.rl)
         self.bridge = role.bridge  # training rank 0 only
         self.k = self.rl.max_head_offpolicyness
         self._trainable = trainable_names(model)
@@ -155,7 +157,7 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
                 per_reward[label] += per.get(label, [])
         shard = EncodedShard(shard_samples, prompts)
         result = RolloutResult(samples=real, num_generated_tokens=sum(int(s.token_ids.numel()) for s in real))
-        return shape_round(self.rl, shard, result, real, total, per_reward)
+        return shape_round(self.rl, self.advantage, shard, result, real, total, per_reward)
 
     def _staleness(self, step: int, payloads: list[dict]) -> dict[str, float]:
         lags, interrupted, n = [], 0, 0

@@ -62,6 +62,7 @@ def _step(policy, lr_lambda, mini_batches: int) -> GRPOStep:
             temperature=1.0, clip_ratio_low=0.2, clip_ratio_high=0.2, kl_coef=0.0, kl_estimator="k3",
             policy_loss="clip", entropy_coef=0.0, rollout_correction="none", rollout_correction_cap=2.0,
             max_new_tokens=8, group_size=2, overlong_buffer=0, dynamic_sampling=False, mask_truncated=False,
+            advantage="grpo", normalize_adv_std=None, drop_equal_reward_groups=False,
             eval=NS(correct_threshold=1.0))
     return GRPOStep(ctx, bundle, optim, rl, engine=None, encoder=NS(skipped=0), manager=NS(labels=["acc"], metrics=lambda: {}))
 

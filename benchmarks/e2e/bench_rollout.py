@@ -281,7 +281,7 @@ def main() -> None:
         results[name]["vs_transformers_best"] = min(times["transformers_generate"]) / min(times[name])
         print(f"{name} / transformers generate = median {statistics.median(ratios):.2f}x, min {min(ratios):.2f}x "
               f"({len(ratios)} interleaved rounds); best call / best call {results[name]['vs_transformers_best']:.2f}x")
-    # the per-step cost of rl.rollout_weights = "copy" on one device: refreshing an engine-owned copy
+    # the per-step cost of rl.rollout.weights = "copy" on one device: refreshing an engine-owned copy
     # from the trainer's full weights (here: our model's state dict into a second model)
     import copy
 

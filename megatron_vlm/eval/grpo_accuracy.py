@@ -50,8 +50,8 @@ def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager
     rank, world = (dims.dp_rank, dims.dp_size) if dims is not None else (env.rank, env.world_size)
     copies = dims.data_copies if dims is not None else 1
     shard = encode_shard(prompts, encoder, rank, world, env.device)
-    params = SamplingParams(max_new_tokens=e.max_new_tokens or rl_cfg.max_new_tokens, n=e.k, temperature=e.temperature,
-                            top_p=e.top_p, stop=tuple(rl_cfg.stop))
+    params = SamplingParams(max_new_tokens=e.max_new_tokens or rl_cfg.rollout.max_new_tokens, n=e.k, temperature=e.temperature,
+                            top_p=e.top_p, stop=tuple(rl_cfg.rollout.stop))
     wrapper.eval()
     result = engine.generate(shard.prompts, params,
                              generator=sampling_generator(ctx.cfg.train.seed, step, rank, env.device, salt=_EVAL_SALT))

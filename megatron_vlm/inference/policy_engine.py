@@ -29,10 +29,10 @@ One `generate` call:
    step at a time, attention by `kernels.decode_attention` on the slots (no padding), the Mamba2
    state of the hybrid decoder per slot.
 
-With `kv_block_size` > 0 (`rl.kv_block_size`) the keys live in a paged pool (`PagedSlotCache`;
+With `kv_block_size` > 0 (`rl.rollout.kv_block_size`) the keys live in a paged pool (`PagedSlotCache`;
 attention-only models, a Mamba2 hybrid is refused: `paged_kv_blocker`): an admitted sample reserves
 the blocks of its prompt + budget and returns them when it finishes, and a waiting sample is admitted
-only when its blocks are free, so a pool (`kv_cache_blocks`, `rl.kv_cache_blocks`) smaller than slots
+only when its blocks are free, so a pool (`kv_cache_blocks`, `rl.rollout.kv_cache_blocks`) smaller than slots
 x longest sequence bounds the running batch by memory (GPU); on the CPU it is ~5-9 % slower, so off
 by default.
 
@@ -71,6 +71,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 import torch
 
 from megatron_vlm.data.batch import VISION_KEYS
+from megatron_vlm.errors import ConfigError
 from megatron_vlm.inference.decode_graphs import DecodeStepRunner, GraphUnsafeError
 from megatron_vlm.inference.engine import RolloutEngine, RolloutPrompt, RolloutResult, RolloutSample, SamplingParams
 from megatron_vlm.inference.sampling import same_device, sample_tokens
@@ -91,7 +92,7 @@ CUDA_GRAPH_MODES = ("auto", "on", "off")
 
 def cuda_graphs_blocker(model, *, trainer_forward: bool = False, kv_block_size: int = 0) -> Optional[str]:
     """Why the decode step of `model` cannot be captured as a CUDA graph, or None. One function for the
-    engine and `--check` (plan/check.py), so that the check refuses rl.rollout_cuda_graphs = "on" exactly
+    engine and `--check` (plan/check.py), so that the check refuses rl.rollout.cuda_graphs = "on" exactly
     where the job would (a model on the meta device is enough: only its layer kinds are read)."""
     if trainer_forward:
         return "the engine calls the trainer's model (forward= / lock-step batches), not its own copy"
@@ -103,8 +104,8 @@ def cuda_graphs_blocker(model, *, trainer_forward: bool = False, kv_block_size: 
     return None
 
 
-class CudaGraphsConfigError(ValueError):
-    """`rl.rollout_cuda_graphs = "on"` where the decode step cannot be captured (a config error: exit 2)."""
+class CudaGraphsConfigError(ConfigError):
+    """`rl.rollout.cuda_graphs = "on"` where the decode step cannot be captured (a config error: exit 2)."""
 
 
 def paged_kv_blocker(model) -> Optional[str]:
@@ -120,8 +121,8 @@ def paged_kv_blocker(model) -> Optional[str]:
             f"({type(probe).__name__}), which stay in the slot layout; the paged cache is for attention-only decoders")
 
 
-class PagedKVConfigError(ValueError):
-    """`rl.kv_block_size` > 0 with a model that cannot decode on the paged KV cache (a config error: exit 2)."""
+class PagedKVConfigError(ConfigError):
+    """`rl.rollout.kv_block_size` > 0 with a model that cannot decode on the paged KV cache (a config error: exit 2)."""
 
 
 def _left_pad(prompts: Sequence[RolloutPrompt], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,7 +223,7 @@ class PolicyRolloutEngine(RolloutEngine):
         if kv_block_size:
             why_not_paged = paged_kv_blocker(model)
             if why_not_paged:
-                raise PagedKVConfigError(f"rl.kv_block_size: {kv_block_size} (the paged KV cache) is not possible: {why_not_paged}")
+                raise PagedKVConfigError(f"rl.rollout.kv_block_size: {kv_block_size} (the paged KV cache) is not possible: {why_not_paged}")
             log.info("rollout KV cache: paged, %d positions per block, pool of %s", kv_block_size,
                      f"{kv_cache_blocks} blocks" if kv_cache_blocks else "1 + slots x blocks per slot (derived per batch)")
         self.kv_block_size, self.kv_cache_blocks = kv_block_size, kv_cache_blocks
@@ -231,7 +232,7 @@ class PolicyRolloutEngine(RolloutEngine):
         why_not = cuda_graphs_blocker(model, trainer_forward=forward is not None or all_ranks_active is not None,
                                       kv_block_size=kv_block_size)
         if cuda_graphs == "on" and why_not:
-            raise CudaGraphsConfigError(f"rl.rollout_cuda_graphs: 'on' is not possible: {why_not}")
+            raise CudaGraphsConfigError(f"rl.rollout.cuda_graphs: 'on' is not possible: {why_not}")
         if cuda_graphs == "auto" and why_not:
             log.info("rollout CUDA graphs off: %s", why_not)
             cuda_graphs = "off"

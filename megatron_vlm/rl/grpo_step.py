@@ -60,17 +60,17 @@ class GRPOStep:
                         extra_metrics: Optional[dict[str, float]] = None) -> dict[str, float]:
         """Everything after generation and scoring: log-probs, updates, metrics. The synchronous `run`
         and the asynchronous trainer (rl/asynchronous/trainer.py, rounds built from the rollout ranks'
-        completions) share it. With `rl.max_head_offpolicyness > 0` the loss is the decoupled PPO
+        completions) share it. With `rl.asynchronous.max_head_offpolicyness > 0` the loss is the decoupled PPO
         loss: old_logp = the proximal policy (recomputed under the current weights before the
-        update), behav_logp = the rollout's, weight capped by `rl.behav_imp_weight_cap`."""
-        r, G = self.rl, self.rl.group_size
+        update), behav_logp = the rollout's, weight capped by `rl.loss.behav_imp_weight_cap`."""
+        r, G = self.rl, self.rl.batch.group_size
         train_samples: list[TrainSample] = []
         masked_truncated = 0
         for rd in rounds:
             for i, s in enumerate(rd.real):
                 if not rd.keep_group[i // G]:
                     continue
-                if r.mask_truncated and s.truncated:
+                if r.update.mask_truncated and s.truncated:
                     masked_truncated += 1
                     continue
                 assert rd.adv is not None

@@ -71,7 +71,7 @@ class UpdateResult:
     mismatch: Optional[dict[str, float]] = None
     """`mismatch_sums` of the samples whose old log-probs were recomputed (None: not recomputed)."""
     zero_adv_skipped: int = 0
-    """Samples the update did not forward (advantage 0, `rl.skip_zero_advantage`)."""
+    """Samples the update did not forward (advantage 0, `rl.update.skip_zero_advantage`)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -109,8 +109,8 @@ def _mis_keep(s: TrainSample, cap: float) -> bool:
 
 
 class PolicyUpdate:
-    """`train(step, samples, dummy, timer)`: reference and old log-probs, then `rl.ppo_epochs` x
-    `rl.mini_batches_per_step` optimizer updates. `ctx`: the run context (config, ranks, device, `to_device`);
+    """`train(step, samples, dummy, timer)`: reference and old log-probs, then `rl.batch.ppo_epochs` x
+    `rl.batch.mini_batches_per_step` optimizer updates. `ctx`: the run context (config, ranks, device, `to_device`);
     `bundle`: the policy (`wrapper`, `trainable_params`, `dims`, `moe_balancer`, `model`); `optim`: optimizer +
     scheduler; `reference`: the frozen reference (kl_coef > 0) or None; `metrics`: where a MoE workload
     report's expert table goes (None: not logged)."""
@@ -125,7 +125,7 @@ class PolicyUpdate:
         self.seed: int = ctx.cfg.train.seed
         self.guard = StepGuard.from_config(ctx.cfg.train, self.device, what="GRPO update")
         # asynchronous GRPO with stale samples: the decoupled loss (proximal vs behaviour policy)
-        self.decoupled = getattr(rl_cfg, "allocation", None) is not None and getattr(rl_cfg, "max_head_offpolicyness", 0) > 0
+        self.decoupled = rl_cfg.allocation is not None and rl_cfg.asynchronous.max_head_offpolicyness > 0
         # the loss's settings, validated once here (not per micro-batch)
         self.loss_spec = PolicyLossSpec.from_config(rl_cfg, decoupled=self.decoupled)
         self.share_prompts, why = self._prompt_sharing()
@@ -134,16 +134,16 @@ class PolicyUpdate:
         self.vision_ids = frozenset(int(t) for t in (getattr(args, "image_token_id", None), getattr(args, "video_token_id", None))
                                     if t is not None)
         if ctx.env.rank == 0 and model is not None:
-            log.info("rl.prompt_sharing: %s (%s)", "on" if self.share_prompts else "off", why)
+            log.info("rl.update.prompt_sharing: %s (%s)", "on" if self.share_prompts else "off", why)
         self.skip_zero_adv, why_skip = self.skip_zero_advantage()
         if ctx.env.rank == 0 and model is not None:
-            log.info("rl.skip_zero_advantage: %s (%s)", "on" if self.skip_zero_adv else "off", why_skip)
+            log.info("rl.update.skip_zero_advantage: %s (%s)", "on" if self.skip_zero_adv else "off", why_skip)
 
     # ------------------------------------------------------------------ settings
     def _prompt_sharing(self) -> tuple[bool, str]:
-        """Whether the training forwards pack each prompt once per group (`rl.prompt_sharing`), and why."""
-        if getattr(self.rl, "prompt_sharing", "auto") == "off":
-            return False, "rl.prompt_sharing = 'off'"
+        """Whether the training forwards pack each prompt once per group (`rl.update.prompt_sharing`), and why."""
+        if self.rl.update.prompt_sharing == "off":
+            return False, "rl.update.prompt_sharing = 'off'"
         model = getattr(self.bundle, "model", None)
         if model is None or not accepts_prefix_segments(model):
             return False, f"{type(model).__name__}'s decoder does not support shared prompts"
@@ -153,14 +153,14 @@ class PolicyUpdate:
         return True, "each prompt packed once per group in the training forwards"
 
     def skip_zero_advantage(self) -> tuple[bool, str]:
-        """Whether the update leaves zero-advantage completions out (`rl.skip_zero_advantage`): only where their
+        """Whether the update leaves zero-advantage completions out (`rl.update.skip_zero_advantage`): only where their
         gradient is exactly zero, and why (decided from the current settings and bundle)."""
         r = self.rl
-        if not getattr(r, "skip_zero_advantage", True):
-            return False, "rl.skip_zero_advantage = false"
-        if self.reference is not None or r.kl_coef > 0:
+        if not r.update.skip_zero_advantage:
+            return False, "rl.update.skip_zero_advantage = false"
+        if self.reference is not None or r.loss.kl_coef > 0:
             return False, "kl_coef > 0: the KL term has a gradient at advantage 0"
-        if r.entropy_coef > 0:
+        if r.loss.entropy_coef > 0:
             return False, "entropy_coef > 0: the entropy bonus has a gradient at advantage 0"
         if getattr(self.bundle, "moe_balancer", None) is not None:
             return False, "MoE layers: their auxiliary loss and load statistics see every token"
@@ -179,18 +179,18 @@ class PolicyUpdate:
             with timer.phase("ref"):
                 self.reference_logprobs(samples, dummy)
         mismatch = None
-        proximal_in_update = (self.decoupled and not r.recompute_logprobs and r.ppo_epochs == 1
-                              and r.mini_batches_per_step == 1 and r.rollout_correction == "none")
+        proximal_in_update = (self.decoupled and not r.recompute_logprobs and r.batch.ppo_epochs == 1
+                              and r.batch.mini_batches_per_step == 1 and r.loss.rollout_correction == "none")
         if (r.recompute_logprobs or self.decoupled) and not proximal_in_update:
             # MIS decides per sample from its old log-probs (a drop changes the normaliser): every sample; otherwise a
             # zero-advantage sample's old log-probs reach only its zero loss term, so the skipped ones are not forwarded
-            needs_old = samples if r.rollout_correction == "mis" else [s for s in samples if self.trains(s)]
+            needs_old = samples if r.loss.rollout_correction == "mis" else [s for s in samples if self.trains(s)]
             with timer.phase("old_logprob"):
                 self.recompute_old_logprobs(needs_old, dummy)
             # over the samples whose old log-probs were recomputed (as when the update's own forward gives them)
             mismatch = mismatch_sums(needs_old)
-            if r.rollout_correction == "mis":
-                kept = [s for s in samples if _mis_keep(s, r.rollout_correction_cap)]
+            if r.loss.rollout_correction == "mis":
+                kept = [s for s in samples if _mis_keep(s, r.loss.rollout_correction_cap)]
                 mismatch["mis_dropped"] = len(samples) - len(kept)
                 samples = kept
         with timer.phase("train"):
@@ -241,7 +241,7 @@ class PolicyUpdate:
         self.bundle.wrapper.eval()
         for i in range(n):
             group = packs[i] if i < len(packs) else [dummy]
-            logp = self.bundle.wrapper(self._pack(group), temperature=self.rl.temperature)
+            logp = self.bundle.wrapper(self._pack(group), temperature=self.rl.rollout.temperature)
             if i < len(packs):
                 for s, piece in zip(group, split_by_response(logp.float().cpu(), group)):
                     s.old_logp = piece
@@ -261,11 +261,11 @@ class PolicyUpdate:
         train_tokens = 0
         updates = 0
         dp = self.shards.world
-        for epoch in range(r.ppo_epochs):
+        for epoch in range(r.batch.ppo_epochs):
             order = list(range(len(samples)))
             random.Random(((self.seed * 1_000_003 + step) * 131 + epoch) * 8191 + self.shards.rank).shuffle(order)
-            for m in range(r.mini_batches_per_step):
-                mb = [samples[i] for i in order[m::r.mini_batches_per_step]]
+            for m in range(r.batch.mini_batches_per_step):
+                mb = [samples[i] for i in order[m::r.batch.mini_batches_per_step]]
                 # the normaliser counts every sample of the mini-batch, the forwards skip zero-advantage ones
                 packs = self.packs([s for s in mb if self.trains(s)])
                 g_tokens, g_seqs = self.shards.sum([sum(s.response_length for s in mb), len(mb)])
@@ -275,13 +275,13 @@ class PolicyUpdate:
                 # nothing left to forward anywhere (all advantages 0): one dummy forward, so every parameter gets
                 # its zero gradient and the optimizer steps (momentum, weight decay) as it would have
                 n_packs = max(n_packs, 1)
-                normalizer = {"token-mean": g_tokens, "seq-mean": g_seqs}.get(r.loss_agg, g_seqs * r.max_new_tokens)
+                normalizer = {"token-mean": g_tokens, "seq-mean": g_seqs}.get(r.loss.loss_agg, g_seqs * r.rollout.max_new_tokens)
                 loss_sum = 0.0
                 for i in range(n_packs):
                     is_real = i < len(packs)
                     group = packs[i] if is_real else [dummy]
                     batch = self._pack(group)
-                    logp, ent = wrapper(batch, temperature=r.temperature, return_entropy=True)
+                    logp, ent = wrapper(batch, temperature=r.rollout.temperature, return_entropy=True)
                     # MoE auxiliary loss of this forward (None without MoE layers or aux_loss_coef = 0),
                     # averaged over the mini-batch's packs as the SFT loop averages over micro-batches
                     aux = balancer.aux_loss() if balancer is not None else None
@@ -334,7 +334,7 @@ class PolicyUpdate:
         ref = _cat([s.ref_logp for s in group], "ref_logp").to(logp.device) if self.reference is not None else None
         seq_ids = torch.repeat_interleave(torch.arange(len(group), device=logp.device), lengths)
         mask = torch.ones_like(logp, dtype=torch.bool)
-        rollout = torch.cat([s.behav_logp for s in group]).to(logp.device) if r.rollout_correction != "none" else None
+        rollout = torch.cat([s.behav_logp for s in group]).to(logp.device) if r.loss.rollout_correction != "none" else None
         behav = torch.cat([s.behav_logp for s in group]).to(logp.device) if self.decoupled else None
         return compute_policy_loss(self.loss_spec, logp, old, adv.to(logp.dtype), mask, seq_ids=seq_ids,
                                    normalizer=float(normalizer), ref_logp=ref, entropy=ent, rollout_logp=rollout,

@@ -1,5 +1,5 @@
 """The generation rounds of a GRPO step: encode, roll out, score, shape, group advantages; and DAPO's
-dynamic sampling, which runs further rounds until the step has `rl.prompts_per_step` informative groups.
+dynamic sampling, which runs further rounds until the step has `rl.batch.prompts_per_step` informative groups.
 
 Why its own module: a round is everything before the policy update, and the asynchronous trainer builds
 the same `Round` from completions the rollout ranks sent (`shape_round`), so both loops train on one
@@ -61,19 +61,19 @@ class Round:
 
 def sampling_params(rl: Any) -> SamplingParams:
     """The rollout's sampling settings from `[rl]`."""
-    return SamplingParams(max_new_tokens=rl.max_new_tokens, n=rl.group_size, temperature=rl.temperature,
-                          top_p=rl.top_p, top_k=rl.top_k, stop=tuple(rl.stop))
+    return SamplingParams(max_new_tokens=rl.rollout.max_new_tokens, n=rl.batch.group_size, temperature=rl.rollout.temperature,
+                          top_p=rl.rollout.top_p, top_k=rl.rollout.top_k, stop=tuple(rl.rollout.stop))
 
 
 def shape_round(rl: Any, advantage: AdvantageSpec, shard: EncodedShard, result: RolloutResult, real: list[RolloutSample],
                 total: list[float], per_reward: dict[str, list[float]]) -> Round:
     """A scored round: overlong shaping, group advantages (`advantage`: built once per run from `[rl]`), the
     groups to train on."""
-    G = rl.group_size
+    G = rl.batch.group_size
     penalty: list[float] = []
-    if rl.overlong_buffer > 0 and real:
-        penalty = overlong_penalty([int(s.token_ids.numel()) for s in real], rl.max_new_tokens,
-                                   rl.overlong_buffer, rl.overlong_penalty)
+    if rl.advantages.overlong_buffer > 0 and real:
+        penalty = overlong_penalty([int(s.token_ids.numel()) for s in real], rl.rollout.max_new_tokens,
+                                   rl.advantages.overlong_buffer, rl.advantages.overlong_penalty)
         total = [t + p for t, p in zip(total, penalty)]
     adv = compute_group_advantages(torch.tensor(total, dtype=torch.float32), G, estimator=advantage.estimator,
                                    normalize_std=advantage.normalize_std,
@@ -101,16 +101,16 @@ class RoundSampler:
         r, shards = self.rl, self.shards
         rounds: list[Round] = []
         kept_before = surplus = 0
-        for rnd in range(r.max_sampling_rounds if r.dynamic_sampling else 1):
+        for rnd in range(r.advantages.max_sampling_rounds if r.advantages.dynamic_sampling else 1):
             prompts = batch if rnd == 0 else self.round_prompts(step, rnd, batch, pool)
             rd = self.sample_round(step, rnd, prompts, timer)
             rounds.append(rd)
-            if not r.dynamic_sampling:
+            if not r.advantages.dynamic_sampling:
                 break
             # every rank decides alike: the kept (non-zero variance) groups of this round, per rank
             counts = [int(c) for c in shards.sum([sum(rd.keep_group) if i == shards.rank else 0
                                                   for i in range(shards.world)])]
-            need = r.prompts_per_step - kept_before
+            need = r.batch.prompts_per_step - kept_before
             if sum(counts) >= need:  # enough: drop the surplus of this round, ranks in order
                 quota = []
                 for c in counts:
@@ -137,7 +137,7 @@ class RoundSampler:
 
     def sample_round(self, step: int, rnd: int, prompts: Sequence[PromptSample], timer: PhaseTimer) -> Round:
         """Generate, score, shape and compute the advantages of one round of prompts."""
-        G, shards = self.rl.group_size, self.shards
+        G, shards = self.rl.batch.group_size, self.shards
         with timer.phase("rollout"):
             shard = encode_shard(prompts, self.encoder, shards.rank, shards.world, shards.device)
             if self._eval_mode is not None:
@@ -154,7 +154,7 @@ class RoundSampler:
         """Summed and per-verifier rewards of this rank's real samples."""
         if not real:
             return [], {label: [] for label in self.rewards.labels}
-        G = self.rl.group_size
+        G = self.rl.batch.group_size
         owners = [shard.samples[s.prompt_index] for s in real]
         scored = self.rewards.score([s.text for s in real], [p.answer for p in owners], prompts=[p.problem for p in owners],
                                     metadata=[p.metadata for p in owners])

@@ -27,7 +27,7 @@ class StepCounts:
     surplus: int
     """Dynamic sampling: groups of the last round dropped beyond prompts_per_step (over all ranks)."""
     masked_truncated: int
-    """Completions left out of the update because they were cut at max_new_tokens (rl.mask_truncated)."""
+    """Completions left out of the update because they were cut at max_new_tokens (rl.update.mask_truncated)."""
     skipped_prompts: int
     """Prompts the encoder skipped so far (this rank)."""
     reward_failures: dict[str, float]
@@ -39,12 +39,13 @@ class StepCounts:
 def step_metrics(rl: Any, shards: DataShards, step: int, timer: PhaseTimer, rounds: Sequence[Round], upd: UpdateResult,
                  counts: StepCounts, *, reward_labels: Sequence[str], zero_adv_on: bool) -> dict[str, float]:
     """The step's metrics (the same on every rank)."""
-    G = rl.group_size
+    G = rl.batch.group_size
     real = [x for rd in rounds for x in rd.real]
     trained: list[bool] = []  # per real sample: its group is trained (mask_truncated is counted separately)
     for rd in rounds:
         trained += [rd.keep_group[i // G] for i in range(len(rd.real))]
-    zero_var = [bool(z) for rd in rounds if rd.adv is not None for z in rd.adv.zero_variance.tolist()]
+    zero_var = [bool(z) for rd in rounds if rd.adv is not None and rd.adv.zero_variance is not None
+                for z in rd.adv.zero_variance.tolist()]
     local = {
         "total": [t for rd in rounds for t in rd.total],
         "per_reward": {label: [v for rd in rounds for v in rd.per_reward.get(label, [])] for label in reward_labels},
@@ -81,15 +82,15 @@ def step_metrics(rl: Any, shards: DataShards, step: int, timer: PhaseTimer, roun
     groups = sum(p["groups"] for p in parts)
     if groups:
         out["reward/zero_var_group_frac"] = sum(p["zero_var"] for p in parts) / groups
-    if rl.overlong_buffer > 0 and cat("penalty"):
+    if rl.advantages.overlong_buffer > 0 and cat("penalty"):
         out["reward/overlong_penalty"] = sum(cat("penalty")) / len(cat("penalty"))
-    if rl.dynamic_sampling:
+    if rl.advantages.dynamic_sampling:
         out["sampling/rounds"] = float(counts.rounds)
         out["sampling/extra_rounds"] = float(counts.rounds - 1)
         out["sampling/kept_groups"] = float(sum(p["kept_groups"] for p in parts))
         out["sampling/dropped_groups"] = float(sum(p["dropped"] for p in parts))
         out["sampling/surplus_groups"] = float(counts.surplus)
-    if rl.mask_truncated:
+    if rl.update.mask_truncated:
         out["train/masked_truncated"] = float(sum(p["masked_truncated"] for p in parts))
     if zero_adv_on:
         out["train/zero_adv_skipped"] = float(sum(p["zero_adv_skipped"] for p in parts))
@@ -125,6 +126,6 @@ def _mismatch_metrics(rl: Any, mm: list[dict[str, float]]) -> dict[str, float]:
         out["rollout/mismatch_ratio_mean"] = sum(m["ratio"] for m in mm) / n_tok
         out["rollout/mismatch_ratio_min"] = min(m["min"] for m in mm)
         out["rollout/mismatch_ratio_max"] = max(m["max"] for m in mm)
-        if rl.rollout_correction == "mis":
+        if rl.loss.rollout_correction == "mis":
             out["rollout/mis_dropped_frac"] = sum(m["mis_dropped"] for m in mm) / max(1, sum(m["seqs"] for m in mm))
     return out

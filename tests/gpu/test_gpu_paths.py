@@ -52,7 +52,7 @@ def test_grpo_job_on_gpu(tmp_path):
         "model.path": f'"{tmp_path / "sft" / "hf"}"', "data.synthetic_dir": f'"{assets / "data"}"',
         "data.synthetic_train_size": "64", "data.synthetic_eval_size": "8", "data.max_tokens_per_pack": "256",
         "train.output_dir": f'"{out}"', "train.max_steps": "3", "logging.tensorboard": "false",
-        "checkpoint.every_steps": "0", "rl.group_size": "4", "rl.prompts_per_step": "4", "rl.max_new_tokens": "4",
+        "checkpoint.every_steps": "0", "rl.batch.group_size": "4", "rl.batch.prompts_per_step": "4", "rl.rollout.max_new_tokens": "4",
         "rl.model_path_hint": '""', "rl.eval.every_steps": "0",
     }
     run_job([f"{k}={v}" for k, v in sets.items()], config=REPO / "launch" / "configs" / "demo_grpo.toml",

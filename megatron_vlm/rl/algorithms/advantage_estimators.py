@@ -90,5 +90,5 @@ class AdvantageSpec:
     @classmethod
     def from_config(cls, rl: Any) -> "AdvantageSpec":
         """From `[rl]`: dynamic sampling drops equal-reward groups too (and refills the step)."""
-        return cls(estimator=rl.advantage, normalize_std=resolve_normalize_std(rl.advantage, rl.normalize_adv_std),
-                   drop_equal_reward_groups=rl.drop_equal_reward_groups or rl.dynamic_sampling)
+        return cls(estimator=rl.advantage, normalize_std=resolve_normalize_std(rl.advantage, rl.advantages.normalize_std),
+                   drop_equal_reward_groups=rl.advantages.drop_equal_reward_groups or rl.advantages.dynamic_sampling)

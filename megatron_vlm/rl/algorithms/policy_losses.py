@@ -156,10 +156,10 @@ class PolicyLossSpec:
     def from_config(cls, rl: Any, *, decoupled: bool) -> "PolicyLossSpec":
         """The loss of a GRPO run's `[rl]` section; `decoupled`: asynchronous GRPO with stale samples (the
         behaviour weight, capped by `behav_imp_weight_cap`)."""
-        return cls(clip_ratio_low=rl.clip_ratio_low, clip_ratio_high=rl.clip_ratio_high, loss_agg=rl.loss_agg,
-                   variant=rl.policy_loss, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator, entropy_coef=rl.entropy_coef,
-                   rollout_correction=rl.rollout_correction, rollout_correction_cap=rl.rollout_correction_cap,
-                   behav_imp_weight_cap=rl.behav_imp_weight_cap if decoupled else None)
+        return cls(clip_ratio_low=rl.loss.clip_ratio_low, clip_ratio_high=rl.loss.clip_ratio_high, loss_agg=rl.loss.loss_agg,
+                   variant=rl.policy_loss, kl_coef=rl.loss.kl_coef, kl_estimator=rl.loss.kl_estimator, entropy_coef=rl.loss.entropy_coef,
+                   rollout_correction=rl.loss.rollout_correction, rollout_correction_cap=rl.loss.rollout_correction_cap,
+                   behav_imp_weight_cap=rl.loss.behav_imp_weight_cap if decoupled else None)
 
 
 def _check_inputs(spec: PolicyLossSpec, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,

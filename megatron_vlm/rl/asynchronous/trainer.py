@@ -36,7 +36,7 @@ from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.inference.engine import RolloutResult, RolloutSample
 from megatron_vlm.parallel.collectives import all_gather_objects
 from megatron_vlm.rl.algorithms.advantage_estimators import AdvantageSpec
-from megatron_vlm.rl.asynchronous.bridge import Role
+from megatron_vlm.rl.asynchronous.bridge import Bridge, Role
 from megatron_vlm.rl.asynchronous.weights import push_weights, trainable_names
 from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.metrics import PhaseTimer
@@ -59,12 +59,14 @@ class _Prefetch:
     bridge's sample group is used by this thread only; control messages and weight pushes stay on the
     main thread, in order)."""
 
-    def __init__(self, bridge, step: int, n_rollout: int):
-        self.step, self.payloads, self.error = step, None, None
+    def __init__(self, bridge: Bridge, step: int, n_rollout: int):
+        self.step = step
+        self.payloads: Optional[list[dict]] = None
+        self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, args=(bridge, n_rollout), daemon=True, name=f"prefetch-{step}")
         self._thread.start()
 
-    def _run(self, bridge, n_rollout: int) -> None:
+    def _run(self, bridge: Bridge, n_rollout: int) -> None:
         try:
             self.payloads = [bridge.recv_object(1 + r) for r in range(n_rollout)]
         except BaseException as e:  # noqa: BLE001 - re-raised by get() on the main thread
@@ -74,6 +76,7 @@ class _Prefetch:
         self._thread.join()
         if self.error is not None:
             raise self.error
+        assert self.payloads is not None
         return self.payloads
 
 
@@ -85,7 +88,7 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         self.role, self.model, self.encoder = role, model, encoder
         self.advantage = AdvantageSpec.from_config(self.rl)
         self.bridge = role.bridge  # training rank 0 only
-        self.k = self.rl.max_head_offpolicyness
+        self.k = self.rl.asynchronous.max_head_offpolicyness
         self._trainable = trainable_names(model)
         self._stopped = False
         self.total_steps = total_steps
@@ -101,7 +104,7 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
     # ------------------------------------------------------------------ one step
     def _receive(self, step: int) -> list[dict]:
         """Step `step`'s payloads of every rollout rank, on every training rank."""
-        payloads = None
+        payloads: Optional[list[dict]] = None
         if self.bridge is not None:
             n_rollout = self.role.allocation.rollout
             pending, self._prefetch = self._prefetch, None
@@ -118,11 +121,12 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
                 self._prefetch = _Prefetch(self.bridge, step + 1, n_rollout)
         if self.role.allocation.train > 1:
             payloads = all_gather_objects(payloads)[0]
+        assert payloads is not None  # training rank 0 received them; the others got rank 0's
         return payloads
 
     def _round(self, step: int, payloads: list[dict]) -> Round:
         """This training rank's groups of the step as a scored round of the synchronous step."""
-        G, M, me = self.rl.group_size, self.role.allocation.train, self.role.rank
+        G, M, me = self.rl.batch.group_size, self.role.allocation.train, self.role.rank
         groups = []  # (dataset index, [sample payloads], [total], {label: [values]})
         for p in payloads:
             by_prompt: dict[int, list[int]] = {}
@@ -136,7 +140,7 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         mine = groups[me::M]
         if not mine:
             raise RuntimeError(f"asynchronous GRPO: step {step} has {len(groups)} groups for {M} training ranks "
-                               "(raise rl.prompts_per_step)")
+                               "(raise rl.batch.prompts_per_step)")
         shard_samples, prompts, real, total = [], [], [], []
         per_reward: dict[str, list[float]] = {label: [] for label in self.grpo.reward_labels}
         for gi, (idx, samples, tot, per) in enumerate(mine):
@@ -201,7 +205,7 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         for key in payloads[0]["reward_fail"]:
             metrics[key] = float(sum(p["reward_fail"][key] for p in payloads))
         self._last_end = end
-        metrics["epoch"] = (step + 1) * self.rl.prompts_per_step / len(self.train_set)
+        metrics["epoch"] = (step + 1) * self.rl.batch.prompts_per_step / len(self.train_set)
         return metrics if log else {}
 
     def finish(self) -> None:

@@ -17,6 +17,7 @@ from typing import Optional
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpected
 from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
 from megatron_vlm.data.processing import process_record
+from megatron_vlm.errors import ConfigError
 from megatron_vlm.inference.engine import RolloutPrompt
 from megatron_vlm.rl.prompts.dataset import PromptSample
 
@@ -35,8 +36,8 @@ class PromptEncoder:
     def __init__(self, processor, *, max_frames: int, fps: float, max_new_tokens: int, max_tokens: int,
                  limits: Optional[MediaLimits] = None, bad_records: Optional[BadRecordLog] = None):
         if max_new_tokens >= max_tokens:
-            raise ValueError(
-                f"data.max_tokens_per_pack: {max_tokens} leaves no room for a prompt before rl.max_new_tokens = "
+            raise ConfigError(
+                f"data.max_tokens_per_pack: {max_tokens} leaves no room for a prompt before rl.rollout.max_new_tokens = "
                 f"{max_new_tokens} generated tokens; raise it above prompt length + max_new_tokens"
             )
         self.processor = processor
@@ -55,10 +56,12 @@ class PromptEncoder:
             processed = process_record(sample.to_record(), self.processor, max_frames=self.max_frames, fps=self.fps,
                                        for_generation=True, limits=self.limits)
         except Exception as e:  # every per-prompt failure is a counted bad record (module docstring)
-            return self._skip(sample, unexpected(e, f"prompt {sample.prompt_id}"))
+            self._skip(sample, unexpected(e, f"prompt {sample.prompt_id}"))
+            return None
         if len(processed) > self.max_prompt_tokens:
-            return self._skip(sample, BadRecordError(
+            self._skip(sample, BadRecordError(
                 "too_long", f"prompt of {len(processed)} tokens + max_new_tokens exceeds data.max_tokens_per_pack"))
+            return None
         return RolloutPrompt.from_processed(processed)
 
     def _skip(self, sample: PromptSample, err: BadRecordError) -> None:
@@ -69,4 +72,3 @@ class PromptEncoder:
         if self._warned < 5:
             self._warned += 1
             log.warning("GRPO prompt %s skipped: %s", sample.prompt_id, why)
-        return None

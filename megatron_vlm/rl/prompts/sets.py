@@ -23,6 +23,7 @@ from typing import Optional
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.data_files import HF_SUFFIXES, MESSAGES_SUFFIXES, data_path_errors
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
+from megatron_vlm.errors import ConfigError
 from megatron_vlm.rl.prompts.dataset import PromptDataset, load_prompt_dataset
 
 __all__ = ["PromptSets", "load_prompt_sets"]
@@ -56,7 +57,7 @@ def load_prompt_sets(data_cfg, rl_cfg, *, run_dir: Path, is_main: bool = True, b
 
 
 def _load_prompt_sets(data_cfg, rl_cfg, *, run_dir: Path, is_main: bool, barrier) -> PromptSets:
-    common = dict(prompt_template=rl_cfg.prompt_template, system_prompt=rl_cfg.system_prompt,
+    common = dict(prompt_template=rl_cfg.prompts.template, system_prompt=rl_cfg.prompts.system_prompt,
                   image_root=data_cfg.image_root or None)
     if data_cfg.type == "synthetic_vqa":
         train_path, eval_path = _synthetic_paths(data_cfg, run_dir, is_main, barrier)
@@ -66,14 +67,14 @@ def _load_prompt_sets(data_cfg, rl_cfg, *, run_dir: Path, is_main: bool, barrier
     if data_cfg.type == "hf":
         cols = dict(data_cfg.columns)
         if "messages" in cols:
-            raise ValueError("data.columns: GRPO reads prompt / answer (/ images) columns, not a 'messages' column; "
+            raise ConfigError("data.columns: GRPO reads prompt / answer (/ images) columns, not a 'messages' column; "
                              "use data.type = 'messages_jsonl' for conversations")
         common.update(columns={k: v for k, v in cols.items() if k in ("prompt", "answer", "images", "image")},
                       suffixes=HF_SUFFIXES)
     elif data_cfg.type == "messages_jsonl":
         common.update(schema="messages", suffixes=MESSAGES_SUFFIXES)
     else:
-        raise ValueError(f"data.type: {data_cfg.type!r} has no GRPO prompt source")
+        raise ConfigError(f"data.type: {data_cfg.type!r} has no GRPO prompt source")
     # no files, an unreadable table, missing columns or no usable row: a ConfigError naming the key (exit 2)
     with data_path_errors("data.train_path"):
         train = load_prompt_dataset(data_cfg.train_path, **common)

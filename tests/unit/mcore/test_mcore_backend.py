@@ -1,7 +1,7 @@
 """`parallel.backend = "mcore"` (models/mcore/layer.py): each dense family's language-decoder layers swapped
 for megatron-core 0.16.1 TransformerLayers (local spec, on the CPU) give the native model's log-probs and
 gradients on a packed batch with images and shared prompts, its logits on a left-padded batch, the same
-greedy rollout through the KV slot cache and the paged one (`rl.kv_block_size`), and the native state dict back for the HF export. MoE and
+greedy rollout through the KV slot cache and the paged one (`rl.rollout.kv_block_size`), and the native state dict back for the HF export. MoE and
 Nemotron-H decoders: test_mcore_moe_hybrid.py."""
 from __future__ import annotations
 

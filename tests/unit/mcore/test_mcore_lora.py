@@ -124,7 +124,7 @@ def test_mcore_lora_equals_native_lora(kind, targets, dropout, rslora, mcore_sta
     torch.testing.assert_close(base_m, base_n, atol=1e-5, rtol=0)
     assert (base_m - lp_m).abs().max() > 1e-3
 
-    # decoding through the KV slot cache (GRPO's rollout with rl.rollout_weights = "shared"): the same greedy tokens
+    # decoding through the KV slot cache (GRPO's rollout with rl.rollout.weights = "shared"): the same greedy tokens
     prompts = _prompts(kind, folder, native.lm_head.weight.shape[0], vqa)
     params = SamplingParams(max_new_tokens=4, n=1, temperature=0.0)
     tok = load_processor(str(folder)).tokenizer

@@ -1,4 +1,4 @@
-"""Prompt sharing in the GRPO training forwards (`rl.prompt_sharing`): a pack holding each prompt once
+"""Prompt sharing in the GRPO training forwards (`rl.update.prompt_sharing`): a pack holding each prompt once
 with its group's completions gives the log-probs and gradients of the plain pack (every completion
 with its own copy of the prompt, images included), on every family that accepts it; the pack is
 smaller; Nemotron-VL's hybrid decoder does not accept it."""

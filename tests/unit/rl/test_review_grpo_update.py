@@ -58,11 +58,14 @@ def _step(policy, lr_lambda, mini_batches: int) -> GRPOStep:
              cfg=NS(data=NS(max_tokens_per_pack=12), train=NS(seed=5, max_grad_norm=0.0)), to_device=lambda b: b)
     bundle = NS(dims=NS(dp_size=1), wrapper=policy, trainable_params=list(policy.parameters()), moe_balancer=None)
     optim = OptimState(opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda))
-    rl = NS(accuracy_label=lambda: "acc", ppo_epochs=1, mini_batches_per_step=mini_batches, loss_agg="token-mean",
-            temperature=1.0, clip_ratio_low=0.2, clip_ratio_high=0.2, kl_coef=0.0, kl_estimator="k3",
-            policy_loss="clip", entropy_coef=0.0, rollout_correction="none", rollout_correction_cap=2.0,
-            max_new_tokens=8, group_size=2, overlong_buffer=0, dynamic_sampling=False, mask_truncated=False,
-            advantage="grpo", normalize_adv_std=None, drop_equal_reward_groups=False,
+    rl = NS(accuracy_label=lambda: "acc", policy_loss="clip", advantage="grpo", allocation=None, recompute_logprobs=False,
+            batch=NS(ppo_epochs=1, mini_batches_per_step=mini_batches, group_size=2),
+            rollout=NS(temperature=1.0, max_new_tokens=8),
+            loss=NS(loss_agg="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2, kl_coef=0.0, kl_estimator="k3",
+                    entropy_coef=0.0, rollout_correction="none", rollout_correction_cap=2.0),
+            advantages=NS(overlong_buffer=0, dynamic_sampling=False, normalize_std=None, drop_equal_reward_groups=False),
+            update=NS(mask_truncated=False, prompt_sharing="auto", skip_zero_advantage=True),
+            asynchronous=NS(max_head_offpolicyness=0),
             eval=NS(correct_threshold=1.0))
     return GRPOStep(ctx, bundle, optim, rl, engine=None, encoder=NS(skipped=0), manager=NS(labels=["acc"], metrics=lambda: {}))
 

@@ -128,7 +128,7 @@ def test_load_prompt_sets_hands_left_out_rows_to_the_run_log(tmp_path):
     good = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]}
     path.write_bytes(json.dumps(good).encode() + b"\n" + b'{"messages": "\xff"}\n')
     data_cfg = SimpleNamespace(type="messages_jsonl", train_path=str(path), eval_path="", image_root="")
-    rl_cfg = SimpleNamespace(prompt_template="{problem}", system_prompt=None)
+    rl_cfg = SimpleNamespace(prompts=SimpleNamespace(template="{problem}", system_prompt=None))
     log = BadRecordLog()
     sets = load_prompt_sets(data_cfg, rl_cfg, run_dir=tmp_path, bad_records=log)
     assert len(sets.train) == 1 and sets.eval is None

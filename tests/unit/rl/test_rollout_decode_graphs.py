@@ -170,22 +170,22 @@ def test_config_key_reaches_the_engine_and_moe_is_a_config_error(tmp_path):
 
     from megatron_vlm.data.processor import load_processor
     from megatron_vlm.inference.policy_engine import CudaGraphsConfigError
-    from megatron_vlm.rl.config import RLConfig
     from megatron_vlm.rl.trainer import build_rollout_engine
     from megatron_vlm.testing.synthesize import synthesize_model_folder
+    from tests.fixtures.rl_config import rl_config
 
-    RLConfig(rollout_cuda_graphs="on", rollout_weights="copy").validate()
-    RLConfig(rollout_cuda_graphs="on", allocation="rollout:1+train:1").validate()  # rollout ranks hold a copy
+    rl_config(rollout_cuda_graphs="on", rollout_weights="copy").validate()
+    rl_config(rollout_cuda_graphs="on", allocation="rollout:1+train:1").validate()  # rollout ranks hold a copy
     folder = synthesize_model_folder("tiny_nemotron_vl", tmp_path / "nemotron", seed=0)  # has a MoE layer
     bundle = SimpleNamespace(model=None, processor=load_processor(str(folder)))
     kw = dict(dtype=torch.float32, device=torch.device("cpu"), per_batch=1)
-    with pytest.raises(CudaGraphsConfigError, match=r"^rl\.rollout_cuda_graphs: 'on'.*MoE"):
-        build_rollout_engine(RLConfig(rollout_weights="copy", rollout_cuda_graphs="on"), bundle, str(folder), **kw)
-    eng = build_rollout_engine(RLConfig(rollout_weights="copy", rollout_cuda_graphs="auto"), bundle, str(folder), **kw)
+    with pytest.raises(CudaGraphsConfigError, match=r"^rl\.rollout\.cuda_graphs: 'on'.*MoE"):
+        build_rollout_engine(rl_config(rollout_weights="copy", rollout_cuda_graphs="on"), bundle, str(folder), **kw)
+    eng = build_rollout_engine(rl_config(rollout_weights="copy", rollout_cuda_graphs="auto"), bundle, str(folder), **kw)
     assert eng.cuda_graphs == "off"
     dense = synthesize_model_folder("tiny_qwen2_5_vl", tmp_path / "qwen", seed=0)
     bundle = SimpleNamespace(model=None, processor=load_processor(str(dense)))
-    eng = build_rollout_engine(RLConfig(rollout_weights="copy", rollout_cuda_graphs="on"), bundle, str(dense), **kw)
+    eng = build_rollout_engine(rl_config(rollout_weights="copy", rollout_cuda_graphs="on"), bundle, str(dense), **kw)
     assert eng.cuda_graphs == "on" and eng.owns_forward
 
 

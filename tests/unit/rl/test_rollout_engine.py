@@ -319,7 +319,7 @@ def test_own_weight_copy_is_refreshed_by_load_weights(models, prompts):
     assert [s.token_ids.tolist() for s in after.samples] != [s.token_ids.tolist() for s in before.samples]
     with pytest.raises(KeyError, match="unknown parameter"):
         eng.load_weights({"no.such.weight": torch.zeros(1)}, version=2)
-    # sync_from: load_weights(None) gathers the trainer model's weights (rl.rollout_weights = "copy")
+    # sync_from: load_weights(None) gathers the trainer model's weights (rl.rollout.weights = "copy")
     trainer_model = copy.deepcopy(changed)
     synced = engine(copy.deepcopy(ours), sync_from=trainer_model)
     synced.load_weights(None, version=4)
@@ -331,7 +331,7 @@ def test_own_weight_copy_is_refreshed_by_load_weights(models, prompts):
 
 
 def test_own_weight_copy_of_a_lora_policy(models, prompts):
-    """rl.rollout_weights = "copy" with [lora]: the trainer's state dict holds adapter factors, which the copy
+    """rl.rollout.weights = "copy" with [lora]: the trainer's state dict holds adapter factors, which the copy
     (read from the model folder, no adapters) could not load. `mirror_lora` gives the copy the same adapters; it
     then generates what the LoRA policy itself generates (same tokens and behaviour log-probs)."""
     import copy

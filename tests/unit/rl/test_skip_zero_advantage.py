@@ -1,4 +1,4 @@
-"""`rl.skip_zero_advantage`: the update leaves completions with advantage exactly 0 out of its forwards and
+"""`rl.update.skip_zero_advantage`: the update leaves completions with advantage exactly 0 out of its forwards and
 backwards, and the step is the one that forwards them (same parameters up to float rounding), because their
 loss and gradient are 0 and the normaliser still counts them.
 
@@ -75,7 +75,7 @@ def test_a_step_with_only_zero_advantages_still_steps_the_optimizer():
 
 
 @pytest.mark.parametrize("why, kw, bundle", [
-    ("rl.skip_zero_advantage = false", dict(skip_zero_advantage=False), {}),
+    ("rl.update.skip_zero_advantage = false", dict(skip_zero_advantage=False), {}),
     ("kl_coef", dict(kl_coef=0.1), {}),
     ("entropy_coef", dict(entropy_coef=0.01), {}),
     ("MoE", {}, {"moe_balancer": NS()}),

@@ -75,7 +75,7 @@ class OurGRPO:
 
         from megatron_vlm.checkpoint.hf import load_hf_model
         from megatron_vlm.inference.engine import RolloutPrompt
-        from megatron_vlm.inference.policy_engine import PolicyRolloutEngine
+        from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
         from megatron_vlm.models import get_family
         from megatron_vlm.parallel import build_mesh, init_distributed
         from megatron_vlm.rl.config import RLBatchConfig, RLConfig, RLLossConfig, RLRolloutConfig, RLUpdateConfig
@@ -111,11 +111,13 @@ class OurGRPO:
         if rollout_weights == "copy":  # as rl.rollout.weights = "copy": an unsharded copy, refreshed once per step
             policy_copy = load_hf_model(str(folder), dtype=torch.float32, device="cpu").eval()
             policy_copy.requires_grad_(False)
-            engine = PolicyRolloutEngine(policy_copy, TokenIds(), cache_dtype=torch.float32, device=env.device,
-                                         eos_token_ids=[-1], sync_from=model)
+            engine = PolicyRolloutEngine(policy_copy, TokenIds(),
+                                         EngineOptions(cache_dtype=torch.float32, device=env.device, eos_token_ids=[-1]),
+                                         sync_from=model)
         else:  # "shared": the trainer's parameters, every decode step through the FSDP root
-            engine = PolicyRolloutEngine(model, TokenIds(), forward=lambda **kw: wrapper(model_kwargs=kw),
-                                         cache_dtype=torch.float32, device=env.device, eos_token_ids=[-1])
+            engine = PolicyRolloutEngine(model, TokenIds(),
+                                         EngineOptions(cache_dtype=torch.float32, device=env.device, eos_token_ids=[-1]),
+                                         forward=lambda **kw: wrapper(model_kwargs=kw))
         encoded = [RolloutPrompt(torch.tensor(tokenizer(p, add_special_tokens=False)["input_ids"])) for p in prompts]
         self.runner = GRPOStep(ctx, bundle, OptimState(optimizer, scheduler), rl, engine, FixedPrompts(encoded), HashReward())
         self.batch = [PromptSample(str(i), [], "x", "q") for i in range(len(prompts))]

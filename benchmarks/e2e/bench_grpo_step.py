@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_rollout import NoDecode, make_prompts, qwen2_5_vl_3b_config, tiny_config  # noqa: E402
 
-from megatron_vlm.inference.policy_engine import PolicyRolloutEngine  # noqa: E402
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine  # noqa: E402
 from megatron_vlm.models import build_model, get_family  # noqa: E402
 from megatron_vlm.parallel import build_mesh, init_distributed  # noqa: E402
 from megatron_vlm.rl.config import RLBatchConfig, RLConfig, RLLossConfig, RLRolloutConfig  # noqa: E402
@@ -120,8 +120,9 @@ def main() -> None:
                   rewards=[ExactMatchRewardConfig()])
     rl.validate()
     compute_dtype = param_dtype or torch.float32
-    engine = PolicyRolloutEngine(model, TokenIds(), forward=lambda **kw: wrapper(model_kwargs=kw), cache_dtype=compute_dtype,
-                                 device=device, eos_token_ids=[-1])
+    engine = PolicyRolloutEngine(model, TokenIds(),
+                                 EngineOptions(cache_dtype=compute_dtype, device=device, eos_token_ids=[-1]),
+                                 forward=lambda **kw: wrapper(model_kwargs=kw))
     reference = None
     if args.kl > 0:
         ref_model = build_model(cfg, dtype=compute_dtype, device="cpu")

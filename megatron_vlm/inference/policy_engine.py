@@ -66,7 +66,8 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Callable, Iterable, Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -163,6 +164,28 @@ def _full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+@dataclass
+class _Batch:
+    """What one batch of a `generate` call decodes: its prompts (from `offset` in the call's list), the sampling
+    settings, stop criteria, random generator and the call's stats."""
+    prompts: Sequence[RolloutPrompt]
+    offset: int
+    params: SamplingParams
+    checker: StopChecker
+    generator: Optional[torch.Generator]
+    stats: dict
+
+
+@dataclass
+class _Slots:
+    """The batch's KV cache and the decode state around it: waiting samples, prompt prefixes, CUDA-graph runner."""
+    cache: Any
+    queue: deque
+    prefixes: dict
+    num_slots: int
+    runner: Optional[DecodeStepRunner]
+
+
 class _Run:
     """Device buffers and bookkeeping of one batch of slots (one batch of a `generate` call)."""
 
@@ -180,38 +203,55 @@ class _Run:
         self.release: Optional[Callable[[int], None]] = None  # the paged cache's: a finished slot's blocks
 
 
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the built-in engine decodes, as one value (`PolicyRolloutEngine(model, tokenizer, options, ...)`): built
+    once from `[rl.rollout]` by the GRPO job (`rl/trainer.py`), the asynchronous rollout ranks and the
+    evaluations, or by tests and benchmarks with the fields they vary."""
+    eos_token_ids: Optional[Iterable[int]] = None
+    """Tokens that end a completion (default: the tokenizer's / generation config's)."""
+    pad_token_id: Optional[int] = None
+    cache_dtype: Optional[torch.dtype] = None
+    """Compute dtype of keys / values (bf16 under FSDP mixed precision; default the model's weight dtype)."""
+    device: Optional[torch.device | str] = None
+    max_prompts_per_batch: int = 0
+    """Prompts per lock-step batch (0 = all)."""
+    max_num_seqs: int = 0
+    """Slots of continuous batching (0 = max_prompts_per_batch * n, or every sample of the call)."""
+    share_prefix: bool = True
+    suppress_token_ids: Optional[Iterable[int]] = None
+    """Tokens never generated (default: the model's vision placeholder / start / end tokens)."""
+    kv_block_size: int = 0
+    """> 0: a paged KV cache of blocks of this many positions (attention-only models)."""
+    kv_cache_blocks: int = 0
+    """Blocks of the paged KV cache (0 = enough for every slot at full length)."""
+    cuda_graphs: str = "off"
+    """"auto" | "on" | "off": decode steps on static buffers, captured as CUDA graphs (module docstring)."""
+
+
 class PolicyRolloutEngine(RolloutEngine):
     def __init__(
         self,
         model: torch.nn.Module,
-        tokenizer,
+        tokenizer: Any,
+        options: Optional[EngineOptions] = None,
         *,
         forward: Optional[Callable[..., torch.Tensor]] = None,
-        eos_token_ids: Optional[Iterable[int]] = None,
-        pad_token_id: Optional[int] = None,
-        cache_dtype: Optional[torch.dtype] = None,
-        device: Optional[torch.device | str] = None,
-        max_prompts_per_batch: int = 0,
-        max_num_seqs: int = 0,
-        share_prefix: bool = True,
         all_ranks_active: Optional[Callable[[bool], bool]] = None,
-        suppress_token_ids: Optional[Iterable[int]] = None,
         sync_from: Optional[torch.nn.Module] = None,
-        kv_block_size: int = 0,
-        kv_cache_blocks: int = 0,
-        cuda_graphs: str = "off",
     ):
-        """`model`: the family model (a `VLMBase`: `new_cache`, forward with `kv_cache=`); `forward`: how to call
-        it (default `model`: the engine's own copy, continuous batching); `cache_dtype`: the compute dtype of
-        keys / values (bf16 under FSDP mixed precision; default the model's weight dtype);
+        """`model`: the family model (a `VLMBase`: `new_cache`, forward with `kv_cache=`); `options`: how it decodes
+        (`EngineOptions`); `forward`: how to call the model (default `model`: the engine's own copy, continuous
+        batching); `all_ranks_active`: lock-step decoding with the other ranks (the trainer's FSDP forward);
         `sync_from`: the trainer's model (possibly FSDP-sharded) whose full weights `load_weights(None, ...)`
-        copies into `model` (the engine's own copy); `max_prompts_per_batch`: prompts per lock-step batch (0 = all); `max_num_seqs`: slots of continuous
-        batching (0 = max_prompts_per_batch * n, or every sample of the call); `suppress_token_ids`: tokens
-        never generated (default: the model's vision placeholder / start / end tokens, `model.args.*_token_id`);
-        `kv_block_size` > 0: a paged KV cache (`PagedSlotCache`, attention-only models; a Mamba2 hybrid decoder
-        is refused, `PagedKVConfigError`) of `kv_cache_blocks` blocks (0 = enough for every slot at full length): a sample is admitted when
-        the blocks of its prompt + budget are free, and gives them back when it finishes; `cuda_graphs`
-        ("auto" | "on" | "off"): decode steps on static buffers, captured as CUDA graphs (module docstring)."""
+        copies into `model` (the engine's own copy). A paged KV cache with a Mamba2 hybrid decoder is refused
+        (`PagedKVConfigError`), as are CUDA graphs "on" where a decode step cannot be captured."""
+        o = options if options is not None else EngineOptions()
+        eos_token_ids, pad_token_id, cache_dtype, device = o.eos_token_ids, o.pad_token_id, o.cache_dtype, o.device
+        max_prompts_per_batch, max_num_seqs, share_prefix = o.max_prompts_per_batch, o.max_num_seqs, o.share_prefix
+        suppress_token_ids, kv_block_size, kv_cache_blocks = o.suppress_token_ids, o.kv_block_size, o.kv_cache_blocks
+        cuda_graphs = o.cuda_graphs
+        self.options = o
         if not isinstance(model, VLMBase):
             raise TypeError(f"{type(model).__name__} is not a family model (VLMBase): cached decoding needs its new_cache()")
         if max_prompts_per_batch < 0:
@@ -483,8 +523,8 @@ class PolicyRolloutEngine(RolloutEngine):
         queue = deque(range(total))
         prefixes: dict = {}
         try:
-            return self._loop(prompts, offset, params, checker, generator, stats, cache, run, queue, prefixes,
-                              num_slots, runner)
+            return self._loop(_Batch(prompts, offset, params, checker, generator, stats), run,
+                              _Slots(cache, queue, prefixes, num_slots, runner))
         except BaseException:  # a step that failed half-way: nothing of this cache is kept
             self._drop_runner()
             raise
@@ -513,8 +553,11 @@ class PolicyRolloutEngine(RolloutEngine):
             self._runner.drop()
             self._runner = None
 
-    def _loop(self, prompts, offset, params, checker, generator, stats, cache, run, queue, prefixes, num_slots, runner):
+    def _loop(self, batch: _Batch, run: _Run, slots: _Slots) -> tuple[list[RolloutSample], bool]:
         """The admission / sampling / decode-step loop of one batch of slots (`_run`'s cache and buffers)."""
+        prompts, offset, params, checker = batch.prompts, batch.offset, batch.params, batch.checker
+        generator, stats = batch.generator, batch.stats
+        cache, queue, prefixes, num_slots, runner = slots.cache, slots.queue, slots.prefixes, slots.num_slots, slots.runner
         n, budget = params.n, params.max_new_tokens
         dev = self._device()
         total = len(prompts) * n

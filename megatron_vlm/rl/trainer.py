@@ -23,7 +23,7 @@ from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.media import MediaLimits
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.inference.kv_budget import kv_bytes_per_slot, rollout_prompts_for_budget
-from megatron_vlm.inference.policy_engine import PolicyRolloutEngine
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
 from megatron_vlm.parallel.collectives import any_rank, barrier
 from megatron_vlm.parallel.precision import compute_dtype
 from megatron_vlm.rl.grpo_step import GRPOStep
@@ -100,14 +100,16 @@ def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: tor
         policy_copy.requires_grad_(False)
         # CudaGraphsConfigError (exit 2): "on" with a model whose decode step cannot be captured (MoE layers);
         # PagedKVConfigError (exit 2): rl.rollout.kv_block_size with a Mamba2 hybrid decoder
-        return PolicyRolloutEngine(policy_copy, bundle.processor.tokenizer, cache_dtype=dtype, device=device,
-                                   max_num_seqs=per_batch * rl.batch.group_size, sync_from=bundle.model,
-                                   cuda_graphs=rl.rollout.cuda_graphs, **paged_kv_kwargs(rl))
-    return PolicyRolloutEngine(
-        bundle.model, bundle.processor.tokenizer, forward=lambda **kw: bundle.wrapper(model_kwargs=kw), cache_dtype=dtype,
-        device=device, max_prompts_per_batch=per_batch,
-        all_ranks_active=lambda active: any_rank(active, device), cuda_graphs=rl.rollout.cuda_graphs, **paged_kv_kwargs(rl),
-    )
+        return PolicyRolloutEngine(policy_copy, bundle.processor.tokenizer,
+                                   EngineOptions(cache_dtype=dtype, device=device,
+                                                 max_num_seqs=per_batch * rl.batch.group_size,
+                                                 cuda_graphs=rl.rollout.cuda_graphs, **paged_kv_kwargs(rl)),
+                                   sync_from=bundle.model)
+    return PolicyRolloutEngine(bundle.model, bundle.processor.tokenizer,
+                               EngineOptions(cache_dtype=dtype, device=device, max_prompts_per_batch=per_batch,
+                                             cuda_graphs=rl.rollout.cuda_graphs, **paged_kv_kwargs(rl)),
+                               forward=lambda **kw: bundle.wrapper(model_kwargs=kw),
+                               all_ranks_active=lambda active: any_rank(active, device))
 
 
 @dataclass

@@ -64,7 +64,7 @@ def test_grpo_job_on_gpu(tmp_path):
 
 def test_greedy_rollout_same_tokens_on_gpu_and_cpu(devices=("cpu", "cuda")):
     from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
-    from megatron_vlm.inference.policy_engine import PolicyRolloutEngine
+    from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
     from megatron_vlm.models import build_model
     from megatron_vlm.testing.tiny_model import tiny_qwen2_5_vl_hf_config
 
@@ -85,7 +85,7 @@ def test_greedy_rollout_same_tokens_on_gpu_and_cpu(devices=("cpu", "cuda")):
     out = {}
     for device in devices:
         model.to(device)
-        engine = PolicyRolloutEngine(model, Tok(), eos_token_ids=[-1], device=device)
+        engine = PolicyRolloutEngine(model, Tok(), EngineOptions(eos_token_ids=[-1], device=device))
         out[device] = [s.token_ids.tolist() for s in engine.generate(prompts, params).samples]
     first, second = (out[d] for d in devices)
     assert first == second and all(len(t) == 12 for t in first)

@@ -41,7 +41,7 @@ from megatron_vlm.data.processor import load_processor
 from megatron_vlm.inference.engine import SamplingParams
 from megatron_vlm.inference.generators import sampling_generator
 from megatron_vlm.inference.kv_budget import kv_bytes_per_slot, rollout_prompts_for_budget
-from megatron_vlm.inference.policy_engine import PolicyRolloutEngine
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
 from megatron_vlm.parallel.collectives import barrier
 from megatron_vlm.parallel.precision import compute_dtype
 from megatron_vlm.rl.asynchronous.bridge import Role
@@ -106,9 +106,10 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
         rl.rollout.memory_gib, kv_bytes_per_slot(model, torch.finfo(dtype).bits // 8), rl.batch.group_size, cfg.data.max_tokens_per_pack)
     # CudaGraphsConfigError (exit 2): "on" with a model whose decode step cannot be captured (MoE layers);
     # PagedKVConfigError (exit 2): rl.rollout.kv_block_size with a Mamba2 hybrid decoder
-    engine = PolicyRolloutEngine(model, processor.tokenizer, cache_dtype=dtype, device=env.device,
-                                 max_num_seqs=per_batch * rl.batch.group_size, cuda_graphs=rl.rollout.cuda_graphs,
-                                 **paged_kv_kwargs(rl))
+    engine = PolicyRolloutEngine(model, processor.tokenizer,
+                                 EngineOptions(cache_dtype=dtype, device=env.device,
+                                               max_num_seqs=per_batch * rl.batch.group_size,
+                                               cuda_graphs=rl.rollout.cuda_graphs, **paged_kv_kwargs(rl)))
     receive_weights(model, bridge, bridge.broadcast_object(), engine)  # the trainer's weights at `start`
     manager = RewardManager(rl.rewards, timeout_s=rl.reward_pool.timeout_s, num_workers=rl.reward_pool.workers,
                             memory_limit_mb=rl.reward_pool.memory_limit_mb, batch_timeout_s=rl.reward_pool.batch_timeout_s,

@@ -20,7 +20,7 @@ from megatron_vlm.config.sections import LoRAConfig  # noqa: E402
 from megatron_vlm.data.processor import load_processor  # noqa: E402
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa  # noqa: E402
 from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams  # noqa: E402
-from megatron_vlm.inference.policy_engine import PolicyRolloutEngine  # noqa: E402
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine  # noqa: E402
 from megatron_vlm.models.common.lora import lora_disabled, lora_modules, merged_state_dict  # noqa: E402
 from megatron_vlm.models.mcore.layer import McoreBackendError, McoreDecoderLayer, native_state_dict, use_mcore_layers  # noqa: E402
 from megatron_vlm.rl.batching import TrainSample, pack_samples  # noqa: E402
@@ -128,8 +128,8 @@ def test_mcore_lora_equals_native_lora(kind, targets, dropout, rslora, mcore_sta
     prompts = _prompts(kind, folder, native.lm_head.weight.shape[0], vqa)
     params = SamplingParams(max_new_tokens=4, n=1, temperature=0.0)
     tok = load_processor(str(folder)).tokenizer
-    out_n = PolicyRolloutEngine(native.eval(), tok, eos_token_ids=[-1]).generate(prompts, params)
-    out_m = PolicyRolloutEngine(mc.eval(), tok, eos_token_ids=[-1]).generate(prompts, params)
+    out_n = PolicyRolloutEngine(native.eval(), tok, EngineOptions(eos_token_ids=[-1])).generate(prompts, params)
+    out_m = PolicyRolloutEngine(mc.eval(), tok, EngineOptions(eos_token_ids=[-1])).generate(prompts, params)
     assert [s.token_ids.tolist() for s in out_m.samples] == [s.token_ids.tolist() for s in out_n.samples]
     torch.testing.assert_close(torch.cat([s.logprobs for s in out_m.samples]),
                                torch.cat([s.logprobs for s in out_n.samples]), atol=1e-5, rtol=0)

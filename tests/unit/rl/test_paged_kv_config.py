@@ -22,7 +22,7 @@ import torch
 
 from megatron_vlm.config import ConfigError, load_config
 from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
-from megatron_vlm.inference.policy_engine import PagedKVConfigError, PolicyRolloutEngine, paged_kv_blocker
+from megatron_vlm.inference.policy_engine import EngineOptions, PagedKVConfigError, PolicyRolloutEngine, paged_kv_blocker
 from megatron_vlm.models import build_model
 from megatron_vlm.models.common.slot_cache import PagedSlotCache
 from megatron_vlm.plan.check import run_check
@@ -31,6 +31,7 @@ from megatron_vlm.rl.trainer import build_rollout_engine
 from megatron_vlm.testing.tiny_nemotron_vl import build_tiny_nemotron_vl_tokenizer, tiny_nemotron_vl_hf_config
 from tests.fixtures import tiny_qwen2_5_vl as F
 from tests.fixtures.rl_config import rl_config
+from tests.fixtures.rollout_engine import make_engine
 
 REPO = Path(__file__).resolve().parents[3]
 DEMO_GRPO = REPO / "launch" / "configs" / "demo_grpo.toml"
@@ -98,7 +99,7 @@ def test_engine_refuses_a_mamba2_hybrid_decoder():
     why = paged_kv_blocker(hybrid)
     assert why and "Mamba2" in why and paged_kv_blocker(_tiny_qwen()) is None
     with pytest.raises(PagedKVConfigError, match=r"^rl\.rollout\.kv_block_size: 4 \(the paged KV cache\) is not possible: .*Mamba2"):
-        PolicyRolloutEngine(hybrid, Tok(), kv_block_size=4)
+        PolicyRolloutEngine(hybrid, Tok(), EngineOptions(kv_block_size=4))
     PolicyRolloutEngine(hybrid, Tok())  # the slot cache: fine
     with torch.device("meta"):  # --check asks a meta-device model: same answer
         assert paged_kv_blocker(build_model(tiny_nemotron_vl_hf_config(build_tiny_nemotron_vl_tokenizer()))) == why
@@ -140,7 +141,7 @@ def test_lockstep_dummy_rows_on_the_paged_cache_equal_the_slot_cache():
             extra.append(active)
             return active or sum(not a for a in extra) <= 3
 
-        eng = PolicyRolloutEngine(model, Tok(), eos_token_ids=[-1], forward=model, all_ranks_active=other_rank_busy, **kw)
+        eng = make_engine(model, Tok(), eos_token_ids=[-1], forward=model, all_ranks_active=other_rank_busy, **kw)
         return eng.generate(prompts, params, generator=torch.Generator().manual_seed(3))
 
     ref = run()

@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
-from megatron_vlm.inference.policy_engine import PolicyRolloutEngine
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
 from megatron_vlm.models import build_model
 from megatron_vlm.models.qwen2_5_vl.state_dict_adapter import Qwen2_5_VLStateDictAdapter
 from megatron_vlm.rl.logprobs import response_token_logprobs
 from tests.fixtures import tiny_qwen2_5_vl as F
+from tests.fixtures.rollout_engine import make_engine
 
 TOL = 1e-4
 NEVER = -1  # an EOS id no token has: completions run to the budget
@@ -55,7 +56,7 @@ def prompts():
 
 def engine(model, **kw):
     kw.setdefault("eos_token_ids", [NEVER])
-    return PolicyRolloutEngine(model, DigitsTokenizer(), **kw)
+    return make_engine(model, DigitsTokenizer(), **kw)
 
 
 def hf_inputs(prompt: RolloutPrompt, completion=None) -> dict:
@@ -261,7 +262,7 @@ def test_bad_arguments(models, prompts):
     with pytest.raises(ValueError, match="nothing to generate"):
         engine(ours).generate([], SamplingParams(max_new_tokens=1))
     with pytest.raises(TypeError, match="not a family model"):
-        PolicyRolloutEngine(torch.nn.Linear(2, 2), DigitsTokenizer(), eos_token_ids=[0])
+        PolicyRolloutEngine(torch.nn.Linear(2, 2), DigitsTokenizer(), EngineOptions(eos_token_ids=[0]))
     eng = engine(ours)
     eng.load_weights(None, version=3)
     assert eng.generate(prompts[:1], SamplingParams(max_new_tokens=1)).samples[0].policy_version == 3

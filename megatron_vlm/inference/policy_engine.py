@@ -366,7 +366,8 @@ class PolicyRolloutEngine(RolloutEngine):
         with torch.inference_mode() if self.owns_forward else torch.no_grad():
             result = self._generate(prompts, params, generator)
         for s in result.samples:
-            s.token_ids, s.logprobs, s.token_versions = s.token_ids.clone(), s.logprobs.clone(), s.token_versions.clone()
+            s.token_ids, s.logprobs = s.token_ids.clone(), s.logprobs.clone()
+            s.token_versions = s.token_versions.clone() if s.token_versions is not None else None
         return result
 
     def _generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams,
@@ -427,7 +428,8 @@ class PolicyRolloutEngine(RolloutEngine):
         kwargs = dict(input_ids=ids.to(dev), attention_mask=mask.to(dev), kv_cache=cache, **vision)
         if self.owns_forward:  # logits_to_keep = 1: the LM head runs on the last position only
             hidden = self.model(**kwargs, return_hidden=True)[:, -1]
-            logits = self.model.lm_head(hidden)
+            lm_head: Any = self.model.lm_head
+            logits = lm_head(hidden)
         else:
             logits = self.forward(**kwargs)[:, -1]
         return cache, logits
@@ -453,12 +455,12 @@ class PolicyRolloutEngine(RolloutEngine):
             runner.drop()
             return None
 
-    def _admit(self, queue: deque, run: _Run, cache: SlotCache, prompts, n: int, prefixes: dict, stats: dict):
+    def _admit(self, queue: deque, run: _Run, cache: SlotCache, prompts: Sequence[RolloutPrompt], n: int, prefixes: dict,
+               stats: dict) -> tuple[list[int], Optional[torch.Tensor]]:
         """Fill free slots with waiting samples: ([slots], logits [len, V]) or ([], None)."""
         take = []
-        paged = isinstance(cache, PagedSlotCache)
         while queue and run.free:
-            if paged:
+            if isinstance(cache, PagedSlotCache):
                 tokens = len(prompts[queue[0] // n]) + run.budget
                 if not cache.can_reserve(tokens):
                     if len(run.free) == cache.num_slots:  # nothing runs that could give blocks back
@@ -507,7 +509,7 @@ class PolicyRolloutEngine(RolloutEngine):
         dev = self._device()
         total = len(prompts) * n
         max_len = max(len(p) for p in prompts) + budget
-        cache = None
+        cache: Optional[SlotCache] = None
         if self.kv_block_size:
             bs = self.kv_block_size
             blocks = self.kv_cache_blocks or 1 + num_slots * -(-max_len // bs)
@@ -577,6 +579,7 @@ class PolicyRolloutEngine(RolloutEngine):
                 running: list[int] = []
                 feed = None
                 if cur_slots:
+                    assert cur_logits is not None  # admitted or running slots come with their logits
                     index = torch.as_tensor(cur_slots, dtype=torch.long, device=dev)
                     uniform = None
                     if params.temperature > 0:  # one draw per slot and step: a row's numbers do not depend on the others
@@ -601,6 +604,7 @@ class PolicyRolloutEngine(RolloutEngine):
                         run.host_len[slot] += 1
                         why = "eos" if is_eos[r] else None
                         if why is None and stop_strings:
+                            assert tok_l is not None  # the tokens are read on the host when stop strings are set
                             run.host_tokens[slot].append(tok_l[r])
                             why = checker.check(run.host_tokens[slot])
                         if why is None and run.host_len[slot] >= budget:
@@ -628,6 +632,7 @@ class PolicyRolloutEngine(RolloutEngine):
                         feed = torch.full((1,), self.pad_token_id, dtype=torch.long, device=dev)
                     else:
                         slots_now = running
+                    assert feed is not None  # the running slots' sampled tokens, or the scratch row's pad
                     logits = None
                     if runner is not None and self.cuda_graphs != "off":
                         logits = self._graph_step(runner, cache, slots_now, feed)

@@ -35,14 +35,21 @@ def _default(f) -> str:
 
 
 def _section(name: str, cls) -> list[str]:
+    """The table of `[name]`, followed by the tables of its sub-tables (`[name.field]`, e.g. `[rl.rollout]`)."""
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
     lines = [f"## [{name}]", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+    nested = []
     for f in dataclasses.fields(cls):
         tp = _type_str(hints[f.name]).replace("|", "\\|")
         doc = docs.get(f.name, "").replace("|", "\\|")
         lines.append(f"| `{f.name}` | `{tp}` | `{_default(f)}` | {doc} |")
-    return lines + [""]
+        if isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name]):
+            nested.append((f"{name}.{f.name}", hints[f.name]))
+    lines.append("")
+    for sub_name, sub_cls in nested:
+        lines += _section(sub_name, sub_cls)
+    return lines
 
 
 def render() -> str:

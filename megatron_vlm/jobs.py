@@ -11,7 +11,7 @@ its held-out evaluation from here. Set-up order, per kind (the same on every ran
   (`train.max_steps`, or `train.epochs` x steps per epoch of the loader), optimizer + schedule,
   checkpointer + resume, metrics logger, evaluator, loop;
 - GRPO: config checks, model bundle, prompt sets / engine / rewards / reference, run length
-  (`train.max_steps`, or `train.epochs` x ceil(prompts / rl.prompts_per_step)), optimizer + schedule,
+  (`train.max_steps`, or `train.epochs` x ceil(prompts / rl.batch.prompts_per_step)), optimizer + schedule,
   checkpointer + resume, metrics logger, evaluator, loop; the reward workers are closed however the
   run ends.
 - both: `[moe]` keys on a model without MoE layers are refused (config error, exit 2);
@@ -38,9 +38,9 @@ from megatron_vlm.eval.grpo_accuracy import GRPOEvaluator
 from megatron_vlm.eval.report import write_eval_results
 from megatron_vlm.eval.sft import SFTEvaluator
 from megatron_vlm.parallel.collectives import barrier
-from megatron_vlm.rl.async_bridge import current_role
-from megatron_vlm.rl.async_rollout import run_rollout_rank
-from megatron_vlm.rl.async_trainer import AsyncGRPOLoopStep
+from megatron_vlm.rl.asynchronous.bridge import current_role
+from megatron_vlm.rl.asynchronous.rollout_rank import run_rollout_rank
+from megatron_vlm.rl.asynchronous.trainer import AsyncGRPOLoopStep
 from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.trainer import GRPOLoopStep, build_grpo_parts, check_grpo_config, grpo_total_steps
 from megatron_vlm.training.checkpointing import Checkpointer
@@ -99,7 +99,7 @@ def run_grpo(ctx: RunContext, *, before_step=None) -> int:
         evaluate = GRPOEvaluator(ctx, bundle.wrapper, rl, parts.engine, parts.encoder, parts.manager, parts.sets.eval,
                                  dims=bundle.dims)
         if role is not None:
-            step = AsyncGRPOLoopStep(ctx, parts.sets.train, grpo, role, model=bundle.model,
+            step = AsyncGRPOLoopStep(ctx, parts.sets.train, grpo, role, model=bundle.model, encoder=parts.encoder,
                                      start_step=resume.step if resume is not None else 0, total_steps=num_steps,
                                      evaluate=evaluate, bad_records=parts.bad_records)
         else:

@@ -16,8 +16,7 @@ import torch.distributed as dist
 from megatron_vlm.config import ConfigError, save_config
 from megatron_vlm.jobs import run_kind
 from megatron_vlm.parallel import destroy_distributed, init_distributed
-from megatron_vlm.rl.async_bridge import setup_roles
-from megatron_vlm.rl.rollout.policy_engine import CudaGraphsConfigError, PagedKVConfigError
+from megatron_vlm.rl.asynchronous.bridge import setup_roles
 from megatron_vlm.rl.trainer import check_model_folder
 from megatron_vlm.testing.synthesize import synthesize_model_folder
 from megatron_vlm.training.context import RunContext
@@ -73,10 +72,11 @@ def run_job(cfg, *, before_step=None) -> int:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         return code
-    except (ConfigError, CudaGraphsConfigError, PagedKVConfigError) as e:
+    except ConfigError as e:
         # found once the model is built or first runs ([moe] keys, [lora] (LoRASetupError), parallel sizes
         # (TPError, LayoutError), a forced [kernels] backend that cannot run here (BackendUnavailableError),
-        # parallel.backend = "mcore" layers (McoreBackendError): all ConfigError subclasses)
+        # parallel.backend = "mcore" layers (McoreBackendError), CUDA graphs / paged KV cache of the rollout
+        # engine (CudaGraphsConfigError, PagedKVConfigError): all ConfigError subclasses)
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except NonFiniteStepError as e:

@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_rollout import NoDecode, make_prompts, qwen2_5_vl_3b_config, tiny_config  # noqa: E402
 
+from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams  # noqa: E402
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine  # noqa: E402
 from megatron_vlm.kernels import registry  # noqa: E402
 from megatron_vlm.models import build_model  # noqa: E402
-from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams  # noqa: E402
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine  # noqa: E402
 
 
 def copy_bandwidth_gbs(device: str, quick: bool) -> float:
@@ -153,7 +153,7 @@ def main() -> None:
     for backend, graphs in variants:
         name = f"decode_attention={backend}, cuda_graphs={graphs}"
         with registry.use_backends({"decode_attention": backend}):
-            eng = PolicyRolloutEngine(model, NoDecode(), eos_token_ids=[-1], share_prefix=True, device=device, cuda_graphs=graphs)
+            eng = PolicyRolloutEngine(model, NoDecode(), EngineOptions(eos_token_ids=[-1], share_prefix=True, device=device, cuda_graphs=graphs))
         for n_new in (args.short, args.short + args.steps):
             params = SamplingParams(max_new_tokens=n_new, n=args.group, temperature=1.0)
 

@@ -81,11 +81,11 @@ class Config:
         if mode != "eval" and self.train.max_steps is None and self.train.epochs is None and not (
                 self.stages and all(s.max_steps or s.epochs for s in self.stages)):
             raise ValueError("train.max_steps: set max_steps or epochs")
-        if mode == "grpo" and self.rl is not None and self.rl.kv_cache_blocks:
+        if mode == "grpo" and self.rl is not None and self.rl.rollout.kv_cache_blocks:
             rl, tokens = self.rl, self.data.max_tokens_per_pack
-            need = 1 + -(-tokens // rl.kv_block_size)  # the scratch row's block + one sample of a full pack
-            if rl.kv_cache_blocks < need:
-                raise ValueError(f"rl.kv_cache_blocks: {rl.kv_cache_blocks} blocks of {rl.kv_block_size} positions cannot "
+            need = 1 + -(-tokens // rl.rollout.kv_block_size)  # the scratch row's block + one sample of a full pack
+            if rl.rollout.kv_cache_blocks < need:
+                raise ValueError(f"rl.rollout.kv_cache_blocks: {rl.rollout.kv_cache_blocks} blocks of {rl.rollout.kv_block_size} positions cannot "
                                  f"hold one sample of up to data.max_tokens_per_pack = {tokens} tokens (prompt + budget) "
                                  f"besides the engine's scratch block: needs >= {need}")
         if self.train.precision == "fp8":

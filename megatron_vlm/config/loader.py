@@ -156,6 +156,11 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
     prefix = f"{path}." if path else ""
     for key, value in data.items():
         if key not in fields:
+            moved = getattr(cls, "MOVED", {})  # a section's keys that moved to a sub-table: named, never read
+            if key in moved:
+                new = f"{prefix}{moved[key]}"
+                table, _, name = new.rpartition(".")
+                raise ConfigError(f"{prefix}{key}: moved to {new} (write `{name} = ...` under [{table}])")
             close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]}?" if close else f"; valid keys: {', '.join(sorted(fields))}"
             raise ConfigError(f"{prefix}{key}: unknown key{hint}")

@@ -10,10 +10,10 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
   loader: `train.micro_batches_per_step`, `train.eval_every`, `train.eval_max_batches`,
   `train.eval_generate`, `data.num_workers`, `data.prefetch_factor`, `data.shuffle`,
   `data.length_cache_dir` must keep their defaults (evaluation is `[rl.eval]`; batching is
-  `rl.prompts_per_step` / `rl.mini_batches_per_step` / `data.max_tokens_per_pack`);
+  `rl.batch.prompts_per_step` / `rl.batch.mini_batches_per_step` / `data.max_tokens_per_pack`);
 - SFT: an `[rl]` section is refused (it is only read by GRPO), and so are `train.eval_every` /
   `train.eval_max_batches` when there is no held-out split to evaluate (`data.eval_path` empty);
-- GRPO with `[lora]`: `rl.ref_offload` (the reference is the policy without its adapters, no copy),
+- GRPO with `[lora]`: `rl.update.ref_offload` (the reference is the policy without its adapters, no copy),
   and `rl.allocation` (the asynchronous weight push sends full weights, not adapters);
 - evaluation (`train.mode = "eval"`, launch/evaluate.py) trains nothing and reads its files from
   `[eval]`: `[optimizer]`, `[scheduler]`, `[checkpoint]`, `[moe]`, `[rl]`, `[[stages]]`, the `[train]`
@@ -45,7 +45,7 @@ __all__ = ["check_keys_for_mode", "check_moe_section", "changed_keys"]
 
 _GRPO_IGNORED = {
     "train": {
-        "micro_batches_per_step": "GRPO batches by rl.prompts_per_step and rl.mini_batches_per_step",
+        "micro_batches_per_step": "GRPO batches by rl.batch.prompts_per_step and rl.batch.mini_batches_per_step",
         "eval_every": "GRPO evaluates with [rl.eval] (rl.eval.every_steps)",
         "eval_max_batches": "GRPO evaluates with [rl.eval] (rl.eval.max_prompts)",
         "eval_generate": "GRPO evaluation always generates ([rl.eval])",
@@ -144,8 +144,8 @@ def check_keys_for_mode(cfg: Config) -> None:
             raise ConfigError("rl.allocation: asynchronous GRPO pushes the trainer's parameters by name and does not "
                               "support parallel.backend = 'mcore' yet; remove rl.allocation or use backend = 'native'")
     if cfg.train.mode == "grpo":
-        if getattr(cfg, "lora", None) is not None and cfg.rl is not None and cfg.rl.ref_offload:
-            raise ConfigError("rl.ref_offload: has no effect with [lora] (the reference is the policy without its "
+        if getattr(cfg, "lora", None) is not None and cfg.rl is not None and cfg.rl.update.ref_offload:
+            raise ConfigError("rl.update.ref_offload: has no effect with [lora] (the reference is the policy without its "
                               "adapters, no separate copy to offload); remove it")
         if getattr(cfg, "lora", None) is not None and cfg.rl is not None and cfg.rl.allocation is not None:
             raise ConfigError("rl.allocation: asynchronous GRPO pushes full weights to the rollout ranks and does not "

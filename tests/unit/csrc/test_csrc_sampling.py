@@ -1,4 +1,4 @@
-"""The fused CPU sampler (csrc/cpu_sampling.cpp `sample_rows`, taken by `rl.rollout.sampling.sample_tokens` for an
+"""The fused CPU sampler (csrc/cpu_sampling.cpp `sample_rows`, taken by `inference.sampling.sample_tokens` for an
 untruncated draw with given uniforms) against the torch path of the same function (`_ext.python_only()`), and
 against the distribution itself: same tokens for the same uniforms, log-probs within float rounding, suppressed
 and -inf tokens never drawn, the edges of [0, 1), bad input refused."""
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_vlm import _ext
-from megatron_vlm.rl.rollout.sampling import sample_tokens
+from megatron_vlm.inference.sampling import sample_tokens
 
 
 @pytest.fixture(autouse=True)

@@ -90,9 +90,9 @@ def test_bad_input_is_refused():
 
 
 def test_greedy_rollout_with_triton_backend_equals_torch_backend():
+    from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
+    from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
     from megatron_vlm.models import build_model
-    from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams
-    from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
     from tests.fixtures import tiny_qwen2_5_vl as F
 
     class Tok:
@@ -114,7 +114,8 @@ def test_greedy_rollout_with_triton_backend_equals_torch_backend():
     for backend in ("torch", "triton"):
         with K.use_backends({"decode_attention": backend}):
             assert DEFAULT_REGISTRY.choose("decode_attention", DEVICE, torch.float32) == backend
-            eng = PolicyRolloutEngine(model, Tok(), eos_token_ids=[-1], device=DEVICE, max_num_seqs=3)  # slots refilled
+            eng = PolicyRolloutEngine(model, Tok(), EngineOptions(eos_token_ids=[-1], device=DEVICE,
+                                                                  max_num_seqs=3))  # slots refilled
             results[backend] = eng.generate(prompts, params).samples
     for a, b in zip(results["torch"], results["triton"]):
         assert a.token_ids.tolist() == b.token_ids.tolist()

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from megatron_vlm.checkpoint.hf import load_hf_model
+from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
 from megatron_vlm.models.common.moe import MoE
 from megatron_vlm.models.common.moe_static import experts_static, static_routing
-from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
 from megatron_vlm.testing.synthesize import synthesize_model_folder
 
 
@@ -82,8 +82,8 @@ def test_moe_policies_decode_in_static_steps_as_in_eager_steps(kind, tmp_path, m
     g = torch.Generator().manual_seed(0)
     prompts = [RolloutPrompt(torch.randint(10, 100, (k,), generator=g)) for k in (5, 9, 3)]
     params = SamplingParams(max_new_tokens=8, n=2, temperature=0.0)
-    ref = PolicyRolloutEngine(model, _Tok(), eos_token_ids=[-1], max_num_seqs=5, cuda_graphs="off").generate(prompts, params)
-    static = PolicyRolloutEngine(model, _Tok(), eos_token_ids=[-1], max_num_seqs=5, cuda_graphs="on")
+    ref = PolicyRolloutEngine(model, _Tok(), EngineOptions(eos_token_ids=[-1], max_num_seqs=5, cuda_graphs="off")).generate(prompts, params)
+    static = PolicyRolloutEngine(model, _Tok(), EngineOptions(eos_token_ids=[-1], max_num_seqs=5, cuda_graphs="on"))
     assert not calls  # eager steps route on the host-sized path
     got = static.generate(prompts, params)  # "on" on the CPU: the static step, probed for graph safety
     assert calls  # the static steps took the graph-safe experts

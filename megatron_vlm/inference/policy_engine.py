@@ -29,10 +29,10 @@ One `generate` call:
    step at a time, attention by `kernels.decode_attention` on the slots (no padding), the Mamba2
    state of the hybrid decoder per slot.
 
-With `kv_block_size` > 0 (`rl.kv_block_size`) the keys live in a paged pool (`PagedSlotCache`;
+With `kv_block_size` > 0 (`rl.rollout.kv_block_size`) the keys live in a paged pool (`PagedSlotCache`;
 attention-only models, a Mamba2 hybrid is refused: `paged_kv_blocker`): an admitted sample reserves
 the blocks of its prompt + budget and returns them when it finishes, and a waiting sample is admitted
-only when its blocks are free, so a pool (`kv_cache_blocks`, `rl.kv_cache_blocks`) smaller than slots
+only when its blocks are free, so a pool (`kv_cache_blocks`, `rl.rollout.kv_cache_blocks`) smaller than slots
 x longest sequence bounds the running batch by memory (GPU); on the CPU it is ~5-9 % slower, so off
 by default.
 
@@ -42,7 +42,7 @@ until it ends; `all_ranks_active(local_active) -> bool` (an all-reduce supplied 
 decides whether another decode step runs, and a rank whose rows are all finished steps one dummy row
 (a scratch slot) until every rank is done. The caller gives every rank the same number of prompts.
 
-CUDA graphs (`cuda_graphs`, rl/rollout/decode_graphs.py): the decode steps of continuous batching run
+CUDA graphs (`cuda_graphs`, inference/decode_graphs.py): the decode steps of continuous batching run
 on static buffers per batch-size bucket, captured once per bucket and replayed on CUDA. "auto": on for
 a CUDA device, else off; "on": also on the CPU, where the same static step runs eagerly (tests; its
 first runs per bucket are checked for graph safety, a failure raised). Needs the engine's own weights
@@ -66,20 +66,22 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Callable, Iterable, Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
 from megatron_vlm.data.batch import VISION_KEYS
+from megatron_vlm.errors import ConfigError
+from megatron_vlm.inference.decode_graphs import DecodeStepRunner, GraphUnsafeError
+from megatron_vlm.inference.engine import RolloutEngine, RolloutPrompt, RolloutResult, RolloutSample, SamplingParams
+from megatron_vlm.inference.sampling import same_device, sample_tokens
+from megatron_vlm.inference.stopping import StopChecker, eos_token_ids_of
 from megatron_vlm.models.common.kv_cache import KVCache
 from megatron_vlm.models.common.moe import MoE, moe_layers
 from megatron_vlm.models.common.slot_cache import PagedSlotCache, SlotCache
 from megatron_vlm.models.common.vlm_base import VLMBase
 from megatron_vlm.models.mcore.layer import native_state_dict
-from megatron_vlm.rl.rollout.decode_graphs import DecodeStepRunner, GraphUnsafeError
-from megatron_vlm.rl.rollout.engine import RolloutEngine, RolloutPrompt, RolloutResult, RolloutSample, SamplingParams
-from megatron_vlm.rl.rollout.sampling import same_device, sample_tokens
-from megatron_vlm.rl.rollout.stopping import StopChecker, eos_token_ids_of
 
 __all__ = ["PolicyRolloutEngine", "CUDA_GRAPH_MODES", "CudaGraphsConfigError", "cuda_graphs_blocker", "PagedKVConfigError",
            "paged_kv_blocker"]
@@ -91,7 +93,7 @@ CUDA_GRAPH_MODES = ("auto", "on", "off")
 
 def cuda_graphs_blocker(model, *, trainer_forward: bool = False, kv_block_size: int = 0) -> Optional[str]:
     """Why the decode step of `model` cannot be captured as a CUDA graph, or None. One function for the
-    engine and `--check` (plan/check.py), so that the check refuses rl.rollout_cuda_graphs = "on" exactly
+    engine and `--check` (plan/check.py), so that the check refuses rl.rollout.cuda_graphs = "on" exactly
     where the job would (a model on the meta device is enough: only its layer kinds are read)."""
     if trainer_forward:
         return "the engine calls the trainer's model (forward= / lock-step batches), not its own copy"
@@ -104,8 +106,8 @@ def cuda_graphs_blocker(model, *, trainer_forward: bool = False, kv_block_size: 
     return None
 
 
-class CudaGraphsConfigError(ValueError):
-    """`rl.rollout_cuda_graphs = "on"` where the decode step cannot be captured (a config error: exit 2)."""
+class CudaGraphsConfigError(ConfigError):
+    """`rl.rollout.cuda_graphs = "on"` where the decode step cannot be captured (a config error: exit 2)."""
 
 
 def paged_kv_blocker(model) -> Optional[str]:
@@ -121,8 +123,8 @@ def paged_kv_blocker(model) -> Optional[str]:
             f"({type(probe).__name__}), which stay in the slot layout; the paged cache is for attention-only decoders")
 
 
-class PagedKVConfigError(ValueError):
-    """`rl.kv_block_size` > 0 with a model that cannot decode on the paged KV cache (a config error: exit 2)."""
+class PagedKVConfigError(ConfigError):
+    """`rl.rollout.kv_block_size` > 0 with a model that cannot decode on the paged KV cache (a config error: exit 2)."""
 
 
 def _left_pad(prompts: Sequence[RolloutPrompt], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,6 +165,28 @@ def _full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+@dataclass
+class _Batch:
+    """What one batch of a `generate` call decodes: its prompts (from `offset` in the call's list), the sampling
+    settings, stop criteria, random generator and the call's stats."""
+    prompts: Sequence[RolloutPrompt]
+    offset: int
+    params: SamplingParams
+    checker: StopChecker
+    generator: Optional[torch.Generator]
+    stats: dict
+
+
+@dataclass
+class _Slots:
+    """The batch's KV cache and the decode state around it: waiting samples, prompt prefixes, CUDA-graph runner."""
+    cache: Any
+    queue: deque
+    prefixes: dict
+    num_slots: int
+    runner: Optional[DecodeStepRunner]
+
+
 class _Run:
     """Device buffers and bookkeeping of one batch of slots (one batch of a `generate` call)."""
 
@@ -180,38 +204,55 @@ class _Run:
         self.release: Optional[Callable[[int], None]] = None  # the paged cache's: a finished slot's blocks
 
 
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the built-in engine decodes, as one value (`PolicyRolloutEngine(model, tokenizer, options, ...)`): built
+    once from `[rl.rollout]` by the GRPO job (`rl/trainer.py`), the asynchronous rollout ranks and the
+    evaluations, or by tests and benchmarks with the fields they vary."""
+    eos_token_ids: Optional[Iterable[int]] = None
+    """Tokens that end a completion (default: the tokenizer's / generation config's)."""
+    pad_token_id: Optional[int] = None
+    cache_dtype: Optional[torch.dtype] = None
+    """Compute dtype of keys / values (bf16 under FSDP mixed precision; default the model's weight dtype)."""
+    device: Optional[torch.device | str] = None
+    max_prompts_per_batch: int = 0
+    """Prompts per lock-step batch (0 = all)."""
+    max_num_seqs: int = 0
+    """Slots of continuous batching (0 = max_prompts_per_batch * n, or every sample of the call)."""
+    share_prefix: bool = True
+    suppress_token_ids: Optional[Iterable[int]] = None
+    """Tokens never generated (default: the model's vision placeholder / start / end tokens)."""
+    kv_block_size: int = 0
+    """> 0: a paged KV cache of blocks of this many positions (attention-only models)."""
+    kv_cache_blocks: int = 0
+    """Blocks of the paged KV cache (0 = enough for every slot at full length)."""
+    cuda_graphs: str = "off"
+    """"auto" | "on" | "off": decode steps on static buffers, captured as CUDA graphs (module docstring)."""
+
+
 class PolicyRolloutEngine(RolloutEngine):
     def __init__(
         self,
         model: torch.nn.Module,
-        tokenizer,
+        tokenizer: Any,
+        options: Optional[EngineOptions] = None,
         *,
         forward: Optional[Callable[..., torch.Tensor]] = None,
-        eos_token_ids: Optional[Iterable[int]] = None,
-        pad_token_id: Optional[int] = None,
-        cache_dtype: Optional[torch.dtype] = None,
-        device: Optional[torch.device | str] = None,
-        max_prompts_per_batch: int = 0,
-        max_num_seqs: int = 0,
-        share_prefix: bool = True,
         all_ranks_active: Optional[Callable[[bool], bool]] = None,
-        suppress_token_ids: Optional[Iterable[int]] = None,
         sync_from: Optional[torch.nn.Module] = None,
-        kv_block_size: int = 0,
-        kv_cache_blocks: int = 0,
-        cuda_graphs: str = "off",
     ):
-        """`model`: the family model (a `VLMBase`: `new_cache`, forward with `kv_cache=`); `forward`: how to call
-        it (default `model`: the engine's own copy, continuous batching); `cache_dtype`: the compute dtype of
-        keys / values (bf16 under FSDP mixed precision; default the model's weight dtype);
+        """`model`: the family model (a `VLMBase`: `new_cache`, forward with `kv_cache=`); `options`: how it decodes
+        (`EngineOptions`); `forward`: how to call the model (default `model`: the engine's own copy, continuous
+        batching); `all_ranks_active`: lock-step decoding with the other ranks (the trainer's FSDP forward);
         `sync_from`: the trainer's model (possibly FSDP-sharded) whose full weights `load_weights(None, ...)`
-        copies into `model` (the engine's own copy); `max_prompts_per_batch`: prompts per lock-step batch (0 = all); `max_num_seqs`: slots of continuous
-        batching (0 = max_prompts_per_batch * n, or every sample of the call); `suppress_token_ids`: tokens
-        never generated (default: the model's vision placeholder / start / end tokens, `model.args.*_token_id`);
-        `kv_block_size` > 0: a paged KV cache (`PagedSlotCache`, attention-only models; a Mamba2 hybrid decoder
-        is refused, `PagedKVConfigError`) of `kv_cache_blocks` blocks (0 = enough for every slot at full length): a sample is admitted when
-        the blocks of its prompt + budget are free, and gives them back when it finishes; `cuda_graphs`
-        ("auto" | "on" | "off"): decode steps on static buffers, captured as CUDA graphs (module docstring)."""
+        copies into `model` (the engine's own copy). A paged KV cache with a Mamba2 hybrid decoder is refused
+        (`PagedKVConfigError`), as are CUDA graphs "on" where a decode step cannot be captured."""
+        o = options if options is not None else EngineOptions()
+        eos_token_ids, pad_token_id, cache_dtype, device = o.eos_token_ids, o.pad_token_id, o.cache_dtype, o.device
+        max_prompts_per_batch, max_num_seqs, share_prefix = o.max_prompts_per_batch, o.max_num_seqs, o.share_prefix
+        suppress_token_ids, kv_block_size, kv_cache_blocks = o.suppress_token_ids, o.kv_block_size, o.kv_cache_blocks
+        cuda_graphs = o.cuda_graphs
+        self.options = o
         if not isinstance(model, VLMBase):
             raise TypeError(f"{type(model).__name__} is not a family model (VLMBase): cached decoding needs its new_cache()")
         if max_prompts_per_batch < 0:
@@ -223,7 +264,7 @@ class PolicyRolloutEngine(RolloutEngine):
         if kv_block_size:
             why_not_paged = paged_kv_blocker(model)
             if why_not_paged:
-                raise PagedKVConfigError(f"rl.kv_block_size: {kv_block_size} (the paged KV cache) is not possible: {why_not_paged}")
+                raise PagedKVConfigError(f"rl.rollout.kv_block_size: {kv_block_size} (the paged KV cache) is not possible: {why_not_paged}")
             log.info("rollout KV cache: paged, %d positions per block, pool of %s", kv_block_size,
                      f"{kv_cache_blocks} blocks" if kv_cache_blocks else "1 + slots x blocks per slot (derived per batch)")
         self.kv_block_size, self.kv_cache_blocks = kv_block_size, kv_cache_blocks
@@ -232,7 +273,7 @@ class PolicyRolloutEngine(RolloutEngine):
         why_not = cuda_graphs_blocker(model, trainer_forward=forward is not None or all_ranks_active is not None,
                                       kv_block_size=kv_block_size)
         if cuda_graphs == "on" and why_not:
-            raise CudaGraphsConfigError(f"rl.rollout_cuda_graphs: 'on' is not possible: {why_not}")
+            raise CudaGraphsConfigError(f"rl.rollout.cuda_graphs: 'on' is not possible: {why_not}")
         if cuda_graphs == "auto" and why_not:
             log.info("rollout CUDA graphs off: %s", why_not)
             cuda_graphs = "off"
@@ -326,7 +367,8 @@ class PolicyRolloutEngine(RolloutEngine):
         with torch.inference_mode() if self.owns_forward else torch.no_grad():
             result = self._generate(prompts, params, generator)
         for s in result.samples:
-            s.token_ids, s.logprobs, s.token_versions = s.token_ids.clone(), s.logprobs.clone(), s.token_versions.clone()
+            s.token_ids, s.logprobs = s.token_ids.clone(), s.logprobs.clone()
+            s.token_versions = s.token_versions.clone() if s.token_versions is not None else None
         return result
 
     def _generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams,
@@ -387,7 +429,8 @@ class PolicyRolloutEngine(RolloutEngine):
         kwargs = dict(input_ids=ids.to(dev), attention_mask=mask.to(dev), kv_cache=cache, **vision)
         if self.owns_forward:  # logits_to_keep = 1: the LM head runs on the last position only
             hidden = self.model(**kwargs, return_hidden=True)[:, -1]
-            logits = self.model.lm_head(hidden)
+            lm_head: Any = self.model.lm_head
+            logits = lm_head(hidden)
         else:
             logits = self.forward(**kwargs)[:, -1]
         return cache, logits
@@ -413,12 +456,12 @@ class PolicyRolloutEngine(RolloutEngine):
             runner.drop()
             return None
 
-    def _admit(self, queue: deque, run: _Run, cache: SlotCache, prompts, n: int, prefixes: dict, stats: dict):
+    def _admit(self, queue: deque, run: _Run, cache: SlotCache, prompts: Sequence[RolloutPrompt], n: int, prefixes: dict,
+               stats: dict) -> tuple[list[int], Optional[torch.Tensor]]:
         """Fill free slots with waiting samples: ([slots], logits [len, V]) or ([], None)."""
         take = []
-        paged = isinstance(cache, PagedSlotCache)
         while queue and run.free:
-            if paged:
+            if isinstance(cache, PagedSlotCache):
                 tokens = len(prompts[queue[0] // n]) + run.budget
                 if not cache.can_reserve(tokens):
                     if len(run.free) == cache.num_slots:  # nothing runs that could give blocks back
@@ -467,7 +510,7 @@ class PolicyRolloutEngine(RolloutEngine):
         dev = self._device()
         total = len(prompts) * n
         max_len = max(len(p) for p in prompts) + budget
-        cache = None
+        cache: Optional[SlotCache] = None
         if self.kv_block_size:
             bs = self.kv_block_size
             blocks = self.kv_cache_blocks or 1 + num_slots * -(-max_len // bs)
@@ -483,8 +526,8 @@ class PolicyRolloutEngine(RolloutEngine):
         queue = deque(range(total))
         prefixes: dict = {}
         try:
-            return self._loop(prompts, offset, params, checker, generator, stats, cache, run, queue, prefixes,
-                              num_slots, runner)
+            return self._loop(_Batch(prompts, offset, params, checker, generator, stats), run,
+                              _Slots(cache, queue, prefixes, num_slots, runner))
         except BaseException:  # a step that failed half-way: nothing of this cache is kept
             self._drop_runner()
             raise
@@ -513,8 +556,11 @@ class PolicyRolloutEngine(RolloutEngine):
             self._runner.drop()
             self._runner = None
 
-    def _loop(self, prompts, offset, params, checker, generator, stats, cache, run, queue, prefixes, num_slots, runner):
+    def _loop(self, batch: _Batch, run: _Run, slots: _Slots) -> tuple[list[RolloutSample], bool]:
         """The admission / sampling / decode-step loop of one batch of slots (`_run`'s cache and buffers)."""
+        prompts, offset, params, checker = batch.prompts, batch.offset, batch.params, batch.checker
+        generator, stats = batch.generator, batch.stats
+        cache, queue, prefixes, num_slots, runner = slots.cache, slots.queue, slots.prefixes, slots.num_slots, slots.runner
         n, budget = params.n, params.max_new_tokens
         dev = self._device()
         total = len(prompts) * n
@@ -534,6 +580,7 @@ class PolicyRolloutEngine(RolloutEngine):
                 running: list[int] = []
                 feed = None
                 if cur_slots:
+                    assert cur_logits is not None  # admitted or running slots come with their logits
                     index = torch.as_tensor(cur_slots, dtype=torch.long, device=dev)
                     uniform = None
                     if params.temperature > 0:  # one draw per slot and step: a row's numbers do not depend on the others
@@ -558,6 +605,7 @@ class PolicyRolloutEngine(RolloutEngine):
                         run.host_len[slot] += 1
                         why = "eos" if is_eos[r] else None
                         if why is None and stop_strings:
+                            assert tok_l is not None  # the tokens are read on the host when stop strings are set
                             run.host_tokens[slot].append(tok_l[r])
                             why = checker.check(run.host_tokens[slot])
                         if why is None and run.host_len[slot] >= budget:
@@ -585,6 +633,7 @@ class PolicyRolloutEngine(RolloutEngine):
                         feed = torch.full((1,), self.pad_token_id, dtype=torch.long, device=dev)
                     else:
                         slots_now = running
+                    assert feed is not None  # the running slots' sampled tokens, or the scratch row's pad
                     logits = None
                     if runner is not None and self.cuda_graphs != "off":
                         logits = self._graph_step(runner, cache, slots_now, feed)

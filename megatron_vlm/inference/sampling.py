@@ -98,6 +98,7 @@ def sample_tokens(
         raise ValueError(f"temperature: must be >= 0, got {temperature}")
     x = logits.float()
     suppress = suppress_token_ids is not None and suppress_token_ids.numel() > 0
+    sup = suppress_token_ids if suppress_token_ids is not None else torch.empty(0, dtype=torch.long)
     truncated = (0 < top_k < x.shape[-1]) or top_p < 1.0
     if uniform is not None and temperature > 0 and uniform.shape != (x.shape[0],):
         raise ValueError(f"uniform: expected shape ({x.shape[0]},), got {tuple(uniform.shape)}")
@@ -108,7 +109,7 @@ def sample_tokens(
                                   suppress_token_ids if suppress else None, float(temperature))
 
     def allowed(t: torch.Tensor, fill: float) -> torch.Tensor:
-        return t.index_fill(-1, suppress_token_ids.to(t.device), fill) if suppress else t
+        return t.index_fill(-1, sup.to(t.device), fill) if suppress else t
 
     if temperature == 0:
         tokens = allowed(x, float("-inf")).argmax(dim=-1)
@@ -121,7 +122,7 @@ def sample_tokens(
         else:  # no truncation: the untruncated probabilities, suppressed tokens zeroed (need not sum to 1)
             probs = logp.exp()
             if suppress:  # in place: one [N, V] buffer less per decoding step
-                probs.index_fill_(-1, suppress_token_ids.to(probs.device), 0.0)
+                probs.index_fill_(-1, sup.to(probs.device), 0.0)
         if uniform is not None:
             cdf = probs.cumsum_(dim=-1)  # probs is this function's own buffer: the running sum in place
             total = cdf[:, -1:]

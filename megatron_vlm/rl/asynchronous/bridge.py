@@ -29,7 +29,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_vlm.rl.async_allocation import ALLOCATION_GRAMMAR, Allocation, parse_allocation
+from megatron_vlm.errors import ConfigError
+from megatron_vlm.rl.asynchronous.allocation import ALLOCATION_GRAMMAR, Allocation, parse_allocation
 
 __all__ = ["Bridge", "Role", "setup_roles", "current_role", "BridgeError"]
 
@@ -46,8 +47,9 @@ class Bridge:
     def __init__(self, store, rank: int, size: int, timeout_s: float):
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
-        self.weights = dist.ProcessGroupGloo(dist.PrefixStore("mvlm_async/weights", store), rank, size, timeout)
-        self.samples = dist.ProcessGroupGloo(dist.PrefixStore("mvlm_async/samples", store), rank, size, timeout)
+        # gloo groups used through their own broadcast / send / recv (torch's stubs do not list those methods)
+        self.weights: Any = dist.ProcessGroupGloo(dist.PrefixStore("mvlm_async/weights", store), rank, size, timeout)
+        self.samples: Any = dist.ProcessGroupGloo(dist.PrefixStore("mvlm_async/samples", store), rank, size, timeout)
 
     def _wait(self, work, what: str) -> None:
         try:
@@ -120,11 +122,11 @@ def setup_roles(cfg, timeout_s: float = 1800.0) -> Optional[Role]:
     alloc = parse_allocation(rl.allocation)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world != alloc.world_size:
-        raise ValueError(f"rl.allocation: {rl.allocation!r} asks for {alloc.rollout} rollout + {alloc.train} training "
+        raise ConfigError(f"rl.allocation: {rl.allocation!r} asks for {alloc.rollout} rollout + {alloc.train} training "
                           f"= {alloc.world_size} processes, but the job has {world} ({ALLOCATION_GRAMMAR}; launch "
                           f"with torchrun --nproc_per_node {alloc.world_size} or change the sizes)")
     if "MASTER_ADDR" not in os.environ:
-        raise ValueError("rl.allocation: an asynchronous job needs several processes; launch it with torchrun")
+        raise ConfigError("rl.allocation: an asynchronous job needs several processes; launch it with torchrun")
     name, role_rank = alloc.role_of(rank)
     timeout = datetime.timedelta(seconds=timeout_s)
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=timeout))

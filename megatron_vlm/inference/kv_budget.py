@@ -1,10 +1,10 @@
-"""Rollout KV-cache sizing (in `rl`, below `plan`: the GRPO job must not import the planner), shared by the GRPO job (to bound a rollout batch by `rl.rollout_memory_gib`)
+"""Rollout KV-cache sizing (in `rl`, below `plan`: the GRPO job must not import the planner), shared by the GRPO job (to bound a rollout batch by `rl.rollout.memory_gib`)
 and the `--check` planner.
 
 KV cache bytes = 2 (K and V) x sum over the decoder's attention layers of (kv_heads x head_dim) x
 bytes per element x slots, where a slot is one cached token position of one sequence. A sequence
 of a rollout holds up to `data.max_tokens_per_pack` slots (the prompt encoder refuses prompts whose
-prompt + rl.max_new_tokens exceeds it), and one prompt's group holds `rl.group_size` sequences.
+prompt + rl.rollout.max_new_tokens exceeds it), and one prompt's group holds `rl.batch.group_size` sequences.
 Attention layers are the `Attention` modules under `model.language_model` (hybrid Mamba layers keep
 a per-sequence state of constant size, not counted); works on a meta-device model.
 """
@@ -22,8 +22,9 @@ def kv_elements_per_slot(model: nn.Module) -> int:
     decoder = getattr(model, "language_model", model)
     total = 0
     for m in decoder.modules():  # Attention modules, or megatron-core layers (models/mcore/layer.py) answering for theirs
-        if callable(getattr(m, "local_heads", None)):
-            total += 2 * m.local_heads()[1] * m.head_dim
+        local_heads = getattr(m, "local_heads", None)
+        if callable(local_heads):
+            total += 2 * local_heads()[1] * int(getattr(m, "head_dim"))
     return total
 
 

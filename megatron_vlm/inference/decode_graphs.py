@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -97,13 +97,13 @@ class _Bucket:
         self.ids = torch.full((size, 1), pad_token_id, dtype=torch.long, device=device)
         self.slots = torch.full((size,), scratch, dtype=torch.long, device=device)
         self.logits: Optional[torch.Tensor] = None
-        self.graph = None
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.traces: list[list[tuple]] = []
 
 
 class DecodeStepRunner:
     def __init__(self, forward: Callable[..., torch.Tensor], cache: SlotCache, *, pad_token_id: int,
-                 capture: bool, probe: bool = False, params: Sequence[torch.nn.Parameter] = ()) -> None:
+                 capture: bool, probe: bool = False, params: Sequence[torch.Tensor] = ()) -> None:
         """`forward(input_ids=..., kv_cache=...)` -> logits `[B, T, V]` (the engine's own model); `cache`: the
         batch's `SlotCache` (slot layout); `capture`: CUDA graphs (the cache must be on CUDA); `probe`: trace
         the first eager runs of each bucket for graph safety; `params`: tensors whose addresses a graph bakes in."""
@@ -116,7 +116,7 @@ class DecodeStepRunner:
         self.params = list(params)
         self.sizes = bucket_sizes(cache.num_slots)
         self.buckets: dict[int, _Bucket] = {}
-        self._pool = None
+        self._pool: Optional[Any] = None  # a CUDA graph memory pool handle
         self._addresses: Optional[list[int]] = None
         self._weights_loaded = True  # check the addresses before the next replay
         self.captures = 0
@@ -157,6 +157,7 @@ class DecodeStepRunner:
         if self.capture:
             if bucket.graph is None:
                 self._capture(bucket, n, input_ids, slots)
+            assert bucket.graph is not None
             bucket.graph.replay()
         elif self.probe and len(bucket.traces) < 2:
             with GraphSafetyProbe() as probe:
@@ -166,6 +167,7 @@ class DecodeStepRunner:
             bucket.logits = self._step(bucket)
         for s in slots:
             cache.host_lengths[s] += 1
+        assert bucket.logits is not None
         return bucket.logits[:n]
 
     # ------------------------------------------------------------------ graph safety

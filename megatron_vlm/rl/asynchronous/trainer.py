@@ -17,7 +17,7 @@ happens after the update. Per step s (the trainer holds policy version s = steps
 3. encode the prompts of the groups (the same encoder as the rollout's), group advantages, and the
    update of the synchronous step (`GRPOStep.train_on_rounds`: with max_head_offpolicyness > 0 the
    decoupled loss, proximal log-probs recomputed before the update);
-4. push the weights (rl/async_weights.py) as version s + 1; the rollout ranks waiting for it go on.
+4. push the weights (rl/asynchronous/weights.py) as version s + 1; the rollout ranks waiting for it go on.
 
 The first push (at construction, after the checkpoint is resumed) sends the whole state dict with the
 run's start step, so a resumed run's rollout continues from the checkpoint's weights; steps that were
@@ -33,12 +33,15 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.inference.engine import RolloutResult, RolloutSample
 from megatron_vlm.parallel.collectives import all_gather_objects
-from megatron_vlm.rl.async_bridge import Role
-from megatron_vlm.rl.async_weights import push_weights, trainable_names
-from megatron_vlm.rl.grpo_step import EncodedShard, GRPOStep
+from megatron_vlm.rl.algorithms.advantage_estimators import AdvantageSpec
+from megatron_vlm.rl.asynchronous.bridge import Bridge, Role
+from megatron_vlm.rl.asynchronous.weights import push_weights, trainable_names
+from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.metrics import PhaseTimer
-from megatron_vlm.rl.rollout.engine import RolloutResult, RolloutSample
+from megatron_vlm.rl.prompts.shard import EncodedShard, PromptEncoding
+from megatron_vlm.rl.rounds import Round, shape_round
 from megatron_vlm.rl.trainer import GRPOLoopStep
 from megatron_vlm.training.context import RunContext
 
@@ -56,12 +59,14 @@ class _Prefetch:
     bridge's sample group is used by this thread only; control messages and weight pushes stay on the
     main thread, in order)."""
 
-    def __init__(self, bridge, step: int, n_rollout: int):
-        self.step, self.payloads, self.error = step, None, None
+    def __init__(self, bridge: Bridge, step: int, n_rollout: int):
+        self.step = step
+        self.payloads: Optional[list[dict]] = None
+        self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, args=(bridge, n_rollout), daemon=True, name=f"prefetch-{step}")
         self._thread.start()
 
-    def _run(self, bridge, n_rollout: int) -> None:
+    def _run(self, bridge: Bridge, n_rollout: int) -> None:
         try:
             self.payloads = [bridge.recv_object(1 + r) for r in range(n_rollout)]
         except BaseException as e:  # noqa: BLE001 - re-raised by get() on the main thread
@@ -71,17 +76,19 @@ class _Prefetch:
         self._thread.join()
         if self.error is not None:
             raise self.error
+        assert self.payloads is not None
         return self.payloads
 
 
 class AsyncGRPOLoopStep(GRPOLoopStep):
     def __init__(self, ctx: RunContext, train_set: Any, grpo: GRPOStep, role: Role, *, model: torch.nn.Module,
-                 start_step: int, total_steps: int, evaluate: Optional[Callable[[int], Optional[dict]]] = None,
-                 bad_records: Optional[BadRecordLog] = None):
+                 encoder: PromptEncoding, start_step: int, total_steps: int,
+                 evaluate: Optional[Callable[[int], Optional[dict]]] = None, bad_records: Optional[BadRecordLog] = None):
         super().__init__(ctx, train_set, grpo, evaluate, bad_records=bad_records)
-        self.role, self.model = role, model
+        self.role, self.model, self.encoder = role, model, encoder
+        self.advantage = AdvantageSpec.from_config(self.rl)
         self.bridge = role.bridge  # training rank 0 only
-        self.k = self.rl.max_head_offpolicyness
+        self.k = self.rl.asynchronous.max_head_offpolicyness
         self._trainable = trainable_names(model)
         self._stopped = False
         self.total_steps = total_steps
@@ -97,7 +104,7 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
     # ------------------------------------------------------------------ one step
     def _receive(self, step: int) -> list[dict]:
         """Step `step`'s payloads of every rollout rank, on every training rank."""
-        payloads = None
+        payloads: Optional[list[dict]] = None
         if self.bridge is not None:
             n_rollout = self.role.allocation.rollout
             pending, self._prefetch = self._prefetch, None
@@ -114,11 +121,12 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
                 self._prefetch = _Prefetch(self.bridge, step + 1, n_rollout)
         if self.role.allocation.train > 1:
             payloads = all_gather_objects(payloads)[0]
+        assert payloads is not None  # training rank 0 received them; the others got rank 0's
         return payloads
 
-    def _round(self, step: int, payloads: list[dict]):
+    def _round(self, step: int, payloads: list[dict]) -> Round:
         """This training rank's groups of the step as a scored round of the synchronous step."""
-        G, M, me = self.rl.group_size, self.role.allocation.train, self.role.rank
+        G, M, me = self.rl.batch.group_size, self.role.allocation.train, self.role.rank
         groups = []  # (dataset index, [sample payloads], [total], {label: [values]})
         for p in payloads:
             by_prompt: dict[int, list[int]] = {}
@@ -132,12 +140,12 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         mine = groups[me::M]
         if not mine:
             raise RuntimeError(f"asynchronous GRPO: step {step} has {len(groups)} groups for {M} training ranks "
-                               "(raise rl.prompts_per_step)")
+                               "(raise rl.batch.prompts_per_step)")
         shard_samples, prompts, real, total = [], [], [], []
-        per_reward: dict[str, list[float]] = {label: [] for label in self.grpo.manager.labels}
+        per_reward: dict[str, list[float]] = {label: [] for label in self.grpo.reward_labels}
         for gi, (idx, samples, tot, per) in enumerate(mine):
             sample = self.train_set[idx]
-            enc = self.grpo.encoder.encode(sample)
+            enc = self.encoder.encode(sample)
             if enc is None:
                 raise RuntimeError(f"asynchronous GRPO: prompt {sample.prompt_id} encoded on the rollout rank but not here")
             shard_samples.append(sample)
@@ -153,7 +161,7 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
                 per_reward[label] += per.get(label, [])
         shard = EncodedShard(shard_samples, prompts)
         result = RolloutResult(samples=real, num_generated_tokens=sum(int(s.token_ids.numel()) for s in real))
-        return self.grpo.shape_round(shard, result, real, total, per_reward)
+        return shape_round(self.rl, self.advantage, shard, result, real, total, per_reward)
 
     def _staleness(self, step: int, payloads: list[dict]) -> dict[str, float]:
         lags, interrupted, n = [], 0, 0
@@ -180,7 +188,6 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         extra = self._staleness(step, payloads)
         timer = PhaseTimer()
         rd = self._round(step, payloads)
-        self.grpo.bundle.wrapper.train()
         metrics = self.grpo.train_on_rounds(step, [rd], timer, extra_metrics=extra)
         self.push_s = push_weights(self.model, self.bridge, step + 1, self._trainable)
         end = time.perf_counter()
@@ -198,7 +205,7 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         for key in payloads[0]["reward_fail"]:
             metrics[key] = float(sum(p["reward_fail"][key] for p in payloads))
         self._last_end = end
-        metrics["epoch"] = (step + 1) * self.rl.prompts_per_step / len(self.train_set)
+        metrics["epoch"] = (step + 1) * self.rl.batch.prompts_per_step / len(self.train_set)
         return metrics if log else {}
 
     def finish(self) -> None:

@@ -43,6 +43,7 @@ from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpect
 from megatron_vlm.data.data_files import HF_SUFFIXES, DataFileError
 from megatron_vlm.data.messages import Record
 from megatron_vlm.data.table_rows import TableRows
+from megatron_vlm.errors import ConfigError
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
@@ -161,7 +162,7 @@ def _user_content(text: str, images: list) -> list[dict]:
     return content
 
 
-def _make_sample(prompt_id: str, problem: str, answer: Any, images: list, metadata: dict, template: str,
+def _make_sample(prompt_id: str, problem: Any, answer: Any, images: list, metadata: dict, template: str,
                  system_prompt: Optional[str]) -> PromptSample:
     if not isinstance(problem, str) or not problem.replace(IMAGE_PLACEHOLDER, "").strip():
         raise BadRecordError("invalid_record", "empty question")
@@ -240,11 +241,11 @@ def _from_messages_row(row: dict, row_id: str, root: Path, template: str, system
 def _columns_from_mapping(columns: dict[str, str]) -> tuple[str, str, Optional[str]]:
     unknown = sorted(set(columns) - {"prompt", "answer", "images", "image"})
     if unknown or not {"prompt", "answer"} <= set(columns):
-        raise ValueError(
+        raise ConfigError(
             f"columns: expected keys 'prompt', 'answer' and optionally 'images' (or 'image'), got {sorted(columns)}"
         )
     if "images" in columns and "image" in columns:
-        raise ValueError("columns: give 'images' or 'image', not both")
+        raise ConfigError("columns: give 'images' or 'image', not both")
     return columns["prompt"], columns["answer"], columns.get("images") or columns.get("image")
 
 
@@ -279,7 +280,7 @@ def load_prompt_dataset(
     keeps the first N. Rows that cannot be used are listed in `skipped` and counted in
     `bad_records` under their file and 1-based line (JSONL) / 0-based row (tables)."""
     if "{problem}" not in prompt_template:
-        raise ValueError("prompt_template: must contain the {problem} placeholder")
+        raise ConfigError("prompt_template: must contain the {problem} placeholder")
     rows = TableRows(path, suffixes=suffixes, cache_dir=cache_dir)
     table_cols: Optional[tuple[str, str, Optional[str]]] = None
     if columns:
@@ -289,7 +290,7 @@ def load_prompt_dataset(
     elif schema == "auto":
         schema = detect_schema(rows.columns(rows.files[0]))  # type: ignore[assignment]
     elif schema not in ("geometry3k", "virl39k", "messages"):
-        raise ValueError(f"schema: must be 'auto', 'geometry3k', 'virl39k' or 'messages', got {schema!r}")
+        raise ConfigError(f"schema: must be 'auto', 'geometry3k', 'virl39k' or 'messages', got {schema!r}")
     if table_cols is None and schema != "messages":
         table_cols = _SCHEMA_COLUMNS[schema]
     if table_cols is not None:
@@ -323,6 +324,7 @@ def load_prompt_dataset(
             if schema == "messages":
                 sample = _from_messages_row(row, row_id, root, prompt_template, system_prompt)
             else:
+                assert table_cols is not None  # set above for every table schema
                 sample = _from_table_row(schema, table_cols, row, row_id, root, prompt_template, system_prompt)
         except Exception as e:  # every per-row failure is a counted bad record (unexpected ones by type)
             err = unexpected(e, f"{file}:{index}")

@@ -1,9 +1,9 @@
 """The rollout ranks of asynchronous GRPO: generate, score and hand over groups without waiting for
-training (but never further ahead than `rl.max_head_offpolicyness` allows).
+training (but never further ahead than `rl.asynchronous.max_head_offpolicyness` allows).
 
 Why its own loop: a rollout rank holds no optimizer and runs no training collective; it only needs the
 prompt stream, an inference copy of the policy, the reward workers and the bridge to training rank 0
-(rl/async_bridge.py). Three threads per rollout rank:
+(rl/asynchronous/bridge.py). Three threads per rollout rank:
 
 - generation (the caller's thread): for steps b = start, start + 1, ... (the prompts of step b are the
   synchronous loop's: `prompt_batches(seed, b)`, rollout rank r taking prompts r, r + N, ...; the
@@ -12,7 +12,7 @@ prompt stream, an inference copy of the policy, the reward workers and the bridg
   a version the trainer at step b accepts), then `engine.generate` the rank's prompts (continuous
   batching; the weights may change between two tokens);
 - weights: receives the trainer's control messages; a weight push is written into the model with
-  decoding paused at a token boundary (rl/async_weights.py), then the version moves; "stop" ends the
+  decoding paused at a token boundary (rl/asynchronous/weights.py), then the version moves; "stop" ends the
   rank;
 - scoring: scores each finished step in the reward worker pool while the next step generates, then
   sends the step's groups to the trainer once the trainer has asked for that step (a "want"
@@ -38,18 +38,19 @@ from megatron_vlm.checkpoint.hf import load_hf_model
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.media import MediaLimits
 from megatron_vlm.data.processor import load_processor
+from megatron_vlm.inference.engine import SamplingParams
+from megatron_vlm.inference.generators import sampling_generator
+from megatron_vlm.inference.kv_budget import kv_bytes_per_slot, rollout_prompts_for_budget
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
 from megatron_vlm.parallel.collectives import barrier
 from megatron_vlm.parallel.precision import compute_dtype
-from megatron_vlm.rl.async_bridge import Role
-from megatron_vlm.rl.async_weights import receive_weights
-from megatron_vlm.rl.data import prompt_batches
-from megatron_vlm.rl.grpo_step import sampling_generator
-from megatron_vlm.rl.prompt_lengths import drop_unusable_prompts
-from megatron_vlm.rl.prompts import PromptEncoder, load_prompt_sets
+from megatron_vlm.rl.asynchronous.bridge import Role
+from megatron_vlm.rl.asynchronous.weights import receive_weights
+from megatron_vlm.rl.prompts.dataset import prompt_batches
+from megatron_vlm.rl.prompts.encoder import PromptEncoder
+from megatron_vlm.rl.prompts.lengths import drop_unusable_prompts
+from megatron_vlm.rl.prompts.sets import load_prompt_sets
 from megatron_vlm.rl.rewards.manager import RewardManager
-from megatron_vlm.rl.rollout.engine import SamplingParams
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
-from megatron_vlm.rl.rollout_budget import kv_bytes_per_slot, rollout_prompts_for_budget
 from megatron_vlm.rl.trainer import paged_kv_kwargs
 from megatron_vlm.training.context import RunContext
 
@@ -73,7 +74,7 @@ class _State:
         is ever left without a receiver (a trainer stopped by SIGTERM asks for nothing more)."""
         self.stop = False
         self.error: Optional[BaseException] = None
-        self.engine = None
+        self.engine: Optional[PolicyRolloutEngine] = None
 
 
 def _sample_payload(s) -> dict:
@@ -85,6 +86,8 @@ def _sample_payload(s) -> dict:
 def run_rollout_rank(ctx: RunContext, role: Role) -> int:
     cfg, rl, env = ctx.cfg, ctx.cfg.rl, ctx.env
     bridge = role.bridge
+    if bridge is None:
+        raise RuntimeError("asynchronous GRPO: a rollout rank without its bridge to the trainer")
     hello = bridge.broadcast_object()  # the trainer has built its prompt sets and loaded its checkpoint
     start, total = int(hello["start_step"]), int(hello["total_steps"])
     dtype = compute_dtype(cfg.train.precision, getattr(torch, cfg.model.dtype), env.device)
@@ -95,21 +98,22 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
     if len(sets.train) != hello["num_prompts"]:
         raise RuntimeError(f"asynchronous GRPO: this rollout rank reads {len(sets.train)} training prompts, the trainer "
                            f"{hello['num_prompts']}")
-    encoder = PromptEncoder(processor, max_frames=cfg.data.max_frames, fps=cfg.data.fps, max_new_tokens=rl.max_new_tokens,
+    encoder = PromptEncoder(processor, max_frames=cfg.data.max_frames, fps=cfg.data.fps, max_new_tokens=rl.rollout.max_new_tokens,
                             max_tokens=cfg.data.max_tokens_per_pack, limits=MediaLimits.from_config(cfg.data), bad_records=bad)
     model = load_hf_model(cfg.model.path, dtype=dtype, device=env.device).eval()
     model.requires_grad_(False)
-    per_batch = rl.rollout_batch_prompts or rollout_prompts_for_budget(
-        rl.rollout_memory_gib, kv_bytes_per_slot(model, torch.finfo(dtype).bits // 8), rl.group_size, cfg.data.max_tokens_per_pack)
+    per_batch = rl.rollout.batch_prompts or rollout_prompts_for_budget(
+        rl.rollout.memory_gib, kv_bytes_per_slot(model, torch.finfo(dtype).bits // 8), rl.batch.group_size, cfg.data.max_tokens_per_pack)
     # CudaGraphsConfigError (exit 2): "on" with a decode step that cannot be captured (a paged cache);
-    # PagedKVConfigError (exit 2): rl.kv_block_size with a Mamba2 hybrid decoder
-    engine = PolicyRolloutEngine(model, processor.tokenizer, cache_dtype=dtype, device=env.device,
-                                 max_num_seqs=per_batch * rl.group_size, cuda_graphs=rl.rollout_cuda_graphs,
-                                 **paged_kv_kwargs(rl))
+    # PagedKVConfigError (exit 2): rl.rollout.kv_block_size with a Mamba2 hybrid decoder
+    engine = PolicyRolloutEngine(model, processor.tokenizer,
+                                 EngineOptions(cache_dtype=dtype, device=env.device,
+                                               max_num_seqs=per_batch * rl.batch.group_size,
+                                               cuda_graphs=rl.rollout.cuda_graphs, **paged_kv_kwargs(rl)))
     receive_weights(model, bridge, bridge.broadcast_object(), engine)  # the trainer's weights at `start`
-    manager = RewardManager(rl.rewards, timeout_s=rl.reward_timeout_s, num_workers=rl.reward_workers,
-                            memory_limit_mb=rl.reward_memory_limit_mb, batch_timeout_s=rl.reward_batch_timeout_s,
-                            value_limit=rl.reward_abs_max)
+    manager = RewardManager(rl.rewards, timeout_s=rl.reward_pool.timeout_s, num_workers=rl.reward_pool.workers,
+                            memory_limit_mb=rl.reward_pool.memory_limit_mb, batch_timeout_s=rl.reward_pool.batch_timeout_s,
+                            value_limit=rl.reward_pool.abs_max)
     state = _State(engine.policy_version)
     state.engine = engine
     todo: "queue.Queue" = queue.Queue()
@@ -133,10 +137,10 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
 
 def _generate_loop(ctx, role: Role, state: _State, engine, encoder, train_set, todo, start: int, total: int) -> None:
     rl, seed, device = ctx.cfg.rl, ctx.cfg.train.seed, ctx.env.device
-    n_rollout, k = role.allocation.rollout, rl.max_head_offpolicyness
-    params = SamplingParams(max_new_tokens=rl.max_new_tokens, n=rl.group_size, temperature=rl.temperature,
-                            top_p=rl.top_p, top_k=rl.top_k, stop=tuple(rl.stop))
-    batches = prompt_batches(len(train_set), rl.prompts_per_step, seed=seed, start_step=start)
+    n_rollout, k = role.allocation.rollout, rl.asynchronous.max_head_offpolicyness
+    params = SamplingParams(max_new_tokens=rl.rollout.max_new_tokens, n=rl.batch.group_size, temperature=rl.rollout.temperature,
+                            top_p=rl.rollout.top_p, top_k=rl.rollout.top_k, stop=tuple(rl.rollout.stop))
+    batches = prompt_batches(len(train_set), rl.batch.prompts_per_step, seed=seed, start_step=start)
     for b in range(start, total):
         batch = next(batches)
         t_wait = time.perf_counter()

@@ -21,6 +21,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from megatron_vlm.errors import ConfigError
+
 __all__ = ["Allocation", "parse_allocation", "ALLOCATION_GRAMMAR"]
 
 ALLOCATION_GRAMMAR = "'rollout:N+train:M' (or the AReaL spelling '<engine>:dN+dM', e.g. 'vllm:d32+d16')"
@@ -52,17 +54,17 @@ def parse_allocation(text: str) -> Allocation:
     if m and m.group(1) not in ("rollout", "train"):
         n, k = int(m.group(2)), int(m.group(3))
         if n < 1 or k < 1:
-            raise ValueError(f"allocation: {text!r}: both sizes must be >= 1")
+            raise ConfigError(f"allocation: {text!r}: both sizes must be >= 1")
         return Allocation(rollout=n, train=k)
     parts = s.split("+")
     sizes: dict[str, int] = {}
     for p in parts:
         pm = _PART.match(p)
         if pm is None or pm.group(1) in sizes:
-            raise ValueError(f"allocation: {text!r} does not follow {ALLOCATION_GRAMMAR}")
+            raise ConfigError(f"allocation: {text!r} does not follow {ALLOCATION_GRAMMAR}")
         sizes[pm.group(1)] = int(pm.group(2))
     if set(sizes) != {"rollout", "train"}:
-        raise ValueError(f"allocation: {text!r} does not follow {ALLOCATION_GRAMMAR}")
+        raise ConfigError(f"allocation: {text!r} does not follow {ALLOCATION_GRAMMAR}")
     if sizes["rollout"] < 1 or sizes["train"] < 1:
-        raise ValueError(f"allocation: {text!r}: both sizes must be >= 1")
+        raise ConfigError(f"allocation: {text!r}: both sizes must be >= 1")
     return Allocation(rollout=sizes["rollout"], train=sizes["train"])

@@ -20,7 +20,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from megatron_vlm.rl.async_bridge import Bridge
+from megatron_vlm.rl.asynchronous.bridge import Bridge
 
 __all__ = ["push_weights", "receive_weights", "trainable_names"]
 

@@ -1,7 +1,7 @@
 """Over-long GRPO prompts are left out when the run starts, not met one step at a time.
 
 Policy (what verl users expect from its `data.filter_overlong_prompts`): a prompt whose tokens plus
-the generation budget (the larger of `rl.max_new_tokens` and `rl.eval.max_new_tokens`) exceed
+the generation budget (the larger of `rl.rollout.max_new_tokens` and `rl.eval.max_new_tokens`) exceed
 `data.max_tokens_per_pack` is dropped from its prompt set before the first step and counted as a
 bad record "too_long" under its file and line / row; a prompt that already fails while its length
 is computed (a missing or unreadable image header, a placeholder mismatch, ...) is dropped and
@@ -10,7 +10,7 @@ counted under its own category. A set with no prompt left is a ConfigError namin
 
 Why up front: before, such a prompt was skipped (and counted) only when a step drew it, and a step
 that drew nothing but such prompts ended the run with exit 2 in the middle of training — with half
-the prompts over-long and `rl.prompts_per_step = 1` that happened within a few steps, and at any
+the prompts over-long and `rl.batch.prompts_per_step = 1` that happened within a few steps, and at any
 size it was a matter of time. What is left to fail at a step is a prompt whose pixels cannot be
 decoded although its header could; those are still skipped and counted there.
 
@@ -31,8 +31,8 @@ from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.lengths import compute_lengths
 from megatron_vlm.data.media import MediaLimits
 from megatron_vlm.errors import ConfigError
-from megatron_vlm.rl.data import PromptDataset
-from megatron_vlm.rl.prompts import PromptSets
+from megatron_vlm.rl.prompts.dataset import PromptDataset
+from megatron_vlm.rl.prompts.sets import PromptSets
 
 __all__ = ["prompt_token_budget", "drop_unusable_prompts"]
 
@@ -42,7 +42,7 @@ log = logging.getLogger("megatron_vlm")
 def prompt_token_budget(data_cfg: Any, rl_cfg: Any) -> int:
     """Most prompt tokens a rollout (training or held-out evaluation) leaves room for."""
     eval_cfg = getattr(rl_cfg, "eval", None)
-    generated = max(rl_cfg.max_new_tokens, getattr(eval_cfg, "max_new_tokens", 0) or 0)
+    generated = max(rl_cfg.rollout.max_new_tokens, getattr(eval_cfg, "max_new_tokens", 0) or 0)
     return data_cfg.max_tokens_per_pack - generated
 
 

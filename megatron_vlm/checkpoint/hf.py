@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from megatron_vlm.checkpoint.finite import check_finite
 from megatron_vlm.models.common.lora import lora_modules, merged_state_dict
 from megatron_vlm.models.registry import family_for_args, get_family
 
@@ -192,6 +193,7 @@ def save_hf_model(
     hf = adapter.to_hf(ours)
     if dtype is not None:
         hf = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in hf.items()}
+    check_finite(hf, f"refusing to export {path}")  # a non-finite export is never written (nor replaces a good one)
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp"

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatron_vlm.checkpoint.finite import check_finite
-from megatron_vlm.checkpoint.hf import replace_dir
+from megatron_vlm.checkpoint.hf import replace_dir, share_like_umask
 from megatron_vlm.models.common.state_dict_utils import rename_first
 from megatron_vlm.models.registry import get_family
 
@@ -168,6 +168,7 @@ def save_peft_adapter(
     try:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        share_like_umask(tmp)
         replace_dir(tmp, path, old, marker=ADAPTER_MARKER, marker_text="peft adapter complete\n", is_complete=Path.is_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -105,6 +105,11 @@ class PeftNames:
         return key[: -len(".weight")] if key.endswith(".weight") else None
 
 
+def _named(factors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """module -> (A, B) as "<module>.lora_A" / "<module>.lora_B" -> tensor (for messages naming the factor)."""
+    return {f"{m}.{part}": t for m, ab in factors.items() for part, t in zip(("lora_A", "lora_B"), ab)}
+
+
 def is_peft_adapter(path: Union[str, Path]) -> bool:
     path = Path(path)
     return (path / ADAPTER_CONFIG).is_file() and (path / ADAPTER_WEIGHTS).is_file()
@@ -127,7 +132,7 @@ def save_peft_adapter(
     The folder is written to a temporary sibling and put in place when complete (a crash leaves the
     previous adapter intact). Raises ValueError naming a module that has no PEFT name."""
     path = Path(path)
-    check_finite(factors, f"refusing to write the LoRA adapter {path}")
+    check_finite(_named(factors), f"refusing to write the LoRA adapter {path}")
     names = PeftNames(hf_config)
     tensors: dict[str, torch.Tensor] = {}
     targets = []
@@ -212,5 +217,5 @@ def read_peft_adapter(path: Union[str, Path], hf_config: dict) -> tuple[dict, di
             raise ValueError(f"{path}: {peft} names no single layer of this {names.model_type} model")
         factors[ours] = (a, b)
     # a NaN lora_B makes every output garbage (evaluation) or a non-finite merged model (--merge): refused
-    check_finite(factors, f"{path}: the LoRA adapter is unusable")
+    check_finite(_named(factors), f"{path}: the LoRA adapter is unusable")
     return config, factors

@@ -300,10 +300,14 @@ class CheckpointManager:
             model.restore_local_param_groups(state["optim"], local_groups)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         extra_file = path / f"extra_rank{self.rank}.pt"
+        if not extra_file.is_file() and not (path / "extra_rank0.pt").is_file():
+            raise FileNotFoundError(f"{extra_file} and extra_rank0.pt missing")
         if not extra_file.is_file():
-            raise FileNotFoundError(
-                f"{extra_file} missing: the checkpoint was written by a different number of processes"
-            )
+            # written by fewer processes: the scheduler, step and data position are global (the data state holds
+            # the global pack count), and every rank of a fresh run starts from the same RNG seed, so rank 0's
+            # file is what this rank would have had
+            extra_file = path / "extra_rank0.pt"
+            log.info("checkpoint %s was written by fewer processes: rank %d resumes from %s", path, self.rank, extra_file)
         extra = torch.load(extra_file, weights_only=True)
         set_rng_state(extra["rng"])
         return extra

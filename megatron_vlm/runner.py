@@ -1,6 +1,6 @@
 """Job runner behind launch/pretrain_vlm.py: process group, run folder, model folder, the job kind
 (`megatron_vlm.jobs`), teardown — and the exit codes: 0 done, 1 stopped by too many non-finite steps
-in a row or a failed checkpoint save / HF export (the previous checkpoint intact), 2 a missing model
+in a row, by reward calls that all failed for `rl.reward_max_failed_steps` steps, or a failed checkpoint save / HF export (the previous checkpoint intact), 2 a missing model
 folder, a `train.output_dir` that another job holds (training/run_lock.py), is a file or cannot be
 written, a config error found once the model is built (including a `parallel.tp` the model's heads /
 MLP / vocabulary do not divide) or a checkpoint that cannot be resumed (one line
@@ -23,6 +23,7 @@ from megatron_vlm.parallel import destroy_distributed, init_distributed
 from megatron_vlm.parallel.mesh import LayoutError
 from megatron_vlm.parallel.tensor_parallel import TPError
 from megatron_vlm.rl.async_bridge import setup_roles
+from megatron_vlm.rl.rewards.failure_watch import RewardsAllFailedError
 from megatron_vlm.rl.rollout.policy_engine import CudaGraphsConfigError, PagedKVConfigError
 from megatron_vlm.rl.trainer import check_model_folder
 from megatron_vlm.testing.synthesize import synthesize_model_folder
@@ -97,7 +98,7 @@ def run_job(cfg, *, before_step=None) -> int:
         # backend that cannot run here: not installed, wrong device or dtype, parallel.backend = "mcore" layers)
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except NonFiniteStepError as e:
+    except (NonFiniteStepError, RewardsAllFailedError) as e:
         log.error("%s", e)
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -277,6 +277,10 @@ class RLConfig:
     """A verifier value beyond +-reward_abs_max is clipped to it and a non-finite one (NaN) becomes 0;
     both are counted (`reward/clipped`). Keeps one custom verifier's 1e30 or inf from swamping the
     advantages or overflowing the loss."""
+    reward_max_failed_steps: int = 5
+    """Steps in a row in which every reward call fails (raises or times out) before the run stops with exit
+    code 1 and one line naming this key and the last error: with every reward 0 the gradient is 0 and the run
+    would train on nothing (0 = never stop)."""
     rollout_memory_gib: float = 0.0
     """KV-cache budget of one rollout batch per rank, in GiB, used when rollout_batch_prompts = 0:
     prompts per rollout batch = floor(budget / (group_size x data.max_tokens_per_pack cache slots x KV
@@ -353,6 +357,8 @@ class RLConfig:
                              f"got {self.reward_memory_limit_mb}")
         if not self.reward_batch_timeout_s > 0 or self.reward_batch_timeout_s == float("inf"):
             raise ValueError(f"reward_batch_timeout_s: must be finite and > 0, got {self.reward_batch_timeout_s}")
+        if self.reward_max_failed_steps < 0:
+            raise ValueError(f"reward_max_failed_steps: must be >= 0 (0 = never stop), got {self.reward_max_failed_steps}")
         if not self.reward_abs_max > 0 or self.reward_abs_max == float("inf"):
             raise ValueError(f"reward_abs_max: must be finite and > 0, got {self.reward_abs_max}")
         if not self.rollout_memory_gib >= 0 or self.rollout_memory_gib == float("inf"):

@@ -40,6 +40,7 @@ from megatron_vlm.rl.batching import (
 from megatron_vlm.rl.data import PromptSample
 from megatron_vlm.rl.losses import kl_penalty, policy_loss, rollout_correction_mask
 from megatron_vlm.rl.metrics import PhaseTimer, length_metrics, reward_metrics
+from megatron_vlm.rl.rewards.failure_watch import RewardFailureWatch
 from megatron_vlm.rl.rollout.engine import RolloutEngine, RolloutPrompt, RolloutResult, RolloutSample, SamplingParams
 from megatron_vlm.training.step_guard import StepGuard
 
@@ -146,6 +147,7 @@ class GRPOStep:
         self.seed = ctx.cfg.train.seed
         self.acc_label = rl_cfg.accuracy_label()
         self.guard = StepGuard.from_config(ctx.cfg.train, self.device, what="GRPO update")
+        self.reward_watch = RewardFailureWatch(rl_cfg.reward_max_failed_steps)  # rewards that all fail stop the run
         # asynchronous GRPO with stale samples: the decoupled loss (proximal vs behaviour policy)
         self.decoupled = getattr(rl_cfg, "allocation", None) is not None and getattr(rl_cfg, "max_head_offpolicyness", 0) > 0
         self.share_prompts, why = self._prompt_sharing()
@@ -558,4 +560,5 @@ class GRPOStep:
         out["data/skipped_prompts"] = float(sum(p["skipped"] for p in parts))
         for k in parts[0]["reward_fail"]:
             out[k] = float(sum(p["reward_fail"][k] for p in parts))
+        self.reward_watch.update(out, step + 1, self.manager.last_error)  # summed over ranks: the same on every rank
         return out

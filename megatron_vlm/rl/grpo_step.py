@@ -147,7 +147,8 @@ class GRPOStep:
         self.seed = ctx.cfg.train.seed
         self.acc_label = rl_cfg.accuracy_label()
         self.guard = StepGuard.from_config(ctx.cfg.train, self.device, what="GRPO update")
-        self.reward_watch = RewardFailureWatch(rl_cfg.reward_max_failed_steps)  # rewards that all fail stop the run
+        # rewards that all fail stop the run (configs built in code without the key, e.g. test doubles: never)
+        self.reward_watch = RewardFailureWatch(getattr(rl_cfg, "reward_max_failed_steps", 0))
         # asynchronous GRPO with stale samples: the decoupled loss (proximal vs behaviour policy)
         self.decoupled = getattr(rl_cfg, "allocation", None) is not None and getattr(rl_cfg, "max_head_offpolicyness", 0) > 0
         self.share_prompts, why = self._prompt_sharing()
@@ -560,5 +561,5 @@ class GRPOStep:
         out["data/skipped_prompts"] = float(sum(p["skipped"] for p in parts))
         for k in parts[0]["reward_fail"]:
             out[k] = float(sum(p["reward_fail"][k] for p in parts))
-        self.reward_watch.update(out, step + 1, self.manager.last_error)  # summed over ranks: the same on every rank
+        self.reward_watch.update(out, step + 1, getattr(self.manager, "last_error", ""))  # summed over ranks: the same on every rank
         return out

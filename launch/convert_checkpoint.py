@@ -92,11 +92,11 @@ def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool) -> int
     import torch.distributed.checkpoint as dcp
 
     from megatron_vlm.checkpoint.export import export_hf_from_state_dict
-    from megatron_vlm.checkpoint.finite import check_finite
     from megatron_vlm.checkpoint.layout import read_layout
     from megatron_vlm.checkpoint.manager import MARKER
     from megatron_vlm.config.loader import ConfigError, from_dict
     from megatron_vlm.config.sections import LoRAConfig
+    from megatron_vlm.finite import check_finite
     from megatron_vlm.models import build_model
     from megatron_vlm.models.common.lora import merged_state_dict
     from megatron_vlm.training.lora import scaling_of, select_lora_targets, write_adapter

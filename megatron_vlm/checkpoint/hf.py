@@ -34,7 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from megatron_vlm.checkpoint.finite import check_finite
+from megatron_vlm.finite import check_finite
 from megatron_vlm.models.common.lora import lora_modules, merged_state_dict
 from megatron_vlm.models.registry import family_for_args, get_family
 

@@ -47,9 +47,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from megatron_vlm.checkpoint.finite import check_finite
 from megatron_vlm.checkpoint.hf import describe_error, fsync_dir, replace_dir
 from megatron_vlm.checkpoint.layout import write_layout
+from megatron_vlm.finite import check_finite
 
 log = logging.getLogger(__name__)
 

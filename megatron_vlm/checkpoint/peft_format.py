@@ -28,8 +28,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_vlm.checkpoint.finite import check_finite
 from megatron_vlm.checkpoint.hf import replace_dir, share_like_umask
+from megatron_vlm.finite import check_finite
 from megatron_vlm.models.common.state_dict_utils import rename_first
 from megatron_vlm.models.registry import get_family
 

@@ -10,8 +10,8 @@ import struct
 import pytest
 import torch
 
-from megatron_vlm.checkpoint.finite import NonFiniteError, nonfinite_tensors
 from megatron_vlm.checkpoint.hf import save_hf_model
+from megatron_vlm.finite import NonFiniteError, nonfinite_tensors
 from megatron_vlm.models import build_model
 from tests.fixtures import tiny_qwen2_5_vl as F
 from tests.unit.checkpoint.test_checkpoint_faults import _checkpointer, _ckdir, _save

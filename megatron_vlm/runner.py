@@ -1,10 +1,11 @@
 """Job runner behind launch/pretrain_vlm.py: process group, run folder, model folder, the job kind
-(`megatron_vlm.jobs`), teardown — and the exit codes: 0 done, 1 stopped by too many non-finite steps
+(`megatron_vlm.jobs`), teardown — and the exit codes: 0 done; 1 stopped by too many non-finite steps
 in a row, by reward calls that all failed for `rl.reward_max_failed_steps` steps, or by a failed
-checkpoint save / HF export (the previous checkpoint intact), 2 a missing model folder, a `train.output_dir` that another job holds (training/run_lock.py), is a file or cannot be
-written, a config error found once the model is built (including a `parallel.tp` the model's heads /
-MLP / vocabulary do not divide) or a checkpoint that cannot be resumed (one line
-on stderr), 143 stopped by SIGTERM / SIGUSR1 after a checkpoint, 130 Ctrl-C."""
+checkpoint save / HF export (the previous checkpoint intact); 2 a missing model folder, a
+`train.output_dir` that another job holds (training/run_lock.py), is a file or cannot be written, a
+config error found once the model is built (including a `parallel.tp` the model's heads / MLP /
+vocabulary do not divide) or a checkpoint that cannot be resumed (one line on stderr); 143 stopped by
+SIGTERM / SIGUSR1 after a checkpoint; 130 Ctrl-C."""
 from __future__ import annotations
 
 import logging

@@ -10,11 +10,13 @@ The lock is a `flock` on an open file: the kernel drops it when the process ends
 (kill -9 included), so a crashed job never leaves a stale lock; the pid and host in the file are only
 for the message. The descriptor is not inherited by child processes (reward workers, data workers), so a
 worker left behind cannot hold the folder. Where `flock` does not exist (not POSIX) the folder is not
-locked. A folder that is a file, or that cannot be created or written (read-only filesystem, permissions),
+locked, nor on a filesystem that refuses locks (a warning says so). A folder that is a file, or that cannot be created or written (read-only filesystem, permissions),
 is refused the same way.
 """
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import socket
 from pathlib import Path
@@ -28,6 +30,8 @@ except ImportError:  # not POSIX
     fcntl = None  # type: ignore[assignment]
 
 __all__ = ["RunDirLock", "claim_run_dir", "LOCK_FILE"]
+
+log = logging.getLogger("megatron_vlm")
 
 LOCK_FILE = ".lock"
 
@@ -66,7 +70,11 @@ def claim_run_dir(run_dir: Path, key: str = "train.output_dir") -> RunDirLock:
         return RunDirLock(run_dir, fd)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # no locks on this filesystem (ENOLCK, ...)
+            log.warning("%s: cannot lock %s (%s); the folder is not protected against a second job", key, run_dir,
+                        e.strerror or e)
+            return RunDirLock(run_dir, fd)
         try:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
         finally:

@@ -353,6 +353,10 @@ class RLRewardPoolConfig:
     """A verifier value beyond +-reward_pool.abs_max is clipped to it and a non-finite one (NaN) becomes 0;
     both are counted (`reward/clipped`). Keeps one custom verifier's 1e30 or inf from swamping the
     advantages or overflowing the loss."""
+    max_failed_steps: int = 5
+    """Steps in a row in which every reward call fails (raises or times out) before the run stops with exit
+    code 1 and one line naming this key and the last error: with every reward 0 the gradient is 0 and the run
+    would train on nothing (0 = never stop)."""
 
     def validate(self) -> None:
         _at_least_one(self, "workers")
@@ -365,6 +369,8 @@ class RLRewardPoolConfig:
             raise ValueError(f"batch_timeout_s: must be finite and > 0, got {self.batch_timeout_s}")
         if not self.abs_max > 0 or self.abs_max == float("inf"):
             raise ValueError(f"abs_max: must be finite and > 0, got {self.abs_max}")
+        if self.max_failed_steps < 0:
+            raise ValueError(f"max_failed_steps: must be >= 0 (0 = never stop), got {self.max_failed_steps}")
 
 
 @dataclass(kw_only=True)

@@ -21,6 +21,7 @@ from megatron_vlm.rl.metrics import PhaseTimer
 from megatron_vlm.rl.policy_update import PolicyUpdate
 from megatron_vlm.rl.prompts.dataset import PromptSample
 from megatron_vlm.rl.prompts.shard import PromptEncoding
+from megatron_vlm.rl.rewards.failure_watch import RewardFailureWatch
 from megatron_vlm.rl.rounds import RewardScorer, Round, RoundSampler
 from megatron_vlm.rl.step_metrics import StepCounts, step_metrics
 
@@ -44,6 +45,9 @@ class GRPOStep:
         self.rounds = RoundSampler(rl_cfg, engine, encoder, manager, shards=self.shards, seed=ctx.cfg.train.seed,
                                    eval_mode=lambda: bundle.wrapper.eval())
         self.engine = engine
+        # rewards that all fail for reward_pool.max_failed_steps steps stop the run (configs built in code: never)
+        pool = getattr(rl_cfg, "reward_pool", None)
+        self.reward_watch = RewardFailureWatch(getattr(pool, "max_failed_steps", 0), key="rl.reward_pool.max_failed_steps")
 
     def run(self, step: int, batch: Sequence[PromptSample],
             prompt_pool: Optional[Sequence[PromptSample]] = None) -> dict[str, float]:
@@ -87,6 +91,7 @@ class GRPOStep:
         out = step_metrics(r, self.shards, step, timer, rounds, upd, counts, reward_labels=self.manager.labels,
                            zero_adv_on=self.policy.skip_zero_adv)
         out.update(extra_metrics or {})
+        self.reward_watch.update(out, step + 1, getattr(self.manager, "last_error", ""))  # summed over ranks: same on every rank
         return out
 
     @property

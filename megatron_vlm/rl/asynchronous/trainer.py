@@ -204,6 +204,7 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         })
         for key in payloads[0]["reward_fail"]:
             metrics[key] = float(sum(p["reward_fail"][key] for p in payloads))
+        self.grpo.reward_watch.update(metrics, step + 1)  # the rollout ranks' calls: rewards that all fail stop the run
         self._last_end = end
         metrics["epoch"] = (step + 1) * self.rl.batch.prompts_per_step / len(self.train_set)
         return metrics if log else {}

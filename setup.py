@@ -150,6 +150,7 @@ setup(
     ],
     extras_require={
         "dev": ["pytest", "pytest-timeout", "triton>=3.2", "math-verify", "ruff", "peft", "megatron-core==0.16.1",
+                "trl==1.16.0",  # pure Python: the reference of the DPO / IPO / SimPO losses (tests/unit/training)
                 "liger-kernel==0.8.5",  # pure Python + Triton: its kernels run in the CPU tests through the interpreter
                 "setuptools", "wheel"],  # what mamba-ssm's setup.py imports for the README's --no-build-isolation install
         "gpu": ["flash-attn", "transformer-engine", "mamba-ssm", "causal-conv1d", "deep_ep", "liger-kernel"],

@@ -91,7 +91,7 @@ def run_dpo(ctx: RunContext, *, before_step=None) -> int:
     bundle = build_model_bundle(ctx)
     check_moe_section(cfg, bundle.model)
     loader, eval_loader = build_pair_loaders(ctx, bundle, bad_records)
-    reference = build_reference(ctx, bundle, dpo, eval_loader, bad_records)  # before resume: the initial weights
+    reference = build_reference(ctx, bundle, dpo, loader, eval_loader)  # before resume: the initial weights
     per_epoch = steps_per_epoch(loader, bundle.dims.dp_size, cfg.train.micro_batches_per_step)
     num_steps = total_steps(cfg.train, per_epoch)
     optim = build_optim_state(bundle.wrapper, cfg, ctx.device.type, num_steps)

@@ -173,17 +173,20 @@ def build_preference_dataloader(data_cfg: DataConfig, processor: Any, *, seed: i
     _, bad_records, _, lengths, dataset = prepared
     planner = PackPlanner(lengths, data_cfg.max_tokens_per_pack, seed=seed,
                           shuffle=data_cfg.shuffle and split == "train", name=f"data.{split}")
-    return SFTDataLoader(dataset, planner, dp_rank=dp_rank, dp_size=dp_size, num_workers=data_cfg.num_workers,
-                         prefetch_factor=data_cfg.prefetch_factor, bad_records=bad_records, split=split,
-                         timeout_s=data_cfg.loader_timeout_s)
+    loader = SFTDataLoader(dataset, planner, dp_rank=dp_rank, dp_size=dp_size, num_workers=data_cfg.num_workers,
+                           prefetch_factor=data_cfg.prefetch_factor, bad_records=bad_records, split=split,
+                           timeout_s=data_cfg.loader_timeout_s)
+    loader.prepared = prepared  # the pairs, their lengths and dataset: a pass over the same split reuses them
+    return loader
 
 
 def build_preference_pass_loader(data_cfg: DataConfig, processor: Any, *, split: str, dp_rank: int, dp_size: int,
-                                 bad_records: Optional[BadRecordLog] = None) -> Optional[EvalDataLoader]:
+                                 bad_records: Optional[BadRecordLog] = None, like=None) -> Optional[EvalDataLoader]:
     """One pass over `split`'s pairs in file order, rank r taking packs r, r + dp, ... (padded with empty
     packs to the same count on every rank); None when the split is not configured. `.num_pairs`: the
-    split's rows (the size of a table indexed by `pair_index`)."""
-    prepared = _prepare(data_cfg, processor, split, bad_records)
+    split's rows (the size of a table indexed by `pair_index`). `like`: a loader of the same split
+    (`build_preference_dataloader`) whose pairs and lengths are reused instead of computed again."""
+    prepared = like.prepared if like is not None else _prepare(data_cfg, processor, split, bad_records)
     if prepared is None:
         return None
     _, bad_records, pairs, lengths, dataset = prepared

@@ -45,7 +45,7 @@ def build_pair_loaders(ctx: RunContext, bundle: ModelBundle, bad_records: BadRec
     return train, evaluation
 
 
-def build_reference(ctx: RunContext, bundle: ModelBundle, dpo: DPOConfig, eval_loader, bad_records: BadRecordLog):
+def build_reference(ctx: RunContext, bundle: ModelBundle, dpo: DPOConfig, train_loader, eval_loader):
     """The reference of `[dpo] reference` (training/dpo/reference.py); None for a reference-free loss."""
     cfg, env = ctx.cfg, ctx.env
     if dpo.loss_type in REFERENCE_FREE:
@@ -54,7 +54,7 @@ def build_reference(ctx: RunContext, bundle: ModelBundle, dpo: DPOConfig, eval_l
     if dpo.reference == "precomputed":
         rank, size = _dp(ctx, bundle)
         loaders = {"train": build_preference_pass_loader(cfg.data, bundle.processor, split="train", dp_rank=rank,
-                                                         dp_size=size, bad_records=BadRecordLog())}
+                                                         dp_size=size, like=train_loader)}
         if eval_loader is not None:
             loaders["eval"] = eval_loader
         return PrecomputedReference.load_or_compute(ctx.run_dir, bundle.wrapper, loaders, device=env.device,

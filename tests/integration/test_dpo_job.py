@@ -84,3 +84,21 @@ def test_dpo_raises_held_out_preference_accuracy(tmp_path):
           f"{float(last['rewards/accuracies']):.3f}, margins {float(last['rewards/margins']):.3f}")
     assert after >= before + 0.15, (before, after)
     assert float(last["rewards/accuracies"]) > 0.6 and float(last["rewards/margins"]) > 0
+
+
+@pytest.mark.heavy
+@pytest.mark.distributed
+def test_two_ranks_equal_one_rank_with_two_micro_batches(tmp_path):
+    """The step's loss is the mean over every pair of the step on every rank: 2 ranks x 1 pack per step log
+    the metrics of 1 rank x 2 packs, and precompute the same reference table."""
+    common = {"train.max_steps": 2, "train.log_every": 1, "checkpoint.enable": "false", "checkpoint.export_hf": "false"}
+    two, one = tmp_path / "two", tmp_path / "one"
+    run_job(_overrides(two, tmp_path, **common), nproc=2, config=DPO_DEMO)
+    run_job(_overrides(one, tmp_path, **common, **{"train.micro_batches_per_step": 2}), config=DPO_DEMO)
+    a, b = _train(two), _train(one)
+    for step in (1, 2):
+        for key in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected", "grad_norm"):
+            assert float(a[step][key]) == pytest.approx(float(b[step][key]), rel=1e-5, abs=1e-6), (step, key)
+    ta = torch.load(two / "dpo_reference_logps.pt", weights_only=True)["tables"]
+    tb = torch.load(one / "dpo_reference_logps.pt", weights_only=True)["tables"]
+    assert all(torch.allclose(ta[s], tb[s], rtol=1e-6, atol=1e-4) for s in ("train", "eval"))

@@ -149,15 +149,19 @@ setup(
         "sympy",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "triton>=3.2", "math-verify", "ruff", "peft", "megatron-core==0.16.1",
+        "dev": ["pytest", "pytest-timeout", "triton>=3.2", "math-verify", "ruff", "mypy>=1.11", "peft", "megatron-core==0.16.1",
                 "trl==1.16.0",  # pure Python: the reference of the DPO / IPO / SimPO losses (tests/unit/training)
                 "liger-kernel==0.8.5",  # pure Python + Triton: its kernels run in the CPU tests through the interpreter
-                "setuptools", "wheel"],  # what mamba-ssm's setup.py imports for the README's --no-build-isolation install
+                "setuptools", "wheel",  # what mamba-ssm's setup.py imports for scripts/setup_dev.sh's --no-build-isolation install
+                "torchao==0.18.0"],  # the fp8 extra: its float8 training runs emulated in the CPU tests
         "gpu": ["flash-attn", "transformer-engine", "mamba-ssm", "causal-conv1d", "deep_ep", "liger-kernel"],
         "rollout": ["vllm"],
         "npu": ["torch_npu"],
         # megatron-core interop (megatron_vlm/models/mcore; tested with 0.16.1, the last line for Python 3.11)
         "mcore": ["megatron-core>=0.16.1"],
         "wandb": ["wandb"],
+        # train.precision = "fp8": torchao's float8 linear layers (pure Python over torch._scaled_mm; 0.18.0 loads
+        # its compiled extras only with torch >= 2.11 and works without them)
+        "fp8": ["torchao==0.18.0"],
     },
 )

@@ -60,6 +60,10 @@ if want decode32; then  # the target's 32 sequences (4 prompts x G 8), split-K d
   step decode32 70 $PY benchmarks/e2e/profile_decode.py --prompts 4 --group 8 --short 8 --steps 48 --rounds 2 \
     --variants triton:on --profile --json "$R/decode32.json"
 fi
+if want fp8; then  # train.precision = "fp8" (torchao float8 linears): step at a 7B-width slice, loss curve vs bf16
+  step fp8_step 120 $PY benchmarks/e2e/bench_fp8.py --rounds 2 --steps 2 --warmup 2 --json "$R/fp8_step.json"
+  step fp8_loss 70 $PY benchmarks/e2e/fp8_loss_curve.py --steps 200 --variants bf16,tensorwise --json "$R/fp8_loss.json"
+fi
 if want decode_attn; then
   step decode_attention_bench 40 $PY benchmarks/kernels/bench_decode_attention.py --json "$R/decode_attention.json"
 fi
@@ -75,7 +79,8 @@ if want segv; then
   T1='tests/unit/csrc/test_csrc_attention.py::test_other_cases_run_sdpa_bitwise'
   T2='tests/unit/csrc/test_csrc_layer_ops.py::test_decode_attention_rejects_out_of_range_blocks_before_reading'
   step ext_build 60 env -u MEGATRON_VLM_NO_EXT MEGATRON_VLM_REQUIRE_EXT=1 $PY setup.py build_ext --inplace
-  step segv_pytest 40 env -u MEGATRON_VLM_NO_EXT MEGATRON_VLM_SEGV_BACKTRACE=1 $PY -m pytest -x -q -p no:randomly -p no:cacheprovider "$T1" "$T2"
+  step segv_pytest 40 env -u MEGATRON_VLM_NO_EXT MEGATRON_VLM_SEGV_BACKTRACE=1 $PY -m pytest -x -q -p no:randomly -p no:cacheprovider "$T1" "$T2" \
+    tests/unit/csrc/test_csrc_error_messages.py
   grep -q "exit 0 after" <(grep segv_pytest "$R/steps.txt") && SEGV_DONE=1 || SEGV_DONE=0
   [ "$SEGV_DONE" = 1 ] || step segv_no_plugins 40 env -u MEGATRON_VLM_NO_EXT PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $PY -m pytest -x -q -p no:cacheprovider "$T1" "$T2"
   [ "$SEGV_DONE" = 1 ] || step segv_gdb 60 env -u MEGATRON_VLM_NO_EXT cuda-gdb -batch -ex run -ex bt -ex 'info sharedlibrary' \

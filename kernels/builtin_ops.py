@@ -112,9 +112,9 @@ def register_builtin_ops(registry) -> None:
 
     # auto devices: where it was measured faster than the reference (CPU gating is not: it calls torch's
     # own softmax / sigmoid for bitwise-equal scores and loses on the top-k; docs/extension.md)
-    register_backend("moe_permute", "csrc", "megatron_vlm._ext:moe_permute", registry=registry, check=csrc_check,
+    register_backend("moe_permute", "csrc", f"{_PKG}.csrc.moe:moe_permute", registry=registry, check=csrc_check,
                      auto_devices=("cpu", "cuda"), priority=5)
-    register_backend("moe_topk_gating", "csrc", "megatron_vlm._ext:moe_topk_gating", registry=registry,
+    register_backend("moe_topk_gating", "csrc", f"{_PKG}.csrc.moe:moe_topk_gating", registry=registry,
                      check=csrc_check, auto_devices=("cuda",), priority=5)
     # fused fp32 CPU kernels of the per-token layer ops (csrc/cpu_layer_ops.cpp, kernels/csrc/layer_ops.py): auto
     # on the CPU, where the references are chains of elementwise calls (benchmarks/kernels/bench_csrc_layer_ops.py)

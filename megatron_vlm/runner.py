@@ -15,17 +15,12 @@ import torch.distributed as dist
 
 from megatron_vlm.config import ConfigError, save_config
 from megatron_vlm.jobs import run_kind
-from megatron_vlm.kernels import BackendUnavailableError
-from megatron_vlm.models.mcore.layer import McoreBackendError
 from megatron_vlm.parallel import destroy_distributed, init_distributed
-from megatron_vlm.parallel.mesh import LayoutError
-from megatron_vlm.parallel.tensor_parallel import TPError
 from megatron_vlm.rl.async_bridge import setup_roles
 from megatron_vlm.rl.rollout.policy_engine import CudaGraphsConfigError, PagedKVConfigError
 from megatron_vlm.rl.trainer import check_model_folder
 from megatron_vlm.testing.synthesize import synthesize_model_folder
 from megatron_vlm.training.context import RunContext
-from megatron_vlm.training.lora import LoRASetupError
 from megatron_vlm.training.step_guard import NonFiniteStepError
 
 __all__ = ["exit_process", "run_job"]
@@ -78,10 +73,10 @@ def run_job(cfg, *, before_step=None) -> int:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         return code
-    except (ConfigError, LoRASetupError, TPError, LayoutError, BackendUnavailableError, McoreBackendError,
-            CudaGraphsConfigError, PagedKVConfigError) as e:
-        # found once the model is built or first runs ([moe] keys, [lora], parallel sizes, a forced [kernels]
-        # backend that cannot run here: not installed, wrong device or dtype, parallel.backend = "mcore" layers)
+    except (ConfigError, CudaGraphsConfigError, PagedKVConfigError) as e:
+        # found once the model is built or first runs ([moe] keys, [lora] (LoRASetupError), parallel sizes
+        # (TPError, LayoutError), a forced [kernels] backend that cannot run here (BackendUnavailableError),
+        # parallel.backend = "mcore" layers (McoreBackendError): all ConfigError subclasses)
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except NonFiniteStepError as e:

@@ -70,7 +70,10 @@ def decode_bytes(model, cfg: dict, n_seqs: int, cached_tokens_per_seq: float, dt
     weights = (weights + head.numel()) * dtype_bytes
     hit = 1.0
     if experts:  # a step reads only the experts some token chose: expected share for uniform routing
-        e, k = text["num_experts"], text["num_experts_per_tok"]
+        from megatron_vlm.models.common.moe import moe_layers
+
+        block = moe_layers(model)[0]
+        e, k = block.num_experts, block.top_k
         hit = 1.0 - (1.0 - k / e) ** n_seqs
         weights += hit * sum(params[n].numel() for n in experts) * dtype_bytes
     head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]

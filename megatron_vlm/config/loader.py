@@ -90,7 +90,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"{path}: must be one of {', '.join(repr(a) for a in args)}, got {value!r}{hint}")
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a table ([{path}]), got {_describe(value)}")
         return from_dict(tp, value, path)

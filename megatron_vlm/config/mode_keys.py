@@ -36,9 +36,15 @@ remember which keys the file spelled out; setting a default value explicitly is 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, Any
 
 from megatron_vlm.config.loader import ConfigError
 from megatron_vlm.training.dpo.config import check_dpo_keys
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from megatron_vlm.config import Config
 
 __all__ = ["check_keys_for_mode", "check_moe_section", "changed_keys"]
 
@@ -64,7 +70,7 @@ _EVAL_DATA_IGNORED = ("type", "train_path", "eval_path", "image_root", "columns"
 _EVAL_IGNORED_SECTIONS = ("optimizer", "scheduler", "checkpoint", "moe")
 
 
-def _check_eval_keys(cfg) -> None:
+def _check_eval_keys(cfg: Config) -> None:
     why = "an evaluation job (train.mode = \"eval\") trains nothing"
     for key in changed_keys(cfg.train):
         if key not in _EVAL_TRAIN_KEYS:
@@ -90,14 +96,14 @@ def _check_eval_keys(cfg) -> None:
                           "(or a merged export as model.path)")
 
 
-def changed_keys(section) -> list[str]:
+def changed_keys(section: Any) -> list[str]:
     """Fields of a dataclass section whose value differs from the field's default."""
     out = []
     for f in dataclasses.fields(section):
         if f.default is not dataclasses.MISSING:
             default = f.default
-        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            default = f.default_factory()  # type: ignore[misc]
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
         else:
             continue
         if getattr(section, f.name) != default:
@@ -105,7 +111,7 @@ def changed_keys(section) -> list[str]:
     return out
 
 
-def _check_pipeline_keys(cfg) -> None:
+def _check_pipeline_keys(cfg: Config) -> None:
     """parallel.pp > 1 runs SFT training steps only (parallel/pipeline.py): what it cannot run is refused."""
     pp = cfg.parallel.pp
     if pp <= 1:
@@ -125,7 +131,7 @@ def _check_pipeline_keys(cfg) -> None:
                           f"(pp = {pp}) is not supported; set moe.aux_loss_coef = 0 (auxiliary-free balancing works)")
 
 
-def check_keys_for_mode(cfg) -> None:
+def check_keys_for_mode(cfg: Config) -> None:
     """Raise ConfigError naming the first key that this job kind would ignore."""
     if cfg.train.mode == "eval":
         _check_eval_keys(cfg)
@@ -170,7 +176,7 @@ def check_keys_for_mode(cfg) -> None:
 _DPO_COLUMNS = {"prompt", "chosen", "rejected", "image", "images", "system"}
 
 
-def _check_dpo_mode(cfg) -> None:
+def _check_dpo_mode(cfg: Config) -> None:
     """The keys a DPO run ignores, and the DPO keys another mode ignores (module docstring)."""
     dpo_mode = cfg.train.mode == "dpo"
     columns = set(cfg.data.columns) if cfg.data.type == "hf" else set()
@@ -201,7 +207,7 @@ def _check_dpo_mode(cfg) -> None:
         check_dpo_keys(cfg.dpo)
 
 
-def check_moe_section(cfg, model) -> None:
+def check_moe_section(cfg: Config, model: nn.Module) -> None:
     """Raise ConfigError when `[moe]` sets anything and `model` has no MoE layers."""
     from megatron_vlm.models.common.moe import moe_layers
 

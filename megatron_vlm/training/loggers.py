@@ -12,7 +12,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import IO, Optional
 
 log = logging.getLogger("megatron_vlm")
 
@@ -21,8 +21,8 @@ class _CsvSink:
     def __init__(self, path: Path):
         self.path = path
         self.fields: Optional[list[str]] = None
-        self._fh = None
-        self._w = None
+        self._fh: Optional[IO[str]] = None
+        self._w: Optional[csv.DictWriter] = None
 
     def write(self, row: dict) -> None:
         if self.fields is None:
@@ -40,6 +40,7 @@ class _CsvSink:
         out = dict(row)
         if "extra" in self.fields:
             out["extra"] = json.dumps(extra) if extra else ""
+        assert self._w is not None and self._fh is not None  # opened with the header above
         self._w.writerow(out)
         self._fh.flush()
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import resource
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -58,7 +58,7 @@ def build_train_loader(ctx: RunContext, bundle: ModelBundle, bad_records: BadRec
                                 dp_size=bundle.dims.dp_size, split="train", bad_records=bad_records)
 
 
-def steps_per_epoch(loader, dp_size: int, micro_batches_per_step: int) -> float:
+def steps_per_epoch(loader: Any, dp_size: int, micro_batches_per_step: int) -> float:
     """Optimizer steps per pass over the train split (for `train.epochs`)."""
     return loader.packs_per_epoch / (dp_size * micro_batches_per_step)
 
@@ -89,7 +89,7 @@ class SFTStep:
         self.total_steps = total_steps
         self.bad_records = bad_records
         self._evaluate = evaluate
-        self._it = None
+        self._it: Optional[Iterator[dict]] = None
         self.n_params = sum(p.numel() for p in bundle.model.parameters())
         self.guard = StepGuard.from_config(ctx.cfg.train, ctx.env.device)
         self.empty_steps_skipped = 0
@@ -105,7 +105,7 @@ class SFTStep:
     def evaluate(self, step: int) -> Optional[dict]:
         return self._evaluate(step) if self._evaluate is not None else None
 
-    def train_step(self, step: int, *, log: bool) -> dict[str, float]:
+    def train_step(self, step: int, *, log: bool) -> dict[str, Any]:
         if self._it is None:
             self._it = iter(self.loader)
         cfg, env, b = self.ctx.cfg.train, self.ctx.env, self.bundle

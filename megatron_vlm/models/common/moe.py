@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -183,22 +183,15 @@ class MoE(nn.Module):
         moe_intermediate_size: int,
         activation: str,
         gated_experts: bool,
-        score_func: str = "sigmoid",
-        n_group: int = 1,
-        topk_group: int = 1,
-        norm_topk_prob: bool = True,
-        routed_scaling_factor: float = 1.0,
-        score_correction_bias: bool = True,
         shared_experts: Optional[nn.Module] = None,
         latent_size: Optional[int] = None,
         latent_bias: bool = False,
+        **router_options: Any,
     ) -> None:
+        """`router_options`: the `TopKRouter`'s keyword options (score_func, n_group, topk_group, norm_topk_prob,
+        routed_scaling_factor, score_correction_bias), its defaults where not given."""
         super().__init__()
-        self.gate = TopKRouter(
-            hidden_size, num_experts, top_k, score_func=score_func, n_group=n_group, topk_group=topk_group,
-            norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
-            score_correction_bias=score_correction_bias,
-        )
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, **router_options)
         expert_dim = latent_size if latent_size is not None else hidden_size
         self.experts = GroupedExperts(num_experts, expert_dim, moe_intermediate_size, activation=activation, gated=gated_experts)
         self.shared_experts = shared_experts

@@ -203,8 +203,9 @@ def _check_dpo_mode(cfg: Config) -> None:
                               f"{sorted(_DPO_COLUMNS)} (chosen and rejected required)")
         if not {"chosen", "rejected"} <= columns:
             raise ConfigError(f"data.columns: train.mode = \"dpo\" needs both 'chosen' and 'rejected', got {sorted(columns)}")
-    if getattr(cfg, "dpo", None) is not None:
-        check_dpo_keys(cfg.dpo)
+    dpo = getattr(cfg, "dpo", None)
+    if dpo is not None:
+        check_dpo_keys(dpo)
 
 
 def check_moe_section(cfg: Config, model: nn.Module) -> None:

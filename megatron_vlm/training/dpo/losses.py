@@ -36,11 +36,17 @@ def _tokens(n: Tensor) -> Tensor:
     return n.to(torch.float32).clamp(min=1.0)
 
 
+def _ref(t: Optional[Tensor]) -> Tensor:
+    if t is None:
+        raise ValueError("this preference loss needs the reference log-probs (got None)")
+    return t
+
+
 def sigmoid_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Optional[Tensor],
                  ref_rejected_logps: Optional[Tensor], chosen_tokens: Tensor, rejected_tokens: Tensor, *,  # noqa: ARG001
                  beta: float, simpo_gamma: float = 0.0) -> Tensor:  # noqa: ARG001
     """DPO: -log sigmoid(beta * ((log pi_c - log ref_c) - (log pi_r - log ref_r)))."""
-    delta = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)
+    delta = (chosen_logps - _ref(ref_chosen_logps)) - (rejected_logps - _ref(ref_rejected_logps))
     return -F.logsigmoid(beta * delta)
 
 
@@ -48,8 +54,8 @@ def ipo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Opt
              ref_rejected_logps: Optional[Tensor], chosen_tokens: Tensor, rejected_tokens: Tensor, *,
              beta: float, simpo_gamma: float = 0.0) -> Tensor:  # noqa: ARG001
     """IPO: the per-token log-ratio difference regressed onto 1 / (2 beta)."""
-    chosen = (chosen_logps - ref_chosen_logps) / _tokens(chosen_tokens)
-    rejected = (rejected_logps - ref_rejected_logps) / _tokens(rejected_tokens)
+    chosen = (chosen_logps - _ref(ref_chosen_logps)) / _tokens(chosen_tokens)
+    rejected = (rejected_logps - _ref(ref_rejected_logps)) / _tokens(rejected_tokens)
     return (chosen - rejected - 1.0 / (2.0 * beta)) ** 2
 
 
@@ -75,4 +81,4 @@ def implicit_rewards(name: str, chosen_logps: Tensor, rejected_logps: Tensor, re
     with torch.no_grad():
         if name in REFERENCE_FREE:
             return beta * chosen_logps / _tokens(chosen_tokens), beta * rejected_logps / _tokens(rejected_tokens)
-        return beta * (chosen_logps - ref_chosen_logps), beta * (rejected_logps - ref_rejected_logps)
+        return beta * (chosen_logps - _ref(ref_chosen_logps)), beta * (rejected_logps - _ref(ref_rejected_logps))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -75,7 +75,7 @@ class DPOStep:
                  reference, bad_records: Optional[BadRecordLog] = None, evaluate=None):
         self.ctx, self.bundle, self.optim, self.metrics, self.loader = ctx, bundle, optim, metrics, loader
         self.dpo, self.reference, self.bad_records, self._evaluate = dpo, reference, bad_records, evaluate
-        self._it = None
+        self._it: Optional[Iterator[dict]] = None
         self.guard = StepGuard.from_config(ctx.cfg.train, ctx.env.device)
         self.empty_steps_skipped = 0
 
@@ -92,8 +92,10 @@ class DPOStep:
         cfg, env = self.ctx.cfg.train, self.ctx.env
         copies = getattr(self.bundle.dims, "data_copies", 1)
         fetched = 0
+        it = self._it
+        assert it is not None  # train_step made it
         while True:
-            micro = [next(self._it) for _ in range(cfg.micro_batches_per_step)]
+            micro = [next(it) for _ in range(cfg.micro_batches_per_step)]
             fetched += len(micro)
             local = [sum(int(m["num_pairs"]) for m in micro), sum(int(m["input_ids"].numel()) for m in micro)]
             g_pairs, g_tokens = (v / copies for v in all_reduce_sum(local, env.device))

@@ -6,7 +6,8 @@
     python launch/pretrain_vlm.py --config x.toml --check --world-size 8 --device-memory-gib 80
                                                               # will it start and fit? (no weights)
 
-`[train] mode` picks the job ("sft", "grpo", or "eval": benchmark evaluation, see launch/evaluate.py). Config errors exit with code 2 and one line;
+`[train] mode` picks the job ("sft", "grpo", "dpo": preference optimisation, see docs/dpo.md, or "eval":
+benchmark evaluation, see launch/evaluate.py). Config errors exit with code 2 and one line;
 SIGTERM (SLURM preemption) saves a checkpoint and exits with 143; process groups are torn down on
 success, error and Ctrl-C.
 """
@@ -27,7 +28,7 @@ from megatron_vlm.config.mode_keys import check_keys_for_mode  # noqa: E402
 from megatron_vlm.runner import exit_process, run_job  # noqa: E402
 
 
-def parse_args(argv=None, description: str = "Train or evaluate a vision-language model (SFT, GRPO or eval)."):
+def parse_args(argv=None, description: str = "Train or evaluate a vision-language model (SFT, GRPO, DPO or eval)."):
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--config", required=True, help="TOML config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",

@@ -1,5 +1,5 @@
 """The job kinds assembled from their parts and run by the one training loop:
-`run_sft(ctx)` and `run_grpo(ctx)` -> exit code (0 finished, 143 stopped by a signal); `run_stages`
+`run_sft(ctx)`, `run_grpo(ctx)` and `run_dpo(ctx)` (training/dpo/) -> exit code (0 finished, 143 stopped by a signal); `run_stages`
 chains SFT runs (`[[stages]]`, training/stages.py); `run_eval(ctx)` evaluates a model folder on
 benchmark files without training (`[train] mode = "eval"`, eval/benchmark_eval.py).
 
@@ -15,6 +15,9 @@ its held-out evaluation from here. Set-up order, per kind (the same on every ran
   checkpointer + resume, metrics logger, evaluator, loop; the reward workers are closed however the
   run ends.
 - both: `[moe]` keys on a model without MoE layers are refused (config error, exit 2);
+- DPO: data (synthetic set, bad-record log), model bundle, pair loaders, reference (before the resume: a
+  precomputed reference is scored from the initial weights), run length, optimizer + schedule, checkpointer +
+  resume, metrics logger, held-out preference evaluation (also at step 0 of a fresh run), loop;
 - stages: for each stage its own config (`stage_overrides`) and run folder, run as an SFT job; a
   stage whose Hugging Face export is complete is skipped (the command can be run again after a stop);
 - eval: model bundle, the rollout engine of the answer accuracy, each benchmark in turn, the result
@@ -45,6 +48,8 @@ from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.trainer import GRPOLoopStep, build_grpo_parts, check_grpo_config, grpo_total_steps
 from megatron_vlm.training.checkpointing import Checkpointer
 from megatron_vlm.training.context import RunContext
+from megatron_vlm.training.dpo.build import build_pair_loaders, build_reference, dpo_section
+from megatron_vlm.training.dpo.step import DPOEvaluator, DPOStep
 from megatron_vlm.training.loggers import build_metrics_logger
 from megatron_vlm.training.loop import run_loop
 from megatron_vlm.training.lora import LoRASetupError
@@ -53,7 +58,7 @@ from megatron_vlm.training.optim import build_optim_state, total_steps
 from megatron_vlm.training.sft import SFTStep, build_train_loader, prepare_sft_data, steps_per_epoch
 from megatron_vlm.training.stages import stage_overrides
 
-__all__ = ["run_sft", "run_grpo", "run_stages", "run_eval", "run_kind"]
+__all__ = ["run_sft", "run_grpo", "run_dpo", "run_stages", "run_eval", "run_kind"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -76,6 +81,30 @@ def run_sft(ctx: RunContext, *, before_step=None) -> int:
                    evaluate=evaluate)
     code = run_loop(ctx, step, total_steps=num_steps, checkpointer=checkpointer, metrics=metrics,
                     log_every=cfg.train.log_every, eval_every=cfg.train.eval_every, resume=resume, before_step=before_step)
+    metrics.close()
+    return code
+
+
+def run_dpo(ctx: RunContext, *, before_step=None) -> int:
+    cfg = ctx.cfg
+    dpo = dpo_section(cfg)
+    bad_records = prepare_sft_data(ctx)
+    bundle = build_model_bundle(ctx)
+    check_moe_section(cfg, bundle.model)
+    loader, eval_loader = build_pair_loaders(ctx, bundle, bad_records)
+    reference = build_reference(ctx, bundle, dpo, loader, eval_loader)  # before resume: the initial weights
+    per_epoch = steps_per_epoch(loader, bundle.dims.dp_size, cfg.train.micro_batches_per_step)
+    num_steps = total_steps(cfg.train, per_epoch)
+    optim = build_optim_state(bundle.wrapper, cfg, ctx.device.type, num_steps)
+    checkpointer = Checkpointer(ctx, bundle.wrapper, optim)
+    resume = checkpointer.resume()
+    metrics = build_metrics_logger(ctx, num_steps, to_dict(ctx.cfg))
+    evaluate = DPOEvaluator(ctx, bundle, dpo, reference, eval_loader, max_batches=cfg.train.eval_max_batches)
+    step = DPOStep(ctx, bundle, optim, metrics, loader, dpo=dpo, reference=reference, bad_records=bad_records,
+                   evaluate=evaluate)
+    code = run_loop(ctx, step, total_steps=num_steps, checkpointer=checkpointer, metrics=metrics,
+                    log_every=cfg.train.log_every, eval_every=cfg.train.eval_every, eval_at_start=eval_loader is not None,
+                    resume=resume, before_step=before_step)
     metrics.close()
     return code
 
@@ -202,11 +231,13 @@ def run_eval(ctx: RunContext) -> int:
 
 
 def run_kind(ctx: RunContext, *, before_step=None) -> int:
-    """Run the job kind `train.mode` names ("sft", "grpo" or "eval"; SFT with `[[stages]]` chains
+    """Run the job kind `train.mode` names ("sft", "grpo", "dpo" or "eval"; SFT with `[[stages]]` chains
     them). `before_step(n)`: the loop's test hook (called before step n; None in production)."""
     mode = ctx.cfg.train.mode
     if mode == "eval":
         return run_eval(ctx)
     if mode == "sft" and ctx.cfg.stages:
         return run_stages(ctx, before_step=before_step)
+    if mode == "dpo":
+        return run_dpo(ctx, before_step=before_step)
     return (run_grpo if mode == "grpo" else run_sft)(ctx, before_step=before_step)

@@ -29,6 +29,7 @@ from megatron_vlm.config.sections import (
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.kernels.config import KernelsConfig
 from megatron_vlm.rl.config import RLConfig
+from megatron_vlm.training.dpo.config import DPOConfig
 from megatron_vlm.training.moe_balancing import MoEConfig
 from megatron_vlm.training.stages import StageConfig
 
@@ -59,6 +60,8 @@ class Config:
     """Mixture-of-experts load balancing and workload reports (models with MoE layers only)."""
     rl: Optional[RLConfig] = None
     """GRPO settings (required when train.mode = "grpo")."""
+    dpo: Optional[DPOConfig] = None
+    """Preference optimisation (read when train.mode = "dpo"; absent = its defaults)."""
     lora: Optional[LoRAConfig] = None
     """LoRA adapters (present = only the adapters train; the base weights stay frozen)."""
     eval: Optional[EvalConfig] = None

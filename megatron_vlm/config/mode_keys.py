@@ -24,7 +24,11 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
   `parallel.cp` works in SFT and GRPO alike (GRPO: the ranks of a cp group generate the same samples,
   unsharded, and split the tokens of the packed training forwards);
 - `[moe]` keys other than their defaults on a model without MoE layers (`check_moe_section`, once
-  the model — or its meta-device twin in `--check` — is built).
+  the model — or its meta-device twin in `--check` — is built);
+- DPO (`train.mode = "dpo"`): a `[dpo]` section in another mode, `[[stages]]`, `train.eval_generate`
+  (DPO evaluates preference metrics, it does not generate), `parallel.cp` > 1, the `[dpo]` keys the chosen
+  loss variant ignores (`training/dpo/config.py`) and `data.columns` without both "chosen" and "rejected"
+  (or with "messages", "answer", "video"); the "chosen" / "rejected" columns in another mode.
 
 A key counts as set when its value differs from the field's default (the loaded config does not
 remember which keys the file spelled out; setting a default value explicitly is harmless).
@@ -35,6 +39,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from megatron_vlm.config.loader import ConfigError
+from megatron_vlm.training.dpo.config import check_dpo_keys
 
 if TYPE_CHECKING:
     from torch import nn
@@ -143,6 +148,7 @@ def check_keys_for_mode(cfg: Config) -> None:
         if cfg.train.mode == "grpo" and cfg.rl is not None and cfg.rl.allocation is not None:
             raise ConfigError("rl.allocation: asynchronous GRPO pushes the trainer's parameters by name and does not "
                               "support parallel.backend = 'mcore' yet; remove rl.allocation or use backend = 'native'")
+    _check_dpo_mode(cfg)
     if cfg.train.mode == "grpo":
         if getattr(cfg, "lora", None) is not None and cfg.rl is not None and cfg.rl.update.ref_offload:
             raise ConfigError("rl.update.ref_offload: has no effect with [lora] (the reference is the policy without its "
@@ -165,6 +171,41 @@ def check_keys_for_mode(cfg: Config) -> None:
         for key in ("eval_every", "eval_max_batches"):
             if getattr(cfg.train, key):
                 raise ConfigError(f"train.{key}: there is no held-out split to evaluate (data.eval_path is empty)")
+
+
+_DPO_COLUMNS = {"prompt", "chosen", "rejected", "image", "images", "system"}
+
+
+def _check_dpo_mode(cfg: Config) -> None:
+    """The keys a DPO run ignores, and the DPO keys another mode ignores (module docstring)."""
+    dpo_mode = cfg.train.mode == "dpo"
+    columns = set(cfg.data.columns) if cfg.data.type == "hf" else set()
+    if not dpo_mode:
+        if getattr(cfg, "dpo", None) is not None:
+            raise ConfigError(f"dpo: the [dpo] section is only read when train.mode = \"dpo\", not {cfg.train.mode!r}; "
+                              "remove it or set train.mode")
+        if columns & {"chosen", "rejected"}:
+            key = sorted(columns & {"chosen", "rejected"})[0]
+            raise ConfigError(f"data.columns.{key}: preference columns are only read when train.mode = \"dpo\"")
+        return
+    if cfg.stages:
+        raise ConfigError("stages: [[stages]] chain SFT runs; train.mode = \"dpo\" runs one stage")
+    if not cfg.train.eval_generate:
+        raise ConfigError("train.eval_generate: has no effect when train.mode = \"dpo\" (DPO evaluates preference "
+                          "metrics on the held-out pairs, it does not generate); remove it")
+    if cfg.parallel.cp > 1:
+        raise ConfigError(f"parallel.cp: context parallelism (cp = {cfg.parallel.cp}) is not supported with "
+                          "train.mode = \"dpo\" yet; use parallel.cp = 1")
+    if cfg.data.type == "hf":
+        extra = sorted(columns - _DPO_COLUMNS)
+        if extra:
+            raise ConfigError(f"data.columns.{extra[0]}: not a preference column; train.mode = \"dpo\" reads "
+                              f"{sorted(_DPO_COLUMNS)} (chosen and rejected required)")
+        if not {"chosen", "rejected"} <= columns:
+            raise ConfigError(f"data.columns: train.mode = \"dpo\" needs both 'chosen' and 'rejected', got {sorted(columns)}")
+    dpo = getattr(cfg, "dpo", None)
+    if dpo is not None:
+        check_dpo_keys(dpo)
 
 
 def check_moe_section(cfg: Config, model: nn.Module) -> None:

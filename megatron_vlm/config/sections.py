@@ -30,9 +30,10 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    mode: Literal["sft", "grpo", "eval"] = "sft"
-    """Which job runs: supervised fine-tuning, GRPO reinforcement learning ([rl] section) or
-    benchmark evaluation without training ([eval] section; `launch/evaluate.py`)."""
+    mode: Literal["sft", "grpo", "dpo", "eval"] = "sft"
+    """Which job runs: supervised fine-tuning, GRPO reinforcement learning ([rl] section), preference
+    optimisation on chosen / rejected pairs ([dpo] section; docs/dpo.md) or benchmark evaluation without
+    training ([eval] section; `launch/evaluate.py`)."""
     output_dir: str = "runs/default"
     """Run folder: config.toml, checkpoints/, metrics CSVs, tensorboard/, exports."""
     seed: int = 0

@@ -36,7 +36,9 @@ class DataConfig:
     columns: dict[str, str] = field(default_factory=dict)
     """hf only: our field -> dataset column. Either {"messages": col} (+ optional "images": col whose
     list fills the messages' image entries in order), or {"prompt": col, "answer": col} with optional
-    "image" / "images", "video", "system" columns (a one-turn conversation is built from them)."""
+    "image" / "images", "video", "system" columns (a one-turn conversation is built from them); for
+    train.mode = "dpo" {"chosen": col, "rejected": col} with optional "prompt", "image" / "images" and
+    "system" (TRL's preference layouts, data/preference_records.py)."""
     min_pixels: Optional[int] = None
     """Smallest resized image area in pixels; unset = the model folder's preprocessor config."""
     max_pixels: Optional[int] = None
@@ -99,9 +101,10 @@ class DataConfig:
             raise ValueError("columns: required when type = 'hf' (e.g. {messages = \"conversations\"})")
         if self.type == "hf":
             keys = set(self.columns)
-            if "messages" not in keys and not {"prompt", "answer"} <= keys:
-                raise ValueError(f"columns: needs 'messages' or both 'prompt' and 'answer', got {sorted(keys)}")
-            allowed = {"messages", "images", "image", "video", "prompt", "answer", "system"}
+            if "messages" not in keys and not {"prompt", "answer"} <= keys and not {"chosen", "rejected"} <= keys:
+                raise ValueError(f"columns: needs 'messages', both 'prompt' and 'answer', or (train.mode = \"dpo\") both "
+                                 f"'chosen' and 'rejected', got {sorted(keys)}")
+            allowed = {"messages", "images", "image", "video", "prompt", "answer", "system", "chosen", "rejected"}
             unknown = sorted(keys - allowed)
             if unknown:
                 raise ValueError(f"columns: unknown key {unknown[0]!r}; allowed: {sorted(allowed)}")

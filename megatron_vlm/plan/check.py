@@ -194,6 +194,17 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
             pool = (f"{rl.rollout.kv_cache_blocks} blocks (rl.rollout.kv_cache_blocks)" if rl.rollout.kv_cache_blocks else
                     "derived: room for every slot at full length")
             lines.append(f"kv cache   paged, {rl.rollout.kv_block_size} positions per block, pool {pool}")
+    reference_bytes = 0
+    if cfg.train.mode == "dpo":  # training/dpo/reference.py: only the full-model on-the-fly reference holds a copy
+        dpo = cfg.dpo if getattr(cfg, "dpo", None) is not None else None
+        loss, ref_kind = (dpo.loss_type, dpo.reference) if dpo is not None else ("sigmoid", "on_the_fly")
+        copy = loss != "simpo" and ref_kind == "on_the_fly" and not adapters
+        reference_bytes = (shape.params - adapters) * compute if copy else 0
+        what = ("none (reference-free)" if loss == "simpo" else
+                f"a frozen unsharded copy of the model, {gib(reference_bytes)} per rank" if copy else
+                "the policy with its adapters off" if ref_kind == "on_the_fly" else
+                "precomputed once before the first step (no copy held)")
+        lines.append(f"dpo        loss {loss}, reference {ref_kind}: {what}")
     mem = estimate_memory(shape, fsdp=shard * cfg.parallel.cp, master_bytes=master, compute_bytes=compute, tokens=tokens,
                           activation_checkpointing=cfg.train.activation_checkpointing,
                           rollout_prompts=rollout_prompts, group_size=group, tp=tp,
@@ -204,9 +215,10 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         f"  gathered block {gib(mem.gathered):>12}   activations {gib(mem.activations)} (checkpointing on "
         f"{gib(mem.activations_ckpt)}, off {gib(mem.activations_no_ckpt)})",
         f"  rollout KV cache {gib(mem.kv_cache)}",
-        f"  peak {gib(mem.peak)} of {device_memory_gib:g} GiB",
+        f"  peak {gib(mem.peak + reference_bytes)} of {device_memory_gib:g} GiB"
+        + (f" (with the DPO reference copy {gib(reference_bytes)})" if reference_bytes else ""),
     ]
-    if mem.peak > device_memory_gib * GiB:
+    if mem.peak + reference_bytes > device_memory_gib * GiB:
         raise CheckFailed(_key_to_change(cfg, mem), f"estimated peak {gib(mem.peak)} per rank exceeds the device's "
                                                     f"{device_memory_gib:g} GiB (plan on stdout)", lines)
     return lines

@@ -1,26 +1,32 @@
-"""Preference losses by name: the registry DPO-style training will select from (no config key reads it yet).
+"""Preference losses by name: DPO (`sigmoid`), IPO and SimPO, selected by `[dpo] loss_type`.
 
-Empty until preference optimisation lands. A preference loss maps the summed log-probs of the chosen and
-rejected responses under the policy and the frozen reference to a per-pair loss and detached metrics;
-register one with `@PREFERENCE_LOSSES.register("name")` (e.g. DPO, Rafailov et al. 2023:
--log sigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r)))).
+A preference loss maps the summed log-probs of the chosen and rejected responses under the policy and the
+frozen reference (None for a reference-free variant) and the response lengths to a per-pair loss. The
+functions live with the DPO step (`megatron_vlm/training/dpo/losses.py`, which documents the equations and
+is tested against TRL's trainers); they are registered here like every other algorithm family, so a new
+variant is one decorated function: `@PREFERENCE_LOSSES.register("name")`.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
 
 from megatron_vlm.rl.algorithms.registry import Registry
+from megatron_vlm.training.dpo.losses import ipo_loss, sigmoid_loss, simpo_loss
 
 __all__ = ["PREFERENCE_LOSSES", "PreferenceLossFn"]
 
 
 class PreferenceLossFn(Protocol):
-    """`(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta) -> (per-pair loss, metrics)`."""
+    """`(chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens, *, beta, simpo_gamma)`
+    -> per-pair loss `[pairs]`."""
 
-    def __call__(self, policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-                 ref_rejected: torch.Tensor, *, beta: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+    def __call__(self, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: Optional[torch.Tensor],
+                 ref_rejected_logps: Optional[torch.Tensor], chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor, *,
+                 beta: float, simpo_gamma: float = 0.0) -> torch.Tensor: ...
 
 
-PREFERENCE_LOSSES: Registry[PreferenceLossFn] = Registry("preference loss", "preference_loss")
+PREFERENCE_LOSSES: Registry[PreferenceLossFn] = Registry("preference loss", "dpo.loss_type")
+for _name, _fn in (("sigmoid", sigmoid_loss), ("ipo", ipo_loss), ("simpo", simpo_loss)):
+    PREFERENCE_LOSSES.register(_name)(_fn)

@@ -91,6 +91,7 @@ ARCH = {
     "qwen3_vl_30b_a3b_geometry3k_gspo.toml": ("qwen3_vl_30b_a3b", 16),
     "nemotron_3_nano_vl_geometry3k_gspo.toml": ("nemotron_3_nano_vl", 16),
     "demo_sft.toml": ("synth:", 2),
+    "demo_dpo.toml": ("synth:", 2),
     "demo_grpo.toml": ("synth:tiny_qwen2_5_vl", 2),
     "demo_grpo_async.toml": ("synth:tiny_qwen2_5_vl", 2),
     "demo_qwen3_vl.toml": ("synth:", 2),

@@ -34,7 +34,7 @@ def scratch(monkeypatch):
 def test_shipped_algorithms_are_registered_under_their_config_names():
     assert POLICY_LOSSES.names() == ["clip", "gspo", "gspo_token", "cispo"]
     assert ADVANTAGE_ESTIMATORS.names() == ["grpo", "dr_grpo", "rloo"]
-    assert len(VALUE_LOSSES) == 0 and len(PREFERENCE_LOSSES) == 0
+    assert len(VALUE_LOSSES) == 0 and PREFERENCE_LOSSES.names() == ["sigmoid", "ipo", "simpo"]
 
 
 def test_duplicate_and_unknown_names_are_errors():
@@ -82,13 +82,19 @@ def test_value_and_preference_losses_register_the_same_way(scratch):
     def mse(values, old_values, returns, mask, *, clip_range, loss_agg, seq_ids):
         return ((values - returns)[mask] ** 2).mean() / 2, {}
 
-    @PREFERENCE_LOSSES.register("dpo")
-    def dpo(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta):
-        return -torch.nn.functional.logsigmoid(beta * ((policy_chosen - ref_chosen) - (policy_rejected - ref_rejected))), {}
+    @PREFERENCE_LOSSES.register("hinge")
+    def hinge(chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens, *, beta, simpo_gamma=0.0):
+        return torch.relu(1 - beta * ((chosen - ref_chosen) - (rejected - ref_rejected)))
 
-    assert VALUE_LOSSES.get("mse") is mse and PREFERENCE_LOSSES.get("dpo") is dpo
-    with pytest.raises(ValueError, match="preference_loss: must be one of \\['dpo'\\]"):
-        PREFERENCE_LOSSES.get("ipo")
+    assert VALUE_LOSSES.get("mse") is mse and PREFERENCE_LOSSES.get("hinge") is hinge
+    with pytest.raises(ValueError, match="dpo.loss_type: must be one of \\['sigmoid', 'ipo', 'simpo', 'hinge'\\]"):
+        PREFERENCE_LOSSES.get("kto")
+
+
+def test_the_dpo_step_and_the_registry_name_the_same_functions():
+    from megatron_vlm.training.dpo.losses import PREFERENCE_LOSSES as DPO_LOSSES
+
+    assert {n: PREFERENCE_LOSSES.get(n) for n in PREFERENCE_LOSSES.names()} == DPO_LOSSES
 
 
 def test_the_spec_is_frozen_and_validated_when_built():

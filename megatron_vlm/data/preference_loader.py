@@ -1,0 +1,201 @@
+"""Loaders of preference pairs: each pair's chosen and rejected responses packed into the same pack.
+
+    loader = build_preference_dataloader(cfg.data, processor, seed=seed, dp_rank=r, dp_size=dp)
+    for pack in loader: ...   # endless, resumable (state_dict / load_state_dict), like the SFT loader
+
+A pack holds whole pairs, chosen then rejected for each: sequences 2k and 2k + 1 of its `cu_seqlens`
+are pair k's chosen and rejected response with the same prompt and images, so one varlen forward
+scores both (attention confined to each sequence). Only the response turn is labelled: a
+multi-turn prompt's earlier assistant turns are context, not part of the preference. Besides the
+SFT pack keys a pack carries `pair_index` [pairs] (the pair's row in the split: the key of the
+precomputed reference log-probs) and `num_pairs`.
+
+Packs are planned over pair lengths (chosen + rejected tokens, from `estimate_length` on both
+halves, cached like the SFT lengths: `ResponseHalves`) by the SFT planner (plan.py), so the
+stream of packs, its sharding over data-parallel ranks and its resume position behave as SFT's. A
+pair either half of which is bad (a missing image, an empty response, a too-long pair) is skipped
+and counted once in the bad-record log.
+
+`build_preference_pass_loader` iterates a split once in file order (held-out evaluation, and the
+one pass that precomputes the reference log-probs of the train split), the same number of packs on
+every rank (padding with empty packs).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpected
+from megatron_vlm.data.config import DataConfig
+from megatron_vlm.data.data_files import data_path_errors
+from megatron_vlm.data.lengths import compute_lengths
+from megatron_vlm.data.loader import EvalDataLoader, SFTDataLoader, build_processor, require_usable
+from megatron_vlm.data.media import MediaLimits
+from megatron_vlm.data.packing import collate_pack, empty_pack, vision_shape_conflict
+from megatron_vlm.data.plan import PackPlanner
+from megatron_vlm.data.preference_records import PreferenceRows, ResponseHalves, SyntheticPreferencePairs
+from megatron_vlm.data.processing import ProcessedSample, process_record
+from megatron_vlm.data.processor import VLProcessor
+from megatron_vlm.data.sources import open_split
+
+__all__ = ["open_preference_split", "build_preference_dataloader", "build_preference_pass_loader", "response_only"]
+
+
+def open_preference_split(cfg: DataConfig, split: str, bad_records: Optional[BadRecordLog] = None):
+    """The split's preference pairs (`preference_records`), or None when the config has no such split."""
+    if cfg.type == "synthetic_vqa":
+        records = open_split(cfg, split, bad_records)
+        return None if records is None else SyntheticPreferencePairs(records, seed=cfg.synthetic_seed)
+    path = cfg.train_path if split == "train" else cfg.eval_path
+    if not path:
+        if split == "train":
+            raise ValueError("data.train_path: required")
+        return None
+    with data_path_errors(f"data.{split}_path"):
+        return PreferenceRows(path, cfg.columns if cfg.type == "hf" else None, jsonl=cfg.type == "messages_jsonl",
+                              image_root=cfg.image_root or None, bad_records=bad_records)
+
+
+def response_only(sample: ProcessedSample) -> ProcessedSample:
+    """Keep the labels of the last assistant turn only (the response; earlier turns are prompt)."""
+    idx = torch.nonzero(sample.label_mask).flatten()
+    if idx.numel():
+        end = int(idx[-1])
+        start = end
+        while start > 0 and bool(sample.label_mask[start - 1]):
+            start -= 1
+        mask = torch.zeros_like(sample.label_mask)
+        mask[start:end + 1] = True
+        sample.label_mask = mask
+    return sample
+
+
+class _PairProcessor:
+    """Pair index -> (chosen, rejected) ProcessedSamples inside a worker, collecting bad records."""
+
+    def __init__(self, halves: ResponseHalves, proc: VLProcessor, cfg: DataConfig):
+        self.halves, self.proc = halves, proc
+        self.max_frames, self.fps = cfg.max_frames, cfg.fps
+        self.limits = MediaLimits.from_config(cfg)
+
+    def __call__(self, i: int, bad: list) -> Optional[tuple[ProcessedSample, ProcessedSample]]:
+        where = self.halves.locate(2 * i)
+        try:
+            out = tuple(response_only(process_record(self.halves.get(2 * i + k), self.proc, max_frames=self.max_frames,
+                                                     fps=self.fps, limits=self.limits)) for k in (0, 1))
+        except BadRecordError as e:
+            bad.append((*where, e.category, e.detail))
+            return None
+        except Exception as e:  # keep the run going; the summary names the record and the exception
+            err = unexpected(e, f"{where[0]}:{where[1]}")
+            bad.append((*where, err.category, err.detail))
+            return None
+        if not all(bool(s.label_mask.any()) for s in out):
+            bad.append((*where, "invalid_record", "a response has no trained token"))
+            return None
+        return out  # type: ignore[return-value]
+
+
+class _PairPackDataset(Dataset):
+    """key = (global index, epoch, index in epoch, pair indices) -> pack dict (+ "_meta")."""
+
+    def __init__(self, processor: _PairProcessor, capacity: int, pad_token_id: int):
+        self.processor, self.capacity, self.pad_token_id = processor, capacity, pad_token_id
+
+    def __len__(self) -> int:
+        raise TypeError("a pack stream has no length")
+
+    def __getitem__(self, key) -> dict:
+        g, epoch, j, pair_ids = key
+        bad: list = []
+        samples, pairs, total = [], [], 0
+        for i in pair_ids:
+            pair = self.processor(i, bad)
+            if pair is None:
+                continue
+            n = len(pair[0]) + len(pair[1])
+            if total + n > self.capacity:
+                bad.append((pair[0].source, pair[0].index, "length_mismatch",
+                            f"{n} tokens do not fit the {self.capacity - total} left in pack {g} "
+                            "(planned lengths disagree with processing)"))
+                continue
+            conflict = vision_shape_conflict(samples, pair[0]) or vision_shape_conflict([*samples, pair[0]], pair[1])
+            if conflict:
+                bad.append((pair[0].source, pair[0].index, "video", f"{conflict} in pack {g}"))
+                continue
+            samples += list(pair)
+            pairs.append(int(i))
+            total += n
+        pack = collate_pack(samples) if samples else empty_pack(self.pad_token_id)
+        pack["pair_index"] = torch.tensor(pairs, dtype=torch.long)
+        pack["num_pairs"] = torch.tensor(len(pairs))
+        pack["_meta"] = {"global_index": g, "epoch": epoch, "index_in_epoch": j, "bad_records": bad,
+                         "num_tokens": total}
+        return pack
+
+
+def _prepare(data_cfg: DataConfig, processor: Any, split: str, bad_records: Optional[BadRecordLog]):
+    data_cfg.validate()
+    proc = build_processor(data_cfg, processor)
+    bad_records = bad_records if bad_records is not None else BadRecordLog()
+    pairs = open_preference_split(data_cfg, split, bad_records)
+    if pairs is None:
+        return None
+    halves = ResponseHalves(pairs)
+    found = BadRecordLog()  # a bad prompt fails both halves: counted once per pair
+    lengths = compute_lengths(halves, proc, max_frames=data_cfg.max_frames, limits=MediaLimits.from_config(data_cfg),
+                              fps=data_cfg.fps, cache_dir=data_cfg.length_cache_dir or None, bad_records=found)
+    bad_records.extend(found.entries)
+    halves_len = lengths.reshape(-1, 2)
+    pair_lengths = np.where((halves_len > 0).all(axis=1), halves_len.sum(axis=1), -1).astype(np.int64)
+    cap = data_cfg.max_tokens_per_pack
+    for i in np.nonzero(pair_lengths > cap)[0]:
+        file, idx = pairs.locate(int(i))
+        bad_records.add(file, idx, "too_long", f"chosen + rejected: {int(pair_lengths[i])} tokens > "
+                                               f"max_tokens_per_pack={cap}")
+    require_usable(pair_lengths, cap, f"data.{split}", bad_records)
+    dataset = _PairPackDataset(_PairProcessor(halves, proc, data_cfg), cap, proc.pad_token_id)
+    return proc, bad_records, pairs, pair_lengths, dataset
+
+
+def build_preference_dataloader(data_cfg: DataConfig, processor: Any, *, seed: int, dp_rank: int, dp_size: int,
+                                split: str = "train", bad_records: Optional[BadRecordLog] = None) -> SFTDataLoader:
+    """Endless packed loader of `split`'s pairs on this rank (module docstring)."""
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
+    prepared = _prepare(data_cfg, processor, split, bad_records)
+    if prepared is None:
+        raise ValueError(f"data: no {split} split configured")
+    _, bad_records, _, lengths, dataset = prepared
+    planner = PackPlanner(lengths, data_cfg.max_tokens_per_pack, seed=seed,
+                          shuffle=data_cfg.shuffle and split == "train", name=f"data.{split}")
+    loader = SFTDataLoader(dataset, planner, dp_rank=dp_rank, dp_size=dp_size, num_workers=data_cfg.num_workers,
+                           prefetch_factor=data_cfg.prefetch_factor, bad_records=bad_records, split=split,
+                           timeout_s=data_cfg.loader_timeout_s)
+    loader.prepared = prepared  # the pairs, their lengths and dataset: a pass over the same split reuses them
+    return loader
+
+
+def build_preference_pass_loader(data_cfg: DataConfig, processor: Any, *, split: str, dp_rank: int, dp_size: int,
+                                 bad_records: Optional[BadRecordLog] = None, like=None) -> Optional[EvalDataLoader]:
+    """One pass over `split`'s pairs in file order, rank r taking packs r, r + dp, ... (padded with empty
+    packs to the same count on every rank); None when the split is not configured. `.num_pairs`: the
+    split's rows (the size of a table indexed by `pair_index`). `like`: a loader of the same split
+    (`build_preference_dataloader`) whose pairs and lengths are reused instead of computed again."""
+    prepared = like.prepared if like is not None else _prepare(data_cfg, processor, split, bad_records)
+    if prepared is None:
+        return None
+    _, bad_records, pairs, lengths, dataset = prepared
+    plan = PackPlanner(lengths, data_cfg.max_tokens_per_pack, seed=0, shuffle=False, name=f"data.{split}").plan(0)
+    keys = []
+    for k in range(math.ceil(len(plan) / dp_size)):
+        g = dp_rank + k * dp_size
+        keys.append((g, 0, g, tuple(plan[g]) if g < len(plan) else ()))
+    loader = EvalDataLoader(dataset, keys, num_workers=data_cfg.num_workers, prefetch_factor=data_cfg.prefetch_factor,
+                            bad_records=bad_records, mode="packs", timeout_s=data_cfg.loader_timeout_s)
+    loader.num_pairs = len(pairs)
+    return loader

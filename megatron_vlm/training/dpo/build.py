@@ -1,0 +1,71 @@
+"""DPO set-up pieces used by `megatron_vlm.jobs.run_dpo`: the loaders of the pairs and the reference.
+
+Order matters for the reference: `build_reference` runs after the model bundle is built and before
+the checkpoint is resumed, so that a precomputed reference (and, with `[lora]`, the adapters-off
+reference) is scored from the initial weights even in a resumed run.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.data.preference_loader import build_preference_dataloader, build_preference_pass_loader
+from megatron_vlm.errors import ConfigError
+from megatron_vlm.parallel.precision import compute_dtype
+from megatron_vlm.training.context import RunContext
+from megatron_vlm.training.dpo.config import DPOConfig
+from megatron_vlm.training.dpo.losses import REFERENCE_FREE
+from megatron_vlm.training.dpo.reference import AdaptersOffReference, FrozenReference, PrecomputedReference
+from megatron_vlm.training.model_bundle import ModelBundle
+
+__all__ = ["dpo_section", "build_pair_loaders", "build_reference"]
+
+log = logging.getLogger("megatron_vlm")
+
+
+def dpo_section(cfg) -> DPOConfig:
+    """The run's `[dpo]` section (its defaults when the config has none)."""
+    return cfg.dpo if getattr(cfg, "dpo", None) is not None else DPOConfig()
+
+
+def _dp(ctx: RunContext, bundle: ModelBundle) -> tuple[int, int]:
+    return getattr(bundle.dims, "dp_rank", ctx.env.rank), bundle.dims.dp_size  # the tp ranks of a group read the same
+
+
+def build_pair_loaders(ctx: RunContext, bundle: ModelBundle, bad_records: BadRecordLog):
+    """(endless train loader, one-pass eval loader or None)."""
+    cfg = ctx.cfg
+    rank, size = _dp(ctx, bundle)
+    train = build_preference_dataloader(cfg.data, bundle.processor, seed=cfg.train.seed, dp_rank=rank, dp_size=size,
+                                        split="train", bad_records=bad_records)
+    evaluation = build_preference_pass_loader(cfg.data, bundle.processor, split="eval", dp_rank=rank, dp_size=size,
+                                              bad_records=bad_records)
+    return train, evaluation
+
+
+def build_reference(ctx: RunContext, bundle: ModelBundle, dpo: DPOConfig, train_loader, eval_loader):
+    """The reference of `[dpo] reference` (training/dpo/reference.py); None for a reference-free loss."""
+    cfg, env = ctx.cfg, ctx.env
+    if dpo.loss_type in REFERENCE_FREE:
+        return None
+    lora = getattr(cfg, "lora", None)
+    if dpo.reference == "precomputed":
+        rank, size = _dp(ctx, bundle)
+        loaders = {"train": build_preference_pass_loader(cfg.data, bundle.processor, split="train", dp_rank=rank,
+                                                         dp_size=size, like=train_loader)}
+        if eval_loader is not None:
+            loaders["eval"] = eval_loader
+        return PrecomputedReference.load_or_compute(ctx.run_dir, bundle.wrapper, loaders, device=env.device,
+                                                    copies=getattr(bundle.dims, "data_copies", 1), is_main=env.is_main,
+                                                    model_path=cfg.model.path)
+    if lora is not None:
+        if lora.init_from and lora.init_from_mode == "continue":
+            raise ConfigError("dpo.reference: with lora.init_from (init_from_mode = \"continue\") the initial model is the "
+                              "base plus that adapter, not the policy with its adapters off; use reference = "
+                              "\"precomputed\"")
+        return AdaptersOffReference(bundle.wrapper, bundle.model)
+    dtype = compute_dtype(cfg.train.precision, getattr(torch, cfg.model.dtype), env.device)
+    log.info("dpo: frozen reference model loaded from %s (%s)", cfg.model.path, dtype)
+    return FrozenReference(cfg.model.path, dtype=dtype, device=env.device)

@@ -1,0 +1,109 @@
+"""Reference log-probs of a DPO run: the frozen initial model, scored on the fly or precomputed once.
+
+- `FrozenReference`: a frozen copy of `model.path` (full fine-tuning), unsharded on every rank in the
+  compute dtype, scoring each packed batch in the step (`dpo.reference = "on_the_fly"`);
+- `AdaptersOffReference`: with `[lora]` the initial model is the policy with its adapters switched off
+  (B = 0 at the start), so the policy's own (sharded) forward scores it: no second copy;
+- `PrecomputedReference`: one pass over the train (and held-out) pairs before the first step, scored by
+  the policy while it still holds the initial weights (before a checkpoint is resumed), summed per response
+  and kept as a [pairs, 2] table per split in `<output_dir>/dpo_reference_logps.pt`; a later start of the
+  same run reads the file back instead of scoring again.
+
+Every kind answers `pair_logps(batch, split)` -> (reference log p of each chosen, of each rejected
+response) of a pack (`pair_index` keys the precomputed table).
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from megatron_vlm.models.common.lora import lora_disabled
+from megatron_vlm.parallel.collectives import all_reduce_, barrier
+from megatron_vlm.training.dpo.sequence import pair_sums
+from megatron_vlm.training.lm_loss import TokenLogprobModel
+
+__all__ = ["FrozenReference", "AdaptersOffReference", "PrecomputedReference", "REFERENCE_FILE"]
+
+log = logging.getLogger("megatron_vlm")
+
+REFERENCE_FILE = "dpo_reference_logps.pt"
+
+
+class FrozenReference:
+    def __init__(self, path: str, *, dtype: torch.dtype, device: torch.device):
+        from megatron_vlm.checkpoint.hf import load_hf_model
+
+        model = load_hf_model(path, dtype=dtype, device="cpu").eval().requires_grad_(False)
+        self.scorer = TokenLogprobModel(model).to(device)
+
+    @torch.no_grad()
+    def pair_logps(self, batch: dict, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ARG002
+        return pair_sums(self.scorer(batch).float(), batch)[:2]
+
+
+class AdaptersOffReference:
+    """The policy's FSDP root with every adapter disabled, in eval mode; collective like the policy's forward."""
+
+    def __init__(self, wrapper: torch.nn.Module, model: torch.nn.Module):
+        self.wrapper, self.model = wrapper, model
+
+    @torch.no_grad()
+    def pair_logps(self, batch: dict, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ARG002
+        was_training = self.wrapper.training
+        self.wrapper.eval()
+        try:
+            with lora_disabled(self.model):
+                return pair_sums(self.wrapper(batch).float(), batch)[:2]
+        finally:
+            self.wrapper.train(was_training)
+
+
+class PrecomputedReference:
+    """[pairs, 2] tables of reference log-probs per split, indexed by a pack's `pair_index`."""
+
+    def __init__(self, tables: dict[str, torch.Tensor]):
+        self.tables = tables
+
+    def pair_logps(self, batch: dict, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+        idx = batch["pair_index"].to("cpu")
+        rows = self.tables[split][idx].to(device=batch["input_ids"].device, dtype=torch.float32)
+        return rows[:, 0], rows[:, 1]
+
+    @classmethod
+    def load_or_compute(cls, run_dir: Path, wrapper: torch.nn.Module, loaders: dict, *, device: torch.device,
+                        copies: int, is_main: bool, model_path: str) -> "PrecomputedReference":
+        """Read `run_dir/REFERENCE_FILE` when it holds tables of the same splits and sizes, else score every
+        pair of `loaders` (split -> one-pass loader) with `wrapper` (the initial weights) and write the file."""
+        path = Path(run_dir) / REFERENCE_FILE
+        sizes = {split: int(ld.num_pairs) for split, ld in loaders.items()}
+        if path.is_file():
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            if saved.get("sizes") == sizes and saved.get("model") == model_path:
+                log.info("dpo: reference log-probs read from %s (%s pairs)", path, sizes)
+                return cls({k: v for k, v in saved["tables"].items()})
+            log.warning("dpo: %s was computed for other data or another model (%s); scoring again", path, saved.get("sizes"))
+        tables = {}
+        was_training = wrapper.training
+        wrapper.eval()
+        try:
+            with torch.no_grad():
+                for split, loader in loaders.items():
+                    table = torch.zeros(sizes[split], 2, dtype=torch.float64, device=device)
+                    for pack in loader:
+                        batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in pack.items()}
+                        chosen, rejected = pair_sums(wrapper(batch).float(), batch)[:2]
+                        idx = batch["pair_index"]
+                        table[idx, 0] += chosen.double()
+                        table[idx, 1] += rejected.double()
+                    tables[split] = (all_reduce_(table) / copies).cpu()
+        finally:
+            wrapper.train(was_training)
+        if is_main:
+            tmp = path.with_name(f".{path.name}.tmp")
+            torch.save({"tables": tables, "sizes": sizes, "model": model_path}, tmp)
+            tmp.replace(path)
+            log.info("dpo: reference log-probs of %s pairs precomputed into %s", sizes, path)
+        barrier()
+        return cls(tables)

@@ -1,0 +1,73 @@
+"""The precomputed reference: one pass sums every response's log-probs into a [pairs, 2] table per split,
+written to the run folder; a restart reads the file instead of scoring again, and a file of other sizes
+is scored again. `pair_sums` on a pack with an empty pair list gives empty tensors."""
+from __future__ import annotations
+
+import torch
+
+from megatron_vlm.data.batch import IGNORE_INDEX
+from megatron_vlm.training.dpo.reference import REFERENCE_FILE, PrecomputedReference
+from megatron_vlm.training.dpo.sequence import pair_sums
+
+
+def _pack(pair_ids, lengths):
+    """A pack of pairs whose sequences have `lengths` tokens, the last two of each labelled."""
+    labels, cu = [], [0]
+    for n in lengths:
+        lab = torch.full((n,), IGNORE_INDEX)
+        lab[n - 3:n - 1] = torch.arange(2) + 5
+        labels.append(lab)
+        cu.append(cu[-1] + n)
+    lab = torch.cat(labels)[None]
+    return {"input_ids": torch.zeros_like(lab), "labels": lab, "cu_seqlens": torch.tensor(cu, dtype=torch.int32),
+            "pair_index": torch.tensor(pair_ids), "num_pairs": torch.tensor(len(pair_ids))}
+
+
+class _Scorer(torch.nn.Module):
+    """log-prob of a labelled token = -(its position in the pack + 1) / 10; counts its calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, batch):
+        self.calls += 1
+        pos = torch.nonzero(batch["labels"].reshape(-1) != IGNORE_INDEX).flatten()
+        return -(pos.double() + 1) / 10
+
+
+class _Loader(list):
+    num_pairs = 3
+
+
+def test_precompute_then_read_back(tmp_path):
+    loader = _Loader([_pack([2, 0], [5, 6, 4, 7]), _pack([1], [6, 5])])
+    scorer = _Scorer()
+    ref = PrecomputedReference.load_or_compute(tmp_path, scorer, {"train": loader}, device=torch.device("cpu"), copies=1,
+                                               is_main=True, model_path="m")
+    assert scorer.calls == 2 and (tmp_path / REFERENCE_FILE).is_file()
+    # pair 2: positions 2, 3 (chosen) and 8, 9 (rejected) of the first pack; pair 0: 12, 13 and 19, 20
+    want = {2: (-(3 + 4) / 10, -(9 + 10) / 10), 0: (-(13 + 14) / 10, -(20 + 21) / 10), 1: (-(4 + 5) / 10, -(9 + 10) / 10)}
+    for i, (c, r) in want.items():
+        assert torch.allclose(ref.tables["train"][i], torch.tensor([c, r], dtype=torch.float64))
+    chosen, rejected = ref.pair_logps(loader[0], "train")
+    assert torch.allclose(chosen, torch.tensor([want[2][0], want[0][0]], dtype=torch.float32))
+    assert torch.allclose(rejected, torch.tensor([want[2][1], want[0][1]], dtype=torch.float32))
+    # pair_sums of the same pack: the same sums, and the response token counts
+    c, r, nc, nr = pair_sums(scorer(loader[0]), loader[0])
+    assert torch.allclose(c, chosen.double()) and nc.tolist() == [2, 2] and nr.tolist() == [2, 2]
+    again = PrecomputedReference.load_or_compute(tmp_path, scorer, {"train": loader}, device=torch.device("cpu"),
+                                                 copies=1, is_main=True, model_path="m")
+    assert scorer.calls == 3 and torch.equal(again.tables["train"], ref.tables["train"])  # read, not scored (+1 above)
+    other = _Loader(loader)
+    other.num_pairs = 4
+    PrecomputedReference.load_or_compute(tmp_path, scorer, {"train": other}, device=torch.device("cpu"), copies=1,
+                                         is_main=True, model_path="m")
+    assert scorer.calls == 5  # other sizes: scored again
+
+
+def test_pair_sums_of_an_empty_pack():
+    pack = {"labels": torch.full((1, 1), IGNORE_INDEX), "cu_seqlens": torch.tensor([0, 1], dtype=torch.int32),
+            "num_pairs": torch.tensor(0)}
+    out = pair_sums(torch.zeros(0), pack)
+    assert all(t.numel() == 0 for t in out)

@@ -26,6 +26,7 @@ from megatron_vlm.inference.kv_budget import kv_bytes_per_slot, rollout_prompts_
 from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
 from megatron_vlm.parallel.collectives import any_rank, barrier
 from megatron_vlm.parallel.precision import compute_dtype
+from megatron_vlm.rl.config import RLConfig
 from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.prompts.dataset import prompt_batches
 from megatron_vlm.rl.prompts.encoder import PromptEncoder
@@ -37,7 +38,7 @@ from megatron_vlm.training.bad_record_summary import write_bad_record_summary
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 
-__all__ = ["check_model_folder", "check_grpo_config", "grpo_total_steps", "rollout_batch_prompts", "build_rollout_engine", "GRPOParts",
+__all__ = ["check_model_folder", "check_grpo_config", "require_rl", "grpo_total_steps", "rollout_batch_prompts", "build_rollout_engine", "GRPOParts",
            "build_grpo_parts", "GRPOLoopStep"]
 
 log = logging.getLogger("megatron_vlm")
@@ -53,9 +54,15 @@ def check_model_folder(cfg) -> None:
     raise FileNotFoundError(f"{msg}; {hint}" if hint else f"{msg} (GRPO starts from a trained model folder)")
 
 
-def check_grpo_config(cfg) -> None:
+def require_rl(cfg) -> RLConfig:
+    """The run's [rl] section; a GRPO run without one is a config error, not an attribute error deep in a rank."""
     if cfg.rl is None:
         raise ConfigError("rl: train.mode = 'grpo' needs an [rl] section")
+    return cfg.rl
+
+
+def check_grpo_config(cfg) -> None:
+    require_rl(cfg)
     check_model_folder(cfg)
 
 
@@ -125,7 +132,7 @@ class GRPOParts:
 
 
 def build_grpo_parts(ctx: RunContext, bundle: ModelBundle) -> GRPOParts:
-    cfg, env, rl = ctx.cfg, ctx.env, ctx.cfg.rl
+    cfg, env, rl = ctx.cfg, ctx.env, require_rl(ctx.cfg)
     bad_records = BadRecordLog()
     sets = load_prompt_sets(cfg.data, rl, run_dir=ctx.run_dir, is_main=env.is_main, barrier=barrier, bad_records=bad_records)
     # over-long / unreadable prompts out before the first step (exit 2 when none is left), as the rollout ranks do
@@ -160,7 +167,7 @@ class GRPOLoopStep:
     def __init__(self, ctx: RunContext, train_set: Any, grpo: GRPOStep,
                  evaluate: Optional[Callable[[int], Optional[dict]]] = None, bad_records: Optional[BadRecordLog] = None):
         self.ctx, self.bad_records = ctx, bad_records
-        self.rl, self.seed = ctx.cfg.rl, ctx.cfg.train.seed
+        self.rl, self.seed = require_rl(ctx.cfg), ctx.cfg.train.seed
         self.train_set, self.grpo, self._evaluate = train_set, grpo, evaluate
         self._batches: Optional[Iterator[list[int]]] = None
 

@@ -51,7 +51,7 @@ from megatron_vlm.rl.prompts.encoder import PromptEncoder
 from megatron_vlm.rl.prompts.lengths import drop_unusable_prompts
 from megatron_vlm.rl.prompts.sets import load_prompt_sets
 from megatron_vlm.rl.rewards.manager import RewardManager
-from megatron_vlm.rl.trainer import paged_kv_kwargs
+from megatron_vlm.rl.trainer import paged_kv_kwargs, require_rl
 from megatron_vlm.training.context import RunContext
 
 __all__ = ["run_rollout_rank", "EXIT_STOPPED"]
@@ -84,7 +84,7 @@ def _sample_payload(s) -> dict:
 
 
 def run_rollout_rank(ctx: RunContext, role: Role) -> int:
-    cfg, rl, env = ctx.cfg, ctx.cfg.rl, ctx.env
+    cfg, rl, env = ctx.cfg, require_rl(ctx.cfg), ctx.env
     bridge = role.bridge
     if bridge is None:
         raise RuntimeError("asynchronous GRPO: a rollout rank without its bridge to the trainer")

@@ -144,7 +144,7 @@ class CustomRewardConfig(_RewardCommon):
 
 RewardConfig = Union[MathRewardConfig, ChoiceRewardConfig, FormatRewardConfig, ExactMatchRewardConfig, CustomRewardConfig]
 
-REWARD_CONFIG_TYPES: dict[str, type] = {
+REWARD_CONFIG_TYPES: dict[str, type[RewardConfig]] = {
     "math": MathRewardConfig,
     "choice": ChoiceRewardConfig,
     "format": FormatRewardConfig,

@@ -186,7 +186,7 @@ _ENV_CLOSE = {"$$": "$$", "\\[": "\\]", "\\(": "\\)", "$": "$"}
 def _math_envs(text: str) -> list[tuple[int, int, str]]:
     """(start, end, content) of the math environments in text, left to right: openers are found by a
     regex scan, closers with str.find, and the scan resumes after each environment (linear time)."""
-    out = []
+    out: list[tuple[int, int, str]] = []
     pos = 0
     while True:
         m = _ENV_OPEN.search(text, pos)

@@ -174,7 +174,7 @@ class _Parser:
     def relation(self) -> Value:
         # "x = 5", "(x, y) = (1, 2)", "-1 < x \le 4"; "x \in S" is S
         sides = [self.side()]
-        ops = []
+        ops: list[str] = []
         while self.peek()[0] == "OP" and self.peek()[1] in _RELOPS or self.peek() == ("OP", "∈"):
             op = self.take()[1]
             if op == "∈":
@@ -216,7 +216,7 @@ class _Parser:
             items.append(self.sequence_or_expr())
         if len(items) == 1:
             return items[0]
-        flat = []
+        flat: list[Value] = []
         for it in items:
             flat.extend(it.items if isinstance(it, Seq) and it.kind == "set" else (it,))
         return Seq("set", tuple(flat))
@@ -590,7 +590,7 @@ def _parse_pm(norm: str, percent: bool) -> ParsedAnswer:
     if n_pm > MAX_PM:
         raise LatexParseError("too many \\pm")
     # "a \pm b" is the set {a + b, a - b} (every \pm read the same way, \mp the other)
-    items = []
+    items: list[Value] = []
     for plus, minus in (("+", "-"), ("-", "+")):
         variant = re.sub(r"\\pm(?![A-Za-z])", plus, norm)
         variant = re.sub(r"\\mp(?![A-Za-z])", minus, variant)

@@ -86,12 +86,13 @@ class RewardManager:
         if len(set(self.labels)) != len(self.labels):
             raise ValueError(f"rewards: duplicate labels {self.labels}; give each a distinct name")
         self._specs = [_call_spec(r) for r in self.rewards]
-        custom = sorted({fn for verifier, fn, _ in self._specs if verifier == "custom"})
+        # (index, dotted path) of the custom verifiers (their spec always carries the function)
+        where = [(i, fn) for i, (verifier, fn, _) in enumerate(self._specs) if verifier == "custom" and fn is not None]
+        custom = sorted({fn for _, fn in where})
         self.pool = RewardWorkerPool(num_workers=num_workers, timeout_s=timeout_s, start_method=start_method, preload=custom,
                                      memory_limit_mb=memory_limit_mb, batch_timeout_s=batch_timeout_s,
                                      value_limit=value_limit)
         if custom:  # a custom verifier that does not import, or cannot be called so, is a config error now, not 0 for every call
-            where = [(i, fn) for i, (verifier, fn, _) in enumerate(self._specs) if verifier == "custom"]
             try:
                 failed = self.pool.start()
             except RuntimeError as e:  # the worker died importing them (os._exit / a crash in the module)
@@ -153,6 +154,7 @@ class RewardManager:
             verifier, function, options = self._specs[k]
             for i in range(n):
                 completion = completions[i]
+                meta = metadata[i] if metadata is not None else None
                 calls.append(RewardCall(
                     verifier=verifier,
                     function=function,
@@ -160,7 +162,7 @@ class RewardManager:
                     completion=completion if isinstance(completion, str) else str(completion),
                     answer=str(answers[i]),
                     prompt=str(prompts[i]) if prompts is not None else "",
-                    metadata=dict(metadata[i]) if metadata is not None and metadata[i] is not None else None,
+                    metadata=dict(meta) if meta is not None else None,
                 ))
         results = self.pool.map(calls)
         total = [0.0] * n

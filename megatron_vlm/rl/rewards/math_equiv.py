@@ -31,7 +31,7 @@ Everything is bounded before sympy starts; callers still run this in a reward wo
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Any, Optional
 
 import sympy
 
@@ -179,8 +179,8 @@ def _matrix_vs_tuple(m: Matrix, t: Seq, **kw) -> bool:
 def values_equal(a, b, *, rel_tol: float = 1e-6, pred_decimals: int = 0, gold_decimals: int = 0,
                  rounding_min_decimals: int = 2) -> bool:
     """Compare two parsed values (sympy expressions, Seq, Rel, Matrix), `a` being the prediction."""
-    kw = {"rel_tol": rel_tol}
-    full = dict(kw, pred_decimals=pred_decimals, gold_decimals=gold_decimals, rounding_min_decimals=rounding_min_decimals)
+    kw: dict[str, Any] = {"rel_tol": rel_tol}
+    full: dict[str, Any] = dict(kw, pred_decimals=pred_decimals, gold_decimals=gold_decimals, rounding_min_decimals=rounding_min_decimals)
 
     def eq(x, y) -> bool:
         return values_equal(x, y, **kw)
@@ -199,10 +199,10 @@ def values_equal(a, b, *, rel_tol: float = 1e-6, pred_decimals: int = 0, gold_de
     if isinstance(a, Rel) or isinstance(b, Rel):
         if isinstance(a, Rel) and isinstance(b, Rel):
             return rel_equal(a, b, eq)
-        if isinstance(b, Rel) and by_names(a, b, eq) is not None:
-            return by_names(a, b, eq)
-        if isinstance(a, Rel) and by_names(b, a, eq) is not None:
-            return by_names(b, a, eq)
+        if isinstance(b, Rel) and (named := by_names(a, b, eq)) is not None:
+            return named
+        if isinstance(a, Rel) and (named := by_names(b, a, eq)) is not None:
+            return named
         if isinstance(a, Rel):
             side = answer_side(a)
             return side is not None and values_equal(side, b, **full)

@@ -191,8 +191,8 @@ def _worker_main(conn: Connection, preload: tuple = (), memory_limit_mb: int = 0
     params: dict[str, Optional[list]] = {}
     for function in preload:  # custom verifiers; a failure goes back with "ready" (`start`) and to every call
         try:
-            cache[("custom", function)] = fn = resolve_verifier("custom", function)
-            params[function] = _signature(fn)
+            cache[("custom", function)] = preloaded = resolve_verifier("custom", function)
+            params[function] = _signature(preloaded)
         except BaseException as e:  # noqa: BLE001 - sys.exit at import too
             failed[function] = (str(e) if type(e) is ValueError else _describe(e))[:300]
     conn.send(("ready", os.getpid(), 0.0, json.dumps({"failed": failed, "params": params})))
@@ -399,7 +399,7 @@ class RewardWorkerPool:
             for conn in ready_conns:
                 w = next(x for x in self._workers if x.conn is conn)
                 try:
-                    cid, status, value, detail = conn.recv()  # ("ready", pid, 0.0, "") at start-up
+                    cid, status, value, detail = w.conn.recv()  # ("ready", pid, 0.0, "") at start-up; w.conn is conn
                 except (EOFError, OSError):
                     w.proc.join(timeout=5)
                     code = w.proc.exitcode

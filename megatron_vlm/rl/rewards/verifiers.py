@@ -9,7 +9,7 @@ through our own LaTeX parser.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from megatron_vlm.rl.rewards.extract import (
     MAX_ANSWER_CHARS,
@@ -206,7 +206,7 @@ def exact_match_reward(
     return 1.0 if _norm_exact(pred, case_sensitive) == _norm_exact(gold, case_sensitive) else 0.0
 
 
-BUILTIN_VERIFIERS = {
+BUILTIN_VERIFIERS: dict[str, Callable[..., Any]] = {
     "math": math_reward,
     "choice": choice_reward,
     "format": format_reward,

@@ -22,6 +22,7 @@ from megatron_vlm.rl.rewards.config import (
     FormatRewardConfig,
     MathRewardConfig,
 )
+from megatron_vlm.rl.rollout.vllm_config import VLLMConfig, check_backend  # [rl.vllm] (hook: rollout_backend)
 
 __all__ = ["RLConfig", "RLEvalConfig"]
 
@@ -265,6 +266,14 @@ class RLConfig:
     eval: RLEvalConfig = field(default_factory=RLEvalConfig)
     """Held-out evaluation ([rl.eval])."""
 
+    # --- rollout back end (hook: rl/rollout/vllm_config.py) ------------------------------------------
+    rollout_backend: str = "builtin"
+    """Which engine generates the rollouts: "builtin" (the policy model itself, rl/rollout/policy_engine.py)
+    or "vllm" (an in-process vLLM engine on every generating rank, fed the trainer's weights after every
+    optimizer step: docs/vllm.md). vLLM's settings are in [rl.vllm]."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """The vLLM engine's settings ([rl.vllm]; read only with rollout_backend = "vllm")."""
+
     # --- reliability limits (appended) --------------------------------------------------------------
     reward_memory_limit_mb: int = 4096
     """Address-space cap (RLIMIT_AS) of each reward worker process, interpreter and sympy included;
@@ -333,6 +342,7 @@ class RLConfig:
         if self.behav_imp_weight_cap is not None and self.behav_imp_weight_cap <= 1:
             raise ValueError(f"behav_imp_weight_cap: must be > 1, got {self.behav_imp_weight_cap}")
         self._validate_async()
+        check_backend(self)  # hook: rollout_backend, [rl.vllm], allocation's engine prefix
         if not self.rewards:
             raise ValueError("rewards: at least one [[rl.rewards]] table is required")
         labels = [r.label() for r in self.rewards]

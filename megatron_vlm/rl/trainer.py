@@ -136,7 +136,11 @@ def build_grpo_parts(ctx: RunContext, bundle: ModelBundle) -> GRPOParts:
     encoder = PromptEncoder(bundle.processor, max_frames=cfg.data.max_frames, fps=cfg.data.fps, max_new_tokens=budget,
                             max_tokens=cfg.data.max_tokens_per_pack, limits=MediaLimits.from_config(cfg.data),
                             bad_records=bad_records)
-    engine = build_rollout_engine(rl, bundle, cfg.model.path, dtype=dtype, device=env.device, per_batch=per_batch)
+    if getattr(rl, "rollout_backend", "builtin") == "vllm":  # hook: the vLLM back end (rl/rollout/vllm_engine.py)
+        from megatron_vlm.rl.rollout.vllm_engine import vllm_engine_for_run
+        engine = vllm_engine_for_run(ctx, bundle, dtype=dtype)
+    else:
+        engine = build_rollout_engine(rl, bundle, cfg.model.path, dtype=dtype, device=env.device, per_batch=per_batch)
     reference = None
     if rl.kl_coef > 0 and getattr(cfg, "lora", None) is not None:  # base = the policy without its adapters: no second copy
         reference = BaseModelReference(bundle.wrapper, bundle.model, temperature=rl.temperature)
@@ -171,6 +175,7 @@ class GRPOLoopStep:
         if self._batches is None:
             self._batches = prompt_batches(len(self.train_set), self.rl.prompts_per_step, seed=self.seed, start_step=step)
         metrics = self.grpo.run(step, [self.train_set[i] for i in next(self._batches)], prompt_pool=self.train_set)
+        metrics.update(getattr(self.grpo.engine, "metrics", dict)())  # hook: rollout/weight_push_s of the vLLM back end
         metrics["epoch"] = (step + 1) * self.rl.prompts_per_step / len(self.train_set)
         return metrics if log else {}
 

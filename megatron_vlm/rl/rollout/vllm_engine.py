@@ -3,10 +3,11 @@ in-process `vllm.LLM`.
 
 Why in-process: the engine lives in the generating rank's own process (vLLM's `InprocClient` with the
 single-worker "uni" executor), so the trainer's weights reach it by reference — `load_weights` walks
-the trainer's state dict in Hugging Face names, bucket by bucket (`vllm_weights.py`), and hands each
-bucket to the model's own `load_weights` through `collective_rpc` — no disk, no second process, no
-serialisation. After a push the prefix cache and the encoder cache are reset (they hold the old
-policy's keys / vision features) and `policy_version` moves.
+the trainer's state dict in Hugging Face names, bucket by bucket (`vllm_weights.py`), and streams the
+buckets into vLLM's in-place layerwise reload (`model_runner.reload_weights`, through
+`collective_rpc`) — no disk, no second process, no serialisation. After a push the prefix cache and
+the encoder / multimodal caches are reset (they hold the old policy's keys / vision features) and
+`policy_version` moves.
 
 Prompts go in as our token ids. Images: vLLM expands each image placeholder itself, so the prompt is
 handed over with every run of placeholder tokens collapsed to one, with the images our data pipeline
@@ -60,18 +61,40 @@ def collapse_placeholders(ids: list[int], placeholder_ids: set[int]) -> list[int
     return out
 
 
-def _load_bucket(worker, bucket):
-    """Runs in the vLLM worker (`collective_rpc`): one bucket of HF-named tensors into the model."""
-    loaded = worker.model_runner.get_model().load_weights(bucket)
-    return len(loaded) if loaded is not None else len(bucket)
+def _tied_heads(model) -> list[tuple[str, str]]:
+    """(lm head, embedding) module names whose weights share storage (tie_word_embeddings)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    mods = dict(model.named_modules())
+    heads = {n: m for n, m in mods.items() if isinstance(m, ParallelLMHead)}
+    embeds = {n: m for n, m in mods.items() if isinstance(m, VocabParallelEmbedding) and n not in heads}
+    return [(h, e) for h, hm in heads.items() for e, em in embeds.items()
+            if getattr(hm, "weight", None) is not None and hm.weight.data_ptr() == em.weight.data_ptr()]
 
 
-def _reset_caches(worker) -> None:
-    runner = worker.model_runner
-    for name in ("reset_encoder_cache", "reset_mm_cache"):
-        fn = getattr(runner, name, None)
-        if callable(fn):
-            fn()
+def _record_ties(worker) -> int:
+    """Runs in the vLLM worker once, on the weights loaded from the folder: which heads are tied."""
+    worker._megatron_vlm_ties = _tied_heads(worker.model_runner.get_model())
+    return len(worker._megatron_vlm_ties)
+
+
+def _reload(worker, weights) -> None:
+    """Runs in the vLLM worker (`collective_rpc`): vLLM's in-place layerwise reload from an iterator of
+    HF-named tensors (checkpoint format: the model re-runs its post-load processing, e.g. the CPU
+    build's weight repacking, layer by layer); it also resets the encoder and multimodal caches.
+    A tied LM head has no tensor of its own in the checkpoint, so the reload does not revisit it: it is
+    re-tied to the reloaded embedding and its post-load processing (the CPU build packs a GEMM copy of
+    the weight) runs again."""
+    model = worker.model_runner.get_model()
+    worker.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+    mods = dict(model.named_modules())
+    for head_name, embed_name in getattr(worker, "_megatron_vlm_ties", []):
+        head, embed = mods[head_name], mods[embed_name]
+        if head.weight is not embed.weight:
+            head.weight = embed.weight
+        method = getattr(head, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(head)
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -107,6 +130,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.policy_version = 0
         self.weight_push_s = 0.0
         self.weight_push_mb = 0.0
+        self._pushed_version: Optional[int] = None  # none yet: the first load_weights pushes (a resumed run)
         self._interrupt = threading.Event()
         self._lock = threading.Lock()
         kwargs = dict(
@@ -118,7 +142,9 @@ class VLLMRolloutEngine(RolloutEngine):
         if device.type == "cuda":
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.sleep_mode)
         t0 = time.perf_counter()
+        self._owns_process_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.llm = LLM(**kwargs)
+        self.llm.collective_rpc(_record_ties)
         self.asleep = False
         log.info("vLLM rollout engine on %s from %s (%.1f s)", device, model_path, time.perf_counter() - t0)
 
@@ -130,26 +156,35 @@ class VLLMRolloutEngine(RolloutEngine):
         from megatron_vlm.rl.rollout.vllm_weights import hf_weight_buckets
 
         with self._lock:
+            if weights is None and self.sync_from is not None and version == self._pushed_version:
+                return  # the trainer's weights change only with the version (an optimizer step): already there
             self._wake()
             t0 = time.perf_counter()
-            nbytes = 0
             if weights is not None:
                 buckets = [[(k, v) for k, v in weights.items()]]
             elif self.sync_from is not None:
                 buckets = hf_weight_buckets(self.sync_from, self.cfg.weight_bucket_mb << 20)
             else:
                 buckets = []
-            pushed = False
-            for bucket in buckets:
-                nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-                self.llm.collective_rpc(_load_bucket, args=(bucket,))
-                pushed = True
-            if pushed:
-                self.llm.collective_rpc(_reset_caches)
+            sizes = [0]
+
+            def stream():
+                for bucket in buckets:  # gathered one bucket at a time, as vLLM's loader consumes them
+                    sizes[0] += sum(t.numel() * t.element_size() for _, t in bucket)
+                    yield from bucket
+
+            if weights is not None or self.sync_from is not None:
+                self.llm.collective_rpc(_reload, args=(stream(),))
                 self.llm.reset_prefix_cache()
                 self.weight_push_s = time.perf_counter() - t0
-                self.weight_push_mb = nbytes / 2**20
+                self.weight_push_mb = sizes[0] / 2**20
+                self._pushed_version = int(version)
             self.policy_version = int(version)
+
+    def sync_to_version(self, version: int) -> None:
+        """Held-out evaluation after `version` optimizer steps: the engine holds its own weights, so push them
+        first (nothing when that version is already in)."""
+        self.load_weights(None, version=version)
 
     def metrics(self) -> dict[str, float]:
         """The latest weight push, for the step's metrics."""
@@ -249,6 +284,25 @@ class VLLMRolloutEngine(RolloutEngine):
     def interrupt(self) -> None:
         self._interrupt.set()
 
+    def close(self) -> None:
+        """Shut the engine down and clear vLLM's process-wide parallel state (one live engine per process:
+        close one before building the next)."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is None:
+            return
+        import gc
+
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        finally:
+            del llm
+            gc.collect()
+            destroy_model_parallel()
+            if self._owns_process_group:
+                destroy_distributed_environment()
+
     # ------------------------------------------------------------------ memory
     def release_memory(self) -> None:
         """With sleep_mode (CUDA): put the engine to sleep so the trainer gets the memory; the next push or
@@ -261,3 +315,22 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
+
+
+def vllm_engine_for_run(ctx, bundle, *, dtype: torch.dtype) -> VLLMRolloutEngine:
+    """The GRPO job's engine with `rl.rollout_backend = "vllm"`: loaded from model.path, fed the trainer's
+    (`bundle.model`) weights at every `load_weights`, stopping on the ids the built-in engine stops on."""
+    from megatron_vlm.config import ConfigError
+    from megatron_vlm.rl.rollout.stopping import eos_token_ids_of
+
+    cfg, env = ctx.cfg, ctx.env
+    if env.world_size > 1:
+        raise ConfigError(f"rl.rollout_backend: 'vllm' runs one in-process engine per job so far; this job has "
+                          f"{env.world_size} processes (launch it with one, or use rollout_backend = 'builtin')")
+    proc = bundle.processor
+    placeholders = [getattr(proc, k, None) for k in ("image_token_id", "video_token_id")]
+    gen_cfg = getattr(bundle.model, "hf_generation_config", None)
+    return VLLMRolloutEngine(
+        cfg.model.path, cfg.rl.vllm, dtype=dtype, device=env.device, max_model_len=cfg.data.max_tokens_per_pack,
+        seed=cfg.train.seed, sync_from=bundle.model, eos_token_ids=sorted(eos_token_ids_of(proc.tokenizer, gen_cfg)),
+        placeholder_ids=[p for p in placeholders if p is not None])

@@ -25,6 +25,7 @@ from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine  # noqa: E
 from megatron_vlm.rl.rollout.stopping import eos_token_ids_of  # noqa: E402
 from megatron_vlm.rl.rollout.vllm_config import VLLMConfig  # noqa: E402
 from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
+from megatron_vlm.testing.tiny_text_model import build_tiny_qwen_text_folder  # noqa: E402
 
 NEW = 12
 
@@ -68,43 +69,34 @@ def _greedy(engine, prompts):
     return [s.token_ids.tolist() for s in res.samples]
 
 
-@pytest.fixture(scope="module")
-def text_qwen2(tmp_path_factory):
-    folder = synthesize_model_folder("tiny_qwen2", tmp_path_factory.mktemp("q2") / "m", seed=0)
-    model = load_hf_model(str(folder), dtype=torch.float32, device="cpu").eval()
-    return folder, model, _engine(folder, model)
+def _tiny_text(kind, out):
+    if kind == "tiny_qwen3":  # hidden 96: head_dim 32 (the tiny default's 40 is not a head size vLLM's CPU attention runs)
+        return build_tiny_qwen_text_folder(out, model_type="qwen3", seed=1, hidden=96)
+    return synthesize_model_folder(kind, out, seed=0)
 
 
 @pytest.mark.parametrize("kind", ["tiny_qwen2", "tiny_qwen3"])
-def test_greedy_equals_builtin_text(kind, tmp_path, text_qwen2):
-    if kind == "tiny_qwen2":
-        folder, model, engine = text_qwen2
-    else:
-        folder = synthesize_model_folder(kind, tmp_path / kind, seed=1)
-        model = load_hf_model(str(folder), dtype=torch.float32, device="cpu").eval()
-        engine = _engine(folder)
+def test_greedy_equals_builtin_and_logprobs_equal_training_forward(kind, tmp_path):
+    folder = _tiny_text(kind, tmp_path / kind)
+    model = load_hf_model(str(folder), dtype=torch.float32, device="cpu").eval()
     tok = load_processor(str(folder)).tokenizer
     prompts = _text_prompts(tok)
-    ours = _ours_greedy(model, tok, prompts)
-    theirs = _greedy(engine, prompts)
-    assert theirs == ours
+    engine = _engine(folder)
+    try:
+        theirs = _greedy(engine, prompts)
+        T = 0.7
+        res = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, n=3, temperature=T),
+                              generator=torch.Generator().manual_seed(0))
+    finally:
+        engine.close()
+    assert theirs == _ours_greedy(model, tok, prompts)
     assert all(len(t) >= 1 for t in theirs)
-
-
-def test_sampled_logprobs_equal_training_forward(text_qwen2):
-    folder, model, engine = text_qwen2
-    tok = load_processor(str(folder)).tokenizer
-    prompts = _text_prompts(tok)
-    T = 0.7
-    res = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, n=3, temperature=T), generator=torch.Generator().manual_seed(0))
-    assert len(res.samples) == 3 * len(prompts)
     assert [(s.prompt_index, s.sample_index) for s in res.samples] == [(i, j) for i in range(len(prompts)) for j in range(3)]
     n = 0
     for s in res.samples:
         p = prompts[s.prompt_index].input_ids
-        ids = torch.cat([p, s.token_ids])[None]
         with torch.no_grad():
-            logits = model(input_ids=ids)[0].float()  # [T, V]
+            logits = model(input_ids=torch.cat([p, s.token_ids])[None])[0].float()  # [T, V]
         lp = torch.log_softmax(logits[len(p) - 1: -1] / T, dim=-1).gather(-1, s.token_ids[:, None])[:, 0]
         torch.testing.assert_close(s.logprobs, lp, atol=1e-4, rtol=0)
         n += s.token_ids.numel()
@@ -119,8 +111,8 @@ def _perturb_(model, seed):
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_weight_push_equals_fresh_engine_on_export(lora, text_qwen2, tmp_path):
-    folder, _, engine = text_qwen2
+def test_weight_push_equals_fresh_engine_on_export(lora, tmp_path):
+    folder = synthesize_model_folder("tiny_qwen2", tmp_path / "m", seed=0)
     trainer = load_hf_model(str(folder), dtype=torch.float32, device="cpu").eval()
     if lora:
         names = [n for n, m in trainer.named_modules() if isinstance(m, torch.nn.Linear) and n.endswith(("q_proj", "v_proj"))]
@@ -133,23 +125,25 @@ def test_weight_push_equals_fresh_engine_on_export(lora, text_qwen2, tmp_path):
         _perturb_(trainer, 7)
     tok = load_processor(str(folder)).tokenizer
     prompts = _text_prompts(tok)
-    before = _greedy(engine, prompts)
-    engine.sync_from = trainer
+    export = save_hf_model(trainer, tmp_path / "export", copy_from=folder)
+    fresh_engine = _engine(export)  # one live vLLM engine per process: the fresh one first, closed
+    try:
+        fresh = _greedy(fresh_engine, prompts)
+    finally:
+        fresh_engine.close()
+    engine = _engine(folder, trainer)
     engine.cfg = VLLMConfig(weight_bucket_mb=1)  # several buckets
     try:
+        before = _greedy(engine, prompts)
         engine.load_weights(None, version=5)
         assert engine.policy_version == 5 and engine.weight_push_s > 0
+        assert engine.metrics()["rollout/weight_push_s"] == engine.weight_push_s
         pushed = _greedy(engine, prompts)
-        export = save_hf_model(trainer, tmp_path / "export", copy_from=folder)
-        fresh = _greedy(_engine(export), prompts)
-        assert pushed == fresh
-        assert pushed != before  # the push changed what it generates
-        assert pushed == _ours_greedy(trainer, tok, prompts)
-    finally:  # the module's engine back on the folder's weights
-        base = load_hf_model(str(folder), dtype=torch.float32, device="cpu")
-        engine.sync_from = base
-        engine.load_weights(None, version=0)
-        engine.sync_from, engine.cfg = text_qwen2[1], VLLMConfig()
+    finally:
+        engine.close()
+    assert pushed == fresh
+    assert pushed != before  # the push changed what it generates
+    assert pushed == _ours_greedy(trainer, tok, prompts)
 
 
 needs_torchvision = pytest.mark.skipif(importlib.util.find_spec("torchvision") is None,
@@ -163,6 +157,13 @@ def test_greedy_equals_builtin_qwen2_5_vl_images(tmp_path):
     model = load_hf_model(str(folder), dtype=torch.float32, device="cpu").eval()
     prompts = _image_prompts(folder, tmp_path)
     engine = _engine(folder, model)
+    try:
+        _check_images(engine, folder, model, prompts)
+    finally:
+        engine.close()
+
+
+def _check_images(engine, folder, model, prompts):
     tok = load_processor(str(folder)).tokenizer
     assert _greedy(engine, prompts) == _ours_greedy(model, tok, prompts)
     # a prompt whose placeholder run is one token short: vLLM's expansion differs from ours -> named error

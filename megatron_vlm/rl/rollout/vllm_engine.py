@@ -139,6 +139,10 @@ class VLLMRolloutEngine(RolloutEngine):
             enable_prefix_caching=cfg.enable_prefix_caching, enforce_eager=cfg.enforce_eager or device.type == "cpu",
             distributed_executor_backend="uni", logprobs_mode="processed_logprobs",
         )
+        if device.type == "cpu":
+            # whole prompts per scheduling step: vLLM 0.32's CPU worker fails on a chunked prefill of a request
+            # with its own seed (it rewinds the request's torch.Generator by an offset, which CPU generators lack)
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(self.max_model_len, 8192))
         if device.type == "cuda":
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.sleep_mode)
         t0 = time.perf_counter()

@@ -87,8 +87,16 @@ def test_greedy_equals_builtin_and_logprobs_equal_training_forward(kind, tmp_pat
         T = 0.7
         res = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, n=3, temperature=T),
                               generator=torch.Generator().manual_seed(0))
+        # more prompt tokens than one scheduling step takes, sampled with per-request seeds (vLLM 0.32's CPU
+        # worker failed on a chunked prefill of a seeded request): every group complete, and seeded = repeatable
+        many = [RolloutPrompt(input_ids=p.input_ids.repeat(40)) for p in prompts] * 8
+        big = SamplingParams(max_new_tokens=3, n=8, temperature=1.0)
+        first = engine.generate(many, big, generator=torch.Generator().manual_seed(1))
+        again = engine.generate(many, big, generator=torch.Generator().manual_seed(1))
     finally:
         engine.close()
+    assert len(first.samples) == 8 * len(many) and all(s.token_ids.numel() >= 1 for s in first.samples)
+    assert [s.token_ids.tolist() for s in first.samples] == [s.token_ids.tolist() for s in again.samples]
     assert theirs == _ours_greedy(model, tok, prompts)
     assert all(len(t) >= 1 for t in theirs)
     assert [(s.prompt_index, s.sample_index) for s in res.samples] == [(i, j) for i in range(len(prompts)) for j in range(3)]

@@ -180,6 +180,8 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         rollout_prompts = rl.rollout_batch_prompts or rollout_prompts_for_budget(
             rl.rollout_memory_gib, shape.kv_per_slot * compute, group, tokens) or per_rank
         rollout_prompts = min(rollout_prompts, per_rank)
+        if getattr(rl, "rollout_backend", "builtin") == "vllm":  # hook: vLLM holds its own memory (below)
+            rollout_prompts = 0
         if rl.rollout_cuda_graphs == "on":  # the engine's own refusal (rl/rollout/policy_engine.py), found here too
             from megatron_vlm.rl.rollout.policy_engine import cuda_graphs_blocker
 
@@ -202,6 +204,17 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
                           activation_checkpointing=cfg.train.activation_checkpointing,
                           rollout_prompts=rollout_prompts, group_size=group, tp=tp,
                           kv_slots=cfg.rl.kv_cache_blocks * cfg.rl.kv_block_size if cfg.train.mode == "grpo" else 0)
+    vllm_share = 0.0
+    if cfg.train.mode == "grpo" and getattr(cfg.rl, "rollout_backend", "builtin") == "vllm":
+        # hook: the vLLM engine takes gpu_memory_utilization of the device for its weights + KV cache; with
+        # sleep_mode it gives it back while the trainer's activations need it
+        v = cfg.rl.vllm
+        vllm_share = v.gpu_memory_utilization * device_memory_gib * GiB
+        lines.append(f"vllm       engine {gib(vllm_share)} (rl.vllm.gpu_memory_utilization), sleep_mode {v.sleep_mode}")
+        extra = max(0.0, vllm_share - mem.activations) if v.sleep_mode else vllm_share
+        if mem.peak + extra > device_memory_gib * GiB:
+            raise CheckFailed("rl.vllm.gpu_memory_utilization", f"estimated peak {gib(mem.peak + extra)} per rank with the "
+                                                                f"vLLM engine exceeds the device's {device_memory_gib:g} GiB", lines)
     lines += [
         "memory per rank (estimate; formulas in megatron_vlm/plan/memory.py)",
         f"  master weights {gib(mem.params):>12}   gradients {gib(mem.grads):>12}   AdamW {gib(mem.optimizer):>12}",

@@ -331,6 +331,10 @@ def vllm_engine_for_run(ctx, bundle, *, dtype: torch.dtype) -> VLLMRolloutEngine
     if env.world_size > 1:
         raise ConfigError(f"rl.rollout_backend: 'vllm' runs one in-process engine per job so far; this job has "
                           f"{env.world_size} processes (launch it with one, or use rollout_backend = 'builtin')")
+    v = cfg.rl.vllm
+    if v.max_model_len is not None and v.max_model_len < cfg.data.max_tokens_per_pack:
+        raise ConfigError(f"rl.vllm.max_model_len: {v.max_model_len} is below data.max_tokens_per_pack = "
+                          f"{cfg.data.max_tokens_per_pack}, which prompts + completions may fill; raise it or leave it unset")
     proc = bundle.processor
     placeholders = [getattr(proc, k, None) for k in ("image_token_id", "video_token_id")]
     gen_cfg = getattr(bundle.model, "hf_generation_config", None)

@@ -76,3 +76,18 @@ def test_launcher_check_exits_2_naming_the_key(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(REPO))
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "rl.allocation: 'vllm:d1+d1' puts the rollout ranks on vLLM" in lines[0], r.stderr
+
+
+def test_engine_refuses_max_model_len_below_the_pack_before_importing_vllm():
+    from types import SimpleNamespace as NS
+
+    from megatron_vlm.rl.rollout.vllm_engine import vllm_engine_for_run
+
+    cfg = NS(rl=NS(vllm=VLLMConfig(max_model_len=512)), data=NS(max_tokens_per_pack=1024), model=NS(path="unused"),
+             train=NS(seed=0))
+    ctx = NS(cfg=cfg, env=NS(world_size=1, device=torch.device("cpu")))
+    with pytest.raises(ConfigError, match=r"^rl\.vllm\.max_model_len: 512 is below data\.max_tokens_per_pack = 1024"):
+        vllm_engine_for_run(ctx, NS(), dtype=torch.float32)
+    ctx.env.world_size = 2
+    with pytest.raises(ConfigError, match=r"^rl\.rollout_backend: 'vllm' runs one in-process engine per job"):
+        vllm_engine_for_run(ctx, NS(), dtype=torch.float32)

@@ -79,7 +79,12 @@ def _tool(name: str):
 
 
 class CMakeBuild(build_ext):
-    """Builds each extension by configuring and building CMakeLists.txt."""
+    """Builds each extension by configuring and building CMakeLists.txt.
+
+    An extension whose build failed is left out of what setuptools copies or lists afterwards
+    (`build_ext --inplace`, `pip install -e .`): otherwise the install fails after the warning, on
+    "can't copy ... _C...so: doesn't exist" (seen when torch is a CUDA build and the CUDA toolkit does not
+    satisfy its CMake config)."""
 
     def build_extension(self, ext):
         try:
@@ -87,9 +92,29 @@ class CMakeBuild(build_ext):
         except Exception as err:  # noqa: BLE001 - the package must install without the extension
             if _flag("MEGATRON_VLM_REQUIRE_EXT"):
                 raise
-            msg = f"megatron-vlm: building the compiled extension {ext.name} failed ({err}); " \
+            self._failed = getattr(self, "_failed", set()) | {ext.name}
+            why = (f"{Path(err.cmd[0]).name} {'configure' if '-S' in err.cmd else 'build'} step exited with "
+                   f"{err.returncode}; its output is above" if isinstance(err, subprocess.CalledProcessError) else str(err))
+            msg = f"megatron-vlm: building the compiled extension {ext.name} failed ({why}); " \
                   "the pure-Python implementations will be used (MEGATRON_VLM_REQUIRE_EXT=1 makes this fatal)"
             print("WARNING: " + msg, file=sys.stderr)
+
+    def _without_failed(self, method, *args):
+        every = self.extensions
+        self.extensions = [e for e in every if e.name not in getattr(self, "_failed", set())]
+        try:
+            return method(*args)
+        finally:
+            self.extensions = every
+
+    def copy_extensions_to_source(self):
+        return self._without_failed(super().copy_extensions_to_source)
+
+    def get_outputs(self):
+        return self._without_failed(super().get_outputs)
+
+    def get_output_mapping(self):
+        return self._without_failed(super().get_output_mapping)
 
     def _cmake_build(self, ext):
         cmake = _tool("cmake")
@@ -133,7 +158,8 @@ setup(
     python_requires=">=3.10",
     packages=_pkgs + _kernel_pkgs,
     package_dir={"megatron_vlm.kernels": "kernels"},
-    ext_modules=[] if _flag("MEGATRON_VLM_NO_EXT") else [Extension("megatron_vlm._C", sources=[])],
+    # optional: setuptools does not insist on copying a file that a failed build did not produce
+    ext_modules=[] if _flag("MEGATRON_VLM_NO_EXT") else [Extension("megatron_vlm._C", sources=[], optional=True)],
     cmdclass={"build_ext": CMakeBuild},
     install_requires=[
         "torch>=2.6",
@@ -149,14 +175,18 @@ setup(
         "sympy",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "triton>=3.2", "math-verify", "ruff", "peft", "megatron-core==0.16.1",
+        "dev": ["pytest", "pytest-timeout", "triton>=3.2", "math-verify", "ruff", "mypy>=1.11", "peft", "megatron-core==0.16.1",
                 "liger-kernel==0.8.5",  # pure Python + Triton: its kernels run in the CPU tests through the interpreter
-                "setuptools", "wheel"],  # what mamba-ssm's setup.py imports for the README's --no-build-isolation install
+                "setuptools", "wheel",  # what mamba-ssm's setup.py imports for scripts/setup_dev.sh's --no-build-isolation install
+                "torchao==0.18.0"],  # the fp8 extra: its float8 training runs emulated in the CPU tests
         "gpu": ["flash-attn", "transformer-engine", "mamba-ssm", "causal-conv1d", "deep_ep", "liger-kernel"],
         "rollout": ["vllm"],
         "npu": ["torch_npu"],
         # megatron-core interop (megatron_vlm/models/mcore; tested with 0.16.1, the last line for Python 3.11)
         "mcore": ["megatron-core>=0.16.1"],
         "wandb": ["wandb"],
+        # train.precision = "fp8": torchao's float8 linear layers (pure Python over torch._scaled_mm; 0.18.0 loads
+        # its compiled extras only with torch >= 2.11 and works without them)
+        "fp8": ["torchao==0.18.0"],
     },
 )

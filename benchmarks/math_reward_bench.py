@@ -24,12 +24,19 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "unit" / "rl"))
 
 from math_reward_corpus import CASES  # noqa: E402
+from math_reward_corpus_forms import FORM_KINDS  # noqa: E402
 
 PATHOLOGICAL = {
     "(a+b+c+d)^1000": (r"\boxed{(a+b+c+d)^{1000}}", r"(a+b+c+d)^{1000} + 1"),
     "sin^999+cos^998": (r"\boxed{\sin(x)^{999}+\cos(x)^{998}}", "1"),
     "20000 unclosed boxed": ("\\boxed{" * 20000, "1"),
     "2^{10^{10}}": (r"\boxed{2^{10^{10}}}", "1"),
+    "20000 joined boxes": ("\\boxed{1}, " * 20000, "1"),
+    "16 vs 16 symbolic items": (
+        "\\boxed{" + ", ".join(f"x^{{{k % 20 + 2}}} + {k}" for k in range(16)) + "}",
+        ", ".join(f"x^{{{k % 20 + 2}}} + {k + 1}" for k in range(16)),
+    ),
+    "ratio of 200 parts": ("\\boxed{" + ":".join(["2"] * 200) + "}", "1"),
 }
 
 
@@ -53,6 +60,7 @@ def math_verify_latex_only():
 
 def run(name, fn, repeat):
     times, agree = [], collections.Counter()
+    times_in_order = []
     slowest = []
     total = collections.Counter()
     wrong = []
@@ -65,6 +73,7 @@ def run(name, fn, repeat):
             dt = time.perf_counter() - t
             best = dt if best is None else min(best, dt)
         times.append(best)
+        times_in_order.append(best)
         slowest.append((best, completion[:60], gold[:30]))
         total[kind] += 1
         if got == label:
@@ -77,10 +86,18 @@ def run(name, fn, repeat):
     times.sort()
     p = lambda q: times[min(len(times) - 1, int(q * len(times)))] * 1e3  # noqa: E731
     print(f"== {name}: agreement {ok}/{n} = {100 * ok / n:.1f} %, 'equal' on a negative: {false_pos}")
+    forms = [(k, c, g, lab) for k, c, g, lab in CASES if k in FORM_KINDS]
+    forms_ok = sum(agree[k] for k in FORM_KINDS)
+    forms_fp = sum(1 for k, c, g, lab in wrong if k in FORM_KINDS and not lab)
+    print(f"   forms of real completions ({', '.join(FORM_KINDS)}): {forms_ok}/{len(forms)} = "
+          f"{100 * forms_ok / len(forms):.1f} %, 'equal' on a negative: {forms_fp}; "
+          f"the other kinds: {ok - forms_ok}/{n - len(forms)}")
     for kind in sorted(total):
         print(f"   {kind:14s} {agree[kind]:3d}/{total[kind]:3d} = {100 * agree[kind] / total[kind]:5.1f} %")
     print(f"   time per verification: p50 {p(0.5):.2f} ms, p99 {p(0.99):.2f} ms, max {times[-1] * 1e3:.1f} ms, "
           f"mean {statistics.mean(times) * 1e3:.2f} ms")
+    old = sorted(t for t, (k, *_) in zip(times_in_order, CASES) if k not in FORM_KINDS)
+    print(f"   p99 on the other kinds alone: {old[min(len(old) - 1, int(0.99 * len(old)))] * 1e3:.2f} ms")
     for dt, completion, gold in sorted(slowest, reverse=True)[:3]:
         print(f"   slowest: {dt * 1e3:7.1f} ms  {completion!r} vs {gold!r}")
     for kind, completion, gold, label in wrong:

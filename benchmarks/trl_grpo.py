@@ -7,12 +7,12 @@ and by our loader for us; `--prompts` short arithmetic prompts tokenised by the 
 for both; `--group` completions per prompt of exactly `--new-tokens` tokens (TRL: `min_new_tokens`
 in its generation kwargs; ours: no EOS token), temperature 1; a stand-in reward (a hash of the
 completion scores 1 for about one completion in three, so ~4 % of groups have equal rewards, advantage 0,
-which our update does not forward by default, `rl.skip_zero_advantage`; `--skip-zero-advantage off`
+which our update does not forward by default, `rl.update.skip_zero_advantage`; `--skip-zero-advantage off`
 forwards them as TRL does; no reward workers); no KL term (TRL's default
 beta = 0); one optimizer step per generation round (TRL: `steps_per_generation = 1`, `num_iterations
 = 1`). Each framework runs its default path: TRL `model.generate` on padded prompts; ours the
 rollout engine (prefix sharing, slot KV cache, continuous batching) and the real `GRPOStep` (one fp32
-process: plain parameters, as a job runs; `--fsdp on`: FSDP2 units on a one-rank mesh). `--rollout-weights copy` (default, `rl.rollout_weights = "copy"`): the engine
+process: plain parameters, as a job runs; `--fsdp on`: FSDP2 units on a one-rank mesh). `--rollout-weights copy` (default, `rl.rollout.weights = "copy"`): the engine
 decodes with its own unsharded copy, refreshed from the trainer's weights once per step (included in
 the step time); `shared`: every decode step runs through the FSDP root.
 
@@ -74,14 +74,14 @@ class OurGRPO:
         from bench_grpo_step import FixedPrompts, HashReward, TokenIds
 
         from megatron_vlm.checkpoint.hf import load_hf_model
+        from megatron_vlm.inference.engine import RolloutPrompt
+        from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
         from megatron_vlm.models import get_family
         from megatron_vlm.parallel import build_mesh, init_distributed
-        from megatron_vlm.rl.config import RLConfig
-        from megatron_vlm.rl.data import PromptSample
+        from megatron_vlm.rl.config import RLBatchConfig, RLConfig, RLLossConfig, RLRolloutConfig, RLUpdateConfig
         from megatron_vlm.rl.grpo_step import GRPOStep
+        from megatron_vlm.rl.prompts.dataset import PromptSample
         from megatron_vlm.rl.rewards.config import ExactMatchRewardConfig
-        from megatron_vlm.rl.rollout.engine import RolloutPrompt
-        from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
         from megatron_vlm.training.lm_loss import TokenLogprobModel
         from megatron_vlm.training.optim import OptimState, build_optimizer, build_scheduler
 
@@ -103,18 +103,21 @@ class OurGRPO:
         )
         bundle = SimpleNamespace(model=model, wrapper=wrapper, dims=dims, moe_balancer=None,
                                  trainable_params=[p for p in wrapper.parameters() if p.requires_grad])
-        rl = RLConfig(group_size=group, max_new_tokens=new_tokens, prompts_per_step=len(prompts), temperature=1.0,
-                      kl_coef=0.0, rewards=[ExactMatchRewardConfig()], prompt_sharing=prompt_sharing,
-                      skip_zero_advantage=skip_zero_advantage)
+        rl = RLConfig(batch=RLBatchConfig(group_size=group, prompts_per_step=len(prompts)),
+                      rollout=RLRolloutConfig(max_new_tokens=new_tokens, temperature=1.0), loss=RLLossConfig(kl_coef=0.0),
+                      update=RLUpdateConfig(prompt_sharing=prompt_sharing, skip_zero_advantage=skip_zero_advantage),
+                      rewards=[ExactMatchRewardConfig()])
         rl.validate()
-        if rollout_weights == "copy":  # as rl.rollout_weights = "copy": an unsharded copy, refreshed once per step
+        if rollout_weights == "copy":  # as rl.rollout.weights = "copy": an unsharded copy, refreshed once per step
             policy_copy = load_hf_model(str(folder), dtype=torch.float32, device="cpu").eval()
             policy_copy.requires_grad_(False)
-            engine = PolicyRolloutEngine(policy_copy, TokenIds(), cache_dtype=torch.float32, device=env.device,
-                                         eos_token_ids=[-1], sync_from=model)
+            engine = PolicyRolloutEngine(policy_copy, TokenIds(),
+                                         EngineOptions(cache_dtype=torch.float32, device=env.device, eos_token_ids=[-1]),
+                                         sync_from=model)
         else:  # "shared": the trainer's parameters, every decode step through the FSDP root
-            engine = PolicyRolloutEngine(model, TokenIds(), forward=lambda **kw: wrapper(model_kwargs=kw),
-                                         cache_dtype=torch.float32, device=env.device, eos_token_ids=[-1])
+            engine = PolicyRolloutEngine(model, TokenIds(),
+                                         EngineOptions(cache_dtype=torch.float32, device=env.device, eos_token_ids=[-1]),
+                                         forward=lambda **kw: wrapper(model_kwargs=kw))
         encoded = [RolloutPrompt(torch.tensor(tokenizer(p, add_special_tokens=False)["input_ids"])) for p in prompts]
         self.runner = GRPOStep(ctx, bundle, OptimState(optimizer, scheduler), rl, engine, FixedPrompts(encoded), HashReward())
         self.batch = [PromptSample(str(i), [], "x", "q") for i in range(len(prompts))]
@@ -144,11 +147,11 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rollout-weights", choices=("copy", "shared"), default="copy",
-                    help="our engine's weights (rl.rollout_weights): its own copy (default) or the trainer's FSDP parameters")
+                    help="our engine's weights (rl.rollout.weights): its own copy (default) or the trainer's FSDP parameters")
     ap.add_argument("--prompt-sharing", choices=("auto", "off"), default="auto",
-                    help="rl.prompt_sharing of our update (off: every completion's pack row carries its own prompt copy, as TRL's)")
+                    help="rl.update.prompt_sharing of our update (off: every completion's pack row carries its own prompt copy, as TRL's)")
     ap.add_argument("--skip-zero-advantage", choices=("on", "off"), default="on",
-                    help="rl.skip_zero_advantage of our update (off: zero-advantage completions are forwarded too, as TRL's)")
+                    help="rl.update.skip_zero_advantage of our update (off: zero-advantage completions are forwarded too, as TRL's)")
     ap.add_argument("--fsdp", choices=("auto", "on"), default="auto",
                     help="our model's FSDP2 units: as a job (auto: none for one fp32 process) or always (on)")
     ap.add_argument("--json", type=str, default=None)
@@ -212,7 +215,7 @@ def main() -> int:
         print(f"{r['name']:6s} {r['min_s']:9.3f} {r['median_s']:9.3f}")
     print(f"TRL / ours step time: x{ratio_median:.2f} (median), x{ratio_min:.2f} (min)  [target >= 2]")
     skipped = ours.skipped[args.warmup:]
-    print(f"ours: zero-advantage completions not forwarded (rl.skip_zero_advantage = {args.skip_zero_advantage}): "
+    print(f"ours: zero-advantage completions not forwarded (rl.update.skip_zero_advantage = {args.skip_zero_advantage}): "
           f"{sum(skipped) / max(1, len(skipped)):.1f} of {args.prompts * args.group} per step on average")
     meta = {"device": f"cpu ({args.threads} thread(s))", "torch": torch.__version__, "transformers": transformers.__version__,
             "trl": trl.__version__, "prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens,

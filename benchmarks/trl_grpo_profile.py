@@ -6,7 +6,7 @@ claim such as "the ceiling is ~x1.75" can be checked against numbers. Same setup
 reports the CPU time of the process (`time.process_time`: less sensitive than wall time to other jobs on
 a shared machine) as the median over the measured steps, and the FLOPs of one extra step counted by
 `torch.utils.flop_counter.FlopCounterMode` (matmuls and attention; elementwise work is not counted).
-Phases: ours = the rollout engine's `generate` and `GRPOStep._update` (forward, backward, optimizer);
+Phases: ours = the rollout engine's `generate` and the step's `PolicyUpdate.update` (forward, backward, optimizer);
 TRL = `_generate` (its `model.generate` call) and the rest of the trainer step (loss forward, backward
 with TRL's default gradient checkpointing, optimizer, scoring).
 
@@ -63,14 +63,11 @@ class PhaseClock:
 def profile_ours(folder, tokenizer, prompts, args) -> None:
     from trl_grpo import OurGRPO
 
-    import megatron_vlm.rl.grpo_step as grpo_step
-
     ours = OurGRPO(folder, tokenizer, prompts, args.group, args.new_tokens)
     clock = PhaseClock()
-    engine = ours.runner.engine
+    engine, policy = ours.runner.engine, ours.runner.policy  # the step's two public parts
     engine.generate = clock.wrap("rollout", engine.generate)
-    update = grpo_step.GRPOStep._update
-    grpo_step.GRPOStep._update = clock.wrap("update", update)
+    policy.update = clock.wrap("update", policy.update)
     ours.runner.run = clock.wrap("step", ours.runner.run)
     for _ in range(args.warmup + args.steps):
         ours.step()
@@ -81,7 +78,7 @@ def profile_ours(folder, tokenizer, prompts, args) -> None:
     if args.ops:
         from torch.profiler import ProfilerActivity, profile
 
-        for name, owner, attr in (("update", grpo_step.GRPOStep, "_update"), ("rollout", engine, "generate")):
+        for name, owner, attr in (("update", policy, "update"), ("rollout", engine, "generate")):
             inner = getattr(owner, attr)
 
             def traced(*a, _inner=inner, _name=name, **kw):
@@ -93,7 +90,6 @@ def profile_ours(folder, tokenizer, prompts, args) -> None:
                 return out
             setattr(owner, attr, traced)
         ours.step()
-    grpo_step.GRPOStep._update = update
 
 
 def profile_trl(folder, tokenizer, prompts, args) -> None:

@@ -16,6 +16,7 @@
 // ~2e-7) in 8-wide vector code. Hot loops are compiled twice (AVX2 + FMA and the baseline ISA) and the
 // loader picks one for the running CPU (GCC target_clones on x86-64).
 #include "cpu_vec.h"
+#include "check.h"
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -182,8 +183,8 @@ MVLM_CLONES void decode_attention_task(const float* q, int64_t q_stride, const f
 }
 
 void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), name,
-                    " must be a contiguous float32 CPU tensor");
+  MVLM_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), name,
+                   " must be a contiguous float32 CPU tensor");
 }
 
 constexpr int64_t kNormChunk = 256;  // rows per partial weight-gradient row (fixed: deterministic sums)
@@ -196,7 +197,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cpu(const at::Tensor
   check_rows(x, "rms_norm: x");
   check_rows(weight, "rms_norm: weight");
   const int64_t h = x.size(-1);
-  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == h, "rms_norm: weight must be [", h, "]");
+  MVLM_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == h, "rms_norm: weight must be [", h, "]");
   const int64_t rows = h ? x.numel() / h : 0;
   auto out = at::empty_like(x);
   auto rstd = at::empty({rows}, x.options());
@@ -204,7 +205,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cpu(const at::Tensor
   const float* res = nullptr;
   if (residual.has_value()) {
     check_rows(*residual, "rms_norm: residual");
-    TORCH_CHECK_VALUE(residual->sizes() == x.sizes(), "rms_norm: residual shape must equal x's");
+    MVLM_CHECK_VALUE(residual->sizes() == x.sizes(), "rms_norm: residual shape must equal x's");
     summed = at::empty_like(x);
     res = residual->data_ptr<float>();
   }
@@ -227,13 +228,13 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cpu(const at::Tensor& grad, cons
   check_rows(normed_input, "rms_norm backward: input");
   check_rows(weight, "rms_norm backward: weight");
   check_rows(rstd, "rms_norm backward: rstd");
-  TORCH_CHECK_VALUE(grad.sizes() == normed_input.sizes(), "rms_norm backward: grad shape must equal the input's");
+  MVLM_CHECK_VALUE(grad.sizes() == normed_input.sizes(), "rms_norm backward: grad shape must equal the input's");
   const int64_t h = normed_input.size(-1);
   const int64_t rows = h ? normed_input.numel() / h : 0;
   const float* gsp = nullptr;
   if (grad_summed.has_value()) {
     check_rows(*grad_summed, "rms_norm backward: grad of the sum");
-    TORCH_CHECK_VALUE(grad_summed->sizes() == grad.sizes(), "rms_norm backward: grad of the sum has the wrong shape");
+    MVLM_CHECK_VALUE(grad_summed->sizes() == grad.sizes(), "rms_norm backward: grad of the sum has the wrong shape");
     gsp = grad_summed->data_ptr<float>();
   }
   auto gs = at::empty_like(normed_input);
@@ -262,7 +263,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cpu(const at::Tensor& grad, cons
 at::Tensor swiglu_fwd_cpu(const at::Tensor& gate, const at::Tensor& up) {
   check_rows(gate, "swiglu: gate");
   check_rows(up, "swiglu: up");
-  TORCH_CHECK_VALUE(gate.sizes() == up.sizes(), "swiglu: gate shape ", gate.sizes(), " != up shape ", up.sizes());
+  MVLM_CHECK_VALUE(gate.sizes() == up.sizes(), "swiglu: gate shape ", gate.sizes(), " != up shape ", up.sizes());
   auto out = at::empty_like(gate);
   const float* g = gate.data_ptr<float>();
   const float* u = up.data_ptr<float>();
@@ -275,7 +276,7 @@ std::tuple<at::Tensor, at::Tensor> swiglu_bwd_cpu(const at::Tensor& grad, const 
   check_rows(grad, "swiglu backward: grad");
   check_rows(gate, "swiglu backward: gate");
   check_rows(up, "swiglu backward: up");
-  TORCH_CHECK_VALUE(gate.sizes() == up.sizes() && grad.sizes() == gate.sizes(), "swiglu backward: shapes differ");
+  MVLM_CHECK_VALUE(gate.sizes() == up.sizes() && grad.sizes() == gate.sizes(), "swiglu backward: shapes differ");
   auto dg = at::empty_like(gate);
   auto du = at::empty_like(up);
   const float* gr = grad.data_ptr<float>();
@@ -293,9 +294,9 @@ at::Tensor rotary_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   check_rows(x, "apply_rotary: x");
   check_rows(cos, "apply_rotary: cos");
   check_rows(sin, "apply_rotary: sin");
-  TORCH_CHECK_VALUE(x.dim() == 3 && cos.sizes() == sin.sizes() && cos.numel() == x.size(0) * x.size(2) &&
-                        cos.size(-1) == x.size(2) && x.size(2) % 2 == 0,
-                    "apply_rotary: x [N, H, D] (D even) with cos / sin of N x D values");
+  MVLM_CHECK_VALUE(x.dim() == 3 && cos.sizes() == sin.sizes() && cos.numel() == x.size(0) * x.size(2) &&
+                       cos.size(-1) == x.size(2) && x.size(2) % 2 == 0,
+                   "apply_rotary: x [N, H, D] (D even) with cos / sin of N x D values");
   auto out = at::empty_like(x);
   const int64_t heads = x.size(1), d = x.size(2);
   const float* xp = x.data_ptr<float>();
@@ -311,17 +312,17 @@ at::Tensor rotary_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& slot_ids,
                                 const std::optional<at::Tensor>& block_table, int64_t max_seqlen_k, double scale) {
-  TORCH_CHECK_VALUE(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1,
-                    "decode_attention: q must be a float32 CPU [B, Hq, D] tensor with contiguous rows");
+  MVLM_CHECK_VALUE(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1,
+                   "decode_attention: q must be a float32 CPU [B, Hq, D] tensor with contiguous rows");
   check_rows(k_cache, "decode_attention: k_cache");
   check_rows(v_cache, "decode_attention: v_cache");
-  TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-                    "decode_attention: equal caches [slots or blocks, length, Hkv, D]");
+  MVLM_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+                   "decode_attention: equal caches [slots or blocks, length, Hkv, D]");
   const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t block = k_cache.size(1), hkv = k_cache.size(2);
-  TORCH_CHECK_VALUE(k_cache.size(3) == d && hkv > 0 && hq % hkv == 0, "decode_attention: head dims / GQA groups");
-  TORCH_CHECK_VALUE(cache_seqlens.numel() == batch, "decode_attention: cache_seqlens must be [B]");
-  TORCH_CHECK_VALUE(!(slot_ids.has_value() && block_table.has_value()), "decode_attention: slot_ids or block_table");
+  MVLM_CHECK_VALUE(k_cache.size(3) == d && hkv > 0 && hq % hkv == 0, "decode_attention: head dims / GQA groups");
+  MVLM_CHECK_VALUE(cache_seqlens.numel() == batch, "decode_attention: cache_seqlens must be [B]");
+  MVLM_CHECK_VALUE(!(slot_ids.has_value() && block_table.has_value()), "decode_attention: slot_ids or block_table");
   const auto lens_t = cache_seqlens.to(at::kLong).contiguous();
   const int64_t* lens = lens_t.data_ptr<int64_t>();
   // The slot layout is the paged one with one block (the whole slot) per sequence: table[b] = slot of b.
@@ -330,12 +331,12 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   const int64_t* table = nullptr;
   int64_t max_blocks = 1;
   if (block_table.has_value()) {
-    TORCH_CHECK_VALUE(block_table->dim() == 2 && block_table->size(0) == batch, "decode_attention: block_table [B, blocks]");
+    MVLM_CHECK_VALUE(block_table->dim() == 2 && block_table->size(0) == batch, "decode_attention: block_table [B, blocks]");
     table_t = block_table->to(at::kLong).contiguous();
     table = table_t.data_ptr<int64_t>();
     max_blocks = table_t.size(1);
   } else if (slot_ids.has_value()) {
-    TORCH_CHECK_VALUE(slot_ids->numel() == batch, "decode_attention: slot_ids must be [B]");
+    MVLM_CHECK_VALUE(slot_ids->numel() == batch, "decode_attention: slot_ids must be [B]");
     table_t = slot_ids->to(at::kLong).contiguous();
     table = table_t.data_ptr<int64_t>();
   } else {
@@ -355,8 +356,8 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
     const int64_t n = std::min(lens[b], length);
     for (int64_t j = 0; j < n; j += block) {
       const int64_t blk = table[b * max_blocks + j / block];
-      TORCH_CHECK_INDEX(blk >= 0 && blk < n_cache_blocks, "decode_attention: sequence ", b, " reads cache block / slot ",
-                        blk, " of ", n_cache_blocks);
+      MVLM_CHECK_INDEX(blk >= 0 && blk < n_cache_blocks, "decode_attention: sequence ", b, " reads cache block / slot ",
+                       blk, " of ", n_cache_blocks);
     }
   }
   float* op = out.data_ptr<float>();
@@ -378,7 +379,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
 }
 
 int64_t parallel_threads(int64_t n) {
-  TORCH_CHECK_VALUE(n >= 1, "parallel_threads: n must be >= 1");
+  MVLM_CHECK_VALUE(n >= 1, "parallel_threads: n must be >= 1");
   std::vector<char> used(std::max(at::get_num_threads(), 1), 0);
   at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
     const int t = at::get_thread_num();

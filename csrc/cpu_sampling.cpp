@@ -13,6 +13,7 @@
 // vector exp (relative error ~2e-7), so logp agrees with torch's to ~1e-6 and a token differs only when u lands
 // within that of a CDF step.
 #include "cpu_vec.h"
+#include "check.h"
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -107,29 +108,29 @@ MVLM_CLONES void sample_row(const float* z, int64_t vocab, float t, float u, con
 
 std::tuple<at::Tensor, at::Tensor> sample_rows_cpu(const at::Tensor& logits, const at::Tensor& uniform,
                                                    const std::optional<at::Tensor>& suppress_ids, double temperature) {
-  TORCH_CHECK_VALUE(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
-                    "sample_rows: logits must be contiguous float32 [rows, vocab], got ", logits.scalar_type(), " ",
-                    logits.sizes());
+  MVLM_CHECK_VALUE(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+                   "sample_rows: logits must be contiguous float32 [rows, vocab], got ", logits.scalar_type(), " ",
+                   logits.sizes());
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  TORCH_CHECK_VALUE(vocab > 0, "sample_rows: empty vocabulary");
-  TORCH_CHECK_VALUE(uniform.dim() == 1 && uniform.size(0) == rows && uniform.scalar_type() == at::kFloat &&
-                        uniform.is_contiguous(),
-                    "sample_rows: uniform must be contiguous float32 [", rows, "], got ", uniform.scalar_type(), " ",
-                    uniform.sizes());
-  TORCH_CHECK_VALUE(temperature > 0.0, "sample_rows: temperature must be > 0, got ", temperature);
+  MVLM_CHECK_VALUE(vocab > 0, "sample_rows: empty vocabulary");
+  MVLM_CHECK_VALUE(uniform.dim() == 1 && uniform.size(0) == rows && uniform.scalar_type() == at::kFloat &&
+                       uniform.is_contiguous(),
+                   "sample_rows: uniform must be contiguous float32 [", rows, "], got ", uniform.scalar_type(), " ",
+                   uniform.sizes());
+  MVLM_CHECK_VALUE(temperature > 0.0, "sample_rows: temperature must be > 0, got ", temperature);
   std::vector<unsigned char> mask;
   if (suppress_ids.has_value() && suppress_ids->numel() > 0) {
     const at::Tensor ids = suppress_ids->to(at::kLong).contiguous();
     mask.assign(vocab, 0);
     const int64_t* idp = ids.data_ptr<int64_t>();
     for (int64_t j = 0; j < ids.numel(); ++j) {
-      TORCH_CHECK_VALUE(idp[j] >= 0 && idp[j] < vocab, "sample_rows: suppressed token id ", idp[j], " outside [0, ",
-                        vocab, ")");
+      MVLM_CHECK_VALUE(idp[j] >= 0 && idp[j] < vocab, "sample_rows: suppressed token id ", idp[j], " outside [0, ",
+                       vocab, ")");
       mask[idp[j]] = 1;
     }
     int64_t n_suppressed = 0;
     for (unsigned char b : mask) n_suppressed += b;
-    TORCH_CHECK_VALUE(n_suppressed < vocab, "sample_rows: every token of the vocabulary is suppressed");
+    MVLM_CHECK_VALUE(n_suppressed < vocab, "sample_rows: every token of the vocabulary is suppressed");
   }
   at::Tensor tokens = at::empty({rows}, logits.options().dtype(at::kLong));
   at::Tensor logp = at::empty({rows}, logits.options());

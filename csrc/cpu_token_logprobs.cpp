@@ -10,6 +10,7 @@
 // times 1 / temperature, written over z. float32, rows contiguous; labels int64 in [0, V) (the wrapper maps
 // ignored labels to 0 and zeroes their gradients).
 #include "cpu_vec.h"
+#include "check.h"
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -75,15 +76,15 @@ MVLM_CLONES void bwd_rows(float* z, const int64_t* labels, const float* lse, con
 }
 
 void check_z(const at::Tensor& z, const at::Tensor& labels) {
-  TORCH_CHECK_VALUE(z.device().is_cpu() && z.scalar_type() == at::kFloat && z.is_contiguous() && z.dim() == 2 &&
-                        z.size(1) > 0,
-                    "token log-probs (csrc): z must be a contiguous float32 CPU [N, V] tensor");
-  TORCH_CHECK_VALUE(labels.scalar_type() == at::kLong && labels.is_contiguous() && labels.numel() == z.size(0),
-                    "token log-probs (csrc): labels must be int64 [N]");
+  MVLM_CHECK_VALUE(z.device().is_cpu() && z.scalar_type() == at::kFloat && z.is_contiguous() && z.dim() == 2 &&
+                       z.size(1) > 0,
+                   "token log-probs (csrc): z must be a contiguous float32 CPU [N, V] tensor");
+  MVLM_CHECK_VALUE(labels.scalar_type() == at::kLong && labels.is_contiguous() && labels.numel() == z.size(0),
+                   "token log-probs (csrc): labels must be int64 [N]");
   const int64_t* lab = labels.data_ptr<int64_t>();
   for (int64_t r = 0; r < z.size(0); ++r) {
-    TORCH_CHECK_INDEX(lab[r] >= 0 && lab[r] < z.size(1), "token log-probs (csrc): label ", lab[r], " outside [0, ",
-                      z.size(1), ")");
+    MVLM_CHECK_INDEX(lab[r] >= 0 && lab[r] < z.size(1), "token log-probs (csrc): label ", lab[r], " outside [0, ",
+                     z.size(1), ")");
   }
 }
 
@@ -111,13 +112,13 @@ void token_logprob_grad_rows_cpu(const at::Tensor& z, const at::Tensor& labels, 
   check_z(z, labels);
   const int64_t rows = z.size(0), vocab = z.size(1);
   for (const auto* t : {&lse, &ent, &grad_logp}) {
-    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == rows,
-                      "token log-probs (csrc): lse / entropy / gradients must be float32 [N]");
+    MVLM_CHECK_VALUE(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == rows,
+                     "token log-probs (csrc): lse / entropy / gradients must be float32 [N]");
   }
   const float* ge = nullptr;
   if (grad_ent.has_value()) {
-    TORCH_CHECK_VALUE(grad_ent->scalar_type() == at::kFloat && grad_ent->is_contiguous() && grad_ent->numel() == rows,
-                      "token log-probs (csrc): entropy gradient must be float32 [N]");
+    MVLM_CHECK_VALUE(grad_ent->scalar_type() == at::kFloat && grad_ent->is_contiguous() && grad_ent->numel() == rows,
+                     "token log-probs (csrc): entropy gradient must be float32 [N]");
     ge = grad_ent->data_ptr<float>();
   }
   float* zp = z.data_ptr<float>();

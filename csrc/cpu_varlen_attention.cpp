@@ -14,6 +14,7 @@
 // sample without blocking, and the backward keeps P and dS (L x L per head of a group): the wrapper uses it for
 // short samples only.
 #include "cpu_vec.h"
+#include "check.h"
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -39,18 +40,18 @@ struct Sample {
 
 std::vector<Sample> samples_of(const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t tq, int64_t tk) {
   const auto cq = cu_q.to(at::kLong).contiguous(), ck = cu_k.to(at::kLong).contiguous();
-  TORCH_CHECK_VALUE(cq.dim() == 1 && ck.dim() == 1 && cq.numel() == ck.numel() && cq.numel() >= 1,
-                    "attention: cu_seqlens_q / cu_seqlens_k must be 1-D of equal length");
+  MVLM_CHECK_VALUE(cq.dim() == 1 && ck.dim() == 1 && cq.numel() == ck.numel() && cq.numel() >= 1,
+                   "attention: cu_seqlens_q / cu_seqlens_k must be 1-D of equal length");
   const int64_t* a = cq.data_ptr<int64_t>();
   const int64_t* b = ck.data_ptr<int64_t>();
   const int64_t n = cq.numel() - 1;
-  TORCH_CHECK_VALUE(a[0] == 0 && b[0] == 0 && a[n] == tq && b[n] == tk,
-                    "attention: cu_seqlens must start at 0, not decrease and end at the token counts (q ", tq, ", k ", tk,
-                    ")");
+  MVLM_CHECK_VALUE(a[0] == 0 && b[0] == 0 && a[n] == tq && b[n] == tk,
+                   "attention: cu_seqlens must start at 0, not decrease and end at the token counts (q ", tq, ", k ", tk,
+                   ")");
   std::vector<Sample> out(n);
   for (int64_t s = 0; s < n; ++s) {
-    TORCH_CHECK_VALUE(a[s + 1] >= a[s] && b[s + 1] >= b[s],
-                      "attention: cu_seqlens must start at 0, not decrease and end at the token counts");
+    MVLM_CHECK_VALUE(a[s + 1] >= a[s] && b[s + 1] >= b[s],
+                     "attention: cu_seqlens must start at 0, not decrease and end at the token counts");
     out[s] = {a[s], a[s + 1] - a[s], b[s], b[s + 1] - b[s]};
   }
   return out;
@@ -214,13 +215,13 @@ MVLM_CLONES void bwd_task(const float* q, const float* k, const float* v, const 
 
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   for (const auto* t : {&q, &k, &v}) {
-    TORCH_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3,
-                      "attention (csrc): q / k / v must be contiguous float32 CPU [T, H, D] tensors");
+    MVLM_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3,
+                     "attention (csrc): q / k / v must be contiguous float32 CPU [T, H, D] tensors");
   }
-  TORCH_CHECK_VALUE(k.sizes() == v.sizes() && q.size(2) == k.size(2) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
-                    "attention (csrc): k / v [Tk, Hkv, D] with Hkv dividing q's heads and q's head dim");
-  TORCH_CHECK_VALUE(q.size(2) % 8 == 0 && q.size(2) <= kMaxHeadDim, "attention (csrc): head dim must be a multiple "
-                    "of 8 and <= ", kMaxHeadDim);
+  MVLM_CHECK_VALUE(k.sizes() == v.sizes() && q.size(2) == k.size(2) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+                   "attention (csrc): k / v [Tk, Hkv, D] with Hkv dividing q's heads and q's head dim");
+  MVLM_CHECK_VALUE(q.size(2) % 8 == 0 && q.size(2) <= kMaxHeadDim, "attention (csrc): head dim must be a multiple "
+                   "of 8 and <= ", kMaxHeadDim);
 }
 
 }  // namespace
@@ -254,10 +255,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd_cpu(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& cu_q, const at::Tensor& cu_k, bool causal, double scale) {
   check_qkv(q, k, v);
-  TORCH_CHECK_VALUE(grad.sizes() == q.sizes() && out.sizes() == q.sizes() && grad.is_contiguous() && out.is_contiguous() &&
-                        grad.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && lse.is_contiguous() &&
-                        lse.numel() == q.size(0) * q.size(1),
-                    "attention (csrc) backward: grad / out like q, lse [Tq, Hq]");
+  MVLM_CHECK_VALUE(grad.sizes() == q.sizes() && out.sizes() == q.sizes() && grad.is_contiguous() && out.is_contiguous() &&
+                       grad.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && lse.is_contiguous() &&
+                       lse.numel() == q.size(0) * q.size(1),
+                   "attention (csrc) backward: grad / out like q, lse [Tq, Hq]");
   const auto samples = samples_of(cu_q, cu_k, q.size(0), k.size(0));
   const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(2);
   auto dq = at::zeros_like(q);

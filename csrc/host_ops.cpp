@@ -9,7 +9,7 @@
 // Both must equal the Python implementations exactly. On any invalid input they raise, and the
 // Python dispatch (megatron_vlm/_ext.py) then runs the Python implementation, which raises the
 // documented error; so the messages here only need to be useful, not identical.
-#include <string>
+#include "check.h"
 #include "ops.h"
 
 #include <ATen/ops/empty.h>
@@ -55,22 +55,22 @@ int64_t sequence_positions(const int64_t* ty, const int64_t* col, int64_t n, Gri
       const int64_t* grid;
       float interval = 1.0f;
       if (kind == 1) {
-        TORCH_CHECK_VALUE(cur.next_image < cur.num_images, "more image placeholder runs than image grids");
+        MVLM_CHECK_VALUE(cur.next_image < cur.num_images, "more image placeholder runs than image grids");
         grid = cur.image + 3 * cur.next_image++;
       } else {
-        TORCH_CHECK_VALUE(cur.next_video < cur.num_videos, "more video placeholder runs than video grids");
+        MVLM_CHECK_VALUE(cur.next_video < cur.num_videos, "more video placeholder runs than video grids");
         grid = cur.video + 3 * cur.next_video++;
         double iv = cur.default_interval;
         if (cur.intervals != nullptr) {
-          TORCH_CHECK_VALUE(cur.next_interval < cur.num_intervals, "more video runs than second_per_grid_ts");
+          MVLM_CHECK_VALUE(cur.next_interval < cur.num_intervals, "more video runs than second_per_grid_ts");
           iv = cur.intervals[cur.next_interval++];
         }
         // torch: (arange(t) * interval) is a float32 product (the Python scalar is cast to float32)
         interval = static_cast<float>(iv);
       }
-      TORCH_CHECK_VALUE(grid[0] >= 0 && grid[1] >= 0 && grid[2] >= 0, "negative grid");
+      MVLM_CHECK_VALUE(grid[0] >= 0 && grid[1] >= 0 && grid[2] >= 0, "negative grid");
       const int64_t t = grid[0], h = grid[1] / merge, w = grid[2] / merge;
-      TORCH_CHECK_VALUE(t * h * w == len, "a vision run's length does not match its grid");
+      MVLM_CHECK_VALUE(t * h * w == len, "a vision run's length does not match its grid");
       int64_t q = i;
       for (int64_t it = 0; it < t; ++it) {
         const int64_t tp = static_cast<int64_t>(static_cast<float>(it) * interval) + pos;
@@ -88,11 +88,7 @@ int64_t sequence_positions(const int64_t* ty, const int64_t* col, int64_t n, Gri
       if (w > 0) max_pos = std::max(max_pos, pos + w - 1);
       pos += std::max(grid[1], grid[2]) / merge;
     } else {
-      // The message is built with std::to_string and passed as one C string: formatting the integer through
-      // c10::str (an std::ostringstream) crashed this error path on a CUDA machine (SIGSEGV, torch 2.11 / nvcc 13
-      // build) while the checks with literal messages raised ValueError there.
-      const std::string msg = "mm_token_type_ids has value " + std::to_string(kind) + "; expected 0, 1 or 2";
-      TORCH_CHECK_VALUE(false, msg.c_str());
+      MVLM_CHECK_VALUE(false, "mm_token_type_ids has value ", kind, "; expected 0, 1 or 2");
     }
     i = j;
   }
@@ -101,7 +97,7 @@ int64_t sequence_positions(const int64_t* ty, const int64_t* col, int64_t n, Gri
 
 at::Tensor grids_or_empty(const std::optional<at::Tensor>& g, const char* name) {
   if (!g.has_value()) return at::empty({0, 3}, at::kLong);
-  TORCH_CHECK_VALUE(g->dim() == 2 && g->size(1) == 3, name, " must be [n, 3]");
+  MVLM_CHECK_VALUE(g->dim() == 2 && g->size(1) == 3, name, " must be [n, 3]");
   return g->to(at::kCPU, at::kLong).contiguous();
 }
 
@@ -113,12 +109,12 @@ std::tuple<at::Tensor, at::Tensor> mrope_position_ids_cpu(
     const std::optional<at::Tensor>& image_grid_thw, const std::optional<at::Tensor>& video_grid_thw,
     const std::optional<at::Tensor>& video_intervals, double default_interval, int64_t image_token_id,
     int64_t video_token_id, int64_t spatial_merge_size) {
-  TORCH_CHECK_VALUE(input_ids.dim() == 2, "input_ids must be [B, T]");
-  TORCH_CHECK_VALUE(spatial_merge_size > 0, "spatial_merge_size must be > 0");
+  MVLM_CHECK_VALUE(input_ids.dim() == 2, "input_ids must be [B, T]");
+  MVLM_CHECK_VALUE(spatial_merge_size > 0, "spatial_merge_size must be > 0");
   const int64_t batch = input_ids.size(0), seq = input_ids.size(1);
   at::Tensor types;
   if (mm_token_type_ids.has_value()) {
-    TORCH_CHECK_VALUE(mm_token_type_ids->sizes() == input_ids.sizes(), "mm_token_type_ids shape != input_ids shape");
+    MVLM_CHECK_VALUE(mm_token_type_ids->sizes() == input_ids.sizes(), "mm_token_type_ids shape != input_ids shape");
     types = mm_token_type_ids->to(at::kCPU, at::kLong).contiguous();
   } else {
     const at::Tensor ids = input_ids.to(at::kCPU, at::kLong).contiguous();
@@ -154,13 +150,13 @@ std::tuple<at::Tensor, at::Tensor> mrope_position_ids_cpu(
   std::vector<int64_t> col(seq), ty(seq);
 
   if (cu_seqlens.has_value()) {
-    TORCH_CHECK_VALUE(batch == 1, "packed input (cu_seqlens) needs batch size 1");
-    TORCH_CHECK_VALUE(!attention_mask.has_value(), "pass either cu_seqlens or attention_mask, not both");
+    MVLM_CHECK_VALUE(batch == 1, "packed input (cu_seqlens) needs batch size 1");
+    MVLM_CHECK_VALUE(!attention_mask.has_value(), "pass either cu_seqlens or attention_mask, not both");
     const at::Tensor cu = cu_seqlens->to(at::kCPU, at::kLong).contiguous().reshape({-1});
     const int64_t* b = cu.data_ptr<int64_t>();
     const int64_t nb = cu.numel();
-    TORCH_CHECK_VALUE(nb >= 1 && b[0] == 0 && b[nb - 1] == seq, "cu_seqlens must rise from 0 to T");
-    for (int64_t s = 0; s + 1 < nb; ++s) TORCH_CHECK_VALUE(b[s + 1] >= b[s], "cu_seqlens must not decrease");
+    MVLM_CHECK_VALUE(nb >= 1 && b[0] == 0 && b[nb - 1] == seq, "cu_seqlens must rise from 0 to T");
+    for (int64_t s = 0; s + 1 < nb; ++s) MVLM_CHECK_VALUE(b[s + 1] >= b[s], "cu_seqlens must not decrease");
     for (int64_t q = 0; q < seq; ++q) col[q] = q;
     for (int64_t s = 0; s + 1 < nb; ++s) {
       const int64_t lo = b[s], hi = b[s + 1];
@@ -170,7 +166,7 @@ std::tuple<at::Tensor, at::Tensor> mrope_position_ids_cpu(
   } else {
     at::Tensor keep;
     if (attention_mask.has_value()) {
-      TORCH_CHECK_VALUE(attention_mask->sizes() == input_ids.sizes(), "attention_mask shape != input_ids shape");
+      MVLM_CHECK_VALUE(attention_mask->sizes() == input_ids.sizes(), "attention_mask shape != input_ids shape");
       keep = attention_mask->to(at::kCPU).ne(0).contiguous();
     }
     for (int64_t bi = 0; bi < batch; ++bi) {
@@ -203,7 +199,7 @@ std::tuple<at::Tensor, at::Tensor> mrope_position_ids_cpu(
 
 std::tuple<at::Tensor, at::Tensor> first_fit_pack_cpu(const at::Tensor& lengths_in, const at::Tensor& order_in,
                                                       int64_t capacity, int64_t max_open) {
-  TORCH_CHECK_VALUE(capacity > 0, "capacity must be > 0");
+  MVLM_CHECK_VALUE(capacity > 0, "capacity must be > 0");
   const at::Tensor lengths = lengths_in.to(at::kCPU, at::kLong).contiguous().reshape({-1});
   const at::Tensor order = order_in.to(at::kCPU, at::kLong).contiguous().reshape({-1});
   const int64_t* len = lengths.data_ptr<int64_t>();
@@ -218,10 +214,10 @@ std::tuple<at::Tensor, at::Tensor> first_fit_pack_cpu(const at::Tensor& lengths_
   std::vector<int64_t> pack_of(n), size_of;
   for (int64_t q = 0; q < n; ++q) {
     const int64_t i = ord[q];
-    TORCH_CHECK_VALUE(i >= 0 && i < num_lengths, "order index out of range");
+    MVLM_CHECK_VALUE(i >= 0 && i < num_lengths, "order index out of range");
     const int64_t need = len[i];
-    TORCH_CHECK_VALUE(need <= capacity, "sample longer than the pack capacity");
-    TORCH_CHECK_VALUE(need > 0, "sample of length <= 0");
+    MVLM_CHECK_VALUE(need <= capacity, "sample longer than the pack capacity");
+    MVLM_CHECK_VALUE(need > 0, "sample of length <= 0");
     size_t p = 0;
     for (; p < open.size(); ++p) {
       if (open[p].room >= need) break;

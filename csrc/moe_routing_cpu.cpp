@@ -8,6 +8,7 @@
 //   they are bitwise the reference's, and the selection then sees the same values.
 // * moe_permute_indices: the index part of kernels.moe_permute by counting instead of sorting:
 //   per-expert counts, exclusive prefix sum, stable scatter (pairs of one expert keep their order).
+#include "check.h"
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -26,27 +27,27 @@ namespace megatron_vlm {
 
 void check_topk_gating_args(const at::Tensor& logits, const std::optional<at::Tensor>& bias, int64_t top_k,
                             int64_t n_group, int64_t topk_group) {
-  TORCH_CHECK_VALUE(logits.dim() == 2, "topk_gating: logits must be [N, E], got ", logits.sizes());
-  TORCH_CHECK_VALUE(logits.scalar_type() == at::kFloat, "topk_gating: logits must be float32, got ",
-                    logits.scalar_type());
+  MVLM_CHECK_VALUE(logits.dim() == 2, "topk_gating: logits must be [N, E], got ", logits.sizes());
+  MVLM_CHECK_VALUE(logits.scalar_type() == at::kFloat, "topk_gating: logits must be float32, got ",
+                   logits.scalar_type());
   const int64_t e = logits.size(1);
-  TORCH_CHECK_VALUE(top_k > 0 && top_k <= e, "topk_gating: top_k ", top_k, " must be in 1..", e);
-  TORCH_CHECK_VALUE(n_group > 0 && e % n_group == 0 && topk_group > 0 && topk_group <= n_group,
-                    "topk_gating: n_group ", n_group, " must divide ", e, " and topk_group ", topk_group,
-                    " be in 1..n_group");
-  TORCH_CHECK_VALUE(top_k <= topk_group * (e / n_group), "topk_gating: top_k exceeds the experts of the kept groups");
+  MVLM_CHECK_VALUE(top_k > 0 && top_k <= e, "topk_gating: top_k ", top_k, " must be in 1..", e);
+  MVLM_CHECK_VALUE(n_group > 0 && e % n_group == 0 && topk_group > 0 && topk_group <= n_group,
+                   "topk_gating: n_group ", n_group, " must divide ", e, " and topk_group ", topk_group,
+                   " be in 1..n_group");
+  MVLM_CHECK_VALUE(top_k <= topk_group * (e / n_group), "topk_gating: top_k exceeds the experts of the kept groups");
   if (bias.has_value()) {
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == e, "topk_gating: bias must be [E]");
-    TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat, "topk_gating: bias must be float32");
-    TORCH_CHECK_VALUE(bias->device() == logits.device(), "topk_gating: bias on another device than logits");
+    MVLM_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == e, "topk_gating: bias must be [E]");
+    MVLM_CHECK_VALUE(bias->scalar_type() == at::kFloat, "topk_gating: bias must be float32");
+    MVLM_CHECK_VALUE(bias->device() == logits.device(), "topk_gating: bias on another device than logits");
   }
 }
 
 void check_permute_args(const at::Tensor& topk_ids, int64_t num_experts) {
-  TORCH_CHECK_VALUE(topk_ids.dim() == 2, "moe_permute_indices: topk_ids must be [N, k]");
-  TORCH_CHECK_VALUE(!at::isFloatingType(topk_ids.scalar_type()) && topk_ids.scalar_type() != at::kBool,
-                    "moe_permute_indices: topk_ids must be an integer tensor");
-  TORCH_CHECK_VALUE(num_experts >= 0, "moe_permute_indices: num_experts must be >= 0");
+  MVLM_CHECK_VALUE(topk_ids.dim() == 2, "moe_permute_indices: topk_ids must be [N, k]");
+  MVLM_CHECK_VALUE(!at::isFloatingType(topk_ids.scalar_type()) && topk_ids.scalar_type() != at::kBool,
+                   "moe_permute_indices: topk_ids must be an integer tensor");
+  MVLM_CHECK_VALUE(num_experts >= 0, "moe_permute_indices: num_experts must be >= 0");
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_gating_cpu(const at::Tensor& logits_in,
@@ -131,8 +132,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_permute_indices_cpu(const at:
   at::Tensor counts = at::zeros({num_experts}, topk_ids.options().dtype(at::kLong));
   int64_t* cnt = counts.data_ptr<int64_t>();
   for (int64_t i = 0; i < pairs; ++i) {
-    TORCH_CHECK_VALUE(ex[i] >= 0 && ex[i] < num_experts, "moe_permute_indices: expert id ", ex[i],
-                      " outside 0..", num_experts - 1);
+    MVLM_CHECK_VALUE(ex[i] >= 0 && ex[i] < num_experts, "moe_permute_indices: expert id ", ex[i],
+                     " outside 0..", num_experts - 1);
     ++cnt[ex[i]];
   }
   std::vector<int64_t> next(static_cast<size_t>(num_experts));

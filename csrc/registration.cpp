@@ -9,6 +9,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "check.h"
 #include "ops.h"
 
 #include <ATen/ops/empty.h>
@@ -21,7 +22,7 @@ std::tuple<at::Tensor, at::Tensor> mrope_position_ids_meta(
     const at::Tensor& input_ids, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
     const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
     const std::optional<at::Tensor>&, double, int64_t, int64_t, int64_t) {
-  TORCH_CHECK_VALUE(input_ids.dim() == 2, "input_ids must be [B, T]");
+  MVLM_CHECK_VALUE(input_ids.dim() == 2, "input_ids must be [B, T]");
   const auto opts = input_ids.options().dtype(at::kLong);
   const int64_t samples = cu_seqlens.has_value() ? cu_seqlens->size(0) - 1 : input_ids.size(0);
   return {at::empty({3, input_ids.size(0), input_ids.size(1)}, opts), at::empty({samples, 1}, opts)};

@@ -90,14 +90,21 @@ def register_builtin_ops(registry) -> None:
 
     register("grouped_mm", "torch_grouped_mm", "torch_fused.grouped_mm:grouped_mm", check=grouped_mm_check,
              auto_devices=("cuda",), priority=15)
-    # rollout decoding over the slot / paged cache (kernels/triton/decode_attention.py): forced only. Its first
-    # version was 3.3x slower per decode step than the torch backend on an H100 (benchmarks/RESULTS.md,
-    # 2026-11-26); the split-K rewrite is not yet timed on a GPU (benchmarks/kernels/bench_decode_attention.py)
+    # rollout decoding over the slot / paged cache (kernels/triton/decode_attention.py, split-K flash decoding): auto on
+    # CUDA. Decode step of the Qwen2.5-VL-3B shape, 16 sequences x ~1.05k cached keys, bf16, NVIDIA H200
+    # (benchmarks/e2e/profile_decode.py, benchmarks/RESULTS.md, 2026-11-27): 5.92 ms median (5.01 min) with CUDA
+    # graphs vs 7.61 (7.38) for the torch backend (gather + SDPA); eager steps 33.5 vs 35.9 ms (host-bound both)
     register("decode_attention", "triton", "triton.decode_attention:decode_attention", check=triton_check,
-             auto_devices=(), priority=10)
+             auto_devices=("cuda",), priority=10)
     # torch's fused LayerNorm: our Triton layer_norm ran 0.68x / 0.97x its time (fwd / bwd) on an H100 at the
     # InternViT shape (bench_rms_norm, benchmarks/RESULTS.md, 2026-11-26)
     register("layer_norm", "torch_fused", "torch_fused.norms:layer_norm", auto_devices=("cuda",), priority=15)
+    # torch's flash varlen kernel for packed training attention: forced only until measured against our Triton
+    # varlen kernel on a GPU (benchmarks/kernels/bench_attention.py, "torch varlen_attn" rows)
+    from .torch_fused.varlen_attention import check as torch_varlen_check
+
+    register("attention", "torch_varlen", "torch_fused.varlen_attention:attention", check=torch_varlen_check,
+             auto_devices=(), priority=25)
     # MoE routing (reference/moe_routing.py) and the compiled backends of megatron_vlm._C (csrc/,
     # loaded lazily by megatron_vlm/_ext.py; its check says why it is unavailable when it is)
     register("moe_topk_gating", "torch", "reference.moe_routing:moe_topk_gating", auto_devices=everywhere)
@@ -105,9 +112,9 @@ def register_builtin_ops(registry) -> None:
 
     # auto devices: where it was measured faster than the reference (CPU gating is not: it calls torch's
     # own softmax / sigmoid for bitwise-equal scores and loses on the top-k; docs/extension.md)
-    register_backend("moe_permute", "csrc", "megatron_vlm._ext:moe_permute", registry=registry, check=csrc_check,
+    register_backend("moe_permute", "csrc", f"{_PKG}.csrc.moe:moe_permute", registry=registry, check=csrc_check,
                      auto_devices=("cpu", "cuda"), priority=5)
-    register_backend("moe_topk_gating", "csrc", "megatron_vlm._ext:moe_topk_gating", registry=registry,
+    register_backend("moe_topk_gating", "csrc", f"{_PKG}.csrc.moe:moe_topk_gating", registry=registry,
                      check=csrc_check, auto_devices=("cuda",), priority=5)
     # fused fp32 CPU kernels of the per-token layer ops (csrc/cpu_layer_ops.cpp, kernels/csrc/layer_ops.py): auto
     # on the CPU, where the references are chains of elementwise calls (benchmarks/kernels/bench_csrc_layer_ops.py)

@@ -38,8 +38,11 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterator, Mapping, Optional, T
 
 import torch
 
+from megatron_vlm.errors import ConfigError
+
 if TYPE_CHECKING:  # the checks themselves live in availability.py; this module imports no sibling
     from .availability import Check
+    from .config import KernelsConfig
 
 logger = logging.getLogger("megatron_vlm.kernels")
 
@@ -47,8 +50,11 @@ AUTO = "auto"
 _NO_SCOPE: Mapping[str, str] = MappingProxyType({})
 
 
-class BackendUnavailableError(RuntimeError):
-    """A forced backend cannot run this call (not installed, wrong device, unsupported dtype ...)."""
+class BackendUnavailableError(ConfigError, RuntimeError):
+    """A forced backend cannot run this call (not installed, wrong device, unsupported dtype ...).
+
+    A `ConfigError` (the `[kernels]` key asks for what this run cannot do: the runner exits 2) and still a
+    `RuntimeError`, as callers that predate that catch it."""
 
 
 class _Slot:
@@ -99,7 +105,7 @@ class KernelRegistry:
     def ops(self) -> Tuple[str, ...]:
         return tuple(self.backends)
 
-    def validated(self, choices: Mapping[str, str]) -> Dict[str, str]:
+    def validated(self, choices: "Mapping[str, str] | KernelsConfig") -> Dict[str, str]:
         """choices (a dict op -> backend or "auto", or a KernelsConfig) as a dict, checked against the
         registered ops and backends (KeyError naming the unknown op / backend)."""
         if hasattr(choices, "as_dict"):
@@ -114,7 +120,7 @@ class KernelRegistry:
                 )
         return dict(choices)
 
-    def configure(self, choices: Mapping[str, str]) -> Dict[str, str]:
+    def configure(self, choices: "Mapping[str, str] | KernelsConfig") -> Dict[str, str]:
         """Set the process default ("auto" = choose) per op; returns the previous default (to restore)."""
         choices = self.validated(choices)
         previous = dict(self.forced)
@@ -217,6 +223,14 @@ class KernelRegistry:
             backend.slot.fn = getattr(importlib.import_module(module), attr)
         return backend.slot.fn
 
+    def implementation(self, op: str, name: str) -> Callable:
+        """Backend `name` of `op` itself, whatever the configuration chooses: how a backend reaches another one
+        (DeepEP's adapter falls back to the `torch` all-to-all) without importing the package that defines it."""
+        backends = self._backends_of(op)
+        if name not in backends:
+            raise KeyError(f"kernels: op {op!r} has no backend {name!r}; known: {', '.join(sorted(backends))}")
+        return self._load(backends[name])
+
     def resolve(self, op: str, x: torch.Tensor) -> Callable:
         """The implementation to call for `op` given its first tensor argument.
 
@@ -256,7 +270,7 @@ def register_backend(
     (registry or DEFAULT_REGISTRY).register(op, Backend(name, target, check, tuple(auto_devices), priority))
 
 
-def configure(choices: Mapping[str, str]) -> Dict[str, str]:
+def configure(choices: "Mapping[str, str] | KernelsConfig") -> Dict[str, str]:
     """Apply a `[kernels]` section (dict op -> backend or "auto", or a KernelsConfig) as the process
     default; returns the previous default."""
     return DEFAULT_REGISTRY.configure(choices)

@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Convert a distributed training checkpoint to a Hugging Face folder (on demand; runs also export
-at the end). One process, CPU; reads the run's config.toml next to `checkpoints/` for the model path
-and its `[lora]` section.
+at the end). One process, CPU. What the checkpoint holds (the model path, LoRA or not, its r / alpha /
+rsLoRA) is read from its own `layout.json`, written with the shards; the run's config.toml beside
+`checkpoints/` is read only for a checkpoint written before that record existed (and for the adapter
+dropout it notes), so an edited or overwritten config.toml never changes what is exported.
 
     python launch/convert_checkpoint.py --checkpoint runs/demo_sft/checkpoints/step_100 --out /tmp/hf
 
@@ -10,6 +12,10 @@ adapter_model.safetensors), or with `--merge` as the full model with the adapter
 adapter folder (ours or one trained with `peft`) is merged into its base model with
 
     python launch/convert_checkpoint.py --adapter runs/x/adapter --model-path /ckpt/base --merge --out /tmp/hf
+
+Input problems (a checkpoint that is incomplete or unreadable, a model folder without config.json, a base
+model the adapter does not fit, `--out` a file, weights or adapter factors holding NaN / inf) exit 2 with
+one `error:` line; nothing is written then.
 """
 from __future__ import annotations
 
@@ -28,21 +34,31 @@ def _error(msg: str) -> int:
     return 2
 
 
+_INPUT_ERRORS = (OSError, ValueError, KeyError, RuntimeError)
+"""What a bad input raises while reading or writing (missing files, mismatched shapes / names, NaN)."""
+
+
 def _merge_adapter(adapter: Path, model_path: str, out: str) -> int:
     """Base folder + PEFT adapter folder -> merged Hugging Face folder."""
     from megatron_vlm.checkpoint.hf import load_hf_model, save_hf_model
     from megatron_vlm.config.sections import LoRAConfig
     from megatron_vlm.training.lora import setup_lora
 
-    cfg = json.loads((adapter / "adapter_config.json").read_text()) if (adapter / "adapter_config.json").is_file() else {}
-    model = load_hf_model(model_path, device="cpu")
+    try:
+        cfg = json.loads((adapter / "adapter_config.json").read_text())
+    except (OSError, ValueError) as e:
+        return _error(f"--adapter: {adapter} is not a readable PEFT adapter folder ({e})")
+    try:
+        model = load_hf_model(model_path, device="cpu")
+    except _INPUT_ERRORS as e:
+        return _error(f"--model-path: cannot load {model_path} as the base model: {e}")
     lora = LoRAConfig(r=int(cfg.get("r", 8)), alpha=float(cfg.get("lora_alpha", 8)),
                       use_rslora=bool(cfg.get("use_rslora", False)), init_from=str(adapter))
     try:
         setup_lora(model, lora, model.hf_config)
-    except (ValueError, FileNotFoundError) as e:
-        return _error(str(e))
-    save_hf_model(model, out, copy_from=model_path)  # a model with adapters is written merged
+        save_hf_model(model, out, copy_from=model_path)  # a model with adapters is written merged
+    except _INPUT_ERRORS as e:
+        return _error(f"cannot merge {adapter} into {model_path}: {e}")
     print(f"wrote {out} (merged {adapter} into {model_path})")
     return 0
 
@@ -53,43 +69,73 @@ def main(argv=None) -> int:
     src.add_argument("--checkpoint", help="a checkpoints/step_<N> folder")
     src.add_argument("--adapter", help="a PEFT LoRA adapter folder to merge into --model-path (needs --merge)")
     p.add_argument("--out", required=True, help="output folder (Hugging Face model, or PEFT adapter)")
-    p.add_argument("--model-path", default=None, help="source HF folder (default: [model] path of the run's config.toml)")
+    p.add_argument("--model-path", default=None, help="source HF folder (default: the model.path in the checkpoint's layout.json; older checkpoints: the run's config.toml)")
     p.add_argument("--merge", action="store_true", help="LoRA: write the full model with the adapter merged in")
     a = p.parse_args(argv)
 
+    out = Path(a.out)
+    if out.exists() and not out.is_dir():
+        return _error(f"--out: {out} is a file; name a folder (created, or replaced when complete)")
+    if a.model_path is not None and not (Path(a.model_path) / "config.json").is_file():
+        return _error(f"--model-path: {a.model_path} has no config.json (not a Hugging Face model folder)")
     if a.adapter is not None:
         if not a.merge or a.model_path is None:
             return _error("--adapter needs --merge and --model-path (the base model the adapter was trained on)")
         return _merge_adapter(Path(a.adapter), a.model_path, a.out)
+    try:
+        return _convert_checkpoint(Path(a.checkpoint), a.model_path, a.out, merge=a.merge)
+    except _INPUT_ERRORS as e:
+        return _error(f"cannot convert {a.checkpoint}: {e}")
 
+
+def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool) -> int:
     import torch.distributed.checkpoint as dcp
 
     from megatron_vlm.checkpoint.export import export_hf_from_state_dict
+    from megatron_vlm.checkpoint.layout import read_layout
     from megatron_vlm.checkpoint.manager import MARKER
     from megatron_vlm.config.loader import ConfigError, from_dict
     from megatron_vlm.config.sections import LoRAConfig
+    from megatron_vlm.finite import check_finite
     from megatron_vlm.models import build_model
     from megatron_vlm.models.common.lora import merged_state_dict
     from megatron_vlm.training.lora import scaling_of, select_lora_targets, write_adapter
 
-    ckpt = Path(a.checkpoint)
     if not (ckpt / MARKER).is_file():
-        return _error(f"{ckpt} is not a complete checkpoint (no {MARKER} marker)")
+        return _error(f"--checkpoint: {ckpt} is not a complete checkpoint (no {MARKER} marker)")
+    if not (ckpt / ".metadata").is_file():
+        return _error(f"--checkpoint: {ckpt} has no .metadata (the DCP index): the checkpoint is damaged; "
+                      "convert an earlier one")
+    layout = read_layout(ckpt)  # ValueError when unreadable: reported as an input error
     cfg_file = ckpt.parent.parent / "config.toml"
-    run_cfg = tomllib.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-    model_path = a.model_path
+    try:
+        run_cfg = tomllib.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        if layout is None:
+            return _error(f"{cfg_file}: unreadable ({e}); pass --model-path")
+        run_cfg = {}
     if model_path is None:
-        if not run_cfg:
-            return _error(f"{cfg_file} not found; pass --model-path")
-        model_path = run_cfg["model"]["path"]
+        model_path = (layout or {}).get("model.path") or run_cfg.get("model", {}).get("path")
+        if not model_path:
+            return _error(f"{ckpt} has no {'layout.json' if layout is None else 'model.path in layout.json'} "
+                          f"and {cfg_file} names no model; pass --model-path")
+        if not (Path(model_path) / "config.json").is_file():
+            return _error(f"--model-path: the checkpoint's model {model_path} has no config.json; pass --model-path")
     lora = None
-    if "lora" in run_cfg:
+    if layout is not None:  # what the checkpoint holds, whatever config.toml says now
+        if layout.get("lora") is not None:
+            rec = layout["lora"]
+            dropout = float(run_cfg.get("lora", {}).get("dropout", 0.0))  # only noted in the adapter's config
+            lora = LoRAConfig(r=int(rec["r"]), alpha=float(rec["alpha"]), dropout=dropout,
+                              use_rslora=bool(rec["use_rslora"]), target_modules=list(rec["target_modules"]),
+                              include_vision=bool(rec["include_vision"]))
+    elif "lora" in run_cfg:
         try:
             lora = from_dict(LoRAConfig, run_cfg["lora"])
         except ConfigError as e:
             return _error(f"{cfg_file}: [lora]: {e}")
-    elif a.merge:
-        return _error(f"--merge: the run of {ckpt} has no [lora] section ({cfg_file}); its checkpoint is a full model")
+    if lora is None and merge:
+        return _error(f"--merge: {ckpt} holds no LoRA adapter (a full model); convert it without --merge")
     hf_config = json.loads((Path(model_path) / "config.json").read_text())
     model = build_model(hf_config, device="cpu")
     if lora is not None:
@@ -102,14 +148,15 @@ def main(argv=None) -> int:
     state = {"model": {f"model.{k}": v for k, v in model.state_dict().items()}}
     dcp.load(state, checkpoint_id=str(ckpt))
     sd = {k[len("model."):]: v for k, v in state["model"].items()}
-    if lora is not None and not a.merge:
-        write_adapter(Path(a.out), sd, hf_config, lora, base_model_name_or_path=str(model_path))
-        print(f"wrote {a.out} (PEFT adapter; --merge writes the merged model)")
+    check_finite(sd, f"{ckpt}: the checkpoint is corrupt")
+    if lora is not None and not merge:
+        write_adapter(Path(out), sd, hf_config, lora, base_model_name_or_path=str(model_path))
+        print(f"wrote {out} (PEFT adapter; --merge writes the merged model)")
         return 0
     if lora is not None:
         sd = merged_state_dict(sd, scaling_of(lora))
-    export_hf_from_state_dict(sd, model_path, a.out)
-    print(f"wrote {a.out}")
+    export_hf_from_state_dict(sd, model_path, out)
+    print(f"wrote {out}")
     return 0
 
 

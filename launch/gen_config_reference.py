@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Generate the README's config reference from the section dataclasses' field docstrings.
+"""Generate the config reference (docs/config_reference.md) from the section dataclasses' field docstrings.
 
     python launch/gen_config_reference.py            # print the markdown
-    python launch/gen_config_reference.py --write    # rewrite the block in README.md
+    python launch/gen_config_reference.py --write    # rewrite the block in docs/config_reference.md
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from megatron_vlm.config import Config  # noqa: E402
 from megatron_vlm.config.loader import field_docs  # noqa: E402
 
 BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
+REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "config_reference.md"
 
 
 def _type_str(tp) -> str:
@@ -34,14 +35,21 @@ def _default(f) -> str:
 
 
 def _section(name: str, cls) -> list[str]:
+    """The table of `[name]`, followed by the tables of its sub-tables (`[name.field]`, e.g. `[rl.rollout]`)."""
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
-    lines = [f"### [{name}]", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+    lines = [f"## [{name}]", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+    nested = []
     for f in dataclasses.fields(cls):
         tp = _type_str(hints[f.name]).replace("|", "\\|")
         doc = docs.get(f.name, "").replace("|", "\\|")
         lines.append(f"| `{f.name}` | `{tp}` | `{_default(f)}` | {doc} |")
-    return lines + [""]
+        if isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name]):
+            nested.append((f"{name}.{f.name}", hints[f.name]))
+    lines.append("")
+    for sub_name, sub_cls in nested:
+        lines += _section(sub_name, sub_cls)
+    return lines
 
 
 def render() -> str:
@@ -58,11 +66,10 @@ def render() -> str:
 def main() -> None:
     md = render()
     if "--write" in sys.argv:
-        readme = Path(__file__).resolve().parent.parent / "README.md"
-        text = readme.read_text()
+        text = REFERENCE.read_text()
         head, rest = text.split(BEGIN, 1)
         _, tail = rest.split(END, 1)
-        readme.write_text(f"{head}{BEGIN}\n{md}{END}{tail}")
+        REFERENCE.write_text(f"{head}{BEGIN}\n{md}{END}{tail}")
     else:
         print(md)
 

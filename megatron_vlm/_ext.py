@@ -7,8 +7,9 @@ each op in a thin function whose result equals the pure-Python implementation ex
 * `mrope_position_ids(...)` -> (position_ids, rope_deltas) or None: the C++ twin of
   megatron_vlm/models/common/mrope_index.py get_mrope_position_ids (Qwen2.5-VL and Qwen3-VL).
 * `first_fit_pack(...)` -> list of packs or None: the C++ twin of megatron_vlm/data/packing.py.
-* `moe_permute(...)`, `moe_topk_gating(...)`: the `csrc` backends of the kernels registry ops
-  (same signatures and errors as kernels/reference/moe.py and moe_routing.py).
+
+The `csrc` backends of the kernels registry's MoE ops (`moe_permute`, `moe_topk_gating`) call the ops this
+module loads from `kernels/csrc/moe.py`: this loader imports nothing of the op library (which imports it).
 
 The two host-side wrappers return None when the extension is missing, inside `python_only()`, or
 for input the C++ code rejects; the caller then runs its Python implementation, which raises the
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 __all__ = ["load", "available", "unavailable_reason", "python_only", "backend_check", "mrope_position_ids",
-           "first_fit_pack", "moe_permute", "moe_topk_gating"]
+           "first_fit_pack"]
 
 _lock = threading.Lock()
 _module = None
@@ -167,46 +168,6 @@ def first_fit_pack(lengths: Sequence[int], order: Sequence[int], capacity: int, 
         return None
     flat, off = samples.tolist(), offsets.tolist()
     return [flat[a:b] for a, b in zip(off[:-1], off[1:])]
-
-
-# ----- kernels registry backends (MoE routing) ----------------------------------------------------
-
-def moe_permute(hidden: torch.Tensor, topk_ids: torch.Tensor, *, num_experts: Optional[int] = None):
-    """kernels.moe_permute with the indices from counting (csrc/): same outputs and errors as the reference."""
-    from megatron_vlm.kernels.reference.moe import moe_permute_topk_ids  # kernels imports this module
-
-    topk_ids = moe_permute_topk_ids(hidden, topk_ids)
-    if not torch.compiler.is_compiling():  # value checks need a host sync, as in the reference
-        if topk_ids.numel() and int(topk_ids.min()) < 0:
-            raise ValueError(f"moe_permute: negative expert id {int(topk_ids.min())} in topk_ids")
-        if num_experts is None:
-            num_experts = int(topk_ids.max()) + 1 if topk_ids.numel() else 0
-        elif topk_ids.numel() and int(topk_ids.max()) >= num_experts:
-            raise ValueError(f"moe_permute: expert id {int(topk_ids.max())} >= num_experts {num_experts}")
-    elif num_experts is None:
-        raise ValueError("moe_permute: pass num_experts under torch.compile")
-    row_map, source, tokens_per_expert = torch.ops.megatron_vlm.moe_permute_indices(topk_ids, num_experts)
-    return hidden.index_select(0, source), row_map, tokens_per_expert
-
-
-def moe_topk_gating(
-    logits: torch.Tensor,
-    top_k: int,
-    *,
-    score_func: str = "softmax",
-    bias: Optional[torch.Tensor] = None,
-    n_group: int = 1,
-    topk_group: int = 1,
-    norm_topk_prob: bool = True,
-    routed_scaling_factor: float = 1.0,
-):
-    """kernels.moe_topk_gating fused in C++ / CUDA: (scores [N, E], topk_weights [N, k], topk_ids [N, k])."""
-    if score_func not in ("sigmoid", "softmax"):
-        raise ValueError(f"moe_topk_gating: score_func must be sigmoid or softmax, got {score_func!r}")
-    return torch.ops.megatron_vlm.topk_gating(
-        logits.float(), None if bias is None else bias.float(), int(top_k), score_func == "sigmoid", int(n_group),
-        int(topk_group), bool(norm_topk_prob), float(routed_scaling_factor),
-    )
 
 
 def _register_python_parts() -> None:

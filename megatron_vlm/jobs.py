@@ -11,7 +11,7 @@ its held-out evaluation from here. Set-up order, per kind (the same on every ran
   (`train.max_steps`, or `train.epochs` x steps per epoch of the loader), optimizer + schedule,
   checkpointer + resume, metrics logger, evaluator, loop;
 - GRPO: config checks, model bundle, prompt sets / engine / rewards / reference, run length
-  (`train.max_steps`, or `train.epochs` x ceil(prompts / rl.prompts_per_step)), optimizer + schedule,
+  (`train.max_steps`, or `train.epochs` x ceil(prompts / rl.batch.prompts_per_step)), optimizer + schedule,
   checkpointer + resume, metrics logger, evaluator, loop; the reward workers are closed however the
   run ends.
 - both: `[moe]` keys on a model without MoE layers are refused (config error, exit 2);
@@ -38,15 +38,16 @@ from megatron_vlm.eval.grpo_accuracy import GRPOEvaluator
 from megatron_vlm.eval.report import write_eval_results
 from megatron_vlm.eval.sft import SFTEvaluator
 from megatron_vlm.parallel.collectives import barrier
-from megatron_vlm.rl.async_bridge import current_role
-from megatron_vlm.rl.async_rollout import run_rollout_rank
-from megatron_vlm.rl.async_trainer import AsyncGRPOLoopStep
+from megatron_vlm.rl.asynchronous.bridge import current_role
+from megatron_vlm.rl.asynchronous.rollout_rank import run_rollout_rank
+from megatron_vlm.rl.asynchronous.trainer import AsyncGRPOLoopStep
 from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.trainer import GRPOLoopStep, build_grpo_parts, check_grpo_config, grpo_total_steps
 from megatron_vlm.training.checkpointing import Checkpointer
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.loggers import build_metrics_logger
 from megatron_vlm.training.loop import run_loop
+from megatron_vlm.training.lora import LoRASetupError
 from megatron_vlm.training.model_bundle import build_model_bundle
 from megatron_vlm.training.optim import build_optim_state, total_steps
 from megatron_vlm.training.sft import SFTStep, build_train_loader, prepare_sft_data, steps_per_epoch
@@ -99,7 +100,7 @@ def run_grpo(ctx: RunContext, *, before_step=None) -> int:
         evaluate = GRPOEvaluator(ctx, bundle.wrapper, rl, parts.engine, parts.encoder, parts.manager, parts.sets.eval,
                                  dims=bundle.dims)
         if role is not None:
-            step = AsyncGRPOLoopStep(ctx, parts.sets.train, grpo, role, model=bundle.model,
+            step = AsyncGRPOLoopStep(ctx, parts.sets.train, grpo, role, model=bundle.model, encoder=parts.encoder,
                                      start_step=resume.step if resume is not None else 0, total_steps=num_steps,
                                      evaluate=evaluate, bad_records=parts.bad_records)
         else:
@@ -142,12 +143,18 @@ def run_stages(ctx: RunContext, *, before_step=None) -> int:
 
 def _eval_adapter_lora(folder: str) -> LoRAConfig:
     """`eval.adapter` as a `[lora]` section that loads the PEFT adapter in `folder` onto the model's layers
-    (its own r / alpha / rsLoRA; no dropout): the forward is base + adapter, as `PeftModel` computes it."""
+    (its own r / alpha / rsLoRA / target_modules; no dropout): the forward is base + adapter, as `PeftModel` computes
+    it. Factors for layers target_modules does not name, or target_modules naming layers without factors, are
+    refused (exit 2) rather than evaluated differently from `PeftModel`."""
     path = Path(folder) / "adapter_config.json"
     try:
         meta = json.loads(path.read_text())
+        targets = meta.get("target_modules") or []
+        # PEFT adapts exactly the layers target_modules names (a str: one regex); "all-linear": the factors decide
+        targets = [] if targets == "all-linear" else [targets] if isinstance(targets, str) else [str(t) for t in targets]
         return LoRAConfig(r=int(meta["r"]), alpha=float(meta["lora_alpha"]), dropout=0.0,
-                          use_rslora=bool(meta.get("use_rslora", False)), init_from=folder, init_from_mode="continue")
+                          use_rslora=bool(meta.get("use_rslora", False)), init_from=folder, init_from_mode="continue",
+                          target_modules=targets, include_vision=bool(targets))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"eval.adapter: {path} is not a readable PEFT LoRA adapter config ({e})") from None
 
@@ -160,7 +167,12 @@ def run_eval(ctx: RunContext) -> int:
     for i, bench in enumerate(cfg.eval.benchmarks):  # every benchmark's files readable before the first is scored
         open_benchmark(bench, template=bench.prompt_template or cfg.eval.prompt_template,
                        system_prompt=cfg.eval.system_prompt, key=f"eval.benchmarks[{i}].path")
-    bundle = build_model_bundle(ctx)
+    try:
+        bundle = build_model_bundle(ctx)
+    except LoRASetupError as e:
+        if not cfg.eval.adapter:
+            raise
+        raise ConfigError(f"eval.adapter: {cfg.eval.adapter}: {e}") from None
     engine = answer_engine(ctx, bundle)
     scorer = VerifierScorer(cfg.eval)
     results = []

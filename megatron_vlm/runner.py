@@ -1,9 +1,11 @@
 """Job runner behind launch/pretrain_vlm.py: process group, run folder, model folder, the job kind
-(`megatron_vlm.jobs`), teardown — and the exit codes: 0 done, 1 stopped by too many non-finite steps
-in a row or a failed checkpoint save / HF export (the previous checkpoint intact), 2 a missing model
-folder, a config error found once the model is built (including a `parallel.tp` the model's heads /
-MLP / vocabulary do not divide) or a checkpoint that cannot be resumed (one line
-on stderr), 143 stopped by SIGTERM / SIGUSR1 after a checkpoint, 130 Ctrl-C."""
+(`megatron_vlm.jobs`), teardown — and the exit codes: 0 done; 1 stopped by too many non-finite steps
+in a row, by reward calls that all failed for `rl.reward_pool.max_failed_steps` steps, or by a failed
+checkpoint save / HF export (the previous checkpoint intact); 2 a missing model folder, a
+`train.output_dir` that another job holds (training/run_lock.py), is a file or cannot be written, a
+config error found once the model is built (including a `parallel.tp` the model's heads / MLP /
+vocabulary do not divide) or a checkpoint that cannot be resumed (one line on stderr); 143 stopped by
+SIGTERM / SIGUSR1 after a checkpoint; 130 Ctrl-C."""
 from __future__ import annotations
 
 import logging
@@ -13,19 +15,16 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_vlm.checkpoint.manager import gather_errors
 from megatron_vlm.config import ConfigError, save_config
 from megatron_vlm.jobs import run_kind
-from megatron_vlm.kernels import BackendUnavailableError
-from megatron_vlm.models.mcore.layer import McoreBackendError
 from megatron_vlm.parallel import destroy_distributed, init_distributed
-from megatron_vlm.parallel.mesh import LayoutError
-from megatron_vlm.parallel.tensor_parallel import TPError
-from megatron_vlm.rl.async_bridge import setup_roles
-from megatron_vlm.rl.rollout.policy_engine import CudaGraphsConfigError, PagedKVConfigError
+from megatron_vlm.rl.asynchronous.bridge import setup_roles
+from megatron_vlm.rl.rewards.failure_watch import RewardsAllFailedError
 from megatron_vlm.rl.trainer import check_model_folder
 from megatron_vlm.testing.synthesize import synthesize_model_folder
 from megatron_vlm.training.context import RunContext
-from megatron_vlm.training.lora import LoRASetupError
+from megatron_vlm.training.run_lock import claim_run_dir
 from megatron_vlm.training.step_guard import NonFiniteStepError
 
 __all__ = ["exit_process", "run_job"]
@@ -54,12 +53,22 @@ def run_job(cfg, *, before_step=None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     env = init_distributed()
+    lock = None
     try:
         run_dir = Path(cfg.train.output_dir)
         rollout_rank = role is not None and role.is_rollout  # waits for the trainer's set-up instead
+        err = None
         if env.is_main and not rollout_rank:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, run_dir / "config.toml")
+            try:
+                lock = claim_run_dir(run_dir)  # one writer per run folder (training/run_lock.py)
+                # an evaluation never overwrites the config.toml of a training run it is pointed at
+                save_config(cfg, run_dir / ("eval_config.toml" if cfg.train.mode == "eval" else "config.toml"))
+            except (ConfigError, OSError) as e:
+                err = str(e) if isinstance(e, ConfigError) else f"train.output_dir: cannot write {run_dir} ({e})"
+        failed = next((e for e in gather_errors(err) if e), None)  # every rank leaves together
+        if failed is not None:
+            print(f"config error: {failed}", file=sys.stderr)
+            return 2
         try:
             if cfg.train.mode == "grpo":
                 check_model_folder(cfg)  # names the SFT run that produces a missing start checkpoint
@@ -78,13 +87,14 @@ def run_job(cfg, *, before_step=None) -> int:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         return code
-    except (ConfigError, LoRASetupError, TPError, LayoutError, BackendUnavailableError, McoreBackendError,
-            CudaGraphsConfigError, PagedKVConfigError) as e:
-        # found once the model is built or first runs ([moe] keys, [lora], parallel sizes, a forced [kernels]
-        # backend that cannot run here: not installed, wrong device or dtype, parallel.backend = "mcore" layers)
+    except ConfigError as e:
+        # found once the model is built or first runs ([moe] keys, [lora] (LoRASetupError), parallel sizes
+        # (TPError, LayoutError), a forced [kernels] backend that cannot run here (BackendUnavailableError),
+        # parallel.backend = "mcore" layers (McoreBackendError), CUDA graphs / paged KV cache of the rollout
+        # engine (CudaGraphsConfigError, PagedKVConfigError): all ConfigError subclasses)
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except NonFiniteStepError as e:
+    except (NonFiniteStepError, RewardsAllFailedError) as e:
         log.error("%s", e)
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -93,6 +103,8 @@ def run_job(cfg, *, before_step=None) -> int:
         return 130
     finally:
         destroy_distributed()
+        if lock is not None:
+            lock.release()
 
 
 def exit_process(code: int) -> None:

@@ -32,15 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_rollout import NoDecode, make_prompts, qwen2_5_vl_3b_config, tiny_config  # noqa: E402
 
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine  # noqa: E402
 from megatron_vlm.models import build_model, get_family  # noqa: E402
 from megatron_vlm.parallel import build_mesh, init_distributed  # noqa: E402
-from megatron_vlm.rl.config import RLConfig  # noqa: E402
-from megatron_vlm.rl.data import PromptSample  # noqa: E402
+from megatron_vlm.rl.config import RLBatchConfig, RLConfig, RLLossConfig, RLRolloutConfig  # noqa: E402
 from megatron_vlm.rl.grpo_step import GRPOStep  # noqa: E402
+from megatron_vlm.rl.prompts.dataset import PromptSample  # noqa: E402
 from megatron_vlm.rl.reference import ReferencePolicy  # noqa: E402
 from megatron_vlm.rl.rewards.config import ExactMatchRewardConfig  # noqa: E402
 from megatron_vlm.rl.rewards.manager import RewardBatch  # noqa: E402
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine  # noqa: E402
 from megatron_vlm.training.lm_loss import TokenLogprobModel  # noqa: E402
 from megatron_vlm.training.optim import OptimState, build_optimizer, build_scheduler  # noqa: E402
 
@@ -79,7 +79,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU (smoke test)")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--kl", type=float, default=0.0, help="rl.kl_coef (> 0 adds the reference model)")
+    ap.add_argument("--kl", type=float, default=0.0, help="rl.loss.kl_coef (> 0 adds the reference model)")
     ap.add_argument("--prompts", type=int, default=None, help="prompts per step (default 8; --quick 4)")
     ap.add_argument("--group", type=int, default=None, help="samples per prompt G (default 8; --quick 4)")
     ap.add_argument("--new-tokens", type=int, default=None, help="new tokens per completion (default 512; --quick 16)")
@@ -115,12 +115,14 @@ def main() -> None:
     )
     bundle = SimpleNamespace(model=model, wrapper=wrapper, dims=dims, moe_balancer=None,
                              trainable_params=[p for p in wrapper.parameters() if p.requires_grad])
-    rl = RLConfig(group_size=group, max_new_tokens=new_tokens, prompts_per_step=n_prompts, temperature=1.0,
-                  kl_coef=args.kl, rewards=[ExactMatchRewardConfig()])
+    rl = RLConfig(batch=RLBatchConfig(group_size=group, prompts_per_step=n_prompts),
+                  rollout=RLRolloutConfig(max_new_tokens=new_tokens, temperature=1.0), loss=RLLossConfig(kl_coef=args.kl),
+                  rewards=[ExactMatchRewardConfig()])
     rl.validate()
     compute_dtype = param_dtype or torch.float32
-    engine = PolicyRolloutEngine(model, TokenIds(), forward=lambda **kw: wrapper(model_kwargs=kw), cache_dtype=compute_dtype,
-                                 device=device, eos_token_ids=[-1])
+    engine = PolicyRolloutEngine(model, TokenIds(),
+                                 EngineOptions(cache_dtype=compute_dtype, device=device, eos_token_ids=[-1]),
+                                 forward=lambda **kw: wrapper(model_kwargs=kw))
     reference = None
     if args.kl > 0:
         ref_model = build_model(cfg, dtype=compute_dtype, device="cpu")

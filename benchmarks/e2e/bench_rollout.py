@@ -53,9 +53,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams  # noqa: E402
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine  # noqa: E402
 from megatron_vlm.models import build_model  # noqa: E402
-from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams  # noqa: E402
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine  # noqa: E402
 
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 151655, 151656, 151652, 151653
 RUNS = ("ours_shared_prefix", "ours_no_sharing", "transformers_generate")
@@ -225,7 +225,8 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({"meta": {**shape, "quick": args.quick, "partial": True}, "results": {}}, indent=2))
 
     def ours(share: bool, graphs: str = "off"):
-        eng = PolicyRolloutEngine(model, NoDecode(), eos_token_ids=[-1], share_prefix=share, device=device, cuda_graphs=graphs)
+        eng = PolicyRolloutEngine(model, NoDecode(),
+                                  EngineOptions(eos_token_ids=[-1], share_prefix=share, device=device, cuda_graphs=graphs))
         gen = torch.Generator(device=device).manual_seed(0)
         return lambda: eng.generate(prompts, params, generator=gen)
 
@@ -291,11 +292,12 @@ def main() -> None:
         results[name]["vs_transformers_best"] = min(times["transformers_generate"]) / min(times[name])
         print(f"{name} / transformers generate = median {statistics.median(ratios):.2f}x, min {min(ratios):.2f}x "
               f"({len(ratios)} interleaved rounds); best call / best call {results[name]['vs_transformers_best']:.2f}x")
-    # the per-step cost of rl.rollout_weights = "copy" on one device: refreshing an engine-owned copy
+    # the per-step cost of rl.rollout.weights = "copy" on one device: refreshing an engine-owned copy
     # from the trainer's full weights (here: our model's state dict into a second model)
     import copy
 
-    copy_engine = PolicyRolloutEngine(copy.deepcopy(model), NoDecode(), eos_token_ids=[-1], device=device, sync_from=model)
+    copy_engine = PolicyRolloutEngine(copy.deepcopy(model), NoDecode(), EngineOptions(eos_token_ids=[-1], device=device),
+                                      sync_from=model)
     refresh = []
     for version in range(3):
         copy_engine.load_weights(None, version=version)

@@ -34,7 +34,7 @@ from bench_rollout import make_prompts, qwen2_5_vl_3b_config, tiny_config  # noq
 
 from megatron_vlm.data.batch import shifted_labels  # noqa: E402
 from megatron_vlm.models import build_model, get_family  # noqa: E402
-from megatron_vlm.parallel import build_mesh, clip_grad_norm_, init_distributed  # noqa: E402
+from megatron_vlm.parallel import apply_ac, build_mesh, clip_grad_norm_, init_distributed  # noqa: E402
 from megatron_vlm.training.lm_loss import TokenLogprobModel  # noqa: E402
 from megatron_vlm.training.optim import build_optimizer  # noqa: E402
 
@@ -84,17 +84,58 @@ def matmul_peak_tflops(device: torch.device, quick: bool) -> float:
     return 2 * n**3 / min(times) / 1e12
 
 
+def profile_step(step, device: torch.device, path: Path) -> None:
+    """One step under torch.profiler: device time by kernel (top 40) and by category, and the step's wall time,
+    so that `1 - kernel time / wall time` is the share of the step the GPU waited on the host."""
+    from kernel_table import categories, kernel_rows
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    rows = kernel_rows(prof, device.type)
+    kernel_ms = sum(r["ms"] for r in rows)
+    cats = categories(rows)
+    out = {"wall_ms": wall_ms, "kernel_ms": kernel_ms, "device_busy": kernel_ms / wall_ms,
+           "categories": {c: {"ms": ms, "share_of_kernels": ms / kernel_ms} for c, ms in sorted(cats.items(), key=lambda x: -x[1])},
+           "kernels": rows[:40]}
+    path.write_text(json.dumps(out, indent=2))
+    print(f"profile: wall {wall_ms:.1f} ms, kernels {kernel_ms:.1f} ms ({kernel_ms / wall_ms:.1%} busy)")
+    for c, v in out["categories"].items():
+        print(f"  {c:32s} {v['ms']:9.1f} ms {v['share_of_kernels']:6.1%}")
+    for r in rows[:15]:
+        print(f"  {r['ms']:9.2f} ms {r['calls']:6d}x {r['name'][:100]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU (smoke test)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up step)")
     ap.add_argument("--tokens", type=int, default=8192, help="tokens of the packed micro-batch")
     ap.add_argument("--samples", type=int, default=4, help="samples in the pack")
-    ap.add_argument("--no-ac", action="store_true", help="disable activation checkpointing")
+    ap.add_argument("--no-ac", action="store_true", help="disable activation checkpointing (same as --ac off)")
+    ap.add_argument("--ac", choices=("full", "selective", "off"), default="full",
+                    help="activation checkpointing of every block: whole blocks, selective (matmul / attention outputs "
+                         "kept, the rest recomputed) or none")
+    ap.add_argument("--attention", default=None, metavar="BACKEND",
+                    help="force the attention backend (kernels.attention: triton, sdpa, torch_varlen, flash_attn, ...)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile every block (parallel.compile)")
+    ap.add_argument("--profile", type=str, default=None, metavar="PATH",
+                    help="torch.profiler over one step after the timed ones: kernel table + categories as JSON")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
     env = init_distributed()
     device = env.device
+    if args.attention:
+        from megatron_vlm.kernels import registry
+
+        registry.configure({"attention": args.attention})
     if args.quick:
         torch.set_num_threads(1)
         cfg, grid, tokens, param_dtype = tiny_config(), (1, 8, 8), min(args.tokens, 256), None
@@ -103,10 +144,13 @@ def main() -> None:
     torch.manual_seed(0)
     model = build_model(cfg, dtype=torch.float32, device=device)
     wrapper = TokenLogprobModel(model)
-    parallel = SimpleNamespace(dp_replicate=1, dp_shard=-1, compile=False, reshard_after_forward=True)
+    ac = "off" if args.no_ac else args.ac
+    parallel = SimpleNamespace(dp_replicate=1, dp_shard=-1, compile=args.compile, reshard_after_forward=True)
     dims, mesh = build_mesh(parallel, env.world_size, device.type)
+    if ac == "selective":  # before parallelize: the order a family's parallelize applies (AC -> compile -> FSDP)
+        apply_ac(model.transformer_blocks(), policy="selective")
     get_family(model.hf_config.get("model_type")).parallelize(
-        model, dims, parallel, mesh=mesh, param_dtype=param_dtype, root=wrapper, activation_checkpointing=not args.no_ac)
+        model, dims, parallel, mesh=mesh, param_dtype=param_dtype, root=wrapper, activation_checkpointing=ac == "full")
     optimizer = build_optimizer(wrapper, SimpleNamespace(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8), device.type)
     params = [p for p in wrapper.parameters() if p.requires_grad]
     batch = packed_batch(cfg, args.samples, tokens, grid)
@@ -134,6 +178,8 @@ def main() -> None:
             torch.cuda.synchronize()
         if i > 0:  # the first step warms up (allocator, kernel selection, autotuning)
             times.append(time.perf_counter() - t0)
+    if args.profile:
+        profile_step(step, device, Path(args.profile))
     peak = matmul_peak_tflops(device, args.quick)
     flops = model_flops(model, cfg, lengths, int(batch["pixel_values"].shape[0]))
     step_s = statistics.median(times)
@@ -147,7 +193,8 @@ def main() -> None:
     for k, v in summary.items():
         print(f"{k:24s} {v:12.4g}")
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (1 thread)", "torch": torch.__version__,
-            "quick": args.quick, "tokens": n_tokens, "samples": args.samples, "activation_checkpointing": not args.no_ac,
+            "quick": args.quick, "tokens": n_tokens, "samples": args.samples, "activation_checkpointing": ac, "compile": args.compile,
+            "attention": args.attention or "auto",
             "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(meta))
     if args.json:

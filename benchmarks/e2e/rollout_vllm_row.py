@@ -24,13 +24,13 @@ def run_vllm_row(args) -> dict:
     from megatron_vlm.checkpoint.hf import load_hf_model
     from megatron_vlm.data.processor import load_processor
     from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
-    from megatron_vlm.rl.data import load_prompt_dataset
-    from megatron_vlm.rl.prompts import PromptEncoder
-    from megatron_vlm.rl.rollout.engine import SamplingParams
-    from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
-    from megatron_vlm.rl.rollout.stopping import eos_token_ids_of
-    from megatron_vlm.rl.rollout.vllm_config import VLLMConfig
-    from megatron_vlm.rl.rollout.vllm_engine import VLLMRolloutEngine
+    from megatron_vlm.inference.engine import SamplingParams
+    from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
+    from megatron_vlm.inference.stopping import eos_token_ids_of
+    from megatron_vlm.inference.vllm_engine import VLLMRolloutEngine
+    from megatron_vlm.rl.config import VLLMConfig
+    from megatron_vlm.rl.prompts.dataset import load_prompt_dataset
+    from megatron_vlm.rl.prompts.encoder import PromptEncoder
     from megatron_vlm.testing.synthesize import synthesize_model_folder
 
     new_tokens, group, n_prompts = args.new_tokens or 32, args.group, args.prompts or 8
@@ -42,7 +42,7 @@ def run_vllm_row(args) -> dict:
         prompts = [p for p in (encoder.encode(s) for s in load_prompt_dataset(vqa, schema="messages").samples) if p][:n_prompts]
         model = load_hf_model(str(folder), dtype=torch.float32, device="cpu").eval()
         eos = sorted(eos_token_ids_of(proc.tokenizer))
-        ours = PolicyRolloutEngine(model, proc.tokenizer, eos_token_ids=eos)
+        ours = PolicyRolloutEngine(model, proc.tokenizer, EngineOptions(eos_token_ids=eos))
         t0 = time.perf_counter()
         vllm = VLLMRolloutEngine(str(folder), VLLMConfig(max_num_seqs=max(16, n_prompts * group)), dtype=torch.float32,
                                  device="cpu", max_model_len=1024, seed=0, eos_token_ids=eos, placeholder_ids=[proc.image_token_id])
@@ -80,6 +80,6 @@ def run_vllm_row(args) -> dict:
 
 
 def _buckets(model):
-    from megatron_vlm.rl.rollout.vllm_weights import hf_weight_buckets
+    from megatron_vlm.inference.vllm_weights import hf_weight_buckets
 
     return hf_weight_buckets(model, 64 << 20)

@@ -51,6 +51,45 @@ def block_diagonal_mask(lengths, causal, device, window=None):
     return mask[None, None]
 
 
+def torch_varlen(hq, hkv, causal, window):
+    """torch's own flash varlen kernel (`torch.nn.attention.varlen.varlen_attn`, torch >= 2.10, CUDA), or None.
+
+    Its signature changed across releases (`is_causal=` in 2.10 / 2.11, `window_size=` later); GQA is
+    `enable_gqa=` where the release has it, else the k / v heads are repeated before the timed call (that
+    copy is then not timed: the row favours torch). A window is only passed to a release that takes one."""
+    try:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    kw = {}
+    if "window_size" in params:
+        left, right = window if window is not None else (-1, -1)
+        kw["window_size"] = (left, 0) if causal else (left, right)
+    elif window is not None:
+        return None
+    elif "is_causal" in params:
+        kw["is_causal"] = causal
+    elif causal:
+        return None
+    gqa_native = "enable_gqa" in params
+    if gqa_native and hq != hkv:
+        kw["enable_gqa"] = True
+
+    def prepare(k, v):
+        if hq == hkv or gqa_native:
+            return k, v
+        rep = hq // hkv
+        return (k.detach().repeat_interleave(rep, dim=1).requires_grad_(), v.detach().repeat_interleave(rep, dim=1).requires_grad_())
+
+    def call(q, k, v, cu_seqlens, max_len):
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kw)
+
+    return prepare, call
+
+
 def cu(lengths, device):
     out = [0]
     for n in lengths:
@@ -155,6 +194,12 @@ def main():
         kw = dict(causal=causal, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths), window=window)
         if ours is not None:
             bench_pair(table, name, "ours triton", lambda: ours(q, k, v, **kw), (q, k, v), flops, device, quick)
+        tv = torch_varlen(hq, hkv, causal, window) if device == "cuda" and dtype != torch.float32 else None
+        if tv is not None:
+            prepare, call = tv
+            k_tv, v_tv = prepare(k, v)
+            bench_pair(table, name, "torch varlen_attn", lambda: call(q, k_tv, v_tv, cu_seqlens, max(lengths)),
+                       (q, k_tv, v_tv), flops, device, quick)
         if flash_attn_varlen_func is not None and device == "cuda":
             fa_window = (left, right) if window else (-1, -1)
             bench_pair(

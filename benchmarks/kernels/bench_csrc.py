@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_vlm import _ext  # noqa: E402
 from megatron_vlm.data.packing import first_fit_pack  # noqa: E402
+from megatron_vlm.kernels.csrc import moe as csrc_moe  # noqa: E402
 from megatron_vlm.kernels.reference.moe import moe_permute as ref_permute  # noqa: E402
 from megatron_vlm.kernels.reference.moe_routing import moe_topk_gating as ref_gating  # noqa: E402
 from megatron_vlm.models.common.mrope_index import get_mrope_position_ids  # noqa: E402
@@ -121,13 +122,13 @@ def bench_routing(device, n, e, k, rounds):
     label = "CUDA" if device == "cuda" else "C++"
     for name, kw in (("softmax", dict(score_func="softmax")),
                      ("sigmoid+bias, 8 groups keep 4", dict(score_func="sigmoid", bias=bias, n_group=8, topk_group=4))):
-        fast = lambda: _ext.moe_topk_gating(logits, k, **kw)  # noqa: E731
+        fast = lambda: csrc_moe.moe_topk_gating(logits, k, **kw)  # noqa: E731
         slow = lambda: ref_gating(logits, k, **kw)  # noqa: E731
         assert torch.equal(fast()[2], slow()[2])
         row(f"top-{k} gating {name} ({n}x{e}, {device})", *interleaved(fast, slow, rounds, sync), label, "torch")
     ids = ref_gating(logits, k)[2]
     hidden = torch.randn(n, 16, device=device)  # narrow rows: time the index work, not the copy
-    fast = lambda: _ext.moe_permute(hidden, ids, num_experts=e)  # noqa: E731
+    fast = lambda: csrc_moe.moe_permute(hidden, ids, num_experts=e)  # noqa: E731
     slow = lambda: ref_permute(hidden, ids, num_experts=e)  # noqa: E731
     assert all(torch.equal(x, y) for x, y in zip(fast(), slow()))
     row(f"moe_permute indices+counts ({n}x top-{k} of {e}, {device})", *interleaved(fast, slow, rounds, sync),

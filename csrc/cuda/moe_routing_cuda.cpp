@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "check.h"
 #include "moe_routing_kernels.h"
 #include "ops.h"
 
@@ -18,8 +19,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_gating_cuda(const at::Tensor
                                                                 int64_t topk_group, bool renormalize,
                                                                 double scaling) {
   check_topk_gating_args(logits_in, bias_in, top_k, n_group, topk_group);
-  TORCH_CHECK_VALUE(logits_in.size(1) <= cuda::gating_max_experts(), "topk_gating: at most ",
-                    cuda::gating_max_experts(), " experts on CUDA");
+  MVLM_CHECK_VALUE(logits_in.size(1) <= cuda::gating_max_experts(), "topk_gating: at most ",
+                   cuda::gating_max_experts(), " experts on CUDA");
   const c10::cuda::CUDAGuard guard(logits_in.device());
   const at::Tensor logits = logits_in.contiguous();
   at::Tensor bias;
@@ -39,11 +40,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_gating_cuda(const at::Tensor
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_permute_indices_cuda(const at::Tensor& topk_ids,
                                                                         int64_t num_experts) {
   check_permute_args(topk_ids, num_experts);
-  TORCH_CHECK_VALUE(num_experts <= 12288, "moe_permute_indices: at most 12288 experts on CUDA");
+  MVLM_CHECK_VALUE(num_experts <= 12288, "moe_permute_indices: at most 12288 experts on CUDA");
   const c10::cuda::CUDAGuard guard(topk_ids.device());
   const at::Tensor flat = topk_ids.to(at::kLong).contiguous().reshape({-1});
   const int64_t pairs = flat.numel();
-  TORCH_CHECK_VALUE(pairs < (int64_t{1} << 31), "moe_permute_indices: too many (token, expert) pairs");
+  MVLM_CHECK_VALUE(pairs < (int64_t{1} << 31), "moe_permute_indices: too many (token, expert) pairs");
   const auto opts = topk_ids.options();
   at::Tensor row_map = at::empty({pairs}, opts.dtype(at::kInt));
   at::Tensor source = at::empty({pairs}, opts.dtype(at::kLong));

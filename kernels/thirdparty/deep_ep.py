@@ -48,6 +48,9 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from .. import moe_permute, moe_unpermute
+from ..registry import DEFAULT_REGISTRY
+
 logger = logging.getLogger("megatron_vlm.kernels")
 _logged: set = set()
 _BUFFERS: Dict[object, Tuple[object, int]] = {}  # process group -> (Buffer, nvl bytes)
@@ -149,13 +152,11 @@ class _Combine(torch.autograd.Function):
 
 def _local_experts(experts, recv_x: torch.Tensor, recv_idx: torch.Tensor, recv_w: torch.Tensor) -> torch.Tensor:
     """Received tokens -> one weighted partial sum per token over its experts held here (step 3)."""
-    from megatron_vlm import kernels
-
     n_local = experts.num_local_experts
     mine = recv_idx >= 0
     ids = torch.where(mine, recv_idx, n_local)  # the -1 slots go to an extra group that is dropped
     weights = torch.where(mine, recv_w, torch.zeros_like(recv_w))
-    permuted, row_map, counts = kernels.moe_permute(recv_x, ids, num_experts=n_local + 1)
+    permuted, row_map, counts = moe_permute(recv_x, ids, num_experts=n_local + 1)
     local_counts = counts[:n_local]
     rows = int(local_counts.sum())
     first = experts._local_weight("gate_up_proj" if experts.gated else "up_proj", recv_x.dtype)
@@ -164,7 +165,7 @@ def _local_experts(experts, recv_x: torch.Tensor, recv_idx: torch.Tensor, recv_w
     # tie the weights into the graph even with no rows, so every rank runs the same backward collectives
     out = out + 0.0 * (recv_x.sum() + recv_w.sum() + first.sum() + down.sum()) if rows == 0 else out
     padded = torch.cat([out, out.new_zeros(permuted.shape[0] - rows, out.shape[1])])
-    return kernels.moe_unpermute(padded, row_map, weights)
+    return moe_unpermute(padded, row_map, weights)
 
 
 def _refusal(experts, x: torch.Tensor, topk_ids: torch.Tensor):
@@ -195,14 +196,14 @@ def _refusal(experts, x: torch.Tensor, topk_ids: torch.Tensor):
 
 
 def ep_forward(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
-    """Public-signature moe_ep_dispatch on DeepEP (contract: `parallel.expert_parallel.all_to_all_forward`)."""
-    from megatron_vlm.parallel.expert_parallel import all_to_all_forward
-
+    """Public-signature moe_ep_dispatch on DeepEP (contract: the op's `torch` backend,
+    `parallel.expert_parallel.all_to_all_forward`, which a refused call falls back to through the registry: the
+    op library does not import `parallel/`)."""
     ep = experts.ep_size
     reason = _refusal(experts, x, topk_ids)
     if reason is not None:
         _log_once(reason)
-        return all_to_all_forward(experts, x, topk_ids, topk_weights)
+        return DEFAULT_REGISTRY.implementation("moe_ep_dispatch", "torch")(experts, x, topk_ids, topk_weights)
     import deep_ep
 
     _log_start()

@@ -13,7 +13,8 @@ dict (`model.hf_config`, dtype fields updated to what is written) and its genera
 `copy_from`, the tokenizer / processor / chat-template files of a source folder are copied too.
 The folder is never written in place: everything goes to a temporary sibling (`.<name>.tmp`), the
 files of an existing folder that this export does not rewrite (e.g. a processor written there
-first) are carried over — old weight shards are not — the whole is fsynced, the old folder is moved
+first) are carried over — files of the previous export (weights, adapter, generation config) are
+not — the whole is fsynced, the old folder is moved
 to `.<name>.old`, the new one renamed into place, a `.export_complete` marker written and the old
 folder deleted (`checkpoint.fsutil.replace_dir`). A crash or a full disk therefore never destroys
 the previous export: at worst it is found under `.<name>.old`, and the next export tidies up.
@@ -33,6 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from megatron_vlm.finite import check_finite
 from megatron_vlm.models.common.lora import lora_modules, merged_state_dict
 from megatron_vlm.models.registry import family_for_args, get_family
 
@@ -192,6 +194,7 @@ def save_hf_model(
     hf = adapter.to_hf(ours)
     if dtype is not None:
         hf = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in hf.items()}
+    check_finite(hf, f"refusing to export {path}")  # a non-finite export is never written (nor replaces a good one)
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp"
@@ -201,6 +204,7 @@ def save_hf_model(
     tmp.mkdir()
     try:
         _write_hf_files(model, args, hf, tmp, max_shard_size, copy_from)
+        share_like_umask(tmp)
         previous = path if path.is_dir() else old if old.is_dir() else None  # old: a crash between two renames
         if previous is not None:
             _carry_over(previous, tmp)
@@ -261,12 +265,22 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
+_EXPORT_OWNED = [
+    r".*\.safetensors", r".*\.safetensors\.index\.json", r"pytorch_model.*\.bin(\.index\.json)?", r"config\.json",
+    r"generation_config\.json", r"adapter_config\.json", r"adapter_model\..*", r"\.(export|adapter)_complete",
+]
+"""Files that belong to one export (weights of any kind, a PEFT adapter, the model and generation configs,
+markers): never carried over from the folder an export replaces, so an export never mixes files of two
+exports (a stale adapter_config.json beside merged weights makes transformers + peft apply the LoRA twice)."""
+
+
 def _carry_over(old: Path, new: Path) -> None:
-    """Hard-link (or copy) into `new` what `old` holds that `new` lacks, except weight files and the
-    marker: writing an export into a folder keeps its other files, as writing in place did."""
+    """Hard-link (or copy) into `new` what `old` holds that `new` lacks, except the files of an export
+    (`_EXPORT_OWNED`): writing an export into a folder keeps its other files (a processor written there
+    first), as writing in place did."""
     for entry in old.iterdir():
         name = entry.name
-        if (new / name).exists() or name == EXPORT_MARKER or name == _INDEX or re.fullmatch(r"model.*\.safetensors", name):
+        if (new / name).exists() or any(re.fullmatch(p, name) for p in _EXPORT_OWNED):
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.copytree(entry, new / name, symlinks=True, copy_function=_link_or_copy)
@@ -313,6 +327,18 @@ def copy_tokenizer_files(src: Union[str, Path], dst: Union[str, Path], *, overwr
 # existing folder of the same name is moved aside first and deleted only after its replacement has
 # its marker, so a crash or a full disk at any moment leaves the previous complete folder on disk
 # (in place, or under its "old" name, which the next start restores — see `CheckpointManager.cleanup`).
+
+
+def share_like_umask(folder: Path) -> None:
+    """Give the files written into `folder` the mode a plain `open()` would (0666 less the umask, so 0644
+    by default): safetensors creates its files 0600, unreadable by the group that shares a cluster folder."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for dirpath, _, filenames in os.walk(str(folder)):
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if not os.path.islink(p):
+                os.chmod(p, 0o666 & ~mask)
 
 
 def fsync_dir(path: Path) -> None:

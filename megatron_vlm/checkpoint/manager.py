@@ -19,6 +19,9 @@ At start (`cleanup`, rank 0): leftover `.tmp_step_*` folders and marker-less `st
 crashed save or prune are deleted, and a `.trash_step_<N>` whose replacement never got its marker
 is put back as `step_<N>`.
 
+Model and optimizer tensors are checked for NaN / inf when saved (refused: the save fails, the previous
+checkpoint stays) and when loaded (a checkpoint with them counts as corrupt: the caller falls back).
+
 Loading unpickles the DCP metadata and the extra files: checkpoints are trusted input. A
 `checkpoint.resume` folder (and its files) must be owned by the current user (`check_owned`).
 """
@@ -46,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from megatron_vlm.checkpoint.hf import describe_error, fsync_dir, replace_dir
 from megatron_vlm.checkpoint.layout import write_layout
+from megatron_vlm.finite import check_finite
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +179,8 @@ class CheckpointManager:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             if hasattr(model, "optim_state_dict_for_save"):  # parallel.pp > 1 (parallel/pipeline.py)
                 optim_sd = model.optim_state_dict_for_save(optim_sd)
+            # a non-finite tensor is never saved: the previous (good) checkpoint must not be pruned for it
+            check_finite({"model": model_sd, "optim": optim_sd.get("state", {})}, f"refusing to save step_{step}")
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
             extra_file = tmp / f"extra_rank{self.rank}.pt"
             with open(extra_file, "wb") as f:
@@ -288,14 +294,20 @@ class CheckpointManager:
         state = {"model": model_sd, "optim": optim_sd}
         local_groups = [list(g["params"]) for g in optim_sd.get("param_groups", [])]
         dcp.load(state, checkpoint_id=str(path))
+        # flipped bytes can make NaN / 3.4e38 without breaking the format: a corrupt checkpoint (the caller falls back)
+        check_finite({"model": state["model"], "optim": state["optim"].get("state", {})}, f"{path}")
         if hasattr(model, "restore_local_param_groups"):  # parallel.pp > 1: saved lists name every stage's
             model.restore_local_param_groups(state["optim"], local_groups)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         extra_file = path / f"extra_rank{self.rank}.pt"
+        if not extra_file.is_file() and not (path / "extra_rank0.pt").is_file():
+            raise FileNotFoundError(f"{extra_file} and extra_rank0.pt missing")
         if not extra_file.is_file():
-            raise FileNotFoundError(
-                f"{extra_file} missing: the checkpoint was written by a different number of processes"
-            )
+            # written by fewer processes: the scheduler, step and data position are global (the data state holds
+            # the global pack count), and every rank of a fresh run starts from the same RNG seed, so rank 0's
+            # file is what this rank would have had
+            extra_file = path / "extra_rank0.pt"
+            log.info("checkpoint %s was written by fewer processes: rank %d resumes from %s", path, self.rank, extra_file)
         extra = torch.load(extra_file, weights_only=True)
         set_rng_state(extra["rng"])
         return extra

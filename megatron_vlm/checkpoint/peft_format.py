@@ -28,7 +28,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_vlm.checkpoint.hf import replace_dir
+from megatron_vlm.checkpoint.hf import replace_dir, share_like_umask
+from megatron_vlm.finite import check_finite
 from megatron_vlm.models.common.state_dict_utils import rename_first
 from megatron_vlm.models.registry import get_family
 
@@ -104,6 +105,11 @@ class PeftNames:
         return key[: -len(".weight")] if key.endswith(".weight") else None
 
 
+def _named(factors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """module -> (A, B) as "<module>.lora_A" / "<module>.lora_B" -> tensor (for messages naming the factor)."""
+    return {f"{m}.{part}": t for m, ab in factors.items() for part, t in zip(("lora_A", "lora_B"), ab)}
+
+
 def is_peft_adapter(path: Union[str, Path]) -> bool:
     path = Path(path)
     return (path / ADAPTER_CONFIG).is_file() and (path / ADAPTER_WEIGHTS).is_file()
@@ -126,6 +132,7 @@ def save_peft_adapter(
     The folder is written to a temporary sibling and put in place when complete (a crash leaves the
     previous adapter intact). Raises ValueError naming a module that has no PEFT name."""
     path = Path(path)
+    check_finite(_named(factors), f"refusing to write the LoRA adapter {path}")
     names = PeftNames(hf_config)
     tensors: dict[str, torch.Tensor] = {}
     targets = []
@@ -166,6 +173,7 @@ def save_peft_adapter(
     try:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        share_like_umask(tmp)
         replace_dir(tmp, path, old, marker=ADAPTER_MARKER, marker_text="peft adapter complete\n", is_complete=Path.is_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -176,7 +184,7 @@ def save_peft_adapter(
 def read_peft_adapter(path: Union[str, Path], hf_config: dict) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """(adapter_config dict, our module name -> (lora_A, lora_B)) of a PEFT LoRA folder.
 
-    Refuses (ValueError) what we cannot reproduce: a non-LoRA adapter, DoRA, per-module ranks /
+    Refuses (ValueError) factors holding NaN or inf, and what we cannot reproduce: a non-LoRA adapter, DoRA, per-module ranks /
     alphas, trained biases or extra saved modules, and tensors that name no layer of the model."""
     path = Path(path)
     if not is_peft_adapter(path):
@@ -208,4 +216,6 @@ def read_peft_adapter(path: Union[str, Path], hf_config: dict) -> tuple[dict, di
         if ours is None:
             raise ValueError(f"{path}: {peft} names no single layer of this {names.model_type} model")
         factors[ours] = (a, b)
+    # a NaN lora_B makes every output garbage (evaluation) or a non-finite merged model (--merge): refused
+    check_finite(_named(factors), f"{path}: the LoRA adapter is unusable")
     return config, factors

@@ -81,15 +81,31 @@ class Config:
         if mode != "eval" and self.train.max_steps is None and self.train.epochs is None and not (
                 self.stages and all(s.max_steps or s.epochs for s in self.stages)):
             raise ValueError("train.max_steps: set max_steps or epochs")
-        if mode == "grpo" and self.rl.kv_cache_blocks:
+        if mode == "grpo" and self.rl is not None and self.rl.rollout.kv_cache_blocks:
             rl, tokens = self.rl, self.data.max_tokens_per_pack
-            need = 1 + -(-tokens // rl.kv_block_size)  # the scratch row's block + one sample of a full pack
-            if rl.kv_cache_blocks < need:
-                raise ValueError(f"rl.kv_cache_blocks: {rl.kv_cache_blocks} blocks of {rl.kv_block_size} positions cannot "
+            need = 1 + -(-tokens // rl.rollout.kv_block_size)  # the scratch row's block + one sample of a full pack
+            if rl.rollout.kv_cache_blocks < need:
+                raise ValueError(f"rl.rollout.kv_cache_blocks: {rl.rollout.kv_cache_blocks} blocks of {rl.rollout.kv_block_size} positions cannot "
                                  f"hold one sample of up to data.max_tokens_per_pack = {tokens} tokens (prompt + budget) "
                                  f"besides the engine's scratch block: needs >= {need}")
+        if self.train.precision == "fp8":
+            self._validate_fp8()
         if self.stages:
             self._validate_stages()
+
+    def _validate_fp8(self) -> None:
+        """Where float8 linear layers cannot go: the GRPO / eval jobs (rollout and scoring forwards share the
+        model; not validated in fp8), LoRA (adapters on frozen bases), megatron-core layers (not torch
+        Linear modules) and tensor parallelism (DTensor-sharded linears need torchao's float8 TP plans)."""
+        if self.train.mode != "sft":
+            raise ValueError(f"train.precision: \"fp8\" is for SFT jobs, not train.mode = {self.train.mode!r}")
+        if self.lora is not None:
+            raise ValueError("train.precision: \"fp8\" cannot be combined with [lora]")
+        if self.parallel.backend == "mcore":
+            raise ValueError("train.precision: \"fp8\" needs parallel.backend = \"native\" (megatron-core layers "
+                             "have no torch Linear modules to convert)")
+        if self.parallel.tp > 1:
+            raise ValueError(f"train.precision: \"fp8\" needs parallel.tp = 1 (got {self.parallel.tp})")
 
     def _validate_stages(self) -> None:
         if self.train.mode != "sft":

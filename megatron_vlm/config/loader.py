@@ -90,7 +90,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"{path}: must be one of {', '.join(repr(a) for a in args)}, got {value!r}{hint}")
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a table ([{path}]), got {_describe(value)}")
         return from_dict(tp, value, path)
@@ -156,6 +156,11 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
     prefix = f"{path}." if path else ""
     for key, value in data.items():
         if key not in fields:
+            moved = getattr(cls, "MOVED", {})  # a section's keys that moved to a sub-table: named, never read
+            if key in moved:
+                new = f"{prefix}{moved[key]}"
+                table, _, name = new.rpartition(".")
+                raise ConfigError(f"{prefix}{key}: moved to {new} (write `{name} = ...` under [{table}])")
             close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]}?" if close else f"; valid keys: {', '.join(sorted(fields))}"
             raise ConfigError(f"{prefix}{key}: unknown key{hint}")

@@ -10,10 +10,10 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
   loader: `train.micro_batches_per_step`, `train.eval_every`, `train.eval_max_batches`,
   `train.eval_generate`, `data.num_workers`, `data.prefetch_factor`, `data.shuffle`,
   `data.length_cache_dir` must keep their defaults (evaluation is `[rl.eval]`; batching is
-  `rl.prompts_per_step` / `rl.mini_batches_per_step` / `data.max_tokens_per_pack`);
+  `rl.batch.prompts_per_step` / `rl.batch.mini_batches_per_step` / `data.max_tokens_per_pack`);
 - SFT: an `[rl]` section is refused (it is only read by GRPO), and so are `train.eval_every` /
   `train.eval_max_batches` when there is no held-out split to evaluate (`data.eval_path` empty);
-- GRPO with `[lora]`: `rl.ref_offload` (the reference is the policy without its adapters, no copy),
+- GRPO with `[lora]`: `rl.update.ref_offload` (the reference is the policy without its adapters, no copy),
   and `rl.allocation` (the asynchronous weight push sends full weights, not adapters);
 - evaluation (`train.mode = "eval"`, launch/evaluate.py) trains nothing and reads its files from
   `[eval]`: `[optimizer]`, `[scheduler]`, `[checkpoint]`, `[moe]`, `[rl]`, `[[stages]]`, the `[train]`
@@ -32,14 +32,20 @@ remember which keys the file spelled out; setting a default value explicitly is 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, Any
 
 from megatron_vlm.config.loader import ConfigError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from megatron_vlm.config import Config
 
 __all__ = ["check_keys_for_mode", "check_moe_section", "changed_keys"]
 
 _GRPO_IGNORED = {
     "train": {
-        "micro_batches_per_step": "GRPO batches by rl.prompts_per_step and rl.mini_batches_per_step",
+        "micro_batches_per_step": "GRPO batches by rl.batch.prompts_per_step and rl.batch.mini_batches_per_step",
         "eval_every": "GRPO evaluates with [rl.eval] (rl.eval.every_steps)",
         "eval_max_batches": "GRPO evaluates with [rl.eval] (rl.eval.max_prompts)",
         "eval_generate": "GRPO evaluation always generates ([rl.eval])",
@@ -59,7 +65,7 @@ _EVAL_DATA_IGNORED = ("type", "train_path", "eval_path", "image_root", "columns"
 _EVAL_IGNORED_SECTIONS = ("optimizer", "scheduler", "checkpoint", "moe")
 
 
-def _check_eval_keys(cfg) -> None:
+def _check_eval_keys(cfg: Config) -> None:
     why = "an evaluation job (train.mode = \"eval\") trains nothing"
     for key in changed_keys(cfg.train):
         if key not in _EVAL_TRAIN_KEYS:
@@ -85,14 +91,14 @@ def _check_eval_keys(cfg) -> None:
                           "(or a merged export as model.path)")
 
 
-def changed_keys(section) -> list[str]:
+def changed_keys(section: Any) -> list[str]:
     """Fields of a dataclass section whose value differs from the field's default."""
     out = []
     for f in dataclasses.fields(section):
         if f.default is not dataclasses.MISSING:
             default = f.default
-        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            default = f.default_factory()  # type: ignore[misc]
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
         else:
             continue
         if getattr(section, f.name) != default:
@@ -100,7 +106,7 @@ def changed_keys(section) -> list[str]:
     return out
 
 
-def _check_pipeline_keys(cfg) -> None:
+def _check_pipeline_keys(cfg: Config) -> None:
     """parallel.pp > 1 runs SFT training steps only (parallel/pipeline.py): what it cannot run is refused."""
     pp = cfg.parallel.pp
     if pp <= 1:
@@ -120,7 +126,7 @@ def _check_pipeline_keys(cfg) -> None:
                           f"(pp = {pp}) is not supported; set moe.aux_loss_coef = 0 (auxiliary-free balancing works)")
 
 
-def check_keys_for_mode(cfg) -> None:
+def check_keys_for_mode(cfg: Config) -> None:
     """Raise ConfigError naming the first key that this job kind would ignore."""
     if cfg.train.mode == "eval":
         _check_eval_keys(cfg)
@@ -138,8 +144,8 @@ def check_keys_for_mode(cfg) -> None:
             raise ConfigError("rl.allocation: asynchronous GRPO pushes the trainer's parameters by name and does not "
                               "support parallel.backend = 'mcore' yet; remove rl.allocation or use backend = 'native'")
     if cfg.train.mode == "grpo":
-        if getattr(cfg, "lora", None) is not None and cfg.rl is not None and cfg.rl.ref_offload:
-            raise ConfigError("rl.ref_offload: has no effect with [lora] (the reference is the policy without its "
+        if getattr(cfg, "lora", None) is not None and cfg.rl is not None and cfg.rl.update.ref_offload:
+            raise ConfigError("rl.update.ref_offload: has no effect with [lora] (the reference is the policy without its "
                               "adapters, no separate copy to offload); remove it")
         if getattr(cfg, "lora", None) is not None and cfg.rl is not None and cfg.rl.allocation is not None:
             raise ConfigError("rl.allocation: asynchronous GRPO pushes full weights to the rollout ranks and does not "
@@ -161,7 +167,7 @@ def check_keys_for_mode(cfg) -> None:
                 raise ConfigError(f"train.{key}: there is no held-out split to evaluate (data.eval_path is empty)")
 
 
-def check_moe_section(cfg, model) -> None:
+def check_moe_section(cfg: Config, model: nn.Module) -> None:
     """Raise ConfigError when `[moe]` sets anything and `model` has no MoE layers."""
     from megatron_vlm.models.common.moe import moe_layers
 

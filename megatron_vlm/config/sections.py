@@ -43,8 +43,13 @@ class TrainConfig:
     """Passes over the training data (used when max_steps is unset)."""
     micro_batches_per_step: int = 1
     """Gradient accumulation: packed micro-batches per data-parallel rank per optimizer step."""
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """Compute dtype: auto = bf16 params / fp32 reduce on GPU/NPU (FSDP2 MixedPrecisionPolicy), fp32 on CPU."""
+    precision: Literal["auto", "bf16", "fp32", "fp8"] = "auto"
+    """Compute dtype: auto = bf16 params / fp32 reduce on GPU/NPU (FSDP2 MixedPrecisionPolicy), fp32 on CPU.
+    fp8 = bf16 training whose language-decoder linear layers run their matmuls in float8 (torchao, the `fp8`
+    extra; SFT only; CUDA compute capability >= 8.9, emulated on the CPU); the vision tower and lm_head stay bf16."""
+    fp8_recipe: Optional[Literal["tensorwise", "rowwise"]] = None
+    """Float8 scaling with precision = "fp8" (unset = tensorwise): one scale per tensor, or one per row
+    (rowwise: finer, slower). Only with precision = "fp8"."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm (computed across shards); 0 disables clipping."""
     train_layers: list[str] = field(default_factory=list)
@@ -78,6 +83,8 @@ class TrainConfig:
             raise ValueError(f"max_grad_norm: must be >= 0, got {self.max_grad_norm}")
         if self.eval_every < 0 or self.log_every <= 0:
             raise ValueError("eval_every/log_every: must be >= 0 / > 0")
+        if self.fp8_recipe is not None and self.precision != "fp8":
+            raise ValueError(f"fp8_recipe: only with precision = \"fp8\" (precision is {self.precision!r})")
         if self.max_consecutive_skipped_steps < 0:
             raise ValueError(f"max_consecutive_skipped_steps: must be >= 0 (0 = never stop), got {self.max_consecutive_skipped_steps}")
 

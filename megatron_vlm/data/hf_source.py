@@ -101,7 +101,7 @@ def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, sourc
                           else resolve(video)})
         markers = prompt.count("<image>")
         n_images = sum(it["type"] == "image" for it in items)
-        if markers and markers != n_images:  # the rule of GRPO's reader (rl/data.py): the same rows usable in both
+        if markers and markers != n_images:  # the rule of GRPO's reader (rl/prompts/dataset.py): the same rows usable in both
             raise BadRecordError("placeholder_mismatch", f"column {c['prompt']!r}: {markers} <image> placeholders "
                                                          f"but {n_images} images")
         items.append({"type": "text", "text": prompt.replace("<image>", "").strip()})

@@ -24,233 +24,28 @@ placeholder strings of the chat template output and the run tokens the model fil
 """
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-import torch
+from megatron_vlm.data.processor_base import (
+    VisionItem,
+    VLProcessor,
+    concat_in_order,
+    folder_chat_template,
+    read_json,
+    special_token_id,
+)
+from megatron_vlm.data.processor_internvl import INTERNVL_IMAGE_PROCESSORS, InternVLProcessor
+from megatron_vlm.data.processor_nemotron_vl import NEMOTRON_VL_IMAGE_PROCESSORS, NemotronVLProcessor
+from megatron_vlm.data.processor_qwen_vl import QWEN_VL_IMAGE_PROCESSORS, QwenVLProcessor
+from megatron_vlm.data.processor_text import is_text_model_folder, load_text_processor
 
-from megatron_vlm.data.expansion import Expansion, expand, placeholder_order
-
-__all__ = ["VLProcessor", "VisionItem", "load_processor", "as_vl_processor", "read_json", "folder_chat_template",
-           "special_token_id", "concat_in_order"]
-
-
-def _kind(item: dict) -> str:
-    t = item.get("type")
-    if t in ("image", "video", "text"):
-        return t
-    if t == "image_url" or "image" in item or "image_url" in item:
-        return "image"
-    return "video" if "video" in item else "text"
-
-
-@dataclass
-class VisionItem:
-    """One processed image or video: its model-input tensors and its placeholder expansion."""
-
-    tensors: dict[str, torch.Tensor]
-    """Keys among pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, second_per_grid_ts;
-    a record's items are concatenated per key in the order of their placeholders."""
-    expansion: Expansion
-
-
-def special_token_id(tokenizer, token: str, name_or_path: str = "") -> int:
-    """The id of `token`, which must be an added (special) token of the tokenizer: placeholder runs
-    rely on every copy being split out as one id (expansion.py)."""
-    tid = tokenizer.convert_tokens_to_ids(token)
-    if tid is None or (tokenizer.unk_token_id is not None and tid == tokenizer.unk_token_id) \
-            or token not in tokenizer.get_added_vocab():
-        raise ValueError(f"{name_or_path or 'tokenizer'}: special token {token} is not in the vocabulary")
-    return int(tid)
-
-
-class VLProcessor:
-    """Tokenizer + chat template + a family's vision hooks (module docstring). Not used directly."""
-
-    family = ""
-    # ChatML turn markers: what the labels mask looks for in the rendered conversation.
-    assistant_header = "<|im_start|>assistant\n"
-    turn_end = "<|im_end|>"
-    returns_mm_token_type_ids = False
-    """Whether the family's transformers processor returns mm_token_type_ids (Qwen's M-RoPE needs it)."""
-
-    def __init__(self, tokenizer, *, chat_template: str, image_token: Optional[str], video_token: Optional[str],
-                 image_token_id: Optional[int], video_token_id: Optional[int], structural_tokens: Sequence[str] = (),
-                 name_or_path: str = ""):
-        """image_token / video_token: the placeholders the chat template writes (one per item);
-        image_token_id / video_token_id: the ids of the tokens the model fills with image / video
-        features (video_token_id None when videos use the image token); structural_tokens: further
-        special tokens that must not appear in user text. image_token / image_token_id None: a
-        text-only processor (processor_text.py)."""
-        self.name_or_path = str(name_or_path)
-        if not chat_template:
-            raise ValueError(f"{self.name_or_path or 'processor'}: no chat template (chat_template.jinja / "
-                             "chat_template.json / tokenizer_config.json)")
-        self.tokenizer = tokenizer
-        self.chat_template = chat_template
-        self.image_token = image_token
-        self.video_token = video_token
-        self.image_token_id = None if image_token_id is None else int(image_token_id)
-        self.video_token_id = None if video_token_id is None else int(video_token_id)
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        # Structural tokens user text must not contain (they would fake placeholders or turns);
-        # other special tokens (e.g. Qwen's <|box_start|> for grounding) are legitimate text.
-        self.special_strings = tuple(dict.fromkeys(t for t in (
-            image_token, video_token, *structural_tokens, "<|im_start|>", self.turn_end, tokenizer.eos_token,
-            tokenizer.pad_token) if t))
-
-    def token_id(self, token: str) -> int:
-        return special_token_id(self.tokenizer, token, self.name_or_path)
-
-    @property
-    def placeholders(self) -> dict[str, Optional[str]]:
-        return {"image": self.image_token, "video": self.video_token}
-
-    # ------------------------------------------------------------------ family hooks
-    def process_images(self, images: list) -> list[VisionItem]:
-        """RGB PIL images of one record (or one processor call), in order -> one item per image."""
-        raise NotImplementedError
-
-    def process_video(self, clip) -> VisionItem:
-        """A decoded `media.VideoClip` -> its item."""
-        raise NotImplementedError
-
-    def image_expansions(self, sizes: list[tuple[int, int]]) -> list[Expansion]:
-        """The expansions `process_images` gives for images of these (height, width), from sizes alone."""
-        raise NotImplementedError
-
-    def video_expansion(self, clip) -> Expansion:
-        """The expansion `process_video` gives for this clip, from its shape and timing alone."""
-        raise NotImplementedError
-
-    def with_overrides(self, *, min_pixels: Optional[int] = None, max_pixels: Optional[int] = None,
-                       video_min_pixels: Optional[int] = None, video_max_pixels: Optional[int] = None) -> "VLProcessor":
-        """A copy with the [data] section's pixel limits applied (None keeps the folder's value)."""
-        given = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels),
-                                   ("video_min_pixels", video_min_pixels), ("video_max_pixels", video_max_pixels))
-                 if v is not None}
-        if given:
-            raise ValueError(f"data.{next(iter(given))}: pixel limits do not apply to {self.family or 'this'} "
-                             f"processors ({self.name_or_path}); set the image size in the folder's "
-                             "preprocessor_config.json instead")
-        return self
-
-    def identity(self) -> dict:
-        """Settings that change token counts (part of the length-cache key)."""
-        raise NotImplementedError
-
-    # ------------------------------------------------------------------ text
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
-        """The conversation as text through the folder's chat template (placeholders unexpanded)."""
-        conversation = []
-        for m in messages:
-            content = m["content"]
-            if not isinstance(content, str):
-                content = [{"type": "text", "text": it["text"]} if _kind(it) == "text" else {"type": _kind(it)}
-                           for it in content]
-            conversation.append({"role": m["role"], "content": content})
-        return self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
-
-    def apply_chat_template(self, conversation: list[dict], *, tokenize: bool = False,
-                            add_generation_prompt: bool = False, **_unused) -> str:
-        """Like `ProcessorMixin.apply_chat_template(..., tokenize=False)`: the rendered text."""
-        if tokenize:
-            raise NotImplementedError("VLProcessor.apply_chat_template renders text only; call the processor on it")
-        return self.render(conversation, add_generation_prompt=add_generation_prompt)
-
-    def mm_token_type_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """0 text, 1 image placeholder, 2 video placeholder (what transformers' Qwen processors return)."""
-        mm = torch.zeros_like(ids)
-        mm[ids == self.image_token_id] = 1
-        if self.video_token_id is not None:
-            mm[ids == self.video_token_id] = 2
-        return mm
-
-    def __call__(self, text=None, images=None, videos=None, *, return_tensors: str = "pt", padding=False,
-                 padding_side: Optional[str] = None, fps: float = 2.0, **_unused):
-        """Like the family's transformers processor `__call__`: expand the placeholders of `text` (str or
-        list) for `images` (PIL, in placeholder order) and `videos` (lists of equal-sized PIL frames
-        sampled at `fps`), tokenise, and return input_ids, attention_mask (mm_token_type_ids where the
-        family has them) and the vision tensors concatenated in placeholder order."""
-        from transformers import BatchFeature
-
-        from megatron_vlm.data.media import VideoClip, to_rgb
-
-        texts = [text] if isinstance(text, str) else list(text or [])
-        images = [images] if images is not None and not isinstance(images, (list, tuple)) else list(images or [])
-        items = {"image": self.process_images([to_rgb(im) for im in images]) if images else [],
-                 "video": [self.process_video(VideoClip(list(range(len(v))), len(v), float(fps), v[0].height,
-                                                        v[0].width, [to_rgb(f) for f in v]))
-                           for v in (videos or [])]}
-        order = [k for t in texts for k in placeholder_order(t, self.placeholders)]
-        for kind in ("image", "video"):
-            if order.count(kind) != len(items[kind]):
-                raise ValueError(f"{order.count(kind)} {self.placeholders[kind]} placeholders in the text but "
-                                 f"{len(items[kind])} {kind}s")
-        expanded, start = [], {"image": 0, "video": 0}
-        for t in texts:
-            kinds = placeholder_order(t, self.placeholders)
-            mine = {k: [it.expansion for it in items[k][start[k]:start[k] + kinds.count(k)]] for k in items}
-            for k in start:
-                start[k] += kinds.count(k)
-            expanded.append(expand(t, self.placeholders, mine))
-        kw = {"padding_side": padding_side} if padding_side else {}
-        enc = self.tokenizer(expanded, padding=padding, return_tensors=return_tensors, **kw)
-        data: dict[str, Any] = concat_in_order(order, items)
-        if self.returns_mm_token_type_ids and torch.is_tensor(enc["input_ids"]):
-            data["mm_token_type_ids"] = self.mm_token_type_ids(enc["input_ids"])
-        return BatchFeature({**enc, **data})
-
-    def decode(self, *args, **kwargs):
-        return self.tokenizer.decode(*args, **kwargs)
-
-    def batch_decode(self, *args, **kwargs):
-        return self.tokenizer.batch_decode(*args, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name_or_path!r}, vocab={len(self.tokenizer)})"
-
-
-def concat_in_order(order: Sequence[str], items: dict[str, list[VisionItem]]) -> dict[str, torch.Tensor]:
-    """Tensors of the items taken in placeholder `order` ("image" / "video"), concatenated per key."""
-    iters = {k: iter(v) for k, v in items.items()}
-    parts: dict[str, list[torch.Tensor]] = {}
-    for kind in order:
-        for key, t in next(iters[kind]).tensors.items():
-            parts.setdefault(key, []).append(t)
-    return {key: torch.cat(ts) for key, ts in parts.items()}
-
-
-# ---------------------------------------------------------------------- folder loading
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON: {e}") from None
-
-
-def folder_chat_template(folder: Path, tokenizer) -> str:
-    if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text()
-    if (folder / "chat_template.json").is_file():
-        tpl = read_json(folder / "chat_template.json").get("chat_template")
-        if tpl:
-            return tpl
-    tpl = getattr(tokenizer, "chat_template", None)
-    if isinstance(tpl, dict):
-        tpl = tpl.get("default")
-    return tpl or ""
+__all__ = ["VisionItem", "VLProcessor", "concat_in_order", "folder_chat_template", "read_json", "special_token_id",
+           "load_processor", "as_vl_processor"]
 
 
 def _family_class(image_processor_type: str, pre_path: Path):
-    from megatron_vlm.data.processor_internvl import INTERNVL_IMAGE_PROCESSORS, InternVLProcessor
-    from megatron_vlm.data.processor_nemotron_vl import NEMOTRON_VL_IMAGE_PROCESSORS, NemotronVLProcessor
-    from megatron_vlm.data.processor_qwen_vl import QWEN_VL_IMAGE_PROCESSORS, QwenVLProcessor
-
     families = ((QWEN_VL_IMAGE_PROCESSORS, QwenVLProcessor), (INTERNVL_IMAGE_PROCESSORS, InternVLProcessor),
                 (NEMOTRON_VL_IMAGE_PROCESSORS, NemotronVLProcessor))
     for names, cls in families:
@@ -269,8 +64,6 @@ def load_processor(path: str | os.PathLike, *, min_pixels: Optional[int] = None,
     folder = Path(path)
     pre_path = folder / "preprocessor_config.json"
     if not pre_path.is_file():
-        from megatron_vlm.data.processor_text import is_text_model_folder, load_text_processor
-
         if is_text_model_folder(folder):
             return load_text_processor(folder).with_overrides(
                 min_pixels=min_pixels, max_pixels=max_pixels, video_min_pixels=video_min_pixels,
@@ -291,6 +84,4 @@ def as_vl_processor(obj: Any) -> VLProcessor:
         return obj
     if isinstance(obj, (str, os.PathLike)):
         return load_processor(obj)
-    from megatron_vlm.data.processor_qwen_vl import QwenVLProcessor
-
     return QwenVLProcessor.from_transformers(obj)

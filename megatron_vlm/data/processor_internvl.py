@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from megatron_vlm.data.expansion import Expansion, Run
-from megatron_vlm.data.processor import VisionItem, VLProcessor, read_json, special_token_id
+from megatron_vlm.data.processor_base import VisionItem, VLProcessor, read_json, special_token_id
 
 __all__ = ["InternVLProcessor", "INTERNVL_IMAGE_PROCESSORS"]
 

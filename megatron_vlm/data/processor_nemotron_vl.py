@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from megatron_vlm.data.bad_records import BadRecordError
 from megatron_vlm.data.expansion import Expansion, Run
-from megatron_vlm.data.processor import VisionItem, VLProcessor, read_json, special_token_id
+from megatron_vlm.data.processor_base import VisionItem, VLProcessor, read_json, special_token_id
 
 __all__ = ["NemotronVLProcessor", "NEMOTRON_VL_IMAGE_PROCESSORS", "patch_grid_size", "video_target_patches"]
 

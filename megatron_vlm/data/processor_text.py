@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_vlm.data.processor import VLProcessor, folder_chat_template, read_json
+from megatron_vlm.data.processor_base import VLProcessor, folder_chat_template, read_json
 
 __all__ = ["TextProcessor", "is_text_model_folder", "load_text_processor"]
 

@@ -21,10 +21,10 @@ import torch
 from megatron_vlm.data.batch import VISION_KEYS
 from megatron_vlm.data.loader import build_eval_dataloader
 from megatron_vlm.eval.answers import AnswerTally
+from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
 from megatron_vlm.parallel.collectives import any_rank
 from megatron_vlm.parallel.precision import compute_dtype
-from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 
@@ -37,11 +37,11 @@ def answer_engine(ctx: RunContext, bundle: ModelBundle) -> PolicyRolloutEngine:
     decoding of the batch. Its KV cache holds the compute dtype (bf16 under bf16 precision), as the
     training forward's keys / values."""
     cache_dtype = compute_dtype(ctx.cfg.train.precision, getattr(torch, ctx.cfg.model.dtype), ctx.device)
-    return PolicyRolloutEngine(
-        bundle.model, bundle.processor.tokenizer, forward=lambda **kw: bundle.wrapper(model_kwargs=kw),
-        cache_dtype=cache_dtype, pad_token_id=bundle.processor.pad_token_id, device=ctx.device, max_prompts_per_batch=0,
-        suppress_token_ids=(), all_ranks_active=lambda active: any_rank(active, ctx.device),
-    )
+    return PolicyRolloutEngine(bundle.model, bundle.processor.tokenizer,
+                               EngineOptions(cache_dtype=cache_dtype, pad_token_id=bundle.processor.pad_token_id,
+                                             device=ctx.device, max_prompts_per_batch=0, suppress_token_ids=()),
+                               forward=lambda **kw: bundle.wrapper(model_kwargs=kw),
+                               all_ranks_active=lambda active: any_rank(active, ctx.device))
 
 
 def batch_prompts(batch: dict) -> list[RolloutPrompt]:

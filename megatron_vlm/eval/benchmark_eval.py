@@ -32,11 +32,11 @@ from megatron_vlm.eval.accuracy import avg_at_k, pass_at_k
 from megatron_vlm.eval.answer_accuracy import GeneratedAnswers, generate_answers
 from megatron_vlm.eval.answers import normalize_answer
 from megatron_vlm.eval.benchmarks import open_benchmark
+from megatron_vlm.inference.engine import SamplingParams
+from megatron_vlm.inference.generators import sampling_generator
 from megatron_vlm.parallel.collectives import all_gather_objects
-from megatron_vlm.rl.grpo_step import sampling_generator
 from megatron_vlm.rl.rewards.config import ChoiceRewardConfig, ExactMatchRewardConfig, MathRewardConfig
 from megatron_vlm.rl.rewards.manager import RewardManager
-from megatron_vlm.rl.rollout.engine import SamplingParams
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 

@@ -13,9 +13,10 @@ from typing import Optional
 import torch
 
 from megatron_vlm.eval.accuracy import avg_at_k, pass_at_k, score_accuracy
+from megatron_vlm.inference.engine import SamplingParams
+from megatron_vlm.inference.generators import sampling_generator
 from megatron_vlm.parallel.collectives import all_gather_objects
-from megatron_vlm.rl.grpo_step import encode_shard, sampling_generator
-from megatron_vlm.rl.rollout.engine import SamplingParams
+from megatron_vlm.rl.prompts.shard import encode_shard
 from megatron_vlm.training.context import RunContext
 
 __all__ = ["GRPOEvaluator", "evaluate_accuracy"]
@@ -49,8 +50,8 @@ def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager
     rank, world = (dims.dp_rank, dims.dp_size) if dims is not None else (env.rank, env.world_size)
     copies = dims.data_copies if dims is not None else 1
     shard = encode_shard(prompts, encoder, rank, world, env.device)
-    params = SamplingParams(max_new_tokens=e.max_new_tokens or rl_cfg.max_new_tokens, n=e.k, temperature=e.temperature,
-                            top_p=e.top_p, stop=tuple(rl_cfg.stop))
+    params = SamplingParams(max_new_tokens=e.max_new_tokens or rl_cfg.rollout.max_new_tokens, n=e.k, temperature=e.temperature,
+                            top_p=e.top_p, stop=tuple(rl_cfg.rollout.stop))
     sync = getattr(engine, "sync_to_version", None)  # hook: an engine with its own weights (vLLM) gets the current ones
     if sync is not None:
         sync(step)

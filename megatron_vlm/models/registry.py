@@ -1,27 +1,37 @@
 """Model families by `model_type` (the field of a Hugging Face config.json).
 
-Each family package has a `family` module exposing `FAMILY`, a `ModelFamily` naming its args class,
-module class, state-dict adapter and parallelize function. `_FAMILY_MODULES` is a fixed table (one line per
-family, imported lazily so that using one family never imports the others).
+Every family package has the same four modules: `args` (its args class), `model` (its module class),
+`state_dict_adapter` and `parallelize`. `_FAMILIES` names, per family, the package and the four objects; they
+are imported lazily, the first time the family is asked for, so using one family never imports the others.
+`_MODEL_TYPES` maps each `model_type` to its family (one family may serve several).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-_FAMILY_MODULES = {
-    "qwen2_5_vl": "megatron_vlm.models.qwen2_5_vl.family",
-    "qwen3_vl": "megatron_vlm.models.qwen3_vl.family",
-    "qwen3_vl_moe": "megatron_vlm.models.qwen3_vl.family",
-    "internvl": "megatron_vlm.models.internvl.family",
-    "internvl_chat": "megatron_vlm.models.internvl.family",
-    "nemotron_h": "megatron_vlm.models.nemotron_vl.family",
-    "nemotron_h_omni": "megatron_vlm.models.nemotron_vl.family",
+# family (= package under megatron_vlm/models/): args class, module class, state-dict adapter, parallelize function
+_FAMILIES = {
+    "qwen2_5_vl": ("Qwen2_5_VLArgs", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLStateDictAdapter", "parallelize_qwen2_5_vl"),
+    "qwen3_vl": ("Qwen3VLArgs", "Qwen3VLForConditionalGeneration", "Qwen3VLStateDictAdapter", "parallelize_qwen3_vl"),
+    "internvl": ("InternVLArgs", "InternVLForConditionalGeneration", "InternVLStateDictAdapter", "parallelize_internvl"),
+    "nemotron_vl": ("NemotronVLArgs", "NemotronVLForConditionalGeneration", "NemotronVLStateDictAdapter", "parallelize_nemotron_vl"),
     # text-only language models on the Qwen VLMs' decoder (1-D RoPE)
-    "qwen2": "megatron_vlm.models.qwen_text.family",
-    "qwen3": "megatron_vlm.models.qwen_text.family",
-    "qwen3_moe": "megatron_vlm.models.qwen_text.family",
+    "qwen_text": ("QwenTextArgs", "QwenTextForCausalLM", "QwenTextStateDictAdapter", "parallelize_qwen_text"),
+}
+_MODEL_TYPES = {
+    "qwen2_5_vl": "qwen2_5_vl",
+    "qwen3_vl": "qwen3_vl",
+    "qwen3_vl_moe": "qwen3_vl",
+    "internvl": "internvl",
+    "internvl_chat": "internvl",
+    "nemotron_h": "nemotron_vl",
+    "nemotron_h_omni": "nemotron_vl",
+    "qwen2": "qwen_text",
+    "qwen3": "qwen_text",
+    "qwen3_moe": "qwen_text",
 }
 
 
@@ -42,21 +52,32 @@ class ModelFamily:
     parallelize: Callable[..., Any]
 
 
+@functools.cache
+def _family(name: str) -> ModelFamily:
+    """The `ModelFamily` of package `name`, its four modules imported now (once: later calls return the same)."""
+    names = dict(zip(("args", "model", "state_dict_adapter", "parallelize"), _FAMILIES[name]))
+    found = {sub: getattr(importlib.import_module(f"megatron_vlm.models.{name}.{sub}"), attr) for sub, attr in names.items()}
+    return ModelFamily(
+        name=name, args_cls=found["args"], model_cls=found["model"], state_dict_adapter=found["state_dict_adapter"],
+        parallelize=found["parallelize"],
+    )
+
+
 def supported_model_types() -> list[str]:
-    return sorted(_FAMILY_MODULES)
+    return sorted(_MODEL_TYPES)
 
 
 def get_family(model_type: str) -> ModelFamily:
-    if model_type not in _FAMILY_MODULES:
+    if model_type not in _MODEL_TYPES:
         raise ValueError(
             f"config.json: model_type {model_type!r} is not supported; known: {', '.join(supported_model_types())}"
         )
-    return importlib.import_module(_FAMILY_MODULES[model_type]).FAMILY
+    return _family(_MODEL_TYPES[model_type])
 
 
 def family_for_args(args: Any) -> ModelFamily:
-    for model_type in _FAMILY_MODULES:
-        family = get_family(model_type)
+    for name in _FAMILIES:
+        family = _family(name)
         if isinstance(args, family.args_cls):
             return family
     raise ValueError(f"no registered model family takes args of type {type(args).__name__}")

@@ -13,16 +13,40 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
+SELECTIVE_SAVE_OPS = ("aten.mm", "aten.addmm", "aten._scaled_mm", "aten._scaled_dot_product_flash_attention",
+                      "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_cudnn_attention",
+                      "megatron_vlm.triton_attention_fwd")
+"""Ops whose outputs selective checkpointing keeps: the matmuls and attention (the FLOPs); everything else
+(norms, rotary, activations, casts: cheap, memory-bound) is recomputed in backward."""
 
-def apply_ac(blocks: Iterable[nn.Module]) -> None:
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    name = str(getattr(op, "_schema", None) and op._schema.name or op).replace("::", ".")
+    keep = any(name == s or name.startswith(s + ".") for s in SELECTIVE_SAVE_OPS)
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_ac(blocks: Iterable[nn.Module], policy: str = "full") -> None:
+    """Checkpoint each block: `policy` "full" recomputes the whole block in backward; "selective" keeps the
+    outputs of its matmuls and attention (SELECTIVE_SAVE_OPS) and recomputes only the cheap ops between them,
+    trading memory for most of the recomputed FLOPs."""
+    if policy not in ("full", "selective"):
+        raise ValueError(f"activation checkpointing policy {policy!r}: expected 'full' or 'selective'")
     for block in blocks:
         if getattr(block, "_mvlm_ac", False):
             continue
         orig = block.forward
+        extra = {}
+        if policy == "selective":
+            from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+            extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)}
 
         @functools.wraps(orig)
-        def forward(*args, _orig=orig, **kwargs):
-            return checkpoint(_orig, *args, use_reentrant=False, **kwargs)
+        def forward(*args, _orig=orig, _extra=extra, **kwargs):
+            return checkpoint(_orig, *args, use_reentrant=False, **_extra, **kwargs)
 
         block.forward = forward
         block._mvlm_ac = True

@@ -35,7 +35,7 @@ not fit at 16k tokens is the training forward's activations, which cp divides. T
 forwards (policy, recomputed old log-probs, a LoRA base reference) run context-parallel like SFT's; the
 token log-probs are computed from the whole final hidden states on every cp rank (`rl.logprobs`,
 chunked: the `[N, V]` logits never exist), so the GRPO loss needs no change. The separate reference
-model (`rl.kl_coef` > 0 without LoRA) is an unsharded copy and runs the whole pack.
+model (`rl.loss.kl_coef` > 0 without LoRA) is an unsharded copy and runs the whole pack.
 
 Gradients: FSDP shards and averages over dp x cp ranks (the "dp_shard_cp" mesh dim). Parameters outside
 the context-parallel layers get the same full gradient on every cp rank (their average is it); a

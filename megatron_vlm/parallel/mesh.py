@@ -30,10 +30,12 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from megatron_vlm.errors import ConfigError
+
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
-class LayoutError(ValueError):
+class LayoutError(ConfigError):
     """Parallel sizes that do not fit the processes (a configuration error: the runner exits 2)."""
 
 

@@ -2,7 +2,8 @@
 
 "auto" means fp32 on the CPU (the reference numerics the tests compare against) and bf16 on
 accelerators; bf16 is the compute dtype of FSDP2's mixed-precision policy while the optimizer
-keeps master weights in `[model] dtype`.
+keeps master weights in `[model] dtype`. "fp8" is bf16 training here (its float8 matmuls live inside
+the converted linear layers, training/fp8.py), so it resolves to "bf16".
 """
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ __all__ = ["resolve_precision", "compute_dtype"]
 def resolve_precision(precision: str, device: torch.device) -> Literal["fp32", "bf16"]:
     if precision == "auto":
         return "fp32" if device.type == "cpu" else "bf16"
+    if precision == "fp8":
+        return "bf16"
     if precision not in ("fp32", "bf16"):
-        raise ValueError(f"train.precision: expected 'auto', 'fp32' or 'bf16', got {precision!r}")
+        raise ValueError(f"train.precision: expected 'auto', 'fp32', 'bf16' or 'fp8', got {precision!r}")
     return precision  # type: ignore[return-value]
 
 

@@ -59,13 +59,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from megatron_vlm.errors import ConfigError
 from megatron_vlm.parallel.lora_tp import LoRAColwiseParallel, LoRARowwiseParallel, is_lora_linear
 
 __all__ = ["apply_tp", "check_tp_sizes", "check_tp_divides", "decoder_tp_plan", "tp_sharded_numel", "TPError",
            "vocab_parallel_token_logprobs", "is_vocab_parallel"]
 
 
-class TPError(ValueError):
+class TPError(ConfigError):
     """A size that the tensor-parallel degree does not divide (a configuration error: exit 2)."""
 
 

@@ -7,7 +7,7 @@ the meta device (`build_model` under `torch.device("meta")`: shapes only); `trai
 `[moe]` on a dense model; the parallel layout for `world_size` ranks (dp_replicate x dp_shard x tp x cp =
 world, ep divides the data-parallel ranks and the expert count, tp divides the vocabulary and every
 decoder layer's attention / KV heads and MLP width); GRPO sizes (room for a prompt before
-rl.max_new_tokens in data.max_tokens_per_pack, prompts per rank, the rollout batch); then the memory
+rl.rollout.max_new_tokens in data.max_tokens_per_pack, prompts per rank, the rollout batch); then the memory
 per rank (plan/memory.py) against the device's. Exit 0 with a one-screen plan, or 2 with one line
 `check failed: <dotted key>: <why>` on stderr naming the key to change (the plan on stdout when
 memory is the problem).
@@ -25,10 +25,10 @@ import torch
 from megatron_vlm.config import load_config_dict
 from megatron_vlm.config.loader import ConfigError, to_dict
 from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
+from megatron_vlm.inference.kv_budget import rollout_prompts_for_budget
 from megatron_vlm.parallel.tensor_parallel import TPError, check_tp_divides
 from megatron_vlm.plan.memory import GiB, ceil_div, estimate_memory, gib, model_shape
-from megatron_vlm.rl.async_allocation import parse_allocation
-from megatron_vlm.rl.rollout_budget import rollout_prompts_for_budget
+from megatron_vlm.rl.asynchronous.allocation import parse_allocation
 from megatron_vlm.training.stages import stage_overrides
 
 __all__ = ["run_check", "CheckFailed"]
@@ -127,8 +127,8 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     moes = moe_layers(model)
     num_experts = moes[0].num_experts if moes else 0
     total_ranks, rollout_ranks = world_size, 0
-    if cfg.train.mode == "grpo" and cfg.rl is not None and getattr(cfg.rl, "rollout_backend", "builtin") == "vllm" and world_size > 1:
-        # hook: the vLLM back end's own refusal at run time (rl/rollout/vllm_engine.py), found here too
+    if cfg.train.mode == "grpo" and cfg.rl is not None and cfg.rl.rollout_backend == "vllm" and world_size > 1:
+        # the vLLM back end's own refusal at run time (inference/vllm_engine.py), found here too
         raise CheckFailed("rl.rollout_backend", f"'vllm' runs one in-process engine per job so far; this run has {world_size} "
                                                 "processes (launch it with one, or use rollout_backend = 'builtin')")
     if cfg.train.mode == "grpo" and cfg.rl is not None and cfg.rl.allocation is not None:
@@ -168,45 +168,44 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     rollout_prompts, group = 0, 0
     if cfg.train.mode == "grpo":
         rl = cfg.rl
-        budget = max(rl.max_new_tokens, rl.eval.max_new_tokens or 0)
+        budget = max(rl.rollout.max_new_tokens, rl.eval.max_new_tokens or 0)
         if budget >= tokens:
             raise CheckFailed("data.max_tokens_per_pack", f"{tokens} leaves no room for a prompt before "
-                                                          f"{budget} generated tokens (rl.max_new_tokens)")
-        per_rank = ceil_div(rl.prompts_per_step, rollout_ranks or world_size // tp)
-        group = rl.group_size
+                                                          f"{budget} generated tokens (rl.rollout.max_new_tokens)")
+        per_rank = ceil_div(rl.batch.prompts_per_step, rollout_ranks or world_size // tp)
+        group = rl.batch.group_size
         if rollout_ranks:
             lines.append(f"async      {rollout_ranks} rollout + {world_size} training ranks of {total_ranks}, "
-                         f"max_head_offpolicyness {rl.max_head_offpolicyness}")
-        rollout_prompts = rl.rollout_batch_prompts or rollout_prompts_for_budget(
-            rl.rollout_memory_gib, shape.kv_per_slot * compute, group, tokens) or per_rank
+                         f"max_head_offpolicyness {rl.asynchronous.max_head_offpolicyness}")
+        rollout_prompts = rl.rollout.batch_prompts or rollout_prompts_for_budget(
+            rl.rollout.memory_gib, shape.kv_per_slot * compute, group, tokens) or per_rank
         rollout_prompts = min(rollout_prompts, per_rank)
-        if getattr(rl, "rollout_backend", "builtin") == "vllm":  # hook: vLLM holds its own memory (below)
+        if rl.rollout_backend == "vllm":  # vLLM holds its own memory (below)
             rollout_prompts = 0
-        if rl.rollout_cuda_graphs == "on":  # the engine's own refusal (rl/rollout/policy_engine.py), found here too
-            from megatron_vlm.rl.rollout.policy_engine import cuda_graphs_blocker
+        if rl.rollout.cuda_graphs == "on":  # the engine's own refusal (inference/policy_engine.py), found here too
+            from megatron_vlm.inference.policy_engine import cuda_graphs_blocker
 
             why_not = cuda_graphs_blocker(model)
             if why_not:
-                raise CheckFailed("rl.rollout_cuda_graphs", f"'on' is not possible: {why_not}")
-        if rl.kv_block_size:  # the engine's refusal (PagedKVConfigError), found here too
-            from megatron_vlm.rl.rollout.policy_engine import paged_kv_blocker
+                raise CheckFailed("rl.rollout.cuda_graphs", f"'on' is not possible: {why_not}")
+        if rl.rollout.kv_block_size:  # the engine's refusal (PagedKVConfigError), found here too
+            from megatron_vlm.inference.policy_engine import paged_kv_blocker
 
             why_not = paged_kv_blocker(model)
             if why_not:
-                raise CheckFailed("rl.kv_block_size", f"{rl.kv_block_size} (the paged KV cache) is not possible: {why_not}")
+                raise CheckFailed("rl.rollout.kv_block_size", f"{rl.rollout.kv_block_size} (the paged KV cache) is not possible: {why_not}")
         lines.append(f"rollout    {per_rank} prompts per rank and step, {rollout_prompts} per batch x group {group} x "
                      f"{tokens} cache slots ({ceil_div(per_rank, rollout_prompts)} batches)")
-        if rl.kv_block_size:
-            pool = (f"{rl.kv_cache_blocks} blocks (rl.kv_cache_blocks)" if rl.kv_cache_blocks else
+        if rl.rollout.kv_block_size:
+            pool = (f"{rl.rollout.kv_cache_blocks} blocks (rl.rollout.kv_cache_blocks)" if rl.rollout.kv_cache_blocks else
                     "derived: room for every slot at full length")
-            lines.append(f"kv cache   paged, {rl.kv_block_size} positions per block, pool {pool}")
+            lines.append(f"kv cache   paged, {rl.rollout.kv_block_size} positions per block, pool {pool}")
     mem = estimate_memory(shape, fsdp=shard * cfg.parallel.cp, master_bytes=master, compute_bytes=compute, tokens=tokens,
                           activation_checkpointing=cfg.train.activation_checkpointing,
                           rollout_prompts=rollout_prompts, group_size=group, tp=tp,
-                          kv_slots=cfg.rl.kv_cache_blocks * cfg.rl.kv_block_size if cfg.train.mode == "grpo" else 0)
-    vllm_share = 0.0
-    if cfg.train.mode == "grpo" and getattr(cfg.rl, "rollout_backend", "builtin") == "vllm":
-        # hook: the vLLM engine takes gpu_memory_utilization of the device for its weights + KV cache; with
+                          kv_slots=cfg.rl.rollout.kv_cache_blocks * cfg.rl.rollout.kv_block_size if cfg.train.mode == "grpo" else 0)
+    if cfg.train.mode == "grpo" and cfg.rl.rollout_backend == "vllm":
+        # the vLLM engine takes gpu_memory_utilization of the device for its weights + KV cache; with
         # sleep_mode it gives it back while the trainer's activations need it
         v = cfg.rl.vllm
         vllm_share = v.gpu_memory_utilization * device_memory_gib * GiB
@@ -231,9 +230,9 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
 
 def _key_to_change(cfg, mem) -> str:
     if mem.kv_cache > mem.activations and mem.kv_cache > mem.static:
-        if cfg.rl.kv_cache_blocks:
-            return "rl.kv_cache_blocks"
-        return "rl.rollout_batch_prompts" if cfg.rl.rollout_batch_prompts else "rl.rollout_memory_gib"
+        if cfg.rl.rollout.kv_cache_blocks:
+            return "rl.rollout.kv_cache_blocks"
+        return "rl.rollout.batch_prompts" if cfg.rl.rollout.batch_prompts else "rl.rollout.memory_gib"
     if mem.activations > mem.static:
         return "data.max_tokens_per_pack" if cfg.train.activation_checkpointing else "train.activation_checkpointing"
     return "parallel.dp_shard"

@@ -25,8 +25,8 @@ conservative; the numbers it uses (all in bytes, per rank):
   the vision tower's activations and the LM-head logits (the fused, vocabulary-chunked log-prob
   kernel) are not counted;
 - rollout KV cache (GRPO) = 2 x (sum over attention layers of kv_heads x head_dim) x c x slots,
-  slots = prompts per rollout batch x rl.group_size x data.max_tokens_per_pack (see rl/rollout_budget.py),
-  or with a paged pool of fixed size slots = rl.kv_cache_blocks x rl.kv_block_size;
+  slots = prompts per rollout batch x rl.batch.group_size x data.max_tokens_per_pack (see inference/kv_budget.py),
+  or with a paged pool of fixed size slots = rl.rollout.kv_cache_blocks x rl.rollout.kv_block_size;
   each tp rank caches its kv_heads / tp.
   Rollout and training alternate (the cache is freed before the update), so the peak is
   static + max(activations, KV cache), static = master weights + gradients + AdamW + gathered block.
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from megatron_vlm.rl.rollout_budget import kv_elements_per_slot
+from megatron_vlm.inference.kv_budget import kv_elements_per_slot
 
 __all__ = ["ModelShape", "MemoryPlan", "model_shape", "estimate_memory", "GiB"]
 
@@ -147,7 +147,7 @@ def estimate_memory(shape: ModelShape, *, fsdp: int, master_bytes: int, compute_
                     activation_checkpointing: bool, rollout_prompts: int = 0, group_size: int = 0, tp: int = 1,
                     kv_slots: int = 0) -> MemoryPlan:
     """The formulas of the module docstring; `rollout_prompts` 0 = no rollout (SFT); `kv_slots` > 0: the
-    rollout cache's token positions when they are fixed (the paged pool, rl.kv_cache_blocks)."""
+    rollout cache's token positions when they are fixed (the paged pool, rl.rollout.kv_cache_blocks)."""
     f = max(1, fsdp)
     keep = 1.0 - 1.0 / max(1, tp)  # the part of a TP-split quantity that lives on the other tp ranks
     params = shape.params - shape.tp_params * keep

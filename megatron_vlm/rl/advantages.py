@@ -17,33 +17,32 @@ Groups whose rewards are all equal carry no signal (every advantage is 0): they 
 only informative groups). `overlong_penalty` is DAPO's soft overlong punishment, added to the
 reward before the advantages.
 
+Each estimator is one function registered by name (rl/algorithms/advantage_estimators.py).
+
 Layout: rewards are a flat [P * G] tensor, group-major (the G samples of prompt p are at
 p*G ... p*G+G-1), which is the order the rollout engine returns them in.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
+
+from megatron_vlm.rl.algorithms.advantage_estimators import ADVANTAGE_ESTIMATORS as _REGISTRY
+from megatron_vlm.rl.algorithms.advantage_estimators import resolve_normalize_std
 
 __all__ = ["GroupAdvantages", "compute_group_advantages", "advantage_stats", "overlong_penalty", "ADVANTAGE_ESTIMATORS",
            "default_normalize_std"]
 
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+ADVANTAGE_ESTIMATORS = tuple(_REGISTRY.names())
+"""The registered estimators (`[rl] advantage`)."""
 
 
 def default_normalize_std(estimator: str, normalize_std: Optional[bool]) -> bool:
     """Whether `estimator` divides by the group std: grpo does unless told not to; dr_grpo and rloo
     never do (asking them to is a ValueError: that is `grpo`)."""
-    if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"advantage: must be one of {ADVANTAGE_ESTIMATORS}, got {estimator!r}")
-    if estimator == "grpo":
-        return True if normalize_std is None else bool(normalize_std)
-    if normalize_std:
-        raise ValueError(f"normalize_adv_std: advantage = {estimator!r} is defined without the std division "
-                         "(leave normalize_adv_std unset or false; advantage = 'grpo' divides by the std)")
-    return False
+    return resolve_normalize_std(estimator, normalize_std)
 
 
 @dataclass
@@ -66,7 +65,7 @@ def compute_group_advantages(
     rewards: torch.Tensor,
     group_size: int,
     *,
-    estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo",
+    estimator: str = "grpo",
     normalize_std: Optional[bool] = None,
     drop_equal_reward_groups: bool = False,
     eps: float = 1e-6,
@@ -94,12 +93,7 @@ def compute_group_advantages(
     r = rewards.detach().to(dtype).view(-1, group_size)
     mean = r.mean(dim=1)
     std = r.std(dim=1)  # unbiased (Bessel), G >= 2
-    centred = r - mean[:, None]
-    if estimator == "rloo":
-        # r_i - (sum_j r_j - r_i) / (G - 1) = G / (G - 1) * (r_i - mean)
-        adv = r - (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
-    else:
-        adv = centred / (std[:, None] + eps) if normalize_std else centred
+    adv = _REGISTRY.get(estimator).fn(r, normalize_std=normalize_std, eps=eps)  # rl/algorithms/advantage_estimators.py
     spread = r.max(dim=1).values - r.min(dim=1).values
     # all G rewards identical: the advantage is 0. Computed, it need not be: the mean of G equal floats can land
     # an ulp off them (e.g. 8 x 0.2), so centred is ~1e-8 and so is std, and grpo's centred / (std + eps) is

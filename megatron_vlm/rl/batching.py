@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_vlm.data.batch import IGNORE_INDEX, VISION_KEYS, shifted_labels
-from megatron_vlm.rl.rollout.engine import RolloutPrompt
+from megatron_vlm.inference.engine import RolloutPrompt
 
 __all__ = ["TrainSample", "plan_micro_batches", "plan_shared_micro_batches", "pack_samples", "split_by_response",
            "group_by_prompt"]

@@ -1,9 +1,13 @@
-"""The `[rl]` config section: GRPO sampling, optimisation, loss, rewards and evaluation settings.
+"""The `[rl]` config section, nested by role: the algorithm selection keys flat in `[rl]` (`policy_loss`,
+`advantage`, `rollout_backend`, `routing_replay`, `allocation`, `recompute_logprobs`), the settings of each
+part in its own table (`[rl.batch]`, `[rl.rollout]`, `[rl.loss]`, `[rl.advantages]`, `[rl.update]`,
+`[rl.reward_pool]`, `[rl.prompts]`, `[rl.asynchronous]`, `[rl.vllm]`), held-out evaluation in `[rl.eval]` and the
+verifiers in `[[rl.rewards]]` (one per verifier, `type =` picks it, see rl/rewards/config.py).
 
-The strict loader (megatron_vlm.config) builds `RLConfig` from the `[rl]` TOML table; nested
-tables are `[rl.eval]` and `[[rl.rewards]]` (one per verifier, `type =` picks it, see
-rl/rewards/config.py). `validate()` holds the cross-field checks and raises ValueError naming the
-field. Names follow the GRPO / PPO literature and the public recipes (AReaL, verl): a step takes
+The strict loader (megatron_vlm.config) builds `RLConfig` from the `[rl]` TOML table. Each table's
+`validate()` checks its own keys; `RLConfig.validate()` the checks across tables, raising ValueError
+naming the key (dotted from `[rl]`). A key of the flat layout before the tables (e.g. `rl.group_size`) is
+refused with the key it moved to (`MOVED_KEYS`; exit 2), never read silently. Names follow the GRPO / PPO literature and the public recipes (AReaL, verl): a step takes
 `prompts_per_step` prompts, samples `group_size` completions for each, and runs `ppo_epochs`
 passes of `mini_batches_per_step` optimizer steps over them.
 
@@ -12,9 +16,10 @@ This module must stay free of torch imports: reward worker processes import the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
-from megatron_vlm.rl.async_allocation import parse_allocation
+from megatron_vlm.errors import ConfigError
+from megatron_vlm.rl.asynchronous.allocation import parse_allocation
 from megatron_vlm.rl.rewards.config import (
     ChoiceRewardConfig,
     CustomRewardConfig,
@@ -22,9 +27,12 @@ from megatron_vlm.rl.rewards.config import (
     FormatRewardConfig,
     MathRewardConfig,
 )
-from megatron_vlm.rl.rollout.vllm_config import VLLMConfig, check_backend  # [rl.vllm] (hook: rollout_backend)
 
-__all__ = ["RLConfig", "RLEvalConfig"]
+__all__ = ["RLConfig", "RLEvalConfig", "RLBatchConfig", "RLRolloutConfig", "RLLossConfig", "RLAdvantagesConfig",
+           "RLUpdateConfig", "RLRewardPoolConfig", "RLPromptsConfig", "RLAsyncConfig", "VLLMConfig", "MOVED_KEYS",
+           "ROLLOUT_BACKENDS"]
+
+ROLLOUT_BACKENDS = ("builtin", "vllm")
 
 _DEFAULT_PROMPT_TEMPLATE = (
     "{problem} You FIRST think about the reasoning process as an internal monologue and then provide "
@@ -70,247 +78,107 @@ class RLEvalConfig:
             raise ValueError(f"max_prompts: must be >= 0, got {self.max_prompts}")
 
 
+def _at_least_one(section: Any, name: str) -> None:
+    v = getattr(section, name)
+    if v < 1:
+        raise ValueError(f"{name}: must be >= 1, got {v}")
+
+
 @dataclass(kw_only=True)
-class RLConfig:
-    # --- sampling -------------------------------------------------------------------------------
+class RLBatchConfig:
+    """`[rl.batch]`: How many prompts and samples a step has, and how they are split into optimizer updates."""
+
+    prompts_per_step: int = 32
+    """Prompts per GRPO step over all data-parallel ranks; a step has batch.prompts_per_step * batch.group_size samples."""
     group_size: int = 8
     """Completions sampled per prompt (G); advantages are relative within each group."""
-    temperature: float = 1.0
-    """Sampling temperature of rollouts; the training log-probs use the same temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = off)."""
-    top_k: int = 0
-    """Keep only the k most likely tokens when sampling (0 = off)."""
-    max_new_tokens: int = 1024
-    """Generation budget per completion; longer completions are cut (and count as truncated)."""
-    stop: list[str] = field(default_factory=list)
-    """Stop strings: generation of a completion ends after the first of these (EOS always stops)."""
-    rollout_batch_prompts: int = 0
-    """Prompts generated together on one rank (their KV cache holds rollout_batch_prompts * group_size
-    sequences); 0 = all of the rank's prompts of a step at once."""
-    rollout_weights: str = "shared"
-    """Weights the rollout engine generates with. "shared": the trainer's parameters, called through the
-    FSDP root (no extra memory, but the parameters are all-gathered at every decoding step and ranks
-    decode in lock-step batches of rollout_batch_prompts). "copy": an unsharded inference copy of the
-    policy on every rank, refreshed once per step from the trainer (one gather of the full weights per
-    step, one more model in memory), decoding with continuous batching (rollout_batch_prompts *
-    group_size slots, refilled as completions end) and no collective per token. On one device nothing
-    is gathered, so "shared" is the cheaper choice there."""
-    rollout_cuda_graphs: str = "off"
-    """Decode steps of the rollout engine on static buffers per batch-size bucket (1, 2, 4, ... slots),
-    captured once per bucket as CUDA graphs and replayed (one launch per step instead of hundreds of small
-    kernels; rl/rollout/decode_graphs.py). "auto": on for a CUDA device, off elsewhere and where it cannot
-    work (logged): rollout_weights = "shared" (lock-step FSDP forwards), MoE layers (routing sizes its
-    GEMMs on the host), a failed capture. "on": as "auto", but those cases are errors, and on a CPU the
-    same static step runs eagerly (for tests: its first runs are checked for host reads). "off": eager
-    steps. Needs rollout_weights = "copy" (or asynchronous GRPO, whose rollout ranks hold their own copy,
-    written in place by the weight pushes, which a graph then reads)."""
-    kv_block_size: int = 0
-    """Positions per block of the rollout engine's paged KV cache (0 = the slot cache: every sequence holds
-    a slot of the batch's longest prompt + the budget). >= 2: the keys / values live in a pool of blocks
-    addressed by a block table (`PagedSlotCache`, models/common/slot_cache.py); an admitted sample takes
-    ceil((prompt + budget) / kv_block_size) blocks and returns them when it finishes. Same tokens and
-    log-probs as the slot cache (float rounding aside); on the CPU ~5-9 % slower. Attention-only decoders:
-    refused for the Mamba2 hybrid (Nemotron-VL, its recurrent state is per slot) and with
-    rollout_cuda_graphs = "on" (static decode steps need the slot layout; "auto" decodes eagerly, logged).
-    Read by every engine of the job: synchronous and asynchronous GRPO rollouts and [rl.eval]."""
-    kv_cache_blocks: int = 0
-    """Blocks in the paged KV cache's pool (with kv_block_size >= 2; 0 = derived: 1 + slots x
-    ceil((longest prompt + budget) / kv_block_size), room for every slot at full length, so memory is the
-    slot cache's). Set: the pool fixes the rollout's KV memory whatever the slot count
-    (rollout_batch_prompts x group_size) and a waiting sample is admitted when the blocks of its prompt +
-    budget are free (with a pool smaller than the slots' full length fewer run at once, and sampled tokens
-    differ from the slot cache's, since a sample's random numbers follow its slot and step; --check plans
-    the pool's memory). Needs rollout_weights = "copy" (continuous batching: "shared" lock-step batches
-    start every sample at once) and room for one sample: >= 1 + ceil(data.max_tokens_per_pack /
-    kv_block_size) (one block is the engine's scratch row)."""
-    prompt_sharing: str = "auto"
-    """Training forwards (policy update, old and reference log-probs) with each prompt packed once for
-    the completions of its group instead of once per completion: the same log-probs and gradients up to
-    float rounding, with the prompt's projections, MLPs and images computed once (G times less prompt
-    work). "auto": where the decoder supports it (attention-only decoders, not Nemotron-VL's Mamba2
-    hybrid) and tensor / context parallelism are off (the startup log says which); "off": every
-    completion packed with its own copy of the prompt."""
-
-    # --- batch and optimisation -----------------------------------------------------------------
-    prompts_per_step: int = 32
-    """Prompts per GRPO step over all data-parallel ranks; a step has prompts_per_step * group_size samples."""
     ppo_epochs: int = 1
     """Passes over each step's samples."""
     mini_batches_per_step: int = 1
     """Optimizer steps per PPO epoch: the step's samples are split into this many mini-batches
     (1 = fully on-policy update)."""
 
-    # --- loss -------------------------------------------------------------------------------------
-    clip_ratio_low: float = 0.2
-    """PPO clip range below 1: the ratio is clipped to at least 1 - clip_ratio_low."""
-    clip_ratio_high: float = 0.2
-    """PPO clip range above 1: the ratio is clipped to at most 1 + clip_ratio_high (DAPO's
-    "clip-higher" uses e.g. 0.28)."""
-    kl_coef: float = 0.0
-    """Coefficient of the KL penalty against the frozen reference model; 0 drops the reference model."""
-    kl_estimator: Literal["k1", "k3"] = "k3"
-    """KL estimator per token: k1 = log pi - log pi_ref; k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1
-    (non-negative, unbiased)."""
-    ref_offload: bool = False
-    """Keep the reference model's weights on CPU and move them to the device only to score a batch."""
-    policy_loss: Literal["clip", "gspo", "gspo_token", "cispo"] = "clip"
-    """Policy-gradient loss (megatron_vlm/rl/losses.py): "clip" = PPO / GRPO clipped token ratio;
-    "gspo" = GSPO (Zheng et al. 2025): the sequence ratio exp(mean_t (log pi - log pi_old)), clipped
-    per sequence — its paper uses tiny clip ranges, clip_ratio_low = 3e-4, clip_ratio_high = 4e-4,
-    and loss_agg = "seq-mean"; "gspo_token" = GSPO-token (the sequence ratio with per-token
-    advantages); "cispo" = CISPO (MiniMax-M1 2025): clipped, detached importance weight x advantage x
-    log pi, every token keeps its gradient. clip_ratio_low / clip_ratio_high are the ranges of all four."""
-    loss_agg: Literal["token-mean", "seq-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    """Loss aggregation: token-mean averages over all response tokens of the mini-batch; seq-mean
-    averages each sequence's tokens first, then over sequences; seq-mean-token-sum-norm sums over all
-    tokens and divides by the constant max_new_tokens x sequences (Dr. GRPO, Liu et al. 2025)."""
-    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
-    """Advantage estimator (megatron_vlm/rl/advantages.py): "grpo" = group mean-centred reward divided by
-    the group std (normalize_adv_std); "dr_grpo" = mean-centred, no std division (Dr. GRPO, Liu et al.
-    2025; pair it with loss_agg = "seq-mean-token-sum-norm"); "rloo" = reward minus the mean of the
-    other G - 1 rewards of the group (Ahmadian et al. 2024)."""
-    normalize_adv_std: Optional[bool] = None
-    """Divide group-relative advantages by the group's reward standard deviation. Unset = the
-    estimator's definition (grpo: true; dr_grpo, rloo: false); false with grpo keeps mean-centred
-    rewards only; true with dr_grpo or rloo is refused."""
-    drop_equal_reward_groups: bool = False
-    """Drop groups whose G rewards are all equal (they carry no learning signal) without sampling more
-    (dynamic_sampling refills the step)."""
-    dynamic_sampling: bool = False
-    """DAPO's dynamic sampling (Yu et al. 2025): groups whose rewards are all equal are dropped and more
-    prompts are generated (prompts_per_step per round, drawn from the training set) until the step has
-    prompts_per_step groups with non-zero reward variance or max_sampling_rounds rounds ran; surplus
-    groups of the last round are dropped. Rounds and dropped groups are logged (sampling/*)."""
-    max_sampling_rounds: int = 3
-    """Dynamic sampling: at most this many generation rounds per step (the first included); a step
-    that still has fewer informative groups trains on those it has (sampling/kept_groups says so)."""
-    overlong_buffer: int = 0
-    """DAPO's soft overlong punishment: the last overlong_buffer tokens of the max_new_tokens budget,
-    over which the penalty rises linearly from 0 to overlong_penalty (0 = off)."""
-    overlong_penalty: float = 0.0
-    """Reward subtracted at max_new_tokens (DAPO uses 1.0); needs overlong_buffer >= 1."""
-    mask_truncated: bool = False
-    """Exclude completions cut at max_new_tokens from the loss (DAPO's overlong filtering); they still
-    count in their group's advantages."""
-    entropy_coef: float = 0.0
-    """Entropy bonus: the loss subtracts entropy_coef x the policy entropy aggregated like the loss."""
-    skip_zero_advantage: bool = True
-    """Leave completions whose advantage is exactly 0 (every completion of a group whose rewards are all
-    equal, under grpo's std normalisation or not) out of the update's forwards and backwards, and out of
-    the old-log-prob forward (recompute_logprobs; except with rollout_correction = "mis", whose drops
-    read every sample's old log-probs). Their loss
-    and gradient are exactly 0, and the normaliser (tokens / sequences of the mini-batch) still counts
-    them, so the update is the same up to float rounding (packs hold other samples; with LoRA dropout, other
-    random masks) for a fraction of
-    the compute: late in training most groups are often solved or hopeless. Applied only where it is
-    exact: no KL term (kl_coef = 0), no entropy bonus, no MoE layers (their auxiliary loss and load
-    statistics see every token); a mini-batch with nothing left still runs one zero-gradient forward, so
-    the optimizer steps as it would have. The actor/* metrics (entropy, clip fractions) then cover the
-    trained completions only; false: every completion is forwarded (unlike drop_equal_reward_groups,
-    neither setting changes the normaliser)."""
-    rollout_correction: Literal["none", "tis", "mis"] = "none"
-    """Rollout / training mismatch correction (rollout numerics differ from training's; Yao et al. 2025,
-    "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"): "tis" multiplies each
-    token's loss by min(pi_train_old / pi_rollout, C); "mis" drops sequences whose geometric-mean ratio
-    lies outside [1/C, C]. Needs recompute_logprobs = true (the training-side old log-probs). The
-    mismatch KL and ratio min / mean / max are logged whenever recompute_logprobs is on."""
-    rollout_correction_cap: float = 2.0
-    """C of rollout_correction (> 1)."""
-    max_head_offpolicyness: int = 0
-    """Asynchronous GRPO (`allocation` set): how many policy versions the oldest token of a trained
-    sample may lag the trainer (version = GRPO steps done). A rollout rank does not start the prompts
-    of step b before it holds version b - max_head_offpolicyness, so every token of a sample trained at
-    step s was drawn by a version >= s - max_head_offpolicyness. 0 = synchronous: the same results as
-    the synchronous loop; > 0 trains with the decoupled PPO loss (proximal = the trainer's log-probs
-    before the update, behaviour = the rollout's, weight capped by behav_imp_weight_cap)."""
-    recompute_logprobs: bool = False
-    """Recompute the old-policy log-probs of the PPO ratio with a training-layout forward pass before
-    the update, instead of taking the rollout engine's behaviour log-probs (one extra forward over the
-    step's samples; worth it when rollout numerics differ from training's, e.g. bf16 KV-cache decoding
-    against fp32 training, or an external engine)."""
-    behav_imp_weight_cap: Optional[float] = None
-    """Asynchronous GRPO with max_head_offpolicyness > 0 (decoupled PPO loss): tokens whose importance
-    weight pi_prox / pi_behav exceeds this cap get weight 0 (kept in the normaliser, counted as
-    actor/behav_capped_frac); unset = no cap."""
-    allocation: Optional[str] = None
-    """Asynchronous GRPO: split the job's processes into rollout and training ranks,
-    "rollout:N+train:M" (N + M = number of processes; the AReaL spelling "vllm:dN+dM" means the
-    same). Rollout ranks generate continuously with their own copy of the policy and score the
-    completions; training ranks (the first M global ranks) train on completed groups and push the
-    new weights after every step (megatron_vlm/rl/async_allocation.py, rl/README.md). Unset = the
-    synchronous loop on every rank."""
+    def validate(self) -> None:
+        for name in ("prompts_per_step", "group_size", "ppo_epochs", "mini_batches_per_step"):
+            _at_least_one(self, name)
+        if self.group_size < 2:
+            # a group of one has advantage 0 always: nothing would be learned
+            raise ValueError(f"group_size: GRPO needs >= 2 samples per prompt for group-relative advantages, got {self.group_size}")
+        samples = self.prompts_per_step * self.group_size
+        if self.mini_batches_per_step > samples:
+            raise ValueError(
+                f"mini_batches_per_step: {self.mini_batches_per_step} mini-batches from "
+                f"{samples} samples per step (prompts_per_step * group_size) leaves some empty"
+            )
 
-    # --- rewards --------------------------------------------------------------------------------
-    rewards: list[MathRewardConfig | ChoiceRewardConfig | FormatRewardConfig | ExactMatchRewardConfig | CustomRewardConfig] = field(
-        default_factory=lambda: [MathRewardConfig()]
-    )
-    """Verifiers whose weighted sum is the reward, one `[[rl.rewards]]` table each (`type =` picks it)."""
-    accuracy_reward: Optional[str] = None
-    """Label of the reward reported as accuracy (and used by evaluation); unset = the first reward."""
-    reward_timeout_s: float = 10.0
-    """Time limit of one verifier call; a call that exceeds it (or raises) scores 0 and is counted."""
-    reward_workers: int = 2
-    """Worker processes that run verifier calls (per rank that scores rewards)."""
 
-    # --- prompts ----------------------------------------------------------------------------------
-    prompt_template: str = _DEFAULT_PROMPT_TEMPLATE
-    """Template of the user turn; `{problem}` is replaced by the dataset's question text
-    (literal braces are written `{{` `}}`)."""
-    system_prompt: Optional[str] = None
-    """Optional system turn of the chat."""
+@dataclass(kw_only=True)
+class RLRolloutConfig:
+    """`[rl.rollout]`: Generation of the step's completions: sampling, budget, the engine's weights, KV cache and decode steps."""
 
-    model_path_hint: Optional[str] = None
-    """Shown when model.path has no model yet: how to produce it (e.g. the SFT run a GRPO demo starts from)."""
-
-    eval: RLEvalConfig = field(default_factory=RLEvalConfig)
-    """Held-out evaluation ([rl.eval])."""
-
-    # --- rollout back end (hook: rl/rollout/vllm_config.py) ------------------------------------------
-    rollout_backend: str = "builtin"
-    """Which engine generates the rollouts: "builtin" (the policy model itself, rl/rollout/policy_engine.py)
-    or "vllm" (an in-process vLLM engine on every generating rank, fed the trainer's weights after every
-    optimizer step: docs/vllm.md). vLLM's settings are in [rl.vllm]."""
-    vllm: VLLMConfig = field(default_factory=VLLMConfig)
-    """The vLLM engine's settings ([rl.vllm]; read only with rollout_backend = "vllm")."""
-
-    # --- reliability limits (appended) --------------------------------------------------------------
-    reward_memory_limit_mb: int = 4096
-    """Address-space cap (RLIMIT_AS) of each reward worker process, interpreter and sympy included;
-    a verifier that exceeds it fails (scores 0, counted) instead of exhausting the node (0 = no cap)."""
-    reward_batch_timeout_s: float = 300.0
-    """Deadline of one batch of verifier calls (a step's or an evaluation's scoring on one rank), from
-    its first call: calls still unfinished then score 0 and count as timeouts, so a step waits at most
-    this long for rewards, not (number of calls) x reward_timeout_s."""
-    reward_abs_max: float = 10.0
-    """A verifier value beyond +-reward_abs_max is clipped to it and a non-finite one (NaN) becomes 0;
-    both are counted (`reward/clipped`). Keeps one custom verifier's 1e30 or inf from swamping the
-    advantages or overflowing the loss."""
-    rollout_memory_gib: float = 0.0
-    """KV-cache budget of one rollout batch per rank, in GiB, used when rollout_batch_prompts = 0:
-    prompts per rollout batch = floor(budget / (group_size x data.max_tokens_per_pack cache slots x KV
+    temperature: float = 1.0
+    """Sampling temperature of rollouts; the training log-probs use the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches rollout.top_p (1 = off)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens when sampling (0 = off)."""
+    max_new_tokens: int = 1024
+    """Generation budget per completion; longer completions are cut (and count as truncated)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: generation of a completion ends after the first of these (EOS always stops)."""
+    batch_prompts: int = 0
+    """Prompts generated together on one rank (their KV cache holds rollout.batch_prompts * batch.group_size
+    sequences); 0 = all of the rank's prompts of a step at once."""
+    memory_gib: float = 0.0
+    """KV-cache budget of one rollout batch per rank, in GiB, used when rollout.batch_prompts = 0:
+    prompts per rollout batch = floor(budget / (batch.group_size x data.max_tokens_per_pack cache slots x KV
     bytes per slot)), at least 1 (0 = no budget: all of the rank's prompts at once)."""
+    weights: str = "shared"
+    """Weights the rollout engine generates with. "shared": the trainer's parameters, called through the
+    FSDP root (no extra memory, but the parameters are all-gathered at every decoding step and ranks
+    decode in lock-step batches of rollout.batch_prompts). "copy": an unsharded inference copy of the
+    policy on every rank, refreshed once per step from the trainer (one gather of the full weights per
+    step, one more model in memory), decoding with continuous batching (rollout.batch_prompts *
+    batch.group_size slots, refilled as completions end) and no collective per token. On one device nothing
+    is gathered, so "shared" is the cheaper choice there."""
+    cuda_graphs: str = "off"
+    """Decode steps of the rollout engine on static buffers per batch-size bucket (1, 2, 4, ... slots),
+    captured once per bucket as CUDA graphs and replayed (one launch per step instead of hundreds of small
+    kernels; inference/decode_graphs.py). "auto": on for a CUDA device, off elsewhere and where it cannot
+    work (logged): rollout.weights = "shared" (lock-step FSDP forwards), the paged KV cache, a failed
+    capture (MoE blocks route graph-safely there: models/common/moe_static.py). "on": as "auto", but those cases are errors, and on a CPU the
+    same static step runs eagerly (for tests: its first runs are checked for host reads). "off": eager
+    steps. Needs rollout.weights = "copy" (or asynchronous GRPO, whose rollout ranks hold their own copy,
+    written in place by the weight pushes, which a graph then reads)."""
+    kv_block_size: int = 0
+    """Positions per block of the rollout engine's paged KV cache (0 = the slot cache: every sequence holds
+    a slot of the batch's longest prompt + the budget). >= 2: the keys / values live in a pool of blocks
+    addressed by a block table (`PagedSlotCache`, models/common/slot_cache.py); an admitted sample takes
+    ceil((prompt + budget) / rollout.kv_block_size) blocks and returns them when it finishes. Same tokens and
+    log-probs as the slot cache (float rounding aside); on the CPU ~5-9 % slower. Attention-only decoders:
+    refused for the Mamba2 hybrid (Nemotron-VL, its recurrent state is per slot) and with
+    rollout.cuda_graphs = "on" (static decode steps need the slot layout; "auto" decodes eagerly, logged).
+    Read by every engine of the job: synchronous and asynchronous GRPO rollouts and [rl.eval]."""
+    kv_cache_blocks: int = 0
+    """Blocks in the paged KV cache's pool (with rollout.kv_block_size >= 2; 0 = derived: 1 + slots x
+    ceil((longest prompt + budget) / rollout.kv_block_size), room for every slot at full length, so memory is the
+    slot cache's). Set: the pool fixes the rollout's KV memory whatever the slot count
+    (rollout.batch_prompts x batch.group_size) and a waiting sample is admitted when the blocks of its prompt +
+    budget are free (with a pool smaller than the slots' full length fewer run at once, and sampled tokens
+    differ from the slot cache's, since a sample's random numbers follow its slot and step; --check plans
+    the pool's memory). Needs rollout.weights = "copy" (continuous batching: "shared" lock-step batches
+    start every sample at once) and room for one sample: >= 1 + ceil(data.max_tokens_per_pack /
+    rollout.kv_block_size) (one block is the engine's scratch row)."""
 
     def validate(self) -> None:
-        def positive(name: str) -> None:
-            v = getattr(self, name)
-            if v < 1:
-                raise ValueError(f"{name}: must be >= 1, got {v}")
-
-        for name in ("group_size", "max_new_tokens", "prompts_per_step", "ppo_epochs", "mini_batches_per_step", "reward_workers"):
-            positive(name)
-        if self.prompt_sharing not in ("auto", "off"):
-            raise ValueError(f"prompt_sharing: must be 'auto' or 'off', got {self.prompt_sharing!r}")
-        if self.rollout_weights not in ("shared", "copy"):
-            raise ValueError(f"rollout_weights: must be 'shared' or 'copy', got {self.rollout_weights!r}")
-        if self.rollout_cuda_graphs not in ("auto", "on", "off"):
-            raise ValueError(f"rollout_cuda_graphs: must be 'auto', 'on' or 'off', got {self.rollout_cuda_graphs!r}")
-        if self.rollout_cuda_graphs == "on" and self.rollout_weights != "copy" and self.allocation is None:
-            raise ValueError("rollout_cuda_graphs: 'on' needs rollout_weights = 'copy' (the engine's own weights; "
-                             "'shared' runs lock-step forwards through the FSDP root)")
+        _at_least_one(self, "max_new_tokens")
+        if self.weights not in ("shared", "copy"):
+            raise ValueError(f"weights: must be 'shared' or 'copy', got {self.weights!r}")
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graphs: must be 'auto', 'on' or 'off', got {self.cuda_graphs!r}")
         self._validate_paged_kv()
-        if self.rollout_batch_prompts < 0:
-            raise ValueError(f"rollout_batch_prompts: must be >= 0 (0 = all at once), got {self.rollout_batch_prompts}")
+        if self.batch_prompts < 0:
+            raise ValueError(f"batch_prompts: must be >= 0 (0 = all at once), got {self.batch_prompts}")
         if self.temperature <= 0:
             raise ValueError(f"temperature: must be > 0 for GRPO sampling, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -319,30 +187,518 @@ class RLConfig:
             raise ValueError(f"top_k: must be >= 0 (0 = off), got {self.top_k}")
         if any(not s for s in self.stop):
             raise ValueError("stop: stop strings must not be empty")
-        samples = self.prompts_per_step * self.group_size
-        if self.mini_batches_per_step > samples:
-            raise ValueError(
-                f"mini_batches_per_step: {self.mini_batches_per_step} mini-batches from "
-                f"{samples} samples per step (prompts_per_step * group_size) leaves some empty"
-            )
+        if not self.memory_gib >= 0 or self.memory_gib == float("inf"):
+            raise ValueError(f"memory_gib: must be finite and >= 0 (0 = no budget), got {self.memory_gib}")
+
+    def _validate_paged_kv(self) -> None:
+        """`kv_block_size` / `kv_cache_blocks` and the rollout modes that cannot use the paged KV cache (the
+        model-dependent refusal, Mamba2 hybrid decoders, is the engine's: inference/policy_engine.py)."""
+        if self.kv_block_size < 0 or self.kv_block_size == 1:
+            raise ValueError(f"kv_block_size: must be 0 (the slot cache) or >= 2 positions per block (one block "
+                             f"also holds the engine's scratch row of 2 positions), got {self.kv_block_size}")
+        if self.kv_block_size and self.cuda_graphs == "on":
+            raise ValueError(f"kv_block_size: {self.kv_block_size} (the paged KV cache) cannot run with cuda_graphs "
+                             "= 'on': static CUDA-graph decode steps need the slot layout (the block table changes as "
+                             "samples come and go); set kv_block_size = 0 or cuda_graphs = 'auto' / 'off'")
+        if self.kv_cache_blocks < 0:
+            raise ValueError(f"kv_cache_blocks: must be >= 0 (0 = derived from the slots), got {self.kv_cache_blocks}")
+        if self.kv_cache_blocks and not self.kv_block_size:
+            raise ValueError(f"kv_cache_blocks: {self.kv_cache_blocks} sizes the paged KV cache, which is off "
+                             "(kv_block_size = 0); set kv_block_size >= 2 too, or leave kv_cache_blocks 0")
+        if self.kv_cache_blocks and self.weights != "copy":
+            raise ValueError(f"kv_cache_blocks: {self.kv_cache_blocks} needs weights = 'copy' (continuous "
+                             "batching); with 'shared' every sample of a lock-step batch starts at once, so the pool "
+                             "must hold them all: leave kv_cache_blocks 0 (derived)")
+
+
+@dataclass(kw_only=True)
+class RLLossConfig:
+    """`[rl.loss]`: The settings of the policy loss that `policy_loss` selects (megatron_vlm/rl/losses.py)."""
+
+    clip_ratio_low: float = 0.2
+    """PPO clip range below 1: the ratio is clipped to at least 1 - loss.clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """PPO clip range above 1: the ratio is clipped to at most 1 + loss.clip_ratio_high (DAPO's
+    "clip-higher" uses e.g. 0.28)."""
+    loss_agg: Literal["token-mean", "seq-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """Loss aggregation: token-mean averages over all response tokens of the mini-batch; seq-mean
+    averages each sequence's tokens first, then over sequences; seq-mean-token-sum-norm sums over all
+    tokens and divides by the constant rollout.max_new_tokens x sequences (Dr. GRPO, Liu et al. 2025)."""
+    kl_coef: float = 0.0
+    """Coefficient of the KL penalty against the frozen reference model; 0 drops the reference model."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """KL estimator per token: k1 = log pi - log pi_ref; k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1
+    (non-negative, unbiased)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss subtracts loss.entropy_coef x the policy entropy aggregated like the loss."""
+    rollout_correction: Literal["none", "tis", "mis"] = "none"
+    """Rollout / training mismatch correction (rollout numerics differ from training's; Yao et al. 2025,
+    "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"): "tis" multiplies each
+    token's loss by min(pi_train_old / pi_rollout, C); "mis" drops sequences whose geometric-mean ratio
+    lies outside [1/C, C]. Needs recompute_logprobs = true (the training-side old log-probs). The
+    mismatch KL and ratio min / mean / max are logged whenever recompute_logprobs is on."""
+    rollout_correction_cap: float = 2.0
+    """C of loss.rollout_correction (> 1)."""
+    behav_imp_weight_cap: Optional[float] = None
+    """Asynchronous GRPO with asynchronous.max_head_offpolicyness > 0 (decoupled PPO loss): tokens whose importance
+    weight pi_prox / pi_behav exceeds this cap get weight 0 (kept in the normaliser, counted as
+    actor/behav_capped_frac); unset = no cap."""
+
+    def validate(self) -> None:
+        choices = {"loss_agg": ("token-mean", "seq-mean", "seq-mean-token-sum-norm"), "rollout_correction": ("none", "tis", "mis")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}: must be one of {list(allowed)}, got {getattr(self, name)!r}")
         if not 0 <= self.clip_ratio_low < 1:
             raise ValueError(f"clip_ratio_low: must be in [0, 1), got {self.clip_ratio_low}")
         if self.clip_ratio_high < 0:
             raise ValueError(f"clip_ratio_high: must be >= 0, got {self.clip_ratio_high}")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef: must be >= 0, got {self.kl_coef}")
-        self._validate_algorithm()
-        if self.ref_offload and self.kl_coef == 0:
-            raise ValueError("ref_offload: has no effect when kl_coef = 0 (no reference model is built)")
-        if self.group_size < 2:
-            # a group of one has advantage 0 always: nothing would be learned
-            raise ValueError(f"group_size: GRPO needs >= 2 samples per prompt for group-relative advantages, got {self.group_size}")
-        if self.max_head_offpolicyness < 0:
-            raise ValueError(f"max_head_offpolicyness: must be >= 0, got {self.max_head_offpolicyness}")
+        if self.entropy_coef < 0:
+            raise ValueError(f"entropy_coef: must be >= 0, got {self.entropy_coef}")
+        if self.rollout_correction_cap <= 1:
+            raise ValueError(f"rollout_correction_cap: must be > 1, got {self.rollout_correction_cap}")
         if self.behav_imp_weight_cap is not None and self.behav_imp_weight_cap <= 1:
             raise ValueError(f"behav_imp_weight_cap: must be > 1, got {self.behav_imp_weight_cap}")
+
+
+@dataclass(kw_only=True)
+class RLAdvantagesConfig:
+    """`[rl.advantages]`: What enters the advantages of the estimator that `advantage` selects: its std division, the groups kept (DAPO's dynamic sampling) and DAPO's overlong shaping."""
+
+    normalize_std: Optional[bool] = None
+    """Divide group-relative advantages by the group's reward standard deviation. Unset = the
+    estimator's definition (grpo: true; dr_grpo, rloo: false); false with grpo keeps mean-centred
+    rewards only; true with dr_grpo or rloo is refused."""
+    drop_equal_reward_groups: bool = False
+    """Drop groups whose G rewards are all equal (they carry no learning signal) without sampling more
+    (advantages.dynamic_sampling refills the step)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (Yu et al. 2025): groups whose rewards are all equal are dropped and more
+    prompts are generated (batch.prompts_per_step per round, drawn from the training set) until the step has
+    batch.prompts_per_step groups with non-zero reward variance or advantages.max_sampling_rounds rounds ran; surplus
+    groups of the last round are dropped. Rounds and dropped groups are logged (sampling/*)."""
+    max_sampling_rounds: int = 3
+    """Dynamic sampling: at most this many generation rounds per step (the first included); a step
+    that still has fewer informative groups trains on those it has (sampling/kept_groups says so)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: the last advantages.overlong_buffer tokens of the rollout.max_new_tokens budget,
+    over which the penalty rises linearly from 0 to advantages.overlong_penalty (0 = off)."""
+    overlong_penalty: float = 0.0
+    """Reward subtracted at rollout.max_new_tokens (DAPO uses 1.0); needs advantages.overlong_buffer >= 1."""
+
+    def validate(self) -> None:
+        if self.max_sampling_rounds < 1:
+            raise ValueError(f"max_sampling_rounds: must be >= 1, got {self.max_sampling_rounds}")
+        if self.overlong_buffer < 0:
+            raise ValueError(f"overlong_buffer: must be >= 0 (0 = off), got {self.overlong_buffer}")
+        if self.overlong_penalty < 0:
+            raise ValueError(f"overlong_penalty: must be >= 0, got {self.overlong_penalty}")
+        if (self.overlong_buffer > 0) != (self.overlong_penalty > 0):
+            raise ValueError(f"overlong_penalty: the soft overlong penalty needs both overlong_buffer >= 1 and "
+                             f"overlong_penalty > 0 (one alone has no effect), got overlong_buffer = "
+                             f"{self.overlong_buffer}, overlong_penalty = {self.overlong_penalty}")
+
+
+@dataclass(kw_only=True)
+class RLUpdateConfig:
+    """`[rl.update]`: The training forwards of the update: what they pack and skip, and where the reference model lives."""
+
+    prompt_sharing: str = "auto"
+    """Training forwards (policy update, old and reference log-probs) with each prompt packed once for
+    the completions of its group instead of once per completion: the same log-probs and gradients up to
+    float rounding, with the prompt's projections, MLPs and images computed once (G times less prompt
+    work). "auto": where the decoder supports it (attention-only decoders, not Nemotron-VL's Mamba2
+    hybrid) and tensor / context parallelism are off (the startup log says which); "off": every
+    completion packed with its own copy of the prompt."""
+    skip_zero_advantage: bool = True
+    """Leave completions whose advantage is exactly 0 (every completion of a group whose rewards are all
+    equal, under grpo's std normalisation or not) out of the update's forwards and backwards, and out of
+    the old-log-prob forward (recompute_logprobs; except with loss.rollout_correction = "mis", whose drops
+    read every sample's old log-probs). Their loss
+    and gradient are exactly 0, and the normaliser (tokens / sequences of the mini-batch) still counts
+    them, so the update is the same up to float rounding (packs hold other samples; with LoRA dropout, other
+    random masks) for a fraction of
+    the compute: late in training most groups are often solved or hopeless. Applied only where it is
+    exact: no KL term (loss.kl_coef = 0), no entropy bonus, no MoE layers (their auxiliary loss and load
+    statistics see every token); a mini-batch with nothing left still runs one zero-gradient forward, so
+    the optimizer steps as it would have. The actor/* metrics (entropy, clip fractions) then cover the
+    trained completions only; false: every completion is forwarded (unlike advantages.drop_equal_reward_groups,
+    neither setting changes the normaliser)."""
+    mask_truncated: bool = False
+    """Exclude completions cut at rollout.max_new_tokens from the loss (DAPO's overlong filtering); they still
+    count in their group's advantages."""
+    ref_offload: bool = False
+    """Keep the reference model's weights on CPU and move them to the device only to score a batch."""
+
+    def validate(self) -> None:
+        if self.prompt_sharing not in ("auto", "off"):
+            raise ValueError(f"prompt_sharing: must be 'auto' or 'off', got {self.prompt_sharing!r}")
+
+
+@dataclass(kw_only=True)
+class RLRewardPoolConfig:
+    """`[rl.reward_pool]`: The worker processes that run the verifiers of `[[rl.rewards]]`, and their limits."""
+
+    workers: int = 2
+    """Worker processes that run verifier calls (per rank that scores rewards)."""
+    timeout_s: float = 10.0
+    """Time limit of one verifier call; a call that exceeds it (or raises) scores 0 and is counted."""
+    batch_timeout_s: float = 300.0
+    """Deadline of one batch of verifier calls (a step's or an evaluation's scoring on one rank), from
+    its first call: calls still unfinished then score 0 and count as timeouts, so a step waits at most
+    this long for rewards, not (number of calls) x reward_pool.timeout_s."""
+    memory_limit_mb: int = 4096
+    """Address-space cap (RLIMIT_AS) of each reward worker process, interpreter and sympy included;
+    a verifier that exceeds it fails (scores 0, counted) instead of exhausting the node (0 = no cap)."""
+    abs_max: float = 10.0
+    """A verifier value beyond +-reward_pool.abs_max is clipped to it and a non-finite one (NaN) becomes 0;
+    both are counted (`reward/clipped`). Keeps one custom verifier's 1e30 or inf from swamping the
+    advantages or overflowing the loss."""
+    max_failed_steps: int = 5
+    """Steps in a row in which every reward call fails (raises or times out) before the run stops with exit
+    code 1 and one line naming this key and the last error: with every reward 0 the gradient is 0 and the run
+    would train on nothing (0 = never stop)."""
+
+    def validate(self) -> None:
+        _at_least_one(self, "workers")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
+        if self.memory_limit_mb < 0 or 0 < self.memory_limit_mb < 256:
+            raise ValueError(f"memory_limit_mb: 0 (no cap) or >= 256 (the interpreter and sympy need some), "
+                             f"got {self.memory_limit_mb}")
+        if not self.batch_timeout_s > 0 or self.batch_timeout_s == float("inf"):
+            raise ValueError(f"batch_timeout_s: must be finite and > 0, got {self.batch_timeout_s}")
+        if not self.abs_max > 0 or self.abs_max == float("inf"):
+            raise ValueError(f"abs_max: must be finite and > 0, got {self.abs_max}")
+        if self.max_failed_steps < 0:
+            raise ValueError(f"max_failed_steps: must be >= 0 (0 = never stop), got {self.max_failed_steps}")
+
+
+@dataclass(kw_only=True)
+class RLPromptsConfig:
+    """`[rl.prompts]`: How a dataset question becomes the chat's user turn."""
+
+    template: str = _DEFAULT_PROMPT_TEMPLATE
+    """Template of the user turn; `{problem}` is replaced by the dataset's question text
+    (literal braces are written `{{` `}}`)."""
+    system_prompt: Optional[str] = None
+    """Optional system turn of the chat."""
+
+    def validate(self) -> None:
+        if "{problem}" not in self.template:
+            raise ValueError("template: must contain the {problem} placeholder")
+        try:
+            self.template.format(problem="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(
+                f"template: only {{problem}} may be a placeholder (write literal braces as {{{{ }}}}): {e!r}"
+            ) from None
+
+
+@dataclass(kw_only=True)
+class RLAsyncConfig:
+    """`[rl.asynchronous]`: Asynchronous GRPO (`allocation` set): the staleness bound."""
+
+    max_head_offpolicyness: int = 0
+    """Asynchronous GRPO (`allocation` set): how many policy versions the oldest token of a trained
+    sample may lag the trainer (version = GRPO steps done). A rollout rank does not start the prompts
+    of step b before it holds version b - asynchronous.max_head_offpolicyness, so every token of a sample trained at
+    step s was drawn by a version >= s - asynchronous.max_head_offpolicyness. 0 = synchronous: the same results as
+    the synchronous loop; > 0 trains with the decoupled PPO loss (proximal = the trainer's log-probs
+    before the update, behaviour = the rollout's, weight capped by loss.behav_imp_weight_cap)."""
+
+    def validate(self) -> None:
+        if self.max_head_offpolicyness < 0:
+            raise ValueError(f"max_head_offpolicyness: must be >= 0, got {self.max_head_offpolicyness}")
+
+
+@dataclass(kw_only=True)
+class VLLMConfig:
+    """`[rl.vllm]`: The vLLM rollout engine (`rollout_backend = "vllm"`; megatron_vlm/inference/vllm_engine.py).
+
+    The keys are vLLM's own `LLM(...)` arguments where one exists, so a user coming from verl / TRL / OpenRLHF
+    finds the names they know. `validate()` holds what the TOML alone decides; `device_blocker()` what needs
+    the device (sleep mode needs CUDA); RLConfig checks the keys of other tables that depend on the back end."""
+
+    tensor_parallel_size: int = 1
+    """Tensor-parallel size of each rollout engine. The engine runs in-process on every generating rank
+    with one worker, so only 1 is supported (a larger value exits 2); scale rollout with more ranks."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of the device memory vLLM may take for weights + KV cache (CUDA only; in (0, 1]).
+    Colocated with training (synchronous GRPO): leave room for the trainer. On the CPU the KV cache is
+    sized by `vllm.cpu_kv_cache_gib` instead and this key is not read."""
+    cpu_kv_cache_gib: float = 1.0
+    """CPU builds of vLLM: KV-cache size in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE, an integer >= 1 there:
+    rounded up). Not read on CUDA."""
+    enforce_eager: bool = False
+    """Run the model eagerly (no torch.compile / CUDA graphs): slower decoding, faster start. The CPU
+    build always gets eager mode here (its compile step takes minutes on small machines)."""
+    max_num_seqs: int = 256
+    """Sequences decoded together (vLLM's batch limit)."""
+    max_model_len: Optional[int] = None
+    """Prompt + completion tokens the engine accepts; unset = data.max_tokens_per_pack."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of shared prompt prefixes (the n = batch.group_size samples of one prompt share it).
+    Reset after every weight push."""
+    sleep_mode: bool = False
+    """Put the engine to sleep (vLLM's sleep mode) while the trainer runs, giving its device memory back;
+    needs CUDA (exits 2 on other devices)."""
+    sleep_level: int = 1
+    """Sleep level with vllm.sleep_mode: 1 = offload the weights to host memory and drop the KV cache,
+    2 = drop both (the next weight push refills them). 1 or 2."""
+    weight_bucket_mb: int = 256
+    """Weight push: tensors are sent to the engine in buckets of at most this many MiB (a tensor larger
+    than that is a bucket of its own), gathered from the trainer's shards one bucket at a time."""
+
+    def validate(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size}: the in-process engine runs one worker "
+                             "per generating rank; only 1 is supported (use more ranks for more rollout throughput)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not 0 < self.cpu_kv_cache_gib < float("inf"):
+            raise ValueError(f"cpu_kv_cache_gib: must be finite and > 0, got {self.cpu_kv_cache_gib}")
+        _at_least_one(self, "max_num_seqs")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len: must be >= 2 (or unset), got {self.max_model_len}")
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level: must be 1 or 2, got {self.sleep_level}")
+        if self.sleep_level != 1 and not self.sleep_mode:
+            raise ValueError("sleep_level: only read with sleep_mode = true; set sleep_mode or leave sleep_level unset")
+        _at_least_one(self, "weight_bucket_mb")
+
+    def device_blocker(self, device_type: str) -> Optional[str]:
+        """Why this config cannot run on a `device_type` device, naming the key; None when it can."""
+        if self.sleep_mode and device_type != "cuda":
+            return f"rl.vllm.sleep_mode: vLLM's sleep mode needs CUDA (this job runs on {device_type}); set it to false"
+        return None
+
+
+MOVED_KEYS: dict[str, str] = {
+    "prompts_per_step": "batch.prompts_per_step",
+    "group_size": "batch.group_size",
+    "ppo_epochs": "batch.ppo_epochs",
+    "mini_batches_per_step": "batch.mini_batches_per_step",
+    "temperature": "rollout.temperature",
+    "top_p": "rollout.top_p",
+    "top_k": "rollout.top_k",
+    "max_new_tokens": "rollout.max_new_tokens",
+    "stop": "rollout.stop",
+    "rollout_batch_prompts": "rollout.batch_prompts",
+    "rollout_memory_gib": "rollout.memory_gib",
+    "rollout_weights": "rollout.weights",
+    "rollout_cuda_graphs": "rollout.cuda_graphs",
+    "kv_block_size": "rollout.kv_block_size",
+    "kv_cache_blocks": "rollout.kv_cache_blocks",
+    "clip_ratio_low": "loss.clip_ratio_low",
+    "clip_ratio_high": "loss.clip_ratio_high",
+    "loss_agg": "loss.loss_agg",
+    "kl_coef": "loss.kl_coef",
+    "kl_estimator": "loss.kl_estimator",
+    "entropy_coef": "loss.entropy_coef",
+    "rollout_correction": "loss.rollout_correction",
+    "rollout_correction_cap": "loss.rollout_correction_cap",
+    "behav_imp_weight_cap": "loss.behav_imp_weight_cap",
+    "normalize_adv_std": "advantages.normalize_std",
+    "drop_equal_reward_groups": "advantages.drop_equal_reward_groups",
+    "dynamic_sampling": "advantages.dynamic_sampling",
+    "max_sampling_rounds": "advantages.max_sampling_rounds",
+    "overlong_buffer": "advantages.overlong_buffer",
+    "overlong_penalty": "advantages.overlong_penalty",
+    "prompt_sharing": "update.prompt_sharing",
+    "skip_zero_advantage": "update.skip_zero_advantage",
+    "mask_truncated": "update.mask_truncated",
+    "ref_offload": "update.ref_offload",
+    "reward_workers": "reward_pool.workers",
+    "reward_timeout_s": "reward_pool.timeout_s",
+    "reward_batch_timeout_s": "reward_pool.batch_timeout_s",
+    "reward_memory_limit_mb": "reward_pool.memory_limit_mb",
+    "reward_abs_max": "reward_pool.abs_max",
+    "prompt_template": "prompts.template",
+    "system_prompt": "prompts.system_prompt",
+    "max_head_offpolicyness": "asynchronous.max_head_offpolicyness",
+}
+"""Keys of the flat `[rl]` layout -> where they live now (dotted from `[rl]`): an old config fails with the new
+name instead of being read under the old one."""
+
+
+@dataclass(kw_only=True)
+class RLConfig:
+    MOVED: ClassVar[dict[str, str]] = MOVED_KEYS
+    """The loader refuses these keys naming their new place (megatron_vlm/config/loader.py)."""
+
+    # --- selection keys (flat in [rl]) -----------------------------------------------------------
+    policy_loss: str = "clip"
+    """Policy-gradient loss (megatron_vlm/rl/losses.py): "clip" = PPO / GRPO clipped token ratio;
+    "gspo" = GSPO (Zheng et al. 2025): the sequence ratio exp(mean_t (log pi - log pi_old)), clipped
+    per sequence — its paper uses tiny clip ranges, loss.clip_ratio_low = 3e-4, loss.clip_ratio_high = 4e-4,
+    and loss.loss_agg = "seq-mean"; "gspo_token" = GSPO-token (the sequence ratio with per-token
+    advantages); "cispo" = CISPO (MiniMax-M1 2025): clipped, detached importance weight x advantage x
+    log pi, every token keeps its gradient. loss.clip_ratio_low / loss.clip_ratio_high are the ranges of all four.
+    More register by name: megatron_vlm/rl/algorithms/policy_losses.py."""
+    advantage: str = "grpo"
+    """Advantage estimator (megatron_vlm/rl/advantages.py): "grpo" = group mean-centred reward divided by
+    the group std (advantages.normalize_std); "dr_grpo" = mean-centred, no std division (Dr. GRPO, Liu et al.
+    2025; pair it with loss.loss_agg = "seq-mean-token-sum-norm"); "rloo" = reward minus the mean of the
+    other G - 1 rewards of the group (Ahmadian et al. 2024). More register by name:
+    megatron_vlm/rl/algorithms/advantage_estimators.py."""
+    rollout_backend: str = "builtin"
+    """The engine that generates the rollouts: "builtin" = the policy engine of megatron_vlm/inference
+    (decodes with the policy model itself, in this process); "vllm" = an in-process vLLM engine on every
+    generating rank, fed the trainer's weights after every optimizer step (inference/vllm_engine.py,
+    docs/vllm.md; its settings are [rl.vllm], the vllm package must be importable)."""
+    routing_replay: str = "off"
+    """MoE routing replay: "off" = the training forwards route tokens themselves; "rollout" = replay the
+    experts the rollout chose per token (not implemented yet: exit 2)."""
+    recompute_logprobs: bool = False
+    """Recompute the old-policy log-probs of the PPO ratio with a training-layout forward pass before
+    the update, instead of taking the rollout engine's behaviour log-probs (one extra forward over the
+    step's samples; worth it when rollout numerics differ from training's, e.g. bf16 KV-cache decoding
+    against fp32 training, or an external engine)."""
+    allocation: Optional[str] = None
+    """Asynchronous GRPO: split the job's processes into rollout and training ranks,
+    "rollout:N+train:M" (N + M = number of processes; the AReaL spelling "vllm:dN+dM" names vLLM for
+    the rollout ranks: it needs rollout_backend = "vllm", which the asynchronous loop does not run yet). Rollout ranks generate continuously with their own copy of the policy and score the
+    completions; training ranks (the first M global ranks) train on completed groups and push the
+    new weights after every step (megatron_vlm/rl/asynchronous/allocation.py, rl/README.md). Unset = the
+    synchronous loop on every rank."""
+
+    # --- the parts' settings ---------------------------------------------------------------------
+    batch: RLBatchConfig = field(default_factory=RLBatchConfig)
+    """Prompts, samples and optimizer updates per step ([rl.batch])."""
+    rollout: RLRolloutConfig = field(default_factory=RLRolloutConfig)
+    """Generation ([rl.rollout])."""
+    loss: RLLossConfig = field(default_factory=RLLossConfig)
+    """The policy loss's settings ([rl.loss])."""
+    advantages: RLAdvantagesConfig = field(default_factory=RLAdvantagesConfig)
+    """Advantages, kept groups, overlong shaping ([rl.advantages])."""
+    update: RLUpdateConfig = field(default_factory=RLUpdateConfig)
+    """The update's training forwards ([rl.update])."""
+    reward_pool: RLRewardPoolConfig = field(default_factory=RLRewardPoolConfig)
+    """The verifier worker processes ([rl.reward_pool])."""
+    prompts: RLPromptsConfig = field(default_factory=RLPromptsConfig)
+    """The user turn ([rl.prompts])."""
+    asynchronous: RLAsyncConfig = field(default_factory=RLAsyncConfig)
+    """Asynchronous GRPO's staleness bound ([rl.asynchronous])."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """The vLLM engine's settings ([rl.vllm]; read only with rollout_backend = "vllm")."""
+
+    # --- rewards and evaluation ------------------------------------------------------------------
+    rewards: list[MathRewardConfig | ChoiceRewardConfig | FormatRewardConfig | ExactMatchRewardConfig | CustomRewardConfig] = field(
+        default_factory=lambda: [MathRewardConfig()]
+    )
+    """Verifiers whose weighted sum is the reward, one `[[rl.rewards]]` table each (`type =` picks it)."""
+    accuracy_reward: Optional[str] = None
+    """Label of the reward reported as accuracy (and used by evaluation); unset = the first reward."""
+    model_path_hint: Optional[str] = None
+    """Shown when model.path has no model yet: how to produce it (e.g. the SFT run a GRPO demo starts from)."""
+    eval: RLEvalConfig = field(default_factory=RLEvalConfig)
+    """Held-out evaluation ([rl.eval])."""
+
+    def validate(self) -> None:
+        for name in ("batch", "rollout", "loss", "advantages", "update", "reward_pool", "prompts", "asynchronous", "vllm",
+                     "eval"):
+            try:
+                getattr(self, name).validate()
+            except ValueError as e:
+                raise type(e)(f"{name}.{e}") from None
+        self._validate_selection()
+        self._validate_across()
         self._validate_async()
-        check_backend(self)  # hook: rollout_backend, [rl.vllm], allocation's engine prefix
+        self._validate_backend()
+        self._validate_rewards()
+
+    def _validate_selection(self) -> None:
+        """The flat selection keys: registered names (rl/algorithms) and the backends this build has."""
+        from megatron_vlm.rl.algorithms.advantage_estimators import ADVANTAGE_ESTIMATORS, resolve_normalize_std
+        from megatron_vlm.rl.algorithms.policy_losses import POLICY_LOSSES
+
+        for name, registry in (("policy_loss", POLICY_LOSSES), ("advantage", ADVANTAGE_ESTIMATORS)):
+            if getattr(self, name) not in registry:
+                raise ValueError(f"{name}: must be one of {registry.names()}, got {getattr(self, name)!r}")
+        if self.advantages.normalize_std:
+            try:
+                resolve_normalize_std(self.advantage, self.advantages.normalize_std)
+            except ValueError:
+                raise ValueError(f"advantages.normalize_std: advantage = {self.advantage!r} is defined without the std "
+                                 "division; leave advantages.normalize_std unset (or false), or use advantage = 'grpo'") from None
+        if self.rollout_backend not in ROLLOUT_BACKENDS:
+            raise ValueError(f"rollout_backend: must be one of {list(ROLLOUT_BACKENDS)}, got {self.rollout_backend!r}")
+        if self.routing_replay not in ("off", "rollout"):
+            raise ValueError(f"routing_replay: must be 'off' or 'rollout', got {self.routing_replay!r}")
+        if self.routing_replay == "rollout":
+            raise ConfigError("routing_replay: 'rollout' is not implemented yet; use 'off'")
+
+    def _validate_across(self) -> None:
+        """Checks that read more than one table."""
+        ro, lo, adv = self.rollout, self.loss, self.advantages
+        if ro.cuda_graphs == "on" and ro.weights != "copy" and self.allocation is None:
+            raise ValueError("rollout.cuda_graphs: 'on' needs rollout.weights = 'copy' (the engine's own weights; "
+                             "'shared' runs lock-step forwards through the FSDP root)")
+        if self.update.ref_offload and lo.kl_coef == 0:
+            raise ValueError("update.ref_offload: has no effect when loss.kl_coef = 0 (no reference model is built)")
+        if adv.overlong_buffer >= ro.max_new_tokens:
+            raise ValueError(f"advantages.overlong_buffer: must be smaller than rollout.max_new_tokens ({ro.max_new_tokens}), "
+                             f"got {adv.overlong_buffer}")
+        if lo.rollout_correction != "none" and not self.recompute_logprobs:
+            raise ValueError(f"loss.rollout_correction: {lo.rollout_correction!r} compares the training-side old "
+                             "log-probs with the rollout's; set recompute_logprobs = true")
+
+    def _validate_async(self) -> None:
+        """`allocation`, `asynchronous.max_head_offpolicyness`, `loss.behav_imp_weight_cap` and what the
+        asynchronous loop refuses."""
+        k = self.asynchronous.max_head_offpolicyness
+        if self.allocation is not None:
+            parse_allocation(self.allocation)  # ValueError naming the grammar
+        elif k > 0:
+            raise ValueError(f"asynchronous.max_head_offpolicyness: {k} needs the asynchronous loop; "
+                             "set allocation = 'rollout:N+train:M' (or leave it 0)")
+        if self.loss.behav_imp_weight_cap is not None and k == 0:
+            raise ValueError("loss.behav_imp_weight_cap: only read by the decoupled loss of asynchronous GRPO "
+                             "(allocation set and asynchronous.max_head_offpolicyness > 0); leave it unset")
+        if self.allocation is None:
+            return
+        if self.advantages.dynamic_sampling:
+            raise ValueError("advantages.dynamic_sampling: not supported with allocation (asynchronous GRPO streams a "
+                             "fixed number of prompts per step); use advantages.drop_equal_reward_groups or the "
+                             "synchronous loop")
+        if k > 0 and self.loss.rollout_correction != "none":
+            raise ValueError(f"loss.rollout_correction: {self.loss.rollout_correction!r} with "
+                             "asynchronous.max_head_offpolicyness > 0: the decoupled loss already weights by "
+                             "pi_prox / pi_behav; use loss.behav_imp_weight_cap instead")
+
+    _BUILTIN_ENGINE_KEYS: ClassVar[tuple[str, ...]] = ("weights", "cuda_graphs", "kv_block_size", "kv_cache_blocks",
+                                                       "batch_prompts", "memory_gib")
+    """The [rl.rollout] keys only the built-in engine reads (refused with rollout_backend = "vllm")."""
+
+    def _validate_backend(self) -> None:
+        """The keys that depend on `rollout_backend`: `allocation`'s engine prefix, the built-in engine's own
+        [rl.rollout] keys and the [rl.vllm] table."""
+        if self.allocation is not None:
+            engine = parse_allocation(self.allocation).engine
+            if engine is not None and engine != "vllm":
+                raise ValueError(f"allocation: {self.allocation!r}: the {engine!r} back end is not supported; the rollout "
+                                 "ranks run the built-in engine or vLLM (rollout_backend = 'vllm' with 'vllm:dN+dM')")
+            if engine == "vllm" and self.rollout_backend != "vllm":
+                raise ValueError(f"allocation: {self.allocation!r} puts the rollout ranks on vLLM but rollout_backend = "
+                                 f"{self.rollout_backend!r}; set rollout_backend = 'vllm' or write 'rollout:N+train:M'")
+            if self.rollout_backend == "vllm":
+                raise ConfigError(f"allocation: {self.allocation!r} with rollout_backend = 'vllm': the asynchronous "
+                                  "loop's rollout ranks run the built-in engine only so far; use the synchronous loop "
+                                  "(no allocation) with vLLM")
+        if self.rollout_backend != "vllm":
+            if self.vllm != VLLMConfig():
+                raise ValueError("vllm: the [rl.vllm] table is only read with rollout_backend = 'vllm'")
+            return
+        defaults = RLRolloutConfig()
+        for key in self._BUILTIN_ENGINE_KEYS:
+            if getattr(self.rollout, key) != getattr(defaults, key):
+                raise ValueError(f"rollout.{key}: a setting of the built-in engine; with rollout_backend = 'vllm' size "
+                                 "the engine in [rl.vllm] (max_num_seqs, cpu_kv_cache_gib / gpu_memory_utilization)")
+
+    def _validate_rewards(self) -> None:
         if not self.rewards:
             raise ValueError("rewards: at least one [[rl.rewards]] table is required")
         labels = [r.label() for r in self.rewards]
@@ -356,104 +712,11 @@ class RLConfig:
                 raise ValueError(f"rewards[{i}].{e}") from None
         if self.accuracy_reward is not None and self.accuracy_reward not in labels:
             raise ValueError(f"accuracy_reward: {self.accuracy_reward!r} is not one of the reward labels {labels}")
-        if self.reward_timeout_s <= 0:
-            raise ValueError(f"reward_timeout_s: must be > 0, got {self.reward_timeout_s}")
-        if self.reward_memory_limit_mb < 0 or 0 < self.reward_memory_limit_mb < 256:
-            raise ValueError(f"reward_memory_limit_mb: 0 (no cap) or >= 256 (the interpreter and sympy need some), "
-                             f"got {self.reward_memory_limit_mb}")
-        if not self.reward_batch_timeout_s > 0 or self.reward_batch_timeout_s == float("inf"):
-            raise ValueError(f"reward_batch_timeout_s: must be finite and > 0, got {self.reward_batch_timeout_s}")
-        if not self.reward_abs_max > 0 or self.reward_abs_max == float("inf"):
-            raise ValueError(f"reward_abs_max: must be finite and > 0, got {self.reward_abs_max}")
-        if not self.rollout_memory_gib >= 0 or self.rollout_memory_gib == float("inf"):
-            raise ValueError(f"rollout_memory_gib: must be finite and >= 0 (0 = no budget), got {self.rollout_memory_gib}")
-        if "{problem}" not in self.prompt_template:
-            raise ValueError("prompt_template: must contain the {problem} placeholder")
-        try:
-            self.prompt_template.format(problem="")
-        except (KeyError, IndexError, ValueError) as e:
-            raise ValueError(
-                f"prompt_template: only {{problem}} may be a placeholder (write literal braces as {{{{ }}}}): {e!r}"
-            ) from None
-        try:
-            self.eval.validate()
-        except ValueError as e:
-            raise ValueError(f"eval.{e}") from None
-
-    def _validate_algorithm(self) -> None:
-        """The policy-loss / advantage / sampling / shaping / correction keys and their combinations."""
-        choices = {"policy_loss": ("clip", "gspo", "gspo_token", "cispo"),
-                   "loss_agg": ("token-mean", "seq-mean", "seq-mean-token-sum-norm"),
-                   "advantage": ("grpo", "dr_grpo", "rloo"), "rollout_correction": ("none", "tis", "mis")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}: must be one of {list(allowed)}, got {getattr(self, name)!r}")
-        if self.advantage != "grpo" and self.normalize_adv_std:
-            raise ValueError(f"normalize_adv_std: advantage = {self.advantage!r} is defined without the std division; "
-                             "leave normalize_adv_std unset (or false), or use advantage = 'grpo'")
-        if self.max_sampling_rounds < 1:
-            raise ValueError(f"max_sampling_rounds: must be >= 1, got {self.max_sampling_rounds}")
-        if self.overlong_buffer < 0:
-            raise ValueError(f"overlong_buffer: must be >= 0 (0 = off), got {self.overlong_buffer}")
-        if self.overlong_penalty < 0:
-            raise ValueError(f"overlong_penalty: must be >= 0, got {self.overlong_penalty}")
-        if self.overlong_buffer >= self.max_new_tokens:
-            raise ValueError(f"overlong_buffer: must be smaller than max_new_tokens ({self.max_new_tokens}), "
-                             f"got {self.overlong_buffer}")
-        if (self.overlong_buffer > 0) != (self.overlong_penalty > 0):
-            raise ValueError(f"overlong_penalty: the soft overlong penalty needs both overlong_buffer >= 1 and "
-                             f"overlong_penalty > 0 (one alone has no effect), got overlong_buffer = "
-                             f"{self.overlong_buffer}, overlong_penalty = {self.overlong_penalty}")
-        if self.entropy_coef < 0:
-            raise ValueError(f"entropy_coef: must be >= 0, got {self.entropy_coef}")
-        if self.rollout_correction_cap <= 1:
-            raise ValueError(f"rollout_correction_cap: must be > 1, got {self.rollout_correction_cap}")
-        if self.rollout_correction != "none" and not self.recompute_logprobs:
-            raise ValueError(f"rollout_correction: {self.rollout_correction!r} compares the training-side old "
-                             "log-probs with the rollout's; set recompute_logprobs = true")
-
-    def _validate_paged_kv(self) -> None:
-        """`kv_block_size` / `kv_cache_blocks` and the rollout modes that cannot use the paged KV cache (the
-        model-dependent refusal, Mamba2 hybrid decoders, is the engine's: rl/rollout/policy_engine.py)."""
-        if self.kv_block_size < 0 or self.kv_block_size == 1:
-            raise ValueError(f"kv_block_size: must be 0 (the slot cache) or >= 2 positions per block (one block "
-                             f"also holds the engine's scratch row of 2 positions), got {self.kv_block_size}")
-        if self.kv_block_size and self.rollout_cuda_graphs == "on":
-            raise ValueError(f"kv_block_size: {self.kv_block_size} (the paged KV cache) cannot run with rollout_cuda_graphs "
-                             "= 'on': static CUDA-graph decode steps need the slot layout (the block table changes as "
-                             "samples come and go); set kv_block_size = 0 or rollout_cuda_graphs = 'auto' / 'off'")
-        if self.kv_cache_blocks < 0:
-            raise ValueError(f"kv_cache_blocks: must be >= 0 (0 = derived from the slots), got {self.kv_cache_blocks}")
-        if self.kv_cache_blocks and not self.kv_block_size:
-            raise ValueError(f"kv_cache_blocks: {self.kv_cache_blocks} sizes the paged KV cache, which is off "
-                             "(kv_block_size = 0); set kv_block_size >= 2 too, or leave kv_cache_blocks 0")
-        if self.kv_cache_blocks and self.rollout_weights != "copy":
-            raise ValueError(f"kv_cache_blocks: {self.kv_cache_blocks} needs rollout_weights = 'copy' (continuous "
-                             "batching); with 'shared' every sample of a lock-step batch starts at once, so the pool "
-                             "must hold them all: leave kv_cache_blocks 0 (derived)")
-
-    def _validate_async(self) -> None:
-        """`allocation`, `max_head_offpolicyness`, `behav_imp_weight_cap` and what the asynchronous loop refuses."""
-        if self.allocation is not None:
-            parse_allocation(self.allocation)  # ValueError naming the grammar
-        elif self.max_head_offpolicyness > 0:
-            raise ValueError(f"max_head_offpolicyness: {self.max_head_offpolicyness} needs the asynchronous loop; "
-                             "set allocation = 'rollout:N+train:M' (or leave it 0)")
-        if self.behav_imp_weight_cap is not None and self.max_head_offpolicyness == 0:
-            raise ValueError("behav_imp_weight_cap: only read by the decoupled loss of asynchronous GRPO "
-                             "(allocation set and max_head_offpolicyness > 0); leave it unset")
-        if self.allocation is None:
-            return
-        if self.dynamic_sampling:
-            raise ValueError("dynamic_sampling: not supported with allocation (asynchronous GRPO streams a fixed "
-                             "number of prompts per step); use drop_equal_reward_groups or the synchronous loop")
-        if self.max_head_offpolicyness > 0 and self.rollout_correction != "none":
-            raise ValueError(f"rollout_correction: {self.rollout_correction!r} with max_head_offpolicyness > 0: the "
-                             "decoupled loss already weights by pi_prox / pi_behav; use behav_imp_weight_cap instead")
 
     def adv_normalize_std(self) -> bool:
-        """Whether advantages are divided by the group std (normalize_adv_std resolved for `advantage`)."""
-        return self.normalize_adv_std if self.normalize_adv_std is not None else self.advantage == "grpo"
+        """Whether advantages are divided by the group std (advantages.normalize_std resolved for `advantage`)."""
+        ns = self.advantages.normalize_std
+        return ns if ns is not None else self.advantage == "grpo"
 
     def accuracy_label(self) -> str:
         """Label of the reward that counts as accuracy."""
@@ -461,4 +724,4 @@ class RLConfig:
 
     def render_prompt(self, problem: str) -> str:
         """The user turn for one dataset question."""
-        return self.prompt_template.format(problem=problem)
+        return self.prompts.template.format(problem=problem)

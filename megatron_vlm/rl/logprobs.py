@@ -40,9 +40,11 @@ def response_token_logprobs(
     labels = shifted_labels(input_ids, response_mask, cu_seqlens)
     out = kernels.linear_token_logprobs(hidden, lm_head_weight, labels, temperature=temperature, return_entropy=return_entropy)
     logp, ent = (out if return_entropy else (out, None))
+    assert isinstance(logp, torch.Tensor)
     zero = logp.new_zeros(1)
     logp_tok = torch.cat([zero, logp[:-1]]) * response_mask
     if not return_entropy:
         return logp_tok
+    assert isinstance(ent, torch.Tensor)
     ent_tok = torch.cat([zero, ent[:-1]]) * response_mask
     return logp_tok, ent_tok

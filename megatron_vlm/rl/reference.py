@@ -2,9 +2,9 @@
 
 A separate, frozen copy of the initial policy (`model.path`, loaded once; a resumed run therefore
 keeps the same reference). It is not sharded: every rank holds the full reference weights in the
-compute dtype, on the device, or on the CPU with `rl.ref_offload` (moved to the device only while
+compute dtype, on the device, or on the CPU with `rl.update.ref_offload` (moved to the device only while
 it scores a step: `with ref.on_device(): ...`). Log-probs use the same fused, vocabulary-chunked
-path as the policy (`TokenLogprobModel`), at the rollout temperature. With `rl.kl_coef = 0` no
+path as the policy (`TokenLogprobModel`), at the rollout temperature. With `rl.loss.kl_coef = 0` no
 reference model is built at all.
 
 With `[lora]` the reference is the policy's own model with its adapters switched off

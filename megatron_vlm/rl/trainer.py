@@ -3,7 +3,7 @@ loop (`training/loop.py`).
 
 `build_grpo_parts(ctx, bundle)`: the prompt sets from `[data]`, the prompt encoder, the built-in
 rollout engine on the policy itself, the reward manager (worker processes with time limits) and —
-only when `rl.kl_coef > 0` — the frozen reference policy. `GRPOLoopStep` is what the loop runs per
+only when `rl.loss.kl_coef > 0` — the frozen reference policy. `GRPOLoopStep` is what the loop runs per
 step: the step's prompts (a function of (seed, step), so a resumed run repeats the uninterrupted
 one), one `GRPOStep` (rl/grpo_step.py: rollout, rewards, advantages, log-probs, updates, metrics),
 the held-out evaluation it is given (Avg@k, `megatron_vlm.eval.grpo_accuracy`), and the data state
@@ -15,22 +15,25 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.media import MediaLimits
+from megatron_vlm.errors import ConfigError
+from megatron_vlm.inference.engine import RolloutEngine
+from megatron_vlm.inference.kv_budget import kv_bytes_per_slot, rollout_prompts_for_budget
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
 from megatron_vlm.parallel.collectives import any_rank, barrier
 from megatron_vlm.parallel.precision import compute_dtype
-from megatron_vlm.rl.data import prompt_batches
 from megatron_vlm.rl.grpo_step import GRPOStep
-from megatron_vlm.rl.prompt_lengths import drop_unusable_prompts
-from megatron_vlm.rl.prompts import PromptEncoder, PromptSets, load_prompt_sets
+from megatron_vlm.rl.prompts.dataset import prompt_batches
+from megatron_vlm.rl.prompts.encoder import PromptEncoder
+from megatron_vlm.rl.prompts.lengths import drop_unusable_prompts
+from megatron_vlm.rl.prompts.sets import PromptSets, load_prompt_sets
 from megatron_vlm.rl.reference import BaseModelReference, ReferencePolicy
 from megatron_vlm.rl.rewards.manager import RewardManager
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
-from megatron_vlm.rl.rollout_budget import kv_bytes_per_slot, rollout_prompts_for_budget
 from megatron_vlm.training.bad_record_summary import write_bad_record_summary
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
@@ -53,42 +56,42 @@ def check_model_folder(cfg) -> None:
 
 def check_grpo_config(cfg) -> None:
     if cfg.rl is None:
-        raise ValueError("rl: train.mode = 'grpo' needs an [rl] section")
+        raise ConfigError("rl: train.mode = 'grpo' needs an [rl] section")
     check_model_folder(cfg)
 
 
 def grpo_total_steps(train_cfg, rl, num_prompts: int) -> int:
     """`train.max_steps`, else `train.epochs` passes over the train prompts: ceil(epochs x prompts /
-    rl.prompts_per_step) steps (at least 1)."""
+    rl.batch.prompts_per_step) steps (at least 1)."""
     if train_cfg.max_steps is not None:
         return train_cfg.max_steps
     if num_prompts <= 0:
-        raise ValueError("data.train_path: no training prompts to derive the steps of train.epochs from")
-    return max(1, math.ceil(train_cfg.epochs * num_prompts / rl.prompts_per_step))
+        raise ConfigError("data.train_path: no training prompts to derive the steps of train.epochs from")
+    return max(1, math.ceil(train_cfg.epochs * num_prompts / rl.batch.prompts_per_step))
 
 
 def rollout_batch_prompts(rl, model, *, max_tokens_per_pack: int, bytes_per_element: int) -> int:
-    """Prompts generated together on one rank: `rl.rollout_batch_prompts` when set, else as many as
-    `rl.rollout_memory_gib` of KV cache holds (0 = no budget: all of the rank's prompts)."""
-    if rl.rollout_batch_prompts:
-        return rl.rollout_batch_prompts
-    return rollout_prompts_for_budget(rl.rollout_memory_gib, kv_bytes_per_slot(model, bytes_per_element),
-                                      rl.group_size, max_tokens_per_pack)
+    """Prompts generated together on one rank: `rl.rollout.batch_prompts` when set, else as many as
+    `rl.rollout.memory_gib` of KV cache holds (0 = no budget: all of the rank's prompts)."""
+    if rl.rollout.batch_prompts:
+        return rl.rollout.batch_prompts
+    return rollout_prompts_for_budget(rl.rollout.memory_gib, kv_bytes_per_slot(model, bytes_per_element),
+                                      rl.batch.group_size, max_tokens_per_pack)
 
 
 def paged_kv_kwargs(rl) -> dict:
     """The engine's paged-KV-cache arguments from `[rl]` (every engine of a GRPO job: the synchronous
     trainer's, which also runs [rl.eval], and the asynchronous rollout ranks')."""
-    return {"kv_block_size": rl.kv_block_size, "kv_cache_blocks": rl.kv_cache_blocks}
+    return {"kv_block_size": rl.rollout.kv_block_size, "kv_cache_blocks": rl.rollout.kv_cache_blocks}
 
 
 def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: torch.dtype, device: torch.device,
                          per_batch: int) -> PolicyRolloutEngine:
-    """`rl.rollout_weights = "shared"`: the engine calls the trainer's model through the FSDP root, ranks in
+    """`rl.rollout.weights = "shared"`: the engine calls the trainer's model through the FSDP root, ranks in
     lock-step. "copy": an unsharded copy of the policy on this rank (read from the model folder, with the
     trainer's LoRA adapters if it has any, then refreshed from the trainer's weights at every `load_weights`), continuous batching with
     per_batch * group_size slots (0: all of the step's samples)."""
-    if rl.rollout_weights == "copy":
+    if rl.rollout.weights == "copy":
         from megatron_vlm.checkpoint.hf import load_hf_model
         from megatron_vlm.models.common.lora import mirror_lora
 
@@ -96,23 +99,25 @@ def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: tor
         if bundle.model is not None:  # [lora]: the copy holds the same adapters, refreshed with the rest
             mirror_lora(policy_copy, bundle.model)
         policy_copy.requires_grad_(False)
-        # CudaGraphsConfigError (exit 2): "on" with a model whose decode step cannot be captured (MoE layers);
-        # PagedKVConfigError (exit 2): rl.kv_block_size with a Mamba2 hybrid decoder
-        return PolicyRolloutEngine(policy_copy, bundle.processor.tokenizer, cache_dtype=dtype, device=device,
-                                   max_num_seqs=per_batch * rl.group_size, sync_from=bundle.model,
-                                   cuda_graphs=rl.rollout_cuda_graphs, **paged_kv_kwargs(rl))
-    return PolicyRolloutEngine(
-        bundle.model, bundle.processor.tokenizer, forward=lambda **kw: bundle.wrapper(model_kwargs=kw), cache_dtype=dtype,
-        device=device, max_prompts_per_batch=per_batch,
-        all_ranks_active=lambda active: any_rank(active, device), cuda_graphs=rl.rollout_cuda_graphs, **paged_kv_kwargs(rl),
-    )
+        # CudaGraphsConfigError (exit 2): "on" with a decode step that cannot be captured (a paged cache);
+        # PagedKVConfigError (exit 2): rl.rollout.kv_block_size with a Mamba2 hybrid decoder
+        return PolicyRolloutEngine(policy_copy, bundle.processor.tokenizer,
+                                   EngineOptions(cache_dtype=dtype, device=device,
+                                                 max_num_seqs=per_batch * rl.batch.group_size,
+                                                 cuda_graphs=rl.rollout.cuda_graphs, **paged_kv_kwargs(rl)),
+                                   sync_from=bundle.model)
+    return PolicyRolloutEngine(bundle.model, bundle.processor.tokenizer,
+                               EngineOptions(cache_dtype=dtype, device=device, max_prompts_per_batch=per_batch,
+                                             cuda_graphs=rl.rollout.cuda_graphs, **paged_kv_kwargs(rl)),
+                               forward=lambda **kw: bundle.wrapper(model_kwargs=kw),
+                               all_ranks_active=lambda active: any_rank(active, device))
 
 
 @dataclass
 class GRPOParts:
     sets: PromptSets
     encoder: PromptEncoder
-    engine: PolicyRolloutEngine
+    engine: RolloutEngine
     manager: RewardManager
     """Owns worker processes: `close()` it at the end of the run."""
     reference: Optional[Union[ReferencePolicy, BaseModelReference]] = None
@@ -128,28 +133,30 @@ def build_grpo_parts(ctx: RunContext, bundle: ModelBundle) -> GRPOParts:
     sets = drop_unusable_prompts(sets, bundle.processor, cfg.data, rl, bad_records)
     log.info("GRPO prompts: %d train, %s held-out", len(sets.train), len(sets.eval) if sets.eval else "no")
     dtype = compute_dtype(cfg.train.precision, getattr(torch, cfg.model.dtype), env.device)
-    budget = max(rl.max_new_tokens, rl.eval.max_new_tokens or 0)
+    budget = max(rl.rollout.max_new_tokens, rl.eval.max_new_tokens or 0)
     per_batch = rollout_batch_prompts(rl, bundle.model, max_tokens_per_pack=cfg.data.max_tokens_per_pack,
                                       bytes_per_element=torch.finfo(dtype).bits // 8)
-    if per_batch and not rl.rollout_batch_prompts:
-        log.info("rollout: %d prompts per batch (rl.rollout_memory_gib = %g GiB of KV cache)", per_batch, rl.rollout_memory_gib)
+    if per_batch and not rl.rollout.batch_prompts:
+        log.info("rollout: %d prompts per batch (rl.rollout.memory_gib = %g GiB of KV cache)", per_batch, rl.rollout.memory_gib)
     encoder = PromptEncoder(bundle.processor, max_frames=cfg.data.max_frames, fps=cfg.data.fps, max_new_tokens=budget,
                             max_tokens=cfg.data.max_tokens_per_pack, limits=MediaLimits.from_config(cfg.data),
                             bad_records=bad_records)
-    if getattr(rl, "rollout_backend", "builtin") == "vllm":  # hook: the vLLM back end (rl/rollout/vllm_engine.py)
-        from megatron_vlm.rl.rollout.vllm_engine import vllm_engine_for_run
+    engine: RolloutEngine
+    if rl.rollout_backend == "vllm":  # the vLLM back end (inference/vllm_engine.py): its own weights, fed after each step
+        from megatron_vlm.inference.vllm_engine import vllm_engine_for_run
+
         engine = vllm_engine_for_run(ctx, bundle, dtype=dtype)
     else:
         engine = build_rollout_engine(rl, bundle, cfg.model.path, dtype=dtype, device=env.device, per_batch=per_batch)
-    reference = None
-    if rl.kl_coef > 0 and getattr(cfg, "lora", None) is not None:  # base = the policy without its adapters: no second copy
-        reference = BaseModelReference(bundle.wrapper, bundle.model, temperature=rl.temperature)
-    elif rl.kl_coef > 0:
+    reference: Optional[Union[ReferencePolicy, BaseModelReference]] = None
+    if rl.loss.kl_coef > 0 and getattr(cfg, "lora", None) is not None:  # base = the policy without its adapters: no second copy
+        reference = BaseModelReference(bundle.wrapper, bundle.model, temperature=rl.rollout.temperature)
+    elif rl.loss.kl_coef > 0:
         reference = ReferencePolicy.from_pretrained(cfg.model.path, dtype=dtype, device=env.device,
-                                                    offload=rl.ref_offload, temperature=rl.temperature)
-    manager = RewardManager(rl.rewards, timeout_s=rl.reward_timeout_s, num_workers=rl.reward_workers,
-                            memory_limit_mb=rl.reward_memory_limit_mb, batch_timeout_s=rl.reward_batch_timeout_s,
-                            value_limit=rl.reward_abs_max)
+                                                    offload=rl.update.ref_offload, temperature=rl.rollout.temperature)
+    manager = RewardManager(rl.rewards, timeout_s=rl.reward_pool.timeout_s, num_workers=rl.reward_pool.workers,
+                            memory_limit_mb=rl.reward_pool.memory_limit_mb, batch_timeout_s=rl.reward_pool.batch_timeout_s,
+                            value_limit=rl.reward_pool.abs_max)
     return GRPOParts(sets=sets, encoder=encoder, engine=engine, manager=manager, reference=reference,
                      bad_records=bad_records)
 
@@ -162,7 +169,7 @@ class GRPOLoopStep:
         self.ctx, self.bad_records = ctx, bad_records
         self.rl, self.seed = ctx.cfg.rl, ctx.cfg.train.seed
         self.train_set, self.grpo, self._evaluate = train_set, grpo, evaluate
-        self._batches = None
+        self._batches: Optional[Iterator[list[int]]] = None
 
     def load_data_state(self, state: dict, step: int) -> None:  # noqa: ARG002 (the order is a function of the step)
         if state.get("seed", self.seed) != self.seed or state.get("num_prompts", len(self.train_set)) != len(self.train_set):
@@ -173,10 +180,10 @@ class GRPOLoopStep:
 
     def train_step(self, step: int, *, log: bool) -> dict[str, float]:
         if self._batches is None:
-            self._batches = prompt_batches(len(self.train_set), self.rl.prompts_per_step, seed=self.seed, start_step=step)
+            self._batches = prompt_batches(len(self.train_set), self.rl.batch.prompts_per_step, seed=self.seed, start_step=step)
         metrics = self.grpo.run(step, [self.train_set[i] for i in next(self._batches)], prompt_pool=self.train_set)
-        metrics.update(getattr(self.grpo.engine, "metrics", dict)())  # hook: rollout/weight_push_s of the vLLM back end
-        metrics["epoch"] = (step + 1) * self.rl.prompts_per_step / len(self.train_set)
+        metrics.update(getattr(self.grpo.engine, "metrics", dict)())  # the vLLM back end's rollout/weight_push_s
+        metrics["epoch"] = (step + 1) * self.rl.batch.prompts_per_step / len(self.train_set)
         return metrics if log else {}
 
     def evaluate(self, step: int) -> Optional[dict]:

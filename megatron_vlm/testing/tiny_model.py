@@ -6,10 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from megatron_vlm.checkpoint.hf import save_hf_model
-from megatron_vlm.models import build_model
+from megatron_vlm.testing.folders import save_random_model
 from megatron_vlm.testing.tiny_processor import build_tiny_qwen2_5_vl_processor, tiny_qwen2_5_vl_text_config_ids
 
 
@@ -50,10 +47,6 @@ def build_tiny_model_folder(kind: str, out_dir: str | Path, *, seed: int = 0) ->
     tmp.mkdir(parents=True, exist_ok=True)
     processor = build_tiny_qwen2_5_vl_processor(tmp)
     hf_config = tiny_qwen2_5_vl_hf_config(tiny_qwen2_5_vl_text_config_ids(processor))
-    g = torch.random.fork_rng()
-    with g:
-        torch.manual_seed(seed)
-        model = build_model(hf_config)
-    save_hf_model(model, tmp)
+    save_random_model(hf_config, tmp, seed)
     tmp.rename(out_dir)
     return out_dir

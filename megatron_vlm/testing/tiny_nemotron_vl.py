@@ -18,32 +18,17 @@ preprocessor_config.json, so `load_processor` picks the Qwen-VL processor; `<|im
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import torch
-
-from megatron_vlm.checkpoint.hf import save_hf_model
-from megatron_vlm.models import build_model
+from megatron_vlm.testing.folders import chatml_template, save_random_model, write_json
 from megatron_vlm.testing.tiny_processor import build_tiny_tokenizer
 from megatron_vlm.testing.tiny_processor_qwen3_vl import build_tiny_qwen3_vl_processor, tiny_qwen3_vl_token_ids
 
 IMAGE_TOKENS = ("<image>", "<img>", "</img>")
-NEMOTRON_VL_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}"
-    "{{ message['content'] }}"
-    "{% else %}"
-    "{% for item in message['content'] %}"
+NEMOTRON_VL_CHAT_TEMPLATE = chatml_template(
     "{% if item['type'] == 'image' or 'image' in item or 'image_url' in item %}<image>\n"
     "{% elif 'text' in item %}{{ item['text'] }}"
     "{% endif %}"
-    "{% endfor %}"
-    "{% endif %}"
-    "<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 TINY_MIN_NUM_PATCHES = 16
 TINY_MAX_NUM_PATCHES = 64
@@ -123,19 +108,13 @@ def build_tiny_nemotron_qwen3_vision_folder(out_dir: str | Path, *, seed: int = 
     build_tiny_qwen3_vl_processor(tmp)
     token_ids = tiny_qwen3_vl_token_ids(AutoTokenizer.from_pretrained(tmp))
     hf_config = tiny_nemotron_qwen3_vision_hf_config(token_ids)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = build_model(hf_config)
-    save_hf_model(model, tmp)
-    _write_json(tmp / "generation_config.json", {
+    save_random_model(hf_config, tmp, seed)
+    write_json(tmp / "generation_config.json", {
         "eos_token_id": token_ids["eos_token_id"], "pad_token_id": token_ids["pad_token_id"],
     })
     tmp.rename(out_dir)
     return out_dir
 
-
-def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def build_tiny_nemotron_vl_folder(out_dir: str | Path, *, seed: int = 0) -> Path:
@@ -147,7 +126,7 @@ def build_tiny_nemotron_vl_folder(out_dir: str | Path, *, seed: int = 0) -> Path
     tokenizer.save_pretrained(tmp)
     (tmp / "chat_template.jinja").write_text(NEMOTRON_VL_CHAT_TEMPLATE)
     clip_mean, clip_std = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
-    _write_json(tmp / "preprocessor_config.json", {
+    write_json(tmp / "preprocessor_config.json", {
         "image_processor_type": "NemotronH_Omni_Reasoning_V3ImageProcessor",
         "processor_class": "NemotronH_Omni_Reasoning_V3Processor",
         "patch_size": 16, "downsample_ratio": 0.5, "min_num_patches": TINY_MIN_NUM_PATCHES,
@@ -155,13 +134,10 @@ def build_tiny_nemotron_vl_folder(out_dir: str | Path, *, seed: int = 0) -> Path
         "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
         "do_convert_rgb": True, "resample": 3, "image_mean": clip_mean, "image_std": clip_std,
     })
-    _write_json(tmp / "processor_config.json", {"processor_class": "NemotronH_Omni_Reasoning_V3Processor"})
+    write_json(tmp / "processor_config.json", {"processor_class": "NemotronH_Omni_Reasoning_V3Processor"})
     hf_config = tiny_nemotron_vl_hf_config(tokenizer)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = build_model(hf_config)
-    save_hf_model(model, tmp)
-    _write_json(tmp / "generation_config.json", {
+    save_random_model(hf_config, tmp, seed)
+    write_json(tmp / "generation_config.json", {
         "eos_token_id": hf_config["text_config"]["eos_token_id"], "pad_token_id": hf_config["text_config"]["pad_token_id"],
     })
     tmp.rename(out_dir)

@@ -19,13 +19,13 @@ image processor. `AutoTokenizer.from_pretrained(out_dir)` works everywhere.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Iterable
 
 from megatron_vlm.data.processor import load_processor
 from megatron_vlm.data.synthetic_vqa import ANSWERS, QUESTION_TYPES, VOCABULARY_WORDS, _question
+from megatron_vlm.testing.folders import QWEN_VL_ITEMS, chatml_template, save_image_processor, write_json
 
 __all__ = [
     "SPECIAL_TOKENS", "QWEN2_5_VL_CHAT_TEMPLATE", "build_tiny_tokenizer", "build_tiny_qwen2_5_vl_processor",
@@ -46,34 +46,7 @@ _BPE_VOCAB_SIZE = 960                         # byte alphabet (256) + merges; sp
 # turn when the first message is not a system one; string content verbatim; list content renders
 # images / videos as placeholders (optionally labelled "Picture N: " / "Video N: ") and text as is.
 # The pieces carry no incidental whitespace, so no Jinja whitespace control is needed.
-QWEN2_5_VL_CHAT_TEMPLATE = (
-    "{% set ns = namespace(images=0, videos=0) %}"
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}"
-    "{{ message['content'] }}"
-    "{% else %}"
-    "{% for item in message['content'] %}"
-    "{% if item['type'] == 'image' or 'image' in item or 'image_url' in item %}"
-    "{% set ns.images = ns.images + 1 %}"
-    "{% if add_vision_id %}Picture {{ ns.images }}: {% endif %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif item['type'] == 'video' or 'video' in item %}"
-    "{% set ns.videos = ns.videos + 1 %}"
-    "{% if add_vision_id %}Video {{ ns.videos }}: {% endif %}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in item %}"
-    "{{ item['text'] }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% endif %}"
-    "<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+QWEN2_5_VL_CHAT_TEMPLATE = chatml_template(QWEN_VL_ITEMS, default_system=True, count_items=True)
 
 _COMMON_WORDS = (
     "a an the and or not no yes of to in on at by for with from as is are was were be been it this that "
@@ -133,9 +106,6 @@ def build_tiny_tokenizer(extra_words: Iterable[str] = ()):
     return fast
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
 
 def build_tiny_qwen2_5_vl_processor(out_dir: str | os.PathLike, *, extra_words: Iterable[str] = ()):
     """Write the tokenizer + processor folder into `out_dir` and return the loaded processor
@@ -149,14 +119,8 @@ def build_tiny_qwen2_5_vl_processor(out_dir: str | os.PathLike, *, extra_words: 
     tokenizer.save_pretrained(out)
     (out / "chat_template.jinja").write_text(QWEN2_5_VL_CHAT_TEMPLATE)
     image_processor = Qwen2VLImageProcessorPil(min_pixels=TINY_IMAGE_MIN_PIXELS, max_pixels=TINY_IMAGE_MAX_PIXELS)
-    image_processor.save_pretrained(out)
-    # Name the processor classes a real checkpoint names, so that transformers (with torchvision)
-    # picks its default backend and AutoProcessor builds a Qwen2_5_VLProcessor.
-    pre = json.loads((out / "preprocessor_config.json").read_text())
-    pre["image_processor_type"] = "Qwen2VLImageProcessor"
-    pre["processor_class"] = "Qwen2_5_VLProcessor"
-    _write_json(out / "preprocessor_config.json", pre)
-    _write_json(out / "video_preprocessor_config.json", {
+    pre = save_image_processor(out, image_processor, "Qwen2VLImageProcessor", "Qwen2_5_VLProcessor")
+    write_json(out / "video_preprocessor_config.json", {
         "video_processor_type": "Qwen2VLVideoProcessor",
         "processor_class": "Qwen2_5_VLProcessor",
         "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
@@ -166,7 +130,7 @@ def build_tiny_qwen2_5_vl_processor(out_dir: str | os.PathLike, *, extra_words: 
         "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
         "do_sample_frames": False,
     })
-    _write_json(out / "processor_config.json", {"processor_class": "Qwen2_5_VLProcessor"})
+    write_json(out / "processor_config.json", {"processor_class": "Qwen2_5_VLProcessor"})
     return load_processor(out)
 
 

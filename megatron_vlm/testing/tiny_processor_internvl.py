@@ -21,8 +21,7 @@ from typing import Optional
 
 import torch
 
-from megatron_vlm.checkpoint.hf import save_hf_model
-from megatron_vlm.models import build_model
+from megatron_vlm.testing.folders import chatml_template, pad_rows, save_image_processor, save_random_model, write_json
 from megatron_vlm.testing.tiny_processor import build_tiny_tokenizer
 
 VOCAB = 320
@@ -168,21 +167,11 @@ def build_sample(parts, gen: torch.Generator) -> dict:
 
 def batch_samples(samples: list[dict], *, padding_side: str = "left") -> dict:
     """Pad samples into a batch (pad id 0) with attention_mask; tiles concatenated in order."""
-    longest = max(len(s["input_ids"]) for s in samples)
-    ids, mask = [], []
-    for s in samples:
-        pad = longest - len(s["input_ids"])
-        row, m = s["input_ids"], [1] * len(s["input_ids"])
-        if padding_side == "left":
-            row, m = [PAD_TOKEN_ID] * pad + row, [0] * pad + m
-        else:
-            row, m = row + [PAD_TOKEN_ID] * pad, m + [0] * pad
-        ids.append(row)
-        mask.append(m)
+    input_ids, attention_mask = pad_rows([s["input_ids"] for s in samples], PAD_TOKEN_ID, padding_side)
     tiles = [s["pixel_values"] for s in samples if s["pixel_values"] is not None]
     return {
-        "input_ids": torch.tensor(ids),
-        "attention_mask": torch.tensor(mask),
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
         "pixel_values": torch.cat(tiles) if tiles else None,
     }
 
@@ -207,30 +196,14 @@ TINY_MAX_TILES = 4
 # system turn; an image item renders as "<IMG_CONTEXT>\n" (the processor expands it to
 # <img> + tiles x image_seq_length <IMG_CONTEXT> + </img>), a video item as "<video>\n" (expanded to
 # "Frame1: <img>...</img>\nFrame2: ..."), text as is; generation prompt "<|im_start|>assistant\n".
-INTERNVL_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}"
-    "{{ message['content'] }}"
-    "{% else %}"
-    "{% for item in message['content'] %}"
+INTERNVL_CHAT_TEMPLATE = chatml_template(
     "{% if item['type'] == 'image' %}<IMG_CONTEXT>\n"
     "{% elif item['type'] == 'video' %}<video>\n"
     "{% elif item['type'] == 'text' %}{{ item['text'] }}"
     "{% endif %}"
-    "{% endfor %}"
-    "{% endif %}"
-    "<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 _INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
                     "video_token": "<video>"}
-
-
-def _write_json(path, obj: dict) -> None:
-
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def build_tiny_internvl_processor(out_dir, *, extra_words=(), tile_size: int = TILE, image_seq_length: int = TOKENS_PER_TILE):
@@ -254,24 +227,20 @@ def build_tiny_internvl_processor(out_dir, *, extra_words=(), tile_size: int = T
     tokenizer.save_pretrained(out)
     cfg = json.loads((out / "tokenizer_config.json").read_text())
     cfg["extra_special_tokens"] = dict(_INTERNVL_TOKENS)
-    _write_json(out / "tokenizer_config.json", cfg)
+    write_json(out / "tokenizer_config.json", cfg)
     (out / "chat_template.jinja").write_text(INTERNVL_CHAT_TEMPLATE)
     image_processor = GotOcr2ImageProcessorPil(
         size={"height": tile_size, "width": tile_size}, crop_to_patches=True, min_patches=1, max_patches=TINY_MAX_TILES,
         image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD, do_convert_rgb=True,
     )
-    image_processor.save_pretrained(out)
-    pre = json.loads((out / "preprocessor_config.json").read_text())
-    pre["image_processor_type"] = "GotOcr2ImageProcessor"
-    pre["processor_class"] = "InternVLProcessor"
-    _write_json(out / "preprocessor_config.json", pre)
-    _write_json(out / "video_preprocessor_config.json", {
+    save_image_processor(out, image_processor, "GotOcr2ImageProcessor", "InternVLProcessor")
+    write_json(out / "video_preprocessor_config.json", {
         "video_processor_type": "InternVLVideoProcessor", "processor_class": "InternVLProcessor",
         "do_resize": True, "size": {"height": tile_size, "width": tile_size}, "do_rescale": True,
         "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": IMAGENET_MEAN, "image_std": IMAGENET_STD,
         "do_convert_rgb": True, "resample": 3, "do_sample_frames": False,
     })
-    _write_json(out / "processor_config.json", {"processor_class": "InternVLProcessor",
+    write_json(out / "processor_config.json", {"processor_class": "InternVLProcessor",
                                                 "image_seq_length": image_seq_length})
     return out
 
@@ -303,9 +272,6 @@ def build_tiny_internvl_folder(out_dir, seed: int = 0, *, text_model: str = "qwe
     cfg = tiny_internvl_config(text_model=text_model, tie_word_embeddings=False, vocab_size=ids["vocab_size"],
                                hidden_size=128, token_ids=ids).to_dict()
     cfg["architectures"] = ["InternVLForConditionalGeneration"]
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = build_model(cfg)
-    save_hf_model(model, tmp)
+    save_random_model(cfg, tmp, seed)
     tmp.rename(out)
     return out

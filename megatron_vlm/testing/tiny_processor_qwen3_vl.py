@@ -14,15 +14,20 @@ Everything is built by code, deterministically; nothing is downloaded.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
 
-from megatron_vlm.checkpoint.hf import save_hf_model
-from megatron_vlm.models import build_model
+from megatron_vlm.testing.folders import (
+    QWEN_VL_ITEMS,
+    chatml_template,
+    pad_rows,
+    save_image_processor,
+    save_random_model,
+    write_json,
+)
 from megatron_vlm.testing.tiny_processor import build_tiny_tokenizer
 
 VOCAB = 320
@@ -175,21 +180,10 @@ def cat_or_none(xs):
 
 def batch_samples(samples: list[dict], *, padding_side: str = "right") -> dict:
     """Pad samples into a batch (pad id 0) with attention_mask and mm_token_type_ids; vision inputs concatenated."""
-    longest = max(len(s["input_ids"]) for s in samples)
-    ids, mask = [], []
-    for s in samples:
-        pad = longest - len(s["input_ids"])
-        row, m = s["input_ids"], [1] * len(s["input_ids"])
-        if padding_side == "left":
-            row, m = [PAD_TOKEN_ID] * pad + row, [0] * pad + m
-        else:
-            row, m = row + [PAD_TOKEN_ID] * pad, m + [0] * pad
-        ids.append(row)
-        mask.append(m)
-    input_ids = torch.tensor(ids)
+    input_ids, attention_mask = pad_rows([s["input_ids"] for s in samples], PAD_TOKEN_ID, padding_side)
     return {
         "input_ids": input_ids,
-        "attention_mask": torch.tensor(mask),
+        "attention_mask": attention_mask,
         "mm_token_type_ids": mm_token_type_ids(input_ids),
         "pixel_values": cat_or_none([s["pixel_values"] for s in samples]),
         "image_grid_thw": cat_or_none([s["image_grid_thw"] for s in samples]),
@@ -220,35 +214,8 @@ TINY_VIDEO_MAX_PIXELS = 32 * 32 * 4  # at most 4 merged tokens per temporal patc
 # Behaviour of Qwen3-VL-Instruct's chat template (written here, not copied): no default system turn;
 # string content verbatim; list content renders images / videos as vision placeholders (optionally
 # labelled "Picture N: " / "Video N: ") and text as is; generation prompt "<|im_start|>assistant\n".
-QWEN3_VL_CHAT_TEMPLATE = (
-    "{% set ns = namespace(images=0, videos=0) %}"
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}"
-    "{{ message['content'] }}"
-    "{% else %}"
-    "{% for item in message['content'] %}"
-    "{% if item['type'] == 'image' or 'image' in item or 'image_url' in item %}"
-    "{% set ns.images = ns.images + 1 %}"
-    "{% if add_vision_id %}Picture {{ ns.images }}: {% endif %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif item['type'] == 'video' or 'video' in item %}"
-    "{% set ns.videos = ns.videos + 1 %}"
-    "{% if add_vision_id %}Video {{ ns.videos }}: {% endif %}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in item %}"
-    "{{ item['text'] }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% endif %}"
-    "<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+QWEN3_VL_CHAT_TEMPLATE = chatml_template(QWEN_VL_ITEMS, count_items=True)
 
-
-def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def build_tiny_qwen3_vl_processor(out_dir: str | os.PathLike, *, extra_words: Iterable[str] = ()) -> Path:
@@ -271,12 +238,8 @@ def build_tiny_qwen3_vl_processor(out_dir: str | os.PathLike, *, extra_words: It
         patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
         min_pixels=TINY_IMAGE_MIN_PIXELS, max_pixels=TINY_IMAGE_MAX_PIXELS,
     )
-    image_processor.save_pretrained(out)
-    pre = json.loads((out / "preprocessor_config.json").read_text())
-    pre["image_processor_type"] = "Qwen2VLImageProcessorFast"  # what Qwen3-VL checkpoints name
-    pre["processor_class"] = "Qwen3VLProcessor"
-    _write_json(out / "preprocessor_config.json", pre)
-    _write_json(out / "video_preprocessor_config.json", {
+    save_image_processor(out, image_processor, "Qwen2VLImageProcessorFast", "Qwen3VLProcessor")  # what Qwen3-VL checkpoints name
+    write_json(out / "video_preprocessor_config.json", {
         "video_processor_type": "Qwen3VLVideoProcessor",
         "processor_class": "Qwen3VLProcessor",
         "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
@@ -284,7 +247,7 @@ def build_tiny_qwen3_vl_processor(out_dir: str | os.PathLike, *, extra_words: It
         "size": {"shortest_edge": TINY_VIDEO_MIN_PIXELS, "longest_edge": TINY_VIDEO_MAX_PIXELS},
         "patch_size": PATCH, "temporal_patch_size": 2, "merge_size": MERGE, "fps": 2, "do_sample_frames": False,
     })
-    _write_json(out / "processor_config.json", {"processor_class": "Qwen3VLProcessor"})
+    write_json(out / "processor_config.json", {"processor_class": "Qwen3VLProcessor"})
     return out
 
 
@@ -315,9 +278,6 @@ def build_tiny_qwen3_vl_folder(out_dir: str | os.PathLike, seed: int = 0, *, moe
         vocab_size=ids["vocab_size"], hidden_size=128, token_ids=ids,
     ).to_dict()
     cfg["architectures"] = ["Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"]
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = build_model(cfg)
-    save_hf_model(model, tmp)
+    save_random_model(cfg, tmp, seed)
     tmp.rename(out)
     return out

@@ -13,11 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from megatron_vlm.checkpoint.hf import save_hf_model
 from megatron_vlm.data.processor import load_processor
-from megatron_vlm.models import build_model
+from megatron_vlm.testing.folders import save_random_model
 from megatron_vlm.testing.tiny_processor import build_tiny_tokenizer
 
 __all__ = ["TEXT_CHAT_TEMPLATE", "TINY_TEXT_MODEL_TYPES", "build_tiny_text_processor", "tiny_qwen_text_hf_config",
@@ -83,10 +80,7 @@ def build_tiny_qwen_text_folder(out_dir: str | Path, *, model_type: str = "qwen2
     eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
     hf_config = tiny_qwen_text_hf_config(model_type, vocab_size=(len(tokenizer) + 63) // 64 * 64, hidden=hidden,
                                          layers=layers, eos_token_id=eos, pad_token_id=pad)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = build_model(hf_config)
-    save_hf_model(model, tmp)
+    save_random_model(hf_config, tmp, seed)
     load_processor(tmp)  # fails here, not in a run, if the folder is not a loadable text-model folder
     tmp.rename(out_dir)
     return out_dir

@@ -23,7 +23,7 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, NoReturn, Optional
 
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
@@ -70,13 +70,13 @@ EXIT_SAVE_FAILED = 1
 """Exit code when a checkpoint or the Hugging Face export could not be written (e.g. disk full)."""
 
 
-def _fail(e: CheckpointError, code: int):
+def _fail(e: CheckpointError, code: int) -> NoReturn:
     """End the job on this rank with one clear line (every rank gets here with the same error)."""
     print(f"error: {e}", file=sys.stderr, flush=True)
     raise SystemExit(code) from e
 
 
-def _model_type(model_path) -> Optional[str]:
+def _model_type(model_path: str | Path) -> Optional[str]:
     """`model_type` of the model folder's config.json (None when it cannot be read)."""
     try:
         return read_hf_config(model_path).get("model_type")
@@ -141,7 +141,8 @@ class Checkpointer:
         adapters, trained = (self._adapters(), set()) if lora else (set(), self._trained())
         tried = []
         for i, path in enumerate(candidates):
-            err, extra, refused = None, None, None
+            err, refused = None, None
+            extra: Optional[dict] = None
             try:
                 refused = self._layout_refusal(path, adapters, trained)
             except FAILURES as e:  # an unreadable record or DCP metadata: like a corrupt checkpoint
@@ -159,6 +160,7 @@ class Checkpointer:
                     err = describe_error(e)
             failed = first_error(gather_errors(err))  # every rank takes the same branch
             if failed is None:
+                assert extra is not None  # loaded: no error on any rank
                 log.info("Resumed from checkpoint: step=%d (%s)", extra["step"], path)
                 return ResumePoint(step=int(extra["step"]), data=extra.get("data", {}))
             if not (path / LAYOUT_FILE).is_file():
@@ -197,7 +199,8 @@ class Checkpointer:
 
     def _trained(self) -> set[str]:
         """The parameters this rank's optimizer holds state for, under the names a load asks the checkpoint for."""
-        return set(get_state_dict(self.wrapper, self.optim.optimizer)[1].get("state", {}))
+        optim_state: Any = get_state_dict(self.wrapper, self.optim.optimizer)[1]  # a dict (one optimizer)
+        return set(optim_state.get("state", {}))
 
     def _adapters(self) -> set[str]:
         """The adapted layers of the whole model (every pipeline stage's): a collective, on every rank."""
@@ -212,7 +215,7 @@ class Checkpointer:
         """Save a checkpoint after `step` steps; exits 1 (`EXIT_SAVE_FAILED`) on every rank when any
         rank could not write it (the previous checkpoint stays intact)."""
         try:
-            extra = {"data": data_state, "scheduler": self.optim.scheduler.state_dict()}
+            extra: dict[str, Any] = {"data": data_state, "scheduler": self.optim.scheduler.state_dict()}
             if self.mcore_tp is not None:  # the layout of the megatron-core layers' fc1 rows (tp_shard.py)
                 extra["mcore_tp"] = self.mcore_tp
                 extra["mcore_ep"] = self.mcore_ep  # and of their expert rows (ep_shard.py)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,12 +17,15 @@ import torch
 from megatron_vlm.parallel import DistEnv
 from megatron_vlm.training.signals import StopFlag
 
+if TYPE_CHECKING:  # megatron_vlm.config imports training's section dataclasses (training.stages, moe_balancing)
+    from megatron_vlm.config import Config
+
 __all__ = ["RunContext", "seed_everything"]
 
 
 @dataclass(frozen=True)
 class RunContext:
-    cfg: Any
+    cfg: Config
     """The resolved job config (`megatron_vlm.config`)."""
     env: DistEnv
     """Rank, world size and device of this process."""

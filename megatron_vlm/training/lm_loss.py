@@ -8,6 +8,8 @@ Shared by SFT (loss = -sum logp / global token count) and GRPO (policy / referen
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -42,7 +44,7 @@ class TokenLogprobModel(nn.Module):
 
     def __init__(self, model: nn.Module):
         super().__init__()
-        self.model = model
+        self.model: Any = model  # a family model: lm_head, hf_config, ... are read by name
 
     def _anchor(self, hidden: torch.Tensor) -> torch.Tensor:
         total = hidden.sum()
@@ -57,11 +59,12 @@ class TokenLogprobModel(nn.Module):
         (logits, hidden states, KV-cache decoding) computed inside the FSDP root's forward."""
         if model_kwargs is not None:
             return self.model(**model_kwargs)
+        assert batch is not None, "pass batch (log-probs) or model_kwargs (the plain model output)"
         hidden = self.model(**model_inputs(batch), return_hidden=True)
         labels = batch["labels"].reshape(-1)
         sel = labels != IGNORE_INDEX
         h = hidden.reshape(-1, hidden.shape[-1])[sel]
-        weight = self.model.lm_head.weight
+        weight: torch.Tensor = self.model.lm_head.weight
         # tensor parallelism: the lm_head rows are split over the tp ranks; log-probs without gathering them
         logprobs = vocab_parallel_token_logprobs if is_vocab_parallel(weight) else kernels.linear_token_logprobs
         if logprobs is kernels.linear_token_logprobs:

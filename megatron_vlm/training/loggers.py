@@ -3,16 +3,21 @@
 CSV: one file for train, one for eval, with a header of every key of the first row. A file is never
 rewritten to add a column (a resumed run appends under the existing header): keys that appear later
 go to a per-row `extra` JSON column, so every row stays readable with the same header.
+
+A run that starts at step S (a resume, or 0) first drops the rows of steps after S from the train and
+eval CSVs: they were written by a run that went further and was then lost (a fallback to an older
+checkpoint, a kill -9 after the last save), and the steps are run again, so each step has one row.
 """
 from __future__ import annotations
 
 import csv
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import IO, Optional
 
 log = logging.getLogger("megatron_vlm")
 
@@ -21,8 +26,8 @@ class _CsvSink:
     def __init__(self, path: Path):
         self.path = path
         self.fields: Optional[list[str]] = None
-        self._fh = None
-        self._w = None
+        self._fh: Optional[IO[str]] = None
+        self._w: Optional[csv.DictWriter] = None
 
     def write(self, row: dict) -> None:
         if self.fields is None:
@@ -40,8 +45,35 @@ class _CsvSink:
         out = dict(row)
         if "extra" in self.fields:
             out["extra"] = json.dumps(extra) if extra else ""
+        assert self._w is not None and self._fh is not None  # opened with the header above
         self._w.writerow(out)
         self._fh.flush()
+
+    def drop_after(self, step: int) -> int:
+        """Remove the rows of steps after `step` (rewritten atomically; before the first write). Returns how many."""
+        if self._fh is not None or not self.path.is_file():
+            return 0
+        with self.path.open(newline="") as f:
+            rows = list(csv.reader(f))
+        if not rows or not rows[0] or rows[0][0] != "step":
+            return 0
+
+        def later(row: list) -> bool:
+            try:
+                return bool(row) and float(row[0]) > step
+            except ValueError:
+                return False
+
+        kept = [rows[0]] + [r for r in rows[1:] if not later(r)]
+        dropped = len(rows) - len(kept)
+        if dropped:
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            with tmp.open("w", newline="") as f:
+                csv.writer(f).writerows(kept)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        return dropped
 
     def close(self) -> None:
         if self._fh:
@@ -85,8 +117,14 @@ class MetricsLogger:
             self._bar = tqdm(total=total_steps, dynamic_ncols=True, desc="train")
 
     def set_start(self, step: int) -> None:
+        """The run starts after `step` steps: drop CSV rows of later steps (module docstring)."""
         self.start_step = step
         self.t0 = time.time()
+        for name, sink in self._csv.items():
+            dropped = sink.drop_after(step)
+            if dropped:
+                log.info("%s: dropped %d row(s) of steps after %d (run again from the checkpoint)",
+                         sink.path.name, dropped, step)
         if self._bar is not None:
             self._bar.n = step
             self._bar.refresh()

@@ -26,12 +26,13 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 from torch import nn
 
 from megatron_vlm.checkpoint.peft_format import PeftNames, read_peft_adapter, save_peft_adapter
+from megatron_vlm.errors import ConfigError
 from megatron_vlm.models.common.lora import LORA_KEY_PARTS, apply_lora, lora_modules, lora_scaling, merge_lora_
 
 __all__ = ["LoRASetupError", "DEFAULT_TARGETS", "select_lora_targets", "setup_lora", "lora_factors", "write_adapter", "base_state_dict",
@@ -39,7 +40,7 @@ __all__ = ["LoRASetupError", "DEFAULT_TARGETS", "select_lora_targets", "setup_lo
 
 log = logging.getLogger("megatron_vlm")
 
-class LoRASetupError(ValueError):
+class LoRASetupError(ConfigError):
     """A `[lora]` key that cannot be applied to this model (the run exits 2, as for a config error)."""
 
 
@@ -69,7 +70,7 @@ def select_lora_targets(model: nn.Module, hf_config: dict, patterns: list[str], 
             continue
         if not include_vision and not name.startswith("language_model."):
             continue
-        peft = names.to_peft(name, tuple(mod.weight.shape))
+        peft = names.to_peft(name, cast(tuple[int, int], tuple(mod.weight.shape)))
         if peft is None:  # fused / reshaped in the HF checkpoint (e.g. Qwen2.5-VL's vision qkv): no PEFT name
             continue
         matched = [pat for pat, m in matchers if m(peft)]
@@ -110,7 +111,7 @@ def setup_lora(model: nn.Module, cfg, hf_config: dict) -> dict[str, str]:
             mod = modules.get(ours)
             if type(mod) is not nn.Linear:
                 raise ValueError(f"lora.init_from: {ours} is not a linear layer of the model")
-            selected[ours] = names.to_peft(ours, tuple(mod.weight.shape)) or ours
+            selected[ours] = names.to_peft(ours, cast(tuple[int, int], tuple(mod.weight.shape))) or ours
     else:
         selected = select_lora_targets(model, hf_config, cfg.target_modules, include_vision=cfg.include_vision)
     apply_lora(model, selected, r=cfg.r, alpha=cfg.alpha, dropout=cfg.dropout, use_rslora=cfg.use_rslora, init=cfg.init)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -23,6 +23,7 @@ from megatron_vlm.parallel.mesh import build_ep_mesh
 from megatron_vlm.parallel.pipeline import PipelineRunner, check_pipeline_layout, split_model_for_stage, stage_all_reduce
 from megatron_vlm.parallel.precision import resolve_precision
 from megatron_vlm.training.context import RunContext, seed_everything
+from megatron_vlm.training.fp8 import convert_to_fp8
 from megatron_vlm.training.freeze import apply_train_layers
 from megatron_vlm.training.lm_loss import TokenLogprobModel
 from megatron_vlm.training.lora import LoRASetupError, setup_lora
@@ -49,7 +50,7 @@ class ModelBundle:
     """`PipelineRunner` with parallel.pp > 1 (this rank's stage; the SFT step runs through it), else None."""
 
 
-def _load_all_reduce(dims: ParallelDims):
+def _load_all_reduce(dims: ParallelDims) -> Callable[[torch.Tensor], Any]:
     """Sum of the MoE loads over the ranks, each token counted once: the tp ranks of a group route the
     same tokens (MoE blocks are replicated over tp), while the cp ranks of a group route disjoint halves
     of them (context parallelism splits the MoE layers' tokens), so only tp copies are divided out."""
@@ -99,7 +100,7 @@ def build_model_bundle(ctx: RunContext) -> ModelBundle:
     dims, mesh = build_mesh(cfg.parallel, env.world_size, env.device.type)  # LayoutError: exit 2 (runner)
     processor = load_processor(cfg.model.path, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels,
                                video_min_pixels=cfg.data.video_min_pixels, video_max_pixels=cfg.data.video_max_pixels)
-    model = load_hf_model(cfg.model.path, dtype=getattr(torch, cfg.model.dtype), device="cpu")
+    model: Any = load_hf_model(cfg.model.path, dtype=getattr(torch, cfg.model.dtype), device="cpu")  # a family model
     lora = getattr(cfg, "lora", None)  # [lora] section (None: full fine-tuning)
     if lora is not None:  # adapters before sharding: FSDP2 wraps them with the rest of each block
         try:
@@ -115,7 +116,7 @@ def build_model_bundle(ctx: RunContext) -> ModelBundle:
     if lora is not None:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("model %s: %.2fM parameters, %.2fM trainable", type(model).__name__, total / 1e6, trainable / 1e6)
-    wrapper = TokenLogprobModel(model)
+    wrapper: Any = TokenLogprobModel(model)  # or, with pp, the stage's PipelineStageModel root
     precision = resolve_precision(cfg.train.precision, env.device)
     pp = cfg.parallel.pp
     if pp > 1:  # keep only this rank's pipeline stage (parallel/pipeline.py); LayoutError: exit 2
@@ -123,6 +124,8 @@ def build_model_bundle(ctx: RunContext) -> ModelBundle:
         act_dtype = torch.bfloat16 if precision == "bf16" else getattr(torch, cfg.model.dtype)
         wrapper = split_model_for_stage(model, TokenLogprobModel, stage=mesh.get_local_rank("pp"), pp=pp,
                                         max_tokens=cfg.data.max_tokens_per_pack, act_dtype=act_dtype)
+    if cfg.train.precision == "fp8":  # before sharding, as torchao's FSDP2 integration expects
+        convert_to_fp8(model, cfg.train.fp8_recipe, env.device)
     family = get_family(model.hf_config.get("model_type"))
     fsdp_mesh = mesh if fsdp_needed(env.world_size, precision, env.device.type) else None
     if fsdp_mesh is None:

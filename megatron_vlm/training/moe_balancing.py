@@ -17,7 +17,7 @@ counts is decided here, once per optimizer step:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -127,7 +127,7 @@ class MoELoadBalancer:
         return torch.stack(losses).sum() if losses else None
 
     @torch.no_grad()
-    def after_step(self, step: int):
+    def after_step(self, step: int) -> Optional[tuple[dict, Any]]:
         if not self.layers:
             return None
         loads = torch.stack([layer.expert_load for layer in self.layers])

@@ -5,12 +5,16 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from megatron_vlm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_vlm.config import Config
+    from megatron_vlm.config.sections import OptimizerConfig, SchedulerConfig, TrainConfig
 
 log = logging.getLogger("megatron_vlm")
 
@@ -23,24 +27,26 @@ class OptimState:
     scheduler: LambdaLR
 
 
-def total_steps(train_cfg, steps_per_epoch: Optional[float] = None) -> int:
+def total_steps(train_cfg: TrainConfig, steps_per_epoch: Optional[float] = None) -> int:
     """Optimizer steps of the run: `train.max_steps`, or ceil(train.epochs * steps_per_epoch) when
     only `train.epochs` is set (a job kind without an epoch length passes None: max_steps needed)."""
     if train_cfg.max_steps is not None:
         return train_cfg.max_steps
     if steps_per_epoch is None:
         raise ValueError("train.epochs: this job kind needs train.max_steps")
+    assert train_cfg.epochs is not None  # Config.validate: max_steps or epochs
     return max(1, int(math.ceil(train_cfg.epochs * steps_per_epoch)))
 
 
-def build_optim_state(model: torch.nn.Module, ctx_cfg, device_type: str, num_steps: int) -> OptimState:
+def build_optim_state(model: torch.nn.Module, ctx_cfg: Config, device_type: str, num_steps: int) -> OptimState:
     """The optimizer over `model`'s trainable parameters and its schedule over `num_steps` steps."""
     optimizer = build_optimizer(model, ctx_cfg.optimizer, device_type)
     return OptimState(optimizer, build_scheduler(optimizer, ctx_cfg.scheduler, num_steps))
 
 
-def build_optimizer(model: torch.nn.Module, opt_cfg, device_type: str) -> torch.optim.Optimizer:
-    decay, no_decay = [], []
+def build_optimizer(model: torch.nn.Module, opt_cfg: OptimizerConfig, device_type: str) -> torch.optim.Optimizer:
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -51,7 +57,7 @@ def build_optimizer(model: torch.nn.Module, opt_cfg, device_type: str) -> torch.
     groups = [{"params": decay, "weight_decay": opt_cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
-    kwargs = dict(lr=opt_cfg.lr, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps)
+    kwargs: dict[str, Any] = dict(lr=opt_cfg.lr, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps)
     return torch.optim.AdamW(groups, **kwargs, **adamw_implementation(device_type))
 
 
@@ -86,7 +92,7 @@ class WarmupDecay:
         return self.min_ratio + (1.0 - self.min_ratio) * f
 
 
-def build_scheduler(optimizer, sched_cfg, total_steps: int) -> LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, sched_cfg: SchedulerConfig, total_steps: int) -> LambdaLR:
     warmup = sched_cfg.warmup_steps or int(round(sched_cfg.warmup_ratio * total_steps))
     return LambdaLR(optimizer, WarmupDecay(sched_cfg.type, warmup, total_steps, sched_cfg.min_lr_ratio))
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import resource
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -58,9 +58,31 @@ def build_train_loader(ctx: RunContext, bundle: ModelBundle, bad_records: BadRec
                                 dp_size=bundle.dims.dp_size, split="train", bad_records=bad_records)
 
 
-def steps_per_epoch(loader, dp_size: int, micro_batches_per_step: int) -> float:
+def steps_per_epoch(loader: Any, dp_size: int, micro_batches_per_step: int) -> float:
     """Optimizer steps per pass over the train split (for `train.epochs`)."""
     return loader.packs_per_epoch / (dp_size * micro_batches_per_step)
+
+
+_DATA_STATE_KEYS = {"capacity": "data.max_tokens_per_pack", "num_records": "data.train_path", "seed": "train.seed"}
+"""The data-state fields a resume compares, and the config key that decides each."""
+
+
+def data_state_refusal(state: dict, loader, err: ValueError) -> str:
+    """One line for a checkpoint whose data position cannot be continued by this run's loader: the config key
+    that differs, both values and the two ways forward (keep the old value, or start a fresh run)."""
+    fresh = ('or start a fresh run from step 0 (checkpoint.resume = "none" or another train.output_dir; '
+             "model.path = an export of the checkpoint keeps its weights)")
+    now = {"capacity": loader.planner.capacity, "num_records": int(loader.planner.lengths.size), "seed": loader.planner.seed}
+    for field, key in _DATA_STATE_KEYS.items():
+        if field in state and int(state[field]) != now[field]:
+            if field == "num_records":
+                return (f"{key}: the checkpoint was written reading {state[field]} train records, this run reads "
+                        f"{now[field]} (another data.train_path, or its files changed), so the pack order would "
+                        f"differ. Point {key} at the checkpoint's data to resume it, {fresh}")
+            return (f"{key}: the checkpoint was written with {key} = {state[field]}, this run has {key} = {now[field]}; "
+                    f"the pack order would differ. Set {key} = {state[field]} to resume it, {fresh}")
+    return (f"checkpoint.resume: the checkpoint's data position cannot be continued here ({err}); resume it with a "
+            f"data-parallel size that divides {state.get('global_packs_consumed')}, {fresh}")
 
 
 def _peak_memory_gib(device: torch.device) -> float:
@@ -89,7 +111,7 @@ class SFTStep:
         self.total_steps = total_steps
         self.bad_records = bad_records
         self._evaluate = evaluate
-        self._it = None
+        self._it: Optional[Iterator[dict]] = None
         self.n_params = sum(p.numel() for p in bundle.model.parameters())
         self.guard = StepGuard.from_config(ctx.cfg.train, ctx.env.device)
         self.empty_steps_skipped = 0
@@ -97,7 +119,10 @@ class SFTStep:
 
     # ------------------------------------------------------------------ StepRunner
     def load_data_state(self, state: dict, step: int) -> None:  # noqa: ARG002
-        self.loader.load_state_dict(state)
+        try:
+            self.loader.load_state_dict(state)
+        except ValueError as e:  # another data set / pack size / seed / data-parallel split than the checkpoint's
+            raise ConfigError(data_state_refusal(state, self.loader, e)) from None
 
     def data_state(self, step: int) -> dict:  # noqa: ARG002
         return self.loader.state_dict()
@@ -105,7 +130,7 @@ class SFTStep:
     def evaluate(self, step: int) -> Optional[dict]:
         return self._evaluate(step) if self._evaluate is not None else None
 
-    def train_step(self, step: int, *, log: bool) -> dict[str, float]:
+    def train_step(self, step: int, *, log: bool) -> dict[str, Any]:
         if self._it is None:
             self._it = iter(self.loader)
         cfg, env, b = self.ctx.cfg.train, self.ctx.env, self.bundle

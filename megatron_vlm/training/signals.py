@@ -10,6 +10,7 @@ leave the others blocked in a collective.
 from __future__ import annotations
 
 import signal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ class StopFlag:
             self._prev[s] = signal.signal(s, self._handle)
         return self
 
-    def _handle(self, signum, frame):  # noqa: ARG002
+    def _handle(self, signum: int, frame: Any) -> None:  # noqa: ARG002
         self.signum = signum
 
     def should_stop(self, device: torch.device) -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import torch
 
@@ -49,10 +50,10 @@ class StepGuard:
         self.consecutive = 0
 
     @classmethod
-    def from_config(cls, train_cfg, device: torch.device, **kw) -> "StepGuard":
+    def from_config(cls, train_cfg: Any, device: torch.device, **kw: Any) -> "StepGuard":
         return cls(getattr(train_cfg, "max_consecutive_skipped_steps", DEFAULT_MAX_CONSECUTIVE_SKIPPED), device, **kw)
 
-    def allow(self, loss: float, grad_norm, *, step: int) -> bool:
+    def allow(self, loss: float, grad_norm: float | torch.Tensor, *, step: int) -> bool:
         """True when the optimizer step may run. Collective: every rank calls it at the same point.
         `loss`: this rank's loss (any float); `grad_norm`: the global norm (tensor or float);
         `step`: the 1-based step number, for the messages."""

@@ -21,8 +21,8 @@ from megatron_vlm.data.processor import load_processor  # noqa: E402
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa  # noqa: E402
 from megatron_vlm.models.mcore.layer import native_state_dict, use_mcore_layers  # noqa: E402
 from megatron_vlm.rl.batching import TrainSample, pack_samples  # noqa: E402
-from megatron_vlm.rl.data import load_prompt_dataset  # noqa: E402
-from megatron_vlm.rl.prompts import PromptEncoder  # noqa: E402
+from megatron_vlm.rl.prompts.dataset import load_prompt_dataset  # noqa: E402
+from megatron_vlm.rl.prompts.encoder import PromptEncoder  # noqa: E402
 from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
 from megatron_vlm.training.lm_loss import TokenLogprobModel  # noqa: E402
 

@@ -52,7 +52,7 @@ def test_grpo_job_on_gpu(tmp_path):
         "model.path": f'"{tmp_path / "sft" / "hf"}"', "data.synthetic_dir": f'"{assets / "data"}"',
         "data.synthetic_train_size": "64", "data.synthetic_eval_size": "8", "data.max_tokens_per_pack": "256",
         "train.output_dir": f'"{out}"', "train.max_steps": "3", "logging.tensorboard": "false",
-        "checkpoint.every_steps": "0", "rl.group_size": "4", "rl.prompts_per_step": "4", "rl.max_new_tokens": "4",
+        "checkpoint.every_steps": "0", "rl.batch.group_size": "4", "rl.batch.prompts_per_step": "4", "rl.rollout.max_new_tokens": "4",
         "rl.model_path_hint": '""', "rl.eval.every_steps": "0",
     }
     run_job([f"{k}={v}" for k, v in sets.items()], config=REPO / "launch" / "configs" / "demo_grpo.toml",
@@ -63,9 +63,9 @@ def test_grpo_job_on_gpu(tmp_path):
 
 
 def test_greedy_rollout_same_tokens_on_gpu_and_cpu(devices=("cpu", "cuda")):
+    from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
+    from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
     from megatron_vlm.models import build_model
-    from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams
-    from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
     from megatron_vlm.testing.tiny_model import tiny_qwen2_5_vl_hf_config
 
     torch.manual_seed(0)
@@ -85,7 +85,7 @@ def test_greedy_rollout_same_tokens_on_gpu_and_cpu(devices=("cpu", "cuda")):
     out = {}
     for device in devices:
         model.to(device)
-        engine = PolicyRolloutEngine(model, Tok(), eos_token_ids=[-1], device=device)
+        engine = PolicyRolloutEngine(model, Tok(), EngineOptions(eos_token_ids=[-1], device=device))
         out[device] = [s.token_ids.tolist() for s in engine.generate(prompts, params).samples]
     first, second = (out[d] for d in devices)
     assert first == second and all(len(t) == 12 for t in first)

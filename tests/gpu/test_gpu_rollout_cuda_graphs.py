@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_vlm.inference.decode_graphs import DecodeStepRunner
+from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
 from megatron_vlm.models import build_model
-from megatron_vlm.rl.rollout.decode_graphs import DecodeStepRunner
-from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
 from megatron_vlm.testing.tiny_nemotron_vl import build_tiny_nemotron_vl_tokenizer, tiny_nemotron_vl_hf_config
 from tests.fixtures import tiny_qwen2_5_vl as F
 
@@ -41,7 +41,7 @@ def _model(family: str):
 
 
 def _engine(model, eos, mode):
-    return PolicyRolloutEngine(model, Tok(), eos_token_ids=eos, max_num_seqs=5, cuda_graphs=mode)
+    return PolicyRolloutEngine(model, Tok(), EngineOptions(eos_token_ids=eos, max_num_seqs=5, cuda_graphs=mode))
 
 
 PARAMS = SamplingParams(max_new_tokens=12, n=2, temperature=0.0)

@@ -13,7 +13,7 @@ left out and counted, never an exit in the middle of a run.
   (one unusable benchmark among usable ones is still reported and skipped).
 - A GRPO prompt set with half its prompts over-long, one prompt per step: the first step that drew
   only over-long prompts ended the run with exit 2. They are now left out at start-up and counted
-  (rl/prompt_lengths.py); the run trains every step.
+  (rl/prompts/lengths.py); the run trains every step.
 """
 from __future__ import annotations
 
@@ -64,8 +64,8 @@ def test_grpo_over_long_prompts_are_left_out_at_start_not_fatal_mid_run(tmp_path
     (data / "prompts.jsonl").write_text("".join(lines))
     out = tmp_path / "run"
     overrides = [o for o in grpo_overrides(out, tmp_path / "assets", **{
-        "train.max_steps": 4, "rl.prompts_per_step": 1, "rl.group_size": 2, "rl.mini_batches_per_step": 1,
-        "rl.ppo_epochs": 1, "checkpoint.every_steps": 4}) if not o.startswith("data.synthetic")]
+        "train.max_steps": 4, "rl.batch.prompts_per_step": 1, "rl.batch.group_size": 2, "rl.batch.mini_batches_per_step": 1,
+        "rl.batch.ppo_epochs": 1, "checkpoint.every_steps": 4}) if not o.startswith("data.synthetic")]
     overrides += ['data.type="messages_jsonl"', f'data.train_path="{data / "prompts.jsonl"}"']
     r = run_job(overrides, check=False, timeout=300, config=REPO / "launch" / "configs" / "demo_grpo.toml")
     assert r.returncode == 0, r.stderr[-3000:]

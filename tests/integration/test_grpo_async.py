@@ -22,15 +22,15 @@ COMPARED = ("reward/mean", "loss", "grad_norm", "response_length/mean", "advanta
 
 
 def _tiny(out, assets, **extra):
-    base = {"rl.kl_coef": "0.0", "rl.recompute_logprobs": "false", "rl.ppo_epochs": "1", "rl.mini_batches_per_step": "2",
-            "rl.eval.at_start": "false", "train.max_steps": "4", "checkpoint.export_hf": "false", "rl.reward_workers": "1"}
+    base = {"rl.loss.kl_coef": "0.0", "rl.recompute_logprobs": "false", "rl.batch.ppo_epochs": "1", "rl.batch.mini_batches_per_step": "2",
+            "rl.eval.at_start": "false", "train.max_steps": "4", "checkpoint.export_hf": "false", "rl.reward_pool.workers": "1"}
     base.update(extra)
     return grpo_overrides(out, assets, **base)
 
 
 def _sync_reference(tmp_path, assets, steps):
     out = tmp_path / "sync"
-    run_job(_tiny(out, assets, **{"rl.rollout_weights": '"copy"', "train.max_steps": str(steps)}), config=GRPO_DEMO)
+    run_job(_tiny(out, assets, **{"rl.rollout.weights": '"copy"', "train.max_steps": str(steps)}), config=GRPO_DEMO)
     want = read_metrics(out / "metrics_train.csv")
     assert [int(r["step"]) for r in want] == list(range(1, 1 + steps)) and float(want[0]["grad_norm"]) > 0
     return want
@@ -74,8 +74,8 @@ def test_kill9_of_the_training_rank_and_resume_equals_sync(tmp_path):
 @pytest.mark.heavy  # over the CI time budget; CI keeps the comparison above and the unit tests of the check
 def test_bounded_staleness_and_decoupled_loss(tmp_path):
     out = tmp_path / "run"
-    sets = _tiny(out, tmp_path / "assets", **{"rl.allocation": '"rollout:1+train:1"', "rl.max_head_offpolicyness": "2",
-                                               "rl.behav_imp_weight_cap": "5.0", "train.max_steps": "4",
+    sets = _tiny(out, tmp_path / "assets", **{"rl.allocation": '"rollout:1+train:1"', "rl.asynchronous.max_head_offpolicyness": "2",
+                                               "rl.loss.behav_imp_weight_cap": "5.0", "train.max_steps": "4",
                                                "checkpoint.enable": "false", "rl.eval.every_steps": "0"})
     run_job(sets, nproc=2, config=GRPO_DEMO)
     rows = read_metrics(out / "metrics_train.csv")
@@ -99,7 +99,7 @@ def test_sigterm_saves_and_every_rank_exits_143(tmp_path):
     from jobs import ENTRY, free_port
 
     out = tmp_path / "run"
-    sets = _tiny(out, tmp_path / "assets", **{"rl.allocation": '"rollout:1+train:1"', "rl.max_head_offpolicyness": "1",
+    sets = _tiny(out, tmp_path / "assets", **{"rl.allocation": '"rollout:1+train:1"', "rl.asynchronous.max_head_offpolicyness": "1",
                                                "train.max_steps": "200", "checkpoint.every_steps": "1000"})
     args = [a for s in sets for a in ("--set", s)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",

@@ -1,4 +1,4 @@
-"""`rl.rollout_cuda_graphs` through the entry point (one process, tiny random Qwen2.5-VL): a GRPO job whose
+"""`rl.rollout.cuda_graphs` through the entry point (one process, tiny random Qwen2.5-VL): a GRPO job whose
 rollout engine decodes on the static CUDA-graph buffers ("on": run eagerly on the CPU, the capture is
 the GPU test's) trains exactly as the same job with eager decode steps (rewards, losses, gradient norms,
 lengths at every step), and "on" with the trainer's shared weights is a config error (exit 2)."""
@@ -20,14 +20,14 @@ def test_static_decode_steps_train_like_eager_ones(tmp_path):
     for mode in ("off", "on"):
         out = tmp_path / mode
         run_job(grpo_overrides(out, assets, **{
-            "rl.rollout_weights": '"copy"', "rl.rollout_cuda_graphs": f'"{mode}"', "train.max_steps": "2",
-            "rl.ppo_epochs": "1", "rl.eval.at_start": "false", "checkpoint.export_hf": "false",
-            "checkpoint.every_steps": "0", "rl.reward_workers": "1"}), config=GRPO_DEMO)
+            "rl.rollout.weights": '"copy"', "rl.rollout.cuda_graphs": f'"{mode}"', "train.max_steps": "2",
+            "rl.batch.ppo_epochs": "1", "rl.eval.at_start": "false", "checkpoint.export_hf": "false",
+            "checkpoint.every_steps": "0", "rl.reward_pool.workers": "1"}), config=GRPO_DEMO)
         rows[mode] = read_metrics(out / "metrics_train.csv")
     assert len(rows["on"]) == len(rows["off"]) == 2
     for a, b in zip(rows["off"], rows["on"]):
         for key in COMPARED:
             assert float(a[key]) == pytest.approx(float(b[key]), abs=1e-5), (a["step"], key)
-    r = run_job(grpo_overrides(tmp_path / "shared", assets, **{"rl.rollout_cuda_graphs": '"on"'}), config=GRPO_DEMO,
+    r = run_job(grpo_overrides(tmp_path / "shared", assets, **{"rl.rollout.cuda_graphs": '"on"'}), config=GRPO_DEMO,
                 check=False)
     assert r.returncode == 2 and "rollout_cuda_graphs" in r.stderr, r.stderr[-2000:]

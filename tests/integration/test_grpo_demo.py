@@ -33,7 +33,7 @@ def test_short_grpo_demo_raises_reward(tmp_path):
         **data, "model.path": f'"{sft / "hf"}"', "train.output_dir": f'"{grpo}"', "train.max_steps": str(GRPO_STEPS),
         "checkpoint.enable": "false", "checkpoint.export_hf": "false", "logging.tensorboard": "false",
         "rl.eval.at_start": "false", "rl.eval.every_steps": "0", "rl.eval.max_prompts": "8",
-        "rl.prompts_per_step": "16", "optimizer.lr": "1e-3",
+        "rl.batch.prompts_per_step": "16", "optimizer.lr": "1e-3",
     }.items()], nproc=2, config=GRPO_DEMO)
     rows = read_metrics(grpo / "metrics_train.csv")
     assert [int(r["step"]) for r in rows] == list(range(1, GRPO_STEPS + 1))

@@ -18,7 +18,7 @@ def test_grpo_moe_load_balancing(tmp_path):
     out, assets = tmp_path / "run", tmp_path / "assets"
     sets = grpo_overrides(out, assets, **{
         "model.synthesize": '"tiny_nemotron_vl"', "train.max_steps": "2", "checkpoint.enable": "false",
-        "rl.ppo_epochs": "1", "rl.mini_batches_per_step": "1", "rl.recompute_logprobs": "false", "rl.kl_coef": "0.0",
+        "rl.batch.ppo_epochs": "1", "rl.batch.mini_batches_per_step": "1", "rl.recompute_logprobs": "false", "rl.loss.kl_coef": "0.0",
         "moe.enable_moe_load_balancing_training": "true", "moe.bias_update_rate": "0.01",
         "moe.n_step_per_workload_report": "1", "train.log_every": "1", "train.train_layers": "[]",
     })

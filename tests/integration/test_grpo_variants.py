@@ -25,26 +25,26 @@ STEPS = 2
 
 COMMON = {
     "train.max_steps": STEPS, "checkpoint.enable": "false", "checkpoint.export_hf": "false",
-    "rl.ppo_epochs": 1, "rl.mini_batches_per_step": 1, "rl.kl_coef": "0.0", "rl.recompute_logprobs": "false",
+    "rl.batch.ppo_epochs": 1, "rl.batch.mini_batches_per_step": 1, "rl.loss.kl_coef": "0.0", "rl.recompute_logprobs": "false",
     "rl.eval.at_start": "false", "rl.eval.max_prompts": 2,
 }
 JOBS = {
     "gspo_drgrpo_dynamic_tis": {
-        "rl.policy_loss": '"gspo"', "rl.clip_ratio_low": "3e-4", "rl.clip_ratio_high": "4e-4",
-        "rl.advantage": '"dr_grpo"', "rl.loss_agg": '"seq-mean-token-sum-norm"',
-        "rl.dynamic_sampling": "true", "rl.max_sampling_rounds": 6,
-        "rl.recompute_logprobs": "true", "rl.rollout_correction": '"tis"', "rl.rollout_correction_cap": "2.0",
+        "rl.policy_loss": '"gspo"', "rl.loss.clip_ratio_low": "3e-4", "rl.loss.clip_ratio_high": "4e-4",
+        "rl.advantage": '"dr_grpo"', "rl.loss.loss_agg": '"seq-mean-token-sum-norm"',
+        "rl.advantages.dynamic_sampling": "true", "rl.advantages.max_sampling_rounds": 6,
+        "rl.recompute_logprobs": "true", "rl.loss.rollout_correction": '"tis"', "rl.loss.rollout_correction_cap": "2.0",
         "rl.rewards": '[{type = "custom", function = "tests.integration.grpo_variant_reward_fns.half_constant"}, '
                       '{type = "exact_match", weight = 0.0}]',
     },
     "gspo_token_rloo_overlong_mis": {
-        "rl.policy_loss": '"gspo_token"', "rl.advantage": '"rloo"', "rl.loss_agg": '"seq-mean"',
-        "rl.overlong_buffer": 3, "rl.overlong_penalty": "0.5", "rl.mask_truncated": "true",
-        "rl.stop": '["e", "a"]',  # the random model rarely ends before max_new_tokens: stop strings vary the lengths
-        "rl.recompute_logprobs": "true", "rl.rollout_correction": '"mis"', "rl.rollout_correction_cap": "2.0",
+        "rl.policy_loss": '"gspo_token"', "rl.advantage": '"rloo"', "rl.loss.loss_agg": '"seq-mean"',
+        "rl.advantages.overlong_buffer": 3, "rl.advantages.overlong_penalty": "0.5", "rl.update.mask_truncated": "true",
+        "rl.rollout.stop": '["e", "a"]',  # the random model rarely ends before max_new_tokens: stop strings vary the lengths
+        "rl.recompute_logprobs": "true", "rl.loss.rollout_correction": '"mis"', "rl.loss.rollout_correction_cap": "2.0",
     },
     "cispo_entropy": {
-        "rl.policy_loss": '"cispo"', "rl.entropy_coef": "0.01", "rl.advantage": '"grpo"',
+        "rl.policy_loss": '"cispo"', "rl.loss.entropy_coef": "0.01", "rl.advantage": '"grpo"',
     },
 }
 EXPECTED = {

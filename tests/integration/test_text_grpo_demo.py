@@ -32,7 +32,7 @@ def test_text_math_demo_runs_and_logs_the_recipe_metrics(tmp_path):
     assert (tmp_path / "sft" / "hf" / "config.json").is_file()
     run_job(_sets({**data, "model.path": f'"{tmp_path / "sft" / "hf"}"', "train.output_dir": f'"{tmp_path / "grpo"}"',
                    "train.max_steps": str(GRPO_STEPS), "checkpoint.enable": "false", "checkpoint.export_hf": "false",
-                   "rl.prompts_per_step": "4", "rl.group_size": "4", "rl.eval.every_steps": "0"}), nproc=2, config=GRPO)
+                   "rl.batch.prompts_per_step": "4", "rl.batch.group_size": "4", "rl.eval.every_steps": "0"}), nproc=2, config=GRPO)
     rows = read_metrics(tmp_path / "grpo" / "metrics_train.csv")
     assert [int(r["step"]) for r in rows] == list(range(1, GRPO_STEPS + 1))
     columns = set(rows[0])

@@ -1,11 +1,16 @@
-"""The package's module-level imports form no cycle.
+"""The package's imports form no cycle, counting the imports inside functions.
 
-A cycle that is hidden by moving one import into a function still couples the two modules and breaks
-as soon as somebody moves it back; so this test walks the import statements at module level (those
-under `if TYPE_CHECKING:` excepted) of every module in `megatron_vlm/` and `kernels/` (imported as
-`megatron_vlm.kernels`), and fails on any strongly connected component of more than one module or
-any cycle between the top-level sub-packages. Importing `a.b.c` also imports the packages `a.b` and
-`a`, so those edges count too.
+A cycle hidden by moving one import into a function still couples the two modules: each needs the other to
+work, and the cycle comes back as soon as somebody moves the import up. So this test walks every import
+statement of every module in `megatron_vlm/` and `kernels/` (imported as `megatron_vlm.kernels`), at module
+level and inside functions and methods alike; only imports under `if TYPE_CHECKING:` (annotations, never run)
+and imports of optional third-party packages (they are not in the graph) are left out. It fails on any
+strongly connected component of more than one module, and on any cycle between the top-level sub-packages.
+
+Importing `a.b.c` also imports the packages `a.b` and `a`, so those edges count too, except towards the
+packages that contain the importing module itself: they are initialised before the module runs, whatever it
+imports (a module importing a sibling `from .registry import X` does not depend on its package's
+`__init__`). Importing a name from an enclosing package (`from .. import moe_permute`) does, and counts.
 """
 from __future__ import annotations
 
@@ -26,13 +31,12 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
-def _top_level_imports(tree: ast.Module):
-    """Import nodes executed when the module is imported (not in functions, classes' methods, or TYPE_CHECKING)."""
+def _imports(tree: ast.Module):
+    """Every import node of the module, wherever it stands (module level, functions, methods, classes), except
+    those under `if TYPE_CHECKING:`."""
     stack = list(tree.body)
     while stack:
         node = stack.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            continue
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             stack.extend(node.orelse)
             continue
@@ -46,7 +50,7 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for mod, path in mods.items():
         is_pkg = path.name == "__init__.py"
-        for node in _top_level_imports(ast.parse(path.read_text(), str(path))):
+        for node in _imports(ast.parse(path.read_text(), str(path))):
             targets = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -58,11 +62,12 @@ def import_graph() -> dict[str, set[str]]:
                 else:
                     target = node.module or ""
                 targets = [f"{target}.{a.name}" if f"{target}.{a.name}" in mods else target for a in node.names]
+            own = {".".join(mod.split(".")[:i]) for i in range(1, mod.count(".") + 1 + is_pkg)}  # enclosing packages
             for t in targets:
                 parts = t.split(".")
                 for i in range(1, len(parts) + 1):  # importing a.b.c runs a and a.b first
                     q = ".".join(parts[:i])
-                    if q in mods and q != mod:
+                    if q in mods and q != mod and (q == t or q not in own):
                         graph[mod].add(q)
     return graph
 
@@ -134,3 +139,17 @@ def test_the_walker_sees_a_cycle(tmp_path):
     """The detector itself: a two-node cycle is found, a chain is not."""
     assert strongly_connected({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
     assert strongly_connected({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_the_walker_sees_function_local_imports():
+    """An import inside a function or method counts (a cycle hidden there is still a cycle); one under
+    `if TYPE_CHECKING:` does not."""
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    import annotations_only\n"
+        "def f():\n    import in_function\n"
+        "class C:\n    def m(self):\n        from in_method import x\n"
+    )
+    seen = {a.name for n in _imports(tree) if isinstance(n, ast.Import) for a in n.names}
+    seen |= {n.module for n in _imports(tree) if isinstance(n, ast.ImportFrom)}
+    assert seen == {"typing", "in_function", "in_method"}

@@ -77,3 +77,59 @@ def merge_vision_embeddings(
     if n_tokens == 0:
         return inputs_embeds
     return inputs_embeds.masked_scatter(mask.unsqueeze(-1), features.to(inputs_embeds.dtype))
+
+
+# the forward inputs of the Qwen-VL vision towers: pixels, their grids
+VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+
+def vision_inputs(args) -> tuple[tuple[str, str, Optional[int], str], ...]:
+    """(pixels input, grid input, placeholder token id, modality) for images then videos: the order in which the
+    Qwen-VL forwards embed them (`args` has `image_token_id` / `video_token_id`)."""
+    return (("pixel_values", "image_grid_thw", args.image_token_id, "image"),
+            ("pixel_values_videos", "video_grid_thw", args.video_token_id, "video"))
+
+
+def embed_vision_inputs(
+    embeds: torch.Tensor,
+    input_ids: torch.Tensor,
+    inputs: dict,
+    args,
+    tower,
+    *,
+    merge_size: int,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    dtype: Optional[torch.dtype] = None,
+    deepstack: bool = False,
+) -> tuple[torch.Tensor, dict]:
+    """The Qwen-VL vision towers' part of a forward (Qwen2.5-VL, Qwen3-VL, Nemotron-VL on the Qwen3-VL tower):
+    for images then videos given in `inputs`, `tower(pixels, grid)` features written at their placeholders.
+
+    Returns (embeddings, extra decoder kwargs): with `deepstack` the tower (Qwen3-VL's) returns (features,
+    DeepStack levels), and the kwargs are
+    `visual_index` (flat placeholder positions, each kind in order; the decoder's index_add makes the joint
+    order irrelevant) and `deepstack_embeds` (one tensor per level), both None when no vision input was given."""
+    indexes, stacks = [], []
+    for name, grid_name, token_id, modality in vision_inputs(args):
+        pixels, grid = inputs.get(name), inputs.get(grid_name)
+        if pixels is None:
+            continue
+        if grid is None:
+            raise ValueError(f"{name} given without its grid_thw ({grid_name})")
+        if token_id is None:
+            raise ValueError(f"{name} given, but config.json has no {modality}_token_id for its placeholders")
+        out = tower(pixels if dtype is None else pixels.to(dtype), grid)
+        feats, levels = out if deepstack else (out, None)
+        embeds = merge_vision_embeddings(
+            embeds, input_ids, feats, token_id, modality=modality, features_per_item=(grid.prod(-1) // merge_size**2).tolist(),
+            cu_seqlens=cu_seqlens,
+        )
+        if deepstack:
+            indexes.append(torch.nonzero((input_ids == token_id).reshape(-1)).flatten())
+            stacks.append(levels)
+    if not deepstack:
+        return embeds, {}
+    return embeds, {
+        "visual_index": torch.cat(indexes) if indexes else None,
+        "deepstack_embeds": [torch.cat(level) for level in zip(*stacks)] if stacks else None,
+    }

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megatron_vlm import kernels
+from megatron_vlm.models.common.moe_static import experts_static, static_routing_active
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -182,22 +183,15 @@ class MoE(nn.Module):
         moe_intermediate_size: int,
         activation: str,
         gated_experts: bool,
-        score_func: str = "sigmoid",
-        n_group: int = 1,
-        topk_group: int = 1,
-        norm_topk_prob: bool = True,
-        routed_scaling_factor: float = 1.0,
-        score_correction_bias: bool = True,
         shared_experts: Optional[nn.Module] = None,
         latent_size: Optional[int] = None,
         latent_bias: bool = False,
+        **router_options: Any,
     ) -> None:
+        """`router_options`: the `TopKRouter`'s keyword options (score_func, n_group, topk_group, norm_topk_prob,
+        routed_scaling_factor, score_correction_bias), its defaults where not given."""
         super().__init__()
-        self.gate = TopKRouter(
-            hidden_size, num_experts, top_k, score_func=score_func, n_group=n_group, topk_group=topk_group,
-            norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
-            score_correction_bias=score_correction_bias,
-        )
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, **router_options)
         expert_dim = latent_size if latent_size is not None else hidden_size
         self.experts = GroupedExperts(num_experts, expert_dim, moe_intermediate_size, activation=activation, gated=gated_experts)
         self.shared_experts = shared_experts
@@ -251,7 +245,11 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         scores, topk_weights, topk_ids = self.gate(flat)
         routed_in = flat if self.fc1_latent_proj is None else self.fc1_latent_proj(flat)
-        routed, tokens_per_expert = self.experts(routed_in, topk_ids, topk_weights)
+        if static_routing_active():  # a static decode step (CUDA graphs): no host-sized GEMMs (moe_static.py)
+            routed = experts_static(self.experts, routed_in, topk_ids, topk_weights).to(routed_in.dtype)
+            tokens_per_expert = None
+        else:
+            routed, tokens_per_expert = self.experts(routed_in, topk_ids, topk_weights)
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
         out = routed.to(x.dtype).view(shape)

@@ -102,6 +102,9 @@ def prefix_layout_and_positions(
 def accepts_prefix_segments(model) -> bool:
     """Whether the family model's forward takes `prefix_segments` (attention-only decoders do; a
     recurrent Mamba2 layer cannot start a continuation from its prompt's state, so Nemotron-VL does not)."""
+    takes = getattr(model, "takes_input", None)  # the family models (models/common/vlm_base.py)
+    if takes is not None:
+        return bool(takes("prefix_segments"))
     import inspect
 
     return "prefix_segments" in inspect.signature(model.forward).parameters

@@ -20,7 +20,7 @@ the active slots, so positions continue exactly as with the padded cache. For th
 hands out the active slots' conv / SSM states, written back to their slots at `end_step`.
 Only single-token steps run here: prompts are prefilled elsewhere.
 
-Static steps (`set_active_static(slot_ids)`, the CUDA-graph decode runner: rl/rollout/decode_graphs.py):
+Static steps (`set_active_static(slot_ids)`, the CUDA-graph decode runner: inference/decode_graphs.py):
 the active slots are a device tensor of a fixed size (a batch-size bucket, extra rows on the scratch
 slot) and a step reads nothing from the host: attention spans the whole slot capacity (a constant
 `max_seqlen_k`, masking by the device lengths), `seq_len` is the constant capacity, and the host

@@ -30,8 +30,8 @@ def text_position_ids(
     if cu_seqlens is not None:
         cu = cu_seqlens.to(device=device, dtype=torch.long)
         lengths = cu[1:] - cu[:-1]
-        if int(cu[-1]) != t:
-            raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but the packed input has {t} tokens")
+        if int(cu[0]) != 0 or int(cu[-1]) != t or bool((lengths < 0).any()):
+            raise ValueError(f"cu_seqlens {cu.tolist()} must rise from 0 to the sequence length {t}")
         starts = torch.repeat_interleave(cu[:-1], lengths)
         return (torch.arange(t, device=device) - starts).unsqueeze(0)
     valid = attention_mask.long() if attention_mask is not None else torch.ones(b, t, dtype=torch.long, device=device)

@@ -2,7 +2,7 @@
 shuffle + MLP projector + decoder. Reads transformers' (`internvl`) and OpenGVLab's (`internvl_chat`)
 checkpoints; exports transformers' layout.
 
-Import the submodules directly (`args`, `model`, `state_dict_adapter`, `parallelize`; `family` holds
-the registry entry): this package file imports none of them, so importing one submodule never
+Import the submodules directly (`args`, `model`, `state_dict_adapter`, `parallelize`: `models.registry`
+reads these four): this package file imports none of them, so importing one submodule never
 cycles back through the package.
 """

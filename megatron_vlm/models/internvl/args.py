@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_vlm.models.common.mlp import get_activation
+from megatron_vlm.models.common.text_args import DECODER_FIELDS, check_swiglu_decoder, decoder_hf_fields, given_fields
 
 MODEL_TYPES = ("internvl", "internvl_chat")
 TEXT_MODEL_TYPES = ("qwen2", "qwen3")
@@ -162,10 +163,7 @@ class InternVLTextArgs:
         kw: dict[str, Any] = {"model_type": model_type}
         theta = params.get("rope_theta", tc.get("rope_theta"))
         kw["rope_theta"] = float(theta) if theta is not None else 10000.0  # transformers' Qwen2 / Qwen3 default
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "hidden_act"):
-            if tc.get(name) is not None:
-                kw[name] = tc[name]
+        kw.update(given_fields(tc, (*DECODER_FIELDS, "head_dim")))
         if tc.get("num_key_value_heads") is None and "num_attention_heads" in kw:
             kw["num_key_value_heads"] = kw["num_attention_heads"]
         if model_type == "qwen2":
@@ -182,13 +180,7 @@ class InternVLTextArgs:
     def validate(self) -> None:
         if self.model_type not in TEXT_MODEL_TYPES:
             raise ValueError(f"text_config.model_type {self.model_type!r} is not one of {', '.join(TEXT_MODEL_TYPES)}")
-        if self.hidden_act != "silu":
-            raise ValueError(f"text_config.hidden_act: only 'silu' is supported, got {self.hidden_act!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"text_config: num_attention_heads {self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads {self.num_key_value_heads}"
-            )
+        check_swiglu_decoder(self)
         if self.head_dim % 2:
             raise ValueError(f"text_config: head_dim {self.head_dim} must be even (rotary)")
 
@@ -196,16 +188,8 @@ class InternVLTextArgs:
         out = {
             "model_type": self.model_type,
             "architectures": ["Qwen2ForCausalLM" if self.model_type == "qwen2" else "Qwen3ForCausalLM"],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
+            **decoder_hf_fields(self),
             "head_dim": self.head_dim,
-            "hidden_act": self.hidden_act,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rms_norm_eps": self.rms_norm_eps,
             "use_sliding_window": False,
             "tie_word_embeddings": tie_word_embeddings,
             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},

@@ -26,13 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_vlm.models.common.attention import Attention
-from megatron_vlm.models.common.decoder import DecoderLayer
+from megatron_vlm.models.common.decoder import RotaryTextModel
 from megatron_vlm.models.common.merge import merge_vision_embeddings
 from megatron_vlm.models.common.mlp import MLP, SwiGLUMLP, get_activation
 from megatron_vlm.models.common.norms import LayerNorm, RMSNorm
-from megatron_vlm.models.common.prefix_sharing import prefix_layout_and_positions
 from megatron_vlm.models.common.rotary import rope_cos_sin
-from megatron_vlm.models.common.vlm_base import KVCacheMixin, VLMBase, check_forward_inputs, cu_seqlens_max, new_tokens_mask
+from megatron_vlm.models.common.vlm_base import KVCacheMixin, TextPositionsMixin, VLMBase
 from megatron_vlm.models.internvl.args import InternVisionArgs, InternVLArgs, InternVLTextArgs, exported_hf_config
 
 
@@ -143,62 +142,25 @@ class InternVLMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(self.layer_norm(x))))
 
 
-class InternVLTextModel(nn.Module):
+class InternVLTextModel(RotaryTextModel):
     """Token embedding, Qwen2 / Qwen3 decoder layers (GQA; qkv bias or QK-norm), final RMSNorm."""
 
-    def __init__(self, args: InternVLTextArgs) -> None:
-        super().__init__()
-        self.args = args
-        qwen3 = args.qk_norm
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(
-                args.hidden_size,
-                Attention(
-                    args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
-                    qkv_bias=args.attention_bias, o_bias=args.attention_bias and qwen3, causal=True,
-                    qk_norm_eps=args.rms_norm_eps if qwen3 else None,
-                ),
-                SwiGLUMLP(args.hidden_size, args.intermediate_size),
-                args.rms_norm_eps,
-            )
-            for _ in range(args.num_hidden_layers)
-        )
-        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+    args: InternVLTextArgs
 
-    def forward(self, inputs_embeds, position_ids, *, key_padding_mask=None, cu_seqlens=None, kv_cache=None,
-                prefix_layout=None):
-        """inputs_embeds [B, T, H], position_ids [B, T] -> final-norm hidden states [B, T, H]."""
+    def _attention_kwargs(self) -> dict:
         a = self.args
-        cos, sin = rope_cos_sin(position_ids, a.head_dim, a.rope_theta)
-        x = inputs_embeds
-        max_seqlen = None
-        if cu_seqlens is not None:
-            x, cos, sin = x[0], cos[0], sin[0]
-            max_seqlen = cu_seqlens_max(cu_seqlens)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, key_padding_mask=key_padding_mask,
-                      kv_cache=kv_cache, layer_idx=i, prefix_layout=prefix_layout)
-        x = self.norm(x)
-        return x.unsqueeze(0) if cu_seqlens is not None else x
+        qwen3 = a.qk_norm
+        return dict(qkv_bias=a.attention_bias, o_bias=a.attention_bias and qwen3,
+                    qk_norm_eps=a.rms_norm_eps if qwen3 else None)
+
+    def _mlp(self, layer_idx: int) -> nn.Module:
+        return SwiGLUMLP(self.args.hidden_size, self.args.intermediate_size)
+
+    def _cos_sin(self, position_ids):
+        return rope_cos_sin(position_ids, self.args.head_dim, self.args.rope_theta)
 
 
-def position_ids_1d(input_ids: torch.Tensor, attention_mask=None, cu_seqlens=None) -> torch.Tensor:
-    """[B, T] positions counting real tokens (padding gets 0); packed: restarting at every cu_seqlens bound."""
-    if cu_seqlens is not None:
-        bounds = cu_seqlens.tolist()
-        if bounds[0] != 0 or bounds[-1] != input_ids.shape[1] or any(b < a for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"cu_seqlens {bounds} must rise from 0 to the sequence length {input_ids.shape[1]}")
-        lengths = torch.tensor([b - a for a, b in zip(bounds, bounds[1:])], device=input_ids.device)
-        starts = torch.repeat_interleave(cu_seqlens[:-1].to(input_ids.device).long(), lengths)
-        return (torch.arange(input_ids.shape[1], device=input_ids.device) - starts).unsqueeze(0)
-    if attention_mask is None:
-        return torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    valid = attention_mask.long()
-    return (valid.cumsum(-1) - 1).masked_fill(valid == 0, 0)
-
-
-class InternVLForConditionalGeneration(KVCacheMixin, VLMBase):
+class InternVLForConditionalGeneration(TextPositionsMixin, KVCacheMixin, VLMBase):
     """The full model: `vision_tower`, `multi_modal_projector`, `language_model`, `lm_head`."""
 
     _normal_init_types = (nn.Linear, nn.Embedding, nn.Conv2d)
@@ -236,49 +198,17 @@ class InternVLForConditionalGeneration(KVCacheMixin, VLMBase):
         x = self.multi_modal_projector(x.reshape(x.shape[0], -1, x.shape[-1]))
         return x.reshape(-1, x.shape[-1])
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        pixel_values: Optional[torch.Tensor] = None,
-        *,
-        position_ids: Optional[torch.Tensor] = None,
-        cu_seqlens: Optional[torch.Tensor] = None,
-        kv_cache=None,
-        return_hidden: bool = False,
-        prefix_segments: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """Logits [B, T, vocab] (or final-norm hidden states with `return_hidden=True`).
+    # ----- forward (the template is VLMBase.forward) -----
+    _takes = frozenset(VLMBase._takes | {"pixel_values"})
 
-        `prefix_segments` (packed input): a prompt shared by several segments (models/common/prefix_sharing.py).
-
-        `pixel_values` [tiles, 3, H, W] holds the tiles of every image and every video frame of the
-        batch, in placeholder order (InternVL's processor merges video frames into it)."""
-        cu_seqlens = check_forward_inputs(input_ids, attention_mask, cu_seqlens, kv_cache)
+    def _embed(self, input_ids, cu_seqlens, inputs):
+        """`pixel_values` [tiles, 3, H, W] holds the tiles of every image and every video frame of the batch, in
+        placeholder order (InternVL's processor merges video frames into it)."""
         embeds = self.language_model.embed_tokens(input_ids)
+        pixel_values = inputs.get("pixel_values")
         if pixel_values is not None:
-            feats = self.image_features(pixel_values)
-            per_tile = [self.args.tokens_per_tile] * pixel_values.shape[0]
             embeds = merge_vision_embeddings(
-                embeds, input_ids, feats, self.args.image_token_id, modality="image", features_per_item=per_tile,
-                cu_seqlens=cu_seqlens,
+                embeds, input_ids, self.image_features(pixel_values), self.args.image_token_id, modality="image",
+                features_per_item=[self.args.tokens_per_tile] * pixel_values.shape[0], cu_seqlens=cu_seqlens,
             )
-        key_padding_mask = attention_mask.bool() if attention_mask is not None else None
-        if kv_cache is not None:
-            new_mask = new_tokens_mask(key_padding_mask, input_ids)
-            if position_ids is None:
-                valid = new_mask.long() if new_mask is not None else torch.ones_like(input_ids)
-                position_ids = kv_cache.valid_lengths().unsqueeze(1) + valid.cumsum(-1) - 1
-                position_ids = position_ids.masked_fill(valid == 0, 0)
-            kv_cache.begin_step(input_ids.shape[1], new_mask)
-            key_padding_mask = None
-        elif position_ids is None:
-            position_ids = position_ids_1d(input_ids, attention_mask, cu_seqlens)
-        position_ids, prefix_layout = prefix_layout_and_positions(position_ids, cu_seqlens, prefix_segments)
-        hidden = self.language_model(
-            embeds, position_ids, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, kv_cache=kv_cache,
-            prefix_layout=prefix_layout,
-        )
-        if kv_cache is not None:
-            kv_cache.end_step()
-        return hidden if return_hidden else self.lm_head(hidden)
+        return embeds, {}

@@ -24,61 +24,64 @@ import re
 
 import torch
 
-from megatron_vlm.models.common.state_dict_utils import rename_first, split_fused_qkv
+from megatron_vlm.models.common.state_dict_utils import StateDictAdapter, rename_first
 from megatron_vlm.models.internvl.args import InternVLArgs
 
 _ORIG_QKV = re.compile(r"^vision_model\.encoder\.layers\.(\d+)\.attn\.qkv\.(weight|bias)$")
 
-# key -> ours, applied in order to the normalised key (first match wins)
-_TO_OURS = [
-    # transformers vision layout
-    (r"^vision_tower\.embeddings\.position_embeddings$", "vision_tower.embeddings.position_embedding"),
-    (r"^vision_tower\.embeddings\.patch_embeddings\.projection\.", "vision_tower.embeddings.patch_embedding."),
-    (r"^vision_tower\.embeddings\.(cls_token|mask_token)$", r"vision_tower.embeddings.\1"),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.attention\.projection_layer\.", r"vision_tower.layers.\1.attn.o_proj."),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.attention\.", r"vision_tower.layers.\1.attn."),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.lambda_([12])$", r"vision_tower.layers.\1.ls\2"),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.layernorm_before\.", r"vision_tower.layers.\1.norm1."),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.layernorm_after\.", r"vision_tower.layers.\1.norm2."),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.mlp\.", r"vision_tower.layers.\1.mlp."),
-    (r"^vision_tower\.layernorm\.", "vision_tower.layernorm."),
+# (transformers' checkpoint name, ours), one line per renamed piece: `{i}` is a layer index; a name ending in "."
+# renames every key under it, any other names one key. Both directions are generated from this one list.
+_HF_NAMES = [
+    ("vision_tower.embeddings.position_embeddings", "vision_tower.embeddings.position_embedding"),
+    ("vision_tower.embeddings.patch_embeddings.projection.", "vision_tower.embeddings.patch_embedding."),
+    ("vision_tower.embeddings.cls_token", "vision_tower.embeddings.cls_token"),
+    ("vision_tower.embeddings.mask_token", "vision_tower.embeddings.mask_token"),
+    ("vision_tower.encoder.layer.{i}.attention.projection_layer.", "vision_tower.layers.{i}.attn.o_proj."),
+    ("vision_tower.encoder.layer.{i}.attention.", "vision_tower.layers.{i}.attn."),
+    ("vision_tower.encoder.layer.{i}.lambda_1", "vision_tower.layers.{i}.ls1"),
+    ("vision_tower.encoder.layer.{i}.lambda_2", "vision_tower.layers.{i}.ls2"),
+    ("vision_tower.encoder.layer.{i}.layernorm_before.", "vision_tower.layers.{i}.norm1."),
+    ("vision_tower.encoder.layer.{i}.layernorm_after.", "vision_tower.layers.{i}.norm2."),
+    ("vision_tower.encoder.layer.{i}.mlp.", "vision_tower.layers.{i}.mlp."),
+    ("vision_tower.layernorm.", "vision_tower.layernorm."),
+    ("multi_modal_projector.", "multi_modal_projector."),
+    ("language_model.model.", "language_model."),
+    ("language_model.lm_head.weight", "lm_head.weight"),
+]
+
+
+def _rename_table(names: list[tuple[str, str]], *, to_ours: bool) -> list[tuple[str, str]]:
+    """`names` as (regex, replacement) pairs in one direction, in list order (first match wins)."""
+    table = []
+    for hf, ours in names:
+        src, dst = (hf, ours) if to_ours else (ours, hf)
+        pattern = "^" + re.escape(src).replace(re.escape("{i}"), r"(\d+)") + ("" if src.endswith(".") else "$")
+        table.append((pattern, dst.replace("{i}", r"\1")))
+    return table
+
+
+# key -> ours, applied to the normalised key (first match wins): transformers' layout, then OpenGVLab's
+_TO_OURS = _rename_table(_HF_NAMES, to_ours=True) + [
     # OpenGVLab vision layout (qkv handled separately)
     (r"^vision_model\.embeddings\.class_embedding$", "vision_tower.embeddings.cls_token"),
     (r"^vision_model\.embeddings\.position_embedding$", "vision_tower.embeddings.position_embedding"),
     (r"^vision_model\.embeddings\.patch_embedding\.", "vision_tower.embeddings.patch_embedding."),
     (r"^vision_model\.encoder\.layers\.(\d+)\.attn\.proj\.", r"vision_tower.layers.\1.attn.o_proj."),
     (r"^vision_model\.encoder\.layers\.(\d+)\.", r"vision_tower.layers.\1."),
-    # projector
+    # OpenGVLab projector
     (r"^mlp1\.0\.", "multi_modal_projector.layer_norm."),
     (r"^mlp1\.1\.", "multi_modal_projector.linear_1."),
     (r"^mlp1\.3\.", "multi_modal_projector.linear_2."),
-    (r"^multi_modal_projector\.", "multi_modal_projector."),
-    # language model
-    (r"^language_model\.model\.", "language_model."),
-    (r"^language_model\.lm_head\.weight$", "lm_head.weight"),
 ]
-
 # ours -> transformers' checkpoint layout
-_TO_HF = [
-    (r"^vision_tower\.embeddings\.position_embedding$", "vision_tower.embeddings.position_embeddings"),
-    (r"^vision_tower\.embeddings\.patch_embedding\.", "vision_tower.embeddings.patch_embeddings.projection."),
-    (r"^vision_tower\.embeddings\.(cls_token|mask_token)$", r"vision_tower.embeddings.\1"),
-    (r"^vision_tower\.layers\.(\d+)\.attn\.o_proj\.", r"vision_tower.encoder.layer.\1.attention.projection_layer."),
-    (r"^vision_tower\.layers\.(\d+)\.attn\.", r"vision_tower.encoder.layer.\1.attention."),
-    (r"^vision_tower\.layers\.(\d+)\.ls([12])$", r"vision_tower.encoder.layer.\1.lambda_\2"),
-    (r"^vision_tower\.layers\.(\d+)\.norm1\.", r"vision_tower.encoder.layer.\1.layernorm_before."),
-    (r"^vision_tower\.layers\.(\d+)\.norm2\.", r"vision_tower.encoder.layer.\1.layernorm_after."),
-    (r"^vision_tower\.layers\.(\d+)\.mlp\.", r"vision_tower.encoder.layer.\1.mlp."),
-    (r"^vision_tower\.layernorm\.", "vision_tower.layernorm."),
-    (r"^multi_modal_projector\.", "multi_modal_projector."),
-    (r"^language_model\.", "language_model.model."),
-    (r"^lm_head\.weight$", "language_model.lm_head.weight"),
-]
+_TO_HF = _rename_table(_HF_NAMES, to_ours=False)
 
 
-class InternVLStateDictAdapter:
-    def __init__(self, args: InternVLArgs) -> None:
-        self.args = args
+class InternVLStateDictAdapter(StateDictAdapter):
+    args: InternVLArgs
+    _hf_qkv = _ORIG_QKV  # OpenGVLab's fused InternViT qkv; exported as transformers' separate q / k / v
+    _ours_qkv = "vision_tower.layers.{layer}.attn.{name}_proj.{kind}"
+    _lm_head = "language_model.lm_head.weight"
 
     @staticmethod
     def normalize_hf_key(key: str) -> str:
@@ -91,39 +94,19 @@ class InternVLStateDictAdapter:
             return "language_model.lm_head.weight"
         return key
 
-    def is_ignored(self, key: str) -> bool:
-        k = self.normalize_hf_key(key)
-        return k.endswith("rotary_emb.inv_freq") or (self.args.tie_word_embeddings and k == "language_model.lm_head.weight")
+    def _qkv_rows(self) -> int:
+        return self.args.vision.hidden_size
 
-    # ----- HF -> ours -----
-    def from_hf(self, hf: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Map HF / OpenGVLab tensors to ours; returns (converted, pending) - pending is always empty."""
-        out: dict[str, torch.Tensor] = {}
-        for key, t in hf.items():
-            if self.is_ignored(key):
-                continue
-            k = self.normalize_hf_key(key)
-            m = _ORIG_QKV.match(k)
-            if m:
-                layer, kind = m.groups()
-                for name, part in split_fused_qkv(key, t, rows=self.args.vision.hidden_size).items():
-                    out[f"vision_tower.layers.{layer}.attn.{name}_proj.{kind}"] = part
-                continue
-            new = rename_first(k, _TO_OURS)
-            if new is None:
-                raise ValueError(f"{key}: not a key of a transformers or OpenGVLab InternVL checkpoint")
-            out[new] = t
-        return out, {}
+    # ----- HF / OpenGVLab -> ours -----
+    def _from_hf_one(self, key: str, k: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        new = rename_first(k, _TO_OURS)
+        if new is None:
+            raise ValueError(f"{key}: not a key of a transformers or OpenGVLab InternVL checkpoint")
+        return {new: t}
 
-    # ----- ours -> HF -----
-    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Our full state dict -> transformers' checkpoint layout."""
-        out: dict[str, torch.Tensor] = {}
-        for key, t in state_dict.items():
-            if key == "lm_head.weight" and self.args.tie_word_embeddings:
-                continue
-            new = rename_first(key, _TO_HF)
-            if new is None:
-                raise ValueError(f"{key}: no transformers InternVL name for this parameter")
-            out[new] = t
-        return out
+    # ----- ours -> HF (transformers' checkpoint layout) -----
+    def _to_hf_one(self, key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        new = rename_first(key, _TO_HF)
+        if new is None:
+            raise ValueError(f"{key}: no transformers InternVL name for this parameter")
+        return {new: t}

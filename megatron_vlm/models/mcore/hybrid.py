@@ -62,7 +62,9 @@ from megatron_vlm.models.common.mamba2 import Mamba2Mixer
 from megatron_vlm.models.common.moe import MoE
 from megatron_vlm.models.mcore.convert import _fuse_qkv, _split_qkv
 from megatron_vlm.models.mcore.ep_shard import distribute_expert_params, global_to_full_experts, shard_expert_state
+from megatron_vlm.models.mcore.errors import McoreBackendError
 from megatron_vlm.models.mcore.moe_layer import mcore_to_moe, moe_config_kwargs, moe_layer_spec, moe_to_mcore
+from megatron_vlm.models.mcore.parallel_state import ensure_parallel_state
 from megatron_vlm.models.mcore.tp_shard import distribute_layer_params, global_to_full, local_params, shard_layer_state
 
 __all__ = ["McoreHybridBlock", "check_hybrid_block", "is_hybrid_block"]
@@ -75,8 +77,6 @@ def is_hybrid_block(layer: nn.Module) -> bool:
 
 
 def _error(msg: str):
-    from megatron_vlm.models.mcore.layer import McoreBackendError
-
     return McoreBackendError(f"parallel.backend = 'mcore': {msg}")
 
 
@@ -203,8 +203,6 @@ class McoreHybridBlock(nn.Module):
         self.head_dim = config.kv_channels
         self._gated_experts = bool(moe is not None and moe.experts.gated)
         from megatron.core.process_groups_config import ProcessGroupCollection
-
-        from megatron_vlm.models.mcore.layer import ensure_parallel_state
 
         ensure_parallel_state(tp_mesh, ep_mesh)
         pgs = ProcessGroupCollection.use_mpu_process_groups()  # megatron-core's groups (tp, pp = 1, ep)

@@ -103,6 +103,10 @@ from megatron_vlm.models.common.mlp import SwiGLUMLP
 from megatron_vlm.models.common.moe import MoE
 from megatron_vlm.models.mcore.convert import hf_to_mcore, mcore_to_hf
 from megatron_vlm.models.mcore.ep_shard import distribute_expert_params, global_to_full_experts, shard_expert_state
+from megatron_vlm.models.mcore.errors import McoreBackendError
+from megatron_vlm.models.mcore.hybrid import McoreHybridBlock, check_hybrid_block, is_hybrid_block
+from megatron_vlm.models.mcore.moe_layer import check_decoder_moe, moe_config_kwargs
+from megatron_vlm.models.mcore.parallel_state import ensure_parallel_state
 from megatron_vlm.models.mcore.tp_shard import distribute_layer_params, global_to_full, local_params, shard_layer_state
 from megatron_vlm.parallel.tensor_parallel import check_tp_sizes
 
@@ -111,53 +115,6 @@ __all__ = ["McoreDecoderLayer", "McoreBackendError", "use_mcore_layers", "native
 
 logger = logging.getLogger(__name__)
 _WRAPPED = re.compile(r"^(?P<pre>.*\blayers\.(?P<i>\d+)\.)mcore\.(?P<name>.+)$")
-
-
-class McoreBackendError(ValueError):
-    """The model or run cannot use megatron-core layers (a config error: exit 2)."""
-
-
-def ensure_parallel_state(tp_mesh=None, ep_mesh=None) -> None:
-    """megatron-core's linears read its model-parallel groups: tensor_model_parallel_size = the size of `tp_mesh`
-    (our mesh's "tp" dim; None: 1), expert_model_parallel_size = the size of `ep_mesh`'s "ep" dim (our
-    ("ep_replicate", "ep") mesh, `parallel.mesh.build_ep_mesh`; None: 1), pp = 1, over the initialised world.
-    megatron-core's default rank order ("tp-cp-ep-dp-pp") makes its tp groups consecutive ranks, as our mesh's are
-    (tp innermost), and its ep groups (tp = 1) `ep` consecutive ranks, as our ep mesh's are; its expert tensor
-    parallelism is 1 (MoE layers replicated over tp, `moe_layer.moe_layer_spec`); this rank's groups
-    are checked against `tp_mesh`'s / `ep_mesh`'s (AssertionError otherwise). With tp > 1 and ep > 1 our ep groups
-    (`ep` ranks of one tp coordinate, strided by tp) are not megatron-core's expert groups (consecutive ranks for
-    expert tp = 1): its parallel state then gets expert_model_parallel_size = 1, and the MoE layers are given our
-    ep group itself (`moe_layer.replicated_over_tp`, as they are with tp = 1). An earlier initialisation with
-    other sizes or ranks (a job before this one in the same process) is replaced."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    tp = 1 if tp_mesh is None else tp_mesh.size()
-    ep = 1 if ep_mesh is None else ep_mesh.size(ep_mesh.ndim - 1)
-    if tp > 1:  # our ep groups are given to the MoE layers directly (docstring)
-        ep, ep_mesh = 1, None
-    want = None if tp_mesh is None else dist.get_process_group_ranks(tp_mesh.get_group())
-    want_ep = None if ep_mesh is None else dist.get_process_group_ranks(ep_mesh.get_group(ep_mesh.ndim - 1))
-
-    def groups():
-        return (dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group()) if tp > 1 else None,
-                dist.get_process_group_ranks(parallel_state.get_expert_model_parallel_group()) if ep > 1 else None)
-
-    if parallel_state.model_parallel_is_initialized():
-        if (parallel_state.get_tensor_model_parallel_world_size() == tp
-                and parallel_state.get_expert_model_parallel_world_size() == ep
-                and parallel_state.get_expert_tensor_parallel_world_size() == 1 and groups() == (want, want_ep)):
-            return
-        parallel_state.destroy_model_parallel()
-    # expert_tensor_parallel_size = 1: MoE layers are replicated over the tp ranks (moe_layer.moe_layer_spec
-    # gives them this size-1 group as their tp group), as the native backend's MoE blocks are
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
-                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
-    have, have_ep = groups()
-    if have != want:
-        raise AssertionError(f"megatron-core's tensor-parallel group {have} is not our mesh's tp group {want}")
-    if have_ep != want_ep:
-        raise AssertionError(f"megatron-core's expert-parallel group {have_ep} is not our mesh's ep group {want_ep}")
 
 
 _ATTN_LORA = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
@@ -175,7 +132,6 @@ def _check_lora(i: int, layer: nn.Module, adaptable: tuple[str, ...]) -> None:
 
 
 def _check_layer(i: int, layer: nn.Module) -> None:
-    from megatron_vlm.models.mcore.hybrid import check_hybrid_block, is_hybrid_block
 
     if is_hybrid_block(layer):
         _check_lora(i, layer, ())
@@ -185,7 +141,6 @@ def _check_layer(i: int, layer: nn.Module) -> None:
         raise McoreBackendError(f"parallel.backend = 'mcore': decoder layer {i} is a {kind}; only attention + SwiGLU "
                                 "or MoE layers and Nemotron-H blocks are built from megatron-core")
     if isinstance(layer.mlp, MoE):
-        from megatron_vlm.models.mcore.moe_layer import check_decoder_moe
 
         check_decoder_moe(layer.mlp)
     _check_lora(i, layer, _ATTN_LORA if isinstance(layer.mlp, MoE) else _ATTN_LORA + _MLP_LORA)
@@ -261,7 +216,6 @@ def _moe_fields(mlp: nn.Module) -> dict:
     """megatron-core's moe_* fields for a MoE block (moe_layer.py); none for a dense MLP."""
     if not isinstance(mlp, MoE):
         return {}
-    from megatron_vlm.models.mcore.moe_layer import moe_config_kwargs
 
     return {k: v for k, v in moe_config_kwargs(mlp).items() if k.startswith("moe_") or k == "num_moe_experts"}
 
@@ -506,7 +460,6 @@ def use_mcore_layers(model: nn.Module, tp_mesh=None, ep_mesh=None, grad_divide_f
     (collective then: every rank calls it; attention / MLP / Mamba2 split, MoE replicated). `ep_mesh`: the ("ep_replicate", "ep")
     mesh when parallel.ep > 1 (collective; MoE decoders, Nemotron-H MoE blocks): each MoE layer holds its rank's experts
     (ep_shard.py), their gradient divided by `grad_divide_factor` (the data-parallel size)."""
-    from megatron_vlm.models.mcore.hybrid import McoreHybridBlock, is_hybrid_block
 
     check_mcore_model(model)
     layers = model.language_model.layers
@@ -537,7 +490,6 @@ def use_mcore_layers(model: nn.Module, tp_mesh=None, ep_mesh=None, grad_divide_f
 def native_state_dict(state: dict, model: nn.Module) -> dict:
     """A full state dict of `model` (keys relative to it) -> native DecoderLayer names for its
     McoreDecoderLayers (what the HF export maps); the same dict when it has none."""
-    from megatron_vlm.models.mcore.hybrid import McoreHybridBlock
 
     layers = getattr(getattr(model, "language_model", None), "layers", [])
     swapped = {f"language_model.layers.{i}.mcore.": layer for i, layer in enumerate(layers)

@@ -51,14 +51,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_vlm.models.common.moe import MoE, RouterStats
+from megatron_vlm.models.mcore.errors import McoreBackendError
 
 __all__ = ["moe_config_kwargs", "moe_layer_spec", "replicated_over_tp", "moe_decoder_layer_spec", "check_decoder_moe",
            "moe_to_mcore", "mcore_to_moe", "mcore_moe_classes"]
 
 
 def _refuse(feature: str, why: str):
-    from megatron_vlm.models.mcore.layer import McoreBackendError
-
     return McoreBackendError(f"parallel.backend = 'mcore': MoE {feature} has no megatron-core equivalent ({why})")
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from megatron_vlm.models.common.text_args import check_gqa
 from megatron_vlm.models.qwen3_vl.args import Qwen3VLVisionArgs
 
 _PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -147,11 +148,7 @@ class NemotronHTextArgs:
             raise ValueError(f"text_config.layers_block_type: unknown layer types {bad}; known: {list(_LAYER_TYPES)}")
         if not self.layers_block_type:
             raise ValueError("text_config.layers_block_type: empty layer pattern")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"text_config: num_attention_heads {self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads {self.num_key_value_heads}"
-            )
+        check_gqa(self)
         if self.mamba_num_heads % self.n_groups:
             raise ValueError(f"text_config: n_groups {self.n_groups} must divide mamba_num_heads {self.mamba_num_heads}")
         if self.mamba_hidden_act not in ("silu", "swish"):

@@ -34,10 +34,10 @@ from torch import nn
 from megatron_vlm.models.common.attention import Attention
 from megatron_vlm.models.common.deepstack import add_deepstack
 from megatron_vlm.models.common.mamba2 import Mamba2Mixer
-from megatron_vlm.models.common.merge import merge_vision_embeddings
+from megatron_vlm.models.common.merge import VISION_INPUTS, embed_vision_inputs, merge_vision_embeddings
 from megatron_vlm.models.common.moe import MoE, activation_fn
 from megatron_vlm.models.common.norms import RMSNorm
-from megatron_vlm.models.common.vlm_base import VLMBase, check_forward_inputs, cu_seqlens_max, new_tokens_mask
+from megatron_vlm.models.common.vlm_base import VLMBase, cu_seqlens_max, new_tokens_mask
 from megatron_vlm.models.nemotron_vl.args import NemotronHTextArgs, NemotronVLArgs
 from megatron_vlm.models.nemotron_vl.cache import HybridCache
 from megatron_vlm.models.nemotron_vl.vision import (
@@ -240,36 +240,6 @@ class NemotronVLForConditionalGeneration(VLMBase):
                                   self.vision_final_layernorm)
         return out, [gh * gw // self.args.merge_size**2] * groups
 
-    def _embed_qwen3_vision(self, input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
-                            cu_seqlens):
-        """(embeddings with image / video features at their placeholders, flat visual positions, DeepStack levels)
-        for the Qwen3-VL vision tower; images and videos may come together (distinct placeholder ids)."""
-        embeds = self.language_model.embeddings(input_ids)
-        merge = self.args.vision.spatial_merge_size
-        indexes, levels = [], []
-        for name, pixels, grid, token_id in (
-            ("pixel_values", pixel_values, image_grid_thw, self.args.image_token_id),
-            ("pixel_values_videos", pixel_values_videos, video_grid_thw, self.args.video_token_id),
-        ):
-            if pixels is None:
-                continue
-            if grid is None:
-                raise ValueError(f"{name} given without its grid ({'image' if name == 'pixel_values' else 'video'}_grid_thw)")
-            if token_id is None:
-                raise ValueError(f"{name} given, but config.json has no video_token_id for the video placeholders")
-            feats, deepstack = self.vision_model(pixels.to(self.lm_head.weight.dtype), grid)
-            modality = "image" if name == "pixel_values" else "video"
-            embeds = merge_vision_embeddings(
-                embeds, input_ids, feats, token_id, modality=modality,
-                features_per_item=(grid.prod(-1) // merge**2).tolist(), cu_seqlens=cu_seqlens,
-            )
-            indexes.append(torch.nonzero((input_ids == token_id).reshape(-1)).flatten())
-            levels.append(deepstack)
-        if not indexes:
-            return embeds, None, None
-        # placeholders of both kinds, each kind in order; index_add makes the joint order irrelevant
-        return embeds, torch.cat(indexes), [torch.cat(level) for level in zip(*levels)]
-
     def embed(self, input_ids, *, pixel_values=None, image_grid_hw=None, pixel_values_videos=None, cu_seqlens=None):
         """Token embeddings with image / video features written at the placeholder tokens."""
         embeds = self.language_model.embeddings(input_ids)
@@ -286,55 +256,40 @@ class NemotronVLForConditionalGeneration(VLMBase):
             )
         return embeds
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        pixel_values: Optional[torch.Tensor] = None,
-        image_grid_thw: Optional[torch.Tensor] = None,
-        pixel_values_videos: Optional[torch.Tensor] = None,
-        video_grid_thw: Optional[torch.Tensor] = None,
-        second_per_grid_ts: Optional[torch.Tensor] = None,
-        mm_token_type_ids: Optional[torch.Tensor] = None,
-        *,
-        image_grid_hw: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.Tensor] = None,
-        cu_seqlens: Optional[torch.Tensor] = None,
-        kv_cache: Optional[HybridCache] = None,
-        return_hidden: bool = False,
-    ) -> torch.Tensor:
-        """Logits [B, T, vocab] (or final-norm hidden states with `return_hidden=True`).
+    # ----- forward (the template is VLMBase.forward) -----
+    _takes = frozenset(set(VISION_INPUTS) | {"image_grid_hw"})
+    _ignores = frozenset({"second_per_grid_ts", "mm_token_type_ids", "position_ids"})
+    """No positional encoding in the decoder: positions and token types do not enter this model; a prompt
+    shared by several packed segments (`prefix_segments`) is refused: a recurrent Mamba2 layer cannot start a
+    continuation from its prompt's state."""
 
-        RADIO: images pixel_values `[total_patches, C*p*p]` + image_grid_hw `[n, 2]` (or image_grid_thw
-        `[n, 3]` with t = 1); videos pixel_values_videos `[frames, C, H, W]`. Qwen3-VL tower: as Qwen3-VL,
-        pixel_values `[patches, C*T*p*p]` + image_grid_thw `[n, 3]`, pixel_values_videos + video_grid_thw.
-        second_per_grid_ts, mm_token_type_ids and position_ids do not enter this model (no positional
-        encoding in the decoder).
-        """
-        cu_seqlens = check_forward_inputs(input_ids, attention_mask, cu_seqlens, kv_cache)
-        visual_index = deepstack_embeds = None
-        if self.args.vision_tower == "qwen3_vl":
-            if image_grid_thw is None and image_grid_hw is not None:
-                image_grid_thw = torch.cat([torch.ones_like(image_grid_hw[:, :1]), image_grid_hw], dim=1)
-            embeds, visual_index, deepstack_embeds = self._embed_qwen3_vision(
-                input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, cu_seqlens
-            )
-        else:
-            embeds = self._embed_radio(input_ids, pixel_values, image_grid_thw, image_grid_hw, pixel_values_videos,
-                                       cu_seqlens)
+    def _embed(self, input_ids, cu_seqlens, inputs):
+        """RADIO: images pixel_values `[total_patches, C*p*p]` + image_grid_hw `[n, 2]` (or image_grid_thw `[n, 3]`
+        with t = 1); videos pixel_values_videos `[frames, C, H, W]`. Qwen3-VL tower: as Qwen3-VL, pixel_values
+        `[patches, C*T*p*p]` + image_grid_thw `[n, 3]`, pixel_values_videos + video_grid_thw."""
+        image_grid_thw, image_grid_hw = inputs.get("image_grid_thw"), inputs.get("image_grid_hw")
+        if self.args.vision_tower != "qwen3_vl":
+            return self._embed_radio(input_ids, inputs.get("pixel_values"), image_grid_thw, image_grid_hw,
+                                     inputs.get("pixel_values_videos"), cu_seqlens), {}
+        if image_grid_thw is None and image_grid_hw is not None:
+            image_grid_thw = torch.cat([torch.ones_like(image_grid_hw[:, :1]), image_grid_hw], dim=1)
+        return embed_vision_inputs(
+            self.language_model.embeddings(input_ids), input_ids, {**inputs, "image_grid_thw": image_grid_thw},
+            self.args, self.vision_model, merge_size=self.args.vision.spatial_merge_size, cu_seqlens=cu_seqlens,
+            dtype=self.lm_head.weight.dtype, deepstack=True,
+        )
+
+    def _decode(self, embeds, input_ids, attention_mask, cu_seqlens, kv_cache, inputs, extra):
+        """The hybrid decoder takes no positions; the cache's step is closed even when the run fails."""
         new_mask = attention_mask
         if kv_cache is not None:
             new_mask = new_tokens_mask(new_mask, input_ids)
             kv_cache.begin_step(input_ids.shape[1], new_mask)
         try:
-            hidden = self.language_model(embeds, attention_mask=new_mask, cu_seqlens=cu_seqlens, cache=kv_cache,
-                                         visual_index=visual_index, deepstack_embeds=deepstack_embeds)
+            return self.language_model(embeds, attention_mask=new_mask, cu_seqlens=cu_seqlens, cache=kv_cache, **extra)
         finally:
             if kv_cache is not None:
                 kv_cache.end_step()
-        if return_hidden:
-            return hidden
-        return self.lm_head(hidden)
 
     def _embed_radio(self, input_ids, pixel_values, image_grid_thw, image_grid_hw, pixel_values_videos, cu_seqlens):
         if image_grid_hw is None and image_grid_thw is not None:

@@ -17,6 +17,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from megatron_vlm.models.common.text_args import DECODER_FIELDS, check_swiglu_decoder, decoder_hf_fields, given_fields
+
 
 def _rope_settings(cfg: dict) -> tuple[float, Optional[list[int]], str]:
     """(rope_theta, mrope_section, rope_type) from either `rope_parameters` or `rope_scaling` + `rope_theta`."""
@@ -117,10 +119,7 @@ class Qwen2_5_VLTextArgs:
         kw: dict[str, Any] = {"rope_theta": theta}
         if section is not None:
             kw["mrope_section"] = section
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "hidden_act"):
-            if tc.get(name) is not None:
-                kw[name] = tc[name]
+        kw.update(given_fields(tc, DECODER_FIELDS))
         if tc.get("num_key_value_heads") is None and "num_attention_heads" in tc:
             kw["num_key_value_heads"] = tc["num_attention_heads"]
         args = cls(**kw)
@@ -128,18 +127,12 @@ class Qwen2_5_VLTextArgs:
         return args
 
     def validate(self) -> None:
-        if self.hidden_act != "silu":
-            raise ValueError(f"text_config.hidden_act: only 'silu' is supported, got {self.hidden_act!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"text_config: hidden_size {self.hidden_size} is not divisible by num_attention_heads "
                 f"{self.num_attention_heads}"
             )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"text_config: num_attention_heads {self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads {self.num_key_value_heads}"
-            )
+        check_swiglu_decoder(self)
         if self.mrope_section is not None and (len(self.mrope_section) != 3 or 2 * sum(self.mrope_section) != self.head_dim):
             raise ValueError(
                 f"text_config.rope_parameters.mrope_section: {self.mrope_section} must have 3 entries summing to "
@@ -202,15 +195,7 @@ class Qwen2_5_VLArgs:
             "tie_word_embeddings": self.tie_word_embeddings,
             "text_config": {
                 "model_type": "qwen2_5_vl_text",
-                "vocab_size": t.vocab_size,
-                "hidden_size": t.hidden_size,
-                "intermediate_size": t.intermediate_size,
-                "num_hidden_layers": t.num_hidden_layers,
-                "num_attention_heads": t.num_attention_heads,
-                "num_key_value_heads": t.num_key_value_heads,
-                "hidden_act": t.hidden_act,
-                "max_position_embeddings": t.max_position_embeddings,
-                "rms_norm_eps": t.rms_norm_eps,
+                **decoder_hf_fields(t),
                 "use_sliding_window": False,
                 "rope_parameters": {"rope_type": "default", "rope_theta": t.rope_theta, "mrope_section": list(t.mrope_section)},
             },

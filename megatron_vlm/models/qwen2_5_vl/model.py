@@ -14,19 +14,13 @@ Input forms of `forward`:
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_vlm.models.common.attention import Attention
-from megatron_vlm.models.common.decoder import DecoderLayer
-from megatron_vlm.models.common.merge import merge_vision_embeddings
+from megatron_vlm.models.common.decoder import RotaryTextModel
 from megatron_vlm.models.common.mlp import SwiGLUMLP
-from megatron_vlm.models.common.mrope_index import cached_mrope_position_ids, get_mrope_position_ids
 from megatron_vlm.models.common.norms import RMSNorm
-from megatron_vlm.models.common.prefix_sharing import prefix_layout_and_positions
 from megatron_vlm.models.common.rotary import decoder_rope_cos_sin, vision_rope_cos_sin
 from megatron_vlm.models.common.vision import (
     VisionBlock,
@@ -35,8 +29,8 @@ from megatron_vlm.models.common.vision import (
     vision_hw_position_ids,
     vision_window_index,
 )
-from megatron_vlm.models.common.vlm_base import KVCacheMixin, VLMBase, check_forward_inputs, cu_seqlens_max, new_tokens_mask
-from megatron_vlm.models.qwen2_5_vl.args import Qwen2_5_VLArgs, Qwen2_5_VLTextArgs, Qwen2_5_VLVisionArgs
+from megatron_vlm.models.common.vlm_base import QwenVLBase, cu_seqlens_max
+from megatron_vlm.models.qwen2_5_vl.args import Qwen2_5_VLTextArgs, Qwen2_5_VLVisionArgs
 
 
 class Qwen2_5_VLPatchMerger(nn.Module):
@@ -92,166 +86,27 @@ class Qwen2_5_VisionTransformer(nn.Module):
         return merged[torch.argsort(window_index)]
 
 
-class Qwen2_5_VLTextModel(nn.Module):
+class Qwen2_5_VLTextModel(RotaryTextModel):
     """Token embedding, Qwen2 decoder layers (GQA, qkv bias, M-RoPE), final RMSNorm.
 
     Also the decoder of text-only Qwen2 / Qwen2.5(-Math) (`models/qwen_text`): with
     `args.mrope_section` None the rotary is plain 1-D RoPE over position_ids [B, T]."""
 
-    def __init__(self, args: Qwen2_5_VLTextArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(
-                args.hidden_size,
-                Attention(
-                    args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
-                    qkv_bias=True, o_bias=False, causal=True,
-                ),
-                SwiGLUMLP(args.hidden_size, args.intermediate_size, bias=False),
-                args.rms_norm_eps,
-            )
-            for _ in range(args.num_hidden_layers)
-        )
-        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+    args: Qwen2_5_VLTextArgs
 
-    def forward(
-        self,
-        inputs_embeds: torch.Tensor,
-        position_ids: torch.Tensor,
-        *,
-        key_padding_mask: Optional[torch.Tensor] = None,
-        cu_seqlens: Optional[torch.Tensor] = None,
-        kv_cache=None,
-        prefix_layout=None,
-    ) -> torch.Tensor:
-        """inputs_embeds [B, T, H], position_ids [3, B, T] (M-RoPE) or [B, T] (1-D RoPE, mrope_section None)
-        -> final-norm hidden states [B, T, H]."""
+    def _attention_kwargs(self) -> dict:
+        return dict(qkv_bias=True, o_bias=False)
+
+    def _mlp(self, layer_idx: int) -> nn.Module:
+        return SwiGLUMLP(self.args.hidden_size, self.args.intermediate_size, bias=False)
+
+    def _cos_sin(self, position_ids):
         a = self.args
-        cos, sin = decoder_rope_cos_sin(position_ids, a.head_dim, a.rope_theta, a.mrope_section)  # [B, T, D]
-        x = inputs_embeds
-        max_seqlen = None
-        if cu_seqlens is not None:  # packed: drop the batch dim, attention is segmented by cu_seqlens
-            x, cos, sin = x[0], cos[0], sin[0]
-            max_seqlen = cu_seqlens_max(cu_seqlens)
-        for i, layer in enumerate(self.layers):
-            x = layer(
-                x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                key_padding_mask=key_padding_mask, kv_cache=kv_cache, layer_idx=i, prefix_layout=prefix_layout,
-            )
-        x = self.norm(x)
-        return x.unsqueeze(0) if cu_seqlens is not None else x
+        return decoder_rope_cos_sin(position_ids, a.head_dim, a.rope_theta, a.mrope_section)  # [B, T, D]
 
 
-class Qwen2_5_VLForConditionalGeneration(KVCacheMixin, VLMBase):
-    """The full model: `visual`, `language_model`, `lm_head` (shares the embedding Parameter when tied)."""
+class Qwen2_5_VLForConditionalGeneration(QwenVLBase):
+    """The full model: `visual` (window-attention ViT), `language_model`, `lm_head` (models/common/vlm_base.py)."""
 
-    def __init__(self, args: Qwen2_5_VLArgs, hf_config: Optional[dict] = None) -> None:
-        super().__init__(args, hf_config)
-        self.visual = Qwen2_5_VisionTransformer(args.vision)
-        self.language_model = Qwen2_5_VLTextModel(args.text)
-        self.lm_head = nn.Linear(args.text.hidden_size, args.text.vocab_size, bias=False)
-        self.tie_weights()
-
-    def _vision_blocks(self) -> list[nn.Module]:
-        return list(self.visual.blocks)
-
-    # ----- forward -----
-    def _vision_features(self, pixels, grid_thw, name: str) -> torch.Tensor:
-        if grid_thw is None:
-            raise ValueError(f"{name} given without its grid_thw")
-        return self.visual(pixels, grid_thw)
-
-    def compute_position_ids(
-        self,
-        input_ids: torch.Tensor,
-        *,
-        attention_mask: Optional[torch.Tensor] = None,
-        image_grid_thw: Optional[torch.Tensor] = None,
-        video_grid_thw: Optional[torch.Tensor] = None,
-        second_per_grid_ts: Optional[torch.Tensor] = None,
-        mm_token_type_ids: Optional[torch.Tensor] = None,
-        cu_seqlens: Optional[torch.Tensor] = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(position_ids [3, B, T], rope_deltas [B or samples, 1]) with get_rope_index semantics."""
-        v = self.args.vision
-        return get_mrope_position_ids(
-            input_ids,
-            image_token_id=self.args.image_token_id,
-            video_token_id=self.args.video_token_id,
-            spatial_merge_size=v.spatial_merge_size,
-            tokens_per_second=v.tokens_per_second,
-            image_grid_thw=image_grid_thw,
-            video_grid_thw=video_grid_thw,
-            second_per_grid_ts=second_per_grid_ts,
-            attention_mask=attention_mask,
-            mm_token_type_ids=mm_token_type_ids,
-            cu_seqlens=cu_seqlens,
-        )
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        pixel_values: Optional[torch.Tensor] = None,
-        image_grid_thw: Optional[torch.Tensor] = None,
-        pixel_values_videos: Optional[torch.Tensor] = None,
-        video_grid_thw: Optional[torch.Tensor] = None,
-        second_per_grid_ts: Optional[torch.Tensor] = None,
-        mm_token_type_ids: Optional[torch.Tensor] = None,
-        *,
-        position_ids: Optional[torch.Tensor] = None,
-        cu_seqlens: Optional[torch.Tensor] = None,
-        kv_cache=None,
-        return_hidden: bool = False,
-        prefix_segments: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """Logits [B, T, vocab] (or final-norm hidden states [B, T, H] with `return_hidden=True`).
-
-        `prefix_segments` (packed input): a prompt shared by several segments (models/common/prefix_sharing.py)."""
-        cu_seqlens = check_forward_inputs(input_ids, attention_mask, cu_seqlens, kv_cache)
-        embeds = self.language_model.embed_tokens(input_ids)
-        if pixel_values is not None:
-            feats = self._vision_features(pixel_values, image_grid_thw, "pixel_values")
-            per_item = (image_grid_thw.prod(-1) // self.args.vision.spatial_merge_size**2).tolist()
-            embeds = merge_vision_embeddings(
-                embeds, input_ids, feats, self.args.image_token_id, modality="image",
-                features_per_item=per_item, cu_seqlens=cu_seqlens,
-            )
-        if pixel_values_videos is not None:
-            feats = self._vision_features(pixel_values_videos, video_grid_thw, "pixel_values_videos")
-            per_item = (video_grid_thw.prod(-1) // self.args.vision.spatial_merge_size**2).tolist()
-            embeds = merge_vision_embeddings(
-                embeds, input_ids, feats, self.args.video_token_id, modality="video",
-                features_per_item=per_item, cu_seqlens=cu_seqlens,
-            )
-
-        key_padding_mask = attention_mask.bool() if attention_mask is not None else None
-        if kv_cache is not None:
-            new_mask = new_tokens_mask(key_padding_mask, input_ids)
-            if position_ids is None:
-                position_ids = cached_mrope_position_ids(input_ids, kv_cache, new_mask, lambda mask: self.compute_position_ids(
-                    input_ids, attention_mask=mask, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
-                    second_per_grid_ts=second_per_grid_ts, mm_token_type_ids=mm_token_type_ids,
-                ))
-            kv_cache.begin_step(input_ids.shape[1], new_mask)
-            key_padding_mask = None  # the cache supplies the mask over all cached keys
-        elif position_ids is None:
-            position_ids, _ = self.compute_position_ids(
-                input_ids, attention_mask=attention_mask, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
-                second_per_grid_ts=second_per_grid_ts, mm_token_type_ids=mm_token_type_ids, cu_seqlens=cu_seqlens,
-            )
-        if position_ids.dim() == 2:
-            position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
-        position_ids, prefix_layout = prefix_layout_and_positions(position_ids, cu_seqlens, prefix_segments)
-
-        hidden = self.language_model(
-            embeds, position_ids, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, kv_cache=kv_cache,
-            prefix_layout=prefix_layout,
-        )
-        if kv_cache is not None:
-            kv_cache.end_step()
-        if return_hidden:
-            return hidden
-        return self.lm_head(hidden)
+    _vision_cls = Qwen2_5_VisionTransformer
+    _text_cls = Qwen2_5_VLTextModel

@@ -18,15 +18,10 @@ tensor maps to our tensors on its own, so nothing is left pending between shards
 """
 from __future__ import annotations
 
-import re
-
 import torch
 
-from megatron_vlm.models.common.state_dict_utils import join_fused_qkv, rename_all, split_fused_qkv
+from megatron_vlm.models.common.state_dict_utils import QwenVisionAdapter, rename_all
 from megatron_vlm.models.qwen2_5_vl.args import Qwen2_5_VLArgs
-
-_VIS_QKV = re.compile(r"^visual\.blocks\.(\d+)\.attn\.qkv\.(weight|bias)$")
-_OUR_VIS_QKV = re.compile(r"^visual\.blocks\.(\d+)\.attn\.([qkv])_proj\.(weight|bias)$")
 
 # our name <-> HF name (after the "model." prefix) for the renamed modules, as regex pairs
 _RENAMES = [
@@ -41,9 +36,8 @@ _RENAMES_BACK = [
 ]
 
 
-class Qwen2_5_VLStateDictAdapter:
-    def __init__(self, args: Qwen2_5_VLArgs) -> None:
-        self.args = args
+class Qwen2_5_VLStateDictAdapter(QwenVisionAdapter):
+    args: Qwen2_5_VLArgs
 
     # ----- HF -> ours -----
     @staticmethod
@@ -57,29 +51,10 @@ class Qwen2_5_VLStateDictAdapter:
             return "language_model." + key[len("model."):]
         return key
 
-    def is_ignored(self, key: str) -> bool:
-        k = self.normalize_hf_key(key)
-        return k.endswith("rotary_emb.inv_freq") or (self.args.tie_word_embeddings and k == "lm_head.weight")
+    def _from_hf_one(self, key: str, k: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {rename_all(k, _RENAMES_BACK): self._patch_embed_in(k, t)}
 
-    def from_hf(self, hf: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Map HF tensors to ours; returns (converted, pending) - pending is always empty for this family."""
-        out: dict[str, torch.Tensor] = {}
-        for key, t in hf.items():
-            if self.is_ignored(key):
-                continue
-            k = self.normalize_hf_key(key)
-            m = _VIS_QKV.match(k)
-            if m:
-                layer, kind = m.groups()
-                for name, part in split_fused_qkv(key, t).items():
-                    out[f"visual.blocks.{layer}.attn.{name}_proj.{kind}"] = part
-                continue
-            if k == "visual.patch_embed.proj.weight" and t.dim() == 5:
-                t = t.reshape(t.shape[0], -1)
-            out[rename_all(k, _RENAMES_BACK)] = t
-        return out, {}
-
-    # ----- ours -> HF -----
+    # ----- ours -> HF (the checkpoint layout: fused vision qkv, Conv3d patch embed) -----
     @staticmethod
     def _checkpoint_key(key: str) -> str:
         """Our module path (renames applied) -> the checkpoint layout key."""
@@ -87,25 +62,5 @@ class Qwen2_5_VLStateDictAdapter:
             return "model." + key[len("language_model."):]
         return key  # visual.*, lm_head.weight
 
-    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Our full state dict -> HF tensors in the checkpoint layout (fused vision qkv, Conv3d patch embed)."""
-        v = self.args.vision
-        out: dict[str, torch.Tensor] = {}
-        qkv: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
-        for key, t in state_dict.items():
-            m = _OUR_VIS_QKV.match(key)
-            if m:
-                layer, name, kind = m.groups()
-                qkv.setdefault((layer, kind), {})[name] = t
-                continue
-            if key == "lm_head.weight":
-                if not self.args.tie_word_embeddings:
-                    out[key] = t
-                continue
-            k = key
-            if k == "visual.patch_embed.proj.weight":
-                t = t.reshape(t.shape[0], v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
-            out[self._checkpoint_key(rename_all(k, _RENAMES))] = t
-        for layer, kind, fused in join_fused_qkv(qkv, "visual.blocks.{layer}.attn"):
-            out[f"visual.blocks.{layer}.attn.qkv.{kind}"] = fused
-        return out
+    def _to_hf_one(self, key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {self._checkpoint_key(rename_all(key, _RENAMES)): self._patch_embed_out(key, t)}

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_vlm.models.common.mlp import get_activation
+from megatron_vlm.models.common.text_args import DECODER_FIELDS, check_swiglu_decoder, decoder_hf_fields, given_fields
 
 MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 
@@ -164,15 +165,11 @@ class Qwen3VLTextArgs:
             kw["rope_theta"] = theta
         if section is not None:
             kw["mrope_section"] = section
-        names = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "rms_norm_eps", "attention_bias", "max_position_embeddings",
-                 "hidden_act"]
+        names = [*DECODER_FIELDS, "head_dim", "attention_bias"]
         if moe:
             names += ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
                       "mlp_only_layers", "router_aux_loss_coef"]
-        for name in names:
-            if tc.get(name) is not None:
-                kw[name] = tc[name]
+        kw.update(given_fields(tc, names))
         if moe and "num_experts" not in kw and tc.get("num_local_experts") is not None:
             kw["num_experts"] = tc["num_local_experts"]  # transformers >= 5 writes the attribute-map name
         if moe:
@@ -192,13 +189,7 @@ class Qwen3VLTextArgs:
         return args
 
     def validate(self) -> None:
-        if self.hidden_act != "silu":
-            raise ValueError(f"text_config.hidden_act: only 'silu' is supported, got {self.hidden_act!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"text_config: num_attention_heads {self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads {self.num_key_value_heads}"
-            )
+        check_swiglu_decoder(self)
         if self.mrope_section is not None and (len(self.mrope_section) != 3 or 2 * sum(self.mrope_section) != self.head_dim):
             raise ValueError(
                 f"text_config.rope_parameters.mrope_section: {self.mrope_section} must have 3 entries summing to "
@@ -215,16 +206,8 @@ class Qwen3VLTextArgs:
     def to_hf(self, model_type: str) -> dict:
         out = {
             "model_type": f"{model_type}_text",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
+            **decoder_hf_fields(self),
             "head_dim": self.head_dim,
-            "hidden_act": self.hidden_act,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rms_norm_eps": self.rms_norm_eps,
             "attention_bias": self.attention_bias,
             "rope_parameters": {
                 "rope_type": "default", "rope_theta": self.rope_theta, "mrope_section": list(self.mrope_section),

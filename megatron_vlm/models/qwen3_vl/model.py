@@ -33,18 +33,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_vlm.models.common.attention import Attention
-from megatron_vlm.models.common.decoder import DecoderLayer
-from megatron_vlm.models.common.deepstack import add_deepstack
-from megatron_vlm.models.common.merge import merge_vision_embeddings
+from megatron_vlm.models.common.decoder import RotaryTextModel
 from megatron_vlm.models.common.mlp import MLP, SwiGLUMLP
 from megatron_vlm.models.common.moe import MoE
-from megatron_vlm.models.common.mrope_index import cached_mrope_position_ids, get_mrope_position_ids
-from megatron_vlm.models.common.norms import LayerNorm, RMSNorm
-from megatron_vlm.models.common.prefix_sharing import prefix_layout_and_positions
+from megatron_vlm.models.common.norms import LayerNorm
 from megatron_vlm.models.common.rotary import decoder_rope_cos_sin, vision_rope_cos_sin
 from megatron_vlm.models.common.vision import VisionPatchEmbed, vision_cu_seqlens, vision_hw_position_ids
-from megatron_vlm.models.common.vlm_base import KVCacheMixin, VLMBase, check_forward_inputs, cu_seqlens_max, new_tokens_mask
-from megatron_vlm.models.qwen3_vl.args import Qwen3VLArgs, Qwen3VLTextArgs, Qwen3VLVisionArgs
+from megatron_vlm.models.common.vlm_base import QwenVLBase, cu_seqlens_max
+from megatron_vlm.models.qwen3_vl.args import Qwen3VLTextArgs, Qwen3VLVisionArgs
 
 
 def split_video_grids(video_grid_thw: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -163,185 +159,45 @@ def _moe_block(args: Qwen3VLTextArgs) -> MoE:
     )
 
 
-class Qwen3VLTextModel(nn.Module):
-    """Token embedding, Qwen3 decoder layers (GQA, QK-norm, dense or MoE MLP), final RMSNorm.
+class Qwen3VLTextModel(RotaryTextModel):
+    """Token embedding, Qwen3 decoder layers (GQA, QK-norm, dense or MoE MLP), final RMSNorm; DeepStack
+    features added after the first layers.
 
     Also the decoder of text-only Qwen3 / Qwen3-MoE (`models/qwen_text`): with `args.mrope_section`
     None the rotary is plain 1-D RoPE over position_ids [B, T] (and no DeepStack input is given)."""
 
-    def __init__(self, args: Qwen3VLTextArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(
-                args.hidden_size,
-                Attention(
-                    args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
-                    qkv_bias=args.attention_bias, o_bias=args.attention_bias, causal=True, qk_norm_eps=args.rms_norm_eps,
-                ),
-                _moe_block(args) if args.is_moe_layer(i) else SwiGLUMLP(args.hidden_size, args.intermediate_size),
-                args.rms_norm_eps,
-            )
-            for i in range(args.num_hidden_layers)
-        )
-        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+    args: Qwen3VLTextArgs
 
-    def forward(
-        self,
-        inputs_embeds: torch.Tensor,
-        position_ids: torch.Tensor,
-        *,
-        key_padding_mask: Optional[torch.Tensor] = None,
-        cu_seqlens: Optional[torch.Tensor] = None,
-        kv_cache=None,
-        prefix_layout=None,
-        visual_index: Optional[torch.Tensor] = None,
-        deepstack_embeds: Optional[list[torch.Tensor]] = None,
-    ) -> torch.Tensor:
-        """inputs_embeds [B, T, H], position_ids [3, B, T] (M-RoPE) or [B, T] (1-D RoPE, mrope_section None)
-        -> final-norm hidden states [B, T, H].
-
-        DeepStack: after layer j < len(deepstack_embeds), `deepstack_embeds[j]` [n, H] is added at the
-        flattened token positions `visual_index` [n] (row-major over [B, T])."""
+    def _attention_kwargs(self) -> dict:
         a = self.args
-        cos, sin = decoder_rope_cos_sin(position_ids, a.head_dim, a.rope_theta, a.mrope_section, interleaved=True)
-        x = inputs_embeds
-        max_seqlen = None
-        if cu_seqlens is not None:  # packed: drop the batch dim, attention is segmented by cu_seqlens
-            x, cos, sin = x[0], cos[0], sin[0]
-            max_seqlen = cu_seqlens_max(cu_seqlens)
-        for i, layer in enumerate(self.layers):
-            x = layer(
-                x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                key_padding_mask=key_padding_mask, kv_cache=kv_cache, layer_idx=i, prefix_layout=prefix_layout,
-            )
-            x = add_deepstack(x, i, visual_index, deepstack_embeds)
-        x = self.norm(x)
-        return x.unsqueeze(0) if cu_seqlens is not None else x
+        return dict(qkv_bias=a.attention_bias, o_bias=a.attention_bias, qk_norm_eps=a.rms_norm_eps)
+
+    def _mlp(self, layer_idx: int) -> nn.Module:
+        a = self.args
+        return _moe_block(a) if a.is_moe_layer(layer_idx) else SwiGLUMLP(a.hidden_size, a.intermediate_size)
+
+    def _cos_sin(self, position_ids):
+        a = self.args
+        return decoder_rope_cos_sin(position_ids, a.head_dim, a.rope_theta, a.mrope_section, interleaved=True)
 
 
-class Qwen3VLForConditionalGeneration(KVCacheMixin, VLMBase):
-    """The full model: `visual`, `language_model`, `lm_head` (shares the embedding Parameter when tied)."""
+class Qwen3VLForConditionalGeneration(QwenVLBase):
+    """The full model: `visual` (ViT with DeepStack mergers), `language_model` (dense or MoE), `lm_head`
+    (models/common/vlm_base.py). Qwen3-VL reads time from the `<t seconds>` text before every frame:
+    `second_per_grid_ts`, taken for a uniform call signature across the Qwen-VL families, is ignored."""
 
-    def __init__(self, args: Qwen3VLArgs, hf_config: Optional[dict] = None) -> None:
-        super().__init__(args, hf_config)
-        self.visual = Qwen3VLVisionModel(args.vision)
-        self.language_model = Qwen3VLTextModel(args.text)
-        self.lm_head = nn.Linear(args.text.hidden_size, args.text.vocab_size, bias=False)
-        self.tie_weights()
-
-    def _vision_blocks(self) -> list[nn.Module]:
-        return list(self.visual.blocks)
+    _vision_cls = Qwen3VLVisionModel
+    _text_cls = Qwen3VLTextModel
+    _deepstack = True
+    _takes = QwenVLBase._takes - {"second_per_grid_ts"}
+    _ignores = frozenset({"second_per_grid_ts"})
 
     def _init_module(self, module: nn.Module, std: float) -> None:
         if isinstance(module, MoE):  # expert weights are Parameters of the MoE block, not Linear modules
             module.reset_parameters(std)
 
-    # ----- forward -----
-    def compute_position_ids(
-        self,
-        input_ids: torch.Tensor,
-        *,
-        attention_mask: Optional[torch.Tensor] = None,
-        image_grid_thw: Optional[torch.Tensor] = None,
-        video_grid_thw: Optional[torch.Tensor] = None,
-        mm_token_type_ids: Optional[torch.Tensor] = None,
-        cu_seqlens: Optional[torch.Tensor] = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(position_ids [3, B, T], rope_deltas [B or samples, 1]) with Qwen3-VL's get_rope_index semantics."""
-        return get_mrope_position_ids(
-            input_ids,
-            image_token_id=self.args.image_token_id,
-            video_token_id=self.args.video_token_id,
-            spatial_merge_size=self.args.vision.spatial_merge_size,
-            tokens_per_second=1.0,  # unused: every run has one temporal patch, at temporal offset 0
-            image_grid_thw=image_grid_thw,
-            video_grid_thw=split_video_grids(video_grid_thw),
-            attention_mask=attention_mask,
-            mm_token_type_ids=mm_token_type_ids,
-            cu_seqlens=cu_seqlens,
-        )
+    def _tokens_per_second(self) -> float:
+        return 1.0  # unused: every run has one temporal patch, at temporal offset 0
 
-    def _vision(self, pixels, grid_thw, name: str, placeholder_id: int, embeds, input_ids, cu_seqlens):
-        if grid_thw is None:
-            raise ValueError(f"{name} given without its grid_thw")
-        feats, deepstack = self.visual(pixels, grid_thw)
-        per_item = (grid_thw.prod(-1) // self.args.vision.spatial_merge_size**2).tolist()
-        modality = "image" if name == "pixel_values" else "video"
-        embeds = merge_vision_embeddings(
-            embeds, input_ids, feats, placeholder_id, modality=modality, features_per_item=per_item, cu_seqlens=cu_seqlens,
-        )
-        index = torch.nonzero((input_ids == placeholder_id).reshape(-1)).flatten()
-        return embeds, index, deepstack
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        pixel_values: Optional[torch.Tensor] = None,
-        image_grid_thw: Optional[torch.Tensor] = None,
-        pixel_values_videos: Optional[torch.Tensor] = None,
-        video_grid_thw: Optional[torch.Tensor] = None,
-        second_per_grid_ts: Optional[torch.Tensor] = None,
-        mm_token_type_ids: Optional[torch.Tensor] = None,
-        *,
-        position_ids: Optional[torch.Tensor] = None,
-        cu_seqlens: Optional[torch.Tensor] = None,
-        kv_cache=None,
-        return_hidden: bool = False,
-        prefix_segments: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """Logits [B, T, vocab] (or final-norm hidden states [B, T, H] with `return_hidden=True`).
-
-        `prefix_segments` (packed input): a prompt shared by several segments (models/common/prefix_sharing.py).
-        `second_per_grid_ts` is accepted for a uniform call signature across Qwen-VL families and
-        ignored: Qwen3-VL reads time from the `<t seconds>` text before every frame."""
-        del second_per_grid_ts
-        cu_seqlens = check_forward_inputs(input_ids, attention_mask, cu_seqlens, kv_cache)
-        embeds = self.language_model.embed_tokens(input_ids)
-        indexes, stacks = [], []
-        if pixel_values is not None:
-            embeds, idx, deep = self._vision(
-                pixel_values, image_grid_thw, "pixel_values", self.args.image_token_id, embeds, input_ids, cu_seqlens
-            )
-            indexes.append(idx)
-            stacks.append(deep)
-        if pixel_values_videos is not None:
-            embeds, idx, deep = self._vision(
-                pixel_values_videos, video_grid_thw, "pixel_values_videos", self.args.video_token_id, embeds, input_ids,
-                cu_seqlens,
-            )
-            indexes.append(idx)
-            stacks.append(deep)
-        visual_index = torch.cat(indexes) if indexes else None
-        deepstack_embeds = [torch.cat(level) for level in zip(*stacks)] if stacks else None
-
-        key_padding_mask = attention_mask.bool() if attention_mask is not None else None
-        if kv_cache is not None:
-            new_mask = new_tokens_mask(key_padding_mask, input_ids)
-            if position_ids is None:
-                position_ids = cached_mrope_position_ids(input_ids, kv_cache, new_mask, lambda mask: self.compute_position_ids(
-                    input_ids, attention_mask=mask, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
-                    mm_token_type_ids=mm_token_type_ids,
-                ))
-            kv_cache.begin_step(input_ids.shape[1], new_mask)
-            key_padding_mask = None  # the cache supplies the mask over all cached keys
-        elif position_ids is None:
-            position_ids, _ = self.compute_position_ids(
-                input_ids, attention_mask=attention_mask, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
-                mm_token_type_ids=mm_token_type_ids, cu_seqlens=cu_seqlens,
-            )
-        if position_ids.dim() == 2:
-            position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
-        position_ids, prefix_layout = prefix_layout_and_positions(position_ids, cu_seqlens, prefix_segments)
-
-        hidden = self.language_model(
-            embeds, position_ids, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, kv_cache=kv_cache,
-            prefix_layout=prefix_layout, visual_index=visual_index, deepstack_embeds=deepstack_embeds,
-        )
-        if kv_cache is not None:
-            kv_cache.end_step()
-        if return_hidden:
-            return hidden
-        return self.lm_head(hidden)
+    def _video_grids(self, video_grid_thw: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return split_video_grids(video_grid_thw)  # one run of placeholders per frame

@@ -25,11 +25,9 @@ import re
 
 import torch
 
-from megatron_vlm.models.common.state_dict_utils import join_fused_qkv, rename_all, split_fused_qkv
+from megatron_vlm.models.common.state_dict_utils import QwenVisionAdapter, rename_all
 from megatron_vlm.models.qwen3_vl.args import Qwen3VLArgs
 
-_VIS_QKV = re.compile(r"^visual\.blocks\.(\d+)\.attn\.qkv\.(weight|bias)$")
-_OUR_VIS_QKV = re.compile(r"^visual\.blocks\.(\d+)\.attn\.([qkv])_proj\.(weight|bias)$")
 _EXPERTS = re.compile(r"^language_model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 # (ours, HF) module-name pieces inside `visual.`
@@ -47,9 +45,9 @@ _RENAMES_BACK = [
 ]
 
 
-class Qwen3VLStateDictAdapter:
-    def __init__(self, args: Qwen3VLArgs) -> None:
-        self.args = args
+class Qwen3VLStateDictAdapter(QwenVisionAdapter):
+    args: Qwen3VLArgs
+    _hf_qkv_key = "model." + QwenVisionAdapter._hf_qkv_key  # the hub layout
 
     # ----- HF -> ours -----
     @staticmethod
@@ -58,10 +56,6 @@ class Qwen3VLStateDictAdapter:
         if key.startswith("model.visual.") or key.startswith("model.language_model."):
             return key[len("model."):]
         return key
-
-    def is_ignored(self, key: str) -> bool:
-        k = self.normalize_hf_key(key)
-        return k.endswith("rotary_emb.inv_freq") or (self.args.tie_word_embeddings and k == "lm_head.weight")
 
     def _expert_shapes(self, kind: str) -> tuple[tuple[int, int], tuple[int, int]]:
         """(ours, hub) trailing shapes of one expert tensor."""
@@ -79,54 +73,18 @@ class Qwen3VLStateDictAdapter:
             return t
         return t.transpose(1, 2)
 
-    def from_hf(self, hf: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Map HF tensors to ours; returns (converted, pending) - pending is always empty for this family."""
-        out: dict[str, torch.Tensor] = {}
-        for key, t in hf.items():
-            if self.is_ignored(key):
-                continue
-            k = self.normalize_hf_key(key)
-            m = _VIS_QKV.match(k)
-            if m:
-                layer, kind = m.groups()
-                for name, part in split_fused_qkv(key, t).items():
-                    out[f"visual.blocks.{layer}.attn.{name}_proj.{kind}"] = part
-                continue
-            m = _EXPERTS.match(k)
-            if m:
-                out[k] = self._expert_from_hf(key, m.group(2), t)
-                continue
-            if k == "visual.patch_embed.proj.weight" and t.dim() == 5:
-                t = t.reshape(t.shape[0], -1)
-            out[rename_all(k, _RENAMES_BACK)] = t
-        return out, {}
+    def _from_hf_one(self, key: str, k: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        m = _EXPERTS.match(k)
+        if m:
+            return {k: self._expert_from_hf(key, m.group(2), t)}
+        return {rename_all(k, _RENAMES_BACK): self._patch_embed_in(k, t)}
 
-    # ----- ours -> HF -----
-    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Our full state dict -> HF tensors in the hub layout (fused vision qkv, Conv3d patch embed,
-        experts transposed)."""
-        v = self.args.vision
-        out: dict[str, torch.Tensor] = {}
-        qkv: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
-        for key, t in state_dict.items():
-            m = _OUR_VIS_QKV.match(key)
-            if m:
-                layer, name, kind = m.groups()
-                qkv.setdefault((layer, kind), {})[name] = t
-                continue
-            if key == "lm_head.weight":
-                if not self.args.tie_word_embeddings:
-                    out[key] = t
-                continue
-            m = _EXPERTS.match(key)
-            if m:
-                ours, hub = self._expert_shapes(m.group(2))
-                out["model." + key] = t if ours == hub else t.transpose(1, 2).contiguous()
-                continue
-            k = key
-            if k == "visual.patch_embed.proj.weight":
-                t = t.reshape(t.shape[0], v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
-            out["model." + rename_all(k, _RENAMES)] = t
-        for layer, kind, fused in join_fused_qkv(qkv, "visual.blocks.{layer}.attn"):
-            out[f"model.visual.blocks.{layer}.attn.qkv.{kind}"] = fused
-        return out
+    # ----- ours -> HF (the hub layout: fused vision qkv, Conv3d patch embed, experts transposed) -----
+    def _to_hf_one(self, key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        if key == "lm_head.weight":
+            return {key: t}
+        m = _EXPERTS.match(key)
+        if m:
+            ours, hub = self._expert_shapes(m.group(2))
+            return {"model." + key: t if ours == hub else t.transpose(1, 2).contiguous()}
+        return {"model." + rename_all(key, _RENAMES): self._patch_embed_out(key, t)}

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from megatron_vlm.models.common.text_args import decoder_hf_fields
 from megatron_vlm.models.qwen2_5_vl.args import Qwen2_5_VLTextArgs
 from megatron_vlm.models.qwen3_vl.args import Qwen3VLTextArgs
 
@@ -118,15 +119,7 @@ class QwenTextArgs:
         out = {
             "architectures": [_ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,
-            "vocab_size": t.vocab_size,
-            "hidden_size": t.hidden_size,
-            "intermediate_size": t.intermediate_size,
-            "num_hidden_layers": t.num_hidden_layers,
-            "num_attention_heads": t.num_attention_heads,
-            "num_key_value_heads": t.num_key_value_heads,
-            "hidden_act": t.hidden_act,
-            "max_position_embeddings": t.max_position_embeddings,
-            "rms_norm_eps": t.rms_norm_eps,
+            **decoder_hf_fields(t),
             "use_sliding_window": False,
             "tie_word_embeddings": self.tie_word_embeddings,
             "rope_parameters": {"rope_type": "default", "rope_theta": t.rope_theta},

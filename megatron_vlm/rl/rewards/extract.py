@@ -6,7 +6,9 @@ preference follows math-verify's documented LaTeX extraction (boxed first), with
 
 1. the content of an `<answer_tag>...</answer_tag>` block, when configured (its own box / phrase
    / math inside it win);
-2. the last `\\boxed{...}` / `\\fbox{...}` that closes (also the brace-less `\\boxed 5`);
+2. the last `\\boxed{...}` / `\\fbox{...}` that closes (also the brace-less `\\boxed 5`), together
+   with the boxes just before it when only connectors separate them ("$x = \\boxed{3}$ or
+   $x = \\boxed{5}$", "\\boxed{a = 12} and \\boxed{b = 3}"): several boxes that are one answer;
 3. the last final-answer phrase: "final answer is", "the answer is", "correct answer is",
    "Answer:" (also bold "**Answer:**"), taking the math after it on its line (or on the next
    non-empty line): one math environment, several joined by "or" / "and" / "," (kept as a list), or
@@ -16,12 +18,15 @@ preference follows math-verify's documented LaTeX extraction (boxed first), with
 """
 from __future__ import annotations
 
+import bisect
 import re
 from typing import Optional
 
 __all__ = [
     "MAX_ANSWER_CHARS",
     "last_boxed",
+    "boxed_answer",
+    "last_boxes",
     "last_tag_content",
     "answer_phrase",
     "last_math_env",
@@ -47,13 +52,25 @@ _CONNECTOR = re.compile(r"\s*(?:,|;|\bor\b|\band\b)?\s*", re.IGNORECASE)
 _BOX_SCAN = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z]) *|\\.|[{}]", re.DOTALL)
 
 
-def _scan_boxes(text: str) -> Optional[str]:
-    """One left-to-right pass (regex-driven, so the scan itself runs in C): the content of the closed
-    box that opens last. Brace depth is a stack of open positions; escaped braces (\\{ \\}) and other
-    escapes do not count; an unclosed box is never returned."""
-    stack: list[tuple[int, bool]] = []  # (content start, is a box opening)
-    best_start, best = -1, None
-    pending_box = -1  # end of a "\boxed " token just read: a '{' right there opens the box
+_BOX_GAP = re.compile(
+    r"(?:\s|\$|\\[()\[\]]|,|;|&|\\\\|\\q?quad|\\[,;: ]|\\text\s*\{\s*(?:and|or|,)?\s*\}|\band\b|\bor\b)*"
+    r"(?P<name>(?:[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?|\\[a-z]+)\s*=)?\s*",
+    re.IGNORECASE,
+)
+_NAME_BEFORE = re.compile(r"(?:^|[\s$(,;])((?:[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?|\\[a-z]+)\s*=)\s*\$?\s*$")
+MAX_JOINED_BOXES = 8
+MAX_BOX_GAP = 80
+
+
+def _scan_boxes(text: str) -> list[tuple[int, int, int, int, bool]]:
+    """One left-to-right pass (regex-driven, so the scan itself runs in C): every closed box as
+    (command start, content start, content end, end, inside another box). Brace depth is a stack of
+    open positions; escaped braces (\\{ \\}) and other escapes do not count; an unclosed box is never
+    returned."""
+    stack: list[tuple[int, int]] = []  # (content start, box command start or -1)
+    boxes: list[tuple[int, int, int, int, bool]] = []
+    open_boxes = 0
+    pending_box, pending_cmd = -1, -1  # end of a "\boxed " token just read: a '{' right there opens the box
     for m in _BOX_SCAN.finditer(text):
         tok = m.group(0)
         if tok[0] == "\\":
@@ -61,17 +78,51 @@ def _scan_boxes(text: str) -> Optional[str]:
                 end = m.end()
                 if end < len(text) and text[end] != "{" and end > m.start() + len(tok.rstrip()):
                     word = re.match(r"[^\s$]+", text[end:end + MAX_ANSWER_CHARS + 1])  # "\boxed 5"
-                    if word and m.start() > best_start:
-                        best_start, best = m.start(), word.group(0)
-                pending_box = end
+                    if word:
+                        boxes.append((m.start(), end, end + word.end(), end + word.end(), open_boxes > 0))
+                pending_box, pending_cmd = end, m.start()
             continue
         if tok == "{":
-            stack.append((m.end(), m.start() == pending_box))
+            stack.append((m.end(), pending_cmd if m.start() == pending_box else -1))
+            open_boxes += stack[-1][1] >= 0
         elif stack:
-            start, is_box = stack.pop()
-            if is_box and start > best_start:
-                best_start, best = start, text[start:m.start()].strip()
-    return best
+            start, cmd = stack.pop()
+            if cmd >= 0:
+                open_boxes -= 1
+                boxes.append((cmd, start, m.start(), m.end(), open_boxes > 0))
+    return boxes
+
+
+def _joined_boxes(text: str, boxes: list[tuple[int, int, int, int, bool]]) -> Optional[str]:
+    """The content of the box that opens last; when boxes before it are separated from it only by
+    connectors (",", ";", "and", "or", "\\quad", math delimiters), all of them as one list:
+    "$x = \\boxed{3}$ or $x = \\boxed{5}$" -> "x = 3, x = 5", "\\boxed{3}, \\boxed{5}" -> "3, 5"."""
+    if not boxes:
+        return None
+    last = max(boxes, key=lambda b: b[1])
+    chain = [last]
+    names = [""]
+    by_end = sorted(boxes, key=lambda b: b[3])
+    ends = [b[3] for b in by_end]
+    while len(chain) < MAX_JOINED_BOXES:
+        k = bisect.bisect_right(ends, chain[0][0])  # the box that closes last before this one opens
+        if k == 0:
+            break
+        prev = by_end[k - 1]
+        if prev[4] != last[4] or chain[0][0] - prev[3] > MAX_BOX_GAP:  # another nesting level, or too far
+            break
+        gap = _BOX_GAP.fullmatch(text, prev[3], chain[0][0])
+        if gap is None:
+            break
+        names[0] = gap.group("name") or ""
+        chain.insert(0, prev)
+        names.insert(0, "")
+    items = [text[b[1]:b[2]].strip() for b in chain]
+    if len(chain) == 1:
+        return items[0]
+    before = _NAME_BEFORE.search(text, max(0, chain[0][0] - 40), chain[0][0])
+    names[0] = before.group(1) if before else ""
+    return ", ".join(f"{n} {i}".strip() for n, i in zip(names, items))
 
 
 def last_boxed(text: str) -> Optional[str]:
@@ -79,7 +130,41 @@ def last_boxed(text: str) -> Optional[str]:
     An unclosed box is skipped; an earlier closed one (or one nested inside it) is used instead."""
     if not isinstance(text, str) or ("\\boxed" not in text and "\\fbox" not in text):
         return None
-    return _scan_boxes(text)
+    boxes = _scan_boxes(text)
+    if not boxes:
+        return None
+    last = max(boxes, key=lambda b: b[1])
+    return text[last[1]:last[2]].strip()
+
+
+def boxed_answer(text: str) -> Optional[str]:
+    """The boxed answer of a completion: the last closed box, joined with the boxes just before it
+    when only connectors separate them (several boxes that together are the answer)."""
+    if not isinstance(text, str) or ("\\boxed" not in text and "\\fbox" not in text):
+        return None
+    return _joined_boxes(text, _scan_boxes(text))
+
+
+_PART_MARK = re.compile(
+    r"(?:^|\n)[ \t#*>]*(?:\*\*)?[ \t]*(?:\(\s*(?:\d|[IV]{1,3}|[ivx]{1,3})\s*\)|(?:\d|[IV]{1,3})[.)](?!\d)|Part\s+\(?\w\)?)"
+)
+
+
+def last_boxes(text: str, k: int) -> Optional[str]:
+    """The last k boxes that are not inside another box, joined as one list ("3, 5"), when each
+    follows a new part of the solution: a line starting with "(2)", "2.", "(II)", "Part 2", ...
+    ("(1) ... \\boxed{a_n = 2n - 1} ... (2) ... \\boxed{T_n = n^2}"). None when there are fewer boxes
+    or a box is not in a part of its own: "First \\boxed{4}. Wait, ... \\boxed{5}" is one answer, 5.
+    The caller decides when k parts are wanted."""
+    if not isinstance(text, str) or k < 2 or k > MAX_JOINED_BOXES or "\\boxed" not in text and "\\fbox" not in text:
+        return None
+    top = sorted((b for b in _scan_boxes(text) if not b[4]), key=lambda b: b[0])
+    if len(top) < k:
+        return None
+    chosen = top[-k:]
+    if any(_PART_MARK.search(text, a[3], b[0]) is None for a, b in zip(chosen, chosen[1:])):
+        return None
+    return ", ".join(text[b[1]:b[2]].strip() for b in chosen)
 
 
 def last_tag_content(text: str, tag: str) -> Optional[str]:
@@ -119,9 +204,17 @@ def _math_envs(text: str) -> list[tuple[int, int, str]]:
 
 
 def last_math_env(text: str) -> Optional[str]:
-    """Content of the last non-empty math environment ($...$, $$...$$, \\(...\\), \\[...\\])."""
+    """Content of the last non-empty math environment ($...$, $$...$$, \\(...\\), \\[...\\]), with the
+    environments just before it that only connectors separate from it, as one list ("so $x = 2$ or
+    $x = 3$" -> "x = 2, x = 3"; "the area is $6$ and the side is $3$" -> "3")."""
     envs = [e for e in _math_envs(text) if e[2]]
-    return envs[-1][2] if envs else None
+    if not envs:
+        return None
+    k = len(envs) - 1
+    while k > 0 and len(envs) - k < MAX_JOINED_BOXES and envs[k][0] - envs[k - 1][1] <= MAX_BOX_GAP and \
+            _CONNECTOR.fullmatch(text, envs[k - 1][1], envs[k][0]):
+        k -= 1
+    return ", ".join(e[2] for e in envs[k:])
 
 
 def _after_phrase(rest: str) -> Optional[str]:
@@ -135,7 +228,7 @@ def _after_phrase(rest: str) -> Optional[str]:
         return None
     if line.startswith(("$$", "\\[")) and len(lines) > k:  # display math spanning lines
         line = " ".join([line] + [ln.strip() for ln in lines[k:k + 4]])
-    boxed = last_boxed(line)
+    boxed = boxed_answer(line)
     if boxed is not None:
         return boxed
     envs = [e for e in _math_envs(line) if e[2]]
@@ -197,9 +290,9 @@ def extract_answer(
     if answer_tag:
         inside = last_tag_content(text, answer_tag)
         if inside is not None:
-            candidate = last_boxed(inside) or answer_phrase(inside) or strip_math_delimiters(inside)
+            candidate = boxed_answer(inside) or answer_phrase(inside) or strip_math_delimiters(inside)
     if candidate is None:
-        candidate = last_boxed(text)
+        candidate = boxed_answer(text)
     if candidate is None:
         candidate = answer_phrase(text)
     if candidate is None and fallback_last_math:

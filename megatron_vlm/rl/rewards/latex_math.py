@@ -14,8 +14,11 @@ numbers: "2 3" is rejected), unary minus, \\pi, \\infty, Greek letters, subscrip
 trig / log functions (\\sin 2x is sin(2x)), |abs|, n!, percentages ("%", "\\%", "percent"), degrees,
 trailing units and \\text{} words (dropped), relations (=, <, >, \\le, \\ge, \\ne, chains such as
 -1 < x \\le 4; `Rel`), "x \\in S" (S), tuples / intervals (ordered, bracket kinds kept), \\cup of
-intervals, \\mathbb{R}, \\emptyset, \\{sets\\} / bare comma lists and "or" / "and" lists (unordered),
-\\pm / \\mp (the set of both readings) and matrices (pmatrix / bmatrix / matrix / array; `Matrix`).
+intervals, \\mathbb{R}, \\emptyset, \\{sets\\} / bare comma or semicolon lists and "or" / "and" lists
+(unordered), set-builder sets "\\{x \\mid x > 3\\}" (the condition), ratios "a:b:c" (`Seq` "ratio"), a
+function named with its variable on a relation's side ("P(t) = 2t", "-1 < g(t) < 2": a sympy
+undefined function applied to t), \\pm / \\mp (the set of both readings) and matrices (pmatrix /
+bmatrix / matrix / array; `Matrix`). The text is first rewritten by latex_normalize.normalize_latex.
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ from fractions import Fraction
 from typing import Union
 
 import sympy
+
+from megatron_vlm.rl.rewards.latex_normalize import QualifiedAnswer, normalize_latex, split_domain
 
 __all__ = ["LatexParseError", "Seq", "Rel", "Matrix", "ParsedAnswer", "normalize_latex", "parse_latex", "MAX_INPUT_CHARS"]
 
@@ -43,9 +48,9 @@ class LatexParseError(ValueError):
 
 @dataclass(frozen=True)
 class Seq:
-    """A tuple / interval (ordered) or a set / bare list (unordered) of parsed items."""
+    """A tuple / interval (ordered), a set / bare list (unordered) or a ratio `a:b:c` of parsed items."""
 
-    kind: str  # "tuple" | "set"
+    kind: str  # "tuple" | "set" | "ratio"
     items: tuple
     open: str = ""
     close: str = ""
@@ -70,6 +75,7 @@ class Matrix:
 Value = Union[sympy.Basic, Seq, Rel, Matrix]
 _RELOPS = {"=": "=", "<": "<", ">": ">", "≤": "<=", "≥": ">=", "≠": "!="}
 MAX_PM = 4
+MAX_RATIO_PARTS = 8
 
 
 @dataclass(frozen=True)
@@ -79,14 +85,6 @@ class ParsedAnswer:
     """The text ended in a percent sign (the value is the number before it, not divided by 100)."""
 
 
-_UNIT_WORDS = {
-    "cm", "mm", "m", "km", "in", "inch", "inches", "ft", "feet", "foot", "yd", "yard", "yards", "mi", "mile", "miles",
-    "unit", "units", "degree", "degrees", "deg", "radian", "radians", "rad", "sq", "square", "cubic", "meter", "meters",
-    "metre", "metres", "centimeter", "centimeters", "millimeter", "millimeters", "kilometer", "kilometers", "second",
-    "seconds", "sec", "minute", "minutes", "min", "hour", "hours", "hr", "hrs", "kg", "g", "gram", "grams", "lb", "lbs",
-    "pound", "pounds", "dollar", "dollars", "cent", "cents", "percent", "liter", "liters", "l", "ml", "cm2", "m2", "cm3",
-    "m3", "mph", "kmh", "s", "h", "mg", "km/h", "m/s", "ways", "people", "students", "days", "weeks", "years",
-}
 _GREEK = {
     "alpha", "beta", "gamma", "delta", "epsilon", "varepsilon", "zeta", "eta", "theta", "vartheta", "iota", "kappa",
     "lambda", "mu", "nu", "xi", "rho", "sigma", "tau", "upsilon", "phi", "varphi", "chi", "psi", "omega", "Gamma",
@@ -97,85 +95,8 @@ _FUNCS = {
     "arcsin": sympy.asin, "arccos": sympy.acos, "arctan": sympy.atan, "sinh": sympy.sinh, "cosh": sympy.cosh,
     "tanh": sympy.tanh, "ln": sympy.log, "log": sympy.log, "exp": sympy.exp,
 }
-_TEXT_BLOCK = re.compile(
-    r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mbox|operatorname)\s*\{([^{}]*)\}(\s*\^\s*\{?\s*[23]\s*\}?)?"
-)
-_TOKEN = re.compile(r"\s*(?:(\\[{}])|(\\[A-Za-z]+)|(\d+(?:\.\d*)?|\.\d+)|([A-Za-z])|([-+*/^_(){}\[\],=!|%&<>≤≥≠∈]))")
+_TOKEN = re.compile(r"\s*(?:(\\[{}])|(\\[A-Za-z]+)|(\d+(?:\.\d*)?|\.\d+)|([A-Za-z])|([-+*/^_(){}\[\],=!|%&<>≤≥≠∈:]))")
 _COMMANDS = {"frac", "sqrt", "pi", "infty", "binom", "cup", "reals", "emptyset", "matbegin", "matend", "rowsep"}
-_CONNECTIVES = {"or", "and"}
-
-
-def _unwrap_text(m: re.Match) -> str:
-    inner = m.group(1).strip()
-    low = inner.lower().strip(" .")
-    if low in _CONNECTIVES:  # "1 \text{ or } 2" is a list
-        return " , "
-    if low == "percent":
-        return " % "
-    # words (units such as "cm", "km/h" with their ^2 / ^3, "square units") are dropped; digits or
-    # single-letter symbols are kept
-    if re.fullmatch(r"[A-Za-z ./]*", inner) and (len(re.sub(r"[^A-Za-z]", "", inner)) > 1 or not inner):
-        return " "
-    return " " + inner + (m.group(2) or "") + " "
-
-
-def normalize_latex(text: str) -> tuple[str, bool]:
-    """Rewrite formatting-only LaTeX into the parser's subset. Returns (text, had_percent)."""
-    s = text.strip()
-    for a, b in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
-        if len(s) >= len(a) + len(b) and s.startswith(a) and s.endswith(b):
-            s = s[len(a):len(s) - len(b)]
-            break
-    s = s.replace("\\$", " ").replace("$", " ")
-    s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![A-Za-z])\s*\.?", "", s)
-    s = s.replace("\\\\", " \\rowsep ")  # matrix row separator, before "\\ " (a space) is dropped
-    s = re.sub(r"\\(?:[,;:! ]|quad|qquad|displaystyle|limits)", " ", s).replace("~", " ")
-    s = re.sub(r"\\[dt]frac(?![A-Za-z])", r"\\frac", s)
-    s = re.sub(r"\\(?:cdot|times|ast)(?![A-Za-z])", "*", s)
-    s = re.sub(r"\\div(?![A-Za-z])", "/", s)
-    s = re.sub(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|\\degree|°", " ", s)
-    s = s.replace("{,}", "")
-    s = re.sub(r"\\mathbb\s*\{\s*R\s*\}|\\mathbb\s*R(?![A-Za-z])|\\R(?![A-Za-z])", r"\\reals ", s)
-    s = re.sub(r"\\(?:varnothing|emptyset)(?![A-Za-z])|\\\{\s*\\\}", r"\\emptyset ", s)
-    s = re.sub(r"\\(?:leqslant|leq|le)(?![A-Za-z])|<=", "≤", s)
-    s = re.sub(r"\\(?:geqslant|geq|ge)(?![A-Za-z])|>=", "≥", s)
-    s = re.sub(r"\\(?:neq|ne)(?![A-Za-z])|!=", "≠", s)
-    s = re.sub(r"\\lt(?![A-Za-z])", "<", s)
-    s = re.sub(r"\\gt(?![A-Za-z])", ">", s)
-    s = re.sub(r"\\in(?![A-Za-z])", "∈", s)
-    s = re.sub(r"\\(?:angle|measuredangle)(?![A-Za-z])", " ", s)
-    # matrices: \begin{pmatrix} a & b \\ c & d \end{pmatrix} (also bmatrix, matrix, array{cc})
-    s = re.sub(r"\\begin\s*\{array\}\s*\{[^{}]*\}", r"\\begin{matrix}", s)
-    s = re.sub(r"\\begin\s*\{[pbBvV]?matrix\}", r" \\matbegin ", s)
-    s = re.sub(r"\\end\s*\{(?:[pbBvV]?matrix|array)\}", r" \\matend ", s)
-    s = re.sub(r"^\s*\(\s*(\\matbegin\b.*\\matend)\s*\)\s*$", r"\1", s)
-    for _ in range(3):  # nested text blocks
-        s = _TEXT_BLOCK.sub(_unwrap_text, s)
-    s = re.sub(r"(?<![A-Za-z\\])(?:or|and)(?![A-Za-z])", " , ", s)  # "x = 1 or x = 2"
-    s = re.sub(r"(?<![A-Za-z\\])percent(?![A-Za-z])", "%", s)
-    s = s.replace("\\%", "%").strip()
-    percent = s.endswith("%")
-    if percent:
-        s = s[:-1].strip()
-    # trailing unit words after a number or closing brace: "5 cm", "12 square units", "3 cm^2",
-    # "10 apples" (plain words of three or more letters)
-    words = s.split()
-    while len(words) > 1:
-        w = re.sub(r"\^?\{?[23]\}?$", "", words[-1]).rstrip(".")
-        if w.lower() in _UNIT_WORDS or re.fullmatch(r"[A-Za-z]{3,}", w):
-            words.pop()
-        else:
-            break
-    s = " ".join(words)
-    # "f(x) = ..." names the function: the answer is the right-hand side
-    s = re.sub(r"^\s*([A-Za-z])\s*\(\s*[A-Za-z]\s*\)\s*=", r"\1 =", s)
-    # thousands separators: "1,000", "1 000" (from 1\,000), also after "x ="
-    m = re.fullmatch(r"((?:[A-Za-z]\s*=\s*)?)(-?\d{1,3}(?:(?:,| )\d{3})+(?:\.\d+)?)", s.strip())
-    if m:
-        s = m.group(1) + re.sub(r"[, ]", "", m.group(2))
-    return s.strip().rstrip("."), percent
-
-
 def _tokenize(s: str) -> list[tuple[str, str]]:
     tokens: list[tuple[str, str]] = []
     pos = 0
@@ -252,7 +173,7 @@ class _Parser:
 
     def relation(self) -> Value:
         # "x = 5", "(x, y) = (1, 2)", "-1 < x \le 4"; "x \in S" is S
-        sides = [self.union()]
+        sides = [self.side()]
         ops = []
         while self.peek()[0] == "OP" and self.peek()[1] in _RELOPS or self.peek() == ("OP", "∈"):
             op = self.take()[1]
@@ -261,12 +182,32 @@ class _Parser:
                     raise LatexParseError("unsupported use of \\in")
                 return self.union()
             ops.append(_RELOPS[op])
-            sides.append(self.union())
+            sides.append(self.side())
             if len(ops) > 3:
                 raise LatexParseError("relation chain too long")
         if not ops:
             return sides[0]
         return Rel(tuple(ops), tuple(sides))
+
+    def side(self) -> Value:
+        """One side of a relation: a function named with its variable ("P(t)" in "P(t) = 2t + 1", "g(t)"
+        in "-1 < g(t) < 2"), a ratio "a:b:c", or a union / sequence / expression."""
+        if (self.peek()[0] == "LETTER" and self.peek(1) == ("OP", "(") and self.peek(2)[0] == "LETTER"
+                and self.peek(3) == ("OP", ")") and self.peek(4)[0] == "OP" and self.peek(4)[1] in _RELOPS):
+            name, var = self.peek()[1], self.peek(2)[1]
+            self.i += 4
+            return sympy.Function(name)(sympy.Symbol(var))
+        parts = [self.union()]
+        while self.peek() == ("OP", ":"):
+            self.take()
+            parts.append(self.union())
+            if len(parts) > MAX_RATIO_PARTS:
+                raise LatexParseError("ratio too long")
+        if len(parts) == 1:
+            return parts[0]
+        if not all(isinstance(p, sympy.Basic) for p in parts) or any(p == 0 for p in parts):
+            raise LatexParseError("unsupported ratio")
+        return Seq("ratio", tuple(parts))
 
     def union(self) -> Value:
         items = [self.sequence_or_expr()]
@@ -348,9 +289,20 @@ class _Parser:
             return items[0]
         return Seq("tuple", tuple(items), open_t, close[1])
 
-    def set_literal(self) -> Seq:
+    def set_literal(self) -> Value:
         self.take()
         self.enter()
+        builder = self.set_builder_start()
+        if builder:  # "\{x \mid x > 3\}" is the relation's solution set (an interval once compared);
+            # conditions joined by "or" (a comma here) are a union
+            conds = [self.relation()]
+            while self.peek() == ("OP", ","):
+                self.take()
+                conds.append(self.relation())
+            if self.take()[0] != "RSET":
+                raise LatexParseError("unsupported set-builder condition")
+            self.depth -= 1
+            return conds[0] if len(conds) == 1 else Seq("set", tuple(conds))
         items = []
         if self.peek()[0] != "RSET":
             items.append(self.relation())
@@ -361,6 +313,18 @@ class _Parser:
             raise LatexParseError("unclosed \\{")
         self.depth -= 1
         return Seq("set", tuple(items))
+
+    def set_builder_start(self) -> bool:
+        """At "x |", "x :" or "x \in \mathbb{R} |" after "\{": consume it."""
+        if self.peek()[0] != "LETTER":
+            return False
+        k = 1
+        if self.peek(1) == ("OP", "∈") and self.peek(2) == ("CMD", "reals"):
+            k = 3
+        if self.peek(k) in (("OP", "|"), ("OP", ":")):
+            self.i += k + 1
+            return True
+        return False
 
     def expr(self) -> sympy.Basic:
         left = self.term()
@@ -589,9 +553,37 @@ def parse_latex(text: str) -> ParsedAnswer:
         raise LatexParseError(f"expected a string, got {type(text).__name__}")
     if len(text) > MAX_INPUT_CHARS:
         raise LatexParseError("answer too long")
-    norm, percent = normalize_latex(text)
+    text, integer = split_domain(text)
+    try:
+        norm, percent = normalize_latex(text)
+    except QualifiedAnswer as e:
+        raise LatexParseError(str(e)) from None
     if not norm:
         raise LatexParseError("empty answer")
+    parsed = _parse_pm(norm, percent)
+    if integer is None:
+        return parsed
+    return ParsedAnswer(rename(parsed.value, {sympy.Symbol(integer): INTEGER_PARAMETER}), parsed.percent)
+
+
+INTEGER_PARAMETER = sympy.Symbol("ℤ")
+"""The integer parameter of a periodic answer ("k" in "k \\in \\mathbb{Z}"), whatever letter it had."""
+
+
+def rename(v, mapping: dict):
+    """Substitute symbols throughout a parsed value (a function's variable, an integer parameter)."""
+    if isinstance(v, sympy.Basic):
+        return v.xreplace(mapping)
+    if isinstance(v, Seq):
+        return Seq(v.kind, tuple(rename(i, mapping) for i in v.items), v.open, v.close)
+    if isinstance(v, Rel):
+        return Rel(v.ops, tuple(rename(i, mapping) for i in v.sides))
+    if isinstance(v, Matrix):
+        return Matrix(tuple(tuple(rename(i, mapping) for i in row) for row in v.rows))
+    return v
+
+
+def _parse_pm(norm: str, percent: bool) -> ParsedAnswer:
     n_pm = len(re.findall(r"\\(?:pm|mp)(?![A-Za-z])", norm))
     if n_pm == 0:
         return ParsedAnswer(_parse_tokens(norm), percent)

@@ -9,13 +9,16 @@ per verifier in full, then every 100th — so a broken verifier is visible witho
 A custom verifier whose module or function cannot be imported is a ConfigError naming
 `rl.rewards[i].function` when the manager is built (the workers start then and report what they
 could not import): found by a job whose misspelt function scored every completion 0, with a warning
-per call, and trained on nothing. A non-finite or out-of-range value (beyond +-`value_limit`) is clipped by the pool and counted
+per call, and trained on nothing. So is one whose signature cannot take `fn(completion, answer, prompt=...,
+metadata=..., **kwargs)` (checked against the signature the worker reports), and a module that ends the
+worker while it is imported (`os._exit` at import). A non-finite or out-of-range value (beyond +-`value_limit`) is clipped by the pool and counted
 (`num_clipped`, `reward/clipped`); the clipped value is used. The pool's memory cap, parent-death
 and batch deadline are passed through (see pool.py).
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
@@ -53,6 +56,24 @@ def _call_spec(cfg: Any) -> tuple[str, Optional[str], dict]:
     return cfg.type, None, options
 
 
+def call_signature_problem(params: Optional[list], kwargs: Mapping[str, Any]) -> Optional[str]:
+    """Why a function with parameters `params` ([[name, kind, has_default], ...] from the worker; None: not
+    inspectable, not checked) cannot be called as `fn(completion, answer, prompt=..., metadata=..., **kwargs)`
+    (None: it can). A `def f(completion, answer)` would fail on every call ("unexpected keyword argument
+    'prompt'"): every reward 0, no gradient, exit 0."""
+    if params is None:
+        return None
+    try:
+        sig = inspect.Signature([inspect.Parameter(name, inspect._ParameterKind(kind),
+                                                   default=None if has_default else inspect.Parameter.empty)
+                                 for name, kind, has_default in params])
+        sig.bind("completion", "answer", prompt="", metadata=None, **dict(kwargs))
+    except (TypeError, ValueError) as e:
+        return (f"cannot be called as fn(completion, answer, prompt=..., metadata=...{', ' if kwargs else ''}"
+                f"{', '.join(f'{k}=...' for k in kwargs)}): {e}; add the missing parameters or **kwargs to it")
+    return None
+
+
 class RewardManager:
     """Runs the reward verifiers of one run. Not thread-safe; one per scoring process."""
 
@@ -69,18 +90,31 @@ class RewardManager:
         self.pool = RewardWorkerPool(num_workers=num_workers, timeout_s=timeout_s, start_method=start_method, preload=custom,
                                      memory_limit_mb=memory_limit_mb, batch_timeout_s=batch_timeout_s,
                                      value_limit=value_limit)
-        if custom:  # a custom verifier that does not import is a config error now, not 0 for every call
-            failed = self.pool.start()
-            bad = [(i, fn) for i, (verifier, fn, _) in enumerate(self._specs) if verifier == "custom" and fn in failed]
+        if custom:  # a custom verifier that does not import, or cannot be called so, is a config error now, not 0 for every call
+            where = [(i, fn) for i, (verifier, fn, _) in enumerate(self._specs) if verifier == "custom"]
+            try:
+                failed = self.pool.start()
+            except RuntimeError as e:  # the worker died importing them (os._exit / a crash in the module)
+                keys = ", ".join(f"rl.rewards[{i}].function" for i, _ in where)
+                raise ConfigError(f"{keys}: importing {', '.join(fn for _, fn in where)} ended the reward worker "
+                                  f"({e}); does the module exit or crash at import?") from None
+            bad = [(i, fn) for i, fn in where if fn in failed]
             if bad:
                 self.pool.close()
                 i, fn = bad[0]
                 raise ConfigError(f"rl.rewards[{i}].function: {failed[fn]}")
+            for i, fn in where:
+                problem = call_signature_problem(self.pool.signatures.get(fn), self._specs[i][2])
+                if problem:
+                    self.pool.close()
+                    raise ConfigError(f"rl.rewards[{i}].function: {fn} {problem}")
         self.num_calls = 0
         self.num_timeouts = 0
         self.num_errors = 0
         self.num_clipped = 0
         self._fail_counts: dict[str, int] = {}
+        self.last_error = ""
+        """The newest failed call ("reward 'label': error: ..."), for the message of a run that stops on them."""
 
     def close(self) -> None:
         self.pool.close()
@@ -155,6 +189,8 @@ class RewardManager:
         return RewardBatch(total=total, per_reward=per_reward, timeouts=timeouts, errors=errors, clipped=clipped)
 
     def _warn(self, label: str, index: int, status: str, detail: str) -> None:
+        if status != "clipped":
+            self.last_error = f"reward {label!r}: {status}: {detail}"
         c = self._fail_counts[label] = self._fail_counts.get(label, 0) + 1
         if c <= _LOG_FIRST or c % _LOG_EVERY == 0:
             logger.warning(

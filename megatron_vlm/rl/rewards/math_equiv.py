@@ -2,6 +2,8 @@
 
 `math_equal(pred, gold)` is the core of the math verifier. Order of checks:
 1. normalised strings are equal ("Yes" vs "yes.", "\\text{B}" vs "B", "\\text{(C)}" vs "C");
+   a choice label with its value ("\\textbf{(B)}\\ 12") compares by letter with a lettered answer, by
+   value otherwise;
 2. both parse (latex_math, no evaluation of text) and their values agree:
    - numbers: |a - b| <= rel_tol * max(|a|, |b|) (1e-9 absolute near zero); a decimal written with
      d >= 2 places matches any value that rounds to it: a prediction (5.20 for 3\\sqrt{3}) or a gold
@@ -10,14 +12,19 @@
    - expressions with symbols: expand(a - b) == 0, else numeric probes at fixed points of mixed sign
      (symbolic work is capped first: over MAX_SYMBOLIC_OPS operations or a power of a symbolic base
      above MAX_SYMBOLIC_DEGREE, the answer is "not equal" without any expansion);
-   - tuples / intervals element-wise with the same brackets; sets / lists as multisets; a one-item set
-     equals its item; `\\emptyset` the empty set;
-   - inequalities in one variable (x > 3, 3 < x, 2x > 6, -1 < x \\le 4, chains flipped) are intervals,
-     so they match interval notation and each other; other relations match when sides flipped and
-     multiplied out agree: (l1 - r1) = c * (l2 - r2) with c a constant (c > 0 for <, <=);
-   - equations: "x = 5" (a named left side: x, x_1, ABC, f(x), (x, y)) against a value compares the
-     right-hand side, in both directions; two equations with the same named left side compare their
-     right-hand sides; a list "x = 2, y = 3" matches the tuple (2, 3);
+   - tuples / intervals element-wise with the same brackets; sets / lists as sets (any order, a
+     repeated element counts once); a set equals a single value only when every element is it
+     ("\\{-1\\}" = -1, "2, 5" != 2); `\\emptyset` the empty set; ratios a:b:c up to a positive factor,
+     a two-part ratio also as its quotient;
+   - inequalities in one variable (x > 3, 3 < x, 2x > 6, -1 < 2x + 1 < 5, -1 < g(t) < 2, |x - 1| <= 2,
+     2 <= |w| <= 3, chains flipped) are intervals or unions, so they match interval notation and each
+     other; other relations match when sides flipped and multiplied out agree: (l1 - r1) = c * (l2 - r2)
+     with c a constant (c > 0 for <, <=) (relations.py);
+   - equations: "x = 5" with a named left side (x, ABC, |PQ|, AE/EC, S_1:S_2, a + b, \\cos A, P(t),
+     (x, y); relations.is_name) against a value compares the right-hand side, in both directions; two
+     equations with the same name compare their right-hand sides (P(t) and P(x) after renaming the
+     variable, reversed ratio names with reversed values); equations in repeated blocks
+     ("x=1, y=2; x=3, y=0") are solution tuples;
    - matrices element-wise; a one-column or one-row matrix also matches a tuple.
 Everything is bounded before sympy starts; callers still run this in a reward worker with a timeout.
 """
@@ -28,20 +35,15 @@ from typing import Optional
 
 import sympy
 
-from megatron_vlm.rl.rewards.extract import last_boxed, strip_math_delimiters
+from megatron_vlm.rl.rewards.extract import boxed_answer, strip_math_delimiters
 from megatron_vlm.rl.rewards.latex_math import LatexParseError, Matrix, ParsedAnswer, Rel, Seq, parse_latex
+from megatron_vlm.rl.rewards.relations import answer_side, as_interval, by_names, named_solutions, rel_equal
+from megatron_vlm.rl.rewards.symbolic_limits import MAX_ITEM_PAIRS, MAX_SYMBOLIC_DEGREE, MAX_SYMBOLIC_OPS, too_big
 
-__all__ = ["normalize_text", "math_equal", "values_equal", "MAX_SYMBOLIC_OPS", "MAX_SYMBOLIC_DEGREE"]
-
-MAX_SYMBOLIC_OPS = 120
-"""Expressions with more operations than this are not compared symbolically (answer: not equal)."""
-MAX_SYMBOLIC_DEGREE = 24
-"""Powers of a symbolic base above this exponent are not expanded (answer: not equal)."""
+__all__ = ["normalize_text", "math_equal", "values_equal", "answer_parts", "MAX_SYMBOLIC_OPS", "MAX_SYMBOLIC_DEGREE"]
 
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
 _PROBES = (sympy.Rational(7, 13), sympy.Rational(-11, 7), sympy.Rational(23, 9), sympy.Rational(-3, 17), sympy.Rational(5, 3))
-_ORDER = {"<": 0, "<=": 0, ">": 1, ">=": 1}
-_FLIP = {"<": ">", ">": "<", "<=": ">=", ">=": "<=", "=": "=", "!=": "!="}
 
 
 def normalize_text(s: str) -> str:
@@ -75,18 +77,6 @@ def _number(e) -> Optional[complex]:
     if v != v or abs(v) == float("inf"):
         return None
     return v
-
-
-def _too_big(e: sympy.Basic) -> bool:
-    if sympy.count_ops(e, visual=False) > MAX_SYMBOLIC_OPS:
-        return True
-    for p in e.atoms(sympy.Pow):
-        if p.base.free_symbols or p.base.has(sympy.sin, sympy.cos, sympy.tan, sympy.log, sympy.exp):
-            exp = p.exp
-            if not exp.is_Number or abs(exp) > MAX_SYMBOLIC_DEGREE:
-                if exp.is_Number or exp.free_symbols:
-                    return True
-    return False
 
 
 def _probe_equal(diff: sympy.Basic) -> bool:
@@ -127,136 +117,56 @@ def _expr_equal(a, b, rel_tol: float, pred_decimals: int, gold_decimals: int, ro
         return False
     if not (a.free_symbols or b.free_symbols):
         return False  # e.g. oo vs a number
-    if _too_big(a) or _too_big(b):
+    if too_big(a) or too_big(b):
         return False
     try:
         diff = sympy.expand(a - b)
         if diff == 0:
             return True
-        if _too_big(diff):
+        if too_big(diff):
             return False
         return _probe_equal(diff)
     except (TypeError, ValueError, NotImplementedError, AttributeError, RecursionError):
         return False
 
 
-# --- relations ------------------------------------------------------------------------------------
+def _ratio_equal(a: Seq, b: Seq, eq) -> bool:
+    """a:b:c = ka:kb:kc for a positive constant k (2:4 = 1:2, not 2:1)."""
+    if len(a.items) != len(b.items):
+        return False
+    k = a.items[0] / b.items[0]
+    if k.free_symbols or not k.is_number:
+        return all(eq(x, y) for x, y in zip(a.items, b.items))
+    if not k.is_positive:
+        return False
+    return all(eq(x, k * y) for x, y in zip(a.items[1:], b.items[1:]))
 
 
-def _is_name(v) -> bool:
-    """x, x_1, ABC (a product of symbols), f (from f(x)), or a tuple of names: the thing asked for."""
-    if isinstance(v, Seq):
-        return v.kind == "tuple" and all(_is_name(i) for i in v.items)
-    if isinstance(v, sympy.Symbol):
+def _set_equal(xs: tuple, ys: tuple, eq) -> bool:
+    """Same elements, in any order, a repeated element counting once (capped: MAX_ITEM_PAIRS)."""
+    if len(xs) * len(ys) > MAX_ITEM_PAIRS:
+        return False
+    seen: dict = {}
+
+    def same(i: int, j: int) -> bool:
+        if (i, j) not in seen:
+            seen[(i, j)] = eq(xs[i], ys[j])
+        return seen[(i, j)]
+
+    return all(any(same(i, j) for j in range(len(ys))) for i in range(len(xs))) and all(
+        any(same(i, j) for i in range(len(xs))) for j in range(len(ys))
+    )
+
+
+def _is_set(v) -> bool:
+    return isinstance(v, Seq) and v.kind == "set"
+
+
+def _is_tuples(v) -> bool:
+    """A tuple, or a set of tuples (solutions such as "(1, 2), (3, 0)")."""
+    if isinstance(v, Seq) and v.kind == "tuple":
         return True
-    return isinstance(v, sympy.Mul) and all(isinstance(f, sympy.Symbol) for f in v.args)
-
-
-def _linear_bound(d: sympy.Basic):
-    """d = k*s + m with one symbol s and a numeric k != 0: (s, -m/k, sign of k); else None."""
-    syms = d.free_symbols
-    if len(syms) != 1:
-        return None
-    s = next(iter(syms))
-    if _too_big(d):
-        return None
-    k = sympy.expand(sympy.diff(d, s))
-    if k.free_symbols or k == 0 or not k.is_real:
-        return None
-    m = sympy.expand(d - k * s)
-    if m.free_symbols:
-        return None
-    return s, -m / k, k > 0
-
-
-def _as_interval(r: Rel) -> Optional[Seq]:
-    """An inequality in one variable as an interval (Seq tuple with its brackets), else None."""
-    if not all(isinstance(x, sympy.Basic) for x in r.sides) or not all(op in _ORDER for op in r.ops):
-        return None
-    if len(r.ops) == 1:
-        op = r.ops[0]
-        lhs, rhs = r.sides
-        if op in (">", ">="):
-            lhs, rhs, op = rhs, lhs, _FLIP[op]
-        found = _linear_bound(sympy.expand(lhs - rhs))  # lhs - rhs op 0
-        if found is None:
-            return None
-        _, c, positive = found
-        closed = op == "<="
-        if positive:  # s < c
-            return Seq("tuple", (-sympy.oo, c), "(", "]" if closed else ")")
-        return Seq("tuple", (c, sympy.oo), "[" if closed else "(", ")")
-    if len(r.ops) == 2 and _ORDER[r.ops[0]] == _ORDER[r.ops[1]] and isinstance(r.sides[1], sympy.Symbol):
-        lo, hi = r.sides[0], r.sides[2]
-        ops = r.ops
-        if _ORDER[ops[0]] == 1:  # 4 > x > -1
-            lo, hi, ops = hi, lo, (_FLIP[ops[1]], _FLIP[ops[0]])
-        if r.sides[1] in lo.free_symbols or r.sides[1] in hi.free_symbols:
-            return None
-        return Seq("tuple", (lo, hi), "[" if ops[0] == "<=" else "(", "]" if ops[1] == "<=" else ")")
-    return None
-
-
-def _canon(v):
-    """Inequalities become intervals; singletons stay as they are."""
-    if isinstance(v, Rel):
-        iv = _as_interval(v)
-        if iv is not None:
-            return iv
-    return v
-
-
-def _rel_equal(a: Rel, b: Rel, **kw) -> bool:
-    if len(a.ops) == 1 and len(b.ops) == 1:
-        if a.ops[0] == "=" == b.ops[0] and _is_name(a.sides[0]) and _is_name(b.sides[0]):
-            return a.sides[0] == b.sides[0] and values_equal(a.sides[1], b.sides[1], **kw)
-        if not all(isinstance(x, sympy.Basic) for x in a.sides + b.sides):
-            return (a.ops == b.ops and all(values_equal(x, y, **kw) for x, y in zip(a.sides, b.sides))) or (
-                b.ops[0] == _FLIP[a.ops[0]] and all(values_equal(x, y, **kw) for x, y in zip(a.sides, b.sides[::-1]))
-            )
-
-        def canon(r: Rel):
-            op, (l, rr) = r.ops[0], r.sides
-            if op in (">", ">="):
-                return _FLIP[op], rr - l
-            return op, l - rr
-
-        (op1, d1), (op2, d2) = canon(a), canon(b)
-        if op1 != op2:
-            return False
-        if _too_big(d1) or _too_big(d2) or d2 == 0:
-            return False
-        try:
-            ratio = sympy.cancel(sympy.expand(d1) / sympy.expand(d2))
-        except (TypeError, ValueError, NotImplementedError, ZeroDivisionError):
-            return False
-        if ratio.free_symbols or not ratio.is_number or ratio == 0 or ratio.has(sympy.zoo, sympy.nan):
-            return False
-        return bool(ratio > 0) if op1 in ("<", "<=") else True
-    if len(a.ops) == len(b.ops):
-        if a.ops == b.ops and all(values_equal(x, y, **kw) for x, y in zip(a.sides, b.sides)):
-            return True
-        flipped = tuple(_FLIP[o] for o in b.ops[::-1])
-        return a.ops == flipped and all(values_equal(x, y, **kw) for x, y in zip(a.sides, b.sides[::-1]))
-    return False
-
-
-def _answer_side(r: Rel):
-    """The value an equation states, "x = 5" -> 5 (chains "x = 4 = 2^2" -> the last side)."""
-    if all(op == "=" for op in r.ops) and _is_name(r.sides[0]):
-        return r.sides[-1]
-    return None
-
-
-def _named_list_as_tuple(v) -> Optional[Seq]:
-    """"x = 2, y = 3" -> (2, 3) when every item is an equation with a different named left side."""
-    if not (isinstance(v, Seq) and v.kind == "set" and len(v.items) > 1):
-        return None
-    if not all(isinstance(i, Rel) and _answer_side(i) is not None and len(i.sides) == 2 for i in v.items):
-        return None
-    if len({i.sides[0] for i in v.items}) != len(v.items):
-        return None
-    return Seq("tuple", tuple(i.sides[1] for i in v.items), "(", ")")
+    return _is_set(v) and bool(v.items) and all(isinstance(i, Seq) and i.kind == "tuple" for i in v.items)
 
 
 def _matrix_vs_tuple(m: Matrix, t: Seq, **kw) -> bool:
@@ -270,51 +180,76 @@ def values_equal(a, b, *, rel_tol: float = 1e-6, pred_decimals: int = 0, gold_de
                  rounding_min_decimals: int = 2) -> bool:
     """Compare two parsed values (sympy expressions, Seq, Rel, Matrix), `a` being the prediction."""
     kw = {"rel_tol": rel_tol}
+    full = dict(kw, pred_decimals=pred_decimals, gold_decimals=gold_decimals, rounding_min_decimals=rounding_min_decimals)
+
+    def eq(x, y) -> bool:
+        return values_equal(x, y, **kw)
+
     a, b = _canon(a), _canon(b)
-    # a one-item set is its item: "\{-1\}" vs "-1"
-    if isinstance(a, Seq) and a.kind == "set" and len(a.items) == 1 and not (isinstance(b, Seq) and b.kind == "set"):
-        return values_equal(a.items[0], b, rel_tol=rel_tol, pred_decimals=pred_decimals, gold_decimals=gold_decimals)
-    if isinstance(b, Seq) and b.kind == "set" and len(b.items) == 1 and not (isinstance(a, Seq) and a.kind == "set"):
-        return values_equal(a, b.items[0], rel_tol=rel_tol, pred_decimals=pred_decimals, gold_decimals=gold_decimals)
+    # solutions written as equations against tuples: "x=1, y=2; x=3, y=0" = "(1, 2), (3, 0)"
+    if _is_tuples(b):
+        a = named_solutions(a) or a
+    elif _is_tuples(a):
+        b = named_solutions(b) or b
+    # a set against a single value: every element is that value ("\{-1\}" = -1, "2, 2" = 2; "2, 5" != 2)
+    if _is_set(a) and a.items and not _is_set(b) and not (isinstance(b, Rel) and by_names(a, b, eq) is not None):
+        return all(values_equal(x, b, **full) for x in a.items)
+    if _is_set(b) and b.items and not _is_set(a) and not (isinstance(a, Rel) and by_names(b, a, eq) is not None):
+        return all(values_equal(a, y, **full) for y in b.items)
     if isinstance(a, Rel) or isinstance(b, Rel):
         if isinstance(a, Rel) and isinstance(b, Rel):
-            return _rel_equal(a, b, **kw)
+            return rel_equal(a, b, eq)
+        if isinstance(b, Rel) and by_names(a, b, eq) is not None:
+            return by_names(a, b, eq)
+        if isinstance(a, Rel) and by_names(b, a, eq) is not None:
+            return by_names(b, a, eq)
         if isinstance(a, Rel):
-            side = _answer_side(a)
-            return side is not None and values_equal(side, b, rel_tol=rel_tol, pred_decimals=pred_decimals, gold_decimals=gold_decimals)
-        side = _answer_side(b)
-        return side is not None and values_equal(a, side, rel_tol=rel_tol, pred_decimals=pred_decimals, gold_decimals=gold_decimals)
+            side = answer_side(a)
+            return side is not None and values_equal(side, b, **full)
+        side = answer_side(b)
+        return side is not None and values_equal(a, side, **full)
+    if _is_ratio(a) or _is_ratio(b):
+        if _is_ratio(a) and _is_ratio(b):
+            return _ratio_equal(a, b, eq)
+        if _is_ratio(a) and len(a.items) == 2 and isinstance(b, sympy.Basic):
+            return values_equal(a.items[0] / a.items[1], b, **full)
+        if _is_ratio(b) and len(b.items) == 2 and isinstance(a, sympy.Basic):
+            return values_equal(a, b.items[0] / b.items[1], **full)
+        return False
     if isinstance(a, Matrix) or isinstance(b, Matrix):
         if isinstance(a, Matrix) and isinstance(b, Matrix):
             if len(a.rows) != len(b.rows) or len(a.rows[0]) != len(b.rows[0]):
                 return False
-            return all(values_equal(x, y, **kw) for ra, rb in zip(a.rows, b.rows) for x, y in zip(ra, rb))
+            return all(eq(x, y) for ra, rb in zip(a.rows, b.rows) for x, y in zip(ra, rb))
         if isinstance(a, Matrix) and isinstance(b, Seq):
             return _matrix_vs_tuple(a, b, **kw)
         if isinstance(b, Matrix) and isinstance(a, Seq):
             return _matrix_vs_tuple(b, a, **kw)
         return False
     if isinstance(a, Seq) or isinstance(b, Seq):
-        if isinstance(a, Seq) and isinstance(b, Seq) and b.kind == "tuple":
-            a = _named_list_as_tuple(a) or a
-        if not (isinstance(a, Seq) and isinstance(b, Seq)) or len(a.items) != len(b.items):
+        if not (isinstance(a, Seq) and isinstance(b, Seq)):
             return False
         if a.kind != b.kind:
             return False
         if a.kind == "tuple":
-            if (a.open, a.close) != (b.open, b.close):
+            if (a.open, a.close) != (b.open, b.close) or len(a.items) != len(b.items):
                 return False
-            return all(values_equal(x, y, **kw) for x, y in zip(a.items, b.items))
-        remaining = list(b.items)
-        for x in a.items:
-            for j, y in enumerate(remaining):
-                if values_equal(x, y, **kw):
-                    del remaining[j]
-                    break
-            else:
-                return False
-        return True
+            return all(eq(x, y) for x, y in zip(a.items, b.items))
+        return _set_equal(a.items, b.items, eq)
     return _expr_equal(a, b, rel_tol, pred_decimals, gold_decimals, rounding_min_decimals)
+
+
+def _is_ratio(v) -> bool:
+    return isinstance(v, Seq) and v.kind == "ratio"
+
+
+def _canon(v):
+    """Inequalities become intervals (or unions of two)."""
+    if isinstance(v, Rel):
+        iv = as_interval(v)
+        if iv is not None:
+            return iv
+    return v
 
 
 def _candidates(p: ParsedAnswer) -> list:
@@ -323,15 +258,47 @@ def _candidates(p: ParsedAnswer) -> list:
     return [p.value]
 
 
+_CHOICE = re.compile(r"\s*(?:\\text(?:bf|rm)?\s*\{\s*)?\(\s*([A-Ea-e])\s*\)\s*\}?(?:\s|\\[ ,;:]|~)*(.*)", re.S)
+
+
+def _choice_label(text: str) -> tuple[str, str]:
+    """"\\textbf{(B)}\\ 12" -> ("b", "12"); "(C)" -> ("c", ""); anything else -> ("", "")."""
+    m = _CHOICE.fullmatch(strip_math_delimiters(text))
+    if m is None:
+        return "", ""
+    return m.group(1).lower(), m.group(2).strip()
+
+
+def answer_parts(gold: str) -> int:
+    """How many items the reference answer lists ("a_n = 2n - 1, T_n = n^2" -> 2); 1 when it is not a
+    list or does not parse."""
+    boxed = boxed_answer(gold) if isinstance(gold, str) else None
+    try:
+        value = parse_latex(boxed if boxed is not None else gold).value
+    except LatexParseError:
+        return 1
+    return len(value.items) if isinstance(value, Seq) and value.kind == "set" and value.items else 1
+
+
 def math_equal(pred: str, gold: str, *, rel_tol: float = 1e-6, rounding_min_decimals: int = 2) -> bool:
     """Is the predicted answer text equivalent to the gold answer text? (see module docstring)."""
     if not isinstance(pred, str) or not isinstance(gold, str) or not pred.strip() or not gold.strip():
         return False
-    boxed = last_boxed(gold)
+    boxed = boxed_answer(gold)
     if boxed is not None:  # ViRL39K stores answers as "\boxed{...}"
         gold = boxed
     if normalize_text(pred) == normalize_text(gold):
         return True
+    (pl, pv), (gl, gv) = _choice_label(pred), _choice_label(gold)
+    if pl and gl:  # "\textbf{(B)}\ 12" against "(B) 12": the options are distinct, the letters decide
+        return pl == gl
+    if pl or gl:
+        letter, value, other = (pl, pv, gold) if pl else (gl, gv, pred)
+        if re.fullmatch(r"[a-e]", normalize_text(other)):
+            return letter == normalize_text(other)
+        if not value:
+            return False
+        pred, gold = (value, gold) if pl else (pred, value)
     try:
         p = parse_latex(pred)
         g = parse_latex(gold)

@@ -26,16 +26,23 @@ Limits, so that a verifier cannot take the run down with it:
   out one after the other (a per-call limit alone allows N x timeout_s); calls still running at the
   deadline score "timeout" (their workers are replaced), calls not started score "timeout" too;
 - values: a finite value within +-`value_limit` is returned as is; NaN scores 0, +-inf and larger
-  values are clipped to +-`value_limit`, with status "clipped" (counted by the manager), so one
-  custom verifier returning 1e30 cannot swamp the advantages of its group or overflow the loss.
+  values (an int like 10**400 included) are clipped to +-`value_limit`, with status "clipped" (counted by
+  the manager), so one custom verifier returning 1e30 cannot swamp the advantages of its group or overflow
+  the loss. A value that is not a number (the string "0.75", None) is an error result, never parsed;
+- children: each worker runs in its own session / process group, and a worker that is killed (deadline,
+  replacement, close) is killed with its whole group, so subprocesses a hung verifier started (which
+  inherit the worker's ignored SIGTERM) do not outlive it;
+- an exception whose `__str__` raises is reported as such (an error result); it does not kill the worker.
 """
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import logging
 import math
 import multiprocessing as mp
+import numbers
 import os
 import signal
 import sys
@@ -129,8 +136,47 @@ def _limit_memory(limit_mb: int) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
 
 
+def _describe(e: BaseException) -> str:
+    """"Type: message" of an exception, even one whose `__str__` raises (a verifier's own exception class)."""
+    try:
+        text = str(e)
+    except BaseException:  # noqa: BLE001 - any failure of user code, SystemExit included
+        text = "<the exception's message could not be printed>"
+    try:
+        name = type(e).__name__
+    except BaseException:  # noqa: BLE001
+        name = "Exception"
+    return f"{name}: {text}"[:300]
+
+
+def _number(value: Any) -> float:
+    """A verifier's value as a float: numbers only (bool, int, float, numpy / torch scalars). An int too large for
+    a float becomes +-inf (clipped to +-value_limit afterwards, as the docs promise, not an OverflowError); a
+    string such as "0.75", None or any other object is refused (TypeError: an error result)."""
+    if isinstance(value, (str, bytes, bytearray)) or not (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
+        raise TypeError(f"the verifier returned {type(value).__name__} {value!r:.60}, not a number")
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def _signature(fn: Callable) -> Optional[list]:
+    """[[name, kind, has_default], ...] of `fn`'s parameters (None when it cannot be inspected), so the parent
+    can check how it will be called without importing the user's module itself."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    return [[p.name, int(p.kind), p.default is not inspect.Parameter.empty] for p in sig.parameters.values()]
+
+
 def _worker_main(conn: Connection, preload: tuple = (), memory_limit_mb: int = 0, parent_pid: int = 0) -> None:
     """Worker loop: receive (call_id, RewardCall), send (call_id, status, value, detail)."""
+    try:
+        os.setsid()  # its own session and process group: the pool kills the group, so a verifier's children die too
+    except (AttributeError, OSError):
+        pass
     if parent_pid:
         _die_with_parent(parent_pid)
     _limit_memory(memory_limit_mb)
@@ -142,12 +188,14 @@ def _worker_main(conn: Connection, preload: tuple = (), memory_limit_mb: int = 0
     import megatron_vlm.rl.rewards.verifiers  # noqa: F401
 
     failed: dict[str, str] = {}
+    params: dict[str, Optional[list]] = {}
     for function in preload:  # custom verifiers; a failure goes back with "ready" (`start`) and to every call
         try:
-            cache[("custom", function)] = resolve_verifier("custom", function)
-        except Exception as e:  # noqa: BLE001
-            failed[function] = (str(e) if type(e) is ValueError else f"{type(e).__name__}: {e}")[:300]
-    conn.send(("ready", os.getpid(), 0.0, json.dumps(failed) if failed else ""))
+            cache[("custom", function)] = fn = resolve_verifier("custom", function)
+            params[function] = _signature(fn)
+        except BaseException as e:  # noqa: BLE001 - sys.exit at import too
+            failed[function] = (str(e) if type(e) is ValueError else _describe(e))[:300]
+    conn.send(("ready", os.getpid(), 0.0, json.dumps({"failed": failed, "params": params})))
     while True:
         try:
             msg = conn.recv()
@@ -161,10 +209,10 @@ def _worker_main(conn: Connection, preload: tuple = (), memory_limit_mb: int = 0
             fn = cache.get(key)
             if fn is None:
                 fn = cache[key] = resolve_verifier(call.verifier, call.function)
-            value = float(fn(call.completion, call.answer, prompt=call.prompt, metadata=call.metadata, **call.options))
+            value = _number(fn(call.completion, call.answer, prompt=call.prompt, metadata=call.metadata, **call.options))
             reply = (call_id, "ok", value, "")
         except BaseException as e:  # noqa: BLE001 - SystemExit / KeyboardInterrupt from user code too
-            reply = (call_id, "error", 0.0, f"{type(e).__name__}: {e}"[:300])
+            reply = (call_id, "error", 0.0, _describe(e))
         try:
             conn.send(reply)
         except (OSError, ValueError):
@@ -185,6 +233,13 @@ class _Worker:
         self.deadline = 0.0
 
     def kill(self) -> None:
+        """Kill the worker and everything its verifier started (its process group: the worker's own session),
+        so a verifier that spawned a hanging subprocess leaves nothing behind."""
+        if self.proc.pid is not None and hasattr(os, "killpg"):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(timeout=10)
@@ -232,6 +287,9 @@ class RewardWorkerPool:
         self._ctx = mp.get_context(start_method)
         self._preload = tuple(preload)
         self._workers: list[_Worker] = []
+        self.signatures: dict[str, Optional[list]] = {}
+        """The parameters of each `preload` function ([[name, kind, has_default], ...]; None: not inspectable),
+        known after `start`."""
         self.restarts = 0
         """Workers replaced so far (after a timeout or a crash)."""
 
@@ -287,7 +345,9 @@ class RewardWorkerPool:
                     raise RuntimeError(f"reward worker exited during start-up (exit code {code}); see its traceback above")
                 if cid == "ready":
                     w.ready = True
-                    failed.update(json.loads(detail) if detail else {})
+                    report = json.loads(detail) if detail else {}
+                    failed.update(report.get("failed", {}))
+                    self.signatures.update(report.get("params", {}))
         return failed
 
     # -- running ---------------------------------------------------------------------------------

@@ -11,8 +11,14 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping, Optional, Sequence
 
-from megatron_vlm.rl.rewards.extract import MAX_ANSWER_CHARS, extract_answer, last_boxed, strip_math_delimiters
-from megatron_vlm.rl.rewards.math_equiv import math_equal, normalize_text
+from megatron_vlm.rl.rewards.extract import (
+    MAX_ANSWER_CHARS,
+    extract_answer,
+    last_boxed,
+    last_boxes,
+    strip_math_delimiters,
+)
+from megatron_vlm.rl.rewards.math_equiv import answer_parts, math_equal, normalize_text
 
 __all__ = ["math_reward", "choice_reward", "format_reward", "exact_match_reward", "parse_choices", "BUILTIN_VERIFIERS"]
 
@@ -32,14 +38,20 @@ def math_reward(
 
     The answer is extracted as in `extract.extract_answer` (boxed first, then a final-answer phrase,
     then the last math environment when `fallback_last_math`, then the last number when
-    `fallback_last_number`); equivalence is `math_equiv.math_equal`. Supported answer forms:
-    megatron_vlm/rl/rewards/README.md."""
+    `fallback_last_number`); equivalence is `math_equiv.math_equal`. When the reference lists k >= 2
+    parts and the completion boxed each part where it solved it, the last k boxes are the answer
+    too. Supported answer forms: megatron_vlm/rl/rewards/README.md."""
+    gold = str(answer)
     pred = extract_answer(
         completion, answer_tag=answer_tag, fallback_last_math=fallback_last_math, fallback_last_number=fallback_last_number
     )
     if pred is None:
         return 0.0
-    return 1.0 if math_equal(pred, str(answer), rel_tol=rel_tol) else 0.0
+    if math_equal(pred, gold, rel_tol=rel_tol):
+        return 1.0
+    parts = answer_parts(gold) if answer_tag is None else 1
+    boxes = last_boxes(completion, parts) if parts > 1 else None
+    return 1.0 if boxes is not None and boxes != pred and math_equal(boxes, gold, rel_tol=rel_tol) else 0.0
 
 
 # --- multiple choice --------------------------------------------------------------------------------

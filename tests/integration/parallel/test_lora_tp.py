@@ -146,7 +146,7 @@ def _jobs(tmp: Path, rank: int) -> None:
 
 def _grpo_lora(tmp: Path, rank: int) -> None:
     model = tmp / "grpo" / "model"
-    sets = {k: v for k, v in LORA.items() if k != "train.max_steps"} | {"rl.kl_coef": 0.1}
+    sets = {k: v for k, v in LORA.items() if k != "train.max_steps"} | {"rl.loss.kl_coef": 0.1}
     _grpo(model, tmp / "grpo" / "tp2", init_distributed(), **{**sets, "parallel.tp": 2})
     if rank == 0:
         for key in ("loss", "grad_norm", "reward/mean"):
@@ -161,7 +161,7 @@ def _qwen2_5_vl(tmp: Path, rank: int) -> None:
     if rank == 0:  # the one-process GRPO reference, before the 2-rank group exists
         synthesize_model_folder("tiny_qwen2_5_vl", tmp / "grpo" / "model", seed=0)
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        sets = {k: v for k, v in LORA.items() if k != "train.max_steps"} | {"rl.kl_coef": 0.1}
+        sets = {k: v for k, v in LORA.items() if k != "train.max_steps"} | {"rl.loss.kl_coef": 0.1}
         _grpo(tmp / "grpo" / "model", tmp / "grpo" / "dp1", DistEnv(0, 1, 0, torch.device("cpu"), "gloo"), **sets)
         dist.destroy_process_group()
     init_distributed()

@@ -13,7 +13,7 @@ with ep = 2 likewise gives the native ep = 2 run's losses, grad norms, MoE stati
 (loss, greedy answer accuracy: decoding in lock-step through the ep layers) and export, and its ep = 2
 checkpoint resumes with the uninterrupted run's losses; two GRPO steps
 (Qwen3-VL-MoE) with ep = 2 give the native ep = 2 run's loss, grad norm and reward, the rollout decoding
-in lock-step through the expert-parallel megatron-core layers (`rl.rollout_weights = "shared"`) or through a
+in lock-step through the expert-parallel megatron-core layers (`rl.rollout.weights = "shared"`) or through a
 native copy refreshed from their gathered weights ("copy").
 """
 from __future__ import annotations
@@ -156,7 +156,7 @@ def _heavy_parts(tmp: Path, rank: int) -> None:
                                    ("mcore_copy", "mcore", "copy")):
         runs[name] = tmp / "grpo" / name
         _grpo(model, runs[name], init_distributed(), **{"parallel.ep": 2, "parallel.backend": f'"{backend}"',
-                                                        "rl.rollout_weights": f'"{weights}"'})
+                                                        "rl.rollout.weights": f'"{weights}"'})
     if rank == 0:
         assert _column(runs["native"], "grad_norm")[0] > 0
         for name in ("mcore", "mcore_copy"):

@@ -6,7 +6,7 @@ parallelism (each rank reads its blocks of the whole factors; native: split DTen
 the megatron-core run equals the native LoRA run of the same layout: losses and grad norms (1e-5), the merged
 HF export (1e-6) and the PEFT adapter (1e-5: Adam steps on a ~1e-7 gradient difference). The tiny
 Qwen3-VL-MoE: MoE layers with adapted attention (QK-norm after the q / k updates) and a dense layer with an
-adapted MLP; adapter dropout on. Then two GRPO steps of the tiny Qwen2.5-VL (dp = 2, rl.kl_coef > 0: rollouts
+adapted MLP; adapter dropout on. Then two GRPO steps of the tiny Qwen2.5-VL (dp = 2, rl.loss.kl_coef > 0: rollouts
 decoded through the adapted megatron-core layers, the reference = the policy with its adapters off) give the
 native LoRA run's loss, grad norm and reward (1e-5), and so do two GRPO steps with tp = 2. In CI ~40 s."""
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _grpo_lora(tmp: Path, rank: int, tp: int) -> None:
     runs = {}
     for backend in ("native", "mcore"):
         runs[backend] = tmp / "grpo" / f"{backend}_tp{tp}"
-        _grpo(model, runs[backend], init_distributed(), **{"parallel.backend": f'"{backend}"', "rl.kl_coef": 0.1,
+        _grpo(model, runs[backend], init_distributed(), **{"parallel.backend": f'"{backend}"', "rl.loss.kl_coef": 0.1,
                                                            "parallel.tp": tp,
                                                            **{k: v for k, v in LORA.items() if k != "train.max_steps"}})
     if rank == 0:

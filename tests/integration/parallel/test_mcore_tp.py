@@ -11,7 +11,7 @@ Heavy: Qwen2.5-VL's SFT with cp = 2 (our context parallelism inside the megatron
 gives the native cp = 2 run's losses, grad norms and export; a tp = 2 megatron-core checkpoint resumes with
 tp = 2 (the uninterrupted run's losses and export) and is refused, exit 2, with tp = 1; two GRPO steps with
 tp = 2 give the native tp = 2 run's loss, grad norm and reward, the rollout decoding through the split
-megatron-core layers (`rl.rollout_weights = "shared"`) or through a native copy refreshed from their
+megatron-core layers (`rl.rollout.weights = "shared"`) or through a native copy refreshed from their
 gathered weights ("copy").
 """
 from __future__ import annotations
@@ -171,7 +171,7 @@ def _cp_and_grpo(tmp: Path, rank: int) -> None:
                                    ("mcore_copy", "mcore", "copy")):
         grpo[name] = tmp / "grpo" / name
         _grpo(grpo_model, grpo[name], init_distributed(), **{"parallel.tp": 2, "parallel.backend": f'"{backend}"',
-                                                             "rl.rollout_weights": f'"{weights}"'})
+                                                             "rl.rollout.weights": f'"{weights}"'})
     if rank == 0:
         for name in ("mcore", "mcore_copy"):
             for key in ("loss", "grad_norm", "reward/mean"):

@@ -11,7 +11,7 @@ blocks gather back to the native weights exactly.
 
 Heavy: a tp = 2 Nemotron-VL checkpoint resumes with tp = 2 (the uninterrupted run's losses and export) and is
 refused, exit 2, with tp = 1; two GRPO steps with tp = 2 of the tiny Nemotron-VL and Qwen3-VL-MoE give the native tp = 2 run's loss,
-grad norm and reward, the rollout decoding through the split megatron-core layers (`rl.rollout_weights =
+grad norm and reward, the rollout decoding through the split megatron-core layers (`rl.rollout.weights =
 "shared"`: the KV cache of the rank's attention heads, the Mamba2 state of its heads) or through a native copy
 refreshed from their gathered weights ("copy"). And on 4 processes, tp = 2 x ep = 2 (x dp = 2): the SFT of the
 tiny Nemotron-VL and Qwen3-VL-MoE gives the native tp = 2 x ep = 2 run's losses, grad norms and export (each MoE
@@ -102,7 +102,7 @@ def _grpo_parts(tmp: Path, rank: int) -> None:
                                        ("mcore_copy", "mcore", "copy")):
             runs[name] = tmp / kind / name
             _grpo(model, runs[name], init_distributed(), **{"parallel.tp": 2, "parallel.backend": f'"{backend}"',
-                                                            "rl.rollout_weights": f'"{weights}"',
+                                                            "rl.rollout.weights": f'"{weights}"',
                                                             "train.train_layers": '["^language_model\\\\."]'})
         if rank == 0:
             assert _column(runs["native"], "grad_norm")[0] > 0, kind

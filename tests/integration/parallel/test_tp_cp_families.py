@@ -88,8 +88,8 @@ def _grpo(model: Path, out: Path, env: DistEnv, **extra) -> None:
         "model.path": f'"{model}"', "data.synthetic_dir": f'"{model.parent / "data"}"', "data.synthetic_train_size": 48,
         "data.synthetic_eval_size": 0, "data.max_tokens_per_pack": 160, "train.output_dir": f'"{out}"',
         "train.max_steps": 2, "logging.tensorboard": "false", "logging.console": "false", "checkpoint.enable": "false",
-        "checkpoint.export_hf": "false", "optimizer.lr": 1e-3, "rl.group_size": 4, "rl.prompts_per_step": 4,
-        "rl.max_new_tokens": 6, "rl.model_path_hint": '""', "rl.eval.every_steps": 0, "rl.eval.at_start": "false",
+        "checkpoint.export_hf": "false", "optimizer.lr": 1e-3, "rl.batch.group_size": 4, "rl.batch.prompts_per_step": 4,
+        "rl.rollout.max_new_tokens": 6, "rl.model_path_hint": '""', "rl.eval.every_steps": 0, "rl.eval.at_start": "false",
         "rl.rewards": '[{type = "custom", function = "tests.integration.grpo_reward_fns.text_length", kwargs = {cap = 40}}]',
     }
     sets.update(extra)

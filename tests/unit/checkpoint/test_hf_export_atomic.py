@@ -76,3 +76,32 @@ def test_export_after_a_kill_between_the_two_renames(tmp_path, model):
     save_hf_model(model, out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
     assert (out / "tokenizer_config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def test_export_never_keeps_files_of_an_earlier_export(tmp_path, model):
+    """A merged export into a folder that held an adapter export (or another model's export) drops that
+    export's adapter files and generation config: transformers + peft would apply the LoRA a second time on
+    the merged weights, and a stale generation config would be used silently. Other files stay."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors", "generation_config.json",
+                 "pytorch_model.bin", "README.md"):
+        (out / name).write_text("{}")
+    assert getattr(model, "hf_generation_config", None) is None
+    save_hf_model(model, out)
+    names = {p.name for p in out.iterdir()}
+    assert not names & {"adapter_config.json", "adapter_model.safetensors", "generation_config.json", "pytorch_model.bin"}
+    assert {"README.md", "model.safetensors", "config.json"} <= names
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_export_files_are_readable_as_the_umask_allows(tmp_path, model, umask):
+    """safetensors creates files 0600; the export's files get 0666 less the umask (0644 by default), so a
+    group sharing the folder can read the weights."""
+    old = os.umask(umask)
+    try:
+        save_hf_model(model, tmp_path / "hf", max_shard_size="100KB")
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert set(modes.values()) == {0o666 & ~umask}, modes

@@ -1,5 +1,5 @@
 """Config keys that a job kind would silently ignore are refused (exit 2, one line naming the dotted
-key), GRPO honours `train.epochs`, a rollout batch is bounded by `rl.rollout_memory_gib`, and every
+key), GRPO honours `train.epochs`, a rollout batch is bounded by `rl.rollout.memory_gib`, and every
 shipped example config passes these checks."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from megatron_vlm.config import ConfigError, load_config
 from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
-from megatron_vlm.rl.rollout_budget import rollout_prompts_for_budget
+from megatron_vlm.inference.kv_budget import rollout_prompts_for_budget
 from megatron_vlm.rl.trainer import grpo_total_steps
 
 REPO = Path(__file__).resolve().parents[3]
@@ -44,7 +44,7 @@ def test_grpo_refuses_keys_it_ignores(override, key):
 
 def test_sft_refuses_an_rl_section_and_eval_without_a_split():
     with pytest.raises(ConfigError, match=r"^rl: an \[rl\] section is only read"):
-        check_keys_for_mode(load_config(SFT, ["rl.group_size=4"]))
+        check_keys_for_mode(load_config(SFT, ["rl.batch.group_size=4"]))
     with pytest.raises(ConfigError, match=r"^train.eval_every: there is no held-out split"):
         check_keys_for_mode(load_config(CONFIGS / "internvl3_8b_robovqa_stage1.toml", ['data.eval_path=""', "train.eval_every=5"]))
 
@@ -74,7 +74,7 @@ def test_launcher_exits_2_with_one_line_naming_the_key(tmp_path):
 
 
 def test_grpo_steps_from_epochs_and_rollout_budget():
-    rl = NS(prompts_per_step=528)
+    rl = NS(batch=NS(prompts_per_step=528))
     assert grpo_total_steps(NS(max_steps=None, epochs=70), rl, 2101) == 279  # ceil(70 * 2101 / 528)
     assert grpo_total_steps(NS(max_steps=7, epochs=70), rl, 2101) == 7
     per_slot = 2 * 36 * 2 * 128 * 2  # K+V x layers x kv_heads x head_dim x bf16 bytes

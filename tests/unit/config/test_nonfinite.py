@@ -81,7 +81,7 @@ def _raw_with(route: list, template: Any, bad: float) -> dict:
 
 def test_the_schema_walk_finds_the_known_float_keys():
     keys = {k for k, _, _ in FLOAT_KEYS}
-    for k in ("optimizer.lr", "train.max_grad_norm", "optimizer.betas[0]", "data.fps", "rl.kl_coef",
+    for k in ("optimizer.lr", "train.max_grad_norm", "optimizer.betas[0]", "data.fps", "rl.loss.kl_coef",
               "rl.eval.temperature", "rl.rewards[0].weight", "moe.aux_loss_coef"):
         assert k in keys, sorted(keys)
 

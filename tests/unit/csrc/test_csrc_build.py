@@ -19,6 +19,7 @@ mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
 sys.modules["megatron_vlm._C"] = mod
 from megatron_vlm import _ext
 from megatron_vlm.data.packing import first_fit_pack
+from megatron_vlm.kernels.csrc import moe as csrc_moe
 from megatron_vlm.kernels.reference.moe import moe_permute
 assert _ext.load() is mod, _ext.unavailable_reason()
 rng = np.random.default_rng(0)
@@ -27,7 +28,7 @@ got = _ext.first_fit_pack(lengths, order, 128)
 with _ext.python_only():
     want = first_fit_pack(lengths, order, 128)
 ids = torch.randint(0, 8, (64, 2))
-same = all(torch.equal(a, b) for a, b in zip(_ext.moe_permute(torch.randn(64, 3).abs() * 0 + 1, ids, num_experts=8),
+same = all(torch.equal(a, b) for a, b in zip(csrc_moe.moe_permute(torch.randn(64, 3).abs() * 0 + 1, ids, num_experts=8),
                                                moe_permute(torch.ones(64, 3), ids, num_experts=8)))
 print(json.dumps({"with_cuda": mod.with_cuda, "pack_equal": got == want, "permute_equal": same}))
 """

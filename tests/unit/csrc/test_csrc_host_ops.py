@@ -194,7 +194,7 @@ def test_mrope_op_meta_kernel(ext):
 
 def test_mrope_op_names_the_bad_token_type(ext):
     """The compiled op's own message (not the Python fallback's) for an unknown mm_token_type_ids value: the
-    one error path that puts a number into its message (built with std::to_string, see host_ops.cpp)."""
+    one error path of the host ops that puts a number into its message (built without iostreams, csrc/check.h)."""
     ids = torch.tensor([[1, 2, 3]])
     with pytest.raises(ValueError, match=r"mm_token_type_ids has value 3; expected 0, 1 or 2"):
         torch.ops.megatron_vlm.mrope_position_ids(ids, torch.full_like(ids, 3), None, None, None, None, None,

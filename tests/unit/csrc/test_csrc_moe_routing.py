@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megatron_vlm import kernels
+from megatron_vlm.kernels.csrc import moe as csrc_moe
 from megatron_vlm.kernels.reference.moe import moe_permute as ref_permute
 from megatron_vlm.kernels.reference.moe_routing import moe_topk_gating as ref_gating
 
@@ -35,14 +36,14 @@ def _check_gating(got, want):
 @pytest.mark.parametrize("top_k", [1, 2, 8])
 def test_topk_gating_cpu(ext, case, top_k):
     logits, kw = _gating_inputs(case)
-    _check_gating(ext.moe_topk_gating(logits, top_k, **kw), ref_gating(logits, top_k, **kw))
+    _check_gating(csrc_moe.moe_topk_gating(logits, top_k, **kw), ref_gating(logits, top_k, **kw))
 
 
 def test_topk_gating_gradients(ext):
     for case in GATING_CASES:
         logits, kw = _gating_inputs(case, n=33, e=16, seed=1)
         a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-        got, want = ext.moe_topk_gating(a, 4, **kw), ref_gating(b, 4, **kw)
+        got, want = csrc_moe.moe_topk_gating(a, 4, **kw), ref_gating(b, 4, **kw)
         g = torch.Generator().manual_seed(2)
         gs, gw = torch.randn(33, 16, generator=g), torch.randn(33, 4, generator=g)
         ((got[0] * gs).sum() + (got[1] * gw).sum()).backward()
@@ -56,12 +57,12 @@ def test_permute_cpu(ext, n, k, e):
     hidden = torch.randn(n, 5, generator=g)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)]) if n else torch.zeros(0, k, dtype=torch.long)
     for topk_ids in (ids, ids.int()):
-        got, want = ext.moe_permute(hidden, topk_ids, num_experts=e), ref_permute(hidden, topk_ids, num_experts=e)
+        got, want = csrc_moe.moe_permute(hidden, topk_ids, num_experts=e), ref_permute(hidden, topk_ids, num_experts=e)
         for a, b in zip(got, want):
             assert a.dtype == b.dtype and torch.equal(a, b)
     if n:  # skewed routing (hot experts, repeated ids) and the default num_experts
         skew = torch.randint(0, 3, (n, k), generator=g)
-        for a, b in zip(ext.moe_permute(hidden, skew), ref_permute(hidden, skew)):
+        for a, b in zip(csrc_moe.moe_permute(hidden, skew), ref_permute(hidden, skew)):
             assert torch.equal(a, b)
 
 
@@ -70,7 +71,7 @@ def test_permute_errors_match_reference(ext):
     for ids, kw in ((torch.tensor([[0], [5], [1]]), dict(num_experts=4)), (torch.tensor([[0], [-1], [1]]), {}),
                     (torch.randn(3, 1), {}), (torch.zeros(2, 1, dtype=torch.long), {})):
         with pytest.raises(ValueError) as got:
-            ext.moe_permute(hidden, ids, **kw)
+            csrc_moe.moe_permute(hidden, ids, **kw)
         with pytest.raises(ValueError) as want:
             ref_permute(hidden, ids, **kw)
         assert str(got.value) == str(want.value)
@@ -124,9 +125,9 @@ def test_cuda_matches_reference(ext):
     for case in GATING_CASES:
         for top_k in (1, 8):
             logits, kw = _gating_inputs(case, n=8192, e=128, device="cuda")
-            _check_gating(ext.moe_topk_gating(logits, top_k, **kw), ref_gating(logits, top_k, **kw))
+            _check_gating(csrc_moe.moe_topk_gating(logits, top_k, **kw), ref_gating(logits, top_k, **kw))
     for n, k, e in ((8192, 8, 128), (5, 2, 4), (1000, 1, 1000), (3000, 6, 60)):
         ids = torch.rand(n, e, device="cuda").argsort(-1)[:, :k]
         hidden = torch.randn(n, 8, device="cuda")
-        for a, b in zip(ext.moe_permute(hidden, ids, num_experts=e), ref_permute(hidden, ids, num_experts=e)):
+        for a, b in zip(csrc_moe.moe_permute(hidden, ids, num_experts=e), ref_permute(hidden, ids, num_experts=e)):
             assert torch.equal(a, b)

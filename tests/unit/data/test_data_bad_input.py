@@ -21,7 +21,7 @@ from megatron_vlm.data.config import DataConfig
 from megatron_vlm.data.hf_source import HFRecords
 from megatron_vlm.data.loader import build_sft_dataloader
 from megatron_vlm.data.messages import read_messages_jsonl
-from megatron_vlm.rl.data import load_prompt_dataset
+from megatron_vlm.rl.prompts.dataset import load_prompt_dataset
 
 DEEP = 10_000
 

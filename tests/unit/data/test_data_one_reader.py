@@ -16,7 +16,7 @@ from megatron_vlm.data.loader import build_sft_dataloader
 from megatron_vlm.data.messages import read_messages_jsonl
 from megatron_vlm.data.sources import open_split
 from megatron_vlm.data.table_rows import TableRows
-from megatron_vlm.rl.data import load_prompt_dataset
+from megatron_vlm.rl.prompts.dataset import load_prompt_dataset
 
 COLUMNS = {"prompt": "problem", "answer": "answer", "images": "images"}
 FEATURES = datasets.Features({"problem": datasets.Value("string"), "answer": datasets.Value("string"),

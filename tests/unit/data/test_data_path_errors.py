@@ -15,7 +15,7 @@ import pytest
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.data.sources import open_split
 from megatron_vlm.errors import ConfigError
-from megatron_vlm.rl.prompts import load_prompt_sets
+from megatron_vlm.rl.prompts.sets import load_prompt_sets
 
 GOOD = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]}
 
@@ -59,7 +59,7 @@ def test_grpo_prompt_set_that_cannot_be_read_names_its_key(tmp_path, case):
     path, cols, expect = _bad_paths(tmp_path)[case]
     data_cfg = SimpleNamespace(type="hf" if cols else "messages_jsonl", columns=cols, train_path=path, eval_path="",
                                image_root="")
-    rl_cfg = SimpleNamespace(prompt_template="{problem}", system_prompt=None)
+    rl_cfg = SimpleNamespace(prompts=SimpleNamespace(template="{problem}", system_prompt=None))
     with pytest.raises(ConfigError, match=rf"^data\.train_path: {expect}"):
         load_prompt_sets(data_cfg, rl_cfg, run_dir=tmp_path)
 
@@ -69,6 +69,6 @@ def test_grpo_eval_set_with_no_usable_row_names_the_eval_key(tmp_path):
     (tmp_path / "eval.jsonl").write_text("not json\n")
     data_cfg = SimpleNamespace(type="messages_jsonl", columns={}, train_path=str(tmp_path / "train.jsonl"),
                                eval_path=str(tmp_path / "eval.jsonl"), image_root="")
-    rl_cfg = SimpleNamespace(prompt_template="{problem}", system_prompt=None)
+    rl_cfg = SimpleNamespace(prompts=SimpleNamespace(template="{problem}", system_prompt=None))
     with pytest.raises(ConfigError, match=r"^data\.eval_path: prompt data .*eval\.jsonl: no usable rows"):
         load_prompt_sets(data_cfg, rl_cfg, run_dir=tmp_path)

@@ -16,11 +16,11 @@ from megatron_vlm.data.processor import load_processor
 from megatron_vlm.data.processor_text import TextProcessor
 from megatron_vlm.data.sources import open_split
 from megatron_vlm.data.synthetic_arith import arith_rows, write_synthetic_arith
+from megatron_vlm.inference.engine import SamplingParams
+from megatron_vlm.inference.policy_engine import PolicyRolloutEngine
 from megatron_vlm.rl.batching import TrainSample, pack_samples
-from megatron_vlm.rl.data import load_prompt_dataset
-from megatron_vlm.rl.prompts import PromptEncoder
-from megatron_vlm.rl.rollout.engine import SamplingParams
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
+from megatron_vlm.rl.prompts.dataset import load_prompt_dataset
+from megatron_vlm.rl.prompts.encoder import PromptEncoder
 from megatron_vlm.testing.synthesize import synthesize_model_folder
 from megatron_vlm.training.lm_loss import TokenLogprobModel
 

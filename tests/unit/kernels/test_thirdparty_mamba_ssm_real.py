@@ -7,7 +7,7 @@ chunk state, state passing, chunk scan, their backward kernels) and `selective_s
 the adapter translates wrongly (a layout, a per-head vs per-channel parameter, seq_idx, varlen states) shows
 as a wrong number, against our reference (kernels/reference/ssd.py), never against our own reading.
 
-The package is installed without its CUDA extension (README: MAMBA_SKIP_CUDA_BUILD=TRUE) and its Mamba-2
+The package is installed without its CUDA extension (scripts/setup_dev.sh: MAMBA_SKIP_CUDA_BUILD=TRUE) and its Mamba-2
 modules are imported without its `__init__` (megatron_vlm/testing/mamba_ssm_triton.py says why). Three
 things the interpreter cannot do are stood in for, none of which changes a computed value:
 `torch.cuda.device(None)` for CPU tensors is a no-op context (a CUDA tensor's index is never None); the SM
@@ -32,7 +32,7 @@ from megatron_vlm.testing import mamba_ssm_triton
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available() or not mamba_ssm_triton.installed(),
-    reason="mamba-ssm's Python part is not installed (README, install section)" if not mamba_ssm_triton.installed()
+    reason="mamba-ssm's Python part is not installed (scripts/setup_dev.sh installs it)" if not mamba_ssm_triton.installed()
     else "on CUDA the GPU test runs the compiled kernels")
 
 _MODULES = ("ssd_bmm", "ssd_chunk_state", "ssd_state_passing", "ssd_chunk_scan", "ssd_combined", "selective_state_update")

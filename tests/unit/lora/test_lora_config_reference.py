@@ -28,8 +28,8 @@ def test_config_refusals():
         load_config(CONFIGS / "demo_sft.toml", ["lora.r=4"])
     with pytest.raises(ConfigError, match="lora.r"):
         load_config(CONFIGS / "demo_sft.toml", ["lora.r=0", "train.train_layers=[]"])
-    grpo = load_config(CONFIGS / "demo_math_grpo.toml", ["lora.r=4", "rl.ref_offload=true"])
-    with pytest.raises(ConfigError, match="rl.ref_offload"):
+    grpo = load_config(CONFIGS / "demo_math_grpo.toml", ["lora.r=4", "rl.update.ref_offload=true"])
+    with pytest.raises(ConfigError, match="rl.update.ref_offload"):
         check_keys_for_mode(grpo)
 
 

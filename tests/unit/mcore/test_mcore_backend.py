@@ -1,7 +1,7 @@
 """`parallel.backend = "mcore"` (models/mcore/layer.py): each dense family's language-decoder layers swapped
 for megatron-core 0.16.1 TransformerLayers (local spec, on the CPU) give the native model's log-probs and
 gradients on a packed batch with images and shared prompts, its logits on a left-padded batch, the same
-greedy rollout through the KV slot cache and the paged one (`rl.kv_block_size`), and the native state dict back for the HF export. MoE and
+greedy rollout through the KV slot cache and the paged one (`rl.rollout.kv_block_size`), and the native state dict back for the HF export. MoE and
 Nemotron-H decoders: test_mcore_moe_hybrid.py."""
 from __future__ import annotations
 
@@ -15,16 +15,16 @@ pytest.importorskip("megatron.core")  # installed by the dev extra
 from megatron_vlm.checkpoint.hf import load_hf_model  # noqa: E402
 from megatron_vlm.data.processor import load_processor  # noqa: E402
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa  # noqa: E402
+from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams  # noqa: E402
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine  # noqa: E402
 from megatron_vlm.models.mcore.layer import (  # noqa: E402
     McoreDecoderLayer,
     native_state_dict,
     use_mcore_layers,
 )
 from megatron_vlm.rl.batching import TrainSample, pack_samples  # noqa: E402
-from megatron_vlm.rl.data import load_prompt_dataset  # noqa: E402
-from megatron_vlm.rl.prompts import PromptEncoder  # noqa: E402
-from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams  # noqa: E402
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine  # noqa: E402
+from megatron_vlm.rl.prompts.dataset import load_prompt_dataset  # noqa: E402
+from megatron_vlm.rl.prompts.encoder import PromptEncoder  # noqa: E402
 from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
 from megatron_vlm.training.lm_loss import TokenLogprobModel  # noqa: E402
 
@@ -90,9 +90,10 @@ def test_mcore_layers_equal_the_native_decoder(kind, mcore_state, vqa, tmp_path)
     # decoding: greedy completions through the engine's KV slot cache, and a left-padded batch's logits
     params = SamplingParams(max_new_tokens=4, n=1, temperature=0.0)
     tok = proc.tokenizer
-    out_n = PolicyRolloutEngine(native.eval(), tok, eos_token_ids=[-1]).generate(prompts, params)
-    out_m = PolicyRolloutEngine(mc.eval(), tok, eos_token_ids=[-1]).generate(prompts, params)
-    out_p = PolicyRolloutEngine(mc.eval(), tok, eos_token_ids=[-1], kv_block_size=4).generate(prompts, params)  # paged
+    out_n = PolicyRolloutEngine(native.eval(), tok, EngineOptions(eos_token_ids=[-1])).generate(prompts, params)
+    out_m = PolicyRolloutEngine(mc.eval(), tok, EngineOptions(eos_token_ids=[-1])).generate(prompts, params)
+    out_p = PolicyRolloutEngine(mc.eval(), tok, EngineOptions(eos_token_ids=[-1],
+                                                              kv_block_size=4)).generate(prompts, params)  # paged
     for out in (out_m, out_p):
         assert [s.token_ids.tolist() for s in out.samples] == [s.token_ids.tolist() for s in out_n.samples]
         torch.testing.assert_close(torch.cat([s.logprobs for s in out.samples]),

@@ -19,13 +19,13 @@ from megatron_vlm.checkpoint.hf import load_hf_model  # noqa: E402
 from megatron_vlm.config.sections import LoRAConfig  # noqa: E402
 from megatron_vlm.data.processor import load_processor  # noqa: E402
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa  # noqa: E402
+from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams  # noqa: E402
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine  # noqa: E402
 from megatron_vlm.models.common.lora import lora_disabled, lora_modules, merged_state_dict  # noqa: E402
 from megatron_vlm.models.mcore.layer import McoreBackendError, McoreDecoderLayer, native_state_dict, use_mcore_layers  # noqa: E402
 from megatron_vlm.rl.batching import TrainSample, pack_samples  # noqa: E402
-from megatron_vlm.rl.data import load_prompt_dataset  # noqa: E402
-from megatron_vlm.rl.prompts import PromptEncoder  # noqa: E402
-from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams  # noqa: E402
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine  # noqa: E402
+from megatron_vlm.rl.prompts.dataset import load_prompt_dataset  # noqa: E402
+from megatron_vlm.rl.prompts.encoder import PromptEncoder  # noqa: E402
 from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
 from megatron_vlm.training.lm_loss import TokenLogprobModel  # noqa: E402
 from megatron_vlm.training.lora import scaling_of, setup_lora, write_adapter  # noqa: E402
@@ -124,12 +124,12 @@ def test_mcore_lora_equals_native_lora(kind, targets, dropout, rslora, mcore_sta
     torch.testing.assert_close(base_m, base_n, atol=1e-5, rtol=0)
     assert (base_m - lp_m).abs().max() > 1e-3
 
-    # decoding through the KV slot cache (GRPO's rollout with rl.rollout_weights = "shared"): the same greedy tokens
+    # decoding through the KV slot cache (GRPO's rollout with rl.rollout.weights = "shared"): the same greedy tokens
     prompts = _prompts(kind, folder, native.lm_head.weight.shape[0], vqa)
     params = SamplingParams(max_new_tokens=4, n=1, temperature=0.0)
     tok = load_processor(str(folder)).tokenizer
-    out_n = PolicyRolloutEngine(native.eval(), tok, eos_token_ids=[-1]).generate(prompts, params)
-    out_m = PolicyRolloutEngine(mc.eval(), tok, eos_token_ids=[-1]).generate(prompts, params)
+    out_n = PolicyRolloutEngine(native.eval(), tok, EngineOptions(eos_token_ids=[-1])).generate(prompts, params)
+    out_m = PolicyRolloutEngine(mc.eval(), tok, EngineOptions(eos_token_ids=[-1])).generate(prompts, params)
     assert [s.token_ids.tolist() for s in out_m.samples] == [s.token_ids.tolist() for s in out_n.samples]
     torch.testing.assert_close(torch.cat([s.logprobs for s in out_m.samples]),
                                torch.cat([s.logprobs for s in out_n.samples]), atol=1e-5, rtol=0)

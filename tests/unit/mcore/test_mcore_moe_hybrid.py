@@ -15,16 +15,16 @@ pytest.importorskip("megatron.core")  # installed by the dev extra
 from megatron_vlm.checkpoint.hf import load_hf_model  # noqa: E402
 from megatron_vlm.data.processor import load_processor  # noqa: E402
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa  # noqa: E402
+from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams  # noqa: E402
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine  # noqa: E402
 from megatron_vlm.models.common.moe import moe_layers  # noqa: E402
 from megatron_vlm.models.mcore.hybrid import McoreHybridBlock  # noqa: E402
 from megatron_vlm.models.mcore.layer import McoreBackendError, native_state_dict, use_mcore_layers  # noqa: E402
 from megatron_vlm.models.nemotron_vl.args import NemotronHTextArgs  # noqa: E402
 from megatron_vlm.models.nemotron_vl.model import NemotronHTextModel  # noqa: E402
 from megatron_vlm.rl.batching import TrainSample, pack_samples  # noqa: E402
-from megatron_vlm.rl.data import load_prompt_dataset  # noqa: E402
-from megatron_vlm.rl.prompts import PromptEncoder  # noqa: E402
-from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams  # noqa: E402
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine  # noqa: E402
+from megatron_vlm.rl.prompts.dataset import load_prompt_dataset  # noqa: E402
+from megatron_vlm.rl.prompts.encoder import PromptEncoder  # noqa: E402
 from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
 from megatron_vlm.training.lm_loss import TokenLogprobModel  # noqa: E402
 from megatron_vlm.training.moe_balancing import MoEConfig, MoELoadBalancer  # noqa: E402
@@ -107,8 +107,8 @@ def test_mcore_moe_and_hybrid_decoders_equal_the_native(kind, mcore_state, tmp_p
         assert torch.equal(a.expert_load, b.expert_load) and a.expert_load.sum() > 0
 
     params = SamplingParams(max_new_tokens=4, n=1, temperature=0.0)
-    out_n = PolicyRolloutEngine(native.eval(), proc.tokenizer, eos_token_ids=[-1]).generate(prompts, params)
-    out_m = PolicyRolloutEngine(mc.eval(), proc.tokenizer, eos_token_ids=[-1]).generate(prompts, params)
+    out_n = PolicyRolloutEngine(native.eval(), proc.tokenizer, EngineOptions(eos_token_ids=[-1])).generate(prompts, params)
+    out_m = PolicyRolloutEngine(mc.eval(), proc.tokenizer, EngineOptions(eos_token_ids=[-1])).generate(prompts, params)
     assert [s.token_ids.tolist() for s in out_m.samples] == [s.token_ids.tolist() for s in out_n.samples]
     torch.testing.assert_close(torch.cat([s.logprobs for s in out_m.samples]),
                                torch.cat([s.logprobs for s in out_n.samples]), atol=1e-5, rtol=0)

@@ -3,7 +3,7 @@ activation and KV counts of toy modules, and `--check` on EVERY example config i
 (meta device, no weights; device memory 80 GiB) with a config-only folder of the architecture it
 trains (`ARCH` below: a config without a row fails, so a new example config must be added there):
 the shipped configs plan within it, and the GRPO config without a rollout budget fails naming
-rl.rollout_memory_gib. The real architectures' config.json dicts: tests/fixtures/real_configs.py
+rl.rollout.memory_gib. The real architectures' config.json dicts: tests/fixtures/real_configs.py
 (written from memory; their parameter counts are asserted to be plausible)."""
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ import torch
 from torch import nn
 
 from megatron_vlm.config import load_config
+from megatron_vlm.inference.kv_budget import kv_elements_per_slot
 from megatron_vlm.models import build_model
 from megatron_vlm.models.common.attention import Attention
 from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.models.registry import get_family
 from megatron_vlm.plan.check import run_check
 from megatron_vlm.plan.memory import ModelShape, _layer_activation_elements, estimate_memory
-from megatron_vlm.rl.rollout_budget import kv_elements_per_slot
 from tests.fixtures.real_configs import PARAMS_B, REAL_CONFIGS, real_config, write_real_model_folder
 from tests.unit.models.test_qwen2_5_vl_args import HUB_3B
 
@@ -172,8 +172,8 @@ def test_real_config_fixtures_parse_with_plausible_sizes(arch, model_type, activ
 
 def test_check_grpo_without_rollout_budget_names_the_key(qwen2_5_vl_3b):
     code, out, err = _check(CONFIGS / "qwen2_5_vl_3b_geometry3k_grpo.toml",
-                            [f'model.path="{qwen2_5_vl_3b}"', "rl.rollout_memory_gib=0"], 8)
-    assert code == 2 and err.startswith("check failed: rl.rollout_memory_gib: estimated peak") and len(err.splitlines()) == 1
+                            [f'model.path="{qwen2_5_vl_3b}"', "rl.rollout.memory_gib=0"], 8)
+    assert code == 2 and err.startswith("check failed: rl.rollout.memory_gib: estimated peak") and len(err.splitlines()) == 1
     assert "132 per batch" in out  # all of a rollout rank's 132 prompts at once (528 over rl.allocation's 4 rollout ranks)
 
 
@@ -182,16 +182,14 @@ def test_check_layout_error_names_the_key(qwen2_5_vl_3b):
     assert code == 2 and err.startswith("check failed: parallel.dp_shard:")
 
 
-def test_check_refuses_rollout_cuda_graphs_on_where_the_job_does(tmp_path, qwen2_5_vl_3b):
-    """rl.rollout_cuda_graphs = "on" with MoE layers: the rollout engine refuses it (exit 2) at the job's start;
-    --check used to accept it. Both now ask rl/rollout/policy_engine.cuda_graphs_blocker."""
+def test_check_accepts_rollout_cuda_graphs_on_for_moe_as_the_job_does(tmp_path, qwen2_5_vl_3b):
+    """rl.rollout.cuda_graphs = "on" with MoE layers: the decode step routes graph-safely (models/common/moe_static.py),
+    so neither the job nor --check refuses it (both ask inference/policy_engine.cuda_graphs_blocker)."""
     moe = write_real_model_folder("qwen3_vl_30b_a3b", tmp_path / "moe")
-    sets = ['rl.rollout_weights="copy"', 'rl.rollout_cuda_graphs="on"']
-    code, _, err = _check(CONFIGS / "qwen3_vl_2b_geometry3k_grpo.toml", [f'model.path="{moe}"', *sets], 8)
-    assert code == 2 and err.startswith("check failed: rl.rollout_cuda_graphs: 'on' is not possible: MoE layers"), err
-    assert len(err.splitlines()) == 1
-    code, _, err = _check(CONFIGS / "qwen3_vl_2b_geometry3k_grpo.toml", [f'model.path="{qwen2_5_vl_3b}"', *sets], 8)
-    assert "rollout_cuda_graphs" not in err, err  # a dense decoder can be captured
+    sets = ['rl.rollout.weights="copy"', 'rl.rollout.cuda_graphs="on"']
+    for folder in (moe, qwen2_5_vl_3b):
+        code, _, err = _check(CONFIGS / "qwen3_vl_2b_geometry3k_grpo.toml", [f'model.path="{folder}"', *sets], 8)
+        assert "cuda_graphs" not in err, err
 
 
 def test_check_refuses_image_questions_for_a_text_only_model(tmp_path):

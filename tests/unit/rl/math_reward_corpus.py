@@ -11,6 +11,8 @@ completions are full model-style texts. label True: the completion's final answe
 mathematically the gold answer; False: it is not (or the completion states no answer).
 """
 
+from tests.unit.rl.math_reward_corpus_forms import FORMS
+
 __all__ = ["CASES", "KINDS"]
 
 
@@ -322,8 +324,9 @@ _C = [
 ]
 
 # Left out as ambiguous (a careful reader could label them either way): "e" / "i" as Euler's number
-# or the imaginary unit vs plain symbols, "1e3" as scientific notation vs 1*e*3, an equation such as
-# "x + y = 5" against the value 5, repeated list items ("1, 1, 2" vs "1, 2").
+# or the imaginary unit vs plain symbols, "1e3" as scientific notation vs 1*e*3. (An equation such as
+# "a + b = 5" against the value 5, and a repeated list item, "1, 2, 2" vs "1, 2", are labelled
+# equal, as math-verify counts them: see math_reward_corpus_forms.py.)
 
 
 _MORE = [
@@ -358,5 +361,5 @@ _MORE = [
     ("basic", B(r"a_1"), "a_2", False),
 ]
 
-CASES = _C + _MORE
+CASES = _C + _MORE + FORMS
 KINDS = sorted({c[0] for c in CASES})

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 
 from megatron_vlm.config import load_config
-from megatron_vlm.rl.async_allocation import Allocation, parse_allocation
-from megatron_vlm.rl.async_bridge import setup_roles
-from megatron_vlm.rl.config import RLConfig
+from megatron_vlm.rl.asynchronous.allocation import Allocation, parse_allocation
+from megatron_vlm.rl.asynchronous.bridge import setup_roles
+from tests.fixtures.rl_config import rl_config
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -43,11 +43,11 @@ def test_roles_training_ranks_first():
 ])
 def test_async_keys_refused(kw, key):
     with pytest.raises(ValueError, match=key):
-        RLConfig(**kw).validate()
+        rl_config(**kw).validate()
 
 
 def test_async_keys_accepted():
-    RLConfig(allocation="rollout:1+train:1", max_head_offpolicyness=2, behav_imp_weight_cap=5.0).validate()
+    rl_config(allocation="rollout:1+train:1", max_head_offpolicyness=2, behav_imp_weight_cap=5.0).validate()
 
 
 def test_sizes_must_add_up_to_the_processes(monkeypatch):

@@ -12,11 +12,11 @@ import threading
 import pytest
 import torch
 
+from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
 from megatron_vlm.models import build_model
-from megatron_vlm.rl.async_trainer import AsyncGRPOLoopStep, StalenessError
-from megatron_vlm.rl.async_weights import push_weights, receive_weights
-from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
+from megatron_vlm.rl.asynchronous.trainer import AsyncGRPOLoopStep, StalenessError
+from megatron_vlm.rl.asynchronous.weights import push_weights, receive_weights
 from tests.fixtures import tiny_qwen2_5_vl as F
 
 
@@ -54,7 +54,7 @@ def test_generation_switches_to_pushed_weights_at_a_token_boundary():
     trainer.load_state_dict(rollout.state_dict())
     with torch.no_grad():
         trainer.lm_head.weight.zero_()
-    engine = PolicyRolloutEngine(rollout, DigitsTokenizer(), eos_token_ids=[-1])
+    engine = PolicyRolloutEngine(rollout, DigitsTokenizer(), EngineOptions(eos_token_ids=[-1]))
     vocab = trainer.lm_head.weight.shape[0]
     uniform = -math.log(vocab)  # behaviour log-probs are of the full distribution (suppressed tokens included)
 

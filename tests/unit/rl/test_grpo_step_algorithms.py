@@ -20,12 +20,13 @@ import pytest
 import torch
 from torch import nn
 
+from megatron_vlm.inference.engine import RolloutPrompt, RolloutResult, RolloutSample
 from megatron_vlm.rl.config import RLConfig
-from megatron_vlm.rl.data import PromptSample
 from megatron_vlm.rl.grpo_step import GRPOStep
+from megatron_vlm.rl.prompts.dataset import PromptSample
 from megatron_vlm.rl.rewards.config import ExactMatchRewardConfig
-from megatron_vlm.rl.rollout.engine import RolloutPrompt, RolloutResult, RolloutSample
 from megatron_vlm.training.optim import OptimState
+from tests.fixtures.rl_config import rl_config
 
 VOCAB = 11
 
@@ -115,25 +116,23 @@ def _grpo(rl: RLConfig, pool, engine=None, recompute_shift=None):
              cfg=NS(data=NS(max_tokens_per_pack=64), train=NS(seed=3, max_grad_norm=0.0)), to_device=lambda b: b)
     bundle = NS(dims=NS(dp_size=1), wrapper=policy, trainable_params=list(policy.parameters()), moe_balancer=None)
     optim = OptimState(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
-    engine = engine or Engine(rl.group_size, rl.max_new_tokens)
+    engine = engine or Engine(rl.batch.group_size, rl.rollout.max_new_tokens)
     grpo = GRPOStep(ctx, bundle, optim, rl, engine, Encoder(), Manager(pool))
     seen = {}
-    update = grpo._update
+    update = grpo.policy.update
 
     def spy(step, samples, dummy, **kw):
         seen["samples"] = list(samples)
         return update(step, samples, dummy, **kw)
 
-    grpo._update = spy
+    grpo.policy.update = spy  # the policy update's public method, wrapped on this instance
     return grpo, engine, seen
 
 
 def _rl(**kw) -> RLConfig:
     base = dict(group_size=3, max_new_tokens=4, prompts_per_step=4, rewards=[ExactMatchRewardConfig()])
     base.update(kw)
-    rl = RLConfig(**base)
-    rl.validate()
-    return rl
+    return rl_config(validate=True, **base)
 
 
 def test_dynamic_sampling_trains_prompts_per_step_groups_when_half_are_constant():
@@ -143,9 +142,9 @@ def test_dynamic_sampling_trains_prompts_per_step_groups_when_half_are_constant(
     rl = _rl(dynamic_sampling=True, max_sampling_rounds=5)
     grpo, engine, seen = _grpo(rl, pool)
     m = grpo.run(0, batch, prompt_pool=pool)
-    G = rl.group_size
-    assert len(seen["samples"]) == rl.prompts_per_step * G  # exactly prompts_per_step groups trained
-    assert m["sampling/kept_groups"] == rl.prompts_per_step
+    G = rl.batch.group_size
+    assert len(seen["samples"]) == rl.batch.prompts_per_step * G  # exactly prompts_per_step groups trained
+    assert m["sampling/kept_groups"] == rl.batch.prompts_per_step
     assert m["sampling/rounds"] >= 2 and m["sampling/extra_rounds"] == m["sampling/rounds"] - 1
     assert len(engine.calls) == m["sampling/rounds"]
     generated = 4 * m["sampling/rounds"]
@@ -212,7 +211,7 @@ def test_mis_drops_mismatched_sequences_and_metrics_are_logged():
         for s in res.samples:
             ts = TrainSample(prompt=prompts[s.prompt_index], response_ids=s.token_ids, behav_logp=s.logprobs, advantage=0.0)
             with torch.no_grad():
-                own = grpo.bundle.wrapper(pack_samples([ts]))
+                own = grpo.policy.bundle.wrapper(pack_samples([ts]))
             s.logprobs = own.float() - by_ids[tuple(prompts[s.prompt_index].input_ids.tolist())]
         return res
 
@@ -232,7 +231,7 @@ def test_mis_drops_mismatched_sequences_and_metrics_are_logged():
 def test_config_refuses_incompatible_combinations():
     with pytest.raises(ValueError, match="rollout_correction.*recompute_logprobs"):
         _rl(rollout_correction="tis")
-    with pytest.raises(ValueError, match="normalize_adv_std"):
+    with pytest.raises(ValueError, match="advantages.normalize_std"):
         _rl(advantage="rloo", normalize_adv_std=True)
     with pytest.raises(ValueError, match="overlong_buffer"):
         _rl(overlong_buffer=4, overlong_penalty=1.0)  # = max_new_tokens
@@ -260,10 +259,10 @@ def test_decoupled_single_update_takes_proximal_logprobs_from_the_update_forward
     for recompute in (False, True):
         rl = _rl(recompute_logprobs=recompute, behav_imp_weight_cap=50.0, mini_batches_per_step=minis,
                  allocation="rollout:1+train:1", max_head_offpolicyness=2)
-        grpo, _, _ = _grpo(rl, pool, engine=Engine(rl.group_size, rl.max_new_tokens, shift=shift))
-        assert grpo.decoupled
+        grpo, _, _ = _grpo(rl, pool, engine=Engine(rl.batch.group_size, rl.rollout.max_new_tokens, shift=shift))
+        assert grpo.policy.decoupled
         m = grpo.run(0, pool, prompt_pool=pool)
-        runs[recompute] = (m, [p.detach().clone() for p in grpo.bundle.wrapper.parameters()])
+        runs[recompute] = (m, [p.detach().clone() for p in grpo.policy.bundle.wrapper.parameters()])
     (fast, p_fast), (slow, p_slow) = runs[False], runs[True]
     assert ("time/old_logprob_s" in fast) == (minis > 1)
     assert "time/old_logprob_s" in slow

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from megatron_vlm.checkpoint.hf import load_hf_model
+from megatron_vlm.inference.engine import RolloutPrompt
 from megatron_vlm.models import build_model
 from megatron_vlm.rl.batching import TrainSample, group_by_prompt, pack_samples
-from megatron_vlm.rl.rollout.engine import RolloutPrompt
 from megatron_vlm.testing.tiny_text_model import build_tiny_qwen_text_folder
 from megatron_vlm.training.lm_loss import TokenLogprobModel
 from tests.fixtures import tiny_qwen2_5_vl as F

@@ -1,6 +1,6 @@
 """GRPO prompts that cannot fit (or be read) are left out at start-up, counted, never a mid-run exit.
 
-Found by a job with half its prompts over-long and `rl.prompts_per_step = 1`: the first step that drew
+Found by a job with half its prompts over-long and `rl.batch.prompts_per_step = 1`: the first step that drew
 only over-long prompts ended the run with exit 2. `drop_unusable_prompts` now drops them before the
 first step, with the exact boundary of the step-time encoder (the reference here: `PromptEncoder`
 encodes what is kept and refuses what is dropped as too long), counts them as bad records, and a set
@@ -18,9 +18,10 @@ from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.data.processing import process_record
 from megatron_vlm.errors import ConfigError
-from megatron_vlm.rl.data import load_prompt_dataset
-from megatron_vlm.rl.prompt_lengths import drop_unusable_prompts
-from megatron_vlm.rl.prompts import PromptEncoder, PromptSets
+from megatron_vlm.rl.prompts.dataset import load_prompt_dataset
+from megatron_vlm.rl.prompts.encoder import PromptEncoder
+from megatron_vlm.rl.prompts.lengths import drop_unusable_prompts
+from megatron_vlm.rl.prompts.sets import PromptSets
 
 NEW, EVAL_NEW = 8, 12
 
@@ -34,7 +35,7 @@ def _set(tmp_path, questions, name="p.jsonl", image="ok.png"):
 
 def _cfgs(max_tokens: int):
     return (DataConfig(type="messages_jsonl", max_tokens_per_pack=max_tokens),
-            SimpleNamespace(max_new_tokens=NEW, eval=SimpleNamespace(max_new_tokens=EVAL_NEW)))
+            SimpleNamespace(rollout=SimpleNamespace(max_new_tokens=NEW), eval=SimpleNamespace(max_new_tokens=EVAL_NEW)))
 
 
 def test_the_boundary_is_the_encoders(tmp_path, proc):

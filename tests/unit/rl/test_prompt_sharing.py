@@ -1,4 +1,4 @@
-"""Prompt sharing in the GRPO training forwards (`rl.prompt_sharing`): a pack holding each prompt once
+"""Prompt sharing in the GRPO training forwards (`rl.update.prompt_sharing`): a pack holding each prompt once
 with its group's completions gives the log-probs and gradients of the plain pack (every completion
 with its own copy of the prompt, images included), on every family that accepts it; the pack is
 smaller; Nemotron-VL's hybrid decoder does not accept it."""
@@ -8,11 +8,11 @@ import torch
 from megatron_vlm.checkpoint.hf import load_hf_model
 from megatron_vlm.data.processor import load_processor
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
+from megatron_vlm.inference.engine import RolloutPrompt
 from megatron_vlm.models.common.prefix_sharing import PrefixLayout, accepts_prefix_segments, shift_positions
 from megatron_vlm.rl.batching import TrainSample, group_by_prompt, pack_samples, plan_shared_micro_batches
-from megatron_vlm.rl.data import load_prompt_dataset
-from megatron_vlm.rl.prompts import PromptEncoder
-from megatron_vlm.rl.rollout.engine import RolloutPrompt
+from megatron_vlm.rl.prompts.dataset import load_prompt_dataset
+from megatron_vlm.rl.prompts.encoder import PromptEncoder
 from megatron_vlm.testing.synthesize import synthesize_model_folder
 from megatron_vlm.training.lm_loss import TokenLogprobModel
 

@@ -1,4 +1,4 @@
-"""Review tests of the GRPO update (`GRPOStep._update` / `_metrics`) on a tiny stand-in policy,
+"""Review tests of the GRPO update (`PolicyUpdate.update` / `step_metrics`) on a tiny stand-in policy,
 against plain torch:
 
 - with mini-batches, each optimizer update equals one SGD step on the token-mean clipped objective
@@ -15,10 +15,11 @@ from types import SimpleNamespace as NS
 import torch
 from torch import nn
 
+from megatron_vlm.inference.engine import RolloutPrompt
 from megatron_vlm.rl.batching import TrainSample
 from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.metrics import PhaseTimer
-from megatron_vlm.rl.rollout.engine import RolloutPrompt
+from megatron_vlm.rl.step_metrics import StepCounts, step_metrics
 from megatron_vlm.training.optim import OptimState
 
 
@@ -57,10 +58,14 @@ def _step(policy, lr_lambda, mini_batches: int) -> GRPOStep:
              cfg=NS(data=NS(max_tokens_per_pack=12), train=NS(seed=5, max_grad_norm=0.0)), to_device=lambda b: b)
     bundle = NS(dims=NS(dp_size=1), wrapper=policy, trainable_params=list(policy.parameters()), moe_balancer=None)
     optim = OptimState(opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda))
-    rl = NS(accuracy_label=lambda: "acc", ppo_epochs=1, mini_batches_per_step=mini_batches, loss_agg="token-mean",
-            temperature=1.0, clip_ratio_low=0.2, clip_ratio_high=0.2, kl_coef=0.0, kl_estimator="k3",
-            policy_loss="clip", entropy_coef=0.0, rollout_correction="none", rollout_correction_cap=2.0,
-            max_new_tokens=8, group_size=2, overlong_buffer=0, dynamic_sampling=False, mask_truncated=False,
+    rl = NS(accuracy_label=lambda: "acc", policy_loss="clip", advantage="grpo", allocation=None, recompute_logprobs=False,
+            batch=NS(ppo_epochs=1, mini_batches_per_step=mini_batches, group_size=2),
+            rollout=NS(temperature=1.0, max_new_tokens=8),
+            loss=NS(loss_agg="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2, kl_coef=0.0, kl_estimator="k3",
+                    entropy_coef=0.0, rollout_correction="none", rollout_correction_cap=2.0),
+            advantages=NS(overlong_buffer=0, dynamic_sampling=False, normalize_std=None, drop_equal_reward_groups=False),
+            update=NS(mask_truncated=False, prompt_sharing="auto", skip_zero_advantage=True),
+            asynchronous=NS(max_head_offpolicyness=0),
             eval=NS(correct_threshold=1.0))
     return GRPOStep(ctx, bundle, optim, rl, engine=None, encoder=NS(skipped=0), manager=NS(labels=["acc"], metrics=lambda: {}))
 
@@ -80,8 +85,8 @@ def test_mini_batch_update_equals_token_mean_sgd_step():
             s.old_logp = _logp(policy, s)  # on-policy: ratio 1 at the first update
     ref = copy.deepcopy(policy)
     grpo = _step(policy, lambda s: 1.0, mini_batches=2)
-    upd = grpo._update(0, samples, samples[0])
-    assert upd["updates"] == 2
+    upd = grpo.policy.update(0, samples, samples[0])
+    assert upd.updates == 2
 
     # plain torch: the same mini-batches (the step's documented shuffle), one SGD step each
     order = list(range(len(samples)))
@@ -111,12 +116,13 @@ def test_logged_lr_is_the_lr_of_the_step_updates():
             s.old_logp = _logp(policy, s)
     grpo = _step(policy, lambda s: 0.5 ** s, mini_batches=1)
     used = []
-    grpo.optim.optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
+    grpo.policy.optim.optimizer.register_step_pre_hook(lambda opt, args, kwargs: used.append(opt.param_groups[0]["lr"]))
     logged = []
     for step in range(2):
-        upd = grpo._update(step, samples, samples[0])
-        out = grpo._metrics(step, PhaseTimer(), [], upd, {"rounds": 1, "surplus": 0, "masked_truncated": 0, "mismatch": None,
-                                                                "zero_adv_skipped": 0})
+        upd = grpo.policy.update(step, samples, samples[0])
+        counts = StepCounts(rounds=1, surplus=0, masked_truncated=0, skipped_prompts=0, reward_failures={}, skipped_steps=0)
+        out = step_metrics(grpo.rl, grpo.shards, step, PhaseTimer(), [], upd, counts, reward_labels=["acc"],
+                           zero_adv_on=False)
         logged.append(out["lr"])
     assert len(used) == 2
     assert logged == used

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_vlm.config.loader import ConfigError, from_dict
-from megatron_vlm.rl.config import RLConfig
+from megatron_vlm.rl.config import MOVED_KEYS, RLConfig
 from megatron_vlm.rl.rewards.config import CustomRewardConfig
 from megatron_vlm.rl.rewards.manager import RewardManager
 from megatron_vlm.rl.rewards.pool import RewardCall, RewardWorkerPool
@@ -94,7 +94,8 @@ def test_workers_die_with_a_killed_parent(tmp_path):
                                         ("reward_batch_timeout_s", 0), ("reward_abs_max", 0.0),
                                         ("rollout_memory_gib", -1.0)])
 def test_limit_keys_validated(key, value):
-    with pytest.raises(ConfigError, match=rf"rl\.{key}: .*(must|>= 256)"):
-        from_dict(RLConfig, {key: value}, "rl")
-    good = from_dict(RLConfig, {key: 1024 if key == "reward_memory_limit_mb" else 1.5}, "rl")
-    assert getattr(good, key) in (1024, 1.5)
+    table, name = MOVED_KEYS[key].split(".")  # the key's place in the [rl] tables
+    with pytest.raises(ConfigError, match=rf"rl\.{table}\.{name}: .*(must|>= 256)"):
+        from_dict(RLConfig, {table: {name: value}}, "rl")
+    good = from_dict(RLConfig, {table: {name: 1024 if key == "reward_memory_limit_mb" else 1.5}}, "rl")
+    assert getattr(getattr(good, table), name) in (1024, 1.5)

@@ -2,7 +2,9 @@
 
 Why: GRPO optimises whatever the reward says. These tests require >= 95 % agreement with the
 labels over the corpus (every answer kind: sets and \\pm, inequalities, equations, intervals, units
-and text, matrices, number formatting, percentages, symbolic forms, extraction without \\boxed{}),
+and text, matrices, number formatting, percentages, symbolic forms, extraction without \\boxed{},
+and the forms of real completions: several boxes, named relations, ratios, list notations, interval
+forms, equations with several parts, words around the answer),
 and never an "equal" verdict on a negative case. The agreement per kind is printed (pytest -s).
 A slow cross-check asks that every case Hugging Face math-verify (LaTeX extraction only) gets right
 is also right here. The pathological inputs of the reliability issue must come back at once (a hang
@@ -15,6 +17,7 @@ from megatron_vlm.rl.rewards.extract import extract_answer, last_boxed
 from megatron_vlm.rl.rewards.math_equiv import math_equal
 from megatron_vlm.rl.rewards.verifiers import math_reward
 from tests.unit.rl.math_reward_corpus import CASES
+from tests.unit.rl.math_reward_corpus_forms import FORM_KINDS, FORMS
 
 
 def _verdicts():
@@ -23,11 +26,13 @@ def _verdicts():
 
 def test_corpus_is_large_and_varied():
     kinds = collections.Counter(k for k, *_ in CASES)
-    assert len(CASES) >= 300
+    assert len(CASES) >= 400
     for kind in ("sets", "inequalities", "equations", "intervals", "units_text", "matrices", "number_format",
-                 "percent", "other", "extraction"):
+                 "percent", "other", "extraction") + FORM_KINDS:
         labels = {label for k, _, _, label in CASES if k == kind}
         assert kinds[kind] >= 10 and labels == {True, False}, kind
+    # the forms of real completions: at least 100 cases, at least half of them wrong answers
+    assert len(FORMS) >= 100 and 2 * sum(not label for *_, label in FORMS) >= len(FORMS)
 
 
 def test_agreement_with_labels():

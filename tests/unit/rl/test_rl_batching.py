@@ -5,9 +5,9 @@ prompt encoding through the data pipeline with skips counted."""
 import pytest
 import torch
 
+from megatron_vlm.inference.engine import RolloutPrompt
 from megatron_vlm.models import build_model
 from megatron_vlm.rl.batching import TrainSample, pack_samples, plan_micro_batches, split_by_response
-from megatron_vlm.rl.rollout.engine import RolloutPrompt
 from megatron_vlm.training.lm_loss import TokenLogprobModel
 from tests.fixtures import tiny_qwen2_5_vl as F
 
@@ -70,8 +70,8 @@ def test_split_by_response_checks_lengths():
 def test_prompt_encoder_uses_the_data_pipeline_and_counts_skips(tmp_path):
     from megatron_vlm.data.processing import process_record
     from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
-    from megatron_vlm.rl.data import load_prompt_dataset
-    from megatron_vlm.rl.prompts import PromptEncoder
+    from megatron_vlm.rl.prompts.dataset import load_prompt_dataset
+    from megatron_vlm.rl.prompts.encoder import PromptEncoder
     from megatron_vlm.testing.tiny_processor import build_tiny_qwen2_5_vl_processor
 
     proc = build_tiny_qwen2_5_vl_processor(tmp_path / "proc")

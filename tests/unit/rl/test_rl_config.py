@@ -2,13 +2,14 @@
 are built per `type`, and the prompt template renders."""
 import pytest
 
-from megatron_vlm.rl.config import RLConfig, RLEvalConfig
+from megatron_vlm.rl.config import MOVED_KEYS, RLConfig, RLEvalConfig
 from megatron_vlm.rl.rewards.config import (
     CustomRewardConfig,
     FormatRewardConfig,
     MathRewardConfig,
     reward_from_dict,
 )
+from tests.fixtures.rl_config import rl_config
 
 
 def test_defaults_validate_and_render_prompt():
@@ -22,54 +23,60 @@ def test_defaults_validate_and_render_prompt():
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        (dict(group_size=1), "group_size"),
-        (dict(temperature=0.0), "temperature"),
-        (dict(top_p=0.0), "top_p"),
-        (dict(top_k=-1), "top_k"),
-        (dict(clip_ratio_low=1.0), "clip_ratio_low"),
-        (dict(clip_ratio_high=-0.1), "clip_ratio_high"),
-        (dict(kl_coef=-1.0), "kl_coef"),
-        (dict(ref_offload=True, kl_coef=0.0), "ref_offload"),
-        (dict(prompts_per_step=1, group_size=2, mini_batches_per_step=3), "mini_batches_per_step"),
+        (dict(group_size=1), "batch.group_size"),
+        (dict(temperature=0.0), "rollout.temperature"),
+        (dict(top_p=0.0), "rollout.top_p"),
+        (dict(top_k=-1), "rollout.top_k"),
+        (dict(clip_ratio_low=1.0), "loss.clip_ratio_low"),
+        (dict(clip_ratio_high=-0.1), "loss.clip_ratio_high"),
+        (dict(kl_coef=-1.0), "loss.kl_coef"),
+        (dict(ref_offload=True, kl_coef=0.0), "update.ref_offload"),
+        (dict(prompts_per_step=1, group_size=2, mini_batches_per_step=3), "batch.mini_batches_per_step"),
         (dict(rewards=[]), "rewards"),
         (dict(rewards=[MathRewardConfig(), MathRewardConfig()]), "rewards"),
         (dict(rewards=[MathRewardConfig(rel_tol=2.0)]), "rewards[0].rel_tol"),
         (dict(accuracy_reward="nope"), "accuracy_reward"),
-        (dict(reward_timeout_s=0.0), "reward_timeout_s"),
-        (dict(rollout_batch_prompts=-1), "rollout_batch_prompts"),
-        (dict(rollout_weights="both"), "rollout_weights"),
-        (dict(rollout_cuda_graphs="yes"), "rollout_cuda_graphs"),
-        (dict(rollout_cuda_graphs="on"), "rollout_cuda_graphs"),  # rollout_weights = "shared": lock-step FSDP forwards
-        (dict(prompt_template="no placeholder"), "prompt_template"),
-        (dict(prompt_template="{problem} {other}"), "prompt_template"),
-        (dict(stop=[""]), "stop"),
-        (dict(behav_imp_weight_cap=0.5), "behav_imp_weight_cap"),
-        # asynchronous-only knobs are refused while only the synchronous trainer exists
-        (dict(behav_imp_weight_cap=5.0), "behav_imp_weight_cap"),
-        (dict(max_head_offpolicyness=4), "max_head_offpolicyness"),
+        (dict(reward_timeout_s=0.0), "reward_pool.timeout_s"),
+        (dict(reward_workers=0), "reward_pool.workers"),
+        (dict(rollout_batch_prompts=-1), "rollout.batch_prompts"),
+        (dict(rollout_weights="both"), "rollout.weights"),
+        (dict(rollout_cuda_graphs="yes"), "rollout.cuda_graphs"),
+        (dict(rollout_cuda_graphs="on"), "rollout.cuda_graphs"),  # rollout.weights = "shared": lock-step FSDP forwards
+        (dict(prompt_template="no placeholder"), "prompts.template"),
+        (dict(prompt_template="{problem} {other}"), "prompts.template"),
+        (dict(stop=[""]), "rollout.stop"),
+        (dict(behav_imp_weight_cap=0.5), "loss.behav_imp_weight_cap"),
+        # asynchronous-only knobs are refused without the asynchronous loop
+        (dict(behav_imp_weight_cap=5.0), "loss.behav_imp_weight_cap"),
+        (dict(max_head_offpolicyness=4), "asynchronous.max_head_offpolicyness"),
         (dict(eval=RLEvalConfig(k=4, temperature=0.0)), "eval.temperature"),
         # algorithm keys
         (dict(policy_loss="ppo"), "policy_loss"),
         (dict(advantage="reinforce"), "advantage"),
-        (dict(loss_agg="sum"), "loss_agg"),
-        (dict(advantage="dr_grpo", normalize_adv_std=True), "normalize_adv_std"),
-        (dict(advantage="rloo", normalize_adv_std=True), "normalize_adv_std"),
-        (dict(dynamic_sampling=True, max_sampling_rounds=0), "max_sampling_rounds"),
-        (dict(overlong_buffer=-1), "overlong_buffer"),
-        (dict(overlong_buffer=1024, overlong_penalty=1.0), "overlong_buffer"),
-        (dict(overlong_buffer=64), "overlong_penalty"),
-        (dict(overlong_penalty=1.0), "overlong_penalty"),
-        (dict(overlong_buffer=64, overlong_penalty=-1.0), "overlong_penalty"),
-        (dict(entropy_coef=-0.01), "entropy_coef"),
-        (dict(rollout_correction="tis"), "rollout_correction"),  # needs recompute_logprobs
-        (dict(rollout_correction="mis"), "rollout_correction"),
-        (dict(rollout_correction="is", recompute_logprobs=True), "rollout_correction"),
-        (dict(rollout_correction="tis", recompute_logprobs=True, rollout_correction_cap=1.0), "rollout_correction_cap"),
+        (dict(loss_agg="sum"), "loss.loss_agg"),
+        (dict(advantage="dr_grpo", normalize_adv_std=True), "advantages.normalize_std"),
+        (dict(advantage="rloo", normalize_adv_std=True), "advantages.normalize_std"),
+        (dict(dynamic_sampling=True, max_sampling_rounds=0), "advantages.max_sampling_rounds"),
+        (dict(overlong_buffer=-1), "advantages.overlong_buffer"),
+        (dict(overlong_buffer=1024, overlong_penalty=1.0), "advantages.overlong_buffer"),
+        (dict(overlong_buffer=64), "advantages.overlong_penalty"),
+        (dict(overlong_penalty=1.0), "advantages.overlong_penalty"),
+        (dict(overlong_buffer=64, overlong_penalty=-1.0), "advantages.overlong_penalty"),
+        (dict(entropy_coef=-0.01), "loss.entropy_coef"),
+        (dict(rollout_correction="tis"), "loss.rollout_correction"),  # needs recompute_logprobs
+        (dict(rollout_correction="mis"), "loss.rollout_correction"),
+        (dict(rollout_correction="is", recompute_logprobs=True), "loss.rollout_correction"),
+        (dict(rollout_correction="tis", recompute_logprobs=True, rollout_correction_cap=1.0), "loss.rollout_correction_cap"),
+        # selection keys of later backends
+        (dict(rollout_backend="sglang"), "rollout_backend"),
+        (dict(rollout_backend="vllm"), "rollout_backend"),
+        (dict(routing_replay="yes"), "routing_replay"),
+        (dict(routing_replay="rollout"), "routing_replay"),
     ],
 )
 def test_validate_names_the_field(kwargs, field):
     with pytest.raises(ValueError) as e:
-        RLConfig(**kwargs).validate()
+        rl_config(validate=True, **kwargs)
     assert str(e.value).startswith(field + ":"), str(e.value)
 
 
@@ -100,12 +107,46 @@ def test_reward_from_dict_is_strict():
 def test_algorithm_keys_load_strictly():
     from megatron_vlm.config.loader import ConfigError, from_dict
 
-    rl = from_dict(RLConfig, {"policy_loss": "gspo", "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4, "loss_agg": "seq-mean",
-                              "advantage": "dr_grpo", "dynamic_sampling": True, "max_sampling_rounds": 4,
-                              "overlong_buffer": 256, "overlong_penalty": 1.0, "mask_truncated": True, "entropy_coef": 0.001,
-                              "recompute_logprobs": True, "rollout_correction": "mis", "rollout_correction_cap": 2.0}, "rl")
-    assert rl.policy_loss == "gspo" and rl.adv_normalize_std() is False
-    with pytest.raises(ConfigError, match=r"^rl\.rollout_correction: .*recompute_logprobs"):
-        from_dict(RLConfig, {"rollout_correction": "tis"}, "rl")
+    rl = from_dict(RLConfig, {"policy_loss": "gspo", "advantage": "dr_grpo", "recompute_logprobs": True,
+                              "loss": {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4, "loss_agg": "seq-mean",
+                                       "entropy_coef": 0.001, "rollout_correction": "mis", "rollout_correction_cap": 2.0},
+                              "advantages": {"dynamic_sampling": True, "max_sampling_rounds": 4, "overlong_buffer": 256,
+                                             "overlong_penalty": 1.0},
+                              "update": {"mask_truncated": True}}, "rl")
+    assert rl.policy_loss == "gspo" and rl.adv_normalize_std() is False and rl.loss.loss_agg == "seq-mean"
+    with pytest.raises(ConfigError, match=r"^rl\.loss\.rollout_correction: .*recompute_logprobs"):
+        from_dict(RLConfig, {"loss": {"rollout_correction": "tis"}}, "rl")
     with pytest.raises(ConfigError, match=r"^rl\.policy_loss"):
         from_dict(RLConfig, {"policy_loss": "GSPO"}, "rl")
+    with pytest.raises(ConfigError, match=r"^rl\.rollout\.top_k: must be >= 0"):
+        from_dict(RLConfig, {"rollout": {"top_k": -1}}, "rl")
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_KEYS))
+def test_a_key_of_the_flat_layout_is_refused_naming_its_new_place(old):
+    """No silent aliasing: `[rl] group_size = 8` fails with the key it moved to."""
+    from megatron_vlm.config.loader import ConfigError, from_dict
+
+    new = MOVED_KEYS[old]
+    with pytest.raises(ConfigError, match=rf"^rl\.{old}: moved to rl\.{new} "):
+        from_dict(RLConfig, {old: 1}, "rl")
+
+
+def test_an_old_config_exits_2_naming_the_new_key(tmp_path):
+    """The entry point: a config with a flat key exits 2 and its one-line message names the new key."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[3]
+    demo = (repo / "launch" / "configs" / "demo_grpo.toml").read_text()
+    old = tmp_path / "old.toml"
+    old.write_text(demo.replace("[rl]\n", "[rl]\ngroup_size = 8\n", 1))
+    r = subprocess.run([sys.executable, str(repo / "launch" / "pretrain_vlm.py"), "--config", str(old), "--check"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "rl.group_size: moved to rl.batch.group_size" in r.stderr + r.stdout
+    r = subprocess.run([sys.executable, str(repo / "launch" / "pretrain_vlm.py"), "--config",
+                        str(repo / "launch" / "configs" / "demo_grpo.toml"), "--check", "--set", "rl.kl_coef=0.1"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert r.returncode == 2 and "rl.kl_coef: moved to rl.loss.kl_coef" in r.stderr + r.stdout

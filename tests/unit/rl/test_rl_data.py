@@ -8,9 +8,9 @@ import json
 import pytest
 from PIL import Image
 
-from megatron_vlm.rl.data import detect_schema, load_prompt_dataset, prompt_batches
-from megatron_vlm.rl.data_fixtures import GEOMETRY3K_ANSWERS, write_geometry3k_fixture, write_virl39k_fixture
+from megatron_vlm.rl.prompts.dataset import detect_schema, load_prompt_dataset, prompt_batches
 from megatron_vlm.rl.rewards.verifiers import choice_reward, math_reward
+from tests.fixtures.rl_prompt_tables import GEOMETRY3K_ANSWERS, write_geometry3k_fixture, write_virl39k_fixture
 
 
 def _png(color):

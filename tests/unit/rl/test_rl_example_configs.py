@@ -9,9 +9,9 @@ import tomllib
 from megatron_vlm.config.loader import from_dict
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.rl.config import RLConfig
-from megatron_vlm.rl.data import load_prompt_dataset
-from megatron_vlm.rl.data_fixtures import write_geometry3k_fixture, write_virl39k_fixture
+from megatron_vlm.rl.prompts.dataset import load_prompt_dataset
 from megatron_vlm.rl.rewards.config import MathRewardConfig
+from tests.fixtures.rl_prompt_tables import write_geometry3k_fixture, write_virl39k_fixture
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[3] / "launch" / "configs"
 
@@ -27,16 +27,16 @@ def test_example_config(name, group_size, schema, writer, tmp_path):
     raw = tomllib.loads((CONFIGS / name).read_text())
     assert raw["train"]["mode"] == "grpo"
     rl = from_dict(RLConfig, raw["rl"], "rl")
-    assert (rl.prompts_per_step, rl.max_new_tokens, rl.group_size) == (528, 16384, group_size)
-    assert (rl.clip_ratio_low, rl.clip_ratio_high, rl.kl_coef) == (0.4, 0.4, 0.0)
-    assert (rl.max_head_offpolicyness, rl.behav_imp_weight_cap) == (4, 5.0)  # asynchronous, as the reference runs
+    assert (rl.batch.prompts_per_step, rl.rollout.max_new_tokens, rl.batch.group_size) == (528, 16384, group_size)
+    assert (rl.loss.clip_ratio_low, rl.loss.clip_ratio_high, rl.loss.kl_coef) == (0.4, 0.4, 0.0)
+    assert (rl.asynchronous.max_head_offpolicyness, rl.loss.behav_imp_weight_cap) == (4, 5.0)  # asynchronous, as the reference runs
     assert rl.allocation is not None
     rl.validate()
     assert rl.rewards == [MathRewardConfig()]
     data = from_dict(DataConfig, raw["data"], "data")
     assert data.type == "hf"
     path = writer(tmp_path, n=4)
-    ds = load_prompt_dataset(path, columns=data.columns, prompt_template=rl.prompt_template)
+    ds = load_prompt_dataset(path, columns=data.columns, prompt_template=rl.prompts.template)
     assert ds.schema == schema and len(ds) == 4 and ds.skipped == []
     assert "\\boxed{}" in ds[0].messages[-1]["content"][-1]["text"]
 
@@ -45,8 +45,8 @@ def test_example_config(name, group_size, schema, writer, tmp_path):
 def test_moe_examples_use_gspo(name):
     raw = tomllib.loads((CONFIGS / name).read_text())
     rl = from_dict(RLConfig, raw["rl"], "rl")
-    assert (rl.policy_loss, rl.clip_ratio_low, rl.clip_ratio_high, rl.loss_agg) == ("gspo", 3e-4, 4e-4, "seq-mean")
-    assert rl.mini_batches_per_step > 1 and rl.recompute_logprobs  # off-policy updates: the ratio is not 1
+    assert (rl.policy_loss, rl.loss.clip_ratio_low, rl.loss.clip_ratio_high, rl.loss.loss_agg) == ("gspo", 3e-4, 4e-4, "seq-mean")
+    assert rl.batch.mini_batches_per_step > 1 and rl.recompute_logprobs  # off-policy updates: the ratio is not 1
     assert raw["parallel"]["ep"] > 1 and raw["moe"]["enable_moe_load_balancing_training"]
     assert raw["train"]["max_steps"] > 0  # GRPO runs a fixed number of steps
 
@@ -54,8 +54,8 @@ def test_moe_examples_use_gspo(name):
 def test_dapo_example():
     raw = tomllib.loads((CONFIGS / "qwen2_5_vl_3b_geometry3k_dapo.toml").read_text())
     rl = from_dict(RLConfig, raw["rl"], "rl")
-    assert (rl.clip_ratio_low, rl.clip_ratio_high, rl.loss_agg, rl.kl_coef) == (0.2, 0.28, "token-mean", 0.0)
-    assert rl.dynamic_sampling and (rl.overlong_buffer, rl.overlong_penalty) == (4096, 1.0)
-    assert (rl.group_size, rl.prompts_per_step, rl.mini_batches_per_step) == (16, 512, 16)
-    assert rl.rollout_correction == "tis" and rl.recompute_logprobs
+    assert (rl.loss.clip_ratio_low, rl.loss.clip_ratio_high, rl.loss.loss_agg, rl.loss.kl_coef) == (0.2, 0.28, "token-mean", 0.0)
+    assert rl.advantages.dynamic_sampling and (rl.advantages.overlong_buffer, rl.advantages.overlong_penalty) == (4096, 1.0)
+    assert (rl.batch.group_size, rl.batch.prompts_per_step, rl.batch.mini_batches_per_step) == (16, 512, 16)
+    assert rl.loss.rollout_correction == "tis" and rl.recompute_logprobs
     assert raw["train"]["max_steps"] > 0

@@ -19,8 +19,9 @@ from PIL import Image
 
 import megatron_vlm.data.bad_records as bad_records_mod
 from megatron_vlm.data.bad_records import BadRecordLog
-from megatron_vlm.rl.data import load_prompt_dataset
-from megatron_vlm.rl.prompts import PromptEncoder, load_prompt_sets
+from megatron_vlm.rl.prompts.dataset import load_prompt_dataset
+from megatron_vlm.rl.prompts.encoder import PromptEncoder
+from megatron_vlm.rl.prompts.sets import load_prompt_sets
 
 
 def write_png_bomb(path, side: int):
@@ -86,7 +87,7 @@ def test_prompt_pixel_cap_comes_from_the_limits(tmp_path, proc, write_image):
 
 def test_unexpected_exception_while_encoding_is_counted_with_type_and_warned_once(tmp_path, proc, write_image,
                                                                                   monkeypatch, caplog):
-    import megatron_vlm.rl.prompts as prompts_mod
+    import megatron_vlm.rl.prompts.encoder as prompts_mod
 
     path, ds = _prompts(tmp_path, write_image)
 
@@ -127,7 +128,7 @@ def test_load_prompt_sets_hands_left_out_rows_to_the_run_log(tmp_path):
     good = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]}
     path.write_bytes(json.dumps(good).encode() + b"\n" + b'{"messages": "\xff"}\n')
     data_cfg = SimpleNamespace(type="messages_jsonl", train_path=str(path), eval_path="", image_root="")
-    rl_cfg = SimpleNamespace(prompt_template="{problem}", system_prompt=None)
+    rl_cfg = SimpleNamespace(prompts=SimpleNamespace(template="{problem}", system_prompt=None))
     log = BadRecordLog()
     sets = load_prompt_sets(data_cfg, rl_cfg, run_dir=tmp_path, bad_records=log)
     assert len(sets.train) == 1 and sets.eval is None
@@ -141,7 +142,7 @@ def test_a_step_with_no_encodable_prompt_is_a_config_error_naming_one(tmp_path, 
     import torch
 
     from megatron_vlm.config.loader import ConfigError
-    from megatron_vlm.rl.grpo_step import encode_shard
+    from megatron_vlm.rl.prompts.shard import encode_shard
 
     path, ds = _prompts(tmp_path, write_image)
     enc = PromptEncoder(proc, max_frames=4, fps=2.0, max_new_tokens=8, max_tokens=20)

@@ -1,4 +1,4 @@
-"""Decode steps on static per-bucket buffers (rl/rollout/decode_graphs.py, `cuda_graphs`): on the CPU the
+"""Decode steps on static per-bucket buffers (inference/decode_graphs.py, `cuda_graphs`): on the CPU the
 same static step a CUDA graph captures runs eagerly, so everything but the capture is checked here.
 
 - greedy rollouts through the static path equal the eager engine's (same tokens, log-probs within 1e-5,
@@ -15,14 +15,15 @@ import logging
 import pytest
 import torch
 
+from megatron_vlm.inference import decode_graphs
+from megatron_vlm.inference.decode_graphs import DecodeStepRunner, GraphUnsafeError, bucket_sizes
+from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
 from megatron_vlm.models import build_model
 from megatron_vlm.models.common.slot_cache import SlotCache
-from megatron_vlm.rl.rollout import decode_graphs
-from megatron_vlm.rl.rollout.decode_graphs import DecodeStepRunner, GraphUnsafeError, bucket_sizes
-from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
 from megatron_vlm.testing.tiny_nemotron_vl import build_tiny_nemotron_vl_tokenizer, tiny_nemotron_vl_hf_config
 from tests.fixtures import tiny_qwen2_5_vl as F
+from tests.fixtures.rollout_engine import make_engine
 
 
 class Tok:
@@ -59,7 +60,7 @@ def _nemotron():
 
 
 def _generate(model, prompts, eos, mode, n=2):
-    eng = PolicyRolloutEngine(model, Tok(), eos_token_ids=eos, max_num_seqs=5, cuda_graphs=mode)
+    eng = PolicyRolloutEngine(model, Tok(), EngineOptions(eos_token_ids=eos, max_num_seqs=5, cuda_graphs=mode))
     return eng.generate(prompts, SamplingParams(max_new_tokens=8, n=n, temperature=0.0)).samples
 
 
@@ -147,45 +148,40 @@ def test_moved_parameters_drop_the_graphs(caplog):
 def test_refused_and_auto_off_combinations(caplog):
     model, _ = _qwen()
     with pytest.raises(ValueError, match="cuda_graphs"):
-        PolicyRolloutEngine(model, Tok(), cuda_graphs="yes")
-    cases = [dict(forward=model), dict(kv_block_size=4)]
-    moe_model = build_model(_hybrid_config(moe=True)).eval()
-    for kw in cases + [dict(model=moe_model)]:
+        PolicyRolloutEngine(model, Tok(), EngineOptions(cuda_graphs="yes"))
+    for kw in [dict(forward=model), dict(kv_block_size=4)]:
         m = kw.pop("model", model)
         with pytest.raises(ValueError, match="cuda_graphs: 'on'"):
-            PolicyRolloutEngine(m, Tok(), cuda_graphs="on", **kw)
+            make_engine(m, Tok(), cuda_graphs="on", **kw)
         caplog.clear()
         with caplog.at_level(logging.INFO):
-            eng = PolicyRolloutEngine(m, Tok(), cuda_graphs="auto", **kw)
+            eng = make_engine(m, Tok(), cuda_graphs="auto", **kw)
         assert eng.cuda_graphs == "off" and "CUDA graphs off" in caplog.text
-    eng = PolicyRolloutEngine(model, Tok(), cuda_graphs="auto")  # no CUDA device here: eager steps
+    eng = PolicyRolloutEngine(model, Tok(), EngineOptions(cuda_graphs="auto"))  # no CUDA device here: eager steps
     cache = SlotCache(model.new_cache(3, 8))
     assert (eng._decode_runner(cache) is None) == (cache.device.type != "cuda")
-    on = PolicyRolloutEngine(model, Tok(), cuda_graphs="on")
+    on = PolicyRolloutEngine(model, Tok(), EngineOptions(cuda_graphs="on"))
     assert isinstance(on._decode_runner(cache), DecodeStepRunner)
 
 
-def test_config_key_reaches_the_engine_and_moe_is_a_config_error(tmp_path):
+def test_config_key_reaches_the_engine_moe_included(tmp_path):
     from types import SimpleNamespace
 
     from megatron_vlm.data.processor import load_processor
-    from megatron_vlm.rl.config import RLConfig
-    from megatron_vlm.rl.rollout.policy_engine import CudaGraphsConfigError
     from megatron_vlm.rl.trainer import build_rollout_engine
     from megatron_vlm.testing.synthesize import synthesize_model_folder
+    from tests.fixtures.rl_config import rl_config
 
-    RLConfig(rollout_cuda_graphs="on", rollout_weights="copy").validate()
-    RLConfig(rollout_cuda_graphs="on", allocation="rollout:1+train:1").validate()  # rollout ranks hold a copy
-    folder = synthesize_model_folder("tiny_nemotron_vl", tmp_path / "nemotron", seed=0)  # has a MoE layer
+    rl_config(rollout_cuda_graphs="on", rollout_weights="copy").validate()
+    rl_config(rollout_cuda_graphs="on", allocation="rollout:1+train:1").validate()  # rollout ranks hold a copy
+    folder = synthesize_model_folder("tiny_nemotron_vl", tmp_path / "nemotron", seed=0)  # has a MoE layer: graph-safe now
     bundle = SimpleNamespace(model=None, processor=load_processor(str(folder)))
     kw = dict(dtype=torch.float32, device=torch.device("cpu"), per_batch=1)
-    with pytest.raises(CudaGraphsConfigError, match=r"^rl\.rollout_cuda_graphs: 'on'.*MoE"):
-        build_rollout_engine(RLConfig(rollout_weights="copy", rollout_cuda_graphs="on"), bundle, str(folder), **kw)
-    eng = build_rollout_engine(RLConfig(rollout_weights="copy", rollout_cuda_graphs="auto"), bundle, str(folder), **kw)
-    assert eng.cuda_graphs == "off"
+    eng = build_rollout_engine(rl_config(rollout_weights="copy", rollout_cuda_graphs="on"), bundle, str(folder), **kw)
+    assert eng.cuda_graphs == "on"
     dense = synthesize_model_folder("tiny_qwen2_5_vl", tmp_path / "qwen", seed=0)
     bundle = SimpleNamespace(model=None, processor=load_processor(str(dense)))
-    eng = build_rollout_engine(RLConfig(rollout_weights="copy", rollout_cuda_graphs="on"), bundle, str(dense), **kw)
+    eng = build_rollout_engine(rl_config(rollout_weights="copy", rollout_cuda_graphs="on"), bundle, str(dense), **kw)
     assert eng.cuda_graphs == "on" and eng.owns_forward
 
 
@@ -273,8 +269,8 @@ def test_slot_cache_and_graphs_are_kept_across_calls():
     and graphs, stale keys and states of that call notwithstanding; other shapes and release_memory drop them."""
     model, prompts = _nemotron()
     params = SamplingParams(max_new_tokens=8, n=2, temperature=0.0)
-    eng = PolicyRolloutEngine(model, Tok(), eos_token_ids=[-1], max_num_seqs=5, cuda_graphs="on")
-    eager = PolicyRolloutEngine(model, Tok(), eos_token_ids=[-1], max_num_seqs=5)
+    eng = PolicyRolloutEngine(model, Tok(), EngineOptions(eos_token_ids=[-1], max_num_seqs=5, cuda_graphs="on"))
+    eager = PolicyRolloutEngine(model, Tok(), EngineOptions(eos_token_ids=[-1], max_num_seqs=5))
     first = eng.generate(prompts[:3], params)
     runner = eng._runner
     assert runner is not None and runner.cache.max_len == 64

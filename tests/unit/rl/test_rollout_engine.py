@@ -13,12 +13,13 @@
 import pytest
 import torch
 
+from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
 from megatron_vlm.models import build_model
 from megatron_vlm.models.qwen2_5_vl.state_dict_adapter import Qwen2_5_VLStateDictAdapter
 from megatron_vlm.rl.logprobs import response_token_logprobs
-from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
 from tests.fixtures import tiny_qwen2_5_vl as F
+from tests.fixtures.rollout_engine import make_engine
 
 TOL = 1e-4
 NEVER = -1  # an EOS id no token has: completions run to the budget
@@ -55,7 +56,7 @@ def prompts():
 
 def engine(model, **kw):
     kw.setdefault("eos_token_ids", [NEVER])
-    return PolicyRolloutEngine(model, DigitsTokenizer(), **kw)
+    return make_engine(model, DigitsTokenizer(), **kw)
 
 
 def hf_inputs(prompt: RolloutPrompt, completion=None) -> dict:
@@ -261,7 +262,7 @@ def test_bad_arguments(models, prompts):
     with pytest.raises(ValueError, match="nothing to generate"):
         engine(ours).generate([], SamplingParams(max_new_tokens=1))
     with pytest.raises(TypeError, match="not a family model"):
-        PolicyRolloutEngine(torch.nn.Linear(2, 2), DigitsTokenizer(), eos_token_ids=[0])
+        PolicyRolloutEngine(torch.nn.Linear(2, 2), DigitsTokenizer(), EngineOptions(eos_token_ids=[0]))
     eng = engine(ours)
     eng.load_weights(None, version=3)
     assert eng.generate(prompts[:1], SamplingParams(max_new_tokens=1)).samples[0].policy_version == 3
@@ -319,7 +320,7 @@ def test_own_weight_copy_is_refreshed_by_load_weights(models, prompts):
     assert [s.token_ids.tolist() for s in after.samples] != [s.token_ids.tolist() for s in before.samples]
     with pytest.raises(KeyError, match="unknown parameter"):
         eng.load_weights({"no.such.weight": torch.zeros(1)}, version=2)
-    # sync_from: load_weights(None) gathers the trainer model's weights (rl.rollout_weights = "copy")
+    # sync_from: load_weights(None) gathers the trainer model's weights (rl.rollout.weights = "copy")
     trainer_model = copy.deepcopy(changed)
     synced = engine(copy.deepcopy(ours), sync_from=trainer_model)
     synced.load_weights(None, version=4)
@@ -331,7 +332,7 @@ def test_own_weight_copy_is_refreshed_by_load_weights(models, prompts):
 
 
 def test_own_weight_copy_of_a_lora_policy(models, prompts):
-    """rl.rollout_weights = "copy" with [lora]: the trainer's state dict holds adapter factors, which the copy
+    """rl.rollout.weights = "copy" with [lora]: the trainer's state dict holds adapter factors, which the copy
     (read from the model folder, no adapters) could not load. `mirror_lora` gives the copy the same adapters; it
     then generates what the LoRA policy itself generates (same tokens and behaviour log-probs)."""
     import copy

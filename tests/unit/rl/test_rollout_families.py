@@ -10,11 +10,11 @@ import torch
 from megatron_vlm.checkpoint.hf import load_hf_model
 from megatron_vlm.data.processor import load_processor
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
+from megatron_vlm.inference.engine import SamplingParams
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
 from megatron_vlm.rl.batching import TrainSample, pack_samples
-from megatron_vlm.rl.data import load_prompt_dataset
-from megatron_vlm.rl.prompts import PromptEncoder
-from megatron_vlm.rl.rollout.engine import SamplingParams
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
+from megatron_vlm.rl.prompts.dataset import load_prompt_dataset
+from megatron_vlm.rl.prompts.encoder import PromptEncoder
 from megatron_vlm.testing.synthesize import synthesize_model_folder
 from megatron_vlm.training.lm_loss import TokenLogprobModel
 
@@ -49,7 +49,7 @@ def test_refilled_slots_equal_decoding_without_cache(kind, vqa, tmp_path):
     model, proc = load_hf_model(str(folder)).eval(), load_processor(str(folder))
     encoder = PromptEncoder(proc, max_frames=4, fps=2.0, max_new_tokens=4, max_tokens=4096)
     prompts = [encoder.encode(s) for s in load_prompt_dataset(vqa, schema="messages").samples]
-    res = PolicyRolloutEngine(model, proc.tokenizer, eos_token_ids=[-1], max_num_seqs=2).generate(
+    res = PolicyRolloutEngine(model, proc.tokenizer, EngineOptions(eos_token_ids=[-1], max_num_seqs=2)).generate(
         prompts, SamplingParams(max_new_tokens=4, n=2, temperature=0.0))
     assert res.stats["prefill_calls"] == 3  # one prompt per refill
     for s in res.samples:

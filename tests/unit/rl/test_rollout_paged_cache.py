@@ -7,11 +7,12 @@ is refused. Tiny random Qwen2.5-VL, images in the prompts, prompts of different 
 import pytest
 import torch
 
+from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
 from megatron_vlm.models import build_model
 from megatron_vlm.models.common.slot_cache import PagedSlotCache
-from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine
 from tests.fixtures import tiny_qwen2_5_vl as F
+from tests.fixtures.rollout_engine import make_engine
 
 
 class Tok:
@@ -35,7 +36,7 @@ def setup():
 
 
 def _generate(model, prompts, params, **kw):
-    eng = PolicyRolloutEngine(model, Tok(), eos_token_ids=[-1], max_num_seqs=4, **kw)
+    eng = make_engine(model, Tok(), eos_token_ids=[-1], max_num_seqs=4, **kw)
     return eng.generate(prompts, params, generator=torch.Generator().manual_seed(3)).samples
 
 
@@ -62,7 +63,7 @@ def test_pool_too_small_is_refused_and_blocks_are_returned(setup):
     with pytest.raises(RuntimeError, match="kv_cache_blocks"):
         _generate(model, prompts, params, kv_block_size=4, kv_cache_blocks=2)
     with pytest.raises(ValueError, match="kv_block_size"):
-        PolicyRolloutEngine(model, Tok(), kv_block_size=1)
+        PolicyRolloutEngine(model, Tok(), EngineOptions(kv_block_size=1))
     cache = PagedSlotCache(model.new_cache(5, 4), num_slots=2, max_len=12)
     cache.reserve(0, 9)  # 3 blocks of 4
     assert not cache.can_reserve(5) and cache.can_reserve(4)

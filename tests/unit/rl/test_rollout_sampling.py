@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from megatron_vlm.rl.rollout.sampling import filter_logits, sample_tokens
-from megatron_vlm.rl.rollout.stopping import StopChecker, eos_token_ids_of
+from megatron_vlm.inference.sampling import filter_logits, sample_tokens
+from megatron_vlm.inference.stopping import StopChecker, eos_token_ids_of
 
 
 def reference_support(logits: list[float], top_k: int, top_p: float) -> set[int]:
@@ -147,7 +147,7 @@ def test_inverse_cdf_draws_follow_the_distribution_and_respect_the_support():
 def test_same_device_reads_a_bare_cuda_as_the_current_index(monkeypatch):
     """A generator made with device="cuda" reports `cuda`, a tensor on it `cuda:0`: the same device. A plain `!=`
     said they differ, and the engine refused every sampled rollout on a GPU (seen on an H200)."""
-    from megatron_vlm.rl.rollout.sampling import same_device
+    from megatron_vlm.inference.sampling import same_device
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert same_device(torch.device("cuda"), torch.device("cuda:0"))
@@ -158,7 +158,7 @@ def test_same_device_reads_a_bare_cuda_as_the_current_index(monkeypatch):
 
 
 def test_same_device_without_a_current_device_compares_indices():
-    from megatron_vlm.rl.rollout.sampling import same_device
+    from megatron_vlm.inference.sampling import same_device
 
     assert not same_device(torch.device("meta", 0), torch.device("meta"))  # torch.meta has no current_device
     assert same_device(torch.device("meta", 0), torch.device("meta", 0))

@@ -1,4 +1,4 @@
-"""`rl.skip_zero_advantage`: the update leaves completions with advantage exactly 0 out of its forwards and
+"""`rl.update.skip_zero_advantage`: the update leaves completions with advantage exactly 0 out of its forwards and
 backwards, and the step is the one that forwards them (same parameters up to float rounding), because their
 loss and gradient are 0 and the normaliser still counts them.
 
@@ -26,9 +26,9 @@ def _run(skip: bool, steps, **rl_kw):
     """GRPOStep with AdamW; runs `steps` (a list of prompt batches); returns (parameters, metrics, tokens forwarded)."""
     rl = _rl(skip_zero_advantage=skip, **rl_kw)
     grpo, _, _ = _grpo(rl, _pool(40))
-    policy = grpo.bundle.wrapper
+    policy = grpo.policy.bundle.wrapper
     opt = torch.optim.AdamW(policy.parameters(), lr=0.05, weight_decay=0.1)
-    grpo.optim = OptimState(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+    grpo.policy.optim = OptimState(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
     seen = {"tokens": 0}
     forward = policy.forward
 
@@ -46,7 +46,7 @@ def test_skipping_zero_advantage_completions_gives_the_same_update_with_fewer_to
     steps = [pool[:4], pool[4:8]]
     p_on, m_on, tok_on, grpo = _run(True, steps)
     p_off, m_off, tok_off, _ = _run(False, steps)
-    assert grpo.skip_zero_adv
+    assert grpo.policy.skip_zero_adv
     assert tok_on < tok_off  # the constant groups were not forwarded
     assert [m["train/zero_adv_skipped"] for m in m_on] == [6.0, 6.0]  # 2 constant groups of G = 3 per step
     assert "train/zero_adv_skipped" not in m_off[0]
@@ -75,7 +75,7 @@ def test_a_step_with_only_zero_advantages_still_steps_the_optimizer():
 
 
 @pytest.mark.parametrize("why, kw, bundle", [
-    ("rl.skip_zero_advantage = false", dict(skip_zero_advantage=False), {}),
+    ("rl.update.skip_zero_advantage = false", dict(skip_zero_advantage=False), {}),
     ("kl_coef", dict(kl_coef=0.1), {}),
     ("entropy_coef", dict(entropy_coef=0.01), {}),
     ("MoE", {}, {"moe_balancer": NS()}),
@@ -83,25 +83,25 @@ def test_a_step_with_only_zero_advantages_still_steps_the_optimizer():
 def test_nothing_is_skipped_where_the_zero_advantage_gradient_is_not_zero(why, kw, bundle):
     grpo, _, _ = _grpo(_rl(**kw), _pool(4))
     for k, v in bundle.items():
-        setattr(grpo.bundle, k, v)
-    on, reason = grpo._skip_zero_advantage()
+        setattr(grpo.policy.bundle, k, v)
+    on, reason = grpo.policy.skip_zero_advantage()
     assert not on and why in reason
-    grpo.skip_zero_adv = on
-    assert grpo.trains(NS(advantage=0.0))
+    grpo.policy.skip_zero_adv = on
+    assert grpo.policy.trains(NS(advantage=0.0))
 
 
 def _old_logprob_counts(monkeypatch) -> list[int]:
     """Records how many samples each old-log-prob forward is given."""
-    from megatron_vlm.rl.grpo_step import GRPOStep
+    from megatron_vlm.rl.policy_update import PolicyUpdate
 
     counts: list[int] = []
-    real = GRPOStep._recompute_old_logprobs
+    real = PolicyUpdate.recompute_old_logprobs
 
     def spy(self, samples, dummy):
         counts.append(len(samples))
         return real(self, samples, dummy)
 
-    monkeypatch.setattr(GRPOStep, "_recompute_old_logprobs", spy)
+    monkeypatch.setattr(PolicyUpdate, "recompute_old_logprobs", spy)
     return counts
 
 

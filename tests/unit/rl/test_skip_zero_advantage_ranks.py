@@ -1,4 +1,4 @@
-"""`rl.skip_zero_advantage` on two data-parallel ranks (gloo, DistributedDataParallel): rank 0's prompts are all
+"""`rl.update.skip_zero_advantage` on two data-parallel ranks (gloo, DistributedDataParallel): rank 0's prompts are all
 constant (every completion has advantage 0, nothing to forward), rank 1's informative. The ranks must still make
 the same collective calls (DDP all-reduces in every backward, the step sums counts across ranks): rank 0 runs one
 zero-gradient forward where rank 1 trains, in the update and in the old-log-prob forward of recompute_logprobs,
@@ -32,7 +32,7 @@ def _run(rank: int, skip: bool, **rl_kw):
                 moe_balancer=None)
     pool = _pool(8)  # p0, p2, ... constant; round-robin shards: rank 0 gets p0, p2, rank 1 gets p1, p3
     grpo = GRPOStep(ctx, bundle, OptimState(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)), rl,
-                    Engine(rl.group_size, rl.max_new_tokens), Encoder(), Manager(pool))
+                    Engine(rl.batch.group_size, rl.rollout.max_new_tokens), Encoder(), Manager(pool))
     metrics = [grpo.run(i, pool[4 * i:4 * i + 4], prompt_pool=pool) for i in range(2)]
     return [p.detach().clone() for p in policy.parameters()], metrics
 

@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_vlm.config import ConfigError
 from megatron_vlm.config.loader import from_dict
-from megatron_vlm.rl.async_allocation import parse_allocation
-from megatron_vlm.rl.config import RLConfig
-from megatron_vlm.rl.rollout.vllm_config import VLLMConfig
+from megatron_vlm.errors import ConfigError
+from megatron_vlm.rl.asynchronous.allocation import parse_allocation
+from megatron_vlm.rl.config import RLConfig, VLLMConfig
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -29,7 +28,7 @@ def test_every_vllm_key_loads_with_the_vllm_backend():
 
 @pytest.mark.parametrize("rl,want", [
     ({"rollout_backend": "sglang"}, r"^rl\.rollout_backend: must be one of"),
-    ({"vllm": {"max_num_seqs": 8}}, r"^rl\.vllm: the \[rl\.vllm\] section is only read with rollout_backend = 'vllm'"),
+    ({"vllm": {"max_num_seqs": 8}}, r"^rl\.vllm: the \[rl\.vllm\] table is only read with rollout_backend = 'vllm'"),
     ({"allocation": "vllm:d1+d1"}, r"^rl\.allocation: 'vllm:d1\+d1' puts the rollout ranks on vLLM but rollout_backend"),
     ({"allocation": "sglang:d1+d1"}, r"^rl\.allocation: 'sglang:d1\+d1': the 'sglang' back end is not supported"),
     ({"allocation": "sglang:d1+d1", "rollout_backend": "vllm"}, r"^rl\.allocation: .*'sglang' back end is not supported"),
@@ -42,10 +41,14 @@ def test_every_vllm_key_loads_with_the_vllm_backend():
     ({"rollout_backend": "vllm", "vllm": {"sleep_level": 2}}, r"^rl\.vllm\.sleep_level: only read with sleep_mode"),
     ({"rollout_backend": "vllm", "vllm": {"weight_bucket_mb": 0}}, r"^rl\.vllm\.weight_bucket_mb"),
     ({"rollout_backend": "vllm", "vllm": {"swap_space": 4}}, r"^rl\.vllm\.swap_space"),  # unknown key: strict loader
-    ({"rollout_backend": "vllm", "rollout_weights": "copy"}, r"^rl\.rollout_weights: a setting of the built-in engine"),
-    ({"rollout_backend": "vllm", "kv_block_size": 16, "rollout_weights": "copy"}, r"^rl\.(rollout_weights|kv_block_size): a setting"),
-    ({"rollout_backend": "vllm", "rollout_batch_prompts": 4}, r"^rl\.rollout_batch_prompts: a setting of the built-in engine"),
-    ({"rollout_backend": "vllm", "rollout_memory_gib": 1.0}, r"^rl\.rollout_memory_gib: a setting of the built-in engine"),
+    ({"rollout_backend": "vllm", "rollout": {"weights": "copy"}}, r"^rl\.rollout\.weights: a setting of the built-in engine"),
+    ({"rollout_backend": "vllm", "rollout": {"cuda_graphs": "auto"}}, r"^rl\.rollout\.cuda_graphs: a setting of the built-in"),
+    ({"rollout_backend": "vllm", "rollout": {"kv_block_size": 16, "weights": "copy"}}, r"^rl\.rollout\.(weights|kv_block_size): a setting"),
+    ({"rollout_backend": "vllm", "rollout": {"kv_block_size": 16, "kv_cache_blocks": 64, "weights": "copy"}},
+     r"^rl\.rollout\.(weights|kv_block_size|kv_cache_blocks): a setting"),
+    ({"rollout_backend": "vllm", "rollout": {"batch_prompts": 4}}, r"^rl\.rollout\.batch_prompts: a setting of the built-in engine"),
+    ({"rollout_backend": "vllm", "rollout": {"memory_gib": 1.0}}, r"^rl\.rollout\.memory_gib: a setting of the built-in engine"),
+    ({"rollout_backend": "vllm", "kv_block_size": 16}, r"^rl\.kv_block_size: .*rollout\.kv_block_size"),  # the old flat name
     ({"rollout_backend": "vllm", "allocation": "vllm:d1+d1"}, r"^rl\.allocation: .*asynchronous loop's rollout ranks run the built-in"),
 ])
 def test_refused_naming_the_key(rl, want):
@@ -60,7 +63,7 @@ def test_allocation_keeps_the_engine_name():
 
 
 def test_engine_refuses_sleep_mode_off_cuda_before_importing_vllm():
-    from megatron_vlm.rl.rollout.vllm_engine import VLLMRolloutEngine
+    from megatron_vlm.inference.vllm_engine import VLLMRolloutEngine
 
     with pytest.raises(ConfigError, match=r"^rl\.vllm\.sleep_mode: vLLM's sleep mode needs CUDA"):
         VLLMRolloutEngine("unused", VLLMConfig(sleep_mode=True), dtype=torch.float32, device="cpu", max_model_len=64)
@@ -71,7 +74,8 @@ def test_launcher_check_exits_2_naming_the_key(tmp_path):
     toml.write_text(f'[model]\npath = "{tmp_path / "m"}"\nsynthesize = "tiny_qwen2_5_vl"\n\n'
                     f'[data]\ntype = "synthetic_vqa"\nsynthetic_dir = "{tmp_path / "d"}"\nmax_tokens_per_pack = 256\n\n'
                     f'[train]\nmode = "grpo"\noutput_dir = "{tmp_path / "out"}"\nmax_steps = 1\n\n'
-                    '[rl]\ngroup_size = 2\nprompts_per_step = 2\nmax_new_tokens = 8\nallocation = "vllm:d1+d1"\n')
+                    '[rl]\nallocation = "vllm:d1+d1"\n\n[rl.batch]\ngroup_size = 2\nprompts_per_step = 2\n\n'
+                    '[rl.rollout]\nmax_new_tokens = 8\n')
     cmd = [sys.executable, str(REPO / "launch" / "pretrain_vlm.py"), "--config", str(toml), "--check", "--device-memory-gib", "80"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(REPO))
     lines = r.stderr.strip().splitlines()
@@ -81,7 +85,7 @@ def test_launcher_check_exits_2_naming_the_key(tmp_path):
 def test_engine_refuses_max_model_len_below_the_pack_before_importing_vllm():
     from types import SimpleNamespace as NS
 
-    from megatron_vlm.rl.rollout.vllm_engine import vllm_engine_for_run
+    from megatron_vlm.inference.vllm_engine import vllm_engine_for_run
 
     cfg = NS(rl=NS(vllm=VLLMConfig(max_model_len=512)), data=NS(max_tokens_per_pack=1024), model=NS(path="unused"),
              train=NS(seed=0))

@@ -19,11 +19,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vll
 
 from megatron_vlm.checkpoint.hf import load_hf_model, save_hf_model  # noqa: E402
 from megatron_vlm.data.processor import load_processor  # noqa: E402
+from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams  # noqa: E402
+from megatron_vlm.inference.policy_engine import PolicyRolloutEngine  # noqa: E402
+from megatron_vlm.inference.stopping import eos_token_ids_of  # noqa: E402
 from megatron_vlm.models.common.lora import apply_lora, lora_modules  # noqa: E402
-from megatron_vlm.rl.rollout.engine import RolloutPrompt, SamplingParams  # noqa: E402
-from megatron_vlm.rl.rollout.policy_engine import PolicyRolloutEngine  # noqa: E402
-from megatron_vlm.rl.rollout.stopping import eos_token_ids_of  # noqa: E402
-from megatron_vlm.rl.rollout.vllm_config import VLLMConfig  # noqa: E402
+from megatron_vlm.rl.config import VLLMConfig  # noqa: E402
 from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E402
 from megatron_vlm.testing.tiny_text_model import build_tiny_qwen_text_folder  # noqa: E402
 
@@ -31,7 +31,7 @@ NEW = 12
 
 
 def _engine(folder, model=None, *, eos=()):
-    from megatron_vlm.rl.rollout.vllm_engine import VLLMRolloutEngine
+    from megatron_vlm.inference.vllm_engine import VLLMRolloutEngine
 
     proc = load_processor(str(folder))
     tok = proc.tokenizer
@@ -49,8 +49,8 @@ def _text_prompts(tok):
 
 def _image_prompts(folder, tmp_path):
     from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
-    from megatron_vlm.rl.data import load_prompt_dataset
-    from megatron_vlm.rl.prompts import PromptEncoder
+    from megatron_vlm.rl.prompts.dataset import load_prompt_dataset
+    from megatron_vlm.rl.prompts.encoder import PromptEncoder
 
     vqa = write_synthetic_vqa(tmp_path / "vqa", 2, 3, seed=0)["eval"]
     encoder = PromptEncoder(load_processor(str(folder)), max_frames=4, fps=2.0, max_new_tokens=NEW, max_tokens=1024)

@@ -1,0 +1,677 @@
+"""The built-in rollout engine: continuous batching over a slot KV cache, with the policy model itself.
+
+`PolicyRolloutEngine(model, tokenizer, forward=...)` generates with `model`. Two ways to hold the
+weights (see `load_weights`):
+
+* its own inference copy (`forward=None`, the model is unsharded on the engine's device): the trainer
+  refreshes it once per step with `load_weights(named_tensors, version)`; no collective runs while
+  decoding, so sequences are batched continuously (below);
+* the trainer's parameters (`forward=lambda **kw: wrapper(model_kwargs=kw)`: every call runs inside
+  the FSDP root, parameters all-gathered per call). Cheaper on one device (no copy to keep), but every
+  rank must make the same forward calls, so decoding runs in lock-step batches (below).
+
+One `generate` call:
+
+1. samples wait in a queue (group-major: the n samples of prompt p are p*n ... p*n+n-1);
+2. admission: free slots of a pre-allocated `SlotCache` (`max_num_seqs` slots of prompt + budget
+   tokens) take the next waiting samples. Their prompts, left-padded into one batch, are prefilled
+   once with their images / videos into an ordinary padded cache; only the last position's logits are
+   computed (`logits_to_keep`: hidden states, then the LM head on one row); each prompt's cache row is
+   copied into the slots of its samples (the group shares one prefill; `share_prefix=False`, the
+   benchmark baseline, prefills every sample);
+3. decoding: the next token of every active slot is drawn in one batched call (`sampling.sample_tokens`:
+   temperature, top-k, top-p, behaviour log-probs; the random numbers are drawn for every slot at every
+   step, so a sample's draws depend on its slot and step only, not on which other rows still run) and
+   written to device buffers; the only host sync
+   per step is the stop check (EOS flags, plus the token ids when stop strings are set). Finished
+   slots are freed; with continuous batching a freed slot takes the next waiting sample at once
+   (step 2), so the batch stays full until the queue is empty. The tokens run through the model one
+   step at a time, attention by `kernels.decode_attention` on the slots (no padding), the Mamba2
+   state of the hybrid decoder per slot.
+
+With `kv_block_size` > 0 (`rl.rollout.kv_block_size`) the keys live in a paged pool (`PagedSlotCache`;
+attention-only models, a Mamba2 hybrid is refused: `paged_kv_blocker`): an admitted sample reserves
+the blocks of its prompt + budget and returns them when it finishes, and a waiting sample is admitted
+only when its blocks are free, so a pool (`kv_cache_blocks`, `rl.rollout.kv_cache_blocks`) smaller than slots
+x longest sequence bounds the running batch by memory (GPU); on the CPU it is ~5-9 % slower, so off
+by default.
+
+Lock-step batches (when `all_ranks_active` is given, i.e. under FSDP with the trainer's parameters):
+`max_prompts_per_batch` prompts (0 = all) are admitted at the start of a batch and no slot is refilled
+until it ends; `all_ranks_active(local_active) -> bool` (an all-reduce supplied by the trainer)
+decides whether another decode step runs, and a rank whose rows are all finished steps one dummy row
+(a scratch slot) until every rank is done. The caller gives every rank the same number of prompts.
+
+CUDA graphs (`cuda_graphs`, inference/decode_graphs.py): the decode steps of continuous batching run
+on static buffers per batch-size bucket, captured once per bucket and replayed on CUDA. "auto": on for
+a CUDA device, else off; "on": also on the CPU, where the same static step runs eagerly (tests; its
+first runs per bucket are checked for graph safety, a failure raised). Needs the engine's own weights
+copy, the slot layout and a decode step without host reads: "on" with `forward=` (lock-step, FSDP
+parameters) or `kv_block_size` is refused (MoE blocks route graph-safely there: models/common/moe_static.py); "auto"
+falls back to eager steps with a logged reason (also when a capture fails). The slot cache and its
+graphs are kept for the next call of the same slot shape, until `release_memory()`.
+
+Interruption and versions: `interrupt()` (from another thread) stops `generate` at the next token
+boundary; the result holds the partial completions (reason "interrupted"). `load_weights` from
+another thread waits for the current step and applies to the next one, so the cached prefix of a
+running completion keeps the older version's keys; every token records the version that drew it
+(`RolloutSample.token_versions`). Lock-stepped ranks are not interrupted (a rank leaving alone would
+stall the others' collectives).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from megatron_vlm.data.batch import VISION_KEYS
+from megatron_vlm.errors import ConfigError
+from megatron_vlm.inference.decode_graphs import DecodeStepRunner, GraphUnsafeError
+from megatron_vlm.inference.engine import RolloutEngine, RolloutPrompt, RolloutResult, RolloutSample, SamplingParams
+from megatron_vlm.inference.sampling import same_device, sample_tokens
+from megatron_vlm.inference.stopping import StopChecker, eos_token_ids_of
+from megatron_vlm.models.common.kv_cache import KVCache
+from megatron_vlm.models.common.moe import MoE, moe_layers
+from megatron_vlm.models.common.slot_cache import PagedSlotCache, SlotCache
+from megatron_vlm.models.common.vlm_base import VLMBase
+from megatron_vlm.models.mcore.layer import native_state_dict
+
+__all__ = ["PolicyRolloutEngine", "CUDA_GRAPH_MODES", "CudaGraphsConfigError", "cuda_graphs_blocker", "PagedKVConfigError",
+           "paged_kv_blocker"]
+
+log = logging.getLogger(__name__)
+
+CUDA_GRAPH_MODES = ("auto", "on", "off")
+
+
+def cuda_graphs_blocker(model, *, trainer_forward: bool = False, kv_block_size: int = 0) -> Optional[str]:
+    """Why the decode step of `model` cannot be captured as a CUDA graph, or None. One function for the
+    engine and `--check` (plan/check.py), so that the check refuses rl.rollout.cuda_graphs = "on" exactly
+    where the job would (a model on the meta device is enough: only its layer kinds are read)."""
+    if trainer_forward:
+        return "the engine calls the trainer's model (forward= / lock-step batches), not its own copy"
+    if kv_block_size:
+        return "the paged KV cache (kv_block_size > 0) changes its block table as samples come and go"
+    foreign = [m for m in moe_layers(model) if not isinstance(m, MoE)]
+    if foreign:  # native MoE blocks route graph-safely in static steps (models/common/moe_static.py)
+        return (f"MoE layers of another backend ({type(foreign[0]).__name__}): their routing sizes the grouped GEMMs "
+                "from the routed counts on the host, which a CUDA graph cannot replay")
+    return None
+
+
+class CudaGraphsConfigError(ConfigError):
+    """`rl.rollout.cuda_graphs = "on"` where the decode step cannot be captured (a config error: exit 2)."""
+
+
+def paged_kv_blocker(model) -> Optional[str]:
+    """Why `model` cannot decode on the paged KV cache (`kv_block_size` > 0), or None. One function for the
+    engine and `--check` (plan/check.py), like `cuda_graphs_blocker`: the pool holds keys / values only, so a
+    decoder whose cache is more than a `KVCache` (the Mamba2 hybrid's per-sequence recurrent states) keeps
+    the slot layout. Asks the model for a one-position cache on the meta device (no memory; a meta-device
+    model is enough)."""
+    probe = model.new_cache(1, 1, device="meta")
+    if isinstance(probe, KVCache):
+        return None
+    return (f"{type(model).__name__}'s decoder keeps per-sequence recurrent (Mamba2) states besides its keys / values "
+            f"({type(probe).__name__}), which stay in the slot layout; the paged cache is for attention-only decoders")
+
+
+class PagedKVConfigError(ConfigError):
+    """`rl.rollout.kv_block_size` > 0 with a model that cannot decode on the paged KV cache (a config error: exit 2)."""
+
+
+def _left_pad(prompts: Sequence[RolloutPrompt], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        n = len(p)
+        if n == 0:
+            raise ValueError(f"prompts[{i}]: empty prompt")
+        ids[i, longest - n:] = p.input_ids.to(torch.long)
+        mask[i, longest - n:] = 1
+    return ids, mask
+
+
+def _vision_inputs(prompts: Sequence[RolloutPrompt]) -> dict:
+    """Vision tensors of the prompts concatenated in prompt order."""
+    out = {}
+    for key in VISION_KEYS:
+        parts = [getattr(p, key) for p in prompts if getattr(p, key) is not None]
+        if parts:
+            out[key] = torch.cat(parts)
+    return out
+
+
+def _vision_token_ids(model) -> list[int]:
+    args = getattr(model, "args", None)
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return [int(getattr(args, n)) for n in names if isinstance(getattr(args, n, None), int)]
+
+
+def _full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with every sharded (DTensor) entry gathered to its full tensor."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        full = getattr(tensor, "full_tensor", None)
+        out[name] = full() if callable(full) else tensor
+    return out
+
+
+@dataclass
+class _Batch:
+    """What one batch of a `generate` call decodes: its prompts (from `offset` in the call's list), the sampling
+    settings, stop criteria, random generator and the call's stats."""
+    prompts: Sequence[RolloutPrompt]
+    offset: int
+    params: SamplingParams
+    checker: StopChecker
+    generator: Optional[torch.Generator]
+    stats: dict
+
+
+@dataclass
+class _Slots:
+    """The batch's KV cache and the decode state around it: waiting samples, prompt prefixes, CUDA-graph runner."""
+    cache: Any
+    queue: deque
+    prefixes: dict
+    num_slots: int
+    runner: Optional[DecodeStepRunner]
+
+
+class _Run:
+    """Device buffers and bookkeeping of one batch of slots (one batch of a `generate` call)."""
+
+    def __init__(self, num_slots: int, budget: int, device) -> None:
+        rows = num_slots + 1  # + the scratch slot
+        self.tokens = torch.zeros(rows, budget, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(rows, budget, dtype=torch.float32, device=device)
+        self.versions = torch.zeros(rows, budget, dtype=torch.long, device=device)
+        self.gen_len = torch.zeros(rows, dtype=torch.long, device=device)
+        self.host_len = [0] * rows
+        self.host_tokens: dict[int, list[int]] = {}  # slot -> tokens (only with stop strings)
+        self.slot_sample: dict[int, int] = {}
+        self.free = deque(range(num_slots))
+        self.budget = budget
+        self.release: Optional[Callable[[int], None]] = None  # the paged cache's: a finished slot's blocks
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the built-in engine decodes, as one value (`PolicyRolloutEngine(model, tokenizer, options, ...)`): built
+    once from `[rl.rollout]` by the GRPO job (`rl/trainer.py`), the asynchronous rollout ranks and the
+    evaluations, or by tests and benchmarks with the fields they vary."""
+    eos_token_ids: Optional[Iterable[int]] = None
+    """Tokens that end a completion (default: the tokenizer's / generation config's)."""
+    pad_token_id: Optional[int] = None
+    cache_dtype: Optional[torch.dtype] = None
+    """Compute dtype of keys / values (bf16 under FSDP mixed precision; default the model's weight dtype)."""
+    device: Optional[torch.device | str] = None
+    max_prompts_per_batch: int = 0
+    """Prompts per lock-step batch (0 = all)."""
+    max_num_seqs: int = 0
+    """Slots of continuous batching (0 = max_prompts_per_batch * n, or every sample of the call)."""
+    share_prefix: bool = True
+    suppress_token_ids: Optional[Iterable[int]] = None
+    """Tokens never generated (default: the model's vision placeholder / start / end tokens)."""
+    kv_block_size: int = 0
+    """> 0: a paged KV cache of blocks of this many positions (attention-only models)."""
+    kv_cache_blocks: int = 0
+    """Blocks of the paged KV cache (0 = enough for every slot at full length)."""
+    cuda_graphs: str = "off"
+    """"auto" | "on" | "off": decode steps on static buffers, captured as CUDA graphs (module docstring)."""
+
+
+class PolicyRolloutEngine(RolloutEngine):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        options: Optional[EngineOptions] = None,
+        *,
+        forward: Optional[Callable[..., torch.Tensor]] = None,
+        all_ranks_active: Optional[Callable[[bool], bool]] = None,
+        sync_from: Optional[torch.nn.Module] = None,
+    ):
+        """`model`: the family model (a `VLMBase`: `new_cache`, forward with `kv_cache=`); `options`: how it decodes
+        (`EngineOptions`); `forward`: how to call the model (default `model`: the engine's own copy, continuous
+        batching); `all_ranks_active`: lock-step decoding with the other ranks (the trainer's FSDP forward);
+        `sync_from`: the trainer's model (possibly FSDP-sharded) whose full weights `load_weights(None, ...)`
+        copies into `model` (the engine's own copy). A paged KV cache with a Mamba2 hybrid decoder is refused
+        (`PagedKVConfigError`), as are CUDA graphs "on" where a decode step cannot be captured."""
+        o = options if options is not None else EngineOptions()
+        eos_token_ids, pad_token_id, cache_dtype, device = o.eos_token_ids, o.pad_token_id, o.cache_dtype, o.device
+        max_prompts_per_batch, max_num_seqs, share_prefix = o.max_prompts_per_batch, o.max_num_seqs, o.share_prefix
+        suppress_token_ids, kv_block_size, kv_cache_blocks = o.suppress_token_ids, o.kv_block_size, o.kv_cache_blocks
+        cuda_graphs = o.cuda_graphs
+        self.options = o
+        if not isinstance(model, VLMBase):
+            raise TypeError(f"{type(model).__name__} is not a family model (VLMBase): cached decoding needs its new_cache()")
+        if max_prompts_per_batch < 0:
+            raise ValueError(f"max_prompts_per_batch: must be >= 0, got {max_prompts_per_batch}")
+        if max_num_seqs < 0:
+            raise ValueError(f"max_num_seqs: must be >= 0, got {max_num_seqs}")
+        if kv_block_size < 0 or kv_cache_blocks < 0 or kv_block_size == 1:
+            raise ValueError(f"kv_block_size (0 or >= 2) / kv_cache_blocks (>= 0): got {kv_block_size} / {kv_cache_blocks}")
+        if kv_block_size:
+            why_not_paged = paged_kv_blocker(model)
+            if why_not_paged:
+                raise PagedKVConfigError(f"rl.rollout.kv_block_size: {kv_block_size} (the paged KV cache) is not possible: {why_not_paged}")
+            log.info("rollout KV cache: paged, %d positions per block, pool of %s", kv_block_size,
+                     f"{kv_cache_blocks} blocks" if kv_cache_blocks else "1 + slots x blocks per slot (derived per batch)")
+        self.kv_block_size, self.kv_cache_blocks = kv_block_size, kv_cache_blocks
+        if cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graphs: must be one of {CUDA_GRAPH_MODES}, got {cuda_graphs!r}")
+        why_not = cuda_graphs_blocker(model, trainer_forward=forward is not None or all_ranks_active is not None,
+                                      kv_block_size=kv_block_size)
+        if cuda_graphs == "on" and why_not:
+            raise CudaGraphsConfigError(f"rl.rollout.cuda_graphs: 'on' is not possible: {why_not}")
+        if cuda_graphs == "auto" and why_not:
+            log.info("rollout CUDA graphs off: %s", why_not)
+            cuda_graphs = "off"
+        self.cuda_graphs = cuda_graphs
+        self._runner: Optional[DecodeStepRunner] = None  # with its slot cache, kept across calls (_kept_runner)
+        self._runner_key: tuple = ()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.forward = forward or model
+        self.owns_forward = forward is None
+        gen_cfg = getattr(model, "hf_generation_config", None)
+        self.eos_token_ids = set(eos_token_ids) if eos_token_ids is not None else eos_token_ids_of(tokenizer, gen_cfg)
+        if pad_token_id is None:
+            pad_token_id = getattr(tokenizer, "pad_token_id", None)
+        self.pad_token_id = int(pad_token_id if pad_token_id is not None else min(self.eos_token_ids))
+        self.cache_dtype = cache_dtype
+        self.device = torch.device(device) if device is not None else None
+        self.max_prompts_per_batch = max_prompts_per_batch
+        self.max_num_seqs = max_num_seqs
+        self.share_prefix = share_prefix
+        self.lockstep = all_ranks_active is not None
+        self.all_ranks_active = all_ranks_active or (lambda active: active)
+        if suppress_token_ids is None:
+            suppress_token_ids = _vision_token_ids(model)
+        self.suppress_token_ids = torch.tensor(sorted(set(int(i) for i in suppress_token_ids)), dtype=torch.long)
+        if sync_from is not None and not self.owns_forward:
+            raise ValueError("sync_from: only for an engine that generates with its own copy (forward=None)")
+        self.sync_from = sync_from
+        self.weight_sync_s = 0.0
+        self.policy_version = 0
+        self._step_lock = threading.RLock()  # re-entrant: a forward hook may load weights
+        self._interrupt = threading.Event()
+        self._pause = threading.Event()  # set by `paused()`: the decode loop leaves the step lock to it
+
+    # ------------------------------------------------------------------ interface
+    def load_weights(self, weights: Optional[Mapping[str, torch.Tensor]] = None, *, version: int) -> None:
+        """`weights` (the model's own state-dict names, full tensors) are copied into the engine's model.
+        None: with `sync_from`, its full weights are gathered (a collective for a sharded model: every rank
+        calls this together) and copied; otherwise the engine shares the trainer's parameters (an optimizer
+        update is already visible) and only the version moves. Waits for a running decode step (another
+        thread) to finish. The time of the copy is reported as `weight_sync_s` in the next result's stats."""
+        t0 = time.perf_counter()
+        if weights is None and self.sync_from is not None:
+            # a trainer with megatron-core layers (parallel.backend = "mcore"): its weights under native names
+            weights = native_state_dict(_full_state_dict(self.sync_from), self.sync_from)
+        with self._step_lock:
+            if weights is not None:
+                missing, unexpected = self.model.load_state_dict(dict(weights), strict=False)
+                if unexpected:
+                    raise KeyError(f"load_weights: unknown parameter names {sorted(unexpected)[:5]}")
+                if missing and len(missing) == len(self.model.state_dict()):
+                    raise KeyError("load_weights: none of the names matches the model's parameters")
+            self.policy_version = int(version)
+            if self._runner is not None:  # graphs hold the parameters' addresses
+                self._runner.weights_loaded()
+        if weights is not None:
+            self.weight_sync_s += time.perf_counter() - t0
+
+    def interrupt(self) -> None:
+        self._interrupt.set()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Context manager (from another thread): decoding stops at the next token boundary and waits
+        until the block ends, so the caller can write new weights into `self.model` in place — the
+        asynchronous trainer's weight push without a staging copy — and set the version with
+        `load_weights(None, version=...)` inside the block. The decoding thread steps aside at its next
+        token boundary (a plain lock would let it re-take the lock at once, step after step)."""
+        self._pause.set()
+        try:
+            with self._step_lock:
+                yield
+        finally:
+            self._pause.clear()
+
+    def release_memory(self) -> None:
+        """The caches of a `generate` call are freed when it returns (no reference cycle holds them); on
+        CUDA the collector and the allocator's cache then give the memory back to the training step. On
+        the CPU there is nothing to give back: a full `gc.collect()` walks every Python object of the
+        process (~0.3-0.9 s per call with transformers / trl imported) for nothing."""
+        self._drop_runner()  # the kept slot cache and graphs (memory pool) of the CUDA-graph decode steps
+        if self._device().type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    def generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams, *,
+                 generator: Optional[torch.Generator] = None) -> RolloutResult:
+        # An engine-owned model decodes under inference mode (less per-op bookkeeping than no_grad: it
+        # matters for small decode steps); the trainer's FSDP model under no_grad, since FSDP keeps
+        # tensors of the forward for later training steps. The returned tensors are ordinary ones.
+        with torch.inference_mode() if self.owns_forward else torch.no_grad():
+            result = self._generate(prompts, params, generator)
+        for s in result.samples:
+            s.token_ids, s.logprobs = s.token_ids.clone(), s.logprobs.clone()
+            s.token_versions = s.token_versions.clone() if s.token_versions is not None else None
+        return result
+
+    def _generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams,
+                  generator: Optional[torch.Generator]) -> RolloutResult:
+        if not prompts:
+            raise ValueError("prompts: nothing to generate from")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompts[{i}]: empty prompt")
+        t0 = time.perf_counter()
+        checker = StopChecker(self.tokenizer, self.eos_token_ids, params.stop)
+        stats = {"prefill_s": 0.0, "decode_s": 0.0, "forward_calls": 0.0, "decode_steps": 0.0, "prefill_calls": 0.0,
+                 "weight_sync_s": self.weight_sync_s}
+        self.weight_sync_s = 0.0
+        n = params.n
+        if self.lockstep:
+            step = self.max_prompts_per_batch or len(prompts)
+            batches = [(start, min(start + step, len(prompts)), (min(step, len(prompts) - start)) * n)
+                       for start in range(0, len(prompts), step)]
+        else:
+            slots = self.max_num_seqs or (self.max_prompts_per_batch * n) or len(prompts) * n
+            batches = [(0, len(prompts), min(slots, len(prompts) * n))]
+        samples: list[RolloutSample] = []
+        interrupted = False
+        try:
+            for start, end, num_slots in batches:
+                if interrupted:
+                    samples += [self._unstarted(prompts, start, i, n) for i in range((end - start) * n)]
+                    continue
+                out, interrupted = self._run(prompts[start:end], start, num_slots, params, checker, generator, stats)
+                samples += out
+        finally:
+            self._interrupt.clear()
+        n_tokens = sum(int(s.token_ids.numel()) for s in samples)
+        return RolloutResult(samples=samples, num_generated_tokens=n_tokens, seconds=time.perf_counter() - t0,
+                             stats=stats, interrupted=interrupted)
+
+    # ------------------------------------------------------------------ internals
+    def _device(self) -> torch.device:
+        if self.device is not None:
+            return self.device
+        return next(self.model.parameters()).device
+
+    def _unstarted(self, prompts, offset: int, i: int, n: int) -> RolloutSample:
+        empty = torch.zeros(0, dtype=torch.long)
+        return RolloutSample(
+            prompt_index=offset + i // n, sample_index=i % n, token_ids=empty, logprobs=torch.zeros(0),
+            text="", finish_reason="interrupted", prompt_length=len(prompts[i // n]),
+            policy_version=self.policy_version, token_versions=empty,
+        )
+
+    def _prefill(self, prompts: Sequence[RolloutPrompt]):
+        """(padded prefill cache, logits of the last position [P, V]) of a batch of prompts."""
+        dev = self._device()
+        ids, mask = _left_pad(prompts, self.pad_token_id)
+        vision = {k: v.to(dev) for k, v in _vision_inputs(prompts).items()}
+        cache = self.model.new_cache(ids.shape[0], ids.shape[1], dtype=self.cache_dtype, device=dev)
+        kwargs = dict(input_ids=ids.to(dev), attention_mask=mask.to(dev), kv_cache=cache, **vision)
+        if self.owns_forward:  # logits_to_keep = 1: the LM head runs on the last position only
+            hidden = self.model(**kwargs, return_hidden=True)[:, -1]
+            lm_head: Any = self.model.lm_head
+            logits = lm_head(hidden)
+        else:
+            logits = self.forward(**kwargs)[:, -1]
+        return cache, logits
+
+    def _decode_runner(self, cache) -> Optional[DecodeStepRunner]:
+        """The static-buffer step runner of this batch's cache, or None (eager steps)."""
+        dev_type = cache.device.type
+        if self.cuda_graphs == "off" or (self.cuda_graphs == "auto" and dev_type != "cuda"):
+            return None
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        return DecodeStepRunner(self.forward, cache, pad_token_id=self.pad_token_id, capture=dev_type == "cuda",
+                                probe=dev_type != "cuda", params=tensors)
+
+    def _graph_step(self, runner: DecodeStepRunner, cache, slots: list[int], feed: torch.Tensor):
+        """Logits of one static step, or None when "auto" gives up on graphs (the step then runs eagerly)."""
+        try:
+            return runner.step(slots, feed)
+        except GraphUnsafeError as e:
+            if self.cuda_graphs == "on":
+                raise
+            log.warning("rollout CUDA graphs off for this engine: %s", e)
+            self.cuda_graphs = "off"
+            runner.drop()
+            return None
+
+    def _admit(self, queue: deque, run: _Run, cache: SlotCache, prompts: Sequence[RolloutPrompt], n: int, prefixes: dict,
+               stats: dict) -> tuple[list[int], Optional[torch.Tensor]]:
+        """Fill free slots with waiting samples: ([slots], logits [len, V]) or ([], None)."""
+        take = []
+        while queue and run.free:
+            if isinstance(cache, PagedSlotCache):
+                tokens = len(prompts[queue[0] // n]) + run.budget
+                if not cache.can_reserve(tokens):
+                    if len(run.free) == cache.num_slots:  # nothing runs that could give blocks back
+                        raise RuntimeError(f"kv_cache_blocks: the pool cannot hold one sample of {tokens} tokens "
+                                           f"({len(cache.free_blocks)} free blocks of {cache.block_size})")
+                    break
+                cache.reserve(run.free[0], tokens)
+            take.append((queue.popleft(), run.free.popleft()))
+        if not take:
+            return [], None
+        key_of = (lambda i: i // n) if self.share_prefix else (lambda i: i)
+        need = list(dict.fromkeys(key_of(i) for i, _ in take if key_of(i) not in prefixes))
+        if need:
+            t0 = time.perf_counter()
+            pcache, logits = self._prefill([prompts[k // (1 if self.share_prefix else n)] for k in need])
+            uses = n if self.share_prefix else 1
+            for row, key in enumerate(need):
+                prefixes[key] = [pcache, row, logits[row], uses]
+            stats["prefill_s"] += time.perf_counter() - t0
+            stats["forward_calls"] += 1
+            stats["prefill_calls"] += 1
+        # one copy per prefilled row into all of its new slots (a group's G slots at once: the row's keys are
+        # gathered once per layer, not once per slot)
+        slots_of: dict = {}
+        for sample, slot in take:
+            slots_of.setdefault(key_of(sample), []).append(slot)
+        for key, group in slots_of.items():
+            cache.load_prefix(group, prefixes[key][0], prefixes[key][1])
+        slots, rows = [], []
+        for sample, slot in take:
+            entry = prefixes[key_of(sample)]
+            run.slot_sample[slot] = sample
+            run.gen_len[slot] = 0
+            run.host_len[slot] = 0
+            run.host_tokens[slot] = []
+            slots.append(slot)
+            rows.append(entry[2])
+            entry[3] -= 1
+            if entry[3] == 0:
+                del prefixes[key_of(sample)]
+        return slots, torch.stack(rows)
+
+    def _run(self, prompts, offset: int, num_slots: int, params: SamplingParams, checker: StopChecker,
+             generator: Optional[torch.Generator], stats: dict) -> tuple[list[RolloutSample], bool]:
+        n, budget = params.n, params.max_new_tokens
+        dev = self._device()
+        total = len(prompts) * n
+        max_len = max(len(p) for p in prompts) + budget
+        cache: Optional[SlotCache] = None
+        if self.kv_block_size:
+            bs = self.kv_block_size
+            blocks = self.kv_cache_blocks or 1 + num_slots * -(-max_len // bs)
+            cache = PagedSlotCache(self.model.new_cache(blocks, bs, dtype=self.cache_dtype, device=dev), num_slots, max_len)
+        runner = None
+        if cache is None:
+            runner = self._kept_runner(num_slots, max_len, dev)
+            cache = runner.cache if runner is not None else SlotCache(
+                self.model.new_cache(num_slots + 1, max_len, dtype=self.cache_dtype, device=dev))
+        run = _Run(num_slots, budget, dev)
+        if isinstance(cache, PagedSlotCache):
+            run.release = cache.release
+        queue = deque(range(total))
+        prefixes: dict = {}
+        try:
+            return self._loop(_Batch(prompts, offset, params, checker, generator, stats), run,
+                              _Slots(cache, queue, prefixes, num_slots, runner))
+        except BaseException:  # a step that failed half-way: nothing of this cache is kept
+            self._drop_runner()
+            raise
+        finally:
+            if self.cuda_graphs == "off":  # "auto" gave up on graphs during the call
+                self._drop_runner()
+
+    def _kept_runner(self, num_slots: int, max_len: int, dev) -> Optional[DecodeStepRunner]:
+        """With graphs on: the slot cache and graphs of an earlier call when the slot count and the slot length
+        (rounded up to 64 positions, so calls with similar lengths match) are the same, else new ones (kept
+        for the next call until `release_memory`). Stale keys of an earlier call lie beyond each slot's length
+        (masked); `load_prefix` rewrites the lengths, Mamba2 states and M-RoPE deltas of an admitted slot."""
+        if self.cuda_graphs == "off" or (self.cuda_graphs == "auto" and dev.type != "cuda"):
+            return None
+        max_len = -(-max_len // 64) * 64
+        key = (num_slots, max_len, str(dev))
+        if self._runner is not None and self._runner_key == key:
+            return self._runner
+        self._drop_runner()
+        cache = SlotCache(self.model.new_cache(num_slots + 1, max_len, dtype=self.cache_dtype, device=dev))
+        self._runner, self._runner_key = self._decode_runner(cache), key
+        return self._runner
+
+    def _drop_runner(self) -> None:
+        if self._runner is not None:
+            self._runner.drop()
+            self._runner = None
+
+    def _loop(self, batch: _Batch, run: _Run, slots: _Slots) -> tuple[list[RolloutSample], bool]:
+        """The admission / sampling / decode-step loop of one batch of slots (`_run`'s cache and buffers)."""
+        prompts, offset, params, checker = batch.prompts, batch.offset, batch.params, batch.checker
+        generator, stats = batch.generator, batch.stats
+        cache, queue, prefixes, num_slots, runner = slots.cache, slots.queue, slots.prefixes, slots.num_slots, slots.runner
+        n, budget = params.n, params.max_new_tokens
+        dev = self._device()
+        total = len(prompts) * n
+        finished: dict[int, tuple] = {}
+        eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=dev)
+        suppress = self.suppress_token_ids.to(dev)
+        stop_strings = bool(checker.stop)
+        cur_slots, cur_logits = self._admit(queue, run, cache, prompts, n, prefixes, stats)
+        if self.lockstep and queue:  # no refill in lock-step batches: every sample must start now
+            raise RuntimeError(f"kv_cache_blocks: {len(queue)} samples of a lock-step batch do not fit the paged cache")
+        interrupted = False
+        t1 = time.perf_counter()
+        while True:
+            while self._pause.is_set():  # `paused()` from another thread: let it take the lock (no starvation)
+                time.sleep(0.0005)
+            with self._step_lock:
+                running: list[int] = []
+                feed = None
+                if cur_slots:
+                    assert cur_logits is not None  # admitted or running slots come with their logits
+                    index = torch.as_tensor(cur_slots, dtype=torch.long, device=dev)
+                    uniform = None
+                    if params.temperature > 0:  # one draw per slot and step: a row's numbers do not depend on the others
+                        if generator is not None and not same_device(generator.device, cur_logits.device):
+                            raise ValueError(f"generator: on {generator.device}, logits on {cur_logits.device}")
+                        uniform = torch.rand(num_slots + 1, device=dev, generator=generator).index_select(0, index)
+                    tok, lp = sample_tokens(cur_logits, temperature=params.temperature, top_k=params.top_k,
+                                            top_p=params.top_p, suppress_token_ids=suppress, uniform=uniform)
+                    pos = run.gen_len.index_select(0, index)
+                    run.tokens[index, pos] = tok
+                    run.logprobs[index, pos] = lp.float()
+                    run.versions[index, pos] = self.policy_version
+                    run.gen_len.index_add_(0, index, torch.ones_like(index))
+                    # the stop check: the step's one host sync
+                    if stop_strings:
+                        tok_l = tok.tolist()
+                        is_eos = [t in self.eos_token_ids for t in tok_l]
+                    else:
+                        tok_l, is_eos = None, torch.isin(tok, eos).tolist()
+                    keep = []
+                    for r, slot in enumerate(cur_slots):
+                        run.host_len[slot] += 1
+                        why = "eos" if is_eos[r] else None
+                        if why is None and stop_strings:
+                            assert tok_l is not None  # the tokens are read on the host when stop strings are set
+                            run.host_tokens[slot].append(tok_l[r])
+                            why = checker.check(run.host_tokens[slot])
+                        if why is None and run.host_len[slot] >= budget:
+                            why = "length"
+                        if why is None:
+                            running.append(slot)
+                            keep.append(r)
+                        else:
+                            self._finish(run, slot, why, finished)
+                    if keep:
+                        feed = tok.index_select(0, torch.as_tensor(keep, dtype=torch.long, device=dev))
+                if self._interrupt.is_set() and not self.lockstep:
+                    for slot in running:
+                        self._finish(run, slot, "interrupted", finished)
+                    interrupted = True
+                    break
+                admitted, new_logits = ([], None) if self.lockstep else self._admit(queue, run, cache, prompts, n, prefixes, stats)
+                if not self.all_ranks_active(bool(running or admitted)):
+                    break
+                logits_parts = []
+                if running or self.lockstep:
+                    if not running:  # lock-step: a dummy row on the scratch slot keeps this rank's calls in step
+                        cache.reset_scratch()
+                        slots_now = [cache.scratch_slot]
+                        feed = torch.full((1,), self.pad_token_id, dtype=torch.long, device=dev)
+                    else:
+                        slots_now = running
+                    assert feed is not None  # the running slots' sampled tokens, or the scratch row's pad
+                    logits = None
+                    if runner is not None and self.cuda_graphs != "off":
+                        logits = self._graph_step(runner, cache, slots_now, feed)
+                    if logits is None:
+                        cache.set_active(slots_now)
+                        logits = self.forward(input_ids=feed[:, None], kv_cache=cache)[:, -1]
+                    stats["forward_calls"] += 1
+                    stats["decode_steps"] += 1
+                    if running:
+                        logits_parts.append(logits)
+                if admitted:
+                    logits_parts.append(new_logits)
+                cur_slots = running + admitted
+                cur_logits = torch.cat(logits_parts) if len(logits_parts) > 1 else (logits_parts[0] if logits_parts else None)
+        stats["decode_s"] += time.perf_counter() - t1
+        out = []
+        for i in range(total):
+            if i not in finished:
+                out.append(self._unstarted(prompts, offset, i, n))
+                continue
+            ids, logps, versions, why = finished[i]
+            ids, versions = ids.cpu(), versions.cpu()
+            out.append(RolloutSample(
+                prompt_index=offset + i // n, sample_index=i % n, token_ids=ids, logprobs=logps.cpu(),
+                text=checker.final_text(ids.tolist(), why), finish_reason=why, prompt_length=len(prompts[i // n]),
+                policy_version=int(versions.min()) if versions.numel() else self.policy_version,
+                token_versions=versions,
+            ))
+        return out, interrupted
+
+    @staticmethod
+    def _finish(run: _Run, slot: int, why: str, finished: dict) -> None:
+        """Keep the slot's tokens (device copies, no sync) and free the slot."""
+        length = run.host_len[slot]
+        sample = run.slot_sample.pop(slot)
+        finished[sample] = (run.tokens[slot, :length].clone(), run.logprobs[slot, :length].clone(),
+                            run.versions[slot, :length].clone(), why)
+        run.host_tokens.pop(slot, None)
+        if run.release is not None:
+            run.release(slot)
+        run.free.append(slot)

@@ -1,0 +1,137 @@
+"""Next-token selection for rollouts: temperature, top-k, top-p (nucleus) and greedy, returning the
+chosen tokens with their behaviour log-probs.
+
+Numerics: logits are taken in float32. The behaviour log-prob of a token is read from
+log_softmax(logits / temperature) over the whole vocabulary — the distribution the trainer
+recomputes with `kernels.linear_token_logprobs(..., temperature=...)` — not from the top-k / top-p
+truncated one (truncation only restricts the support of the draw, as in vLLM and verl). Greedy
+(temperature 0) reports log_softmax(logits) at temperature 1.
+
+`suppress_token_ids` are never drawn (nor picked greedily); like top-k / top-p this only restricts
+the support. The rollout engine suppresses a VLM's vision placeholder tokens: a generated
+`<|image_pad|>` would be read as an image slot by the training forward (whose placeholder count
+must equal the image features), so a completion must never contain one.
+
+Top-k and top-p share one descending sort: position >= k is dropped, then a token is dropped when
+the probability mass strictly before it (within the kept set, renormalised) already reaches top_p,
+so the most likely token always survives. Ties at the k-th value are broken by the sort order, so
+exactly k tokens remain.
+
+On the CPU (float32 logits, `megatron_vlm._C` built, not inside `_ext.python_only()`) the untruncated
+draw with given uniforms — what the rollout engine asks at every decoding step without top-k / top-p —
+runs fused in C++ (csrc/cpu_sampling.cpp `sample_rows`: three passes over a row instead of the five
+ATen passes and three [N, V] buffers below, same inverse-CDF rule; tokens equal this module's except
+when a uniform lands within float rounding of a CDF step, log-probs within ~1e-6).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["filter_logits", "same_device", "sample_tokens"]
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """True when a and b name one device: `cuda` (a generator's device) and `cuda:0` (a tensor's) are the
+    same one when 0 is the current device. Plain `==` says they differ."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.index == b.index or a.type == "cpu":
+        return True
+    module = getattr(torch, a.type, None)
+    if module is None or not hasattr(module, "current_device"):  # no notion of a current device: indices decide
+        return False
+    current = module.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
+def filter_logits(scaled: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """`scaled` [N, V] (already divided by the temperature) with the tokens outside the top-k /
+    top-p set set to -inf."""
+    if top_k < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"top_k must be >= 0 and top_p in (0, 1], got top_k={top_k}, top_p={top_p}")
+    vocab = scaled.shape[-1]
+    k_active = 0 < top_k < vocab
+    if not k_active and top_p >= 1.0:
+        return scaled
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if k_active:
+        drop[:, top_k:] = True
+    if top_p < 1.0:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop |= mass_before >= top_p
+    drop[:, 0] = False
+    mask = torch.zeros_like(drop).scatter_(-1, order, drop)
+    return scaled.masked_fill(mask, float("-inf"))
+
+
+def _fused_cpu(x: torch.Tensor) -> bool:
+    """The C++ sampler takes x: what the csrc kernels take (a plain float32 CPU tensor), with the extension loaded."""
+    from megatron_vlm import _ext
+    from megatron_vlm.kernels.csrc.layer_ops import _fits
+
+    return x.shape[-1] > 0 and _fits(x) and _ext.available()
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+    suppress_token_ids: Optional[torch.Tensor] = None,
+    uniform: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [N] int64, behaviour log-probs [N] float32) for next-token logits [N, V].
+
+    `uniform`: [N] draws from U[0, 1), one per row: the token is then found by inverse CDF (the first
+    token whose cumulative probability exceeds u * total), so the caller decides which random number
+    each row gets and a row needs one number, not V; without it, `torch.multinomial` with `generator`."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits: expected [N, vocab], got shape {tuple(logits.shape)}")
+    if temperature < 0:
+        raise ValueError(f"temperature: must be >= 0, got {temperature}")
+    x = logits.float()
+    suppress = suppress_token_ids is not None and suppress_token_ids.numel() > 0
+    sup = suppress_token_ids if suppress_token_ids is not None else torch.empty(0, dtype=torch.long)
+    truncated = (0 < top_k < x.shape[-1]) or top_p < 1.0
+    if uniform is not None and temperature > 0 and uniform.shape != (x.shape[0],):
+        raise ValueError(f"uniform: expected shape ({x.shape[0]},), got {tuple(uniform.shape)}")
+    if uniform is not None and temperature > 0 and not truncated and _fused_cpu(x):
+        from megatron_vlm.kernels.csrc.layer_ops import _ops
+
+        return _ops().sample_rows(x.contiguous(), uniform.float().contiguous(),
+                                  suppress_token_ids if suppress else None, float(temperature))
+
+    def allowed(t: torch.Tensor, fill: float) -> torch.Tensor:
+        return t.index_fill(-1, sup.to(t.device), fill) if suppress else t
+
+    if temperature == 0:
+        tokens = allowed(x, float("-inf")).argmax(dim=-1)
+        logp = torch.log_softmax(x, dim=-1)
+    else:
+        scaled = x if temperature == 1 else x / temperature
+        logp = torch.log_softmax(scaled, dim=-1)
+        if truncated:
+            probs = filter_logits(allowed(scaled, float("-inf")), top_k=top_k, top_p=top_p).softmax(dim=-1)
+        else:  # no truncation: the untruncated probabilities, suppressed tokens zeroed (need not sum to 1)
+            probs = logp.exp()
+            if suppress:  # in place: one [N, V] buffer less per decoding step
+                probs.index_fill_(-1, sup.to(probs.device), 0.0)
+        if uniform is not None:
+            cdf = probs.cumsum_(dim=-1)  # probs is this function's own buffer: the running sum in place
+            total = cdf[:, -1:]
+            # target < total strictly, so the first token with cdf > target (right=True) exists and has
+            # probability > 0 (cdf rises there), never a suppressed or truncated token
+            target = torch.minimum(uniform.to(cdf.dtype)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+            tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+        else:
+            if generator is not None and not same_device(generator.device, probs.device):
+                raise ValueError(f"generator: on {generator.device}, logits on {probs.device}")
+            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

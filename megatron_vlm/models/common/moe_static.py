@@ -1,0 +1,106 @@
+"""Graph-safe routed experts for decode steps: no host read of routing counts, shapes fixed by the batch.
+
+Why: the training / prefill path (`GroupedExperts.forward`: `kernels.moe_permute` -> `grouped_mm` ->
+`moe_unpermute`) sizes its grouped GEMMs from the routed counts on the host, so a decode step of a MoE model
+could not be captured as a CUDA graph (a graph replays fixed shapes and must not read tensor values). Inside
+`static_routing()` (the rollout engine's static decode step) `MoE` computes its experts here instead, in one
+of two forms whose shapes depend only on the number of tokens N, the top-k and the expert count E:
+
+* grouped: the N * k token copies sorted by expert on the device (`argsort`), the group ends as a device
+  tensor (`scatter_add` + `cumsum`), `torch._grouped_mm(..., offs=)` (it reads the ends on the device), the
+  outputs weighted and summed back per token with `index_add_` (fp32). Taken where torch's grouped GEMM
+  takes the operands (its dtype / device / 16-byte stride rules); reads only the experts that got tokens;
+* dense: every token through every expert with batched matmuls, the outputs of the chosen experts weighted
+  and summed (fp32), the others masked out. E / k times the FLOPs, but at decode batch sizes the step is
+  bound by reading the expert weights, which both forms read (every expert is hit once N * k >~ E).
+
+Both give the eager path's result up to the order of the fp32 additions (tested: same greedy tokens).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Callable, Iterator
+
+import torch
+
+_STATIC = contextvars.ContextVar("megatron_vlm_moe_static_routing", default=False)
+
+
+@contextlib.contextmanager
+def static_routing() -> Iterator[None]:
+    """MoE blocks called inside compute their experts graph-safely (this module) instead of the host-sized path."""
+    token = _STATIC.set(True)
+    try:
+        yield
+    finally:
+        _STATIC.reset(token)
+
+
+def static_routing_active() -> bool:
+    return _STATIC.get()
+
+
+def _grouped_mm_takes(x: torch.Tensor, weights: tuple[torch.Tensor, ...], widths: tuple[int, ...]) -> bool:
+    """Whether torch._grouped_mm takes the operands: x's dtype / device, the weights' strides and pointers, the
+    row widths of the activations it will get (16-byte multiples). Metadata only: no tensor value is read."""
+    if not hasattr(torch, "_grouped_mm") or any(w.dtype != x.dtype for w in weights):
+        return False
+    if x.device.type == "cuda":
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 9:
+            return False
+    elif x.device.type != "cpu":
+        return False
+    size = x.element_size()
+    strides = [s for w in weights for s in w.stride() if s != 1] + list(widths)
+    return all(s * size % 16 == 0 for s in strides) and all(w.data_ptr() % 16 == 0 for w in weights)
+
+
+def _mlp(first_out: torch.Tensor, gated: bool, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    if gated:
+        gate, up = first_out.chunk(2, dim=-1)
+        return act(gate) * up
+    return act(first_out)
+
+
+def grouped_static(x, topk_ids, topk_weights, first, down, *, gated: bool, act) -> torch.Tensor:
+    """x `[N, in]`, topk `[N, k]`, weights `[E, out, in]` -> `[N, in]` fp32, via torch._grouped_mm on device offsets."""
+    n, k = topk_ids.shape
+    e = first.shape[0]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of = torch.div(order, k, rounding_mode="floor")
+    rows = x.index_select(0, token_of)
+    counts = torch.zeros(e, dtype=torch.int32, device=x.device).scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
+    offs = counts.cumsum(0, dtype=torch.int32)
+    mid = _mlp(torch._grouped_mm(rows, first.transpose(1, 2), offs=offs), gated, act)
+    out_rows = torch._grouped_mm(mid, down.transpose(1, 2), offs=offs)
+    contrib = out_rows.float() * topk_weights.reshape(-1).index_select(0, order).float()[:, None]
+    return torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, token_of, contrib)
+
+
+def dense_static(x, topk_ids, topk_weights, first, down, *, gated: bool, act) -> torch.Tensor:
+    """The same result with every token through every expert (batched matmuls), unchosen experts masked out."""
+    n = x.shape[0]
+    e = first.shape[0]
+    xe = x.unsqueeze(0).expand(e, n, x.shape[1])
+    mid = _mlp(torch.bmm(xe, first.transpose(1, 2)), gated, act)
+    out = torch.bmm(mid, down.transpose(1, 2)).float()  # [E, N, in]
+    weight = torch.zeros(n, e, dtype=torch.float32, device=x.device).scatter_(1, topk_ids, topk_weights.float())
+    chosen = torch.zeros(n, e, dtype=torch.bool, device=x.device).scatter_(1, topk_ids, True)
+    # where, not a product with a zero weight: an unchosen expert's output may be inf in low precision
+    contrib = torch.where(chosen.t()[..., None], out * weight.t()[..., None], out.new_zeros(()))
+    return contrib.sum(0)
+
+
+def experts_static(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   form: str = "auto") -> torch.Tensor:
+    """`GroupedExperts` (`experts`) on x without host reads: "grouped" where torch._grouped_mm takes the
+    operands ("auto"), else "dense"; returns the combined output `[N, in]` in fp32."""
+    first = experts.gate_up_proj if experts.gated else experts.up_proj
+    down = experts.down_proj
+    if form == "auto":
+        ok = _grouped_mm_takes(x, (first, down), (first.shape[2], down.shape[2]))
+        form = "grouped" if ok else "dense"
+    fn = grouped_static if form == "grouped" else dense_static
+    return fn(x, topk_ids, topk_weights, first, down, gated=experts.gated, act=experts.act)

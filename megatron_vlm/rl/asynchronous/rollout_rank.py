@@ -1,0 +1,228 @@
+"""The rollout ranks of asynchronous GRPO: generate, score and hand over groups without waiting for
+training (but never further ahead than `rl.asynchronous.max_head_offpolicyness` allows).
+
+Why its own loop: a rollout rank holds no optimizer and runs no training collective; it only needs the
+prompt stream, an inference copy of the policy, the reward workers and the bridge to training rank 0
+(rl/asynchronous/bridge.py). Three threads per rollout rank:
+
+- generation (the caller's thread): for steps b = start, start + 1, ... (the prompts of step b are the
+  synchronous loop's: `prompt_batches(seed, b)`, rollout rank r taking prompts r, r + N, ...; the
+  sampling generator is `sampling_generator(seed, b, r)`), wait until the engine holds version
+  >= b - max_head_offpolicyness (the staleness gate: every token of step b's samples is then drawn by
+  a version the trainer at step b accepts), then `engine.generate` the rank's prompts (continuous
+  batching; the weights may change between two tokens);
+- weights: receives the trainer's control messages; a weight push is written into the model with
+  decoding paused at a token boundary (rl/asynchronous/weights.py), then the version moves; "stop" ends the
+  rank;
+- scoring: scores each finished step in the reward worker pool while the next step generates, then
+  sends the step's groups to the trainer once the trainer has asked for that step (a "want"
+  message, sent as soon as the trainer holds step b - 1's groups), so no message is ever left without a
+  receiver; a "want" still open when the rank stops is answered with a "stopped" payload, so the
+  trainer's receive of it ends too.
+
+Exit: the trainer's "stop" message (end of the run, or a SIGTERM stop: then 143 like every rank). A
+trainer that dies makes the weight thread's receive fail: the rank logs the error and exits 1. Steps
+generated but not yet trained when the trainer stops are dropped; a resumed run generates them again.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Optional
+
+import torch
+
+from megatron_vlm.checkpoint.hf import load_hf_model
+from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.data.media import MediaLimits
+from megatron_vlm.data.processor import load_processor
+from megatron_vlm.inference.engine import SamplingParams
+from megatron_vlm.inference.generators import sampling_generator
+from megatron_vlm.inference.kv_budget import kv_bytes_per_slot, rollout_prompts_for_budget
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
+from megatron_vlm.parallel.collectives import barrier
+from megatron_vlm.parallel.precision import compute_dtype
+from megatron_vlm.rl.asynchronous.bridge import Role
+from megatron_vlm.rl.asynchronous.weights import receive_weights
+from megatron_vlm.rl.prompts.dataset import prompt_batches
+from megatron_vlm.rl.prompts.encoder import PromptEncoder
+from megatron_vlm.rl.prompts.lengths import drop_unusable_prompts
+from megatron_vlm.rl.prompts.sets import load_prompt_sets
+from megatron_vlm.rl.rewards.manager import RewardManager
+from megatron_vlm.rl.trainer import paged_kv_kwargs
+from megatron_vlm.training.context import RunContext
+
+__all__ = ["run_rollout_rank", "EXIT_STOPPED"]
+
+log = logging.getLogger("megatron_vlm")
+
+EXIT_STOPPED = 143
+
+
+class _State:
+    """What the three threads share."""
+
+    def __init__(self, version: int):
+        self.cond = threading.Condition()
+        self.version = version
+        self.wanted = -1
+        self.sent = -1
+        """The last step whose payload went to the trainer."""
+        """The step the trainer waits for (its "want" message): a step is sent only then, so no message
+        is ever left without a receiver (a trainer stopped by SIGTERM asks for nothing more)."""
+        self.stop = False
+        self.error: Optional[BaseException] = None
+        self.engine: Optional[PolicyRolloutEngine] = None
+
+
+def _sample_payload(s) -> dict:
+    return {"prompt_index": s.prompt_index, "sample_index": s.sample_index, "token_ids": s.token_ids,
+            "logprobs": s.logprobs, "token_versions": s.token_versions, "text": s.text,
+            "finish_reason": s.finish_reason, "prompt_length": s.prompt_length}
+
+
+def run_rollout_rank(ctx: RunContext, role: Role) -> int:
+    cfg, rl, env = ctx.cfg, ctx.cfg.rl, ctx.env
+    bridge = role.bridge
+    if bridge is None:
+        raise RuntimeError("asynchronous GRPO: a rollout rank without its bridge to the trainer")
+    hello = bridge.broadcast_object()  # the trainer has built its prompt sets and loaded its checkpoint
+    start, total = int(hello["start_step"]), int(hello["total_steps"])
+    dtype = compute_dtype(cfg.train.precision, getattr(torch, cfg.model.dtype), env.device)
+    processor = load_processor(cfg.model.path, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
+    bad = BadRecordLog()
+    sets = load_prompt_sets(cfg.data, rl, run_dir=ctx.run_dir, is_main=False, barrier=barrier, bad_records=bad)
+    sets = drop_unusable_prompts(sets, processor, cfg.data, rl, bad)  # the trainer's filter: the same prompts
+    if len(sets.train) != hello["num_prompts"]:
+        raise RuntimeError(f"asynchronous GRPO: this rollout rank reads {len(sets.train)} training prompts, the trainer "
+                           f"{hello['num_prompts']}")
+    encoder = PromptEncoder(processor, max_frames=cfg.data.max_frames, fps=cfg.data.fps, max_new_tokens=rl.rollout.max_new_tokens,
+                            max_tokens=cfg.data.max_tokens_per_pack, limits=MediaLimits.from_config(cfg.data), bad_records=bad)
+    model = load_hf_model(cfg.model.path, dtype=dtype, device=env.device).eval()
+    model.requires_grad_(False)
+    per_batch = rl.rollout.batch_prompts or rollout_prompts_for_budget(
+        rl.rollout.memory_gib, kv_bytes_per_slot(model, torch.finfo(dtype).bits // 8), rl.batch.group_size, cfg.data.max_tokens_per_pack)
+    # CudaGraphsConfigError (exit 2): "on" with a decode step that cannot be captured (a paged cache);
+    # PagedKVConfigError (exit 2): rl.rollout.kv_block_size with a Mamba2 hybrid decoder
+    engine = PolicyRolloutEngine(model, processor.tokenizer,
+                                 EngineOptions(cache_dtype=dtype, device=env.device,
+                                               max_num_seqs=per_batch * rl.batch.group_size,
+                                               cuda_graphs=rl.rollout.cuda_graphs, **paged_kv_kwargs(rl)))
+    receive_weights(model, bridge, bridge.broadcast_object(), engine)  # the trainer's weights at `start`
+    manager = RewardManager(rl.rewards, timeout_s=rl.reward_pool.timeout_s, num_workers=rl.reward_pool.workers,
+                            memory_limit_mb=rl.reward_pool.memory_limit_mb, batch_timeout_s=rl.reward_pool.batch_timeout_s,
+                            value_limit=rl.reward_pool.abs_max)
+    state = _State(engine.policy_version)
+    state.engine = engine
+    todo: "queue.Queue" = queue.Queue()
+    threads = [threading.Thread(target=_weights_loop, args=(state, bridge, model, engine), daemon=True, name="weights"),
+               threading.Thread(target=_score_loop, args=(state, bridge, todo, manager, sets.train), daemon=True,
+                                name="scoring")]
+    for t in threads:
+        t.start()
+    try:
+        _generate_loop(ctx, role, state, engine, encoder, sets.train, todo, start, total)
+        todo.put(None)
+        threads[1].join()
+        threads[0].join()
+    finally:
+        manager.close()
+    if state.error is not None:
+        log.error("rollout rank %d: %s", role.rank, state.error)
+        raise state.error
+    return EXIT_STOPPED if ctx.stop.signum else 0
+
+
+def _generate_loop(ctx, role: Role, state: _State, engine, encoder, train_set, todo, start: int, total: int) -> None:
+    rl, seed, device = ctx.cfg.rl, ctx.cfg.train.seed, ctx.env.device
+    n_rollout, k = role.allocation.rollout, rl.asynchronous.max_head_offpolicyness
+    params = SamplingParams(max_new_tokens=rl.rollout.max_new_tokens, n=rl.batch.group_size, temperature=rl.rollout.temperature,
+                            top_p=rl.rollout.top_p, top_k=rl.rollout.top_k, stop=tuple(rl.rollout.stop))
+    batches = prompt_batches(len(train_set), rl.batch.prompts_per_step, seed=seed, start_step=start)
+    for b in range(start, total):
+        batch = next(batches)
+        t_wait = time.perf_counter()
+        with state.cond:  # the staleness gate
+            state.cond.wait_for(lambda: state.stop or state.version >= b - k)
+            if state.stop:
+                return
+        idle = time.perf_counter() - t_wait
+        t0 = time.perf_counter()
+        indices, prompts = [], []
+        for i in batch[role.rank::n_rollout]:
+            e = encoder.encode(train_set[i])
+            if e is not None:
+                indices.append(i)
+                prompts.append(e)
+        result = engine.generate(prompts, params, generator=sampling_generator(seed, b, role.rank, device)) if prompts else None
+        if state.stop:
+            return
+        todo.put({"step": b, "indices": indices, "result": result, "idle_s": idle,
+                  "busy_s": time.perf_counter() - t0, "skipped": encoder.skipped})
+
+
+def _weights_loop(state: _State, bridge, model, engine) -> None:
+    try:
+        while True:
+            msg = bridge.broadcast_object()
+            if msg["kind"] == "stop":
+                break
+            if msg["kind"] == "want":
+                with state.cond:
+                    state.wanted = int(msg["step"])
+                    state.cond.notify_all()
+                continue
+            receive_weights(model, bridge, msg, engine)
+            with state.cond:
+                state.version = int(msg["version"])
+                state.cond.notify_all()
+    except BaseException as e:  # noqa: BLE001 - handed to the main thread
+        state.error = e
+    with state.cond:
+        state.stop = True
+        state.cond.notify_all()
+    engine.interrupt()
+
+
+def _score_loop(state: _State, bridge, todo, manager, train_set) -> None:
+    try:
+        _score_items(state, bridge, todo, manager, train_set)
+        with state.cond:
+            owed = state.wanted if state.wanted > state.sent and state.error is None else None
+        if owed is not None:  # the trainer waits for a step this rank will not generate: release it
+            bridge.send_object({"step": owed, "stopped": True})
+    except BaseException as e:  # noqa: BLE001 - handed to the main thread
+        state.error = e
+        with state.cond:
+            state.stop = True
+            state.cond.notify_all()
+        if state.engine is not None:
+            state.engine.interrupt()
+
+
+def _score_items(state: _State, bridge, todo, manager, train_set) -> None:
+    """Score and send finished steps until the generation loop ends (None) or the rank stops."""
+    while True:
+        item = todo.get()
+        if item is None:
+            return
+        b, result = item["step"], item["result"]
+        samples = result.samples if result is not None else []
+        owners = [train_set[item["indices"][s.prompt_index]] for s in samples]
+        t0 = time.perf_counter()
+        scored = manager.score([s.text for s in samples], [p.answer for p in owners],
+                               prompts=[p.problem for p in owners], metadata=[p.metadata for p in owners]) if samples else None
+        payload = {"step": b, "indices": item["indices"], "samples": [_sample_payload(s) for s in samples],
+                   "total": scored.total if scored else [], "per_reward": scored.per_reward if scored else {},
+                   "reward_s": time.perf_counter() - t0, "idle_s": item["idle_s"], "busy_s": item["busy_s"],
+                   "gen_s": result.seconds if result is not None else 0.0, "skipped": item["skipped"],
+                   "reward_fail": manager.metrics()}
+        with state.cond:  # send step b once the trainer waits for it
+            state.cond.wait_for(lambda: state.stop or state.wanted >= b)
+            if state.stop:
+                return
+        bridge.send_object(payload)
+        with state.cond:
+            state.sent = b

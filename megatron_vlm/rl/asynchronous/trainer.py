@@ -1,0 +1,220 @@
+"""The training ranks of asynchronous GRPO: the loop's step object that trains on groups completed by
+the rollout ranks and pushes the new weights after every step.
+
+Why a step object and not a loop of its own: the training loop (`training/loop.py`) already owns
+resume, periodic and SIGTERM checkpoints (exit 143), held-out evaluation, metrics and the export; an
+asynchronous step differs from a synchronous one only in where its samples come from and in what
+happens after the update. Per step s (the trainer holds policy version s = steps done):
+
+1. receive step s's groups (training rank 0 from every rollout rank; with M > 1 training ranks the
+   groups are dealt round-robin over them): completions, behaviour log-probs, per-token versions,
+   rewards — the wait is the trainer's idle time. Step s + 1's groups are asked for ("want") as soon as
+   step s's have arrived and received by a background thread while step s trains (`_Prefetch`), so the
+   exchange (the rollout rank's scoring thread waking, pickling, the transfer) overlaps the update
+   instead of adding to every step;
+2. check the staleness bound on every token: s - version <= max_head_offpolicyness (an error, not a
+   warning: the rollout's gate guarantees it);
+3. encode the prompts of the groups (the same encoder as the rollout's), group advantages, and the
+   update of the synchronous step (`GRPOStep.train_on_rounds`: with max_head_offpolicyness > 0 the
+   decoupled loss, proximal log-probs recomputed before the update);
+4. push the weights (rl/asynchronous/weights.py) as version s + 1; the rollout ranks waiting for it go on.
+
+The first push (at construction, after the checkpoint is resumed) sends the whole state dict with the
+run's start step, so a resumed run's rollout continues from the checkpoint's weights; steps that were
+in flight when the job stopped are generated again. `finish()` sends "stop" to the rollout ranks.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.inference.engine import RolloutResult, RolloutSample
+from megatron_vlm.parallel.collectives import all_gather_objects
+from megatron_vlm.rl.algorithms.advantage_estimators import AdvantageSpec
+from megatron_vlm.rl.asynchronous.bridge import Bridge, Role
+from megatron_vlm.rl.asynchronous.weights import push_weights, trainable_names
+from megatron_vlm.rl.grpo_step import GRPOStep
+from megatron_vlm.rl.metrics import PhaseTimer
+from megatron_vlm.rl.prompts.shard import EncodedShard, PromptEncoding
+from megatron_vlm.rl.rounds import Round, shape_round
+from megatron_vlm.rl.trainer import GRPOLoopStep
+from megatron_vlm.training.context import RunContext
+
+__all__ = ["AsyncGRPOLoopStep", "StalenessError"]
+
+log = logging.getLogger("megatron_vlm")
+
+
+class StalenessError(RuntimeError):
+    """A sample arrived with a token older than max_head_offpolicyness allows."""
+
+
+class _Prefetch:
+    """Training rank 0 receives one step's payloads of every rollout rank on a background thread (the
+    bridge's sample group is used by this thread only; control messages and weight pushes stay on the
+    main thread, in order)."""
+
+    def __init__(self, bridge: Bridge, step: int, n_rollout: int):
+        self.step = step
+        self.payloads: Optional[list[dict]] = None
+        self.error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(bridge, n_rollout), daemon=True, name=f"prefetch-{step}")
+        self._thread.start()
+
+    def _run(self, bridge: Bridge, n_rollout: int) -> None:
+        try:
+            self.payloads = [bridge.recv_object(1 + r) for r in range(n_rollout)]
+        except BaseException as e:  # noqa: BLE001 - re-raised by get() on the main thread
+            self.error = e
+
+    def get(self) -> list[dict]:
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.payloads is not None
+        return self.payloads
+
+
+class AsyncGRPOLoopStep(GRPOLoopStep):
+    def __init__(self, ctx: RunContext, train_set: Any, grpo: GRPOStep, role: Role, *, model: torch.nn.Module,
+                 encoder: PromptEncoding, start_step: int, total_steps: int,
+                 evaluate: Optional[Callable[[int], Optional[dict]]] = None, bad_records: Optional[BadRecordLog] = None):
+        super().__init__(ctx, train_set, grpo, evaluate, bad_records=bad_records)
+        self.role, self.model, self.encoder = role, model, encoder
+        self.advantage = AdvantageSpec.from_config(self.rl)
+        self.bridge = role.bridge  # training rank 0 only
+        self.k = self.rl.asynchronous.max_head_offpolicyness
+        self._trainable = trainable_names(model)
+        self._stopped = False
+        self.total_steps = total_steps
+        self._prefetch: Optional[_Prefetch] = None
+        self._last_end = time.perf_counter()
+        if self.bridge is not None:
+            self.bridge.broadcast_object({"kind": "hello", "start_step": start_step, "total_steps": total_steps,
+                                          "num_prompts": len(train_set)})
+        self.push_s = push_weights(model, self.bridge, start_step)
+        log.info("asynchronous GRPO: %d rollout + %d training ranks, max_head_offpolicyness %d, weights of step %d pushed "
+                 "(%.2f s)", role.allocation.rollout, role.allocation.train, self.k, start_step, self.push_s)
+
+    # ------------------------------------------------------------------ one step
+    def _receive(self, step: int) -> list[dict]:
+        """Step `step`'s payloads of every rollout rank, on every training rank."""
+        payloads: Optional[list[dict]] = None
+        if self.bridge is not None:
+            n_rollout = self.role.allocation.rollout
+            pending, self._prefetch = self._prefetch, None
+            if pending is None or pending.step != step:
+                self.bridge.broadcast_object({"kind": "want", "step": step})
+                pending = _Prefetch(self.bridge, step, n_rollout)
+            payloads = pending.get()
+            for r, p in enumerate(payloads):
+                if p["step"] != step or p.get("stopped"):
+                    raise RuntimeError(f"asynchronous GRPO: rollout rank {r} sent step {p['step']}'s samples"
+                                       f"{' (stopped)' if p.get('stopped') else ''}, the trainer is at {step}")
+            if step + 1 < self.total_steps:  # ask for the next step now: it arrives while this one trains
+                self.bridge.broadcast_object({"kind": "want", "step": step + 1})
+                self._prefetch = _Prefetch(self.bridge, step + 1, n_rollout)
+        if self.role.allocation.train > 1:
+            payloads = all_gather_objects(payloads)[0]
+        assert payloads is not None  # training rank 0 received them; the others got rank 0's
+        return payloads
+
+    def _round(self, step: int, payloads: list[dict]) -> Round:
+        """This training rank's groups of the step as a scored round of the synchronous step."""
+        G, M, me = self.rl.batch.group_size, self.role.allocation.train, self.role.rank
+        groups = []  # (dataset index, [sample payloads], [total], {label: [values]})
+        for p in payloads:
+            by_prompt: dict[int, list[int]] = {}
+            for j, s in enumerate(p["samples"]):
+                by_prompt.setdefault(s["prompt_index"], []).append(j)
+            for pi, js in sorted(by_prompt.items()):
+                if len(js) != G:
+                    raise RuntimeError(f"asynchronous GRPO: a group of step {step} has {len(js)} samples, not {G}")
+                groups.append((p["indices"][pi], [p["samples"][j] for j in js], [p["total"][j] for j in js],
+                               {k: [v[j] for j in js] for k, v in p["per_reward"].items()}))
+        mine = groups[me::M]
+        if not mine:
+            raise RuntimeError(f"asynchronous GRPO: step {step} has {len(groups)} groups for {M} training ranks "
+                               "(raise rl.batch.prompts_per_step)")
+        shard_samples, prompts, real, total = [], [], [], []
+        per_reward: dict[str, list[float]] = {label: [] for label in self.grpo.reward_labels}
+        for gi, (idx, samples, tot, per) in enumerate(mine):
+            sample = self.train_set[idx]
+            enc = self.encoder.encode(sample)
+            if enc is None:
+                raise RuntimeError(f"asynchronous GRPO: prompt {sample.prompt_id} encoded on the rollout rank but not here")
+            shard_samples.append(sample)
+            prompts.append(enc)
+            for s in samples:
+                real.append(RolloutSample(prompt_index=gi, sample_index=s["sample_index"], token_ids=s["token_ids"],
+                                          logprobs=s["logprobs"], text=s["text"], finish_reason=s["finish_reason"],
+                                          prompt_length=s["prompt_length"],
+                                          policy_version=int(s["token_versions"].min()) if s["token_versions"].numel() else step,
+                                          token_versions=s["token_versions"]))
+            total += tot
+            for label in per_reward:
+                per_reward[label] += per.get(label, [])
+        shard = EncodedShard(shard_samples, prompts)
+        result = RolloutResult(samples=real, num_generated_tokens=sum(int(s.token_ids.numel()) for s in real))
+        return shape_round(self.rl, self.advantage, shard, result, real, total, per_reward)
+
+    def _staleness(self, step: int, payloads: list[dict]) -> dict[str, float]:
+        lags, interrupted, n = [], 0, 0
+        for p in payloads:
+            for s in p["samples"]:
+                v = s["token_versions"]
+                n += 1
+                if v.numel() == 0:
+                    continue
+                lag = step - v
+                if int(lag.max()) > self.k:
+                    raise StalenessError(f"asynchronous GRPO: a sample of step {step} has a token of version {int(v.min())}, "
+                                         f"{int(lag.max())} versions old (max_head_offpolicyness = {self.k})")
+                lags.append(lag.double())
+                interrupted += int(v.max() != v.min())
+        lag = torch.cat(lags) if lags else torch.zeros(1, dtype=torch.float64)
+        return {"async/version_lag_mean": float(lag.mean()), "async/version_lag_max": float(lag.max()),
+                "async/interrupted_samples": float(interrupted), "async/samples": float(n)}
+
+    def train_step(self, step: int, *, log: bool) -> dict[str, float]:
+        t_wait = time.perf_counter()
+        payloads = self._receive(step)
+        wait_s = time.perf_counter() - t_wait
+        extra = self._staleness(step, payloads)
+        timer = PhaseTimer()
+        rd = self._round(step, payloads)
+        metrics = self.grpo.train_on_rounds(step, [rd], timer, extra_metrics=extra)
+        self.push_s = push_weights(self.model, self.bridge, step + 1, self._trainable)
+        end = time.perf_counter()
+        busy = sum(p["busy_s"] for p in payloads)
+        idle = sum(p["idle_s"] for p in payloads)
+        metrics.update({
+            "async/trainer_idle_frac": wait_s / max(end - self._last_end, 1e-9),
+            "async/trainer_wait_s": wait_s,
+            "async/rollout_idle_frac": idle / max(idle + busy, 1e-9),
+            "async/weight_push_s": self.push_s,
+            "time/rollout_s": sum(p["gen_s"] for p in payloads) / len(payloads),
+            "time/reward_s": sum(p["reward_s"] for p in payloads) / len(payloads),
+            "data/skipped_prompts": float(sum(p["skipped"] for p in payloads)),
+        })
+        for key in payloads[0]["reward_fail"]:
+            metrics[key] = float(sum(p["reward_fail"][key] for p in payloads))
+        self.grpo.reward_watch.update(metrics, step + 1)  # the rollout ranks' calls: rewards that all fail stop the run
+        self._last_end = end
+        metrics["epoch"] = (step + 1) * self.rl.batch.prompts_per_step / len(self.train_set)
+        return metrics if log else {}
+
+    def finish(self) -> None:
+        """Stop the rollout ranks (their steps in flight are dropped), then the synchronous summary."""
+        if self.bridge is not None and not self._stopped:
+            self._stopped = True
+            self.bridge.broadcast_object({"kind": "stop"})
+            if self._prefetch is not None:  # a step asked for but not trained: the rollout ranks answer a "want"
+                self._prefetch.get()       # with its samples or, once stopped, with a "stopped" payload; dropped
+                self._prefetch = None
+        super().finish()

@@ -1,0 +1,341 @@
+"""The policy side of a GRPO step: packed training forwards, reference and old log-probs, the loss and
+the optimizer updates.
+
+Why its own object: the synchronous step, the asynchronous trainer and the benchmarks all train on
+scored samples the same way; they call `PolicyUpdate.train` (or `update` alone) instead of reaching into
+the step. Where the loss's old log-probs come from:
+
+- the rollout's behaviour log-probs (default: the update is on-policy up to rollout numerics);
+- recomputed by a training-layout forward before the update (`rl.recompute_logprobs`, then the rollout /
+  training mismatch is measured and optionally corrected: TIS in the loss, MIS drops sequences here);
+- asynchronous GRPO with stale samples (decoupled PPO): the proximal policy = the trainer's weights before
+  the update; with a single update per step those are the weights of the update's own forward, so its
+  detached log-probs are used and the extra forward is skipped (the same loss value and gradient: ratio
+  exp(0) = 1 instead of exp(+-1e-7); ~30 % less trainer time per step).
+
+Data parallelism: the loss of a mini-batch is normalised by the *global* count of its response tokens
+(token-mean) or sequences (seq-mean) and multiplied by the data-parallel size (FSDP averages gradients),
+so the update equals the one-process update of the whole mini-batch. Ranks with fewer micro-batches in a
+mini-batch run dummy micro-batches whose loss is multiplied by 0 (FSDP's collectives need the same calls
+on every rank). The mini-batch order is a function of (seed, step, epoch, rank).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from megatron_vlm.models.common.prefix_sharing import accepts_prefix_segments
+from megatron_vlm.parallel import clip_grad_norm_
+from megatron_vlm.parallel.collectives import all_reduce_max
+from megatron_vlm.rl.algorithms.loss_terms import kl_penalty, rollout_correction_mask
+from megatron_vlm.rl.algorithms.policy_losses import PolicyLossOutput, PolicyLossSpec, compute_policy_loss
+from megatron_vlm.rl.batching import (
+    TrainSample,
+    group_by_prompt,
+    pack_samples,
+    plan_micro_batches,
+    plan_shared_micro_batches,
+    split_by_response,
+)
+from megatron_vlm.rl.data_shards import DataShards
+from megatron_vlm.rl.metrics import PhaseTimer
+from megatron_vlm.training.step_guard import StepGuard
+
+__all__ = ["PolicyUpdate", "UpdateResult", "mismatch_sums"]
+
+log = logging.getLogger("megatron_vlm")
+
+
+@dataclass
+class UpdateResult:
+    """What one step's updates report to the step metrics (this rank's numbers; summed over ranks there)."""
+    lr: float
+    """The lr of this step's updates (the scheduler has moved on to the next step's)."""
+    moe: Optional[dict[str, float]]
+    """The moe/* metrics of a workload report (None: none this step, or no MoE layers)."""
+    sums: dict[str, float]
+    """Token-weighted sums of the loss metrics over this rank's micro-batches."""
+    weights: dict[str, float]
+    losses: list[float]
+    """Per optimizer update: this rank's share of the loss."""
+    grad_norms: list[float]
+    updates: int
+    diff: tuple[float, float]
+    """(sum |log pi - log pi_rollout|, tokens) before any update of this step: a numerics check."""
+    train_tokens: int
+    mismatch: Optional[dict[str, float]] = None
+    """`mismatch_sums` of the samples whose old log-probs were recomputed (None: not recomputed)."""
+    zero_adv_skipped: int = 0
+    """Samples the update did not forward (advantage 0, `rl.update.skip_zero_advantage`)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def mismatch_sums(samples: Sequence[TrainSample]) -> dict[str, float]:
+    """Sums for the rollout / training mismatch metrics over the samples' tokens: rho = pi_old / pi_rollout
+    (training-side recomputed old log-probs vs the rollout engine's), k3 of KL(pi_rollout || pi_old)."""
+    out: dict[str, float] = {"n": 0, "kl": 0.0, "ratio": 0.0, "min": math.inf, "max": -math.inf, "mis_dropped": 0,
+                             "seqs": len(samples)}
+    for s in samples:
+        assert s.old_logp is not None
+        d = (s.old_logp.double() - s.behav_logp.double()).clamp(-20.0, 20.0)
+        rho = torch.exp(d)
+        out["n"] += int(d.numel())
+        out["kl"] += float(kl_penalty(s.behav_logp.double(), s.old_logp.double(), "k3").sum())
+        out["ratio"] += float(rho.sum())
+        out["min"] = min(out["min"], float(rho.min()))
+        out["max"] = max(out["max"], float(rho.max()))
+    return out
+
+
+def _cat(pieces: Sequence[Optional[torch.Tensor]], what: str) -> torch.Tensor:
+    """The per-sample tensors of a pack, concatenated (each must have been set: a missing one is a bug)."""
+    present = [p for p in pieces if p is not None]
+    if len(present) != len(pieces):
+        raise RuntimeError(f"GRPO update: a sample has no {what}")
+    return torch.cat(present)
+
+
+def _mis_keep(s: TrainSample, cap: float) -> bool:
+    """MIS: the sample's geometric-mean ratio pi_old / pi_rollout lies in [1/cap, cap]."""
+    assert s.old_logp is not None
+    n = s.response_length
+    return bool(rollout_correction_mask(s.old_logp, s.behav_logp, torch.ones(n, dtype=torch.bool), cap=cap,
+                                        seq_ids=torch.zeros(n, dtype=torch.long)).all())
+
+
+class PolicyUpdate:
+    """`train(step, samples, dummy, timer)`: reference and old log-probs, then `rl.batch.ppo_epochs` x
+    `rl.batch.mini_batches_per_step` optimizer updates. `ctx`: the run context (config, ranks, device, `to_device`);
+    `bundle`: the policy (`wrapper`, `trainable_params`, `dims`, `moe_balancer`, `model`); `optim`: optimizer +
+    scheduler; `reference`: the frozen reference (kl_coef > 0) or None; `metrics`: where a MoE workload
+    report's expert table goes (None: not logged)."""
+
+    def __init__(self, ctx: Any, bundle: Any, optim: Any, rl_cfg: Any, *, shards: DataShards,
+                 reference: Any = None, metrics: Any = None):
+        self.ctx, self.bundle, self.optim, self.rl = ctx, bundle, optim, rl_cfg
+        self.reference, self.metrics_logger, self.shards = reference, metrics, shards
+        self.device = shards.device
+        self.max_tokens: int = ctx.cfg.data.max_tokens_per_pack
+        self.max_grad_norm: float = ctx.cfg.train.max_grad_norm
+        self.seed: int = ctx.cfg.train.seed
+        self.guard = StepGuard.from_config(ctx.cfg.train, self.device, what="GRPO update")
+        # asynchronous GRPO with stale samples: the decoupled loss (proximal vs behaviour policy)
+        self.decoupled = rl_cfg.allocation is not None and rl_cfg.asynchronous.max_head_offpolicyness > 0
+        # the loss's settings, validated once here (not per micro-batch)
+        self.loss_spec = PolicyLossSpec.from_config(rl_cfg, decoupled=self.decoupled)
+        self.share_prompts, why = self._prompt_sharing()
+        model = getattr(bundle, "model", None)
+        args = getattr(model, "args", None)
+        self.vision_ids = frozenset(int(t) for t in (getattr(args, "image_token_id", None), getattr(args, "video_token_id", None))
+                                    if t is not None)
+        if ctx.env.rank == 0 and model is not None:
+            log.info("rl.update.prompt_sharing: %s (%s)", "on" if self.share_prompts else "off", why)
+        self.skip_zero_adv, why_skip = self.skip_zero_advantage()
+        if ctx.env.rank == 0 and model is not None:
+            log.info("rl.update.skip_zero_advantage: %s (%s)", "on" if self.skip_zero_adv else "off", why_skip)
+
+    # ------------------------------------------------------------------ settings
+    def _prompt_sharing(self) -> tuple[bool, str]:
+        """Whether the training forwards pack each prompt once per group (`rl.update.prompt_sharing`), and why."""
+        if self.rl.update.prompt_sharing == "off":
+            return False, "rl.update.prompt_sharing = 'off'"
+        model = getattr(self.bundle, "model", None)
+        if model is None or not accepts_prefix_segments(model):
+            return False, f"{type(model).__name__}'s decoder does not support shared prompts"
+        dims = self.bundle.dims
+        if getattr(dims, "tp", 1) > 1 or getattr(dims, "cp", 1) > 1:
+            return False, "not with tensor or context parallelism"
+        return True, "each prompt packed once per group in the training forwards"
+
+    def skip_zero_advantage(self) -> tuple[bool, str]:
+        """Whether the update leaves zero-advantage completions out (`rl.update.skip_zero_advantage`): only where their
+        gradient is exactly zero, and why (decided from the current settings and bundle)."""
+        r = self.rl
+        if not r.update.skip_zero_advantage:
+            return False, "rl.update.skip_zero_advantage = false"
+        if self.reference is not None or r.loss.kl_coef > 0:
+            return False, "kl_coef > 0: the KL term has a gradient at advantage 0"
+        if r.loss.entropy_coef > 0:
+            return False, "entropy_coef > 0: the entropy bonus has a gradient at advantage 0"
+        if getattr(self.bundle, "moe_balancer", None) is not None:
+            return False, "MoE layers: their auxiliary loss and load statistics see every token"
+        return True, "completions with advantage 0 are not forwarded in the update (their gradient is 0)"
+
+    def trains(self, s: TrainSample) -> bool:
+        """Whether the update forwards sample `s` (False: a zero-advantage completion it leaves out)."""
+        return not (self.skip_zero_adv and s.advantage == 0.0)
+
+    # ------------------------------------------------------------------ one step
+    def train(self, step: int, samples: list[TrainSample], dummy: TrainSample, timer: PhaseTimer) -> UpdateResult:
+        """Reference log-probs (kl_coef > 0), old log-probs (recomputed or from the update's forward), MIS, the
+        updates. `dummy`: the sample a rank forwards (loss x 0) when it has fewer packs than another."""
+        r = self.rl
+        if self.reference is not None:
+            with timer.phase("ref"):
+                self.reference_logprobs(samples, dummy)
+        mismatch = None
+        proximal_in_update = (self.decoupled and not r.recompute_logprobs and r.batch.ppo_epochs == 1
+                              and r.batch.mini_batches_per_step == 1 and r.loss.rollout_correction == "none")
+        if (r.recompute_logprobs or self.decoupled) and not proximal_in_update:
+            # MIS decides per sample from its old log-probs (a drop changes the normaliser): every sample; otherwise a
+            # zero-advantage sample's old log-probs reach only its zero loss term, so the skipped ones are not forwarded
+            needs_old = samples if r.loss.rollout_correction == "mis" else [s for s in samples if self.trains(s)]
+            with timer.phase("old_logprob"):
+                self.recompute_old_logprobs(needs_old, dummy)
+            # over the samples whose old log-probs were recomputed (as when the update's own forward gives them)
+            mismatch = mismatch_sums(needs_old)
+            if r.loss.rollout_correction == "mis":
+                kept = [s for s in samples if _mis_keep(s, r.loss.rollout_correction_cap)]
+                mismatch["mis_dropped"] = len(samples) - len(kept)
+                samples = kept
+        with timer.phase("train"):
+            self.bundle.wrapper.train()
+            out = self.update(step, samples, dummy, proximal_from_forward=proximal_in_update)
+        forwarded = [s for s in samples if self.trains(s)]
+        if proximal_in_update:  # old_logp = the update forward's (pre-update) log-probs, of the samples it forwarded
+            mismatch = mismatch_sums(forwarded)
+        out.mismatch = mismatch
+        out.zero_adv_skipped = len(samples) - len(forwarded)
+        return out
+
+    # ------------------------------------------------------------------ forwards
+    def packs(self, samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
+        """The samples in micro-batches of at most `data.max_tokens_per_pack` tokens."""
+        if self.share_prompts:  # a group's samples next to each other, so that a pack holds their prompt once
+            samples = group_by_prompt(samples)
+            plan = plan_shared_micro_batches(samples, self.max_tokens, self.vision_ids)
+        else:
+            plan = plan_micro_batches([s.num_tokens for s in samples], self.max_tokens)
+        return [[samples[i] for i in group] for group in plan]
+
+    def _pack(self, group: Sequence[TrainSample]) -> dict[str, Any]:
+        out: dict[str, Any] = self.ctx.to_device(pack_samples(group, share_prompts=self.share_prompts,
+                                                              vision_token_ids=self.vision_ids))
+        return out
+
+    @torch.no_grad()
+    def reference_logprobs(self, samples: Sequence[TrainSample], dummy: TrainSample) -> None:
+        """Each sample's `ref_logp` under the frozen reference."""
+        packs = self.packs(samples)
+        n = len(packs)
+        if getattr(self.reference, "collective", False):  # the sharded policy's forward: same count on every rank
+            (n,) = all_reduce_max([len(packs)], self.device)
+        with self.reference.on_device():
+            for i in range(n):
+                group = packs[i] if i < len(packs) else [dummy]
+                logp = self.reference.token_logprobs(self._pack(group))
+                if i < len(packs):
+                    for s, piece in zip(group, split_by_response(logp.float().cpu(), group)):
+                        s.ref_logp = piece
+
+    @torch.no_grad()
+    def recompute_old_logprobs(self, samples: Sequence[TrainSample], dummy: TrainSample) -> None:
+        """Each sample's `old_logp` under the current weights (eval mode: no dropout)."""
+        packs = self.packs(samples)
+        (n,) = all_reduce_max([len(packs)], self.device)
+        self.bundle.wrapper.eval()
+        for i in range(n):
+            group = packs[i] if i < len(packs) else [dummy]
+            logp = self.bundle.wrapper(self._pack(group), temperature=self.rl.rollout.temperature)
+            if i < len(packs):
+                for s, piece in zip(group, split_by_response(logp.float().cpu(), group)):
+                    s.old_logp = piece
+
+    # ------------------------------------------------------------------ updates
+    def update(self, step: int, samples: list[TrainSample], dummy: TrainSample, *,
+               proximal_from_forward: bool = False) -> UpdateResult:
+        """The optimizer updates of one step. `proximal_from_forward` (a single update): each sample's old_logp is
+        set from this forward's detached log-probs before the loss (the proximal policy = the current weights)."""
+        r, wrapper, optimizer = self.rl, self.bundle.wrapper, self.optim.optimizer
+        balancer = getattr(self.bundle, "moe_balancer", None)  # None without MoE layers (and on light test bundles)
+        sums: dict[str, float] = {}  # token-weighted sums of the loss metrics over this rank's micro-batches
+        weights: dict[str, float] = {}
+        losses: list[float] = []
+        grad_norms: list[float] = []
+        diff_sum = diff_n = 0.0
+        train_tokens = 0
+        updates = 0
+        dp = self.shards.world
+        for epoch in range(r.batch.ppo_epochs):
+            order = list(range(len(samples)))
+            random.Random(((self.seed * 1_000_003 + step) * 131 + epoch) * 8191 + self.shards.rank).shuffle(order)
+            for m in range(r.batch.mini_batches_per_step):
+                mb = [samples[i] for i in order[m::r.batch.mini_batches_per_step]]
+                # the normaliser counts every sample of the mini-batch, the forwards skip zero-advantage ones
+                packs = self.packs([s for s in mb if self.trains(s)])
+                g_tokens, g_seqs = self.shards.sum([sum(s.response_length for s in mb), len(mb)])
+                (n_packs,) = all_reduce_max([len(packs)], self.device)
+                if g_tokens == 0:
+                    continue  # every group of this mini-batch was dropped on every rank
+                # nothing left to forward anywhere (all advantages 0): one dummy forward, so every parameter gets
+                # its zero gradient and the optimizer steps (momentum, weight decay) as it would have
+                n_packs = max(n_packs, 1)
+                normalizer = {"token-mean": g_tokens, "seq-mean": g_seqs}.get(r.loss.loss_agg, g_seqs * r.rollout.max_new_tokens)
+                loss_sum = 0.0
+                for i in range(n_packs):
+                    is_real = i < len(packs)
+                    group = packs[i] if is_real else [dummy]
+                    batch = self._pack(group)
+                    logp, ent = wrapper(batch, temperature=r.rollout.temperature, return_entropy=True)
+                    # MoE auxiliary loss of this forward (None without MoE layers or aux_loss_coef = 0),
+                    # averaged over the mini-batch's packs as the SFT loop averages over micro-batches
+                    aux = balancer.aux_loss() if balancer is not None else None
+                    if not is_real:
+                        (logp.sum() * 0.0 + (aux * 0.0 if aux is not None else 0.0)).backward()
+                        continue
+                    train_tokens += int(batch["input_ids"].numel())
+                    if proximal_from_forward:
+                        for s, piece in zip(group, split_by_response(logp.detach().float().cpu(), group)):
+                            s.old_logp = piece
+                    out = self.loss(logp, ent, group, normalizer)
+                    total_loss = out.loss * dp
+                    if aux is not None:
+                        total_loss = total_loss + aux / n_packs
+                    total_loss.backward()
+                    loss_sum += float(out.loss.detach())
+                    n_tok = float(out.num_tokens)
+                    for k, v in out.metrics.items():
+                        if k != "pg_loss" and not k.startswith("mismatch_"):  # mismatch: once per step, in train()
+                            sums[k] = sums.get(k, 0.0) + float(v) * n_tok
+                            weights[k] = weights.get(k, 0.0) + n_tok
+                    if epoch == 0 and m == 0:  # the policy before any update of this step vs the rollout's numbers
+                        behav = torch.cat([s.behav_logp for s in group]).to(logp.device)
+                        diff_sum += float((logp.detach().float() - behav).abs().sum())
+                        diff_n += float(behav.numel())
+                grad_norms.append(float(clip_grad_norm_(self.bundle.trainable_params, self.max_grad_norm)))
+                if self.guard.allow(loss_sum, grad_norms[-1], step=step + 1):  # non-finite: skip, count
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(loss_sum)
+                updates += 1
+        lr = self.optim.scheduler.get_last_lr()[0]  # the lr of this step's updates (step() moves to the next)
+        self.optim.scheduler.step()
+        # MoE load balancing once per GRPO step, as the SFT loop does per optimizer step: the loads of
+        # all this step's training forwards (summed over ranks) move the score-correction biases, and
+        # every n_step_per_workload_report steps the moe/* metrics and the expert-load table are reported
+        moe_report = balancer.after_step(step + 1) if balancer is not None else None
+        if moe_report is not None and self.metrics_logger is not None:
+            self.metrics_logger.log_moe_table(step + 1, moe_report[1])
+        return UpdateResult(lr=lr, moe=moe_report[0] if moe_report is not None else None, sums=sums, weights=weights,
+                            losses=losses, grad_norms=grad_norms, updates=updates, diff=(diff_sum, diff_n),
+                            train_tokens=train_tokens)
+
+    def loss(self, logp: torch.Tensor, ent: torch.Tensor, group: Sequence[TrainSample], normalizer: float) -> PolicyLossOutput:
+        """The policy loss of one packed micro-batch (its share of the mini-batch's normaliser)."""
+        r = self.rl
+        lengths = torch.tensor([s.response_length for s in group], device=logp.device)
+        adv = torch.repeat_interleave(torch.tensor([s.advantage for s in group], device=logp.device), lengths)
+        old = _cat([s.old_logp for s in group], "old_logp").to(logp.device)
+        ref = _cat([s.ref_logp for s in group], "ref_logp").to(logp.device) if self.reference is not None else None
+        seq_ids = torch.repeat_interleave(torch.arange(len(group), device=logp.device), lengths)
+        mask = torch.ones_like(logp, dtype=torch.bool)
+        rollout = torch.cat([s.behav_logp for s in group]).to(logp.device) if r.loss.rollout_correction != "none" else None
+        behav = torch.cat([s.behav_logp for s in group]).to(logp.device) if self.decoupled else None
+        return compute_policy_loss(self.loss_spec, logp, old, adv.to(logp.dtype), mask, seq_ids=seq_ids,
+                                   normalizer=float(normalizer), ref_logp=ref, entropy=ent, rollout_logp=rollout,
+                                   behav_logp=behav)

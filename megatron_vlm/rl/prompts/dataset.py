@@ -1,0 +1,371 @@
+"""GRPO prompt datasets: Geometry3K, ViRL39K and messages-format JSONL, read from local files.
+
+The files are found and read by the data pipeline's reader (`megatron_vlm.data.table_rows`, the one
+SFT uses): a file, a folder searched recursively or a glob of .parquet / .arrow / .jsonl files, the
+same rows in the same order, bad rows named by the same file and line / row. This module maps those
+rows to prompts.
+
+A prompt sample is a chat prompt (system turn optional, one user turn with images and text, no
+assistant turn) plus the reference answer the reward verifiers compare against. Messages use the
+normalised structure of megatron_vlm.data.messages: user content is a list of
+{"type": "image", "image": ref} and {"type": "text", "text": str} items, where ref is an absolute
+path or the image's encoded bytes (decoded later by the data pipeline's processor).
+
+Schemas (column names of the public releases):
+    geometry3k  (hiyouga/geometry3k)   images: list of images ({bytes, path} structs or paths),
+                                       problem: str with "<image>" placeholders, answer: str
+    virl39k     (TIGER-Lab/ViRL39K)    question: str with "<image>" placeholders, answer: str
+                                       (usually "\\boxed{...}"), image: list of paths relative to
+                                       the release folder ("images/..."), qid, category, source,
+                                       PassRate_32BTrained, PassRate_7BBase
+    messages    ({"messages": [...], "answer": ...} JSONL, e.g. the synthetic VQA eval set): the
+                                       turns before the last assistant turn are the prompt; the
+                                       reference is "answer", else the last assistant turn
+
+The user text is `prompt_template.format(problem=...)` ([rl] prompt_template). Images go where the
+"<image>" placeholders are; a row without placeholders gets its images before the text (about 2% of
+ViRL39K rows lost theirs in conversion). Rows that cannot be used (missing image file, more
+placeholders than images, empty question or answer; a JSON line that is not UTF-8 or nested too
+deeply to parse; any other exception while mapping one row, as "unexpected_error") are skipped,
+listed in `skipped` with the reason and counted in `bad_records` with the SFT categories, so one
+bad row does not stop a run.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Literal, Optional, Sequence
+
+from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpected
+from megatron_vlm.data.data_files import HF_SUFFIXES, DataFileError
+from megatron_vlm.data.messages import Record
+from megatron_vlm.data.table_rows import TableRows
+from megatron_vlm.errors import ConfigError
+
+__all__ = [
+    "IMAGE_PLACEHOLDER",
+    "PromptSample",
+    "PromptDataset",
+    "detect_schema",
+    "load_prompt_dataset",
+    "prompt_batches",
+]
+
+logger = logging.getLogger(__name__)
+
+IMAGE_PLACEHOLDER = "<image>"
+Schema = Literal["auto", "geometry3k", "virl39k", "messages"]
+# (a load with an explicit `columns` mapping reports schema "columns", or the preset it equals)
+_SCHEMA_COLUMNS = {
+    "geometry3k": ("problem", "answer", "images"),
+    "virl39k": ("question", "answer", "image"),
+}
+_VIRL_META = ("category", "source", "PassRate_32BTrained", "PassRate_7BBase")
+
+
+@dataclass
+class PromptSample:
+    prompt_id: str
+    """Stable id: the dataset's id column (ViRL39K qid) or "<file>:<row>"."""
+    messages: list[dict]
+    """Chat prompt without an assistant turn (see module docstring)."""
+    answer: str
+    """Reference answer for the verifiers."""
+    problem: str
+    """The question text without image placeholders (passed to verifiers as `prompt`, e.g. to read
+    multiple-choice options)."""
+    metadata: dict = field(default_factory=dict)
+    """Other columns (category, source, pass rates, question_type, choices, ...)."""
+
+    def images(self) -> list:
+        return [it["image"] for m in self.messages if isinstance(m["content"], list) for it in m["content"] if it["type"] == "image"]
+
+    source: str = ""
+    """The data file the row came from (empty for samples built in code)."""
+    index: int = -1
+    """The row's place in `source`: 1-based line of a JSONL file, 0-based row of a table."""
+
+    def to_record(self, source: str = "", index: int = -1) -> Record:
+        """The sample as a `megatron_vlm.data.messages.Record` whose last assistant turn is the
+        reference answer: `process_record(record, proc, for_generation=True)` then gives the
+        generation prompt's tokens and vision inputs, with the answer in `.answer`."""
+        meta = dict(self.metadata, prompt_id=self.prompt_id, problem=self.problem, answer=self.answer)
+        return Record(self.messages + [{"role": "assistant", "content": self.answer}], source or self.prompt_id, index, meta)
+
+
+@dataclass
+class PromptDataset:
+    samples: list[PromptSample]
+    schema: str
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    """(row id, reason) of rows that were left out."""
+    bad_records: BadRecordLog = field(default_factory=BadRecordLog)
+    """The same rows by (file, line / row, category), counted as the SFT data loader counts them."""
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> PromptSample:
+        return self.samples[i]
+
+
+def detect_schema(columns: Sequence[str]) -> str:
+    """Which schema a table with these columns follows; ValueError if none."""
+    cols = set(columns)
+    if "messages" in cols:
+        return "messages"
+    for name, required in _SCHEMA_COLUMNS.items():
+        if set(required) <= cols:
+            return name
+    raise DataFileError(
+        f"prompt data: columns {sorted(cols)} match no schema; expected geometry3k {list(_SCHEMA_COLUMNS['geometry3k'])}, "
+        f"virl39k {list(_SCHEMA_COLUMNS['virl39k'])} or messages ['messages', 'answer']"
+    )
+
+
+# --- building prompts ------------------------------------------------------------------------------------
+
+
+def _image_ref(value: Any, root: Path, row_id: str) -> Any:
+    if isinstance(value, dict):  # Hugging Face Image feature: {"bytes": ..., "path": ...}
+        if value.get("bytes"):
+            return value["bytes"]
+        value = value.get("path")
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, str) and value:
+        p = Path(value)
+        if not p.is_absolute():
+            p = root / p
+        if not p.is_file():
+            raise BadRecordError("missing_image", f"image file not found: {p}")
+        return str(p)
+    raise BadRecordError("invalid_record", f"unsupported image entry {type(value).__name__}")
+
+
+def _user_content(text: str, images: list) -> list[dict]:
+    parts = text.split(IMAGE_PLACEHOLDER)
+    n_slots = len(parts) - 1
+    if n_slots == 0:
+        return [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text.strip()}]
+    if n_slots != len(images):
+        raise BadRecordError("placeholder_mismatch", f"{n_slots} {IMAGE_PLACEHOLDER} placeholders but {len(images)} images")
+    content: list[dict] = []
+    for k, part in enumerate(parts):
+        if part.strip():
+            content.append({"type": "text", "text": part.strip()})
+        if k < len(images):
+            content.append({"type": "image", "image": images[k]})
+    return content
+
+
+def _make_sample(prompt_id: str, problem: Any, answer: Any, images: list, metadata: dict, template: str,
+                 system_prompt: Optional[str]) -> PromptSample:
+    if not isinstance(problem, str) or not problem.replace(IMAGE_PLACEHOLDER, "").strip():
+        raise BadRecordError("invalid_record", "empty question")
+    if answer is None or not str(answer).strip():
+        raise BadRecordError("invalid_record", "empty answer")
+    rendered = template.format(problem=problem.strip())
+    messages: list[dict] = []
+    if system_prompt:
+        messages.append({"role": "system", "content": system_prompt})
+    messages.append({"role": "user", "content": _user_content(rendered, images)})
+    clean = problem.replace(IMAGE_PLACEHOLDER, "").strip()
+    return PromptSample(prompt_id, messages, str(answer).strip(), clean, metadata)
+
+
+def _from_table_row(schema: str, cols: tuple[str, str, Optional[str]], row: dict, row_id: str, root: Path, template: str,
+                    system_prompt: Optional[str]) -> PromptSample:
+    q_col, a_col, img_col = cols
+    raw_images = row.get(img_col) if img_col else None
+    if raw_images is None:
+        raw_images = []
+    elif not isinstance(raw_images, (list, tuple)):
+        raw_images = [raw_images]
+    images = [_image_ref(v, root, row_id) for v in raw_images]
+    if schema == "virl39k":
+        prompt_id = str(row.get("qid") or row_id)
+        metadata = {k: row[k] for k in _VIRL_META if k in row}
+    else:
+        prompt_id = str(row.get("id") or row_id)
+        metadata = {k: v for k, v in row.items() if k not in (q_col, a_col, img_col) and isinstance(v, (str, int, float, bool))}
+    return _make_sample(prompt_id, row.get(q_col), row.get(a_col), images, metadata, template, system_prompt)
+
+
+def _from_messages_row(row: dict, row_id: str, root: Path, template: str, system_prompt: Optional[str]) -> PromptSample:
+    msgs = row.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRecordError("invalid_record", "'messages' must be a non-empty list")
+    answer = row.get("answer")
+    if msgs[-1].get("role") == "assistant":
+        if answer is None:
+            answer = msgs[-1].get("content")
+        msgs = msgs[:-1]
+    users = [i for i, m in enumerate(msgs) if m.get("role") == "user"]
+    if not users:
+        raise BadRecordError("invalid_record", "no user turn")
+    out: list[dict] = []
+    if system_prompt and not any(m.get("role") == "system" for m in msgs):
+        out.append({"role": "system", "content": system_prompt})
+    problem = ""
+    for i, m in enumerate(msgs):
+        content = m.get("content")
+        if isinstance(content, str):
+            items = [{"type": "text", "text": content}]
+        elif isinstance(content, list):
+            items = []
+            for it in content:
+                if not isinstance(it, dict) or it.get("type") not in ("text", "image"):
+                    raise BadRecordError("invalid_record", f"messages[{i}]: unsupported content item {it!r:.60}")
+                if it["type"] == "image":
+                    items.append({"type": "image", "image": _image_ref(it.get("image"), root, row_id)})
+                else:
+                    items.append({"type": "text", "text": str(it.get("text", ""))})
+        else:
+            raise BadRecordError("invalid_record", f"messages[{i}].content must be a string or a list")
+        if i == users[-1]:  # the question: template applied to its text, images kept in front
+            problem = " ".join(it["text"] for it in items if it["type"] == "text").strip()
+            if not problem:
+                raise BadRecordError("invalid_record", "empty question")
+            items = [it for it in items if it["type"] == "image"] + [{"type": "text", "text": template.format(problem=problem)}]
+        out.append({"role": m.get("role"), "content": items if m.get("role") != "system" else content})
+    if answer is None or not str(answer).strip():
+        raise BadRecordError("invalid_record", "no answer")
+    metadata = {k: v for k, v in row.items() if k not in ("messages", "answer") and isinstance(v, (str, int, float, bool, list))}
+    return PromptSample(str(row.get("id") or row_id), out, str(answer).strip(), problem, metadata)
+
+
+def _columns_from_mapping(columns: dict[str, str]) -> tuple[str, str, Optional[str]]:
+    unknown = sorted(set(columns) - {"prompt", "answer", "images", "image"})
+    if unknown or not {"prompt", "answer"} <= set(columns):
+        raise ConfigError(
+            f"columns: expected keys 'prompt', 'answer' and optionally 'images' (or 'image'), got {sorted(columns)}"
+        )
+    if "images" in columns and "image" in columns:
+        raise ConfigError("columns: give 'images' or 'image', not both")
+    return columns["prompt"], columns["answer"], columns.get("images") or columns.get("image")
+
+
+def _row_ids(rows: TableRows, path: str) -> dict[Path, str]:
+    """The name each file contributes to row ids: its path under a folder given as `path`, else its file name."""
+    if os.path.isdir(path):
+        return {f: os.path.relpath(f, path) for f in rows.files}
+    return {f: f.name for f in rows.files}
+
+
+def load_prompt_dataset(
+    path: str | os.PathLike,
+    *,
+    schema: Schema = "auto",
+    columns: Optional[dict[str, str]] = None,
+    image_root: Optional[str | os.PathLike] = None,
+    prompt_template: str = "{problem}",
+    system_prompt: Optional[str] = None,
+    max_samples: int = 0,
+    suffixes: tuple[str, ...] = HF_SUFFIXES,
+    cache_dir: Optional[str] = None,
+) -> PromptDataset:
+    """Read prompt samples from the files at `path` through the shared data reader
+    (`megatron_vlm.data.table_rows`): a .parquet / .arrow / .jsonl file, a folder searched
+    recursively, or a glob (`suffixes` narrows what a folder or glob yields, e.g. (".jsonl",) for
+    `[data] type = "messages_jsonl"`).
+
+    `columns` maps our fields to other column names ({"prompt": ..., "answer": ..., "images": ...},
+    the `[data] columns` table of type "hf"); otherwise `schema` picks a known layout ("auto" detects
+    it from the column names). `image_root`: folder relative image paths resolve against (default:
+    the data file's folder; for ViRL39K the release folder that holds images/). `max_samples` > 0
+    keeps the first N. Rows that cannot be used are listed in `skipped` and counted in
+    `bad_records` under their file and 1-based line (JSONL) / 0-based row (tables)."""
+    if "{problem}" not in prompt_template:
+        raise ConfigError("prompt_template: must contain the {problem} placeholder")
+    rows = TableRows(path, suffixes=suffixes, cache_dir=cache_dir)
+    table_cols: Optional[tuple[str, str, Optional[str]]] = None
+    if columns:
+        table_cols = _columns_from_mapping(columns)
+        known = [n for n, c in _SCHEMA_COLUMNS.items() if c == table_cols]
+        schema = known[0] if known else "columns"  # type: ignore[assignment]
+    elif schema == "auto":
+        schema = detect_schema(rows.columns(rows.files[0]))  # type: ignore[assignment]
+    elif schema not in ("geometry3k", "virl39k", "messages"):
+        raise ConfigError(f"schema: must be 'auto', 'geometry3k', 'virl39k' or 'messages', got {schema!r}")
+    if table_cols is None and schema != "messages":
+        table_cols = _SCHEMA_COLUMNS[schema]
+    if table_cols is not None:
+        for file in rows.files:
+            cols = set(rows.columns(file))
+            missing = [c for c in table_cols if c is not None and c not in cols]
+            if missing:
+                raise DataFileError(f"{file}: schema {schema!r} needs columns {missing} (has {sorted(cols)})")
+    names = _row_ids(rows, os.fspath(path))
+    file_order = {str(f): k for k, f in enumerate(rows.files)}
+    # rows and unreadable JSON lines, in file then line / row order
+    events: list[tuple[int, int, Any]] = [(file_order[f], n, err) for f, n, err in rows.errors]
+    for i in range(len(rows)):
+        f, n = rows.locate(i)
+        events.append((file_order[f], n, i))
+    events.sort(key=lambda e: e[:2])
+    samples: list[PromptSample] = []
+    skipped: list[tuple[str, str]] = []
+    bad = BadRecordLog()
+    for k, index, item in events:
+        file = rows.files[k]
+        row_id = f"{names[file]}:{index}"
+        root = Path(image_root) if image_root else file.resolve().parent
+        if isinstance(item, BadRecordError):  # a line the reader could not parse
+            what = f"malformed JSON ({item.detail})" if item.category == "malformed_json" else str(item)
+            skipped.append((row_id, f"line {index}: {what}"))
+            bad.add_error(str(file), index, item)
+            continue
+        try:
+            row = rows.row(item)
+            if schema == "messages":
+                sample = _from_messages_row(row, row_id, root, prompt_template, system_prompt)
+            else:
+                assert table_cols is not None  # set above for every table schema
+                sample = _from_table_row(schema, table_cols, row, row_id, root, prompt_template, system_prompt)
+        except Exception as e:  # every per-row failure is a counted bad record (unexpected ones by type)
+            err = unexpected(e, f"{file}:{index}")
+            skipped.append((row_id, err.detail if err is e else str(err)))
+            bad.add_error(str(file), index, err)
+            continue
+        sample.source, sample.index = str(file), index
+        samples.append(sample)
+        if max_samples and len(samples) >= max_samples:
+            break
+    if skipped:
+        logger.warning("prompt data %s: skipped %d rows (first: %s: %s)", path, len(skipped), *skipped[0])
+    if not samples:
+        raise DataFileError(f"prompt data {path}: no usable rows ({len(skipped)} skipped; first reason: {skipped[0][1] if skipped else 'empty'})")
+    return PromptDataset(samples, schema, skipped, bad)
+
+
+def prompt_batches(num_samples: int, prompts_per_step: int, *, seed: int, start_step: int = 0) -> Iterator[list[int]]:
+    """Endless deterministic stream of index batches for GRPO steps start_step, start_step + 1, ...
+
+    Each epoch is a fresh permutation (seeded by seed and the epoch); a step takes the next
+    `prompts_per_step` indices and runs over epoch boundaries. Step s always gets the same batch
+    for the same seed, so a resumed run continues the data order exactly."""
+    if num_samples < 1 or prompts_per_step < 1:
+        raise ValueError(f"prompt_batches: need num_samples >= 1 and prompts_per_step >= 1, got {num_samples}, {prompts_per_step}")
+    perms: dict[int, list[int]] = {}
+
+    def perm(epoch: int) -> list[int]:
+        if epoch not in perms:
+            order = list(range(num_samples))
+            random.Random(seed * 1_000_003 + epoch).shuffle(order)
+            perms.clear()
+            perms[epoch] = order
+        return perms[epoch]
+
+    step = start_step
+    while True:
+        start = step * prompts_per_step
+        batch = []
+        for pos in range(start, start + prompts_per_step):
+            epoch, k = divmod(pos, num_samples)
+            batch.append(perm(epoch)[k])
+        yield batch
+        step += 1

@@ -1,0 +1,99 @@
+"""Over-long GRPO prompts are left out when the run starts, not met one step at a time.
+
+Policy (what verl users expect from its `data.filter_overlong_prompts`): a prompt whose tokens plus
+the generation budget (the larger of `rl.rollout.max_new_tokens` and `rl.eval.max_new_tokens`) exceed
+`data.max_tokens_per_pack` is dropped from its prompt set before the first step and counted as a
+bad record "too_long" under its file and line / row; a prompt that already fails while its length
+is computed (a missing or unreadable image header, a placeholder mismatch, ...) is dropped and
+counted under its own category. A set with no prompt left is a ConfigError naming
+`data.train_path` / `data.eval_path` (exit 2).
+
+Why up front: before, such a prompt was skipped (and counted) only when a step drew it, and a step
+that drew nothing but such prompts ended the run with exit 2 in the middle of training — with half
+the prompts over-long and `rl.batch.prompts_per_step = 1` that happened within a few steps, and at any
+size it was a matter of time. What is left to fail at a step is a prompt whose pixels cannot be
+decoded although its header could; those are still skipped and counted there.
+
+Lengths come from `data.lengths.compute_lengths` (the chat template, the tokenizer and image headers:
+exact, no pixel decoding), the same estimate SFT plans its packs with; it is not cached (a prompt
+set has no file identity of its own here), which costs about a millisecond per prompt at start-up.
+The trainer and the asynchronous rollout ranks call this with the same configuration, so both keep
+the same prompts in the same order.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import numpy as np
+
+from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.data.lengths import compute_lengths
+from megatron_vlm.data.media import MediaLimits
+from megatron_vlm.errors import ConfigError
+from megatron_vlm.rl.prompts.dataset import PromptDataset
+from megatron_vlm.rl.prompts.sets import PromptSets
+
+__all__ = ["prompt_token_budget", "drop_unusable_prompts"]
+
+log = logging.getLogger("megatron_vlm")
+
+
+def prompt_token_budget(data_cfg: Any, rl_cfg: Any) -> int:
+    """Most prompt tokens a rollout (training or held-out evaluation) leaves room for."""
+    eval_cfg = getattr(rl_cfg, "eval", None)
+    generated = max(rl_cfg.rollout.max_new_tokens, getattr(eval_cfg, "max_new_tokens", 0) or 0)
+    return data_cfg.max_tokens_per_pack - generated
+
+
+class _PromptRecords:
+    """A prompt set as a data-pipeline record source (`get`, `locate`) for `compute_lengths`."""
+
+    def __init__(self, ds: PromptDataset, name: str):
+        self.ds, self.name = ds, name
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def get(self, i: int):
+        return self.ds[i].to_record()
+
+    def locate(self, i: int) -> tuple[str, int]:
+        s = self.ds[i]
+        return s.source or s.prompt_id, s.index
+
+
+def _filter(ds: PromptDataset, processor, data_cfg: Any, budget: int, key: str, log_to: BadRecordLog) -> PromptDataset:
+    found = BadRecordLog()
+    lengths = compute_lengths(_PromptRecords(ds, key), processor, max_frames=data_cfg.max_frames, for_generation=True,
+                              fps=data_cfg.fps, limits=MediaLimits.from_config(data_cfg), bad_records=found)
+    keep = [i for i in range(len(ds)) if 0 < lengths[i] <= budget]
+    for i in np.nonzero(lengths > budget)[0]:
+        s = ds[int(i)]
+        found.add(s.source or s.prompt_id, s.index, "too_long",
+                  f"prompt of {int(lengths[i])} tokens > {budget} (data.max_tokens_per_pack - max_new_tokens)")
+    for log_ in (ds.bad_records, log_to):
+        log_.extend(found.to_dict()["records"])
+    if not keep:
+        first = found.entries[0] if found.entries else "none"
+        raise ConfigError(f"{key}: none of the {len(ds)} prompts can be used (longer than {budget} tokens = "
+                          f"data.max_tokens_per_pack - max_new_tokens, or unreadable); by category "
+                          f"{found.counts_by_category()}, first: {first}")
+    if len(keep) < len(ds):
+        log.warning("%s: %d of %d prompts left out at start-up %s (over %d prompt tokens or unreadable; see bad_records)",
+                    key, len(ds) - len(keep), len(ds), found.counts_by_category(), budget)
+    ids = {(b.source, b.index) for b in found.entries}
+    skipped = list(ds.skipped) + [(ds[i].prompt_id, "left out at start-up") for i in range(len(ds))
+                                  if (ds[i].source or ds[i].prompt_id, ds[i].index) in ids]
+    return PromptDataset([ds[i] for i in keep], ds.schema, skipped, ds.bad_records)
+
+
+def drop_unusable_prompts(sets: PromptSets, processor, data_cfg: Any, rl_cfg: Any,
+                          bad_records: Optional[BadRecordLog] = None) -> PromptSets:
+    """`sets` without the prompts that cannot fit or be read (module docstring); what was dropped goes
+    to each set's `bad_records` and to `bad_records` (the run's log) when given."""
+    budget = prompt_token_budget(data_cfg, rl_cfg)
+    run_log = bad_records if bad_records is not None else BadRecordLog()
+    train = _filter(sets.train, processor, data_cfg, budget, "data.train_path", run_log)
+    evals = _filter(sets.eval, processor, data_cfg, budget, "data.eval_path", run_log) if sets.eval else None
+    return PromptSets(train, evals)

@@ -1,0 +1,139 @@
+"""The `torch_varlen` attention backend (torch's flash varlen kernel) mapped onto our contract.
+
+torch's `varlen_attn` runs on CUDA only, so on the CPU the adapter is driven through stand-ins with the two
+signatures torch releases have had (`is_causal=` in 2.10 / 2.11; `window_size=` / `scale=` / `enable_gqa=`
+later). Each stand-in computes what varlen_attn documents (per-sequence softmax attention, bottom-right causal,
+GQA only through `enable_gqa`) from plain torch ops, so a wrong mapping (causal lost, GQA heads mis-paired,
+a window or scale dropped) shows up against our reference. On a GPU the real kernel is compared too.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_vlm.kernels.reference.attention import attention as reference
+from megatron_vlm.kernels.torch_fused import varlen_attention as backend
+
+
+def _dense(q, k, v, causal, left, right, scale):
+    """[S, H, D] one sequence; window (left, right) -1 = unbounded."""
+    s = q.shape[0]
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    i = torch.arange(s)[:, None]
+    j = torch.arange(s)[None, :]
+    keep = torch.ones(s, s, dtype=torch.bool)
+    if causal:
+        keep &= j <= i
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    scores = scores.masked_fill(~keep, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def _new_style(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+               window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    if key.shape[1] != query.shape[1]:
+        assert enable_gqa, "GQA without enable_gqa"
+        rep = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    out = []
+    for a, b in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()):
+        left, right = window_size
+        out.append(_dense(query[a:b], key[a:b], value[a:b], right == 0, left, right, scale))
+    return torch.cat(out)
+
+
+def _old_style(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    assert key.shape[1] == query.shape[1], "this release has no GQA"
+    return _new_style(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=(-1, 0 if is_causal else -1))
+
+
+def _use(monkeypatch, fn):
+    import inspect
+
+    monkeypatch.setattr(backend, "_varlen", lambda: (fn, frozenset(inspect.signature(fn).parameters)))
+    monkeypatch.setattr(backend, "check", lambda device_type, dtype: None)
+
+
+def _case(lengths, hq, hkv, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    q, k, v = (torch.randn(t, h, d, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, cu
+
+
+@pytest.mark.parametrize("style", [_new_style, _old_style])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (6, 1)])
+def test_packed_matches_the_reference(monkeypatch, style, causal, hq, hkv):
+    _use(monkeypatch, style)
+    q, k, v, cu = _case([5, 1, 9, 3], hq, hkv)
+    got = backend.attention(q, k, v, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    exp = reference(q, k, v, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    torch.testing.assert_close(got, exp, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("style,called", [(_new_style, True), (_old_style, False)])
+def test_window_and_scale_go_where_the_release_takes_them(monkeypatch, style, called):
+    calls = []
+
+    def spy(*a, **kw):
+        calls.append(kw)
+        return style(*a, **kw)
+
+    spy.__signature__ = __import__("inspect").signature(style)
+    _use(monkeypatch, spy)
+    q, k, v, cu = _case([7, 11], 2, 2)
+    for kwargs in ({"window": (2, 3)}, {"softmax_scale": 0.3}):
+        calls.clear()
+        got = backend.attention(q, k, v, causal=False, cu_seqlens_q=cu, cu_seqlens_k=cu, **kwargs)
+        exp = reference(q, k, v, causal=False, cu_seqlens_q=cu, cu_seqlens_k=cu, **kwargs)
+        torch.testing.assert_close(got, exp, atol=1e-10, rtol=1e-10)
+        assert bool(calls) == called, kwargs  # old release: SDPA fallback, never a silently dropped argument
+
+
+def test_other_layouts_fall_back_to_sdpa(monkeypatch):
+    def never(*a, **kw):
+        raise AssertionError("varlen_attn called for a layout it does not take")
+
+    _use(monkeypatch, never)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 6, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    torch.testing.assert_close(backend.attention(q, k, v, causal=True), reference(q, k, v, causal=True))
+    q, k, v, cu_q = _case([4, 4], 2, 2)
+    cu_k = torch.tensor([0, 3, 8], dtype=torch.int32)
+    got = backend.attention(q, k, v, causal=False, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    torch.testing.assert_close(got, reference(q, k, v, causal=False, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
+
+
+def test_check_refuses_cpu_and_fp32():
+    assert "CUDA" in backend.check("cpu", torch.bfloat16)
+    assert "float32" in backend.check("cuda", torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("causal", [True, False])
+def test_real_kernel_on_the_gpu(causal):
+    if backend.check("cuda", torch.bfloat16) is not None:
+        pytest.skip(backend.check("cuda", torch.bfloat16))
+    q, k, v, cu = _case([300, 17, 1000, 64], 16, 2, d=128)
+    q, k, v = (t.to("cuda", torch.bfloat16).requires_grad_() for t in (q, k, v))
+    cu = cu.cuda()
+    got = backend.attention(q, k, v, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    ref32 = reference(*(t.float() for t in (q, k, v)), causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    ref16 = reference(q, k, v, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    err, ref_err = (got.float() - ref32).abs().max().item(), (ref16.float() - ref32).abs().max().item()
+    assert err <= 2 * ref_err + 1e-3, (err, ref_err)
+    up = torch.randn_like(got)
+    g_got = torch.autograd.grad(got, (q, k, v), up)
+    g16 = torch.autograd.grad(ref16, (q, k, v), up)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref32 = reference(q32, k32, v32, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    g32 = torch.autograd.grad(ref32, (q32, k32, v32), up.float())
+    for a, b, c in zip(g_got, g16, g32):  # ours within 2x the bf16 reference's own error (+ a floor)
+        assert (a.float() - c).abs().max().item() <= 2 * (b.float() - c).abs().max().item() + 1e-2

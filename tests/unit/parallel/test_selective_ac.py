@@ -1,0 +1,74 @@
+"""Selective activation checkpointing: same loss and gradients as no checkpointing, fewer tensors kept.
+
+The policy keeps matmul / attention outputs and recomputes the ops between them; a wrong policy (an op
+recomputed with different inputs, a mutation replayed twice) shows up as a gradient difference.
+"""
+import pytest
+import torch
+
+from megatron_vlm.models import build_model
+from megatron_vlm.parallel import apply_ac
+from megatron_vlm.testing.tiny_model import tiny_qwen2_5_vl_hf_config
+
+TOKENS = {"vocab_size": 256, "eos_token_id": 1, "image_token_id": 250, "video_token_id": 251, "vision_start_token_id": 252,
+          "vision_end_token_id": 253}
+
+
+def tiny_qwen2_5_vl_config():
+    return tiny_qwen2_5_vl_hf_config(TOKENS)
+
+
+def _loss_and_grads(policy):
+    torch.manual_seed(0)
+    model = build_model(tiny_qwen2_5_vl_config(), dtype=torch.float32, device="cpu")
+    if policy is not None:
+        apply_ac(model.transformer_blocks(), policy=policy)
+    ids = torch.randint(10, 200, (2, 24), generator=torch.Generator().manual_seed(1))
+    logits = model(ids)
+    loss = logits.float().logsumexp(-1).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_checkpointing_keeps_loss_and_gradients(policy):
+    ref_loss, ref = _loss_and_grads(None)
+    loss, grads = _loss_and_grads(policy)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    assert grads.keys() == ref.keys() and grads
+    for n in ref:
+        torch.testing.assert_close(grads[n], ref[n], rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_selective_recomputes_no_matmul_full_recomputes_all():
+    """Matmul calls over forward + backward: selective == none (their outputs are kept), full > none (re-run)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMatmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def matmuls(policy):
+        torch.manual_seed(0)
+        model = build_model(tiny_qwen2_5_vl_config(), dtype=torch.float32, device="cpu")
+        if policy is not None:
+            apply_ac(model.transformer_blocks(), policy=policy)
+        ids = torch.randint(10, 200, (2, 24), generator=torch.Generator().manual_seed(1))
+        with CountMatmuls() as counter:
+            model(ids).float().logsumexp(-1).mean().backward()
+        return counter.n
+
+    none, sel, full = matmuls(None), matmuls("selective"), matmuls("full")
+    assert sel == none < full, (none, sel, full)
+
+
+def test_unknown_policy_is_refused():
+    model = build_model(tiny_qwen2_5_vl_config(), dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="selective"):
+        apply_ac(model.transformer_blocks(), policy="some")

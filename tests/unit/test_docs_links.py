@@ -1,0 +1,53 @@
+"""Every relative link of the repository's markdown (README, docs/, the packages' READMEs) points at a file or
+folder that exists, and the README stays a one-screen entry page that links to docs/ for the rest."""
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _markdown_files() -> list[Path]:
+    out = subprocess.run(["git", "ls-files", "*.md"], cwd=REPO, capture_output=True, text=True)
+    if out.returncode == 0 and out.stdout.strip():
+        return [REPO / p for p in out.stdout.splitlines() if (REPO / p).is_file()]
+    return [p for p in REPO.rglob("*.md") if ".git" not in p.parts]
+
+
+def broken_links(path: Path) -> list[str]:
+    """`path:line: target` for each relative link whose target is not there (web links and anchors aside)."""
+    bad, fence = [], False
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            fence = not fence
+        if fence:
+            continue
+        for target in LINK.findall(line):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+                continue
+            if not (path.parent / target.split("#", 1)[0]).exists():
+                bad.append(f"{path.relative_to(REPO)}:{n}: {target}")
+    return bad
+
+
+def test_relative_links_resolve():
+    files = _markdown_files()
+    assert REPO / "README.md" in files
+    bad = [b for f in files for b in broken_links(f)]
+    assert not bad, "links to missing files:\n" + "\n".join(bad)
+
+
+def test_the_checker_sees_a_broken_link(tmp_path, monkeypatch):
+    monkeypatch.setitem(globals(), "REPO", tmp_path)
+    (tmp_path / "there.md").write_text("x")
+    page = tmp_path / "page.md"
+    page.write_text("[ok](there.md) [web](https://example.org) [anchor](#x) [gone](missing.md#y)\n```\n[code](no.md)\n```\n")
+    assert broken_links(page) == ["page.md:1: missing.md#y"]
+
+
+def test_readme_fits_on_a_screen():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; move detail into docs/"

@@ -1,0 +1,94 @@
+"""Resume edge cases in one process:
+
+- a checkpoint written by fewer processes loads on a rank that has no `extra_rank<R>.pt` of its own (rank 0's
+  global scheduler / step / data position), instead of every checkpoint counting as corrupt;
+- a data position the run's loader cannot continue (another `data.max_tokens_per_pack`, `data.train_path`,
+  `train.seed`, or a data-parallel split that does not divide it) is one line naming the key and the ways
+  forward (ConfigError: exit 2), not a traceback;
+- `metrics_train.csv` / `metrics_eval.csv` keep one row per step when steps are run again after a resume.
+"""
+from __future__ import annotations
+
+import csv
+from types import SimpleNamespace as NS
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_vlm.checkpoint.manager import CheckpointManager
+from megatron_vlm.errors import ConfigError
+from megatron_vlm.training.loggers import MetricsLogger
+from megatron_vlm.training.sft import SFTStep, data_state_refusal
+
+
+def test_a_rank_without_its_own_extra_file_resumes_from_rank_0s(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    CheckpointManager(tmp_path, keep_last=0, rank=0).save(2, model, opt, {"data": {"global_packs_consumed": 2}})
+    path = tmp_path / "checkpoints" / "step_2"
+    assert sorted(p.name for p in path.glob("extra_rank*.pt")) == ["extra_rank0.pt"]
+    fresh = torch.nn.Linear(4, 3)
+    extra = CheckpointManager(tmp_path, keep_last=0, rank=1).load(path, fresh, torch.optim.AdamW(fresh.parameters()))
+    assert extra["step"] == 2 and extra["data"] == {"global_packs_consumed": 2}
+    assert torch.equal(fresh.weight, model.weight)
+
+
+class _Loader:
+    """The data-state part of the SFT loader (data/loader.py), with the same refusal."""
+
+    def __init__(self, capacity=512, records=10, seed=0, dp=1):
+        self.planner = NS(capacity=capacity, lengths=np.zeros(records), seed=seed)
+        self.dp = dp
+
+    def load_state_dict(self, state):
+        from megatron_vlm.data.loader import SFTDataLoader
+
+        SFTDataLoader.load_state_dict(NS(planner=self.planner, dp_size=self.dp, _consumed=0, _epoch=None), state)
+
+
+def _state(capacity=512, records=10, seed=0, g=4):
+    return {"global_packs_consumed": g, "capacity": capacity, "num_records": records, "seed": seed}
+
+
+@pytest.mark.parametrize("state, loader, expect", [
+    (_state(capacity=256), _Loader(), "data.max_tokens_per_pack: the checkpoint was written with data.max_tokens_per_pack "
+                                      "= 256, this run has data.max_tokens_per_pack = 512"),
+    (_state(records=12), _Loader(), "data.train_path: the checkpoint was written reading 12 train records, this run reads 10"),
+    (_state(seed=3), _Loader(), "train.seed: the checkpoint was written with train.seed = 3"),
+    (_state(g=3), _Loader(dp=2), "checkpoint.resume: the checkpoint's data position cannot be continued"),
+])
+def test_a_data_position_that_cannot_continue_is_one_line_naming_the_key(state, loader, expect):
+    step = SFTStep.__new__(SFTStep)
+    step.loader = loader
+    with pytest.raises(ConfigError) as e:
+        step.load_data_state(state, 4)
+    msg = str(e.value)
+    assert msg.startswith(expect) and "\n" not in msg
+    assert 'checkpoint.resume = "none"' in msg
+    assert data_state_refusal(state, loader, ValueError("x")).split(" (")[0] == msg.split(" (")[0]
+
+
+def _rows(path):
+    with path.open() as f:
+        return [r["step"] for r in csv.DictReader(f)]
+
+
+def test_rows_of_steps_run_again_after_a_resume_are_not_duplicated(tmp_path):
+    cfg = NS(tensorboard=False, csv=True, wandb=False, console=False)
+    first = MetricsLogger(cfg, tmp_path, is_main=True, total_steps=6, run_name="r")
+    first.set_start(0)
+    for s in range(1, 6):  # checkpoint at 2; steps 3-5 lost (kill -9, or a fallback past a corrupt step_4)
+        first.log("train", s, {"loss": float(s)})
+    first.log("eval", 4, {"loss": 0.5})
+    first.close()
+    again = MetricsLogger(cfg, tmp_path, is_main=True, total_steps=6, run_name="r")
+    again.set_start(2)
+    for s in range(3, 7):
+        again.log("train", s, {"loss": 10.0 + s})
+    again.close()
+    assert _rows(tmp_path / "metrics_train.csv") == ["1", "2", "3", "4", "5", "6"]
+    assert _rows(tmp_path / "metrics_eval.csv") == []
+    with (tmp_path / "metrics_train.csv").open() as f:
+        assert [float(r["loss"]) for r in csv.DictReader(f)] == [1, 2, 13, 14, 15, 16]

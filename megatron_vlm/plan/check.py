@@ -194,8 +194,12 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
             why_not = paged_kv_blocker(model)
             if why_not:
                 raise CheckFailed("rl.rollout.kv_block_size", f"{rl.rollout.kv_block_size} (the paged KV cache) is not possible: {why_not}")
-        lines.append(f"rollout    {per_rank} prompts per rank and step, {rollout_prompts} per batch x group {group} x "
-                     f"{tokens} cache slots ({ceil_div(per_rank, rollout_prompts)} batches)")
+        if rl.rollout_backend == "vllm":
+            lines.append(f"rollout    {per_rank} prompts per rank and step x group {group}, in the vLLM engine "
+                         f"(rl.vllm.max_num_seqs {rl.vllm.max_num_seqs} at once)")
+        else:
+            lines.append(f"rollout    {per_rank} prompts per rank and step, {rollout_prompts} per batch x group {group} x "
+                         f"{tokens} cache slots ({ceil_div(per_rank, rollout_prompts)} batches)")
         if rl.rollout.kv_block_size:
             pool = (f"{rl.rollout.kv_cache_blocks} blocks (rl.rollout.kv_cache_blocks)" if rl.rollout.kv_cache_blocks else
                     "derived: room for every slot at full length")

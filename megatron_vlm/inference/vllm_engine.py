@@ -181,11 +181,20 @@ class VLLMRolloutEngine(RolloutEngine):
 
             if weights is not None or self.sync_from is not None:
                 self.llm.collective_rpc(_reload, args=(stream(),))
-                self.llm.reset_prefix_cache()
+                self._reset_caches()
                 self.weight_push_s = time.perf_counter() - t0
                 self.weight_push_mb = sizes[0] / 2**20
                 self._pushed_version = int(version)
             self.policy_version = int(version)
+
+    def _reset_caches(self) -> None:
+        """After a push, every cache keyed by the inputs alone holds the old policy's results: the prefix (KV)
+        cache, the scheduler's record of which images' encoder outputs the worker holds (the reload clears the
+        worker's copy only: left alone, the next prompt with an image seen before fails with "Encoder cache
+        miss", or would reuse stale vision features), and the multimodal processor caches on both sides."""
+        self.llm.reset_prefix_cache()
+        self.llm.llm_engine.reset_encoder_cache()
+        self.llm.reset_mm_cache()
 
     def sync_to_version(self, version: int) -> None:
         """Held-out evaluation after `version` optimizer steps: the engine holds its own weights, so push them

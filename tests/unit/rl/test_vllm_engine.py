@@ -167,6 +167,19 @@ def test_greedy_equals_builtin_qwen2_5_vl_images(tmp_path):
     engine = _engine(folder, model)
     try:
         _check_images(engine, folder, model, prompts)
+        # a weight push, then the same images again: vLLM must recompute their vision features with the new
+        # weights (not reuse the encoder outputs cached before the push, nor fail on a cache the push cleared)
+        params = SamplingParams(max_new_tokens=NEW, n=1, temperature=0.0)
+        before = engine.generate(prompts, params).samples
+        _perturb_(model, 7)
+        engine.load_weights(None, version=1)
+        after = engine.generate(prompts, params).samples
+        tok = load_processor(str(folder)).tokenizer
+        ours = PolicyRolloutEngine(model, tok).generate(prompts, params).samples
+        assert [s.token_ids.tolist() for s in after] == [s.token_ids.tolist() for s in ours]
+        for a, o, b in zip(after, ours, before):
+            torch.testing.assert_close(a.logprobs, o.logprobs, atol=1e-4, rtol=0)
+            assert not torch.allclose(a.logprobs, b.logprobs, atol=1e-3)  # the push changed the policy
     finally:
         engine.close()
 

@@ -1,5 +1,6 @@
 """The vLLM rollout engine against vLLM itself and against our own decoder (marker `vllm`: runs in the
-environment docs/vllm.md builds, `.ci/run` runs it there; skipped where vllm is not importable).
+environment docs/vllm.md builds, "Running the vLLM tests"; `MEGATRON_VLM_CI_VLLM=1 bash .ci/run` runs them
+there; skipped where vllm is not importable).
 
 - greedy tokens through the vLLM back end equal the built-in engine's on tiny random Qwen2 / Qwen3
   text folders and on Qwen2.5-VL with images (vLLM's expanded prompt equal to ours);
@@ -15,7 +16,8 @@ import pytest
 import torch
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                                   reason="vllm is not installed here (the CI runs these tests in its vLLM environment)")]
+                                                   reason="vllm is not installed here (run these tests in the vLLM environment: docs/vllm.md, "
+                                                          "'Running the vLLM tests')")]
 
 from megatron_vlm.checkpoint.hf import load_hf_model, save_hf_model  # noqa: E402
 from megatron_vlm.data.processor import load_processor  # noqa: E402

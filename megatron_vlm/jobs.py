@@ -139,6 +139,7 @@ def run_grpo(ctx: RunContext, *, before_step=None) -> int:
                         resume=resume, before_step=before_step)
     finally:
         parts.manager.close()
+        getattr(parts.engine, "close", lambda: None)()  # hook: the vLLM engine shuts down before the process group
     metrics.close()
     return code
 

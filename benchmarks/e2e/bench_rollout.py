@@ -29,6 +29,7 @@ taken per round and reported as min and median over `--repeats` rounds.
     python benchmarks/e2e/bench_rollout.py --cpu           # the CPU row
     python benchmarks/e2e/bench_rollout.py --quick         # CPU smoke test
     python benchmarks/e2e/bench_rollout.py --cuda-graphs   # + the CUDA-graph row (needs a GPU)
+    python benchmarks/e2e/bench_rollout.py --vllm          # ours vs the vLLM back end (in the vLLM venv: docs/vllm.md)
 
 Shorter runs (a 15-minute GPU lease): `--prompts`, `--group`, `--new-tokens`, `--repeats` size the call, and
 `--runs ours_shared_prefix,transformers_generate` leaves out the no-sharing engine (the target needs only
@@ -173,10 +174,19 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=str, default=None, help="also write the results here")
+    ap.add_argument("--vllm", action="store_true", help="the vLLM row instead: our engine vs the vLLM back end on the "
+                                                         "tiny Qwen2.5-VL folder (rollout_vllm_row.py; needs vllm)")
     ap.add_argument("--cuda-graphs", action="store_true", help="also the engine with CUDA-graph decode steps (GPU only)")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)} (transformers_generate "
                                                           "is always run: every ratio is against it)")
     args = ap.parse_args()
+    if args.vllm:
+        from rollout_vllm_row import run_vllm_row  # this script's folder is on sys.path
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        run_vllm_row(args)
+        return
     runs_wanted = [r for r in args.runs.split(",") if r]
     unknown = [r for r in runs_wanted if r not in RUNS]
     if unknown:

@@ -65,6 +65,9 @@ class ProcessedSample:
     """For generation prompts: the reference answer (the dropped last assistant turn)."""
     meta: dict = field(default_factory=dict)
     """The record's other top-level fields (e.g. "question_type")."""
+    images: Optional[list] = None
+    """For generation prompts: the loaded RGB images, in order (what an external engine such as vLLM
+    processes itself); None for training samples and text-only prompts."""
 
     def __len__(self) -> int:
         return int(self.input_ids.numel())
@@ -163,10 +166,12 @@ def process_record(record: Record, proc: VLProcessor, *, max_frames: int, fps: f
     dropped text is returned as `answer`. `limits`: pixel caps and decode timeout (media.MediaLimits)."""
     messages, answer, text, images, videos, order = _rendered(record, proc, for_generation)
     cap = limits.max_image_pixels
-    items = {"image": proc.process_images([load_image(ref, cap) for ref in images]) if images else [],
+    loaded = [load_image(ref, cap) for ref in images]
+    items = {"image": proc.process_images(loaded) if images else [],
              "video": [proc.process_video(read_video(it, max_frames, fps, limits=limits)) for it in videos]}
     out = ProcessedSample(input_ids=torch.empty(0, dtype=torch.long), label_mask=torch.empty(0, dtype=torch.bool),
-                          source=record.source, index=record.index, answer=answer, meta=record.meta)
+                          source=record.source, index=record.index, answer=answer, meta=record.meta,
+                          images=loaded if (for_generation and loaded) else None)
     for key, value in concat_in_order(order, items).items():
         if key not in VISION_KEYS:
             raise ValueError(f"{type(proc).__name__} returned an unknown model input {key!r}")

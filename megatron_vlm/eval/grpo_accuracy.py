@@ -52,6 +52,9 @@ def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager
     shard = encode_shard(prompts, encoder, rank, world, env.device)
     params = SamplingParams(max_new_tokens=e.max_new_tokens or rl_cfg.rollout.max_new_tokens, n=e.k, temperature=e.temperature,
                             top_p=e.top_p, stop=tuple(rl_cfg.rollout.stop))
+    sync = getattr(engine, "sync_to_version", None)  # hook: an engine with its own weights (vLLM) gets the current ones
+    if sync is not None:
+        sync(step)
     wrapper.eval()
     result = engine.generate(shard.prompts, params,
                              generator=sampling_generator(ctx.cfg.train.seed, step, rank, env.device, salt=_EVAL_SALT))

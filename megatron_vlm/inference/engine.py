@@ -79,6 +79,8 @@ class RolloutPrompt:
     pixel_values_videos: Optional[torch.Tensor] = None
     video_grid_thw: Optional[torch.Tensor] = None
     second_per_grid_ts: Optional[torch.Tensor] = None
+    images: Optional[list] = None
+    """The prompt's loaded images (PIL), for engines that process them themselves (vLLM); None: text only."""
 
     @classmethod
     def from_processed(cls, sample) -> "RolloutPrompt":
@@ -86,7 +88,7 @@ class RolloutPrompt:
         return cls(
             input_ids=sample.input_ids, pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw,
             pixel_values_videos=sample.pixel_values_videos, video_grid_thw=sample.video_grid_thw,
-            second_per_grid_ts=sample.second_per_grid_ts,
+            second_per_grid_ts=sample.second_per_grid_ts, images=getattr(sample, "images", None),
         )
 
     def __len__(self) -> int:

@@ -127,6 +127,10 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     moes = moe_layers(model)
     num_experts = moes[0].num_experts if moes else 0
     total_ranks, rollout_ranks = world_size, 0
+    if cfg.train.mode == "grpo" and cfg.rl is not None and cfg.rl.rollout_backend == "vllm" and world_size > 1:
+        # the vLLM back end's own refusal at run time (inference/vllm_engine.py), found here too
+        raise CheckFailed("rl.rollout_backend", f"'vllm' runs one in-process engine per job so far; this run has {world_size} "
+                                                "processes (launch it with one, or use rollout_backend = 'builtin')")
     if cfg.train.mode == "grpo" and cfg.rl is not None and cfg.rl.allocation is not None:
         # asynchronous GRPO: the training ranks form the FSDP layout, the rollout ranks each hold a full copy
         alloc = parse_allocation(cfg.rl.allocation)
@@ -176,6 +180,8 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         rollout_prompts = rl.rollout.batch_prompts or rollout_prompts_for_budget(
             rl.rollout.memory_gib, shape.kv_per_slot * compute, group, tokens) or per_rank
         rollout_prompts = min(rollout_prompts, per_rank)
+        if rl.rollout_backend == "vllm":  # vLLM holds its own memory (below)
+            rollout_prompts = 0
         if rl.rollout.cuda_graphs == "on":  # the engine's own refusal (inference/policy_engine.py), found here too
             from megatron_vlm.inference.policy_engine import cuda_graphs_blocker
 
@@ -188,8 +194,12 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
             why_not = paged_kv_blocker(model)
             if why_not:
                 raise CheckFailed("rl.rollout.kv_block_size", f"{rl.rollout.kv_block_size} (the paged KV cache) is not possible: {why_not}")
-        lines.append(f"rollout    {per_rank} prompts per rank and step, {rollout_prompts} per batch x group {group} x "
-                     f"{tokens} cache slots ({ceil_div(per_rank, rollout_prompts)} batches)")
+        if rl.rollout_backend == "vllm":
+            lines.append(f"rollout    {per_rank} prompts per rank and step x group {group}, in the vLLM engine "
+                         f"(rl.vllm.max_num_seqs {rl.vllm.max_num_seqs} at once)")
+        else:
+            lines.append(f"rollout    {per_rank} prompts per rank and step, {rollout_prompts} per batch x group {group} x "
+                         f"{tokens} cache slots ({ceil_div(per_rank, rollout_prompts)} batches)")
         if rl.rollout.kv_block_size:
             pool = (f"{rl.rollout.kv_cache_blocks} blocks (rl.rollout.kv_cache_blocks)" if rl.rollout.kv_cache_blocks else
                     "derived: room for every slot at full length")
@@ -209,6 +219,16 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
                           activation_checkpointing=cfg.train.activation_checkpointing,
                           rollout_prompts=rollout_prompts, group_size=group, tp=tp,
                           kv_slots=cfg.rl.rollout.kv_cache_blocks * cfg.rl.rollout.kv_block_size if cfg.train.mode == "grpo" else 0)
+    if cfg.train.mode == "grpo" and cfg.rl.rollout_backend == "vllm":
+        # the vLLM engine takes gpu_memory_utilization of the device for its weights + KV cache; with
+        # sleep_mode it gives it back while the trainer's activations need it
+        v = cfg.rl.vllm
+        vllm_share = v.gpu_memory_utilization * device_memory_gib * GiB
+        lines.append(f"vllm       engine {gib(vllm_share)} (rl.vllm.gpu_memory_utilization), sleep_mode {v.sleep_mode}")
+        extra = max(0.0, vllm_share - mem.activations) if v.sleep_mode else vllm_share
+        if mem.peak + extra > device_memory_gib * GiB:
+            raise CheckFailed("rl.vllm.gpu_memory_utilization", f"estimated peak {gib(mem.peak + extra)} per rank with the "
+                                                                f"vLLM engine exceeds the device's {device_memory_gib:g} GiB", lines)
     lines += [
         "memory per rank (estimate; formulas in megatron_vlm/plan/memory.py)",
         f"  master weights {gib(mem.params):>12}   gradients {gib(mem.grads):>12}   AdamW {gib(mem.optimizer):>12}",

@@ -1,7 +1,7 @@
 """The `[rl]` config section, nested by role: the algorithm selection keys flat in `[rl]` (`policy_loss`,
 `advantage`, `rollout_backend`, `routing_replay`, `allocation`, `recompute_logprobs`), the settings of each
 part in its own table (`[rl.batch]`, `[rl.rollout]`, `[rl.loss]`, `[rl.advantages]`, `[rl.update]`,
-`[rl.reward_pool]`, `[rl.prompts]`, `[rl.asynchronous]`), held-out evaluation in `[rl.eval]` and the
+`[rl.reward_pool]`, `[rl.prompts]`, `[rl.asynchronous]`, `[rl.vllm]`), held-out evaluation in `[rl.eval]` and the
 verifiers in `[[rl.rewards]]` (one per verifier, `type =` picks it, see rl/rewards/config.py).
 
 The strict loader (megatron_vlm.config) builds `RLConfig` from the `[rl]` TOML table. Each table's
@@ -29,7 +29,10 @@ from megatron_vlm.rl.rewards.config import (
 )
 
 __all__ = ["RLConfig", "RLEvalConfig", "RLBatchConfig", "RLRolloutConfig", "RLLossConfig", "RLAdvantagesConfig",
-           "RLUpdateConfig", "RLRewardPoolConfig", "RLPromptsConfig", "RLAsyncConfig", "MOVED_KEYS"]
+           "RLUpdateConfig", "RLRewardPoolConfig", "RLPromptsConfig", "RLAsyncConfig", "VLLMConfig", "MOVED_KEYS",
+           "ROLLOUT_BACKENDS"]
+
+ROLLOUT_BACKENDS = ("builtin", "vllm")
 
 _DEFAULT_PROMPT_TEMPLATE = (
     "{problem} You FIRST think about the reasoning process as an internal monologue and then provide "
@@ -411,6 +414,68 @@ class RLAsyncConfig:
             raise ValueError(f"max_head_offpolicyness: must be >= 0, got {self.max_head_offpolicyness}")
 
 
+@dataclass(kw_only=True)
+class VLLMConfig:
+    """`[rl.vllm]`: The vLLM rollout engine (`rollout_backend = "vllm"`; megatron_vlm/inference/vllm_engine.py).
+
+    The keys are vLLM's own `LLM(...)` arguments where one exists, so a user coming from verl / TRL / OpenRLHF
+    finds the names they know. `validate()` holds what the TOML alone decides; `device_blocker()` what needs
+    the device (sleep mode needs CUDA); RLConfig checks the keys of other tables that depend on the back end."""
+
+    tensor_parallel_size: int = 1
+    """Tensor-parallel size of each rollout engine. The engine runs in-process on every generating rank
+    with one worker, so only 1 is supported (a larger value exits 2); scale rollout with more ranks."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of the device memory vLLM may take for weights + KV cache (CUDA only; in (0, 1]).
+    Colocated with training (synchronous GRPO): leave room for the trainer. On the CPU the KV cache is
+    sized by `vllm.cpu_kv_cache_gib` instead and this key is not read."""
+    cpu_kv_cache_gib: float = 1.0
+    """CPU builds of vLLM: KV-cache size in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE, an integer >= 1 there:
+    rounded up). Not read on CUDA."""
+    enforce_eager: bool = False
+    """Run the model eagerly (no torch.compile / CUDA graphs): slower decoding, faster start. The CPU
+    build always gets eager mode here (its compile step takes minutes on small machines)."""
+    max_num_seqs: int = 256
+    """Sequences decoded together (vLLM's batch limit)."""
+    max_model_len: Optional[int] = None
+    """Prompt + completion tokens the engine accepts; unset = data.max_tokens_per_pack."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of shared prompt prefixes (the n = batch.group_size samples of one prompt share it).
+    Reset after every weight push."""
+    sleep_mode: bool = False
+    """Put the engine to sleep (vLLM's sleep mode) while the trainer runs, giving its device memory back;
+    needs CUDA (exits 2 on other devices)."""
+    sleep_level: int = 1
+    """Sleep level with vllm.sleep_mode: 1 = offload the weights to host memory and drop the KV cache,
+    2 = drop both (the next weight push refills them). 1 or 2."""
+    weight_bucket_mb: int = 256
+    """Weight push: tensors are sent to the engine in buckets of at most this many MiB (a tensor larger
+    than that is a bucket of its own), gathered from the trainer's shards one bucket at a time."""
+
+    def validate(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size}: the in-process engine runs one worker "
+                             "per generating rank; only 1 is supported (use more ranks for more rollout throughput)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not 0 < self.cpu_kv_cache_gib < float("inf"):
+            raise ValueError(f"cpu_kv_cache_gib: must be finite and > 0, got {self.cpu_kv_cache_gib}")
+        _at_least_one(self, "max_num_seqs")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len: must be >= 2 (or unset), got {self.max_model_len}")
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level: must be 1 or 2, got {self.sleep_level}")
+        if self.sleep_level != 1 and not self.sleep_mode:
+            raise ValueError("sleep_level: only read with sleep_mode = true; set sleep_mode or leave sleep_level unset")
+        _at_least_one(self, "weight_bucket_mb")
+
+    def device_blocker(self, device_type: str) -> Optional[str]:
+        """Why this config cannot run on a `device_type` device, naming the key; None when it can."""
+        if self.sleep_mode and device_type != "cuda":
+            return f"rl.vllm.sleep_mode: vLLM's sleep mode needs CUDA (this job runs on {device_type}); set it to false"
+        return None
+
+
 MOVED_KEYS: dict[str, str] = {
     "prompts_per_step": "batch.prompts_per_step",
     "group_size": "batch.group_size",
@@ -481,8 +546,9 @@ class RLConfig:
     megatron_vlm/rl/algorithms/advantage_estimators.py."""
     rollout_backend: str = "builtin"
     """The engine that generates the rollouts: "builtin" = the policy engine of megatron_vlm/inference
-    (decodes with the policy model itself, in this process); "vllm" = a vLLM engine (not available yet in
-    this build: exit 2)."""
+    (decodes with the policy model itself, in this process); "vllm" = an in-process vLLM engine on every
+    generating rank, fed the trainer's weights after every optimizer step (inference/vllm_engine.py,
+    docs/vllm.md; its settings are [rl.vllm], the vllm package must be importable)."""
     routing_replay: str = "off"
     """MoE routing replay: "off" = the training forwards route tokens themselves; "rollout" = replay the
     experts the rollout chose per token (not implemented yet: exit 2)."""
@@ -493,8 +559,8 @@ class RLConfig:
     against fp32 training, or an external engine)."""
     allocation: Optional[str] = None
     """Asynchronous GRPO: split the job's processes into rollout and training ranks,
-    "rollout:N+train:M" (N + M = number of processes; the AReaL spelling "vllm:dN+dM" means the
-    same). Rollout ranks generate continuously with their own copy of the policy and score the
+    "rollout:N+train:M" (N + M = number of processes; the AReaL spelling "vllm:dN+dM" names vLLM for
+    the rollout ranks: it needs rollout_backend = "vllm", which the asynchronous loop does not run yet). Rollout ranks generate continuously with their own copy of the policy and score the
     completions; training ranks (the first M global ranks) train on completed groups and push the
     new weights after every step (megatron_vlm/rl/asynchronous/allocation.py, rl/README.md). Unset = the
     synchronous loop on every rank."""
@@ -516,6 +582,8 @@ class RLConfig:
     """The user turn ([rl.prompts])."""
     asynchronous: RLAsyncConfig = field(default_factory=RLAsyncConfig)
     """Asynchronous GRPO's staleness bound ([rl.asynchronous])."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """The vLLM engine's settings ([rl.vllm]; read only with rollout_backend = "vllm")."""
 
     # --- rewards and evaluation ------------------------------------------------------------------
     rewards: list[MathRewardConfig | ChoiceRewardConfig | FormatRewardConfig | ExactMatchRewardConfig | CustomRewardConfig] = field(
@@ -530,7 +598,8 @@ class RLConfig:
     """Held-out evaluation ([rl.eval])."""
 
     def validate(self) -> None:
-        for name in ("batch", "rollout", "loss", "advantages", "update", "reward_pool", "prompts", "asynchronous", "eval"):
+        for name in ("batch", "rollout", "loss", "advantages", "update", "reward_pool", "prompts", "asynchronous", "vllm",
+                     "eval"):
             try:
                 getattr(self, name).validate()
             except ValueError as e:
@@ -538,6 +607,7 @@ class RLConfig:
         self._validate_selection()
         self._validate_across()
         self._validate_async()
+        self._validate_backend()
         self._validate_rewards()
 
     def _validate_selection(self) -> None:
@@ -554,10 +624,8 @@ class RLConfig:
             except ValueError:
                 raise ValueError(f"advantages.normalize_std: advantage = {self.advantage!r} is defined without the std "
                                  "division; leave advantages.normalize_std unset (or false), or use advantage = 'grpo'") from None
-        if self.rollout_backend not in ("builtin", "vllm"):
-            raise ValueError(f"rollout_backend: must be 'builtin' or 'vllm', got {self.rollout_backend!r}")
-        if self.rollout_backend == "vllm":
-            raise ConfigError("rollout_backend: 'vllm' is not available yet in this build; use 'builtin'")
+        if self.rollout_backend not in ROLLOUT_BACKENDS:
+            raise ValueError(f"rollout_backend: must be one of {list(ROLLOUT_BACKENDS)}, got {self.rollout_backend!r}")
         if self.routing_replay not in ("off", "rollout"):
             raise ValueError(f"routing_replay: must be 'off' or 'rollout', got {self.routing_replay!r}")
         if self.routing_replay == "rollout":
@@ -600,6 +668,35 @@ class RLConfig:
             raise ValueError(f"loss.rollout_correction: {self.loss.rollout_correction!r} with "
                              "asynchronous.max_head_offpolicyness > 0: the decoupled loss already weights by "
                              "pi_prox / pi_behav; use loss.behav_imp_weight_cap instead")
+
+    _BUILTIN_ENGINE_KEYS: ClassVar[tuple[str, ...]] = ("weights", "cuda_graphs", "kv_block_size", "kv_cache_blocks",
+                                                       "batch_prompts", "memory_gib")
+    """The [rl.rollout] keys only the built-in engine reads (refused with rollout_backend = "vllm")."""
+
+    def _validate_backend(self) -> None:
+        """The keys that depend on `rollout_backend`: `allocation`'s engine prefix, the built-in engine's own
+        [rl.rollout] keys and the [rl.vllm] table."""
+        if self.allocation is not None:
+            engine = parse_allocation(self.allocation).engine
+            if engine is not None and engine != "vllm":
+                raise ValueError(f"allocation: {self.allocation!r}: the {engine!r} back end is not supported; the rollout "
+                                 "ranks run the built-in engine or vLLM (rollout_backend = 'vllm' with 'vllm:dN+dM')")
+            if engine == "vllm" and self.rollout_backend != "vllm":
+                raise ValueError(f"allocation: {self.allocation!r} puts the rollout ranks on vLLM but rollout_backend = "
+                                 f"{self.rollout_backend!r}; set rollout_backend = 'vllm' or write 'rollout:N+train:M'")
+            if self.rollout_backend == "vllm":
+                raise ConfigError(f"allocation: {self.allocation!r} with rollout_backend = 'vllm': the asynchronous "
+                                  "loop's rollout ranks run the built-in engine only so far; use the synchronous loop "
+                                  "(no allocation) with vLLM")
+        if self.rollout_backend != "vllm":
+            if self.vllm != VLLMConfig():
+                raise ValueError("vllm: the [rl.vllm] table is only read with rollout_backend = 'vllm'")
+            return
+        defaults = RLRolloutConfig()
+        for key in self._BUILTIN_ENGINE_KEYS:
+            if getattr(self.rollout, key) != getattr(defaults, key):
+                raise ValueError(f"rollout.{key}: a setting of the built-in engine; with rollout_backend = 'vllm' size "
+                                 "the engine in [rl.vllm] (max_num_seqs, cpu_kv_cache_gib / gpu_memory_utilization)")
 
     def _validate_rewards(self) -> None:
         if not self.rewards:

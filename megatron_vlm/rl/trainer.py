@@ -22,6 +22,7 @@ import torch
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.media import MediaLimits
 from megatron_vlm.errors import ConfigError
+from megatron_vlm.inference.engine import RolloutEngine
 from megatron_vlm.inference.kv_budget import kv_bytes_per_slot, rollout_prompts_for_budget
 from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
 from megatron_vlm.parallel.collectives import any_rank, barrier
@@ -123,7 +124,7 @@ def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: tor
 class GRPOParts:
     sets: PromptSets
     encoder: PromptEncoder
-    engine: PolicyRolloutEngine
+    engine: RolloutEngine
     manager: RewardManager
     """Owns worker processes: `close()` it at the end of the run."""
     reference: Optional[Union[ReferencePolicy, BaseModelReference]] = None
@@ -147,7 +148,13 @@ def build_grpo_parts(ctx: RunContext, bundle: ModelBundle) -> GRPOParts:
     encoder = PromptEncoder(bundle.processor, max_frames=cfg.data.max_frames, fps=cfg.data.fps, max_new_tokens=budget,
                             max_tokens=cfg.data.max_tokens_per_pack, limits=MediaLimits.from_config(cfg.data),
                             bad_records=bad_records)
-    engine = build_rollout_engine(rl, bundle, cfg.model.path, dtype=dtype, device=env.device, per_batch=per_batch)
+    engine: RolloutEngine
+    if rl.rollout_backend == "vllm":  # the vLLM back end (inference/vllm_engine.py): its own weights, fed after each step
+        from megatron_vlm.inference.vllm_engine import vllm_engine_for_run
+
+        engine = vllm_engine_for_run(ctx, bundle, dtype=dtype)
+    else:
+        engine = build_rollout_engine(rl, bundle, cfg.model.path, dtype=dtype, device=env.device, per_batch=per_batch)
     reference: Optional[Union[ReferencePolicy, BaseModelReference]] = None
     if rl.loss.kl_coef > 0 and getattr(cfg, "lora", None) is not None:  # base = the policy without its adapters: no second copy
         reference = BaseModelReference(bundle.wrapper, bundle.model, temperature=rl.rollout.temperature)
@@ -182,6 +189,7 @@ class GRPOLoopStep:
         if self._batches is None:
             self._batches = prompt_batches(len(self.train_set), self.rl.batch.prompts_per_step, seed=self.seed, start_step=step)
         metrics = self.grpo.run(step, [self.train_set[i] for i in next(self._batches)], prompt_pool=self.train_set)
+        metrics.update(getattr(self.grpo.engine, "metrics", dict)())  # the vLLM back end's rollout/weight_push_s
         metrics["epoch"] = (step + 1) * self.rl.batch.prompts_per_step / len(self.train_set)
         return metrics if log else {}
 

@@ -9,8 +9,9 @@ Grammar (spaces ignored, the two parts in either order):
     rollout:N+train:M        N rollout ranks, M training ranks (N, M >= 1)
     <engine>:dN+dM           the AReaL spelling (`vllm:d32+d16`, `sglang:d4+d4`): the first part is the
                              generation back end with N data-parallel rollout ranks, the second the
-                             trainer with M data-parallel ranks; here both run the built-in engine, so
-                             this is the same as `rollout:N+train:M`
+                             trainer with M data-parallel ranks: the split of `rollout:N+train:M`, and
+                             the engine name is kept (`Allocation.engine`) for the config check, which
+                             accepts "vllm" only with `rl.rollout_backend = "vllm"` and refuses others
 
 The training ranks are the first M processes (global ranks 0 .. M-1: rank 0, which logs, checkpoints
 and exports, is a trainer), the rollout ranks the last N. N + M must equal the number of processes
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Optional
 
 from megatron_vlm.errors import ConfigError
 
@@ -35,6 +37,8 @@ _AREAL = re.compile(r"^([a-z_]+):d(\d+)\+d(\d+)$")
 class Allocation:
     rollout: int
     train: int
+    engine: Optional[str] = None
+    """The back end named by the AReaL spelling ("vllm" of "vllm:d32+d16"); None for rollout:N+train:M."""
 
     @property
     def world_size(self) -> int:
@@ -55,7 +59,7 @@ def parse_allocation(text: str) -> Allocation:
         n, k = int(m.group(2)), int(m.group(3))
         if n < 1 or k < 1:
             raise ConfigError(f"allocation: {text!r}: both sizes must be >= 1")
-        return Allocation(rollout=n, train=k)
+        return Allocation(rollout=n, train=k, engine=m.group(1))
     parts = s.split("+")
     sizes: dict[str, int] = {}
     for p in parts:

@@ -87,6 +87,9 @@ ARCH = {
     "internvl3_8b_sft_tp2.toml": ("internvl3_8b", 8),
     "qwen2_5_math_1_5b_grpo.toml": ("qwen2_5_math_1_5b", 2),
     "qwen2_5_math_1_5b_dapo.toml": ("qwen2_5_math_1_5b", 2),
+    "qwen2_5_math_1_5b_grpo_vllm.toml": ("qwen2_5_math_1_5b", 1),  # the vLLM back end: one process
+    "qwen2_5_vl_3b_geometry3k_grpo_vllm.toml": ("qwen2_5_vl_3b", 1),
+    "qwen2_5_vl_3b_virl39k_grpo_vllm.toml": ("qwen2_5_vl_3b", 1),
     "qwen2_5_vl_3b_geometry3k_dapo.toml": ("qwen2_5_vl_3b", 8),
     "qwen3_vl_30b_a3b_geometry3k_gspo.toml": ("qwen3_vl_30b_a3b", 16),
     "nemotron_3_nano_vl_geometry3k_gspo.toml": ("nemotron_3_nano_vl", 16),
@@ -212,3 +215,17 @@ def test_check_runs_the_mcore_backend_refusals(tmp_path):
     code, _, err = _check(CONFIGS / "demo_sft.toml", [*sets, 'parallel.backend="mcore"'], 1)
     assert code == 2 and err.startswith("check failed: lora.target_modules: adapts language_model.layers.") and \
         "parallel.backend = 'mcore' does not adapt" in err, err
+
+
+def test_check_plans_the_vllm_engine_and_refuses_what_it_cannot_run(qwen2_5_vl_3b):
+    """rollout_backend = "vllm": the engine's device share is planned (rl.vllm.gpu_memory_utilization, no
+    built-in KV cache); a share that leaves no room for the trainer, and several processes, exit 2 naming the key."""
+    cfg = CONFIGS / "qwen2_5_vl_3b_geometry3k_grpo_vllm.toml"
+    code, out, err = _check(cfg, [f'model.path="{qwen2_5_vl_3b}"'], 1)
+    assert code == 0, err
+    assert "vllm       engine 16.00 GiB (rl.vllm.gpu_memory_utilization)" in out  # 0.2 of 80 GiB
+    assert "in the vLLM engine" in out and "rollout KV cache 0.00 GiB" in out
+    code, _, err = _check(cfg, [f'model.path="{qwen2_5_vl_3b}"', "rl.vllm.gpu_memory_utilization=1.0"], 1)
+    assert code == 2 and err.startswith("check failed: rl.vllm.gpu_memory_utilization: estimated peak"), err
+    code, _, err = _check(cfg, [f'model.path="{qwen2_5_vl_3b}"'], 2)
+    assert code == 2 and err.startswith("check failed: rl.rollout_backend: 'vllm' runs one in-process engine"), err

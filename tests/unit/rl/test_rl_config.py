@@ -69,7 +69,9 @@ def test_defaults_validate_and_render_prompt():
         (dict(rollout_correction="tis", recompute_logprobs=True, rollout_correction_cap=1.0), "loss.rollout_correction_cap"),
         # selection keys of later backends
         (dict(rollout_backend="sglang"), "rollout_backend"),
-        (dict(rollout_backend="vllm"), "rollout_backend"),
+        (dict(rollout_backend="vllm", rollout__weights="copy"), "rollout.weights"),  # a key of the built-in engine only
+        (dict(rollout_backend="vllm", allocation="vllm:d1+d1"), "allocation"),  # async loop: built-in engine only
+        (dict(allocation="vllm:d1+d1"), "allocation"),  # vLLM's rollout ranks with the built-in back end
         (dict(routing_replay="yes"), "routing_replay"),
         (dict(routing_replay="rollout"), "routing_replay"),
     ],

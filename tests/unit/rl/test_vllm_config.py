@@ -1,0 +1,97 @@
+"""`[rl] rollout_backend` and `[rl.vllm]`: every key is accepted where it is read and refused (naming the
+key, exit 2 from the launcher) where it is not; `allocation`'s engine prefix agrees with the back end;
+the engine refuses what needs a device this job lacks before it imports vllm. No vllm needed."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_vlm.config.loader import from_dict
+from megatron_vlm.errors import ConfigError
+from megatron_vlm.rl.asynchronous.allocation import parse_allocation
+from megatron_vlm.rl.config import RLConfig, VLLMConfig
+
+REPO = Path(__file__).resolve().parents[3]
+
+ALL_KEYS = {"tensor_parallel_size": 1, "gpu_memory_utilization": 0.3, "cpu_kv_cache_gib": 2.0, "enforce_eager": True,
+            "max_num_seqs": 64, "max_model_len": 2048, "enable_prefix_caching": False, "sleep_mode": True, "sleep_level": 2,
+            "weight_bucket_mb": 64}
+
+
+def test_every_vllm_key_loads_with_the_vllm_backend():
+    rl = from_dict(RLConfig, {"rollout_backend": "vllm", "vllm": ALL_KEYS}, "rl")
+    assert rl.vllm == VLLMConfig(**ALL_KEYS)
+    assert from_dict(RLConfig, {}, "rl").rollout_backend == "builtin"
+
+
+@pytest.mark.parametrize("rl,want", [
+    ({"rollout_backend": "sglang"}, r"^rl\.rollout_backend: must be one of"),
+    ({"vllm": {"max_num_seqs": 8}}, r"^rl\.vllm: the \[rl\.vllm\] table is only read with rollout_backend = 'vllm'"),
+    ({"allocation": "vllm:d1+d1"}, r"^rl\.allocation: 'vllm:d1\+d1' puts the rollout ranks on vLLM but rollout_backend"),
+    ({"allocation": "sglang:d1+d1"}, r"^rl\.allocation: 'sglang:d1\+d1': the 'sglang' back end is not supported"),
+    ({"allocation": "sglang:d1+d1", "rollout_backend": "vllm"}, r"^rl\.allocation: .*'sglang' back end is not supported"),
+    ({"rollout_backend": "vllm", "vllm": {"tensor_parallel_size": 2}}, r"^rl\.vllm\.tensor_parallel_size: 2"),
+    ({"rollout_backend": "vllm", "vllm": {"gpu_memory_utilization": 1.5}}, r"^rl\.vllm\.gpu_memory_utilization"),
+    ({"rollout_backend": "vllm", "vllm": {"cpu_kv_cache_gib": 0}}, r"^rl\.vllm\.cpu_kv_cache_gib"),
+    ({"rollout_backend": "vllm", "vllm": {"max_num_seqs": 0}}, r"^rl\.vllm\.max_num_seqs"),
+    ({"rollout_backend": "vllm", "vllm": {"max_model_len": 1}}, r"^rl\.vllm\.max_model_len"),
+    ({"rollout_backend": "vllm", "vllm": {"sleep_level": 3, "sleep_mode": True}}, r"^rl\.vllm\.sleep_level: must be 1 or 2"),
+    ({"rollout_backend": "vllm", "vllm": {"sleep_level": 2}}, r"^rl\.vllm\.sleep_level: only read with sleep_mode"),
+    ({"rollout_backend": "vllm", "vllm": {"weight_bucket_mb": 0}}, r"^rl\.vllm\.weight_bucket_mb"),
+    ({"rollout_backend": "vllm", "vllm": {"swap_space": 4}}, r"^rl\.vllm\.swap_space"),  # unknown key: strict loader
+    ({"rollout_backend": "vllm", "rollout": {"weights": "copy"}}, r"^rl\.rollout\.weights: a setting of the built-in engine"),
+    ({"rollout_backend": "vllm", "rollout": {"cuda_graphs": "auto"}}, r"^rl\.rollout\.cuda_graphs: a setting of the built-in"),
+    ({"rollout_backend": "vllm", "rollout": {"kv_block_size": 16, "weights": "copy"}}, r"^rl\.rollout\.(weights|kv_block_size): a setting"),
+    ({"rollout_backend": "vllm", "rollout": {"kv_block_size": 16, "kv_cache_blocks": 64, "weights": "copy"}},
+     r"^rl\.rollout\.(weights|kv_block_size|kv_cache_blocks): a setting"),
+    ({"rollout_backend": "vllm", "rollout": {"batch_prompts": 4}}, r"^rl\.rollout\.batch_prompts: a setting of the built-in engine"),
+    ({"rollout_backend": "vllm", "rollout": {"memory_gib": 1.0}}, r"^rl\.rollout\.memory_gib: a setting of the built-in engine"),
+    ({"rollout_backend": "vllm", "kv_block_size": 16}, r"^rl\.kv_block_size: .*rollout\.kv_block_size"),  # the old flat name
+    ({"rollout_backend": "vllm", "allocation": "vllm:d1+d1"}, r"^rl\.allocation: .*asynchronous loop's rollout ranks run the built-in"),
+])
+def test_refused_naming_the_key(rl, want):
+    with pytest.raises(ConfigError, match=want):
+        from_dict(RLConfig, rl, "rl")
+
+
+def test_allocation_keeps_the_engine_name():
+    assert parse_allocation("vllm:d32+d16").engine == "vllm"
+    assert parse_allocation("rollout:2+train:1").engine is None
+    RLConfig(allocation="rollout:1+train:1").validate()  # the plain spelling: either back end's layout
+
+
+def test_engine_refuses_sleep_mode_off_cuda_before_importing_vllm():
+    from megatron_vlm.inference.vllm_engine import VLLMRolloutEngine
+
+    with pytest.raises(ConfigError, match=r"^rl\.vllm\.sleep_mode: vLLM's sleep mode needs CUDA"):
+        VLLMRolloutEngine("unused", VLLMConfig(sleep_mode=True), dtype=torch.float32, device="cpu", max_model_len=64)
+
+
+def test_launcher_check_exits_2_naming_the_key(tmp_path):
+    toml = tmp_path / "tiny.toml"
+    toml.write_text(f'[model]\npath = "{tmp_path / "m"}"\nsynthesize = "tiny_qwen2_5_vl"\n\n'
+                    f'[data]\ntype = "synthetic_vqa"\nsynthetic_dir = "{tmp_path / "d"}"\nmax_tokens_per_pack = 256\n\n'
+                    f'[train]\nmode = "grpo"\noutput_dir = "{tmp_path / "out"}"\nmax_steps = 1\n\n'
+                    '[rl]\nallocation = "vllm:d1+d1"\n\n[rl.batch]\ngroup_size = 2\nprompts_per_step = 2\n\n'
+                    '[rl.rollout]\nmax_new_tokens = 8\n')
+    cmd = [sys.executable, str(REPO / "launch" / "pretrain_vlm.py"), "--config", str(toml), "--check", "--device-memory-gib", "80"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "rl.allocation: 'vllm:d1+d1' puts the rollout ranks on vLLM" in lines[0], r.stderr
+
+
+def test_engine_refuses_max_model_len_below_the_pack_before_importing_vllm():
+    from types import SimpleNamespace as NS
+
+    from megatron_vlm.inference.vllm_engine import vllm_engine_for_run
+
+    cfg = NS(rl=NS(vllm=VLLMConfig(max_model_len=512)), data=NS(max_tokens_per_pack=1024), model=NS(path="unused"),
+             train=NS(seed=0))
+    ctx = NS(cfg=cfg, env=NS(world_size=1, device=torch.device("cpu")))
+    with pytest.raises(ConfigError, match=r"^rl\.vllm\.max_model_len: 512 is below data\.max_tokens_per_pack = 1024"):
+        vllm_engine_for_run(ctx, NS(), dtype=torch.float32)
+    ctx.env.world_size = 2
+    with pytest.raises(ConfigError, match=r"^rl\.rollout_backend: 'vllm' runs one in-process engine per job"):
+        vllm_engine_for_run(ctx, NS(), dtype=torch.float32)

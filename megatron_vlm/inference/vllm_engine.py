@@ -32,11 +32,18 @@ import math
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from megatron_vlm.inference.engine import RolloutEngine, RolloutPrompt, RolloutResult, RolloutSample, SamplingParams
+from megatron_vlm.inference.engine import (
+    FinishReason,
+    RolloutEngine,
+    RolloutPrompt,
+    RolloutResult,
+    RolloutSample,
+    SamplingParams,
+)
 
 if TYPE_CHECKING:  # the [rl.vllm] table (rl/config.py); rl imports this package, never the other way round
     from megatron_vlm.rl.config import VLLMConfig
@@ -166,6 +173,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 return  # the trainer's weights change only with the version (an optimizer step): already there
             self._wake()
             t0 = time.perf_counter()
+            buckets: Iterable[list[tuple[str, torch.Tensor]]]
             if weights is not None:
                 buckets = [[(k, v) for k, v in weights.items()]]
             elif self.sync_from is not None:
@@ -242,7 +250,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 rid = f"r{id(self)}-{self.policy_version}-{i}-{time.monotonic_ns()}"
                 engine.add_request(rid, req, sp)
                 ids.append(rid)
-            done: dict[str, object] = {}
+            done: dict[str, Any] = {}  # request id -> vLLM RequestOutput
             interrupted = False
             while engine.has_unfinished_requests():
                 if self._interrupt.is_set():
@@ -277,7 +285,7 @@ class VLLMRolloutEngine(RolloutEngine):
         return RolloutResult(samples=samples, num_generated_tokens=n_tok, seconds=time.perf_counter() - t0,
                              stats={"weight_sync_s": self.weight_push_s}, interrupted=interrupted)
 
-    def _reason(self, c) -> str:
+    def _reason(self, c) -> FinishReason:
         if c.finish_reason == "length":
             return "length"
         if c.finish_reason == "abort":

@@ -15,9 +15,10 @@ import shlex
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 

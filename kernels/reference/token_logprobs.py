@@ -13,7 +13,7 @@ Labels equal to `ignore_index` (-100) give log-prob 0 and entropy 0 and receive 
 Matmuls run in the input dtype with the result upcast to fp32 (CPU) — the softmax, log and
 gradient algebra are fp32; outputs are fp32 (log-probs feed losses; keep them precise).
 """
-from typing import Optional, Tuple, Union
+from typing import Optional, Union
 
 import torch
 
@@ -42,7 +42,7 @@ def check_token_logprobs_inputs(hidden: torch.Tensor, weight: torch.Tensor, labe
         raise ValueError(f"linear_token_logprobs: hidden dtype {hidden.dtype} != weight dtype {weight.dtype}")
 
 
-def label_mask(labels: torch.Tensor, vocab: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def label_mask(labels: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(labels with ignored ones set to 0 as int64, valid mask); a label outside [0, vocab) that is not
     `IGNORE_INDEX` is an error. Shared by every backend of `linear_token_logprobs`."""
     valid = labels != IGNORE_INDEX
@@ -120,7 +120,7 @@ def linear_token_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     chunk_size: Optional[int] = None,
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """log p(labels) [N] fp32 (and entropy [N] fp32) of softmax(hidden @ weight^T / temperature), chunked."""
     check_token_logprobs_inputs(hidden, weight, labels, temperature)
     chunk = resolve_chunk_size(hidden, weight, chunk_size)

@@ -26,8 +26,9 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Union
+from typing import Optional, Union
 
 import torch
 from safetensors import safe_open

@@ -26,8 +26,9 @@ log-probs at temperature 1.
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Optional, Sequence
+from typing import Literal, Optional
 
 import torch
 
@@ -81,7 +82,7 @@ class RolloutPrompt:
     second_per_grid_ts: Optional[torch.Tensor] = None
 
     @classmethod
-    def from_processed(cls, sample) -> "RolloutPrompt":
+    def from_processed(cls, sample) -> RolloutPrompt:
         """From a `ProcessedSample` (process_record(..., for_generation=True))."""
         return cls(
             input_ids=sample.input_ids, pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw,

@@ -49,9 +49,10 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 __all__ = ["RewardCall", "CallResult", "RewardWorkerPool", "resolve_verifier"]
 
@@ -310,7 +311,7 @@ class RewardWorkerPool:
             w.kill()
         self._workers = []
 
-    def __enter__(self) -> "RewardWorkerPool":
+    def __enter__(self) -> RewardWorkerPool:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -15,7 +15,8 @@ symbolic_limits.too_big first.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import sympy
 from sympy.core.function import AppliedUndef

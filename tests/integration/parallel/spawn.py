@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist

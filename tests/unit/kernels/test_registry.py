@@ -156,9 +156,8 @@ def test_scopes_nest_and_restore_on_exit_and_on_error():
             with K.use_backends({"swiglu": "auto"}):  # "auto" overrides an outer forced choice
                 assert DEFAULT_REGISTRY.choice("swiglu") == "auto"
         assert DEFAULT_REGISTRY.choice("rms_norm") == "torch"
-        with pytest.raises(RuntimeError, match="boom"):
-            with K.use_backends({"rms_norm": "triton"}):
-                raise RuntimeError("boom")
+        with pytest.raises(RuntimeError, match="boom"), K.use_backends({"rms_norm": "triton"}):
+            raise RuntimeError("boom")
         assert DEFAULT_REGISTRY.choice("rms_norm") == "torch"
     assert DEFAULT_REGISTRY.choice("rms_norm") == "auto" and DEFAULT_REGISTRY.choice("swiglu") == "auto"
 

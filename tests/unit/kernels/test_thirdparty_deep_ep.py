@@ -69,7 +69,7 @@ class Config:
     """deep_ep._C.Config (csrc/legacy/config.hpp): its asserts and `get_nvl_buffer_size_hint`."""
 
     def __init__(self, num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv):
-        assert num_sms >= 0 and 0 < nvl_send < nvl_recv and 0 < rdma_send
+        assert num_sms >= 0 and 0 < nvl_send < nvl_recv and rdma_send > 0
         self.num_sms, self.nvl_send, self.nvl_recv = num_sms, nvl_send, nvl_recv
 
     def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):

@@ -10,7 +10,7 @@ a reference model on the torch backend next to a policy on Triton). Configure (o
 before `torch.compile`: a compiled graph keeps the backend chosen while tracing (the dispatch is
 traced with fullgraph=True, the choice is a constant of the graph).
 """
-from typing import Optional, Tuple, Union
+from typing import Optional, Union
 
 import torch
 

@@ -74,7 +74,7 @@ def check_attention_inputs(
                     f"attention: cu_seqlens_k is required when q has {q.shape[0]} tokens and k has {k.shape[0]}"
                 )
             cu_seqlens_k = cu_seqlens_q
-        for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             if cu.dim() != 1 or cu.dtype != torch.int32 or cu.numel() < 2:
                 raise ValueError(f"attention: {name} must be a 1-D int32 tensor with >= 2 entries, got {cu.dtype} {tuple(cu.shape)}")
         if cu_seqlens_q.numel() != cu_seqlens_k.numel():

@@ -70,12 +70,12 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         ent = torch.empty(n, dtype=torch.float32, device=hidden.device)
         for s in range(0, n, chunk_size):
             z = _chunk_logits(hidden[s : s + chunk_size], weight, temperature)
-            l = torch.logsumexp(z, dim=-1)
-            lse[s : s + chunk_size] = l
-            logp[s : s + chunk_size] = z.gather(1, safe[s : s + chunk_size, None]).squeeze(1) - l
+            lz = torch.logsumexp(z, dim=-1)
+            lse[s : s + chunk_size] = lz
+            logp[s : s + chunk_size] = z.gather(1, safe[s : s + chunk_size, None]).squeeze(1) - lz
             if with_entropy:
                 p = torch.softmax(z, dim=-1)
-                ent[s : s + chunk_size] = l - (p * z).sum(-1)
+                ent[s : s + chunk_size] = lz - (p * z).sum(-1)
         logp = torch.where(valid, logp, 0.0)
         ent = torch.where(valid, ent, 0.0) if with_entropy else ent.zero_()
         ctx.save_for_backward(hidden, weight, safe, valid, lse, ent)

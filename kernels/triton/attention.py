@@ -92,7 +92,7 @@ def _query_range(n0, diag, q_len, left, right, BLOCK_M: tl.constexpr, BLOCK_N: t
 
 @triton.jit
 def _attention_fwd_kernel(
-    Q, K, V, O, LSE, CU_Q, CU_K, KPM,
+    Q, K, V, O, LSE, CU_Q, CU_K, KPM,  # noqa: E741 -- Q, K, V, O as in the attention equations
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_lse_h, stride_kpm_b,
     qk_scale, left, right,

@@ -159,6 +159,6 @@ class RolloutEngine(abc.ABC):
     def release_memory(self) -> None:
         """Free memory that only generation needs."""
 
-    def interrupt(self) -> None:
+    def interrupt(self) -> None:  # noqa: B027 -- optional hook: a no-op for engines that cannot stop early
         """Ask a running `generate` (another thread) to stop at the next token boundary and return the
         partial completions. Engines that cannot be interrupted ignore it."""

@@ -135,7 +135,7 @@ class _HeadStub(nn.Module):
 
 
 def _replace_child(root: nn.Module, target: nn.Module, new: nn.Module) -> None:
-    for name, mod in list(root.named_modules()):
+    for mod in list(root.modules()):
         for child_name, child in list(mod.named_children()):
             if child is target:
                 setattr(mod, child_name, new)

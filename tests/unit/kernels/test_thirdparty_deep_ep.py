@@ -481,9 +481,9 @@ def test_auto_picks_deep_ep_for_bf16_on_cuda_and_forcing_it_elsewhere_is_refused
         monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
         if "deep_ep" not in K.DEFAULT_REGISTRY.availability("moe_ep_dispatch", torch.zeros(1))["deep_ep"]:
             pytest.skip("deep_ep is installed here")
-        with K.use_backends({"moe_ep_dispatch": "deep_ep"}):
-            with pytest.raises(K.BackendUnavailableError, match="deep_ep is not installed"):
-                DEFAULT_REGISTRY.resolve("moe_ep_dispatch", torch.zeros(1, dtype=torch.bfloat16))
+        with K.use_backends({"moe_ep_dispatch": "deep_ep"}), \
+                pytest.raises(K.BackendUnavailableError, match="deep_ep is not installed"):
+            DEFAULT_REGISTRY.resolve("moe_ep_dispatch", torch.zeros(1, dtype=torch.bfloat16))
         monkeypatch.setitem(sys.modules, "deep_ep", types.ModuleType("deep_ep"))
         DEFAULT_REGISTRY.clear_cache()
         assert DEFAULT_REGISTRY.choose("moe_ep_dispatch", "cuda", torch.bfloat16) == "deep_ep"

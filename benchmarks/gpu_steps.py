@@ -15,9 +15,10 @@ import shlex
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,7 +117,7 @@ def run_batch(steps: list[Step], logs: dict[str, Path], on_done: Optional[Callab
     running = {}
     results: dict[str, tuple[int, float]] = {}
     for st in steps:
-        log = open(logs[st.name], "a")
+        log = open(logs[st.name], "a")  # noqa: SIM115 -- stays open while the step runs; closed when it ends
         log.write(f"\n$ {shlex.join(st.argv)}\n")
         log.flush()
         t0 = time.time()

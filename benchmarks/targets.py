@@ -118,7 +118,7 @@ def evaluate(target: Target, data: Optional[dict]) -> dict:
         if re.search(target.case, r["case"]):
             by_case.setdefault(r["case"], {})[r["impl"]] = r
     figures = []
-    for case, impls in by_case.items():
+    for impls in by_case.values():
         ours = impls.get(target.impl)
         if ours is None or ours.get("ms") is None:
             continue

@@ -10,7 +10,7 @@ a reference model on the torch backend next to a policy on Triton). Configure (o
 before `torch.compile`: a compiled graph keeps the backend chosen while tracing (the dispatch is
 traced with fullgraph=True, the choice is a constant of the graph).
 """
-from typing import Optional, Tuple, Union
+from typing import Optional, Union
 
 import torch
 
@@ -53,7 +53,7 @@ def attention(
     cu_seqlens_k: Optional[torch.Tensor] = None,
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
-    window: Optional[Tuple[int, int]] = None,
+    window: Optional[tuple[int, int]] = None,
     softmax_scale: Optional[float] = None,
     key_padding_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
@@ -72,7 +72,7 @@ def attention(
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: Optional[torch.Tensor] = None
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """RMSNorm over the last dim; with `residual`, returns (rms_norm(x + residual), x + residual)."""
     return DEFAULT_REGISTRY.resolve("rms_norm", x)(x, weight, eps, residual=residual)
 
@@ -103,7 +103,7 @@ def linear_token_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     chunk_size: Optional[int] = None,
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """log p(labels) `[N]` (and entropy `[N]`) of softmax(hidden @ weight^T / temperature), fp32 outputs,
     without materialising the `[N, V]` logits; labels == -100 give 0 and no gradient."""
     fn = DEFAULT_REGISTRY.resolve("linear_token_logprobs", hidden)

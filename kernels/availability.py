@@ -8,7 +8,8 @@ the answer (`KernelRegistry.clear_cache()` after changing the environment).
 import importlib.util
 import os
 import sys
-from typing import Callable, Optional, Tuple
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 
@@ -57,7 +58,7 @@ def import_error(module: str) -> Optional[str]:
     return None
 
 
-def cuda_package_check(package: str, dtypes: Tuple[torch.dtype, ...] = (), modules: Tuple[str, ...] = ()) -> Check:
+def cuda_package_check(package: str, dtypes: tuple[torch.dtype, ...] = (), modules: tuple[str, ...] = ()) -> Check:
     """Check for a third-party CUDA package (flash_attn, liger_kernel ...), optionally limited to dtypes.
 
     `modules`: what the adapter imports (default: the package itself); imported on CUDA only, after the
@@ -75,7 +76,7 @@ def cuda_package_check(package: str, dtypes: Tuple[torch.dtype, ...] = (), modul
     return check
 
 
-def _modules_error(package: str, modules: Tuple[str, ...]) -> Optional[str]:
+def _modules_error(package: str, modules: tuple[str, ...]) -> Optional[str]:
     """Why the first of `modules` (default: the package) that does not import fails, or None."""
     for module in modules or (package,):
         error = import_error(module)
@@ -84,7 +85,7 @@ def _modules_error(package: str, modules: Tuple[str, ...]) -> Optional[str]:
     return None
 
 
-def triton_package_check(package: str, modules: Tuple[str, ...] = ()) -> Check:
+def triton_package_check(package: str, modules: tuple[str, ...] = ()) -> Check:
     """For a third-party package of Triton kernels (liger_kernel ...): installed, triton can run here, and
     `modules` (default: the package) import."""
 

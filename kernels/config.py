@@ -5,7 +5,6 @@ applies it. Values: "auto" or a backend name registered for the op ("torch", "tr
 "flash_attn" ...); `validate()` checks them against the registry so a typo fails at load time.
 """
 from dataclasses import asdict, dataclass
-from typing import Dict
 
 
 @dataclass(kw_only=True)
@@ -44,7 +43,7 @@ class KernelsConfig:
     moe_ep_dispatch: str = "auto"
     """Expert-parallel token dispatch / combine (parallel.ep > 1): auto | torch (all_to_all_single) | deep_ep (DeepEP's Buffer.dispatch / combine on CUDA, bf16; experimental: not yet run on a GPU)."""
 
-    def as_dict(self) -> Dict[str, str]:
+    def as_dict(self) -> dict[str, str]:
         return asdict(self)
 
     def validate(self) -> None:

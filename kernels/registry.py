@@ -32,9 +32,10 @@ import contextvars
 import importlib
 import logging
 import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Callable, Dict, Iterator, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -71,7 +72,7 @@ class Backend:
     name: str
     target: str  # "package.module:function", imported lazily
     check: Optional["Check"] = None  # None: usable for every device and dtype
-    auto_devices: Tuple[str, ...] = ()  # device types on which `auto` may pick it
+    auto_devices: tuple[str, ...] = ()  # device types on which `auto` may pick it
     priority: int = 0  # higher wins in `auto`
     slot: _Slot = field(default_factory=_Slot, compare=False, repr=False)
 
@@ -88,12 +89,12 @@ class KernelRegistry:
     """Ops -> backends, the process-default choice per op, scoped overrides, and the caches."""
 
     def __init__(self) -> None:
-        self.backends: Dict[str, Dict[str, Backend]] = {}
-        self.forced: Dict[str, str] = {}  # process default; ops absent are "auto"
+        self.backends: dict[str, dict[str, Backend]] = {}
+        self.forced: dict[str, str] = {}  # process default; ops absent are "auto"
         self._scope: contextvars.ContextVar = contextvars.ContextVar("megatron_vlm_kernels_scope", default=_NO_SCOPE)
         self._logged: set = set()
-        self._probes: Dict[tuple, Optional[str]] = {}
-        self._decisions: Dict[tuple, _Decision] = {}
+        self._probes: dict[tuple, Optional[str]] = {}
+        self._decisions: dict[tuple, _Decision] = {}
         self._lock = threading.Lock()
 
     # -- registration and configuration ------------------------------------------------------
@@ -102,10 +103,10 @@ class KernelRegistry:
             self.backends.setdefault(op, {})[backend.name] = backend
             self._clear_locked()
 
-    def ops(self) -> Tuple[str, ...]:
+    def ops(self) -> tuple[str, ...]:
         return tuple(self.backends)
 
-    def validated(self, choices: "Mapping[str, str] | KernelsConfig") -> Dict[str, str]:
+    def validated(self, choices: "Mapping[str, str] | KernelsConfig") -> dict[str, str]:
         """choices (a dict op -> backend or "auto", or a KernelsConfig) as a dict, checked against the
         registered ops and backends (KeyError naming the unknown op / backend)."""
         if hasattr(choices, "as_dict"):
@@ -120,7 +121,7 @@ class KernelRegistry:
                 )
         return dict(choices)
 
-    def configure(self, choices: "Mapping[str, str] | KernelsConfig") -> Dict[str, str]:
+    def configure(self, choices: "Mapping[str, str] | KernelsConfig") -> dict[str, str]:
         """Set the process default ("auto" = choose) per op; returns the previous default (to restore)."""
         choices = self.validated(choices)
         previous = dict(self.forced)
@@ -153,7 +154,7 @@ class KernelRegistry:
             return scoped[op]
         return self.forced.get(op, AUTO)
 
-    def choices(self) -> Dict[str, str]:
+    def choices(self) -> dict[str, str]:
         """op -> configured backend or "auto", as `choice` sees it in the current context."""
         return {op: self.choice(op) for op in self.backends}
 
@@ -167,7 +168,7 @@ class KernelRegistry:
         self._probes.clear()
         self._decisions.clear()
 
-    def _backends_of(self, op: str) -> Dict[str, Backend]:
+    def _backends_of(self, op: str) -> dict[str, Backend]:
         if op not in self.backends:
             raise KeyError(f"kernels: unknown op {op!r}; known ops: {', '.join(sorted(self.backends))}")
         return self.backends[op]
@@ -178,7 +179,7 @@ class KernelRegistry:
             self._probes[key] = None if backend.check is None else backend.check(device_type, dtype)
         return self._probes[key]
 
-    def availability(self, op: str, x: torch.Tensor) -> Dict[str, Optional[str]]:
+    def availability(self, op: str, x: torch.Tensor) -> dict[str, Optional[str]]:
         """Backend name -> None (usable for x) or the reason it is not."""
         backends = self._backends_of(op)
         with self._lock:
@@ -262,7 +263,7 @@ def register_backend(
     target: str,
     *,
     check: Optional["Check"] = None,
-    auto_devices: Tuple[str, ...] = (),
+    auto_devices: tuple[str, ...] = (),
     priority: int = 0,
     registry: Optional[KernelRegistry] = None,
 ) -> None:
@@ -270,7 +271,7 @@ def register_backend(
     (registry or DEFAULT_REGISTRY).register(op, Backend(name, target, check, tuple(auto_devices), priority))
 
 
-def configure(choices: "Mapping[str, str] | KernelsConfig") -> Dict[str, str]:
+def configure(choices: "Mapping[str, str] | KernelsConfig") -> dict[str, str]:
     """Apply a `[kernels]` section (dict op -> backend or "auto", or a KernelsConfig) as the process
     default; returns the previous default."""
     return DEFAULT_REGISTRY.configure(choices)

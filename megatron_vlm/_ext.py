@@ -22,7 +22,8 @@ import contextlib
 import os
 import threading
 import warnings
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Optional
 
 import numpy as np
 import torch

@@ -9,7 +9,8 @@ refused when saving or exporting (the previous checkpoint / export stays in plac
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

@@ -20,8 +20,9 @@ import os
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Optional
 
 import torch
 
@@ -99,7 +100,7 @@ def measure_peaks(device: str, quick: bool) -> dict:
     return {"gbps": gbps, "tflops": tflops}
 
 
-def attention_flops(seqlens_q: List[int], seqlens_k: List[int], heads: int, head_dim: int, causal: bool, backward: bool = False) -> float:
+def attention_flops(seqlens_q: list[int], seqlens_k: list[int], heads: int, head_dim: int, causal: bool, backward: bool = False) -> float:
     fwd = sum(4 * heads * sq * sk * head_dim * (0.5 if causal else 1.0) for sq, sk in zip(seqlens_q, seqlens_k))
     return fwd * (2.5 if backward else 1.0)
 
@@ -110,7 +111,7 @@ class Table:
 
     title: str
     peaks: dict
-    rows: List[dict] = field(default_factory=list)
+    rows: list[dict] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.title += selection_note()
@@ -123,7 +124,7 @@ class Table:
         if SELECTION["json"]:
             self.write_json(SELECTION["json"], partial=True)
 
-    def computed_rows(self) -> List[dict]:
+    def computed_rows(self) -> list[dict]:
         """Rows with the derived figures: ratio to the case's baseline (first timed row), TFLOP/s,
         GB/s and the fraction of the peak measured in this run (None where not applicable)."""
         out, baseline = [], {}

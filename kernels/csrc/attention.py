@@ -11,7 +11,7 @@ multiple of 8 (<= 512). Everything else runs the `sdpa` backend (kernels/sdpa/at
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -55,7 +55,7 @@ def attention(
     cu_seqlens_k: Optional[torch.Tensor] = None,
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
-    window: Optional[Tuple[int, int]] = None,
+    window: Optional[tuple[int, int]] = None,
     softmax_scale: Optional[float] = None,
     key_padding_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:

@@ -9,7 +9,7 @@ the reference's: same signature, outputs and errors; values equal to fp32 roundi
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Optional, Union
 
 import torch
 
@@ -87,7 +87,7 @@ def linear_token_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     chunk_size: Optional[int] = None,
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """log p(labels) [N] fp32 (and entropy [N] fp32) of softmax(hidden @ weight^T / temperature), chunked."""
     if not _fits(hidden, weight) or hidden.dim() != 2 or not hidden.is_contiguous():
         return _ref_linear_token_logprobs(hidden, weight, labels, temperature=temperature,

@@ -19,7 +19,7 @@ Mapping (torch_npu / CANN docs of npu_fusion_attention and its sparse_mode table
 Autograd comes from torch_npu (the op has a registered backward).
 """
 from functools import lru_cache
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +48,7 @@ def attention(
     cu_seqlens_k: Optional[torch.Tensor] = None,
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
-    window: Optional[Tuple[int, int]] = None,
+    window: Optional[tuple[int, int]] = None,
     softmax_scale: Optional[float] = None,
     key_padding_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:

@@ -4,7 +4,7 @@ npu_rms_norm(x, gamma, epsilon) -> (y, rstd); npu_add_rms_norm(x1, x2, gamma, ep
 (y, rstd, x1 + x2), the fused residual add (the normalised input is the sum, as in our contract).
 gamma must have x's dtype on the device, so the weight is cast to it.
 """
-from typing import Optional, Tuple, Union
+from typing import Optional, Union
 
 import torch
 
@@ -13,7 +13,7 @@ from ._torch_npu import torch_npu_module
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: Optional[torch.Tensor] = None
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Public-signature RMSNorm on torch_npu's fused kernels."""
     torch_npu = torch_npu_module("rms_norm")
     if weight.shape != (x.shape[-1],):

@@ -20,14 +20,14 @@ Numerics: with `upcast=True` (the default, what the `torch` backend runs) everyt
 fp32. `upcast=False` computes in the input dtype the naive way (scores, softmax and P @ V rounded
 to it): that is the yardstick of the low-precision tests, not a backend.
 """
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional
 
 import torch
 
-_Window = Optional[Tuple[int, int]]
+_Window = Optional[tuple[int, int]]
 
 
-def normalize_window(window: _Window, causal: bool) -> Tuple[int, int]:
+def normalize_window(window: _Window, causal: bool) -> tuple[int, int]:
     """Return (left, right) with -1 = unbounded, right capped at 0 when causal."""
     if window is None:
         left, right = -1, -1
@@ -47,7 +47,7 @@ def check_attention_inputs(
     cu_seqlens_q: Optional[torch.Tensor],
     cu_seqlens_k: Optional[torch.Tensor],
     key_padding_mask: Optional[torch.Tensor],
-) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Validate shapes / dtypes and return (cu_seqlens_q, cu_seqlens_k) with cu_seqlens_k defaulted to q's."""
     packed = q.dim() == 3
     if q.dim() not in (3, 4):
@@ -74,7 +74,7 @@ def check_attention_inputs(
                     f"attention: cu_seqlens_k is required when q has {q.shape[0]} tokens and k has {k.shape[0]}"
                 )
             cu_seqlens_k = cu_seqlens_q
-        for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             if cu.dim() != 1 or cu.dtype != torch.int32 or cu.numel() < 2:
                 raise ValueError(f"attention: {name} must be a 1-D int32 tensor with >= 2 entries, got {cu.dtype} {tuple(cu.shape)}")
         if cu_seqlens_q.numel() != cu_seqlens_k.numel():

@@ -6,7 +6,7 @@ agree, in bf16 ours is the more precise). With `residual`, the sum `x + residual
 x's dtype first and that rounded sum is normalised, so the fused path equals the unfused
 `h = x + residual; rms_norm(h)` a model would otherwise write.
 """
-from typing import Optional, Tuple, Union
+from typing import Optional, Union
 
 import torch
 
@@ -22,7 +22,7 @@ def rms_norm(
     eps: float,
     *,
     residual: Optional[torch.Tensor] = None,
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """y = x / sqrt(mean(x^2) + eps) * weight; with residual returns (rms_norm(x + residual), x + residual)."""
     _check_weight("rms_norm", x, weight, "weight")
     summed = None

@@ -18,12 +18,12 @@ Layout contract (shared by every backend):
 * D_rot <= D; the tail x[..., D_rot:] passes through unchanged (partial rotary).
 * cos / sin are constants: no gradient flows to them. Computed in fp32, returned in x's dtype.
 """
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
 
-def _broadcasts_to(shape: Tuple[int, ...], target: Tuple[int, ...]) -> bool:
+def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
     """`torch.broadcast_shapes(shape, target) == target`, in plain Python: this check runs for every
     rotary call (twice per layer and decode step), and the torch helper costs more than the rotation of
     a decode step's few rows."""
@@ -34,7 +34,7 @@ def _broadcasts_to(shape: Tuple[int, ...], target: Tuple[int, ...]) -> bool:
 
 def expand_cos_sin(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, rotary_dim: Optional[int]
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate the layout contract and return full-width cos / sin `[..., T, 1, D_rot]`."""
     if x.dim() < 3:
         raise ValueError(f"apply_rotary: x must be [..., T, H, D], got shape {tuple(x.shape)}")

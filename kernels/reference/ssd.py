@@ -22,7 +22,8 @@ initial / final states are per sequence `[n, H, P, N]`.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F

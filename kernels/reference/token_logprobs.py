@@ -13,7 +13,7 @@ Labels equal to `ignore_index` (-100) give log-prob 0 and entropy 0 and receive 
 Matmuls run in the input dtype with the result upcast to fp32 (CPU) — the softmax, log and
 gradient algebra are fp32; outputs are fp32 (log-probs feed losses; keep them precise).
 """
-from typing import Optional, Tuple, Union
+from typing import Optional, Union
 
 import torch
 
@@ -42,7 +42,7 @@ def check_token_logprobs_inputs(hidden: torch.Tensor, weight: torch.Tensor, labe
         raise ValueError(f"linear_token_logprobs: hidden dtype {hidden.dtype} != weight dtype {weight.dtype}")
 
 
-def label_mask(labels: torch.Tensor, vocab: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def label_mask(labels: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(labels with ignored ones set to 0 as int64, valid mask); a label outside [0, vocab) that is not
     `IGNORE_INDEX` is an error. Shared by every backend of `linear_token_logprobs`."""
     valid = labels != IGNORE_INDEX
@@ -70,12 +70,12 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         ent = torch.empty(n, dtype=torch.float32, device=hidden.device)
         for s in range(0, n, chunk_size):
             z = _chunk_logits(hidden[s : s + chunk_size], weight, temperature)
-            l = torch.logsumexp(z, dim=-1)
-            lse[s : s + chunk_size] = l
-            logp[s : s + chunk_size] = z.gather(1, safe[s : s + chunk_size, None]).squeeze(1) - l
+            lz = torch.logsumexp(z, dim=-1)
+            lse[s : s + chunk_size] = lz
+            logp[s : s + chunk_size] = z.gather(1, safe[s : s + chunk_size, None]).squeeze(1) - lz
             if with_entropy:
                 p = torch.softmax(z, dim=-1)
-                ent[s : s + chunk_size] = l - (p * z).sum(-1)
+                ent[s : s + chunk_size] = lz - (p * z).sum(-1)
         logp = torch.where(valid, logp, 0.0)
         ent = torch.where(valid, ent, 0.0) if with_entropy else ent.zero_()
         ctx.save_for_backward(hidden, weight, safe, valid, lse, ent)
@@ -120,7 +120,7 @@ def linear_token_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     chunk_size: Optional[int] = None,
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """log p(labels) [N] fp32 (and entropy [N] fp32) of softmax(hidden @ weight^T / temperature), chunked."""
     check_token_logprobs_inputs(hidden, weight, labels, temperature)
     chunk = resolve_chunk_size(hidden, weight, chunk_size)

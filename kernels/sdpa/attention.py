@@ -26,7 +26,7 @@ repeated when a mask is used (the CUDA memory-efficient kernel, the one taking a
 accept `enable_gqa` in every torch version, and the math fallback would materialise the scores).
 """
 import bisect
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -89,7 +89,7 @@ def _batched(q, k, v, causal, left, right, scale, key_padding_mask):
     return _sdpa(qt, kt, vt, mask, scale).transpose(1, 2)
 
 
-def _segments(cu: torch.Tensor, total: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _segments(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(segment id, position in its segment, segment length) per token, from cumulative lengths."""
     cu = cu.to(torch.int32)
     lengths = cu[1:] - cu[:-1]
@@ -184,7 +184,7 @@ def attention(
     cu_seqlens_k: Optional[torch.Tensor] = None,
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
-    window: Optional[Tuple[int, int]] = None,
+    window: Optional[tuple[int, int]] = None,
     softmax_scale: Optional[float] = None,
     key_padding_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:

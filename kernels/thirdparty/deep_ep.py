@@ -44,7 +44,6 @@ covers up to 128 top-k slots and 128 scales per token) for the largest hidden si
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Tuple
 
 import torch
 
@@ -53,7 +52,7 @@ from ..registry import DEFAULT_REGISTRY
 
 logger = logging.getLogger("megatron_vlm.kernels")
 _logged: set = set()
-_BUFFERS: Dict[object, Tuple[object, int]] = {}  # process group -> (Buffer, nvl bytes)
+_BUFFERS: dict[object, tuple[object, int]] = {}  # process group -> (Buffer, nvl bytes)
 DTYPES = (torch.bfloat16,)  # what DeepEP's normal-mode dispatch / combine take
 # Group sizes DeepEP's intranode kernels are built for (csrc/kernels/legacy/launch.cuh SWITCH_RANKS); its tuned
 # configs (Buffer.get_dispatch_config) also cover 16-160, but those go internode (RDMA buffer, NVSHMEM)
@@ -219,4 +218,4 @@ def ep_forward(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     return combined, tokens_per_expert
 
 
-__all__: List[str] = ["dispatch_layout", "ep_forward", "hidden_refusal"]
+__all__: list[str] = ["dispatch_layout", "ep_forward", "hidden_refusal"]

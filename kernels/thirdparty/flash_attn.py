@@ -43,7 +43,7 @@ Not covered: ROCm builds of flash-attn (the CK `csrc/flash_attn_ck` and Triton-A
 things).
 """
 import logging
-from typing import Dict, Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -54,11 +54,11 @@ _logged: set = set()
 _DTYPES = (torch.float16, torch.bfloat16)  # flash_api.cpp: "FlashAttention only support fp16 and bf16 data type"
 _MAX_HEAD_DIM = 256  # flash_api.cpp, after the wrapper pads the head dim to a multiple of 8
 _MIN_CAPABILITY = 8  # flash_api.cpp: "FlashAttention only supports Ampere GPUs or newer."
-_capabilities: Dict[int, Tuple[int, int]] = {}
+_capabilities: dict[int, tuple[int, int]] = {}
 
 
 @torch.compiler.assume_constant_result
-def _gpu_capability(device_type: str, index: Optional[int]) -> Optional[Tuple[int, int]]:
+def _gpu_capability(device_type: str, index: Optional[int]) -> Optional[tuple[int, int]]:
     """(major, minor) of the CUDA device that holds q (read once per device); None off CUDA."""
     if device_type != "cuda":
         return None
@@ -120,7 +120,7 @@ def attention(
     cu_seqlens_k: Optional[torch.Tensor] = None,
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
-    window: Optional[Tuple[int, int]] = None,
+    window: Optional[tuple[int, int]] = None,
     softmax_scale: Optional[float] = None,
     key_padding_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:

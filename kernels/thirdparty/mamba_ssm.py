@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 

@@ -81,7 +81,7 @@ adapter does:
 from __future__ import annotations
 
 import logging
-from typing import Dict, Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -96,7 +96,7 @@ _MAX_HEAD_DIM = 256
 _NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the keys of TE's TE_DType that its norm kernels take
 _ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
 _NO_BACKEND = "No dot product attention"  # how DotProductAttention.forward's ValueError starts (2.1: "... support", later "... backend")
-_modules: Dict[tuple, object] = {}
+_modules: dict[tuple, object] = {}
 
 
 def _log_fallback(op: str, reason: str, to: str = "the torch reference") -> None:
@@ -105,7 +105,7 @@ def _log_fallback(op: str, reason: str, to: str = "the torch reference") -> None
         logger.info("%s: backend transformer_engine falls back to %s: %s", op, to, reason)
 
 
-def _version_tuple(text: str) -> Tuple[int, ...]:
+def _version_tuple(text: str) -> tuple[int, ...]:
     parts = []
     for piece in text.split(".")[:2]:
         digits = "".join(c for c in piece if c.isdigit())
@@ -298,7 +298,7 @@ def attention(
     cu_seqlens_k: Optional[torch.Tensor] = None,
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
-    window: Optional[Tuple[int, int]] = None,
+    window: Optional[tuple[int, int]] = None,
     softmax_scale: Optional[float] = None,
     key_padding_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -28,7 +28,7 @@ _DTYPES = (torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 256
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _varlen():
     """(varlen_attn, its parameter names) or (None, reason)."""
     try:
@@ -58,7 +58,7 @@ def _fallback(reason: str, q, k, v, **kwargs) -> torch.Tensor:
 
 
 def _call_kwargs(params: frozenset, causal: bool, left: int, right: int, scale: Optional[float], default_scale: float,
-                 gqa: bool) -> Tuple[Optional[dict], Optional[str]]:
+                 gqa: bool) -> tuple[Optional[dict], Optional[str]]:
     """varlen_attn keyword arguments for our call, or (None, why the release cannot take it)."""
     kw: dict = {}
     if "window_size" in params:
@@ -88,7 +88,7 @@ def attention(
     cu_seqlens_k: Optional[torch.Tensor] = None,
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
-    window: Optional[Tuple[int, int]] = None,
+    window: Optional[tuple[int, int]] = None,
     softmax_scale: Optional[float] = None,
     key_padding_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:

@@ -20,7 +20,7 @@ flash SDPA on dense batches (benchmarks/RESULTS.md), so a dense block in half pr
 without padding mask or window, a one-sample pack) is handed to torch's SDPA (`_dense_for_sdpa`);
 packs of several samples and windows, where SDPA needs a mask, stay here.
 """
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import triton
@@ -92,7 +92,7 @@ def _query_range(n0, diag, q_len, left, right, BLOCK_M: tl.constexpr, BLOCK_N: t
 
 @triton.jit
 def _attention_fwd_kernel(
-    Q, K, V, O, LSE, CU_Q, CU_K, KPM,
+    Q, K, V, O, LSE, CU_Q, CU_K, KPM,  # noqa: E741 -- Q, K, V, O as in the attention equations
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_lse_h, stride_kpm_b,
     qk_scale, left, right,
@@ -308,7 +308,7 @@ def _kpm_args(kpm: Optional[torch.Tensor], fallback: torch.Tensor):
     return (kpm, kpm.stride(0), True) if kpm is not None else (fallback, 0, False)
 
 
-def attention_fwd(q, k, v, cu_q, cu_k, kpm, max_q: int, scale: float, left: int, right: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def attention_fwd(q, k, v, cu_q, cu_k, kpm, max_q: int, scale: float, left: int, right: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward on packed [T, H, D] tensors; returns (out, lse [Hq, Tq] fp32, base 2)."""
     t_q, hq, d = q.shape
     hkv = k.shape[1]
@@ -378,7 +378,7 @@ def attention_bwd(do, q, k, v, out, lse, cu_q, cu_k, kpm, max_q: int, max_k: int
 def attention_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
     kpm: Optional[torch.Tensor], max_q: int, max_k: int, scale: float, left: int, right: int,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     return attention_fwd(q, k, v, cu_q, cu_k, kpm, max_q, scale, left, right)
 
 
@@ -392,7 +392,7 @@ def attention_bwd_op(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     cu_q: torch.Tensor, cu_k: torch.Tensor, kpm: Optional[torch.Tensor], max_q: int, max_k: int, scale: float,
     left: int, right: int,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return attention_bwd(do, q, k, v, out, lse, cu_q, cu_k, kpm, max_q, max_k, scale, left, right)
 
 
@@ -447,7 +447,7 @@ def attention(
     cu_seqlens_k: Optional[torch.Tensor] = None,
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
-    window: Optional[Tuple[int, int]] = None,
+    window: Optional[tuple[int, int]] = None,
     softmax_scale: Optional[float] = None,
     key_padding_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:

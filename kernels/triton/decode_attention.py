@@ -51,7 +51,7 @@ _MERGE_BLOCK = 2 if INTERPRETED_AT_IMPORT else 16
 
 @triton.jit
 def _decode_attention_split_kernel(
-    Q, K, V, O, MID_O, MID_LSE, SEQLENS, TABLE,
+    Q, K, V, O, MID_O, MID_LSE, SEQLENS, TABLE,  # noqa: E741 -- Q, K, V, O as in the attention equations
     sq_b, sq_h, sq_d,
     sk_blk, sk_pos, sk_h, sk_d,
     sv_blk, sv_pos, sv_h, sv_d,
@@ -110,7 +110,7 @@ def _decode_attention_split_kernel(
 
 @triton.jit
 def _decode_attention_merge_kernel(
-    O, MID_O, MID_LSE, splits, so_b, so_h, so_d,
+    O, MID_O, MID_LSE, splits, so_b, so_h, so_d,  # noqa: E741 -- O: the attention output, as above
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """out = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s - max lse), over the splits in blocks of BLOCK_S (online:

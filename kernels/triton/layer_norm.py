@@ -5,7 +5,7 @@ variance as nn.LayerNorm. Backward with xhat = (x - mean) * rstd, dxhat = dy * w
   dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dw = sum dy * xhat, db = sum dy,
 the weight / bias sums reduced from per-program fp32 partials.
 """
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import triton
@@ -74,7 +74,7 @@ def _layer_norm_bwd_kernel(
     tl.store(DB_PARTIAL + pid * n_cols + cols, db, mask=mask)
 
 
-def _launch_shape(n_rows: int, x: torch.Tensor, persistent: bool) -> Tuple[int, int]:
+def _launch_shape(n_rows: int, x: torch.Tensor, persistent: bool) -> tuple[int, int]:
     if x.device.type == "cpu":
         programs = 4
     elif not persistent:
@@ -88,7 +88,7 @@ def _launch_shape(n_rows: int, x: torch.Tensor, persistent: bool) -> Tuple[int, 
 @torch.library.custom_op("megatron_vlm::triton_layer_norm_fwd", mutates_args=())
 def layer_norm_fwd_op(
     x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n_rows, n_cols = x.shape
     y = torch.empty_like(x)
     mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
@@ -113,7 +113,7 @@ def _(x, weight, bias, eps):
 @torch.library.custom_op("megatron_vlm::triton_layer_norm_bwd", mutates_args=())
 def layer_norm_bwd_op(
     dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], mean: torch.Tensor, rstd: torch.Tensor
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dy = dy.contiguous()
     n_rows, n_cols = x.shape
     dx = torch.empty_like(x)

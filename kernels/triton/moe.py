@@ -26,7 +26,7 @@ moe_unpermute: one program per token gathers its k rows (row_map), weights them 
 torch_npu produce; this is checked), and d topk_weights[t, j] = <dOut[t], permuted[row_map[i]]>
 in fp32.
 """
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import triton
@@ -160,7 +160,7 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else None
 
 
-def _schedule(ends: List[int], block_m: int, device: torch.device):
+def _schedule(ends: list[int], block_m: int, device: torch.device):
     """Tile schedule of the forward / dX kernel: (tile_expert, tile_row) int32 `[T]`, one per
     BLOCK_M rows of each non-empty group, plus group starts / ends int32 `[E]`. Built on the host
     from the group ends (already there for validation), moved in one copy."""

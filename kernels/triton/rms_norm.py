@@ -10,7 +10,7 @@ Backward, with xhat = s * rstd and dxhat = dy * w:
   dw = sum over rows of dy * xhat (per-program partial sums, reduced in torch);
 the residual and x both receive ds.
 """
-from typing import Optional, Tuple, Union
+from typing import Optional, Union
 
 import torch
 import triton
@@ -68,7 +68,7 @@ def _rms_norm_bwd_kernel(
     tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=mask)
 
 
-def _launch_shape(n_rows: int, x: torch.Tensor, persistent: bool) -> Tuple[int, int]:
+def _launch_shape(n_rows: int, x: torch.Tensor, persistent: bool) -> tuple[int, int]:
     """(rows per program, programs). Interpreter: 4 programs. GPU forward: one row per program; GPU
     backward (persistent): about 4 programs per SM, which bounds the fp32 partial-dw buffer."""
     if x.device.type == "cpu":
@@ -117,7 +117,7 @@ def rms_norm_bwd(dy, dsummed, x_normed, weight, rstd):
 
 
 @torch.library.custom_op("megatron_vlm::triton_rms_norm_fwd", mutates_args=())
-def rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     y, _, rstd = rms_norm_fwd(x, None, weight, eps)
     return y, rstd
 
@@ -130,7 +130,7 @@ def _(x, weight, eps):
 @torch.library.custom_op("megatron_vlm::triton_rms_norm_residual_fwd", mutates_args=())
 def rms_norm_residual_fwd_op(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     y, summed, rstd = rms_norm_fwd(x, residual, weight, eps)
     return y, summed, rstd
 
@@ -143,7 +143,7 @@ def _(x, residual, weight, eps):
 @torch.library.custom_op("megatron_vlm::triton_rms_norm_bwd", mutates_args=())
 def rms_norm_bwd_op(
     dy: torch.Tensor, dsummed: Optional[torch.Tensor], x_normed: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     return rms_norm_bwd(dy.contiguous(), None if dsummed is None else dsummed.contiguous(), x_normed, weight, rstd)
 
 
@@ -188,7 +188,7 @@ rms_norm_residual_fwd_op.register_autograd(_backward_residual, setup_context=_se
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: Optional[torch.Tensor] = None
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Public-signature RMSNorm on the Triton kernels."""
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")

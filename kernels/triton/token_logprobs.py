@@ -10,7 +10,7 @@ them into dz in one pass,
 and two matmuls give dh_c = dz @ W and dW += dz^T @ h_c. Peak extra memory: one [chunk, V] fp32
 logits block plus one [chunk, V] dz block (input dtype). Labels == -100 give 0 and no gradient.
 """
-from typing import Optional, Tuple, Union
+from typing import Optional, Union
 
 import torch
 import triton
@@ -111,7 +111,7 @@ def _chunk_size(n: int, vocab: int, t: torch.Tensor) -> int:
 def token_logprobs_fwd_op(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float, chunk_size: int,
     with_entropy: bool,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, vocab = hidden.shape[0], weight.shape[0]
     logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
     ent = torch.empty_like(logp)
@@ -136,7 +136,7 @@ def _(hidden, weight, labels, temperature, chunk_size, with_entropy):
 def token_logprobs_bwd_op(
     grad_logp: torch.Tensor, grad_ent: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     lse: torch.Tensor, ent: torch.Tensor, temperature: float, chunk_size: int, with_entropy: bool,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     n, vocab = hidden.shape[0], weight.shape[0]
     grad_logp, grad_ent = grad_logp.float().contiguous(), grad_ent.float().contiguous()
     grad_h = torch.empty_like(hidden)
@@ -194,7 +194,7 @@ def linear_token_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     chunk_size: Optional[int] = None,
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Public-signature fused token log-probs on the Triton kernels (contract: reference/token_logprobs.py)."""
     check_token_logprobs_inputs(hidden, weight, labels, temperature)
     check_device("linear_token_logprobs", hidden, weight)

@@ -26,8 +26,9 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Union
+from typing import Optional, Union
 
 import torch
 from safetensors import safe_open
@@ -82,7 +83,7 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """(key, tensor) over all files, one tensor in memory at a time."""
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as reader:
-            for key in reader.keys():
+            for key in reader.keys():  # noqa: SIM118 -- safe_open handles are not iterable
                 yield key, reader.get_tensor(key)
 
 
@@ -416,7 +417,7 @@ def replace_dir(tmp: Path, final: Path, old: Path, *, marker: str, marker_text: 
             shutil.rmtree(final, ignore_errors=True)
         if moved and not final.exists():
             os.replace(old, final)
-        try:
+        try:  # noqa: SIM105 -- inside an except block, before the bare raise: keep the plain form
             fsync_dir(parent)
         except OSError:
             pass

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 __all__ = ["LAYOUT_FILE", "PREDATES", "run_layout", "write_layout", "read_layout", "layout_refusals",
            "checkpoint_adapters", "run_adapters", "adapter_refusal", "checkpoint_trained", "trained_refusal"]

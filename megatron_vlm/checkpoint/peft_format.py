@@ -201,7 +201,7 @@ def read_peft_adapter(path: Union[str, Path], hf_config: dict) -> tuple[dict, di
                              "modules are not supported")
     raw: dict[str, dict[str, torch.Tensor]] = {}
     with safe_open(str(path / ADAPTER_WEIGHTS), framework="pt", device="cpu") as f:
-        for key in f.keys():
+        for key in f.keys():  # noqa: SIM118 -- safe_open handles are not iterable
             m = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.(lora_A|lora_B)(?:\.default)?\.weight", key)
             if m is None:
                 raise ValueError(f"{path}: tensor {key} is not a LoRA factor")

@@ -144,10 +144,10 @@ def check_keys_for_mode(cfg: Config) -> None:
         raise ConfigError(f"parallel.cp: data.max_tokens_per_pack ({cfg.data.max_tokens_per_pack}) must be divisible by "
                           f"2 x parallel.cp ({2 * cp}): each pack is cut into 2 x cp load-balanced chunks")
     _check_pipeline_keys(cfg)
-    if cfg.parallel.backend == "mcore":
-        if cfg.train.mode == "grpo" and cfg.rl is not None and cfg.rl.allocation is not None:
-            raise ConfigError("rl.allocation: asynchronous GRPO pushes the trainer's parameters by name and does not "
-                              "support parallel.backend = 'mcore' yet; remove rl.allocation or use backend = 'native'")
+    if (cfg.parallel.backend == "mcore" and cfg.train.mode == "grpo" and cfg.rl is not None
+            and cfg.rl.allocation is not None):
+        raise ConfigError("rl.allocation: asynchronous GRPO pushes the trainer's parameters by name and does not "
+                          "support parallel.backend = 'mcore' yet; remove rl.allocation or use backend = 'native'")
     _check_dpo_mode(cfg)
     if cfg.train.mode == "grpo":
         if getattr(cfg, "lora", None) is not None and cfg.rl is not None and cfg.rl.update.ref_offload:

@@ -198,9 +198,8 @@ class ParallelConfig:
             raise ValueError(f"dp_replicate: must be > 0, got {self.dp_replicate}")
         if self.dp_shard == 0 or self.dp_shard < -1:
             raise ValueError(f"dp_shard: must be -1 or > 0, got {self.dp_shard}")
-        if self.backend == "mcore":
-            if self.compile:
-                raise ValueError("backend: 'mcore' with compile = true is not supported yet; set compile = false")
+        if self.backend == "mcore" and self.compile:
+            raise ValueError("backend: 'mcore' with compile = true is not supported yet; set compile = false")
 
 
 @dataclass(kw_only=True)

@@ -21,9 +21,9 @@ import json
 import logging
 import os
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable
 
 __all__ = ["BadRecord", "BadRecordError", "BadRecordLog", "CATEGORIES", "unexpected"]
 

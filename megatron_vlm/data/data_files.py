@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from megatron_vlm.errors import ConfigError
 

@@ -19,8 +19,9 @@ placeholder token itself (InternVL's `<IMG_CONTEXT>`) is never expanded twice.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Union
 
 __all__ = ["Run", "Expansion", "render", "omitted_tokens", "placeholder_order", "expand", "run_counts"]
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 import logging
 import math
 import signal
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import numpy as np
 import torch

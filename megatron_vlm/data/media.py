@@ -40,9 +40,10 @@ from __future__ import annotations
 import io
 import os
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -73,7 +74,7 @@ class MediaLimits:
     video_decode_timeout_s: float = DEFAULT_VIDEO_DECODE_TIMEOUT_S
 
     @classmethod
-    def from_config(cls, data_cfg: Any) -> "MediaLimits":
+    def from_config(cls, data_cfg: Any) -> MediaLimits:
         return cls(max_image_pixels=int(data_cfg.max_image_pixels), max_video_pixels=int(data_cfg.max_video_pixels),
                    video_decode_timeout_s=float(data_cfg.video_decode_timeout_s))
 

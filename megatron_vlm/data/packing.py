@@ -11,7 +11,8 @@ when that token is a trained assistant token, else -100 — and the last positio
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 

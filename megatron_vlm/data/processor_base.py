@@ -8,9 +8,10 @@ families at module level without an import cycle."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -109,7 +110,7 @@ class VLProcessor:
         raise NotImplementedError
 
     def with_overrides(self, *, min_pixels: Optional[int] = None, max_pixels: Optional[int] = None,
-                       video_min_pixels: Optional[int] = None, video_max_pixels: Optional[int] = None) -> "VLProcessor":
+                       video_min_pixels: Optional[int] = None, video_max_pixels: Optional[int] = None) -> VLProcessor:
         """A copy with the [data] section's pixel limits applied (None keeps the folder's value)."""
         given = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels),
                                    ("video_min_pixels", video_min_pixels), ("video_max_pixels", video_max_pixels))

@@ -74,7 +74,7 @@ class InternVLProcessor(VLProcessor):
         self.video_processor = video_processor
 
     @classmethod
-    def from_folder(cls, folder: Path, pre: dict, tokenizer, chat_template: str) -> "InternVLProcessor":
+    def from_folder(cls, folder: Path, pre: dict, tokenizer, chat_template: str) -> InternVLProcessor:
         from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
         image_processor = GotOcr2ImageProcessorPil.from_pretrained(folder)

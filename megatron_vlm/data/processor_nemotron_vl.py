@@ -124,7 +124,7 @@ class NemotronVLProcessor(VLProcessor):
         self.video_temporal_patch_dim = int(video_temporal_patch_dim)
 
     @classmethod
-    def from_folder(cls, folder: Path, pre: dict, tokenizer, chat_template: str) -> "NemotronVLProcessor":
+    def from_folder(cls, folder: Path, pre: dict, tokenizer, chat_template: str) -> NemotronVLProcessor:
         vid_path, proc_path = folder / "video_preprocessor_config.json", folder / "processor_config.json"
         vid = read_json(vid_path) if vid_path.is_file() else {}
         proc_cfg = read_json(proc_path) if proc_path.is_file() else {}

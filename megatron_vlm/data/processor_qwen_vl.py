@@ -103,7 +103,7 @@ class QwenVLProcessor(VLProcessor):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_folder(cls, folder: Path, pre: dict, tokenizer, chat_template: str) -> "QwenVLProcessor":
+    def from_folder(cls, folder: Path, pre: dict, tokenizer, chat_template: str) -> QwenVLProcessor:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         vid_path = folder / "video_preprocessor_config.json"
@@ -124,7 +124,7 @@ class QwenVLProcessor(VLProcessor):
         )
 
     @classmethod
-    def from_transformers(cls, obj: Any) -> "QwenVLProcessor":
+    def from_transformers(cls, obj: Any) -> QwenVLProcessor:
         """From a transformers Qwen2-VL-style processor object (tokenizer + image processor attributes)."""
         tokenizer = getattr(obj, "tokenizer", None)
         image_processor = getattr(obj, "image_processor", None)
@@ -146,7 +146,7 @@ class QwenVLProcessor(VLProcessor):
         )
 
     def with_overrides(self, *, min_pixels: Optional[int] = None, max_pixels: Optional[int] = None,
-                       video_min_pixels: Optional[int] = None, video_max_pixels: Optional[int] = None) -> "QwenVLProcessor":
+                       video_min_pixels: Optional[int] = None, video_max_pixels: Optional[int] = None) -> QwenVLProcessor:
         """A copy with the [data] section's pixel limits applied (None keeps the folder's value). For
         Qwen3-VL the video limits bound the whole clip (frames x height x width)."""
         out = copy.copy(self)

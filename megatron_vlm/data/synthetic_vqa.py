@@ -29,8 +29,8 @@ import json
 import os
 import random
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from PIL import Image, ImageDraw
 

@@ -8,8 +8,9 @@ unbiased estimator of Chen et al. 2021, "at least one of k correct") is reported
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional
 
 __all__ = ["AccuracyResult", "avg_at_k", "pass_at_k", "score_accuracy"]
 

@@ -13,8 +13,9 @@ loader, batches, engine settings and decoding of the completions.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 import torch
 

@@ -8,7 +8,8 @@ groups still agree on the result.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
 from megatron_vlm.parallel.collectives import all_gather_objects
 
@@ -45,7 +46,7 @@ class AnswerTally:
             g[2] = min(g[2], index)
         return hit
 
-    def merged(self, copies: int = 1) -> "AnswerTally":
+    def merged(self, copies: int = 1) -> AnswerTally:
         """The tally of all ranks (collective: every rank must call it). `copies`: ranks that scored the same
         rows (`ParallelDims.data_copies`: the tp / cp ranks of a data-parallel group); one of each counts."""
         out = AnswerTally(self.group_field)

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import logging
 import traceback
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

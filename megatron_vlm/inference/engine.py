@@ -26,8 +26,9 @@ log-probs at temperature 1.
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Optional, Sequence
+from typing import Literal, Optional
 
 import torch
 
@@ -83,7 +84,7 @@ class RolloutPrompt:
     """The prompt's loaded images (PIL), for engines that process them themselves (vLLM); None: text only."""
 
     @classmethod
-    def from_processed(cls, sample) -> "RolloutPrompt":
+    def from_processed(cls, sample) -> RolloutPrompt:
         """From a `ProcessedSample` (process_record(..., for_generation=True))."""
         return cls(
             input_ids=sample.input_ids, pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw,
@@ -160,6 +161,6 @@ class RolloutEngine(abc.ABC):
     def release_memory(self) -> None:
         """Free memory that only generation needs."""
 
-    def interrupt(self) -> None:
+    def interrupt(self) -> None:  # noqa: B027 -- optional hook: a no-op for engines that cannot stop early
         """Ask a running `generate` (another thread) to stop at the next token boundary and return the
         partial completions. Engines that cannot be interrupted ignore it."""

@@ -11,7 +11,8 @@ its text drops special tokens and, for a stop string, ends right after the first
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Optional
 
 __all__ = ["StopChecker", "eos_token_ids_of"]
 

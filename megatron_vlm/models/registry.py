@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 # family (= package under megatron_vlm/models/): args class, module class, state-dict adapter, parallelize function
 _FAMILIES = {

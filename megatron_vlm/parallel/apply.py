@@ -6,7 +6,8 @@ names — and therefore checkpoints and HF exports — are the same with and wit
 from __future__ import annotations
 
 import functools
-from typing import Iterable, Optional
+from collections.abc import Iterable
+from typing import Optional
 
 import torch
 from torch import nn

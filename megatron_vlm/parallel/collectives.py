@@ -6,7 +6,8 @@ Values travel as float64 / int64 tensors on the job's device (NCCL / HCCL need d
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -46,8 +46,9 @@ whole-sequence gradient. Keys / values: the all-gather's backward sums every ran
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -75,7 +76,7 @@ class CPPlan:
     sizes: list[int]  # tokens per rank
 
     @classmethod
-    def build(cls, total: int, cp: int, rank: int, device) -> "CPPlan":
+    def build(cls, total: int, cp: int, rank: int, device) -> CPPlan:
         b = cp_chunk_bounds(total, cp)
         ranges = [[(b[r], b[r + 1]), (b[2 * cp - 1 - r], b[2 * cp - r])] for r in range(cp)]
         per_rank = [torch.cat([torch.arange(a, e, dtype=torch.long) for a, e in rr]) for rr in ranges]
@@ -90,7 +91,7 @@ class _Gather(torch.autograd.Function):
     downstream computation)."""
 
     @staticmethod
-    def forward(ctx, local, cpx: "ContextParallel", plan: CPPlan, reduce: bool, scale: float):
+    def forward(ctx, local, cpx: ContextParallel, plan: CPPlan, reduce: bool, scale: float):
         ctx.cpx, ctx.plan, ctx.reduce, ctx.scale = cpx, plan, reduce, scale
         return cpx._all_gather(local, plan)
 
@@ -111,7 +112,7 @@ class _Slice(torch.autograd.Function):
     see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, full, cpx: "ContextParallel", plan: CPPlan):
+    def forward(ctx, full, cpx: ContextParallel, plan: CPPlan):
         ctx.cpx, ctx.plan = cpx, plan
         return full.index_select(0, plan.index)
 

@@ -43,7 +43,7 @@ divided by `grad_divide_factor`, matching FSDP's average over the data-parallel 
 """
 from __future__ import annotations
 
-from typing import Iterable, List
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -61,7 +61,7 @@ class _AllToAll(torch.autograd.Function):
     (`output_splits` from each rank, in rank order). Backward sends the gradients back."""
 
     @staticmethod
-    def forward(ctx, x, output_splits: List[int], input_splits: List[int], group):
+    def forward(ctx, x, output_splits: list[int], input_splits: list[int], group):
         ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group
         return _all_to_all(x, output_splits, input_splits, group)
 
@@ -70,7 +70,7 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
 
 
-def _all_to_all(x: torch.Tensor, output_splits: List[int], input_splits: List[int], group) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
     return out
@@ -241,9 +241,9 @@ def apply_ep(moe_modules: Iterable[nn.Module], ep_group_or_mesh, *, grad_divide_
         experts.grad_divide_factor = float(grad_divide_factor)
 
 
-def expert_parameters(model: nn.Module) -> List[nn.Parameter]:
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters sharded by `apply_ep` (to exclude from FSDP and to clip once)."""
-    out: List[nn.Parameter] = []
+    out: list[nn.Parameter] = []
     for m in model.modules():
         if isinstance(m, ExpertParallelExperts):
             out += [getattr(m, n) for n in _EXPERT_WEIGHTS if getattr(m, n, None) is not None]

@@ -38,7 +38,8 @@ take the same optimizer step.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -95,7 +96,7 @@ class _StageInput(nn.Module):
     """A decoder layer held by an earlier stage: returns the activation received from that stage, shaped as
     the hidden states this layer would have returned (the first rows of the padded [L, H] buffer)."""
 
-    def __init__(self, owner: "PipelineStageModel"):
+    def __init__(self, owner: PipelineStageModel):
         super().__init__()
         self._owner = [owner]  # a list: not a submodule (no cycle in named_modules)
 
@@ -134,7 +135,7 @@ class _HeadStub(nn.Module):
 
 
 def _replace_child(root: nn.Module, target: nn.Module, new: nn.Module) -> None:
-    for name, mod in list(root.named_modules()):
+    for mod in list(root.modules()):
         for child_name, child in list(mod.named_children()):
             if child is target:
                 setattr(mod, child_name, new)

@@ -50,7 +50,8 @@ DTensors' global shapes, hence a checkpoint saved with tp=2 loads with any other
 from __future__ import annotations
 
 import functools
-from typing import Iterable, Optional
+from collections.abc import Iterable
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -204,7 +205,7 @@ def _is_attention(m: nn.Module) -> bool:
 
 
 def _is_dense_mlp(m: nn.Module) -> bool:
-    return hasattr(m, "down_proj") and isinstance(getattr(m, "down_proj"), nn.Linear) and \
+    return hasattr(m, "down_proj") and isinstance(m.down_proj, nn.Linear) and \
         isinstance(getattr(m, "up_proj", None), nn.Linear)
 
 

@@ -24,8 +24,9 @@ p*G ... p*G+G-1), which is the order the rollout engine returns them in.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 

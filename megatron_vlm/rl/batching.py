@@ -17,8 +17,9 @@ log-probs and gradients are those of the full sequence, with one position per sa
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 

@@ -7,8 +7,9 @@ prompts).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -28,7 +29,7 @@ class DataShards:
     device: torch.device
 
     @classmethod
-    def of(cls, dims: Any, rank: int, device: torch.device) -> "DataShards":
+    def of(cls, dims: Any, rank: int, device: torch.device) -> DataShards:
         """From a bundle's `ParallelDims` (or a stand-in with `dp_size`); `rank` when it has no `dp_rank`."""
         return cls(rank=getattr(dims, "dp_rank", rank), world=dims.dp_size, copies=getattr(dims, "data_copies", 1),
                    device=device)

@@ -12,7 +12,8 @@ repeats the uninterrupted one exactly.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from megatron_vlm.inference.engine import RolloutEngine
 from megatron_vlm.rl.batching import TrainSample

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Mapping, Sequence
 
 __all__ = ["reward_metrics", "length_metrics", "reduce_loss_metrics", "PhaseTimer"]
 

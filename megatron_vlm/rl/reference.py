@@ -13,7 +13,7 @@ With `[lora]` the reference is the policy's own model with its adapters switched
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -35,13 +35,13 @@ class ReferencePolicy:
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: torch.dtype, device: torch.device, offload: bool,
-                        temperature: float) -> "ReferencePolicy":
+                        temperature: float) -> ReferencePolicy:
         from megatron_vlm.checkpoint.hf import load_hf_model
 
         return cls(load_hf_model(path, dtype=dtype, device="cpu"), device=device, offload=offload, temperature=temperature)
 
     @contextlib.contextmanager
-    def on_device(self) -> Iterator["ReferencePolicy"]:
+    def on_device(self) -> Iterator[ReferencePolicy]:
         """Keep the weights on the device for the block (a no-op without offload)."""
         if self._on_device:
             yield self
@@ -76,7 +76,7 @@ class BaseModelReference:
         self.wrapper, self.model, self.temperature = wrapper, model, temperature
 
     @contextlib.contextmanager
-    def on_device(self) -> Iterator["BaseModelReference"]:
+    def on_device(self) -> Iterator[BaseModelReference]:
         yield self  # the policy's weights are already where they train
 
     @torch.no_grad()

@@ -15,8 +15,9 @@ repeats the uninterrupted one.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol
 
 import torch
 

@@ -6,8 +6,9 @@ rank computes the same dictionary from them (the loop logs rank 0's).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

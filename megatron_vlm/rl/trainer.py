@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 

@@ -20,7 +20,7 @@ import importlib
 import importlib.util
 import sys
 import types
-from typing import Iterator
+from collections.abc import Iterator
 
 __all__ = ["triton_only_package", "triton_modules", "installed"]
 

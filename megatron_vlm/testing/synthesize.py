@@ -2,8 +2,8 @@
 tests train (config + random weights + tokenizer + processor files, in the real HF layout)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from megatron_vlm.testing.tiny_model import build_tiny_model_folder
 from megatron_vlm.testing.tiny_nemotron_vl import build_tiny_nemotron_qwen3_vision_folder, build_tiny_nemotron_vl_folder

@@ -20,8 +20,8 @@ image processor. `AutoTokenizer.from_pretrained(out_dir)` works everywhere.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from megatron_vlm.data.processor import load_processor
 from megatron_vlm.data.synthetic_vqa import ANSWERS, QUESTION_TYPES, VOCABULARY_WORDS, _question
@@ -48,18 +48,7 @@ _BPE_VOCAB_SIZE = 960                         # byte alphabet (256) + merges; sp
 # The pieces carry no incidental whitespace, so no Jinja whitespace control is needed.
 QWEN2_5_VL_CHAT_TEMPLATE = chatml_template(QWEN_VL_ITEMS, default_system=True, count_items=True)
 
-_COMMON_WORDS = (
-    "a an the and or not no yes of to in on at by for with from as is are was were be been it this that "
-    "these those there here what which who whom whose when where why how many much more most some any "
-    "all each every one two three four five six seven eight nine ten zero first second third last "
-    "left right top bottom middle center centre above below next near far big small large little "
-    "image picture photo video frame frames shown show shows see look answer question final number "
-    "color colour shape shapes object objects count total sum area angle triangle circle square line "
-    "point side length width height degree degrees value find compute solve therefore so then if "
-    "I you he she we they me my your our their do does did can could should would will have has had "
-    "robot arm hand table cup box move pick place put open close task done step think reason because "
-    "describe please correct wrong true false equal greater less than plus minus times divided"
-).split()
+_COMMON_WORDS = ["a", "an", "the", "and", "or", "not", "no", "yes", "of", "to", "in", "on", "at", "by", "for", "with", "from", "as", "is", "are", "was", "were", "be", "been", "it", "this", "that", "these", "those", "there", "here", "what", "which", "who", "whom", "whose", "when", "where", "why", "how", "many", "much", "more", "most", "some", "any", "all", "each", "every", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "zero", "first", "second", "third", "last", "left", "right", "top", "bottom", "middle", "center", "centre", "above", "below", "next", "near", "far", "big", "small", "large", "little", "image", "picture", "photo", "video", "frame", "frames", "shown", "show", "shows", "see", "look", "answer", "question", "final", "number", "color", "colour", "shape", "shapes", "object", "objects", "count", "total", "sum", "area", "angle", "triangle", "circle", "square", "line", "point", "side", "length", "width", "height", "degree", "degrees", "value", "find", "compute", "solve", "therefore", "so", "then", "if", "I", "you", "he", "she", "we", "they", "me", "my", "your", "our", "their", "do", "does", "did", "can", "could", "should", "would", "will", "have", "has", "had", "robot", "arm", "hand", "table", "cup", "box", "move", "pick", "place", "put", "open", "close", "task", "done", "step", "think", "reason", "because", "describe", "please", "correct", "wrong", "true", "false", "equal", "greater", "less", "than", "plus", "minus", "times", "divided"]
 _PUNCTUATION = list(".,:;!?'\"()[]{}<>+-*/=%$#@&_^|~\\") + ["\n", "\n\n", "  "]
 
 

@@ -15,8 +15,9 @@ Everything is built by code, deterministically; nothing is downloaded.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 

@@ -120,7 +120,7 @@ class MetricsLogger:
         """The run starts after `step` steps: drop CSV rows of later steps (module docstring)."""
         self.start_step = step
         self.t0 = time.time()
-        for name, sink in self._csv.items():
+        for sink in self._csv.values():
             dropped = sink.drop_after(step)
             if dropped:
                 log.info("%s: dropped %d row(s) of steps after %d (run again from the checkpoint)",

@@ -18,7 +18,8 @@ and exports a Hugging Face folder (`checkpoint.export_hf`). `steps.finish()` run
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import Optional, Protocol
 
 from megatron_vlm.training.checkpointing import Checkpointer, ResumePoint
 from megatron_vlm.training.context import RunContext

@@ -6,8 +6,9 @@ rollout forward goes through, the processor, the trainable parameters and — fo
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 

@@ -16,8 +16,9 @@ counts is decided here, once per optimizer step:
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -68,12 +69,12 @@ def update_correction_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) 
         bias += (delta - delta.mean()).to(bias.dtype)
 
 
-def moe_load_table(loads: Sequence[torch.Tensor]) -> List[List[int]]:
+def moe_load_table(loads: Sequence[torch.Tensor]) -> list[list[int]]:
     """Per-layer expert token counts: rows = MoE layers, columns = experts."""
     return [[int(v) for v in load.tolist()] for load in loads]
 
 
-def moe_load_metrics(loads: Sequence[torch.Tensor], top_k: Sequence[int]) -> Dict[str, float]:
+def moe_load_metrics(loads: Sequence[torch.Tensor], top_k: Sequence[int]) -> dict[str, float]:
     """`moe/entropy_mean` (mean over layers of the entropy, in nats, of the expert-load distribution;
     log E = perfectly balanced), `moe/max_fraction_max` (largest share of routed assignments any
     expert got, over layers), `moe/tokens_per_layer_mean` (routed tokens per layer = assignments / k);
@@ -111,7 +112,7 @@ class MoELoadBalancer:
     def __init__(self, model: nn.Module, cfg: MoEConfig, *, all_reduce: Optional[Callable[[torch.Tensor], None]] = None):
         cfg.validate()
         self.cfg = cfg
-        self.layers: List[MoE] = moe_layers(model)
+        self.layers: list[MoE] = moe_layers(model)
         self.all_reduce = all_reduce
         for layer in self.layers:
             layer.record_router_stats = cfg.aux_loss_coef > 0

@@ -47,7 +47,7 @@ class RunDirLock:
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
 
-    def __enter__(self) -> "RunDirLock":
+    def __enter__(self) -> RunDirLock:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import resource
 import time
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
 
 import torch
 

@@ -21,7 +21,7 @@ class StopFlag:
         self.signum = 0
         self._prev = {}
 
-    def install(self) -> "StopFlag":
+    def install(self) -> StopFlag:
         for s in (signal.SIGTERM, signal.SIGUSR1):
             self._prev[s] = signal.signal(s, self._handle)
         return self

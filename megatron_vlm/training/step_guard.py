@@ -50,7 +50,7 @@ class StepGuard:
         self.consecutive = 0
 
     @classmethod
-    def from_config(cls, train_cfg: Any, device: torch.device, **kw: Any) -> "StepGuard":
+    def from_config(cls, train_cfg: Any, device: torch.device, **kw: Any) -> StepGuard:
         return cls(getattr(train_cfg, "max_consecutive_skipped_steps", DEFAULT_MAX_CONSECUTIVE_SKIPPED), device, **kw)
 
     def allow(self, loss: float, grad_norm: float | torch.Tensor, *, step: int) -> bool:

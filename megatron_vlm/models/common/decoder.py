@@ -7,7 +7,8 @@ is passed in so a family can use a dense SwiGLU or a MoE block.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from torch import nn

@@ -5,7 +5,8 @@ Shared by every decoder that takes a Qwen3-VL vision tower (Qwen3-VL's own, Nemo
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 

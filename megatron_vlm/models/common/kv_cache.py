@@ -93,7 +93,7 @@ class KVCache:
         self.seq_len += self._pending
         self._pending = None
 
-    def _map_rows(self, fn) -> "KVCache":
+    def _map_rows(self, fn) -> KVCache:
         """A new cache whose every per-sequence tensor is fn(tensor) along dim 0; the cached length is kept."""
         if self._pending is not None:
             raise RuntimeError("KVCache: cannot change rows in the middle of a step")
@@ -106,13 +106,13 @@ class KVCache:
         out._pending = None
         return out
 
-    def repeat_interleave(self, g: int) -> "KVCache":
+    def repeat_interleave(self, g: int) -> KVCache:
         """A new cache with every sequence repeated g times consecutively (B -> B * g); the cached prefix is copied."""
         if g < 1:
             raise ValueError(f"KVCache.repeat_interleave: g must be >= 1, got {g}")
         return self._map_rows(lambda t: t.repeat_interleave(g, dim=0))
 
-    def select_rows(self, rows: torch.Tensor) -> "KVCache":
+    def select_rows(self, rows: torch.Tensor) -> KVCache:
         """A new cache holding only the sequences `rows` (1-D index), e.g. to drop finished ones."""
         rows = rows.to(self.mask.device)
         return self._map_rows(lambda t: t.index_select(0, rows))

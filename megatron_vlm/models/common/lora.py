@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterable, Iterator, Literal
+from collections.abc import Iterable, Iterator
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +64,7 @@ class LoRAAdapter(nn.Module):
             self.reset_lora_parameters()
 
     @classmethod
-    def of(cls, adapted: "LoRAAdapter") -> "LoRAAdapter":
+    def of(cls, adapted: LoRAAdapter) -> LoRAAdapter:
         """An adapter holding the same factor / dropout modules (the same Parameters) as `adapted`."""
         out = cls()
         out.lora_A, out.lora_B, out.lora_dropout = adapted.lora_A, adapted.lora_B, adapted.lora_dropout

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +74,7 @@ class Mamba2State:
     ssm_state: torch.Tensor
 
     @classmethod
-    def zeros(cls, mixer: "Mamba2Mixer", batch: int, device=None) -> "Mamba2State":
+    def zeros(cls, mixer: Mamba2Mixer, batch: int, device=None) -> Mamba2State:
         device = device if device is not None else mixer.A_log.device
         return cls(
             conv_state=torch.zeros(batch, mixer.conv_dim // mixer.tp_size, mixer.conv_kernel - 1, dtype=torch.float32,
@@ -85,7 +85,7 @@ class Mamba2State:
             ),
         )
 
-    def repeat_interleave(self, g: int) -> "Mamba2State":
+    def repeat_interleave(self, g: int) -> Mamba2State:
         return Mamba2State(self.conv_state.repeat_interleave(g, 0), self.ssm_state.repeat_interleave(g, 0))
 
 
@@ -117,7 +117,7 @@ class Mamba2Mixer(nn.Module):
         self.state_size, self.n_groups, self.conv_kernel, self.chunk_size = state_size, n_groups, conv_kernel, chunk_size
         self.intermediate_size = num_heads * head_dim
         self.conv_dim = self.intermediate_size + 2 * n_groups * state_size
-        self.dt_limit: Tuple[float, float] = (time_step_min, math.inf)
+        self.dt_limit: tuple[float, float] = (time_step_min, math.inf)
         self._dt_init = (time_step_min, time_step_max, time_step_floor)
 
         self.in_proj = nn.Linear(hidden_size, self.intermediate_size + self.conv_dim + num_heads, bias=use_bias)
@@ -142,7 +142,7 @@ class Mamba2Mixer(nn.Module):
                                  "must hold the same number of Mamba2 heads and groups")
         self.tp_size, self.tp_rank = tp_size, tp_rank
 
-    def _local_index(self, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _local_index(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(in_proj rows, conv channels) of this tp rank's heads and groups."""
         r, tp = self.tp_rank, self.tp_size
         inner, gn = self.intermediate_size, self.n_groups * self.state_size

@@ -27,8 +27,9 @@ which reads what every training forward of a `MoE` block routed through a small 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,7 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
     return torch.square(F.relu(x))
 
 
-_ACTIVATIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu2": relu2,
     "silu": F.silu,
     "gelu": F.gelu,
@@ -271,7 +272,7 @@ class MoE(nn.Module):
         return out
 
 
-def moe_layers(model: nn.Module) -> List[MoE]:
+def moe_layers(model: nn.Module) -> list[MoE]:
     """The MoE blocks of a model, in module order (= layer order): native `MoE` blocks and the megatron-core
     MoE layers of `parallel.backend = "mcore"` (models/mcore/moe_layer.py), which report the same statistics."""
     return [m for m in model.modules() if isinstance(m, MoE) or getattr(type(m), "reports_expert_load", False)]

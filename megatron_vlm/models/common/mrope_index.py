@@ -23,7 +23,8 @@ the full positions and stores each sample's `rope_delta` in the cache; later ste
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Optional
 
 import torch
 

@@ -55,7 +55,7 @@ class PrefixLayout:
     max_seqlen_k: int
 
     @classmethod
-    def build(cls, cu_seqlens: torch.Tensor, prefix_segments: torch.Tensor) -> "PrefixLayout":
+    def build(cls, cu_seqlens: torch.Tensor, prefix_segments: torch.Tensor) -> PrefixLayout:
         bounds, prefix = _bounds(cu_seqlens, prefix_segments)
         dev = cu_seqlens.device
         pieces, lengths = [], []

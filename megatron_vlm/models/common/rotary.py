@@ -8,7 +8,8 @@ cost is negligible next to attention, and a module built on the meta device need
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 

@@ -29,7 +29,8 @@ host (a full slot) are the runner's then.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
@@ -53,8 +54,8 @@ class SlotCache:
         self.keys, self.values = kv.keys, kv.values
         self.num_slots = kv.batch - 1
         self.max_len = kv.max_len
-        self._kv_index: Optional[Dict[int, int]] = dict(getattr(storage, "_kv_index", {})) or None
-        self._mamba: Dict[int, Mamba2State] = dict(getattr(storage, "_mamba", {}))
+        self._kv_index: Optional[dict[int, int]] = dict(getattr(storage, "_kv_index", {})) or None
+        self._mamba: dict[int, Mamba2State] = dict(getattr(storage, "_mamba", {}))
         device = kv.mask.device
         self.device = device
         self.lengths = torch.zeros(kv.batch, dtype=torch.long, device=device)
@@ -64,7 +65,7 @@ class SlotCache:
         self._active_list: list[int] = []
         self._contiguous = True
         self._pending = False
-        self._step_states: Dict[int, Mamba2State] = {}
+        self._step_states: dict[int, Mamba2State] = {}
         self._pos: Optional[torch.Tensor] = None  # per step: the active slots' write positions
         self._seqlens: Optional[torch.Tensor] = None  # ... and their key counts after the write
         self._flat: Optional[torch.Tensor] = None  # ... and their rows in a layer's flattened cache (eager steps)
@@ -235,7 +236,7 @@ class SlotCache:
 
     # ----- the hybrid decoder's view (Nemotron-H) -----
     @property
-    def kv(self) -> "SlotCache":
+    def kv(self) -> SlotCache:
         return self
 
     def kv_index(self, layer_idx: int) -> int:

@@ -9,7 +9,8 @@ rows stacked q, k, v along dim 0 (weight [3 * out, in], bias [3 * out]).
 from __future__ import annotations
 
 import re
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Optional
 
 import torch
 

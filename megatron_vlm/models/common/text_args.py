@@ -6,7 +6,8 @@ each family's `args.py` reads and writes the rest (its rotary settings, MoE, vis
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 # config.json fields of every Qwen-style decoder, read and written under the same names
 DECODER_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

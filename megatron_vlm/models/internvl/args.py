@@ -71,7 +71,7 @@ class InternVisionArgs:
         return (self.image_size // self.patch_size) ** 2
 
     @classmethod
-    def from_hf(cls, vc: dict) -> "InternVisionArgs":
+    def from_hf(cls, vc: dict) -> InternVisionArgs:
         kw: dict[str, Any] = {}
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "attention_bias",
                      "use_qk_norm", "hidden_act", "norm_type", "layer_norm_eps", "layer_scale_init_value",
@@ -146,7 +146,7 @@ class InternVLTextArgs:
         return self.model_type == "qwen3"
 
     @classmethod
-    def from_hf(cls, tc: dict) -> "InternVLTextArgs":
+    def from_hf(cls, tc: dict) -> InternVLTextArgs:
         model_type = tc.get("model_type")
         if model_type not in TEXT_MODEL_TYPES:
             archs = tc.get("architectures")
@@ -222,7 +222,7 @@ class InternVLArgs:
         return self.vision.num_patches // self.shuffle_factor**2
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "InternVLArgs":
+    def from_hf_config(cls, cfg: dict) -> InternVLArgs:
         model_type = cfg.get("model_type")
         if model_type not in MODEL_TYPES:
             raise ValueError(f"config.json: model_type {model_type!r} is not one of {', '.join(MODEL_TYPES)}")

@@ -10,7 +10,7 @@ M-RoPE with equal position components, which equals 1-D RoPE. megatron-core is i
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 import torch
 
@@ -27,7 +27,7 @@ def _rope_theta(cfg) -> float:
     return float(theta)
 
 
-def transformer_config_kwargs(cfg) -> Dict[str, Any]:
+def transformer_config_kwargs(cfg) -> dict[str, Any]:
     """Keyword arguments of megatron-core's TransformerConfig for the HF text config `cfg`."""
     model_type = getattr(cfg, "model_type", None)
     if model_type not in _TYPES:
@@ -36,7 +36,7 @@ def transformer_config_kwargs(cfg) -> Dict[str, Any]:
     if getattr(cfg, "hidden_act", "silu") != "silu":
         raise ValueError(f"megatron-core mapping: hidden_act {cfg.hidden_act!r} (only SwiGLU / silu is mapped)")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    moe: Dict[str, Any] = {}
+    moe: dict[str, Any] = {}
     if model_type == "qwen3_moe":
         if getattr(cfg, "decoder_sparse_step", 1) != 1 or getattr(cfg, "mlp_only_layers", None):
             raise ValueError("megatron-core mapping: qwen3_moe with dense layers between MoE layers "
@@ -57,7 +57,7 @@ def transformer_config_kwargs(cfg) -> Dict[str, Any]:
     )
 
 
-def gpt_model_kwargs(cfg) -> Dict[str, Any]:
+def gpt_model_kwargs(cfg) -> dict[str, Any]:
     """Keyword arguments of megatron-core's GPTModel (besides config and layer spec)."""
     return dict(vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_position_embeddings,
                 position_embedding_type="rope", rotary_base=_rope_theta(cfg),

@@ -20,7 +20,7 @@ Mamba2 (Nemotron-H) layers are not converted here: a key this module does not kn
 from __future__ import annotations
 
 import re
-from typing import Dict, Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -70,11 +70,11 @@ def _norm_keys(te_fused_norms: bool) -> tuple[str, str]:
 
 
 def hf_to_mcore(hf: Mapping[str, torch.Tensor], *, num_attention_heads: int, num_key_value_heads: int,
-                te_fused_norms: bool = False) -> Dict[str, torch.Tensor]:
+                te_fused_norms: bool = False) -> dict[str, torch.Tensor]:
     """HF language-model state dict -> megatron-core GPTModel state dict (module docstring)."""
-    out: Dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     in_norm, mlp_norm = _norm_keys(te_fused_norms)
-    layers: Dict[int, Dict[str, torch.Tensor]] = {}
+    layers: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in hf.items():
         m = _LAYER.match(key)
         if m:
@@ -121,10 +121,10 @@ def hf_to_mcore(hf: Mapping[str, torch.Tensor], *, num_attention_heads: int, num
 
 
 def mcore_to_hf(mc: Mapping[str, torch.Tensor], *, num_attention_heads: int, num_key_value_heads: int,
-                te_fused_norms: bool = False) -> Dict[str, torch.Tensor]:
+                te_fused_norms: bool = False) -> dict[str, torch.Tensor]:
     """megatron-core GPTModel state dict -> HF language-model state dict; `_extra_state` entries (TE /
     local-layer metadata, no weights) are dropped."""
-    out: Dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     in_norm, mlp_norm = _norm_keys(te_fused_norms)
     simple = {
         "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
@@ -134,7 +134,7 @@ def mcore_to_hf(mc: Mapping[str, torch.Tensor], *, num_attention_heads: int, num
         "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
         "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     }
-    experts: Dict[tuple, Dict[int, torch.Tensor]] = {}
+    experts: dict[tuple, dict[int, torch.Tensor]] = {}
     for key, value in mc.items():
         if key.endswith("._extra_state"):
             continue

@@ -20,7 +20,8 @@ the data-parallel size (the loss is scaled by it for FSDP's average) — the nat
 from __future__ import annotations
 
 import re
-from typing import Mapping, Optional
+from collections.abc import Mapping
+from typing import Optional
 
 import torch
 from torch import nn

@@ -50,7 +50,7 @@ both ways (`load_native` / `native_state`).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -231,7 +231,7 @@ class McoreHybridBlock(nn.Module):
         return self.heads["num_attention_heads"] // self.tp, self.heads["num_key_value_heads"] // self.tp
 
     # ----- weights, both ways -----
-    def _to_mcore(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    def _to_mcore(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         state = dict(state)
         kind = self.block_type
         if kind == "linear_attention":

@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +70,7 @@ def _activation(name: str):
     return acts[name]
 
 
-def moe_config_kwargs(moe: MoE) -> Dict[str, Any]:
+def moe_config_kwargs(moe: MoE) -> dict[str, Any]:
     """TransformerConfig fields (moe_* and the experts' activation) that give `moe`'s routing and experts;
     McoreBackendError naming the feature when megatron-core cannot express it (module docstring)."""
     gate, experts = moe.gate, moe.experts
@@ -82,7 +82,7 @@ def moe_config_kwargs(moe: MoE) -> Dict[str, Any]:
     if moe.fc2_latent_proj is not None or any(getattr(m, "bias", None) is not None for m in moe.modules()
                                               if isinstance(m, nn.Linear)):
         raise _refuse("linear biases (mlp_bias)", "megatron-core's token dispatcher takes no expert biases")
-    kw: Dict[str, Any] = dict(num_moe_experts=n_experts, moe_router_topk=k,
+    kw: dict[str, Any] = dict(num_moe_experts=n_experts, moe_router_topk=k,
                               moe_ffn_hidden_size=experts.down_proj.shape[-1], moe_router_dtype="fp32",
                               moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
                               moe_aux_loss_coeff=0.0, moe_grouped_gemm=False, moe_shared_expert_overlap=False,
@@ -128,7 +128,7 @@ def _activation_name(experts) -> str:
     return repr(experts.act)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mcore_moe_classes():
     """(router class, MoE layer class): megatron-core's TopKRouter / MoELayer with our two additions."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -260,7 +260,7 @@ def _alltoall_without_cuda():
             base.cuda_dtoh_stream = None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def alltoall_dispatcher():
     """megatron-core's all-to-all token dispatcher (parallel.ep > 1), also on the CPU: where the routing tensors
     are not on CUDA, its device-to-host stream synchronisation is skipped (there is nothing to copy), the token
@@ -380,7 +380,7 @@ def moe_decoder_layer_spec(config, *, expert_bias: bool, ep_group=None):
     return spec
 
 
-def moe_to_mcore(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def moe_to_mcore(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Native `MoE` block state (keys relative to it) -> megatron-core MoELayer state (relative); exact."""
     state = dict(state)
     out = {"router.weight": state.pop("gate.weight")}
@@ -400,11 +400,11 @@ def moe_to_mcore(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return out
 
 
-def mcore_to_moe(state: Dict[str, torch.Tensor], *, gated: bool) -> Dict[str, torch.Tensor]:
+def mcore_to_moe(state: dict[str, torch.Tensor], *, gated: bool) -> dict[str, torch.Tensor]:
     """megatron-core MoELayer state (relative keys, `_extra_state` dropped) -> native `MoE` block state."""
-    out: Dict[str, torch.Tensor] = {}
-    fc1: Dict[int, torch.Tensor] = {}
-    fc2: Dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    fc1: dict[int, torch.Tensor] = {}
+    fc2: dict[int, torch.Tensor] = {}
     named = {"router.weight": "gate.weight", "router.expert_bias": "gate.e_score_correction_bias",
              "shared_experts.linear_fc1.weight": "shared_experts.up_proj.weight",
              "shared_experts.linear_fc2.weight": "shared_experts.down_proj.weight"}

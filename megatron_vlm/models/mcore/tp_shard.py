@@ -29,7 +29,8 @@ so its fc1 rows depend on tp: it records the tp size (`mcore_tp`) and resuming u
 from __future__ import annotations
 
 import functools
-from typing import Mapping, Optional
+from collections.abc import Mapping
+from typing import Optional
 
 import torch
 from torch import nn

@@ -109,7 +109,7 @@ class NemotronHTextArgs:
         return len(self.layers_block_type)
 
     @classmethod
-    def from_hf(cls, tc: dict) -> "NemotronHTextArgs":
+    def from_hf(cls, tc: dict) -> NemotronHTextArgs:
         tc = dict(tc)
         for old, new in _TEXT_LEGACY.items():
             if old in tc:
@@ -193,7 +193,7 @@ class RadioVisionArgs:
         return hidden
 
     @classmethod
-    def from_hf(cls, vc: dict) -> "RadioVisionArgs":
+    def from_hf(cls, vc: dict) -> RadioVisionArgs:
         kw = {f: vc[f] for f in cls.__dataclass_fields__ if vc.get(f) is not None}
         if vc.get("drop_path_rate"):
             raise ValueError("vision_config.drop_path_rate: stochastic depth is not supported")
@@ -246,7 +246,7 @@ class NemotronVLArgs:
         return int(round(1 / self.downsample_ratio))
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "NemotronVLArgs":
+    def from_hf_config(cls, cfg: dict) -> NemotronVLArgs:
         model_type = cfg.get("model_type")
         if model_type == "nemotron_h":
             return cls(text=NemotronHTextArgs.from_hf(cfg), model_type="nemotron_h")
@@ -275,7 +275,7 @@ class NemotronVLArgs:
         return args
 
     @classmethod
-    def _from_qwen3_vision_config(cls, cfg: dict) -> "NemotronVLArgs":
+    def _from_qwen3_vision_config(cls, cfg: dict) -> NemotronVLArgs:
         vc = cfg["vision_config"]
         unused = [k for k in ("downsample_ratio", "projector_hidden_size", "vision_hidden_size") if cfg.get(k) is not None]
         if unused:

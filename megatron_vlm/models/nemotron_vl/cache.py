@@ -10,7 +10,7 @@ B * g sequences (a GRPO group shares one prefill).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -29,8 +29,8 @@ class HybridCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        self._kv_index: Dict[int, int] = {}
-        self._mamba: Dict[int, Mamba2State] = {}
+        self._kv_index: dict[int, int] = {}
+        self._mamba: dict[int, Mamba2State] = {}
         attention = None
         for i, layer in enumerate(layers):
             if layer.block_type == "full_attention":
@@ -82,7 +82,7 @@ class HybridCache:
     def end_step(self) -> None:
         self.kv.end_step()
 
-    def repeat_interleave(self, g: int) -> "HybridCache":
+    def repeat_interleave(self, g: int) -> HybridCache:
         """A new cache with every sequence repeated g times consecutively (B -> B * g), states copied."""
         out = HybridCache.__new__(HybridCache)
         out._kv_index = dict(self._kv_index)

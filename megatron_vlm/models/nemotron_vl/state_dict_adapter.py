@@ -93,7 +93,7 @@ class NemotronVLStateDictAdapter:
                             tie_word_embeddings=False)
             )
 
-    def _qwen3_vision_key(self, key: str) -> "str | None":
+    def _qwen3_vision_key(self, key: str) -> str | None:
         """A checkpoint key of the Qwen3-VL tower in Qwen3-VL's hub spelling (`model.visual.*`), else None."""
         if self.qwen3_vision is None:
             return None
@@ -160,7 +160,7 @@ class NemotronVLStateDictAdapter:
         return out, pending
 
     @staticmethod
-    def default_for(key: str, shape) -> "torch.Tensor | None":
+    def default_for(key: str, shape) -> torch.Tensor | None:
         """Value of a parameter a checkpoint may legitimately omit, else None. C-RADIO has no layer
         scale: released checkpoints carry no `layer_scale{1,2}.lambda1`, which transformers then keeps
         at its identity value 1 (the loader calls this for parameters still missing at the end)."""

@@ -56,7 +56,7 @@ class Qwen2_5_VLVisionArgs:
         return self.hidden_size // self.num_heads
 
     @classmethod
-    def from_hf(cls, vc: dict) -> "Qwen2_5_VLVisionArgs":
+    def from_hf(cls, vc: dict) -> Qwen2_5_VLVisionArgs:
         theta = (vc.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         kw: dict[str, Any] = {"rope_theta": float(theta)}
         names = {f.name for f in dataclasses.fields(cls)} - {"rope_theta", "norm_eps"}
@@ -110,7 +110,7 @@ class Qwen2_5_VLTextArgs:
         return self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def from_hf(cls, tc: dict) -> "Qwen2_5_VLTextArgs":
+    def from_hf(cls, tc: dict) -> Qwen2_5_VLTextArgs:
         theta, section, rope_type = _rope_settings(tc)
         if rope_type != "default":
             raise ValueError(f"text_config.rope_parameters.rope_type: only default M-RoPE is supported, got {rope_type!r}")
@@ -153,7 +153,7 @@ class Qwen2_5_VLArgs:
     tie_word_embeddings: bool = False
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "Qwen2_5_VLArgs":
+    def from_hf_config(cls, cfg: dict) -> Qwen2_5_VLArgs:
         if cfg.get("model_type") not in (None, "qwen2_5_vl"):
             raise ValueError(f"config.json: model_type {cfg.get('model_type')!r} is not qwen2_5_vl")
         if "vision_config" not in cfg:

@@ -65,7 +65,7 @@ class Qwen3VLVisionArgs:
         return int(self.num_position_embeddings**0.5)
 
     @classmethod
-    def from_hf(cls, vc: dict) -> "Qwen3VLVisionArgs":
+    def from_hf(cls, vc: dict) -> Qwen3VLVisionArgs:
         theta = (vc.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         kw: dict[str, Any] = {"rope_theta": float(theta)}
         for name in {f.name for f in dataclasses.fields(cls)} - {"rope_theta", "norm_eps"}:
@@ -156,7 +156,7 @@ class Qwen3VLTextArgs:
         )
 
     @classmethod
-    def from_hf(cls, tc: dict, *, moe: bool) -> "Qwen3VLTextArgs":
+    def from_hf(cls, tc: dict, *, moe: bool) -> Qwen3VLTextArgs:
         theta, section, rope_type = _rope_settings(tc)
         if rope_type != "default":
             raise ValueError(f"text_config.rope_parameters.rope_type: only default M-RoPE is supported, got {rope_type!r}")
@@ -241,7 +241,7 @@ class Qwen3VLArgs:
         return self.text.num_experts > 0
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "Qwen3VLArgs":
+    def from_hf_config(cls, cfg: dict) -> Qwen3VLArgs:
         model_type = cfg.get("model_type")
         if model_type not in MODEL_TYPES:
             raise ValueError(f"config.json: model_type {model_type!r} is not one of {', '.join(MODEL_TYPES)}")

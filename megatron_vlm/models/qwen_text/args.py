@@ -59,7 +59,7 @@ class QwenTextArgs:
         return getattr(self.text, "num_experts", 0) > 0
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "QwenTextArgs":
+    def from_hf_config(cls, cfg: dict) -> QwenTextArgs:
         model_type = cfg.get("model_type")
         if model_type not in MODEL_TYPES:
             raise ValueError(f"config.json: model_type {model_type!r} is not one of {', '.join(MODEL_TYPES)}")

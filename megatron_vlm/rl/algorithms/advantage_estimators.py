@@ -10,8 +10,9 @@ Adding an estimator: a function with the `AdvantageFn` signature decorated with
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -88,7 +89,7 @@ class AdvantageSpec:
         resolve_normalize_std(self.estimator, self.normalize_std)  # unknown name / std where not defined: ValueError
 
     @classmethod
-    def from_config(cls, rl: Any) -> "AdvantageSpec":
+    def from_config(cls, rl: Any) -> AdvantageSpec:
         """From `[rl]`: dynamic sampling drops equal-reward groups too (and refills the step)."""
         return cls(estimator=rl.advantage, normalize_std=resolve_normalize_std(rl.advantage, rl.advantages.normalize_std),
                    drop_equal_reward_groups=rl.advantages.drop_equal_reward_groups or rl.advantages.dynamic_sampling)

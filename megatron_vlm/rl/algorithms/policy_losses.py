@@ -153,7 +153,7 @@ class PolicyLossSpec:
             raise ValueError(f"rollout_correction_cap: must be > 1, got {self.rollout_correction_cap}")
 
     @classmethod
-    def from_config(cls, rl: Any, *, decoupled: bool) -> "PolicyLossSpec":
+    def from_config(cls, rl: Any, *, decoupled: bool) -> PolicyLossSpec:
         """The loss of a GRPO run's `[rl]` section; `decoupled`: asynchronous GRPO with stale samples (the
         behaviour weight, capped by `behav_imp_weight_cap`)."""
         return cls(clip_ratio_low=rl.loss.clip_ratio_low, clip_ratio_high=rl.loss.clip_ratio_high, loss_agg=rl.loss.loss_agg,

@@ -6,7 +6,8 @@ config key) and the config reads the choices from the registry instead of a copi
 """
 from __future__ import annotations
 
-from typing import Callable, Generic, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
 
 __all__ = ["Registry"]
 

@@ -34,7 +34,7 @@ from megatron_vlm.rl.asynchronous.allocation import ALLOCATION_GRAMMAR, Allocati
 
 __all__ = ["Bridge", "Role", "setup_roles", "current_role", "BridgeError"]
 
-_ROLE: Optional["Role"] = None
+_ROLE: Optional[Role] = None
 
 
 class BridgeError(RuntimeError):

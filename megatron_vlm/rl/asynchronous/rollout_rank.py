@@ -116,7 +116,7 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
                             value_limit=rl.reward_pool.abs_max)
     state = _State(engine.policy_version)
     state.engine = engine
-    todo: "queue.Queue" = queue.Queue()
+    todo: queue.Queue = queue.Queue()
     threads = [threading.Thread(target=_weights_loop, args=(state, bridge, model, engine), daemon=True, name="weights"),
                threading.Thread(target=_score_loop, args=(state, bridge, todo, manager, sets.train), daemon=True,
                                 name="scoring")]

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterable, Optional
+from collections.abc import Iterable
+from typing import Optional
 
 import torch
 

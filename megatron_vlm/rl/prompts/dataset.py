@@ -35,9 +35,10 @@ from __future__ import annotations
 import logging
 import os
 import random
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal, Optional, Sequence
+from typing import Any, Literal, Optional
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpected
 from megatron_vlm.data.data_files import HF_SUFFIXES, DataFileError

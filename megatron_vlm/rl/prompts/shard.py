@@ -6,8 +6,9 @@ trained). Used by the GRPO step's rounds and by the held-out evaluation.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Optional, Protocol
 
 import torch
 

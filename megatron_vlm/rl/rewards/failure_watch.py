@@ -9,7 +9,7 @@ naming the key and the last error. A step with no reward calls neither counts no
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 __all__ = ["RewardsAllFailedError", "RewardFailureWatch"]
 

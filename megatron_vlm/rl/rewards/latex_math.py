@@ -315,7 +315,7 @@ class _Parser:
         return Seq("set", tuple(items))
 
     def set_builder_start(self) -> bool:
-        """At "x |", "x :" or "x \in \mathbb{R} |" after "\{": consume it."""
+        r"""At "x |", "x :" or "x \in \mathbb{R} |" after "\{": consume it."""
         if self.peek()[0] != "LETTER":
             return False
         k = 1

@@ -53,7 +53,7 @@ FILLER = {
     "correct", "option", "choice", "then", "given", "by", "expression", "equation", "function", "as", "follows",
     "projection", "center", "centre", "slope", "intercept", "vertex", "focus", "term", "general", "formula",
     "sequence", "speed", "time", "price", "cost", "rate", "age", "range", "domain", "set", "solved", "satisfies",
-    "coordinate", "its", "our", "final", "hence", "are", "becomes", "gives", "simplifies", "simplified",
+    "coordinate", "our", "becomes", "gives", "simplifies", "simplified",
 }
 """Words a model writes around an answer without changing its value; they are removed. (Not "sum",
 "product", "max", ...: "the product of 3 and 5" must not become the list 3, 5.)"""

@@ -20,8 +20,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional
 
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.rl.rewards.config import CustomRewardConfig
@@ -120,7 +121,7 @@ class RewardManager:
     def close(self) -> None:
         self.pool.close()
 
-    def __enter__(self) -> "RewardManager":
+    def __enter__(self) -> RewardManager:
         return self
 
     def __exit__(self, *exc) -> None:

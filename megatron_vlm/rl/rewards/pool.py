@@ -36,6 +36,7 @@ Limits, so that a verifier cannot take the run down with it:
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
@@ -49,9 +50,10 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 __all__ = ["RewardCall", "CallResult", "RewardWorkerPool", "resolve_verifier"]
 
@@ -173,10 +175,8 @@ def _signature(fn: Callable) -> Optional[list]:
 
 def _worker_main(conn: Connection, preload: tuple = (), memory_limit_mb: int = 0, parent_pid: int = 0) -> None:
     """Worker loop: receive (call_id, RewardCall), send (call_id, status, value, detail)."""
-    try:
+    with contextlib.suppress(AttributeError, OSError):
         os.setsid()  # its own session and process group: the pool kills the group, so a verifier's children die too
-    except (AttributeError, OSError):
-        pass
     if parent_pid:
         _die_with_parent(parent_pid)
     _limit_memory(memory_limit_mb)
@@ -236,10 +236,8 @@ class _Worker:
         """Kill the worker and everything its verifier started (its process group: the worker's own session),
         so a verifier that spawned a hanging subprocess leaves nothing behind."""
         if self.proc.pid is not None and hasattr(os, "killpg"):
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(timeout=10)
@@ -310,7 +308,7 @@ class RewardWorkerPool:
             w.kill()
         self._workers = []
 
-    def __enter__(self) -> "RewardWorkerPool":
+    def __enter__(self) -> RewardWorkerPool:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -338,11 +336,13 @@ class RewardWorkerPool:
                     raise RuntimeError(f"reward worker did not start within {self.start_timeout_s:g} s")
                 try:
                     cid, _, _, detail = w.conn.recv()
-                except (EOFError, OSError):
+                except (EOFError, OSError) as err:
                     w.proc.join(timeout=5)
                     code = w.proc.exitcode
                     self.close()
-                    raise RuntimeError(f"reward worker exited during start-up (exit code {code}); see its traceback above")
+                    raise RuntimeError(
+                        f"reward worker exited during start-up (exit code {code}); see its traceback above"
+                    ) from err
                 if cid == "ready":
                     w.ready = True
                     report = json.loads(detail) if detail else {}
@@ -400,14 +400,14 @@ class RewardWorkerPool:
                 w = next(x for x in self._workers if x.conn is conn)
                 try:
                     cid, status, value, detail = w.conn.recv()  # ("ready", pid, 0.0, "") at start-up; w.conn is conn
-                except (EOFError, OSError):
+                except (EOFError, OSError) as err:
                     w.proc.join(timeout=5)
                     code = w.proc.exitcode
                     if not w.ready:
                         self.close()
                         raise RuntimeError(
                             f"reward worker exited during start-up (exit code {code}); see its traceback above"
-                        )
+                        ) from err
                     if w.call_id is not None:
                         results[w.call_id] = CallResult(0.0, "error", f"reward worker died (exit code {code})")
                     self._replace(w)

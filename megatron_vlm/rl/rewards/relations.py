@@ -15,7 +15,8 @@ symbolic_limits.too_big first.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import sympy
 from sympy.core.function import AppliedUndef
@@ -318,10 +319,10 @@ def rel_equal(a: Rel, b: Rel, eq: Eq) -> bool:
             )
 
         def canon(r: Rel):
-            op, (l, rr) = r.ops[0], r.sides
+            op, (lhs, rr) = r.ops[0], r.sides
             if op in (">", ">="):
-                return _FLIP[op], rr - l
-            return op, l - rr
+                return _FLIP[op], rr - lhs
+            return op, lhs - rr
 
         (op1, d1), (op2, d2) = canon(a), canon(b)
         if op1 != op2:

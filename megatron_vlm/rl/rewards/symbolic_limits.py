@@ -26,7 +26,6 @@ def too_big(e: sympy.Basic) -> bool:
     for p in e.atoms(sympy.Pow):
         if p.base.free_symbols or p.base.has(sympy.sin, sympy.cos, sympy.tan, sympy.log, sympy.exp):
             exp = p.exp
-            if not exp.is_Number or abs(exp) > MAX_SYMBOLIC_DEGREE:
-                if exp.is_Number or exp.free_symbols:
-                    return True
+            if (not exp.is_Number or abs(exp) > MAX_SYMBOLIC_DEGREE) and (exp.is_Number or exp.free_symbols):
+                return True
     return False

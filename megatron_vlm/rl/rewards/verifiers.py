@@ -9,7 +9,8 @@ through our own LaTeX parser.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Optional
 
 from megatron_vlm.rl.rewards.extract import (
     MAX_ANSWER_CHARS,

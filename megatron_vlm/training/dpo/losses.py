@@ -22,7 +22,8 @@ log-ratio for the reference-based variants, beta x the length-normalised log-pro
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 import torch.nn.functional as F

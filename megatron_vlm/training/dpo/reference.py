@@ -73,7 +73,7 @@ class PrecomputedReference:
 
     @classmethod
     def load_or_compute(cls, run_dir: Path, wrapper: torch.nn.Module, loaders: dict, *, device: torch.device,
-                        copies: int, is_main: bool, model_path: str) -> "PrecomputedReference":
+                        copies: int, is_main: bool, model_path: str) -> PrecomputedReference:
         """Read `run_dir/REFERENCE_FILE` when it holds tables of the same splits and sizes, else score every
         pair of `loaders` (split -> one-pass loader) with `wrapper` (the initial weights) and write the file."""
         path = Path(run_dir) / REFERENCE_FILE

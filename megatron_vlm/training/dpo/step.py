@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterator, Optional
+from collections.abc import Iterator
+from typing import Optional
 
 import torch
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -50,8 +50,9 @@ def spawn(tmp_path: Path, part: Callable[[Path, int], None], world: int = 2, *, 
     try:
         mp.start_processes(_rank_main, args=(world, free_port(), str(tmp_path), errors, part, init_group),
                            nprocs=world, start_method="spawn")
-    except Exception:
+    except Exception as err:
         msgs = []
         while not errors.empty():
-            msgs.append("rank %d:\n%s" % errors.get())
-        raise AssertionError("\n".join(msgs) or "a worker failed")
+            rank, tb = errors.get()
+            msgs.append(f"rank {rank}:\n{tb}")
+        raise AssertionError("\n".join(msgs) or "a worker failed") from err

@@ -108,7 +108,7 @@ def _same_sft(tmp: Path, rank: int, family: str, **ck) -> dict:
         table = (b / "moe_layer_expert_table.csv").read_text()
         assert table == (a / "moe_layer_expert_table.csv").read_text() and len(table.splitlines()) > STEPS
         if eval_:  # the end-of-run evaluation: loss, and greedy decoding in lock-step through the ep layers
-            ev = [list(csv.DictReader(open(o / "metrics_eval.csv")))[-1] for o in (a, b)]
+            ev = [list(csv.DictReader((o / "metrics_eval.csv").read_text().splitlines()))[-1] for o in (a, b)]
             assert float(ev[0]["answer_n"]) > 0 and ev[0]["answer_accuracy"] == ev[1]["answer_accuracy"], ev
             assert abs(float(ev[0]["loss"]) - float(ev[1]["loss"])) <= 1e-5, ev
         e_a, e_b = _export(a), _export(b)

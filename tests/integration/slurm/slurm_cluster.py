@@ -98,7 +98,7 @@ class SlurmCluster:
         self.procs: dict[str, subprocess.Popen] = {}
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, timeout: float = 60) -> "SlurmCluster":
+    def start(self, timeout: float = 60) -> SlurmCluster:
         r = self.root
         for d in ("munge", "state", "spool", "log"):
             (r / d).mkdir(mode=0o700)
@@ -135,7 +135,7 @@ class SlurmCluster:
                     p.wait()
             shutil.rmtree(self.root, ignore_errors=True)
 
-    def __enter__(self) -> "SlurmCluster":
+    def __enter__(self) -> SlurmCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:

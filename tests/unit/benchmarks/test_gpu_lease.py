@@ -83,7 +83,7 @@ def test_lease_plan_limits_from_the_plan_itself(tmp_path):
     assert [len(b) for b in batches(tests.steps)] == [3]
     bench = next(s for s in sections if s.name == "benchmarks")
     assert all(len(b) == 1 for b in batches(bench.steps)), "benchmarks must run alone"
-    assert not any("install wheels" == st.name for s in sections for st in s.steps)  # no .whl/: nothing to install
+    assert not any(st.name == "install wheels" for s in sections for st in s.steps)  # no .whl/: nothing to install
     known = {p.stem for p in (REPO / "benchmarks").glob("*/bench_*.py")}
     planned = {st.name for st in bench.steps}
     assert planned <= known and planned | set(gpu_lease.LEASE_LEFT_OUT) == set(gpu_suite.KERNEL_BENCHES) | {

@@ -13,7 +13,7 @@ import torch
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.data.loader import build_eval_dataloader, build_sft_dataloader
 
-_WORDS = "the a red blue circle square shape colour is what how many there are image robot cup".split()
+_WORDS = ["the", "a", "red", "blue", "circle", "square", "shape", "colour", "is", "what", "how", "many", "there", "are", "image", "robot", "cup"]
 
 
 def _write_jsonl(tmp_path, write_image, n=36, seed=0, extra_lines=()):

@@ -106,7 +106,7 @@ def test_answers_are_balanced_so_the_blind_baseline_is_chance(tmp_path):
         freq = Counter(r["answer"] for r in records if r["question_type"] == qtype)
         assert freq == {a: 60 // len(choices) for a in choices}
     assert blind_baseline_accuracy(records) == pytest.approx(47 / 180)  # (15 + 12 + 20) / 180
-    assert 47 / 180 == pytest.approx(_chance())
+    assert pytest.approx(_chance()) == 47 / 180
     meta = json.loads(paths["meta"].read_text())
     assert meta["eval_blind_baseline_accuracy"] == pytest.approx(47 / 180)
     assert meta["chance_per_question_type"] == {q: 1 / len(c) for q, c in ANSWERS.items()}

@@ -1,7 +1,7 @@
 """Shared helpers of the kernel tests: the device the Triton kernels run on, cu_seqlens builders,
 error measures, the 2x-of-reference rule."""
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -152,7 +152,10 @@ def ssd_loop(x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_
 
 def make_ssd_inputs(seed, b=2, T=11, h=4, p=3, g=2, n=5, dtype=torch.float64):
     gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)
+
+    def r(*s):
+        return torch.randn(*s, generator=gen, dtype=dtype)
+
     return dict(
         x=r(b, T, h, p), dt=r(b, T, h) * 0.5, A=-torch.rand(h, generator=gen, dtype=dtype) * 2 - 0.1,
         B=r(b, T, g, n), C=r(b, T, g, n), D=r(h), z=r(b, T, h, p), dt_bias=r(h) * 0.3,

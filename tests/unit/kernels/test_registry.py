@@ -55,9 +55,9 @@ def test_forced_triton_without_interpreter_names_op_backend_and_reason(monkeypat
 
 
 def test_forced_npu_without_torch_npu_is_a_clear_error():
-    with K.use_backends({"swiglu": "npu"}):
-        with pytest.raises(K.BackendUnavailableError, match=r"'swiglu'.*'npu'.*torch_npu is not installed"):
-            K.swiglu(torch.randn(4), torch.randn(4))
+    with K.use_backends({"swiglu": "npu"}), \
+            pytest.raises(K.BackendUnavailableError, match=r"'swiglu'.*'npu'.*torch_npu is not installed"):
+        K.swiglu(torch.randn(4), torch.randn(4))
 
 
 def test_forced_triton_matches_reference():
@@ -156,9 +156,8 @@ def test_scopes_nest_and_restore_on_exit_and_on_error():
             with K.use_backends({"swiglu": "auto"}):  # "auto" overrides an outer forced choice
                 assert DEFAULT_REGISTRY.choice("swiglu") == "auto"
         assert DEFAULT_REGISTRY.choice("rms_norm") == "torch"
-        with pytest.raises(RuntimeError, match="boom"):
-            with K.use_backends({"rms_norm": "triton"}):
-                raise RuntimeError("boom")
+        with pytest.raises(RuntimeError, match="boom"), K.use_backends({"rms_norm": "triton"}):
+            raise RuntimeError("boom")
         assert DEFAULT_REGISTRY.choice("rms_norm") == "torch"
     assert DEFAULT_REGISTRY.choice("rms_norm") == "auto" and DEFAULT_REGISTRY.choice("swiglu") == "auto"
 
@@ -303,9 +302,9 @@ def test_a_package_that_is_installed_but_does_not_import_is_passed_over_with_its
     registry = KernelRegistry()
     register_builtin_ops(registry)
     assert registry.choose("attention", "cuda", torch.bfloat16) != "flash_attn"
-    with registry.use_backends({"attention": "flash_attn"}):
-        with pytest.raises(K.BackendUnavailableError, match="flash_attn does not import .*undefined symbol"):
-            registry.choose("attention", "cuda", torch.bfloat16)
+    with registry.use_backends({"attention": "flash_attn"}), \
+            pytest.raises(K.BackendUnavailableError, match="flash_attn does not import .*undefined symbol"):
+        registry.choose("attention", "cuda", torch.bfloat16)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert "liger_kernel does not import" in triton_package_check("liger_kernel")("cpu", torch.float32)
 

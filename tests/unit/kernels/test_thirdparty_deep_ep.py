@@ -69,7 +69,7 @@ class Config:
     """deep_ep._C.Config (csrc/legacy/config.hpp): its asserts and `get_nvl_buffer_size_hint`."""
 
     def __init__(self, num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv):
-        assert num_sms >= 0 and 0 < nvl_send < nvl_recv and 0 < rdma_send
+        assert num_sms >= 0 and 0 < nvl_send < nvl_recv and rdma_send > 0
         self.num_sms, self.nvl_send, self.nvl_recv = num_sms, nvl_send, nvl_recv
 
     def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
@@ -481,9 +481,9 @@ def test_auto_picks_deep_ep_for_bf16_on_cuda_and_forcing_it_elsewhere_is_refused
         monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
         if "deep_ep" not in K.DEFAULT_REGISTRY.availability("moe_ep_dispatch", torch.zeros(1))["deep_ep"]:
             pytest.skip("deep_ep is installed here")
-        with K.use_backends({"moe_ep_dispatch": "deep_ep"}):
-            with pytest.raises(K.BackendUnavailableError, match="deep_ep is not installed"):
-                DEFAULT_REGISTRY.resolve("moe_ep_dispatch", torch.zeros(1, dtype=torch.bfloat16))
+        with K.use_backends({"moe_ep_dispatch": "deep_ep"}), \
+                pytest.raises(K.BackendUnavailableError, match="deep_ep is not installed"):
+            DEFAULT_REGISTRY.resolve("moe_ep_dispatch", torch.zeros(1, dtype=torch.bfloat16))
         monkeypatch.setitem(sys.modules, "deep_ep", types.ModuleType("deep_ep"))
         DEFAULT_REGISTRY.clear_cache()
         assert DEFAULT_REGISTRY.choose("moe_ep_dispatch", "cuda", torch.bfloat16) == "deep_ep"

@@ -258,9 +258,9 @@ def test_forced_on_the_cpu_names_the_reason(installed, monkeypatch):
     try:
         (x, dt, A, B, C), _ = _scan_inputs(batch=1, total=4)
         reason = "mamba_ssm needs a cuda tensor" if installed else "mamba_ssm is not installed"
-        with K.use_backends({"ssd_chunk_scan": "mamba_ssm"}):
-            with pytest.raises(K.BackendUnavailableError, match=rf"'ssd_chunk_scan'.*'mamba_ssm'.*{reason}"):
-                K.ssd_chunk_scan(x, dt, A, B, C, chunk_size=4)
+        with K.use_backends({"ssd_chunk_scan": "mamba_ssm"}), \
+                pytest.raises(K.BackendUnavailableError, match=rf"'ssd_chunk_scan'.*'mamba_ssm'.*{reason}"):
+            K.ssd_chunk_scan(x, dt, A, B, C, chunk_size=4)
     finally:
         DEFAULT_REGISTRY.clear_cache()
 

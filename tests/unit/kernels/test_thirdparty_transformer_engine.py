@@ -503,9 +503,9 @@ def test_forced_without_the_package_names_the_reason():
         pytest.skip("transformer_engine is installed here")
     DEFAULT_REGISTRY.clear_cache()
     x = torch.randn(2, 8)
-    with K.use_backends({"rms_norm": "transformer_engine"}):
-        with pytest.raises(K.BackendUnavailableError, match=r"'rms_norm'.*'transformer_engine'.*transformer_engine is not installed"):
-            K.rms_norm(x, torch.ones(8), 1e-6)
+    with K.use_backends({"rms_norm": "transformer_engine"}), \
+            pytest.raises(K.BackendUnavailableError, match=r"'rms_norm'.*'transformer_engine'.*transformer_engine is not installed"):
+        K.rms_norm(x, torch.ones(8), 1e-6)
 
 
 def test_a_job_with_a_forced_backend_that_cannot_run_exits_2(tmp_path, monkeypatch, capsys):

@@ -93,9 +93,8 @@ def test_check_takes_only_the_measured_configuration(monkeypatch):
 
 def test_forced_through_the_registry_on_cpu_is_refused_with_the_reason():
     x, w, tpe = _case([2, 2])
-    with kernels.use_backends({"grouped_mm": "torch_grouped_mm"}):
-        with pytest.raises(Exception, match="chosen only on cuda"):
-            kernels.grouped_mm(x, w, tokens_per_expert=tpe, weight_layout="enk")
+    with kernels.use_backends({"grouped_mm": "torch_grouped_mm"}), pytest.raises(Exception, match="chosen only on cuda"):
+        kernels.grouped_mm(x, w, tokens_per_expert=tpe, weight_layout="enk")
 
 
 @pytest.mark.gpu

@@ -67,8 +67,8 @@ def _check(q, k, v, floor, **kw):
     lowp_grads = torch.autograd.grad(lowp, lowp_in, dout)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert_within_2x("out", out, exact, lowp, floor)
-    for name, g, e, l in zip(("dq", "dk", "dv"), grads, exact_grads, lowp_grads):
-        assert_within_2x(name, g, e, l, floor)
+    for name, g, e, lp in zip(("dq", "dk", "dv"), grads, exact_grads, lowp_grads):
+        assert_within_2x(name, g, e, lp, floor)
 
 
 def _packed(lens_q, lens_k, hq, hkv, d, dtype, seed=0):

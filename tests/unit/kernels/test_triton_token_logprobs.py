@@ -73,8 +73,8 @@ def test_token_logprobs_bf16_within_2x_of_naive_bf16():
     got = torch.autograd.grad((lp * a).sum() + ent.sum(), (h, w))
     exact = torch.autograd.grad((exact_lp * a.double()).sum() + exact_ent.sum(), (h64, w64))
     lowp = torch.autograd.grad((naive_lp * a.double()).sum() + naive_ent.sum(), (hb, wb))
-    for name, g, e, l in zip(("d_hidden", "d_weight"), got, exact, lowp):
-        assert_within_2x(name, g, e, l, 1e-2)
+    for name, g, e, lp in zip(("d_hidden", "d_weight"), got, exact, lowp):
+        assert_within_2x(name, g, e, lp, 1e-2)
 
 
 def test_token_logprobs_rejects_out_of_range_label():

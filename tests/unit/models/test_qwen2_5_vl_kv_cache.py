@@ -102,7 +102,7 @@ def test_left_padded_prompts(models):
         with torch.no_grad():
             ids = torch.cat([alone["input_ids"], cached[i:i + 1]], dim=1)
             full = ours(ids, **_vision(alone))[0, -steps - 1:-1]
-        err = (torch.stack([l[i] for l in step_logits])[:-1] - full[1:]).abs().max().item()
+        err = (torch.stack([lg[i] for lg in step_logits])[:-1] - full[1:]).abs().max().item()
         assert err <= TOL, f"row {i}: cached step logits differ by {err}"
     with torch.no_grad():
         ref = hf.generate(**{k: v for k, v in batch.items() if v is not None}, max_new_tokens=steps, do_sample=False, min_new_tokens=steps)

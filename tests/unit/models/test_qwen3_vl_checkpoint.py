@@ -41,7 +41,7 @@ def _keys(folder):
     out = {}
     for f in sorted(folder.glob("*.safetensors")):
         with safe_open(str(f), "pt") as r:
-            out.update({k: tuple(r.get_slice(k).get_shape()) for k in r.keys()})
+            out.update({k: tuple(r.get_slice(k).get_shape()) for k in r.keys()})  # noqa: SIM118 -- safe_open handles are not iterable
     return out
 
 

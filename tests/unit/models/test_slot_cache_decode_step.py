@@ -33,7 +33,7 @@ def _check_step():
     cache.lengths[:slots] = torch.tensor(lengths)
     cache.host_lengths[:slots] = lengths
     active = [3, 0, 4]  # not the first slots in order: the gathered path
-    for steps in range(2):
+    for _ in range(2):
         cache.set_active(active)
         cache.begin_step(1)
         pos = torch.tensor([cache.host_lengths[s] for s in active])

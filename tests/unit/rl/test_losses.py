@@ -45,12 +45,12 @@ def _ref_loss(logp, old, adv, mask, agg, kl_coef=0.0, ref=None, est="k3", behav=
                 w = math.exp(old[b][t] - behav[b][t])
                 if cap is not None and w > cap:
                     w = 0.0
-            l, g = _ref_token(logp[b][t], old[b][t], adv[b], w=w)
+            loss, g = _ref_token(logp[b][t], old[b][t], adv[b], w=w)
             if kl_coef:
                 kl, gk = _ref_kl(logp[b][t], ref[b][t], est)
-                l, g = l + kl_coef * kl, g + kl_coef * gk
+                loss, g = loss + kl_coef * kl, g + kl_coef * gk
             scale = 1.0 / n_tok if agg == "token-mean" else 1.0 / (cnt * n_seq)
-            total += l * scale
+            total += loss * scale
             grads[b][t] = g * scale
     return total, grads
 
@@ -121,7 +121,10 @@ def test_packed_layout_equals_padded():
     logp, old, adv, mask, _ = _case()
     lp, od, m = torch.tensor(logp), torch.tensor(old), torch.tensor(mask)
     seq = torch.arange(3)[:, None].expand(3, 5)
-    flat = lambda x: x.reshape(-1)
+
+    def flat(x):
+        return x.reshape(-1)
+
     for agg in ("token-mean", "seq-mean"):
         padded = policy_loss(lp, od, torch.tensor(adv), m, clip_ratio_low=LOW, clip_ratio_high=HIGH, loss_agg=agg).loss
         packed = policy_loss(flat(lp), flat(od), torch.tensor(adv)[flat(seq)], flat(m), clip_ratio_low=LOW,

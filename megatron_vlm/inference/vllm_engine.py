@@ -32,7 +32,8 @@ import math
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ def hf_weight_buckets(model: nn.Module, bucket_bytes: int) -> Iterator[list[tupl
     adapted = lora_modules(model)
     scaling = next(iter(adapted.values())).scaling if adapted else None
     state = model.state_dict()
-    groups: "OrderedDict[str, list[str]]" = OrderedDict()
+    groups: OrderedDict[str, list[str]] = OrderedDict()
     for name in state:
         groups.setdefault(_group(name), []).append(name)
     bucket: list[tuple[str, torch.Tensor]] = []

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The vLLM back end's tests in their own environment (.ci/vllm_env.sh builds or reuses it; docs/vllm.md).
+# That environment does not install this package: the tests import it from the checkout (PYTHONPATH), and
+# `megatron_vlm.kernels`, which setup.py maps to kernels/, is reached through a link kept for the run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VLLM_PY="$(bash .ci/vllm_env.sh | tail -n 1)"
+if [ ! -e megatron_vlm/kernels ]; then ln -s ../kernels megatron_vlm/kernels; trap 'rm -f megatron_vlm/kernels' EXIT; fi
+PYTHONPATH="$PWD" "$VLLM_PY" -m pytest -q -p no:cacheprovider -p no:randomly -m vllm tests/unit/rl/test_vllm_engine.py "$@"

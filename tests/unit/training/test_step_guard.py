@@ -100,13 +100,13 @@ def test_grpo_update_skips_non_finite_updates():
     samples[0].advantage = float("inf")
     before = copy.deepcopy(policy.state_dict())
     grpo = _step(policy, lambda s: 1.0, mini_batches=1)
-    grpo.guard.max_consecutive = 2
-    upd = grpo._update(0, samples, samples[0])
-    assert grpo.guard.skipped == 1 and not math.isfinite(upd["grad_norms"][0])
+    grpo.policy.guard.max_consecutive = 2
+    upd = grpo.policy.update(0, samples, samples[0])
+    assert grpo.policy.guard.skipped == 1 and not math.isfinite(upd.grad_norms[0])
     for k, v in policy.state_dict().items():
         torch.testing.assert_close(v, before[k])  # untouched
     with pytest.raises(NonFiniteStepError):
-        grpo._update(1, samples, samples[0])
+        grpo.policy.update(1, samples, samples[0])
 
 
 def test_guard_resets_on_a_finite_step_and_zero_never_stops():

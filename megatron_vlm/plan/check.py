@@ -29,6 +29,7 @@ from megatron_vlm.inference.kv_budget import rollout_prompts_for_budget
 from megatron_vlm.parallel.tensor_parallel import TPError, check_tp_divides
 from megatron_vlm.plan.memory import GiB, ceil_div, estimate_memory, gib, model_shape
 from megatron_vlm.rl.asynchronous.allocation import parse_allocation
+from megatron_vlm.rl.prompts.lengths import check_generation_budget
 from megatron_vlm.training.stages import stage_overrides
 
 __all__ = ["run_check", "CheckFailed"]
@@ -168,10 +169,7 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     rollout_prompts, group = 0, 0
     if cfg.train.mode == "grpo":
         rl = cfg.rl
-        budget = max(rl.rollout.max_new_tokens, rl.eval.max_new_tokens or 0)
-        if budget >= tokens:
-            raise CheckFailed("data.max_tokens_per_pack", f"{tokens} leaves no room for a prompt before "
-                                                          f"{budget} generated tokens (rl.rollout.max_new_tokens)")
+        check_generation_budget(cfg.data, rl)  # the run's own check (rl/prompts/lengths.py): the same key and line
         per_rank = ceil_div(rl.batch.prompts_per_step, rollout_ranks or world_size // tp)
         group = rl.batch.group_size
         if rollout_ranks:

@@ -30,6 +30,7 @@ from megatron_vlm.parallel.collectives import any_rank, barrier
 from megatron_vlm.parallel.precision import compute_dtype
 from megatron_vlm.rl.config import RLConfig
 from megatron_vlm.rl.grpo_step import GRPOStep
+from megatron_vlm.rl.prompts.data_state import grpo_data_state, grpo_data_state_refusal
 from megatron_vlm.rl.prompts.dataset import prompt_batches
 from megatron_vlm.rl.prompts.encoder import PromptEncoder
 from megatron_vlm.rl.prompts.lengths import drop_unusable_prompts
@@ -180,11 +181,16 @@ class GRPOLoopStep:
         self._batches: Optional[Iterator[list[int]]] = None
 
     def load_data_state(self, state: dict, step: int) -> None:  # noqa: ARG002 (the order is a function of the step)
-        if state.get("seed", self.seed) != self.seed or state.get("num_prompts", len(self.train_set)) != len(self.train_set):
-            log.warning("resuming with a different seed or prompt set than the checkpoint's (%s): the prompt order differs", state)
+        refusal = grpo_data_state_refusal(state, **self._order())
+        if refusal:  # another prompt set / seed / step size: exit 2 naming the key (rl/prompts/data_state.py)
+            raise ConfigError(refusal)
 
     def data_state(self, step: int) -> dict:
-        return {"next_step": step, "seed": self.seed, "num_prompts": len(self.train_set)}
+        return grpo_data_state(step, **self._order())
+
+    def _order(self) -> dict:
+        """What the prompt order is a function of (with the step)."""
+        return {"seed": self.seed, "num_prompts": len(self.train_set), "prompts_per_step": self.rl.batch.prompts_per_step}
 
     def train_step(self, step: int, *, log: bool) -> dict[str, float]:
         if self._batches is None:

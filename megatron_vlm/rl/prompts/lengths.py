@@ -31,16 +31,44 @@ from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.lengths import compute_lengths
 from megatron_vlm.data.media import MediaLimits
 from megatron_vlm.errors import ConfigError
+from megatron_vlm.rl.config import RLRolloutConfig
 from megatron_vlm.rl.prompts.dataset import PromptDataset
 from megatron_vlm.rl.prompts.sets import PromptSets
 
-__all__ = ["prompt_token_budget", "drop_unusable_prompts"]
+__all__ = ["check_generation_budget", "prompt_token_budget", "drop_unusable_prompts"]
 
 log = logging.getLogger("megatron_vlm")
 
 
+_DEFAULT_ROLLOUT_TOKENS = RLRolloutConfig.max_new_tokens
+"""`rl.rollout.max_new_tokens` when not set: left at it, the pack size is the key to change."""
+
+
+def check_generation_budget(data_cfg: Any, rl_cfg: Any) -> None:
+    """ConfigError (exit 2, one line) when the generation budget leaves no room for a prompt in
+    `data.max_tokens_per_pack`; the one check of both `--check` (plan/check.py) and the run (below).
+
+    It names the key to change: the generation key that sets the budget (`rl.eval.max_new_tokens` when it is
+    the larger), or `data.max_tokens_per_pack` when the budget is `rl.rollout.max_new_tokens`' default."""
+    eval_tokens = getattr(getattr(rl_cfg, "eval", None), "max_new_tokens", 0) or 0
+    rollout_tokens = rl_cfg.rollout.max_new_tokens
+    key, generated = (("rl.eval.max_new_tokens", eval_tokens) if eval_tokens > rollout_tokens
+                      else ("rl.rollout.max_new_tokens", rollout_tokens))
+    pack = data_cfg.max_tokens_per_pack
+    if generated < pack:
+        return
+    if key == "rl.rollout.max_new_tokens" and generated == _DEFAULT_ROLLOUT_TOKENS:
+        raise ConfigError(f"data.max_tokens_per_pack: {pack} leaves no room for a prompt before {key} = {generated} "
+                          f"generated tokens; raise it above the longest prompt + {generated}, or lower {key}")
+    raise ConfigError(f"{key}: {generated} generated tokens leave no room for a prompt in data.max_tokens_per_pack = "
+                      f"{pack} tokens per sequence; set it below {pack} minus the longest prompt, "
+                      f"or raise data.max_tokens_per_pack")
+
+
 def prompt_token_budget(data_cfg: Any, rl_cfg: Any) -> int:
-    """Most prompt tokens a rollout (training or held-out evaluation) leaves room for."""
+    """Most prompt tokens a rollout (training or held-out evaluation) leaves room for (> 0: ConfigError
+    from `check_generation_budget` otherwise)."""
+    check_generation_budget(data_cfg, rl_cfg)
     eval_cfg = getattr(rl_cfg, "eval", None)
     generated = max(rl_cfg.rollout.max_new_tokens, getattr(eval_cfg, "max_new_tokens", 0) or 0)
     return data_cfg.max_tokens_per_pack - generated

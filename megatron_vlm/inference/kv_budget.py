@@ -24,7 +24,8 @@ def kv_elements_per_slot(model: nn.Module) -> int:
     for m in decoder.modules():  # Attention modules, or megatron-core layers (models/mcore/layer.py) answering for theirs
         local_heads = getattr(m, "local_heads", None)
         if callable(local_heads):
-            total += 2 * local_heads()[1] * int(m.head_dim)
+            head_dim = getattr(m, "head_dim")  # noqa: B009 - not declared on nn.Module (mypy reads it as a Tensor / Module)
+            total += 2 * local_heads()[1] * int(head_dim)
     return total
 
 

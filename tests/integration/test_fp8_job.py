@@ -90,6 +90,7 @@ def test_fp8_job_close_to_bf16_resumes_and_exports_high_precision(tmp_path, asse
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.heavy  # kept out of CI's run for its time budget; the unit tests cover the logic
 def test_fp8_rowwise_job_close_to_bf16(tmp_path, assets, bf16_run):
     out = tmp_path / "rowwise"
     r = run_job(small_demo_overrides(out, assets, **COMMON, **_fp8("rowwise"), **{"checkpoint.export_hf": "false"}))

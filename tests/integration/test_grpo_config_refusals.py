@@ -35,6 +35,7 @@ def test_generation_budget_beyond_the_pack_names_the_key_in_the_run_and_in_check
     assert code == 2 and err.getvalue().strip() == f"check failed: {BUDGET_LINE}", err.getvalue()
 
 
+@pytest.mark.heavy  # kept out of CI's run for its time budget; the unit tests cover the logic
 def test_resume_with_another_prompt_set_names_the_key(tmp_path):
     assets, out = tmp_path / "assets", tmp_path / "out"
     one_step = {"train.max_steps": "1", "checkpoint.every_steps": "1",

@@ -29,6 +29,7 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
+from typing import Optional
 
 from megatron_vlm.config import load_config_dict, save_config
 from megatron_vlm.config.loader import ConfigError, to_dict
@@ -46,21 +47,32 @@ from megatron_vlm.rl.asynchronous.rollout_rank import run_rollout_rank
 from megatron_vlm.rl.asynchronous.trainer import AsyncGRPOLoopStep
 from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.trainer import GRPOLoopStep, build_grpo_parts, check_grpo_config, grpo_total_steps
-from megatron_vlm.training.checkpointing import Checkpointer
+from megatron_vlm.training.checkpointing import Checkpointer, ResumePoint
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.dpo.build import build_pair_loaders, build_reference, dpo_section
 from megatron_vlm.training.dpo.step import DPOEvaluator, DPOStep
-from megatron_vlm.training.loggers import build_metrics_logger
+from megatron_vlm.training.loggers import MetricsLogger, build_metrics_logger
 from megatron_vlm.training.loop import run_loop
 from megatron_vlm.training.lora import LoRASetupError
-from megatron_vlm.training.model_bundle import build_model_bundle
-from megatron_vlm.training.optim import build_optim_state, total_steps
+from megatron_vlm.training.model_bundle import ModelBundle, build_model_bundle
+from megatron_vlm.training.optim import OptimState, build_optim_state, total_steps
 from megatron_vlm.training.sft import SFTStep, build_train_loader, prepare_sft_data, steps_per_epoch
 from megatron_vlm.training.stages import stage_overrides
 
 __all__ = ["run_sft", "run_grpo", "run_dpo", "run_stages", "run_eval", "run_kind"]
 
 log = logging.getLogger("megatron_vlm")
+
+
+def _training_state(ctx: RunContext, bundle: ModelBundle, num_steps: int,
+                    ) -> tuple[OptimState, Checkpointer, Optional[ResumePoint], MetricsLogger]:
+    """(optimizer state, checkpointer, resume point or None, metrics logger): the set-up every training kind
+    does in this order once its run length is known (the resume restores the optimizer built just before)."""
+    optim = build_optim_state(bundle.wrapper, ctx.cfg, ctx.device.type, num_steps)
+    checkpointer = Checkpointer(ctx, bundle.wrapper, optim)
+    resume = checkpointer.resume()
+    metrics = build_metrics_logger(ctx, num_steps, to_dict(ctx.cfg))
+    return optim, checkpointer, resume, metrics
 
 
 def run_sft(ctx: RunContext, *, before_step=None) -> int:
@@ -71,12 +83,8 @@ def run_sft(ctx: RunContext, *, before_step=None) -> int:
     loader = build_train_loader(ctx, bundle, bad_records)
     evaluate = SFTEvaluator(ctx, bundle, bad_records)
     evaluate.prepare()  # an unusable eval split stops the job here, not at its first evaluation
-    per_epoch = steps_per_epoch(loader, bundle.dims.dp_size, cfg.train.micro_batches_per_step)
-    num_steps = total_steps(cfg.train, per_epoch)
-    optim = build_optim_state(bundle.wrapper, cfg, ctx.device.type, num_steps)
-    checkpointer = Checkpointer(ctx, bundle.wrapper, optim)
-    resume = checkpointer.resume()
-    metrics = build_metrics_logger(ctx, num_steps, to_dict(ctx.cfg))
+    num_steps = total_steps(cfg.train, steps_per_epoch(loader, bundle.dims.dp_size, cfg.train.micro_batches_per_step))
+    optim, checkpointer, resume, metrics = _training_state(ctx, bundle, num_steps)
     step = SFTStep(ctx, bundle, optim, metrics, loader, total_steps=num_steps, bad_records=bad_records,
                    evaluate=evaluate)
     code = run_loop(ctx, step, total_steps=num_steps, checkpointer=checkpointer, metrics=metrics,
@@ -93,12 +101,8 @@ def run_dpo(ctx: RunContext, *, before_step=None) -> int:
     check_moe_section(cfg, bundle.model)
     loader, eval_loader = build_pair_loaders(ctx, bundle, bad_records)
     reference = build_reference(ctx, bundle, dpo, loader, eval_loader)  # before resume: the initial weights
-    per_epoch = steps_per_epoch(loader, bundle.dims.dp_size, cfg.train.micro_batches_per_step)
-    num_steps = total_steps(cfg.train, per_epoch)
-    optim = build_optim_state(bundle.wrapper, cfg, ctx.device.type, num_steps)
-    checkpointer = Checkpointer(ctx, bundle.wrapper, optim)
-    resume = checkpointer.resume()
-    metrics = build_metrics_logger(ctx, num_steps, to_dict(ctx.cfg))
+    num_steps = total_steps(cfg.train, steps_per_epoch(loader, bundle.dims.dp_size, cfg.train.micro_batches_per_step))
+    optim, checkpointer, resume, metrics = _training_state(ctx, bundle, num_steps)
     evaluate = DPOEvaluator(ctx, bundle, dpo, reference, eval_loader, max_batches=cfg.train.eval_max_batches)
     step = DPOStep(ctx, bundle, optim, metrics, loader, dpo=dpo, reference=reference, bad_records=bad_records,
                    evaluate=evaluate)
@@ -121,10 +125,7 @@ def run_grpo(ctx: RunContext, *, before_step=None) -> int:
     rl = cfg.rl
     try:
         num_steps = grpo_total_steps(cfg.train, rl, len(parts.sets.train))
-        optim = build_optim_state(bundle.wrapper, cfg, ctx.device.type, num_steps)
-        checkpointer = Checkpointer(ctx, bundle.wrapper, optim)
-        resume = checkpointer.resume()
-        metrics = build_metrics_logger(ctx, num_steps, to_dict(ctx.cfg))
+        optim, checkpointer, resume, metrics = _training_state(ctx, bundle, num_steps)
         grpo = GRPOStep(ctx, bundle, optim, rl, parts.engine, parts.encoder, parts.manager, parts.reference, metrics=metrics)
         evaluate = GRPOEvaluator(ctx, bundle.wrapper, rl, parts.engine, parts.encoder, parts.manager, parts.sets.eval,
                                  dims=bundle.dims)

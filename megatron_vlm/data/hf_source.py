@@ -30,7 +30,8 @@ from megatron_vlm.data.data_files import HF_SUFFIXES, DataFileError
 from megatron_vlm.data.messages import Record, normalize_messages, resolve_path
 from megatron_vlm.data.table_rows import TableRows
 
-__all__ = ["HFRecords", "record_from_columns", "check_columns"]
+__all__ = ["HFRecords", "TableRecordSource", "record_from_columns", "check_columns", "check_file_columns",
+           "check_media_items", "fill_image_items"]
 
 
 def _as_list(value: Any) -> list:
@@ -49,10 +50,35 @@ def _resolver(root: Path):
     return resolve
 
 
+def check_media_items(messages: list[dict]) -> None:
+    """BadRecordError "invalid_record" for an image / video item of normalised `messages` that has no data."""
+    for m in messages:
+        if not isinstance(m["content"], str):
+            for it in m["content"]:
+                if it["type"] in ("image", "video") and it[it["type"]] is None:
+                    raise BadRecordError("invalid_record", f"an {it['type']} item has no data")
+
+
+def fill_image_items(empty: list[dict], images: list, where: str, column: Any) -> None:
+    """Give the image items without data (`empty`, found in `where`) the row's `images` (from `column`) in
+    order; BadRecordError "placeholder_mismatch" unless there are as many of each (SFT records and preference
+    prompts place a row's images the same way)."""
+    if len(empty) != len(images):
+        raise BadRecordError("placeholder_mismatch", f"{len(empty)} image items in {where} but {len(images)} "
+                                                     f"images in column {column!r}")
+    for it, ref in zip(empty, images):
+        it["image"] = ref
+
+
 def check_columns(rows: TableRows, columns: dict[str, str]) -> None:
     """ValueError unless the mapping is usable and DataFileError unless every file (with rows) has the mapped columns."""
     if "messages" not in columns and not {"prompt", "answer"} <= set(columns):
         raise ValueError(f"{rows.name}: columns needs 'messages' or both 'prompt' and 'answer', got {sorted(columns)}")
+    check_file_columns(rows, columns)
+
+
+def check_file_columns(rows: TableRows, columns: dict[str, str]) -> None:
+    """DataFileError unless every file (with rows) has the columns the mapping names."""
     for file in rows.files:
         have = rows.columns(file)
         missing = sorted(c for c in columns.values() if c not in have)
@@ -79,11 +105,7 @@ def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, sourc
         empty = [it for m in messages if not isinstance(m["content"], str)
                  for it in m["content"] if it["type"] == "image" and it["image"] is None]
         if empty:
-            if len(empty) != len(images):
-                raise BadRecordError("placeholder_mismatch", f"{len(empty)} image items in column "
-                                     f"{c['messages']!r} but {len(images)} images in column {c.get('images')!r}")
-            for it, ref in zip(empty, images):
-                it["image"] = ref
+            fill_image_items(empty, images, f"column {c['messages']!r}", c.get("images"))
     else:
         prompt = row.get(c["prompt"])
         answer = row.get(c["answer"])
@@ -113,25 +135,21 @@ def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, sourc
     meta = {k: v for k, v in row.items() if k not in mapped and isinstance(v, (str, int, float, bool))}
     if "answer" in c:
         meta.setdefault("answer", str(row.get(c["answer"])))
-    for m in messages:
-        if not isinstance(m["content"], str):
-            for it in m["content"]:
-                if it["type"] in ("image", "video") and it[it["type"]] is None:
-                    raise BadRecordError("invalid_record", f"an {it['type']} item has no data")
+    check_media_items(messages)
     return Record(messages, source, index, meta)
 
 
-class HFRecords:
-    """Rows of local dataset files as `Record`s; `get(i)` raises BadRecordError for a bad row.
+class TableRecordSource:
+    """Rows of local dataset files under a column mapping: the reading, locating and identity that the SFT
+    records here and the preference pairs (data/preference_records.py) share; a subclass's `get` turns
+    the row that `_row` gives into its record."""
 
-    Malformed JSON lines are not rows: they go to `bad_records` when the files are opened."""
-
-    def __init__(self, path: str | os.PathLike, columns: dict[str, str], *, image_root: str | None = None,
-                 cache_dir: Optional[str] = None, bad_records: Optional[BadRecordLog] = None):
+    def __init__(self, path: str | os.PathLike, columns: dict[str, str], *, suffixes: tuple[str, ...],
+                 image_root: Optional[str] = None, cache_dir: Optional[str] = None,
+                 bad_records: Optional[BadRecordLog] = None):
         self.name = str(path)
         self.columns = dict(columns)
-        self.rows = TableRows(path, suffixes=HF_SUFFIXES, bad_records=bad_records, cache_dir=cache_dir)
-        check_columns(self.rows, self.columns)
+        self.rows = TableRows(path, suffixes=suffixes, bad_records=bad_records, cache_dir=cache_dir)
         self.image_root = Path(image_root) if image_root else None
 
     def __len__(self) -> int:
@@ -143,7 +161,24 @@ class HFRecords:
     def identity(self) -> dict:
         return {"files": self.rows.identity(), "columns": self.columns}
 
-    def get(self, i: int) -> Record:
+    def _row(self, i: int) -> tuple[dict, Path, str, int]:
+        """(row i, the folder its relative image paths resolve against, its file, its row in that file)."""
         source, index = self.rows.locate(i)
         root = self.image_root or Path(source).resolve().parent
-        return record_from_columns(self.rows.row(i), self.columns, root=root, source=source, index=index)
+        return self.rows.row(i), root, source, index
+
+
+class HFRecords(TableRecordSource):
+    """Rows of local dataset files as `Record`s; `get(i)` raises BadRecordError for a bad row.
+
+    Malformed JSON lines are not rows: they go to `bad_records` when the files are opened."""
+
+    def __init__(self, path: str | os.PathLike, columns: dict[str, str], *, image_root: str | None = None,
+                 cache_dir: Optional[str] = None, bad_records: Optional[BadRecordLog] = None):
+        super().__init__(path, columns, suffixes=HF_SUFFIXES, image_root=image_root, cache_dir=cache_dir,
+                         bad_records=bad_records)
+        check_columns(self.rows, self.columns)
+
+    def get(self, i: int) -> Record:
+        row, root, source, index = self._row(i)
+        return record_from_columns(row, self.columns, root=root, source=source, index=index)

@@ -28,15 +28,20 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
-from megatron_vlm.data.data_files import HF_SUFFIXES, MESSAGES_SUFFIXES, DataFileError
-from megatron_vlm.data.hf_source import _resolver
+from megatron_vlm.data.data_files import HF_SUFFIXES, MESSAGES_SUFFIXES
+from megatron_vlm.data.hf_source import (
+    TableRecordSource,
+    _as_list,
+    _resolver,
+    check_file_columns,
+    check_media_items,
+    fill_image_items,
+)
 from megatron_vlm.data.messages import Record, normalize_messages
 from megatron_vlm.data.synthetic_vqa import ANSWERS
-from megatron_vlm.data.table_rows import TableRows
 
 __all__ = ["PreferenceRecord", "preference_from_row", "PreferenceRows", "SyntheticPreferencePairs", "ResponseHalves",
            "JSONL_COLUMNS"]
@@ -61,19 +66,9 @@ class PreferenceRecord:
         out = []
         for text in (self.chosen, self.rejected):
             messages = normalize_messages([*self.prompt, {"role": "assistant", "content": text}])
-            for m in messages:
-                if not isinstance(m["content"], str):
-                    for it in m["content"]:
-                        if it["type"] in ("image", "video") and it[it["type"]] is None:
-                            raise BadRecordError("invalid_record", f"an {it['type']} item has no data")
+            check_media_items(messages)
             out.append(Record(messages, self.source, self.index, dict(self.meta)))
         return out[0], out[1]
-
-
-def _as_list(value: Any) -> list:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _maybe_json(value: Any, name: str) -> Any:
@@ -128,11 +123,7 @@ def _fill_images(prompt: list[dict], images: list, name: str) -> list[dict]:
             empty += [it for it in m["content"] if isinstance(it, dict) and it.get("type") == "image"
                       and it.get("image") is None and it.get("image_url") is None and it.get("path") is None]
     if empty:
-        if len(empty) != len(images):
-            raise BadRecordError("placeholder_mismatch", f"{len(empty)} image items in the prompt but {len(images)} "
-                                                         f"images in column {name!r}")
-        for it, ref in zip(empty, images):
-            it["image"] = ref
+        fill_image_items(empty, images, "the prompt", name)
     elif images:
         raise BadRecordError("placeholder_mismatch", f"{len(images)} images in column {name!r} but the prompt "
                                                      "messages have no image item to place them")
@@ -186,35 +177,19 @@ def preference_from_row(row: dict, columns: dict[str, str], *, resolve, source: 
     return rec
 
 
-class PreferenceRows:
+class PreferenceRows(TableRecordSource):
     """Preference pairs of local files (`[data] type = "messages_jsonl"` or "hf"); `get(i)` may raise BadRecordError."""
 
     def __init__(self, path: str, columns: Optional[dict[str, str]] = None, *, jsonl: bool, image_root: Optional[str] = None,
                  bad_records: Optional[BadRecordLog] = None):
-        self.name = str(path)
-        self.columns = dict(columns) if columns else dict(JSONL_COLUMNS)
-        self.rows = TableRows(path, suffixes=MESSAGES_SUFFIXES if jsonl else HF_SUFFIXES, bad_records=bad_records)
+        super().__init__(path, columns if columns else JSONL_COLUMNS, suffixes=MESSAGES_SUFFIXES if jsonl else HF_SUFFIXES,
+                         image_root=image_root, bad_records=bad_records)
         if not jsonl:
-            for file in self.rows.files:
-                have = self.rows.columns(file)
-                missing = sorted(col for col in self.columns.values() if col not in have)
-                if have and missing:
-                    raise DataFileError(f"{file}: columns {missing} not in the dataset (has {have})")
-        self.image_root = Path(image_root) if image_root else None
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def locate(self, i: int) -> tuple[str, int]:
-        return self.rows.locate(i)
-
-    def identity(self) -> dict:
-        return {"files": self.rows.identity(), "columns": self.columns}
+            check_file_columns(self.rows, self.columns)
 
     def get(self, i: int) -> PreferenceRecord:
-        source, index = self.rows.locate(i)
-        root = self.image_root or Path(source).resolve().parent
-        return preference_from_row(self.rows.row(i), self.columns, resolve=_resolver(root), source=source, index=index)
+        row, root, source, index = self._row(i)
+        return preference_from_row(row, self.columns, resolve=_resolver(root), source=source, index=index)
 
 
 class SyntheticPreferencePairs:

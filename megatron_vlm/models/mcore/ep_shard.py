@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from megatron_vlm.models.mcore.tp_shard import mcore_size_of
+from megatron_vlm.models.mcore.tp_shard import check_saved_mcore_size, mcore_size_of
 from megatron_vlm.parallel.tensor_parallel import _contiguous_stride
 
 __all__ = ["expert_index", "shard_expert_state", "unshard_expert_state", "global_to_full_experts",
@@ -141,11 +141,4 @@ def mcore_ep_of(model: nn.Module) -> Optional[int]:
 def check_saved_mcore_ep(extra: Mapping, ep: Optional[int]) -> None:
     """Refuse a checkpoint whose megatron-core expert weights were saved under another ep size (their global
     rows are laid out per ep rank); without the record it was saved with ep = 1."""
-    if ep is None:
-        return
-    saved = int(extra.get("mcore_ep", 1))
-    if saved != ep:
-        raise ValueError(f"this checkpoint's megatron-core MoE layers were saved with parallel.ep = {saved}; with "
-                         f"parallel.backend = 'mcore' a checkpoint resumes with the same parallel.ep (now {ep}): "
-                         f"their expert weights are stored per ep rank. Resume with parallel.ep = {saved}, or start "
-                         "from the run's Hugging Face export")
+    check_saved_mcore_size(extra, "ep", ep, layers="MoE layers", stored="expert weights")

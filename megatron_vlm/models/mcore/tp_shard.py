@@ -39,7 +39,7 @@ from megatron_vlm.parallel.expert_parallel import _ReduceGradOverReplicas
 from megatron_vlm.parallel.tensor_parallel import _contiguous_stride
 
 __all__ = ["SPLIT_DIM", "split_dim", "shard_layer_state", "unshard_layer_state", "global_to_full",
-           "distribute_layer_params", "local_params", "mcore_tp_of", "check_saved_mcore_tp"]
+           "distribute_layer_params", "local_params", "mcore_tp_of", "check_saved_mcore_tp", "check_saved_mcore_size"]
 
 SPLIT_DIM = {
     "self_attention.linear_qkv.weight": 0,
@@ -183,15 +183,21 @@ def mcore_tp_of(model: nn.Module) -> Optional[int]:
     return mcore_size_of(model, "tp")
 
 
+def check_saved_mcore_size(extra: Mapping, dim: str, size: Optional[int], *, layers: str, stored: str) -> None:
+    """Refuse a checkpoint whose megatron-core `layers` were saved under another `dim` ("tp" / "ep") size
+    (their `stored` are laid out per rank of it); without the `mcore_<dim>` record it was saved with size 1."""
+    if size is None:
+        return
+    saved = int(extra.get(f"mcore_{dim}", 1))
+    if saved != size:
+        raise ValueError(f"this checkpoint's megatron-core {layers} were saved with parallel.{dim} = {saved}; with "
+                         f"parallel.backend = 'mcore' a checkpoint resumes with the same parallel.{dim} (now {size}): "
+                         f"their {stored} are stored per {dim} rank. Resume with parallel.{dim} = {saved}, or start "
+                         "from the run's Hugging Face export")
+
+
 def check_saved_mcore_tp(extra: Mapping, tp: Optional[int]) -> None:
     """Refuse a checkpoint whose megatron-core layers were saved under another tp size (their fc1 rows are
     laid out per tp rank); a checkpoint without the record was saved with tp = 1 (or by the native backend,
     whose parameter names do not match anyway)."""
-    if tp is None:
-        return
-    saved = int(extra.get("mcore_tp", 1))
-    if saved != tp:
-        raise ValueError(f"this checkpoint's megatron-core layers were saved with parallel.tp = {saved}; with "
-                         f"parallel.backend = 'mcore' a checkpoint resumes with the same parallel.tp (now {tp}): "
-                         "their linear_fc1 rows are stored per tp rank. Resume with parallel.tp = "
-                         f"{saved}, or start from the run's Hugging Face export")
+    check_saved_mcore_size(extra, "tp", tp, layers="layers", stored="linear_fc1 rows")

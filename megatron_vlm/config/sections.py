@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from megatron_vlm.table_checks import above, at_least
+
 
 @dataclass(kw_only=True)
 class ModelConfig:
@@ -78,10 +80,8 @@ class TrainConfig:
             raise ValueError(f"epochs: must be > 0, got {self.epochs}")
         # "set max_steps or epochs" is checked by config.Config.validate: an evaluation job has no
         # length and [[stages]] may give each stage its own
-        if self.micro_batches_per_step <= 0:
-            raise ValueError(f"micro_batches_per_step: must be > 0, got {self.micro_batches_per_step}")
-        if self.max_grad_norm < 0:
-            raise ValueError(f"max_grad_norm: must be >= 0, got {self.max_grad_norm}")
+        above(self, 0, "micro_batches_per_step")
+        at_least(self, 0, "max_grad_norm")
         if self.eval_every < 0 or self.log_every <= 0:
             raise ValueError("eval_every/log_every: must be >= 0 / > 0")
         if self.fp8_recipe is not None and self.precision != "fp8":
@@ -104,14 +104,11 @@ class OptimizerConfig:
     """Adam epsilon."""
 
     def validate(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"lr: must be > 0, got {self.lr}")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay: must be >= 0, got {self.weight_decay}")
+        above(self, 0, "lr")
+        at_least(self, 0, "weight_decay")
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas: each must be in [0, 1), got {list(self.betas)}")
-        if self.eps <= 0:
-            raise ValueError(f"eps: must be > 0, got {self.eps}")
+        above(self, 0, "eps")
 
 
 @dataclass(kw_only=True)
@@ -127,8 +124,7 @@ class SchedulerConfig:
     """Final lr as a fraction of the peak (cosine / linear)."""
 
     def validate(self) -> None:
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
+        at_least(self, 0, "warmup_steps")
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -179,10 +175,7 @@ class ParallelConfig:
     number of decoder layers; SFT only, with data parallelism (not with tp, cp or ep > 1)."""
 
     def validate(self) -> None:
-        if self.cp < 1:
-            raise ValueError(f"cp: must be >= 1, got {self.cp}")
-        if self.pp < 1:
-            raise ValueError(f"pp: must be >= 1, got {self.pp}")
+        at_least(self, 1, "cp", "pp")
         for key in ("tp", "cp", "ep"):
             if self.pp > 1 and getattr(self, key) > 1:
                 raise ValueError(f"pp: pipeline parallelism (pp = {self.pp}) composes with data parallelism only; "
@@ -190,12 +183,8 @@ class ParallelConfig:
         if self.cp > 1 and self.ep > 1:
             raise ValueError(f"cp: context parallelism (cp = {self.cp}) with expert parallelism (ep = {self.ep}) "
                              "is not supported; set one of them to 1")
-        if self.tp < 1:
-            raise ValueError(f"tp: must be >= 1, got {self.tp}")
-        if self.ep < 1:
-            raise ValueError(f"ep: must be >= 1, got {self.ep}")
-        if self.dp_replicate <= 0:
-            raise ValueError(f"dp_replicate: must be > 0, got {self.dp_replicate}")
+        at_least(self, 1, "tp", "ep")
+        above(self, 0, "dp_replicate")
         if self.dp_shard == 0 or self.dp_shard < -1:
             raise ValueError(f"dp_shard: must be -1 or > 0, got {self.dp_shard}")
         if self.backend == "mcore" and self.compile:
@@ -218,10 +207,7 @@ class CheckpointConfig:
     """At the end, export a Hugging Face folder (safetensors + config + tokenizer + processor) to output_dir/hf."""
 
     def validate(self) -> None:
-        if self.every_steps < 0:
-            raise ValueError(f"every_steps: must be >= 0, got {self.every_steps}")
-        if self.keep_last < 0:
-            raise ValueError(f"keep_last: must be >= 0, got {self.keep_last}")
+        at_least(self, 0, "every_steps", "keep_last")
 
 
 @dataclass(kw_only=True)
@@ -272,10 +258,7 @@ class LoRAConfig:
     base weights and train a new adapter (exports and the GRPO reference then include it)."""
 
     def validate(self) -> None:
-        if self.r <= 0:
-            raise ValueError(f"r: must be > 0, got {self.r}")
-        if self.alpha <= 0:
-            raise ValueError(f"alpha: must be > 0, got {self.alpha}")
+        above(self, 0, "r", "alpha")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout: must be in [0, 1), got {self.dropout}")
         if self.init_from_mode != "continue" and not self.init_from:

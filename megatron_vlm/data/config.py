@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from megatron_vlm.table_checks import above, at_least
+
 __all__ = ["DataConfig", "DEFAULT_MAX_IMAGE_PIXELS", "DEFAULT_MAX_VIDEO_PIXELS", "DEFAULT_VIDEO_DECODE_TIMEOUT_S"]
 
 DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192
@@ -117,27 +119,15 @@ class DataConfig:
         if self.video_min_pixels and self.video_max_pixels and self.video_min_pixels > self.video_max_pixels:
             raise ValueError(
                 f"video_min_pixels: {self.video_min_pixels} is larger than video_max_pixels {self.video_max_pixels}")
-        if self.max_frames <= 0:
-            raise ValueError(f"max_frames: must be > 0, got {self.max_frames}")
-        if self.fps <= 0:
-            raise ValueError(f"fps: must be > 0, got {self.fps}")
-        for name in ("max_image_pixels", "max_video_pixels", "video_decode_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        above(self, 0, "max_frames", "fps", "max_image_pixels", "max_video_pixels", "video_decode_timeout_s")
         if self.loader_timeout_s < 0:
             raise ValueError(f"loader_timeout_s: must be >= 0 (0 = no timeout), got {self.loader_timeout_s}")
         if 0 < self.loader_timeout_s < self.video_decode_timeout_s:
             raise ValueError(f"loader_timeout_s: {self.loader_timeout_s} is shorter than video_decode_timeout_s "
                              f"{self.video_decode_timeout_s}; one slow video would stop the run instead of being skipped")
-        if self.max_tokens_per_pack < 16:
-            raise ValueError(f"max_tokens_per_pack: must be >= 16, got {self.max_tokens_per_pack}")
-        if self.num_workers < 0:
-            raise ValueError(f"num_workers: must be >= 0, got {self.num_workers}")
-        if self.prefetch_factor <= 0:
-            raise ValueError(f"prefetch_factor: must be > 0, got {self.prefetch_factor}")
-        if self.synthetic_train_size <= 0:
-            raise ValueError(f"synthetic_train_size: must be > 0, got {self.synthetic_train_size}")
-        if self.synthetic_eval_size < 0:
-            raise ValueError(f"synthetic_eval_size: must be >= 0, got {self.synthetic_eval_size}")
+        at_least(self, 16, "max_tokens_per_pack")
+        at_least(self, 0, "num_workers")
+        above(self, 0, "prefetch_factor", "synthetic_train_size")
+        at_least(self, 0, "synthetic_eval_size")
         if self.synthetic_image_size < 28 or self.synthetic_image_size % 28:
             raise ValueError(f"synthetic_image_size: must be a positive multiple of 28, got {self.synthetic_image_size}")

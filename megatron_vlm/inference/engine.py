@@ -32,6 +32,8 @@ from typing import Literal, Optional
 
 import torch
 
+from megatron_vlm.table_checks import at_least
+
 __all__ = ["SamplingParams", "RolloutPrompt", "RolloutSample", "RolloutResult", "RolloutEngine"]
 
 FinishReason = Literal["eos", "stop", "length", "interrupted"]
@@ -53,16 +55,11 @@ class SamplingParams:
     """Stop strings: a completion ends with the token that completes the first occurrence of any."""
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
-        if self.n < 1:
-            raise ValueError(f"n: must be >= 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        at_least(self, 1, "max_new_tokens", "n")
+        at_least(self, 0, "temperature")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k: must be >= 0, got {self.top_k}")
+        at_least(self, 0, "top_k")
         if any(not s for s in self.stop):
             raise ValueError("stop: stop strings must not be empty")
         object.__setattr__(self, "stop", tuple(self.stop))

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from megatron_vlm.models.common.moe import MoE, moe_layers
+from megatron_vlm.table_checks import at_least
 
 
 @dataclass(kw_only=True)
@@ -42,12 +43,7 @@ class MoEConfig:
     """Weight of the optional Switch-style auxiliary balance loss added to the training loss (0 = off)."""
 
     def validate(self) -> None:
-        if self.bias_update_rate < 0:
-            raise ValueError(f"bias_update_rate: must be >= 0, got {self.bias_update_rate}")
-        if self.n_step_per_workload_report < 0:
-            raise ValueError(f"n_step_per_workload_report: must be >= 0, got {self.n_step_per_workload_report}")
-        if self.aux_loss_coef < 0:
-            raise ValueError(f"aux_loss_coef: must be >= 0, got {self.aux_loss_coef}")
+        at_least(self, 0, "bias_update_rate", "n_step_per_workload_report", "aux_loss_coef")
 
 
 def switch_aux_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int) -> torch.Tensor:

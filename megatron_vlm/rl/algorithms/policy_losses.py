@@ -28,6 +28,7 @@ from megatron_vlm.rl.algorithms.loss_terms import (
     segments,
 )
 from megatron_vlm.rl.algorithms.registry import Registry
+from megatron_vlm.table_checks import at_least
 
 __all__ = ["POLICY_LOSSES", "PolicyLossFn", "PolicyTerms", "PolicyLossSpec", "PolicyLossOutput", "compute_policy_loss"]
 
@@ -141,10 +142,7 @@ class PolicyLossSpec:
         if self.clip_ratio_low < 0 or self.clip_ratio_low >= 1 or self.clip_ratio_high < 0:
             raise ValueError(f"clip ratios: need 0 <= low < 1 and high >= 0, got low={self.clip_ratio_low}, "
                              f"high={self.clip_ratio_high}")
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef: must be >= 0, got {self.kl_coef}")
-        if self.entropy_coef < 0:
-            raise ValueError(f"entropy_coef: must be >= 0, got {self.entropy_coef}")
+        at_least(self, 0, "kl_coef", "entropy_coef")
         if self.loss_agg not in LOSS_AGGS:
             raise ValueError(f"loss_agg: must be one of {LOSS_AGGS}, got {self.loss_agg!r}")
         if self.rollout_correction not in ROLLOUT_CORRECTIONS:

@@ -15,17 +15,36 @@ not trained, see `shifted_labels`). Bookkeeping that never reaches the model: `n
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-__all__ = ["IGNORE_INDEX", "VISION_KEYS", "MODEL_INPUT_KEYS", "shifted_labels", "model_inputs"]
+__all__ = ["IGNORE_INDEX", "VISION_KEYS", "MODEL_INPUT_KEYS", "SampleInputs", "shifted_labels", "model_inputs"]
 
 IGNORE_INDEX = -100
 
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask", *VISION_KEYS, "position_ids", "cu_seqlens", "prefix_segments")
+
+
+@dataclass
+class SampleInputs:
+    """One sample's model inputs before batching: token ids with the image / video placeholders expanded and
+    the vision tensors (`VISION_KEYS`) of that sample only, None where it has none. The fields that a
+    processed training sample (data/processing.py) and a rollout prompt (inference/engine.py) share."""
+
+    input_ids: torch.Tensor
+    """[T] int64 token ids (placeholders expanded)."""
+    pixel_values: Optional[torch.Tensor] = None
+    image_grid_thw: Optional[torch.Tensor] = None
+    pixel_values_videos: Optional[torch.Tensor] = None
+    video_grid_thw: Optional[torch.Tensor] = None
+    second_per_grid_ts: Optional[torch.Tensor] = None
+
+    def __len__(self) -> int:
+        return int(self.input_ids.numel())
 
 
 def model_inputs(batch: dict) -> dict:

@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from megatron_vlm.data.bad_records import BadRecordError
-from megatron_vlm.data.batch import VISION_KEYS
+from megatron_vlm.data.batch import VISION_KEYS, SampleInputs
 from megatron_vlm.data.expansion import expand, omitted_tokens, placeholder_order, run_counts
 from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits, VideoClip, image_hw, load_image, read_video, subsample_indices
 from megatron_vlm.data.messages import Record
@@ -49,16 +49,12 @@ __all__ = [
 
 
 @dataclass
-class ProcessedSample:
-    input_ids: torch.Tensor
-    """[T] int64 token ids (placeholders expanded)."""
-    label_mask: torch.Tensor
+class ProcessedSample(SampleInputs):
+    """A record processed for training (or, `for_generation`, a prompt): its model inputs plus the label mask
+    and where it came from."""
+
+    label_mask: torch.Tensor = field(kw_only=True)
     """[T] bool: True on trained assistant tokens (not yet shifted)."""
-    pixel_values: Optional[torch.Tensor] = None
-    image_grid_thw: Optional[torch.Tensor] = None
-    pixel_values_videos: Optional[torch.Tensor] = None
-    video_grid_thw: Optional[torch.Tensor] = None
-    second_per_grid_ts: Optional[torch.Tensor] = None
     source: str = ""
     index: int = -1
     answer: Optional[str] = None
@@ -68,9 +64,6 @@ class ProcessedSample:
     images: Optional[list] = None
     """For generation prompts: the loaded RGB images, in order (what an external engine such as vLLM
     processes itself); None for training samples and text-only prompts."""
-
-    def __len__(self) -> int:
-        return int(self.input_ids.numel())
 
 
 # ---------------------------------------------------------------------- text

@@ -32,6 +32,7 @@ from typing import Literal, Optional
 
 import torch
 
+from megatron_vlm.data.batch import SampleInputs
 from megatron_vlm.table_checks import at_least
 
 __all__ = ["SamplingParams", "RolloutPrompt", "RolloutSample", "RolloutResult", "RolloutEngine"]
@@ -66,17 +67,10 @@ class SamplingParams:
 
 
 @dataclass
-class RolloutPrompt:
+class RolloutPrompt(SampleInputs):
     """One encoded prompt: token ids with the image / video placeholders expanded, and the vision
-    inputs of that prompt only (the fields of `megatron_vlm.data.processing.ProcessedSample`)."""
+    inputs of that prompt only (`SampleInputs`, as a `megatron_vlm.data.processing.ProcessedSample` has them)."""
 
-    input_ids: torch.Tensor
-    """[T] int64."""
-    pixel_values: Optional[torch.Tensor] = None
-    image_grid_thw: Optional[torch.Tensor] = None
-    pixel_values_videos: Optional[torch.Tensor] = None
-    video_grid_thw: Optional[torch.Tensor] = None
-    second_per_grid_ts: Optional[torch.Tensor] = None
     images: Optional[list] = None
     """The prompt's loaded images (PIL), for engines that process them themselves (vLLM); None: text only."""
 
@@ -88,9 +82,6 @@ class RolloutPrompt:
             pixel_values_videos=sample.pixel_values_videos, video_grid_thw=sample.video_grid_thw,
             second_per_grid_ts=sample.second_per_grid_ts, images=getattr(sample, "images", None),
         )
-
-    def __len__(self) -> int:
-        return int(self.input_ids.numel())
 
 
 @dataclass

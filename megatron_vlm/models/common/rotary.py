@@ -19,11 +19,16 @@ def rope_inv_freq(dim: int, theta: float, device=None) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
 
 
+def _rotate_half_cos_sin(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [..., 2F] of angles `freqs` [..., F], duplicated for the rotate-half layout."""
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """1-D RoPE: position_ids [...] -> cos, sin [..., head_dim] (fp32)."""
     freqs = position_ids[..., None].float() * rope_inv_freq(head_dim, theta, position_ids.device)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    return _rotate_half_cos_sin(freqs)
 
 
 def mrope_cos_sin(
@@ -56,8 +61,7 @@ def mrope_cos_sin(
     else:
         chunks = freqs.split(list(mrope_section), dim=-1)
         freqs = torch.cat([chunk[j] for j, chunk in enumerate(chunks)], dim=-1)  # [..., D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    return _rotate_half_cos_sin(freqs)
 
 
 def vision_rope_cos_sin(hw_position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,8 +76,7 @@ def vision_rope_cos_sin(hw_position_ids: torch.Tensor, head_dim: int, theta: flo
     inv_freq = rope_inv_freq(head_dim // 2, theta, hw_position_ids.device)  # [head_dim/4]
     freqs = hw_position_ids[..., None].float() * inv_freq  # [N, 2, head_dim/4]
     freqs = freqs.flatten(1)  # [N, head_dim/2]: h frequencies then w frequencies
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    return _rotate_half_cos_sin(freqs)
 
 
 def decoder_rope_cos_sin(

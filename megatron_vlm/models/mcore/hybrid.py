@@ -65,7 +65,13 @@ from megatron_vlm.models.mcore.ep_shard import distribute_expert_params, global_
 from megatron_vlm.models.mcore.errors import McoreBackendError
 from megatron_vlm.models.mcore.moe_layer import mcore_to_moe, moe_config_kwargs, moe_layer_spec, moe_to_mcore
 from megatron_vlm.models.mcore.parallel_state import ensure_parallel_state
-from megatron_vlm.models.mcore.tp_shard import distribute_layer_params, global_to_full, local_params, shard_layer_state
+from megatron_vlm.models.mcore.tp_shard import (
+    distribute_layer_params,
+    global_to_full,
+    load_local_state,
+    local_params,
+    shard_layer_state,
+)
 
 __all__ = ["McoreHybridBlock", "check_hybrid_block", "is_hybrid_block"]
 
@@ -263,17 +269,7 @@ class McoreHybridBlock(nn.Module):
             converted = shard_layer_state(converted, self.tp, self.tp_rank, gated=False)
         if self.ep > 1:
             converted = shard_expert_state(converted, self.ep, self.ep_rank)
-        own = self.mcore.state_dict()
-        if any(isinstance(v, DTensor) for v in own.values()):  # after distribute_*_params: into the local blocks
-            missing = [k for k in own if k not in converted and not k.endswith("_extra_state")]
-            unexpected = [k for k in converted if k not in own]
-            if not (missing or unexpected):
-                with torch.no_grad():
-                    for k, v in converted.items():
-                        (own[k].to_local() if isinstance(own[k], DTensor) else own[k]).copy_(v)
-        else:
-            missing, unexpected = self.mcore.load_state_dict(converted, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
+        missing, unexpected = load_local_state(self.mcore, converted)  # after distribute_*_params: into the local blocks
         if missing or unexpected:
             raise _error(f"megatron-core {self.block_type} layer: weights missing {missing}, unexpected {unexpected}")
 

@@ -107,7 +107,13 @@ from megatron_vlm.models.mcore.errors import McoreBackendError
 from megatron_vlm.models.mcore.hybrid import McoreHybridBlock, check_hybrid_block, is_hybrid_block
 from megatron_vlm.models.mcore.moe_layer import check_decoder_moe, moe_config_kwargs
 from megatron_vlm.models.mcore.parallel_state import ensure_parallel_state
-from megatron_vlm.models.mcore.tp_shard import distribute_layer_params, global_to_full, local_params, shard_layer_state
+from megatron_vlm.models.mcore.tp_shard import (
+    distribute_layer_params,
+    global_to_full,
+    load_local_state,
+    local_params,
+    shard_layer_state,
+)
 from megatron_vlm.parallel.tensor_parallel import check_tp_sizes
 
 __all__ = ["McoreDecoderLayer", "McoreBackendError", "use_mcore_layers", "native_state_dict", "check_mcore_model",
@@ -319,17 +325,7 @@ class McoreDecoderLayer(nn.Module):
         local = shard_layer_state(full, self.tp, self.tp_rank) if self.tp > 1 else full
         if self.ep > 1:
             local = shard_expert_state(local, self.ep, self.ep_rank)
-        own = self.mcore.state_dict()
-        if any(isinstance(v, DTensor) for v in own.values()):  # after distribute_layer_params: copy into the blocks
-            missing = [k for k in own if k not in local and not k.endswith("_extra_state")]
-            unexpected = [k for k in local if k not in own]
-            if not (missing or unexpected):
-                with torch.no_grad():
-                    for k, v in local.items():
-                        (own[k].to_local() if isinstance(own[k], DTensor) else own[k]).copy_(v)
-        else:
-            missing, unexpected = self.mcore.load_state_dict(local, strict=False)
-            missing = [k for k in missing if not k.endswith("_extra_state")]
+        missing, unexpected = load_local_state(self.mcore, local)  # after distribute_layer_params: into the blocks
         if missing or unexpected:
             raise McoreBackendError(f"megatron-core layer: weights missing {missing}, unexpected {unexpected}")
 

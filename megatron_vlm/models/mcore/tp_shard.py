@@ -39,7 +39,7 @@ from megatron_vlm.parallel.expert_parallel import _ReduceGradOverReplicas
 from megatron_vlm.parallel.tensor_parallel import _contiguous_stride
 
 __all__ = ["SPLIT_DIM", "split_dim", "shard_layer_state", "unshard_layer_state", "global_to_full",
-           "distribute_layer_params", "local_params", "mcore_tp_of", "check_saved_mcore_tp", "check_saved_mcore_size"]
+           "distribute_layer_params", "load_local_state", "local_params", "mcore_tp_of", "check_saved_mcore_tp", "check_saved_mcore_size"]
 
 SPLIT_DIM = {
     "self_attention.linear_qkv.weight": 0,
@@ -139,6 +139,26 @@ def distribute_layer_params(layer: nn.Module, mesh, partial_grad_prefixes: tuple
             mod.register_parameter(name, nn.Parameter(d, requires_grad=p.requires_grad))
             owners.append((mod, name, grad))
     layer._mvlm_tp_owners = owners
+
+
+def load_local_state(module: nn.Module, local: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """Load this rank's blocks `local` (converted megatron-core weights) into `module`: copied into the local
+    blocks of its DTensor parameters once they are distributed (`distribute_layer_params`), else through
+    `load_state_dict`. Returns (missing, unexpected) keys, `_extra_state` entries left out; nothing is copied
+    into DTensors unless both are empty."""
+    from torch.distributed.tensor import DTensor
+
+    own = module.state_dict()
+    if any(isinstance(v, DTensor) for v in own.values()):
+        missing = [k for k in own if k not in local and not k.endswith("_extra_state")]
+        unexpected = [k for k in local if k not in own]
+        if not (missing or unexpected):
+            with torch.no_grad():
+                for k, v in local.items():
+                    (own[k].to_local() if isinstance(own[k], DTensor) else own[k]).copy_(v)
+        return missing, unexpected
+    missing, unexpected = module.load_state_dict(local, strict=False)
+    return [k for k in missing if not k.endswith("_extra_state")], list(unexpected)
 
 
 def local_params(fn):

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from megatron_vlm.models.common.qwen_vl_config import TOKEN_ID_KEYS, given_token_ids
 from megatron_vlm.models.common.text_args import check_gqa
 from megatron_vlm.models.qwen3_vl.args import Qwen3VLVisionArgs
 
@@ -51,7 +52,6 @@ _OMNI_LEGACY = {
 # vision_config.model_type values that select the Qwen3-VL vision tower ("qwen3_vl_vision" is what
 # transformers' Qwen3VLVisionConfig writes; "qwen3_vl" is the family name used in hand-written configs)
 QWEN3_VL_VISION_TYPES = ("qwen3_vl", "qwen3_vl_vision", "qwen3_vl_moe_vision")
-_QWEN3_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
 def _float(value: Any) -> float:
@@ -292,7 +292,7 @@ class NemotronVLArgs:
                 raise ValueError(
                     f"config.json: {where} {value} != vision_config.temporal_patch_size {vision.temporal_patch_size}"
                 )
-        kw = {k: cfg[k] for k in _QWEN3_TOKEN_KEYS if cfg.get(k) is not None}
+        kw = given_token_ids(cfg)
         args = cls(text=NemotronHTextArgs.from_hf(cfg["text_config"]), vision=vision, model_type="nemotron_h_omni",
                    video_temporal_patch_size=vision.temporal_patch_size, **kw)
         args.validate()
@@ -358,7 +358,7 @@ class NemotronVLArgs:
                 "vision_config": {**self.vision.to_hf("qwen3_vl"), "video_temporal_patch_size": tp},
                 "video_temporal_patch_size": tp,
             }
-            out.update({k: getattr(self, k) for k in _QWEN3_TOKEN_KEYS if getattr(self, k) is not None})
+            out.update({k: getattr(self, k) for k in TOKEN_ID_KEYS if getattr(self, k) is not None})
             return out
         v = self.vision
         vision = {"model_type": "radio", **{f: getattr(v, f) for f in v.__dataclass_fields__}}

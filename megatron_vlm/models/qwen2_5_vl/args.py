@@ -17,6 +17,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from megatron_vlm.models.common.qwen_vl_config import (
+    check_merger_width,
+    check_mrope_section,
+    check_vit_heads,
+    given_token_ids,
+    text_sub_config,
+    vit_hf_fields,
+    vit_rope_theta,
+)
 from megatron_vlm.models.common.text_args import DECODER_FIELDS, check_swiglu_decoder, decoder_hf_fields, given_fields
 
 
@@ -57,8 +66,7 @@ class Qwen2_5_VLVisionArgs:
 
     @classmethod
     def from_hf(cls, vc: dict) -> Qwen2_5_VLVisionArgs:
-        theta = (vc.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        kw: dict[str, Any] = {"rope_theta": float(theta)}
+        kw: dict[str, Any] = {"rope_theta": vit_rope_theta(vc)}
         names = {f.name for f in dataclasses.fields(cls)} - {"rope_theta", "norm_eps"}
         for name in names:
             if name in vc:
@@ -74,10 +82,7 @@ class Qwen2_5_VLVisionArgs:
     def validate(self) -> None:
         if self.hidden_act != "silu":
             raise ValueError(f"vision_config.hidden_act: only 'silu' is supported, got {self.hidden_act!r}")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"vision_config: hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
-        if self.head_dim % 4:
-            raise ValueError(f"vision_config: head_dim {self.head_dim} must be a multiple of 4 (2-D rotary)")
+        check_vit_heads(self)
         for i in self.fullatt_block_indexes:
             if not 0 <= i < self.depth:
                 raise ValueError(f"vision_config.fullatt_block_indexes: {i} is outside [0, depth={self.depth})")
@@ -133,11 +138,7 @@ class Qwen2_5_VLTextArgs:
                 f"{self.num_attention_heads}"
             )
         check_swiglu_decoder(self)
-        if self.mrope_section is not None and (len(self.mrope_section) != 3 or 2 * sum(self.mrope_section) != self.head_dim):
-            raise ValueError(
-                f"text_config.rope_parameters.mrope_section: {self.mrope_section} must have 3 entries summing to "
-                f"head_dim / 2 = {self.head_dim // 2}"
-            )
+        check_mrope_section(self)
 
 
 @dataclass(kw_only=True)
@@ -158,17 +159,10 @@ class Qwen2_5_VLArgs:
             raise ValueError(f"config.json: model_type {cfg.get('model_type')!r} is not qwen2_5_vl")
         if "vision_config" not in cfg:
             raise ValueError("config.json: qwen2_5_vl config has no vision_config")
-        text_cfg = cfg.get("text_config")
-        if text_cfg is None:  # hub (4.x) layout: text fields at the top level
-            text_cfg = cfg
-        elif "rope_parameters" not in text_cfg and "rope_scaling" not in text_cfg:
-            # nested text_config whose rope settings stayed at the top level
-            text_cfg = {**text_cfg, **{k: cfg[k] for k in ("rope_scaling", "rope_parameters", "rope_theta") if k in cfg}}
         tie = bool(cfg.get("tie_word_embeddings", False)) or bool((cfg.get("text_config") or {}).get("tie_word_embeddings", False))
-        kw = {k: cfg[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-              if cfg.get(k) is not None}
+        kw = given_token_ids(cfg)
         return cls(
-            text=Qwen2_5_VLTextArgs.from_hf(text_cfg),
+            text=Qwen2_5_VLTextArgs.from_hf(text_sub_config(cfg)),
             vision=Qwen2_5_VLVisionArgs.from_hf(cfg["vision_config"]),
             tie_word_embeddings=tie,
             **kw,
@@ -177,10 +171,7 @@ class Qwen2_5_VLArgs:
     def validate(self) -> None:
         self.text.validate()
         self.vision.validate()
-        if self.vision.out_hidden_size != self.text.hidden_size:
-            raise ValueError(
-                f"vision_config.out_hidden_size {self.vision.out_hidden_size} != text hidden_size {self.text.hidden_size}"
-            )
+        check_merger_width(self.vision, self.text)
 
     def to_hf_config(self) -> dict:
         """A transformers >= 5 style config.json dict describing these args (used when no original exists)."""
@@ -201,14 +192,7 @@ class Qwen2_5_VLArgs:
             },
             "vision_config": {
                 "model_type": "qwen2_5_vl_vision",
-                "depth": v.depth,
-                "hidden_size": v.hidden_size,
-                "intermediate_size": v.intermediate_size,
-                "num_heads": v.num_heads,
-                "in_channels": v.in_channels,
-                "patch_size": v.patch_size,
-                "temporal_patch_size": v.temporal_patch_size,
-                "spatial_merge_size": v.spatial_merge_size,
+                **vit_hf_fields(v),
                 "window_size": v.window_size,
                 "fullatt_block_indexes": list(v.fullatt_block_indexes),
                 "out_hidden_size": v.out_hidden_size,

@@ -21,6 +21,15 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_vlm.models.common.mlp import get_activation
+from megatron_vlm.models.common.qwen_vl_config import (
+    check_merger_width,
+    check_mrope_section,
+    check_vit_heads,
+    given_token_ids,
+    text_sub_config,
+    vit_hf_fields,
+    vit_rope_theta,
+)
 from megatron_vlm.models.common.text_args import DECODER_FIELDS, check_swiglu_decoder, decoder_hf_fields, given_fields
 
 MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
@@ -66,8 +75,7 @@ class Qwen3VLVisionArgs:
 
     @classmethod
     def from_hf(cls, vc: dict) -> Qwen3VLVisionArgs:
-        theta = (vc.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        kw: dict[str, Any] = {"rope_theta": float(theta)}
+        kw: dict[str, Any] = {"rope_theta": vit_rope_theta(vc)}
         for name in {f.name for f in dataclasses.fields(cls)} - {"rope_theta", "norm_eps"}:
             if vc.get(name) is not None:
                 kw[name] = vc[name]
@@ -84,10 +92,7 @@ class Qwen3VLVisionArgs:
         return args
 
     def validate(self) -> None:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"vision_config: hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
-        if self.head_dim % 4:
-            raise ValueError(f"vision_config: head_dim {self.head_dim} must be a multiple of 4 (2-D rotary)")
+        check_vit_heads(self)
         if self.num_grid_per_side**2 != self.num_position_embeddings:
             raise ValueError(
                 f"vision_config.num_position_embeddings {self.num_position_embeddings} must be a square (a side x side table)"
@@ -102,14 +107,7 @@ class Qwen3VLVisionArgs:
     def to_hf(self, model_type: str) -> dict:
         return {
             "model_type": f"{model_type}_vision",
-            "depth": self.depth,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_heads": self.num_heads,
-            "in_channels": self.in_channels,
-            "patch_size": self.patch_size,
-            "temporal_patch_size": self.temporal_patch_size,
-            "spatial_merge_size": self.spatial_merge_size,
+            **vit_hf_fields(self),
             "out_hidden_size": self.out_hidden_size,
             "num_position_embeddings": self.num_position_embeddings,
             "deepstack_visual_indexes": list(self.deepstack_visual_indexes),
@@ -190,11 +188,7 @@ class Qwen3VLTextArgs:
 
     def validate(self) -> None:
         check_swiglu_decoder(self)
-        if self.mrope_section is not None and (len(self.mrope_section) != 3 or 2 * sum(self.mrope_section) != self.head_dim):
-            raise ValueError(
-                f"text_config.rope_parameters.mrope_section: {self.mrope_section} must have 3 entries summing to "
-                f"head_dim / 2 = {self.head_dim // 2}"
-            )
+        check_mrope_section(self)
         if self.num_experts:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(
@@ -247,20 +241,14 @@ class Qwen3VLArgs:
             raise ValueError(f"config.json: model_type {model_type!r} is not one of {', '.join(MODEL_TYPES)}")
         if "vision_config" not in cfg:
             raise ValueError(f"config.json: {model_type} config has no vision_config")
-        text_cfg = cfg.get("text_config")
-        if text_cfg is None:  # flat layout: text fields at the top level
-            text_cfg = cfg
-        elif "rope_parameters" not in text_cfg and "rope_scaling" not in text_cfg:
-            text_cfg = {**text_cfg, **{k: cfg[k] for k in ("rope_scaling", "rope_parameters", "rope_theta") if k in cfg}}
         if "tie_word_embeddings" in cfg:  # transformers reads the top-level flag of composite configs
             tie = bool(cfg["tie_word_embeddings"])
         else:
             tie = bool((cfg.get("text_config") or {}).get("tie_word_embeddings", False))
-        kw = {k: cfg[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-              if cfg.get(k) is not None}
+        kw = given_token_ids(cfg)
         args = cls(
             model_type=model_type,
-            text=Qwen3VLTextArgs.from_hf(text_cfg, moe=model_type == "qwen3_vl_moe"),
+            text=Qwen3VLTextArgs.from_hf(text_sub_config(cfg), moe=model_type == "qwen3_vl_moe"),
             vision=Qwen3VLVisionArgs.from_hf(cfg["vision_config"]),
             tie_word_embeddings=tie,
             **kw,
@@ -278,10 +266,7 @@ class Qwen3VLArgs:
             )
         self.text.validate()
         self.vision.validate()
-        if self.vision.out_hidden_size != self.text.hidden_size:
-            raise ValueError(
-                f"vision_config.out_hidden_size {self.vision.out_hidden_size} != text hidden_size {self.text.hidden_size}"
-            )
+        check_merger_width(self.vision, self.text)
         if len(self.vision.deepstack_visual_indexes) > self.text.num_hidden_layers:
             raise ValueError(
                 f"vision_config.deepstack_visual_indexes has {len(self.vision.deepstack_visual_indexes)} entries but the "

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ..reference.moe import moe_permute_topk_ids
+from ..reference.moe import moe_permute_num_experts, moe_permute_topk_ids
 
 __all__ = ["moe_permute", "moe_topk_gating"]
 
@@ -19,12 +19,7 @@ def moe_permute(hidden: torch.Tensor, topk_ids: torch.Tensor, *, num_experts: Op
     """kernels.moe_permute with the indices from counting (csrc/): same outputs and errors as the reference."""
     topk_ids = moe_permute_topk_ids(hidden, topk_ids)
     if not torch.compiler.is_compiling():  # value checks need a host sync, as in the reference
-        if topk_ids.numel() and int(topk_ids.min()) < 0:
-            raise ValueError(f"moe_permute: negative expert id {int(topk_ids.min())} in topk_ids")
-        if num_experts is None:
-            num_experts = int(topk_ids.max()) + 1 if topk_ids.numel() else 0
-        elif topk_ids.numel() and int(topk_ids.max()) >= num_experts:
-            raise ValueError(f"moe_permute: expert id {int(topk_ids.max())} >= num_experts {num_experts}")
+        num_experts = moe_permute_num_experts(topk_ids, num_experts)
     elif num_experts is None:
         raise ValueError("moe_permute: pass num_experts under torch.compile")
     row_map, source, tokens_per_expert = torch.ops.megatron_vlm.moe_permute_indices(topk_ids, num_experts)

@@ -41,18 +41,25 @@ def moe_permute_topk_ids(hidden: torch.Tensor, topk_ids: torch.Tensor) -> torch.
     return topk_ids
 
 
+def moe_permute_num_experts(topk_ids: torch.Tensor, num_experts: Optional[int]) -> int:
+    """`num_experts`, or max id + 1 when it is None; ValueError for an id below 0 or not below num_experts (a host
+    sync: every backend checks the values the same way)."""
+    if topk_ids.numel() and int(topk_ids.min()) < 0:
+        raise ValueError(f"moe_permute: negative expert id {int(topk_ids.min())} in topk_ids")
+    if num_experts is None:
+        return int(topk_ids.max()) + 1 if topk_ids.numel() else 0
+    if topk_ids.numel() and int(topk_ids.max()) >= num_experts:
+        raise ValueError(f"moe_permute: expert id {int(topk_ids.max())} >= num_experts {num_experts}")
+    return num_experts
+
+
 def moe_permute(hidden: torch.Tensor, topk_ids: torch.Tensor, *, num_experts: Optional[int] = None):
     """Group token copies by expert (see module docstring). `num_experts` sizes tokens_per_expert
     (default: max id + 1; pass it explicitly so every layer reports all E experts)."""
     topk_ids = moe_permute_topk_ids(hidden, topk_ids)
     topk = topk_ids.shape[1]
     flat = topk_ids.reshape(-1).long()
-    if flat.numel() and int(flat.min()) < 0:
-        raise ValueError(f"moe_permute: negative expert id {int(flat.min())} in topk_ids")
-    if num_experts is None:
-        num_experts = int(flat.max()) + 1 if flat.numel() else 0
-    elif flat.numel() and int(flat.max()) >= num_experts:
-        raise ValueError(f"moe_permute: expert id {int(flat.max())} >= num_experts {num_experts}")
+    num_experts = moe_permute_num_experts(flat, num_experts)
     order = torch.argsort(flat, stable=True)  # order[r] = pair i held by permuted row r
     row_map = torch.empty_like(order)
     row_map[order] = torch.arange(order.numel(), device=order.device)

@@ -157,7 +157,7 @@ def pack_samples(samples: Sequence[TrainSample], *, share_prompts: bool = False,
         if shared:
             head = len(prefix)
             segment([p_ids[:-1]], [torch.zeros(p_ids.numel() - 1, dtype=torch.bool)], completion=False,
-                    routes=full[0][:p_ids.numel() - 1] if with_routes else None)
+                    routes=head_routes[:p_ids.numel() - 1] if (head_routes := full[0]) is not None else None)
             for s, r in zip(run, full):
                 segment([p_ids[-1:], s.response_ids.to(torch.long)],
                         [torch.zeros(1, dtype=torch.bool), torch.ones(s.response_length, dtype=torch.bool)], of=head,

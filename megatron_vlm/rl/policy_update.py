@@ -142,7 +142,7 @@ class PolicyUpdate:
         if ctx.env.rank == 0 and model is not None:
             log.info("rl.update.prompt_sharing: %s (%s)", "on" if self.share_prompts else "off", why)
         # MoE routing replay (rl.routing_replay = "rollout"): the training forwards route as the rollout did
-        self.replay_routes = rl_cfg.routing_replay == "rollout"
+        self.replay_routes = getattr(rl_cfg, "routing_replay", "off") == "rollout"
         # the recorded routes lie over a training forward that runs every token of the pack through every MoE layer
         # (no cp / pp slices; native layers): elsewhere they are dropped (replay itself is refused there: config)
         dims = getattr(bundle, "dims", None)

@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.models.common.prefix_sharing import accepts_prefix_segments
 from megatron_vlm.models.common.routing_replay import replaying_routes
 from megatron_vlm.parallel import clip_grad_norm_
@@ -147,6 +148,9 @@ class PolicyUpdate:
         # (no cp / pp slices; native layers): elsewhere they are dropped (replay itself is refused there: config)
         dims = getattr(bundle, "dims", None)
         self.routes_usable = getattr(dims, "cp", 1) == 1 and getattr(dims, "pp", 1) == 1
+        if self.replay_routes and isinstance(model := getattr(bundle, "model", None), torch.nn.Module) \
+                and not moe_layers(model) and ctx.env.rank == 0:
+            log.warning("rl.routing_replay = 'rollout': %s has no MoE layers, nothing is replayed", type(model).__name__)
         self._routes_counted = False
         self._route_counts = [0, 0]
         self.skip_zero_adv, why_skip = self.skip_zero_advantage()

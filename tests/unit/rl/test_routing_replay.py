@@ -3,7 +3,8 @@ the packed training forward replays them.
 
 Per family (Qwen3-MoE text, Qwen3-VL-MoE, Nemotron-H hybrid: Mamba2 / attention / MoE):
 - the recorded routes cover prompt + generated tokens but the last, one row per MoE layer, int8; the static
-  decode step (the CUDA-graph form, run eagerly here) and the unshared prefill record the same routes;
+  decode step (the CUDA-graph form, run eagerly here), unshared prefills, lock-step batches and the paged KV
+  cache record the same routes;
 - unperturbed, the training forward (packed, and prompt-shared where the family supports it) routes every
   token as the rollout did and its log-probs equal the rollout's within 1e-6 (fp32);
 - the router is perturbed between rollout and training: without replay a measurable fraction of (token,
@@ -51,8 +52,9 @@ def _prompts(kind, folder, root, vocab):
     return [encoder.encode(s) for s in load_prompt_dataset(vqa, schema="messages").samples]
 
 
-def _rollout(model, tok, prompts, **options):
-    eng = PolicyRolloutEngine(model, tok, EngineOptions(eos_token_ids=[-1], record_routes=True, **options))
+def _rollout(model, tok, prompts, lockstep=False, **options):
+    engine_kw = {"forward": lambda **kw: model(**kw), "all_ranks_active": lambda active: active} if lockstep else {}
+    eng = PolicyRolloutEngine(model, tok, EngineOptions(eos_token_ids=[-1], record_routes=True, **options), **engine_kw)
     return eng.generate(prompts, SamplingParams(max_new_tokens=NEW, n=2, temperature=1.0),
                         generator=torch.Generator().manual_seed(3)).samples
 
@@ -79,8 +81,11 @@ def test_replay_removes_the_rollout_training_routing_mismatch(kind, folders):
         assert int(s.routes.min()) >= 0 and int(s.routes.max()) < layers[0].num_experts
         top = s.routes.long().sort(-1).values
         assert bool((top[..., 1:] != top[..., :-1]).all())  # k distinct experts per token and layer
-    # the static decode step (CUDA-graph form) and unshared prefills record the same routes
-    for options in ({"cuda_graphs": "on"}, {"share_prefix": False}):
+    # the static decode step (CUDA-graph form), unshared prefills, lock-step batches (the trainer's FSDP forward)
+    # and the paged KV cache (attention-only decoders) record the same routes
+    variants = [{"cuda_graphs": "on"}, {"share_prefix": False}, {"lockstep": True}]
+    variants += [] if kind == "tiny_nemotron_vl" else [{"kv_block_size": 4}]
+    for options in variants:
         again = _rollout(model, tok, prompts, **options)
         for a, b in zip(out, again):
             assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.routes, b.routes), options

@@ -6,6 +6,7 @@ bf16 training forwards: the decode / packed layouts round differently, so some t
   uninterrupted run exactly (the rollouts of a resumed step are generated, and their routes recorded, again);
 - asynchronous with stale samples (max_head_offpolicyness = 2, one rollout + one training rank): the routes
   travel over the bridge with the samples and the decoupled loss trains on them (routing mismatch logged).
+- tensor parallelism (tp = 2, fp32): the replicated MoE blocks take the routes of the gathered sequence.
 """
 from __future__ import annotations
 
@@ -68,3 +69,19 @@ def test_async_stale_samples_carry_their_routes(tmp_path):
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
     assert all(_frac(r) >= 0 for r in rows)
     assert max(float(r["async/version_lag_max"]) for r in rows) >= 1  # stale samples were trained on
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_training_forwards_take_the_routes(tmp_path):
+    """tp = 2 (MoE blocks replicated over tp: they run the gathered sequence, the recorded routes' token order),
+    fp32: the training forwards route as the rollout did and their log-probs equal the rollout's."""
+    out = tmp_path / "tp"
+    sets = grpo_overrides(out, tmp_path / "assets", **{
+        "model.synthesize": '"tiny_qwen3_vl_moe"', "rl.routing_replay": '"rollout"', "parallel.tp": "2",
+        "train.max_steps": "2", "checkpoint.enable": "false", "checkpoint.export_hf": "false", "rl.loss.kl_coef": "0.0",
+        "rl.reward_pool.workers": "1"})
+    run_job(sets, nproc=2, config=GRPO_DEMO)
+    rows = read_metrics(out / "metrics_train.csv")
+    assert [int(r["step"]) for r in rows] == [1, 2]
+    for r in rows:
+        assert _frac(r) <= 0.01 and float(r["rollout/logprob_abs_diff"]) < 1e-5, r

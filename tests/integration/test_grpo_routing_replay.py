@@ -7,6 +7,7 @@ bf16 training forwards: the decode / packed layouts round differently, so some t
 - asynchronous with stale samples (max_head_offpolicyness = 2, one rollout + one training rank): the routes
   travel over the bridge with the samples and the decoupled loss trains on them (routing mismatch logged).
 - tensor parallelism (tp = 2, fp32): the replicated MoE blocks take the routes of the gathered sequence.
+- a LoRA policy (fp32) replays as well.
 """
 from __future__ import annotations
 
@@ -81,6 +82,21 @@ def test_tensor_parallel_training_forwards_take_the_routes(tmp_path):
         "train.max_steps": "2", "checkpoint.enable": "false", "checkpoint.export_hf": "false", "rl.loss.kl_coef": "0.0",
         "rl.reward_pool.workers": "1"})
     run_job(sets, nproc=2, config=GRPO_DEMO)
+    rows = read_metrics(out / "metrics_train.csv")
+    assert [int(r["step"]) for r in rows] == [1, 2]
+    for r in rows:
+        assert _frac(r) <= 0.01 and float(r["rollout/logprob_abs_diff"]) < 1e-5, r
+
+
+def test_lora_policy_replays(tmp_path):
+    """[lora] (adapters on the attention / MLP projections; the engine's copy mirrors them), fp32: the routes
+    lie over the training forwards and the log-probs equal the rollout's."""
+    out = tmp_path / "lora"
+    sets = grpo_overrides(out, tmp_path / "assets", **{
+        "model.synthesize": '"tiny_qwen3_vl_moe"', "rl.routing_replay": '"rollout"', "lora.r": "4",
+        "train.train_layers": "[]", "rl.rollout.weights": '"copy"', "train.max_steps": "2", "checkpoint.enable": "false",
+        "checkpoint.export_hf": "false", "rl.loss.kl_coef": "0.0", "rl.reward_pool.workers": "1"})
+    run_job(sets, config=GRPO_DEMO)
     rows = read_metrics(out / "metrics_train.csv")
     assert [int(r["step"]) for r in rows] == [1, 2]
     for r in rows:

@@ -91,10 +91,24 @@ class Config:
                 raise ValueError(f"rl.rollout.kv_cache_blocks: {rl.rollout.kv_cache_blocks} blocks of {rl.rollout.kv_block_size} positions cannot "
                                  f"hold one sample of up to data.max_tokens_per_pack = {tokens} tokens (prompt + budget) "
                                  f"besides the engine's scratch block: needs >= {need}")
+        if mode == "grpo" and self.rl is not None and self.rl.routing_replay == "rollout":
+            self._validate_routing_replay()
         if self.train.precision == "fp8":
             self._validate_fp8()
         if self.stages:
             self._validate_stages()
+
+    def _validate_routing_replay(self) -> None:
+        """Where the recorded routes cannot be laid over the training forward's tokens: megatron-core MoE layers (its
+        router takes no forced experts) and context / pipeline parallelism (a rank runs a slice of the pack's
+        tokens or layers)."""
+        p = self.parallel
+        for key, bad, why in (("backend", p.backend == "mcore", "megatron-core's router takes no recorded experts"),
+                              ("cp", p.cp > 1, "each rank runs a slice of the packed tokens"),
+                              ("pp", p.pp > 1, "each stage runs a slice of the MoE layers")):
+            if bad:
+                raise ValueError(f"rl.routing_replay: 'rollout' is not supported with parallel.{key} = "
+                                 f"{getattr(p, key)!r} ({why}); use routing_replay = 'off'")
 
     def _validate_fp8(self) -> None:
         """Where float8 linear layers cannot go: the GRPO / eval jobs (rollout and scoring forwards share the

@@ -40,6 +40,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_vlm.models.common.moe_static import static_routing
+from megatron_vlm.models.common.routing_replay import recording_routes
 from megatron_vlm.models.common.slot_cache import SlotCache
 
 __all__ = ["DecodeStepRunner", "GraphUnsafeError", "GraphSafetyProbe", "bucket_sizes"]
@@ -98,16 +99,19 @@ class _Bucket:
         self.ids = torch.full((size, 1), pad_token_id, dtype=torch.long, device=device)
         self.slots = torch.full((size,), scratch, dtype=torch.long, device=device)
         self.logits: Optional[torch.Tensor] = None
+        self.routes: Optional[torch.Tensor] = None  # [size, layers, k] recorded experts (record_routes)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.traces: list[list[tuple]] = []
 
 
 class DecodeStepRunner:
     def __init__(self, forward: Callable[..., torch.Tensor], cache: SlotCache, *, pad_token_id: int,
-                 capture: bool, probe: bool = False, params: Sequence[torch.Tensor] = ()) -> None:
+                 capture: bool, probe: bool = False, params: Sequence[torch.Tensor] = (), record_routes: bool = False) -> None:
         """`forward(input_ids=..., kv_cache=...)` -> logits `[B, T, V]` (the engine's own model); `cache`: the
         batch's `SlotCache` (slot layout); `capture`: CUDA graphs (the cache must be on CUDA); `probe`: trace
-        the first eager runs of each bucket for graph safety; `params`: tensors whose addresses a graph bakes in."""
+        the first eager runs of each bucket for graph safety; `params`: tensors whose addresses a graph bakes in;
+        `record_routes`: each step also leaves the MoE experts of its rows in `last_routes` (routing replay; a
+        static output of the graph, like the logits)."""
         if capture and cache.device.type != "cuda":
             raise ValueError(f"DecodeStepRunner: CUDA graphs need a CUDA cache, got {cache.device}")
         cache.set_active_static(torch.zeros(1, dtype=torch.long, device=cache.device))  # refuses a paged cache
@@ -121,14 +125,21 @@ class DecodeStepRunner:
         self._addresses: Optional[list[int]] = None
         self._weights_loaded = True  # check the addresses before the next replay
         self.captures = 0
+        self.record_routes = record_routes
+        self.last_routes: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------ the step
     def _step(self, bucket: _Bucket) -> torch.Tensor:
         """The static step: reads bucket.ids / bucket.slots and the cache, no host value read."""
         self.cache.reset_scratch_state()
         self.cache.set_active_static(bucket.slots)
-        with static_routing():  # MoE experts without host-sized GEMMs
-            return self.forward(input_ids=bucket.ids, kv_cache=self.cache)[:, -1]
+        if not self.record_routes:
+            with static_routing():  # MoE experts without host-sized GEMMs
+                return self.forward(input_ids=bucket.ids, kv_cache=self.cache)[:, -1]
+        with static_routing(), recording_routes() as rec:
+            logits = self.forward(input_ids=bucket.ids, kv_cache=self.cache)[:, -1]
+        bucket.routes = rec.stacked()
+        return logits
 
     def bucket_for(self, n: int) -> int:
         for b in self.sizes:
@@ -169,6 +180,7 @@ class DecodeStepRunner:
         for s in slots:
             cache.host_lengths[s] += 1
         assert bucket.logits is not None
+        self.last_routes = bucket.routes[:n] if bucket.routes is not None else None
         return bucket.logits[:n]
 
     # ------------------------------------------------------------------ graph safety
@@ -232,5 +244,6 @@ class DecodeStepRunner:
         for bucket in self.buckets.values():
             bucket.graph = None
             bucket.logits = None
+            bucket.routes = None
         self.buckets.clear()
         self._pool = None

@@ -105,6 +105,10 @@ class RolloutSample:
     token_versions: Optional[torch.Tensor] = None
     """[L] int64 policy version of every token (an engine whose weights are refreshed while it generates
     mixes versions within a completion); None from engines that do not track it."""
+    routes: Optional[torch.Tensor] = None
+    """[prompt_length + L - 1, moe_layers, k] int8 / int16: the top-k experts each MoE layer routed every token the
+    engine read (prompt, then the generated tokens but the last, which no forward reads) to; None from engines and
+    models that do not record (routing replay: megatron_vlm/models/common/routing_replay.py)."""
 
     @property
     def truncated(self) -> bool:

@@ -80,6 +80,7 @@ from megatron_vlm.inference.sampling import same_device, sample_tokens
 from megatron_vlm.inference.stopping import StopChecker, eos_token_ids_of
 from megatron_vlm.models.common.kv_cache import KVCache
 from megatron_vlm.models.common.moe import MoE, moe_layers
+from megatron_vlm.models.common.routing_replay import recording_routes, route_dtype
 from megatron_vlm.models.common.slot_cache import PagedSlotCache, SlotCache
 from megatron_vlm.models.common.vlm_base import VLMBase
 from megatron_vlm.models.mcore.layer import native_state_dict
@@ -191,8 +192,14 @@ class _Slots:
 class _Run:
     """Device buffers and bookkeeping of one batch of slots (one batch of a `generate` call)."""
 
-    def __init__(self, num_slots: int, budget: int, device) -> None:
+    def __init__(self, num_slots: int, budget: int, device, routes_shape: Optional[tuple[int, int, int]] = None) -> None:
+        """`routes_shape` (MoE layers, top-k, experts): record the experts of every fed token (routing replay)."""
         rows = num_slots + 1  # + the scratch slot
+        self.routes: Optional[torch.Tensor] = None  # [rows, budget, layers, k]: routes of the generated tokens
+        self.prompt_routes: dict[int, torch.Tensor] = {}  # slot -> its prompt's routes [prompt, layers, k]
+        if routes_shape is not None:
+            layers, k, experts = routes_shape
+            self.routes = torch.full((rows, budget, layers, k), -1, dtype=route_dtype(experts), device=device)
         self.tokens = torch.zeros(rows, budget, dtype=torch.long, device=device)
         self.logprobs = torch.zeros(rows, budget, dtype=torch.float32, device=device)
         self.versions = torch.zeros(rows, budget, dtype=torch.long, device=device)
@@ -203,6 +210,7 @@ class _Run:
         self.free = deque(range(num_slots))
         self.budget = budget
         self.release: Optional[Callable[[int], None]] = None  # the paged cache's: a finished slot's blocks
+        self.finished_routes: dict[int, torch.Tensor] = {}  # sample -> its routes [prompt + generated - 1, layers, k]
 
 
 @dataclass(frozen=True)
@@ -229,6 +237,9 @@ class EngineOptions:
     """Blocks of the paged KV cache (0 = enough for every slot at full length)."""
     cuda_graphs: str = "off"
     """"auto" | "on" | "off": decode steps on static buffers, captured as CUDA graphs (module docstring)."""
+    record_routes: bool = False
+    """MoE models: record the top-k experts of every prompt and generated token (`RolloutSample.routes`, routing
+    replay: models/common/routing_replay.py); ignored for a model without MoE layers."""
 
 
 class PolicyRolloutEngine(RolloutEngine):
@@ -254,6 +265,9 @@ class PolicyRolloutEngine(RolloutEngine):
         suppress_token_ids, kv_block_size, kv_cache_blocks = o.suppress_token_ids, o.kv_block_size, o.kv_cache_blocks
         cuda_graphs = o.cuda_graphs
         self.options = o
+        moes = moe_layers(model)
+        # (MoE layers, top-k, experts) of the recorded routes, or None (not recorded)
+        self.routes_shape = (len(moes), int(moes[0].top_k), int(moes[0].num_experts)) if o.record_routes and moes else None
         if not isinstance(model, VLMBase):
             raise TypeError(f"{type(model).__name__} is not a family model (VLMBase): cached decoding needs its new_cache()")
         if max_prompts_per_batch < 0:
@@ -370,6 +384,7 @@ class PolicyRolloutEngine(RolloutEngine):
         for s in result.samples:
             s.token_ids, s.logprobs = s.token_ids.clone(), s.logprobs.clone()
             s.token_versions = s.token_versions.clone() if s.token_versions is not None else None
+            s.routes = s.routes.clone() if s.routes is not None else None
         return result
 
     def _generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams,
@@ -422,7 +437,17 @@ class PolicyRolloutEngine(RolloutEngine):
         )
 
     def _prefill(self, prompts: Sequence[RolloutPrompt]):
-        """(padded prefill cache, logits of the last position [P, V]) of a batch of prompts."""
+        """(padded prefill cache, logits of the last position [P, V], routes [P, T, layers, k] or None) of a batch of
+        prompts (left-padded to T positions)."""
+        if self.routes_shape is None:
+            return (*self._prefill_forward(prompts), None)
+        with recording_routes() as rec:
+            cache, logits = self._prefill_forward(prompts)
+        routes = rec.stacked()
+        assert routes is not None  # a MoE model records every forward
+        return cache, logits, routes.view(len(prompts), -1, *routes.shape[1:])
+
+    def _prefill_forward(self, prompts: Sequence[RolloutPrompt]):
         dev = self._device()
         ids, mask = _left_pad(prompts, self.pad_token_id)
         vision = {k: v.to(dev) for k, v in _vision_inputs(prompts).items()}
@@ -443,7 +468,7 @@ class PolicyRolloutEngine(RolloutEngine):
             return None
         tensors = list(self.model.parameters()) + list(self.model.buffers())
         return DecodeStepRunner(self.forward, cache, pad_token_id=self.pad_token_id, capture=dev_type == "cuda",
-                                probe=dev_type != "cuda", params=tensors)
+                                probe=dev_type != "cuda", params=tensors, record_routes=self.routes_shape is not None)
 
     def _graph_step(self, runner: DecodeStepRunner, cache, slots: list[int], feed: torch.Tensor):
         """Logits of one static step, or None when "auto" gives up on graphs (the step then runs eagerly)."""
@@ -477,10 +502,13 @@ class PolicyRolloutEngine(RolloutEngine):
         need = list(dict.fromkeys(key_of(i) for i, _ in take if key_of(i) not in prefixes))
         if need:
             t0 = time.perf_counter()
-            pcache, logits = self._prefill([prompts[k // (1 if self.share_prefix else n)] for k in need])
+            batch = [prompts[k // (1 if self.share_prefix else n)] for k in need]
+            pcache, logits, routes = self._prefill(batch)
             uses = n if self.share_prefix else 1
             for row, key in enumerate(need):
-                prefixes[key] = [pcache, row, logits[row], uses]
+                # the prompt's own positions of the left-padded row
+                mine = routes[row, routes.shape[1] - len(batch[row]):] if routes is not None else None
+                prefixes[key] = [pcache, row, logits[row], uses, mine]
             stats["prefill_s"] += time.perf_counter() - t0
             stats["forward_calls"] += 1
             stats["prefill_calls"] += 1
@@ -498,6 +526,8 @@ class PolicyRolloutEngine(RolloutEngine):
             run.gen_len[slot] = 0
             run.host_len[slot] = 0
             run.host_tokens[slot] = []
+            if entry[4] is not None:
+                run.prompt_routes[slot] = entry[4]
             slots.append(slot)
             rows.append(entry[2])
             entry[3] -= 1
@@ -521,7 +551,7 @@ class PolicyRolloutEngine(RolloutEngine):
             runner = self._kept_runner(num_slots, max_len, dev)
             cache = runner.cache if runner is not None else SlotCache(
                 self.model.new_cache(num_slots + 1, max_len, dtype=self.cache_dtype, device=dev))
-        run = _Run(num_slots, budget, dev)
+        run = _Run(num_slots, budget, dev, self.routes_shape)
         if isinstance(cache, PagedSlotCache):
             run.release = cache.release
         queue = deque(range(total))
@@ -635,12 +665,19 @@ class PolicyRolloutEngine(RolloutEngine):
                     else:
                         slots_now = running
                     assert feed is not None  # the running slots' sampled tokens, or the scratch row's pad
-                    logits = None
+                    logits, routes = None, None
                     if runner is not None and self.cuda_graphs != "off":
                         logits = self._graph_step(runner, cache, slots_now, feed)
+                        routes = runner.last_routes
                     if logits is None:
                         cache.set_active(slots_now)
-                        logits = self.forward(input_ids=feed[:, None], kv_cache=cache)[:, -1]
+                        with recording_routes() if run.routes is not None else contextlib.nullcontext() as rec:
+                            logits = self.forward(input_ids=feed[:, None], kv_cache=cache)[:, -1]
+                        routes = rec.stacked() if rec is not None else None
+                    if running and run.routes is not None:  # the fed tokens' experts, at their positions
+                        assert routes is not None  # a MoE model records every forward
+                        index = torch.as_tensor(running, dtype=torch.long, device=dev)
+                        run.routes[index, run.gen_len.index_select(0, index) - 1] = routes[:len(running)]
                     stats["forward_calls"] += 1
                     stats["decode_steps"] += 1
                     if running:
@@ -650,6 +687,7 @@ class PolicyRolloutEngine(RolloutEngine):
                 cur_slots = running + admitted
                 cur_logits = torch.cat(logits_parts) if len(logits_parts) > 1 else (logits_parts[0] if logits_parts else None)
         stats["decode_s"] += time.perf_counter() - t1
+        finished_routes = {i: r.cpu() for i, r in run.finished_routes.items()}
         out = []
         for i in range(total):
             if i not in finished:
@@ -661,7 +699,7 @@ class PolicyRolloutEngine(RolloutEngine):
                 prompt_index=offset + i // n, sample_index=i % n, token_ids=ids, logprobs=logps.cpu(),
                 text=checker.final_text(ids.tolist(), why), finish_reason=why, prompt_length=len(prompts[i // n]),
                 policy_version=int(versions.min()) if versions.numel() else self.policy_version,
-                token_versions=versions,
+                token_versions=versions, routes=finished_routes.get(i),
             ))
         return out, interrupted
 
@@ -672,6 +710,9 @@ class PolicyRolloutEngine(RolloutEngine):
         sample = run.slot_sample.pop(slot)
         finished[sample] = (run.tokens[slot, :length].clone(), run.logprobs[slot, :length].clone(),
                             run.versions[slot, :length].clone(), why)
+        prompt_routes = run.prompt_routes.pop(slot, None)
+        if run.routes is not None and prompt_routes is not None:  # every token the model read (not the last one)
+            run.finished_routes[sample] = torch.cat([prompt_routes, run.routes[slot, :max(length - 1, 0)]])
         run.host_tokens.pop(slot, None)
         if run.release is not None:
             run.release(slot)

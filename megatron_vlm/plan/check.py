@@ -28,6 +28,7 @@ from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
 from megatron_vlm.inference.kv_budget import rollout_prompts_for_budget
 from megatron_vlm.parallel.tensor_parallel import TPError, check_tp_divides
 from megatron_vlm.plan.memory import GiB, ceil_div, estimate_memory, gib, model_shape
+from megatron_vlm.plan.routes import routes_plan
 from megatron_vlm.rl.asynchronous.allocation import parse_allocation
 from megatron_vlm.rl.prompts.lengths import check_generation_budget
 from megatron_vlm.training.stages import stage_overrides
@@ -198,6 +199,7 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         else:
             lines.append(f"rollout    {per_rank} prompts per rank and step, {rollout_prompts} per batch x group {group} x "
                          f"{tokens} cache slots ({ceil_div(per_rank, rollout_prompts)} batches)")
+        lines += routes_plan(model, rl, per_rank_prompts=per_rank, batch_prompts=rollout_prompts, max_tokens=tokens)[0]
         if rl.rollout.kv_block_size:
             pool = (f"{rl.rollout.kv_cache_blocks} blocks (rl.rollout.kv_cache_blocks)" if rl.rollout.kv_cache_blocks else
                     "derived: room for every slot at full length")

@@ -7,7 +7,9 @@ are packed into micro-batches of at most `max_tokens` tokens (the SFT layout: `i
 concatenated in order), with pre-shifted `labels` that are set exactly where the next token is a
 response token (`data.batch.shifted_labels`). `TokenLogprobModel` returns the log-probs of the
 labelled positions in order, i.e. the response tokens of the micro-batch concatenated sample by
-sample — the layout `split_by_response` undoes.
+sample — the layout `split_by_response` undoes. Samples that carry the rollout's MoE routes
+(`TrainSample.routes`) give the pack a `routes` entry `[T, moe_layers, k]` in the order of `input_ids` (the
+routing replay's plan: models/common/routing_replay.py).
 
 A completion's final token is left out of the pack: its position would only predict the token after
 the completion, which no loss reads, and under causal attention no earlier position sees it — the
@@ -43,6 +45,8 @@ class TrainSample:
     """[L] log-probs of the policy the PPO ratio is taken against (behav_logp unless recomputed)."""
     ref_logp: Optional[torch.Tensor] = None
     """[L] reference-model log-probs (kl_coef > 0)."""
+    routes: Optional[torch.Tensor] = None
+    """[prompt + L - 1, moe_layers, k] the rollout's experts per token (`RolloutSample.routes`; routing replay)."""
 
     @property
     def num_tokens(self) -> int:
@@ -127,8 +131,12 @@ def pack_samples(samples: Sequence[TrainSample], *, share_prompts: bool = False,
         raise ValueError("pack_samples: no samples")
     ids, resp, cu, prefix, completes = [], [], [0], [], []
     vision: dict[str, list[torch.Tensor]] = {k: [] for k in VISION_KEYS}
+    route_parts: list[torch.Tensor] = []
+    with_routes = _with_routes(samples)
 
-    def segment(parts, mask_parts, of=-1, completion=False):
+    def segment(parts, mask_parts, of=-1, completion=False, routes=None):
+        if with_routes:
+            route_parts.append(routes)
         ids.extend(parts)
         resp.extend(mask_parts)
         cu.append(cu[-1] + sum(int(t.numel()) for t in parts))
@@ -145,18 +153,20 @@ def pack_samples(samples: Sequence[TrainSample], *, share_prompts: bool = False,
                 v = getattr(prompt, k)
                 if v is not None:
                     vision[k].append(v)
+        full = [_token_routes(s) if with_routes else None for s in run]
         if shared:
             head = len(prefix)
-            segment([p_ids[:-1]], [torch.zeros(p_ids.numel() - 1, dtype=torch.bool)], completion=False)
-            for s in run:
+            segment([p_ids[:-1]], [torch.zeros(p_ids.numel() - 1, dtype=torch.bool)], completion=False,
+                    routes=head_routes[:p_ids.numel() - 1] if (head_routes := full[0]) is not None else None)
+            for s, r in zip(run, full):
                 segment([p_ids[-1:], s.response_ids.to(torch.long)],
                         [torch.zeros(1, dtype=torch.bool), torch.ones(s.response_length, dtype=torch.bool)], of=head,
-                        completion=s.response_length > 0)
+                        completion=s.response_length > 0, routes=r[p_ids.numel() - 1:] if r is not None else None)
         else:
-            for s in run:
+            for s, r in zip(run, full):
                 segment([p_ids, s.response_ids.to(torch.long)],
                         [torch.zeros(p_ids.numel(), dtype=torch.bool), torch.ones(s.response_length, dtype=torch.bool)],
-                        completion=s.response_length > 0)
+                        completion=s.response_length > 0, routes=r)
     input_ids = torch.cat(ids)
     response_mask = torch.cat(resp)
     labels = shifted_labels(input_ids, response_mask, torch.tensor(cu, dtype=torch.int32))
@@ -172,12 +182,34 @@ def pack_samples(samples: Sequence[TrainSample], *, share_prompts: bool = False,
         "labels": labels[keep][None],
         "num_response_tokens": int(response_mask.sum()),
     }
+    if with_routes:
+        batch["routes"] = torch.cat(route_parts)[keep]
     if any(p >= 0 for p in prefix):
         batch["prefix_segments"] = torch.tensor(prefix, dtype=torch.long)
     for k, parts in vision.items():
         if parts:
             batch[k] = torch.cat(parts)
     return batch
+
+
+def _with_routes(samples: Sequence[TrainSample]) -> bool:
+    """Whether the pack carries routes: every sample has them (a pack of some with, some without is a bug)."""
+    have = [s.routes is not None for s in samples]
+    if any(have) and not all(have):
+        raise ValueError("pack_samples: some samples carry MoE routes and others do not")
+    return all(have)
+
+
+def _token_routes(s: TrainSample) -> torch.Tensor:
+    """The sample's routes per token of prompt + response `[P + L, layers, k]`: the recorded ones and a -1 row for
+    the final token (no forward of the rollout read it; the pack leaves it out)."""
+    assert s.routes is not None
+    n = len(s.prompt) + s.response_length
+    if s.routes.dim() != 3 or s.routes.shape[0] < n - 1:
+        raise ValueError(f"pack_samples: routes of shape {tuple(s.routes.shape)} for {n - 1} read tokens "
+                         "(prompt + response - 1)")
+    r = s.routes[:n - 1]
+    return torch.cat([r, r.new_full((1, *r.shape[1:]), -1)])
 
 
 def split_by_response(values: torch.Tensor, samples: Sequence[TrainSample]) -> list[torch.Tensor]:

@@ -550,8 +550,13 @@ class RLConfig:
     generating rank, fed the trainer's weights after every optimizer step (inference/vllm_engine.py,
     docs/vllm.md; its settings are [rl.vllm], the vllm package must be importable)."""
     routing_replay: str = "off"
-    """MoE routing replay: "off" = the training forwards route tokens themselves; "rollout" = replay the
-    experts the rollout chose per token (not implemented yet: exit 2)."""
+    """MoE routing replay ("R3"): "off" = the training forwards route tokens themselves; "rollout" = the
+    built-in engine records the top-k experts of every prompt and generated token per MoE layer (int8 / int16,
+    on the sample) and the training forwards (old-log-prob recompute, update) route each token to them, the
+    gate weights recomputed from the current router scores of those experts (the router keeps its gradient;
+    models/common/routing_replay.py). Either way a MoE policy logs rollout/routing_mismatch_frac (tokens x
+    layers whose top-k set differs between rollout and the training forward without replay). Native MoE
+    layers without context or pipeline parallelism; not with rollout_backend = "vllm" (exit 2)."""
     recompute_logprobs: bool = False
     """Recompute the old-policy log-probs of the PPO ratio with a training-layout forward pass before
     the update, instead of taking the rollout engine's behaviour log-probs (one extra forward over the
@@ -628,8 +633,10 @@ class RLConfig:
             raise ValueError(f"rollout_backend: must be one of {list(ROLLOUT_BACKENDS)}, got {self.rollout_backend!r}")
         if self.routing_replay not in ("off", "rollout"):
             raise ValueError(f"routing_replay: must be 'off' or 'rollout', got {self.routing_replay!r}")
-        if self.routing_replay == "rollout":
-            raise ConfigError("routing_replay: 'rollout' is not implemented yet; use 'off'")
+        if self.routing_replay == "rollout" and self.rollout_backend == "vllm":
+            raise ConfigError("routing_replay: 'rollout' needs the experts the rollout routed each token to, which the "
+                              "vllm back end does not return here; use rollout_backend = 'builtin' or routing_replay = "
+                              "'off'")
 
     def _validate_across(self) -> None:
         """Checks that read more than one table."""

@@ -81,10 +81,10 @@ class GRPOStep:
                 assert rd.adv is not None
                 train_samples.append(TrainSample(prompt=rd.shard.prompts[s.prompt_index], response_ids=s.token_ids,
                                                  behav_logp=s.logprobs, advantage=float(rd.adv.advantages[i]),
-                                                 old_logp=s.logprobs))
+                                                 old_logp=s.logprobs, routes=s.routes))
         first = rounds[0].result.samples[0]
         dummy = TrainSample(prompt=rounds[0].shard.prompts[0], response_ids=first.token_ids, behav_logp=first.logprobs,
-                            advantage=0.0, old_logp=first.logprobs, ref_logp=first.logprobs)
+                            advantage=0.0, old_logp=first.logprobs, ref_logp=first.logprobs, routes=first.routes)
         upd = self.policy.train(step, train_samples, dummy, timer)
         counts = StepCounts(rounds=len(rounds), surplus=surplus, masked_truncated=masked_truncated,
                             skipped_prompts=getattr(self.encoder, "skipped", 0), reward_failures=self.manager.metrics(),

@@ -21,6 +21,7 @@ on every rank). The mini-batch order is a function of (seed, step, epoch, rank).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -30,7 +31,9 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.models.common.prefix_sharing import accepts_prefix_segments
+from megatron_vlm.models.common.routing_replay import replaying_routes
 from megatron_vlm.parallel import clip_grad_norm_
 from megatron_vlm.parallel.collectives import all_reduce_max
 from megatron_vlm.rl.algorithms.loss_terms import kl_penalty, rollout_correction_mask
@@ -71,6 +74,9 @@ class UpdateResult:
     train_tokens: int
     mismatch: Optional[dict[str, float]] = None
     """`mismatch_sums` of the samples whose old log-probs were recomputed (None: not recomputed)."""
+    routing: Optional[tuple[int, int]] = None
+    """(token x layer pairs whose natural top-k expert set differs from the rollout's, recorded pairs) of the first
+    training-side forward over the step's samples (None: no routes recorded: not a MoE policy, or vLLM)."""
     zero_adv_skipped: int = 0
     """Samples the update did not forward (advantage 0, `rl.update.skip_zero_advantage`)."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -136,6 +142,17 @@ class PolicyUpdate:
                                     if t is not None)
         if ctx.env.rank == 0 and model is not None:
             log.info("rl.update.prompt_sharing: %s (%s)", "on" if self.share_prompts else "off", why)
+        # MoE routing replay (rl.routing_replay = "rollout"): the training forwards route as the rollout did
+        self.replay_routes = getattr(rl_cfg, "routing_replay", "off") == "rollout"
+        # the recorded routes lie over a training forward that runs every token of the pack through every MoE layer
+        # (no cp / pp slices; native layers): elsewhere they are dropped (replay itself is refused there: config)
+        dims = getattr(bundle, "dims", None)
+        self.routes_usable = getattr(dims, "cp", 1) == 1 and getattr(dims, "pp", 1) == 1
+        if self.replay_routes and isinstance(model := getattr(bundle, "model", None), torch.nn.Module) \
+                and not moe_layers(model) and ctx.env.rank == 0:
+            log.warning("rl.routing_replay = 'rollout': %s has no MoE layers, nothing is replayed", type(model).__name__)
+        self._routes_counted = False
+        self._route_counts = [0, 0]
         self.skip_zero_adv, why_skip = self.skip_zero_advantage()
         if ctx.env.rank == 0 and model is not None:
             log.info("rl.update.skip_zero_advantage: %s (%s)", "on" if self.skip_zero_adv else "off", why_skip)
@@ -176,6 +193,7 @@ class PolicyUpdate:
         """Reference log-probs (kl_coef > 0), old log-probs (recomputed or from the update's forward), MIS, the
         updates. `dummy`: the sample a rank forwards (loss x 0) when it has fewer packs than another."""
         r = self.rl
+        self._routes_counted, self._route_counts = False, [0, 0]
         if self.reference is not None:
             with timer.phase("ref"):
                 self.reference_logprobs(samples, dummy)
@@ -188,6 +206,7 @@ class PolicyUpdate:
             needs_old = samples if r.loss.rollout_correction == "mis" else [s for s in samples if self.trains(s)]
             with timer.phase("old_logprob"):
                 self.recompute_old_logprobs(needs_old, dummy)
+            self._routes_counted = True
             # over the samples whose old log-probs were recomputed (as when the update's own forward gives them)
             mismatch = mismatch_sums(needs_old)
             if r.loss.rollout_correction == "mis":
@@ -201,6 +220,7 @@ class PolicyUpdate:
         if proximal_in_update:  # old_logp = the update forward's (pre-update) log-probs, of the samples it forwarded
             mismatch = mismatch_sums(forwarded)
         out.mismatch = mismatch
+        out.routing = tuple(self._route_counts) if self._route_counts[1] else None  # type: ignore[assignment]
         out.zero_adv_skipped = len(samples) - len(forwarded)
         return out
 
@@ -213,6 +233,25 @@ class PolicyUpdate:
         else:
             plan = plan_micro_batches([s.num_tokens for s in samples], self.max_tokens)
         return [[samples[i] for i in group] for group in plan]
+
+    def replay_scope(self, batch: dict[str, Any], *, count: bool):
+        """The context of one training forward (and its backward: activation checkpointing re-runs the forward
+        there) of a pack with the rollout's MoE routes (`batch["routes"]`, taken out of the batch): the recorded
+        experts forced (rl.routing_replay = "rollout") or only compared; `count`: add the pack's routing
+        mismatch to this step's `rollout/routing_mismatch_frac`. A null context for packs without routes."""
+        routes = batch.pop("routes", None)
+        if routes is None or not self.routes_usable:
+            return contextlib.nullcontext()
+        return self._replaying(routes, count)
+
+    @contextlib.contextmanager
+    def _replaying(self, routes, count: bool):
+        with replaying_routes(self.bundle.wrapper, routes, force=self.replay_routes) as plan:
+            yield plan
+        if count:
+            d, n = plan.mismatch()
+            self._route_counts[0] += d
+            self._route_counts[1] += n
 
     def _pack(self, group: Sequence[TrainSample]) -> dict[str, Any]:
         out: dict[str, Any] = self.ctx.to_device(pack_samples(group, share_prompts=self.share_prompts,
@@ -229,7 +268,9 @@ class PolicyUpdate:
         with self.reference.on_device():
             for i in range(n):
                 group = packs[i] if i < len(packs) else [dummy]
-                logp = self.reference.token_logprobs(self._pack(group))
+                batch = self._pack(group)
+                batch.pop("routes", None)  # the reference routes by itself
+                logp = self.reference.token_logprobs(batch)
                 if i < len(packs):
                     for s, piece in zip(group, split_by_response(logp.float().cpu(), group)):
                         s.ref_logp = piece
@@ -242,7 +283,9 @@ class PolicyUpdate:
         self.bundle.wrapper.eval()
         for i in range(n):
             group = packs[i] if i < len(packs) else [dummy]
-            logp = self.bundle.wrapper(self._pack(group), temperature=self.rl.rollout.temperature)
+            batch = self._pack(group)
+            with self.replay_scope(batch, count=i < len(packs)):
+                logp = self.bundle.wrapper(batch, temperature=self.rl.rollout.temperature)
             if i < len(packs):
                 for s, piece in zip(group, split_by_response(logp.float().cpu(), group)):
                     s.old_logp = piece
@@ -282,32 +325,33 @@ class PolicyUpdate:
                     is_real = i < len(packs)
                     group = packs[i] if is_real else [dummy]
                     batch = self._pack(group)
-                    logp, ent = wrapper(batch, temperature=r.rollout.temperature, return_entropy=True)
-                    # MoE auxiliary loss of this forward (None without MoE layers or aux_loss_coef = 0),
-                    # averaged over the mini-batch's packs as the SFT loop averages over micro-batches
-                    aux = balancer.aux_loss() if balancer is not None else None
-                    if not is_real:
-                        (logp.sum() * 0.0 + (aux * 0.0 if aux is not None else 0.0)).backward()
-                        continue
-                    train_tokens += int(batch["input_ids"].numel())
-                    if proximal_from_forward:
-                        for s, piece in zip(group, split_by_response(logp.detach().float().cpu(), group)):
-                            s.old_logp = piece
-                    out = self.loss(logp, ent, group, normalizer)
-                    total_loss = out.loss * dp
-                    if aux is not None:
-                        total_loss = total_loss + aux / n_packs
-                    total_loss.backward()
-                    loss_sum += float(out.loss.detach())
-                    n_tok = float(out.num_tokens)
-                    for k, v in out.metrics.items():
-                        if k != "pg_loss" and not k.startswith("mismatch_"):  # mismatch: once per step, in train()
-                            sums[k] = sums.get(k, 0.0) + float(v) * n_tok
-                            weights[k] = weights.get(k, 0.0) + n_tok
-                    if epoch == 0 and m == 0:  # the policy before any update of this step vs the rollout's numbers
-                        behav = torch.cat([s.behav_logp for s in group]).to(logp.device)
-                        diff_sum += float((logp.detach().float() - behav).abs().sum())
-                        diff_n += float(behav.numel())
+                    with self.replay_scope(batch, count=is_real and epoch == 0 and m == 0 and not self._routes_counted):
+                        logp, ent = wrapper(batch, temperature=r.rollout.temperature, return_entropy=True)
+                        # MoE auxiliary loss of this forward (None without MoE layers or aux_loss_coef = 0),
+                        # averaged over the mini-batch's packs as the SFT loop averages over micro-batches
+                        aux = balancer.aux_loss() if balancer is not None else None
+                        if not is_real:
+                            (logp.sum() * 0.0 + (aux * 0.0 if aux is not None else 0.0)).backward()
+                            continue
+                        train_tokens += int(batch["input_ids"].numel())
+                        if proximal_from_forward:
+                            for s, piece in zip(group, split_by_response(logp.detach().float().cpu(), group)):
+                                s.old_logp = piece
+                        out = self.loss(logp, ent, group, normalizer)
+                        total_loss = out.loss * dp
+                        if aux is not None:
+                            total_loss = total_loss + aux / n_packs
+                        total_loss.backward()
+                        loss_sum += float(out.loss.detach())
+                        n_tok = float(out.num_tokens)
+                        for k, v in out.metrics.items():
+                            if k != "pg_loss" and not k.startswith("mismatch_"):  # mismatch: once per step, in train()
+                                sums[k] = sums.get(k, 0.0) + float(v) * n_tok
+                                weights[k] = weights.get(k, 0.0) + n_tok
+                        if epoch == 0 and m == 0:  # the policy before any update of this step vs the rollout's numbers
+                            behav = torch.cat([s.behav_logp for s in group]).to(logp.device)
+                            diff_sum += float((logp.detach().float() - behav).abs().sum())
+                            diff_n += float(behav.numel())
                 grad_norms.append(float(clip_grad_norm_(self.bundle.trainable_params, self.max_grad_norm)))
                 if self.guard.allow(loss_sum, grad_norms[-1], step=step + 1):  # non-finite: skip, count
                     optimizer.step()

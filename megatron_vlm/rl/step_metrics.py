@@ -55,7 +55,7 @@ def step_metrics(rl: Any, shards: DataShards, step: int, timer: PhaseTimer, roun
         "adv": [a for rd in rounds if rd.adv is not None for a in rd.adv.advantages.tolist()], "keep": trained,
         "dropped": sum(rd.adv.num_dropped_groups for rd in rounds if rd.adv is not None),
         "groups": len(zero_var), "zero_var": sum(zero_var), "kept_groups": sum(sum(rd.keep_group) for rd in rounds),
-        "masked_truncated": counts.masked_truncated, "mismatch": upd.mismatch,
+        "masked_truncated": counts.masked_truncated, "mismatch": upd.mismatch, "routing": upd.routing,
         "zero_adv_skipped": upd.zero_adv_skipped,
         "sums": upd.sums, "weights": upd.weights, "diff": upd.diff, "train_tokens": upd.train_tokens,
         "gen_tokens": sum(int(s.token_ids.numel()) for s in real), "skipped": counts.skipped_prompts,
@@ -96,6 +96,9 @@ def step_metrics(rl: Any, shards: DataShards, step: int, timer: PhaseTimer, roun
     if zero_adv_on:
         out["train/zero_adv_skipped"] = float(sum(p["zero_adv_skipped"] for p in parts))
     out.update(_mismatch_metrics(rl, [p["mismatch"] for p in parts if p["mismatch"] is not None]))
+    routing = [p["routing"] for p in parts if p.get("routing")]
+    if routing:  # MoE policies with recorded routes: tokens x layers whose top-k set differs from the rollout's
+        out["rollout/routing_mismatch_frac"] = sum(d for d, _ in routing) / max(1, sum(n for _, n in routing))
     sums: dict[str, float] = {}
     weights: dict[str, float] = {}
     for p in parts:

@@ -113,11 +113,11 @@ def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: tor
         return PolicyRolloutEngine(policy_copy, bundle.processor.tokenizer,
                                    EngineOptions(cache_dtype=dtype, device=device,
                                                  max_num_seqs=per_batch * rl.batch.group_size,
-                                                 cuda_graphs=rl.rollout.cuda_graphs, **paged_kv_kwargs(rl)),
+                                                 cuda_graphs=rl.rollout.cuda_graphs, record_routes=True, **paged_kv_kwargs(rl)),
                                    sync_from=bundle.model)
     return PolicyRolloutEngine(bundle.model, bundle.processor.tokenizer,
                                EngineOptions(cache_dtype=dtype, device=device, max_prompts_per_batch=per_batch,
-                                             cuda_graphs=rl.rollout.cuda_graphs, **paged_kv_kwargs(rl)),
+                                             cuda_graphs=rl.rollout.cuda_graphs, record_routes=True, **paged_kv_kwargs(rl)),
                                forward=lambda **kw: bundle.wrapper(model_kwargs=kw),
                                all_ranks_active=lambda active: any_rank(active, device))
 

@@ -37,6 +37,7 @@ from torch import nn
 
 from megatron_vlm import kernels
 from megatron_vlm.models.common.moe_static import experts_static, static_routing_active
+from megatron_vlm.models.common.routing_replay import RoutePlan, record_routes
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -113,10 +114,16 @@ class TopKRouter(nn.Module):
             group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
             choice = grouped.masked_fill(~group_mask[..., None], -math.inf).view(-1, self.num_experts)
         topk_ids = choice.topk(self.top_k, dim=-1).indices
+        return scores, self.weights_of(scores, topk_ids), topk_ids
+
+    def weights_of(self, scores: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Gate weights `[N, k]` of the experts `topk_ids` from the router's scores: the chosen scores, renormalised
+        when `norm_topk_prob`, times `routed_scaling_factor` (also routing replay's weights of recorded experts:
+        the bias and the group selection only pick experts, they never weight them)."""
         topk_weights = scores.gather(1, topk_ids)
         if self.norm_topk_prob:
             topk_weights = topk_weights / (topk_weights.sum(-1, keepdim=True) + 1e-20)
-        return scores, topk_weights * self.routed_scaling_factor, topk_ids
+        return topk_weights * self.routed_scaling_factor
 
 
 class GroupedExperts(nn.Module):
@@ -173,7 +180,12 @@ class MoE(nn.Module):
     """Router + routed experts (+ shared experts, + NemotronH latent projections) over the last dim.
 
     Load statistics for a balancing policy: see the module docstring (`expert_load`,
-    `reset_expert_load`, `record_router_stats` / `router_stats`)."""
+    `reset_expert_load`, `record_router_stats` / `router_stats`). Routing replay (models/common/routing_replay.py):
+    the ids it routes by are recorded inside `recording_routes()`; `route_plan` (set by `replaying_routes`) forces
+    recorded experts and counts the routing mismatch."""
+
+    accepts_route_plan = True  # found by routing_replay.replaying_routes
+    route_plan: Optional[tuple[RoutePlan, int]] = None
 
     def __init__(
         self,
@@ -245,6 +257,14 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         scores, topk_weights, topk_ids = self.gate(flat)
+        if self.route_plan is not None:
+            plan, index = self.route_plan
+            recorded = plan.layer(index, flat.shape[0], self.top_k)
+            plan.count(topk_ids, recorded)
+            if plan.force:  # recorded experts, weighted by the current scores (the router keeps its gradient)
+                topk_ids = torch.where(recorded[:, :1] >= 0, recorded, topk_ids)
+                topk_weights = self.gate.weights_of(scores, topk_ids)
+        record_routes(topk_ids, self.num_experts)
         routed_in = flat if self.fc1_latent_proj is None else self.fc1_latent_proj(flat)
         if static_routing_active():  # a static decode step (CUDA graphs): no host-sized GEMMs (moe_static.py)
             routed = experts_static(self.experts, routed_in, topk_ids, topk_weights).to(routed_in.dtype)

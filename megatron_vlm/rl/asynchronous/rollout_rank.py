@@ -80,7 +80,7 @@ class _State:
 def _sample_payload(s) -> dict:
     return {"prompt_index": s.prompt_index, "sample_index": s.sample_index, "token_ids": s.token_ids,
             "logprobs": s.logprobs, "token_versions": s.token_versions, "text": s.text,
-            "finish_reason": s.finish_reason, "prompt_length": s.prompt_length}
+            "finish_reason": s.finish_reason, "prompt_length": s.prompt_length, "routes": s.routes}
 
 
 def run_rollout_rank(ctx: RunContext, role: Role) -> int:
@@ -109,7 +109,8 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
     engine = PolicyRolloutEngine(model, processor.tokenizer,
                                  EngineOptions(cache_dtype=dtype, device=env.device,
                                                max_num_seqs=per_batch * rl.batch.group_size,
-                                               cuda_graphs=rl.rollout.cuda_graphs, **paged_kv_kwargs(rl)))
+                                               cuda_graphs=rl.rollout.cuda_graphs, record_routes=True,
+                                               **paged_kv_kwargs(rl)))
     receive_weights(model, bridge, bridge.broadcast_object(), engine)  # the trainer's weights at `start`
     manager = RewardManager(rl.rewards, timeout_s=rl.reward_pool.timeout_s, num_workers=rl.reward_pool.workers,
                             memory_limit_mb=rl.reward_pool.memory_limit_mb, batch_timeout_s=rl.reward_pool.batch_timeout_s,

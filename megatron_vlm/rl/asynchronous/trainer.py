@@ -156,7 +156,7 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
                                           logprobs=s["logprobs"], text=s["text"], finish_reason=s["finish_reason"],
                                           prompt_length=s["prompt_length"],
                                           policy_version=int(s["token_versions"].min()) if s["token_versions"].numel() else step,
-                                          token_versions=s["token_versions"]))
+                                          token_versions=s["token_versions"], routes=s.get("routes")))
             total += tot
             for label in per_reward:
                 per_reward[label] += per.get(label, [])

@@ -73,7 +73,7 @@ def test_defaults_validate_and_render_prompt():
         (dict(rollout_backend="vllm", allocation="vllm:d1+d1"), "allocation"),  # async loop: built-in engine only
         (dict(allocation="vllm:d1+d1"), "allocation"),  # vLLM's rollout ranks with the built-in back end
         (dict(routing_replay="yes"), "routing_replay"),
-        (dict(routing_replay="rollout"), "routing_replay"),
+        (dict(routing_replay="rollout", rollout_backend="vllm"), "routing_replay"),  # vLLM returns no routes here
     ],
 )
 def test_validate_names_the_field(kwargs, field):

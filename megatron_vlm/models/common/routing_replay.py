@@ -1,0 +1,146 @@
+"""MoE routing replay ("R3"): record the experts a rollout forward chose, route a training forward the same way.
+
+Why: the importance ratio of RL on a MoE policy compares log-probs of two forwards (the rollout engine's and
+the trainer's) that may route a token to different experts (other kernels, another batch layout, a moved
+score-correction bias, stale weights in asynchronous RL); one flipped expert changes the token's output,
+and the ratio explodes. Replay records, per token and MoE layer, the top-k expert ids the rollout used and
+makes the training forward use them; the gate weights are recomputed from the CURRENT router scores of those
+experts (the router's own normalisation: `TopKRouter.weights_of`), so the router keeps its gradient.
+
+Two context managers, read by every native `MoE` block (models/common/moe.py) while it runs:
+
+* `recording_routes()` -> `RouteRecorder`: each MoE forward called inside appends its top-k ids `[N, k]`
+  (N = its flattened tokens) in call order = layer order; `stacked()` gives `[N, layers, k]` in the compact
+  `route_dtype` (int8 up to 128 experts, else int16). The rollout engine records its prefill and decode steps;
+* `replaying_routes(model, routes, force=...)` -> `RoutePlan`: `routes` `[N, layers, k]` (-1 rows = no
+  recorded route: the token routes itself) in the token order of the forward (a packed sequence: the order
+  of `input_ids`); with `force` every MoE block routes each recorded token to its recorded experts, without
+  it routing is untouched. Either way the plan counts the (token x layer) pairs whose natural top-k SET
+  differs from the recorded one (`mismatch()`): what replay removes, `rollout/routing_mismatch_frac`.
+  The plan is attached to the blocks for the whole `with` block, so keep the backward inside it when
+  activation checkpointing re-runs forwards there (a recomputation is not counted twice).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Optional
+
+import torch
+from torch import nn
+
+__all__ = ["RouteRecorder", "recording_routes", "record_routes", "route_dtype", "RoutePlan", "replaying_routes",
+           "RoutingReplayError", "routes_bytes_per_token"]
+
+_RECORDER: contextvars.ContextVar[Optional[RouteRecorder]] = contextvars.ContextVar("megatron_vlm_route_recorder",
+                                                                                     default=None)
+
+
+class RoutingReplayError(RuntimeError):
+    """A forward whose tokens or MoE layers do not match the recorded routes (a bug in the caller's layout)."""
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The compact integer type of a recorded expert id (and the -1 "no route" marker)."""
+    return torch.int8 if num_experts <= 128 else torch.int16
+
+
+def routes_bytes_per_token(num_moe_layers: int, top_k: int, num_experts: int) -> int:
+    """Bytes of the recorded routes of one token (what travels with a sample, per prompt or generated token)."""
+    return num_moe_layers * top_k * torch.tensor([], dtype=route_dtype(num_experts)).element_size()
+
+
+class RouteRecorder:
+    """The top-k ids of the MoE forwards run inside `recording_routes()`, in call order."""
+
+    def __init__(self) -> None:
+        self.calls: list[torch.Tensor] = []
+        self.num_experts = 0
+
+    def append(self, topk_ids: torch.Tensor, num_experts: int) -> None:
+        self.calls.append(topk_ids.to(route_dtype(num_experts)))
+        self.num_experts = max(self.num_experts, num_experts)
+
+    def stacked(self) -> Optional[torch.Tensor]:
+        """`[N, layers, k]` of the recorded calls (None: no MoE forward ran). Graph-safe (no host read)."""
+        if not self.calls:
+            return None
+        if len({tuple(c.shape) for c in self.calls}) != 1:
+            raise RoutingReplayError(f"recorded MoE calls of different shapes {[tuple(c.shape) for c in self.calls]}")
+        return torch.stack(self.calls, dim=1)
+
+
+@contextlib.contextmanager
+def recording_routes() -> Iterator[RouteRecorder]:
+    """MoE blocks called inside record their top-k ids into the yielded `RouteRecorder`."""
+    rec = RouteRecorder()
+    token = _RECORDER.set(rec)
+    try:
+        yield rec
+    finally:
+        _RECORDER.reset(token)
+
+
+def record_routes(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Called by a MoE block with the ids it routed by: kept when a recorder is active."""
+    rec = _RECORDER.get()
+    if rec is not None:
+        rec.append(topk_ids, num_experts)
+
+
+class RoutePlan:
+    """The recorded routes of one training forward and the routing-mismatch counts of its MoE blocks."""
+
+    def __init__(self, routes: torch.Tensor, force: bool) -> None:
+        if routes.dim() != 3:
+            raise RoutingReplayError(f"routes: expected [tokens, layers, k], got {tuple(routes.shape)}")
+        self.routes, self.force = routes, force
+        self._counts = torch.zeros(2, dtype=torch.int64, device=routes.device)  # (differing, recorded) pairs
+
+    def layer(self, index: int, num_tokens: int, top_k: int) -> torch.Tensor:
+        """Recorded ids `[N, k]` (int64, -1 rows = none) of MoE layer `index` for a forward of `num_tokens`."""
+        if self.routes.shape[0] != num_tokens or self.routes.shape[2] != top_k:
+            raise RoutingReplayError(
+                f"routing replay: MoE layer {index} runs {num_tokens} tokens with top-k {top_k}, the recorded routes "
+                f"are {tuple(self.routes.shape)} [tokens, layers, k] (the forward's token layout must be the packed one)")
+        return self.routes[:, index].long()
+
+    @torch.no_grad()
+    def count(self, natural: torch.Tensor, recorded: torch.Tensor) -> None:
+        """Add the recorded (token, layer) pairs of one block and those whose natural top-k set differs."""
+        if torch._C._current_graph_task_id() != -1:  # activation checkpointing's recomputation: counted already
+            return
+        valid = recorded[:, 0] >= 0
+        differ = (natural.sort(dim=-1).values != recorded.sort(dim=-1).values).any(dim=-1) & valid
+        self._counts += torch.stack([differ.sum(), valid.sum()])
+
+    def mismatch(self) -> tuple[int, int]:
+        """(token x layer pairs whose natural top-k set differs from the recorded one, recorded pairs)."""
+        d, n = self._counts.tolist()
+        return int(d), int(n)
+
+
+@contextlib.contextmanager
+def replaying_routes(model: nn.Module, routes: torch.Tensor, *, force: bool = True) -> Iterator[RoutePlan]:
+    """The model's native MoE blocks (layer order) read `routes[:, i]` while the block runs (module docstring).
+    A model with MoE layers of another backend (megatron-core) is refused when `force`; without it those
+    layers are not compared."""
+    # the blocks of models.common.moe.moe_layers, in the same order (that module imports this one)
+    layers = [m for m in model.modules() if getattr(type(m), "accepts_route_plan", False)
+              or getattr(type(m), "reports_expert_load", False)]
+    native = [m for m in layers if getattr(type(m), "accepts_route_plan", False)]
+    if force and len(native) != len(layers):
+        raise RoutingReplayError("routing replay: MoE layers of another backend (parallel.backend = 'mcore') cannot "
+                                 "take recorded routes")
+    if routes.shape[1] != len(layers):
+        raise RoutingReplayError(f"routing replay: routes for {routes.shape[1]} MoE layers, the model has {len(layers)}")
+    plan = RoutePlan(routes, force)
+    for i, m in enumerate(layers):
+        if getattr(type(m), "accepts_route_plan", False):
+            setattr(m, "route_plan", (plan, i))  # noqa: B010 -- an attribute of MoE blocks, found by duck typing
+    try:
+        yield plan
+    finally:
+        for m in native:
+            setattr(m, "route_plan", None)  # noqa: B010

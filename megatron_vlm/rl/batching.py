@@ -43,6 +43,14 @@ class TrainSample:
     """[L] log-probs of the policy the PPO ratio is taken against (behav_logp unless recomputed)."""
     ref_logp: Optional[torch.Tensor] = None
     """[L] reference-model log-probs (kl_coef > 0)."""
+    score: float = 0.0
+    """The completion's (shaped) reward: PPO's critic puts it on the last token (advantage = "gae")."""
+    token_advantages: Optional[torch.Tensor] = None
+    """[L] per-token advantages (advantage = "gae": GAE over the critic's values); None: `advantage` on every token."""
+    old_values: Optional[torch.Tensor] = None
+    """[L] the critic's values of the rollout, before this step's critic updates (advantage = "gae")."""
+    returns: Optional[torch.Tensor] = None
+    """[L] the critic's targets, GAE advantages + old values (advantage = "gae")."""
 
     @property
     def num_tokens(self) -> int:

@@ -225,7 +225,10 @@ class RLLossConfig:
     averages each sequence's tokens first, then over sequences; seq-mean-token-sum-norm sums over all
     tokens and divides by the constant rollout.max_new_tokens x sequences (Dr. GRPO, Liu et al. 2025)."""
     kl_coef: float = 0.0
-    """Coefficient of the KL penalty against the frozen reference model; 0 drops the reference model."""
+    """Coefficient of the KL penalty against the frozen reference model; 0 drops the reference model. With
+    advantage = "gae" (PPO with a critic) the penalty is not in the loss but in the per-token reward,
+    -kl_coef x KL_t of the rollout policy against the reference (PPO-RLHF; loss.kl_estimator, k1 there), which
+    the critic learns to predict; actor/kl is still logged."""
     kl_estimator: Literal["k1", "k3"] = "k3"
     """KL estimator per token: k1 = log pi - log pi_ref; k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1
     (non-negative, unbiased)."""
@@ -589,7 +592,9 @@ class RLConfig:
     """Advantage estimator (megatron_vlm/rl/advantages.py): "grpo" = group mean-centred reward divided by
     the group std (advantages.normalize_std); "dr_grpo" = mean-centred, no std division (Dr. GRPO, Liu et al.
     2025; pair it with loss.loss_agg = "seq-mean-token-sum-norm"); "rloo" = reward minus the mean of the
-    other G - 1 rewards of the group (Ahmadian et al. 2024). More register by name:
+    other G - 1 rewards of the group (Ahmadian et al. 2024); "gae" = PPO with a critic: per-token GAE
+    advantages over the values of a learned value model ([rl.critic], advantages.gamma / advantages.lam; the
+    KL penalty then moves into the per-token reward). More register by name:
     megatron_vlm/rl/algorithms/advantage_estimators.py."""
     rollout_backend: str = "builtin"
     """The engine that generates the rollouts: "builtin" = the policy engine of megatron_vlm/inference

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,13 @@ def resolved_gae(rl: Any) -> tuple[float, float]:
     adv = rl.advantages
     return (GAE_DEFAULT_GAMMA if adv.gamma is None else float(adv.gamma),
             GAE_DEFAULT_LAM if adv.lam is None else float(adv.lam))
+
+
+def _flat(pieces: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    """The samples' per-token tensors concatenated, float64 (empty without samples; each must be set)."""
+    present = [p for p in pieces if p is not None]
+    assert len(present) == len(pieces), "a sample's per-token tensor is not set"
+    return torch.cat(present).double() if present else torch.zeros(0, dtype=torch.float64)
 
 
 class Critic:
@@ -95,9 +102,7 @@ class Critic:
             adv, ret = self.estimator.token_fn(r[None], s.old_values[None], mask[None], gamma=self.gamma, lam=self.lam,
                                                seq_ids=None)
             s.token_advantages, s.returns = adv[0], ret[0]
-        a = torch.cat([s.token_advantages for s in samples]).double() if samples else torch.zeros(0, dtype=torch.float64)
-        v = torch.cat([s.old_values for s in samples]).double() if samples else torch.zeros(0, dtype=torch.float64)
-        ret_all = torch.cat([s.returns for s in samples]).double() if samples else torch.zeros(0, dtype=torch.float64)
+        a, v, ret_all = (_flat([getattr(s, name) for s in samples]) for name in ("token_advantages", "old_values", "returns"))
         err = ret_all - v
         n, a1, a2, r1, r2, e1, e2, v1, klsum = self.shards.sum(
             [a.numel(), float(a.sum()), float((a * a).sum()), float(ret_all.sum()), float((ret_all * ret_all).sum()),
@@ -112,7 +117,7 @@ class Critic:
             for s in samples:
                 assert s.token_advantages is not None
                 s.token_advantages = ((s.token_advantages.double() - mean) * scale).float()
-        final = torch.cat([s.token_advantages for s in samples]).double() if samples else torch.zeros(0, dtype=torch.float64)  # type: ignore[misc]
+        final = _flat([s.token_advantages for s in samples])
         f1, f2 = self.shards.sum([float(final.sum()), float((final * final).sum())])
         lo, hi = self._extremes(final)
         ret_var = max(r2 - r1 * r1 / n, 0.0) / n

@@ -36,7 +36,8 @@ class ValueModel(nn.Module):
         self.value_head = nn.Linear(hidden_size_of(backbone), 1)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
-        self.value_head.to(dtype=backbone.lm_head.weight.dtype, device=backbone.lm_head.weight.device)
+        head: Any = backbone.lm_head  # a family model's output Linear: the dtype and device of the weights
+        self.value_head.to(dtype=head.weight.dtype, device=head.weight.device)
 
     def forward(self, batch: dict) -> torch.Tensor:
         hidden = self.backbone(**model_inputs(batch), return_hidden=True)

@@ -69,3 +69,21 @@ def test_a_grpo_checkpoint_is_not_resumed_as_ppo(tmp_path):
     r = run_job(grpo_overrides(out, tmp_path / "assets", **{**PPO, "train.max_steps": "4"}), config=GRPO_DEMO, check=False)
     assert r.returncode == 2, r.stderr[-3000:]
     assert "rl.critic: " in r.stderr and "holds no critic state" in r.stderr
+
+
+def test_a_separate_critic_folder_trains_and_a_foreign_one_is_refused(tmp_path):
+    """`rl.critic.model` = another model folder of the policy's family (here the tiny model with other weights);
+    a folder of another family exits 2 naming rl.critic.model before anything is loaded."""
+    from megatron_vlm.testing.synthesize import synthesize_model_folder
+
+    synthesize_model_folder("tiny_qwen2_5_vl", tmp_path / "critic", seed=1)
+    out = tmp_path / "run"
+    sets = {**PPO, "train.max_steps": "2", "rl.critic.model": f'"{tmp_path / "critic"}"'}
+    r = run_job(grpo_overrides(out, tmp_path / "assets", **sets), config=GRPO_DEMO)
+    assert f"critic (advantage = 'gae'): {tmp_path / 'critic'}" in r.stderr
+    rows = read_metrics(out / "metrics_train.csv")
+    assert len(rows) == 2 and float(rows[1]["critic/values_old_mean"]) != 0.0
+    synthesize_model_folder("tiny_qwen3_vl", tmp_path / "foreign", seed=0)
+    sets["rl.critic.model"] = f'"{tmp_path / "foreign"}"'
+    r = run_job(grpo_overrides(tmp_path / "run2", tmp_path / "assets", **sets), config=GRPO_DEMO, check=False)
+    assert r.returncode == 2 and "rl.critic.model: " in r.stderr and "model_type" in r.stderr, r.stderr[-2000:]

@@ -273,7 +273,8 @@ class RLAdvantagesConfig:
     normalize_std: Optional[bool] = None
     """Divide group-relative advantages by the group's reward standard deviation. Unset = the
     estimator's definition (grpo: true; dr_grpo, rloo: false); false with grpo keeps mean-centred
-    rewards only; true with dr_grpo or rloo is refused."""
+    rewards only; true with dr_grpo or rloo is refused. With gae (PPO): whiten the token advantages over the
+    step's tokens (mean 0, std 1; unset = true), as verl and TRL do."""
     drop_equal_reward_groups: bool = False
     """Drop groups whose G rewards are all equal (they carry no learning signal) without sampling more
     (advantages.dynamic_sampling refills the step)."""
@@ -793,7 +794,7 @@ class RLConfig:
     def adv_normalize_std(self) -> bool:
         """Whether advantages are divided by the group std (advantages.normalize_std resolved for `advantage`)."""
         ns = self.advantages.normalize_std
-        return ns if ns is not None else self.advantage == "grpo"
+        return ns if ns is not None else self.advantage in ("grpo", "gae")  # gae: whitened over the step's tokens
 
     def accuracy_label(self) -> str:
         """Label of the reward that counts as accuracy."""

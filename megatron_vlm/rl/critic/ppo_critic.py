@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_vlm.parallel import clip_grad_norm_
 from megatron_vlm.rl.algorithms.advantage_estimators import ADVANTAGE_ESTIMATORS
 from megatron_vlm.rl.algorithms.value_losses import VALUE_LOSSES
 from megatron_vlm.rl.batching import TrainSample, split_by_response
@@ -198,7 +199,7 @@ class Critic:
                 dist.all_reduce(p.grad)
                 if self.shards.copies > 1:
                     p.grad.div_(self.shards.copies)
-        norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+        norm = float(clip_grad_norm_(self.params, self.max_grad_norm))  # train.max_grad_norm = 0: only measured
         loss_total = self.shards.sum([loss_sum])[0]
         if math.isfinite(norm) and math.isfinite(loss_total):
             self.optimizer.step()

@@ -12,7 +12,7 @@ its held-out evaluation from here. Set-up order, per kind (the same on every ran
   checkpointer + resume, metrics logger, evaluator, loop;
 - GRPO: config checks, model bundle, prompt sets / engine / rewards / reference, run length
   (`train.max_steps`, or `train.epochs` x ceil(prompts / rl.batch.prompts_per_step)), optimizer + schedule,
-  checkpointer + resume, metrics logger, evaluator, loop; the reward workers are closed however the
+  PPO's critic (`advantage = "gae"`: rl/critic/), checkpointer (with the critic's state) + resume, metrics logger, evaluator, loop; the reward workers are closed however the
   run ends.
 - both: `[moe]` keys on a model without MoE layers are refused (config error, exit 2);
 - DPO: data (synthetic set, bad-record log), model bundle, pair loaders, reference (before the resume: a
@@ -45,6 +45,7 @@ from megatron_vlm.parallel.collectives import barrier
 from megatron_vlm.rl.asynchronous.bridge import current_role
 from megatron_vlm.rl.asynchronous.rollout_rank import run_rollout_rank
 from megatron_vlm.rl.asynchronous.trainer import AsyncGRPOLoopStep
+from megatron_vlm.rl.critic.build import build_critic
 from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.trainer import GRPOLoopStep, build_grpo_parts, check_grpo_config, grpo_total_steps
 from megatron_vlm.training.checkpointing import Checkpointer, ResumePoint
@@ -64,12 +65,13 @@ __all__ = ["run_sft", "run_grpo", "run_dpo", "run_stages", "run_eval", "run_kind
 log = logging.getLogger("megatron_vlm")
 
 
-def _training_state(ctx: RunContext, bundle: ModelBundle, num_steps: int,
+def _training_state(ctx: RunContext, bundle: ModelBundle, num_steps: int, *, modules: Optional[dict] = None,
                     ) -> tuple[OptimState, Checkpointer, Optional[ResumePoint], MetricsLogger]:
     """(optimizer state, checkpointer, resume point or None, metrics logger): the set-up every training kind
-    does in this order once its run length is known (the resume restores the optimizer built just before)."""
+    does in this order once its run length is known (the resume restores the optimizer built just before).
+    `modules`: further (module, optimizer) pairs saved in the same checkpoint by name (PPO's critic)."""
     optim = build_optim_state(bundle.wrapper, ctx.cfg, ctx.device.type, num_steps)
-    checkpointer = Checkpointer(ctx, bundle.wrapper, optim)
+    checkpointer = Checkpointer(ctx, bundle.wrapper, optim, modules=modules)
     resume = checkpointer.resume()
     metrics = build_metrics_logger(ctx, num_steps, to_dict(ctx.cfg))
     return optim, checkpointer, resume, metrics
@@ -125,8 +127,11 @@ def run_grpo(ctx: RunContext, *, before_step=None) -> int:
     rl = cfg.rl
     try:
         num_steps = grpo_total_steps(cfg.train, rl, len(parts.sets.train))
-        optim, checkpointer, resume, metrics = _training_state(ctx, bundle, num_steps)
-        grpo = GRPOStep(ctx, bundle, optim, rl, parts.engine, parts.encoder, parts.manager, parts.reference, metrics=metrics)
+        critic = build_critic(ctx, bundle, rl)  # advantage = "gae" (PPO): the value model and its optimizer, else None
+        optim, checkpointer, resume, metrics = _training_state(
+            ctx, bundle, num_steps, modules={"critic": (critic.model, critic.optimizer)} if critic is not None else None)
+        grpo = GRPOStep(ctx, bundle, optim, rl, parts.engine, parts.encoder, parts.manager, parts.reference, metrics=metrics,
+                        critic=critic)
         evaluate = GRPOEvaluator(ctx, bundle.wrapper, rl, parts.engine, parts.encoder, parts.manager, parts.sets.eval,
                                  dims=bundle.dims)
         if role is not None:

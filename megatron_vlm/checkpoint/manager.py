@@ -155,10 +155,11 @@ class CheckpointManager:
     # ---- saving -------------------------------------------------------------------------------
 
     def save(self, step: int, model: torch.nn.Module, optimizer, extra: dict[str, Any],
-             layout: Optional[dict] = None) -> Path:
+             layout: Optional[dict] = None, modules: Optional[dict[str, tuple[torch.nn.Module, Any]]] = None) -> Path:
         """Write `step_<step>` (see the module docstring), with the `layout` record (checkpoint/layout.py)
         when given; raises `CheckpointError` on every rank when any rank failed, with the previous
-        checkpoint untouched."""
+        checkpoint untouched. `modules`: further (module, optimizer) pairs trained beside the model (PPO's
+        critic), saved in the same DCP checkpoint under their name (`<name>.model.*`, `<name>.optim.*`)."""
         final = self.root / f"step_{step}"
         if self.last_saved == step:
             log.info("checkpoint %s was already saved by this run: not saving it again", final)
@@ -181,7 +182,12 @@ class CheckpointManager:
                 optim_sd = model.optim_state_dict_for_save(optim_sd)
             # a non-finite tensor is never saved: the previous (good) checkpoint must not be pruned for it
             check_finite({"model": model_sd, "optim": optim_sd.get("state", {})}, f"refusing to save step_{step}")
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+            state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+            for name, (module, module_optim) in (modules or {}).items():
+                m_sd, o_sd = get_state_dict(module, module_optim)
+                check_finite({name: m_sd, f"{name} optimizer": o_sd.get("state", {})}, f"refusing to save step_{step}")
+                state[name] = {"model": m_sd, "optim": o_sd}
+            dcp.save(state, checkpoint_id=str(tmp))
             extra_file = tmp / f"extra_rank{self.rank}.pt"
             with open(extra_file, "wb") as f:
                 torch.save({**extra, "rng": rng_state(), "step": step}, f)
@@ -289,13 +295,22 @@ class CheckpointManager:
         paths = self.resume_candidates(resume)
         return paths[0] if paths else None
 
-    def load(self, path: Path, model: torch.nn.Module, optimizer) -> dict:
+    def load(self, path: Path, model: torch.nn.Module, optimizer,
+             modules: Optional[dict[str, tuple[torch.nn.Module, Any]]] = None) -> dict:
+        """Load `path` into the model and optimizer (and `modules`, as `save` wrote them); the extra file's dict."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        for name, (module, module_optim) in (modules or {}).items():
+            m_sd, o_sd = get_state_dict(module, module_optim)
+            state[name] = {"model": m_sd, "optim": o_sd}
         local_groups = [list(g["params"]) for g in optim_sd.get("param_groups", [])]
         dcp.load(state, checkpoint_id=str(path))
         # flipped bytes can make NaN / 3.4e38 without breaking the format: a corrupt checkpoint (the caller falls back)
         check_finite({"model": state["model"], "optim": state["optim"].get("state", {})}, f"{path}")
+        for name, (module, module_optim) in (modules or {}).items():
+            check_finite({name: state[name]["model"], f"{name} optimizer": state[name]["optim"].get("state", {})}, f"{path}")
+            set_state_dict(module, module_optim, model_state_dict=state[name]["model"],
+                           optim_state_dict=state[name]["optim"])
         if hasattr(model, "restore_local_param_groups"):  # parallel.pp > 1: saved lists name every stage's
             model.restore_local_param_groups(state["optim"], local_groups)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -94,7 +94,10 @@ def compute_group_advantages(
     r = rewards.detach().to(dtype).view(-1, group_size)
     mean = r.mean(dim=1)
     std = r.std(dim=1)  # unbiased (Bessel), G >= 2
-    adv = _REGISTRY.get(estimator).fn(r, normalize_std=normalize_std, eps=eps)  # rl/algorithms/advantage_estimators.py
+    group_fn = _REGISTRY.get(estimator).fn  # rl/algorithms/advantage_estimators.py
+    # a token estimator (gae): the advantages come from the critic in the update; 0 here (the group statistics,
+    # equal-reward groups and dropping still apply)
+    adv = group_fn(r, normalize_std=normalize_std, eps=eps) if group_fn is not None else torch.zeros_like(r)
     spread = r.max(dim=1).values - r.min(dim=1).values
     # all G rewards identical: the advantage is 0. Computed, it need not be: the mean of G equal floats can land
     # an ulp off them (e.g. 8 x 0.2), so centred is ~1e-8 and so is std, and grpo's centred / (std + eps) is

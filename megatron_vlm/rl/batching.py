@@ -47,6 +47,14 @@ class TrainSample:
     """[L] reference-model log-probs (kl_coef > 0)."""
     routes: Optional[torch.Tensor] = None
     """[prompt + L - 1, moe_layers, k] the rollout's experts per token (`RolloutSample.routes`; routing replay)."""
+    score: float = 0.0
+    """The completion's (shaped) reward: PPO's critic puts it on the last token (advantage = "gae")."""
+    token_advantages: Optional[torch.Tensor] = None
+    """[L] per-token advantages (advantage = "gae": GAE over the critic's values); None: `advantage` on every token."""
+    old_values: Optional[torch.Tensor] = None
+    """[L] the critic's values of the rollout, before this step's critic updates (advantage = "gae")."""
+    returns: Optional[torch.Tensor] = None
+    """[L] the critic's targets, GAE advantages + old values (advantage = "gae")."""
 
     @property
     def num_tokens(self) -> int:

@@ -29,7 +29,7 @@ from megatron_vlm.rl.rewards.config import (
 )
 
 __all__ = ["RLConfig", "RLEvalConfig", "RLBatchConfig", "RLRolloutConfig", "RLLossConfig", "RLAdvantagesConfig",
-           "RLUpdateConfig", "RLRewardPoolConfig", "RLPromptsConfig", "RLAsyncConfig", "VLLMConfig", "MOVED_KEYS",
+           "RLUpdateConfig", "RLCriticConfig", "RLRewardPoolConfig", "RLPromptsConfig", "RLAsyncConfig", "VLLMConfig", "MOVED_KEYS",
            "ROLLOUT_BACKENDS"]
 
 ROLLOUT_BACKENDS = ("builtin", "vllm")
@@ -225,7 +225,10 @@ class RLLossConfig:
     averages each sequence's tokens first, then over sequences; seq-mean-token-sum-norm sums over all
     tokens and divides by the constant rollout.max_new_tokens x sequences (Dr. GRPO, Liu et al. 2025)."""
     kl_coef: float = 0.0
-    """Coefficient of the KL penalty against the frozen reference model; 0 drops the reference model."""
+    """Coefficient of the KL penalty against the frozen reference model; 0 drops the reference model. With
+    advantage = "gae" (PPO with a critic) the penalty is not in the loss but in the per-token reward,
+    -kl_coef x KL_t of the rollout policy against the reference (PPO-RLHF; loss.kl_estimator, k1 there), which
+    the critic learns to predict; actor/kl is still logged."""
     kl_estimator: Literal["k1", "k3"] = "k3"
     """KL estimator per token: k1 = log pi - log pi_ref; k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1
     (non-negative, unbiased)."""
@@ -270,7 +273,8 @@ class RLAdvantagesConfig:
     normalize_std: Optional[bool] = None
     """Divide group-relative advantages by the group's reward standard deviation. Unset = the
     estimator's definition (grpo: true; dr_grpo, rloo: false); false with grpo keeps mean-centred
-    rewards only; true with dr_grpo or rloo is refused."""
+    rewards only; true with dr_grpo or rloo is refused. With gae (PPO): whiten the token advantages over the
+    step's tokens (mean 0, std 1; unset = true), as verl and TRL do."""
     drop_equal_reward_groups: bool = False
     """Drop groups whose G rewards are all equal (they carry no learning signal) without sampling more
     (advantages.dynamic_sampling refills the step)."""
@@ -287,8 +291,18 @@ class RLAdvantagesConfig:
     over which the penalty rises linearly from 0 to advantages.overlong_penalty (0 = off)."""
     overlong_penalty: float = 0.0
     """Reward subtracted at rollout.max_new_tokens (DAPO uses 1.0); needs advantages.overlong_buffer >= 1."""
+    gamma: Optional[float] = None
+    """GAE's discount over the response tokens (advantage = "gae" only; unset = 1.0, no discount: the reward
+    sits on the last token). In [0, 1]."""
+    lam: Optional[float] = None
+    """GAE's lambda, the bias / variance trade-off of the advantage (advantage = "gae" only; unset = 0.95, TRL's
+    PPO default; 1 = Monte-Carlo returns minus the values, 0 = one-step TD errors). In [0, 1]."""
 
     def validate(self) -> None:
+        for name in ("gamma", "lam"):
+            v = getattr(self, name)
+            if v is not None and not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name}: must be in [0, 1], got {v}")
         if self.max_sampling_rounds < 1:
             raise ValueError(f"max_sampling_rounds: must be >= 1, got {self.max_sampling_rounds}")
         if self.overlong_buffer < 0:
@@ -299,6 +313,43 @@ class RLAdvantagesConfig:
             raise ValueError(f"overlong_penalty: the soft overlong penalty needs both overlong_buffer >= 1 and "
                              f"overlong_penalty > 0 (one alone has no effect), got overlong_buffer = "
                              f"{self.overlong_buffer}, overlong_penalty = {self.overlong_penalty}")
+
+
+@dataclass(kw_only=True)
+class RLCriticConfig:
+    """`[rl.critic]`: PPO's critic (advantage = "gae"): a value head on a backbone, trained beside the policy
+    with its own optimizer (megatron_vlm/rl/critic/)."""
+
+    model: str = "policy"
+    """The critic's backbone: "policy" = a copy of the policy's starting weights (model.path), or the path of
+    another model folder of the policy's family sharing its tokenizer and image settings (e.g. a smaller one).
+    A scalar Linear value head on its final hidden states is added (initialised to 0: every value starts at 0).
+    Its trainable layers are train.train_layers' (the lm_head is never trained: its output is not read)."""
+    lr: float = 1e-5
+    """AdamW learning rate of the critic (constant; betas, eps and weight decay are [optimizer]'s)."""
+    value_clip: float = 0.2
+    """eps of the clipped value loss: a new value may move at most this far from the value the rollout was
+    scored with before its squared error stops shrinking (PPO2 / TRL; 0 = no clipping)."""
+    warmup_steps: int = 0
+    """Steps at the start of the run in which only the critic is trained (the policy does not move; its lr
+    schedule still counts them), so that the first policy updates see fitted values."""
+    value_loss: str = "clipped"
+    """The value loss (megatron_vlm/rl/algorithms/value_losses.py), aggregated like the policy loss
+    (loss.loss_agg)."""
+
+    def validate(self) -> None:
+        if not self.model:
+            raise ValueError("model: must be 'policy' or a model folder")
+        if not self.lr > 0 or self.lr == float("inf"):
+            raise ValueError(f"lr: must be finite and > 0, got {self.lr}")
+        if not self.value_clip >= 0 or self.value_clip == float("inf"):
+            raise ValueError(f"value_clip: must be finite and >= 0 (0 = no clipping), got {self.value_clip}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
+        from megatron_vlm.rl.algorithms.value_losses import VALUE_LOSSES
+
+        if self.value_loss not in VALUE_LOSSES:
+            raise ValueError(f"value_loss: must be one of {VALUE_LOSSES.names()}, got {self.value_loss!r}")
 
 
 @dataclass(kw_only=True)
@@ -542,7 +593,9 @@ class RLConfig:
     """Advantage estimator (megatron_vlm/rl/advantages.py): "grpo" = group mean-centred reward divided by
     the group std (advantages.normalize_std); "dr_grpo" = mean-centred, no std division (Dr. GRPO, Liu et al.
     2025; pair it with loss.loss_agg = "seq-mean-token-sum-norm"); "rloo" = reward minus the mean of the
-    other G - 1 rewards of the group (Ahmadian et al. 2024). More register by name:
+    other G - 1 rewards of the group (Ahmadian et al. 2024); "gae" = PPO with a critic: per-token GAE
+    advantages over the values of a learned value model ([rl.critic], advantages.gamma / advantages.lam; the
+    KL penalty then moves into the per-token reward). More register by name:
     megatron_vlm/rl/algorithms/advantage_estimators.py."""
     rollout_backend: str = "builtin"
     """The engine that generates the rollouts: "builtin" = the policy engine of megatron_vlm/inference
@@ -581,6 +634,8 @@ class RLConfig:
     """Advantages, kept groups, overlong shaping ([rl.advantages])."""
     update: RLUpdateConfig = field(default_factory=RLUpdateConfig)
     """The update's training forwards ([rl.update])."""
+    critic: RLCriticConfig = field(default_factory=RLCriticConfig)
+    """PPO's critic ([rl.critic]; read only with advantage = "gae")."""
     reward_pool: RLRewardPoolConfig = field(default_factory=RLRewardPoolConfig)
     """The verifier worker processes ([rl.reward_pool])."""
     prompts: RLPromptsConfig = field(default_factory=RLPromptsConfig)
@@ -603,13 +658,14 @@ class RLConfig:
     """Held-out evaluation ([rl.eval])."""
 
     def validate(self) -> None:
-        for name in ("batch", "rollout", "loss", "advantages", "update", "reward_pool", "prompts", "asynchronous", "vllm",
-                     "eval"):
+        for name in ("batch", "rollout", "loss", "advantages", "update", "critic", "reward_pool", "prompts", "asynchronous",
+                     "vllm", "eval"):
             try:
                 getattr(self, name).validate()
             except ValueError as e:
                 raise type(e)(f"{name}.{e}") from None
         self._validate_selection()
+        self._validate_critic()
         self._validate_across()
         self._validate_async()
         self._validate_backend()
@@ -637,6 +693,28 @@ class RLConfig:
             raise ConfigError("routing_replay: 'rollout' needs the experts the rollout routed each token to, which the "
                               "vllm back end does not return here; use rollout_backend = 'builtin' or routing_replay = "
                               "'off'")
+
+    def _validate_critic(self) -> None:
+        """`advantage = "gae"` (PPO with a critic): the `[rl.critic]` table and `advantages.gamma` / `lam` are read only
+        then; what the critic does not run with yet is refused (exit 2)."""
+        from megatron_vlm.rl.algorithms.advantage_estimators import needs_critic
+
+        if not needs_critic(self.advantage):
+            if self.critic != RLCriticConfig():
+                raise ValueError(f"critic: the [rl.critic] table is only read with advantage = 'gae' (PPO with a critic), "
+                                 f"not {self.advantage!r}; remove it or set advantage = 'gae'")
+            for name in ("gamma", "lam"):
+                if getattr(self.advantages, name) is not None:
+                    raise ValueError(f"advantages.{name}: GAE's {name}, only read with advantage = 'gae', not "
+                                     f"{self.advantage!r}; remove it")
+            return
+        if self.allocation is not None:
+            raise ConfigError(f"advantage: {self.advantage!r} (PPO with a critic) is not supported with allocation "
+                              "(asynchronous GRPO) yet: the critic lives on the synchronous loop's training ranks; "
+                              "remove allocation or use a group estimator ('grpo', 'dr_grpo', 'rloo')")
+        if self.policy_loss == "gspo":
+            raise ValueError(f"policy_loss: 'gspo' takes one advantage per sequence; advantage = {self.advantage!r} gives "
+                             "one per token (use 'clip', 'gspo_token' or 'cispo')")
 
     def _validate_across(self) -> None:
         """Checks that read more than one table."""
@@ -723,7 +801,7 @@ class RLConfig:
     def adv_normalize_std(self) -> bool:
         """Whether advantages are divided by the group std (advantages.normalize_std resolved for `advantage`)."""
         ns = self.advantages.normalize_std
-        return ns if ns is not None else self.advantage == "grpo"
+        return ns if ns is not None else self.advantage in ("grpo", "gae")  # gae: whitened over the step's tokens
 
     def accuracy_label(self) -> str:
         """Label of the reward that counts as accuracy."""

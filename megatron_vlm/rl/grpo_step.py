@@ -34,15 +34,17 @@ class GRPOStep:
     policy (`wrapper`, `trainable_params`, `dims`, `moe_balancer`); `optim`: optimizer + scheduler;
     `engine`, `encoder`, `manager`: rollout engine, prompt encoder, reward manager; `reference`: the frozen
     reference policy (kl_coef > 0); `metrics`: where a MoE workload report's expert table goes (None: not
-    logged). `rounds` and `policy` are the two parts, public for the asynchronous trainer and benchmarks."""
+    logged); `critic`: PPO's critic (advantage = "gae", rl/critic/build.py) or None. `rounds` and `policy` are the
+    two parts, public for the asynchronous trainer and benchmarks."""
 
     def __init__(self, ctx: Any, bundle: Any, optim: Any, rl_cfg: Any, engine: RolloutEngine, encoder: PromptEncoding,
-                 manager: RewardScorer, reference: Any = None, metrics: Any = None):
+                 manager: RewardScorer, reference: Any = None, metrics: Any = None, critic: Any = None):
         self.rl = rl_cfg
         self.encoder, self.manager = encoder, manager
         # data-parallel coordinates: the tp ranks of a group generate, score and train on the same prompts
         self.shards = DataShards.of(bundle.dims, ctx.env.rank, ctx.env.device)
-        self.policy = PolicyUpdate(ctx, bundle, optim, rl_cfg, shards=self.shards, reference=reference, metrics=metrics)
+        self.policy = PolicyUpdate(ctx, bundle, optim, rl_cfg, shards=self.shards, reference=reference, metrics=metrics,
+                                   critic=critic)
         self.rounds = RoundSampler(rl_cfg, engine, encoder, manager, shards=self.shards, seed=ctx.cfg.train.seed,
                                    eval_mode=lambda: bundle.wrapper.eval())
         self.engine = engine
@@ -81,7 +83,7 @@ class GRPOStep:
                 assert rd.adv is not None
                 train_samples.append(TrainSample(prompt=rd.shard.prompts[s.prompt_index], response_ids=s.token_ids,
                                                  behav_logp=s.logprobs, advantage=float(rd.adv.advantages[i]),
-                                                 old_logp=s.logprobs, routes=s.routes))
+                                                 old_logp=s.logprobs, routes=s.routes, score=float(rd.total[i])))
         first = rounds[0].result.samples[0]
         dummy = TrainSample(prompt=rounds[0].shard.prompts[0], response_ids=first.token_ids, behav_logp=first.logprobs,
                             advantage=0.0, old_logp=first.logprobs, ref_logp=first.logprobs, routes=first.routes)
@@ -91,6 +93,7 @@ class GRPOStep:
                             skipped_steps=self.policy.guard.skipped)
         out = step_metrics(r, self.shards, step, timer, rounds, upd, counts, reward_labels=self.manager.labels,
                            zero_adv_on=self.policy.skip_zero_adv)
+        out.update(upd.extra)  # PPO's critic/* and its token-level advantage/* (the same on every rank)
         out.update(extra_metrics or {})
         self.reward_watch.update(out, step + 1, getattr(self.manager, "last_error", ""))  # summed over ranks: same on every rank
         return out

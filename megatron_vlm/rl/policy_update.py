@@ -22,9 +22,11 @@ on every rank). The mini-batch order is a function of (seed, step, epoch, rank).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import random
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -120,11 +122,14 @@ class PolicyUpdate:
     `rl.batch.mini_batches_per_step` optimizer updates. `ctx`: the run context (config, ranks, device, `to_device`);
     `bundle`: the policy (`wrapper`, `trainable_params`, `dims`, `moe_balancer`, `model`); `optim`: optimizer +
     scheduler; `reference`: the frozen reference (kl_coef > 0) or None; `metrics`: where a MoE workload
-    report's expert table goes (None: not logged)."""
+    report's expert table goes (None: not logged); `critic`: PPO's critic (advantage = "gae", rl/critic/) or None:
+    its values give per-token advantages, the KL penalty moves into its rewards, and it is updated after the policy
+    in the same step (only it during `rl.critic.warmup_steps`)."""
 
     def __init__(self, ctx: Any, bundle: Any, optim: Any, rl_cfg: Any, *, shards: DataShards,
-                 reference: Any = None, metrics: Any = None):
+                 reference: Any = None, metrics: Any = None, critic: Any = None):
         self.ctx, self.bundle, self.optim, self.rl = ctx, bundle, optim, rl_cfg
+        self.critic = critic
         self.reference, self.metrics_logger, self.shards = reference, metrics, shards
         self.device = shards.device
         self.max_tokens: int = ctx.cfg.data.max_tokens_per_pack
@@ -135,6 +140,8 @@ class PolicyUpdate:
         self.decoupled = rl_cfg.allocation is not None and rl_cfg.asynchronous.max_head_offpolicyness > 0
         # the loss's settings, validated once here (not per micro-batch)
         self.loss_spec = PolicyLossSpec.from_config(rl_cfg, decoupled=self.decoupled)
+        if critic is not None:  # PPO-RLHF: the KL penalty is in the critic's token rewards, not in the loss
+            self.loss_spec = dataclasses.replace(self.loss_spec, kl_coef=0.0)
         self.share_prompts, why = self._prompt_sharing()
         model = getattr(bundle, "model", None)
         args = getattr(model, "args", None)
@@ -176,6 +183,8 @@ class PolicyUpdate:
         r = self.rl
         if not r.update.skip_zero_advantage:
             return False, "rl.update.skip_zero_advantage = false"
+        if self.critic is not None:
+            return False, f"advantage = {r.advantage!r}: per-token advantages from the critic"
         if self.reference is not None or r.loss.kl_coef > 0:
             return False, "kl_coef > 0: the KL term has a gradient at advantage 0"
         if r.loss.entropy_coef > 0:
@@ -213,9 +222,21 @@ class PolicyUpdate:
                 kept = [s for s in samples if _mis_keep(s, r.loss.rollout_correction_cap)]
                 mismatch["mis_dropped"] = len(samples) - len(kept)
                 samples = kept
+        critic_metrics: dict[str, float] = {}
+        if self.critic is not None:
+            with timer.phase("critic"):  # V_old, token rewards, GAE (rl/critic/ppo_critic.py)
+                critic_metrics = self.critic.prepare(samples, self.packs, self._pack)
         with timer.phase("train"):
             self.bundle.wrapper.train()
-            out = self.update(step, samples, dummy, proximal_from_forward=proximal_in_update)
+            if self.critic is None or self.critic.policy_moves(step):
+                out = self.update(step, samples, dummy, proximal_from_forward=proximal_in_update)
+            else:  # the critic's warm-up: the policy stays; its schedule counts the step
+                out = self.hold(step)
+        if self.critic is not None:
+            with timer.phase("critic"):
+                critic_metrics.update(self.critic.update(step, samples, self.packs, self._pack))
+            critic_metrics["critic/warmup"] = float(not self.critic.policy_moves(step))
+            out.extra.update(critic_metrics)
         forwarded = [s for s in samples if self.trains(s)]
         if proximal_in_update:  # old_logp = the update forward's (pre-update) log-probs, of the samples it forwarded
             mismatch = mismatch_sums(forwarded)
@@ -370,11 +391,23 @@ class PolicyUpdate:
                             losses=losses, grad_norms=grad_norms, updates=updates, diff=(diff_sum, diff_n),
                             train_tokens=train_tokens)
 
+    def hold(self, step: int) -> UpdateResult:
+        """A step without policy updates (the critic's warm-up): the scheduler still moves on."""
+        lr = self.optim.scheduler.get_last_lr()[0]
+        with warnings.catch_warnings():  # torch warns of a scheduler step before any optimizer step: meant here
+            warnings.simplefilter("ignore", UserWarning)
+            self.optim.scheduler.step()
+        return UpdateResult(lr=lr, moe=None, sums={}, weights={}, losses=[], grad_norms=[], updates=0, diff=(0.0, 0.0),
+                            train_tokens=0)
+
     def loss(self, logp: torch.Tensor, ent: torch.Tensor, group: Sequence[TrainSample], normalizer: float) -> PolicyLossOutput:
         """The policy loss of one packed micro-batch (its share of the mini-batch's normaliser)."""
         r = self.rl
         lengths = torch.tensor([s.response_length for s in group], device=logp.device)
-        adv = torch.repeat_interleave(torch.tensor([s.advantage for s in group], device=logp.device), lengths)
+        if self.critic is not None:  # per-token advantages (GAE)
+            adv = _cat([s.token_advantages for s in group], "token_advantages").to(logp.device)
+        else:
+            adv = torch.repeat_interleave(torch.tensor([s.advantage for s in group], device=logp.device), lengths)
         old = _cat([s.old_logp for s in group], "old_logp").to(logp.device)
         ref = _cat([s.ref_logp for s in group], "ref_logp").to(logp.device) if self.reference is not None else None
         seq_ids = torch.repeat_interleave(torch.arange(len(group), device=logp.device), lengths)

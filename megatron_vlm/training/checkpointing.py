@@ -93,7 +93,13 @@ class ResumePoint:
 
 
 class Checkpointer:
-    def __init__(self, ctx: RunContext, wrapper, optim: OptimState):
+    """`modules`: (module, optimizer) pairs trained beside the model, saved and resumed with it under their name
+    (PPO's critic: {"critic": (value model, its optimizer)}); a checkpoint without one of them is refused at resume
+    (exit 2, naming `rl.<name>`)."""
+
+    def __init__(self, ctx: RunContext, wrapper, optim: OptimState,
+                 modules: Optional[dict[str, tuple[Any, Any]]] = None):
+        self.modules = dict(modules or {})
         self.cfg = ctx.cfg.checkpoint
         self.model_path = ctx.cfg.model.path
         self.lora = getattr(ctx.cfg, "lora", None)  # [lora] section, None for full fine-tuning
@@ -152,7 +158,7 @@ class Checkpointer:
                 _fail(CheckpointError(refusals[0]), EXIT_RESUME_FAILED)
             if err is None:
                 try:
-                    extra = self.manager.load(path, self.wrapper, self.optim.optimizer)
+                    extra = self.manager.load(path, self.wrapper, self.optim.optimizer, modules=self.modules)
                     check_saved_mcore_tp(extra, self.mcore_tp)
                     check_saved_mcore_ep(extra, self.mcore_ep)
                     load_scheduler_state(self.optim.scheduler, extra["scheduler"])
@@ -191,6 +197,13 @@ class Checkpointer:
                     problems.append(f"{e} ({path})")
         if not problems:
             keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            for name in self.modules:  # e.g. a GRPO checkpoint resumed as PPO: no critic to load
+                if not any(k.startswith(f"{name}.model.") for k in keys):
+                    problems.append(f"rl.{name}: {path} holds no {name} state (written by a run without one); resume "
+                                    f"it with the settings it was written with, or start fresh (checkpoint.resume = "
+                                    f"'none' or another train.output_dir)")
+            if problems:
+                return "; ".join(problems)
             refused = (adapter_refusal(saved, self.layout, checkpoint_adapters(keys), adapters, path)
                        if saved.get("lora") is not None
                        else trained_refusal(saved, self.layout, checkpoint_trained(keys), trained, path))
@@ -219,7 +232,7 @@ class Checkpointer:
             if self.mcore_tp is not None:  # the layout of the megatron-core layers' fc1 rows (tp_shard.py)
                 extra["mcore_tp"] = self.mcore_tp
                 extra["mcore_ep"] = self.mcore_ep  # and of their expert rows (ep_shard.py)
-            self.manager.save(step, self.wrapper, self.optim.optimizer, extra, layout=self.layout)
+            self.manager.save(step, self.wrapper, self.optim.optimizer, extra, layout=self.layout, modules=self.modules)
         except CheckpointError as e:
             _fail(e, EXIT_SAVE_FAILED)
 

@@ -3,7 +3,7 @@
     family            registry (module)                                  config key
     policy loss       `POLICY_LOSSES` (policy_losses.py)                 [rl] policy_loss
     advantage         `ADVANTAGE_ESTIMATORS` (advantage_estimators.py)   [rl] advantage
-    value loss        `VALUE_LOSSES` (value_losses.py)                   (none yet: PPO's critic)
+    value loss        `VALUE_LOSSES` (value_losses.py)                   [rl.critic] value_loss (advantage = "gae")
     preference loss   `PREFERENCE_LOSSES` (preference_losses.py)         (none yet: DPO and kin)
 
 Adding an algorithm: write one function with the family's signature (the `Protocol` of its module) in

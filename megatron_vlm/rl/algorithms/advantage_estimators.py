@@ -1,12 +1,15 @@
 """Advantage estimators by name (`[rl] advantage`), and the frozen spec of a run's advantages.
 
-An estimator maps a group-major reward matrix [P, G] (G completions per prompt) to advantages of the same
-shape; the equations are in the module docstring of `megatron_vlm.rl.advantages`, which also holds what
-every estimator shares (equal-reward groups, dropping, statistics).
+Two kinds. A group estimator maps a group-major reward matrix [P, G] (G completions per prompt) to
+advantages of the same shape; the equations are in the module docstring of `megatron_vlm.rl.advantages`,
+which also holds what every estimator shares (equal-reward groups, dropping, statistics). A token estimator
+(`gae`, PPO with a critic) maps per-token rewards and the critic's per-token values to per-token advantages
+and returns; it runs in the update, after the critic's forward (megatron_vlm/rl/critic/).
 
 Adding an estimator: a function with the `AdvantageFn` signature decorated with
 `@register_advantage("name", std_normalisable=...)` (`std_normalisable`: it divides by the group std unless
-`normalize_adv_std = false`; otherwise asking it to is refused).
+`normalize_adv_std = false`; otherwise asking it to is refused); a token estimator with the
+`TokenAdvantageFn` signature decorated with `@register_token_advantage("name")`.
 """
 from __future__ import annotations
 
@@ -18,8 +21,9 @@ import torch
 
 from megatron_vlm.rl.algorithms.registry import Registry
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "AdvantageEstimator", "AdvantageFn", "AdvantageSpec", "register_advantage",
-           "resolve_normalize_std"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "AdvantageEstimator", "AdvantageFn", "AdvantageSpec", "TokenAdvantageFn",
+           "register_advantage", "register_token_advantage", "resolve_normalize_std", "needs_critic",
+           "gae_advantages", "GAE_DEFAULT_GAMMA", "GAE_DEFAULT_LAM"]
 
 
 class AdvantageFn(Protocol):
@@ -28,12 +32,24 @@ class AdvantageFn(Protocol):
     def __call__(self, r: torch.Tensor, *, normalize_std: bool, eps: float) -> torch.Tensor: ...
 
 
+class TokenAdvantageFn(Protocol):
+    """`(token_rewards, values, mask, *, gamma, lam, seq_ids) -> (advantages, returns)`, all of one shape: padded
+    [B, T] (rows are the sequences) or packed [N] with `seq_ids` (the sequence of every position)."""
+
+    def __call__(self, token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float,
+                 lam: float, seq_ids: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 @dataclass(frozen=True)
 class AdvantageEstimator:
     name: str
-    fn: AdvantageFn
+    fn: Optional[AdvantageFn]
+    """The group estimator (None for a token estimator)."""
     std_normalisable: bool
-    """Divides by the group std by default (false: defined without the division; asking for it is an error)."""
+    """Divides by the group std by default (false: defined without the division; asking for it is an error).
+    A token estimator: whitens its advantages over the step's tokens by default."""
+    token_fn: Optional[TokenAdvantageFn] = None
+    """The token estimator (needs a critic: `[rl.critic]`); None for a group estimator."""
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", "advantage")
@@ -66,11 +82,96 @@ def rloo_advantages(r: torch.Tensor, *, normalize_std: bool, eps: float) -> torc
     return r - (r.sum(dim=1, keepdim=True) - r) / (r.shape[1] - 1)
 
 
+GAE_DEFAULT_GAMMA = 1.0
+"""`advantages.gamma` unset: no discount over the response tokens (the reward sits on the last token; TRL and
+verl's PPO default)."""
+GAE_DEFAULT_LAM = 0.95
+"""`advantages.lam` unset: TRL's PPO default."""
+
+
+def register_token_advantage(name: str) -> Callable[[TokenAdvantageFn], TokenAdvantageFn]:
+    """Decorator: register `fn` as the token estimator `name` (needs the critic; returned unchanged)."""
+    def add(fn: TokenAdvantageFn) -> TokenAdvantageFn:
+        ADVANTAGE_ESTIMATORS.register(name)(AdvantageEstimator(name, None, True, token_fn=fn))
+        return fn
+    return add
+
+
+def needs_critic(estimator: str) -> bool:
+    """Whether `estimator` is a token estimator (values from a critic); False for unknown names too."""
+    return estimator in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS.get(estimator).token_fn is not None
+
+
+def _padded(x: torch.Tensor, seq_ids: torch.Tensor, n_seq: int, width: int,
+            pos: torch.Tensor) -> torch.Tensor:
+    """A packed [N] tensor as [n_seq, width] rows (positions of a sequence in order, zeros after)."""
+    out = x.new_zeros(n_seq, width)
+    out[seq_ids, pos] = x
+    return out
+
+
+def _positions(seq_ids: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(position of every packed entry within its sequence, sequences, longest): the packed layout holds each
+    sequence's positions contiguously and in order (ids non-decreasing)."""
+    if seq_ids.numel() and bool((seq_ids[1:] < seq_ids[:-1]).any()):
+        raise ValueError("seq_ids: a packed layout holds each sequence's positions together, in order (non-decreasing ids)")
+    ids = seq_ids.long()
+    n_seq = int(ids.max()) + 1 if ids.numel() else 0
+    counts = torch.bincount(ids, minlength=n_seq)
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.arange(ids.numel(), device=ids.device) - starts[ids]
+    return pos, n_seq, int(counts.max()) if n_seq else 0
+
+
+@register_token_advantage("gae")
+def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float, lam: float,
+                   seq_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over each sequence's response tokens:
+
+        delta_t = r_t + gamma * V_{t+1} - V_t        (V after the last token = 0)
+        A_t     = delta_t + gamma * lam * A_{t+1}     returns R_t = A_t + V_t
+
+    Positions outside `mask` are skipped (they neither take a value nor break the recursion: the next
+    token's value and advantage carry over them, as verl's `compute_gae_advantage_return`). Values and
+    rewards are detached; float64 for float64 input, else float32."""
+    if token_rewards.shape != values.shape or values.shape != mask.shape:
+        raise ValueError(f"token_rewards {tuple(token_rewards.shape)}, values {tuple(values.shape)} and mask "
+                         f"{tuple(mask.shape)} must have one shape")
+    if not 0.0 <= gamma <= 1.0 or not 0.0 <= lam <= 1.0:
+        raise ValueError(f"gamma, lam: must be in [0, 1], got gamma={gamma}, lam={lam}")
+    dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
+    r, v, m = token_rewards.detach().to(dtype), values.detach().to(dtype), mask.to(dtype)
+    packed = r.dim() == 1
+    if packed:
+        if seq_ids is None or seq_ids.shape != r.shape:
+            raise ValueError("seq_ids: a packed (1-D) layout needs the sequence id of every position")
+        pos, n_seq, width = _positions(seq_ids)
+        ids = seq_ids.long()
+        r, v, m = (_padded(t, ids, n_seq, width, pos) for t in (r, v, m))
+    elif r.dim() != 2:
+        raise ValueError(f"token_rewards: expected [B, T] (padded) or [N] (packed), got {tuple(r.shape)}")
+    adv = torch.zeros_like(r)
+    next_v = torch.zeros_like(r[:, 0])
+    last = torch.zeros_like(r[:, 0])
+    for t in reversed(range(r.shape[1])):
+        delta = r[:, t] + gamma * next_v - v[:, t]
+        a = delta + gamma * lam * last
+        mt = m[:, t]
+        last = a * mt + last * (1 - mt)
+        next_v = v[:, t] * mt + next_v * (1 - mt)
+        adv[:, t] = last
+    adv = adv * m
+    ret = (adv + v) * m
+    if packed:
+        return adv[ids, pos], ret[ids, pos]
+    return adv, ret
+
+
 def resolve_normalize_std(estimator: str, normalize_std: Optional[bool]) -> bool:
     """Whether `estimator` divides by the group std: a std-normalisable one does unless told not to; the others
     never do (asking them to is a ValueError)."""
     est = ADVANTAGE_ESTIMATORS.get(estimator)
-    if est.std_normalisable:
+    if est.std_normalisable:  # a token estimator: whitening over the step's tokens
         return True if normalize_std is None else bool(normalize_std)
     if normalize_std:
         raise ValueError(f"normalize_adv_std: advantage = {estimator!r} is defined without the std division "

@@ -1,8 +1,8 @@
 """The algorithm registries (megatron_vlm/rl/algorithms): one per family, filled by a decorator, read by
 the public calls and the config.
 
-- the shipped policy losses and advantage estimators are registered under their config names; the value and
-  preference families exist (empty) and take registrations the same way;
+- the shipped policy losses, advantage estimators (group ones and PPO's token one, `gae`), value and preference
+  losses are registered under their config names, and each family takes registrations the same way;
 - a name registered twice is an error, an unknown one a ValueError naming the config key and the choices;
 - a newly registered policy loss / advantage estimator is what `policy_loss(variant=...)` /
   `compute_group_advantages(estimator=...)` run (checked against the formula written out in torch here);
@@ -33,8 +33,8 @@ def scratch(monkeypatch):
 
 def test_shipped_algorithms_are_registered_under_their_config_names():
     assert POLICY_LOSSES.names() == ["clip", "gspo", "gspo_token", "cispo"]
-    assert ADVANTAGE_ESTIMATORS.names() == ["grpo", "dr_grpo", "rloo"]
-    assert len(VALUE_LOSSES) == 0 and PREFERENCE_LOSSES.names() == ["sigmoid", "ipo", "simpo"]
+    assert ADVANTAGE_ESTIMATORS.names() == ["grpo", "dr_grpo", "rloo", "gae"]
+    assert VALUE_LOSSES.names() == ["clipped"] and PREFERENCE_LOSSES.names() == ["sigmoid", "ipo", "simpo"]
 
 
 def test_duplicate_and_unknown_names_are_errors():
@@ -79,7 +79,8 @@ def test_a_registered_advantage_estimator_is_what_the_advantages_use(scratch):
 
 def test_value_and_preference_losses_register_the_same_way(scratch):
     @VALUE_LOSSES.register("mse")
-    def mse(values, old_values, returns, mask, *, clip_range, loss_agg, seq_ids):
+    def mse(values, old_values, returns, mask, *, clip_range, loss_agg, seq_ids=None, normalizer=None,
+            max_response_length=None):
         return ((values - returns)[mask] ** 2).mean() / 2, {}
 
     @PREFERENCE_LOSSES.register("hinge")

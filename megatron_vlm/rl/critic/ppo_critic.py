@@ -1,0 +1,209 @@
+"""`Critic`: PPO's value function inside a step — the values of the step's samples, their GAE advantages and
+returns, and the critic's own optimizer updates.
+
+Order within a step (PolicyUpdate.train): reference / old log-probs, then `prepare` (the critic's values of the
+rollout, V_old, in eval mode; token rewards with the KL penalty; GAE; whitening), then the policy's updates
+(unless the critic is still warming up), then `update` (the critic's `rl.batch.ppo_epochs` x
+`rl.batch.mini_batches_per_step` updates on the same mini-batches, in the same order as the policy's).
+
+Data parallelism: the critic is a plain module replicated on every rank (no FSDP: its forwards need no
+collective, so ranks may run different numbers of packs); after each mini-batch the gradients are summed over
+the data shards (the loss is normalised by the mini-batch's global token / sequence count, so the sum is the
+one-process gradient). Whitening uses the step's global mean and variance. Everything is a function of the
+samples, the weights and (seed, step, epoch, rank), so a resumed run repeats the uninterrupted one.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_vlm.parallel import clip_grad_norm_
+from megatron_vlm.rl.algorithms.advantage_estimators import ADVANTAGE_ESTIMATORS
+from megatron_vlm.rl.algorithms.value_losses import VALUE_LOSSES
+from megatron_vlm.rl.batching import TrainSample, split_by_response
+from megatron_vlm.rl.critic.rewards import token_rewards
+from megatron_vlm.rl.critic.value_model import ValueModel
+from megatron_vlm.rl.data_shards import DataShards
+
+__all__ = ["Critic", "resolved_gae"]
+
+WHITEN_EPS = 1e-8
+
+Packs = Callable[[Sequence[TrainSample]], list[list[TrainSample]]]
+ToBatch = Callable[[Sequence[TrainSample]], dict]
+
+
+def resolved_gae(rl: Any) -> tuple[float, float]:
+    """(gamma, lam) of `[rl.advantages]`, their defaults where unset."""
+    from megatron_vlm.rl.algorithms.advantage_estimators import GAE_DEFAULT_GAMMA, GAE_DEFAULT_LAM
+
+    adv = rl.advantages
+    return (GAE_DEFAULT_GAMMA if adv.gamma is None else float(adv.gamma),
+            GAE_DEFAULT_LAM if adv.lam is None else float(adv.lam))
+
+
+def _flat(pieces: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    """The samples' per-token tensors concatenated, float64 (empty without samples; each must be set)."""
+    present = [p for p in pieces if p is not None]
+    assert len(present) == len(pieces), "a sample's per-token tensor is not set"
+    return torch.cat(present).double() if present else torch.zeros(0, dtype=torch.float64)
+
+
+class Critic:
+    """`model`: the `ValueModel`; `optimizer`: its own AdamW; `rl`: the `[rl]` section; `shards`: the data
+    shards; `max_grad_norm`, `seed`: train.max_grad_norm, train.seed."""
+
+    def __init__(self, model: ValueModel, optimizer: torch.optim.Optimizer, rl: Any, *, shards: DataShards,
+                 max_grad_norm: float, seed: int):
+        self.model, self.optimizer, self.rl, self.shards = model, optimizer, rl, shards
+        self.max_grad_norm, self.seed = max_grad_norm, seed
+        self.cfg = rl.critic
+        self.gamma, self.lam = resolved_gae(rl)
+        self.estimator = ADVANTAGE_ESTIMATORS.get(rl.advantage)
+        assert self.estimator.token_fn is not None, f"{rl.advantage!r} is not a token estimator"
+        self.whiten = rl.advantages.normalize_std is not False  # the estimator's default: whiten
+        self.value_loss = VALUE_LOSSES.get(self.cfg.value_loss)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.device = next(model.parameters()).device
+        self.skipped = 0
+        """Critic updates skipped for a non-finite loss or gradient norm."""
+
+    def policy_moves(self, step: int) -> bool:
+        """Whether the policy is updated at step `step` (0-based): not during `critic.warmup_steps`."""
+        return step >= self.cfg.warmup_steps
+
+    # ------------------------------------------------------------------ values and advantages
+    @torch.no_grad()
+    def values(self, samples: Sequence[TrainSample], packs: Packs, to_batch: ToBatch) -> None:
+        """Each sample's `old_values` under the current critic (eval mode: no dropout)."""
+        self.model.eval()
+        for group in packs(samples):
+            v = self.model(to_batch(group))
+            for s, piece in zip(group, split_by_response(v.float().cpu(), group)):
+                s.old_values = piece
+
+    def prepare(self, samples: Sequence[TrainSample], packs: Packs, to_batch: ToBatch) -> dict[str, float]:
+        """V_old, token rewards, GAE advantages and returns of every sample (whitened over the step's tokens
+        unless advantages.normalize_std = false); the step's critic/* and advantage/* metrics."""
+        self.values(samples, packs, to_batch)
+        kl_coef = self.rl.loss.kl_coef
+        kl_sum = 0.0
+        for s in samples:
+            assert s.old_values is not None
+            r, kl = token_rewards(s.score, s.response_length, old_logp=s.old_logp, ref_logp=s.ref_logp,
+                                  kl_coef=kl_coef, kl_estimator=self.rl.loss.kl_estimator)
+            kl_sum += float(kl.sum()) if kl is not None else 0.0
+            mask = torch.ones(s.response_length, dtype=torch.bool)
+            assert self.estimator.token_fn is not None
+            adv, ret = self.estimator.token_fn(r[None], s.old_values[None], mask[None], gamma=self.gamma, lam=self.lam,
+                                               seq_ids=None)
+            s.token_advantages, s.returns = adv[0], ret[0]
+        a, v, ret_all = (_flat([getattr(s, name) for s in samples]) for name in ("token_advantages", "old_values", "returns"))
+        err = ret_all - v
+        n, a1, a2, r1, r2, e1, e2, v1, klsum = self.shards.sum(
+            [a.numel(), float(a.sum()), float((a * a).sum()), float(ret_all.sum()), float((ret_all * ret_all).sum()),
+             float(err.sum()), float((err * err).sum()), float(v.sum()), kl_sum])
+        out: dict[str, float] = {}
+        if n == 0:
+            return out
+        mean = a1 / n
+        var = max(a2 - a1 * a1 / n, 0.0) / max(n - 1, 1)  # unbiased, as verl's masked_whiten
+        if self.whiten:
+            scale = 1.0 / math.sqrt(var + WHITEN_EPS)
+            for s in samples:
+                assert s.token_advantages is not None
+                s.token_advantages = ((s.token_advantages.double() - mean) * scale).float()
+        final = _flat([s.token_advantages for s in samples])
+        f1, f2 = self.shards.sum([float(final.sum()), float((final * final).sum())])
+        lo, hi = self._extremes(final)
+        ret_var = max(r2 - r1 * r1 / n, 0.0) / n
+        err_var = max(e2 - e1 * e1 / n, 0.0) / n
+        out.update({"advantage/mean": f1 / n, "advantage/std": math.sqrt(max(f2 - f1 * f1 / n, 0.0) / max(n - 1, 1)),
+                    "advantage/min": lo, "advantage/max": hi,
+                    "critic/values_old_mean": v1 / n, "critic/returns_mean": r1 / n,
+                    "critic/explained_var": 1.0 - err_var / ret_var if ret_var > 0 else 0.0,
+                    "critic/kl_in_reward": klsum / n})
+        return out
+
+    def _extremes(self, x: torch.Tensor) -> tuple[float, float]:
+        """Global min and max over the data shards (0, 0 without tokens anywhere)."""
+        parts = self.shards.gather((float(x.min()), float(x.max())) if x.numel() else (math.inf, -math.inf))
+        lo, hi = min(p[0] for p in parts), max(p[1] for p in parts)
+        return (0.0, 0.0) if lo == math.inf else (lo, hi)
+
+    # ------------------------------------------------------------------ updates
+    def update(self, step: int, samples: Sequence[TrainSample], packs: Packs, to_batch: ToBatch) -> dict[str, float]:
+        """The critic's optimizer updates of step `step` (the policy's epochs and mini-batches, the same order);
+        its critic/* metrics."""
+        r = self.rl
+        self.model.train()
+        sums: dict[str, float] = {}
+        weight = 0.0
+        grad_norms: list[float] = []
+        for epoch in range(r.batch.ppo_epochs):
+            order = list(range(len(samples)))
+            random.Random(((self.seed * 1_000_003 + step) * 131 + epoch) * 8191 + self.shards.rank).shuffle(order)
+            for m in range(r.batch.mini_batches_per_step):
+                mb = [samples[i] for i in order[m::r.batch.mini_batches_per_step]]
+                g_tokens, g_seqs = self.shards.sum([sum(s.response_length for s in mb), len(mb)])
+                if g_tokens == 0:
+                    continue
+                normalizer = {"token-mean": g_tokens, "seq-mean": g_seqs}.get(r.loss.loss_agg,
+                                                                              g_seqs * r.rollout.max_new_tokens)
+                loss_sum = 0.0
+                for group in packs(mb):
+                    values = self.model(to_batch(group))
+                    loss, metrics = self._loss(values, group, float(normalizer))
+                    loss.backward()
+                    loss_sum += float(loss.detach())
+                    n_tok = float(values.numel())
+                    for k, v in metrics.items():
+                        if k != "value_loss":
+                            sums[k] = sums.get(k, 0.0) + float(v) * n_tok
+                    weight += n_tok
+                sums["value_loss"] = sums.get("value_loss", 0.0) + loss_sum
+                grad_norms.append(self._step(loss_sum))
+        tot = self.shards.sum([weight, *sums.values()])
+        out = {f"critic/{k}": (v / tot[0] if k != "value_loss" else v) for k, v in zip(sums, tot[1:]) if tot[0] > 0}
+        updates = r.batch.ppo_epochs * r.batch.mini_batches_per_step
+        if "critic/value_loss" in out:
+            out["critic/value_loss"] /= max(updates, 1)  # mean over the updates of the summed mini-batch losses
+        out["critic/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
+        out["critic/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        out["critic/skipped_updates"] = float(self.skipped)
+        return out
+
+    def _loss(self, values: torch.Tensor, group: Sequence[TrainSample],
+              normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        dev = values.device
+        old = torch.cat([s.old_values for s in group]).to(dev)  # type: ignore[misc]
+        ret = torch.cat([s.returns for s in group]).to(dev)  # type: ignore[misc]
+        lengths = torch.tensor([s.response_length for s in group], device=dev)
+        seq_ids = torch.repeat_interleave(torch.arange(len(group), device=dev), lengths)
+        mask = torch.ones_like(values, dtype=torch.bool)
+        return self.value_loss(values, old, ret, mask, clip_range=self.cfg.value_clip or None,
+                               loss_agg=self.rl.loss.loss_agg, seq_ids=seq_ids, normalizer=normalizer,
+                               max_response_length=self.rl.rollout.max_new_tokens)
+
+    def _step(self, loss_sum: float) -> float:
+        """Sum the gradients over the data shards, clip, step (skipped and counted when not finite)."""
+        if self.shards.world > 1 and dist.is_available() and dist.is_initialized():
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
+                if self.shards.copies > 1:
+                    p.grad.div_(self.shards.copies)
+        norm = float(clip_grad_norm_(self.params, self.max_grad_norm))  # train.max_grad_norm = 0: only measured
+        loss_total = self.shards.sum([loss_sum])[0]
+        if math.isfinite(norm) and math.isfinite(loss_total):
+            self.optimizer.step()
+        else:
+            self.skipped += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm

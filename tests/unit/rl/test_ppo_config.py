@@ -1,0 +1,89 @@
+"""PPO's config: `[rl.critic]` and `advantages.gamma` / `lam` are read only with advantage = "gae" (refused
+otherwise, naming the key), what the critic does not run with is refused (exit 2 through the entry point), and
+a critic folder that cannot read the policy's prompts is refused before it is loaded."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_vlm.rl.critic.build import critic_folder_refusal, critic_refusal
+from tests.fixtures.rl_config import rl_config
+
+REPO = Path(__file__).resolve().parents[3]
+PPO_DEMO = REPO / "launch" / "configs" / "demo_ppo.toml"
+
+
+def test_gae_with_a_critic_validates():
+    cfg = rl_config(advantage="gae", critic__lr=3e-4, critic__warmup_steps=2, advantages__gamma=0.99,
+                    advantages__lam=0.9, kl_coef=0.05, validate=True)
+    assert cfg.critic.model == "policy" and cfg.advantages.gamma == 0.99
+    rl_config(advantage="gae", policy_loss="cispo", validate=True)
+    rl_config(advantage="gae", policy_loss="gspo_token", validate=True)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(critic__lr=1e-4), "critic"),  # [rl.critic] without advantage = "gae"
+    (dict(advantage="rloo", critic__warmup_steps=3), "critic"),
+    (dict(advantages__gamma=0.9), "advantages.gamma"),
+    (dict(advantages__lam=0.9), "advantages.lam"),
+    (dict(advantage="gae", advantages__gamma=1.5), "advantages.gamma"),
+    (dict(advantage="gae", advantages__lam=-0.1), "advantages.lam"),
+    (dict(advantage="gae", critic__lr=0.0), "critic.lr"),
+    (dict(advantage="gae", critic__value_clip=-1.0), "critic.value_clip"),
+    (dict(advantage="gae", critic__warmup_steps=-1), "critic.warmup_steps"),
+    (dict(advantage="gae", critic__value_loss="huber"), "critic.value_loss"),
+    (dict(advantage="gae", critic__model=""), "critic.model"),
+    (dict(advantage="gae", policy_loss="gspo"), "policy_loss"),  # one advantage per sequence
+    (dict(advantage="gae", allocation="rollout:1+train:1"), "advantage"),  # asynchronous GRPO: not yet
+])
+def test_refusals_name_the_key(kwargs, field):
+    with pytest.raises(ValueError) as e:
+        rl_config(validate=True, **kwargs)
+    assert str(e.value).startswith(field + ":"), str(e.value)
+
+
+def test_vllm_backend_is_accepted():
+    """The critic lives on the training ranks: the rollout back end does not matter."""
+    rl_config(advantage="gae", rollout_backend="vllm", validate=True)
+
+
+class _Cfg:
+    def __init__(self, **parallel):
+        self.parallel = type("P", (), {"tp": 1, "cp": 1, "pp": 1, "ep": 1, "backend": "native", **parallel})()
+        self.rl = rl_config(advantage="gae")
+
+
+@pytest.mark.parametrize("parallel, key", [({"tp": 2}, "parallel.tp"), ({"cp": 2}, "parallel.cp"), ({"pp": 2}, "parallel.pp"),
+                                           ({"ep": 2}, "parallel.ep"), ({"backend": "mcore"}, "parallel.backend")])
+def test_layouts_the_critic_does_not_run_with_are_refused(parallel, key):
+    msg = critic_refusal(_Cfg(**parallel))
+    assert msg is not None and msg.startswith(key + ":"), msg
+    assert critic_refusal(_Cfg()) is None
+
+
+def test_a_critic_folder_must_read_the_policys_prompts():
+    policy = {"model_type": "qwen2_5_vl", "vocab_size": 1000, "image_token_id": 7, "vision_config": {"patch_size": 14}}
+    assert critic_folder_refusal(policy, dict(policy), "small") is None
+    for change, key in (({"vocab_size": 999}, "vocab_size"), ({"model_type": "qwen3_vl"}, "model_type"),
+                        ({"image_token_id": 8}, "image_token_id"), ({"vision_config": {"patch_size": 16}}, "patch_size")):
+        msg = critic_folder_refusal(policy, {**policy, **change}, "small")
+        assert msg is not None and msg.startswith("rl.critic.model: small") and key in msg, msg
+
+
+def _check(tmp_path, *sets: str) -> subprocess.CompletedProcess:
+    sets = (f'model.path="{tmp_path / "m"}"', 'model.synthesize="tiny_qwen2_5_vl"', *sets)
+    args = [a for s in sets for a in ("--set", s)]
+    return subprocess.run([sys.executable, str(REPO / "launch" / "pretrain_vlm.py"), "--config", str(PPO_DEMO), "--check",
+                           "--device-memory-gib", "80", *args], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+
+
+@pytest.mark.heavy  # two entry-point processes (~25 s of CPU)
+def test_entry_point_exits_2_naming_the_key(tmp_path):
+    """(demo_ppo.toml itself passes --check: tests/unit/plan/test_check_plan.py.)"""
+    r = _check(tmp_path, 'rl.advantage="grpo"')  # [rl.critic] left in a GRPO config
+    assert r.returncode == 2 and "rl.critic: the [rl.critic] table is only read with advantage = 'gae'" in r.stderr + r.stdout
+    r = _check(tmp_path, 'rl.allocation="rollout:1+train:1"')
+    assert r.returncode == 2 and "rl.advantage: 'gae' (PPO with a critic) is not supported with allocation" in r.stderr + r.stdout

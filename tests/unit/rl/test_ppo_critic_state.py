@@ -1,0 +1,63 @@
+"""The critic's model: values at exactly the policy's log-prob positions (the family model's final hidden states
+through the head), and its state saved beside the policy's in one checkpoint and loaded back exactly."""
+from __future__ import annotations
+
+import torch
+
+from megatron_vlm.checkpoint.manager import CheckpointManager
+from megatron_vlm.data.batch import IGNORE_INDEX
+from megatron_vlm.rl.critic.value_model import ValueModel
+
+
+def _tiny(tmp_path):
+    from megatron_vlm.checkpoint.hf import load_hf_model
+    from megatron_vlm.testing.synthesize import synthesize_model_folder
+
+    synthesize_model_folder("tiny_qwen2_5_vl", tmp_path / "m", seed=0)
+    return load_hf_model(tmp_path / "m")
+
+
+def test_values_are_the_head_on_the_hidden_states_of_the_labelled_positions(tmp_path):
+    backbone = _tiny(tmp_path)
+    vm = ValueModel(backbone)
+    assert float(vm.value_head.weight.detach().abs().sum()) == 0.0  # starts at V = 0
+    torch.nn.init.normal_(vm.value_head.weight, std=0.1)
+    ids = torch.randint(3, 100, (1, 12))
+    labels = torch.full((1, 12), IGNORE_INDEX)
+    labels[0, 4:7] = ids[0, 5:8]  # three labelled positions of the first sequence, one of the second
+    labels[0, 9] = ids[0, 10]
+    batch = {"input_ids": ids, "labels": labels, "cu_seqlens": torch.tensor([0, 8, 12], dtype=torch.int32)}
+    values = vm(batch)
+    hidden = backbone(input_ids=ids, cu_seqlens=batch["cu_seqlens"], return_hidden=True)[0]
+    expect = (hidden[[4, 5, 6, 9]] @ vm.value_head.weight[0] + vm.value_head.bias[0]).float()
+    torch.testing.assert_close(values, expect)
+    assert values.shape == (4,)
+
+
+def test_critic_state_round_trips_through_the_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    policy, critic = torch.nn.Linear(4, 3), torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 1))
+    p_opt, c_opt = torch.optim.AdamW(policy.parameters(), lr=1e-2), torch.optim.AdamW(critic.parameters(), lr=1e-3)
+    for _ in range(3):
+        x = torch.randn(8, 4)
+        (policy(x).square().mean() + critic(x).square().mean()).backward()
+        p_opt.step()
+        c_opt.step()
+        p_opt.zero_grad()
+        c_opt.zero_grad()
+    mgr = CheckpointManager(tmp_path, keep_last=0, rank=0)
+    path = mgr.save(3, policy, p_opt, {"data": {}}, modules={"critic": (critic, c_opt)})
+    fresh_p, fresh_c = torch.nn.Linear(4, 3), torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 1))
+    fp_opt, fc_opt = torch.optim.AdamW(fresh_p.parameters(), lr=1e-2), torch.optim.AdamW(fresh_c.parameters(), lr=1e-3)
+    CheckpointManager(tmp_path, keep_last=0, rank=0).load(path, fresh_p, fp_opt, modules={"critic": (fresh_c, fc_opt)})
+    for a, b in zip(critic.state_dict().values(), fresh_c.state_dict().values()):
+        assert torch.equal(a, b)
+    for a, b in zip(c_opt.state.values(), fc_opt.state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+    # the next update of the resumed critic equals the uninterrupted one's
+    x = torch.randn(8, 4)
+    for m, o in ((critic, c_opt), (fresh_c, fc_opt)):
+        m(x).square().mean().backward()
+        o.step()
+    for a, b in zip(critic.parameters(), fresh_c.parameters()):
+        assert torch.equal(a, b)

@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
+from megatron_vlm.errors import ConfigError
 from megatron_vlm.rl.rewards.config import MODEL_REWARD_TYPES
 from megatron_vlm.rl.rewards.manager import RewardBatch, RewardManager
 from megatron_vlm.rl.rewards.model_reward import ScoredValues
@@ -65,10 +66,15 @@ class CombinedRewards:
             for k, r in enumerate(self.rewards):
                 if k in self.scorers or r.type not in MODEL_REWARD_TYPES:
                     continue
-                if r.type == "model":
-                    self.scorers[k] = ModelRewardScorer(r, value_limit=self.value_limit, **render)
-                else:
-                    self.scorers[k] = JudgeRewardScorer(r, **render)
+                try:
+                    if r.type == "model":
+                        self.scorers[k] = ModelRewardScorer(r, value_limit=self.value_limit, **render)
+                    else:
+                        self.scorers[k] = JudgeRewardScorer(r, **render)
+                except ConfigError as e:  # a key that does not fit the folder (logit_index, activation)
+                    raise ConfigError(str(e).replace("rl.rewards.", f"rl.rewards[{k}].")) from None
+                except (OSError, ValueError) as e:  # no folder, not a supported model, not a classification head
+                    raise ConfigError(f"rl.rewards[{k}].path: cannot load the {r.type} folder {r.path}: {e}") from None
         except BaseException:
             self.close()
             raise

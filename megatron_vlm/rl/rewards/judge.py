@@ -112,7 +112,8 @@ class JudgeRewardScorer:
         encoded, where = [], []
         for i in range(n):
             msgs = prompt_messages[i] if show_images else text_only_messages(prompt_messages[i])
-            sample = PromptSample(prompt_id=f"judge:{i}", answer="", problem=str(questions[i]),
+            # the answer of a PromptSample is its dropped assistant turn: never rendered for generation, but not empty
+            sample = PromptSample(prompt_id=f"judge:{i}", answer=str(answers[i]) or "-", problem=str(questions[i]),
                                   messages=judge_messages(cfg.template, msgs, question=str(questions[i]),
                                                           completion=str(completions[i]), reference=str(answers[i]),
                                                           images=show_images))

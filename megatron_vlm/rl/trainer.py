@@ -165,9 +165,9 @@ def build_grpo_parts(ctx: RunContext, bundle: ModelBundle) -> GRPOParts:
     elif rl.loss.kl_coef > 0:
         reference = ReferencePolicy.from_pretrained(cfg.model.path, dtype=dtype, device=env.device,
                                                     offload=rl.update.ref_offload, temperature=rl.rollout.temperature)
-    pool = dict(timeout_s=rl.reward_pool.timeout_s, num_workers=rl.reward_pool.workers,
-                memory_limit_mb=rl.reward_pool.memory_limit_mb, batch_timeout_s=rl.reward_pool.batch_timeout_s,
-                value_limit=rl.reward_pool.abs_max)
+    pool: dict[str, Any] = dict(timeout_s=rl.reward_pool.timeout_s, num_workers=rl.reward_pool.workers,
+                                memory_limit_mb=rl.reward_pool.memory_limit_mb,
+                                batch_timeout_s=rl.reward_pool.batch_timeout_s, value_limit=rl.reward_pool.abs_max)
     manager: Union[RewardManager, CombinedRewards]
     if has_model_rewards(rl.rewards):  # reward models / judges: loaded here, one copy per rank, scored in-process
         manager = CombinedRewards(rl.rewards, pool=pool, dtype=dtype, device=env.device, max_frames=cfg.data.max_frames,

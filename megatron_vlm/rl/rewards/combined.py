@@ -61,7 +61,7 @@ class CombinedRewards:
         self.rule = RewardManager(rule, **pool) if rule else None
         self.value_limit = pool.get("value_limit")
         self.scorers: dict[int, Any] = dict(scorers or {})
-        render = dict(dtype=dtype, device=device, max_frames=max_frames, fps=fps, limits=limits)
+        render: dict[str, Any] = dict(dtype=dtype, device=device, max_frames=max_frames, fps=fps, limits=limits)
         try:
             for k, r in enumerate(self.rewards):
                 if k in self.scorers or r.type not in MODEL_REWARD_TYPES:

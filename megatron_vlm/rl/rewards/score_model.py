@@ -93,8 +93,9 @@ def load_score_model(path: Union[str, Path], *, dtype: torch.dtype = torch.float
     if not any(str(a).endswith("ForSequenceClassification") for a in archs):
         raise ValueError(f"{path}: config.json architectures {archs} name no ...ForSequenceClassification model "
                          "(a reward model folder has a scalar head, `score.weight`)")
-    family = get_family(hf_config.get("model_type"))
-    args = family.args_cls.from_hf_config(hf_config)
+    family = get_family(str(hf_config.get("model_type")))
+    args_cls: Any = family.args_cls
+    args = args_cls.from_hf_config(hf_config)
     has_bias = _has_key(path, "score.bias")
     with torch.device("meta"):
         backbone = family.model_cls(args, hf_config=hf_config)

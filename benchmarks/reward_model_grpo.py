@@ -1,15 +1,18 @@
 """GRPO that learns the synthetic VQA task from a learned reward model alone (no rule reward in the loss).
 
-Three stages, each skipped when its output exists (`--only` runs one):
+Three stages (`--only` runs one; an SFT stage is skipped when its export exists):
 
 1. `sft`: the GRPO demo's start, 100 steps of demo_sft.toml (runs/demo_sft_short/hf), as the demo's first command;
-2. `reward-model`: a sequence-classification model on that checkpoint's backbone with a fresh scalar head,
-   trained on the train split's correct vs wrong answers (megatron_vlm/testing/reward_model_vqa.py); its
-   held-out pair accuracy (correct scored above wrong) before and after; written to runs/demo_reward_model/hf;
+   with `--rm-init full` also the whole SFT demo (600 steps, runs/demo_sft/hf), the reward model's start;
+2. `reward-model`: a sequence-classification model on an SFT checkpoint's backbone (`--rm-init short`: the policy's
+   own 100-step start; `full`: the 600-step SFT demo, as reward models usually start from a stronger SFT model than
+   the policy) with a fresh scalar head, trained on the train split's correct vs wrong answers
+   (megatron_vlm/testing/reward_model_vqa.py); its held-out pair accuracy (correct scored above wrong) before and
+   after; written to runs/demo_reward_model/hf;
 3. `grpo`: launch/configs/demo_grpo_reward_model.toml (the demo with `[[rl.rewards]] type = "model"`, the
    exact-match rule at weight 0 only for the accuracy), the held-out accuracy from metrics_eval.csv.
 
-    python benchmarks/reward_model_grpo.py [--rm-steps 400] [--grpo-steps 150] [--only reward-model]
+    python benchmarks/reward_model_grpo.py [--rm-init full] [--rm-steps 400] [--grpo-steps 150] [--only reward-model]
 
 Results go to runs/reward_model_grpo.json (and the log); the figures are in megatron_vlm/rl/README.md.
 """
@@ -26,6 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SFT = REPO / "runs" / "demo_sft_short"
+SFT_FULL = REPO / "runs" / "demo_sft"
 RM = REPO / "runs" / "demo_reward_model"
 GRPO = REPO / "runs" / "demo_grpo_reward_model"
 DATA = REPO / "runs" / "demo_assets" / "synthetic_vqa"
@@ -38,15 +42,16 @@ def _launch(args: list[str], nproc: int) -> None:
     subprocess.run(cmd + [str(REPO / "launch" / "pretrain_vlm.py"), *args], cwd=REPO, env=env, check=True)
 
 
-def stage_sft(nproc: int) -> None:
-    if (SFT / "hf" / "config.json").is_file():
-        print(f"sft: {SFT / 'hf'} exists")
-        return
-    _launch(["--config", "launch/configs/demo_sft.toml", "--set", f"train.output_dir={SFT.relative_to(REPO)}",
-             "--set", "train.max_steps=100"], nproc)
+def stage_sft(nproc: int, full: bool) -> None:
+    for out, steps in ((SFT, 100), *(((SFT_FULL, 600),) if full else ())):
+        if (out / "hf" / "config.json").is_file():
+            print(f"sft: {out / 'hf'} exists")
+            continue
+        _launch(["--config", "launch/configs/demo_sft.toml", "--set", f"train.output_dir={out.relative_to(REPO)}",
+                 "--set", f"train.max_steps={steps}"], nproc)
 
 
-def stage_reward_model(steps: int, results: dict) -> None:
+def stage_reward_model(steps: int, init: Path, results: dict) -> None:
     import torch
 
     from megatron_vlm.data.processor import load_processor
@@ -54,18 +59,18 @@ def stage_reward_model(steps: int, results: dict) -> None:
     from megatron_vlm.testing.reward_model_vqa import pair_accuracy, score_model_from_causal, train_vqa_reward_model, vqa_pairs
 
     torch.manual_seed(0)
-    processor = load_processor(SFT / "hf")
+    processor = load_processor(init / "hf")
     train = vqa_pairs(DATA / "train.jsonl", seed=0)
     held = vqa_pairs(DATA / "eval.jsonl", seed=1)
-    model = score_model_from_causal(SFT / "hf", seed=0)
+    model = score_model_from_causal(init / "hf", seed=0)
     before = pair_accuracy(model, processor, held)
     t0 = time.perf_counter()
     losses = train_vqa_reward_model(model, processor, train, steps=steps, batch_prompts=16, lr=3e-4, seed=0,
                                     log=lambda s, v: print(f"rm step {s + 1}/{steps} loss {v:.4f}", flush=True)
                                     if (s + 1) % 25 == 0 else None)
     after = pair_accuracy(model, processor, held)
-    save_score_model(model, RM / "hf", copy_from=SFT / "hf")
-    results["reward_model"] = {"steps": steps, "pairs_per_step": 16, "train_seconds": round(time.perf_counter() - t0, 1),
+    save_score_model(model, RM / "hf", copy_from=init / "hf")
+    results["reward_model"] = {"init": str(init.relative_to(REPO)), "steps": steps, "pairs_per_step": 16, "train_seconds": round(time.perf_counter() - t0, 1),
                                "loss_first_25": sum(losses[:25]) / 25, "loss_last_25": sum(losses[-25:]) / 25,
                                "heldout_pair_accuracy_before": before, "heldout_pair_accuracy_after": after,
                                "heldout_pairs": len(held)}
@@ -95,12 +100,13 @@ def main() -> None:
     ap.add_argument("--rm-steps", type=int, default=400)
     ap.add_argument("--grpo-steps", type=int, default=150)
     ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--rm-init", choices=["short", "full"], default="short")
     a = ap.parse_args()
     results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     if a.only in (None, "sft"):
-        stage_sft(a.nproc)
+        stage_sft(a.nproc, a.rm_init == "full")
     if a.only in (None, "reward-model"):
-        stage_reward_model(a.rm_steps, results)
+        stage_reward_model(a.rm_steps, SFT_FULL if a.rm_init == "full" else SFT, results)
         RESULTS.write_text(json.dumps(results, indent=2))
     if a.only in (None, "grpo"):
         stage_grpo(a.grpo_steps, a.nproc, results)

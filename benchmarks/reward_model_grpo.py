@@ -51,7 +51,7 @@ def stage_sft(nproc: int, full: bool) -> None:
                  "--set", f"train.max_steps={steps}"], nproc)
 
 
-def stage_reward_model(steps: int, init: Path, results: dict) -> None:
+def stage_reward_model(steps: int, init: Path, malformed: float, results: dict) -> None:
     import torch
 
     from megatron_vlm.data.processor import load_processor
@@ -60,8 +60,8 @@ def stage_reward_model(steps: int, init: Path, results: dict) -> None:
 
     torch.manual_seed(0)
     processor = load_processor(init / "hf")
-    train = vqa_pairs(DATA / "train.jsonl", seed=0)
-    held = vqa_pairs(DATA / "eval.jsonl", seed=1)
+    train = vqa_pairs(DATA / "train.jsonl", seed=0, malformed=malformed)
+    held = vqa_pairs(DATA / "eval.jsonl", seed=1, malformed=malformed)
     model = score_model_from_causal(init / "hf", seed=0)
     before = pair_accuracy(model, processor, held)
     t0 = time.perf_counter()
@@ -70,7 +70,7 @@ def stage_reward_model(steps: int, init: Path, results: dict) -> None:
                                     if (s + 1) % 25 == 0 else None)
     after = pair_accuracy(model, processor, held)
     save_score_model(model, RM / "hf", copy_from=init / "hf")
-    results["reward_model"] = {"init": str(init.relative_to(REPO)), "steps": steps, "pairs_per_step": 16, "train_seconds": round(time.perf_counter() - t0, 1),
+    results["reward_model"] = {"init": str(init.relative_to(REPO)), "malformed": malformed, "steps": steps, "pairs_per_step": 16, "train_seconds": round(time.perf_counter() - t0, 1),
                                "loss_first_25": sum(losses[:25]) / 25, "loss_last_25": sum(losses[-25:]) / 25,
                                "heldout_pair_accuracy_before": before, "heldout_pair_accuracy_after": after,
                                "heldout_pairs": len(held)}
@@ -101,12 +101,14 @@ def main() -> None:
     ap.add_argument("--grpo-steps", type=int, default=150)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--rm-init", choices=["short", "full"], default="short")
+    ap.add_argument("--malformed", type=float, default=0.0,
+                    help="share of wrong answers that are an answer followed by more words (vqa_pairs)")
     a = ap.parse_args()
     results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     if a.only in (None, "sft"):
         stage_sft(a.nproc, a.rm_init == "full")
     if a.only in (None, "reward-model"):
-        stage_reward_model(a.rm_steps, SFT_FULL if a.rm_init == "full" else SFT, results)
+        stage_reward_model(a.rm_steps, SFT_FULL if a.rm_init == "full" else SFT, a.malformed, results)
         RESULTS.write_text(json.dumps(results, indent=2))
     if a.only in (None, "grpo"):
         stage_grpo(a.grpo_steps, a.nproc, results)

@@ -3,7 +3,8 @@
 Why: `[[rl.rewards]] type = "model"` has to be shown to carry the task's signal, with no checker in the
 loop: a sequence-classification model (a VLM folder's backbone with a scalar head, rl/rewards/score_model.py)
 learns from (image, question, answer) pairs labelled correct / wrong — the right answer and a wrong one per
-question (of the same question type three times in four, any answer word otherwise) — with a binary
+question (of the same question type three times in four, any answer word otherwise; optionally an answer
+with extra words after it) — with a binary
 cross-entropy on its logit; its sigmoid is then the reward (`activation = "sigmoid"`). As in the demo, the
 random vision tower stays frozen and the patch merger, the language model and the head train.
 """
@@ -26,8 +27,11 @@ __all__ = ["vqa_pairs", "score_model_from_causal", "train_vqa_reward_model", "pa
 _ALL_ANSWERS = sorted({a for v in ANSWERS.values() for a in v})
 
 
-def vqa_pairs(jsonl: str | Path, *, seed: int = 0, limit: int = 0) -> list[tuple[list[dict], str, str]]:
-    """(prompt messages with absolute image paths, correct answer, wrong answer) per record of a synthetic split."""
+def vqa_pairs(jsonl: str | Path, *, seed: int = 0, limit: int = 0, malformed: float = 0.0) -> list[tuple[list[dict], str, str]]:
+    """(prompt messages with absolute image paths, correct answer, wrong answer) per record of a synthetic split.
+    With probability `malformed` the wrong answer is an answer (right or wrong) followed by 1-3 more answer
+    words: a reward model never shown such completions may score them high, and GRPO then learns to write
+    them (measured: megatron_vlm/rl/README.md, "GRPO with a learned reward model")."""
     path = Path(jsonl)
     rng = random.Random(seed)
     out = []
@@ -42,6 +46,9 @@ def vqa_pairs(jsonl: str | Path, *, seed: int = 0, limit: int = 0) -> list[tuple
         right = rec["answer"]
         pool = ANSWERS[rec["question_type"]] if rng.random() < 0.75 else _ALL_ANSWERS
         wrong = rng.choice([a for a in pool if a != right])
+        if malformed and rng.random() < malformed:  # what a policy drifts to: the answer with more words after it
+            extra = " ".join(rng.choice(_ALL_ANSWERS) for _ in range(rng.randint(1, 3)))
+            wrong = f"{rng.choice([right, wrong])} {extra}"
         out.append((msgs, right, wrong))
         if limit and len(out) >= limit:
             break

@@ -36,9 +36,13 @@ def _default(f) -> str:
 
 def _section(name: str, cls) -> list[str]:
     """The table of `[name]`, followed by the tables of its sub-tables (`[name.field]`, e.g. `[rl.rollout]`)."""
-    docs = field_docs(cls)
+    docs: dict[str, str] = {}
+    for base in reversed(cls.__mro__):  # fields a base class declares (the reward tables' `weight`, `name`)
+        if dataclasses.is_dataclass(base):
+            docs.update(field_docs(base))
     hints = typing.get_type_hints(cls)
-    lines = [f"## [{name}]", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+    heading = name if name.startswith("[[") else f"[{name}]"
+    lines = [f"## {heading}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
     nested = []
     for f in dataclasses.fields(cls):
         tp = _type_str(hints[f.name]).replace("|", "\\|")
@@ -46,6 +50,11 @@ def _section(name: str, cls) -> list[str]:
         lines.append(f"| `{f.name}` | `{tp}` | `{_default(f)}` | {doc} |")
         if isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name]):
             nested.append((f"{name}.{f.name}", hints[f.name]))
+        elif typing.get_origin(hints[f.name]) is list:  # arrays of tables picked by `type =` (`[[rl.rewards]]`)
+            for member in typing.get_args(typing.get_args(hints[f.name])[0]):
+                if dataclasses.is_dataclass(member) and "type" in member.__dataclass_fields__:
+                    kind = member.__dataclass_fields__["type"].default
+                    nested.append((f'[[{name}.{f.name}]] type = "{kind}"', member))
     lines.append("")
     for sub_name, sub_cls in nested:
         lines += _section(sub_name, sub_cls)

@@ -25,7 +25,9 @@ from megatron_vlm.rl.rewards.config import (
     CustomRewardConfig,
     ExactMatchRewardConfig,
     FormatRewardConfig,
+    JudgeRewardConfig,
     MathRewardConfig,
+    ModelRewardConfig,
 )
 
 __all__ = ["RLConfig", "RLEvalConfig", "RLBatchConfig", "RLRolloutConfig", "RLLossConfig", "RLAdvantagesConfig",
@@ -646,7 +648,8 @@ class RLConfig:
     """The vLLM engine's settings ([rl.vllm]; read only with rollout_backend = "vllm")."""
 
     # --- rewards and evaluation ------------------------------------------------------------------
-    rewards: list[MathRewardConfig | ChoiceRewardConfig | FormatRewardConfig | ExactMatchRewardConfig | CustomRewardConfig] = field(
+    rewards: list[MathRewardConfig | ChoiceRewardConfig | FormatRewardConfig | ExactMatchRewardConfig | CustomRewardConfig
+                  | ModelRewardConfig | JudgeRewardConfig] = field(
         default_factory=lambda: [MathRewardConfig()]
     )
     """Verifiers whose weighted sum is the reward, one `[[rl.rewards]]` table each (`type =` picks it)."""
@@ -795,6 +798,11 @@ class RLConfig:
                 r.validate()
             except ValueError as e:
                 raise ValueError(f"rewards[{i}].{e}") from None
+        for i, r in enumerate(self.rewards):
+            if r.type in ("model", "judge") and self.allocation is not None:
+                raise ValueError(f"rewards[{i}].type: {r.type!r} scores on the training ranks of the synchronous loop; "
+                                 "asynchronous GRPO (allocation) scores on its rollout ranks, which do not load reward "
+                                 "models yet: leave allocation unset or use a rule reward")
         if self.accuracy_reward is not None and self.accuracy_reward not in labels:
             raise ValueError(f"accuracy_reward: {self.accuracy_reward!r} is not one of the reward labels {labels}")
 

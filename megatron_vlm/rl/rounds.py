@@ -157,7 +157,8 @@ class RoundSampler:
             return [], {label: [] for label in self.rewards.labels}
         G = self.rl.batch.group_size
         owners = [shard.samples[s.prompt_index] for s in real]
+        extra = {"samples": owners} if getattr(self.rewards, "takes_samples", False) else {}  # model rewards: images
         scored = self.rewards.score([s.text for s in real], [p.answer for p in owners], prompts=[p.problem for p in owners],
-                                    metadata=[p.metadata for p in owners])
+                                    metadata=[p.metadata for p in owners], **extra)
         assert len(scored.total) == shard.num_real * G
         return scored.total, scored.per_reward

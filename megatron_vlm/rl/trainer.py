@@ -36,6 +36,7 @@ from megatron_vlm.rl.prompts.encoder import PromptEncoder
 from megatron_vlm.rl.prompts.lengths import drop_unusable_prompts
 from megatron_vlm.rl.prompts.sets import PromptSets, load_prompt_sets
 from megatron_vlm.rl.reference import BaseModelReference, ReferencePolicy
+from megatron_vlm.rl.rewards.combined import CombinedRewards, has_model_rewards
 from megatron_vlm.rl.rewards.manager import RewardManager
 from megatron_vlm.training.bad_record_summary import write_bad_record_summary
 from megatron_vlm.training.context import RunContext
@@ -127,8 +128,9 @@ class GRPOParts:
     sets: PromptSets
     encoder: PromptEncoder
     engine: RolloutEngine
-    manager: RewardManager
-    """Owns worker processes: `close()` it at the end of the run."""
+    manager: Union[RewardManager, CombinedRewards]
+    """Owns worker processes: `close()` it at the end of the run. With reward models / judges in
+    `[[rl.rewards]]` a `CombinedRewards` (rl/rewards/combined.py) holding them and the rule rewards' manager."""
     reference: Optional[Union[ReferencePolicy, BaseModelReference]] = None
     bad_records: Optional[BadRecordLog] = None
     """Prompts left out by the reader and the encoder (written to bad_records.json at the end)."""
@@ -163,9 +165,15 @@ def build_grpo_parts(ctx: RunContext, bundle: ModelBundle) -> GRPOParts:
     elif rl.loss.kl_coef > 0:
         reference = ReferencePolicy.from_pretrained(cfg.model.path, dtype=dtype, device=env.device,
                                                     offload=rl.update.ref_offload, temperature=rl.rollout.temperature)
-    manager = RewardManager(rl.rewards, timeout_s=rl.reward_pool.timeout_s, num_workers=rl.reward_pool.workers,
-                            memory_limit_mb=rl.reward_pool.memory_limit_mb, batch_timeout_s=rl.reward_pool.batch_timeout_s,
-                            value_limit=rl.reward_pool.abs_max)
+    pool: dict[str, Any] = dict(timeout_s=rl.reward_pool.timeout_s, num_workers=rl.reward_pool.workers,
+                                memory_limit_mb=rl.reward_pool.memory_limit_mb,
+                                batch_timeout_s=rl.reward_pool.batch_timeout_s, value_limit=rl.reward_pool.abs_max)
+    manager: Union[RewardManager, CombinedRewards]
+    if has_model_rewards(rl.rewards):  # reward models / judges: loaded here, one copy per rank, scored in-process
+        manager = CombinedRewards(rl.rewards, pool=pool, dtype=dtype, device=env.device, max_frames=cfg.data.max_frames,
+                                  fps=cfg.data.fps, limits=MediaLimits.from_config(cfg.data))
+    else:
+        manager = RewardManager(rl.rewards, **pool)
     return GRPOParts(sets=sets, encoder=encoder, engine=engine, manager=manager, reference=reference,
                      bad_records=bad_records)
 

@@ -4,7 +4,10 @@ A GRPO run scores every completion with a weighted sum of verifiers. Each entry 
 a TOML table whose `type =` picks the verifier (the strict loader discriminates the union by the
 `type: Literal[...]` field of each class); the other keys are that verifier's options, so a typo in
 an option is a config error instead of a silently ignored setting. `type = "custom"` runs any
-Python function named by its dotted path (`function = "my_pkg.rewards.length_penalty"`).
+Python function named by its dotted path (`function = "my_pkg.rewards.length_penalty"`). Two kinds are
+models rather than functions and run in the training process, not in the worker pool (docs/reward_models.md):
+`type = "model"` (a sequence-classification reward model folder, its scalar score is the reward) and
+`type = "judge"` (a generative VLM answers a templated question about the completion and the image).
 
 This module imports nothing heavy: reward worker processes import it at start-up.
 """
@@ -20,6 +23,9 @@ __all__ = [
     "FormatRewardConfig",
     "ExactMatchRewardConfig",
     "CustomRewardConfig",
+    "ModelRewardConfig",
+    "JudgeRewardConfig",
+    "MODEL_REWARD_TYPES",
     "RewardConfig",
     "REWARD_CONFIG_TYPES",
     "reward_from_dict",
@@ -142,7 +148,114 @@ class CustomRewardConfig(_RewardCommon):
             raise ValueError(f"kwargs: {sorted(reserved)} are passed by the reward manager; rename them")
 
 
-RewardConfig = Union[MathRewardConfig, ChoiceRewardConfig, FormatRewardConfig, ExactMatchRewardConfig, CustomRewardConfig]
+@dataclass(kw_only=True)
+class ModelRewardConfig(_RewardCommon):
+    type: Literal["model"] = "model"
+    """A learned reward model: the scalar score of a sequence-classification model folder for the prompt
+    (with its images, when the model reads images) followed by the completion as the assistant turn, rendered
+    with the folder's own chat template. The folder is a transformers `...ForSequenceClassification` checkpoint
+    of a supported family (`Qwen2ForSequenceClassification`, `Qwen3ForSequenceClassification`, ...) or one of our
+    VLM families with the same scalar head (`score.weight`, written by `rl.rewards.score_model.save_score_model`).
+    Scored in batches on the training ranks after the rollout, one full copy per rank (as the reference model);
+    a failed or non-finite call scores 0 and is counted (`reward/errors`)."""
+    path: str = ""
+    """The reward model folder (config.json with a `...ForSequenceClassification` architecture, safetensors,
+    tokenizer / processor files)."""
+    batch_size: int = 16
+    """Completions scored per forward (one packed batch)."""
+    max_tokens: int = 4096
+    """A prompt + completion longer than this many tokens (in the reward model's tokenizer) is not scored: 0,
+    counted as an error."""
+    activation: Literal["none", "sigmoid", "softmax"] = "none"
+    """Reward from the logits: "none" = the logit of column `logit_index` as is (a Bradley-Terry reward model);
+    "sigmoid" = its sigmoid (a model trained with a binary cross-entropy on correct / wrong, reward in [0, 1]);
+    "softmax" = the probability of class `logit_index` (a model with num_labels >= 2)."""
+    logit_index: int = 0
+    """Column of the logits that is the reward (0 for a num_labels = 1 model)."""
+    offload: bool = False
+    """Keep the reward model on the CPU between scorings (moved to the device only while it scores)."""
+
+    def validate(self) -> None:
+        self._validate_common()
+        if not self.path:
+            raise ValueError("path: the reward model folder is required")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size: must be >= 1, got {self.batch_size}")
+        if self.max_tokens < 2:
+            raise ValueError(f"max_tokens: must be >= 2, got {self.max_tokens}")
+        if self.logit_index < 0:
+            raise ValueError(f"logit_index: must be >= 0, got {self.logit_index}")
+
+
+_JUDGE_FIELDS = ("question", "completion", "reference")
+_DEFAULT_JUDGE_TEMPLATE = ("Question: {question}\nReference answer: {reference}\nResponse: {completion}\n"
+                           "Is the response correct? Answer yes or no.")
+
+
+@dataclass(kw_only=True)
+class JudgeRewardConfig(_RewardCommon):
+    type: Literal["judge"] = "judge"
+    """A generative judge: a VLM folder answers `template` (filled with the question, the completion and the
+    reference answer) about the prompt's images, greedily, through the rollout engine
+    (megatron_vlm/inference); its answer is parsed into the reward (`parse`). Runs on the training ranks
+    after the rollout, one copy per rank; an answer that cannot be parsed scores 0 and is counted
+    (`reward/errors`)."""
+    path: str = ""
+    """The judge model folder (a generative model of a supported family, with its tokenizer / processor)."""
+    template: str = _DEFAULT_JUDGE_TEMPLATE
+    """The judge's user turn; fields {question} (the prompt's text), {completion}, {reference} (the
+    dataset's answer). Literal braces are doubled ({{ }})."""
+    parse: Literal["yes_no", "score"] = "yes_no"
+    """How the answer becomes the reward: "yes_no" = 1 when its first word is yes, 0 when no; "score" = the
+    first number of the answer divided by `max_score` (a number outside [0, max_score] is clipped and counted)."""
+    max_score: Optional[float] = None
+    """The top of the judge's scale with parse = "score" (unset: 10)."""
+    max_new_tokens: int = 8
+    """Tokens the judge may generate per answer."""
+    max_tokens: int = 4096
+    """Longest judge prompt + max_new_tokens; a longer judge prompt is not asked: 0, counted as an error."""
+    images: bool = True
+    """Show the judge the prompt's images (before the template's text); false = text only."""
+    batch_size: int = 16
+    """Judge prompts decoded together (slots of the judge's engine)."""
+    offload: bool = False
+    """Keep the judge on the CPU between scorings (moved to the device only while it answers)."""
+
+    def validate(self) -> None:
+        import string
+
+        self._validate_common()
+        if not self.path:
+            raise ValueError("path: the judge model folder is required")
+        try:
+            names = [f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None]
+        except ValueError as e:
+            raise ValueError(f"template: {e} (write literal braces as {{{{ }}}})") from None
+        bad = sorted({n for n in names if n not in _JUDGE_FIELDS})
+        if bad:
+            raise ValueError(f"template: unknown fields {bad}; use {{question}}, {{completion}}, {{reference}}")
+        if "completion" not in names:
+            raise ValueError("template: must contain {completion} (what the judge judges)")
+        if self.parse == "yes_no" and self.max_score is not None:
+            raise ValueError("max_score: only read with parse = 'score'; leave it unset")
+        if self.max_score is not None and not (0 < self.max_score < float("inf")):
+            raise ValueError(f"max_score: must be finite and > 0, got {self.max_score}")
+        for name in ("max_new_tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_tokens <= self.max_new_tokens:
+            raise ValueError(f"max_tokens: must exceed max_new_tokens ({self.max_new_tokens}), got {self.max_tokens}")
+
+    def scale(self) -> float:
+        """The top of the score scale (parse = "score")."""
+        return self.max_score if self.max_score is not None else 10.0
+
+
+RewardConfig = Union[MathRewardConfig, ChoiceRewardConfig, FormatRewardConfig, ExactMatchRewardConfig, CustomRewardConfig,
+                     ModelRewardConfig, JudgeRewardConfig]
+
+MODEL_REWARD_TYPES = ("model", "judge")
+"""The kinds scored by a model in the training process (not by the worker pool)."""
 
 REWARD_CONFIG_TYPES: dict[str, type[RewardConfig]] = {
     "math": MathRewardConfig,
@@ -150,7 +263,10 @@ REWARD_CONFIG_TYPES: dict[str, type[RewardConfig]] = {
     "format": FormatRewardConfig,
     "exact_match": ExactMatchRewardConfig,
     "custom": CustomRewardConfig,
+    "model": ModelRewardConfig,
+    "judge": JudgeRewardConfig,
 }
+
 
 
 def reward_from_dict(table: dict, where: str = "rl.rewards[0]") -> Any:

@@ -98,6 +98,7 @@ ARCH = {
     "demo_grpo.toml": ("synth:tiny_qwen2_5_vl", 2),
     "demo_grpo_async.toml": ("synth:tiny_qwen2_5_vl", 2),
     "demo_ppo.toml": ("synth:tiny_qwen2_5_vl", 2),
+    "demo_grpo_reward_model.toml": ("synth:tiny_qwen2_5_vl", 2),
     "demo_qwen3_vl.toml": ("synth:", 2),
     "demo_internvl.toml": ("synth:", 2),
     "demo_nemotron_vl.toml": ("synth:", 2),

@@ -19,3 +19,12 @@ def proc(tmp_path_factory):
     from megatron_vlm.testing.tiny_processor import build_tiny_qwen2_5_vl_processor
 
     return build_tiny_qwen2_5_vl_processor(tmp_path_factory.mktemp("proc"))
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_folder(tmp_path_factory):
+    """A tiny Qwen2.5-VL model folder (config, random weights, tokenizer, processor), built once per session
+    (the reward-model and judge tests)."""
+    from megatron_vlm.testing.tiny_model import build_tiny_model_folder
+
+    return build_tiny_model_folder("tiny_qwen2_5_vl", tmp_path_factory.mktemp("tiny_vlm") / "vl", seed=3)

@@ -1,0 +1,119 @@
+"""GRPO that learns the synthetic VQA task from a learned reward model alone (no rule reward in the loss).
+
+Three stages (`--only` runs one; an SFT stage is skipped when its export exists):
+
+1. `sft`: the GRPO demo's start, 100 steps of demo_sft.toml (runs/demo_sft_short/hf), as the demo's first command;
+   with `--rm-init full` also the whole SFT demo (600 steps, runs/demo_sft/hf), the reward model's start;
+2. `reward-model`: a sequence-classification model on an SFT checkpoint's backbone (`--rm-init short`: the policy's
+   own 100-step start; `full`: the 600-step SFT demo, as reward models usually start from a stronger SFT model than
+   the policy) with a fresh scalar head, trained on the train split's correct vs wrong answers
+   (megatron_vlm/testing/reward_model_vqa.py); its held-out pair accuracy (correct scored above wrong) before and
+   after; written to runs/demo_reward_model/hf;
+3. `grpo`: launch/configs/demo_grpo_reward_model.toml (the demo with `[[rl.rewards]] type = "model"`, the
+   exact-match rule at weight 0 only for the accuracy), the held-out accuracy from metrics_eval.csv.
+
+    python benchmarks/reward_model_grpo.py [--rm-init full] [--rm-steps 400] [--grpo-steps 150] [--only reward-model]
+
+Results go to runs/reward_model_grpo.json (and the log); the figures are in megatron_vlm/rl/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SFT = REPO / "runs" / "demo_sft_short"
+SFT_FULL = REPO / "runs" / "demo_sft"
+RM = REPO / "runs" / "demo_reward_model"
+GRPO = REPO / "runs" / "demo_grpo_reward_model"
+DATA = REPO / "runs" / "demo_assets" / "synthetic_vqa"
+RESULTS = REPO / "runs" / "reward_model_grpo.json"
+
+
+def _launch(args: list[str], nproc: int) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    cmd = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable])
+    subprocess.run(cmd + [str(REPO / "launch" / "pretrain_vlm.py"), *args], cwd=REPO, env=env, check=True)
+
+
+def stage_sft(nproc: int, full: bool) -> None:
+    for out, steps in ((SFT, 100), *(((SFT_FULL, 600),) if full else ())):
+        if (out / "hf" / "config.json").is_file():
+            print(f"sft: {out / 'hf'} exists")
+            continue
+        _launch(["--config", "launch/configs/demo_sft.toml", "--set", f"train.output_dir={out.relative_to(REPO)}",
+                 "--set", f"train.max_steps={steps}"], nproc)
+
+
+def stage_reward_model(steps: int, init: Path, malformed: float, results: dict) -> None:
+    import torch
+
+    from megatron_vlm.data.processor import load_processor
+    from megatron_vlm.rl.rewards.score_model import save_score_model
+    from megatron_vlm.testing.reward_model_vqa import pair_accuracy, score_model_from_causal, train_vqa_reward_model, vqa_pairs
+
+    torch.manual_seed(0)
+    processor = load_processor(init / "hf")
+    train = vqa_pairs(DATA / "train.jsonl", seed=0, malformed=malformed)
+    held = vqa_pairs(DATA / "eval.jsonl", seed=1, malformed=malformed)
+    model = score_model_from_causal(init / "hf", seed=0)
+    before = pair_accuracy(model, processor, held)
+    t0 = time.perf_counter()
+    losses = train_vqa_reward_model(model, processor, train, steps=steps, batch_prompts=16, lr=3e-4, seed=0,
+                                    log=lambda s, v: print(f"rm step {s + 1}/{steps} loss {v:.4f}", flush=True)
+                                    if (s + 1) % 25 == 0 else None)
+    after = pair_accuracy(model, processor, held)
+    save_score_model(model, RM / "hf", copy_from=init / "hf")
+    results["reward_model"] = {"init": str(init.relative_to(REPO)), "malformed": malformed, "steps": steps, "pairs_per_step": 16, "train_seconds": round(time.perf_counter() - t0, 1),
+                               "loss_first_25": sum(losses[:25]) / 25, "loss_last_25": sum(losses[-25:]) / 25,
+                               "heldout_pair_accuracy_before": before, "heldout_pair_accuracy_after": after,
+                               "heldout_pairs": len(held)}
+    print("reward model:", results["reward_model"], flush=True)
+
+
+def stage_grpo(steps: int, nproc: int, results: dict) -> None:
+    _launch(["--config", "launch/configs/demo_grpo_reward_model.toml", "--set", f"train.max_steps={steps}",
+             "--set", f"train.output_dir={GRPO.relative_to(REPO)}"], nproc)
+    rows = list(csv.DictReader((GRPO / "metrics_eval.csv").open()))
+    results["grpo"] = {"steps": steps, "heldout_accuracy": {r["step"]: float(r["accuracy"]) for r in rows}}
+    train = list(csv.DictReader((GRPO / "metrics_train.csv").open()))
+
+    def mean(key: str, part: list) -> float:
+        vals = [float(r[key]) for r in part if r.get(key) not in (None, "")]
+        return sum(vals) / max(len(vals), 1)
+
+    for key in ("reward/exact_match", "reward/reward_model", "reward/errors"):
+        results["grpo"][f"{key} steps 1-20"] = mean(key, train[:20])
+        results["grpo"][f"{key} last 20"] = mean(key, train[-20:])
+    print("grpo:", results["grpo"], flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=["sft", "reward-model", "grpo"])
+    ap.add_argument("--rm-steps", type=int, default=400)
+    ap.add_argument("--grpo-steps", type=int, default=150)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--rm-init", choices=["short", "full"], default="short")
+    ap.add_argument("--malformed", type=float, default=0.0,
+                    help="share of wrong answers that are an answer followed by more words (vqa_pairs)")
+    a = ap.parse_args()
+    results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    if a.only in (None, "sft"):
+        stage_sft(a.nproc, a.rm_init == "full")
+    if a.only in (None, "reward-model"):
+        stage_reward_model(a.rm_steps, SFT_FULL if a.rm_init == "full" else SFT, a.malformed, results)
+        RESULTS.write_text(json.dumps(results, indent=2))
+    if a.only in (None, "grpo"):
+        stage_grpo(a.grpo_steps, a.nproc, results)
+        RESULTS.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""`[[rl.rewards]] type = "judge"`: a generative VLM answers a templated question about each completion; the
+answer, parsed, is the reward.
+
+The judge's prompt is one user turn: the prompt's images (unless `images = false` or the judge reads text
+only) and `template` filled with {question} (the prompt's text), {completion} and {reference} (the dataset's
+answer), rendered by the judge folder's chat template through the data pipeline (`PromptEncoder`, as GRPO's
+prompts). It is decoded greedily by the rollout engine (`PolicyRolloutEngine` on the judge's own weights,
+continuous batching over `batch_size` slots, `max_new_tokens` per answer) and parsed (`parse_judgement`):
+"yes_no" = 1 for an answer whose first word is yes, 0 for no; "score" = the first number / `max_score`.
+
+Failures are the reward pool's: an answer that parses to nothing, a judge prompt that cannot be encoded
+(or is over `max_tokens`), a generate call that raises — each scores 0 and is an "error" (`reward/errors`);
+a score outside [0, max_score] is clipped into [0, 1] ("clipped"). `last_answers` keeps the judge's texts
+of the latest call (tests, debugging).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional
+
+import torch
+
+from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
+from megatron_vlm.rl.rewards.model_reward import ScoredValues, text_only_messages
+
+__all__ = ["JudgeRewardScorer", "parse_judgement", "judge_messages"]
+
+log = logging.getLogger("megatron_vlm")
+
+_YES_NO = re.compile(r"^\W*(yes|no)\b", re.IGNORECASE)
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
+
+
+def parse_judgement(text: str, parse: str, scale: float = 10.0) -> tuple[float, str, str]:
+    """(reward, status, detail) of one judge answer (module docstring)."""
+    if parse == "yes_no":
+        m = _YES_NO.match(text)
+        if m is None:
+            return 0.0, "error", f"judge answer is not yes / no: {text[:80]!r}"
+        return (1.0 if m.group(1).lower() == "yes" else 0.0), "ok", ""
+    m = _NUMBER.search(text)
+    if m is None:
+        return 0.0, "error", f"judge answer has no number: {text[:80]!r}"
+    x = float(m.group(0)) / scale
+    if not 0.0 <= x <= 1.0:
+        return min(max(x, 0.0), 1.0), "clipped", f"judge score {m.group(0)} outside [0, {scale:g}]"
+    return x, "ok", ""
+
+
+def judge_messages(template: str, prompt_messages: Sequence[dict], *, question: str, completion: str, reference: str,
+                   images: bool) -> list[dict]:
+    """The judge's one user turn: the prompt's images (when `images`), then the filled template."""
+    items: list[dict] = []
+    if images:
+        items = [it for m in prompt_messages if isinstance(m["content"], list) for it in m["content"]
+                 if it.get("type") in ("image", "video")]
+    text = template.format(question=question, completion=completion, reference=reference)
+    return [{"role": "user", "content": [*items, {"type": "text", "text": text}]}]
+
+
+class JudgeRewardScorer:
+    """Scores completions with the judge of one `JudgeRewardConfig` (`cfg`). `score(completions, answers,
+    questions, prompt_messages)` -> `ScoredValues`; `model` / `processor` may be given (tests)."""
+
+    def __init__(self, cfg: Any, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 max_frames: int = 8, fps: float = 2.0, limits: MediaLimits = DEFAULT_LIMITS,
+                 model: Any = None, processor: Any = None):
+        from megatron_vlm.checkpoint.hf import load_hf_model
+        from megatron_vlm.data.processor import load_processor
+        from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
+        from megatron_vlm.rl.prompts.encoder import PromptEncoder
+
+        self.cfg, self.device = cfg, torch.device(device)
+        self.offload = bool(cfg.offload) and self.device.type != "cpu"
+        self.model = model if model is not None else load_hf_model(cfg.path, dtype=dtype, device="cpu")
+        self.model.eval().requires_grad_(False)
+        self.model.to("cpu" if self.offload else self.device)
+        self.processor = processor if processor is not None else load_processor(cfg.path)
+        self.reads_images = bool(getattr(self.model, "takes_input", lambda _: False)("pixel_values"))
+        self.encoder = PromptEncoder(self.processor, max_frames=max_frames, fps=fps, max_new_tokens=cfg.max_new_tokens,
+                                     max_tokens=cfg.max_tokens, limits=limits)
+        self.engine = PolicyRolloutEngine(self.model, self.processor.tokenizer,
+                                          EngineOptions(cache_dtype=dtype, device=self.device, max_num_seqs=cfg.batch_size))
+        self.last_answers: list[Optional[str]] = []
+
+    @contextlib.contextmanager
+    def _on_device(self) -> Iterator[None]:
+        if not self.offload:
+            yield
+            return
+        self.model.to(self.device)
+        try:
+            yield
+        finally:
+            self.model.to("cpu")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def score(self, completions: Sequence[str], answers: Sequence[str], questions: Sequence[str],
+              prompt_messages: Sequence[Sequence[dict]]) -> ScoredValues:
+        """Reward of completion i to question i (reference answers[i], prompt turns prompt_messages[i])."""
+        from megatron_vlm.inference.engine import SamplingParams
+        from megatron_vlm.rl.prompts.dataset import PromptSample
+
+        cfg, n = self.cfg, len(completions)
+        out = ScoredValues(values=[0.0] * n, status=["ok"] * n, detail=[""] * n)
+        self.last_answers = [None] * n
+        show_images = cfg.images and self.reads_images
+        encoded, where = [], []
+        for i in range(n):
+            msgs = prompt_messages[i] if show_images else text_only_messages(prompt_messages[i])
+            # the answer of a PromptSample is its dropped assistant turn: never rendered for generation, but not empty
+            sample = PromptSample(prompt_id=f"judge:{i}", answer=str(answers[i]) or "-", problem=str(questions[i]),
+                                  messages=judge_messages(cfg.template, msgs, question=str(questions[i]),
+                                                          completion=str(completions[i]), reference=str(answers[i]),
+                                                          images=show_images))
+            e = self.encoder.encode(sample)  # None: counted by the encoder, logged for the first few
+            if e is None:
+                out.status[i], out.detail[i] = "error", f"judge prompt not usable: {self.encoder.last_skip}"
+                continue
+            encoded.append(e)
+            where.append(i)
+        if not encoded:
+            return out
+        try:
+            with self._on_device():
+                result = self.engine.generate(encoded, SamplingParams(max_new_tokens=cfg.max_new_tokens, n=1,
+                                                                      temperature=0.0))
+                self.engine.release_memory()
+        except Exception as e:  # noqa: BLE001 - a failed judge call is a counted 0 for its completions
+            for i in where:
+                out.status[i], out.detail[i] = "error", f"judge generate failed: {type(e).__name__}: {e}"
+            return out
+        for i, s in zip(where, result.samples):
+            self.last_answers[i] = s.text
+            out.values[i], out.status[i], out.detail[i] = parse_judgement(s.text, cfg.parse, cfg.scale())
+        return out

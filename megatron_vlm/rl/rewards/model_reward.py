@@ -1,0 +1,160 @@
+"""`[[rl.rewards]] type = "model"`: a learned reward model scores each completion, in batches, in the training process.
+
+Each completion becomes a conversation — the prompt's messages (its images too when the reward model reads
+images; a text-only reward model gets the text of the turns) and the completion as the assistant turn —
+rendered and tokenised by the reward model folder's own processor (the data pipeline's `process_record`,
+as SFT), packed `batch_size` at a time and scored by `SequenceScoreModel` (score_model.py): the logit of
+the last token, through `activation`.
+
+Why in-process and not in the reward worker pool: the pool's workers hold no torch and run one call per
+process; a network wants batches on the device. The pool's guarantees hold here too, per completion
+(`ScoredValues.status`): a completion that cannot be rendered (a missing image, over `max_tokens`), a
+batch whose forward raises (its completions), a NaN score, each is reward 0 and an "error" (the run goes
+on; `reward/errors` counts it and `rl.reward_pool.max_failed_steps` stops a run whose every call fails);
+an infinite or larger-than-`rl.reward_pool.abs_max` score is clipped to +-abs_max ("clipped"). An empty
+completion scores 0 without a forward (the pipeline refuses empty assistant turns: there is nothing to score).
+
+Placement: one full copy per rank, in the run's compute dtype, as the frozen reference policy
+(rl/reference.py); `offload = true` keeps it on the CPU between scorings.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
+from megatron_vlm.data.messages import Record
+
+__all__ = ["ScoredValues", "ModelRewardScorer", "limit_value", "text_only_messages"]
+
+log = logging.getLogger("megatron_vlm")
+
+
+@dataclass
+class ScoredValues:
+    """One value per completion with the pool's statuses: "ok", "error" (value 0), "clipped"."""
+
+    values: list[float]
+    status: list[str]
+    detail: list[str] = field(default_factory=list)
+
+
+def limit_value(x: float, limit: Optional[float]) -> tuple[float, str, str]:
+    """(value, status, detail) of a raw score: NaN is an error (0), +-inf or beyond +-limit is clipped."""
+    if math.isnan(x):
+        return 0.0, "error", "the model's score is NaN"
+    if limit is not None and abs(x) > limit:
+        return math.copysign(limit, x), "clipped", f"score {x} beyond +-{limit}"
+    if math.isinf(x):
+        return 0.0, "error", "the model's score is infinite"
+    return x, "ok", ""
+
+
+def text_only_messages(messages: Sequence[dict]) -> list[dict]:
+    """The turns with their image / video items left out (for a reward model or judge that reads text only)."""
+    out = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, list):
+            content = [it for it in content if it.get("type") == "text"]
+        out.append({**m, "content": content})
+    return out
+
+
+class ModelRewardScorer:
+    """Scores completions with the reward model of one `ModelRewardConfig` (`cfg`). `score(completions,
+    prompt_messages)` -> `ScoredValues`; `model` and `processor` may be given (tests), else loaded from `cfg.path`."""
+
+    def __init__(self, cfg: Any, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 value_limit: Optional[float] = None, max_frames: int = 8, fps: float = 2.0,
+                 limits: MediaLimits = DEFAULT_LIMITS, model: Any = None, processor: Any = None):
+        from megatron_vlm.data.processor import load_processor
+        from megatron_vlm.rl.rewards.score_model import load_score_model
+
+        self.cfg, self.device, self.value_limit = cfg, torch.device(device), value_limit
+        self.max_frames, self.fps, self.limits = max_frames, fps, limits
+        self.offload = bool(cfg.offload) and self.device.type != "cpu"
+        self.model = model if model is not None else load_score_model(cfg.path, dtype=dtype, device="cpu")
+        self.model.eval().requires_grad_(False)
+        self.model.to("cpu" if self.offload else self.device)
+        self.processor = processor if processor is not None else load_processor(cfg.path)
+        n = self.model.score.out_features
+        if cfg.logit_index >= n:
+            from megatron_vlm.errors import ConfigError
+
+            raise ConfigError(f"rl.rewards.logit_index: {cfg.logit_index} is not a column of {cfg.path}'s {n} logits")
+        if cfg.activation == "softmax" and n < 2:
+            from megatron_vlm.errors import ConfigError
+
+            raise ConfigError(f"rl.rewards.activation: 'softmax' of a model with num_labels = {n} is always 1; "
+                              "use 'none' or 'sigmoid'")
+        self.reads_images = bool(getattr(self.model.backbone, "takes_input", lambda _: False)("pixel_values"))
+
+    @contextlib.contextmanager
+    def _on_device(self) -> Iterator[None]:
+        if not self.offload:
+            yield
+            return
+        self.model.to(self.device)
+        try:
+            yield
+        finally:
+            self.model.to("cpu")
+
+    def _render(self, messages: Sequence[dict], completion: str) -> Any:
+        from megatron_vlm.data.processing import process_record
+
+        turns = list(messages) if self.reads_images else text_only_messages(messages)
+        record = Record(turns + [{"role": "assistant", "content": completion}], "reward_model", -1)
+        return process_record(record, self.processor, max_frames=self.max_frames, fps=self.fps, limits=self.limits)
+
+    def _reward(self, logits: torch.Tensor) -> torch.Tensor:
+        act, k = self.cfg.activation, self.cfg.logit_index
+        if act == "softmax":
+            return torch.softmax(logits, dim=-1)[:, k]
+        col = logits[:, k]
+        return torch.sigmoid(col) if act == "sigmoid" else col
+
+    @torch.no_grad()
+    def score(self, completions: Sequence[str], prompt_messages: Sequence[Sequence[dict]]) -> ScoredValues:
+        """Reward of completion i as the answer to the prompt whose messages are `prompt_messages[i]`."""
+        from megatron_vlm.data.packing import collate_pack
+
+        n = len(completions)
+        out = ScoredValues(values=[0.0] * n, status=["ok"] * n, detail=[""] * n)
+        rendered: list[tuple[int, Any]] = []
+        for i, (text, msgs) in enumerate(zip(completions, prompt_messages)):
+            if not text.strip():
+                continue  # nothing to score: 0 (module docstring)
+            try:
+                sample = self._render(msgs, text)
+            except Exception as e:  # noqa: BLE001 - one completion's failure is its own counted 0
+                out.status[i], out.detail[i] = "error", f"cannot render: {type(e).__name__}: {e}"
+                continue
+            if len(sample.input_ids) > self.cfg.max_tokens:
+                out.status[i], out.detail[i] = "error", f"{len(sample.input_ids)} tokens > max_tokens {self.cfg.max_tokens}"
+                continue
+            rendered.append((i, sample))
+        bs = self.cfg.batch_size
+        with self._on_device():
+            for start in range(0, len(rendered), bs):
+                chunk = rendered[start:start + bs]
+                try:
+                    batch = {k: (v.to(self.device) if torch.is_tensor(v) else v)
+                             for k, v in collate_pack([s for _, s in chunk]).items()}
+                    rewards = self._reward(self.model(batch)).float().cpu().tolist()
+                    if len(rewards) != len(chunk):
+                        raise RuntimeError(f"{len(rewards)} scores for {len(chunk)} sequences")
+                except Exception as e:  # noqa: BLE001 - a failed forward is a counted 0 for its completions
+                    for i, _ in chunk:
+                        out.status[i], out.detail[i] = "error", f"forward failed: {type(e).__name__}: {e}"
+                    continue
+                for (i, _), r in zip(chunk, rewards):
+                    out.values[i], out.status[i], out.detail[i] = limit_value(float(r), self.value_limit)
+        return out

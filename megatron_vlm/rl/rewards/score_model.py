@@ -1,0 +1,154 @@
+"""A sequence-classification model: one of our family backbones with a scalar (or n-class) head on the last token.
+
+Why our backbone and not transformers' class: the reward model then runs on every family we load (the VLMs
+have no transformers `...ForSequenceClassification`), with the packed, vision-aware forward of training, and
+a transformers checkpoint of a text family (`Qwen2ForSequenceClassification`, `Qwen3ForSequenceClassification`)
+loads as is. The folder layout is transformers': config.json names a `...ForSequenceClassification`
+architecture and `num_labels` (or `id2label`), the backbone's tensors keep their causal-LM names, the head is
+`score.weight` [num_labels, hidden] (`score.bias` if any). An `lm_head.weight` in the folder (a causal LM
+given a head) is not used and not loaded.
+
+Pooling is transformers': the logits of the last token of each sequence (transformers takes the last
+non-padding token; sequences here are packed, never padded, so it is the last token). The head runs in
+float32 on the backbone's final-norm hidden states.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from megatron_vlm.data.batch import model_inputs
+
+__all__ = ["SequenceScoreModel", "load_score_model", "save_score_model", "score_num_labels"]
+
+_HEAD_KEYS = ("score.weight", "score.bias")
+
+
+def score_num_labels(hf_config: dict) -> int:
+    """The head's width as transformers reads it: `num_labels`, else the size of `id2label`, else 2."""
+    if hf_config.get("num_labels") is not None:
+        return int(hf_config["num_labels"])
+    if hf_config.get("id2label"):
+        return len(hf_config["id2label"])
+    return 2
+
+
+class SequenceScoreModel(nn.Module):
+    """`backbone` (a family model, its `lm_head` replaced by nothing) + `score` (Linear hidden -> num_labels)."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int, num_labels: int, *, bias: bool = False):
+        super().__init__()
+        self.backbone: Any = backbone
+        self.score = nn.Linear(hidden_size, num_labels, bias=bias, dtype=torch.float32)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        """Logits [n, num_labels] (float32) of the n sequences of a packed batch (`cu_seqlens`), or of the
+        rows of a padded batch (`attention_mask`, right padding: the last real token of each row)."""
+        hidden = self.backbone(**model_inputs(batch), return_hidden=True)
+        if batch.get("cu_seqlens") is not None:
+            last = batch["cu_seqlens"][1:].to(hidden.device, torch.long) - 1
+            pooled = hidden[0, last]
+        else:
+            mask = batch.get("attention_mask")
+            lengths = mask.sum(-1) if mask is not None else torch.full((hidden.shape[0],), hidden.shape[1])
+            pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths.to(hidden.device) - 1]
+        return self.score(pooled.float())
+
+
+class _ScoreAdapter:
+    """The family's state-dict adapter for the backbone (`backbone.` prefixed), `score.*` as is, `lm_head.*` dropped."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def from_hf(self, hf: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        head = {k: v for k, v in hf.items() if k in _HEAD_KEYS}
+        rest = {k: v for k, v in hf.items() if k not in _HEAD_KEYS and not k.startswith("lm_head.")}
+        converted, pending = self.inner.from_hf(rest) if rest else ({}, {})
+        return {**{f"backbone.{k}": v for k, v in converted.items()}, **head}, pending
+
+    def default_for(self, key: str, shape: tuple) -> Optional[torch.Tensor]:
+        fn = getattr(self.inner, "default_for", None)
+        if fn is None or not key.startswith("backbone."):
+            return None
+        return fn(key[len("backbone."):], shape)
+
+
+def load_score_model(path: Union[str, Path], *, dtype: torch.dtype = torch.float32,
+                     device: Union[torch.device, str] = "cpu") -> SequenceScoreModel:
+    """Build and load the sequence-classification folder `path` (see the module docstring); ValueError naming
+    what is wrong with a folder that is not one."""
+    from megatron_vlm.checkpoint.hf import load_hf_weights, read_hf_config
+    from megatron_vlm.models.registry import get_family
+
+    path = Path(path)
+    hf_config = read_hf_config(path)
+    archs = hf_config.get("architectures") or []
+    if not any(str(a).endswith("ForSequenceClassification") for a in archs):
+        raise ValueError(f"{path}: config.json architectures {archs} name no ...ForSequenceClassification model "
+                         "(a reward model folder has a scalar head, `score.weight`)")
+    family = get_family(str(hf_config.get("model_type")))
+    args_cls: Any = family.args_cls
+    args = args_cls.from_hf_config(hf_config)
+    has_bias = _has_key(path, "score.bias")
+    with torch.device("meta"):
+        backbone = family.model_cls(args, hf_config=hf_config)
+        hidden = backbone.lm_head.in_features
+        backbone.lm_head = nn.Identity()  # no [vocab, hidden] matrix: the head is `score`
+        model = SequenceScoreModel(backbone, hidden, score_num_labels(hf_config), bias=has_bias)
+    model.backbone.to(dtype=dtype)
+    model = model.to_empty(device=device)
+    load_hf_weights(model, path, _ScoreAdapter(family.state_dict_adapter(args)))
+    return model.eval().requires_grad_(False)
+
+
+def _has_key(path: Path, key: str) -> bool:
+    from safetensors import safe_open
+
+    from megatron_vlm.checkpoint.hf import safetensors_files
+
+    for f in safetensors_files(path):
+        with safe_open(str(f), framework="pt", device="cpu") as reader:
+            if key in reader.keys():  # noqa: SIM118 -- safe_open handles are not iterable
+                return True
+    return False
+
+
+def save_score_model(model: SequenceScoreModel, path: Union[str, Path], *, copy_from: Optional[Union[str, Path]] = None,
+                     architecture: Optional[str] = None) -> Path:
+    """Write `model` in the layout `load_score_model` reads (one model.safetensors, config.json with the
+    architecture and `num_labels`, the tokenizer / processor files of `copy_from`). For tests and scripts that
+    train a small reward model; the folder is written in place."""
+    from megatron_vlm.checkpoint.hf import copy_tokenizer_files
+    from megatron_vlm.models.registry import family_for_args
+
+    path = Path(path)
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    backbone = model.backbone
+    adapter = family_for_args(backbone.args).state_dict_adapter(backbone.args)
+    ours = {k: v.detach().cpu().contiguous() for k, v in backbone.state_dict().items() if not k.startswith("lm_head.")}
+    tensors = {k: v for k, v in adapter.to_hf(ours).items() if not k.startswith("lm_head.")}
+    tensors.update({f"score.{k}": v.detach().cpu().contiguous() for k, v in model.score.state_dict().items()})
+    seen: set[int] = set()
+    for k, t in list(tensors.items()):  # safetensors refuses shared storage (tied embeddings)
+        ptr = t.untyped_storage().data_ptr()
+        tensors[k] = t.clone() if ptr in seen else t
+        seen.add(ptr)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = dict(getattr(backbone, "hf_config", None) or backbone.args.to_hf_config())
+    arch = architecture or f"{type(backbone).__name__.split('For')[0]}ForSequenceClassification"
+    n = model.score.out_features
+    config.update(architectures=[arch], num_labels=n, id2label={str(i): f"LABEL_{i}" for i in range(n)},
+                  label2id={f"LABEL_{i}": i for i in range(n)})
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if copy_from is not None:
+        copy_tokenizer_files(copy_from, path)
+    return path

@@ -1,0 +1,124 @@
+"""`[[rl.rewards]] type = "judge"`: the answer parser, and the judge path end to end on a tiny VLM through the
+rollout engine (its answers are what the engine generates for the judge's prompt, parsed; unparseable answers
+and failing calls are counted zeros)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_vlm.rl.rewards.combined import CombinedRewards
+from megatron_vlm.rl.rewards.config import JudgeRewardConfig
+from megatron_vlm.rl.rewards.judge import JudgeRewardScorer, judge_messages, parse_judgement
+
+
+@pytest.mark.parametrize("text, parse, want", [
+    ("Yes.", "yes_no", (1.0, "ok")),
+    ("  no, the count is wrong", "yes_no", (0.0, "ok")),
+    ("**YES**", "yes_no", (1.0, "ok")),
+    ("yesterday", "yes_no", (0.0, "error")),
+    ("I think so", "yes_no", (0.0, "error")),
+    ("Score: 7/10", "score", (0.7, "ok")),
+    ("10", "score", (1.0, "ok")),
+    ("12 out of 10", "score", (1.0, "clipped")),
+    ("-3", "score", (0.0, "clipped")),
+    ("excellent", "score", (0.0, "error")),
+])
+def test_parse_judgement(text, parse, want):
+    value, status, _ = parse_judgement(text, parse, 10.0)
+    assert (value, status) == pytest.approx(want)
+
+
+def test_judge_messages_put_the_images_before_the_filled_template():
+    prompt = [{"role": "user", "content": [{"type": "image", "image": "/x.png"}, {"type": "text", "text": "Q?"}]}]
+    msgs = judge_messages("Q: {question} A: {completion} R: {reference}", prompt, question="Q?", completion="4",
+                          reference="3", images=True)
+    assert msgs == [{"role": "user", "content": [{"type": "image", "image": "/x.png"},
+                                                 {"type": "text", "text": "Q: Q? A: 4 R: 3"}]}]
+    assert judge_messages("{completion}", prompt, question="", completion="4", reference="", images=False)[0]["content"] == [
+        {"type": "text", "text": "4"}]
+
+
+@pytest.fixture(scope="module")
+def judge_folder(tmp_path_factory, tiny_vlm_folder):
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("judge")
+    Image.new("RGB", (56, 56), (40, 170, 60)).save(root / "green.png")
+    return tiny_vlm_folder, str(root / "green.png")
+
+
+def test_judge_runs_on_a_tiny_vlm_through_the_rollout_engine(judge_folder):
+    from megatron_vlm.inference.engine import SamplingParams
+
+    folder, image = judge_folder
+    cfg = JudgeRewardConfig(path=str(folder), name="judge", max_new_tokens=4, max_tokens=512, batch_size=2)
+    prompt = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What colour?"}]}]
+    completions, answers = ["green", "red", "blue"], ["green"] * 3
+    scorer = JudgeRewardScorer(cfg)
+    with CombinedRewards([cfg], scorers={0: scorer}) as rewards:
+        from megatron_vlm.rl.prompts.dataset import PromptSample
+
+        samples = [PromptSample(prompt_id=str(i), messages=prompt, answer="green", problem="What colour?") for i in range(3)]
+        out = rewards.score(completions, answers, ["What colour?"] * 3, samples=samples)
+        metrics = rewards.metrics()
+    texts = scorer.last_answers
+    assert all(isinstance(t, str) for t in texts)
+    # the answers are the engine's greedy generations for the judge's prompts
+    for i, c in enumerate(completions):
+        judge_prompt = PromptSample(prompt_id="ref", answer="unused", problem="", messages=judge_messages(
+            cfg.template, prompt, question="What colour?", completion=c, reference="green", images=True))
+        enc = scorer.encoder.encode(judge_prompt)
+        assert int((enc.input_ids == scorer.processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")).sum()) > 0
+        ref = scorer.engine.generate([enc], SamplingParams(max_new_tokens=4, n=1, temperature=0.0)).samples[0].text
+        assert texts[i] == ref
+    parsed = [parse_judgement(t, "yes_no") for t in texts]
+    assert out.per_reward["judge"] == [p[0] for p in parsed]
+    assert out.errors == sum(p[1] == "error" for p in parsed) and metrics["reward/errors"] == out.errors
+    assert metrics["reward/calls"] == 3
+
+
+class _ScriptedEngine:
+    """Stands in for the judge's engine: answers given texts (the parser and the plumbing, not the model)."""
+
+    def __init__(self, texts):
+        self.texts, self.calls = texts, 0
+
+    def generate(self, prompts, params, generator=None):
+        from types import SimpleNamespace
+
+        self.calls += 1
+        if self.texts is None:
+            raise RuntimeError("out of memory")
+        return SimpleNamespace(samples=[SimpleNamespace(text=t) for t in self.texts[:len(prompts)]])
+
+    def release_memory(self):
+        pass
+
+
+def test_judge_answers_become_rewards_and_failures_are_counted(judge_folder):
+    folder, _ = judge_folder
+    cfg = JudgeRewardConfig(path=str(folder), name="judge", parse="score", max_score=5.0, max_tokens=512)
+    scorer = JudgeRewardScorer(cfg)
+    scorer.engine = _ScriptedEngine(["4", "score 5 of 5", "no idea"])
+    with CombinedRewards([cfg], scorers={0: scorer}) as rewards:
+        out = rewards.score(["a", "b", "c"], ["x"] * 3, ["q"] * 3)
+        assert out.per_reward["judge"] == pytest.approx([0.8, 1.0, 0.0]) and out.errors == 1
+        scorer.engine = _ScriptedEngine(None)  # the generate call raises: every completion a counted 0
+        out = rewards.score(["a", "b"], ["x"] * 2, ["q"] * 2)
+        assert out.per_reward["judge"] == [0.0, 0.0] and out.errors == 2
+        assert "judge generate failed: RuntimeError: out of memory" in rewards.last_error
+        assert rewards.metrics()["reward/errors"] == 3
+
+
+def test_judge_text_only_prompt_when_images_off(judge_folder):
+    folder, image = judge_folder
+    cfg = JudgeRewardConfig(path=str(folder), images=False, max_tokens=512)
+    scorer = JudgeRewardScorer(cfg)
+    seen = []
+    orig = scorer.encoder.encode
+    scorer.encoder.encode = lambda s: seen.append(s) or orig(s)
+    scorer.engine = _ScriptedEngine(["yes"])
+    prompt = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Q?"}]}]
+    assert scorer.score(["a"], ["b"], ["Q?"], [prompt]).values == [1.0]
+    assert [it["type"] for it in seen[0].messages[0]["content"]] == ["text"]
+    torch.manual_seed(0)

@@ -1,0 +1,204 @@
+"""`[[rl.rewards]] type = "model"`: the reward equals transformers' `...ForSequenceClassification` logits on the same
+conversation (the reference nobody here wrote), packed scoring equals padded, the VLM scalar-head folder round
+trips, and a crashing or NaN reward model is a counted 0, never a crash (the reward pool's guarantees)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_vlm.rl.rewards.combined import CombinedRewards
+from megatron_vlm.rl.rewards.config import ExactMatchRewardConfig, ModelRewardConfig
+from megatron_vlm.rl.rewards.failure_watch import RewardFailureWatch, RewardsAllFailedError
+from megatron_vlm.rl.rewards.model_reward import ModelRewardScorer
+from megatron_vlm.rl.rewards.score_model import load_score_model
+
+PROMPTS = ["How many shapes are there?", "What colour is the circle?", "What shape is red?"]
+ANSWERS = ["3", "blue", "a square, I think"]
+
+
+def _hf_seqcls_folder(out, model_type: str, num_labels: int, seed: int = 0):
+    """A tiny transformers `<Qwen2|Qwen3>ForSequenceClassification`, random weights, saved with a chat-template tokenizer."""
+    import transformers
+
+    from megatron_vlm.testing.tiny_text_model import build_tiny_text_processor, tiny_qwen_text_hf_config
+
+    tok = build_tiny_text_processor(out)
+    d = tiny_qwen_text_hf_config(model_type, vocab_size=len(tok), pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    cls = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[model_type]
+    cfg = getattr(transformers, f"{cls}Config")(**{k: v for k, v in d.items()
+                                                   if k not in ("model_type", "architectures", "transformers_version")},
+                                                num_labels=num_labels)
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{cls}ForSequenceClassification")(cfg).eval()
+    with torch.no_grad():  # transformers zero-initialises nothing here, but make the head clearly non-trivial
+        model.score.weight.normal_(0.0, 0.5)
+    model.save_pretrained(out)
+    return model, tok
+
+
+def _hf_logits(model, tok, prompts, completions) -> torch.Tensor:
+    """transformers' logits of the chat-template conversations (right padding, attention mask)."""
+    ids = []
+    for p, c in zip(prompts, completions):
+        text = tok.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": c}], tokenize=False)
+        ids.append(tok(text)["input_ids"])
+    T = max(map(len, ids))
+    batch = torch.full((len(ids), T), tok.pad_token_id)
+    mask = torch.zeros(len(ids), T, dtype=torch.long)
+    for i, x in enumerate(ids):
+        batch[i, :len(x)] = torch.tensor(x)
+        mask[i, :len(x)] = 1
+    with torch.no_grad():
+        return model(input_ids=batch, attention_mask=mask).logits
+
+
+def _messages(prompts):
+    return [[{"role": "user", "content": [{"type": "text", "text": p}]}] for p in prompts]
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_reward_equals_transformers_sequence_classification(tmp_path, model_type):
+    hf, tok = _hf_seqcls_folder(tmp_path, model_type, 1)
+    ref = _hf_logits(hf, tok, PROMPTS, ANSWERS)[:, 0]
+    scorer = ModelRewardScorer(ModelRewardConfig(path=str(tmp_path), batch_size=2))  # two packed forwards
+    got = scorer.score(ANSWERS, _messages(PROMPTS))
+    assert got.status == ["ok"] * 3
+    torch.testing.assert_close(torch.tensor(got.values), ref, rtol=1e-5, atol=1e-5)
+    assert ref.std() > 1e-3  # the three scores differ: the comparison can tell inputs apart
+    sig = ModelRewardScorer(ModelRewardConfig(path=str(tmp_path), activation="sigmoid")).score(ANSWERS, _messages(PROMPTS))
+    torch.testing.assert_close(torch.tensor(sig.values), torch.sigmoid(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_softmax_column_of_a_two_label_model(tmp_path):
+    hf, tok = _hf_seqcls_folder(tmp_path, "qwen2", 2, seed=1)
+    ref = torch.softmax(_hf_logits(hf, tok, PROMPTS, ANSWERS), -1)[:, 1]
+    got = ModelRewardScorer(ModelRewardConfig(path=str(tmp_path), activation="softmax", logit_index=1)).score(
+        ANSWERS, _messages(PROMPTS))
+    torch.testing.assert_close(torch.tensor(got.values), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_equals_padded_and_transformers_on_token_ids(tmp_path):
+    hf, tok = _hf_seqcls_folder(tmp_path, "qwen2", 1, seed=2)
+    ours = load_score_model(tmp_path)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(5, len(tok) - 20, (n,), generator=g) for n in (7, 12, 3)]
+    cu = torch.tensor([0, 7, 19, 22], dtype=torch.int32)
+    packed = ours({"input_ids": torch.cat(seqs)[None], "cu_seqlens": cu})
+    batch = torch.full((3, 12), tok.pad_token_id)
+    mask = torch.zeros(3, 12, dtype=torch.long)
+    for i, x in enumerate(seqs):
+        batch[i, :len(x)], mask[i, :len(x)] = x, 1
+    padded = ours({"input_ids": batch, "attention_mask": mask})
+    with torch.no_grad():
+        ref = hf(input_ids=batch, attention_mask=mask).logits
+    torch.testing.assert_close(packed, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(padded, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_folder_without_a_classification_head_is_refused(tmp_path):
+    from megatron_vlm.testing.tiny_text_model import build_tiny_qwen_text_folder
+
+    folder = build_tiny_qwen_text_folder(tmp_path / "causal", model_type="qwen2")
+    with pytest.raises(ValueError, match="ForSequenceClassification"):
+        load_score_model(folder)
+
+
+def test_vlm_scalar_head_round_trip_reads_the_image(tmp_path, tiny_vlm_folder):
+    """Our VLM with a scalar head: saved, reloaded, the same scores; two images under the same text score
+    differently (the image reaches the head)."""
+    from PIL import Image
+
+    from megatron_vlm.data.processor import load_processor
+    from megatron_vlm.rl.rewards.score_model import save_score_model
+    from megatron_vlm.testing.reward_model_vqa import score_model_from_causal
+
+    folder = tiny_vlm_folder
+    model = score_model_from_causal(folder, seed=0)
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 1.0)
+    save_score_model(model, tmp_path / "rm", copy_from=folder)
+    imgs = []
+    for i, rgb in enumerate([(220, 40, 40), (40, 80, 230)]):
+        im = Image.new("RGB", (56, 56), (245, 245, 245))
+        im.paste(rgb, (6, 6, 50, 50))
+        imgs.append(str(tmp_path / f"im{i}.png"))
+        im.save(imgs[-1])
+    msgs = [[{"role": "user", "content": [{"type": "image", "image": p}, {"type": "text", "text": "What colour?"}]}]
+            for p in imgs]
+    cfg = ModelRewardConfig(path=str(tmp_path / "rm"))
+    reloaded = ModelRewardScorer(cfg).score(["red", "red"], msgs)
+    fresh = ModelRewardScorer(cfg, model=model, processor=load_processor(folder)).score(["red", "red"], msgs)
+    assert reloaded.status == ["ok", "ok"]
+    assert reloaded.values == pytest.approx(fresh.values, abs=1e-6)
+    assert abs(reloaded.values[0] - reloaded.values[1]) > 1e-6
+
+
+class _Raising(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.score, self.backbone = inner, inner.score, inner.backbone
+
+    def forward(self, batch):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+
+def test_crashing_or_nan_reward_model_is_a_counted_zero(tmp_path):
+    _hf_seqcls_folder(tmp_path, "qwen2", 1)
+    cfg = ModelRewardConfig(path=str(tmp_path), name="rm", weight=2.0)
+    good = ModelRewardScorer(cfg)
+    expected = good.score(ANSWERS, _messages(PROMPTS)).values
+    crashing = ModelRewardScorer(cfg, model=_Raising(load_score_model(tmp_path)), processor=good.processor)
+    nan_model = load_score_model(tmp_path)
+    with torch.no_grad():
+        nan_model.score.weight[0, 0] = float("nan")
+    nan_scorer = ModelRewardScorer(cfg, model=nan_model, processor=good.processor)
+    rule = ExactMatchRewardConfig(weight=0.5)
+    with CombinedRewards([cfg, rule], pool=dict(num_workers=1, timeout_s=10.0), scorers={0: good}) as rewards:
+        ok = rewards.score(ANSWERS, ["3", "red", "x"], PROMPTS)
+        assert ok.errors == 0 and ok.per_reward["rm"] == pytest.approx(expected)
+        assert ok.per_reward["exact_match"] == [1.0, 0.0, 0.0]
+        assert ok.total == pytest.approx([2 * e + 0.5 * m for e, m in zip(expected, [1.0, 0.0, 0.0])])
+        watch = RewardFailureWatch(2)
+        watch.update(rewards.metrics(), 1)
+        for scorer, why in ((crashing, "forward failed: RuntimeError: CUDA error"), (nan_scorer, "NaN")):
+            rewards.scorers[0] = scorer
+            bad = rewards.score(ANSWERS, ["3", "red", "x"], PROMPTS)
+            assert bad.per_reward["rm"] == [0.0, 0.0, 0.0] and bad.errors == 3
+            assert bad.total == pytest.approx([0.5, 0.0, 0.0])  # the rule reward still counts
+            assert why in rewards.last_error
+        m = rewards.metrics()
+        assert m["reward/calls"] == 18 and m["reward/errors"] == 6 and m["reward/clipped"] == 0
+        # a scorer that raises itself (not inside its forward) is the same counted 0
+        rewards.scorers[0] = None
+        assert rewards.score(ANSWERS, ["3", "red", "x"], PROMPTS).errors == 3
+    # every call failing (rule rewards are not model calls: the watch counts only failures it sees) stops a run
+    with CombinedRewards([cfg], scorers={0: crashing}) as only_model:
+        watch = RewardFailureWatch(2)
+        only_model.score(ANSWERS, ["3", "red", "x"], PROMPTS)
+        watch.update(only_model.metrics(), 1)
+        only_model.score(ANSWERS, ["3", "red", "x"], PROMPTS)
+        with pytest.raises(RewardsAllFailedError, match="forward failed"):
+            watch.update(only_model.metrics(), 2, only_model.last_error)
+
+
+def test_infinite_or_huge_scores_are_clipped_and_counted(tmp_path):
+    _hf_seqcls_folder(tmp_path, "qwen2", 1)
+    model = load_score_model(tmp_path)
+    with torch.no_grad():
+        model.score.weight.mul_(1e6)
+    cfg = ModelRewardConfig(path=str(tmp_path), name="rm")
+    scorer = ModelRewardScorer(cfg, model=model, value_limit=5.0)
+    with CombinedRewards([cfg], scorers={0: scorer}) as rewards:
+        out = rewards.score(ANSWERS, ["", "", ""], PROMPTS)
+    assert all(abs(v) == 5.0 for v in out.per_reward["rm"]) and out.clipped == 3 and out.errors == 0
+
+
+def test_empty_completion_and_over_long_input(tmp_path):
+    _hf_seqcls_folder(tmp_path, "qwen2", 1)
+    scorer = ModelRewardScorer(ModelRewardConfig(path=str(tmp_path), max_tokens=12))
+    out = scorer.score(["", "a much longer answer than the twelve tokens allowed here"], _messages(PROMPTS[:2]))
+    assert out.values == [0.0, 0.0]
+    assert out.status == ["ok", "error"] and "max_tokens" in out.detail[1]
+    assert not math.isnan(sum(out.values))

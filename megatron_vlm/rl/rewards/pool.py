@@ -220,10 +220,11 @@ def _worker_main(conn: Connection, preload: tuple = (), memory_limit_mb: int = 0
 
 
 class _Worker:
-    def __init__(self, ctx, start_timeout_s: float, preload: tuple, memory_limit_mb: int = 0):
+    def __init__(self, ctx, start_timeout_s: float, preload: tuple, memory_limit_mb: int = 0,
+                 target: Callable = _worker_main):
         parent, child = ctx.Pipe(duplex=True)
         self.conn: Connection = parent
-        self.proc = ctx.Process(target=_worker_main, args=(child, preload, memory_limit_mb, os.getpid()), daemon=True,
+        self.proc = ctx.Process(target=target, args=(child, preload, memory_limit_mb, os.getpid()), daemon=True,
                                 name="reward-worker")
         self.proc.start()
         child.close()
@@ -247,7 +248,10 @@ class _Worker:
 class RewardWorkerPool:
     """A fixed number of reward worker processes; `map` runs calls with a per-call time limit.
 
-    Use as a context manager or call `close()`; workers are daemons and also die with the parent."""
+    Use as a context manager or call `close()`; workers are daemons and also die with the parent.
+    `worker_main`: the workers' loop (the environment pool, rl/env/pool.py, runs its own with these limits)."""
+
+    worker_main: Callable = staticmethod(_worker_main)
 
     def __init__(
         self,
@@ -294,7 +298,8 @@ class RewardWorkerPool:
     # -- lifecycle -------------------------------------------------------------------------------
     def _ensure_started(self) -> None:
         while len(self._workers) < self.num_workers:
-            self._workers.append(_Worker(self._ctx, self.start_timeout_s, self._preload, self.memory_limit_mb))
+            self._workers.append(_Worker(self._ctx, self.start_timeout_s, self._preload, self.memory_limit_mb,
+                                         self.worker_main))
 
     def close(self) -> None:
         for w in self._workers:
@@ -317,7 +322,7 @@ class RewardWorkerPool:
     def _replace(self, w: _Worker) -> _Worker:
         w.kill()
         self.restarts += 1
-        nw = _Worker(self._ctx, self.start_timeout_s, self._preload, self.memory_limit_mb)
+        nw = _Worker(self._ctx, self.start_timeout_s, self._preload, self.memory_limit_mb, self.worker_main)
         self._workers[self._workers.index(w)] = nw
         return nw
 

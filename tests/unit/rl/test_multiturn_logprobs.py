@@ -1,0 +1,57 @@
+"""Multi-turn rollouts in the built-in engine: the trajectory's training log-probs equal the rollout's.
+
+An image arrives in turn 2 (the environment's reply to turn 1): the engine prefills only that reply into the
+conversation's KV cache (the new image through the vision tower, M-RoPE positions continued), and the packed
+training forward over the whole trajectory (prompt, model turns, environment turns, both images) must give
+the behaviour log-probs of every model token within 1e-5 in fp32 — packed several trajectories per pack and
+one per pack. The reference is an independent full forward without any cache over the whole trajectory
+(transformers' semantics of the model: tests/unit/models pin those against transformers). Only the model's
+tokens carry labels."""
+import pytest
+import torch
+from multiturn_helpers import rollout, vqa_file
+
+from megatron_vlm.data.batch import IGNORE_INDEX
+from megatron_vlm.rl.batching import pack_samples
+from megatron_vlm.rl.env.trajectories import trajectory_train_sample
+from megatron_vlm.training.lm_loss import TokenLogprobModel
+
+
+@pytest.fixture(scope="module")
+def vqa(tmp_path_factory):
+    return vqa_file(tmp_path_factory.mktemp("vqa"))
+
+
+@pytest.mark.parametrize("kind", ["tiny_qwen2_5_vl", "tiny_qwen3_vl"])
+def test_training_logprobs_equal_rollout_with_image_in_turn_two(kind, vqa, tmp_path):
+    model, prompts, trajs, session = rollout(kind, vqa, tmp_path)
+    assert session.errors == 0
+    assert len(trajs) == 4
+    assert all(t.finish_reason == "done" and t.num_turns == 2 for t in trajs)
+    image_token = model.args.image_token_id
+    for t in trajs:  # the environment's image is in the trajectory, not trained, with its pixels
+        env_part = t.token_ids[~t.model_mask]
+        assert int((env_part == image_token).sum()) > 0
+        assert "pixel_values" in t.vision and t.vision["image_grid_thw"].shape[0] == 1
+        assert t.turn_rewards == [0.5, 1.0]
+    samples = [trajectory_train_sample(prompts[t.prompt_index], t, advantage=1.0) for t in trajs]
+    behav = torch.cat([s.behav_logp for s in samples])
+    with torch.no_grad():
+        lp_model = TokenLogprobModel(model)
+        for packs in ([samples], [[s] for s in samples]):  # several trajectories per pack, and one per pack
+            got = []
+            for group in packs:
+                batch = pack_samples(group)
+                labelled = int((batch["labels"] != IGNORE_INDEX).sum())
+                assert labelled == batch.pop("num_response_tokens") == sum(int(s.response_mask.sum()) for s in group)
+                got.append(lp_model(batch))
+            torch.testing.assert_close(torch.cat(got), behav, atol=1e-5, rtol=0)
+        # independent reference: one cache-free forward per trajectory over all of its tokens and images
+        for t, s in zip(trajs, samples):
+            p = prompts[t.prompt_index]
+            ids = torch.cat([p.input_ids, t.token_ids])[None]
+            vision = {k: torch.cat([getattr(p, k), t.vision[k]]) for k in ("pixel_values", "image_grid_thw")}
+            logits = model(ids, **vision)[0].float()
+            logp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+            mask = torch.cat([torch.zeros(len(p), dtype=torch.bool), t.model_mask])[1:]
+            torch.testing.assert_close(logp[mask], s.behav_logp, atol=1e-5, rtol=0)

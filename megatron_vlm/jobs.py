@@ -125,7 +125,8 @@ def run_grpo(ctx: RunContext, *, before_step=None) -> int:
         checkpointer = Checkpointer(ctx, bundle.wrapper, optim)
         resume = checkpointer.resume()
         metrics = build_metrics_logger(ctx, num_steps, to_dict(ctx.cfg))
-        grpo = GRPOStep(ctx, bundle, optim, rl, parts.engine, parts.encoder, parts.manager, parts.reference, metrics=metrics)
+        grpo = GRPOStep(ctx, bundle, optim, rl, parts.engine, parts.encoder, parts.manager, parts.reference, metrics=metrics,
+                        multiturn=parts.multiturn)
         evaluate = GRPOEvaluator(ctx, bundle.wrapper, rl, parts.engine, parts.encoder, parts.manager, parts.sets.eval,
                                  dims=bundle.dims)
         if role is not None:
@@ -139,6 +140,8 @@ def run_grpo(ctx: RunContext, *, before_step=None) -> int:
                         resume=resume, before_step=before_step)
     finally:
         parts.manager.close()
+        if parts.multiturn is not None:
+            parts.multiturn.close()
         getattr(parts.engine, "close", lambda: None)()  # hook: the vLLM engine shuts down before the process group
     metrics.close()
     return code

@@ -44,8 +44,10 @@ def _section(name: str, cls) -> list[str]:
         tp = _type_str(hints[f.name]).replace("|", "\\|")
         doc = docs.get(f.name, "").replace("|", "\\|")
         lines.append(f"| `{f.name}` | `{tp}` | `{_default(f)}` | {doc} |")
-        if isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name]):
-            nested.append((f"{name}.{f.name}", hints[f.name]))
+        sub = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]  # an optional table: Optional[X]
+        sub_cls = sub[0] if len(sub) == 1 else hints[f.name]
+        if isinstance(sub_cls, type) and dataclasses.is_dataclass(sub_cls):
+            nested.append((f"{name}.{f.name}", sub_cls))
     lines.append("")
     for sub_name, sub_cls in nested:
         lines += _section(sub_name, sub_cls)

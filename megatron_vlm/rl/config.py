@@ -609,11 +609,11 @@ class RLConfig:
             except ValueError as e:
                 raise type(e)(f"{name}.{e}") from None
         self._validate_selection()
+        self._validate_env()
         self._validate_across()
         self._validate_async()
         self._validate_backend()
         self._validate_rewards()
-        self._validate_env()
 
     def _validate_env(self) -> None:
         """[rl.env]: its own keys, and the engines / loops multi-turn rollouts run in so far."""

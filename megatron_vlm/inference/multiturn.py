@@ -300,8 +300,8 @@ class MultiTurnRollout:
         self._append(cache, c, chunk)
         c.ids.extend(int(t) for t in chunk.input_ids.tolist())
         c.mask.extend([False] * int(chunk.input_ids.numel()))
-        for k, v in chunk.vision.items():
-            c.vision[k].append(v)
+        for key, tensor in chunk.vision.items():
+            c.vision[key].append(tensor)
 
     def _trajectory(self, c: _Conv, n: int) -> Trajectory:
         return Trajectory(

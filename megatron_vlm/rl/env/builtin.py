@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import ast
 import operator
+from collections.abc import Callable
+from typing import Any
 
 from megatron_vlm.rl.env.base import EnvSample, Observation
 from megatron_vlm.rl.env.tools import ToolEnvironment, ToolRegistry
 
 __all__ = ["calculate", "CalculatorEnv", "ZoomEnv"]
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+_OPS: dict[type, Callable[..., Any]] = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.USub: operator.neg,
         ast.UAdd: operator.pos}
 

@@ -128,6 +128,7 @@ def _env_worker_main(conn: Connection, preload: tuple = (), memory_limit_mb: int
         if msg is None:
             return
         call_id, call = msg
+        reply: tuple[Any, str, Any, str]
         try:
             reply = (call_id, "ok", pickle.dumps(run_call(call)), "")
         except BaseException as e:  # noqa: BLE001 - SystemExit / KeyboardInterrupt from user code too

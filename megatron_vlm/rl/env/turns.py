@@ -70,7 +70,8 @@ def _pil(image: Any):
 def observation_messages(obs: Observation) -> list[dict]:
     """The chat turns of an observation: one per part (each with its share of the images, placed before its
     text), or one turn of `obs.role` with all images then the text."""
-    parts = obs.parts if obs.parts is not None else [{"role": obs.role, "text": obs.text, "images": len(obs.images)}]
+    parts: list[dict[str, Any]] = (obs.parts if obs.parts is not None
+                                   else [{"role": obs.role, "text": obs.text, "images": len(obs.images)}])
     images = iter(obs.images)
     out = []
     for p in parts:

@@ -35,7 +35,9 @@ def rollout(kind, vqa, tmp_path, *, env=ENV, kwargs=None, runner=None, max_turns
     session = EnvSession(runner or InlineEnvRunner(), TurnEncoder(proc), name=env, kwargs=kwargs or {},
                          samples=[env_sample(s, p) for s, p in zip(samples, prompts)],
                          histories=[s.messages for s in samples], n=n, eos_token_ids=sorted(eos))
-    trajs = MultiTurnRollout(engine).generate(prompts, SamplingParams(max_new_tokens=max_new, n=n, temperature=1.0),
+    loop = MultiTurnRollout(engine)
+    trajs = loop.generate(prompts, SamplingParams(max_new_tokens=max_new, n=n, temperature=1.0),
                                               session, MultiTurnLimits(max_turns=max_turns, max_total_tokens=max_total),
                                               seed=seed)
+    session.engine_stats = dict(loop.stats)  # what the engine prefilled and stepped
     return model, prompts, trajs, session

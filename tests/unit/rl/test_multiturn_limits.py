@@ -27,6 +27,9 @@ def test_max_turns_marks_the_finish_reason(vqa, tmp_path):
         runs = int((t.model_mask[1:] & ~t.model_mask[:-1]).sum()) + int(t.model_mask[0])
         assert runs == 2 and bool(t.model_mask[-1])
         assert t.logprobs.numel() == int(t.model_mask.sum())
+    # continuous batching: the decode steps served several conversations (fewer steps than tokens fed)
+    fed = sum(int(t.model_mask.sum()) - t.num_turns for t in trajs)
+    assert session.engine_stats["decode_steps"] < fed
 
 
 def test_max_total_tokens_marks_the_finish_reason(vqa, tmp_path):

@@ -34,6 +34,12 @@ def test_training_logprobs_equal_rollout_with_image_in_turn_two(kind, vqa, tmp_p
         assert int((env_part == image_token).sum()) > 0
         assert "pixel_values" in t.vision and t.vision["image_grid_thw"].shape[0] == 1
         assert t.turn_rewards == [0.5, 1.0]
+    # only the new tokens are prefilled after a turn: each environment turn plus the turn's last sampled token
+    # (never fed to the model: the turn ended on it), once per conversation; the prompts once each
+    stats = session.engine_stats
+    assert stats["append_calls"] == len(trajs)
+    assert stats["append_tokens"] == sum(int((~t.model_mask).sum()) + 1 for t in trajs)
+    assert stats["prefill_calls"] == len(trajs)
     samples = [trajectory_train_sample(prompts[t.prompt_index], t, advantage=1.0) for t in trajs]
     behav = torch.cat([s.behav_logp for s in samples])
     with torch.no_grad():

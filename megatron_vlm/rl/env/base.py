@@ -31,7 +31,10 @@ class Observation:
     videos: list[list[Any]] = field(default_factory=list)
     role: str = "user"
     parts: Optional[list[dict]] = None
-    """Several turns at once (e.g. one tool reply per call of a turn): [{"role", "text"}]; `text` is then unused."""
+    """Several turns at once (e.g. one tool reply per call of a turn): [{"role", "text", "images": n, "videos": n}],
+    each part taking the next n images / videos (placed before its text); `text` is then unused."""
+    video_fps: float = 2.0
+    """Frame rate of the videos' frames (Qwen-VL positions and timestamps count time from it)."""
 
 
 @dataclass

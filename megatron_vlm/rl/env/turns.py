@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from megatron_vlm.data.expansion import expand, placeholder_order
+from megatron_vlm.data.media import VideoClip
 from megatron_vlm.data.processor_base import concat_in_order
 from megatron_vlm.inference.multiturn import TurnChunk
 from megatron_vlm.rl.env.base import Observation
@@ -70,22 +71,30 @@ def _pil(image: Any):
 def observation_messages(obs: Observation) -> list[dict]:
     """The chat turns of an observation: one per part (each with its share of the images, placed before its
     text), or one turn of `obs.role` with all images then the text."""
-    parts: list[dict[str, Any]] = (obs.parts if obs.parts is not None
-                                   else [{"role": obs.role, "text": obs.text, "images": len(obs.images)}])
-    images = iter(obs.images)
+    parts: list[dict[str, Any]] = (obs.parts if obs.parts is not None else
+                                   [{"role": obs.role, "text": obs.text, "images": len(obs.images),
+                                     "videos": len(obs.videos)}])
+    images, videos = iter(obs.images), iter(obs.videos)
     out = []
     for p in parts:
         items: list[dict] = [{"type": "image", "image": next(images)} for _ in range(int(p.get("images", 0)))]
+        items += [{"type": "video", "video": next(videos)} for _ in range(int(p.get("videos", 0)))]
         if p.get("text"):
             items.append({"type": "text", "text": p["text"]})
-        has_image = any(it["type"] == "image" for it in items)
-        out.append({"role": p.get("role", obs.role), "content": items if has_image else p.get("text", "")})
-    rest = list(images)
-    if rest:
-        raise ValueError(f"the observation's parts place {len(obs.images) - len(rest)} of its {len(obs.images)} images")
-    if obs.videos:
-        raise ValueError("video observations: not supported by this chat-template encoder yet (send frames as images)")
+        has_media = any(it["type"] != "text" for it in items)
+        out.append({"role": p.get("role", obs.role), "content": items if has_media else p.get("text", "")})
+    if list(images) or list(videos):
+        raise ValueError("the observation's parts do not place all of its images / videos (their 'images' / 'videos' "
+                         "counts)")
     return out
+
+
+def _clip(frames: list, fps: float) -> VideoClip:
+    pil = [_pil(f) for f in frames]
+    if not pil:
+        raise ValueError("a video observation has no frames")
+    w, h = pil[0].size
+    return VideoClip(indices=list(range(len(pil))), total_frames=len(pil), fps=float(fps), height=h, width=w, frames=pil)
 
 
 class TurnEncoder:
@@ -109,12 +118,15 @@ class TurnEncoder:
         if ended_with_eos and tail.startswith(proc.turn_end):
             tail = tail[len(proc.turn_end):]  # the model generated it as its EOS token
         text = tail + after[len(closed):]
-        images = [_pil(it["image"]) for m in new if isinstance(m["content"], list) for it in m["content"]
-                  if it["type"] == "image"]
+        media = [it for m in new if isinstance(m["content"], list) for it in m["content"] if it["type"] != "text"]
+        images = [_pil(it["image"]) for it in media if it["type"] == "image"]
+        videos = [_clip(it["video"], obs.video_fps) for it in media if it["type"] == "video"]
         order = placeholder_order(text, proc.placeholders)
-        if order.count("image") != len(images) or order.count("video"):
-            raise ValueError(f"the chat template wrote {order.count('image')} image placeholders for {len(images)} images")
-        items = {"image": proc.process_images(images) if images else [], "video": []}
+        if order.count("image") != len(images) or order.count("video") != len(videos):
+            raise ValueError(f"the chat template wrote {order.count('image')} image / {order.count('video')} video "
+                             f"placeholders for {len(images)} images / {len(videos)} videos")
+        items = {"image": proc.process_images(images) if images else [],
+                 "video": [proc.process_video(c) for c in videos]}
         vision = concat_in_order(order, items)
         text = expand(text, proc.placeholders, {k: [it.expansion for it in v] for k, v in items.items()})
         ids = torch.tensor(proc.tokenizer(text)["input_ids"], dtype=torch.long)

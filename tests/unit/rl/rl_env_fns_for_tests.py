@@ -52,3 +52,15 @@ class Raise(Environment):
 class HangOnReset(Environment):
     def reset(self, sample):
         time.sleep(3600)
+
+
+class VideoSecondTurn(ImageSecondTurn):
+    """Turn 1 is answered with a 4-frame video (and text); turn 2 ends the trajectory."""
+
+    def step(self, action):
+        self.t += 1
+        if self.t >= self.turns:
+            return StepResult(Observation(), reward=1.0, done=True)
+        rng = np.random.default_rng(self.t)
+        frames = [rng.integers(0, 255, size=(self.size, self.size, 3), dtype=np.uint8) for _ in range(4)]
+        return StepResult(Observation(text="what happens", videos=[frames], video_fps=2.0), reward=0.5)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from multiturn_helpers import rollout, vqa_file
 
-from megatron_vlm.data.batch import IGNORE_INDEX
+from megatron_vlm.data.batch import IGNORE_INDEX, VISION_KEYS
 from megatron_vlm.rl.batching import pack_samples
 from megatron_vlm.rl.env.trajectories import trajectory_train_sample
 from megatron_vlm.training.lm_loss import TokenLogprobModel
@@ -20,6 +20,45 @@ from megatron_vlm.training.lm_loss import TokenLogprobModel
 @pytest.fixture(scope="module")
 def vqa(tmp_path_factory):
     return vqa_file(tmp_path_factory.mktemp("vqa"))
+
+
+def _vision(p, t) -> dict:
+    """The prompt's vision inputs followed by the trajectory's (placeholder order: the prompt's come first)."""
+    out = {}
+    for k in VISION_KEYS:
+        parts = [v for v in (getattr(p, k), t.vision.get(k)) if v is not None]
+        if parts:
+            out[k] = torch.cat(parts)
+    return out
+
+
+def _check_logprobs(model, prompts, trajs):
+    """Packed (all trajectories in one pack, and one per pack) and cache-free full forwards give the rollout's
+    behaviour log-probs within 1e-5."""
+    samples = [trajectory_train_sample(prompts[t.prompt_index], t, advantage=1.0) for t in trajs]
+    behav = torch.cat([s.behav_logp for s in samples])
+    with torch.no_grad():
+        lp_model = TokenLogprobModel(model)
+        for packs in ([samples], [[s] for s in samples]):
+            got = [lp_model({k: v for k, v in pack_samples(group).items() if k != "num_response_tokens"})
+                   for group in packs]
+            torch.testing.assert_close(torch.cat(got), behav, atol=1e-5, rtol=0)
+        for t, s in zip(trajs, samples):
+            p = prompts[t.prompt_index]
+            ids = torch.cat([p.input_ids, t.token_ids])[None]
+            logits = model(ids, **_vision(p, t))[0].float()
+            logp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+            mask = torch.cat([torch.zeros(len(p), dtype=torch.bool), t.model_mask])[1:]
+            torch.testing.assert_close(logp[mask], s.behav_logp, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["tiny_qwen2_5_vl", "tiny_qwen3_vl"])
+def test_training_logprobs_equal_rollout_with_video_in_turn_two(kind, vqa, tmp_path):
+    model, prompts, trajs, session = rollout(kind, vqa, tmp_path, env="rl_env_fns_for_tests:VideoSecondTurn", n=1)
+    assert session.errors == 0 and all(t.finish_reason == "done" and t.num_turns == 2 for t in trajs)
+    assert all("pixel_values_videos" in t.vision and t.vision["video_grid_thw"].shape[0] == 1 for t in trajs)
+    assert all(int((t.token_ids[~t.model_mask] == model.args.video_token_id).sum()) > 0 for t in trajs)
+    _check_logprobs(model, prompts, trajs)
 
 
 @pytest.mark.parametrize("kind", ["tiny_qwen2_5_vl", "tiny_qwen3_vl"])
@@ -56,7 +95,7 @@ def test_training_logprobs_equal_rollout_with_image_in_turn_two(kind, vqa, tmp_p
         for t, s in zip(trajs, samples):
             p = prompts[t.prompt_index]
             ids = torch.cat([p.input_ids, t.token_ids])[None]
-            vision = {k: torch.cat([getattr(p, k), t.vision[k]]) for k in ("pixel_values", "image_grid_thw")}
+            vision = _vision(p, t)
             logits = model(ids, **vision)[0].float()
             logp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
             mask = torch.cat([torch.zeros(len(p), dtype=torch.bool), t.model_mask])[1:]

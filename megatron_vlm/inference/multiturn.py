@@ -137,7 +137,7 @@ class MultiTurnRollout:
     """`generate(prompts, params, source, limits, seed) -> [Trajectory]` (group-major, `params.n` per prompt) with
     the model, stop rules and settings of a `PolicyRolloutEngine` that generates with its own weights copy."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, *, reprefill_history: bool = False):
         if getattr(engine, "lockstep", False):
             raise ConfigError("rl.env: multi-turn rollouts need the engine's own weights copy (rl.rollout.weights = "
                               "'copy'); lock-step decoding through the trainer's sharded model is not supported")
@@ -148,6 +148,9 @@ class MultiTurnRollout:
                               f"{type(engine.model).__name__} keeps another decoding state")
         self.engine = engine
         self.model = engine.model
+        self.reprefill_history = reprefill_history
+        """The benchmark baseline (benchmarks/e2e/bench_multiturn.py): after each environment turn the whole
+        history is prefilled again from an empty cache, as an engine without a cache across turns does."""
         self.stats: dict[str, float] = {}
 
     # ------------------------------------------------------------------ model calls
@@ -180,6 +183,9 @@ class MultiTurnRollout:
         """Prefill only the new tokens into the conversation's slot (module docstring): the turn's last sampled token
         (never fed: the turn ended on it) and the chunk."""
         dev = self._device()
+        if self.reprefill_history:
+            self._reprefill(cache, conv, chunk)
+            return
         slot, length = conv.slot, cache.host_lengths[conv.slot]
         ids = torch.cat([torch.tensor(conv.ids[-1:], dtype=torch.long), chunk.input_ids.to(torch.long)]).to(dev)[None]
         tmp = self.model.new_cache(1, length + ids.shape[1], dtype=self.engine.cache_dtype, device=dev)
@@ -196,6 +202,23 @@ class MultiTurnRollout:
         conv.logits = self._logits(ids, tmp, **kw)[0]
         tmp.set_rope_deltas(torch.tensor([[new_delta]]))
         cache.load_prefix([slot], tmp, 0)
+        self.stats["append_calls"] += 1
+        self.stats["append_tokens"] += ids.shape[1]
+
+    def _reprefill(self, cache: SlotCache, conv: _Conv, chunk: TurnChunk) -> None:
+        """The baseline of `reprefill_history`: prompt + everything so far + the chunk, prefilled from scratch."""
+        dev = self._device()
+        p = conv.prompt
+        ids = torch.cat([p.input_ids.to(torch.long), torch.tensor(conv.ids, dtype=torch.long),
+                         chunk.input_ids.to(torch.long)]).to(dev)[None]
+        vision = {}
+        for k in VISION_KEYS:
+            parts = [t for t in (getattr(p, k, None), *conv.vision[k], chunk.vision.get(k)) if t is not None]
+            if parts:
+                vision[k] = torch.cat(parts).to(dev)
+        tmp = self.model.new_cache(1, ids.shape[1], dtype=self.engine.cache_dtype, device=dev)
+        conv.logits = self._logits(ids, tmp, **vision)[0]
+        cache.load_prefix([conv.slot], tmp, 0)
         self.stats["append_calls"] += 1
         self.stats["append_tokens"] += ids.shape[1]
 

@@ -22,7 +22,7 @@ def vqa_file(folder):
     return write_synthetic_vqa(folder, 2, 2, seed=0)["eval"]
 
 
-def rollout(kind, vqa, tmp_path, *, env=ENV, kwargs=None, runner=None, max_turns=3, max_total=4096, max_new=12, n=2, seed=0):
+def rollout(kind, vqa, tmp_path, *, env=ENV, kwargs=None, runner=None, reprefill=False, max_turns=3, max_total=4096, max_new=12, n=2, seed=0):
     folder = synthesize_model_folder(kind, tmp_path / kind, seed=0)
     model, proc = load_hf_model(str(folder)).eval(), load_processor(str(folder))
     encoder = PromptEncoder(proc, max_frames=4, fps=2.0, max_new_tokens=max_new, max_tokens=max_total)
@@ -35,7 +35,7 @@ def rollout(kind, vqa, tmp_path, *, env=ENV, kwargs=None, runner=None, max_turns
     session = EnvSession(runner or InlineEnvRunner(), TurnEncoder(proc), name=env, kwargs=kwargs or {},
                          samples=[env_sample(s, p) for s, p in zip(samples, prompts)],
                          histories=[s.messages for s in samples], n=n, eos_token_ids=sorted(eos))
-    loop = MultiTurnRollout(engine)
+    loop = MultiTurnRollout(engine, reprefill_history=reprefill)
     trajs = loop.generate(prompts, SamplingParams(max_new_tokens=max_new, n=n, temperature=1.0),
                                               session, MultiTurnLimits(max_turns=max_turns, max_total_tokens=max_total),
                                               seed=seed)

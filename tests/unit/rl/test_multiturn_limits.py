@@ -67,6 +67,19 @@ def test_conversations_are_independent_of_their_batch(vqa, tmp_path):
     assert a[2].token_ids.tolist() != a[0].token_ids.tolist()
 
 
+@pytest.mark.parametrize("env", ["ImageSecondTurn", "VideoSecondTurn", "Echo"])
+def test_cache_continued_equals_history_prefilled_again(env, vqa, tmp_path):
+    """Prefilling only the new tokens into the kept cache gives the tokens and log-probs of prefilling the whole
+    history again after every environment turn (the engine without a cache across turns), with far fewer
+    prefilled tokens."""
+    _, _, a, sa = rollout("tiny_qwen2_5_vl", vqa, tmp_path / "a", env=f"{FNS}:{env}", max_turns=3, n=1)
+    _, _, b, sb = rollout("tiny_qwen2_5_vl", vqa, tmp_path / "b", env=f"{FNS}:{env}", max_turns=3, n=1, reprefill=True)
+    for x, y in zip(a, b):
+        assert x.token_ids.tolist() == y.token_ids.tolist() and x.finish_reason == y.finish_reason
+        torch.testing.assert_close(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
+    assert sa.engine_stats["append_tokens"] < sb.engine_stats["append_tokens"]
+
+
 def test_raising_environment_ends_its_trajectory_counted(vqa, tmp_path):
     _, _, trajs, session = rollout("tiny_qwen2_5_vl", vqa, tmp_path, env=f"{FNS}:Raise")
     assert [t.finish_reason for t in trajs] == ["env_error"] * 4 and session.errors == 4

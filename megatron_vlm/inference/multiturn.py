@@ -179,31 +179,58 @@ class MultiTurnRollout:
         cache.load_prefix([conv.slot], tmp, 0)
         self.stats["prefill_calls"] += 1
 
-    def _append(self, cache: SlotCache, conv: _Conv, chunk: TurnChunk) -> None:
-        """Prefill only the new tokens into the conversation's slot (module docstring): the turn's last sampled token
-        (never fed: the turn ended on it) and the chunk."""
+    def _append_batch(self, cache: SlotCache, appends: list[tuple[_Conv, TurnChunk]]) -> None:
+        """Prefill only the new tokens of several conversations into their slots in one forward (module docstring):
+        each turn's last sampled token (never fed: the turn ended on it) and its chunk. Row i holds its slot's L_i
+        cached keys right-aligned in the first Lmax positions, then its n_i new tokens right-aligned in the next
+        Nmax (padding masked in between), positions given explicitly; `load_prefix` copies the real positions
+        back, contiguous."""
         dev = self._device()
-        if self.reprefill_history:
-            self._reprefill(cache, conv, chunk)
-            return
-        slot, length = conv.slot, cache.host_lengths[conv.slot]
-        ids = torch.cat([torch.tensor(conv.ids[-1:], dtype=torch.long), chunk.input_ids.to(torch.long)]).to(dev)[None]
-        tmp = self.model.new_cache(1, length + ids.shape[1], dtype=self.engine.cache_dtype, device=dev)
-        for layer in range(len(tmp.keys)):
-            tmp.keys[layer][0, :length] = cache.keys[layer][slot, :length]
-            tmp.values[layer][0, :length] = cache.values[layer][slot, :length]
-        tmp.mask[0, :length] = True
-        tmp.seq_len = length
-        delta = int(cache.slot_rope_deltas[slot, 0])
-        tmp.set_rope_deltas(torch.tensor([[delta]]))
-        vision = {k: v.to(dev) for k, v in chunk.vision.items()}
-        pos, new_delta = self._positions(ids, vision, length, delta)
-        kw = dict(vision, position_ids=pos) if pos is not None else vision
-        conv.logits = self._logits(ids, tmp, **kw)[0]
-        tmp.set_rope_deltas(torch.tensor([[new_delta]]))
-        cache.load_prefix([slot], tmp, 0)
-        self.stats["append_calls"] += 1
-        self.stats["append_tokens"] += ids.shape[1]
+        rows = []
+        for conv, chunk in appends:
+            ids = torch.cat([torch.tensor(conv.ids[-1:], dtype=torch.long), chunk.input_ids.to(torch.long)]).to(dev)
+            rows.append((conv, ids, {k: v.to(dev) for k, v in chunk.vision.items()}, cache.host_lengths[conv.slot]))
+        lmax = max(r[3] for r in rows)
+        nmax = max(int(r[1].numel()) for r in rows)
+        b = len(rows)
+        tmp = self.model.new_cache(b, lmax + nmax, dtype=self.engine.cache_dtype, device=dev)
+        ids = torch.full((b, nmax), self.engine.pad_token_id, dtype=torch.long, device=dev)
+        new_mask = torch.zeros(b, nmax, dtype=torch.bool, device=dev)
+        pos: Optional[torch.Tensor] = None
+        deltas, new_deltas = [], []
+        vision: dict[str, list[torch.Tensor]] = {}
+        for i, (conv, row_ids, row_vision, length) in enumerate(rows):
+            n = int(row_ids.numel())
+            for layer in range(len(tmp.keys)):
+                tmp.keys[layer][i, lmax - length:lmax] = cache.keys[layer][conv.slot, :length]
+                tmp.values[layer][i, lmax - length:lmax] = cache.values[layer][conv.slot, :length]
+            tmp.mask[i, lmax - length:lmax] = True
+            ids[i, nmax - n:] = row_ids
+            new_mask[i, nmax - n:] = True
+            delta = int(cache.slot_rope_deltas[conv.slot, 0])
+            row_pos, new_delta = self._positions(row_ids[None], row_vision, length, delta)
+            if row_pos is not None:
+                if pos is None:
+                    pos = torch.zeros(3, b, nmax, dtype=torch.long, device=dev)
+                pos[:, i, nmax - n:] = row_pos[:, 0]
+            deltas.append(delta)
+            new_deltas.append(new_delta)
+            for k, v in row_vision.items():
+                vision.setdefault(k, []).append(v)
+        tmp.seq_len = lmax
+        tmp.set_rope_deltas(torch.tensor(deltas, dtype=torch.long)[:, None])
+        kw: dict = {k: torch.cat(v) for k, v in vision.items()}
+        if pos is not None:
+            kw["position_ids"] = pos
+        logits = self.engine.forward(input_ids=ids, attention_mask=new_mask, kv_cache=tmp, **kw)[:, -1].float()
+        tmp.set_rope_deltas(torch.tensor(new_deltas, dtype=torch.long)[:, None])
+        self.stats["append_padded_rows"] += sum(r[3] < lmax or int(r[1].numel()) < nmax for r in rows)
+        for i, (conv, row_ids, _, _) in enumerate(rows):
+            conv.logits = logits[i]
+            cache.load_prefix([conv.slot], tmp, i)
+            self.stats["append_tokens"] += int(row_ids.numel())
+        self.stats["append_calls"] += b
+        self.stats["append_forwards"] += 1
 
     def _reprefill(self, cache: SlotCache, conv: _Conv, chunk: TurnChunk) -> None:
         """The baseline of `reprefill_history`: prompt + everything so far + the chunk, prefilled from scratch."""
@@ -231,7 +258,8 @@ class MultiTurnRollout:
     def _generate(self, prompts, params: SamplingParams, source: TurnSource, limits: MultiTurnLimits,
                   seed: int) -> list[Trajectory]:
         t0 = time.perf_counter()
-        self.stats = {k: 0.0 for k in ("prefill_calls", "append_calls", "append_tokens", "decode_steps", "env_calls")}
+        self.stats = {k: 0.0 for k in ("prefill_calls", "append_calls", "append_forwards", "append_padded_rows",
+                                       "append_tokens", "decode_steps", "env_calls")}
         e, dev = self.engine, self._device()
         n, total = params.n, len(prompts) * params.n
         longest = max(len(p) for p in prompts)
@@ -288,8 +316,18 @@ class MultiTurnRollout:
             if to_env:
                 self.stats["env_calls"] += 1
                 replies = source.step([(c.index, c.index // n, c.turn_texts[-1], list(c.turn)) for c in to_env])
+                appends = []
                 for c, r in zip(to_env, replies):
-                    self._on_reply(cache, c, r, limits)
+                    chunk = self._on_reply(c, r, limits)
+                    if chunk is not None:
+                        appends.append((c, chunk))
+                if appends and self.reprefill_history:
+                    for c, chunk in appends:
+                        self._reprefill(cache, c, chunk)
+                elif appends:  # the replies of this iteration in one forward
+                    self._append_batch(cache, appends)
+                for c, chunk in appends:
+                    self._record(c, chunk)
             decoding = running
             for c in ended:
                 c.turn = []
@@ -301,26 +339,30 @@ class MultiTurnRollout:
         self.stats["seconds"] = time.perf_counter() - t0
         return [self._trajectory(c, n) for c in sorted(done, key=lambda c: c.index)]
 
-    def _on_reply(self, cache: SlotCache, c: _Conv, r: TurnReply, limits: MultiTurnLimits) -> None:
+    def _on_reply(self, c: _Conv, r: TurnReply, limits: MultiTurnLimits) -> Optional[TurnChunk]:
+        """Record an environment reply; the chunk to append (None: the trajectory ends here, `c.finish` set)."""
         for k, v in r.info.items():
             c.info[k] = c.info.get(k, 0.0) + float(v)
         if r.error:
             c.finish, c.error = "env_error", r.error
-            return
+            return None
         c.rewards.append(float(r.reward))
         if r.done:
             c.finish = "done"
-            return
+            return None
         if len(c.turn_texts) >= limits.max_turns:
             c.finish = "max_turns"
-            return
+            return None
         assert r.chunk is not None, "a reply that is not done carries the next turn's tokens"
-        chunk = r.chunk
         # the chunk and at least one model token must fit
-        if len(c.prompt) + len(c.ids) + int(chunk.input_ids.numel()) + 1 > limits.max_total_tokens:
+        if len(c.prompt) + len(c.ids) + int(r.chunk.input_ids.numel()) + 1 > limits.max_total_tokens:
             c.finish = "max_total_tokens"
-            return
-        self._append(cache, c, chunk)
+            return None
+        return r.chunk
+
+    @staticmethod
+    def _record(c: _Conv, chunk: TurnChunk) -> None:
+        """The appended chunk in the conversation's tokens (after its prefill: that reads the turn's last token)."""
         c.ids.extend(int(t) for t in chunk.input_ids.tolist())
         c.mask.extend([False] * int(chunk.input_ids.numel()))
         for key, tensor in chunk.vision.items():

@@ -22,15 +22,15 @@ def vqa_file(folder):
     return write_synthetic_vqa(folder, 2, 2, seed=0)["eval"]
 
 
-def rollout(kind, vqa, tmp_path, *, env=ENV, kwargs=None, runner=None, reprefill=False, max_turns=3, max_total=4096, max_new=12, n=2, seed=0):
+def rollout(kind, vqa, tmp_path, *, env=ENV, kwargs=None, runner=None, reprefill=False, eos_every=2, max_turns=3, max_total=4096, max_new=12, n=2, seed=0):
     folder = synthesize_model_folder(kind, tmp_path / kind, seed=0)
     model, proc = load_hf_model(str(folder)).eval(), load_processor(str(folder))
     encoder = PromptEncoder(proc, max_frames=4, fps=2.0, max_new_tokens=max_new, max_tokens=max_total)
     samples = load_prompt_dataset(vqa, schema="messages").samples
     prompts = [encoder.encode(s) for s in samples]
-    # every even token id ends a turn: turns of a few tokens from a random model
+    # every even token id ends a turn (eos_every = 2): turns of a few tokens from a random model
     vocab = model.lm_head.weight.shape[0]
-    eos = set(range(0, vocab, 2))
+    eos = set(range(0, vocab, eos_every))
     engine = PolicyRolloutEngine(model, proc.tokenizer, EngineOptions(eos_token_ids=eos, max_num_seqs=3))
     session = EnvSession(runner or InlineEnvRunner(), TurnEncoder(proc), name=env, kwargs=kwargs or {},
                          samples=[env_sample(s, p) for s, p in zip(samples, prompts)],

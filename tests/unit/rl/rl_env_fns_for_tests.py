@@ -11,8 +11,8 @@ class ImageSecondTurn(Environment):
     """Turn 1 is answered with a new image and a question (so turn 2 sees an image that arrived mid-conversation);
     turn 2 ends the trajectory with reward 1 (+ 0.5 per turn reward: 0.5 at turn 1)."""
 
-    def __init__(self, size: int = 56, turns: int = 2):
-        self.size, self.turns = size, turns
+    def __init__(self, size: int = 56, turns: int = 2, sizes: tuple = ()):
+        self.size, self.turns, self.sizes = size, turns, tuple(sizes)
         self.t = 0
 
     def step(self, action):
@@ -20,7 +20,8 @@ class ImageSecondTurn(Environment):
         if self.t >= self.turns:
             return StepResult(Observation(), reward=1.0, done=True)
         rng = np.random.default_rng(self.t)
-        img = rng.integers(0, 255, size=(self.size, self.size, 3), dtype=np.uint8)
+        size = self.sizes[sum(map(ord, self.sample.problem)) % len(self.sizes)] if self.sizes else self.size
+        img = rng.integers(0, 255, size=(size, size, 3), dtype=np.uint8)
         return StepResult(Observation(text="what is in this picture", images=[img]), reward=0.5, info={"images": 1})
 
 

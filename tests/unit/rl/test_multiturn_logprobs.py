@@ -53,6 +53,19 @@ def _check_logprobs(model, prompts, trajs):
 
 
 @pytest.mark.parametrize("kind", ["tiny_qwen2_5_vl", "tiny_qwen3_vl"])
+def test_replies_appended_together(kind, vqa, tmp_path):
+    """Every token ends a turn: all conversations reply in the same iterations, so their new turns (images of
+    two sizes) are prefilled in one padded forward; the log-probs still equal the training forward's."""
+    model, prompts, trajs, session = rollout(kind, vqa, tmp_path, eos_every=1, n=2, kwargs={"sizes": [56, 84]})
+    stats = session.engine_stats
+    assert stats["append_calls"] == len(trajs) == 4 and stats["append_forwards"] < stats["append_calls"]
+    assert stats["append_padded_rows"] > 0  # rows of different lengths (images of two sizes) in one forward
+    assert len({int(t.vision["image_grid_thw"].prod()) for t in trajs}) == 2
+    assert all(t.finish_reason == "done" and "pixel_values" in t.vision for t in trajs)
+    _check_logprobs(model, prompts, trajs)
+
+
+@pytest.mark.parametrize("kind", ["tiny_qwen2_5_vl", "tiny_qwen3_vl"])
 def test_training_logprobs_equal_rollout_with_video_in_turn_two(kind, vqa, tmp_path):
     model, prompts, trajs, session = rollout(kind, vqa, tmp_path, env="rl_env_fns_for_tests:VideoSecondTurn", n=1)
     assert session.errors == 0 and all(t.finish_reason == "done" and t.num_turns == 2 for t in trajs)

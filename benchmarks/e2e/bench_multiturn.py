@@ -1,10 +1,12 @@
 """Multi-turn rollouts: the KV cache kept across turns vs prefilling the whole history again every turn.
 
     kept cache      MultiTurnRollout: after each environment turn only its tokens (and the turn's last sampled
-                    token) are prefilled into the conversation's slot (inference/multiturn.py)
+                    token) are prefilled into the conversation's slot (inference/multiturn.py), the replies of
+                    one iteration in one forward
     re-prefilled    the same loop with `reprefill_history=True`: the prompt, every earlier turn and the new
                     one prefilled from an empty cache after each environment turn (an engine without a cache
-                    across turns), images through the vision tower again
+                    across turns), images through the vision tower again; the replies of one iteration
+                    left-padded into one forward too
 
 Same tokens in both (per-conversation generators; tests/unit/rl/test_multiturn_limits.py checks it), so the
 ratio is the cost of the history. Setup: a random Qwen2.5-VL (hidden 256, 4 layers, fp32; `--tiny`: the test

@@ -232,22 +232,35 @@ class MultiTurnRollout:
         self.stats["append_calls"] += b
         self.stats["append_forwards"] += 1
 
-    def _reprefill(self, cache: SlotCache, conv: _Conv, chunk: TurnChunk) -> None:
-        """The baseline of `reprefill_history`: prompt + everything so far + the chunk, prefilled from scratch."""
+    def _reprefill_batch(self, cache: SlotCache, appends: list[tuple[_Conv, TurnChunk]]) -> None:
+        """The baseline of `reprefill_history`: for each conversation the prompt + everything so far + the chunk,
+        left-padded into one batch and prefilled from an empty cache (as the single-turn engine prefills prompts)."""
         dev = self._device()
-        p = conv.prompt
-        ids = torch.cat([p.input_ids.to(torch.long), torch.tensor(conv.ids, dtype=torch.long),
-                         chunk.input_ids.to(torch.long)]).to(dev)[None]
-        vision = {}
-        for k in VISION_KEYS:
-            parts = [t for t in (getattr(p, k, None), *conv.vision[k], chunk.vision.get(k)) if t is not None]
-            if parts:
-                vision[k] = torch.cat(parts).to(dev)
-        tmp = self.model.new_cache(1, ids.shape[1], dtype=self.engine.cache_dtype, device=dev)
-        conv.logits = self._logits(ids, tmp, **vision)[0]
-        cache.load_prefix([conv.slot], tmp, 0)
-        self.stats["append_calls"] += 1
-        self.stats["append_tokens"] += ids.shape[1]
+        seqs: list[torch.Tensor] = []
+        vision: dict[str, list[torch.Tensor]] = {}
+        for conv, chunk in appends:
+            p = conv.prompt
+            seqs.append(torch.cat([p.input_ids.to(torch.long), torch.tensor(conv.ids, dtype=torch.long),
+                                   chunk.input_ids.to(torch.long)]))
+            for k in VISION_KEYS:
+                for t in (getattr(p, k, None), *conv.vision[k], chunk.vision.get(k)):
+                    if t is not None:
+                        vision.setdefault(k, []).append(t)
+        longest = max(int(x.numel()) for x in seqs)
+        ids = torch.full((len(seqs), longest), self.engine.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(seqs), longest, dtype=torch.long)
+        for i, x in enumerate(seqs):
+            ids[i, longest - x.numel():] = x
+            mask[i, longest - x.numel():] = 1
+        tmp = self.model.new_cache(len(seqs), longest, dtype=self.engine.cache_dtype, device=dev)
+        kw = {k: torch.cat(v).to(dev) for k, v in vision.items()}
+        logits = self._logits(ids.to(dev), tmp, attention_mask=mask.to(dev), **kw)
+        for i, (conv, _) in enumerate(appends):
+            conv.logits = logits[i]
+            cache.load_prefix([conv.slot], tmp, i)
+            self.stats["append_tokens"] += int(seqs[i].numel())
+        self.stats["append_calls"] += len(appends)
+        self.stats["append_forwards"] += 1
 
     # ------------------------------------------------------------------ the loop
     def generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams, source: TurnSource,
@@ -322,8 +335,7 @@ class MultiTurnRollout:
                     if chunk is not None:
                         appends.append((c, chunk))
                 if appends and self.reprefill_history:
-                    for c, chunk in appends:
-                        self._reprefill(cache, c, chunk)
+                    self._reprefill_batch(cache, appends)
                 elif appends:  # the replies of this iteration in one forward
                     self._append_batch(cache, appends)
                 for c, chunk in appends:

@@ -6,7 +6,8 @@ a `SlotCache` for its whole life: after a model turn ends (EOS or a stop string)
 encoded (`TurnSource.step`, rl/env/session.py: chat template, images through the processor) and only those
 new tokens are prefilled into the slot (`_append`: the slot's keys are viewed as a one-row cache, the chunk
 runs through the model with its images — the vision tower sees only the new images — and the new keys are
-written after the old ones). Decoding is continuously batched across conversations at different turns: one
+written after the old ones; the replies of one loop iteration go through one padded forward). Decoding is
+continuously batched across conversations at different turns: one
 decode step serves every conversation that is generating, whatever its turn, and a conversation whose reply
 was just prefilled joins the next step; a finished trajectory frees its slot for the next waiting one.
 

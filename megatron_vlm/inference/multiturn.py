@@ -4,11 +4,10 @@ A trajectory alternates model turns and environment turns (an observation: text,
 Re-prefilling the history every turn would cost O(turns^2) prefill; here each conversation keeps its slot of
 a `SlotCache` for its whole life: after a model turn ends (EOS or a stop string), the environment's reply is
 encoded (`TurnSource.step`, rl/env/session.py: chat template, images through the processor) and only those
-new tokens are prefilled into the slot (`_append`: the slot's keys are viewed as a one-row cache, the chunk
-runs through the model with its images — the vision tower sees only the new images — and the new keys are
-written after the old ones; the replies of one loop iteration go through one padded forward). Decoding is
-continuously batched across conversations at different turns: one
-decode step serves every conversation that is generating, whatever its turn, and a conversation whose reply
+new tokens are prefilled into the slot (`_append_batch`: the slots' keys are viewed as rows of a padded cache,
+the chunks run through the model with their images — the vision tower sees only the new images — in one
+forward for all replies of a loop iteration, and the new keys are written after the old ones). Decoding is
+continuously batched across conversations at different turns: one decode step serves every conversation that is generating, whatever its turn, and a conversation whose reply
 was just prefilled joins the next step; a finished trajectory frees its slot for the next waiting one.
 
 Positions: M-RoPE families (Qwen2.5-VL, Qwen3-VL) place a chunk with images as the whole-sequence index

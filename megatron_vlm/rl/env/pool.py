@@ -14,19 +14,17 @@ built, `reset` / `step` raised, the worker hung or died, the result was not pick
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import os
 import pickle
-import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
 from megatron_vlm.rl.env.base import Environment, EnvSample, Observation, StepResult
-from megatron_vlm.rl.rewards.pool import CallResult, RewardWorkerPool, _describe, _die_with_parent, _limit_memory
+from megatron_vlm.rl.rewards.pool import CallResult, RewardWorkerPool, _describe, isolate_worker, serve_calls
 
 __all__ = ["EnvCall", "EnvReply", "EnvWorkerPool", "build_environment", "BUILTIN_ENVIRONMENTS", "InlineEnvRunner"]
 
@@ -106,13 +104,7 @@ def run_call(call: EnvCall) -> EnvReply:
 
 def _env_worker_main(conn: Connection, preload: tuple = (), memory_limit_mb: int = 0, parent_pid: int = 0) -> None:
     """The reward worker's loop (rewards/pool.py) running `EnvCall`s; replies carry pickled `EnvReply`s."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setsid()
-    if parent_pid:
-        _die_with_parent(parent_pid)
-    _limit_memory(memory_limit_mb)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    isolate_worker(memory_limit_mb, parent_pid)
     failed: dict[str, str] = {}
     for name in preload:
         try:
@@ -120,23 +112,7 @@ def _env_worker_main(conn: Connection, preload: tuple = (), memory_limit_mb: int
         except BaseException as e:  # noqa: BLE001 - sys.exit at import too
             failed[name] = _describe(e)
     conn.send(("ready", os.getpid(), 0.0, json.dumps({"failed": failed, "params": {}})))
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg is None:
-            return
-        call_id, call = msg
-        reply: tuple[Any, str, Any, str]
-        try:
-            reply = (call_id, "ok", pickle.dumps(run_call(call)), "")
-        except BaseException as e:  # noqa: BLE001 - SystemExit / KeyboardInterrupt from user code too
-            reply = (call_id, "error", 0.0, _describe(e))
-        try:
-            conn.send(reply)
-        except (OSError, ValueError):
-            return
+    serve_calls(conn, lambda call: pickle.dumps(run_call(call)))
 
 
 def _reply(r: CallResult) -> EnvReply:

@@ -12,11 +12,9 @@ from megatron_vlm.inference.engine import RolloutResult
 from megatron_vlm.inference.multiturn import Trajectory
 from megatron_vlm.rl.algorithms.policy_losses import POLICY_LOSSES
 from megatron_vlm.rl.env.rollout import rollout_view
-from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.rewards.config import ExactMatchRewardConfig
-from megatron_vlm.training.optim import OptimState
 from tests.fixtures.rl_config import rl_config
-from tests.unit.rl.test_grpo_step_algorithms import NS, Encoder, Manager, TinyPolicy, _pool
+from tests.unit.rl.test_grpo_step_algorithms import NS, _grpo, _pool
 
 ENV_ONLY, ENV_LAST = 9, 10  # env chunk [9, 10]: 9 is followed by an env token only, 10 by a model token
 
@@ -53,24 +51,10 @@ def test_grpo_step_on_trajectories(loss):
     pool = [p for p in _pool(40) if int(p.prompt_id[1:]) % 2][:2]  # graded rewards (tests' Manager)
     rl = rl_config(validate=True, group_size=3, max_new_tokens=4, prompts_per_step=2, rewards=[ExactMatchRewardConfig()],
                    policy_loss=loss)
-    torch.manual_seed(0)
-    policy = TinyPolicy()
-    opt = torch.optim.SGD(policy.parameters(), lr=0.1)
-    ctx = NS(env=NS(device=torch.device("cpu"), rank=0, world_size=1),
-             cfg=NS(data=NS(max_tokens_per_pack=64), train=NS(seed=3, max_grad_norm=0.0)), to_device=lambda b: b)
-    bundle = NS(dims=NS(dp_size=1), wrapper=policy, trainable_params=list(policy.parameters()), moe_balancer=None)
-    optim = OptimState(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
     mt = ScriptedMultiTurn()
-    grpo = GRPOStep(ctx, bundle, optim, rl, engine=NS(load_weights=lambda *a, **k: None, release_memory=lambda: None),
-                    encoder=Encoder(), manager=Manager(pool), multiturn=mt)
-    seen = {}
-    update = grpo.policy.update
-
-    def spy(step, samples, dummy, **kw):
-        seen["samples"] = list(samples)
-        return update(step, samples, dummy, **kw)
-
-    grpo.policy.update = spy
+    engine = NS(load_weights=lambda *a, **k: None, release_memory=lambda: None)
+    grpo, _, seen = _grpo(rl, pool, engine=engine, multiturn=mt)
+    policy = grpo.policy.bundle.wrapper
     before = policy.embed.weight.detach().clone()
     m = grpo.run(0, pool, prompt_pool=pool)
     assert mt.calls == 1

@@ -48,10 +48,14 @@ def _section(name: str, cls) -> list[str]:
         tp = _type_str(hints[f.name]).replace("|", "\\|")
         doc = docs.get(f.name, "").replace("|", "\\|")
         lines.append(f"| `{f.name}` | `{tp}` | `{_default(f)}` | {doc} |")
-        if isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name]):
-            nested.append((f"{name}.{f.name}", hints[f.name]))
-        elif typing.get_origin(hints[f.name]) is list:  # arrays of tables picked by `type =` (`[[rl.rewards]]`)
-            for member in typing.get_args(typing.get_args(hints[f.name])[0]):
+        # a table, an optional table (Optional[X]) or an array of one kind of table (list[X]); an array of tables
+        # picked by `type =` (list[Union[...]], `[[rl.rewards]]`) gives one section per kind
+        sub = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
+        sub_cls = sub[0] if len(sub) == 1 else hints[f.name]
+        if isinstance(sub_cls, type) and dataclasses.is_dataclass(sub_cls):
+            nested.append((f"{name}.{f.name}", sub_cls))
+        elif typing.get_origin(hints[f.name]) is list:
+            for member in typing.get_args(sub_cls):
                 if dataclasses.is_dataclass(member) and "type" in member.__dataclass_fields__:
                     kind = member.__dataclass_fields__["type"].default
                     nested.append((f'[[{name}.{f.name}]] type = "{kind}"', member))

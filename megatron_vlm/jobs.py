@@ -131,7 +131,7 @@ def run_grpo(ctx: RunContext, *, before_step=None) -> int:
         optim, checkpointer, resume, metrics = _training_state(
             ctx, bundle, num_steps, modules={"critic": (critic.model, critic.optimizer)} if critic is not None else None)
         grpo = GRPOStep(ctx, bundle, optim, rl, parts.engine, parts.encoder, parts.manager, parts.reference, metrics=metrics,
-                        critic=critic)
+                        critic=critic, multiturn=parts.multiturn)
         evaluate = GRPOEvaluator(ctx, bundle.wrapper, rl, parts.engine, parts.encoder, parts.manager, parts.sets.eval,
                                  dims=bundle.dims)
         if role is not None:
@@ -145,6 +145,8 @@ def run_grpo(ctx: RunContext, *, before_step=None) -> int:
                         resume=resume, before_step=before_step)
     finally:
         parts.manager.close()
+        if parts.multiturn is not None:
+            parts.multiturn.close()
         getattr(parts.engine, "close", lambda: None)()  # hook: the vLLM engine shuts down before the process group
     metrics.close()
     return code

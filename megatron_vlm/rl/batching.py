@@ -55,6 +55,13 @@ class TrainSample:
     """[L] the critic's values of the rollout, before this step's critic updates (advantage = "gae")."""
     returns: Optional[torch.Tensor] = None
     """[L] the critic's targets, GAE advantages + old values (advantage = "gae")."""
+    response_mask: Optional[torch.Tensor] = None
+    """Multi-turn trajectories: [len(response_ids)] bool, True on the model's tokens (the only ones trained; the
+    environment's turns in between are context). None: every response token is the model's. The per-token
+    tensors above (behav_logp, old_logp, ref_logp) then hold the model's tokens only."""
+    response_vision: Optional[dict] = None
+    """Multi-turn trajectories: the vision inputs of images / videos inside the response (an environment's
+    turns), in order; packed after the prompt's."""
 
     @property
     def num_tokens(self) -> int:
@@ -62,7 +69,16 @@ class TrainSample:
 
     @property
     def response_length(self) -> int:
+        """Trained tokens of the response (all of it unless `response_mask` says otherwise)."""
+        if self.response_mask is not None:
+            return int(self.response_mask.sum())
         return int(self.response_ids.numel())
+
+    def trained_mask(self) -> torch.Tensor:
+        """[len(response_ids)] bool: the response tokens that carry a loss."""
+        if self.response_mask is not None:
+            return self.response_mask.to(torch.bool)
+        return torch.ones(int(self.response_ids.numel()), dtype=torch.bool)
 
 
 def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -119,8 +135,9 @@ def plan_shared_micro_batches(samples: Sequence[TrainSample], max_tokens: int,
         if s.num_tokens > max_tokens:
             raise ValueError(f"sample {i}: {s.num_tokens} tokens exceed the micro-batch budget of {max_tokens} "
                              "(data.max_tokens_per_pack)")
-        shared = bool(current) and samples[current[-1]].prompt is s.prompt and _shareable(s.prompt, vision_token_ids)
-        cost = s.response_length + 1 if shared else s.num_tokens
+        shared = (bool(current) and samples[current[-1]].prompt is s.prompt and _shareable(s.prompt, vision_token_ids)
+                  and not s.response_vision and not samples[current[-1]].response_vision)
+        cost = int(s.response_ids.numel()) + 1 if shared else s.num_tokens
         if current and used + cost > max_tokens:
             groups.append(current)
             current, used, cost = [], 0, s.num_tokens
@@ -155,26 +172,32 @@ def pack_samples(samples: Sequence[TrainSample], *, share_prompts: bool = False,
     for run in runs:
         prompt = run[0].prompt
         p_ids = prompt.input_ids.to(torch.long)
-        shared = len(run) >= 2 and _shareable(prompt, vision_token_ids)
-        for _ in range(1 if shared else len(run)):  # the prompt's images: once per copy of the prompt
+        # a response with its own images (a multi-turn trajectory) is packed with a copy of its prompt
+        shared = len(run) >= 2 and _shareable(prompt, vision_token_ids) and not any(s.response_vision for s in run)
+
+        def add_vision(source) -> None:
             for k in VISION_KEYS:
-                v = getattr(prompt, k)
+                v = source.get(k) if isinstance(source, dict) else getattr(source, k)
                 if v is not None:
                     vision[k].append(v)
         full = [_token_routes(s) if with_routes else None for s in run]
-        if shared:
+        if shared:  # the prompt's images once, then the completions
+            add_vision(prompt)
             head = len(prefix)
             segment([p_ids[:-1]], [torch.zeros(p_ids.numel() - 1, dtype=torch.bool)], completion=False,
                     routes=head_routes[:p_ids.numel() - 1] if (head_routes := full[0]) is not None else None)
             for s, r in zip(run, full):
                 segment([p_ids[-1:], s.response_ids.to(torch.long)],
-                        [torch.zeros(1, dtype=torch.bool), torch.ones(s.response_length, dtype=torch.bool)], of=head,
-                        completion=s.response_length > 0, routes=r[p_ids.numel() - 1:] if r is not None else None)
-        else:
+                        [torch.zeros(1, dtype=torch.bool), s.trained_mask()], of=head,
+                        completion=s.response_ids.numel() > 0, routes=r[p_ids.numel() - 1:] if r is not None else None)
+        else:  # per sample: its copy of the prompt's images, then its response's (placeholder order)
             for s, r in zip(run, full):
+                add_vision(prompt)
+                if s.response_vision:
+                    add_vision(s.response_vision)
                 segment([p_ids, s.response_ids.to(torch.long)],
-                        [torch.zeros(p_ids.numel(), dtype=torch.bool), torch.ones(s.response_length, dtype=torch.bool)],
-                        completion=s.response_length > 0, routes=r)
+                        [torch.zeros(p_ids.numel(), dtype=torch.bool), s.trained_mask()],
+                        completion=s.response_ids.numel() > 0, routes=r)
     input_ids = torch.cat(ids)
     response_mask = torch.cat(resp)
     labels = shifted_labels(input_ids, response_mask, torch.tensor(cu, dtype=torch.int32))

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Literal, Optional
 
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.rl.asynchronous.allocation import parse_allocation
+from megatron_vlm.rl.env.config import RLEnvConfig
 from megatron_vlm.rl.rewards.config import (
     ChoiceRewardConfig,
     CustomRewardConfig,
@@ -659,6 +660,9 @@ class RLConfig:
     """Shown when model.path has no model yet: how to produce it (e.g. the SFT run a GRPO demo starts from)."""
     eval: RLEvalConfig = field(default_factory=RLEvalConfig)
     """Held-out evaluation ([rl.eval])."""
+    env: Optional[RLEnvConfig] = None
+    """Multi-turn rollouts with an environment or tools ([rl.env]; megatron_vlm/rl/env/, docs/environments.md);
+    absent = single-turn completions."""
 
     def validate(self) -> None:
         for name in ("batch", "rollout", "loss", "advantages", "update", "critic", "reward_pool", "prompts", "asynchronous",
@@ -669,10 +673,40 @@ class RLConfig:
                 raise type(e)(f"{name}.{e}") from None
         self._validate_selection()
         self._validate_critic()
+        self._validate_env()
         self._validate_across()
         self._validate_async()
         self._validate_backend()
         self._validate_rewards()
+
+    def _validate_env(self) -> None:
+        """[rl.env]: its own keys, and the engines / loops multi-turn rollouts run in so far."""
+        if self.env is None:
+            return
+        try:
+            self.env.validate()
+        except ValueError as e:
+            raise type(e)(f"env.{e}") from None
+        if self.rollout_backend == "vllm":
+            raise ConfigError("rl.env: multi-turn rollouts run in the built-in engine only so far; set "
+                              "rollout_backend = 'builtin' (or remove [rl.env])")
+        if self.allocation is not None:
+            raise ConfigError("rl.env: multi-turn rollouts run in the synchronous loop only so far; remove allocation "
+                              "(or [rl.env])")
+        if self.rollout.weights != "copy":
+            raise ValueError("rollout.weights: multi-turn rollouts ([rl.env]) decode with the engine's own weights copy; "
+                             "set rollout.weights = 'copy'")
+        # what the multi-turn engine and trajectory samples do not carry yet: refused, not silently dropped
+        if self.routing_replay != "off":
+            raise ConfigError("routing_replay: the multi-turn engine ([rl.env]) does not record MoE routes yet; "
+                              "set routing_replay = 'off' (or remove [rl.env])")
+        if self.advantage == "gae":
+            raise ConfigError("advantage: 'gae' (PPO's critic) is not wired to multi-turn trajectories ([rl.env]) yet; "
+                              "use a group estimator (e.g. 'grpo') or remove [rl.env]")
+        model_kinds = sorted({r.type for r in self.rewards if isinstance(r, (ModelRewardConfig, JudgeRewardConfig))})
+        if model_kinds:
+            raise ConfigError(f"rewards: type {model_kinds[0]!r} (a reward model / judge) is not scored on multi-turn "
+                              "trajectories ([rl.env]) yet; use rule rewards or the environment's rewards")
 
     def _validate_selection(self) -> None:
         """The flat selection keys: registered names (rl/algorithms) and the backends this build has."""

@@ -15,9 +15,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
+import torch
+
 from megatron_vlm.inference.engine import RolloutEngine
 from megatron_vlm.rl.batching import TrainSample
 from megatron_vlm.rl.data_shards import DataShards
+from megatron_vlm.rl.env.trajectories import trajectory_metrics, trajectory_train_sample
 from megatron_vlm.rl.metrics import PhaseTimer
 from megatron_vlm.rl.policy_update import PolicyUpdate
 from megatron_vlm.rl.prompts.dataset import PromptSample
@@ -38,7 +41,8 @@ class GRPOStep:
     two parts, public for the asynchronous trainer and benchmarks."""
 
     def __init__(self, ctx: Any, bundle: Any, optim: Any, rl_cfg: Any, engine: RolloutEngine, encoder: PromptEncoding,
-                 manager: RewardScorer, reference: Any = None, metrics: Any = None, critic: Any = None):
+                 manager: RewardScorer, reference: Any = None, metrics: Any = None, critic: Any = None,
+                 multiturn: Any = None):
         self.rl = rl_cfg
         self.encoder, self.manager = encoder, manager
         # data-parallel coordinates: the tp ranks of a group generate, score and train on the same prompts
@@ -46,7 +50,7 @@ class GRPOStep:
         self.policy = PolicyUpdate(ctx, bundle, optim, rl_cfg, shards=self.shards, reference=reference, metrics=metrics,
                                    critic=critic)
         self.rounds = RoundSampler(rl_cfg, engine, encoder, manager, shards=self.shards, seed=ctx.cfg.train.seed,
-                                   eval_mode=lambda: bundle.wrapper.eval())
+                                   eval_mode=lambda: bundle.wrapper.eval(), multiturn=multiturn)
         self.engine = engine
         # rewards that all fail for reward_pool.max_failed_steps steps stop the run (configs built in code: never)
         pool = getattr(rl_cfg, "reward_pool", None)
@@ -72,7 +76,7 @@ class GRPOStep:
         update), behav_logp = the rollout's, weight capped by `rl.loss.behav_imp_weight_cap`."""
         r, G = self.rl, self.rl.batch.group_size
         train_samples: list[TrainSample] = []
-        masked_truncated = 0
+        masked_truncated = env_errors = 0
         for rd in rounds:
             for i, s in enumerate(rd.real):
                 if not rd.keep_group[i // G]:
@@ -81,12 +85,18 @@ class GRPOStep:
                     masked_truncated += 1
                     continue
                 assert rd.adv is not None
-                train_samples.append(TrainSample(prompt=rd.shard.prompts[s.prompt_index], response_ids=s.token_ids,
-                                                 behav_logp=s.logprobs, advantage=float(rd.adv.advantages[i]),
-                                                 old_logp=s.logprobs, routes=s.routes, score=float(rd.total[i])))
-        first = rounds[0].result.samples[0]
-        dummy = TrainSample(prompt=rounds[0].shard.prompts[0], response_ids=first.token_ids, behav_logp=first.logprobs,
-                            advantage=0.0, old_logp=first.logprobs, ref_logp=first.logprobs, routes=first.routes)
+                prompt, adv = rd.shard.prompts[s.prompt_index], float(rd.adv.advantages[i])
+                if rd.trajectories is not None:  # [rl.env]: the whole trajectory, loss on the model's tokens
+                    t = rd.trajectories[i]
+                    if t.finish_reason == "env_error":  # the environment failed, not the model: not trained
+                        env_errors += 1
+                        continue
+                    train_samples.append(trajectory_train_sample(prompt, t, adv))
+                    continue
+                train_samples.append(TrainSample(prompt=prompt, response_ids=s.token_ids, behav_logp=s.logprobs,
+                                                 advantage=adv, old_logp=s.logprobs, routes=s.routes,
+                                                 score=float(rd.total[i])))
+        dummy = self._dummy(rounds[0])
         upd = self.policy.train(step, train_samples, dummy, timer)
         counts = StepCounts(rounds=len(rounds), surplus=surplus, masked_truncated=masked_truncated,
                             skipped_prompts=getattr(self.encoder, "skipped", 0), reward_failures=self.manager.metrics(),
@@ -94,9 +104,25 @@ class GRPOStep:
         out = step_metrics(r, self.shards, step, timer, rounds, upd, counts, reward_labels=self.manager.labels,
                            zero_adv_on=self.policy.skip_zero_adv)
         out.update(upd.extra)  # PPO's critic/* and its token-level advantage/* (the same on every rank)
+        trajectories = [t for rd in rounds for t in (rd.trajectories or [])]
+        if any(rd.trajectories is not None for rd in rounds):
+            out.update(trajectory_metrics(trajectories, untrained_env_errors=env_errors))
         out.update(extra_metrics or {})
         self.reward_watch.update(out, step + 1, getattr(self.manager, "last_error", ""))  # summed over ranks: same on every rank
         return out
+
+    @staticmethod
+    def _dummy(rd: Round) -> TrainSample:
+        """The sample a rank forwards (loss x 0) when it has fewer packs than another."""
+        if rd.result.samples:
+            first = rd.result.samples[0]
+            return TrainSample(prompt=rd.shard.prompts[0], response_ids=first.token_ids, behav_logp=first.logprobs,
+                               advantage=0.0, old_logp=first.logprobs, ref_logp=first.logprobs, routes=first.routes)
+        # a multi-turn round of a rank without real prompts rolls nothing out: one token of its (dummy) prompt
+        prompt = rd.shard.prompts[0]
+        zero = torch.zeros(1)
+        return TrainSample(prompt=prompt, response_ids=prompt.input_ids[-1:].clone(), behav_logp=zero, advantage=0.0,
+                           old_logp=zero, ref_logp=zero)
 
     @property
     def reward_labels(self) -> list[str]:

@@ -58,6 +58,8 @@ class Round:
     adv: Optional[GroupAdvantages]
     keep_group: list[bool]
     """Per group of this rank: trained (false: equal rewards dropped, or dynamic sampling's surplus)."""
+    trajectories: Optional[list] = None
+    """Multi-turn rollouts ([rl.env]): the `Trajectory` of each of `real` (None: single-turn completions)."""
 
 
 def sampling_params(rl: Any) -> SamplingParams:
@@ -90,8 +92,9 @@ class RoundSampler:
     before generating (the policy's forward in eval mode: no dropout)."""
 
     def __init__(self, rl_cfg: Any, engine: RolloutEngine, encoder: PromptEncoding, rewards: RewardScorer, *,
-                 shards: DataShards, seed: int, eval_mode: Any = None):
+                 shards: DataShards, seed: int, eval_mode: Any = None, multiturn: Any = None):
         self.rl, self.engine, self.encoder, self.rewards = rl_cfg, engine, encoder, rewards
+        self.multiturn = multiturn  # [rl.env]: rl.env.rollout.MultiTurnRounds (None: single-turn)
         self.shards, self.seed, self._eval_mode = shards, seed, eval_mode
         self.advantage = AdvantageSpec.from_config(rl_cfg)  # validated once here
 
@@ -143,13 +146,23 @@ class RoundSampler:
             shard = encode_shard(prompts, self.encoder, shards.rank, shards.world, shards.device)
             if self._eval_mode is not None:
                 self._eval_mode()
-            result = self.engine.generate(shard.prompts, sampling_params(self.rl),
-                                          generator=sampling_generator(self.seed, step, shards.rank, shards.device, salt=rnd))
+            trajectories = None
+            if self.multiturn is not None:  # the seed: a function of (seed, step, rank, round), as the generator's
+                seed = ((self.seed * 1_000_003 + step) * 8191 + shards.rank) * 31 + rnd
+                result, trajectories = self.multiturn.generate(shard, sampling_params(self.rl), seed)
+            else:
+                result = self.engine.generate(shard.prompts, sampling_params(self.rl),
+                                              generator=sampling_generator(self.seed, step, shards.rank, shards.device, salt=rnd))
             self.engine.release_memory()
         real = result.samples[: shard.num_real * G]
         with timer.phase("reward"):
             total, per_reward = self.score(shard, real)
-        return shape_round(self.rl, self.advantage, shard, result, real, total, per_reward)
+            if trajectories is not None:  # + the environment's turn rewards ([rl.env] turn_rewards)
+                env = self.multiturn.rewards(trajectories)
+                total, per_reward["env"] = [a + b for a, b in zip(total, env)], env
+        rd = shape_round(self.rl, self.advantage, shard, result, real, total, per_reward)
+        rd.trajectories = trajectories
+        return rd
 
     def score(self, shard: EncodedShard, real: Sequence[RolloutSample]) -> tuple[list[float], dict[str, list[float]]]:
         """Summed and per-verifier rewards of this rank's real samples."""

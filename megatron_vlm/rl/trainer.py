@@ -35,6 +35,7 @@ from megatron_vlm.rl.prompts.dataset import prompt_batches
 from megatron_vlm.rl.prompts.encoder import PromptEncoder
 from megatron_vlm.rl.prompts.lengths import drop_unusable_prompts
 from megatron_vlm.rl.prompts.sets import PromptSets, load_prompt_sets
+from megatron_vlm.rl.prompts.shard import PromptEncoding
 from megatron_vlm.rl.reference import BaseModelReference, ReferencePolicy
 from megatron_vlm.rl.rewards.combined import CombinedRewards, has_model_rewards
 from megatron_vlm.rl.rewards.manager import RewardManager
@@ -126,7 +127,7 @@ def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: tor
 @dataclass
 class GRPOParts:
     sets: PromptSets
-    encoder: PromptEncoder
+    encoder: PromptEncoding
     engine: RolloutEngine
     manager: Union[RewardManager, CombinedRewards]
     """Owns worker processes: `close()` it at the end of the run. With reward models / judges in
@@ -134,6 +135,8 @@ class GRPOParts:
     reference: Optional[Union[ReferencePolicy, BaseModelReference]] = None
     bad_records: Optional[BadRecordLog] = None
     """Prompts left out by the reader and the encoder (written to bad_records.json at the end)."""
+    multiturn: Any = None
+    """[rl.env]: the multi-turn rollout (rl/env/rollout.py `MultiTurnRounds`; owns worker processes: `close()` it)."""
 
 
 def build_grpo_parts(ctx: RunContext, bundle: ModelBundle) -> GRPOParts:
@@ -174,8 +177,15 @@ def build_grpo_parts(ctx: RunContext, bundle: ModelBundle) -> GRPOParts:
                                   fps=cfg.data.fps, limits=MediaLimits.from_config(cfg.data))
     else:
         manager = RewardManager(rl.rewards, **pool)
-    return GRPOParts(sets=sets, encoder=encoder, engine=engine, manager=manager, reference=reference,
-                     bad_records=bad_records)
+    multiturn = None
+    prompt_encoder: PromptEncoding = encoder
+    if rl.env is not None:  # multi-turn rollouts: environments in worker processes, tools in the system turn
+        from megatron_vlm.rl.env.rollout import MultiTurnRounds
+
+        multiturn = MultiTurnRounds.from_config(rl, cfg.data.max_tokens_per_pack, engine, bundle.processor)
+        prompt_encoder = multiturn.prompt_encoder(encoder)
+    return GRPOParts(sets=sets, encoder=prompt_encoder, engine=engine, manager=manager, reference=reference,
+                     bad_records=bad_records, multiturn=multiturn)
 
 
 class GRPOLoopStep:

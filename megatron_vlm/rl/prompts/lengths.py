@@ -55,6 +55,11 @@ def check_generation_budget(data_cfg: Any, rl_cfg: Any) -> None:
     key, generated = (("rl.eval.max_new_tokens", eval_tokens) if eval_tokens > rollout_tokens
                       else ("rl.rollout.max_new_tokens", rollout_tokens))
     pack = data_cfg.max_tokens_per_pack
+    env = getattr(rl_cfg, "env", None)
+    if env is not None and env.max_total_tokens > pack:  # a multi-turn trajectory is trained as one packed sample
+        raise ConfigError(f"rl.env.max_total_tokens: {env.max_total_tokens} exceeds data.max_tokens_per_pack = {pack} "
+                          "(a trajectory is trained as one packed sample); lower it (0 = the pack size) or raise "
+                          "data.max_tokens_per_pack")
     if generated < pack:
         return
     if key == "rl.rollout.max_new_tokens" and generated == _DEFAULT_ROLLOUT_TOKENS:

@@ -173,8 +173,9 @@ def _signature(fn: Callable) -> Optional[list]:
     return [[p.name, int(p.kind), p.default is not inspect.Parameter.empty] for p in sig.parameters.values()]
 
 
-def _worker_main(conn: Connection, preload: tuple = (), memory_limit_mb: int = 0, parent_pid: int = 0) -> None:
-    """Worker loop: receive (call_id, RewardCall), send (call_id, status, value, detail)."""
+def isolate_worker(memory_limit_mb: int, parent_pid: int) -> None:
+    """The limits every pool worker sets on itself first (module docstring): own session, death with the parent,
+    address-space cap, signals left to the parent. Also the environment pool's workers (rl/env/pool.py)."""
     with contextlib.suppress(AttributeError, OSError):
         os.setsid()  # its own session and process group: the pool kills the group, so a verifier's children die too
     if parent_pid:
@@ -182,6 +183,33 @@ def _worker_main(conn: Connection, preload: tuple = (), memory_limit_mb: int = 0
     _limit_memory(memory_limit_mb)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # SLURM TERMs the whole step; the rank decides when to stop
+
+
+def serve_calls(conn: Connection, run: Callable[[Any], Any]) -> None:
+    """Receive (call_id, call) until the pipe closes or None arrives; send (call_id, "ok", run(call), "") or
+    (call_id, "error", 0.0, why) — an exception of user code (SystemExit included) never ends the worker."""
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        call_id, call = msg
+        reply: tuple[Any, str, Any, str]
+        try:
+            reply = (call_id, "ok", run(call), "")
+        except BaseException as e:  # noqa: BLE001 - SystemExit / KeyboardInterrupt from user code too
+            reply = (call_id, "error", 0.0, _describe(e))
+        try:
+            conn.send(reply)
+        except (OSError, ValueError):
+            return
+
+
+def _worker_main(conn: Connection, preload: tuple = (), memory_limit_mb: int = 0, parent_pid: int = 0) -> None:
+    """Worker loop: receive (call_id, RewardCall), send (call_id, status, value, detail)."""
+    isolate_worker(memory_limit_mb, parent_pid)
     cache: dict[tuple, Callable] = {}
     # import the built-in verifiers (and sympy) before reporting ready, so that the first call's
     # time limit is not spent on imports
@@ -196,34 +224,23 @@ def _worker_main(conn: Connection, preload: tuple = (), memory_limit_mb: int = 0
         except BaseException as e:  # noqa: BLE001 - sys.exit at import too
             failed[function] = (str(e) if type(e) is ValueError else _describe(e))[:300]
     conn.send(("ready", os.getpid(), 0.0, json.dumps({"failed": failed, "params": params})))
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg is None:
-            return
-        call_id, call = msg
-        try:
-            key = (call.verifier, call.function)
-            fn = cache.get(key)
-            if fn is None:
-                fn = cache[key] = resolve_verifier(call.verifier, call.function)
-            value = _number(fn(call.completion, call.answer, prompt=call.prompt, metadata=call.metadata, **call.options))
-            reply = (call_id, "ok", value, "")
-        except BaseException as e:  # noqa: BLE001 - SystemExit / KeyboardInterrupt from user code too
-            reply = (call_id, "error", 0.0, _describe(e))
-        try:
-            conn.send(reply)
-        except (OSError, ValueError):
-            return
+
+    def run(call: RewardCall) -> float:
+        key = (call.verifier, call.function)
+        fn = cache.get(key)
+        if fn is None:
+            fn = cache[key] = resolve_verifier(call.verifier, call.function)
+        return _number(fn(call.completion, call.answer, prompt=call.prompt, metadata=call.metadata, **call.options))
+
+    serve_calls(conn, run)
 
 
 class _Worker:
-    def __init__(self, ctx, start_timeout_s: float, preload: tuple, memory_limit_mb: int = 0):
+    def __init__(self, ctx, start_timeout_s: float, preload: tuple, memory_limit_mb: int = 0,
+                 target: Callable = _worker_main):
         parent, child = ctx.Pipe(duplex=True)
         self.conn: Connection = parent
-        self.proc = ctx.Process(target=_worker_main, args=(child, preload, memory_limit_mb, os.getpid()), daemon=True,
+        self.proc = ctx.Process(target=target, args=(child, preload, memory_limit_mb, os.getpid()), daemon=True,
                                 name="reward-worker")
         self.proc.start()
         child.close()
@@ -247,7 +264,10 @@ class _Worker:
 class RewardWorkerPool:
     """A fixed number of reward worker processes; `map` runs calls with a per-call time limit.
 
-    Use as a context manager or call `close()`; workers are daemons and also die with the parent."""
+    Use as a context manager or call `close()`; workers are daemons and also die with the parent.
+    `worker_main`: the workers' loop (the environment pool, rl/env/pool.py, runs its own with these limits)."""
+
+    worker_main: Callable = staticmethod(_worker_main)
 
     def __init__(
         self,
@@ -294,7 +314,8 @@ class RewardWorkerPool:
     # -- lifecycle -------------------------------------------------------------------------------
     def _ensure_started(self) -> None:
         while len(self._workers) < self.num_workers:
-            self._workers.append(_Worker(self._ctx, self.start_timeout_s, self._preload, self.memory_limit_mb))
+            self._workers.append(_Worker(self._ctx, self.start_timeout_s, self._preload, self.memory_limit_mb,
+                                         self.worker_main))
 
     def close(self) -> None:
         for w in self._workers:
@@ -317,7 +338,7 @@ class RewardWorkerPool:
     def _replace(self, w: _Worker) -> _Worker:
         w.kill()
         self.restarts += 1
-        nw = _Worker(self._ctx, self.start_timeout_s, self._preload, self.memory_limit_mb)
+        nw = _Worker(self._ctx, self.start_timeout_s, self._preload, self.memory_limit_mb, self.worker_main)
         self._workers[self._workers.index(w)] = nw
         return nw
 

@@ -1,0 +1,156 @@
+"""Environments in the sandboxed worker processes of the reward pool: a deadline per turn, a memory cap.
+
+Why the reward pool: an environment is user code on model output (a tool that runs what the model wrote,
+a game engine, a grader), the same risk as a custom verifier. `EnvWorkerPool` is `RewardWorkerPool` with
+another worker loop: the same spawn start, address-space cap, parent-death kill, process-group kill and
+per-call / per-batch deadlines; a worker that hangs past `turn_timeout_s` or dies is replaced.
+
+State between turns: a worker is not tied to a trajectory (any worker runs any call, and a replaced one
+has lost everything), so the environment object itself travels: `reset` builds it in a worker and sends it
+back pickled with the first observation, each `step` unpickles it, steps it and sends it back. An
+environment must therefore be picklable (plain Python state). Every failure (the environment could not be
+built, `reset` / `step` raised, the worker hung or died, the result was not picklable) is an
+`EnvReply` with `error` set: the rollout ends that trajectory with finish reason "env_error" and counts it.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, Optional
+
+from megatron_vlm.rl.env.base import Environment, EnvSample, Observation, StepResult
+from megatron_vlm.rl.rewards.pool import CallResult, RewardWorkerPool, _describe, isolate_worker, serve_calls
+
+__all__ = ["EnvCall", "EnvReply", "EnvWorkerPool", "build_environment", "BUILTIN_ENVIRONMENTS", "InlineEnvRunner"]
+
+BUILTIN_ENVIRONMENTS = {
+    "calculator": "megatron_vlm.rl.env.builtin:CalculatorEnv",
+    "zoom": "megatron_vlm.rl.env.builtin:ZoomEnv",
+}
+"""Names `[rl.env] name` may give instead of a dotted path."""
+
+
+def resolve_environment(name: str) -> Any:
+    """The class (or factory) a built-in name or a dotted path "pkg.module:Name" / "pkg.module.Name" names."""
+    path = BUILTIN_ENVIRONMENTS.get(name, name)
+    module, sep, attr = path.partition(":")
+    if not sep:
+        module, _, attr = path.rpartition(".")
+    if not module or not attr:
+        raise ValueError(f"environment {name!r}: not a built-in name {sorted(BUILTIN_ENVIRONMENTS)} nor a dotted path "
+                         "'package.module:ClassName'")
+    obj = getattr(importlib.import_module(module), attr, None)
+    if obj is None:
+        raise ValueError(f"environment {name!r}: module {module} has no {attr}")
+    return obj
+
+
+def build_environment(name: str, kwargs: Optional[dict] = None) -> Environment:
+    env = resolve_environment(name)(**(kwargs or {}))
+    if not callable(getattr(env, "step", None)) or not callable(getattr(env, "reset", None)):
+        raise TypeError(f"environment {name!r}: {type(env).__name__} has no reset(sample) / step(action)")
+    return env
+
+
+@dataclass(frozen=True)
+class EnvCall:
+    """One turn of one trajectory: op "reset" (name, kwargs, sample) or "step" (state, action)."""
+
+    op: str
+    name: str = ""
+    kwargs: dict = field(default_factory=dict)
+    sample: Optional[EnvSample] = None
+    state: bytes = b""
+    action: str = ""
+
+
+@dataclass
+class EnvReply:
+    state: bytes = b""
+    """The pickled environment after this call (the next `step`'s input)."""
+    result: Optional[StepResult] = None
+    """reset: the first observation in `result.observation` (reward 0, not done)."""
+    tools: list[dict] = field(default_factory=list)
+    """reset: the environment's tool specs (rendered into the system prompt)."""
+    error: str = ""
+    """Why the call failed ("timeout: ...", "error: ..."); empty when it worked."""
+
+
+def run_call(call: EnvCall) -> EnvReply:
+    """Run one call in this process (the worker's body, and the in-process runner of tests)."""
+    if call.op == "reset":
+        env = build_environment(call.name, call.kwargs)
+        obs = env.reset(call.sample if call.sample is not None else EnvSample(problem=""))
+        if not isinstance(obs, Observation):
+            raise TypeError(f"reset returned {type(obs).__name__}, not an Observation")
+        result = StepResult(obs)
+        tools = list(env.tools())
+    elif call.op == "step":
+        env = pickle.loads(call.state)
+        result = env.step(call.action)
+        if not isinstance(result, StepResult):
+            raise TypeError(f"step returned {type(result).__name__}, not a StepResult")
+        result.reward = float(result.reward)
+        tools = []
+    else:
+        raise ValueError(f"unknown environment op {call.op!r}")
+    return EnvReply(state=pickle.dumps(env), result=result, tools=tools)
+
+
+def _env_worker_main(conn: Connection, preload: tuple = (), memory_limit_mb: int = 0, parent_pid: int = 0) -> None:
+    """The reward worker's loop (rewards/pool.py) running `EnvCall`s; replies carry pickled `EnvReply`s."""
+    isolate_worker(memory_limit_mb, parent_pid)
+    failed: dict[str, str] = {}
+    for name in preload:
+        try:
+            resolve_environment(name)
+        except BaseException as e:  # noqa: BLE001 - sys.exit at import too
+            failed[name] = _describe(e)
+    conn.send(("ready", os.getpid(), 0.0, json.dumps({"failed": failed, "params": {}})))
+    serve_calls(conn, lambda call: pickle.dumps(run_call(call)))
+
+
+def _reply(r: CallResult) -> EnvReply:
+    if r.status == "ok" and isinstance(r.value, bytes):
+        try:
+            out = pickle.loads(r.value)
+        except Exception as e:  # noqa: BLE001 - e.g. a class the parent cannot import
+            return EnvReply(error=f"error: the environment's reply could not be read: {_describe(e)}")
+        if isinstance(out, EnvReply):
+            return out
+    return EnvReply(error=f"{r.status}: {r.detail}" if r.detail else r.status)
+
+
+class EnvWorkerPool(RewardWorkerPool):
+    """`run(calls) -> [EnvReply]`: one turn of many trajectories, each under `timeout_s` (the per-turn deadline);
+    `preload`: environment names to import at worker start (a misspelt path is reported by `start`)."""
+
+    worker_main = staticmethod(_env_worker_main)
+
+    def _checked(self, value: float, status: str, detail: str) -> CallResult:
+        return CallResult(value, status, detail)  # the value is a pickled EnvReply: no numeric clipping
+
+    def run(self, calls: Sequence[EnvCall]) -> list[EnvReply]:
+        return [_reply(r) for r in self.map(calls)]  # type: ignore[arg-type]  # EnvCall in place of RewardCall
+
+
+class InlineEnvRunner:
+    """The same `run(calls)` in this process, without a sandbox (tests, and debugging an environment): an
+    exception is an error reply; a hang is not caught."""
+
+    def run(self, calls: Sequence[EnvCall]) -> list[EnvReply]:
+        out = []
+        for c in calls:
+            try:
+                out.append(pickle.loads(pickle.dumps(run_call(c))))  # the same round trip as the worker's
+            except Exception as e:  # noqa: BLE001
+                out.append(EnvReply(error=f"error: {_describe(e)}"))
+        return out
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,104 @@
+"""The multi-turn rollout of a GRPO round: environments, engine and the trajectories' rewards, built once per run.
+
+`MultiTurnRounds.from_config(rl, data_cfg, engine, processor)` is what `[rl.env]` adds to a GRPO job: the
+environment worker pool (the `[rl.reward_pool]` sizes and memory cap, `[rl.env]` turn_timeout_s as the deadline
+of each call), the chat-template turn encoder, the engine's multi-turn loop. `generate(shard, params, seed)`
+rolls out the G trajectories of each of this rank's real prompts (dummy prompts of data parallelism are not
+rolled out: nothing of theirs is scored or trained) and returns them with a `RolloutResult` view for the step
+metrics (the model's tokens as the "completion": lengths, truncation).
+
+A trajectory's reward = the `[[rl.rewards]]` verifiers on its last model turn + the environment's per-turn
+rewards summed or discounted (`[rl.env]` turn_rewards). Its seed is a function of (train.seed, step, rank,
+round), as single-turn sampling is, so a resumed run repeats the same trajectories (environments must be
+deterministic functions of their sample and the model's turns for that).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, cast
+
+from megatron_vlm.inference.engine import RolloutResult, RolloutSample, SamplingParams
+from megatron_vlm.inference.multiturn import MultiTurnLimits, MultiTurnRollout, Trajectory
+from megatron_vlm.rl.env.config import RLEnvConfig
+from megatron_vlm.rl.env.pool import EnvWorkerPool, InlineEnvRunner, build_environment
+from megatron_vlm.rl.env.session import EnvSession, ToolPromptEncoder, env_sample
+from megatron_vlm.rl.env.turns import TurnEncoder
+
+__all__ = ["MultiTurnRounds", "rollout_view"]
+
+log = logging.getLogger("megatron_vlm")
+
+def rollout_view(t: Trajectory) -> RolloutSample:
+    """The trajectory as a single-turn sample for scoring and metrics: its model tokens, its last turn's text."""
+    ids = t.token_ids[t.model_mask]
+    return RolloutSample(prompt_index=t.prompt_index, sample_index=t.sample_index, token_ids=ids, logprobs=t.logprobs,
+                         text=t.text, finish_reason=cast(Any, "length" if t.truncated else "eos"),
+                         prompt_length=t.prompt_length, policy_version=t.policy_version)
+
+
+class MultiTurnRounds:
+    def __init__(self, cfg: RLEnvConfig, engine: Any, processor: Any, *, max_total_tokens: int, runner: Any,
+                 tools: Optional[list[dict]] = None):
+        self.cfg, self.runner = cfg, runner
+        self.tools = tools if tools is not None else list(build_environment(cfg.name, cfg.kwargs).tools())
+        self.rollout = MultiTurnRollout(engine)
+        self.turns = TurnEncoder(processor)
+        self.limits = MultiTurnLimits(max_turns=cfg.max_turns, max_total_tokens=max_total_tokens)
+        self.eos = sorted(engine.eos_token_ids)
+        self.errors = 0
+
+    @classmethod
+    def from_config(cls, rl: Any, max_tokens_per_pack: int, engine: Any, processor: Any) -> MultiTurnRounds:
+        cfg: RLEnvConfig = rl.env
+        total = cfg.max_total_tokens or max_tokens_per_pack
+        if total > max_tokens_per_pack:
+            from megatron_vlm.errors import ConfigError
+
+            raise ConfigError(f"rl.env.max_total_tokens: {total} exceeds data.max_tokens_per_pack = {max_tokens_per_pack} "
+                              "(a trajectory is trained as one packed sample); lower it or raise the pack size")
+        pool = rl.reward_pool
+        runner: Any = (EnvWorkerPool(num_workers=pool.workers, timeout_s=cfg.turn_timeout_s,
+                                     memory_limit_mb=pool.memory_limit_mb, preload=(cfg.name,))
+                       if cfg.sandbox else InlineEnvRunner())
+        if cfg.sandbox:
+            failed = runner.start()
+            if failed:
+                runner.close()
+                from megatron_vlm.errors import ConfigError
+
+                raise ConfigError(f"rl.env.name: {cfg.name!r} cannot be imported in the worker processes: "
+                                  f"{next(iter(failed.values()))}")
+        return cls(cfg, engine, processor, max_total_tokens=total, runner=runner)
+
+    def prompt_encoder(self, encoder: Any) -> Any:
+        """The prompt encoder whose prompts carry the environment's tools in their system turn."""
+        return ToolPromptEncoder(encoder, self.tools) if self.tools else encoder
+
+    def generate(self, shard: Any, params: SamplingParams, seed: int) -> tuple[RolloutResult, list[Trajectory]]:
+        real = shard.num_real
+        if real == 0:
+            return RolloutResult(samples=[]), []
+        prompts = shard.prompts[:real]
+        messages = [self.prompt_encoder_messages(s) for s in shard.samples]
+        session = EnvSession(self.runner, self.turns, name=self.cfg.name, kwargs=self.cfg.kwargs,
+                             samples=[env_sample(s, p) for s, p in zip(shard.samples, prompts)], histories=messages,
+                             n=params.n, eos_token_ids=self.eos)
+        trajs = self.rollout.generate(prompts, params, session, self.limits, seed=seed)
+        self.errors += session.errors
+        if session.errors:
+            log.warning("multi-turn rollout: %d environment errors this round (last: %s)", session.errors,
+                        session.last_error)
+        samples = [rollout_view(t) for t in trajs]
+        stats = dict(self.rollout.stats)
+        return RolloutResult(samples=samples, num_generated_tokens=sum(int(s.token_ids.numel()) for s in samples),
+                             seconds=stats.get("seconds", 0.0), stats=stats), trajs
+
+    def prompt_encoder_messages(self, sample: Any) -> list[dict]:
+        return ToolPromptEncoder(None, self.tools).messages(sample)
+
+    def rewards(self, trajs: list[Trajectory]) -> list[float]:
+        """The environment's share of each trajectory's reward ([rl.env] turn_rewards)."""
+        return [self.cfg.trajectory_return(t.turn_rewards) for t in trajs]
+
+    def close(self) -> None:
+        self.runner.close()

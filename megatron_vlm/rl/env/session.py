@@ -1,0 +1,113 @@
+"""The environment side of a multi-turn rollout: `EnvSession` answers the engine's finished turns.
+
+The engine (inference/multiturn.py) knows tokens; this side knows environments and chat turns. At the start
+every trajectory's environment is built and reset in the runner (the sandboxed pool, rl/env/pool.py); after
+each model turn `step` sends that turn's text to its environment (all conversations that finished a turn in
+the same engine iteration in one batch, each under the per-turn deadline) and encodes the observation into
+the tokens to append (rl/env/turns.py). A failure of either (the environment raised, hung or died; the
+observation could not be encoded) is an error reply: the engine ends that trajectory ("env_error") and
+`errors` counts it.
+
+`ToolPromptEncoder` puts the environment's tool specs into the system turn of every prompt (the chat turns
+the engine continues are the same ones).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from megatron_vlm.inference.engine import RolloutPrompt
+from megatron_vlm.inference.multiturn import TurnReply
+from megatron_vlm.rl.env.base import EnvSample
+from megatron_vlm.rl.env.pool import EnvCall
+from megatron_vlm.rl.env.turns import TurnEncoder, with_tools
+from megatron_vlm.rl.prompts.dataset import PromptSample
+
+__all__ = ["EnvSession", "ToolPromptEncoder", "env_sample"]
+
+
+def env_sample(sample: PromptSample, prompt: Optional[RolloutPrompt] = None) -> EnvSample:
+    """What `Environment.reset` receives for a prompt (its loaded images from the encoded prompt)."""
+    images = list(prompt.images) if prompt is not None and prompt.images else []
+    return EnvSample(problem=sample.problem, answer=sample.answer, metadata=dict(sample.metadata), images=images)
+
+
+class ToolPromptEncoder:
+    """A prompt encoder (rl/prompts/encoder.py) whose prompts carry `tools` in their system turn."""
+
+    def __init__(self, encoder: Any, tools: list[dict]):
+        self.inner, self.tools = encoder, tools
+
+    def messages(self, sample: PromptSample) -> list[dict]:
+        return with_tools(sample.messages, self.tools)
+
+    def encode(self, sample: PromptSample) -> Optional[RolloutPrompt]:
+        return self.inner.encode(dataclasses.replace(sample, messages=self.messages(sample)))
+
+    def __getattr__(self, name: str) -> Any:  # skipped, last_skip, bad_records of the wrapped encoder
+        return getattr(self.inner, name)
+
+
+class EnvSession:
+    """One rollout's environments: `n` trajectories per prompt, conversation i = prompt i // n (group-major).
+
+    `runner`: `EnvWorkerPool` or `InlineEnvRunner`; `name`, `kwargs`: the environment; `samples`: one
+    `EnvSample` per prompt; `histories`: the chat turns of each prompt (with the tool specs); `eos_token_ids`:
+    the engine's (a turn ended by one is closed by the model itself)."""
+
+    def __init__(self, runner: Any, encoder: TurnEncoder, *, name: str, kwargs: dict, samples: Sequence[EnvSample],
+                 histories: Sequence[list[dict]], n: int, eos_token_ids: Sequence[int]):
+        self.runner, self.encoder, self.n = runner, encoder, n
+        self.eos = frozenset(int(t) for t in eos_token_ids)
+        self.errors = 0
+        self.last_error = ""
+        total = len(samples) * n
+        self.history = [list(histories[i // n]) for i in range(total)]
+        self.state: list[bytes] = [b""] * total
+        self.failed: dict[int, str] = {}
+        replies = runner.run([EnvCall("reset", name=name, kwargs=dict(kwargs), sample=samples[i // n])
+                              for i in range(total)])
+        for i, r in enumerate(replies):
+            if r.error:
+                self._fail(i, f"reset: {r.error}")
+                continue
+            obs = r.result.observation if r.result is not None else None
+            if obs is not None and (obs.text or obs.images or obs.videos or obs.parts):
+                self._fail(i, "reset: a non-empty first observation is not shown yet; put the first turn's content "
+                              "in the prompt (the dataset's messages) and return Observation() from reset")
+                continue
+            self.state[i] = r.state
+
+    def _fail(self, i: int, why: str) -> None:
+        self.failed[i] = why
+        self.errors += 1
+        self.last_error = why
+
+    def step(self, items: list[tuple[int, int, str, list[int]]]) -> list[TurnReply]:
+        out: dict[int, TurnReply] = {}
+        live = [it for it in items if it[0] not in self.failed]
+        for conv, *_ in items:
+            if conv in self.failed:
+                out[conv] = TurnReply(error=self.failed.pop(conv))  # counted when it failed
+        replies = self.runner.run([EnvCall("step", state=self.state[conv], action=text) for conv, _, text, _ in live])
+        for (conv, _, text, ids), r in zip(live, replies):
+            if r.error or r.result is None:
+                self._fail(conv, f"step: {r.error or 'no result'}")
+                out[conv] = TurnReply(error=self.failed.pop(conv))
+                continue
+            self.state[conv] = r.state
+            res = r.result
+            info = {k: float(v) for k, v in res.info.items() if isinstance(v, (int, float))}
+            if res.done:
+                out[conv] = TurnReply(reward=res.reward, done=True, info=info)
+                continue
+            try:
+                chunk, self.history[conv] = self.encoder.encode(self.history[conv], text, bool(ids) and ids[-1] in self.eos,
+                                                                res.observation)
+            except Exception as e:  # noqa: BLE001 - an observation the processor cannot take ends its trajectory
+                self._fail(conv, f"observation: {type(e).__name__}: {e}"[:300])
+                out[conv] = TurnReply(error=self.failed.pop(conv), info=info)
+                continue
+            out[conv] = TurnReply(chunk=chunk, reward=res.reward, info=info)
+        return [out[conv] for conv, *_ in items]

@@ -1,0 +1,134 @@
+"""A tool registry built from plain Python functions, and the environment that runs a model's tool calls.
+
+`ToolRegistry([fn, ...])` reads each function's signature: parameters annotated `str`, `int`, `float`,
+`bool`, `list` or `dict` become a JSON-schema object (required = parameters without a default), the first
+docstring line the description; `schema=` overrides it. `specs()` is the list the chat template renders
+into the system prompt (`tools=` of `apply_chat_template`, in the OpenAI function form every Qwen template
+reads). `call(ToolCall)` checks the arguments against the schema and runs the function; an unknown tool,
+a bad argument or an exception in the tool becomes an error text (the tool's reply), never a crash.
+
+`ToolEnvironment(tools)`: after each model turn, every `<tool_call>` block (rl/env/tool_calls.py) is run
+and answered with one tool turn per call; a turn without a call is the final answer (done). A tool may
+return text, or (text, images): a crop / zoom tool shows the model a new image in the next turn.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable, Sequence
+from typing import Optional
+
+from megatron_vlm.rl.env.base import Environment, Observation, StepResult
+from megatron_vlm.rl.env.tool_calls import ToolCall, ToolCallError, parse_tool_calls
+
+__all__ = ["ToolRegistry", "ToolEnvironment", "function_schema"]
+
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+_CHECK = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "array": (list,),
+          "object": (dict,)}
+
+
+def function_schema(fn: Callable) -> dict:
+    """The OpenAI-style function spec of `fn` from its signature and docstring."""
+    props: dict[str, dict] = {}
+    required = []
+    hints = inspect.get_annotations(fn, eval_str=True)
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise ValueError(f"tool {fn.__name__}: *args / **kwargs cannot be described as JSON-schema arguments")
+        tp = hints.get(p.name, str)
+        if tp not in _JSON_TYPES:
+            raise ValueError(f"tool {fn.__name__}: parameter {p.name} is annotated {tp!r}; use str, int, float, bool, "
+                             "list or dict (or pass schema=)")
+        props[p.name] = {"type": _JSON_TYPES[tp]}
+        if p.default is inspect.Parameter.empty:
+            required.append(p.name)
+    doc = (inspect.getdoc(fn) or fn.__name__).strip().splitlines()[0]
+    return {"type": "function", "function": {"name": fn.__name__, "description": doc,
+                                             "parameters": {"type": "object", "properties": props, "required": required}}}
+
+
+def _check_args(spec: dict, args: dict) -> Optional[str]:
+    params = spec["function"]["parameters"]
+    props = params.get("properties", {})
+    missing = [k for k in params.get("required", []) if k not in args]
+    if missing:
+        return f"missing required arguments {missing}"
+    unknown = sorted(set(args) - set(props))
+    if unknown:
+        return f"unknown arguments {unknown}; the tool takes {sorted(props)}"
+    for k, v in args.items():
+        want = props[k].get("type")
+        ok = _CHECK.get(want)
+        if ok is not None and (not isinstance(v, ok) or (want in ("integer", "number") and isinstance(v, bool))):
+            return f"argument {k} must be of type {want}, got {type(v).__name__}"
+    return None
+
+
+class ToolRegistry:
+    """Tools by name: `functions` (their specs from `function_schema`) plus `schemas` {name: spec} overrides."""
+
+    def __init__(self, functions: Sequence[Callable] = (), *, schemas: Optional[dict[str, dict]] = None):
+        self.functions: dict[str, Callable] = {}
+        self._specs: dict[str, dict] = {}
+        for fn in functions:
+            self.add(fn, schema=(schemas or {}).get(fn.__name__))
+
+    def add(self, fn: Callable, *, schema: Optional[dict] = None) -> None:
+        name = fn.__name__
+        if name in self.functions:
+            raise ValueError(f"tool {name}: registered twice")
+        self.functions[name] = fn
+        self._specs[name] = schema if schema is not None else function_schema(fn)
+
+    def specs(self) -> list[dict]:
+        return [self._specs[n] for n in self.functions]
+
+    def call(self, call: ToolCall) -> tuple[str, list, bool]:
+        """(reply text, images, ok) of one call."""
+        fn = self.functions.get(call.name)
+        if fn is None:
+            return f"Error: unknown tool {call.name!r}; available: {sorted(self.functions)}", [], False
+        why = _check_args(self._specs[call.name], call.arguments)
+        if why is not None:
+            return f"Error: {call.name}: {why}", [], False
+        try:
+            out = fn(**call.arguments)
+        except Exception as e:  # noqa: BLE001 -- a tool's failure is the model's feedback, not the job's
+            return f"Error: {call.name} raised {type(e).__name__}: {e}"[:500], [], False
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], list):
+            return str(out[0]), list(out[1]), True
+        return out if isinstance(out, str) else json.dumps(out), [], True
+
+
+class ToolEnvironment(Environment):
+    """Runs the tool calls of each turn (module docstring); `reward_fn(final_text, sample) -> float` (optional)
+    scores the final answer as this environment's reward (the `[[rl.rewards]]` verifiers score it too)."""
+
+    def __init__(self, tools: Sequence[Callable] = (), *, registry: Optional[ToolRegistry] = None,
+                 reward_fn: Optional[Callable] = None):
+        self.registry = registry if registry is not None else ToolRegistry(tools)
+        self.reward_fn = reward_fn
+
+    def tools(self) -> list[dict]:
+        return self.registry.specs()
+
+    def step(self, action: str) -> StepResult:
+        calls = parse_tool_calls(action)
+        if not calls:
+            reward = float(self.reward_fn(action, self.sample)) if self.reward_fn is not None else 0.0
+            return StepResult(Observation(), reward=reward, done=True)
+        parts: list[dict] = []
+        images: list = []
+        errors = 0
+        for c in calls:
+            if isinstance(c, ToolCallError):
+                parts.append({"role": "tool", "text": f"Error: malformed tool call: {c.message}"})
+                errors += 1
+                continue
+            text, imgs, ok = self.registry.call(c)
+            errors += not ok
+            parts.append({"role": "tool", "text": text, "images": len(imgs)})
+            images.extend(imgs)
+        return StepResult(Observation(images=images, role="tool", parts=parts), done=False,
+                          info={"tool_calls": len(calls), "tool_errors": errors})

@@ -1,0 +1,42 @@
+"""A multi-turn trajectory as one training sample: its whole conversation, the loss on the model's tokens only.
+
+One trajectory is one sample (as one completion is in single-turn GRPO): the response is everything after the
+prompt — model turns and environment turns in order — with `response_mask` marking the model's tokens and
+the environment's images / videos packed after the prompt's (rl/batching.py). The packed training forward over
+it therefore sees what the rollout saw (every turn's images at their positions, M-RoPE positions continuous),
+and its log-probs of the masked tokens are the rollout's behaviour log-probs. The advantage is the
+trajectory's (group advantages over the G trajectories of a prompt), the same for each of its model tokens.
+"""
+from __future__ import annotations
+
+from megatron_vlm.inference.engine import RolloutPrompt
+from megatron_vlm.inference.multiturn import Trajectory
+from megatron_vlm.rl.batching import TrainSample
+
+__all__ = ["trajectory_train_sample", "trajectory_metrics", "FINISH_REASONS"]
+
+
+def trajectory_train_sample(prompt: RolloutPrompt, t: Trajectory, advantage: float) -> TrainSample:
+    return TrainSample(prompt=prompt, response_ids=t.token_ids, behav_logp=t.logprobs, advantage=advantage,
+                       old_logp=t.logprobs, response_mask=t.model_mask, response_vision=dict(t.vision) or None)
+
+
+FINISH_REASONS = ("done", "max_turns", "max_total_tokens", "length", "env_error")
+
+
+def trajectory_metrics(trajs: list[Trajectory], *, untrained_env_errors: int = 0) -> dict[str, float]:
+    """env/* metrics of this rank's trajectories of a step: turns and tokens per trajectory, the share of each finish
+    reason, environment errors (and how many of them were left out of the update), the environments' counters."""
+    out: dict[str, float] = {"env/errors": float(sum(t.finish_reason == "env_error" for t in trajs)),
+                             "env/errors_untrained": float(untrained_env_errors)}
+    if not trajs:
+        return out
+    n = float(len(trajs))
+    out["env/turns_mean"] = sum(t.num_turns for t in trajs) / n
+    out["env/tokens_mean"] = sum(int(t.token_ids.numel()) for t in trajs) / n
+    out["env/model_tokens_mean"] = sum(int(t.model_mask.sum()) for t in trajs) / n
+    for why in FINISH_REASONS:
+        out[f"env/finish_{why}"] = sum(t.finish_reason == why for t in trajs) / n
+    for k in sorted({k for t in trajs for k in t.info}):
+        out[f"env/{k}"] = float(sum(t.info.get(k, 0.0) for t in trajs))
+    return out

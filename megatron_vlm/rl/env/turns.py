@@ -1,0 +1,133 @@
+"""An environment's observation -> the tokens appended to the conversation, through the chat template.
+
+Why by difference of renderings: the tokens a turn adds are exactly what the family's chat template writes
+for it, so a trajectory is the conversation the model would see if it were rendered whole (the format the
+model was trained on). With the conversation so far H (ending with the model's turn, as decoded text):
+
+    before = render(H without the model's turn, generation prompt)     ... <|im_start|>assistant\\n
+    closed = render(H)                                                 ... <model text><|im_end|>\\n
+    after  = render(H + observation turns, generation prompt)          ... <|im_start|>assistant\\n
+
+The appended text is `closed`'s tail after the model's text (minus the end-of-turn token when the model
+generated it, as its EOS) followed by `after[len(closed):]`; its image / video placeholders are expanded by
+the family's processor and the new images preprocessed (their tensors go through the vision tower when the
+chunk is prefilled). A template for which `closed` is not a prefix of `after` (one that rewrites earlier
+turns, e.g. dropping past reasoning) is refused with a clear error rather than trained on a history the model
+never saw.
+
+Tools: the specs are written into the system turn in the Qwen2.5 / Qwen3 tool format (`tools_system_text`):
+the same text their chat templates write for `tools=`, so the prompt is also right for templates that do not
+render tools themselves (the tiny test templates).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from megatron_vlm.data.expansion import expand, placeholder_order
+from megatron_vlm.data.media import VideoClip
+from megatron_vlm.data.processor_base import concat_in_order
+from megatron_vlm.inference.multiturn import TurnChunk
+from megatron_vlm.rl.env.base import Observation
+
+__all__ = ["TurnEncoder", "tools_system_text", "with_tools"]
+
+_DEFAULT_SYSTEM = "You are a helpful assistant."
+
+
+def tools_system_text(tools: list[dict], system: Optional[str] = None) -> str:
+    """The system turn's text with the tool specs, in the Qwen2.5 / Qwen3 format."""
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ((system or _DEFAULT_SYSTEM) + "\n\n# Tools\n\nYou may call one or more functions to assist with the user "
+            "query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+            f"{lines}\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+            "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+            "<args-json-object>}\n</tool_call>")
+
+
+def with_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """`messages` with the tool specs in the system turn (added when there is none)."""
+    if not tools:
+        return messages
+    if messages and messages[0]["role"] == "system" and isinstance(messages[0]["content"], str):
+        return [{"role": "system", "content": tools_system_text(tools, messages[0]["content"])}, *messages[1:]]
+    return [{"role": "system", "content": tools_system_text(tools)}, *messages]
+
+
+def _pil(image: Any):
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    arr = np.asarray(image)
+    if arr.ndim != 3 or arr.shape[2] != 3 or arr.dtype != np.uint8:
+        raise ValueError(f"an observation image must be a PIL image or an HxWx3 uint8 array, got {arr.dtype} {arr.shape}")
+    return Image.fromarray(arr)
+
+
+def observation_messages(obs: Observation) -> list[dict]:
+    """The chat turns of an observation: one per part (each with its share of the images, placed before its
+    text), or one turn of `obs.role` with all images then the text."""
+    parts: list[dict[str, Any]] = (obs.parts if obs.parts is not None else
+                                   [{"role": obs.role, "text": obs.text, "images": len(obs.images),
+                                     "videos": len(obs.videos)}])
+    images, videos = iter(obs.images), iter(obs.videos)
+    out = []
+    for p in parts:
+        items: list[dict] = [{"type": "image", "image": next(images)} for _ in range(int(p.get("images", 0)))]
+        items += [{"type": "video", "video": next(videos)} for _ in range(int(p.get("videos", 0)))]
+        if p.get("text"):
+            items.append({"type": "text", "text": p["text"]})
+        has_media = any(it["type"] != "text" for it in items)
+        out.append({"role": p.get("role", obs.role), "content": items if has_media else p.get("text", "")})
+    if list(images) or list(videos):
+        raise ValueError("the observation's parts do not place all of its images / videos (their 'images' / 'videos' "
+                         "counts)")
+    return out
+
+
+def _clip(frames: list, fps: float) -> VideoClip:
+    pil = [_pil(f) for f in frames]
+    if not pil:
+        raise ValueError("a video observation has no frames")
+    w, h = pil[0].size
+    return VideoClip(indices=list(range(len(pil))), total_frames=len(pil), fps=float(fps), height=h, width=w, frames=pil)
+
+
+class TurnEncoder:
+    """`encode(history, turn_text, ended_with_eos, observation) -> (TurnChunk, new history)` for one processor."""
+
+    def __init__(self, processor):
+        self.proc = processor
+
+    def encode(self, history: list[dict], turn_text: str, ended_with_eos: bool,
+               obs: Observation) -> tuple[TurnChunk, list[dict]]:
+        proc = self.proc
+        turn = {"role": "assistant", "content": turn_text}
+        new = observation_messages(obs)
+        before = proc.render(history, add_generation_prompt=True)
+        closed = proc.render([*history, turn])
+        after = proc.render([*history, turn, *new], add_generation_prompt=True)
+        if not (closed.startswith(before) and closed[len(before):].startswith(turn_text) and after.startswith(closed)):
+            raise ValueError("the chat template does not render the conversation turn by turn (an earlier turn's text "
+                             "changes when a turn is added): multi-turn rollouts need a template that appends")
+        tail = closed[len(before) + len(turn_text):]
+        if ended_with_eos and tail.startswith(proc.turn_end):
+            tail = tail[len(proc.turn_end):]  # the model generated it as its EOS token
+        text = tail + after[len(closed):]
+        media = [it for m in new if isinstance(m["content"], list) for it in m["content"] if it["type"] != "text"]
+        images = [_pil(it["image"]) for it in media if it["type"] == "image"]
+        videos = [_clip(it["video"], obs.video_fps) for it in media if it["type"] == "video"]
+        order = placeholder_order(text, proc.placeholders)
+        if order.count("image") != len(images) or order.count("video") != len(videos):
+            raise ValueError(f"the chat template wrote {order.count('image')} image / {order.count('video')} video "
+                             f"placeholders for {len(images)} images / {len(videos)} videos")
+        items = {"image": proc.process_images(images) if images else [],
+                 "video": [proc.process_video(c) for c in videos]}
+        vision = concat_in_order(order, items)
+        text = expand(text, proc.placeholders, {k: [it.expansion for it in v] for k, v in items.items()})
+        ids = torch.tensor(proc.tokenizer(text)["input_ids"], dtype=torch.long)
+        return TurnChunk(ids, vision), [*history, turn, *new]

@@ -1,0 +1,67 @@
+"""Environments for the multi-turn tests (imported by dotted path in the worker processes too)."""
+import os
+import time
+
+import numpy as np
+
+from megatron_vlm.rl.env.base import Environment, Observation, StepResult
+
+
+class ImageSecondTurn(Environment):
+    """Turn 1 is answered with a new image and a question (so turn 2 sees an image that arrived mid-conversation);
+    turn 2 ends the trajectory with reward 1 (+ 0.5 per turn reward: 0.5 at turn 1)."""
+
+    def __init__(self, size: int = 56, turns: int = 2, sizes: tuple = ()):
+        self.size, self.turns, self.sizes = size, turns, tuple(sizes)
+        self.t = 0
+
+    def step(self, action):
+        self.t += 1
+        if self.t >= self.turns:
+            return StepResult(Observation(), reward=1.0, done=True)
+        rng = np.random.default_rng(self.t)
+        size = self.sizes[sum(map(ord, self.sample.problem)) % len(self.sizes)] if self.sizes else self.size
+        img = rng.integers(0, 255, size=(size, size, 3), dtype=np.uint8)
+        return StepResult(Observation(text="what is in this picture", images=[img]), reward=0.5, info={"images": 1})
+
+
+class Echo(Environment):
+    """Never done: replies with text (for the max_turns / max_total_tokens limits)."""
+
+    def __init__(self, text: str = "go on"):
+        self.text = text
+
+    def step(self, action):
+        return StepResult(Observation(text=self.text), reward=0.25)
+
+
+class Hang(Environment):
+    def step(self, action):
+        time.sleep(3600)
+
+
+class Crash(Environment):
+    def step(self, action):
+        os._exit(3)
+
+
+class Raise(Environment):
+    def step(self, action):
+        raise RuntimeError("environment bug")
+
+
+class HangOnReset(Environment):
+    def reset(self, sample):
+        time.sleep(3600)
+
+
+class VideoSecondTurn(ImageSecondTurn):
+    """Turn 1 is answered with a 4-frame video (and text); turn 2 ends the trajectory."""
+
+    def step(self, action):
+        self.t += 1
+        if self.t >= self.turns:
+            return StepResult(Observation(), reward=1.0, done=True)
+        rng = np.random.default_rng(self.t)
+        frames = [rng.integers(0, 255, size=(self.size, self.size, 3), dtype=np.uint8) for _ in range(4)]
+        return StepResult(Observation(text="what happens", videos=[frames], video_fps=2.0), reward=0.5)

@@ -1,0 +1,124 @@
+"""Tool calls of a model turn (the Qwen2.5 / Qwen3 `<tool_call>` JSON form): valid, several in one turn, and
+malformed ones answered with an error message (counted), never an exception; the tool registry's JSON schema
+from plain functions; the built-in calculator and the tool-running environment."""
+import json
+
+import pytest
+
+from megatron_vlm.rl.env.base import EnvSample
+from megatron_vlm.rl.env.builtin import CalculatorEnv, calculate
+from megatron_vlm.rl.env.tool_calls import ToolCall, ToolCallError, parse_tool_calls
+from megatron_vlm.rl.env.tools import ToolEnvironment, ToolRegistry, function_schema
+from megatron_vlm.rl.env.turns import tools_system_text, with_tools
+
+
+def test_one_valid_call():
+    text = 'Let me compute.\n<tool_call>\n{"name": "calculate", "arguments": {"expression": "2*(3+4)"}}\n</tool_call>'
+    assert parse_tool_calls(text) == [ToolCall("calculate", {"expression": "2*(3+4)"})]
+
+
+def test_several_calls_in_one_turn_in_order():
+    text = ('<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call> and '
+            '<tool_call>{"name": "b", "arguments": "{\\"y\\": [1, 2]}"}</tool_call>'
+            '<tool_call>{"name": "c"}</tool_call>')
+    assert parse_tool_calls(text) == [ToolCall("a", {"x": 1}), ToolCall("b", {"y": [1, 2]}), ToolCall("c", {})]
+
+
+def test_no_call():
+    assert parse_tool_calls("The answer is 42.") == []
+
+
+@pytest.mark.parametrize("body, why", [
+    ('{"name": "a", "arguments": {"x": 1}', "not valid JSON"),
+    ('["a", 1]', "must be a JSON object"),
+    ('{"arguments": {}}', 'no "name"'),
+    ('{"name": "a", "arguments": [1]}', "must be a JSON object"),
+    ('{"name": "a", "arguments": "x=1"}', "not a JSON object"),
+    ('{"name": "a", "arguments": {}, "id": 3}', "unexpected keys ['id']"),
+])
+def test_malformed_calls_are_errors(body, why):
+    (got,) = parse_tool_calls(f"<tool_call>{body}</tool_call>")
+    assert isinstance(got, ToolCallError) and why in got.message
+
+
+def test_unclosed_and_stray_tags():
+    calls = parse_tool_calls('<tool_call>{"name": "a", "arguments": {}}</tool_call> <tool_call>{"name": "b"')
+    assert calls[0] == ToolCall("a", {}) and isinstance(calls[1], ToolCallError) and "unclosed" in calls[1].message
+    (stray,) = parse_tool_calls('{"name": "a"}</tool_call>')
+    assert isinstance(stray, ToolCallError)
+
+
+def test_function_schema_and_argument_checks():
+    def lookup(city: str, days: int, metric: bool = True) -> str:
+        """Weather forecast for a city.
+
+        More text."""
+        return f"{city}:{days}:{metric}"
+
+    spec = function_schema(lookup)
+    assert spec == {"type": "function", "function": {
+        "name": "lookup", "description": "Weather forecast for a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                                        "metric": {"type": "boolean"}},
+                       "required": ["city", "days"]}}}
+    reg = ToolRegistry([lookup])
+    assert reg.call(ToolCall("lookup", {"city": "Oslo", "days": 2})) == ("Oslo:2:True", [], True)
+    for call, why in ((ToolCall("lookup", {"city": "Oslo"}), "missing required arguments ['days']"),
+                      (ToolCall("lookup", {"city": "Oslo", "days": "2"}), "days must be of type integer"),
+                      (ToolCall("lookup", {"city": "Oslo", "days": True}), "days must be of type integer"),
+                      (ToolCall("lookup", {"city": "Oslo", "days": 1, "x": 0}), "unknown arguments ['x']"),
+                      (ToolCall("nope", {}), "unknown tool 'nope'")):
+        text, images, ok = reg.call(call)
+        assert not ok and why in text
+
+    def odd(x: set) -> str:
+        return ""
+
+    with pytest.raises(ValueError, match="annotated"):
+        function_schema(odd)
+
+
+def test_tool_exception_is_a_reply():
+    def boom(x: int) -> str:
+        """Fails."""
+        raise ZeroDivisionError("x / 0")
+
+    text, _, ok = ToolRegistry([boom]).call(ToolCall("boom", {"x": 1}))
+    assert not ok and text == "Error: boom raised ZeroDivisionError: x / 0"
+
+
+def test_calculator():
+    assert calculate("2*(3+4) - 10/4") == "11.5"
+    assert calculate("12 // 5 + 2**3") == "10"
+    for bad in ("__import__('os')", "2**1000", "a + 1", "[1, 2]"):
+        with pytest.raises((ValueError, SyntaxError)):
+            calculate(bad)
+
+
+def test_tool_environment_turns():
+    env = CalculatorEnv()
+    env.reset(EnvSample(problem="3+4?", answer="7"))
+    res = env.step('<tool_call>{"name": "calculate", "arguments": {"expression": "3+4"}}</tool_call>'
+                   '<tool_call>{"name": "calculate", "arguments": {"expr": "1"}}</tool_call><tool_call>oops</tool_call>')
+    assert not res.done and res.observation.role == "tool"
+    assert [p["text"] for p in res.observation.parts][0] == "7"
+    assert "missing required arguments ['expression']" in res.observation.parts[1]["text"]
+    assert res.observation.parts[2]["text"].startswith("Error: malformed tool call: the tool call is not valid JSON")
+    assert res.info == {"tool_calls": 3, "tool_errors": 2}
+    final = env.step("The answer is 7.")
+    assert final.done
+
+
+def test_reward_fn_scores_the_final_turn():
+    env = ToolEnvironment([calculate], reward_fn=lambda text, sample: float(sample.answer in text))
+    env.reset(EnvSample(problem="", answer="7"))
+    assert env.step("It is 7").reward == 1.0
+
+
+def test_tools_in_the_system_turn():
+    tools = CalculatorEnv().tools()
+    text = tools_system_text(tools)
+    assert "<tools>\n" + json.dumps(tools[0]) + "\n</tools>" in text and "<tool_call>" in text
+    msgs = with_tools([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], tools)
+    assert msgs[0]["content"].startswith("Be brief.\n\n# Tools") and msgs[1] == {"role": "user", "content": "hi"}
+    assert with_tools([{"role": "user", "content": "hi"}], tools)[0]["role"] == "system"

@@ -1,0 +1,115 @@
+"""Multi-turn limits and failures: max_turns and max_total_tokens end a trajectory with that finish reason; an
+environment that raises, hangs or crashes (in the sandboxed worker pool) ends only its own trajectory with
+"env_error", counted, and the rollout goes on; only the model's tokens carry loss; the batching of
+conversations at different turns does not change any conversation's tokens."""
+import pytest
+import torch
+from multiturn_helpers import rollout, vqa_file
+
+from megatron_vlm.rl.env.pool import EnvCall, EnvWorkerPool
+from megatron_vlm.rl.env.trajectories import trajectory_train_sample
+
+FNS = "rl_env_fns_for_tests"
+
+
+@pytest.fixture(scope="module")
+def vqa(tmp_path_factory):
+    return vqa_file(tmp_path_factory.mktemp("vqa"))
+
+
+def test_max_turns_marks_the_finish_reason(vqa, tmp_path):
+    _, prompts, trajs, session = rollout("tiny_qwen2_5_vl", vqa, tmp_path, env=f"{FNS}:Echo", max_turns=2)
+    assert session.errors == 0
+    assert [t.finish_reason for t in trajs] == ["max_turns"] * 4
+    for t in trajs:
+        assert t.num_turns == 2 and t.turn_rewards == [0.25, 0.25]
+        # model turn, environment turn, model turn: the mask has exactly two runs of model tokens
+        runs = int((t.model_mask[1:] & ~t.model_mask[:-1]).sum()) + int(t.model_mask[0])
+        assert runs == 2 and bool(t.model_mask[-1])
+        assert t.logprobs.numel() == int(t.model_mask.sum())
+    # continuous batching: the decode steps served several conversations (fewer steps than tokens fed)
+    fed = sum(int(t.model_mask.sum()) - t.num_turns for t in trajs)
+    assert session.engine_stats["decode_steps"] < fed
+
+
+def test_max_total_tokens_marks_the_finish_reason(vqa, tmp_path):
+    limit = 120  # the prompts are ~70 tokens: room for a few turns
+    _, prompts, trajs, _ = rollout("tiny_qwen2_5_vl", vqa, tmp_path, env=f"{FNS}:Echo", max_turns=50, max_total=limit)
+    assert [t.finish_reason for t in trajs] == ["max_total_tokens"] * 4
+    for t in trajs:
+        assert t.prompt_length + t.token_ids.numel() <= limit
+        assert t.num_turns >= 2
+        assert t.truncated
+
+
+def test_only_model_tokens_carry_loss(vqa, tmp_path):
+    _, prompts, trajs, _ = rollout("tiny_qwen2_5_vl", vqa, tmp_path, env=f"{FNS}:Echo", max_turns=3)
+    from megatron_vlm.data.batch import IGNORE_INDEX
+    from megatron_vlm.rl.batching import pack_samples
+
+    t = trajs[0]
+    s = trajectory_train_sample(prompts[t.prompt_index], t, advantage=1.0)
+    batch = pack_samples([s])
+    ids, labels = batch["input_ids"][0], batch["labels"][0]
+    full = torch.cat([prompts[t.prompt_index].input_ids, t.token_ids])
+    trained = torch.cat([torch.zeros(len(prompts[t.prompt_index]), dtype=torch.bool), t.model_mask])
+    # labels[i] = the token at i + 1 exactly where that token is the model's
+    expect = torch.where(trained[1:], full[1:], torch.full_like(full[1:], IGNORE_INDEX))
+    assert torch.equal(labels, expect[: labels.numel()]) and torch.equal(ids, full[: ids.numel()])
+    assert s.response_length == int(t.model_mask.sum()) < t.token_ids.numel()
+
+
+def test_conversations_are_independent_of_their_batch(vqa, tmp_path):
+    """A conversation draws from its own generator: the same tokens whether 3 or 1 conversations share a step."""
+    _, _, a, _ = rollout("tiny_qwen2_5_vl", vqa, tmp_path / "a", env=f"{FNS}:Echo", max_turns=3)
+    _, _, b, _ = rollout("tiny_qwen2_5_vl", vqa, tmp_path / "b", env=f"{FNS}:Echo", max_turns=3, n=1)
+    assert a[0].token_ids.tolist() == b[0].token_ids.tolist()
+    assert a[2].token_ids.tolist() != a[0].token_ids.tolist()
+
+
+@pytest.mark.parametrize("env", ["ImageSecondTurn", "VideoSecondTurn", "Echo"])
+def test_cache_continued_equals_history_prefilled_again(env, vqa, tmp_path):
+    """Prefilling only the new tokens into the kept cache gives the tokens and log-probs of prefilling the whole
+    history again after every environment turn (the engine without a cache across turns), with far fewer
+    prefilled tokens."""
+    _, _, a, sa = rollout("tiny_qwen2_5_vl", vqa, tmp_path / "a", env=f"{FNS}:{env}", max_turns=3, n=1)
+    _, _, b, sb = rollout("tiny_qwen2_5_vl", vqa, tmp_path / "b", env=f"{FNS}:{env}", max_turns=3, n=1, reprefill=True)
+    for x, y in zip(a, b):
+        assert x.token_ids.tolist() == y.token_ids.tolist() and x.finish_reason == y.finish_reason
+        torch.testing.assert_close(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
+    assert sa.engine_stats["append_tokens"] < sb.engine_stats["append_tokens"]
+
+
+def test_raising_environment_ends_its_trajectory_counted(vqa, tmp_path):
+    _, _, trajs, session = rollout("tiny_qwen2_5_vl", vqa, tmp_path, env=f"{FNS}:Raise")
+    assert [t.finish_reason for t in trajs] == ["env_error"] * 4 and session.errors == 4
+    assert all("RuntimeError: environment bug" in t.error and t.num_turns == 1 for t in trajs)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with EnvWorkerPool(num_workers=2, timeout_s=3.0) as p:
+        p.start()
+        yield p
+
+
+@pytest.mark.parametrize("env, why", [("Hang", "timeout"), ("Crash", "died"), ("Raise", "environment bug"),
+                                      ("HangOnReset", "timeout")])
+def test_sandboxed_failures_end_their_trajectory(env, why, pool):
+    reset = pool.run([EnvCall("reset", name=f"{FNS}:{env}")])[0]
+    if env == "HangOnReset":
+        assert reset.error.startswith("timeout") and why in reset.error
+        return
+    assert not reset.error
+    (reply,) = pool.run([EnvCall("step", state=reset.state, action="hi")])
+    assert why in reply.error and reply.result is None
+    # the pool keeps working: a healthy environment's turn right after
+    ok = pool.run([EnvCall("reset", name=f"{FNS}:Echo")])[0]
+    (step,) = pool.run([EnvCall("step", state=ok.state, action="x")])
+    assert not step.error and step.result.observation.text == "go on" and step.result.reward == 0.25
+
+
+def test_a_hanging_environment_in_the_rollout(vqa, tmp_path, pool):
+    _, _, trajs, session = rollout("tiny_qwen2_5_vl", vqa, tmp_path, env=f"{FNS}:Hang", runner=pool, n=1)
+    assert [t.finish_reason for t in trajs] == ["env_error"] * 2 and session.errors == 2
+    assert all(t.error.startswith("step: timeout") for t in trajs)

@@ -134,7 +134,7 @@ class Config:
         obj = self
         for part in dotted.split("."):
             obj = getattr(obj, part)
-        return "[lora] set" if dotted == "lora" and obj is not None else obj
+        return "a [lora] table" if dotted == "lora" and obj is not None else obj
 
     def _validate_fp8(self) -> None:
         """Where float8 linear layers cannot go: the GRPO / eval jobs (rollout and scoring forwards share the

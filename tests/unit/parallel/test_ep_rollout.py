@@ -127,7 +127,9 @@ def _worker(rank: int, init_file: str, folders: dict, root) -> None:
             assert changed > 0  # the step moved the weights and the copy followed
             new_full = load_hf_model(str(folder), dtype=torch.float32).eval()
             new_full.load_state_dict(_full_experts(trainer, lambda n: n), strict=True)
+            before = want
             want = _generate(PolicyRolloutEngine(new_full, tok, opts), mine, budget)
+            assert any(not torch.allclose(a.logprobs, b.logprobs, atol=1e-3) for a, b in zip(want, before))
             _same(_generate(engine, mine, budget), want, f"{kind} rank {rank} after the step")
             dist.barrier()
     finally:

@@ -74,7 +74,7 @@ def _expert_names(model: nn.Module) -> set[str]:
 def refresh_ep_rollout_copy(copy: nn.Module, trainer: nn.Module) -> None:
     """Copy the trainer's current weights into the rollout copy (module docstring: dense tensors gathered one at a
     time, experts from the local shard). A collective over the trainer's FSDP mesh: every rank calls it together."""
-    source = {_clean(n): t for n, t in trainer.named_parameters()}
+    source: dict[str, torch.Tensor] = {_clean(n): t for n, t in trainer.named_parameters()}
     source.update({_clean(n): t for n, t in trainer.named_buffers()})
     experts_here, experts_there = _expert_names(copy), _expert_names(trainer)
     if experts_here != experts_there:
@@ -106,8 +106,8 @@ def build_ep_rollout_copy(trainer: nn.Module, model_path: Union[str, Path], *, d
 
     path = Path(model_path)
     hf_config = read_hf_config(path)
-    family = get_family(hf_config.get("model_type"))
-    args = family.args_cls.from_hf_config(hf_config)
+    family = get_family(str(hf_config.get("model_type")))
+    args = family.args_cls.from_hf_config(hf_config)  # type: ignore[attr-defined]
     with torch.device("meta"):
         model = family.model_cls(args, hf_config=hf_config)
     layers = moe_layers(model)

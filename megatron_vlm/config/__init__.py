@@ -114,13 +114,16 @@ class Config:
 
     def _validate_ep_rollout(self) -> None:
         """Where the expert-parallel rollout copy (inference/ep_rollout.py) cannot work: no expert sharding to
-        mirror (parallel.ep = 1), megatron-core MoE layers (their own expert layout), LoRA adapters (not mirrored
+        mirror (parallel.ep = 1), megatron-core MoE layers (their own expert layout), tensor parallelism (not
+        wired), LoRA adapters (not mirrored
         into the copy), the asynchronous loop (its rollout ranks are outside the ep groups) and vLLM."""
         p, rl = self.parallel, self.rl
         assert rl is not None
         for key, bad, why in (("parallel.ep", p.ep <= 1, "there are no sharded experts to mirror; use 'copy' or 'shared'"),
                               ("parallel.backend", p.backend == "mcore", "megatron-core MoE layers hold their own "
                                                                          "expert layout"),
+                              ("parallel.tp", p.tp > 1, "not wired with tensor parallelism yet: the copy's dense "
+                                                        "weights are whole and its ep groups per tp coordinate untested"),
                               ("lora", self.lora is not None, "the copy does not mirror LoRA adapters"),
                               ("rl.allocation", rl.allocation is not None, "the asynchronous rollout ranks are outside "
                                                                            "the ep groups"),

@@ -146,7 +146,7 @@ class RLRolloutConfig:
     tensors gathered one at a time, experts copied from the local shard); decoding gathers no weights, the
     MoE blocks exchange tokens with all-to-alls, so ranks decode in lock-step batches as with "shared". For
     the 30B-A3B recipes, where "copy" does not fit and "shared" gathers the whole model per token. Refused
-    with parallel.ep = 1, parallel.backend = "mcore", [lora], asynchronous GRPO (allocation) and
+    with parallel.ep = 1, parallel.backend = "mcore", parallel.tp > 1, [lora], asynchronous GRPO (allocation) and
     rollout_backend = "vllm"."""
     cuda_graphs: str = "off"
     """Decode steps of the rollout engine on static buffers per batch-size bucket (1, 2, 4, ... slots),

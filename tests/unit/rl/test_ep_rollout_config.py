@@ -2,7 +2,7 @@
 `--check` plans for the 30B-A3B recipes that use it.
 
 Refused (exit 2, the message naming rl.rollout.weights and the other key): parallel.ep = 1 (no sharded experts to
-mirror), megatron-core layers, [lora], asynchronous GRPO (allocation), the vLLM back end. `--check` on the two
+mirror), megatron-core layers, tensor parallelism (not wired yet), [lora], asynchronous GRPO (allocation), the vLLM back end. `--check` on the two
 published 30B-A3B GSPO recipes (16 ranks of 80 GiB, the layout their comments name) must plan the copy as the
 dense parameters whole plus 1/ep of the routed experts in bf16, counted from the meta model's own modules here,
 and fit.
@@ -34,6 +34,7 @@ def test_accepted_with_expert_parallelism():
 @pytest.mark.parametrize("sets, key", [
     ([], "parallel.ep"),
     (["parallel.ep=2", 'parallel.backend="mcore"'], "parallel.backend"),
+    (["parallel.ep=2", "parallel.tp=2"], "parallel.tp"),
     (["parallel.ep=2", "lora.r=8", "train.train_layers=[]"], "lora"),
     (["parallel.ep=2", 'rl.allocation="rollout:1+train:1"'], "rl.allocation"),
     (["parallel.ep=2", 'rl.rollout_backend="vllm"'], "rl.rollout_backend"),

@@ -93,6 +93,8 @@ class Config:
                                  f"besides the engine's scratch block: needs >= {need}")
         if mode == "grpo" and self.rl is not None and self.rl.routing_replay == "rollout":
             self._validate_routing_replay()
+        if mode == "grpo" and self.rl is not None and self.rl.rollout.weights == "expert_parallel":
+            self._validate_ep_rollout()
         if self.train.precision == "fp8":
             self._validate_fp8()
         if self.stages:
@@ -109,6 +111,33 @@ class Config:
             if bad:
                 raise ValueError(f"rl.routing_replay: 'rollout' is not supported with parallel.{key} = "
                                  f"{getattr(p, key)!r} ({why}); use routing_replay = 'off'")
+
+    def _validate_ep_rollout(self) -> None:
+        """Where the expert-parallel rollout copy (inference/ep_rollout.py) cannot work: no expert sharding to
+        mirror (parallel.ep = 1), megatron-core MoE layers (their own expert layout), tensor parallelism (not
+        wired), LoRA adapters (not mirrored
+        into the copy), the asynchronous loop (its rollout ranks are outside the ep groups) and vLLM."""
+        p, rl = self.parallel, self.rl
+        assert rl is not None
+        for key, bad, why in (("parallel.ep", p.ep <= 1, "there are no sharded experts to mirror; use 'copy' or 'shared'"),
+                              ("parallel.backend", p.backend == "mcore", "megatron-core MoE layers hold their own "
+                                                                         "expert layout"),
+                              ("parallel.tp", p.tp > 1, "not wired with tensor parallelism yet: the copy's dense "
+                                                        "weights are whole and its ep groups per tp coordinate untested"),
+                              ("lora", self.lora is not None, "the copy does not mirror LoRA adapters"),
+                              ("rl.allocation", rl.allocation is not None, "the asynchronous rollout ranks are outside "
+                                                                           "the ep groups"),
+                              ("rl.rollout_backend", rl.rollout_backend != "builtin", "only the built-in engine "
+                                                                                      "runs it")):
+            if bad:
+                raise ValueError(f"rl.rollout.weights: 'expert_parallel' cannot work with {key} = "
+                                 f"{self._value_of(key)!r} ({why})")
+
+    def _value_of(self, dotted: str):
+        obj = self
+        for part in dotted.split("."):
+            obj = getattr(obj, part)
+        return "a [lora] table" if dotted == "lora" and obj is not None else obj
 
     def _validate_fp8(self) -> None:
         """Where float8 linear layers cannot go: the GRPO / eval jobs (rollout and scoring forwards share the

@@ -199,12 +199,16 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         else:
             lines.append(f"rollout    {per_rank} prompts per rank and step, {rollout_prompts} per batch x group {group} x "
                          f"{tokens} cache slots ({ceil_div(per_rank, rollout_prompts)} batches)")
-        lines += routes_plan(model, rl, per_rank_prompts=per_rank, batch_prompts=rollout_prompts, max_tokens=tokens)[0]
+        route_lines, routes_bytes = routes_plan(model, rl, per_rank_prompts=per_rank, batch_prompts=rollout_prompts,
+                                                max_tokens=tokens)
+        lines += route_lines
         if rl.rollout.kv_block_size:
             pool = (f"{rl.rollout.kv_cache_blocks} blocks (rl.rollout.kv_cache_blocks)" if rl.rollout.kv_cache_blocks else
                     "derived: room for every slot at full length")
             lines.append(f"kv cache   paged, {rl.rollout.kv_block_size} positions per block, pool {pool}")
-    reference_bytes = 0
+    reference_bytes, grpo = 0, cfg.train.mode == "grpo"
+    if not grpo:
+        routes_bytes = 0
     if cfg.train.mode == "dpo":  # training/dpo/reference.py: only the full-model on-the-fly reference holds a copy
         dpo = cfg.dpo if getattr(cfg, "dpo", None) is not None else None
         loss, ref_kind = (dpo.loss_type, dpo.reference) if dpo is not None else ("sigmoid", "on_the_fly")
@@ -218,7 +222,9 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     mem = estimate_memory(shape, fsdp=shard * cfg.parallel.cp, master_bytes=master, compute_bytes=compute, tokens=tokens,
                           activation_checkpointing=cfg.train.activation_checkpointing,
                           rollout_prompts=rollout_prompts, group_size=group, tp=tp,
-                          kv_slots=cfg.rl.rollout.kv_cache_blocks * cfg.rl.rollout.kv_block_size if cfg.train.mode == "grpo" else 0)
+                          kv_slots=cfg.rl.rollout.kv_cache_blocks * cfg.rl.rollout.kv_block_size if grpo else 0,
+                          ep=cfg.parallel.ep, routes_bytes=routes_bytes,
+                          rollout_weights=cfg.rl.rollout.weights if grpo and cfg.rl.rollout_backend == "builtin" else "shared")
     if cfg.train.mode == "grpo" and cfg.rl.rollout_backend == "vllm":
         # the vLLM engine takes gpu_memory_utilization of the device for its weights + KV cache; with
         # sleep_mode it gives it back while the trainer's activations need it
@@ -234,7 +240,8 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         f"  master weights {gib(mem.params):>12}   gradients {gib(mem.grads):>12}   AdamW {gib(mem.optimizer):>12}",
         f"  gathered block {gib(mem.gathered):>12}   activations {gib(mem.activations)} (checkpointing on "
         f"{gib(mem.activations_ckpt)}, off {gib(mem.activations_no_ckpt)})",
-        f"  rollout KV cache {gib(mem.kv_cache)}",
+        f"  rollout KV cache {gib(mem.kv_cache)}" + (f"   routes buffer {gib(mem.routes)}" if mem.routes else ""),
+        *(rollout_copy_lines(cfg, mem, shape) if grpo else []),
         f"  peak {gib(mem.peak + reference_bytes)} of {device_memory_gib:g} GiB"
         + (f" (with the DPO reference copy {gib(reference_bytes)})" if reference_bytes else ""),
     ]
@@ -242,6 +249,21 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         raise CheckFailed(_key_to_change(cfg, mem), f"estimated peak {gib(mem.peak)} per rank exceeds the device's "
                                                     f"{device_memory_gib:g} GiB (plan on stdout)", lines)
     return lines
+
+
+def rollout_copy_lines(cfg, mem, shape) -> list[str]:
+    """The rollout engine's weights (rl.rollout.weights) and the per-rank sum of the plan's parts."""
+    weights = cfg.rl.rollout.weights if cfg.rl.rollout_backend == "builtin" else "vllm"
+    what = {"shared": "none: the trainer's parameters, all-gathered block by block at every decode step",
+            "copy": "an unsharded copy of the whole policy",
+            "expert_parallel": f"dense weights whole + 1/{cfg.parallel.ep} of the routed experts "
+                               f"({shape.expert_params / 1e9:.2f} B of {shape.params / 1e9:.2f} B parameters are experts)",
+            "vllm": "held by the vLLM engine (below)"}[weights]
+    policy = mem.params + mem.gathered
+    return [f"  rollout copy {gib(mem.rollout_copy)} (rl.rollout.weights = {weights!r}: {what})",
+            f"  per rank: policy {gib(policy)} + gradients {gib(mem.grads)} + optimizer {gib(mem.optimizer)} + rollout "
+            f"copy {gib(mem.rollout_copy)} + max(activations {gib(mem.activations)}, KV pool {gib(mem.kv_cache)} + "
+            f"routes {gib(mem.routes)})"]
 
 
 def _key_to_change(cfg, mem) -> str:

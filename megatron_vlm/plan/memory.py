@@ -29,7 +29,14 @@ conservative; the numbers it uses (all in bytes, per rank):
   or with a paged pool of fixed size slots = rl.rollout.kv_cache_blocks x rl.rollout.kv_block_size;
   each tp rank caches its kv_heads / tp.
   Rollout and training alternate (the cache is freed before the update), so the peak is
-  static + max(activations, KV cache), static = master weights + gradients + AdamW + gathered block.
+  static + rollout copy + max(activations, KV cache + routes buffer), static = master weights + gradients +
+  AdamW + gathered block;
+- expert parallelism (`parallel.ep` > 1): the routed experts (X of P, X_T of T) are not FSDP parameters but
+  split over the ep ranks, so the master weights are (P' - X) x m / F + X x m / ep, likewise gradients and
+  AdamW with T' and X_T;
+- rollout copy (GRPO, `rl.rollout.weights`; held through the whole run): "shared" 0 (the trainer's
+  parameters, gathered block by block), "copy" P x c, "expert_parallel" (P - X) x c + X x c / ep (the
+  dense weights whole, this rank's experts: inference/ep_rollout.py).
 """
 from __future__ import annotations
 
@@ -64,6 +71,10 @@ class ModelShape:
     """Of `largest_block`, the parameters tensor parallelism splits."""
     act_col_per_token_layer: int = 0
     """Of `act_per_token_layer`, the elements of column-parallel outputs (a_col above)."""
+    expert_params: int = 0
+    """Parameters of the routed experts of every MoE block (X above)."""
+    expert_trainable: int = 0
+    """Of `expert_params`, those with requires_grad (X_T above)."""
 
 
 def _colwise_activation_elements(layer: nn.Module) -> int:
@@ -114,11 +125,16 @@ def model_shape(model: nn.Module) -> ModelShape:
     hidden = model.lm_head.weight.shape[1]
     act, big = max((_layer_activation_elements(layer, hidden), i) for i, layer in enumerate(layers))
     tp_params = tp_sharded_numel(model)
+    from megatron_vlm.models.common.moe import moe_layers
+
+    experts = [p for m in moe_layers(model) for p in m.experts.parameters()]
     return ModelShape(params=params, trainable=trainable, largest_block=largest, layers=len(layers), hidden=hidden,
                       act_per_token_layer=act, kv_per_slot=kv_elements_per_slot(model), tp_params=tp_params,
                       tp_trainable=tp_sharded_numel(model, trainable=True),
                       tp_largest_block=tp_sharded_numel(blocks[at]) if at >= 0 else 0,
-                      act_col_per_token_layer=_colwise_activation_elements(layers[big]))
+                      act_col_per_token_layer=_colwise_activation_elements(layers[big]),
+                      expert_params=sum(p.numel() for p in experts),
+                      expert_trainable=sum(p.numel() for p in experts if p.requires_grad))
 
 
 @dataclass
@@ -133,6 +149,10 @@ class MemoryPlan:
     kv_cache: float
     rollout_prompts: int
     """Prompts per rollout batch on one rank (0 = not a GRPO run)."""
+    rollout_copy: float = 0.0
+    """The rollout engine's own weights (rl.rollout.weights), resident through the run."""
+    routes: float = 0.0
+    """The rollout's device buffer of recorded MoE routes (plan/routes.py), next to the KV cache."""
 
     @property
     def static(self) -> float:
@@ -140,18 +160,24 @@ class MemoryPlan:
 
     @property
     def peak(self) -> float:
-        return self.static + max(self.activations, self.kv_cache)
+        return self.static + self.rollout_copy + max(self.activations, self.kv_cache + self.routes)
 
 
 def estimate_memory(shape: ModelShape, *, fsdp: int, master_bytes: int, compute_bytes: int, tokens: int,
                     activation_checkpointing: bool, rollout_prompts: int = 0, group_size: int = 0, tp: int = 1,
-                    kv_slots: int = 0) -> MemoryPlan:
+                    kv_slots: int = 0, ep: int = 1, rollout_weights: str = "shared", routes_bytes: float = 0.0) -> MemoryPlan:
     """The formulas of the module docstring; `rollout_prompts` 0 = no rollout (SFT); `kv_slots` > 0: the
-    rollout cache's token positions when they are fixed (the paged pool, rl.rollout.kv_cache_blocks)."""
+    rollout cache's token positions when they are fixed (the paged pool, rl.rollout.kv_cache_blocks); `ep`:
+    parallel.ep; `rollout_weights`: rl.rollout.weights (GRPO); `routes_bytes`: the routes' decode buffer."""
     f = max(1, fsdp)
     keep = 1.0 - 1.0 / max(1, tp)  # the part of a TP-split quantity that lives on the other tp ranks
     params = shape.params - shape.tp_params * keep
     trainable = shape.trainable - shape.tp_trainable * keep
+    if ep > 1:  # the experts split over ep ranks, not FSDP: counted as F-sharded below, so weight them f / ep
+        params += shape.expert_params * (f / ep - 1)
+        trainable += shape.expert_trainable * (f / ep - 1)
+    copy = {"shared": 0.0, "copy": float(shape.params),
+            "expert_parallel": shape.params - shape.expert_params + shape.expert_params / max(1, ep)}[rollout_weights]
     act = shape.act_per_token_layer - shape.act_col_per_token_layer * keep
     no_ckpt = tokens * shape.layers * act * compute_bytes
     ckpt = tokens * shape.layers * shape.hidden * compute_bytes + tokens * act * compute_bytes
@@ -167,6 +193,8 @@ def estimate_memory(shape: ModelShape, *, fsdp: int, master_bytes: int, compute_
         activations_ckpt=ckpt,
         kv_cache=kv,
         rollout_prompts=rollout_prompts,
+        rollout_copy=copy * compute_bytes if rollout_prompts else 0.0,
+        routes=routes_bytes,
     )
 
 

@@ -143,7 +143,14 @@ class RLRolloutConfig:
     policy on every rank, refreshed once per step from the trainer (one gather of the full weights per
     step, one more model in memory), decoding with continuous batching (rollout.batch_prompts *
     batch.group_size slots, refilled as completions end) and no collective per token. On one device nothing
-    is gathered, so "shared" is the cheaper choice there."""
+    is gathered, so "shared" is the cheaper choice there. "expert_parallel" (MoE policies with parallel.ep > 1):
+    a copy on every rank holding the dense (non-expert) weights unsharded and only this rank's routed experts
+    of the training ep layout (inference/ep_rollout.py), refreshed from the trainer once per step (dense
+    tensors gathered one at a time, experts copied from the local shard); decoding gathers no weights, the
+    MoE blocks exchange tokens with all-to-alls, so ranks decode in lock-step batches as with "shared". For
+    the 30B-A3B recipes, where "copy" does not fit and "shared" gathers the whole model per token. Refused
+    with parallel.ep = 1, parallel.backend = "mcore", parallel.tp > 1, [lora], asynchronous GRPO (allocation) and
+    rollout_backend = "vllm"."""
     cuda_graphs: str = "off"
     """Decode steps of the rollout engine on static buffers per batch-size bucket (1, 2, 4, ... slots),
     captured once per bucket as CUDA graphs and replayed (one launch per step instead of hundreds of small
@@ -175,8 +182,8 @@ class RLRolloutConfig:
 
     def validate(self) -> None:
         _at_least_one(self, "max_new_tokens")
-        if self.weights not in ("shared", "copy"):
-            raise ValueError(f"weights: must be 'shared' or 'copy', got {self.weights!r}")
+        if self.weights not in ("shared", "copy", "expert_parallel"):
+            raise ValueError(f"weights: must be 'shared', 'copy' or 'expert_parallel', got {self.weights!r}")
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise ValueError(f"cuda_graphs: must be 'auto', 'on' or 'off', got {self.cuda_graphs!r}")
         self._validate_paged_kv()

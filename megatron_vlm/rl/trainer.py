@@ -117,11 +117,32 @@ def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: tor
                                                  max_num_seqs=per_batch * rl.batch.group_size,
                                                  cuda_graphs=rl.rollout.cuda_graphs, record_routes=True, **paged_kv_kwargs(rl)),
                                    sync_from=bundle.model)
+    if rl.rollout.weights == "expert_parallel":  # dense weights whole, this rank's experts (inference/ep_rollout.py)
+        return build_ep_rollout_engine(rl, bundle, model_path, dtype=dtype, device=device, per_batch=per_batch)
     return PolicyRolloutEngine(bundle.model, bundle.processor.tokenizer,
                                EngineOptions(cache_dtype=dtype, device=device, max_prompts_per_batch=per_batch,
                                              cuda_graphs=rl.rollout.cuda_graphs, record_routes=True, **paged_kv_kwargs(rl)),
                                forward=lambda **kw: bundle.wrapper(model_kwargs=kw),
                                all_ranks_active=lambda active: any_rank(active, device))
+
+
+def build_ep_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: torch.dtype, device: torch.device,
+                            per_batch: int) -> PolicyRolloutEngine:
+    """`rl.rollout.weights = "expert_parallel"`: the rollout copy holds the dense weights unsharded and this rank's
+    experts of the trainer's ep layout; lock-step batches of per_batch prompts (the MoE all-to-alls), refreshed from
+    the trainer at every `load_weights`."""
+    from megatron_vlm.inference.ep_rollout import ExpertParallelRolloutEngine, build_ep_rollout_copy, expert_parallel_group
+
+    group = expert_parallel_group(bundle.model)
+    if group is None:
+        raise ConfigError("rl.rollout.weights: 'expert_parallel' needs the trainer's experts sharded (parallel.ep > 1 "
+                          "with the native backend); this run's model has none")
+    policy_copy = build_ep_rollout_copy(bundle.model, model_path, dtype=dtype, device=device, ep_group=group)
+    return ExpertParallelRolloutEngine(policy_copy, bundle.processor.tokenizer,
+                                       EngineOptions(cache_dtype=dtype, device=device, max_prompts_per_batch=per_batch,
+                                                     cuda_graphs=rl.rollout.cuda_graphs, record_routes=True,
+                                                     **paged_kv_kwargs(rl)),
+                                       trainer=bundle.model, all_ranks_active=lambda active: any_rank(active, device))
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The vLLM rollout engine against vLLM itself and against our own decoder (marker `vllm`: runs in the
-environment docs/vllm.md builds, "Running the vLLM tests"; `MEGATRON_VLM_CI_VLLM=1 bash .ci/run` runs them
-there; skipped where vllm is not importable).
+environment docs/vllm.md builds, "Running the vLLM tests"; `bash .ci/vllm_tests.sh` runs them
+there, and so does `.ci/run`; skipped where vllm is not importable).
 
 - greedy tokens through the vLLM back end equal the built-in engine's on tiny random Qwen2 / Qwen3
   text folders and on Qwen2.5-VL with images (vLLM's expanded prompt equal to ours);

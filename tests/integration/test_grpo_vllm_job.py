@@ -26,6 +26,7 @@ GRPO_DEMO = REPO / "launch" / "configs" / "demo_grpo.toml"
 VLLM = {"rl.rollout_backend": '"vllm"', "rl.vllm.cpu_kv_cache_gib": "1", "rl.vllm.max_num_seqs": "16"}
 
 
+@pytest.mark.heavy  # three vLLM jobs, ~2.5-3.5 min: over CI's budget; `bash .ci/vllm_tests.sh -m vllm` runs it
 def test_vllm_grpo_exact_resume_after_kill9(tmp_path):
     assets = tmp_path / "assets"
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
@@ -33,9 +34,11 @@ def test_vllm_grpo_exact_resume_after_kill9(tmp_path):
     rows = read_metrics(straight / "metrics_train.csv")
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
     assert float(rows[0]["reward/std"]) > 0 and float(rows[0]["grad_norm"]) > 0  # a real update happened
-    for r in rows:  # the vLLM back end ran and its log-probs are the training forward's (fp32)
+    for r in rows:  # the vLLM back end ran; its log-probs are of the distribution with the vision tokens masked
+        # (docs/vllm.md), the training forward's without: per token log(1 - p(vision tokens)), ~3e-3 for this
+        # random tiny model (the unmasked equality within 1e-4 is tests/unit/rl/test_vllm_engine.py's)
         assert float(r["rollout/weight_push_mb"]) > 0
-        assert 0 <= float(r["rollout/logprob_abs_diff"]) < 1e-3, r["rollout/logprob_abs_diff"]
+        assert 0 < float(r["rollout/logprob_abs_diff"]) < 0.02, r["rollout/logprob_abs_diff"]
     assert (straight / "checkpoints" / "step_4" / "COMPLETE").is_file()
 
     r = run_job(grpo_overrides(crashed, assets, **VLLM), config=GRPO_DEMO, env={"MEGATRON_VLM_FAULT_KILL_AT_STEP": "3"},

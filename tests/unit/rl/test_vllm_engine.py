@@ -8,7 +8,9 @@ there, and so does `.ci/run`; skipped where vllm is not importable).
   forward's log_softmax(logits / T) of the same tokens within 1e-4 (fp32);
 - a weight push makes the engine generate exactly what a fresh vLLM engine loaded from the exported
   folder (`save_hf_model`) generates, for full fine-tuning and for LoRA (merged weights);
-- a prompt whose expansion differs from vLLM's fails naming the prompt and both lengths.
+- a prompt whose expansion differs from vLLM's fails naming the prompt and both lengths;
+- a weight push into a running `generate` (`paused()`, asynchronous GRPO): versions 0 then 1 per completion,
+  each token's log-prob the training forward's of the policy that drew it.
 """
 import importlib.util
 

@@ -153,9 +153,13 @@ def _vision_inputs(prompts: Sequence[RolloutPrompt]) -> dict:
 
 
 def _vision_token_ids(model) -> list[int]:
+    """The vision special tokens of a VLM (never sampled by a rollout engine); none for a text model."""
     args = getattr(model, "args", None)
     names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
     return [int(getattr(args, n)) for n in names if isinstance(getattr(args, n, None), int)]
+
+
+vision_token_ids = _vision_token_ids  # public name for the other rollout engines (inference/vllm_engine.py)
 
 
 def _full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

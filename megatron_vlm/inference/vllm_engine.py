@@ -22,11 +22,19 @@ log_softmax(logits / T), the built-in engine's behaviour log-prob. Greedy (tempe
 log-probs at temperature 1, as the built-in engine reports them.
 
 Interruption (`interrupt()` from another thread) aborts the in-flight requests at the next engine
-step; their samples come back with reason "interrupted" and no tokens (vLLM returns a request's tokens
-only once it finishes), which the asynchronous loop regenerates.
+step; their samples come back with reason "interrupted" and the tokens drawn so far (the outputs are
+streamed step by step, vLLM's DELTA outputs).
+
+Weight pushes during a `generate` (asynchronous GRPO, `paused()` from another thread): decoding stops
+at the next engine step, the new weights go in, and the requests in flight are preempted with the
+prefix cache (`reset_prefix_cache(reset_running_requests=True)`): vLLM puts them back in its queue and,
+when they run again, recomputes their prompt and the tokens drawn so far with the new weights, then
+goes on sampling from them — partial completions, every token labelled with the version that drew it
+(`token_versions`), as the built-in engine does (which keeps the older version's cached keys instead).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -113,11 +121,14 @@ class VLLMRolloutEngine(RolloutEngine):
     model_path: the folder vLLM loads first (the run's model.path); sync_from: the trainer's model, whose
     weights `load_weights(None, version)` pushes; eos_token_ids: the ids the built-in engine stops on
     (passed as extra stop ids so both engines end completions alike); placeholder_ids: the image /
-    video placeholder token ids to collapse."""
+    video placeholder token ids to collapse; suppress_token_ids: the ids never sampled (the vision tokens, as the
+    built-in engine suppresses them: the behaviour log-probs are then of that masked distribution, which differs
+    from the training forward's by log(1 - p(vision tokens)), ~0 for a trained model: `rollout/logprob_abs_diff`)."""
 
     def __init__(self, model_path: str, cfg: VLLMConfig, *, dtype: torch.dtype, device: torch.device | str,
                  max_model_len: int, seed: int = 0, sync_from: Optional[torch.nn.Module] = None,
-                 eos_token_ids: Sequence[int] = (), placeholder_ids: Sequence[int] = ()):
+                 eos_token_ids: Sequence[int] = (), placeholder_ids: Sequence[int] = (),
+                 suppress_token_ids: Sequence[int] = ()):
         from megatron_vlm.errors import ConfigError
 
         device = torch.device(device)
@@ -136,13 +147,17 @@ class VLLMRolloutEngine(RolloutEngine):
         self.cfg, self.sync_from, self.device = cfg, sync_from, device
         self.eos_token_ids = sorted({int(t) for t in eos_token_ids})
         self.placeholder_ids = {int(t) for t in placeholder_ids}
+        # never sampled, as in the built-in engine: a vision placeholder in a completion has no image behind it (the
+        # training forward refuses it); vLLM's bias of -100 makes their probability ~1e-44
+        self.logit_bias = {int(t): -100.0 for t in suppress_token_ids} or None
         self.max_model_len = int(cfg.max_model_len or max_model_len)
         self.policy_version = 0
         self.weight_push_s = 0.0
         self.weight_push_mb = 0.0
         self._pushed_version: Optional[int] = None  # none yet: the first load_weights pushes (a resumed run)
         self._interrupt = threading.Event()
-        self._lock = threading.Lock()
+        self._pause = threading.Event()  # set by `paused()`: the generation loop leaves the lock to it
+        self._lock = threading.RLock()  # re-entrant: `load_weights` inside `paused()`
         kwargs = dict(
             model=str(model_path), dtype=dtype, seed=seed, tensor_parallel_size=cfg.tensor_parallel_size,
             max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
@@ -200,8 +215,12 @@ class VLLMRolloutEngine(RolloutEngine):
         """After a push, every cache keyed by the inputs alone holds the old policy's results: the prefix (KV)
         cache, the scheduler's record of which images' encoder outputs the worker holds (the reload clears the
         worker's copy only: left alone, the next prompt with an image seen before fails with "Encoder cache
-        miss", or would reuse stale vision features), and the multimodal processor caches on both sides."""
-        self.llm.reset_prefix_cache()
+        miss", or would reuse stale vision features), and the multimodal processor caches on both sides.
+        Requests in flight (a push inside `paused()`) are preempted: they resume with their prefix recomputed
+        by the new weights (module docstring)."""
+        running = self.llm.llm_engine.has_unfinished_requests()
+        if not self.llm.reset_prefix_cache(reset_running_requests=running):
+            raise RuntimeError("vLLM rollout: the prefix cache could not be reset after a weight push")
         self.llm.llm_engine.reset_encoder_cache()
         self.llm.reset_mm_cache()
 
@@ -232,72 +251,93 @@ class VLLMRolloutEngine(RolloutEngine):
 
         return VSP(n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or 0,
                    max_tokens=params.max_new_tokens, stop=list(params.stop) or None, stop_token_ids=self.eos_token_ids or None,
-                   include_stop_str_in_output=True, skip_special_tokens=True, logprobs=0, seed=seed)
+                   include_stop_str_in_output=True, skip_special_tokens=True, logprobs=0, seed=seed,
+                   logit_bias=self.logit_bias)
 
     def generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams, *,
                  generator: Optional[torch.Generator] = None) -> RolloutResult:
+        from vllm.sampling_params import RequestOutputKind
+
         t0 = time.perf_counter()
         self._interrupt.clear()
-        with self._lock:
+        ids: list[str] = []
+        parts: dict[tuple[str, int], dict[str, Any]] = {}  # (request id, completion index) -> streamed pieces
+        prompt_ids: dict[str, list[int]] = {}  # request id -> the prompt ids vLLM reports (expanded)
+        interrupted = False
+        self._lock.acquire()
+        try:
             self._wake()
             engine = self.llm.llm_engine
-            ids = []
             for i, p in enumerate(prompts):
                 seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) if generator is not None else None
                 req = self.llm._preprocess_cmpl_one(self._request(p), None)
                 sp = self._sampling(params, seed)
-                from vllm.sampling_params import RequestOutputKind
-                sp.output_kind = RequestOutputKind.FINAL_ONLY
+                sp.output_kind = RequestOutputKind.DELTA  # tokens as they are drawn: versions, partial completions
                 rid = f"r{id(self)}-{self.policy_version}-{i}-{time.monotonic_ns()}"
                 engine.add_request(rid, req, sp)
                 ids.append(rid)
-            done: dict[str, Any] = {}  # request id -> vLLM RequestOutput
-            interrupted = False
             while engine.has_unfinished_requests():
                 if self._interrupt.is_set():
-                    engine.abort_request([r for r in ids if r not in done])
+                    engine.abort_request(ids)
                     interrupted = True
                     break
+                if self._pause.is_set():  # `paused()` from another thread: step aside at this step boundary
+                    self._lock.release()
+                    try:
+                        while self._pause.is_set():
+                            time.sleep(0.001)
+                    finally:
+                        self._lock.acquire()
+                    continue
+                version = self.policy_version
                 for out in engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
+                    if out.prompt_token_ids is not None:
+                        prompt_ids.setdefault(out.request_id, list(out.prompt_token_ids))
+                    for c in out.outputs:
+                        part = parts.setdefault((out.request_id, c.index), {"tokens": [], "logprobs": [], "versions": [],
+                                                                            "text": [], "reason": None, "stop": None})
+                        part["tokens"] += list(c.token_ids)
+                        part["logprobs"] += [float(d[t].logprob) for d, t in zip(c.logprobs or [], c.token_ids)]
+                        part["versions"] += [version] * len(c.token_ids)
+                        part["text"].append(c.text)
+                        if c.finish_reason is not None:
+                            part["reason"], part["stop"] = c.finish_reason, c.stop_reason
+        finally:
+            self._lock.release()
         samples: list[RolloutSample] = []
         n_tok = 0
         for i, (p, rid) in enumerate(zip(prompts, ids)):
-            out = done.get(rid)
-            if out is None:  # aborted before it finished
-                samples.extend(RolloutSample(prompt_index=i, sample_index=j, token_ids=torch.zeros(0, dtype=torch.long),
-                                             logprobs=torch.zeros(0), text="", finish_reason="interrupted", prompt_length=len(p),
-                                             policy_version=self.policy_version,
-                                             token_versions=torch.zeros(0, dtype=torch.long)) for j in range(params.n))
-                continue
-            self._check_prompt(i, p, out)
-            comps = sorted(out.outputs, key=lambda c: c.index)
-            if len(comps) != params.n:
-                raise RuntimeError(f"vLLM rollout: prompt {i}: {len(comps)} completions, expected n = {params.n}")
-            for j, c in enumerate(comps):
-                toks = torch.tensor(list(c.token_ids), dtype=torch.long)
-                lps = torch.tensor([float(d[t].logprob) for d, t in zip(c.logprobs, c.token_ids)], dtype=torch.float32)
+            if rid in prompt_ids:
+                self._check_prompt(i, p, prompt_ids[rid])
+            for j in range(params.n):
+                part = parts.get((rid, j), {"tokens": [], "logprobs": [], "versions": [], "text": [], "reason": None, "stop": None})
+                if part["reason"] is None and not interrupted:
+                    raise RuntimeError(f"vLLM rollout: prompt {i}: completion {j} of n = {params.n} did not finish")
+                toks = torch.tensor(part["tokens"], dtype=torch.long)
+                if len(part["logprobs"]) != toks.numel():
+                    raise RuntimeError(f"vLLM rollout: prompt {i}, completion {j}: {len(part['logprobs'])} log-probs for "
+                                       f"{toks.numel()} tokens")
                 n_tok += toks.numel()
                 samples.append(RolloutSample(
-                    prompt_index=i, sample_index=j, token_ids=toks, logprobs=lps, text=c.text,
-                    finish_reason=self._reason(c), prompt_length=len(p), policy_version=self.policy_version,
-                    token_versions=torch.full((toks.numel(),), self.policy_version, dtype=torch.long)))
+                    prompt_index=i, sample_index=j, token_ids=toks, logprobs=torch.tensor(part["logprobs"], dtype=torch.float32),
+                    text="".join(part["text"]), finish_reason=self._reason(part["reason"], part["stop"]), prompt_length=len(p),
+                    policy_version=int(part["versions"][0]) if part["versions"] else self.policy_version,
+                    token_versions=torch.tensor(part["versions"], dtype=torch.long)))
         return RolloutResult(samples=samples, num_generated_tokens=n_tok, seconds=time.perf_counter() - t0,
                              stats={"weight_sync_s": self.weight_push_s}, interrupted=interrupted)
 
-    def _reason(self, c) -> FinishReason:
-        if c.finish_reason == "length":
-            return "length"
-        if c.finish_reason == "abort":
+    @staticmethod
+    def _reason(reason: Optional[str], stop_reason: Any) -> FinishReason:
+        if reason is None or reason == "abort":  # aborted by `interrupt()` before it finished
             return "interrupted"
-        if isinstance(c.stop_reason, str):
+        if reason == "length":
+            return "length"
+        if isinstance(stop_reason, str):
             return "stop"
         return "eos"
 
-    def _check_prompt(self, i: int, p: RolloutPrompt, out) -> None:
+    def _check_prompt(self, i: int, p: RolloutPrompt, theirs: list[int]) -> None:
         """vLLM's expanded prompt must be ours, token for token (module docstring)."""
-        theirs = list(out.prompt_token_ids or [])
         ours = [int(t) for t in p.input_ids.tolist()]
         if theirs != ours:
             first = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
@@ -307,6 +347,18 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def interrupt(self) -> None:
         self._interrupt.set()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Context manager (from another thread): generation stops at the next engine step and waits until
+        the block ends, so the caller can push new weights (`load_weights`) into a running `generate`: the
+        requests in flight go on with the new weights (module docstring)."""
+        self._pause.set()
+        try:
+            with self._lock:
+                yield
+        finally:
+            self._pause.clear()
 
     def close(self) -> None:
         """Shut the engine down and clear vLLM's process-wide parallel state (one live engine per process:
@@ -358,7 +410,9 @@ def vllm_engine_for_run(ctx, bundle, *, dtype: torch.dtype) -> VLLMRolloutEngine
     proc = bundle.processor
     placeholders = [getattr(proc, k, None) for k in ("image_token_id", "video_token_id")]
     gen_cfg = getattr(bundle.model, "hf_generation_config", None)
+    from megatron_vlm.inference.policy_engine import vision_token_ids
+
     return VLLMRolloutEngine(
         cfg.model.path, cfg.rl.vllm, dtype=dtype, device=env.device, max_model_len=cfg.data.max_tokens_per_pack,
         seed=cfg.train.seed, sync_from=bundle.model, eos_token_ids=sorted(eos_token_ids_of(proc.tokenizer, gen_cfg)),
-        placeholder_ids=[p for p in placeholders if p is not None])
+        placeholder_ids=[p for p in placeholders if p is not None], suppress_token_ids=vision_token_ids(bundle.model))

@@ -628,7 +628,7 @@ class RLConfig:
     allocation: Optional[str] = None
     """Asynchronous GRPO: split the job's processes into rollout and training ranks,
     "rollout:N+train:M" (N + M = number of processes; the AReaL spelling "vllm:dN+dM" names vLLM for
-    the rollout ranks: it needs rollout_backend = "vllm", which the asynchronous loop does not run yet). Rollout ranks generate continuously with their own copy of the policy and score the
+    the rollout ranks: it needs rollout_backend = "vllm"; "rollout:N+train:M" with rollout_backend = "vllm" too). Rollout ranks generate continuously with their own copy of the policy and score the
     completions; training ranks (the first M global ranks) train on completed groups and push the
     new weights after every step (megatron_vlm/rl/asynchronous/allocation.py, rl/README.md). Unset = the
     synchronous loop on every rank."""
@@ -813,10 +813,6 @@ class RLConfig:
             if engine == "vllm" and self.rollout_backend != "vllm":
                 raise ValueError(f"allocation: {self.allocation!r} puts the rollout ranks on vLLM but rollout_backend = "
                                  f"{self.rollout_backend!r}; set rollout_backend = 'vllm' or write 'rollout:N+train:M'")
-            if self.rollout_backend == "vllm":
-                raise ConfigError(f"allocation: {self.allocation!r} with rollout_backend = 'vllm': the asynchronous "
-                                  "loop's rollout ranks run the built-in engine only so far; use the synchronous loop "
-                                  "(no allocation) with vLLM")
         if self.rollout_backend != "vllm":
             if self.vllm != VLLMConfig():
                 raise ValueError("vllm: the [rl.vllm] table is only read with rollout_backend = 'vllm'")

@@ -30,7 +30,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -74,7 +74,7 @@ class _State:
         is ever left without a receiver (a trainer stopped by SIGTERM asks for nothing more)."""
         self.stop = False
         self.error: Optional[BaseException] = None
-        self.engine: Optional[PolicyRolloutEngine] = None
+        self.engine: Any = None  # PolicyRolloutEngine or VLLMRolloutEngine
 
 
 def _sample_payload(s) -> dict:
@@ -102,15 +102,20 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
                             max_tokens=cfg.data.max_tokens_per_pack, limits=MediaLimits.from_config(cfg.data), bad_records=bad)
     model = load_hf_model(cfg.model.path, dtype=dtype, device=env.device).eval()
     model.requires_grad_(False)
-    per_batch = rl.rollout.batch_prompts or rollout_prompts_for_budget(
-        rl.rollout.memory_gib, kv_bytes_per_slot(model, torch.finfo(dtype).bits // 8), rl.batch.group_size, cfg.data.max_tokens_per_pack)
-    # CudaGraphsConfigError (exit 2): "on" with a decode step that cannot be captured (a paged cache);
-    # PagedKVConfigError (exit 2): rl.rollout.kv_block_size with a Mamba2 hybrid decoder
-    engine = PolicyRolloutEngine(model, processor.tokenizer,
-                                 EngineOptions(cache_dtype=dtype, device=env.device,
-                                               max_num_seqs=per_batch * rl.batch.group_size,
-                                               cuda_graphs=rl.rollout.cuda_graphs, record_routes=True,
-                                               **paged_kv_kwargs(rl)))
+    engine: Any
+    if rl.rollout_backend == "vllm":  # `vllm:dN+dM`: the pushes land in `model`, which feeds the vLLM engine
+        engine = _vllm_engine(ctx, processor, model, dtype)
+    else:
+        per_batch = rl.rollout.batch_prompts or rollout_prompts_for_budget(
+            rl.rollout.memory_gib, kv_bytes_per_slot(model, torch.finfo(dtype).bits // 8), rl.batch.group_size,
+            cfg.data.max_tokens_per_pack)
+        # CudaGraphsConfigError (exit 2): "on" with a decode step that cannot be captured (a paged cache);
+        # PagedKVConfigError (exit 2): rl.rollout.kv_block_size with a Mamba2 hybrid decoder
+        engine = PolicyRolloutEngine(model, processor.tokenizer,
+                                     EngineOptions(cache_dtype=dtype, device=env.device,
+                                                   max_num_seqs=per_batch * rl.batch.group_size,
+                                                   cuda_graphs=rl.rollout.cuda_graphs, record_routes=True,
+                                                   **paged_kv_kwargs(rl)))
     receive_weights(model, bridge, bridge.broadcast_object(), engine)  # the trainer's weights at `start`
     manager = RewardManager(rl.rewards, timeout_s=rl.reward_pool.timeout_s, num_workers=rl.reward_pool.workers,
                             memory_limit_mb=rl.reward_pool.memory_limit_mb, batch_timeout_s=rl.reward_pool.batch_timeout_s,
@@ -130,10 +135,29 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
         threads[0].join()
     finally:
         manager.close()
+        if hasattr(engine, "close"):
+            engine.close()
     if state.error is not None:
         log.error("rollout rank %d: %s", role.rank, state.error)
         raise state.error
     return EXIT_STOPPED if ctx.stop.signum else 0
+
+
+def _vllm_engine(ctx, processor, model, dtype):
+    """The rollout rank's vLLM engine (`rl.allocation = "vllm:dN+dM"`, docs/vllm.md): loaded from model.path;
+    every push of the trainer goes into `model` (rl/asynchronous/weights.py), then from it into the engine
+    with generation paused at an engine step (`VLLMRolloutEngine.paused`)."""
+    from megatron_vlm.inference.policy_engine import vision_token_ids
+    from megatron_vlm.inference.stopping import eos_token_ids_of
+    from megatron_vlm.inference.vllm_engine import VLLMRolloutEngine
+
+    cfg = ctx.cfg
+    placeholders = [getattr(processor, k, None) for k in ("image_token_id", "video_token_id")]
+    return VLLMRolloutEngine(cfg.model.path, cfg.rl.vllm, dtype=dtype, device=ctx.env.device,
+                             max_model_len=cfg.data.max_tokens_per_pack, seed=cfg.train.seed, sync_from=model,
+                             eos_token_ids=sorted(eos_token_ids_of(processor.tokenizer, getattr(model, "hf_generation_config", None))),
+                             placeholder_ids=[p for p in placeholders if p is not None],
+                             suppress_token_ids=vision_token_ids(model))
 
 
 def _generate_loop(ctx, role: Role, state: _State, engine, encoder, train_set, todo, start: int, total: int) -> None:

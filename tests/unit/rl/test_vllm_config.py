@@ -49,7 +49,6 @@ def test_every_vllm_key_loads_with_the_vllm_backend():
     ({"rollout_backend": "vllm", "rollout": {"batch_prompts": 4}}, r"^rl\.rollout\.batch_prompts: a setting of the built-in engine"),
     ({"rollout_backend": "vllm", "rollout": {"memory_gib": 1.0}}, r"^rl\.rollout\.memory_gib: a setting of the built-in engine"),
     ({"rollout_backend": "vllm", "kv_block_size": 16}, r"^rl\.kv_block_size: .*rollout\.kv_block_size"),  # the old flat name
-    ({"rollout_backend": "vllm", "allocation": "vllm:d1+d1"}, r"^rl\.allocation: .*asynchronous loop's rollout ranks run the built-in"),
 ])
 def test_refused_naming_the_key(rl, want):
     with pytest.raises(ConfigError, match=want):
@@ -60,6 +59,8 @@ def test_allocation_keeps_the_engine_name():
     assert parse_allocation("vllm:d32+d16").engine == "vllm"
     assert parse_allocation("rollout:2+train:1").engine is None
     RLConfig(allocation="rollout:1+train:1").validate()  # the plain spelling: either back end's layout
+    RLConfig(allocation="rollout:1+train:1", rollout_backend="vllm").validate()
+    RLConfig(allocation="vllm:d1+d1", rollout_backend="vllm").validate()  # asynchronous GRPO on vLLM rollout ranks
 
 
 def test_engine_refuses_sleep_mode_off_cuda_before_importing_vllm():

@@ -1,6 +1,6 @@
 """The vLLM rollout engine against vLLM itself and against our own decoder (marker `vllm`: runs in the
-environment docs/vllm.md builds, "Running the vLLM tests"; `MEGATRON_VLM_CI_VLLM=1 bash .ci/run` runs them
-there; skipped where vllm is not importable).
+environment docs/vllm.md builds, "Running the vLLM tests"; `bash .ci/vllm_tests.sh` runs them
+there, and so does `.ci/run`; skipped where vllm is not importable).
 
 - greedy tokens through the vLLM back end equal the built-in engine's on tiny random Qwen2 / Qwen3
   text folders and on Qwen2.5-VL with images (vLLM's expanded prompt equal to ours);
@@ -8,7 +8,9 @@ there; skipped where vllm is not importable).
   forward's log_softmax(logits / T) of the same tokens within 1e-4 (fp32);
 - a weight push makes the engine generate exactly what a fresh vLLM engine loaded from the exported
   folder (`save_hf_model`) generates, for full fine-tuning and for LoRA (merged weights);
-- a prompt whose expansion differs from vLLM's fails naming the prompt and both lengths.
+- a prompt whose expansion differs from vLLM's fails naming the prompt and both lengths;
+- a weight push into a running `generate` (`paused()`, asynchronous GRPO): versions 0 then 1 per completion,
+  each token's log-prob the training forward's of the policy that drew it.
 """
 import importlib.util
 
@@ -198,3 +200,66 @@ def _check_images(engine, folder, model, prompts):
                            image_grid_thw=bad.image_grid_thw, images=bad.images)
     with pytest.raises(ValueError, match=rf"prompt 0: vLLM's expanded prompt has {len(ids)} tokens, ours {len(ids) - 1}"):
         engine.generate([broken], SamplingParams(max_new_tokens=2, n=1, temperature=0.0))
+
+
+def test_push_during_generation_resumes_requests_with_new_weights(tmp_path):
+    """Asynchronous GRPO's push into a running `generate` (`paused()` from another thread): the completions
+    carry version 0 then version 1 (never back), and every token's log-prob is the training forward's of the
+    policy that drew it — version-0 tokens the old weights', version-1 tokens the new weights' on the whole
+    sequence (vLLM recomputes the preempted requests' prefix with the new weights)."""
+    import threading
+
+    folder = synthesize_model_folder("tiny_qwen2", tmp_path / "m", seed=0)
+    old = load_hf_model(str(folder), dtype=torch.float32, device="cpu").eval()
+    new = load_hf_model(str(folder), dtype=torch.float32, device="cpu").eval()
+    _perturb_(new, 11)
+    tok = load_processor(str(folder)).tokenizer
+    prompts = _text_prompts(tok)
+    engine = _engine(folder, new)
+    steps, reached = [0], threading.Event()
+    step = engine.llm.llm_engine.step
+
+    def counted():
+        steps[0] += 1
+        if steps[0] == 6:
+            reached.set()
+        return step()
+
+    engine.llm.llm_engine.step = counted
+    T, pushed = 0.9, {}
+
+    def push():  # the rollout rank's weight thread; generation stays in the thread that built the engine
+        try:
+            if reached.wait(300):
+                with engine.paused():
+                    engine.load_weights(None, version=1)
+                pushed["at"] = steps[0]
+        except BaseException as e:  # noqa: BLE001 - reported below
+            pushed["error"] = e
+
+    pusher = threading.Thread(target=push)
+    try:
+        pusher.start()
+        res = engine.generate(prompts, SamplingParams(max_new_tokens=40, n=2, temperature=T),
+                              generator=torch.Generator().manual_seed(2))
+        reached.set()
+        pusher.join(300)
+    finally:
+        engine.close()
+    assert "error" not in pushed and pushed.get("at", 0) >= 6, pushed
+    out = {"r": res}
+    assert "r" in out and engine.policy_version == 1 and not out["r"].interrupted
+    mixed = 0
+    for s in out["r"].samples:
+        v = s.token_versions
+        assert v.numel() == s.token_ids.numel() >= 1 and bool((v[1:] >= v[:-1]).all()), v  # never back to an older version
+        p = prompts[s.prompt_index].input_ids
+        seq = torch.cat([p, s.token_ids])[None]
+        with torch.no_grad():
+            lp = {ver: torch.log_softmax(m(input_ids=seq)[0].float()[len(p) - 1: -1] / T, dim=-1)
+                  .gather(-1, s.token_ids[:, None])[:, 0] for ver, m in ((0, old), (1, new))}
+        for ver in (0, 1):
+            sel = v == ver
+            torch.testing.assert_close(s.logprobs[sel], lp[ver][sel], atol=1e-4, rtol=0)
+        mixed += int(v[0]) == 0 and int(v[-1]) == 1
+    assert mixed > 0  # the push landed mid-generation: completions started on version 0 and ended on version 1

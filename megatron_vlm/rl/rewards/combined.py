@@ -22,7 +22,7 @@ import torch
 from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.rl.rewards.config import MODEL_REWARD_TYPES
-from megatron_vlm.rl.rewards.manager import RewardBatch, RewardManager
+from megatron_vlm.rl.rewards.manager import RewardBatch, RewardManager, reward_labels
 from megatron_vlm.rl.rewards.model_reward import ScoredValues
 
 __all__ = ["CombinedRewards", "has_model_rewards"]
@@ -50,12 +50,8 @@ class CombinedRewards:
         from megatron_vlm.rl.rewards.judge import JudgeRewardScorer
         from megatron_vlm.rl.rewards.model_reward import ModelRewardScorer
 
-        if not rewards:
-            raise ValueError("rewards: at least one reward config is required")
         self.rewards = list(rewards)
-        self.labels = [r.label() for r in self.rewards]
-        if len(set(self.labels)) != len(self.labels):
-            raise ValueError(f"rewards: duplicate labels {self.labels}; give each a distinct name")
+        self.labels = reward_labels(self.rewards)
         pool = dict(pool or {})
         rule = [r for r in self.rewards if r.type not in MODEL_REWARD_TYPES]
         self.rule = RewardManager(rule, **pool) if rule else None

@@ -18,13 +18,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
 
 from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
-from megatron_vlm.rl.rewards.model_reward import ScoredValues, text_only_messages
+from megatron_vlm.rl.rewards.model_reward import ScoredValues, on_device, text_only_messages
 
 __all__ = ["JudgeRewardScorer", "parse_judgement", "judge_messages"]
 
@@ -86,18 +86,8 @@ class JudgeRewardScorer:
                                           EngineOptions(cache_dtype=dtype, device=self.device, max_num_seqs=cfg.batch_size))
         self.last_answers: list[Optional[str]] = []
 
-    @contextlib.contextmanager
-    def _on_device(self) -> Iterator[None]:
-        if not self.offload:
-            yield
-            return
-        self.model.to(self.device)
-        try:
-            yield
-        finally:
-            self.model.to("cpu")
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+    def _on_device(self) -> contextlib.AbstractContextManager[None]:
+        return on_device(self.model, self.device, self.offload)
 
     def score(self, completions: Sequence[str], answers: Sequence[str], questions: Sequence[str],
               prompt_messages: Sequence[Sequence[dict]]) -> ScoredValues:

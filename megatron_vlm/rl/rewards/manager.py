@@ -75,17 +75,23 @@ def call_signature_problem(params: Optional[list], kwargs: Mapping[str, Any]) ->
     return None
 
 
+def reward_labels(rewards: Sequence[Any]) -> list[str]:
+    """Each reward's metric label (`reward/<label>`), refused when two tables would log under one name."""
+    if not rewards:
+        raise ValueError("rewards: at least one reward config is required")
+    labels = [r.label() for r in rewards]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"rewards: duplicate labels {labels}; give each a distinct name")
+    return labels
+
+
 class RewardManager:
     """Runs the reward verifiers of one run. Not thread-safe; one per scoring process."""
 
     def __init__(self, rewards: Sequence[Any], *, timeout_s: float = 10.0, num_workers: int = 2, start_method: str = "spawn",
                  memory_limit_mb: int = 0, batch_timeout_s: Optional[float] = None, value_limit: Optional[float] = None):
-        if not rewards:
-            raise ValueError("rewards: at least one reward config is required")
         self.rewards = list(rewards)
-        self.labels = [r.label() for r in self.rewards]
-        if len(set(self.labels)) != len(self.labels):
-            raise ValueError(f"rewards: duplicate labels {self.labels}; give each a distinct name")
+        self.labels = reward_labels(self.rewards)
         self._specs = [_call_spec(r) for r in self.rewards]
         # (index, dotted path) of the custom verifiers (their spec always carries the function)
         where = [(i, fn) for i, (verifier, fn, _) in enumerate(self._specs) if verifier == "custom" and fn is not None]

@@ -36,6 +36,22 @@ __all__ = ["ScoredValues", "ModelRewardScorer", "limit_value", "text_only_messag
 log = logging.getLogger("megatron_vlm")
 
 
+
+@contextlib.contextmanager
+def on_device(model: torch.nn.Module, device: torch.device, offload: bool) -> Iterator[None]:
+    """The scoring model on `device` for the block: with `offload` it lives on the CPU between calls (moved in, then
+    back out and the CUDA cache emptied), as the reference model does; without, it stays where it is."""
+    if not offload:
+        yield
+        return
+    model.to(device)
+    try:
+        yield
+    finally:
+        model.to("cpu")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
 @dataclass
 class ScoredValues:
     """One value per completion with the pool's statuses: "ok", "error" (value 0), "clipped"."""
@@ -96,16 +112,8 @@ class ModelRewardScorer:
                               "use 'none' or 'sigmoid'")
         self.reads_images = bool(getattr(self.model.backbone, "takes_input", lambda _: False)("pixel_values"))
 
-    @contextlib.contextmanager
-    def _on_device(self) -> Iterator[None]:
-        if not self.offload:
-            yield
-            return
-        self.model.to(self.device)
-        try:
-            yield
-        finally:
-            self.model.to("cpu")
+    def _on_device(self) -> contextlib.AbstractContextManager[None]:
+        return on_device(self.model, self.device, self.offload)
 
     def _render(self, messages: Sequence[dict], completion: str) -> Any:
         from megatron_vlm.data.processing import process_record

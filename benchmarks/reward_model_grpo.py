@@ -13,6 +13,11 @@ Three stages (`--only` runs one; an SFT stage is skipped when its export exists)
    exact-match rule at weight 0 only for the accuracy), the held-out accuracy from metrics_eval.csv.
 
     python benchmarks/reward_model_grpo.py [--rm-init full] [--rm-steps 400] [--grpo-steps 150] [--only reward-model]
+        [--negatives 3] [--kl-coef 0.1] [--rm-path runs/demo_reward_model_x/hf] [--tag kl0.1]
+
+`--negatives N` trains the reward model on N wrong answers per training question (N draws of vqa_pairs, more hard
+negatives); `--kl-coef` sets rl.loss.kl_coef (a KL penalty to the SFT start); `--rm-path` points GRPO at an
+existing reward model folder; `--tag` suffixes the output folders and the results file.
 
 Results go to runs/reward_model_grpo.json (and the log); the figures are in megatron_vlm/rl/README.md.
 """
@@ -51,7 +56,7 @@ def stage_sft(nproc: int, full: bool) -> None:
                  "--set", f"train.max_steps={steps}"], nproc)
 
 
-def stage_reward_model(steps: int, init: Path, malformed: float, results: dict) -> None:
+def stage_reward_model(steps: int, init: Path, malformed: float, negatives: int, results: dict) -> None:
     import torch
 
     from megatron_vlm.data.processor import load_processor
@@ -60,7 +65,7 @@ def stage_reward_model(steps: int, init: Path, malformed: float, results: dict) 
 
     torch.manual_seed(0)
     processor = load_processor(init / "hf")
-    train = vqa_pairs(DATA / "train.jsonl", seed=0, malformed=malformed)
+    train = [p for s in range(negatives) for p in vqa_pairs(DATA / "train.jsonl", seed=s, malformed=malformed)]
     held = vqa_pairs(DATA / "eval.jsonl", seed=1, malformed=malformed)
     model = score_model_from_causal(init / "hf", seed=0)
     before = pair_accuracy(model, processor, held)
@@ -70,18 +75,26 @@ def stage_reward_model(steps: int, init: Path, malformed: float, results: dict) 
                                     if (s + 1) % 25 == 0 else None)
     after = pair_accuracy(model, processor, held)
     save_score_model(model, RM / "hf", copy_from=init / "hf")
-    results["reward_model"] = {"init": str(init.relative_to(REPO)), "malformed": malformed, "steps": steps, "pairs_per_step": 16, "train_seconds": round(time.perf_counter() - t0, 1),
+    results["reward_model"] = {"init": str(init.relative_to(REPO)), "malformed": malformed, "negatives": negatives,
+                               "train_pairs": len(train), "steps": steps, "pairs_per_step": 16, "train_seconds": round(time.perf_counter() - t0, 1),
                                "loss_first_25": sum(losses[:25]) / 25, "loss_last_25": sum(losses[-25:]) / 25,
                                "heldout_pair_accuracy_before": before, "heldout_pair_accuracy_after": after,
                                "heldout_pairs": len(held)}
     print("reward model:", results["reward_model"], flush=True)
 
 
-def stage_grpo(steps: int, nproc: int, results: dict) -> None:
+def _rewards(rm_path: str) -> str:
+    """`--set rl.rewards=[...]`: the demo config's two reward entries with the reward model at `rm_path`."""
+    return ('rl.rewards=[{type = "model", name = "reward_model", path = "' + rm_path + '", activation = "sigmoid", '
+            'batch_size = 64}, {type = "exact_match", weight = 0.0}]')
+
+
+def stage_grpo(steps: int, nproc: int, kl_coef: float, rm_path: str, results: dict) -> None:
     _launch(["--config", "launch/configs/demo_grpo_reward_model.toml", "--set", f"train.max_steps={steps}",
-             "--set", f"train.output_dir={GRPO.relative_to(REPO)}"], nproc)
+             "--set", f"train.output_dir={GRPO.relative_to(REPO)}", "--set", f"rl.loss.kl_coef={kl_coef}",
+             "--set", _rewards(rm_path or str((RM / "hf").relative_to(REPO)))], nproc)
     rows = list(csv.DictReader((GRPO / "metrics_eval.csv").open()))
-    results["grpo"] = {"steps": steps, "heldout_accuracy": {r["step"]: float(r["accuracy"]) for r in rows}}
+    results["grpo"] = {"steps": steps, "kl_coef": kl_coef, "reward_model": rm_path or str(RM / "hf"), "heldout_accuracy": {r["step"]: float(r["accuracy"]) for r in rows}}
     train = list(csv.DictReader((GRPO / "metrics_train.csv").open()))
 
     def mean(key: str, part: list) -> float:
@@ -103,15 +116,23 @@ def main() -> None:
     ap.add_argument("--rm-init", choices=["short", "full"], default="short")
     ap.add_argument("--malformed", type=float, default=0.0,
                     help="share of wrong answers that are an answer followed by more words (vqa_pairs)")
+    ap.add_argument("--negatives", type=int, default=1, help="wrong answers per training question (reward model)")
+    ap.add_argument("--kl-coef", type=float, default=0.0, help="rl.loss.kl_coef of the GRPO stage")
+    ap.add_argument("--rm-path", default="", help="reward model folder for the GRPO stage (default: the one trained here)")
+    ap.add_argument("--tag", default="", help="suffix of the reward model / GRPO folders and the results file")
     a = ap.parse_args()
+    global RM, GRPO, RESULTS
+    if a.tag:
+        RM, GRPO = RM.with_name(f"{RM.name}_{a.tag}"), GRPO.with_name(f"{GRPO.name}_{a.tag}")
+        RESULTS = RESULTS.with_name(f"{RESULTS.stem}_{a.tag}.json")
     results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     if a.only in (None, "sft"):
         stage_sft(a.nproc, a.rm_init == "full")
     if a.only in (None, "reward-model"):
-        stage_reward_model(a.rm_steps, SFT_FULL if a.rm_init == "full" else SFT, a.malformed, results)
+        stage_reward_model(a.rm_steps, SFT_FULL if a.rm_init == "full" else SFT, a.malformed, a.negatives, results)
         RESULTS.write_text(json.dumps(results, indent=2))
     if a.only in (None, "grpo"):
-        stage_grpo(a.grpo_steps, a.nproc, results)
+        stage_grpo(a.grpo_steps, a.nproc, a.kl_coef, a.rm_path, results)
         RESULTS.write_text(json.dumps(results, indent=2))
 
 

@@ -33,7 +33,7 @@ from megatron_vlm.data.table_rows import TableRows
 
 __all__ = ["Record", "normalize_messages", "read_messages_jsonl", "record_from_messages_row", "resolve_path"]
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")  # "tool": a tool's reply in a tool-use trace (not trained)
 
 
 @dataclass

@@ -19,7 +19,7 @@ import argparse
 import random
 from pathlib import Path
 
-__all__ = ["arith_rows", "write_synthetic_arith"]
+__all__ = ["arith_rows", "write_parquet_rows", "write_synthetic_arith"]
 
 
 def arith_rows(max_operand: int, eval_size: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
@@ -34,7 +34,8 @@ def arith_rows(max_operand: int, eval_size: int, seed: int = 0) -> tuple[list[di
     return rows[eval_size:], rows[:eval_size]
 
 
-def _write_parquet(path: Path, rows: list[dict]) -> None:
+def write_parquet_rows(path: Path, rows: list[dict]) -> None:
+    """`rows`' "question" and "answer" as a parquet table at `path` (atomic; skipped when already equal)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -52,8 +53,8 @@ def write_synthetic_arith(folder: str | Path, *, max_operand: int = 29, eval_siz
     folder.mkdir(parents=True, exist_ok=True)
     train, evals = arith_rows(max_operand, eval_size, seed)
     paths = {"train": folder / "train.parquet", "eval": folder / "eval.parquet"}
-    _write_parquet(paths["train"], train)
-    _write_parquet(paths["eval"], evals)
+    write_parquet_rows(paths["train"], train)
+    write_parquet_rows(paths["eval"], evals)
     return paths
 
 

@@ -106,6 +106,10 @@ ARCH = {
     "demo_math_sft.toml": ("synth:", 2),
     "demo_math_grpo.toml": ("synth:tiny_qwen2", 2),
     "demo_internvl_video.toml": ("synth:", 2),
+    "demo_calculator_sft.toml": ("synth:", 1),
+    "demo_calculator_sft_no_tool.toml": ("synth:", 1),
+    "demo_calculator_grpo.toml": ("synth:tiny_qwen2", 1),
+    "demo_calculator_grpo_no_tool.toml": ("synth:tiny_qwen2", 1),
 }
 EXAMPLES = sorted(p.name for p in CONFIGS.glob("*.toml"))
 # total parameters (billions) --check must print for the published Qwen2.5-VL-3B config.json

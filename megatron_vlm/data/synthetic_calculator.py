@@ -1,0 +1,97 @@
+"""The calculator demo's data: two-digit products "What is a * b?", as prompts and as SFT traces with and without the tool.
+
+Why products: a tiny random model learns the answer format and the copying of digits in a few hundred steps, but
+not multiplication, so the question of the demo (does the `calculate` tool of `[rl.env] name = "calculator"`
+raise reward over the same recipe without it?) has room for an answer either way. Why SFT traces: a random model
+never writes `<tool_call>` by chance; a short SFT on synthetic tool-use conversations teaches the format (the
+tool arm) and the same SFT on the same questions answered directly is the no-tool arm's warm start.
+
+Files in the folder (written atomically and only when missing or different, so ranks and reruns can all call it):
+- `train.parquet` / `eval.parquet`: columns `question`, `answer` (the GRPO prompts; `[data] type = "hf"`). The
+  set is every pair (a, b) with `low <= a, b <= high`, shuffled by `seed`; the first `eval_size` are held out.
+- `sft_tool.jsonl`: per training question, the conversation the `calculator` environment holds with a model
+  that uses the tool: the system turn with the tool specs (`rl/env/turns.tools_system_text`, the text the rollout
+  writes), the question, a `<tool_call>` turn, the tool's reply (role "tool") and the bare answer.
+- `sft_direct.jsonl`: the same questions answered directly (no system turn, as the no-tool GRPO prompts).
+
+    python -m megatron_vlm.data.synthetic_calculator runs/demo_assets/synthetic_calculator
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from megatron_vlm.data.synthetic_arith import write_parquet_rows
+
+__all__ = ["calculator_rows", "tool_trace", "direct_trace", "write_synthetic_calculator"]
+
+
+def calculator_rows(low: int = 10, high: int = 99, eval_size: int = 200, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """(train rows, eval rows), each {"question", "answer", "expression"}; a pure function of the arguments."""
+    if not 0 <= low <= high:
+        raise ValueError(f"low, high: need 0 <= low <= high, got {low}, {high}")
+    pairs = [(a, b) for a in range(low, high + 1) for b in range(low, high + 1)]
+    if not 0 <= eval_size < len(pairs):
+        raise ValueError(f"eval_size: must be in [0, {len(pairs)}) for operands {low}..{high}, got {eval_size}")
+    random.Random(seed).shuffle(pairs)
+    rows = [{"question": f"What is {a} * {b}?", "answer": str(a * b), "expression": f"{a} * {b}"} for a, b in pairs]
+    return rows[eval_size:], rows[:eval_size]
+
+
+def tool_trace(row: dict) -> list[dict]:
+    """The messages of one tool-using conversation of the `calculator` environment for `row`."""
+    from megatron_vlm.rl.env.builtin import CalculatorEnv, calculate
+    from megatron_vlm.rl.env.turns import with_tools
+
+    call = json.dumps({"name": "calculate", "arguments": {"expression": row["expression"]}})
+    return with_tools([{"role": "user", "content": row["question"]},
+                       {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+                       {"role": "tool", "content": calculate(row["expression"])},
+                       {"role": "assistant", "content": row["answer"]}], CalculatorEnv().tools())
+
+
+def direct_trace(row: dict) -> list[dict]:
+    """The messages of `row` answered without a tool."""
+    return [{"role": "user", "content": row["question"]}, {"role": "assistant", "content": row["answer"]}]
+
+
+def _write_text(path: Path, text: str) -> None:
+    if path.is_file() and path.read_text() == text:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def write_synthetic_calculator(folder: str | Path, *, low: int = 10, high: int = 99, eval_size: int = 200,
+                               seed: int = 0) -> dict[str, Path]:
+    """Write the four files (module docstring) into `folder`; returns {"train", "eval", "sft_tool", "sft_direct"}."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    train, evals = calculator_rows(low, high, eval_size, seed)
+    paths = {"train": folder / "train.parquet", "eval": folder / "eval.parquet",
+             "sft_tool": folder / "sft_tool.jsonl", "sft_direct": folder / "sft_direct.jsonl"}
+    write_parquet_rows(paths["train"], train)
+    write_parquet_rows(paths["eval"], evals)
+    for key, trace in (("sft_tool", tool_trace), ("sft_direct", direct_trace)):
+        _write_text(paths[key], "".join(json.dumps({"messages": trace(r), "answer": r["answer"]}) + "\n" for r in train))
+    return paths
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("folder")
+    p.add_argument("--low", type=int, default=10)
+    p.add_argument("--high", type=int, default=99)
+    p.add_argument("--eval-size", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    for name, path in write_synthetic_calculator(a.folder, low=a.low, high=a.high, eval_size=a.eval_size,
+                                                 seed=a.seed).items():
+        print(f"{name}: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from jobs import REPO, read_metrics, run_job
 
-from megatron_vlm.data.synthetic_calculator import write_synthetic_calculator
+from megatron_vlm.rl.env.calculator_data import write_synthetic_calculator
 
 pytestmark = pytest.mark.heavy
 

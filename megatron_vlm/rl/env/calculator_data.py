@@ -14,7 +14,7 @@ Files in the folder (written atomically and only when missing or different, so r
   writes), the question, a `<tool_call>` turn, the tool's reply (role "tool") and the bare answer.
 - `sft_direct.jsonl`: the same questions answered directly (no system turn, as the no-tool GRPO prompts).
 
-    python -m megatron_vlm.data.synthetic_calculator runs/demo_assets/synthetic_calculator
+    python -m megatron_vlm.rl.env.calculator_data runs/demo_assets/synthetic_calculator
 """
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from megatron_vlm.data.messages import normalize_messages
-from megatron_vlm.data.synthetic_calculator import calculator_rows, write_synthetic_calculator
 from megatron_vlm.rl.env.builtin import CalculatorEnv
+from megatron_vlm.rl.env.calculator_data import calculator_rows, write_synthetic_calculator
 from megatron_vlm.rl.env.tool_calls import ToolCall, parse_tool_calls
 from megatron_vlm.rl.env.turns import tools_system_text
 

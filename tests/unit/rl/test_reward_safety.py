@@ -94,7 +94,9 @@ def test_payloads_do_not_run_through_the_pool(tmp_path):
 
 
 def test_rewards_source_has_no_eval_based_parsing():
-    forbidden = re.compile(r"\b(sympify|parse_expr|parse_latex_lark|latex2sympy|eval|exec)\s*\(|import\s+math_verify|from\s+math_verify")
+    # the builtins eval / exec, not a method of that name (a reward model's `module.eval()`)
+    forbidden = re.compile(r"\b(sympify|parse_expr|parse_latex_lark|latex2sympy)\s*\(|(?<![.\w])(eval|exec)\s*\("
+                           r"|import\s+math_verify|from\s+math_verify")
     offenders = []
     for path in REWARDS_DIR.rglob("*.py"):
         for i, line in enumerate(path.read_text().splitlines(), 1):

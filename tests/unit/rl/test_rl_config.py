@@ -70,7 +70,6 @@ def test_defaults_validate_and_render_prompt():
         # selection keys of later backends
         (dict(rollout_backend="sglang"), "rollout_backend"),
         (dict(rollout_backend="vllm", rollout__weights="copy"), "rollout.weights"),  # a key of the built-in engine only
-        (dict(rollout_backend="vllm", allocation="vllm:d1+d1"), "allocation"),  # async loop: built-in engine only
         (dict(allocation="vllm:d1+d1"), "allocation"),  # vLLM's rollout ranks with the built-in back end
         (dict(routing_replay="yes"), "routing_replay"),
         (dict(routing_replay="rollout", rollout_backend="vllm"), "routing_replay"),  # vLLM returns no routes here

@@ -101,13 +101,11 @@ class Config:
             self._validate_stages()
 
     def _validate_routing_replay(self) -> None:
-        """Where the recorded routes cannot be laid over the training forward's tokens: megatron-core MoE layers (its
-        router takes no forced experts) and context / pipeline parallelism (a rank runs a slice of the pack's
-        tokens or layers)."""
+        """Where the recorded routes cannot be laid over the training forward's tokens: pipeline parallelism (a stage
+        runs a slice of the MoE layers). Context parallelism is fine (a context-parallel layer takes the rows of its
+        rank's chunks) and so are megatron-core MoE layers (their router's top-k hook: models/mcore/moe_layer.py)."""
         p = self.parallel
-        for key, bad, why in (("backend", p.backend == "mcore", "megatron-core's router takes no recorded experts"),
-                              ("cp", p.cp > 1, "each rank runs a slice of the packed tokens"),
-                              ("pp", p.pp > 1, "each stage runs a slice of the MoE layers")):
+        for key, bad, why in (("pp", p.pp > 1, "each stage runs a slice of the MoE layers"),):
             if bad:
                 raise ValueError(f"rl.routing_replay: 'rollout' is not supported with parallel.{key} = "
                                  f"{getattr(p, key)!r} ({why}); use routing_replay = 'off'")

@@ -35,7 +35,7 @@ import torch
 
 from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.models.common.prefix_sharing import accepts_prefix_segments
-from megatron_vlm.models.common.routing_replay import replaying_routes
+from megatron_vlm.models.common.routing_replay import context_parallel_of, replaying_routes
 from megatron_vlm.parallel import clip_grad_norm_
 from megatron_vlm.parallel.collectives import all_reduce_max
 from megatron_vlm.rl.algorithms.loss_terms import kl_penalty, rollout_correction_mask
@@ -151,10 +151,14 @@ class PolicyUpdate:
             log.info("rl.update.prompt_sharing: %s (%s)", "on" if self.share_prompts else "off", why)
         # MoE routing replay (rl.routing_replay = "rollout"): the training forwards route as the rollout did
         self.replay_routes = getattr(rl_cfg, "routing_replay", "off") == "rollout"
-        # the recorded routes lie over a training forward that runs every token of the pack through every MoE layer
-        # (no cp / pp slices; native layers): elsewhere they are dropped (replay itself is refused there: config)
+        # the recorded routes lie over a training forward that runs every MoE layer on one rank (no pp stages; a
+        # context-parallel layer takes its chunks' rows: routing_replay.py): under pp they are dropped (replay
+        # itself is refused there: config)
         dims = getattr(bundle, "dims", None)
-        self.routes_usable = getattr(dims, "cp", 1) == 1 and getattr(dims, "pp", 1) == 1
+        self.routes_usable = getattr(dims, "pp", 1) == 1
+        wrapper = getattr(bundle, "wrapper", None)
+        cpx = context_parallel_of(wrapper) if isinstance(wrapper, torch.nn.Module) and moe_layers(wrapper) else None
+        self._route_count_group = cpx.group if cpx is not None and self.routes_usable else None
         if self.replay_routes and isinstance(model := getattr(bundle, "model", None), torch.nn.Module) \
                 and not moe_layers(model) and ctx.env.rank == 0:
             log.warning("rl.routing_replay = 'rollout': %s has no MoE layers, nothing is replayed", type(model).__name__)
@@ -241,6 +245,10 @@ class PolicyUpdate:
         if proximal_in_update:  # old_logp = the update forward's (pre-update) log-probs, of the samples it forwarded
             mismatch = mismatch_sums(forwarded)
         out.mismatch = mismatch
+        if self._route_count_group is not None:  # each cp rank counted its chunks: the pack's counts are their sum
+            counts = torch.tensor(self._route_counts, dtype=torch.int64, device=self.device)
+            torch.distributed.all_reduce(counts, group=self._route_count_group)
+            self._route_counts = [int(v) for v in counts.tolist()]
         out.routing = tuple(self._route_counts) if self._route_counts[1] else None  # type: ignore[assignment]
         out.zero_adv_skipped = len(samples) - len(forwarded)
         return out

@@ -7,6 +7,8 @@ bf16 training forwards: the decode / packed layouts round differently, so some t
 - asynchronous with stale samples (max_head_offpolicyness = 2, one rollout + one training rank): the routes
   travel over the bridge with the samples and the decoupled loss trains on them (routing mismatch logged).
 - tensor parallelism (tp = 2, fp32): the replicated MoE blocks take the routes of the gathered sequence.
+- context parallelism (cp = 2, fp32): each rank's context-parallel layers take the routes of its chunks.
+- the megatron-core backend (fp32): its MoE layers record in the rollout and replay in the training forwards.
 - a LoRA policy (fp32) replays as well.
 """
 from __future__ import annotations
@@ -82,6 +84,37 @@ def test_tensor_parallel_training_forwards_take_the_routes(tmp_path):
         "train.max_steps": "2", "checkpoint.enable": "false", "checkpoint.export_hf": "false", "rl.loss.kl_coef": "0.0",
         "rl.reward_pool.workers": "1"})
     run_job(sets, nproc=2, config=GRPO_DEMO)
+    rows = read_metrics(out / "metrics_train.csv")
+    assert [int(r["step"]) for r in rows] == [1, 2]
+    for r in rows:
+        assert _frac(r) <= 0.01 and float(r["rollout/logprob_abs_diff"]) < 1e-5, r
+
+
+@pytest.mark.distributed
+def test_context_parallel_training_forwards_take_the_routes(tmp_path):
+    """cp = 2 (each rank's MoE blocks run its load-balanced chunks of the pack), fp32: the training forwards
+    route as the rollout did (the counts summed over the cp ranks) and their log-probs equal the rollout's."""
+    out = tmp_path / "cp"
+    sets = grpo_overrides(out, tmp_path / "assets", **{
+        "model.synthesize": '"tiny_qwen3_vl_moe"', "rl.routing_replay": '"rollout"', "parallel.cp": "2",
+        "train.max_steps": "2", "checkpoint.enable": "false", "checkpoint.export_hf": "false", "rl.loss.kl_coef": "0.0",
+        "rl.reward_pool.workers": "1"})
+    run_job(sets, nproc=2, config=GRPO_DEMO)
+    rows = read_metrics(out / "metrics_train.csv")
+    assert [int(r["step"]) for r in rows] == [1, 2]
+    for r in rows:
+        assert _frac(r) <= 0.01 and float(r["rollout/logprob_abs_diff"]) < 1e-5, r
+
+
+def test_mcore_backend_replays(tmp_path):
+    """parallel.backend = "mcore" (megatron-core's MoELayer in every MoE layer, the engine decoding through them),
+    fp32: the routes its rollout recorded lie over its training forwards and the log-probs equal the rollout's."""
+    out = tmp_path / "mcore"
+    sets = grpo_overrides(out, tmp_path / "assets", **{
+        "model.synthesize": '"tiny_qwen3_vl_moe"', "rl.routing_replay": '"rollout"', "parallel.backend": '"mcore"',
+        "train.max_steps": "2", "checkpoint.enable": "false", "checkpoint.export_hf": "false", "rl.loss.kl_coef": "0.0",
+        "rl.reward_pool.workers": "1"})
+    run_job(sets, config=GRPO_DEMO)
     rows = read_metrics(out / "metrics_train.csv")
     assert [int(r["step"]) for r in rows] == [1, 2]
     for r in rows:

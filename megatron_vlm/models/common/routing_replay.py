@@ -7,7 +7,8 @@ and the ratio explodes. Replay records, per token and MoE layer, the top-k exper
 makes the training forward use them; the gate weights are recomputed from the CURRENT router scores of those
 experts (the router's own normalisation: `TopKRouter.weights_of`), so the router keeps its gradient.
 
-Two context managers, read by every native `MoE` block (models/common/moe.py) while it runs:
+Two context managers, read by every native `MoE` block (models/common/moe.py) and megatron-core MoE layer
+(parallel.backend = "mcore": models/mcore/moe_layer.py, through its router's top-k hook) while it runs:
 
 * `recording_routes()` -> `RouteRecorder`: each MoE forward called inside appends its top-k ids `[N, k]`
   (N = its flattened tokens) in call order = layer order; `stacked()` gives `[N, layers, k]` in the compact
@@ -19,19 +20,25 @@ Two context managers, read by every native `MoE` block (models/common/moe.py) wh
   differs from the recorded one (`mismatch()`): what replay removes, `rollout/routing_mismatch_frac`.
   The plan is attached to the blocks for the whole `with` block, so keep the backward inside it when
   activation checkpointing re-runs forwards there (a recomputation is not counted twice).
+
+Context parallelism (parallel/context_parallel.py): a context-parallel decoder layer runs only its rank's
+load-balanced chunks of the pack, so a MoE block inside it sees those tokens, not the pack. The plan keeps the
+routes of the whole pack (every cp rank packs the same samples) and hands such a block the recorded rows of
+the rank's chunks (`CPPlan.index` of the model's own `ContextParallel`), found by the block's token count:
+the pack's count = a layer run whole (a Mamba2 hybrid's unsplit layers, decoding), the chunks' = a split one.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 __all__ = ["RouteRecorder", "recording_routes", "record_routes", "route_dtype", "RoutePlan", "replaying_routes",
-           "RoutingReplayError", "routes_bytes_per_token"]
+           "RoutingReplayError", "routes_bytes_per_token", "context_parallel_of"]
 
 _RECORDER: contextvars.ContextVar[Optional[RouteRecorder]] = contextvars.ContextVar("megatron_vlm_route_recorder",
                                                                                      default=None)
@@ -92,19 +99,25 @@ def record_routes(topk_ids: torch.Tensor, num_experts: int) -> None:
 class RoutePlan:
     """The recorded routes of one training forward and the routing-mismatch counts of its MoE blocks."""
 
-    def __init__(self, routes: torch.Tensor, force: bool) -> None:
+    def __init__(self, routes: torch.Tensor, force: bool, local_index: Optional[torch.Tensor] = None) -> None:
+        """`local_index`: the pack rows a context-parallel layer of this rank runs (module docstring), or None."""
         if routes.dim() != 3:
             raise RoutingReplayError(f"routes: expected [tokens, layers, k], got {tuple(routes.shape)}")
         self.routes, self.force = routes, force
+        self.local_index = None if local_index is None else local_index.to(routes.device)
         self._counts = torch.zeros(2, dtype=torch.int64, device=routes.device)  # (differing, recorded) pairs
 
     def layer(self, index: int, num_tokens: int, top_k: int) -> torch.Tensor:
-        """Recorded ids `[N, k]` (int64, -1 rows = none) of MoE layer `index` for a forward of `num_tokens`."""
-        if self.routes.shape[0] != num_tokens or self.routes.shape[2] != top_k:
-            raise RoutingReplayError(
-                f"routing replay: MoE layer {index} runs {num_tokens} tokens with top-k {top_k}, the recorded routes "
-                f"are {tuple(self.routes.shape)} [tokens, layers, k] (the forward's token layout must be the packed one)")
-        return self.routes[:, index].long()
+        """Recorded ids `[N, k]` (int64, -1 rows = none) of MoE layer `index` for a forward of `num_tokens`: the
+        whole pack's, or this cp rank's chunks' when the block runs inside a context-parallel layer."""
+        if self.routes.shape[2] == top_k and self.routes.shape[0] == num_tokens:
+            return self.routes[:, index].long()
+        if self.routes.shape[2] == top_k and self.local_index is not None and self.local_index.numel() == num_tokens:
+            return self.routes[:, index].index_select(0, self.local_index).long()
+        local = "" if self.local_index is None else f" (this context-parallel rank's chunks: {self.local_index.numel()})"
+        raise RoutingReplayError(
+            f"routing replay: MoE layer {index} runs {num_tokens} tokens with top-k {top_k}, the recorded routes "
+            f"are {tuple(self.routes.shape)} [tokens, layers, k]{local} (the forward's token layout must be the packed one)")
 
     @torch.no_grad()
     def count(self, natural: torch.Tensor, recorded: torch.Tensor) -> None:
@@ -123,19 +136,19 @@ class RoutePlan:
 
 @contextlib.contextmanager
 def replaying_routes(model: nn.Module, routes: torch.Tensor, *, force: bool = True) -> Iterator[RoutePlan]:
-    """The model's native MoE blocks (layer order) read `routes[:, i]` while the block runs (module docstring).
-    A model with MoE layers of another backend (megatron-core) is refused when `force`; without it those
-    layers are not compared."""
+    """The model's MoE blocks (layer order) read `routes[:, i]` while the block runs (module docstring): native
+    `MoE` blocks and megatron-core's MoE layers (models/mcore/moe_layer.py) alike. A MoE layer that takes no
+    plan is refused when `force`; without it that layer is not compared."""
     # the blocks of models.common.moe.moe_layers, in the same order (that module imports this one)
     layers = [m for m in model.modules() if getattr(type(m), "accepts_route_plan", False)
               or getattr(type(m), "reports_expert_load", False)]
     native = [m for m in layers if getattr(type(m), "accepts_route_plan", False)]
     if force and len(native) != len(layers):
-        raise RoutingReplayError("routing replay: MoE layers of another backend (parallel.backend = 'mcore') cannot "
-                                 "take recorded routes")
+        raise RoutingReplayError(f"routing replay: MoE layers of type {type(next(m for m in layers if m not in native)).__name__} "
+                                 "cannot take recorded routes")
     if routes.shape[1] != len(layers):
         raise RoutingReplayError(f"routing replay: routes for {routes.shape[1]} MoE layers, the model has {len(layers)}")
-    plan = RoutePlan(routes, force)
+    plan = RoutePlan(routes, force, _context_parallel_index(model, routes.shape[0]))
     for i, m in enumerate(layers):
         if getattr(type(m), "accepts_route_plan", False):
             setattr(m, "route_plan", (plan, i))  # noqa: B010 -- an attribute of MoE blocks, found by duck typing
@@ -144,3 +157,20 @@ def replaying_routes(model: nn.Module, routes: torch.Tensor, *, force: bool = Tr
     finally:
         for m in native:
             setattr(m, "route_plan", None)  # noqa: B010
+
+
+def context_parallel_of(model: nn.Module) -> Optional[Any]:
+    """The `ContextParallel` of the model's context-parallel layers (`apply_cp` gives it to their attention
+    modules), or None: a plan's counts then cover this rank's chunks only (sum them over `.group`)."""
+    cpx = next((c for m in model.modules() if (c := getattr(m, "context_parallel", None)) is not None), None)
+    return cpx if cpx is not None and cpx.size > 1 else None
+
+
+def _context_parallel_index(model: nn.Module, total: int) -> Optional[torch.Tensor]:
+    """The pack rows this rank's context-parallel layers run, or None without context parallelism."""
+    cpx = context_parallel_of(model)
+    if cpx is None:
+        return None
+    from megatron_vlm.parallel.context_parallel import CPPlan  # parallel/ imports models/: not at module level
+
+    return CPPlan.build(total, cpx.size, cpx.rank, "cpu").index

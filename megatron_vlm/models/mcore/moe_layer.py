@@ -22,7 +22,7 @@ group (ours: the top two); its softmax router ignores an expert bias and scores 
 pre-softmax; its latent projections (`moe_latent_size`) are Transformer Engine linears; the dispatcher
 takes no expert biases (`mlp_bias`).
 
-Two things are ours, in a subclass each (`_Router`, `_MoELayer`), and only these:
+Three things are ours, in a subclass each (`_Router`, `_MoELayer`) and the router's top-k hook (`_RouteHook`):
 * the router's gating linear runs where its weight is: megatron-core 0.16.1 moves a CPU router weight to
   `torch.cuda.current_device()` on every call and allocates the expert bias there, which cannot run on a
   CPU and would split the parameter from its optimizer state on a GPU; the logits are its
@@ -35,7 +35,14 @@ Two things are ours, in a subclass each (`_Router`, `_MoELayer`), and only these
   the native block's counting rules (training forwards only, once under activation recomputation, padding
   excluded when a token mask is given). megatron-core's own auxiliary losses and expert-bias updates are
   off (`moe_router_load_balancing_type = "none"`): the `[moe]` policy drives both, as for native blocks,
-  and moves the router's `expert_bias` in place.
+  and moves the router's `expert_bias` in place;
+* routing replay (models/common/routing_replay.py): megatron-core's routing function asks its router's
+  `router_replay` object for the top-k (`topk_routing_with_score_function`); ours (`_RouteHook`, not megatron-core's
+  `RouterReplay`, whose instances live in one process-wide list) records the ids it chose inside
+  `recording_routes()` and, while `replaying_routes` has set the layer's `route_plan`, returns the recorded
+  experts with megatron-core's own scores of them (`scores.gather`: the softmax over their logits, or their
+  sigmoid scores without the expert bias), from which megatron-core then computes the gate weights as for its own
+  choice (normalisation, scaling) — the native block's `weights_of`, so the router keeps its gradient.
 
 megatron-core is imported only when a layer is built (`mcore_moe_classes`).
 """
@@ -51,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_vlm.models.common.moe import MoE, RouterStats
+from megatron_vlm.models.common.routing_replay import RoutePlan, record_routes
 from megatron_vlm.models.mcore.errors import McoreBackendError
 
 __all__ = ["moe_config_kwargs", "moe_layer_spec", "replicated_over_tp", "moe_decoder_layer_spec", "check_decoder_moe",
@@ -145,6 +153,7 @@ def mcore_moe_classes():
                 self.register_buffer("expert_bias", torch.zeros(config.num_moe_experts, dtype=torch.float32,
                                                                 device=self.weight.device))
             self.last_logits: Optional[torch.Tensor] = None
+            self.router_replay = _RouteHook()  # megatron-core's routing asks it for the top-k (module docstring)
 
         def _apply(self, fn, recurse=True):
             # the expert bias stays fp32 whatever the model is cast to, as the native router's correction bias
@@ -184,6 +193,15 @@ def mcore_moe_classes():
         """megatron-core's MoELayer with the native `MoE` block's load-statistics interface."""
 
         reports_expert_load = True  # found by models.common.moe.moe_layers
+        accepts_route_plan = True  # found by routing_replay.replaying_routes
+
+        @property
+        def route_plan(self) -> Optional[tuple[RoutePlan, int]]:
+            return self.router.router_replay.plan
+
+        @route_plan.setter
+        def route_plan(self, value: Optional[tuple[RoutePlan, int]]) -> None:
+            self.router.router_replay.plan = value
 
         def __init__(self, *args, **kwargs):
             with _alltoall_without_cuda():
@@ -242,6 +260,28 @@ def mcore_moe_classes():
             return out, bias
 
     return _Router, _MoELayer
+
+
+class _RouteHook:
+    """The top-k step of megatron-core's routing (`topk_routing_with_score_function(router_replay=...)`): its own
+    choice, recorded for routing replay, or, with a `plan` (set through `_MoELayer.route_plan`), the recorded
+    experts of each recorded token with megatron-core's scores of them (rows of -1: the token's own choice)."""
+
+    def __init__(self) -> None:
+        self.plan: Optional[tuple[RoutePlan, int]] = None
+
+    def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: Optional[int], group_topk: Optional[int],
+                        default_compute_topk):
+        values, ids = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        if self.plan is not None:
+            plan, index = self.plan
+            recorded = plan.layer(index, ids.shape[0], topk)
+            plan.count(ids, recorded)
+            if plan.force:
+                ids = torch.where(recorded[:, :1] >= 0, recorded, ids)
+                values = scores.gather(1, ids)  # = topk's values where the token keeps its own choice
+        record_routes(ids, scores.shape[-1])
+        return values, ids
 
 
 @contextlib.contextmanager

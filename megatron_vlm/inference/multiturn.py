@@ -20,12 +20,19 @@ gives the log-probs the rollout saw. 1-D RoPE families continue at the cached to
 Randomness: every conversation draws from its own generator (seed, conversation index), one uniform per
 token, so its tokens depend neither on which others share the batch nor on when its environment answered.
 
+MoE routes (routing replay, models/common/routing_replay.py; an engine built with `record_routes`): every forward
+records the experts of the tokens it feeds (the prompt's prefill, each decode step's token, each appended
+chunk with the turn's last token before it) in the conversation's token order, so a trajectory carries
+`routes` `[prompt + L - 1, MoE layers, k]` over the model's and the environment's tokens alike, as a
+single-turn sample does (the final token is never fed).
+
 Limits end a trajectory with a finish reason: a model turn at `max_new_tokens` "length"; the environment
 done "done"; `max_turns` model turns "max_turns"; a trajectory that would grow past `max_total_tokens`
 "max_total_tokens"; an environment failure "env_error" (counted by the caller).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -40,6 +47,7 @@ from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
 from megatron_vlm.inference.sampling import sample_tokens
 from megatron_vlm.inference.stopping import StopChecker
 from megatron_vlm.models.common.kv_cache import KVCache
+from megatron_vlm.models.common.routing_replay import recording_routes
 from megatron_vlm.models.common.slot_cache import SlotCache
 
 __all__ = ["TurnChunk", "TurnReply", "TurnSource", "Trajectory", "MultiTurnRollout", "MultiTurnLimits"]
@@ -98,6 +106,8 @@ class Trajectory:
     error: str = ""
     info: dict[str, float] = field(default_factory=dict)
     policy_version: int = 0
+    routes: Optional[torch.Tensor] = None
+    """[prompt + L - 1, MoE layers, k] the experts of every fed token (module docstring); None unless recorded."""
 
     @property
     def truncated(self) -> bool:
@@ -125,6 +135,7 @@ class _Conv:
     logits: Optional[torch.Tensor] = None
     finish: str = ""
     error: str = ""
+    routes: list[torch.Tensor] = field(default_factory=list)  # [n, layers, k] per fed chunk, in token order
 
 
 def _conversation_generator(seed: int, index: int, device) -> torch.Generator:
@@ -148,6 +159,7 @@ class MultiTurnRollout:
                               f"{type(engine.model).__name__} keeps another decoding state")
         self.engine = engine
         self.model = engine.model
+        self.record = getattr(engine, "routes_shape", None) is not None  # MoE routes (module docstring)
         self.reprefill_history = reprefill_history
         """The benchmark baseline (benchmarks/e2e/bench_multiturn.py): after each environment turn the whole
         history is prefilled again from an empty cache, as an engine without a cache across turns does."""
@@ -159,6 +171,14 @@ class MultiTurnRollout:
 
     def _logits(self, ids: torch.Tensor, cache, **kw) -> torch.Tensor:
         return self.engine.forward(input_ids=ids, kv_cache=cache, **kw)[:, -1].float()
+
+    def _routes_of(self, rec, rows: int) -> Optional[torch.Tensor]:
+        """The recorded experts of a forward of `rows` rows, `[rows, tokens per row, layers, k]` (None: not recorded)."""
+        routes = rec.stacked() if rec is not None else None
+        return None if routes is None else routes.view(rows, -1, *routes.shape[1:])
+
+    def _recording(self):
+        return recording_routes() if self.record else contextlib.nullcontext()
 
     def _positions(self, ids: torch.Tensor, vision: dict, start: int, delta: int) -> tuple[Optional[torch.Tensor], int]:
         """M-RoPE positions [3, 1, n] of a chunk appended after `start` cached tokens with rope delta `delta`, and
@@ -175,7 +195,10 @@ class MultiTurnRollout:
         p = conv.prompt
         tmp = self.model.new_cache(1, len(p), dtype=self.engine.cache_dtype, device=dev)
         vision = {k: getattr(p, k).to(dev) for k in VISION_KEYS if getattr(p, k, None) is not None}
-        conv.logits = self._logits(p.input_ids.to(dev)[None], tmp, **vision)[0]
+        with self._recording() as rec:
+            conv.logits = self._logits(p.input_ids.to(dev)[None], tmp, **vision)[0]
+        if (routes := self._routes_of(rec, 1)) is not None:
+            conv.routes.append(routes[0])
         cache.load_prefix([conv.slot], tmp, 0)
         self.stats["prefill_calls"] += 1
 
@@ -222,7 +245,11 @@ class MultiTurnRollout:
         kw: dict = {k: torch.cat(v) for k, v in vision.items()}
         if pos is not None:
             kw["position_ids"] = pos
-        logits = self.engine.forward(input_ids=ids, attention_mask=new_mask, kv_cache=tmp, **kw)[:, -1].float()
+        with self._recording() as rec:
+            logits = self.engine.forward(input_ids=ids, attention_mask=new_mask, kv_cache=tmp, **kw)[:, -1].float()
+        if (routes := self._routes_of(rec, b)) is not None:  # each row's new tokens, right-aligned
+            for i, (conv, row_ids, _, _) in enumerate(rows):
+                conv.routes.append(routes[i, nmax - int(row_ids.numel()):])
         tmp.set_rope_deltas(torch.tensor(new_deltas, dtype=torch.long)[:, None])
         self.stats["append_padded_rows"] += sum(r[3] < lmax or int(r[1].numel()) < nmax for r in rows)
         for i, (conv, row_ids, _, _) in enumerate(rows):
@@ -254,7 +281,11 @@ class MultiTurnRollout:
             mask[i, longest - x.numel():] = 1
         tmp = self.model.new_cache(len(seqs), longest, dtype=self.engine.cache_dtype, device=dev)
         kw = {k: torch.cat(v).to(dev) for k, v in vision.items()}
-        logits = self._logits(ids.to(dev), tmp, attention_mask=mask.to(dev), **kw)
+        with self._recording() as rec:
+            logits = self._logits(ids.to(dev), tmp, attention_mask=mask.to(dev), **kw)
+        if (routes := self._routes_of(rec, len(seqs))) is not None:  # the whole history, fed again
+            for i, (conv, _) in enumerate(appends):
+                conv.routes = [routes[i, longest - int(seqs[i].numel()):]]
         for i, (conv, _) in enumerate(appends):
             conv.logits = logits[i]
             cache.load_prefix([conv.slot], tmp, i)
@@ -321,9 +352,13 @@ class MultiTurnRollout:
             if running:  # one decode step for every generating conversation, whatever its turn
                 cache.set_active([c.slot for c in running])
                 feed = torch.tensor([c.ids[-1] for c in running], dtype=torch.long, device=dev)
-                step_logits = self._logits(feed[:, None], cache)
-                for c, row in zip(running, step_logits):
+                with self._recording() as rec:
+                    step_logits = self._logits(feed[:, None], cache)
+                routes = self._routes_of(rec, len(running))
+                for i, (c, row) in enumerate(zip(running, step_logits)):
                     c.logits = row
+                    if routes is not None:
+                        c.routes.append(routes[i])
                 self.stats["decode_steps"] += 1
             to_env = [c for c in ended if not c.finish]
             if to_env:
@@ -387,4 +422,5 @@ class MultiTurnRollout:
             vision={k: torch.cat(v) for k, v in c.vision.items() if v}, text=c.turn_texts[-1] if c.turn_texts else "",
             turn_texts=list(c.turn_texts), turn_rewards=list(c.rewards), finish_reason=c.finish,
             prompt_length=len(c.prompt), error=c.error, info=dict(c.info), policy_version=self.engine.policy_version,
+            routes=torch.cat(c.routes).cpu() if c.routes else None,
         )

@@ -235,7 +235,7 @@ def _token_routes(s: TrainSample) -> torch.Tensor:
     """The sample's routes per token of prompt + response `[P + L, layers, k]`: the recorded ones and a -1 row for
     the final token (no forward of the rollout read it; the pack leaves it out)."""
     assert s.routes is not None
-    n = len(s.prompt) + s.response_length
+    n = s.num_tokens  # a multi-turn trajectory's environment tokens were fed (and routed) too
     if s.routes.dim() != 3 or s.routes.shape[0] < n - 1:
         raise ValueError(f"pack_samples: routes of shape {tuple(s.routes.shape)} for {n - 1} read tokens "
                          "(prompt + response - 1)")

@@ -618,8 +618,9 @@ class RLConfig:
     on the sample) and the training forwards (old-log-prob recompute, update) route each token to them, the
     gate weights recomputed from the current router scores of those experts (the router keeps its gradient;
     models/common/routing_replay.py). Either way a MoE policy logs rollout/routing_mismatch_frac (tokens x
-    layers whose top-k set differs between rollout and the training forward without replay). Native MoE
-    layers without context or pipeline parallelism; not with rollout_backend = "vllm" (exit 2)."""
+    layers whose top-k set differs between rollout and the training forward without replay). Native and
+    megatron-core MoE layers, context parallelism, multi-turn [rl.env] trajectories (the environment's tokens
+    too); not with pipeline parallelism or rollout_backend = "vllm" (exit 2)."""
     recompute_logprobs: bool = False
     """Recompute the old-policy log-probs of the PPO ratio with a training-layout forward pass before
     the update, instead of taking the rollout engine's behaviour log-probs (one extra forward over the
@@ -704,9 +705,6 @@ class RLConfig:
             raise ValueError("rollout.weights: multi-turn rollouts ([rl.env]) decode with the engine's own weights copy; "
                              "set rollout.weights = 'copy'")
         # what the multi-turn engine and trajectory samples do not carry yet: refused, not silently dropped
-        if self.routing_replay != "off":
-            raise ConfigError("routing_replay: the multi-turn engine ([rl.env]) does not record MoE routes yet; "
-                              "set routing_replay = 'off' (or remove [rl.env])")
         if self.advantage == "gae":
             raise ConfigError("advantage: 'gae' (PPO's critic) is not wired to multi-turn trajectories ([rl.env]) yet; "
                               "use a group estimator (e.g. 'grpo') or remove [rl.env]")
@@ -735,8 +733,9 @@ class RLConfig:
             raise ValueError(f"routing_replay: must be 'off' or 'rollout', got {self.routing_replay!r}")
         if self.routing_replay == "rollout" and self.rollout_backend == "vllm":
             raise ConfigError("routing_replay: 'rollout' needs the experts the rollout routed each token to, which the "
-                              "vllm back end does not return here; use rollout_backend = 'builtin' or routing_replay = "
-                              "'off'")
+                              "vllm back end does not return here (vLLM 0.32 returns them only from its Triton model "
+                              "runner V2, absent from its CPU build: not wired); use rollout_backend = 'builtin' or "
+                              "routing_replay = 'off'")
 
     def _validate_critic(self) -> None:
         """`advantage = "gae"` (PPO with a critic): the `[rl.critic]` table and `advantages.gamma` / `lam` are read only

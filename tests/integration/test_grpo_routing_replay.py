@@ -9,6 +9,7 @@ bf16 training forwards: the decode / packed layouts round differently, so some t
 - tensor parallelism (tp = 2, fp32): the replicated MoE blocks take the routes of the gathered sequence.
 - context parallelism (cp = 2, fp32): each rank's context-parallel layers take the routes of its chunks.
 - the megatron-core backend (fp32): its MoE layers record in the rollout and replay in the training forwards.
+- multi-turn [rl.env] (fp32): the trajectories' routes cover the environment's tokens too, and replay over them.
 - a LoRA policy (fp32) replays as well.
 """
 from __future__ import annotations
@@ -117,6 +118,24 @@ def test_mcore_backend_replays(tmp_path):
     run_job(sets, config=GRPO_DEMO)
     rows = read_metrics(out / "metrics_train.csv")
     assert [int(r["step"]) for r in rows] == [1, 2]
+    for r in rows:
+        assert _frac(r) <= 0.01 and float(r["rollout/logprob_abs_diff"]) < 1e-5, r
+
+
+def test_multiturn_trajectories_replay(tmp_path):
+    """[rl.env] (an environment answering turn 1 with an image), fp32: every trajectory carries the routes of its
+    model and environment tokens; the training forwards route as the rollout did and match its log-probs."""
+    from test_grpo_multiturn import multiturn_overrides
+
+    out = tmp_path / "env"
+    sets = multiturn_overrides(out, tmp_path / "assets", **{
+        "model.synthesize": '"tiny_qwen3_vl_moe"', "rl.routing_replay": '"rollout"', "train.max_steps": "2",
+        "checkpoint.enable": "false", "checkpoint.export_hf": "false", "rl.loss.kl_coef": "0.0",
+        "rl.reward_pool.workers": "1"})
+    run_job(sets, config=GRPO_DEMO)
+    rows = read_metrics(out / "metrics_train.csv")
+    assert [int(r["step"]) for r in rows] == [1, 2]
+    assert max(float(r["env/turns_mean"]) for r in rows) > 1.0  # conversations went past turn 1
     for r in rows:
         assert _frac(r) <= 0.01 and float(r["rollout/logprob_abs_diff"]) < 1e-5, r
 

@@ -18,7 +18,8 @@ __all__ = ["trajectory_train_sample", "trajectory_metrics", "FINISH_REASONS"]
 
 def trajectory_train_sample(prompt: RolloutPrompt, t: Trajectory, advantage: float) -> TrainSample:
     return TrainSample(prompt=prompt, response_ids=t.token_ids, behav_logp=t.logprobs, advantage=advantage,
-                       old_logp=t.logprobs, response_mask=t.model_mask, response_vision=dict(t.vision) or None)
+                       old_logp=t.logprobs, response_mask=t.model_mask, response_vision=dict(t.vision) or None,
+                       routes=t.routes)
 
 
 FINISH_REASONS = ("done", "max_turns", "max_total_tokens", "length", "env_error")

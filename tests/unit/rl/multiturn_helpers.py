@@ -22,7 +22,8 @@ def vqa_file(folder):
     return write_synthetic_vqa(folder, 2, 2, seed=0)["eval"]
 
 
-def rollout(kind, vqa, tmp_path, *, env=ENV, kwargs=None, runner=None, reprefill=False, eos_every=2, max_turns=3, max_total=4096, max_new=12, n=2, seed=0):
+def rollout(kind, vqa, tmp_path, *, env=ENV, kwargs=None, runner=None, reprefill=False, eos_every=2, max_turns=3, max_total=4096, max_new=12, n=2, seed=0,
+            record_routes=False):
     folder = synthesize_model_folder(kind, tmp_path / kind, seed=0)
     model, proc = load_hf_model(str(folder)).eval(), load_processor(str(folder))
     encoder = PromptEncoder(proc, max_frames=4, fps=2.0, max_new_tokens=max_new, max_tokens=max_total)
@@ -31,7 +32,8 @@ def rollout(kind, vqa, tmp_path, *, env=ENV, kwargs=None, runner=None, reprefill
     # every even token id ends a turn (eos_every = 2): turns of a few tokens from a random model
     vocab = model.lm_head.weight.shape[0]
     eos = set(range(0, vocab, eos_every))
-    engine = PolicyRolloutEngine(model, proc.tokenizer, EngineOptions(eos_token_ids=eos, max_num_seqs=3))
+    options = EngineOptions(eos_token_ids=eos, max_num_seqs=3, record_routes=record_routes)
+    engine = PolicyRolloutEngine(model, proc.tokenizer, options)
     session = EnvSession(runner or InlineEnvRunner(), TurnEncoder(proc), name=env, kwargs=kwargs or {},
                          samples=[env_sample(s, p) for s, p in zip(samples, prompts)],
                          histories=[s.messages for s in samples], n=n, eos_token_ids=sorted(eos))

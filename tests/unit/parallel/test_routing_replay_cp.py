@@ -9,9 +9,13 @@ equal the one-process ones within 1e-6, every token of a rank's chunks goes to i
 rows are written out here from the layout's definition: chunk i of 2 cp = [T i / 2cp, T (i+1) / 2cp), rank r
 holds chunks r and 2cp-1-r), the router gradients summed over the ranks equal the one-process ones (cp scales a
 layer's local gradient by cp: context_parallel.py) and the mismatch counts summed over the ranks equal one
-process's.
+process's. The same model with megatron-core's layers (`parallel.backend = "mcore"`, split the same way) replays
+the same routes to the same log-probs (1e-5: another kernel order), counts and router gradients.
 """
 from __future__ import annotations
+
+import copy
+import importlib.util
 
 import pytest
 import torch
@@ -74,6 +78,7 @@ def _family(tmp, rank: int, kind: str) -> None:
                 m.gate.weight += torch.randn(m.gate.weight.shape, generator=gen) * 0.05
     wrap = TokenLogprobModel(model)
     model.train()
+    mcore = copy.deepcopy(model) if importlib.util.find_spec("megatron.core") is not None else None
     ref_lp, ref_used, ref_grads, ref_counts = _replayed(wrap, model, batch, routes)
     differ, recorded = ref_counts.tolist()
     assert recorded == total * len(layers) and differ / recorded > 0.05, (kind, differ, recorded)
@@ -91,6 +96,24 @@ def _family(tmp, rank: int, kind: str) -> None:
         assert want.abs().sum() > 0
         dist.all_reduce(got)
         torch.testing.assert_close(got / CP, want, atol=1e-5, rtol=1e-5)
+    dist.all_reduce(counts)
+    assert torch.equal(counts, ref_counts), (counts, ref_counts)
+
+    if mcore is None:  # megatron-core is a dev extra
+        return
+    from megatron_vlm.models.mcore.layer import use_mcore_layers
+
+    use_mcore_layers(mcore)
+    split = [layer for layer in mcore.language_model.layers
+             if not any(isinstance(m, Mamba2Mixer) for m in layer.modules())]
+    assert apply_cp(split, ContextParallel(dist.group.WORLD, CP, rank)) > 0
+    assert all(type(m).__mro__[1].__name__ == "MoELayer" for m in moe_layers(mcore))
+    lp, used, grads, counts = _replayed(TokenLogprobModel(mcore), mcore, batch, routes)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
+    assert torch.equal(used.long(), routes[rows].long()), kind
+    for got, want in zip(grads, ref_grads):
+        dist.all_reduce(got)
+        torch.testing.assert_close(got / CP, want, atol=1e-5, rtol=1e-4)
     dist.all_reduce(counts)
     assert torch.equal(counts, ref_counts), (counts, ref_counts)
 

@@ -8,7 +8,8 @@ bf16 training forwards: the decode / packed layouts round differently, so some t
   travel over the bridge with the samples and the decoupled loss trains on them (routing mismatch logged).
 - tensor parallelism (tp = 2, fp32): the replicated MoE blocks take the routes of the gathered sequence.
 - context parallelism (cp = 2, fp32): each rank's context-parallel layers take the routes of its chunks.
-- the megatron-core backend (fp32): its MoE layers record in the rollout and replay in the training forwards.
+- the megatron-core backend (fp32): its MoE layers record in the rollout and replay in the training forwards;
+  also with ep = 2 (its all-to-all dispatcher, the rollout decoding in lock-step through the sharded layers).
 - multi-turn [rl.env] (fp32): the trajectories' routes cover the environment's tokens too, and replay over them.
 - a LoRA policy (fp32) replays as well.
 """
@@ -116,6 +117,22 @@ def test_mcore_backend_replays(tmp_path):
         "train.max_steps": "2", "checkpoint.enable": "false", "checkpoint.export_hf": "false", "rl.loss.kl_coef": "0.0",
         "rl.reward_pool.workers": "1"})
     run_job(sets, config=GRPO_DEMO)
+    rows = read_metrics(out / "metrics_train.csv")
+    assert [int(r["step"]) for r in rows] == [1, 2]
+    for r in rows:
+        assert _frac(r) <= 0.01 and float(r["rollout/logprob_abs_diff"]) < 1e-5, r
+
+
+@pytest.mark.distributed
+def test_mcore_expert_parallel_replays(tmp_path):
+    """parallel.backend = "mcore" with ep = 2 (each rank holds half of megatron-core's experts; the rollout decodes
+    in lock-step through them, rollout.weights = "shared"), fp32: recorded and replayed routes agree."""
+    out = tmp_path / "mcore_ep"
+    sets = grpo_overrides(out, tmp_path / "assets", **{
+        "model.synthesize": '"tiny_qwen3_vl_moe"', "rl.routing_replay": '"rollout"', "parallel.backend": '"mcore"',
+        "parallel.ep": "2", "rl.rollout.weights": '"shared"', "train.max_steps": "2", "checkpoint.enable": "false",
+        "checkpoint.export_hf": "false", "rl.loss.kl_coef": "0.0", "rl.reward_pool.workers": "1"})
+    run_job(sets, nproc=2, config=GRPO_DEMO)
     rows = read_metrics(out / "metrics_train.csv")
     assert [int(r["step"]) for r in rows] == [1, 2]
     for r in rows:

@@ -25,7 +25,7 @@ from torch import nn
 
 from megatron_vlm.data.batch import model_inputs
 
-__all__ = ["SequenceScoreModel", "load_score_model", "save_score_model", "score_num_labels"]
+__all__ = ["SequenceScoreModel", "load_score_model", "save_score_model", "write_score_files", "score_num_labels"]
 
 _HEAD_KEYS = ("score.weight", "score.bias")
 
@@ -125,18 +125,30 @@ def save_score_model(model: SequenceScoreModel, path: Union[str, Path], *, copy_
     """Write `model` in the layout `load_score_model` reads (one model.safetensors, config.json with the
     architecture and `num_labels`, the tokenizer / processor files of `copy_from`). For tests and scripts that
     train a small reward model; the folder is written in place."""
-    from megatron_vlm.checkpoint.hf import copy_tokenizer_files
-    from megatron_vlm.models.registry import family_for_args
-
     path = Path(path)
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
     backbone = model.backbone
+    write_score_files(path, backbone, {k: v.detach().cpu() for k, v in backbone.state_dict().items()},
+                      {k: v.detach().cpu() for k, v in model.score.state_dict().items()}, copy_from=copy_from,
+                      architecture=architecture)
+    return path
+
+
+def write_score_files(path: Path, backbone: Any, backbone_state: dict[str, torch.Tensor],
+                      score_state: dict[str, torch.Tensor], *, copy_from: Optional[Union[str, Path]] = None,
+                      architecture: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """The files of a reward model folder into the existing folder `path`: `backbone_state` (our names; any
+    `lm_head.*` dropped) through the family's adapter of `backbone` (its `args`, `hf_config`), `score_state` as
+    `score.*`; returns the tensors written (transformers' names)."""
+    from megatron_vlm.checkpoint.hf import copy_tokenizer_files
+    from megatron_vlm.models.registry import family_for_args
+
     adapter = family_for_args(backbone.args).state_dict_adapter(backbone.args)
-    ours = {k: v.detach().cpu().contiguous() for k, v in backbone.state_dict().items() if not k.startswith("lm_head.")}
+    ours = {k: v.contiguous() for k, v in backbone_state.items() if not k.startswith("lm_head.")}
     tensors = {k: v for k, v in adapter.to_hf(ours).items() if not k.startswith("lm_head.")}
-    tensors.update({f"score.{k}": v.detach().cpu().contiguous() for k, v in model.score.state_dict().items()})
+    tensors.update({f"score.{k}": v.contiguous() for k, v in score_state.items()})
     seen: set[int] = set()
     for k, t in list(tensors.items()):  # safetensors refuses shared storage (tied embeddings)
         ptr = t.untyped_storage().data_ptr()
@@ -145,10 +157,10 @@ def save_score_model(model: SequenceScoreModel, path: Union[str, Path], *, copy_
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     config = dict(getattr(backbone, "hf_config", None) or backbone.args.to_hf_config())
     arch = architecture or f"{type(backbone).__name__.split('For')[0]}ForSequenceClassification"
-    n = model.score.out_features
+    n = int(score_state["weight"].shape[0])
     config.update(architectures=[arch], num_labels=n, id2label={str(i): f"LABEL_{i}" for i in range(n)},
                   label2id={f"LABEL_{i}": i for i in range(n)})
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if copy_from is not None:
         copy_tokenizer_files(copy_from, path)
-    return path
+    return tensors

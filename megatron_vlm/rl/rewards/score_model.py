@@ -14,18 +14,17 @@ float32 on the backbone's final-norm hidden states.
 """
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
+from megatron_vlm.checkpoint.score_folder import write_score_files
 from megatron_vlm.data.batch import model_inputs
 
-__all__ = ["SequenceScoreModel", "load_score_model", "save_score_model", "write_score_files", "score_num_labels"]
+__all__ = ["SequenceScoreModel", "load_score_model", "save_score_model", "score_num_labels"]
 
 _HEAD_KEYS = ("score.weight", "score.bias")
 
@@ -134,33 +133,3 @@ def save_score_model(model: SequenceScoreModel, path: Union[str, Path], *, copy_
                       {k: v.detach().cpu() for k, v in model.score.state_dict().items()}, copy_from=copy_from,
                       architecture=architecture)
     return path
-
-
-def write_score_files(path: Path, backbone: Any, backbone_state: dict[str, torch.Tensor],
-                      score_state: dict[str, torch.Tensor], *, copy_from: Optional[Union[str, Path]] = None,
-                      architecture: Optional[str] = None) -> dict[str, torch.Tensor]:
-    """The files of a reward model folder into the existing folder `path`: `backbone_state` (our names; any
-    `lm_head.*` dropped) through the family's adapter of `backbone` (its `args`, `hf_config`), `score_state` as
-    `score.*`; returns the tensors written (transformers' names)."""
-    from megatron_vlm.checkpoint.hf import copy_tokenizer_files
-    from megatron_vlm.models.registry import family_for_args
-
-    adapter = family_for_args(backbone.args).state_dict_adapter(backbone.args)
-    ours = {k: v.contiguous() for k, v in backbone_state.items() if not k.startswith("lm_head.")}
-    tensors = {k: v for k, v in adapter.to_hf(ours).items() if not k.startswith("lm_head.")}
-    tensors.update({f"score.{k}": v.contiguous() for k, v in score_state.items()})
-    seen: set[int] = set()
-    for k, t in list(tensors.items()):  # safetensors refuses shared storage (tied embeddings)
-        ptr = t.untyped_storage().data_ptr()
-        tensors[k] = t.clone() if ptr in seen else t
-        seen.add(ptr)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    config = dict(getattr(backbone, "hf_config", None) or backbone.args.to_hf_config())
-    arch = architecture or f"{type(backbone).__name__.split('For')[0]}ForSequenceClassification"
-    n = int(score_state["weight"].shape[0])
-    config.update(architectures=[arch], num_labels=n, id2label={str(i): f"LABEL_{i}" for i in range(n)},
-                  label2id={f"LABEL_{i}": i for i in range(n)})
-    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if copy_from is not None:
-        copy_tokenizer_files(copy_from, path)
-    return tensors

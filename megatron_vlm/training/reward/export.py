@@ -22,8 +22,8 @@ from megatron_vlm.checkpoint.manager import (
     full_model_state_dict,
     gather_errors,
 )
+from megatron_vlm.checkpoint.score_folder import write_score_files
 from megatron_vlm.finite import check_finite
-from megatron_vlm.rl.rewards.score_model import write_score_files
 from megatron_vlm.training.checkpointing import EXIT_SAVE_FAILED, Checkpointer, _fail
 
 __all__ = ["RewardCheckpointer", "export_score_folder"]

@@ -42,8 +42,10 @@ def head_std(hf_config: dict, configured: float) -> float:
     VLM), else 0.02."""
     if configured > 0:
         return float(configured)
-    text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else {}
-    return float(hf_config.get("initializer_range", text.get("initializer_range", 0.02)))
+    text = hf_config.get("text_config")
+    fallback = text.get("initializer_range", 0.02) if isinstance(text, dict) else 0.02
+    value = hf_config.get("initializer_range", fallback)
+    return float(value if value is not None else 0.02)
 
 
 class ScoreRoot(nn.Module):

@@ -221,6 +221,11 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
                 "the policy with its adapters off" if ref_kind == "on_the_fly" else
                 "precomputed once before the first step (no copy held)")
         lines.append(f"dpo        loss {loss}, reference {ref_kind}: {what}")
+    if cfg.train.mode == "reward":  # training/reward/: the policy-sized counts below still include the lm_head
+        r = cfg.reward
+        lines.append(f"reward     Bradley-Terry on pairs (margin {r.margin if r is not None else 0.0:g}): a scalar head on "
+                     "the backbone, its lm_head not held (counted below: an over-estimate); export <output_dir>/hf, "
+                     "a sequence-classification folder")
     mem = estimate_memory(shape, fsdp=shard * cfg.parallel.cp, master_bytes=master, compute_bytes=compute, tokens=tokens,
                           activation_checkpointing=cfg.train.activation_checkpointing,
                           rollout_prompts=rollout_prompts, group_size=group, tp=tp,

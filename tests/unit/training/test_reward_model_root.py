@@ -6,6 +6,7 @@
 - on a tiny Qwen2.5-VL, the export scored through `ModelRewardScorer` (our loader, the rendering of the
   `[[rl.rewards]] type = "model"` reward) equals the training root's rewards of the same conversations as the
   preference loader packs them;
+- one packed forward over pairs gives each sequence the reward it gets alone (images kept apart);
 - in training mode the zero-valued anchor gives every trainable parameter a gradient even for a pack with no
   image (what FSDP's reduce-scatter needs on every rank), and leaves the rewards unchanged.
 """
@@ -111,3 +112,38 @@ def test_head_std_from_the_config():
     assert head_std({"initializer_range": 0.05}, 0.0) == 0.05
     assert head_std({"text_config": {"initializer_range": 0.01}}, 0.0) == 0.01
     assert head_std({}, 0.0) == 0.02 and head_std({"initializer_range": 0.05}, 0.3) == 0.3
+
+
+def test_one_packed_forward_of_pairs_equals_each_sequence_alone(tmp_path, tiny_vlm_folder):
+    """A pack of pairs (chosen, rejected, ... with their images) scored in ONE varlen forward gives each sequence the
+    reward it gets alone: `cu_seqlens` keeps sequences and images apart, the last token of each is pooled."""
+    from megatron_vlm.data.config import DataConfig
+    from megatron_vlm.data.packing import collate_pack
+    from megatron_vlm.data.preference_loader import build_preference_dataloader
+    from megatron_vlm.data.processing import ProcessedSample
+    from megatron_vlm.data.processor import load_processor
+    from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
+    from megatron_vlm.training.reward.step import pair_rewards
+
+    cfg = DataConfig(type="synthetic_vqa", synthetic_dir=str(tmp_path / "data"), synthetic_train_size=12,
+                     synthetic_eval_size=0, max_tokens_per_pack=512, num_workers=0, shuffle=False)
+    write_synthetic_vqa(tmp_path / "data", 12, 0, seed=0, image_size=56)
+    pack = next(iter(build_preference_dataloader(cfg, load_processor(tiny_vlm_folder), seed=0, dp_rank=0, dp_size=1)))
+    pairs = int(pack["num_pairs"])
+    assert pairs >= 3
+    root = ScoreRoot(load_hf_model(tiny_vlm_folder, dtype=torch.float64, device="cpu"), std=1.0, seed=2).eval()
+    root.score.double()
+    per = int(pack["image_grid_thw"][0].prod())  # the synthetic images all have one size
+    with torch.no_grad():
+        chosen, rejected = pair_rewards(root(pack), pack)
+        cu = pack["cu_seqlens"]
+        for s in range(2 * pairs):
+            a, b = int(cu[s]), int(cu[s + 1])
+            alone = collate_pack([ProcessedSample(input_ids=pack["input_ids"][0, a:b],
+                                                  label_mask=torch.zeros(b - a, dtype=torch.bool),
+                                                  pixel_values=pack["pixel_values"][s * per:(s + 1) * per],
+                                                  image_grid_thw=pack["image_grid_thw"][s:s + 1])])
+            want = root(alone)[0]
+            got = (chosen if s % 2 == 0 else rejected)[s // 2]
+            torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(chosen, rejected)

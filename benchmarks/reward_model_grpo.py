@@ -4,11 +4,12 @@ Three stages (`--only` runs one; an SFT stage is skipped when its export exists)
 
 1. `sft`: the GRPO demo's start, 100 steps of demo_sft.toml (runs/demo_sft_short/hf), as the demo's first command;
    with `--rm-init full` also the whole SFT demo (600 steps, runs/demo_sft/hf), the reward model's start;
-2. `reward-model`: a sequence-classification model on an SFT checkpoint's backbone (`--rm-init short`: the policy's
-   own 100-step start; `full`: the 600-step SFT demo, as reward models usually start from a stronger SFT model than
-   the policy) with a fresh scalar head, trained on the train split's correct vs wrong answers
-   (megatron_vlm/testing/reward_model_vqa.py); its held-out pair accuracy (correct scored above wrong) before and
-   after; written to runs/demo_reward_model/hf;
+2. `reward-model`: reward-model training as a user runs it (`[train] mode = "reward"`,
+   launch/configs/demo_reward_model.toml, the Bradley-Terry loss): a scalar head on an SFT checkpoint's backbone
+   (`--rm-init short`: the policy's own 100-step start; `full`: the 600-step SFT demo, as reward models usually start
+   from a stronger SFT model than the policy), trained on preference JSONL files of the train split's correct vs
+   wrong answers (megatron_vlm/testing/reward_model_vqa.py: vqa_pairs); its held-out pair accuracy (correct scored
+   above wrong) before and after from the run's metrics_eval.csv; exported to runs/demo_reward_model/hf;
 3. `grpo`: launch/configs/demo_grpo_reward_model.toml (the demo with `[[rl.rewards]] type = "model"`, the
    exact-match rule at weight 0 only for the accuracy), the held-out accuracy from metrics_eval.csv.
 
@@ -16,7 +17,7 @@ Three stages (`--only` runs one; an SFT stage is skipped when its export exists)
         [--negatives 3] [--kl-coef 0.1] [--rm-path runs/demo_reward_model_x/hf] [--tag kl0.1]
 
 `--negatives N` trains the reward model on N wrong answers per training question (N draws of vqa_pairs, more hard
-negatives); `--kl-coef` sets rl.loss.kl_coef (a KL penalty to the SFT start); `--rm-path` points GRPO at an
+negatives; `--rm-steps` optimizer steps of ~12 pairs, one 1024-token pack); `--kl-coef` sets rl.loss.kl_coef (a KL penalty to the SFT start); `--rm-path` points GRPO at an
 existing reward model folder; `--tag` suffixes the output folders and the results file.
 
 Results go to runs/reward_model_grpo.json (and the log); the figures are in megatron_vlm/rl/README.md.
@@ -57,29 +58,33 @@ def stage_sft(nproc: int, full: bool) -> None:
 
 
 def stage_reward_model(steps: int, init: Path, malformed: float, negatives: int, results: dict) -> None:
-    import torch
+    """The reward model through the product path (`[train] mode = "reward"`, launch/configs/demo_reward_model.toml):
+    preference JSONL files of the synthetic set's questions (the right answer chosen, a vqa_pairs wrong answer
+    rejected; `negatives` draws per training question), trained from `init`'s causal export with a fresh head;
+    the held-out pair accuracy before (step 0) and after from the run's metrics_eval.csv."""
+    from megatron_vlm.testing.reward_model_vqa import vqa_pairs, write_preference_jsonl
 
-    from megatron_vlm.data.processor import load_processor
-    from megatron_vlm.rl.rewards.score_model import save_score_model
-    from megatron_vlm.testing.reward_model_vqa import pair_accuracy, score_model_from_causal, train_vqa_reward_model, vqa_pairs
-
-    torch.manual_seed(0)
-    processor = load_processor(init / "hf")
+    pairs = RM / "pairs"
     train = [p for s in range(negatives) for p in vqa_pairs(DATA / "train.jsonl", seed=s, malformed=malformed)]
     held = vqa_pairs(DATA / "eval.jsonl", seed=1, malformed=malformed)
-    model = score_model_from_causal(init / "hf", seed=0)
-    before = pair_accuracy(model, processor, held)
+    write_preference_jsonl(train, pairs / "train.jsonl")
+    write_preference_jsonl(held, pairs / "eval.jsonl")
     t0 = time.perf_counter()
-    losses = train_vqa_reward_model(model, processor, train, steps=steps, batch_prompts=16, lr=3e-4, seed=0,
-                                    log=lambda s, v: print(f"rm step {s + 1}/{steps} loss {v:.4f}", flush=True)
-                                    if (s + 1) % 25 == 0 else None)
-    after = pair_accuracy(model, processor, held)
-    save_score_model(model, RM / "hf", copy_from=init / "hf")
+    sets = {"model.path": f'"{(init / "hf").relative_to(REPO)}"', "data.type": '"messages_jsonl"',
+            "data.train_path": f'"{(pairs / "train.jsonl").relative_to(REPO)}"',
+            "data.eval_path": f'"{(pairs / "eval.jsonl").relative_to(REPO)}"', "train.output_dir": f'"{RM.relative_to(REPO)}"',
+            "train.max_steps": steps, "train.eval_every": 0, "checkpoint.resume": '"none"', "checkpoint.every_steps": 0}
+    _launch(["--config", "launch/configs/demo_reward_model.toml", *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]],
+            nproc=1)
+    ev = {int(r["step"]): r for r in csv.DictReader((RM / "metrics_eval.csv").open())}
+    tr = list(csv.DictReader((RM / "metrics_train.csv").open()))
+    loss = [float(r["loss"]) for r in tr if r.get("loss")]
     results["reward_model"] = {"init": str(init.relative_to(REPO)), "malformed": malformed, "negatives": negatives,
-                               "train_pairs": len(train), "steps": steps, "pairs_per_step": 16, "train_seconds": round(time.perf_counter() - t0, 1),
-                               "loss_first_25": sum(losses[:25]) / 25, "loss_last_25": sum(losses[-25:]) / 25,
-                               "heldout_pair_accuracy_before": before, "heldout_pair_accuracy_after": after,
-                               "heldout_pairs": len(held)}
+                               "train_pairs": len(train), "steps": steps, "loss": "bradley_terry",
+                               "train_seconds": round(time.perf_counter() - t0, 1),
+                               "loss_first_logged": loss[0] if loss else None, "loss_last_logged": loss[-1] if loss else None,
+                               "heldout_pair_accuracy_before": float(ev[0]["accuracy"]),
+                               "heldout_pair_accuracy_after": float(ev[max(ev)]["accuracy"]), "heldout_pairs": len(held)}
     print("reward model:", results["reward_model"], flush=True)
 
 

@@ -6,8 +6,8 @@
     python launch/pretrain_vlm.py --config x.toml --check --world-size 8 --device-memory-gib 80
                                                               # will it start and fit? (no weights)
 
-`[train] mode` picks the job ("sft", "grpo", "dpo": preference optimisation, see docs/dpo.md, or "eval":
-benchmark evaluation, see launch/evaluate.py). Config errors exit with code 2 and one line;
+`[train] mode` picks the job ("sft", "grpo", "dpo": preference optimisation, see docs/dpo.md, "reward":
+reward-model training, see docs/reward_models.md, or "eval": benchmark evaluation, see launch/evaluate.py). Config errors exit with code 2 and one line;
 SIGTERM (SLURM preemption) saves a checkpoint and exits with 143; process groups are torn down on
 success, error and Ctrl-C.
 """

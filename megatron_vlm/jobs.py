@@ -18,6 +18,8 @@ its held-out evaluation from here. Set-up order, per kind (the same on every ran
 - DPO: data (synthetic set, bad-record log), model bundle, pair loaders, reference (before the resume: a
   precomputed reference is scored from the initial weights), run length, optimizer + schedule, checkpointer +
   resume, metrics logger, held-out preference evaluation (also at step 0 of a fresh run), loop;
+- reward model (`train.mode = "reward"`, training/reward/): DPO's set-up with the scalar-head model bundle and
+  no reference; the checkpointer's final export is the reward model folder;
 - stages: for each stage its own config (`stage_overrides`) and run folder, run as an SFT job; a
   stage whose Hugging Face export is complete is skipped (the command can be run again after a stop);
 - eval: model bundle, the rollout engine of the answer accuracy, each benchmark in turn, the result
@@ -57,10 +59,13 @@ from megatron_vlm.training.loop import run_loop
 from megatron_vlm.training.lora import LoRASetupError
 from megatron_vlm.training.model_bundle import ModelBundle, build_model_bundle
 from megatron_vlm.training.optim import OptimState, build_optim_state, total_steps
+from megatron_vlm.training.reward.build import build_reward_bundle, reward_section
+from megatron_vlm.training.reward.export import RewardCheckpointer
+from megatron_vlm.training.reward.step import RewardEvaluator, RewardStep
 from megatron_vlm.training.sft import SFTStep, build_train_loader, prepare_sft_data, steps_per_epoch
 from megatron_vlm.training.stages import stage_overrides
 
-__all__ = ["run_sft", "run_grpo", "run_dpo", "run_stages", "run_eval", "run_kind"]
+__all__ = ["run_sft", "run_grpo", "run_dpo", "run_reward", "run_stages", "run_eval", "run_kind"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -108,6 +113,28 @@ def run_dpo(ctx: RunContext, *, before_step=None) -> int:
     evaluate = DPOEvaluator(ctx, bundle, dpo, reference, eval_loader, max_batches=cfg.train.eval_max_batches)
     step = DPOStep(ctx, bundle, optim, metrics, loader, dpo=dpo, reference=reference, bad_records=bad_records,
                    evaluate=evaluate)
+    code = run_loop(ctx, step, total_steps=num_steps, checkpointer=checkpointer, metrics=metrics,
+                    log_every=cfg.train.log_every, eval_every=cfg.train.eval_every, eval_at_start=eval_loader is not None,
+                    resume=resume, before_step=before_step)
+    metrics.close()
+    return code
+
+
+def run_reward(ctx: RunContext, *, before_step=None) -> int:
+    """Train a reward model on preference pairs (training/reward/); `<run>/hf` is the `type = "model"` folder."""
+    cfg = ctx.cfg
+    reward = reward_section(cfg)
+    bad_records = prepare_sft_data(ctx)
+    bundle = build_reward_bundle(ctx, reward)
+    check_moe_section(cfg, bundle.model)
+    loader, eval_loader = build_pair_loaders(ctx, bundle, bad_records)
+    num_steps = total_steps(cfg.train, steps_per_epoch(loader, bundle.dims.dp_size, cfg.train.micro_batches_per_step))
+    optim = build_optim_state(bundle.wrapper, cfg, ctx.device.type, num_steps)
+    checkpointer = RewardCheckpointer(ctx, bundle.wrapper, optim)
+    resume = checkpointer.resume()
+    metrics = build_metrics_logger(ctx, num_steps, to_dict(cfg))
+    evaluate = RewardEvaluator(ctx, bundle, reward, eval_loader, max_batches=cfg.train.eval_max_batches)
+    step = RewardStep(ctx, bundle, optim, metrics, loader, reward=reward, bad_records=bad_records, evaluate=evaluate)
     code = run_loop(ctx, step, total_steps=num_steps, checkpointer=checkpointer, metrics=metrics,
                     log_every=cfg.train.log_every, eval_every=cfg.train.eval_every, eval_at_start=eval_loader is not None,
                     resume=resume, before_step=before_step)
@@ -240,7 +267,7 @@ def run_eval(ctx: RunContext) -> int:
 
 
 def run_kind(ctx: RunContext, *, before_step=None) -> int:
-    """Run the job kind `train.mode` names ("sft", "grpo", "dpo" or "eval"; SFT with `[[stages]]` chains
+    """Run the job kind `train.mode` names ("sft", "grpo", "dpo", "reward" or "eval"; SFT with `[[stages]]` chains
     them). `before_step(n)`: the loop's test hook (called before step n; None in production)."""
     mode = ctx.cfg.train.mode
     if mode == "eval":
@@ -249,4 +276,6 @@ def run_kind(ctx: RunContext, *, before_step=None) -> int:
         return run_stages(ctx, before_step=before_step)
     if mode == "dpo":
         return run_dpo(ctx, before_step=before_step)
+    if mode == "reward":
+        return run_reward(ctx, before_step=before_step)
     return (run_grpo if mode == "grpo" else run_sft)(ctx, before_step=before_step)

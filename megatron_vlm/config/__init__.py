@@ -31,6 +31,7 @@ from megatron_vlm.kernels.config import KernelsConfig
 from megatron_vlm.rl.config import RLConfig
 from megatron_vlm.training.dpo.config import DPOConfig
 from megatron_vlm.training.moe_balancing import MoEConfig
+from megatron_vlm.training.reward.config import RewardTrainConfig
 from megatron_vlm.training.stages import StageConfig
 
 __all__ = ["Config", "ConfigError", "load_config", "load_config_dict", "save_config"]
@@ -62,6 +63,8 @@ class Config:
     """GRPO settings (required when train.mode = "grpo")."""
     dpo: Optional[DPOConfig] = None
     """Preference optimisation (read when train.mode = "dpo"; absent = its defaults)."""
+    reward: Optional[RewardTrainConfig] = None
+    """Reward-model training (read when train.mode = "reward"; absent = its defaults)."""
     lora: Optional[LoRAConfig] = None
     """LoRA adapters (present = only the adapters train; the base weights stay frozen)."""
     eval: Optional[EvalConfig] = None

@@ -29,6 +29,9 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
   (DPO evaluates preference metrics, it does not generate), `parallel.cp` > 1, the `[dpo]` keys the chosen
   loss variant ignores (`training/dpo/config.py`) and `data.columns` without both "chosen" and "rejected"
   (or with "messages", "answer", "video"); the "chosen" / "rejected" columns in another mode.
+- reward-model training (`train.mode = "reward"`): the same pair-data rules as DPO (it reads the same
+  pairs), a `[reward]` section in another mode, a `[dpo]` section, and what the mode does not run yet
+  (`reward_refusal`, training/reward/config.py: tp / cp / pp / ep > 1, the mcore backend, `[lora]`, fp8).
 
 A key counts as set when its value differs from the field's default (the loaded config does not
 remember which keys the file spelled out; setting a default value explicitly is harmless).
@@ -40,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_vlm.config.loader import ConfigError
 from megatron_vlm.training.dpo.config import check_dpo_keys
+from megatron_vlm.training.reward.config import reward_refusal
 
 if TYPE_CHECKING:
     from torch import nn
@@ -177,32 +181,41 @@ _DPO_COLUMNS = {"prompt", "chosen", "rejected", "image", "images", "system"}
 
 
 def _check_dpo_mode(cfg: Config) -> None:
-    """The keys a DPO run ignores, and the DPO keys another mode ignores (module docstring)."""
-    dpo_mode = cfg.train.mode == "dpo"
+    """The keys a DPO / reward-model run ignores, and their keys another mode ignores (module docstring)."""
+    mode = cfg.train.mode
+    dpo_mode = mode == "dpo"
     columns = set(cfg.data.columns) if cfg.data.type == "hf" else set()
+    if mode != "reward" and getattr(cfg, "reward", None) is not None:
+        raise ConfigError(f"reward: the [reward] section is only read when train.mode = \"reward\", not {mode!r}; "
+                          "remove it or set train.mode")
     if not dpo_mode:
         if getattr(cfg, "dpo", None) is not None:
-            raise ConfigError(f"dpo: the [dpo] section is only read when train.mode = \"dpo\", not {cfg.train.mode!r}; "
+            raise ConfigError(f"dpo: the [dpo] section is only read when train.mode = \"dpo\", not {mode!r}; "
                               "remove it or set train.mode")
-        if columns & {"chosen", "rejected"}:
+        if columns & {"chosen", "rejected"} and mode != "reward":
             key = sorted(columns & {"chosen", "rejected"})[0]
-            raise ConfigError(f"data.columns.{key}: preference columns are only read when train.mode = \"dpo\"")
-        return
+            raise ConfigError(f"data.columns.{key}: preference columns are only read when train.mode = \"dpo\" or "
+                              "\"reward\"")
+        if mode != "reward":
+            return
+        refused = reward_refusal(cfg)
+        if refused:
+            raise ConfigError(refused)
     if cfg.stages:
-        raise ConfigError("stages: [[stages]] chain SFT runs; train.mode = \"dpo\" runs one stage")
+        raise ConfigError(f"stages: [[stages]] chain SFT runs; train.mode = {mode!r} runs one stage")
     if not cfg.train.eval_generate:
-        raise ConfigError("train.eval_generate: has no effect when train.mode = \"dpo\" (DPO evaluates preference "
+        raise ConfigError(f"train.eval_generate: has no effect when train.mode = {mode!r} (it evaluates preference "
                           "metrics on the held-out pairs, it does not generate); remove it")
     if cfg.parallel.cp > 1:
         raise ConfigError(f"parallel.cp: context parallelism (cp = {cfg.parallel.cp}) is not supported with "
-                          "train.mode = \"dpo\" yet; use parallel.cp = 1")
+                          f"train.mode = {mode!r} yet; use parallel.cp = 1")
     if cfg.data.type == "hf":
         extra = sorted(columns - _DPO_COLUMNS)
         if extra:
-            raise ConfigError(f"data.columns.{extra[0]}: not a preference column; train.mode = \"dpo\" reads "
+            raise ConfigError(f"data.columns.{extra[0]}: not a preference column; train.mode = {mode!r} reads "
                               f"{sorted(_DPO_COLUMNS)} (chosen and rejected required)")
         if not {"chosen", "rejected"} <= columns:
-            raise ConfigError(f"data.columns: train.mode = \"dpo\" needs both 'chosen' and 'rejected', got {sorted(columns)}")
+            raise ConfigError(f"data.columns: train.mode = {mode!r} needs both 'chosen' and 'rejected', got {sorted(columns)}")
     dpo = getattr(cfg, "dpo", None)
     if dpo is not None:
         check_dpo_keys(dpo)

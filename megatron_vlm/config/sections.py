@@ -32,10 +32,11 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    mode: Literal["sft", "grpo", "dpo", "eval"] = "sft"
+    mode: Literal["sft", "grpo", "dpo", "reward", "eval"] = "sft"
     """Which job runs: supervised fine-tuning, GRPO reinforcement learning ([rl] section), preference
-    optimisation on chosen / rejected pairs ([dpo] section; docs/dpo.md) or benchmark evaluation without
-    training ([eval] section; `launch/evaluate.py`)."""
+    optimisation on chosen / rejected pairs ([dpo] section; docs/dpo.md), reward-model training on the same
+    pairs ([reward] section; docs/reward_models.md) or benchmark evaluation without training ([eval] section;
+    `launch/evaluate.py`)."""
     output_dir: str = "runs/default"
     """Run folder: config.toml, checkpoints/, metrics CSVs, tensorboard/, exports."""
     seed: int = 0

@@ -8,7 +8,8 @@ the meta device (`build_model` under `torch.device("meta")`: shapes only); `trai
 world, ep divides the data-parallel ranks and the expert count, tp divides the vocabulary and every
 decoder layer's attention / KV heads and MLP width); GRPO sizes (room for a prompt before
 rl.rollout.max_new_tokens in data.max_tokens_per_pack, prompts per rank, the rollout batch); then the memory
-per rank (plan/memory.py) against the device's. Exit 0 with a one-screen plan, or 2 with one line
+per rank (plan/memory.py; PPO's critic and the reward models / judges beside the policy: plan/side_models.py)
+against the device's. Exit 0 with a one-screen plan, or 2 with one line
 `check failed: <dotted key>: <why>` on stderr naming the key to change (the plan on stdout when
 memory is the problem).
 """
@@ -29,6 +30,7 @@ from megatron_vlm.inference.kv_budget import rollout_prompts_for_budget
 from megatron_vlm.parallel.tensor_parallel import TPError, check_tp_divides
 from megatron_vlm.plan.memory import GiB, ceil_div, estimate_memory, gib, model_shape
 from megatron_vlm.plan.routes import routes_plan
+from megatron_vlm.plan.side_models import SideModelRefused, side_models_plan
 from megatron_vlm.rl.asynchronous.allocation import parse_allocation
 from megatron_vlm.rl.prompts.lengths import check_generation_budget
 from megatron_vlm.training.stages import stage_overrides
@@ -219,12 +221,26 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
                 "the policy with its adapters off" if ref_kind == "on_the_fly" else
                 "precomputed once before the first step (no copy held)")
         lines.append(f"dpo        loss {loss}, reference {ref_kind}: {what}")
+    if cfg.train.mode == "reward":  # training/reward/: the policy-sized counts below still include the lm_head
+        r = cfg.reward
+        lines.append(f"reward     Bradley-Terry on pairs (margin {r.margin if r is not None else 0.0:g}): a scalar head on "
+                     "the backbone, its lm_head not held (counted below: an over-estimate); export <output_dir>/hf, "
+                     "a sequence-classification folder")
     mem = estimate_memory(shape, fsdp=shard * cfg.parallel.cp, master_bytes=master, compute_bytes=compute, tokens=tokens,
                           activation_checkpointing=cfg.train.activation_checkpointing,
                           rollout_prompts=rollout_prompts, group_size=group, tp=tp,
                           kv_slots=cfg.rl.rollout.kv_cache_blocks * cfg.rl.rollout.kv_block_size if grpo else 0,
                           ep=cfg.parallel.ep, routes_bytes=routes_bytes,
                           rollout_weights=cfg.rl.rollout.weights if grpo and cfg.rl.rollout_backend == "builtin" else "shared")
+    try:  # PPO's critic, reward models (plan/side_models.py)
+        side = side_models_plan(cfg, hf, build=_meta_model, read=_read_folder_config, tokens=tokens, master_bytes=master,
+                                compute_bytes=compute)
+    except SideModelRefused as e:
+        raise CheckFailed(e.key, e.why) from None
+    lines += side.lines
+    # held through the run: on top of the static part; on the device only between the policy's activations / KV
+    # cache (critic training, an offloaded reward model scoring): counted where larger than those
+    side_bytes = side.resident + max(0.0, side.transient - max(mem.activations, mem.kv_cache + mem.routes))
     if cfg.train.mode == "grpo" and cfg.rl.rollout_backend == "vllm":
         # the vLLM engine takes gpu_memory_utilization of the device for its weights + KV cache; with
         # sleep_mode it gives it back while the trainer's activations need it
@@ -232,8 +248,8 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         vllm_share = v.gpu_memory_utilization * device_memory_gib * GiB
         lines.append(f"vllm       engine {gib(vllm_share)} (rl.vllm.gpu_memory_utilization), sleep_mode {v.sleep_mode}")
         extra = max(0.0, vllm_share - mem.activations) if v.sleep_mode else vllm_share
-        if mem.peak + extra > device_memory_gib * GiB:
-            raise CheckFailed("rl.vllm.gpu_memory_utilization", f"estimated peak {gib(mem.peak + extra)} per rank with the "
+        if mem.peak + side_bytes + extra > device_memory_gib * GiB:
+            raise CheckFailed("rl.vllm.gpu_memory_utilization", f"estimated peak {gib(mem.peak + side_bytes + extra)} per rank with the "
                                                                 f"vLLM engine exceeds the device's {device_memory_gib:g} GiB", lines)
     lines += [
         "memory per rank (estimate; formulas in megatron_vlm/plan/memory.py)",
@@ -242,11 +258,12 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         f"{gib(mem.activations_ckpt)}, off {gib(mem.activations_no_ckpt)})",
         f"  rollout KV cache {gib(mem.kv_cache)}" + (f"   routes buffer {gib(mem.routes)}" if mem.routes else ""),
         *(rollout_copy_lines(cfg, mem, shape) if grpo else []),
-        f"  peak {gib(mem.peak + reference_bytes)} of {device_memory_gib:g} GiB"
-        + (f" (with the DPO reference copy {gib(reference_bytes)})" if reference_bytes else ""),
+        f"  peak {gib(mem.peak + reference_bytes + side_bytes)} of {device_memory_gib:g} GiB"
+        + (f" (with the DPO reference copy {gib(reference_bytes)})" if reference_bytes else "")
+        + (f" (with the critic / reward models {gib(side_bytes)})" if side_bytes else ""),
     ]
-    if mem.peak + reference_bytes > device_memory_gib * GiB:
-        raise CheckFailed(_key_to_change(cfg, mem), f"estimated peak {gib(mem.peak)} per rank exceeds the device's "
+    if mem.peak + reference_bytes + side_bytes > device_memory_gib * GiB:
+        raise CheckFailed(_key_to_change(cfg, mem, side_bytes), f"estimated peak {gib(mem.peak + reference_bytes + side_bytes)} per rank exceeds the device's "
                                                     f"{device_memory_gib:g} GiB (plan on stdout)", lines)
     return lines
 
@@ -266,7 +283,9 @@ def rollout_copy_lines(cfg, mem, shape) -> list[str]:
             f"routes {gib(mem.routes)})"]
 
 
-def _key_to_change(cfg, mem) -> str:
+def _key_to_change(cfg, mem, side_bytes: float = 0.0) -> str:
+    if side_bytes > max(mem.static, mem.activations, mem.kv_cache) and cfg.rl is not None:
+        return _side_key(cfg)
     if mem.kv_cache > mem.activations and mem.kv_cache > mem.static:
         if cfg.rl.rollout.kv_cache_blocks:
             return "rl.rollout.kv_cache_blocks"
@@ -274,6 +293,26 @@ def _key_to_change(cfg, mem) -> str:
     if mem.activations > mem.static:
         return "data.max_tokens_per_pack" if cfg.train.activation_checkpointing else "train.activation_checkpointing"
     return "parallel.dp_shard"
+
+
+def _side_key(cfg) -> str:
+    """The key that shrinks the side models: the critic's folder, else a reward model's offload / path."""
+    from megatron_vlm.rl.algorithms.advantage_estimators import needs_critic
+
+    if needs_critic(cfg.rl.advantage):
+        return "rl.critic.model"
+    for i, r in enumerate(cfg.rl.rewards):
+        if getattr(r, "type", "") in ("model", "judge"):
+            return f"rl.rewards[{i}].offload" if not r.offload else f"rl.rewards[{i}].path"
+    return "parallel.dp_shard"
+
+
+def _read_folder_config(folder: str) -> dict:
+    """config.json of the model folder `folder` named by `rl.critic.model` (the run refuses one without it)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise CheckFailed("rl.critic.model", f"{path} does not exist (a model folder, or 'policy')")
+    return json.loads(path.read_text())
 
 
 def _stage_configs(cfg) -> list:

@@ -1,28 +1,24 @@
-"""A small reward model trained on the synthetic VQA task's correct vs wrong answers (tests and benchmarks).
+"""Correct vs wrong answers of the synthetic VQA task for reward models (tests and benchmarks).
 
 Why: `[[rl.rewards]] type = "model"` has to be shown to carry the task's signal, with no checker in the
 loop: a sequence-classification model (a VLM folder's backbone with a scalar head, rl/rewards/score_model.py)
-learns from (image, question, answer) pairs labelled correct / wrong — the right answer and a wrong one per
-question (of the same question type three times in four, any answer word otherwise; optionally an answer
-with extra words after it) — with a binary
-cross-entropy on its logit; its sigmoid is then the reward (`activation = "sigmoid"`). As in the demo, the
-random vision tower stays frozen and the patch merger, the language model and the head train.
+learns from (image, question, answer) pairs — the right answer and a wrong one per question (of the same
+question type three times in four, any answer word otherwise; optionally an answer with extra words after it).
+`write_preference_jsonl` writes them as the preference data `[train] mode = "reward"` trains on (the
+Bradley-Terry loss, training/reward/); `score_model_from_causal` gives a scalar-head model to tests directly.
 """
 from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from megatron_vlm.data.messages import Record
 from megatron_vlm.data.synthetic_vqa import ANSWERS
 
-__all__ = ["vqa_pairs", "score_model_from_causal", "train_vqa_reward_model", "pair_accuracy"]
+__all__ = ["vqa_pairs", "score_model_from_causal", "write_preference_jsonl"]
 
 _ALL_ANSWERS = sorted({a for v in ANSWERS.values() for a in v})
 
@@ -73,60 +69,12 @@ def score_model_from_causal(folder: str | Path, *, seed: int = 0) -> Any:
     return model
 
 
-def _encode(processor: Any, msgs: list[dict], answer: str) -> Any:
-    from megatron_vlm.data.processing import process_record
-
-    return process_record(Record(msgs + [{"role": "assistant", "content": answer}], "vqa_pairs", -1), processor,
-                          max_frames=1)
-
-
-@torch.no_grad()
-def pair_accuracy(model: Any, processor: Any, pairs: list[tuple[list[dict], str, str]], *, batch: int = 32) -> float:
-    """Share of pairs whose correct answer the model scores above the wrong one."""
-    from megatron_vlm.data.packing import collate_pack
-
-    model.eval()
-    wins = 0
-    for start in range(0, len(pairs), batch):
-        chunk = pairs[start:start + batch]
-        samples = [_encode(processor, m, a) for m, r, w in chunk for a in (r, w)]
-        logits = model(collate_pack(samples))[:, 0]
-        wins += int((logits[0::2] > logits[1::2]).sum())
-    return wins / max(len(pairs), 1)
-
-
-def train_vqa_reward_model(model: Any, processor: Any, pairs: list[tuple[list[dict], str, str]], *, steps: int,
-                           batch_prompts: int = 16, lr: float = 3e-4, seed: int = 0,
-                           log: Optional[Callable[[int, float], None]] = None) -> list[float]:
-    """Train `model` (a `SequenceScoreModel`) in place with a binary cross-entropy: each step takes `batch_prompts`
-    pairs (their correct answers labelled 1, wrong 0); returns the loss per step. The vision tower stays frozen."""
-    from megatron_vlm.data.packing import collate_pack
-
-    rng = random.Random(seed)
-    for name, p in model.named_parameters():
-        p.requires_grad_(not name.startswith("backbone.visual.") or name.startswith("backbone.visual.merger."))
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    order = list(range(len(pairs)))
-    losses = []
-    model.train()
-    for step in range(steps):
-        idx = [order[(step * batch_prompts + j) % len(order)] for j in range(batch_prompts)]
-        if (step * batch_prompts) % len(order) < batch_prompts:
-            rng.shuffle(order)
-        samples, labels = [], []
-        for i in idx:
-            msgs, right, wrong = pairs[i]
-            samples += [_encode(processor, msgs, right), _encode(processor, msgs, wrong)]
-            labels += [1.0, 0.0]
-        logits = model(collate_pack(samples))[:, 0]
-        loss = F.binary_cross_entropy_with_logits(logits, torch.tensor(labels))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        losses.append(float(loss.detach()))
-        if log is not None:
-            log(step, losses[-1])
-    model.eval()
-    return losses
+def write_preference_jsonl(pairs: list[tuple[list[dict], str, str]], path: str | Path) -> Path:
+    """`pairs` (from `vqa_pairs`) as a preference JSON-lines file (`{"messages": prompt turns, "chosen": the right
+    answer, "rejected": the wrong one}`, data/preference_records.py), the data of `[train] mode = "reward"`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for msgs, right, wrong in pairs:
+            f.write(json.dumps({"messages": msgs, "chosen": right, "rejected": wrong}) + "\n")
+    return path

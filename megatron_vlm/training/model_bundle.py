@@ -92,9 +92,11 @@ def fsdp_needed(world_size: int, precision: str, device_type: str) -> bool:
     return world_size > 1 or precision == "bf16" or device_type != "cpu"
 
 
-def build_model_bundle(ctx: RunContext) -> ModelBundle:
+def build_model_bundle(ctx: RunContext, *, root: Callable[[torch.nn.Module], Any] = TokenLogprobModel) -> ModelBundle:
     """Configure the kernels, seed every RNG with `train.seed`, build the mesh, load, freeze and shard
-    the model. Same order on every rank (the sharding is collective)."""
+    the model. Same order on every rank (the sharding is collective). `root(model)`: the module made the FSDP
+    root around the family model (default the log-prob wrapper; reward-model training passes its scalar-head
+    root, training/reward/model.py)."""
     cfg, env = ctx.cfg, ctx.env
     kernels.configure(cfg.kernels)
     seed_everything(cfg.train.seed)
@@ -117,7 +119,7 @@ def build_model_bundle(ctx: RunContext) -> ModelBundle:
     if lora is not None:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("model %s: %.2fM parameters, %.2fM trainable", type(model).__name__, total / 1e6, trainable / 1e6)
-    wrapper: Any = TokenLogprobModel(model)  # or, with pp, the stage's PipelineStageModel root
+    wrapper: Any = root(model)  # or, with pp, the stage's PipelineStageModel root
     precision = resolve_precision(cfg.train.precision, env.device)
     pp = cfg.parallel.pp
     if pp > 1:  # keep only this rank's pipeline stage (parallel/pipeline.py); LayoutError: exit 2

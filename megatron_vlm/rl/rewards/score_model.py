@@ -14,15 +14,14 @@ float32 on the backbone's final-norm hidden states.
 """
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
+from megatron_vlm.checkpoint.score_folder import write_score_files
 from megatron_vlm.data.batch import model_inputs
 
 __all__ = ["SequenceScoreModel", "load_score_model", "save_score_model", "score_num_labels"]
@@ -125,30 +124,12 @@ def save_score_model(model: SequenceScoreModel, path: Union[str, Path], *, copy_
     """Write `model` in the layout `load_score_model` reads (one model.safetensors, config.json with the
     architecture and `num_labels`, the tokenizer / processor files of `copy_from`). For tests and scripts that
     train a small reward model; the folder is written in place."""
-    from megatron_vlm.checkpoint.hf import copy_tokenizer_files
-    from megatron_vlm.models.registry import family_for_args
-
     path = Path(path)
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
     backbone = model.backbone
-    adapter = family_for_args(backbone.args).state_dict_adapter(backbone.args)
-    ours = {k: v.detach().cpu().contiguous() for k, v in backbone.state_dict().items() if not k.startswith("lm_head.")}
-    tensors = {k: v for k, v in adapter.to_hf(ours).items() if not k.startswith("lm_head.")}
-    tensors.update({f"score.{k}": v.detach().cpu().contiguous() for k, v in model.score.state_dict().items()})
-    seen: set[int] = set()
-    for k, t in list(tensors.items()):  # safetensors refuses shared storage (tied embeddings)
-        ptr = t.untyped_storage().data_ptr()
-        tensors[k] = t.clone() if ptr in seen else t
-        seen.add(ptr)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    config = dict(getattr(backbone, "hf_config", None) or backbone.args.to_hf_config())
-    arch = architecture or f"{type(backbone).__name__.split('For')[0]}ForSequenceClassification"
-    n = model.score.out_features
-    config.update(architectures=[arch], num_labels=n, id2label={str(i): f"LABEL_{i}" for i in range(n)},
-                  label2id={f"LABEL_{i}": i for i in range(n)})
-    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if copy_from is not None:
-        copy_tokenizer_files(copy_from, path)
+    write_score_files(path, backbone, {k: v.detach().cpu() for k, v in backbone.state_dict().items()},
+                      {k: v.detach().cpu() for k, v in model.score.state_dict().items()}, copy_from=copy_from,
+                      architecture=architecture)
     return path

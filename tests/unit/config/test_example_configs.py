@@ -11,4 +11,4 @@ CONFIGS = sorted((Path(__file__).resolve().parents[3] / "launch" / "configs").gl
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_config_loads(path):
     cfg = load_config(path)
-    assert cfg.train.mode in ("sft", "grpo", "dpo")
+    assert cfg.train.mode in ("sft", "grpo", "dpo", "reward")

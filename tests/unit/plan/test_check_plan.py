@@ -95,6 +95,7 @@ ARCH = {
     "nemotron_3_nano_vl_geometry3k_gspo.toml": ("nemotron_3_nano_vl", 16),
     "demo_sft.toml": ("synth:", 2),
     "demo_dpo.toml": ("synth:", 2),
+    "demo_reward_model.toml": ("synth:", 2),
     "demo_grpo.toml": ("synth:tiny_qwen2_5_vl", 2),
     "demo_grpo_async.toml": ("synth:tiny_qwen2_5_vl", 2),
     "demo_ppo.toml": ("synth:tiny_qwen2_5_vl", 2),

@@ -1,0 +1,47 @@
+"""The files of a reward model folder (a transformers `...ForSequenceClassification` layout) from state dicts.
+
+Shared by the scripts and tests that save a `SequenceScoreModel` (rl/rewards/score_model.py) and by the export
+of reward-model training (training/reward/export.py). The layout is the one `load_score_model` reads: the
+backbone's tensors under the family's transformers names (no lm_head), the head as `score.*`, config.json naming
+`<Family>ForSequenceClassification` with `num_labels` / `id2label`, the tokenizer and processor files copied.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from safetensors.torch import save_file
+
+__all__ = ["write_score_files"]
+
+
+def write_score_files(path: Path, backbone: Any, backbone_state: dict[str, torch.Tensor],
+                      score_state: dict[str, torch.Tensor], *, copy_from: Optional[Union[str, Path]] = None,
+                      architecture: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """The files of a reward model folder into the existing folder `path`: `backbone_state` (our names; any
+    `lm_head.*` dropped) through the family's adapter of `backbone` (its `args`, `hf_config`), `score_state` as
+    `score.*`; returns the tensors written (transformers' names)."""
+    from megatron_vlm.checkpoint.hf import copy_tokenizer_files
+    from megatron_vlm.models.registry import family_for_args
+
+    adapter = family_for_args(backbone.args).state_dict_adapter(backbone.args)
+    ours = {k: v.contiguous() for k, v in backbone_state.items() if not k.startswith("lm_head.")}
+    tensors = {k: v for k, v in adapter.to_hf(ours).items() if not k.startswith("lm_head.")}
+    tensors.update({f"score.{k}": v.contiguous() for k, v in score_state.items()})
+    seen: set[int] = set()
+    for k, t in list(tensors.items()):  # safetensors refuses shared storage (tied embeddings)
+        ptr = t.untyped_storage().data_ptr()
+        tensors[k] = t.clone() if ptr in seen else t
+        seen.add(ptr)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = dict(getattr(backbone, "hf_config", None) or backbone.args.to_hf_config())
+    arch = architecture or f"{type(backbone).__name__.split('For')[0]}ForSequenceClassification"
+    n = int(score_state["weight"].shape[0])
+    config.update(architectures=[arch], num_labels=n, id2label={str(i): f"LABEL_{i}" for i in range(n)},
+                  label2id={f"LABEL_{i}": i for i in range(n)})
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if copy_from is not None:
+        copy_tokenizer_files(copy_from, path)
+    return tensors

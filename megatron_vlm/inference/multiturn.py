@@ -52,6 +52,8 @@ class TurnChunk:
 
     input_ids: torch.Tensor
     vision: dict[str, torch.Tensor] = field(default_factory=dict)
+    images: list = field(default_factory=list)
+    """The new images as loaded (PIL), for engines that process them themselves (vLLM, vllm_multiturn.py)."""
 
 
 @dataclass
@@ -98,6 +100,9 @@ class Trajectory:
     error: str = ""
     info: dict[str, float] = field(default_factory=dict)
     policy_version: int = 0
+    token_versions: Optional[torch.Tensor] = None
+    """[M] the policy version that drew each model token (engines whose weights change while they generate: the
+    rollout ranks of asynchronous GRPO); None: all `policy_version`."""
 
     @property
     def truncated(self) -> bool:

@@ -28,6 +28,17 @@ __all__ = ["MultiTurnRounds", "rollout_view"]
 
 log = logging.getLogger("megatron_vlm")
 
+def multiturn_rollout(engine: Any, processor: Any) -> MultiTurnRollout:
+    """The engine's multi-turn loop: vLLM's request API (inference/vllm_multiturn.py) or the built-in engine's."""
+    from megatron_vlm.inference.vllm_engine import VLLMRolloutEngine
+
+    if isinstance(engine, VLLMRolloutEngine):
+        from megatron_vlm.inference.vllm_multiturn import VLLMMultiTurnRollout
+
+        return VLLMMultiTurnRollout(engine, tokenizer=processor.tokenizer)
+    return MultiTurnRollout(engine)
+
+
 def rollout_view(t: Trajectory) -> RolloutSample:
     """The trajectory as a single-turn sample for scoring and metrics: its model tokens, its last turn's text."""
     ids = t.token_ids[t.model_mask]
@@ -41,7 +52,7 @@ class MultiTurnRounds:
                  tools: Optional[list[dict]] = None):
         self.cfg, self.runner = cfg, runner
         self.tools = tools if tools is not None else list(build_environment(cfg.name, cfg.kwargs).tools())
-        self.rollout = MultiTurnRollout(engine)
+        self.rollout = multiturn_rollout(engine, processor)
         self.turns = TurnEncoder(processor)
         self.limits = MultiTurnLimits(max_turns=cfg.max_turns, max_total_tokens=max_total_tokens)
         self.eos = sorted(engine.eos_token_ids)

@@ -82,7 +82,6 @@ class VLLMMultiTurnRollout(MultiTurnRollout):
         (None: vLLM's own, loaded from the same folder)."""
         self.stats: dict[str, float] = {}
         self.images: dict[int, list] = {}
-        self.versions: dict[int, list[int]] = {}
 
     def generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams, source: TurnSource,
                  limits: MultiTurnLimits, *, seed: int = 0) -> list[Trajectory]:
@@ -100,7 +99,6 @@ class VLLMMultiTurnRollout(MultiTurnRollout):
         checker = StopChecker(self.tokenizer or e.llm.get_tokenizer(), e.eos_token_ids, params.stop)
         convs = [_Conv(i, prompts[i // n], _conversation_generator(seed, i, "cpu")) for i in range(total)]
         self.images = {c.index: [] for c in convs}
-        self.versions = {c.index: [] for c in convs}
         live: dict[str, _Turn] = {}
         done: list[_Conv] = []
         e._interrupt.clear()
@@ -210,7 +208,7 @@ class VLLMMultiTurnRollout(MultiTurnRollout):
         c.ids += turn.tokens[:k]
         c.mask += [True] * k
         c.logps += turn.logprobs[:k]
-        self.versions[c.index] += turn.versions[:k]
+        c.versions += turn.versions[:k]
         c.turn_texts.append(checker.final_text(turn.tokens[:k], "length"))
 
     def _end_turn(self, turn: _Turn, params: SamplingParams, checker: StopChecker) -> bool:
@@ -224,7 +222,7 @@ class VLLMMultiTurnRollout(MultiTurnRollout):
         c.mask += [True] * len(turn.tokens)
         c.logps += turn.logprobs
         c.turn = list(turn.tokens)
-        self.versions[c.index] += turn.versions
+        c.versions += turn.versions
         why = checker.check(turn.tokens)
         if why is None:  # vLLM stopped at max_tokens (or a stop string its detokenizer saw across tokens)
             why = "stop" if turn.reason == "stop" else None
@@ -240,11 +238,3 @@ class VLLMMultiTurnRollout(MultiTurnRollout):
             r = dataclasses.replace(r, chunk=None, error="a video observation: the vLLM back end does not take "
                                                          "videos yet (rollout_backend = 'builtin' does)")
         return self._on_reply(c, r, limits)
-
-    def _trajectory(self, c: _Conv, n: int) -> Trajectory:
-        t = super()._trajectory(c, n)
-        versions = self.versions.get(c.index, [])
-        t.token_versions = torch.tensor(versions, dtype=torch.long)
-        if versions:
-            t.policy_version = min(versions)
-        return t

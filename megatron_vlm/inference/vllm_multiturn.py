@@ -128,18 +128,18 @@ class VLLMMultiTurnRollout(MultiTurnRollout):
                 version = e.policy_version
                 finished: list[_Turn] = []
                 for out in engine.step():
-                    turn = live.get(out.request_id)
-                    if turn is None:
+                    req = live.get(out.request_id)
+                    if req is None:
                         continue
-                    if not turn.checked and out.prompt_token_ids is not None:
-                        self._check_prompt(turn, list(out.prompt_token_ids))
+                    if not req.checked and out.prompt_token_ids is not None:
+                        self._check_prompt(req, list(out.prompt_token_ids))
                         self.stats["cached_tokens"] += int(getattr(out, "num_cached_tokens", 0) or 0)
                     for c in out.outputs:
-                        turn.tokens += list(c.token_ids)
-                        turn.logprobs += [float(d[t].logprob) for d, t in zip(c.logprobs or [], c.token_ids)]
-                        turn.versions += [version] * len(c.token_ids)
+                        req.tokens += list(c.token_ids)
+                        req.logprobs += [float(d[t].logprob) for d, t in zip(c.logprobs or [], c.token_ids)]
+                        req.versions += [version] * len(c.token_ids)
                         if c.finish_reason is not None:
-                            turn.reason = c.finish_reason
+                            req.reason = c.finish_reason
                     if out.finished:
                         finished.append(live.pop(out.request_id))
                 self.stats["engine_steps"] += 1

@@ -6,7 +6,9 @@ The job reports the env/* metrics, its conversations go past turn 1 with no envi
 real, vLLM's log-probs stay close to the training forward's (`rollout/logprob_abs_diff`: the vision tokens vLLM
 never samples make them differ by log(1 - p(vision tokens)), docs/vllm.md), and a run killed with SIGKILL before
 step 3 and resumed repeats the uninterrupted run exactly (every turn's request seed is drawn from its
-conversation's generator, a function of the seed, the step and the conversation)."""
+conversation's generator, a function of the seed, the step and the conversation). With vLLM rollout ranks
+(`rl.allocation = "vllm:d1+d1"`) and max_head_offpolicyness = 0 the asynchronous loop repeats the synchronous
+multi-turn vLLM run exactly."""
 from __future__ import annotations
 
 import importlib.util
@@ -23,11 +25,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.heavy,
 ENV = '{name = "tests.integration.grpo_env_fns:ShowImage", max_turns = 3, turn_timeout_s = 60.0}'
 
 
-def vllm_multiturn_overrides(out, assets):
+def vllm_multiturn_overrides(out, assets, **extra):
     return grpo_overrides(out, assets, **{
         "rl.env": ENV, "rl.rollout.stop": '["e", "a", "o"]', "data.max_tokens_per_pack": "200",
         "rl.batch.ppo_epochs": "1", "rl.batch.mini_batches_per_step": "1",
-        "rl.rollout_backend": '"vllm"', "rl.vllm.cpu_kv_cache_gib": "1", "rl.vllm.max_num_seqs": "16"})
+        "rl.rollout_backend": '"vllm"', "rl.vllm.cpu_kv_cache_gib": "1", "rl.vllm.max_num_seqs": "16", **extra})
 
 
 def test_vllm_multiturn_grpo_job_and_exact_resume_after_kill9(tmp_path):
@@ -53,3 +55,26 @@ def test_vllm_multiturn_grpo_job_and_exact_resume_after_kill9(tmp_path):
             assert float(resumed[int(row["step"])][key]) == float(row[key]), (row["step"], key)
     a, b = load_safetensors_dir(straight / "hf"), load_safetensors_dir(crashed / "hf")
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+
+
+COMPARED = ("reward/mean", "loss", "grad_norm", "response_length/mean", "advantage/std", "env/turns_mean",
+            "env/tokens_mean", "env/errors")
+
+
+def test_vllm_rollout_ranks_multiturn_offpolicyness_0_equal_sync(tmp_path):
+    assets = tmp_path / "assets"
+    quick = {"rl.loss.kl_coef": "0.0", "rl.recompute_logprobs": "false", "rl.eval.at_start": "false",
+             "rl.eval.every_steps": "0", "checkpoint.export_hf": "false", "checkpoint.enable": "false",
+             "rl.reward_pool.workers": "1", "train.max_steps": "3"}
+    run_job(vllm_multiturn_overrides(tmp_path / "sync", assets, **quick), config=GRPO_DEMO)
+    want = read_metrics(tmp_path / "sync" / "metrics_train.csv")
+    assert [int(r["step"]) for r in want] == [1, 2, 3] and max(float(r["env/turns_mean"]) for r in want) > 1.0
+    run_job(vllm_multiturn_overrides(tmp_path / "async", assets, **quick, **{"rl.allocation": '"vllm:d1+d1"'}), nproc=2,
+            config=GRPO_DEMO)
+    got = {int(x["step"]): x for x in read_metrics(tmp_path / "async" / "metrics_train.csv")}
+    assert sorted(got) == [1, 2, 3]
+    for row in want:
+        step = int(row["step"])
+        for key in COMPARED:
+            assert float(got[step][key]) == float(row[key]), (step, key, got[step][key], row[key])
+        assert float(got[step]["async/version_lag_max"]) == 0.0

@@ -190,14 +190,14 @@ def _generate_loop(ctx, role: Role, state: _State, engine, encoder, train_set, t
             if e is not None:
                 indices.append(i)
                 prompts.append(e)
-        trajs = None
+        trajs, result = None, None
         if prompts and multiturn is not None:  # the synchronous loop's seed for (step, rank): k = 0 repeats it
             from megatron_vlm.rl.asynchronous.multiturn import generate_trajectories
 
             result, trajs = generate_trajectories(multiturn, [train_set[i] for i in indices], prompts, params, seed, b,
                                                   role.rank)
-        else:
-            result = engine.generate(prompts, params, generator=sampling_generator(seed, b, role.rank, device)) if prompts else None
+        elif prompts:
+            result = engine.generate(prompts, params, generator=sampling_generator(seed, b, role.rank, device))
         if state.stop:
             return
         todo.put({"step": b, "indices": indices, "result": result, "idle_s": idle, "trajectories": trajs,

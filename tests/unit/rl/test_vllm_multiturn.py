@@ -132,6 +132,7 @@ def _check_training_logprobs(model, prompts, trajs, temperature):
     assert n > len(trajs)
 
 
+@pytest.mark.heavy  # 4 rollouts and a worker pool, 45-105 s here; CI runs the image test below (~30 s)
 def test_text_environment_equals_builtin_and_training_forward(tmp_path):
     folder = synthesize_model_folder("tiny_qwen2", tmp_path / "m", seed=0)
     model = _policy(folder)

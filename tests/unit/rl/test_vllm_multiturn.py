@@ -10,7 +10,8 @@ skipped where vllm is not importable).
   whole trajectory with all its images; the packed training forward for the image case) within 1e-4 in fp32, and
   the same seed repeats the same trajectories;
 - an environment whose worker process dies ends only its own trajectories ("env_error"), the others run on;
-- a turn whose expanded prompt differs from vLLM's fails naming the conversation and the turn.
+- a turn whose expanded prompt differs from vLLM's fails naming the conversation and the turn;
+- a video observation (not sent to vLLM yet) ends its trajectory as "env_error".
 """
 import dataclasses
 import importlib.util
@@ -227,11 +228,14 @@ def test_image_in_turn_two_equals_builtin_and_training_forward(tmp_path):
                 prompts, SamplingParams(max_new_tokens=8, n=1, temperature=0.0), bad,
                 MultiTurnLimits(max_turns=3, max_total_tokens=MAX_TOTAL))
         after, _, _ = _run(engine, proc, samples, prompts, env=env, kwargs=kwargs)  # the engine is still usable
+        video, _, _ = _run(engine, proc, samples, prompts, env=f"{FNS}:VideoSecondTurn", n=1)
     finally:
         engine.close()
     _assert_same(theirs, ours)
     _assert_same(after, ours)
     assert session.errors == 0 and all(t.finish_reason == "done" and t.num_turns == 2 for t in theirs)
+    # a video observation is not sent to vLLM: it ends its trajectory, counted as an environment error
+    assert [t.finish_reason for t in video] == ["env_error"] * 2 and all("video" in t.error for t in video)
     assert all("pixel_values" in t.vision for t in theirs)
     assert len({int(t.vision["image_grid_thw"].prod()) for t in theirs}) == 2  # images of two sizes
     assert any(int(t.model_mask.sum()) > t.num_turns for t in theirs)

@@ -60,6 +60,8 @@ class TurnChunk:
 
     input_ids: torch.Tensor
     vision: dict[str, torch.Tensor] = field(default_factory=dict)
+    images: list = field(default_factory=list)
+    """The new images as loaded (PIL), for engines that process them themselves (vLLM, vllm_multiturn.py)."""
 
 
 @dataclass
@@ -108,6 +110,9 @@ class Trajectory:
     policy_version: int = 0
     routes: Optional[torch.Tensor] = None
     """[prompt + L - 1, MoE layers, k] the experts of every fed token (module docstring); None unless recorded."""
+    token_versions: Optional[torch.Tensor] = None
+    """[M] the policy version that drew each model token (engines whose weights change while they generate: the
+    rollout ranks of asynchronous GRPO); None: all `policy_version`."""
 
     @property
     def truncated(self) -> bool:
@@ -127,6 +132,7 @@ class _Conv:
     ids: list[int] = field(default_factory=list)
     mask: list[bool] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     turn: list[int] = field(default_factory=list)
     turn_texts: list[str] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
@@ -296,8 +302,30 @@ class MultiTurnRollout:
     # ------------------------------------------------------------------ the loop
     def generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams, source: TurnSource,
                  limits: MultiTurnLimits, *, seed: int = 0) -> list[Trajectory]:
-        with torch.inference_mode() if self.engine.owns_forward else torch.no_grad():
-            return self._generate(prompts, params, source, limits, seed)
+        lock = getattr(self.engine, "_step_lock", None)  # asynchronous GRPO: weight pushes wait for a step boundary
+        try:
+            with torch.inference_mode() if self.engine.owns_forward else torch.no_grad(), lock or contextlib.nullcontext():
+                return self._generate(prompts, params, source, limits, seed)
+        finally:
+            if getattr(self.engine, "_interrupt", None) is not None:
+                self.engine._interrupt.clear()  # as the single-turn `generate`: the next call starts afresh
+
+    def _step_boundary(self) -> bool:
+        """Between two loop iterations (the generating thread holds the engine's step lock): a weight push from
+        another thread (`engine.paused()`, asynchronous GRPO) takes the lock now and the loop goes on with the new
+        weights, each later token labelled with the new version (the cached keys stay the older version's, as in
+        the single-turn engine). True when `engine.interrupt()` asks the loop to stop."""
+        pause = getattr(self.engine, "_pause", None)
+        if pause is not None and pause.is_set():
+            lock = self.engine._step_lock
+            lock.release()
+            try:
+                while pause.is_set():
+                    time.sleep(0.0005)
+            finally:
+                lock.acquire()
+        interrupt = getattr(self.engine, "_interrupt", None)
+        return interrupt is not None and interrupt.is_set() and not getattr(self.engine, "lockstep", False)
 
     def _generate(self, prompts, params: SamplingParams, source: TurnSource, limits: MultiTurnLimits,
                   seed: int) -> list[Trajectory]:
@@ -319,6 +347,11 @@ class MultiTurnRollout:
         done: list[_Conv] = []
         decoding: list[_Conv] = []
         while queue or decoding:
+            if self._step_boundary():  # the rank stops: what is in flight ends "interrupted" (not trained)
+                for c in [*decoding, *(convs[i] for i in queue)]:
+                    c.finish = "interrupted"
+                    done.append(c)
+                break
             while queue and free:  # admission: a free slot takes the next waiting trajectory
                 conv = convs[queue.popleft()]
                 conv.slot = free.popleft()
@@ -335,6 +368,7 @@ class MultiTurnRollout:
                 c.ids.append(t)
                 c.mask.append(True)
                 c.logps.append(logp)
+                c.versions.append(e.policy_version)
                 c.turn.append(t)
                 why = checker.check(c.turn)
                 if why is None and len(c.turn) >= params.max_new_tokens:
@@ -421,6 +455,8 @@ class MultiTurnRollout:
             model_mask=torch.tensor(c.mask, dtype=torch.bool), logprobs=torch.tensor(c.logps, dtype=torch.float32),
             vision={k: torch.cat(v) for k, v in c.vision.items() if v}, text=c.turn_texts[-1] if c.turn_texts else "",
             turn_texts=list(c.turn_texts), turn_rewards=list(c.rewards), finish_reason=c.finish,
-            prompt_length=len(c.prompt), error=c.error, info=dict(c.info), policy_version=self.engine.policy_version,
+            prompt_length=len(c.prompt), error=c.error, info=dict(c.info),
+            policy_version=min(c.versions) if c.versions else self.engine.policy_version,
+            token_versions=torch.tensor(c.versions, dtype=torch.long),
             routes=torch.cat(c.routes).cpu() if c.routes else None,
         )

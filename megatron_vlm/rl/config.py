@@ -695,13 +695,7 @@ class RLConfig:
             self.env.validate()
         except ValueError as e:
             raise type(e)(f"env.{e}") from None
-        if self.rollout_backend == "vllm":
-            raise ConfigError("rl.env: multi-turn rollouts run in the built-in engine only so far; set "
-                              "rollout_backend = 'builtin' (or remove [rl.env])")
-        if self.allocation is not None:
-            raise ConfigError("rl.env: multi-turn rollouts run in the synchronous loop only so far; remove allocation "
-                              "(or [rl.env])")
-        if self.rollout.weights != "copy":
+        if self.rollout_backend != "vllm" and self.rollout.weights != "copy":  # vLLM: its own weights (docs/vllm.md)
             raise ValueError("rollout.weights: multi-turn rollouts ([rl.env]) decode with the engine's own weights copy; "
                              "set rollout.weights = 'copy'")
         # what the multi-turn engine and trajectory samples do not carry yet: refused, not silently dropped

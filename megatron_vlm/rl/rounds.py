@@ -148,7 +148,9 @@ class RoundSampler:
                 self._eval_mode()
             trajectories = None
             if self.multiturn is not None:  # the seed: a function of (seed, step, rank, round), as the generator's
-                seed = ((self.seed * 1_000_003 + step) * 8191 + shards.rank) * 31 + rnd
+                from megatron_vlm.rl.env.rollout import multiturn_seed
+
+                seed = multiturn_seed(self.seed, step, shards.rank, rnd)
                 result, trajectories = self.multiturn.generate(shard, sampling_params(self.rl), seed)
             else:
                 result = self.engine.generate(shard.prompts, sampling_params(self.rl),

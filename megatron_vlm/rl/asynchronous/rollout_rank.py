@@ -116,6 +116,12 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
                                                    max_num_seqs=per_batch * rl.batch.group_size,
                                                    cuda_graphs=rl.rollout.cuda_graphs, record_routes=True,
                                                    **paged_kv_kwargs(rl)))
+    multiturn = None
+    if rl.env is not None:  # [rl.env]: conversations with environments in this rank's worker pool (rl/env/rollout.py)
+        from megatron_vlm.rl.env.rollout import MultiTurnRounds
+
+        multiturn = MultiTurnRounds.from_config(rl, cfg.data.max_tokens_per_pack, engine, processor)
+        encoder = multiturn.prompt_encoder(encoder)  # the tools in the system turn, as on the trainer
     receive_weights(model, bridge, bridge.broadcast_object(), engine)  # the trainer's weights at `start`
     manager = RewardManager(rl.rewards, timeout_s=rl.reward_pool.timeout_s, num_workers=rl.reward_pool.workers,
                             memory_limit_mb=rl.reward_pool.memory_limit_mb, batch_timeout_s=rl.reward_pool.batch_timeout_s,
@@ -129,12 +135,14 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
     for t in threads:
         t.start()
     try:
-        _generate_loop(ctx, role, state, engine, encoder, sets.train, todo, start, total)
+        _generate_loop(ctx, role, state, engine, encoder, sets.train, todo, start, total, multiturn)
         todo.put(None)
         threads[1].join()
         threads[0].join()
     finally:
         manager.close()
+        if multiturn is not None:
+            multiturn.close()
         if hasattr(engine, "close"):
             engine.close()
     if state.error is not None:
@@ -160,7 +168,8 @@ def _vllm_engine(ctx, processor, model, dtype):
                              suppress_token_ids=vision_token_ids(model))
 
 
-def _generate_loop(ctx, role: Role, state: _State, engine, encoder, train_set, todo, start: int, total: int) -> None:
+def _generate_loop(ctx, role: Role, state: _State, engine, encoder, train_set, todo, start: int, total: int,
+                   multiturn: Any = None) -> None:
     rl, seed, device = ctx.cfg.rl, ctx.cfg.train.seed, ctx.env.device
     n_rollout, k = role.allocation.rollout, rl.asynchronous.max_head_offpolicyness
     params = SamplingParams(max_new_tokens=rl.rollout.max_new_tokens, n=rl.batch.group_size, temperature=rl.rollout.temperature,
@@ -181,10 +190,17 @@ def _generate_loop(ctx, role: Role, state: _State, engine, encoder, train_set, t
             if e is not None:
                 indices.append(i)
                 prompts.append(e)
-        result = engine.generate(prompts, params, generator=sampling_generator(seed, b, role.rank, device)) if prompts else None
+        trajs, result = None, None
+        if prompts and multiturn is not None:  # the synchronous loop's seed for (step, rank): k = 0 repeats it
+            from megatron_vlm.rl.asynchronous.multiturn import generate_trajectories
+
+            result, trajs = generate_trajectories(multiturn, [train_set[i] for i in indices], prompts, params, seed, b,
+                                                  role.rank)
+        elif prompts:
+            result = engine.generate(prompts, params, generator=sampling_generator(seed, b, role.rank, device))
         if state.stop:
             return
-        todo.put({"step": b, "indices": indices, "result": result, "idle_s": idle,
+        todo.put({"step": b, "indices": indices, "result": result, "idle_s": idle, "trajectories": trajs,
                   "busy_s": time.perf_counter() - t0, "skipped": encoder.skipped})
 
 
@@ -244,6 +260,10 @@ def _score_items(state: _State, bridge, todo, manager, train_set) -> None:
                    "reward_s": time.perf_counter() - t0, "idle_s": item["idle_s"], "busy_s": item["busy_s"],
                    "gen_s": result.seconds if result is not None else 0.0, "skipped": item["skipped"],
                    "reward_fail": manager.metrics()}
+        if item.get("trajectories") is not None:  # [rl.env]: + the environment's turn rewards, the trajectories
+            from megatron_vlm.rl.asynchronous.multiturn import add_trajectories
+
+            add_trajectories(payload, item["trajectories"])
         with state.cond:  # send step b once the trainer waits for it
             state.cond.wait_for(lambda: state.stop or state.wanted >= b)
             if state.stop:

@@ -38,6 +38,7 @@ from megatron_vlm.inference.engine import RolloutResult, RolloutSample
 from megatron_vlm.parallel.collectives import all_gather_objects
 from megatron_vlm.rl.algorithms.advantage_estimators import AdvantageSpec
 from megatron_vlm.rl.asynchronous.bridge import Bridge, Role
+from megatron_vlm.rl.asynchronous.multiturn import round_trajectories
 from megatron_vlm.rl.asynchronous.weights import push_weights, trainable_names
 from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.metrics import PhaseTimer
@@ -128,8 +129,9 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
     def _round(self, step: int, payloads: list[dict]) -> Round:
         """This training rank's groups of the step as a scored round of the synchronous step."""
         G, M, me = self.rl.batch.group_size, self.role.allocation.train, self.role.rank
-        groups = []  # (dataset index, [sample payloads], [total], {label: [values]})
+        groups = []  # (dataset index, [sample payloads], [total], {label: [values]}, [trajectories] or None)
         for p in payloads:
+            trajs = p.get("trajectories")  # [rl.env] (rl/asynchronous/multiturn.py)
             by_prompt: dict[int, list[int]] = {}
             for j, s in enumerate(p["samples"]):
                 by_prompt.setdefault(s["prompt_index"], []).append(j)
@@ -137,14 +139,17 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
                 if len(js) != G:
                     raise RuntimeError(f"asynchronous GRPO: a group of step {step} has {len(js)} samples, not {G}")
                 groups.append((p["indices"][pi], [p["samples"][j] for j in js], [p["total"][j] for j in js],
-                               {k: [v[j] for j in js] for k, v in p["per_reward"].items()}))
+                               {k: [v[j] for j in js] for k, v in p["per_reward"].items()},
+                               [trajs[j] for j in js] if trajs is not None else None))
         mine = groups[me::M]
         if not mine:
             raise RuntimeError(f"asynchronous GRPO: step {step} has {len(groups)} groups for {M} training ranks "
                                "(raise rl.batch.prompts_per_step)")
         shard_samples, prompts, real, total = [], [], [], []
         per_reward: dict[str, list[float]] = {label: [] for label in self.grpo.reward_labels}
-        for gi, (idx, samples, tot, per) in enumerate(mine):
+        if any(g[4] is not None for g in mine):
+            per_reward["env"] = []
+        for gi, (idx, samples, tot, per, _) in enumerate(mine):
             sample = self.train_set[idx]
             enc = self.encoder.encode(sample)
             if enc is None:
@@ -162,7 +167,9 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
                 per_reward[label] += per.get(label, [])
         shard = EncodedShard(shard_samples, prompts)
         result = RolloutResult(samples=real, num_generated_tokens=sum(int(s.token_ids.numel()) for s in real))
-        return shape_round(self.rl, self.advantage, shard, result, real, total, per_reward)
+        rd = shape_round(self.rl, self.advantage, shard, result, real, total, per_reward)
+        rd.trajectories = round_trajectories([g[4] for g in mine])
+        return rd
 
     def _staleness(self, step: int, payloads: list[dict]) -> dict[str, float]:
         lags, interrupted, n = [], 0, 0

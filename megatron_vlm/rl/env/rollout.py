@@ -24,16 +24,35 @@ from megatron_vlm.rl.env.pool import EnvWorkerPool, InlineEnvRunner, build_envir
 from megatron_vlm.rl.env.session import EnvSession, ToolPromptEncoder, env_sample
 from megatron_vlm.rl.env.turns import TurnEncoder
 
-__all__ = ["MultiTurnRounds", "rollout_view"]
+__all__ = ["MultiTurnRounds", "rollout_view", "multiturn_seed", "multiturn_rollout"]
 
 log = logging.getLogger("megatron_vlm")
+
+def multiturn_seed(seed: int, step: int, rank: int, rnd: int = 0) -> int:
+    """The seed of a rank's multi-turn rollout of a step's round (each conversation's generator derives from it): a
+    function of (train.seed, step, rank, round), the same in the synchronous loop and on asynchronous rollout rank
+    `rank`, so a resumed run, and the asynchronous loop at max_head_offpolicyness = 0, repeat the same trajectories."""
+    return ((seed * 1_000_003 + step) * 8191 + rank) * 31 + rnd
+
+
+def multiturn_rollout(engine: Any, processor: Any) -> MultiTurnRollout:
+    """The engine's multi-turn loop: vLLM's request API (inference/vllm_multiturn.py) or the built-in engine's."""
+    from megatron_vlm.inference.vllm_engine import VLLMRolloutEngine
+
+    if isinstance(engine, VLLMRolloutEngine):
+        from megatron_vlm.inference.vllm_multiturn import VLLMMultiTurnRollout
+
+        return VLLMMultiTurnRollout(engine, tokenizer=processor.tokenizer)
+    return MultiTurnRollout(engine)
+
 
 def rollout_view(t: Trajectory) -> RolloutSample:
     """The trajectory as a single-turn sample for scoring and metrics: its model tokens, its last turn's text."""
     ids = t.token_ids[t.model_mask]
     return RolloutSample(prompt_index=t.prompt_index, sample_index=t.sample_index, token_ids=ids, logprobs=t.logprobs,
                          text=t.text, finish_reason=cast(Any, "length" if t.truncated else "eos"),
-                         prompt_length=t.prompt_length, policy_version=t.policy_version)
+                         prompt_length=t.prompt_length, policy_version=t.policy_version,
+                         token_versions=t.token_versions)
 
 
 class MultiTurnRounds:
@@ -41,7 +60,7 @@ class MultiTurnRounds:
                  tools: Optional[list[dict]] = None):
         self.cfg, self.runner = cfg, runner
         self.tools = tools if tools is not None else list(build_environment(cfg.name, cfg.kwargs).tools())
-        self.rollout = MultiTurnRollout(engine)
+        self.rollout = multiturn_rollout(engine, processor)
         self.turns = TurnEncoder(processor)
         self.limits = MultiTurnLimits(max_turns=cfg.max_turns, max_total_tokens=max_total_tokens)
         self.eos = sorted(engine.eos_token_ids)

@@ -65,3 +65,16 @@ class VideoSecondTurn(ImageSecondTurn):
         rng = np.random.default_rng(self.t)
         frames = [rng.integers(0, 255, size=(self.size, self.size, 3), dtype=np.uint8) for _ in range(4)]
         return StepResult(Observation(text="what happens", videos=[frames], video_fps=2.0), reward=0.5)
+
+
+class CrashOn(Echo):
+    """Echo, but its worker process dies at the first step of a trajectory whose problem contains `word`."""
+
+    def __init__(self, word: str = "seven", text: str = "go on"):
+        super().__init__(text)
+        self.word = word
+
+    def step(self, action):
+        if self.word in self.sample.problem:
+            os._exit(3)
+        return super().step(action)

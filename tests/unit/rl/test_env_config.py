@@ -1,6 +1,6 @@
 """`[rl.env]`: every key loads and validates or is refused naming the key (exit 2 through the launcher), the
-combinations multi-turn rollouts do not run in yet are refused naming rl.env (the vLLM back end, the
-asynchronous loop) or the key to change (rollout.weights), and the trajectory reward's turn rewards are summed
+combinations multi-turn rollouts do not run in are refused naming the key to change (rollout.weights); the vLLM
+back end and the asynchronous loop take [rl.env], and the trajectory reward's turn rewards are summed
 or discounted as documented."""
 from __future__ import annotations
 
@@ -51,13 +51,19 @@ def test_bad_values_name_the_key(table, key):
 
 @pytest.mark.parametrize("sets, key", [
     ([ENV], "rl.rollout.weights"),
-    ([ENV, 'rl.rollout_backend="vllm"'], "rl.env"),
-    ([ENV, COPY, 'rl.allocation="rollout:1+train:1"'], "rl.env"),
+    ([ENV, COPY, 'rl.rollout_backend="vllm"'], "rl.rollout.weights"),  # the built-in engine's key, as single-turn
 ])
 def test_unsupported_combinations_name_the_key(sets, key):
     with pytest.raises(ConfigError) as e:
         _load(*sets)
     assert str(e.value).startswith(key), str(e.value)
+
+
+def test_vllm_backend_and_async_loop_take_env():
+    cfg = _load(ENV, 'rl.rollout_backend="vllm"')
+    assert cfg.rl.env is not None and cfg.rl.rollout_backend == "vllm"
+    cfg = _load(ENV, COPY, 'rl.allocation="rollout:1+train:1"')
+    assert cfg.rl.env is not None and cfg.rl.allocation is not None
 
 
 def test_check_refuses_a_trajectory_longer_than_a_pack(tmp_path):

@@ -56,3 +56,20 @@ def test_two_process_vllm_grpo_trains_and_resumes_exactly_after_kill9(tmp_path):
     a, b = load_safetensors_dir(straight / "hf"), load_safetensors_dir(crashed / "hf")
     assert a.keys() == b.keys()
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+
+
+@pytest.mark.heavy  # a two-process vLLM job, ~1-2 min
+def test_tensor_parallel_vllm_engine_over_the_trainers_tp_group(tmp_path):
+    """parallel.tp = 2 and rl.vllm.tensor_parallel_size = 2: one vLLM engine sharded over the trainer's tp group,
+    fed from the trainer's tp shards (each rank gathers the full tensors, vLLM keeps its half). The engine's
+    log-probs are the training forward's (up to the masked vision tokens' ~3e-3, as the one-process job): a
+    wrong or missing half of any pushed weight would move them far more."""
+    out = tmp_path / "tp"
+    run_job(grpo_overrides(out, tmp_path / "assets", **VLLM, **{"parallel.tp": "2", "rl.vllm.tensor_parallel_size": "2"}),
+            config=GRPO_DEMO, nproc=2)
+    rows = read_metrics(out / "metrics_train.csv")
+    assert [int(x["step"]) for x in rows] == [1, 2, 3, 4]
+    assert float(rows[0]["reward/std"]) > 0 and float(rows[0]["grad_norm"]) > 0
+    for x in rows:
+        assert float(x["rollout/weight_push_mb"]) > 0
+        assert 0 < float(x["rollout/logprob_abs_diff"]) < 0.02, x["rollout/logprob_abs_diff"]

@@ -215,7 +215,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm = LLM(**kwargs)
         self.llm.collective_rpc(_record_ties)
         self.asleep = False
-        log.info("vLLM rollout engine on %s from %s (%.1f s)", device, model_path, time.perf_counter() - t0)
+        log.info("vLLM rollout engine on %s from %s (%s executor, tensor-parallel %d, %.1f s)", device, model_path,
+                 executor, cfg.tensor_parallel_size, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Optional[Mapping[str, torch.Tensor]] = None, *, version: int) -> None:

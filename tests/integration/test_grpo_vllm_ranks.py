@@ -30,7 +30,7 @@ def test_two_process_vllm_grpo_trains_and_resumes_exactly_after_kill9(tmp_path):
     assets = tmp_path / "assets"
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     r = run_job(grpo_overrides(straight, assets, **VLLM), config=GRPO_DEMO, nproc=2)
-    assert "external_launcher" in r.stderr  # vLLM's executor for engines inside the job's world
+    assert "external_launcher executor, tensor-parallel 1" in r.stderr  # vLLM's executor inside the job's world
     rows = read_metrics(straight / "metrics_train.csv")
     assert [int(x["step"]) for x in rows] == [1, 2, 3, 4]
     assert float(rows[0]["reward/std"]) > 0 and float(rows[0]["grad_norm"]) > 0  # a real update happened
@@ -65,8 +65,9 @@ def test_tensor_parallel_vllm_engine_over_the_trainers_tp_group(tmp_path):
     log-probs are the training forward's (up to the masked vision tokens' ~3e-3, as the one-process job): a
     wrong or missing half of any pushed weight would move them far more."""
     out = tmp_path / "tp"
-    run_job(grpo_overrides(out, tmp_path / "assets", **VLLM, **{"parallel.tp": "2", "rl.vllm.tensor_parallel_size": "2"}),
-            config=GRPO_DEMO, nproc=2)
+    r = run_job(grpo_overrides(out, tmp_path / "assets", **VLLM, **{"parallel.tp": "2", "rl.vllm.tensor_parallel_size": "2"}),
+                config=GRPO_DEMO, nproc=2)
+    assert "external_launcher executor, tensor-parallel 2" in r.stderr
     rows = read_metrics(out / "metrics_train.csv")
     assert [int(x["step"]) for x in rows] == [1, 2, 3, 4]
     assert float(rows[0]["reward/std"]) > 0 and float(rows[0]["grad_norm"]) > 0

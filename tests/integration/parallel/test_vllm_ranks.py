@@ -158,6 +158,7 @@ def _full_qkv_rows(reference) -> int:
     return sum(int(sd[k].shape[0]) for k in sd if re.search(r"layers\.0\.self_attn\.[qkv]_proj\.weight$", k))
 
 
+@pytest.mark.heavy  # two processes, three vLLM engines: ~2.5-3 min at load 15; `bash .ci/vllm_tests.sh -m vllm`
 def test_vllm_engines_on_two_ranks_and_tensor_parallel_2(tmp_path):
     from tests.integration.parallel.spawn import spawn
 

@@ -1,8 +1,9 @@
 """The vLLM rollout engine (`[rl] rollout_backend = "vllm"`): the `RolloutEngine` interface on an
 in-process `vllm.LLM`.
 
-Why in-process: the engine lives in the generating rank's own process (vLLM's `InprocClient` with the
-single-worker "uni" executor), so the trainer's weights reach it by reference — `load_weights` walks
+Why in-process: the engine lives in the generating rank's own process (vLLM's `InprocClient` with one
+worker: the "uni" executor in a one-process job, the "external_launcher" executor in a job of several
+processes, `vllm_engine_for_run`), so the trainer's weights reach it by reference — `load_weights` walks
 the trainer's state dict in Hugging Face names, bucket by bucket (`vllm_weights.py`), and streams the
 buckets into vLLM's in-place layerwise reload (`model_runner.reload_weights`, through
 `collective_rpc`) — no disk, no second process, no serialisation. After a push the prefix cache and
@@ -115,6 +116,42 @@ def _reload(worker, weights) -> None:
             method.process_weights_after_loading(head)
 
 
+def _forget_vllm_world() -> None:
+    """Drop vLLM's world-group coordinator (its own sub-groups of the job's ranks) but not the job's default
+    process group, which the trainer still uses after the engine is closed."""
+    from vllm.distributed import parallel_state
+
+    world = getattr(parallel_state, "_WORLD", None)
+    if world is not None:
+        world.destroy()
+        parallel_state._WORLD = None
+        parallel_state._NODE_COUNT = None
+
+
+@contextlib.contextmanager
+def _keep_job_process_group(keep: bool):
+    """vLLM 0.32's `EngineCore.shutdown` ends with `cleanup_dist_env_and_memory()`, which destroys
+    torch.distributed's default process group: right for a process vLLM owns, wrong in a training job whose
+    ranks go on to checkpoint and export. While `keep`, that call tears down vLLM's own groups only."""
+    if not keep:
+        yield
+        return
+    from vllm.distributed.parallel_state import destroy_model_parallel
+    from vllm.v1.engine import core
+
+    saved = core.cleanup_dist_env_and_memory
+
+    def cleanup(shutdown_ray: bool = False) -> None:  # noqa: ARG001 (vLLM's signature)
+        destroy_model_parallel()
+        _forget_vllm_world()
+
+    core.cleanup_dist_env_and_memory = cleanup
+    try:
+        yield
+    finally:
+        core.cleanup_dist_env_and_memory = saved
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """`RolloutEngine` on an in-process vLLM engine (module docstring).
 
@@ -123,12 +160,15 @@ class VLLMRolloutEngine(RolloutEngine):
     (passed as extra stop ids so both engines end completions alike); placeholder_ids: the image /
     video placeholder token ids to collapse; suppress_token_ids: the ids never sampled (the vision tokens, as the
     built-in engine suppresses them: the behaviour log-probs are then of that masked distribution, which differs
-    from the training forward's by log(1 - p(vision tokens)), ~0 for a trained model: `rollout/logprob_abs_diff`)."""
+    from the training forward's by log(1 - p(vision tokens)), ~0 for a trained model: `rollout/logprob_abs_diff`);
+    executor: vLLM's `distributed_executor_backend`, "uni" (one process) or "external_launcher" (every rank of a
+    torch.distributed job builds its engine at the same time, and vLLM makes its groups in the job's world; the
+    layout: inference/vllm_layout.py)."""
 
     def __init__(self, model_path: str, cfg: VLLMConfig, *, dtype: torch.dtype, device: torch.device | str,
                  max_model_len: int, seed: int = 0, sync_from: Optional[torch.nn.Module] = None,
                  eos_token_ids: Sequence[int] = (), placeholder_ids: Sequence[int] = (),
-                 suppress_token_ids: Sequence[int] = ()):
+                 suppress_token_ids: Sequence[int] = (), executor: str = "uni"):
         from megatron_vlm.errors import ConfigError
 
         device = torch.device(device)
@@ -162,7 +202,7 @@ class VLLMRolloutEngine(RolloutEngine):
             model=str(model_path), dtype=dtype, seed=seed, tensor_parallel_size=cfg.tensor_parallel_size,
             max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
             enable_prefix_caching=cfg.enable_prefix_caching, enforce_eager=cfg.enforce_eager or device.type == "cpu",
-            distributed_executor_backend="uni", logprobs_mode="processed_logprobs",
+            distributed_executor_backend=executor, logprobs_mode="processed_logprobs",
         )
         if device.type == "cpu":
             # whole prompts per scheduling step: vLLM 0.32's CPU worker fails on a chunked prefill of a request
@@ -175,7 +215,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm = LLM(**kwargs)
         self.llm.collective_rpc(_record_ties)
         self.asleep = False
-        log.info("vLLM rollout engine on %s from %s (%.1f s)", device, model_path, time.perf_counter() - t0)
+        log.info("vLLM rollout engine on %s from %s (%s executor, tensor-parallel %d, %.1f s)", device, model_path,
+                 executor, cfg.tensor_parallel_size, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Optional[Mapping[str, torch.Tensor]] = None, *, version: int) -> None:
@@ -371,13 +412,16 @@ class VLLMRolloutEngine(RolloutEngine):
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
         try:
-            llm.llm_engine.engine_core.shutdown()
+            with _keep_job_process_group(not self._owns_process_group):
+                llm.llm_engine.engine_core.shutdown()
         finally:
             del llm
             gc.collect()
             destroy_model_parallel()
             if self._owns_process_group:
                 destroy_distributed_environment()
+            else:
+                _forget_vllm_world()
 
     # ------------------------------------------------------------------ memory
     def release_memory(self) -> None:
@@ -398,11 +442,16 @@ def vllm_engine_for_run(ctx, bundle, *, dtype: torch.dtype) -> VLLMRolloutEngine
     (`bundle.model`) weights at every `load_weights`, stopping on the ids the built-in engine stops on."""
     from megatron_vlm.errors import ConfigError
     from megatron_vlm.inference.stopping import eos_token_ids_of
+    from megatron_vlm.inference.vllm_layout import vllm_executor, vllm_layout_refusal
 
     cfg, env = ctx.cfg, ctx.env
-    if env.world_size > 1:
-        raise ConfigError(f"rl.rollout_backend: 'vllm' runs one in-process engine per job so far; this job has "
-                          f"{env.world_size} processes (launch it with one, or use rollout_backend = 'builtin')")
+    refusal = vllm_layout_refusal(cfg, env.world_size)  # several processes: one engine per rank (vllm_layout.py)
+    if refusal is not None:
+        raise ConfigError(f"{refusal[0]}: {refusal[1]}")
+    executor = vllm_executor(env.world_size)
+    if executor == "external_launcher":  # vLLM reads the rank from torchrun's variables; other launchers may not set them
+        os.environ.setdefault("RANK", str(env.rank))
+        os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
     v = cfg.rl.vllm
     if v.max_model_len is not None and v.max_model_len < cfg.data.max_tokens_per_pack:
         raise ConfigError(f"rl.vllm.max_model_len: {v.max_model_len} is below data.max_tokens_per_pack = "
@@ -415,4 +464,5 @@ def vllm_engine_for_run(ctx, bundle, *, dtype: torch.dtype) -> VLLMRolloutEngine
     return VLLMRolloutEngine(
         cfg.model.path, cfg.rl.vllm, dtype=dtype, device=env.device, max_model_len=cfg.data.max_tokens_per_pack,
         seed=cfg.train.seed, sync_from=bundle.model, eos_token_ids=sorted(eos_token_ids_of(proc.tokenizer, gen_cfg)),
-        placeholder_ids=[p for p in placeholders if p is not None], suppress_token_ids=vision_token_ids(bundle.model))
+        placeholder_ids=[p for p in placeholders if p is not None], suppress_token_ids=vision_token_ids(bundle.model),
+        executor=executor)

@@ -131,10 +131,12 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     moes = moe_layers(model)
     num_experts = moes[0].num_experts if moes else 0
     total_ranks, rollout_ranks = world_size, 0
-    if cfg.train.mode == "grpo" and cfg.rl is not None and cfg.rl.rollout_backend == "vllm" and world_size > 1:
-        # the vLLM back end's own refusal at run time (inference/vllm_engine.py), found here too
-        raise CheckFailed("rl.rollout_backend", f"'vllm' runs one in-process engine per job so far; this run has {world_size} "
-                                                "processes (launch it with one, or use rollout_backend = 'builtin')")
+    if cfg.train.mode == "grpo" and cfg.rl is not None:
+        from megatron_vlm.inference.vllm_layout import vllm_layout_refusal
+
+        refusal = vllm_layout_refusal(cfg, world_size)  # the vLLM back end's own refusal at run time, found here too
+        if refusal is not None:
+            raise CheckFailed(*refusal)
     if cfg.train.mode == "grpo" and cfg.rl is not None and cfg.rl.allocation is not None:
         # asynchronous GRPO: the training ranks form the FSDP layout, the rollout ranks each hold a full copy
         alloc = parse_allocation(cfg.rl.allocation)

@@ -484,8 +484,10 @@ class VLLMConfig:
     the device (sleep mode needs CUDA); RLConfig checks the keys of other tables that depend on the back end."""
 
     tensor_parallel_size: int = 1
-    """Tensor-parallel size of each rollout engine. The engine runs in-process on every generating rank
-    with one worker, so only 1 is supported (a larger value exits 2); scale rollout with more ranks."""
+    """Tensor-parallel size of each rollout engine. Every rank runs its own in-process engine with one worker;
+    with a value above 1 the engines of `tensor_parallel_size` consecutive ranks form one sharded engine
+    (vLLM's external-launcher executor). It must equal `parallel.tp`, whose groups hold the same prompts
+    (synchronous GRPO; 1 with rl.allocation); otherwise exit 2 (inference/vllm_layout.py, docs/vllm.md)."""
     gpu_memory_utilization: float = 0.5
     """Fraction of the device memory vLLM may take for weights + KV cache (CUDA only; in (0, 1]).
     Colocated with training (synchronous GRPO): leave room for the trainer. On the CPU the KV cache is
@@ -514,9 +516,7 @@ class VLLMConfig:
     than that is a bucket of its own), gathered from the trainer's shards one bucket at a time."""
 
     def validate(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size}: the in-process engine runs one worker "
-                             "per generating rank; only 1 is supported (use more ranks for more rollout throughput)")
+        _at_least_one(self, "tensor_parallel_size")  # the layout (parallel.tp, processes) is checked with the job's
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if not 0 < self.cpu_kv_cache_gib < float("inf"):

@@ -226,7 +226,8 @@ def test_check_runs_the_mcore_backend_refusals(tmp_path):
 
 def test_check_plans_the_vllm_engine_and_refuses_what_it_cannot_run(qwen2_5_vl_3b):
     """rollout_backend = "vllm": the engine's device share is planned (rl.vllm.gpu_memory_utilization, no
-    built-in KV cache); a share that leaves no room for the trainer, and several processes, exit 2 naming the key."""
+    built-in KV cache); several processes run one engine each; a share that leaves no room for the trainer, an engine
+    tensor-parallel size other than the trainer's, and context parallelism exit 2 naming the key."""
     cfg = CONFIGS / "qwen2_5_vl_3b_geometry3k_grpo_vllm.toml"
     code, out, err = _check(cfg, [f'model.path="{qwen2_5_vl_3b}"'], 1)
     assert code == 0, err
@@ -234,5 +235,10 @@ def test_check_plans_the_vllm_engine_and_refuses_what_it_cannot_run(qwen2_5_vl_3
     assert "in the vLLM engine" in out and "rollout KV cache 0.00 GiB" in out
     code, _, err = _check(cfg, [f'model.path="{qwen2_5_vl_3b}"', "rl.vllm.gpu_memory_utilization=1.0"], 1)
     assert code == 2 and err.startswith("check failed: rl.vllm.gpu_memory_utilization: estimated peak"), err
-    code, _, err = _check(cfg, [f'model.path="{qwen2_5_vl_3b}"'], 2)
-    assert code == 2 and err.startswith("check failed: rl.rollout_backend: 'vllm' runs one in-process engine"), err
+    code, _, err = _check(cfg, [f'model.path="{qwen2_5_vl_3b}"'], 2)  # one engine per rank (external launcher)
+    assert code == 0, err
+    code, _, err = _check(cfg, [f'model.path="{qwen2_5_vl_3b}"', "rl.vllm.tensor_parallel_size=2"], 2)
+    assert code == 2 and err.startswith("check failed: rl.vllm.tensor_parallel_size: 2: the vLLM engine shards over the "
+                                        "trainer's tensor-parallel group"), err
+    code, _, err = _check(cfg, [f'model.path="{qwen2_5_vl_3b}"', "parallel.cp=2"], 2)
+    assert code == 2 and err.startswith("check failed: parallel.cp: 2 with rollout_backend = 'vllm'"), err

@@ -32,7 +32,7 @@ def test_every_vllm_key_loads_with_the_vllm_backend():
     ({"allocation": "vllm:d1+d1"}, r"^rl\.allocation: 'vllm:d1\+d1' puts the rollout ranks on vLLM but rollout_backend"),
     ({"allocation": "sglang:d1+d1"}, r"^rl\.allocation: 'sglang:d1\+d1': the 'sglang' back end is not supported"),
     ({"allocation": "sglang:d1+d1", "rollout_backend": "vllm"}, r"^rl\.allocation: .*'sglang' back end is not supported"),
-    ({"rollout_backend": "vllm", "vllm": {"tensor_parallel_size": 2}}, r"^rl\.vllm\.tensor_parallel_size: 2"),
+    ({"rollout_backend": "vllm", "vllm": {"tensor_parallel_size": 0}}, r"^rl\.vllm\.tensor_parallel_size: must be >= 1"),
     ({"rollout_backend": "vllm", "vllm": {"gpu_memory_utilization": 1.5}}, r"^rl\.vllm\.gpu_memory_utilization"),
     ({"rollout_backend": "vllm", "vllm": {"cpu_kv_cache_gib": 0}}, r"^rl\.vllm\.cpu_kv_cache_gib"),
     ({"rollout_backend": "vllm", "vllm": {"max_num_seqs": 0}}, r"^rl\.vllm\.max_num_seqs"),
@@ -88,11 +88,41 @@ def test_engine_refuses_max_model_len_below_the_pack_before_importing_vllm():
 
     from megatron_vlm.inference.vllm_engine import vllm_engine_for_run
 
-    cfg = NS(rl=NS(vllm=VLLMConfig(max_model_len=512)), data=NS(max_tokens_per_pack=1024), model=NS(path="unused"),
+    cfg = NS(rl=NS(vllm=VLLMConfig(max_model_len=512), rollout_backend="vllm", allocation=None),
+             parallel=NS(tp=1, cp=1, ep=1, pp=1), data=NS(max_tokens_per_pack=1024), model=NS(path="unused"),
              train=NS(seed=0))
     ctx = NS(cfg=cfg, env=NS(world_size=1, device=torch.device("cpu")))
     with pytest.raises(ConfigError, match=r"^rl\.vllm\.max_model_len: 512 is below data\.max_tokens_per_pack = 1024"):
         vllm_engine_for_run(ctx, NS(), dtype=torch.float32)
-    ctx.env.world_size = 2
-    with pytest.raises(ConfigError, match=r"^rl\.rollout_backend: 'vllm' runs one in-process engine per job"):
+    cfg.rl.vllm = VLLMConfig(tensor_parallel_size=2)  # a layout the engine cannot run: refused first
+    with pytest.raises(ConfigError, match=r"^rl\.vllm\.tensor_parallel_size: 2: the vLLM engine shards over the "
+                                          r"trainer's tensor-parallel group .* parallel\.tp = 1"):
         vllm_engine_for_run(ctx, NS(), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("parallel,vllm,world,allocation,want", [
+    ({}, {}, 1, None, None),
+    ({}, {}, 4, None, None),  # one engine per rank
+    ({"tp": 2}, {"tensor_parallel_size": 2}, 4, None, None),  # the engine shards over the trainer's tp groups
+    ({"tp": 2}, {}, 4, None, "rl.vllm.tensor_parallel_size"),
+    ({}, {"tensor_parallel_size": 2}, 2, None, "rl.vllm.tensor_parallel_size"),
+    ({}, {"tensor_parallel_size": 2}, 1, None, "rl.vllm.tensor_parallel_size"),
+    ({"tp": 2}, {"tensor_parallel_size": 2}, 3, None, "rl.vllm.tensor_parallel_size"),
+    ({"cp": 2}, {}, 2, None, "parallel.cp"),
+    ({"ep": 2}, {}, 2, None, "parallel.ep"),
+    ({"pp": 2}, {}, 2, None, "parallel.pp"),
+    ({}, {"tensor_parallel_size": 2}, 2, "vllm:d1+d1", "rl.vllm.tensor_parallel_size"),
+    ({}, {}, 2, "vllm:d1+d1", None),
+])
+def test_vllm_layout_refusals_name_the_key(parallel, vllm, world, allocation, want):
+    from types import SimpleNamespace as NS
+
+    from megatron_vlm.inference.vllm_layout import vllm_executor, vllm_layout_refusal
+
+    cfg = NS(rl=NS(rollout_backend="vllm", vllm=VLLMConfig(**vllm), allocation=allocation),
+             parallel=NS(**{"tp": 1, "cp": 1, "ep": 1, "pp": 1, **parallel}))
+    got = vllm_layout_refusal(cfg, world)
+    assert (got[0] if got else None) == want, got
+    cfg.rl.rollout_backend = "builtin"
+    assert vllm_layout_refusal(cfg, world) is None
+    assert vllm_executor(world) == ("uni" if world == 1 else "external_launcher")

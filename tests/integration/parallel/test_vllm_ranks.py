@@ -1,0 +1,165 @@
+"""vLLM rollout engines on several ranks of one torch.distributed job (vLLM's external-launcher executor;
+marker `vllm`: runs in the environment docs/vllm.md builds, `bash .ci/vllm_tests.sh`).
+
+Two gloo ranks, a tiny random Qwen2 text folder, the trainer's weights perturbed away from the folder and
+sharded with FSDP2 over both ranks, pushed into each rank's engine in 1 MiB buckets (each rank gathering the
+shards layer by layer). The references are not the code under test: the built-in engine's greedy decode and
+our training forward on an unsharded copy of the same weights.
+
+- one engine per rank, each on its share of the prompts (prompts[rank::2], as rl/rounds.py deals them):
+  greedy tokens equal the built-in engine's on the same prompts (so the two ranks together produce what one
+  process produces for all prompts), and the log-probs of sampled tokens equal the training forward's
+  log_softmax(logits / T) within 1e-4 (fp32);
+- closing the engines leaves the job's process group working (vLLM's shutdown would destroy it);
+- rl.vllm.tensor_parallel_size = 2: one engine sharded over both ranks (each rank holds half of the attention
+  heads), both ranks sending all prompts: greedy tokens equal the built-in engine's, sampled log-probs equal
+  the training forward's within 1e-4, and both ranks get the same completions.
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = [pytest.mark.vllm, pytest.mark.distributed,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="vllm is not installed here (run these tests in the vLLM environment: docs/vllm.md, "
+                                        "'Running the vLLM tests')")]
+
+NEW = 10
+TEXTS = ["what is two plus two", "the cat sat on the", "seven eight nine", "hello", "one two", "a b c d e"]
+
+
+def _trainer_and_reference(folder: Path):
+    """The trainer's model (perturbed, then FSDP2-sharded over the world) and an unsharded copy of its weights."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from megatron_vlm.checkpoint.hf import load_hf_model
+    from megatron_vlm.parallel.apply import apply_fsdp
+
+    model = load_hf_model(str(folder), dtype=torch.float32, device="cpu").eval()
+    g = torch.Generator().manual_seed(7)  # the same perturbation on every rank: "trained" weights
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    reference = copy.deepcopy(model)
+    blocks = [m for n, m in model.named_modules() if re.fullmatch(r".*layers\.\d+", n)]
+    assert blocks
+    apply_fsdp(model, init_device_mesh("cpu", (dist.get_world_size(),)), blocks)
+    assert any(type(p).__name__ == "DTensor" for p in model.parameters())  # sharded: the push gathers
+    return model, reference
+
+
+def _engine(folder: Path, model, *, tp: int):
+    from megatron_vlm.data.processor import load_processor
+    from megatron_vlm.inference.stopping import eos_token_ids_of
+    from megatron_vlm.inference.vllm_engine import VLLMRolloutEngine
+    from megatron_vlm.rl.config import VLLMConfig
+
+    tok = load_processor(str(folder)).tokenizer
+    cfg = VLLMConfig(max_num_seqs=16, cpu_kv_cache_gib=1, weight_bucket_mb=1, tensor_parallel_size=tp)
+    return VLLMRolloutEngine(str(folder), cfg, dtype=torch.float32, device="cpu", max_model_len=256, seed=0,
+                             sync_from=model, eos_token_ids=sorted(eos_token_ids_of(tok)), executor="external_launcher")
+
+
+def _check_against_references(engine, reference, tok, prompts, seed: int, T=0.8):
+    """Greedy = the built-in engine's; sampled log-probs = the training forward's (1e-4). The samples back.
+    `seed`: the sampling generator's (the ranks of one tensor-parallel engine must send the same requests)."""
+    from megatron_vlm.inference.engine import SamplingParams
+    from megatron_vlm.inference.policy_engine import PolicyRolloutEngine
+
+    greedy = SamplingParams(max_new_tokens=NEW, n=1, temperature=0.0)
+    theirs = [s.token_ids.tolist() for s in engine.generate(prompts, greedy).samples]
+    ours = [s.token_ids.tolist() for s in PolicyRolloutEngine(reference, tok).generate(prompts, greedy).samples]
+    assert theirs == ours
+    res = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, n=2, temperature=T),
+                          generator=torch.Generator().manual_seed(seed))
+    n = 0
+    for s in res.samples:
+        p = prompts[s.prompt_index].input_ids
+        with torch.no_grad():
+            logits = reference(input_ids=torch.cat([p, s.token_ids])[None])[0].float()
+        lp = torch.log_softmax(logits[len(p) - 1: -1] / T, dim=-1).gather(-1, s.token_ids[:, None])[:, 0]
+        torch.testing.assert_close(s.logprobs, lp, atol=1e-4, rtol=0)
+        n += s.token_ids.numel()
+    assert n > 2 * len(prompts)
+    return theirs, res.samples
+
+
+def _ranks_part(tmp: Path, rank: int) -> None:
+    from megatron_vlm.data.processor import load_processor
+    from megatron_vlm.inference.engine import RolloutPrompt
+    from megatron_vlm.inference.vllm_weights import hf_weight_buckets
+    from megatron_vlm.parallel.collectives import all_gather_objects
+    from megatron_vlm.testing.synthesize import synthesize_model_folder
+
+    folder = tmp / "qwen2"
+    if rank == 0:
+        synthesize_model_folder("tiny_qwen2", folder, seed=0)
+    dist.barrier()
+    model, reference = _trainer_and_reference(folder)
+    tok = load_processor(str(folder)).tokenizer
+    prompts = [RolloutPrompt(input_ids=torch.tensor(tok(t)["input_ids"], dtype=torch.long)) for t in TEXTS]
+    # the push's buckets: bounded (a larger tensor alone), several, full tensors gathered from the shards
+    buckets = list(hf_weight_buckets(model, 1 << 20))
+    assert len(buckets) > 1
+    assert all(len(b) == 1 or sum(t.numel() * t.element_size() for _, t in b) <= 1 << 20 for b in buckets)
+    full = dict(reference.state_dict())
+    assert sum(len(b) for b in buckets) >= len([k for k in full if "layers" in k])
+
+    # one engine per rank, each on its share
+    engine = _engine(folder, model, tp=1)
+    try:
+        engine.load_weights(None, version=1)
+        assert engine.policy_version == 1 and engine.weight_push_mb > 0
+        mine = prompts[rank::2]
+        greedy, _ = _check_against_references(engine, reference, tok, mine, seed=rank + 1)
+    finally:
+        engine.close()
+    assert dist.is_initialized()
+    dist.barrier()  # the job's group outlives the engine
+    shares = all_gather_objects(greedy)
+    assert shares[0] != shares[1]  # the ranks did generate different prompts
+
+    # one engine sharded over both ranks (tensor_parallel_size = 2), every rank sending all prompts
+    engine = _engine(folder, model, tp=2)
+    try:
+        engine.load_weights(None, version=2)
+        heads = engine.llm.collective_rpc(_qkv_rows)
+        greedy_tp, samples = _check_against_references(engine, reference, tok, prompts, seed=5)
+    finally:
+        engine.close()
+    dist.barrier()
+    assert heads[0] == (2, _full_qkv_rows(reference) // 2), (heads, _full_qkv_rows(reference))  # half the heads each
+    both = all_gather_objects((greedy_tp, [s.token_ids.tolist() for s in samples]))
+    assert both[0] == both[1]
+    # the two one-rank engines together = the sharded engine on all prompts
+    assert [shares[i % 2][i // 2] for i in range(len(prompts))] == greedy_tp
+
+
+def _qkv_rows(worker) -> tuple[int, int]:
+    """In the vLLM worker: (vLLM's tensor-parallel size, output rows of the first layer's fused q/k/v projection
+    on this rank). The rows are the layer's own count: the CPU build repacks the weight tensor itself."""
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    model = worker.model_runner.get_model()
+    qkv = next(m for n, m in model.named_modules() if n.endswith("layers.0.self_attn.qkv_proj"))
+    return get_tensor_model_parallel_world_size(), int(qkv.output_size_per_partition)
+
+
+def _full_qkv_rows(reference) -> int:
+    sd = reference.state_dict()
+    return sum(int(sd[k].shape[0]) for k in sd if re.search(r"layers\.0\.self_attn\.[qkv]_proj\.weight$", k))
+
+
+@pytest.mark.heavy  # two processes, three vLLM engines: ~2.5-3 min at load 15; `bash .ci/vllm_tests.sh -m vllm`
+def test_vllm_engines_on_two_ranks_and_tensor_parallel_2(tmp_path):
+    from tests.integration.parallel.spawn import spawn
+
+    spawn(tmp_path, _ranks_part, world=2)

@@ -88,6 +88,9 @@ def _image_row(spec: RowSpec, folder: Path, tmp: Path):
     from megatron_vlm.testing.synthesize import synthesize_model_folder
 
     synthesize_model_folder("tiny_qwen2_5_vl", folder, seed=0)
+    pre = json.loads((folder / "preprocessor_config.json").read_text())  # the tiny folder caps images at 16 tokens
+    pre["size"]["longest_edge"] = 28 * 28 * spec.image_tokens  # both engines read this file
+    (folder / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
     proc = load_processor(str(folder))
     side = 28 * int(spec.image_tokens**0.5)  # 64 merged tokens: 16 x 16 patches of 14 px
     vqa = write_synthetic_vqa(tmp / "vqa", spec.prompts, spec.prompts, seed=0, image_size=side)["eval"]
@@ -126,53 +129,63 @@ def _close(llm) -> None:
     destroy_distributed_environment()
 
 
-def run_row(spec: RowSpec, engines: list[str], args) -> dict:
-    """Interleaved rounds of the row's call on each engine; returns the row's numbers (also printed)."""
+def prepare_row(spec: RowSpec, engines: list[str], args, tmp: Path, out: dict) -> tuple[dict, dict]:
+    """Write the row's folder and prompts into `tmp`, start the engines; returns ({engine: call}, info) where a
+    call returns (generated tokens, seconds, our engine's stats or {}) and info holds cfg, prompt_tokens, close."""
     from megatron_vlm.checkpoint.hf import load_hf_model
     from megatron_vlm.inference.engine import SamplingParams
     from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
 
+    folder = tmp / "model"
+    if spec.model_type == "qwen2_5_vl":
+        cfg, prompts, requests, tokenizer, bias = _image_row(spec, folder, tmp)
+    else:
+        cfg, prompts, requests, tokenizer, bias = _text_row(spec, folder)
+    prompt_tokens = len(prompts[0])
+    out.update(prompt_tokens=prompt_tokens, generated_tokens=spec.generated_tokens)
+    print(f"prompts: {prompt_tokens} tokens each", flush=True)
+    params = SamplingParams(max_new_tokens=spec.new_tokens, n=spec.group, temperature=1.0)
+    calls: dict = {}
+    info: dict = {"cfg": cfg, "prompt_tokens": prompt_tokens, "close": lambda: None}
+    if "ours" in engines:
+        model = load_hf_model(str(folder), dtype=torch.float32, device="cpu").eval()
+        ours = PolicyRolloutEngine(model, tokenizer, EngineOptions(eos_token_ids=[-1]))
+        gen = torch.Generator().manual_seed(0)
+
+        def run_ours():
+            r = ours.generate(prompts, params, generator=gen)
+            return r.num_generated_tokens, r.seconds, r.stats
+        calls["ours"] = run_ours
+    if "vllm" in engines:
+        from vllm import SamplingParams as VSP
+
+        t0 = time.perf_counter()
+        llm = _vllm(folder, spec, prompt_tokens + spec.new_tokens + 64, args.vllm_eager, spec.model_type != "qwen2_5_vl")
+        out["vllm_start_s"] = time.perf_counter() - t0
+        print(f"vLLM engine up in {out['vllm_start_s']:.1f} s", flush=True)
+        vsp = VSP(n=spec.group, temperature=1.0, top_p=1.0, top_k=0, max_tokens=spec.new_tokens, ignore_eos=True,
+                  logprobs=0, detokenize=False, logit_bias=bias or None)
+
+        def run_vllm():
+            llm.reset_prefix_cache()
+            llm.reset_mm_cache()
+            t0 = time.perf_counter()
+            res = llm.generate(requests, sampling_params=vsp, use_tqdm=False)
+            s = time.perf_counter() - t0
+            return sum(len(c.token_ids) for o in res for c in o.outputs), s, {}
+        calls["vllm"] = run_vllm
+        info["close"] = lambda: _close(llm)
+    return calls, info
+
+
+def run_row(spec: RowSpec, engines: list[str], args) -> dict:
+    """Interleaved rounds of the row's call on each engine; returns the row's numbers (also printed)."""
     print(f"== row {spec.letter} ({spec.name}): {spec.prompts} prompts x G {spec.group} x {spec.new_tokens} new, fp32, "
           f"{torch.get_num_threads()} threads; load {os.getloadavg()[0]:.2f}", flush=True)
     out: dict = {"row": spec.letter, "name": spec.name, "load_start": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "model"
-        if spec.model_type == "qwen2_5_vl":
-            cfg, prompts, requests, tokenizer, bias = _image_row(spec, folder, Path(tmp))
-        else:
-            cfg, prompts, requests, tokenizer, bias = _text_row(spec, folder)
-        prompt_tokens = len(prompts[0])
-        out.update(prompt_tokens=prompt_tokens, generated_tokens=spec.generated_tokens)
-        print(f"prompts: {prompt_tokens} tokens each", flush=True)
-        params = SamplingParams(max_new_tokens=spec.new_tokens, n=spec.group, temperature=1.0)
-        calls: dict = {}
-        if "ours" in engines:
-            model = load_hf_model(str(folder), dtype=torch.float32, device="cpu").eval()
-            ours = PolicyRolloutEngine(model, tokenizer, EngineOptions(eos_token_ids=[-1]))
-            gen = torch.Generator().manual_seed(0)
-
-            def run_ours():
-                r = ours.generate(prompts, params, generator=gen)
-                return r.num_generated_tokens, r.seconds, r.stats
-            calls["ours"] = run_ours
-        if "vllm" in engines:
-            from vllm import SamplingParams as VSP
-
-            t0 = time.perf_counter()
-            llm = _vllm(folder, spec, prompt_tokens + spec.new_tokens + 64, args.vllm_eager, spec.model_type != "qwen2_5_vl")
-            out["vllm_start_s"] = time.perf_counter() - t0
-            print(f"vLLM engine up in {out['vllm_start_s']:.1f} s", flush=True)
-            vsp = VSP(n=spec.group, temperature=1.0, top_p=1.0, top_k=0, max_tokens=spec.new_tokens, ignore_eos=True,
-                      logprobs=0, detokenize=False, logit_bias=bias or None)
-
-            def run_vllm():
-                llm.reset_prefix_cache()
-                llm.reset_mm_cache()
-                t0 = time.perf_counter()
-                res = llm.generate(requests, sampling_params=vsp, use_tqdm=False)
-                s = time.perf_counter() - t0
-                return sum(len(c.token_ids) for o in res for c in o.outputs), s, {}
-            calls["vllm"] = run_vllm
+        calls, info = prepare_row(spec, engines, args, Path(tmp), out)
+        cfg, prompt_tokens = info["cfg"], info["prompt_tokens"]
         for name, fn in calls.items():
             n, s, _ = fn()
             print(f"warm-up {name}: {s:.2f} s, {n} tokens", flush=True)
@@ -192,9 +205,7 @@ def run_row(spec: RowSpec, engines: list[str], args) -> dict:
             loads.append(os.getloadavg()[0])
             print(f"round {i + 1}: " + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in rates.items())
                   + f" (load {loads[-1]:.2f})", flush=True)
-        if "vllm" in calls:
-            _close(llm)
-            del llm
+        info["close"]()
     out["loads"] = loads
     for name, r in rates.items():
         out[name] = {"tokens_per_s": statistics.median(r), "tokens_per_s_min": min(r), "tokens_per_s_max": max(r), "rounds": r}

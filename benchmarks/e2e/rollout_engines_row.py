@@ -14,11 +14,16 @@ before vLLM starts; `VLLM_CPU_OMP_THREADS_BIND=nobind` so vLLM does not re-pin t
 
 Timing: one warm-up call each (vLLM's first call compiles), then `--repeats` rounds; each round calls both,
 the order alternating (ours first in odd rounds), and the ratio ours / vLLM of tokens per second is taken
-per round; min and median are reported, with the 1-minute load average of every round. For rows with
-`gemm_rate`, the fp32 matmul rate of this CPU (a 1024^3 `torch.mm` on the same threads, best of 5, measured
-in the same run before and after the row) is the limit the decode step's achieved GEMM rate (weight-GEMM
-FLOPs / decode seconds, from our engine's own decode timer) is compared with; for vLLM, which has no such
-timer, the call-level rate (prefill + decode weight-GEMM FLOPs / call seconds) is given for both.
+per round; min and median are reported, with the 1-minute load average of every round. Each call is timed
+on two clocks: the wall clock, and the process CPU clock (`time.process_time`, all threads of this process:
+vLLM's in-process engine core included). On a machine shared with other jobs the wall clock of a call
+also counts the time the scheduler gave the core to someone else, which swings 2-4x between rounds; the
+CPU clock counts only the work done, so its ratio is the stable one (on an idle machine, one thread, the
+two agree). For rows with `gemm_rate`, the fp32 matmul rate of this CPU (a 1024^3 `torch.mm` on the same
+threads, best of 5 on the CPU clock, measured before and after the row, the higher kept) is the limit the
+decode step's achieved GEMM rate (weight-GEMM FLOPs / decode seconds, from our engine's own decode timer,
+scaled to the CPU clock by the call's CPU / wall ratio) is compared with; vLLM has no such timer, so the
+call-level rate (prefill + decode weight-GEMM FLOPs / call CPU seconds) is given for both.
 """
 from __future__ import annotations
 
@@ -56,14 +61,15 @@ def parse_engines(text: str) -> list[str]:
 
 
 def matmul_rate(n: int = 1024, reps: int = 5) -> float:
-    """This CPU's fp32 GEMM rate on torch's current threads: FLOP/s of the best of `reps` [n, n] x [n, n] products."""
+    """This CPU's fp32 GEMM rate on torch's current threads: FLOP/s of the best of `reps` [n, n] x [n, n] products,
+    each timed on the process CPU clock (time other jobs take from this core is not counted)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.mm(a, b)
     best = float("inf")
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, time.process_time() - t0)
     return 2 * n**3 / best
 
 
@@ -190,36 +196,45 @@ def run_row(spec: RowSpec, engines: list[str], args) -> dict:
             n, s, _ = fn()
             print(f"warm-up {name}: {s:.2f} s, {n} tokens", flush=True)
             out[f"{name}_first_call_s"] = s
+        peak_before = matmul_rate() if spec.gemm_rate else 0.0
         rates: dict[str, list[float]] = {k: [] for k in calls}
-        decode: list[tuple[float, float]] = []
+        cpu_rates: dict[str, list[float]] = {k: [] for k in calls}
+        decode: list[tuple[float, float]] = []  # ours: (decode seconds on the CPU clock, decode steps) per round
         loads: list[float] = []
         for i in range(args.repeats):
             order = list(calls) if i % 2 == 0 else list(reversed(calls))
             for name in order:
+                c0 = time.process_time()
                 n, s, stats = calls[name]()
+                cpu = time.process_time() - c0
                 if n != spec.generated_tokens:
                     raise RuntimeError(f"row {spec.letter}: {name} generated {n} tokens, expected {spec.generated_tokens}")
                 rates[name].append(n / s)
+                cpu_rates[name].append(n / cpu)
                 if stats:
-                    decode.append((stats["decode_s"], stats["decode_steps"]))
+                    decode.append((stats["decode_s"] * min(1.0, cpu / s), stats["decode_steps"]))
             loads.append(os.getloadavg()[0])
-            print(f"round {i + 1}: " + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in rates.items())
-                  + f" (load {loads[-1]:.2f})", flush=True)
+            print(f"round {i + 1}: " + ", ".join(f"{k} {v[-1]:.1f} tok/s ({cpu_rates[k][-1]:.1f} per CPU s)"
+                                                 for k, v in rates.items()) + f" (load {loads[-1]:.2f})", flush=True)
+        peak = max(peak_before, matmul_rate()) if spec.gemm_rate else 0.0
         info["close"]()
     out["loads"] = loads
     for name, r in rates.items():
-        out[name] = {"tokens_per_s": statistics.median(r), "tokens_per_s_min": min(r), "tokens_per_s_max": max(r), "rounds": r}
+        c = cpu_rates[name]
+        out[name] = {"tokens_per_s": statistics.median(r), "tokens_per_s_min": min(r), "tokens_per_s_max": max(r), "rounds": r,
+                     "tokens_per_cpu_s": statistics.median(c), "tokens_per_cpu_s_min": min(c), "cpu_rounds": c}
     if len(rates) == 2:
-        ratios = [o / v for o, v in zip(rates["ours"], rates["vllm"])]
-        out["ours_vs_vllm"] = {"median": statistics.median(ratios), "min": min(ratios), "rounds": ratios}
+        for key, rr in (("ours_vs_vllm", rates), ("ours_vs_vllm_cpu", cpu_rates)):
+            ratios = [o / v for o, v in zip(rr["ours"], rr["vllm"])]
+            out[key] = {"median": statistics.median(ratios), "min": min(ratios), "rounds": ratios}
     if spec.gemm_rate:
-        out["gemm"] = _gemm(spec, cfg, prompt_tokens, rates, decode)
+        out["gemm"] = _gemm(spec, cfg, prompt_tokens, cpu_rates, decode, peak)
     _print_row(spec, out)
     return out
 
 
-def _gemm(spec: RowSpec, cfg: dict, prompt_tokens: int, rates: dict, decode: list) -> dict:
-    peak = matmul_rate()
+def _gemm(spec: RowSpec, cfg: dict, prompt_tokens: int, cpu_rates: dict, decode: list, peak: float) -> dict:
+    """Achieved weight-GEMM FLOP/s on the CPU clock (so other jobs' load does not count as our time) vs `peak`."""
     lin_dec, attn_dec = decode_flops(spec, cfg, prompt_tokens)
     per_tok = linear_flops_per_token(cfg)
     g: dict = {"matmul_peak_gflops": peak / 1e9, "linear_gflop_per_token": per_tok / 1e9,
@@ -229,9 +244,9 @@ def _gemm(spec: RowSpec, cfg: dict, prompt_tokens: int, rates: dict, decode: lis
         g.update(ours_decode_step_ms=1e3 * s / steps, ours_decode_gemm_gflops=lin_dec / s / 1e9,
                  ours_decode_fraction_of_peak=lin_dec / s / peak)
     # call level (both engines): weight-GEMM FLOPs of the prefill (the prompts once: both share the prompt
-    # across G) and of every decode step, over the call's seconds
+    # across G) and of every decode step, over the call's CPU seconds
     call_flops = per_tok * (spec.prompts * prompt_tokens + spec.prompts * spec.group * (spec.new_tokens - 1))
-    for name, r in rates.items():
+    for name, r in cpu_rates.items():
         secs = spec.generated_tokens / statistics.median(r)
         g[f"{name}_call_gemm_gflops"] = call_flops / secs / 1e9
         g[f"{name}_call_fraction_of_peak"] = call_flops / secs / peak
@@ -244,10 +259,11 @@ def _print_row(spec: RowSpec, out: dict) -> None:
             o = out[name]
             print(f"row {spec.letter} {name:5s} {o['tokens_per_s']:9.1f} tok/s (median; min {o['tokens_per_s_min']:.1f}, "
                   f"max {o['tokens_per_s_max']:.1f})", flush=True)
-    if "ours_vs_vllm" in out:
-        r = out["ours_vs_vllm"]
-        print(f"row {spec.letter} ours / vllm = median {r['median']:.2f}x, min {r['min']:.2f}x ({len(r['rounds'])} "
-              f"interleaved rounds; loads {', '.join(f'{x:.1f}' for x in out['loads'])})", flush=True)
+    for key, clock in (("ours_vs_vllm", "wall clock"), ("ours_vs_vllm_cpu", "CPU clock")):
+        if key in out:
+            r = out[key]
+            print(f"row {spec.letter} ours / vllm ({clock}) = median {r['median']:.2f}x, min {r['min']:.2f}x "
+                  f"({len(r['rounds'])} interleaved rounds; loads {', '.join(f'{x:.1f}' for x in out['loads'])})", flush=True)
     if "gemm" in out:
         g = out["gemm"]
         line = f"row {spec.letter} fp32 matmul peak {g['matmul_peak_gflops']:.1f} GFLOP/s"

@@ -40,18 +40,18 @@ def group_of(name: str) -> str:
     return "other"
 
 
-def profile_call(fn, top: int) -> dict:
+def profile_call(fn, top: int, shapes: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=shapes) as prof:
         n, seconds, stats = fn()
-    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    events = [e for e in prof.key_averages(group_by_input_shape=shapes) if e.self_cpu_time_total > 0]
     events.sort(key=lambda e: -e.self_cpu_time_total)
     total_us = sum(e.self_cpu_time_total for e in events)
     shares: dict[str, float] = {}
     for e in events:
         shares[group_of(e.key)] = shares.get(group_of(e.key), 0.0) + e.self_cpu_time_total / total_us
-    table = [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3, "share": e.self_cpu_time_total / total_us}
+    table = [{"op": e.key + (f" {e.input_shapes}" if shapes else ""), "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3, "share": e.self_cpu_time_total / total_us}
              for e in events[:top]]
     return {"tokens": n, "seconds": seconds, "profiled_self_ms": total_us / 1e3, "groups": shares, "top": table,
             "decode_steps": stats.get("decode_steps"), "decode_s": stats.get("decode_s")}
@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--vllm-eager", action="store_true")
+    ap.add_argument("--shapes", action="store_true", help="one table line per op and input shapes")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     try:
@@ -80,12 +81,12 @@ def main() -> None:
             n, s, _ = fn()
             print(f"warm-up {name}: {s:.2f} s, {n} tokens", flush=True)
         for name, fn in calls.items():
-            out[name] = p = profile_call(fn, args.top)
+            out[name] = p = profile_call(fn, args.top, args.shapes)
             print(f"\n== row {spec.letter} {name}: {p['tokens']} tokens in {p['seconds']:.2f} s "
                   f"({p['tokens'] / p['seconds']:.1f} tok/s under the profiler; load {os.getloadavg()[0]:.1f}); "
                   + ", ".join(f"{g} {v:.0%}" for g, v in sorted(p["groups"].items(), key=lambda kv: -kv[1])), flush=True)
             for r in p["top"]:
-                print(f"  {r['self_ms']:10.1f} ms {r['share']:6.1%} {r['calls']:8d}  {r['op'][:100]}")
+                print(f"  {r['self_ms']:10.1f} ms {r['share']:6.1%} {r['calls']:8d}  {r['op'][:160]}")
         info["close"]()
     if args.json:
         Path(args.json).write_text(json.dumps({"row": spec.letter, "threads": args.threads, **out}, indent=2))

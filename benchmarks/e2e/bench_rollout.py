@@ -30,6 +30,9 @@ taken per round and reported as min and median over `--repeats` rounds.
     python benchmarks/e2e/bench_rollout.py --quick         # CPU smoke test
     python benchmarks/e2e/bench_rollout.py --cuda-graphs   # + the CUDA-graph row (needs a GPU)
     python benchmarks/e2e/bench_rollout.py --vllm          # ours vs the vLLM back end (in the vLLM venv: docs/vllm.md)
+    python benchmarks/e2e/bench_rollout.py --engines ours,vllm --row a,b,c,d,e --threads 1
+                                                           # the CPU rows vs vLLM's CPU build (rollout_engines_row.py,
+                                                           # rollout_rows.py: a..e or their names, or all)
 
 Shorter runs (a 15-minute GPU lease): `--prompts`, `--group`, `--new-tokens`, `--repeats` size the call, and
 `--runs ours_shared_prefix,transformers_generate` leaves out the no-sharing engine (the target needs only
@@ -176,10 +179,25 @@ def main() -> None:
     ap.add_argument("--json", type=str, default=None, help="also write the results here")
     ap.add_argument("--vllm", action="store_true", help="the vLLM row instead: our engine vs the vLLM back end on the "
                                                          "tiny Qwen2.5-VL folder (rollout_vllm_row.py; needs vllm)")
+    ap.add_argument("--engines", default=None, help="comma-separated subset of ours,vllm: the CPU rows of --row instead "
+                                                     "(rollout_engines_row.py; vllm needs the vLLM environment)")
+    ap.add_argument("--row", default="all", help="with --engines: rows a..e (or names: rollout_rows.py), comma-separated, or all")
+    ap.add_argument("--vllm-eager", action="store_true", help="with --engines: vLLM without torch inductor compilation")
     ap.add_argument("--cuda-graphs", action="store_true", help="also the engine with CUDA-graph decode steps (GPU only)")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)} (transformers_generate "
                                                           "is always run: every ratio is against it)")
     args = ap.parse_args()
+    if args.engines is not None:
+        from rollout_engines_row import parse_engines, run_engine_rows  # this script's folder is on sys.path
+        from rollout_rows import resolve_rows
+
+        try:
+            resolve_rows(args.row), parse_engines(args.engines)
+        except ValueError as e:
+            ap.error(str(e))
+        torch.set_num_threads(args.threads or 1)  # before vLLM starts: its CPU worker then refuses set_num_threads
+        run_engine_rows(args)
+        return
     if args.vllm:
         from rollout_vllm_row import run_vllm_row  # this script's folder is on sys.path
 

@@ -22,6 +22,8 @@ Behaviour log-probs are those of the temperature-scaled, *untruncated* distribut
 (log_softmax(logits / temperature)), which is what the trainer recomputes for the PPO ratio;
 top-k / top-p only restrict which tokens may be drawn. With temperature 0 (greedy) they are the
 log-probs at temperature 1.
+A VLM's vision tokens, which no engine samples, are removed from that distribution (renormalised over the
+other ids), in the behaviour log-probs and in every RL log-prob of training alike (inference/sampling.py).
 """
 from __future__ import annotations
 

@@ -145,10 +145,23 @@ def sample_tokens(
     return tokens, lp
 
 
+# rows whose kept mass 1 - P is below this get their log-prob from a log_softmax over the kept ids: the
+# correction divides the rounding of log p by 1 - P (and P may round to 1)
+_MIN_KEPT = 0.5
+
+
 def _renormalised(x: torch.Tensor, tokens: torch.Tensor, logp: torch.Tensor, sup: torch.Tensor,
                   temperature: float) -> torch.Tensor:
     """`logp` (of `tokens` under softmax(x / temperature)) made the log-prob under that softmax with the `sup` ids
     removed: log p_s = (x_s - x_token) / T + log p(token) needs only the few suppressed logits (module docstring)."""
+    sup = sup.to(x.device)
     x_tok = x.gather(-1, tokens[:, None])
-    log_ps = (x.index_select(-1, sup.to(x.device)) - x_tok) / temperature + logp[:, None]
-    return logp - torch.log1p(-log_ps.exp().sum(-1))
+    log_ps = (x.index_select(-1, sup) - x_tok) / temperature + logp[:, None]
+    mass = log_ps.exp().sum(-1)
+    out = logp - torch.log1p(-mass.clamp(max=1.0 - _MIN_KEPT))
+    bad = mass > 1.0 - _MIN_KEPT
+    if bool(bad.any()):  # rare rows where the suppressed ids hold most of the mass: exactly, from their logits
+        rows = bad.nonzero().squeeze(-1)
+        exact = torch.log_softmax(x[rows].index_fill(-1, sup, float("-inf")) / temperature, dim=-1)
+        out = out.index_put((rows,), exact.gather(-1, tokens[rows, None]).squeeze(-1))
+    return out

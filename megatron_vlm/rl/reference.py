@@ -25,13 +25,19 @@ from megatron_vlm.training.lm_loss import TokenLogprobModel
 __all__ = ["ReferencePolicy", "BaseModelReference"]
 
 
+def _mask_kw(model) -> dict:
+    """The scorer's `masked_token_ids` (the vision tokens), passed only when the model has some."""
+    ids = tuple(vision_token_ids(model))
+    return {"masked_token_ids": ids} if ids else {}
+
+
 class ReferencePolicy:
     def __init__(self, model: torch.nn.Module, *, device: torch.device, offload: bool, temperature: float):
         model.eval().requires_grad_(False)
         self.device = device
         self.offload = offload and device.type != "cpu"
         self.temperature = temperature
-        self.masked_ids = tuple(vision_token_ids(model))
+        self.mask_kw = _mask_kw(model)
         self.scorer = TokenLogprobModel(model)
         self.scorer.to("cpu" if self.offload else device)
         self._on_device = not self.offload
@@ -64,8 +70,8 @@ class ReferencePolicy:
         """log p_ref of the labelled tokens of a packed batch (already on the device), in order."""
         if not self._on_device:
             with self.on_device():
-                return self.scorer(batch, temperature=self.temperature, masked_token_ids=self.masked_ids)
-        return self.scorer(batch, temperature=self.temperature, masked_token_ids=self.masked_ids)
+                return self.scorer(batch, temperature=self.temperature, **self.mask_kw)
+        return self.scorer(batch, temperature=self.temperature, **self.mask_kw)
 
 
 class BaseModelReference:
@@ -77,7 +83,7 @@ class BaseModelReference:
 
     def __init__(self, wrapper: torch.nn.Module, model: torch.nn.Module, *, temperature: float):
         self.wrapper, self.model, self.temperature = wrapper, model, temperature
-        self.masked_ids = tuple(vision_token_ids(model))
+        self.mask_kw = _mask_kw(model)
 
     @contextlib.contextmanager
     def on_device(self) -> Iterator[BaseModelReference]:
@@ -89,6 +95,6 @@ class BaseModelReference:
         self.wrapper.eval()
         try:
             with lora_disabled(self.model):
-                return self.wrapper(batch, temperature=self.temperature, masked_token_ids=self.masked_ids)
+                return self.wrapper(batch, temperature=self.temperature, **self.mask_kw)
         finally:
             self.wrapper.train(was_training)

@@ -17,8 +17,10 @@ with S the masked ids, p_s their full-softmax probabilities and P = sum_s p_s,
 and log p_s = z_s / T - lse with lse = z_y / T - log p(y): only the [N, |S|] logits of the masked rows of
 the LM head (one small matmul) and the label's own logit are needed. The result is differentiable through
 the kernel's log-prob / entropy and through the small matmuls, so gradients are those of a plain masked
-log_softmax. Rows whose label is ignored (-100) are left as the kernel gave them; a label that is itself a
-masked id (never sampled, so never trained on in RL) keeps its full-softmax log-prob.
+log_softmax. The correction divides by 1 - P: rows where the masked ids hold more than half of the mass (where
+it would amplify the rounding of log p more than twofold, and P may round to 1) are recomputed exactly from their
+own full logits instead. Rows whose label is ignored (-100) are left as the kernel gave them; a label that is
+itself a masked id (never sampled, so never trained on in RL) keeps its full-softmax log-prob.
 """
 from __future__ import annotations
 
@@ -33,6 +35,10 @@ IGNORE_INDEX = -100
 # log p_s of rows that need no correction: exp() of it is exactly 0 in fp32 / fp64 and 0 * it is 0 (no NaN)
 _NEG = -1.0e4
 _ROWS = 4096
+# rows whose kept mass 1 - P is below this are computed exactly (their [rows, V] logits): the correction's
+# rounding error is log p's divided by 1 - P (its gradient's likewise), so at most twice the kernel's own
+_MIN_KEPT = 0.5
+_EXACT_ROWS = 256
 
 
 def masked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, logp: torch.Tensor,
@@ -59,11 +65,34 @@ def masked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     lse = z_y - logp.to(ct)
     log_ps = (z_s - lse[:, None]).masked_fill(~correct[:, None], _NEG)
     p_s = log_ps.exp()
-    mass = p_s.sum(-1)
+    # rows where the masked ids hold most of the mass: dividing by 1 - P would amplify the rounding of log p (and
+    # P may round to 1): those rows are recomputed exactly from their full logits instead (rare: a few rows)
+    exact = correct & (p_s.detach().sum(-1) > 1.0 - _MIN_KEPT)
+    mass = torch.where(exact, 0.0, p_s.sum(-1))  # where, not a product: no 0 * inf in the backward
     log_keep = torch.log1p(-mass)                                                         # log(1 - P), 0 where no correction
     out_logp = logp.to(ct) - log_keep
-    if ent is None:
-        return out_logp, None
-    full_ent = ent.to(ct)
-    out_ent = (full_ent + (p_s * log_ps).sum(-1)) / (1.0 - mass) + log_keep
-    return out_logp, torch.where(correct, out_ent, full_ent)
+    out_ent = None
+    if ent is not None:
+        full_ent = ent.to(ct)
+        plog = torch.where(exact[:, None], 0.0, p_s * log_ps)
+        out_ent = torch.where(correct, (full_ent + plog.sum(-1)) / (1.0 - mass) + log_keep, full_ent)
+    if bool(exact.any()):
+        rows = exact.nonzero().squeeze(-1)
+        lq, hq = _exact_rows(hidden.index_select(0, rows), weight, safe.index_select(0, rows), sel, t, ct)
+        out_logp = out_logp.index_put((rows,), lq)
+        if out_ent is not None:
+            out_ent = out_ent.index_put((rows,), hq)
+    return out_logp, out_ent
+
+
+def _exact_rows(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, sel: torch.Tensor, t: float,
+                ct: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """log q(label) and H(q) of a few rows from their full logits (the masked ids filled with a finite -1e30:
+    exp() is 0 there and 0 * fill is 0, no NaN), in chunks of rows."""
+    lqs, hqs = [], []
+    for s in range(0, hidden.shape[0], _EXACT_ROWS):
+        z = (torch.matmul(hidden[s:s + _EXACT_ROWS], weight.t()).to(ct) / t).index_fill(-1, sel, -1.0e30)
+        logq = torch.log_softmax(z, dim=-1)
+        lqs.append(logq.gather(-1, labels[s:s + _EXACT_ROWS, None]).squeeze(-1))
+        hqs.append(-(logq.exp() * logq).sum(-1))
+    return torch.cat(lqs), torch.cat(hqs)

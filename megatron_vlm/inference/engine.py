@@ -75,6 +75,9 @@ class RolloutPrompt(SampleInputs):
 
     images: Optional[list] = None
     """The prompt's loaded images (PIL), for engines that process them themselves (vLLM); None: text only."""
+    videos: Optional[list] = None
+    """The prompt's videos as loaded (`data.media.VideoClip`: kept frames, source indices, rate), for engines that
+    process them themselves (vLLM); None: no video."""
 
     @classmethod
     def from_processed(cls, sample) -> RolloutPrompt:
@@ -83,6 +86,7 @@ class RolloutPrompt(SampleInputs):
             input_ids=sample.input_ids, pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw,
             pixel_values_videos=sample.pixel_values_videos, video_grid_thw=sample.video_grid_thw,
             second_per_grid_ts=sample.second_per_grid_ts, images=getattr(sample, "images", None),
+            videos=getattr(sample, "videos", None),
         )
 
 

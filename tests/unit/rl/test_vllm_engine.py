@@ -6,6 +6,8 @@ there, and so does `.ci/run`; skipped where vllm is not importable).
   text folders and on Qwen2.5-VL with images (vLLM's expanded prompt equal to ours);
 - with the vision tokens holding ~20 % of the mass, vLLM's log-probs (vision tokens masked) equal the training
   forward's masked log-probs within 1e-4, where the full softmax's are off by ~0.2;
+- video prompts (Qwen2.5-VL, the frames our pipeline kept): vLLM's expanded prompt equals ours (a mismatch
+  fails naming the prompt and both lengths), greedy tokens equal the built-in engine's, log-probs within 1e-4;
 - the log-probs vLLM reports for sampled tokens (processed: after temperature) equal our training
   forward's log_softmax(logits / T) of the same tokens within 1e-4 (fp32);
 - a weight push makes the engine generate exactly what a fresh vLLM engine loaded from the exported
@@ -205,7 +207,8 @@ def test_logprobs_equal_training_when_the_vision_tokens_carry_mass(tmp_path):
     vision = vision_token_ids(model)
     prompts = _image_prompts(folder, tmp_path)
     with torch.no_grad():  # the vision rows' logits raised by ~4 where the hidden states point on average
-        mean = model(input_ids=torch.cat([p.input_ids for p in prompts])[None], return_hidden=True)[0].mean(0)
+        text = torch.cat([p.input_ids[~torch.isin(p.input_ids, torch.tensor(vision))] for p in prompts])
+        mean = model(input_ids=text[None], return_hidden=True)[0].mean(0)
         model.lm_head.weight[vision] += 4.0 * mean / mean.dot(mean)
     engine = _engine(folder, model, suppress=vision)
     T = 0.8
@@ -233,6 +236,63 @@ def test_logprobs_equal_training_when_the_vision_tokens_carry_mass(tmp_path):
     torch.testing.assert_close(masked, behav, atol=1e-4, rtol=0)
     # log(1 - P) per token: the full softmax would fail the 1e-4 above by orders of magnitude
     assert float((masked - full).mean()) > 0.05 and float((full - behav).abs().max()) > 1e-2
+
+
+def _video_prompts(folder, tmp_path):
+    from megatron_vlm.data.synthetic_video import write_synthetic_video
+    from megatron_vlm.rl.prompts.dataset import load_prompt_dataset
+    from megatron_vlm.rl.prompts.encoder import PromptEncoder
+
+    paths = write_synthetic_video(tmp_path / "video", train_clips=1, val_clips=2, num_frames=6)
+    data = load_prompt_dataset(paths["stage1_val"], schema="messages", image_root=tmp_path / "video")
+    encoder = PromptEncoder(load_processor(str(folder)), max_frames=4, fps=2.0, max_new_tokens=NEW, max_tokens=1024)
+    prompts = [encoder.encode(s) for s in data.samples]
+    assert prompts and all(p is not None and p.videos and p.pixel_values_videos is not None for p in prompts)
+    return prompts
+
+
+@needs_torchvision
+def test_video_prompts_equal_builtin_qwen2_5_vl(tmp_path):
+    """Video prompts go in as the frames our pipeline kept (4 of 6, so the sampled rate differs from the source's:
+    M-RoPE's second_per_grid_ts must come out the same): vLLM's expanded prompt equals ours, greedy tokens equal
+    the built-in engine's, sampled log-probs equal the training forward's within 1e-4."""
+    from megatron_vlm.rl.batching import TrainSample, pack_samples
+    from megatron_vlm.training.lm_loss import TokenLogprobModel
+
+    folder = synthesize_model_folder("tiny_qwen2_5_vl", tmp_path / "vl", seed=0)
+    model = load_hf_model(str(folder), dtype=torch.float32, device="cpu").eval()
+    vision = vision_token_ids(model)
+    prompts = _video_prompts(folder, tmp_path)
+    assert all(p.videos[0].num_frames == 4 and p.videos[0].total_frames == 6 for p in prompts)
+    engine = _engine(folder, model, suppress=vision)
+    T = 0.9
+    try:
+        greedy = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, n=1, temperature=0.0)).samples
+        res = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, n=2, temperature=T),
+                              generator=torch.Generator().manual_seed(0))
+        # one frame short of the prompt's video: vLLM's expansion differs from ours -> the named error
+        short = prompts[0]
+        clip = short.videos[0]
+        bad = RolloutPrompt(input_ids=short.input_ids, pixel_values_videos=short.pixel_values_videos,
+                            video_grid_thw=short.video_grid_thw, second_per_grid_ts=short.second_per_grid_ts,
+                            videos=[type(clip)(clip.indices[:2], clip.total_frames, clip.fps, clip.height, clip.width,
+                                               clip.frames[:2])])
+        with pytest.raises(ValueError, match=r"prompt 0: vLLM's expanded prompt has \d+ tokens, ours \d+"):
+            engine.generate([bad], SamplingParams(max_new_tokens=2, n=1, temperature=0.0))
+    finally:
+        engine.close()
+    tok = load_processor(str(folder)).tokenizer
+    ours = PolicyRolloutEngine(model, tok).generate(prompts, SamplingParams(max_new_tokens=NEW, n=1, temperature=0.0)).samples
+    assert [s.token_ids.tolist() for s in greedy] == [s.token_ids.tolist() for s in ours]
+    for a, o in zip(greedy, ours):
+        torch.testing.assert_close(a.logprobs, o.logprobs, atol=1e-4, rtol=0)
+    samples = [TrainSample(prompt=prompts[s.prompt_index], response_ids=s.token_ids, behav_logp=s.logprobs, advantage=0.0)
+               for s in res.samples]
+    batch = pack_samples(samples)
+    batch.pop("num_response_tokens")
+    with torch.no_grad():
+        recomputed = TokenLogprobModel(model)(batch, temperature=T, masked_token_ids=vision)
+    torch.testing.assert_close(recomputed, torch.cat([s.behav_logp for s in samples]), atol=1e-4, rtol=0)
 
 
 def _check_images(engine, folder, model, prompts):

@@ -45,8 +45,8 @@ def response_token_logprobs(
     labels = shifted_labels(input_ids, response_mask, cu_seqlens)
     out = kernels.linear_token_logprobs(hidden, lm_head_weight, labels, temperature=temperature, return_entropy=return_entropy)
     logp, ent = (out if return_entropy else (out, None))
-    logp, ent = masked_token_logprobs(hidden, lm_head_weight, labels, logp, ent, masked_token_ids, temperature=temperature)
     assert isinstance(logp, torch.Tensor)
+    logp, ent = masked_token_logprobs(hidden, lm_head_weight, labels, logp, ent, masked_token_ids, temperature=temperature)
     zero = logp.new_zeros(1)
     logp_tok = torch.cat([zero, logp[:-1]]) * response_mask
     if not return_entropy:

@@ -70,18 +70,17 @@ class TokenLogprobModel(nn.Module):
         h = hidden.reshape(-1, hidden.shape[-1])[sel]
         weight: torch.Tensor = self.model.lm_head.weight
         # tensor parallelism: the lm_head rows are split over the tp ranks; log-probs without gathering them
-        logprobs = vocab_parallel_token_logprobs if is_vocab_parallel(weight) else kernels.linear_token_logprobs
-        if logprobs is kernels.linear_token_logprobs:
-            out = logprobs(h, weight, labels[sel], temperature=temperature, return_entropy=return_entropy,
-                           chunk_size=cpu_chunk_rows(h, weight.shape[0]))
+        if not is_vocab_parallel(weight):
+            out = kernels.linear_token_logprobs(h, weight, labels[sel], temperature=temperature,
+                                                return_entropy=return_entropy, chunk_size=cpu_chunk_rows(h, weight.shape[0]))
             if masked_token_ids:
-                full, full_ent = (out if return_entropy else (out, None))
+                full, full_ent = (out if isinstance(out, tuple) else (out, None))
                 logp_q, ent_q = masked_token_logprobs(h, weight, labels[sel], full, full_ent, masked_token_ids,
                                                       temperature=temperature)
                 out = (logp_q, ent_q) if return_entropy else logp_q
         else:
-            out = logprobs(h, weight, labels[sel], temperature=temperature, return_entropy=return_entropy,
-                           masked_token_ids=masked_token_ids)
+            out = vocab_parallel_token_logprobs(h, weight, labels[sel], temperature=temperature,
+                                                return_entropy=return_entropy, masked_token_ids=masked_token_ids)
         if torch.is_grad_enabled() and self.training:
             anchor = self._anchor(hidden).to(torch.float32)
             logp = out[0] if isinstance(out, tuple) else out

@@ -238,35 +238,45 @@ def test_logprobs_equal_training_when_the_vision_tokens_carry_mass(tmp_path):
     assert float((masked - full).mean()) > 0.05 and float((full - behav).abs().max()) > 1e-2
 
 
-def _video_prompts(folder, tmp_path):
-    from megatron_vlm.data.synthetic_video import write_synthetic_video
-    from megatron_vlm.rl.prompts.dataset import load_prompt_dataset
-    from megatron_vlm.rl.prompts.encoder import PromptEncoder
+def _video_prompts(folder):
+    """Generation prompts of the synthetic video task through the data pipeline (RL prompt files take images
+    only; videos reach a rollout as records, e.g. an environment's observation): 6-frame clips, 4 kept."""
+    from megatron_vlm.data.messages import Record
+    from megatron_vlm.data.processing import process_record
+    from megatron_vlm.data.synthetic_video import clip_frames
 
-    paths = write_synthetic_video(tmp_path / "video", train_clips=1, val_clips=2, num_frames=6)
-    data = load_prompt_dataset(paths["stage1_val"], schema="messages", image_root=tmp_path / "video")
-    encoder = PromptEncoder(load_processor(str(folder)), max_frames=4, fps=2.0, max_new_tokens=NEW, max_tokens=1024)
-    prompts = [encoder.encode(s) for s in data.samples]
-    assert prompts and all(p is not None and p.videos and p.pixel_values_videos is not None for p in prompts)
+    proc = load_processor(str(folder))
+    prompts = []
+    for i, (colour, direction) in enumerate([("red", "left"), ("blue", "down"), ("green", "up")]):
+        video = {"type": "video", "video": clip_frames(colour, direction, num_frames=6, offset=i), "fps": 3.0}
+        rec = Record(messages=[{"role": "user", "content": [video, {"type": "text", "text": "Which way does it move?"}]},
+                               {"role": "assistant", "content": direction}], source="synthetic", index=i)
+        prompts.append(RolloutPrompt.from_processed(process_record(rec, proc, max_frames=4, fps=2.0, for_generation=True)))
+    assert all(p.videos and p.pixel_values_videos is not None for p in prompts)
     return prompts
 
 
 @needs_torchvision
-def test_video_prompts_equal_builtin_qwen2_5_vl(tmp_path):
-    """Video prompts go in as the frames our pipeline kept (4 of 6, so the sampled rate differs from the source's:
-    M-RoPE's second_per_grid_ts must come out the same): vLLM's expanded prompt equals ours, greedy tokens equal
-    the built-in engine's, sampled log-probs equal the training forward's within 1e-4."""
+def test_video_prompts_qwen2_5_vl(tmp_path):
+    """Video prompts are refused (exit 2 in a job: `VIDEO_GAP`); the wired path, turned on here, is measured: the
+    frames our pipeline kept (4 of 6, so the sampled rate differs from the source's) go in with their metadata,
+    vLLM's expanded prompt equals ours (one frame pair short fails naming the prompt and both lengths), greedy
+    tokens equal the built-in engine's; the log-probs differ from the training forward's by up to 1.7e-3
+    (measured; images agree within 1e-4), the gap that keeps videos refused."""
     from megatron_vlm.rl.batching import TrainSample, pack_samples
     from megatron_vlm.training.lm_loss import TokenLogprobModel
 
     folder = synthesize_model_folder("tiny_qwen2_5_vl", tmp_path / "vl", seed=0)
     model = load_hf_model(str(folder), dtype=torch.float32, device="cpu").eval()
     vision = vision_token_ids(model)
-    prompts = _video_prompts(folder, tmp_path)
+    prompts = _video_prompts(folder)
     assert all(p.videos[0].num_frames == 4 and p.videos[0].total_frames == 6 for p in prompts)
     engine = _engine(folder, model, suppress=vision)
     T = 0.9
     try:
+        with pytest.raises(ValueError, match="video prompts are refused"):
+            engine.generate(prompts[:1], SamplingParams(max_new_tokens=2, n=1, temperature=0.0))
+        engine._video_prompts = True
         greedy = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, n=1, temperature=0.0)).samples
         res = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, n=2, temperature=T),
                               generator=torch.Generator().manual_seed(0))
@@ -284,15 +294,16 @@ def test_video_prompts_equal_builtin_qwen2_5_vl(tmp_path):
     tok = load_processor(str(folder)).tokenizer
     ours = PolicyRolloutEngine(model, tok).generate(prompts, SamplingParams(max_new_tokens=NEW, n=1, temperature=0.0)).samples
     assert [s.token_ids.tolist() for s in greedy] == [s.token_ids.tolist() for s in ours]
-    for a, o in zip(greedy, ours):
-        torch.testing.assert_close(a.logprobs, o.logprobs, atol=1e-4, rtol=0)
     samples = [TrainSample(prompt=prompts[s.prompt_index], response_ids=s.token_ids, behav_logp=s.logprobs, advantage=0.0)
                for s in res.samples]
     batch = pack_samples(samples)
     batch.pop("num_response_tokens")
     with torch.no_grad():
         recomputed = TokenLogprobModel(model)(batch, temperature=T, masked_token_ids=vision)
-    torch.testing.assert_close(recomputed, torch.cat([s.behav_logp for s in samples]), atol=1e-4, rtol=0)
+    gaps = [float((a.logprobs - o.logprobs).abs().max()) for a, o in zip(greedy, ours)]
+    gaps.append(float((recomputed - torch.cat([s.behav_logp for s in samples])).abs().max()))
+    print("vLLM video log-prob gaps (greedy per prompt, sampled):", gaps)
+    assert max(gaps) < 5e-3  # the measured gap (VIDEO_GAP); below 1e-4 the refusal can go
 
 
 def _check_images(engine, folder, model, prompts):

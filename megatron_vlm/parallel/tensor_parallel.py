@@ -50,7 +50,7 @@ DTensors' global shapes, hence a checkpoint saved with tp=2 loads with any other
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Optional
 
 import torch
@@ -376,14 +376,16 @@ class _AllReduce(torch.autograd.Function):
 
 def vocab_parallel_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                                   temperature: float = 1.0, return_entropy: bool = False,
-                                  chunk_size: Optional[int] = None):
+                                  chunk_size: Optional[int] = None, masked_token_ids: Sequence[int] = ()):
     """log p(labels) `[N]` fp32 (and entropy `[N]`) of softmax(hidden @ W^T / temperature) with W `[V, H]` a
     `Shard(0)` DTensor over the tp ranks; `hidden` `[N, H]` is the same on every tp rank.
 
     Each rank computes its `[rows, V / tp]` logits block (rows chunked by `chunk_size`); the softmax is
     combined with three all-reduces (max, sum of exponentials, the label's logit from the rank that owns
     it; and for the entropy the sum of p * z): the `[N, V]` logits are never gathered. Labels -100 give 0. The gradient of
-    `hidden` is summed over the tp ranks (each holds the contribution of its vocabulary rows)."""
+    `hidden` is summed over the tp ranks (each holds the contribution of its vocabulary rows).
+    `masked_token_ids`: ids removed from the softmax (the vision tokens the rollout engines never sample: the
+    distribution they sample from, training/masked_vocab.py); each rank fills its own share of them."""
     mesh = weight.device_mesh
     tp_dim = next(i for i, p in enumerate(weight.placements) if isinstance(p, Shard) and p.dim == 0)
     group = mesh.get_group(tp_dim)
@@ -396,10 +398,14 @@ def vocab_parallel_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, la
         grad_placements=[Partial()] * mesh.ndim)
     n = h.shape[0]
     chunk = n if not chunk_size else max(1, int(chunk_size))
+    masked = [int(i) - start for i in masked_token_ids if 0 <= int(i) - start < local_w.shape[0]]
+    local_masked = torch.tensor(masked, dtype=torch.long, device=local_w.device) if masked else None
     logps, ents = [], []
     for s in range(0, max(n, 1), chunk):
         hc, lc = h[s:s + chunk], labels[s:s + chunk]
         z = (hc @ local_w.t()).float() / temperature                     # [rows, V / tp]
+        if local_masked is not None:  # a finite fill: exp() is 0 and 0 * fill is 0 in the entropy (no NaN)
+            z = z.index_fill(-1, local_masked, -1.0e30)
         m = z.detach().max(-1).values
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
         e = torch.exp(z - m[:, None])

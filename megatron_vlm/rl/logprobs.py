@@ -12,12 +12,14 @@ where `response_mask[t]` is True, which is the layout `rl.losses.policy_loss` ta
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
 
 from megatron_vlm import kernels
 from megatron_vlm.data.batch import shifted_labels
+from megatron_vlm.training.masked_vocab import masked_token_logprobs
 
 __all__ = ["response_token_logprobs"]
 
@@ -30,9 +32,12 @@ def response_token_logprobs(
     cu_seqlens: Optional[torch.Tensor] = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    masked_token_ids: Sequence[int] = (),
 ):
     """log p of each response token (`[N]`, 0 elsewhere), and the entropy of the distribution that
-    predicted it when `return_entropy`. Differentiable with respect to `hidden` and the weight."""
+    predicted it when `return_entropy`. Differentiable with respect to `hidden` and the weight.
+    `masked_token_ids` (a VLM's vision tokens, which the rollout engines never sample): of the distribution
+    with those ids removed, the one the engines sample from (training/masked_vocab.py)."""
     if hidden.dim() != 2 or hidden.shape[0] != input_ids.shape[0]:
         raise ValueError(f"hidden: expected [N, H] with N = {input_ids.shape[0]}, got {tuple(hidden.shape)}")
     if temperature <= 0:
@@ -41,6 +46,7 @@ def response_token_logprobs(
     out = kernels.linear_token_logprobs(hidden, lm_head_weight, labels, temperature=temperature, return_entropy=return_entropy)
     logp, ent = (out if return_entropy else (out, None))
     assert isinstance(logp, torch.Tensor)
+    logp, ent = masked_token_logprobs(hidden, lm_head_weight, labels, logp, ent, masked_token_ids, temperature=temperature)
     zero = logp.new_zeros(1)
     logp_tok = torch.cat([zero, logp[:-1]]) * response_mask
     if not return_entropy:

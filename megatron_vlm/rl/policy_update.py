@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_vlm.inference.policy_engine import vision_token_ids
 from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.models.common.prefix_sharing import accepts_prefix_segments
 from megatron_vlm.models.common.routing_replay import context_parallel_of, replaying_routes
@@ -147,6 +148,11 @@ class PolicyUpdate:
         args = getattr(model, "args", None)
         self.vision_ids = frozenset(int(t) for t in (getattr(args, "image_token_id", None), getattr(args, "video_token_id", None))
                                     if t is not None)
+        # every log-prob of the update is of the distribution the rollout engines sample from: the vision tokens
+        # (never sampled) removed from the softmax (training/masked_vocab.py); none for a text policy
+        # (passed only when there are some: a text policy's forward is called exactly as before)
+        ids = tuple(vision_token_ids(model))
+        self.mask_kw: dict[str, Any] = {"masked_token_ids": ids} if ids else {}
         if ctx.env.rank == 0 and model is not None:
             log.info("rl.update.prompt_sharing: %s (%s)", "on" if self.share_prompts else "off", why)
         # MoE routing replay (rl.routing_replay = "rollout"): the training forwards route as the rollout did
@@ -314,7 +320,7 @@ class PolicyUpdate:
             group = packs[i] if i < len(packs) else [dummy]
             batch = self._pack(group)
             with self.replay_scope(batch, count=i < len(packs)):
-                logp = self.bundle.wrapper(batch, temperature=self.rl.rollout.temperature)
+                logp = self.bundle.wrapper(batch, temperature=self.rl.rollout.temperature, **self.mask_kw)
             if i < len(packs):
                 for s, piece in zip(group, split_by_response(logp.float().cpu(), group)):
                     s.old_logp = piece
@@ -355,7 +361,7 @@ class PolicyUpdate:
                     group = packs[i] if is_real else [dummy]
                     batch = self._pack(group)
                     with self.replay_scope(batch, count=is_real and epoch == 0 and m == 0 and not self._routes_counted):
-                        logp, ent = wrapper(batch, temperature=r.rollout.temperature, return_entropy=True)
+                        logp, ent = wrapper(batch, temperature=r.rollout.temperature, return_entropy=True, **self.mask_kw)
                         # MoE auxiliary loss of this forward (None without MoE layers or aux_loss_coef = 0),
                         # averaged over the mini-batch's packs as the SFT loop averages over micro-batches
                         aux = balancer.aux_loss() if balancer is not None else None

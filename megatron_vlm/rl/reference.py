@@ -4,7 +4,8 @@ A separate, frozen copy of the initial policy (`model.path`, loaded once; a resu
 keeps the same reference). It is not sharded: every rank holds the full reference weights in the
 compute dtype, on the device, or on the CPU with `rl.update.ref_offload` (moved to the device only while
 it scores a step: `with ref.on_device(): ...`). Log-probs use the same fused, vocabulary-chunked
-path as the policy (`TokenLogprobModel`), at the rollout temperature. With `rl.loss.kl_coef = 0` no
+path as the policy (`TokenLogprobModel`), at the rollout temperature, of the same distribution as the policy's
+(a VLM's vision tokens, which the rollout engines never sample, removed from the softmax: training/masked_vocab.py). With `rl.loss.kl_coef = 0` no
 reference model is built at all.
 
 With `[lora]` the reference is the policy's own model with its adapters switched off
@@ -17,10 +18,17 @@ from collections.abc import Iterator
 
 import torch
 
+from megatron_vlm.inference.policy_engine import vision_token_ids
 from megatron_vlm.models.common.lora import lora_disabled
 from megatron_vlm.training.lm_loss import TokenLogprobModel
 
 __all__ = ["ReferencePolicy", "BaseModelReference"]
+
+
+def _mask_kw(model) -> dict:
+    """The scorer's `masked_token_ids` (the vision tokens), passed only when the model has some."""
+    ids = tuple(vision_token_ids(model))
+    return {"masked_token_ids": ids} if ids else {}
 
 
 class ReferencePolicy:
@@ -29,6 +37,7 @@ class ReferencePolicy:
         self.device = device
         self.offload = offload and device.type != "cpu"
         self.temperature = temperature
+        self.mask_kw = _mask_kw(model)
         self.scorer = TokenLogprobModel(model)
         self.scorer.to("cpu" if self.offload else device)
         self._on_device = not self.offload
@@ -61,8 +70,8 @@ class ReferencePolicy:
         """log p_ref of the labelled tokens of a packed batch (already on the device), in order."""
         if not self._on_device:
             with self.on_device():
-                return self.scorer(batch, temperature=self.temperature)
-        return self.scorer(batch, temperature=self.temperature)
+                return self.scorer(batch, temperature=self.temperature, **self.mask_kw)
+        return self.scorer(batch, temperature=self.temperature, **self.mask_kw)
 
 
 class BaseModelReference:
@@ -74,6 +83,7 @@ class BaseModelReference:
 
     def __init__(self, wrapper: torch.nn.Module, model: torch.nn.Module, *, temperature: float):
         self.wrapper, self.model, self.temperature = wrapper, model, temperature
+        self.mask_kw = _mask_kw(model)
 
     @contextlib.contextmanager
     def on_device(self) -> Iterator[BaseModelReference]:
@@ -85,6 +95,6 @@ class BaseModelReference:
         self.wrapper.eval()
         try:
             with lora_disabled(self.model):
-                return self.wrapper(batch, temperature=self.temperature)
+                return self.wrapper(batch, temperature=self.temperature, **self.mask_kw)
         finally:
             self.wrapper.train(was_training)

@@ -8,6 +8,7 @@ Shared by SFT (loss = -sum logp / global token count) and GRPO (policy / referen
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 from megatron_vlm import kernels
 from megatron_vlm.data.batch import IGNORE_INDEX, model_inputs
 from megatron_vlm.parallel.tensor_parallel import is_vocab_parallel, vocab_parallel_token_logprobs
+from megatron_vlm.training.masked_vocab import masked_token_logprobs
 
 # The fused log-prob's [rows, V] fp32 temporaries (logits, probabilities, their gradient: about ten per
 # forward + backward) are fresh allocations. On the CPU a block of several MB is a new mapping each time
@@ -54,9 +56,11 @@ class TokenLogprobModel(nn.Module):
         return 0.0 * total
 
     def forward(self, batch: dict | None = None, *, temperature: float = 1.0, return_entropy: bool = False,
-                model_kwargs: dict | None = None):
+                model_kwargs: dict | None = None, masked_token_ids: Sequence[int] = ()):
         """Token log-probs of `batch["labels"]`; or, with `model_kwargs`, the plain model output
-        (logits, hidden states, KV-cache decoding) computed inside the FSDP root's forward."""
+        (logits, hidden states, KV-cache decoding) computed inside the FSDP root's forward.
+        `masked_token_ids`: of the softmax with those ids removed (GRPO passes the vision tokens the rollout
+        engines never sample: training/masked_vocab.py); SFT and DPO pass none (the full softmax)."""
         if model_kwargs is not None:
             return self.model(**model_kwargs)
         assert batch is not None, "pass batch (log-probs) or model_kwargs (the plain model output)"
@@ -66,12 +70,17 @@ class TokenLogprobModel(nn.Module):
         h = hidden.reshape(-1, hidden.shape[-1])[sel]
         weight: torch.Tensor = self.model.lm_head.weight
         # tensor parallelism: the lm_head rows are split over the tp ranks; log-probs without gathering them
-        logprobs = vocab_parallel_token_logprobs if is_vocab_parallel(weight) else kernels.linear_token_logprobs
-        if logprobs is kernels.linear_token_logprobs:
-            out = logprobs(h, weight, labels[sel], temperature=temperature, return_entropy=return_entropy,
-                           chunk_size=cpu_chunk_rows(h, weight.shape[0]))
+        if not is_vocab_parallel(weight):
+            out = kernels.linear_token_logprobs(h, weight, labels[sel], temperature=temperature,
+                                                return_entropy=return_entropy, chunk_size=cpu_chunk_rows(h, weight.shape[0]))
+            if masked_token_ids:
+                full, full_ent = (out if isinstance(out, tuple) else (out, None))
+                logp_q, ent_q = masked_token_logprobs(h, weight, labels[sel], full, full_ent, masked_token_ids,
+                                                      temperature=temperature)
+                out = (logp_q, ent_q) if return_entropy else logp_q
         else:
-            out = logprobs(h, weight, labels[sel], temperature=temperature, return_entropy=return_entropy)
+            out = vocab_parallel_token_logprobs(h, weight, labels[sel], temperature=temperature,
+                                                return_entropy=return_entropy, masked_token_ids=masked_token_ids)
         if torch.is_grad_enabled() and self.training:
             anchor = self._anchor(hidden).to(torch.float32)
             logp = out[0] if isinstance(out, tuple) else out

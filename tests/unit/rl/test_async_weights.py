@@ -56,7 +56,8 @@ def test_generation_switches_to_pushed_weights_at_a_token_boundary():
         trainer.lm_head.weight.zero_()
     engine = PolicyRolloutEngine(rollout, DigitsTokenizer(), EngineOptions(eos_token_ids=[-1]))
     vocab = trainer.lm_head.weight.shape[0]
-    uniform = -math.log(vocab)  # behaviour log-probs are of the full distribution (suppressed tokens included)
+    # behaviour log-probs are of the distribution drawn from: uniform over the ids other than the suppressed vision ones
+    uniform = -math.log(vocab - len(engine.suppress_token_ids))
 
     # trainer side: the push of the lm head as version 1 (recorded by the loopback)
     bridge = LoopbackBridge()

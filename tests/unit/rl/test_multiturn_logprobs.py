@@ -6,12 +6,14 @@ training forward over the whole trajectory (prompt, model turns, environment tur
 the behaviour log-probs of every model token within 1e-5 in fp32 — packed several trajectories per pack and
 one per pack. The reference is an independent full forward without any cache over the whole trajectory
 (transformers' semantics of the model: tests/unit/models pin those against transformers). Only the model's
-tokens carry labels."""
+tokens carry labels. Every log-prob is of the distribution with the vision tokens removed (the one the engine
+samples from: training/masked_vocab.py)."""
 import pytest
 import torch
 from multiturn_helpers import rollout, vqa_file
 
 from megatron_vlm.data.batch import IGNORE_INDEX, VISION_KEYS
+from megatron_vlm.inference.policy_engine import vision_token_ids
 from megatron_vlm.rl.batching import pack_samples
 from megatron_vlm.rl.env.trajectories import trajectory_train_sample
 from megatron_vlm.training.lm_loss import TokenLogprobModel
@@ -32,6 +34,11 @@ def _vision(p, t) -> dict:
     return out
 
 
+def _masked_log_softmax(model, logits):
+    """log_softmax over the ids other than the vision tokens (the engine never samples those)."""
+    return torch.log_softmax(logits.index_fill(-1, torch.tensor(vision_token_ids(model)), float("-inf")), -1)
+
+
 def _check_logprobs(model, prompts, trajs):
     """Packed (all trajectories in one pack, and one per pack) and cache-free full forwards give the rollout's
     behaviour log-probs within 1e-5."""
@@ -40,14 +47,14 @@ def _check_logprobs(model, prompts, trajs):
     with torch.no_grad():
         lp_model = TokenLogprobModel(model)
         for packs in ([samples], [[s] for s in samples]):
-            got = [lp_model({k: v for k, v in pack_samples(group).items() if k != "num_response_tokens"})
-                   for group in packs]
+            got = [lp_model({k: v for k, v in pack_samples(group).items() if k != "num_response_tokens"},
+                            masked_token_ids=vision_token_ids(model)) for group in packs]
             torch.testing.assert_close(torch.cat(got), behav, atol=1e-5, rtol=0)
         for t, s in zip(trajs, samples):
             p = prompts[t.prompt_index]
             ids = torch.cat([p.input_ids, t.token_ids])[None]
             logits = model(ids, **_vision(p, t))[0].float()
-            logp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+            logp = _masked_log_softmax(model, logits[:-1]).gather(-1, ids[0, 1:, None])[:, 0]
             mask = torch.cat([torch.zeros(len(p), dtype=torch.bool), t.model_mask])[1:]
             torch.testing.assert_close(logp[mask], s.behav_logp, atol=1e-5, rtol=0)
 
@@ -102,7 +109,7 @@ def test_training_logprobs_equal_rollout_with_image_in_turn_two(kind, vqa, tmp_p
                 batch = pack_samples(group)
                 labelled = int((batch["labels"] != IGNORE_INDEX).sum())
                 assert labelled == batch.pop("num_response_tokens") == sum(int(s.response_mask.sum()) for s in group)
-                got.append(lp_model(batch))
+                got.append(lp_model(batch, masked_token_ids=vision_token_ids(model)))
             torch.testing.assert_close(torch.cat(got), behav, atol=1e-5, rtol=0)
         # independent reference: one cache-free forward per trajectory over all of its tokens and images
         for t, s in zip(trajs, samples):
@@ -110,6 +117,6 @@ def test_training_logprobs_equal_rollout_with_image_in_turn_two(kind, vqa, tmp_p
             ids = torch.cat([p.input_ids, t.token_ids])[None]
             vision = _vision(p, t)
             logits = model(ids, **vision)[0].float()
-            logp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+            logp = _masked_log_softmax(model, logits[:-1]).gather(-1, ids[0, 1:, None])[:, 0]
             mask = torch.cat([torch.zeros(len(p), dtype=torch.bool), t.model_mask])[1:]
             torch.testing.assert_close(logp[mask], s.behav_logp, atol=1e-5, rtol=0)

@@ -22,6 +22,12 @@ from tests.fixtures import tiny_qwen2_5_vl as F
 from tests.fixtures.rollout_engine import make_engine
 
 TOL = 1e-4
+# the engine never samples these: its log-probs are of the distribution with them removed
+VISION = [F.IMAGE_TOKEN_ID, F.VIDEO_TOKEN_ID, F.VISION_START_TOKEN_ID, F.VISION_END_TOKEN_ID]
+
+
+def masked_log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.index_fill(-1, torch.tensor(VISION), float("-inf")), -1)
 NEVER = -1  # an EOS id no token has: completions run to the budget
 
 
@@ -93,9 +99,9 @@ def test_greedy_kv_cache_equals_no_cache_and_transformers_generate(models, promp
         with torch.no_grad():
             ref = hf.generate(**hf_inputs(p), max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
             assert s.token_ids.tolist() == ref[0, len(p):].tolist()
-            # greedy behaviour log-probs: log_softmax at temperature 1 from transformers' full forward
+            # greedy behaviour log-probs: log_softmax at temperature 1 (vision tokens removed) from transformers'
             logits = hf(**hf_inputs(p, s.token_ids)).logits[0, len(p) - 1:-1]
-        expect = torch.log_softmax(logits.float(), -1).gather(-1, s.token_ids[:, None]).squeeze(-1)
+        expect = masked_log_softmax(logits.float()).gather(-1, s.token_ids[:, None]).squeeze(-1)
         torch.testing.assert_close(s.logprobs, expect, atol=TOL, rtol=0)
 
 
@@ -137,7 +143,7 @@ def test_sampled_logprobs_equal_recomputed(models, prompts):
     for r, s in enumerate(res.samples):
         p = prompts[s.prompt_index]
         logits = hf_logits[r, len(p) - 1:len(p) - 1 + len(s.token_ids)]
-        expect = torch.log_softmax(logits.float() / temperature, -1).gather(-1, s.token_ids[:, None]).squeeze(-1)
+        expect = masked_log_softmax(logits.float() / temperature).gather(-1, s.token_ids[:, None]).squeeze(-1)
         torch.testing.assert_close(s.logprobs, expect, atol=TOL, rtol=0)
         packed_ids.append(torch.cat([p.input_ids, s.token_ids]))
         resp_mask.append(torch.cat([torch.zeros(len(p), dtype=torch.bool), torch.ones(len(s.token_ids), dtype=torch.bool)]))
@@ -153,8 +159,11 @@ def test_sampled_logprobs_equal_recomputed(models, prompts):
         hidden = ours(ids[None], pixel_values=torch.cat(pix), image_grid_thw=torch.cat(grids), cu_seqlens=cu_seqlens,
                       return_hidden=True)[0]
         logp = response_token_logprobs(hidden, ours.lm_head.weight, ids, mask, cu_seqlens=cu_seqlens,
+                                       temperature=temperature, masked_token_ids=VISION)
+        full = response_token_logprobs(hidden, ours.lm_head.weight, ids, mask, cu_seqlens=cu_seqlens,
                                        temperature=temperature)
     torch.testing.assert_close(logp[mask], torch.cat(behav), atol=TOL, rtol=0)
+    assert (full[mask] - torch.cat(behav)).abs().max() > TOL  # the full softmax is not the distribution drawn from
 
 
 def test_seeded_sampling_is_reproducible(models, prompts):
@@ -234,7 +243,7 @@ def test_vision_placeholders_are_never_generated(models, prompts):
     """A generated <|image_pad|> would be taken for an image slot by the training forward: the engine
     never emits the model's vision tokens, even when the model prefers them."""
     _, ours = models
-    vision = [F.IMAGE_TOKEN_ID, F.VIDEO_TOKEN_ID, F.VISION_START_TOKEN_ID, F.VISION_END_TOKEN_ID]
+    vision = VISION
     bias = torch.zeros(F.VOCAB)
     bias[vision] = 50.0  # the vision tokens are by far the most likely next tokens everywhere
 
@@ -245,7 +254,13 @@ def test_vision_placeholders_are_never_generated(models, prompts):
         res = engine(ours, forward=biased).generate(prompts, SamplingParams(max_new_tokens=5, n=2, temperature=temperature),
                                                     generator=torch.Generator().manual_seed(0))
         assert not any(set(s.token_ids.tolist()) & set(vision) for s in res.samples)
-        assert all(s.logprobs.max() < -40 for s in res.samples)  # drawn from the rest of the untruncated distribution
+        for p, s in zip(prompts, res.samples[::2]):  # log-probs of the distribution drawn from: the rest, renormalised
+            with torch.no_grad():
+                logits = biased(input_ids=torch.cat([p.input_ids, s.token_ids])[None], pixel_values=p.pixel_values,
+                                image_grid_thw=p.image_grid_thw)[0, len(p) - 1:-1].float()
+            logits = logits / (temperature or 1.0)
+            expect = torch.log_softmax(logits.index_fill(-1, torch.tensor(vision), float("-inf")), -1)
+            torch.testing.assert_close(s.logprobs, expect.gather(-1, s.token_ids[:, None]).squeeze(-1), atol=TOL, rtol=0)
     unsuppressed = engine(ours, forward=biased, suppress_token_ids=[]).generate(
         prompts, SamplingParams(max_new_tokens=2, temperature=0.0))
     assert all(set(s.token_ids.tolist()) <= set(vision) for s in unsuppressed.samples)

@@ -1,7 +1,8 @@
 """The rollout engine drives every model family (attention-only KV cache: Qwen2.5-VL, Qwen3-VL,
 InternVL; hybrid Mamba cache: Nemotron-VL) on its own tiny folder and processor: sampled completions
 with a shared prefix, dropped finished rows, and behaviour log-probs equal to the packed training
-forward's log-probs of the same tokens (the PPO ratio starts at 1). The hybrid decoder also decodes
+forward's log-probs of the same tokens (the PPO ratio starts at 1), both of the distribution with the vision
+tokens removed (the engine never samples them; the full softmax would be off by log(1 - p(vision))). The hybrid decoder also decodes
 greedily with its slots refilled (continuous batching: Mamba2 states copied into and out of slots)
 exactly as a full forward per step without any cache."""
 import pytest
@@ -11,7 +12,7 @@ from megatron_vlm.checkpoint.hf import load_hf_model
 from megatron_vlm.data.processor import load_processor
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
 from megatron_vlm.inference.engine import SamplingParams
-from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine, vision_token_ids
 from megatron_vlm.rl.batching import TrainSample, pack_samples
 from megatron_vlm.rl.prompts.dataset import load_prompt_dataset
 from megatron_vlm.rl.prompts.encoder import PromptEncoder
@@ -38,9 +39,14 @@ def test_engine_on_every_family(kind, vqa, tmp_path):
                for s in res.samples]
     batch = pack_samples(samples)
     batch.pop("num_response_tokens")
+    masked = vision_token_ids(model)
+    assert masked  # every family here is a VLM
     with torch.no_grad():
-        recomputed = TokenLogprobModel(model)(batch)
-    torch.testing.assert_close(recomputed, torch.cat([s.behav_logp for s in samples]), atol=1e-4, rtol=0)
+        recomputed = TokenLogprobModel(model)(batch, masked_token_ids=masked)
+        full = TokenLogprobModel(model)(batch)
+    behav = torch.cat([s.behav_logp for s in samples])
+    torch.testing.assert_close(recomputed, behav, atol=1e-4, rtol=0)
+    assert (full - behav).abs().max() > 5e-4  # the random tiny models give the vision tokens ~0.1 % of the mass
 
 
 @pytest.mark.parametrize("kind", ["tiny_nemotron_vl"])
@@ -52,13 +58,14 @@ def test_refilled_slots_equal_decoding_without_cache(kind, vqa, tmp_path):
     res = PolicyRolloutEngine(model, proc.tokenizer, EngineOptions(eos_token_ids=[-1], max_num_seqs=2)).generate(
         prompts, SamplingParams(max_new_tokens=4, n=2, temperature=0.0))
     assert res.stats["prefill_calls"] == 3  # one prompt per refill
+    masked = torch.tensor(vision_token_ids(model))  # never picked, and not in the reported log-probs
     for s in res.samples:
         p = prompts[s.prompt_index]
         ids, vision = p.input_ids.clone(), {k: getattr(p, k) for k in ("pixel_values", "image_grid_thw") if getattr(p, k) is not None}
         expect, logps = [], []
         with torch.no_grad():
             for _ in range(4):
-                logits = model(ids[None], **vision)[0, -1].float()
+                logits = model(ids[None], **vision)[0, -1].float().index_fill(0, masked, float("-inf"))
                 expect.append(int(logits.argmax()))
                 logps.append(float(torch.log_softmax(logits, -1)[expect[-1]]))
                 ids = torch.cat([ids, torch.tensor([expect[-1]])])

@@ -106,15 +106,19 @@ def test_eos_ids_from_tokenizer_and_generation_config():
     assert eos_token_ids_of(CharTokenizer(), {"eos_token_id": 9}, extra=[3]) == {0, 3, 9}
 
 
-def test_suppressed_tokens_are_never_drawn_but_logprobs_stay_untruncated():
-    logits = torch.tensor([[5.0, 1.0, 0.5, 0.0]]).expand(500, -1)
+def test_suppressed_tokens_are_never_drawn_and_logprobs_are_of_the_rest():
+    """Suppression removes the ids from the distribution: the reported log-prob is renormalised over the other
+    ids (what vLLM reports with its logit bias and what training scores), not the full softmax's."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0]]).expand(500, -1)
     suppress = torch.tensor([0, 2])
+    kept = torch.log_softmax(logits[0].index_fill(0, suppress, float("-inf")), -1)
     tok, logp = sample_tokens(logits, temperature=1.0, generator=torch.Generator().manual_seed(0), suppress_token_ids=suppress)
     assert set(tok.tolist()) <= {1, 3} and set(tok.tolist()) == {1, 3}
-    torch.testing.assert_close(logp, torch.log_softmax(logits[0], -1)[tok])
+    torch.testing.assert_close(logp, kept[tok])
+    assert not torch.allclose(logp, torch.log_softmax(logits[0], -1)[tok])
     greedy, glogp = sample_tokens(logits[:2], temperature=0.0, suppress_token_ids=suppress)
     assert greedy.tolist() == [1, 1]
-    torch.testing.assert_close(glogp, torch.log_softmax(logits[0], -1)[[1, 1]])
+    torch.testing.assert_close(glogp, kept[[1, 1]])
 
 
 def test_inverse_cdf_draws_follow_the_distribution_and_respect_the_support():

@@ -49,7 +49,8 @@ def _setup(tmp_path):
 
 def test_push_during_multiturn_generation_switches_versions_at_a_step_boundary(tmp_path):
     model, engine, run = _setup(tmp_path)
-    uniform = -math.log(model.lm_head.weight.shape[0])
+    # uniform over the ids the engine draws from: all but the suppressed vision ones
+    uniform = -math.log(model.lm_head.weight.shape[0] - len(engine.suppress_token_ids))
     calls, reached, pushed = [0], threading.Event(), {}
 
     def count(*_):

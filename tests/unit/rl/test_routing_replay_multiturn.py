@@ -15,6 +15,7 @@ import pytest
 import torch
 from multiturn_helpers import rollout, vqa_file
 
+from megatron_vlm.inference.policy_engine import vision_token_ids
 from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.models.common.routing_replay import recording_routes, replaying_routes
 from megatron_vlm.rl.batching import pack_samples
@@ -32,7 +33,7 @@ def vqa(tmp_path_factory):
 
 def _forward(model, batch, routes, force, *, grad=False):
     with torch.set_grad_enabled(grad), replaying_routes(model, routes, force=force) as plan, recording_routes() as used:
-        lp = TokenLogprobModel(model)(batch)
+        lp = TokenLogprobModel(model)(batch, masked_token_ids=vision_token_ids(model))  # the engine's distribution
         if grad:
             lp.sum().backward()
     return lp.detach(), plan.mismatch(), used.stacked()

@@ -28,7 +28,7 @@ from megatron_vlm.data.batch import VISION_KEYS  # noqa: E402
 from megatron_vlm.data.processor import load_processor  # noqa: E402
 from megatron_vlm.inference.engine import SamplingParams  # noqa: E402
 from megatron_vlm.inference.multiturn import MultiTurnLimits, MultiTurnRollout  # noqa: E402
-from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine  # noqa: E402
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine, vision_token_ids  # noqa: E402
 from megatron_vlm.rl.config import VLLMConfig  # noqa: E402
 from megatron_vlm.rl.env.pool import EnvWorkerPool, InlineEnvRunner  # noqa: E402
 from megatron_vlm.rl.env.session import EnvSession, env_sample  # noqa: E402
@@ -64,7 +64,8 @@ def _vllm(folder, eos, model):
                                                              getattr(proc, "video_token", None)) if t]
     engine = VLLMRolloutEngine(str(folder), VLLMConfig(max_num_seqs=16, cpu_kv_cache_gib=1), dtype=torch.float32,
                              device="cpu", max_model_len=1024, seed=0, eos_token_ids=sorted(eos),
-                             placeholder_ids=placeholders, sync_from=model)
+                             placeholder_ids=placeholders, sync_from=model,
+                             suppress_token_ids=vision_token_ids(model))  # as the job builds it: vision ids never drawn
     engine.load_weights(None, version=1)
     return engine
 
@@ -119,13 +120,15 @@ def _vision(p, t) -> dict:
 
 
 def _check_training_logprobs(model, prompts, trajs, temperature):
-    """Every model token's behaviour log-prob = the cache-free forward's over the whole trajectory within 1e-4."""
+    """Every model token's behaviour log-prob = the cache-free forward's over the whole trajectory within 1e-4 (of the
+    distribution the engines draw from: the vision tokens masked)."""
     n = 0
     for t in trajs:
         p = prompts[t.prompt_index]
         ids = torch.cat([p.input_ids, t.token_ids])[None]
         with torch.no_grad():
             logits = model(ids, **_vision(p, t))[0].float()
+        logits = logits.index_fill(-1, torch.tensor(vision_token_ids(model), dtype=torch.long), float("-inf"))  # never drawn
         logp = torch.log_softmax(logits[:-1] / (temperature or 1.0), -1).gather(-1, ids[0, 1:, None])[:, 0]
         mask = torch.cat([torch.zeros(len(p), dtype=torch.bool), t.model_mask])[1:]
         torch.testing.assert_close(t.logprobs, logp[mask], atol=1e-4, rtol=0)
@@ -248,6 +251,6 @@ def test_image_in_turn_two_equals_builtin_and_training_forward(tmp_path):
     with torch.no_grad():
         lp_model = TokenLogprobModel(model)
         for packs in ([train], [[s] for s in train]):
-            got = [lp_model({k: v for k, v in pack_samples(group).items() if k != "num_response_tokens"})
-                   for group in packs]
+            got = [lp_model({k: v for k, v in pack_samples(group).items() if k != "num_response_tokens"},
+                            masked_token_ids=vision_token_ids(model)) for group in packs]
             torch.testing.assert_close(torch.cat(got), behav, atol=1e-4, rtol=0)

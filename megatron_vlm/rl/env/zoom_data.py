@@ -5,7 +5,8 @@ at most 112 x 112 (`TINY_IMAGE_MAX_PIXELS`, 16 merged vision tokens), a factor o
 default) becomes one pixel blended into its 14 px patch, among `specks` specks of the same size in
 every colour scattered over the image (so the image's colours say nothing about the answer). The `zoom` tool of
 `[rl.env] name = "zoom"` (rl/env/builtin.py) crops a box and shows it enlarged: the box `ZOOM_BOX` around the
-centre (10 % of each side, 45 px) comes back at 112 px, 2.5 times the original, so the dot is 10 px of a 14 px patch.
+centre (1 % of each side, 5 px) comes back 4 times enlarged (the tool's scale) and the processor brings it to
+its 56 px minimum, so the dot fills most of the crop's 4 merged vision tokens.
 The dot is always at the centre (inside a thin ring that stays visible at the small size): the demo measures
 reading a detail through the tool, not finding where to look.
 
@@ -39,7 +40,7 @@ ZOOM_COLOURS: dict[str, tuple[int, int, int]] = {
     "purple": (150, 60, 190),
 }
 QUESTION = "What colour is the dot in the centre?"
-ZOOM_BOX = {"left": 0.45, "top": 0.45, "right": 0.55, "bottom": 0.55}
+ZOOM_BOX = {"left": 0.495, "top": 0.495, "right": 0.505, "bottom": 0.505}
 _BACKGROUND = (245, 245, 245)
 _SPLITS = {"train": 0, "eval": 1, "test": 2}
 
@@ -99,7 +100,7 @@ def write_synthetic_zoom(folder: str | Path, *, n_train: int = 1000, n_eval: int
     names = ("train", "eval", "test", "sft_tool", "sft_direct")
     paths = {k: out / f"{k}.jsonl" for k in names} | {"meta": out / "meta.json"}
     params = {"n_train": n_train, "n_eval": n_eval, "n_test": n_test, "seed": seed, "image_size": image_size,
-              "dot": dot, "specks": specks, "version": 1}
+              "dot": dot, "specks": specks, "box": ZOOM_BOX, "version": 1}
     if paths["meta"].is_file():
         try:
             if json.loads(paths["meta"].read_text()) == params:

@@ -24,17 +24,19 @@ def _sets(d: dict) -> list[str]:
 def _run_arm(tmp_path, paths, tool: bool) -> list[dict]:
     arm = "" if tool else "_no_tool"
     sft, grpo = tmp_path / f"sft{arm}", tmp_path / f"grpo{arm}"
-    # 10 images, 30 steps: the tool arm learns the (constant) zoom call; the no-tool arm only runs
+    # 10 images, 60 steps: the tool arm learns the (constant) zoom call (30 steps were too few: no valid call);
+    # the no-tool arm only runs
     run_job(_sets({"model.path": f'"{tmp_path / "model"}"', "train.output_dir": f'"{sft}"',
                    "data.train_path": f'"{paths["sft_tool" if tool else "sft_direct"]}"', "data.num_workers": "0",
-                   "data.max_tokens_per_pack": "2048", "train.max_steps": "30" if tool else "3", "optimizer.lr": "3e-3",
-                   "scheduler.warmup_steps": "3", "checkpoint.every_steps": "0", "logging.tensorboard": "false"}),
+                   "data.max_tokens_per_pack": "2048", "train.max_steps": "60" if tool else "3", "optimizer.lr": "3e-3",
+                   "scheduler.warmup_steps": "5", "checkpoint.every_steps": "0", "logging.tensorboard": "false"}),
             config=CONFIGS / f"demo_zoom_sft{arm}.toml")
     assert (sft / "hf" / "config.json").is_file()
     run_job(_sets({"model.path": f'"{sft / "hf"}"', "train.output_dir": f'"{grpo}"',
                    "data.train_path": f'"{paths["eval"]}"', "train.max_steps": str(GRPO_STEPS),
                    "checkpoint.enable": "false", "checkpoint.export_hf": "false", "logging.tensorboard": "false",
-                   "rl.batch.prompts_per_step": "2", "rl.batch.group_size": "4"}),
+                   "rl.batch.prompts_per_step": "2", "rl.batch.group_size": "4",
+                   "rl.rollout.temperature": "0.5"}),  # mostly well-formed calls from the short SFT
             config=CONFIGS / f"demo_zoom_grpo{arm}.toml")
     rows = read_metrics(grpo / "metrics_train.csv")
     assert [int(r["step"]) for r in rows] == list(range(1, GRPO_STEPS + 1))

@@ -68,14 +68,15 @@ def evaluate_tool_demo(model_dir: str | Path, prompts: str | Path, *, env: Optio
     encoded = [encoder.encode(s) for s in samples]
     keep = [i for i, p in enumerate(encoded) if p is not None]
     skipped = len(samples) - len(keep)
-    samples, encoded = [samples[i] for i in keep], [encoded[i] for i in keep]
+    samples = [samples[i] for i in keep]
+    rollout_prompts = [p for p in encoded if p is not None]
     engine = PolicyRolloutEngine(model, proc.tokenizer)
     session = EnvSession(InlineEnvRunner(), TurnEncoder(proc), name=name, kwargs=dict(env_kwargs or {}),
-                         samples=[env_sample(s, p) for s, p in zip(samples, encoded)],
+                         samples=[env_sample(s, p) for s, p in zip(samples, rollout_prompts)],
                          histories=[encoder.messages(s) for s in samples], n=1, eos_token_ids=sorted(engine.eos_token_ids))
     limits = MultiTurnLimits(max_turns=max_turns if env else 1, max_total_tokens=max_total_tokens)
     with torch.no_grad():
-        trajs = MultiTurnRollout(engine).generate(encoded, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0),
+        trajs = MultiTurnRollout(engine).generate(rollout_prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0),
                                                   session, limits, seed=0)
     scores = [_score(reward, t.text, samples[t.prompt_index].answer) if not t.error else 0.0 for t in trajs]
     return {"accuracy": sum(scores) / max(1, len(scores)), "n": len(scores), "skipped": skipped,

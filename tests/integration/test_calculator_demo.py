@@ -44,7 +44,7 @@ def _run_arm(tmp_path, paths, tool: bool) -> list[dict]:
 
 
 def test_calculator_demo_both_arms_run_and_the_tool_is_called(tmp_path):
-    paths = write_synthetic_calculator(tmp_path / "data", low=10, high=13, eval_size=0)
+    paths = write_synthetic_calculator(tmp_path / "data", low=10, high=13, eval_size=0, test_size=0)
     rows = _run_arm(tmp_path, paths, tool=True)
     for key in ("env/turns_mean", "env/tool_calls", "env/tool_errors", "env/errors", "env/finish_done"):
         assert key in rows[0], key

@@ -1,4 +1,4 @@
-"""The calculator demo's data: two-digit products "What is a * b?", as prompts and as SFT traces with and without the tool.
+"""The calculator demo's data: two-digit products "a * b = ?", as prompts and as SFT traces with and without the tool.
 
 Why products: a tiny random model learns the answer format and the copying of digits in a few hundred steps, but
 not multiplication, so the question of the demo (does the `calculate` tool of `[rl.env] name = "calculator"`
@@ -7,8 +7,9 @@ never writes `<tool_call>` by chance; a short SFT on synthetic tool-use conversa
 tool arm) and the same SFT on the same questions answered directly is the no-tool arm's warm start.
 
 Files in the folder (written atomically and only when missing or different, so ranks and reruns can all call it):
-- `train.parquet` / `eval.parquet`: columns `question`, `answer` (the GRPO prompts; `[data] type = "hf"`). The
-  set is every pair (a, b) with `low <= a, b <= high`, shuffled by `seed`; the first `eval_size` are held out.
+- `train.parquet` / `eval.parquet` / `test.parquet`: columns `question`, `answer` (`[data] type = "hf"`). The
+  set is every pair (a, b) with `low <= a, b <= high`, shuffled by `seed`; the first `eval_size` are the GRPO
+  prompts, the next `test_size` the held-out test (`rl/env/demo_eval.py`), the rest the SFT's questions.
 - `sft_tool.jsonl`: per training question, the conversation the `calculator` environment holds with a model
   that uses the tool: the system turn with the tool specs (`rl/env/turns.tools_system_text`, the text the rollout
   writes), the question, a `<tool_call>` turn, the tool's reply (role "tool") and the bare answer.
@@ -28,16 +29,23 @@ from megatron_vlm.data.synthetic_arith import write_parquet_rows
 __all__ = ["calculator_rows", "tool_trace", "direct_trace", "write_synthetic_calculator"]
 
 
-def calculator_rows(low: int = 10, high: int = 99, eval_size: int = 200, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """(train rows, eval rows), each {"question", "answer", "expression"}; a pure function of the arguments."""
+def calculator_rows(low: int = 10, high: int = 99, eval_size: int = 200, seed: int = 0,
+                    test_size: int = 0) -> dict[str, list[dict]]:
+    """{"train", "eval", "test"} rows, each {"question", "answer", "expression"}; a pure function of the arguments.
+
+    The question "47 * 83 = ?" writes the operands as the tool call's JSON string writes them ("47 * 83": the
+    same tokens, where "What is 47 ..." would start the first operand with a space-prefixed token), so the call
+    is a copy of the question's tokens."""
     if not 0 <= low <= high:
         raise ValueError(f"low, high: need 0 <= low <= high, got {low}, {high}")
     pairs = [(a, b) for a in range(low, high + 1) for b in range(low, high + 1)]
-    if not 0 <= eval_size < len(pairs):
-        raise ValueError(f"eval_size: must be in [0, {len(pairs)}) for operands {low}..{high}, got {eval_size}")
+    if eval_size < 0 or test_size < 0 or eval_size + test_size >= len(pairs):
+        raise ValueError(f"eval_size + test_size: must be in [0, {len(pairs)}) for operands {low}..{high}, got "
+                         f"{eval_size} + {test_size}")
     random.Random(seed).shuffle(pairs)
-    rows = [{"question": f"What is {a} * {b}?", "answer": str(a * b), "expression": f"{a} * {b}"} for a, b in pairs]
-    return rows[eval_size:], rows[:eval_size]
+    rows = [{"question": f"{a} * {b} = ?", "answer": str(a * b), "expression": f"{a} * {b}"} for a, b in pairs]
+    return {"eval": rows[:eval_size], "test": rows[eval_size:eval_size + test_size],
+            "train": rows[eval_size + test_size:]}
 
 
 def tool_trace(row: dict) -> list[dict]:
@@ -66,15 +74,16 @@ def _write_text(path: Path, text: str) -> None:
 
 
 def write_synthetic_calculator(folder: str | Path, *, low: int = 10, high: int = 99, eval_size: int = 200,
-                               seed: int = 0) -> dict[str, Path]:
-    """Write the four files (module docstring) into `folder`; returns {"train", "eval", "sft_tool", "sft_direct"}."""
+                               test_size: int = 200, seed: int = 0) -> dict[str, Path]:
+    """Write the files (module docstring) into `folder`; returns {"train", "eval", "test", "sft_tool", "sft_direct"}."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    train, evals = calculator_rows(low, high, eval_size, seed)
-    paths = {"train": folder / "train.parquet", "eval": folder / "eval.parquet",
+    rows = calculator_rows(low, high, eval_size, seed, test_size=test_size)
+    train = rows["train"]
+    paths = {"train": folder / "train.parquet", "eval": folder / "eval.parquet", "test": folder / "test.parquet",
              "sft_tool": folder / "sft_tool.jsonl", "sft_direct": folder / "sft_direct.jsonl"}
-    write_parquet_rows(paths["train"], train)
-    write_parquet_rows(paths["eval"], evals)
+    for split in ("train", "eval", "test"):
+        write_parquet_rows(paths[split], rows[split])
     for key, trace in (("sft_tool", tool_trace), ("sft_direct", direct_trace)):
         _write_text(paths[key], "".join(json.dumps({"messages": trace(r), "answer": r["answer"]}) + "\n" for r in train))
     return paths
@@ -86,10 +95,11 @@ def main(argv=None) -> None:
     p.add_argument("--low", type=int, default=10)
     p.add_argument("--high", type=int, default=99)
     p.add_argument("--eval-size", type=int, default=200)
+    p.add_argument("--test-size", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     for name, path in write_synthetic_calculator(a.folder, low=a.low, high=a.high, eval_size=a.eval_size,
-                                                 seed=a.seed).items():
+                                                 test_size=a.test_size, seed=a.seed).items():
         print(f"{name}: {path}")
 
 

@@ -131,4 +131,4 @@ class ToolEnvironment(Environment):
             parts.append({"role": "tool", "text": text, "images": len(imgs)})
             images.extend(imgs)
         return StepResult(Observation(images=images, role="tool", parts=parts), done=False,
-                          info={"tool_calls": len(calls), "tool_errors": errors})
+                          info={"tool_calls": len(calls), "tool_errors": errors, "tool_images": len(images)})

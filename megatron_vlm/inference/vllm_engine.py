@@ -86,7 +86,7 @@ def collapse_placeholders(ids: list[int], placeholder_ids: set[int]) -> list[int
 # the positions of the text before and inside the video; the text after a video does not. Our forward follows
 # transformers 5.x's Qwen2.5-VL M-RoPE, which resumes the text at start + max(h, w) / merge; vLLM keeps the
 # original Qwen2.5-VL rule, the video's largest position + 1, which is larger whenever the temporal extent
-# int((t - 1) * tokens_per_second * second_per_grid_t) reaches max(h, w) / merge (in practice, every video).
+# int((t - 1) * tokens_per_second * second_per_grid_t) reaches max(h, w) / merge (most videos).
 # Every position after the video is shifted, so the log-probs differ by ~3e-3 (images: < 1e-4); our forward
 # given vLLM's positions matches vLLM within 5e-7. No metadata makes the two rules agree.
 VIDEO_GAP = ("vLLM 0.32 resumes the text after a Qwen2.5-VL video at the video's largest M-RoPE position + 1 (the "

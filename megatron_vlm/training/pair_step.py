@@ -164,10 +164,10 @@ class PairEvaluator(PackScorer):
                 if self.max_batches and k >= self.max_batches:
                     break
                 batch = self.ctx.to_device(pack)
-                out, extra = self.pack_forward(batch, "eval")
+                scores, extra = self.pack_forward(batch, "eval")
                 if int(batch["num_pairs"]) == 0:
                     continue
-                _, part = self.pack_terms(out, batch, extra)
+                _, part = self.pack_terms(scores, batch, extra)
                 pairs += int(batch["num_pairs"])
                 for key, v in part.items():
                     sums[key] += v

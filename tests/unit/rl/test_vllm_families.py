@@ -8,7 +8,8 @@ exported, engine built as the job builds it: vision tokens suppressed), on image
   (`masked_token_ids=vision_token_ids(model)`) within 1e-4 in fp32;
 - after a weight push of perturbed weights, greedy tokens equal the built-in engine's on the new weights
   (and differ from before the push).
-Qwen2 / Qwen3 text and Qwen2.5-VL are covered in test_vllm_engine.py.
+Qwen2 / Qwen3 text and Qwen2.5-VL are covered in test_vllm_engine.py; the families vLLM cannot run are refused
+(tests/unit/rl/test_vllm_family_refusal.py).
 """
 import importlib.util
 
@@ -37,26 +38,13 @@ from tests.unit.rl.test_vllm_engine import (  # noqa: E402
 FAMILIES = ["tiny_qwen3_vl"]
 
 
-def _folder(kind, out):
-    """The tiny folder of `kind`; Qwen3-VL-MoE's config.json gets `text_config.norm_topk_prob = true`, as the released
-    checkpoints have it (vLLM 0.32 reads it; without it the job refuses: docs/vllm.md, "Families")."""
-    import json
-
-    folder = synthesize_model_folder(kind, out, seed=0)
-    if kind == "tiny_qwen3_vl_moe":
-        cfg = json.loads((folder / "config.json").read_text())
-        cfg["text_config"]["norm_topk_prob"] = True
-        (folder / "config.json").write_text(json.dumps(cfg, indent=2))
-    return folder
-
-
 @needs_torchvision
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_family_greedy_logprobs_and_push_equal_ours(kind, tmp_path):
     from megatron_vlm.rl.batching import TrainSample, pack_samples
     from megatron_vlm.training.lm_loss import TokenLogprobModel
 
-    folder = _folder(kind, tmp_path / kind)
+    folder = synthesize_model_folder(kind, tmp_path / kind, seed=0)
     model = load_hf_model(str(folder), dtype=torch.float32, device="cpu").eval()
     tok = load_processor(str(folder)).tokenizer
     vision = vision_token_ids(model)

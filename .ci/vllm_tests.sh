@@ -8,6 +8,6 @@ VLLM_PY="$(bash .ci/vllm_env.sh | tail -n 1)"
 unset PYTHONDONTWRITEBYTECODE  # the venv's modules compile to .pyc once (.ci/vllm_env.sh)
 if [ ! -e megatron_vlm/kernels ]; then ln -s ../kernels megatron_vlm/kernels; trap 'rm -f megatron_vlm/kernels' EXIT; fi
 PYTHONPATH="$PWD" "$VLLM_PY" -m pytest -q -p no:cacheprovider -p no:randomly -m "vllm and not heavy" tests/unit/rl/test_vllm_engine.py \
-    tests/unit/rl/test_vllm_multiturn.py tests/integration/test_grpo_vllm_job.py tests/integration/test_grpo_vllm_async.py \
+    tests/unit/rl/test_vllm_families.py tests/unit/rl/test_vllm_multiturn.py tests/integration/test_grpo_vllm_job.py tests/integration/test_grpo_vllm_async.py \
     tests/integration/test_grpo_vllm_multiturn.py tests/unit/rl/test_vllm_routed_experts.py \
     tests/integration/parallel/test_vllm_ranks.py tests/integration/test_grpo_vllm_ranks.py "$@"

@@ -134,7 +134,7 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     if cfg.train.mode == "grpo" and cfg.rl is not None:
         from megatron_vlm.inference.vllm_layout import vllm_layout_refusal
 
-        refusal = vllm_layout_refusal(cfg, world_size)  # the vLLM back end's own refusal at run time, found here too
+        refusal = vllm_layout_refusal(cfg, world_size, hf)  # the vLLM back end's own refusal at run time, found here too
         if refusal is not None:
             raise CheckFailed(*refusal)
     if cfg.train.mode == "grpo" and cfg.rl is not None and cfg.rl.allocation is not None:

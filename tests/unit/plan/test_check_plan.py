@@ -111,6 +111,10 @@ ARCH = {
     "demo_calculator_sft_no_tool.toml": ("synth:", 1),
     "demo_calculator_grpo.toml": ("synth:tiny_qwen2", 1),
     "demo_calculator_grpo_no_tool.toml": ("synth:tiny_qwen2", 1),
+    "demo_zoom_sft.toml": ("synth:", 1),
+    "demo_zoom_sft_no_tool.toml": ("synth:", 1),
+    "demo_zoom_grpo.toml": ("synth:tiny_qwen2_5_vl", 1),
+    "demo_zoom_grpo_no_tool.toml": ("synth:tiny_qwen2_5_vl", 1),
 }
 EXAMPLES = sorted(p.name for p in CONFIGS.glob("*.toml"))
 # total parameters (billions) --check must print for the published Qwen2.5-VL-3B config.json

@@ -28,7 +28,7 @@ pytest.importorskip("megatron.core")  # installed by the dev extra
 from megatron_vlm.checkpoint.hf import load_hf_model  # noqa: E402
 from megatron_vlm.data.processor import load_processor  # noqa: E402
 from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams  # noqa: E402
-from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine  # noqa: E402
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine, vision_token_ids  # noqa: E402
 from megatron_vlm.models.common.moe import moe_layers  # noqa: E402
 from megatron_vlm.models.common.routing_replay import recording_routes, replaying_routes  # noqa: E402
 from megatron_vlm.models.mcore.layer import use_mcore_layers  # noqa: E402
@@ -57,7 +57,7 @@ def _forward(model, batch, routes, force, weights):
     model.train()
     try:
         with replaying_routes(model, routes, force=force) as plan, recording_routes() as used:
-            lp = TokenLogprobModel(model)(batch)
+            lp = TokenLogprobModel(model)(batch, masked_token_ids=vision_token_ids(model))  # as the engine: vision masked
             (lp * weights).sum().backward()
     finally:
         for h in hooks:

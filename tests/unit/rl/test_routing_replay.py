@@ -23,7 +23,7 @@ from megatron_vlm.checkpoint.hf import load_hf_model
 from megatron_vlm.data.processor import load_processor
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
 from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
-from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
+from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine, vision_token_ids
 from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.models.common.routing_replay import recording_routes, replaying_routes
 from megatron_vlm.rl.batching import TrainSample, pack_samples
@@ -61,7 +61,7 @@ def _rollout(model, tok, prompts, lockstep=False, **options):
 
 def _logp(wrap, batch, routes, force, *, grad=False):
     with torch.set_grad_enabled(grad), replaying_routes(wrap, routes, force=force) as plan, recording_routes() as used:
-        lp = wrap(batch)
+        lp = wrap(batch, masked_token_ids=vision_token_ids(wrap.model))  # the engine's distribution: vision masked
         if grad:
             lp.sum().backward()
     return lp.detach(), plan.mismatch(), used.stacked()

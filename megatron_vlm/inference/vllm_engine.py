@@ -244,6 +244,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm = LLM(**kwargs)
         self.llm.collective_rpc(_record_ties)
         self.asleep = False
+        self._weights_discarded = False  # a level-2 sleep discards the weights: `_wake` / the next push refill them
         log.info("vLLM rollout engine on %s from %s (%s executor, tensor-parallel %d, %.1f s)", device, model_path,
                  executor, cfg.tensor_parallel_size, time.perf_counter() - t0)
 
@@ -257,7 +258,14 @@ class VLLMRolloutEngine(RolloutEngine):
         with self._lock:
             if weights is None and self.sync_from is not None and version == self._pushed_version:
                 return  # the trainer's weights change only with the version (an optimizer step): already there
-            self._wake()
+            refill = self.asleep and self._weights_discarded
+            if refill and weights is None and self.sync_from is None:
+                raise RuntimeError("vLLM rollout: the engine slept at level 2 (its weights discarded) and this push "
+                                   "has no weights to refill it")
+            if refill:
+                self.llm.wake_up(tags=["weights"])  # room for the weights only: the KV cache comes back after the push
+            else:
+                self._wake()
             t0 = time.perf_counter()
             buckets: Iterable[list[tuple[str, torch.Tensor]]]
             if weights is not None:
@@ -279,6 +287,9 @@ class VLLMRolloutEngine(RolloutEngine):
                 self.weight_push_s = time.perf_counter() - t0
                 self.weight_push_mb = sizes[0] / 2**20
                 self._pushed_version = int(version)
+            if refill:
+                self.llm.wake_up(tags=["kv_cache"])
+                self.asleep, self._weights_discarded = False, False
             self.policy_version = int(version)
 
     def _reset_caches(self) -> None:
@@ -467,11 +478,24 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.cfg.sleep_mode and not self.asleep:
             self.llm.sleep(level=self.cfg.sleep_level)
             self.asleep = True
+            if self.cfg.sleep_level == 2:  # the weights are gone, not offloaded: the next push must send them all
+                self._weights_discarded, self._pushed_version = True, None
 
     def _wake(self) -> None:
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+        """Ready to generate. After a level-1 sleep vLLM brings the weights back from host memory; after a level-2
+        sleep they are gone, so unless a push refilled them since, the trainer's weights are pushed again here
+        (`sync_from`), or this fails: an engine woken without weights would generate from garbage. vLLM clears
+        the prefix cache when it sleeps, so nothing cached survives from before."""
+        if not self.asleep:
+            return
+        if self._weights_discarded:
+            if self.sync_from is None:
+                raise RuntimeError("vLLM rollout: the engine slept at level 2 (its weights discarded) and no weights "
+                                   "were pushed since; call load_weights with the policy's weights before generating")
+            self.load_weights(None, version=self.policy_version)
+            return
+        self.llm.wake_up()
+        self.asleep = False
 
 
 def vllm_engine_for_run(ctx, bundle, *, dtype: torch.dtype) -> VLLMRolloutEngine:

@@ -175,7 +175,7 @@ setup(
         "sympy",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "triton>=3.2", "math-verify", "ruff", "mypy>=1.11", "peft", "megatron-core==0.16.1",
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "triton>=3.2", "math-verify", "ruff", "mypy>=1.11", "peft", "megatron-core==0.16.1",
                 "trl==1.16.0",  # pure Python: the reference of the DPO / IPO / SimPO losses (tests/unit/training)
                 "liger-kernel==0.8.5",  # pure Python + Triton: its kernels run in the CPU tests through the interpreter
                 "setuptools", "wheel",  # what mamba-ssm's setup.py imports for scripts/setup_dev.sh's --no-build-isolation install

@@ -10,6 +10,11 @@ TRITON_INTERPRET in the environment wins).
 Tests marked `gpu` need a CUDA device and `npu` an Ascend NPU; without one they are skipped with
 that reason. Only tests that cannot run at all without the device carry the marker, so a skip
 never hides a failure that the CPU run could have shown.
+
+Under pytest-xdist (the README's test command runs two workers, one per core of the 2-core CI machine) each
+worker keeps torch to one thread: two workers with a thread per core each would oversubscribe the cores, and
+OpenMP's spinning barriers make that far slower than one thread each. Tests that measure threading set their own
+count; multi-process tests already give each rank one thread.
 """
 import importlib.util
 import os
@@ -19,6 +24,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 def _npu_available() -> bool:

@@ -115,8 +115,12 @@ def test_mcore_lora_equals_native_lora(kind, targets, dropout, rslora, mcore_sta
     torch.testing.assert_close(lp_m, lp_n, atol=1e-5, rtol=0)
     assert g_m.keys() == g_n.keys() == lora_n
     for name in g_n:
-        assert g_n[name].abs().max() > 0, name
-        torch.testing.assert_close(g_m[name], g_n[name], atol=1e-5, rtol=1e-4, msg=name)
+        scale = float(g_n[name].abs().max())
+        assert scale > 0, name
+        # fp32 sums over the batch in another order (one thread or several, mcore's fused layout): an element's
+        # error follows the magnitude of the terms summed, not its own value, so the bound scales with the tensor
+        # (gradients up to ~45 here; seen: 6e-5 apart on one thread); a wrong gradient is off by O(its scale)
+        torch.testing.assert_close(g_m[name], g_n[name], atol=1e-5 + 4e-6 * scale, rtol=1e-4, msg=name)
 
     # GRPO's reference: the adapters off = the base model; and they do change the output
     with torch.no_grad(), lora_disabled(mc), lora_disabled(native):

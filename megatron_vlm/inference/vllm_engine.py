@@ -10,12 +10,13 @@ buckets into vLLM's in-place layerwise reload (`model_runner.reload_weights`, th
 the encoder / multimodal caches are reset (they hold the old policy's keys / vision features) and
 `policy_version` moves.
 
-Prompts go in as our token ids. Images and videos: vLLM expands each placeholder itself, so the prompt is handed over with every run of placeholder tokens collapsed to one, with
-the images and the video frames our data pipeline loaded (the kept frames with their source indices and rate:
-`video_item`), and the expanded ids vLLM reports must equal ours token for token (ValueError naming the
-prompt and both lengths otherwise: a processor / template mismatch would silently train on prompts
-the model never saw). One request per prompt with n = group size (prompt sharing: the group shares
-the prompt's KV cache through prefix caching).
+Prompts go in as our token ids. Images and videos: vLLM expands each placeholder itself, so the prompt is
+handed over with every run of placeholder tokens collapsed to one, with the images and the video frames our
+data pipeline loaded (the kept frames with their source indices and rate: `video_item`), and the expanded ids
+vLLM reports must equal ours token for token (ValueError naming the prompt and both lengths otherwise: a
+processor / template mismatch would silently train on prompts the model never saw). vLLM and the training
+forward place the text after a video by the same M-RoPE rule (models/common/mrope_index.py). One request per
+prompt with n = group size (prompt sharing: the group shares the prompt's KV cache through prefix caching).
 
 Log-probs: vLLM's "processed_logprobs" — of the distribution the token was drawn from (after
 temperature, and after top-k / top-p when set); with top_k = 0 and top_p = 1 that is

@@ -1,7 +1,7 @@
 // Host-side data ops of megatron_vlm._C, C++ twins of Python loops that run per batch on the CPU:
 //
 // * mrope_position_ids: megatron_vlm/models/common/mrope_index.py get_mrope_position_ids (runs of
-//   text / image / video tokens -> 3-D positions; transformers' Qwen2.5-VL get_rope_index rule, and
+//   text / image / video tokens -> 3-D positions; the original Qwen2.5-VL get_rope_index rule, and
 //   Qwen3-VL's rule, which the caller expresses as one [1, h, w] grid per frame).
 // * first_fit_pack: megatron_vlm/data/packing.py first_fit_pack (samples visited in the given
 //   order go to the first open pack with room; at most max_open packs stay open).
@@ -53,27 +53,26 @@ int64_t sequence_positions(const int64_t* ty, const int64_t* col, int64_t n, Gri
       pos += len;
     } else if (kind == 1 || kind == 2) {
       const int64_t* grid;
-      float interval = 1.0f;
+      double interval = 1.0;
       if (kind == 1) {
         MVLM_CHECK_VALUE(cur.next_image < cur.num_images, "more image placeholder runs than image grids");
         grid = cur.image + 3 * cur.next_image++;
       } else {
         MVLM_CHECK_VALUE(cur.next_video < cur.num_videos, "more video placeholder runs than video grids");
         grid = cur.video + 3 * cur.next_video++;
-        double iv = cur.default_interval;
+        interval = cur.default_interval;
         if (cur.intervals != nullptr) {
           MVLM_CHECK_VALUE(cur.next_interval < cur.num_intervals, "more video runs than second_per_grid_ts");
-          iv = cur.intervals[cur.next_interval++];
+          interval = cur.intervals[cur.next_interval++];
         }
-        // torch: (arange(t) * interval) is a float32 product (the Python scalar is cast to float32)
-        interval = static_cast<float>(iv);
       }
       MVLM_CHECK_VALUE(grid[0] >= 0 && grid[1] >= 0 && grid[2] >= 0, "negative grid");
       const int64_t t = grid[0], h = grid[1] / merge, w = grid[2] / merge;
       MVLM_CHECK_VALUE(t * h * w == len, "a vision run's length does not match its grid");
       int64_t q = i;
       for (int64_t it = 0; it < t; ++it) {
-        const int64_t tp = static_cast<int64_t>(static_cast<float>(it) * interval) + pos;
+        // a float64 product then truncation, as vLLM (mrope_index.py's docstring)
+        const int64_t tp = static_cast<int64_t>(static_cast<double>(it) * interval) + pos;
         max_pos = std::max(max_pos, tp);
         for (int64_t ih = 0; ih < h; ++ih) {
           for (int64_t iw = 0; iw < w; ++iw, ++q) {
@@ -86,7 +85,7 @@ int64_t sequence_positions(const int64_t* ty, const int64_t* col, int64_t n, Gri
       }
       if (h > 0) max_pos = std::max(max_pos, pos + h - 1);
       if (w > 0) max_pos = std::max(max_pos, pos + w - 1);
-      pos += std::max(grid[1], grid[2]) / merge;
+      pos = max_pos + 1;  // the original Qwen2.5-VL rule: after the run's largest position
     } else {
       MVLM_CHECK_VALUE(false, "mm_token_type_ids has value ", kind, "; expected 0, 1 or 2");
     }

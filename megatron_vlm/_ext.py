@@ -131,8 +131,7 @@ def mrope_position_ids(
     cu_seqlens: Optional[torch.Tensor] = None,
 ):
     """get_mrope_position_ids computed in C++ on the host (results on input_ids' device), or None."""
-    # The Python rule multiplies the temporal index by the interval in the default float dtype.
-    if not available() or input_ids.dim() != 2 or torch.get_default_dtype() != torch.float32:
+    if not available() or input_ids.dim() != 2:
         return None
     try:
         intervals = None

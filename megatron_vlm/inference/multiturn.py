@@ -11,8 +11,8 @@ continuously batched across conversations at different turns: one decode step se
 was just prefilled joins the next step; a finished trajectory frees its slot for the next waiting one.
 
 Positions: M-RoPE families (Qwen2.5-VL, Qwen3-VL) place a chunk with images as the whole-sequence index
-would (transformers' get_rope_index: text continues at the previous maximum + 1, an image grid starts
-there): the chunk's own index (from 0, its grids) is shifted by the slot's next text position (cached tokens
+would (the original Qwen2.5-VL get_rope_index, mrope_index.py: text continues at the previous maximum + 1, a
+vision grid starts there): the chunk's own index (from 0, its grids) is shifted by the slot's next text position (cached tokens
 + rope delta) and the slot's rope delta becomes the chunk's. So the positions of a trajectory are continuous
 across turns and equal to those of the packed training forward over the whole trajectory, which therefore
 gives the log-probs the rollout saw. 1-D RoPE families continue at the cached token count.
@@ -62,6 +62,8 @@ class TurnChunk:
     vision: dict[str, torch.Tensor] = field(default_factory=dict)
     images: list = field(default_factory=list)
     """The new images as loaded (PIL), for engines that process them themselves (vLLM, vllm_multiturn.py)."""
+    videos: list = field(default_factory=list)
+    """The new videos as loaded (`data.media.VideoClip`), for engines that process them themselves (vLLM)."""
 
 
 @dataclass

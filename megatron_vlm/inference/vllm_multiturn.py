@@ -2,9 +2,9 @@
 
 vLLM's request API has no "append to this sequence" call, so a conversation's next turn is a new request whose
 prompt is everything so far, as our token ids: the prompt, the model's turns and the environment's turns (the
-`TurnChunk`s rendered by the chat template, rl/env/turns.py), with every image so far attached (the prompt's,
-then the environment's in the order they arrived) and the runs of image placeholders collapsed as for a
-single-turn prompt (vllm_engine.py). vLLM's prefix caching finds the earlier turns' KV blocks (the key of a
+`TurnChunk`s rendered by the chat template, rl/env/turns.py), with every image and video so far attached (the
+prompt's, then the environment's in the order they arrived) and the runs of image / video placeholders collapsed
+as for a single-turn prompt (vllm_engine.py). vLLM's prefix caching finds the earlier turns' KV blocks (the key of a
 block covers its tokens and the images in it), so only the new tokens are prefilled; the images of earlier turns
 are looked up in the encoder cache too. `stats["cached_tokens"]` counts what was reused.
 
@@ -22,8 +22,7 @@ Sampling: one request per conversation and turn (n = 1) with its own seed drawn 
 generator (seed, conversation index), so a conversation's tokens do not depend on the others. Log-probs as in
 the single-turn back end (processed: after temperature; greedy: at temperature 1). Limits and finish reasons
 are the built-in loop's (multiturn.py): a turn's `max_tokens` is min(max_new_tokens, what max_total_tokens
-leaves), and a turn cut by the second is "max_total_tokens". Video observations are not sent to vLLM yet: such
-a reply ends its trajectory with "env_error" (counted).
+leaves), and a turn cut by the second is "max_total_tokens".
 
 Asynchronous GRPO: the loop steps the engine itself, so `paused()` (a weight push from another thread) and
 `interrupt()` work as in `VLLMRolloutEngine.generate`; each model token carries the version that drew it
@@ -44,7 +43,6 @@ from megatron_vlm.inference.multiturn import (
     MultiTurnLimits,
     MultiTurnRollout,
     Trajectory,
-    TurnReply,
     TurnSource,
     _Conv,
     _conversation_generator,
@@ -52,8 +50,6 @@ from megatron_vlm.inference.multiturn import (
 from megatron_vlm.inference.stopping import StopChecker
 
 __all__ = ["VLLMMultiTurnRollout"]
-
-_VIDEO = "pixel_values_videos"
 
 
 @dataclasses.dataclass
@@ -82,6 +78,7 @@ class VLLMMultiTurnRollout(MultiTurnRollout):
         (None: vLLM's own, loaded from the same folder)."""
         self.stats: dict[str, float] = {}
         self.images: dict[int, list] = {}
+        self.videos: dict[int, list] = {}
 
     def generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams, source: TurnSource,
                  limits: MultiTurnLimits, *, seed: int = 0) -> list[Trajectory]:
@@ -99,93 +96,88 @@ class VLLMMultiTurnRollout(MultiTurnRollout):
         checker = StopChecker(self.tokenizer or e.llm.get_tokenizer(), e.eos_token_ids, params.stop)
         convs = [_Conv(i, prompts[i // n], _conversation_generator(seed, i, "cpu")) for i in range(total)]
         self.images = {c.index: [] for c in convs}
+        self.videos = {c.index: [] for c in convs}
         live: dict[str, _Turn] = {}
         done: list[_Conv] = []
-        e._interrupt.clear()
-        e._lock.acquire()
-        try:
-            e._wake()
-            engine = e.llm.llm_engine
-            for c in convs:
-                self._submit(engine, c, params, limits, live)
-            while live:
-                if e._interrupt.is_set():
+        with e.generating() as engine:
+            try:
+                self._loop(engine, convs, params, source, limits, checker, live, done)
+            finally:
+                if live:  # an error: leave nothing of this call in the engine
                     engine.abort_request(list(live))
-                    for turn in live.values():
-                        self._keep_partial(turn, checker)
-                        turn.conv.finish = "interrupted"
-                        done.append(turn.conv)
-                    live.clear()
-                    break
-                if e._pause.is_set():  # `paused()` from another thread: step aside at this step boundary
-                    e._lock.release()
-                    try:
-                        while e._pause.is_set():
-                            time.sleep(0.001)
-                    finally:
-                        e._lock.acquire()
-                    continue
-                version = e.policy_version
-                finished: list[_Turn] = []
-                for out in engine.step():
-                    req = live.get(out.request_id)
-                    if req is None:
-                        continue
-                    if not req.checked and out.prompt_token_ids is not None:
-                        self._check_prompt(req, list(out.prompt_token_ids))
-                        self.stats["cached_tokens"] += int(getattr(out, "num_cached_tokens", 0) or 0)
-                    for c in out.outputs:
-                        req.tokens += list(c.token_ids)
-                        req.logprobs += [float(d[t].logprob) for d, t in zip(c.logprobs or [], c.token_ids)]
-                        req.versions += [version] * len(c.token_ids)
-                        if c.finish_reason is not None:
-                            req.reason = c.finish_reason
-                    if out.finished:
-                        finished.append(live.pop(out.request_id))
-                self.stats["engine_steps"] += 1
-                to_env = []
-                for turn in finished:
-                    if self._end_turn(turn, params, checker):
-                        to_env.append(turn.conv)
-                    else:
-                        done.append(turn.conv)
-                if to_env:
-                    self.stats["env_calls"] += 1
-                    replies = source.step([(c.index, c.index // n, c.turn_texts[-1], list(c.turn)) for c in to_env])
-                    for c, r in zip(to_env, replies):
-                        chunk = self._reply(c, r, limits)
-                        c.turn = []
-                        if chunk is None:
-                            done.append(c)
-                            continue
-                        self._record(c, chunk)
-                        self.images[c.index] += list(chunk.images)
-                        self._submit(engine, c, params, limits, live)  # its next turn, at once
-        finally:
-            if live:  # an error: leave nothing of this call in the engine
-                e.llm.llm_engine.abort_request(list(live))
-            e._lock.release()
         self.stats["seconds"] = time.perf_counter() - t0
         return [self._trajectory(c, n) for c in sorted(done, key=lambda c: c.index)]
+
+    def _loop(self, engine: Any, convs: list[_Conv], params: SamplingParams, source: TurnSource,
+              limits: MultiTurnLimits, checker: StopChecker, live: dict[str, _Turn], done: list[_Conv]) -> None:
+        """Submit every conversation's first turn, then step the engine until no request is left (module docstring)."""
+        e, n = self.engine, params.n
+        for c in convs:
+            self._submit(engine, c, params, limits, live)
+        while live:
+            if e.interrupt_requested():
+                engine.abort_request(list(live))
+                for turn in live.values():
+                    self._keep_partial(turn, checker)
+                    turn.conv.finish = "interrupted"
+                    done.append(turn.conv)
+                live.clear()
+                break
+            if e.step_aside():  # `paused()` from another thread: step aside at this step boundary
+                continue
+            version = e.policy_version
+            finished: list[_Turn] = []
+            for out in engine.step():
+                req = live.get(out.request_id)
+                if req is None:
+                    continue
+                if not req.checked and out.prompt_token_ids is not None:
+                    self._check_prompt(req, list(out.prompt_token_ids))
+                    self.stats["cached_tokens"] += int(getattr(out, "num_cached_tokens", 0) or 0)
+                for c in out.outputs:
+                    req.tokens += list(c.token_ids)
+                    req.logprobs += [float(d[t].logprob) for d, t in zip(c.logprobs or [], c.token_ids)]
+                    req.versions += [version] * len(c.token_ids)
+                    if c.finish_reason is not None:
+                        req.reason = c.finish_reason
+                if out.finished:
+                    finished.append(live.pop(out.request_id))
+            self.stats["engine_steps"] += 1
+            to_env = []
+            for turn in finished:
+                if self._end_turn(turn, params, checker):
+                    to_env.append(turn.conv)
+                else:
+                    done.append(turn.conv)
+            if to_env:
+                self.stats["env_calls"] += 1
+                replies = source.step([(c.index, c.index // n, c.turn_texts[-1], list(c.turn)) for c in to_env])
+                for c, r in zip(to_env, replies):
+                    chunk = self._on_reply(c, r, limits)
+                    c.turn = []
+                    if chunk is None:
+                        done.append(c)
+                        continue
+                    self._record(c, chunk)
+                    self.images[c.index] += list(chunk.images)
+                    self.videos[c.index] += list(chunk.videos)
+                    self._submit(engine, c, params, limits, live)  # its next turn, at once
 
     # ------------------------------------------------------------------ requests
     def _submit(self, engine: Any, c: _Conv, params: SamplingParams, limits: MultiTurnLimits,
                 live: dict[str, _Turn]) -> None:
-        from vllm.sampling_params import RequestOutputKind
-
         e = self.engine
         history = [int(t) for t in c.prompt.input_ids.tolist()] + c.ids
         room = limits.max_total_tokens - len(history)
         turn = _Turn(c, len(c.turn_texts), history, max_tokens=min(params.max_new_tokens, room))
         prompt_images = list(getattr(c.prompt, "images", None) or [])
+        prompt_videos = list(getattr(c.prompt, "videos", None) or [])
         p = dataclasses.replace(c.prompt, input_ids=torch.tensor(history, dtype=torch.long),
-                                images=(prompt_images + self.images[c.index]) or None)
-        req = e.llm._preprocess_cmpl_one(e._request(p), None)
+                                images=(prompt_images + self.images[c.index]) or None,
+                                videos=(prompt_videos + self.videos[c.index]) or None)
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=c.gen))
-        sp = e._sampling(dataclasses.replace(params, n=1, max_new_tokens=turn.max_tokens), seed)
-        sp.output_kind = RequestOutputKind.DELTA
         rid = f"mt{id(self)}-{c.index}-{turn.number}-{time.monotonic_ns()}"
-        engine.add_request(rid, req, sp)
+        e.add_request(engine, rid, p, dataclasses.replace(params, n=1, max_new_tokens=turn.max_tokens), seed)
         live[rid] = turn
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += len(history)
@@ -232,9 +224,3 @@ class VLLMMultiTurnRollout(MultiTurnRollout):
             return False
         c.turn_texts.append(checker.final_text(turn.tokens, why))
         return True
-
-    def _reply(self, c: _Conv, r: TurnReply, limits: MultiTurnLimits):
-        if r.chunk is not None and _VIDEO in r.chunk.vision and not r.error:
-            r = dataclasses.replace(r, chunk=None, error="a video observation: the vLLM back end does not take "
-                                                         "videos yet (rollout_backend = 'builtin' does)")
-        return self._on_reply(c, r, limits)

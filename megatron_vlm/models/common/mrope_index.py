@@ -1,19 +1,34 @@
 """3-D (temporal, height, width) M-RoPE position ids of Qwen-VL language models.
 
-Semantics are those of transformers' `Qwen2_5_VLModel.get_rope_index` (transformers 5.x):
+Semantics are those of the original Qwen2.5-VL `get_rope_index` (the Qwen team's code as added to transformers,
+PR #35569, and kept up to transformers 5.2), which the released checkpoints were trained with and which vLLM keeps:
 
 * a sequence is split into runs of equal token type (0 text, 1 image, 2 video); each image/video
   run consumes the next `[t, h, w]` grid (images and videos in their own order, across the batch);
-* a text run of length n gets positions `p, p+1, ..., p+n-1` on all three rows, then p += n;
-* a vision run gets `t_pos = p + floor(i_t * interval)`, `h_pos = p + i_h`, `w_pos = p + i_w` over the
+* a text run of length n gets positions `p, p+1, ..., p+n-1` on all three rows;
+* a vision run gets `t_pos = p + int(i_t * interval)`, `h_pos = p + i_h`, `w_pos = p + i_w` over the
   merged grid (h/merge, w/merge), with `interval = tokens_per_second * second_per_grid_ts[video]` for
-  videos and 1 for images; then p += max(h, w) / merge. (Note: this is transformers' rule; the
-  original Qwen code restarted text at max(position) + 1, which differs for long videos.)
+  videos and 1 for images;
+* every run after the first starts at the previous run's largest position + 1.
+
+For images (t = 1) and Qwen3-VL's one-frame video runs the largest position is p + max(h, w)/merge - 1, so
+the next run starts at p + max(h, w)/merge. A Qwen2.5-VL video whose temporal extent
+int((t - 1) * interval) reaches max(h, w)/merge ends later: transformers 5.3+ resume the text at
+p + max(h, w)/merge anyway (a regression, huggingface/transformers#45381); the original rule resumes it after
+the video's last frame, as here.
+
+The temporal index is quantised as vLLM does it: `int(i_t * interval)` in float64 (the interval being
+tokens_per_second times the float32 second_per_grid_ts the processor returns). The original multiplied in
+float32, which truncates differently in rare cases where i_t * interval is within float32 rounding of an
+integer (e.g. fps 0.3 with temporal patch 2: second_per_grid_t 6.666..., i_t = 3 gives 39 in float64, 40 in
+float32); vLLM's rule is kept so rollouts and training agree. Fractional intervals (0.5 s at 2 tokens per
+second: 0, 1, 2, ...) are quantised after the multiplication, never before (transformers#48669).
+
 * padding (attention_mask == 0) is skipped and gets position 0; the per-sequence
   `rope_delta = max(position) + 1 - n_valid_tokens` lets decoding continue at
   `n_valid_tokens_so_far + rope_delta`.
 
-Extensions over transformers: `mm_token_type_ids` is optional (derived from the placeholder token
+Extensions over the reference: `mm_token_type_ids` is optional (derived from the placeholder token
 ids when absent), and packed input (one row, `cu_seqlens`) restarts positions at every sample.
 
 Cached decoding (`cached_mrope_position_ids`, shared by every M-RoPE family): the prefill computes
@@ -52,14 +67,17 @@ def _runs(types: torch.Tensor) -> list[tuple[int, int, int]]:
 
 def _vision_positions(
     start: int, grid_thw: Sequence[int], spatial_merge_size: int, interval: float, device
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, int]:
+    """(positions [3, t*h*w] of one vision run starting at `start`, the run's largest position)."""
     t, h, w = int(grid_thw[0]), int(grid_thw[1]) // spatial_merge_size, int(grid_thw[2]) // spatial_merge_size
-    # float32 product then truncation, as transformers does (`(arange(t) * interval).long()`)
-    t_pos = (torch.arange(t, device=device) * interval).long() + start
+    # float64 product then truncation, as vLLM does (`(indices * t_factor).astype(int64)`; module docstring)
+    steps = [int(i * interval) for i in range(t)]
+    t_pos = torch.tensor(steps, dtype=torch.long, device=device) + start
     h_pos = torch.arange(h, device=device) + start
     w_pos = torch.arange(w, device=device) + start
     tt, hh, ww = torch.meshgrid(t_pos, h_pos, w_pos, indexing="ij")
-    return torch.stack([tt, hh, ww]).reshape(3, -1)
+    last = start + max([*steps, h - 1, w - 1])
+    return torch.stack([tt, hh, ww]).reshape(3, -1), last
 
 
 def _sequence_positions(
@@ -89,14 +107,14 @@ def _sequence_positions(
             interval = next(video_intervals, None)
             if interval is None:
                 raise ValueError(f"{where}: more video placeholder runs than entries in second_per_grid_ts")
-        vis = _vision_positions(pos, grid, spatial_merge_size, interval, device)
+        vis, last = _vision_positions(pos, grid, spatial_merge_size, interval, device)
         if vis.shape[1] != end - start:
             raise ValueError(
                 f"{where}: a {name} run has {end - start} placeholder tokens but its grid {list(map(int, grid))} "
                 f"gives {vis.shape[1]} tokens after {spatial_merge_size}x{spatial_merge_size} merging"
             )
         pieces.append(vis)
-        pos += max(int(grid[1]), int(grid[2])) // spatial_merge_size
+        pos = last + 1  # the original rule: after the run's largest position (module docstring)
     if not pieces:
         return torch.zeros(3, 0, dtype=torch.long, device=device)
     return torch.cat(pieces, dim=1)

@@ -3,7 +3,9 @@
 Architecture only (parallelism, checkpoint I/O and training policy live elsewhere): no parallelism, no checkpoint I/O, no fused-qkv handling (the
 state-dict adapter maps transformers' weights onto these modules). Forward matches
 `transformers.Qwen2_5_VLForConditionalGeneration` given `mm_token_type_ids`; here the 3-D positions
-are derived from `input_ids` and the grids whether or not `mm_token_type_ids` is passed.
+are derived from `input_ids` and the grids whether or not `mm_token_type_ids` is passed. After a video,
+the text resumes at the video's largest position + 1 (the original Qwen2.5-VL rule, vLLM's; transformers
+5.3+ differ there: models/common/mrope_index.py).
 
 Input forms of `forward`:
 * padded batch: input_ids [B, T] (+ attention_mask [B, T], left or right padding);

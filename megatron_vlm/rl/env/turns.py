@@ -130,4 +130,4 @@ class TurnEncoder:
         vision = concat_in_order(order, items)
         text = expand(text, proc.placeholders, {k: [it.expansion for it in v] for k, v in items.items()})
         ids = torch.tensor(proc.tokenizer(text)["input_ids"], dtype=torch.long)
-        return TurnChunk(ids, vision, images), [*history, turn, *new]
+        return TurnChunk(ids, vision, images, videos), [*history, turn, *new]

@@ -116,7 +116,9 @@ def test_mrope_packed_qwen2_5_vl(ext, seed):
     samples, img, vid = _batch(rng, 6, videos=True, qwen3=False)
     ids = torch.tensor([t for s in samples for t in s[0]]).unsqueeze(0)
     cu = torch.tensor(np.cumsum([0] + [len(s[0]) for s in samples]), dtype=torch.int32)
-    sec = None if vid is None else torch.tensor(rng.choice([0.5, 1.0, 2.0, 1 / 3, 0.7, 1.37], len(vid)), dtype=torch.float32)
+    # 2 / 0.3: a float32 / float64 truncation boundary at the fourth grid (test_qwen2_5_vl_positions.py)
+    sec = None if vid is None else torch.tensor(rng.choice([0.5, 1.0, 2.0, 1 / 3, 0.7, 1.37, 2 / 0.3], len(vid)),
+                                                dtype=torch.float32)
     _both(input_ids=ids, image_token_id=IMAGE, video_token_id=VIDEO, spatial_merge_size=2, tokens_per_second=2.0,
           image_grid_thw=img, video_grid_thw=vid, second_per_grid_ts=sec, cu_seqlens=cu)
     # without second_per_grid_ts (tokens_per_second per grid), and with a list of seconds

@@ -16,8 +16,11 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def batch():
+    """An image and a video; the reference gets the original rule's positions (`position_ids`), since transformers
+    5.3+ place the text after a video elsewhere (test_qwen2_5_vl_parity.py::test_video_with_second_per_grid_ts)."""
     g = torch.Generator().manual_seed(11)
-    return F.batch_samples([F.build_sample([4, ("image", (1, 4, 6)), 3, ("video", (2, 4, 4)), 5], g)])
+    b = F.batch_samples([F.build_sample([4, ("image", (1, 4, 6)), 3, ("video", (2, 4, 4)), 5], g)])
+    return dict(b, position_ids=F.original_position_ids(b))
 
 
 def _hf_logits(model, batch):

@@ -7,9 +7,11 @@ there, and so does `.ci/run`; skipped where vllm is not importable).
 - with the vision tokens holding ~20 % of the mass, vLLM's log-probs (vision tokens masked) equal the training
   forward's masked log-probs within 1e-4, where the full softmax's are off by ~0.2;
 - video prompts (Qwen2.5-VL, the frames our pipeline kept): vLLM's expanded prompt equals ours (a mismatch
-  fails naming the prompt and both lengths), greedy tokens equal the built-in engine's; the log-probs equal
-  the training forward's within 1e-4 once it is given the original Qwen2.5-VL positions for the text after the
-  video (vLLM's rule; transformers 5.x's, which the training forward follows, puts it ~3e-3 off: `VIDEO_GAP`);
+  fails naming the prompt and both lengths), greedy tokens and log-probs equal the built-in engine's, sampled
+  log-probs the training forward's within 1e-4 (both place the text after a video by the original Qwen2.5-VL
+  M-RoPE rule, as vLLM; transformers 5.x's rule would put it ~3e-3 off, measured);
+- our M-RoPE positions equal vLLM's own `get_mrope_input_positions` for videos (fractional, integer and
+  float32-boundary seconds per grid), images and text;
 - the log-probs vLLM reports for sampled tokens (processed: after temperature) equal our training
   forward's log_softmax(logits / T) of the same tokens within 1e-4 (fp32);
 - a weight push makes the engine generate exactly what a fresh vLLM engine loaded from the exported
@@ -260,13 +262,12 @@ def _video_prompts(folder):
 
 @needs_torchvision
 def test_video_prompts_qwen2_5_vl(tmp_path):
-    """Video prompts are refused (exit 2 in a job: `VIDEO_GAP`); the wired path, turned on here, is measured: the
-    frames our pipeline kept (4 of 6, so the sampled rate differs from the source's) go in with their metadata,
-    vLLM's expanded prompt equals ours (one frame pair short fails naming the prompt and both lengths), greedy
-    tokens equal the built-in engine's. The log-probs differ from the training forward's (transformers 5.x's
-    M-RoPE: the text after a video resumes at start + max(h, w) / merge) by ~3e-3, and equal within 1e-4 the
-    same forward given the original Qwen2.5-VL positions (text resumes at the video's largest position + 1, the
-    rule vLLM keeps): the whole gap is that one position rule, the gap that keeps videos refused."""
+    """Video prompts: the frames our pipeline kept (4 of 6, so the sampled rate differs from the source's) go in with
+    their metadata, vLLM's expanded prompt equals ours (one frame pair short fails naming the prompt and both
+    lengths), greedy tokens and log-probs equal the built-in engine's, and the sampled tokens' log-probs equal the
+    training forward's (vision vocabulary masked) within 1e-4 in fp32. Both place the text after a video at the
+    video's largest M-RoPE position + 1 (the original Qwen2.5-VL rule, vLLM's; mrope_index.py); the same forward
+    given transformers 5.x's positions (start + max(h, w) / merge) is measured ~3e-3 off, so the checks can fail."""
     from megatron_vlm.rl.batching import TrainSample, pack_samples
     from megatron_vlm.training.lm_loss import TokenLogprobModel
 
@@ -278,9 +279,6 @@ def test_video_prompts_qwen2_5_vl(tmp_path):
     engine = _engine(folder, model, suppress=vision)
     T = 0.9
     try:
-        with pytest.raises(ValueError, match="video prompts are refused"):
-            engine.generate(prompts[:1], SamplingParams(max_new_tokens=2, n=1, temperature=0.0))
-        engine._video_prompts = True
         greedy = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, n=1, temperature=0.0)).samples
         res = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, n=2, temperature=T),
                               generator=torch.Generator().manual_seed(0))
@@ -298,57 +296,100 @@ def test_video_prompts_qwen2_5_vl(tmp_path):
     tok = load_processor(str(folder)).tokenizer
     ours = PolicyRolloutEngine(model, tok).generate(prompts, SamplingParams(max_new_tokens=NEW, n=1, temperature=0.0)).samples
     assert [s.token_ids.tolist() for s in greedy] == [s.token_ids.tolist() for s in ours]
+    for a, o in zip(greedy, ours):
+        torch.testing.assert_close(a.logprobs, o.logprobs, atol=1e-4, rtol=0)
     samples = [TrainSample(prompt=prompts[s.prompt_index], response_ids=s.token_ids, behav_logp=s.logprobs, advantage=0.0)
                for s in res.samples]
     batch = pack_samples(samples)
     batch.pop("num_response_tokens")
     with torch.no_grad():
         recomputed = TokenLogprobModel(model)(batch, temperature=T, masked_token_ids=vision)
-    gaps = [float((a.logprobs - o.logprobs).abs().max()) for a, o in zip(greedy, ours)]
-    gaps.append(float((recomputed - torch.cat([s.behav_logp for s in samples])).abs().max()))
-    print("vLLM video log-prob gaps (greedy per prompt, sampled):", gaps)
-    assert 1e-4 < max(gaps) < 5e-3  # the measured gap (VIDEO_GAP)
-    # the same forward with the original Qwen2.5-VL position rule: vLLM's log-probs within 1e-4
+    behav = torch.cat([s.behav_logp for s in samples])
+    torch.testing.assert_close(recomputed, behav, atol=1e-4, rtol=0)
+    # the same forward on transformers 5.x's positions (the rule the training forward followed before): off by more
+    # than the tolerance, so the checks above see the rule
+    gaps = {"original": float((recomputed - behav).abs().max()), "transformers5": _gap_5x(model, folder, prompts, res.samples, T, vision)}
+    print("vLLM video log-prob gap (max |vLLM - training forward|, sampled):", gaps)
+    assert gaps["transformers5"] > 1e-4
+
+
+def _gap_5x(model, folder, prompts, samples, T, vision) -> float:
+    """max |vLLM log-prob - our forward's| over `samples` with the forward given transformers 5.3+'s M-RoPE positions."""
+    import json
+
+    from tests.fixtures.original_mrope import original_qwen2_5_vl_positions
+
+    cfg = json.loads((folder / "config.json").read_text())
     mask = torch.zeros(model.lm_head.weight.shape[0], dtype=torch.bool)
     mask[list(vision)] = True
-    n = 0
-    for s in res.samples:
+    gap = 0.0
+    for s in samples:
         p = prompts[s.prompt_index]
         ids = torch.cat([p.input_ids, s.token_ids])
-        pos = _original_qwen2_5_vl_positions(ids, p.video_grid_thw, p.second_per_grid_ts, folder)
+        pos, _ = original_qwen2_5_vl_positions(
+            ids, image_token_id=cfg["image_token_id"], video_token_id=cfg["video_token_id"],
+            spatial_merge_size=cfg["vision_config"]["spatial_merge_size"],
+            tokens_per_second=cfg["vision_config"]["tokens_per_second"], video_grid_thw=p.video_grid_thw,
+            second_per_grid_ts=p.second_per_grid_ts, resume="transformers5")
         with torch.no_grad():
             logits = model(input_ids=ids[None], pixel_values_videos=p.pixel_values_videos, video_grid_thw=p.video_grid_thw,
                            second_per_grid_ts=p.second_per_grid_ts, position_ids=pos[:, None])[0].float()
         logits = logits[len(p.input_ids) - 1: -1].masked_fill(mask, float("-inf")) / T
         lp = torch.log_softmax(logits, dim=-1).gather(-1, s.token_ids[:, None])[:, 0]
-        torch.testing.assert_close(s.logprobs, lp, atol=1e-4, rtol=0)
-        n += s.token_ids.numel()
-    assert n >= len(prompts)
+        gap = max(gap, float((s.logprobs - lp).abs().max()))
+    return gap
 
 
-def _original_qwen2_5_vl_positions(ids, video_grid_thw, second_per_grid_ts, folder):
-    """M-RoPE positions [3, T] of one sequence by the original Qwen2.5-VL rule (the Qwen release's
-    `get_rope_index`, which vLLM keeps): a video run starting at s gets temporal s + int(t * tokens_per_second *
-    second_per_grid_t) and spatial s + (h, w) on the merged grid; text resumes at the run's largest position + 1."""
-    import json
+@needs_torchvision
+@pytest.mark.parametrize("seconds", [[0.5, 1.5], [1.0, 2.0], [2 / 0.3, 0.7]], ids=["fractional", "integer", "boundary"])
+def test_mrope_positions_equal_vllms(seconds):
+    """Our M-RoPE positions and rope delta equal vLLM 0.32's own Qwen2.5-VL `get_mrope_input_positions` (called on a
+    stand-in model holding only the config it reads): videos before, between and after text and images, seconds per
+    grid fractional (0.5 s: temporal steps 0, 1, 2, ...), integer, and 6.666... s (fps 0.3, temporal patch 2), where
+    vLLM's float64 product and the original's float32 one truncate differently (tests/fixtures/original_mrope.py)."""
+    import types
 
-    cfg = json.loads((folder / "config.json").read_text())
-    vc = cfg["vision_config"]
-    merge, tps, vid = vc["spatial_merge_size"], vc["tokens_per_second"], cfg["video_token_id"]
-    grids, secs = iter(video_grid_thw.tolist()), iter(second_per_grid_ts.tolist())
-    parts, i, nxt = [], 0, 0
-    while i < len(ids):
-        if int(ids[i]) != vid:
-            parts.append(torch.full((3, 1), nxt))
-            nxt, i = nxt + 1, i + 1
-            continue
-        t, h, w = next(grids)
-        h, w = h // merge, w // merge
-        tt = (torch.arange(t) * (tps * next(secs))).long()
-        grid = torch.stack(torch.meshgrid(tt, torch.arange(h), torch.arange(w), indexing="ij")).reshape(3, -1) + nxt
-        parts.append(grid)
-        nxt, i = int(grid.max()) + 1, i + t * h * w
-    return torch.cat(parts, dim=1)
+    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration as VLLMQwen
+
+    from megatron_vlm.models.common.mrope_index import get_mrope_position_ids
+    from tests.fixtures import tiny_qwen2_5_vl as F
+
+    stub = types.SimpleNamespace(config=types.SimpleNamespace(vision_config=types.SimpleNamespace(
+        spatial_merge_size=F.MERGE, tokens_per_second=2)))
+    stub.iter_mm_grid_thw = types.MethodType(VLLMQwen.iter_mm_grid_thw, stub)
+    g = torch.Generator().manual_seed(0)
+    cases = [[3, ("video", (3, 4, 6)), 5], [2, ("image", (1, 6, 4)), 3, ("video", (4, 4, 4)), 2, ("image", (1, 4, 8)), 4],
+             [2, ("video", (4, 4, 4)), 3, ("video", (2, 6, 4)), 2], [("video", (2, 4, 4)), 2, ("image", (1, 4, 4))],
+             [("image", (1, 4, 4)), 2, ("video", (6, 2, 2))], [5, ("image", (1, 8, 4)), 3], [7]]
+    for parts in cases:
+        sample = F.build_sample(parts, g)
+        ids = torch.tensor([sample["input_ids"]])
+        n_videos = 0 if sample["video_grid_thw"] is None else len(sample["video_grid_thw"])
+        secs = torch.tensor(seconds[:n_videos], dtype=torch.float32) if n_videos else None
+        ours, delta = get_mrope_position_ids(
+            ids, image_token_id=F.IMAGE_TOKEN_ID, video_token_id=F.VIDEO_TOKEN_ID, spatial_merge_size=F.MERGE,
+            tokens_per_second=2, image_grid_thw=sample["image_grid_thw"], video_grid_thw=sample["video_grid_thw"],
+            second_per_grid_ts=secs)
+        feats, grids = [], {"image": iter(()), "video": iter(())}
+        for kind in grids:
+            g_kind = sample[f"{kind}_grid_thw"]
+            grids[kind] = iter(g_kind if g_kind is not None else [])
+        video_secs = iter(secs if secs is not None else [])
+        ids_list, i = sample["input_ids"], 0
+        while i < len(ids_list):
+            kind = {F.IMAGE_TOKEN_ID: "image", F.VIDEO_TOKEN_ID: "video"}.get(ids_list[i])
+            if kind is None:
+                i += 1
+                continue
+            grid = next(grids[kind])
+            data = {f"{kind}_grid_thw": types.SimpleNamespace(data=grid)}
+            if kind == "video":
+                data["second_per_grid_ts"] = types.SimpleNamespace(data=next(video_secs))
+            feats.append(types.SimpleNamespace(modality=kind, mm_position=types.SimpleNamespace(offset=i), data=data))
+            i += int(grid.prod()) // F.MERGE**2
+        theirs, their_delta = VLLMQwen.get_mrope_input_positions(stub, ids_list, feats)
+        assert torch.equal(ours[:, 0], theirs.long()), parts
+        assert int(delta[0, 0]) == int(their_delta), parts
 
 
 def _check_images(engine, folder, model, prompts):

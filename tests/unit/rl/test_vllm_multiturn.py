@@ -11,7 +11,9 @@ skipped where vllm is not importable).
   the same seed repeats the same trajectories;
 - an environment whose worker process dies ends only its own trajectories ("env_error"), the others run on;
 - a turn whose expanded prompt differs from vLLM's fails naming the conversation and the turn;
-- a video observation (not sent to vLLM yet) ends its trajectory as "env_error".
+- an environment answering turn 1 with a video (Qwen2.5-VL: the text after it resumes past the video's last
+  frame, vLLM's M-RoPE rule and ours): greedy trajectories equal the built-in engine's, log-probs the training
+  forward's within 1e-4.
 """
 import dataclasses
 import importlib.util
@@ -237,8 +239,12 @@ def test_image_in_turn_two_equals_builtin_and_training_forward(tmp_path):
     _assert_same(theirs, ours)
     _assert_same(after, ours)
     assert session.errors == 0 and all(t.finish_reason == "done" and t.num_turns == 2 for t in theirs)
-    # a video observation is not sent to vLLM: it ends its trajectory, counted as an environment error
-    assert [t.finish_reason for t in video] == ["env_error"] * 2 and all("video" in t.error for t in video)
+    # a video observation goes to vLLM with its frames: the built-in loop's trajectories, the training forward's
+    # log-probs (the 4-frame clip's temporal extent passes max(h, w) / merge: the M-RoPE rule matters here)
+    video_ours, _, _ = _run(builtin, proc, samples, prompts, env=f"{FNS}:VideoSecondTurn", n=1)
+    _assert_same(video, video_ours)
+    assert all(t.finish_reason == "done" and "pixel_values_videos" in t.vision for t in video)
+    _check_training_logprobs(model, prompts, video, 0.0)
     assert all("pixel_values" in t.vision for t in theirs)
     assert len({int(t.vision["image_grid_thw"].prod()) for t in theirs}) == 2  # images of two sizes
     assert any(int(t.model_mask.sum()) > t.num_turns for t in theirs)

@@ -27,6 +27,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 namespace megatron_vlm {
@@ -177,6 +179,174 @@ MVLM_CLONES void attend_task(const float* q, int64_t q_stride, const float* kc, 
   attend_sequence_any(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, out);
 }
 
+// ---- AVX-512 (x86-64-v4) path: 16-float vectors, several query heads of a GQA group per pass ----------
+//
+// Used when the CPU has AVX-512 (and ATEN_CPU_CAPABILITY does not ask for avx2 / default, so the CI rerun
+// under ATEN_CPU_CAPABILITY=avx2 exercises the 8-wide path). Same two passes and blocks as above; per
+// (query head, key) the dot product is one 16-lane chain over d / 16 chunks (its halves added, then the
+// 8-lane hsum), and each key / value row is loaded once for up to kQH (scores) / kVH (values) query heads of
+// its group, whose accumulators stay in the 32 vector registers. The sums are the 8-wide path's, bit for bit:
+// lanes 0-7 of a 16-lane chain are that path's even-chunk chain (a0), lanes 8-15 its odd-chunk chain (a1),
+// and fold16 adds them as it does; each output lane accumulates the same products in the same key order.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MVLM_HAVE_AVX512_PATH 1
+#define MVLM_AVX512 __attribute__((target("arch=x86-64-v4")))
+
+typedef float v16f __attribute__((vector_size(64)));
+
+__attribute__((always_inline)) inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+__attribute__((always_inline)) inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
+
+__attribute__((always_inline)) inline v8f fold16(v16f a) {  // lanes i + lanes i + 8
+  v8f lo, hi;
+  std::memcpy(&lo, &a, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&a) + sizeof(lo), sizeof(hi));
+  return lo + hi;
+}
+
+// Scores of H query heads (rows q + h * q_stride) for keys [j0, j1): s[h * n + j].
+template <int kC, int H>
+__attribute__((always_inline)) inline void score_heads16(const float* q, int64_t q_stride, const float* kc,
+                                                         const int64_t* rows, int64_t j0, int64_t j1, int64_t d,
+                                                         float scale, float* s, int64_t n) {
+  v16f qv[H][kC];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < kC; ++c) qv[h][c] = load16(q + h * q_stride + 16 * c);
+  auto dots = [&](const float* k, v16f* acc) {
+    for (int h = 0; h < H; ++h) acc[h] = v16f{} ;
+    for (int c = 0; c < kC; ++c) {
+      const v16f kv = load16(k + 16 * c);
+      for (int h = 0; h < H; ++h) acc[h] += qv[h][c] * kv;
+    }
+  };
+  int64_t j = j0;
+  for (; j + 8 <= j1; j += 8) {
+    v8f parts[H][8];
+    for (int t = 0; t < 8; ++t) {
+      v16f acc[H];
+      dots(kc + rows[j + t] * d, acc);
+      for (int h = 0; h < H; ++h) parts[h][t] = fold16(acc[h]);
+    }
+    for (int h = 0; h < H; ++h) store8(s + h * n + j, hsum8x8(parts[h]) * scale);
+  }
+  for (; j < j1; ++j) {
+    v16f acc[H];
+    dots(kc + rows[j] * d, acc);
+    for (int h = 0; h < H; ++h) s[h * n + j] = hsum8(fold16(acc[h])) * scale;
+  }
+}
+
+// o[h] += sum_j p[h * n + j] v_j for H query heads over keys [j0, j1) (outputs o + h * d).
+template <int kC, int H>
+__attribute__((always_inline)) inline void value_heads16(const float* p, int64_t n, const float* vc, const int64_t* rows,
+                                                         int64_t j0, int64_t j1, int64_t d, float* o) {
+  v16f acc[H][kC];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < kC; ++c) acc[h][c] = load16(o + h * d + 16 * c);
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* v = vc + rows[j] * d;
+    v16f vv[kC];
+    for (int c = 0; c < kC; ++c) vv[c] = load16(v + 16 * c);
+    for (int h = 0; h < H; ++h) {
+      const float pj = p[h * n + j];
+      for (int c = 0; c < kC; ++c) acc[h][c] += pj * vv[c];
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < kC; ++c) store16(o + h * d + 16 * c, acc[h][c]);
+}
+
+template <int kC>
+__attribute__((always_inline)) inline void attend_sequence16(const float* q, int64_t q_stride, const float* kc,
+                                                             const float* vc, const int64_t* rows, int64_t n,
+                                                             int64_t h0, int64_t h1, int64_t group, int64_t d,
+                                                             float scale, float* scores, float* inv, float* out) {
+  constexpr int kQH = kC <= 4 ? 2 : 1;                     // query heads per score pass
+  constexpr int kVH = kC <= 2 ? 6 : (kC <= 4 ? 6 : 2);     // query heads per value pass (<= 28 accumulators)
+  const int64_t heads = (h1 - h0) * group;
+  const int64_t block = std::max<int64_t>(8, kBlockBytes / (4 * d * (h1 - h0)) / 8 * 8);
+  for (int64_t j0 = 0; j0 < n; j0 += block) {
+    const int64_t j1 = std::min(n, j0 + block);
+    for (int64_t g = h0, h = 0; g < h1; ++g) {
+      for (int64_t e = 0; e < group;) {
+        const float* qh = q + h * q_stride;
+        if (group - e >= kQH) {
+          score_heads16<kC, kQH>(qh, q_stride, kc + g * d, rows, j0, j1, d, scale, scores + h * n, n);
+          e += kQH, h += kQH;
+        } else {
+          score_heads16<kC, 1>(qh, q_stride, kc + g * d, rows, j0, j1, d, scale, scores + h * n, n);
+          e += 1, h += 1;
+        }
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    float* s = scores + h * n;
+    inv[h] = 1.0f / softmax_numerators(s, n, max_of(s, n));
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += block) {
+    const int64_t j1 = std::min(n, j0 + block);
+    for (int64_t g = h0, h = 0; g < h1; ++g) {
+      for (int64_t e = 0; e < group;) {
+        const int64_t left = std::min<int64_t>(group - e, kVH);
+        const float* p = scores + h * n;
+        const float* v = vc + g * d;
+        float* o = out + h * d;
+        switch (left) {
+          case 6: value_heads16<kC, (kVH >= 6 ? 6 : 1)>(p, n, v, rows, j0, j1, d, o); break;
+          case 5: value_heads16<kC, (kVH >= 5 ? 5 : 1)>(p, n, v, rows, j0, j1, d, o); break;
+          case 4: value_heads16<kC, (kVH >= 4 ? 4 : 1)>(p, n, v, rows, j0, j1, d, o); break;
+          case 3: value_heads16<kC, (kVH >= 3 ? 3 : 1)>(p, n, v, rows, j0, j1, d, o); break;
+          case 2: value_heads16<kC, 2>(p, n, v, rows, j0, j1, d, o); break;
+          default: value_heads16<kC, 1>(p, n, v, rows, j0, j1, d, o); break;
+        }
+        const int64_t done = left >= 2 && left <= kVH ? left : 1;
+        e += done, h += done;
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    float* o = out + h * d;
+    const v16f f = v16f{} + inv[h];
+    for (int c = 0; c < kC; ++c) store16(o + 16 * c, load16(o + 16 * c) * f);
+  }
+}
+
+// The AVX-512 task; false when d has no 16-wide kernel here (the caller then runs attend_task).
+MVLM_AVX512 bool attend_task16(const float* q, int64_t q_stride, const float* kc, const float* vc, const int64_t* rows,
+                               int64_t n, int64_t h0, int64_t h1, int64_t group, int64_t d, float scale, float* scores,
+                               float* inv, float* out) {
+  switch (d) {
+    case 32: attend_sequence16<2>(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out); return true;
+    case 64: attend_sequence16<4>(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out); return true;
+    case 128: attend_sequence16<8>(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out); return true;
+    default: return false;
+  }
+}
+
+bool use_avx512_path() {
+  static const bool on = [] {
+    const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
+    if (cap != nullptr && (std::strcmp(cap, "avx2") == 0 || std::strcmp(cap, "default") == 0)) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw");
+  }();
+  return on;
+}
+#else
+bool use_avx512_path() { return false; }
+bool attend_task16(const float*, int64_t, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
+                   int64_t, int64_t, float, float*, float*, float*) {
+  return false;
+}
+#endif
+
 }  // namespace
 
 at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -237,6 +407,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   const int64_t per_task = batch >= 2 * at::get_num_threads() ? hkv : 1;
   const int64_t chunks_per_seq = hkv / per_task;
   float* op = out.data_ptr<float>();
+  const bool wide = use_avx512_path();
   at::parallel_for(0, batch * chunks_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> rows;
     std::vector<float> scores, inv(per_task * group);
@@ -247,9 +418,14 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
       rows.resize(n);  // row of (position j, kv head 0) in the [blocks * length * Hkv, D] view
       for (int64_t j = 0; j < n; ++j) rows[j] = (table[b * max_blocks + j / block] * block + j % block) * hkv;
       scores.resize(per_task * group * n);
-      attend_task(qp + b * q_batch_stride + h0 * group * q_head_stride, q_head_stride, kp, vp, rows.data(), n, h0,
-                  h0 + per_task, group, d, static_cast<float>(scale), scores.data(), inv.data(),
-                  op + (b * hq + h0 * group) * d);
+      const float* qb = qp + b * q_batch_stride + h0 * group * q_head_stride;
+      float* ob = op + (b * hq + h0 * group) * d;
+      const float sc = static_cast<float>(scale);
+      if (!(wide && attend_task16(qb, q_head_stride, kp, vp, rows.data(), n, h0, h0 + per_task, group, d, sc,
+                                  scores.data(), inv.data(), ob))) {
+        attend_task(qb, q_head_stride, kp, vp, rows.data(), n, h0, h0 + per_task, group, d, sc, scores.data(),
+                    inv.data(), ob);
+      }
     }
   });
   return out;

@@ -571,7 +571,9 @@ class PolicyRolloutEngine(RolloutEngine):
             run.release = cache.release
         queue = deque(range(total))
         prefixes: dict = {}
-        self._packer = self._cpu_packer(num_slots, dev)
+        packer = self._cpu_packer(num_slots, dev) if self._packer is None else None  # one batch patches the model
+        if packer is not None:
+            self._packer = packer
         try:
             return self._loop(_Batch(prompts, offset, params, checker, generator, stats), run,
                               _Slots(cache, queue, prefixes, num_slots, runner))
@@ -579,8 +581,8 @@ class PolicyRolloutEngine(RolloutEngine):
             self._drop_runner()
             raise
         finally:
-            if self._packer is not None:
-                self._packer.restore()
+            if packer is not None:
+                packer.restore()
                 self._packer = None
             if self.cuda_graphs == "off":  # "auto" gave up on graphs during the call
                 self._drop_runner()

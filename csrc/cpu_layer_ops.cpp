@@ -1,13 +1,11 @@
 // CPU kernels of the per-token layer ops: RMSNorm (+ fused residual add) forward / backward, SwiGLU
-// forward / backward, and decode attention over a slot / paged KV cache.
+// forward / backward (decode attention over the KV cache: cpu_decode_attention.cpp).
 //
 // Why: on a CPU the torch references of these ops are chains of 4-10 elementwise ATen calls, each
 // allocating a fresh full-size temporary and streaming it through memory once; at the GRPO and SFT
 // shapes of a small model that is a third of the step next to GEMMs that already run at the core's
 // rate. Here each op reads its inputs once and writes its outputs once, with the row reductions in
-// registers. Decode attention is one task per (sequence, kv head) over that sequence's own cached keys
-// (no padded batch, no mask), which is what a decoding step needs and what torch's flash SDPA does
-// with much more per-task overhead at one query token.
+// registers.
 //
 // Numerics: fp32 in and out (the Python wrappers in kernels/csrc/layer_ops.py send other dtypes to
 // the torch reference); reductions in fp32 in a fixed order per row, so a row's result does not depend
@@ -141,47 +139,6 @@ MVLM_CLONES void rotary_rows(const float* x, const float* cs, const float* sn, f
   }
 }
 
-// ---- decode attention -----------------------------------------------------------------------------
-
-// The same in plain loops for a head dim that is not a multiple of 8.
-inline void decode_attention_rows_any(const float* q, int64_t q_stride, const float* kc, const float* vc,
-                                      const int64_t* rows, int64_t n, int64_t group, int64_t d, float scale, float* scores, float* out) {
-  for (int64_t gq = 0; gq < group; ++gq) {
-    const float* qg = q + gq * q_stride;
-    float* s = scores + gq * n;
-    for (int64_t j = 0; j < n; ++j) {
-      const float* k = kc + rows[j] * d;
-      float dot = 0.0f;
-      for (int64_t i = 0; i < d; ++i) dot += qg[i] * k[i];
-      s[j] = dot * scale;
-    }
-    float m = s[0];
-    for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
-    const float sum = softmax_numerators(s, n, m);
-    float* og = out + gq * d;
-    for (int64_t i = 0; i < d; ++i) og[i] = 0.0f;
-    for (int64_t j = 0; j < n; ++j) {
-      const float* v = vc + rows[j] * d;
-      for (int64_t i = 0; i < d; ++i) og[i] += s[j] * v[i];
-    }
-    const float inv = 1.0f / sum;
-    for (int64_t i = 0; i < d; ++i) og[i] *= inv;
-  }
-}
-
-MVLM_CLONES void decode_attention_task(const float* q, int64_t q_stride, const float* kc, const float* vc,
-                                       const int64_t* rows, int64_t n, int64_t group, int64_t d, float scale, float* scores, float* out) {
-  if (d == 64) {
-    decode_attention_rows<8>(q, q_stride, kc, vc, rows, n, group, d, scale, scores, out);
-  } else if (d == 128) {
-    decode_attention_rows<16>(q, q_stride, kc, vc, rows, n, group, d, scale, scores, out);
-  } else if (d % 8 == 0) {
-    decode_attention_rows<0>(q, q_stride, kc, vc, rows, n, group, d, scale, scores, out);
-  } else {
-    decode_attention_rows_any(q, q_stride, kc, vc, rows, n, group, d, scale, scores, out);
-  }
-}
-
 void check_rows(const at::Tensor& t, const char* name) {
   MVLM_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), name,
                    " must be a contiguous float32 CPU tensor");
@@ -305,75 +262,6 @@ at::Tensor rotary_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   float* op = out.data_ptr<float>();
   at::parallel_for(0, x.size(0), std::max<int64_t>(1, 16384 / std::max<int64_t>(heads * d, 1)), [&](int64_t b, int64_t e) {
     rotary_rows(xp + b * heads * d, cp + b * d, sp + b * d, op + b * heads * d, e - b, heads, d, backward);
-  });
-  return out;
-}
-
-at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& slot_ids,
-                                const std::optional<at::Tensor>& block_table, int64_t max_seqlen_k, double scale) {
-  MVLM_CHECK_VALUE(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1,
-                   "decode_attention: q must be a float32 CPU [B, Hq, D] tensor with contiguous rows");
-  check_rows(k_cache, "decode_attention: k_cache");
-  check_rows(v_cache, "decode_attention: v_cache");
-  MVLM_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-                   "decode_attention: equal caches [slots or blocks, length, Hkv, D]");
-  const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
-  const int64_t block = k_cache.size(1), hkv = k_cache.size(2);
-  MVLM_CHECK_VALUE(k_cache.size(3) == d && hkv > 0 && hq % hkv == 0, "decode_attention: head dims / GQA groups");
-  MVLM_CHECK_VALUE(cache_seqlens.numel() == batch, "decode_attention: cache_seqlens must be [B]");
-  MVLM_CHECK_VALUE(!(slot_ids.has_value() && block_table.has_value()), "decode_attention: slot_ids or block_table");
-  const auto lens_t = cache_seqlens.to(at::kLong).contiguous();
-  const int64_t* lens = lens_t.data_ptr<int64_t>();
-  // The slot layout is the paged one with one block (the whole slot) per sequence: table[b] = slot of b.
-  at::Tensor table_t;
-  std::vector<int64_t> slots;
-  const int64_t* table = nullptr;
-  int64_t max_blocks = 1;
-  if (block_table.has_value()) {
-    MVLM_CHECK_VALUE(block_table->dim() == 2 && block_table->size(0) == batch, "decode_attention: block_table [B, blocks]");
-    table_t = block_table->to(at::kLong).contiguous();
-    table = table_t.data_ptr<int64_t>();
-    max_blocks = table_t.size(1);
-  } else if (slot_ids.has_value()) {
-    MVLM_CHECK_VALUE(slot_ids->numel() == batch, "decode_attention: slot_ids must be [B]");
-    table_t = slot_ids->to(at::kLong).contiguous();
-    table = table_t.data_ptr<int64_t>();
-  } else {
-    slots.resize(batch);
-    for (int64_t b = 0; b < batch; ++b) slots[b] = b;
-    table = slots.data();
-  }
-  const int64_t length = std::max<int64_t>(0, std::min(max_seqlen_k, max_blocks * block));
-  const int64_t group = hq / hkv;
-  auto out = at::zeros({batch, hq, d}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const int64_t q_batch_stride = q.stride(0), q_head_stride = q.stride(1);
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  const int64_t n_cache_blocks = k_cache.size(0);
-  for (int64_t b = 0; b < batch; ++b) {  // validate the table entries a sequence will read, before any work
-    const int64_t n = std::min(lens[b], length);
-    for (int64_t j = 0; j < n; j += block) {
-      const int64_t blk = table[b * max_blocks + j / block];
-      MVLM_CHECK_INDEX(blk >= 0 && blk < n_cache_blocks, "decode_attention: sequence ", b, " reads cache block / slot ",
-                       blk, " of ", n_cache_blocks);
-    }
-  }
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, batch * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> rows;
-    std::vector<float> scores;
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / hkv, kvh = t % hkv;
-      const int64_t n = std::min(lens[b], length);
-      if (n <= 0) continue;  // no key: zeros (the convention of the reference)
-      rows.resize(n);
-      for (int64_t j = 0; j < n; ++j) rows[j] = (table[b * max_blocks + j / block] * block + j % block) * hkv + kvh;
-      scores.resize(group * n);
-      decode_attention_task(qp + b * q_batch_stride + kvh * group * q_head_stride, q_head_stride, kp, vp, rows.data(),
-                            n, group, d, static_cast<float>(scale), scores.data(), op + (b * hq + kvh * group) * d);
-    }
   });
   return out;
 }

@@ -116,7 +116,7 @@ def register_builtin_ops(registry) -> None:
                      auto_devices=("cpu", "cuda"), priority=5)
     register_backend("moe_topk_gating", "csrc", f"{_PKG}.csrc.moe:moe_topk_gating", registry=registry,
                      check=csrc_check, auto_devices=("cuda",), priority=5)
-    # fused fp32 CPU kernels of the per-token layer ops (csrc/cpu_layer_ops.cpp, kernels/csrc/layer_ops.py): auto
+    # fused fp32 CPU kernels of the per-token layer ops (csrc/cpu_layer_ops.cpp, cpu_decode_attention.cpp): auto
     # on the CPU, where the references are chains of elementwise calls (benchmarks/kernels/bench_csrc_layer_ops.py)
     from .csrc.layer_ops import check as csrc_layer_check
 

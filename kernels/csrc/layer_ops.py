@@ -1,10 +1,13 @@
-"""rms_norm, swiglu and decode_attention on the fused CPU kernels of `megatron_vlm._C` (csrc/cpu_layer_ops.cpp).
+"""rms_norm, swiglu and decode_attention on the fused CPU kernels of `megatron_vlm._C` (csrc/cpu_layer_ops.cpp,
+csrc/cpu_decode_attention.cpp).
 
 Why: on a CPU the torch references run each op as a chain of elementwise ATen calls, each allocating
 and streaming a full-size temporary; at the GRPO / SFT shapes of a small model those chains and the
 flash-SDPA call per decoding step cost about as much as the GEMMs around them. The C++ kernels read
 inputs once and write outputs once (forward and backward), and decode attention runs one task per
-(sequence, kv head) over exactly that sequence's cached keys.
+sequence (or per (sequence, kv head) when there are fewer sequences than threads) over exactly that
+sequence's cached keys, walked in address order in L1-sized blocks that every query head of a GQA group
+reads before the next.
 
 Contract: the same signatures, layouts and errors as the references (`kernels/reference/norms.py`,
 `swiglu.py`, `decode_attention.py`); results equal them to fp32 rounding (different summation order,
@@ -181,7 +184,7 @@ def decode_attention(
     max_seqlen_k: Optional[int] = None,
     softmax_scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """kernels.decode_attention (slot or paged cache), one C++ task per (sequence, kv head); no autograd
+    """kernels.decode_attention (slot or paged cache), one C++ task per sequence (module docstring); no autograd
     (decoding runs without gradients: a call that needs them runs the reference)."""
     check_decode_attention_inputs(q, k_cache, v_cache, cache_seqlens, slot_ids, block_table)
     if (not _fits(q, k_cache, v_cache) or not k_cache.is_contiguous() or not v_cache.is_contiguous()

@@ -74,6 +74,7 @@ import torch
 
 from megatron_vlm.data.batch import VISION_KEYS
 from megatron_vlm.errors import ConfigError
+from megatron_vlm.inference.cpu_packed_linear import PackedLinears, packing_available
 from megatron_vlm.inference.decode_graphs import DecodeStepRunner, GraphUnsafeError
 from megatron_vlm.inference.engine import RolloutEngine, RolloutPrompt, RolloutResult, RolloutSample, SamplingParams
 from megatron_vlm.inference.sampling import same_device, sample_tokens
@@ -244,6 +245,9 @@ class EngineOptions:
     record_routes: bool = False
     """MoE models: record the top-k experts of every prompt and generated token (`RolloutSample.routes`, routing
     replay: models/common/routing_replay.py); ignored for a model without MoE layers."""
+    cpu_packed_gemm: bool = True
+    """CPU, fp32, the engine's own weights: eager decode steps run the Linear layers on MKL-packed copies of the
+    weights (inference/cpu_packed_linear.py; packed again whenever the weights change)."""
 
 
 class PolicyRolloutEngine(RolloutEngine):
@@ -323,6 +327,8 @@ class PolicyRolloutEngine(RolloutEngine):
         self.sync_from = sync_from
         self.weight_sync_s = 0.0
         self.policy_version = 0
+        self._packs: dict = {}  # MKL-packed weight copies of the CPU decode step (cpu_packed_linear.py)
+        self._packer: Optional[PackedLinears] = None
         self._step_lock = threading.RLock()  # re-entrant: a forward hook may load weights
         self._interrupt = threading.Event()
         self._pause = threading.Event()  # set by `paused()`: the decode loop leaves the step lock to it
@@ -346,6 +352,7 @@ class PolicyRolloutEngine(RolloutEngine):
                 if missing and len(missing) == len(self.model.state_dict()):
                     raise KeyError("load_weights: none of the names matches the model's parameters")
             self.policy_version = int(version)
+            self._packs.clear()  # new weights: packed again at their next use
             if self._runner is not None:  # graphs hold the parameters' addresses
                 self._runner.weights_loaded()
         if weights is not None:
@@ -364,7 +371,10 @@ class PolicyRolloutEngine(RolloutEngine):
         self._pause.set()
         try:
             with self._step_lock:
-                yield
+                try:
+                    yield
+                finally:
+                    self._packs.clear()  # the block may have written new weights in place
         finally:
             self._pause.clear()
 
@@ -374,6 +384,7 @@ class PolicyRolloutEngine(RolloutEngine):
         the CPU there is nothing to give back: a full `gc.collect()` walks every Python object of the
         process (~0.3-0.9 s per call with transformers / trl imported) for nothing."""
         self._drop_runner()  # the kept slot cache and graphs (memory pool) of the CUDA-graph decode steps
+        self._packs.clear()
         if self._device().type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
@@ -560,6 +571,9 @@ class PolicyRolloutEngine(RolloutEngine):
             run.release = cache.release
         queue = deque(range(total))
         prefixes: dict = {}
+        packer = self._cpu_packer(num_slots, dev) if self._packer is None else None  # one batch patches the model
+        if packer is not None:
+            self._packer = packer
         try:
             return self._loop(_Batch(prompts, offset, params, checker, generator, stats), run,
                               _Slots(cache, queue, prefixes, num_slots, runner))
@@ -567,8 +581,23 @@ class PolicyRolloutEngine(RolloutEngine):
             self._drop_runner()
             raise
         finally:
+            if packer is not None:
+                packer.restore()
+                self._packer = None
             if self.cuda_graphs == "off":  # "auto" gave up on graphs during the call
                 self._drop_runner()
+
+    def _cpu_packer(self, num_slots: int, dev: torch.device) -> Optional[PackedLinears]:
+        """The packed-weight Linear layers of this batch's CPU decode steps, or None where they do not apply
+        (option off, not the CPU, not the engine's own fp32 weights, no MKL)."""
+        if not self.options.cpu_packed_gemm or dev.type != "cpu" or not self.owns_forward or self.lockstep:
+            return None
+        weight = getattr(getattr(self.model, "lm_head", None), "weight", None)
+        if weight is None or weight.dtype != torch.float32 or not packing_available():
+            return None
+        if any(getattr(m, "_compiled_call_impl", None) is not None for m in self.model.modules()):
+            return None  # compiled blocks (parallel.compile): their graphs call the layers' own forward
+        return PackedLinears(self.model, num_slots, self._packs)
 
     def _kept_runner(self, num_slots: int, max_len: int, dev) -> Optional[DecodeStepRunner]:
         """With graphs on: the slot cache and graphs of an earlier call when the slot count and the slot length
@@ -675,7 +704,8 @@ class PolicyRolloutEngine(RolloutEngine):
                         routes = runner.last_routes
                     if logits is None:
                         cache.set_active(slots_now)
-                        with recording_routes() if run.routes is not None else contextlib.nullcontext() as rec:
+                        packed = self._packer.decoding() if self._packer is not None else contextlib.nullcontext()
+                        with recording_routes() if run.routes is not None else contextlib.nullcontext() as rec, packed:
                             logits = self.forward(input_ids=feed[:, None], kv_cache=cache)[:, -1]
                         routes = rec.stacked() if rec is not None else None
                     if running and run.routes is not None:  # the fed tokens' experts, at their positions

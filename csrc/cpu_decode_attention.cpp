@@ -1,0 +1,434 @@
+// CPU decode attention: one query token per sequence against its cached keys (slot or paged KV cache).
+//
+// Why this shape of loop: a decode step reads every cached key and value once and does ~4 flops per float
+// read, so the kernel is bound by how it walks the cache. The cache is position-major
+// ([slots or blocks, length, Hkv, D]: one position's kv heads side by side), so a task takes a whole
+// sequence (all its kv heads; only when there are too few sequences for the threads does it take one kv
+// head) and walks its positions in order, in blocks of keys that fit in L1 (~16 KB). Inside a block every
+// query head of every GQA group reads the block's keys (then values) from L1: each K / V row comes from
+// memory once per step, in address order, instead of once per query head from a strided walk (the kernel
+// before this one read one row per position and kv head, `group` times, ~3x slower at the rollout rows'
+// shape: 12 / 2 heads of 64, ~575 positions, 32 sequences).
+//
+// Numerics: two passes per query head, as before (scores, max, exp / sum, then values), with the same
+// arithmetic in the same order for each (query head, key): the 8-lane partial dot products summed by
+// hsum8x8 / hsum8, the same softmax_numerators, and the output accumulated key by key from zero (kept in
+// registers within a block, in the output row between blocks: a store and a load are exact). The result is
+// therefore bitwise the one of the previous kernel, independent of the block size, the batch a sequence
+// comes in and the thread count.
+#include "cpu_vec.h"
+#include "check.h"
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace megatron_vlm {
+namespace {
+
+using namespace cpu_vec;  // NOLINT: the vector helpers of this file's kernels
+
+constexpr int64_t kBlockBytes = 16384;  // K (or V) bytes of one block of keys, all the task's kv heads
+
+// 8-lane partial products of q . k (two chains over the d / 8 chunks, then added); hsum8 of it is the dot.
+template <int64_t kC>
+__attribute__((always_inline)) inline v8f dot_parts(const float* q, const float* k, int64_t chunks) {
+  const int64_t nc = kC > 0 ? kC : chunks;
+  v8f a0 = {0, 0, 0, 0, 0, 0, 0, 0}, a1 = a0;
+  int64_t c = 0;
+  for (; c + 1 < nc; c += 2) {
+    a0 += load8(q + 8 * c) * load8(k + 8 * c);
+    a1 += load8(q + 8 * c + 8) * load8(k + 8 * c + 8);
+  }
+  if (c < nc) a0 += load8(q + 8 * c) * load8(k + 8 * c);
+  return a0 + a1;
+}
+
+// max(s[0], ..., s[n - 1]) (n >= 1) over 8 lanes: the same value as a scalar left-to-right max (a max does not
+// round), without its n-long chain of dependent compares.
+__attribute__((always_inline)) inline float max_of(const float* s, int64_t n) {
+  v8f m = splat8(s[0]);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const v8f x = load8(s + j);
+    m = x > m ? x : m;
+  }
+  float r = m[0];
+  for (int i = 1; i < 8; ++i) r = std::max(r, m[i]);
+  for (; j < n; ++j) r = std::max(r, s[j]);
+  return r;
+}
+
+// s[j] = (q . k_j) * scale for keys j in [j0, j1); key j at kc + rows[j] * d.
+template <int64_t kC>
+__attribute__((always_inline)) inline void score_block(const float* q, const float* kc, const int64_t* rows, int64_t j0,
+                                                       int64_t j1, int64_t d, int64_t chunks, float scale, float* s) {
+  int64_t j = j0;
+  for (; j + 8 <= j1; j += 8) {  // 8 keys' sums at once (hsum8x8: the same bits as 8 hsum8 calls)
+    v8f parts[8];
+    for (int t = 0; t < 8; ++t) parts[t] = dot_parts<kC>(q, kc + rows[j + t] * d, chunks);
+    store8(s + j, hsum8x8(parts) * scale);
+  }
+  for (; j < j1; ++j) s[j] = hsum8(dot_parts<kC>(q, kc + rows[j] * d, chunks)) * scale;
+}
+
+// o += sum_j p[j] v_j over keys j in [j0, j1), key by key (value j at vc + rows[j] * d).
+template <int64_t kC>
+__attribute__((always_inline)) inline void value_block(const float* p, const float* vc, const int64_t* rows, int64_t j0,
+                                                       int64_t j1, int64_t d, int64_t chunks, float* o) {
+  if constexpr (kC > 0) {
+    v8f acc[kC];
+    for (int64_t c = 0; c < kC; ++c) acc[c] = load8(o + 8 * c);
+    for (int64_t j = j0; j < j1; ++j) {
+      const float* v = vc + rows[j] * d;
+      const float pj = p[j];
+      for (int64_t c = 0; c < kC; ++c) acc[c] += pj * load8(v + 8 * c);
+    }
+    for (int64_t c = 0; c < kC; ++c) store8(o + 8 * c, acc[c]);
+  } else {
+    for (int64_t j = j0; j < j1; ++j) {
+      const float* v = vc + rows[j] * d;
+      const float pj = p[j];
+      for (int64_t c = 0; c < chunks; ++c) store8(o + 8 * c, load8(o + 8 * c) + pj * load8(v + 8 * c));
+    }
+  }
+}
+
+// One sequence, kv heads [h0, h1): q rows of query head h at q + h * q_stride, output rows (zeros on entry)
+// at out + h * d (h counted from h0 * group); key / value j of kv head g at kc / vc + (rows[j] + g) * d.
+// scores holds (h1 - h0) * group * n floats, inv (h1 - h0) * group.
+template <int64_t kC>
+__attribute__((always_inline)) inline void attend_sequence(const float* q, int64_t q_stride, const float* kc,
+                                                           const float* vc, const int64_t* rows, int64_t n,
+                                                           int64_t h0, int64_t h1, int64_t group, int64_t d,
+                                                           float scale, float* scores, float* inv, float* out) {
+  const int64_t chunks = d / 8, heads = (h1 - h0) * group;
+  const int64_t block = std::max<int64_t>(8, kBlockBytes / (4 * d * (h1 - h0)) / 8 * 8);
+  for (int64_t j0 = 0; j0 < n; j0 += block) {
+    const int64_t j1 = std::min(n, j0 + block);
+    for (int64_t g = h0, h = 0; g < h1; ++g) {
+      for (int64_t e = 0; e < group; ++e, ++h) {
+        score_block<kC>(q + h * q_stride, kc + g * d, rows, j0, j1, d, chunks, scale, scores + h * n);
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    float* s = scores + h * n;
+    inv[h] = 1.0f / softmax_numerators(s, n, max_of(s, n));
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += block) {
+    const int64_t j1 = std::min(n, j0 + block);
+    for (int64_t g = h0, h = 0; g < h1; ++g) {
+      for (int64_t e = 0; e < group; ++e, ++h) {
+        value_block<kC>(scores + h * n, vc + g * d, rows, j0, j1, d, chunks, out + h * d);
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    float* o = out + h * d;
+    const v8f f = splat8(inv[h]);
+    for (int64_t c = 0; c < chunks; ++c) store8(o + 8 * c, load8(o + 8 * c) * f);
+  }
+}
+
+// The same in plain loops for a head dim that is not a multiple of 8 (one query head at a time).
+void attend_sequence_any(const float* q, int64_t q_stride, const float* kc, const float* vc, const int64_t* rows,
+                         int64_t n, int64_t h0, int64_t h1, int64_t group, int64_t d, float scale, float* scores,
+                         float* out) {
+  for (int64_t h = 0; h < (h1 - h0) * group; ++h) {
+    const float* qh = q + h * q_stride;
+    const int64_t g = h0 + h / group;
+    float* s = scores + h * n;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* k = kc + (rows[j] + g) * d;
+      float dot = 0.0f;
+      for (int64_t i = 0; i < d; ++i) dot += qh[i] * k[i];
+      s[j] = dot * scale;
+    }
+    float m = s[0];
+    for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
+    const float sum = softmax_numerators(s, n, m);
+    float* o = out + h * d;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* v = vc + (rows[j] + g) * d;
+      for (int64_t i = 0; i < d; ++i) o[i] += s[j] * v[i];
+    }
+    const float r = 1.0f / sum;
+    for (int64_t i = 0; i < d; ++i) o[i] *= r;
+  }
+}
+
+MVLM_CLONES void attend_task(const float* q, int64_t q_stride, const float* kc, const float* vc, const int64_t* rows,
+                             int64_t n, int64_t h0, int64_t h1, int64_t group, int64_t d, float scale, float* scores,
+                             float* inv, float* out) {
+  switch (d) {  // register-resident query chunks / output accumulators for the common head sizes
+    case 32: return attend_sequence<4>(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out);
+    case 64: return attend_sequence<8>(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out);
+    case 128: return attend_sequence<16>(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out);
+    default: break;
+  }
+  if (d % 8 == 0) return attend_sequence<0>(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out);
+  attend_sequence_any(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, out);
+}
+
+// ---- AVX-512 (x86-64-v4) path: 16-float vectors, several query heads of a GQA group per pass ----------
+//
+// Used when the CPU has AVX-512 (and ATEN_CPU_CAPABILITY does not ask for avx2 / default, so the CI rerun
+// under ATEN_CPU_CAPABILITY=avx2 exercises the 8-wide path). Same two passes and blocks as above; per
+// (query head, key) the dot product is one 16-lane chain over d / 16 chunks (its halves added, then the
+// 8-lane hsum), and each key / value row is loaded once for up to kQH (scores) / kVH (values) query heads of
+// its group, whose accumulators stay in the 32 vector registers. The sums are the 8-wide path's, bit for bit:
+// lanes 0-7 of a 16-lane chain are that path's even-chunk chain (a0), lanes 8-15 its odd-chunk chain (a1),
+// and fold16 adds them as it does; each output lane accumulates the same products in the same key order.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MVLM_HAVE_AVX512_PATH 1
+#define MVLM_AVX512 __attribute__((target("arch=x86-64-v4")))
+
+typedef float v16f __attribute__((vector_size(64)));
+
+__attribute__((always_inline)) inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+__attribute__((always_inline)) inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
+
+__attribute__((always_inline)) inline v8f fold16(v16f a) {  // lanes i + lanes i + 8
+  v8f lo, hi;
+  std::memcpy(&lo, &a, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&a) + sizeof(lo), sizeof(hi));
+  return lo + hi;
+}
+
+// Scores of H query heads (rows q + h * q_stride) for keys [j0, j1): s[h * n + j].
+template <int kC, int H>
+__attribute__((always_inline)) inline void score_heads16(const float* q, int64_t q_stride, const float* kc,
+                                                         const int64_t* rows, int64_t j0, int64_t j1, int64_t d,
+                                                         float scale, float* s, int64_t n) {
+  v16f qv[H][kC];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < kC; ++c) qv[h][c] = load16(q + h * q_stride + 16 * c);
+  auto dots = [&](const float* k, v16f* acc) {
+    for (int h = 0; h < H; ++h) acc[h] = v16f{} ;
+    for (int c = 0; c < kC; ++c) {
+      const v16f kv = load16(k + 16 * c);
+      for (int h = 0; h < H; ++h) acc[h] += qv[h][c] * kv;
+    }
+  };
+  int64_t j = j0;
+  for (; j + 8 <= j1; j += 8) {
+    v8f parts[H][8];
+    for (int t = 0; t < 8; ++t) {
+      v16f acc[H];
+      dots(kc + rows[j + t] * d, acc);
+      for (int h = 0; h < H; ++h) parts[h][t] = fold16(acc[h]);
+    }
+    for (int h = 0; h < H; ++h) store8(s + h * n + j, hsum8x8(parts[h]) * scale);
+  }
+  for (; j < j1; ++j) {
+    v16f acc[H];
+    dots(kc + rows[j] * d, acc);
+    for (int h = 0; h < H; ++h) s[h * n + j] = hsum8(fold16(acc[h])) * scale;
+  }
+}
+
+// o[h] += sum_j p[h * n + j] v_j for H query heads over keys [j0, j1) (outputs o + h * d).
+template <int kC, int H>
+__attribute__((always_inline)) inline void value_heads16(const float* p, int64_t n, const float* vc, const int64_t* rows,
+                                                         int64_t j0, int64_t j1, int64_t d, float* o) {
+  v16f acc[H][kC];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < kC; ++c) acc[h][c] = load16(o + h * d + 16 * c);
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* v = vc + rows[j] * d;
+    v16f vv[kC];
+    for (int c = 0; c < kC; ++c) vv[c] = load16(v + 16 * c);
+    for (int h = 0; h < H; ++h) {
+      const float pj = p[h * n + j];
+      for (int c = 0; c < kC; ++c) acc[h][c] += pj * vv[c];
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < kC; ++c) store16(o + h * d + 16 * c, acc[h][c]);
+}
+
+template <int kC>
+__attribute__((always_inline)) inline void attend_sequence16(const float* q, int64_t q_stride, const float* kc,
+                                                             const float* vc, const int64_t* rows, int64_t n,
+                                                             int64_t h0, int64_t h1, int64_t group, int64_t d,
+                                                             float scale, float* scores, float* inv, float* out) {
+  constexpr int kQH = kC <= 4 ? 2 : 1;                     // query heads per score pass
+  constexpr int kVH = kC <= 2 ? 6 : (kC <= 4 ? 6 : 2);     // query heads per value pass (<= 28 accumulators)
+  const int64_t heads = (h1 - h0) * group;
+  const int64_t block = std::max<int64_t>(8, kBlockBytes / (4 * d * (h1 - h0)) / 8 * 8);
+  for (int64_t j0 = 0; j0 < n; j0 += block) {
+    const int64_t j1 = std::min(n, j0 + block);
+    for (int64_t g = h0, h = 0; g < h1; ++g) {
+      for (int64_t e = 0; e < group;) {
+        const float* qh = q + h * q_stride;
+        if (group - e >= kQH) {
+          score_heads16<kC, kQH>(qh, q_stride, kc + g * d, rows, j0, j1, d, scale, scores + h * n, n);
+          e += kQH, h += kQH;
+        } else {
+          score_heads16<kC, 1>(qh, q_stride, kc + g * d, rows, j0, j1, d, scale, scores + h * n, n);
+          e += 1, h += 1;
+        }
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    float* s = scores + h * n;
+    inv[h] = 1.0f / softmax_numerators(s, n, max_of(s, n));
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += block) {
+    const int64_t j1 = std::min(n, j0 + block);
+    for (int64_t g = h0, h = 0; g < h1; ++g) {
+      for (int64_t e = 0; e < group;) {
+        const int64_t left = std::min<int64_t>(group - e, kVH);
+        const float* p = scores + h * n;
+        const float* v = vc + g * d;
+        float* o = out + h * d;
+        switch (left) {
+          case 6: value_heads16<kC, (kVH >= 6 ? 6 : 1)>(p, n, v, rows, j0, j1, d, o); break;
+          case 5: value_heads16<kC, (kVH >= 5 ? 5 : 1)>(p, n, v, rows, j0, j1, d, o); break;
+          case 4: value_heads16<kC, (kVH >= 4 ? 4 : 1)>(p, n, v, rows, j0, j1, d, o); break;
+          case 3: value_heads16<kC, (kVH >= 3 ? 3 : 1)>(p, n, v, rows, j0, j1, d, o); break;
+          case 2: value_heads16<kC, 2>(p, n, v, rows, j0, j1, d, o); break;
+          default: value_heads16<kC, 1>(p, n, v, rows, j0, j1, d, o); break;
+        }
+        const int64_t done = left >= 2 && left <= kVH ? left : 1;
+        e += done, h += done;
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    float* o = out + h * d;
+    const v16f f = v16f{} + inv[h];
+    for (int c = 0; c < kC; ++c) store16(o + 16 * c, load16(o + 16 * c) * f);
+  }
+}
+
+// The AVX-512 task; false when d has no 16-wide kernel here (the caller then runs attend_task).
+MVLM_AVX512 bool attend_task16(const float* q, int64_t q_stride, const float* kc, const float* vc, const int64_t* rows,
+                               int64_t n, int64_t h0, int64_t h1, int64_t group, int64_t d, float scale, float* scores,
+                               float* inv, float* out) {
+  switch (d) {
+    case 32: attend_sequence16<2>(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out); return true;
+    case 64: attend_sequence16<4>(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out); return true;
+    case 128: attend_sequence16<8>(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out); return true;
+    default: return false;
+  }
+}
+
+bool use_avx512_path() {
+  static const bool on = [] {
+    const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
+    if (cap != nullptr && (std::strcmp(cap, "avx2") == 0 || std::strcmp(cap, "default") == 0)) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw");
+  }();
+  return on;
+}
+#else
+bool use_avx512_path() { return false; }
+bool attend_task16(const float*, int64_t, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
+                   int64_t, int64_t, float, float*, float*, float*) {
+  return false;
+}
+#endif
+
+}  // namespace
+
+at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& slot_ids,
+                                const std::optional<at::Tensor>& block_table, int64_t max_seqlen_k, double scale) {
+  MVLM_CHECK_VALUE(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1,
+                   "decode_attention: q must be a float32 CPU [B, Hq, D] tensor with contiguous rows");
+  for (const auto* t : {&k_cache, &v_cache}) {
+    MVLM_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous(), "decode_attention: ",
+                     t == &k_cache ? "k_cache" : "v_cache", " must be a contiguous float32 CPU tensor");
+  }
+  MVLM_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+                   "decode_attention: equal caches [slots or blocks, length, Hkv, D]");
+  const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t block = k_cache.size(1), hkv = k_cache.size(2);
+  MVLM_CHECK_VALUE(k_cache.size(3) == d && hkv > 0 && hq % hkv == 0, "decode_attention: head dims / GQA groups");
+  MVLM_CHECK_VALUE(cache_seqlens.numel() == batch, "decode_attention: cache_seqlens must be [B]");
+  MVLM_CHECK_VALUE(!(slot_ids.has_value() && block_table.has_value()), "decode_attention: slot_ids or block_table");
+  const auto lens_t = cache_seqlens.to(at::kLong).contiguous();
+  const int64_t* lens = lens_t.data_ptr<int64_t>();
+  // The slot layout is the paged one with one block (the whole slot) per sequence: table[b] = slot of b.
+  at::Tensor table_t;
+  std::vector<int64_t> slots;
+  const int64_t* table = nullptr;
+  int64_t max_blocks = 1;
+  if (block_table.has_value()) {
+    MVLM_CHECK_VALUE(block_table->dim() == 2 && block_table->size(0) == batch, "decode_attention: block_table [B, blocks]");
+    table_t = block_table->to(at::kLong).contiguous();
+    table = table_t.data_ptr<int64_t>();
+    max_blocks = table_t.size(1);
+  } else if (slot_ids.has_value()) {
+    MVLM_CHECK_VALUE(slot_ids->numel() == batch, "decode_attention: slot_ids must be [B]");
+    table_t = slot_ids->to(at::kLong).contiguous();
+    table = table_t.data_ptr<int64_t>();
+  } else {
+    slots.resize(batch);
+    for (int64_t b = 0; b < batch; ++b) slots[b] = b;
+    table = slots.data();
+  }
+  const int64_t length = std::max<int64_t>(0, std::min(max_seqlen_k, max_blocks * block));
+  const int64_t group = hq / hkv;
+  auto out = at::zeros({batch, hq, d}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const int64_t q_batch_stride = q.stride(0), q_head_stride = q.stride(1);
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int64_t n_cache_blocks = k_cache.size(0);
+  for (int64_t b = 0; b < batch; ++b) {  // validate the table entries a sequence will read, before any work
+    const int64_t n = std::min(lens[b], length);
+    for (int64_t j = 0; j < n; j += block) {
+      const int64_t blk = table[b * max_blocks + j / block];
+      MVLM_CHECK_INDEX(blk >= 0 && blk < n_cache_blocks, "decode_attention: sequence ", b, " reads cache block / slot ",
+                       blk, " of ", n_cache_blocks);
+    }
+  }
+  // A task is a sequence with all its kv heads (its cache rows walked in address order), or one kv head of it
+  // when there are too few sequences to keep the threads busy. Which one does not change any result.
+  const int64_t per_task = batch >= 2 * at::get_num_threads() ? hkv : 1;
+  const int64_t chunks_per_seq = hkv / per_task;
+  float* op = out.data_ptr<float>();
+  const bool wide = use_avx512_path();
+  at::parallel_for(0, batch * chunks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> rows;
+    std::vector<float> scores, inv(per_task * group);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / chunks_per_seq, h0 = (t % chunks_per_seq) * per_task;
+      const int64_t n = std::min(lens[b], length);
+      if (n <= 0) continue;  // no key: zeros (the convention of the reference)
+      rows.resize(n);  // row of (position j, kv head 0) in the [blocks * length * Hkv, D] view
+      for (int64_t j = 0; j < n; ++j) rows[j] = (table[b * max_blocks + j / block] * block + j % block) * hkv;
+      scores.resize(per_task * group * n);
+      const float* qb = qp + b * q_batch_stride + h0 * group * q_head_stride;
+      float* ob = op + (b * hq + h0 * group) * d;
+      const float sc = static_cast<float>(scale);
+      if (!(wide && attend_task16(qb, q_head_stride, kp, vp, rows.data(), n, h0, h0 + per_task, group, d, sc,
+                                  scores.data(), inv.data(), ob))) {
+        attend_task(qb, q_head_stride, kp, vp, rows.data(), n, h0, h0 + per_task, group, d, sc, scores.data(),
+                    inv.data(), ob);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace megatron_vlm

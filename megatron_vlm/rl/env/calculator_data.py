@@ -12,7 +12,12 @@ Files in the folder (written atomically and only when missing or different, so r
   prompts, the next `test_size` the held-out test (`rl/env/demo_eval.py`), the rest the SFT's questions.
 - `sft_tool.jsonl`: per training question, the conversation the `calculator` environment holds with a model
   that uses the tool: the system turn with the tool specs (`rl/env/turns.tools_system_text`, the text the rollout
-  writes), the question, a `<tool_call>` turn, the tool's reply (role "tool") and the bare answer.
+  writes), the question, a `<tool_call>` turn, the tool's reply (role "tool") and the bare answer. Only every
+  `spec_every`-th trace carries the system turn; the others are the same turns without it. Why: the specs are
+  ~470 of a trace's ~550 tokens and the same in every trace, while what the model must learn (copy the
+  operands into the call, the tool's reply into the answer) is ~10 tokens at the end; a trace without them is
+  ~75 tokens, so a step of the same token budget holds ~24 traces instead of ~7, and the copy, learned at the
+  same distance from the question, holds behind the specs too (the held-out evaluation runs with them).
 - `sft_direct.jsonl`: the same questions answered directly (no system turn, as the no-tool GRPO prompts).
 
     python -m megatron_vlm.rl.env.calculator_data runs/demo_assets/synthetic_calculator
@@ -48,16 +53,18 @@ def calculator_rows(low: int = 10, high: int = 99, eval_size: int = 200, seed: i
             "train": rows[eval_size + test_size:]}
 
 
-def tool_trace(row: dict) -> list[dict]:
-    """The messages of one tool-using conversation of the `calculator` environment for `row`."""
+def tool_trace(row: dict, with_specs: bool = True) -> list[dict]:
+    """The messages of one tool-using conversation of the `calculator` environment for `row`; without
+    `with_specs`, the same turns without the system turn that carries the tool specs (module docstring: why)."""
     from megatron_vlm.rl.env.builtin import CalculatorEnv, calculate
     from megatron_vlm.rl.env.turns import with_tools
 
     call = json.dumps({"name": "calculate", "arguments": {"expression": row["expression"]}})
-    return with_tools([{"role": "user", "content": row["question"]},
-                       {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
-                       {"role": "tool", "content": calculate(row["expression"])},
-                       {"role": "assistant", "content": row["answer"]}], CalculatorEnv().tools())
+    turns = [{"role": "user", "content": row["question"]},
+             {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+             {"role": "tool", "content": calculate(row["expression"])},
+             {"role": "assistant", "content": row["answer"]}]
+    return with_tools(turns, CalculatorEnv().tools()) if with_specs else turns
 
 
 def direct_trace(row: dict) -> list[dict]:
@@ -74,8 +81,10 @@ def _write_text(path: Path, text: str) -> None:
 
 
 def write_synthetic_calculator(folder: str | Path, *, low: int = 10, high: int = 99, eval_size: int = 200,
-                               test_size: int = 200, seed: int = 0) -> dict[str, Path]:
+                               test_size: int = 200, seed: int = 0, spec_every: int = 8) -> dict[str, Path]:
     """Write the files (module docstring) into `folder`; returns {"train", "eval", "test", "sft_tool", "sft_direct"}."""
+    if spec_every < 0:
+        raise ValueError(f"spec_every: must be >= 0 (0: no trace carries the tool specs), got {spec_every}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rows = calculator_rows(low, high, eval_size, seed, test_size=test_size)
@@ -84,8 +93,12 @@ def write_synthetic_calculator(folder: str | Path, *, low: int = 10, high: int =
              "sft_tool": folder / "sft_tool.jsonl", "sft_direct": folder / "sft_direct.jsonl"}
     for split in ("train", "eval", "test"):
         write_parquet_rows(paths[split], rows[split])
-    for key, trace in (("sft_tool", tool_trace), ("sft_direct", direct_trace)):
-        _write_text(paths[key], "".join(json.dumps({"messages": trace(r), "answer": r["answer"]}) + "\n" for r in train))
+    def line(messages: list[dict], row: dict) -> str:
+        return json.dumps({"messages": messages, "answer": row["answer"]}) + "\n"
+
+    _write_text(paths["sft_tool"], "".join(line(tool_trace(r, with_specs=spec_every > 0 and i % spec_every == 0), r)
+                                           for i, r in enumerate(train)))
+    _write_text(paths["sft_direct"], "".join(line(direct_trace(r), r) for r in train))
     return paths
 
 
@@ -97,9 +110,11 @@ def main(argv=None) -> None:
     p.add_argument("--eval-size", type=int, default=200)
     p.add_argument("--test-size", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--spec-every", type=int, default=8, help="every k-th tool trace carries the tool specs (0: none)")
     a = p.parse_args(argv)
     for name, path in write_synthetic_calculator(a.folder, low=a.low, high=a.high, eval_size=a.eval_size,
-                                                 test_size=a.test_size, seed=a.seed).items():
+                                                 test_size=a.test_size, seed=a.seed,
+                                                 spec_every=a.spec_every).items():
         print(f"{name}: {path}")
 
 

@@ -44,8 +44,9 @@ def _score(kind: str, text: str, answer: str) -> float:
 def evaluate_tool_demo(model_dir: str | Path, prompts: str | Path, *, env: Optional[str] = None,
                        env_kwargs: Optional[dict] = None, reward: str = "math", columns: Optional[dict] = None,
                        max_new_tokens: int = 96, max_turns: int = 3, max_total_tokens: int = 4096,
-                       limit: int = 0) -> dict[str, Any]:
-    """{"accuracy", "n", "turns_mean", "tool_calls", "tool_errors", "finish": {...}} of greedy conversations."""
+                       limit: int = 0, examples: int = 3) -> dict[str, Any]:
+    """{"accuracy", "n", "turns_mean", "tool_calls", "tool_errors", "finish": {...}} of greedy conversations, and
+    the first `examples` conversations as [model turns' texts, answer] (to see where the wrong ones go wrong)."""
     from megatron_vlm.checkpoint.hf import load_hf_model
     from megatron_vlm.data.processor import load_processor
     from megatron_vlm.inference.engine import SamplingParams
@@ -84,7 +85,7 @@ def evaluate_tool_demo(model_dir: str | Path, prompts: str | Path, *, env: Optio
             "tool_calls": sum(t.info.get("tool_calls", 0.0) for t in trajs),
             "tool_errors": sum(t.info.get("tool_errors", 0.0) for t in trajs), "env_errors": session.errors,
             "finish": dict(Counter(t.finish_reason for t in trajs)),
-            "examples": [[t.turn_texts, samples[t.prompt_index].answer] for t in trajs[:3]]}
+            "examples": [[t.turn_texts, samples[t.prompt_index].answer] for t in trajs[:max(0, examples)]]}
 
 
 def main(argv=None) -> None:
@@ -98,11 +99,12 @@ def main(argv=None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--max-turns", type=int, default=3)
     p.add_argument("--limit", type=int, default=0)
+    p.add_argument("--examples", type=int, default=3, help="conversations to print")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     out = evaluate_tool_demo(a.model_dir, a.prompts, env=a.env, env_kwargs=json.loads(a.env_kwargs), reward=a.reward,
                              columns=json.loads(a.columns) if a.columns else None, max_new_tokens=a.max_new_tokens,
-                             max_turns=a.max_turns, limit=a.limit)
+                             max_turns=a.max_turns, limit=a.limit, examples=a.examples)
     print(json.dumps(out, indent=1))
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from megatron_vlm.data.messages import normalize_messages
 from megatron_vlm.rl.env.builtin import CalculatorEnv
 from megatron_vlm.rl.env.calculator_data import calculator_rows, write_synthetic_calculator
@@ -23,23 +25,32 @@ def test_rows_split_and_answers():
 
 
 def test_files_and_traces(tmp_path):
-    paths = write_synthetic_calculator(tmp_path, low=10, high=12, eval_size=2, test_size=0)
+    paths = write_synthetic_calculator(tmp_path, low=10, high=12, eval_size=2, test_size=0, spec_every=3)
     tool = [json.loads(line) for line in paths["sft_tool"].read_text().splitlines()]
     direct = [json.loads(line) for line in paths["sft_direct"].read_text().splitlines()]
     assert len(tool) == len(direct) == 7
-    for t, d in zip(tool, direct):
+    for i, (t, d) in enumerate(zip(tool, direct)):
         msgs = normalize_messages(t["messages"])
-        assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant"]
-        assert msgs[0]["content"] == tools_system_text(CalculatorEnv().tools())
-        (call,) = parse_tool_calls(msgs[2]["content"])
+        if i % 3 == 0:  # every third trace carries the specs the rollout writes, the others no system turn
+            assert msgs[0]["role"] == "system" and msgs[0]["content"] == tools_system_text(CalculatorEnv().tools())
+            msgs = msgs[1:]
+        assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "assistant"]
+        (call,) = parse_tool_calls(msgs[1]["content"])
         assert isinstance(call, ToolCall) and call.name == "calculate"
         a, b = call.arguments["expression"].split(" * ")
-        assert msgs[1]["content"] == f"{a} * {b} = ?" == d["messages"][0]["content"]
-        assert msgs[3]["content"] == msgs[4]["content"] == t["answer"] == str(int(a) * int(b)) == d["answer"]
+        assert msgs[0]["content"] == f"{a} * {b} = ?" == d["messages"][0]["content"]
+        assert msgs[2]["content"] == msgs[3]["content"] == t["answer"] == str(int(a) * int(b)) == d["answer"]
         assert [m["role"] for m in normalize_messages(d["messages"])] == ["user", "assistant"]
     before = paths["sft_tool"].stat().st_mtime_ns
-    write_synthetic_calculator(tmp_path, low=10, high=12, eval_size=2, test_size=0)  # unchanged: not rewritten
+    write_synthetic_calculator(tmp_path, low=10, high=12, eval_size=2, test_size=0, spec_every=3)  # unchanged
     assert paths["sft_tool"].stat().st_mtime_ns == before
+    for every, with_specs in ((1, [True] * 7), (0, [False] * 7)):
+        paths = write_synthetic_calculator(tmp_path / str(every), low=10, high=12, eval_size=2, test_size=0,
+                                           spec_every=every)
+        lines = paths["sft_tool"].read_text().splitlines()
+        assert [json.loads(x)["messages"][0]["role"] == "system" for x in lines] == with_specs
+    with pytest.raises(ValueError, match="spec_every"):
+        write_synthetic_calculator(tmp_path / "bad", spec_every=-1)
 
 
 def test_question_tokens_are_the_calls_tokens():

@@ -11,7 +11,7 @@ ever trained on (a + b and b + a are different questions; both may occur, in eit
 `train.parquet` / `eval.parquet` with columns `question` and `answer` (the sum as a decimal string);
 written atomically and only when missing or different, so ranks and reruns can all call it.
 
-    python -m megatron_vlm.data.synthetic_arith runs/demo_assets/synthetic_arith --max-operand 29 --eval-size 120
+    python -m megatron_vlm.data.synthetic_arith runs/demo_assets/synthetic_arith --max-operand 39 --eval-size 400
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def write_parquet_rows(path: Path, rows: list[dict]) -> None:
     tmp.replace(path)
 
 
-def write_synthetic_arith(folder: str | Path, *, max_operand: int = 29, eval_size: int = 120, seed: int = 0) -> dict[str, Path]:
+def write_synthetic_arith(folder: str | Path, *, max_operand: int = 39, eval_size: int = 400, seed: int = 0) -> dict[str, Path]:
     """Write train.parquet / eval.parquet into `folder`; returns {"train": path, "eval": path}."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -61,8 +61,8 @@ def write_synthetic_arith(folder: str | Path, *, max_operand: int = 29, eval_siz
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("folder")
-    p.add_argument("--max-operand", type=int, default=29)
-    p.add_argument("--eval-size", type=int, default=120)
+    p.add_argument("--max-operand", type=int, default=39)
+    p.add_argument("--eval-size", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     for split, path in write_synthetic_arith(a.folder, max_operand=a.max_operand, eval_size=a.eval_size,

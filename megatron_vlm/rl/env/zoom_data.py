@@ -132,9 +132,10 @@ def write_synthetic_zoom(folder: str | Path, *, n_train: int = 1000, n_eval: int
             reply, crops = env._zoom(**ZOOM_BOX)
             zrel = f"zoom/{split}_{i:05d}.png"
             _png(out / zrel, crops[0])
-            turns = [user, {"role": "assistant", "content": zoom_call_text()},
-                     {"role": "tool", "content": [{"type": "image", "image": zrel}, {"type": "text", "text": reply}]},
-                     {"role": "assistant", "content": colour}]
+            turns: list[dict] = [user, {"role": "assistant", "content": zoom_call_text()},
+                                 {"role": "tool", "content": [{"type": "image", "image": zrel},
+                                                              {"type": "text", "text": reply}]},
+                                 {"role": "assistant", "content": colour}]
             tool = with_tools(turns, tools) if spec_every > 0 and i % spec_every == 0 else turns
             texts["sft_tool"].append(json.dumps({"messages": tool, "answer": colour}))
     for k in names:

@@ -14,10 +14,15 @@ Files in the folder (written atomically; skipped when meta.json records the same
 - `images/`: the PNGs; `zoom/`: the tool's reply images of the SFT traces (what `ZoomEnv` returns for `ZOOM_BOX`).
 - `train.jsonl` / `eval.jsonl` / `test.jsonl`: prompts in the messages format (a user turn with the image and the
   question, the assistant's answer) plus `answer`; eval = the GRPO prompts, test = the held-out test
-  (`rl/env/demo_eval.py`), train = the SFT's images. Answers are balanced over the 5 colours (chance 0.2).
+  (`rl/env/demo_eval.py`), train = the SFT's images. Answers are balanced over the 3 colours, red / green /
+  blue (chance 0.33): few and far apart, because the tiny model reads them through a frozen random vision tower.
 - `sft_tool.jsonl`: per training image, the conversation the `zoom` environment holds with a model that uses
   the tool: the system turn with the tool specs (the rollout's text), the question, a `<tool_call>` of `zoom`
-  with `ZOOM_BOX`, the tool's reply (the enlarged crop and its text) and the bare colour.
+  with `ZOOM_BOX`, the tool's reply (the enlarged crop and its text) and the bare colour. Only every
+  `spec_every`-th trace carries the system turn, the others are the same turns without it (as the calculator
+  demo's traces, rl/env/calculator_data.py): the specs are ~480 of a trace's ~660 tokens and the same in every
+  trace, so a step of the same token budget holds ~16 conversations instead of ~6, and the held-out evaluation,
+  which runs with the specs, still gets the call.
 - `sft_direct.jsonl`: the training images answered directly (the no-tool arm; its GRPO prompts have no system turn).
 
     python -m megatron_vlm.rl.env.zoom_data runs/demo_assets/synthetic_zoom

@@ -14,10 +14,15 @@ Files in the folder (written atomically; skipped when meta.json records the same
 - `images/`: the PNGs; `zoom/`: the tool's reply images of the SFT traces (what `ZoomEnv` returns for `ZOOM_BOX`).
 - `train.jsonl` / `eval.jsonl` / `test.jsonl`: prompts in the messages format (a user turn with the image and the
   question, the assistant's answer) plus `answer`; eval = the GRPO prompts, test = the held-out test
-  (`rl/env/demo_eval.py`), train = the SFT's images. Answers are balanced over the 5 colours (chance 0.2).
+  (`rl/env/demo_eval.py`), train = the SFT's images. Answers are balanced over the 3 colours, red / green /
+  blue (chance 0.33): few and far apart, because the tiny model reads them through a frozen random vision tower.
 - `sft_tool.jsonl`: per training image, the conversation the `zoom` environment holds with a model that uses
   the tool: the system turn with the tool specs (the rollout's text), the question, a `<tool_call>` of `zoom`
-  with `ZOOM_BOX`, the tool's reply (the enlarged crop and its text) and the bare colour.
+  with `ZOOM_BOX`, the tool's reply (the enlarged crop and its text) and the bare colour. Only every
+  `spec_every`-th trace carries the system turn, the others are the same turns without it (as the calculator
+  demo's traces, rl/env/calculator_data.py): the specs are ~480 of a trace's ~660 tokens and the same in every
+  trace, so a step of the same token budget holds ~16 conversations instead of ~6, and the held-out evaluation,
+  which runs with the specs, still gets the call.
 - `sft_direct.jsonl`: the training images answered directly (the no-tool arm; its GRPO prompts have no system turn).
 
     python -m megatron_vlm.rl.env.zoom_data runs/demo_assets/synthetic_zoom
@@ -35,10 +40,7 @@ from PIL import Image, ImageDraw
 
 __all__ = ["QUESTION", "ZOOM_BOX", "ZOOM_COLOURS", "zoom_image", "zoom_call_text", "write_synthetic_zoom"]
 
-ZOOM_COLOURS: dict[str, tuple[int, int, int]] = {
-    "red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 230), "yellow": (235, 210, 40),
-    "purple": (150, 60, 190),
-}
+ZOOM_COLOURS: dict[str, tuple[int, int, int]] = {"red": (230, 30, 30), "green": (30, 190, 30), "blue": (30, 30, 230)}
 QUESTION = "What colour is the dot in the centre?"
 ZOOM_BOX = {"left": 0.495, "top": 0.495, "right": 0.505, "bottom": 0.505}
 _BACKGROUND = (245, 245, 245)
@@ -87,20 +89,24 @@ def _text(path: Path, text: str) -> None:
 
 
 def write_synthetic_zoom(folder: str | Path, *, n_train: int = 1000, n_eval: int = 200, n_test: int = 200,
-                         seed: int = 0, image_size: int = 448, dot: int = 4, specks: int = 60) -> dict[str, Path]:
+                         seed: int = 0, image_size: int = 448, dot: int = 4, specks: int = 60,
+                         spec_every: int = 8) -> dict[str, Path]:
     """Write the files (module docstring) into `folder`; returns {"train", "eval", "test", "sft_tool",
     "sft_direct", "meta"}."""
     from megatron_vlm.rl.env.base import EnvSample
     from megatron_vlm.rl.env.builtin import ZoomEnv
     from megatron_vlm.rl.env.turns import with_tools
 
+    if spec_every < 0:
+        raise ValueError(f"spec_every: must be >= 0 (0: no trace carries the tool specs), got {spec_every}")
     if n_train <= 0 or n_eval < 0 or n_test < 0:
         raise ValueError(f"n_train must be > 0, n_eval and n_test >= 0; got {n_train}, {n_eval}, {n_test}")
     out = Path(folder)
     names = ("train", "eval", "test", "sft_tool", "sft_direct")
     paths = {k: out / f"{k}.jsonl" for k in names} | {"meta": out / "meta.json"}
     params = {"n_train": n_train, "n_eval": n_eval, "n_test": n_test, "seed": seed, "image_size": image_size,
-              "dot": dot, "specks": specks, "box": ZOOM_BOX, "version": 1}
+              "dot": dot, "specks": specks, "box": ZOOM_BOX, "colours": {k: list(v) for k, v in ZOOM_COLOURS.items()},
+              "spec_every": spec_every, "version": 2}
     if paths["meta"].is_file():
         try:
             if json.loads(paths["meta"].read_text()) == params:
@@ -131,9 +137,11 @@ def write_synthetic_zoom(folder: str | Path, *, n_train: int = 1000, n_eval: int
             reply, crops = env._zoom(**ZOOM_BOX)
             zrel = f"zoom/{split}_{i:05d}.png"
             _png(out / zrel, crops[0])
-            tool = with_tools([user, {"role": "assistant", "content": zoom_call_text()},
-                               {"role": "tool", "content": [{"type": "image", "image": zrel}, {"type": "text", "text": reply}]},
-                               {"role": "assistant", "content": colour}], tools)
+            turns: list[dict] = [user, {"role": "assistant", "content": zoom_call_text()},
+                                 {"role": "tool", "content": [{"type": "image", "image": zrel},
+                                                              {"type": "text", "text": reply}]},
+                                 {"role": "assistant", "content": colour}]
+            tool = with_tools(turns, tools) if spec_every > 0 and i % spec_every == 0 else turns
             texts["sft_tool"].append(json.dumps({"messages": tool, "answer": colour}))
     for k in names:
         _text(paths[k], "".join(t + "\n" for t in texts[k]))
@@ -148,8 +156,10 @@ def main(argv=None) -> None:
     p.add_argument("--eval", type=int, default=200)
     p.add_argument("--test", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--spec-every", type=int, default=8, help="every k-th tool trace carries the tool specs (0: none)")
     a = p.parse_args(argv)
-    for name, path in write_synthetic_zoom(a.folder, n_train=a.train, n_eval=a.eval, n_test=a.test, seed=a.seed).items():
+    for name, path in write_synthetic_zoom(a.folder, n_train=a.train, n_eval=a.eval, n_test=a.test, seed=a.seed,
+                                           spec_every=a.spec_every).items():
         print(f"{name}: {path}")
 
 

@@ -38,19 +38,6 @@ using namespace cpu_vec;  // NOLINT: the vector helpers of this file's kernels
 
 constexpr int64_t kBlockBytes = 16384;  // K (or V) bytes of one block of keys, all the task's kv heads
 
-// 8-lane partial products of q . k (two chains over the d / 8 chunks, then added); hsum8 of it is the dot.
-template <int64_t kC>
-__attribute__((always_inline)) inline v8f dot_parts(const float* q, const float* k, int64_t chunks) {
-  const int64_t nc = kC > 0 ? kC : chunks;
-  v8f a0 = {0, 0, 0, 0, 0, 0, 0, 0}, a1 = a0;
-  int64_t c = 0;
-  for (; c + 1 < nc; c += 2) {
-    a0 += load8(q + 8 * c) * load8(k + 8 * c);
-    a1 += load8(q + 8 * c + 8) * load8(k + 8 * c + 8);
-  }
-  if (c < nc) a0 += load8(q + 8 * c) * load8(k + 8 * c);
-  return a0 + a1;
-}
 
 // max(s[0], ..., s[n - 1]) (n >= 1) over 8 lanes: the same value as a scalar left-to-right max (a max does not
 // round), without its n-long chain of dependent compares.
@@ -102,6 +89,14 @@ __attribute__((always_inline)) inline void value_block(const float* p, const flo
   }
 }
 
+// Each of the `heads` score rows (n floats apart) becomes its softmax numerators in place, inv[h] 1 / their sum.
+inline void softmax_rows(float* scores, float* inv, int64_t heads, int64_t n) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* s = scores + h * n;
+    inv[h] = 1.0f / softmax_numerators(s, n, max_of(s, n));
+  }
+}
+
 // One sequence, kv heads [h0, h1): q rows of query head h at q + h * q_stride, output rows (zeros on entry)
 // at out + h * d (h counted from h0 * group); key / value j of kv head g at kc / vc + (rows[j] + g) * d.
 // scores holds (h1 - h0) * group * n floats, inv (h1 - h0) * group.
@@ -120,10 +115,7 @@ __attribute__((always_inline)) inline void attend_sequence(const float* q, int64
       }
     }
   }
-  for (int64_t h = 0; h < heads; ++h) {
-    float* s = scores + h * n;
-    inv[h] = 1.0f / softmax_numerators(s, n, max_of(s, n));
-  }
+  softmax_rows(scores, inv, heads, n);
   for (int64_t j0 = 0; j0 < n; j0 += block) {
     const int64_t j1 = std::min(n, j0 + block);
     for (int64_t g = h0, h = 0; g < h1; ++g) {
@@ -285,10 +277,7 @@ __attribute__((always_inline)) inline void attend_sequence16(const float* q, int
       }
     }
   }
-  for (int64_t h = 0; h < heads; ++h) {
-    float* s = scores + h * n;
-    inv[h] = 1.0f / softmax_numerators(s, n, max_of(s, n));
-  }
+  softmax_rows(scores, inv, heads, n);
   for (int64_t j0 = 0; j0 < n; j0 += block) {
     const int64_t j1 = std::min(n, j0 + block);
     for (int64_t g = h0, h = 0; g < h1; ++g) {

@@ -127,6 +127,20 @@ inline float softmax_numerators(float* s, int64_t n, float m) {
   return hsum8(acc);
 }
 
+// 8-lane partial products of q . k (two chains over the d / 8 chunks, then added); hsum8 of it is the dot.
+template <int64_t kC>
+__attribute__((always_inline)) inline v8f dot_parts(const float* q, const float* k, int64_t chunks) {
+  const int64_t nc = kC > 0 ? kC : chunks;
+  v8f a0 = {0, 0, 0, 0, 0, 0, 0, 0}, a1 = a0;
+  int64_t c = 0;
+  for (; c + 1 < nc; c += 2) {
+    a0 += load8(q + 8 * c) * load8(k + 8 * c);
+    a1 += load8(q + 8 * c + 8) * load8(k + 8 * c + 8);
+  }
+  if (c < nc) a0 += load8(q + 8 * c) * load8(k + 8 * c);
+  return a0 + a1;
+}
+
 // One (sequence, kv head): the `group` query rows of q (d apart) against `n` keys / values; key j of the
 // sequence is row `rows[j]` of the cache (rows d floats apart). kC = d / 8 as a template constant for the
 // common head sizes (the query chunks and the output accumulators stay in registers); 0 = runtime d (a
@@ -143,17 +157,7 @@ __attribute__((always_inline)) inline void decode_attention_rows(const float* q,
   for (int64_t gq = 0; gq < group; ++gq) {
     const float* qg = q + gq * q_stride;
     float* s = scores + gq * n;
-    auto products = [&](int64_t j) {  // the 8-lane partial products of q . k_j (two chains, then added)
-      const float* k = kc + rows[j] * d;
-      v8f a0 = {0, 0, 0, 0, 0, 0, 0, 0}, a1 = a0;
-      int64_t c = 0;
-      for (; c + 1 < chunks; c += 2) {
-        a0 += load8(qg + 8 * c) * load8(k + 8 * c);
-        a1 += load8(qg + 8 * c + 8) * load8(k + 8 * c + 8);
-      }
-      if (c < chunks) a0 += load8(qg + 8 * c) * load8(k + 8 * c);
-      return a0 + a1;
-    };
+    auto products = [&](int64_t j) { return dot_parts<kC>(qg, kc + rows[j] * d, chunks); };
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {  // 8 keys' sums at once (hsum8x8: the same bits as 8 hsum8 calls)
       v8f parts[8];

@@ -117,11 +117,16 @@ __attribute__((always_inline)) inline void value_block(const float* p, const flo
   }
 }
 
-// Each of the `heads` score rows (n floats apart) becomes its softmax numerators in place, inv[h] 1 / their sum.
-inline void softmax_rows(float* scores, float* inv, int64_t heads, int64_t n) {
+// Each of the `heads` score rows (n floats apart) becomes its softmax numerators in place; inv[h] = 1 / their sum,
+// and the row's statistics for a caller that merges partial softmaxes (the shared-prefix op): inv[heads + h] its
+// max, inv[2 * heads + h] its sum (so inv holds 3 * heads floats).
+__attribute__((always_inline)) inline void softmax_rows(float* scores, float* inv, int64_t heads, int64_t n) {
   for (int64_t h = 0; h < heads; ++h) {
     float* s = scores + h * n;
-    inv[h] = 1.0f / softmax_numerators(s, n, max_of(s, n));
+    const float m = max_of(s, n), sum = softmax_numerators(s, n, m);
+    inv[h] = 1.0f / sum;
+    inv[heads + h] = m;
+    inv[2 * heads + h] = sum;
   }
 }
 
@@ -164,8 +169,9 @@ __attribute__((always_inline)) inline void attend_sequence(const float* q, int64
 // The same in plain loops for a head dim that is not a multiple of 8 (one query head at a time).
 void attend_sequence_any(const float* q, int64_t q_stride, const float* kc, const float* vc, const int64_t* rows,
                          int64_t n, int64_t h0, int64_t h1, int64_t group, int64_t d, float scale, float* scores,
-                         float* out) {
-  for (int64_t h = 0; h < (h1 - h0) * group; ++h) {
+                         float* inv, float* out) {
+  const int64_t heads = (h1 - h0) * group;
+  for (int64_t h = 0; h < heads; ++h) {
     const float* qh = q + h * q_stride;
     const int64_t g = h0 + h / group;
     float* s = scores + h * n;
@@ -178,6 +184,7 @@ void attend_sequence_any(const float* q, int64_t q_stride, const float* kc, cons
     float m = s[0];
     for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
     const float sum = softmax_numerators(s, n, m);
+    inv[h] = 1.0f / sum, inv[heads + h] = m, inv[2 * heads + h] = sum;  // as softmax_rows
     float* o = out + h * d;
     for (int64_t j = 0; j < n; ++j) {
       const float* v = vc + (rows[j] + g) * d;
@@ -198,7 +205,7 @@ MVLM_CLONES void attend_task(const float* q, int64_t q_stride, const float* kc, 
     default: break;
   }
   if (d % 8 == 0) return attend_sequence<0>(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out);
-  attend_sequence_any(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, out);
+  attend_sequence_any(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out);
 }
 
 // ---- AVX-512 (x86-64-v4) path: 16-float vectors, several query heads of a GQA group per pass ----------
@@ -286,18 +293,100 @@ __attribute__((always_inline)) inline void value_heads16(const float* p, int64_t
     for (int c = 0; c < kC; ++c) store16(o + h * d + 16 * c, acc[h][c]);
 }
 
+typedef int v16i __attribute__((vector_size(64)));
+
+// In-register transpose of a 16 x 16 tile (r[t] = row t): four stages that swap the off-diagonal b x b blocks of
+// each 2b x 2b block (b = 8, 4, 2, 1), two 2-source lane shuffles per pair of rows, 64 in all.
+template <int b>
+__attribute__((always_inline)) inline void transpose_stage(v16f* r) {
+  v16i lo, hi;  // row i (bit b clear) takes row i + b's low lanes into its high ones; row i + b the converse
+  for (int l = 0; l < 16; ++l) {
+    lo[l] = (l & b) ? 16 + l - b : l;
+    hi[l] = (l & b) ? 16 + l : l + b;
+  }
+  for (int i = 0; i < 16; ++i) {
+    if (i & b) continue;
+    const v16f a = r[i], c = r[i + b];
+    r[i] = __builtin_shuffle(a, c, lo);
+    r[i + b] = __builtin_shuffle(a, c, hi);
+  }
+}
+
+__attribute__((always_inline)) inline void transpose16(v16f* r) {
+  transpose_stage<8>(r);
+  transpose_stage<4>(r);
+  transpose_stage<2>(r);
+  transpose_stage<1>(r);
+}
+
+// Scores of HB query heads (rows q + h * D, D = the head dim) against one transposed tile of keys (kt: D rows of
+// 16 keys): per head and key one chain of D FMAs with the query element broadcast, no horizontal sum. Only the
+// first cnt (<= 16) keys are stored. The query rows are D apart as a constant, so every broadcast is an
+// offset from one register.
+template <int HB, int D>
+__attribute__((always_inline)) inline void tile_scores(const float* q, const float* kt, float scale, float* s, int64_t n,
+                                                       int64_t cnt) {
+  v16f acc[HB];  // in registers: the head loops must be unrolled (GCC keeps a 24-array in memory otherwise)
+#pragma GCC unroll 32
+  for (int h = 0; h < HB; ++h) acc[h] = v16f{};
+  for (int c = 0; c < D; ++c) {
+    const v16f kv = load16(kt + 16 * c);
+#pragma GCC unroll 32
+    for (int h = 0; h < HB; ++h) acc[h] += q[h * D + c] * kv;
+  }
+#pragma GCC unroll 32
+  for (int h = 0; h < HB; ++h) {
+    const v16f x = acc[h] * scale;
+    if (cnt == 16) {
+      store16(s + h * n, x);
+    } else {
+      std::memcpy(s + h * n, &x, cnt * sizeof(float));
+    }
+  }
+}
+
+// Scores of `heads` query heads (rows d apart) of one kv head for keys [j0, j1) when many heads share each key (the
+// shared-prefix op: all the rows of a group attend to one copy): 16 keys at a time are transposed into kt (d x 16
+// floats), so the work per (key, head) is d / 16 FMAs and nothing else; the transpose is paid once per key.
+template <int kC>
+__attribute__((always_inline)) inline void score_tiles16(const float* q, int64_t heads, const float* kc,
+                                                         const int64_t* rows, int64_t j0, int64_t j1, int64_t d,
+                                                         float scale, float* s, int64_t n, Prefetch pf, float* kt) {
+  for (int64_t j = j0; j < j1; j += 16) {
+    const int64_t cnt = std::min<int64_t>(16, j1 - j);
+    for (int64_t t = 0; t < cnt; ++t) pf.row(rows, j + t, d);
+    for (int c = 0; c < kC; ++c) {
+      v16f r[16];
+      for (int t = 0; t < 16; ++t) r[t] = t < cnt ? load16(kc + rows[j + t] * d + 16 * c) : v16f{};
+      transpose16(r);
+      for (int t = 0; t < 16; ++t) store16(kt + (16 * c + t) * 16, r[t]);
+    }
+    constexpr int D = 16 * kC;
+    int64_t h = 0;
+    for (; h + 24 <= heads; h += 24) tile_scores<24, D>(q + h * D, kt, scale, s + h * n + j, n, cnt);
+    for (; h + 8 <= heads; h += 8) tile_scores<8, D>(q + h * D, kt, scale, s + h * n + j, n, cnt);
+    for (; h < heads; ++h) tile_scores<1, D>(q + h * D, kt, scale, s + h * n + j, n, cnt);
+  }
+}
+
 template <int kC>
 __attribute__((always_inline)) inline void attend_sequence16(const float* q, int64_t q_stride, const float* kc,
                                                              const float* vc, const int64_t* rows, int64_t n,
                                                              int64_t h0, int64_t h1, int64_t group, int64_t d,
-                                                             float scale, float* scores, float* inv, float* out) {
+                                                             float scale, float* scores, float* inv, float* out,
+                                                             bool tiled) {
   constexpr int kQH = kC <= 4 ? 2 : 1;                     // query heads per score pass
   constexpr int kVH = kC <= 2 ? 6 : (kC <= 4 ? 6 : 2);     // query heads per value pass (<= 28 accumulators)
   const int64_t heads = (h1 - h0) * group, lines = (h1 - h0) * d / 16;
   const int64_t block = std::max<int64_t>(8, kBlockBytes / (4 * d * (h1 - h0)) / 8 * 8);
+  alignas(64) float kt[16 * 16 * (kC > 0 ? kC : 1)];
   for (int64_t j0 = 0; j0 < n; j0 += block) {
     const int64_t j1 = std::min(n, j0 + block);
-    for (int64_t g = h0, h = 0; g < h1; ++g) {
+    for (int64_t g = h0, h = 0; g < h1 && tiled && q_stride == d; ++g, h += group) {
+      const Prefetch pf{h == 0 ? kc + h0 * d : nullptr, lines};
+      score_tiles16<kC>(q + h * q_stride, group, kc + g * d, rows, j0, j1, d, scale, scores + h * n, n, pf, kt);
+    }
+    for (int64_t g = h0, h = 0; g < h1 && !(tiled && q_stride == d); ++g) {
       for (int64_t e = 0; e < group;) {
         const float* qh = q + h * q_stride;
         const Prefetch pf{h == 0 ? kc + h0 * d : nullptr, lines};
@@ -344,11 +433,14 @@ __attribute__((always_inline)) inline void attend_sequence16(const float* q, int
 // The AVX-512 task; false when d has no 16-wide kernel here (the caller then runs attend_task).
 MVLM_AVX512 bool attend_task16(const float* q, int64_t q_stride, const float* kc, const float* vc, const int64_t* rows,
                                int64_t n, int64_t h0, int64_t h1, int64_t group, int64_t d, float scale, float* scores,
-                               float* inv, float* out) {
+                               float* inv, float* out, bool tiled) {
   switch (d) {
-    case 32: attend_sequence16<2>(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out); return true;
-    case 64: attend_sequence16<4>(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out); return true;
-    case 128: attend_sequence16<8>(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out); return true;
+    case 32: attend_sequence16<2>(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out, tiled);
+      return true;
+    case 64: attend_sequence16<4>(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out, tiled);
+      return true;
+    case 128: attend_sequence16<8>(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out, tiled);
+      return true;
     default: return false;
   }
 }
@@ -366,16 +458,23 @@ bool use_avx512_path() {
 #else
 bool use_avx512_path() { return false; }
 bool attend_task16(const float*, int64_t, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
-                   int64_t, int64_t, float, float*, float*, float*) {
+                   int64_t, int64_t, float, float*, float*, float*, bool) {
   return false;
 }
 #endif
 
-}  // namespace
+// One task's attention on the widest kernel this CPU and head dim have (`tiled`: score many query heads per key by
+// transposed tiles, on the AVX-512 kernels).
+void attend(bool wide, const float* q, int64_t q_stride, const float* kc, const float* vc, const int64_t* rows,
+            int64_t n, int64_t h0, int64_t h1, int64_t group, int64_t d, float scale, float* scores, float* inv,
+            float* out, bool tiled = false) {
+  if (!(wide && attend_task16(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out, tiled))) {
+    attend_task(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out);
+  }
+}
 
-at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& slot_ids,
-                                const std::optional<at::Tensor>& block_table, int64_t max_seqlen_k, double scale) {
+void check_q_and_caches(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& cache_seqlens) {
   MVLM_CHECK_VALUE(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1,
                    "decode_attention: q must be a float32 CPU [B, Hq, D] tensor with contiguous rows");
   for (const auto* t : {&k_cache, &v_cache}) {
@@ -384,10 +483,19 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   }
   MVLM_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
                    "decode_attention: equal caches [slots or blocks, length, Hkv, D]");
+  const int64_t hq = q.size(1), hkv = k_cache.size(2);
+  MVLM_CHECK_VALUE(k_cache.size(3) == q.size(2) && hkv > 0 && hq % hkv == 0, "decode_attention: head dims / GQA groups");
+  MVLM_CHECK_VALUE(cache_seqlens.numel() == q.size(0), "decode_attention: cache_seqlens must be [B]");
+}
+
+}  // namespace
+
+at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& slot_ids,
+                                const std::optional<at::Tensor>& block_table, int64_t max_seqlen_k, double scale) {
+  check_q_and_caches(q, k_cache, v_cache, cache_seqlens);
   const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t block = k_cache.size(1), hkv = k_cache.size(2);
-  MVLM_CHECK_VALUE(k_cache.size(3) == d && hkv > 0 && hq % hkv == 0, "decode_attention: head dims / GQA groups");
-  MVLM_CHECK_VALUE(cache_seqlens.numel() == batch, "decode_attention: cache_seqlens must be [B]");
   MVLM_CHECK_VALUE(!(slot_ids.has_value() && block_table.has_value()), "decode_attention: slot_ids or block_table");
   const auto lens_t = cache_seqlens.to(at::kLong).contiguous();
   const int64_t* lens = lens_t.data_ptr<int64_t>();
@@ -434,7 +542,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   const bool wide = use_avx512_path();
   at::parallel_for(0, batch * chunks_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> rows;
-    std::vector<float> scores, inv(per_task * group);
+    std::vector<float> scores, inv(3 * per_task * group);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / chunks_per_seq, h0 = (t % chunks_per_seq) * per_task;
       const int64_t n = std::min(lens[b], length);
@@ -451,10 +559,169 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
       const float* qb = qp + b * q_batch_stride + h0 * group * q_head_stride;
       float* ob = op + (b * hq + h0 * group) * d;
       const float sc = static_cast<float>(scale);
-      if (!(wide && attend_task16(qb, q_head_stride, kp, vp, rows.data(), n, h0, h0 + per_task, group, d, sc,
-                                  scores.data(), inv.data(), ob))) {
-        attend_task(qb, q_head_stride, kp, vp, rows.data(), n, h0, h0 + per_task, group, d, sc, scores.data(),
-                    inv.data(), ob);
+      attend(wide, qb, q_head_stride, kp, vp, rows.data(), n, h0, h0 + per_task, group, d, sc, scores.data(),
+             inv.data(), ob);
+    }
+  });
+  return out;
+}
+
+// Decode attention (slot or paged layout) where groups of sequences share their first keys (the G samples of one
+// prompt in a GRPO rollout each hold a copy of the prompt's keys and values). prefix_rows[b] = r says that the
+// first prefix_lens[b] keys of row b equal those of row r (its slot's copy), r a row with prefix_rows[r] = r and
+// the same length. Every group of two or more rows reads those keys once: all its rows' query heads attend to
+// the root's copy together (one task per group: query head (member i, head e of kv head g) is head i * group + e
+// of kv head g, so the kernels above run unchanged with a larger GQA group), each row then attends to its own
+// keys after the prefix, and the two softmaxes are merged with their maxima and sums. The result is the attention
+// over the row's own keys up to fp32 rounding (the split changes the order of the sums).
+at::Tensor decode_attention_prefix_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                       const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& slot_ids,
+                                       const std::optional<at::Tensor>& block_table, int64_t max_seqlen_k,
+                                       double scale, const at::Tensor& prefix_rows, const at::Tensor& prefix_lens) {
+  check_q_and_caches(q, k_cache, v_cache, cache_seqlens);
+  const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t block = k_cache.size(1), hkv = k_cache.size(2), n_blocks = k_cache.size(0);
+  MVLM_CHECK_VALUE(!(slot_ids.has_value() && block_table.has_value()), "decode_attention: slot_ids or block_table");
+  MVLM_CHECK_VALUE(prefix_rows.numel() == batch && prefix_lens.numel() == batch,
+                   "decode_attention_prefix: prefix_rows and prefix_lens must be [B]");
+  const auto lens_t = cache_seqlens.to(at::kLong).contiguous();
+  const auto proots_t = prefix_rows.to(at::kLong).contiguous();
+  const auto plens_t = prefix_lens.to(at::kLong).contiguous();
+  const int64_t *lens = lens_t.data_ptr<int64_t>(), *proot = proots_t.data_ptr<int64_t>();
+  const int64_t* plen = plens_t.data_ptr<int64_t>();
+  // as decode_attention_cpu: the slot layout is the paged one with one block (the slot) per sequence
+  at::Tensor table_t;
+  std::vector<int64_t> iota;
+  const int64_t* table = nullptr;
+  int64_t max_blocks = 1;
+  if (block_table.has_value()) {
+    MVLM_CHECK_VALUE(block_table->dim() == 2 && block_table->size(0) == batch, "decode_attention: block_table [B, blocks]");
+    table_t = block_table->to(at::kLong).contiguous();
+    table = table_t.data_ptr<int64_t>();
+    max_blocks = table_t.size(1);
+  } else if (slot_ids.has_value()) {
+    MVLM_CHECK_VALUE(slot_ids->numel() == batch, "decode_attention: slot_ids must be [B]");
+    table_t = slot_ids->to(at::kLong).contiguous();
+    table = table_t.data_ptr<int64_t>();
+  } else {
+    iota.resize(batch);
+    for (int64_t b = 0; b < batch; ++b) iota[b] = b;
+    table = iota.data();
+  }
+  const int64_t length = std::max<int64_t>(0, std::min(max_seqlen_k, max_blocks * block));
+  std::vector<int64_t> n(batch), pre(batch, 0);
+  for (int64_t b = 0; b < batch; ++b) {
+    n[b] = std::max<int64_t>(0, std::min(lens[b], length));
+    for (int64_t j = 0; j < n[b]; j += block) {
+      const int64_t blk = table[b * max_blocks + j / block];
+      MVLM_CHECK_INDEX(blk >= 0 && blk < n_blocks, "decode_attention: sequence ", b, " reads cache block / slot ", blk,
+                       " of ", n_blocks);
+    }
+  }
+  std::vector<std::vector<int64_t>> members(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t r = proot[b];
+    MVLM_CHECK_INDEX(r >= 0 && r < batch, "decode_attention_prefix: prefix_rows[", b, "] = ", r, " is not a row of ",
+                     batch);
+    MVLM_CHECK_VALUE(proot[r] == r && plen[r] == plen[b], "decode_attention_prefix: row ", b, " shares the prefix of row ",
+                     r, ", which must be its own root (prefix_rows[", r, "] = ", r, ") with the same length");
+    MVLM_CHECK_VALUE(plen[b] >= 0 && plen[b] <= std::min(n[b], n[r]), "decode_attention_prefix: row ", b,
+                     " shares ", plen[b], " keys but it (or its root) has fewer");
+    if (plen[b] > 0) members[r].push_back(b);
+  }
+  std::vector<int64_t> roots, first(1, 0);  // first[i]: the first head of root i's block in the prefix buffers
+  std::vector<int64_t> root_of(batch, -1), member_index(batch, -1);
+  for (int64_t r = 0; r < batch; ++r) {
+    if (members[r].size() < 2) continue;  // a lone row reads its own keys as usual
+    for (size_t i = 0; i < members[r].size(); ++i) {
+      const int64_t b = members[r][i];
+      pre[b] = plen[b], root_of[b] = static_cast<int64_t>(roots.size()), member_index[b] = static_cast<int64_t>(i);
+    }
+    roots.push_back(r);
+    first.push_back(first.back() + static_cast<int64_t>(members[r].size()) * hq);
+  }
+  const int64_t group = hq / hkv, prefix_heads = first.back();
+  std::vector<float> qg(prefix_heads * d), og(prefix_heads * d, 0.0f), pstat(2 * prefix_heads);
+  std::vector<float> sstat(2 * batch * hq, 0.0f);  // per row and head: the suffix's max and sum (sum 0: no suffix)
+  auto out = at::zeros({batch, hq, d}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const int64_t q_batch_stride = q.stride(0), q_head_stride = q.stride(1);
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t per_task = batch >= 2 * at::get_num_threads() ? hkv : 1;
+  const int64_t chunks = hkv / per_task, prefix_tasks = static_cast<int64_t>(roots.size()) * chunks;
+  const bool wide = use_avx512_path();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, prefix_tasks + batch * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> rows;
+    std::vector<float> scores, inv;
+    auto fill_rows = [&](int64_t b, int64_t j0, int64_t count) {  // row b's keys j0 .. j0 + count - 1
+      rows.resize(count + kPrefetchKeys);
+      for (int64_t j = j0; j < j0 + count;) {
+        const int64_t blk = j / block, end = std::min(j0 + count, (blk + 1) * block);
+        const int64_t first = (table[b * max_blocks + blk] - blk) * block;  // row of key j: (first + j) * hkv
+        for (; j < end; ++j) rows[j - j0] = (first + j) * hkv;
+      }
+      for (int64_t j = count; j < count + kPrefetchKeys; ++j) rows[j] = rows[count - 1];
+    };
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t h0 = (t % chunks) * per_task;
+      if (t < prefix_tasks) {  // one group's shared keys, all its rows' query heads of kv heads [h0, h0 + per_task)
+        const int64_t i = t / chunks, r = roots[i], m = static_cast<int64_t>(members[r].size()), mg = m * group;
+        float* qi = qg.data() + first[i] * d;
+        for (int64_t g = h0; g < h0 + per_task; ++g) {
+          for (int64_t mi = 0; mi < m; ++mi) {
+            const float* src = qp + members[r][mi] * q_batch_stride + g * group * q_head_stride;
+            for (int64_t e = 0; e < group; ++e) {
+              std::memcpy(qi + (g * mg + mi * group + e) * d, src + e * q_head_stride, d * sizeof(float));
+            }
+          }
+        }
+        const int64_t heads = per_task * mg, keys = plen[r];
+        fill_rows(r, 0, keys);
+        scores.resize(heads * keys);
+        inv.resize(3 * heads);
+        attend(wide, qi + h0 * mg * d, d, kp, vp, rows.data(), keys, h0, h0 + per_task, mg, d, sc, scores.data(),
+               inv.data(), og.data() + (first[i] + h0 * mg) * d, /*tiled=*/true);
+        for (int64_t h = 0; h < heads; ++h) {
+          pstat[2 * (first[i] + h0 * mg + h)] = inv[heads + h];
+          pstat[2 * (first[i] + h0 * mg + h) + 1] = inv[2 * heads + h];
+        }
+      } else {  // one row's own keys after its shared prefix (all of them when it shares none)
+        const int64_t b = (t - prefix_tasks) / chunks, keys = n[b] - pre[b];
+        if (keys <= 0) continue;  // no key of its own: zeros (no key at all) or the prefix alone
+        const int64_t heads = per_task * group;
+        fill_rows(b, pre[b], keys);
+        scores.resize(heads * keys);
+        inv.resize(3 * heads);
+        attend(wide, qp + b * q_batch_stride + h0 * group * q_head_stride, q_head_stride, kp, vp, rows.data(), keys, h0,
+               h0 + per_task, group, d, sc, scores.data(), inv.data(), op + (b * hq + h0 * group) * d);
+        for (int64_t h = 0; h < heads; ++h) {
+          sstat[2 * (b * hq + h0 * group + h)] = inv[heads + h];
+          sstat[2 * (b * hq + h0 * group + h) + 1] = inv[2 * heads + h];
+        }
+      }
+    }
+  });
+  // Merge: softmax over prefix + own keys = the two normalised outputs weighted by sum * exp(max - overall max).
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      if (pre[b] == 0) continue;
+      const int64_t i = root_of[b], mg = static_cast<int64_t>(members[roots[i]].size()) * group;
+      for (int64_t h = 0; h < hq; ++h) {
+        const int64_t ph = first[i] + (h / group) * mg + member_index[b] * group + h % group;
+        const float* o1 = og.data() + ph * d;
+        float* o2 = op + (b * hq + h) * d;
+        const float m1 = pstat[2 * ph], s1 = pstat[2 * ph + 1];
+        const float m2 = sstat[2 * (b * hq + h)], s2 = sstat[2 * (b * hq + h) + 1];
+        if (s2 == 0.0f) {  // the prefix is all the row's keys
+          std::memcpy(o2, o1, d * sizeof(float));
+          continue;
+        }
+        const float mx = std::max(m1, m2), w1 = s1 * std::exp(m1 - mx), w2 = s2 * std::exp(m2 - mx);
+        const float r = 1.0f / (w1 + w2);
+        for (int64_t c = 0; c < d; ++c) o2[c] = (o1[c] * w1 + o2[c] * w2) * r;
       }
     }
   });

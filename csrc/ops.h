@@ -61,6 +61,10 @@ int64_t parallel_threads(int64_t n);
 at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& slot_ids,
                                 const std::optional<at::Tensor>& block_table, int64_t max_seqlen_k, double scale);
+at::Tensor decode_attention_prefix_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                       const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& slot_ids,
+                                       const std::optional<at::Tensor>& block_table, int64_t max_seqlen_k,
+                                       double scale, const at::Tensor& prefix_rows, const at::Tensor& prefix_lens);
 
 std::tuple<at::Tensor, at::Tensor> varlen_attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
                                                             const at::Tensor& v, const at::Tensor& cu_q,

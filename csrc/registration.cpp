@@ -72,6 +72,12 @@ at::Tensor decode_attention_meta(const at::Tensor& q, const at::Tensor&, const a
   return at::empty(q.sizes(), q.options());
 }
 
+at::Tensor decode_attention_prefix_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                        const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t,
+                                        double, const at::Tensor&, const at::Tensor&) {
+  return at::empty(q.sizes(), q.options());
+}
+
 std::tuple<at::Tensor, at::Tensor> varlen_attention_fwd_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&,
                                                              const at::Tensor&, const at::Tensor&, bool, double) {
   return {at::empty_like(q), at::empty({q.size(0), q.size(1)}, q.options())};
@@ -124,6 +130,9 @@ TORCH_LIBRARY(megatron_vlm, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? slot_ids, Tensor? block_table, "
       "int max_seqlen_k, float scale) -> Tensor");
+  m.def(
+      "decode_attention_prefix(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? slot_ids, "
+      "Tensor? block_table, int max_seqlen_k, float scale, Tensor prefix_rows, Tensor prefix_lens) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(megatron_vlm, CPU, m) {
@@ -142,6 +151,7 @@ TORCH_LIBRARY_IMPL(megatron_vlm, CPU, m) {
   m.impl("varlen_attention_fwd", &megatron_vlm::varlen_attention_fwd_cpu);
   m.impl("varlen_attention_bwd", &megatron_vlm::varlen_attention_bwd_cpu);
   m.impl("decode_attention", &megatron_vlm::decode_attention_cpu);
+  m.impl("decode_attention_prefix", &megatron_vlm::decode_attention_prefix_cpu);
 }
 
 TORCH_LIBRARY_IMPL(megatron_vlm, Meta, m) {
@@ -158,6 +168,7 @@ TORCH_LIBRARY_IMPL(megatron_vlm, Meta, m) {
   m.impl("varlen_attention_fwd", &megatron_vlm::varlen_attention_fwd_meta);
   m.impl("varlen_attention_bwd", &megatron_vlm::varlen_attention_bwd_meta);
   m.impl("decode_attention", &megatron_vlm::decode_attention_meta);
+  m.impl("decode_attention_prefix", &megatron_vlm::decode_attention_prefix_meta);
 }
 
 // `import megatron_vlm._C` (after `import torch`): an empty module; the registrations above ran

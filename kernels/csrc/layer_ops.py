@@ -183,10 +183,14 @@ def decode_attention(
     block_table: Optional[torch.Tensor] = None,
     max_seqlen_k: Optional[int] = None,
     softmax_scale: Optional[float] = None,
+    shared_prefix: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """kernels.decode_attention (slot or paged cache), one C++ task per sequence (module docstring); no autograd
-    (decoding runs without gradients: a call that needs them runs the reference)."""
-    check_decode_attention_inputs(q, k_cache, v_cache, cache_seqlens, slot_ids, block_table)
+    (decoding runs without gradients: a call that needs them runs the reference). With `shared_prefix`, each
+    group of sequences that share their first keys reads them once (`decode_attention_prefix` of
+    csrc/cpu_decode_attention.cpp: all the group's query heads against one copy, then each sequence's own keys,
+    the two softmaxes merged)."""
+    check_decode_attention_inputs(q, k_cache, v_cache, cache_seqlens, slot_ids, block_table, shared_prefix)
     if (not _fits(q, k_cache, v_cache) or not k_cache.is_contiguous() or not v_cache.is_contiguous()
             or _needs_grad(q, k_cache, v_cache) or not _on_cpu(cache_seqlens, slot_ids, block_table)):
         return _ref_decode_attention(q, k_cache, v_cache, cache_seqlens, slot_ids=slot_ids, block_table=block_table,
@@ -196,4 +200,8 @@ def decode_attention(
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if q.stride(-1) != 1:
         q = q.contiguous()
+    if (shared_prefix is not None and _on_cpu(*shared_prefix)
+            and hasattr(_ops(), "decode_attention_prefix")):  # a _C built before the op: each own copy
+        return _ops().decode_attention_prefix(q, k_cache, v_cache, cache_seqlens, slot_ids, block_table, length,
+                                              scale, shared_prefix[0], shared_prefix[1])
     return _ops().decode_attention(q, k_cache, v_cache, cache_seqlens, slot_ids, block_table, length, scale)

@@ -15,6 +15,13 @@ the query is the last position and sees every cached key. A sequence with no cac
 zeros. `max_seqlen_k` (an int the caller knows without a device sync) bounds the keys read; default
 the whole cache.
 
+`shared_prefix=(prefix_rows, prefix_lens)` (both `[B]` integer tensors, optional) is a promise about the
+cache, not a change of the result: the first `prefix_lens[b]` keys and values of sequence b equal those of
+sequence `prefix_rows[b]`, a sequence that is its own row there (`prefix_rows[r] = r`) with the same length
+(0: nothing shared). The G samples of one prompt in a GRPO rollout each hold a copy of the prompt's cache;
+a backend may read such a prefix once for all the sequences that share it (the CPU kernel of
+`megatron_vlm._C` does), the others attend to each sequence's own copy, which is the same attention.
+
 Numerics: the loop computes in fp32; the vectorised backend runs torch's fused SDPA (fp32 for fp32
 inputs, fp32 accumulation for bf16 / fp16), so a decoding step equals the batched masked attention over
 the same keys up to summation order.
@@ -29,7 +36,7 @@ import torch
 __all__ = ["decode_attention", "decode_attention_loop", "check_decode_attention_inputs"]
 
 
-def check_decode_attention_inputs(q, k_cache, v_cache, cache_seqlens, slot_ids, block_table) -> None:
+def check_decode_attention_inputs(q, k_cache, v_cache, cache_seqlens, slot_ids, block_table, shared_prefix=None) -> None:
     if q.dim() != 3:
         raise ValueError(f"decode_attention: q must be [B, H, D], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -51,6 +58,8 @@ def check_decode_attention_inputs(q, k_cache, v_cache, cache_seqlens, slot_ids, 
         raise ValueError(f"decode_attention: block_table must be [{q.shape[0]}, max_blocks], got {tuple(block_table.shape)}")
     if slot_ids is None and block_table is None and k_cache.shape[0] < q.shape[0]:
         raise ValueError(f"decode_attention: {q.shape[0]} queries but only {k_cache.shape[0]} cache slots")
+    if shared_prefix is not None and (len(shared_prefix) != 2 or any(t.shape != (q.shape[0],) for t in shared_prefix)):
+        raise ValueError(f"decode_attention: shared_prefix must be (prefix_rows, prefix_lens), each [{q.shape[0]}]")
 
 
 def _gather_keys(cache: torch.Tensor, slot_ids, block_table, length: int) -> torch.Tensor:
@@ -75,10 +84,12 @@ def decode_attention(
     block_table: Optional[torch.Tensor] = None,
     max_seqlen_k: Optional[int] = None,
     softmax_scale: Optional[float] = None,
+    shared_prefix: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Vectorised: the keys of all sequences gathered to `[B, max_seqlen_k, Hkv, D]` (a view when the
-    sequences are the first B slots in order), scores masked beyond each sequence's length."""
-    check_decode_attention_inputs(q, k_cache, v_cache, cache_seqlens, slot_ids, block_table)
+    sequences are the first B slots in order), scores masked beyond each sequence's length; every sequence
+    reads its own copy of a `shared_prefix` (module docstring)."""
+    check_decode_attention_inputs(q, k_cache, v_cache, cache_seqlens, slot_ids, block_table, shared_prefix)
     batch, hq, dim = q.shape
     if block_table is not None:
         capacity = block_table.shape[1] * k_cache.shape[1]

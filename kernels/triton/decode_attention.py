@@ -171,9 +171,11 @@ def decode_attention(
     block_table: Optional[torch.Tensor] = None,
     max_seqlen_k: Optional[int] = None,
     softmax_scale: Optional[float] = None,
+    shared_prefix: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
-    """q `[B, Hq, D]` -> `[B, Hq, D]` in q's dtype (see the module docstring and the reference)."""
-    check_decode_attention_inputs(q, k_cache, v_cache, cache_seqlens, slot_ids, block_table)
+    """q `[B, Hq, D]` -> `[B, Hq, D]` in q's dtype (see the module docstring and the reference; a
+    `shared_prefix` is read from each sequence's own copy here)."""
+    check_decode_attention_inputs(q, k_cache, v_cache, cache_seqlens, slot_ids, block_table, shared_prefix)
     check_device("decode_attention", q, k_cache, v_cache)
     batch, hq, dim = q.shape
     hkv = k_cache.shape[2]

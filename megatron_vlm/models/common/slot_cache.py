@@ -20,6 +20,12 @@ the active slots, so positions continue exactly as with the padded cache. For th
 hands out the active slots' conv / SSM states, written back to their slots at `end_step`.
 Only single-token steps run here: prompts are prefilled elsewhere.
 
+Shared prompts: `load_prefix(slots, ...)` copies one prompt into all of `slots` (a GRPO group's G samples),
+so until a slot is loaded again its first n keys equal those of the other slots of that call (either
+layout). An eager step on the CPU passes that to `kernels.decode_attention` as `shared_prefix` (per active row: the first active
+row of its group and the prompt length), and the CPU kernel reads each group's prompt once for all its
+rows instead of once per row (`share_prefix_reads = False` turns the hint off; the attention is the same).
+
 Static steps (`set_active_static(slot_ids)`, the CUDA-graph decode runner: inference/decode_graphs.py):
 the active slots are a device tensor of a fixed size (a batch-size bucket, extra rows on the scratch
 slot) and a step reads nothing from the host: attention spans the whole slot capacity (a constant
@@ -71,6 +77,7 @@ class SlotCache:
         self._flat: Optional[torch.Tensor] = None  # ... and their rows in a layer's flattened cache (eager steps)
         self._max_k = 0  # ... and the longest of those, known on the host
         self._static = False  # set_active_static: a graph-safe step (no host reads)
+        self._init_sharing(kv.batch)
 
     @property
     def scratch_slot(self) -> int:
@@ -99,6 +106,42 @@ class SlotCache:
         self.slot_rope_deltas[index] = src.rope_deltas[row].to(self.device)
         for s in slots:
             self.host_lengths[s] = n
+        self._note_shared(slots, n)
+
+    # ----- shared prompts (module docstring) -----
+    def _init_sharing(self, rows: int) -> None:
+        self._share_group = [-1] * rows  # per slot: the load_prefix call its prompt came from (-1: none) ...
+        self._share_len = [0] * rows  # ... and that prompt's length
+        self._share_calls = 0
+        self._share_hint: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # the current step's
+        self.share_prefix_reads = self.device.type == "cpu"
+
+    def _note_shared(self, slots: Sequence[int], n: int) -> None:
+        """`slots` were just loaded with one prompt of n tokens: the same keys up to n, nothing of another group."""
+        self._share_calls += 1
+        for s in slots:
+            self._share_group[s] = self._share_calls if len(slots) > 1 else -1
+            self._share_len[s] = n
+
+    def _prefix_hint(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """`shared_prefix` of the active rows (kernels/reference/decode_attention.py): each row of a group with
+        two or more active rows points at the group's first active row; None when no group has two."""
+        first: dict[int, int] = {}
+        count: dict[int, int] = {}
+        for b, s in enumerate(self._active_list):
+            g = self._share_group[s]
+            if g >= 0:
+                first.setdefault(g, b)
+                count[g] = count.get(g, 0) + 1
+        if not any(c > 1 for c in count.values()):
+            return None
+        rows, lens = [], []
+        for b, s in enumerate(self._active_list):
+            g = self._share_group[s]
+            shared = g >= 0 and count[g] > 1
+            rows.append(first[g] if shared else b)
+            lens.append(self._share_len[s] if shared else 0)
+        return torch.tensor(rows, dtype=torch.long), torch.tensor(lens, dtype=torch.long)
 
     def reset_scratch(self) -> None:
         """Rewind the scratch slot to one (garbage) cached token before a dummy step: never empty, so a
@@ -186,6 +229,7 @@ class SlotCache:
         # the new keys' rows in the [slots * max_len, Hkv, D] view of a layer's cache: one index_copy_ per
         # layer instead of a two-index index_put_ (~3x cheaper at decode sizes; the same writes)
         self._flat = self._active * self.max_len + self._pos
+        self._share_hint = self._prefix_hint() if self.share_prefix_reads else None
         self._pending = True
 
     def _write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -205,9 +249,11 @@ class SlotCache:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, 1, Hq, D], k / v [B, 1, Hkv, D] of the active slots -> attention output [B, 1, Hq, D]."""
         seqlens = self._write(layer_idx, k, v)
+        hint = None if self._static else self._share_hint
         out = kernels.decode_attention(
             q[:, 0], self.keys[layer_idx], self.values[layer_idx], seqlens,
             slot_ids=None if self._contiguous else self._active, max_seqlen_k=self._max_k,
+            **({} if hint is None else {"shared_prefix": hint}),
         )
         return out.unsqueeze(1)
 
@@ -297,6 +343,7 @@ class PagedSlotCache(SlotCache):
         self._contiguous = True
         self._pending = False
         self._step_states = {}
+        self._init_sharing(rows)
         self._pos = self._seqlens = None
         self._max_k = 0
         self._static = False
@@ -363,6 +410,7 @@ class PagedSlotCache(SlotCache):
         self.slot_rope_deltas[index] = src.rope_deltas[row].to(self.device)
         for s in slots:
             self.host_lengths[s] = n
+        self._note_shared(slots, n)
 
     def reset_scratch(self) -> None:
         """The scratch slot's one block, rewound to one (garbage) token as in `SlotCache`."""
@@ -392,8 +440,10 @@ class PagedSlotCache(SlotCache):
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         seqlens = self._write(layer_idx, k, v)
+        hint = None if self._static else self._share_hint
         out = kernels.decode_attention(q[:, 0], self.keys[layer_idx], self.values[layer_idx], seqlens,
-                                       block_table=self._step_table, max_seqlen_k=self._max_k)
+                                       block_table=self._step_table, max_seqlen_k=self._max_k,
+                                       **({} if hint is None else {"shared_prefix": hint}))
         return out.unsqueeze(1)
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):

@@ -7,7 +7,7 @@ does the same in one call with each expert's weights packed once by MKL (a packe
 count, so the variable per-expert row counts of routing need no padding): 2.2x faster per layer at the tiny
 Qwen3-MoE rollout row's decode shape (benchmarks/RESULTS.md). vLLM's CPU build runs one fused MoE op too.
 
-How it is used: `PackedExperts(model, packs)` replaces the `forward` of every `GroupedExperts` of the model
+How it is used: `PackedExperts(model, packs)` replaces the `forward` of every plain `GroupedExperts` of the model
 (instance attribute, removed by `restore()`: the engine installs it for one `generate` batch, as it does
 `PackedLinears`). The replacement runs the module's own forward unless the calling thread is inside
 `decoding()` (the engine's eager decode step) under inference mode with fp32 CPU operands and a known
@@ -57,7 +57,8 @@ class PackedExperts:
         self.max_packed_bytes = max_packed_bytes
         self._modules: list[GroupedExperts] = []
         for mod in model.modules():
-            if isinstance(mod, GroupedExperts) and "forward" not in mod.__dict__:
+            # the exact class: a subclass (expert parallelism's ExpertParallelGroupedExperts) has its own forward
+            if type(mod) is GroupedExperts and "forward" not in mod.__dict__:
                 name = _activation_name(mod)
                 if name is None:
                     continue

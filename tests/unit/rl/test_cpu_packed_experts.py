@@ -60,6 +60,18 @@ def test_patched_experts_equal_the_module_inside_decoding_only(gated, activation
     assert "forward" not in mod.__dict__
 
 
+def test_subclasses_and_patched_modules_are_left_alone():
+    class Sharded(GroupedExperts):  # e.g. expert parallelism's class swap: its own forward (all-to-all)
+        pass
+
+    sharded, plain = _experts(), _experts()
+    sharded.__class__ = Sharded
+    packer = PackedExperts(torch.nn.Sequential(sharded, plain))
+    assert packer.num_modules == 1 and "forward" not in sharded.__dict__ and "forward" in plain.__dict__
+    assert PackedExperts(torch.nn.Sequential(plain)).num_modules == 0  # already patched by the first one
+    packer.restore()
+
+
 def test_a_changed_expert_weight_is_packed_again():
     mod = _experts()
     x, ids, w = _inputs()

@@ -22,16 +22,29 @@ ACTIVATIONS = {"silu": 0, "relu2": 1, "gelu": 2, "gelu_pytorch_tanh": 3}
 """Activation names (models/common/moe.py) -> the op's codes."""
 
 
-def available() -> bool:
-    """Whether the loaded extension has the op (a `_C` built before it existed has not)."""
-    from megatron_vlm._ext import load
+_AVAILABLE: Optional[bool] = None
 
-    return load() is not None and hasattr(torch.ops.megatron_vlm, "moe_experts")
+
+def available() -> bool:
+    """Whether the loaded extension has the op (a `_C` built before it existed has not); checked once."""
+    global _AVAILABLE
+    if _AVAILABLE is None:
+        from megatron_vlm._ext import load
+
+        _AVAILABLE = load() is not None and hasattr(torch.ops.megatron_vlm, "moe_experts")
+    return _AVAILABLE
+
+
+def _ops():
+    """torch.ops.megatron_vlm, the extension loaded (RuntimeError when it cannot be)."""
+    if not available():
+        raise RuntimeError("megatron_vlm._C with the moe_experts op is not available")
+    return torch.ops.megatron_vlm
 
 
 def pack_expert_weights(w: torch.Tensor) -> torch.Tensor:
     """MKL-packed copies of the E matrices of `w` `[E, out, in]` (uint8 `[E, bytes]`; empty without MKL)."""
-    return torch.ops.megatron_vlm.moe_pack_expert_weights(w.detach().contiguous())
+    return _ops().moe_pack_expert_weights(w.detach().contiguous())
 
 
 def moe_experts(
@@ -50,6 +63,6 @@ def moe_experts(
     `[E, out, hidden]`, w2 the `down_proj` `[E, hidden, inter]` -> (out `[N, hidden]`, tokens_per_expert `[E]`)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"moe_experts: activation {activation!r} not in {sorted(ACTIVATIONS)}")
-    return torch.ops.megatron_vlm.moe_experts(
+    return _ops().moe_experts(
         x.contiguous(), topk_ids.long().contiguous(), topk_weights.float().contiguous(), w1.detach().contiguous(),
         w2.detach().contiguous(), w1_packed, w2_packed, bool(gated), ACTIVATIONS[activation])

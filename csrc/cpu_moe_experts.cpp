@@ -21,11 +21,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
 
 // MKL's packed-GEMM entry points (LP64 CBLAS, as exported by libtorch_cpu on x86 builds); weak, so they are
@@ -129,10 +131,14 @@ at::Tensor moe_pack_expert_weights_cpu(const at::Tensor& w) {
   if (!mkl_packing()) return at::empty({0}, w.options().dtype(at::kByte));
   const int64_t e = w.size(0), n = w.size(1), k = w.size(2);
   const int64_t stride = packed_stride(n, k);
-  at::Tensor out = at::empty({e, stride}, w.options().dtype(at::kByte));
+  // Raw memory rather than at::empty: MKL writes only part of its reservation, and at::empty fills the whole
+  // buffer when torch's deterministic mode asks uninitialised memory to be filled (the pages would all be touched).
+  void* raw = nullptr;
+  MVLM_CHECK(posix_memalign(&raw, kPackAlign, static_cast<size_t>(e * stride)) == 0 || e * stride == 0,
+             "moe_pack_expert_weights: cannot reserve ", e * stride, " bytes");
+  at::Tensor out = at::from_blob(raw, {e, stride}, [](void* p) { std::free(p); }, w.options().dtype(at::kByte));
   const float* src = w.data_ptr<float>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  MVLM_CHECK(reinterpret_cast<uintptr_t>(dst) % kPackAlign == 0, "moe_pack_expert_weights: unaligned buffer");
+  uint8_t* dst = static_cast<uint8_t*>(raw);
   for (int64_t i = 0; i < e; ++i) {
     cblas_sgemm_pack(kRowMajor, kBMatrix, kTrans, 16, static_cast<int>(n), static_cast<int>(k), 1.0f,
                      src + i * n * k, static_cast<int>(k), reinterpret_cast<float*>(dst + i * stride));

@@ -12,6 +12,8 @@
 //   token_logprob_rows / token_logprob_grad_rows
 //                        row algebra of the fused LM head + token log-probs (cpu_token_logprobs.cpp)
 //   sample_rows          the rollout's untruncated inverse-CDF draw + behaviour log-prob per row (cpu_sampling.cpp)
+//   moe_pack_expert_weights / moe_experts
+//                        routed MoE experts of an inference step in one call, on MKL-packed weights (cpu_moe_experts.cpp)
 // CPU implementations are in host_ops.cpp, moe_routing_cpu.cpp and cpu_layer_ops.cpp, CUDA ones in cuda/.
 #pragma once
 
@@ -50,6 +52,12 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cpu(const at::Tensor& grad, cons
 at::Tensor swiglu_fwd_cpu(const at::Tensor& gate, const at::Tensor& up);
 std::tuple<at::Tensor, at::Tensor> swiglu_bwd_cpu(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up);
 at::Tensor rotary_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward);
+at::Tensor moe_pack_expert_weights_cpu(const at::Tensor& w);
+std::tuple<at::Tensor, at::Tensor> moe_experts_cpu(const at::Tensor& x, const at::Tensor& topk_ids,
+                                                   const at::Tensor& topk_weights, const at::Tensor& w1,
+                                                   const at::Tensor& w2, const std::optional<at::Tensor>& w1_packed,
+                                                   const std::optional<at::Tensor>& w2_packed, bool gated,
+                                                   int64_t activation);
 // Print native frames on SIGSEGV / SIGBUS / SIGILL / SIGFPE, then chain to the previous handler
 // (segv_backtrace.cpp). True when every handler was installed.
 bool install_segv_backtrace();

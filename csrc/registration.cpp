@@ -94,6 +94,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprob_rows_meta(const at:
   return {at::empty({z.size(0)}, opts), at::empty({z.size(0)}, opts), at::empty({z.size(0)}, opts)};
 }
 
+std::tuple<at::Tensor, at::Tensor> moe_experts_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
+                                                    const at::Tensor& w1, const at::Tensor&,
+                                                    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                                    bool, int64_t) {
+  return {at::empty_like(x), at::empty({w1.size(0)}, x.options().dtype(at::kLong))};
+}
+
 void token_logprob_grad_rows_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                   const at::Tensor&, const std::optional<at::Tensor>&, double) {}
 
@@ -133,6 +140,10 @@ TORCH_LIBRARY(megatron_vlm, m) {
   m.def(
       "decode_attention_prefix(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? slot_ids, "
       "Tensor? block_table, int max_seqlen_k, float scale, Tensor prefix_rows, Tensor prefix_lens) -> Tensor");
+  m.def("moe_pack_expert_weights(Tensor w) -> Tensor");
+  m.def(
+      "moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w1, Tensor w2, Tensor? w1_packed, "
+      "Tensor? w2_packed, bool gated, int activation) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(megatron_vlm, CPU, m) {
@@ -152,6 +163,8 @@ TORCH_LIBRARY_IMPL(megatron_vlm, CPU, m) {
   m.impl("varlen_attention_bwd", &megatron_vlm::varlen_attention_bwd_cpu);
   m.impl("decode_attention", &megatron_vlm::decode_attention_cpu);
   m.impl("decode_attention_prefix", &megatron_vlm::decode_attention_prefix_cpu);
+  m.impl("moe_pack_expert_weights", &megatron_vlm::moe_pack_expert_weights_cpu);
+  m.impl("moe_experts", &megatron_vlm::moe_experts_cpu);
 }
 
 TORCH_LIBRARY_IMPL(megatron_vlm, Meta, m) {
@@ -169,6 +182,7 @@ TORCH_LIBRARY_IMPL(megatron_vlm, Meta, m) {
   m.impl("varlen_attention_bwd", &megatron_vlm::varlen_attention_bwd_meta);
   m.impl("decode_attention", &megatron_vlm::decode_attention_meta);
   m.impl("decode_attention_prefix", &megatron_vlm::decode_attention_prefix_meta);
+  m.impl("moe_experts", &megatron_vlm::moe_experts_meta);
 }
 
 // `import megatron_vlm._C` (after `import torch`): an empty module; the registrations above ran

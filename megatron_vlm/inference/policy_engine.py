@@ -74,6 +74,7 @@ import torch
 
 from megatron_vlm.data.batch import VISION_KEYS
 from megatron_vlm.errors import ConfigError
+from megatron_vlm.inference.cpu_packed_experts import PackedExperts, fused_experts_available
 from megatron_vlm.inference.cpu_packed_linear import PackedLinears, packing_available
 from megatron_vlm.inference.decode_graphs import DecodeStepRunner, GraphUnsafeError
 from megatron_vlm.inference.engine import RolloutEngine, RolloutPrompt, RolloutResult, RolloutSample, SamplingParams
@@ -248,6 +249,9 @@ class EngineOptions:
     cpu_packed_gemm: bool = True
     """CPU, fp32, the engine's own weights: eager decode steps run the Linear layers on MKL-packed copies of the
     weights (inference/cpu_packed_linear.py; packed again whenever the weights change)."""
+    cpu_fused_experts: bool = True
+    """CPU, fp32, the engine's own weights: eager decode steps run each MoE layer's routed experts as one C++ call
+    on MKL-packed expert weights (inference/cpu_packed_experts.py); routing is unchanged."""
 
 
 class PolicyRolloutEngine(RolloutEngine):
@@ -329,6 +333,7 @@ class PolicyRolloutEngine(RolloutEngine):
         self.policy_version = 0
         self._packs: dict = {}  # MKL-packed weight copies of the CPU decode step (cpu_packed_linear.py)
         self._packer: Optional[PackedLinears] = None
+        self._expert_packer: Optional[PackedExperts] = None  # the fused CPU experts (cpu_packed_experts.py)
         self._step_lock = threading.RLock()  # re-entrant: a forward hook may load weights
         self._interrupt = threading.Event()
         self._pause = threading.Event()  # set by `paused()`: the decode loop leaves the step lock to it
@@ -574,6 +579,9 @@ class PolicyRolloutEngine(RolloutEngine):
         packer = self._cpu_packer(num_slots, dev) if self._packer is None else None  # one batch patches the model
         if packer is not None:
             self._packer = packer
+        experts = self._cpu_expert_packer(dev) if self._expert_packer is None else None
+        if experts is not None:
+            self._expert_packer = experts
         try:
             return self._loop(_Batch(prompts, offset, params, checker, generator, stats), run,
                               _Slots(cache, queue, prefixes, num_slots, runner))
@@ -584,6 +592,9 @@ class PolicyRolloutEngine(RolloutEngine):
             if packer is not None:
                 packer.restore()
                 self._packer = None
+            if experts is not None:
+                experts.restore()
+                self._expert_packer = None
             if self.cuda_graphs == "off":  # "auto" gave up on graphs during the call
                 self._drop_runner()
 
@@ -598,6 +609,18 @@ class PolicyRolloutEngine(RolloutEngine):
         if any(getattr(m, "_compiled_call_impl", None) is not None for m in self.model.modules()):
             return None  # compiled blocks (parallel.compile): their graphs call the layers' own forward
         return PackedLinears(self.model, num_slots, self._packs)
+
+    def _cpu_expert_packer(self, dev: torch.device) -> Optional[PackedExperts]:
+        """The fused routed experts of this batch's CPU decode steps, or None where they do not apply (option off, not
+        the CPU, not the engine's own weights, no MoE layer, compiled blocks, an extension without the op)."""
+        if not self.options.cpu_fused_experts or dev.type != "cpu" or not self.owns_forward or self.lockstep:
+            return None
+        if not moe_layers(self.model) or not fused_experts_available():
+            return None
+        if any(getattr(m, "_compiled_call_impl", None) is not None for m in self.model.modules()):
+            return None
+        experts = PackedExperts(self.model, self._packs)
+        return experts if experts.num_modules else None
 
     def _kept_runner(self, num_slots: int, max_len: int, dev) -> Optional[DecodeStepRunner]:
         """With graphs on: the slot cache and graphs of an earlier call when the slot count and the slot length
@@ -705,7 +728,8 @@ class PolicyRolloutEngine(RolloutEngine):
                     if logits is None:
                         cache.set_active(slots_now)
                         packed = self._packer.decoding() if self._packer is not None else contextlib.nullcontext()
-                        with recording_routes() if run.routes is not None else contextlib.nullcontext() as rec, packed:
+                        fused = self._expert_packer.decoding() if self._expert_packer is not None else contextlib.nullcontext()
+                        with recording_routes() if run.routes is not None else contextlib.nullcontext() as rec, packed, fused:
                             logits = self.forward(input_ids=feed[:, None], kv_cache=cache)[:, -1]
                         routes = rec.stacked() if rec is not None else None
                     if running and run.routes is not None:  # the fed tokens' experts, at their positions

@@ -208,6 +208,9 @@ MVLM_CLONES void attend_task(const float* q, int64_t q_stride, const float* kc, 
   attend_sequence_any(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out);
 }
 
+// Scratch floats of the head-major path (attend_many16 below): queries transposed, 16 keys, key-major scores.
+inline int64_t many_buffer_floats(int64_t heads, int64_t n, int64_t d) { return (heads + 15) / 16 * 16 * (d + n) + 16 * d; }
+
 // ---- AVX-512 (x86-64-v4) path: 16-float vectors, several query heads of a GQA group per pass ----------
 //
 // Used when the CPU has AVX-512 (and ATEN_CPU_CAPABILITY does not ask for avx2 / default, so the CI rerun
@@ -295,77 +298,137 @@ __attribute__((always_inline)) inline void value_heads16(const float* p, int64_t
 
 typedef int v16i __attribute__((vector_size(64)));
 
-// In-register transpose of a 16 x 16 tile (r[t] = row t): four stages that swap the off-diagonal b x b blocks of
-// each 2b x 2b block (b = 8, 4, 2, 1), two 2-source lane shuffles per pair of rows, 64 in all.
-template <int b>
-__attribute__((always_inline)) inline void transpose_stage(v16f* r) {
-  v16i lo, hi;  // row i (bit b clear) takes row i + b's low lanes into its high ones; row i + b the converse
-  for (int l = 0; l < 16; ++l) {
-    lo[l] = (l & b) ? 16 + l - b : l;
-    hi[l] = (l & b) ? 16 + l : l + b;
-  }
-  for (int i = 0; i < 16; ++i) {
-    if (i & b) continue;
-    const v16f a = r[i], c = r[i + b];
-    r[i] = __builtin_shuffle(a, c, lo);
-    r[i + b] = __builtin_shuffle(a, c, hi);
-  }
+// exp(x) for x <= 0, 16 lanes: vexp_nonpos's polynomial lane for lane (the same value per element).
+__attribute__((always_inline)) inline v16f vexp16_nonpos(v16f x) {
+  const v16f lo = v16f{} - 87.3f;
+  x = x < lo ? lo : x;
+  const v16i ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v16i);
+  const v16f n = __builtin_convertvector(ni, v16f);
+  const v16f r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v16f p = v16f{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const v16f y = p * r * r + r + 1.0f;
+  const v16i bits = (ni + 127) << 23;
+  v16f scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
 }
 
-__attribute__((always_inline)) inline void transpose16(v16f* r) {
-  transpose_stage<8>(r);
-  transpose_stage<4>(r);
-  transpose_stage<2>(r);
-  transpose_stage<1>(r);
+// ---- many query heads per key (the shared-prefix op: all the rows of a group against one copy) ----------
+//
+// Head-major: the vector lanes run over 16 query heads, so nothing is ever summed across lanes. The queries
+// are transposed once (qt: D rows of hp heads, hp = heads rounded up to 16, zero queries in the padding); 16
+// keys at a time are copied into kb (contiguous, so every broadcast is an offset from one register) and their
+// scores for a 16-head chunk are 16 accumulators of D FMAs each; the scores s are key-major ([n][hp]), so the
+// softmax is per lane (max, exp, sum over keys) and the value pass broadcasts p from one row per key. The sums:
+// a score is the D products added in order; the softmax sum per head adds its keys in order.
+
+// s[j][16c .. 16c + 15] = scale * (q . k_j) for keys [j, j + cnt) and one 16-head chunk; kb holds the keys.
+template <int D>
+__attribute__((always_inline)) inline void many_scores(const float* qt, int64_t hp, int64_t c, const float* kb,
+                                                       int64_t cnt, float scale, float* s) {
+  v16f acc[16];
+#pragma GCC unroll 16
+  for (int t = 0; t < 16; ++t) acc[t] = v16f{};
+  for (int dd = 0; dd < D; ++dd) {
+    const v16f qv = load16(qt + dd * hp + 16 * c);
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) acc[t] += qv * kb[t * D + dd];
+  }
+  for (int64_t t = 0; t < cnt; ++t) store16(s + t * hp + 16 * c, acc[t] * scale);
 }
 
-// Scores of HB query heads (rows q + h * D, D = the head dim) against one transposed tile of keys (kt: D rows of
-// 16 keys): per head and key one chain of D FMAs with the query element broadcast, no horizontal sum. Only the
-// first cnt (<= 16) keys are stored. The query rows are D apart as a constant, so every broadcast is an
-// offset from one register.
-template <int HB, int D>
-__attribute__((always_inline)) inline void tile_scores(const float* q, const float* kt, float scale, float* s, int64_t n,
-                                                       int64_t cnt) {
-  v16f acc[HB];  // in registers: the head loops must be unrolled (GCC keeps a 24-array in memory otherwise)
-#pragma GCC unroll 32
-  for (int h = 0; h < HB; ++h) acc[h] = v16f{};
-  for (int c = 0; c < D; ++c) {
-    const v16f kv = load16(kt + 16 * c);
-#pragma GCC unroll 32
-    for (int h = 0; h < HB; ++h) acc[h] += q[h * D + c] * kv;
-  }
-#pragma GCC unroll 32
-  for (int h = 0; h < HB; ++h) {
-    const v16f x = acc[h] * scale;
-    if (cnt == 16) {
-      store16(s + h * n, x);
-    } else {
-      std::memcpy(s + h * n, &x, cnt * sizeof(float));
+// o[h] += sum_j s[j][h0 + h] v_j for HB heads over keys [j0, j1) (outputs o + h * D, accumulated in registers).
+template <int kC, int HB>
+__attribute__((always_inline)) inline void many_values(const float* s, int64_t hp, int64_t h0, const float* vc,
+                                                       const int64_t* rows, int64_t j0, int64_t j1, float* o,
+                                                       Prefetch pf) {
+  constexpr int D = 16 * kC;
+  v16f acc[HB][kC];
+#pragma GCC unroll 16
+  for (int h = 0; h < HB; ++h)
+#pragma GCC unroll 8
+    for (int c = 0; c < kC; ++c) acc[h][c] = load16(o + h * D + 16 * c);
+  for (int64_t j = j0; j < j1; ++j) {
+    pf.row(rows, j, D);
+    const float* v = vc + rows[j] * D;
+    const float* p = s + j * hp + h0;
+    v16f vv[kC];
+#pragma GCC unroll 8
+    for (int c = 0; c < kC; ++c) vv[c] = load16(v + 16 * c);
+#pragma GCC unroll 16
+    for (int h = 0; h < HB; ++h) {
+      const float pj = p[h];
+#pragma GCC unroll 8
+      for (int c = 0; c < kC; ++c) acc[h][c] += pj * vv[c];
     }
   }
+#pragma GCC unroll 16
+  for (int h = 0; h < HB; ++h)
+#pragma GCC unroll 8
+    for (int c = 0; c < kC; ++c) store16(o + h * D + 16 * c, acc[h][c]);
 }
 
-// Scores of `heads` query heads (rows d apart) of one kv head for keys [j0, j1) when many heads share each key (the
-// shared-prefix op: all the rows of a group attend to one copy): 16 keys at a time are transposed into kt (d x 16
-// floats), so the work per (key, head) is d / 16 FMAs and nothing else; the transpose is paid once per key.
+// `heads` query heads (q: rows D apart) of one kv head (kc / vc: its keys / values at rows[j] * D) over n >= 1
+// keys: normalised outputs at out + h * D (zeros on entry), 1 / sum, max and sum of head h at inv[h], mx[h],
+// sm[h]. buf: many_buffer_floats(heads, n, D) floats.
+
 template <int kC>
-__attribute__((always_inline)) inline void score_tiles16(const float* q, int64_t heads, const float* kc,
-                                                         const int64_t* rows, int64_t j0, int64_t j1, int64_t d,
-                                                         float scale, float* s, int64_t n, Prefetch pf, float* kt) {
-  for (int64_t j = j0; j < j1; j += 16) {
-    const int64_t cnt = std::min<int64_t>(16, j1 - j);
-    for (int64_t t = 0; t < cnt; ++t) pf.row(rows, j + t, d);
-    for (int c = 0; c < kC; ++c) {
-      v16f r[16];
-      for (int t = 0; t < 16; ++t) r[t] = t < cnt ? load16(kc + rows[j + t] * d + 16 * c) : v16f{};
-      transpose16(r);
-      for (int t = 0; t < 16; ++t) store16(kt + (16 * c + t) * 16, r[t]);
+__attribute__((always_inline)) inline void attend_many16(const float* q, int64_t heads, const float* kc, const float* vc,
+                                                         const int64_t* rows, int64_t n, float scale, float* buf,
+                                                         float* inv, float* mx, float* sm, float* out, Prefetch pfk,
+                                                         Prefetch pfv) {
+  constexpr int D = 16 * kC;
+  constexpr int HB = kC <= 2 ? 12 : (kC <= 4 ? 6 : 2);  // heads per value pass: <= 24 accumulators
+  const int64_t hp = (heads + 15) / 16 * 16, chunks = hp / 16;
+  float* qt = buf;              // [D][hp]
+  float* kb = qt + D * hp;      // [16][D]
+  float* s = kb + 16 * D;       // [n][hp]
+  for (int dd = 0; dd < D; ++dd)
+    for (int64_t h = 0; h < hp; ++h) qt[dd * hp + h] = h < heads ? q[h * D + dd] : 0.0f;
+  for (int64_t j = 0; j < n; j += 16) {
+    const int64_t cnt = std::min<int64_t>(16, n - j);
+    for (int64_t t = 0; t < 16; ++t) {  // missing keys of a last partial block: copies of its last key (not stored)
+      pfk.row(rows, j + std::min(t, cnt - 1), D);
+      const float* k = kc + rows[j + std::min(t, cnt - 1)] * D;
+#pragma GCC unroll 8
+      for (int c = 0; c < kC; ++c) store16(kb + t * D + 16 * c, load16(k + 16 * c));
     }
-    constexpr int D = 16 * kC;
+    for (int64_t c = 0; c < chunks; ++c) many_scores<D>(qt, hp, c, kb, cnt, scale, s + j * hp);
+  }
+  for (int64_t c = 0; c < chunks; ++c) {  // softmax per head (lane): max, then exp and the sum over the keys
+    v16f m = load16(s + 16 * c);
+    for (int64_t j = 1; j < n; ++j) {
+      const v16f x = load16(s + j * hp + 16 * c);
+      m = x > m ? x : m;
+    }
+    v16f sum{};
+    for (int64_t j = 0; j < n; ++j) {
+      const v16f e = vexp16_nonpos(load16(s + j * hp + 16 * c) - m);
+      store16(s + j * hp + 16 * c, e);
+      sum += e;
+    }
+    for (int64_t l = 0; l < 16 && 16 * c + l < heads; ++l) {
+      const int64_t h = 16 * c + l;
+      inv[h] = 1.0f / sum[l], mx[h] = m[l], sm[h] = sum[l];
+    }
+  }
+  const int64_t block = 64;  // keys per value block: their rows stay in L1 across the head blocks
+  for (int64_t j0 = 0; j0 < n; j0 += block) {
+    const int64_t j1 = std::min(n, j0 + block);
     int64_t h = 0;
-    for (; h + 24 <= heads; h += 24) tile_scores<24, D>(q + h * D, kt, scale, s + h * n + j, n, cnt);
-    for (; h + 8 <= heads; h += 8) tile_scores<8, D>(q + h * D, kt, scale, s + h * n + j, n, cnt);
-    for (; h < heads; ++h) tile_scores<1, D>(q + h * D, kt, scale, s + h * n + j, n, cnt);
+    for (; h + HB <= heads; h += HB) {
+      many_values<kC, HB>(s, hp, h, vc, rows, j0, j1, out + h * D, h == 0 ? pfv : Prefetch{nullptr, 0});
+    }
+    for (; h < heads; ++h) many_values<kC, 1>(s, hp, h, vc, rows, j0, j1, out + h * D, h == 0 ? pfv : Prefetch{nullptr, 0});
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    const v16f f = v16f{} + inv[h];
+    for (int c = 0; c < kC; ++c) store16(out + h * D + 16 * c, load16(out + h * D + 16 * c) * f);
   }
 }
 
@@ -374,19 +437,22 @@ __attribute__((always_inline)) inline void attend_sequence16(const float* q, int
                                                              const float* vc, const int64_t* rows, int64_t n,
                                                              int64_t h0, int64_t h1, int64_t group, int64_t d,
                                                              float scale, float* scores, float* inv, float* out,
-                                                             bool tiled) {
+                                                             bool many) {
   constexpr int kQH = kC <= 4 ? 2 : 1;                     // query heads per score pass
   constexpr int kVH = kC <= 2 ? 6 : (kC <= 4 ? 6 : 2);     // query heads per value pass (<= 28 accumulators)
   const int64_t heads = (h1 - h0) * group, lines = (h1 - h0) * d / 16;
+  if (many && q_stride == d) {  // head-major, one kv head at a time (scores: many_buffer_floats(group, n, d))
+    for (int64_t g = h0, h = 0; g < h1; ++g, h += group) {
+      const Prefetch pfk{g == h0 ? kc + h0 * d : nullptr, lines}, pfv{g == h0 ? vc + h0 * d : nullptr, lines};
+      attend_many16<kC>(q + h * d, group, kc + g * d, vc + g * d, rows, n, scale, scores, inv + h, inv + heads + h,
+                        inv + 2 * heads + h, out + h * d, pfk, pfv);
+    }
+    return;
+  }
   const int64_t block = std::max<int64_t>(8, kBlockBytes / (4 * d * (h1 - h0)) / 8 * 8);
-  alignas(64) float kt[16 * 16 * (kC > 0 ? kC : 1)];
   for (int64_t j0 = 0; j0 < n; j0 += block) {
     const int64_t j1 = std::min(n, j0 + block);
-    for (int64_t g = h0, h = 0; g < h1 && tiled && q_stride == d; ++g, h += group) {
-      const Prefetch pf{h == 0 ? kc + h0 * d : nullptr, lines};
-      score_tiles16<kC>(q + h * q_stride, group, kc + g * d, rows, j0, j1, d, scale, scores + h * n, n, pf, kt);
-    }
-    for (int64_t g = h0, h = 0; g < h1 && !(tiled && q_stride == d); ++g) {
+    for (int64_t g = h0, h = 0; g < h1; ++g) {
       for (int64_t e = 0; e < group;) {
         const float* qh = q + h * q_stride;
         const Prefetch pf{h == 0 ? kc + h0 * d : nullptr, lines};
@@ -433,13 +499,13 @@ __attribute__((always_inline)) inline void attend_sequence16(const float* q, int
 // The AVX-512 task; false when d has no 16-wide kernel here (the caller then runs attend_task).
 MVLM_AVX512 bool attend_task16(const float* q, int64_t q_stride, const float* kc, const float* vc, const int64_t* rows,
                                int64_t n, int64_t h0, int64_t h1, int64_t group, int64_t d, float scale, float* scores,
-                               float* inv, float* out, bool tiled) {
+                               float* inv, float* out, bool many) {
   switch (d) {
-    case 32: attend_sequence16<2>(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out, tiled);
+    case 32: attend_sequence16<2>(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out, many);
       return true;
-    case 64: attend_sequence16<4>(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out, tiled);
+    case 64: attend_sequence16<4>(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out, many);
       return true;
-    case 128: attend_sequence16<8>(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out, tiled);
+    case 128: attend_sequence16<8>(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out, many);
       return true;
     default: return false;
   }
@@ -463,12 +529,13 @@ bool attend_task16(const float*, int64_t, const float*, const float*, const int6
 }
 #endif
 
-// One task's attention on the widest kernel this CPU and head dim have (`tiled`: score many query heads per key by
-// transposed tiles, on the AVX-512 kernels).
+// One task's attention on the widest kernel this CPU and head dim have (`many`: a large GQA group with query rows d
+// apart, the shared-prefix op's; head-major on the AVX-512 kernels, whose scores buffer then needs
+// many_buffer_floats(group, n, d) floats).
 void attend(bool wide, const float* q, int64_t q_stride, const float* kc, const float* vc, const int64_t* rows,
             int64_t n, int64_t h0, int64_t h1, int64_t group, int64_t d, float scale, float* scores, float* inv,
-            float* out, bool tiled = false) {
-  if (!(wide && attend_task16(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out, tiled))) {
+            float* out, bool many = false) {
+  if (!(wide && attend_task16(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out, many))) {
     attend_task(q, q_stride, kc, vc, rows, n, h0, h1, group, d, scale, scores, inv, out);
   }
 }
@@ -680,10 +747,10 @@ at::Tensor decode_attention_prefix_cpu(const at::Tensor& q, const at::Tensor& k_
         }
         const int64_t heads = per_task * mg, keys = plen[r];
         fill_rows(r, 0, keys);
-        scores.resize(heads * keys);
+        scores.resize(std::max(heads * keys, many_buffer_floats(mg, keys, d)));
         inv.resize(3 * heads);
         attend(wide, qi + h0 * mg * d, d, kp, vp, rows.data(), keys, h0, h0 + per_task, mg, d, sc, scores.data(),
-               inv.data(), og.data() + (first[i] + h0 * mg) * d, /*tiled=*/true);
+               inv.data(), og.data() + (first[i] + h0 * mg) * d, /*many=*/true);
         for (int64_t h = 0; h < heads; ++h) {
           pstat[2 * (first[i] + h0 * mg + h)] = inv[heads + h];
           pstat[2 * (first[i] + h0 * mg + h) + 1] = inv[2 * heads + h];

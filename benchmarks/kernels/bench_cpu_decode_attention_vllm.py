@@ -21,11 +21,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-SHAPES = {  # name: (sequences, query heads, kv heads, head dim, cached keys)
+SHAPES = {  # name: (sequences, query heads, kv heads, head dim, cached keys[, shared prompt keys, samples per prompt])
     "row_b": (32, 12, 2, 64, 575),    # ~110M Qwen2, mid-decode of 4 x 512 + 128
     "row_e": (32, 12, 2, 64, 1000),   # the same model late in a 512-token decode
     "row_d": (64, 8, 2, 32, 100),     # the tiny MoE row
     "d128": (32, 8, 1, 128, 575),
+    # the rows as a rollout has them: 4 prompts of 512 keys x G 8 samples. Both kernels get the sharing in their own
+    # way: vLLM's block tables point the 8 samples at one copy of the prompt's blocks (its prefix cache), ours the
+    # shared_prefix hint over per-slot copies (the engine's slot cache)
+    "row_b_shared": (32, 12, 2, 64, 575, 512, 8),
+    "row_e_shared": (32, 12, 2, 64, 1000, 512, 8),
 }
 LAYERS, BLOCK = 8, 128
 
@@ -50,13 +55,15 @@ def main() -> int:
         return 0
     print(f"torch {torch.__version__}, one thread, load {os.getloadavg()[0]:.1f}")
     for name in args.shapes.split(","):
-        b, hq, hkv, d, n = SHAPES[name]
+        b, hq, hkv, d, n, shared, group = (SHAPES[name] + (0, 1))[:7]
+        roots = torch.arange(b) // group * group
         g = torch.Generator().manual_seed(0)
         nb = -(-n // BLOCK)
         q = torch.randn(b, hq, d, generator=g)
         ours, theirs = [], []
         for _ in range(LAYERS):
             k, v = torch.randn(b, nb * BLOCK, hkv, d, generator=g), torch.randn(b, nb * BLOCK, hkv, d, generator=g)
+            k[:, :shared], v[:, :shared] = k[roots, :shared], v[roots, :shared]  # each sample's copy of its prompt
             ours.append((k, v))
             kv = torch.zeros(b * nb, hkv, 2 * BLOCK, d)  # vLLM's CPU cache, written by its own op (its layout)
             kc, vc = kv.chunk(2, dim=2)
@@ -66,6 +73,8 @@ def main() -> int:
         lens = torch.full((b,), n, dtype=torch.int32)
         qsl = torch.arange(b + 1, dtype=torch.int32)
         table = torch.arange(b * nb, dtype=torch.int32).reshape(b, nb)
+        table[:, :shared // BLOCK] = table[roots, :shared // BLOCK].clone()  # one copy of each prompt's blocks
+        hint = (roots, torch.full((b,), shared)) if shared else None
         meta = vops.cpu_attn_get_scheduler_metadata(
             num_reqs=b, num_heads=hq, num_kv_heads=hkv, head_dim=d, seq_lens=lens, dtype=torch.float32,
             query_start_loc=qsl, causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=False)
@@ -81,7 +90,7 @@ def main() -> int:
 
         def run_ours(layer):
             kc, vc = ours[layer]
-            return layer_ops.decode_attention(q, kc, vc, lens, max_seqlen_k=n)
+            return layer_ops.decode_attention(q, kc, vc, lens, max_seqlen_k=n, shared_prefix=hint)
 
         err = (run_ours(0).double() - run_vllm(0).double()).abs().max().item()
         if err > 1e-5:

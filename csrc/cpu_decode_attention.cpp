@@ -16,12 +16,16 @@
 // task's first kv head) also prefetches the rows kPrefetchKeys positions ahead, all the task's kv heads of each:
 // ~22 % less time from memory at the rollout shapes (32 sequences x 12 / 2 heads x 64, 575 and 1000 keys).
 //
-// Numerics: two passes per query head, as before (scores, max, exp / sum, then values), with the same
+// Shared prompts (decode_attention_prefix, at the end): the G samples of one prompt read its keys once, all
+// their query heads together; that group task runs the head-major kernel (attend_many16) on AVX-512.
+//
+// Numerics (decode_attention): two passes per query head, as before (scores, max, exp / sum, then values), with the same
 // arithmetic in the same order for each (query head, key): the 8-lane partial dot products summed by
 // hsum8x8 / hsum8, the same softmax_numerators, and the output accumulated key by key from zero (kept in
 // registers within a block, in the output row between blocks: a store and a load are exact). The result is
 // therefore bitwise the one of the previous kernel, independent of the block size, the batch a sequence
-// comes in and the thread count.
+// comes in and the thread count. decode_attention_prefix promises only fp32 rounding against it (a split
+// softmax; its result for a row depends on whether other rows of its group share the step, never on threads).
 #include "cpu_vec.h"
 #include "check.h"
 #include "ops.h"
@@ -31,6 +35,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -132,7 +137,7 @@ __attribute__((always_inline)) inline void softmax_rows(float* scores, float* in
 
 // One sequence, kv heads [h0, h1): q rows of query head h at q + h * q_stride, output rows (zeros on entry)
 // at out + h * d (h counted from h0 * group); key / value j of kv head g at kc / vc + (rows[j] + g) * d.
-// scores holds (h1 - h0) * group * n floats, inv (h1 - h0) * group.
+// scores holds (h1 - h0) * group * n floats, inv 3 * (h1 - h0) * group (softmax_rows).
 template <int64_t kC>
 __attribute__((always_inline)) inline void attend_sequence(const float* q, int64_t q_stride, const float* kc,
                                                            const float* vc, const int64_t* rows, int64_t n,
@@ -220,6 +225,7 @@ inline int64_t many_buffer_floats(int64_t heads, int64_t n, int64_t d) { return 
 // its group, whose accumulators stay in the 32 vector registers. The sums are the 8-wide path's, bit for bit:
 // lanes 0-7 of a 16-lane chain are that path's even-chunk chain (a0), lanes 8-15 its odd-chunk chain (a1),
 // and fold16 adds them as it does; each output lane accumulates the same products in the same key order.
+// (Not so the head-major kernel of the shared-prefix op, attend_many16: its own order, within fp32 rounding.)
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define MVLM_HAVE_AVX512_PATH 1
 #define MVLM_AVX512 __attribute__((target("arch=x86-64-v4")))
@@ -638,9 +644,11 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
 // first prefix_lens[b] keys of row b equal those of row r (its slot's copy), r a row with prefix_rows[r] = r and
 // the same length. Every group of two or more rows reads those keys once: all its rows' query heads attend to
 // the root's copy together (one task per group: query head (member i, head e of kv head g) is head i * group + e
-// of kv head g, so the kernels above run unchanged with a larger GQA group), each row then attends to its own
-// keys after the prefix, and the two softmaxes are merged with their maxima and sums. The result is the attention
-// over the row's own keys up to fp32 rounding (the split changes the order of the sums).
+// of kv head g: a larger GQA group, run by the head-major kernel on AVX-512, by the 8-wide one otherwise), each
+// row then attends to its own keys after the prefix, and the two softmaxes are merged with their maxima and sums.
+// The result is the attention over the row's own keys up to fp32 rounding (the split changes the order of the
+// sums). Tasks (a group's kv heads, a row's kv heads) are taken from a shared counter, heaviest first, so the
+// group tasks do not all land on one thread's static share.
 at::Tensor decode_attention_prefix_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                        const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& slot_ids,
                                        const std::optional<at::Tensor>& block_table, int64_t max_seqlen_k,
@@ -720,19 +728,21 @@ at::Tensor decode_attention_prefix_cpu(const at::Tensor& q, const at::Tensor& k_
   const int64_t chunks = hkv / per_task, prefix_tasks = static_cast<int64_t>(roots.size()) * chunks;
   const bool wide = use_avx512_path();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, prefix_tasks + batch * chunks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t tasks = prefix_tasks + batch * chunks;
+  std::atomic<int64_t> next{0};  // the group tasks (the heavy ones) come first
+  at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     std::vector<int64_t> rows;
     std::vector<float> scores, inv;
     auto fill_rows = [&](int64_t b, int64_t j0, int64_t count) {  // row b's keys j0 .. j0 + count - 1
       rows.resize(count + kPrefetchKeys);
       for (int64_t j = j0; j < j0 + count;) {
-        const int64_t blk = j / block, end = std::min(j0 + count, (blk + 1) * block);
-        const int64_t first = (table[b * max_blocks + blk] - blk) * block;  // row of key j: (first + j) * hkv
-        for (; j < end; ++j) rows[j - j0] = (first + j) * hkv;
+        const int64_t blk = j / block, stop = std::min(j0 + count, (blk + 1) * block);
+        const int64_t base = (table[b * max_blocks + blk] - blk) * block;  // row of key j: (base + j) * hkv
+        for (; j < stop; ++j) rows[j - j0] = (base + j) * hkv;
       }
       for (int64_t j = count; j < count + kPrefetchKeys; ++j) rows[j] = rows[count - 1];
     };
-    for (int64_t t = begin; t < end; ++t) {
+    for (int64_t t = next++; t < tasks; t = next++) {
       const int64_t h0 = (t % chunks) * per_task;
       if (t < prefix_tasks) {  // one group's shared keys, all its rows' query heads of kv heads [h0, h0 + per_task)
         const int64_t i = t / chunks, r = roots[i], m = static_cast<int64_t>(members[r].size()), mg = m * group;

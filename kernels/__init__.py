@@ -131,7 +131,8 @@ def ssd_state_update(state, x, dt, A, B, C, **kwargs):
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor, **kwargs):
     """One query per sequence q `[B, H, D]` against its cached keys: slot cache `[slots, L, Hkv, D]` (+ slot_ids)
     or paged cache `[blocks, block_size, Hkv, D]` + block_table; kwargs: slot_ids, block_table, max_seqlen_k,
-    softmax_scale. Contract: `kernels/reference/decode_attention.py`."""
+    softmax_scale, shared_prefix (which sequences hold copies of one prompt). Contract:
+    `kernels/reference/decode_attention.py`."""
     return DEFAULT_REGISTRY.resolve("decode_attention", q)(q, k_cache, v_cache, cache_seqlens, **kwargs)
 
 

@@ -20,7 +20,8 @@ cache, not a change of the result: the first `prefix_lens[b]` keys and values of
 sequence `prefix_rows[b]`, a sequence that is its own row there (`prefix_rows[r] = r`) with the same length
 (0: nothing shared). The G samples of one prompt in a GRPO rollout each hold a copy of the prompt's cache;
 a backend may read such a prefix once for all the sequences that share it (the CPU kernel of
-`megatron_vlm._C` does), the others attend to each sequence's own copy, which is the same attention.
+`megatron_vlm._C` does: the same attention up to fp32 rounding), the others attend to each sequence's own
+copy.
 
 Numerics: the loop computes in fp32; the vectorised backend runs torch's fused SDPA (fp32 for fp32
 inputs, fp32 accumulation for bf16 / fp16), so a decoding step equals the batched masked attention over

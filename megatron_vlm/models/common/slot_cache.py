@@ -24,7 +24,8 @@ Shared prompts: `load_prefix(slots, ...)` copies one prompt into all of `slots` 
 so until a slot is loaded again its first n keys equal those of the other slots of that call (either
 layout). An eager step on the CPU passes that to `kernels.decode_attention` as `shared_prefix` (per active row: the first active
 row of its group and the prompt length), and the CPU kernel reads each group's prompt once for all its
-rows instead of once per row (`share_prefix_reads = False` turns the hint off; the attention is the same).
+rows instead of once per row (`share_prefix_reads = False` turns the hint off; the attention is the same up to
+fp32 rounding, the prompt's softmax and the rest's being merged).
 
 Static steps (`set_active_static(slot_ids)`, the CUDA-graph decode runner: inference/decode_graphs.py):
 the active slots are a device tensor of a fixed size (a batch-size bucket, extra rows on the scratch
@@ -86,6 +87,8 @@ class SlotCache:
     # ----- filling slots -----
     def load_prefix(self, slots: Sequence[int], prefill, row: int) -> None:
         """Copy row `row` of a prefilled left-padded cache (`KVCache` / `HybridCache`) into every slot of `slots`."""
+        if self._pending:  # the step's shared_prefix hint would no longer hold
+            raise RuntimeError("SlotCache: load_prefix in the middle of a step")
         src = _kv_part(prefill)
         n = int(src.mask[row, : src.seq_len].sum())
         if n > self.max_len:
@@ -390,6 +393,8 @@ class PagedSlotCache(SlotCache):
     # ----- filling slots -----
     def load_prefix(self, slots: Sequence[int], prefill, row: int) -> None:
         """As `SlotCache.load_prefix`; every slot must hold a reservation covering the prompt."""
+        if self._pending:
+            raise RuntimeError("PagedSlotCache: load_prefix in the middle of a step")
         src = _kv_part(prefill)
         n = int(src.mask[row, : src.seq_len].sum())
         short = [s for s in slots if self.slot_capacity[s] < n]

@@ -55,7 +55,7 @@ def _close(a, b, rel=2e-6):
     assert (a.double() - b.double()).abs().max().item() <= rel * scale
 
 
-@pytest.mark.parametrize("d,hq,hkv", [(64, 12, 2), (32, 8, 2), (128, 8, 1), (24, 4, 4)])
+@pytest.mark.parametrize("d,hq,hkv", [(64, 12, 2), (32, 8, 2), (128, 8, 1), (24, 4, 4), (40, 8, 2)])
 def test_shared_prefix_matches_each_own_copy(ops, d, hq, hkv):
     g = torch.Generator().manual_seed(d + hq)
     slots = torch.tensor([3, 0, 7, 2, 5, 9, 1, 4])
@@ -65,12 +65,12 @@ def test_shared_prefix_matches_each_own_copy(ops, d, hq, hkv):
     outs = []
     old = torch.get_num_threads()
     try:
-        for threads in (1, 2):
+        for threads in (1, 2, 6):  # 6: fewer rows than 2 x threads, so tasks take single kv heads
             torch.set_num_threads(threads)
             outs.append(ops.decode_attention(q, kc, vc, seqlens, slot_ids=slots, shared_prefix=_hint()))
     finally:
         torch.set_num_threads(old)
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     want = ref_decode.decode_attention_loop(q.double(), kc.double(), vc.double(), seqlens, slot_ids=slots)
     _close(outs[0], want)
     assert torch.equal(outs[0][7], torch.zeros(hq, d))  # no key: zeros

@@ -22,15 +22,12 @@ remaining experts multiply by their plain weights (the same op, unpacked).
 """
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator
 from typing import Optional
 
 import torch
 from torch import nn
 
-from megatron_vlm.inference.cpu_packed_linear import _weight_key
+from megatron_vlm.inference.cpu_packed_linear import DecodePatches, _weight_key
 from megatron_vlm.kernels.csrc import moe_experts as fused
 from megatron_vlm.models.common.moe import GroupedExperts, activation_fn
 
@@ -46,44 +43,25 @@ def _activation_name(mod: GroupedExperts) -> Optional[str]:
     return next((name for name in fused.ACTIVATIONS if activation_fn(name) is mod.act), None)
 
 
-class PackedExperts:
+class PackedExperts(DecodePatches):
     """The model's `GroupedExperts` on the fused C++ op inside `decoding()` (module docstring)."""
 
     def __init__(self, model: nn.Module, packs: Optional[dict] = None, *, max_packed_bytes: int = 8 << 30) -> None:
         """`packs`: where the packed copies live (the engine's dict, shared with its packed Linear layers: keys are
         module ids); `max_packed_bytes`: the address space packed copies may reserve in all."""
-        self._local = threading.local()
-        self._packs: dict[int, tuple] = packs if packs is not None else {}
+        super().__init__(packs)
         self.max_packed_bytes = max_packed_bytes
-        self._modules: list[GroupedExperts] = []
         for mod in model.modules():
             # the exact class: a subclass (expert parallelism's ExpertParallelGroupedExperts) has its own forward
             if type(mod) is GroupedExperts and "forward" not in mod.__dict__:
                 name = _activation_name(mod)
                 if name is None:
                     continue
-                mod.forward = self._forward_of(mod, name)  # type: ignore[method-assign]
-                self._modules.append(mod)
-
-    def restore(self) -> None:
-        """Give every patched module its own forward back (the packed copies stay in `packs`)."""
-        for mod in self._modules:
-            mod.__dict__.pop("forward", None)
-        self._modules.clear()
+                self._patch(mod, self._forward_of(mod, name))
 
     @property
     def num_modules(self) -> int:
         return len(self._modules)
-
-    @contextlib.contextmanager
-    def decoding(self) -> Iterator[None]:
-        """This thread's calls of the patched modules inside the block are decode-step calls."""
-        prev = getattr(self._local, "on", False)
-        self._local.on = True
-        try:
-            yield
-        finally:
-            self._local.on = prev
 
     def _reserved(self) -> int:
         return sum(p.numel() for entry in self._packs.values() if entry[0] == "experts" for p in entry[3])
@@ -105,7 +83,7 @@ class PackedExperts:
         return packed if stored else (None, None)
 
     def _usable(self, x: torch.Tensor, *weights: torch.Tensor) -> bool:
-        if not getattr(self._local, "on", False) or not torch.is_inference_mode_enabled():
+        if not self._decoding_now():
             return False
         return all(type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu" and t.dtype == torch.float32
                    for t in (x, *weights))

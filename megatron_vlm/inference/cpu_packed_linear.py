@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PackedLinears", "packing_available"]
+__all__ = ["DecodePatches", "PackedLinears", "packing_available"]
 
 
 def packing_available() -> bool:
@@ -52,7 +52,41 @@ def _weight_key(w: torch.Tensor) -> tuple:
     return (w.data_ptr(), tuple(w.shape), version)
 
 
-class PackedLinears:
+class DecodePatches:
+    """Forwards patched onto some of a model's modules (an instance `forward`, removed by `restore()`) that take
+    their fast path only in this thread's decode steps (`decoding()`), with packed weight copies kept in `packs`
+    (the engine's dict, shared by every patcher of its calls: keys are module ids)."""
+
+    def __init__(self, packs: Optional[dict] = None) -> None:
+        self._local = threading.local()
+        self._packs: dict[int, tuple] = packs if packs is not None else {}
+        self._modules: list[nn.Module] = []
+
+    def _patch(self, mod: nn.Module, forward) -> None:
+        mod.forward = forward
+        self._modules.append(mod)
+
+    def restore(self) -> None:
+        """Give every patched module its own forward back (the packed copies stay in `packs`)."""
+        for mod in self._modules:
+            mod.__dict__.pop("forward", None)
+        self._modules.clear()
+
+    @contextlib.contextmanager
+    def decoding(self) -> Iterator[None]:
+        """This thread's calls of the patched modules inside the block are decode-step calls."""
+        prev = getattr(self._local, "on", False)
+        self._local.on = True
+        try:
+            yield
+        finally:
+            self._local.on = prev
+
+    def _decoding_now(self) -> bool:
+        return getattr(self._local, "on", False) and torch.is_inference_mode_enabled()
+
+
+class PackedLinears(DecodePatches):
     """The model's plain `nn.Linear` layers on MKL-packed weights inside `decoding()` (module docstring)."""
 
     def __init__(self, model: nn.Module, rows: int, packs: Optional[dict] = None) -> None:
@@ -60,21 +94,12 @@ class PackedLinears:
         weights are not packed again per call; each entry is checked against its weight at every use)."""
         if rows < 1:
             raise ValueError(f"PackedLinears: rows must be >= 1, got {rows}")
+        super().__init__(packs)
         self.rows = rows
         self.min_rows = max(1, (rows + 1) // 2)
-        self._local = threading.local()
-        self._packs: dict[int, tuple[tuple, torch.Tensor, torch.Tensor]] = packs if packs is not None else {}
-        self._modules: list[nn.Linear] = []
         for mod in model.modules():
             if type(mod) is nn.Linear and "forward" not in mod.__dict__:
-                mod.forward = self._forward_of(mod)  # type: ignore[method-assign]
-                self._modules.append(mod)
-
-    def restore(self) -> None:
-        """Give every patched layer its own forward back (the packed copies stay in `packs`)."""
-        for mod in self._modules:
-            mod.__dict__.pop("forward", None)
-        self._modules.clear()
+                self._patch(mod, self._forward_of(mod))
 
     def invalidate(self) -> None:
         """Drop every packed copy (new weights: they are packed again at their next use)."""
@@ -83,16 +108,6 @@ class PackedLinears:
     @property
     def num_layers(self) -> int:
         return len(self._modules)
-
-    @contextlib.contextmanager
-    def decoding(self) -> Iterator[None]:
-        """This thread's calls of the patched layers inside the block are decode-step calls."""
-        prev = getattr(self._local, "on", False)
-        self._local.on = True
-        try:
-            yield
-        finally:
-            self._local.on = prev
 
     def _packed(self, mod: nn.Linear) -> torch.Tensor:
         w = mod.weight
@@ -106,7 +121,7 @@ class PackedLinears:
 
     def _usable(self, x: torch.Tensor, w: torch.Tensor) -> Optional[int]:
         """The row count of x when this call may take the packed path, else None."""
-        if not getattr(self._local, "on", False) or not torch.is_inference_mode_enabled():
+        if not self._decoding_now():
             return None
         if x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32 or w.device.type != "cpu":
             return None

@@ -305,24 +305,7 @@ __attribute__((always_inline)) inline void value_heads16(const float* p, int64_t
 typedef int v16i __attribute__((vector_size(64)));
 
 // exp(x) for x <= 0, 16 lanes: vexp_nonpos's polynomial lane for lane (the same value per element).
-__attribute__((always_inline)) inline v16f vexp16_nonpos(v16f x) {
-  const v16f lo = v16f{} - 87.3f;
-  x = x < lo ? lo : x;
-  const v16i ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v16i);
-  const v16f n = __builtin_convertvector(ni, v16f);
-  const v16f r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v16f p = v16f{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const v16f y = p * r * r + r + 1.0f;
-  const v16i bits = (ni + 127) << 23;
-  v16f scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
+__attribute__((always_inline)) inline v16f vexp16_nonpos(v16f x) { return vexp_nonpos_t<v16f, v16i>(x); }
 
 // ---- many query heads per key (the shared-prefix op: all the rows of a group against one copy) ----------
 //
@@ -561,52 +544,75 @@ void check_q_and_caches(const at::Tensor& q, const at::Tensor& k_cache, const at
   MVLM_CHECK_VALUE(cache_seqlens.numel() == q.size(0), "decode_attention: cache_seqlens must be [B]");
 }
 
+// Where each sequence's keys live: its block table (the slot layout is the paged one with one block, the slot,
+// per sequence), its key count clamped to [0, max_seqlen_k], every table entry those keys use validated.
+struct KeyTable {
+  at::Tensor lens_t, table_t;
+  std::vector<int64_t> iota, n;
+  const int64_t* table = nullptr;
+  int64_t max_blocks = 1, block = 0, hkv = 0;
+
+  // Sequence b's keys j0 .. j0 + count - 1 (count >= 1) as rows of the [blocks * length * Hkv, D] view, filled
+  // block by block (a division per key was ~20 % of a call in-cache), padded with the last row for the prefetch
+  // look-ahead.
+  void fill(int64_t b, int64_t j0, int64_t count, std::vector<int64_t>& rows) const {
+    rows.resize(count + kPrefetchKeys);
+    for (int64_t j = j0; j < j0 + count;) {
+      const int64_t blk = j / block, stop = std::min(j0 + count, (blk + 1) * block);
+      const int64_t base = (table[b * max_blocks + blk] - blk) * block;  // row of key j: (base + j) * hkv
+      for (; j < stop; ++j) rows[j - j0] = (base + j) * hkv;
+    }
+    for (int64_t j = count; j < count + kPrefetchKeys; ++j) rows[j] = rows[count - 1];
+  }
+};
+
+KeyTable key_table(const at::Tensor& k_cache, const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& slot_ids,
+                   const std::optional<at::Tensor>& block_table, int64_t batch, int64_t max_seqlen_k) {
+  MVLM_CHECK_VALUE(!(slot_ids.has_value() && block_table.has_value()), "decode_attention: slot_ids or block_table");
+  KeyTable t;
+  t.block = k_cache.size(1), t.hkv = k_cache.size(2);
+  if (block_table.has_value()) {
+    MVLM_CHECK_VALUE(block_table->dim() == 2 && block_table->size(0) == batch, "decode_attention: block_table [B, blocks]");
+    t.table_t = block_table->to(at::kLong).contiguous();
+    t.max_blocks = t.table_t.size(1);
+  } else if (slot_ids.has_value()) {
+    MVLM_CHECK_VALUE(slot_ids->numel() == batch, "decode_attention: slot_ids must be [B]");
+    t.table_t = slot_ids->to(at::kLong).contiguous();
+  } else {
+    t.iota.resize(batch);
+    for (int64_t b = 0; b < batch; ++b) t.iota[b] = b;
+  }
+  t.table = t.table_t.defined() ? t.table_t.data_ptr<int64_t>() : t.iota.data();
+  t.lens_t = cache_seqlens.to(at::kLong).contiguous();
+  const int64_t* lens = t.lens_t.data_ptr<int64_t>();
+  const int64_t length = std::max<int64_t>(0, std::min(max_seqlen_k, t.max_blocks * t.block));
+  const int64_t n_blocks = k_cache.size(0);
+  t.n.resize(batch);
+  for (int64_t b = 0; b < batch; ++b) {  // validate the table entries a sequence will read, before any work
+    t.n[b] = std::max<int64_t>(0, std::min(lens[b], length));
+    for (int64_t j = 0; j < t.n[b]; j += t.block) {
+      const int64_t blk = t.table[b * t.max_blocks + j / t.block];
+      MVLM_CHECK_INDEX(blk >= 0 && blk < n_blocks, "decode_attention: sequence ", b, " reads cache block / slot ", blk,
+                       " of ", n_blocks);
+    }
+  }
+  return t;
+}
+
 }  // namespace
 
 at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& slot_ids,
                                 const std::optional<at::Tensor>& block_table, int64_t max_seqlen_k, double scale) {
   check_q_and_caches(q, k_cache, v_cache, cache_seqlens);
-  const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
-  const int64_t block = k_cache.size(1), hkv = k_cache.size(2);
-  MVLM_CHECK_VALUE(!(slot_ids.has_value() && block_table.has_value()), "decode_attention: slot_ids or block_table");
-  const auto lens_t = cache_seqlens.to(at::kLong).contiguous();
-  const int64_t* lens = lens_t.data_ptr<int64_t>();
-  // The slot layout is the paged one with one block (the whole slot) per sequence: table[b] = slot of b.
-  at::Tensor table_t;
-  std::vector<int64_t> slots;
-  const int64_t* table = nullptr;
-  int64_t max_blocks = 1;
-  if (block_table.has_value()) {
-    MVLM_CHECK_VALUE(block_table->dim() == 2 && block_table->size(0) == batch, "decode_attention: block_table [B, blocks]");
-    table_t = block_table->to(at::kLong).contiguous();
-    table = table_t.data_ptr<int64_t>();
-    max_blocks = table_t.size(1);
-  } else if (slot_ids.has_value()) {
-    MVLM_CHECK_VALUE(slot_ids->numel() == batch, "decode_attention: slot_ids must be [B]");
-    table_t = slot_ids->to(at::kLong).contiguous();
-    table = table_t.data_ptr<int64_t>();
-  } else {
-    slots.resize(batch);
-    for (int64_t b = 0; b < batch; ++b) slots[b] = b;
-    table = slots.data();
-  }
-  const int64_t length = std::max<int64_t>(0, std::min(max_seqlen_k, max_blocks * block));
+  const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_cache.size(2);
+  const KeyTable keys = key_table(k_cache, cache_seqlens, slot_ids, block_table, batch, max_seqlen_k);
   const int64_t group = hq / hkv;
   auto out = at::zeros({batch, hq, d}, q.options());
   const float* qp = q.data_ptr<float>();
   const int64_t q_batch_stride = q.stride(0), q_head_stride = q.stride(1);
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
-  const int64_t n_cache_blocks = k_cache.size(0);
-  for (int64_t b = 0; b < batch; ++b) {  // validate the table entries a sequence will read, before any work
-    const int64_t n = std::min(lens[b], length);
-    for (int64_t j = 0; j < n; j += block) {
-      const int64_t blk = table[b * max_blocks + j / block];
-      MVLM_CHECK_INDEX(blk >= 0 && blk < n_cache_blocks, "decode_attention: sequence ", b, " reads cache block / slot ",
-                       blk, " of ", n_cache_blocks);
-    }
-  }
   // A task is a sequence with all its kv heads (its cache rows walked in address order), or one kv head of it
   // when there are too few sequences to keep the threads busy. Which one does not change any result.
   const int64_t per_task = batch >= 2 * at::get_num_threads() ? hkv : 1;
@@ -618,16 +624,9 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
     std::vector<float> scores, inv(3 * per_task * group);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / chunks_per_seq, h0 = (t % chunks_per_seq) * per_task;
-      const int64_t n = std::min(lens[b], length);
+      const int64_t n = keys.n[b];
       if (n <= 0) continue;  // no key: zeros (the convention of the reference)
-      // Row of (position j, kv head 0) in the [blocks * length * Hkv, D] view, filled block by block (a division
-      // per key was ~20 % of the call in-cache); padded with the last row for the prefetch look-ahead.
-      rows.resize(n + kPrefetchKeys);
-      for (int64_t j0 = 0; j0 < n; j0 += block) {
-        const int64_t first = table[b * max_blocks + j0 / block] * block - j0, j1 = std::min(n, j0 + block);
-        for (int64_t j = j0; j < j1; ++j) rows[j] = (first + j) * hkv;
-      }
-      for (int64_t j = n; j < n + kPrefetchKeys; ++j) rows[j] = rows[n - 1];
+      keys.fill(b, 0, n, rows);
       scores.resize(per_task * group * n);
       const float* qb = qp + b * q_batch_stride + h0 * group * q_head_stride;
       float* ob = op + (b * hq + h0 * group) * d;
@@ -654,45 +653,15 @@ at::Tensor decode_attention_prefix_cpu(const at::Tensor& q, const at::Tensor& k_
                                        const std::optional<at::Tensor>& block_table, int64_t max_seqlen_k,
                                        double scale, const at::Tensor& prefix_rows, const at::Tensor& prefix_lens) {
   check_q_and_caches(q, k_cache, v_cache, cache_seqlens);
-  const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
-  const int64_t block = k_cache.size(1), hkv = k_cache.size(2), n_blocks = k_cache.size(0);
-  MVLM_CHECK_VALUE(!(slot_ids.has_value() && block_table.has_value()), "decode_attention: slot_ids or block_table");
+  const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_cache.size(2);
   MVLM_CHECK_VALUE(prefix_rows.numel() == batch && prefix_lens.numel() == batch,
                    "decode_attention_prefix: prefix_rows and prefix_lens must be [B]");
-  const auto lens_t = cache_seqlens.to(at::kLong).contiguous();
+  const KeyTable keys = key_table(k_cache, cache_seqlens, slot_ids, block_table, batch, max_seqlen_k);
+  const std::vector<int64_t>& n = keys.n;
   const auto proots_t = prefix_rows.to(at::kLong).contiguous();
   const auto plens_t = prefix_lens.to(at::kLong).contiguous();
-  const int64_t *lens = lens_t.data_ptr<int64_t>(), *proot = proots_t.data_ptr<int64_t>();
-  const int64_t* plen = plens_t.data_ptr<int64_t>();
-  // as decode_attention_cpu: the slot layout is the paged one with one block (the slot) per sequence
-  at::Tensor table_t;
-  std::vector<int64_t> iota;
-  const int64_t* table = nullptr;
-  int64_t max_blocks = 1;
-  if (block_table.has_value()) {
-    MVLM_CHECK_VALUE(block_table->dim() == 2 && block_table->size(0) == batch, "decode_attention: block_table [B, blocks]");
-    table_t = block_table->to(at::kLong).contiguous();
-    table = table_t.data_ptr<int64_t>();
-    max_blocks = table_t.size(1);
-  } else if (slot_ids.has_value()) {
-    MVLM_CHECK_VALUE(slot_ids->numel() == batch, "decode_attention: slot_ids must be [B]");
-    table_t = slot_ids->to(at::kLong).contiguous();
-    table = table_t.data_ptr<int64_t>();
-  } else {
-    iota.resize(batch);
-    for (int64_t b = 0; b < batch; ++b) iota[b] = b;
-    table = iota.data();
-  }
-  const int64_t length = std::max<int64_t>(0, std::min(max_seqlen_k, max_blocks * block));
-  std::vector<int64_t> n(batch), pre(batch, 0);
-  for (int64_t b = 0; b < batch; ++b) {
-    n[b] = std::max<int64_t>(0, std::min(lens[b], length));
-    for (int64_t j = 0; j < n[b]; j += block) {
-      const int64_t blk = table[b * max_blocks + j / block];
-      MVLM_CHECK_INDEX(blk >= 0 && blk < n_blocks, "decode_attention: sequence ", b, " reads cache block / slot ", blk,
-                       " of ", n_blocks);
-    }
-  }
+  const int64_t *proot = proots_t.data_ptr<int64_t>(), *plen = plens_t.data_ptr<int64_t>();
+  std::vector<int64_t> pre(batch, 0);
   std::vector<std::vector<int64_t>> members(batch);
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t r = proot[b];
@@ -733,15 +702,6 @@ at::Tensor decode_attention_prefix_cpu(const at::Tensor& q, const at::Tensor& k_
   at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     std::vector<int64_t> rows;
     std::vector<float> scores, inv;
-    auto fill_rows = [&](int64_t b, int64_t j0, int64_t count) {  // row b's keys j0 .. j0 + count - 1
-      rows.resize(count + kPrefetchKeys);
-      for (int64_t j = j0; j < j0 + count;) {
-        const int64_t blk = j / block, stop = std::min(j0 + count, (blk + 1) * block);
-        const int64_t base = (table[b * max_blocks + blk] - blk) * block;  // row of key j: (base + j) * hkv
-        for (; j < stop; ++j) rows[j - j0] = (base + j) * hkv;
-      }
-      for (int64_t j = count; j < count + kPrefetchKeys; ++j) rows[j] = rows[count - 1];
-    };
     for (int64_t t = next++; t < tasks; t = next++) {
       const int64_t h0 = (t % chunks) * per_task;
       if (t < prefix_tasks) {  // one group's shared keys, all its rows' query heads of kv heads [h0, h0 + per_task)
@@ -755,24 +715,24 @@ at::Tensor decode_attention_prefix_cpu(const at::Tensor& q, const at::Tensor& k_
             }
           }
         }
-        const int64_t heads = per_task * mg, keys = plen[r];
-        fill_rows(r, 0, keys);
-        scores.resize(std::max(heads * keys, many_buffer_floats(mg, keys, d)));
+        const int64_t heads = per_task * mg, shared = plen[r];
+        keys.fill(r, 0, shared, rows);
+        scores.resize(std::max(heads * shared, many_buffer_floats(mg, shared, d)));
         inv.resize(3 * heads);
-        attend(wide, qi + h0 * mg * d, d, kp, vp, rows.data(), keys, h0, h0 + per_task, mg, d, sc, scores.data(),
+        attend(wide, qi + h0 * mg * d, d, kp, vp, rows.data(), shared, h0, h0 + per_task, mg, d, sc, scores.data(),
                inv.data(), og.data() + (first[i] + h0 * mg) * d, /*many=*/true);
         for (int64_t h = 0; h < heads; ++h) {
           pstat[2 * (first[i] + h0 * mg + h)] = inv[heads + h];
           pstat[2 * (first[i] + h0 * mg + h) + 1] = inv[2 * heads + h];
         }
       } else {  // one row's own keys after its shared prefix (all of them when it shares none)
-        const int64_t b = (t - prefix_tasks) / chunks, keys = n[b] - pre[b];
-        if (keys <= 0) continue;  // no key of its own: zeros (no key at all) or the prefix alone
+        const int64_t b = (t - prefix_tasks) / chunks, own = n[b] - pre[b];
+        if (own <= 0) continue;  // no key of its own: zeros (no key at all) or the prefix alone
         const int64_t heads = per_task * group;
-        fill_rows(b, pre[b], keys);
-        scores.resize(heads * keys);
+        keys.fill(b, pre[b], own, rows);
+        scores.resize(heads * own);
         inv.resize(3 * heads);
-        attend(wide, qp + b * q_batch_stride + h0 * group * q_head_stride, q_head_stride, kp, vp, rows.data(), keys, h0,
+        attend(wide, qp + b * q_batch_stride + h0 * group * q_head_stride, q_head_stride, kp, vp, rows.data(), own, h0,
                h0 + per_task, group, d, sc, scores.data(), inv.data(), op + (b * hq + h0 * group) * d);
         for (int64_t h = 0; h < heads; ++h) {
           sstat[2 * (b * hq + h0 * group + h)] = inv[heads + h];

@@ -87,19 +87,8 @@ MVLM_CLONES void fwd_task(const float* q, const float* k, const float* v, float*
   }
 }
 
-// The 8-lane partial products of a . b (two chains, then added); hsum8 of it is the dot product.
-inline v8f dot_parts(const float* a, const float* b, int64_t chunks) {
-  v8f a0 = splat8(0.0f), a1 = a0;
-  int64_t c = 0;
-  for (; c + 1 < chunks; c += 2) {
-    a0 += load8(a + 8 * c) * load8(b + 8 * c);
-    a1 += load8(a + 8 * c + 8) * load8(b + 8 * c + 8);
-  }
-  if (c < chunks) a0 += load8(a + 8 * c) * load8(b + 8 * c);
-  return a0 + a1;
-}
-
-inline float dot(const float* a, const float* b, int64_t chunks) { return hsum8(dot_parts(a, b, chunks)); }
+// The dot product of a and b: cpu_vec.h's two-chain dot_parts, its 8 lanes summed.
+inline float dot(const float* a, const float* b, int64_t chunks) { return hsum8(dot_parts<0>(a, b, chunks)); }
 
 // out[0:8 kC) = scale * sum_r w[r * w_stride] * rows[r] for r in [r0, r1), rows `row_stride` floats apart: the
 // weighted row sums of the backward (dq = dS K, dk = dS^T Q, dv = P^T dO), accumulated in registers (kC = D / 8
@@ -161,8 +150,8 @@ __attribute__((always_inline)) inline void bwd_rows(const float* q, const float*
       for (; j + 8 <= n; j += 8) {  // 8 keys at once: hsum8x8 gives the bits of 8 hsum8 calls
         v8f sq[8], sv[8];
         for (int u = 0; u < 8; ++u) {
-          sq[u] = dot_parts(qr, kb + (j + u) * kstride, chunks);
-          sv[u] = dot_parts(dor, vb + (j + u) * kstride, chunks);
+          sq[u] = dot_parts<0>(qr, kb + (j + u) * kstride, chunks);
+          sv[u] = dot_parts<0>(dor, vb + (j + u) * kstride, chunks);
         }
         const v8f scores = hsum8x8(sq), dps = hsum8x8(sv);
         for (int u = 0; u < 8; ++u) {  // the scalar tail's expressions, lane by lane

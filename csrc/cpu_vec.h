@@ -63,23 +63,29 @@ inline v8f hsum8x8(const v8f* a) {
 // exp(x) for x <= 0 (larger x is not passed here): clamp at -87.3 (exp underflows to ~1e-38, never 0 / NaN),
 // n = round(x / ln2) (x <= 0: truncating x / ln2 - 0.5), r = x - n ln2 in two parts, exp(r) by a degree-5
 // polynomial (|r| <= ln2 / 2), times 2^n built in the exponent bits. Relative error ~2e-7.
-inline v8f vexp_nonpos(v8f x) {
-  x = x < splat8(-87.3f) ? splat8(-87.3f) : x;
-  const v8i ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v8i);
-  const v8f n = __builtin_convertvector(ni, v8f);
-  const v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v8f p = splat8(1.9875691500e-4f);
+// A template over the vector type (8 lanes here; the AVX-512 decode kernels use it with 16), always inlined so it
+// is compiled with its caller's instruction set.
+template <typename V, typename VI>
+__attribute__((always_inline)) inline V vexp_nonpos_t(V x) {
+  const V lo = V{} + -87.3f;
+  x = x < lo ? lo : x;
+  const VI ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, VI);
+  const V n = __builtin_convertvector(ni, V);
+  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const v8f y = p * r * r + r + 1.0f;
-  const v8i bits = (ni + 127) << 23;
-  v8f scale;
+  const V y = p * r * r + r + 1.0f;
+  const VI bits = (ni + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return y * scale;
 }
+
+inline v8f vexp_nonpos(v8f x) { return vexp_nonpos_t<v8f, v8i>(x); }
 
 // sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) for x < 0, with e = exp(-|x|) <= 1 (no overflow).
 inline v8f vsigmoid(v8f x) {

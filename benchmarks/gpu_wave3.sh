@@ -49,19 +49,21 @@ if want sft16k; then
     --json "$R/sft_16k_selective.json"
 fi
 if want decode; then
+  # graph steps: split-K Triton with and without shared prompt reads (a group's prompt through one copy), torch
   step decode_profile 130 $PY benchmarks/e2e/profile_decode.py --prompts 2 --group 8 --short 8 --steps 48 --rounds 2 \
-    --profile --json "$R/decode.json"
+    --variants triton:on,triton:on:shared,torch:on --profile --json "$R/decode.json"
 fi
 if want moe; then  # the MoE decode step in CUDA graphs, Qwen3-VL-30B-A3B at full width, 4 of 48 layers
   step moe_decode 80 $PY benchmarks/e2e/profile_decode.py --moe-slice 4 --prompts 2 --group 8 --short 8 --steps 48 \
     --rounds 2 --variants triton:on,triton:off --json "$R/moe_decode.json"
 fi
 if want decode32; then  # the target's 32 sequences (4 prompts x G 8), split-K decode attention in CUDA graphs
-  step decode32 70 $PY benchmarks/e2e/profile_decode.py --prompts 4 --group 8 --short 8 --steps 48 --rounds 2 \
-    --variants triton:on --profile --json "$R/decode32.json"
+  step decode32 90 $PY benchmarks/e2e/profile_decode.py --prompts 4 --group 8 --short 8 --steps 48 --rounds 2 \
+    --variants triton:on,triton:on:shared --profile --json "$R/decode32.json"
 fi
 if want fp8; then  # train.precision = "fp8" (torchao float8 linears): step at a 7B-width slice, loss curve vs bf16
-  step fp8_step 120 $PY benchmarks/e2e/bench_fp8.py --rounds 2 --steps 2 --warmup 2 --json "$R/fp8_step.json"
+  # TORCH_LOGS: where the compiled blocks break their graphs (a break inside the block leaves float8 casts unfused)
+  step fp8_step 120 env TORCH_LOGS=graph_breaks $PY benchmarks/e2e/bench_fp8.py --rounds 2 --steps 2 --warmup 2 --json "$R/fp8_step.json"
   step fp8_loss 70 $PY benchmarks/e2e/fp8_loss_curve.py --steps 200 --variants bf16,tensorwise --json "$R/fp8_loss.json"
 fi
 if want decode_attn; then

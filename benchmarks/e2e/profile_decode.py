@@ -9,7 +9,7 @@ as a fraction of the copy bandwidth measured in the same process (a large device
 bytes read + written). The step time is taken from two `generate` calls of the same shape that differ
 only in their number of new tokens (`--short` and `--short + --steps`), so prefill, vision tower and
 host set-up cancel: step = (t_long - t_short) / steps. Each variant (decode-attention backend x eager /
-CUDA-graph steps) is built once, warmed up (graph captures happen there), then the calls are
+CUDA-graph steps, optionally x shared prompt reads: a group's prompt read through one copy) is built once, warmed up (graph captures happen there), then the calls are
 interleaved over `--rounds` rounds; min and median are reported.
 
 `--profile` adds a `torch.profiler` kernel table of the first variant's long call minus nothing: the
@@ -102,7 +102,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48, help="extra decode steps of the long call")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--variants", default="triton:on,torch:on,triton:off,torch:off",
-                    help="decode_attention backend:cuda_graphs pairs, comma-separated")
+                    help="decode_attention backend:cuda_graphs pairs, comma-separated; a third part 'shared' reads a "
+                         "group's shared prompt through one copy (EngineOptions.share_prefix_reads), e.g. triton:on:shared")
     ap.add_argument("--moe-slice", type=int, default=0, metavar="LAYERS",
                     help="Qwen3-VL-30B-A3B at full width with only LAYERS decoder layers (MoE, 128 experts, top 8; "
                          "text prompts), instead of the dense 3B shape: the MoE decode step, to extrapolate to 48 layers")
@@ -114,11 +115,14 @@ def main() -> None:
     if args.quick:
         torch.set_num_threads(1)
         cfg, dtype, grid, text_tokens = tiny_config(), torch.float32, (1, 8, 8), 24
-        variants = [("torch", "off")]
+        variants = [("torch", "off", "")]
         args.short, args.steps, args.rounds = 2, 4, 1
     else:
         cfg, dtype, grid, text_tokens = qwen2_5_vl_3b_config(), torch.bfloat16, (1, 56, 64), 104
-        variants = [tuple(v.split(":")) for v in args.variants.split(",") if v]
+        variants = [(*v.split(":")[:2], v.split(":")[2] if v.count(":") == 2 else "") for v in args.variants.split(",") if v]
+        bad = [v for v in variants if v[1] not in ("on", "off", "auto") or v[2] not in ("", "shared")]
+        if bad:
+            ap.error(f"--variants: backend:on|off|auto[:shared], got {bad}")
     if args.moe_slice:
         from tests.fixtures.real_configs import real_config
 
@@ -150,10 +154,12 @@ def main() -> None:
             Path(args.json).write_text(json.dumps(out, indent=2))
 
     calls = {}
-    for backend, graphs in variants:
-        name = f"decode_attention={backend}, cuda_graphs={graphs}"
+    for backend, graphs, shared in variants:
+        name = f"decode_attention={backend}, cuda_graphs={graphs}" + (", shared prompt reads" if shared else "")
         with registry.use_backends({"decode_attention": backend}):
-            eng = PolicyRolloutEngine(model, NoDecode(), EngineOptions(eos_token_ids=[-1], share_prefix=True, device=device, cuda_graphs=graphs))
+            eng = PolicyRolloutEngine(model, NoDecode(), EngineOptions(
+                eos_token_ids=[-1], share_prefix=True, device=device, cuda_graphs=graphs,
+                share_prefix_reads=bool(shared)))
         for n_new in (args.short, args.short + args.steps):
             params = SamplingParams(max_new_tokens=n_new, n=args.group, temperature=1.0)
 

@@ -22,6 +22,15 @@ exponentials), both products on the tensor cores (`tl.dot`; fp32 inputs in IEEE 
 With one split it writes the output; otherwise each writes its normalised partial output and base-2
 log-sum-exp, and a second kernel merges the splits of each (sequence, head).
 
+Shared prompts (`shared_prefix=(rows, lens)`, the hint of the slot caches): the first `lens[b]` keys of
+sequence b are read from the copy of its group's root row `rows[b]` (through the root's slot id / block-table
+row), so the G programs of one GRPO group with the same (kv head, split) read the same addresses; they are
+adjacent in launch order (the sequence is the grid's fastest axis), and the repeats are served from L2 instead
+of HBM. One load and one select per key block; no host read of the hint (the CUDA-graph steps pass it in static
+buffers). The promise is trusted, not checked (a check would read the hint on the host every call); the
+prefix read is only bounded by both rows' lengths. Whether it pays is measured by
+`benchmarks/e2e/profile_decode.py` (the shared-prompt variants).
+
 History: the first version (one program per (sequence, kv head), products as elementwise `[G, N, D]`
 register tiles reduced by `tl.sum`) took 3.0 ms per call on an H100 at 16 sequences x 1.1k keys
 (16 / 2 heads, D 128, bf16): 93 % of a decode step, 3.3x slower per step than the torch backend
@@ -51,7 +60,7 @@ _MERGE_BLOCK = 2 if INTERPRETED_AT_IMPORT else 16
 
 @triton.jit
 def _decode_attention_split_kernel(
-    Q, K, V, O, MID_O, MID_LSE, SEQLENS, TABLE,  # noqa: E741 -- Q, K, V, O as in the attention equations
+    Q, K, V, O, MID_O, MID_LSE, SEQLENS, TABLE, PREFIX_ROWS, PREFIX_LENS,  # noqa: E741 -- Q, K, V, O as in the attention equations
     sq_b, sq_h, sq_d,
     sk_blk, sk_pos, sk_h, sk_d,
     sv_blk, sv_pos, sv_h, sv_d,
@@ -59,12 +68,18 @@ def _decode_attention_split_kernel(
     st_b, st_n,
     max_len, block_size, chunk, splits, scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr, IEEE: tl.constexpr, SHARED: tl.constexpr,
 ):
     b = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
     n = tl.minimum(tl.load(SEQLENS + b), max_len)
+    if SHARED:  # the first `shared` keys are read from the root row's copy (module docstring)
+        root = tl.load(PREFIX_ROWS + b).to(tl.int64)
+        shared = tl.minimum(tl.minimum(tl.load(PREFIX_LENS + b), n), tl.load(SEQLENS + root))
+    else:
+        root = b
+        shared = 0
     lo = split * chunk
     hi = tl.minimum(lo + chunk, n)
     offs_g = tl.arange(0, BLOCK_G)
@@ -80,7 +95,8 @@ def _decode_attention_split_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < hi
-        blk = tl.load(TABLE + b * st_b + (pos // block_size) * st_n, mask=valid, other=0).to(tl.int64)
+        row = tl.where(pos < shared, root, b)
+        blk = tl.load(TABLE + row * st_b + (pos // block_size) * st_n, mask=valid, other=0).to(tl.int64)
         off = (pos % block_size).to(tl.int64)
         kv_mask = valid[:, None] & d_ok[None, :]
         k = tl.load(K + (blk * sk_blk + off * sk_pos + hk * sk_h)[:, None] + offs_d[None, :] * sk_d,
@@ -173,8 +189,8 @@ def decode_attention(
     softmax_scale: Optional[float] = None,
     shared_prefix: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
-    """q `[B, Hq, D]` -> `[B, Hq, D]` in q's dtype (see the module docstring and the reference; a
-    `shared_prefix` is read from each sequence's own copy here)."""
+    """q `[B, Hq, D]` -> `[B, Hq, D]` in q's dtype (see the module docstring and the reference; the keys of a
+    `shared_prefix` are read from the root row's copy, without a host read of the hint)."""
     check_decode_attention_inputs(q, k_cache, v_cache, cache_seqlens, slot_ids, block_table, shared_prefix)
     check_device("decode_attention", q, k_cache, v_cache)
     batch, hq, dim = q.shape
@@ -202,12 +218,17 @@ def decode_attention(
         mid_lse = torch.empty(batch, hq, splits, device=q.device, dtype=torch.float32)
     else:
         mid_o = mid_lse = out  # unused
+    if shared_prefix is not None:
+        prefix_rows, prefix_lens = (t.to(device=q.device, dtype=torch.int32) for t in shared_prefix)
+    else:
+        prefix_rows = prefix_lens = seqlens  # unused
     _decode_attention_split_kernel[(batch, hkv, splits)](
-        q, k_cache, v_cache, out, mid_o, mid_lse, seqlens, table,
+        q, k_cache, v_cache, out, mid_o, mid_lse, seqlens, table, prefix_rows, prefix_lens,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *table.stride(),
         length, block_size, chunk, splits, scale * _LOG2E,
         GROUP=group, HEAD_DIM=dim, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=_BLOCK_N, ONE_SPLIT=splits == 1, IEEE=q.dtype == torch.float32, num_warps=4,
+        BLOCK_N=_BLOCK_N, ONE_SPLIT=splits == 1, IEEE=q.dtype == torch.float32, SHARED=shared_prefix is not None,
+        num_warps=4,
     )
     if splits > 1:  # the split count is a runtime argument: a growing cache does not compile new kernels
         _decode_attention_merge_kernel[(batch, hq)](

@@ -100,6 +100,11 @@ class _Bucket:
         self.slots = torch.full((size,), scratch, dtype=torch.long, device=device)
         self.logits: Optional[torch.Tensor] = None
         self.routes: Optional[torch.Tensor] = None  # [size, layers, k] recorded experts (record_routes)
+        # the shared-prompt hint of the step's rows (SlotCache.share_prefix_reads): the group's first row and the
+        # prompt length; a row of no group (padding included) points at itself with length 0
+        self.own_rows = torch.arange(size, dtype=torch.long)
+        self.prefix_rows = self.own_rows.to(device)
+        self.prefix_lens = torch.zeros(size, dtype=torch.long, device=device)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.traces: list[list[tuple]] = []
 
@@ -132,7 +137,7 @@ class DecodeStepRunner:
     def _step(self, bucket: _Bucket) -> torch.Tensor:
         """The static step: reads bucket.ids / bucket.slots and the cache, no host value read."""
         self.cache.reset_scratch_state()
-        self.cache.set_active_static(bucket.slots)
+        self.cache.set_active_static(bucket.slots, shared_prefix=(bucket.prefix_rows, bucket.prefix_lens))
         if not self.record_routes:
             with static_routing():  # MoE experts without host-sized GEMMs
                 return self.forward(input_ids=bucket.ids, kv_cache=self.cache)[:, -1]
@@ -166,6 +171,8 @@ class DecodeStepRunner:
         bucket.ids[n:].fill_(self.pad_token_id)
         bucket.slots[:n].copy_(torch.as_tensor(list(slots), dtype=torch.long))
         bucket.slots[n:].fill_(cache.scratch_slot)
+        if cache.share_prefix_reads:
+            self._fill_prefix_hint(bucket, slots)
         if self.capture:
             if bucket.graph is None:
                 self._capture(bucket, n, input_ids, slots)
@@ -182,6 +189,16 @@ class DecodeStepRunner:
         assert bucket.logits is not None
         self.last_routes = bucket.routes[:n] if bucket.routes is not None else None
         return bucket.logits[:n]
+
+    def _fill_prefix_hint(self, bucket: _Bucket, slots: Sequence[int]) -> None:
+        """Write this step's shared-prompt hint (`SlotCache.prefix_hint_for`) into the bucket's static buffers."""
+        hint = self.cache.prefix_hint_for(slots)
+        rows, lens = bucket.own_rows.clone(), torch.zeros(bucket.size, dtype=torch.long)
+        if hint is not None:
+            rows[: len(slots)] = torch.as_tensor(hint[0], dtype=torch.long)
+            lens[: len(slots)] = torch.as_tensor(hint[1], dtype=torch.long)
+        bucket.prefix_rows.copy_(rows)
+        bucket.prefix_lens.copy_(lens)
 
     # ------------------------------------------------------------------ graph safety
     def _check_probe(self, bucket: _Bucket, probe: GraphSafetyProbe) -> None:
@@ -215,11 +232,16 @@ class DecodeStepRunner:
         """Warm-up and capture on scratch rows only (no sequence's cache is touched), then restore the inputs."""
         bucket.ids.fill_(self.pad_token_id)
         bucket.slots.fill_(self.cache.scratch_slot)
+        hint = bucket.prefix_rows.clone(), bucket.prefix_lens.clone()
+        bucket.prefix_rows.copy_(bucket.own_rows)
+        bucket.prefix_lens.zero_()
         with torch.cuda.device(self.cache.device):  # the cache's GPU, whichever is current
             self._capture_on_device(bucket)
         self.captures += 1
         bucket.ids[:n, 0].copy_(input_ids)
         bucket.slots[:n].copy_(torch.as_tensor(list(slots), dtype=torch.long))
+        bucket.prefix_rows.copy_(hint[0])
+        bucket.prefix_lens.copy_(hint[1])
 
     def _capture_on_device(self, bucket: _Bucket) -> None:
         if self._pool is None:

@@ -341,7 +341,7 @@ class MultiTurnRollout:
             raise ValueError(f"rl.env.max_total_tokens: {limits.max_total_tokens} leaves no room after a prompt of "
                              f"{longest} tokens")
         num_slots = max(1, min(e.max_num_seqs or total, total))
-        cache = SlotCache(self.model.new_cache(num_slots + 1, limits.max_total_tokens, dtype=e.cache_dtype, device=dev))
+        cache = e.with_options(SlotCache(self.model.new_cache(num_slots + 1, limits.max_total_tokens, dtype=e.cache_dtype, device=dev)))
         checker = StopChecker(e.tokenizer, e.eos_token_ids, params.stop)
         suppress = e.suppress_token_ids.to(dev)
         convs = [_Conv(i, prompts[i // n], _conversation_generator(seed, i, dev)) for i in range(total)]

@@ -252,6 +252,10 @@ class EngineOptions:
     cpu_fused_experts: bool = True
     """CPU, fp32, the engine's own weights: eager decode steps run each MoE layer's routed experts as one C++ call
     on MKL-packed expert weights (inference/cpu_packed_experts.py); routing is unchanged."""
+    share_prefix_reads: Optional[bool] = None
+    """Decode attention reads a GRPO group's shared prompt through one copy (`SlotCache.share_prefix_reads`: the CPU
+    kernel reads it once per group, the Triton kernel from one copy for L2 reuse). None: the cache's default, on
+    on the CPU (measured faster), off on CUDA until measured there (benchmarks/e2e/profile_decode.py)."""
 
 
 class PolicyRolloutEngine(RolloutEngine):
@@ -481,6 +485,12 @@ class PolicyRolloutEngine(RolloutEngine):
             logits = self.forward(**kwargs)[:, -1]
         return cache, logits
 
+    def with_options(self, cache: SlotCache) -> SlotCache:
+        """A new slot cache set up as the options say (`share_prefix_reads`)."""
+        if self.options.share_prefix_reads is not None:
+            cache.share_prefix_reads = bool(self.options.share_prefix_reads)
+        return cache
+
     def _decode_runner(self, cache) -> Optional[DecodeStepRunner]:
         """The static-buffer step runner of this batch's cache, or None (eager steps)."""
         dev_type = cache.device.type
@@ -565,12 +575,13 @@ class PolicyRolloutEngine(RolloutEngine):
         if self.kv_block_size:
             bs = self.kv_block_size
             blocks = self.kv_cache_blocks or 1 + num_slots * -(-max_len // bs)
-            cache = PagedSlotCache(self.model.new_cache(blocks, bs, dtype=self.cache_dtype, device=dev), num_slots, max_len)
+            cache = self.with_options(PagedSlotCache(self.model.new_cache(blocks, bs, dtype=self.cache_dtype, device=dev),
+                                                     num_slots, max_len))
         runner = None
         if cache is None:
             runner = self._kept_runner(num_slots, max_len, dev)
-            cache = runner.cache if runner is not None else SlotCache(
-                self.model.new_cache(num_slots + 1, max_len, dtype=self.cache_dtype, device=dev))
+            cache = runner.cache if runner is not None else self.with_options(SlotCache(
+                self.model.new_cache(num_slots + 1, max_len, dtype=self.cache_dtype, device=dev)))
         run = _Run(num_slots, budget, dev, self.routes_shape)
         if isinstance(cache, PagedSlotCache):
             run.release = cache.release
@@ -634,7 +645,7 @@ class PolicyRolloutEngine(RolloutEngine):
         if self._runner is not None and self._runner_key == key:
             return self._runner
         self._drop_runner()
-        cache = SlotCache(self.model.new_cache(num_slots + 1, max_len, dtype=self.cache_dtype, device=dev))
+        cache = self.with_options(SlotCache(self.model.new_cache(num_slots + 1, max_len, dtype=self.cache_dtype, device=dev)))
         self._runner, self._runner_key = self._decode_runner(cache), key
         return self._runner
 

@@ -22,10 +22,13 @@ Only single-token steps run here: prompts are prefilled elsewhere.
 
 Shared prompts: `load_prefix(slots, ...)` copies one prompt into all of `slots` (a GRPO group's G samples),
 so until a slot is loaded again its first n keys equal those of the other slots of that call (either
-layout). An eager step on the CPU passes that to `kernels.decode_attention` as `shared_prefix` (per active row: the first active
-row of its group and the prompt length), and the CPU kernel reads each group's prompt once for all its
-rows instead of once per row (`share_prefix_reads = False` turns the hint off; the attention is the same up to
-fp32 rounding, the prompt's softmax and the rest's being merged).
+layout). With `share_prefix_reads` a step passes that to `kernels.decode_attention` as `shared_prefix` (per
+active row: the first active row of its group and the prompt length; `prefix_hint_for(slots)` on the host):
+the CPU kernel reads each group's prompt once for all its rows instead of once per row, the Triton kernel
+reads the root's copy for every row of the group (L2 hits instead of HBM reads). The attention is the same
+up to fp32 rounding. On by default on the CPU (measured faster there); on CUDA the engine's
+`EngineOptions.share_prefix_reads` turns it on (off by default until measured on a GPU). A static step takes
+the hint as device buffers (`set_active_static(slot_ids, shared_prefix=...)`, filled by the runner).
 
 Static steps (`set_active_static(slot_ids)`, the CUDA-graph decode runner: inference/decode_graphs.py):
 the active slots are a device tensor of a fixed size (a batch-size bucket, extra rows on the scratch
@@ -116,7 +119,8 @@ class SlotCache:
         self._share_group = [-1] * rows  # per slot: the load_prefix call its prompt came from (-1: none) ...
         self._share_len = [0] * rows  # ... and that prompt's length
         self._share_calls = 0
-        self._share_hint: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # the current step's
+        self._share_hint: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # the current eager step's
+        self._static_hint: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # the static steps' buffers
         self.share_prefix_reads = self.device.type == "cpu"
 
     def _note_shared(self, slots: Sequence[int], n: int) -> None:
@@ -126,12 +130,12 @@ class SlotCache:
             self._share_group[s] = self._share_calls if len(slots) > 1 else -1
             self._share_len[s] = n
 
-    def _prefix_hint(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """`shared_prefix` of the active rows (kernels/reference/decode_attention.py): each row of a group with
-        two or more active rows points at the group's first active row; None when no group has two."""
+    def prefix_hint_for(self, slots: Sequence[int]) -> Optional[tuple[list[int], list[int]]]:
+        """`shared_prefix` of a step over `slots` (kernels/reference/decode_attention.py), as host lists: each row
+        of a group with two or more rows here points at the group's first row; None when no group has two."""
         first: dict[int, int] = {}
         count: dict[int, int] = {}
-        for b, s in enumerate(self._active_list):
+        for b, s in enumerate(slots):
             g = self._share_group[s]
             if g >= 0:
                 first.setdefault(g, b)
@@ -139,12 +143,20 @@ class SlotCache:
         if not any(c > 1 for c in count.values()):
             return None
         rows, lens = [], []
-        for b, s in enumerate(self._active_list):
+        for b, s in enumerate(slots):
             g = self._share_group[s]
             shared = g >= 0 and count[g] > 1
             rows.append(first[g] if shared else b)
             lens.append(self._share_len[s] if shared else 0)
-        return torch.tensor(rows, dtype=torch.long), torch.tensor(lens, dtype=torch.long)
+        return rows, lens
+
+    def _prefix_hint(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The eager step's hint on the cache's device (made once per step, read by every layer)."""
+        hint = self.prefix_hint_for(self._active_list)
+        if hint is None:
+            return None
+        both = torch.tensor(hint, dtype=torch.long).to(self.device)
+        return both[0], both[1]
 
     def reset_scratch(self) -> None:
         """Rewind the scratch slot to one (garbage) cached token before a dummy step: never empty, so a
@@ -164,19 +176,25 @@ class SlotCache:
         self._active = torch.as_tensor(slots, dtype=torch.long, device=self.device)
         self._static = False
 
-    def set_active_static(self, slot_ids: torch.Tensor) -> None:
+    def set_active_static(self, slot_ids: torch.Tensor,
+                          shared_prefix: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
         """The next steps run the slots of the device tensor `slot_ids` (a static buffer whose values the
         caller rewrites between steps; rows it does not use point at the scratch slot): see the module
-        docstring. The host lengths of the slots are not advanced (the caller's job)."""
+        docstring. `shared_prefix`: the steps' hint as two static buffers of the same size (rows its groups do
+        not use: their own row, length 0), used when `share_prefix_reads` is on. The host lengths of the slots
+        are not advanced (the caller's job)."""
         if self._pending:
             raise RuntimeError("SlotCache: cannot change the active slots in the middle of a step")
         if slot_ids.dim() != 1 or slot_ids.dtype != torch.long or slot_ids.numel() == 0:
             raise ValueError(f"SlotCache: slot_ids must be a non-empty 1-D long tensor, got {slot_ids.dtype} "
                              f"{tuple(slot_ids.shape)}")
+        if shared_prefix is not None and any(t.shape != slot_ids.shape for t in shared_prefix):
+            raise ValueError(f"SlotCache: the static shared_prefix buffers must be [{slot_ids.numel()}] like slot_ids")
         self._active = slot_ids
         self._active_list = []
         self._contiguous = False
         self._static = True
+        self._static_hint = shared_prefix if self.share_prefix_reads else None
 
     def reset_scratch_state(self) -> None:
         """Device-only rewind of the scratch slot (graph-safe): one cached position, zero Mamba2 states, so the
@@ -252,7 +270,7 @@ class SlotCache:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, 1, Hq, D], k / v [B, 1, Hkv, D] of the active slots -> attention output [B, 1, Hq, D]."""
         seqlens = self._write(layer_idx, k, v)
-        hint = None if self._static else self._share_hint
+        hint = self._static_hint if self._static else self._share_hint
         out = kernels.decode_attention(
             q[:, 0], self.keys[layer_idx], self.values[layer_idx], seqlens,
             slot_ids=None if self._contiguous else self._active, max_seqlen_k=self._max_k,
@@ -357,7 +375,8 @@ class PagedSlotCache(SlotCache):
         self.slot_blocks[num_slots] = [0]
         self.slot_capacity[num_slots] = self.block_size
 
-    def set_active_static(self, slot_ids: torch.Tensor) -> None:
+    def set_active_static(self, slot_ids: torch.Tensor,
+                          shared_prefix: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
         raise ValueError("PagedSlotCache: static (CUDA-graph) steps need the slot layout: the block table "
                          "changes as samples come and go")
 
@@ -445,7 +464,7 @@ class PagedSlotCache(SlotCache):
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         seqlens = self._write(layer_idx, k, v)
-        hint = None if self._static else self._share_hint
+        hint = self._static_hint if self._static else self._share_hint
         out = kernels.decode_attention(q[:, 0], self.keys[layer_idx], self.values[layer_idx], seqlens,
                                        block_table=self._step_table, max_seqlen_k=self._max_k,
                                        **({} if hint is None else {"shared_prefix": hint}))

@@ -110,16 +110,23 @@ def test_greedy_rollout_with_triton_backend_equals_torch_backend():
         s = F.build_sample(parts, g)
         prompts.append(RolloutPrompt(torch.tensor(s["input_ids"]), s["pixel_values"], s["image_grid_thw"]))
     params = SamplingParams(max_new_tokens=4, n=2, temperature=0.0)
-    results = {}
-    for backend in ("torch", "triton"):
+    # the triton kernel in eager steps with slots refilled; then in static (CUDA-graph-shaped) steps that read a
+    # group's shared prompt through its first row's copy (the hint from the runner's buffers), on the text prompt
+    # only (a static step attends over the whole slot capacity: slow in the interpreter)
+    runs = (("torch", "off", False, prompts, params), ("triton", "off", False, prompts, params),
+            ("torch", "off", False, prompts[1:], SamplingParams(max_new_tokens=3, n=3, temperature=0.0)),
+            ("triton", "on", True, prompts[1:], SamplingParams(max_new_tokens=3, n=3, temperature=0.0)))
+    results = []
+    for backend, graphs, shared, batch, sampling in runs:
         with K.use_backends({"decode_attention": backend}):
             assert DEFAULT_REGISTRY.choose("decode_attention", DEVICE, torch.float32) == backend
-            eng = PolicyRolloutEngine(model, Tok(), EngineOptions(eos_token_ids=[-1], device=DEVICE,
-                                                                  max_num_seqs=3))  # slots refilled
-            results[backend] = eng.generate(prompts, params).samples
-    for a, b in zip(results["torch"], results["triton"]):
-        assert a.token_ids.tolist() == b.token_ids.tolist()
-        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+            eng = PolicyRolloutEngine(model, Tok(), EngineOptions(eos_token_ids=[-1], device=DEVICE, max_num_seqs=3,
+                                                                  cuda_graphs=graphs, share_prefix_reads=shared))
+            results.append(eng.generate(batch, sampling).samples)
+    for ref, got in ((results[0], results[1]), (results[2], results[3])):
+        for a, b in zip(ref, got, strict=True):
+            assert a.token_ids.tolist() == b.token_ids.tolist()
+            torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
 @pytest.mark.gpu
@@ -173,3 +180,49 @@ def test_split_results_equal_one_split():
         T.num_splits = one
     assert T.num_splits(4, 90, T._sm_count(torch.device(DEVICE)))[0] > 1  # the first call did split
     torch.testing.assert_close(split, whole, **FP32)
+
+
+# shared prompts: rows 0-3 share 16 keys (root 1), rows 4-5 share 9 (root 5), row 6 alone (the interpreter's
+# 16-key blocks and 8 stand-in SMs split these caches: prefix and suffix keys in one block, several splits)
+_ROOTS = [1, 1, 1, 1, 5, 5, 6]
+_PREFIX = [16, 16, 16, 16, 9, 9, 0]
+_LENS = [30, 17, 16, 40, 9, 20, 25]
+
+
+def _shared_case(seed, hq=4, hkv=1, d=8, length=40):
+    g = torch.Generator().manual_seed(seed)
+    b = len(_ROOTS)
+    q = torch.randn(b, hq, d, generator=g)
+    k = torch.randn(b + 2, length, hkv, d, generator=g)
+    v = torch.randn_like(k)
+    slot_ids = torch.randperm(b + 2, generator=g)[:b]
+    for row, (root, p) in enumerate(zip(_ROOTS, _PREFIX)):  # the copies the hint promises
+        k[slot_ids[row], :p] = k[slot_ids[root], :p]
+        v[slot_ids[row], :p] = v[slot_ids[root], :p]
+    return q, k, v, slot_ids, torch.tensor(_LENS), (torch.tensor(_ROOTS), torch.tensor(_PREFIX))
+
+
+@pytest.mark.parametrize("layout", ["slot", "paged"])
+def test_shared_prefix_reads_the_roots_copy(layout):
+    """With the hint each sequence gets its own attention (the loop over its own keys), and the prefix comes from
+    the root's copy: row 0's own copy of the prefix is broken (the hinted call does not see it; the loop does),
+    row 3's keys after the prefix are changed (both see it: the suffix is each row's own). One call per layout
+    (the interpreter is slow)."""
+    q, k, v, slot_ids, seqlens, hint = _shared_case(seed=21)
+    k[slot_ids[3], _PREFIX[3]:] += 1.0
+    truth = decode_attention_loop(q, k, v, seqlens, slot_ids=slot_ids)  # every copy intact
+    k[slot_ids[0], : _PREFIX[0]] += 1.0
+    broken = decode_attention_loop(q, k, v, seqlens, slot_ids=slot_ids)
+    assert (broken[0] - truth[0]).abs().max() > 1e-2  # the break matters to a call that reads row 0's own copy
+    if layout == "paged":  # the slots cut into blocks of 8 positions in a shuffled pool
+        block, per = 8, k.shape[1] // 8
+        perm = torch.randperm(k.shape[0] * per, generator=torch.Generator().manual_seed(2))
+        kc, vc = (torch.empty(k.shape[0] * per, block, *k.shape[2:]) for _ in range(2))
+        kc[perm], vc[perm] = k.reshape(-1, block, *k.shape[2:]), v.reshape(-1, block, *v.shape[2:])
+        kw = dict(block_table=perm.view(k.shape[0], per)[slot_ids].to(torch.int32))
+        torch.testing.assert_close(decode_attention_loop(q, kc, vc, seqlens, **kw), broken, **FP32)  # the same keys
+    else:
+        kc, vc, kw = k, v, dict(slot_ids=slot_ids)
+    out = decode_attention(*_on(q, kc, vc, seqlens), shared_prefix=tuple(_on(*hint)),
+                           **{n: t.to(DEVICE) for n, t in kw.items()})
+    torch.testing.assert_close(out.cpu(), truth, **FP32)

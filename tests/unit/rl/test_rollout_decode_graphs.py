@@ -285,3 +285,53 @@ def test_slot_cache_and_graphs_are_kept_across_calls():
     assert eng._runner is not runner and eng._runner.cache.max_len == 128
     eng.release_memory()
     assert eng._runner is None and first.samples
+
+
+def test_static_steps_pass_the_shared_prompt_hint(monkeypatch):
+    """With `share_prefix_reads` the static step gets the groups of its rows from the runner's buffers (each row
+    pointing at its group's first row, the prompt length; rows of no group and padding rows at themselves, 0) and
+    decodes the same tokens as eager steps without the hint; with it off the static step passes no hint."""
+    from megatron_vlm.models.common import slot_cache
+
+    model, prompts = _qwen()
+    params = SamplingParams(max_new_tokens=6, n=3, temperature=0.0)
+    ref = PolicyRolloutEngine(model, Tok(), EngineOptions(eos_token_ids=[-1], max_num_seqs=5,
+                                                          share_prefix_reads=False)).generate(prompts[:3], params).samples
+    seen = []
+    attend = slot_cache.kernels.decode_attention
+    engines = []
+
+    def spy(q, k, v, seqlens, **kw):
+        hint = kw.get("shared_prefix")
+        cache = engines[-1]._runner.cache  # the groups as they are at this step (slots are refilled later)
+        seen.append(None if hint is None else (hint[0].tolist(), hint[1].tolist(), kw.get("slot_ids").tolist(),
+                                               list(cache._share_group), list(cache._share_len)))
+        return attend(q, k, v, seqlens, **kw)
+
+    monkeypatch.setattr(slot_cache.kernels, "decode_attention", spy)
+    for reads in (True, False):
+        seen.clear()
+        eng = PolicyRolloutEngine(model, Tok(), EngineOptions(eos_token_ids=[-1], max_num_seqs=5, cuda_graphs="on",
+                                                              share_prefix_reads=reads))
+        engines.append(eng)
+        got = eng.generate(prompts[:3], params).samples
+        assert eng._runner is not None and eng._runner.cache.share_prefix_reads is reads
+        for a, b in zip(ref, got):
+            assert a.token_ids.tolist() == b.token_ids.tolist()
+            torch.testing.assert_close(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
+        if not reads:
+            assert seen and all(h is None for h in seen)
+            continue
+        assert seen and all(h is not None for h in seen)
+        cache = eng._runner.cache
+        grouped = 0
+        for rows, lens, slots, group, plen in seen:
+            for b, (r, n, s) in enumerate(zip(rows, lens, slots)):
+                if s == cache.scratch_slot or n == 0:
+                    assert r == b and n == 0
+                    continue
+                grouped += 1
+                # the root is the first row of the same prompt's group, and holds the same prompt length
+                assert r <= b and group[slots[r]] == group[s] >= 0 and rows[r] == r
+                assert n == plen[s] and lens[r] == n
+        assert grouped > 0

@@ -3,6 +3,9 @@
 # Sections: sft sft16k decode decode32 moe decode_attn rollout attn segv fp8.
 # Run on the leased machine from the repository root with `.whl` carried (bash benchmarks/gpu_wheels.sh here first):
 #   bash benchmarks/gpu_wave3.sh [sections]      # sections: sft decode rollout attn segv (default: all, in that order)
+# Next lease (what the 2026-11-27 H200 run left unmeasured), two commands of <= 540 s each:
+#   bash benchmarks/gpu_wave3.sh decode32 moe decode rollout     # shared-prompt reads, 32 sequences, MoE slice
+#   bash benchmarks/gpu_wave3.sh fp8 attn sft16k                 # fp8 graph breaks + loss curve, varlen rows
 # Every step is time-boxed; logs and JSON go to $OUT/w3 (packed into $OUT/w3.tgz after every step, so a command
 # cut short still returns what finished). Figures go to benchmarks/RESULTS.md by hand, with device and versions.
 set -uo pipefail

@@ -65,7 +65,7 @@ if want decode32; then  # the target's 32 sequences (4 prompts x G 8), split-K d
     --variants triton:on,triton:on:shared --profile --json "$R/decode32.json"
 fi
 if want fp8; then  # train.precision = "fp8" (torchao float8 linears): step at a 7B-width slice, loss curve vs bf16
-  # 8 layers (the 4-layer slice was 36 GiB, its step half LM head); TORCH_LOGS: where the compiled blocks break
+  # 8 layers (the 4-layer slice was 36 GiB, over a third of its linear FLOPs in the LM head); TORCH_LOGS: where the compiled blocks break
   # their graphs (a break inside the block leaves float8 casts unfused)
   step fp8_step 120 env TORCH_LOGS=graph_breaks $PY benchmarks/e2e/bench_fp8.py --layers 8 --rounds 2 --steps 2 --warmup 2 --json "$R/fp8_step.json"
   step fp8_loss 70 $PY benchmarks/e2e/fp8_loss_curve.py --steps 200 --variants bf16,tensorwise --json "$R/fp8_loss.json"

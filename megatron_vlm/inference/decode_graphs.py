@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_vlm.models.common.moe_static import static_routing
 from megatron_vlm.models.common.routing_replay import recording_routes
-from megatron_vlm.models.common.slot_cache import SlotCache
+from megatron_vlm.models.common.slot_cache import SlotCache, hint_dtype
 
 __all__ = ["DecodeStepRunner", "GraphUnsafeError", "GraphSafetyProbe", "bucket_sizes"]
 
@@ -102,9 +102,10 @@ class _Bucket:
         self.routes: Optional[torch.Tensor] = None  # [size, layers, k] recorded experts (record_routes)
         # the shared-prompt hint of the step's rows (SlotCache.share_prefix_reads): the group's first row and the
         # prompt length; a row of no group (padding included) points at itself with length 0
-        self.own_rows = torch.arange(size, dtype=torch.long)
+        dtype = hint_dtype(torch.device(device))
+        self.own_rows = torch.arange(size, dtype=dtype)
         self.prefix_rows = self.own_rows.to(device)
-        self.prefix_lens = torch.zeros(size, dtype=torch.long, device=device)
+        self.prefix_lens = torch.zeros(size, dtype=dtype, device=device)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.traces: list[list[tuple]] = []
 
@@ -193,10 +194,10 @@ class DecodeStepRunner:
     def _fill_prefix_hint(self, bucket: _Bucket, slots: Sequence[int]) -> None:
         """Write this step's shared-prompt hint (`SlotCache.prefix_hint_for`) into the bucket's static buffers."""
         hint = self.cache.prefix_hint_for(slots)
-        rows, lens = bucket.own_rows.clone(), torch.zeros(bucket.size, dtype=torch.long)
+        rows, lens = bucket.own_rows.clone(), torch.zeros_like(bucket.own_rows)
         if hint is not None:
-            rows[: len(slots)] = torch.as_tensor(hint[0], dtype=torch.long)
-            lens[: len(slots)] = torch.as_tensor(hint[1], dtype=torch.long)
+            rows[: len(slots)] = torch.as_tensor(hint[0], dtype=rows.dtype)
+            lens[: len(slots)] = torch.as_tensor(hint[1], dtype=rows.dtype)
         bucket.prefix_rows.copy_(rows)
         bucket.prefix_lens.copy_(lens)
 

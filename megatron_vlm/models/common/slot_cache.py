@@ -48,7 +48,13 @@ from megatron_vlm import kernels
 from megatron_vlm.models.common.kv_cache import KVCache
 from megatron_vlm.models.common.mamba2 import Mamba2State
 
-__all__ = ["SlotCache"]
+__all__ = ["SlotCache", "PagedSlotCache", "hint_dtype"]
+
+
+def hint_dtype(device: torch.device) -> torch.dtype:
+    """Integer type of the `shared_prefix` tensors: the kernel's own (int32 for Triton, int64 for the CPU op), so no
+    layer converts them."""
+    return torch.long if device.type == "cpu" else torch.int32
 
 
 def _kv_part(cache) -> KVCache:
@@ -155,7 +161,7 @@ class SlotCache:
         hint = self.prefix_hint_for(self._active_list)
         if hint is None:
             return None
-        both = torch.tensor(hint, dtype=torch.long).to(self.device)
+        both = torch.tensor(hint, dtype=hint_dtype(self.device)).to(self.device)
         return both[0], both[1]
 
     def reset_scratch(self) -> None:

@@ -75,11 +75,8 @@ def _decode_attention_split_kernel(
     split = tl.program_id(2)
     n = tl.minimum(tl.load(SEQLENS + b), max_len)
     if SHARED:  # the first `shared` keys are read from the root row's copy (module docstring)
-        root = tl.load(PREFIX_ROWS + b).to(tl.int64)
+        root = tl.load(PREFIX_ROWS + b)
         shared = tl.minimum(tl.minimum(tl.load(PREFIX_LENS + b), n), tl.load(SEQLENS + root))
-    else:
-        root = b
-        shared = 0
     lo = split * chunk
     hi = tl.minimum(lo + chunk, n)
     offs_g = tl.arange(0, BLOCK_G)
@@ -95,8 +92,11 @@ def _decode_attention_split_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < hi
-        row = tl.where(pos < shared, root, b)
-        blk = tl.load(TABLE + row * st_b + (pos // block_size) * st_n, mask=valid, other=0).to(tl.int64)
+        if SHARED:
+            row = tl.where(pos < shared, root, b)
+            blk = tl.load(TABLE + row * st_b + (pos // block_size) * st_n, mask=valid, other=0).to(tl.int64)
+        else:
+            blk = tl.load(TABLE + b * st_b + (pos // block_size) * st_n, mask=valid, other=0).to(tl.int64)
         off = (pos % block_size).to(tl.int64)
         kv_mask = valid[:, None] & d_ok[None, :]
         k = tl.load(K + (blk * sk_blk + off * sk_pos + hk * sk_h)[:, None] + offs_d[None, :] * sk_d,

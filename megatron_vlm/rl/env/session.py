@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Optional
 
+from megatron_vlm.data.bad_records import BadRecordError
 from megatron_vlm.inference.engine import RolloutPrompt
 from megatron_vlm.inference.multiturn import TurnReply
 from megatron_vlm.rl.env.base import EnvSample
@@ -34,16 +35,29 @@ def env_sample(sample: PromptSample, prompt: Optional[RolloutPrompt] = None) -> 
 
 
 class ToolPromptEncoder:
-    """A prompt encoder (rl/prompts/encoder.py) whose prompts carry `tools` in their system turn."""
+    """A prompt encoder (rl/prompts/encoder.py) whose prompts carry `tools` in their system turn and fit a
+    trajectory: with `max_total_tokens`, a prompt of that many tokens or more (no room for a model token; the
+    multi-turn loop refuses such a round) is skipped and counted by the wrapped encoder as too long, as prompts
+    over data.max_tokens_per_pack are (`[rl.env] max_total_tokens` may be the lower limit, and the tool specs
+    lengthen every prompt after the run's first length filter)."""
 
-    def __init__(self, encoder: Any, tools: list[dict]):
-        self.inner, self.tools = encoder, tools
+    def __init__(self, encoder: Any, tools: list[dict], *, max_total_tokens: int = 0):
+        self.inner, self.tools, self.max_total_tokens = encoder, tools, max_total_tokens
 
     def messages(self, sample: PromptSample) -> list[dict]:
         return with_tools(sample.messages, self.tools)
 
     def encode(self, sample: PromptSample) -> Optional[RolloutPrompt]:
-        return self.inner.encode(dataclasses.replace(sample, messages=self.messages(sample)))
+        prompt = self.inner.encode(dataclasses.replace(sample, messages=self.messages(sample)) if self.tools else sample)
+        if prompt is None or not self.max_total_tokens or len(prompt) < self.max_total_tokens:
+            return prompt
+        why = (f"prompt of {len(prompt)} tokens (tool specs included) leaves no room under rl.env.max_total_tokens = "
+               f"{self.max_total_tokens}")
+        skip = getattr(self.inner, "_skip", None)  # PromptEncoder's count / bad-record log / warning
+        if skip is None:
+            raise ValueError(f"prompt {sample.prompt_id}: {why}")
+        skip(sample, BadRecordError("too_long", why))
+        return None
 
     def __getattr__(self, name: str) -> Any:  # skipped, last_skip, bad_records of the wrapped encoder
         return getattr(self.inner, name)

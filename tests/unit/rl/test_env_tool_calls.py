@@ -95,6 +95,18 @@ def test_calculator():
             calculate(bad)
 
 
+def test_calculator_refuses_nested_powers_before_computing_them():
+    """Each exponent is <= 64 but the result is not bounded by it: "(((10**64)**64)**64)**64" took 65 s of CPU (past
+    the 30 s turn deadline: the worker was killed, the trajectory an env_error) before failing to print its 1.7e7
+    digits. Refused as too large before it is computed, as the tool's error reply."""
+    for bad in ("((10**64)**64)**64", "(((10**64)**64)**64)**64", "(-(99**64))**64", "99.5**64**64"):
+        with pytest.raises(ValueError, match="too large"):
+            calculate(bad)
+    assert calculate("(10**64)**60") == "1" + "0" * 3840  # 3841 digits: within the bound
+    assert calculate("0.5**64") == str(0.5**64) and calculate("(-10)**63") == "-1" + "0" * 63
+    assert calculate("10**-64") == str(10**-64)
+
+
 def test_tool_environment_turns():
     env = CalculatorEnv()
     env.reset(EnvSample(problem="3+4?", answer="7"))

@@ -93,6 +93,15 @@ class EnvSession:
                 continue
             self.state[i] = r.state
 
+    def _closed_turn(self, ids: list[int]) -> bool:
+        """The model's turn wrote the template's end-of-turn token itself (its last token is that token, an EOS id).
+        A turn that ended on another EOS id (e.g. `<|endoftext|>`) left its chat turn open: the environment's appended
+        turn then starts with the end-of-turn token, as the template renders the conversation."""
+        if not ids or ids[-1] not in self.eos:
+            return False
+        turn_end = getattr(self.encoder, "turn_end_id", None)
+        return turn_end is None or ids[-1] == turn_end
+
     def _fail(self, i: int, why: str) -> None:
         self.failed[i] = why
         self.errors += 1
@@ -117,7 +126,7 @@ class EnvSession:
                 out[conv] = TurnReply(reward=res.reward, done=True, info=info)
                 continue
             try:
-                chunk, self.history[conv] = self.encoder.encode(self.history[conv], text, bool(ids) and ids[-1] in self.eos,
+                chunk, self.history[conv] = self.encoder.encode(self.history[conv], text, self._closed_turn(ids),
                                                                 res.observation)
             except Exception as e:  # noqa: BLE001 - an observation the processor cannot take ends its trajectory
                 self._fail(conv, f"observation: {type(e).__name__}: {e}"[:300])

@@ -37,6 +37,7 @@ goes on sampling from them — partial completions, every token labelled with th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -369,11 +370,15 @@ class VLLMRolloutEngine(RolloutEngine):
         parts: dict[tuple[str, int], dict[str, Any]] = {}  # (request id, completion index) -> streamed pieces
         prompt_ids: dict[str, list[int]] = {}  # request id -> the prompt ids vLLM reports (expanded)
         interrupted = False
+        # vLLM refuses n > 1 with greedy sampling ("n must be 1 when using greedy sampling"): one completion per
+        # prompt, repeated n times (the built-in engine's greedy group: n equal completions)
+        greedy_copies = params.temperature == 0 and params.n > 1
+        sent = dataclasses.replace(params, n=1) if greedy_copies else params
         with self.generating() as engine:
             for i, p in enumerate(prompts):
                 seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) if generator is not None else None
                 rid = f"r{id(self)}-{self.policy_version}-{i}-{time.monotonic_ns()}"
-                self.add_request(engine, rid, p, params, seed)
+                self.add_request(engine, rid, p, sent, seed)
                 ids.append(rid)
             while engine.has_unfinished_requests():
                 if self.interrupt_requested():
@@ -401,7 +406,8 @@ class VLLMRolloutEngine(RolloutEngine):
             if rid in prompt_ids:
                 self._check_prompt(i, p, prompt_ids[rid])
             for j in range(params.n):
-                part = parts.get((rid, j), {"tokens": [], "logprobs": [], "versions": [], "text": [], "reason": None, "stop": None})
+                part = parts.get((rid, 0 if greedy_copies else j),
+                                 {"tokens": [], "logprobs": [], "versions": [], "text": [], "reason": None, "stop": None})
                 if part["reason"] is None and not interrupted:
                     raise RuntimeError(f"vLLM rollout: prompt {i}: completion {j} of n = {params.n} did not finish")
                 toks = torch.tensor(part["tokens"], dtype=torch.long)

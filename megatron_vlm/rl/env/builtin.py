@@ -6,6 +6,7 @@ its first turn without a tool call is the final answer, scored by the `[[rl.rewa
 from __future__ import annotations
 
 import ast
+import math
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,10 @@ _OPS: dict[type, Callable[..., Any]] = {ast.Add: operator.add, ast.Sub: operator
         ast.UAdd: operator.pos}
 
 
+# below Python's limit on printing an int (4300 digits), which `calculate` must do with its result
+_MAX_DIGITS = 4000
+
+
 def _eval(node: ast.AST) -> float:
     if isinstance(node, ast.Expression):
         return _eval(node.body)
@@ -27,8 +32,13 @@ def _eval(node: ast.AST) -> float:
         return node.value
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
         left, right = _eval(node.left), _eval(node.right)
-        if isinstance(node.op, ast.Pow) and abs(right) > 64:
-            raise ValueError("exponent too large")
+        if isinstance(node.op, ast.Pow):
+            if abs(right) > 64:
+                raise ValueError("exponent too large")
+            # nested powers stay under the exponent bound but not under the size: (((10**64)**64)**64)**64 has
+            # 1.7e7 digits (a minute of CPU, past the turn deadline) and can never be printed
+            if right > 0 and abs(left) > 1 and right * math.log10(abs(left)) > _MAX_DIGITS:
+                raise ValueError(f"result too large (more than {_MAX_DIGITS} digits)")
         return _OPS[type(node.op)](left, right)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
         return _OPS[type(node.op)](_eval(node.operand))

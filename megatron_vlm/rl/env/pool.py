@@ -9,13 +9,15 @@ State between turns: a worker is not tied to a trajectory (any worker runs any c
 has lost everything), so the environment object itself travels: `reset` builds it in a worker and sends it
 back pickled with the first observation, each `step` unpickles it, steps it and sends it back. An
 environment must therefore be picklable (plain Python state). Every failure (the environment could not be
-built, `reset` / `step` raised, the worker hung or died, the result was not picklable) is an
+built, `reset` / `step` raised, `step` returned a NaN or infinite reward, the worker hung or died, the result was
+not picklable) is an
 `EnvReply` with `error` set: the rollout ends that trajectory with finish reason "env_error" and counts it.
 """
 from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import pickle
 from collections.abc import Sequence
@@ -96,6 +98,8 @@ def run_call(call: EnvCall) -> EnvReply:
         if not isinstance(result, StepResult):
             raise TypeError(f"step returned {type(result).__name__}, not a StepResult")
         result.reward = float(result.reward)
+        if not math.isfinite(result.reward):  # NaN / inf would poison the whole group's advantages
+            raise ValueError(f"step returned a non-finite reward {result.reward!r}")
         tools = []
     else:
         raise ValueError(f"unknown environment op {call.op!r}")

@@ -90,8 +90,9 @@ class MultiTurnRounds:
         return cls(cfg, engine, processor, max_total_tokens=total, runner=runner)
 
     def prompt_encoder(self, encoder: Any) -> Any:
-        """The prompt encoder whose prompts carry the environment's tools in their system turn."""
-        return ToolPromptEncoder(encoder, self.tools) if self.tools else encoder
+        """The prompt encoder whose prompts carry the environment's tools in their system turn and leave room under
+        max_total_tokens (longer ones skipped and counted: `ToolPromptEncoder`)."""
+        return ToolPromptEncoder(encoder, self.tools, max_total_tokens=self.limits.max_total_tokens)
 
     def generate(self, shard: Any, params: SamplingParams, seed: int) -> tuple[RolloutResult, list[Trajectory]]:
         real = shard.num_real

@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Optional
 
+from megatron_vlm.data.bad_records import BadRecordError
 from megatron_vlm.inference.engine import RolloutPrompt
 from megatron_vlm.inference.multiturn import TurnReply
 from megatron_vlm.rl.env.base import EnvSample
@@ -34,16 +35,29 @@ def env_sample(sample: PromptSample, prompt: Optional[RolloutPrompt] = None) -> 
 
 
 class ToolPromptEncoder:
-    """A prompt encoder (rl/prompts/encoder.py) whose prompts carry `tools` in their system turn."""
+    """A prompt encoder (rl/prompts/encoder.py) whose prompts carry `tools` in their system turn and fit a
+    trajectory: with `max_total_tokens`, a prompt of that many tokens or more (no room for a model token; the
+    multi-turn loop refuses such a round) is skipped and counted by the wrapped encoder as too long, as prompts
+    over data.max_tokens_per_pack are (`[rl.env] max_total_tokens` may be the lower limit, and the tool specs
+    lengthen every prompt after the run's first length filter)."""
 
-    def __init__(self, encoder: Any, tools: list[dict]):
-        self.inner, self.tools = encoder, tools
+    def __init__(self, encoder: Any, tools: list[dict], *, max_total_tokens: int = 0):
+        self.inner, self.tools, self.max_total_tokens = encoder, tools, max_total_tokens
 
     def messages(self, sample: PromptSample) -> list[dict]:
         return with_tools(sample.messages, self.tools)
 
     def encode(self, sample: PromptSample) -> Optional[RolloutPrompt]:
-        return self.inner.encode(dataclasses.replace(sample, messages=self.messages(sample)))
+        prompt = self.inner.encode(dataclasses.replace(sample, messages=self.messages(sample)) if self.tools else sample)
+        if prompt is None or not self.max_total_tokens or len(prompt) < self.max_total_tokens:
+            return prompt
+        why = (f"prompt of {len(prompt)} tokens (tool specs included) leaves no room under rl.env.max_total_tokens = "
+               f"{self.max_total_tokens}")
+        skip = getattr(self.inner, "_skip", None)  # PromptEncoder's count / bad-record log / warning
+        if skip is None:
+            raise ValueError(f"prompt {sample.prompt_id}: {why}")
+        skip(sample, BadRecordError("too_long", why))
+        return None
 
     def __getattr__(self, name: str) -> Any:  # skipped, last_skip, bad_records of the wrapped encoder
         return getattr(self.inner, name)
@@ -79,6 +93,15 @@ class EnvSession:
                 continue
             self.state[i] = r.state
 
+    def _closed_turn(self, ids: list[int]) -> bool:
+        """The model's turn wrote the template's end-of-turn token itself (its last token is that token, an EOS id).
+        A turn that ended on another EOS id (e.g. `<|endoftext|>`) left its chat turn open: the environment's appended
+        turn then starts with the end-of-turn token, as the template renders the conversation."""
+        if not ids or ids[-1] not in self.eos:
+            return False
+        turn_end = getattr(self.encoder, "turn_end_id", None)
+        return turn_end is None or ids[-1] == turn_end
+
     def _fail(self, i: int, why: str) -> None:
         self.failed[i] = why
         self.errors += 1
@@ -103,7 +126,7 @@ class EnvSession:
                 out[conv] = TurnReply(reward=res.reward, done=True, info=info)
                 continue
             try:
-                chunk, self.history[conv] = self.encoder.encode(self.history[conv], text, bool(ids) and ids[-1] in self.eos,
+                chunk, self.history[conv] = self.encoder.encode(self.history[conv], text, self._closed_turn(ids),
                                                                 res.observation)
             except Exception as e:  # noqa: BLE001 - an observation the processor cannot take ends its trajectory
                 self._fail(conv, f"observation: {type(e).__name__}: {e}"[:300])

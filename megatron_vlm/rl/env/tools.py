@@ -5,7 +5,8 @@
 docstring line the description; `schema=` overrides it. `specs()` is the list the chat template renders
 into the system prompt (`tools=` of `apply_chat_template`, in the OpenAI function form every Qwen template
 reads). `call(ToolCall)` checks the arguments against the schema and runs the function; an unknown tool,
-a bad argument or an exception in the tool becomes an error text (the tool's reply), never a crash.
+a bad argument, an exception in the tool or a return value the conversation cannot show (not text, JSON data or
+(text, [PIL images / HxWx3 uint8 arrays])) becomes an error text (the tool's reply), never a crash.
 
 `ToolEnvironment(tools)`: after each model turn, every `<tool_call>` block (rl/env/tool_calls.py) is run
 and answered with one tool turn per call; a turn without a call is the final answer (done). A tool may
@@ -16,7 +17,7 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Callable, Sequence
-from typing import Optional
+from typing import Any, Optional
 
 from megatron_vlm.rl.env.base import Environment, Observation, StepResult
 from megatron_vlm.rl.env.tool_calls import ToolCall, ToolCallError, parse_tool_calls
@@ -65,6 +66,17 @@ def _check_args(spec: dict, args: dict) -> Optional[str]:
     return None
 
 
+def _not_an_image(image: Any) -> str:
+    """Why `image` is not what an observation may show (a PIL image or an HxWx3 uint8 array), or ""."""
+    if type(image).__module__.startswith("PIL."):
+        return ""
+    shape, dtype = getattr(image, "shape", None), getattr(image, "dtype", None)
+    if shape is not None and len(shape) == 3 and shape[2] == 3 and str(dtype) == "uint8":
+        return ""
+    return (f"an image that is not a PIL image or an HxWx3 uint8 array ({type(image).__name__}"
+            f"{f' {dtype} {tuple(shape)}' if shape is not None else ''})")
+
+
 class ToolRegistry:
     """Tools by name: `functions` (their specs from `function_schema`) plus `schemas` {name: spec} overrides."""
 
@@ -97,8 +109,16 @@ class ToolRegistry:
         except Exception as e:  # noqa: BLE001 -- a tool's failure is the model's feedback, not the job's
             return f"Error: {call.name} raised {type(e).__name__}: {e}"[:500], [], False
         if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], list):
+            bad = next((why for why in map(_not_an_image, out[1]) if why), None)
+            if bad:
+                return f"Error: {call.name} returned {bad}", [], False
             return str(out[0]), list(out[1]), True
-        return out if isinstance(out, str) else json.dumps(out), [], True
+        if isinstance(out, str):
+            return out, [], True
+        try:
+            return json.dumps(out), [], True
+        except (TypeError, ValueError) as e:  # a set, an object: the model's feedback, not the trajectory's end
+            return f"Error: {call.name} returned {type(out).__name__}, not text or JSON data: {e}"[:500], [], False
 
 
 class ToolEnvironment(Environment):

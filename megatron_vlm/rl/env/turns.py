@@ -103,6 +103,12 @@ class TurnEncoder:
     def __init__(self, processor):
         self.proc = processor
 
+    @property
+    def turn_end_id(self) -> int:
+        """The token id of the template's end-of-turn text (`<|im_end|>`): a model turn whose last token is this one
+        closed its chat turn itself; one that ended on another EOS id (`<|endoftext|>`) did not."""
+        return int(self.proc.tokenizer.convert_tokens_to_ids(self.proc.turn_end))
+
     def encode(self, history: list[dict], turn_text: str, ended_with_eos: bool,
                obs: Observation) -> tuple[TurnChunk, list[dict]]:
         proc = self.proc
@@ -116,7 +122,7 @@ class TurnEncoder:
                              "changes when a turn is added): multi-turn rollouts need a template that appends")
         tail = closed[len(before) + len(turn_text):]
         if ended_with_eos and tail.startswith(proc.turn_end):
-            tail = tail[len(proc.turn_end):]  # the model generated it as its EOS token
+            tail = tail[len(proc.turn_end):]  # the model generated it (its last token is `turn_end_id`)
         text = tail + after[len(closed):]
         media = [it for m in new if isinstance(m["content"], list) for it in m["content"] if it["type"] != "text"]
         images = [_pil(it["image"]) for it in media if it["type"] == "image"]

@@ -95,6 +95,18 @@ def test_calculator():
             calculate(bad)
 
 
+def test_calculator_refuses_nested_powers_before_computing_them():
+    """Each exponent is <= 64 but the result is not bounded by it: "(((10**64)**64)**64)**64" took 65 s of CPU (past
+    the 30 s turn deadline: the worker was killed, the trajectory an env_error) before failing to print its 1.7e7
+    digits. Refused as too large before it is computed, as the tool's error reply."""
+    for bad in ("((10**64)**64)**64", "(((10**64)**64)**64)**64", "(-(99**64))**64", "99.5**64**64"):
+        with pytest.raises(ValueError, match="too large"):
+            calculate(bad)
+    assert calculate("(10**64)**60") == "1" + "0" * 3840  # 3841 digits: within the bound
+    assert calculate("0.5**64") == str(0.5**64) and calculate("(-10)**63") == "-1" + "0" * 63
+    assert calculate("10**-64") == str(10**-64)
+
+
 def test_tool_environment_turns():
     env = CalculatorEnv()
     env.reset(EnvSample(problem="3+4?", answer="7"))
@@ -122,3 +134,37 @@ def test_tools_in_the_system_turn():
     msgs = with_tools([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], tools)
     assert msgs[0]["content"].startswith("Be brief.\n\n# Tools") and msgs[1] == {"role": "user", "content": "hi"}
     assert with_tools([{"role": "user", "content": "hi"}], tools)[0]["role"] == "system"
+
+
+def test_a_tool_returning_garbage_is_an_error_reply():
+    """A return value that is neither text, JSON-serialisable data nor (text, [images]) is the tool's error reply (the
+    model's feedback), not an exception out of the environment that would end the trajectory as "env_error"."""
+    import numpy as np
+
+    def odd_set() -> str:
+        """Returns a set."""
+        return {1, 2}  # type: ignore[return-value]
+
+    def odd_image() -> str:
+        """Returns an image that is not one."""
+        return "look:", ["not an image"]  # type: ignore[return-value]
+
+    def grey() -> str:
+        """Returns a 2-D array as an image."""
+        return "look:", [np.zeros((4, 4), dtype=np.uint8)]  # type: ignore[return-value]
+
+    reg = ToolRegistry([odd_set, odd_image, grey])
+    for name in ("odd_set", "odd_image", "grey"):
+        text, images, ok = reg.call(ToolCall(name, {}))
+        assert not ok and images == [] and text.startswith(f"Error: {name} returned "), text
+    env = ToolEnvironment(registry=reg)
+    env.reset(EnvSample(problem=""))
+    res = env.step('<tool_call>{"name": "odd_set", "arguments": {}}</tool_call>')
+    assert not res.done and res.info["tool_errors"] == 1 and res.observation.images == []
+    ok_image = np.zeros((4, 4, 3), dtype=np.uint8)
+
+    def good() -> str:
+        """Returns an HxWx3 uint8 image."""
+        return "look:", [ok_image]  # type: ignore[return-value]
+
+    assert ToolRegistry([good]).call(ToolCall("good", {}))[1:] == ([ok_image], True)

@@ -20,6 +20,8 @@ def vqa(tmp_path_factory):
 def test_max_turns_marks_the_finish_reason(vqa, tmp_path):
     _, prompts, trajs, session = rollout("tiny_qwen2_5_vl", vqa, tmp_path, env=f"{FNS}:Echo", max_turns=2)
     assert session.errors == 0
+    tok = session.encoder.proc.tokenizer  # the session's end-of-turn id (test_env_turn_end.py): <|im_end|>'s
+    assert session.encoder.turn_end_id == tok.convert_tokens_to_ids("<|im_end|>") != tok.convert_tokens_to_ids("<|endoftext|>")
     assert [t.finish_reason for t in trajs] == ["max_turns"] * 4
     for t in trajs:
         assert t.num_turns == 2 and t.turn_rewards == [0.25, 0.25]

@@ -5,12 +5,18 @@ only over-long prompts ended the run with exit 2. `drop_unusable_prompts` now dr
 first step, with the exact boundary of the step-time encoder (the reference here: `PromptEncoder`
 encodes what is kept and refuses what is dropped as too long), counts them as bad records, and a set
 with nothing left is a ConfigError naming its key.
+
+Multi-turn (`[rl.env]`): a prompt that leaves no room under `rl.env.max_total_tokens` (which may be below
+data.max_tokens_per_pack, the limit above; the tool specs lengthen every prompt too) is skipped and counted by the
+multi-turn prompt encoder like any over-long prompt, instead of reaching the multi-turn loop, which refused the
+whole round (ValueError: the job stopped mid-run).
 """
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+import torch
 from PIL import Image
 from test_rl_prompt_faults import _row, write_png_bomb
 
@@ -18,7 +24,9 @@ from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.data.processing import process_record
 from megatron_vlm.errors import ConfigError
-from megatron_vlm.rl.prompts.dataset import load_prompt_dataset
+from megatron_vlm.inference.engine import RolloutPrompt
+from megatron_vlm.rl.env.session import ToolPromptEncoder
+from megatron_vlm.rl.prompts.dataset import PromptSample, load_prompt_dataset
 from megatron_vlm.rl.prompts.encoder import PromptEncoder
 from megatron_vlm.rl.prompts.lengths import drop_unusable_prompts
 from megatron_vlm.rl.prompts.sets import PromptSets
@@ -64,3 +72,30 @@ def test_a_set_with_nothing_left_is_a_config_error_naming_its_key(tmp_path, proc
         drop_unusable_prompts(PromptSets(train, evals), proc, data_cfg, rl_cfg)
     with pytest.raises(ConfigError, match=r"^data\.train_path: none of the 2 prompts"):
         drop_unusable_prompts(PromptSets(evals, None), proc, data_cfg, rl_cfg)
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object",
+                                                                                           "properties": {}, "required": []}}}]
+
+
+def _sample(words: int, i: int) -> PromptSample:
+    return PromptSample(prompt_id=f"p{i}", messages=[{"role": "user", "content": " ".join(["seven"] * words)}],
+                        answer="7", problem="q")
+
+
+def test_prompts_longer_than_a_trajectory_are_skipped_and_counted(proc):
+    inner = PromptEncoder(proc, max_frames=4, fps=2.0, max_new_tokens=8, max_tokens=4096)
+    short, long_ = _sample(2, 0), _sample(300, 1)  # ~31 and ~630 tokens, ~330 more with the tool specs
+    lengths = [len(inner.encode(s)) for s in (short, long_)]
+    for tools in (TOOLS, []):
+        enc = ToolPromptEncoder(PromptEncoder(proc, max_frames=4, fps=2.0, max_new_tokens=8, max_tokens=4096), tools,
+                                max_total_tokens=600)
+        ok = enc.encode(short)
+        assert isinstance(ok, RolloutPrompt) and len(ok) < 600
+        assert enc.encode(long_) is None and enc.skipped == 1
+        assert "p1" in enc.last_skip and "rl.env.max_total_tokens = 600" in enc.last_skip
+    assert lengths[0] < 600 <= lengths[1]
+    # the limit is the loop's: a prompt of max_total_tokens - 1 tokens (room for one model token) is kept
+    edge = ToolPromptEncoder(inner, [], max_total_tokens=lengths[1] + 1)
+    assert torch.equal(edge.encode(long_).input_ids, inner.encode(long_).input_ids)
+    assert ToolPromptEncoder(inner, [], max_total_tokens=lengths[1]).encode(long_) is None

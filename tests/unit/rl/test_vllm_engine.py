@@ -96,6 +96,8 @@ def test_greedy_equals_builtin_and_logprobs_equal_training_forward(kind, tmp_pat
     engine = _engine(folder)
     try:
         theirs = _greedy(engine, prompts)
+        # a greedy group (n > 1 at temperature 0, which vLLM refuses for one request): n equal completions
+        group = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, n=2, temperature=0.0)).samples
         T = 0.7
         res = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, n=3, temperature=T),
                               generator=torch.Generator().manual_seed(0))
@@ -110,6 +112,8 @@ def test_greedy_equals_builtin_and_logprobs_equal_training_forward(kind, tmp_pat
     assert len(first.samples) == 8 * len(many) and all(s.token_ids.numel() >= 1 for s in first.samples)
     assert [s.token_ids.tolist() for s in first.samples] == [s.token_ids.tolist() for s in again.samples]
     assert theirs == _ours_greedy(model, tok, prompts)
+    assert [(s.prompt_index, s.sample_index, s.token_ids.tolist()) for s in group] == \
+        [(i, j, t) for i, t in enumerate(theirs) for j in range(2)]
     assert all(len(t) >= 1 for t in theirs)
     assert [(s.prompt_index, s.sample_index) for s in res.samples] == [(i, j) for i in range(len(prompts)) for j in range(3)]
     n = 0

@@ -730,6 +730,14 @@ class RLConfig:
                               "vllm back end does not return here (vLLM 0.32 returns them only from its Triton model "
                               "runner V2, absent from its CPU build: not wired); use rollout_backend = 'builtin' or "
                               "routing_replay = 'off'")
+        truncated = [k for k, on in (("top_p", self.rollout.top_p < 1), ("top_k", self.rollout.top_k > 0)) if on]
+        if self.rollout_backend == "vllm" and truncated and not self.recompute_logprobs:
+            # vLLM reports log-probs of the truncated distribution it drew from (processed_logprobs); the training
+            # forward and the built-in engine use the whole one: as old log-probs they would bias every ratio
+            raise ConfigError(f"rollout.{truncated[0]}: with rollout_backend = 'vllm', vLLM's log-probs are of the "
+                              f"{truncated[0]}-truncated distribution, not of the policy the update scores; set "
+                              "recompute_logprobs = true (old log-probs from the training forward) or leave "
+                              f"rollout.{truncated[0]} at its default")
 
     def _validate_critic(self) -> None:
         """`advantage = "gae"` (PPO with a critic): the `[rl.critic]` table and `advantages.gamma` / `lam` are read only

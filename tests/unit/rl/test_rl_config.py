@@ -73,12 +73,20 @@ def test_defaults_validate_and_render_prompt():
         (dict(allocation="vllm:d1+d1"), "allocation"),  # vLLM's rollout ranks with the built-in back end
         (dict(routing_replay="yes"), "routing_replay"),
         (dict(routing_replay="rollout", rollout_backend="vllm"), "routing_replay"),  # vLLM returns no routes here
+        # vLLM's log-probs are of the truncated distribution: old log-probs from the training forward only
+        (dict(rollout_backend="vllm", rollout__top_p=0.9), "rollout.top_p"),
+        (dict(rollout_backend="vllm", rollout__top_k=20), "rollout.top_k"),
     ],
 )
 def test_validate_names_the_field(kwargs, field):
     with pytest.raises(ValueError) as e:
         rl_config(validate=True, **kwargs)
     assert str(e.value).startswith(field + ":"), str(e.value)
+
+
+def test_vllm_truncated_sampling_needs_the_training_side_old_logprobs():
+    rl_config(validate=True, rollout_backend="vllm", rollout__top_p=0.9, rollout__top_k=20, recompute_logprobs=True)
+    rl_config(validate=True, rollout__top_p=0.9, rollout__top_k=20)  # the built-in engine reports the whole distribution
 
 
 def test_named_rewards_may_repeat_a_type():

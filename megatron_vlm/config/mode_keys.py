@@ -12,11 +12,16 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
   `data.length_cache_dir` must keep their defaults (evaluation is `[rl.eval]`; batching is
   `rl.batch.prompts_per_step` / `rl.batch.mini_batches_per_step` / `data.max_tokens_per_pack`);
 - SFT: an `[rl]` section is refused (it is only read by GRPO), and so are `train.eval_every` /
-  `train.eval_max_batches` when there is no held-out split to evaluate (`data.eval_path` empty);
+  `train.eval_max_batches` when there is no held-out split to evaluate (`data.eval_path` empty, or
+  `data.synthetic_eval_size` = 0 for the synthetic set);
+- every training mode: the `[data]` keys of another source kind — `train_path`, `eval_path`, `image_root`
+  and `columns` with `data.type = "synthetic_vqa"` (it reads the set it generates), `columns` with any
+  type but "hf";
 - GRPO with `[lora]`: `rl.update.ref_offload` (the reference is the policy without its adapters, no copy),
   and `rl.allocation` (the asynchronous weight push sends full weights, not adapters);
 - evaluation (`train.mode = "eval"`, launch/evaluate.py) trains nothing and reads its files from
-  `[eval]`: `[optimizer]`, `[scheduler]`, `[checkpoint]`, `[moe]`, `[rl]`, `[[stages]]`, the `[train]`
+  `[eval]`: `[optimizer]`, `[scheduler]`, `[checkpoint]`, `[moe]`, `[logging]` (it writes result files, no
+  metrics), `[rl]`, `[dpo]`, `[reward]`, `[[stages]]`, the `[train]`
   keys other than mode / output_dir / seed / precision, and the `[data]` keys that name or shape
   training data are refused; the `[data]` image / video limits, `max_tokens_per_pack` and loader
   workers apply to the benchmark prompts. An `[eval]` section in a training mode is refused too;
@@ -71,7 +76,8 @@ _GRPO_IGNORED = {
 _EVAL_TRAIN_KEYS = {"mode", "output_dir", "seed", "precision"}
 _EVAL_DATA_IGNORED = ("type", "train_path", "eval_path", "image_root", "columns", "shuffle", "synthetic_dir",
                       "synthetic_train_size", "synthetic_eval_size", "synthetic_seed", "synthetic_image_size")
-_EVAL_IGNORED_SECTIONS = ("optimizer", "scheduler", "checkpoint", "moe")
+_EVAL_IGNORED_SECTIONS = ("optimizer", "scheduler", "checkpoint", "moe", "logging")
+_SYNTHETIC_IGNORED = ("train_path", "eval_path", "image_root", "columns")
 
 
 def _check_eval_keys(cfg: Config) -> None:
@@ -95,6 +101,10 @@ def _check_eval_keys(cfg: Config) -> None:
     if cfg.parallel.pp > 1:  # _check_pipeline_keys is not reached for eval: the same refusal, named here
         raise ConfigError(f"parallel.pp: pipeline parallelism (pp = {cfg.parallel.pp}) is supported for train.mode = "
                           "\"sft\" only (no generation through a pipeline); use parallel.pp = 1")
+    for name in ("dpo", "reward"):
+        if getattr(cfg, name, None) is not None:
+            raise ConfigError(f"{name}: the [{name}] section is only read when train.mode = \"{name}\"; {why} (its "
+                              "results come from [eval] and the verifiers); remove it")
     if getattr(cfg, "lora", None) is not None:
         raise ConfigError("lora: an evaluation job trains no adapter; evaluate a PEFT adapter with eval.adapter "
                           "(or a merged export as model.path)")
@@ -135,6 +145,22 @@ def _check_pipeline_keys(cfg: Config) -> None:
                           f"(pp = {pp}) is not supported; set moe.aux_loss_coef = 0 (auxiliary-free balancing works)")
 
 
+def _check_data_source_keys(cfg: Config) -> None:
+    """The [data] keys of another source kind: `data.type = "synthetic_vqa"` writes and reads its own files
+    (a `train_path` set on top of a demo config trained on the synthetic set without a word), and only
+    `type = "hf"` maps `columns`."""
+    d = cfg.data
+    if d.type == "synthetic_vqa":
+        for key in _SYNTHETIC_IGNORED:
+            if key in changed_keys(d):
+                raise ConfigError(f"data.{key}: has no effect with data.type = 'synthetic_vqa' (the generated set in "
+                                  "data.synthetic_dir is read); set data.type = 'messages_jsonl' or 'hf' to read your "
+                                  "files")
+    elif d.type != "hf" and d.columns:
+        raise ConfigError(f"data.columns: only read with data.type = 'hf', not {d.type!r}; remove it or set "
+                          "data.type = 'hf'")
+
+
 def check_keys_for_mode(cfg: Config) -> None:
     """Raise ConfigError naming the first key that this job kind would ignore."""
     if cfg.train.mode == "eval":
@@ -143,6 +169,7 @@ def check_keys_for_mode(cfg: Config) -> None:
     if getattr(cfg, "eval", None) is not None:
         raise ConfigError(f"eval: the [eval] section is only read when train.mode = \"eval\" (launch/evaluate.py), "
                           f"not {cfg.train.mode!r}; SFT evaluates with train.eval_*, GRPO with [rl.eval]")
+    _check_data_source_keys(cfg)
     cp = cfg.parallel.cp
     if cp > 1 and cfg.data.max_tokens_per_pack % (2 * cp):
         raise ConfigError(f"parallel.cp: data.max_tokens_per_pack ({cfg.data.max_tokens_per_pack}) must be divisible by "
@@ -170,11 +197,14 @@ def check_keys_for_mode(cfg: Config) -> None:
         raise ConfigError("rl: an [rl] section is only read when train.mode = \"grpo\"; remove it or set train.mode")
     stages = getattr(cfg, "stages", None) or []
     stage_eval = bool(stages) and all(s.eval_path for s in stages)  # every stage brings its held-out split
-    no_eval_split = cfg.data.type != "synthetic_vqa" and not cfg.data.eval_path and not stage_eval
+    if cfg.data.type == "synthetic_vqa":
+        no_eval_split, why = cfg.data.synthetic_eval_size == 0, "data.synthetic_eval_size is 0"
+    else:
+        no_eval_split, why = not cfg.data.eval_path and not stage_eval, "data.eval_path is empty"
     if no_eval_split:
         for key in ("eval_every", "eval_max_batches"):
             if getattr(cfg.train, key):
-                raise ConfigError(f"train.{key}: there is no held-out split to evaluate (data.eval_path is empty)")
+                raise ConfigError(f"train.{key}: there is no held-out split to evaluate ({why})")
 
 
 _DPO_COLUMNS = {"prompt", "chosen", "rejected", "image", "images", "system"}

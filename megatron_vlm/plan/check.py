@@ -16,6 +16,7 @@ memory is the problem).
 from __future__ import annotations
 
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -335,6 +336,12 @@ def run_check(cfg, *, world_size: int, device_memory_gib: Optional[float], out: 
               err: TextIO = sys.stderr) -> int:
     """Print the plan and return 0, or print one `check failed: <key>: ...` line (plus the plan when
     memory is the problem) and return 2."""
+    if world_size < 1:  # "check ok: 0 ranks" with a negative FSDP shard size is no answer
+        print(f"check failed: --world-size: must be >= 1, got {world_size}", file=err)
+        return 2
+    if device_memory_gib is not None and not (math.isfinite(device_memory_gib) and device_memory_gib > 0):
+        print(f"check failed: --device-memory-gib: must be a finite number > 0, got {device_memory_gib:g}", file=err)
+        return 2
     if device_memory_gib is None:
         if torch.cuda.is_available():
             device_memory_gib = torch.cuda.get_device_properties(0).total_memory / GiB

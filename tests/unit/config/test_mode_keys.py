@@ -82,3 +82,57 @@ def test_grpo_steps_from_epochs_and_rollout_budget():
     assert rollout_prompts_for_budget(24.0, per_slot, 4, 20480) == int(24 * 2**30 // per_prompt) == 8
     assert rollout_prompts_for_budget(1.0, per_slot, 4, 20480) == 1  # at least one prompt
     assert rollout_prompts_for_budget(0.0, per_slot, 4, 20480) == 0  # no budget: all at once
+
+
+DPO = CONFIGS / "demo_dpo.toml"
+
+
+@pytest.mark.parametrize("config", [SFT, DPO, CONFIGS / "demo_grpo.toml"], ids=lambda p: p.name)
+@pytest.mark.parametrize("override, key", [
+    ('data.train_path="mine.jsonl"', "data.train_path"),
+    ('data.eval_path="mine.jsonl"', "data.eval_path"),
+    ('data.image_root="/images"', "data.image_root"),
+])
+def test_synthetic_data_refuses_the_keys_of_real_data(config, override, key):
+    """type = "synthetic_vqa" generates its own files: a train_path given on top of a demo config used to
+    train on the synthetic set without a word (the run looked like a run on the user's data)."""
+    with pytest.raises(ConfigError, match=rf"^{key}: has no effect with data.type = 'synthetic_vqa'"):
+        check_keys_for_mode(load_config(config, [override]))
+
+
+def test_columns_are_refused_without_an_hf_table():
+    sets = ['data.type="messages_jsonl"', 'data.train_path="x.jsonl"', 'data.columns={messages = "conv"}']
+    with pytest.raises(ConfigError, match=r"^data.columns: only read with data.type = 'hf'"):
+        check_keys_for_mode(load_config(CONFIGS / "internvl3_8b_robovqa_stage1.toml", sets))
+    with pytest.raises(ConfigError, match=r"^data.columns: has no effect with data.type = 'synthetic_vqa'"):
+        check_keys_for_mode(load_config(SFT, ['data.columns={messages = "conv"}']))
+
+
+@pytest.mark.parametrize("config", [SFT, DPO], ids=lambda p: p.name)
+def test_eval_every_without_a_synthetic_eval_split_is_refused(config):
+    """data.synthetic_eval_size = 0 leaves no held-out split: train.eval_every then evaluated nothing."""
+    with pytest.raises(ConfigError, match=r"^train.eval_every: there is no held-out split"):
+        check_keys_for_mode(load_config(config, ["data.synthetic_eval_size=0", "train.eval_every=5"]))
+    check_keys_for_mode(load_config(config, ["data.synthetic_eval_size=0", "train.eval_every=0"]))
+
+
+def _eval_job(**sections) -> dict:
+    raw = {"model": {"path": "/m"}, "train": {"mode": "eval"},
+           "eval": {"benchmarks": [{"name": "b", "path": "/d", "format": "geometry3k"}]}}
+    raw.update(sections)
+    return raw
+
+
+@pytest.mark.parametrize("section, table, key", [
+    ("dpo", {"beta": 0.5}, "dpo"),
+    ("reward", {"margin": 0.5}, "reward"),
+    ("logging", {"wandb": True}, "logging.wandb"),
+    ("logging", {"tensorboard": False}, "logging.tensorboard"),
+])
+def test_eval_job_refuses_training_sections(section, table, key):
+    """An evaluation job writes its result files only (no metrics logger, no preference loss): these
+    sections were loaded and then ignored."""
+    from megatron_vlm.config import load_config_dict
+
+    with pytest.raises(ConfigError, match=rf"^{key}: "):
+        check_keys_for_mode(load_config_dict(_eval_job(**{section: table})))

@@ -246,3 +246,16 @@ def test_check_plans_the_vllm_engine_and_refuses_what_it_cannot_run(qwen2_5_vl_3
                                         "trainer's tensor-parallel group"), err
     code, _, err = _check(cfg, [f'model.path="{qwen2_5_vl_3b}"', "parallel.cp=2"], 2)
     assert code == 2 and err.startswith("check failed: parallel.cp: 2 with rollout_backend = 'vllm'"), err
+
+
+@pytest.mark.parametrize("world, memory, key", [(0, 80.0, "--world-size"), (-2, 80.0, "--world-size"),
+                                                (1, 0.0, "--device-memory-gib"), (1, -1.0, "--device-memory-gib"),
+                                                (1, float("nan"), "--device-memory-gib"),
+                                                (1, float("inf"), "--device-memory-gib")])
+def test_check_refuses_impossible_options(world, memory, key, tmp_path):
+    """A zero / negative rank count or a non-positive / non-finite device memory used to print
+    "check ok" with "0 ranks", "dp_shard -2" or "of nan GiB"."""
+    out, err = io.StringIO(), io.StringIO()
+    cfg = load_config(CONFIGS / "demo_sft.toml", [f'model.path="{tmp_path / "m"}"'])
+    assert run_check(cfg, world_size=world, device_memory_gib=memory, out=out, err=err) == 2
+    assert err.getvalue().startswith(f"check failed: {key}: ") and out.getvalue() == ""

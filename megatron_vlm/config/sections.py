@@ -226,7 +226,7 @@ class LoggingConfig:
     wandb_mode: Literal["online", "offline", "disabled"] = "offline"
     """W&B mode; offline works without a network."""
     experiment_name: Optional[str] = None
-    """Run name for W&B / TensorBoard (default: the output_dir name)."""
+    """Run name for W&B (default: the output_dir name; TensorBoard writes to output_dir/tensorboard)."""
 
 
 @dataclass(kw_only=True)

@@ -136,3 +136,18 @@ def test_eval_job_refuses_training_sections(section, table, key):
 
     with pytest.raises(ConfigError, match=rf"^{key}: "):
         check_keys_for_mode(load_config_dict(_eval_job(**{section: table})))
+
+
+def test_wandb_without_the_package_is_a_config_error(monkeypatch, capsys):
+    """logging.wandb = true without wandb installed raised a RuntimeError on rank 0 only, after the model and
+    optimizer were built (a traceback; the other ranks went on into the first collective and waited there)."""
+    from megatron_vlm import runner
+
+    def no_process_group():
+        raise AssertionError("the check comes before any process group")
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` fails, as where it is not installed
+    monkeypatch.setattr(runner, "init_distributed", no_process_group)
+    assert runner.run_job(load_config(SFT, ["logging.wandb=true"])) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: logging.wandb: true but the wandb package is not installed"), err

@@ -75,6 +75,8 @@ class TrainConfig:
     error before anything non-finite reaches the weights or a checkpoint (0 = never stop)."""
 
     def validate(self) -> None:
+        if not self.output_dir.strip():  # "" is the current folder: checkpoints, lock and metrics land there
+            raise ValueError("output_dir: must not be empty (the run folder)")
         if self.max_steps is not None and self.max_steps <= 0:
             raise ValueError(f"max_steps: must be > 0, got {self.max_steps}")
         if self.epochs is not None and self.epochs <= 0:

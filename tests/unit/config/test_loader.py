@@ -171,3 +171,11 @@ def test_config_file_not_utf8_or_a_folder_is_a_config_error(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match=r": is a folder, not a config file"):
         load_config(tmp_path)
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_empty_output_dir_is_refused(value):
+    """`--set train.output_dir=$RUN` with $RUN unset gave "": the run wrote its checkpoints, lock and metrics
+    into the current folder (and resume = "auto" took any checkpoints/ found there)."""
+    with pytest.raises(ConfigError, match=r"^train.output_dir: must not be empty"):
+        load_config_dict(_raw(train__output_dir=value))

@@ -17,6 +17,8 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
 - every training mode: the `[data]` keys of another source kind — `train_path`, `eval_path`, `image_root`
   and `columns` with `data.type = "synthetic_vqa"` (it reads the set it generates), `columns` with any
   type but "hf";
+- GRPO without a held-out split (`data.eval_path` empty, or `data.synthetic_eval_size` = 0): `rl.eval.every_steps`
+  (the evaluation returns nothing; the other `[rl.eval]` keys shape it and may stay, as a config's own);
 - GRPO with `[lora]`: `rl.update.ref_offload` (the reference is the policy without its adapters, no copy),
   and `rl.allocation` (the asynchronous weight push sends full weights, not adapters);
 - evaluation (`train.mode = "eval"`, launch/evaluate.py) trains nothing and reads its files from
@@ -187,6 +189,9 @@ def check_keys_for_mode(cfg: Config) -> None:
         if getattr(cfg, "lora", None) is not None and cfg.rl is not None and cfg.rl.allocation is not None:
             raise ConfigError("rl.allocation: asynchronous GRPO pushes full weights to the rollout ranks and does not "
                               "support [lora] yet; remove rl.allocation or the [lora] section")
+        no_split = _no_eval_split(cfg)
+        if no_split and cfg.rl is not None and cfg.rl.eval.every_steps:  # the evaluation would return nothing
+            raise ConfigError(f"rl.eval.every_steps: there is no held-out split to evaluate ({no_split}); set it to 0")
         for name, why in _GRPO_IGNORED.items():
             section = getattr(cfg, name)
             for key in changed_keys(section):
@@ -197,14 +202,18 @@ def check_keys_for_mode(cfg: Config) -> None:
         raise ConfigError("rl: an [rl] section is only read when train.mode = \"grpo\"; remove it or set train.mode")
     stages = getattr(cfg, "stages", None) or []
     stage_eval = bool(stages) and all(s.eval_path for s in stages)  # every stage brings its held-out split
-    if cfg.data.type == "synthetic_vqa":
-        no_eval_split, why = cfg.data.synthetic_eval_size == 0, "data.synthetic_eval_size is 0"
-    else:
-        no_eval_split, why = not cfg.data.eval_path and not stage_eval, "data.eval_path is empty"
-    if no_eval_split:
+    no_split = _no_eval_split(cfg, stage_eval)
+    if no_split:
         for key in ("eval_every", "eval_max_batches"):
             if getattr(cfg.train, key):
-                raise ConfigError(f"train.{key}: there is no held-out split to evaluate ({why})")
+                raise ConfigError(f"train.{key}: there is no held-out split to evaluate ({no_split})")
+
+
+def _no_eval_split(cfg: Config, stage_eval: bool = False) -> str:
+    """Why the run has no held-out split ("" when it has one); `stage_eval`: every [[stages]] table brings one."""
+    if cfg.data.type == "synthetic_vqa":
+        return "data.synthetic_eval_size is 0" if cfg.data.synthetic_eval_size == 0 else ""
+    return "data.eval_path is empty" if not cfg.data.eval_path and not stage_eval else ""
 
 
 _DPO_COLUMNS = {"prompt", "chosen", "rejected", "image", "images", "system"}

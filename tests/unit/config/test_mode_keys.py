@@ -151,3 +151,15 @@ def test_wandb_without_the_package_is_a_config_error(monkeypatch, capsys):
     assert runner.run_job(load_config(SFT, ["logging.wandb=true"])) == 2
     err = capsys.readouterr().err
     assert err.startswith("config error: logging.wandb: true but the wandb package is not installed"), err
+
+
+def test_grpo_eval_cadence_without_a_held_out_split_is_refused():
+    """Without held-out prompts the GRPO evaluation returns nothing at every step: rl.eval.every_steps was ignored."""
+    grpo = CONFIGS / "demo_grpo.toml"  # rl.eval.every_steps = 50
+    with pytest.raises(ConfigError, match=r"^rl.eval.every_steps: there is no held-out split to evaluate "
+                                          r"\(data.synthetic_eval_size is 0\)"):
+        check_keys_for_mode(load_config(grpo, ["data.synthetic_eval_size=0"]))
+    with pytest.raises(ConfigError, match=r"^rl.eval.every_steps: there is no held-out split to evaluate "
+                                          r"\(data.eval_path is empty\)"):
+        check_keys_for_mode(load_config(CONFIGS / "qwen2_5_math_1_5b_grpo.toml", ['data.eval_path=""']))
+    check_keys_for_mode(load_config(grpo, ["data.synthetic_eval_size=0", "rl.eval.every_steps=0"]))

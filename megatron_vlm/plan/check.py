@@ -15,6 +15,7 @@ memory is the problem).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -29,7 +30,7 @@ from megatron_vlm.config.loader import ConfigError, to_dict
 from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
 from megatron_vlm.inference.kv_budget import rollout_prompts_for_budget
 from megatron_vlm.parallel.tensor_parallel import TPError, check_tp_divides
-from megatron_vlm.plan.memory import GiB, ceil_div, estimate_memory, gib, model_shape
+from megatron_vlm.plan.memory import GiB, ceil_div, estimate_memory, gib, model_shape, pipeline_stage_params
 from megatron_vlm.plan.routes import routes_plan
 from megatron_vlm.plan.side_models import SideModelRefused, side_models_plan
 from megatron_vlm.rl.asynchronous.allocation import parse_allocation
@@ -168,8 +169,8 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     lines = [f"model      {hf.get('model_type')}: {(shape.params - adapters) / 1e9:.3f} B parameters "
              f"({lora}{shape.trainable / 1e9:.3f} B trainable), "
              f"{shape.layers} decoder layers, hidden {shape.hidden}",
-             f"layout     {world_size} ranks = dp_replicate {rep} x dp_shard {shard} (FSDP) x tp {tp} x cp {cfg.parallel.cp}, "
-             f"ep {cfg.parallel.ep}",
+             f"layout     {world_size} ranks = dp_replicate {rep} x dp_shard {shard} (FSDP) x tp {tp} x cp {cfg.parallel.cp}"
+             + (f" x pp {cfg.parallel.pp}" if cfg.parallel.pp > 1 else "") + f", ep {cfg.parallel.ep}",
              f"batch      {tokens} tokens per packed micro-batch, activation checkpointing "
              f"{'on' if cfg.train.activation_checkpointing else 'off'}"]
     rollout_prompts, group = 0, 0
@@ -229,7 +230,17 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         lines.append(f"reward     Bradley-Terry on pairs (margin {r.margin if r is not None else 0.0:g}): a scalar head on "
                      "the backbone, its lm_head not held (counted below: an over-estimate); export <output_dir>/hf, "
                      "a sequence-classification folder")
-    mem = estimate_memory(shape, fsdp=shard * cfg.parallel.cp, master_bytes=master, compute_bytes=compute, tokens=tokens,
+    rank_shape = shape
+    if cfg.parallel.pp > 1:  # a rank holds one stage: its parameters, not the model's
+        from megatron_vlm.parallel.pipeline import stage_layer_range
+
+        stages = pipeline_stage_params(model, cfg.parallel.pp)
+        rank_shape = dataclasses.replace(shape, params=max(p for p, _ in stages), trainable=max(t for _, t in stages))
+        lines.append(f"pipeline   {cfg.parallel.pp} stages of " + ", ".join(
+            f"{hi - lo}" for lo, hi in (stage_layer_range(shape.layers, cfg.parallel.pp, i) for i in range(cfg.parallel.pp)))
+            + " decoder layers; parameters per stage " + ", ".join(f"{p / 1e9:.3f} B" for p, _ in stages)
+            + " (the largest counted per rank below)")
+    mem = estimate_memory(rank_shape, fsdp=shard * cfg.parallel.cp, master_bytes=master, compute_bytes=compute, tokens=tokens,
                           activation_checkpointing=cfg.train.activation_checkpointing,
                           rollout_prompts=rollout_prompts, group_size=group, tp=tp,
                           kv_slots=cfg.rl.rollout.kv_cache_blocks * cfg.rl.rollout.kv_block_size if grpo else 0,

@@ -259,3 +259,26 @@ def test_check_refuses_impossible_options(world, memory, key, tmp_path):
     cfg = load_config(CONFIGS / "demo_sft.toml", [f'model.path="{tmp_path / "m"}"'])
     assert run_check(cfg, world_size=world, device_memory_gib=memory, out=out, err=err) == 2
     assert err.getvalue().startswith(f"check failed: {key}: ") and out.getvalue() == ""
+
+
+@pytest.mark.parametrize("arch, pp", [("qwen2_5_math_1_5b", 4), ("qwen3_vl_2b", 2)])
+def test_check_counts_one_pipeline_stage_per_rank(arch, pp, model_folders):
+    """parallel.pp > 1: a rank holds one stage (the runtime split, parallel/pipeline.py, is the reference);
+    the plan counted the whole model per rank (and its layout line left pp out)."""
+    from megatron_vlm.parallel.pipeline import split_model_for_stage
+    from megatron_vlm.training.lm_loss import TokenLogprobModel
+
+    hf = real_config(arch)
+    held = []
+    for s in range(pp):
+        with torch.device("meta"):
+            model = build_model(hf)
+        stage = split_model_for_stage(model, TokenLogprobModel, stage=s, pp=pp, max_tokens=32, act_dtype=torch.float32)
+        held.append(sum(p.numel() for p in stage.parameters()))
+    world, sets = 2 * pp, [f'model.path="{model_folders[arch]}"', "parallel.pp=" + str(pp), 'model.dtype="float32"',
+                           'data.eval_path=""', "train.eval_every=0", f"train.micro_batches_per_step={pp}"]
+    code, out, err = _check(CONFIGS / "demo_math_sft.toml", sets, world)
+    assert code == 0, out + err
+    assert f"x tp 1 x cp 1 x pp {pp}, ep 1" in out
+    master = float(re.search(r"master weights +([0-9.]+) GiB", out).group(1))
+    assert master == pytest.approx(max(held) * 4 / 2 / 2**30, abs=0.006)  # fp32 master weights over dp_shard 2

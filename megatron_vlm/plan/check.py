@@ -174,6 +174,13 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
              f"batch      {tokens} tokens per packed micro-batch, activation checkpointing "
              f"{'on' if cfg.train.activation_checkpointing else 'off'}"]
     rollout_prompts, group = 0, 0
+    evaluating = cfg.train.mode == "eval"
+    if evaluating:  # no gradients, no optimizer, no backward: the weights and the generation's KV cache
+        e = cfg.eval
+        rollout_prompts, group = e.batch_size, max(1, e.samples)
+        lines[-1] = (f"eval       forward only: {e.batch_size} prompts per generation call (eval.batch_size) x "
+                     f"{group} completions x {tokens} cache slots (data.max_tokens_per_pack); no gradients or "
+                     "optimizer states")
     if cfg.train.mode == "grpo":
         rl = cfg.rl
         check_generation_budget(cfg.data, rl)  # the run's own check (rl/prompts/lengths.py): the same key and line
@@ -240,8 +247,10 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
             f"{hi - lo}" for lo, hi in (stage_layer_range(shape.layers, cfg.parallel.pp, i) for i in range(cfg.parallel.pp)))
             + " decoder layers; parameters per stage " + ", ".join(f"{p / 1e9:.3f} B" for p, _ in stages)
             + " (the largest counted per rank below)")
+    if evaluating:
+        rank_shape = dataclasses.replace(rank_shape, trainable=0, tp_trainable=0, expert_trainable=0)
     mem = estimate_memory(rank_shape, fsdp=shard * cfg.parallel.cp, master_bytes=master, compute_bytes=compute, tokens=tokens,
-                          activation_checkpointing=cfg.train.activation_checkpointing,
+                          activation_checkpointing=cfg.train.activation_checkpointing or evaluating,
                           rollout_prompts=rollout_prompts, group_size=group, tp=tp,
                           kv_slots=cfg.rl.rollout.kv_cache_blocks * cfg.rl.rollout.kv_block_size if grpo else 0,
                           ep=cfg.parallel.ep, routes_bytes=routes_bytes,
@@ -298,6 +307,8 @@ def rollout_copy_lines(cfg, mem, shape) -> list[str]:
 
 
 def _key_to_change(cfg, mem, side_bytes: float = 0.0) -> str:
+    if cfg.train.mode == "eval":
+        return "eval.batch_size" if mem.kv_cache > mem.static else "parallel.dp_shard"
     if side_bytes > max(mem.static, mem.activations, mem.kv_cache) and cfg.rl is not None:
         return _side_key(cfg)
     if mem.kv_cache > mem.activations and mem.kv_cache > mem.static:

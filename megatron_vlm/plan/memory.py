@@ -38,6 +38,9 @@ conservative; the numbers it uses (all in bytes, per rank):
   the first stage also the embedding and the vision tower, the last the final norm and lm_head; a tied lm_head on
   both), so P and T are those of the stage with the most parameters; activations stay t x L x a x c (1F1B keeps
   up to pp micro-batches in flight on the first stage, each through its L / pp layers);
+- evaluation (`train.mode = "eval"`, plan/check.py): no gradients or AdamW states (T = 0), the forward-only
+  activations of one block (the checkpointed figure, conservative), and a KV cache of `eval.batch_size` prompts x
+  max(1, `eval.samples`) completions x t slots;
 - rollout copy (GRPO, `rl.rollout.weights`; held through the whole run): "shared" 0 (the trainer's
   parameters, gathered block by block), "copy" P x c, "expert_parallel" (P - X) x c + X x c / ep (the
   dense weights whole, this rank's experts: inference/ep_rollout.py).

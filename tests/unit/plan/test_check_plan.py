@@ -282,3 +282,20 @@ def test_check_counts_one_pipeline_stage_per_rank(arch, pp, model_folders):
     assert f"x tp 1 x cp 1 x pp {pp}, ep 1" in out
     master = float(re.search(r"master weights +([0-9.]+) GiB", out).group(1))
     assert master == pytest.approx(max(held) * 4 / 2 / 2**30, abs=0.006)  # fp32 master weights over dp_shard 2
+
+
+def test_check_of_an_evaluation_counts_weights_and_kv_cache_not_training_state(qwen2_5_vl_3b):
+    """train.mode = "eval": the plan counted gradients, AdamW states and training activations (an evaluation
+    holds none) and no KV cache for its generation, so a model that evaluates fine could be refused."""
+    from megatron_vlm.config import load_config_dict
+
+    cfg = load_config_dict({"model": {"path": str(qwen2_5_vl_3b)}, "train": {"mode": "eval"},
+                            "eval": {"batch_size": 16, "samples": 4,
+                                     "benchmarks": [{"name": "g", "path": "/d", "format": "geometry3k"}]}})
+    out, err = io.StringIO(), io.StringIO()
+    assert run_check(cfg, world_size=1, device_memory_gib=80.0, out=out, err=err) == 0, err.getvalue()
+    text = out.getvalue()
+    assert re.search(r"gradients +0\.00 GiB +AdamW +0\.00 GiB", text), text
+    # Qwen2.5-VL-3B: 36 layers x 2 KV heads x head_dim 128, K and V, bf16; 16 prompts x 4 samples x 4096 slots
+    kv = 2 * 36 * 2 * 128 * 2 * 16 * 4 * 4096 / 2**30
+    assert f"rollout KV cache {kv:.2f} GiB" in text, text

@@ -30,8 +30,9 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
 - a `data.max_tokens_per_pack` not divisible by 2 x `parallel.cp` (the load-balanced causal chunks);
   `parallel.cp` works in SFT and GRPO alike (GRPO: the ranks of a cp group generate the same samples,
   unsharded, and split the tokens of the packed training forwards);
-- `[moe]` keys other than their defaults on a model without MoE layers (`check_moe_section`, once
-  the model — or its meta-device twin in `--check` — is built);
+- `[moe]` keys other than their defaults on a model without MoE layers, and `[kernels]` backends forced for
+  the MoE / Mamba2 ops on a model without such layers (`check_moe_section`, once the model — or its
+  meta-device twin in `--check` — is built); `kernels.moe_ep_dispatch` without `parallel.ep` > 1;
 - DPO (`train.mode = "dpo"`): a `[dpo]` section in another mode, `[[stages]]`, `train.eval_generate`
   (DPO evaluates preference metrics, it does not generate), `parallel.cp` > 1, the `[dpo]` keys the chosen
   loss variant ignores (`training/dpo/config.py`) and `data.columns` without both "chosen" and "rejected"
@@ -172,6 +173,8 @@ def check_keys_for_mode(cfg: Config) -> None:
         raise ConfigError(f"eval: the [eval] section is only read when train.mode = \"eval\" (launch/evaluate.py), "
                           f"not {cfg.train.mode!r}; SFT evaluates with train.eval_*, GRPO with [rl.eval]")
     _check_data_source_keys(cfg)
+    if cfg.kernels.moe_ep_dispatch != "auto" and cfg.parallel.ep == 1:
+        raise ConfigError("kernels.moe_ep_dispatch: only runs with expert parallelism (parallel.ep > 1); remove it")
     cp = cfg.parallel.cp
     if cp > 1 and cfg.data.max_tokens_per_pack % (2 * cp):
         raise ConfigError(f"parallel.cp: data.max_tokens_per_pack ({cfg.data.max_tokens_per_pack}) must be divisible by "
@@ -260,10 +263,28 @@ def _check_dpo_mode(cfg: Config) -> None:
         check_dpo_keys(dpo)
 
 
+_LAYER_KERNELS = {
+    "Mamba2": ("causal_conv1d", "ssd_chunk_scan", "ssd_state_update"),
+    "MoE": ("moe_permute", "grouped_mm", "moe_unpermute", "moe_topk_gating", "moe_ep_dispatch"),
+}
+"""The [kernels] ops only one kind of layer runs: a backend forced for them on a model without such layers
+would never be used."""
+
+
 def check_moe_section(cfg: Config, model: nn.Module) -> None:
-    """Raise ConfigError when `[moe]` sets anything and `model` has no MoE layers."""
+    """Raise ConfigError when `[moe]` sets anything and `model` has no MoE layers, or `[kernels]` forces a backend
+    for an op of a layer kind (`_LAYER_KERNELS`: MoE, Mamba2) the model does not have."""
+    from megatron_vlm.models.common.mamba2 import Mamba2Mixer
     from megatron_vlm.models.common.moe import moe_layers
 
+    has_moe = bool(list(moe_layers(model)))
     changed = changed_keys(cfg.moe)
-    if changed and not list(moe_layers(model)):
+    if changed and not has_moe:
         raise ConfigError(f"moe.{changed[0]}: the model ({type(model).__name__}) has no MoE layers; remove the [moe] section")
+    has = {"MoE": has_moe, "Mamba2": any(isinstance(m, Mamba2Mixer) for m in model.modules())}
+    forced = set(changed_keys(cfg.kernels))
+    for kind, ops in _LAYER_KERNELS.items():
+        for op in ops:
+            if op in forced and not has[kind]:
+                raise ConfigError(f"kernels.{op}: the model ({type(model).__name__}) has no {kind} layers, so this op "
+                                  "never runs; remove the key")

@@ -163,3 +163,28 @@ def test_grpo_eval_cadence_without_a_held_out_split_is_refused():
                                           r"\(data.eval_path is empty\)"):
         check_keys_for_mode(load_config(CONFIGS / "qwen2_5_math_1_5b_grpo.toml", ['data.eval_path=""']))
     check_keys_for_mode(load_config(grpo, ["data.synthetic_eval_size=0", "rl.eval.every_steps=0"]))
+
+
+@pytest.mark.parametrize("key, layers", [("ssd_chunk_scan", "Mamba2"), ("ssd_state_update", "Mamba2"),
+                                         ("causal_conv1d", "Mamba2"), ("grouped_mm", "MoE"), ("moe_permute", "MoE"),
+                                         ("moe_unpermute", "MoE"), ("moe_topk_gating", "MoE"),
+                                         ("moe_ep_dispatch", "MoE")])
+def test_kernel_keys_of_ops_the_model_lacks_are_refused(key, layers):
+    """A forced backend for an op the model never runs (Mamba2 ops on a transformer, MoE ops on a dense model)
+    was accepted and ignored, like a [moe] section on a dense model (refused above)."""
+    from megatron_vlm.models.common.mamba2 import Mamba2Mixer
+    from megatron_vlm.models.common.moe import MoE
+
+    cfg = load_config(SFT, [f'kernels.{key}="torch"'])
+    dense = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match=rf"^kernels.{key}: the model \(Sequential\) has no {layers} layers"):
+        check_moe_section(cfg, dense)
+    cls = Mamba2Mixer if layers == "Mamba2" else MoE
+    bare = type("Bare", (cls,), {"__init__": lambda self: torch.nn.Module.__init__(self)})
+    check_moe_section(cfg, torch.nn.Sequential(bare()))  # a model with such layers: fine
+
+
+def test_ep_dispatch_backend_without_expert_parallelism_is_refused():
+    with pytest.raises(ConfigError, match=r"^kernels.moe_ep_dispatch: only runs with expert parallelism"):
+        check_keys_for_mode(load_config(SFT, ['kernels.moe_ep_dispatch="torch"']))
+    check_keys_for_mode(load_config(SFT, ['kernels.moe_ep_dispatch="torch"', "parallel.ep=2"]))

@@ -176,9 +176,9 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     rollout_prompts, group = 0, 0
     evaluating = cfg.train.mode == "eval"
     if evaluating:  # no gradients, no optimizer, no backward: the weights and the generation's KV cache
-        e = cfg.eval
-        rollout_prompts, group = e.batch_size, max(1, e.samples)
-        lines[-1] = (f"eval       forward only: {e.batch_size} prompts per generation call (eval.batch_size) x "
+        ev = cfg.eval
+        rollout_prompts, group = ev.batch_size, max(1, ev.samples)
+        lines[-1] = (f"eval       forward only: {ev.batch_size} prompts per generation call (eval.batch_size) x "
                      f"{group} completions x {tokens} cache slots (data.max_tokens_per_pack); no gradients or "
                      "optimizer states")
     if cfg.train.mode == "grpo":

@@ -48,6 +48,7 @@ conservative; the numbers it uses (all in bytes, per rank):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -144,7 +145,7 @@ def model_shape(model: nn.Module) -> ModelShape:
                       expert_trainable=sum(p.numel() for p in experts if p.requires_grad))
 
 
-def pipeline_stage_params(model: nn.Module, pp: int) -> list[tuple[int, int]]:
+def pipeline_stage_params(model: Any, pp: int) -> list[tuple[int, int]]:
     """(parameters, trainable) held by each of the `pp` pipeline stages, as `split_model_for_stage` splits the
     model: decoder layers by `stage_layer_range`, the final norm and lm_head on the last stage, everything else
     (embedding, vision tower, projector) on the first; a tied lm_head is the embedding, held by both."""

@@ -237,6 +237,7 @@ def run_eval(ctx: RunContext) -> int:
         if not cfg.eval.adapter:
             raise
         raise ConfigError(f"eval.adapter: {cfg.eval.adapter}: {e}") from None
+    check_moe_section(cfg, bundle.model)  # [kernels] backends of ops the model lacks ([moe] is refused for eval)
     engine = answer_engine(ctx, bundle)
     scorer = VerifierScorer(cfg.eval)
     results = []

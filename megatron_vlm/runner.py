@@ -2,12 +2,13 @@
 (`megatron_vlm.jobs`), teardown — and the exit codes: 0 done; 1 stopped by too many non-finite steps
 in a row, by reward calls that all failed for `rl.reward_pool.max_failed_steps` steps, or by a failed
 checkpoint save / HF export (the previous checkpoint intact); 2 a missing model folder, a
-`train.output_dir` that another job holds (training/run_lock.py), is a file or cannot be written, a
+`train.output_dir` that another job holds, `logging.wandb = true` without the wandb package (training/run_lock.py), is a file or cannot be written, a
 config error found once the model is built (including a `parallel.tp` the model's heads / MLP /
 vocabulary do not divide) or a checkpoint that cannot be resumed (one line on stderr); 143 stopped by
 SIGTERM / SIGUSR1 after a checkpoint; 130 Ctrl-C."""
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
@@ -45,8 +46,24 @@ def _prepare_model_folder(cfg, env) -> None:
         dist.barrier()
 
 
+def _missing_package(cfg) -> str | None:
+    """The config error of a run that asks for a package this environment lacks, found before anything starts.
+
+    Why here: the metrics logger imports wandb on rank 0 alone, once the model and optimizer are built; there
+    the error was a traceback on rank 0 while the other ranks waited in their first collective. Not in the
+    config checks: `--check` plans a run, often on another machine than the one it runs on."""
+    if cfg.train.mode != "eval" and cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+        return ("logging.wandb: true but the wandb package is not installed (pip install 'megatron-vlm[wandb]'), "
+                "or set logging.wandb = false")
+    return None
+
+
 def run_job(cfg, *, before_step=None) -> int:
     """Run the job `cfg` describes; `before_step(n)` is the training loop's test hook (None in production)."""
+    missing = _missing_package(cfg)
+    if missing is not None:  # every rank: the same environment
+        print(f"config error: {missing}", file=sys.stderr)
+        return 2
     try:
         role = setup_roles(cfg)  # asynchronous GRPO (rl.allocation): rollout / training ranks, each with its own group
     except ValueError as e:

@@ -176,10 +176,15 @@ def load_config_dict(raw: dict, overrides: Optional[list[str]] = None) -> Config
 
 def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> Config:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a folder, not a config file")
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))  # TOML is UTF-8, whatever the locale says
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                          f"{e.start})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     return load_config_dict(raw, overrides)

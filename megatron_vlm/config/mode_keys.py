@@ -13,18 +13,25 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
   `rl.batch.prompts_per_step` / `rl.batch.mini_batches_per_step` / `data.max_tokens_per_pack`);
 - SFT: an `[rl]` section is refused (it is only read by GRPO), and so are `train.eval_every` /
   `train.eval_max_batches` when there is no held-out split to evaluate (`data.eval_path` empty);
+- every training mode: the `[data]` keys of another source kind — `train_path`, `eval_path`, `image_root`
+  and `columns` with `data.type = "synthetic_vqa"` (it reads the set it generates), `columns` with any
+  type but "hf";
+- GRPO without a held-out split (`data.eval_path` empty): `rl.eval.every_steps` (the evaluation returns nothing;
+  the other `[rl.eval]` keys shape it and may stay, as a config's own);
 - GRPO with `[lora]`: `rl.update.ref_offload` (the reference is the policy without its adapters, no copy),
   and `rl.allocation` (the asynchronous weight push sends full weights, not adapters);
 - evaluation (`train.mode = "eval"`, launch/evaluate.py) trains nothing and reads its files from
-  `[eval]`: `[optimizer]`, `[scheduler]`, `[checkpoint]`, `[moe]`, `[rl]`, `[[stages]]`, the `[train]`
+  `[eval]`: `[optimizer]`, `[scheduler]`, `[checkpoint]`, `[moe]`, `[logging]` (it writes result files, no
+  metrics), `[rl]`, `[dpo]`, `[reward]`, `[[stages]]`, the `[train]`
   keys other than mode / output_dir / seed / precision, and the `[data]` keys that name or shape
   training data are refused; the `[data]` image / video limits, `max_tokens_per_pack` and loader
   workers apply to the benchmark prompts. An `[eval]` section in a training mode is refused too;
 - a `data.max_tokens_per_pack` not divisible by 2 x `parallel.cp` (the load-balanced causal chunks);
   `parallel.cp` works in SFT and GRPO alike (GRPO: the ranks of a cp group generate the same samples,
   unsharded, and split the tokens of the packed training forwards);
-- `[moe]` keys other than their defaults on a model without MoE layers (`check_moe_section`, once
-  the model — or its meta-device twin in `--check` — is built);
+- `[moe]` keys other than their defaults on a model without MoE layers, and `[kernels]` backends forced for
+  the MoE / Mamba2 ops on a model without such layers (`check_moe_section`, once the model — or its
+  meta-device twin in `--check` — is built); `kernels.moe_ep_dispatch` without `parallel.ep` > 1;
 - DPO (`train.mode = "dpo"`): a `[dpo]` section in another mode, `[[stages]]`, `train.eval_generate`
   (DPO evaluates preference metrics, it does not generate), `parallel.cp` > 1, the `[dpo]` keys the chosen
   loss variant ignores (`training/dpo/config.py`) and `data.columns` without both "chosen" and "rejected"
@@ -71,7 +78,8 @@ _GRPO_IGNORED = {
 _EVAL_TRAIN_KEYS = {"mode", "output_dir", "seed", "precision"}
 _EVAL_DATA_IGNORED = ("type", "train_path", "eval_path", "image_root", "columns", "shuffle", "synthetic_dir",
                       "synthetic_train_size", "synthetic_eval_size", "synthetic_seed", "synthetic_image_size")
-_EVAL_IGNORED_SECTIONS = ("optimizer", "scheduler", "checkpoint", "moe")
+_EVAL_IGNORED_SECTIONS = ("optimizer", "scheduler", "checkpoint", "moe", "logging")
+_SYNTHETIC_IGNORED = ("train_path", "eval_path", "image_root", "columns")
 
 
 def _check_eval_keys(cfg: Config) -> None:
@@ -95,6 +103,10 @@ def _check_eval_keys(cfg: Config) -> None:
     if cfg.parallel.pp > 1:  # _check_pipeline_keys is not reached for eval: the same refusal, named here
         raise ConfigError(f"parallel.pp: pipeline parallelism (pp = {cfg.parallel.pp}) is supported for train.mode = "
                           "\"sft\" only (no generation through a pipeline); use parallel.pp = 1")
+    for name in ("dpo", "reward"):
+        if getattr(cfg, name, None) is not None:
+            raise ConfigError(f"{name}: the [{name}] section is only read when train.mode = \"{name}\"; {why} (its "
+                              "results come from [eval] and the verifiers); remove it")
     if getattr(cfg, "lora", None) is not None:
         raise ConfigError("lora: an evaluation job trains no adapter; evaluate a PEFT adapter with eval.adapter "
                           "(or a merged export as model.path)")
@@ -135,6 +147,22 @@ def _check_pipeline_keys(cfg: Config) -> None:
                           f"(pp = {pp}) is not supported; set moe.aux_loss_coef = 0 (auxiliary-free balancing works)")
 
 
+def _check_data_source_keys(cfg: Config) -> None:
+    """The [data] keys of another source kind: `data.type = "synthetic_vqa"` writes and reads its own files
+    (a `train_path` set on top of a demo config trained on the synthetic set without a word), and only
+    `type = "hf"` maps `columns`."""
+    d = cfg.data
+    if d.type == "synthetic_vqa":
+        for key in _SYNTHETIC_IGNORED:
+            if key in changed_keys(d):
+                raise ConfigError(f"data.{key}: has no effect with data.type = 'synthetic_vqa' (the generated set in "
+                                  "data.synthetic_dir is read); set data.type = 'messages_jsonl' or 'hf' to read your "
+                                  "files")
+    elif d.type != "hf" and d.columns:
+        raise ConfigError(f"data.columns: only read with data.type = 'hf', not {d.type!r}; remove it or set "
+                          "data.type = 'hf'")
+
+
 def check_keys_for_mode(cfg: Config) -> None:
     """Raise ConfigError naming the first key that this job kind would ignore."""
     if cfg.train.mode == "eval":
@@ -143,6 +171,9 @@ def check_keys_for_mode(cfg: Config) -> None:
     if getattr(cfg, "eval", None) is not None:
         raise ConfigError(f"eval: the [eval] section is only read when train.mode = \"eval\" (launch/evaluate.py), "
                           f"not {cfg.train.mode!r}; SFT evaluates with train.eval_*, GRPO with [rl.eval]")
+    _check_data_source_keys(cfg)
+    if cfg.kernels.moe_ep_dispatch != "auto" and cfg.parallel.ep == 1:
+        raise ConfigError("kernels.moe_ep_dispatch: only runs with expert parallelism (parallel.ep > 1); remove it")
     cp = cfg.parallel.cp
     if cp > 1 and cfg.data.max_tokens_per_pack % (2 * cp):
         raise ConfigError(f"parallel.cp: data.max_tokens_per_pack ({cfg.data.max_tokens_per_pack}) must be divisible by "
@@ -160,6 +191,9 @@ def check_keys_for_mode(cfg: Config) -> None:
         if getattr(cfg, "lora", None) is not None and cfg.rl is not None and cfg.rl.allocation is not None:
             raise ConfigError("rl.allocation: asynchronous GRPO pushes full weights to the rollout ranks and does not "
                               "support [lora] yet; remove rl.allocation or the [lora] section")
+        no_split = _no_eval_split(cfg)
+        if no_split and cfg.rl is not None and cfg.rl.eval.every_steps:  # the evaluation would return nothing
+            raise ConfigError(f"rl.eval.every_steps: there is no held-out split to evaluate ({no_split}); set it to 0")
         for name, why in _GRPO_IGNORED.items():
             section = getattr(cfg, name)
             for key in changed_keys(section):
@@ -170,11 +204,21 @@ def check_keys_for_mode(cfg: Config) -> None:
         raise ConfigError("rl: an [rl] section is only read when train.mode = \"grpo\"; remove it or set train.mode")
     stages = getattr(cfg, "stages", None) or []
     stage_eval = bool(stages) and all(s.eval_path for s in stages)  # every stage brings its held-out split
-    no_eval_split = cfg.data.type != "synthetic_vqa" and not cfg.data.eval_path and not stage_eval
-    if no_eval_split:
+    no_split = _no_eval_split(cfg, stage_eval)
+    if no_split:
         for key in ("eval_every", "eval_max_batches"):
             if getattr(cfg.train, key):
-                raise ConfigError(f"train.{key}: there is no held-out split to evaluate (data.eval_path is empty)")
+                raise ConfigError(f"train.{key}: there is no held-out split to evaluate ({no_split})")
+
+
+def _no_eval_split(cfg: Config, stage_eval: bool = False) -> str:
+    """Why the run has no held-out split ("" when it has one); `stage_eval`: every [[stages]] table brings one.
+
+    The synthetic set counts as having one: `data.synthetic_eval_size = 0` is the switch that turns its
+    evaluation off (the pipeline refusal asks for it), so the cadence keys of a demo config may stay."""
+    if cfg.data.type == "synthetic_vqa":
+        return ""
+    return "data.eval_path is empty" if not cfg.data.eval_path and not stage_eval else ""
 
 
 _DPO_COLUMNS = {"prompt", "chosen", "rejected", "image", "images", "system"}
@@ -221,10 +265,28 @@ def _check_dpo_mode(cfg: Config) -> None:
         check_dpo_keys(dpo)
 
 
+_LAYER_KERNELS = {
+    "Mamba2": ("causal_conv1d", "ssd_chunk_scan", "ssd_state_update"),
+    "MoE": ("moe_permute", "grouped_mm", "moe_unpermute", "moe_topk_gating", "moe_ep_dispatch"),
+}
+"""The [kernels] ops only one kind of layer runs: a backend forced for them on a model without such layers
+would never be used."""
+
+
 def check_moe_section(cfg: Config, model: nn.Module) -> None:
-    """Raise ConfigError when `[moe]` sets anything and `model` has no MoE layers."""
+    """Raise ConfigError when `[moe]` sets anything and `model` has no MoE layers, or `[kernels]` forces a backend
+    for an op of a layer kind (`_LAYER_KERNELS`: MoE, Mamba2) the model does not have."""
+    from megatron_vlm.models.common.mamba2 import Mamba2Mixer
     from megatron_vlm.models.common.moe import moe_layers
 
+    has_moe = bool(list(moe_layers(model)))
     changed = changed_keys(cfg.moe)
-    if changed and not list(moe_layers(model)):
+    if changed and not has_moe:
         raise ConfigError(f"moe.{changed[0]}: the model ({type(model).__name__}) has no MoE layers; remove the [moe] section")
+    has = {"MoE": has_moe, "Mamba2": any(isinstance(m, Mamba2Mixer) for m in model.modules())}
+    forced = set(changed_keys(cfg.kernels))
+    for kind, ops in _LAYER_KERNELS.items():
+        for op in ops:
+            if op in forced and not has[kind]:
+                raise ConfigError(f"kernels.{op}: the model ({type(model).__name__}) has no {kind} layers, so this op "
+                                  "never runs; remove the key")

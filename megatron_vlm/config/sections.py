@@ -75,6 +75,8 @@ class TrainConfig:
     error before anything non-finite reaches the weights or a checkpoint (0 = never stop)."""
 
     def validate(self) -> None:
+        if not self.output_dir.strip():  # "" is the current folder: checkpoints, lock and metrics land there
+            raise ValueError("output_dir: must not be empty (the run folder)")
         if self.max_steps is not None and self.max_steps <= 0:
             raise ValueError(f"max_steps: must be > 0, got {self.max_steps}")
         if self.epochs is not None and self.epochs <= 0:
@@ -226,7 +228,7 @@ class LoggingConfig:
     wandb_mode: Literal["online", "offline", "disabled"] = "offline"
     """W&B mode; offline works without a network."""
     experiment_name: Optional[str] = None
-    """Run name for W&B / TensorBoard (default: the output_dir name)."""
+    """Run name for W&B (default: the output_dir name; TensorBoard writes to output_dir/tensorboard)."""
 
 
 @dataclass(kw_only=True)

@@ -30,7 +30,7 @@ class DataConfig:
     train_path: str = ""
     """Training data: a file, a folder (searched recursively) or a glob of .jsonl files
     (messages_jsonl) or of .parquet, .arrow and .jsonl files (hf); SFT and GRPO read it alike.
-    Unused for synthetic_vqa."""
+    Refused with synthetic_vqa, as are eval_path, image_root and columns (it reads the set it generates)."""
     eval_path: str = ""
     """Held-out data in the same format as `train_path`; empty = no evaluation split."""
     image_root: str = ""

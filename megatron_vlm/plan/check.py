@@ -15,7 +15,9 @@ memory is the problem).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -28,7 +30,7 @@ from megatron_vlm.config.loader import ConfigError, to_dict
 from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
 from megatron_vlm.inference.kv_budget import rollout_prompts_for_budget
 from megatron_vlm.parallel.tensor_parallel import TPError, check_tp_divides
-from megatron_vlm.plan.memory import GiB, ceil_div, estimate_memory, gib, model_shape
+from megatron_vlm.plan.memory import GiB, ceil_div, estimate_memory, gib, model_shape, pipeline_stage_params
 from megatron_vlm.plan.routes import routes_plan
 from megatron_vlm.plan.side_models import SideModelRefused, side_models_plan
 from megatron_vlm.rl.asynchronous.allocation import parse_allocation
@@ -167,11 +169,18 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     lines = [f"model      {hf.get('model_type')}: {(shape.params - adapters) / 1e9:.3f} B parameters "
              f"({lora}{shape.trainable / 1e9:.3f} B trainable), "
              f"{shape.layers} decoder layers, hidden {shape.hidden}",
-             f"layout     {world_size} ranks = dp_replicate {rep} x dp_shard {shard} (FSDP) x tp {tp} x cp {cfg.parallel.cp}, "
-             f"ep {cfg.parallel.ep}",
+             f"layout     {world_size} ranks = dp_replicate {rep} x dp_shard {shard} (FSDP) x tp {tp} x cp {cfg.parallel.cp}"
+             + (f" x pp {cfg.parallel.pp}" if cfg.parallel.pp > 1 else "") + f", ep {cfg.parallel.ep}",
              f"batch      {tokens} tokens per packed micro-batch, activation checkpointing "
              f"{'on' if cfg.train.activation_checkpointing else 'off'}"]
     rollout_prompts, group = 0, 0
+    evaluating = cfg.train.mode == "eval"
+    if evaluating:  # no gradients, no optimizer, no backward: the weights and the generation's KV cache
+        ev = cfg.eval
+        rollout_prompts, group = ev.batch_size, max(1, ev.samples)
+        lines[-1] = (f"eval       forward only: {ev.batch_size} prompts per generation call (eval.batch_size) x "
+                     f"{group} completions x {tokens} cache slots (data.max_tokens_per_pack); no gradients or "
+                     "optimizer states")
     if cfg.train.mode == "grpo":
         rl = cfg.rl
         check_generation_budget(cfg.data, rl)  # the run's own check (rl/prompts/lengths.py): the same key and line
@@ -228,8 +237,20 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         lines.append(f"reward     Bradley-Terry on pairs (margin {r.margin if r is not None else 0.0:g}): a scalar head on "
                      "the backbone, its lm_head not held (counted below: an over-estimate); export <output_dir>/hf, "
                      "a sequence-classification folder")
-    mem = estimate_memory(shape, fsdp=shard * cfg.parallel.cp, master_bytes=master, compute_bytes=compute, tokens=tokens,
-                          activation_checkpointing=cfg.train.activation_checkpointing,
+    rank_shape = shape
+    if cfg.parallel.pp > 1:  # a rank holds one stage: its parameters, not the model's
+        from megatron_vlm.parallel.pipeline import stage_layer_range
+
+        stages = pipeline_stage_params(model, cfg.parallel.pp)
+        rank_shape = dataclasses.replace(shape, params=max(p for p, _ in stages), trainable=max(t for _, t in stages))
+        lines.append(f"pipeline   {cfg.parallel.pp} stages of " + ", ".join(
+            f"{hi - lo}" for lo, hi in (stage_layer_range(shape.layers, cfg.parallel.pp, i) for i in range(cfg.parallel.pp)))
+            + " decoder layers; parameters per stage " + ", ".join(f"{p / 1e9:.3f} B" for p, _ in stages)
+            + " (the largest counted per rank below)")
+    if evaluating:
+        rank_shape = dataclasses.replace(rank_shape, trainable=0, tp_trainable=0, expert_trainable=0)
+    mem = estimate_memory(rank_shape, fsdp=shard * cfg.parallel.cp, master_bytes=master, compute_bytes=compute, tokens=tokens,
+                          activation_checkpointing=cfg.train.activation_checkpointing or evaluating,
                           rollout_prompts=rollout_prompts, group_size=group, tp=tp,
                           kv_slots=cfg.rl.rollout.kv_cache_blocks * cfg.rl.rollout.kv_block_size if grpo else 0,
                           ep=cfg.parallel.ep, routes_bytes=routes_bytes,
@@ -286,6 +307,8 @@ def rollout_copy_lines(cfg, mem, shape) -> list[str]:
 
 
 def _key_to_change(cfg, mem, side_bytes: float = 0.0) -> str:
+    if cfg.train.mode == "eval":
+        return "eval.batch_size" if mem.kv_cache > mem.static else "parallel.dp_shard"
     if side_bytes > max(mem.static, mem.activations, mem.kv_cache) and cfg.rl is not None:
         return _side_key(cfg)
     if mem.kv_cache > mem.activations and mem.kv_cache > mem.static:
@@ -335,6 +358,12 @@ def run_check(cfg, *, world_size: int, device_memory_gib: Optional[float], out: 
               err: TextIO = sys.stderr) -> int:
     """Print the plan and return 0, or print one `check failed: <key>: ...` line (plus the plan when
     memory is the problem) and return 2."""
+    if world_size < 1:  # "check ok: 0 ranks" with a negative FSDP shard size is no answer
+        print(f"check failed: --world-size: must be >= 1, got {world_size}", file=err)
+        return 2
+    if device_memory_gib is not None and not (math.isfinite(device_memory_gib) and device_memory_gib > 0):
+        print(f"check failed: --device-memory-gib: must be a finite number > 0, got {device_memory_gib:g}", file=err)
+        return 2
     if device_memory_gib is None:
         if torch.cuda.is_available():
             device_memory_gib = torch.cuda.get_device_properties(0).total_memory / GiB

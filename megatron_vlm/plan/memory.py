@@ -34,6 +34,13 @@ conservative; the numbers it uses (all in bytes, per rank):
 - expert parallelism (`parallel.ep` > 1): the routed experts (X of P, X_T of T) are not FSDP parameters but
   split over the ep ranks, so the master weights are (P' - X) x m / F + X x m / ep, likewise gradients and
   AdamW with T' and X_T;
+- pipeline parallelism (`parallel.pp` > 1): a rank holds one stage (parallel/pipeline.py: decoder layers [lo, hi),
+  the first stage also the embedding and the vision tower, the last the final norm and lm_head; a tied lm_head on
+  both), so P and T are those of the stage with the most parameters; activations stay t x L x a x c (1F1B keeps
+  up to pp micro-batches in flight on the first stage, each through its L / pp layers);
+- evaluation (`train.mode = "eval"`, plan/check.py): no gradients or AdamW states (T = 0), the forward-only
+  activations of one block (the checkpointed figure, conservative), and a KV cache of `eval.batch_size` prompts x
+  max(1, `eval.samples`) completions x t slots;
 - rollout copy (GRPO, `rl.rollout.weights`; held through the whole run): "shared" 0 (the trainer's
   parameters, gathered block by block), "copy" P x c, "expert_parallel" (P - X) x c + X x c / ep (the
   dense weights whole, this rank's experts: inference/ep_rollout.py).
@@ -41,12 +48,13 @@ conservative; the numbers it uses (all in bytes, per rank):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
 from megatron_vlm.inference.kv_budget import kv_elements_per_slot
 
-__all__ = ["ModelShape", "MemoryPlan", "model_shape", "estimate_memory", "GiB"]
+__all__ = ["ModelShape", "MemoryPlan", "model_shape", "pipeline_stage_params", "estimate_memory", "GiB"]
 
 GiB = 2**30
 
@@ -135,6 +143,34 @@ def model_shape(model: nn.Module) -> ModelShape:
                       act_col_per_token_layer=_colwise_activation_elements(layers[big]),
                       expert_params=sum(p.numel() for p in experts),
                       expert_trainable=sum(p.numel() for p in experts if p.requires_grad))
+
+
+def pipeline_stage_params(model: Any, pp: int) -> list[tuple[int, int]]:
+    """(parameters, trainable) held by each of the `pp` pipeline stages, as `split_model_for_stage` splits the
+    model: decoder layers by `stage_layer_range`, the final norm and lm_head on the last stage, everything else
+    (embedding, vision tower, projector) on the first; a tied lm_head is the embedding, held by both."""
+    from megatron_vlm.parallel.pipeline import _final_norm_name, stage_layer_range
+
+    lm = model.language_model
+    n = len(lm.layers)
+    where: dict[int, set[int]] = {}  # parameter id -> the stages that hold it
+    for stage in range(pp):
+        lo, hi = stage_layer_range(n, pp, stage)
+        for layer in list(lm.layers)[lo:hi]:
+            for p in layer.parameters():
+                where.setdefault(id(p), set()).add(stage)
+    for module in (getattr(lm, _final_norm_name(lm)), model.lm_head):
+        for p in module.parameters():
+            where.setdefault(id(p), set()).add(pp - 1)
+    embed = model._input_embeddings().weight
+    if model.lm_head.weight is embed:  # tied: the first stage's embedding and the last stage's head
+        where[id(embed)] = {0, pp - 1}
+    out = [[0, 0] for _ in range(pp)]
+    for p in model.parameters():
+        for s in where.get(id(p), {0}):
+            out[s][0] += p.numel()
+            out[s][1] += p.numel() if p.requires_grad else 0
+    return [(a, b) for a, b in out]
 
 
 @dataclass

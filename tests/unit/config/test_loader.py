@@ -160,3 +160,22 @@ def test_cli_missing_config_file(tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "launch/pretrain_vlm.py"), "--config", str(tmp_path / "nope.toml")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "config file not found" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_config_file_not_utf8_or_a_folder_is_a_config_error(tmp_path):
+    """A config saved in Latin-1 (an accented path) was a UnicodeDecodeError traceback; a folder given
+    as --config was called "not found"."""
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes('[model]\npath = "/data/caf\u00e9"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1.toml: not valid TOML: not UTF-8 text \(byte 0xe9 at offset 25\)"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match=r": is a folder, not a config file"):
+        load_config(tmp_path)
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_empty_output_dir_is_refused(value):
+    """`--set train.output_dir=$RUN` with $RUN unset gave "": the run wrote its checkpoints, lock and metrics
+    into the current folder (and resume = "auto" took any checkpoints/ found there)."""
+    with pytest.raises(ConfigError, match=r"^train.output_dir: must not be empty"):
+        load_config_dict(_raw(train__output_dir=value))

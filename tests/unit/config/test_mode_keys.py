@@ -82,3 +82,101 @@ def test_grpo_steps_from_epochs_and_rollout_budget():
     assert rollout_prompts_for_budget(24.0, per_slot, 4, 20480) == int(24 * 2**30 // per_prompt) == 8
     assert rollout_prompts_for_budget(1.0, per_slot, 4, 20480) == 1  # at least one prompt
     assert rollout_prompts_for_budget(0.0, per_slot, 4, 20480) == 0  # no budget: all at once
+
+
+DPO = CONFIGS / "demo_dpo.toml"
+
+
+@pytest.mark.parametrize("config", [SFT, DPO, CONFIGS / "demo_grpo.toml"], ids=lambda p: p.name)
+@pytest.mark.parametrize("override, key", [
+    ('data.train_path="mine.jsonl"', "data.train_path"),
+    ('data.eval_path="mine.jsonl"', "data.eval_path"),
+    ('data.image_root="/images"', "data.image_root"),
+])
+def test_synthetic_data_refuses_the_keys_of_real_data(config, override, key):
+    """type = "synthetic_vqa" generates its own files: a train_path given on top of a demo config used to
+    train on the synthetic set without a word (the run looked like a run on the user's data)."""
+    with pytest.raises(ConfigError, match=rf"^{key}: has no effect with data.type = 'synthetic_vqa'"):
+        check_keys_for_mode(load_config(config, [override]))
+
+
+def test_columns_are_refused_without_an_hf_table():
+    sets = ['data.type="messages_jsonl"', 'data.train_path="x.jsonl"', 'data.columns={messages = "conv"}']
+    with pytest.raises(ConfigError, match=r"^data.columns: only read with data.type = 'hf'"):
+        check_keys_for_mode(load_config(CONFIGS / "internvl3_8b_robovqa_stage1.toml", sets))
+    with pytest.raises(ConfigError, match=r"^data.columns: has no effect with data.type = 'synthetic_vqa'"):
+        check_keys_for_mode(load_config(SFT, ['data.columns={messages = "conv"}']))
+
+
+def _eval_job(**sections) -> dict:
+    raw = {"model": {"path": "/m"}, "train": {"mode": "eval"},
+           "eval": {"benchmarks": [{"name": "b", "path": "/d", "format": "geometry3k"}]}}
+    raw.update(sections)
+    return raw
+
+
+@pytest.mark.parametrize("section, table, key", [
+    ("dpo", {"beta": 0.5}, "dpo"),
+    ("reward", {"margin": 0.5}, "reward"),
+    ("logging", {"wandb": True}, "logging.wandb"),
+    ("logging", {"tensorboard": False}, "logging.tensorboard"),
+])
+def test_eval_job_refuses_training_sections(section, table, key):
+    """An evaluation job writes its result files only (no metrics logger, no preference loss): these
+    sections were loaded and then ignored."""
+    from megatron_vlm.config import load_config_dict
+
+    with pytest.raises(ConfigError, match=rf"^{key}: "):
+        check_keys_for_mode(load_config_dict(_eval_job(**{section: table})))
+
+
+def test_wandb_without_the_package_is_a_config_error(monkeypatch, capsys):
+    """logging.wandb = true without wandb installed raised a RuntimeError on rank 0 only, after the model and
+    optimizer were built (a traceback; the other ranks went on into the first collective and waited there)."""
+    from megatron_vlm import runner
+
+    def no_process_group():
+        raise AssertionError("the check comes before any process group")
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` fails, as where it is not installed
+    monkeypatch.setattr(runner, "init_distributed", no_process_group)
+    assert runner.run_job(load_config(SFT, ["logging.wandb=true"])) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: logging.wandb: true but the wandb package is not installed"), err
+
+
+def test_grpo_eval_cadence_without_a_held_out_split_is_refused():
+    """Without held-out prompts the GRPO evaluation returns nothing at every step: rl.eval.every_steps was ignored
+    (as SFT's train.eval_every, refused the same way)."""
+    math_grpo = CONFIGS / "qwen2_5_math_1_5b_grpo.toml"  # rl.eval.every_steps = 25
+    with pytest.raises(ConfigError, match=r"^rl.eval.every_steps: there is no held-out split to evaluate "
+                                          r"\(data.eval_path is empty\)"):
+        check_keys_for_mode(load_config(math_grpo, ['data.eval_path=""']))
+    check_keys_for_mode(load_config(math_grpo, ['data.eval_path=""', "rl.eval.every_steps=0"]))
+    # the synthetic set's evaluation is switched off by its size; a demo's cadence may stay
+    check_keys_for_mode(load_config(CONFIGS / "demo_grpo.toml", ["data.synthetic_eval_size=0"]))
+
+
+@pytest.mark.parametrize("key, layers", [("ssd_chunk_scan", "Mamba2"), ("ssd_state_update", "Mamba2"),
+                                         ("causal_conv1d", "Mamba2"), ("grouped_mm", "MoE"), ("moe_permute", "MoE"),
+                                         ("moe_unpermute", "MoE"), ("moe_topk_gating", "MoE"),
+                                         ("moe_ep_dispatch", "MoE")])
+def test_kernel_keys_of_ops_the_model_lacks_are_refused(key, layers):
+    """A forced backend for an op the model never runs (Mamba2 ops on a transformer, MoE ops on a dense model)
+    was accepted and ignored, like a [moe] section on a dense model (refused above)."""
+    from megatron_vlm.models.common.mamba2 import Mamba2Mixer
+    from megatron_vlm.models.common.moe import MoE
+
+    cfg = load_config(SFT, [f'kernels.{key}="torch"'])
+    dense = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match=rf"^kernels.{key}: the model \(Sequential\) has no {layers} layers"):
+        check_moe_section(cfg, dense)
+    cls = Mamba2Mixer if layers == "Mamba2" else MoE
+    bare = type("Bare", (cls,), {"__init__": lambda self: torch.nn.Module.__init__(self)})
+    check_moe_section(cfg, torch.nn.Sequential(bare()))  # a model with such layers: fine
+
+
+def test_ep_dispatch_backend_without_expert_parallelism_is_refused():
+    with pytest.raises(ConfigError, match=r"^kernels.moe_ep_dispatch: only runs with expert parallelism"):
+        check_keys_for_mode(load_config(SFT, ['kernels.moe_ep_dispatch="torch"']))
+    check_keys_for_mode(load_config(SFT, ['kernels.moe_ep_dispatch="torch"', "parallel.ep=2"]))

@@ -246,3 +246,56 @@ def test_check_plans_the_vllm_engine_and_refuses_what_it_cannot_run(qwen2_5_vl_3
                                         "trainer's tensor-parallel group"), err
     code, _, err = _check(cfg, [f'model.path="{qwen2_5_vl_3b}"', "parallel.cp=2"], 2)
     assert code == 2 and err.startswith("check failed: parallel.cp: 2 with rollout_backend = 'vllm'"), err
+
+
+@pytest.mark.parametrize("world, memory, key", [(0, 80.0, "--world-size"), (-2, 80.0, "--world-size"),
+                                                (1, 0.0, "--device-memory-gib"), (1, -1.0, "--device-memory-gib"),
+                                                (1, float("nan"), "--device-memory-gib"),
+                                                (1, float("inf"), "--device-memory-gib")])
+def test_check_refuses_impossible_options(world, memory, key, tmp_path):
+    """A zero / negative rank count or a non-positive / non-finite device memory used to print
+    "check ok" with "0 ranks", "dp_shard -2" or "of nan GiB"."""
+    out, err = io.StringIO(), io.StringIO()
+    cfg = load_config(CONFIGS / "demo_sft.toml", [f'model.path="{tmp_path / "m"}"'])
+    assert run_check(cfg, world_size=world, device_memory_gib=memory, out=out, err=err) == 2
+    assert err.getvalue().startswith(f"check failed: {key}: ") and out.getvalue() == ""
+
+
+@pytest.mark.parametrize("arch, pp", [("qwen2_5_math_1_5b", 4), ("qwen3_vl_2b", 2)])
+def test_check_counts_one_pipeline_stage_per_rank(arch, pp, model_folders):
+    """parallel.pp > 1: a rank holds one stage (the runtime split, parallel/pipeline.py, is the reference);
+    the plan counted the whole model per rank (and its layout line left pp out)."""
+    from megatron_vlm.parallel.pipeline import split_model_for_stage
+    from megatron_vlm.training.lm_loss import TokenLogprobModel
+
+    hf = real_config(arch)
+    held = []
+    for s in range(pp):
+        with torch.device("meta"):
+            model = build_model(hf)
+        stage = split_model_for_stage(model, TokenLogprobModel, stage=s, pp=pp, max_tokens=32, act_dtype=torch.float32)
+        held.append(sum(p.numel() for p in stage.parameters()))
+    world, sets = 2 * pp, [f'model.path="{model_folders[arch]}"', "parallel.pp=" + str(pp), 'model.dtype="float32"',
+                           'data.eval_path=""', "train.eval_every=0", f"train.micro_batches_per_step={pp}"]
+    code, out, err = _check(CONFIGS / "demo_math_sft.toml", sets, world)
+    assert code == 0, out + err
+    assert f"x tp 1 x cp 1 x pp {pp}, ep 1" in out
+    master = float(re.search(r"master weights +([0-9.]+) GiB", out).group(1))
+    assert master == pytest.approx(max(held) * 4 / 2 / 2**30, abs=0.006)  # fp32 master weights over dp_shard 2
+
+
+def test_check_of_an_evaluation_counts_weights_and_kv_cache_not_training_state(qwen2_5_vl_3b):
+    """train.mode = "eval": the plan counted gradients, AdamW states and training activations (an evaluation
+    holds none) and no KV cache for its generation, so a model that evaluates fine could be refused."""
+    from megatron_vlm.config import load_config_dict
+
+    cfg = load_config_dict({"model": {"path": str(qwen2_5_vl_3b)}, "train": {"mode": "eval"},
+                            "eval": {"batch_size": 16, "samples": 4,
+                                     "benchmarks": [{"name": "g", "path": "/d", "format": "geometry3k"}]}})
+    out, err = io.StringIO(), io.StringIO()
+    assert run_check(cfg, world_size=1, device_memory_gib=80.0, out=out, err=err) == 0, err.getvalue()
+    text = out.getvalue()
+    assert re.search(r"gradients +0\.00 GiB +AdamW +0\.00 GiB", text), text
+    # Qwen2.5-VL-3B: 36 layers x 2 KV heads x head_dim 128, K and V, bf16; 16 prompts x 4 samples x 4096 slots
+    kv = 2 * 36 * 2 * 128 * 2 * 16 * 4 * 4096 / 2**30
+    assert f"rollout KV cache {kv:.2f} GiB" in text, text

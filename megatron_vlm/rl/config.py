@@ -58,7 +58,7 @@ class RLEvalConfig:
     top_p: float = 1.0
     """Nucleus sampling threshold for evaluation."""
     max_new_tokens: Optional[int] = None
-    """Generation budget for evaluation (unset = rl.max_new_tokens)."""
+    """Generation budget for evaluation (unset = rl.rollout.max_new_tokens)."""
     max_prompts: int = 0
     """Evaluate on at most this many held-out prompts (0 = all)."""
     correct_threshold: float = 1.0

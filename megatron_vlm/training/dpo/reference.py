@@ -8,7 +8,7 @@
   the policy while it still holds the initial weights (before a checkpoint is resumed), summed per response
   and kept as a [pairs, 2] table per split in `<output_dir>/dpo_reference_logps.pt`; a later start of the
   same run reads the file back instead of scoring again (scored again when the split sizes, the rows the packs
-  hold and their lengths, or the model path differ).
+  hold and their lengths, the data files / synthetic seed, or the model path differ).
 
 Every kind answers `pair_logps(batch, split)` -> (reference log p of each chosen, of each rejected
 response) of a pack (`pair_index` keys the precomputed table).
@@ -16,6 +16,7 @@ response) of a pack (`pair_index` keys the precomputed table).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from pathlib import Path
 
@@ -64,15 +65,23 @@ class AdaptersOffReference:
 
 
 def _plan_digest(loader) -> str:
-    """A digest of which rows the split's packs hold and their lengths (`planned_lengths`; "" without them).
+    """A digest of the data a split's table was scored on: which rows its packs hold and their lengths
+    (`planned_lengths`) and where the pairs come from (`data_identity`: files with size and modification time, or
+    the synthetic seed, and the processor's settings); "" for a loader without them.
 
-    Why: the table has a row per data row, but only the rows some pack holds are scored. A restart that plans
-    other rows (a larger `data.max_tokens_per_pack`, an edited data file of the same size) would otherwise read
-    0 as the reference log-prob of a row never scored."""
+    Why: the table has a row per data row, but only the rows some pack holds are scored, and a row is looked up by
+    its index alone. A restart that plans other rows (a larger `data.max_tokens_per_pack`) or reads other pairs
+    under the same indices (an edited data file of the same size) would otherwise take 0, or another pair's
+    log-prob, as the reference."""
     planned = getattr(loader, "planned_lengths", None)
-    if planned is None:
+    identity = getattr(loader, "data_identity", None)
+    if planned is None and identity is None:
         return ""
-    return hashlib.sha256(np.ascontiguousarray(np.asarray(planned, dtype=np.int64)).tobytes()).hexdigest()
+    h = hashlib.sha256()
+    if planned is not None:
+        h.update(np.ascontiguousarray(np.asarray(planned, dtype=np.int64)).tobytes())
+    h.update(json.dumps(identity, sort_keys=True, default=str).encode())
+    return h.hexdigest()
 
 
 class PrecomputedReference:

@@ -98,3 +98,20 @@ def test_a_file_scored_without_some_pairs_is_scored_again(tmp_path):
     PrecomputedReference.load_or_compute(tmp_path, scorer, {"train": bigger}, device=torch.device("cpu"), copies=1,
                                          is_main=True, model_path="m")
     assert scorer.calls == 3  # the same plan: read back
+
+
+def test_a_file_scored_on_other_pairs_of_the_same_plan_is_scored_again(tmp_path):
+    """An edited data file (or another synthetic seed) with the same row count and lengths: the rows are other
+    pairs under the same indices, so the table is scored again."""
+    scorer = _Scorer()
+    packs = [_pack([2, 0], [5, 6, 4, 7]), _pack([1], [6, 5])]
+    before = _PlannedLoader(packs, [9, 11, 9])
+    before.data_identity = {"pairs": {"files": [{"file": "/d/train.jsonl", "size": 100, "mtime_ns": 1}]}}
+    PrecomputedReference.load_or_compute(tmp_path, scorer, {"train": before}, device=torch.device("cpu"), copies=1,
+                                         is_main=True, model_path="m")
+    assert scorer.calls == 2
+    edited = _PlannedLoader(packs, [9, 11, 9])
+    edited.data_identity = {"pairs": {"files": [{"file": "/d/train.jsonl", "size": 100, "mtime_ns": 2}]}}
+    PrecomputedReference.load_or_compute(tmp_path, scorer, {"train": edited}, device=torch.device("cpu"), copies=1,
+                                         is_main=True, model_path="m")
+    assert scorer.calls == 4

@@ -54,12 +54,15 @@ def _rollout_counters(fail_from):
     return counters
 
 
-def test_rewards_that_start_failing_mid_run_stop_the_async_run(monkeypatch):
-    t = _trainer(monkeypatch, 3, _rollout_counters(fail_from=5))
-    for step in range(7):  # steps 0-4 succeed, 5 and 6 fail: two failed steps in a row, not yet three
+@pytest.mark.parametrize("fail_from", [0, 5])
+def test_rewards_that_fail_on_every_call_stop_the_async_run(monkeypatch, fail_from):
+    """From the first step, or after five successful ones."""
+    t = _trainer(monkeypatch, 3, _rollout_counters(fail_from=fail_from))
+    for step in range(fail_from + 2):  # two failed steps in a row, not yet three
         t.train_step(step, log=True)
-    with pytest.raises(RewardsAllFailedError, match=r"^rl\.reward_pool\.max_failed_steps: .* 3 steps in a row, up to step 8"):
-        t.train_step(7, log=True)
+    with pytest.raises(RewardsAllFailedError, match=rf"^rl\.reward_pool\.max_failed_steps: .* 3 steps in a row, up to step "
+                                                   rf"{fail_from + 3}"):
+        t.train_step(fail_from + 2, log=True)
 
 
 def test_successful_rewards_never_stop_the_async_run(monkeypatch):

@@ -184,12 +184,14 @@ def build_preference_pass_loader(data_cfg: DataConfig, processor: Any, *, split:
                                  bad_records: Optional[BadRecordLog] = None, like=None) -> Optional[EvalDataLoader]:
     """One pass over `split`'s pairs in file order, rank r taking packs r, r + dp, ... (padded with empty
     packs to the same count on every rank); None when the split is not configured. `.num_pairs`: the
-    split's rows (the size of a table indexed by `pair_index`). `like`: a loader of the same split
+    split's rows (the size of a table indexed by `pair_index`); `.planned_lengths`: each row's pair length, -1
+    for a row no pack holds (bad or over `max_tokens_per_pack`); `.data_identity`: the files (path, size,
+    modification time) or synthetic seed the pairs come from and the processor's token-count settings. `like`: a loader of the same split
     (`build_preference_dataloader`) whose pairs and lengths are reused instead of computed again."""
     prepared = like.prepared if like is not None else _prepare(data_cfg, processor, split, bad_records)
     if prepared is None:
         return None
-    _, bad_records, pairs, lengths, dataset = prepared
+    proc, bad_records, pairs, lengths, dataset = prepared
     plan = PackPlanner(lengths, data_cfg.max_tokens_per_pack, seed=0, shuffle=False, name=f"data.{split}").plan(0)
     keys = []
     for k in range(math.ceil(len(plan) / dp_size)):
@@ -198,4 +200,7 @@ def build_preference_pass_loader(data_cfg: DataConfig, processor: Any, *, split:
     loader = EvalDataLoader(dataset, keys, num_workers=data_cfg.num_workers, prefetch_factor=data_cfg.prefetch_factor,
                             bad_records=bad_records, mode="packs", timeout_s=data_cfg.loader_timeout_s)
     loader.num_pairs = len(pairs)
+    cap = data_cfg.max_tokens_per_pack
+    loader.planned_lengths = np.where((lengths > 0) & (lengths <= cap), lengths, -1)  # -1: not in any pack
+    loader.data_identity = {"pairs": pairs.identity(), "processor": proc.identity()}
     return loader

@@ -15,6 +15,7 @@ This module must stay free of torch imports: reward worker processes import the 
 """
 from __future__ import annotations
 
+import string
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional
 
@@ -58,7 +59,7 @@ class RLEvalConfig:
     top_p: float = 1.0
     """Nucleus sampling threshold for evaluation."""
     max_new_tokens: Optional[int] = None
-    """Generation budget for evaluation (unset = rl.max_new_tokens)."""
+    """Generation budget for evaluation (unset = rl.rollout.max_new_tokens)."""
     max_prompts: int = 0
     """Evaluate on at most this many held-out prompts (0 = all)."""
     correct_threshold: float = 1.0
@@ -451,11 +452,16 @@ class RLPromptsConfig:
         if "{problem}" not in self.template:
             raise ValueError("template: must contain the {problem} placeholder")
         try:
+            fields = [f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None]
             self.template.format(problem="")
         except (KeyError, IndexError, ValueError) as e:
             raise ValueError(
                 f"template: only {{problem}} may be a placeholder (write literal braces as {{{{ }}}}): {e!r}"
             ) from None
+        if any(f != "problem" for f in fields):  # {problem.upper} would render an attribute of the text, not the text
+            bad = sorted({f for f in fields if f != "problem"})
+            raise ValueError(f"template: only {{problem}} may be a placeholder, got {bad} (write literal braces as "
+                             "{{ }})")
 
 
 @dataclass(kw_only=True)

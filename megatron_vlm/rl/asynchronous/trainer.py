@@ -194,6 +194,10 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         payloads = self._receive(step)
         wait_s = time.perf_counter() - t_wait
         extra = self._staleness(step, payloads)
+        # the rollout ranks' cumulative reward counters replace this rank's (which count only the evaluation's
+        # calls) before the step's reward-failure watch reads them: one source, as in the synchronous loop
+        for key in payloads[0]["reward_fail"]:
+            extra[key] = float(sum(p["reward_fail"][key] for p in payloads))
         timer = PhaseTimer()
         rd = self._round(step, payloads)
         metrics = self.grpo.train_on_rounds(step, [rd], timer, extra_metrics=extra)
@@ -210,9 +214,6 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
             "time/reward_s": sum(p["reward_s"] for p in payloads) / len(payloads),
             "data/skipped_prompts": float(sum(p["skipped"] for p in payloads)),
         })
-        for key in payloads[0]["reward_fail"]:
-            metrics[key] = float(sum(p["reward_fail"][key] for p in payloads))
-        self.grpo.reward_watch.update(metrics, step + 1)  # the rollout ranks' calls: rewards that all fail stop the run
         self._last_end = end
         metrics["epoch"] = (step + 1) * self.rl.batch.prompts_per_step / len(self.train_set)
         return metrics if log else {}

@@ -57,6 +57,11 @@ def _text(cfg: dict) -> dict:
 def critic_folder_refusal(policy_cfg: dict, critic_cfg: dict, folder: str) -> Optional[str]:
     """Why the model folder `folder` (config.json `critic_cfg`) cannot be the critic of a policy with
     config.json `policy_cfg`: it must read the same token ids and images. None when it can."""
+    archs = critic_cfg.get("architectures") or []
+    if any(str(a).endswith("ForSequenceClassification") for a in archs):
+        return (f"rl.critic.model: {folder} is a sequence-classification folder ({archs[0]}, e.g. a reward model): the "
+                "critic loads a causal model folder's backbone and adds its own value head; give the folder the reward "
+                "model was trained from (or 'policy')")
     p, c = _text(policy_cfg), _text(critic_cfg)
     for key in _SAME_KEYS:
         a = p.get(key, policy_cfg.get(key))

@@ -12,7 +12,8 @@ process; a network wants batches on the device. The pool's guarantees hold here 
 batch whose forward raises (its completions), a NaN score, each is reward 0 and an "error" (the run goes
 on; `reward/errors` counts it and `rl.reward_pool.max_failed_steps` stops a run whose every call fails);
 an infinite or larger-than-`rl.reward_pool.abs_max` score is clipped to +-abs_max ("clipped"). An empty
-completion scores 0 without a forward (the pipeline refuses empty assistant turns: there is nothing to score).
+completion (the policy ended its turn at once) is scored like any other, on the prompt and an empty assistant
+turn: a fixed 0 would rank it above every answer the model scores below 0, a reward for answering nothing.
 
 Placement: one full copy per rank, in the run's compute dtype, as the frozen reference policy
 (rl/reference.py); `offload = true` keeps it on the CPU between scorings.
@@ -119,7 +120,10 @@ class ModelRewardScorer:
         from megatron_vlm.data.processing import process_record
 
         turns = list(messages) if self.reads_images else text_only_messages(messages)
-        record = Record(turns + [{"role": "assistant", "content": completion}], "reward_model", -1)
+        # an empty completion (the policy ended its turn at once) as a text item: the data pipeline refuses a blank
+        # string answer (SFT must not learn to stop at once), but here it is what the reward model has to judge
+        content: Any = [{"type": "text", "text": completion}] if not completion.strip() else completion
+        record = Record(turns + [{"role": "assistant", "content": content}], "reward_model", -1)
         return process_record(record, self.processor, max_frames=self.max_frames, fps=self.fps, limits=self.limits)
 
     def _reward(self, logits: torch.Tensor) -> torch.Tensor:
@@ -138,8 +142,6 @@ class ModelRewardScorer:
         out = ScoredValues(values=[0.0] * n, status=["ok"] * n, detail=[""] * n)
         rendered: list[tuple[int, Any]] = []
         for i, (text, msgs) in enumerate(zip(completions, prompt_messages)):
-            if not text.strip():
-                continue  # nothing to score: 0 (module docstring)
             try:
                 sample = self._render(msgs, text)
             except Exception as e:  # noqa: BLE001 - one completion's failure is its own counted 0

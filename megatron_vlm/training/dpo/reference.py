@@ -7,16 +7,20 @@
 - `PrecomputedReference`: one pass over the train (and held-out) pairs before the first step, scored by
   the policy while it still holds the initial weights (before a checkpoint is resumed), summed per response
   and kept as a [pairs, 2] table per split in `<output_dir>/dpo_reference_logps.pt`; a later start of the
-  same run reads the file back instead of scoring again.
+  same run reads the file back instead of scoring again (scored again when the split sizes, the rows the packs
+  hold and their lengths, the data files / synthetic seed, or the model path differ).
 
 Every kind answers `pair_logps(batch, split)` -> (reference log p of each chosen, of each rejected
 response) of a pack (`pair_index` keys the precomputed table).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from megatron_vlm.models.common.lora import lora_disabled
@@ -60,6 +64,26 @@ class AdaptersOffReference:
             self.wrapper.train(was_training)
 
 
+def _plan_digest(loader) -> str:
+    """A digest of the data a split's table was scored on: which rows its packs hold and their lengths
+    (`planned_lengths`) and where the pairs come from (`data_identity`: files with size and modification time, or
+    the synthetic seed, and the processor's settings); "" for a loader without them.
+
+    Why: the table has a row per data row, but only the rows some pack holds are scored, and a row is looked up by
+    its index alone. A restart that plans other rows (a larger `data.max_tokens_per_pack`) or reads other pairs
+    under the same indices (an edited data file of the same size) would otherwise take 0, or another pair's
+    log-prob, as the reference."""
+    planned = getattr(loader, "planned_lengths", None)
+    identity = getattr(loader, "data_identity", None)
+    if planned is None and identity is None:
+        return ""
+    h = hashlib.sha256()
+    if planned is not None:
+        h.update(np.ascontiguousarray(np.asarray(planned, dtype=np.int64)).tobytes())
+    h.update(json.dumps(identity, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
 class PrecomputedReference:
     """[pairs, 2] tables of reference log-probs per split, indexed by a pack's `pair_index`."""
 
@@ -78,12 +102,14 @@ class PrecomputedReference:
         pair of `loaders` (split -> one-pass loader) with `wrapper` (the initial weights) and write the file."""
         path = Path(run_dir) / REFERENCE_FILE
         sizes = {split: int(ld.num_pairs) for split, ld in loaders.items()}
+        plans = {split: _plan_digest(ld) for split, ld in loaders.items()}
         if path.is_file():
             saved = torch.load(path, map_location="cpu", weights_only=True)
-            if saved.get("sizes") == sizes and saved.get("model") == model_path:
+            if saved.get("sizes") == sizes and saved.get("model") == model_path and saved.get("plans") == plans:
                 log.info("dpo: reference log-probs read from %s (%s pairs)", path, sizes)
                 return cls({k: v for k, v in saved["tables"].items()})
-            log.warning("dpo: %s was computed for other data or another model (%s); scoring again", path, saved.get("sizes"))
+            log.warning("dpo: %s was computed for other data, another packing plan or another model (%s); scoring "
+                        "again", path, saved.get("sizes"))
         tables = {}
         was_training = wrapper.training
         wrapper.eval()
@@ -102,7 +128,7 @@ class PrecomputedReference:
             wrapper.train(was_training)
         if is_main:
             tmp = path.with_name(f".{path.name}.tmp")
-            torch.save({"tables": tables, "sizes": sizes, "model": model_path}, tmp)
+            torch.save({"tables": tables, "sizes": sizes, "model": model_path, "plans": plans}, tmp)
             tmp.replace(path)
             log.info("dpo: reference log-probs of %s pairs precomputed into %s", sizes, path)
         barrier()

@@ -87,3 +87,13 @@ def test_entry_point_exits_2_naming_the_key(tmp_path):
     assert r.returncode == 2 and "rl.critic: the [rl.critic] table is only read with advantage = 'gae'" in r.stderr + r.stdout
     r = _check(tmp_path, 'rl.allocation="rollout:1+train:1"')
     assert r.returncode == 2 and "rl.advantage: 'gae' (PPO with a critic) is not supported with allocation" in r.stderr + r.stdout
+
+
+def test_a_reward_model_folder_as_the_critic_is_refused_naming_the_key():
+    """A `...ForSequenceClassification` folder (e.g. a reward model of `train.mode = "reward"`) has a `score` head
+    and no lm_head: the critic's loader would stop on its tensors with a traceback. Refused (exit 2) instead."""
+    policy = {"model_type": "qwen2_5_vl", "vocab_size": 1000, "image_token_id": 7, "vision_config": {"patch_size": 14},
+              "architectures": ["Qwen2_5_VLForConditionalGeneration"]}
+    rm = {**policy, "architectures": ["Qwen2_5_VLForSequenceClassification"], "num_labels": 1}
+    msg = critic_folder_refusal(policy, rm, "rm")
+    assert msg is not None and msg.startswith("rl.critic.model: rm") and "ForSequenceClassification" in msg, msg

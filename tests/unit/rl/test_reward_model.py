@@ -195,10 +195,17 @@ def test_infinite_or_huge_scores_are_clipped_and_counted(tmp_path):
     assert all(abs(v) == 5.0 for v in out.per_reward["rm"]) and out.clipped == 3 and out.errors == 0
 
 
-def test_empty_completion_and_over_long_input(tmp_path):
-    _hf_seqcls_folder(tmp_path, "qwen2", 1)
-    scorer = ModelRewardScorer(ModelRewardConfig(path=str(tmp_path), max_tokens=12))
-    out = scorer.score(["", "a much longer answer than the twelve tokens allowed here"], _messages(PROMPTS[:2]))
-    assert out.values == [0.0, 0.0]
+def test_empty_completion_is_scored_and_over_long_input_is_a_counted_zero(tmp_path):
+    """A policy that ends its turn at once (EOS first: the completion text is empty) is scored by the reward model
+    on the prompt and an empty assistant turn, as transformers scores that conversation. A constant 0 instead would
+    rank it above every completion the model scores below 0 (activation = "none"): GRPO would learn to answer
+    nothing."""
+    hf, tok = _hf_seqcls_folder(tmp_path, "qwen2", 1)
+    ref = _hf_logits(hf, tok, PROMPTS[:1], [""])[0, 0]
+    scorer = ModelRewardScorer(ModelRewardConfig(path=str(tmp_path), max_tokens=24))
+    out = scorer.score(["", "a much longer answer than the twenty-four tokens allowed here, which goes on and on"],
+                       _messages(PROMPTS[:2]))
     assert out.status == ["ok", "error"] and "max_tokens" in out.detail[1]
-    assert not math.isnan(sum(out.values))
+    torch.testing.assert_close(torch.tensor(out.values[0]), ref, rtol=1e-5, atol=1e-5)
+    assert abs(float(ref)) > 1e-3  # not the constant 0 an unscored completion would get
+    assert out.values[1] == 0.0 and not math.isnan(sum(out.values))

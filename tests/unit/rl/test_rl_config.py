@@ -44,6 +44,8 @@ def test_defaults_validate_and_render_prompt():
         (dict(rollout_cuda_graphs="on"), "rollout.cuda_graphs"),  # rollout.weights = "shared": lock-step FSDP forwards
         (dict(prompt_template="no placeholder"), "prompts.template"),
         (dict(prompt_template="{problem} {other}"), "prompts.template"),
+        (dict(prompt_template="{problem} {problem.upper}"), "prompts.template"),  # renders "<built-in method ...>"
+        (dict(prompt_template="{problem} {problem.__class__}"), "prompts.template"),
         (dict(stop=[""]), "rollout.stop"),
         (dict(behav_imp_weight_cap=0.5), "loss.behav_imp_weight_cap"),
         # asynchronous-only knobs are refused without the asynchronous loop

@@ -71,3 +71,47 @@ def test_pair_sums_of_an_empty_pack():
             "num_pairs": torch.tensor(0)}
     out = pair_sums(torch.zeros(0), pack)
     assert all(t.numel() == 0 for t in out)
+
+
+class _PlannedLoader(list):
+    """A pass loader whose split has 3 rows, with the pair lengths the run would plan (-1: skipped)."""
+    num_pairs = 3
+
+    def __init__(self, packs, planned):
+        super().__init__(packs)
+        self.planned_lengths = planned
+
+
+def test_a_file_scored_without_some_pairs_is_scored_again(tmp_path):
+    """A restart with a larger data.max_tokens_per_pack plans pairs the file never scored (their rows are 0):
+    the same split sizes must not make it read the stale table (reference log p = 0 for those pairs)."""
+    scorer = _Scorer()
+    small = _PlannedLoader([_pack([2, 0], [5, 6, 4, 7])], [9, -1, 9])  # pair 1 was too long: not scored
+    first = PrecomputedReference.load_or_compute(tmp_path, scorer, {"train": small}, device=torch.device("cpu"),
+                                                 copies=1, is_main=True, model_path="m")
+    assert scorer.calls == 1 and first.tables["train"][1].abs().sum() == 0
+    bigger = _PlannedLoader([_pack([2, 0], [5, 6, 4, 7]), _pack([1], [6, 5])], [9, 11, 9])
+    again = PrecomputedReference.load_or_compute(tmp_path, scorer, {"train": bigger}, device=torch.device("cpu"),
+                                                 copies=1, is_main=True, model_path="m")
+    assert scorer.calls == 3  # scored again: pair 1 is in the plan now
+    assert torch.allclose(again.tables["train"][1], torch.tensor([-(4 + 5) / 10, -(9 + 10) / 10], dtype=torch.float64))
+    PrecomputedReference.load_or_compute(tmp_path, scorer, {"train": bigger}, device=torch.device("cpu"), copies=1,
+                                         is_main=True, model_path="m")
+    assert scorer.calls == 3  # the same plan: read back
+
+
+def test_a_file_scored_on_other_pairs_of_the_same_plan_is_scored_again(tmp_path):
+    """An edited data file (or another synthetic seed) with the same row count and lengths: the rows are other
+    pairs under the same indices, so the table is scored again."""
+    scorer = _Scorer()
+    packs = [_pack([2, 0], [5, 6, 4, 7]), _pack([1], [6, 5])]
+    before = _PlannedLoader(packs, [9, 11, 9])
+    before.data_identity = {"pairs": {"files": [{"file": "/d/train.jsonl", "size": 100, "mtime_ns": 1}]}}
+    PrecomputedReference.load_or_compute(tmp_path, scorer, {"train": before}, device=torch.device("cpu"), copies=1,
+                                         is_main=True, model_path="m")
+    assert scorer.calls == 2
+    edited = _PlannedLoader(packs, [9, 11, 9])
+    edited.data_identity = {"pairs": {"files": [{"file": "/d/train.jsonl", "size": 100, "mtime_ns": 2}]}}
+    PrecomputedReference.load_or_compute(tmp_path, scorer, {"train": edited}, device=torch.device("cpu"), copies=1,
+                                         is_main=True, model_path="m")
+    assert scorer.calls == 4

@@ -165,3 +165,25 @@ def test_data_config_through_the_strict_toml_loader():
     assert cfg.columns == {"prompt": "q", "answer": "a"} and cfg.max_pixels == 50176 and cfg.min_pixels is None
     with pytest.raises(loader.ConfigError, match="data.max_frame"):
         loader.from_dict(DataConfig, {"max_frame": 3}, "data")
+
+
+def test_hf_messages_column_refuses_images_no_item_takes(tmp_path, write_image):
+    """An images column whose images no image item of the messages takes (LLaVA-style "<image>" text markers,
+    or simply no {"type": "image"} item) is a placeholder mismatch, as transformers' processor says for the
+    same text and images, not a sample trained without its image."""
+    write_image(tmp_path / "a.png")
+    rows = [{"messages": [{"role": "user", "content": "<image>\nWhat colour?"}, {"role": "assistant", "content": "red"}],
+             "images": ["a.png"]},
+            {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]},
+                          {"role": "assistant", "content": "red"}], "images": ["a.png"]},
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}], "images": []}]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from megatron_vlm.data.bad_records import BadRecordError
+    from megatron_vlm.data.hf_source import HFRecords
+
+    src = HFRecords(tmp_path / "m.jsonl", {"messages": "messages", "images": "images"})
+    with pytest.raises(BadRecordError) as e:
+        src.get(0)
+    assert e.value.category == "placeholder_mismatch" and "0 image items" in e.value.detail
+    assert src.get(1).images() == [str(tmp_path / "a.png")]
+    assert src.get(2).images() == []

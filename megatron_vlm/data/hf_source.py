@@ -161,7 +161,8 @@ class TableRecordSource:
         return self.rows.locate(i)
 
     def identity(self) -> dict:
-        return {"files": self.rows.identity(), "columns": self.columns}
+        return {"files": self.rows.identity(), "columns": self.columns,
+                "image_root": str(self.image_root.resolve()) if self.image_root else None}
 
     def _row(self, i: int) -> tuple[dict, Path, str, int]:
         """(row i, the folder its relative image paths resolve against, its file, its row in that file)."""

@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 
+from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.data.loader import build_eval_dataloader, build_sft_dataloader
 
@@ -262,3 +263,20 @@ def test_synthetic_vqa_source_end_to_end(tmp_path, tiny_dir):
     ev = build_eval_dataloader(cfg, str(tiny_dir), dp_rank=0, dp_size=1, mode="generation", batch_size=8)
     (batch,) = list(ev)
     assert len(batch["answers"]) == 6 and all(m["question_type"] for m in batch["meta"])
+
+
+def test_a_bad_record_every_rank_finds_while_planning_is_counted_once(cfg, proc, tmp_path, monkeypatch):
+    """Every rank plans the whole split, so every rank finds its missing image; the run's summary gathers
+    the ranks' logs and adds their skips: a record skipped once must not read "skips: 2" on 2 ranks."""
+    import torch.distributed as dist
+
+    missing = {"messages": [{"role": "user", "content": [{"type": "image", "image": "gone.png"}]},
+                            {"role": "assistant", "content": "x"}]}
+    (tmp_path / "data.jsonl").write_text((tmp_path / "data.jsonl").read_text() + json.dumps(missing) + "\n")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    summary = BadRecordLog()  # what write_bad_record_summary merges from the gathered ranks
+    for rank in range(2):
+        monkeypatch.setattr(dist, "get_rank", lambda rank=rank: rank)
+        loader = build_sft_dataloader(cfg, proc, seed=0, dp_rank=rank, dp_size=2)
+        summary.extend(loader.bad_records.to_dict()["records"])
+    assert summary.to_dict()["num_skips"] == 1 and [(b.index, b.category) for b in summary.entries] == [(37, "missing_image")]

@@ -16,9 +16,11 @@ __all__ = ["write_bad_record_summary"]
 log = logging.getLogger("megatron_vlm")
 
 
-def write_bad_record_summary(bad_records: Optional[BadRecordLog], run_dir: Path, *, is_main: bool) -> None:
-    """Collective: every rank calls it. Rank 0 writes `<run_dir>/bad_records.json` and logs a warning
-    with the counts by category when anything was skipped."""
+def write_bad_record_summary(bad_records: Optional[BadRecordLog], run_dir: Path, *, is_main: bool,
+                             announce: bool = True) -> None:
+    """Collective: every rank calls it. Rank 0 writes `<run_dir>/bad_records.json` and, with `announce`
+    (the end of the run; not the copy written with each checkpoint), logs a warning with the counts by
+    category when anything was skipped."""
     if bad_records is None:
         return
     gathered = all_gather_objects(bad_records.to_dict()["records"])
@@ -29,5 +31,5 @@ def write_bad_record_summary(bad_records: Optional[BadRecordLog], run_dir: Path,
         merged.extend(part)
     path = Path(run_dir) / "bad_records.json"
     merged.write_summary(path)
-    if len(merged):
+    if announce and len(merged):
         log.warning("skipped %d bad records %s; see %s", len(merged), merged.counts_by_category(), path)

@@ -17,17 +17,24 @@ log = logging.getLogger("megatron_vlm")
 
 
 def write_bad_record_summary(bad_records: Optional[BadRecordLog], run_dir: Path, *, is_main: bool,
-                             announce: bool = True) -> None:
+                             announce: bool = True, dp_rank: Optional[int] = None) -> None:
     """Collective: every rank calls it. Rank 0 writes `<run_dir>/bad_records.json` and, with `announce`
     (the end of the run; not the copy written with each checkpoint), logs a warning with the counts by
-    category when anything was skipped."""
+    category when anything was skipped. `dp_rank`: this rank's data-parallel coordinate; the ranks that
+    share one (tp, cp ranks and pp stages read the same packs, so they skip the same records) count once,
+    by the lowest rank of each."""
     if bad_records is None:
         return
-    gathered = all_gather_objects(bad_records.to_dict()["records"])
+    gathered = all_gather_objects((dp_rank, bad_records.to_dict()["records"]))
     if not is_main:
         return
     merged = BadRecordLog()
-    for part in gathered:
+    seen: set[int] = set()
+    for shard, part in gathered:  # in rank order: global rank 0 first (it holds the planning-time records)
+        if shard is not None:
+            if shard in seen:
+                continue
+            seen.add(shard)
         merged.extend(part)
     path = Path(run_dir) / "bad_records.json"
     merged.write_summary(path)

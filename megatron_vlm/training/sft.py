@@ -132,7 +132,8 @@ class SFTStep:
         state = dict(self.loader.state_dict())
         if self.bad_records is not None:
             state["bad_records"] = self.bad_records.to_dict()["records"]
-            write_bad_record_summary(self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main, announce=False)
+            write_bad_record_summary(self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main, announce=False,
+                                     dp_rank=self._dp_rank())
         return state
 
     def _restore_bad_records(self, saved: list, *, same_split: bool) -> None:
@@ -235,4 +236,8 @@ class SFTStep:
 
     def finish(self) -> None:
         """Gather every rank's skipped records and write one summary (rank 0)."""
-        write_bad_record_summary(self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main)
+        write_bad_record_summary(self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main,
+                                 dp_rank=self._dp_rank())
+
+    def _dp_rank(self) -> int:
+        return getattr(self.bundle.dims, "dp_rank", self.ctx.env.rank)  # as build_train_loader shards the data

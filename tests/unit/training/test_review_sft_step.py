@@ -169,3 +169,25 @@ def test_skipped_records_survive_a_kill_and_a_resume(tmp_path):
     summary = json.loads((tmp_path / "bad_records.json").read_text())
     assert summary["num_skips"] == 2 and {(r["index"], r["category"]) for r in summary["records"]} == {
         (3, "missing_image"), (9, "corrupt_image")}
+
+
+def test_ranks_that_read_the_same_packs_count_a_skipped_record_once(tmp_path, monkeypatch):
+    """tp / cp ranks and pp stages of one data-parallel group process the same packs, so each logs the same
+    skipped record; the summary counts it once per data shard, and still adds up different shards."""
+    import json
+
+    import megatron_vlm.training.bad_record_summary as summary_mod
+    from megatron_vlm.data.bad_records import BadRecordLog
+
+    def rank_log(*indices):
+        log = BadRecordLog()
+        for i in indices:
+            log.add("d.jsonl", i, "corrupt_image", "pixels")
+        return log.to_dict()["records"]
+
+    # 4 ranks: tp = 2 inside dp = 2 (world ranks 0, 1 read shard 0; ranks 2, 3 read shard 1)
+    parts = [(0, rank_log(5)), (0, rank_log(5)), (1, rank_log(5, 8)), (1, rank_log(5, 8))]
+    monkeypatch.setattr(summary_mod, "all_gather_objects", lambda obj: parts)
+    summary_mod.write_bad_record_summary(BadRecordLog(), tmp_path, is_main=True, dp_rank=0)
+    d = json.loads((tmp_path / "bad_records.json").read_text())
+    assert {(r["index"], r["skips"]) for r in d["records"]} == {(5, 2), (8, 1)} and d["num_skips"] == 3

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.data.bad_records import BadRecordLog, merge_by_shard
 from megatron_vlm.parallel.collectives import all_gather_objects
 
 __all__ = ["write_bad_record_summary"]
@@ -28,14 +28,7 @@ def write_bad_record_summary(bad_records: Optional[BadRecordLog], run_dir: Path,
     gathered = all_gather_objects((dp_rank, bad_records.to_dict()["records"]))
     if not is_main:
         return
-    merged = BadRecordLog()
-    seen: set[int] = set()
-    for shard, part in gathered:  # in rank order: global rank 0 first (it holds the planning-time records)
-        if shard is not None:
-            if shard in seen:
-                continue
-            seen.add(shard)
-        merged.extend(part)
+    merged = merge_by_shard(gathered)  # in rank order: global rank 0 first (it holds the planning-time records)
     path = Path(run_dir) / "bad_records.json"
     merged.write_summary(path)
     if announce and len(merged):

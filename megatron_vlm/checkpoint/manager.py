@@ -90,6 +90,17 @@ def list_complete(ckpt_root: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def _why_not(path: Path) -> str:
+    """Why `path` is not a checkpoint, naming the one meant when it is a run or checkpoints folder."""
+    if not path.exists():
+        return "it does not exist"
+    for root in (path, path / "checkpoints"):
+        newest = latest_complete(root)
+        if newest is not None:
+            return f"no {MARKER} marker; it holds checkpoints: name one, e.g. {newest}, or set checkpoint.resume = \"auto\""
+    return f"no {MARKER} marker"
+
+
 def latest_complete(ckpt_root: Path) -> Optional[Path]:
     done = list_complete(ckpt_root)
     return done[-1][1] if done else None
@@ -284,7 +295,7 @@ class CheckpointManager:
         else:
             p = Path(resume)
             if not (p / MARKER).is_file():
-                raise CheckpointError(f"checkpoint.resume: {p} is not a complete checkpoint (no {MARKER} marker)")
+                raise CheckpointError(f"checkpoint.resume: {p} is not a complete checkpoint ({_why_not(p)})")
             paths = [p]
         for p in paths:
             check_owned(p)

@@ -25,7 +25,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["BadRecord", "BadRecordError", "BadRecordLog", "CATEGORIES", "unexpected"]
+__all__ = ["BadRecord", "BadRecordError", "BadRecordLog", "CATEGORIES", "unexpected", "keep_planning_records",
+           "merge_by_shard"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -164,3 +165,30 @@ class BadRecordLog:
         tmp.write_text(text)
         os.replace(tmp, path)
         return path
+
+
+def keep_planning_records(found: BadRecordLog, into: BadRecordLog) -> None:
+    """Add the bad records found while opening and planning a split (`found`) to the run's log `into` on
+    global rank 0 only. Every rank opens and plans the whole split, so every rank finds the same ones;
+    the run's summary gathers all ranks' logs and adds their skip counts, which counted a missing image
+    once per rank (skips 8 on 8 GPUs). Records that fail while a pack is processed are found by the rank
+    that processed it and stay in its own log."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        into.extend(found.to_dict()["records"])
+
+
+def merge_by_shard(gathered: Iterable[tuple[int | None, list]]) -> BadRecordLog:
+    """One log from every rank's (data-parallel rank, `to_dict()["records"]`), gathered in rank order. Ranks
+    that share a data-parallel rank (tp / cp ranks, pp stages) process the same samples and log the same
+    skips: the first of them counts; a None shard always counts."""
+    merged = BadRecordLog()
+    seen: set[int] = set()
+    for shard, records in gathered:
+        if shard is not None:
+            if shard in seen:
+                continue
+            seen.add(shard)
+        merged.extend(records)
+    return merged

@@ -5,7 +5,9 @@ file, a folder searched recursively or a glob; nothing is downloaded) and builds
 row on demand, through the column mapping of the `[data] columns` table:
 
 - conversation datasets: {"messages": col} with optional {"images": col}; image items without a
-  path in the messages (e.g. llava-instruct-mix: {"type": "image"}) take the row's images in order;
+  path in the messages (e.g. llava-instruct-mix: {"type": "image"}) take the row's images in order,
+  one each ("placeholder_mismatch" otherwise, also for images no item takes, e.g. a LLaVA-style
+  "<image>" marker in the text instead of an image item);
 - prompt / answer datasets (Geometry3K, ViRL39K style): {"prompt": col, "answer": col} with
   optional "image" / "images" (one or a list), "video" (frame list or path) and "system" columns;
   the user turn is [images..., video, prompt text]; "<image>" markers in the prompt are removed
@@ -104,7 +106,7 @@ def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, sourc
         images = [resolve(x) for x in _as_list(row.get(c["images"]))] if "images" in c else []
         empty = [it for m in messages if not isinstance(m["content"], str)
                  for it in m["content"] if it["type"] == "image" and it["image"] is None]
-        if empty:
+        if empty or images:  # images that no item takes (e.g. "<image>" text markers) would train without them
             fill_image_items(empty, images, f"column {c['messages']!r}", c.get("images"))
     else:
         prompt = row.get(c["prompt"])
@@ -159,7 +161,8 @@ class TableRecordSource:
         return self.rows.locate(i)
 
     def identity(self) -> dict:
-        return {"files": self.rows.identity(), "columns": self.columns}
+        return {"files": self.rows.identity(), "columns": self.columns,
+                "image_root": str(self.image_root.resolve()) if self.image_root else None}
 
     def _row(self, i: int) -> tuple[dict, Path, str, int]:
         """(row i, the folder its relative image paths resolve against, its file, its row in that file)."""

@@ -6,9 +6,13 @@ image / video token counts from file headers and the processor's resize rule. Re
 here (malformed structure, missing image, unreadable header, ...) get length -1 and are logged.
 
 With a cache folder the result is stored under a key made of the source's identity (each file's
-path, size and mtime, and the column mapping), the processor (tokenizer, chat template, the family's
-size settings: `VLProcessor.identity()`) and the options (max_frames, fps, generation prompts, pixel caps); a later run (or another rank) loads it instead of recomputing.
-The cache also stores the bad records found, so a cache hit logs them too.
+path, size and mtime, the column mapping and the image root), the processor (tokenizer, chat template,
+the family's size settings: `VLProcessor.identity()`) and the options (max_frames, fps, generation
+prompts, pixel caps); a later run (or another rank) loads it instead of recomputing. The key does not
+cover the image files themselves, so on a cache hit the records cached as bad (length -1) are estimated
+again: an image that was missing (an unfinished copy, a wrong `data.image_root`) and is there now makes
+its record usable, instead of the cache skipping it for good. The rest comes from the cache; the cache
+is rewritten when a record changed.
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ def lengths_cache_key(source, proc: VLProcessor, *, max_frames: int, for_generat
                       limits: MediaLimits = DEFAULT_LIMITS) -> str:
     blob = json.dumps({"source": _source_identity(source), "processor": _processor_identity(proc),
                        "max_frames": max_frames, "for_generation": for_generation, "fps": float(fps),
-                       "limits": limits.identity(), "version": 4},
+                       "limits": limits.identity(), "version": 5},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
@@ -60,23 +64,24 @@ def compute_lengths(source, proc: VLProcessor, *, max_frames: int, for_generatio
                     bad_records: Optional[BadRecordLog] = None, limits: MediaLimits = DEFAULT_LIMITS) -> np.ndarray:
     """int64 [len(source)]: token length of each record, -1 for records that cannot be used."""
     cache_file = None
+    cached: Optional[np.ndarray] = None
     if cache_dir:
         key = lengths_cache_key(source, proc, max_frames=max_frames, for_generation=for_generation, fps=fps,
                                 limits=limits)
         cache_file = Path(cache_dir) / f"lengths-{key}.json"
         if cache_file.is_file():
             try:
-                data = json.loads(cache_file.read_text())
-                lengths = np.asarray(data["lengths"], dtype=np.int64)
+                lengths = np.asarray(json.loads(cache_file.read_text())["lengths"], dtype=np.int64)
                 if lengths.shape == (len(source),):
-                    if bad_records is not None:
-                        bad_records.extend(tuple(b) for b in data["bad"])
-                    return lengths
-            except (json.JSONDecodeError, KeyError, OSError, TypeError):
+                    cached = lengths
+            except (json.JSONDecodeError, KeyError, OSError, TypeError, ValueError):
                 log.warning("ignoring unreadable length cache %s", cache_file)
-    lengths = np.full(len(source), -1, dtype=np.int64)
+    if cached is not None:
+        lengths, todo = cached.copy(), np.nonzero(cached < 0)[0].tolist()  # the bad ones only (module docstring)
+    else:
+        lengths, todo = np.full(len(source), -1, dtype=np.int64), range(len(source))
     bad = []
-    for i in range(len(source)):
+    for i in todo:
         where = source.locate(i)  # (file, line / row): where a bad record is counted
         try:
             rec = source.get(i)
@@ -89,7 +94,7 @@ def compute_lengths(source, proc: VLProcessor, *, max_frames: int, for_generatio
             bad.append((*where, err.category, err.detail))
     if bad_records is not None:
         bad_records.extend(bad)
-    if cache_file is not None:
+    if cache_file is not None and (cached is None or not np.array_equal(cached, lengths)):
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"lengths": lengths.tolist(), "bad": bad}))

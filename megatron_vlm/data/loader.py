@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpected
+from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, keep_planning_records, unexpected
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.data.lengths import compute_lengths
 from megatron_vlm.data.media import MediaLimits
@@ -251,22 +251,24 @@ class SFTDataLoader:
 
 def _prepare(data_cfg: DataConfig, processor: Any, split: str, bad_records: Optional[BadRecordLog],
              for_generation: bool, source=None):
+    """(processor, the run's bad-record log, source, lengths, the bad records found while planning)."""
     data_cfg.validate()
     proc = build_processor(data_cfg, processor)
     bad_records = bad_records if bad_records is not None else BadRecordLog()
+    found = BadRecordLog()  # what every rank finds alike: counted once (keep_planning_records)
     if source is None:
-        source = open_split(data_cfg, split, bad_records)
+        source = open_split(data_cfg, split, found)
     if source is None:
         return None
     lengths = compute_lengths(source, proc, max_frames=data_cfg.max_frames, for_generation=for_generation,
                               limits=MediaLimits.from_config(data_cfg),
-                              fps=data_cfg.fps, cache_dir=data_cfg.length_cache_dir or None, bad_records=bad_records)
+                              fps=data_cfg.fps, cache_dir=data_cfg.length_cache_dir or None, bad_records=found)
     too_long = np.nonzero(lengths > data_cfg.max_tokens_per_pack)[0]
     for i in too_long:
         file, idx = source.locate(int(i))
-        bad_records.add(file, idx, "too_long",
-                        f"{int(lengths[i])} tokens > max_tokens_per_pack={data_cfg.max_tokens_per_pack}")
-    return proc, bad_records, source, lengths
+        found.add(file, idx, "too_long", f"{int(lengths[i])} tokens > max_tokens_per_pack={data_cfg.max_tokens_per_pack}")
+    keep_planning_records(found, bad_records)
+    return proc, bad_records, source, lengths, found
 
 
 def require_usable(lengths: np.ndarray, capacity: int, name: str, bad_records: BadRecordLog) -> None:
@@ -290,8 +292,8 @@ def build_sft_dataloader(data_cfg: DataConfig, processor: Any, *, seed: int, dp_
     prepared = _prepare(data_cfg, processor, split, bad_records, for_generation=False)
     if prepared is None:
         raise ValueError(f"data: no {split} split configured")
-    proc, bad_records, source, lengths = prepared
-    require_usable(lengths, data_cfg.max_tokens_per_pack, f"data.{split}", bad_records)
+    proc, bad_records, source, lengths, found = prepared
+    require_usable(lengths, data_cfg.max_tokens_per_pack, f"data.{split}", found)
     planner = PackPlanner(lengths, data_cfg.max_tokens_per_pack, seed=seed,
                           shuffle=data_cfg.shuffle and split == "train", name=f"data.{split}")
     dataset = _PackDataset(_Processor(source, proc, data_cfg), data_cfg.max_tokens_per_pack, proc.pad_token_id)
@@ -379,8 +381,8 @@ def build_eval_dataloader(data_cfg: DataConfig, processor: Any, *, dp_rank: int,
     prepared = _prepare(data_cfg, processor, "eval", bad_records, for_generation=(mode == "generation"), source=source)
     if prepared is None:
         return None
-    proc, bad_records, source, lengths = prepared
-    require_usable(lengths, data_cfg.max_tokens_per_pack, "data.eval", bad_records)
+    proc, bad_records, source, lengths, found = prepared
+    require_usable(lengths, data_cfg.max_tokens_per_pack, "data.eval", found)
     if mode == "packs":
         planner = PackPlanner(lengths, data_cfg.max_tokens_per_pack, seed=0, shuffle=False, name="data.eval")
         plan = planner.plan(0)

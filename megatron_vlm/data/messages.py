@@ -11,6 +11,8 @@ One JSON object per line:
         ... any number of further user / assistant turns ...
     ], "answer": "...", ...}                                                     # other keys -> meta
 
+An image may also be embedded as a base64 data URL ("data:image/png;base64,...", e.g. in an
+OpenAI-style {"type": "image_url", "image_url": {"url": ...}} item); it becomes the image's bytes.
 A video is a list of frame paths, a folder of frames (sorted by name) or a video file (decoded
 through transformers' video loader when a backend such as PyAV is installed). Relative paths
 resolve against `image_root`, else the JSONL file's folder. `normalize_messages` is shared with the
@@ -21,6 +23,8 @@ is counted as "unexpected_error").
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,6 +84,19 @@ def _item_type(item: dict, where: str) -> str:
     raise BadRecordError("invalid_record", f"{where}: unknown content item type {t!r} (keys {sorted(item)})")
 
 
+def _data_url_bytes(url: str, where: str) -> bytes:
+    """The image bytes of a "data:<type>;base64,<data>" URL (OpenAI-style image_url items embed images so;
+    transformers' load_image reads them too), not a file name to resolve; bad base64 is a corrupt image."""
+    head, comma, payload = url.partition(",")
+    if not comma or not head.endswith(";base64"):
+        raise BadRecordError("invalid_record", f"{where}: a data URL image must be base64 (data:<type>;base64,...), "
+                                               f"got {head[:40]!r}")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except binascii.Error as e:
+        raise BadRecordError("corrupt_image", f"{where}: the data URL is not valid base64 ({e})") from None
+
+
 def _normalize_item(item: Any, where: str, resolve: Callable[[Any], Any]) -> dict:
     if not isinstance(item, dict):
         raise BadRecordError("invalid_record", f"{where}: content item must be an object, got {type(item).__name__}")
@@ -93,6 +110,8 @@ def _normalize_item(item: Any, where: str, resolve: Callable[[Any], Any]) -> dic
         ref = item.get("image", item.get("image_url", item.get("path")))
         if isinstance(ref, dict) and "url" in ref:
             ref = ref["url"]
+        if isinstance(ref, str) and ref.startswith("data:"):
+            return {"type": "image", "image": _data_url_bytes(ref, where)}
         return {"type": "image", "image": None if ref is None else resolve(ref)}
     ref = item.get("video", item.get("path"))
     if isinstance(ref, (list, tuple)):

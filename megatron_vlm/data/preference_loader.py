@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpected
+from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, keep_planning_records, unexpected
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.data.data_files import data_path_errors
 from megatron_vlm.data.lengths import compute_lengths
@@ -142,22 +142,24 @@ def _prepare(data_cfg: DataConfig, processor: Any, split: str, bad_records: Opti
     data_cfg.validate()
     proc = build_processor(data_cfg, processor)
     bad_records = bad_records if bad_records is not None else BadRecordLog()
-    pairs = open_preference_split(data_cfg, split, bad_records)
+    planned = BadRecordLog()  # what every rank finds alike: counted once (keep_planning_records)
+    pairs = open_preference_split(data_cfg, split, planned)
     if pairs is None:
         return None
     halves = ResponseHalves(pairs)
     found = BadRecordLog()  # a bad prompt fails both halves: counted once per pair
     lengths = compute_lengths(halves, proc, max_frames=data_cfg.max_frames, limits=MediaLimits.from_config(data_cfg),
                               fps=data_cfg.fps, cache_dir=data_cfg.length_cache_dir or None, bad_records=found)
-    bad_records.extend(found.entries)
+    planned.extend(found.entries)
     halves_len = lengths.reshape(-1, 2)
     pair_lengths = np.where((halves_len > 0).all(axis=1), halves_len.sum(axis=1), -1).astype(np.int64)
     cap = data_cfg.max_tokens_per_pack
     for i in np.nonzero(pair_lengths > cap)[0]:
         file, idx = pairs.locate(int(i))
-        bad_records.add(file, idx, "too_long", f"chosen + rejected: {int(pair_lengths[i])} tokens > "
-                                               f"max_tokens_per_pack={cap}")
-    require_usable(pair_lengths, cap, f"data.{split}", bad_records)
+        planned.add(file, idx, "too_long", f"chosen + rejected: {int(pair_lengths[i])} tokens > "
+                                           f"max_tokens_per_pack={cap}")
+    keep_planning_records(planned, bad_records)
+    require_usable(pair_lengths, cap, f"data.{split}", planned)
     dataset = _PairPackDataset(_PairProcessor(halves, proc, data_cfg), cap, proc.pad_token_id)
     return proc, bad_records, pairs, pair_lengths, dataset
 

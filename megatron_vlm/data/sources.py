@@ -36,10 +36,13 @@ class RecordSource(Protocol):
 class ListRecords:
     """Records already in memory (parsed JSONL files); `files` are where they were read from."""
 
-    def __init__(self, name: str, records: list[Record], files: Optional[list[Path]] = None):
+    def __init__(self, name: str, records: list[Record], files: Optional[list[Path]] = None,
+                 image_root: Optional[str] = None):
         self.name = name
         self.records = records
         self.files = list(files or [])
+        self.image_root = image_root
+        """The root the records' relative media paths were resolved against (None: each file's folder)."""
 
     def __len__(self) -> int:
         return len(self.records)
@@ -56,12 +59,13 @@ class ListRecords:
         for f in self.files:
             st = f.stat()
             files.append({"file": str(f.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
-        return {"files": files, "n": len(self.records)}
+        return {"files": files, "n": len(self.records), "image_root": self.image_root}
 
 
 def _messages_source(path: str | os.PathLike, image_root: Optional[str], bad_records: Optional[BadRecordLog]) -> ListRecords:
     files = find_data_files(path, MESSAGES_SUFFIXES)
-    return ListRecords(str(path), read_messages_jsonl(path, image_root=image_root, bad_records=bad_records), files)
+    return ListRecords(str(path), read_messages_jsonl(path, image_root=image_root, bad_records=bad_records), files,
+                       image_root=str(Path(image_root).resolve()) if image_root else None)
 
 
 def open_split(cfg: DataConfig, split: str, bad_records: Optional[BadRecordLog] = None) -> Optional[RecordSource]:

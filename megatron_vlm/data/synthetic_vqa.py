@@ -28,6 +28,7 @@ import io
 import json
 import os
 import random
+import re
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -227,7 +228,13 @@ def blind_baseline_accuracy(records: Iterable[dict]) -> float:
     return sum(c.most_common(1)[0][1] for c in by_type.values()) / n
 
 
+_SENTENCE_PUNCT = re.compile(r"!|(?<!\d)[.,]|[.,](?!\d)")
+"""`!`, and `.` / `,` unless between two digits: "Red." -> "Red", "3.5" stays "3.5" (not "3", which would
+make 3.5 and 3.7 the same answer), "1,000" stays."""
+
+
 def normalize_answer(text: str) -> str:
-    """Lower-case first word without punctuation: how a generated answer is compared to the truth."""
-    words = text.strip().lower().replace(".", " ").replace(",", " ").replace("!", " ").split()
+    """Lower-case first word without sentence punctuation (`. , !`, but not the decimal point or digit
+    group separator of a number): how a generated answer is compared to the truth."""
+    words = _SENTENCE_PUNCT.sub(" ", text.strip().lower()).split()
     return words[0] if words else ""

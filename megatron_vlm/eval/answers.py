@@ -1,6 +1,7 @@
 """Comparing short generated answers with reference answers, overall and per group of records.
 
-`normalize_answer`: the first word, lower-cased, without . , ! — a short-answer data set (e.g. the
+`normalize_answer` (the synthetic set's rule, one definition): the first word, lower-cased, without
+. , ! (a decimal point or digit separator inside a number stays) — a short-answer data set (e.g. the
 synthetic VQA set: a count, a colour, a shape) is scored on that word. `AnswerTally` counts hits
 overall and per value of a record's metadata field (default "question_type", which the synthetic
 records carry), and merges the counts of all ranks by gathering them, so ranks that saw different
@@ -11,15 +12,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Optional
 
+from megatron_vlm.data.synthetic_vqa import normalize_answer
 from megatron_vlm.parallel.collectives import all_gather_objects
 
 __all__ = ["normalize_answer", "AnswerTally"]
-
-
-def normalize_answer(text: str) -> str:
-    """Lower-case first word without punctuation: how a generated answer is compared to the truth."""
-    words = text.strip().lower().replace(".", " ").replace(",", " ").replace("!", " ").split()
-    return words[0] if words else ""
 
 
 class AnswerTally:

@@ -26,7 +26,7 @@ from collections import Counter
 from typing import Optional
 
 from megatron_vlm.config.eval_section import BenchmarkConfig, EvalConfig
-from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.data.bad_records import BadRecordLog, keep_planning_records, merge_by_shard
 from megatron_vlm.data.loader import build_eval_dataloader
 from megatron_vlm.eval.accuracy import avg_at_k, pass_at_k
 from megatron_vlm.eval.answer_accuracy import GeneratedAnswers, generate_answers
@@ -114,7 +114,8 @@ def evaluate_benchmark(ctx: RunContext, bundle: ModelBundle, engine, bcfg: Bench
     env = ctx.env
     opened = open_benchmark(bcfg, template=bcfg.prompt_template or ecfg.prompt_template, system_prompt=ecfg.system_prompt,
                             key=f"eval.benchmarks[{bench_index}].path")
-    bad: BadRecordLog = opened.bad_records
+    bad = BadRecordLog()
+    keep_planning_records(opened.bad_records, bad)  # every rank opened the files and found the same bad lines
     prompt_budget = ctx.cfg.data.max_tokens_per_pack - ecfg.max_new_tokens
     if prompt_budget < 16:
         raise ValueError(f"data.max_tokens_per_pack: {ctx.cfg.data.max_tokens_per_pack} leaves {prompt_budget} tokens for "
@@ -148,13 +149,12 @@ def evaluate_benchmark(ctx: RunContext, bundle: ModelBundle, engine, bcfg: Bench
             for row, scores in zip(rows, scorer.score(rows)):
                 rows_by_index.setdefault(row.index, _row_record(row)).update(samples=row.completions, sample_scores=scores)
         local = list(rows_by_index.values())
-    parts = all_gather_objects({"rows": local, "bad": bad.to_dict()["records"]})
-    merged_bad = BadRecordLog()
+    parts = all_gather_objects({"rows": local, "bad": (dp_rank, bad.to_dict()["records"])})
+    merged_bad = merge_by_shard(p["bad"] for p in parts)  # tp / cp ranks skipped the same rows: counted once
     by_index: dict[int, dict] = {}
     for p in parts:  # the ranks of one data-parallel group (tp, cp) hold the same rows: each row once
         for r in p["rows"]:
             by_index.setdefault(r["index"], r)
-        merged_bad.extend(p["bad"])
     rows_all = [by_index[i] for i in sorted(by_index)]
     return {"name": bcfg.name, "format": bcfg.format, "path": bcfg.path, "num_rows": len(opened.source),
             "metrics": _metrics(rows_all, ecfg), "verifiers": dict(Counter(r["verifier"] for r in rows_all)),

@@ -198,7 +198,8 @@ class BenchmarkRecords:
     def identity(self) -> dict:
         """What the records depend on (the length cache's key): files, mapping, prompt and count."""
         return {"files": self.rows.identity(), "columns": self.columns, "template": self.template,
-                "system": self.system_prompt, "verifier": self.verifier, "n": self._n}
+                "system": self.system_prompt, "verifier": self.verifier, "n": self._n,
+                "image_root": str(self.image_root.resolve()) if self.image_root else None}
 
     def get(self, i: int) -> Record:
         source, index = self.rows.locate(i)
@@ -231,7 +232,8 @@ def _messages_source(cfg: BenchmarkConfig, template: str, system_prompt: Optiona
         if system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system_prompt})
         out.append(Record(messages, r.source, r.index, dict(r.meta, verifier=verifier)))
-    return OpenedBenchmark(ListRecords(cfg.path, out, find_data_files(cfg.path, MESSAGES_SUFFIXES)), bad)
+    root = str(Path(cfg.image_root).resolve()) if cfg.image_root else None
+    return OpenedBenchmark(ListRecords(cfg.path, out, find_data_files(cfg.path, MESSAGES_SUFFIXES), image_root=root), bad)
 
 
 def open_benchmark(cfg: BenchmarkConfig, *, template: str, system_prompt: Optional[str] = None,

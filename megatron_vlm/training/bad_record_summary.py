@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.data.bad_records import BadRecordLog, merge_by_shard
 from megatron_vlm.parallel.collectives import all_gather_objects
 
 __all__ = ["write_bad_record_summary"]
@@ -16,18 +16,20 @@ __all__ = ["write_bad_record_summary"]
 log = logging.getLogger("megatron_vlm")
 
 
-def write_bad_record_summary(bad_records: Optional[BadRecordLog], run_dir: Path, *, is_main: bool) -> None:
-    """Collective: every rank calls it. Rank 0 writes `<run_dir>/bad_records.json` and logs a warning
-    with the counts by category when anything was skipped."""
+def write_bad_record_summary(bad_records: Optional[BadRecordLog], run_dir: Path, *, is_main: bool,
+                             announce: bool = True, dp_rank: Optional[int] = None) -> None:
+    """Collective: every rank calls it. Rank 0 writes `<run_dir>/bad_records.json` and, with `announce`
+    (the end of the run; not the copy written with each checkpoint), logs a warning with the counts by
+    category when anything was skipped. `dp_rank`: this rank's data-parallel coordinate; the ranks that
+    share one (tp, cp ranks and pp stages read the same packs, so they skip the same records) count once,
+    by the lowest rank of each."""
     if bad_records is None:
         return
-    gathered = all_gather_objects(bad_records.to_dict()["records"])
+    gathered = all_gather_objects((dp_rank, bad_records.to_dict()["records"]))
     if not is_main:
         return
-    merged = BadRecordLog()
-    for part in gathered:
-        merged.extend(part)
+    merged = merge_by_shard(gathered)  # in rank order: global rank 0 first (it holds the planning-time records)
     path = Path(run_dir) / "bad_records.json"
     merged.write_summary(path)
-    if len(merged):
+    if announce and len(merged):
         log.warning("skipped %d bad records %s; see %s", len(merged), merged.counts_by_category(), path)

@@ -139,7 +139,8 @@ class PairStep(PackScorer):
         return out_metrics
 
     def finish(self) -> None:
-        write_bad_record_summary(self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main)
+        write_bad_record_summary(self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main,
+                                 dp_rank=getattr(self.bundle.dims, "dp_rank", self.ctx.env.rank))
 
 
 class PairEvaluator(PackScorer):

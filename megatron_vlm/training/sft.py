@@ -124,9 +124,27 @@ class SFTStep:
             self.loader.load_state_dict(state)
         except ValueError as e:  # another data set / pack size / seed / data-parallel split than the checkpoint's
             raise ConfigError(data_state_refusal(state, self.loader, e)) from None
+        self._restore_bad_records(state.get("bad_records") or [], same_split=state.get("dp_size") == self.bundle.dims.dp_size)
 
     def data_state(self, step: int) -> dict:  # noqa: ARG002
-        return self.loader.state_dict()
+        """The loader position and this rank's skipped records; also writes bad_records.json (collective: every
+        rank saves), so a run killed or failed later leaves the summary of everything up to its checkpoint."""
+        state = dict(self.loader.state_dict())
+        if self.bad_records is not None:
+            state["bad_records"] = self.bad_records.to_dict()["records"]
+            write_bad_record_summary(self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main, announce=False,
+                                     dp_rank=self._dp_rank())
+        return state
+
+    def _restore_bad_records(self, saved: list, *, same_split: bool) -> None:
+        """Put back the records skipped before the checkpoint (their packs are not read again after the resume),
+        except those this run already found while planning (counted once). A rank that did not write the
+        checkpoint (another data-parallel size: ranks without their own extra file take rank 0's) restores
+        nothing, so rank 0's records are not counted twice."""
+        if self.bad_records is None or not saved or not (same_split or self.ctx.env.is_main):
+            return
+        have = {(r.source, r.index, r.category) for r in self.bad_records.entries}
+        self.bad_records.extend([r for r in saved if (r["source"], r["index"], r["category"]) not in have])
 
     def evaluate(self, step: int) -> Optional[dict]:
         return self._evaluate(step) if self._evaluate is not None else None
@@ -218,4 +236,8 @@ class SFTStep:
 
     def finish(self) -> None:
         """Gather every rank's skipped records and write one summary (rank 0)."""
-        write_bad_record_summary(self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main)
+        write_bad_record_summary(self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main,
+                                 dp_rank=self._dp_rank())
+
+    def _dp_rank(self) -> int:
+        return getattr(self.bundle.dims, "dp_rank", self.ctx.env.rank)  # as build_train_loader shards the data

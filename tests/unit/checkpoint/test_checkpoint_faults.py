@@ -223,7 +223,21 @@ def test_resume_path_owned_by_another_user_is_refused(tmp_path, monkeypatch, cap
 def test_resume_path_that_is_not_complete_exits_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         _checkpointer(tmp_path, resume=str(tmp_path / "nowhere")).resume()
-    assert e.value.code == 2 and "not a complete checkpoint" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "not a complete checkpoint (it does not exist)" in err
+
+
+def test_resume_path_of_a_run_folder_names_its_newest_checkpoint(tmp_path, capsys):
+    """checkpoint.resume = the run folder or its checkpoints/ folder (a common slip): exit 2 naming the
+    newest complete checkpoint under it, not a bare "no COMPLETE marker"."""
+    _save(_checkpointer(tmp_path), 2)
+    _save(_checkpointer(tmp_path), 4)
+    for wrong in (tmp_path, tmp_path / "checkpoints"):
+        with pytest.raises(SystemExit) as e:
+            _checkpointer(tmp_path, resume=str(wrong)).resume()
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "not a complete checkpoint" in err
+        assert f"e.g. {tmp_path / 'checkpoints' / 'step_4'}" in err and 'checkpoint.resume = "auto"' in err
 
 
 def test_manager_error_names_the_failing_phase(tmp_path, monkeypatch):

@@ -26,3 +26,18 @@ def test_merge_sums_skip_counts(tmp_path):
     again = BadRecordLog()
     again.extend([{"source": "t", "index": 1, "category": "malformed_json", "detail": "x"}] * 2)
     assert again.total_skips == 2 and len(again) == 1
+
+
+def test_merge_by_shard_counts_ranks_of_one_data_shard_once():
+    """tp / cp ranks (and pp stages) of one data-parallel rank skip the same records: one of them counts;
+    different data-parallel ranks add up; a log without a shard (None) always counts."""
+    from megatron_vlm.data.bad_records import merge_by_shard
+
+    def log(*indices):
+        out = BadRecordLog()
+        for i in indices:
+            out.add("d.jsonl", i, "corrupt_image", "x")
+        return out.to_dict()["records"]
+
+    merged = merge_by_shard([(0, log(5)), (0, log(5)), (1, log(5, 8)), (1, log(5, 8)), (None, log(9))])
+    assert {(r["index"], r["skips"]) for r in merged.to_dict()["records"]} == {(5, 2), (8, 1), (9, 1)}

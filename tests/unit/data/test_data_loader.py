@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 
+from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.data.loader import build_eval_dataloader, build_sft_dataloader
 
@@ -184,7 +185,8 @@ def test_length_cache_is_used_and_keeps_bad_records(cfg, proc, tmp_path, monkeyp
 
     monkeypatch.setattr(lengths_mod, "estimate_length", counting)
     second = build_sft_dataloader(cfg, proc, seed=0, dp_rank=0, dp_size=1)
-    assert calls == []
+    assert calls == [1]  # only the record cached as bad is looked at again (its image may have been added since)
+    calls.clear()
     assert (second.planner.lengths == first.planner.lengths).all()
     assert {(b.index, b.category) for b in second.bad_records.entries} == {(37, "missing_image")}
     assert _equal(_take(second, 1)[0], _take(first, 1)[0])
@@ -192,6 +194,34 @@ def test_length_cache_is_used_and_keeps_bad_records(cfg, proc, tmp_path, monkeyp
     cfg.max_pixels = 28 * 28 * 4
     build_sft_dataloader(cfg, proc, seed=0, dp_rank=0, dp_size=1)
     assert len(calls) == 37
+
+
+def test_length_cache_does_not_keep_a_record_bad_once_its_image_is_there(cfg, proc, tmp_path, write_image):
+    """A run that found missing images (a wrong data.image_root, an unfinished copy) and a run after they were
+    put in place share the data file, so the cache key: the records cached as bad are checked again, never
+    skipped for good by the cache. A changed data.image_root is another key."""
+    lines = (tmp_path / "data.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    first["messages"][0]["content"][0]["image"] = "late/img0.png"
+    (tmp_path / "data.jsonl").write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    cfg.length_cache_dir = str(tmp_path / "cache")
+    before = build_sft_dataloader(cfg, proc, seed=0, dp_rank=0, dp_size=1)
+    assert {(b.index, b.category) for b in before.bad_records.entries} == {(1, "missing_image")}
+    write_image(tmp_path / "late" / "img0.png", size=(56, 56), seed=0)
+    after = build_sft_dataloader(cfg, proc, seed=0, dp_rank=0, dp_size=1)
+    assert len(after.bad_records) == 0 and before.planner.lengths[0] == -1
+    cfg.length_cache_dir = ""
+    fresh = build_sft_dataloader(cfg, proc, seed=0, dp_rank=0, dp_size=1)
+    assert (after.planner.lengths == fresh.planner.lengths).all() and after.planner.lengths[0] > 0
+
+    from megatron_vlm.data.lengths import lengths_cache_key
+    from megatron_vlm.data.sources import open_split
+
+    keys = set()
+    for root in ("", str(tmp_path), str(tmp_path / "late")):
+        cfg.image_root = root
+        keys.add(lengths_cache_key(open_split(cfg, "train"), proc, max_frames=cfg.max_frames, for_generation=False))
+    assert len(keys) == 3
 
 
 def test_eval_loaders_cover_the_split_once_with_equal_counts_per_rank(cfg, proc):
@@ -233,3 +263,20 @@ def test_synthetic_vqa_source_end_to_end(tmp_path, tiny_dir):
     ev = build_eval_dataloader(cfg, str(tiny_dir), dp_rank=0, dp_size=1, mode="generation", batch_size=8)
     (batch,) = list(ev)
     assert len(batch["answers"]) == 6 and all(m["question_type"] for m in batch["meta"])
+
+
+def test_a_bad_record_every_rank_finds_while_planning_is_counted_once(cfg, proc, tmp_path, monkeypatch):
+    """Every rank plans the whole split, so every rank finds its missing image; the run's summary gathers
+    the ranks' logs and adds their skips: a record skipped once must not read "skips: 2" on 2 ranks."""
+    import torch.distributed as dist
+
+    missing = {"messages": [{"role": "user", "content": [{"type": "image", "image": "gone.png"}]},
+                            {"role": "assistant", "content": "x"}]}
+    (tmp_path / "data.jsonl").write_text((tmp_path / "data.jsonl").read_text() + json.dumps(missing) + "\n")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    summary = BadRecordLog()  # what write_bad_record_summary merges from the gathered ranks
+    for rank in range(2):
+        monkeypatch.setattr(dist, "get_rank", lambda rank=rank: rank)
+        loader = build_sft_dataloader(cfg, proc, seed=0, dp_rank=rank, dp_size=2)
+        summary.extend(loader.bad_records.to_dict()["records"])
+    assert summary.to_dict()["num_skips"] == 1 and [(b.index, b.category) for b in summary.entries] == [(37, "missing_image")]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.config import DataConfig
@@ -165,3 +166,56 @@ def test_data_config_through_the_strict_toml_loader():
     assert cfg.columns == {"prompt": "q", "answer": "a"} and cfg.max_pixels == 50176 and cfg.min_pixels is None
     with pytest.raises(loader.ConfigError, match="data.max_frame"):
         loader.from_dict(DataConfig, {"max_frame": 3}, "data")
+
+
+def test_hf_messages_column_refuses_images_no_item_takes(tmp_path, write_image):
+    """An images column whose images no image item of the messages takes (LLaVA-style "<image>" text markers,
+    or simply no {"type": "image"} item) is a placeholder mismatch, as transformers' processor says for the
+    same text and images, not a sample trained without its image."""
+    write_image(tmp_path / "a.png")
+    rows = [{"messages": [{"role": "user", "content": "<image>\nWhat colour?"}, {"role": "assistant", "content": "red"}],
+             "images": ["a.png"]},
+            {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]},
+                          {"role": "assistant", "content": "red"}], "images": ["a.png"]},
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}], "images": []}]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from megatron_vlm.data.bad_records import BadRecordError
+    from megatron_vlm.data.hf_source import HFRecords
+
+    src = HFRecords(tmp_path / "m.jsonl", {"messages": "messages", "images": "images"})
+    with pytest.raises(BadRecordError) as e:
+        src.get(0)
+    assert e.value.category == "placeholder_mismatch" and "0 image items" in e.value.detail
+    assert src.get(1).images() == [str(tmp_path / "a.png")]
+    assert src.get(2).images() == []
+
+
+def test_image_as_base64_data_url_equals_the_image_file(tmp_path, write_image, proc):
+    """OpenAI-style {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}} (and a data URL as
+    "image") is the embedded image, as transformers' load_image reads it, not a relative file name; a data URL
+    that is not valid base64 is a counted bad record."""
+    import base64
+
+    from megatron_vlm.data.bad_records import BadRecordLog
+    from megatron_vlm.data.messages import read_messages_jsonl
+    from megatron_vlm.data.processing import process_record
+
+    png = write_image(tmp_path / "img" / "a.png", size=(56, 84), seed=3)
+    url = "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
+
+    def row(item):
+        return json.dumps({"messages": [{"role": "user", "content": [item, {"type": "text", "text": "Colour?"}]},
+                                        {"role": "assistant", "content": "red"}]}) + "\n"
+
+    (tmp_path / "d.jsonl").write_text(row({"type": "image", "image": "img/a.png"})
+                                      + row({"type": "image_url", "image_url": {"url": url}})
+                                      + row({"type": "image", "image": url})
+                                      + row({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}))
+    log = BadRecordLog()
+    recs = read_messages_jsonl(tmp_path / "d.jsonl", bad_records=log)
+    assert [r.index for r in recs] == [1, 2, 3]
+    assert [(b.index, b.category) for b in log.entries] == [(4, "corrupt_image")]
+    ref = process_record(recs[0], proc, max_frames=4)
+    for r in recs[1:]:
+        out = process_record(r, proc, max_frames=4)
+        assert torch.equal(out.input_ids, ref.input_ids) and torch.equal(out.pixel_values, ref.pixel_values)

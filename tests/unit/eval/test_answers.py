@@ -40,3 +40,17 @@ def test_batch_prompts_strip_left_padding_and_keep_the_batch_vision_tensors():
     assert [x.input_ids.tolist() for x in p] == [[5, 6], [7, 8, 9, 1]]
     assert torch.equal(p[0].pixel_values, batch["pixel_values"]) and p[1].pixel_values is None
     assert torch.equal(p[0].image_grid_thw, batch["image_grid_thw"]) and p[1].image_grid_thw is None
+
+
+def test_normalize_answer_keeps_decimal_points_and_digit_groups():
+    # the sentence punctuation goes, the punctuation inside a number stays: 3.5 and 3.7 are different answers
+    assert normalize_answer("3.5") == "3.5"
+    assert normalize_answer("3.5.") == "3.5"
+    assert normalize_answer("0.25, I think") == "0.25"
+    assert normalize_answer("1,000!") == "1,000"
+    assert normalize_answer("3.5") != normalize_answer("3.7")
+    assert normalize_answer("red,blue") == "red"
+    t = AnswerTally()
+    t.add("3.7", "3.5")
+    t.add("12,500", "12,000")
+    assert t.metrics()["answer_accuracy"] == 0.0

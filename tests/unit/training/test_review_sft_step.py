@@ -125,3 +125,69 @@ def test_logged_lr_is_the_lr_used_by_that_step(tmp_path):
     logged = [m["lr"] for split, _, m in job.metrics.rows if split == "train"]
     assert len(used) == 3
     assert logged == used
+
+
+class StatefulLoader(ListLoader):
+    def state_dict(self):
+        return {"global_packs_consumed": 4, "dp_size": 1}
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+def test_skipped_records_survive_a_kill_and_a_resume(tmp_path):
+    """bad_records.json is written with every checkpoint (a run killed after it keeps the summary), and a
+    resumed run counts the records skipped before its checkpoint (their packs are not read again) once,
+    next to the records it finds again while planning."""
+    import json
+
+    from megatron_vlm.data.bad_records import BadRecordLog
+
+    ctx = NS(cfg=NS(train=NS(micro_batches_per_step=1, max_grad_norm=0.0)),
+             env=NS(device=torch.device("cpu"), world_size=1, rank=0, is_main=True), run_dir=tmp_path)
+    model = TinyLM()
+    bundle = NS(model=model, wrapper=model, dims=NS(dp_size=1), trainable_params=list(model.parameters()),
+                moe_balancer=None, pipeline=None)
+
+    def sft_step(log: BadRecordLog) -> SFTStep:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        optim = OptimState(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+        return SFTStep(ctx, bundle, optim, Recorder(), StatefulLoader([]), total_steps=8, bad_records=log)
+
+    first = BadRecordLog()
+    first.add("d.jsonl", 3, "missing_image", "planned")      # found while planning (again after a resume)
+    first.add("d.jsonl", 9, "corrupt_image", "in a pack")    # found while a pack of steps 1-4 was processed
+    state = sft_step(first).data_state(4)
+    on_disk = json.loads((tmp_path / "bad_records.json").read_text())
+    assert {(r["index"], r["skips"]) for r in on_disk["records"]} == {(3, 1), (9, 1)}
+
+    again = BadRecordLog()
+    again.add("d.jsonl", 3, "missing_image", "planned")
+    resumed = sft_step(again)
+    resumed.load_data_state(state, 4)
+    resumed.finish()
+    summary = json.loads((tmp_path / "bad_records.json").read_text())
+    assert summary["num_skips"] == 2 and {(r["index"], r["category"]) for r in summary["records"]} == {
+        (3, "missing_image"), (9, "corrupt_image")}
+
+
+def test_ranks_that_read_the_same_packs_count_a_skipped_record_once(tmp_path, monkeypatch):
+    """tp / cp ranks and pp stages of one data-parallel group process the same packs, so each logs the same
+    skipped record; the summary counts it once per data shard, and still adds up different shards."""
+    import json
+
+    import megatron_vlm.training.bad_record_summary as summary_mod
+    from megatron_vlm.data.bad_records import BadRecordLog
+
+    def rank_log(*indices):
+        log = BadRecordLog()
+        for i in indices:
+            log.add("d.jsonl", i, "corrupt_image", "pixels")
+        return log.to_dict()["records"]
+
+    # 4 ranks: tp = 2 inside dp = 2 (world ranks 0, 1 read shard 0; ranks 2, 3 read shard 1)
+    parts = [(0, rank_log(5)), (0, rank_log(5)), (1, rank_log(5, 8)), (1, rank_log(5, 8))]
+    monkeypatch.setattr(summary_mod, "all_gather_objects", lambda obj: parts)
+    summary_mod.write_bad_record_summary(BadRecordLog(), tmp_path, is_main=True, dp_rank=0)
+    d = json.loads((tmp_path / "bad_records.json").read_text())
+    assert {(r["index"], r["skips"]) for r in d["records"]} == {(5, 2), (8, 1)} and d["num_skips"] == 3

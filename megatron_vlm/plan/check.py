@@ -249,12 +249,17 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
             + " (the largest counted per rank below)")
     if evaluating:
         rank_shape = dataclasses.replace(rank_shape, trainable=0, tp_trainable=0, expert_trainable=0)
+    kv_slots = cfg.rl.rollout.kv_cache_blocks * cfg.rl.rollout.kv_block_size if grpo else 0
+    # asynchronous GRPO: the training ranks hold no rollout engine (rollout_rank_lines: the rollout ranks' own plan)
     mem = estimate_memory(rank_shape, fsdp=shard * cfg.parallel.cp, master_bytes=master, compute_bytes=compute, tokens=tokens,
                           activation_checkpointing=cfg.train.activation_checkpointing or evaluating,
-                          rollout_prompts=rollout_prompts, group_size=group, tp=tp,
-                          kv_slots=cfg.rl.rollout.kv_cache_blocks * cfg.rl.rollout.kv_block_size if grpo else 0,
-                          ep=cfg.parallel.ep, routes_bytes=routes_bytes,
+                          rollout_prompts=0 if rollout_ranks else rollout_prompts, group_size=group, tp=tp,
+                          kv_slots=kv_slots, ep=cfg.parallel.ep, routes_bytes=0.0 if rollout_ranks else routes_bytes,
                           rollout_weights=cfg.rl.rollout.weights if grpo and cfg.rl.rollout_backend == "builtin" else "shared")
+    if rollout_ranks:
+        lines += rollout_rank_lines(cfg, shape, compute_bytes=compute, batch_prompts=rollout_prompts, group=group,
+                                    tokens=tokens, kv_slots=kv_slots, routes_bytes=routes_bytes,
+                                    device_memory_gib=device_memory_gib, plan=lines)
     try:  # PPO's critic, reward models (plan/side_models.py)
         side = side_models_plan(cfg, hf, build=_meta_model, read=_read_folder_config, tokens=tokens, master_bytes=master,
                                 compute_bytes=compute)
@@ -264,7 +269,7 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     # held through the run: on top of the static part; on the device only between the policy's activations / KV
     # cache (critic training, an offloaded reward model scoring): counted where larger than those
     side_bytes = side.resident + max(0.0, side.transient - max(mem.activations, mem.kv_cache + mem.routes))
-    if cfg.train.mode == "grpo" and cfg.rl.rollout_backend == "vllm":
+    if cfg.train.mode == "grpo" and cfg.rl.rollout_backend == "vllm" and not rollout_ranks:
         # the vLLM engine takes gpu_memory_utilization of the device for its weights + KV cache; with
         # sleep_mode it gives it back while the trainer's activations need it
         v = cfg.rl.vllm
@@ -275,12 +280,13 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
             raise CheckFailed("rl.vllm.gpu_memory_utilization", f"estimated peak {gib(mem.peak + side_bytes + extra)} per rank with the "
                                                                 f"vLLM engine exceeds the device's {device_memory_gib:g} GiB", lines)
     lines += [
-        "memory per rank (estimate; formulas in megatron_vlm/plan/memory.py)",
+        f"memory per {'training ' if rollout_ranks else ''}rank (estimate; formulas in megatron_vlm/plan/memory.py)",
         f"  master weights {gib(mem.params):>12}   gradients {gib(mem.grads):>12}   AdamW {gib(mem.optimizer):>12}",
         f"  gathered block {gib(mem.gathered):>12}   activations {gib(mem.activations)} (checkpointing on "
         f"{gib(mem.activations_ckpt)}, off {gib(mem.activations_no_ckpt)})",
-        f"  rollout KV cache {gib(mem.kv_cache)}" + (f"   routes buffer {gib(mem.routes)}" if mem.routes else ""),
-        *(rollout_copy_lines(cfg, mem, shape) if grpo else []),
+        *([] if rollout_ranks else
+          [f"  rollout KV cache {gib(mem.kv_cache)}" + (f"   routes buffer {gib(mem.routes)}" if mem.routes else "")]),
+        *(rollout_copy_lines(cfg, mem, shape) if grpo and not rollout_ranks else []),
         f"  peak {gib(mem.peak + reference_bytes + side_bytes)} of {device_memory_gib:g} GiB"
         + (f" (with the DPO reference copy {gib(reference_bytes)})" if reference_bytes else "")
         + (f" (with the critic / reward models {gib(side_bytes)})" if side_bytes else ""),
@@ -288,6 +294,34 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     if mem.peak + reference_bytes + side_bytes > device_memory_gib * GiB:
         raise CheckFailed(_key_to_change(cfg, mem, side_bytes), f"estimated peak {gib(mem.peak + reference_bytes + side_bytes)} per rank exceeds the device's "
                                                     f"{device_memory_gib:g} GiB (plan on stdout)", lines)
+    return lines
+
+
+def rollout_rank_lines(cfg, shape, *, compute_bytes: int, batch_prompts: int, group: int, tokens: int, kv_slots: int,
+                       routes_bytes: float, device_memory_gib: float, plan: list[str]) -> list[str]:
+    """Asynchronous GRPO's rollout ranks (rl/asynchronous/rollout_rank.py): each loads the whole policy in the compute
+    dtype and decodes with its own engine (the built-in one's KV pool and routes buffer, or a vLLM engine's share of
+    the device); no gradients or optimizer. Checked against the device like the training ranks (`plan`: the lines so
+    far, for the error)."""
+    weights = shape.params * compute_bytes
+    if cfg.rl.rollout_backend == "vllm":
+        engine = cfg.rl.vllm.gpu_memory_utilization * device_memory_gib * GiB
+        parts, key = f"vLLM engine {gib(engine)} (rl.vllm.gpu_memory_utilization)", "rl.vllm.gpu_memory_utilization"
+    else:
+        slots = kv_slots if kv_slots else batch_prompts * group * tokens
+        kv = shape.kv_per_slot * compute_bytes * slots
+        engine = kv + routes_bytes
+        parts = f"KV pool {gib(kv)}" + (f" + routes {gib(routes_bytes)}" if routes_bytes else "")
+        key = ("rl.rollout.kv_cache_blocks" if kv_slots else
+               "rl.rollout.batch_prompts" if cfg.rl.rollout.batch_prompts else "rl.rollout.memory_gib")
+    peak = weights + engine
+    lines = ["memory per rollout rank (rl.allocation; estimate)",
+             f"  policy copy {gib(weights)} (whole, compute dtype) + {parts}",
+             f"  peak {gib(peak)} of {device_memory_gib:g} GiB"]
+    if peak > device_memory_gib * GiB:
+        raise CheckFailed(key if engine > weights else "model.path", f"estimated peak {gib(peak)} per rollout rank exceeds the "
+                                                                    f"device's {device_memory_gib:g} GiB (plan on stdout)",
+                          plan + lines)
     return lines
 
 

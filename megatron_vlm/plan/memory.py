@@ -43,7 +43,9 @@ conservative; the numbers it uses (all in bytes, per rank):
   max(1, `eval.samples`) completions x t slots;
 - rollout copy (GRPO, `rl.rollout.weights`; held through the whole run): "shared" 0 (the trainer's
   parameters, gathered block by block), "copy" P x c, "expert_parallel" (P - X) x c + X x c / ep (the
-  dense weights whole, this rank's experts: inference/ep_rollout.py).
+  dense weights whole, this rank's experts: inference/ep_rollout.py). Asynchronous GRPO (`rl.allocation`): the
+  training ranks hold no rollout copy nor KV cache; each rollout rank holds the whole policy in the compute dtype
+  and its engine's KV pool + routes (or a vLLM engine's share), planned apart (plan/check.py rollout_rank_lines).
 """
 from __future__ import annotations
 

@@ -299,3 +299,29 @@ def test_check_of_an_evaluation_counts_weights_and_kv_cache_not_training_state(q
     # Qwen2.5-VL-3B: 36 layers x 2 KV heads x head_dim 128, K and V, bf16; 16 prompts x 4 samples x 4096 slots
     kv = 2 * 36 * 2 * 128 * 2 * 16 * 4 * 4096 / 2**30
     assert f"rollout KV cache {kv:.2f} GiB" in text, text
+
+
+def test_check_of_asynchronous_grpo_plans_rollout_and_training_ranks_apart(qwen2_5_vl_3b):
+    """rl.allocation: a rollout rank loads the whole policy in bf16 and holds its engine's KV pool, a training rank
+    the FSDP-sharded policy, gradients and AdamW states without any rollout copy or KV cache; each is checked."""
+    code, out, err = _check(CONFIGS / "qwen2_5_vl_3b_geometry3k_grpo.toml", [f'model.path="{qwen2_5_vl_3b}"'], 8)
+    assert code == 0, err
+    rollout, training = out.split("memory per rollout rank")[1].split("memory per training rank")
+    params = sum(p.numel() for p in _meta_3b().parameters())
+    copy = re.search(r"policy copy ([\d.]+) GiB", rollout)
+    assert copy and abs(float(copy.group(1)) - params * 2 / 2**30) < 0.01  # bf16, not sharded
+    kv = re.search(r"KV pool ([\d.]+) GiB", rollout)
+    # 8 prompts per batch (rl.rollout.memory_gib) x group 4 x 20480 positions x 36 layers x 2 x 2 kv heads x 128 x bf16
+    assert kv and abs(float(kv.group(1)) - 8 * 4 * 20480 * 36 * 2 * 2 * 128 * 2 / 2**30) < 0.01
+    assert "KV cache" not in training and "rollout copy" not in training
+    master = re.search(r"master weights\s+([\d.]+) GiB", training)
+    assert master and abs(float(master.group(1)) - params * 4 / 4 / 2**30) < 0.01  # fp32 over the 4 training ranks
+    # a rollout rank that cannot hold its batch names the key that sizes it
+    code, out, err = _check(CONFIGS / "qwen2_5_vl_3b_geometry3k_grpo.toml",
+                            [f'model.path="{qwen2_5_vl_3b}"', "rl.rollout.batch_prompts=132"], 8)
+    assert code == 2 and err.startswith("check failed: rl.rollout.batch_prompts: estimated peak") and "per rollout rank" in err
+
+
+def _meta_3b() -> nn.Module:
+    with torch.device("meta"):
+        return build_model(HUB_3B)

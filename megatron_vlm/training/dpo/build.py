@@ -6,7 +6,9 @@ reference) is scored from the initial weights even in a resumed run.
 """
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import torch
 
@@ -45,6 +47,20 @@ def build_pair_loaders(ctx: RunContext, bundle: ModelBundle, bad_records: BadRec
     return train, evaluation
 
 
+def initial_model_identity(cfg) -> str:
+    """What the precomputed reference was scored with: the model folder, and with `lora.init_from` the adapter
+    (its folder, mode, and its files' sizes and modification times), so another starting adapter is scored again."""
+    lora = getattr(cfg, "lora", None)
+    if lora is None or not lora.init_from:
+        return cfg.model.path
+    folder = Path(lora.init_from)
+    files = sorted(folder.rglob("*")) if folder.is_dir() else [folder]
+    stats = [(str(f.relative_to(folder) if folder.is_dir() else f.name), f.stat().st_size, f.stat().st_mtime_ns)
+             for f in files if f.is_file()]
+    return json.dumps({"model": cfg.model.path, "init_from": lora.init_from, "mode": lora.init_from_mode,
+                       "files": stats})
+
+
 def build_reference(ctx: RunContext, bundle: ModelBundle, dpo: DPOConfig, train_loader, eval_loader):
     """The reference of `[dpo] reference` (training/dpo/reference.py); None for a reference-free loss."""
     cfg, env = ctx.cfg, ctx.env
@@ -59,7 +75,7 @@ def build_reference(ctx: RunContext, bundle: ModelBundle, dpo: DPOConfig, train_
             loaders["eval"] = eval_loader
         return PrecomputedReference.load_or_compute(ctx.run_dir, bundle.wrapper, loaders, device=env.device,
                                                     copies=getattr(bundle.dims, "data_copies", 1), is_main=env.is_main,
-                                                    model_path=cfg.model.path)
+                                                    model_path=initial_model_identity(cfg))
     if lora is not None:
         if lora.init_from and lora.init_from_mode == "continue":
             raise ConfigError("dpo.reference: with lora.init_from (init_from_mode = \"continue\") the initial model is the "

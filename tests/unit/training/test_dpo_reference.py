@@ -115,3 +115,23 @@ def test_a_file_scored_on_other_pairs_of_the_same_plan_is_scored_again(tmp_path)
     PrecomputedReference.load_or_compute(tmp_path, scorer, {"train": edited}, device=torch.device("cpu"), copies=1,
                                          is_main=True, model_path="m")
     assert scorer.calls == 4
+
+
+def test_initial_model_identity_changes_with_the_starting_adapter(tmp_path):
+    """The precomputed reference is scored from base + lora.init_from: another adapter (or the same folder with new
+    weights) must not reuse a table scored from the old one; without an adapter the identity is the model path."""
+    from types import SimpleNamespace
+
+    from megatron_vlm.training.dpo.build import initial_model_identity
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"1234")
+    cfg = SimpleNamespace(model=SimpleNamespace(path="/m"), lora=SimpleNamespace(init_from=str(adapter), init_from_mode="continue"))
+    first = initial_model_identity(cfg)
+    assert first != "/m" and initial_model_identity(cfg) == first
+    (adapter / "adapter_model.safetensors").write_bytes(b"123456")  # new weights in the same folder
+    assert initial_model_identity(cfg) != first
+    cfg.lora.init_from_mode = "merge"
+    assert initial_model_identity(cfg) not in (first, "/m")
+    assert initial_model_identity(SimpleNamespace(model=SimpleNamespace(path="/m"), lora=None)) == "/m"

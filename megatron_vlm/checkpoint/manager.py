@@ -32,6 +32,7 @@ import os
 import random
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -300,6 +301,27 @@ class CheckpointManager:
         for p in paths:
             check_owned(p)
         return paths
+
+    def set_aside_newer(self, loaded: Path, step: int) -> list[Path]:
+        """After an explicit resume from `loaded`, a checkpoint of this run's `checkpoints/` folder at `step`: the
+        complete checkpoints of later steps belong to the run this one abandons. Rank 0 renames them
+        `.abandoned_step_<N>` (kept, never loaded or pruned), so that a later `resume = "auto"` after a crash does
+        not pick the abandoned weights over this run's own. Collective; returns the new paths (rank 0)."""
+        moved: list[Path] = []
+        if self.rank == 0 and loaded.resolve().parent == self.root.resolve():
+            for n, p in list_complete(self.root):
+                if n > step:
+                    target = self.root / f".abandoned_step_{n}"
+                    if target.exists():
+                        target = self.root / f".abandoned_step_{n}_{time.strftime('%Y%m%d%H%M%S')}"
+                    os.replace(p, target)
+                    moved.append(target)
+            if moved:
+                fsync_dir(self.root)
+                log.warning("resumed from %s (step %d): the later checkpoints of the abandoned run were set aside as %s "
+                            "(delete them when not needed)", loaded, step, ", ".join(str(m) for m in moved))
+        _barrier()
+        return moved
 
     def resolve_resume(self, resume: str) -> Optional[Path]:
         """The first of `resume_candidates` (None: start fresh)."""

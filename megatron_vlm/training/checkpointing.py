@@ -168,6 +168,8 @@ class Checkpointer:
             if failed is None:
                 assert extra is not None  # loaded: no error on any rank
                 log.info("Resumed from checkpoint: step=%d (%s)", extra["step"], path)
+                if self.cfg.resume != "auto":  # a rewind inside this run: its later checkpoints are not this run's
+                    self.manager.set_aside_newer(path, int(extra["step"]))
                 return ResumePoint(step=int(extra["step"]), data=extra.get("data", {}))
             if not (path / LAYOUT_FILE).is_file():
                 failed += f" ({PREDATES})"

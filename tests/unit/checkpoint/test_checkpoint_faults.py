@@ -240,6 +240,26 @@ def test_resume_path_of_a_run_folder_names_its_newest_checkpoint(tmp_path, capsy
         assert f"e.g. {tmp_path / 'checkpoints' / 'step_4'}" in err and 'checkpoint.resume = "auto"' in err
 
 
+def test_rewind_to_an_older_checkpoint_sets_the_abandoned_later_ones_aside(tmp_path):
+    """checkpoint.resume = an older step of this run: the later checkpoints belong to the run it abandons; a crash
+    of the rewound run before its next save must not make resume = "auto" load them. They are kept under another
+    name, never loaded or pruned; a checkpoint named outside this run's folder moves nothing."""
+    for step in (2, 4, 6):
+        _save(_checkpointer(tmp_path), step)
+    other = tmp_path / "elsewhere"
+    _save(_checkpointer(other), 8)
+    assert _checkpointer(tmp_path, resume=str(other / "checkpoints" / "step_8")).resume().step == 8
+    assert [n for n, _ in list_complete(_ckdir(tmp_path))] == [2, 4, 6]  # another run's checkpoint: nothing moved
+    assert _checkpointer(tmp_path, resume=str(_ckdir(tmp_path) / "step_2")).resume().step == 2
+    assert [n for n, _ in list_complete(_ckdir(tmp_path))] == [2]
+    assert sorted(p.name for p in _ckdir(tmp_path).iterdir() if p.name.startswith(".abandoned")) == [
+        ".abandoned_step_4", ".abandoned_step_6"]
+    assert all((_ckdir(tmp_path) / f".abandoned_step_{n}" / MARKER).is_file() for n in (4, 6))  # kept whole
+    assert _checkpointer(tmp_path).resume().step == 2  # "auto" after a crash: the rewound run's own newest
+    _checkpointer(tmp_path).manager.cleanup()  # start-of-run tidying leaves them alone
+    assert (_ckdir(tmp_path) / ".abandoned_step_6").is_dir()
+
+
 def test_manager_error_names_the_failing_phase(tmp_path, monkeypatch):
     """The library raises `CheckpointError` (the Checkpointer turns it into the exit)."""
     from megatron_vlm.checkpoint.manager import CheckpointError

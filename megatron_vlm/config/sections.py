@@ -83,6 +83,9 @@ class TrainConfig:
             raise ValueError(f"epochs: must be > 0, got {self.epochs}")
         # "set max_steps or epochs" is checked by config.Config.validate: an evaluation job has no
         # length and [[stages]] may give each stage its own
+        if any(not p.strip() for p in self.train_layers):  # an empty regex matches every name: nothing frozen
+            raise ValueError(f"train_layers: an empty pattern matches every parameter (nothing would be frozen); got "
+                             f"{self.train_layers}")
         above(self, 0, "micro_batches_per_step")
         at_least(self, 0, "max_grad_norm")
         if self.eval_every < 0 or self.log_every <= 0:

@@ -179,3 +179,10 @@ def test_empty_output_dir_is_refused(value):
     into the current folder (and resume = "auto" took any checkpoints/ found there)."""
     with pytest.raises(ConfigError, match=r"^train.output_dir: must not be empty"):
         load_config_dict(_raw(train__output_dir=value))
+
+
+def test_an_empty_train_layers_pattern_is_refused():
+    """An empty regex matches every parameter name: train.train_layers = [""] would freeze nothing, silently."""
+    with pytest.raises(ConfigError, match=r"^train.train_layers: an empty pattern matches every parameter"):
+        load_config_dict(_raw(train__train_layers=["visual", ""]))
+    assert load_config_dict(_raw(train__train_layers=["visual"])).train.train_layers == ["visual"]

@@ -154,7 +154,17 @@ def base_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 
 def write_adapter(path: Path, state_dict: dict[str, torch.Tensor], hf_config: dict, cfg,
                   base_model_name_or_path: Optional[str] = None) -> Path:
-    """Write the adapter factors of a full state dict (our names) as a PEFT folder at `path`."""
+    """Write the adapter factors of a full state dict (our names) as a PEFT folder at `path`.
+
+    With `init_from_mode = "merge"` the adapter belongs to base + the `init_from` adapter, a model no
+    folder holds: `base_model_name_or_path` is left out (null), since naming the original base would make
+    `AutoPeftModel*.from_pretrained(path)` silently build a model without the earlier adapter."""
+    if getattr(cfg, "init_from", None) and getattr(cfg, "init_from_mode", "continue") == "merge":
+        if base_model_name_or_path is not None:
+            log.warning("LoRA: the adapter in %s was trained on %s with %s merged in; its adapter_config.json names "
+                        "no base model (apply it to that merged model, or use the merged export)",
+                        path, base_model_name_or_path, cfg.init_from)
+        base_model_name_or_path = None
     return save_peft_adapter(path, lora_factors(state_dict), hf_config, r=cfg.r, alpha=cfg.alpha, dropout=cfg.dropout,
                              use_rslora=cfg.use_rslora, base_model_name_or_path=base_model_name_or_path)
 

@@ -126,9 +126,13 @@ def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool) -> int
         if layout.get("lora") is not None:
             rec = layout["lora"]
             dropout = float(run_cfg.get("lora", {}).get("dropout", 0.0))  # only noted in the adapter's config
+            # init_from / init_from_mode: recorded since the merge-mode adapter fix; older records: config.toml's
             lora = LoRAConfig(r=int(rec["r"]), alpha=float(rec["alpha"]), dropout=dropout,
                               use_rslora=bool(rec["use_rslora"]), target_modules=list(rec["target_modules"]),
-                              include_vision=bool(rec["include_vision"]))
+                              include_vision=bool(rec["include_vision"]),
+                              init_from=str(rec.get("init_from", run_cfg.get("lora", {}).get("init_from", ""))),
+                              init_from_mode=rec.get("init_from_mode",
+                                                     run_cfg.get("lora", {}).get("init_from_mode", "continue")))
     elif "lora" in run_cfg:
         try:
             lora = from_dict(LoRAConfig, run_cfg["lora"])

@@ -93,6 +93,26 @@ def test_conversion_follows_the_checkpoint_layout_not_config_toml(run, tmp_path,
     assert changed and all("q_proj" in k or "v_proj" in k for k in changed)
 
 
+def test_a_merge_mode_checkpoint_converts_to_an_adapter_naming_no_base(run, tmp_path, capsys):
+    """A run with lora.init_from_mode = "merge" trained its factors on base + the earlier adapter: the converted
+    adapter must not name the original base (PEFT would load it without the earlier adapter), as the run's own
+    export does not; the layout records the mode, so config.toml is not needed."""
+    merge = LoRAConfig(r=4, alpha=8.0, target_modules=["q_proj", "v_proj"], init_from=str(tmp_path / "earlier"),
+                       init_from_mode="merge")
+    wrapper = _Wrapper(run.model)
+    opt = torch.optim.AdamW([p for n, p in wrapper.named_parameters() if "lora_" in n], lr=1e-3)
+    layout = run_layout(NS(model=NS(path=str(run.tmp / "base")), lora=merge, train=NS(train_layers=[])),
+                        model_type=run.cfg["model_type"], world_size=1, mcore_tp=None, mcore_ep=None)
+    CheckpointManager(tmp_path / "run", keep_last=0, rank=0).save(1, wrapper, opt, {"data": {}}, layout=layout)
+    code, err = _convert(["--checkpoint", tmp_path / "run" / "checkpoints" / "step_1", "--out", tmp_path / "adapter"],
+                         capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] is None
+    code, err = _convert(["--checkpoint", run.ckpt, "--out", tmp_path / "plain"], capsys)  # continue mode: the base
+    assert code == 0 and json.loads((tmp_path / "plain" / "adapter_config.json").read_text())[
+        "base_model_name_or_path"] == str(run.tmp / "base")
+
+
 def test_input_errors_are_one_line_exit_2(run, tmp_path, capsys):
     a_file = tmp_path / "file"
     a_file.write_text("x")

@@ -52,7 +52,7 @@ def run_layout(cfg: Any, *, model_type: Optional[str], world_size: int, mcore_tp
             "r": lora.r, "alpha": lora.alpha, "use_rslora": lora.use_rslora,
             "target_modules": list(lora.target_modules), "include_vision": lora.include_vision,
             # the weights the factors were trained on: base + init_from folded in, with init_from_mode = "merge"
-            "init_from": lora.init_from, "init_from_mode": lora.init_from_mode},
+            "init_from": getattr(lora, "init_from", ""), "init_from_mode": getattr(lora, "init_from_mode", "continue")},
         "train.train_layers": list(getattr(getattr(cfg, "train", None), "train_layers", [])),
         "sizes": {"world_size": world_size, **{k: getattr(parallel, k, 1) for k in ("tp", "cp", "ep", "pp")}},
     }

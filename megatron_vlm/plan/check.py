@@ -91,7 +91,10 @@ def _layout(cfg, world: int, num_experts: int) -> tuple[int, int]:
     if world % p.ep or (world // tp) % p.ep:
         raise CheckFailed("parallel.ep", f"{p.ep} does not divide the {world // tp} data-parallel x context-parallel ranks "
                                          f"({world} ranks / parallel.tp {tp})")
-    if p.ep > 1 and (num_experts == 0 or num_experts % p.ep):
+    if p.ep > 1 and num_experts == 0:
+        raise CheckFailed("parallel.ep", f"{p.ep}: the model has no MoE blocks (expert parallelism splits routed "
+                                         "experts); set parallel.ep = 1")
+    if p.ep > 1 and num_experts % p.ep:
         raise CheckFailed("parallel.ep", f"{p.ep} does not divide the model's {num_experts} routed experts per MoE block")
     return rep, shard
 

@@ -325,3 +325,9 @@ def test_check_of_asynchronous_grpo_plans_rollout_and_training_ranks_apart(qwen2
 def _meta_3b() -> nn.Module:
     with torch.device("meta"):
         return build_model(HUB_3B)
+
+
+def test_check_of_expert_parallelism_on_a_dense_model_says_it_has_no_moe_blocks(qwen2_5_vl_3b):
+    code, _, err = _check(CONFIGS / "qwen2_5_vl_3b_geometry3k_grpo.toml",
+                          [f'model.path="{qwen2_5_vl_3b}"', "parallel.ep=2"], 8)
+    assert code == 2 and err.startswith("check failed: parallel.ep: 2: the model has no MoE blocks"), err

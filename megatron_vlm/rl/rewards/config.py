@@ -64,7 +64,7 @@ class MathRewardConfig(_RewardCommon):
     fallback_last_number: bool = False
     """If no boxed / phrased answer or math environment is found, use the last number in the completion."""
     rel_tol: float = 1e-6
-    """Relative tolerance for numeric equality (absolute 1e-9 near zero)."""
+    """Relative tolerance for numeric equality (absolute 1e-9 near zero); two integers compare exactly."""
     answer_tag: Optional[str] = None
     """Tag name whose content is also an answer candidate, e.g. "answer" for <answer>...</answer>."""
 

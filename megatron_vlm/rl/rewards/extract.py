@@ -241,6 +241,9 @@ def _after_phrase(rest: str) -> Optional[str]:
             else:
                 break
         return ", ".join(joined)
+    # bold: "the answer is **5**." (the phrase took the opening "**"), "Answer: **x = 3**"
+    line = re.sub(r"\*\*([^*\n]+?)\*\*", r"\1", line)
+    line = re.sub(r"\*\*(?=[.!]?$)", "", line)
     line = line.strip("*").strip()
     # plain text: up to the end of the sentence (a final "." or ". " before a capitalised word; not a
     # decimal point, and not "B. 7 cm" in a choice)

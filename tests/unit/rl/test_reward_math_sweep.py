@@ -1,0 +1,96 @@
+"""Defects a fresh-eyes sweep found in the `math` reward by comparing it with math-verify.
+
+Why: each case is a verdict a user would call wrong: a correct answer scored 0 (a lost learning
+signal) or a wrong one scored 1 (worse: the policy learns to write it). Labels come from the
+mathematics and agree with Hugging Face math-verify on each of these inputs."""
+import pytest
+
+from megatron_vlm.rl.rewards.math_equiv import math_equal
+from megatron_vlm.rl.rewards.verifiers import math_reward
+
+
+@pytest.mark.parametrize(
+    "pred, gold, equal",
+    [
+        (r"2\frac{1}{4}", r"\frac94", True),  # a mixed number is a sum
+        (r"2 \frac{1}{4}", "2.25", True),
+        (r"2\dfrac14", r"\frac{9}{4}", True),
+        (r"-2\frac{1}{4}", r"-\frac{9}{4}", True),
+        (r"3\frac{1}{2} \text{ hours}", "3.5", True),
+        (r"2\frac{1}{4}", r"\frac12", False),  # not the product 2 * 1/4
+        (r"\frac12", r"2\frac{1}{4}", False),
+        (r"2\frac{x}{4}", r"\frac{x}{2}", True),  # a letter: a product, as before
+        (r"x^2\frac{1}{2}", r"\frac{x^2}{2}", True),  # an exponent is not the whole part
+    ],
+)
+def test_mixed_numbers(pred, gold, equal):
+    assert math_equal(pred, gold) is equal
+
+
+@pytest.mark.parametrize(
+    "pred, gold, equal",
+    [
+        ("1000000008", "1000000007", False),
+        ("12345679", "12345678", False),
+        ("3628801", "3628800", False),
+        ("1000000007", "1000000007", True),
+        ("1000000007", "1{,}000{,}000{,}007", True),
+        ("1000000007.0", "1000000007", True),
+    ],
+)
+def test_integers_compare_exactly(pred, gold, equal):
+    assert math_equal(pred, gold) is equal
+
+
+def test_integer_tolerance_still_applies_to_decimals():
+    assert math_reward(r"\boxed{24.001}", "24", rel_tol=1e-3) == 1.0
+    assert math_reward(r"\boxed{1.41421356}", r"\sqrt2") == 1.0
+
+
+@pytest.mark.parametrize(
+    "pred, gold, equal",
+    [
+        ("1{,}5", "15", False),  # a decimal comma, not a thousands separator
+        ("1{,}00", "100", False),
+        ("1{,}000", "1000", True),
+        ("12{,}345{,}678", "12345678", True),
+    ],
+)
+def test_thousands_separator_groups_of_three(pred, gold, equal):
+    assert math_equal(pred, gold) is equal
+
+
+@pytest.mark.parametrize(
+    "pred, gold, equal",
+    [
+        ("\u22125", "-5", True),  # U+2212 MINUS SIGN
+        ("x\u22121", "x - 1", True),
+        ("\u2212\\frac{1}{2}", "-0.5", True),
+        ("2\u00d73", "6", True),  # MULTIPLICATION SIGN
+        ("6\u00f73", "2", True),  # DIVISION SIGN
+        ("2\u22c53", "6", True),  # DOT OPERATOR
+        ("\u03c0/2", r"\frac{\pi}{2}", True),
+        ("2\u03c0", r"2\pi", True),
+        ("\u221e", r"\infty", True),
+        ("[2, \u221e)", r"[2, \infty)", True),
+        ("5\u00a0000", "5000", True),  # a no-break space between digit groups
+        ("\u22125", "5", False),
+        ("2\u00d73", "5", False),
+    ],
+)
+def test_unicode_operators(pred, gold, equal):
+    assert math_equal(pred, gold) is equal
+
+
+@pytest.mark.parametrize(
+    "completion, gold, score",
+    [
+        ("Therefore, the answer is **5**.", "5", 1.0),
+        ("So the final answer is **\u22125**.", "-5", 1.0),
+        ("The answer is **x = 3**.", "3", 1.0),
+        ("Therefore, the answer is **5**.", "6", 0.0),
+        ("The final answer is \u22125", "-5", 1.0),
+    ],
+)
+def test_bold_and_unicode_after_the_answer_phrase(completion, gold, score):
+    assert math_reward(completion, gold) == score

@@ -49,6 +49,7 @@ _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?|-?\.\d+")
 _CONNECTOR = re.compile(r"\s*(?:,|;|\bor\b|\band\b)?\s*", re.IGNORECASE)
 
 
+_BLANK = re.compile(r"\s*")  # stops at the first other character: no copy of nested contents
 _BOX_SCAN = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z]) *|\\.|[{}]", re.DOTALL)
 
 
@@ -65,8 +66,8 @@ MAX_BOX_GAP = 80
 def _scan_boxes(text: str) -> list[tuple[int, int, int, int, bool]]:
     """One left-to-right pass (regex-driven, so the scan itself runs in C): every closed box as
     (command start, content start, content end, end, inside another box). Brace depth is a stack of
-    open positions; escaped braces (\\{ \\}) and other escapes do not count; an unclosed box is never
-    returned."""
+    open positions; escaped braces (\\{ \\}) and other escapes do not count; an unclosed or empty box
+    is never returned."""
     stack: list[tuple[int, int]] = []  # (content start, box command start or -1)
     boxes: list[tuple[int, int, int, int, bool]] = []
     open_boxes = 0
@@ -89,7 +90,8 @@ def _scan_boxes(text: str) -> list[tuple[int, int, int, int, bool]]:
             start, cmd = stack.pop()
             if cmd >= 0:
                 open_boxes -= 1
-                boxes.append((cmd, start, m.start(), m.end(), open_boxes > 0))
+                if _BLANK.fullmatch(text, start, m.start()) is None:  # an empty "\boxed{}" states no answer
+                    boxes.append((cmd, start, m.start(), m.end(), open_boxes > 0))
     return boxes
 
 

@@ -196,7 +196,9 @@ def normalize_latex(text: str) -> tuple[str, bool]:
     s = _MIXED.sub(_mixed_number, s)
     s = re.sub(r"\\(?:cdot|times|ast)(?![A-Za-z])", "*", s)
     s = re.sub(r"\\div(?![A-Za-z])", "/", s)
-    s = re.sub(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|\\degree|°", " ", s)
+    # degrees, also Celsius / Fahrenheit: "12^\\circ\\text{C}", "-5^{\\circ} F"
+    s = re.sub(r"(?:\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|\\degree|°)"
+               r"(?:\s*(?:\\(?:text|mathrm)\s*\{\s*[CF]\s*\}|[CF](?![A-Za-z])))?", " ", s)
     # 1{,}000 groups digits; 1{,}5 and 0{,}25 are decimal commas, read as lists (no value)
     s = _GROUPED.sub(lambda m: m.group(0).replace("{,}", ""), s).replace("{,}", ",")
     s = re.sub(r"\\mathbb\s*\{\s*R\s*\}|\\mathbb\s*R(?![A-Za-z])|\\R(?![A-Za-z])", r"\\reals ", s)

@@ -387,6 +387,10 @@ _SWEEP = [
     # a bold answer after the answer phrase
     ("extraction", "Therefore, the answer is **5**.", "5", True),
     ("extraction", "Therefore, the answer is **5**.", "6", False),
+    ("extraction", r"So $\boxed{3}$. (Answer format: \boxed{})", "3", True),
+    ("extraction", r"So $\boxed{3}$. \boxed{}", "4", False),
+    ("units_text", B(r"12^\circ\text{C}"), "12", True),
+    ("units_text", B(r"12^\circ\text{C}"), "13", False),
 ]
 
 CASES = _C + _MORE + _SWEEP + FORMS

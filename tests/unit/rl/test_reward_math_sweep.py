@@ -94,3 +94,29 @@ def test_unicode_operators(pred, gold, equal):
 )
 def test_bold_and_unicode_after_the_answer_phrase(completion, gold, score):
     assert math_reward(completion, gold) == score
+
+
+@pytest.mark.parametrize(
+    "completion, gold, score",
+    [
+        (r"So $\boxed{3}$. (Answer format: \boxed{})", "3", 1.0),  # an empty box is no answer
+        (r"$\boxed{3}$ \boxed{ }", "3", 1.0),
+        (r"The answer is $4$. \boxed{}", "4", 1.0),
+        (r"So $\boxed{3}$. \boxed{}", "4", 0.0),
+    ],
+)
+def test_an_empty_box_is_skipped(completion, gold, score):
+    assert math_reward(completion, gold) == score
+
+
+@pytest.mark.parametrize(
+    "pred, gold, equal",
+    [
+        (r"12^\circ\text{C}", "12", True),
+        (r"12^{\circ} C", "12", True),
+        (r"-5\,^\circ\mathrm{F}", "-5", True),
+        (r"12^\circ\text{C}", "13", False),
+    ],
+)
+def test_degrees_celsius_and_fahrenheit(pred, gold, equal):
+    assert math_equal(pred, gold) is equal

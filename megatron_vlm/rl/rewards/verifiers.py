@@ -104,7 +104,9 @@ def _choice_letter(text: str, letters: str, options: Mapping[str, str]) -> Optio
     for letter, opt in options.items():
         if normalize_text(opt) == norm:
             return letter
-    return None
+    # the option's value in another form ("\\frac{1}{2}" for the option "1/2"); only one option may match
+    same = [letter for letter, opt in options.items() if math_equal(t, opt)]
+    return same[0] if len(same) == 1 else None
 
 
 def choice_reward(
@@ -115,7 +117,8 @@ def choice_reward(
     metadata: Optional[Mapping[str, Any]] = None,
     letters: str = "ABCDEFGHIJ",
 ) -> float:
-    """1.0 if the chosen option (letter or option text) is the reference option, else 0.0.
+    """1.0 if the chosen option (letter, option text, or the value of exactly one option in another
+    form: "\\frac{1}{2}" for "1/2") is the reference option, else 0.0.
 
     Options come from `metadata["choices"]` (a list, lettered in order) or from the prompt's lines."""
     letters = letters.upper()

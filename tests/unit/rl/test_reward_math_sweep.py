@@ -6,7 +6,7 @@ mathematics and agree with Hugging Face math-verify on each of these inputs."""
 import pytest
 
 from megatron_vlm.rl.rewards.math_equiv import math_equal
-from megatron_vlm.rl.rewards.verifiers import math_reward
+from megatron_vlm.rl.rewards.verifiers import choice_reward, math_reward
 
 
 @pytest.mark.parametrize(
@@ -120,3 +120,29 @@ def test_an_empty_box_is_skipped(completion, gold, score):
 )
 def test_degrees_celsius_and_fahrenheit(pred, gold, equal):
     assert math_equal(pred, gold) is equal
+
+
+_CHOICES = {"choices": ["1/2", "3/4", "2", r"$\sqrt{2}$"]}
+
+
+@pytest.mark.parametrize(
+    "completion, gold, score",
+    [
+        (r"\boxed{\frac{1}{2}}", "1/2", 1.0),  # the option's value in another form (MathVista: gold = option text)
+        (r"\boxed{\frac{1}{2}}", "A", 1.0),
+        ("The answer is 0.5", "A", 1.0),
+        (r"\boxed{\sqrt2}", "D", 1.0),
+        (r"\boxed{2.0}", "C", 1.0),
+        (r"\boxed{\frac34}", "B", 1.0),
+        (r"\boxed{\frac34}", "A", 0.0),
+        (r"\boxed{3}", "C", 0.0),  # no option has the value
+    ],
+)
+def test_choice_by_option_value(completion, gold, score):
+    assert choice_reward(completion, gold, metadata=_CHOICES) == score
+
+
+def test_choice_value_matching_two_options_is_no_choice():
+    meta = {"choices": ["0.5", r"\frac{1}{2}", "3"]}
+    assert choice_reward(r"\boxed{\frac{2}{4}}", "A", metadata=meta) == 0.0
+    assert choice_reward(r"\boxed{\frac{2}{4}}", "B", metadata=meta) == 0.0

@@ -45,7 +45,9 @@ _PHRASE = re.compile(
     r"|answer(?:\*\*)?[ \t]*:)[ \t]*:?[ \t]*\**[ \t]*",
     re.IGNORECASE,
 )
-_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?|-?\.\d+")
+# a whole number token: not the tail of a word, exponent or fraction ("a_1", "1.5e3", "3/4" -> "3/4", not "4");
+# U+2212 is a minus sign
+_NUMBER = re.compile(r"(?<![\w./])[-\u2212]?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)(?:/\d+(?![\d.]))?")
 _CONNECTOR = re.compile(r"\s*(?:,|;|\bor\b|\band\b)?\s*", re.IGNORECASE)
 
 
@@ -267,9 +269,9 @@ def answer_phrase(text: str) -> Optional[str]:
 
 
 def last_number(text: str) -> Optional[str]:
-    """The last number written in the text (e.g. "-3", "1,000", "2.5")."""
+    """The last number written in the text (e.g. "-3", "1,000", "2.5", "3/4")."""
     found = _NUMBER.findall(text)
-    return found[-1] if found else None
+    return found[-1].replace("\u2212", "-") if found else None
 
 
 def strip_math_delimiters(s: str) -> str:

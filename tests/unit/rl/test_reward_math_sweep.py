@@ -146,3 +146,20 @@ def test_choice_value_matching_two_options_is_no_choice():
     meta = {"choices": ["0.5", r"\frac{1}{2}", "3"]}
     assert choice_reward(r"\boxed{\frac{2}{4}}", "A", metadata=meta) == 0.0
     assert choice_reward(r"\boxed{\frac{2}{4}}", "B", metadata=meta) == 0.0
+
+
+@pytest.mark.parametrize(
+    "completion, gold, score",
+    [
+        ("so the temperature is \u22125 degrees", "-5", 1.0),  # a unicode minus is a sign
+        ("so the temperature is \u22125 degrees", "5", 0.0),
+        ("It was 3/4 of the way", "3/4", 1.0),  # a fraction, not its denominator
+        ("It was 3/4 of the way", "4", 0.0),
+        ("The total is 1.5e3", "3", 0.0),  # not the exponent of 1.5e3
+        ("we need a_1 and then 7", "7", 1.0),
+        ("The total is 1,000,000 dollars", "1000000", 1.0),
+        ("The total is -2.5 now", "-2.5", 1.0),
+    ],
+)
+def test_last_number_fallback(completion, gold, score):
+    assert math_reward(completion, gold, fallback_last_math=False, fallback_last_number=True) == score

@@ -167,6 +167,17 @@ def _mixed_number(m: re.Match) -> str:
     return f"\\frac{{{whole * den + num}}}{{{den}}}"
 
 
+_REPEATING = re.compile(r"(?<![\d.])(\d{0,20})\.(\d{0,20})\\(?:overline|dot)\s*(?:\{\s*(\d{1,20})\s*\}|(\d))")
+
+
+def _repeating_decimal(m: re.Match) -> str:
+    """"0.1\\overline{6}" (also \\dot{6}) is the exact fraction 1/6: 0.1666... = (16 - 1) / 90."""
+    whole, fixed, period = m.group(1) or "0", m.group(2), m.group(3) or m.group(4)
+    den = 10 ** len(fixed) * (10 ** len(period) - 1)
+    num = int(whole) * den + int(fixed + period) - int(fixed or "0")
+    return f"\\frac{{{num}}}{{{den}}}"
+
+
 _GROUPED = re.compile(r"(?<![\d.])[1-9]\d{0,2}(?:\{,\}\d{3})+(?!\d)")
 
 
@@ -194,6 +205,7 @@ def normalize_latex(text: str) -> tuple[str, bool]:
     s = re.sub(r"\\(?:mid|vert|lvert|rvert)(?![A-Za-z])", "|", s)
     s = re.sub(r"\\[dt]frac(?![A-Za-z])", r"\\frac", s)
     s = _MIXED.sub(_mixed_number, s)
+    s = _REPEATING.sub(_repeating_decimal, s)
     s = re.sub(r"\\(?:cdot|times|ast)(?![A-Za-z])", "*", s)
     s = re.sub(r"\\div(?![A-Za-z])", "/", s)
     # degrees, also Celsius / Fahrenheit: "12^\\circ\\text{C}", "-5^{\\circ} F"

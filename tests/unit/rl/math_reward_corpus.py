@@ -391,6 +391,8 @@ _SWEEP = [
     ("extraction", r"So $\boxed{3}$. \boxed{}", "4", False),
     ("units_text", B(r"12^\circ\text{C}"), "12", True),
     ("units_text", B(r"12^\circ\text{C}"), "13", False),
+    ("number_format", B(r"0.\overline{12}"), r"\frac{4}{33}", True),
+    ("number_format", B(r"0.\overline{12}"), r"\frac{3}{25}", False),
 ]
 
 CASES = _C + _MORE + _SWEEP + FORMS

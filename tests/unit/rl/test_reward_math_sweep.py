@@ -163,3 +163,21 @@ def test_choice_value_matching_two_options_is_no_choice():
 )
 def test_last_number_fallback(completion, gold, score):
     assert math_reward(completion, gold, fallback_last_math=False, fallback_last_number=True) == score
+
+
+@pytest.mark.parametrize(
+    "pred, gold, equal",
+    [
+        (r"0.\overline{3}", r"\frac13", True),  # a repeating decimal is its exact fraction
+        (r"0.\overline{12}", r"\frac{4}{33}", True),
+        (r"1.2\overline{3}", r"\frac{37}{30}", True),
+        (r".\overline{6}", r"\frac23", True),
+        (r"-0.\dot{3}", r"-\frac13", True),
+        (r"0.\overline{3}", "0.33", True),  # the documented rounding rule, as for 1/3
+        (r"0.\overline{3}", r"\frac{3}{10}", False),
+        (r"0.\overline{12}", r"\frac{12}{100}", False),
+        (r"\overline{AB}", r"\overline{AB}", True),  # segments keep their meaning
+    ],
+)
+def test_repeating_decimals(pred, gold, equal):
+    assert math_equal(pred, gold) is equal

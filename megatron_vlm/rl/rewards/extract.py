@@ -10,9 +10,10 @@ preference follows math-verify's documented LaTeX extraction (boxed first), with
    with the boxes just before it when only connectors separate them ("$x = \\boxed{3}$ or
    $x = \\boxed{5}$", "\\boxed{a = 12} and \\boxed{b = 3}"): several boxes that are one answer;
 3. the last final-answer phrase: "final answer is", "the answer is", "correct answer is",
-   "Answer:" (also bold "**Answer:**"), taking the math after it on its line (or on the next
-   non-empty line): one math environment, several joined by "or" / "and" / "," (kept as a list), or
-   the plain text up to the end of the sentence;
+   "Answer:" (also bold "**Answer:**"), a "Final Answer" heading line, taking the math after it on
+   its line (or on the next non-empty line): one math environment, several joined by "or" / "and" /
+   "," (kept as a list), or the plain text up to the end of the sentence (without a reason after a
+   comma, ", since ...", or a spelled-out value in parentheses, "7 (seven)");
 4. with `fallback_last_math`: the last math environment (`$...$`, `$$...$$`, `\\(...\\)`, `\\[...\\]`);
 5. with `fallback_last_number`: the last number.
 """
@@ -21,6 +22,8 @@ from __future__ import annotations
 import bisect
 import re
 from typing import Optional
+
+from megatron_vlm.rl.rewards.latex_normalize import QUALIFIERS
 
 __all__ = [
     "MAX_ANSWER_CHARS",
@@ -42,7 +45,7 @@ the work any downstream parser does on adversarial text."""
 _BOXED = ("\\boxed", "\\fbox")
 _PHRASE = re.compile(
     r"(?:final\s+answer\s*(?:is|:|=)|the\s+answer\s+is|answer\s+is|correct\s+(?:answer|option|choice)\s+is"
-    r"|answer(?:\*\*)?[ \t]*:)[ \t]*:?[ \t]*\**[ \t]*",
+    r"|answer(?:\*\*)?[ \t]*:|final\s+answer(?:\*\*)?[ \t]*(?=\n))[ \t]*:?[ \t]*\**[ \t]*",
     re.IGNORECASE,
 )
 # a whole number token: not the tail of a word, exponent or fraction ("a_1", "1.5e3", "3/4" -> "3/4", not "4");
@@ -253,6 +256,10 @@ def _after_phrase(rest: str) -> Optional[str]:
     # decimal point, and not "B. 7 cm" in a choice)
     m = re.search(r"\.(?:\s+(?=[A-Z][a-z])|\s*$)", line)
     if m:
+        line = line[:m.start()]
+    # the reason or a spelled-out value after it: "3, since 3 > 2", "7 (seven)"
+    m = re.search(r",\s+(?:since|because|as|so|for|given|where)\b|\s+\(([A-Za-z][A-Za-z ]+)\)\s*$", line)
+    if m and m.start() > 0 and not (m.group(1) and QUALIFIERS.intersection(m.group(1).lower().split())):
         line = line[:m.start()]
     return line.strip() or None
 

@@ -181,3 +181,27 @@ def test_last_number_fallback(completion, gold, score):
 )
 def test_repeating_decimals(pred, gold, equal):
     assert math_equal(pred, gold) is equal
+
+
+@pytest.mark.parametrize(
+    "completion, gold, score",
+    [
+        ("So we are done.\n\n### Final Answer\n5", "5", 1.0),  # a heading, the value on the next line
+        ("**Final Answer**\n5", "5", 1.0),
+        ("Final Answer\n\n5", "5", 1.0),
+        ("**Final Answer**\n5", "6", 0.0),
+        ("Hence the answer is 3, since 3 > 2.", "3", 1.0),  # the reason after the value is not the value
+        ("Hence the answer is 3, because the other root is negative.", "3", 1.0),
+        ("Hence the answer is 3, since 3 > 2.", "2", 0.0),
+        ("The answer is 2, 3.", "2, 3", 1.0),
+        ("Answer: 7 (seven)", "7", 1.0),
+        ("Answer: 7 (seven)", "6", 0.0),
+    ],
+)
+def test_final_answer_heading_and_trailing_words(completion, gold, score):
+    assert math_reward(completion, gold) == score
+
+
+def test_trailing_words_that_qualify_still_count():
+    assert math_reward("Answer: 5 (approximately)", "5") == 0.0
+    assert math_reward("Answer: 5 (not exact)", "5") == 0.0

@@ -96,8 +96,9 @@ def _choice_letter(text: str, letters: str, options: Mapping[str, str]) -> Optio
         if m and m.group(1).upper() in letters.upper():
             letter = m.group(1).upper()
             tail = m.group(2) if m.lastindex and m.lastindex >= 2 else None
-            # "B. 5 cm": when the option text is also given it must be that option's text
-            if tail and letter in options and normalize_text(tail) != normalize_text(options[letter]):
+            # "B. 5 cm": when the option text is also given it must be that option's text (or value: "B. 5")
+            if tail and letter in options and normalize_text(tail) != normalize_text(options[letter]) \
+                    and not math_equal(tail, options[letter]):
                 return None
             return letter
     norm = normalize_text(t)

@@ -205,3 +205,16 @@ def test_final_answer_heading_and_trailing_words(completion, gold, score):
 def test_trailing_words_that_qualify_still_count():
     assert math_reward("Answer: 5 (approximately)", "5") == 0.0
     assert math_reward("Answer: 5 (not exact)", "5") == 0.0
+
+
+@pytest.mark.parametrize(
+    "completion, score",
+    [
+        ("The answer is (B) 5", 1.0),  # the option's value without its unit
+        (r"The answer is (B) $\frac{10}{2}$ cm", 1.0),
+        ("The answer is (B) 7", 0.0),  # a letter with another option's value: no choice
+        ("The answer is (B) 5 cm", 1.0),
+    ],
+)
+def test_choice_letter_with_the_value_in_another_form(completion, score):
+    assert choice_reward(completion, "B", metadata={"choices": ["3 cm", "5 cm", "7 cm"]}) == score

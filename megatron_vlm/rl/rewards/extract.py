@@ -45,7 +45,7 @@ the work any downstream parser does on adversarial text."""
 _BOXED = ("\\boxed", "\\fbox")
 _PHRASE = re.compile(
     r"(?:final\s+answer\s*(?:is|:|=)|the\s+answer\s+is|answer\s+is|correct\s+(?:answer|option|choice)\s+is"
-    r"|answer(?:\*\*)?[ \t]*:|final\s+answer(?:\*\*)?[ \t]*(?=\n))[ \t]*:?[ \t]*\**[ \t]*",
+    r"|answer(?:\*\*)?[ \t]*:|(?m:^)[ \t#*>]*final\s+answer(?:\*\*)?[ \t]*(?=\n))[ \t]*:?[ \t]*\**[ \t]*",
     re.IGNORECASE,
 )
 # a whole number token: not the tail of a word, exponent or fraction ("a_1", "1.5e3", "3/4" -> "3/4", not "4");

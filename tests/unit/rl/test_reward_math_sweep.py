@@ -218,3 +218,8 @@ def test_trailing_words_that_qualify_still_count():
 )
 def test_choice_letter_with_the_value_in_another_form(completion, score):
     assert choice_reward(completion, "B", metadata={"choices": ["3 cm", "5 cm", "7 cm"]}) == score
+
+
+def test_final_answer_heading_only_at_the_start_of_a_line():
+    text = "Now let us find the final answer\nWe have $a=2$ and $b=3$, hence\n$$a+b=5$$"
+    assert math_reward(text, "5") == 1.0  # not a heading: the last math environment is the answer

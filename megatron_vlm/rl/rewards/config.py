@@ -64,7 +64,7 @@ class MathRewardConfig(_RewardCommon):
     fallback_last_number: bool = False
     """If no boxed / phrased answer or math environment is found, use the last number in the completion."""
     rel_tol: float = 1e-6
-    """Relative tolerance for numeric equality (absolute 1e-9 near zero)."""
+    """Relative tolerance for numeric equality (absolute 1e-9 near zero); two integers compare exactly."""
     answer_tag: Optional[str] = None
     """Tag name whose content is also an answer candidate, e.g. "answer" for <answer>...</answer>."""
 
@@ -77,8 +77,9 @@ class MathRewardConfig(_RewardCommon):
 @dataclass(kw_only=True)
 class ChoiceRewardConfig(_RewardCommon):
     type: Literal["choice"] = "choice"
-    """Multiple choice: the chosen option (a letter like "B", "(B)", "Option B", or the option's
-    text) equals the reference (a letter or the option text). Options come from the sample's
+    """Multiple choice: the chosen option (a letter like "B", "(B)", "Option B", the option's text, or
+    the value of exactly one option in another form, "\\frac{1}{2}" for "1/2") equals the reference
+    (a letter or the option text). Options come from the sample's
     `choices` metadata or are parsed from the prompt ("A. ...", "(B) ...", "C: ...")."""
     letters: str = "ABCDEFGHIJ"
     """Valid option letters, in order."""

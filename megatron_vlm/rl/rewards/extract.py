@@ -10,9 +10,10 @@ preference follows math-verify's documented LaTeX extraction (boxed first), with
    with the boxes just before it when only connectors separate them ("$x = \\boxed{3}$ or
    $x = \\boxed{5}$", "\\boxed{a = 12} and \\boxed{b = 3}"): several boxes that are one answer;
 3. the last final-answer phrase: "final answer is", "the answer is", "correct answer is",
-   "Answer:" (also bold "**Answer:**"), taking the math after it on its line (or on the next
-   non-empty line): one math environment, several joined by "or" / "and" / "," (kept as a list), or
-   the plain text up to the end of the sentence;
+   "Answer:" (also bold "**Answer:**"), a "Final Answer" heading line, taking the math after it on
+   its line (or on the next non-empty line): one math environment, several joined by "or" / "and" /
+   "," (kept as a list), or the plain text up to the end of the sentence (without a reason after a
+   comma, ", since ...", or a spelled-out value in parentheses, "7 (seven)");
 4. with `fallback_last_math`: the last math environment (`$...$`, `$$...$$`, `\\(...\\)`, `\\[...\\]`);
 5. with `fallback_last_number`: the last number.
 """
@@ -21,6 +22,8 @@ from __future__ import annotations
 import bisect
 import re
 from typing import Optional
+
+from megatron_vlm.rl.rewards.latex_normalize import QUALIFIERS
 
 __all__ = [
     "MAX_ANSWER_CHARS",
@@ -42,13 +45,16 @@ the work any downstream parser does on adversarial text."""
 _BOXED = ("\\boxed", "\\fbox")
 _PHRASE = re.compile(
     r"(?:final\s+answer\s*(?:is|:|=)|the\s+answer\s+is|answer\s+is|correct\s+(?:answer|option|choice)\s+is"
-    r"|answer(?:\*\*)?[ \t]*:)[ \t]*:?[ \t]*\**[ \t]*",
+    r"|answer(?:\*\*)?[ \t]*:|(?m:^)[ \t#*>]*final\s+answer(?:\*\*)?[ \t]*(?=\n))[ \t]*:?[ \t]*\**[ \t]*",
     re.IGNORECASE,
 )
-_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?|-?\.\d+")
+# a whole number token: not the tail of a word, exponent or fraction ("a_1", "1.5e3", "3/4" -> "3/4", not "4");
+# U+2212 is a minus sign
+_NUMBER = re.compile(r"(?<![\w./])[-\u2212]?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)(?:/\d+(?![\d.]))?")
 _CONNECTOR = re.compile(r"\s*(?:,|;|\bor\b|\band\b)?\s*", re.IGNORECASE)
 
 
+_BLANK = re.compile(r"\s*")  # stops at the first other character: no copy of nested contents
 _BOX_SCAN = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z]) *|\\.|[{}]", re.DOTALL)
 
 
@@ -65,8 +71,8 @@ MAX_BOX_GAP = 80
 def _scan_boxes(text: str) -> list[tuple[int, int, int, int, bool]]:
     """One left-to-right pass (regex-driven, so the scan itself runs in C): every closed box as
     (command start, content start, content end, end, inside another box). Brace depth is a stack of
-    open positions; escaped braces (\\{ \\}) and other escapes do not count; an unclosed box is never
-    returned."""
+    open positions; escaped braces (\\{ \\}) and other escapes do not count; an unclosed or empty box
+    is never returned."""
     stack: list[tuple[int, int]] = []  # (content start, box command start or -1)
     boxes: list[tuple[int, int, int, int, bool]] = []
     open_boxes = 0
@@ -89,7 +95,8 @@ def _scan_boxes(text: str) -> list[tuple[int, int, int, int, bool]]:
             start, cmd = stack.pop()
             if cmd >= 0:
                 open_boxes -= 1
-                boxes.append((cmd, start, m.start(), m.end(), open_boxes > 0))
+                if _BLANK.fullmatch(text, start, m.start()) is None:  # an empty "\boxed{}" states no answer
+                    boxes.append((cmd, start, m.start(), m.end(), open_boxes > 0))
     return boxes
 
 
@@ -241,11 +248,18 @@ def _after_phrase(rest: str) -> Optional[str]:
             else:
                 break
         return ", ".join(joined)
+    # bold: "the answer is **5**." (the phrase took the opening "**"), "Answer: **x = 3**"
+    line = re.sub(r"\*\*([^*\n]+?)\*\*", r"\1", line)
+    line = re.sub(r"\*\*(?=[.!]?$)", "", line)
     line = line.strip("*").strip()
     # plain text: up to the end of the sentence (a final "." or ". " before a capitalised word; not a
     # decimal point, and not "B. 7 cm" in a choice)
     m = re.search(r"\.(?:\s+(?=[A-Z][a-z])|\s*$)", line)
     if m:
+        line = line[:m.start()]
+    # the reason or a spelled-out value after it: "3, since 3 > 2", "7 (seven)"
+    m = re.search(r",\s+(?:since|because|as|so|for|given|where)\b|\s+\(([A-Za-z][A-Za-z ]+)\)\s*$", line)
+    if m and m.start() > 0 and not (m.group(1) and QUALIFIERS.intersection(m.group(1).lower().split())):
         line = line[:m.start()]
     return line.strip() or None
 
@@ -262,9 +276,9 @@ def answer_phrase(text: str) -> Optional[str]:
 
 
 def last_number(text: str) -> Optional[str]:
-    """The last number written in the text (e.g. "-3", "1,000", "2.5")."""
+    """The last number written in the text (e.g. "-3", "1,000", "2.5", "3/4")."""
     found = _NUMBER.findall(text)
-    return found[-1] if found else None
+    return found[-1].replace("\u2212", "-") if found else None
 
 
 def strip_math_delimiters(s: str) -> str:

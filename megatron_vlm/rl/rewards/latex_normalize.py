@@ -147,11 +147,45 @@ def _system(m: re.Match) -> str:
     return " " + " , ".join(r for r in rows if r) + " "
 
 
+_UNICODE = str.maketrans({
+    "\u2212": "-",  # MINUS SIGN
+    "\u00d7": " \\times ", "\u22c5": " \\cdot ", "\u00f7": " \\div ",
+    "\u03c0": " \\pi ", "\u221e": " \\infty ", "\u221a": " \\sqrt ", "\u222a": " \\cup ",
+    "\u00a0": " ", "\u2009": " ", "\u202f": " ",  # no-break, thin and narrow no-break spaces
+})
+"""Unicode operators models write for their LaTeX commands (\u2212 for -, \u00d7 for \\times, \u03c0 for \\pi)."""
+
+_MIXED = re.compile(r"(?<![\w.^_}\\)])(\d{1,9})\s*\\frac\s*(?:\{\s*(\d{1,9})\s*\}|(\d))\s*(?:\{\s*(\d{1,9})\s*\}|(\d))")
+
+
+def _mixed_number(m: re.Match) -> str:
+    """"2\\frac{1}{4}" is the mixed number 9/4 (as written in school answers), not 2 * 1/4; only a
+    proper fraction of integers after an integer reads so."""
+    whole, num, den = int(m.group(1)), int(m.group(2) or m.group(3)), int(m.group(4) or m.group(5))
+    if not 0 < num < den:
+        return m.group(0)
+    return f"\\frac{{{whole * den + num}}}{{{den}}}"
+
+
+_REPEATING = re.compile(r"(?<![\d.])(\d{0,20})\.(\d{0,20})\\(?:overline|dot)\s*(?:\{\s*(\d{1,20})\s*\}|(\d))")
+
+
+def _repeating_decimal(m: re.Match) -> str:
+    """"0.1\\overline{6}" (also \\dot{6}) is the exact fraction 1/6: 0.1666... = (16 - 1) / 90."""
+    whole, fixed, period = m.group(1) or "0", m.group(2), m.group(3) or m.group(4)
+    den = 10 ** len(fixed) * (10 ** len(period) - 1)
+    num = int(whole) * den + int(fixed + period) - int(fixed or "0")
+    return f"\\frac{{{num}}}{{{den}}}"
+
+
+_GROUPED = re.compile(r"(?<![\d.])[1-9]\d{0,2}(?:\{,\}\d{3})+(?!\d)")
+
+
 def normalize_latex(text: str) -> tuple[str, bool]:
     """Rewrite formatting-only LaTeX into the parser's subset. Returns (text, had_percent).
 
     Raises QualifiedAnswer when words in the answer qualify or negate its value."""
-    s = text.strip()
+    s = text.translate(_UNICODE).strip()
     for a, b in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
         if len(s) >= len(a) + len(b) and s.startswith(a) and s.endswith(b):
             s = s[len(a):len(s) - len(b)]
@@ -170,10 +204,15 @@ def normalize_latex(text: str) -> tuple[str, bool]:
     s = s.replace(";", ",")  # "1; 0; 4", "(1;0;4)": a semicolon separates items like a comma
     s = re.sub(r"\\(?:mid|vert|lvert|rvert)(?![A-Za-z])", "|", s)
     s = re.sub(r"\\[dt]frac(?![A-Za-z])", r"\\frac", s)
+    s = _MIXED.sub(_mixed_number, s)
+    s = _REPEATING.sub(_repeating_decimal, s)
     s = re.sub(r"\\(?:cdot|times|ast)(?![A-Za-z])", "*", s)
     s = re.sub(r"\\div(?![A-Za-z])", "/", s)
-    s = re.sub(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|\\degree|°", " ", s)
-    s = s.replace("{,}", "")
+    # degrees, also Celsius / Fahrenheit: "12^\\circ\\text{C}", "-5^{\\circ} F"
+    s = re.sub(r"(?:\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|\\degree|°)"
+               r"(?:\s*(?:\\(?:text|mathrm)\s*\{\s*[CF]\s*\}|[CF](?![A-Za-z])))?", " ", s)
+    # 1{,}000 groups digits; 1{,}5 and 0{,}25 are decimal commas, read as lists (no value)
+    s = _GROUPED.sub(lambda m: m.group(0).replace("{,}", ""), s).replace("{,}", ",")
     s = re.sub(r"\\mathbb\s*\{\s*R\s*\}|\\mathbb\s*R(?![A-Za-z])|\\R(?![A-Za-z])", r"\\reals ", s)
     s = re.sub(r"\\(?:varnothing|emptyset)(?![A-Za-z])|\\\{\s*\\\}", r"\\emptyset ", s)
     s = re.sub(r"\\(?:leqslant|leq|le)(?![A-Za-z])|<=", "≤", s)

@@ -5,7 +5,8 @@
    a choice label with its value ("\\textbf{(B)}\\ 12") compares by letter with a lettered answer, by
    value otherwise;
 2. both parse (latex_math, no evaluation of text) and their values agree:
-   - numbers: |a - b| <= rel_tol * max(|a|, |b|) (1e-9 absolute near zero); a decimal written with
+   - numbers: two integers only when they are the same integer; otherwise
+     |a - b| <= rel_tol * max(|a|, |b|) (1e-9 absolute near zero); a decimal written with
      d >= 2 places matches any value that rounds to it: a prediction (5.20 for 3\\sqrt{3}) or a gold
      answer (gold 3.14 accepts \\pi and 3.14159, not 3.1 or 3.15);
    - percentages: "50%" matches 50, 0.5 and 1/2 (and a gold "50%" accepts 50 and 0.5);
@@ -106,6 +107,8 @@ def _expr_equal(a, b, rel_tol: float, pred_decimals: int, gold_decimals: int, ro
         return False
     if a == b:
         return True
+    if a.is_Integer and b.is_Integer:  # counts and residues: 1000000008 is not 1000000007 at any tolerance
+        return False
     va, vb = _number(a), _number(b)
     if va is not None and vb is not None:
         if abs(va - vb) <= max(rel_tol * max(abs(va), abs(vb)), 1e-9):

@@ -96,15 +96,18 @@ def _choice_letter(text: str, letters: str, options: Mapping[str, str]) -> Optio
         if m and m.group(1).upper() in letters.upper():
             letter = m.group(1).upper()
             tail = m.group(2) if m.lastindex and m.lastindex >= 2 else None
-            # "B. 5 cm": when the option text is also given it must be that option's text
-            if tail and letter in options and normalize_text(tail) != normalize_text(options[letter]):
+            # "B. 5 cm": when the option text is also given it must be that option's text (or value: "B. 5")
+            if tail and letter in options and normalize_text(tail) != normalize_text(options[letter]) \
+                    and not math_equal(tail, options[letter]):
                 return None
             return letter
     norm = normalize_text(t)
     for letter, opt in options.items():
         if normalize_text(opt) == norm:
             return letter
-    return None
+    # the option's value in another form ("\\frac{1}{2}" for the option "1/2"); only one option may match
+    same = [letter for letter, opt in options.items() if math_equal(t, opt)]
+    return same[0] if len(same) == 1 else None
 
 
 def choice_reward(
@@ -115,7 +118,8 @@ def choice_reward(
     metadata: Optional[Mapping[str, Any]] = None,
     letters: str = "ABCDEFGHIJ",
 ) -> float:
-    """1.0 if the chosen option (letter or option text) is the reference option, else 0.0.
+    """1.0 if the chosen option (letter, option text, or the value of exactly one option in another
+    form: "\\frac{1}{2}" for "1/2") is the reference option, else 0.0.
 
     Options come from `metadata["choices"]` (a list, lettered in order) or from the prompt's lines."""
     letters = letters.upper()

@@ -361,5 +361,39 @@ _MORE = [
     ("basic", B(r"a_1"), "a_2", False),
 ]
 
-CASES = _C + _MORE + FORMS
+# found by a fresh-eyes sweep against math-verify: forms where our verdict differed and the
+# mathematics is on math-verify's side (labels written by hand)
+_SWEEP = [
+    # a mixed number is its sum, never a product (2\frac14 is 9/4, not 1/2)
+    ("number_format", B(r"2\frac{1}{4}"), r"\frac{9}{4}", True),
+    ("number_format", B(r"\frac{9}{4}"), r"2\frac14", True),
+    ("number_format", B(r"-2\frac{1}{4}"), "-2.25", True),
+    ("number_format", B(r"2\frac{1}{4}"), r"\frac{1}{2}", False),
+    ("number_format", B(r"\frac{1}{2}"), r"2\frac{1}{4}", False),
+    # two integers are equal only when they are the same integer (counts, residues mod 10^9 + 7)
+    ("basic", B("1000000008"), "1000000007", False),
+    ("basic", B("12345679"), "12345678", False),
+    ("basic", B("3628801"), "3628800", False),
+    # a decimal comma group of fewer than three digits is not a thousands separator
+    ("number_format", B("1{,}5"), "15", False),
+    ("number_format", B("1{,}00"), "100", False),
+    # unicode operators models emit
+    ("number_format", B("\u22125"), "-5", True),
+    ("number_format", B("x\u22121"), "x - 1", True),
+    ("number_format", B("2\u00d73"), "6", True),
+    ("number_format", B("6\u00f73"), "2", True),
+    ("number_format", B("\u03c0/2"), r"\frac{\pi}{2}", True),
+    ("number_format", B("\u22125"), "5", False),
+    # a bold answer after the answer phrase
+    ("extraction", "Therefore, the answer is **5**.", "5", True),
+    ("extraction", "Therefore, the answer is **5**.", "6", False),
+    ("extraction", r"So $\boxed{3}$. (Answer format: \boxed{})", "3", True),
+    ("extraction", r"So $\boxed{3}$. \boxed{}", "4", False),
+    ("units_text", B(r"12^\circ\text{C}"), "12", True),
+    ("units_text", B(r"12^\circ\text{C}"), "13", False),
+    ("number_format", B(r"0.\overline{12}"), r"\frac{4}{33}", True),
+    ("number_format", B(r"0.\overline{12}"), r"\frac{3}{25}", False),
+]
+
+CASES = _C + _MORE + _SWEEP + FORMS
 KINDS = sorted({c[0] for c in CASES})

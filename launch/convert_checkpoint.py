@@ -64,7 +64,7 @@ def _merge_adapter(adapter: Path, model_path: str, out: str) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split(". ", 1)[0].split()) + ".")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="a checkpoints/step_<N> folder")
     src.add_argument("--adapter", help="a PEFT LoRA adapter folder to merge into --model-path (needs --merge)")

@@ -7,7 +7,7 @@ benchmark, scored with the training verifiers (math, choice, exact_match, short_
 
 The same job as `launch/pretrain_vlm.py` with `[train] mode = "eval"` (this entry point sets it, so
 a config may leave `[train]` out); the config needs `[model] path` and `[eval]` with at least one
-`[[eval.benchmarks]]` table (README "Evaluation"). Results go to `train.output_dir`:
+`[[eval.benchmarks]]` table (docs/evaluation.md). Results go to `train.output_dir`:
 eval_results.json, eval_results.md, eval_predictions/ and the resolved config as eval_config.toml (never
 config.toml: pointed at a training run's folder, the run's own config.toml stays as it is). Config errors,
 and a folder another job is writing to, exit with code 2.

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 import typing
@@ -76,9 +77,12 @@ def render() -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--write", action="store_true", help=f"rewrite the generated block of {REFERENCE.name} instead of printing it")
+    write = p.parse_args(argv).write
     md = render()
-    if "--write" in sys.argv:
+    if write:
         text = REFERENCE.read_text()
         head, rest = text.split(BEGIN, 1)
         _, tail = rest.split(END, 1)

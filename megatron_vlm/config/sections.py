@@ -151,7 +151,7 @@ class ParallelConfig:
     tp > 1 too, MoE layers replicated over tp) and pipeline parallelism (pp > 1 with data parallelism, as native: our
     1F1B schedule drives stages whose decoder layers are megatron-core layers; megatron-core's own pipeline size
     stays 1). `[lora]`: the native adapters taken over by the megatron-core layers (every layout, tp > 1
-    included; README "LoRA") (experimental: the local spec has run on one GPU, Transformer Engine's spec and multi-GPU layouts not yet; README "Megatron-core")."""
+    included; docs/training.md "LoRA") (experimental: the local spec has run on one GPU, Transformer Engine's spec and multi-GPU layouts not yet; docs/backends.md)."""
     dp_replicate: int = 1
     """Data-parallel replicas (HSDP outer dimension)."""
     dp_shard: int = -1
@@ -236,7 +236,7 @@ class LoggingConfig:
 
 @dataclass(kw_only=True)
 class LoRAConfig:
-    """[lora]: train low-rank adapters instead of the full weights (PEFT-compatible; see README "LoRA")."""
+    """[lora]: train low-rank adapters instead of the full weights (PEFT-compatible; see docs/training.md "LoRA")."""
 
     r: int = 8
     """Adapter rank."""

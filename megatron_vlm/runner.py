@@ -52,7 +52,8 @@ def _missing_package(cfg) -> str | None:
     Why here: the metrics logger imports wandb on rank 0 alone, once the model and optimizer are built; there
     the error was a traceback on rank 0 while the other ranks waited in their first collective. Not in the
     config checks: `--check` plans a run, often on another machine than the one it runs on."""
-    if cfg.train.mode != "eval" and cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+    wandb = getattr(getattr(cfg, "logging", None), "wandb", False)  # a job config without [logging]: nothing asked
+    if cfg.train.mode != "eval" and wandb and importlib.util.find_spec("wandb") is None:
         return ("logging.wandb: true but the wandb package is not installed (pip install 'megatron-vlm[wandb]'), "
                 "or set logging.wandb = false")
     return None

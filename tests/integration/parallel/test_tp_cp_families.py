@@ -153,10 +153,11 @@ other three run in the heavy test (`-m heavy`): each family is three 2-rank jobs
 
 def _families(tmp: Path, rank: int, families=CI_FAMILIES, grpo: bool = True) -> None:
     grpo_model = tmp / "grpo" / "model"
+    if rank == 0:  # the arithmetic set (GRPO's prompts, the text family's SFT data); rank 1 waits in the rendezvous
+        write_synthetic_arith(tmp / "arith", max_operand=9, eval_size=8)
     if rank == 0 and grpo:
         # the one-process GRPO reference, in a one-rank group before the 2-rank group exists
         # (rank 1 waits for rank 0 in the rendezvous below)
-        write_synthetic_arith(tmp / "arith", max_operand=9, eval_size=8)
         synthesize_model_folder("tiny_qwen2_5_vl", grpo_model, seed=0)
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         _grpo(grpo_model, tmp / "grpo" / "dp1", DistEnv(0, 1, 0, torch.device("cpu"), "gloo"))

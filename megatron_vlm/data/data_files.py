@@ -30,6 +30,12 @@ HF_SUFFIXES = (".parquet", ".arrow", ".jsonl")
 MESSAGES_SUFFIXES = (".jsonl",)
 
 
+def file_signature(path: Path) -> dict:
+    """A file's resolved path, size and modification time: what a cache keyed on the file compares."""
+    st = path.stat()
+    return {"file": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
 def find_data_files(path: str | os.PathLike, suffixes: tuple[str, ...] = HF_SUFFIXES) -> list[Path]:
     """The data files at `path` (see module docstring); FileNotFoundError when there are none."""
     text = os.fspath(path)

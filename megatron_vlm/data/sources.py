@@ -15,7 +15,7 @@ from typing import Optional, Protocol
 
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.config import DataConfig
-from megatron_vlm.data.data_files import MESSAGES_SUFFIXES, data_path_errors, find_data_files
+from megatron_vlm.data.data_files import MESSAGES_SUFFIXES, data_path_errors, file_signature, find_data_files
 from megatron_vlm.data.hf_source import HFRecords
 from megatron_vlm.data.messages import Record, read_messages_jsonl
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
@@ -55,11 +55,7 @@ class ListRecords:
         return r.source, r.index
 
     def identity(self) -> dict:
-        files = []
-        for f in self.files:
-            st = f.stat()
-            files.append({"file": str(f.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
-        return {"files": files, "n": len(self.records), "image_root": self.image_root}
+        return {"files": [file_signature(f) for f in self.files], "n": len(self.records), "image_root": self.image_root}
 
 
 def _messages_source(path: str | os.PathLike, image_root: Optional[str], bad_records: Optional[BadRecordLog]) -> ListRecords:

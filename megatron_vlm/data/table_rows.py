@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
-from megatron_vlm.data.data_files import HF_SUFFIXES, TABLE_SUFFIXES, DataFileError, find_data_files
+from megatron_vlm.data.data_files import HF_SUFFIXES, TABLE_SUFFIXES, DataFileError, file_signature, find_data_files
 
 __all__ = ["TableRows", "read_json_lines"]
 
@@ -168,8 +168,4 @@ class TableRows:
 
     def identity(self) -> list[dict]:
         """What the rows depend on, for caches: each file's resolved path, size and modification time."""
-        out = []
-        for file, part in zip(self.files, self._parts):
-            st = file.stat()
-            out.append({"file": str(file.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "n": len(part)})
-        return out
+        return [{**file_signature(file), "n": len(part)} for file, part in zip(self.files, self._parts)]

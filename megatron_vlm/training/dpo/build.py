@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.data.data_files import file_signature
 from megatron_vlm.data.preference_loader import build_preference_dataloader, build_preference_pass_loader
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.parallel.precision import compute_dtype
@@ -55,10 +56,8 @@ def initial_model_identity(cfg) -> str:
         return cfg.model.path
     folder = Path(lora.init_from)
     files = sorted(folder.rglob("*")) if folder.is_dir() else [folder]
-    stats = [(str(f.relative_to(folder) if folder.is_dir() else f.name), f.stat().st_size, f.stat().st_mtime_ns)
-             for f in files if f.is_file()]
     return json.dumps({"model": cfg.model.path, "init_from": lora.init_from, "mode": lora.init_from_mode,
-                       "files": stats})
+                       "files": [file_signature(f) for f in files if f.is_file()]})
 
 
 def build_reference(ctx: RunContext, bundle: ModelBundle, dpo: DPOConfig, train_loader, eval_loader):

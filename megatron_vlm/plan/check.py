@@ -391,6 +391,18 @@ def _stage_configs(cfg) -> list:
     return out
 
 
+def _custom_reward_lines(cfg) -> list[str]:
+    """Import the run's custom verifiers in a reward worker as the run will (a ConfigError naming
+    `rl.rewards[i].function` if one does not import or cannot take the run's arguments)."""
+    rl = getattr(cfg, "rl", None)
+    if rl is None:
+        return []
+    from megatron_vlm.rl.rewards.manager import check_custom_rewards
+
+    n = check_custom_rewards(rl.rewards, timeout_s=rl.reward_pool.timeout_s, memory_limit_mb=rl.reward_pool.memory_limit_mb)
+    return [f"rewards    {n} custom verifier(s) import in a reward worker and take the run's arguments"] if n else []
+
+
 def run_check(cfg, *, world_size: int, device_memory_gib: Optional[float], out: TextIO = sys.stdout,
               err: TextIO = sys.stderr) -> int:
     """Print the plan and return 0, or print one `check failed: <key>: ...` line (plus the plan when
@@ -409,6 +421,7 @@ def run_check(cfg, *, world_size: int, device_memory_gib: Optional[float], out: 
             return 2
     try:
         lines = plan_run(cfg, world_size=world_size, device_memory_gib=device_memory_gib)
+        lines += _custom_reward_lines(cfg)
         for stage_cfg in _stage_configs(cfg):  # each [[stages]] table with its own frames / pack size / layers
             stage_lines = plan_run(stage_cfg, world_size=world_size, device_memory_gib=device_memory_gib)
             lines += [f"stage {Path(stage_cfg.train.output_dir).name}:"] + [f"  {x}" for x in stage_lines]

@@ -53,8 +53,9 @@ class CombinedRewards:
         self.rewards = list(rewards)
         self.labels = reward_labels(self.rewards)
         pool = dict(pool or {})
-        rule = [r for r in self.rewards if r.type not in MODEL_REWARD_TYPES]
-        self.rule = RewardManager(rule, **pool) if rule else None
+        rule_index = [k for k, r in enumerate(self.rewards) if r.type not in MODEL_REWARD_TYPES]
+        rule = [self.rewards[k] for k in rule_index]
+        self.rule = RewardManager(rule, config_indices=rule_index, **pool) if rule else None
         self.value_limit = pool.get("value_limit")
         self.scorers: dict[int, Any] = dict(scorers or {})
         render: dict[str, Any] = dict(dtype=dtype, device=device, max_frames=max_frames, fps=fps, limits=limits)

@@ -28,7 +28,7 @@ from megatron_vlm.errors import ConfigError
 from megatron_vlm.rl.rewards.config import CustomRewardConfig
 from megatron_vlm.rl.rewards.pool import RewardCall, RewardWorkerPool
 
-__all__ = ["RewardBatch", "RewardManager"]
+__all__ = ["RewardBatch", "RewardManager", "check_custom_rewards"]
 
 logger = logging.getLogger(__name__)
 _LOG_FIRST = 5
@@ -89,13 +89,19 @@ class RewardManager:
     """Runs the reward verifiers of one run. Not thread-safe; one per scoring process."""
 
     def __init__(self, rewards: Sequence[Any], *, timeout_s: float = 10.0, num_workers: int = 2, start_method: str = "spawn",
-                 memory_limit_mb: int = 0, batch_timeout_s: Optional[float] = None, value_limit: Optional[float] = None):
+                 memory_limit_mb: int = 0, batch_timeout_s: Optional[float] = None, value_limit: Optional[float] = None,
+                 config_indices: Optional[Sequence[int]] = None):
+        """`config_indices`: the `rl.rewards[i]` index of each entry of `rewards` when they are a subset of the
+        configured list (the rule rewards beside reward models), so a config error names the right table."""
         self.rewards = list(rewards)
         self.labels = reward_labels(self.rewards)
         self._specs = [_call_spec(r) for r in self.rewards]
-        # (index, dotted path) of the custom verifiers (their spec always carries the function)
-        where = [(i, fn) for i, (verifier, fn, _) in enumerate(self._specs) if verifier == "custom" and fn is not None]
-        custom = sorted({fn for _, fn in where})
+        index = list(config_indices) if config_indices is not None else list(range(len(self.rewards)))
+        if len(index) != len(self.rewards):
+            raise ValueError(f"config_indices: {len(index)} indices for {len(self.rewards)} rewards")
+        # (config index, position, dotted path) of the custom verifiers (their spec always carries the function)
+        where = [(index[k], k, fn) for k, (verifier, fn, _) in enumerate(self._specs) if verifier == "custom" and fn is not None]
+        custom = sorted({fn for _, _, fn in where})
         self.pool = RewardWorkerPool(num_workers=num_workers, timeout_s=timeout_s, start_method=start_method, preload=custom,
                                      memory_limit_mb=memory_limit_mb, batch_timeout_s=batch_timeout_s,
                                      value_limit=value_limit)
@@ -103,16 +109,16 @@ class RewardManager:
             try:
                 failed = self.pool.start()
             except RuntimeError as e:  # the worker died importing them (os._exit / a crash in the module)
-                keys = ", ".join(f"rl.rewards[{i}].function" for i, _ in where)
-                raise ConfigError(f"{keys}: importing {', '.join(fn for _, fn in where)} ended the reward worker "
+                keys = ", ".join(f"rl.rewards[{i}].function" for i, _, _ in where)
+                raise ConfigError(f"{keys}: importing {', '.join(fn for _, _, fn in where)} ended the reward worker "
                                   f"({e}); does the module exit or crash at import?") from None
-            bad = [(i, fn) for i, fn in where if fn in failed]
+            bad = [(i, fn) for i, _, fn in where if fn in failed]
             if bad:
                 self.pool.close()
                 i, fn = bad[0]
                 raise ConfigError(f"rl.rewards[{i}].function: {failed[fn]}")
-            for i, fn in where:
-                problem = call_signature_problem(self.pool.signatures.get(fn), self._specs[i][2])
+            for i, k, fn in where:
+                problem = call_signature_problem(self.pool.signatures.get(fn), self._specs[k][2])
                 if problem:
                     self.pool.close()
                     raise ConfigError(f"rl.rewards[{i}].function: {fn} {problem}")
@@ -216,3 +222,19 @@ class RewardManager:
             "reward/clipped": float(self.num_clipped),
             "reward/worker_restarts": float(self.pool.restarts),
         }
+
+
+def check_custom_rewards(rewards: Sequence[Any], *, timeout_s: float = 10.0, memory_limit_mb: int = 0) -> int:
+    """Import every custom verifier of `rewards` in one reward worker, as a run does at its start, and raise the
+    run's ConfigError (naming `rl.rewards[i].function`) for one that does not import, cannot be called with the
+    run's arguments, or ends the worker. Returns how many were checked.
+
+    Why: `--check` answers "will this config start?"; a misspelt module or function passed it and failed only
+    once the job had its nodes, loaded its model and started the rollout."""
+    where = [(i, r) for i, r in enumerate(rewards) if isinstance(r, CustomRewardConfig)]
+    if not where:
+        return 0
+    manager = RewardManager([r for _, r in where], timeout_s=timeout_s, num_workers=1,
+                            memory_limit_mb=memory_limit_mb, config_indices=[i for i, _ in where])
+    manager.close()
+    return len(where)

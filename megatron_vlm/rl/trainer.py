@@ -42,6 +42,7 @@ from megatron_vlm.rl.rewards.manager import RewardManager
 from megatron_vlm.training.bad_record_summary import write_bad_record_summary
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
+from megatron_vlm.training.running_totals import RunningTotals
 
 __all__ = ["check_model_folder", "check_grpo_config", "require_rl", "grpo_total_steps", "rollout_batch_prompts", "build_rollout_engine", "GRPOParts",
            "build_grpo_parts", "GRPOLoopStep"]
@@ -218,14 +219,17 @@ class GRPOLoopStep:
         self.rl, self.seed = require_rl(ctx.cfg), ctx.cfg.train.seed
         self.train_set, self.grpo, self._evaluate = train_set, grpo, evaluate
         self._batches: Optional[Iterator[list[int]]] = None
+        self.totals = RunningTotals()
+        """reward/calls, data/skipped_prompts, ...: counted on from the checkpoint's totals after a resume."""
 
     def load_data_state(self, state: dict, step: int) -> None:  # noqa: ARG002 (the order is a function of the step)
         refusal = grpo_data_state_refusal(state, **self._order())
         if refusal:  # another prompt set / seed / step size: exit 2 naming the key (rl/prompts/data_state.py)
             raise ConfigError(refusal)
+        self.totals.restore(state)
 
     def data_state(self, step: int) -> dict:
-        return grpo_data_state(step, **self._order())
+        return {**grpo_data_state(step, **self._order()), **self.totals.state()}
 
     def _order(self) -> dict:
         """What the prompt order is a function of (with the step)."""
@@ -237,6 +241,7 @@ class GRPOLoopStep:
         metrics = self.grpo.run(step, [self.train_set[i] for i in next(self._batches)], prompt_pool=self.train_set)
         metrics.update(getattr(self.grpo.engine, "metrics", dict)())  # the vLLM back end's rollout/weight_push_s
         metrics["epoch"] = (step + 1) * self.rl.batch.prompts_per_step / len(self.train_set)
+        self.totals.add_to(metrics)  # every step (the metrics are reduced every step): the next checkpoint's totals
         return metrics if log else {}
 
     def evaluate(self, step: int) -> Optional[dict]:

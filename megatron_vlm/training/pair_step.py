@@ -28,6 +28,7 @@ from megatron_vlm.training.bad_record_summary import write_bad_record_summary
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 from megatron_vlm.training.optim import OptimState
+from megatron_vlm.training.running_totals import RunningTotals
 from megatron_vlm.training.step_guard import StepGuard
 
 __all__ = ["PackScorer", "PairStep", "PairEvaluator"]
@@ -61,12 +62,16 @@ class PairStep(PackScorer):
         self._it: Optional[Iterator[dict]] = None
         self.guard = StepGuard.from_config(ctx.cfg.train, ctx.env.device)
         self.empty_steps_skipped = 0
+        self.totals = RunningTotals()
+        """skipped_steps, data/empty_steps_skipped: counted on from the checkpoint's totals after a resume."""
 
     def load_data_state(self, state: dict, step: int) -> None:  # noqa: ARG002
         self.loader.load_state_dict(state)
+        self.totals.restore(state)
 
     def data_state(self, step: int) -> dict:  # noqa: ARG002
-        return self.loader.state_dict()
+        counts = {"skipped_steps": float(self.guard.skipped), "data/empty_steps_skipped": float(self.empty_steps_skipped)}
+        return {**self.loader.state_dict(), **self.totals.state(counts)}
 
     def evaluate(self, step: int) -> Optional[dict]:
         return self._evaluate(step) if self._evaluate is not None else None
@@ -136,7 +141,7 @@ class PairStep(PackScorer):
                             "data/empty_steps_skipped": float(self.empty_steps_skipped)})
         if moe_report is not None:
             out_metrics.update(moe_report[0])
-        return out_metrics
+        return self.totals.add_to(out_metrics)
 
     def finish(self) -> None:
         write_bad_record_summary(self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main,

@@ -29,6 +29,7 @@ from megatron_vlm.training.bad_record_summary import write_bad_record_summary
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 from megatron_vlm.training.optim import OptimState
+from megatron_vlm.training.running_totals import RunningTotals
 from megatron_vlm.training.step_guard import StepGuard
 
 __all__ = ["SFTStep", "prepare_sft_data", "build_train_loader", "steps_per_epoch"]
@@ -117,6 +118,8 @@ class SFTStep:
         self.guard = StepGuard.from_config(ctx.cfg.train, ctx.env.device)
         self.empty_steps_skipped = 0
         """Times a step's packs held no trained token and were replaced by the next ones (`_skip_empty`)."""
+        self.totals = RunningTotals()
+        """skipped_steps, data/empty_steps_skipped, data/samples_seen: counted on from the checkpoint's totals."""
 
     # ------------------------------------------------------------------ StepRunner
     def load_data_state(self, state: dict, step: int) -> None:  # noqa: ARG002
@@ -125,16 +128,24 @@ class SFTStep:
         except ValueError as e:  # another data set / pack size / seed / data-parallel split than the checkpoint's
             raise ConfigError(data_state_refusal(state, self.loader, e)) from None
         self._restore_bad_records(state.get("bad_records") or [], same_split=state.get("dp_size") == self.bundle.dims.dp_size)
+        self.totals.restore(state)
 
     def data_state(self, step: int) -> dict:  # noqa: ARG002
         """The loader position and this rank's skipped records; also writes bad_records.json (collective: every
         rank saves), so a run killed or failed later leaves the summary of everything up to its checkpoint."""
         state = dict(self.loader.state_dict())
+        state.update(self.totals.state(self._counts()))
         if self.bad_records is not None:
             state["bad_records"] = self.bad_records.to_dict()["records"]
             write_bad_record_summary(self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main, announce=False,
                                      dp_rank=self._dp_rank())
         return state
+
+    def _counts(self) -> dict[str, float]:
+        """This process's counters (the logged metrics of the same names before the resumed totals are added)."""
+        stats = self.loader.stats() if hasattr(self.loader, "stats") else {}
+        return {"skipped_steps": float(self.guard.skipped), "data/empty_steps_skipped": float(self.empty_steps_skipped),
+                **({"data/samples_seen": float(stats["samples_seen"])} if "samples_seen" in stats else {})}
 
     def _restore_bad_records(self, saved: list, *, same_split: bool) -> None:
         """Put back the records skipped before the checkpoint (their packs are not read again after the resume),
@@ -215,7 +226,7 @@ class SFTStep:
                 out["mfu"] = 6.0 * self.n_params * (g_seq / dt) / (peak * env.world_size)
         if moe_report is not None:
             out.update(moe_report[0])
-        return out
+        return self.totals.add_to(out)
 
     def _skip_empty(self, step: int, fetched: int) -> None:
         """No rank's micro-batches of this step hold a trained token: every sample in them failed when it

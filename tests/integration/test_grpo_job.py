@@ -75,7 +75,8 @@ def test_grpo_run_folder_and_exact_resume_after_kill9(tmp_path):
     assert "Resumed from checkpoint: step=2" in r.stderr
     resumed = {int(x["step"]): x for x in read_metrics(crashed / "metrics_train.csv")}
     for row in rows:
-        for key in ("reward/mean", "loss", "actor/kl", "response_length/mean", "grad_norm"):
+        # reward/calls counts since the start of the run: the resumed process continues the checkpoint's total
+        for key in ("reward/mean", "loss", "actor/kl", "response_length/mean", "grad_norm", "reward/calls"):
             assert float(resumed[int(row["step"])][key]) == float(row[key]), (row["step"], key)
     a, b = load_safetensors_dir(straight / "hf"), load_safetensors_dir(crashed / "hf")
     assert a.keys() == b.keys()

@@ -92,6 +92,10 @@ def test_exact_resume_after_kill9(tmp_path, assets):
     la = [float(x["loss"]) for x in read_metrics(straight / "metrics_train.csv")]
     lb = {int(x["step"]): float(x["loss"]) for x in read_metrics(crashed / "metrics_train.csv")}
     assert [lb[s] for s in range(1, 7)] == la
+    # counters continue from the checkpoint's totals instead of restarting at 0 in the resumed process
+    seen = [float(x["data/samples_seen"]) for x in read_metrics(straight / "metrics_train.csv")]
+    seen_b = {int(x["step"]): float(x["data/samples_seen"]) for x in read_metrics(crashed / "metrics_train.csv")}
+    assert [seen_b[s] for s in range(1, 7)] == seen and seen[-1] > seen[2] > 0
 
 
 def test_partial_checkpoint_is_ignored(tmp_path, assets):

@@ -216,6 +216,7 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         })
         self._last_end = end
         metrics["epoch"] = (step + 1) * self.rl.batch.prompts_per_step / len(self.train_set)
+        self.totals.add_to(metrics)  # reward/*, data/skipped_prompts: counted on from the checkpoint's totals
         return metrics if log else {}
 
     def finish(self) -> None:

@@ -33,7 +33,9 @@ for two common kinds of file: it drops the alpha channel, so a transparent PNG (
 a screenshot) shows whatever colour its invisible pixels hold, often black on black; and it clips
 16-bit grayscale (medical / scientific PNG and TIFF) at 255, so most of such an image turns white.
 `to_rgb` composites transparency onto white, as transformers' image processors do
-(`image_transforms.convert_to_rgb`), and scales 16-bit samples to 8 bits (v / 257).
+(`image_transforms.convert_to_rgb`), and scales 16-bit samples to 8 bits (v / 257). Before that,
+`load_image` turns camera photos upright by their EXIF Orientation tag, as transformers'
+`load_image` and vLLM do, and `image_hw` reports the upright size, so planned lengths agree.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ from pathlib import Path
 from typing import Any, Optional, Protocol
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from megatron_vlm.data.bad_records import BadRecordError
 from megatron_vlm.data.config import (
@@ -128,10 +130,26 @@ def _open(ref: Any, max_pixels: int) -> Image.Image:
     return img
 
 
+_EXIF_ORIENTATION = 0x0112
+_SWAPS_SIDES = (5, 6, 7, 8)  # orientations that turn the image by 90 degrees (transpose / rotate)
+
+
+def _orientation(img: Image.Image) -> int:
+    """The EXIF Orientation tag (1 = upright) from the header; unreadable EXIF counts as upright, as
+    vLLM's loader treats it (the pixels are still usable)."""
+    try:
+        value = img.getexif().get(_EXIF_ORIENTATION, 1)
+        return int(value) if 1 <= int(value) <= 8 else 1
+    except Exception:  # malformed EXIF block: keep the stored orientation
+        return 1
+
+
 def image_hw(ref: Any, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> tuple[int, int]:
-    """(height, width) from the file header, without decoding pixels; over `max_pixels` is a bad record."""
-    w, h = _open(ref, max_pixels).size
-    return h, w
+    """(height, width) of the image as displayed (EXIF orientation applied, see `load_image`) from
+    the file header, without decoding pixels; over `max_pixels` is a bad record."""
+    img = _open(ref, max_pixels)
+    w, h = img.size
+    return (w, h) if _orientation(img) in _SWAPS_SIDES else (h, w)
 
 
 _WIDE_GRAY_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
@@ -157,11 +175,15 @@ def to_rgb(img: Image.Image) -> Image.Image:
 
 
 def load_image(ref: Any, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
-    """Decode fully to RGB (`to_rgb`) once the header passed the pixel cap; truncated or corrupt data
-    raises BadRecordError("corrupt_image")."""
+    """Decode fully to RGB (`to_rgb`) once the header passed the pixel cap, upright: the EXIF
+    Orientation tag of a camera photo is applied (`ImageOps.exif_transpose`), as transformers'
+    `load_image` and vLLM do, so the model sees what a viewer shows, not the sensor's sideways
+    pixels. Truncated or corrupt data raises BadRecordError("corrupt_image")."""
     img = _open(ref, max_pixels)
     try:
         img.load()
+        if _orientation(img) != 1:
+            img = ImageOps.exif_transpose(img)
         return to_rgb(img)
     except Image.DecompressionBombError as e:
         raise BadRecordError("image_too_large", f"{describe(ref)}: {e}") from None

@@ -29,6 +29,7 @@ config error before training (`loader.require_usable`).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -77,6 +78,8 @@ def _check_text(record_messages: list[dict], proc: VLProcessor) -> None:
     for i, m in enumerate(record_messages):
         texts = [m["content"]] if isinstance(m["content"], str) else [
             it["text"] for it in m["content"] if it["type"] == "text"]
+        if m.get("tool_calls"):
+            texts.append(json.dumps(m["tool_calls"], ensure_ascii=False))
         for t in texts:
             for s in placeholders:
                 if s in t:
@@ -126,11 +129,11 @@ def _rendered(record: Record, proc: VLProcessor, for_generation: bool):
             raise BadRecordError("invalid_record", "the last assistant turn (the reference answer) is empty")
     else:
         for i, m in enumerate(messages):
-            if m["role"] == "assistant" and _blank(m["content"]):
+            if m["role"] == "assistant" and _blank(m["content"]) and not m.get("tool_calls"):
                 raise BadRecordError("invalid_record", f"messages[{i}]: empty assistant answer (it would train "
                                                        "the model to end its turn at once)")
     _check_text(messages, proc)
-    text = proc.render(messages, add_generation_prompt=for_generation)
+    text = proc.render(messages, add_generation_prompt=for_generation, tools=record.tools)
     images, videos = _media(messages)
     order = placeholder_order(text, proc.placeholders)
     if order.count("image") != len(images) or order.count("video") != len(videos):

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_vlm.data.bad_records import BadRecordError
 from megatron_vlm.data.expansion import Expansion, expand, placeholder_order
 
 __all__ = ["VLProcessor", "VisionItem", "read_json", "folder_chat_template",
@@ -126,24 +127,44 @@ class VLProcessor:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ text
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
-        """The conversation as text through the folder's chat template (placeholders unexpanded)."""
+    def _template(self, conversation: list[dict], tools: Optional[list], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, tools=tools or None)
+
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = False,
+               tools: Optional[list] = None) -> str:
+        """The conversation as text through the folder's chat template (placeholders unexpanded).
+
+        An assistant message's "tool_calls" and the `tools` specs go to the template as transformers'
+        `apply_chat_template` passes them. A template that renders neither (the text is the same without
+        them: Qwen2.5-VL's knows no tools) raises BadRecordError("invalid_record"): a trace trained
+        without its calls or specs teaches answers that skip the tool."""
         conversation = []
         for m in messages:
             content = m["content"]
             if not isinstance(content, str):
                 content = [{"type": "text", "text": it["text"]} if _kind(it) == "text" else {"type": _kind(it)}
                            for it in content]
-            conversation.append({"role": m["role"], "content": content})
-        return self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+            conversation.append({"role": m["role"], "content": content,
+                                 **({"tool_calls": m["tool_calls"]} if m.get("tool_calls") else {})})
+        text = self._template(conversation, tools, add_generation_prompt)
+        if tools and text == self._template(conversation, None, add_generation_prompt):
+            raise BadRecordError("invalid_record", f"the chat template of {self.name_or_path or 'the processor'} "
+                                                   "does not render the record's tools (tool specs)")
+        if any("tool_calls" in m for m in conversation):
+            bare = [{k: v for k, v in m.items() if k != "tool_calls"} for m in conversation]
+            if text == self._template(bare, tools, add_generation_prompt):
+                raise BadRecordError("invalid_record", f"the chat template of {self.name_or_path or 'the processor'} "
+                                                       "does not render assistant tool_calls; write the calls into the "
+                                                       "assistant text as the model emits them")
+        return text
 
     def apply_chat_template(self, conversation: list[dict], *, tokenize: bool = False,
-                            add_generation_prompt: bool = False, **_unused) -> str:
+                            add_generation_prompt: bool = False, tools: Optional[list] = None, **_unused) -> str:
         """Like `ProcessorMixin.apply_chat_template(..., tokenize=False)`: the rendered text."""
         if tokenize:
             raise NotImplementedError("VLProcessor.apply_chat_template renders text only; call the processor on it")
-        return self.render(conversation, add_generation_prompt=add_generation_prompt)
+        return self.render(conversation, add_generation_prompt=add_generation_prompt, tools=tools)
 
     def mm_token_type_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """0 text, 1 image placeholder, 2 video placeholder (what transformers' Qwen processors return)."""

@@ -11,6 +11,10 @@ One JSON object per line:
         ... any number of further user / assistant turns ...
     ], "answer": "...", ...}                                                     # other keys -> meta
 
+Media may also sit next to the messages: image / video items without a path ({"type": "image"}, as
+TRL's vision datasets write them) take the line's top-level "images" / "videos" in order; media that
+no item takes (LLaMA-Factory's "<image>" text markers are not items) is a "placeholder_mismatch".
+
 An image may also be embedded as a base64 data URL ("data:image/png;base64,...", e.g. in an
 OpenAI-style {"type": "image_url", "image_url": {"url": ...}} item); it becomes the image's bytes.
 A video is a list of frame paths, a folder of frames (sorted by name) or a video file (decoded
@@ -222,18 +226,43 @@ def normalize_messages(raw: Any, resolve: Callable[[Any], Any] = lambda r: r) ->
     return out
 
 
+_MEDIA_KEYS = (("image", "images"), ("video", "videos"))
+
+
+def _fill_media_items(messages: list[dict], obj: dict, resolve: Callable[[Any], Any]) -> None:
+    """Give the image / video items without a path the line's top-level "images" / "videos" in order (TRL's
+    vision datasets: {"type": "image"} items + "images"); BadRecordError "placeholder_mismatch" for media that
+    no item takes (e.g. LLaMA-Factory's "<image>" text markers, which are not image items) or items left over."""
+    for kind, key in _MEDIA_KEYS:
+        given = obj.get(key)
+        refs = [] if given is None else list(given) if isinstance(given, (list, tuple)) else [given]
+        empty = [it for m in messages if not isinstance(m["content"], str)
+                 for it in m["content"] if it["type"] == kind and it[kind] is None]
+        if not refs and not empty:
+            continue
+        if len(empty) != len(refs):
+            raise BadRecordError("placeholder_mismatch", f"{len(empty)} {kind} items without a path in the messages "
+                                                         f"but {len(refs)} {key} in {key!r} (text markers such as "
+                                                         f"'<{kind}>' are not {kind} items: write {{\"type\": "
+                                                         f"\"{kind}\"}} items)")
+        for j, (it, ref) in enumerate(zip(empty, refs)):
+            it[kind] = _normalize_item({"type": kind, kind: ref}, f"{key}[{j}]", resolve)[kind]
+
+
 def record_from_messages_row(obj: dict, resolve: Callable[[Any], Any], *, source: str, index: int) -> Record:
-    """The `Record` of one {"messages": [...], ...} object; other keys become `meta`. Raises BadRecordError."""
+    """The `Record` of one {"messages": [...], ...} object; top-level "images" / "videos" fill the media items
+    without a path (`_fill_media_items`); other keys become `meta`. Raises BadRecordError."""
     if "messages" not in obj:
         raise BadRecordError("invalid_record", f"no 'messages' key (keys: {sorted(obj)[:8]})")
     messages = normalize_messages(obj["messages"], resolve)
     normalize_tools(obj.get("tools"))
+    _fill_media_items(messages, obj, resolve)
     for m in messages:
         if not isinstance(m["content"], str):
             for it in m["content"]:
                 if it["type"] in ("image", "video") and it[it["type"]] is None:
                     raise BadRecordError("invalid_record", f"an {it['type']} item has no path")
-    return Record(messages, source, index, {k: v for k, v in obj.items() if k != "messages"})
+    return Record(messages, source, index, {k: v for k, v in obj.items() if k not in ("messages", "images", "videos")})
 
 
 def read_messages_jsonl(path: str | os.PathLike, *, image_root: str | os.PathLike | None = None,

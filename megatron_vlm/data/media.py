@@ -1,7 +1,8 @@
 """Images and videos of a record: open / decode, sizes from file headers, frame subsampling, limits.
 
 An image reference is a path, bytes, a HF-datasets `{"bytes", "path"}` dict or a PIL image. A video
-is a list of frame references, a folder of frames (sorted by name) or a video file (path, bytes or
+is a list of frame references, a folder of frames (sorted by name, numbers in names compared as
+numbers: 2.png before 10.png) or a video file (path, bytes or
 {"bytes", "path"}), read by a `VideoDecoder` (PyAV by default: `pip install av`; tests install a
 stand-in with `set_video_decoder`). `read_video` returns a `VideoClip`: the frames kept after
 uniform subsampling to `max_frames`, their indices in the source and the source frame rate — what
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -390,12 +392,18 @@ def _read_video_file(item: dict, max_frames: int, default_fps: float, decode: bo
     return VideoClip(idx, info.num_frames, fps, info.height, info.width, frames)
 
 
+def _frame_order(path: str) -> list:
+    """Sort key of a frame file: its name with digit runs compared as numbers, so frames written without
+    zero padding (1.png, 2.png, ..., 10.png, as ffmpeg's %d.png writes them) keep their order."""
+    return [(0, int(part), part) if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", Path(path).name)]
+
+
 def _frame_refs(item: dict) -> Optional[list]:
     ref = item["video"]
     if isinstance(ref, list):
         return ref
     if isinstance(ref, str) and os.path.isdir(ref):
-        frames = sorted(str(p) for p in Path(ref).iterdir() if p.suffix.lower() in _FRAME_SUFFIXES)
+        frames = sorted((str(p) for p in Path(ref).iterdir() if p.suffix.lower() in _FRAME_SUFFIXES), key=_frame_order)
         if not frames:
             raise BadRecordError("video", f"no frame images in folder {ref}")
         return frames

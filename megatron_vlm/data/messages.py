@@ -17,8 +17,8 @@ no item takes (LLaMA-Factory's "<image>" text markers are not items) is a "place
 
 An image may also be embedded as a base64 data URL ("data:image/png;base64,...", e.g. in an
 OpenAI-style {"type": "image_url", "image_url": {"url": ...}} item); it becomes the image's bytes.
-A video is a list of frame paths, a folder of frames (sorted by name) or a video file (decoded
-through transformers' video loader when a backend such as PyAV is installed). Relative paths
+A video is a list of frame paths, a folder of frames (in frame-number order) or a video file (decoded
+with PyAV when it is installed, see media.py). Relative paths
 resolve against `image_root`, else the JSONL file's folder.
 
 Tool-use traces follow the OpenAI / transformers format: an assistant message may carry "tool_calls"

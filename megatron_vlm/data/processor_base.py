@@ -186,6 +186,9 @@ class VLProcessor:
 
         texts = [text] if isinstance(text, str) else list(text or [])
         images = [images] if images is not None and not isinstance(images, (list, tuple)) else list(images or [])
+        # images nested per text ([[text 0's images], [text 1's], ...], as TRL's collator passes them): the
+        # placeholders take them in order, as transformers' processors flatten them
+        images = [im for x in images for im in (x if isinstance(x, (list, tuple)) else [x])]
         items = {"image": self.process_images([to_rgb(im) for im in images]) if images else [],
                  "video": [self.process_video(VideoClip(list(range(len(v))), len(v), float(fps), v[0].height,
                                                         v[0].width, [to_rgb(f) for f in v]))

@@ -16,10 +16,14 @@ from typing import Any, Optional
 import torch
 
 from megatron_vlm.data.bad_records import BadRecordError
-from megatron_vlm.data.expansion import Expansion, expand, placeholder_order
+from megatron_vlm.data.expansion import Expansion, expand, placeholder_order, run_counts
 
 __all__ = ["VLProcessor", "VisionItem", "read_json", "folder_chat_template",
            "special_token_id", "concat_in_order"]
+
+
+_TOKENIZER_KWARGS = ("truncation", "max_length", "pad_to_multiple_of", "add_special_tokens")
+"""Options of the processor call that go to the tokenizer (others are ignored, as before)."""
 
 
 def _kind(item: dict) -> str:
@@ -175,11 +179,13 @@ class VLProcessor:
         return mm
 
     def __call__(self, text=None, images=None, videos=None, *, return_tensors: str = "pt", padding=False,
-                 padding_side: Optional[str] = None, fps: float = 2.0, **_unused):
+                 padding_side: Optional[str] = None, fps: float = 2.0, **tokenizer_kwargs):
         """Like the family's transformers processor `__call__`: expand the placeholders of `text` (str or
         list) for `images` (PIL, in placeholder order) and `videos` (lists of equal-sized PIL frames
         sampled at `fps`), tokenise, and return input_ids, attention_mask (mm_token_type_ids where the
-        family has them) and the vision tensors concatenated in placeholder order."""
+        family has them) and the vision tensors concatenated in placeholder order. truncation /
+        max_length / pad_to_multiple_of / add_special_tokens go to the tokenizer; truncation that cuts
+        vision tokens raises ValueError, as transformers' processors do."""
         from transformers import BatchFeature
 
         from megatron_vlm.data.media import VideoClip, to_rgb
@@ -206,11 +212,25 @@ class VLProcessor:
                 start[k] += kinds.count(k)
             expanded.append(expand(t, self.placeholders, mine))
         kw = {"padding_side": padding_side} if padding_side else {}
+        kw.update({k: v for k, v in tokenizer_kwargs.items() if k in _TOKENIZER_KWARGS})
         enc = self.tokenizer(expanded, padding=padding, return_tensors=return_tensors, **kw)
+        self._check_runs_survived(enc["input_ids"], [it.expansion for k in items for it in items[k]])
         data: dict[str, Any] = concat_in_order(order, items)
         if self.returns_mm_token_type_ids and torch.is_tensor(enc["input_ids"]):
             data["mm_token_type_ids"] = self.mm_token_type_ids(enc["input_ids"])
         return BatchFeature({**enc, **data})
+
+    def _check_runs_survived(self, input_ids, expansions: list) -> None:
+        """ValueError when the tokenised batch holds fewer vision tokens than the expansions wrote
+        (truncation cut them: the features would no longer fit the text)."""
+        ids = input_ids if torch.is_tensor(input_ids) else torch.tensor(
+            [i for row in input_ids for i in (row if isinstance(row, list) else [row])])
+        for token, expected in run_counts(expansions).items():
+            found = int((ids == self.tokenizer.convert_tokens_to_ids(token)).sum())
+            if found != expected:
+                kind = "video" if token == self.video_token else "image"
+                raise ValueError(f"Mismatch in {kind} token count between text and input_ids: {found} {token} "
+                                 f"tokens for {expected} vision features (truncation cut them; raise max_length)")
 
     def decode(self, *args, **kwargs):
         return self.tokenizer.decode(*args, **kwargs)

@@ -21,3 +21,21 @@ def test_images_nested_per_text_match_transformers(proc, hf_processor, tmp_path,
     for key in ("input_ids", "attention_mask", "image_grid_thw"):
         assert torch.equal(ours[key], ref[key]), key
     torch.testing.assert_close(ours["pixel_values"], ref["pixel_values"].float(), rtol=0, atol=0)
+
+
+def test_tokenizer_options_are_applied_not_dropped(proc, hf_processor, tmp_path, write_image):
+    """truncation / max_length / pad_to_multiple_of reach the tokenizer (they were swallowed, so a caller's
+    length cap silently did nothing); truncation that cuts image tokens is an error, as in transformers."""
+    import pytest
+
+    img = Image.open(write_image(tmp_path / "a.png", size=(56, 56), seed=0)).convert("RGB")
+    texts = ["<|vision_start|><|image_pad|><|vision_end|>" + " one two three four five six" * 4]
+    for kw in ({"truncation": True, "max_length": 20}, {"padding": True, "pad_to_multiple_of": 64}):
+        ours = proc(text=texts, images=[img], **kw)
+        ref = hf_processor(text=texts, images=[img], return_tensors="pt", **kw)
+        assert torch.equal(ours["input_ids"], ref["input_ids"]), kw
+        assert torch.equal(ours["attention_mask"], ref["attention_mask"]), kw
+    with pytest.raises(ValueError, match="image"):
+        hf_processor(text=texts, images=[img], return_tensors="pt", truncation=True, max_length=4)
+    with pytest.raises(ValueError, match="image"):
+        proc(text=texts, images=[img], truncation=True, max_length=4)

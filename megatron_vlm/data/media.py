@@ -107,6 +107,12 @@ def _check_pixels(ref: Any, width: int, height: int, max_pixels: int) -> None:
                                                 f"> data.max_image_pixels = {max_pixels} (from the header, not decoded)")
 
 
+def _not_found(ref: str, what: str) -> str:
+    if ref.startswith(("http://", "https://")):
+        return f"{ref}: remote URLs are not downloaded (no network access while training); download the files and give local paths"
+    return f"{what} not found: {ref}"
+
+
 def _open(ref: Any, max_pixels: int) -> Image.Image:
     """Open lazily (header only) and check the declared size; raises BadRecordError for missing /
     unreadable files and images over `max_pixels`."""
@@ -120,7 +126,7 @@ def _open(ref: Any, max_pixels: int) -> Image.Image:
             img = Image.open(io.BytesIO(ref))
         elif isinstance(ref, str):
             if not os.path.isfile(ref):
-                raise BadRecordError("missing_image", f"file not found: {ref}")
+                raise BadRecordError("missing_image", _not_found(ref, "file"))
             img = Image.open(ref)
         else:
             raise BadRecordError("invalid_record", f"unsupported image reference {type(ref).__name__}")
@@ -345,7 +351,7 @@ def _video_opener(ref: Any) -> Callable[[], Any]:
         return lambda: io.BytesIO(data)
     if isinstance(ref, str):
         if not os.path.isfile(ref):
-            raise BadRecordError("missing_image", f"video file not found: {ref}")
+            raise BadRecordError("missing_image", _not_found(ref, "video file"))
         return lambda: ref
     raise BadRecordError("invalid_record", f"unsupported video reference {type(ref).__name__}")
 

@@ -53,3 +53,14 @@ def test_planned_length_and_grid_follow_the_upright_photo(tmp_path, proc):
     t, h, w = sample.image_grid_thw[0].tolist()
     assert h > w  # portrait grid
     assert estimate_length(record, proc, max_frames=4) == sample.input_ids.numel()
+
+
+@pytest.mark.parametrize("ref", ["https://example.com/a.png", "http://host/v.mp4"])
+def test_a_remote_url_is_named_as_such_not_as_a_missing_file(ref):
+    """URLs are not downloaded (no network while training): the bad record says so instead of "file not found"."""
+    from megatron_vlm.data.bad_records import BadRecordError
+    from megatron_vlm.data.media import read_video
+
+    with pytest.raises(BadRecordError, match="not downloaded") as e:
+        read_video({"video": ref}, 4, 2.0) if ref.endswith(".mp4") else load_image(ref)
+    assert e.value.category == "missing_image" and ref in str(e.value)

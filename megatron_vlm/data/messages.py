@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -180,10 +181,15 @@ def _normalize_tool_calls(calls: Any, where: str) -> list[dict]:
 
 
 def normalize_tools(tools: Any) -> Optional[list[dict]]:
-    """A record's top-level `tools` (the tool specs `apply_chat_template(..., tools=...)` renders), checked;
-    None or [] when it has none."""
+    """A record's top-level `tools` (the tool specs `apply_chat_template(..., tools=...)` renders; a JSON
+    string of them, as table columns often hold them, is parsed), checked; None or [] when it has none."""
     if tools is None:
         return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else []
+        except json.JSONDecodeError as e:
+            raise BadRecordError("invalid_record", f"'tools' is a string but not JSON ({e})") from None
     if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
         raise BadRecordError("invalid_record", f"'tools' must be a list of tool specs (objects), got {tools!r:.80}")
     return list(tools)

@@ -85,6 +85,15 @@ def test_tool_trace_matches_the_tokenizers_chat_template(tool_proc, tmp_path, wr
     assert estimate_length(record, tool_proc, max_frames=4) == sample.input_ids.numel()
 
 
+def test_tools_given_as_a_json_string_are_parsed(tool_proc, tmp_path, write_image):
+    """Table columns often hold the specs as one JSON string: the same text as the list."""
+    listed = process_record(_record(_row(), tmp_path, write_image), tool_proc, max_frames=4)
+    as_text = process_record(_record(_row(tools=json.dumps(TOOLS)), tmp_path, write_image), tool_proc, max_frames=4)
+    assert as_text.input_ids.tolist() == listed.input_ids.tolist()
+    with pytest.raises(BadRecordError, match="not JSON"):
+        process_record(_record(_row(tools="[{"), tmp_path, write_image), tool_proc, max_frames=4)
+
+
 def test_a_template_that_drops_tool_calls_is_a_named_bad_record(proc, tool_proc, tmp_path, write_image):
     record = _record(_row(text="Let me compute.", tools=None), tmp_path, write_image)
     with pytest.raises(BadRecordError, match="tool_calls") as e:

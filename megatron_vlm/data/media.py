@@ -1,7 +1,8 @@
 """Images and videos of a record: open / decode, sizes from file headers, frame subsampling, limits.
 
 An image reference is a path, bytes, a HF-datasets `{"bytes", "path"}` dict or a PIL image. A video
-is a list of frame references, a folder of frames (sorted by name) or a video file (path, bytes or
+is a list of frame references, a folder of frames (sorted by name, numbers in names compared as
+numbers: 2.png before 10.png) or a video file (path, bytes or
 {"bytes", "path"}), read by a `VideoDecoder` (PyAV by default: `pip install av`; tests install a
 stand-in with `set_video_decoder`). `read_video` returns a `VideoClip`: the frames kept after
 uniform subsampling to `max_frames`, their indices in the source and the source frame rate — what
@@ -33,12 +34,15 @@ for two common kinds of file: it drops the alpha channel, so a transparent PNG (
 a screenshot) shows whatever colour its invisible pixels hold, often black on black; and it clips
 16-bit grayscale (medical / scientific PNG and TIFF) at 255, so most of such an image turns white.
 `to_rgb` composites transparency onto white, as transformers' image processors do
-(`image_transforms.convert_to_rgb`), and scales 16-bit samples to 8 bits (v / 257).
+(`image_transforms.convert_to_rgb`), and scales 16-bit samples to 8 bits (v / 257). Before that,
+`load_image` turns camera photos upright by their EXIF Orientation tag, as transformers'
+`load_image` and vLLM do, and `image_hw` reports the upright size, so planned lengths agree.
 """
 from __future__ import annotations
 
 import io
 import os
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,7 +50,7 @@ from pathlib import Path
 from typing import Any, Optional, Protocol
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from megatron_vlm.data.bad_records import BadRecordError
 from megatron_vlm.data.config import (
@@ -103,6 +107,12 @@ def _check_pixels(ref: Any, width: int, height: int, max_pixels: int) -> None:
                                                 f"> data.max_image_pixels = {max_pixels} (from the header, not decoded)")
 
 
+def _not_found(ref: str, what: str) -> str:
+    if ref.startswith(("http://", "https://")):
+        return f"{ref}: remote URLs are not downloaded (no network access while training); download the files and give local paths"
+    return f"{what} not found: {ref}"
+
+
 def _open(ref: Any, max_pixels: int) -> Image.Image:
     """Open lazily (header only) and check the declared size; raises BadRecordError for missing /
     unreadable files and images over `max_pixels`."""
@@ -116,7 +126,7 @@ def _open(ref: Any, max_pixels: int) -> Image.Image:
             img = Image.open(io.BytesIO(ref))
         elif isinstance(ref, str):
             if not os.path.isfile(ref):
-                raise BadRecordError("missing_image", f"file not found: {ref}")
+                raise BadRecordError("missing_image", _not_found(ref, "file"))
             img = Image.open(ref)
         else:
             raise BadRecordError("invalid_record", f"unsupported image reference {type(ref).__name__}")
@@ -128,10 +138,26 @@ def _open(ref: Any, max_pixels: int) -> Image.Image:
     return img
 
 
+_EXIF_ORIENTATION = 0x0112
+_SWAPS_SIDES = (5, 6, 7, 8)  # orientations that turn the image by 90 degrees (transpose / rotate)
+
+
+def _orientation(img: Image.Image) -> int:
+    """The EXIF Orientation tag (1 = upright) from the header; unreadable EXIF counts as upright, as
+    vLLM's loader treats it (the pixels are still usable)."""
+    try:
+        value = img.getexif().get(_EXIF_ORIENTATION, 1)
+        return int(value) if 1 <= int(value) <= 8 else 1
+    except Exception:  # malformed EXIF block: keep the stored orientation
+        return 1
+
+
 def image_hw(ref: Any, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> tuple[int, int]:
-    """(height, width) from the file header, without decoding pixels; over `max_pixels` is a bad record."""
-    w, h = _open(ref, max_pixels).size
-    return h, w
+    """(height, width) of the image as displayed (EXIF orientation applied, see `load_image`) from
+    the file header, without decoding pixels; over `max_pixels` is a bad record."""
+    img = _open(ref, max_pixels)
+    w, h = img.size
+    return (w, h) if _orientation(img) in _SWAPS_SIDES else (h, w)
 
 
 _WIDE_GRAY_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
@@ -157,11 +183,15 @@ def to_rgb(img: Image.Image) -> Image.Image:
 
 
 def load_image(ref: Any, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
-    """Decode fully to RGB (`to_rgb`) once the header passed the pixel cap; truncated or corrupt data
-    raises BadRecordError("corrupt_image")."""
+    """Decode fully to RGB (`to_rgb`) once the header passed the pixel cap, upright: the EXIF
+    Orientation tag of a camera photo is applied (`ImageOps.exif_transpose`), as transformers'
+    `load_image` and vLLM do, so the model sees what a viewer shows, not the sensor's sideways
+    pixels. Truncated or corrupt data raises BadRecordError("corrupt_image")."""
     img = _open(ref, max_pixels)
     try:
         img.load()
+        if _orientation(img) != 1:
+            img = ImageOps.exif_transpose(img)
         return to_rgb(img)
     except Image.DecompressionBombError as e:
         raise BadRecordError("image_too_large", f"{describe(ref)}: {e}") from None
@@ -321,7 +351,7 @@ def _video_opener(ref: Any) -> Callable[[], Any]:
         return lambda: io.BytesIO(data)
     if isinstance(ref, str):
         if not os.path.isfile(ref):
-            raise BadRecordError("missing_image", f"video file not found: {ref}")
+            raise BadRecordError("missing_image", _not_found(ref, "video file"))
         return lambda: ref
     raise BadRecordError("invalid_record", f"unsupported video reference {type(ref).__name__}")
 
@@ -368,12 +398,18 @@ def _read_video_file(item: dict, max_frames: int, default_fps: float, decode: bo
     return VideoClip(idx, info.num_frames, fps, info.height, info.width, frames)
 
 
+def _frame_order(path: str) -> list:
+    """Sort key of a frame file: its name with digit runs compared as numbers, so frames written without
+    zero padding (1.png, 2.png, ..., 10.png, as ffmpeg's %d.png writes them) keep their order."""
+    return [(0, int(part), part) if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", Path(path).name)]
+
+
 def _frame_refs(item: dict) -> Optional[list]:
     ref = item["video"]
     if isinstance(ref, list):
         return ref
     if isinstance(ref, str) and os.path.isdir(ref):
-        frames = sorted(str(p) for p in Path(ref).iterdir() if p.suffix.lower() in _FRAME_SUFFIXES)
+        frames = sorted((str(p) for p in Path(ref).iterdir() if p.suffix.lower() in _FRAME_SUFFIXES), key=_frame_order)
         if not frames:
             raise BadRecordError("video", f"no frame images in folder {ref}")
         return frames

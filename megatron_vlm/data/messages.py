@@ -11,11 +11,22 @@ One JSON object per line:
         ... any number of further user / assistant turns ...
     ], "answer": "...", ...}                                                     # other keys -> meta
 
+Media may also sit next to the messages: image / video items without a path ({"type": "image"}, as
+TRL's vision datasets write them) take the line's top-level "images" / "videos" in order; media that
+no item takes (LLaMA-Factory's "<image>" text markers are not items) is a "placeholder_mismatch".
+
 An image may also be embedded as a base64 data URL ("data:image/png;base64,...", e.g. in an
 OpenAI-style {"type": "image_url", "image_url": {"url": ...}} item); it becomes the image's bytes.
-A video is a list of frame paths, a folder of frames (sorted by name) or a video file (decoded
-through transformers' video loader when a backend such as PyAV is installed). Relative paths
-resolve against `image_root`, else the JSONL file's folder. `normalize_messages` is shared with the
+A video is a list of frame paths, a folder of frames (in frame-number order) or a video file (decoded
+with PyAV when it is installed, see media.py). Relative paths
+resolve against `image_root`, else the JSONL file's folder.
+
+Tool-use traces follow the OpenAI / transformers format: an assistant message may carry "tool_calls"
+([{"type": "function", "function": {"name": ..., "arguments": {...} or "<json>"}}]; content may then be
+empty or null), the tool's reply is a "tool" message, and the record's top-level "tools" lists the tool
+specs. Both reach the chat template as `apply_chat_template(messages, tools=...)` passes them (the calls
+are part of the trained assistant turn); a template that renders neither is refused per record
+(processor_base.py), never trained without them. `normalize_messages` is shared with the
 HF-datasets source: it checks the structure and raises `BadRecordError("invalid_record", ...)`
 naming the offending message / item; the reader logs bad lines (file, 1-based line) and goes on
 (a line that is not UTF-8 or not parseable JSON, see table_rows; any other exception for one line
@@ -25,6 +36,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +47,7 @@ from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpect
 from megatron_vlm.data.data_files import MESSAGES_SUFFIXES
 from megatron_vlm.data.table_rows import TableRows
 
-__all__ = ["Record", "normalize_messages", "read_messages_jsonl", "record_from_messages_row", "resolve_path"]
+__all__ = ["Record", "normalize_messages", "normalize_tools", "read_messages_jsonl", "record_from_messages_row", "resolve_path"]
 
 ROLES = ("system", "user", "assistant", "tool")  # "tool": a tool's reply in a tool-use trace (not trained)
 
@@ -45,13 +57,21 @@ class Record:
     messages: list[dict]
     """Normalised messages: content is a string, or a list of {"type": "text", "text": str},
     {"type": "image", "image": ref}, {"type": "video", "video": ref, "fps"?: float}; a ref is an
-    absolute path, bytes, a PIL image, or a list of those (video frames). Assistant content is a string."""
+    absolute path, bytes, a PIL image, or a list of those (video frames). Assistant content is a string;
+    an assistant message may carry "tool_calls" (the model's calls, rendered by the chat template)."""
     source: str
     """File (or dataset) the record came from."""
     index: int
     """1-based line (JSONL) or 0-based row (HF dataset)."""
     meta: dict = field(default_factory=dict)
-    """Other top-level fields (e.g. "answer", "question_type")."""
+    """Other top-level fields (e.g. "answer", "question_type"; "tools": the tool specs the chat template
+    renders, see `tools`)."""
+
+    @property
+    def tools(self) -> Optional[list[dict]]:
+        """The record's tool specs (top-level "tools"), handed to the chat template as transformers'
+        `apply_chat_template(..., tools=...)` does."""
+        return normalize_tools(self.meta.get("tools"))
 
     def images(self) -> list:
         return [it["image"] for m in self.messages if not isinstance(m["content"], str)
@@ -132,6 +152,49 @@ def _normalize_item(item: Any, where: str, resolve: Callable[[Any], Any]) -> dic
     return out
 
 
+def _drop_none(d: dict) -> dict:
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def _normalize_tool_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's `tool_calls` (OpenAI / transformers format: {"type": "function", "function":
+    {"name", "arguments"}} or {"name", "arguments"}), checked; absent keys of arrow structs dropped."""
+    if not isinstance(calls, (list, tuple)):
+        raise BadRecordError("invalid_record", f"{where}.tool_calls must be a list, got {type(calls).__name__}")
+    out = []
+    for j, call in enumerate(calls):
+        w = f"{where}.tool_calls[{j}]"
+        if not isinstance(call, dict):
+            raise BadRecordError("invalid_record", f"{w} must be an object, got {type(call).__name__}")
+        call = _drop_none(call)
+        if isinstance(call.get("function"), dict):
+            call["function"] = fn = _drop_none(call["function"])
+        else:
+            fn = call
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise BadRecordError("invalid_record", f"{w}: a tool call needs a function name (string)")
+        if not isinstance(fn.get("arguments"), (dict, str)):
+            raise BadRecordError("invalid_record", f"{w}: the arguments of {fn['name']!r} must be an object or a JSON "
+                                                   f"string, got {type(fn.get('arguments')).__name__}")
+        out.append(call)
+    return out
+
+
+def normalize_tools(tools: Any) -> Optional[list[dict]]:
+    """A record's top-level `tools` (the tool specs `apply_chat_template(..., tools=...)` renders; a JSON
+    string of them, as table columns often hold them, is parsed), checked; None or [] when it has none."""
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else []
+        except json.JSONDecodeError as e:
+            raise BadRecordError("invalid_record", f"'tools' is a string but not JSON ({e})") from None
+    if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
+        raise BadRecordError("invalid_record", f"'tools' must be a list of tool specs (objects), got {tools!r:.80}")
+    return list(tools)
+
+
 def normalize_messages(raw: Any, resolve: Callable[[Any], Any] = lambda r: r) -> list[dict]:
     """Check and normalise a messages list (see `Record.messages`); raises BadRecordError."""
     if not isinstance(raw, list) or not raw:
@@ -145,6 +208,13 @@ def normalize_messages(raw: Any, resolve: Callable[[Any], Any] = lambda r: r) ->
         if role not in ROLES:
             raise BadRecordError("invalid_record", f"{where}.role must be one of {ROLES}, got {role!r}")
         content = m.get("content")
+        calls = None
+        if m.get("tool_calls") is not None:
+            if role != "assistant":
+                raise BadRecordError("invalid_record", f"{where}: only assistant messages carry tool_calls, not {role!r}")
+            calls = _normalize_tool_calls(m["tool_calls"], where)
+            if content is None:  # a call-only turn (OpenAI writes content: null)
+                content = ""
         if isinstance(content, str):
             items: Any = content
         elif isinstance(content, (list, tuple)):
@@ -156,23 +226,49 @@ def normalize_messages(raw: Any, resolve: Callable[[Any], Any] = lambda r: r) ->
             if any(it["type"] != "text" for it in items):
                 raise BadRecordError("invalid_record", f"{where}: assistant content must be text only")
             items = "".join(it["text"] for it in items)
-        out.append({"role": role, "content": items})
+        out.append({"role": role, "content": items, **({"tool_calls": calls} if calls else {})})
     if not any(m["role"] == "assistant" for m in out):
         raise BadRecordError("invalid_record", "no assistant turn (nothing to train on)")
     return out
 
 
+_MEDIA_KEYS = (("image", "images"), ("video", "videos"))
+
+
+def _fill_media_items(messages: list[dict], obj: dict, resolve: Callable[[Any], Any]) -> None:
+    """Give the image / video items without a path the line's top-level "images" / "videos" in order (TRL's
+    vision datasets: {"type": "image"} items + "images"); BadRecordError "placeholder_mismatch" for media that
+    no item takes (e.g. LLaMA-Factory's "<image>" text markers, which are not image items) or items left over."""
+    for kind, key in _MEDIA_KEYS:
+        given = obj.get(key)
+        refs = [] if given is None else list(given) if isinstance(given, (list, tuple)) else [given]
+        empty = [it for m in messages if not isinstance(m["content"], str)
+                 for it in m["content"] if it["type"] == kind and it[kind] is None]
+        if not refs and not empty:
+            continue
+        if len(empty) != len(refs):
+            raise BadRecordError("placeholder_mismatch", f"{len(empty)} {kind} items without a path in the messages "
+                                                         f"but {len(refs)} {key} in {key!r} (text markers such as "
+                                                         f"'<{kind}>' are not {kind} items: write {{\"type\": "
+                                                         f"\"{kind}\"}} items)")
+        for j, (it, ref) in enumerate(zip(empty, refs)):
+            it[kind] = _normalize_item({"type": kind, kind: ref}, f"{key}[{j}]", resolve)[kind]
+
+
 def record_from_messages_row(obj: dict, resolve: Callable[[Any], Any], *, source: str, index: int) -> Record:
-    """The `Record` of one {"messages": [...], ...} object; other keys become `meta`. Raises BadRecordError."""
+    """The `Record` of one {"messages": [...], ...} object; top-level "images" / "videos" fill the media items
+    without a path (`_fill_media_items`); other keys become `meta`. Raises BadRecordError."""
     if "messages" not in obj:
         raise BadRecordError("invalid_record", f"no 'messages' key (keys: {sorted(obj)[:8]})")
     messages = normalize_messages(obj["messages"], resolve)
+    normalize_tools(obj.get("tools"))
+    _fill_media_items(messages, obj, resolve)
     for m in messages:
         if not isinstance(m["content"], str):
             for it in m["content"]:
                 if it["type"] in ("image", "video") and it[it["type"]] is None:
                     raise BadRecordError("invalid_record", f"an {it['type']} item has no path")
-    return Record(messages, source, index, {k: v for k, v in obj.items() if k != "messages"})
+    return Record(messages, source, index, {k: v for k, v in obj.items() if k not in ("messages", "images", "videos")})
 
 
 def read_messages_jsonl(path: str | os.PathLike, *, image_root: str | os.PathLike | None = None,

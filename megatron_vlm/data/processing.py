@@ -7,7 +7,9 @@ placeholder by the family's expansion (runs of feature tokens, start / end token
 see processor.py), tokenise — and adds the labels mask: True exactly on the tokens of every
 assistant turn's content plus the `<|im_end|>` that closes it (the header
 `<|im_start|>assistant\\n` and the newline after `<|im_end|>` are not trained). The mask is found
-on character offsets of the rendered text, so it holds for any tokenizer. Vision tensors of a
+on character offsets of the rendered text, so it holds for any tokenizer: a token is trained when it
+overlaps an assistant span, as transformers' `return_assistant_tokens_mask` decides (a token that
+joins the header's newline to the answer's leading newline is the answer's first token). Vision tensors of a
 record are concatenated per key in the order of their placeholders in the text (InternVL puts
 image tiles and video frames into one `pixel_values`).
 
@@ -29,6 +31,7 @@ config error before training (`loader.require_usable`).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -77,6 +80,8 @@ def _check_text(record_messages: list[dict], proc: VLProcessor) -> None:
     for i, m in enumerate(record_messages):
         texts = [m["content"]] if isinstance(m["content"], str) else [
             it["text"] for it in m["content"] if it["type"] == "text"]
+        if m.get("tool_calls"):
+            texts.append(json.dumps(m["tool_calls"], ensure_ascii=False))
         for t in texts:
             for s in placeholders:
                 if s in t:
@@ -126,11 +131,11 @@ def _rendered(record: Record, proc: VLProcessor, for_generation: bool):
             raise BadRecordError("invalid_record", "the last assistant turn (the reference answer) is empty")
     else:
         for i, m in enumerate(messages):
-            if m["role"] == "assistant" and _blank(m["content"]):
+            if m["role"] == "assistant" and _blank(m["content"]) and not m.get("tool_calls"):
                 raise BadRecordError("invalid_record", f"messages[{i}]: empty assistant answer (it would train "
                                                        "the model to end its turn at once)")
     _check_text(messages, proc)
-    text = proc.render(messages, add_generation_prompt=for_generation)
+    text = proc.render(messages, add_generation_prompt=for_generation, tools=record.tools)
     images, videos = _media(messages)
     order = placeholder_order(text, proc.placeholders)
     if order.count("image") != len(images) or order.count("video") != len(videos):
@@ -190,8 +195,11 @@ def process_record(record: Record, proc: VLProcessor, *, max_frames: int, fps: f
         if len(spans) != n_assistant:
             raise BadRecordError("invalid_record", f"found {len(spans)} assistant turns in the rendered text, "
                                                    f"expected {n_assistant} (chat template / turn markers)")
-        starts = torch.tensor([s for s, _ in enc["offset_mapping"]], dtype=torch.long)
+        # every token overlapping a span (transformers' assistant_masks rule): a token that begins in the
+        # header but ends inside the answer (Qwen2's regex keeps "\n\n..." in one piece) is the answer's first
+        offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2)
+        starts, ends = offsets[:, 0], offsets[:, 1]
         for a, b in spans:
-            mask |= (starts >= a) & (starts < b)
+            mask |= (ends > a) & (starts < b)
     out.input_ids, out.label_mask = ids, mask
     return out

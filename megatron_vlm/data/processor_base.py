@@ -15,10 +15,15 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_vlm.data.expansion import Expansion, expand, placeholder_order
+from megatron_vlm.data.bad_records import BadRecordError
+from megatron_vlm.data.expansion import Expansion, expand, placeholder_order, run_counts
 
 __all__ = ["VLProcessor", "VisionItem", "read_json", "folder_chat_template",
            "special_token_id", "concat_in_order"]
+
+
+_TOKENIZER_KWARGS = ("truncation", "max_length", "pad_to_multiple_of", "add_special_tokens")
+"""Options of the processor call that go to the tokenizer (others are ignored, as before)."""
 
 
 def _kind(item: dict) -> str:
@@ -126,24 +131,44 @@ class VLProcessor:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ text
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
-        """The conversation as text through the folder's chat template (placeholders unexpanded)."""
+    def _template(self, conversation: list[dict], tools: Optional[list], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, tools=tools or None)
+
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = False,
+               tools: Optional[list] = None) -> str:
+        """The conversation as text through the folder's chat template (placeholders unexpanded).
+
+        An assistant message's "tool_calls" and the `tools` specs go to the template as transformers'
+        `apply_chat_template` passes them. A template that renders neither (the text is the same without
+        them: Qwen2.5-VL's knows no tools) raises BadRecordError("invalid_record"): a trace trained
+        without its calls or specs teaches answers that skip the tool."""
         conversation = []
         for m in messages:
             content = m["content"]
             if not isinstance(content, str):
                 content = [{"type": "text", "text": it["text"]} if _kind(it) == "text" else {"type": _kind(it)}
                            for it in content]
-            conversation.append({"role": m["role"], "content": content})
-        return self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+            conversation.append({"role": m["role"], "content": content,
+                                 **({"tool_calls": m["tool_calls"]} if m.get("tool_calls") else {})})
+        text = self._template(conversation, tools, add_generation_prompt)
+        if tools and text == self._template(conversation, None, add_generation_prompt):
+            raise BadRecordError("invalid_record", f"the chat template of {self.name_or_path or 'the processor'} "
+                                                   "does not render the record's tools (tool specs)")
+        if any("tool_calls" in m for m in conversation):
+            bare = [{k: v for k, v in m.items() if k != "tool_calls"} for m in conversation]
+            if text == self._template(bare, tools, add_generation_prompt):
+                raise BadRecordError("invalid_record", f"the chat template of {self.name_or_path or 'the processor'} "
+                                                       "does not render assistant tool_calls; write the calls into the "
+                                                       "assistant text as the model emits them")
+        return text
 
     def apply_chat_template(self, conversation: list[dict], *, tokenize: bool = False,
-                            add_generation_prompt: bool = False, **_unused) -> str:
+                            add_generation_prompt: bool = False, tools: Optional[list] = None, **_unused) -> str:
         """Like `ProcessorMixin.apply_chat_template(..., tokenize=False)`: the rendered text."""
         if tokenize:
             raise NotImplementedError("VLProcessor.apply_chat_template renders text only; call the processor on it")
-        return self.render(conversation, add_generation_prompt=add_generation_prompt)
+        return self.render(conversation, add_generation_prompt=add_generation_prompt, tools=tools)
 
     def mm_token_type_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """0 text, 1 image placeholder, 2 video placeholder (what transformers' Qwen processors return)."""
@@ -154,17 +179,22 @@ class VLProcessor:
         return mm
 
     def __call__(self, text=None, images=None, videos=None, *, return_tensors: str = "pt", padding=False,
-                 padding_side: Optional[str] = None, fps: float = 2.0, **_unused):
+                 padding_side: Optional[str] = None, fps: float = 2.0, **tokenizer_kwargs):
         """Like the family's transformers processor `__call__`: expand the placeholders of `text` (str or
         list) for `images` (PIL, in placeholder order) and `videos` (lists of equal-sized PIL frames
         sampled at `fps`), tokenise, and return input_ids, attention_mask (mm_token_type_ids where the
-        family has them) and the vision tensors concatenated in placeholder order."""
+        family has them) and the vision tensors concatenated in placeholder order. truncation /
+        max_length / pad_to_multiple_of / add_special_tokens go to the tokenizer; truncation that cuts
+        vision tokens raises ValueError, as transformers' processors do."""
         from transformers import BatchFeature
 
         from megatron_vlm.data.media import VideoClip, to_rgb
 
         texts = [text] if isinstance(text, str) else list(text or [])
         images = [images] if images is not None and not isinstance(images, (list, tuple)) else list(images or [])
+        # images nested per text ([[text 0's images], [text 1's], ...], as TRL's collator passes them): the
+        # placeholders take them in order, as transformers' processors flatten them
+        images = [im for x in images for im in (x if isinstance(x, (list, tuple)) else [x])]
         items = {"image": self.process_images([to_rgb(im) for im in images]) if images else [],
                  "video": [self.process_video(VideoClip(list(range(len(v))), len(v), float(fps), v[0].height,
                                                         v[0].width, [to_rgb(f) for f in v]))
@@ -182,11 +212,25 @@ class VLProcessor:
                 start[k] += kinds.count(k)
             expanded.append(expand(t, self.placeholders, mine))
         kw = {"padding_side": padding_side} if padding_side else {}
+        kw.update({k: v for k, v in tokenizer_kwargs.items() if k in _TOKENIZER_KWARGS})
         enc = self.tokenizer(expanded, padding=padding, return_tensors=return_tensors, **kw)
+        self._check_runs_survived(enc["input_ids"], [it.expansion for k in items for it in items[k]])
         data: dict[str, Any] = concat_in_order(order, items)
         if self.returns_mm_token_type_ids and torch.is_tensor(enc["input_ids"]):
             data["mm_token_type_ids"] = self.mm_token_type_ids(enc["input_ids"])
         return BatchFeature({**enc, **data})
+
+    def _check_runs_survived(self, input_ids, expansions: list) -> None:
+        """ValueError when the tokenised batch holds fewer vision tokens than the expansions wrote
+        (truncation cut them: the features would no longer fit the text)."""
+        ids = input_ids if torch.is_tensor(input_ids) else torch.tensor(
+            [i for row in input_ids for i in (row if isinstance(row, list) else [row])])
+        for token, expected in run_counts(expansions).items():
+            found = int((ids == self.tokenizer.convert_tokens_to_ids(token)).sum())
+            if found != expected:
+                kind = "video" if token == self.video_token else "image"
+                raise ValueError(f"Mismatch in {kind} token count between text and input_ids: {found} {token} "
+                                 f"tokens for {expected} vision features (truncation cut them; raise max_length)")
 
     def decode(self, *args, **kwargs):
         return self.tokenizer.decode(*args, **kwargs)

@@ -1,0 +1,118 @@
+"""Tool-use traces in the OpenAI / transformers message format train on what the chat template renders.
+
+A trace writes the model's calls as an assistant message's `tool_calls` (content often empty) and the tool specs as
+the record's top-level `tools`; transformers' `apply_chat_template(messages, tools=...)` hands both to the template
+(Qwen3-VL's renders `<tool_call>` blocks and a `# Tools` system turn). The pipeline used to drop both: a call-only
+turn was refused as an "empty assistant answer", a turn with text and a call trained on the text alone, and the
+specs never reached the text. The reference is the tokenizer's own `apply_chat_template` on the raw messages;
+a template that ignores `tool_calls` / `tools` gives a named bad record rather than a trace without its calls.
+"""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from megatron_vlm.data.bad_records import BadRecordError
+from megatron_vlm.data.messages import record_from_messages_row
+from megatron_vlm.data.processing import estimate_length, process_record
+
+# Written here after the behaviour of Qwen3's tool template: specs in the first system turn, each call a
+# <tool_call> JSON block after the assistant's text, consecutive tool replies in one user turn. Newlines after a
+# block tag are written as expressions: transformers renders templates with trim_blocks.
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n"
+    "{% endif %}# Tools\n<tools>{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}{{ '\\n' }}</tools><|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}<|im_start|>user\n{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for it in m['content'] %}{% if it['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif it['type'] == 'text' %}{{ it['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% elif m['role'] == 'assistant' %}<|im_start|>assistant\n{{ m['content'] or '' }}"
+    "{% for c in m['tool_calls'] or [] %}{% if c['function'] is defined %}{% set c = c['function'] %}{% endif %}"
+    "{% if not loop.first or m['content'] %}{{ '\\n' }}{% endif %}<tool_call>\n{\"name\": \"{{ c['name'] }}\", \"arguments\": "
+    "{% if c['arguments'] is string %}{{ c['arguments'] }}{% else %}{{ c['arguments'] | tojson }}{% endif %}}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m['role'] == 'tool' %}{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "<|im_start|>user{% endif %}{{ '\\n' }}<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOLS = [{"type": "function", "function": {"name": "calculate", "description": "evaluate",
+                                           "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
+
+
+def _row(*, text: str = "", tools=TOOLS) -> dict:
+    call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": "47 * 83"}}}
+    row = {"messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image", "image": "x.png"}, {"type": "text", "text": "47 * 83 = ?"}]},
+        {"role": "assistant", "content": text or None, "tool_calls": [call]},
+        {"role": "tool", "content": "3901"},
+        {"role": "assistant", "content": "3901"}]}
+    if tools is not None:
+        row["tools"] = tools
+    return row
+
+
+@pytest.fixture(scope="module")
+def tool_proc(proc):
+    out = copy.copy(proc)
+    out.chat_template = TOOL_TEMPLATE
+    return out
+
+
+def _record(row, tmp_path, write_image):
+    write_image(tmp_path / "x.png", size=(56, 56), seed=0)
+    return record_from_messages_row(json.loads(json.dumps(row)), lambda r: str(tmp_path / r), source="t", index=1)
+
+
+@pytest.mark.parametrize("text", ["", "Let me compute."])
+def test_tool_trace_matches_the_tokenizers_chat_template(tool_proc, tmp_path, write_image, text):
+    row = _row(text=text)
+    record = _record(row, tmp_path, write_image)
+    sample = process_record(record, tool_proc, max_frames=4)
+    tok = tool_proc.tokenizer
+    rendered = tok.apply_chat_template(row["messages"], tools=row["tools"], chat_template=TOOL_TEMPLATE, tokenize=False)
+    assert rendered.count("<tool_call>") == 1 and "# Tools" in rendered
+    n = int(sample.image_grid_thw.prod()) // 4
+    want = tok(rendered.replace("<|image_pad|>", "<|image_pad|>" * n))["input_ids"]
+    assert sample.input_ids.tolist() == want
+    trained = tok.decode(sample.input_ids[sample.label_mask])
+    call = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "47 * 83"}}\n</tool_call><|im_end|>'
+    assert trained == ("Let me compute.\n" if text else "") + call + "3901<|im_end|>"
+    assert estimate_length(record, tool_proc, max_frames=4) == sample.input_ids.numel()
+
+
+def test_tools_given_as_a_json_string_are_parsed(tool_proc, tmp_path, write_image):
+    """Table columns often hold the specs as one JSON string: the same text as the list."""
+    listed = process_record(_record(_row(), tmp_path, write_image), tool_proc, max_frames=4)
+    as_text = process_record(_record(_row(tools=json.dumps(TOOLS)), tmp_path, write_image), tool_proc, max_frames=4)
+    assert as_text.input_ids.tolist() == listed.input_ids.tolist()
+    with pytest.raises(BadRecordError, match="not JSON"):
+        process_record(_record(_row(tools="[{"), tmp_path, write_image), tool_proc, max_frames=4)
+
+
+def test_a_template_that_drops_tool_calls_is_a_named_bad_record(proc, tool_proc, tmp_path, write_image):
+    record = _record(_row(text="Let me compute.", tools=None), tmp_path, write_image)
+    with pytest.raises(BadRecordError, match="tool_calls") as e:
+        process_record(record, proc, max_frames=4)  # the Qwen2.5-VL template knows no tool_calls
+    assert e.value.category == "invalid_record"
+    with_tools = _record(_row(text="Let me compute."), tmp_path, write_image)
+    bare = copy.copy(tool_proc)
+    bare.chat_template = TOOL_TEMPLATE.replace("{% if tools %}", "{% if false %}")
+    with pytest.raises(BadRecordError, match="tools"):
+        estimate_length(with_tools, bare, max_frames=4)
+
+
+def test_malformed_tool_calls_are_invalid_records(tmp_path, write_image):
+    for bad, where in (("x", "must be a list"), ([{"function": {"arguments": "{}"}}], "name")):
+        row = _row(text="t")
+        row["messages"][2]["tool_calls"] = bad
+        with pytest.raises(BadRecordError, match=where):
+            _record(row, tmp_path, write_image)
+    row = _row(text="t")
+    row["messages"][1]["tool_calls"] = row["messages"][2]["tool_calls"]
+    with pytest.raises(BadRecordError, match="only assistant"):
+        _record(row, tmp_path, write_image)

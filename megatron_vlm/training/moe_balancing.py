@@ -48,8 +48,11 @@ class MoEConfig:
 
 def switch_aux_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int) -> torch.Tensor:
     """E * sum_e f_e * P_e for one block: scores `[N, E]` (normalised per token, since sigmoid scores do
-    not sum to 1), f_e = assignments of expert e / (N * top_k), P_e = mean probability of expert e."""
+    not sum to 1), f_e = assignments of expert e / (N * top_k), P_e = mean probability of expert e. A forward
+    without tokens (N = 0) has nothing to balance: 0 (with the graph), not the NaN of an empty mean."""
     num_experts = scores.shape[-1]
+    if scores.shape[0] == 0:
+        return scores.sum() * 0.0
     probs = scores / scores.sum(-1, keepdim=True)
     fraction = tokens_per_expert.to(probs.dtype) / max(1, scores.shape[0] * top_k)
     return num_experts * torch.sum(fraction * probs.mean(0))

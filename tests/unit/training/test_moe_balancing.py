@@ -102,6 +102,22 @@ def test_aux_loss_matches_formula_and_has_grad():
     assert moe.gate.weight.grad is not None and moe.gate.weight.grad.abs().sum() > 0
 
 
+def test_aux_loss_of_a_forward_without_tokens_is_zero_not_nan():
+    """A block that routed no token this forward has no load to balance: its term is 0 (mean of nothing would be
+    NaN and poison the whole loss), and the other blocks' terms and gradients are kept."""
+    moe, empty = make_skewed_moe(), make_skewed_moe()
+    bal = MoELoadBalancer(torch.nn.ModuleList([moe, empty]), MoEConfig(aux_loss_coef=0.1))
+    x = torch.randn(10, 16)
+    moe(x)
+    empty(torch.randn(0, 16))
+    loss = bal.aux_loss()
+    moe(x)
+    alone = MoELoadBalancer(moe, MoEConfig(aux_loss_coef=0.1)).aux_loss()
+    assert math.isfinite(float(loss)) and float(loss) == pytest.approx(float(alone), rel=1e-6)
+    loss.backward()
+    assert moe.gate.weight.grad.abs().sum() > 0
+
+
 def test_after_step_sums_ranks_updates_bias_and_reports_every_n():
     model = tiny_model()
     calls = []

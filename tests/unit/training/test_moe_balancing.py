@@ -144,6 +144,25 @@ def test_after_step_sums_ranks_updates_bias_and_reports_every_n():
     assert len(table) == 2 and all(len(row) == 4 and sum(row) == 2 * 2 * 10 * 2 for row in table)
 
 
+def test_a_frozen_router_keeps_its_bias():
+    """LoRA (and train.train_layers) freeze the base model, routers included: the score-correction bias is part of
+    that base (the PEFT adapter does not hold it, and GRPO's reference is the policy without its adapters), so a
+    frozen router's bias must not move. A trained router's bias still does; the loads are reported either way."""
+    from megatron_vlm.models.common.lora import apply_lora
+
+    model = tiny_model(2)
+    apply_lora(model, ["language_model.layers.0.mixer.shared_experts.up_proj"], r=2, alpha=4)
+    trained = model.language_model.layers[2].mixer.gate
+    trained.weight.requires_grad_(True)  # train.train_layers naming this router: its bias keeps balancing
+    balancer = MoELoadBalancer(model, MoEConfig(bias_update_rate=0.01, n_step_per_workload_report=1))
+    model(torch.randint(0, 64, (2, 5)))
+    metrics, table = balancer.after_step(1)
+    frozen = model.language_model.layers[0].mixer.gate
+    assert float(frozen.e_score_correction_bias.abs().sum()) == 0
+    assert float(trained.e_score_correction_bias.abs().sum()) > 0
+    assert [sum(row) for row in table] == [2 * 5 * 2] * 2 and metrics["moe/tokens_per_layer_mean"] == 10
+
+
 def test_balancing_off_leaves_bias_and_aux_loss_is_summed():
     model = tiny_model(1)
     balancer = MoELoadBalancer(model, MoEConfig(enable_moe_load_balancing_training=False, aux_loss_coef=0.5,

@@ -17,6 +17,7 @@ counts is decided here, once per optimizer step:
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -26,6 +27,8 @@ from torch import nn
 
 from megatron_vlm.models.common.moe import MoE, moe_layers
 from megatron_vlm.table_checks import at_least
+
+log = logging.getLogger("megatron_vlm")
 
 
 @dataclass(kw_only=True)
@@ -125,6 +128,11 @@ class MoELoadBalancer:
         self.all_reduce = all_reduce
         for layer in self.layers:
             layer.record_router_stats = cfg.aux_loss_coef > 0
+        frozen = sum(layer.gate.e_score_correction_bias is not None and not _router_trained(layer) for layer in self.layers)
+        if frozen and cfg.enable_moe_load_balancing_training:
+            log.info("moe: %d of %d MoE routers are frozen ([lora] / train.train_layers): their score-correction biases "
+                     "stay as loaded (moe.enable_moe_load_balancing_training moves trained routers' only)",
+                     frozen, len(self.layers))
         # loads summed over ranks since the last report (kept here: reporting is policy, not model state)
         self._report_loads = [torch.zeros_like(layer.expert_load) for layer in self.layers]
 

@@ -233,13 +233,16 @@ def _with_routes(samples: Sequence[TrainSample]) -> bool:
 
 def _token_routes(s: TrainSample) -> torch.Tensor:
     """The sample's routes per token of prompt + response `[P + L, layers, k]`: the recorded ones and a -1 row for
-    the final token (no forward of the rollout read it; the pack leaves it out)."""
+    the final token (no forward of the rollout read it; the pack leaves it out). A record of another length is
+    refused, not cut to fit: it belongs to another token layout, and replaying it would route every token after
+    the first difference by another token's experts."""
     assert s.routes is not None
     n = s.num_tokens  # a multi-turn trajectory's environment tokens were fed (and routed) too
-    if s.routes.dim() != 3 or s.routes.shape[0] < n - 1:
+    if s.routes.dim() != 3 or s.routes.shape[0] != n - 1:
         raise ValueError(f"pack_samples: routes of shape {tuple(s.routes.shape)} for {n - 1} read tokens "
-                         "(prompt + response - 1)")
-    r = s.routes[:n - 1]
+                         f"(prompt {len(s.prompt)} + response {int(s.response_ids.numel())} - 1): the record is of "
+                         "another token layout")
+    r = s.routes
     return torch.cat([r, r.new_full((1, *r.shape[1:]), -1)])
 
 

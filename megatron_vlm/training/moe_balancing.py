@@ -5,9 +5,10 @@ counts is decided here, once per optimizer step:
 
 * auxiliary-loss-free balancing (DeepSeek-V3): after the optimizer step the per-expert loads of the
   step (`MoE.expert_load`) are summed over data-parallel ranks (with the collective the trainer
-  injects: model code does no communication) and each router's score-correction bias moves against
-  its load error, `bias_e += rate * sign(mean_load - load_e)`, centred to zero mean, so under-used
-  experts become more likely to be picked (the bias only affects the choice, not the combine weights);
+  injects: model code does no communication) and each trained router's score-correction bias moves
+  against its load error, `bias_e += rate * sign(mean_load - load_e)`, centred to zero mean, so
+  under-used experts become more likely to be picked (the bias only affects the choice, not the combine
+  weights); a frozen router (LoRA, `train.train_layers`) keeps its bias, part of the frozen base model;
 * optional Switch-style auxiliary loss `coef * E * sum_e f_e * P_e` (f = fraction of routed
   assignments, P = mean router probability), built from the `RouterStats` each training forward
   leaves on the block when `record_router_stats` is set;
@@ -16,6 +17,7 @@ counts is decided here, once per optimizer step:
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -26,6 +28,8 @@ from torch import nn
 from megatron_vlm.models.common.moe import MoE, moe_layers
 from megatron_vlm.table_checks import at_least
 
+log = logging.getLogger("megatron_vlm")
+
 
 @dataclass(kw_only=True)
 class MoEConfig:
@@ -33,7 +37,8 @@ class MoEConfig:
 
     enable_moe_load_balancing_training: bool = True
     """After every optimizer step move each expert's score-correction bias against its load error
-    (bias += rate * sign(mean load - load), DeepSeek-V3); the bias only affects which experts are picked."""
+    (bias += rate * sign(mean load - load), DeepSeek-V3); the bias only affects which experts are picked. A frozen
+    router's bias stays ([lora], train.train_layers without the router): it belongs to the frozen base model."""
     bias_update_rate: float = 1e-3
     """Step size of the bias update (DeepSeek-V3 uses 1e-3)."""
     n_step_per_workload_report: int = 10
@@ -48,8 +53,11 @@ class MoEConfig:
 
 def switch_aux_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int) -> torch.Tensor:
     """E * sum_e f_e * P_e for one block: scores `[N, E]` (normalised per token, since sigmoid scores do
-    not sum to 1), f_e = assignments of expert e / (N * top_k), P_e = mean probability of expert e."""
+    not sum to 1), f_e = assignments of expert e / (N * top_k), P_e = mean probability of expert e. A forward
+    without tokens (N = 0) has nothing to balance: 0 (with the graph), not the NaN of an empty mean."""
     num_experts = scores.shape[-1]
+    if scores.shape[0] == 0:
+        return scores.sum() * 0.0
     probs = scores / scores.sum(-1, keepdim=True)
     fraction = tokens_per_expert.to(probs.dtype) / max(1, scores.shape[0] * top_k)
     return num_experts * torch.sum(fraction * probs.mean(0))
@@ -63,6 +71,14 @@ def update_correction_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) 
     if load.sum() > 0:
         delta = rate * torch.sign(load.mean() - load)
         bias += (delta - delta.mean()).to(bias.dtype)
+
+
+def _router_trained(layer: nn.Module) -> bool:
+    """Whether the block's router is trained: a frozen one (LoRA, `train.train_layers`) is base model, and so is its
+    score-correction bias, which then stays (the PEFT adapter does not hold it; GRPO's reference with LoRA is the
+    policy without its adapters)."""
+    weight = getattr(layer.gate, "weight", None)
+    return weight is None or bool(weight.requires_grad)
 
 
 def moe_load_table(loads: Sequence[torch.Tensor]) -> list[list[int]]:
@@ -112,6 +128,11 @@ class MoELoadBalancer:
         self.all_reduce = all_reduce
         for layer in self.layers:
             layer.record_router_stats = cfg.aux_loss_coef > 0
+        frozen = sum(layer.gate.e_score_correction_bias is not None and not _router_trained(layer) for layer in self.layers)
+        if frozen and cfg.enable_moe_load_balancing_training:
+            log.info("moe: %d of %d MoE routers are frozen ([lora] / train.train_layers): their score-correction biases "
+                     "stay as loaded (moe.enable_moe_load_balancing_training moves trained routers' only)",
+                     frozen, len(self.layers))
         # loads summed over ranks since the last report (kept here: reporting is policy, not model state)
         self._report_loads = [torch.zeros_like(layer.expert_load) for layer in self.layers]
 
@@ -132,7 +153,7 @@ class MoELoadBalancer:
             self.all_reduce(loads)
         for i, (layer, load) in enumerate(zip(self.layers, loads)):
             bias = layer.gate.e_score_correction_bias
-            if self.cfg.enable_moe_load_balancing_training and bias is not None:
+            if self.cfg.enable_moe_load_balancing_training and bias is not None and _router_trained(layer):
                 update_correction_bias(bias, load, self.cfg.bias_update_rate)
             layer.reset_expert_load()
             report = self._report_loads[i]

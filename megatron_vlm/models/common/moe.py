@@ -281,6 +281,8 @@ class MoE(nn.Module):
         # (the autograd engine then has a current graph task), which must not count twice.
         if self.training and torch._C._current_graph_task_id() == -1:
             with torch.no_grad():
+                if tokens_per_expert is None:  # the static form computes no counts: the same ones, here
+                    tokens_per_expert = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
                 if token_mask is not None:
                     keep = token_mask.reshape(-1).bool()
                     counts = torch.bincount(topk_ids[keep].reshape(-1), minlength=self.num_experts)

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 __all__ = ["RouteRecorder", "recording_routes", "record_routes", "route_dtype", "RoutePlan", "replaying_routes",
-           "RoutingReplayError", "routes_bytes_per_token", "context_parallel_of"]
+           "RoutingReplayError", "routes_bytes_per_token", "context_parallel_of", "check_recorded_ids"]
 
 _RECORDER: contextvars.ContextVar[Optional[RouteRecorder]] = contextvars.ContextVar("megatron_vlm_route_recorder",
                                                                                      default=None)
@@ -148,6 +148,7 @@ def replaying_routes(model: nn.Module, routes: torch.Tensor, *, force: bool = Tr
                                  "cannot take recorded routes")
     if routes.shape[1] != len(layers):
         raise RoutingReplayError(f"routing replay: routes for {routes.shape[1]} MoE layers, the model has {len(layers)}")
+    check_recorded_ids(routes, [int(getattr(m, "num_experts")) for m in layers])  # noqa: B009 -- duck typed
     plan = RoutePlan(routes, force, _context_parallel_index(model, routes.shape[0]))
     for i, m in enumerate(layers):
         if getattr(type(m), "accepts_route_plan", False):
@@ -157,6 +158,27 @@ def replaying_routes(model: nn.Module, routes: torch.Tensor, *, force: bool = Tr
     finally:
         for m in native:
             setattr(m, "route_plan", None)  # noqa: B010
+
+
+def check_recorded_ids(routes: torch.Tensor, num_experts: list[int]) -> None:
+    """Refuse recorded routes `[N, layers, k]` that no router of these layers could have chosen: each row must be
+    k distinct experts of its layer (0..E-1) or all -1 (no route). Anything else (a record of another model, a
+    corrupted one) would misroute silently (two copies of one expert, -2 read as "no route") or fail deep inside
+    the experts with an index error. One host read per forward."""
+    if routes.is_floating_point() or routes.is_complex() or routes.dtype == torch.bool:
+        raise RoutingReplayError(f"routing replay: routes must hold integer expert ids, got {routes.dtype}")
+    r = routes.long()
+    experts = torch.tensor(num_experts, dtype=torch.long, device=r.device)[None, :, None]
+    unrecorded = (r == -1).all(-1)
+    ordered = r.sort(-1).values
+    chosen = ((r >= 0) & (r < experts)).all(-1) & (ordered[..., 1:] != ordered[..., :-1]).all(-1)
+    bad = ~(unrecorded | chosen)
+    if bool(bad.any()):
+        token, layer = (int(v) for v in bad.nonzero()[0].tolist())
+        raise RoutingReplayError(
+            f"routing replay: recorded experts {r[token, layer].tolist()} of token {token}, MoE layer {layer} "
+            f"({int(bad.sum())} such rows): a record holds {r.shape[2]} distinct experts of the layer's "
+            f"{num_experts[layer]} (0..{num_experts[layer] - 1}) or a row of -1 (no route) per token and layer")
 
 
 def context_parallel_of(model: nn.Module) -> Optional[Any]:

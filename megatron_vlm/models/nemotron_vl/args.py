@@ -44,6 +44,7 @@ _TEXT_LEGACY = {
     "mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_expand": "expand",
     "mamba_dt_min": "time_step_min", "mamba_dt_max": "time_step_max", "mamba_dt_limit": "time_step_limit",
     "mamba_dt_init_floor": "time_step_floor", "mamba_conv_bias": "use_conv_bias", "mamba_chunk_size": "chunk_size",
+    "num_local_experts": "n_routed_experts",  # NemotronHConfig.attribute_map's name
 }
 _OMNI_LEGACY = {
     "img_context_token_id": "image_token_id", "video_context_token_id": "video_token_id",

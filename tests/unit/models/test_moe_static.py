@@ -90,3 +90,18 @@ def test_moe_policies_decode_in_static_steps_as_in_eager_steps(kind, tmp_path, m
     for a, b in zip(ref.samples, got.samples):
         assert a.token_ids.tolist() == b.token_ids.tolist()
         torch.testing.assert_close(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
+
+
+def test_a_static_step_of_a_training_mode_block_counts_as_the_eager_one():
+    """The static form returns no per-expert counts (they would be a host-sized by-product); a block in training
+    mode still counts its tokens (and leaves router stats) as the eager path does, instead of failing."""
+    eager, static = _moe().train(), _moe().train()
+    eager.record_router_stats = static.record_router_stats = True
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = eager(x)
+        with static_routing():
+            got = static(x)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(static.expert_load, eager.expert_load) and int(static.expert_load.sum()) == 5 * 2
+    assert torch.equal(static.router_stats.tokens_per_expert, eager.router_stats.tokens_per_expert)

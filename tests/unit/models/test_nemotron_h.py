@@ -185,6 +185,18 @@ def test_legacy_config_names():
         NemotronVLArgs.from_hf_config({"model_type": "nemotron_h", "hybrid_override_pattern": "MX"})
 
 
+def test_attribute_map_names_are_read_as_transformers_reads_them():
+    """NemotronHConfig's attribute_map spells n_routed_experts `num_local_experts` (and layers_block_type
+    `layer_types`): a config.json written with those names builds the experts transformers builds."""
+    from megatron_vlm.models.nemotron_vl.args import NemotronVLArgs
+
+    cfg = {"model_type": "nemotron_h", "layer_types": ["moe", "mlp"], "num_local_experts": 32, "num_experts_per_tok": 4}
+    hf = NemotronHConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+    args = NemotronVLArgs.from_hf_config(cfg)
+    assert args.text.layers_block_type == hf.layers_block_type == ["moe", "mlp"]
+    assert args.text.n_routed_experts == hf.n_routed_experts == 32
+
+
 def test_parallelize_with_activation_checkpointing_keeps_results(hf_folder):
     from megatron_vlm.models.nemotron_vl.parallelize import parallelize_nemotron_vl
 

@@ -120,7 +120,7 @@ def test_layout_errors_and_sizes():
     moe = _block("softmax")
     x = torch.randn(5, HIDDEN)
     with pytest.raises(RoutingReplayError, match="runs 5 tokens"), torch.no_grad(), \
-            replaying_routes(moe, torch.zeros(4, 1, 2, dtype=torch.int8)):
+            replaying_routes(moe, torch.tensor([[[0, 1]]] * 4, dtype=torch.int8)):
         moe(x)
     with pytest.raises(RoutingReplayError, match="routes for 2 MoE layers, the model has 1"), \
             replaying_routes(moe, torch.zeros(5, 2, 2, dtype=torch.int8)):
@@ -128,3 +128,23 @@ def test_layout_errors_and_sizes():
     assert route_dtype(128) == torch.int8 and route_dtype(129) == torch.int16
     # Qwen3-VL-30B-A3B: 48 MoE layers, top 8 of 128 experts: 384 bytes per token
     assert routes_bytes_per_token(48, 8, 128) == 384 and routes_bytes_per_token(2, 2, 256) == 8
+
+
+@pytest.mark.parametrize("row,why", [([1, 4], "an expert the layer does not have"), ([2, -1], "a row partly unrecorded"),
+                                     ([3, 3], "one expert twice"), ([-2, 1], "a negative id other than -1")])
+def test_recorded_ids_that_no_router_could_have_chosen_are_refused(row, why):
+    """A record is k distinct experts of the layer per token, or a row of -1 (no route); anything else is a record
+    of another model or a corrupted one: a clear error naming the token and layer, never a silent misroute (two
+    copies of one expert, a -2 read as "no route") nor an index error deep in the experts."""
+    moe = _block("softmax")  # 4 experts, top 2
+    routes = torch.tensor([[[0, 1]], [[2, 3]], [[-1, -1]]], dtype=torch.int8)
+    routes[1, 0] = torch.tensor(row, dtype=torch.int8)
+    x = torch.randn(3, HIDDEN)
+    for force in (True, False):
+        with pytest.raises(RoutingReplayError, match=rf"recorded experts \[{row[0]}, {row[1]}\] of token 1, MoE layer 0"), torch.no_grad(), \
+                replaying_routes(moe, routes, force=force):
+            moe(x)
+    routes[1, 0] = torch.tensor([3, 2], dtype=torch.int8)  # fixed: accepted, the -1 row routes itself
+    with torch.no_grad(), replaying_routes(moe, routes) as plan:
+        moe(x)
+    assert plan.mismatch()[1] == 2, why

@@ -102,6 +102,22 @@ def test_aux_loss_matches_formula_and_has_grad():
     assert moe.gate.weight.grad is not None and moe.gate.weight.grad.abs().sum() > 0
 
 
+def test_aux_loss_of_a_forward_without_tokens_is_zero_not_nan():
+    """A block that routed no token this forward has no load to balance: its term is 0 (mean of nothing would be
+    NaN and poison the whole loss), and the other blocks' terms and gradients are kept."""
+    moe, empty = make_skewed_moe(), make_skewed_moe()
+    bal = MoELoadBalancer(torch.nn.ModuleList([moe, empty]), MoEConfig(aux_loss_coef=0.1))
+    x = torch.randn(10, 16)
+    moe(x)
+    empty(torch.randn(0, 16))
+    loss = bal.aux_loss()
+    moe(x)
+    alone = MoELoadBalancer(moe, MoEConfig(aux_loss_coef=0.1)).aux_loss()
+    assert math.isfinite(float(loss)) and float(loss) == pytest.approx(float(alone), rel=1e-6)
+    loss.backward()
+    assert moe.gate.weight.grad.abs().sum() > 0
+
+
 def test_after_step_sums_ranks_updates_bias_and_reports_every_n():
     model = tiny_model()
     calls = []
@@ -126,6 +142,25 @@ def test_after_step_sums_ranks_updates_bias_and_reports_every_n():
     assert set(metrics) == {"moe/entropy_mean", "moe/max_fraction_max", "moe/tokens_per_layer_mean"}
     assert metrics["moe/tokens_per_layer_mean"] == pytest.approx(2 * 2 * 10)  # 2 steps x 10 tokens x 2 ranks
     assert len(table) == 2 and all(len(row) == 4 and sum(row) == 2 * 2 * 10 * 2 for row in table)
+
+
+def test_a_frozen_router_keeps_its_bias():
+    """LoRA (and train.train_layers) freeze the base model, routers included: the score-correction bias is part of
+    that base (the PEFT adapter does not hold it, and GRPO's reference is the policy without its adapters), so a
+    frozen router's bias must not move. A trained router's bias still does; the loads are reported either way."""
+    from megatron_vlm.models.common.lora import apply_lora
+
+    model = tiny_model(2)
+    apply_lora(model, ["language_model.layers.0.mixer.shared_experts.up_proj"], r=2, alpha=4)
+    trained = model.language_model.layers[2].mixer.gate
+    trained.weight.requires_grad_(True)  # train.train_layers naming this router: its bias keeps balancing
+    balancer = MoELoadBalancer(model, MoEConfig(bias_update_rate=0.01, n_step_per_workload_report=1))
+    model(torch.randint(0, 64, (2, 5)))
+    metrics, table = balancer.after_step(1)
+    frozen = model.language_model.layers[0].mixer.gate
+    assert float(frozen.e_score_correction_bias.abs().sum()) == 0
+    assert float(trained.e_score_correction_bias.abs().sum()) > 0
+    assert [sum(row) for row in table] == [2 * 5 * 2] * 2 and metrics["moe/tokens_per_layer_mean"] == 10
 
 
 def test_balancing_off_leaves_bias_and_aux_loss_is_summed():

@@ -13,6 +13,7 @@ import pytest
 from megatron_vlm.rl.asynchronous import trainer as async_trainer
 from megatron_vlm.rl.asynchronous.trainer import AsyncGRPOLoopStep
 from megatron_vlm.rl.rewards.failure_watch import RewardFailureWatch, RewardsAllFailedError
+from megatron_vlm.training.running_totals import RunningTotals
 
 
 class _GRPO:
@@ -34,6 +35,7 @@ class _GRPO:
 def _trainer(monkeypatch, max_failed_steps, counters):
     t = AsyncGRPOLoopStep.__new__(AsyncGRPOLoopStep)
     t.k, t.bridge, t.model, t._trainable, t._last_end = 1, None, None, [], 0.0
+    t.totals = RunningTotals()
     t.rl = types.SimpleNamespace(batch=types.SimpleNamespace(prompts_per_step=4))
     t.train_set = list(range(16))
     t.grpo = _GRPO(max_failed_steps)

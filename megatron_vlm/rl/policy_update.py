@@ -51,6 +51,7 @@ from megatron_vlm.rl.batching import (
 )
 from megatron_vlm.rl.data_shards import DataShards
 from megatron_vlm.rl.metrics import PhaseTimer
+from megatron_vlm.training.moe_balancing import uncounted_expert_load
 from megatron_vlm.training.step_guard import StepGuard
 
 __all__ = ["PolicyUpdate", "UpdateResult", "mismatch_sums"]
@@ -361,7 +362,11 @@ class PolicyUpdate:
                     group = packs[i] if is_real else [dummy]
                     batch = self._pack(group)
                     with self.replay_scope(batch, count=is_real and epoch == 0 and m == 0 and not self._routes_counted):
-                        logp, ent = wrapper(batch, temperature=r.rollout.temperature, return_entropy=True, **self.mask_kw)
+                        # a filler forward's tokens do not count as expert loads (correction biases, moe/* metrics)
+                        filler = not is_real and balancer is not None
+                        with uncounted_expert_load(self.bundle.model) if filler else contextlib.nullcontext():
+                            logp, ent = wrapper(batch, temperature=r.rollout.temperature, return_entropy=True,
+                                                **self.mask_kw)
                         # MoE auxiliary loss of this forward (None without MoE layers or aux_loss_coef = 0),
                         # averaged over the mini-batch's packs as the SFT loop averages over micro-batches
                         aux = balancer.aux_loss() if balancer is not None else None

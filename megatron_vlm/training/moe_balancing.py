@@ -18,7 +18,8 @@ counts is decided here, once per optimizer step:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -167,6 +168,21 @@ class MoELoadBalancer:
         return None
 
 
+@contextmanager
+def uncounted_expert_load(model: nn.Module) -> Iterator[None]:
+    """Forwards inside leave every MoE block's `expert_load` as it was: for filler forwards (the loss x 0 pack a
+    rank runs when it has fewer packs than another), whose tokens are no one's data and must not move the
+    correction biases or the reported loads."""
+    layers = moe_layers(model)
+    saved = [layer.expert_load.clone() for layer in layers]
+    try:
+        yield
+    finally:
+        for layer, load in zip(layers, saved):
+            layer.expert_load.copy_(load)
+
+
 __all__ = [
+    "uncounted_expert_load",
     "MoEConfig", "MoELoadBalancer", "moe_load_metrics", "moe_load_table", "switch_aux_loss", "update_correction_bias",
 ]

@@ -16,6 +16,7 @@ from megatron_vlm.training.moe_balancing import (
     moe_load_metrics,
     moe_load_table,
     switch_aux_loss,
+    uncounted_expert_load,
     update_correction_bias,
 )
 
@@ -198,3 +199,18 @@ def test_config_validation():
     with pytest.raises(ValueError, match="n_step_per_workload_report"):
         MoEConfig(n_step_per_workload_report=-2).validate()
     assert isinstance(moe_layers(tiny_model())[0], MoE)
+
+
+def test_filler_forwards_leave_the_expert_loads_as_they_were():
+    """The RL update's filler pack (loss x 0, forwarded by a rank with fewer packs than another) is no one's data:
+    inside `uncounted_expert_load` a training forward (and its backward) leaves every block's load unchanged."""
+    model = tiny_model(3)
+    ids = torch.randint(0, 64, (2, 7))
+    model(ids).float().square().mean().backward()
+    before = [layer.expert_load.clone() for layer in moe_layers(model)]
+    assert all(int(b.sum()) == 2 * 7 * 2 for b in before)  # tokens x top-k per block
+    with uncounted_expert_load(model):
+        model(ids).float().square().mean().backward()
+    assert all(torch.equal(a.expert_load, b) for a, b in zip(moe_layers(model), before))
+    model(ids)
+    assert all(torch.equal(a.expert_load, 2 * b) for a, b in zip(moe_layers(model), before))

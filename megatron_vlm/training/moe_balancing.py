@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from megatron_vlm.errors import ConfigError
 from megatron_vlm.models.common.moe import MoE, moe_layers
 from megatron_vlm.table_checks import at_least
 
@@ -41,7 +42,8 @@ class MoEConfig:
     (bias += rate * sign(mean load - load), DeepSeek-V3); the bias only affects which experts are picked. A frozen
     router's bias stays ([lora], train.train_layers without the router): it belongs to the frozen base model."""
     bias_update_rate: float = 1e-3
-    """Step size of the bias update (DeepSeek-V3 uses 1e-3)."""
+    """Step size of the bias update (DeepSeek-V3 uses 1e-3). Set with every router frozen ([lora], train.train_layers
+    without the routers): refused when the run starts (no bias moves)."""
     n_step_per_workload_report: int = 10
     """Report `moe/entropy_mean`, `moe/max_fraction_max`, `moe/tokens_per_layer_mean` and the per-layer
     expert-load table every N optimizer steps (0 = never)."""
@@ -129,7 +131,13 @@ class MoELoadBalancer:
         self.all_reduce = all_reduce
         for layer in self.layers:
             layer.record_router_stats = cfg.aux_loss_coef > 0
-        frozen = sum(layer.gate.e_score_correction_bias is not None and not _router_trained(layer) for layer in self.layers)
+        biased = [layer for layer in self.layers if layer.gate.e_score_correction_bias is not None]
+        frozen = sum(not _router_trained(layer) for layer in biased)
+        if biased and frozen == len(biased) and cfg.enable_moe_load_balancing_training \
+                and cfg.bias_update_rate != MoEConfig.bias_update_rate:
+            raise ConfigError("moe.bias_update_rate: every MoE router of this run is frozen ([lora] / train.train_layers), "
+                              "so no score-correction bias moves and the rate does nothing; remove the key, or train "
+                              "the routers (train.train_layers)")
         if frozen and cfg.enable_moe_load_balancing_training:
             log.info("moe: %d of %d MoE routers are frozen ([lora] / train.train_layers): their score-correction biases "
                      "stay as loaded (moe.enable_moe_load_balancing_training moves trained routers' only)",

@@ -214,3 +214,17 @@ def test_filler_forwards_leave_the_expert_loads_as_they_were():
     assert all(torch.equal(a.expert_load, b) for a, b in zip(moe_layers(model), before))
     model(ids)
     assert all(torch.equal(a.expert_load, 2 * b) for a, b in zip(moe_layers(model), before))
+
+
+def test_a_bias_rate_for_routers_that_are_all_frozen_is_refused():
+    """With every router frozen the rate moves nothing: a key that does nothing is exit 2 naming it (the default
+    rate is accepted: nothing was asked for)."""
+    from megatron_vlm.errors import ConfigError
+    from megatron_vlm.models.common.lora import apply_lora
+
+    model = tiny_model(2)
+    apply_lora(model, ["language_model.layers.0.mixer.shared_experts.up_proj"], r=2, alpha=4)
+    with pytest.raises(ConfigError, match=r"^moe\.bias_update_rate: every MoE router of this run is frozen"):
+        MoELoadBalancer(model, MoEConfig(bias_update_rate=0.01))
+    MoELoadBalancer(model, MoEConfig())
+    MoELoadBalancer(model, MoEConfig(bias_update_rate=0.01, enable_moe_load_balancing_training=False))

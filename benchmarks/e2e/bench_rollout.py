@@ -119,6 +119,15 @@ def cpu_config() -> dict:
     return d
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count of timed rounds / steps: 0 would only fail at the end (a median of nothing), after the
+    model build and warm-up (minutes of a GPU lease)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 class NoDecode:
     """Token ids are not decoded: the benchmark has no tokenizer and no stop strings."""
 
@@ -175,7 +184,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=None, help="prompts per generate call")
     ap.add_argument("--group", type=int, default=8, help="samples per prompt (G)")
     ap.add_argument("--new-tokens", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--json", type=str, default=None, help="also write the results here")
     ap.add_argument("--vllm", action="store_true", help="the vLLM row instead: our engine vs the vLLM back end on the "
                                                          "tiny Qwen2.5-VL folder (rollout_vllm_row.py; needs vllm)")

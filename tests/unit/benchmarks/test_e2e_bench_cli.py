@@ -1,0 +1,36 @@
+"""The e2e benchmarks the GPU suite runs refuse a count of 0 timed steps / rounds on the command line: it used to be
+accepted and fail only at the end (a median of nothing), after the model build and the warm-up, minutes of a lease.
+Each script's own parser reads the command line; nothing is built."""
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+E2E = Path(__file__).resolve().parents[3] / "benchmarks" / "e2e"
+
+
+class _Parsed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("script,flag", [("bench_rollout.py", "--repeats"), ("bench_train_step.py", "--steps"),
+                                         ("bench_grpo_step.py", "--steps")])
+def test_zero_timed_steps_are_refused_at_parse_time(script, flag, monkeypatch, capsys):
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        raise _Parsed(original(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    monkeypatch.setattr(sys, "path", [str(E2E), *sys.path])  # as `python benchmarks/e2e/<script>` has it
+    monkeypatch.setattr(sys, "argv", [str(E2E / script), "--quick", flag, "0"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(E2E / script), run_name="__main__")
+    assert e.value.code == 2 and flag in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", [str(E2E / script), "--quick", flag, "1"])
+    with pytest.raises(_Parsed):
+        runpy.run_path(str(E2E / script), run_name="__main__")

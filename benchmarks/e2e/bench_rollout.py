@@ -196,6 +196,14 @@ def main() -> None:
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)} (transformers_generate "
                                                           "is always run: every ratio is against it)")
     args = ap.parse_args()
+    wants_vllm = args.vllm or (args.engines is not None and "vllm" in args.engines.split(","))
+    if wants_vllm:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:  # before any model is built: one line, no traceback
+            print("skipped: vLLM is not installed here; run the vLLM rows in the vLLM environment (docs/vllm.md: "
+                  "PYTHONPATH=$PWD $(bash .ci/vllm_env.sh | tail -1) benchmarks/e2e/bench_rollout.py ...)")
+            return
     if args.engines is not None:
         from rollout_engines_row import parse_engines, run_engine_rows  # this script's folder is on sys.path
         from rollout_rows import resolve_rows

@@ -36,18 +36,21 @@ def test_zero_timed_steps_are_refused_at_parse_time(script, flag, monkeypatch, c
         runpy.run_path(str(E2E / script), run_name="__main__")
 
 
-@pytest.mark.parametrize("argv", [["--vllm"], ["--engines", "ours,vllm", "--row", "a"]])
-def test_vllm_rows_without_vllm_print_a_skip_line(argv, monkeypatch, capsys):
-    """bench_rollout's vLLM rows where vllm does not import (the main environment): one `skipped:` line naming the
-    environment to run them in, exit 0, nothing built; not a ConfigError traceback after building the model folder."""
+@pytest.mark.parametrize("script,argv", [("bench_rollout.py", ["--vllm"]),
+                                         ("bench_rollout.py", ["--engines", "ours,vllm", "--row", "a"]),
+                                         ("profile_rollout_row.py", ["--row", "a"])])  # its default engines: ours,vllm
+def test_vllm_rows_without_vllm_print_a_skip_line(script, argv, monkeypatch, capsys):
+    """The vLLM rows where vllm does not import (the main environment): one `skipped:` line naming the environment
+    to run them in, exit 0, nothing built; not a ConfigError / ModuleNotFoundError traceback after building the
+    model folder."""
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == "vllm" else real(name, *a, **k))
     monkeypatch.setattr(sys, "path", [str(E2E), *sys.path])
-    monkeypatch.setattr(sys, "argv", [str(E2E / "bench_rollout.py"), *argv])
+    monkeypatch.setattr(sys, "argv", [str(E2E / script), *argv])
     try:
-        runpy.run_path(str(E2E / "bench_rollout.py"), run_name="__main__")
+        runpy.run_path(str(E2E / script), run_name="__main__")
     except SystemExit as e:
         assert e.code in (0, None)
     out = capsys.readouterr().out

@@ -44,7 +44,7 @@ LEASE_BUDGET_MIN = 9.5
 
 # (script, time limit s, lease arguments, what the arguments mean for the figures); run in this order
 LEASE_BENCHES = [
-    ("kernels/bench_attention", 80, ["--cases", r"LM causal 8k|packed|ViT"],
+    ("kernels/bench_attention", 80, ["--cases", r"LM causal 8k|^packed|^ViT"],
      "target cases only: Qwen2.5-VL-7B causal 8k, packed 16k, ViT (no Nemotron 8k, no InternViT)"),
     ("e2e/bench_rollout", 110, ["--prompts", "2", "--group", "8", "--new-tokens", "128", "--repeats", "1",
                                 "--runs", "ours_shared_prefix,transformers_generate", "--cuda-graphs"],

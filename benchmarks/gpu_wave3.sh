@@ -2,18 +2,24 @@
 # One GPU lease for the training-speed and rollout-speed work (first pass): profiles, levers, honest baselines.
 # Sections: sft sft16k decode decode32 moe decode_attn rollout attn segv fp8.
 # Run on the leased machine from the repository root with `.whl` carried (bash benchmarks/gpu_wheels.sh here first):
-#   bash benchmarks/gpu_wave3.sh [sections]      # sections: sft decode rollout attn segv (default: all, in that order)
+#   bash benchmarks/gpu_wave3.sh [sections]      # default: sft decode attn decode_attn segv (the first pass)
+# A section name it does not know stops it at once (exit 2), before anything runs.
 # Next lease (what the 2026-11-27 H200 run left unmeasured), two commands of <= 540 s each:
 #   bash benchmarks/gpu_wave3.sh decode32 moe decode rollout     # shared-prompt reads, 32 sequences, MoE slice
 #   bash benchmarks/gpu_wave3.sh fp8 attn sft16k                 # fp8 graph breaks + loss curve, varlen rows
-# Every step is time-boxed; logs and JSON go to $OUT/w3 (packed into $OUT/w3.tgz after every step, so a command
+# Every step is time-boxed; logs and JSON go to /tmp/w3 ($W3_DIR) (packed into $OUT/w3.tgz after every step, so a command
 # cut short still returns what finished). Figures go to benchmarks/RESULTS.md by hand, with device and versions.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+KNOWN="sft sft16k decode decode32 moe decode_attn rollout attn segv fp8"
+SECTIONS=${*:-sft decode attn decode_attn segv}
+for s in $SECTIONS; do
+  [[ " $KNOWN " == *" $s "* ]] || { echo "gpu_wave3.sh: unknown section '$s' (known: $KNOWN)" >&2; exit 2; }
+done
 export PYTHONUNBUFFERED=1 MEGATRON_VLM_NO_EXT=1 PYTHONPATH=$PWD
 PY=python3
 OUTDIR=${OUT:-/tmp/out}
-R=/tmp/w3
+R=${W3_DIR:-/tmp/w3}
 mkdir -p "$R" "$OUTDIR"
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -21,7 +27,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
 fi
 test -e megatron_vlm/kernels || ln -sfn ../kernels megatron_vlm/kernels
 START=$(date +%s)
-pack() { tar czf "$OUTDIR/w3.tgz" -C /tmp w3 2>/dev/null; }
+pack() { tar czf "$OUTDIR/w3.tgz" -C "$(dirname "$R")" "$(basename "$R")" 2>/dev/null; }
 BUDGET=${BUDGET_S:-540}  # one device command may run 600 s: steps that would end past BUDGET are skipped
 step() {  # step NAME LIMIT_S CMD...
   local name=$1 limit=$2; shift 2
@@ -35,8 +41,7 @@ step() {  # step NAME LIMIT_S CMD...
   tail -n 30 "$R/$name.log"
   pack
 }
-want() { [ $# -eq 0 ] || [[ " $SECTIONS " == *" $1 "* ]]; }
-SECTIONS=${*:-sft decode attn decode_attn segv}
+want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; $PY benchmarks/gpu_env.py; } >"$R/env.txt" 2>&1
 head -20 "$R/env.txt"
 

@@ -13,9 +13,9 @@ adapter folder (ours or one trained with `peft`) is merged into its base model w
 
     python launch/convert_checkpoint.py --adapter runs/x/adapter --model-path /ckpt/base --merge --out /tmp/hf
 
-Input problems (a checkpoint that is incomplete or unreadable, a model folder without config.json, a base
-model the adapter does not fit, `--out` a file, weights or adapter factors holding NaN / inf) exit 2 with
-one `error:` line; nothing is written then.
+Input problems (a checkpoint that is incomplete, unreadable or damaged, a model folder without config.json or of
+another size than the checkpoint's, a base model the adapter does not fit, `--out` a file, weights or adapter
+factors holding NaN / inf) exit 2 with one `error:` line; nothing is written then.
 """
 from __future__ import annotations
 
@@ -90,8 +90,10 @@ def main(argv=None) -> int:
 
 def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool) -> int:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from megatron_vlm.checkpoint.export import export_hf_from_state_dict
+    from megatron_vlm.checkpoint.hf import describe_error
     from megatron_vlm.checkpoint.layout import read_layout
     from megatron_vlm.checkpoint.manager import MARKER
     from megatron_vlm.config.loader import ConfigError, from_dict
@@ -150,7 +152,11 @@ def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool) -> int
             model, hf_config, lora.target_modules, include_vision=lora.include_vision))
         apply_lora(model, targets, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, use_rslora=lora.use_rslora)
     state = {"model": {f"model.{k}": v for k, v in model.state_dict().items()}}
-    dcp.load(state, checkpoint_id=str(ckpt))
+    try:
+        dcp.load(state, checkpoint_id=str(ckpt))
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        return _error(f"cannot read {ckpt} into the model of {model_path} (another size than the checkpoint's, or a "
+                      f"damaged shard): {describe_error(e)}")
     sd = {k[len("model."):]: v for k, v in state["model"].items()}
     check_finite(sd, f"{ckpt}: the checkpoint is corrupt")
     if lora is not None and not merge:

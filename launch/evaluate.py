@@ -14,22 +14,39 @@ and a folder another job is writing to, exit with code 2.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pretrain_vlm import main as _main  # noqa: E402
+from megatron_vlm.config.loader import die, parse_override_value  # noqa: E402
 
-from megatron_vlm.runner import exit_process  # noqa: E402
+
+def _refuse_a_training_mode(argv: list[str]) -> None:
+    """Exit 2 when a `--set train.mode=...` asks for anything but "eval": this entry point never trains."""
+    p = argparse.ArgumentParser(add_help=False)  # the --set items only, read as launch/pretrain_vlm.py reads them
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    overrides = p.parse_known_args(argv)[0].overrides
+    modes = [parse_override_value(text.strip()) for key, sep, text in (o.partition("=") for o in overrides)
+             if sep and key.strip() == "train.mode"]
+    if modes and modes[-1] != "eval":
+        die(f"train.mode: launch/evaluate.py only evaluates (train.mode = \"eval\"), got --set train.mode={modes[-1]!r}; "
+            "train with launch/pretrain_vlm.py")
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # first, so that an explicit --set train.mode=... on the command line still wins (and is refused
-    # by the mode checks if it is not "eval")
+    _refuse_a_training_mode(argv)
+    from pretrain_vlm import main as _main  # the job's whole import tree: after the command line is known to be an eval
+
+    # first, so that the config's own train.mode (a training run's config) gives way; a --set train.mode=... other
+    # than "eval" was refused above
     return _main(["--set", 'train.mode="eval"', *argv], description="Evaluate a model on benchmark files.")
 
 
 if __name__ == "__main__":
+    from megatron_vlm.runner import exit_process
+
     exit_process(main())

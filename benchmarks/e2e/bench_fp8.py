@@ -117,6 +117,11 @@ def main() -> None:
     variants = [v for v in args.variants.split(",") if v]
     if not variants or any(v not in VARIANTS for v in variants):
         ap.error(f"--variants: a comma-separated subset of {','.join(VARIANTS)}")
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:  # before any model is built: one line, no traceback
+        print("skipped: torchao is not installed (pip install 'megatron-vlm[fp8]'): the fp8 variants need it")
+        return
     env = init_distributed()
     device = env.device
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_rollout import NoDecode, make_prompts, qwen2_5_vl_3b_config, tiny_config  # noqa: E402
+from bench_rollout import NoDecode, make_prompts, positive_int, qwen2_5_vl_3b_config, tiny_config  # noqa: E402
 
 from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine  # noqa: E402
 from megatron_vlm.models import build_model, get_family  # noqa: E402
@@ -78,7 +78,7 @@ class TokenIds(NoDecode):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU (smoke test)")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=positive_int, default=3)
     ap.add_argument("--kl", type=float, default=0.0, help="rl.loss.kl_coef (> 0 adds the reference model)")
     ap.add_argument("--prompts", type=int, default=None, help="prompts per step (default 8; --quick 4)")
     ap.add_argument("--group", type=int, default=None, help="samples per prompt G (default 8; --quick 4)")

@@ -119,6 +119,15 @@ def cpu_config() -> dict:
     return d
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count of timed rounds / steps: 0 would only fail at the end (a median of nothing), after the
+    model build and warm-up (minutes of a GPU lease)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 class NoDecode:
     """Token ids are not decoded: the benchmark has no tokenizer and no stop strings."""
 
@@ -175,7 +184,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=None, help="prompts per generate call")
     ap.add_argument("--group", type=int, default=8, help="samples per prompt (G)")
     ap.add_argument("--new-tokens", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--json", type=str, default=None, help="also write the results here")
     ap.add_argument("--vllm", action="store_true", help="the vLLM row instead: our engine vs the vLLM back end on the "
                                                          "tiny Qwen2.5-VL folder (rollout_vllm_row.py; needs vllm)")
@@ -187,6 +196,14 @@ def main() -> None:
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)} (transformers_generate "
                                                           "is always run: every ratio is against it)")
     args = ap.parse_args()
+    wants_vllm = args.vllm or (args.engines is not None and "vllm" in args.engines.split(","))
+    if wants_vllm:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:  # before any model is built: one line, no traceback
+            print("skipped: vLLM is not installed here; run the vLLM rows in the vLLM environment (docs/vllm.md: "
+                  "PYTHONPATH=$PWD $(bash .ci/vllm_env.sh | tail -1) benchmarks/e2e/bench_rollout.py ...)")
+            return
     if args.engines is not None:
         from rollout_engines_row import parse_engines, run_engine_rows  # this script's folder is on sys.path
         from rollout_rows import resolve_rows

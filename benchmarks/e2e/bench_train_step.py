@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_rollout import make_prompts, qwen2_5_vl_3b_config, tiny_config  # noqa: E402
+from bench_rollout import make_prompts, positive_int, qwen2_5_vl_3b_config, tiny_config  # noqa: E402
 
 from megatron_vlm.data.batch import shifted_labels  # noqa: E402
 from megatron_vlm.models import build_model, get_family  # noqa: E402
@@ -116,7 +116,7 @@ def profile_step(step, device: torch.device, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU (smoke test)")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up step)")
+    ap.add_argument("--steps", type=positive_int, default=5, help="timed steps (after one warm-up step)")
     ap.add_argument("--tokens", type=int, default=8192, help="tokens of the packed micro-batch")
     ap.add_argument("--samples", type=int, default=4, help="samples in the pack")
     ap.add_argument("--no-ac", action="store_true", help="disable activation checkpointing (same as --ac off)")

@@ -140,6 +140,11 @@ def main() -> None:
     variants = [v for v in args.variants.split(",") if v]
     if "bf16" not in variants or any(v not in VARIANTS for v in variants):
         ap.error(f"--variants: bf16 plus a subset of {','.join(VARIANTS[1:])}")
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:  # before any model is built: one line, no traceback
+        print("skipped: torchao is not installed (pip install 'megatron-vlm[fp8]'): the fp8 variants need it")
+        return
     env = init_distributed()
     if env.device.type == "cuda" and torch.cuda.get_device_capability(env.device) < (8, 9):
         sys.exit(f"fp8_loss_curve: {torch.cuda.get_device_name(env.device)} has no float8 matmuls (compute capability < 8.9)")

@@ -73,6 +73,12 @@ def main() -> None:
         ap.error(str(e))
     if len(rows) != 1:
         ap.error("--row: one row at a time")
+    import importlib.util
+
+    if "vllm" in engines and importlib.util.find_spec("vllm") is None:  # before the row's model folder is built
+        print("skipped: vLLM is not installed here; run it in the vLLM environment (docs/vllm.md: PYTHONPATH=$PWD "
+              "$(bash .ci/vllm_env.sh | tail -1) benchmarks/e2e/profile_rollout_row.py ...), or pass --engines ours")
+        return
     torch.set_num_threads(args.threads)
     spec, out = rows[0], {}
     with tempfile.TemporaryDirectory() as tmp:

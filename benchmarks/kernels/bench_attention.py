@@ -11,7 +11,7 @@ Targets (issue 4): fwd >= 0.9x and bwd >= 0.8x SDPA default at 8k causal; varlen
 the block-diagonal mask; vision shapes >= 1.5x SDPA. The causal-8k cases have two rows of ours: "ours
 triton" is the backend as `auto` runs it (a dense half-precision block is handed to SDPA on CUDA),
 "ours triton kernel" the Triton kernel alone.
-`--cases REGEX` times only the matching cases (the GPU lease runs `--cases 'LM causal 8k|packed|ViT'`,
+`--cases REGEX` times only the matching cases (the GPU lease runs `--cases 'LM causal 8k|^packed|^ViT'`,
 the target shapes); the title names the selection (common.py).
 """
 import contextlib

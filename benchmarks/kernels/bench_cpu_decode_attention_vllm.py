@@ -37,9 +37,16 @@ LAYERS, BLOCK = 8, 128
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--rounds", type=int, default=6, help="passes over the 8 layers' caches")
+    ap.add_argument("--shapes", default=None, help=f"comma-separated, of {','.join(SHAPES)} (default: all)")
+    ap.add_argument("--rounds", type=int, default=None, help="passes over the 8 layers' caches (default 6)")
+    ap.add_argument("--quick", action="store_true", help="smoke test: the smallest shape, one round (as every kernel "
+                                                         "benchmark takes it: launch/slurm/bench_kernels.sbatch --quick)")
     args = ap.parse_args()
+    shapes = (args.shapes or ("row_d" if args.quick else ",".join(SHAPES))).split(",")
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        ap.error(f"--shapes: unknown {unknown}; known: {','.join(SHAPES)}")
+    rounds = args.rounds or (1 if args.quick else 6)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     torch.set_num_threads(1)
     try:
@@ -54,7 +61,7 @@ def main() -> int:
         print(f"skipped: megatron_vlm._C is not available ({_ext.unavailable_reason()})")
         return 0
     print(f"torch {torch.__version__}, one thread, load {os.getloadavg()[0]:.1f}")
-    for name in args.shapes.split(","):
+    for name in shapes:
         b, hq, hkv, d, n, shared, group = (SHAPES[name] + (0, 1))[:7]
         roots = torch.arange(b) // group * group
         g = torch.Generator().manual_seed(0)
@@ -96,7 +103,7 @@ def main() -> int:
         if err > 1e-5:
             raise SystemExit(f"{name}: ours and vLLM differ by {err}")
         times: dict[str, list[float]] = {"ours": [], "vllm": []}
-        for r in range(args.rounds):
+        for r in range(rounds):
             for layer in range(LAYERS):
                 for key in (("ours", "vllm") if (r + layer) % 2 == 0 else ("vllm", "ours")):
                     fn = run_ours if key == "ours" else run_vllm

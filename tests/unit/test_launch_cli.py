@@ -43,3 +43,20 @@ def test_gen_config_reference_help_and_a_mistyped_option(capsys, monkeypatch):
     assert "RENDERED" not in capsys.readouterr().out
     gen.main([])
     assert capsys.readouterr().out == "RENDERED\n\n"
+
+
+@pytest.mark.parametrize("mode", ["sft", '"grpo"', "'dpo'"])
+def test_evaluate_refuses_a_training_mode_from_the_command_line(mode, capsys):
+    """launch/evaluate.py evaluates: a `--set train.mode=<training mode>` must not turn it into a training job
+    (its own help says such a mode is refused); exit 2 naming the key, before the config is even read."""
+    ev = _launch("evaluate")
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--config", "/nonexistent.toml", "--set", f"train.mode={mode}"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "train.mode" in err and "launch/pretrain_vlm.py" in err and "config file not found" not in err
+    # the eval mode itself (redundant but harmless), a later eval winning and other keys go through
+    for ok in (['--set', 'train.mode="eval"', "--set=train.max_steps=3"], ["--set", f"train.mode={mode}", "--set=train.mode=eval"]):
+        ev._refuse_a_training_mode(["--config", "x.toml", *ok])
+    with pytest.raises(SystemExit):
+        ev._refuse_a_training_mode(["--config", "x.toml", f"--set=train.mode={mode}"])

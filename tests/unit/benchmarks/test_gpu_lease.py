@@ -272,3 +272,31 @@ sys.exit(gpu_suite.main(["--lease", "--out", {str(out)!r}, "--tag", "t", "--whee
     with tarfile.open(tmp_path / "res.tgz") as tar:
         saved = json.load(tar.extractfile("t/statuses.json"))
     assert saved["statuses"] == {"tests / quick": 0}
+
+
+def _attention_case_names() -> list[str]:
+    """The full-size case names of bench_attention.py (the first assignment of its lm_cases / varlen_cases lists)."""
+    import ast
+
+    tree = ast.parse((REPO / "benchmarks" / "kernels" / "bench_attention.py").read_text())
+    names, seen = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and node.targets[0].id in (
+                "lm_cases", "varlen_cases") and node.targets[0].id not in seen and isinstance(node.value, ast.List):
+            seen.add(node.targets[0].id)
+            names += [ast.literal_eval(t.elts[0]) for t in node.value.elts]
+    assert seen == {"lm_cases", "varlen_cases"} and len(names) >= 5
+    return names
+
+
+def test_lease_attention_cases_are_exactly_the_targeted_ones():
+    """The lease times bench_attention's cases a target judges (benchmarks/targets.py) and no other: each
+    untargeted case costs seconds of the step's time box (the InternViT case matched a bare `ViT`)."""
+    from targets import TARGETS
+
+    (args,) = [a for s, _, a, _ in gpu_lease.LEASE_BENCHES if s == "kernels/bench_attention"]
+    selection = re.compile(args[args.index("--cases") + 1])
+    targeted = [t.case for t in TARGETS if t.bench == "bench_attention"]
+    for name in _attention_case_names():
+        judged = any(re.search(c, f"{name} {d}") for c in targeted for d in ("fwd", "bwd"))
+        assert bool(selection.search(name)) == judged, name

@@ -135,6 +135,28 @@ def test_input_errors_are_one_line_exit_2(run, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_checkpoint_that_does_not_fit_the_model_or_is_damaged_is_one_line_exit_2(run, tmp_path, capsys):
+    """DCP reports a load failure as CheckpointException, a BaseException: it escaped the input-error handling as a
+    traceback with exit 1 (a --model-path of another size, a truncated shard)."""
+    import copy
+    import shutil
+
+    other_cfg = copy.deepcopy(run.cfg)
+    other_cfg["text_config"]["intermediate_size"] *= 2  # the same family, other MLP widths
+    save_hf_model(build_model(other_cfg), tmp_path / "other")
+    code, err = _convert(["--checkpoint", run.ckpt, "--model-path", tmp_path / "other", "--out", tmp_path / "o"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "Size mismatch" in lines[0], err
+    damaged = tmp_path / "damaged"
+    shutil.copytree(run.ckpt.parent.parent, damaged)  # the run folder (config.toml beside checkpoints/)
+    shard = next((damaged / "checkpoints" / "step_1").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 10])
+    code, err = _convert(["--checkpoint", damaged / "checkpoints" / "step_1", "--out", tmp_path / "o"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert not (tmp_path / "o").exists()
+
+
 def test_adapter_on_a_base_it_does_not_fit_is_refused(run, tmp_path, capsys):
     write_adapter(tmp_path / "adapter", run.model.state_dict(), run.cfg, LORA)
     weightless = tmp_path / "weightless"  # a config.json without its weights

@@ -1,0 +1,76 @@
+"""The e2e benchmarks the GPU suite runs refuse a count of 0 timed steps / rounds on the command line: it used to be
+accepted and fail only at the end (a median of nothing), after the model build and the warm-up, minutes of a lease.
+Each script's own parser reads the command line; nothing is built."""
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+E2E = Path(__file__).resolve().parents[3] / "benchmarks" / "e2e"
+
+
+class _Parsed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("script,flag", [("bench_rollout.py", "--repeats"), ("bench_train_step.py", "--steps"),
+                                         ("bench_grpo_step.py", "--steps")])
+def test_zero_timed_steps_are_refused_at_parse_time(script, flag, monkeypatch, capsys):
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        raise _Parsed(original(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    monkeypatch.setattr(sys, "path", [str(E2E), *sys.path])  # as `python benchmarks/e2e/<script>` has it
+    monkeypatch.setattr(sys, "argv", [str(E2E / script), "--quick", flag, "0"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(E2E / script), run_name="__main__")
+    assert e.value.code == 2 and flag in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", [str(E2E / script), "--quick", flag, "1"])
+    with pytest.raises(_Parsed):
+        runpy.run_path(str(E2E / script), run_name="__main__")
+
+
+@pytest.mark.parametrize("script,argv", [("bench_rollout.py", ["--vllm"]),
+                                         ("bench_rollout.py", ["--engines", "ours,vllm", "--row", "a"]),
+                                         ("profile_rollout_row.py", ["--row", "a"])])  # its default engines: ours,vllm
+def test_vllm_rows_without_vllm_print_a_skip_line(script, argv, monkeypatch, capsys):
+    """The vLLM rows where vllm does not import (the main environment): one `skipped:` line naming the environment
+    to run them in, exit 0, nothing built; not a ConfigError / ModuleNotFoundError traceback after building the
+    model folder."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == "vllm" else real(name, *a, **k))
+    monkeypatch.setattr(sys, "path", [str(E2E), *sys.path])
+    monkeypatch.setattr(sys, "argv", [str(E2E / script), *argv])
+    try:
+        runpy.run_path(str(E2E / script), run_name="__main__")
+    except SystemExit as e:
+        assert e.code in (0, None)
+    out = capsys.readouterr().out
+    assert out.startswith("skipped: vLLM is not installed here") and "docs/vllm.md" in out, out
+
+
+@pytest.mark.parametrize("script", ["bench_fp8.py", "fp8_loss_curve.py"])
+def test_fp8_benchmarks_without_torchao_print_a_skip_line(script, monkeypatch, capsys):
+    """torchao missing (the [fp8] extra not installed): one `skipped:` line naming the extra, exit 0, before a model
+    is built; not a ConfigError traceback from the fp8 conversion."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == "torchao" else real(name, *a, **k))
+    monkeypatch.setitem(sys.modules, "torchao", None)  # and its import fails, as where it is not installed
+    monkeypatch.setattr(sys, "path", [str(E2E), *sys.path])
+    monkeypatch.setattr(sys, "argv", [str(E2E / script), "--quick"])
+    try:
+        runpy.run_path(str(E2E / script), run_name="__main__")
+    except SystemExit as e:
+        assert e.code in (0, None)
+    out = capsys.readouterr().out
+    assert out.startswith("skipped: torchao is not installed") and "megatron-vlm[fp8]" in out, out

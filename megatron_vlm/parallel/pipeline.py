@@ -116,11 +116,18 @@ class _PassThrough(nn.Module):
 
 
 class _ZeroEmbedding(nn.Module):
-    """The token embedding after the first stage: zeros of the right shape (overwritten by `_StageInput`)."""
+    """The token embedding after the first stage: zeros of the right shape (overwritten by `_StageInput`).
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype):
+    With a tied lm_head the last stage's stub keeps the tied weight as its `weight` (unused here: the head reads
+    it), so that the weight's first name on that stage is the embedding's, as in the whole model: a one-stage
+    checkpoint holds its optimizer state under that name only, and a pp > 1 run resuming it would otherwise ask
+    for `lm_head.weight`'s state, which such a checkpoint does not have."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, tied_weight: Optional[nn.Parameter] = None):
         super().__init__()
         self.hidden_size, self.dtype = hidden_size, dtype
+        if tied_weight is not None:
+            self.weight = tied_weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return torch.zeros(*input_ids.shape, self.hidden_size, dtype=self.dtype, device=input_ids.device)
@@ -265,7 +272,8 @@ def split_model_for_stage(model: nn.Module, root_cls: type, *, stage: int, pp: i
         if not (tied and stage == 0):  # stage 0 keeps a tied head: it is its embedding, no extra weight
             model.lm_head = _HeadStub(act_dtype)  # the compute dtype (bf16 precision: FSDP casts real weights, not it)
     if stage > 0:
-        _replace_child(model, embed, _ZeroEmbedding(hidden, dtype))
+        # the last stage's tied head keeps its embedding name (see _ZeroEmbedding)
+        _replace_child(model, embed, _ZeroEmbedding(hidden, dtype, embed.weight if tied and stage == pp - 1 else None))
         keep = {"language_model", "lm_head"}
         for name, _ in list(model.named_children()):
             if name not in keep:

@@ -302,6 +302,13 @@ class PipelineRunner:
                                      scale_grads=False)
         self.n_microbatches = n_microbatches
         self._dummy = torch.zeros(1, device=device)
+        # a stage between the two holders of a tied weight joins its gradient's all-reduce with zeros shaped like the
+        # holders' FSDP2 shard of it on the same data-parallel coordinate: rows chunked over dp_shard (torch.chunk,
+        # as fully_shard), whole over dp_replicate
+        shard = mesh["dp_shard"]
+        rows = torch.arange(wrapper.tied_shape[0]).chunk(shard.size()) if wrapper.tied_shape else ()
+        r = shard.get_local_rank()
+        self._tied_shard_shape = (int(rows[r].numel()) if r < len(rows) else 0, *wrapper.tied_shape[1:])
 
     def run(self, micro: list[dict], loss_scale: float) -> float:
         """Forward and backward of the step's micro-batches; the sum of -log p over them, computed on the last
@@ -336,7 +343,7 @@ class PipelineRunner:
         p = self._tied_param()
         if p is None or p.grad is None:
             local = None
-            buf = torch.zeros(_local_shape(p, self.wrapper.tied_shape), device=self.device)
+            buf = torch.zeros(self._tied_shard_shape if p is None else _local_shape(p), device=self.device)
         else:
             local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             buf = local.float().clone()
@@ -366,9 +373,7 @@ class PipelineRunner:
         return total
 
 
-def _local_shape(p, full_shape):
-    if p is None:
-        return full_shape
+def _local_shape(p) -> tuple:
     return tuple((p.to_local() if isinstance(p, DTensor) else p).shape)
 
 

@@ -288,6 +288,10 @@ class PipelineRunner:
     def __init__(self, wrapper: PipelineStageModel, mesh, device: torch.device, n_microbatches: int):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
+        if n_microbatches < wrapper.num_stages:  # Schedule1F1B's own ValueError would be a traceback, not exit 2
+            raise LayoutError(f"train.micro_batches_per_step ({n_microbatches}) must be at least parallel.pp "
+                              f"({wrapper.num_stages}): the 1F1B schedule keeps every stage busy with a micro-batch of "
+                              "its own; set train.micro_batches_per_step >= parallel.pp")
         self.wrapper = wrapper
         self.pp_group = wrapper.pp_group = mesh["pp"].get_group()
         self.device = device

@@ -16,7 +16,12 @@ from megatron_vlm.config import ConfigError, load_config
 from megatron_vlm.config.mode_keys import check_keys_for_mode
 from megatron_vlm.config.sections import ParallelConfig
 from megatron_vlm.parallel.mesh import LayoutError, build_mesh
-from megatron_vlm.parallel.pipeline import check_pipeline_layout, split_model_for_stage, stage_layer_range
+from megatron_vlm.parallel.pipeline import (
+    PipelineRunner,
+    check_pipeline_layout,
+    split_model_for_stage,
+    stage_layer_range,
+)
 from megatron_vlm.plan.check import run_check
 from megatron_vlm.testing.synthesize import synthesize_model_folder
 from megatron_vlm.training.lm_loss import TokenLogprobModel
@@ -124,3 +129,10 @@ def test_stages_partition_the_model_and_chain_to_the_full_logprobs(tmp_path, nam
     assert act.requires_grad
     with pytest.raises(RuntimeError, match="SFT training steps only"):
         stages[0](batch)
+
+
+def test_fewer_micro_batches_than_stages_is_a_config_error():
+    """1F1B needs a micro-batch per stage: exit 2 naming the key (LayoutError), before any stage is built, not
+    torch's ValueError from inside the schedule."""
+    with pytest.raises(LayoutError, match=r"train.micro_batches_per_step \(1\) must be at least parallel.pp \(2\)"):
+        PipelineRunner(SimpleNamespace(num_stages=2), None, torch.device("cpu"), 1)

@@ -90,6 +90,36 @@ def check_pipeline_layout(model: nn.Module, parallel_cfg, world_size: int) -> No
     if levels > hi:
         raise LayoutError(f"parallel.pp ({pp}): the first stage holds {hi} of the {n} decoder layers, but the model "
                           f"adds DeepStack features after the first {levels}; use a smaller parallel.pp")
+    idle = _stages_without_trainable(model, pp)
+    if idle:
+        lo, hi = stage_layer_range(n, pp, idle[0])
+        raise LayoutError(f"parallel.pp ({pp}): pipeline stage {idle[0]} (decoder layers {lo}-{hi - 1}) holds no "
+                          "trainable parameter (train.train_layers / [lora] train only other stages' parameters), and "
+                          "every stage's ranks step an optimizer of their own; train a parameter of every stage, or "
+                          "use a smaller parallel.pp")
+
+
+def _stages_without_trainable(model: nn.Module, pp: int) -> list[int]:
+    """The stages (`split_model_for_stage`'s split of the loaded, frozen model) that hold no parameter with
+    requires_grad: decoder layers by `stage_layer_range`, the final norm and lm_head on the last stage (a tied
+    lm_head on the first too), everything else on the first."""
+    lm = model.language_model
+    n = len(lm.layers)
+    stage_of_layer = {i: s for s in range(pp) for i in range(*stage_layer_range(n, pp, s))}
+    where: dict[int, set[int]] = {}
+    for i, layer in enumerate(lm.layers):
+        for p in layer.parameters():
+            where[id(p)] = {stage_of_layer[i]}
+    for mod in (getattr(lm, _final_norm_name(lm)), model.lm_head):
+        for p in mod.parameters():
+            where[id(p)] = {pp - 1}
+    if model.lm_head.weight is model._input_embeddings().weight:
+        where[id(model.lm_head.weight)] = {0, pp - 1}
+    trained: set[int] = set()
+    for p in model.parameters():
+        if p.requires_grad:
+            trained |= where.get(id(p), {0})
+    return [s for s in range(pp) if s not in trained]
 
 
 class _StageInput(nn.Module):

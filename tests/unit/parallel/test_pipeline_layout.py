@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
 from megatron_vlm.checkpoint.hf import load_hf_model
 from megatron_vlm.config import ConfigError, load_config
@@ -38,10 +39,24 @@ def test_stage_layer_range_partitions_the_layers(layers, pp):
     assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
 
 
+class _Fake(nn.Module):
+    """The parts of a family model the layout check reads: decoder layers, final norm, embedding, lm_head."""
+
+    def __init__(self, layers: int, deepstack: int = 0):
+        super().__init__()
+        self.language_model = nn.Module()
+        self.language_model.embed_tokens = nn.Embedding(4, 2)
+        self.language_model.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(layers))
+        self.language_model.norm = nn.LayerNorm(2)
+        self.lm_head = nn.Linear(2, 4, bias=False)
+        self.args = SimpleNamespace(vision=SimpleNamespace(deepstack_visual_indexes=list(range(deepstack))))
+
+    def _input_embeddings(self):
+        return self.language_model.embed_tokens
+
+
 def _fake(layers: int, deepstack: int = 0):
-    model = SimpleNamespace(language_model=SimpleNamespace(layers=[None] * layers),
-                            args=SimpleNamespace(vision=SimpleNamespace(deepstack_visual_indexes=list(range(deepstack)))))
-    return model
+    return _Fake(layers, deepstack)
 
 
 def test_size_errors_name_the_key_and_numbers():
@@ -136,3 +151,24 @@ def test_fewer_micro_batches_than_stages_is_a_config_error():
     torch's ValueError from inside the schedule."""
     with pytest.raises(LayoutError, match=r"train.micro_batches_per_step \(1\) must be at least parallel.pp \(2\)"):
         PipelineRunner(SimpleNamespace(num_stages=2), None, torch.device("cpu"), 1)
+
+
+def test_a_stage_without_trainable_parameters_is_refused():
+    """Every stage's ranks step their own optimizer: a stage that train.train_layers leaves frozen (a projector-only
+    run split over stages) is a config error on every rank alike, naming the stage, not one rank's 'no trainable
+    parameters left' while the other stages wait."""
+    model = _fake(4)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("language_model.layers.0."))
+    with pytest.raises(LayoutError, match=r"parallel.pp \(2\): pipeline stage 1 \(decoder layers 2-3\) holds no trainable"):
+        check_pipeline_layout(model, ParallelConfig(pp=2), 2)
+    model.lm_head.weight.requires_grad_(True)  # the last stage's head
+    check_pipeline_layout(model, ParallelConfig(pp=2), 2)
+    model.lm_head.weight.requires_grad_(False)
+    model.lm_head.weight = model.language_model.embed_tokens.weight  # tied: held by the first and last stage
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.lm_head.weight.requires_grad_(True)
+    check_pipeline_layout(model, ParallelConfig(pp=2), 2)
+    with pytest.raises(LayoutError, match=r"pipeline stage 1 \(decoder layers 2-2\)"):
+        check_pipeline_layout(model, ParallelConfig(pp=3), 3)  # the middle stage holds neither copy

@@ -224,26 +224,41 @@ class PipelineStageModel:
 
     def optim_state_dict_for_save(self, optim_sd: dict) -> dict:
         """DCP writes one copy of the optimizer's `param_groups` (the same key on every rank), whose `params`
-        list names the parameters of each group: on every stage it becomes the list of all stages (stage
-        order), so that a checkpoint loaded with another layout (pp=1) finds every parameter in its group.
+        list names the parameters of each group: on every stage it becomes the groups of all stages, merged by
+        their hyperparameters (weight decay) in stage order, so that a checkpoint loaded with another layout
+        (pp=1) finds every parameter in its group. Merged by hyperparameters, not by position: `train.train_layers`
+        can leave a stage without the decayed or the non-decayed group (the optimizer drops empty groups).
         Collective over the stages."""
-        groups = [list(g["params"]) for g in optim_sd["param_groups"]]
-        parts = [None] * self.num_stages
-        dist.all_gather_object(parts, groups, group=self.pp_group)
-        if any(len(p) != len(groups) for p in parts):
-            raise ValueError(f"pipeline stages have different optimizer param groups: {[len(p) for p in parts]}")
-        for i, g in enumerate(optim_sd["param_groups"]):
-            # a tied lm_head is the first stage's embedding under a second name: listed once, as in one stage
-            names = [n for s, part in enumerate(parts) for n in part[i]
-                     if not (self.tied and s > 0 and n.endswith("lm_head.weight"))]
-            g["params"] = list(dict.fromkeys(names))
+        mine = [({k: v for k, v in g.items() if k != "params"}, list(g["params"])) for g in optim_sd["param_groups"]]
+        parts: list = [None] * self.num_stages
+        dist.all_gather_object(parts, mine, group=self.pp_group)
+        merged: list[dict] = []
+        for s, part in enumerate(parts):
+            for hyper, names in part:
+                target = next((g for g in merged if {k: v for k, v in g.items() if k != "params"} == hyper), None)
+                if target is None:
+                    target = {**hyper, "params": []}
+                    merged.append(target)
+                # a tied lm_head is the first stage's embedding under a second name: listed once, as in one stage
+                target["params"].extend(n for n in names if n not in target["params"]
+                                        and not (self.tied and s > 0 and n.endswith("lm_head.weight")))
+        optim_sd["param_groups"] = merged
         return optim_sd
 
     @staticmethod
     def restore_local_param_groups(optim_sd: dict, local_groups: list) -> None:
-        """After a load: back to this stage's own parameter names (the saved lists name every stage's)."""
-        for g, names in zip(optim_sd["param_groups"], local_groups):
-            g["params"] = list(names)
+        """After a load: back to this stage's own groups (`local_groups`: each group's parameter names), each
+        with the hyperparameters of the saved group that holds its parameters (the saved groups name every
+        stage's, or a one-stage run's)."""
+        saved = optim_sd["param_groups"]
+        owner = {n: g for g in saved for n in g["params"]}
+        restored = []
+        for i, names in enumerate(local_groups):
+            src = next((owner[n] for n in names if n in owner), saved[i] if i < len(saved) else None)
+            if src is None:
+                raise ValueError(f"the checkpoint's optimizer has no param group for {names[0] if names else 'group ' + str(i)}")
+            restored.append({**src, "params": list(names)})
+        optim_sd["param_groups"] = restored
 
     @property
     def is_first(self) -> bool:

@@ -172,3 +172,30 @@ def test_a_stage_without_trainable_parameters_is_refused():
     check_pipeline_layout(model, ParallelConfig(pp=2), 2)
     with pytest.raises(LayoutError, match=r"pipeline stage 1 \(decoder layers 2-2\)"):
         check_pipeline_layout(model, ParallelConfig(pp=3), 3)  # the middle stage holds neither copy
+
+
+def test_optimizer_groups_of_the_stages_merge_by_hyperparameters(monkeypatch):
+    """A stage without the decayed (or the non-decayed) group (train.train_layers; the optimizer drops empty groups)
+    used to fail every checkpoint save ('different optimizer param groups'); the saved groups are now those of all
+    stages merged by their hyperparameters, and each stage gets its own groups back with theirs at load."""
+    from megatron_vlm.parallel import pipeline
+
+    stage0 = [{"lr": 1e-3, "weight_decay": 0.1, "params": ["m.layers.0.mlp.w"]},
+              {"lr": 1e-3, "weight_decay": 0.0, "params": ["m.layers.0.norm.weight"]}]
+    stage1 = [{"lr": 1e-3, "weight_decay": 0.1, "params": ["m.lm_head.weight"]}]  # decayed only
+
+    def gather(parts, obj, group=None):  # the two stages' groups, as all_gather_object over the pp group
+        sds = [stage0, stage1]
+        for s in range(2):
+            parts[s] = [({k: v for k, v in g.items() if k != "params"}, list(g["params"])) for g in sds[s]]
+
+    monkeypatch.setattr(pipeline.dist, "all_gather_object", gather)
+    me = SimpleNamespace(num_stages=2, pp_group=None, tied=False)
+    saved = pipeline.PipelineStageModel.optim_state_dict_for_save(me, {"param_groups": [dict(g) for g in stage1]})
+    assert saved["param_groups"] == [
+        {"lr": 1e-3, "weight_decay": 0.1, "params": ["m.layers.0.mlp.w", "m.lm_head.weight"]},
+        {"lr": 1e-3, "weight_decay": 0.0, "params": ["m.layers.0.norm.weight"]}]
+    for own in (stage0, stage1):
+        loaded = {"param_groups": [dict(g, params=list(g["params"])) for g in saved["param_groups"]]}
+        pipeline.PipelineStageModel.restore_local_param_groups(loaded, [g["params"] for g in own])
+        assert loaded["param_groups"] == own

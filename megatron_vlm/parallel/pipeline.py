@@ -90,6 +90,36 @@ def check_pipeline_layout(model: nn.Module, parallel_cfg, world_size: int) -> No
     if levels > hi:
         raise LayoutError(f"parallel.pp ({pp}): the first stage holds {hi} of the {n} decoder layers, but the model "
                           f"adds DeepStack features after the first {levels}; use a smaller parallel.pp")
+    idle = _stages_without_trainable(model, pp)
+    if idle:
+        lo, hi = stage_layer_range(n, pp, idle[0])
+        raise LayoutError(f"parallel.pp ({pp}): pipeline stage {idle[0]} (decoder layers {lo}-{hi - 1}) holds no "
+                          "trainable parameter (train.train_layers / [lora] train only other stages' parameters), and "
+                          "every stage's ranks step an optimizer of their own; train a parameter of every stage, or "
+                          "use a smaller parallel.pp")
+
+
+def _stages_without_trainable(model: nn.Module, pp: int) -> list[int]:
+    """The stages (`split_model_for_stage`'s split of the loaded, frozen model) that hold no parameter with
+    requires_grad: decoder layers by `stage_layer_range`, the final norm and lm_head on the last stage (a tied
+    lm_head on the first too), everything else on the first."""
+    lm = model.language_model
+    n = len(lm.layers)
+    stage_of_layer = {i: s for s in range(pp) for i in range(*stage_layer_range(n, pp, s))}
+    where: dict[int, set[int]] = {}
+    for i, layer in enumerate(lm.layers):
+        for p in layer.parameters():
+            where[id(p)] = {stage_of_layer[i]}
+    for mod in (getattr(lm, _final_norm_name(lm)), model.lm_head):
+        for p in mod.parameters():
+            where[id(p)] = {pp - 1}
+    if model.lm_head.weight is model._input_embeddings().weight:
+        where[id(model.lm_head.weight)] = {0, pp - 1}
+    trained: set[int] = set()
+    for p in model.parameters():
+        if p.requires_grad:
+            trained |= where.get(id(p), {0})
+    return [s for s in range(pp) if s not in trained]
 
 
 class _StageInput(nn.Module):
@@ -116,11 +146,18 @@ class _PassThrough(nn.Module):
 
 
 class _ZeroEmbedding(nn.Module):
-    """The token embedding after the first stage: zeros of the right shape (overwritten by `_StageInput`)."""
+    """The token embedding after the first stage: zeros of the right shape (overwritten by `_StageInput`).
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype):
+    With a tied lm_head the last stage's stub keeps the tied weight as its `weight` (unused here: the head reads
+    it), so that the weight's first name on that stage is the embedding's, as in the whole model: a one-stage
+    checkpoint holds its optimizer state under that name only, and a pp > 1 run resuming it would otherwise ask
+    for `lm_head.weight`'s state, which such a checkpoint does not have."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, tied_weight: Optional[nn.Parameter] = None):
         super().__init__()
         self.hidden_size, self.dtype = hidden_size, dtype
+        if tied_weight is not None:
+            self.weight = tied_weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return torch.zeros(*input_ids.shape, self.hidden_size, dtype=self.dtype, device=input_ids.device)
@@ -187,26 +224,41 @@ class PipelineStageModel:
 
     def optim_state_dict_for_save(self, optim_sd: dict) -> dict:
         """DCP writes one copy of the optimizer's `param_groups` (the same key on every rank), whose `params`
-        list names the parameters of each group: on every stage it becomes the list of all stages (stage
-        order), so that a checkpoint loaded with another layout (pp=1) finds every parameter in its group.
+        list names the parameters of each group: on every stage it becomes the groups of all stages, merged by
+        their hyperparameters (weight decay) in stage order, so that a checkpoint loaded with another layout
+        (pp=1) finds every parameter in its group. Merged by hyperparameters, not by position: `train.train_layers`
+        can leave a stage without the decayed or the non-decayed group (the optimizer drops empty groups).
         Collective over the stages."""
-        groups = [list(g["params"]) for g in optim_sd["param_groups"]]
-        parts = [None] * self.num_stages
-        dist.all_gather_object(parts, groups, group=self.pp_group)
-        if any(len(p) != len(groups) for p in parts):
-            raise ValueError(f"pipeline stages have different optimizer param groups: {[len(p) for p in parts]}")
-        for i, g in enumerate(optim_sd["param_groups"]):
-            # a tied lm_head is the first stage's embedding under a second name: listed once, as in one stage
-            names = [n for s, part in enumerate(parts) for n in part[i]
-                     if not (self.tied and s > 0 and n.endswith("lm_head.weight"))]
-            g["params"] = list(dict.fromkeys(names))
+        mine = [({k: v for k, v in g.items() if k != "params"}, list(g["params"])) for g in optim_sd["param_groups"]]
+        parts: list = [None] * self.num_stages
+        dist.all_gather_object(parts, mine, group=self.pp_group)
+        merged: list[dict] = []
+        for s, part in enumerate(parts):
+            for hyper, names in part:
+                target = next((g for g in merged if {k: v for k, v in g.items() if k != "params"} == hyper), None)
+                if target is None:
+                    target = {**hyper, "params": []}
+                    merged.append(target)
+                # a tied lm_head is the first stage's embedding under a second name: listed once, as in one stage
+                target["params"].extend(n for n in names if n not in target["params"]
+                                        and not (self.tied and s > 0 and n.endswith("lm_head.weight")))
+        optim_sd["param_groups"] = merged
         return optim_sd
 
     @staticmethod
     def restore_local_param_groups(optim_sd: dict, local_groups: list) -> None:
-        """After a load: back to this stage's own parameter names (the saved lists name every stage's)."""
-        for g, names in zip(optim_sd["param_groups"], local_groups):
-            g["params"] = list(names)
+        """After a load: back to this stage's own groups (`local_groups`: each group's parameter names), each
+        with the hyperparameters of the saved group that holds its parameters (the saved groups name every
+        stage's, or a one-stage run's)."""
+        saved = optim_sd["param_groups"]
+        owner = {n: g for g in saved for n in g["params"]}
+        restored = []
+        for i, names in enumerate(local_groups):
+            src = next((owner[n] for n in names if n in owner), saved[i] if i < len(saved) else None)
+            if src is None:
+                raise ValueError(f"the checkpoint's optimizer has no param group for {names[0] if names else 'group ' + str(i)}")
+            restored.append({**src, "params": list(names)})
+        optim_sd["param_groups"] = restored
 
     @property
     def is_first(self) -> bool:
@@ -265,7 +317,8 @@ def split_model_for_stage(model: nn.Module, root_cls: type, *, stage: int, pp: i
         if not (tied and stage == 0):  # stage 0 keeps a tied head: it is its embedding, no extra weight
             model.lm_head = _HeadStub(act_dtype)  # the compute dtype (bf16 precision: FSDP casts real weights, not it)
     if stage > 0:
-        _replace_child(model, embed, _ZeroEmbedding(hidden, dtype))
+        # the last stage's tied head keeps its embedding name (see _ZeroEmbedding)
+        _replace_child(model, embed, _ZeroEmbedding(hidden, dtype, embed.weight if tied and stage == pp - 1 else None))
         keep = {"language_model", "lm_head"}
         for name, _ in list(model.named_children()):
             if name not in keep:
@@ -280,6 +333,10 @@ class PipelineRunner:
     def __init__(self, wrapper: PipelineStageModel, mesh, device: torch.device, n_microbatches: int):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
+        if n_microbatches < wrapper.num_stages:  # Schedule1F1B's own ValueError would be a traceback, not exit 2
+            raise LayoutError(f"train.micro_batches_per_step ({n_microbatches}) must be at least parallel.pp "
+                              f"({wrapper.num_stages}): the 1F1B schedule keeps every stage busy with a micro-batch of "
+                              "its own; set train.micro_batches_per_step >= parallel.pp")
         self.wrapper = wrapper
         self.pp_group = wrapper.pp_group = mesh["pp"].get_group()
         self.device = device
@@ -294,6 +351,13 @@ class PipelineRunner:
                                      scale_grads=False)
         self.n_microbatches = n_microbatches
         self._dummy = torch.zeros(1, device=device)
+        # a stage between the two holders of a tied weight joins its gradient's all-reduce with zeros shaped like the
+        # holders' FSDP2 shard of it on the same data-parallel coordinate: rows chunked over dp_shard (torch.chunk,
+        # as fully_shard), whole over dp_replicate
+        shard = mesh["dp_shard"]
+        rows = torch.arange(wrapper.tied_shape[0]).chunk(shard.size()) if wrapper.tied_shape else ()
+        r = shard.get_local_rank()
+        self._tied_shard_shape = (int(rows[r].numel()) if r < len(rows) else 0, *wrapper.tied_shape[1:])
 
     def run(self, micro: list[dict], loss_scale: float) -> float:
         """Forward and backward of the step's micro-batches; the sum of -log p over them, computed on the last
@@ -328,7 +392,7 @@ class PipelineRunner:
         p = self._tied_param()
         if p is None or p.grad is None:
             local = None
-            buf = torch.zeros(_local_shape(p, self.wrapper.tied_shape), device=self.device)
+            buf = torch.zeros(self._tied_shard_shape if p is None else _local_shape(p), device=self.device)
         else:
             local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             buf = local.float().clone()
@@ -358,9 +422,7 @@ class PipelineRunner:
         return total
 
 
-def _local_shape(p, full_shape):
-    if p is None:
-        return full_shape
+def _local_shape(p) -> tuple:
     return tuple((p.to_local() if isinstance(p, DTensor) else p).shape)
 
 

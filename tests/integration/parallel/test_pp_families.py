@@ -6,7 +6,8 @@ embedding to lm_head, which the two stages then both hold (their gradients are s
 hybrid Mamba2 / MoE blocks are split across the stages, the MoE loads balanced per stage.
 
 In the same workers: the pp=2 run's step-5 checkpoint resumes as a dp-only run (layout change) with the pp
-run's last 5 losses and export. That each stage holds only its layers is checked in
+run's last 5 losses and export, and the dp run's step-5 checkpoint resumes as a pp=2 run with the dp run's (the
+tied lm_head's optimizer state is stored under the embedding's name only). That each stage holds only its layers is checked in
 tests/unit/parallel/test_pipeline_layout.py (no process group needed).
 """
 from __future__ import annotations
@@ -37,14 +38,16 @@ def _families(tmp: Path, rank: int) -> None:
     dist.barrier()
     for family in FAMILIES:
         dp, pp = tmp / family / "dp", tmp / family / "pp"
-        _run(tmp, family, dp, **{"train.micro_batches_per_step": 1})
         resumable = {"checkpoint.enable": "true", "checkpoint.every_steps": STEPS // 2} if family == "qwen2_5_vl" else {}
+        _run(tmp, family, dp, **{"train.micro_batches_per_step": 1, **resumable})
         _run(tmp, family, pp, **{"parallel.pp": 2, "train.micro_batches_per_step": 2, **resumable})
         if rank == 0:
             _assert_same_training(family, "pp", dp, pp)
         dist.barrier()
     # layout change: the pp=2 checkpoint of step 5 resumes as a dp-only run (2 data-parallel ranks)
     _resumes_as_dp(tmp, rank, "pp")
+    # and the reverse: the dp-only checkpoint of step 5 resumes as a pp=2 run
+    _resumes_as_dp(tmp, rank, "dp", as_layout={"parallel.pp": 2, "train.micro_batches_per_step": 2})
 
 
 def test_pp2_matches_dp_for_every_family(tmp_path):

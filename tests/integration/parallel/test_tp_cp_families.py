@@ -22,6 +22,7 @@ from __future__ import annotations
 import csv
 import shutil
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -128,15 +129,15 @@ def _assert_same_training(family: str, layout: str, dp: Path, other: Path) -> No
     assert diff[0] <= 1e-6, (family, layout, diff)
 
 
-def _resumes_as_dp(tmp: Path, rank: int, layout: str) -> None:
+def _resumes_as_dp(tmp: Path, rank: int, layout: str, as_layout: Optional[dict] = None) -> None:
     """Layout change: the Qwen2.5-VL `layout` run's checkpoint of step STEPS // 2 resumes as a dp-only run (2
-    data-parallel ranks) with that run's last losses (1e-5) and its export (1e-6)."""
-    run, resumed = tmp / "qwen2_5_vl" / layout, tmp / "qwen2_5_vl" / "resumed"
+    data-parallel ranks; or with the settings `as_layout`) with that run's last losses (1e-5) and its export (1e-6)."""
+    run, resumed = tmp / "qwen2_5_vl" / layout, tmp / "qwen2_5_vl" / f"resumed_{layout}"
     if rank == 0:
         shutil.copytree(run / "checkpoints" / f"step_{STEPS // 2}", resumed / "checkpoints" / f"step_{STEPS // 2}")
     dist.barrier()
     _run(tmp, "qwen2_5_vl", resumed, **{"train.micro_batches_per_step": 1, "checkpoint.enable": "true",
-                                        "checkpoint.resume": '"auto"'})
+                                        "checkpoint.resume": '"auto"', **(as_layout or {})})
     if rank == 0:
         l_run, l_res = _column(run, "loss"), _column(resumed, "loss")
         assert len(l_res) == STEPS - STEPS // 2, l_res

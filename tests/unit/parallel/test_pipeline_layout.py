@@ -10,13 +10,19 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
 from megatron_vlm.checkpoint.hf import load_hf_model
 from megatron_vlm.config import ConfigError, load_config
 from megatron_vlm.config.mode_keys import check_keys_for_mode
 from megatron_vlm.config.sections import ParallelConfig
 from megatron_vlm.parallel.mesh import LayoutError, build_mesh
-from megatron_vlm.parallel.pipeline import check_pipeline_layout, split_model_for_stage, stage_layer_range
+from megatron_vlm.parallel.pipeline import (
+    PipelineRunner,
+    check_pipeline_layout,
+    split_model_for_stage,
+    stage_layer_range,
+)
 from megatron_vlm.plan.check import run_check
 from megatron_vlm.testing.synthesize import synthesize_model_folder
 from megatron_vlm.training.lm_loss import TokenLogprobModel
@@ -33,10 +39,24 @@ def test_stage_layer_range_partitions_the_layers(layers, pp):
     assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
 
 
+class _Fake(nn.Module):
+    """The parts of a family model the layout check reads: decoder layers, final norm, embedding, lm_head."""
+
+    def __init__(self, layers: int, deepstack: int = 0):
+        super().__init__()
+        self.language_model = nn.Module()
+        self.language_model.embed_tokens = nn.Embedding(4, 2)
+        self.language_model.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(layers))
+        self.language_model.norm = nn.LayerNorm(2)
+        self.lm_head = nn.Linear(2, 4, bias=False)
+        self.args = SimpleNamespace(vision=SimpleNamespace(deepstack_visual_indexes=list(range(deepstack))))
+
+    def _input_embeddings(self):
+        return self.language_model.embed_tokens
+
+
 def _fake(layers: int, deepstack: int = 0):
-    model = SimpleNamespace(language_model=SimpleNamespace(layers=[None] * layers),
-                            args=SimpleNamespace(vision=SimpleNamespace(deepstack_visual_indexes=list(range(deepstack)))))
-    return model
+    return _Fake(layers, deepstack)
 
 
 def test_size_errors_name_the_key_and_numbers():
@@ -102,12 +122,17 @@ def test_stages_partition_the_model_and_chain_to_the_full_logprobs(tmp_path, nam
         held.append({n for n, _ in stage.named_parameters(remove_duplicate=False)})
     assert held[0] | held[1] >= names and held[0] and held[1]
     shared = held[0] & held[1]
-    assert shared == ({"model.lm_head.weight"} if tied else set()), shared
+    # a tied weight keeps both of its names on the last stage, the embedding's first (its optimizer state's name
+    # in a one-stage checkpoint, which a pp run then resumes)
+    embed_name = "model.language_model.embed_tokens.weight"
+    assert shared == ({"model.lm_head.weight", embed_name} if tied else set()), shared
+    if tied:
+        assert next(n for n, p in stages[1].named_parameters() if p is stages[1].model.lm_head.weight) == embed_name
     n_layers = len(full.model.language_model.layers)
     assert not any(n.startswith(f"model.language_model.layers.{n_layers - 1}.") for n in held[0])
     assert not any(n.startswith("model.language_model.layers.0.") for n in held[1])
     assert all(n.startswith(("model.language_model.layers.", "model.language_model.norm", "model.lm_head."))
-               for n in held[1]), sorted(held[1])
+               or n == embed_name for n in held[1]), sorted(held[1])
     for st in stages:
         st.loss_scale, st.logp_sums = 1.0, []
     act = stages[0](torch.zeros(1), batch=batch)
@@ -119,3 +144,58 @@ def test_stages_partition_the_model_and_chain_to_the_full_logprobs(tmp_path, nam
     assert act.requires_grad
     with pytest.raises(RuntimeError, match="SFT training steps only"):
         stages[0](batch)
+
+
+def test_fewer_micro_batches_than_stages_is_a_config_error():
+    """1F1B needs a micro-batch per stage: exit 2 naming the key (LayoutError), before any stage is built, not
+    torch's ValueError from inside the schedule."""
+    with pytest.raises(LayoutError, match=r"train.micro_batches_per_step \(1\) must be at least parallel.pp \(2\)"):
+        PipelineRunner(SimpleNamespace(num_stages=2), None, torch.device("cpu"), 1)
+
+
+def test_a_stage_without_trainable_parameters_is_refused():
+    """Every stage's ranks step their own optimizer: a stage that train.train_layers leaves frozen (a projector-only
+    run split over stages) is a config error on every rank alike, naming the stage, not one rank's 'no trainable
+    parameters left' while the other stages wait."""
+    model = _fake(4)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("language_model.layers.0."))
+    with pytest.raises(LayoutError, match=r"parallel.pp \(2\): pipeline stage 1 \(decoder layers 2-3\) holds no trainable"):
+        check_pipeline_layout(model, ParallelConfig(pp=2), 2)
+    model.lm_head.weight.requires_grad_(True)  # the last stage's head
+    check_pipeline_layout(model, ParallelConfig(pp=2), 2)
+    model.lm_head.weight.requires_grad_(False)
+    model.lm_head.weight = model.language_model.embed_tokens.weight  # tied: held by the first and last stage
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.lm_head.weight.requires_grad_(True)
+    check_pipeline_layout(model, ParallelConfig(pp=2), 2)
+    with pytest.raises(LayoutError, match=r"pipeline stage 1 \(decoder layers 2-2\)"):
+        check_pipeline_layout(model, ParallelConfig(pp=3), 3)  # the middle stage holds neither copy
+
+
+def test_optimizer_groups_of_the_stages_merge_by_hyperparameters(monkeypatch):
+    """A stage without the decayed (or the non-decayed) group (train.train_layers; the optimizer drops empty groups)
+    used to fail every checkpoint save ('different optimizer param groups'); the saved groups are now those of all
+    stages merged by their hyperparameters, and each stage gets its own groups back with theirs at load."""
+    from megatron_vlm.parallel import pipeline
+
+    stage0 = [{"lr": 1e-3, "weight_decay": 0.1, "params": ["m.layers.0.mlp.w"]},
+              {"lr": 1e-3, "weight_decay": 0.0, "params": ["m.layers.0.norm.weight"]}]
+    stage1 = [{"lr": 1e-3, "weight_decay": 0.1, "params": ["m.lm_head.weight"]}]  # decayed only
+
+    def gather(parts, obj, group=None):  # the two stages' groups, as all_gather_object over the pp group
+        sds = [stage0, stage1]
+        for s in range(2):
+            parts[s] = [({k: v for k, v in g.items() if k != "params"}, list(g["params"])) for g in sds[s]]
+
+    monkeypatch.setattr(pipeline.dist, "all_gather_object", gather)
+    me = SimpleNamespace(num_stages=2, pp_group=None, tied=False)
+    saved = pipeline.PipelineStageModel.optim_state_dict_for_save(me, {"param_groups": [dict(g) for g in stage1]})
+    assert saved["param_groups"] == [
+        {"lr": 1e-3, "weight_decay": 0.1, "params": ["m.layers.0.mlp.w", "m.lm_head.weight"]},
+        {"lr": 1e-3, "weight_decay": 0.0, "params": ["m.layers.0.norm.weight"]}]
+    for own in (stage0, stage1):
+        loaded = {"param_groups": [dict(g, params=list(g["params"])) for g in saved["param_groups"]]}
+        pipeline.PipelineStageModel.restore_local_param_groups(loaded, [g["params"] for g in own])
+        assert loaded["param_groups"] == own

@@ -142,6 +142,10 @@ def _check_pipeline_keys(cfg: Config) -> None:
     if d.eval_path or (d.type == "synthetic_vqa" and d.synthetic_eval_size > 0):
         raise ConfigError(f"parallel.pp: held-out evaluation does not run through a pipeline (pp = {pp}); set "
                           "data.eval_path = \"\" (synthetic data: data.synthetic_eval_size = 0)")
+    if cfg.train.micro_batches_per_step < pp:  # the job's PipelineRunner refuses it too: found here by --check
+        raise ConfigError(f"train.micro_batches_per_step: {cfg.train.micro_batches_per_step} is fewer than parallel.pp "
+                          f"({pp}): the 1F1B schedule keeps every stage busy with a micro-batch of its own; set "
+                          "train.micro_batches_per_step >= parallel.pp")
     if cfg.moe.aux_loss_coef > 0:
         raise ConfigError(f"parallel.pp: moe.aux_loss_coef ({cfg.moe.aux_loss_coef}) with pipeline parallelism "
                           f"(pp = {pp}) is not supported; set moe.aux_loss_coef = 0 (auxiliary-free balancing works)")

@@ -85,13 +85,17 @@ def test_keys_refused_with_pp():
     sft = load_config(CONFIGS / "demo_sft.toml", ["parallel.pp=2"])  # synthetic data with a held-out split
     with pytest.raises(ConfigError, match=r"parallel.pp: held-out evaluation .*synthetic_eval_size = 0"):
         check_keys_for_mode(sft)
-    check_keys_for_mode(load_config(CONFIGS / "demo_sft.toml", ["parallel.pp=2", "data.synthetic_eval_size=0"]))
+    one_micro = load_config(CONFIGS / "demo_sft.toml", ["parallel.pp=2", "data.synthetic_eval_size=0"])
+    with pytest.raises(ConfigError, match=r"^train.micro_batches_per_step: 1 is fewer than parallel.pp \(2\)"):
+        check_keys_for_mode(one_micro)  # the job's PipelineRunner refuses it too; --check finds it first
+    check_keys_for_mode(load_config(CONFIGS / "demo_sft.toml", ["parallel.pp=2", "data.synthetic_eval_size=0",
+                                                                "train.micro_batches_per_step=2"]))
 
 
 def test_check_refuses_more_stages_than_layers(tmp_path):
     folder = synthesize_model_folder("tiny_qwen2_5_vl", tmp_path / "m")
     cfg = load_config(CONFIGS / "demo_sft.toml", [f'model.path="{folder}"', "parallel.pp=8",
-                                                  "data.synthetic_eval_size=0"])
+                                                  "data.synthetic_eval_size=0", "train.micro_batches_per_step=8"])
     out, err = io.StringIO(), io.StringIO()
     code = run_check(cfg, world_size=8, device_memory_gib=80.0, out=out, err=err)
     assert code == 2 and err.getvalue().startswith("check failed: parallel.pp:"), err.getvalue()

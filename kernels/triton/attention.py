@@ -477,10 +477,11 @@ def attention(
         kpm = key_padding_mask.to(torch.uint8).contiguous() if key_padding_mask is not None else None
     else:
         kpm = None
-        # hints given on CUDA: trusted (no host sync per layer); else one sync that also validates cu_seqlens
+        # hints given on CUDA or under torch.compile: trusted (no host sync per layer, no graph break); else one
+        # sync that also validates cu_seqlens
         max_seqlen_q, max_seqlen_k = packed_max_seqlens(
             cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
-            check_hints=q.device.type == "cpu",
+            check_hints=q.device.type == "cpu" and not torch.compiler.is_compiling(),
         )
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out, _ = attention_fwd_op(

@@ -96,6 +96,17 @@ def check_attention_inputs(
     return cu_seqlens_q, cu_seqlens_k
 
 
+def check_cu_seqlens_lists(bq: list, bk: list, total_q: int, total_k: int) -> None:
+    """ValueError unless the host copies of cu_seqlens start at 0, never decrease and end at the token counts
+    (for backends that read them on the host anyway and hand them to a device op that does not check)."""
+    if (bq[0] != 0 or bk[0] != 0 or bq[-1] != total_q or bk[-1] != total_k
+            or any(b < a for a, b in zip(bq, bq[1:])) or any(b < a for a, b in zip(bk, bk[1:]))):
+        raise ValueError(
+            f"attention: cu_seqlens must start at 0, not decrease and end at the token counts (q {total_q}, k {total_k}), "
+            f"got q {bq[:4]}..{bq[-1]}, k {bk[:4]}..{bk[-1]}"
+        )
+
+
 def packed_max_seqlens(
     cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, max_q: Optional[int], max_k: Optional[int],
     *, check_hints: bool,

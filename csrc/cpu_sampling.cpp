@@ -57,6 +57,11 @@ MVLM_CLONES void sample_row(const float* z, int64_t vocab, float t, float u, con
     se += e;
   });
   const float shift = m + std::log(hsum8(se));  // logp_i = x_i - shift
+  if (!std::isfinite(shift)) {  // a NaN / +inf logit or only -inf ones: no distribution (the caller raises)
+    *token = -1;
+    *logp = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
   // pass 3: probabilities exp(logp_i) in double running sums; the total first (the target depends on it), then the
   // search. A suppressed token contributes 0. Two sweeps over 8-wide blocks: block sums to find the total and
   // the block holding the target, then tokens one by one inside that block, in the same order and precision.
@@ -143,6 +148,10 @@ std::tuple<at::Tensor, at::Tensor> sample_rows_cpu(const at::Tensor& logits, con
   at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) sample_row(z + r * vocab, vocab, t, u[r], sup, tk + r, lp + r);
   });
+  for (int64_t r = 0; r < rows; ++r) {  // raised here, on the calling thread, not inside the parallel region
+    MVLM_CHECK_VALUE(tk[r] >= 0, "sample_rows: row ", r, " of the logits has a NaN or +inf value, or only -inf ones: "
+                     "no distribution to sample from");
+  }
   return {tokens, logp};
 }
 

@@ -42,7 +42,8 @@ def check(device_type: str, dtype: torch.dtype) -> Optional[str]:
     if device_type != "cpu":
         return f"tensor on {device_type}; the csrc layer ops run on the CPU"
     if dtype != torch.float32:
-        return f"{dtype}; the csrc layer ops take float32 (other dtypes run the torch reference)"
+        return (f"{dtype}; the csrc layer ops take float32 only (set the op to auto to run other dtypes on "
+                "the torch reference)")
     return None
 
 

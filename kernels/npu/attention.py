@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..reference.attention import prepare_attention_args, visible_mask
+from ..reference.attention import check_cu_seqlens_lists, prepare_attention_args, visible_mask
 from ._torch_npu import torch_npu_module
 
 UNBOUNDED = 2147483647
@@ -74,9 +74,10 @@ def attention(
     elif causal:
         kwargs.update(atten_mask=compressed_causal_mask(q.device), sparse_mode=3)
     if q.dim() == 3:
+        bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()  # host lists for the op; checked here, as it does not
+        check_cu_seqlens_lists(bq, bk, q.shape[0], k.shape[0])
         out = torch_npu.npu_fusion_attention(
-            q, k, v, q.shape[1], "TND",
-            actual_seq_qlen=cu_seqlens_q[1:].tolist(), actual_seq_kvlen=cu_seqlens_k[1:].tolist(), **kwargs,
+            q, k, v, q.shape[1], "TND", actual_seq_qlen=bq[1:], actual_seq_kvlen=bk[1:], **kwargs,
         )[0]
     else:
         out = torch_npu.npu_fusion_attention(q, k, v, q.shape[2], "BSND", **kwargs)[0]

@@ -96,6 +96,43 @@ def check_attention_inputs(
     return cu_seqlens_q, cu_seqlens_k
 
 
+def check_cu_seqlens_lists(bq: list, bk: list, total_q: int, total_k: int) -> None:
+    """ValueError unless the host copies of cu_seqlens start at 0, never decrease and end at the token counts
+    (for backends that read them on the host anyway and hand them to a device op that does not check)."""
+    if (bq[0] != 0 or bk[0] != 0 or bq[-1] != total_q or bk[-1] != total_k
+            or any(b < a for a, b in zip(bq, bq[1:])) or any(b < a for a, b in zip(bk, bk[1:]))):
+        raise ValueError(
+            f"attention: cu_seqlens must start at 0, not decrease and end at the token counts (q {total_q}, k {total_k}), "
+            f"got q {bq[:4]}..{bq[-1]}, k {bk[:4]}..{bk[-1]}"
+        )
+
+
+def packed_max_seqlens(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, max_q: Optional[int], max_k: Optional[int],
+    *, check_hints: bool,
+) -> tuple[int, int]:
+    """The longest query and key sample of a pack: the hints when both are given (and `check_hints` is False: no
+    host sync, the caller trusts them as flash-attn does), else read from cu_seqlens in one host sync that also
+    validates them (start at 0, never decrease, end at the token counts) and any hint given (a hint shorter than
+    the longest sample would leave query rows unwritten by a kernel that sizes its grid from it). Why: a kernel
+    indexing by bad cu_seqlens reads and writes outside its tensors (garbage, or a crash), where a clear
+    ValueError is what the other backends give."""
+    if max_q is not None and max_k is not None and not check_hints:
+        return int(max_q), int(max_k)
+    lens_q, lens_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    stats = torch.stack([lens_q.min(), lens_q.max(), cu_q[0], cu_q[-1], lens_k.min(), lens_k.max(), cu_k[0], cu_k[-1]])
+    min_q, long_q, first_q, last_q, min_k, long_k, first_k, last_k = stats.tolist()
+    if min(min_q, min_k) < 0 or first_q != 0 or first_k != 0 or last_q != total_q or last_k != total_k:
+        raise ValueError(
+            f"attention: cu_seqlens must start at 0, not decrease and end at the token counts (q {total_q}, k {total_k}), "
+            f"got q {cu_q.tolist()[:4]}..{last_q}, k {cu_k.tolist()[:4]}..{last_k}"
+        )
+    for name, hint, longest in (("max_seqlen_q", max_q, long_q), ("max_seqlen_k", max_k, long_k)):
+        if hint is not None and int(hint) < longest:
+            raise ValueError(f"attention: {name}={hint} is shorter than the longest sample in cu_seqlens ({longest})")
+    return (long_q if max_q is None else int(max_q)), (long_k if max_k is None else int(max_k))
+
+
 def visible_mask(sq: int, sk: int, causal: bool, left: int, right: int, device: torch.device) -> torch.Tensor:
     """[sq, sk] bool, True where query i may attend key j (bottom-right aligned)."""
     i = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)

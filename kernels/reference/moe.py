@@ -147,6 +147,10 @@ def grouped_mm(
             w = weight[e] if weight_layout == "ekn" else weight[e].t()
             outs.append(x[start:end] @ w)
         start = end
+    if not outs and weight.shape[0]:
+        # no routed row (an expert-parallel rank whose experts got no token): an empty product keeps x and the
+        # weights in the graph, so they get zero gradients (as from the kernels) instead of none on this rank only
+        outs.append(x[:0] @ (weight[0] if weight_layout == "ekn" else weight[0].t()))
     tail = x.shape[0] - start
     if tail:
         outs.append(x.new_zeros(tail, out_dim))

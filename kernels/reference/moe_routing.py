@@ -39,6 +39,16 @@ def moe_topk_gating(
         raise ValueError(f"moe_topk_gating: score_func must be sigmoid or softmax, got {score_func!r}")
     logits = logits.float()
     num_experts = logits.shape[-1]
+    # the csrc op's checks (csrc/moe_routing_cpu.cpp): a top-k larger than the kept groups hold would pick
+    # experts of dropped groups (their choice is -inf) instead of failing
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"moe_topk_gating: top_k {top_k} must be in 1..{num_experts}")
+    if not (n_group > 0 and num_experts % n_group == 0 and 0 < topk_group <= n_group):
+        raise ValueError(f"moe_topk_gating: n_group {n_group} must divide {num_experts} and topk_group {topk_group} "
+                         "be in 1..n_group")
+    if n_group > 1 and top_k > topk_group * (num_experts // n_group):
+        raise ValueError(f"moe_topk_gating: top_k {top_k} exceeds the {topk_group * (num_experts // n_group)} experts "
+                         f"of the {topk_group} kept groups")
     scores = torch.sigmoid(logits) if score_func == "sigmoid" else torch.softmax(logits, dim=-1)
     choice = scores if bias is None else scores + bias
     if n_group > 1:

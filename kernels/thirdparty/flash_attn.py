@@ -47,7 +47,7 @@ from typing import Optional
 
 import torch
 
-from ..reference.attention import check_attention_inputs, normalize_window
+from ..reference.attention import check_attention_inputs, normalize_window, packed_max_seqlens
 
 logger = logging.getLogger("megatron_vlm.kernels")
 _logged: set = set()
@@ -147,11 +147,8 @@ def attention(
     same = cu_k is cu_q
     cu_q = cu_q.to(q.device).contiguous()  # flash_api.cpp: CHECK_DEVICE, CHECK_CONTIGUOUS
     cu_k = cu_q if same else cu_k.to(q.device).contiguous()
-    max_q = int((cu_q[1:] - cu_q[:-1]).max().item()) if max_seqlen_q is None else int(max_seqlen_q)
-    if max_seqlen_k is not None:
-        max_k = int(max_seqlen_k)
-    else:
-        max_k = max_q if same else int((cu_k[1:] - cu_k[:-1]).max().item())
+    # hints given: trusted (no host sync per layer); else one sync that also checks cu_seqlens (flash-attn does not)
+    max_q, max_k = packed_max_seqlens(cu_q, cu_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, check_hints=False)
     reason = _window_reason(causal, left, right, max_q, max_k)
     if (reason is None and max_q == 1 and q.shape[1] > k.shape[1] and window_size[0] < 0 and window_size[1] < 0
             and q.shape[0] != cu_q.numel() - 1):

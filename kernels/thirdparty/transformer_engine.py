@@ -86,7 +86,7 @@ from typing import Optional
 import torch
 
 from ..reference import norms as reference_norms
-from ..reference.attention import check_attention_inputs, normalize_window
+from ..reference.attention import check_attention_inputs, normalize_window, packed_max_seqlens
 
 logger = logging.getLogger("megatron_vlm.kernels")
 logger.info("kernels: Transformer Engine backend loaded (experimental: not yet run on a GPU)")  # imported when first chosen
@@ -272,10 +272,9 @@ def _run(q, k, v, causal, cu_q, cu_k, max_seqlen_q, max_seqlen_k, window_size, s
         out = module(q, k, v, qkv_format="bshd", attn_mask_type="causal_bottom_right" if causal else "no_mask",
                      window_size=window_size)
         return out.reshape(q.shape)
-    if max_seqlen_q is None:
-        max_seqlen_q = int(cu_q.diff().max().item())
-    if max_seqlen_k is None:
-        max_seqlen_k = max_seqlen_q if cu_k is cu_q else int(cu_k.diff().max().item())
+    # hints given: trusted (no host sync per layer); else one sync that also checks cu_seqlens (TE does not)
+    max_seqlen_q, max_seqlen_k = packed_max_seqlens(cu_q, cu_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
+                                                    check_hints=False)
     cross = cu_k is not cu_q
     cu_q = cu_q.to(q.device).contiguous()
     cu_k = cu_k.to(q.device).contiguous() if cross else cu_q

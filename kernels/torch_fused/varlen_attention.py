@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from ..reference.attention import check_attention_inputs, normalize_window
+from ..reference.attention import check_attention_inputs, normalize_window, packed_max_seqlens
 
 logger = logging.getLogger(__name__)
 _logged: set = set()
@@ -111,7 +111,8 @@ def attention(
     if reason is not None:
         return _fallback(reason, q, k, v, **args)
     left, right = normalize_window(window, causal)
-    max_len = int(max_seqlen_q) if max_seqlen_q is not None else int((cu_q[1:] - cu_q[:-1]).max().item())
+    # a hint given: trusted (no host sync per layer); else one sync that also checks cu_seqlens (the kernel does not)
+    max_len = packed_max_seqlens(cu_q, cu_q, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_q, check_hints=False)[0]
     from ..thirdparty.flash_attn import _window_reason  # the same flash kernels rewrite windows the same way
 
     reason = _window_reason(causal, left, right, max_len, max_len)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.attention import prepare_attention_args
+from ..reference.attention import packed_max_seqlens, prepare_attention_args
 from .common import check_device, to_dtype
 
 _LOG2E = 1.4426950408889634
@@ -477,10 +477,12 @@ def attention(
         kpm = key_padding_mask.to(torch.uint8).contiguous() if key_padding_mask is not None else None
     else:
         kpm = None
-        if max_seqlen_q is None:
-            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
-        if max_seqlen_k is None:
-            max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max().item())
+        # hints given on CUDA or under torch.compile: trusted (no host sync per layer, no graph break); else one
+        # sync that also validates cu_seqlens
+        max_seqlen_q, max_seqlen_k = packed_max_seqlens(
+            cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
+            check_hints=q.device.type == "cpu" and not torch.compiler.is_compiling(),
+        )
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out, _ = attention_fwd_op(
         q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), kpm,

@@ -36,7 +36,7 @@ register tiles reduced by `tl.sum`) took 3.0 ms per call on an H100 at 16 sequen
 (16 / 2 heads, D 128, bf16): 93 % of a decode step, 3.3x slower per step than the torch backend
 (benchmarks/RESULTS.md, 2026-11-26). This split-K version, in whole decode steps of the same shape on an H200
 (2026-11-27): 5.92 ms per step with CUDA graphs vs 7.61 ms with the torch backend, so `auto` takes it on CUDA.
-Inference only (no backward).
+Inference only (no backward): a call whose inputs require gradients runs the torch backend.
 """
 from typing import Optional
 
@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from ..reference.decode_attention import check_decode_attention_inputs
+from ..reference.decode_attention import decode_attention as _torch_decode_attention
 from .common import INTERPRETED_AT_IMPORT, check_device, dot, row_block, to_dtype
 
 __all__ = ["decode_attention", "num_splits"]
@@ -193,6 +194,10 @@ def decode_attention(
     `shared_prefix` are read from the root row's copy, without a host read of the hint)."""
     check_decode_attention_inputs(q, k_cache, v_cache, cache_seqlens, slot_ids, block_table, shared_prefix)
     check_device("decode_attention", q, k_cache, v_cache)
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+        # no backward here: the torch backend keeps the graph (an output from the kernel would carry no gradient)
+        return _torch_decode_attention(q, k_cache, v_cache, cache_seqlens, slot_ids=slot_ids, block_table=block_table,
+                                       max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale)
     batch, hq, dim = q.shape
     hkv = k_cache.shape[2]
     block_size = k_cache.shape[1]

@@ -96,6 +96,19 @@ def test_bad_input():
         sample_tokens(logits, uniform=torch.rand(3), temperature=1.0, suppress_token_ids=torch.tensor([7]))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "all -inf"])
+def test_a_row_without_a_distribution_is_an_error(bad):
+    """A NaN / +inf logit, or a row of -inf only (a model that overflowed), has no distribution to sample: the
+    fused op raises naming the row instead of returning a token with a NaN log-prob (silently, into the rollout)."""
+    logits = torch.randn(3, 20)
+    if bad == "all -inf":
+        logits[1] = float("-inf")
+    else:
+        logits[1, 7] = bad
+    with pytest.raises(ValueError, match="row 1"):
+        torch.ops.megatron_vlm.sample_rows(logits, torch.rand(3), None, 1.0)
+
+
 def test_non_contiguous_rows_and_truncation_keep_their_paths():
     g = torch.Generator().manual_seed(1)
     full = torch.randn(8, 3, 100, generator=g)

@@ -259,6 +259,17 @@ def test_cu_seqlens_and_hints_are_realigned(fake_flash_attn):
     assert fake_flash_attn[-1] == ("varlen", True, (-1, -1), 6, 6)
 
 
+@pytest.mark.parametrize("cu", [[0, 5, 3, 8], [0, 4, 6], [2, 4, 8], [0, 4, 12]])
+def test_bad_cu_seqlens_raise_before_the_kernel(fake_flash_attn, cu):
+    """Without max_seqlen hints the adapter reads the lengths on the host anyway; that read also checks them, so
+    decreasing / shifted / short cu_seqlens are the ValueError of the other backends, not a kernel reading outside
+    q / k / v (flash-attn does not check them)."""
+    q, k, v, _, _ = _packed([4, 4], [4, 4], 4, 2, 8)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        adapter.attention(q, k, v, causal=True, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32))
+    assert not fake_flash_attn
+
+
 def test_the_stand_in_refuses_what_the_package_refuses(fake_flash_attn, gpu):
     """Calls made straight to the stand-in (not through the adapter) that flash-attn's checks refuse."""
     fa = sys.modules["flash_attn"]

@@ -78,6 +78,19 @@ def test_grouped_mm_grads_match_loop():
         torch.testing.assert_close(a, r)
 
 
+@pytest.mark.parametrize("rows", [0, 3])
+def test_grouped_mm_without_routed_rows_keeps_the_graph(rows):
+    """An expert-parallel rank whose experts receive no token (all counts 0, only padding rows or none) still gets
+    zero gradients for x and the weights, as from the Triton kernel, not None: an output cut from the graph leaves
+    the experts' parameters without a gradient on that rank only (unlike its peers' in the same collective)."""
+    x = torch.randn(rows, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    out = grouped_mm(x, w, tokens_per_expert=torch.zeros(3, dtype=torch.long), weight_layout="enk")
+    assert out.shape == (rows, 4) and out.requires_grad
+    gx, gw = torch.autograd.grad(out.sum(), (x, w))
+    assert gx.shape == x.shape and not gx.any() and gw.shape == w.shape and not gw.any()
+
+
 def test_grouped_mm_errors():
     with pytest.raises(ValueError, match="exactly one"):
         grouped_mm(torch.randn(3, 4), torch.randn(2, 4, 5))

@@ -162,3 +162,20 @@ def test_linear_token_logprobs_reference_matches_naive(chunk_size):
 def test_linear_token_logprobs_reference_rejects_bad_label():
     with pytest.raises(ValueError, match="label 40 outside"):
         linear_token_logprobs(torch.randn(2, 4), torch.randn(40, 4), torch.tensor([1, 40]))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(top_k=4, n_group=4, topk_group=1),  # 2 experts kept, 4 asked: masked (-inf) experts would be picked
+    dict(top_k=2, n_group=3, topk_group=1),  # 3 does not divide 8 experts
+    dict(top_k=2, n_group=2, topk_group=3),  # more kept groups than groups
+    dict(top_k=9, n_group=1, topk_group=1),  # more than the experts
+    dict(top_k=0, n_group=1, topk_group=1),
+])
+def test_moe_topk_gating_refuses_impossible_group_selection(kwargs):
+    """The reference gating raises ValueError, as the compiled csrc op does, for a top-k its group selection cannot
+    give; before, top_k > topk_group x group size silently routed tokens to experts of dropped groups."""
+    from megatron_vlm.kernels.reference.moe_routing import moe_topk_gating
+
+    logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="top_k|n_group"):
+        moe_topk_gating(logits, kwargs.pop("top_k"), score_func="sigmoid", **kwargs)

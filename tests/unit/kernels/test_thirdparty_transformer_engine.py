@@ -394,6 +394,16 @@ def test_packed_thd_translation_matches_the_reference(fake, causal, window):
     assert fake[-1][:2] == ("thd", "padding_causal_bottom_right" if causal else "padding")
 
 
+@pytest.mark.parametrize("bad", [[0, 9, 3, 16], [0, 4, 12], [2, 4, 16], [0, 4, 20]])
+def test_bad_cu_seqlens_raise_before_te(fake, bad):
+    """Without max_seqlen hints the adapter reads the lengths on the host; that read also checks cu_seqlens (the
+    ValueError of the other backends), so TE never gets decreasing / shifted / short ones."""
+    q, k, v, _, _ = _packed([1, 6, 9], [1, 6, 9])
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        adapter.attention(q, k, v, causal=True, cu_seqlens_q=torch.tensor(bad, dtype=torch.int32))
+    assert not [c for c in fake if c[0] == "thd"]
+
+
 def test_packed_non_causal_window_runs_on_flash_attn_and_falls_back_without_it(monkeypatch, caplog):
     """TE's fused backend takes windows (left, 0) with causal mask types only and its unfused one no thd:
     a non-causal window on thd needs flash-attn. Without it TE raises its ValueError before computing

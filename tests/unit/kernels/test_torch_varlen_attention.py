@@ -96,6 +96,20 @@ def test_window_and_scale_go_where_the_release_takes_them(monkeypatch, style, ca
         assert bool(calls) == called, kwargs  # old release: SDPA fallback, never a silently dropped argument
 
 
+@pytest.mark.parametrize("bad", [[0, 5, 3, 8], [0, 4, 6], [2, 4, 8], [0, 4, 12]])
+def test_bad_cu_seqlens_raise_before_the_kernel(monkeypatch, bad):
+    """Without a max_seqlen hint the adapter reads the longest sample on the host; that read also checks
+    cu_seqlens (the ValueError of the other backends), so the kernel never gets decreasing / shifted / short ones."""
+    def never(*a, **kw):
+        raise AssertionError("the kernel was called")
+
+    never.__signature__ = __import__("inspect").signature(_new_style)  # a release the adapter maps every call to
+    _use(monkeypatch, never)
+    q, k, v, _ = _case([4, 4], 2, 2)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        backend.attention(q, k, v, causal=True, cu_seqlens_q=torch.tensor(bad, dtype=torch.int32))
+
+
 def test_other_layouts_fall_back_to_sdpa(monkeypatch):
     def never(*a, **kw):
         raise AssertionError("varlen_attn called for a layout it does not take")

@@ -153,3 +153,24 @@ def test_max_seqlen_hints_and_noncontiguous_inputs():
     cu = cu_seqlens([19, 7], DEVICE)
     out = triton_attention.attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=19, max_seqlen_k=19)
     assert max_err(out, reference(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)) < 1e-5
+
+
+@pytest.mark.parametrize("cu", [[0, 5, 3, 8], [0, 4, 6], [2, 4, 8], [0, 4, 12]])
+def test_bad_cu_seqlens_raise_instead_of_reading_out_of_bounds(cu):
+    """Decreasing cu_seqlens, or ones not starting at 0 / not ending at the token count, are a ValueError as in
+    the other backends (the kernel would read and write outside the tensors: garbage or a heap corruption)."""
+    q, k, v = (torch.randn(8, 2, 64, device=DEVICE) for _ in range(3))
+    bad = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        triton_attention.attention(q, k, v, causal=True, cu_seqlens_q=bad)
+
+
+def test_too_small_max_seqlen_hint_raises_on_cpu():
+    """A max_seqlen hint shorter than the longest sample would leave rows of the output unwritten; on the CPU
+    (interpreted, no device sync to save) the hint is checked against cu_seqlens."""
+    if DEVICE != "cpu":
+        pytest.skip("on CUDA the hints are trusted (no host sync), as flash-attn does")
+    q, k, v = (torch.randn(26, 2, 64) for _ in range(3))
+    cu = cu_seqlens([19, 7])
+    with pytest.raises(ValueError, match="max_seqlen"):
+        triton_attention.attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7, max_seqlen_k=7)

@@ -226,3 +226,18 @@ def test_shared_prefix_reads_the_roots_copy(layout):
     out = decode_attention(*_on(q, kc, vc, seqlens), shared_prefix=tuple(_on(*hint)),
                            **{n: t.to(DEVICE) for n, t in kw.items()})
     torch.testing.assert_close(out.cpu(), truth, **FP32)
+
+
+def test_inputs_that_need_gradients_get_them_through_the_reference():
+    """The kernel has no backward; a call whose q / cache require gradients runs the torch backend (as the csrc
+    backend does) instead of returning an output cut from the graph (no gradient, silently)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 64, generator=g).to(DEVICE).requires_grad_()
+    k, v = (torch.randn(2, 8, 2, 64, generator=g).to(DEVICE) for _ in range(2))
+    seqlens = torch.tensor([5, 8], dtype=torch.int32, device=DEVICE)
+    out = decode_attention(q, k, v, seqlens)
+    assert out.requires_grad
+    (grad,) = torch.autograd.grad(out.sum(), q)
+    q_ref = q.detach().requires_grad_()
+    (want,) = torch.autograd.grad(torch_backend(q_ref, k, v, seqlens).sum(), q_ref)
+    torch.testing.assert_close(grad, want)

@@ -156,6 +156,13 @@ def check_owned(path: Path) -> None:
                 "checkpoint unpickles its metadata, so only checkpoints you own are loaded (copy it if you trust it)")
 
 
+def _saved_param_group_count(path: Path) -> int:
+    """How many optimizer param groups the checkpoint at `path` holds (from its DCP metadata, no tensor read)."""
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    found = [int(m.group(1)) for k in keys if (m := re.match(r"optim\.param_groups\.(\d+)\.", k))]
+    return max(found) + 1 if found else 0
+
+
 class CheckpointManager:
     def __init__(self, output_dir: str | Path, keep_last: int, rank: int):
         self.root = Path(output_dir) / "checkpoints"
@@ -337,6 +344,13 @@ class CheckpointManager:
             m_sd, o_sd = get_state_dict(module, module_optim)
             state[name] = {"model": m_sd, "optim": o_sd}
         local_groups = [list(g["params"]) for g in optim_sd.get("param_groups", [])]
+        if hasattr(model, "restore_local_param_groups") and local_groups:
+            # DCP fills the template's groups by position: give a pipeline stage as many as were saved (every stage's,
+            # merged), so each comes back and the stage takes its own by parameter name
+            saved_groups = _saved_param_group_count(path)
+            template = {k: v for k, v in optim_sd["param_groups"][0].items() if k != "params"}
+            optim_sd["param_groups"] += [{**template, "params": []}
+                                         for _ in range(saved_groups - len(optim_sd["param_groups"]))]
         dcp.load(state, checkpoint_id=str(path))
         # flipped bytes can make NaN / 3.4e38 without breaking the format: a corrupt checkpoint (the caller falls back)
         check_finite({"model": state["model"], "optim": state["optim"].get("state", {})}, f"{path}")

@@ -242,6 +242,9 @@ class PipelineStageModel:
                 # a tied lm_head is the first stage's embedding under a second name: listed once, as in one stage
                 target["params"].extend(n for n in names if n not in target["params"]
                                         and not (self.tied and s > 0 and n.endswith("lm_head.weight")))
+        # in the order a one-stage optimizer builds them (decayed first, training/optim.py), so a one-stage run that
+        # loads the groups by position gets each its own hyperparameters whichever stage held a group first
+        merged.sort(key=lambda g: float(g.get("weight_decay", 0.0)) <= 0.0)
         optim_sd["param_groups"] = merged
         return optim_sd
 
@@ -254,9 +257,12 @@ class PipelineStageModel:
         owner = {n: g for g in saved for n in g["params"]}
         restored = []
         for i, names in enumerate(local_groups):
-            src = next((owner[n] for n in names if n in owner), saved[i] if i < len(saved) else None)
+            # by name only: a group matched by position could take another group's weight decay (a stage holding only
+            # the non-decayed group would load the first saved group, the decayed one)
+            src = next((owner[n] for n in names if n in owner), None)
             if src is None:
-                raise ValueError(f"the checkpoint's optimizer has no param group for {names[0] if names else 'group ' + str(i)}")
+                raise ValueError(f"the checkpoint's optimizer param groups name none of this stage's group {i} "
+                                 f"({names[0] if names else 'empty'}); was it written with other train.train_layers?")
             restored.append({**src, "params": list(names)})
         optim_sd["param_groups"] = restored
 

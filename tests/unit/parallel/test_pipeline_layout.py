@@ -203,3 +203,42 @@ def test_optimizer_groups_of_the_stages_merge_by_hyperparameters(monkeypatch):
         loaded = {"param_groups": [dict(g, params=list(g["params"])) for g in saved["param_groups"]]}
         pipeline.PipelineStageModel.restore_local_param_groups(loaded, [g["params"] for g in own])
         assert loaded["param_groups"] == own
+
+
+def test_a_stage_with_only_the_undecayed_group_resumes_its_own_weight_decay(tmp_path):
+    """Through a real DCP save and load (the manager's): DCP fills the template's param groups by position, so a
+    stage holding only the non-decayed group (e.g. norms trained, `train.train_layers`) used to get the first saved
+    group back, the decayed one (weight decay 0.1 on its norms). The stage's template now has every saved group and
+    takes its own by name."""
+    from torch import nn
+
+    from megatron_vlm.checkpoint.manager import CheckpointManager
+    from megatron_vlm.parallel.pipeline import PipelineStageModel
+
+    class Whole(nn.Module):  # a one-stage run: the decayed weight and both norms
+        def __init__(self):
+            super().__init__()
+            self.w, self.n0, self.n1 = nn.Parameter(torch.ones(2, 2)), nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+
+    class LastStage(nn.Module):  # a pipeline stage holding only the second norm
+        restore_local_param_groups = staticmethod(PipelineStageModel.restore_local_param_groups)
+
+        def __init__(self):
+            super().__init__()
+            self.n1 = nn.Parameter(torch.ones(2))
+
+    def step(model, groups):
+        opt = torch.optim.AdamW(groups, lr=1e-3)
+        sum(p.sum() for p in model.parameters()).backward()
+        opt.step()
+        return opt
+
+    whole = Whole()
+    opt = step(whole, [{"params": [whole.w], "weight_decay": 0.1}, {"params": [whole.n0, whole.n1], "weight_decay": 0.0}])
+    mgr = CheckpointManager(tmp_path, keep_last=0, rank=0)
+    path = mgr.save(1, whole, opt, extra={})
+    stage = LastStage()
+    stage_opt = step(stage, [{"params": [stage.n1], "weight_decay": 0.0}])
+    mgr.load(path, stage, stage_opt)
+    assert [g["weight_decay"] for g in stage_opt.param_groups] == [0.0]
+    assert len(stage_opt.param_groups) == 1 and stage_opt.param_groups[0]["params"] == [stage.n1]

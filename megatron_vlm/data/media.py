@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, Optional, Protocol
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 from megatron_vlm.data.bad_records import BadRecordError
 from megatron_vlm.data.config import (
@@ -142,9 +142,19 @@ _EXIF_ORIENTATION = 0x0112
 _SWAPS_SIDES = (5, 6, 7, 8)  # orientations that turn the image by 90 degrees (transpose / rotate)
 
 
+_TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+              5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+              8: Image.Transpose.ROTATE_90}
+"""How each EXIF orientation is turned upright (the mapping of Pillow's `ImageOps.exif_transpose`)."""
+
+
 def _orientation(img: Image.Image) -> int:
-    """The EXIF Orientation tag (1 = upright) from the header; unreadable EXIF counts as upright, as
-    vLLM's loader treats it (the pixels are still usable)."""
+    """The EXIF Orientation tag (1 = upright) from the header only; unreadable EXIF counts as upright, as
+    vLLM's loader treats it (the pixels are still usable). A PNG's EXIF is read only from an eXIf chunk before
+    its pixels (where writers put it): for a PNG without one, Pillow's `getexif` decodes the whole image to look
+    behind the pixels, which made length planning decode every PNG (85 ms for 1920x1080 instead of 0.07 ms)."""
+    if img.format == "PNG" and "exif" not in img.info:
+        return 1
     try:
         value = img.getexif().get(_EXIF_ORIENTATION, 1)
         return int(value) if 1 <= int(value) <= 8 else 1
@@ -184,14 +194,15 @@ def to_rgb(img: Image.Image) -> Image.Image:
 
 def load_image(ref: Any, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
     """Decode fully to RGB (`to_rgb`) once the header passed the pixel cap, upright: the EXIF
-    Orientation tag of a camera photo is applied (`ImageOps.exif_transpose`), as transformers'
+    Orientation tag of a camera photo is applied (as `ImageOps.exif_transpose` does), as transformers'
     `load_image` and vLLM do, so the model sees what a viewer shows, not the sensor's sideways
     pixels. Truncated or corrupt data raises BadRecordError("corrupt_image")."""
     img = _open(ref, max_pixels)
     try:
+        orientation = _orientation(img)  # from the header, before decoding: the one `image_hw` planned with
         img.load()
-        if _orientation(img) != 1:
-            img = ImageOps.exif_transpose(img)
+        if orientation in _TRANSPOSE:
+            img = img.transpose(_TRANSPOSE[orientation])
         return to_rgb(img)
     except Image.DecompressionBombError as e:
         raise BadRecordError("image_too_large", f"{describe(ref)}: {e}") from None

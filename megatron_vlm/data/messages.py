@@ -25,7 +25,7 @@ Tool-use traces follow the OpenAI / transformers format: an assistant message ma
 ([{"type": "function", "function": {"name": ..., "arguments": {...} or "<json>"}}]; content may then be
 empty or null), the tool's reply is a "tool" message, and the record's top-level "tools" lists the tool
 specs. Both reach the chat template as `apply_chat_template(messages, tools=...)` passes them (the calls
-are part of the trained assistant turn); a template that renders neither is refused per record
+are part of the trained assistant turn); a template that does not render them (calls or specs) is refused per record
 (processor_base.py), never trained without them. `normalize_messages` is shared with the
 HF-datasets source: it checks the structure and raises `BadRecordError("invalid_record", ...)`
 naming the offending message / item; the reader logs bad lines (file, 1-based line) and goes on
@@ -209,7 +209,7 @@ def normalize_messages(raw: Any, resolve: Callable[[Any], Any] = lambda r: r) ->
             raise BadRecordError("invalid_record", f"{where}.role must be one of {ROLES}, got {role!r}")
         content = m.get("content")
         calls = None
-        if m.get("tool_calls") is not None:
+        if m.get("tool_calls"):  # an empty list (tables write one on every message) is no call
             if role != "assistant":
                 raise BadRecordError("invalid_record", f"{where}: only assistant messages carry tool_calls, not {role!r}")
             calls = _normalize_tool_calls(m["tool_calls"], where)

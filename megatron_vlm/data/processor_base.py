@@ -136,13 +136,14 @@ class VLProcessor:
                                                   add_generation_prompt=add_generation_prompt, tools=tools or None)
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = False,
-               tools: Optional[list] = None) -> str:
+               tools: Optional[list] = None, strict: bool = True) -> str:
         """The conversation as text through the folder's chat template (placeholders unexpanded).
 
         An assistant message's "tool_calls" and the `tools` specs go to the template as transformers'
-        `apply_chat_template` passes them. A template that renders neither (the text is the same without
-        them: Qwen2.5-VL's knows no tools) raises BadRecordError("invalid_record"): a trace trained
-        without its calls or specs teaches answers that skip the tool."""
+        `apply_chat_template` passes them. A template that does not render them, the calls or the specs (the
+        text is the same without them: Qwen2.5-VL's knows no tools), raises BadRecordError("invalid_record"): a
+        trace trained without its calls or specs teaches answers that skip the tool. `strict=False` renders what
+        the template renders, as transformers does (the public `apply_chat_template`)."""
         conversation = []
         for m in messages:
             content = m["content"]
@@ -152,6 +153,8 @@ class VLProcessor:
             conversation.append({"role": m["role"], "content": content,
                                  **({"tool_calls": m["tool_calls"]} if m.get("tool_calls") else {})})
         text = self._template(conversation, tools, add_generation_prompt)
+        if not strict:
+            return text
         if tools and text == self._template(conversation, None, add_generation_prompt):
             raise BadRecordError("invalid_record", f"the chat template of {self.name_or_path or 'the processor'} "
                                                    "does not render the record's tools (tool specs)")
@@ -168,7 +171,7 @@ class VLProcessor:
         """Like `ProcessorMixin.apply_chat_template(..., tokenize=False)`: the rendered text."""
         if tokenize:
             raise NotImplementedError("VLProcessor.apply_chat_template renders text only; call the processor on it")
-        return self.render(conversation, add_generation_prompt=add_generation_prompt, tools=tools)
+        return self.render(conversation, add_generation_prompt=add_generation_prompt, tools=tools, strict=False)
 
     def mm_token_type_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """0 text, 1 image placeholder, 2 video placeholder (what transformers' Qwen processors return)."""

@@ -43,6 +43,37 @@ def test_orientation_applied_like_transformers_load_image(tmp_path, orientation)
         assert image_hw(ref) == expected.shape[:2]
 
 
+def _tagged_png(orientation: int, size=(84, 28)) -> bytes:
+    a = np.zeros((size[1], size[0], 3), dtype=np.uint8)
+    a[:, : size[0] // 3] = (250, 10, 10)
+    img = Image.fromarray(a)
+    exif = img.getexif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    img.save(buf, "PNG", exif=exif.tobytes())  # Pillow writes the eXIf chunk before the pixels
+    return buf.getvalue()
+
+
+def test_png_orientation_from_its_header_without_decoding_pixels(tmp_path, monkeypatch):
+    """Length planning reads every image's size: a PNG without EXIF must not be decoded for it (Pillow's `getexif`
+    decodes a PNG to look for an eXIf chunk behind the pixels: 85 ms per 1920x1080 image instead of 0.07 ms), and a
+    PNG's eXIf chunk before the pixels is applied as transformers' `load_image` applies it."""
+    from PIL import PngImagePlugin
+    from transformers.image_utils import load_image as hf_load_image
+
+    tagged, plain = tmp_path / "t.png", tmp_path / "p.png"
+    tagged.write_bytes(_tagged_png(6))
+    Image.new("RGB", (84, 28)).save(plain)
+    expected = np.asarray(hf_load_image(str(tagged)))
+    np.testing.assert_array_equal(np.asarray(load_image(str(tagged))), expected)
+
+    decoded = []  # recorded, not raised: the orientation read swallows errors of a malformed EXIF block
+    monkeypatch.setattr(PngImagePlugin.PngImageFile, "load", lambda self: decoded.append(self.filename))
+    assert image_hw(str(tagged)) == expected.shape[:2] == (84, 28)
+    assert image_hw(str(plain)) == (28, 84)
+    assert decoded == []
+
+
 def test_planned_length_and_grid_follow_the_upright_photo(tmp_path, proc):
     path = tmp_path / "portrait.jpg"
     path.write_bytes(_tagged_jpeg(6))  # stored 84 x 28 (landscape), displayed 28 x 84 (portrait)

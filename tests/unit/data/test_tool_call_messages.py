@@ -116,3 +116,25 @@ def test_malformed_tool_calls_are_invalid_records(tmp_path, write_image):
     row["messages"][1]["tool_calls"] = row["messages"][2]["tool_calls"]
     with pytest.raises(BadRecordError, match="only assistant"):
         _record(row, tmp_path, write_image)
+
+
+def test_empty_tool_calls_lists_are_no_calls(proc, tmp_path, write_image):
+    """Tables (pandas, datasets) write `tool_calls: []` on every message: an empty list is no call, on any role,
+    and the record trains as one without the key."""
+    row = {"messages": [{"role": "system", "content": "Be brief.", "tool_calls": []},
+                        {"role": "user", "content": [{"type": "image", "image": "x.png"}, {"type": "text", "text": "hi"}],
+                         "tool_calls": []},
+                        {"role": "assistant", "content": "hello", "tool_calls": []}]}
+    plain = json.loads(json.dumps(row))
+    for m in plain["messages"]:
+        del m["tool_calls"]
+    a = process_record(_record(row, tmp_path, write_image), proc, max_frames=4)
+    b = process_record(_record(plain, tmp_path, write_image), proc, max_frames=4)
+    assert a.input_ids.tolist() == b.input_ids.tolist() and a.label_mask.tolist() == b.label_mask.tolist()
+
+
+def test_the_public_apply_chat_template_renders_what_the_template_renders(proc):
+    """Like transformers' `apply_chat_template`: a template without tool support renders the conversation without
+    the specs (no error); refusing such traces is the training pipeline's rule, not the public method's."""
+    messages = [{"role": "user", "content": "hi"}]
+    assert proc.apply_chat_template(messages, tools=TOOLS) == proc.apply_chat_template(messages)

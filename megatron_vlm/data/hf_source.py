@@ -148,7 +148,7 @@ def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, sourc
         raw += [{"role": "user", "content": items}, {"role": "assistant", "content": str(answer)}]
         messages = normalize_messages(raw)
     mapped = set(c.values())
-    meta = {k: v for k, v in row.items() if k not in mapped and isinstance(v, (str, int, float, bool))}
+    meta: dict[str, Any] = {k: v for k, v in row.items() if k not in mapped and isinstance(v, (str, int, float, bool))}
     tools = row.get("tools") if "tools" not in mapped else None
     if isinstance(tools, (list, tuple)):  # the tool specs as a list column (a JSON-string column is a scalar above)
         meta["tools"] = _without_nulls(tools) if Path(source).suffix in TABLE_SUFFIXES else tools

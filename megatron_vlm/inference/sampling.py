@@ -119,7 +119,14 @@ def sample_tokens(
 
         tokens, lp = _ops().sample_rows(x.contiguous(), uniform.float().contiguous(),
                                         suppress_token_ids if suppress else None, float(temperature))
-        return tokens, (_renormalised(x, tokens, lp, sup, float(temperature)) if suppress else lp)
+        if not suppress:
+            return tokens, lp
+        lp = _renormalised(x, tokens, lp, sup, float(temperature))
+        # sample_rows raised for a row without any distribution; one whose only finite logits are suppressed ids
+        # leaves a token of probability 0: its renormalised log-prob is not finite (one sum read, as below)
+        if not math.isfinite(float(lp.sum())):
+            _raise_for_rows(~lp.isfinite())
+        return tokens, lp
 
     def allowed(t: torch.Tensor, fill: float) -> torch.Tensor:
         return t.index_fill(-1, sup.to(t.device), fill) if suppress else t

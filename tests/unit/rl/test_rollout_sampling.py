@@ -196,3 +196,13 @@ def test_same_device_without_a_current_device_compares_indices():
 
     assert not same_device(torch.device("meta", 0), torch.device("meta"))  # torch.meta has no current_device
     assert same_device(torch.device("meta", 0), torch.device("meta", 0))
+
+
+def test_a_row_with_only_suppressed_finite_logits_is_an_error_on_the_fused_path_too():
+    """The fused CPU draw (`sample_rows`, when the extension is built) samples the row's distribution and the
+    suppression is applied after it: a row whose only finite logits are suppressed ids gave a token of
+    probability 0 with a NaN log-prob; it raises as the torch path does."""
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(0))
+    logits[1, 2:] = float("-inf")
+    with pytest.raises(ValueError, match="row 1 of the logits"):
+        sample_tokens(logits, temperature=1.0, uniform=torch.full((3,), 0.5), suppress_token_ids=torch.tensor([0, 1]))

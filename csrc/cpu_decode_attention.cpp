@@ -545,7 +545,8 @@ void check_q_and_caches(const at::Tensor& q, const at::Tensor& k_cache, const at
 }
 
 // Where each sequence's keys live: its block table (the slot layout is the paged one with one block, the slot,
-// per sequence), its key count clamped to [0, max_seqlen_k], every table entry those keys use validated.
+// per sequence), its key count (ValueError beyond the capacity) clamped to [0, max_seqlen_k], every table entry
+// those keys use validated.
 struct KeyTable {
   at::Tensor lens_t, table_t;
   std::vector<int64_t> iota, n;
@@ -585,10 +586,14 @@ KeyTable key_table(const at::Tensor& k_cache, const at::Tensor& cache_seqlens, c
   t.table = t.table_t.defined() ? t.table_t.data_ptr<int64_t>() : t.iota.data();
   t.lens_t = cache_seqlens.to(at::kLong).contiguous();
   const int64_t* lens = t.lens_t.data_ptr<int64_t>();
-  const int64_t length = std::max<int64_t>(0, std::min(max_seqlen_k, t.max_blocks * t.block));
+  const int64_t capacity = t.max_blocks * t.block;
+  const int64_t length = std::max<int64_t>(0, std::min(max_seqlen_k, capacity));
   const int64_t n_blocks = k_cache.size(0);
   t.n.resize(batch);
-  for (int64_t b = 0; b < batch; ++b) {  // validate the table entries a sequence will read, before any work
+  for (int64_t b = 0; b < batch; ++b) {  // validate the lengths and the table entries a sequence reads, before any work
+    // more keys than the cache holds: a caller's bookkeeping error, not a length to cap silently
+    MVLM_CHECK_VALUE(lens[b] <= capacity, "decode_attention: sequence ", b, " has cache_seqlens ", lens[b],
+                     " but the cache holds ", capacity, " positions per sequence");
     t.n[b] = std::max<int64_t>(0, std::min(lens[b], length));
     for (int64_t j = 0; j < t.n[b]; j += t.block) {
       const int64_t blk = t.table[b * t.max_blocks + j / t.block];

@@ -13,7 +13,9 @@ q is `[B, Hq, D]` (the single query of each sequence), GQA as in `kernels.attent
 reads kv head h // (Hq // Hkv)); the output is `[B, Hq, D]` in q's dtype. No causal mask is needed:
 the query is the last position and sees every cached key. A sequence with no cached key outputs
 zeros. `max_seqlen_k` (an int the caller knows without a device sync) bounds the keys read; default
-the whole cache.
+the whole cache. A length beyond the cache's capacity (`max_len`, or `max_blocks * block_size`) is a
+ValueError where a backend has the lengths on the host (CPU lengths: the torch and C++ backends); lengths on
+an accelerator are trusted (reading them would add a device sync per step).
 
 `shared_prefix=(prefix_rows, prefix_lens)` (both `[B]` integer tensors, optional) is a promise about the
 cache, not a change of the result: the first `prefix_lens[b]` keys and values of sequence b equal those of
@@ -34,7 +36,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["decode_attention", "decode_attention_loop", "check_decode_attention_inputs"]
+__all__ = ["decode_attention", "decode_attention_loop", "check_decode_attention_inputs", "check_cache_seqlens"]
 
 
 def check_decode_attention_inputs(q, k_cache, v_cache, cache_seqlens, slot_ids, block_table, shared_prefix=None) -> None:
@@ -61,6 +63,15 @@ def check_decode_attention_inputs(q, k_cache, v_cache, cache_seqlens, slot_ids, 
         raise ValueError(f"decode_attention: {q.shape[0]} queries but only {k_cache.shape[0]} cache slots")
     if shared_prefix is not None and (len(shared_prefix) != 2 or any(t.shape != (q.shape[0],) for t in shared_prefix)):
         raise ValueError(f"decode_attention: shared_prefix must be (prefix_rows, prefix_lens), each [{q.shape[0]}]")
+
+
+def check_cache_seqlens(cache_seqlens: torch.Tensor, capacity: int) -> None:
+    """ValueError when a sequence claims more cached keys than the cache holds (a caller's bookkeeping error, which
+    the mask would otherwise cap silently). Reads the lengths on the host: call it only where they are there (CPU)."""
+    if cache_seqlens.numel() and int(cache_seqlens.max()) > capacity:
+        b = int((cache_seqlens > capacity).nonzero()[0, 0])
+        raise ValueError(f"decode_attention: sequence {b} has cache_seqlens {int(cache_seqlens[b])} but the cache "
+                         f"holds {capacity} positions per sequence")
 
 
 def _gather_keys(cache: torch.Tensor, slot_ids, block_table, length: int) -> torch.Tensor:
@@ -96,6 +107,8 @@ def decode_attention(
         capacity = block_table.shape[1] * k_cache.shape[1]
     else:
         capacity = k_cache.shape[1]
+    if cache_seqlens.device.type == "cpu":  # lengths on an accelerator stay there: no sync to check them
+        check_cache_seqlens(cache_seqlens, capacity)
     length = capacity if max_seqlen_k is None else min(int(max_seqlen_k), capacity)
     scale = dim ** -0.5 if softmax_scale is None else softmax_scale
     if length <= 0:
@@ -134,6 +147,7 @@ def decode_attention_loop(
 ) -> torch.Tensor:
     """The plain formula, one sequence and one head at a time (tests' ground truth; slow)."""
     check_decode_attention_inputs(q, k_cache, v_cache, cache_seqlens, slot_ids, block_table)
+    check_cache_seqlens(cache_seqlens.cpu(), k_cache.shape[1] * (1 if block_table is None else block_table.shape[1]))
     batch, hq, dim = q.shape
     hkv = k_cache.shape[2]
     scale = dim ** -0.5 if softmax_scale is None else softmax_scale

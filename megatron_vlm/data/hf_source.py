@@ -19,6 +19,10 @@ Image columns are taken as stored (an Image feature's {bytes, path} struct, or a
 packs reads only image headers. Relative paths resolve against `image_root`, else the folder of the
 row's file. A record's `source` / `index` are its file and row (`TableRows.locate`); rows whose
 structure is wrong raise BadRecordError naming the column.
+
+The other columns become the record's metadata when they hold a scalar; a "tools" column (the tool specs the
+chat template renders, `Record.tools`) is kept also as a list, as the messages_jsonl source keeps its top-level
+"tools" (a table's list of structs without the None fields Arrow adds for the keys other rows' specs have).
 """
 from __future__ import annotations
 
@@ -28,8 +32,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
-from megatron_vlm.data.data_files import HF_SUFFIXES, DataFileError
-from megatron_vlm.data.messages import Record, normalize_messages, resolve_path
+from megatron_vlm.data.data_files import HF_SUFFIXES, TABLE_SUFFIXES, DataFileError
+from megatron_vlm.data.messages import Record, normalize_messages, normalize_tools, resolve_path
 from megatron_vlm.data.table_rows import TableRows
 
 __all__ = ["HFRecords", "TableRecordSource", "record_from_columns", "check_columns", "check_file_columns",
@@ -40,6 +44,16 @@ def _as_list(value: Any) -> list:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _without_nulls(value: Any) -> Any:
+    """`value` with the None-valued keys of its dicts dropped, at any depth: an Arrow list of structs holds every
+    field that any row's specs have, None where a spec has none (a JSON null in a table is not told apart)."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def _resolver(root: Path):
@@ -134,7 +148,11 @@ def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, sourc
         raw += [{"role": "user", "content": items}, {"role": "assistant", "content": str(answer)}]
         messages = normalize_messages(raw)
     mapped = set(c.values())
-    meta = {k: v for k, v in row.items() if k not in mapped and isinstance(v, (str, int, float, bool))}
+    meta: dict[str, Any] = {k: v for k, v in row.items() if k not in mapped and isinstance(v, (str, int, float, bool))}
+    tools = row.get("tools") if "tools" not in mapped else None
+    if isinstance(tools, (list, tuple)):  # the tool specs as a list column (a JSON-string column is a scalar above)
+        meta["tools"] = _without_nulls(tools) if Path(source).suffix in TABLE_SUFFIXES else tools
+    normalize_tools(meta.get("tools"))  # a malformed spec is this row's error (as in messages_jsonl)
     if "answer" in c:
         meta.setdefault("answer", str(row.get(c["answer"])))
     check_media_items(messages)

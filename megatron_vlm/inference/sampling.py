@@ -26,9 +26,17 @@ draw with given uniforms — what the rollout engine asks at every decoding step
 runs fused in C++ (csrc/cpu_sampling.cpp `sample_rows`: three passes over a row instead of the five
 ATen passes and three [N, V] buffers below, same inverse-CDF rule; tokens equal this module's except
 when a uniform lands within float rounding of a CDF step, log-probs within ~1e-6).
+
+A row without a distribution (a NaN or +inf logit, or only -inf ones outside `suppress_token_ids`: a model
+that overflowed) raises ValueError naming the row, as `sample_rows` does, instead of an IndexError of the
+inverse-CDF gather, a multinomial error or a token with a NaN log-prob. The rows are found from [N] values
+each path computes anyway (the total mass, the picked token's logit and log-prob) with one host read per
+call, on CPU tensors only: on an accelerator that read would add a device sync to every decoding step, so
+there the path is unchanged (the inverse-CDF draw of such a row runs off the vocabulary).
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -111,14 +119,26 @@ def sample_tokens(
 
         tokens, lp = _ops().sample_rows(x.contiguous(), uniform.float().contiguous(),
                                         suppress_token_ids if suppress else None, float(temperature))
-        return tokens, (_renormalised(x, tokens, lp, sup, float(temperature)) if suppress else lp)
+        if not suppress:
+            return tokens, lp
+        lp = _renormalised(x, tokens, lp, sup, float(temperature))
+        # sample_rows raised for a row without any distribution; one whose only finite logits are suppressed ids
+        # leaves a token of probability 0: its renormalised log-prob is not finite (one sum read, as below)
+        if not math.isfinite(float(lp.sum())):
+            _raise_for_rows(~lp.isfinite())
+        return tokens, lp
 
     def allowed(t: torch.Tensor, fill: float) -> torch.Tensor:
         return t.index_fill(-1, sup.to(t.device), fill) if suppress else t
 
+    check = x.device.type == "cpu"  # rows without a distribution are found on the CPU only (module docstring)
+    finite: list[torch.Tensor] = []  # [N] values each path has anyway, all finite in a row with a distribution
     if temperature == 0:
-        tokens = allowed(x, float("-inf")).argmax(dim=-1)
+        candidates = allowed(x, float("-inf"))
+        tokens = candidates.argmax(dim=-1)
         logp = torch.log_softmax(x, dim=-1)
+        if check and suppress:  # the best allowed logit is -inf: nothing to pick (NaN / +inf show in the log-prob)
+            finite.append(candidates.gather(-1, tokens[:, None]).squeeze(-1))
     else:
         scaled = x if temperature == 1 else x / temperature
         logp = torch.log_softmax(scaled, dim=-1)
@@ -135,14 +155,33 @@ def sample_tokens(
             # probability > 0 (cdf rises there), never a suppressed or truncated token
             target = torch.minimum(uniform.to(cdf.dtype)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
             tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+            if check:  # a NaN or zero total (log: NaN / -inf): the search ran off the end, clamped until the check
+                finite.append(total.squeeze(-1).log())
+                tokens = tokens.clamp_(max=x.shape[-1] - 1)
         else:
             if generator is not None and not same_device(generator.device, probs.device):
                 raise ValueError(f"generator: on {generator.device}, logits on {probs.device}")
-            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            try:
+                tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            except RuntimeError:  # on its error path only: which row, when the cause is one without a distribution
+                _raise_for_rows(~(probs.sum(dim=-1) > 0))
+                raise
     lp = logp.gather(-1, tokens[:, None]).squeeze(-1)
+    if check:  # a picked token's log-prob is finite in a row with a distribution; one sum read (the fast test)
+        finite.append(lp)
+        if not math.isfinite(float((finite[0] if len(finite) == 1 else torch.cat(finite)).sum())):  # which row:
+            _raise_for_rows(~torch.stack(finite).isfinite().all(dim=0))  # (none if the sum overflowed)
     if suppress:
         lp = _renormalised(x, tokens, lp, sup, float(temperature) or 1.0)
     return tokens, lp
+
+
+def _raise_for_rows(bad: torch.Tensor) -> None:
+    """ValueError naming the first row flagged in `bad` [N], if any (a host read: the caller decides where)."""
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(f"sample_tokens: row {row} of the logits has a NaN or +inf value, or only -inf ones "
+                         "(outside suppress_token_ids): no distribution to sample from")
 
 
 # rows whose kept mass 1 - P is below this get their log-prob from a log_softmax over the kept ids: the

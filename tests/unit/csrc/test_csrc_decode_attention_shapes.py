@@ -61,3 +61,19 @@ def test_decode_attention_paged_long_sequences_and_threads(ops):
         torch.set_num_threads(old)
     assert torch.equal(outs[0], outs[1])
     _close(outs[0], ref_decode.decode_attention_loop(q.double(), kp.double(), vp.double(), seqlens, block_table=table))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_length_beyond_the_capacity_is_an_error(ops, paged):
+    """A sequence claiming more cached keys than its cache holds is a caller's bookkeeping error: ValueError naming
+    it (the C++ op reads the lengths anyway), not attention over the capacity, silently capped."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 4, 32, generator=g)
+    kc, vc = torch.randn(2, 3, 8, 2, 32, generator=g).unbind(0)  # 3 slots of 8 positions, or 3 blocks of 8
+    kw = {"block_table": torch.tensor([[0], [1], [2]])} if paged else {"slot_ids": torch.tensor([2, 0, 1])}
+    full = torch.tensor([8, 1, 8])
+    ops.decode_attention(q, kc, vc, full, **kw)  # the whole capacity is fine
+    with pytest.raises(ValueError, match="sequence 2 has cache_seqlens 9 but the cache holds 8 positions"):
+        ops.decode_attention(q, kc, vc, torch.tensor([8, 1, 9]), **kw)
+    with pytest.raises(ValueError, match="sequence 2 has cache_seqlens 9"):  # also when max_seqlen_k bounds the read
+        ops.decode_attention(q, kc, vc, torch.tensor([8, 1, 9]), max_seqlen_k=4, **kw)

@@ -138,3 +138,31 @@ def test_the_public_apply_chat_template_renders_what_the_template_renders(proc):
     the specs (no error); refusing such traces is the training pipeline's rule, not the public method's."""
     messages = [{"role": "user", "content": "hi"}]
     assert proc.apply_chat_template(messages, tools=TOOLS) == proc.apply_chat_template(messages)
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "forecast", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_a_list_valued_tools_column_of_an_hf_dataset_reaches_the_template(tool_proc, tmp_path, write_image, fmt):
+    """`[data] type = "hf"`: a "tools" column holding the specs as a list (a parquet list of structs, a JSON list)
+    renders as the messages_jsonl source's top-level "tools" does; it used to be dropped with the other non-scalar
+    columns. Two rows with different specs: Arrow gives each row every field of both, None where absent."""
+    from megatron_vlm.data.hf_source import HFRecords
+
+    rows = [_row(), _row(tools=[WEATHER])]
+    table = [{"messages": json.dumps(r["messages"]), "tools": r["tools"]} for r in rows]
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(table), tmp_path / "d.parquet")
+    else:
+        (tmp_path / "d.jsonl").write_text("".join(json.dumps(t) + "\n" for t in table))
+    src = HFRecords(tmp_path / f"d.{fmt}", {"messages": "messages"}, cache_dir=str(tmp_path / "cache"))
+    for i, row in enumerate(rows):
+        record = src.get(i)
+        assert record.tools == row["tools"]
+        want = process_record(_record(row, tmp_path, write_image), tool_proc, max_frames=4)
+        assert process_record(record, tool_proc, max_frames=4).input_ids.tolist() == want.input_ids.tolist()

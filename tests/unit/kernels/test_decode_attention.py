@@ -9,6 +9,7 @@ import torch
 
 from megatron_vlm import kernels
 from megatron_vlm.kernels.reference.attention import attention as reference_attention
+from megatron_vlm.kernels.reference.decode_attention import decode_attention as torch_decode_attention
 from megatron_vlm.kernels.reference.decode_attention import decode_attention_loop
 
 SHAPES = [  # (sequences, slots, max_len, Hq, Hkv, D)
@@ -82,3 +83,16 @@ def test_empty_sequence_gives_zeros_and_bad_shapes_raise():
         kernels.decode_attention(q, k, v, torch.ones(2, dtype=torch.long))
     with pytest.raises(ValueError, match="not both"):
         kernels.decode_attention(q, k, v, torch.ones(3, dtype=torch.long), slot_ids=slot_ids, block_table=slot_ids[:, None])
+
+
+@pytest.mark.parametrize("op", [torch_decode_attention, decode_attention_loop, kernels.decode_attention],
+                         ids=["torch", "loop", "dispatched"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_length_beyond_the_capacity_is_an_error(op, paged):
+    """More cached keys claimed than the cache holds (CPU lengths, read on the host at no sync): ValueError naming
+    the sequence, not attention over the capacity, silently capped."""
+    q, k, v, slot_ids, _ = _case((3, 5, 7, 4, 2, 16), torch.float32, seed=4)
+    kw = {"block_table": slot_ids[:, None]} if paged else {"slot_ids": slot_ids}  # a slot is one block of 7
+    op(q, k, v, torch.tensor([7, 1, 7]), **kw)  # the whole capacity is fine
+    with pytest.raises(ValueError, match="sequence 1 has cache_seqlens 8 but the cache holds 7 positions"):
+        op(q, k, v, torch.tensor([7, 8, 2]), **kw)

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from megatron_vlm import _ext
 from megatron_vlm.inference.sampling import filter_logits, sample_tokens
 from megatron_vlm.inference.stopping import StopChecker, eos_token_ids_of
 
@@ -72,6 +73,35 @@ def test_bad_sampling_arguments():
         sample_tokens(torch.zeros(1, 3), temperature=-1.0)
     with pytest.raises(ValueError, match="top_p"):
         filter_logits(torch.zeros(1, 3), top_p=1.5)
+
+
+SAMPLING_PATHS = [  # greedy, multinomial, inverse CDF (untruncated, truncated), multinomial truncated
+    dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, uniform=torch.full((3,), 0.5)),
+    dict(temperature=1.0, top_k=5, uniform=torch.full((3,), 0.5)), dict(temperature=1.0, top_p=0.9),
+]
+
+
+@pytest.mark.parametrize("kw", SAMPLING_PATHS)
+@pytest.mark.parametrize("bad", ["nan", "inf", "all -inf", "all -inf but suppressed"])
+def test_a_row_without_a_distribution_is_an_error(bad, kw):
+    """A NaN / +inf logit, or a row of -inf only (a model that overflowed), has no distribution: every path of the
+    torch sampler raises ValueError naming the row (as the fused op does), not an IndexError of its own gather, a
+    multinomial error, or a token with a NaN log-prob."""
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(0))
+    suppress = None
+    if bad == "all -inf but suppressed":  # the only finite logits are ids the sampler must never pick
+        logits[1, 2:] = float("-inf")
+        suppress = torch.tensor([0, 1])
+    elif bad == "all -inf":
+        logits[1] = float("-inf")
+    else:
+        logits[1, 7] = float(bad)
+    with _ext.python_only():
+        with pytest.raises(ValueError, match="row 1 of the logits"):
+            sample_tokens(logits, generator=torch.Generator().manual_seed(0), suppress_token_ids=suppress, **kw)
+        tok, logp = sample_tokens(logits[[0, 2]], generator=torch.Generator().manual_seed(0),
+                                  **{k: (v[:2] if k == "uniform" else v) for k, v in kw.items()})
+    assert torch.isfinite(logp).all() and ((tok >= 0) & (tok < 20)).all()
 
 
 class CharTokenizer:
@@ -166,3 +196,13 @@ def test_same_device_without_a_current_device_compares_indices():
 
     assert not same_device(torch.device("meta", 0), torch.device("meta"))  # torch.meta has no current_device
     assert same_device(torch.device("meta", 0), torch.device("meta", 0))
+
+
+def test_a_row_with_only_suppressed_finite_logits_is_an_error_on_the_fused_path_too():
+    """The fused CPU draw (`sample_rows`, when the extension is built) samples the row's distribution and the
+    suppression is applied after it: a row whose only finite logits are suppressed ids gave a token of
+    probability 0 with a NaN log-prob; it raises as the torch path does."""
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(0))
+    logits[1, 2:] = float("-inf")
+    with pytest.raises(ValueError, match="row 1 of the logits"):
+        sample_tokens(logits, temperature=1.0, uniform=torch.full((3,), 0.5), suppress_token_ids=torch.tensor([0, 1]))

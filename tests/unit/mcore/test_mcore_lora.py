@@ -210,4 +210,5 @@ def test_every_parallel_layout_is_accepted():
 
     sets = ['parallel.backend="mcore"', "lora.r=4", "train.train_layers=[]", "data.synthetic_eval_size=0", "data.eval_path=\"\""]
     for ok in ("dp_shard", "cp", "ep", "pp", "tp"):
-        check_keys_for_mode(load_config("launch/configs/demo_sft.toml", [*sets, f"parallel.{ok}=2"]))
+        micro = ["train.micro_batches_per_step=2"] if ok == "pp" else []  # 1F1B: a micro-batch per stage at least
+        check_keys_for_mode(load_config("launch/configs/demo_sft.toml", [*sets, f"parallel.{ok}=2", *micro]))

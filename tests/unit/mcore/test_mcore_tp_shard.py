@@ -138,6 +138,7 @@ def test_check_plans_mcore_with_tp2(tmp_path):
     with pytest.raises(ValueError, match=r"parallel.pp: pipeline parallelism \(pp = 2\).*tp = 2 must be 1"):
         load_config(CONFIGS / "demo_sft.toml", sets + ["parallel.pp=2"])
     out, err = io.StringIO(), io.StringIO()  # mcore with pp = 2 (data parallelism only) is planned
-    pp_sets = sets[:2] + ["parallel.pp=2", "data.synthetic_eval_size=0"]  # no evaluation through a pipeline
+    pp_sets = sets[:2] + ["parallel.pp=2", "data.synthetic_eval_size=0",  # no evaluation through a pipeline
+                         "train.micro_batches_per_step=2"]  # one micro-batch per stage at least (1F1B)
     assert run_check(load_config(CONFIGS / "demo_sft.toml", pp_sets), world_size=2,
                      device_memory_gib=80.0, out=out, err=err) == 0, out.getvalue() + err.getvalue()

@@ -125,6 +125,11 @@ def main():
         print(f"import of the math reward: {time.perf_counter() - t:.2f} s")
         run("megatron_vlm math reward", fn, args.repeat)
     if args.math_verify:
+        try:
+            import math_verify  # noqa: F401
+        except ImportError:
+            print("skipped: math-verify: not installed (pip install math-verify; the dev extra has it)")
+            return
         t = time.perf_counter()
         fn = math_verify_latex_only()
         print(f"import of math-verify: {time.perf_counter() - t:.2f} s")

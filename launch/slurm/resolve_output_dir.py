@@ -56,7 +56,7 @@ def resolve_output_dir(config_path: str, args: list[str]) -> str | None:
             value = override_value(text.strip())
     if value is None:
         return None
-    if not isinstance(value, str) or not value:
+    if not isinstance(value, str) or not value.strip():  # as the config refuses it: before a log folder is made
         raise SystemExit(f"resolve_output_dir: train.output_dir must be a non-empty string, got {value!r}")
     return value
 

@@ -86,6 +86,15 @@ def test_output_dir_from_config_or_set_is_kept(tmp_path):
     assert "run folder /abs/other" in log
 
 
+def test_a_blank_output_dir_is_refused_before_any_folder_is_made(tmp_path):
+    """The config refuses a whitespace-only train.output_dir; the script used to make a junk log folder under it
+    first (the job then failed at start-up)."""
+    config = write_config(tmp_path)
+    res = run_script(tmp_path, [str(config), "--set", 'train.output_dir="  "'], job_env(DRY_RUN="1"))
+    assert res.returncode != 0 and "train.output_dir must be a non-empty string" in res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.toml"]
+
+
 def test_missing_config_node_count_mismatch_and_no_job_are_errors(tmp_path):
     config = write_config(tmp_path)
     res = run_script(tmp_path, ["nope.toml"], job_env(DRY_RUN="1"))

@@ -74,3 +74,15 @@ def test_fp8_benchmarks_without_torchao_print_a_skip_line(script, monkeypatch, c
         assert e.code in (0, None)
     out = capsys.readouterr().out
     assert out.startswith("skipped: torchao is not installed") and "megatron-vlm[fp8]" in out, out
+
+
+def test_math_reward_bench_without_math_verify_prints_a_skip_line(monkeypatch, capsys):
+    """`--math-verify --skip-ours` where math-verify is not installed (it is only in the dev extra): one `skipped:`
+    line naming the package, not an ImportError traceback."""
+    bench = E2E.parent / "math_reward_bench.py"
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # its import fails, as where it is not installed
+    monkeypatch.setattr(sys, "path", [str(bench.parent), *sys.path])
+    monkeypatch.setattr(sys, "argv", [str(bench), "--math-verify", "--skip-ours"])
+    runpy.run_path(str(bench), run_name="__main__")
+    out = capsys.readouterr().out
+    assert out.startswith("skipped: math-verify: not installed"), out

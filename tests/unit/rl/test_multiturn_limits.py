@@ -111,7 +111,11 @@ def test_sandboxed_failures_end_their_trajectory(env, why, pool):
     assert not step.error and step.result.observation.text == "go on" and step.result.reward == 0.25
 
 
-def test_a_hanging_environment_in_the_rollout(vqa, tmp_path, pool):
-    _, _, trajs, session = rollout("tiny_qwen2_5_vl", vqa, tmp_path, env=f"{FNS}:Hang", runner=pool, n=1)
+def test_a_hanging_environment_in_the_rollout(vqa, tmp_path):
+    # a pool of its own, started: the module's pool may hold a worker replaced after an earlier test's hang, still
+    # importing when the reset arrives (on a loaded machine past the 3 s deadline: "reset: timeout", a flake)
+    with EnvWorkerPool(num_workers=2, timeout_s=3.0) as fresh:
+        fresh.start()
+        _, _, trajs, session = rollout("tiny_qwen2_5_vl", vqa, tmp_path, env=f"{FNS}:Hang", runner=fresh, n=1)
     assert [t.finish_reason for t in trajs] == ["env_error"] * 2 and session.errors == 2
-    assert all(t.error.startswith("step: timeout") for t in trajs)
+    assert all(t.error.startswith("step: timeout") for t in trajs), [t.error for t in trajs]

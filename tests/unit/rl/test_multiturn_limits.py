@@ -88,9 +88,14 @@ def test_raising_environment_ends_its_trajectory_counted(vqa, tmp_path):
     assert all("RuntimeError: environment bug" in t.error and t.num_turns == 1 for t in trajs)
 
 
+# imported when each worker starts, not inside a call's 3 s deadline (the first import of the test module in a
+# worker can take seconds on a loaded machine)
+PRELOAD = tuple(f"{FNS}:{name}" for name in ("Echo", "Hang", "Crash", "Raise", "HangOnReset"))
+
+
 @pytest.fixture(scope="module")
 def pool():
-    with EnvWorkerPool(num_workers=2, timeout_s=3.0) as p:
+    with EnvWorkerPool(num_workers=2, timeout_s=3.0, preload=PRELOAD) as p:
         p.start()
         yield p
 
@@ -112,9 +117,9 @@ def test_sandboxed_failures_end_their_trajectory(env, why, pool):
 
 
 def test_a_hanging_environment_in_the_rollout(vqa, tmp_path):
-    # a pool of its own, started: the module's pool may hold a worker replaced after an earlier test's hang, still
-    # importing when the reset arrives (on a loaded machine past the 3 s deadline: "reset: timeout", a flake)
-    with EnvWorkerPool(num_workers=2, timeout_s=3.0) as fresh:
+    # a pool of its own, started with the environment imported: the reset must not spend the 3 s deadline on the
+    # first import of the test module in a worker ("reset: timeout" on a loaded machine, a flake)
+    with EnvWorkerPool(num_workers=2, timeout_s=3.0, preload=PRELOAD) as fresh:
         fresh.start()
         _, _, trajs, session = rollout("tiny_qwen2_5_vl", vqa, tmp_path, env=f"{FNS}:Hang", runner=fresh, n=1)
     assert [t.finish_reason for t in trajs] == ["env_error"] * 2 and session.errors == 2

@@ -36,6 +36,22 @@ def test_zero_timed_steps_are_refused_at_parse_time(script, flag, monkeypatch, c
         runpy.run_path(str(E2E / script), run_name="__main__")
 
 
+def _run_without(package: str, script: Path, argv: list[str], monkeypatch, capsys) -> str:
+    """Run `script` as __main__ with `argv` where `package` is not installed (no spec, its import fails); its stdout."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == package else real(name, *a, **k))
+    monkeypatch.setitem(sys.modules, package, None)
+    monkeypatch.setattr(sys, "path", [str(script.parent), *sys.path])
+    monkeypatch.setattr(sys, "argv", [str(script), *argv])
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        assert e.code in (0, None)
+    return capsys.readouterr().out
+
+
 @pytest.mark.parametrize("script,argv", [("bench_rollout.py", ["--vllm"]),
                                          ("bench_rollout.py", ["--engines", "ours,vllm", "--row", "a"]),
                                          ("profile_rollout_row.py", ["--row", "a"])])  # its default engines: ours,vllm
@@ -43,17 +59,7 @@ def test_vllm_rows_without_vllm_print_a_skip_line(script, argv, monkeypatch, cap
     """The vLLM rows where vllm does not import (the main environment): one `skipped:` line naming the environment
     to run them in, exit 0, nothing built; not a ConfigError / ModuleNotFoundError traceback after building the
     model folder."""
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == "vllm" else real(name, *a, **k))
-    monkeypatch.setattr(sys, "path", [str(E2E), *sys.path])
-    monkeypatch.setattr(sys, "argv", [str(E2E / script), *argv])
-    try:
-        runpy.run_path(str(E2E / script), run_name="__main__")
-    except SystemExit as e:
-        assert e.code in (0, None)
-    out = capsys.readouterr().out
+    out = _run_without("vllm", E2E / script, argv, monkeypatch, capsys)
     assert out.startswith("skipped: vLLM is not installed here") and "docs/vllm.md" in out, out
 
 
@@ -61,28 +67,13 @@ def test_vllm_rows_without_vllm_print_a_skip_line(script, argv, monkeypatch, cap
 def test_fp8_benchmarks_without_torchao_print_a_skip_line(script, monkeypatch, capsys):
     """torchao missing (the [fp8] extra not installed): one `skipped:` line naming the extra, exit 0, before a model
     is built; not a ConfigError traceback from the fp8 conversion."""
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == "torchao" else real(name, *a, **k))
-    monkeypatch.setitem(sys.modules, "torchao", None)  # and its import fails, as where it is not installed
-    monkeypatch.setattr(sys, "path", [str(E2E), *sys.path])
-    monkeypatch.setattr(sys, "argv", [str(E2E / script), "--quick"])
-    try:
-        runpy.run_path(str(E2E / script), run_name="__main__")
-    except SystemExit as e:
-        assert e.code in (0, None)
-    out = capsys.readouterr().out
+    out = _run_without("torchao", E2E / script, ["--quick"], monkeypatch, capsys)
     assert out.startswith("skipped: torchao is not installed") and "megatron-vlm[fp8]" in out, out
 
 
 def test_math_reward_bench_without_math_verify_prints_a_skip_line(monkeypatch, capsys):
     """`--math-verify --skip-ours` where math-verify is not installed (it is only in the dev extra): one `skipped:`
     line naming the package, not an ImportError traceback."""
-    bench = E2E.parent / "math_reward_bench.py"
-    monkeypatch.setitem(sys.modules, "math_verify", None)  # its import fails, as where it is not installed
-    monkeypatch.setattr(sys, "path", [str(bench.parent), *sys.path])
-    monkeypatch.setattr(sys, "argv", [str(bench), "--math-verify", "--skip-ours"])
-    runpy.run_path(str(bench), run_name="__main__")
-    out = capsys.readouterr().out
+    out = _run_without("math_verify", E2E.parent / "math_reward_bench.py", ["--math-verify", "--skip-ours"],
+                       monkeypatch, capsys)
     assert out.startswith("skipped: math-verify: not installed"), out

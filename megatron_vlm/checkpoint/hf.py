@@ -169,6 +169,14 @@ def _full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous()
 
 
+def _fp32_by_design(model: nn.Module) -> set[str]:
+    """State-dict keys the model keeps fp32 whatever its dtype: `fp32_weight` router weights (Nemotron-H) and
+    score-correction biases (transformers keeps both in fp32; an export in bf16 would round them)."""
+    kept = {f"{name}.weight" if name else "weight" for name, m in model.named_modules() if getattr(m, "fp32_weight", False)}
+    kept |= {name for name, _ in model.named_buffers() if name.rsplit(".", 1)[-1] == "e_score_correction_bias"}
+    return kept
+
+
 def save_hf_model(
     model: nn.Module,
     path: Union[str, Path],
@@ -179,7 +187,8 @@ def save_hf_model(
 ) -> Path:
     """Write `model` as a Hugging Face folder that `AutoModelForImageTextToText.from_pretrained` loads.
 
-    `dtype` converts floating tensors on the way out (default: as held). A model with LoRA adapters is
+    `dtype` converts floating tensors on the way out (default: as held), but for those the model keeps fp32 on
+    purpose (`_fp32_by_design`). A model with LoRA adapters is
     written merged (`models.common.lora.merged_state_dict`). Returns the folder.
     The folder is replaced as a whole once complete (see the module docstring): a crash or a full
     disk leaves the previous folder intact.
@@ -192,9 +201,10 @@ def save_hf_model(
     adapted = lora_modules(model)
     if adapted:  # LoRA: the export is the merged model (W + scaling B A), which transformers loads as is
         ours = merged_state_dict(ours, next(iter(adapted.values())).scaling)
+    if dtype is not None:  # tensors the model holds in fp32 on purpose stay fp32, as transformers keeps them
+        kept = _fp32_by_design(model)
+        ours = {k: (v.to(dtype) if v.is_floating_point() and k not in kept else v) for k, v in ours.items()}
     hf = adapter.to_hf(ours)
-    if dtype is not None:
-        hf = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in hf.items()}
     check_finite(hf, f"refusing to export {path}")  # a non-finite export is never written (nor replaces a good one)
 
     path.parent.mkdir(parents=True, exist_ok=True)

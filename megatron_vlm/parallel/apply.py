@@ -79,6 +79,15 @@ def apply_fsdp(
     else:
         dp_mesh = mesh[("dp_replicate", "dp_shard")]
     kwargs = {"ignored_params": set(ignored_params)} if ignored_params else {}
+    # Modules whose weights stay fp32 (`fp32_weight`: Nemotron-H's routers) are units of their own gathered in
+    # fp32, before the blocks holding them: in the block's unit they would be cast to `param_dtype` (bf16
+    # routing is not the checkpoint's), and a unit needs one original dtype when nothing casts. An fp32 model
+    # without a cast needs no extra units (fewer collectives, nothing changes).
+    keep_fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    casts = param_dtype is not None and param_dtype != torch.float32
+    mixed = casts or any(p.dtype != torch.float32 for p in model.parameters())
+    for module in [m for m in model.modules() if mixed and getattr(m, "fp32_weight", False)]:
+        fully_shard(module, mesh=dp_mesh, mp_policy=keep_fp32, reshard_after_forward=reshard_after_forward, **kwargs)
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, **kwargs)

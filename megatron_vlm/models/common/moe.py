@@ -71,7 +71,11 @@ class TopKRouter(nn.Module):
         norm_topk_prob: bool = True,
         routed_scaling_factor: float = 1.0,
         score_correction_bias: bool = True,
+        fp32_weight: bool = False,
     ) -> None:
+        """`fp32_weight`: the weight stays fp32 whatever dtype the model is cast to, and FSDP2 gathers it in fp32
+        (parallel/apply.py), as transformers keeps it for families whose checkpoints are made so (Nemotron-H):
+        rounding it to bf16 routed 2.5 % of a tiny model's tokens to other experts than transformers' bf16 model."""
         super().__init__()
         if score_func not in ("sigmoid", "softmax"):
             raise ValueError(f"TopKRouter: score_func must be sigmoid or softmax, got {score_func!r}")
@@ -87,6 +91,7 @@ class TopKRouter(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.n_group, self.topk_group = score_func, n_group, topk_group
         self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
+        self.fp32_weight = fp32_weight
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
         if score_correction_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
@@ -95,8 +100,12 @@ class TopKRouter(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # The score-correction bias stays fp32 whatever dtype the model is cast to (as transformers keeps
-        # it): bias updates of ~1e-3 would vanish in bf16.
+        # it): bias updates of ~1e-3 would vanish in bf16. An `fp32_weight` keeps its fp32 values (not a cast
+        # back from the rounded copy): only the device moves.
+        held = self.weight.data if self.fp32_weight and self.weight.dtype == torch.float32 else None
         super()._apply(fn, recurse)
+        if held is not None and self.weight.dtype != torch.float32:
+            self.weight.data = held.to(device=self.weight.device)
         bias = self.e_score_correction_bias
         if bias is not None and bias.is_floating_point() and bias.dtype != torch.float32:
             self.e_score_correction_bias = bias.float()

@@ -88,7 +88,7 @@ class NemotronHBlock(nn.Module):
                 a.hidden_size, num_experts=a.n_routed_experts, top_k=a.num_experts_per_tok,
                 moe_intermediate_size=a.moe_intermediate_size, activation=a.mlp_hidden_act, gated_experts=False,
                 score_func="sigmoid", n_group=a.n_group, topk_group=a.topk_group, norm_topk_prob=a.norm_topk_prob,
-                routed_scaling_factor=a.routed_scaling_factor, score_correction_bias=True,
+                routed_scaling_factor=a.routed_scaling_factor, score_correction_bias=True, fp32_weight=True,
                 shared_experts=NemotronHMLP(a.hidden_size, a.moe_shared_expert_intermediate_size, a.mlp_hidden_act, a.mlp_bias),
                 latent_size=a.moe_latent_size, latent_bias=a.mlp_bias,
             )

@@ -124,7 +124,7 @@ class MoELoadBalancer:
       otherwise).
     """
 
-    def __init__(self, model: nn.Module, cfg: MoEConfig, *, all_reduce: Optional[Callable[[torch.Tensor], None]] = None):
+    def __init__(self, model: nn.Module, cfg: MoEConfig, *, all_reduce: Optional[Callable[[torch.Tensor], Any]] = None):
         cfg.validate()
         self.cfg = cfg
         self.layers: list[MoE] = moe_layers(model)

@@ -4,7 +4,7 @@ The backbone is read from `model.path` (`[rl.critic] model = "policy"`: a copy o
 weights) or from another model folder, which must be of the policy's family and read the same prompts (the
 same vocabulary, image / video token ids and vision patching), since the critic scores the policy's packed
 token ids and images as they are. Trained layers follow `train.train_layers`; the lm_head is frozen (the
-critic never reads it). Its optimizer is its own AdamW (`[rl.critic] lr`, constant; [optimizer]'s betas, eps
+critic never reads it). An MoE backbone is balanced by the run's `[moe]` policy, as the policy is. Its optimizer is its own AdamW (`[rl.critic] lr`, constant; [optimizer]'s betas, eps
 and weight decay), saved in the run's checkpoints beside the policy's (training/checkpointing.py).
 
 What it does not run with yet, refused with exit 2 naming the key: tensor / context / pipeline / expert
@@ -21,11 +21,14 @@ import torch
 
 from megatron_vlm.checkpoint.hf import load_hf_model, read_hf_config
 from megatron_vlm.errors import ConfigError
+from megatron_vlm.models.common.moe import moe_layers
+from megatron_vlm.parallel.collectives import all_reduce_
 from megatron_vlm.rl.algorithms.advantage_estimators import needs_critic
 from megatron_vlm.rl.critic.ppo_critic import Critic
 from megatron_vlm.rl.critic.value_model import ValueModel
 from megatron_vlm.rl.data_shards import DataShards
 from megatron_vlm.training.freeze import apply_train_layers
+from megatron_vlm.training.moe_balancing import MoELoadBalancer
 from megatron_vlm.training.optim import build_optimizer
 
 __all__ = ["build_critic", "critic_refusal", "critic_folder_refusal"]
@@ -107,4 +110,8 @@ def build_critic(ctx: Any, bundle: Any, rl: Any) -> Optional[Critic]:
              critic_cfg.lr, critic_cfg.value_clip, critic_cfg.warmup_steps)
     optimizer = build_optimizer(model, dataclasses.replace(cfg.optimizer, lr=critic_cfg.lr), env.device.type)
     shards = DataShards.of(bundle.dims, env.rank, env.device)
-    return Critic(model, optimizer, rl, shards=shards, max_grad_norm=cfg.train.max_grad_norm, seed=cfg.train.seed)
+    # an MoE backbone is balanced by the run's [moe] policy, like the policy (loads summed over the ranks: the
+    # critic runs without tp, so each rank is one data shard)
+    balancer = MoELoadBalancer(backbone, cfg.moe, all_reduce=all_reduce_) if moe_layers(backbone) else None
+    return Critic(model, optimizer, rl, shards=shards, max_grad_norm=cfg.train.max_grad_norm, seed=cfg.train.seed,
+                  balancer=balancer)

@@ -9,7 +9,11 @@ rollout, V_old, in eval mode; token rewards with the KL penalty; GAE; whitening)
 Data parallelism: the critic is a plain module replicated on every rank (no FSDP: its forwards need no
 collective, so ranks may run different numbers of packs); after each mini-batch the gradients are summed over
 the data shards (the loss is normalised by the mini-batch's global token / sequence count, so the sum is the
-one-process gradient). Whitening uses the step's global mean and variance. Everything is a function of the
+one-process gradient). Whitening uses the step's global mean and variance.
+
+MoE backbones are balanced as the policy is (`[moe]`): the auxiliary loss joins the value loss, averaged over the
+packs and shards, and the step's expert loads move the critic's own score-correction biases once per step
+(`critic/moe/*` metrics on the report steps). Everything is a function of the
 samples, the weights and (seed, step, epoch, rank), so a resumed run repeats the uninterrupted one.
 """
 from __future__ import annotations
@@ -56,11 +60,14 @@ def _flat(pieces: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
 
 class Critic:
     """`model`: the `ValueModel`; `optimizer`: its own AdamW; `rl`: the `[rl]` section; `shards`: the data
-    shards; `max_grad_norm`, `seed`: train.max_grad_norm, train.seed."""
+    shards; `max_grad_norm`, `seed`: train.max_grad_norm, train.seed; `balancer`: the MoE load balancer of the
+    backbone's MoE blocks (training/moe_balancing.py; None without)."""
 
     def __init__(self, model: ValueModel, optimizer: torch.optim.Optimizer, rl: Any, *, shards: DataShards,
-                 max_grad_norm: float, seed: int):
+                 max_grad_norm: float, seed: int, balancer: Optional[Any] = None):
         self.model, self.optimizer, self.rl, self.shards = model, optimizer, rl, shards
+        self.balancer = balancer
+        """The backbone's `MoELoadBalancer` (None without MoE blocks)."""
         self.max_grad_norm, self.seed = max_grad_norm, seed
         self.cfg = rl.critic
         self.gamma, self.lam = resolved_gae(rl)
@@ -156,10 +163,13 @@ class Critic:
                 normalizer = {"token-mean": g_tokens, "seq-mean": g_seqs}.get(r.loss.loss_agg,
                                                                               g_seqs * r.rollout.max_new_tokens)
                 loss_sum = 0.0
-                for group in packs(mb):
+                groups = packs(mb)
+                for group in groups:
                     values = self.model(to_batch(group))
                     loss, metrics = self._loss(values, group, float(normalizer))
-                    loss.backward()
+                    aux = self.balancer.aux_loss() if self.balancer is not None else None
+                    # the MoE auxiliary loss, a mean over the packs and (gradients summed) over the shards
+                    (loss if aux is None else loss + aux / (len(groups) * self.shards.world)).backward()
                     loss_sum += float(loss.detach())
                     n_tok = float(values.numel())
                     for k, v in metrics.items():
@@ -176,6 +186,9 @@ class Critic:
         out["critic/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
         out["critic/lr"] = float(self.optimizer.param_groups[0]["lr"])
         out["critic/skipped_updates"] = float(self.skipped)
+        report = self.balancer.after_step(step + 1) if self.balancer is not None else None
+        if report is not None:
+            out.update({f"critic/{k}": v for k, v in report[0].items()})
         return out
 
     def _loss(self, values: torch.Tensor, group: Sequence[TrainSample],

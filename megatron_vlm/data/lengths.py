@@ -54,7 +54,7 @@ def lengths_cache_key(source, proc: VLProcessor, *, max_frames: int, for_generat
                       limits: MediaLimits = DEFAULT_LIMITS) -> str:
     blob = json.dumps({"source": _source_identity(source), "processor": _processor_identity(proc),
                        "max_frames": max_frames, "for_generation": for_generation, "fps": float(fps),
-                       "limits": limits.identity(), "version": 6},
+                       "limits": limits.identity(), "version": 7},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 

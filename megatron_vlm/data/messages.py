@@ -26,7 +26,10 @@ Tool-use traces follow the OpenAI / transformers format: an assistant message ma
 empty or null), the tool's reply is a "tool" message, and the record's top-level "tools" lists the tool
 specs. Both reach the chat template as `apply_chat_template(messages, tools=...)` passes them (the calls
 are part of the trained assistant turn); a template that does not render them (calls or specs) is refused per record
-(processor_base.py), never trained without them. `normalize_messages` is shared with the
+(processor_base.py), never trained without them. An assistant message's "reasoning_content" (reasoning traces
+written apart from the answer) reaches the template the same way; Qwen3's renders it inside the turn
+(<think>...</think>, for the turns after the last user message), and a template that renders no reasoning at all
+is refused per record. `normalize_messages` is shared with the
 HF-datasets source: it checks the structure and raises `BadRecordError("invalid_record", ...)`
 naming the offending message / item; the reader logs bad lines (file, 1-based line) and goes on
 (a line that is not UTF-8 or not parseable JSON, see table_rows; any other exception for one line
@@ -58,7 +61,8 @@ class Record:
     """Normalised messages: content is a string, or a list of {"type": "text", "text": str},
     {"type": "image", "image": ref}, {"type": "video", "video": ref, "fps"?: float}; a ref is an
     absolute path, bytes, a PIL image, or a list of those (video frames). Assistant content is a string;
-    an assistant message may carry "tool_calls" (the model's calls, rendered by the chat template)."""
+    an assistant message may carry "tool_calls" (the model's calls, rendered by the chat template) and
+    "reasoning_content" (its reasoning, a string, rendered by reasoning templates such as Qwen3's)."""
     source: str
     """File (or dataset) the record came from."""
     index: int
@@ -215,6 +219,14 @@ def normalize_messages(raw: Any, resolve: Callable[[Any], Any] = lambda r: r) ->
             calls = _normalize_tool_calls(m["tool_calls"], where)
             if content is None:  # a call-only turn (OpenAI writes content: null)
                 content = ""
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None and reasoning != "":  # null / "" (tables write them) is no reasoning
+            if role != "assistant":
+                raise BadRecordError("invalid_record", f"{where}: only assistant messages carry reasoning_content, "
+                                                       f"not {role!r}")
+            if not isinstance(reasoning, str):
+                raise BadRecordError("invalid_record", f"{where}.reasoning_content must be a string, got "
+                                                       f"{type(reasoning).__name__}")
         if isinstance(content, str):
             items: Any = content
         elif isinstance(content, (list, tuple)):
@@ -226,7 +238,8 @@ def normalize_messages(raw: Any, resolve: Callable[[Any], Any] = lambda r: r) ->
             if any(it["type"] != "text" for it in items):
                 raise BadRecordError("invalid_record", f"{where}: assistant content must be text only")
             items = "".join(it["text"] for it in items)
-        out.append({"role": role, "content": items, **({"tool_calls": calls} if calls else {})})
+        out.append({"role": role, "content": items, **({"tool_calls": calls} if calls else {}),
+                    **({"reasoning_content": reasoning} if reasoning else {})})
     if not any(m["role"] == "assistant" for m in out):
         raise BadRecordError("invalid_record", "no assistant turn (nothing to train on)")
     return out

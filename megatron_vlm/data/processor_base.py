@@ -142,7 +142,10 @@ class VLProcessor:
         An assistant message's "tool_calls" and the `tools` specs go to the template as transformers'
         `apply_chat_template` passes them. A template that does not render them, the calls or the specs (the
         text is the same without them: Qwen2.5-VL's knows no tools), raises BadRecordError("invalid_record"): a
-        trace trained without its calls or specs teaches answers that skip the tool. `strict=False` renders what
+        trace trained without its calls or specs teaches answers that skip the tool. An assistant message's
+        "reasoning_content" goes to the template too; when the last assistant turn has one and the template renders
+        no reasoning (Qwen2.5-VL's), the record is refused the same way (earlier turns' reasoning is the template's
+        to drop: Qwen3's keeps only the turns after the last user message). `strict=False` renders what
         the template renders, as transformers does (the public `apply_chat_template`)."""
         conversation = []
         for m in messages:
@@ -151,7 +154,7 @@ class VLProcessor:
                 content = [{"type": "text", "text": it["text"]} if _kind(it) == "text" else {"type": _kind(it)}
                            for it in content]
             conversation.append({"role": m["role"], "content": content,
-                                 **({"tool_calls": m["tool_calls"]} if m.get("tool_calls") else {})})
+                                 **{k: m[k] for k in ("tool_calls", "reasoning_content") if m.get(k)}})
         text = self._template(conversation, tools, add_generation_prompt)
         if not strict:
             return text
@@ -164,6 +167,14 @@ class VLProcessor:
                 raise BadRecordError("invalid_record", f"the chat template of {self.name_or_path or 'the processor'} "
                                                        "does not render assistant tool_calls; write the calls into the "
                                                        "assistant text as the model emits them")
+        answers = [m for m in conversation if m["role"] == "assistant"]
+        if answers and answers[-1].get("reasoning_content"):  # the turn every reasoning template renders it in
+            bare = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in conversation]
+            if text == self._template(bare, tools, add_generation_prompt):
+                raise BadRecordError("invalid_record", f"the chat template of {self.name_or_path or 'the processor'} "
+                                                       "does not render assistant reasoning_content; write the reasoning "
+                                                       "into the assistant text (e.g. <think>...</think>) as the model "
+                                                       "emits it")
         return text
 
     def apply_chat_template(self, conversation: list[dict], *, tokenize: bool = False,

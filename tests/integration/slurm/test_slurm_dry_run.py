@@ -119,7 +119,18 @@ def test_bench_dry_run_lists_each_benchmark(tmp_path):
     bench.mkdir()
     for name in ("bench_b.py", "bench_a.py", "helper.py"):
         (bench / name).write_text("print('x')\n")
-    lines, _ = dry_run(["--iters", "3"], cwd=tmp_path, env=clean_env(BENCH_DIR=str(bench)), script=BENCH_SBATCH)
+    out = tmp_path / "out"
+    lines, _ = dry_run(["--iters", "3"], cwd=tmp_path, env=clean_env(BENCH_DIR=str(bench), BENCH_OUT_DIR=str(out)),
+                       script=BENCH_SBATCH)
     argvs = [split_node_line(line)[1] for line in lines]
-    assert [a[1:] for a in argvs] == [[str(bench / "bench_a.py"), "--iters", "3"],
-                                      [str(bench / "bench_b.py"), "--iters", "3"]]
+    # each benchmark writes its own JSON table beside its log
+    assert [a[1:] for a in argvs] == [[str(bench / "bench_a.py"), "--iters", "3", "--json", str(out / "bench_a.json")],
+                                      [str(bench / "bench_b.py"), "--iters", "3", "--json", str(out / "bench_b.json")]]
+
+
+@pytest.mark.parametrize("given", [["--json", "t.json"], ["--json=t.json"]])
+def test_bench_refuses_one_json_path_for_every_benchmark(tmp_path, given):
+    """One --json for all of them left only the last benchmark's table."""
+    res = subprocess.run(["bash", str(BENCH_SBATCH), "--quick", *given], capture_output=True, text=True, cwd=tmp_path,
+                         env={**clean_env(), "DRY_RUN": "1"}, timeout=60)
+    assert res.returncode == 2 and "--json" in res.stderr and "own <bench name>.json" in res.stderr

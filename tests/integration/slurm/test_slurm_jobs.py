@@ -156,7 +156,7 @@ def test_bench_kernels_collects_every_result(tmp_path, slurm_cluster):
     assert info["ExitCode"] == "1:0"
 
     out = tmp_path / "runs" / f"bench-kernels-{job_id}"
-    assert (out / "bench_ok.log").read_text() == "ratio 1.25x ['--quick']\n"
+    assert (out / "bench_ok.log").read_text() == f"ratio 1.25x ['--quick', '--json', '{out / 'bench_ok.json'}']\n"
     assert "no device" in (out / "bench_broken.log").read_text()
     rows = [line.split("\t")[:2] for line in (out / "summary.tsv").read_text().splitlines()]
     assert rows == [["benchmark", "exit_status"], ["bench_broken", "1"], ["bench_ok", "0"]]

@@ -163,6 +163,26 @@ def _saved_param_group_count(path: Path) -> int:
     return max(found) + 1 if found else 0
 
 
+def restore_param_groups_by_name(optim_sd: dict, local_groups: list) -> None:
+    """After a load: back to this optimizer's own groups (`local_groups`: each group's parameter names), each with
+    the hyperparameters of the saved group that holds its parameters. DCP fills a template's groups by position,
+    which is wrong whenever the saved groups are not this optimizer's: a pipeline stage's (the saved lists name every
+    stage's, merged by hyperparameters), or a one-stage run resuming a pipeline checkpoint whose decayed and
+    undecayed groups merged into one (`optimizer.weight_decay = 0`: the same hyperparameters)."""
+    saved = optim_sd["param_groups"]
+    owner = {n: g for g in saved for n in g["params"]}
+    restored = []
+    for i, names in enumerate(local_groups):
+        # by name only: a group matched by position could take another group's weight decay (a stage holding only
+        # the non-decayed group would load the first saved group, the decayed one)
+        src = next((owner[n] for n in names if n in owner), None)
+        if src is None:
+            raise ValueError(f"the checkpoint's optimizer param groups name none of this run's group {i} "
+                             f"({names[0] if names else 'empty'}); was it written with other train.train_layers?")
+        restored.append({**src, "params": list(names)})
+    optim_sd["param_groups"] = restored
+
+
 class CheckpointManager:
     def __init__(self, output_dir: str | Path, keep_last: int, rank: int):
         self.root = Path(output_dir) / "checkpoints"
@@ -344,13 +364,15 @@ class CheckpointManager:
             m_sd, o_sd = get_state_dict(module, module_optim)
             state[name] = {"model": m_sd, "optim": o_sd}
         local_groups = [list(g["params"]) for g in optim_sd.get("param_groups", [])]
-        if hasattr(model, "restore_local_param_groups") and local_groups:
-            # DCP fills the template's groups by position: give a pipeline stage as many as were saved (every stage's,
-            # merged), so each comes back and the stage takes its own by parameter name
-            saved_groups = _saved_param_group_count(path)
+        saved_groups = _saved_param_group_count(path) if local_groups else 0
+        # parallel.pp > 1 (parallel/pipeline.py: the saved groups are every stage's), or another group count
+        by_name = bool(saved_groups) and (hasattr(model, "optim_state_dict_for_save") or saved_groups != len(local_groups))
+        if by_name:
+            # DCP fills the template's groups by position: give it as many as were saved, so each comes back, and
+            # this optimizer takes its own by parameter name
             template = {k: v for k, v in optim_sd["param_groups"][0].items() if k != "params"}
-            optim_sd["param_groups"] += [{**template, "params": []}
-                                         for _ in range(saved_groups - len(optim_sd["param_groups"]))]
+            groups = optim_sd["param_groups"][:saved_groups]
+            optim_sd["param_groups"] = groups + [{**template, "params": []} for _ in range(saved_groups - len(groups))]
         dcp.load(state, checkpoint_id=str(path))
         # flipped bytes can make NaN / 3.4e38 without breaking the format: a corrupt checkpoint (the caller falls back)
         check_finite({"model": state["model"], "optim": state["optim"].get("state", {})}, f"{path}")
@@ -358,8 +380,8 @@ class CheckpointManager:
             check_finite({name: state[name]["model"], f"{name} optimizer": state[name]["optim"].get("state", {})}, f"{path}")
             set_state_dict(module, module_optim, model_state_dict=state[name]["model"],
                            optim_state_dict=state[name]["optim"])
-        if hasattr(model, "restore_local_param_groups"):  # parallel.pp > 1: saved lists name every stage's
-            model.restore_local_param_groups(state["optim"], local_groups)
+        if by_name:
+            restore_param_groups_by_name(state["optim"], local_groups)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         extra_file = path / f"extra_rank{self.rank}.pt"
         if not extra_file.is_file() and not (path / "extra_rank0.pt").is_file():

@@ -248,24 +248,6 @@ class PipelineStageModel:
         optim_sd["param_groups"] = merged
         return optim_sd
 
-    @staticmethod
-    def restore_local_param_groups(optim_sd: dict, local_groups: list) -> None:
-        """After a load: back to this stage's own groups (`local_groups`: each group's parameter names), each
-        with the hyperparameters of the saved group that holds its parameters (the saved groups name every
-        stage's, or a one-stage run's)."""
-        saved = optim_sd["param_groups"]
-        owner = {n: g for g in saved for n in g["params"]}
-        restored = []
-        for i, names in enumerate(local_groups):
-            # by name only: a group matched by position could take another group's weight decay (a stage holding only
-            # the non-decayed group would load the first saved group, the decayed one)
-            src = next((owner[n] for n in names if n in owner), None)
-            if src is None:
-                raise ValueError(f"the checkpoint's optimizer param groups name none of this stage's group {i} "
-                                 f"({names[0] if names else 'empty'}); was it written with other train.train_layers?")
-            restored.append({**src, "params": list(names)})
-        optim_sd["param_groups"] = restored
-
     @property
     def is_first(self) -> bool:
         return self.stage == 0

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from megatron_vlm.checkpoint.hf import load_hf_model
+from megatron_vlm.checkpoint.manager import restore_param_groups_by_name
 from megatron_vlm.config import ConfigError, load_config
 from megatron_vlm.config.mode_keys import check_keys_for_mode
 from megatron_vlm.config.sections import ParallelConfig
@@ -201,7 +202,7 @@ def test_optimizer_groups_of_the_stages_merge_by_hyperparameters(monkeypatch):
         {"lr": 1e-3, "weight_decay": 0.0, "params": ["m.layers.0.norm.weight"]}]
     for own in (stage0, stage1):
         loaded = {"param_groups": [dict(g, params=list(g["params"])) for g in saved["param_groups"]]}
-        pipeline.PipelineStageModel.restore_local_param_groups(loaded, [g["params"] for g in own])
+        restore_param_groups_by_name(loaded, [g["params"] for g in own])
         assert loaded["param_groups"] == own
 
 
@@ -213,7 +214,6 @@ def test_a_stage_with_only_the_undecayed_group_resumes_its_own_weight_decay(tmp_
     from torch import nn
 
     from megatron_vlm.checkpoint.manager import CheckpointManager
-    from megatron_vlm.parallel.pipeline import PipelineStageModel
 
     class Whole(nn.Module):  # a one-stage run: the decayed weight and both norms
         def __init__(self):
@@ -221,7 +221,8 @@ def test_a_stage_with_only_the_undecayed_group_resumes_its_own_weight_decay(tmp_
             self.w, self.n0, self.n1 = nn.Parameter(torch.ones(2, 2)), nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
 
     class LastStage(nn.Module):  # a pipeline stage holding only the second norm
-        restore_local_param_groups = staticmethod(PipelineStageModel.restore_local_param_groups)
+        def optim_state_dict_for_save(self, optim_sd):  # marks a pipeline stage for the manager
+            return optim_sd
 
         def __init__(self):
             super().__init__()
@@ -242,3 +243,37 @@ def test_a_stage_with_only_the_undecayed_group_resumes_its_own_weight_decay(tmp_
     mgr.load(path, stage, stage_opt)
     assert [g["weight_decay"] for g in stage_opt.param_groups] == [0.0]
     assert len(stage_opt.param_groups) == 1 and stage_opt.param_groups[0]["params"] == [stage.n1]
+
+
+def test_a_one_stage_run_resumes_a_pipeline_checkpoint_without_weight_decay(tmp_path):
+    """`optimizer.weight_decay = 0`: a pipeline checkpoint merges the stages' groups by hyperparameters, and the
+    decayed and undecayed groups have the same ones, so it holds one group where a one-stage optimizer has two; the
+    resume failed in DCP ("Missing key in checkpoint state_dict: optim.param_groups.1.weight_decay"). Through a real
+    DCP save and load: each group back with its parameters' saved moments."""
+    from megatron_vlm.checkpoint.manager import CheckpointManager
+
+    class Whole(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.n = nn.Parameter(torch.ones(2, 2)), nn.Parameter(torch.ones(2))
+
+    def step(model, groups):
+        opt = torch.optim.AdamW(groups, lr=1e-3)
+        sum((p * p).sum() for p in model.parameters()).backward()
+        opt.step()
+        return opt
+
+    saved_model = Whole()  # what the merged pipeline groups look like: one group, weight decay 0
+    saved_opt = step(saved_model, [{"params": [saved_model.w, saved_model.n], "weight_decay": 0.0}])
+    path = CheckpointManager(tmp_path, keep_last=0, rank=0).save(1, saved_model, saved_opt, extra={})
+    model = Whole()
+    opt = step(model, [{"params": [model.w], "weight_decay": 0.0}, {"params": [model.n], "weight_decay": 0.0}])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    CheckpointManager(tmp_path, keep_last=0, rank=0).load(path, model, opt)
+    assert [g["params"] for g in opt.param_groups] == [[model.w], [model.n]]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.0, 0.0]
+    for mine, theirs in ((model.w, saved_model.w), (model.n, saved_model.n)):
+        assert torch.equal(mine, theirs)
+        assert torch.equal(opt.state[mine]["exp_avg_sq"], saved_opt.state[theirs]["exp_avg_sq"])

@@ -23,7 +23,10 @@ def _copy(tmp_path: Path) -> tuple[Path, dict]:
     bin_dir.mkdir()
     for name in ("python3", "nvidia-smi", "cuda-gdb"):
         exe = bin_dir / name
-        exe.write_text(f'#!/bin/sh\necho "{name} $*" >> "{tmp_path}/calls.txt"\n')
+        # calls.txt: one line per call; argv.txt (python3): its arguments exactly, unit-separated
+        exact = f"printf '%s\\037' \"$@\" >> \"{tmp_path}/argv.txt\"; echo >> \"{tmp_path}/argv.txt\"\n" \
+            if name == "python3" else ""
+        exe.write_text(f'#!/bin/sh\necho "{name} $*" >> "{tmp_path}/calls.txt"\n{exact}')
         exe.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
            "W3_DIR": str(tmp_path / "w3")}
@@ -47,3 +50,52 @@ def test_known_sections_run_their_steps_only(tmp_path):
     assert "bench_train_step" not in calls and "profile_decode" not in calls
     steps = (tmp_path / "w3" / "steps.txt").read_text()
     assert steps.startswith("decode_attention_bench: exit 0")
+
+
+def _lease_calls(tmp_path: Path) -> list[list[str]]:
+    """The benchmark scripts (and their arguments) that every section of the lease script runs."""
+    script, env = _copy(tmp_path)
+    known = next(line for line in script.read_text().splitlines() if line.startswith("KNOWN="))
+    sections = known.split("=", 1)[1].strip('"').split()  # every section the script knows
+    r = subprocess.run(["bash", str(script), *sections], env={**env, "BUDGET_S": "100000"}, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = [line.split("\x1f")[:-1] for line in (tmp_path / "argv.txt").read_text().splitlines()]
+    # with arguments (gpu_env.py, the environment listing, takes none)
+    return [c for c in calls if len(c) > 1 and c[0].startswith("benchmarks/") and c[0].endswith(".py")]
+
+
+class _Parsed(Exception):
+    pass
+
+
+def test_every_lease_command_parses_with_its_scripts_own_parser(tmp_path, monkeypatch, capsys):
+    """A misspelt option (or a variant name the script does not know) in a lease command exits 2 minutes into the
+    lease and comes back without its row; here each command line goes through the script's own argparse parser
+    (nothing is built or timed: the parse stops the script)."""
+    import argparse
+    import runpy
+    import sys
+
+    calls = _lease_calls(tmp_path)
+    scripts = {c[0] for c in calls}
+    assert {"benchmarks/e2e/bench_train_step.py", "benchmarks/e2e/profile_decode.py", "benchmarks/e2e/bench_fp8.py",
+            "benchmarks/e2e/bench_rollout.py", "benchmarks/kernels/bench_attention.py"} <= scripts
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        raise _Parsed(original(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    for script, *argv in calls:
+        path = REPO / script
+        with monkeypatch.context() as m:
+            m.setattr(sys, "path", [str(path.parent), *sys.path])  # as `python benchmarks/.../<script>` has it
+            m.setattr(sys, "argv", [str(path), *argv])
+            try:
+                runpy.run_path(str(path), run_name="__main__")
+            except _Parsed:
+                continue
+            except SystemExit as e:
+                raise AssertionError(f"{script} {' '.join(argv)}: exit {e.code}: {capsys.readouterr().err}") from None
+            raise AssertionError(f"{script} {' '.join(argv)}: ran without parsing its command line")

@@ -7,8 +7,10 @@ import os
 import signal
 from types import SimpleNamespace as NS
 
+import pytest
 import torch
 
+from megatron_vlm.errors import ConfigError
 from megatron_vlm.training import loop as loop_mod
 from megatron_vlm.training.checkpointing import ResumePoint
 from megatron_vlm.training.loop import EXIT_STOPPED, run_loop
@@ -137,6 +139,17 @@ def test_resumed_at_the_end_saves_nothing_but_evaluates(tmp_path):
     _run(tmp_path, steps, ckpt, total=6, log_every=1, resume=ResumePoint(step=6, data={}))
     assert steps.ran == [] and ckpt.saved == []
     assert ("eval", 6) in steps.calls
+
+
+def test_a_checkpoint_past_the_runs_length_is_refused_not_exported(tmp_path):
+    """train.max_steps lowered below a checkpoint's step: the run used to evaluate and export the later weights as
+    its result; now exit 2 (ConfigError) naming the key and the ways forward, before any data, eval or export."""
+    steps, ckpt = FakeSteps(), FakeCheckpointer(every=3)
+    with pytest.raises(ConfigError) as e:
+        _run(tmp_path, steps, ckpt, total=4, log_every=1, resume=ResumePoint(step=6, data={"pos": 6}))
+    assert str(e.value).startswith("train.max_steps: the checkpoint resumed is at step 6, past this run's 4 steps")
+    assert "train.max_steps >= 6" in str(e.value)
+    assert steps.ran == [] and ckpt.saved == [] and ckpt.exported == [] and not [c for c in steps.calls if c[0] == "eval"]
 
 
 def test_eval_at_start_of_a_fresh_run_and_empty_eval_not_logged(tmp_path):

@@ -8,7 +8,9 @@ small object (`StepRunner`). From the resume step to `total_steps`, per step:
 2. `steps.train_step(step, log=...)` runs the step; `log` is True on the logging cadence
    (`train.log_every` and the last step) and the returned metrics are logged as "train" when not empty;
 3. a periodic checkpoint (`checkpoint.every_steps`, not at the last step: that one is saved once, at the end);
-4. a periodic evaluation (`eval_every`, not at the last step: the final evaluation follows);
+4. a periodic evaluation (`eval_every`, not at the last step: the final evaluation follows); it leaves the RNG
+   states as it found them, so the steps after it draw what a run resumed from step 3's checkpoint draws (LoRA /
+   model dropout): a resume after a kill is exact whatever the evaluation cadence;
 5. the stop flag (SIGTERM / SIGUSR1, agreed by all ranks): save a checkpoint at this step boundary
    (unless step 3 just saved this very step: a step is never saved twice) and return 143 on every rank.
 
@@ -23,6 +25,7 @@ import logging
 from collections.abc import Callable
 from typing import Optional, Protocol
 
+from megatron_vlm.checkpoint.manager import rng_state, set_rng_state
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.training.checkpointing import Checkpointer, ResumePoint
 from megatron_vlm.training.context import RunContext
@@ -80,7 +83,13 @@ def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpoint
     metrics.set_start(start)
 
     def evaluate(step: int) -> None:
-        m = steps.evaluate(step)
+        # RNG-neutral: the checkpoint of this step holds the RNG state before the evaluation, so the next step must
+        # draw from that state in the uninterrupted run too (an eval loader's iterator alone draws a seed from torch's)
+        before = rng_state()
+        try:
+            m = steps.evaluate(step)
+        finally:
+            set_rng_state(before)
         if m:
             metrics.log("eval", step, m)
 

@@ -142,8 +142,13 @@ class Checkpointer:
             _fail(e, EXIT_RESUME_FAILED)
         if not candidates:
             if self.cfg.resume == "auto":
-                log.info("checkpoint.resume = auto: no complete checkpoint in %s; starting fresh at step 0",
-                         self.manager.root)
+                aside = sorted(p.name for p in self.manager.root.glob(".abandoned_step_*")) if self.manager.root.is_dir() else []
+                if aside:  # set aside by an explicit resume (CheckpointManager.set_aside_newer): never loaded by "auto"
+                    log.warning("checkpoint.resume = auto: no complete checkpoint in %s (set aside: %s; move one back as "
+                                "step_<N> to continue it); starting fresh at step 0", self.manager.root, ", ".join(aside))
+                else:
+                    log.info("checkpoint.resume = auto: no complete checkpoint in %s; starting fresh at step 0",
+                             self.manager.root)
             return None
         # what this run holds, computed on every rank before any checkpoint is looked at (may be collective)
         lora = self.layout["lora"] is not None

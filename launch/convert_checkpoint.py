@@ -7,6 +7,9 @@ dropout it notes), so an edited or overwritten config.toml never changes what is
 
     python launch/convert_checkpoint.py --checkpoint runs/demo_sft/checkpoints/step_100 --out /tmp/hf
 
+A reward-model run's checkpoint (`train.mode = "reward"`) is written as the `...ForSequenceClassification` folder
+its run exports at the end (backbone + `score` head: the folder `[[rl.rewards]] type = "model"` loads).
+
 LoRA: a checkpoint of a run with `[lora]` is written as a PEFT adapter folder (adapter_config.json +
 adapter_model.safetensors), or with `--merge` as the full model with the adapter folded in. A PEFT
 adapter folder (ours or one trained with `peft`) is merged into its base model with
@@ -144,6 +147,8 @@ def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool) -> int
         return _error(f"--merge: {ckpt} holds no LoRA adapter (a full model); convert it without --merge")
     hf_config = json.loads((Path(model_path) / "config.json").read_text())
     model = build_model(hf_config, device="cpu")
+    if lora is None and _holds_score_head(ckpt):  # a reward-model run's (train.mode = "reward")
+        return _convert_reward_checkpoint(ckpt, model, model_path, out)
     if lora is not None:
         # the layers that hold factors in the checkpoint (the same as in training, init_from's included)
         from megatron_vlm.models.common.lora import apply_lora
@@ -167,6 +172,35 @@ def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool) -> int
         sd = merged_state_dict(sd, scaling_of(lora))
     export_hf_from_state_dict(sd, model_path, out)
     print(f"wrote {out}")
+    return 0
+
+
+def _holds_score_head(ckpt: Path) -> bool:
+    """Whether the checkpoint is a reward-model run's: a `score` head beside the backbone (training/reward/model.py)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return "model.score.weight" in FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+
+
+def _convert_reward_checkpoint(ckpt: Path, model, model_path, out: str) -> int:
+    """A reward-model checkpoint -> the `...ForSequenceClassification` folder its run exports at the end (the
+    folder `[[rl.rewards]] type = "model"` loads), written whole or not at all."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_vlm.checkpoint.hf import describe_error
+    from megatron_vlm.training.reward.export import export_score_folder
+    from megatron_vlm.training.reward.model import ScoreRoot
+
+    root = ScoreRoot(model, std=0.0, seed=0)  # the head is read from the checkpoint
+    state = {"model": root.state_dict()}
+    try:
+        dcp.load(state, checkpoint_id=str(ckpt))
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        return _error(f"cannot read {ckpt} into the reward model of {model_path} (another size than the checkpoint's, "
+                      f"or a damaged shard): {describe_error(e)}")
+    export_score_folder(state["model"], root.model, Path(out), copy_from=model_path)  # refuses NaN / inf
+    print(f"wrote {out} (reward model: sequence classification, num_labels 1)")
     return 0
 
 

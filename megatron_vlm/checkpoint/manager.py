@@ -330,12 +330,14 @@ class CheckpointManager:
         return paths
 
     def set_aside_newer(self, loaded: Path, step: int) -> list[Path]:
-        """After an explicit resume from `loaded`, a checkpoint of this run's `checkpoints/` folder at `step`: the
-        complete checkpoints of later steps belong to the run this one abandons. Rank 0 renames them
-        `.abandoned_step_<N>` (kept, never loaded or pruned), so that a later `resume = "auto"` after a crash does
-        not pick the abandoned weights over this run's own. Collective; returns the new paths (rank 0)."""
+        """After an explicit resume from `loaded` at `step` (a checkpoint of this run's `checkpoints/` folder, or of
+        another run's): the complete checkpoints of this folder at later steps belong to a run this one abandons (a
+        rewind; or an earlier attempt started from `loaded`, killed, and started again by the same command: its
+        later checkpoints would otherwise be overwritten one by one, or loaded by `resume = "auto"` after a crash
+        in place of this run's own). Rank 0 renames them `.abandoned_step_<N>` (kept, never loaded or pruned) and
+        says how to continue them instead. Collective; returns the new paths (rank 0)."""
         moved: list[Path] = []
-        if self.rank == 0 and loaded.resolve().parent == self.root.resolve():
+        if self.rank == 0:
             for n, p in list_complete(self.root):
                 if n > step:
                     target = self.root / f".abandoned_step_{n}"
@@ -345,8 +347,10 @@ class CheckpointManager:
                     moved.append(target)
             if moved:
                 fsync_dir(self.root)
-                log.warning("resumed from %s (step %d): the later checkpoints of the abandoned run were set aside as %s "
-                            "(delete them when not needed)", loaded, step, ", ".join(str(m) for m in moved))
+                log.warning("resumed from %s (step %d), as checkpoint.resume says: the later checkpoints of this run "
+                            "folder were set aside as %s (delete them when not needed; to continue them instead, move "
+                            "them back as step_<N> and set checkpoint.resume = \"auto\")", loaded, step,
+                            ", ".join(str(m) for m in moved))
         _barrier()
         return moved
 

@@ -4,6 +4,9 @@ step with the loop's data state, and the final Hugging Face export.
 A checkpoint holds the model and optimizer (DCP, sharded), and per rank an extra file with the
 scheduler state, the data state of the job kind (SFT: the loader position; GRPO: the next step,
 seed and prompt count), the RNG states and the step (`checkpoint.manager.CheckpointManager`).
+A resume takes the optimizer moments and the schedule position from the checkpoint, but the settings
+from the current config (the lr schedule, `optimizer.betas` / `eps` / `weight_decay`, the critic's lr);
+a changed one is logged (training/optim.py).
 
 Failures end the job with one clear line on every rank (`error: ...` on stderr), never silently:
 - at start (exit 2): a `checkpoint.resume` folder that is not a complete checkpoint or not owned by
@@ -58,7 +61,7 @@ from megatron_vlm.models.mcore.layer import native_state_dict
 from megatron_vlm.models.mcore.tp_shard import check_saved_mcore_tp, mcore_tp_of
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.lora import scaling_of, write_adapter
-from megatron_vlm.training.optim import OptimState, load_scheduler_state
+from megatron_vlm.training.optim import OptimState, group_settings, keep_group_settings, load_scheduler_state
 
 __all__ = ["Checkpointer", "ResumePoint", "EXIT_RESUME_FAILED", "EXIT_SAVE_FAILED"]
 
@@ -139,12 +142,18 @@ class Checkpointer:
             _fail(e, EXIT_RESUME_FAILED)
         if not candidates:
             if self.cfg.resume == "auto":
-                log.info("checkpoint.resume = auto: no complete checkpoint in %s; starting fresh at step 0",
-                         self.manager.root)
+                aside = sorted(p.name for p in self.manager.root.glob(".abandoned_step_*")) if self.manager.root.is_dir() else []
+                if aside:  # set aside by an explicit resume (CheckpointManager.set_aside_newer): never loaded by "auto"
+                    log.warning("checkpoint.resume = auto: no complete checkpoint in %s (set aside: %s; move one back as "
+                                "step_<N> to continue it); starting fresh at step 0", self.manager.root, ", ".join(aside))
+                else:
+                    log.info("checkpoint.resume = auto: no complete checkpoint in %s; starting fresh at step 0",
+                             self.manager.root)
             return None
         # what this run holds, computed on every rank before any checkpoint is looked at (may be collective)
         lora = self.layout["lora"] is not None
         adapters, trained = (self._adapters(), set()) if lora else (set(), self._trained())
+        settings = {name: group_settings(opt) for name, opt in self._optimizers().items()}  # as the config built them
         tried = []
         for i, path in enumerate(candidates):
             err, refused = None, None
@@ -159,6 +168,9 @@ class Checkpointer:
             if err is None:
                 try:
                     extra = self.manager.load(path, self.wrapper, self.optim.optimizer, modules=self.modules)
+                    for name, opt in self._optimizers().items():  # the config's betas / eps / weight decay win
+                        keep_group_settings(opt, settings[name], name=f"the {name} optimizer's",
+                                            scheduled=name == "model")
                     check_saved_mcore_tp(extra, self.mcore_tp)
                     check_saved_mcore_ep(extra, self.mcore_ep)
                     load_scheduler_state(self.optim.scheduler, extra["scheduler"])
@@ -211,6 +223,10 @@ class Checkpointer:
                        else trained_refusal(saved, self.layout, checkpoint_trained(keys), trained, path))
             problems += [refused] if refused else []
         return "; ".join(problems) or None
+
+    def _optimizers(self) -> dict[str, Any]:
+        """The optimizers a checkpoint holds state for: the model's, and each of `modules`'."""
+        return {"model": self.optim.optimizer, **{name: opt for name, (_, opt) in self.modules.items()}}
 
     def _trained(self) -> set[str]:
         """The parameters this rank's optimizer holds state for, under the names a load asks the checkpoint for."""

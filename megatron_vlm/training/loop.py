@@ -8,12 +8,16 @@ small object (`StepRunner`). From the resume step to `total_steps`, per step:
 2. `steps.train_step(step, log=...)` runs the step; `log` is True on the logging cadence
    (`train.log_every` and the last step) and the returned metrics are logged as "train" when not empty;
 3. a periodic checkpoint (`checkpoint.every_steps`, not at the last step: that one is saved once, at the end);
-4. a periodic evaluation (`eval_every`, not at the last step: the final evaluation follows);
+4. a periodic evaluation (`eval_every`, not at the last step: the final evaluation follows); it leaves the RNG
+   states as it found them, so the steps after it draw what a run resumed from step 3's checkpoint draws (LoRA /
+   model dropout): a resume after a kill is exact whatever the evaluation cadence;
 5. the stop flag (SIGTERM / SIGUSR1, agreed by all ranks): save a checkpoint at this step boundary
    (unless step 3 just saved this very step: a step is never saved twice) and return 143 on every rank.
 
-A run that reaches `total_steps` saves the final checkpoint (only when it ran a step), evaluates
-and exports a Hugging Face folder (`checkpoint.export_hf`). `steps.finish()` runs in both cases.
+A checkpoint of a later step than `total_steps` (train.max_steps lowered since) is refused (ConfigError: exit 2)
+rather than evaluated and exported as this run's result. A run that reaches `total_steps` saves the final
+checkpoint (only when it ran a step), evaluates and exports a Hugging Face folder (`checkpoint.export_hf`).
+`steps.finish()` runs in both cases.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ import logging
 from collections.abc import Callable
 from typing import Optional, Protocol
 
+from megatron_vlm.checkpoint.manager import rng_state, set_rng_state
+from megatron_vlm.errors import ConfigError
 from megatron_vlm.training.checkpointing import Checkpointer, ResumePoint
 from megatron_vlm.training.context import RunContext
 
@@ -52,6 +58,14 @@ class StepRunner(Protocol):
         """End of the run (finished or stopped): summaries, releasing workers."""
 
 
+def past_the_end(step: int, total_steps: int) -> str:
+    """The exit-2 line for a checkpoint of a later step than the run's length: finishing there would evaluate and
+    export the step-`step` weights as the result of a `total_steps`-step run."""
+    return (f"train.max_steps: the checkpoint resumed is at step {step}, past this run's {total_steps} steps "
+            f"(train.max_steps, or train.epochs); set train.max_steps >= {step} to go on from it, name an earlier "
+            f"checkpoint in checkpoint.resume, or convert this one (launch/convert_checkpoint.py)")
+
+
 def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpointer: Checkpointer, metrics,
              log_every: int, eval_every: int = 0, eval_at_start: bool = False,
              resume: Optional[ResumePoint] = None, before_step: Optional[Callable[[int], None]] = None) -> int:
@@ -62,12 +76,20 @@ def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpoint
     `before_step(n)`: called before step n (1-based) runs (a test hook; None in production)."""
     start = 0
     if resume is not None:
+        if resume.step > total_steps:
+            raise ConfigError(past_the_end(resume.step, total_steps))
         start = resume.step
         steps.load_data_state(resume.data, start)
     metrics.set_start(start)
 
     def evaluate(step: int) -> None:
-        m = steps.evaluate(step)
+        # RNG-neutral: the checkpoint of this step holds the RNG state before the evaluation, so the next step must
+        # draw from that state in the uninterrupted run too (an eval loader's iterator alone draws a seed from torch's)
+        before = rng_state()
+        try:
+            m = steps.evaluate(step)
+        finally:
+            set_rng_state(before)
         if m:
             metrics.log("eval", step, m)
 

@@ -116,3 +116,43 @@ def load_scheduler_state(scheduler: LambdaLR, state: dict) -> None:
     for group, lr in zip(scheduler.optimizer.param_groups, lrs):
         group["lr"] = lr
     scheduler._last_lr = lrs
+
+
+_NOT_SETTINGS = ("params", "initial_lr")
+"""Param-group entries that are not settings of this run's config (`initial_lr`: the scheduler's bookkeeping)."""
+
+
+def group_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each param group's hyperparameters (lr, betas, eps, weight_decay, implementation flags) as this run built
+    them: taken before a checkpoint is loaded, put back after it by `keep_group_settings`."""
+    return [{k: v for k, v in g.items() if k not in _NOT_SETTINGS} for g in optimizer.param_groups]
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal settings (a checkpoint may give a tuple such as betas back as a list)."""
+    return tuple(a) == tuple(b) if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) else a == b
+
+
+def keep_group_settings(optimizer: torch.optim.Optimizer, settings: list[dict], *, name: str,
+                        scheduled: bool) -> None:
+    """Put this run's param-group settings back after a checkpoint's optimizer state was loaded.
+
+    torch's `Optimizer.load_state_dict` takes every param group's hyperparameters from the checkpoint, so a run
+    resumed with another `optimizer.weight_decay`, `optimizer.betas` or `optimizer.eps` (or a constant lr such as
+    the critic's `rl.critic.lr`) would silently go on with the old values. The moments and step counts stay the
+    checkpoint's; the settings are the current config's, and a change is logged. `scheduled`: the lr is the
+    scheduler's (`load_scheduler_state` sets it and reports a change), not compared here. With the same number of
+    groups only (a layout that regroups parameters is refused before a load)."""
+    if len(settings) != len(optimizer.param_groups):
+        return
+    changed: dict[str, tuple[Any, Any]] = {}
+    for group, mine in zip(optimizer.param_groups, settings):
+        for key, value in mine.items():
+            if key == "lr" and scheduled:
+                continue
+            if key in group and not _same(group[key], value):
+                changed.setdefault(key, (group[key], value))
+            group[key] = value
+    if changed:
+        log.warning("resume: %s settings differ from the checkpoint's (%s); continuing with the current config's",
+                    name, ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))

@@ -29,6 +29,7 @@ from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 from megatron_vlm.training.optim import OptimState
 from megatron_vlm.training.running_totals import RunningTotals
+from megatron_vlm.training.sft import data_state_refusal
 from megatron_vlm.training.step_guard import StepGuard
 
 __all__ = ["PackScorer", "PairStep", "PairEvaluator"]
@@ -66,7 +67,10 @@ class PairStep(PackScorer):
         """skipped_steps, data/empty_steps_skipped: counted on from the checkpoint's totals after a resume."""
 
     def load_data_state(self, state: dict, step: int) -> None:  # noqa: ARG002
-        self.loader.load_state_dict(state)
+        try:
+            self.loader.load_state_dict(state)
+        except ValueError as e:  # another pair set / pack size / seed / data-parallel split than the checkpoint's
+            raise ConfigError(data_state_refusal(state, self.loader, e)) from None
         self.totals.restore(state)
 
     def data_state(self, step: int) -> dict:  # noqa: ARG002

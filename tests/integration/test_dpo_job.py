@@ -5,7 +5,8 @@
   and exports the same weights as the straight run;
 - LoRA with the on-the-fly (adapters-off) reference: the run writes a PEFT adapter (adapter_config.json +
   adapter_model.safetensors) whose B factors moved, and resuming reproduces it exactly;
-- heavy: the demo's task, measured before and after, raises the held-out preference accuracy.
+- heavy: the demo's task, measured before and after, raises the held-out preference accuracy;
+- heavy: kill -9 after an evaluation and `resume = "auto"` reproduce the straight run exactly.
 """
 from __future__ import annotations
 
@@ -102,3 +103,24 @@ def test_two_ranks_equal_one_rank_with_two_micro_batches(tmp_path):
     ta = torch.load(two / "dpo_reference_logps.pt", weights_only=True)["tables"]
     tb = torch.load(one / "dpo_reference_logps.pt", weights_only=True)["tables"]
     assert all(torch.allclose(ta[s], tb[s], rtol=1e-6, atol=1e-4) for s in ("train", "eval"))
+
+
+@pytest.mark.heavy
+def test_dpo_kill9_after_an_evaluation_resumes_exactly(tmp_path):
+    """kill -9 before step 4, after the step-2 checkpoint and evaluation; `resume = "auto"` in the same folder (the
+    reference table read back, not scored again): the straight run's metrics, evaluations and export."""
+    common = {"train.eval_every": 2}
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    run_job(_overrides(straight, tmp_path, **common), config=DPO_DEMO)
+    r = run_job(_overrides(crashed, tmp_path, **common), config=DPO_DEMO, env={"MEGATRON_VLM_FAULT_KILL_AT_STEP": "4"},
+                check=False)
+    assert r.returncode == -9, (r.returncode, r.stderr[-2000:])
+    r = run_job(_overrides(crashed, tmp_path, **common), config=DPO_DEMO)
+    assert "Resumed from checkpoint: step=2" in r.stderr and "reference log-probs read from" in r.stderr
+    a, b = _train(straight), _train(crashed)
+    for step in range(1, 5):
+        for key in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected", "grad_norm"):
+            assert a[step][key] == b[step][key], (step, key)
+    assert read_metrics(straight / "metrics_eval.csv") == read_metrics(crashed / "metrics_eval.csv")
+    wa, wb = load_safetensors_dir(straight / "hf"), load_safetensors_dir(crashed / "hf")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -113,3 +113,30 @@ def test_two_ranks_equal_one_rank_with_two_micro_batches(tmp_path):
     wa, wb = load_safetensors_dir(two / "hf"), load_safetensors_dir(one / "hf")
     assert wa.keys() == wb.keys()
     assert all(torch.allclose(wa[k], wb[k], rtol=1e-5, atol=1e-6) for k in wa)
+
+
+def test_kill9_after_an_evaluation_resumes_exactly_and_the_checkpoint_converts_to_the_export(tmp_path):
+    """kill -9 before step 4 (after the step-2 checkpoint and evaluation), `resume = "auto"`: the straight run's metrics
+    and export; `launch/convert_checkpoint.py` turns the final checkpoint into the same score folder as the export."""
+    import subprocess
+    import sys
+
+    from jobs import load_safetensors_dir
+
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    run_job(_small(straight, tmp_path, **{"train.eval_every": 2}), config=CONFIG)
+    r = run_job(_small(crashed, tmp_path, **{"train.eval_every": 2}), config=CONFIG,
+                env={"MEGATRON_VLM_FAULT_KILL_AT_STEP": "4"}, check=False)
+    assert r.returncode == -9, (r.returncode, r.stderr[-2000:])
+    r = run_job(_small(crashed, tmp_path, **{"train.eval_every": 2}), config=CONFIG)
+    assert "Resumed from checkpoint: step=2" in r.stderr
+    a, b = _train(straight), _train(crashed)
+    assert all(a[s][k] == b[s][k] for s in range(1, 5) for k in _KEYS)
+    assert read_metrics(straight / "metrics_eval.csv") == read_metrics(crashed / "metrics_eval.csv")
+    wa, wb = load_safetensors_dir(straight / "hf"), load_safetensors_dir(crashed / "hf")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    out = tmp_path / "converted"
+    subprocess.run([sys.executable, str(REPO / "launch" / "convert_checkpoint.py"), "--checkpoint",
+                    str(crashed / "checkpoints" / "step_4"), "--out", str(out)], check=True, cwd=str(REPO))
+    wc = load_safetensors_dir(out)
+    assert wc.keys() == wb.keys() and all(torch.equal(wc[k], wb[k]) for k in wb)

@@ -243,7 +243,7 @@ def test_resume_path_of_a_run_folder_names_its_newest_checkpoint(tmp_path, capsy
 def test_rewind_to_an_older_checkpoint_sets_the_abandoned_later_ones_aside(tmp_path):
     """checkpoint.resume = an older step of this run: the later checkpoints belong to the run it abandons; a crash
     of the rewound run before its next save must not make resume = "auto" load them. They are kept under another
-    name, never loaded or pruned; a checkpoint named outside this run's folder moves nothing."""
+    name, never loaded or pruned; a checkpoint named outside this run's folder at a later step moves nothing."""
     for step in (2, 4, 6):
         _save(_checkpointer(tmp_path), step)
     other = tmp_path / "elsewhere"
@@ -258,6 +258,33 @@ def test_rewind_to_an_older_checkpoint_sets_the_abandoned_later_ones_aside(tmp_p
     assert _checkpointer(tmp_path).resume().step == 2  # "auto" after a crash: the rewound run's own newest
     _checkpointer(tmp_path).manager.cleanup()  # start-of-run tidying leaves them alone
     assert (_ckdir(tmp_path) / ".abandoned_step_6").is_dir()
+
+
+def test_the_same_command_started_again_after_a_kill_keeps_the_first_attempts_checkpoints(tmp_path, caplog):
+    """checkpoint.resume = another run's step_2: the first attempt saved step_4 and step_6 here, then was killed; the
+    same command started again loads step_2 again, as it says. The first attempt's later checkpoints used to stay
+    under their names: overwritten one by one as the new attempt saves, or loaded by resume = "auto" after a
+    crash in place of the new attempt's own (another lineage). They are set aside whole, and the log says how to
+    continue them instead."""
+    import logging
+
+    base = tmp_path / "base"
+    _save(_checkpointer(base), 2)
+    start = str(_ckdir(base) / "step_2")
+    run = tmp_path / "run"
+    assert _checkpointer(run, resume=start).resume().step == 2  # the first attempt
+    for step in (4, 6):
+        _save(_checkpointer(run, resume=start), step)
+    with caplog.at_level(logging.WARNING):
+        assert _checkpointer(run, resume=start).resume().step == 2  # started again after a kill
+    assert list_complete(_ckdir(run)) == []
+    assert all((_ckdir(run) / f".abandoned_step_{n}" / MARKER).is_file() for n in (4, 6))
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert ".abandoned_step_6" in said and 'checkpoint.resume = "auto"' in said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert _checkpointer(run).resume() is None  # "auto" now: nothing of the abandoned attempt, and it says so
+    assert ".abandoned_step_4, .abandoned_step_6" in " ".join(r.getMessage() for r in caplog.records)
 
 
 def test_manager_error_names_the_failing_phase(tmp_path, monkeypatch):

@@ -7,8 +7,10 @@ import os
 import signal
 from types import SimpleNamespace as NS
 
+import pytest
 import torch
 
+from megatron_vlm.errors import ConfigError
 from megatron_vlm.training import loop as loop_mod
 from megatron_vlm.training.checkpointing import ResumePoint
 from megatron_vlm.training.loop import EXIT_STOPPED, run_loop
@@ -137,6 +139,64 @@ def test_resumed_at_the_end_saves_nothing_but_evaluates(tmp_path):
     _run(tmp_path, steps, ckpt, total=6, log_every=1, resume=ResumePoint(step=6, data={}))
     assert steps.ran == [] and ckpt.saved == []
     assert ("eval", 6) in steps.calls
+
+
+def test_a_checkpoint_past_the_runs_length_is_refused_not_exported(tmp_path):
+    """train.max_steps lowered below a checkpoint's step: the run used to evaluate and export the later weights as
+    its result; now exit 2 (ConfigError) naming the key and the ways forward, before any data, eval or export."""
+    steps, ckpt = FakeSteps(), FakeCheckpointer(every=3)
+    with pytest.raises(ConfigError) as e:
+        _run(tmp_path, steps, ckpt, total=4, log_every=1, resume=ResumePoint(step=6, data={"pos": 6}))
+    assert str(e.value).startswith("train.max_steps: the checkpoint resumed is at step 6, past this run's 4 steps")
+    assert "train.max_steps >= 6" in str(e.value)
+    assert steps.ran == [] and ckpt.saved == [] and ckpt.exported == [] and not [c for c in steps.calls if c[0] == "eval"]
+
+
+class RandomSteps(FakeSteps):
+    """Steps that draw from torch's global RNG (as LoRA / model dropout does); an evaluation that draws too (as an
+    eval loader's iterator does when it is created)."""
+
+    def __init__(self):
+        super().__init__()
+        self.draws = {}
+
+    def train_step(self, step, *, log):
+        self.draws[step] = torch.rand(1).item()
+        return super().train_step(step, log=log)
+
+    def evaluate(self, step):
+        torch.rand(3)
+        return super().evaluate(step)
+
+
+class RngCheckpointer(FakeCheckpointer):
+    """Records the RNG state a checkpoint would hold (CheckpointManager saves `rng_state()` with each)."""
+
+    def __init__(self, every):
+        super().__init__(every=every)
+        self.rng = {}
+
+    def save(self, step, data_state):
+        from megatron_vlm.checkpoint.manager import rng_state
+
+        self.rng[step] = rng_state()
+        super().save(step, data_state)
+
+
+def test_a_resume_after_a_periodic_evaluation_draws_what_the_uninterrupted_run_drew(tmp_path):
+    """Killed after the step-2 checkpoint and evaluation: the resumed steps 3-4 draw the same random numbers as the
+    uninterrupted run (the evaluation used to shift the RNG after the checkpoint had saved it)."""
+    from megatron_vlm.checkpoint.manager import set_rng_state
+
+    torch.manual_seed(0)
+    straight, ckpt = RandomSteps(), RngCheckpointer(every=2)
+    _run(tmp_path, straight, ckpt, total=4, log_every=1, eval_every=2)
+    assert ("eval", 2) in straight.calls
+    set_rng_state(ckpt.rng[2])  # what CheckpointManager.load restores
+    resumed = RandomSteps()
+    _run(tmp_path, resumed, RngCheckpointer(every=2), total=4, log_every=1, eval_every=2,
+         resume=ResumePoint(step=2, data={}))
+    assert resumed.draws == {k: straight.draws[k] for k in (2, 3)}
 
 
 def test_eval_at_start_of_a_fresh_run_and_empty_eval_not_logged(tmp_path):

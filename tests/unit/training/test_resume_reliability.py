@@ -4,7 +4,7 @@
   global scheduler / step / data position), instead of every checkpoint counting as corrupt;
 - a data position the run's loader cannot continue (another `data.max_tokens_per_pack`, `data.train_path`,
   `train.seed`, or a data-parallel split that does not divide it) is one line naming the key and the ways
-  forward (ConfigError: exit 2), not a traceback;
+  forward (ConfigError: exit 2), not a traceback, for SFT and for the pair trainers (DPO, reward model);
 - `metrics_train.csv` / `metrics_eval.csv` keep one row per step when steps are run again after a resume.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from megatron_vlm.checkpoint.manager import CheckpointManager
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.training.loggers import MetricsLogger
+from megatron_vlm.training.pair_step import PairStep
 from megatron_vlm.training.sft import SFTStep, data_state_refusal
 
 
@@ -59,8 +60,9 @@ def _state(capacity=512, records=10, seed=0, g=4):
     (_state(seed=3), _Loader(), "train.seed: the checkpoint was written with train.seed = 3"),
     (_state(g=3), _Loader(dp=2), "checkpoint.resume: the checkpoint's data position cannot be continued"),
 ])
-def test_a_data_position_that_cannot_continue_is_one_line_naming_the_key(state, loader, expect):
-    step = SFTStep.__new__(SFTStep)
+@pytest.mark.parametrize("kind", [SFTStep, PairStep])
+def test_a_data_position_that_cannot_continue_is_one_line_naming_the_key(state, loader, expect, kind):
+    step = kind.__new__(kind)
     step.loader = loader
     with pytest.raises(ConfigError) as e:
         step.load_data_state(state, 4)

@@ -191,3 +191,26 @@ def test_ranks_that_read_the_same_packs_count_a_skipped_record_once(tmp_path, mo
     summary_mod.write_bad_record_summary(BadRecordLog(), tmp_path, is_main=True, dp_rank=0)
     d = json.loads((tmp_path / "bad_records.json").read_text())
     assert {(r["index"], r["skips"]) for r in d["records"]} == {(5, 2), (8, 1)} and d["num_skips"] == 3
+
+
+def test_a_full_disk_while_writing_the_summary_is_logged_not_raised(tmp_path, monkeypatch, caplog):
+    """SFT rewrites bad_records.json with every checkpoint, just before the save: a full disk there used to raise
+    OSError out of the step's data state (a traceback) instead of reaching the checkpoint save, which reports it as
+    one clear error with the previous checkpoint intact."""
+    import errno
+    import logging
+    import os
+
+    import megatron_vlm.training.bad_record_summary as summary_mod
+    from megatron_vlm.data.bad_records import BadRecordLog
+
+    def enospc(self, path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(BadRecordLog, "write_summary", enospc)
+    records = BadRecordLog()
+    records.add("d.jsonl", 3, "corrupt_image", "pixels")
+    with caplog.at_level(logging.WARNING, logger="megatron_vlm"):
+        summary_mod.write_bad_record_summary(records, tmp_path, is_main=True, announce=False, dp_rank=0)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "could not write" in said and "bad_records.json" in said and "disk full" in said

@@ -2,7 +2,9 @@
 
 CSV: one file for train, one for eval, with a header of every key of the first row. A file is never
 rewritten to add a column (a resumed run appends under the existing header): keys that appear later
-go to a per-row `extra` JSON column, so every row stays readable with the same header.
+go to a per-row `extra` JSON column, so every row stays readable with the same header. A row that cannot
+be written (a full disk, a quota) is logged as an error and left out, the file cut back to its last whole
+row; training goes on (its next checkpoint save says what is wrong with the disk, and keeps the previous one).
 
 A run that starts at step S (a resume, or 0) first drops the rows of steps after S from the train and
 eval CSVs: they were written by a run that went further and was then lost (a fallback to an older
@@ -11,6 +13,7 @@ checkpoint, a kill -9 after the last save), and the steps are run again, so each
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import os
@@ -26,10 +29,22 @@ class _CsvSink:
     def __init__(self, path: Path):
         self.path = path
         self.fields: Optional[list[str]] = None
-        self._fh: Optional[IO[str]] = None
-        self._w: Optional[csv.DictWriter] = None
+        self._fh: Optional[IO[bytes]] = None
+        self._failed = False  # the last write failed (its error is logged once until one works)
 
     def write(self, row: dict) -> None:
+        """Append `row` (module docstring); an OSError is logged and the row left out, never raised."""
+        try:
+            self._write(row)
+            self._failed = False
+        except OSError as e:
+            if not self._failed:  # once per run of failures, not once per step
+                log.error("%s: could not write the row of step %s (%s); training goes on, rows are left out "
+                          "until writing works again", self.path.name, row.get("step"), e)
+            self._failed = True
+
+    def _write(self, row: dict) -> None:
+        header = False
         if self.fields is None:
             exists = self.path.is_file() and self.path.stat().st_size > 0
             if exists:  # resumed run: keep the existing header
@@ -37,17 +52,26 @@ class _CsvSink:
                     self.fields = next(csv.reader(f))
             else:
                 self.fields = list(row) + ["extra"]
-            self._fh = self.path.open("a", newline="")
-            self._w = csv.DictWriter(self._fh, fieldnames=self.fields, extrasaction="ignore")
-            if not exists:
-                self._w.writeheader()
+                header = True
         extra = {k: v for k, v in row.items() if k not in self.fields}
         out = dict(row)
         if "extra" in self.fields:
             out["extra"] = json.dumps(extra) if extra else ""
-        assert self._w is not None and self._fh is not None  # opened with the header above
-        self._w.writerow(out)
-        self._fh.flush()
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=self.fields, extrasaction="ignore")
+        if header:
+            writer.writeheader()
+        writer.writerow(out)
+        if self._fh is None:  # unbuffered: a failed write leaves nothing pending for a later flush
+            self._fh = open(self.path, "ab", buffering=0)  # noqa: SIM115 (held open across writes)
+        start = os.fstat(self._fh.fileno()).st_size  # appends go to the end (a position can be stale after a cut)
+        try:
+            self._fh.write(text.getvalue().encode())
+        except OSError:
+            os.ftruncate(self._fh.fileno(), start)  # no half row for the next one to follow
+            if header:
+                self.fields = None  # the header is written with the next row that fits
+            raise
 
     def drop_after(self, step: int) -> int:
         """Remove the rows of steps after `step` (rewritten atomically; before the first write). Returns how many."""

@@ -94,3 +94,37 @@ def test_rows_of_steps_run_again_after_a_resume_are_not_duplicated(tmp_path):
     assert _rows(tmp_path / "metrics_eval.csv") == []
     with (tmp_path / "metrics_train.csv").open() as f:
         assert [float(r["loss"]) for r in csv.DictReader(f)] == [1, 2, 13, 14, 15, 16]
+
+
+def test_a_metrics_row_that_cannot_be_written_is_logged_and_left_out(tmp_path, caplog):
+    """A full disk at a metrics write raised OSError out of the training loop (the work since the last checkpoint
+    lost, a traceback instead of the save's "disk full" message). Now: one error line, the row left out, the file
+    cut back to its last whole row, and rows written again once the disk has room."""
+    import errno
+
+    cfg = NS(tensorboard=False, csv=True, wandb=False, console=False)
+    logger = MetricsLogger(cfg, tmp_path, is_main=True, total_steps=6, run_name="r")
+    logger.set_start(0)
+    logger.log("train", 1, {"loss": 1.0})
+    sink = logger._csv["train"]
+    real = sink._fh
+
+    class Full:  # half of each write lands, then ENOSPC (what a filling disk does)
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def write(self, data):
+            real.write(data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    sink._fh = Full()
+    with caplog.at_level("ERROR", logger="megatron_vlm"):
+        logger.log("train", 2, {"loss": 2.0})
+        logger.log("train", 3, {"loss": 3.0})
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "metrics_train.csv" in errors[0].getMessage() and "step 2" in errors[0].getMessage()
+    sink._fh = real  # room again
+    logger.log("train", 4, {"loss": 4.0})
+    logger.close()
+    assert _rows(tmp_path / "metrics_train.csv") == ["1", "4"]
+    assert (tmp_path / "metrics_train.csv").read_text().count("\n") == 3  # header + two whole rows

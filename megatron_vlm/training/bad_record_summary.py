@@ -14,7 +14,7 @@ from megatron_vlm.checkpoint.hf import describe_error
 from megatron_vlm.data.bad_records import BadRecordLog, merge_by_shard
 from megatron_vlm.parallel.collectives import all_gather_objects
 
-__all__ = ["write_bad_record_summary"]
+__all__ = ["restore_saved_bad_records", "save_bad_records", "write_bad_record_summary"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -41,3 +41,26 @@ def write_bad_record_summary(bad_records: Optional[BadRecordLog], run_dir: Path,
         return
     if announce and len(merged):
         log.warning("skipped %d bad records %s; see %s", len(merged), merged.counts_by_category(), path)
+
+
+def save_bad_records(state: dict, bad_records: Optional[BadRecordLog], run_dir: Path, *, is_main: bool,
+                     dp_rank: Optional[int]) -> dict:
+    """A checkpoint's data state gets this rank's skipped records, and `bad_records.json` is written (collective:
+    every rank saves), so a run killed or failed later leaves the summary of everything up to its checkpoint."""
+    if bad_records is not None:
+        state["bad_records"] = bad_records.to_dict()["records"]
+        write_bad_record_summary(bad_records, run_dir, is_main=is_main, announce=False, dp_rank=dp_rank)
+    return state
+
+
+def restore_saved_bad_records(bad_records: Optional[BadRecordLog], state: dict, *, same_split: bool,
+                              is_main: bool) -> None:
+    """Put back the records skipped before the checkpoint (their packs are not read again after the resume),
+    except those this run already found while planning (counted once). A rank that did not write the
+    checkpoint (another data-parallel size: ranks without their own extra file take rank 0's) restores
+    nothing, so rank 0's records are not counted twice."""
+    saved = state.get("bad_records") or []
+    if bad_records is None or not saved or not (same_split or is_main):
+        return
+    have = {(r.source, r.index, r.category) for r in bad_records.entries}
+    bad_records.extend([r for r in saved if (r["source"], r["index"], r["category"]) not in have])

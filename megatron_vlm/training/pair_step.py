@@ -24,7 +24,7 @@ from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.parallel import clip_grad_norm_
 from megatron_vlm.parallel.collectives import all_reduce_sum
-from megatron_vlm.training.bad_record_summary import write_bad_record_summary
+from megatron_vlm.training.bad_record_summary import restore_saved_bad_records, save_bad_records, write_bad_record_summary
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 from megatron_vlm.training.optim import OptimState
@@ -71,11 +71,17 @@ class PairStep(PackScorer):
             self.loader.load_state_dict(state)
         except ValueError as e:  # another pair set / pack size / seed / data-parallel split than the checkpoint's
             raise ConfigError(data_state_refusal(state, self.loader, e)) from None
+        restore_saved_bad_records(self.bad_records, state, same_split=state.get("dp_size") == self.bundle.dims.dp_size,
+                                  is_main=self.ctx.env.is_main)
         self.totals.restore(state)
 
     def data_state(self, step: int) -> dict:  # noqa: ARG002
+        """The loader position, the running totals and this rank's skipped records (also written to
+        bad_records.json: collective, every rank saves)."""
         counts = {"skipped_steps": float(self.guard.skipped), "data/empty_steps_skipped": float(self.empty_steps_skipped)}
-        return {**self.loader.state_dict(), **self.totals.state(counts)}
+        state = {**self.loader.state_dict(), **self.totals.state(counts)}
+        return save_bad_records(state, self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main,
+                                dp_rank=getattr(self.bundle.dims, "dp_rank", self.ctx.env.rank))
 
     def evaluate(self, step: int) -> Optional[dict]:
         return self._evaluate(step) if self._evaluate is not None else None

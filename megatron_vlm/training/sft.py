@@ -25,7 +25,7 @@ from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.parallel import clip_grad_norm_
 from megatron_vlm.parallel.collectives import all_reduce_sum, barrier
-from megatron_vlm.training.bad_record_summary import write_bad_record_summary
+from megatron_vlm.training.bad_record_summary import restore_saved_bad_records, save_bad_records, write_bad_record_summary
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 from megatron_vlm.training.optim import OptimState
@@ -127,7 +127,8 @@ class SFTStep:
             self.loader.load_state_dict(state)
         except ValueError as e:  # another data set / pack size / seed / data-parallel split than the checkpoint's
             raise ConfigError(data_state_refusal(state, self.loader, e)) from None
-        self._restore_bad_records(state.get("bad_records") or [], same_split=state.get("dp_size") == self.bundle.dims.dp_size)
+        restore_saved_bad_records(self.bad_records, state, same_split=state.get("dp_size") == self.bundle.dims.dp_size,
+                                  is_main=self.ctx.env.is_main)
         self.totals.restore(state)
 
     def data_state(self, step: int) -> dict:  # noqa: ARG002
@@ -135,27 +136,14 @@ class SFTStep:
         rank saves), so a run killed or failed later leaves the summary of everything up to its checkpoint."""
         state = dict(self.loader.state_dict())
         state.update(self.totals.state(self._counts()))
-        if self.bad_records is not None:
-            state["bad_records"] = self.bad_records.to_dict()["records"]
-            write_bad_record_summary(self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main, announce=False,
-                                     dp_rank=self._dp_rank())
-        return state
+        return save_bad_records(state, self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main,
+                                dp_rank=self._dp_rank())
 
     def _counts(self) -> dict[str, float]:
         """This process's counters (the logged metrics of the same names before the resumed totals are added)."""
         stats = self.loader.stats() if hasattr(self.loader, "stats") else {}
         return {"skipped_steps": float(self.guard.skipped), "data/empty_steps_skipped": float(self.empty_steps_skipped),
                 **({"data/samples_seen": float(stats["samples_seen"])} if "samples_seen" in stats else {})}
-
-    def _restore_bad_records(self, saved: list, *, same_split: bool) -> None:
-        """Put back the records skipped before the checkpoint (their packs are not read again after the resume),
-        except those this run already found while planning (counted once). A rank that did not write the
-        checkpoint (another data-parallel size: ranks without their own extra file take rank 0's) restores
-        nothing, so rank 0's records are not counted twice."""
-        if self.bad_records is None or not saved or not (same_split or self.ctx.env.is_main):
-            return
-        have = {(r.source, r.index, r.category) for r in self.bad_records.entries}
-        self.bad_records.extend([r for r in saved if (r["source"], r["index"], r["category"]) not in have])
 
     def evaluate(self, step: int) -> Optional[dict]:
         return self._evaluate(step) if self._evaluate is not None else None

@@ -12,6 +12,7 @@ import copy
 from pathlib import Path
 from types import SimpleNamespace as NS
 
+import pytest
 import torch
 from torch import nn
 
@@ -135,13 +136,16 @@ class StatefulLoader(ListLoader):
         self.loaded = state
 
 
-def test_skipped_records_survive_a_kill_and_a_resume(tmp_path):
+@pytest.mark.parametrize("kind", ["sft", "pair"])
+def test_skipped_records_survive_a_kill_and_a_resume(tmp_path, kind):
     """bad_records.json is written with every checkpoint (a run killed after it keeps the summary), and a
     resumed run counts the records skipped before its checkpoint (their packs are not read again) once,
-    next to the records it finds again while planning."""
+    next to the records it finds again while planning. The pair trainers (DPO, reward model) too: they kept
+    neither (a resumed run's summary lost the records skipped before its checkpoint)."""
     import json
 
     from megatron_vlm.data.bad_records import BadRecordLog
+    from megatron_vlm.training.pair_step import PairStep
 
     ctx = NS(cfg=NS(train=NS(micro_batches_per_step=1, max_grad_norm=0.0)),
              env=NS(device=torch.device("cpu"), world_size=1, rank=0, is_main=True), run_dir=tmp_path)
@@ -152,6 +156,8 @@ def test_skipped_records_survive_a_kill_and_a_resume(tmp_path):
     def sft_step(log: BadRecordLog) -> SFTStep:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         optim = OptimState(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+        if kind == "pair":
+            return PairStep(ctx, bundle, optim, Recorder(), StatefulLoader([]), bad_records=log)
         return SFTStep(ctx, bundle, optim, Recorder(), StatefulLoader([]), total_steps=8, bad_records=log)
 
     first = BadRecordLog()

@@ -24,12 +24,12 @@ from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.parallel import clip_grad_norm_
 from megatron_vlm.parallel.collectives import all_reduce_sum
-from megatron_vlm.training.bad_record_summary import restore_saved_bad_records, save_bad_records, write_bad_record_summary
+from megatron_vlm.training.bad_record_summary import save_bad_records, write_bad_record_summary
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 from megatron_vlm.training.optim import OptimState
 from megatron_vlm.training.running_totals import RunningTotals
-from megatron_vlm.training.sft import data_state_refusal
+from megatron_vlm.training.sft import restore_data_state
 from megatron_vlm.training.step_guard import StepGuard
 
 __all__ = ["PackScorer", "PairStep", "PairEvaluator"]
@@ -67,13 +67,7 @@ class PairStep(PackScorer):
         """skipped_steps, data/empty_steps_skipped: counted on from the checkpoint's totals after a resume."""
 
     def load_data_state(self, state: dict, step: int) -> None:  # noqa: ARG002
-        try:
-            self.loader.load_state_dict(state)
-        except ValueError as e:  # another pair set / pack size / seed / data-parallel split than the checkpoint's
-            raise ConfigError(data_state_refusal(state, self.loader, e)) from None
-        restore_saved_bad_records(self.bad_records, state, same_split=state.get("dp_size") == self.bundle.dims.dp_size,
-                                  is_main=self.ctx.env.is_main)
-        self.totals.restore(state)
+        restore_data_state(self, state)
 
     def data_state(self, step: int) -> dict:  # noqa: ARG002
         """The loader position, the running totals and this rank's skipped records (also written to

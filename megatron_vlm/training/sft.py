@@ -87,6 +87,18 @@ def data_state_refusal(state: dict, loader, err: ValueError) -> str:
             f"data-parallel size that divides {state.get('global_packs_consumed')}, {fresh}")
 
 
+def restore_data_state(runner: Any, state: dict) -> None:
+    """A packed-data step runner's resume (SFT, the pair trainers): the loader position (exit 2 naming what
+    changed when it cannot continue), the records skipped before the checkpoint, the running totals."""
+    try:
+        runner.loader.load_state_dict(state)
+    except ValueError as e:  # another data set / pack size / seed / data-parallel split than the checkpoint's
+        raise ConfigError(data_state_refusal(state, runner.loader, e)) from None
+    restore_saved_bad_records(runner.bad_records, state, same_split=state.get("dp_size") == runner.bundle.dims.dp_size,
+                              is_main=runner.ctx.env.is_main)
+    runner.totals.restore(state)
+
+
 def _peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -123,13 +135,7 @@ class SFTStep:
 
     # ------------------------------------------------------------------ StepRunner
     def load_data_state(self, state: dict, step: int) -> None:  # noqa: ARG002
-        try:
-            self.loader.load_state_dict(state)
-        except ValueError as e:  # another data set / pack size / seed / data-parallel split than the checkpoint's
-            raise ConfigError(data_state_refusal(state, self.loader, e)) from None
-        restore_saved_bad_records(self.bad_records, state, same_split=state.get("dp_size") == self.bundle.dims.dp_size,
-                                  is_main=self.ctx.env.is_main)
-        self.totals.restore(state)
+        restore_data_state(self, state)
 
     def data_state(self, step: int) -> dict:  # noqa: ARG002
         """The loader position and this rank's skipped records; also writes bad_records.json (collective: every

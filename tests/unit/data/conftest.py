@@ -42,6 +42,19 @@ def write_image():
 
 
 @pytest.fixture
+def messages_record(tmp_path):
+    """`record(row)`: a messages-JSONL line (a dict, through JSON as a file holds it) as the reader makes it, its
+    relative paths resolved in `tmp_path`, where `x.png` (56 x 56, random pixels) is written."""
+    import json
+
+    from megatron_vlm.data.messages import record_from_messages_row
+
+    _write_image(tmp_path / "x.png", size=(56, 56), seed=0)
+    return lambda row: record_from_messages_row(json.loads(json.dumps(row)), lambda r: str(tmp_path / r), source="t",
+                                                index=1)
+
+
+@pytest.fixture
 def hf_processor(tiny_dir, monkeypatch):
     """transformers' own Qwen2_5_VLProcessor over the tiny folder's tokenizer, image processor and
     chat template. transformers cannot build it without torchvision only because it looks up the

@@ -8,12 +8,10 @@ inside `<think>` tags, earlier turns' dropped); a template that renders no reaso
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 
 from megatron_vlm.data.bad_records import BadRecordError
-from megatron_vlm.data.messages import record_from_messages_row
 from megatron_vlm.data.processing import estimate_length, process_record
 
 # Qwen3's reasoning rule, written here: the last user message's index, then each assistant turn after it with
@@ -47,14 +45,9 @@ def reasoning_proc(proc):
     return out
 
 
-def _record(row, tmp_path, write_image):
-    write_image(tmp_path / "x.png", size=(56, 56), seed=0)
-    return record_from_messages_row(json.loads(json.dumps(row)), lambda r: str(tmp_path / r), source="t", index=1)
-
-
-def test_reasoning_is_rendered_and_trained_as_the_tokenizers_template_renders_it(reasoning_proc, tmp_path, write_image):
+def test_reasoning_is_rendered_and_trained_as_the_tokenizers_template_renders_it(reasoning_proc, messages_record):
     row = _row(earlier="greet back")  # an earlier turn's reasoning: the template drops it, as Qwen3's does
-    record = _record(row, tmp_path, write_image)
+    record = messages_record(row)
     sample = process_record(record, reasoning_proc, max_frames=4)
     tok = reasoning_proc.tokenizer
     rendered = tok.apply_chat_template(row["messages"], chat_template=REASONING_TEMPLATE, tokenize=False)
@@ -66,31 +59,31 @@ def test_reasoning_is_rendered_and_trained_as_the_tokenizers_template_renders_it
     assert estimate_length(record, reasoning_proc, max_frames=4) == sample.input_ids.numel()
 
 
-def test_a_template_that_renders_no_reasoning_is_a_named_bad_record(proc, reasoning_proc, tmp_path, write_image):
-    record = _record(_row(), tmp_path, write_image)
+def test_a_template_that_renders_no_reasoning_is_a_named_bad_record(proc, reasoning_proc, messages_record):
+    record = messages_record(_row())
     with pytest.raises(BadRecordError, match="reasoning_content") as e:
         process_record(record, proc, max_frames=4)  # the Qwen2.5-VL template knows no reasoning
     assert e.value.category == "invalid_record"
     # only an earlier turn's: the template's choice to drop it (Qwen3's), not a refusal
-    only_earlier = _record(_row(reasoning=None, earlier="greet back"), tmp_path, write_image)
-    plain = _record(_row(reasoning=None), tmp_path, write_image)
+    only_earlier = messages_record(_row(reasoning=None, earlier="greet back"))
+    plain = messages_record(_row(reasoning=None))
     for p in (proc, reasoning_proc):
         assert process_record(only_earlier, p, max_frames=4).input_ids.tolist() == \
             process_record(plain, p, max_frames=4).input_ids.tolist()
 
 
-def test_malformed_or_empty_reasoning(tmp_path, write_image, proc):
+def test_malformed_or_empty_reasoning(proc, messages_record):
     row = _row(reasoning=["x"])
     with pytest.raises(BadRecordError, match="must be a string"):
-        _record(row, tmp_path, write_image)
+        messages_record(row)
     row = _row(reasoning=None)
     row["messages"][0]["reasoning_content"] = "why"
     with pytest.raises(BadRecordError, match="only assistant"):
-        _record(row, tmp_path, write_image)
+        messages_record(row)
     # null / "" on any message (tables write them) is no reasoning
     row = _row(reasoning="")
     for m in row["messages"]:
         m.setdefault("reasoning_content", None)
     plain = _row(reasoning=None)
-    assert process_record(_record(row, tmp_path, write_image), proc, max_frames=4).input_ids.tolist() == \
-        process_record(_record(plain, tmp_path, write_image), proc, max_frames=4).input_ids.tolist()
+    assert process_record(messages_record(row), proc, max_frames=4).input_ids.tolist() == \
+        process_record(messages_record(plain), proc, max_frames=4).input_ids.tolist()

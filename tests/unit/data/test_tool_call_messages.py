@@ -15,7 +15,6 @@ import json
 import pytest
 
 from megatron_vlm.data.bad_records import BadRecordError
-from megatron_vlm.data.messages import record_from_messages_row
 from megatron_vlm.data.processing import estimate_length, process_record
 
 # Written here after the behaviour of Qwen3's tool template: specs in the first system turn, each call a
@@ -63,15 +62,10 @@ def tool_proc(proc):
     return out
 
 
-def _record(row, tmp_path, write_image):
-    write_image(tmp_path / "x.png", size=(56, 56), seed=0)
-    return record_from_messages_row(json.loads(json.dumps(row)), lambda r: str(tmp_path / r), source="t", index=1)
-
-
 @pytest.mark.parametrize("text", ["", "Let me compute."])
-def test_tool_trace_matches_the_tokenizers_chat_template(tool_proc, tmp_path, write_image, text):
+def test_tool_trace_matches_the_tokenizers_chat_template(tool_proc, text, messages_record):
     row = _row(text=text)
-    record = _record(row, tmp_path, write_image)
+    record = messages_record(row)
     sample = process_record(record, tool_proc, max_frames=4)
     tok = tool_proc.tokenizer
     rendered = tok.apply_chat_template(row["messages"], tools=row["tools"], chat_template=TOOL_TEMPLATE, tokenize=False)
@@ -85,40 +79,40 @@ def test_tool_trace_matches_the_tokenizers_chat_template(tool_proc, tmp_path, wr
     assert estimate_length(record, tool_proc, max_frames=4) == sample.input_ids.numel()
 
 
-def test_tools_given_as_a_json_string_are_parsed(tool_proc, tmp_path, write_image):
+def test_tools_given_as_a_json_string_are_parsed(tool_proc, messages_record):
     """Table columns often hold the specs as one JSON string: the same text as the list."""
-    listed = process_record(_record(_row(), tmp_path, write_image), tool_proc, max_frames=4)
-    as_text = process_record(_record(_row(tools=json.dumps(TOOLS)), tmp_path, write_image), tool_proc, max_frames=4)
+    listed = process_record(messages_record(_row()), tool_proc, max_frames=4)
+    as_text = process_record(messages_record(_row(tools=json.dumps(TOOLS))), tool_proc, max_frames=4)
     assert as_text.input_ids.tolist() == listed.input_ids.tolist()
     with pytest.raises(BadRecordError, match="not JSON"):
-        process_record(_record(_row(tools="[{"), tmp_path, write_image), tool_proc, max_frames=4)
+        process_record(messages_record(_row(tools="[{")), tool_proc, max_frames=4)
 
 
-def test_a_template_that_drops_tool_calls_is_a_named_bad_record(proc, tool_proc, tmp_path, write_image):
-    record = _record(_row(text="Let me compute.", tools=None), tmp_path, write_image)
+def test_a_template_that_drops_tool_calls_is_a_named_bad_record(proc, tool_proc, messages_record):
+    record = messages_record(_row(text="Let me compute.", tools=None))
     with pytest.raises(BadRecordError, match="tool_calls") as e:
         process_record(record, proc, max_frames=4)  # the Qwen2.5-VL template knows no tool_calls
     assert e.value.category == "invalid_record"
-    with_tools = _record(_row(text="Let me compute."), tmp_path, write_image)
+    with_tools = messages_record(_row(text="Let me compute."))
     bare = copy.copy(tool_proc)
     bare.chat_template = TOOL_TEMPLATE.replace("{% if tools %}", "{% if false %}")
     with pytest.raises(BadRecordError, match="tools"):
         estimate_length(with_tools, bare, max_frames=4)
 
 
-def test_malformed_tool_calls_are_invalid_records(tmp_path, write_image):
+def test_malformed_tool_calls_are_invalid_records(messages_record):
     for bad, where in (("x", "must be a list"), ([{"function": {"arguments": "{}"}}], "name")):
         row = _row(text="t")
         row["messages"][2]["tool_calls"] = bad
         with pytest.raises(BadRecordError, match=where):
-            _record(row, tmp_path, write_image)
+            messages_record(row)
     row = _row(text="t")
     row["messages"][1]["tool_calls"] = row["messages"][2]["tool_calls"]
     with pytest.raises(BadRecordError, match="only assistant"):
-        _record(row, tmp_path, write_image)
+        messages_record(row)
 
 
-def test_empty_tool_calls_lists_are_no_calls(proc, tmp_path, write_image):
+def test_empty_tool_calls_lists_are_no_calls(proc, messages_record):
     """Tables (pandas, datasets) write `tool_calls: []` on every message: an empty list is no call, on any role,
     and the record trains as one without the key."""
     row = {"messages": [{"role": "system", "content": "Be brief.", "tool_calls": []},
@@ -128,8 +122,8 @@ def test_empty_tool_calls_lists_are_no_calls(proc, tmp_path, write_image):
     plain = json.loads(json.dumps(row))
     for m in plain["messages"]:
         del m["tool_calls"]
-    a = process_record(_record(row, tmp_path, write_image), proc, max_frames=4)
-    b = process_record(_record(plain, tmp_path, write_image), proc, max_frames=4)
+    a = process_record(messages_record(row), proc, max_frames=4)
+    b = process_record(messages_record(plain), proc, max_frames=4)
     assert a.input_ids.tolist() == b.input_ids.tolist() and a.label_mask.tolist() == b.label_mask.tolist()
 
 
@@ -145,7 +139,7 @@ WEATHER = {"type": "function", "function": {"name": "weather", "description": "f
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
-def test_a_list_valued_tools_column_of_an_hf_dataset_reaches_the_template(tool_proc, tmp_path, write_image, fmt):
+def test_a_list_valued_tools_column_of_an_hf_dataset_reaches_the_template(tool_proc, tmp_path, fmt, messages_record):
     """`[data] type = "hf"`: a "tools" column holding the specs as a list (a parquet list of structs, a JSON list)
     renders as the messages_jsonl source's top-level "tools" does; it used to be dropped with the other non-scalar
     columns. Two rows with different specs: Arrow gives each row every field of both, None where absent."""
@@ -164,5 +158,5 @@ def test_a_list_valued_tools_column_of_an_hf_dataset_reaches_the_template(tool_p
     for i, row in enumerate(rows):
         record = src.get(i)
         assert record.tools == row["tools"]
-        want = process_record(_record(row, tmp_path, write_image), tool_proc, max_frames=4)
+        want = process_record(messages_record(row), tool_proc, max_frames=4)
         assert process_record(record, tool_proc, max_frames=4).input_ids.tolist() == want.input_ids.tolist()

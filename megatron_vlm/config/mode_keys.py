@@ -20,6 +20,9 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
   the other `[rl.eval]` keys shape it and may stay, as a config's own);
 - GRPO with `[lora]`: `rl.update.ref_offload` (the reference is the policy without its adapters, no copy),
   and `rl.allocation` (the asynchronous weight push sends full weights, not adapters);
+- asynchronous GRPO (`rl.allocation`) with fewer `rl.batch.prompts_per_step` than data-parallel training ranks
+  (the training ranks / (parallel.tp x parallel.cp)): each shard trains on groups of its own, and one without
+  a group would stop the job at its first step;
 - evaluation (`train.mode = "eval"`, launch/evaluate.py) trains nothing and reads its files from
   `[eval]`: `[optimizer]`, `[scheduler]`, `[checkpoint]`, `[moe]`, `[logging]` (it writes result files, no
   metrics), `[rl]`, `[dpo]`, `[reward]`, `[[stages]]`, the `[train]`
@@ -195,6 +198,8 @@ def check_keys_for_mode(cfg: Config) -> None:
         if getattr(cfg, "lora", None) is not None and cfg.rl is not None and cfg.rl.allocation is not None:
             raise ConfigError("rl.allocation: asynchronous GRPO pushes full weights to the rollout ranks and does not "
                               "support [lora] yet; remove rl.allocation or the [lora] section")
+        if cfg.rl is not None and cfg.rl.allocation is not None:
+            _check_async_shards(cfg)
         no_split = _no_eval_split(cfg)
         if no_split and cfg.rl is not None and cfg.rl.eval.every_steps:  # the evaluation would return nothing
             raise ConfigError(f"rl.eval.every_steps: there is no held-out split to evaluate ({no_split}); set it to 0")
@@ -213,6 +218,22 @@ def check_keys_for_mode(cfg: Config) -> None:
         for key in ("eval_every", "eval_max_batches"):
             if getattr(cfg.train, key):
                 raise ConfigError(f"train.{key}: there is no held-out split to evaluate ({no_split})")
+
+
+def _check_async_shards(cfg: Config) -> None:
+    """Asynchronous GRPO deals a step's groups over the data shards of its training ranks (rl/asynchronous/trainer.py):
+    a shard without a group has nothing to train (the synchronous loop pads a short rank with dummy copies; the
+    asynchronous trainer does not), so fewer prompts per step than shards is refused here, before any rank starts."""
+    from megatron_vlm.rl.asynchronous.allocation import parse_allocation
+
+    rl, p = cfg.rl, cfg.parallel
+    assert rl is not None and rl.allocation is not None
+    train, per_shard = parse_allocation(rl.allocation).train, p.tp * p.cp
+    shards = train // per_shard if train % per_shard == 0 else 0  # a layout that does not divide: the layout check's
+    if shards and rl.batch.prompts_per_step < shards:
+        raise ConfigError(f"rl.batch.prompts_per_step: {rl.batch.prompts_per_step} prompts per step for {shards} "
+                          f"data-parallel training ranks (rl.allocation = {rl.allocation!r}, parallel.tp x parallel.cp = "
+                          f"{per_shard}): asynchronous GRPO trains each on groups of its own; set it to >= {shards}")
 
 
 def _no_eval_split(cfg: Config, stage_eval: bool = False) -> str:

@@ -103,8 +103,8 @@ class _Bucket:
         # the shared-prompt hint of the step's rows (SlotCache.share_prefix_reads): the group's first row and the
         # prompt length; a row of no group (padding included) points at itself with length 0
         dtype = hint_dtype(torch.device(device))
-        self.own_rows = torch.arange(size, dtype=dtype)
-        self.prefix_rows = self.own_rows.to(device)
+        self.own_rows = torch.arange(size, dtype=dtype)  # the template: never written (each step clones it)
+        self.prefix_rows = self.own_rows.to(device, copy=True)  # copy: on the CPU `.to` would alias the template
         self.prefix_lens = torch.zeros(size, dtype=dtype, device=device)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.traces: list[list[tuple]] = []

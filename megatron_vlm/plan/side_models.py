@@ -34,7 +34,7 @@ __all__ = ["SideModels", "SideModelRefused", "side_models_plan"]
 
 
 class SideModelRefused(Exception):
-    """What the job refuses about the critic at start: `key` (dotted) and why."""
+    """What the job refuses about the critic or a reward model folder at start: `key` (dotted) and why."""
 
     def __init__(self, key: str, why: str):
         super().__init__(f"{key}: {why}")
@@ -102,6 +102,12 @@ def _reward_models(cfg: Any, build: Callable[[dict], Any], compute: int) -> Side
                              "refuses a folder it cannot load at start)")
             continue
         hf = json.loads(config.read_text())
+        if kind == "model":  # the run's own refusal of a folder without a scalar head, found here too
+            from megatron_vlm.rl.rewards.score_model import score_architecture_refusal
+
+            refused = score_architecture_refusal(hf, r.path)
+            if refused:
+                raise SideModelRefused(f"rl.rewards[{i}].path", refused)
         model = build(hf)
         params = sum(p.numel() for p in model.parameters())
         kv = 0.0

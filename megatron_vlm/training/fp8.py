@@ -106,5 +106,5 @@ def convert_to_fp8(model: nn.Module, recipe: Optional[str], device: torch.device
     kept = sum(1 for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in converted)
     log.info("train.precision = fp8 (%s scaling%s): %d language-decoder Linear layers run float8 matmuls; %d other "
              "Linear layers (vision tower, projector, lm_head, sizes not multiples of 16) stay bf16",
-             recipe, ", emulated" if emulate else "", len(names), kept)
+             recipe or "tensorwise", ", emulated" if emulate else "", len(names), kept)
     return len(names)

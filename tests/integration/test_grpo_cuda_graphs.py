@@ -30,4 +30,4 @@ def test_static_decode_steps_train_like_eager_ones(tmp_path):
             assert float(a[key]) == pytest.approx(float(b[key]), abs=1e-5), (a["step"], key)
     r = run_job(grpo_overrides(tmp_path / "shared", assets, **{"rl.rollout.cuda_graphs": '"on"'}), config=GRPO_DEMO,
                 check=False)
-    assert r.returncode == 2 and "rollout_cuda_graphs" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2 and "rl.rollout.cuda_graphs" in r.stderr, r.stderr[-2000:]

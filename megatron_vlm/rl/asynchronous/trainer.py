@@ -7,7 +7,7 @@ asynchronous step differs from a synchronous one only in where its samples come 
 happens after the update. Per step s (the trainer holds policy version s = steps done):
 
 1. receive step s's groups (training rank 0 from every rollout rank; with M > 1 training ranks the
-   groups are dealt round-robin over them): completions, behaviour log-probs, per-token versions,
+   groups are dealt round-robin over their data shards, the tp / cp ranks of a shard taking the same): completions, behaviour log-probs, per-token versions,
    rewards — the wait is the trainer's idle time. Step s + 1's groups are asked for ("want") as soon as
    step s's have arrived and received by a background thread while step s trains (`_Prefetch`), so the
    exchange (the rollout rank's scoring thread waking, pickling, the transfer) overlaps the update
@@ -128,7 +128,8 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
 
     def _round(self, step: int, payloads: list[dict]) -> Round:
         """This training rank's groups of the step as a scored round of the synchronous step."""
-        G, M, me = self.rl.batch.group_size, self.role.allocation.train, self.role.rank
+        # dealt over the data shards, not the training ranks: the tp / cp ranks of a group train on the same samples
+        G, M, me = self.rl.batch.group_size, self.grpo.shards.world, self.grpo.shards.rank
         groups = []  # (dataset index, [sample payloads], [total], {label: [values]}, [trajectories] or None)
         for p in payloads:
             trajs = p.get("trajectories")  # [rl.env] (rl/asynchronous/multiturn.py)
@@ -143,8 +144,8 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
                                [trajs[j] for j in js] if trajs is not None else None))
         mine = groups[me::M]
         if not mine:
-            raise RuntimeError(f"asynchronous GRPO: step {step} has {len(groups)} groups for {M} training ranks "
-                               "(raise rl.batch.prompts_per_step)")
+            raise RuntimeError(f"asynchronous GRPO: step {step} has {len(groups)} groups for {M} data-parallel training "
+                               "ranks (raise rl.batch.prompts_per_step)")
         shard_samples, prompts, real, total = [], [], [], []
         per_reward: dict[str, list[float]] = {label: [] for label in self.grpo.reward_labels}
         if any(g[4] is not None for g in mine):

@@ -24,7 +24,8 @@ from torch import nn
 from megatron_vlm.checkpoint.score_folder import write_score_files
 from megatron_vlm.data.batch import model_inputs
 
-__all__ = ["SequenceScoreModel", "load_score_model", "save_score_model", "score_num_labels"]
+__all__ = ["SequenceScoreModel", "load_score_model", "save_score_model", "score_architecture_refusal",
+           "score_num_labels"]
 
 _HEAD_KEYS = ("score.weight", "score.bias")
 
@@ -79,6 +80,16 @@ class _ScoreAdapter:
         return fn(key[len("backbone."):], shape)
 
 
+def score_architecture_refusal(hf_config: dict, path: Union[str, Path]) -> Optional[str]:
+    """Why the folder `path` with config.json `hf_config` is not a sequence-classification model (None when it is):
+    the run's refusal (`load_score_model`), which `--check` reads too (plan/side_models.py)."""
+    archs = hf_config.get("architectures") or []
+    if any(str(a).endswith("ForSequenceClassification") for a in archs):
+        return None
+    return (f"{path}: config.json architectures {archs} name no ...ForSequenceClassification model (a reward model "
+            "folder has a scalar head, `score.weight`)")
+
+
 def load_score_model(path: Union[str, Path], *, dtype: torch.dtype = torch.float32,
                      device: Union[torch.device, str] = "cpu") -> SequenceScoreModel:
     """Build and load the sequence-classification folder `path` (see the module docstring); ValueError naming
@@ -88,10 +99,9 @@ def load_score_model(path: Union[str, Path], *, dtype: torch.dtype = torch.float
 
     path = Path(path)
     hf_config = read_hf_config(path)
-    archs = hf_config.get("architectures") or []
-    if not any(str(a).endswith("ForSequenceClassification") for a in archs):
-        raise ValueError(f"{path}: config.json architectures {archs} name no ...ForSequenceClassification model "
-                         "(a reward model folder has a scalar head, `score.weight`)")
+    refused = score_architecture_refusal(hf_config, path)
+    if refused:
+        raise ValueError(refused)
     family = get_family(str(hf_config.get("model_type")))
     args_cls: Any = family.args_cls
     args = args_cls.from_hf_config(hf_config)

@@ -180,3 +180,14 @@ def test_ep_dispatch_backend_without_expert_parallelism_is_refused():
     with pytest.raises(ConfigError, match=r"^kernels.moe_ep_dispatch: only runs with expert parallelism"):
         check_keys_for_mode(load_config(SFT, ['kernels.moe_ep_dispatch="torch"']))
     check_keys_for_mode(load_config(SFT, ['kernels.moe_ep_dispatch="torch"', "parallel.ep=2"]))
+
+
+def test_async_grpo_refuses_fewer_prompts_than_training_shards():
+    """Each data-parallel training rank of asynchronous GRPO trains on groups of its own: 1 prompt per step for 2
+    shards passed and stopped the job at step 1 (a RuntimeError on the rank without a group); tp ranks share one."""
+    demo = CONFIGS / "demo_grpo_async.toml"
+    two = ['rl.allocation="rollout:1+train:2"', "rl.batch.prompts_per_step=1"]
+    with pytest.raises(ConfigError, match=r"^rl.batch.prompts_per_step: 1 prompts per step for 2 data-parallel"):
+        check_keys_for_mode(load_config(demo, two))
+    check_keys_for_mode(load_config(demo, [*two, "parallel.tp=2"]))  # one shard of two tp ranks
+    check_keys_for_mode(load_config(demo, [two[0], "rl.batch.prompts_per_step=2"]))

@@ -114,3 +114,22 @@ def test_critic_memory_makes_a_tight_device_fail_naming_the_critic(tmp_path):
     assert with_critic >= peak + need - 0.01
     code, _, err = _check(config, [*sets, 'rl.advantage="gae"'], peak + need / 2, 2)
     assert code == 2 and err.startswith("check failed: rl.critic.model: estimated peak"), err
+
+
+
+def test_a_reward_model_folder_without_a_scalar_head_is_refused_by_check(tmp_path):
+    """The run refuses a `type = "model"` folder whose architectures name no ...ForSequenceClassification model (a
+    policy-like ...ForCausalLM folder); --check passed it (it only counted its size) and now names the key too."""
+    from types import SimpleNamespace as NS
+
+    import pytest
+
+    from megatron_vlm.plan.side_models import SideModelRefused
+    from megatron_vlm.rl.rewards.config import ExactMatchRewardConfig, ModelRewardConfig
+
+    causal = _reward_folder(tmp_path, "judge")  # a Qwen2ForCausalLM config.json
+    cfg = NS(train=NS(mode="grpo"), rl=NS(advantage="grpo", rewards=[ExactMatchRewardConfig(),
+                                                                      ModelRewardConfig(path=str(causal))]))
+    with pytest.raises(SideModelRefused, match=r"ForSequenceClassification") as e:
+        side_models_plan(cfg, {}, build=_meta_model, read=_read_folder_config, tokens=64, master_bytes=4, compute_bytes=2)
+    assert e.value.key == "rl.rewards[1].path"

@@ -335,3 +335,24 @@ def test_static_steps_pass_the_shared_prompt_hint(monkeypatch):
                 assert r <= b and group[slots[r]] == group[s] >= 0 and rows[r] == r
                 assert n == plen[s] and lens[r] == n
         assert grouped > 0
+
+
+
+def test_shared_prompt_hint_of_padding_rows_after_early_finishes():
+    """Sampled completions of a group finish at different steps and leave their bucket rows to padding: those rows
+    point at themselves again (on the CPU the bucket's hint buffer was its own-rows template, so a padding row kept
+    a group root of an earlier step with length 0 and the kernel refused the step: "row 15 shares the prefix of row
+    12"), and the static steps sample what eager steps without the hint do."""
+    model, prompts = _qwen()
+    free = _generate(model, prompts, [-1], "off", n=1)
+    eos = [min(t for s in free for t in s.token_ids[:4].tolist())]
+    params = SamplingParams(max_new_tokens=8, n=4, temperature=1.0)
+    out = {}
+    for mode, reads in (("off", False), ("on", True)):
+        eng = PolicyRolloutEngine(model, Tok(), EngineOptions(eos_token_ids=eos, max_num_seqs=16, cuda_graphs=mode,
+                                                              share_prefix_reads=reads))
+        out[mode] = eng.generate(prompts, params, generator=torch.Generator().manual_seed(1)).samples
+    assert len({len(s.token_ids) for s in out["off"]}) > 1  # early finishes happened
+    for a, b in zip(out["off"], out["on"]):
+        assert a.token_ids.tolist() == b.token_ids.tolist()
+        torch.testing.assert_close(b.logprobs, a.logprobs, atol=1e-5, rtol=0)

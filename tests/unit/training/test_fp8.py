@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import sys
 from pathlib import Path
@@ -215,3 +216,14 @@ def test_config_refuses_fp8_where_it_cannot_run(tmp_path, train, sections, key):
 def test_config_refuses_fp8_outside_sft(tmp_path):
     with pytest.raises(ConfigError, match=r"train\.precision.*grpo"):
         _cfg(tmp_path, {"precision": "fp8", "mode": "grpo"}, rl={})
+
+
+def test_unset_recipe_is_logged_as_tensorwise(caplog):
+    """`train.fp8_recipe` unset runs tensorwise scaling, and the startup line says so (it said "None scaling")."""
+    parent = nn.Module()
+    parent.language_model = nn.Module()
+    parent.language_model.proj = nn.Linear(32, 16).to(torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="megatron_vlm"):
+        fp8.convert_to_fp8(parent, None, torch.device("cpu"))
+    line = next(r.getMessage() for r in caplog.records if "train.precision = fp8" in r.getMessage())
+    assert "(tensorwise scaling" in line and "None" not in line, line

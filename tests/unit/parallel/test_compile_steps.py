@@ -1,16 +1,19 @@
-"""`parallel.compile` on a MoE block over training steps whose token counts change (packed SFT / RL batches).
+"""`parallel.compile` on blocks with host-sized parts over training steps whose packs change (packed SFT / RL).
 
-The routed experts size their grouped GEMMs from per-expert counts read on the host; traced, that read breaks
-the graph and the counts become constants of the code after it, so every step (new counts) compiled again
-until dynamo's recompile limit sent the block back to eager. The expert part runs eagerly inside the compiled
-block instead: after the first change of shape (dynamo then marks the token dim dynamic) no step compiles
-anything, and the outputs, gradients and expert loads are those of the eager block.
+MoE: the routed experts size their grouped GEMMs from per-expert counts read on the host; Mamba2: the packed
+conv / scan references loop over the samples read from cu_seqlens on the host. Traced, such a read breaks the
+graph and the values read become constants of the code after it, so every step (new counts, new sample
+lengths) compiled again until dynamo's recompile limit sent the block back to eager. Those parts run eagerly
+inside the compiled block instead: after the first change of shape (dynamo then marks the token dim dynamic)
+no step compiles anything, and outputs and gradients are those of the eager block.
 """
 import copy
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from megatron_vlm.models.common.mamba2 import Mamba2Mixer
 from megatron_vlm.models.common.mlp import SwiGLUMLP
 from megatron_vlm.models.common.moe import MoE
 
@@ -46,4 +49,28 @@ def test_compiled_moe_block_compiles_once_for_changing_token_counts():
         torch.testing.assert_close(pc.grad, pe.grad, rtol=1e-6, atol=1e-6, msg=name)
     assert torch.equal(compiled.expert_load, eager.expert_load) and int(eager.expert_load.sum()) == 2 * 57
     # the only break is the eager expert region (torch.compiler.disable), not a host read inside traced code
+    assert all("disable" in reason for reason in counters["graph_break"]), dict(counters["graph_break"])
+
+
+@pytest.mark.heavy  # ~5 s of tracing on a shared 2-core machine
+def test_compiled_mamba2_mixer_compiles_once_for_changing_packs():
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    eager = Mamba2Mixer(32, num_heads=4, head_dim=8, state_size=8, n_groups=2, chunk_size=4).train()
+    compiled = copy.deepcopy(eager)
+    compiled.compile(backend="eager")  # dynamo alone: graphs, breaks and guards are its own
+    g = torch.Generator().manual_seed(2)
+    graphs = []
+    for lens in ([5, 9, 3], [7, 4], [2, 8, 6, 3], [11, 5]):
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        x = torch.randn(1, sum(lens), 32, generator=g)
+        xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+        yc, ye = compiled(xc, cu_seqlens=cu), eager(xe, cu_seqlens=cu)
+        torch.testing.assert_close(yc, ye, rtol=1e-6, atol=1e-6)
+        yc.square().sum().backward()
+        ye.square().sum().backward()
+        torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-6, atol=1e-6)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[-1] == graphs[1], f"graphs compiled after each step: {graphs}"
     assert all("disable" in reason for reason in counters["graph_break"]), dict(counters["graph_break"])

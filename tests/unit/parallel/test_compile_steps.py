@@ -74,3 +74,47 @@ def test_compiled_mamba2_mixer_compiles_once_for_changing_packs():
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[-1] == graphs[1], f"graphs compiled after each step: {graphs}"
     assert all("disable" in reason for reason in counters["graph_break"]), dict(counters["graph_break"])
+
+
+# the backends a CUDA device takes for a dense decoder layer (kernels/builtin_ops.py), interpreted here
+GPU_DENSE_OPS = {"attention": "triton", "rms_norm": "triton", "apply_rotary": "triton", "swiglu": "triton"}
+
+
+@pytest.mark.heavy  # the Triton kernels run in their interpreter on the CPU (minutes on a shared machine)
+def test_compiled_decoder_layers_on_the_gpu_backends_never_break_and_stop_compiling():
+    """The GPU path of parallel.compile for a dense family (Qwen2 layout: GQA attention, RMSNorm, rotary,
+    SwiGLU on the Triton custom ops): packs whose token count, sample count and longest sample all change.
+    No graph break inside a layer (each layer one graph, forward and backward through the ops' registered
+    fake kernels and autograd); after the first change of shapes no step compiles anything (the lengths and
+    cu_seqlens are dynamic, max_seqlen a symbolic int, none read on the host); loss and gradients equal eager."""
+    from megatron_vlm import kernels
+    from megatron_vlm.models import build_model
+    from megatron_vlm.testing.tiny_text_model import tiny_qwen_text_hf_config
+
+    torch._dynamo.reset()
+    counters.clear()
+    with kernels.use_backends(GPU_DENSE_OPS):
+        torch.manual_seed(0)
+        eager = build_model(tiny_qwen_text_hf_config("qwen2", hidden=32, layers=2, vocab_size=64), dtype=torch.float32,
+                            device="cpu").train()
+        compiled = copy.deepcopy(eager)
+        for block in compiled.transformer_blocks():
+            block.compile(backend="aot_eager")
+        graphs = []
+        g = torch.Generator().manual_seed(3)
+        for lens in ([6, 9], [4, 11, 3], [8, 2, 5, 7]):
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+            ids = torch.randint(1, 64, (1, sum(lens)), generator=g)
+            pos = torch.cat([torch.arange(n) for n in lens])[None]
+            losses = []
+            for model in (compiled, eager):
+                model.zero_grad(set_to_none=True)
+                loss = model(ids, cu_seqlens=cu, position_ids=pos).logsumexp(-1).mean()
+                loss.backward()
+                losses.append(loss.detach())
+            torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+            for (name, pc), pe in zip(compiled.named_parameters(), eager.parameters()):
+                torch.testing.assert_close(pc.grad, pe.grad, rtol=0, atol=0, msg=name)
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert graphs[-1] == graphs[1], f"graphs compiled after each step: {graphs}"

@@ -118,3 +118,36 @@ def test_compiled_decoder_layers_on_the_gpu_backends_never_break_and_stop_compil
             graphs.append(counters["stats"]["unique_graphs"])
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert graphs[-1] == graphs[1], f"graphs compiled after each step: {graphs}"
+
+
+def _nemotron_h():
+    from transformers import NemotronHConfig
+
+    from megatron_vlm.models import build_model
+
+    cfg = dict(vocab_size=64, hidden_size=16, layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
+               num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=16, mamba_num_heads=2,
+               mamba_head_dim=8, ssm_state_size=4, n_groups=1, conv_kernel=4, chunk_size=4, n_routed_experts=4,
+               num_experts_per_tok=2, moe_intermediate_size=8, moe_shared_expert_intermediate_size=8, n_group=1,
+               topk_group=1, pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return build_model(dict(NemotronHConfig(**cfg).to_dict())).float().train()
+
+
+@pytest.mark.heavy  # ~10 s of tracing
+def test_hybrid_blocks_fit_the_recompile_limit():
+    """Nemotron-H's blocks share one forward but hold four kinds of mixer, each traced on its own (static, then
+    dynamic lengths): 8 graphs by the second step, dynamo's default limit for one code object; one more (here
+    the number of samples changing later) and the block would silently run eagerly. apply_compile raises the
+    limit per kind of block; with dynamo set to fail at the limit, steps of changing packs run compiled."""
+    from megatron_vlm.parallel import apply_compile
+
+    torch._dynamo.reset()
+    model = _nemotron_h()
+    with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
+        apply_compile(model.language_model.layers, backend="eager")
+        assert torch._dynamo.config.recompile_limit == 4 * 8
+        g = torch.Generator().manual_seed(4)
+        for lens in ([6, 9], [4, 11], [8, 2, 5], [3, 7, 5, 4]):
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+            model(torch.randint(1, 64, (1, sum(lens)), generator=g), cu_seqlens=cu).logsumexp(-1).mean().backward()

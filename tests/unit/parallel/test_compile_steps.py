@@ -35,7 +35,7 @@ def test_compiled_moe_block_compiles_once_for_changing_token_counts():
     compiled.compile(backend="eager")  # dynamo alone: graphs, breaks and guards are its own
     g = torch.Generator().manual_seed(1)
     graphs = []
-    for tokens in (11, 17, 6, 23):
+    for tokens in (11, 17, 6):
         x = torch.randn(tokens, 32, generator=g)
         xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
         yc, ye = compiled(xc), eager(xe)
@@ -47,7 +47,7 @@ def test_compiled_moe_block_compiles_once_for_changing_token_counts():
     assert graphs[-1] == graphs[1], f"graphs compiled after each step: {graphs}"
     for (name, pc), pe in zip(compiled.named_parameters(), eager.parameters()):
         torch.testing.assert_close(pc.grad, pe.grad, rtol=1e-6, atol=1e-6, msg=name)
-    assert torch.equal(compiled.expert_load, eager.expert_load) and int(eager.expert_load.sum()) == 2 * 57
+    assert torch.equal(compiled.expert_load, eager.expert_load) and int(eager.expert_load.sum()) == 2 * 34
     # the only break is the eager expert region (torch.compiler.disable), not a host read inside traced code
     assert all("disable" in reason for reason in counters["graph_break"]), dict(counters["graph_break"])
 

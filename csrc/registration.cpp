@@ -24,8 +24,9 @@ std::tuple<at::Tensor, at::Tensor> mrope_position_ids_meta(
     const std::optional<at::Tensor>&, double, int64_t, int64_t, int64_t) {
   MVLM_CHECK_VALUE(input_ids.dim() == 2, "input_ids must be [B, T]");
   const auto opts = input_ids.options().dtype(at::kLong);
-  const int64_t samples = cu_seqlens.has_value() ? cu_seqlens->size(0) - 1 : input_ids.size(0);
-  return {at::empty({3, input_ids.size(0), input_ids.size(1)}, opts), at::empty({samples, 1}, opts)};
+  const c10::SymInt samples = cu_seqlens.has_value() ? cu_seqlens->sym_size(0) - 1 : input_ids.sym_size(0);
+  return {at::empty_symint({3, input_ids.sym_size(0), input_ids.sym_size(1)}, opts),
+          at::empty_symint({samples, 1}, opts)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_gating_meta(const at::Tensor& logits,
@@ -33,24 +34,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_gating_meta(const at::Tensor
                                                                 int64_t top_k, bool, int64_t n_group,
                                                                 int64_t topk_group, bool, double) {
   check_topk_gating_args(logits, bias, top_k, n_group, topk_group);
-  return {at::empty_like(logits), at::empty({logits.size(0), top_k}, logits.options()),
-          at::empty({logits.size(0), top_k}, logits.options().dtype(at::kLong))};
+  return {at::empty_like(logits), at::empty_symint({logits.sym_size(0), top_k}, logits.options()),
+          at::empty_symint({logits.sym_size(0), top_k}, logits.options().dtype(at::kLong))};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_permute_indices_meta(const at::Tensor& topk_ids,
                                                                         int64_t num_experts) {
   check_permute_args(topk_ids, num_experts);
-  const int64_t pairs = topk_ids.size(0) * topk_ids.size(1);
+  const c10::SymInt pairs = topk_ids.sym_numel();
   const auto opts = topk_ids.options();
-  return {at::empty({pairs}, opts.dtype(at::kInt)), at::empty({pairs}, opts.dtype(at::kLong)),
+  return {at::empty_symint({pairs}, opts.dtype(at::kInt)), at::empty_symint({pairs}, opts.dtype(at::kLong)),
           at::empty({num_experts}, opts.dtype(at::kLong))};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_meta(const at::Tensor& x, const at::Tensor&,
                                                                  const std::optional<at::Tensor>& residual, double) {
-  const int64_t h = x.size(-1);
+  // symbolic sizes (torch.compile with dynamic shapes): no int64 size / numel call here
+  const c10::SymInt h = x.sym_size(-1);
   return {at::empty_like(x), residual.has_value() ? at::empty_like(x) : at::empty({0}, x.options()),
-          at::empty({h ? x.numel() / h : 0}, x.options())};
+          at::empty_symint({h == 0 ? c10::SymInt(0) : x.sym_numel() / h}, x.options())};
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_meta(const at::Tensor&, const std::optional<at::Tensor>&,
@@ -69,18 +71,18 @@ at::Tensor rotary_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&
 
 at::Tensor decode_attention_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                  const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t, double) {
-  return at::empty(q.sizes(), q.options());
+  return at::empty_symint(q.sym_sizes(), q.options());
 }
 
 at::Tensor decode_attention_prefix_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                         const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t,
                                         double, const at::Tensor&, const at::Tensor&) {
-  return at::empty(q.sizes(), q.options());
+  return at::empty_symint(q.sym_sizes(), q.options());
 }
 
 std::tuple<at::Tensor, at::Tensor> varlen_attention_fwd_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&,
                                                              const at::Tensor&, const at::Tensor&, bool, double) {
-  return {at::empty_like(q), at::empty({q.size(0), q.size(1)}, q.options())};
+  return {at::empty_like(q), at::empty_symint({q.sym_size(0), q.sym_size(1)}, q.options())};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd_meta(
@@ -91,14 +93,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd_meta(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprob_rows_meta(const at::Tensor& z, const at::Tensor&, bool) {
   const auto opts = z.options();
-  return {at::empty({z.size(0)}, opts), at::empty({z.size(0)}, opts), at::empty({z.size(0)}, opts)};
+  return {at::empty_symint({z.sym_size(0)}, opts), at::empty_symint({z.sym_size(0)}, opts),
+          at::empty_symint({z.sym_size(0)}, opts)};
 }
 
 std::tuple<at::Tensor, at::Tensor> moe_experts_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
                                                     const at::Tensor& w1, const at::Tensor&,
                                                     const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                                                     bool, int64_t) {
-  return {at::empty_like(x), at::empty({w1.size(0)}, x.options().dtype(at::kLong))};
+  return {at::empty_like(x), at::empty_symint({w1.sym_size(0)}, x.options().dtype(at::kLong))};
 }
 
 void token_logprob_grad_rows_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,

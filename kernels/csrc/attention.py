@@ -27,6 +27,7 @@ MAX_SEQLEN = 512  # longest sample (keys) run here; longer ones go to SDPA's blo
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, causal, scale):
+        cu_k = cu_q if cu_k is None else cu_k  # None: the query offsets (see `attention`)
         out, lse = _ops().varlen_attention_fwd(q, k, v, cu_q, cu_k, causal, scale)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
         ctx.causal, ctx.scale = causal, scale
@@ -78,5 +79,7 @@ def attention(
         return sdpa()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if _needs_grad(q, k, v):
-        return _VarlenAttention.apply(q, k, v, cu_q, cu_k, bool(causal), float(scale))
+        # self-attention passes one tensor for both offsets: handed over once, as torch.compile cannot trace an
+        # autograd.Function given the same tensor twice (it would break the graph at every layer)
+        return _VarlenAttention.apply(q, k, v, cu_q, None if cu_k is cu_q else cu_k, bool(causal), float(scale))
     return _ops().varlen_attention_fwd(q, k, v, cu_q, cu_k, bool(causal), float(scale))[0]

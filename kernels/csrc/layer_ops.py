@@ -99,7 +99,9 @@ class _RMSNorm(torch.autograd.Function):
         normed, weight, rstd = ctx.saved_tensors
         if g_out is None:
             g_out = torch.zeros_like(normed)
-        if g_summed is not None:
+        if not ctx.has_residual:
+            g_summed = None  # non-differentiable; a compiled backward still hands it a zero grad of its [0] shape
+        elif g_summed is not None:
             g_summed = g_summed.contiguous()
         g_in, g_w = _ops().rms_norm_bwd(g_out.contiguous(), g_summed, normed, weight, rstd)
         return g_in, g_w if ctx.needs_input_grad[1] else None, g_in if ctx.has_residual else None, None

@@ -64,6 +64,32 @@ def _conv_dense(x, weight, bias, activation, initial_state):
     return out.to(x.dtype), final_state
 
 
+@torch.compiler.disable
+def _conv_packed(x, weight, bias, activation, initial_state, return_final_state, cu_seqlens):
+    """The dense conv per packed sequence, its bounds read on the host. Eager under torch.compile (a hybrid
+    model's Mamba2 layers with `parallel.compile`): traced, the host read would break the graph and the bounds,
+    new with every packed batch, would be constants of the code after it, compiled again at every step."""
+    bounds = [int(v) for v in cu_seqlens.tolist()]
+    if bounds[0] != 0 or bounds[-1] != x.shape[-1] or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+        raise ValueError(
+            f"causal_conv1d: cu_seqlens must rise from 0 to T={x.shape[-1]}, got {bounds}"
+        )
+    num_seqs = len(bounds) - 1
+    if initial_state is not None and initial_state.shape[0] != num_seqs:
+        raise ValueError(
+            f"causal_conv1d: packed initial_state needs one row per sequence ({num_seqs}), got {initial_state.shape[0]}"
+        )
+    outs, finals = [], []
+    for i in range(num_seqs):
+        start, end = bounds[i], bounds[i + 1]
+        state = None if initial_state is None else initial_state[i : i + 1]
+        out, final_state = _conv_dense(x[..., start:end], weight, bias, activation, state)
+        outs.append(out)
+        finals.append(final_state)
+    out = torch.cat(outs, dim=-1)
+    return (out, torch.cat(finals, dim=0)) if return_final_state else out
+
+
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -86,22 +112,4 @@ def causal_conv1d(
 
     if x.shape[0] != 1:
         raise ValueError(f"causal_conv1d: packed input (cu_seqlens) needs batch 1, got batch {x.shape[0]}")
-    bounds = [int(v) for v in cu_seqlens.tolist()]
-    if bounds[0] != 0 or bounds[-1] != x.shape[-1] or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
-        raise ValueError(
-            f"causal_conv1d: cu_seqlens must rise from 0 to T={x.shape[-1]}, got {bounds}"
-        )
-    num_seqs = len(bounds) - 1
-    if initial_state is not None and initial_state.shape[0] != num_seqs:
-        raise ValueError(
-            f"causal_conv1d: packed initial_state needs one row per sequence ({num_seqs}), got {initial_state.shape[0]}"
-        )
-    outs, finals = [], []
-    for i in range(num_seqs):
-        start, end = bounds[i], bounds[i + 1]
-        state = None if initial_state is None else initial_state[i : i + 1]
-        out, final_state = _conv_dense(x[..., start:end], weight, bias, activation, state)
-        outs.append(out)
-        finals.append(final_state)
-    out = torch.cat(outs, dim=-1)
-    return (out, torch.cat(finals, dim=0)) if return_final_state else out
+    return _conv_packed(x, weight, bias, activation, initial_state, return_final_state, cu_seqlens)

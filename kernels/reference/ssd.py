@@ -118,6 +118,31 @@ def _chunk_scan_dense(x, dt, A, B, C, chunk_size, initial_states):
     return y, state
 
 
+@torch.compiler.disable
+def _chunk_scan_packed(xf, dt, A, Bh, Ch, chunk_size, initial_states, cu_seqlens):
+    """The dense scan per packed sequence, its bounds read on the host. Eager under torch.compile (a hybrid
+    model's Mamba2 layers with `parallel.compile`): traced, the host read would break the graph and the bounds,
+    new with every packed batch, would be constants of the code after it, compiled again at every step."""
+    seqlen = xf.shape[1]
+    bounds = [int(v) for v in cu_seqlens.tolist()]
+    if bounds[0] != 0 or bounds[-1] != seqlen or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+        raise ValueError(f"ssd_chunk_scan: cu_seqlens must rise from 0 to T={seqlen}, got {bounds}")
+    num_seqs = len(bounds) - 1
+    if initial_states is not None and initial_states.shape[0] != num_seqs:
+        raise ValueError(
+            f"ssd_chunk_scan: packed initial_states needs one row per sequence ({num_seqs}), "
+            f"got {initial_states.shape[0]}"
+        )
+    ys, finals = [], []
+    for i in range(num_seqs):
+        s, e = bounds[i], bounds[i + 1]
+        init = None if initial_states is None else initial_states[i : i + 1]
+        y_i, f_i = _chunk_scan_dense(xf[:, s:e], dt[:, s:e], A, Bh[:, s:e], Ch[:, s:e], chunk_size, init)
+        ys.append(y_i)
+        finals.append(f_i)
+    return torch.cat(ys, dim=1), torch.cat(finals, dim=0)
+
+
 def ssd_chunk_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -160,23 +185,7 @@ def ssd_chunk_scan(
     else:
         if batch != 1:
             raise ValueError(f"ssd_chunk_scan: packed input (cu_seqlens) needs batch 1, got batch {batch}")
-        bounds = [int(v) for v in cu_seqlens.tolist()]
-        if bounds[0] != 0 or bounds[-1] != seqlen or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
-            raise ValueError(f"ssd_chunk_scan: cu_seqlens must rise from 0 to T={seqlen}, got {bounds}")
-        num_seqs = len(bounds) - 1
-        if initial_states is not None and initial_states.shape[0] != num_seqs:
-            raise ValueError(
-                f"ssd_chunk_scan: packed initial_states needs one row per sequence ({num_seqs}), "
-                f"got {initial_states.shape[0]}"
-            )
-        ys, finals = [], []
-        for i in range(num_seqs):
-            s, e = bounds[i], bounds[i + 1]
-            init = None if initial_states is None else initial_states[i : i + 1]
-            y_i, f_i = _chunk_scan_dense(xf[:, s:e], dt[:, s:e], A, Bh[:, s:e], Ch[:, s:e], chunk_size, init)
-            ys.append(y_i)
-            finals.append(f_i)
-        y, final = torch.cat(ys, dim=1), torch.cat(finals, dim=0)
+        y, final = _chunk_scan_packed(xf, dt, A, Bh, Ch, chunk_size, initial_states, cu_seqlens)
 
     y = _apply_skip_and_gate(y, xf, D, z).to(x.dtype)
     return (y, final) if return_final_states else y

@@ -53,9 +53,29 @@ def apply_ac(blocks: Iterable[nn.Module], policy: str = "full") -> None:
         block._mvlm_ac = True
 
 
-def apply_compile(blocks: Iterable[nn.Module]) -> None:
+RECOMPILE_LIMIT_PER_KIND = 8
+"""Graphs dynamo may keep for one kind of block (its default limit per code object)."""
+
+
+def apply_compile(blocks: Iterable[nn.Module], **compile_options) -> None:
+    """torch.compile each block (`parallel.compile`; `compile_options` go to `nn.Module.compile`, e.g. a test's
+    backend), raising dynamo's recompile limit to what the blocks need.
+
+    Why the limit: dynamo keeps its graphs per code object, so all blocks of one class share one limit (8 by
+    default), and a class whose blocks hold different submodules is traced once per kind (Nemotron-H's hybrid
+    block: Mamba2 / MoE / attention / MLP mixers; a MoE decoder layer beside a dense one), each kind static
+    first, then with dynamic lengths, and with a view or a plain tensor as input. Past the limit dynamo runs
+    the block eagerly with only a log warning: a "compiled" run that is not. The limit is raised (never
+    lowered) to RECOMPILE_LIMIT_PER_KIND per kind of block of the most varied class."""
+    blocks = list(blocks)
+    kinds: dict[type, set] = {}
     for block in blocks:
-        block.compile()
+        kinds.setdefault(type(block), set()).add(tuple(type(m) for m in block.modules()))
+    need = RECOMPILE_LIMIT_PER_KIND * max((len(k) for k in kinds.values()), default=1)
+    if torch._dynamo.config.recompile_limit < need:
+        torch._dynamo.config.recompile_limit = need
+    for block in blocks:
+        block.compile(**compile_options)
 
 
 def apply_fsdp(

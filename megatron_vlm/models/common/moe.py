@@ -266,25 +266,35 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         scores, topk_weights, topk_ids = self.gate(flat)
-        if self.route_plan is not None:
-            plan, index = self.route_plan
-            recorded = plan.layer(index, flat.shape[0], self.top_k)
-            plan.count(topk_ids, recorded)
-            if plan.force:  # recorded experts, weighted by the current scores (the router keeps its gradient)
-                topk_ids = torch.where(recorded[:, :1] >= 0, recorded, topk_ids)
-                topk_weights = self.gate.weights_of(scores, topk_ids)
-        record_routes(topk_ids, self.num_experts)
         routed_in = flat if self.fc1_latent_proj is None else self.fc1_latent_proj(flat)
-        if static_routing_active():  # a static decode step (CUDA graphs): no host-sized GEMMs (moe_static.py)
-            routed = experts_static(self.experts, routed_in, topk_ids, topk_weights).to(routed_in.dtype)
-            tokens_per_expert = None
-        else:
-            routed, tokens_per_expert = self.experts(routed_in, topk_ids, topk_weights)
+        routed = self._routed(routed_in, scores, topk_weights, topk_ids, token_mask)
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
         out = routed.to(x.dtype).view(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
+        return out
+
+    @torch.compiler.disable
+    def _routed(self, routed_in: torch.Tensor, scores: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                token_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Routing replay, the routed experts and the load accounting: eager under torch.compile (`parallel.compile`
+        compiles the block around it). Why: the grouped GEMMs are sized by the per-expert counts read on the host,
+        which change every step (a graph would break there and be recompiled for each new set of counts), and
+        the replay / recording scopes and the recomputation check below are host state a graph cannot read."""
+        if self.route_plan is not None:
+            plan, index = self.route_plan
+            recorded = plan.layer(index, routed_in.shape[0], self.top_k)
+            plan.count(topk_ids, recorded)
+            if plan.force:  # recorded experts, weighted by the current scores (the router keeps its gradient)
+                topk_ids = torch.where(recorded[:, :1] >= 0, recorded, topk_ids)
+                topk_weights = self.gate.weights_of(scores, topk_ids)
+        record_routes(topk_ids, self.num_experts)
+        if static_routing_active():  # a static decode step (CUDA graphs): no host-sized GEMMs (moe_static.py)
+            routed = experts_static(self.experts, routed_in, topk_ids, topk_weights).to(routed_in.dtype)
+            tokens_per_expert = None
+        else:
+            routed, tokens_per_expert = self.experts(routed_in, topk_ids, topk_weights)
 
         # Count once per real forward: activation checkpointing re-runs this forward inside backward
         # (the autograd engine then has a current graph task), which must not count twice.
@@ -300,7 +310,7 @@ class MoE(nn.Module):
                 self.expert_load.add_(counts)
             if self.record_router_stats:
                 self.router_stats = RouterStats(scores, tokens_per_expert, topk_ids.shape[1])
-        return out
+        return routed
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

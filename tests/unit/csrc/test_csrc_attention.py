@@ -83,3 +83,27 @@ def test_a_sample_does_not_depend_on_its_pack(csrc_attention):
                                      cu_seqlens_q=torch.tensor([0, 11], dtype=torch.int32),
                                      cu_seqlens_k=torch.tensor([0, 11], dtype=torch.int32))
     assert torch.equal(full[7:18], alone)
+
+
+def test_compiled_self_attention_traces_whole_with_changing_lengths(csrc_attention):
+    """parallel.compile on the CPU: packed self-attention (one cu_seqlens tensor for queries and keys, the hint
+    given as the decoder layers give it) traces into one graph (fullgraph) with the pack length dynamic, and
+    equals eager. Before: the same tensor passed twice to the autograd.Function broke the graph in every layer,
+    and the C++ fake kernels asked symbolic sizes for an int64 numel (a crash at the first dynamic shape)."""
+    torch._dynamo.reset()
+
+    def attend(q, k, v, cu, max_seqlen):
+        return csrc_attention.attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_seqlen,
+                                        max_seqlen_k=max_seqlen)
+
+    compiled = torch.compile(attend, backend="eager", fullgraph=True, dynamic=True)
+    for lens in ([5, 9, 3], [7, 12]):
+        q, k, v, cu, _ = _pack(lens, lens, 4, 2, 16, seed=len(lens))
+        leaves_e = [t.clone().requires_grad_() for t in (q, k, v)]
+        leaves_c = [t.clone().requires_grad_() for t in (q, k, v)]
+        eager, out = attend(*leaves_e, cu, max(lens)), compiled(*leaves_c, cu, max(lens))
+        torch.testing.assert_close(out, eager, rtol=0, atol=0)
+        out.square().sum().backward()
+        eager.square().sum().backward()
+        for a, b in zip(leaves_c, leaves_e):
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)

@@ -107,7 +107,9 @@ def _pool_init() -> None:
     import torch
 
     torch.set_num_threads(1)  # a worker renders and tokenises; one thread each
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the rank handles TERM (checkpoint); workers must not die first
+    # TERM ends a worker (whatever handler the rank had when it forked): `Pool.terminate` relies on it, and
+    # before the first step there is no checkpoint for a rank to save. Ctrl-C is the main process's to handle.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
@@ -129,8 +131,13 @@ def _pooled_slice(source, proc: VLProcessor, indices: list, num_workers: int, op
     chunks = [(s, indices[s:s + _POOL_CHUNK]) for s in range(0, len(indices), _POOL_CHUNK)]
     _pool_job = (source, proc, options)  # forked, not pickled: the source and processor need not be picklable
     try:
-        with mp.get_context("fork").Pool(min(num_workers, len(chunks)), initializer=_pool_init) as pool:
+        pool = mp.get_context("fork").Pool(min(num_workers, len(chunks)), initializer=_pool_init)
+        try:
             parts = pool.map(_pool_task, chunks, chunksize=1)
+            pool.close()  # the workers finish and exit
+        finally:
+            pool.terminate()
+            pool.join()
     finally:
         _pool_job = None
     return np.concatenate([p[0] for p in parts]), [b for p in parts for b in p[1]]

@@ -98,3 +98,43 @@ def test_split_over_ranks_without_a_process_group_is_the_serial_pass(source, pro
     files = list(cache.glob("lengths-*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["lengths"] == want.tolist()
     assert not list(cache.glob(".*tmp"))
+
+
+def _rank_main(rank, world, store_path, source, proc, cache, queue):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    try:
+        bad = BadRecordLog()
+        got = compute_lengths(source, proc, max_frames=4, bad_records=bad, split_over_ranks=True, cache_dir=cache)
+        calls = []
+        original = lengths_mod.estimate_length
+        lengths_mod.estimate_length = lambda *a, **k: calls.append(1) or original(*a, **k)
+        again = compute_lengths(source, proc, max_frames=4, split_over_ranks=True, cache_dir=cache)
+        queue.put((rank, got.tolist(), bad.to_dict(), again.tolist(), len(calls)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_split_over_two_gloo_ranks_gathers_the_serial_pass_and_writes_one_cache(source, proc, tmp_path):
+    """The real collective: two forked processes in a gloo group. Each returns the serial array and every bad
+    record; one cache file; on the second pass only the 4 records cached as bad are estimated, split 2 + 2."""
+    import multiprocessing as mp
+
+    want, want_bad = _serial(source, proc)
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    cache = tmp_path / "cache"
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, tmp_path / "store", source, proc, cache, queue))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(queue.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    for rank, got, bad, again, calls in results:
+        assert got == want.tolist() and again == want.tolist()
+        assert bad == want_bad.to_dict()
+        assert calls == 2  # half of the 4 cached-as-bad records on each rank
+    assert len(list(cache.glob("lengths-*.json"))) == 1

@@ -12,7 +12,8 @@ and times, interleaved in one process (min and median of `--repeats`):
   * the SFT loader (`build_sft_dataloader`), the DPO loader (`build_preference_dataloader`, pairs
     from the same records) and the GRPO prompt filter (`drop_unusable_prompts`) start-up, serial
     (`num_workers = 0`) and with `--workers` workers;
-  * the pack planner on `--plan-records` lengths (time and peak memory of one epoch's plan).
+  * the pack planner on `--plan-records` lengths (time and peak memory of one epoch's plan), and the
+    memory the opened messages-JSONL split holds per record.
 
     python benchmarks/e2e/bench_data_planning.py --records 4000 --workers 2 --world 8
     python benchmarks/e2e/bench_data_planning.py --profile --records 3000   # cProfile of the serial pass
@@ -40,6 +41,7 @@ from megatron_vlm.data.config import DataConfig  # noqa: E402
 from megatron_vlm.data.lengths import compute_lengths  # noqa: E402
 from megatron_vlm.data.loader import build_processor, build_sft_dataloader  # noqa: E402
 from megatron_vlm.data.plan import PackPlanner  # noqa: E402
+from megatron_vlm.data.preference_loader import build_preference_dataloader  # noqa: E402
 from megatron_vlm.data.sources import open_split  # noqa: E402
 from megatron_vlm.testing.tiny_processor import build_tiny_qwen2_5_vl_processor  # noqa: E402
 
@@ -170,25 +172,47 @@ def main() -> None:
     print(json.dumps({"length_pass": summary(times, n, "serial")}, indent=1))
 
     if not args.skip_loaders:
+        from types import SimpleNamespace
+
+        from megatron_vlm.rl.prompts.dataset import load_prompt_dataset
+        from megatron_vlm.rl.prompts.lengths import drop_unusable_prompts
+        from megatron_vlm.rl.prompts.sets import PromptSets
+
+        pairs = write_pairs(tmp / "data", max(1, n // 2), args.images)
+        prompts = load_prompt_dataset(path, schema="messages")
+        rl_cfg = SimpleNamespace(rollout=SimpleNamespace(max_new_tokens=128), eval=SimpleNamespace(max_new_tokens=0))
         loader_cases = {}
         for w in sorted({0, args.workers}):
             c = DataConfig(type="messages_jsonl", train_path=str(path), max_tokens_per_pack=1024, num_workers=w)
             loader_cases[f"sft num_workers={w}"] = (lambda c=c: build_sft_dataloader(c, proc, seed=0, dp_rank=0,
                                                                                     dp_size=1))
+            dc = DataConfig(type="messages_jsonl", train_path=str(pairs), max_tokens_per_pack=1024, num_workers=w)
+            loader_cases[f"dpo num_workers={w}"] = (lambda c=dc: build_preference_dataloader(c, proc, seed=0, dp_rank=0,
+                                                                                            dp_size=1))
+            loader_cases[f"grpo prompts num_workers={w}"] = (
+                lambda c=c: drop_unusable_prompts(PromptSets(prompts, None), proc, c, rl_cfg))
         times = interleaved(loader_cases, args.repeats)
-        print(json.dumps({"sft_loader_startup": summary(times, n, "sft num_workers=0")}, indent=1))
+        for kind, count in (("sft", n), ("dpo", 2 * max(1, n // 2)), ("grpo prompts", n)):
+            rows = {k: v for k, v in times.items() if k.startswith(kind + " ")}
+            print(json.dumps({f"{kind}_startup": summary(rows, count, f"{kind} num_workers=0")}, indent=1))
 
     lengths = np.random.default_rng(0).integers(20, 900, args.plan_records)
-    tracemalloc.start()
     t = time.perf_counter()
-    planner = PackPlanner(lengths, 4096, seed=0, shuffle=True)
-    packs = planner.num_packs(0)
+    packs = PackPlanner(lengths, 4096, seed=0, shuffle=True).num_packs(0)
     plan_s = time.perf_counter() - t
+    tracemalloc.start()  # separately: tracing slows every allocation
+    PackPlanner(lengths, 4096, seed=0, shuffle=True).num_packs(0)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
+    tracemalloc.start()
+    t = time.perf_counter()
+    held = open_split(cfg, "train")
+    _, read_peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
     print(json.dumps({"planner": {"lengths": args.plan_records, "packs": packs, "plan_s": round(plan_s, 3),
-                                  "peak_mib": round(peak / 2**20, 1)}}))
-
+                                  "peak_mib": round(peak / 2**20, 1)},
+                      "jsonl_records_in_memory": {"bytes_per_record": round(read_peak / len(held)),
+                                                  "file_bytes_per_record": round(path.stat().st_size / len(held))}}))
 
 if __name__ == "__main__":
     main()

@@ -9,9 +9,9 @@ and times, interleaved in one process (min and median of `--repeats`):
   * `compute_lengths` serial (the code every rank ran before: all records on one core), against the
     same pass split over `--world` ranks (what one rank computes: 1 / world of the records) and over
     `--workers` worker processes (`data.num_workers`);
-  * the SFT loader (`build_sft_dataloader`), the DPO loader (`build_preference_dataloader`, pairs
-    from the same records) and the GRPO prompt filter (`drop_unusable_prompts`) start-up, serial
-    (`num_workers = 0`) and with `--workers` workers;
+  * the SFT loader (`build_sft_dataloader`) and the DPO loader (`build_preference_dataloader`, pairs
+    from the same records) start-up, serial (`num_workers = 0`) and with `--workers` workers, and the
+    GRPO prompt filter (`drop_unusable_prompts`, serial: GRPO refuses `data.num_workers`);
   * the pack planner on `--plan-records` lengths (time and peak memory of one epoch's plan), and the
     memory the opened messages-JSONL split holds per record.
 
@@ -189,12 +189,14 @@ def main() -> None:
             dc = DataConfig(type="messages_jsonl", train_path=str(pairs), max_tokens_per_pack=1024, num_workers=w)
             loader_cases[f"dpo num_workers={w}"] = (lambda c=dc: build_preference_dataloader(c, proc, seed=0, dp_rank=0,
                                                                                             dp_size=1))
-            loader_cases[f"grpo prompts num_workers={w}"] = (
-                lambda c=c: drop_unusable_prompts(PromptSets(prompts, None), proc, c, rl_cfg))
+        loader_cases["grpo prompts"] = lambda: drop_unusable_prompts(PromptSets(prompts, None), proc, cfg, rl_cfg)
         times = interleaved(loader_cases, args.repeats)
-        for kind, count in (("sft", n), ("dpo", 2 * max(1, n // 2)), ("grpo prompts", n)):
+        for kind, count in (("sft", n), ("dpo", 2 * max(1, n // 2))):
             rows = {k: v for k, v in times.items() if k.startswith(kind + " ")}
             print(json.dumps({f"{kind}_startup": summary(rows, count, f"{kind} num_workers=0")}, indent=1))
+        # GRPO refuses data.num_workers: its prompt filter always runs serially in the training process
+        print(json.dumps({"grpo_prompt_filter_startup": summary({"grpo prompts": times["grpo prompts"]}, n,
+                                                                "grpo prompts")}, indent=1))
 
     lengths = np.random.default_rng(0).integers(20, 900, args.plan_records)
     t = time.perf_counter()

@@ -16,8 +16,9 @@ decoded although its header could; those are still skipped and counted there.
 
 Lengths come from `data.lengths.compute_lengths` (the chat template, the tokenizer and image headers:
 exact, no pixel decoding), the same estimate SFT plans its packs with; it is not cached (a prompt
-set has no file identity of its own here), which costs about a millisecond per prompt at start-up,
-spread over `data.num_workers` forked processes.
+set has no file identity of its own here), which costs about a millisecond per prompt at start-up.
+It runs in the training process alone: `data.num_workers` is refused in GRPO, so its length pool
+(`compute_lengths(num_workers=...)`) is not used here.
 The trainer and the asynchronous rollout ranks call this with the same configuration, so both keep
 the same prompts in the same order.
 """
@@ -100,8 +101,7 @@ class _PromptRecords:
 def _filter(ds: PromptDataset, processor, data_cfg: Any, budget: int, key: str, log_to: BadRecordLog) -> PromptDataset:
     found = BadRecordLog()
     lengths = compute_lengths(_PromptRecords(ds, key), processor, max_frames=data_cfg.max_frames, for_generation=True,
-                              fps=data_cfg.fps, limits=MediaLimits.from_config(data_cfg), bad_records=found,
-                              num_workers=getattr(data_cfg, "num_workers", 0))
+                              fps=data_cfg.fps, limits=MediaLimits.from_config(data_cfg), bad_records=found)
     keep = [i for i in range(len(ds)) if 0 < lengths[i] <= budget]
     for i in np.nonzero(lengths > budget)[0]:
         s = ds[int(i)]

@@ -133,7 +133,8 @@ def test_split_over_two_gloo_ranks_gathers_the_serial_pass_and_writes_one_cache(
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
-    for rank, got, bad, again, calls in results:
+    assert [r[0] for r in results] == [0, 1]
+    for _, got, bad, again, calls in results:
         assert got == want.tolist() and again == want.tolist()
         assert bad == want_bad.to_dict()
         assert calls == 2  # half of the 4 cached-as-bad records on each rank

@@ -209,11 +209,12 @@ def main() -> None:
     tracemalloc.start()
     t = time.perf_counter()
     held = open_split(cfg, "train")
-    _, read_peak = tracemalloc.get_traced_memory()
+    read_held, read_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     print(json.dumps({"planner": {"lengths": args.plan_records, "packs": packs, "plan_s": round(plan_s, 3),
                                   "peak_mib": round(peak / 2**20, 1)},
-                      "jsonl_records_in_memory": {"bytes_per_record": round(read_peak / len(held)),
+                      "jsonl_records_in_memory": {"bytes_per_record": round(read_held / len(held)),
+                                                  "peak_bytes_per_record": round(read_peak / len(held)),
                                                   "file_bytes_per_record": round(path.stat().st_size / len(held))}}))
 
 if __name__ == "__main__":

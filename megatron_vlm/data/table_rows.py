@@ -89,7 +89,9 @@ def _scan_json_lines(file: Path) -> tuple[np.ndarray, np.ndarray, list[str], lis
             try:
                 obj = _parse_json_line(raw, first=lineno == 1)
             except BadRecordError as e:
-                errors.append((lineno, e))
+                # a fresh error: the raised one's traceback / context would keep this frame and its callers
+                # (their lists of every row) alive for as long as the error is kept
+                errors.append((lineno, BadRecordError(e.category, e.detail)))
                 continue
             if columns is None:
                 columns = list(obj)

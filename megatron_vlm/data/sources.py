@@ -75,6 +75,7 @@ class MessagesRecords:
         self.rows = TableRows(path, suffixes=MESSAGES_SUFFIXES, bad_records=bad_records)
         self.files = list(self.rows.files)
         self._root = Path(image_root) if image_root else None
+        self._folders: dict[str, Path] = {}
         self.image_root = str(self._root.resolve()) if self._root else None
         """The root the records' relative media paths are resolved against (None: each file's folder)."""
         keep = []
@@ -91,7 +92,9 @@ class MessagesRecords:
 
     def _record(self, i: int) -> Record:
         source, lineno = self.rows.locate(i)
-        root = self._root or Path(source).resolve().parent
+        root = self._root or self._folders.get(source)
+        if root is None:  # each file's folder, resolved once (a realpath per record costs as much as parsing it)
+            root = self._folders[source] = Path(source).resolve().parent
         return record_from_messages_row(self.rows.row(i), lambda ref: resolve_path(ref, root), source=source,
                                         index=lineno)
 

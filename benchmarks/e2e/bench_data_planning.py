@@ -6,8 +6,9 @@ benchmark builds a synthetic messages-JSONL set of `--records` records (small PN
 drawn from `--images` files; a tenth text-only; a few bad lines) with the tiny Qwen2.5-VL processor,
 and times, interleaved in one process (min and median of `--repeats`):
 
-  * `compute_lengths` serial (the code every rank ran before: all records on one core), against the
-    same pass split over `--world` ranks (what one rank computes: 1 / world of the records) and over
+  * `compute_lengths` serial over records held in memory (the code every rank ran before: all records on
+    one core), serial over the offset-indexed source (`sources.MessagesRecords`, a record parsed per get),
+    the same pass split over `--world` ranks (what one rank computes: 1 / world of the records) and over
     `--workers` worker processes (`data.num_workers`);
   * the SFT loader (`build_sft_dataloader`) and the DPO loader (`build_preference_dataloader`, pairs
     from the same records) start-up, serial (`num_workers = 0`) and with `--workers` workers, and the
@@ -40,9 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megatron_vlm.data.config import DataConfig  # noqa: E402
 from megatron_vlm.data.lengths import compute_lengths  # noqa: E402
 from megatron_vlm.data.loader import build_processor, build_sft_dataloader  # noqa: E402
+from megatron_vlm.data.messages import read_messages_jsonl  # noqa: E402
 from megatron_vlm.data.plan import PackPlanner  # noqa: E402
 from megatron_vlm.data.preference_loader import build_preference_dataloader  # noqa: E402
-from megatron_vlm.data.sources import open_split  # noqa: E402
+from megatron_vlm.data.sources import ListRecords, open_split  # noqa: E402
 from megatron_vlm.testing.tiny_processor import build_tiny_qwen2_5_vl_processor  # noqa: E402
 
 _WORDS = ("what", "color", "is", "the", "shape", "in", "image", "count", "objects", "left", "right", "answer")
@@ -155,7 +157,10 @@ def main() -> None:
         print(s.getvalue())
         return
     reference = serial()
-    cases = {"serial": serial}
+    # the code before: records held in memory (ListRecords over the eager reader), all of them on one core
+    held = ListRecords(str(path), read_messages_jsonl(path), [path])
+    cases = {"before: serial, records in memory": lambda: compute_lengths(held, proc, max_frames=cfg.max_frames),
+             "serial": serial}
     try:
         from megatron_vlm.data.lengths import compute_length_slice  # the split pass (new)
     except ImportError:
@@ -169,7 +174,7 @@ def main() -> None:
                 assert np.array_equal(got, reference)
             cases[f"{args.workers} workers"] = pooled
     times = interleaved(cases, args.repeats)
-    print(json.dumps({"length_pass": summary(times, n, "serial")}, indent=1))
+    print(json.dumps({"length_pass": summary(times, n, "before: serial, records in memory")}, indent=1))
 
     if not args.skip_loaders:
         from types import SimpleNamespace

@@ -77,7 +77,9 @@ class DataConfig:
     max_tokens_per_pack: int = 4096
     """Token budget of one packed micro-batch; longer samples are skipped as bad records."""
     num_workers: int = 2
-    """DataLoader worker processes that tokenise, load images and pack (0 = in the main process)."""
+    """DataLoader worker processes that tokenise, load images and pack (0 = in the main process); also the
+    processes that compute the planning lengths at start-up (rendering, tokenising and reading the image
+    header of every record; 0 = in the main process)."""
     prefetch_factor: int = 2
     """Packs each worker prepares ahead (ignored when num_workers = 0)."""
     shuffle: bool = True

@@ -13,13 +13,25 @@ cover the image files themselves, so on a cache hit the records cached as bad (l
 again: an image that was missing (an unfinished copy, a wrong `data.image_root`) and is there now makes
 its record usable, instead of the cache skipping it for good. The rest comes from the cache; the cache
 is rewritten when a record changed.
+
+At a million records the pass costs minutes of a core (about a millisecond per record: template
+rendering, tokenisation and image headers in roughly equal parts), so it is spread out: over
+`data.num_workers` forked processes (chunks of records in order, results concatenated), and, where all
+ranks build the loader together (the trainers' train loaders: `split_over_ranks`), over the ranks, each
+estimating 1 / world of the records before an all-gather of the lengths and bad records. Either way
+the array and the bad-record list equal the serial pass's, so a bad record is still found once per
+rank's log and counted once (`bad_records.keep_planning_records`). The cache stays one file, read by
+global rank 0 (its view is broadcast so every rank computes the same remainder) and written by it
+alone, atomically.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import multiprocessing as mp
 import os
+import signal
 from pathlib import Path
 from typing import Optional
 
@@ -30,7 +42,7 @@ from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
 from megatron_vlm.data.processing import estimate_length
 from megatron_vlm.data.processor import VLProcessor
 
-__all__ = ["compute_lengths", "lengths_cache_key"]
+__all__ = ["compute_lengths", "compute_length_slice", "lengths_cache_key"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -59,42 +71,144 @@ def lengths_cache_key(source, proc: VLProcessor, *, max_frames: int, for_generat
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
+def compute_length_slice(source, proc: VLProcessor, indices, *, max_frames: int, for_generation: bool = False,
+                         fps: float = 2.0, limits: MediaLimits = DEFAULT_LIMITS) -> tuple[np.ndarray, list]:
+    """(int64 lengths of the records `indices`, -1 for a bad one; the bad records as (file, index, category,
+    detail) in `indices` order): one rank's or one worker's share of `compute_lengths`."""
+    out, bad = _estimate(source, proc, list(indices), max_frames=max_frames, for_generation=for_generation, fps=fps,
+                         limits=limits)
+    return out, [b for _, b in bad]
+
+
+def _estimate(source, proc: VLProcessor, indices: list, **options) -> tuple[np.ndarray, list]:
+    """`compute_length_slice` with each bad record as (position in `indices`, record)."""
+    out = np.full(len(indices), -1, dtype=np.int64)
+    bad = []
+    for k, i in enumerate(indices):
+        where = source.locate(i)  # (file, line / row): where a bad record is counted
+        try:
+            rec = source.get(i)
+            out[k] = estimate_length(rec, proc, **options)
+        except BadRecordError as e:
+            bad.append((k, (*where, e.category, e.detail)))
+        except Exception as e:  # a bug or an unexpected file problem must not stop planning the run
+            err = unexpected(e, f"{where[0]}:{where[1]}")
+            bad.append((k, (*where, err.category, err.detail)))
+    return out, bad
+
+
+_POOL_CHUNK = 256
+"""Records per task of the worker pool: big enough that the pickled results cost little, small enough to balance."""
+
+_pool_job: Optional[tuple] = None  # (source, proc, options) inherited by the forked pool workers
+
+
+def _pool_init() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # a worker renders and tokenises; one thread each
+    # TERM ends a worker (whatever handler the rank had when it forked): `Pool.terminate` relies on it, and
+    # before the first step there is no checkpoint for a rank to save. Ctrl-C is the main process's to handle.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _pool_task(task: tuple[int, list]) -> tuple[np.ndarray, list]:
+    assert _pool_job is not None
+    source, proc, options = _pool_job
+    start, indices = task
+    out, bad = _estimate(source, proc, indices, **options)
+    return out, [(start + k, b) for k, b in bad]
+
+
+def _pooled_slice(source, proc: VLProcessor, indices: list, num_workers: int, options: dict) -> tuple[np.ndarray, list]:
+    """`_estimate` over `num_workers` forked processes (chunks in order, so the result is identical)."""
+    global _pool_job
+    usable = (num_workers > 0 and len(indices) > _POOL_CHUNK and "fork" in mp.get_all_start_methods()
+              and not mp.current_process().daemon)  # a daemonic process (a DataLoader worker) cannot have children
+    if not usable:
+        return _estimate(source, proc, indices, **options)
+    chunks = [(s, indices[s:s + _POOL_CHUNK]) for s in range(0, len(indices), _POOL_CHUNK)]
+    _pool_job = (source, proc, options)  # forked, not pickled: the source and processor need not be picklable
+    try:
+        pool = mp.get_context("fork").Pool(min(num_workers, len(chunks)), initializer=_pool_init)
+        try:
+            parts = pool.map(_pool_task, chunks, chunksize=1)
+            pool.close()  # the workers finish and exit
+        finally:
+            pool.terminate()
+            pool.join()
+    finally:
+        _pool_job = None
+    return np.concatenate([p[0] for p in parts]), [b for p in parts for b in p[1]]
+
+
+def _read_cache(cache_file: Optional[Path], n: int) -> Optional[np.ndarray]:
+    if cache_file is None or not cache_file.is_file():
+        return None
+    try:
+        lengths = np.asarray(json.loads(cache_file.read_text())["lengths"], dtype=np.int64)
+        return lengths if lengths.shape == (n,) else None
+    except (json.JSONDecodeError, KeyError, OSError, TypeError, ValueError):
+        log.warning("ignoring unreadable length cache %s", cache_file)
+        return None
+
+
+def _default_group():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_rank(), dist.get_world_size()
+    return None
+
+
 def compute_lengths(source, proc: VLProcessor, *, max_frames: int, for_generation: bool = False, fps: float = 2.0,
                     cache_dir: str | os.PathLike | None = None,
-                    bad_records: Optional[BadRecordLog] = None, limits: MediaLimits = DEFAULT_LIMITS) -> np.ndarray:
-    """int64 [len(source)]: token length of each record, -1 for records that cannot be used."""
+                    bad_records: Optional[BadRecordLog] = None, limits: MediaLimits = DEFAULT_LIMITS,
+                    num_workers: int = 0, split_over_ranks: bool = False) -> np.ndarray:
+    """int64 [len(source)]: token length of each record, -1 for records that cannot be used.
+
+    `num_workers` > 0: the records are estimated by that many forked worker processes (`data.num_workers`).
+    `split_over_ranks`: every rank of the default process group calls this together (a collective): each
+    estimates 1 / world of the records, then the lengths and bad records are all-gathered, so every rank
+    returns the same array and bad-record list as the serial pass; global rank 0 alone reads the cache
+    (its view is broadcast, so all ranks agree on what is left to compute) and writes it."""
+    group = _default_group() if split_over_ranks else None
+    rank, world = group if group is not None else (0, 1)
     cache_file = None
-    cached: Optional[np.ndarray] = None
     if cache_dir:
         key = lengths_cache_key(source, proc, max_frames=max_frames, for_generation=for_generation, fps=fps,
                                 limits=limits)
         cache_file = Path(cache_dir) / f"lengths-{key}.json"
-        if cache_file.is_file():
-            try:
-                lengths = np.asarray(json.loads(cache_file.read_text())["lengths"], dtype=np.int64)
-                if lengths.shape == (len(source),):
-                    cached = lengths
-            except (json.JSONDecodeError, KeyError, OSError, TypeError, ValueError):
-                log.warning("ignoring unreadable length cache %s", cache_file)
+    cached = _read_cache(cache_file, len(source)) if rank == 0 else None
+    if world > 1:
+        import torch.distributed as dist
+
+        box = [cached]
+        dist.broadcast_object_list(box, src=0)
+        cached = box[0]
     if cached is not None:
         lengths, todo = cached.copy(), np.nonzero(cached < 0)[0].tolist()  # the bad ones only (module docstring)
     else:
-        lengths, todo = np.full(len(source), -1, dtype=np.int64), range(len(source))
-    bad = []
-    for i in todo:
-        where = source.locate(i)  # (file, line / row): where a bad record is counted
-        try:
-            rec = source.get(i)
-            lengths[i] = estimate_length(rec, proc, max_frames=max_frames, for_generation=for_generation, fps=fps,
-                                         limits=limits)
-        except BadRecordError as e:
-            bad.append((*where, e.category, e.detail))
-        except Exception as e:  # a bug or an unexpected file problem must not stop planning the run
-            err = unexpected(e, f"{where[0]}:{where[1]}")
-            bad.append((*where, err.category, err.detail))
+        lengths, todo = np.full(len(source), -1, dtype=np.int64), list(range(len(source)))
+    options = {"max_frames": max_frames, "for_generation": for_generation, "fps": fps, "limits": limits}
+    mine = todo[rank::world]
+    got, bad = _pooled_slice(source, proc, mine, num_workers, options)
+    if world > 1:
+        import torch.distributed as dist
+
+        parts: list = [None] * world
+        dist.all_gather_object(parts, (got, bad))
+        # rank r estimated todo[r::world]: put every share back in place, the bad records in `todo` order
+        for r, (got_r, _) in enumerate(parts):
+            lengths[np.asarray(todo[r::world], dtype=np.int64)] = got_r
+        bad = sorted(((r + k * world, b) for r, (_, bad_r) in enumerate(parts) for k, b in bad_r))
+    else:
+        lengths[np.asarray(mine, dtype=np.int64)] = got
+    bad = [b for _, b in bad]
     if bad_records is not None:
         bad_records.extend(bad)
-    if cache_file is not None and (cached is None or not np.array_equal(cached, lengths)):
+    if cache_file is not None and rank == 0 and (cached is None or not np.array_equal(cached, lengths)):
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"lengths": lengths.tolist(), "bad": bad}))

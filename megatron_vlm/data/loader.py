@@ -7,7 +7,8 @@
 
 Each item is one pack (see packing.py): input_ids / labels [1, T] (labels shifted), cu_seqlens,
 the vision tensors, num_samples, num_label_tokens. Planning happens in the main process from the
-cached per-sample lengths (plan.py: the global pack stream is the same for any world size, rank r
+cached per-sample lengths (computed by `data.num_workers` forked processes, and with `split_over_ranks`
+1 / world of them on each rank) (plan.py: the global pack stream is the same for any world size, rank r
 takes packs r, r + dp, ...); the worker processes of a torch DataLoader (batch_size=None) only
 load and process the samples of this rank's packs (`[data] loader_timeout_s` is their DataLoader
 `timeout`: a stuck worker stops the run with an error naming that key instead of hanging it;
@@ -250,8 +251,9 @@ class SFTDataLoader:
 
 
 def _prepare(data_cfg: DataConfig, processor: Any, split: str, bad_records: Optional[BadRecordLog],
-             for_generation: bool, source=None):
-    """(processor, the run's bad-record log, source, lengths, the bad records found while planning)."""
+             for_generation: bool, source=None, split_over_ranks: bool = False):
+    """(processor, the run's bad-record log, source, lengths, the bad records found while planning).
+    `split_over_ranks`: every rank calls this together and estimates 1 / world of the lengths (compute_lengths)."""
     data_cfg.validate()
     proc = build_processor(data_cfg, processor)
     bad_records = bad_records if bad_records is not None else BadRecordLog()
@@ -262,7 +264,8 @@ def _prepare(data_cfg: DataConfig, processor: Any, split: str, bad_records: Opti
         return None
     lengths = compute_lengths(source, proc, max_frames=data_cfg.max_frames, for_generation=for_generation,
                               limits=MediaLimits.from_config(data_cfg),
-                              fps=data_cfg.fps, cache_dir=data_cfg.length_cache_dir or None, bad_records=found)
+                              fps=data_cfg.fps, cache_dir=data_cfg.length_cache_dir or None, bad_records=found,
+                              num_workers=data_cfg.num_workers, split_over_ranks=split_over_ranks)
     too_long = np.nonzero(lengths > data_cfg.max_tokens_per_pack)[0]
     for i in too_long:
         file, idx = source.locate(int(i))
@@ -284,12 +287,15 @@ def require_usable(lengths: np.ndarray, capacity: int, name: str, bad_records: B
 
 
 def build_sft_dataloader(data_cfg: DataConfig, processor: Any, *, seed: int, dp_rank: int, dp_size: int,
-                         split: str = "train", bad_records: Optional[BadRecordLog] = None) -> SFTDataLoader:
+                         split: str = "train", bad_records: Optional[BadRecordLog] = None,
+                         split_over_ranks: bool = False) -> SFTDataLoader:
     """Endless packed loader for `split` on this rank (module docstring). `processor`: a VLProcessor,
-    a model folder, or a transformers processor; the [data] pixel limits are applied to it."""
+    a model folder, or a transformers processor; the [data] pixel limits are applied to it.
+    `split_over_ranks`: every rank of the default process group builds this loader together, each
+    estimating 1 / world of the planning lengths (a collective; `data.lengths.compute_lengths`)."""
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
-    prepared = _prepare(data_cfg, processor, split, bad_records, for_generation=False)
+    prepared = _prepare(data_cfg, processor, split, bad_records, for_generation=False, split_over_ranks=split_over_ranks)
     if prepared is None:
         raise ValueError(f"data: no {split} split configured")
     proc, bad_records, source, lengths, found = prepared

@@ -138,7 +138,8 @@ class _PairPackDataset(Dataset):
         return pack
 
 
-def _prepare(data_cfg: DataConfig, processor: Any, split: str, bad_records: Optional[BadRecordLog]):
+def _prepare(data_cfg: DataConfig, processor: Any, split: str, bad_records: Optional[BadRecordLog],
+             split_over_ranks: bool = False):
     data_cfg.validate()
     proc = build_processor(data_cfg, processor)
     bad_records = bad_records if bad_records is not None else BadRecordLog()
@@ -149,7 +150,8 @@ def _prepare(data_cfg: DataConfig, processor: Any, split: str, bad_records: Opti
     halves = ResponseHalves(pairs)
     found = BadRecordLog()  # a bad prompt fails both halves: counted once per pair
     lengths = compute_lengths(halves, proc, max_frames=data_cfg.max_frames, limits=MediaLimits.from_config(data_cfg),
-                              fps=data_cfg.fps, cache_dir=data_cfg.length_cache_dir or None, bad_records=found)
+                              fps=data_cfg.fps, cache_dir=data_cfg.length_cache_dir or None, bad_records=found,
+                              num_workers=data_cfg.num_workers, split_over_ranks=split_over_ranks)
     planned.extend(found.entries)
     halves_len = lengths.reshape(-1, 2)
     pair_lengths = np.where((halves_len > 0).all(axis=1), halves_len.sum(axis=1), -1).astype(np.int64)
@@ -165,11 +167,13 @@ def _prepare(data_cfg: DataConfig, processor: Any, split: str, bad_records: Opti
 
 
 def build_preference_dataloader(data_cfg: DataConfig, processor: Any, *, seed: int, dp_rank: int, dp_size: int,
-                                split: str = "train", bad_records: Optional[BadRecordLog] = None) -> SFTDataLoader:
-    """Endless packed loader of `split`'s pairs on this rank (module docstring)."""
+                                split: str = "train", bad_records: Optional[BadRecordLog] = None,
+                                split_over_ranks: bool = False) -> SFTDataLoader:
+    """Endless packed loader of `split`'s pairs on this rank (module docstring). `split_over_ranks`: every
+    rank builds it together, each estimating 1 / world of the lengths (`data.lengths.compute_lengths`)."""
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
-    prepared = _prepare(data_cfg, processor, split, bad_records)
+    prepared = _prepare(data_cfg, processor, split, bad_records, split_over_ranks=split_over_ranks)
     if prepared is None:
         raise ValueError(f"data: no {split} split configured")
     _, bad_records, _, lengths, dataset = prepared

@@ -2,7 +2,8 @@
 
 Every source has `name`, `len()`, `get(i) -> Record` (which may raise BadRecordError) and
 `locate(i) -> (file, index)`, where a bad record is counted (the 1-based line of a JSONL file, the
-0-based row of a table). Sources: parsed messages JSONL (`ListRecords`), local dataset files
+0-based row of a table). Sources: messages JSONL (`MessagesRecords`, a record built per `get`;
+`ListRecords` for records already in memory), local dataset files
 (`HFRecords`), or the synthetic VQA set, which is first written to `synthetic_dir` and then read
 back as messages JSONL like any user data. Files are found and read by the shared reader
 (`table_rows.TableRows`) that GRPO's prompt sets use as well.
@@ -13,14 +14,17 @@ import os
 from pathlib import Path
 from typing import Optional, Protocol
 
-from megatron_vlm.data.bad_records import BadRecordLog
-from megatron_vlm.data.config import DataConfig
-from megatron_vlm.data.data_files import MESSAGES_SUFFIXES, data_path_errors, file_signature, find_data_files
-from megatron_vlm.data.hf_source import HFRecords
-from megatron_vlm.data.messages import Record, read_messages_jsonl
-from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
+import numpy as np
 
-__all__ = ["RecordSource", "ListRecords", "open_split"]
+from megatron_vlm.data.bad_records import BadRecordLog, unexpected
+from megatron_vlm.data.config import DataConfig
+from megatron_vlm.data.data_files import MESSAGES_SUFFIXES, data_path_errors, file_signature
+from megatron_vlm.data.hf_source import HFRecords
+from megatron_vlm.data.messages import Record, record_from_messages_row, resolve_path
+from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
+from megatron_vlm.data.table_rows import TableRows
+
+__all__ = ["RecordSource", "ListRecords", "MessagesRecords", "open_split"]
 
 
 class RecordSource(Protocol):
@@ -58,10 +62,58 @@ class ListRecords:
         return {"files": [file_signature(f) for f in self.files], "n": len(self.records), "image_root": self.image_root}
 
 
-def _messages_source(path: str | os.PathLike, image_root: Optional[str], bad_records: Optional[BadRecordLog]) -> ListRecords:
-    files = find_data_files(path, MESSAGES_SUFFIXES)
-    return ListRecords(str(path), read_messages_jsonl(path, image_root=image_root, bad_records=bad_records), files,
-                       image_root=str(Path(image_root).resolve()) if image_root else None)
+class MessagesRecords:
+    """A messages-JSONL split read through `TableRows`, one `Record` built per `get` (as `ListRecords` over
+    `read_messages_jsonl` would hold them all, in the same order, with the same bad records at open).
+
+    Every row is converted once when the split is opened, so a row that is not a valid record is found,
+    counted and left out then (its neighbours keep their indices, as before); only the row indices of the
+    good ones are kept (int64), not a million `Record`s of Python objects per rank."""
+
+    def __init__(self, path: str | os.PathLike, image_root: Optional[str], bad_records: Optional[BadRecordLog]):
+        self.name = str(path)
+        self.rows = TableRows(path, suffixes=MESSAGES_SUFFIXES, bad_records=bad_records)
+        self.files = list(self.rows.files)
+        self._root = Path(image_root) if image_root else None
+        self._folders: dict[str, Path] = {}
+        self.image_root = str(self._root.resolve()) if self._root else None
+        """The root the records' relative media paths are resolved against (None: each file's folder)."""
+        keep = []
+        for i in range(len(self.rows)):
+            try:
+                self._record(i)
+            except Exception as e:  # every per-record failure is a counted bad record (unexpected ones by type)
+                if bad_records is not None:
+                    source, lineno = self.rows.locate(i)
+                    bad_records.add_error(source, lineno, unexpected(e, f"{source}:{lineno}"))
+                continue
+            keep.append(i)
+        self._rows = np.asarray(keep, dtype=np.int64)
+
+    def _record(self, i: int) -> Record:
+        source, lineno = self.rows.locate(i)
+        root = self._root or self._folders.get(source)
+        if root is None:  # each file's folder, resolved once (a realpath per record costs as much as parsing it)
+            root = self._folders[source] = Path(source).resolve().parent
+        return record_from_messages_row(self.rows.row(i), lambda ref: resolve_path(ref, root), source=source,
+                                        index=lineno)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def get(self, i: int) -> Record:
+        return self._record(int(self._rows[i]))
+
+    def locate(self, i: int) -> tuple[str, int]:
+        return self.rows.locate(int(self._rows[i]))
+
+    def identity(self) -> dict:
+        return {"files": [file_signature(f) for f in self.files], "n": len(self), "image_root": self.image_root}
+
+
+def _messages_source(path: str | os.PathLike, image_root: Optional[str],
+                     bad_records: Optional[BadRecordLog]) -> MessagesRecords:
+    return MessagesRecords(path, image_root, bad_records)
 
 
 def open_split(cfg: DataConfig, split: str, bad_records: Optional[BadRecordLog] = None) -> Optional[RecordSource]:

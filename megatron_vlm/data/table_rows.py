@@ -12,6 +12,8 @@ row the same way:
 - every other file: JSON lines. Blank lines are not rows; a line that is not a JSON object (or
   nested too deeply to parse) is a bad record ("malformed_json"), a line that is not UTF-8 one
   ("invalid_encoding"); both are reported at open time and left out of the rows;
+- a JSON-lines file is held as the byte offsets of its good lines, each row parsed again when read
+  (`_JsonLinesPart`): a million rows cost 16 MB, not gigabytes of dicts;
 - a row's location is (file, index): the 1-based line of a JSON-lines file or the 0-based row of a
   table (the `bad_records` convention), for record sources, bad-record logs and prompt ids.
 
@@ -25,6 +27,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any, Optional
+
+import numpy as np
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
 from megatron_vlm.data.data_files import HF_SUFFIXES, TABLE_SUFFIXES, DataFileError, file_signature, find_data_files
@@ -69,20 +73,66 @@ def read_json_lines(file: Path) -> tuple[list[tuple[int, dict]], list[tuple[int,
     return rows, errors
 
 
+def _scan_json_lines(file: Path) -> tuple[np.ndarray, np.ndarray, list[str], list[tuple[int, BadRecordError]]]:
+    """(1-based line, byte offset) of each JSON-object line as int64 arrays, the first row's keys, and
+    (line, error) of each bad one: `read_json_lines` without keeping the objects."""
+    lines: list[int] = []
+    offsets: list[int] = []
+    errors: list[tuple[int, BadRecordError]] = []
+    columns: Optional[list[str]] = None
+    offset = 0
+    with open(file, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            start, offset = offset, offset + len(raw)
+            if not raw.strip() or (lineno == 1 and not raw.strip().removeprefix(b"\xef\xbb\xbf")):
+                continue
+            try:
+                obj = _parse_json_line(raw, first=lineno == 1)
+            except BadRecordError as e:
+                # a fresh error: the raised one's traceback / context would keep this frame and its callers
+                # (their lists of every row) alive for as long as the error is kept
+                errors.append((lineno, BadRecordError(e.category, e.detail)))
+                continue
+            if columns is None:
+                columns = list(obj)
+            lines.append(lineno)
+            offsets.append(start)
+    return np.asarray(lines, dtype=np.int64), np.asarray(offsets, dtype=np.int64), columns or [], errors
+
+
 class _JsonLinesPart:
-    def __init__(self, file: Path, rows: list[tuple[int, dict]]):
-        self.lines = [n for n, _ in rows]
-        self.rows = [r for _, r in rows]
-        self.columns = list(self.rows[0]) if self.rows else []
+    """A JSON-lines file as the byte offsets of its good lines: each row is parsed again when asked for.
+
+    Holding a million parsed rows as Python dicts costs gigabytes per rank (and DataLoader workers copy
+    those pages as they touch their reference counts); two int64 per row cost 16 bytes. The file was
+    validated when opened; a file that changed since (size or modification time) makes its rows bad
+    records ("invalid_record", naming the file) instead of reading whatever is at the old offsets now."""
+
+    def __init__(self, file: Path, lines: np.ndarray, offsets: np.ndarray, columns: list[str]):
+        self.file = file
+        self.lines, self.offsets, self.columns = lines, offsets, columns
+        st = file.stat()
+        self._signature = (st.st_size, st.st_mtime_ns)
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.lines)
 
     def index(self, k: int) -> int:
-        return self.lines[k]
+        return int(self.lines[k])
 
     def row(self, k: int) -> dict:
-        return self.rows[k]
+        fd = os.open(self.file, os.O_RDONLY)  # per row: a folder of thousands of files must not hold as many open
+        try:
+            st = os.fstat(fd)
+            if (st.st_size, st.st_mtime_ns) != self._signature:
+                raise BadRecordError("invalid_record", f"{self.file} changed after it was opened (size or "
+                                                       "modification time); its rows can no longer be read")
+            start = int(self.offsets[k])
+            end = int(self.offsets[k + 1]) if k + 1 < len(self.offsets) else st.st_size
+            raw = os.pread(fd, end - start, start)
+        finally:
+            os.close(fd)
+        return _parse_json_line(raw.split(b"\n", 1)[0], first=int(self.lines[k]) == 1)  # blank / bad lines may follow
 
 
 class _TablePart:
@@ -129,8 +179,8 @@ class TableRows:
             if file.suffix in TABLE_SUFFIXES:
                 part: Any = _TablePart(file, cache_dir)
             else:
-                rows, errors = read_json_lines(file)
-                part = _JsonLinesPart(file, rows)
+                lines, offsets, columns, errors = _scan_json_lines(file)
+                part = _JsonLinesPart(file, lines, offsets, columns)
                 for lineno, err in errors:
                     self.errors.append((str(file), lineno, err))
                     if bad_records is not None:

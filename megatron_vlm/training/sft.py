@@ -57,7 +57,8 @@ def build_train_loader(ctx: RunContext, bundle: ModelBundle, bad_records: BadRec
     """The endless packed loader of the train split for this data-parallel rank."""
     dp_rank = getattr(bundle.dims, "dp_rank", ctx.env.rank)  # the tp ranks of a group read the same shard
     return build_sft_dataloader(ctx.cfg.data, bundle.processor, seed=ctx.cfg.train.seed, dp_rank=dp_rank,
-                                dp_size=bundle.dims.dp_size, split="train", bad_records=bad_records)
+                                dp_size=bundle.dims.dp_size, split="train", bad_records=bad_records,
+                                split_over_ranks=True)  # every rank builds it: each plans 1 / world of the lengths
 
 
 def steps_per_epoch(loader: Any, dp_size: int, micro_batches_per_step: int) -> float:

@@ -17,6 +17,8 @@ decoded although its header could; those are still skipped and counted there.
 Lengths come from `data.lengths.compute_lengths` (the chat template, the tokenizer and image headers:
 exact, no pixel decoding), the same estimate SFT plans its packs with; it is not cached (a prompt
 set has no file identity of its own here), which costs about a millisecond per prompt at start-up.
+It runs in the training process alone: `data.num_workers` is refused in GRPO, so its length pool
+(`compute_lengths(num_workers=...)`) is not used here.
 The trainer and the asynchronous rollout ranks call this with the same configuration, so both keep
 the same prompts in the same order.
 """

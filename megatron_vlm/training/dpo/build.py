@@ -42,7 +42,8 @@ def build_pair_loaders(ctx: RunContext, bundle: ModelBundle, bad_records: BadRec
     cfg = ctx.cfg
     rank, size = _dp(ctx, bundle)
     train = build_preference_dataloader(cfg.data, bundle.processor, seed=cfg.train.seed, dp_rank=rank, dp_size=size,
-                                        split="train", bad_records=bad_records)
+                                        split="train", bad_records=bad_records,
+                                        split_over_ranks=True)  # every rank builds it: 1 / world of the lengths each
     evaluation = build_preference_pass_loader(cfg.data, bundle.processor, split="eval", dp_rank=rank, dp_size=size,
                                               bad_records=bad_records)
     return train, evaluation

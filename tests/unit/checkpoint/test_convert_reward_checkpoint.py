@@ -36,7 +36,7 @@ def test_a_reward_checkpoint_converts_to_a_folder_transformers_scores_as_trainin
     batch = {"input_ids": torch.cat(seqs)[None], "cu_seqlens": cu}
     opt = torch.optim.AdamW(root.parameters(), lr=1e-2)
     root.train()
-    root(batch).pow(2).sum().backward()  # one step: backbone and head differ from model.path's / the seed's
+    root(batch).pow(2).sum().backward()  # one step: backbone and head differ from model.path's and from their initial values
     opt.step()
     layout = run_layout(NS(model=NS(path=str(folder)), lora=None, train=NS(train_layers=[])), model_type="qwen2",
                         world_size=1, mcore_tp=None, mcore_ep=None)

@@ -200,7 +200,8 @@ class ParallelConfig:
 @dataclass(kw_only=True)
 class CheckpointConfig:
     enable: bool = True
-    """Write distributed checkpoints (model, optimizer, scheduler, data position, RNG, step)."""
+    """Write distributed checkpoints (model, optimizer, scheduler, data position, RNG, step). false stops writing
+    only: `resume` still loads a checkpoint the folder (or the path it names) holds."""
     every_steps: int = 0
     """Save every N steps (0 = only at the end and on SIGTERM)."""
     keep_last: int = 2

@@ -132,9 +132,9 @@ class Checkpointer:
     def resume(self) -> Optional[ResumePoint]:
         """Load the checkpoint `checkpoint.resume` names (auto: the newest complete one that loads)
         into the model, optimizer and scheduler, and restore the RNG states; None when starting fresh.
-        Tidies what interrupted saves left first. Exits 2 (`EXIT_RESUME_FAILED`) when it cannot."""
-        if not self.enabled:
-            return None
+        Tidies what interrupted saves left first. Exits 2 (`EXIT_RESUME_FAILED`) when it cannot.
+        `checkpoint.enable = false` stops writes only: `checkpoint.resume` still reads (a run in a folder with
+        checkpoints used to start at step 0 over them, its metrics rows of the earlier run dropped)."""
         try:
             self.manager.cleanup()
             candidates = self.manager.resume_candidates(self.cfg.resume)

@@ -81,3 +81,18 @@ def test_unchanged_settings_resume_silently(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="megatron_vlm"):
         _checkpointer(tmp_path, cfg, critic_lr=1e-3).resume()
     assert not [r for r in caplog.records if "settings differ" in r.getMessage()]
+
+
+def test_checkpoints_off_still_resumes_what_the_folder_holds(tmp_path):
+    """`checkpoint.enable = false` stops writes; `checkpoint.resume = "auto"` still does what it says. It used to
+    start at step 0 over the folder's checkpoint (the earlier run's metrics rows dropped as steps run again)."""
+    cfg = OptimizerConfig(lr=1e-2)
+    first = _checkpointer(tmp_path, cfg, critic_lr=1e-3)
+    _train_step(first)
+    first.save(1, {})
+    again = _checkpointer(tmp_path, cfg, critic_lr=1e-3)
+    again.cfg.enable = False
+    point = again.resume()
+    assert point is not None and point.step == 1
+    assert torch.equal(again.wrapper.weight, first.wrapper.weight)
+    assert not again.periodic_due(1)  # and writes nothing

@@ -17,6 +17,7 @@ from megatron_vlm.checkpoint.hf import load_hf_model
 from megatron_vlm.checkpoint.layout import run_layout
 from megatron_vlm.checkpoint.manager import CheckpointManager
 from megatron_vlm.training.reward.model import ScoreRoot
+from tests.fixtures.hf_scores import hf_scores
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "launch"))
@@ -50,11 +51,6 @@ def test_a_reward_checkpoint_converts_to_a_folder_transformers_scores_as_trainin
     assert code == 0, capsys.readouterr().err
     hf = transformers.Qwen2ForSequenceClassification.from_pretrained(out).eval()
     assert hf.config.num_labels == 1 and (out / ".export_complete").is_file()
-    padded = torch.full((3, 13), hf.config.pad_token_id)
-    mask = torch.zeros(3, 13, dtype=torch.long)
-    for i, x in enumerate(seqs):
-        padded[i, :len(x)], mask[i, :len(x)] = x, 1
-    with torch.no_grad():
-        ref = hf(input_ids=padded, attention_mask=mask).logits[:, 0]
+    ref = hf_scores(hf, seqs)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
     assert ref.std() > 1e-3

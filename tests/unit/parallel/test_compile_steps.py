@@ -27,6 +27,16 @@ def _moe_block():
     return block.train()
 
 
+def _same_step(compiled, eager, x, **kw):
+    """Forward and backward of both modules on copies of `x`: equal outputs and input gradients."""
+    xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yc, ye = compiled(xc, **kw), eager(xe, **kw)
+    torch.testing.assert_close(yc, ye, rtol=1e-6, atol=1e-6)
+    yc.square().sum().backward()
+    ye.square().sum().backward()
+    torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-6, atol=1e-6)
+
+
 def test_compiled_moe_block_compiles_once_for_changing_token_counts():
     torch._dynamo.reset()
     counters.clear()
@@ -37,12 +47,7 @@ def test_compiled_moe_block_compiles_once_for_changing_token_counts():
     graphs = []
     for tokens in (11, 17, 6):
         x = torch.randn(tokens, 32, generator=g)
-        xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
-        yc, ye = compiled(xc), eager(xe)
-        torch.testing.assert_close(yc, ye, rtol=1e-6, atol=1e-6)
-        yc.square().sum().backward()
-        ye.square().sum().backward()
-        torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-6, atol=1e-6)
+        _same_step(compiled, eager, x)
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[-1] == graphs[1], f"graphs compiled after each step: {graphs}"
     for (name, pc), pe in zip(compiled.named_parameters(), eager.parameters()):
@@ -65,12 +70,7 @@ def test_compiled_mamba2_mixer_compiles_once_for_changing_packs():
     for lens in ([5, 9, 3], [7, 4], [2, 8, 6, 3], [11, 5]):
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
         x = torch.randn(1, sum(lens), 32, generator=g)
-        xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
-        yc, ye = compiled(xc, cu_seqlens=cu), eager(xe, cu_seqlens=cu)
-        torch.testing.assert_close(yc, ye, rtol=1e-6, atol=1e-6)
-        yc.square().sum().backward()
-        ye.square().sum().backward()
-        torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-6, atol=1e-6)
+        _same_step(compiled, eager, x, cu_seqlens=cu)
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[-1] == graphs[1], f"graphs compiled after each step: {graphs}"
     assert all("disable" in reason for reason in counters["graph_break"]), dict(counters["graph_break"])

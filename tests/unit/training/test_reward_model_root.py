@@ -18,6 +18,7 @@ import torch
 from megatron_vlm.checkpoint.hf import load_hf_model
 from megatron_vlm.training.reward.export import export_score_folder
 from megatron_vlm.training.reward.model import ScoreRoot, head_std
+from tests.fixtures.hf_scores import hf_scores
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +47,7 @@ def test_export_loads_in_transformers_with_the_training_rewards(tmp_path):
     export_score_folder(root.state_dict(), root.model, tmp_path / "rm", copy_from=folder)
     hf = transformers.Qwen2ForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
     assert hf.config.num_labels == 1
-    batch = torch.full((3, 13), hf.config.pad_token_id)
-    mask = torch.zeros(3, 13, dtype=torch.long)
-    for i, x in enumerate(seqs):
-        batch[i, :len(x)], mask[i, :len(x)] = x, 1
-    with torch.no_grad():
-        ref = hf(input_ids=batch, attention_mask=mask).logits[:, 0]
+    ref = hf_scores(hf, seqs)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
     assert ref.std() > 1e-3
     assert (tmp_path / "rm" / ".export_complete").is_file()

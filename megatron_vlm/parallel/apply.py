@@ -14,11 +14,19 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
-SELECTIVE_SAVE_OPS = ("aten.mm", "aten.addmm", "aten._scaled_mm", "aten._scaled_dot_product_flash_attention",
-                      "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_cudnn_attention",
-                      "megatron_vlm.triton_attention_fwd")
+SELECTIVE_SAVE_OPS = (
+    "aten.mm", "aten.addmm", "aten._scaled_mm",
+    # torch SDPA's kernels (the CPU flash kernel has its own op)
+    "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_cudnn_attention",
+    # every packed attention backend's forward op: ours (Triton, csrc), torch's flash varlen, flash-attn's
+    "megatron_vlm.triton_attention_fwd", "megatron_vlm.varlen_attention_fwd", "torch_attn._varlen_attn",
+    "flash_attn._flash_attn_varlen_forward", "flash_attn._flash_attn_forward",
+)
 """Ops whose outputs selective checkpointing keeps: the matmuls and attention (the FLOPs); everything else
-(norms, rotary, activations, casts: cheap, memory-bound) is recomputed in backward."""
+(norms, rotary, activations, casts: cheap, memory-bound) is recomputed in backward. An attention backend
+whose op is missing here has its forward re-run in backward under "selective" (a step slower than its
+kernel time says), so each backend's forward op is listed."""
 
 
 def _selective_policy(ctx, op, *args, **kwargs):

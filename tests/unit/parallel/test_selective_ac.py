@@ -72,3 +72,71 @@ def test_unknown_policy_is_refused():
     model = build_model(tiny_qwen2_5_vl_config(), dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="selective"):
         apply_ac(model.transformer_blocks(), policy="some")
+
+
+def _attention_forward_calls(backend, policy):
+    """Attention forward-op calls over forward + backward of a checkpointed `attention(...) @ w`."""
+    import functools
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from megatron_vlm.kernels import attention, use_backends
+    from megatron_vlm.parallel.apply import _selective_policy
+
+    names = {"aten._scaled_dot_product_flash_attention_for_cpu", "megatron_vlm.varlen_attention_fwd"}
+
+    class CountAttention(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func._schema.name.replace("::", ".") in names
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(20, 4, 16, generator=g, requires_grad=True) for _ in range(3))
+    w = torch.randn(16, 16, generator=g, requires_grad=True)
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+
+    def block(q, k, v, w):
+        return (attention(q, k, v, causal=True, cu_seqlens_q=cu, max_seqlen_q=13) @ w).tanh()
+
+    with use_backends({"attention": backend}), CountAttention() as counter:
+        if policy is None:
+            out = block(q, k, v, w)
+        else:
+            ctx = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+            out = checkpoint(block, q, k, v, w, use_reentrant=False, context_fn=ctx)
+        out.square().sum().backward()
+    return counter.n
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "csrc"])
+def test_selective_keeps_attention_output_of_each_backend(backend):
+    """Under "selective" an attention backend's forward runs once, as without checkpointing (not re-run in
+    backward): a backend whose op the policy does not list pays its forward twice per step."""
+    from megatron_vlm import _ext
+
+    if backend == "csrc" and _ext.load() is None:
+        pytest.skip("megatron_vlm._C not built here")
+    none = _attention_forward_calls(backend, None)
+    assert none >= 1, f"the {backend} backend ran no attention op this test counts"
+    assert _attention_forward_calls(backend, "selective") == none
+
+
+@pytest.mark.parametrize("op", ["torch_attn::_varlen_attn", "flash_attn::_flash_attn_varlen_forward",
+                                "megatron_vlm::triton_attention_fwd", "aten::_scaled_dot_product_flash_attention"])
+def test_selective_policy_saves_cuda_attention_ops(op):
+    """The CUDA-only attention ops (not runnable here) are kept by name, overloads included."""
+    from types import SimpleNamespace
+
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from megatron_vlm.parallel.apply import _selective_policy
+
+    fake = SimpleNamespace(_schema=SimpleNamespace(name=op))
+    assert _selective_policy(None, fake) is CheckpointPolicy.MUST_SAVE
+    assert _selective_policy(None, SimpleNamespace(_schema=SimpleNamespace(name="aten::_softmax"))) \
+        is CheckpointPolicy.PREFER_RECOMPUTE

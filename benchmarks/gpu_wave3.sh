@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # One GPU lease for the training-speed and rollout-speed work (first pass): profiles, levers, honest baselines.
-# Sections: sft sft16k decode decode32 moe decode_attn rollout attn segv fp8.
+# Sections: sft sft16k decode decode32 decode64 moe decode_attn rollout attn segv fp8.
 # Run on the leased machine from the repository root with `.whl` carried (bash benchmarks/gpu_wheels.sh here first):
 #   bash benchmarks/gpu_wave3.sh [sections]      # default: sft decode attn decode_attn segv (the first pass)
 # A section name it does not know stops it at once (exit 2), before anything runs.
-# Next lease (what the 2026-11-27 H200 run left unmeasured), two commands of <= 540 s each:
-#   bash benchmarks/gpu_wave3.sh decode32 moe decode rollout     # shared-prompt reads, 32 sequences, MoE slice
-#   bash benchmarks/gpu_wave3.sh fp8 attn sft16k                 # fp8 graph breaks + loss curve, varlen rows
+# Next lease (what the 2026-11-28 H200 run left open: the compiled 16k step, fp8's kernel table, torch's varlen attention
+# in the step with selective checkpointing keeping its output, the decode step at 64 sequences), two commands of <= 540 s:
+#   bash benchmarks/gpu_wave3.sh sft16k fp8          # 16k packs eager and compiled; fp8 step with a profile per variant
+#   bash benchmarks/gpu_wave3.sh sft decode64         # 8k levers (torch varlen profiled); decode bandwidth at 64 sequences
 # Every step is time-boxed; logs and JSON go to /tmp/w3 ($W3_DIR) (packed into $OUT/w3.tgz after every step, so a command
 # cut short still returns what finished). Figures go to benchmarks/RESULTS.md by hand, with device and versions.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-KNOWN="sft sft16k decode decode32 moe decode_attn rollout attn segv fp8"
+KNOWN="sft sft16k decode decode32 decode64 moe decode_attn rollout attn segv fp8"
 SECTIONS=${*:-sft decode attn decode_attn segv}
 for s in $SECTIONS; do
   [[ " $KNOWN " == *" $s "* ]] || { echo "gpu_wave3.sh: unknown section '$s' (known: $KNOWN)" >&2; exit 2; }
@@ -50,11 +51,17 @@ if want sft; then
   step sft_full_profile 75 $PY $TS --steps 3 --profile "$R/sft_full_profile.json" --json "$R/sft_full.json"
   step sft_selective 55 $PY $TS --steps 3 --ac selective --json "$R/sft_selective.json"
   step sft_ac_off 55 $PY $TS --steps 3 --ac off --profile "$R/sft_ac_off_profile.json" --json "$R/sft_ac_off.json"
-  step sft_torch_varlen 55 $PY $TS --steps 3 --ac selective --attention torch_varlen --json "$R/sft_torch_varlen.json"
+  # torch's flash varlen kernel beat ours alone (bench_attention) but not in this step while selective checkpointing
+  # re-ran its forward (its op was not kept); the profile says where the step's time goes with it
+  step sft_torch_varlen 65 $PY $TS --steps 3 --ac selective --attention torch_varlen --profile "$R/sft_torch_varlen_profile.json" \
+    --json "$R/sft_torch_varlen.json"
 fi
 if want sft16k; then
   step sft_16k_selective 70 $PY benchmarks/e2e/bench_train_step.py --steps 3 --tokens 16384 --samples 8 --ac selective \
     --json "$R/sft_16k_selective.json"
+  # compiled blocks (the policy applied at trace time) were the best lever at 8k: at 16k the candidate for 40 % MFU
+  step sft_16k_compiled 200 $PY benchmarks/e2e/bench_train_step.py --steps 3 --tokens 16384 --samples 8 --ac selective \
+    --compile --profile "$R/sft_16k_compiled_profile.json" --json "$R/sft_16k_compiled.json"
 fi
 if want decode; then
   # graph steps: split-K Triton with and without shared prompt reads (a group's prompt through one copy), torch
@@ -69,10 +76,15 @@ if want decode32; then  # the target's 32 sequences (4 prompts x G 8), split-K d
   step decode32 90 $PY benchmarks/e2e/profile_decode.py --prompts 4 --group 8 --short 8 --steps 48 --rounds 2 \
     --variants triton:on,triton:on:shared --profile --json "$R/decode32.json"
 fi
+if want decode64; then  # 64 sequences (8 prompts x G 8): how the bandwidth fraction grows with the decode batch
+  step decode64 100 $PY benchmarks/e2e/profile_decode.py --prompts 8 --group 8 --short 8 --steps 48 --rounds 2 \
+    --variants triton:on:shared,torch:on --profile --json "$R/decode64.json"
+fi
 if want fp8; then  # train.precision = "fp8" (torchao float8 linears): step at a 7B-width slice, loss curve vs bf16
   # 8 layers (the 4-layer slice was 36 GiB, over a third of its linear FLOPs in the LM head); TORCH_LOGS: where the compiled blocks break
   # their graphs (a break inside the block leaves float8 casts unfused)
-  step fp8_step 120 env TORCH_LOGS=graph_breaks $PY benchmarks/e2e/bench_fp8.py --layers 8 --rounds 2 --steps 2 --warmup 2 --json "$R/fp8_step.json"
+  step fp8_step 160 env TORCH_LOGS=graph_breaks $PY benchmarks/e2e/bench_fp8.py --layers 8 --rounds 2 --steps 2 --warmup 2 \
+    --profile "$R/fp8_profile" --json "$R/fp8_step.json"
   step fp8_loss 70 $PY benchmarks/e2e/fp8_loss_curve.py --steps 200 --variants bf16,tensorwise --json "$R/fp8_loss.json"
 fi
 if want decode_attn; then

@@ -99,8 +99,10 @@ def register_builtin_ops(registry) -> None:
     # torch's fused LayerNorm: our Triton layer_norm ran 0.68x / 0.97x its time (fwd / bwd) on an H100 at the
     # InternViT shape (bench_rms_norm, benchmarks/RESULTS.md, 2026-11-26)
     register("layer_norm", "torch_fused", "torch_fused.norms:layer_norm", auto_devices=("cuda",), priority=15)
-    # torch's flash varlen kernel for packed training attention: forced only until measured against our Triton
-    # varlen kernel on a GPU (benchmarks/kernels/bench_attention.py, "torch varlen_attn" rows)
+    # torch's flash varlen kernel for packed training attention: alone faster than our Triton varlen kernel on an
+    # H200 (bench_attention "torch varlen_attn" rows: 8 x 16k causal 1.07x fwd / 1.29x bwd), but the SFT step with it
+    # was slower (selective checkpointing re-ran its forward: its op was not kept, fixed since); forced only until
+    # the step is measured with it kept (benchmarks/gpu_wave3.sh sft)
     from .torch_fused.varlen_attention import check as torch_varlen_check
 
     register("attention", "torch_varlen", "torch_fused.varlen_attention:attention", check=torch_varlen_check,

@@ -21,7 +21,7 @@ tower and the lm_head stay bf16 in every variant, as in training.
     python benchmarks/e2e/bench_fp8.py --json fp8.json           # GPU (sm89+), the 7B-width slice
     python benchmarks/e2e/bench_fp8.py --quick                   # CPU smoke test (tiny model, emulated fp8)
 Args: --layers N --vision-depth N --tokens N --samples N --rounds N --steps N --warmup N
-      --variants bf16,tensorwise,rowwise --no-compile --no-ac --json PATH (--quick --compile: compiled blocks on the CPU)
+      --variants bf16,tensorwise,rowwise --no-compile --no-ac --profile PREFIX --json PATH (--quick --compile: compiled blocks on the CPU)
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_rollout import IMAGE_TOKEN, VIDEO_TOKEN, VISION_END, VISION_START, tiny_config  # noqa: E402
-from bench_train_step import packed_batch  # noqa: E402
+from bench_train_step import packed_batch, profile_step  # noqa: E402
 
 from megatron_vlm.models import build_model, get_family  # noqa: E402
 from megatron_vlm.parallel import build_mesh, clip_grad_norm_, init_distributed  # noqa: E402
@@ -112,6 +112,9 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="eager blocks (fp8 casts then run unfused)")
     ap.add_argument("--compile", action="store_true", help="with --quick: compile the blocks anyway (checks the switch)")
     ap.add_argument("--no-ac", action="store_true", help="disable activation checkpointing")
+    ap.add_argument("--profile", type=str, default=None, metavar="PREFIX",
+                    help="after the rounds, torch.profiler over one step of each variant: PREFIX_<variant>.json "
+                         "(kernel table and categories: where fp8 saves time and where it cannot)")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
@@ -202,6 +205,11 @@ def main() -> None:
         nearest = min(variants, key=lambda u: abs(last_loss[v] - losses[u]))
         if abs(last_loss[v] - losses[nearest]) < abs(last_loss[v] - losses[v]):
             sys.exit(f"bench_fp8: variant {v} computed {nearest}'s loss in the last round: the switch did not take effect")
+    if args.profile:  # after the timed rounds: profiling does not disturb them
+        for v in variants:
+            use(v)
+            print(f"profile of {v}:")
+            profile_step(step, device, Path(f"{args.profile}_{v}.json"))
     results = {}
     for v in variants:
         med = statistics.median(times[v])

@@ -15,6 +15,8 @@ KERNEL_CATEGORIES = [  # first match wins; kernel names of cuBLAS / cuDNN / CUTL
     ("optimizer", r"adam|multi_tensor|foreach"),
     ("norm / rotary / swiglu (ours)", r"rms|rotary|swiglu|layer_norm"),
     ("logprobs / loss", r"logprob|log_softmax|cross_entropy|logsumexp"),
+    ("fp8 scaling (amax, casts)", r"amax|float8|fp8|e4m3|e5m2"),
+    ("compiled fused (inductor)", r"^triton_(poi|red|per)_"),
     ("copies / casts", r"copy|cast|memcpy|memset|fill|chunk_cat|cat_"),
     ("sampling", r"scan|sort|topk|multinomial|exponential|argmax"),
     ("reductions", r"reduce|sum"),

@@ -25,7 +25,8 @@ for script, args in {runs!r}:
 @pytest.mark.heavy
 def test_fp8_benchmarks_run_quick(tmp_path):
     step_json, curve_json = tmp_path / "step.json", tmp_path / "curve.json"
-    runs = [("bench_fp8.py", ["--rounds", "2", "--steps", "1", "--warmup", "1", "--json", str(step_json)]),
+    prof = tmp_path / "prof"
+    runs = [("bench_fp8.py", ["--rounds", "2", "--steps", "1", "--warmup", "1", "--profile", str(prof), "--json", str(step_json)]),
             ("fp8_loss_curve.py", ["--steps", "12", "--json", str(curve_json)])]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", DRIVER.format(bench_dir=str(BENCH_DIR), runs=runs)], capture_output=True,
@@ -34,6 +35,11 @@ def test_fp8_benchmarks_run_quick(tmp_path):
     step = json.loads(step_json.read_text())
     assert step["meta"]["fp8_linear_layers"] == 14 and step["meta"]["quick"]
     assert set(step["results"]) == {"bf16", "tensorwise", "rowwise"}
+    scaling_ms = {}  # one profiled step per variant: the float8 scaling (amax, casts) shows in fp8's
+    for v in ("bf16", "tensorwise", "rowwise"):
+        cats = json.loads((tmp_path / f"prof_{v}.json").read_text())["categories"]
+        scaling_ms[v] = cats.get("fp8 scaling (amax, casts)", {"ms": 0.0})["ms"]
+    assert min(scaling_ms["tensorwise"], scaling_ms["rowwise"]) > 10 * scaling_ms["bf16"], scaling_ms
     for v, r in step["results"].items():
         assert r["step_s_min"] > 0 and r["tokens_per_s"] > 0, v
         if v != "bf16":

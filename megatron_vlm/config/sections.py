@@ -42,9 +42,9 @@ class TrainConfig:
     seed: int = 0
     """Seeds every RNG (python, numpy, torch, data order)."""
     max_steps: Optional[int] = None
-    """Optimizer steps to run; if unset, `epochs` decides."""
+    """Optimizer steps to run; if unset, `epochs` decides (set one of the two, not both)."""
     epochs: Optional[float] = None
-    """Passes over the training data (used when max_steps is unset)."""
+    """Passes over the training data, instead of max_steps (not both)."""
     micro_batches_per_step: int = 1
     """Gradient accumulation: packed micro-batches per data-parallel rank per optimizer step."""
     precision: Literal["auto", "bf16", "fp32", "fp8"] = "auto"
@@ -81,6 +81,9 @@ class TrainConfig:
             raise ValueError(f"max_steps: must be > 0, got {self.max_steps}")
         if self.epochs is not None and self.epochs <= 0:
             raise ValueError(f"epochs: must be > 0, got {self.epochs}")
+        if self.max_steps is not None and self.epochs is not None:  # max_steps would decide, epochs be ignored
+            raise ValueError(f"epochs: set max_steps or epochs, not both (max_steps = {self.max_steps} would decide the "
+                             f"run's length and epochs = {self.epochs} be ignored)")
         # "set max_steps or epochs" is checked by config.Config.validate: an evaluation job has no
         # length and [[stages]] may give each stage its own
         if any(not p.strip() for p in self.train_layers):  # an empty regex matches every name: nothing frozen

@@ -41,9 +41,9 @@ class StageConfig:
     max_tokens_per_pack: Optional[int] = None
     """data.max_tokens_per_pack for this stage (longer multi-turn samples need more)."""
     max_steps: Optional[int] = None
-    """Optimizer steps of this stage; with `epochs` unset too, the main [train] length applies."""
+    """Optimizer steps of this stage (or `epochs`, not both); with both unset, the main [train] length applies."""
     epochs: Optional[float] = None
-    """Passes over this stage's data (used when max_steps is unset)."""
+    """Passes over this stage's data, instead of max_steps (not both)."""
     lr: Optional[float] = None
     """Peak learning rate of this stage (optimizer.lr)."""
     train_layers: Optional[list[str]] = None
@@ -56,6 +56,9 @@ class StageConfig:
             raise ValueError(f"max_steps: must be > 0, got {self.max_steps}")
         if self.epochs is not None and self.epochs <= 0:
             raise ValueError(f"epochs: must be > 0, got {self.epochs}")
+        if self.max_steps is not None and self.epochs is not None:  # max_steps would decide, epochs be ignored
+            raise ValueError(f"epochs: set max_steps or epochs, not both (max_steps = {self.max_steps} would decide the "
+                             f"stage's length and epochs = {self.epochs} be ignored)")
         if self.lr is not None and self.lr <= 0:
             raise ValueError(f"lr: must be > 0, got {self.lr}")
         if self.max_frames is not None and self.max_frames <= 0:

@@ -29,6 +29,9 @@ def _raw(**changes):
     raw = copy.deepcopy(BASE)
     for dotted, value in changes.items():
         sec, key = dotted.split("__")
+        if not key:  # a whole top-level value (an array of tables)
+            raw[sec] = value
+            continue
         raw.setdefault(sec, {})[key] = value
     return raw
 
@@ -50,6 +53,9 @@ def test_minimal_config_builds_with_defaults():
         ({"train__activation_checkpointing": "yes"}, "train.activation_checkpointing: expected true or false"),
         ({"scheduler__type": "cosin"}, "scheduler.type: must be one of"),
         ({"train__max_steps": 1.5}, "train.max_steps: expected an integer"),
+        # both lengths: max_steps would decide and epochs be parsed, then ignored
+        ({"train__epochs": 2.0}, "train.epochs: set max_steps or epochs, not both"),
+        ({"stages__": [{"name": "a", "max_steps": 2, "epochs": 1.0}]}, "stages[0].epochs: set max_steps or epochs, not both"),
     ],
 )
 def test_error_names_the_key(raw_change, expect):

@@ -149,6 +149,16 @@ class BadRecordLog:
             ],
         }
 
+    def take(self) -> list[dict]:
+        """The records (as `to_dict()["records"]`, with their skip counts), leaving the log empty: what was found
+        since the last `take`, handed to another process's log (an asynchronous GRPO rollout rank's prompt skips
+        go to the trainer with each step's samples, so they are counted in the checkpoint of the step they
+        belong to)."""
+        records = self.to_dict()["records"]
+        self._entries.clear()
+        self._skips.clear()
+        return records
+
     def write_summary(self, path: str | os.PathLike) -> Path:
         """Write the log (JSON, or plain text when `path` ends in .txt); returns the path."""
         path = Path(path)

@@ -7,7 +7,9 @@ only when `rl.loss.kl_coef > 0` — the frozen reference policy. `GRPOLoopStep` 
 step: the step's prompts (a function of (seed, step), so a resumed run repeats the uninterrupted
 one), one `GRPOStep` (rl/grpo_step.py: rollout, rewards, advantages, log-probs, updates, metrics),
 the held-out evaluation it is given (Avg@k, `megatron_vlm.eval.grpo_accuracy`), and the data state
-of a checkpoint (next step, seed, prompt count).
+of a checkpoint (next step, seed, prompt count, the running totals and this rank's skipped prompts:
+a prompt the encoder refuses when a step draws it is a bad record found mid-run, which a resumed run
+would not find again for the steps before its checkpoint).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.data.bad_records import BadRecordLog, keep_planning_records
 from megatron_vlm.data.media import MediaLimits
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.inference.engine import RolloutEngine
@@ -39,7 +41,7 @@ from megatron_vlm.rl.prompts.shard import PromptEncoding
 from megatron_vlm.rl.reference import BaseModelReference, ReferencePolicy
 from megatron_vlm.rl.rewards.combined import CombinedRewards, has_model_rewards
 from megatron_vlm.rl.rewards.manager import RewardManager
-from megatron_vlm.training.bad_record_summary import write_bad_record_summary
+from megatron_vlm.training.bad_record_summary import restore_saved_bad_records, save_bad_records, write_bad_record_summary
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 from megatron_vlm.training.running_totals import RunningTotals
@@ -156,17 +158,19 @@ class GRPOParts:
     `[[rl.rewards]]` a `CombinedRewards` (rl/rewards/combined.py) holding them and the rule rewards' manager."""
     reference: Optional[Union[ReferencePolicy, BaseModelReference]] = None
     bad_records: Optional[BadRecordLog] = None
-    """Prompts left out by the reader and the encoder (written to bad_records.json at the end)."""
+    """Prompts left out by the reader and the encoder (saved with each checkpoint, written to bad_records.json
+    with it and at the end). Those left out at start-up are kept on global rank 0 only: every rank finds them."""
     multiturn: Any = None
     """[rl.env]: the multi-turn rollout (rl/env/rollout.py `MultiTurnRounds`; owns worker processes: `close()` it)."""
 
 
 def build_grpo_parts(ctx: RunContext, bundle: ModelBundle) -> GRPOParts:
     cfg, env, rl = ctx.cfg, ctx.env, require_rl(ctx.cfg)
-    bad_records = BadRecordLog()
-    sets = load_prompt_sets(cfg.data, rl, run_dir=ctx.run_dir, is_main=env.is_main, barrier=barrier, bad_records=bad_records)
+    bad_records, found = BadRecordLog(), BadRecordLog()
+    sets = load_prompt_sets(cfg.data, rl, run_dir=ctx.run_dir, is_main=env.is_main, barrier=barrier, bad_records=found)
     # over-long / unreadable prompts out before the first step (exit 2 when none is left), as the rollout ranks do
-    sets = drop_unusable_prompts(sets, bundle.processor, cfg.data, rl, bad_records)
+    sets = drop_unusable_prompts(sets, bundle.processor, cfg.data, rl, found)
+    keep_planning_records(found, bad_records)  # every rank reads the same prompts: counted once, not once per rank
     log.info("GRPO prompts: %d train, %s held-out", len(sets.train), len(sets.eval) if sets.eval else "no")
     dtype = compute_dtype(cfg.train.precision, getattr(torch, cfg.model.dtype), env.device)
     budget = max(rl.rollout.max_new_tokens, rl.eval.max_new_tokens or 0)
@@ -223,13 +227,23 @@ class GRPOLoopStep:
         """reward/calls, data/skipped_prompts, ...: counted on from the checkpoint's totals after a resume."""
 
     def load_data_state(self, state: dict, step: int) -> None:  # noqa: ARG002 (the order is a function of the step)
+        """The checkpoint's prompt order checked, its running totals and the prompts skipped before it restored (the
+        steps before the checkpoint are not drawn again; those this run left out at start-up again count once)."""
         refusal = grpo_data_state_refusal(state, **self._order())
         if refusal:  # another prompt set / seed / step size: exit 2 naming the key (rl/prompts/data_state.py)
             raise ConfigError(refusal)
+        shards = self.grpo.shards
+        restore_saved_bad_records(self.bad_records, state, same_split=state.get("dp_size") == shards.world,
+                                  is_main=self.ctx.env.is_main)
         self.totals.restore(state)
 
     def data_state(self, step: int) -> dict:
-        return {**grpo_data_state(step, **self._order()), **self.totals.state()}
+        """The prompt order, the running totals and this rank's skipped prompts; also writes bad_records.json
+        (collective: every rank saves), so a run killed later leaves the summary of everything up to its checkpoint."""
+        shards = self.grpo.shards
+        state = {**grpo_data_state(step, **self._order()), **self.totals.state(), "dp_size": shards.world}
+        return save_bad_records(state, self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main,
+                                dp_rank=shards.rank)
 
     def _order(self) -> dict:
         """What the prompt order is a function of (with the step)."""
@@ -248,5 +262,7 @@ class GRPOLoopStep:
         return self._evaluate(step) if self._evaluate is not None else None
 
     def finish(self) -> None:
-        """The run's bad_records.json (prompts left out); the reward workers belong to `GRPOParts` (closed by its owner)."""
-        write_bad_record_summary(self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main)
+        """The run's bad_records.json (prompts left out; the tp / cp ranks of a data shard skip the same ones: counted
+        once); the reward workers belong to `GRPOParts` (closed by its owner)."""
+        write_bad_record_summary(self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main,
+                                 dp_rank=self.grpo.shards.rank)

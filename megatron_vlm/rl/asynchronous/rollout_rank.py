@@ -100,8 +100,10 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
     if len(sets.train) != hello["num_prompts"]:
         raise RuntimeError(f"asynchronous GRPO: this rollout rank reads {len(sets.train)} training prompts, the trainer "
                            f"{hello['num_prompts']}")
+    # the prompts skipped mid-run go to the trainer with each step's samples (its log is the run's, saved in its checkpoints)
+    skips = BadRecordLog()
     encoder = PromptEncoder(processor, max_frames=cfg.data.max_frames, fps=cfg.data.fps, max_new_tokens=rl.rollout.max_new_tokens,
-                            max_tokens=cfg.data.max_tokens_per_pack, limits=MediaLimits.from_config(cfg.data), bad_records=bad)
+                            max_tokens=cfg.data.max_tokens_per_pack, limits=MediaLimits.from_config(cfg.data), bad_records=skips)
     model = load_hf_model(cfg.model.path, dtype=dtype, device=env.device).eval()
     model.requires_grad_(False)
     engine: Any
@@ -137,7 +139,7 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
     for t in threads:
         t.start()
     try:
-        _generate_loop(ctx, role, state, engine, encoder, sets.train, todo, start, total, multiturn)
+        _generate_loop(ctx, role, state, engine, encoder, sets.train, todo, start, total, multiturn, skips)
         todo.put(None)
         threads[1].join()
         threads[0].join()
@@ -171,7 +173,8 @@ def _vllm_engine(ctx, processor, model, dtype):
 
 
 def _generate_loop(ctx, role: Role, state: _State, engine, encoder, train_set, todo, start: int, total: int,
-                   multiturn: Any = None) -> None:
+                   multiturn: Any = None, skips: Optional[BadRecordLog] = None) -> None:
+    """Generate steps start .. total - 1 (module docstring); `skips`: the encoder's log, emptied into each step's item."""
     rl, seed, device = ctx.cfg.rl, ctx.cfg.train.seed, ctx.env.device
     n_rollout, k = role.allocation.rollout, rl.asynchronous.max_head_offpolicyness
     params = SamplingParams(max_new_tokens=rl.rollout.max_new_tokens, n=rl.batch.group_size, temperature=rl.rollout.temperature,
@@ -203,7 +206,8 @@ def _generate_loop(ctx, role: Role, state: _State, engine, encoder, train_set, t
         if state.stop:
             return
         todo.put({"step": b, "indices": indices, "result": result, "idle_s": idle, "trajectories": trajs,
-                  "busy_s": time.perf_counter() - t0, "skipped": encoder.skipped})
+                  "busy_s": time.perf_counter() - t0, "skipped": encoder.skipped,
+                  "bad_records": skips.take() if skips is not None else []})
 
 
 def _weights_loop(state: _State, bridge, model, engine) -> None:
@@ -261,6 +265,7 @@ def _score_items(state: _State, bridge, todo, manager, train_set) -> None:
                    "total": scored.total if scored else [], "per_reward": scored.per_reward if scored else {},
                    "reward_s": time.perf_counter() - t0, "idle_s": item["idle_s"], "busy_s": item["busy_s"],
                    "gen_s": result.seconds if result is not None else 0.0, "skipped": item["skipped"],
+                   "bad_records": item.get("bad_records", []),
                    "reward_fail": manager.metrics()}
         if item.get("trajectories") is not None:  # [rl.env]: + the environment's turn rewards, the trajectories
             from megatron_vlm.rl.asynchronous.multiturn import add_trajectories

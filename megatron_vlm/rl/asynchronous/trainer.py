@@ -8,7 +8,8 @@ happens after the update. Per step s (the trainer holds policy version s = steps
 
 1. receive step s's groups (training rank 0 from every rollout rank; with M > 1 training ranks the
    groups are dealt round-robin over their data shards, the tp / cp ranks of a shard taking the same): completions, behaviour log-probs, per-token versions,
-   rewards — the wait is the trainer's idle time. Step s + 1's groups are asked for ("want") as soon as
+   rewards, and the prompts the rollout rank could not encode (bad records: training rank 0 keeps them in the
+   run's log, saved with the step's checkpoint) — the wait is the trainer's idle time. Step s + 1's groups are asked for ("want") as soon as
    step s's have arrived and received by a background thread while step s trains (`_Prefetch`), so the
    exchange (the rollout rank's scoring thread waking, pickling, the transfer) overlaps the update
    instead of adding to every step;
@@ -118,6 +119,8 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
                 if p["step"] != step or p.get("stopped"):
                     raise RuntimeError(f"asynchronous GRPO: rollout rank {r} sent step {p['step']}'s samples"
                                        f"{' (stopped)' if p.get('stopped') else ''}, the trainer is at {step}")
+                if self.bad_records is not None:  # the prompts it skipped for this step: in this step's checkpoint
+                    self.bad_records.extend(p.get("bad_records", ()))
             if step + 1 < self.total_steps:  # ask for the next step now: it arrives while this one trains
                 self.bridge.broadcast_object({"kind": "want", "step": step + 1})
                 self._prefetch = _Prefetch(self.bridge, step + 1, n_rollout)

@@ -7,7 +7,7 @@
 # Next lease (what the 2026-11-28 H200 run left open: the compiled 16k step, fp8's kernel table, torch's varlen attention
 # in the step with selective checkpointing keeping its output, the decode step at 64 sequences), two commands of <= 540 s:
 #   bash benchmarks/gpu_wave3.sh sft16k fp8          # 16k packs eager and compiled; fp8 step with a profile per variant
-#   bash benchmarks/gpu_wave3.sh sft decode64         # 8k levers (torch varlen profiled); decode bandwidth at 64 sequences
+#   bash benchmarks/gpu_wave3.sh sft decode32 decode64   # 8k levers (torch varlen profiled); decode steps, fused q / k / v
 # Every step is time-boxed; logs and JSON go to /tmp/w3 ($W3_DIR) (packed into $OUT/w3.tgz after every step, so a command
 # cut short still returns what finished). Figures go to benchmarks/RESULTS.md by hand, with device and versions.
 set -uo pipefail
@@ -72,13 +72,14 @@ if want moe; then  # the MoE decode step in CUDA graphs, Qwen3-VL-30B-A3B at ful
   step moe_decode 80 $PY benchmarks/e2e/profile_decode.py --moe-slice 4 --prompts 2 --group 8 --short 8 --steps 48 \
     --rounds 2 --variants triton:on,triton:off --json "$R/moe_decode.json"
 fi
-if want decode32; then  # the target's 32 sequences (4 prompts x G 8), split-K decode attention in CUDA graphs
+if want decode32; then  # the target's 32 sequences (4 prompts x G 8), split-K decode attention in CUDA graphs, q / k / v
+  # in three GEMMs or one (EngineOptions.fuse_projections: launches were a third of the step on the 2026-11-28 H200)
   step decode32 90 $PY benchmarks/e2e/profile_decode.py --prompts 4 --group 8 --short 8 --steps 48 --rounds 2 \
-    --variants triton:on,triton:on:shared --profile --json "$R/decode32.json"
+    --variants triton:on,triton:on:fused --profile --json "$R/decode32.json"
 fi
 if want decode64; then  # 64 sequences (8 prompts x G 8): how the bandwidth fraction grows with the decode batch
   step decode64 100 $PY benchmarks/e2e/profile_decode.py --prompts 8 --group 8 --short 8 --steps 48 --rounds 2 \
-    --variants triton:on:shared,torch:on --profile --json "$R/decode64.json"
+    --variants triton:on,triton:on:fused,torch:on --profile --json "$R/decode64.json"
 fi
 if want fp8; then  # train.precision = "fp8" (torchao float8 linears): step at a 7B-width slice, loss curve vs bf16
   # 8 layers (the 4-layer slice was 36 GiB, over a third of its linear FLOPs in the LM head); TORCH_LOGS: where the compiled blocks break

@@ -9,7 +9,8 @@ as a fraction of the copy bandwidth measured in the same process (a large device
 bytes read + written). The step time is taken from two `generate` calls of the same shape that differ
 only in their number of new tokens (`--short` and `--short + --steps`), so prefill, vision tower and
 host set-up cancel: step = (t_long - t_short) / steps. Each variant (decode-attention backend x eager /
-CUDA-graph steps, optionally x shared prompt reads: a group's prompt read through one copy) is built once, warmed up (graph captures happen there), then the calls are
+CUDA-graph steps, optionally x shared prompt reads: a group's prompt read through one copy, x fused q / k / v:
+one GEMM per attention layer) is built once, warmed up (graph captures happen there), then the calls are
 interleaved over `--rounds` rounds; min and median are reported.
 
 `--profile` adds a `torch.profiler` kernel table of the first variant's long call minus nothing: the
@@ -39,6 +40,7 @@ from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams  # noqa:
 from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine  # noqa: E402
 from megatron_vlm.kernels import registry  # noqa: E402
 from megatron_vlm.models import build_model  # noqa: E402
+from megatron_vlm.models.common.fused_projections import fuse_qkv  # noqa: E402
 
 
 def copy_bandwidth_gbs(device: str, quick: bool) -> float:
@@ -102,8 +104,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48, help="extra decode steps of the long call")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--variants", default="triton:on,torch:on,triton:off,torch:off",
-                    help="decode_attention backend:cuda_graphs pairs, comma-separated; a third part 'shared' reads a "
-                         "group's shared prompt through one copy (EngineOptions.share_prefix_reads), e.g. triton:on:shared")
+                    help="decode_attention backend:cuda_graphs pairs, comma-separated; further parts: 'shared' reads a "
+                         "group's shared prompt through one copy (EngineOptions.share_prefix_reads), 'fused' runs q / k / v "
+                         "as one GEMM (EngineOptions.fuse_projections), e.g. triton:on:shared:fused")
     ap.add_argument("--moe-slice", type=int, default=0, metavar="LAYERS",
                     help="Qwen3-VL-30B-A3B at full width with only LAYERS decoder layers (MoE, 128 experts, top 8; "
                          "text prompts), instead of the dense 3B shape: the MoE decode step, to extrapolate to 48 layers")
@@ -115,14 +118,16 @@ def main() -> None:
     if args.quick:
         torch.set_num_threads(1)
         cfg, dtype, grid, text_tokens = tiny_config(), torch.float32, (1, 8, 8), 24
-        variants = [("torch", "off", "")]
+        variants = [("torch", "off", frozenset())]
         args.short, args.steps, args.rounds = 2, 4, 1
     else:
         cfg, dtype, grid, text_tokens = qwen2_5_vl_3b_config(), torch.bfloat16, (1, 56, 64), 104
-        variants = [(*v.split(":")[:2], v.split(":")[2] if v.count(":") == 2 else "") for v in args.variants.split(",") if v]
-        bad = [v for v in variants if v[1] not in ("on", "off", "auto") or v[2] not in ("", "shared")]
+        parts = [v.split(":") for v in args.variants.split(",") if v]
+        bad = [":".join(p) for p in parts if len(p) < 2 or p[1] not in ("on", "off", "auto")
+               or not set(p[2:]) <= {"shared", "fused"} or len(set(p[2:])) != len(p[2:])]
         if bad:
-            ap.error(f"--variants: backend:on|off|auto[:shared], got {bad}")
+            ap.error(f"--variants: backend:on|off|auto[:shared][:fused], got {bad}")
+        variants = [(p[0], p[1], frozenset(p[2:])) for p in parts]
     if args.moe_slice:
         from tests.fixtures.real_configs import real_config
 
@@ -134,6 +139,10 @@ def main() -> None:
     model = build_model(cfg, dtype=dtype, device=device)
     model.init_weights()
     model.eval()
+    if any("fused" in flags for _, _, flags in variants):
+        # before any engine: fusing re-makes the q / k / v Parameters, which graphs captured earlier would still read
+        # (the unfused variants run the same values through the views)
+        fuse_qkv(model)
     if args.moe_slice:
         g = torch.Generator().manual_seed(1)
         prompts = [RolloutPrompt(torch.randint(10, 150000, (args.prompt_tokens,), generator=g)) for _ in range(args.prompts)]
@@ -154,12 +163,13 @@ def main() -> None:
             Path(args.json).write_text(json.dumps(out, indent=2))
 
     calls = {}
-    for backend, graphs, shared in variants:
-        name = f"decode_attention={backend}, cuda_graphs={graphs}" + (", shared prompt reads" if shared else "")
+    for backend, graphs, flags in variants:
+        name = (f"decode_attention={backend}, cuda_graphs={graphs}" + (", shared prompt reads" if "shared" in flags else "")
+                + (", fused qkv" if "fused" in flags else ""))
         with registry.use_backends({"decode_attention": backend}):
             eng = PolicyRolloutEngine(model, NoDecode(), EngineOptions(
                 eos_token_ids=[-1], share_prefix=True, device=device, cuda_graphs=graphs,
-                share_prefix_reads=bool(shared)))
+                share_prefix_reads="shared" in flags, fuse_projections="fused" in flags))
         for n_new in (args.short, args.short + args.steps):
             params = SamplingParams(max_new_tokens=n_new, n=args.group, temperature=1.0)
 

@@ -79,7 +79,8 @@ def _rotary_bwd_kernel(
 
 
 def _launch(kernel, x3, cos3, sin3, n_tokens: int, interleaved: bool) -> torch.Tensor:
-    """x3 [R, H, D] contiguous, cos3 / sin3 [B, T, D_rot] (any strides, last stride 1), R = B * T."""
+    """x3 [R, H, D] (any row / head strides, last stride 1), cos3 / sin3 [B, T, D_rot] (any strides, last stride 1),
+    R = B * T; the output is contiguous."""
     rows, heads, d = x3.shape
     y = torch.empty_like(x3)
     if rows == 0 or heads == 0:
@@ -149,7 +150,11 @@ def apply_rotary(
         cos3, sin3 = cos3.contiguous(), sin3.contiguous()
     if sin3.stride() != cos3.stride():
         cos3, sin3 = cos3.contiguous(), sin3.contiguous()
-    x3 = x.reshape(batch * n_tokens, heads, d).contiguous()
+    x3 = x.reshape(batch * n_tokens, heads, d)
     if direct_launch(x, cos, sin):  # inference: no custom-op dispatch (common.direct_launch)
+        # rows and heads are read through their strides: a row-strided x (the q and k heads of a fused q / k / v
+        # projection's output, models/common/fused_projections.py) is rotated in place of a copy
+        if x3.stride(-1) != 1:
+            x3 = x3.contiguous()
         return _launch(_rotary_fwd_kernel, x3, cos3, sin3, cos3.shape[1], bool(interleaved)).reshape(shape)
-    return rotary_op(x3, cos3, sin3, bool(interleaved)).reshape(shape)
+    return rotary_op(x3.contiguous(), cos3, sin3, bool(interleaved)).reshape(shape)

@@ -80,6 +80,7 @@ from megatron_vlm.inference.decode_graphs import DecodeStepRunner, GraphUnsafeEr
 from megatron_vlm.inference.engine import RolloutEngine, RolloutPrompt, RolloutResult, RolloutSample, SamplingParams
 from megatron_vlm.inference.sampling import same_device, sample_tokens
 from megatron_vlm.inference.stopping import StopChecker, eos_token_ids_of
+from megatron_vlm.models.common.fused_projections import fuse_qkv, fused_projections
 from megatron_vlm.models.common.kv_cache import KVCache
 from megatron_vlm.models.common.moe import MoE, moe_layers
 from megatron_vlm.models.common.routing_replay import recording_routes, route_dtype
@@ -252,6 +253,11 @@ class EngineOptions:
     cpu_fused_experts: bool = True
     """CPU, fp32, the engine's own weights: eager decode steps run each MoE layer's routed experts as one C++ call
     on MKL-packed expert weights (inference/cpu_packed_experts.py); routing is unchanged."""
+    fuse_projections: bool = False
+    """The engine's own copy of the weights: each attention layer's q / k / v run as one GEMM over one fused weight
+    that the three layers view (models/common/fused_projections.py: fewer, wider GEMMs and no q / k concatenation
+    per decode step; checkpoint names unchanged). Refused for the trainer's model (an optimizer holds its
+    Parameters). Off by default: not yet measured on a GPU (benchmarks/e2e/profile_decode.py `:fused`)."""
     share_prefix_reads: Optional[bool] = None
     """Decode attention reads a GRPO group's shared prompt through one copy (`SlotCache.share_prefix_reads`: the CPU
     kernel reads it once per group, the Triton kernel from one copy for L2 reuse). None: the cache's default, on
@@ -333,6 +339,9 @@ class PolicyRolloutEngine(RolloutEngine):
         self.suppress_token_ids = torch.tensor(sorted(set(int(i) for i in suppress_token_ids)), dtype=torch.long)
         if sync_from is not None and not self.owns_forward:
             raise ValueError("sync_from: only for an engine that generates with its own copy (forward=None)")
+        if o.fuse_projections and (not self.owns_forward or self.lockstep):
+            raise ValueError("fuse_projections: only for an engine that generates with its own copy of the weights "
+                             "(it re-makes the q / k / v Parameters, which the trainer's optimizer holds)")
         self.sync_from = sync_from
         self.weight_sync_s = 0.0
         self.policy_version = 0
@@ -570,6 +579,10 @@ class PolicyRolloutEngine(RolloutEngine):
              generator: Optional[torch.Generator], stats: dict) -> tuple[list[RolloutSample], bool]:
         n, budget = params.n, params.max_new_tokens
         dev = self._device()
+        # fused q / k / v: idempotent, and fuses again a layer whose views a `.to()` replaced (new addresses: the
+        # kept graphs check theirs before the next replay)
+        if self.options.fuse_projections and fuse_qkv(self.model) and self._runner is not None:
+            self._runner.weights_loaded()
         total = len(prompts) * n
         max_len = max(len(p) for p in prompts) + budget
         cache: Optional[SlotCache] = None
@@ -595,8 +608,9 @@ class PolicyRolloutEngine(RolloutEngine):
         if experts is not None:
             self._expert_packer = experts
         try:
-            return self._loop(_Batch(prompts, offset, params, checker, generator, stats), run,
-                              _Slots(cache, queue, prefixes, num_slots, runner))
+            with fused_projections(self.options.fuse_projections):
+                return self._loop(_Batch(prompts, offset, params, checker, generator, stats), run,
+                                  _Slots(cache, queue, prefixes, num_slots, runner))
         except BaseException:  # a step that failed half-way: nothing of this cache is kept
             self._drop_runner()
             raise

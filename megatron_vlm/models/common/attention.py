@@ -14,7 +14,8 @@ encoders with absolute position embeddings), and every attention call through `k
   `SlotCache`, whose `attend` runs `kernels.decode_attention` on the slot layout.
 
 q, k and v stay separate Linear layers; checkpoints with a fused qkv are split by the family's
-state-dict adapter, never here. Ready for tensor parallelism: the forward takes the number of heads
+state-dict adapter, never here. (The rollout engine may run them as one GEMM over a fused weight that
+the three layers view: models/common/fused_projections.py; names and shapes unchanged.) Ready for tensor parallelism: the forward takes the number of heads
 from the projections' outputs (`-1` in the reshapes), not from the constructor's global counts, so
 a module whose q/k/v projections hold a column shard of the heads (and o_proj the matching row
 shard) computes exactly those heads; `local_heads()` gives the counts such a module holds (e.g. to
@@ -26,9 +27,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatron_vlm import kernels
+from megatron_vlm.models.common.fused_projections import FusedQKV, fused_enabled
 from megatron_vlm.models.common.norms import RMSNorm
 
 
@@ -47,14 +50,17 @@ def attend(
     layer_idx: Optional[int] = None,
     prefix_layout=None,
     context_parallel=None,
+    qk: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Rotary, then attention of per-head q / k / v (`[B, S, H, D]` or packed `[T, H, D]`) in every input
     form above; returns the per-head output (before the output projection). Shared with decoder layers
-    whose projections are not this module's (megatron-core layers: models/mcore/layer.py)."""
+    whose projections are not this module's (megatron-core layers: models/mcore/layer.py). `qk`: q's heads then
+    k's in one tensor (a view of a fused q / k / v output, the same values), which a slot-cache step rotates
+    without concatenating them."""
     if cos is not None and kv_cache is not None and hasattr(kv_cache, "attend") and q.dtype == k.dtype:
         # a decode step of the slot cache: q and k rotated in one call (heads side by side, the rotary is per
         # element: the same numbers), halving the rotary's per-call cost, which dominates at one token per row
-        qk = kernels.apply_rotary(torch.cat([q, k], dim=-2), cos, sin)
+        qk = kernels.apply_rotary(qk if qk is not None else torch.cat([q, k], dim=-2), cos, sin)
         q, k = qk.split([q.shape[-2], k.shape[-2]], dim=-2)
     elif cos is not None:
         q = kernels.apply_rotary(q, cos, sin)
@@ -82,6 +88,9 @@ class Attention(nn.Module):
     context_parallel = None
     """Set by `megatron_vlm.parallel.context_parallel.apply_cp`: packed input then holds this rank's
     tokens only and attends to the keys / values of the whole cp group."""
+    _fused_qkv: Optional[FusedQKV] = None
+    """Set by `fused_projections.fuse_qkv` (the rollout engine's own copy): q / k / v in one GEMM inside
+    `fused_projections()`."""
 
     def __init__(
         self,
@@ -140,7 +149,14 @@ class Attention(nn.Module):
         `prefix_layout` (a `prefix_sharing.PrefixLayout`, packed input only): segments continuing a shared
         prompt attend to its keys too."""
         lead = x.shape[:-1]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        fused, qk = self._fused_qkv, None
+        if fused is not None and fused_enabled() and fused.intact(self.q_proj, self.k_proj, self.v_proj):
+            qkv = F.linear(x, fused.weight, fused.bias)
+            q, k, v = qkv.split(fused.sizes, dim=-1)
+            if self.q_norm is None:  # q and k side by side: the slot cache's rotary takes them as they are
+                qk = qkv.view(*lead, -1, self.head_dim)[..., : (fused.sizes[0] + fused.sizes[1]) // self.head_dim, :]
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None and not self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         # -1: the heads these projections hold (all of them, or a tensor-parallel shard)
@@ -151,5 +167,5 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         out = attend(q, k, v, cos, sin, causal=self.causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                      key_padding_mask=key_padding_mask, kv_cache=kv_cache, layer_idx=layer_idx,
-                     prefix_layout=prefix_layout, context_parallel=self.context_parallel)
+                     prefix_layout=prefix_layout, context_parallel=self.context_parallel, qk=qk)
         return self.o_proj(out.reshape(*lead, -1))

@@ -74,3 +74,14 @@ def test_calls_autograd_records_keep_the_custom_ops():
 def test_a_compile_trace_keeps_the_custom_ops(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert not direct_launch(torch.zeros(2))
+
+
+def test_rotary_reads_row_strided_heads_in_place():
+    """The q and k heads of a fused q / k / v output (a row-strided view) rotate as their contiguous copy does."""
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(3, 1, 4 + 2 + 2, 16, generator=g).to(DEVICE)  # [B, T, q 4 | k 2 | v 2 heads, D]
+    cos, sin = torch.randn(3, 1, 16, generator=g).to(DEVICE), torch.randn(3, 1, 16, generator=g).to(DEVICE)
+    qk = qkv[..., :6, :]
+    assert not qk.is_contiguous()
+    with torch.no_grad():
+        assert torch.equal(T_rot.apply_rotary(qk, cos, sin), T_rot.apply_rotary(qk.contiguous(), cos, sin))

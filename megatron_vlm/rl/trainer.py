@@ -30,6 +30,7 @@ from megatron_vlm.inference.kv_budget import kv_bytes_per_slot, rollout_prompts_
 from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
 from megatron_vlm.parallel.collectives import any_rank, barrier
 from megatron_vlm.parallel.precision import compute_dtype
+from megatron_vlm.rl.asynchronous.bridge import current_role
 from megatron_vlm.rl.config import RLConfig
 from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.prompts.data_state import grpo_data_state, grpo_data_state_refusal
@@ -169,7 +170,9 @@ def build_grpo_parts(ctx: RunContext, bundle: ModelBundle) -> GRPOParts:
     bad_records, found = BadRecordLog(), BadRecordLog()
     sets = load_prompt_sets(cfg.data, rl, run_dir=ctx.run_dir, is_main=env.is_main, barrier=barrier, bad_records=found)
     # over-long / unreadable prompts out before the first step (exit 2 when none is left), as the rollout ranks do
-    sets = drop_unusable_prompts(sets, bundle.processor, cfg.data, rl, found)
+    # a synchronous job's ranks all come here together: each estimates a share of the prompts (an all-gather); the
+    # asynchronous trainer ranks do not share a collective with the rollout ranks here, so each runs the whole pass
+    sets = drop_unusable_prompts(sets, bundle.processor, cfg.data, rl, found, split_over_ranks=current_role() is None)
     keep_planning_records(found, bad_records)  # every rank reads the same prompts: counted once, not once per rank
     log.info("GRPO prompts: %d train, %s held-out", len(sets.train), len(sets.eval) if sets.eval else "no")
     dtype = compute_dtype(cfg.train.precision, getattr(torch, cfg.model.dtype), env.device)

@@ -16,9 +16,12 @@ decoded although its header could; those are still skipped and counted there.
 
 Lengths come from `data.lengths.compute_lengths` (the chat template, the tokenizer and image headers:
 exact, no pixel decoding), the same estimate SFT plans its packs with; it is not cached (a prompt
-set has no file identity of its own here), which costs about a millisecond per prompt at start-up.
-It runs in the training process alone: `data.num_workers` is refused in GRPO, so its length pool
-(`compute_lengths(num_workers=...)`) is not used here.
+set has no file identity of its own here), which costs about a millisecond per prompt at start-up
+(with images, the headers read). A synchronous job's ranks all call this together, so there each
+estimates 1 / world of the prompts and the lengths and bad records are all-gathered
+(`split_over_ranks`: every rank keeps the same prompts as the serial pass); the asynchronous trainer and
+rollout ranks reach it at different times, so each of them runs the whole pass. `data.num_workers` is
+refused in GRPO, so the length pool of forked workers is not used here.
 The trainer and the asynchronous rollout ranks call this with the same configuration, so both keep
 the same prompts in the same order.
 """
@@ -98,10 +101,12 @@ class _PromptRecords:
         return s.source or s.prompt_id, s.index
 
 
-def _filter(ds: PromptDataset, processor, data_cfg: Any, budget: int, key: str, log_to: BadRecordLog) -> PromptDataset:
+def _filter(ds: PromptDataset, processor, data_cfg: Any, budget: int, key: str, log_to: BadRecordLog,
+            split_over_ranks: bool) -> PromptDataset:
     found = BadRecordLog()
     lengths = compute_lengths(_PromptRecords(ds, key), processor, max_frames=data_cfg.max_frames, for_generation=True,
-                              fps=data_cfg.fps, limits=MediaLimits.from_config(data_cfg), bad_records=found)
+                              fps=data_cfg.fps, limits=MediaLimits.from_config(data_cfg), bad_records=found,
+                              split_over_ranks=split_over_ranks)
     keep = [i for i in range(len(ds)) if 0 < lengths[i] <= budget]
     for i in np.nonzero(lengths > budget)[0]:
         s = ds[int(i)]
@@ -124,11 +129,13 @@ def _filter(ds: PromptDataset, processor, data_cfg: Any, budget: int, key: str, 
 
 
 def drop_unusable_prompts(sets: PromptSets, processor, data_cfg: Any, rl_cfg: Any,
-                          bad_records: Optional[BadRecordLog] = None) -> PromptSets:
+                          bad_records: Optional[BadRecordLog] = None, *, split_over_ranks: bool = False) -> PromptSets:
     """`sets` without the prompts that cannot fit or be read (module docstring); what was dropped goes
-    to each set's `bad_records` and to `bad_records` (the run's log) when given."""
+    to each set's `bad_records` and to `bad_records` (the run's log) when given. `split_over_ranks`: every
+    rank of the default process group calls this together (a collective; the result is the serial pass's)."""
     budget = prompt_token_budget(data_cfg, rl_cfg)
     run_log = bad_records if bad_records is not None else BadRecordLog()
-    train = _filter(sets.train, processor, data_cfg, budget, "data.train_path", run_log)
-    evals = _filter(sets.eval, processor, data_cfg, budget, "data.eval_path", run_log) if sets.eval else None
+    train = _filter(sets.train, processor, data_cfg, budget, "data.train_path", run_log, split_over_ranks)
+    evals = (_filter(sets.eval, processor, data_cfg, budget, "data.eval_path", run_log, split_over_ranks)
+             if sets.eval else None)
     return PromptSets(train, evals)

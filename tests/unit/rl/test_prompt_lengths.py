@@ -99,3 +99,46 @@ def test_prompts_longer_than_a_trajectory_are_skipped_and_counted(proc):
     edge = ToolPromptEncoder(inner, [], max_total_tokens=lengths[1] + 1)
     assert torch.equal(edge.encode(long_).input_ids, inner.encode(long_).input_ids)
     assert ToolPromptEncoder(inner, [], max_total_tokens=lengths[1]).encode(long_) is None
+
+
+def _split_rank(rank, world, store, path, proc, queue):
+    import torch.distributed as dist
+
+    from megatron_vlm.data import lengths as lengths_mod
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        calls = []
+        original = lengths_mod.estimate_length
+        lengths_mod.estimate_length = lambda *a, **k: calls.append(1) or original(*a, **k)
+        log = BadRecordLog()
+        out = drop_unusable_prompts(PromptSets(load_prompt_dataset(path, schema="messages"), None), proc, *_cfgs(60),
+                                    log, split_over_ranks=True)
+        queue.put((rank, [s.index for s in out.train.samples], log.to_dict(), len(calls)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_synchronous_ranks_split_the_estimate_and_keep_the_serial_prompts(tmp_path, proc):
+    """Every rank of a synchronous job filters together: each estimates half the prompts (two gloo ranks), and
+    both keep exactly the prompts and bad records of the serial pass."""
+    import multiprocessing as mp
+
+    write_png_bomb(tmp_path / "bomb.png", 9_000)
+    qs = ["What colour?", "word " * 300, "BOMB", "What shape?", "word " * 100, "Which?", "What size?", "Where?"]
+    path, ds = _set(tmp_path, qs)
+    want_log = BadRecordLog()
+    want = drop_unusable_prompts(PromptSets(ds, None), proc, *_cfgs(60), want_log)
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_split_rank, args=(r, 2, tmp_path / "store", path, proc, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert [s.index for s in want.train.samples] == [1, 4, 6, 7, 8] and want_log.entries
+    for rank, kept, log, calls in got:
+        assert kept == [s.index for s in want.train.samples], rank
+        assert log == want_log.to_dict(), rank
+        assert calls == len(qs) // 2, rank  # its share only

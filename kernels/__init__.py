@@ -31,6 +31,7 @@ __all__ = [
     "ssd_chunk_scan",
     "ssd_state_update",
     "decode_attention",
+    "kv_cache_write",
     "moe_permute",
     "grouped_mm",
     "moe_unpermute",
@@ -134,6 +135,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     softmax_scale, shared_prefix (which sequences hold copies of one prompt). Contract:
     `kernels/reference/decode_attention.py`."""
     return DEFAULT_REGISTRY.resolve("decode_attention", q)(q, k_cache, v_cache, cache_seqlens, **kwargs)
+
+
+def kv_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index0: torch.Tensor,
+                   index1: torch.Tensor) -> None:
+    """Row i of k / v `[N, Hkv, D]` into `k_cache` / `v_cache[index0[i], index1[i]]` (the caches `[A, B, Hkv, D]`,
+    cast to their dtype): a decode step's cache write. Contract: `kernels/reference/kv_cache_write.py`."""
+    DEFAULT_REGISTRY.resolve("kv_cache_write", k)(k, v, k_cache, v_cache, index0, index1)
 
 
 def moe_permute(hidden: torch.Tensor, topk_ids: torch.Tensor, *, num_experts: Optional[int] = None):

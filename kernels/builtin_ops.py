@@ -30,6 +30,7 @@ MAMBA_MOE_OPS = (
     ("ssd_chunk_scan", "ssd"),
     ("ssd_state_update", "ssd"),
     ("decode_attention", "decode_attention"),
+    ("kv_cache_write", "kv_cache_write"),
     ("moe_permute", "moe"),
     ("grouped_mm", "moe"),
     ("moe_unpermute", "moe"),
@@ -96,6 +97,10 @@ def register_builtin_ops(registry) -> None:
     # graphs vs 7.61 (7.38) for the torch backend (gather + SDPA); eager steps 33.5 vs 35.9 ms (host-bound both)
     register("decode_attention", "triton", "triton.decode_attention:decode_attention", check=triton_check,
              auto_devices=("cuda",), priority=10)
+    # a decode step's keys and values in one launch instead of four: forced only until timed in the decode step on a
+    # GPU (benchmarks/e2e/profile_decode.py variant ':fused')
+    register("kv_cache_write", "triton", "triton.kv_cache_write:kv_cache_write", check=triton_check, auto_devices=(),
+             priority=10)
     # torch's fused LayerNorm: our Triton layer_norm ran 0.68x / 0.97x its time (fwd / bwd) on an H100 at the
     # InternViT shape (bench_rms_norm, benchmarks/RESULTS.md, 2026-11-26)
     register("layer_norm", "torch_fused", "torch_fused.norms:layer_norm", auto_devices=("cuda",), priority=15)

@@ -31,6 +31,9 @@ class KernelsConfig:
     """Mamba2 single-step state update (decoding): auto | torch | mamba_ssm (mamba-ssm's selective_state_update on CUDA; experimental: not yet run on a GPU)."""
     decode_attention: str = "auto"
     """One query token per sequence against a slot / paged KV cache (rollout decoding): auto | torch (gather + masked SDPA) | triton (split-K Triton kernel; auto on CUDA: 1.29x the torch backend per CUDA-graph decode step at the 3B shape on an H200) | csrc (C++, one task per sequence, its cache walked in address order; auto on CPU)."""
+    kv_cache_write: str = "auto"
+    """A decode step's new keys / values into the slot / paged KV cache: auto | torch (two index_put) | triton (one
+    launch for keys and values; forced only: not yet timed in a decode step on a GPU)."""
     moe_permute: str = "auto"
     """MoE token permutation grouped by expert: auto | torch | npu | csrc."""
     grouped_mm: str = "auto"

@@ -9,8 +9,8 @@ as a fraction of the copy bandwidth measured in the same process (a large device
 bytes read + written). The step time is taken from two `generate` calls of the same shape that differ
 only in their number of new tokens (`--short` and `--short + --steps`), so prefill, vision tower and
 host set-up cancel: step = (t_long - t_short) / steps. Each variant (decode-attention backend x eager /
-CUDA-graph steps, optionally x shared prompt reads: a group's prompt read through one copy, x fused q / k / v:
-one GEMM per attention layer) is built once, warmed up (graph captures happen there), then the calls are
+CUDA-graph steps, optionally x shared prompt reads: a group's prompt read through one copy, x fused: q / k / v
+in one GEMM per attention layer and its keys / values written to the cache in one launch) is built once, warmed up (graph captures happen there), then the calls are
 interleaved over `--rounds` rounds; min and median are reported.
 
 `--profile` adds a `torch.profiler` kernel table of the first variant's long call minus nothing: the
@@ -106,7 +106,8 @@ def main() -> None:
     ap.add_argument("--variants", default="triton:on,torch:on,triton:off,torch:off",
                     help="decode_attention backend:cuda_graphs pairs, comma-separated; further parts: 'shared' reads a "
                          "group's shared prompt through one copy (EngineOptions.share_prefix_reads), 'fused' runs q / k / v "
-                         "as one GEMM (EngineOptions.fuse_projections), e.g. triton:on:shared:fused")
+                         "as one GEMM (EngineOptions.fuse_projections) and writes keys / values in one launch "
+                         "(kernels.kv_cache_write = triton), e.g. triton:on:shared:fused")
     ap.add_argument("--moe-slice", type=int, default=0, metavar="LAYERS",
                     help="Qwen3-VL-30B-A3B at full width with only LAYERS decoder layers (MoE, 128 experts, top 8; "
                          "text prompts), instead of the dense 3B shape: the MoE decode step, to extrapolate to 48 layers")
@@ -166,16 +167,18 @@ def main() -> None:
     for backend, graphs, flags in variants:
         name = (f"decode_attention={backend}, cuda_graphs={graphs}" + (", shared prompt reads" if "shared" in flags else "")
                 + (", fused qkv" if "fused" in flags else ""))
-        with registry.use_backends({"decode_attention": backend}):
+        # fused: q / k / v in one GEMM and each layer's keys / values written in one launch (kernels.kv_cache_write)
+        choice = {"decode_attention": backend, **({"kv_cache_write": "triton"} if "fused" in flags else {})}
+        with registry.use_backends(choice):
             eng = PolicyRolloutEngine(model, NoDecode(), EngineOptions(
                 eos_token_ids=[-1], share_prefix=True, device=device, cuda_graphs=graphs,
                 share_prefix_reads="shared" in flags, fuse_projections="fused" in flags))
         for n_new in (args.short, args.short + args.steps):
             params = SamplingParams(max_new_tokens=n_new, n=args.group, temperature=1.0)
 
-            def call(eng=eng, params=params, backend=backend):
+            def call(eng=eng, params=params, choice=choice):
                 gen = torch.Generator(device=device).manual_seed(0)
-                with registry.use_backends({"decode_attention": backend}):
+                with registry.use_backends(choice):
                     return eng.generate(prompts, params, generator=gen)
             calls[(name, n_new)] = call
         t0 = time.perf_counter()

@@ -78,11 +78,10 @@ def fuse_qkv(model: nn.Module) -> int:
     (a layer already fused and intact is left as it is: 0 on a second call). Fusing re-makes Parameters (new
     addresses): CUDA graphs captured on this model before must be captured again (an engine created after the
     fusion, or told through `weights_loaded`)."""
-    from megatron_vlm.models.common.attention import Attention
-
     fused = 0
     for m in model.modules():
-        if not isinstance(m, Attention):
+        # the models' Attention (models/common/attention.py declares `_fused_qkv`; not imported here: it imports us)
+        if not all(hasattr(m, name) for name in ("_fused_qkv", "q_proj", "k_proj", "v_proj")):
             continue
         lins = (m.q_proj, m.k_proj, m.v_proj)
         if any(type(lin) is not nn.Linear for lin in lins):

@@ -270,8 +270,7 @@ class SlotCache:
             keys.view(-1, *keys.shape[2:]).index_copy_(0, self._flat, k[:, 0].to(keys.dtype))
             values.view(-1, *values.shape[2:]).index_copy_(0, self._flat, v[:, 0].to(values.dtype))
         else:  # a static (graph) step, or a cache that is not one block
-            keys[self._active, self._pos] = k[:, 0].to(keys.dtype)
-            values[self._active, self._pos] = v[:, 0].to(values.dtype)
+            kernels.kv_cache_write(k[:, 0], v[:, 0], keys, values, self._active, self._pos)
         return self._seqlens
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -465,8 +464,7 @@ class PagedSlotCache(SlotCache):
             raise RuntimeError("PagedSlotCache: attend / update outside begin_step / end_step")
         if k.shape[:2] != (self.batch, 1):
             raise ValueError(f"PagedSlotCache: layer {layer_idx} k has shape {tuple(k.shape)}, expected [{self.batch}, 1, ...]")
-        self.keys[layer_idx][self._wblock, self._woff] = k[:, 0].to(self.keys[layer_idx].dtype)
-        self.values[layer_idx][self._wblock, self._woff] = v[:, 0].to(self.values[layer_idx].dtype)
+        kernels.kv_cache_write(k[:, 0], v[:, 0], self.keys[layer_idx], self.values[layer_idx], self._wblock, self._woff)
         return self._seqlens
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -115,3 +115,20 @@ def test_trainer_forward_is_refused():
     model, _ = _model("qwen3")
     with pytest.raises(ValueError, match="fuse_projections"):
         PolicyRolloutEngine(model, Tok(), EngineOptions(eos_token_ids=[-1], fuse_projections=True), forward=model)
+
+
+@pytest.mark.parametrize("layout", [{"cuda_graphs": "on"}, {"kv_block_size": 4}])  # static slot steps; paged cache
+def test_triton_cache_writes_give_the_same_rollouts(layout):
+    """The Triton KV-cache write (interpreted here), which the fused variant of the decode benchmark times, against
+    the torch backend's index_put: the same tokens and log-probs."""
+    from megatron_vlm.kernels import use_backends
+
+    model, prompts = _model("qwen2_5_vl")
+
+    def run():
+        eng = PolicyRolloutEngine(model, Tok(), EngineOptions(eos_token_ids=[-1], max_num_seqs=4, **layout))
+        return eng.generate(prompts, SamplingParams(max_new_tokens=6, n=2, temperature=0.0)).samples
+
+    ref = run()
+    with use_backends({"kv_cache_write": "triton"}):
+        _same(run(), ref)

@@ -254,19 +254,36 @@ def _write_hf_files(model: nn.Module, args, hf: dict[str, torch.Tensor], path: P
         (path / _INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
     config = dict(getattr(model, "hf_config", None) or args.to_hf_config())
-    float_dtypes = {v.dtype for v in hf.values() if v.is_floating_point()}
-    if len(float_dtypes) == 1:
-        name = _DTYPE_NAMES.get(next(iter(float_dtypes)))
-        if name:
-            config["dtype"] = name
-            if "torch_dtype" in config:
-                config["torch_dtype"] = name
+    name = _DTYPE_NAMES.get(_main_dtype(hf))
+    if name:
+        config = {**_with_dtype(config, name), "dtype": name}
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     gen = getattr(model, "hf_generation_config", None)
     if gen:
         (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     if copy_from is not None:
         copy_tokenizer_files(copy_from, path, overwrite_generation_config=not gen)
+
+
+def _main_dtype(hf: dict[str, torch.Tensor]) -> Optional[torch.dtype]:
+    """The floating dtype holding most of the weights (None: no floating tensor). A bf16 export keeps a few tensors
+    fp32 on purpose (`_fp32_by_design`); config.json must still name bf16, the dtype transformers' `dtype="auto"`
+    and vLLM load the model in (fp32 would double its memory)."""
+    numel: dict[torch.dtype, int] = {}
+    for v in hf.values():
+        if v.is_floating_point():
+            numel[v.dtype] = numel.get(v.dtype, 0) + v.numel()
+    return max(numel, key=lambda d: numel[d]) if numel else None
+
+
+def _with_dtype(config: dict, name: str) -> dict:
+    """`config` with its `dtype` set to `name`, and every `dtype` / `torch_dtype` field already there (also in
+    nested sub-configs such as text_config) too, so none names a dtype the weights are not in."""
+    out = {k: (_with_dtype(v, name) if isinstance(v, dict) else v) for k, v in config.items()}
+    for key in ("dtype", "torch_dtype"):
+        if key in out:
+            out[key] = name
+    return out
 
 
 def _link_or_copy(src: str, dst: str) -> None:

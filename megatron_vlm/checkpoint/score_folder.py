@@ -23,7 +23,7 @@ def write_score_files(path: Path, backbone: Any, backbone_state: dict[str, torch
     """The files of a reward model folder into the existing folder `path`: `backbone_state` (our names; any
     `lm_head.*` dropped) through the family's adapter of `backbone` (its `args`, `hf_config`), `score_state` as
     `score.*`; returns the tensors written (transformers' names)."""
-    from megatron_vlm.checkpoint.hf import copy_tokenizer_files
+    from megatron_vlm.checkpoint.hf import _DTYPE_NAMES, _main_dtype, _with_dtype, copy_tokenizer_files
     from megatron_vlm.models.registry import family_for_args
 
     adapter = family_for_args(backbone.args).state_dict_adapter(backbone.args)
@@ -37,6 +37,9 @@ def write_score_files(path: Path, backbone: Any, backbone_state: dict[str, torch
         seen.add(ptr)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     config = dict(getattr(backbone, "hf_config", None) or backbone.args.to_hf_config())
+    name = _DTYPE_NAMES.get(_main_dtype(tensors))
+    if name:  # the dtype written, not the source's: transformers' dtype="auto" and vLLM load in it
+        config = {**_with_dtype(config, name), "dtype": name}
     arch = architecture or f"{type(backbone).__name__.split('For')[0]}ForSequenceClassification"
     n = int(score_state["weight"].shape[0])
     config.update(architectures=[arch], num_labels=n, id2label={str(i): f"LABEL_{i}" for i in range(n)},

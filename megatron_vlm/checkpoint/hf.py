@@ -11,7 +11,8 @@ Saving (`save_hf_model`): the adapter maps our state dict to HF keys; tensors ar
 safetensors (sharded with an index past `max_shard_size`), with the model's original config.json
 dict (`model.hf_config`, dtype fields updated to what is written) and its generation config; with
 `copy_from`, the tokenizer / processor / chat-template files of a source folder are copied too.
-The folder is never written in place: everything goes to a temporary sibling (`.<name>.tmp`), the
+The folder is never written in place (a symlink: the folder it names, `export_folder`): everything goes to a
+temporary sibling (`.<name>.tmp`), the
 files of an existing folder that this export does not rewrite (e.g. a processor written there
 first) are carried over — files of the previous export (weights, adapter, generation config) are
 not — the whole is fsynced, the old folder is moved
@@ -193,7 +194,7 @@ def save_hf_model(
     The folder is replaced as a whole once complete (see the module docstring): a crash or a full
     disk leaves the previous folder intact.
     """
-    path = Path(path)
+    path = export_folder(path)
     args = model.args
     family = family_for_args(args)
     adapter = family.state_dict_adapter(args)
@@ -355,6 +356,19 @@ def copy_tokenizer_files(src: Union[str, Path], dst: Union[str, Path], *, overwr
 # existing folder of the same name is moved aside first and deleted only after its replacement has
 # its marker, so a crash or a full disk at any moment leaves the previous complete folder on disk
 # (in place, or under its "old" name, which the next start restores — see `CheckpointManager.cleanup`).
+
+
+def export_folder(path: Union[str, Path]) -> Path:
+    """The folder an export named `path` replaces: the folder a symlink names (so a `hf` linked to shared storage
+    is replaced there and the link kept, rather than replaced by a folder beside it), refused before anything is
+    written when it exists and is not a folder."""
+    path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} exists and is not a folder; an export writes a folder there (remove the "
+                                 "file or name another folder)")
+    return path
 
 
 def share_like_umask(folder: Path) -> None:

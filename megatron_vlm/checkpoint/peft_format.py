@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_vlm.checkpoint.hf import replace_dir, share_like_umask
+from megatron_vlm.checkpoint.hf import export_folder, replace_dir, share_like_umask
 from megatron_vlm.finite import check_finite
 from megatron_vlm.models.common.state_dict_utils import rename_first
 from megatron_vlm.models.registry import get_family
@@ -131,7 +131,7 @@ def save_peft_adapter(
 
     The folder is written to a temporary sibling and put in place when complete (a crash leaves the
     previous adapter intact). Raises ValueError naming a module that has no PEFT name."""
-    path = Path(path)
+    path = export_folder(path)
     check_finite(_named(factors), f"refusing to write the LoRA adapter {path}")
     names = PeftNames(hf_config)
     tensors: dict[str, torch.Tensor] = {}

@@ -1,6 +1,7 @@
 """A `parallel.backend = "mcore"` run with parallel.tp = 2 (2 processes, tiny Qwen2.5-VL): its distributed
 checkpoint (megatron-core names, fc1 rows laid out per tp rank) converts offline with
-`launch/convert_checkpoint.py` to the run's own Hugging Face export, tensor for tensor."""
+`launch/convert_checkpoint.py` to the run's own Hugging Face export, tensor for tensor; a LoRA run's to its PEFT
+adapter and (--merge) its merged export."""
 from __future__ import annotations
 
 import subprocess
@@ -11,7 +12,7 @@ import torch
 from jobs import REPO, load_safetensors_dir, run_job, small_demo_overrides
 
 pytest.importorskip("megatron.core")
-pytestmark = [pytest.mark.distributed, pytest.mark.heavy]  # ~20 s
+pytestmark = [pytest.mark.distributed, pytest.mark.heavy]  # ~20 s each
 
 
 def test_mcore_tp2_checkpoint_converts_to_the_runs_export(tmp_path):
@@ -27,3 +28,19 @@ def test_mcore_tp2_checkpoint_converts_to_the_runs_export(tmp_path):
                     str(out / "checkpoints" / "step_2"), "--out", str(conv)], check=True, cwd=str(REPO), timeout=300)
     a, b = load_safetensors_dir(out / "hf"), load_safetensors_dir(conv)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_mcore_tp2_lora_checkpoint_converts_to_the_runs_adapter_and_merged_export(tmp_path):
+    from test_lora_job import _overrides
+
+    run_job(small_demo_overrides(tmp_path / "warmup", tmp_path, **{"train.max_steps": 1, "checkpoint.enable": "false",
+                                                                     "checkpoint.export_hf": "false"}))
+    out = tmp_path / "run"
+    run_job(_overrides(out, tmp_path, **{"parallel.backend": '"mcore"', "parallel.tp": 2}), nproc=2)
+    for merge, theirs in ((False, "adapter"), (True, "hf")):
+        conv = tmp_path / f"converted_{theirs}"
+        subprocess.run([sys.executable, str(REPO / "launch/convert_checkpoint.py"), "--checkpoint",
+                        str(out / "checkpoints" / "step_3"), "--out", str(conv), *(["--merge"] if merge else [])],
+                       check=True, cwd=str(REPO), timeout=300)
+        a, b = load_safetensors_dir(out / theirs), load_safetensors_dir(conv)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), theirs

@@ -218,7 +218,11 @@ def _mcore_to_native(sd: dict, model, tp: int, ep: int) -> dict:
 
     import torch.distributed as dist
 
-    from megatron_vlm.models.mcore.layer import McoreDecoderLayer, native_state_dict, use_mcore_layers
+    try:
+        from megatron_vlm.models.mcore.layer import McoreDecoderLayer, native_state_dict, use_mcore_layers
+    except ImportError as e:
+        raise RuntimeError(f"the checkpoint holds megatron-core decoder layers (parallel.backend = \"mcore\"); "
+                           f"converting it needs megatron-core, as training did (the \"mcore\" extra): {e}") from None
 
     own = not dist.is_initialized()
     with tempfile.TemporaryDirectory() as tmp:

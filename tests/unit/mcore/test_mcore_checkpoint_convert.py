@@ -36,10 +36,11 @@ class _Wrapper(nn.Module):
         self.model = model
 
 
-def test_an_mcore_checkpoint_converts_to_a_folder_transformers_runs_as_trained(tmp_path, mcore_state, capsys):
-    import transformers
-
-    folder = build_tiny_qwen_text_folder(tmp_path / "base", model_type="qwen3_moe", seed=2)
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, mcore_state):
+    """(step folder, the trained megatron-core model): a tiny Qwen3-MoE run's checkpoint, parallel.backend = mcore."""
+    tmp = tmp_path_factory.mktemp("mcore_ckpt")
+    folder = build_tiny_qwen_text_folder(tmp / "base", model_type="qwen3_moe", seed=2)
     model = load_hf_model(folder).eval()
     use_mcore_layers(model)
     with torch.no_grad():  # trained: every weight differs from model.path's
@@ -51,14 +52,28 @@ def test_an_mcore_checkpoint_converts_to_a_folder_transformers_runs_as_trained(t
                         model_type="qwen3_moe", world_size=1, mcore_tp=1, mcore_ep=1)
     wrapper = _Wrapper(model)
     opt = torch.optim.AdamW(wrapper.parameters(), lr=1e-3)
-    CheckpointManager(tmp_path / "run", keep_last=0, rank=0).save(1, wrapper, opt, {"data": {}}, layout=layout)
-    ids = torch.randint(3, 200, (2, 11), generator=g)
+    CheckpointManager(tmp / "run", keep_last=0, rank=0).save(1, wrapper, opt, {"data": {}}, layout=layout)
+    return tmp / "run" / "checkpoints" / "step_1", model
+
+
+def test_an_mcore_checkpoint_converts_to_a_folder_transformers_runs_as_trained(checkpoint, tmp_path, capsys):
+    import transformers
+
+    step, model = checkpoint
+    ids = torch.randint(3, 200, (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours = model(ids)
-
     out = tmp_path / "converted"
-    code = convert_checkpoint.main(["--checkpoint", str(tmp_path / "run" / "checkpoints" / "step_1"), "--out", str(out)])
+    code = convert_checkpoint.main(["--checkpoint", str(step), "--out", str(out)])
     assert code == 0, capsys.readouterr().err
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(input_ids=ids).logits, ours, rtol=1e-4, atol=1e-4)
+
+
+def test_without_megatron_core_the_error_says_what_is_missing(checkpoint, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "megatron_vlm.models.mcore.layer", None)  # as where it is not installed
+    code = convert_checkpoint.main(["--checkpoint", str(checkpoint[0]), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "needs megatron-core" in err and 'parallel.backend = "mcore"' in err, err
+    assert not (tmp_path / "out").exists()

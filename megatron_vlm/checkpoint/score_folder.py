@@ -44,7 +44,25 @@ def write_score_files(path: Path, backbone: Any, backbone_state: dict[str, torch
     n = int(score_state["weight"].shape[0])
     config.update(architectures=[arch], num_labels=n, id2label={str(i): f"LABEL_{i}" for i in range(n)},
                   label2id={f"LABEL_{i}": i for i in range(n)})
+    if config.get("pad_token_id") is None and copy_from is not None:
+        pad = _tokenizer_pad_token_id(copy_from)
+        if pad is not None:  # transformers' ...ForSequenceClassification refuses batches without it
+            config["pad_token_id"] = pad
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if copy_from is not None:
         copy_tokenizer_files(copy_from, path)
     return tensors
+
+
+def _tokenizer_pad_token_id(folder: Union[str, Path]) -> Optional[int]:
+    """The pad token id of the tokenizer in `folder` (None: no tokenizer there, or none set). Qwen2.5 / Qwen3
+    config.json files name none while their tokenizers do; a sequence-classification model needs it in its config
+    to find each row's last token of a padded batch (transformers refuses batches of more than one without it)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError):
+        return None
+    pad = tokenizer.pad_token_id
+    return None if pad is None else int(pad)

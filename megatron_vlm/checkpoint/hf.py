@@ -218,8 +218,8 @@ def save_hf_model(
         _write_hf_files(model, args, hf, tmp, max_shard_size, copy_from)
         share_like_umask(tmp)
         previous = path if path.is_dir() else old if old.is_dir() else None  # old: a crash between two renames
-        if previous is not None:
-            _carry_over(previous, tmp)
+        if previous is not None:  # with copy_from, the tokenizer / processor files are the source's alone
+            _carry_over(previous, tmp, owned=_EXPORT_OWNED + (_TOKENIZER_FILE_PATTERNS if copy_from is not None else []))
         replace_dir(tmp, path, old, marker=EXPORT_MARKER, marker_text="hugging face export complete\n",
                     is_complete=Path.is_dir)  # any existing folder is kept until the new one is in place
     except BaseException:
@@ -303,13 +303,14 @@ markers): never carried over from the folder an export replaces, so an export ne
 exports (a stale adapter_config.json beside merged weights makes transformers + peft apply the LoRA twice)."""
 
 
-def _carry_over(old: Path, new: Path) -> None:
-    """Hard-link (or copy) into `new` what `old` holds that `new` lacks, except the files of an export
-    (`_EXPORT_OWNED`): writing an export into a folder keeps its other files (a processor written there
-    first), as writing in place did."""
+def _carry_over(old: Path, new: Path, owned: list[str]) -> None:
+    """Hard-link (or copy) into `new` what `old` holds that `new` lacks, except the files of an export (`owned`:
+    `_EXPORT_OWNED`, and the tokenizer / processor files when the export copies them from a source folder, so none
+    of another model's is left beside them): writing an export into a folder keeps its other files (a processor
+    written there first, for an export without a source folder), as writing in place did."""
     for entry in old.iterdir():
         name = entry.name
-        if (new / name).exists() or any(re.fullmatch(p, name) for p in _EXPORT_OWNED):
+        if (new / name).exists() or any(re.fullmatch(p, name) for p in owned):
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.copytree(entry, new / name, symlinks=True, copy_function=_link_or_copy)

@@ -139,3 +139,24 @@ def test_export_onto_a_file_is_refused_before_writing(tmp_path, model, monkeypat
     with pytest.raises(NotADirectoryError, match="not a folder"):
         save_hf_model(model, out)
     assert out.read_text() == "not a folder" and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_export_with_copy_from_keeps_no_tokenizer_files_of_an_earlier_export(tmp_path, model):
+    """An export copying the tokenizer / processor files of `copy_from` into a folder that held another model's
+    export drops that export's tokenizer / processor files the source lacks: a stale chat_template.jinja wins over
+    the tokenizer_config.json template in transformers, a stale preprocessor_config.json makes a text model's folder
+    look like a vision model's. Other files stay."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "tokenizer_config.json").write_text('{"chat_template": "NEW"}')
+    (src / "tokenizer.json").write_text("{}")
+    out = tmp_path / "hf"
+    out.mkdir()
+    for name in ("chat_template.jinja", "preprocessor_config.json", "vocab.json", "merges.txt", "tokenizer_config.json"):
+        (out / name).write_text("OLD")
+    (out / "README.md").write_text("notes")
+    save_hf_model(model, out, copy_from=src)
+    names = {p.name for p in out.iterdir()}
+    assert not names & {"chat_template.jinja", "preprocessor_config.json", "vocab.json", "merges.txt"}, names
+    assert (out / "tokenizer_config.json").read_text() == '{"chat_template": "NEW"}'
+    assert {"README.md", "tokenizer.json", "model.safetensors", "config.json"} <= names

@@ -11,11 +11,11 @@ Saving (`save_hf_model`): the adapter maps our state dict to HF keys; tensors ar
 safetensors (sharded with an index past `max_shard_size`), with the model's original config.json
 dict (`model.hf_config`, dtype fields updated to what is written) and its generation config; with
 `copy_from`, the tokenizer / processor / chat-template files of a source folder are copied too.
-The folder is never written in place (a symlink: the folder it names, `export_folder`): everything goes to a
-temporary sibling (`.<name>.tmp`), the
-files of an existing folder that this export does not rewrite (e.g. a processor written there
-first) are carried over — files of the previous export (weights, adapter, generation config) are
-not — the whole is fsynced, the old folder is moved
+The folder is never written in place (a symlink: the folder it names, `export_folder`): everything
+goes to a temporary sibling (`.<name>.tmp`), the files of an existing folder that this export does
+not rewrite (e.g. a processor written there first) are carried over — files of the previous export
+(weights, adapter, generation config; with `copy_from`, tokenizer / processor files) are not — the
+whole is fsynced, the old folder is moved
 to `.<name>.old`, the new one renamed into place, a `.export_complete` marker written and the old
 folder deleted (`checkpoint.fsutil.replace_dir`). A crash or a full disk therefore never destroys
 the previous export: at worst it is found under `.<name>.old`, and the next export tidies up.

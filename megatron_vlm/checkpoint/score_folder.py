@@ -40,7 +40,7 @@ def write_score_files(path: Path, backbone: Any, backbone_state: dict[str, torch
     name = _DTYPE_NAMES.get(_main_dtype(tensors))
     if name:  # the dtype written, not the source's: transformers' dtype="auto" and vLLM load in it
         config = {**_with_dtype(config, name), "dtype": name}
-    arch = architecture or f"{type(backbone).__name__.split('For')[0]}ForSequenceClassification"
+    arch = architecture or _classification_architecture(backbone, config)
     n = int(score_state["weight"].shape[0])
     config.update(architectures=[arch], num_labels=n, id2label={str(i): f"LABEL_{i}" for i in range(n)},
                   label2id={f"LABEL_{i}": i for i in range(n)})
@@ -52,6 +52,18 @@ def write_score_files(path: Path, backbone: Any, backbone_state: dict[str, torch
     if copy_from is not None:
         copy_tokenizer_files(copy_from, path)
     return tensors
+
+
+def _classification_architecture(backbone: Any, config: dict) -> str:
+    """`<Family>ForSequenceClassification`: for a causal LM source (`Qwen2ForCausalLM`, ...) the class transformers
+    and vLLM have by that name (they pick the class by `architectures`); a vision-language family, which has none,
+    is named after our module."""
+    source = str((config.get("architectures") or [""])[0])
+    if source.endswith("ForSequenceClassification"):  # trained on from a reward model folder
+        return source
+    if source.endswith("ForCausalLM"):
+        return source[: -len("ForCausalLM")] + "ForSequenceClassification"
+    return f"{type(backbone).__name__.split('For')[0]}ForSequenceClassification"
 
 
 def _tokenizer_pad_token_id(folder: Union[str, Path]) -> Optional[int]:

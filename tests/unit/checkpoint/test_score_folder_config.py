@@ -1,4 +1,4 @@
-"""A reward model folder's config.json names the dtype its tensors are in and the pad token id.
+"""A reward model folder's config.json: the dtype its tensors are in, the pad token id, transformers' class name.
 
 A reward run from a hub model (config.json: bfloat16) trains fp32 weights and exports them fp32; the folder kept
 the source's "bfloat16", so transformers' `dtype="auto"` (and vLLM) scored in bf16, not with the trained weights.
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from megatron_vlm.checkpoint.hf import load_hf_model
@@ -58,3 +59,18 @@ def test_reward_export_of_a_model_without_pad_token_id_scores_batches_in_transfo
     with torch.no_grad():
         ours = root({"input_ids": torch.cat(seqs)[None], "cu_seqlens": torch.tensor([0, 9, 13, 26], dtype=torch.int32)})
     torch.testing.assert_close(hf_scores(hf, seqs), ours, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3_moe"])
+def test_reward_export_of_a_text_family_names_transformers_class(tmp_path, model_type):
+    """vLLM picks the model class by config.json's `architectures`; a text family's reward folder must name
+    transformers' `<Family>ForSequenceClassification` (it named `QwenTextForSequenceClassification`, our module's
+    name, which neither vLLM nor transformers knows)."""
+    import transformers
+
+    folder = build_tiny_qwen_text_folder(tmp_path / "causal", model_type=model_type, seed=4)
+    root = ScoreRoot(load_hf_model(folder, dtype=torch.float32), std=0.5, seed=1).eval()
+    export_score_folder(root.state_dict(), root.model, tmp_path / "hf", copy_from=folder)
+    (arch,) = json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"]
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf")
+    assert arch == type(hf).__name__ and getattr(transformers, arch) is type(hf)

@@ -7,6 +7,9 @@ dropout it notes), so an edited or overwritten config.toml never changes what is
 
     python launch/convert_checkpoint.py --checkpoint runs/demo_sft/checkpoints/step_100 --out /tmp/hf
 
+A checkpoint of a `parallel.backend = "mcore"` run (its decoder layers under megatron-core's names, written
+under any parallel.tp / parallel.ep) is converted to the same folder as the run's own export.
+
 A reward-model run's checkpoint (`train.mode = "reward"`) is written as the `...ForSequenceClassification` folder
 its run exports at the end (backbone + `score` head: the folder `[[rl.rewards]] type = "model"` loads).
 
@@ -156,13 +159,19 @@ def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool) -> int
         targets = _checkpoint_lora_modules(ckpt) or list(select_lora_targets(
             model, hf_config, lora.target_modules, include_vision=lora.include_vision))
         apply_lora(model, targets, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, use_rslora=lora.use_rslora)
-    state = {"model": {f"model.{k}": v for k, v in model.state_dict().items()}}
+    mcore = _mcore_layout(ckpt, layout)
+    if mcore is None:
+        state = {"model": {f"model.{k}": v for k, v in model.state_dict().items()}}
+    else:  # the checkpoint's global tensors, allocated from its metadata (expert shapes depend on parallel.ep)
+        state = {"model": _stored_tensors(ckpt, "model.model.")}
     try:
         dcp.load(state, checkpoint_id=str(ckpt))
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         return _error(f"cannot read {ckpt} into the model of {model_path} (another size than the checkpoint's, or a "
                       f"damaged shard): {describe_error(e)}")
     sd = {k[len("model."):]: v for k, v in state["model"].items()}
+    if mcore is not None:
+        sd = _mcore_to_native(sd, model, *mcore)
     check_finite(sd, f"{ckpt}: the checkpoint is corrupt")
     if lora is not None and not merge:
         write_adapter(Path(out), sd, hf_config, lora, base_model_name_or_path=str(model_path))
@@ -173,6 +182,68 @@ def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool) -> int
     export_hf_from_state_dict(sd, model_path, out)
     print(f"wrote {out}")
     return 0
+
+
+def _mcore_layout(ckpt: Path, layout) -> tuple[int, int] | None:
+    """(tp, ep) the megatron-core layers of a `parallel.backend = "mcore"` checkpoint were saved with (their fc1
+    rows and expert tensors are laid out per rank of them, models/mcore/tp_shard.py / ep_shard.py); None for a
+    checkpoint of native layers."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    if (layout or {}).get("parallel.backend") != "mcore" and not any(".mcore." in k for k in keys):
+        return None
+    return int((layout or {}).get("mcore_tp") or 1), int((layout or {}).get("mcore_ep") or 1)
+
+
+def _stored_tensors(ckpt: Path, prefix: str) -> dict:
+    """Empty tensors of the checkpoint's own shapes and dtypes for its tensors under `prefix` (DCP's flattened
+    names), keyed as `dcp.load` is given them under the top-level key (`prefix` less its first part)."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    top = prefix.split(".", 1)[0] + "."
+    return {k[len(top):]: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in keys.items()
+            if k.startswith(prefix) and isinstance(m, TensorStorageMetadata) and not k.endswith("_extra_state")}
+
+
+def _mcore_to_native(sd: dict, model, tp: int, ep: int) -> dict:
+    """The state of a `parallel.backend = "mcore"` checkpoint (megatron-core layer names, global tensors saved
+    under tensor / expert parallel sizes `tp` / `ep`) -> native names and full tensors, as the run's own export
+    converts it (`native_state_dict`). `model`: the native model (LoRA applied as in the run); its decoder layers
+    are swapped for megatron-core ones here (one process: a gloo group of one is set up for megatron-core)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    try:
+        from megatron_vlm.models.mcore.layer import McoreDecoderLayer, native_state_dict, use_mcore_layers
+    except ImportError as e:
+        raise RuntimeError(f"the checkpoint holds megatron-core decoder layers (parallel.backend = \"mcore\"); "
+                           f"converting it needs megatron-core, as training did (the \"mcore\" extra): {e}") from None
+
+    own = not dist.is_initialized()
+    with tempfile.TemporaryDirectory() as tmp:
+        if own:
+            dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
+        try:
+            use_mcore_layers(model)
+            fused = any(k.endswith(".linear_qkv.layer_norm_weight") for k in sd)  # written with transformer-engine
+            for layer in model.language_model.layers:
+                layer.tp = tp
+                if layer.is_moe if isinstance(layer, McoreDecoderLayer) else layer.block_type == "moe":
+                    layer.ep = ep  # the others are not expert-sharded
+                if isinstance(layer, McoreDecoderLayer):
+                    layer.te_fused_norms = fused
+            return native_state_dict(sd, model)
+        finally:
+            if own:
+                from megatron.core import parallel_state
+
+                parallel_state.destroy_model_parallel()
+                dist.destroy_process_group()
 
 
 def _holds_score_head(ckpt: Path) -> bool:

@@ -11,10 +11,11 @@ Saving (`save_hf_model`): the adapter maps our state dict to HF keys; tensors ar
 safetensors (sharded with an index past `max_shard_size`), with the model's original config.json
 dict (`model.hf_config`, dtype fields updated to what is written) and its generation config; with
 `copy_from`, the tokenizer / processor / chat-template files of a source folder are copied too.
-The folder is never written in place: everything goes to a temporary sibling (`.<name>.tmp`), the
-files of an existing folder that this export does not rewrite (e.g. a processor written there
-first) are carried over — files of the previous export (weights, adapter, generation config) are
-not — the whole is fsynced, the old folder is moved
+The folder is never written in place (a symlink: the folder it names, `export_folder`): everything
+goes to a temporary sibling (`.<name>.tmp`), the files of an existing folder that this export does
+not rewrite (e.g. a processor written there first) are carried over — files of the previous export
+(weights, adapter, generation config; with `copy_from`, tokenizer / processor files) are not — the
+whole is fsynced, the old folder is moved
 to `.<name>.old`, the new one renamed into place, a `.export_complete` marker written and the old
 folder deleted (`checkpoint.fsutil.replace_dir`). A crash or a full disk therefore never destroys
 the previous export: at worst it is found under `.<name>.old`, and the next export tidies up.
@@ -193,7 +194,7 @@ def save_hf_model(
     The folder is replaced as a whole once complete (see the module docstring): a crash or a full
     disk leaves the previous folder intact.
     """
-    path = Path(path)
+    path = export_folder(path)
     args = model.args
     family = family_for_args(args)
     adapter = family.state_dict_adapter(args)
@@ -217,8 +218,8 @@ def save_hf_model(
         _write_hf_files(model, args, hf, tmp, max_shard_size, copy_from)
         share_like_umask(tmp)
         previous = path if path.is_dir() else old if old.is_dir() else None  # old: a crash between two renames
-        if previous is not None:
-            _carry_over(previous, tmp)
+        if previous is not None:  # with copy_from, the tokenizer / processor files are the source's alone
+            _carry_over(previous, tmp, owned=_EXPORT_OWNED + (_TOKENIZER_FILE_PATTERNS if copy_from is not None else []))
         replace_dir(tmp, path, old, marker=EXPORT_MARKER, marker_text="hugging face export complete\n",
                     is_complete=Path.is_dir)  # any existing folder is kept until the new one is in place
     except BaseException:
@@ -254,19 +255,36 @@ def _write_hf_files(model: nn.Module, args, hf: dict[str, torch.Tensor], path: P
         (path / _INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
     config = dict(getattr(model, "hf_config", None) or args.to_hf_config())
-    float_dtypes = {v.dtype for v in hf.values() if v.is_floating_point()}
-    if len(float_dtypes) == 1:
-        name = _DTYPE_NAMES.get(next(iter(float_dtypes)))
-        if name:
-            config["dtype"] = name
-            if "torch_dtype" in config:
-                config["torch_dtype"] = name
+    name = _DTYPE_NAMES.get(_main_dtype(hf))
+    if name:
+        config = {**_with_dtype(config, name), "dtype": name}
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     gen = getattr(model, "hf_generation_config", None)
     if gen:
         (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     if copy_from is not None:
         copy_tokenizer_files(copy_from, path, overwrite_generation_config=not gen)
+
+
+def _main_dtype(hf: dict[str, torch.Tensor]) -> Optional[torch.dtype]:
+    """The floating dtype holding most of the weights (None: no floating tensor). A bf16 export keeps a few tensors
+    fp32 on purpose (`_fp32_by_design`); config.json must still name bf16, the dtype transformers' `dtype="auto"`
+    and vLLM load the model in (fp32 would double its memory)."""
+    numel: dict[torch.dtype, int] = {}
+    for v in hf.values():
+        if v.is_floating_point():
+            numel[v.dtype] = numel.get(v.dtype, 0) + v.numel()
+    return max(numel, key=lambda d: numel[d]) if numel else None
+
+
+def _with_dtype(config: dict, name: str) -> dict:
+    """`config` with its `dtype` set to `name`, and every `dtype` / `torch_dtype` field already there (also in
+    nested sub-configs such as text_config) too, so none names a dtype the weights are not in."""
+    out = {k: (_with_dtype(v, name) if isinstance(v, dict) else v) for k, v in config.items()}
+    for key in ("dtype", "torch_dtype"):
+        if key in out:
+            out[key] = name
+    return out
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -285,13 +303,14 @@ markers): never carried over from the folder an export replaces, so an export ne
 exports (a stale adapter_config.json beside merged weights makes transformers + peft apply the LoRA twice)."""
 
 
-def _carry_over(old: Path, new: Path) -> None:
-    """Hard-link (or copy) into `new` what `old` holds that `new` lacks, except the files of an export
-    (`_EXPORT_OWNED`): writing an export into a folder keeps its other files (a processor written there
-    first), as writing in place did."""
+def _carry_over(old: Path, new: Path, owned: list[str]) -> None:
+    """Hard-link (or copy) into `new` what `old` holds that `new` lacks, except the files of an export (`owned`:
+    `_EXPORT_OWNED`, and the tokenizer / processor files when the export copies them from a source folder, so none
+    of another model's is left beside them): writing an export into a folder keeps its other files (a processor
+    written there first, for an export without a source folder), as writing in place did."""
     for entry in old.iterdir():
         name = entry.name
-        if (new / name).exists() or any(re.fullmatch(p, name) for p in _EXPORT_OWNED):
+        if (new / name).exists() or any(re.fullmatch(p, name) for p in owned):
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.copytree(entry, new / name, symlinks=True, copy_function=_link_or_copy)
@@ -338,6 +357,19 @@ def copy_tokenizer_files(src: Union[str, Path], dst: Union[str, Path], *, overwr
 # existing folder of the same name is moved aside first and deleted only after its replacement has
 # its marker, so a crash or a full disk at any moment leaves the previous complete folder on disk
 # (in place, or under its "old" name, which the next start restores — see `CheckpointManager.cleanup`).
+
+
+def export_folder(path: Union[str, Path]) -> Path:
+    """The folder an export named `path` replaces: the folder a symlink names (so a `hf` linked to shared storage
+    is replaced there and the link kept, rather than replaced by a folder beside it), refused before anything is
+    written when it exists and is not a folder."""
+    path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} exists and is not a folder; an export writes a folder there (remove the "
+                                 "file or name another folder)")
+    return path
 
 
 def share_like_umask(folder: Path) -> None:

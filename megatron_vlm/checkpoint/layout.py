@@ -95,11 +95,8 @@ def _new_run(how: str) -> str:
 
 
 def _hf_folder(saved: dict, ckpt: Path, *, merged: bool) -> str:
-    """Where a Hugging Face folder of the checkpoint's weights comes from."""
-    run = ckpt.parent.parent
-    if saved.get("parallel.backend") == "mcore":  # launch/convert_checkpoint.py builds native layers
-        return (f"model.path = the Hugging Face export of the run that wrote it ({run / 'hf'}, written when that run "
-                "finishes" + (", with the adapter merged in" if merged else "") + ")")
+    """Where a Hugging Face folder of the checkpoint's weights comes from (launch/convert_checkpoint.py converts
+    native and megatron-core layers alike)."""
     return (f"model.path = a Hugging Face folder of it (python launch/convert_checkpoint.py --checkpoint {ckpt}"
             + (" --merge" if merged else "") + " --out DIR" + ("; the adapter merged in" if merged else "") + ")")
 
@@ -163,9 +160,8 @@ def adapter_refusal(saved: dict, now: dict, in_ckpt: set[str], in_run: set[str],
     only = "; ".join(part for part in (
         f"only in the checkpoint: {_some(in_ckpt - in_run)}" if in_ckpt - in_run else "",
         f"only in this run: {_some(in_run - in_ckpt)}" if in_run - in_ckpt else "") if part)
-    how = ("lora.init_from = its adapter (the run's adapter/ folder" + (
-        "" if saved.get("parallel.backend") == "mcore" else f", or python launch/convert_checkpoint.py --checkpoint {ckpt} "
-        "--out DIR") + ") and lora.init_from_mode = \"merge\"")
+    how = ("lora.init_from = its adapter (the run's adapter/ folder, or python launch/convert_checkpoint.py "
+           f"--checkpoint {ckpt} --out DIR) and lora.init_from_mode = \"merge\"")
     return (f"lora.target_modules: {ckpt} has adapters on {len(in_ckpt)} layers, this run on {len(in_run)} ({only}); it "
             f"was written with lora.target_modules = {_v(l_saved['target_modules'])}, lora.include_vision = "
             f"{_v(l_saved['include_vision'])}, this run has lora.target_modules = {_v(l_now['target_modules'])}, "

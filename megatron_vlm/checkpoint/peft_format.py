@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_vlm.checkpoint.hf import replace_dir, share_like_umask
+from megatron_vlm.checkpoint.hf import export_folder, replace_dir, share_like_umask
 from megatron_vlm.finite import check_finite
 from megatron_vlm.models.common.state_dict_utils import rename_first
 from megatron_vlm.models.registry import get_family
@@ -131,7 +131,7 @@ def save_peft_adapter(
 
     The folder is written to a temporary sibling and put in place when complete (a crash leaves the
     previous adapter intact). Raises ValueError naming a module that has no PEFT name."""
-    path = Path(path)
+    path = export_folder(path)
     check_finite(_named(factors), f"refusing to write the LoRA adapter {path}")
     names = PeftNames(hf_config)
     tensors: dict[str, torch.Tensor] = {}
@@ -147,7 +147,7 @@ def save_peft_adapter(
             tensors[f"{_PREFIX}{peft}.{part}.weight"] = t.to(dtype) if dtype is not None else t
     config = {
         "peft_type": "LORA",
-        "task_type": None,
+        **_auto_class_fields(hf_config),
         "base_model_name_or_path": base_model_name_or_path,
         "r": int(r),
         "lora_alpha": alpha,
@@ -179,6 +179,20 @@ def save_peft_adapter(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _auto_class_fields(hf_config: dict) -> dict:
+    """What `AutoPeftModel*.from_pretrained(adapter)` reads to build the base model: a causal LM's `task_type`
+    ("CAUSAL_LM", for `AutoPeftModelForCausalLM`); otherwise, as peft writes for a model without a task type, the
+    `auto_mapping` to transformers' class of the architecture (for `AutoPeftModel`), when transformers has one."""
+    arch = str((hf_config.get("architectures") or [""])[0])
+    if arch.endswith("ForCausalLM"):
+        return {"task_type": "CAUSAL_LM"}
+    import transformers
+
+    if arch and hasattr(transformers, arch):
+        return {"task_type": None, "auto_mapping": {"base_model_class": arch, "parent_library": "transformers"}}
+    return {"task_type": None}
 
 
 def read_peft_adapter(path: Union[str, Path], hf_config: dict) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor]]]:

@@ -13,7 +13,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from megatron_vlm.checkpoint.hf import EXPORT_MARKER, replace_dir, share_like_umask
+from megatron_vlm.checkpoint.hf import EXPORT_MARKER, export_folder, replace_dir, share_like_umask
 from megatron_vlm.checkpoint.manager import (
     FAILURES,
     CheckpointError,
@@ -33,6 +33,7 @@ log = logging.getLogger("megatron_vlm")
 
 def export_score_folder(state: dict, backbone, out_dir: Path, *, copy_from) -> None:
     """Write the gathered `ScoreRoot` state dict `state` (keys `model.*`, `score.*`) as a reward model folder."""
+    out_dir = export_folder(out_dir)
     backbone_state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
     score_state = {k[len("score."):]: v for k, v in state.items() if k.startswith("score.")}
     check_finite({**backbone_state, **{f"score.{k}": v for k, v in score_state.items()}},

@@ -105,3 +105,58 @@ def test_export_files_are_readable_as_the_umask_allows(tmp_path, model, umask):
         os.umask(old)
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
     assert set(modes.values()) == {0o666 & ~umask}, modes
+
+
+def test_export_to_a_symlinked_folder_replaces_the_folder_it_names(tmp_path, model):
+    """`hf` a symlink to a folder elsewhere (shared storage): the export replaces that folder and the link stays.
+    It used to replace the link itself by a new folder beside it, leave the target stale and a dangling
+    `.hf.old` link behind."""
+    target = tmp_path / "shared" / "hf"
+    save_hf_model(model, target)
+    (target / "tokenizer_config.json").write_text("{}")
+    before = (target / "model.safetensors").read_bytes()
+    (tmp_path / "run").mkdir()
+    link = tmp_path / "run" / "hf"
+    link.symlink_to(target)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    try:
+        save_hf_model(model, link)
+    finally:
+        with torch.no_grad():
+            next(model.parameters()).sub_(1.0)
+    assert link.is_symlink() and link.resolve() == target.resolve()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["hf"]
+    assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["hf"]
+    assert (target / "tokenizer_config.json").is_file() and (target / hf_mod.EXPORT_MARKER).is_file()
+    assert (target / "model.safetensors").read_bytes() != before  # the new weights
+
+
+def test_export_onto_a_file_is_refused_before_writing(tmp_path, model, monkeypatch):
+    out = tmp_path / "hf"
+    out.write_text("not a folder")
+    monkeypatch.setattr(hf_mod, "save_file", lambda *a, **k: pytest.fail("wrote weights for an export it refuses"))
+    with pytest.raises(NotADirectoryError, match="not a folder"):
+        save_hf_model(model, out)
+    assert out.read_text() == "not a folder" and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_export_with_copy_from_keeps_no_tokenizer_files_of_an_earlier_export(tmp_path, model):
+    """An export copying the tokenizer / processor files of `copy_from` into a folder that held another model's
+    export drops that export's tokenizer / processor files the source lacks: a stale chat_template.jinja wins over
+    the tokenizer_config.json template in transformers, a stale preprocessor_config.json makes a text model's folder
+    look like a vision model's. Other files stay."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "tokenizer_config.json").write_text('{"chat_template": "NEW"}')
+    (src / "tokenizer.json").write_text("{}")
+    out = tmp_path / "hf"
+    out.mkdir()
+    for name in ("chat_template.jinja", "preprocessor_config.json", "vocab.json", "merges.txt", "tokenizer_config.json"):
+        (out / name).write_text("OLD")
+    (out / "README.md").write_text("notes")
+    save_hf_model(model, out, copy_from=src)
+    names = {p.name for p in out.iterdir()}
+    assert not names & {"chat_template.jinja", "preprocessor_config.json", "vocab.json", "merges.txt"}, names
+    assert (out / "tokenizer_config.json").read_text() == '{"chat_template": "NEW"}'
+    assert {"README.md", "tokenizer.json", "model.safetensors", "config.json"} <= names

@@ -162,3 +162,22 @@ def test_training_step_backward_reaches_vision_and_projector(pair):
     assert model.multi_modal_projector.linear_1.weight.grad.abs().sum() > 0
     assert model.vision_model.embeddings.patch_projection.weight.grad.abs().sum() > 0
     assert model.vision_model.encoder.layer[0].layer_scale1.lambda1.grad is not None
+
+
+def test_bf16_export_says_bfloat16_and_loads_in_bf16(pair, tmp_path):
+    """A bf16 export keeps the router weight and score-correction bias fp32 (as transformers does); its config.json
+    must still say bfloat16, or transformers' dtype="auto" (and vLLM) load the whole model in fp32."""
+    import json
+
+    from safetensors import safe_open
+
+    _, ours, _ = pair
+    out = save_hf_model(ours, tmp_path / "export", dtype=torch.bfloat16)
+    with safe_open(str(out / "model.safetensors"), "pt") as r:
+        dtypes = {k: r.get_slice(k).get_dtype() for k in r.keys()}  # noqa: SIM118 -- safe_open handles are not iterable
+    assert "F32" in dtypes.values() and "BF16" in dtypes.values()  # the mix this test is about
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"
+    assert config["text_config"].get("dtype", "bfloat16") == "bfloat16"  # no sub-config names another dtype
+    reloaded = NemotronH_Omni_Reasoning_V3.from_pretrained(out, dtype="auto")
+    assert reloaded.get_input_embeddings().weight.dtype == torch.bfloat16

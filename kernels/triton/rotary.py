@@ -82,7 +82,8 @@ def _launch(kernel, x3, cos3, sin3, n_tokens: int, interleaved: bool) -> torch.T
     """x3 [R, H, D] (any row / head strides, last stride 1), cos3 / sin3 [B, T, D_rot] (any strides, last stride 1),
     R = B * T; the output is contiguous."""
     rows, heads, d = x3.shape
-    y = torch.empty_like(x3)
+    # not empty_like: it keeps a dense x3's permuted strides (heads before rows), and the output is contiguous
+    y = torch.empty(x3.shape, dtype=x3.dtype, device=x3.device)
     if rows == 0 or heads == 0:
         return y
     block_d = max(16, triton.next_power_of_2(d))

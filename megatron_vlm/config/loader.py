@@ -208,8 +208,17 @@ def parse_override_value(text: str) -> Any:
         return text
 
 
+_RUN_LENGTH_KEYS: dict[tuple[str, ...], str] = {("train", "max_steps"): "epochs", ("train", "epochs"): "max_steps"}
+"""The two ways to give a run's length (one of them, never both): a `--set` of one replaces the file's other."""
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply `section.key=value` overrides to a raw TOML dict (before validation)."""
+    """Apply `section.key=value` overrides to a raw TOML dict (before validation).
+
+    A run length on the command line (`--set train.max_steps=200` on a recipe that sets `train.epochs`, as in
+    docs/training.md) replaces the file's other length key: both are refused together, and the command line
+    is what the user means. Both given with `--set` stay refused."""
+    set_keys: set[tuple[str, ...]] = set()
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
@@ -225,6 +234,10 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
                 raise ConfigError(f"{'.'.join(parts[:i + 1])}: is a value, not a table (from --set {item!r})")
             node = nxt
         node[parts[-1]] = parse_override_value(text.strip())
+        set_keys.add(tuple(parts))
+        other = _RUN_LENGTH_KEYS.get(tuple(parts))
+        if other is not None and ("train", other) not in set_keys:
+            node.pop(other, None)
     return raw
 
 

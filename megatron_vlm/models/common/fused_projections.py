@@ -2,7 +2,7 @@
 
 Why: a decode step multiplies a few dozen rows by every weight matrix, so its time goes to kernel
 launches and skinny GEMMs rather than to FLOPs. On an H200 the 3B decode step in CUDA graphs ran ~730
-kernels (about 20 per layer) and its GEMMs reached 61 % of the copy bandwidth; q, k and v are three
+kernels (about 20 per layer) and its GEMMs reached 58 % of the copy bandwidth; q, k and v are three
 launches with k and v only 256 columns wide, and the rotary then concatenates q and k again to rotate
 them in one call (a fourth kernel). One [q | k | v] weight makes that one GEMM whose output already
 holds q and k side by side.

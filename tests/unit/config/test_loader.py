@@ -192,3 +192,19 @@ def test_an_empty_train_layers_pattern_is_refused():
     with pytest.raises(ConfigError, match=r"^train.train_layers: an empty pattern matches every parameter"):
         load_config_dict(_raw(train__train_layers=["visual", ""]))
     assert load_config_dict(_raw(train__train_layers=["visual"])).train.train_layers == ["visual"]
+
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_a_set_run_length_replaces_the_files_other_one():
+    """`--set train.max_steps=N` on a recipe that sets train.epochs (docs/training.md, docs/slurm.md) runs N steps,
+    and `--set train.epochs` on a max_steps config runs epochs: the command line's length replaces the file's;
+    both on the command line are still refused."""
+    cfg = load_config(REPO / "launch/configs/qwen2_5_vl_3b_geometry3k_grpo.toml",
+                      ["train.max_steps=200", "model.path=/ckpt/Qwen2.5-VL-3B-Instruct"])
+    assert (cfg.train.max_steps, cfg.train.epochs) == (200, None)
+    cfg = load_config(REPO / "launch/configs/demo_sft.toml", ["train.epochs=2"])
+    assert (cfg.train.max_steps, cfg.train.epochs) == (None, 2.0)
+    with pytest.raises(ConfigError, match="train.epochs: set max_steps or epochs, not both"):
+        load_config(REPO / "launch/configs/demo_sft.toml", ["train.epochs=2", "train.max_steps=3"])

@@ -85,3 +85,15 @@ def test_rotary_reads_row_strided_heads_in_place():
     assert not qk.is_contiguous()
     with torch.no_grad():
         assert torch.equal(T_rot.apply_rotary(qk, cos, sin), T_rot.apply_rotary(qk.contiguous(), cos, sin))
+
+
+def test_rotary_output_is_contiguous_for_permuted_heads():
+    """A dense x whose heads and tokens are permuted ([1, H, T, D] transposed: its rows fold into a view) gives a
+    contiguous output, as `_launch` says, and the values of its contiguous copy."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 4, 6, 16, generator=g).to(DEVICE).transpose(1, 2)  # [1, T 6, H 4, D]
+    cos, sin = torch.randn(1, 6, 16, generator=g).to(DEVICE), torch.randn(1, 6, 16, generator=g).to(DEVICE)
+    with torch.no_grad():
+        y = T_rot.apply_rotary(x, cos, sin)
+        assert y.is_contiguous()
+        assert torch.equal(y, T_rot.apply_rotary(x.contiguous(), cos, sin))

@@ -140,3 +140,33 @@ def test_selective_policy_saves_cuda_attention_ops(op):
     assert _selective_policy(None, fake) is CheckpointPolicy.MUST_SAVE
     assert _selective_policy(None, SimpleNamespace(_schema=SimpleNamespace(name="aten::_softmax"))) \
         is CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_selective_policy_saves_the_registered_attention_ops():
+    """The attention ops registered here (torch's varlen op where this torch has it, SDPA's kernels, flash-attn's
+    where installed), resolved from `torch.ops` rather than spelled in the test: a renamed op is caught, where the
+    name test above only repeats the list."""
+    import importlib
+
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from megatron_vlm.parallel.apply import SELECTIVE_SAVE_OPS, _selective_policy
+
+    registered = {"aten"}
+    for namespace, module in (("torch_attn", "torch.nn.attention.varlen"), ("flash_attn", "flash_attn.flash_attn_interface")):
+        try:
+            importlib.import_module(module)  # registers the namespace's custom ops
+            registered.add(namespace)
+        except Exception:  # noqa: BLE001 -- absent or unbuildable here: its ops are checked where it imports
+            pass
+    checked = set()
+    for name in SELECTIVE_SAVE_OPS:
+        namespace, op = name.split(".", 1)
+        if namespace not in registered:
+            continue
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        assert packet is not None, f"{name}: no such op in this torch / {namespace}"
+        for overload in packet.overloads():
+            assert _selective_policy(None, getattr(packet, overload)) is CheckpointPolicy.MUST_SAVE, (name, overload)
+        checked.add(name)
+    assert {"aten._scaled_dot_product_flash_attention_for_cpu", "aten._scaled_dot_product_flash_attention"} <= checked

@@ -581,8 +581,10 @@ class PolicyRolloutEngine(RolloutEngine):
         dev = self._device()
         # fused q / k / v: idempotent, and fuses again a layer whose views a `.to()` replaced (new addresses: the
         # kept graphs check theirs before the next replay)
-        if self.options.fuse_projections and fuse_qkv(self.model) and self._runner is not None:
-            self._runner.weights_loaded()
+        if self.options.fuse_projections:
+            with self._step_lock:  # not while another thread writes weights in place (`paused()`)
+                if fuse_qkv(self.model) and self._runner is not None:
+                    self._runner.weights_loaded()
         total = len(prompts) * n
         max_len = max(len(p) for p in prompts) + budget
         cache: Optional[SlotCache] = None

@@ -110,9 +110,20 @@ def test_head_std_from_the_config():
     assert head_std({}, 0.0) == 0.02 and head_std({"initializer_range": 0.05}, 0.3) == 0.3
 
 
-def test_one_packed_forward_of_pairs_equals_each_sequence_alone(tmp_path, tiny_vlm_folder):
+def test_one_packed_forward_of_pairs_equals_each_sequence_alone(tmp_path, tiny_vlm_folder, monkeypatch):
     """A pack of pairs (chosen, rejected, ... with their images) scored in ONE varlen forward gives each sequence the
-    reward it gets alone: `cu_seqlens` keeps sequences and images apart, the last token of each is pooled."""
+    reward it gets alone: `cu_seqlens` keeps sequences and images apart, the last token of each is pooled.
+
+    The trunk runs in fp64 so that packing is the only difference; the score head is fp32 by design, and its dot
+    product over one row and over a pack of rows takes different fp32 kernels (up to ~7e-6 apart on some CPUs), so
+    here it runs in fp64 too (then rounded to fp32, as the head's output is)."""
+    from types import SimpleNamespace
+
+    import megatron_vlm.training.reward.model as reward_model
+
+    linear = torch.nn.functional.linear  # the score head's call only (the module's `F`), not the trunk's layers
+    monkeypatch.setattr(reward_model, "F", SimpleNamespace(linear=lambda x, w, b=None: linear(
+        x.double(), w.double(), None if b is None else b.double()).float()))
     from megatron_vlm.data.config import DataConfig
     from megatron_vlm.data.packing import collate_pack
     from megatron_vlm.data.preference_loader import build_preference_dataloader

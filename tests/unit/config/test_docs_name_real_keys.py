@@ -1,6 +1,7 @@
 """Every dotted config key the documentation names (README, docs/, the packages' READMEs, the comments of
 launch/configs/*.toml and the config docstrings) is a key the loader accepts, so a user who copies one into a
-config or a `--set` does not get an "unknown key" exit instead of what the text promised."""
+config or a `--set` does not get an "unknown key" exit instead of what the text promised; and every
+`megatron_vlm.<module>[.<name>]` it names can be imported, so a reader who looks it up finds it."""
 from __future__ import annotations
 
 import dataclasses
@@ -115,3 +116,23 @@ def test_the_checker_sees_a_wrong_key():
             "([rl.reward_pool] num_workers, memory_limit_mb) `[rl] rollout_backend = ...` [lora] the adapters\n")
     assert unknown_keys(text, "page.md", keys) == ["page.md:1: rl.rollout_weights", "page.md:1: rl.prompts_per_step",
                                                    "page.md:2: [rl.reward_pool] num_workers"]
+
+
+def unknown_code(text: str, where: str) -> list[str]:
+    """`where:line: name` for each `megatron_vlm.a.b` of `text` that is neither a module nor a module's attribute."""
+    bad = []
+    for n, line in enumerate(text.splitlines(), 1):
+        for m in re.finditer(r"(?<![\w/])megatron_vlm((?:\.[A-Za-z_][A-Za-z0-9_]*)+)", line):
+            name = m.group(1)[1:]
+            if name.rsplit(".", 1)[-1] in FILE_SUFFIXES or _module(name):
+                continue
+            bad.append(f"{where}:{n}: megatron_vlm.{name}")
+    return bad
+
+
+def test_documents_name_only_real_code():
+    bad = [b for p in _documents() for b in unknown_code(p.read_text(), str(p.relative_to(REPO)))]
+    assert not bad, "documentation names modules or objects that do not exist:\n" + "\n".join(bad)
+    assert unknown_code("megatron_vlm.models.nemotron_vl.tiny, megatron_vlm.checkpoint.hf.load_hf_model, "
+                        "megatron_vlm.rl.env.demo_eval, megatron_vlm/rl/README.md", "p") == [
+        "p:1: megatron_vlm.models.nemotron_vl.tiny"]

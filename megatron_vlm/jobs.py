@@ -11,7 +11,7 @@ its held-out evaluation from here. Set-up order, per kind (the same on every ran
   (`train.max_steps`, or `train.epochs` x steps per epoch of the loader), optimizer + schedule,
   checkpointer + resume, metrics logger, evaluator, loop;
 - GRPO: config checks, model bundle, prompt sets / engine / rewards / reference, run length
-  (`train.max_steps`, or `train.epochs` x ceil(prompts / rl.batch.prompts_per_step)), optimizer + schedule,
+  (`train.max_steps`, or ceil(`train.epochs` x prompts / rl.batch.prompts_per_step)), optimizer + schedule,
   PPO's critic (`advantage = "gae"`: rl/critic/), checkpointer (with the critic's state) + resume, metrics logger, evaluator, loop; the reward workers are closed however the
   run ends.
 - both: `[moe]` keys on a model without MoE layers are refused (config error, exit 2);

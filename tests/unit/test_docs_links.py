@@ -51,3 +51,27 @@ def test_the_checker_sees_a_broken_link(tmp_path, monkeypatch):
 def test_readme_fits_on_a_screen():
     lines = (REPO / "README.md").read_text().splitlines()
     assert len(lines) <= 200, f"README.md has {len(lines)} lines; move detail into docs/"
+
+
+def split_tables(path: Path) -> list[str]:
+    """`path:line` for each table row that follows a blank line after a table without a header of its own: markdown
+    ends the table at the blank line and prints the rows after it as text."""
+    lines, bad, fence = path.read_text().splitlines(), [], False
+    for n, line in enumerate(lines):
+        if line.startswith("```"):
+            fence = not fence
+        if fence or not line.startswith("|") or n < 2 or lines[n - 1].strip():
+            continue
+        header = n + 1 < len(lines) and re.match(r"^\|\s*:?-+", lines[n + 1])
+        if lines[n - 2].startswith("|") and not header:
+            bad.append(f"{path.relative_to(REPO)}:{n + 1}")
+    return bad
+
+
+def test_tables_are_not_split_by_a_blank_line(tmp_path, monkeypatch):
+    bad = [b for f in _markdown_files() for b in split_tables(f)]
+    assert not bad, "table rows after a blank line (rendered as text):\n" + "\n".join(bad)
+    monkeypatch.setitem(globals(), "REPO", tmp_path)
+    page = tmp_path / "page.md"
+    page.write_text("| a | b |\n|---|---|\n| 1 | 2 |\n\n| 3 | 4 |\n\n| c | d |\n|---|---|\n| 5 | 6 |\n")
+    assert split_tables(page) == ["page.md:5"]

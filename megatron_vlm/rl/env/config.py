@@ -31,7 +31,7 @@ class RLEnvConfig:
     discount: float = 1.0
     """The factor of turn_rewards = "discounted"."""
     sandbox: bool = True
-    """Run the environment in the reward pool's worker processes ([rl.reward_pool] num_workers, memory_limit_mb;
+    """Run the environment in the reward pool's worker processes ([rl.reward_pool] workers, memory_limit_mb;
     the deadline is turn_timeout_s). false = in the trainer process (debugging only: a hang stops the job)."""
 
     def validate(self) -> None:

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from megatron_vlm.data.data_files import DataFileError
 from megatron_vlm.rl.env.base import Environment, Observation, StepResult
 
 __all__ = ["AnswerOnce", "evaluate_tool_demo"]
@@ -58,8 +60,8 @@ def evaluate_tool_demo(model_dir: str | Path, prompts: str | Path, *, env: Optio
     from megatron_vlm.rl.prompts.dataset import load_prompt_dataset
     from megatron_vlm.rl.prompts.encoder import PromptEncoder
 
+    samples = load_prompt_dataset(prompts, columns=columns).samples  # before the model: a bad file fails at once
     model, proc = load_hf_model(str(model_dir)).eval(), load_processor(str(model_dir))
-    samples = load_prompt_dataset(prompts, columns=columns).samples
     if limit:
         samples = samples[:limit]
     name = env or f"{__name__}:AnswerOnce"
@@ -102,9 +104,17 @@ def main(argv=None) -> None:
     p.add_argument("--examples", type=int, default=3, help="conversations to print")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    out = evaluate_tool_demo(a.model_dir, a.prompts, env=a.env, env_kwargs=json.loads(a.env_kwargs), reward=a.reward,
-                             columns=json.loads(a.columns) if a.columns else None, max_new_tokens=a.max_new_tokens,
-                             max_turns=a.max_turns, limit=a.limit, examples=a.examples)
+    try:
+        env_kwargs, columns = json.loads(a.env_kwargs), json.loads(a.columns) if a.columns else None
+    except json.JSONDecodeError as e:
+        p.error(f"--env-kwargs / --columns: not JSON ({e})")
+    try:
+        out = evaluate_tool_demo(a.model_dir, a.prompts, env=a.env, env_kwargs=env_kwargs, reward=a.reward,
+                                 columns=columns, max_new_tokens=a.max_new_tokens, max_turns=a.max_turns,
+                                 limit=a.limit, examples=a.examples)
+    except DataFileError as e:  # a prompt file that does not open or whose columns need --columns: one line, exit 2
+        print(f"error: prompts: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(json.dumps(out, indent=1))
 
 

@@ -27,3 +27,19 @@ def test_both_arms_run_on_held_out_prompts(tmp_path):
         assert 0.0 <= out["accuracy"] <= 1.0 and sum(out["finish"].values()) == 3
     assert bare["turns_mean"] == 1.0 and bare["tool_calls"] == 0
     assert 1.0 <= tool["turns_mean"] <= 2.0
+
+
+def test_cli_names_a_prompt_file_it_cannot_read(tmp_path, capsys):
+    """The docs' command without --columns on the calculator's question / answer table: one error line naming
+    the columns it found, exit 2, before any model is loaded (the model folder here does not exist)."""
+    from megatron_vlm.rl.env.demo_eval import main
+
+    paths = write_synthetic_calculator(tmp_path / "data", low=10, high=12, eval_size=2, test_size=2)
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "no_model"), str(paths["test"]), "--env", "calculator"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "\nerror: prompts:" in "\n" + err and "['answer', 'question']" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "no_model"), str(paths["test"]), "--columns", "{prompt: question}"])
+    assert e.value.code == 2 and "--columns" in capsys.readouterr().err

@@ -213,9 +213,11 @@ def test_config_refuses_fp8_where_it_cannot_run(tmp_path, train, sections, key):
         _cfg(tmp_path, train, **sections)
 
 
-def test_config_refuses_fp8_outside_sft(tmp_path):
-    with pytest.raises(ConfigError, match=r"train\.precision.*grpo"):
-        _cfg(tmp_path, {"precision": "fp8", "mode": "grpo"}, rl={})
+@pytest.mark.parametrize("mode, sections", [("grpo", {"rl": {}}), ("dpo", {}), ("reward", {})])
+def test_config_refuses_fp8_outside_sft(tmp_path, mode, sections):
+    """docs/training.md ("FP8 training") and docs/dpo.md: GRPO, DPO and reward-model jobs exit 2 naming the key."""
+    with pytest.raises(ConfigError, match=rf"train\.precision.*{mode}"):
+        _cfg(tmp_path, {"precision": "fp8", "mode": mode}, **sections)
 
 
 def test_unset_recipe_is_logged_as_tensorwise(caplog):

@@ -23,7 +23,7 @@ from megatron_vlm.parallel import destroy_distributed, init_distributed
 from megatron_vlm.rl.asynchronous.bridge import setup_roles
 from megatron_vlm.rl.rewards.failure_watch import RewardsAllFailedError
 from megatron_vlm.rl.trainer import check_model_folder
-from megatron_vlm.testing.synthesize import synthesize_model_folder
+from megatron_vlm.testing.synthesize import synthesize_model_folder, synthesized_mismatch
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.run_lock import claim_run_dir
 from megatron_vlm.training.step_guard import NonFiniteStepError
@@ -36,6 +36,9 @@ log = logging.getLogger("megatron_vlm")
 def _prepare_model_folder(cfg, env) -> None:
     path = Path(cfg.model.path)
     if (path / "config.json").is_file():
+        mismatch = synthesized_mismatch(cfg.model.synthesize, path)
+        if mismatch is not None:
+            raise ConfigError(mismatch)
         return
     if cfg.model.synthesize is None:
         raise FileNotFoundError(f"model.path: {path} has no config.json (set model.synthesize to create a tiny model)")

@@ -21,7 +21,8 @@ class ModelConfig:
                                  "tiny_nemotron_qwen3_vision", "tiny_qwen2", "tiny_qwen3", "tiny_qwen3_moe"]] = None
     """If set and `path` does not exist, build this tiny random model + tokenizer + processor there
     (deterministic, offline; used by the demo and tests; tiny_qwen2 / tiny_qwen3 / tiny_qwen3_moe are
-    text-only)."""
+    text-only). A path holding another tiny model built this way is refused (exit 2); a model folder not
+    built here is used as it is."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the master weights held by the optimizer (bf16 compute comes from [train] precision)."""
 

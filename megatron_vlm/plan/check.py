@@ -53,6 +53,11 @@ class CheckFailed(Exception):
 def _read_model_config(cfg) -> dict:
     path = Path(cfg.model.path) / "config.json"
     if path.is_file():
+        from megatron_vlm.testing.synthesize import synthesized_mismatch
+
+        mismatch = synthesized_mismatch(cfg.model.synthesize, path.parent)
+        if mismatch is not None:
+            raise CheckFailed("model.synthesize", mismatch.split(": ", 1)[1])
         return json.loads(path.read_text())
     if cfg.model.synthesize is None:
         raise CheckFailed("model.path", f"{path} does not exist (--check reads the model's config.json, no weights)")

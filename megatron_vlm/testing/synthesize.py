@@ -1,9 +1,17 @@
 """`[model] synthesize = "<name>"`: the tiny, deterministic, offline model folders the demos and
-tests train (config + random weights + tokenizer + processor files, in the real HF layout)."""
+tests train (config + random weights + tokenizer + processor files, in the real HF layout).
+
+A folder built here holds `synthesized.json` (the tiny model's name and seed). A run that asks for another
+tiny model at a path that holds one (two demo configs sharing a folder, a `--set model.synthesize=...`) is
+refused with the key named instead of training the model that is there; a folder without the file (a real
+checkpoint, or one built before the file existed) is used as it is, as `model.synthesize` says (it builds
+only where nothing is)."""
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Optional
 
 from megatron_vlm.testing.tiny_model import build_tiny_model_folder
 from megatron_vlm.testing.tiny_nemotron_vl import build_tiny_nemotron_qwen3_vision_folder, build_tiny_nemotron_vl_folder
@@ -55,7 +63,27 @@ SYNTHESIZERS: dict[str, Callable[[Path, int], Path]] = {
 }
 
 
+MARKER = "synthesized.json"
+
+
 def synthesize_model_folder(name: str, out_dir: str | Path, *, seed: int = 0) -> Path:
     if name not in SYNTHESIZERS:
         raise ValueError(f"model.synthesize: unknown tiny model {name!r}; known: {sorted(SYNTHESIZERS)}")
-    return SYNTHESIZERS[name](Path(out_dir), seed)
+    folder = SYNTHESIZERS[name](Path(out_dir), seed)
+    (Path(folder) / MARKER).write_text(json.dumps({"synthesize": name, "seed": seed}) + "\n")
+    return folder
+
+
+def synthesized_mismatch(name: Optional[str], folder: str | Path) -> Optional[str]:
+    """Why `folder` is not the tiny model `name` asks for (it holds another one built here), or None."""
+    marker = Path(folder) / MARKER
+    if name is None or not marker.is_file():
+        return None
+    try:
+        built = json.loads(marker.read_text()).get("synthesize")
+    except (OSError, ValueError, AttributeError):
+        return None  # an unreadable marker says nothing about the folder: the folder is used as it is
+    if built == name:
+        return None
+    return (f"model.synthesize: {name!r} but model.path {folder} holds the tiny model {built!r} an earlier run "
+            f"built there; point model.path at another folder (or remove that one)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -15,7 +16,15 @@ from megatron_vlm.checkpoint.hf import save_hf_model
 from megatron_vlm.models import build_model
 
 
-def export_hf_from_state_dict(state_dict: dict[str, torch.Tensor], src_model_dir: str | Path, out_dir: str | Path) -> None:
+def export_dtype(checkpoint_cfg) -> Optional[torch.dtype]:
+    """`checkpoint.export_dtype` as a torch dtype (None: the weights' own)."""
+    name = getattr(checkpoint_cfg, "export_dtype", None)
+    return None if name is None else getattr(torch, name)
+
+
+def export_hf_from_state_dict(state_dict: dict[str, torch.Tensor], src_model_dir: str | Path, out_dir: str | Path,
+                              *, dtype: Optional[torch.dtype] = None) -> None:
+    """`dtype`: the exported weights' (`checkpoint.export_dtype`; None = as given)."""
     src_model_dir = Path(src_model_dir)
     hf_config = json.loads((src_model_dir / "config.json").read_text())
     with torch.device("meta"):
@@ -23,4 +32,4 @@ def export_hf_from_state_dict(state_dict: dict[str, torch.Tensor], src_model_dir
     model.load_state_dict(state_dict, assign=True, strict=True)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
-    save_hf_model(model, out_dir, copy_from=src_model_dir)
+    save_hf_model(model, out_dir, copy_from=src_model_dir, dtype=dtype)

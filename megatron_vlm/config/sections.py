@@ -216,9 +216,17 @@ class CheckpointConfig:
     with others exits 2 naming the key and both values (other data-parallel / native tp / cp / pp sizes reshard)."""
     export_hf: bool = True
     """At the end, export a Hugging Face folder (safetensors + config + tokenizer + processor) to output_dir/hf."""
+    export_dtype: Optional[Literal["float32", "bfloat16"]] = None
+    """dtype of the exported weights (the model folder, a LoRA run's merged model, a reward model folder): unset = as
+    the run holds them (`model.dtype`, the fp32 master weights by default); "bfloat16" halves the folder, as hub
+    checkpoints ship (tensors kept in fp32 on purpose, the MoE routers, stay fp32; config.json names the dtype).
+    A LoRA adapter keeps its own dtype."""
 
     def validate(self) -> None:
         at_least(self, 0, "every_steps", "keep_last")
+        if self.export_dtype is not None and not self.export_hf:
+            raise ValueError(f"export_dtype: {self.export_dtype!r} has no effect with export_hf = false (nothing is "
+                             "exported)")
 
 
 @dataclass(kw_only=True)

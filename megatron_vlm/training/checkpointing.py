@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-from megatron_vlm.checkpoint.export import export_hf_from_state_dict
+from megatron_vlm.checkpoint.export import export_dtype, export_hf_from_state_dict
 from megatron_vlm.checkpoint.hf import read_hf_config
 from megatron_vlm.checkpoint.layout import (
     LAYOUT_FILE,
@@ -278,7 +278,7 @@ class Checkpointer:
                     log.info("wrote the LoRA adapter (PEFT format) to %s", adapter_dir)
                     sd = merged_state_dict(sd, scaling_of(self.lora))
                 if self.cfg.export_hf:
-                    export_hf_from_state_dict(sd, self.model_path, out_dir)
+                    export_hf_from_state_dict(sd, self.model_path, out_dir, dtype=export_dtype(self.cfg))
             except FAILURES as e:  # reported to every rank below
                 err = describe_error(e)
         failed = first_error(gather_errors(err))  # instead of a barrier: no rank waits on a failed one

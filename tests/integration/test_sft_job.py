@@ -304,3 +304,21 @@ def test_mcore_backend_job_matches_native(family, tmp_path, assets):
     p1, p2 = load_safetensors_dir(runs["native"][0] / "hf"), load_safetensors_dir(runs["mcore"][0] / "hf")
     assert p1.keys() == p2.keys()
     assert max((p1[k] - p2[k]).abs().max().item() for k in p1) <= 1e-5
+
+
+def test_export_dtype_bfloat16_halves_the_folder(tmp_path, assets):
+    """`checkpoint.export_dtype = "bfloat16"`: the fp32 run exports bf16 tensors, config.json says so, and
+    transformers loads the folder in bf16 (dtype="auto") with the fp32 export's weights rounded."""
+    from transformers import AutoModelForImageTextToText
+
+    runs = {}
+    for name, extra in (("fp32", {}), ("bf16", {"checkpoint.export_dtype": '"bfloat16"'})):
+        runs[name] = tmp_path / name
+        run_job(small_demo_overrides(runs[name], assets, **{"train.max_steps": 2, "checkpoint.enable": "false", **extra}))
+    full, half = load_safetensors_dir(runs["fp32"] / "hf"), load_safetensors_dir(runs["bf16"] / "hf")
+    assert full.keys() == half.keys() and {t.dtype for t in full.values()} == {torch.float32}
+    assert {t.dtype for t in half.values()} == {torch.bfloat16}
+    assert all(torch.equal(half[k], full[k].to(torch.bfloat16)) for k in full)
+    assert json.loads((runs["bf16"] / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    ref = AutoModelForImageTextToText.from_pretrained(runs["bf16"] / "hf", dtype="auto")
+    assert next(ref.parameters()).dtype == torch.bfloat16

@@ -12,8 +12,12 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import Optional
 
-from megatron_vlm.checkpoint.hf import EXPORT_MARKER, export_folder, replace_dir, share_like_umask
+import torch
+
+from megatron_vlm.checkpoint.export import export_dtype
+from megatron_vlm.checkpoint.hf import EXPORT_MARKER, _fp32_by_design, export_folder, replace_dir, share_like_umask
 from megatron_vlm.checkpoint.manager import (
     FAILURES,
     CheckpointError,
@@ -31,11 +35,17 @@ __all__ = ["RewardCheckpointer", "export_score_folder"]
 log = logging.getLogger("megatron_vlm")
 
 
-def export_score_folder(state: dict, backbone, out_dir: Path, *, copy_from) -> None:
-    """Write the gathered `ScoreRoot` state dict `state` (keys `model.*`, `score.*`) as a reward model folder."""
+def export_score_folder(state: dict, backbone, out_dir: Path, *, copy_from, dtype: Optional[torch.dtype] = None) -> None:
+    """Write the gathered `ScoreRoot` state dict `state` (keys `model.*`, `score.*`) as a reward model folder;
+    `dtype` (`checkpoint.export_dtype`): the written weights' (those kept in fp32 on purpose stay fp32)."""
     out_dir = export_folder(out_dir)
     backbone_state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
     score_state = {k[len("score."):]: v for k, v in state.items() if k.startswith("score.")}
+    if dtype is not None:
+        kept = _fp32_by_design(backbone)
+        backbone_state = {k: (v.to(dtype) if v.is_floating_point() and k not in kept else v)
+                          for k, v in backbone_state.items()}
+        score_state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in score_state.items()}
     check_finite({**backbone_state, **{f"score.{k}": v for k, v in score_state.items()}},
                  f"refusing to export {out_dir}")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -61,7 +71,8 @@ class RewardCheckpointer(Checkpointer):
         err = None
         if self.is_main and self.cfg.export_hf:
             try:
-                export_score_folder(state, self.wrapper.model, out_dir, copy_from=self.model_path)
+                export_score_folder(state, self.wrapper.model, out_dir, copy_from=self.model_path,
+                                    dtype=export_dtype(self.cfg))
             except FAILURES as e:  # reported to every rank below
                 err = describe_error(e)
         failed = first_error(gather_errors(err))

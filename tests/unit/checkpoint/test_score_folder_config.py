@@ -74,3 +74,23 @@ def test_reward_export_of_a_text_family_names_transformers_class(tmp_path, model
     (arch,) = json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"]
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf")
     assert arch == type(hf).__name__ and getattr(transformers, arch) is type(hf)
+
+
+def test_reward_export_in_bfloat16(tmp_path):
+    """`checkpoint.export_dtype = "bfloat16"` for a reward model: bf16 tensors (score head included), config.json
+    says bfloat16, and transformers scores with the rounded weights (close to the fp32 scores)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    folder = build_tiny_qwen_text_folder(tmp_path / "causal", model_type="qwen2", seed=4)
+    root = ScoreRoot(load_hf_model(folder, dtype=torch.float32), std=0.5, seed=1).eval()
+    out = tmp_path / "hf"
+    export_score_folder(root.state_dict(), root.model, out, copy_from=folder, dtype=torch.bfloat16)
+    assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(out, dtype="auto").eval()
+    assert hf.score.weight.dtype == torch.bfloat16
+    seqs = [torch.randint(5, 200, (n,), generator=torch.Generator().manual_seed(0)) for n in (9, 4)]
+    with torch.no_grad():
+        ours = root({"input_ids": torch.cat(seqs)[None], "cu_seqlens": torch.tensor([0, 9, 13], dtype=torch.int32)})
+    torch.testing.assert_close(hf_scores(hf, seqs).float(), ours, rtol=0.05, atol=0.05)

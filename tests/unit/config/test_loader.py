@@ -55,6 +55,9 @@ def test_minimal_config_builds_with_defaults():
         ({"train__max_steps": 1.5}, "train.max_steps: expected an integer"),
         # both lengths: max_steps would decide and epochs be parsed, then ignored
         ({"train__epochs": 2.0}, "train.epochs: set max_steps or epochs, not both"),
+        ({"checkpoint__export_dtype": "bfloat16", "checkpoint__export_hf": False},
+         "checkpoint.export_dtype: 'bfloat16' has no effect with export_hf = false"),
+        ({"checkpoint__export_dtype": "float16"}, "checkpoint.export_dtype: must be one of"),
         ({"stages__": [{"name": "a", "max_steps": 2, "epochs": 1.0}]}, "stages[0].epochs: set max_steps or epochs, not both"),
     ],
 )

@@ -99,3 +99,20 @@ def test_every_lease_command_parses_with_its_scripts_own_parser(tmp_path, monkey
             except SystemExit as e:
                 raise AssertionError(f"{script} {' '.join(argv)}: exit {e.code}: {capsys.readouterr().err}") from None
             raise AssertionError(f"{script} {' '.join(argv)}: ran without parsing its command line")
+
+
+def test_16k_step_takes_whole_block_checkpointing_on_an_80_gb_gpu(tmp_path):
+    """Selective checkpointing at 16k tokens peaked at 90 GiB on an H200: a GPU reporting less than ~100 GB (an 80 GB
+    H100) runs the 16k steps with whole-block checkpointing instead of an out-of-memory step."""
+    script, env = _copy(tmp_path)
+    for mib, want in (("81559", "full"), ("143771", "selective")):
+        smi = tmp_path / "bin" / "nvidia-smi"
+        smi.write_text(f'#!/bin/sh\ncase "$*" in *memory.total*noheader*) echo {mib};; esac\n')
+        smi.chmod(0o755)
+        (tmp_path / "argv.txt").unlink(missing_ok=True)
+        r = subprocess.run(["bash", str(script), "sft16k"], env={**env, "BUDGET_S": "100000"}, capture_output=True,
+                           text=True, timeout=30)
+        assert r.returncode == 0, r.stdout + r.stderr
+        steps = [line.split("\x1f")[:-1] for line in (tmp_path / "argv.txt").read_text().splitlines()]
+        acs = [c[c.index("--ac") + 1] for c in steps if "--ac" in c]
+        assert acs == [want, want], (mib, acs)

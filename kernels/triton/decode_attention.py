@@ -10,7 +10,9 @@ Contract: `kernels/reference/decode_attention.py` (slot layout `[slots, max_len,
 or paged `[blocks, block_size, Hkv, D]` + block_table; `cache_seqlens` counts the keys of each
 sequence, the new token's already written; `max_seqlen_k` bounds the keys read; a sequence without
 keys outputs zeros). Both layouts go through one kernel: the slot layout is the paged one with a
-one-column block table (the slot id) and blocks of `max_len` positions.
+one-column block table (the slot id) and blocks of `max_len` positions. Block (or slot) ids are device values,
+so a wrong one cannot raise without a host sync per call; instead a key whose id lies outside the cache is
+never read and its sequence's output comes out NaN (which the sampler refuses), not values of other memory.
 
 Algorithm (split-K "flash decoding"): the keys of a sequence are cut into `splits` chunks so that
 batch x kv heads x splits programs fill the GPU (a decode batch has only batch x kv heads = e.g. 32
@@ -67,7 +69,7 @@ def _decode_attention_split_kernel(
     sv_blk, sv_pos, sv_h, sv_d,
     so_b, so_h, so_d,
     st_b, st_n,
-    max_len, block_size, chunk, splits, scale_log2,
+    max_len, block_size, n_blocks, chunk, splits, scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr, IEEE: tl.constexpr, SHARED: tl.constexpr,
 ):
@@ -90,6 +92,7 @@ def _decode_attention_split_kernel(
     m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    outside = 0  # keys whose block (or slot) id lies outside the cache: never read, the row's output made NaN
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < hi
@@ -99,6 +102,9 @@ def _decode_attention_split_kernel(
         else:
             blk = tl.load(TABLE + b * st_b + (pos // block_size) * st_n, mask=valid, other=0).to(tl.int64)
         off = (pos % block_size).to(tl.int64)
+        bad = valid & ((blk < 0) | (blk >= n_blocks))
+        outside += tl.sum(bad.to(tl.int32), axis=0)
+        valid = valid & ((blk >= 0) & (blk < n_blocks))
         kv_mask = valid[:, None] & d_ok[None, :]
         k = tl.load(K + (blk * sk_blk + off * sk_pos + hk * sk_h)[:, None] + offs_d[None, :] * sk_d,
                     mask=kv_mask, other=0.0)
@@ -114,6 +120,7 @@ def _decode_attention_split_kernel(
         acc = acc * alpha[:, None] + dot(to_dtype(p, v.dtype), v, IEEE)  # bf16: P rounded once, as in flash attention
         m = m_new
     out = tl.where(l_sum[:, None] > 0, acc / tl.maximum(l_sum, 1e-30)[:, None], 0.0)
+    out = tl.where(outside > 0, float("nan"), out)  # a block table pointing outside the cache: NaN, not other memory
     if ONE_SPLIT:
         tl.store(O + b * so_b + heads[:, None] * so_h + offs_d[None, :] * so_d, out.to(O.dtype.element_ty),
                  mask=g_ok[:, None] & d_ok[None, :])
@@ -230,7 +237,7 @@ def decode_attention(
     _decode_attention_split_kernel[(batch, hkv, splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse, seqlens, table, prefix_rows, prefix_lens,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *table.stride(),
-        length, block_size, chunk, splits, scale * _LOG2E,
+        length, block_size, k_cache.shape[0], chunk, splits, scale * _LOG2E,
         GROUP=group, HEAD_DIM=dim, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=_BLOCK_N, ONE_SPLIT=splits == 1, IEEE=q.dtype == torch.float32, SHARED=shared_prefix is not None,
         num_warps=4,

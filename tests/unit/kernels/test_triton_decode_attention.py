@@ -241,3 +241,29 @@ def test_inputs_that_need_gradients_get_them_through_the_reference():
     q_ref = q.detach().requires_grad_()
     (want,) = torch.autograd.grad(torch_backend(q_ref, k, v, seqlens).sum(), q_ref)
     torch.testing.assert_close(grad, want)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_ids_outside_the_cache_give_nan_rows_not_other_memory(splits, monkeypatch):
+    """A block table (or slot id) naming a block outside the cache is not read (the kernel cannot raise without a host
+    sync): the rows that would have read it come out NaN, which the sampler refuses; the other rows are exact."""
+    import megatron_vlm.kernels.triton.decode_attention as T
+
+    monkeypatch.setattr(T, "num_splits", lambda rows, length, sms: (splits, -(-length // splits)))
+    g = torch.Generator().manual_seed(5)
+    b, hq, hkv, d, block, blocks, per_seq = 4, 4, 2, 16, 4, 20, 5
+    q = torch.randn(b, hq, d, generator=g)
+    k = torch.randn(blocks, block, hkv, d, generator=g)
+    v = torch.randn(blocks, block, hkv, d, generator=g)
+    table = torch.randperm(blocks, generator=g)[: b * per_seq].view(b, per_seq).to(torch.int32)
+    seqlens = torch.tensor([6, 17, 20, 3])
+    ref = decode_attention_loop(q, k, v, seqlens, block_table=table)
+    table[1, 3] = blocks + 7  # row 1 reads its 4th block (keys 12..15 < 17): outside the pool
+    table[3, 4] = -1  # row 3 never reaches its 5th block (3 keys): not read, no effect
+    out = decode_attention(*_on(q, k, v, seqlens), block_table=table.to(DEVICE)).cpu()
+    assert torch.isnan(out[1]).all()
+    keep = torch.tensor([0, 2, 3])
+    torch.testing.assert_close(out[keep], ref[keep], **FP32)
+    slots = decode_attention(*_on(q, k.reshape(blocks // 5, 5 * block, hkv, d), v.reshape(blocks // 5, 5 * block, hkv, d),
+                                  seqlens), slot_ids=torch.tensor([0, 9, 1, 2]).to(DEVICE)).cpu()  # slot 9 of 4
+    assert torch.isnan(slots[1]).all() and not torch.isnan(slots[keep]).any()

@@ -16,10 +16,12 @@ vLLM reports (its -100 logit bias on the same ids) and what every RL log-prob of
 (`masked_token_ids`, training/masked_vocab.py): the same distribution everywhere, so the importance
 ratios carry no log(1 - p(vision)) term.
 
-Top-k and top-p share one descending sort: position >= k is dropped, then a token is dropped when
-the probability mass strictly before it (within the kept set, renormalised) already reaches top_p,
-so the most likely token always survives. Ties at the k-th value are broken by the sort order, so
-exactly k tokens remain.
+Top-k and top-p share one descending sort: a token below the k-th largest value is dropped, then a token
+is dropped when the probability mass strictly before it (within the kept set, renormalised) already reaches
+top_p, so the most likely token always survives. That is transformers' order and rule (its
+`TopKLogitsWarper` then `TopPLogitsWarper`, after the temperature) and vLLM's: every token tied with the k-th
+value stays, so more than k may remain (frequent with bf16 logits) and no tied token is dropped for its index;
+ties at the top-p boundary are broken by the sort order, as in both. There is no min_p.
 
 On the CPU (float32 logits, `megatron_vlm._C` built, not inside `_ext.python_only()`) the untruncated
 draw with given uniforms — what the rollout engine asks at every decoding step without top-k / top-p —
@@ -70,8 +72,8 @@ def filter_logits(scaled: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -
         return scaled
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if k_active:
-        drop[:, top_k:] = True
+    if k_active:  # below the k-th largest value: a token tied with it stays (transformers' and vLLM's top-k)
+        drop |= sorted_logits < sorted_logits[:, top_k - 1:top_k]
     if top_p < 1.0:
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs

@@ -23,6 +23,11 @@ top_p, so the most likely token always survives. That is transformers' order and
 value stays, so more than k may remain (frequent with bf16 logits) and no tied token is dropped for its index;
 ties at the top-p boundary are broken by the sort order, as in both. There is no min_p.
 
+The draw itself is of that renormalised distribution even when the suppressed ids hold all but e^-100 of
+the mass (a model sure of a vision token), where the other ids' full-softmax probabilities underflow float32:
+the torch path scales the probabilities by the best allowed one, and the fused path below draws such rows
+(suppressed mass above one half) again from their logits with the suppressed ids set to -inf.
+
 On the CPU (float32 logits, `megatron_vlm._C` built, not inside `_ext.python_only()`) the untruncated
 draw with given uniforms — what the rollout engine asks at every decoding step without top-k / top-p —
 runs fused in C++ (csrc/cpu_sampling.cpp `sample_rows`: three passes over a row instead of the five
@@ -123,11 +128,16 @@ def sample_tokens(
                                         suppress_token_ids if suppress else None, float(temperature))
         if not suppress:
             return tokens, lp
-        lp = _renormalised(x, tokens, lp, sup, float(temperature))
+        lp, heavy = _renormalised(x, tokens, lp, sup, float(temperature))
         # sample_rows raised for a row without any distribution; one whose only finite logits are suppressed ids
         # leaves a token of probability 0: its renormalised log-prob is not finite (one sum read, as below)
         if not math.isfinite(float(lp.sum())):
             _raise_for_rows(~lp.isfinite())
+        if heavy.numel():  # the suppressed ids hold most of the mass: drawn again from the rest alone (docstring)
+            rest = x.index_select(0, heavy).index_fill_(-1, sup.to(x.device), float("-inf"))
+            t2, lp2 = _ops().sample_rows(rest, uniform.float().index_select(0, heavy).contiguous(), None,
+                                         float(temperature))
+            tokens, lp = tokens.index_put((heavy,), t2), lp.index_put((heavy,), lp2)
         return tokens, lp
 
     def allowed(t: torch.Tensor, fill: float) -> torch.Tensor:
@@ -146,10 +156,11 @@ def sample_tokens(
         logp = torch.log_softmax(scaled, dim=-1)
         if truncated:
             probs = filter_logits(allowed(scaled, float("-inf")), top_k=top_k, top_p=top_p).softmax(dim=-1)
-        else:  # no truncation: the untruncated probabilities, suppressed tokens zeroed (need not sum to 1)
+        elif suppress:  # exp(logp - the best allowed logp), suppressed ids 0: no underflow however much mass they hold
+            probs = logp.index_fill(-1, sup.to(logp.device), float("-inf"))
+            probs = probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()  # in place: one [N, V] buffer, as exp()
+        else:  # no truncation: the untruncated probabilities
             probs = logp.exp()
-            if suppress:  # in place: one [N, V] buffer less per decoding step
-                probs.index_fill_(-1, sup.to(probs.device), 0.0)
         if uniform is not None:
             cdf = probs.cumsum_(dim=-1)  # probs is this function's own buffer: the running sum in place
             total = cdf[:, -1:]
@@ -174,7 +185,7 @@ def sample_tokens(
         if not math.isfinite(float((finite[0] if len(finite) == 1 else torch.cat(finite)).sum())):  # which row:
             _raise_for_rows(~torch.stack(finite).isfinite().all(dim=0))  # (none if the sum overflowed)
     if suppress:
-        lp = _renormalised(x, tokens, lp, sup, float(temperature) or 1.0)
+        lp = _renormalised(x, tokens, lp, sup, float(temperature) or 1.0)[0]
     return tokens, lp
 
 
@@ -192,17 +203,18 @@ _MIN_KEPT = 0.5
 
 
 def _renormalised(x: torch.Tensor, tokens: torch.Tensor, logp: torch.Tensor, sup: torch.Tensor,
-                  temperature: float) -> torch.Tensor:
-    """`logp` (of `tokens` under softmax(x / temperature)) made the log-prob under that softmax with the `sup` ids
-    removed: log p_s = (x_s - x_token) / T + log p(token) needs only the few suppressed logits (module docstring)."""
+                  temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`logp` (of `tokens` under softmax(x / temperature)) made the log-prob under that softmax with the `sup` ids
+    removed, the rows where those ids hold more than half of the mass): log p_s = (x_s - x_token) / T + log p(token)
+    needs only the few suppressed logits (module docstring)."""
     sup = sup.to(x.device)
     x_tok = x.gather(-1, tokens[:, None])
     log_ps = (x.index_select(-1, sup) - x_tok) / temperature + logp[:, None]
     mass = log_ps.exp().sum(-1)
     out = logp - torch.log1p(-mass.clamp(max=1.0 - _MIN_KEPT))
     bad = mass > 1.0 - _MIN_KEPT
-    if bool(bad.any()):  # rare rows where the suppressed ids hold most of the mass: exactly, from their logits
-        rows = bad.nonzero().squeeze(-1)
+    rows = bad.nonzero().squeeze(-1)
+    if rows.numel():  # rare rows where the suppressed ids hold most of the mass: exactly, from their logits
         exact = torch.log_softmax(x[rows].index_fill(-1, sup, float("-inf")) / temperature, dim=-1)
         out = out.index_put((rows,), exact.gather(-1, tokens[rows, None]).squeeze(-1))
-    return out
+    return out, rows

@@ -8,10 +8,16 @@ import math
 
 import pytest
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from megatron_vlm import _ext
 from megatron_vlm.inference.sampling import filter_logits, sample_tokens
+from megatron_vlm.training.masked_vocab import masked_token_logprobs
 
 NEG = float("-inf")
 
@@ -135,3 +141,77 @@ def test_greedy_breaks_ties_as_argmax_and_reports_the_temperature_one_logprobs()
     torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1))
     # top-k / top-p do not change greedy
     assert torch.equal(sample_tokens(logits, temperature=0.0, top_k=1, top_p=0.1)[0], tokens)
+
+
+SUPPRESSED = [1, 6, 9]  # stand-ins for a VLM's vision placeholders
+
+
+def hf_suppressed(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """transformers' `SuppressTokensLogitsProcessor` (a processor: it runs before the warpers) then the warpers."""
+    s = SuppressTokensLogitsProcessor(SUPPRESSED, device="cpu")(torch.zeros(1, 1, dtype=torch.long), logits.float())
+    return hf_filtered(s, temperature, top_k, top_p)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.2, 0, 0.75), (0.9, 4, 0.85)])
+def test_suppressed_tokens_are_removed_before_top_k_and_top_p(fused, temperature, top_k, top_p):
+    """Top-k / top-p choose among the tokens that may be drawn (a suppressed id takes no top-k place), as with
+    transformers' suppression before its warpers; the suppressed ids never come."""
+    logits = torch.tensor([[1.5, 3.0, 1.0, 0.6, -0.2, 0.3, 2.5, -1.0, NEG, 2.8]])
+    vocab, n = logits.shape[-1], 20000
+    probs = torch.softmax(hf_suppressed(logits, temperature, top_k, top_p), -1)[0]
+    assert no_tie_at_a_boundary(probs)
+    uniform = torch.rand(n, generator=torch.Generator().manual_seed(5))
+    with _ext.python_only() if not fused else torch.no_grad():
+        tokens, _ = sample_tokens(logits.expand(n, -1).contiguous(), temperature=temperature, top_k=top_k,
+                                  top_p=top_p, uniform=uniform, suppress_token_ids=torch.tensor(SUPPRESSED))
+    _binomial_bounds_hold(torch.bincount(tokens, minlength=vocab), probs, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.6, 0, 1.0), (0.8, 5, 0.9)])
+@pytest.mark.parametrize("shift", [0.0, 4.0, 30.0])  # 30: the suppressed ids hold nearly all of the mass
+def test_reported_logprobs_equal_the_trainers_masked_logprobs(dtype, temperature, top_k, top_p, shift):
+    """On the same LM-head logits the rollout's behaviour log-prob is what training computes for the same token
+    (`masked_token_logprobs` over the fused kernel's full-softmax log-prob, at the rollout's temperature; greedy
+    reports temperature 1), on the fused C++ draw, the ATen draws and greedy."""
+    g = torch.Generator().manual_seed(int(shift) + int(temperature * 10))
+    vocab, rows, h = 64, 48, 16
+    hidden = torch.randn(rows, h, generator=g).to(dtype)
+    weight = (torch.randn(vocab, h, generator=g) * 0.5).to(dtype)
+    weight[SUPPRESSED] += shift / 4 * hidden.float().mean(0).sign().to(dtype)  # mass on the suppressed ids
+    logits = hidden.float() @ weight.float().t()  # bf16 weights, fp32 logits (the trainer's kernels' too)
+    t = temperature or 1.0
+    for fused in (True, False):
+        with _ext.python_only() if not fused else torch.no_grad():
+            tokens, lp = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                                       uniform=torch.rand(rows, generator=g), suppress_token_ids=torch.tensor(SUPPRESSED))
+        assert not torch.isin(tokens, torch.tensor(SUPPRESSED)).any()
+        full = torch.log_softmax(logits.double() / t, -1).gather(-1, tokens[:, None]).squeeze(-1)
+        trainer, _ = masked_token_logprobs(hidden.double(), weight.double(), tokens, full, None, SUPPRESSED,
+                                           temperature=t)
+        torch.testing.assert_close(lp.double(), trainer, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["fused", "inverse_cdf_torch", "multinomial"])
+@pytest.mark.parametrize("gap", [60.0, 95.0, 120.0])
+def test_a_row_dominated_by_suppressed_ids_draws_from_the_rest(path, gap):
+    """A row where the suppressed ids hold all but e^-gap of the mass (a model sure of a vision token) still has
+    a distribution over the other ids: the draw follows it, as transformers' suppression gives. The other ids'
+    full-softmax probabilities underflow float32 past ~87 nats: the fused draw then picked them uniformly
+    (a wrong draw with the right reported log-prob) and the torch draws raised."""
+    logits = torch.tensor([[gap, 0.0, 1.0, 0.5, -0.3, NEG]])
+    suppressed = torch.tensor([0])
+    vocab, n = logits.shape[-1], 20000
+    s = SuppressTokensLogitsProcessor([0], device="cpu")(torch.zeros(1, 1, dtype=torch.long), logits.clone())
+    probs = torch.softmax(s, -1)[0]
+    g = torch.Generator().manual_seed(2)
+    rows = logits.expand(n, -1).contiguous()
+    if path == "multinomial":
+        tokens, lp = sample_tokens(rows, temperature=1.0, generator=g, suppress_token_ids=suppressed)
+    else:
+        with _ext.python_only() if path != "fused" else torch.no_grad():
+            tokens, lp = sample_tokens(rows, temperature=1.0, uniform=torch.rand(n, generator=g),
+                                       suppress_token_ids=suppressed)
+    _binomial_bounds_hold(torch.bincount(tokens, minlength=vocab), probs, n)
+    torch.testing.assert_close(lp, torch.log_softmax(s[0], -1)[tokens], atol=1e-6, rtol=0)

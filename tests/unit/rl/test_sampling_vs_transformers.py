@@ -17,6 +17,7 @@ from transformers.generation.logits_process import (
 
 from megatron_vlm import _ext
 from megatron_vlm.inference.sampling import filter_logits, sample_tokens
+from megatron_vlm.inference.stopping import StopChecker
 from megatron_vlm.training.masked_vocab import masked_token_logprobs
 
 NEG = float("-inf")
@@ -215,3 +216,28 @@ def test_a_row_dominated_by_suppressed_ids_draws_from_the_rest(path, gap):
                                        suppress_token_ids=suppressed)
     _binomial_bounds_hold(torch.bincount(tokens, minlength=vocab), probs, n)
     torch.testing.assert_close(lp, torch.log_softmax(s[0], -1)[tokens], atol=1e-6, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def byte_bpe():
+    from megatron_vlm.testing.tiny_processor import build_tiny_tokenizer
+
+    return build_tiny_tokenizer()
+
+
+@pytest.mark.parametrize("text, stop", [("the answer is 4</answer> more", "</answer>"),
+                                        ("the answer is 4</answer> more", "is 4<"),
+                                        ("x é 答案 y 答案", "答案"), ("x é y", "é"), ("no stop here", "</answer>")])
+def test_stop_strings_end_at_the_first_prefix_whose_decoding_holds_them(byte_bpe, text, stop):
+    """On a byte-level BPE (the `tokenizers` library; characters outside its merges are split over byte tokens),
+    a completion stops at the first token after which the tokenizer's own decoding of the completion contains a
+    stop string (one spanning tokens, or a character split over bytes), and no earlier; its text ends right
+    after the first occurrence; an EOS id ends it at that token."""
+    ids = byte_bpe.encode(text, add_special_tokens=False)
+    checker = StopChecker(byte_bpe, {byte_bpe.eos_token_id}, stop=["@@never@@", stop])
+    fired = [i for i in range(1, len(ids) + 1) if checker.check(ids[:i]) == "stop"]
+    expect = next((i for i in range(1, len(ids) + 1) if stop in byte_bpe.decode(ids[:i])), None)
+    assert (fired[0] if fired else None) == expect
+    if expect is not None:
+        assert checker.final_text(ids[:expect], "stop") == text[: text.index(stop) + len(stop)]
+    assert checker.check(ids[:2] + [byte_bpe.eos_token_id]) == "eos"

@@ -158,7 +158,8 @@ def sample_tokens(
             probs = filter_logits(allowed(scaled, float("-inf")), top_k=top_k, top_p=top_p).softmax(dim=-1)
         elif suppress:  # exp(logp - the best allowed logp), suppressed ids 0: no underflow however much mass they hold
             probs = logp.index_fill(-1, sup.to(logp.device), float("-inf"))
-            probs = probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()  # in place: one [N, V] buffer, as exp()
+            best = probs.amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(probs.dtype).min)  # none allowed: zeros
+            probs = probs.sub_(best).exp_()  # in place: one [N, V] buffer, as exp()
         else:  # no truncation: the untruncated probabilities
             probs = logp.exp()
         if uniform is not None:

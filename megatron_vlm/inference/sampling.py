@@ -39,7 +39,8 @@ that overflowed) raises ValueError naming the row, as `sample_rows` does, instea
 inverse-CDF gather, a multinomial error or a token with a NaN log-prob. The rows are found from [N] values
 each path computes anyway (the total mass, the picked token's logit and log-prob) with one host read per
 call, on CPU tensors only: on an accelerator that read would add a device sync to every decoding step, so
-there the path is unchanged (the inverse-CDF draw of such a row runs off the vocabulary).
+there such a row gets a token with a non-finite log-prob (the inverse-CDF draw clamped to the vocabulary), which
+the rollout engines refuse with a ValueError naming the prompt from the host read they do at every step anyway.
 """
 from __future__ import annotations
 
@@ -168,10 +169,11 @@ def sample_tokens(
             # target < total strictly, so the first token with cdf > target (right=True) exists and has
             # probability > 0 (cdf rises there), never a suppressed or truncated token
             target = torch.minimum(uniform.to(cdf.dtype)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-            tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-            if check:  # a NaN or zero total (log: NaN / -inf): the search ran off the end, clamped until the check
+            # a NaN or zero total (log: NaN / -inf): the search ran off the end; clamped, so the gather below stays
+            # in the vocabulary (on an accelerator too) and the row's log-prob is not finite
+            tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=x.shape[-1] - 1)
+            if check:
                 finite.append(total.squeeze(-1).log())
-                tokens = tokens.clamp_(max=x.shape[-1] - 1)
         else:
             if generator is not None and not same_device(generator.device, probs.device):
                 raise ValueError(f"generator: on {generator.device}, logits on {probs.device}")

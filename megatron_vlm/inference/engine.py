@@ -53,7 +53,7 @@ class SamplingParams:
     top_p: float = 1.0
     """Nucleus sampling: draw only from the smallest set of tokens whose probability reaches top_p."""
     top_k: int = 0
-    """Draw only from the k most likely tokens (0 = off)."""
+    """Draw only from the k most likely tokens, and any tied with the k-th, as transformers and vLLM do (0 = off)."""
     stop: tuple[str, ...] = ()
     """Stop strings: a completion ends with the token that completes the first occurrence of any."""
 

@@ -33,6 +33,7 @@ done "done"; `max_turns` model turns "max_turns"; a trajectory that would grow p
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -367,6 +368,9 @@ class MultiTurnRollout:
                                     suppress_token_ids=suppress, uniform=uniform)
             running, ended = [], []
             for c, t, logp in zip(decoding, tok.tolist(), lp.float().tolist()):
+                if not math.isfinite(logp):  # no distribution (the sampler raises on the CPU only: sampling.py)
+                    raise ValueError(f"rollout: trajectory {c.index}, generated token {len(c.ids)}: the logits have "
+                                     "a NaN or +inf value, or only -inf ones outside the suppressed ids")
                 c.ids.append(t)
                 c.mask.append(True)
                 c.logps.append(logp)

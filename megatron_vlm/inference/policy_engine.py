@@ -709,12 +709,21 @@ class PolicyRolloutEngine(RolloutEngine):
                     run.logprobs[index, pos] = lp.float()
                     run.versions[index, pos] = self.policy_version
                     run.gen_len.index_add_(0, index, torch.ones_like(index))
-                    # the stop check: the step's one host sync
+                    # the stop check: the step's one host sync, which also reads whether each log-prob is finite
+                    # (a row without a distribution: the sampler raises on the CPU only, to add no sync elsewhere)
+                    bad_lp = ~torch.isfinite(lp)
                     if stop_strings:
-                        tok_l = tok.tolist()
+                        tok_l, bad = torch.stack([tok, bad_lp.long()]).tolist()
                         is_eos = [t in self.eos_token_ids for t in tok_l]
                     else:
-                        tok_l, is_eos = None, torch.isin(tok, eos).tolist()
+                        flags = (torch.isin(tok, eos).long() + 2 * bad_lp.long()).tolist()
+                        tok_l, is_eos, bad = None, [f & 1 for f in flags], [f >> 1 for f in flags]
+                    if any(bad):
+                        r = bad.index(1)
+                        sample = run.slot_sample[cur_slots[r]]
+                        raise ValueError(f"rollout: prompt {offset + sample // n} (sample {sample % n}), generated token "
+                                         f"{int(pos[r])}: the logits have a NaN or +inf value, or only -inf ones outside "
+                                         "the suppressed ids: no distribution to sample from")
                     keep = []
                     for r, slot in enumerate(cur_slots):
                         run.host_len[slot] += 1

@@ -16,10 +16,17 @@ vLLM reports (its -100 logit bias on the same ids) and what every RL log-prob of
 (`masked_token_ids`, training/masked_vocab.py): the same distribution everywhere, so the importance
 ratios carry no log(1 - p(vision)) term.
 
-Top-k and top-p share one descending sort: position >= k is dropped, then a token is dropped when
-the probability mass strictly before it (within the kept set, renormalised) already reaches top_p,
-so the most likely token always survives. Ties at the k-th value are broken by the sort order, so
-exactly k tokens remain.
+Top-k and top-p share one descending sort: a token below the k-th largest value is dropped, then a token
+is dropped when the probability mass strictly before it (within the kept set, renormalised) already reaches
+top_p, so the most likely token always survives. That is transformers' order and rule (its
+`TopKLogitsWarper` then `TopPLogitsWarper`, after the temperature) and vLLM's: every token tied with the k-th
+value stays, so more than k may remain (frequent with bf16 logits) and no tied token is dropped for its index;
+ties at the top-p boundary are broken by the sort order, as in both. There is no min_p.
+
+The draw itself is of that renormalised distribution even when the suppressed ids hold all but e^-100 of
+the mass (a model sure of a vision token), where the other ids' full-softmax probabilities underflow float32:
+the torch path scales the probabilities by the best allowed one, and the fused path below draws such rows
+(suppressed mass above one half) again from their logits with the suppressed ids set to -inf.
 
 On the CPU (float32 logits, `megatron_vlm._C` built, not inside `_ext.python_only()`) the untruncated
 draw with given uniforms — what the rollout engine asks at every decoding step without top-k / top-p —
@@ -32,7 +39,8 @@ that overflowed) raises ValueError naming the row, as `sample_rows` does, instea
 inverse-CDF gather, a multinomial error or a token with a NaN log-prob. The rows are found from [N] values
 each path computes anyway (the total mass, the picked token's logit and log-prob) with one host read per
 call, on CPU tensors only: on an accelerator that read would add a device sync to every decoding step, so
-there the path is unchanged (the inverse-CDF draw of such a row runs off the vocabulary).
+there such a row gets a token with a non-finite log-prob (the inverse-CDF draw clamped to the vocabulary), which
+the rollout engines refuse with a ValueError naming the prompt from the host read they do at every step anyway.
 """
 from __future__ import annotations
 
@@ -70,8 +78,8 @@ def filter_logits(scaled: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -
         return scaled
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if k_active:
-        drop[:, top_k:] = True
+    if k_active:  # below the k-th largest value: a token tied with it stays (transformers' and vLLM's top-k)
+        drop |= sorted_logits < sorted_logits[:, top_k - 1:top_k]
     if top_p < 1.0:
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
@@ -121,11 +129,16 @@ def sample_tokens(
                                         suppress_token_ids if suppress else None, float(temperature))
         if not suppress:
             return tokens, lp
-        lp = _renormalised(x, tokens, lp, sup, float(temperature))
+        lp, heavy = _renormalised(x, tokens, lp, sup, float(temperature))
         # sample_rows raised for a row without any distribution; one whose only finite logits are suppressed ids
         # leaves a token of probability 0: its renormalised log-prob is not finite (one sum read, as below)
         if not math.isfinite(float(lp.sum())):
             _raise_for_rows(~lp.isfinite())
+        if heavy.numel():  # the suppressed ids hold most of the mass: drawn again from the rest alone (docstring)
+            rest = x.index_select(0, heavy).index_fill_(-1, sup.to(x.device), float("-inf"))
+            t2, lp2 = _ops().sample_rows(rest, uniform.float().index_select(0, heavy).contiguous(), None,
+                                         float(temperature))
+            tokens, lp = tokens.index_put((heavy,), t2), lp.index_put((heavy,), lp2)
         return tokens, lp
 
     def allowed(t: torch.Tensor, fill: float) -> torch.Tensor:
@@ -144,20 +157,23 @@ def sample_tokens(
         logp = torch.log_softmax(scaled, dim=-1)
         if truncated:
             probs = filter_logits(allowed(scaled, float("-inf")), top_k=top_k, top_p=top_p).softmax(dim=-1)
-        else:  # no truncation: the untruncated probabilities, suppressed tokens zeroed (need not sum to 1)
+        elif suppress:  # exp(logp - the best allowed logp), suppressed ids 0: no underflow however much mass they hold
+            probs = logp.index_fill(-1, sup.to(logp.device), float("-inf"))
+            best = probs.amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(probs.dtype).min)  # none allowed: zeros
+            probs = probs.sub_(best).exp_()  # in place: one [N, V] buffer, as exp()
+        else:  # no truncation: the untruncated probabilities
             probs = logp.exp()
-            if suppress:  # in place: one [N, V] buffer less per decoding step
-                probs.index_fill_(-1, sup.to(probs.device), 0.0)
         if uniform is not None:
             cdf = probs.cumsum_(dim=-1)  # probs is this function's own buffer: the running sum in place
             total = cdf[:, -1:]
             # target < total strictly, so the first token with cdf > target (right=True) exists and has
             # probability > 0 (cdf rises there), never a suppressed or truncated token
             target = torch.minimum(uniform.to(cdf.dtype)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-            tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-            if check:  # a NaN or zero total (log: NaN / -inf): the search ran off the end, clamped until the check
+            # a NaN or zero total (log: NaN / -inf): the search ran off the end; clamped, so the gather below stays
+            # in the vocabulary (on an accelerator too) and the row's log-prob is not finite
+            tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=x.shape[-1] - 1)
+            if check:
                 finite.append(total.squeeze(-1).log())
-                tokens = tokens.clamp_(max=x.shape[-1] - 1)
         else:
             if generator is not None and not same_device(generator.device, probs.device):
                 raise ValueError(f"generator: on {generator.device}, logits on {probs.device}")
@@ -172,7 +188,7 @@ def sample_tokens(
         if not math.isfinite(float((finite[0] if len(finite) == 1 else torch.cat(finite)).sum())):  # which row:
             _raise_for_rows(~torch.stack(finite).isfinite().all(dim=0))  # (none if the sum overflowed)
     if suppress:
-        lp = _renormalised(x, tokens, lp, sup, float(temperature) or 1.0)
+        lp = _renormalised(x, tokens, lp, sup, float(temperature) or 1.0)[0]
     return tokens, lp
 
 
@@ -190,17 +206,18 @@ _MIN_KEPT = 0.5
 
 
 def _renormalised(x: torch.Tensor, tokens: torch.Tensor, logp: torch.Tensor, sup: torch.Tensor,
-                  temperature: float) -> torch.Tensor:
-    """`logp` (of `tokens` under softmax(x / temperature)) made the log-prob under that softmax with the `sup` ids
-    removed: log p_s = (x_s - x_token) / T + log p(token) needs only the few suppressed logits (module docstring)."""
+                  temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`logp` (of `tokens` under softmax(x / temperature)) made the log-prob under that softmax with the `sup` ids
+    removed, the rows where those ids hold more than half of the mass): log p_s = (x_s - x_token) / T + log p(token)
+    needs only the few suppressed logits (module docstring)."""
     sup = sup.to(x.device)
     x_tok = x.gather(-1, tokens[:, None])
     log_ps = (x.index_select(-1, sup) - x_tok) / temperature + logp[:, None]
     mass = log_ps.exp().sum(-1)
     out = logp - torch.log1p(-mass.clamp(max=1.0 - _MIN_KEPT))
     bad = mass > 1.0 - _MIN_KEPT
-    if bool(bad.any()):  # rare rows where the suppressed ids hold most of the mass: exactly, from their logits
-        rows = bad.nonzero().squeeze(-1)
+    rows = bad.nonzero().squeeze(-1)
+    if rows.numel():  # rare rows where the suppressed ids hold most of the mass: exactly, from their logits
         exact = torch.log_softmax(x[rows].index_fill(-1, sup, float("-inf")) / temperature, dim=-1)
         out = out.index_put((rows,), exact.gather(-1, tokens[rows, None]).squeeze(-1))
-    return out
+    return out, rows

@@ -125,7 +125,7 @@ class RLRolloutConfig:
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches rollout.top_p (1 = off)."""
     top_k: int = 0
-    """Keep only the k most likely tokens when sampling (0 = off)."""
+    """Keep only the k most likely tokens when sampling, and any tied with the k-th, as transformers and vLLM do (0 = off)."""
     max_new_tokens: int = 1024
     """Generation budget per completion; longer completions are cut (and count as truncated)."""
     stop: list[str] = field(default_factory=list)

@@ -124,3 +124,19 @@ def test_a_hanging_environment_in_the_rollout(vqa, tmp_path):
         _, _, trajs, session = rollout("tiny_qwen2_5_vl", vqa, tmp_path, env=f"{FNS}:Hang", runner=fresh, n=1)
     assert [t.finish_reason for t in trajs] == ["env_error"] * 2 and session.errors == 2
     assert all(t.error.startswith("step: timeout") for t in trajs), [t.error for t in trajs]
+
+
+def test_a_non_finite_behaviour_logprob_is_refused(vqa, tmp_path, monkeypatch):
+    """Off the CPU the sampler leaves rows without a distribution (a NaN logit) to the engine: their token comes with
+    a non-finite log-prob, which the multi-turn loop refuses naming the trajectory instead of training on it."""
+    import megatron_vlm.inference.multiturn as mt
+
+    real = mt.sample_tokens
+
+    def accelerator_like(logits, **kw):
+        tok, lp = real(logits, **kw)
+        return tok, lp.clone().fill_(float("nan"))
+
+    monkeypatch.setattr(mt, "sample_tokens", accelerator_like)
+    with pytest.raises(ValueError, match="rollout: trajectory 0, generated token 0: .*NaN"):
+        rollout("tiny_qwen2_5_vl", vqa, tmp_path, env=f"{FNS}:Echo", max_turns=2)

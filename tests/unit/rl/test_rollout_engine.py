@@ -379,3 +379,28 @@ def test_own_weight_copy_of_a_lora_policy(models, prompts):
     for a, b in zip(res.samples, expect.samples):
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-6, rtol=0)
     assert mirror_lora(copy.deepcopy(ours), ours) == []  # no adapters: nothing changes
+
+
+@pytest.mark.parametrize("stop", [(), ("@@",)])
+def test_a_non_finite_behaviour_logprob_is_refused(models, prompts, monkeypatch, stop):
+    """Off the CPU the sampler does not look for rows without a distribution (a NaN logit: that would add a device
+    sync per step); it returns their token with a non-finite log-prob, which the engine's per-step host read
+    refuses, naming the prompt, instead of putting it into the rollout."""
+    import megatron_vlm.inference.policy_engine as pe
+
+    real, calls = pe.sample_tokens, []
+
+    def accelerator_like(logits, **kw):
+        tok, lp = real(logits, **kw)
+        calls.append(1)
+        if len(calls) == 3:  # the third decoding step: the first row's log-prob is NaN
+            lp = lp.clone()
+            lp[0] = float("nan")
+        return tok, lp
+
+    monkeypatch.setattr(pe, "sample_tokens", accelerator_like)
+    params = SamplingParams(max_new_tokens=5, n=2, temperature=1.0, stop=stop)
+    with pytest.raises(ValueError, match=r"rollout: prompt 0 \(sample 0\), generated token 2: .*NaN"):
+        engine(ours := models[1]).generate(prompts, params, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(pe, "sample_tokens", real)
+    assert len(engine(ours).generate(prompts, params, generator=torch.Generator().manual_seed(0)).samples) == 6

@@ -41,7 +41,7 @@ from megatron_vlm.eval.answer_accuracy import answer_engine
 from megatron_vlm.eval.benchmark_eval import VerifierScorer, evaluate_benchmark
 from megatron_vlm.eval.benchmarks import open_benchmark
 from megatron_vlm.eval.grpo_accuracy import GRPOEvaluator
-from megatron_vlm.eval.report import write_eval_results
+from megatron_vlm.eval.report import clear_eval_results, write_eval_results
 from megatron_vlm.eval.sft import SFTEvaluator
 from megatron_vlm.parallel.collectives import barrier
 from megatron_vlm.rl.asynchronous.bridge import current_role
@@ -240,6 +240,8 @@ def run_eval(ctx: RunContext) -> int:
     check_moe_section(cfg, bundle.model)  # [kernels] backends of ops the model lacks ([moe] is refused for eval)
     engine = answer_engine(ctx, bundle)
     scorer = VerifierScorer(cfg.eval)
+    if ctx.env.is_main:  # an earlier run's results must not pass for this one's if it is stopped
+        clear_eval_results(ctx.run_dir)
     results = []
     try:
         for i, bench in enumerate(cfg.eval.benchmarks):

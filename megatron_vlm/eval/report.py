@@ -7,15 +7,22 @@
   counts) followed by the bad records of each benchmark — what a person reads;
 - `eval_predictions/<benchmark>.jsonl`: every scored row (reference, completions, scores) for
   looking at what the model answered.
+
+A run folder holds one run's results only: writing starts by removing a previous run's files (its
+predictions of benchmarks this run leaves out would otherwise sit beside the new summary), writes the
+predictions, then the table and the summary last, so an `eval_results.json` is there only when the
+whole set is; a job killed before or while writing leaves none (`clear_eval_results`, called when an
+evaluation starts, also keeps an earlier run's summary from passing for the killed one's).
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_eval_results", "results_table"]
+__all__ = ["write_eval_results", "results_table", "clear_eval_results"]
 
 _MAX_LISTED_BAD = 20
 
@@ -58,17 +65,26 @@ def results_table(results: list[dict], settings: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def clear_eval_results(run_dir: str | os.PathLike) -> None:
+    """Remove the result files of an earlier evaluation in `run_dir` (summary first: what marks them complete)."""
+    run_dir = Path(run_dir)
+    for name in ("eval_results.json", "eval_results.md"):
+        (run_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "eval_predictions", ignore_errors=True)
+
+
 def write_eval_results(run_dir: str | os.PathLike, results: list[dict], settings: dict) -> Path:
-    """Write the three outputs (module docstring); returns the path of eval_results.json."""
+    """Write the three outputs (module docstring), the summary last; returns the path of eval_results.json."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    summary = {"settings": settings,
-               "benchmarks": {r["name"]: {k: v for k, v in r.items() if k not in ("rows", "name")} for r in results}}
-    path = run_dir / "eval_results.json"
-    _atomic_write(path, json.dumps(summary, indent=2, default=str) + "\n")
-    _atomic_write(run_dir / "eval_results.md", results_table(results, settings))
+    clear_eval_results(run_dir)
     pred_dir = run_dir / "eval_predictions"
-    pred_dir.mkdir(exist_ok=True)
+    pred_dir.mkdir()
     for r in results:
         _atomic_write(pred_dir / f"{r['name']}.jsonl", "".join(json.dumps(row, default=str) + "\n" for row in r["rows"]))
+    summary = {"settings": settings,
+               "benchmarks": {r["name"]: {k: v for k, v in r.items() if k not in ("rows", "name")} for r in results}}
+    _atomic_write(run_dir / "eval_results.md", results_table(results, settings))
+    path = run_dir / "eval_results.json"
+    _atomic_write(path, json.dumps(summary, indent=2, default=str) + "\n")
     return path

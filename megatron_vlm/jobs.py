@@ -246,9 +246,9 @@ def run_eval(ctx: RunContext) -> int:
     try:
         for i, bench in enumerate(cfg.eval.benchmarks):
             result = evaluate_benchmark(ctx, bundle, engine, bench, scorer, bench_index=i)
-            log.info("eval %s: %s (%d rows, %d bad records)", bench.name,
+            log.info("eval %s: %s (%d rows, %d bad records, verifier failures %s)", bench.name,
                      {k: round(v, 4) for k, v in result["metrics"].items() if isinstance(v, float)},
-                     result["num_rows"], result["bad_records"]["num_bad_records"])
+                     result["num_rows"], result["bad_records"]["num_bad_records"], result["verifier_failures"])
             results.append(result)
     finally:
         scorer.close()

@@ -11,7 +11,8 @@ without question / answer is a bad record: skipped, counted and listed in the re
 Scoring (each rank its own rows, then gathered): `short_answer` rows compare the first word
 (eval/answers.py, the training-time rule); `math` / `choice` / `exact_match` rows go to the GRPO
 reward verifiers (RewardManager: worker processes with time limits; a verifier that times out or
-fails scores 0 and is counted). Greedy: one completion at temperature 0, accuracy = Avg@1. Sampled
+fails scores 0 and is counted: `verifier_failures` of the benchmark's results, timeouts and errors, each
+data-parallel shard once). Greedy: one completion at temperature 0, accuracy = Avg@1. Sampled
 (`eval.samples` = k > 0): k completions per prompt, Avg@k = mean correctness over all samples,
 pass@k = share of prompts with at least one correct sample (eval/accuracy.py). Rows whose metadata
 has a `question_type` (the synthetic sets, MathVista, MMMU) also get the greedy accuracy per type. Sampling
@@ -40,7 +41,7 @@ from megatron_vlm.rl.rewards.manager import RewardManager
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 
-__all__ = ["VerifierScorer", "evaluate_benchmark"]
+__all__ = ["VerifierScorer", "evaluate_benchmark", "merge_verifier_failures"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -54,6 +55,8 @@ class VerifierScorer:
     def __init__(self, ecfg: EvalConfig):
         self.ecfg = ecfg
         self.manager: Optional[RewardManager] = None
+        self.failures = {"timeouts": 0, "errors": 0}
+        """Verifier calls that timed out / raised so far (each scored 0)."""
 
     def _manager(self) -> RewardManager:
         if self.manager is None:
@@ -81,7 +84,10 @@ class VerifierScorer:
                     answers.append(rows[r].reference)
                     prompts.append(str(rows[r].meta.get("problem", "")))
                     metas.append(meta)
-            values = self._manager().score(flat, answers, prompts, metas, only=[verifier]).per_reward[verifier]
+            batch = self._manager().score(flat, answers, prompts, metas, only=[verifier])
+            self.failures["timeouts"] += batch.timeouts
+            self.failures["errors"] += batch.errors
+            values = batch.per_reward[verifier]
             at = 0
             for r in members:
                 k = len(rows[r].completions)
@@ -93,6 +99,13 @@ class VerifierScorer:
         if self.manager is not None:
             self.manager.close()
             self.manager = None
+
+
+def merge_verifier_failures(parts) -> dict[str, int]:
+    """The verifier failures of all ranks from (data-parallel rank, counts) pairs: the tp / cp ranks of a
+    group scored the same rows, so each shard counts once."""
+    by_shard = dict(parts)
+    return {k: sum(c[k] for c in by_shard.values()) for k in ("timeouts", "errors")}
 
 
 def _progress(name: str, what: str, is_main: bool):
@@ -122,6 +135,7 @@ def evaluate_benchmark(ctx: RunContext, bundle: ModelBundle, engine, bcfg: Bench
                          f"a prompt before eval.max_new_tokens = {ecfg.max_new_tokens}; raise it")
     data_cfg = dataclasses.replace(ctx.cfg.data, max_tokens_per_pack=prompt_budget)
     local: list[dict] = []
+    failures_before = dict(scorer.failures)
     dp_rank = getattr(bundle.dims, "dp_rank", env.rank)
     try:
         # the data-parallel coordinate, not the rank: the tp / cp ranks of a group decode the same rows together
@@ -149,7 +163,9 @@ def evaluate_benchmark(ctx: RunContext, bundle: ModelBundle, engine, bcfg: Bench
             for row, scores in zip(rows, scorer.score(rows)):
                 rows_by_index.setdefault(row.index, _row_record(row)).update(samples=row.completions, sample_scores=scores)
         local = list(rows_by_index.values())
-    parts = all_gather_objects({"rows": local, "bad": (dp_rank, bad.to_dict()["records"])})
+    failures = {k: scorer.failures[k] - failures_before[k] for k in failures_before}
+    parts = all_gather_objects({"rows": local, "bad": (dp_rank, bad.to_dict()["records"]),
+                                "failures": (dp_rank, failures)})
     merged_bad = merge_by_shard(p["bad"] for p in parts)  # tp / cp ranks skipped the same rows: counted once
     by_index: dict[int, dict] = {}
     for p in parts:  # the ranks of one data-parallel group (tp, cp) hold the same rows: each row once
@@ -158,6 +174,7 @@ def evaluate_benchmark(ctx: RunContext, bundle: ModelBundle, engine, bcfg: Bench
     rows_all = [by_index[i] for i in sorted(by_index)]
     return {"name": bcfg.name, "format": bcfg.format, "path": bcfg.path, "num_rows": len(opened.source),
             "metrics": _metrics(rows_all, ecfg), "verifiers": dict(Counter(r["verifier"] for r in rows_all)),
+            "verifier_failures": merge_verifier_failures(p["failures"] for p in parts),
             "bad_records": merged_bad.to_dict(), "rows": rows_all}
 
 

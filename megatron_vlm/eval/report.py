@@ -1,7 +1,8 @@
 """The files an evaluation job writes into its run folder (rank 0):
 
 - `eval_results.json`: the model, the settings, and per benchmark its metrics (greedy accuracy,
-  Avg@k, pass@k), how many rows it has / were scored, which verifiers scored them and the bad
+  Avg@k, pass@k), how many rows it has / were scored, which verifiers scored them, how many verifier
+  calls timed out or failed (`verifier_failures`, each scored 0) and the bad
   records (skipped rows by file, row and category);
 - `eval_results.md`: the same as a table (benchmark x metric, with the sample and bad-record
   counts) followed by the bad records of each benchmark — what a person reads;
@@ -52,6 +53,11 @@ def results_table(results: list[dict], settings: dict) -> str:
         cells = [r["name"], str(r["num_rows"]), str(m["num_scored"]), str(r["bad_records"]["num_bad_records"])]
         cells += [_fmt(m.get("greedy_accuracy" if c == "greedy" else c)) for c in metric_cols]
         lines.append("| " + " | ".join(cells) + " |")
+    for r in results:  # scored 0, so they lower the accuracy: say how many
+        fails = r.get("verifier_failures") or {}
+        if any(fails.values()):
+            lines += ["", f"{r['name']}: verifier timeouts {fails.get('timeouts', 0)}, errors {fails.get('errors', 0)} "
+                          "(each scored 0)"]
     for r in results:
         bad = r["bad_records"]
         if not bad["num_bad_records"]:

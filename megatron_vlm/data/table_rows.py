@@ -135,6 +135,22 @@ class _JsonLinesPart:
         return _parse_json_line(raw.split(b"\n", 1)[0], first=int(self.lines[k]) == 1)  # blank / bad lines may follow
 
 
+def _empty_parquet(file: Path):
+    """A parquet file with its schema and no rows as an empty Dataset (`Dataset.from_parquet` fails on one:
+    "BatchSize must be greater than 0"), else None: an empty file is a table of 0 rows, not an unreadable one."""
+    import datasets
+    import pyarrow.parquet as pq
+
+    if file.suffix != ".parquet":
+        return None
+    try:
+        if pq.read_metadata(file).num_rows != 0:
+            return None
+        return datasets.Dataset(pq.read_table(file))
+    except Exception:  # not a parquet file at all: the caller's "cannot be read"
+        return None
+
+
 class _TablePart:
     def __init__(self, file: Path, cache_dir: Optional[str]):
         # `datasets` takes seconds to import; only tables need it, so JSON-lines reading stays cheap.
@@ -146,6 +162,10 @@ class _TablePart:
             else:
                 ds = datasets.Dataset.from_parquet(str(file), cache_dir=cache_dir)
         except Exception as e:  # pyarrow / datasets raise many types for a file that is not a table
+            ds = _empty_parquet(file)
+            if ds is not None:
+                self.columns, self.table = list(ds.column_names), ds.with_format("arrow")
+                return
             raise DataFileError(f"{file}: cannot be read as a {file.suffix} table ({type(e).__name__}: "
                                 f"{str(e)[:300]})") from None
         self.columns = list(ds.column_names)

@@ -43,7 +43,8 @@ class BenchmarkConfig:
     image_root: str = ""
     """Folder relative image paths resolve against; empty = the data file's folder."""
     max_samples: int = 0
-    """Evaluate the first N usable rows only (0 = all)."""
+    """Evaluate the first N rows only (0 = all); bad rows among them are skipped and counted, not replaced
+    by later ones, so a run scores the same rows as another with the same N."""
 
     def validate(self) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").replace(".", "").isalnum():

@@ -23,3 +23,16 @@ def test_empty_parquet_beside_a_full_one_keeps_the_rows(tmp_path):
     pq.write_table(pa.table({"q": ["What is 1+1?", "What is 2+2?"], "a": ["2", "4"]}), tmp_path / "b.parquet")
     src = open_benchmark(_cfg(tmp_path), template="{problem}").source
     assert len(src) == 2 and src.get(1).meta["answer"] == "4" and src.locate(1)[1] == 1
+
+
+def test_max_samples_takes_the_first_rows_bad_ones_included(tmp_path):
+    import pytest
+
+    from megatron_vlm.data.bad_records import BadRecordError
+    pq.write_table(pa.table({"q": ["", "What is 2+2?", "What is 3+3?"], "a": ["2", "4", "6"]}), tmp_path / "b.parquet")
+    cfg = _cfg(tmp_path / "b.parquet")
+    cfg.max_samples = 2
+    src = open_benchmark(cfg, template="{problem}").source
+    assert len(src) == 2 and src.get(1).meta["answer"] == "4"
+    with pytest.raises(BadRecordError):  # row 0 is skipped and counted; row 2 does not take its place
+        src.get(0)

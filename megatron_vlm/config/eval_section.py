@@ -104,7 +104,7 @@ class EvalConfig:
     system_prompt: Optional[str] = None
     """Optional system turn."""
     correct_threshold: float = 1.0
-    """A completion counts as correct when its verifier score is >= this."""
+    """A completion counts as correct when its verifier score (in [0, 1]) is >= this; in (0, 1]."""
     reward_timeout_s: float = 10.0
     """Time limit of one verifier call (a call past it scores 0 and is counted)."""
     reward_workers: int = 2
@@ -132,6 +132,8 @@ class EvalConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if any(not s for s in self.stop):
             raise ValueError("stop: stop strings must not be empty")
+        if not 0 < self.correct_threshold <= 1:  # scores are in [0, 1]: 0 counts every miss, > 1 / NaN no hit
+            raise ValueError(f"correct_threshold: must be in (0, 1], got {self.correct_threshold}")
         if not self.reward_timeout_s > 0:
             raise ValueError(f"reward_timeout_s: must be > 0, got {self.reward_timeout_s}")
         _check_template(self.prompt_template, "prompt_template")

@@ -63,7 +63,7 @@ class RLEvalConfig:
     max_prompts: int = 0
     """Evaluate on at most this many held-out prompts (0 = all)."""
     correct_threshold: float = 1.0
-    """A sample counts as correct when its accuracy reward is >= this (rewards are in [0, 1])."""
+    """A sample counts as correct when its accuracy reward is >= this (rewards are in [0, 1]); in (0, 1]."""
 
     def validate(self) -> None:
         if self.every_steps < 0:
@@ -78,6 +78,8 @@ class RLEvalConfig:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        if not 0 < self.correct_threshold <= 1:  # scores are in [0, 1]: 0 counts every miss, > 1 / NaN no hit
+            raise ValueError(f"correct_threshold: must be in (0, 1], got {self.correct_threshold}")
         if self.max_prompts < 0:
             raise ValueError(f"max_prompts: must be >= 0, got {self.max_prompts}")
 

@@ -44,7 +44,8 @@ class BenchmarkConfig:
     """Folder relative image paths resolve against; empty = the data file's folder."""
     max_samples: int = 0
     """Evaluate the first N rows only (0 = all); bad rows among them are skipped and counted, not replaced
-    by later ones, so a run scores the same rows as another with the same N."""
+    by later ones, so a run scores the same rows as another with the same N (format "messages": the first N
+    lines that parse as JSON records)."""
 
     def validate(self) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").replace(".", "").isalnum():

@@ -226,6 +226,8 @@ def _eval_adapter_lora(folder: str) -> LoRAConfig:
 def run_eval(ctx: RunContext) -> int:
     """Evaluate `model.path` on every `[[eval.benchmarks]]` table and write the results (eval/report.py)."""
     cfg = ctx.cfg
+    if ctx.env.is_main:  # an earlier run's results must not pass for this one's (its eval_config.toml is new)
+        clear_eval_results(ctx.run_dir)
     if cfg.eval.adapter:
         ctx = dataclasses.replace(ctx, cfg=dataclasses.replace(cfg, lora=_eval_adapter_lora(cfg.eval.adapter)))
     for i, bench in enumerate(cfg.eval.benchmarks):  # every benchmark's files readable before the first is scored
@@ -240,8 +242,6 @@ def run_eval(ctx: RunContext) -> int:
     check_moe_section(cfg, bundle.model)  # [kernels] backends of ops the model lacks ([moe] is refused for eval)
     engine = answer_engine(ctx, bundle)
     scorer = VerifierScorer(cfg.eval)
-    if ctx.env.is_main:  # an earlier run's results must not pass for this one's if it is stopped
-        clear_eval_results(ctx.run_dir)
     results = []
     try:
         for i, bench in enumerate(cfg.eval.benchmarks):

@@ -85,7 +85,7 @@ def write_eval_results(run_dir: str | os.PathLike, results: list[dict], settings
     run_dir.mkdir(parents=True, exist_ok=True)
     clear_eval_results(run_dir)
     pred_dir = run_dir / "eval_predictions"
-    pred_dir.mkdir()
+    pred_dir.mkdir(exist_ok=True)
     for r in results:
         _atomic_write(pred_dir / f"{r['name']}.jsonl", "".join(json.dumps(row, default=str) + "\n" for row in r["rows"]))
     summary = {"settings": settings,

@@ -43,6 +43,8 @@ def _one(body: str, closed: bool) -> Union[ToolCall, ToolCallError]:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         return ToolCallError(text, f"the tool call is not valid JSON ({e.msg} at character {e.pos})")
+    except (ValueError, RecursionError) as e:  # an int of > 4300 digits, brackets nested too deep: the decoder's limits
+        return ToolCallError(text, f"the tool call is JSON the decoder refuses ({type(e).__name__})")
     if not isinstance(obj, dict):
         return ToolCallError(text, 'the tool call must be a JSON object {"name": ..., "arguments": {...}}')
     name = obj.get("name")
@@ -52,7 +54,7 @@ def _one(body: str, closed: bool) -> Union[ToolCall, ToolCallError]:
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # JSONDecodeError, and the decoder's limits
             return ToolCallError(text, f'"arguments" of {name} is a string that is not a JSON object')
     if not isinstance(args, dict):
         return ToolCallError(text, f'"arguments" of {name} must be a JSON object')

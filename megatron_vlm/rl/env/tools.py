@@ -77,6 +77,14 @@ def _not_an_image(image: Any) -> str:
             f"{f' {dtype} {tuple(shape)}' if shape is not None else ''})")
 
 
+def _text_of(e: BaseException) -> str:
+    """str(e), or a stand-in when the exception's own __str__ raises (user code: its failure must stay a reply)."""
+    try:
+        return str(e)
+    except Exception:  # noqa: BLE001
+        return "(its message could not be printed)"
+
+
 class ToolRegistry:
     """Tools by name: `functions` (their specs from `function_schema`) plus `schemas` {name: spec} overrides."""
 
@@ -107,7 +115,7 @@ class ToolRegistry:
         try:
             out = fn(**call.arguments)
         except Exception as e:  # noqa: BLE001 -- a tool's failure is the model's feedback, not the job's
-            return f"Error: {call.name} raised {type(e).__name__}: {e}"[:500], [], False
+            return f"Error: {call.name} raised {type(e).__name__}: {_text_of(e)}"[:500], [], False
         if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], list):
             bad = next((why for why in map(_not_an_image, out[1]) if why), None)
             if bad:
@@ -117,8 +125,8 @@ class ToolRegistry:
             return out, [], True
         try:
             return json.dumps(out), [], True
-        except (TypeError, ValueError) as e:  # a set, an object: the model's feedback, not the trajectory's end
-            return f"Error: {call.name} returned {type(out).__name__}, not text or JSON data: {e}"[:500], [], False
+        except (TypeError, ValueError, RecursionError) as e:  # a set, an object, nesting too deep: the model's feedback
+            return f"Error: {call.name} returned {type(out).__name__}, not text or JSON data: {_text_of(e)}"[:500], [], False
 
 
 class ToolEnvironment(Environment):

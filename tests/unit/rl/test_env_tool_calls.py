@@ -168,3 +168,41 @@ def test_a_tool_returning_garbage_is_an_error_reply():
         return "look:", [ok_image]  # type: ignore[return-value]
 
     assert ToolRegistry([good]).call(ToolCall("good", {}))[1:] == ([ok_image], True)
+
+
+@pytest.mark.parametrize("body", [
+    '{"name": "a", "arguments": {"x": ' + "[" * 100_000 + "}}",  # RecursionError in json.loads
+    '{"name": "a", "arguments": {"x": ' + "1" * 5000 + "}}",  # ValueError: an int of more than 4300 digits
+    '{"name": "a", "arguments": "{\\"x\\": ' + "9" * 5000 + '}"}',  # the same in arguments written as a string
+], ids=["deep", "huge_int", "huge_int_in_string"])
+def test_json_the_decoder_refuses_is_a_malformed_call(body):
+    """Deeply nested brackets or a huge number in the model's call raise RecursionError / ValueError (not
+    JSONDecodeError) from json.loads: the turn's error reply, not an exception ending the trajectory."""
+    (got,) = parse_tool_calls(f"<tool_call>{body}</tool_call>")
+    assert isinstance(got, ToolCallError) and "JSON" in got.message
+
+
+def test_a_tool_whose_failure_cannot_be_described_or_serialised_is_an_error_reply():
+    """An exception whose str() raises, and a return value too deeply nested for json.dumps (RecursionError), are
+    the tool's error reply as the docs promise, not an exception out of the environment."""
+
+    class Odd(Exception):
+        def __str__(self):
+            raise RuntimeError("no text")
+
+    def raises_odd() -> str:
+        """Raises an exception that cannot be printed."""
+        raise Odd()
+
+    def deep() -> str:
+        """Returns deeply nested data."""
+        out: list = []
+        for _ in range(100_000):
+            out = [out]
+        return out  # type: ignore[return-value]
+
+    reg = ToolRegistry([raises_odd, deep])
+    text, _, ok = reg.call(ToolCall("raises_odd", {}))
+    assert not ok and text.startswith("Error: raises_odd raised Odd"), text
+    text, _, ok = reg.call(ToolCall("deep", {}))
+    assert not ok and text.startswith("Error: deep returned list"), text

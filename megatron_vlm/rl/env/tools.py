@@ -85,6 +85,12 @@ def _text_of(e: BaseException) -> str:
         return "(its message could not be printed)"
 
 
+def _shown(text: str) -> str:
+    """`text` with any lone surrogate (bytes decoded with errors="surrogateescape", say) written as its \\uXXXX
+    escape: the tokenizer refuses text UTF-8 cannot encode, which would end the trajectory as env_error."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class ToolRegistry:
     """Tools by name: `functions` (their specs from `function_schema`) plus `schemas` {name: spec} overrides."""
 
@@ -156,7 +162,7 @@ class ToolEnvironment(Environment):
                 continue
             text, imgs, ok = self.registry.call(c)
             errors += not ok
-            parts.append({"role": "tool", "text": text, "images": len(imgs)})
+            parts.append({"role": "tool", "text": _shown(text), "images": len(imgs)})
             images.extend(imgs)
         return StepResult(Observation(images=images, role="tool", parts=parts), done=False,
                           info={"tool_calls": len(calls), "tool_errors": errors, "tool_images": len(images)})

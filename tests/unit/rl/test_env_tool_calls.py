@@ -206,3 +206,29 @@ def test_a_tool_whose_failure_cannot_be_described_or_serialised_is_an_error_repl
     assert not ok and text.startswith("Error: raises_odd raised Odd"), text
     text, _, ok = reg.call(ToolCall("deep", {}))
     assert not ok and text.startswith("Error: deep returned list"), text
+
+
+def test_a_lone_surrogate_escape_is_a_malformed_call():
+    """`"\\ud800"` is valid JSON but not a character: the string it decodes to cannot be encoded as UTF-8, so the
+    tokenizer refuses a tool reply that shows it (TypeError: the trajectory ended as env_error). The call is
+    refused as malformed, the model's feedback."""
+    (got,) = parse_tool_calls('<tool_call>{"name": "echo", "arguments": {"q": "a\\ud800b"}}</tool_call>')
+    assert isinstance(got, ToolCallError) and "surrogate" in got.message
+    (ok,) = parse_tool_calls('<tool_call>{"name": "echo", "arguments": {"q": "\\ud83d\\ude00 \\u00e9"}}</tool_call>')
+    assert ok == ToolCall("echo", {"q": "\U0001F600 \u00e9"})  # a surrogate pair is one character
+
+
+def test_tool_reply_text_is_always_encodable():
+    """A tool's text with a lone surrogate (e.g. bytes decoded with errors="surrogateescape") is shown escaped, so
+    the turn encoder's tokenizer can take every reply."""
+
+    def raw() -> str:
+        """Returns undecodable bytes as text."""
+        return b"ok \xff".decode("utf-8", "surrogateescape")
+
+    env = ToolEnvironment([raw])
+    env.reset(EnvSample(problem=""))
+    res = env.step('<tool_call>{"name": "raw", "arguments": {}}</tool_call>')
+    (part,) = res.observation.parts
+    part["text"].encode("utf-8")  # raises UnicodeEncodeError on a lone surrogate
+    assert part["text"] == "ok \\udcff"

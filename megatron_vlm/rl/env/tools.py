@@ -67,12 +67,14 @@ def _check_args(spec: dict, args: dict) -> Optional[str]:
 
 
 def _not_an_image(image: Any) -> str:
-    """Why `image` is not what an observation may show (a PIL image or an HxWx3 uint8 array), or ""."""
+    """Why `image` is not what an observation may show (a PIL image or an HxWx3 uint8 array, not empty: the
+    processor's resize divides by its sides), or ""."""
     if type(image).__module__.startswith("PIL."):
-        return ""
+        w, h = image.size
+        return "" if w > 0 and h > 0 else f"an empty image ({w}x{h} pixels)"
     shape, dtype = getattr(image, "shape", None), getattr(image, "dtype", None)
     if shape is not None and len(shape) == 3 and shape[2] == 3 and str(dtype) == "uint8":
-        return ""
+        return "" if shape[0] > 0 and shape[1] > 0 else f"an empty image (array of shape {tuple(shape)})"
     return (f"an image that is not a PIL image or an HxWx3 uint8 array ({type(image).__name__}"
             f"{f' {dtype} {tuple(shape)}' if shape is not None else ''})")
 

@@ -232,3 +232,24 @@ def test_tool_reply_text_is_always_encodable():
     (part,) = res.observation.parts
     part["text"].encode("utf-8")  # raises UnicodeEncodeError on a lone surrogate
     assert part["text"] == "ok \\udcff"
+
+
+def test_an_empty_image_is_the_tools_error_reply():
+    """A crop tool given a degenerate box returns a 0-pixel image: the processor cannot take it (ZeroDivisionError
+    in its resize, the trajectory ended as env_error), so it is the tool's error reply like any image it cannot
+    show."""
+    import numpy as np
+    from PIL import Image
+
+    def crop_pil() -> str:
+        """An empty PIL crop."""
+        return "crop:", [Image.new("RGB", (4, 4)).crop((2, 0, 2, 4))]  # type: ignore[return-value]
+
+    def crop_array() -> str:
+        """An empty array crop."""
+        return "crop:", [np.zeros((0, 4, 3), dtype=np.uint8)]  # type: ignore[return-value]
+
+    reg = ToolRegistry([crop_pil, crop_array])
+    for name in ("crop_pil", "crop_array"):
+        text, images, ok = reg.call(ToolCall(name, {}))
+        assert not ok and images == [] and text.startswith(f"Error: {name} returned an empty image"), text

@@ -88,3 +88,13 @@ class RewardOf(Environment):
 
     def step(self, action):
         return StepResult(Observation(), reward=self.value, done=True)
+
+
+class InfoOf(Environment):
+    """Done at the first turn, reporting `info` as its counters (any value: the checks of what a step returns)."""
+
+    def __init__(self, info=None):
+        self.info = info
+
+    def step(self, action):
+        return StepResult(Observation(), reward=1.0, done=True, info=self.info)

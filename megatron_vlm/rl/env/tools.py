@@ -26,7 +26,7 @@ __all__ = ["ToolRegistry", "ToolEnvironment", "function_schema"]
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 _CHECK = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "array": (list,),
-          "object": (dict,)}
+          "object": (dict,), "null": (type(None),)}
 
 
 def function_schema(fn: Callable) -> dict:
@@ -59,11 +59,19 @@ def _check_args(spec: dict, args: dict) -> Optional[str]:
     if unknown:
         return f"unknown arguments {unknown}; the tool takes {sorted(props)}"
     for k, v in args.items():
-        want = props[k].get("type")
-        ok = _CHECK.get(want)
-        if ok is not None and (not isinstance(v, ok) or (want in ("integer", "number") and isinstance(v, bool))):
-            return f"argument {k} must be of type {want}, got {type(v).__name__}"
+        want = props[k].get("type") if isinstance(props[k], dict) else None
+        listed = want if isinstance(want, list) else [want]  # JSON schema's union: "type": ["integer", "null"]
+        wants = [w for w in listed if isinstance(w, str) and w in _CHECK]
+        if not wants or len(wants) < len(listed):
+            continue  # no type, or one this check does not know: the tool checks it
+        if not any(_is_type(v, w) for w in wants):
+            return f"argument {k} must be of type {' or '.join(wants)}, got {type(v).__name__}"
     return None
+
+
+def _is_type(value: Any, want: str) -> bool:
+    """`value` (decoded JSON) is of JSON-schema type `want` (a bool is no integer / number, as in JSON)."""
+    return isinstance(value, _CHECK[want]) and not (want in ("integer", "number") and isinstance(value, bool))
 
 
 def _not_an_image(image: Any) -> str:

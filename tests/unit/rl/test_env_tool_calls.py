@@ -253,3 +253,22 @@ def test_an_empty_image_is_the_tools_error_reply():
     for name in ("crop_pil", "crop_array"):
         text, images, ok = reg.call(ToolCall(name, {}))
         assert not ok and images == [] and text.startswith(f"Error: {name} returned an empty image"), text
+
+
+def test_a_schema_with_a_union_type_checks_each_type():
+    """JSON schema writes an optional argument as "type": ["integer", "null"] (the OpenAI function specs do): the
+    check took the list as a dict key (TypeError out of the environment: the trajectory ended as env_error)."""
+
+    def page(n=None) -> str:
+        """A page."""
+        return f"page {n}"
+
+    spec = {"type": "function", "function": {"name": "page", "description": "A page.", "parameters": {
+        "type": "object", "properties": {"n": {"type": ["integer", "null"]}}, "required": []}}}
+    reg = ToolRegistry([page], schemas={"page": spec})
+    assert reg.call(ToolCall("page", {"n": 3})) == ("page 3", [], True)
+    assert reg.call(ToolCall("page", {"n": None})) == ("page None", [], True)
+    text, _, ok = reg.call(ToolCall("page", {"n": "3"}))
+    assert not ok and "n must be of type integer or null, got str" in text
+    text, _, ok = reg.call(ToolCall("page", {"n": True}))
+    assert not ok and "got bool" in text

@@ -130,7 +130,7 @@ class ToolRegistry:
             return f"Error: {call.name}: {why}", [], False
         try:
             out = fn(**call.arguments)
-        except Exception as e:  # noqa: BLE001 -- a tool's failure is the model's feedback, not the job's
+        except (Exception, SystemExit) as e:  # noqa: BLE001 -- a tool's failure (sys.exit too) is the model's feedback
             return f"Error: {call.name} raised {type(e).__name__}: {_text_of(e)}"[:500], [], False
         if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], list):
             bad = next((why for why in map(_not_an_image, out[1]) if why), None)

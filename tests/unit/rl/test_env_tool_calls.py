@@ -272,3 +272,16 @@ def test_a_schema_with_a_union_type_checks_each_type():
     assert not ok and "n must be of type integer or null, got str" in text
     text, _, ok = reg.call(ToolCall("page", {"n": True}))
     assert not ok and "got bool" in text
+
+
+def test_a_tool_calling_exit_is_an_error_reply():
+    """sys.exit() in a tool (a script's habit) raises SystemExit, which `except Exception` let through: in the worker
+    the trajectory ended as env_error, in the trainer process (sandbox = false) the job exited."""
+    import sys
+
+    def quits(code: int) -> str:
+        """Exits."""
+        sys.exit(code)
+
+    text, _, ok = ToolRegistry([quits]).call(ToolCall("quits", {"code": 3}))
+    assert not ok and text == "Error: quits raised SystemExit: 3"

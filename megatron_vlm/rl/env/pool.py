@@ -159,14 +159,14 @@ class EnvWorkerPool(RewardWorkerPool):
 
 class InlineEnvRunner:
     """The same `run(calls)` in this process, without a sandbox (tests, and debugging an environment): an
-    exception is an error reply; a hang is not caught."""
+    exception (SystemExit included) is an error reply; a hang is not caught."""
 
     def run(self, calls: Sequence[EnvCall]) -> list[EnvReply]:
         out = []
         for c in calls:
             try:
                 out.append(pickle.loads(pickle.dumps(run_call(c))))  # the same round trip as the worker's
-            except Exception as e:  # noqa: BLE001
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - sys.exit in user code must not end the job
                 out.append(EnvReply(error=f"error: {_describe(e)}"))
         return out
 

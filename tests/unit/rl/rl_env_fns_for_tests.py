@@ -98,3 +98,12 @@ class InfoOf(Environment):
 
     def step(self, action):
         return StepResult(Observation(), reward=1.0, done=True, info=self.info)
+
+
+class Exits(Environment):
+    """Calls sys.exit in its step (a script's habit)."""
+
+    def step(self, action):
+        import sys
+
+        sys.exit(5)

@@ -1,7 +1,8 @@
 """`StepResult.info` is user data the rollout sums into the step metrics (env/<key>): a value that is not a dict of
 named numbers used to raise in the trainer process (AttributeError on `None.items()`, OverflowError on a huge int,
 TypeError sorting int and str keys), ending the whole rollout instead of one trajectory; a NaN counter made the
-metric NaN. Such a reply is an environment error: the trajectory ends "env_error", counted, the message names it."""
+metric NaN. Such a reply is an environment error: the trajectory ends "env_error", counted, the message names it.
+So is sys.exit in an environment run in the trainer process (sandbox = false)."""
 import math
 
 import pytest
@@ -31,3 +32,12 @@ def test_good_info_is_summed():
                          samples=[EnvSample(problem="q")], histories=[[]], n=1, eos_token_ids=[0])
     (r,) = session.step([(0, 0, "a", [1])])
     assert not r.error and r.done and r.info == {"calls": 2.0, "ok": 1.0}
+
+
+def test_sys_exit_in_an_inline_environment_ends_its_trajectory_not_the_job():
+    """With rl.env.sandbox = false the environment runs in the trainer: SystemExit from its step escaped the runner's
+    `except Exception` and ended the job, where the docs promise that only a hang stops it."""
+    session = EnvSession(InlineEnvRunner(), encoder=None, name=f"{FNS}:Exits", kwargs={},
+                         samples=[EnvSample(problem="q")], histories=[[]], n=1, eos_token_ids=[0])
+    (r,) = session.step([(0, 0, "a", [1])])
+    assert r.error and "SystemExit" in r.error and session.errors == 1

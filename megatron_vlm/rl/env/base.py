@@ -45,7 +45,8 @@ class StepResult:
     done: bool = False
     """The trajectory ends here: the observation is not shown."""
     info: dict[str, Any] = field(default_factory=dict)
-    """Counters the environment reports (e.g. {"tool_errors": 1}): summed into the step metrics as env/<key>."""
+    """Counters the environment reports (e.g. {"tool_errors": 1}): summed into the step metrics as env/<key>. String
+    keys; numbers must be finite (other values are left out of the metrics)."""
 
 
 @dataclass

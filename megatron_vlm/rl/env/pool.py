@@ -9,8 +9,8 @@ State between turns: a worker is not tied to a trajectory (any worker runs any c
 has lost everything), so the environment object itself travels: `reset` builds it in a worker and sends it
 back pickled with the first observation, each `step` unpickles it, steps it and sends it back. An
 environment must therefore be picklable (plain Python state). Every failure (the environment could not be
-built, `reset` / `step` raised, `step` returned a NaN or infinite reward, the worker hung or died, the result was
-not picklable) is an
+built, `reset` / `step` raised, `step` returned a NaN or infinite reward or `info` that is not a dict of named finite
+numbers, the worker hung or died, the result was not picklable) is an
 `EnvReply` with `error` set: the rollout ends that trajectory with finish reason "env_error" and counts it.
 """
 from __future__ import annotations
@@ -83,6 +83,19 @@ class EnvReply:
     """Why the call failed ("timeout: ...", "error: ..."); empty when it worked."""
 
 
+def _check_info(info: Any) -> None:
+    """`StepResult.info` is summed into the step metrics (env/<key>) in the trainer: a dict of named counters whose
+    numbers are finite floats, checked here so that a bad one ends its trajectory, not the rollout."""
+    if not isinstance(info, dict):
+        raise TypeError(f"step returned info of type {type(info).__name__}, not a dict of counters")
+    for k, v in info.items():
+        if not isinstance(k, str):
+            raise TypeError(f"step returned info with the key {k!r}, not a string")
+        if isinstance(v, (int, float)) and not (abs(v) < 1e300 and math.isfinite(v)):  # NaN, inf, an int past float
+            shown = repr(v) if isinstance(v, float) else f"an int of {v.bit_length()} bits"
+            raise ValueError(f"step returned info[{k!r}] = {shown}, not a finite number of float range")
+
+
 def run_call(call: EnvCall) -> EnvReply:
     """Run one call in this process (the worker's body, and the in-process runner of tests)."""
     if call.op == "reset":
@@ -100,6 +113,7 @@ def run_call(call: EnvCall) -> EnvReply:
         result.reward = float(result.reward)
         if not math.isfinite(result.reward):  # NaN / inf would poison the whole group's advantages
             raise ValueError(f"step returned a non-finite reward {result.reward!r}")
+        _check_info(result.info)
         tools = []
     else:
         raise ValueError(f"unknown environment op {call.op!r}")
@@ -145,14 +159,14 @@ class EnvWorkerPool(RewardWorkerPool):
 
 class InlineEnvRunner:
     """The same `run(calls)` in this process, without a sandbox (tests, and debugging an environment): an
-    exception is an error reply; a hang is not caught."""
+    exception (SystemExit included) is an error reply; a hang is not caught."""
 
     def run(self, calls: Sequence[EnvCall]) -> list[EnvReply]:
         out = []
         for c in calls:
             try:
                 out.append(pickle.loads(pickle.dumps(run_call(c))))  # the same round trip as the worker's
-            except Exception as e:  # noqa: BLE001
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - sys.exit in user code must not end the job
                 out.append(EnvReply(error=f"error: {_describe(e)}"))
         return out
 

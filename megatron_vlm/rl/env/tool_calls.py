@@ -3,9 +3,10 @@
 Why a parser of our own: the chat templates of Qwen2.5(-VL) and Qwen3(-VL) tell the model to write each call
 as one JSON object between `<tool_call>` and `</tool_call>` (several calls in one turn are several blocks);
 transformers renders that markup but does not parse it back. A malformed call (not JSON, no "name",
-"arguments" not an object, an unclosed tag) is not an exception: it comes back as a `ToolCallError` in the
-turn's order, and the environment answers it with an error message as the tool's reply (counted), so a
-model learning the syntax gets a signal instead of a crashed rollout.
+"arguments" not an object, an unclosed tag, JSON the decoder refuses, a "\\ud800" escape that is no character)
+is not an exception: it comes back as a `ToolCallError` in the turn's order, and the environment answers it
+with an error message as the tool's reply (counted), so a model learning the syntax gets a signal instead of
+a crashed rollout.
 """
 from __future__ import annotations
 
@@ -35,6 +36,16 @@ class ToolCallError:
     message: str
 
 
+def _encodable(obj: Any) -> bool:
+    """Every string of the decoded call is text UTF-8 can write (JSON's "\\ud800" escape decodes to a lone
+    surrogate, which the tokenizer refuses when a tool's reply shows it)."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except (UnicodeEncodeError, RecursionError):
+        return False
+    return True
+
+
 def _one(body: str, closed: bool) -> Union[ToolCall, ToolCallError]:
     text = body.strip()
     if not closed:
@@ -43,6 +54,8 @@ def _one(body: str, closed: bool) -> Union[ToolCall, ToolCallError]:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         return ToolCallError(text, f"the tool call is not valid JSON ({e.msg} at character {e.pos})")
+    except (ValueError, RecursionError) as e:  # an int of > 4300 digits, brackets nested too deep: the decoder's limits
+        return ToolCallError(text, f"the tool call is JSON the decoder refuses ({type(e).__name__})")
     if not isinstance(obj, dict):
         return ToolCallError(text, 'the tool call must be a JSON object {"name": ..., "arguments": {...}}')
     name = obj.get("name")
@@ -52,10 +65,12 @@ def _one(body: str, closed: bool) -> Union[ToolCall, ToolCallError]:
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # JSONDecodeError, and the decoder's limits
             return ToolCallError(text, f'"arguments" of {name} is a string that is not a JSON object')
     if not isinstance(args, dict):
         return ToolCallError(text, f'"arguments" of {name} must be a JSON object')
+    if not _encodable(obj):
+        return ToolCallError(text, "the tool call has a \\uXXXX escape that is not a character (a lone surrogate)")
     extra = sorted(set(obj) - {"name", "arguments"})
     if extra:
         return ToolCallError(text, f"unexpected keys {extra} in the tool call (only name and arguments)")

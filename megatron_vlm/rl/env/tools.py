@@ -26,7 +26,7 @@ __all__ = ["ToolRegistry", "ToolEnvironment", "function_schema"]
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 _CHECK = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "array": (list,),
-          "object": (dict,)}
+          "object": (dict,), "null": (type(None),)}
 
 
 def function_schema(fn: Callable) -> dict:
@@ -59,22 +59,46 @@ def _check_args(spec: dict, args: dict) -> Optional[str]:
     if unknown:
         return f"unknown arguments {unknown}; the tool takes {sorted(props)}"
     for k, v in args.items():
-        want = props[k].get("type")
-        ok = _CHECK.get(want)
-        if ok is not None and (not isinstance(v, ok) or (want in ("integer", "number") and isinstance(v, bool))):
-            return f"argument {k} must be of type {want}, got {type(v).__name__}"
+        want = props[k].get("type") if isinstance(props[k], dict) else None
+        listed = want if isinstance(want, list) else [want]  # JSON schema's union: "type": ["integer", "null"]
+        wants = [w for w in listed if isinstance(w, str) and w in _CHECK]
+        if not wants or len(wants) < len(listed):
+            continue  # no type, or one this check does not know: the tool checks it
+        if not any(_is_type(v, w) for w in wants):
+            return f"argument {k} must be of type {' or '.join(wants)}, got {type(v).__name__}"
     return None
 
 
+def _is_type(value: Any, want: str) -> bool:
+    """`value` (decoded JSON) is of JSON-schema type `want` (a bool is no integer / number, as in JSON)."""
+    return isinstance(value, _CHECK[want]) and not (want in ("integer", "number") and isinstance(value, bool))
+
+
 def _not_an_image(image: Any) -> str:
-    """Why `image` is not what an observation may show (a PIL image or an HxWx3 uint8 array), or ""."""
+    """Why `image` is not what an observation may show (a PIL image or an HxWx3 uint8 array, not empty: the
+    processor's resize divides by its sides), or ""."""
     if type(image).__module__.startswith("PIL."):
-        return ""
+        w, h = image.size
+        return "" if w > 0 and h > 0 else f"an empty image ({w}x{h} pixels)"
     shape, dtype = getattr(image, "shape", None), getattr(image, "dtype", None)
     if shape is not None and len(shape) == 3 and shape[2] == 3 and str(dtype) == "uint8":
-        return ""
+        return "" if shape[0] > 0 and shape[1] > 0 else f"an empty image (array of shape {tuple(shape)})"
     return (f"an image that is not a PIL image or an HxWx3 uint8 array ({type(image).__name__}"
             f"{f' {dtype} {tuple(shape)}' if shape is not None else ''})")
+
+
+def _text_of(e: BaseException) -> str:
+    """str(e), or a stand-in when the exception's own __str__ raises (user code: its failure must stay a reply)."""
+    try:
+        return str(e)
+    except Exception:  # noqa: BLE001
+        return "(its message could not be printed)"
+
+
+def _shown(text: str) -> str:
+    """`text` with any lone surrogate (bytes decoded with errors="surrogateescape", say) written as its \\uXXXX
+    escape: the tokenizer refuses text UTF-8 cannot encode, which would end the trajectory as env_error."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class ToolRegistry:
@@ -106,8 +130,8 @@ class ToolRegistry:
             return f"Error: {call.name}: {why}", [], False
         try:
             out = fn(**call.arguments)
-        except Exception as e:  # noqa: BLE001 -- a tool's failure is the model's feedback, not the job's
-            return f"Error: {call.name} raised {type(e).__name__}: {e}"[:500], [], False
+        except (Exception, SystemExit) as e:  # noqa: BLE001 -- a tool's failure (sys.exit too) is the model's feedback
+            return f"Error: {call.name} raised {type(e).__name__}: {_text_of(e)}"[:500], [], False
         if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], list):
             bad = next((why for why in map(_not_an_image, out[1]) if why), None)
             if bad:
@@ -117,8 +141,8 @@ class ToolRegistry:
             return out, [], True
         try:
             return json.dumps(out), [], True
-        except (TypeError, ValueError) as e:  # a set, an object: the model's feedback, not the trajectory's end
-            return f"Error: {call.name} returned {type(out).__name__}, not text or JSON data: {e}"[:500], [], False
+        except (TypeError, ValueError, RecursionError) as e:  # a set, an object, nesting too deep: the model's feedback
+            return f"Error: {call.name} returned {type(out).__name__}, not text or JSON data: {_text_of(e)}"[:500], [], False
 
 
 class ToolEnvironment(Environment):
@@ -148,7 +172,7 @@ class ToolEnvironment(Environment):
                 continue
             text, imgs, ok = self.registry.call(c)
             errors += not ok
-            parts.append({"role": "tool", "text": text, "images": len(imgs)})
+            parts.append({"role": "tool", "text": _shown(text), "images": len(imgs)})
             images.extend(imgs)
         return StepResult(Observation(images=images, role="tool", parts=parts), done=False,
                           info={"tool_calls": len(calls), "tool_errors": errors, "tool_images": len(images)})

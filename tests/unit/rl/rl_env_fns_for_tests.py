@@ -88,3 +88,22 @@ class RewardOf(Environment):
 
     def step(self, action):
         return StepResult(Observation(), reward=self.value, done=True)
+
+
+class InfoOf(Environment):
+    """Done at the first turn, reporting `info` as its counters (any value: the checks of what a step returns)."""
+
+    def __init__(self, info=None):
+        self.info = info
+
+    def step(self, action):
+        return StepResult(Observation(), reward=1.0, done=True, info=self.info)
+
+
+class Exits(Environment):
+    """Calls sys.exit in its step (a script's habit)."""
+
+    def step(self, action):
+        import sys
+
+        sys.exit(5)

@@ -168,3 +168,120 @@ def test_a_tool_returning_garbage_is_an_error_reply():
         return "look:", [ok_image]  # type: ignore[return-value]
 
     assert ToolRegistry([good]).call(ToolCall("good", {}))[1:] == ([ok_image], True)
+
+
+@pytest.mark.parametrize("body", [
+    '{"name": "a", "arguments": {"x": ' + "[" * 100_000 + "}}",  # RecursionError in json.loads
+    '{"name": "a", "arguments": {"x": ' + "1" * 5000 + "}}",  # ValueError: an int of more than 4300 digits
+    '{"name": "a", "arguments": "{\\"x\\": ' + "9" * 5000 + '}"}',  # the same in arguments written as a string
+], ids=["deep", "huge_int", "huge_int_in_string"])
+def test_json_the_decoder_refuses_is_a_malformed_call(body):
+    """Deeply nested brackets or a huge number in the model's call raise RecursionError / ValueError (not
+    JSONDecodeError) from json.loads: the turn's error reply, not an exception ending the trajectory."""
+    (got,) = parse_tool_calls(f"<tool_call>{body}</tool_call>")
+    assert isinstance(got, ToolCallError) and "JSON" in got.message
+
+
+def test_a_tool_whose_failure_cannot_be_described_or_serialised_is_an_error_reply():
+    """An exception whose str() raises, and a return value too deeply nested for json.dumps (RecursionError), are
+    the tool's error reply as the docs promise, not an exception out of the environment."""
+
+    class Odd(Exception):
+        def __str__(self):
+            raise RuntimeError("no text")
+
+    def raises_odd() -> str:
+        """Raises an exception that cannot be printed."""
+        raise Odd()
+
+    def deep() -> str:
+        """Returns deeply nested data."""
+        out: list = []
+        for _ in range(100_000):
+            out = [out]
+        return out  # type: ignore[return-value]
+
+    reg = ToolRegistry([raises_odd, deep])
+    text, _, ok = reg.call(ToolCall("raises_odd", {}))
+    assert not ok and text.startswith("Error: raises_odd raised Odd"), text
+    text, _, ok = reg.call(ToolCall("deep", {}))
+    assert not ok and text.startswith("Error: deep returned list"), text
+
+
+def test_a_lone_surrogate_escape_is_a_malformed_call():
+    """`"\\ud800"` is valid JSON but not a character: the string it decodes to cannot be encoded as UTF-8, so the
+    tokenizer refuses a tool reply that shows it (TypeError: the trajectory ended as env_error). The call is
+    refused as malformed, the model's feedback."""
+    (got,) = parse_tool_calls('<tool_call>{"name": "echo", "arguments": {"q": "a\\ud800b"}}</tool_call>')
+    assert isinstance(got, ToolCallError) and "surrogate" in got.message
+    (ok,) = parse_tool_calls('<tool_call>{"name": "echo", "arguments": {"q": "\\ud83d\\ude00 \\u00e9"}}</tool_call>')
+    assert ok == ToolCall("echo", {"q": "\U0001F600 \u00e9"})  # a surrogate pair is one character
+
+
+def test_tool_reply_text_is_always_encodable():
+    """A tool's text with a lone surrogate (e.g. bytes decoded with errors="surrogateescape") is shown escaped, so
+    the turn encoder's tokenizer can take every reply."""
+
+    def raw() -> str:
+        """Returns undecodable bytes as text."""
+        return b"ok \xff".decode("utf-8", "surrogateescape")
+
+    env = ToolEnvironment([raw])
+    env.reset(EnvSample(problem=""))
+    res = env.step('<tool_call>{"name": "raw", "arguments": {}}</tool_call>')
+    (part,) = res.observation.parts
+    part["text"].encode("utf-8")  # raises UnicodeEncodeError on a lone surrogate
+    assert part["text"] == "ok \\udcff"
+
+
+def test_an_empty_image_is_the_tools_error_reply():
+    """A crop tool given a degenerate box returns a 0-pixel image: the processor cannot take it (ZeroDivisionError
+    in its resize, the trajectory ended as env_error), so it is the tool's error reply like any image it cannot
+    show."""
+    import numpy as np
+    from PIL import Image
+
+    def crop_pil() -> str:
+        """An empty PIL crop."""
+        return "crop:", [Image.new("RGB", (4, 4)).crop((2, 0, 2, 4))]  # type: ignore[return-value]
+
+    def crop_array() -> str:
+        """An empty array crop."""
+        return "crop:", [np.zeros((0, 4, 3), dtype=np.uint8)]  # type: ignore[return-value]
+
+    reg = ToolRegistry([crop_pil, crop_array])
+    for name in ("crop_pil", "crop_array"):
+        text, images, ok = reg.call(ToolCall(name, {}))
+        assert not ok and images == [] and text.startswith(f"Error: {name} returned an empty image"), text
+
+
+def test_a_schema_with_a_union_type_checks_each_type():
+    """JSON schema writes an optional argument as "type": ["integer", "null"] (the OpenAI function specs do): the
+    check took the list as a dict key (TypeError out of the environment: the trajectory ended as env_error)."""
+
+    def page(n=None) -> str:
+        """A page."""
+        return f"page {n}"
+
+    spec = {"type": "function", "function": {"name": "page", "description": "A page.", "parameters": {
+        "type": "object", "properties": {"n": {"type": ["integer", "null"]}}, "required": []}}}
+    reg = ToolRegistry([page], schemas={"page": spec})
+    assert reg.call(ToolCall("page", {"n": 3})) == ("page 3", [], True)
+    assert reg.call(ToolCall("page", {"n": None})) == ("page None", [], True)
+    text, _, ok = reg.call(ToolCall("page", {"n": "3"}))
+    assert not ok and "n must be of type integer or null, got str" in text
+    text, _, ok = reg.call(ToolCall("page", {"n": True}))
+    assert not ok and "got bool" in text
+
+
+def test_a_tool_calling_exit_is_an_error_reply():
+    """sys.exit() in a tool (a script's habit) raises SystemExit, which `except Exception` let through: in the worker
+    the trajectory ended as env_error, in the trainer process (sandbox = false) the job exited."""
+    import sys
+
+    def quits(code: int) -> str:
+        """Exits."""
+        sys.exit(code)
+
+    text, _, ok = ToolRegistry([quits]).call(ToolCall("quits", {"code": 3}))
+    assert not ok and text == "Error: quits raised SystemExit: 3"

@@ -38,7 +38,7 @@ def _prepare_model_folder(cfg, env) -> None:
     if (path / "config.json").is_file():
         mismatch = synthesized_mismatch(cfg.model.synthesize, path)
         if mismatch is not None:
-            raise ConfigError(mismatch)
+            raise ConfigError(f"model.synthesize: {mismatch}")
         return
     if cfg.model.synthesize is None:
         raise FileNotFoundError(f"model.path: {path} has no config.json (set model.synthesize to create a tiny model)")

@@ -18,8 +18,7 @@ from megatron_vlm.models import build_model
 
 def export_dtype(checkpoint_cfg) -> Optional[torch.dtype]:
     """`checkpoint.export_dtype` as a torch dtype (None: the weights' own)."""
-    name = getattr(checkpoint_cfg, "export_dtype", None)
-    return None if name is None else getattr(torch, name)
+    return None if checkpoint_cfg.export_dtype is None else getattr(torch, checkpoint_cfg.export_dtype)
 
 
 def export_hf_from_state_dict(state_dict: dict[str, torch.Tensor], src_model_dir: str | Path, out_dir: str | Path,

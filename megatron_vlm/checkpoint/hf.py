@@ -178,6 +178,15 @@ def _fp32_by_design(model: nn.Module) -> set[str]:
     return kept
 
 
+def cast_for_export(state: dict[str, torch.Tensor], model: Optional[nn.Module], dtype: Optional[torch.dtype]) -> dict:
+    """`state` (our names, `model`'s) with its floating tensors in `dtype` (None: as they are), but for those `model`
+    keeps fp32 on purpose (`_fp32_by_design`), which stay fp32 as transformers keeps them."""
+    if dtype is None:
+        return state
+    kept = _fp32_by_design(model) if model is not None else set()
+    return {k: (v.to(dtype) if v.is_floating_point() and k not in kept else v) for k, v in state.items()}
+
+
 def save_hf_model(
     model: nn.Module,
     path: Union[str, Path],
@@ -202,9 +211,7 @@ def save_hf_model(
     adapted = lora_modules(model)
     if adapted:  # LoRA: the export is the merged model (W + scaling B A), which transformers loads as is
         ours = merged_state_dict(ours, next(iter(adapted.values())).scaling)
-    if dtype is not None:  # tensors the model holds in fp32 on purpose stay fp32, as transformers keeps them
-        kept = _fp32_by_design(model)
-        ours = {k: (v.to(dtype) if v.is_floating_point() and k not in kept else v) for k, v in ours.items()}
+    ours = cast_for_export(ours, model, dtype)
     hf = adapter.to_hf(ours)
     check_finite(hf, f"refusing to export {path}")  # a non-finite export is never written (nor replaces a good one)
 

@@ -57,7 +57,7 @@ def _read_model_config(cfg) -> dict:
 
         mismatch = synthesized_mismatch(cfg.model.synthesize, path.parent)
         if mismatch is not None:
-            raise CheckFailed("model.synthesize", mismatch.split(": ", 1)[1])
+            raise CheckFailed("model.synthesize", mismatch)
         return json.loads(path.read_text())
     if cfg.model.synthesize is None:
         raise CheckFailed("model.path", f"{path} does not exist (--check reads the model's config.json, no weights)")

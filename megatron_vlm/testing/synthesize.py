@@ -75,7 +75,8 @@ def synthesize_model_folder(name: str, out_dir: str | Path, *, seed: int = 0) ->
 
 
 def synthesized_mismatch(name: Optional[str], folder: str | Path) -> Optional[str]:
-    """Why `folder` is not the tiny model `name` asks for (it holds another one built here), or None."""
+    """Why `folder` is not the tiny model `name` asks for (it holds another one built here; the reason without the
+    key, which the caller names: `model.synthesize`), or None."""
     marker = Path(folder) / MARKER
     if name is None or not marker.is_file():
         return None
@@ -85,5 +86,5 @@ def synthesized_mismatch(name: Optional[str], folder: str | Path) -> Optional[st
         return None  # an unreadable marker says nothing about the folder: the folder is used as it is
     if built == name:
         return None
-    return (f"model.synthesize: {name!r} but model.path {folder} holds the tiny model {built!r} an earlier run "
-            f"built there; point model.path at another folder (or remove that one)")
+    return (f"{name!r} but model.path {folder} holds the tiny model {built!r} an earlier run built there; point "
+            f"model.path at another folder (or remove that one)")

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from megatron_vlm.checkpoint.export import export_dtype
-from megatron_vlm.checkpoint.hf import EXPORT_MARKER, _fp32_by_design, export_folder, replace_dir, share_like_umask
+from megatron_vlm.checkpoint.hf import EXPORT_MARKER, cast_for_export, export_folder, replace_dir, share_like_umask
 from megatron_vlm.checkpoint.manager import (
     FAILURES,
     CheckpointError,
@@ -41,11 +41,8 @@ def export_score_folder(state: dict, backbone, out_dir: Path, *, copy_from, dtyp
     out_dir = export_folder(out_dir)
     backbone_state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
     score_state = {k[len("score."):]: v for k, v in state.items() if k.startswith("score.")}
-    if dtype is not None:
-        kept = _fp32_by_design(backbone)
-        backbone_state = {k: (v.to(dtype) if v.is_floating_point() and k not in kept else v)
-                          for k, v in backbone_state.items()}
-        score_state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in score_state.items()}
+    backbone_state = cast_for_export(backbone_state, backbone, dtype)
+    score_state = cast_for_export(score_state, None, dtype)  # the score head: nothing kept fp32
     check_finite({**backbone_state, **{f"score.{k}": v for k, v in score_state.items()}},
                  f"refusing to export {out_dir}")
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -52,13 +52,19 @@ def test_slot_layout_matches_loop(shape):
     torch.testing.assert_close(out.cpu(), decode_attention_loop(q, k, v, seqlens, softmax_scale=0.3), **FP32)
 
 
-def test_paged_layout_matches_loop_and_slot_layout():
-    g = torch.Generator().manual_seed(3)
-    b, hq, hkv, d, block, blocks, per_seq = 4, 8, 2, 16, 4, 24, 5
+def _paged_case(seed, b, hq, hkv, d, block, blocks, per_seq):
+    """q `[b, hq, d]`, a paged cache of `blocks` blocks and a block table of `per_seq` distinct blocks per sequence."""
+    g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, hq, d, generator=g)
     k = torch.randn(blocks, block, hkv, d, generator=g)
     v = torch.randn(blocks, block, hkv, d, generator=g)
     table = torch.randperm(blocks, generator=g)[: b * per_seq].view(b, per_seq).to(torch.int32)
+    return q, k, v, table
+
+
+def test_paged_layout_matches_loop_and_slot_layout():
+    b, hq, hkv, d, block, blocks, per_seq = 4, 8, 2, 16, 4, 24, 5
+    q, k, v, table = _paged_case(3, b, hq, hkv, d, block, blocks, per_seq)
     seqlens = torch.tensor([1, 4, 17, 20])
     out = decode_attention(*_on(q, k, v, seqlens), block_table=table.to(DEVICE))
     ref = decode_attention_loop(q, k, v, seqlens, block_table=table)
@@ -250,12 +256,8 @@ def test_ids_outside_the_cache_give_nan_rows_not_other_memory(splits, monkeypatc
     import megatron_vlm.kernels.triton.decode_attention as T
 
     monkeypatch.setattr(T, "num_splits", lambda rows, length, sms: (splits, -(-length // splits)))
-    g = torch.Generator().manual_seed(5)
     b, hq, hkv, d, block, blocks, per_seq = 4, 4, 2, 16, 4, 20, 5
-    q = torch.randn(b, hq, d, generator=g)
-    k = torch.randn(blocks, block, hkv, d, generator=g)
-    v = torch.randn(blocks, block, hkv, d, generator=g)
-    table = torch.randperm(blocks, generator=g)[: b * per_seq].view(b, per_seq).to(torch.int32)
+    q, k, v, table = _paged_case(5, b, hq, hkv, d, block, blocks, per_seq)
     seqlens = torch.tensor([6, 17, 20, 3])
     ref = decode_attention_loop(q, k, v, seqlens, block_table=table)
     table[1, 3] = blocks + 7  # row 1 reads its 4th block (keys 12..15 < 17): outside the pool

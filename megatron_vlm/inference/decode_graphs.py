@@ -114,13 +114,13 @@ class DecodeStepRunner:
     def __init__(self, forward: Callable[..., torch.Tensor], cache: SlotCache, *, pad_token_id: int,
                  capture: bool, probe: bool = False, params: Sequence[torch.Tensor] = (), record_routes: bool = False) -> None:
         """`forward(input_ids=..., kv_cache=...)` -> logits `[B, T, V]` (the engine's own model); `cache`: the
-        batch's `SlotCache` (slot layout); `capture`: CUDA graphs (the cache must be on CUDA); `probe`: trace
+        batch's `SlotCache` (slot layout) or `PagedSlotCache` (block table); `capture`: CUDA graphs (the cache must be on CUDA); `probe`: trace
         the first eager runs of each bucket for graph safety; `params`: tensors whose addresses a graph bakes in;
         `record_routes`: each step also leaves the MoE experts of its rows in `last_routes` (routing replay; a
         static output of the graph, like the logits)."""
         if capture and cache.device.type != "cuda":
             raise ValueError(f"DecodeStepRunner: CUDA graphs need a CUDA cache, got {cache.device}")
-        cache.set_active_static(torch.zeros(1, dtype=torch.long, device=cache.device))  # refuses a paged cache
+        cache.set_active_static(torch.zeros(1, dtype=torch.long, device=cache.device))  # checks the cache can
         self.forward, self.cache = forward, cache
         self.pad_token_id = int(pad_token_id)
         self.capture, self.probe = capture, probe
@@ -159,9 +159,7 @@ class DecodeStepRunner:
         if n == 0 or input_ids.shape != (n,):
             raise ValueError(f"DecodeStepRunner.step: {n} slots, input_ids of shape {tuple(input_ids.shape)}")
         cache = self.cache
-        full = [s for s in slots if cache.host_lengths[s] >= cache.max_len]
-        if full:
-            raise ValueError(f"SlotCache: slots {full} are full ({cache.max_len} tokens)")
+        cache.check_rows(slots)  # the host checks the static step cannot make (full slots, a paged slot past its blocks)
         if self.capture and self._weights_loaded:
             self._check_addresses()
         size = self.bucket_for(n)

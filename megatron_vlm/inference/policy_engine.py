@@ -30,11 +30,19 @@ One `generate` call:
    state of the hybrid decoder per slot.
 
 With `kv_block_size` > 0 (`rl.rollout.kv_block_size`) the keys live in a paged pool (`PagedSlotCache`;
-attention-only models, a Mamba2 hybrid is refused: `paged_kv_blocker`): an admitted sample reserves
-the blocks of its prompt + budget and returns them when it finishes, and a waiting sample is admitted
-only when its blocks are free, so a pool (`kv_cache_blocks`, `rl.rollout.kv_cache_blocks`) smaller than slots
-x longest sequence bounds the running batch by memory (GPU); on the CPU it is ~5-9 % slower, so off
-by default.
+attention-only models, a Mamba2 hybrid is refused: `paged_kv_blocker`), allocated on demand as vLLM does:
+an admitted sample takes the blocks of its prompt and one more position, and a running one takes another
+block when its sequence reaches the end of its blocks; a finished one returns them. A waiting sample is
+admitted only when its prompt's blocks are free with a headroom of 1 % of the pool (at least one block) for
+the running ones to grow. When a running sample needs a block and the pool has none, the sample admitted
+last is preempted: its blocks are returned and it waits at the head of the queue with what it generated
+(tokens, log-probs, versions, routes); re-admitted, its prompt + generated tokens are prefilled again
+(recomputation; the cached keys of the tokens it had generated are then the current weights') and it
+continues where it stopped. So a pool (`kv_cache_blocks`) far smaller than slots x longest sequence runs
+many more sequences at once than reserving every sample's budget would, most completions being much
+shorter than the budget (`stats["preemptions"]`, `metrics()`). Lock-step batches (the trainer's forward)
+reserve each sample's prompt + budget at admission instead (every sample starts at once; nothing is
+re-admitted). On the CPU the paged cache is ~5-9 % slower, so off by default.
 
 Lock-step batches (when `all_ranks_active` is given, i.e. under FSDP with the trainer's parameters):
 `max_prompts_per_batch` prompts (0 = all) are admitted at the start of a batch and no slot is refilled
@@ -46,9 +54,9 @@ CUDA graphs (`cuda_graphs`, inference/decode_graphs.py): the decode steps of con
 on static buffers per batch-size bucket, captured once per bucket and replayed on CUDA. "auto": on for
 a CUDA device, else off; "on": also on the CPU, where the same static step runs eagerly (tests; its
 first runs per bucket are checked for graph safety, a failure raised). Needs the engine's own weights
-copy, the slot layout and a decode step without host reads: "on" with `forward=` (lock-step, FSDP
-parameters) or `kv_block_size` is refused (MoE blocks route graph-safely there: models/common/moe_static.py); "auto"
-falls back to eager steps with a logged reason (also when a capture fails). The slot cache and its
+copy and a decode step without host reads (the slot layout or the paged pool, whose block table is a
+static buffer rewritten between steps): "on" with `forward=` (lock-step, FSDP parameters) is refused (MoE blocks route graph-safely there: models/common/moe_static.py); "auto"
+falls back to eager steps with a logged reason (also when a capture fails). The slot cache (or pool) and its
 graphs are kept for the next call of the same slot shape, until `release_memory()`.
 
 Interruption and versions: `interrupt()` (from another thread) stops `generate` at the next token
@@ -61,6 +69,7 @@ stall the others' collectives).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import threading
@@ -96,14 +105,12 @@ log = logging.getLogger(__name__)
 CUDA_GRAPH_MODES = ("auto", "on", "off")
 
 
-def cuda_graphs_blocker(model, *, trainer_forward: bool = False, kv_block_size: int = 0) -> Optional[str]:
+def cuda_graphs_blocker(model, *, trainer_forward: bool = False) -> Optional[str]:
     """Why the decode step of `model` cannot be captured as a CUDA graph, or None. One function for the
     engine and `--check` (plan/check.py), so that the check refuses rl.rollout.cuda_graphs = "on" exactly
     where the job would (a model on the meta device is enough: only its layer kinds are read)."""
     if trainer_forward:
         return "the engine calls the trainer's model (forward= / lock-step batches), not its own copy"
-    if kv_block_size:
-        return "the paged KV cache (kv_block_size > 0) changes its block table as samples come and go"
     foreign = [m for m in moe_layers(model) if not isinstance(m, MoE)]
     if foreign:  # native MoE blocks route graph-safely in static steps (models/common/moe_static.py)
         return (f"MoE layers of another backend ({type(foreign[0]).__name__}): their routing sizes the grouped GEMMs "
@@ -218,6 +225,21 @@ class _Run:
         self.budget = budget
         self.release: Optional[Callable[[int], None]] = None  # the paged cache's: a finished slot's blocks
         self.finished_routes: dict[int, torch.Tensor] = {}  # sample -> its routes [prompt + generated - 1, layers, k]
+        self.admitted: dict[int, int] = {}  # slot -> when its sample was admitted (the last admitted is preempted first)
+        self.admissions = 0
+        self.preempted: dict[int, _Preempted] = {}  # sample -> what it generated before it was preempted
+
+
+@dataclass
+class _Preempted:
+    """A sample preempted for lack of KV blocks (on-demand paged cache): what it generated, kept for its re-admission
+    (its prompt + these tokens prefilled again) or, if the call ends first, its result."""
+    tokens: torch.Tensor  # [k] sampled tokens (the last one not yet fed to the model)
+    logprobs: torch.Tensor
+    versions: torch.Tensor
+    host_tokens: list  # the stop-string checker's copy (empty without stop strings)
+    prompt_routes: Optional[torch.Tensor]  # routing replay: the prompt's routes ...
+    routes: Optional[torch.Tensor]  # ... and those of the k - 1 generated tokens fed so far
 
 
 @dataclass(frozen=True)
@@ -308,8 +330,7 @@ class PolicyRolloutEngine(RolloutEngine):
         self.kv_block_size, self.kv_cache_blocks = kv_block_size, kv_cache_blocks
         if cuda_graphs not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graphs: must be one of {CUDA_GRAPH_MODES}, got {cuda_graphs!r}")
-        why_not = cuda_graphs_blocker(model, trainer_forward=forward is not None or all_ranks_active is not None,
-                                      kv_block_size=kv_block_size)
+        why_not = cuda_graphs_blocker(model, trainer_forward=forward is not None or all_ranks_active is not None)
         if cuda_graphs == "on" and why_not:
             raise CudaGraphsConfigError(f"rl.rollout.cuda_graphs: 'on' is not possible: {why_not}")
         if cuda_graphs == "auto" and why_not:
@@ -351,6 +372,14 @@ class PolicyRolloutEngine(RolloutEngine):
         self._step_lock = threading.RLock()  # re-entrant: a forward hook may load weights
         self._interrupt = threading.Event()
         self._pause = threading.Event()  # set by `paused()`: the decode loop leaves the step lock to it
+        self._preemptions = 0  # since the last `metrics()`
+
+    def metrics(self) -> dict[str, float]:
+        """Rollout counters since the last call, for the step's metrics: `rollout/preemptions` (samples preempted for
+        lack of KV blocks, on-demand paged cache; none without it)."""
+        out = {"rollout/preemptions": float(self._preemptions)} if self.kv_block_size and not self.lockstep else {}
+        self._preemptions = 0
+        return out
 
     # ------------------------------------------------------------------ interface
     def load_weights(self, weights: Optional[Mapping[str, torch.Tensor]] = None, *, version: int) -> None:
@@ -431,7 +460,7 @@ class PolicyRolloutEngine(RolloutEngine):
         t0 = time.perf_counter()
         checker = StopChecker(self.tokenizer, self.eos_token_ids, params.stop)
         stats = {"prefill_s": 0.0, "decode_s": 0.0, "forward_calls": 0.0, "decode_steps": 0.0, "prefill_calls": 0.0,
-                 "weight_sync_s": self.weight_sync_s}
+                 "preemptions": 0.0, "weight_sync_s": self.weight_sync_s}
         self.weight_sync_s = 0.0
         n = params.n
         if self.lockstep:
@@ -452,6 +481,7 @@ class PolicyRolloutEngine(RolloutEngine):
                 samples += out
         finally:
             self._interrupt.clear()
+        self._preemptions += int(stats["preemptions"])
         n_tokens = sum(int(s.token_ids.numel()) for s in samples)
         return RolloutResult(samples=samples, num_generated_tokens=n_tokens, seconds=time.perf_counter() - t0,
                              stats=stats, interrupted=interrupted)
@@ -525,12 +555,18 @@ class PolicyRolloutEngine(RolloutEngine):
     def _admit(self, queue: deque, run: _Run, cache: SlotCache, prompts: Sequence[RolloutPrompt], n: int, prefixes: dict,
                stats: dict) -> tuple[list[int], Optional[torch.Tensor]]:
         """Fill free slots with waiting samples: ([slots], logits [len, V]) or ([], None)."""
-        take = []
+        take: list[tuple[int, int]] = []
         while queue and run.free:
             if isinstance(cache, PagedSlotCache):
-                tokens = len(prompts[queue[0] // n]) + run.budget
-                if not cache.can_reserve(tokens):
-                    if len(run.free) == cache.num_slots:  # nothing runs that could give blocks back
+                sample = queue[0]
+                if self.lockstep:  # every sample starts at once and none is re-admitted: its whole budget now
+                    tokens, headroom = len(prompts[sample // n]) + run.budget, 0
+                else:  # on demand: its prompt (+ what it generated before a preemption) and the next position
+                    done = len(run.preempted[sample].tokens) if sample in run.preempted else 0
+                    tokens = len(prompts[sample // n]) + done + 1
+                    headroom = max(1, cache.num_blocks // 100) if run.slot_sample or take else 0
+                if not cache.can_reserve(tokens, headroom):
+                    if not run.slot_sample and not take:  # nothing runs that could give blocks back
                         raise RuntimeError(f"kv_cache_blocks: the pool cannot hold one sample of {tokens} tokens "
                                            f"({len(cache.free_blocks)} free blocks of {cache.block_size})")
                     break
@@ -538,6 +574,14 @@ class PolicyRolloutEngine(RolloutEngine):
             take.append((queue.popleft(), run.free.popleft()))
         if not take:
             return [], None
+        resumed = {slot: self._readmit(run, cache, prompts[sample // n], sample, slot, stats)
+                   for sample, slot in take if sample in run.preempted}
+        for _sample, slot in take:
+            run.admitted[slot] = run.admissions
+            run.admissions += 1
+        take = [(sample, slot) for sample, slot in take if slot not in resumed]
+        if not take:
+            return list(resumed), torch.stack(list(resumed.values()))
         key_of = (lambda i: i // n) if self.share_prefix else (lambda i: i)
         need = list(dict.fromkeys(key_of(i) for i, _ in take if key_of(i) not in prefixes))
         if need:
@@ -573,7 +617,61 @@ class PolicyRolloutEngine(RolloutEngine):
             entry[3] -= 1
             if entry[3] == 0:
                 del prefixes[key_of(sample)]
-        return slots, torch.stack(rows)
+        return list(resumed) + slots, torch.stack(list(resumed.values()) + rows)
+
+    def _readmit(self, run: _Run, cache, prompt: RolloutPrompt, sample: int, slot: int, stats: dict) -> torch.Tensor:
+        """Re-admit a preempted sample into `slot` (its blocks reserved): its prompt + the k tokens it generated are
+        prefilled again and it continues at token k; returns the logits of that token [V]."""
+        state = run.preempted.pop(sample)
+        k = int(state.tokens.numel())
+        t0 = time.perf_counter()
+        ids = torch.cat([prompt.input_ids.to(torch.long), state.tokens.to("cpu", torch.long)])
+        pcache, logits, routes = self._prefill([dataclasses.replace(prompt, input_ids=ids)])
+        stats["prefill_s"] += time.perf_counter() - t0
+        stats["forward_calls"] += 1
+        stats["prefill_calls"] += 1
+        cache.load_prefix([slot], pcache, 0)
+        run.slot_sample[slot] = sample
+        run.tokens[slot, :k] = state.tokens
+        run.logprobs[slot, :k] = state.logprobs
+        run.versions[slot, :k] = state.versions
+        run.gen_len[slot] = k
+        run.host_len[slot] = k
+        run.host_tokens[slot] = list(state.host_tokens)
+        if run.routes is not None and state.prompt_routes is not None and state.routes is not None and routes is not None:
+            # the routes recorded when the tokens were first fed; the last token's, fed only now, from this prefill
+            run.prompt_routes[slot] = state.prompt_routes
+            run.routes[slot, :k - 1] = state.routes
+            run.routes[slot, k - 1] = routes[0, -1]
+        return logits[0]
+
+    def _grow(self, run: _Run, cache: PagedSlotCache, running: list[int], queue: deque, stats: dict) -> list[int]:
+        """Give every running slot whose sequence reached the end of its blocks one more (on-demand paged cache),
+        oldest admission first; with none free, preempt the last admitted (possibly the slot itself). Returns the
+        rows of `running` that still run."""
+        alive = set(running)
+        for slot in sorted(running, key=run.admitted.__getitem__):
+            while slot in alive and cache.host_lengths[slot] >= cache.slot_capacity[slot] and not cache.grow(slot):
+                victim = max(alive, key=run.admitted.__getitem__)
+                self._preempt(run, cache, victim, queue)
+                alive.discard(victim)
+                stats["preemptions"] += 1
+        return [r for r, slot in enumerate(running) if slot in alive]
+
+    @staticmethod
+    def _preempt(run: _Run, cache: PagedSlotCache, slot: int, queue: deque) -> None:
+        """Return a running slot's blocks and put its sample at the head of the queue with what it generated."""
+        k = run.host_len[slot]
+        sample = run.slot_sample.pop(slot)
+        run.preempted[sample] = _Preempted(
+            tokens=run.tokens[slot, :k].clone(), logprobs=run.logprobs[slot, :k].clone(),
+            versions=run.versions[slot, :k].clone(), host_tokens=run.host_tokens.pop(slot, []),
+            prompt_routes=run.prompt_routes.pop(slot, None),
+            routes=run.routes[slot, :k - 1].clone() if run.routes is not None else None)
+        run.admitted.pop(slot)
+        cache.release(slot)
+        run.free.append(slot)
+        queue.appendleft(sample)
 
     def _run(self, prompts, offset: int, num_slots: int, params: SamplingParams, checker: StopChecker,
              generator: Optional[torch.Generator], stats: dict) -> tuple[list[RolloutSample], bool]:
@@ -587,17 +685,14 @@ class PolicyRolloutEngine(RolloutEngine):
                     self._runner.weights_loaded()
         total = len(prompts) * n
         max_len = max(len(p) for p in prompts) + budget
-        cache: Optional[SlotCache] = None
-        if self.kv_block_size:
-            bs = self.kv_block_size
-            blocks = self.kv_cache_blocks or 1 + num_slots * -(-max_len // bs)
-            cache = self.with_options(PagedSlotCache(self.model.new_cache(blocks, bs, dtype=self.cache_dtype, device=dev),
-                                                     num_slots, max_len))
-        runner = None
-        if cache is None:
-            runner = self._kept_runner(num_slots, max_len, dev)
-            cache = runner.cache if runner is not None else self.with_options(SlotCache(
-                self.model.new_cache(num_slots + 1, max_len, dtype=self.cache_dtype, device=dev)))
+        runner = self._kept_runner(num_slots, max_len, dev)
+        cache = runner.cache if runner is not None else self._new_cache(num_slots, max_len, dev)
+        if isinstance(cache, PagedSlotCache):
+            cache.release_all()  # a kept pool: a call that failed half-way may have left blocks taken
+            if cache.blocks_for(max_len) > cache.num_blocks - 1:  # one block is the scratch row's
+                raise RuntimeError(f"kv_cache_blocks: the pool of {cache.num_blocks} blocks of {cache.block_size} positions "
+                                   f"cannot hold one sample of {max_len} tokens (the longest prompt + max_new_tokens) "
+                                   "besides the scratch block")
         run = _Run(num_slots, budget, dev, self.routes_shape)
         if isinstance(cache, PagedSlotCache):
             run.release = cache.release
@@ -662,9 +757,18 @@ class PolicyRolloutEngine(RolloutEngine):
         if self._runner is not None and self._runner_key == key:
             return self._runner
         self._drop_runner()
-        cache = self.with_options(SlotCache(self.model.new_cache(num_slots + 1, max_len, dtype=self.cache_dtype, device=dev)))
-        self._runner, self._runner_key = self._decode_runner(cache), key
+        self._runner, self._runner_key = self._decode_runner(self._new_cache(num_slots, max_len, dev)), key
         return self._runner
+
+    def _new_cache(self, num_slots: int, max_len: int, dev) -> SlotCache:
+        """An empty slot cache of `num_slots` slots (+ the scratch one) of `max_len` positions, or with `kv_block_size`
+        the paged pool (`kv_cache_blocks` blocks, or enough for every slot at full length)."""
+        if self.kv_block_size:
+            bs = self.kv_block_size
+            blocks = self.kv_cache_blocks or 1 + num_slots * -(-max_len // bs)
+            storage = self.model.new_cache(blocks, bs, dtype=self.cache_dtype, device=dev)
+            return self.with_options(PagedSlotCache(storage, num_slots, max_len))
+        return self.with_options(SlotCache(self.model.new_cache(num_slots + 1, max_len, dtype=self.cache_dtype, device=dev)))
 
     def _drop_runner(self) -> None:
         if self._runner is not None:
@@ -746,6 +850,12 @@ class PolicyRolloutEngine(RolloutEngine):
                         self._finish(run, slot, "interrupted", finished)
                     interrupted = True
                     break
+                if running and isinstance(cache, PagedSlotCache) and not self.lockstep:  # on-demand blocks
+                    rows = self._grow(run, cache, running, queue, stats)
+                    if len(rows) < len(running):
+                        assert feed is not None
+                        feed = feed.index_select(0, torch.as_tensor(rows, dtype=torch.long, device=dev)) if rows else None
+                        running = [running[r] for r in rows]
                 admitted, new_logits = ([], None) if self.lockstep else self._admit(queue, run, cache, prompts, n, prefixes, stats)
                 if not self.all_ranks_active(bool(running or admitted)):
                     break
@@ -784,6 +894,10 @@ class PolicyRolloutEngine(RolloutEngine):
         stats["decode_s"] += time.perf_counter() - t1
         finished_routes = {i: r.cpu() for i, r in run.finished_routes.items()}
         out = []
+        for i, state in run.preempted.items():  # interrupted while waiting for blocks: what they generated
+            finished[i] = (state.tokens, state.logprobs, state.versions, "interrupted")
+            if state.prompt_routes is not None and state.routes is not None:
+                finished_routes[i] = torch.cat([state.prompt_routes, state.routes]).cpu()
         for i in range(total):
             if i not in finished:
                 out.append(self._unstarted(prompts, offset, i, n))
@@ -809,6 +923,7 @@ class PolicyRolloutEngine(RolloutEngine):
         if run.routes is not None and prompt_routes is not None:  # every token the model read (not the last one)
             run.finished_routes[sample] = torch.cat([prompt_routes, run.routes[slot, :max(length - 1, 0)]])
         run.host_tokens.pop(slot, None)
+        run.admitted.pop(slot, None)
         if run.release is not None:
             run.release(slot)
         run.free.append(slot)

@@ -158,7 +158,7 @@ class RLRolloutConfig:
     """Decode steps of the rollout engine on static buffers per batch-size bucket (1, 2, 4, ... slots),
     captured once per bucket as CUDA graphs and replayed (one launch per step instead of hundreds of small
     kernels; inference/decode_graphs.py). "auto": on for a CUDA device, off elsewhere and where it cannot
-    work (logged): rollout.weights = "shared" (lock-step FSDP forwards), the paged KV cache, a failed
+    work (logged): rollout.weights = "shared" (lock-step FSDP forwards), a failed
     capture (MoE blocks route graph-safely there: models/common/moe_static.py). "on": as "auto", but those cases are errors, and on a CPU the
     same static step runs eagerly (for tests: its first runs are checked for host reads). "off": eager
     steps. Needs rollout.weights = "copy" (or asynchronous GRPO, whose rollout ranks hold their own copy,
@@ -166,20 +166,25 @@ class RLRolloutConfig:
     kv_block_size: int = 0
     """Positions per block of the rollout engine's paged KV cache (0 = the slot cache: every sequence holds
     a slot of the batch's longest prompt + the budget). >= 2: the keys / values live in a pool of blocks
-    addressed by a block table (`PagedSlotCache`, models/common/slot_cache.py); an admitted sample takes
-    ceil((prompt + budget) / rollout.kv_block_size) blocks and returns them when it finishes. Same tokens and
-    log-probs as the slot cache (float rounding aside); on the CPU ~5-9 % slower. Attention-only decoders:
-    refused for the Mamba2 hybrid (Nemotron-VL, its recurrent state is per slot) and with
-    rollout.cuda_graphs = "on" (static decode steps need the slot layout; "auto" decodes eagerly, logged).
-    Read by every engine of the job: synchronous and asynchronous GRPO rollouts and [rl.eval]."""
+    addressed by a block table (`PagedSlotCache`, models/common/slot_cache.py), allocated on demand as vLLM
+    does: an admitted sample takes the blocks of its prompt, a running one another block each time its sequence
+    reaches the end of its blocks, a finished one returns them; when the pool is out of blocks the sample
+    admitted last is preempted and later continues from its prompt + generated tokens prefilled again
+    (rollout/preemptions counts them). Lock-step batches (rollout.weights = "shared" / "expert_parallel")
+    reserve each sample's prompt + budget at admission instead. Same tokens and log-probs as the slot cache
+    (float rounding aside) with a pool that never preempts; runs in CUDA graphs too (rollout.cuda_graphs: the
+    block table is a static buffer); on the CPU ~5-9 % slower. Attention-only decoders: refused for the Mamba2
+    hybrid (Nemotron-VL, its recurrent state is per slot). Read by every engine of the job: synchronous and
+    asynchronous GRPO rollouts and [rl.eval]."""
     kv_cache_blocks: int = 0
     """Blocks in the paged KV cache's pool (with rollout.kv_block_size >= 2; 0 = derived: 1 + slots x
     ceil((longest prompt + budget) / rollout.kv_block_size), room for every slot at full length, so memory is the
     slot cache's). Set: the pool fixes the rollout's KV memory whatever the slot count
-    (rollout.batch_prompts x batch.group_size) and a waiting sample is admitted when the blocks of its prompt +
-    budget are free (with a pool smaller than the slots' full length fewer run at once, and sampled tokens
-    differ from the slot cache's, since a sample's random numbers follow its slot and step; --check plans
-    the pool's memory). Needs rollout.weights = "copy" (continuous batching: "shared" lock-step batches
+    (rollout.batch_prompts x batch.group_size) and a waiting sample is admitted when the blocks of its prompt
+    are free besides a headroom of 1 % of the pool, so many more slots than full-length sequences fit can run
+    (set rollout.batch_prompts large: completions shorter than the budget hold only what they generated);
+    sampled tokens then differ from the slot cache's, since a sample's random numbers follow its slot and
+    step; --check plans the pool's memory. Needs rollout.weights = "copy" (continuous batching: "shared" lock-step batches
     start every sample at once) and room for one sample: >= 1 + ceil(data.max_tokens_per_pack /
     rollout.kv_block_size) (one block is the engine's scratch row)."""
 
@@ -209,10 +214,6 @@ class RLRolloutConfig:
         if self.kv_block_size < 0 or self.kv_block_size == 1:
             raise ValueError(f"kv_block_size: must be 0 (the slot cache) or >= 2 positions per block (one block "
                              f"also holds the engine's scratch row of 2 positions), got {self.kv_block_size}")
-        if self.kv_block_size and self.cuda_graphs == "on":
-            raise ValueError(f"kv_block_size: {self.kv_block_size} (the paged KV cache) cannot run with cuda_graphs "
-                             "= 'on': static CUDA-graph decode steps need the slot layout (the block table changes as "
-                             "samples come and go); set kv_block_size = 0 or cuda_graphs = 'auto' / 'off'")
         if self.kv_cache_blocks < 0:
             raise ValueError(f"kv_cache_blocks: must be >= 0 (0 = derived from the slots), got {self.kv_cache_blocks}")
         if self.kv_cache_blocks and not self.kv_block_size:

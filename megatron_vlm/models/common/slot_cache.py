@@ -203,6 +203,12 @@ class SlotCache:
         self._static = True
         self._static_hint = shared_prefix if self.share_prefix_reads else None
 
+    def check_rows(self, slots: Sequence[int]) -> None:
+        """The host checks of a step over `slots` that a static step cannot make (the runner's): no slot is full."""
+        full = [s for s in slots if self.host_lengths[s] >= self.max_len]
+        if full:
+            raise ValueError(f"SlotCache: slots {full} are full ({self.max_len} tokens)")
+
     def reset_scratch_state(self) -> None:
         """Device-only rewind of the scratch slot (graph-safe): one cached position, zero Mamba2 states, so the
         padding rows of a static step, however many and however many steps, never run past the slot."""
@@ -336,11 +342,17 @@ class PagedSlotCache(SlotCache):
 
     Why: a slot of `SlotCache` holds `max_len` positions (the longest prompt + the budget) whatever its
     own prompt's length, and the pool is as large as the number of slots times that; on a GPU the KV
-    cache is what bounds the batch. Here a sequence takes `ceil((prompt + budget) / block_size)` blocks
-    of the pool when it is admitted (`reserve`) and gives them back when it finishes (`release`), so
-    memory follows the real lengths, and a pool smaller than slots x max_len bounds how many sequences
-    run at once (`can_reserve`: the engine admits a waiting sample only when its blocks are free).
-    Attention reads the blocks in place through the table (`kernels.decode_attention(block_table=...)`).
+    cache is what bounds the batch. Here a sequence holds blocks of the pool: `reserve(slot, tokens)` gives
+    a slot the blocks of `tokens` positions, `grow(slot)` one more block as its sequence reaches the end of
+    those (the engine's on-demand allocation: a completion holds the blocks of what it has generated, not
+    of its whole budget), `release` gives them back; `can_reserve` says whether a sample fits now. Attention
+    reads the blocks in place through the table (`kernels.decode_attention(block_table=...)`).
+
+    Static (CUDA-graph) steps work as on the slot layout: the table is a device tensor of a fixed shape
+    `[slots + 1, ceil(max_len / block_size)]` whose entries `reserve` / `grow` rewrite between steps, and a
+    static step gathers its rows' table rows, write blocks and offsets on the device (no host read); columns
+    past a slot's blocks hold stale block ids (in range), which attention never reads (masked by the lengths).
+    The host checks of an eager step (a row past its blocks) are `check_rows`, which the step runner calls.
 
     `storage`: an empty `model.new_cache(num_blocks, block_size)` of an attention-only model (Mamba2
     states are per sequence: the hybrid decoder keeps the slot layout). One block is kept for the
@@ -381,17 +393,42 @@ class PagedSlotCache(SlotCache):
         self.slot_blocks[num_slots] = [0]
         self.slot_capacity[num_slots] = self.block_size
 
-    def set_active_static(self, slot_ids: torch.Tensor,
-                          shared_prefix: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
-        raise ValueError("PagedSlotCache: static (CUDA-graph) steps need the slot layout: the block table "
-                         "changes as samples come and go")
-
     # ----- block bookkeeping -----
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def can_reserve(self, tokens: int) -> bool:
-        return self.blocks_for(tokens) <= len(self.free_blocks)
+    def can_reserve(self, tokens: int, headroom: int = 0) -> bool:
+        """Whether a slot can take the blocks of `tokens` positions now, leaving `headroom` blocks free."""
+        return self.blocks_for(tokens) + headroom <= len(self.free_blocks)
+
+    def grow(self, slot: int) -> bool:
+        """One more block for `slot` (its sequence reached the end of its blocks); False when the pool has none."""
+        if slot == self.scratch_slot:
+            raise ValueError("PagedSlotCache: the scratch slot keeps its one block")
+        have = len(self.slot_blocks[slot])
+        if have >= self.blocks_per_slot:
+            raise ValueError(f"PagedSlotCache: slot {slot} already holds {have} blocks, the most a slot of "
+                             f"{self.max_len} positions uses")
+        if not self.free_blocks:
+            return False
+        block = self.free_blocks.pop()
+        self.slot_blocks[slot].append(block)
+        self.slot_capacity[slot] = (have + 1) * self.block_size
+        self.table[slot, have] = block
+        return True
+
+    def release_all(self) -> None:
+        """Every slot's blocks back to the pool (a kept cache reused by the next call starts empty)."""
+        for slot in range(self.num_slots):
+            self.release(slot)
+
+    def check_rows(self, slots: Sequence[int]) -> None:
+        """The host checks of a step over `slots` (a static step's runner calls it: the step itself reads nothing):
+        no slot is full, none is past its blocks."""
+        super().check_rows(slots)
+        over = [s for s in slots if s != self.scratch_slot and self.host_lengths[s] >= self.slot_capacity[s]]
+        if over:
+            raise ValueError(f"PagedSlotCache: slots {over} are past their blocks (grow them before the step)")
 
     def reserve(self, slot: int, tokens: int) -> None:
         """Give `slot` the blocks of `tokens` positions (its prompt + budget); its previous blocks are released."""
@@ -451,7 +488,7 @@ class PagedSlotCache(SlotCache):
         over = [s for s in self._active_list if self.host_lengths[s] >= self.slot_capacity[s]
                 and self.host_lengths[s] < self.max_len and s != self.scratch_slot]
         if over:
-            raise ValueError(f"PagedSlotCache: slots {over} are past their reserved blocks")
+            raise ValueError(f"PagedSlotCache: slots {over} are past their blocks (grow them before the step)")
         super().begin_step(n_new, new_mask)
         if self.scratch_slot in self._active_list and self.host_lengths[self.scratch_slot] >= self.block_size:
             raise ValueError("PagedSlotCache: the scratch slot must be rewound with reset_scratch")

@@ -2,9 +2,9 @@
 
 - the keys validate (0 = slot cache; >= 2 positions per block; a pool only with a block size, only with
   continuous batching, large enough for one sample of a full pack) and each refusal names its key;
-- CUDA-graph decode ("on") and a Mamba2 hybrid decoder (Nemotron-VL) are refused: the config check for the
-  first, the engine (`PagedKVConfigError`, exit 2) and `--check` for the second, and the launcher's `--check`
-  on a tiny TOML exits 2 with one line naming the key in both cases;
+- a Mamba2 hybrid decoder (Nemotron-VL) is refused: by the engine (`PagedKVConfigError`, exit 2) and `--check`,
+  and the launcher's `--check` on a tiny TOML exits 2 with one line naming the key (CUDA-graph decode, "on",
+  is accepted: static steps run on the pool, tests/unit/rl/test_rollout_paged_on_demand.py);
 - the GRPO engine builder hands both keys to the engine (both weight modes);
 - lock-step batches (the "shared" weights mode) on the paged cache, a dummy row on the scratch slot
   while "another rank" still decodes, give the slot cache's tokens and log-probs.
@@ -42,7 +42,9 @@ def test_defaults_and_valid_values():
     rl.validate()
     assert rl.rollout.kv_block_size == 0 and rl.rollout.kv_cache_blocks == 0  # the slot cache, as before the key existed
     rl_config(kv_block_size=2).validate()
-    rl_config(kv_block_size=16, rollout_cuda_graphs="auto").validate()  # "auto": eager decode steps (logged)
+    rl_config(kv_block_size=16, rollout_cuda_graphs="auto").validate()
+    rl_config(kv_block_size=4, rollout_weights="copy", rollout_cuda_graphs="on").validate()  # static steps on the pool
+    rl_config(kv_block_size=4, allocation="rollout:1+train:1", rollout_cuda_graphs="on").validate()
     rl_config(kv_block_size=16, kv_cache_blocks=64, rollout_weights="copy").validate()
     rl_config(kv_block_size=16, kv_cache_blocks=64, allocation="rollout:1+train:1", rollout_weights="copy").validate()
 
@@ -50,10 +52,6 @@ def test_defaults_and_valid_values():
 @pytest.mark.parametrize("kwargs, key, why", [
     (dict(kv_block_size=-1), "rollout.kv_block_size", "must be 0 (the slot cache) or >= 2"),
     (dict(kv_block_size=1), "rollout.kv_block_size", "must be 0 (the slot cache) or >= 2"),
-    (dict(kv_block_size=4, rollout_weights="copy", rollout_cuda_graphs="on"), "rollout.kv_block_size",
-     "cannot run with cuda_graphs = 'on'"),
-    (dict(kv_block_size=4, allocation="rollout:1+train:1", rollout_cuda_graphs="on"), "rollout.kv_block_size",
-     "cannot run with cuda_graphs = 'on'"),
     (dict(kv_cache_blocks=-1, kv_block_size=4), "rollout.kv_cache_blocks", "must be >= 0"),
     (dict(kv_cache_blocks=8, rollout_weights="copy"), "rollout.kv_cache_blocks", "8 sizes the paged KV cache, which is off"),
     (dict(kv_cache_blocks=8, kv_block_size=4), "rollout.kv_cache_blocks", "8 needs weights = 'copy'"),
@@ -181,8 +179,8 @@ def test_check_plans_the_paged_cache_and_refuses_the_hybrid(tmp_path):
 
 
 def test_launcher_check_exits_2_naming_the_key(tmp_path):
-    """`launch/pretrain_vlm.py --check` on a tiny TOML: the config refusal (graphs "on") and the model refusal
-    (a hybrid decoder) each exit 2 with one line naming rl.rollout.kv_block_size."""
+    """`launch/pretrain_vlm.py --check` on a tiny TOML: the model refusal (a hybrid decoder) and a config refusal
+    (a fixed pool with lock-step batches) each exit 2 with one line naming its key."""
     toml = tmp_path / "tiny.toml"
     toml.write_text(f'[model]\npath = "{tmp_path / "m"}"\nsynthesize = "tiny_nemotron_vl"\n\n'
                     f'[data]\ntype = "synthetic_vqa"\nsynthetic_dir = "{tmp_path / "d"}"\nmax_tokens_per_pack = 256\n\n'
@@ -191,8 +189,8 @@ def test_launcher_check_exits_2_naming_the_key(tmp_path):
     cmd = [sys.executable, str(REPO / "launch" / "pretrain_vlm.py"), "--config", str(toml), "--check",
            "--device-memory-gib", "80"]
     for extra, want in (([], "check failed: rl.rollout.kv_block_size: 8 (the paged KV cache) is not possible: "),
-                        (["--set", 'rl.rollout.weights="copy"', "--set", 'rl.rollout.cuda_graphs="on"'],
-                         "rl.rollout.kv_block_size: 8 (the paged KV cache) cannot run with cuda_graphs = 'on'")):
+                        (["--set", "rl.rollout.kv_cache_blocks=64"],
+                         "rl.rollout.kv_cache_blocks: 64 needs weights = 'copy'")):
         r = subprocess.run([*cmd, *extra], capture_output=True, text=True, timeout=120, cwd=str(REPO))
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and want in lines[0], r.stderr[-2000:]

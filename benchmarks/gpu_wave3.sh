@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # One GPU lease for the training-speed and rollout-speed work (first pass): profiles, levers, honest baselines.
-# Sections: sft sft16k decode decode32 decode64 moe decode_attn rollout attn segv fp8.
+# Sections: sft sft16k decode decode32 decode64 moe decode_attn rollout attn segv fp8 paged.
 # Run on the leased machine from the repository root with `.whl` carried (bash benchmarks/gpu_wheels.sh here first):
 #   bash benchmarks/gpu_wave3.sh [sections]      # default: sft decode attn decode_attn segv (the first pass)
 # A section name it does not know stops it at once (exit 2), before anything runs.
 # Next lease (what the 2026-11-28 H200 run left open: the compiled 16k step, fp8's kernel table, torch's varlen attention
 # in the step with selective checkpointing keeping its output, the decode step at 64 sequences), two commands of <= 540 s:
 #   bash benchmarks/gpu_wave3.sh sft16k fp8          # 16k packs eager and compiled; fp8 step with a profile per variant
-#   bash benchmarks/gpu_wave3.sh sft decode32 decode64   # 8k levers (torch varlen profiled); decode steps, fused q / k / v
+#   bash benchmarks/gpu_wave3.sh sft decode32 decode64 paged   # 8k levers (torch varlen profiled); decode steps, fused
+#                                                              # q / k / v; the on-demand paged pool vs the slot cache
 # Every step is time-boxed; logs and JSON go to /tmp/w3 ($W3_DIR) (packed into $OUT/w3.tgz after every step, so a command
 # cut short still returns what finished). Figures go to benchmarks/RESULTS.md by hand, with device and versions.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-KNOWN="sft sft16k decode decode32 decode64 moe decode_attn rollout attn segv fp8"
+KNOWN="sft sft16k decode decode32 decode64 moe decode_attn rollout attn segv fp8 paged"
 SECTIONS=${*:-sft decode attn decode_attn segv}
 for s in $SECTIONS; do
   [[ " $KNOWN " == *" $s "* ]] || { echo "gpu_wave3.sh: unknown section '$s' (known: $KNOWN)" >&2; exit 2; }
@@ -98,6 +99,11 @@ fi
 if want rollout; then
   step rollout_vs_hf 170 $PY benchmarks/e2e/bench_rollout.py --prompts 2 --group 8 --new-tokens 256 --repeats 2 \
     --runs ours_shared_prefix,transformers_generate --cuda-graphs --json "$R/rollout.json"
+fi
+if want paged; then  # a KV budget of 8 full-length sequences: the slot cache (8 slots) vs the on-demand paged pool of the
+  # same memory (32 slots), CUDA graphs, completion lengths geometric (end-of-sequence set of 1 % of the vocabulary)
+  step paged_pool 150 $PY benchmarks/e2e/bench_paged_pool.py --prompts 4 --group 8 --new-tokens 512 --full-seqs 8 \
+    --paged-slots 32 --eos-frac 0.01 --repeats 2 --json "$R/paged_pool.json"
 fi
 if want attn; then
   step attention_varlen 60 $PY benchmarks/kernels/bench_attention.py --cases 'packed|ViT windows|ViT full' --json "$R/attention.json"

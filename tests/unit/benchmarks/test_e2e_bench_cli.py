@@ -77,3 +77,21 @@ def test_math_reward_bench_without_math_verify_prints_a_skip_line(monkeypatch, c
     out = _run_without("math_verify", E2E.parent / "math_reward_bench.py", ["--math-verify", "--skip-ours"],
                        monkeypatch, capsys)
     assert out.startswith("skipped: math-verify: not installed"), out
+
+
+def test_paged_pool_benchmark_runs_both_engines_on_the_cpu(tmp_path):
+    """bench_paged_pool.py at a toy size: both engines decode, the JSON holds their rates, rows per step and
+    preemptions (a one-sequence budget against two paged slots), and the ratio."""
+    import json
+    import subprocess
+
+    out = tmp_path / "paged.json"
+    r = subprocess.run([sys.executable, str(E2E / "bench_paged_pool.py"), "--quick", "--prompts", "2", "--group", "2",
+                        "--new-tokens", "40", "--full-seqs", "1", "--paged-slots", "4", "--block", "4", "--eos-frac",
+                        "0.001", "--repeats", "1", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(out.read_text())
+    engines = got["summary"]["engines"]
+    assert set(engines) == {"slot_cache", "paged_on_demand"} and got["summary"]["ratio_median"] > 0
+    assert engines["slot_cache"]["mean_rows_per_step"] == 1.0 and engines["slot_cache"]["preemptions"] == [0.0]
+    assert engines["paged_on_demand"]["mean_rows_per_step"] > 1.0 and engines["paged_on_demand"]["preemptions"][0] > 0

@@ -216,7 +216,10 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
             "async/weight_push_s": self.push_s,
             "time/rollout_s": sum(p["gen_s"] for p in payloads) / len(payloads),
             "time/reward_s": sum(p["reward_s"] for p in payloads) / len(payloads),
-            "data/skipped_prompts": float(sum(p["skipped"] for p in payloads)),
+            # the rollout ranks' skips up to this step (a payload's count is its rank's total when it finished the
+            # step, not counting the steps it generated ahead) + the trainer's encoder's (held-out prompts, counted over
+            # the training ranks by step_metrics): both sets of records are in the run's log, saved with the checkpoint
+            "data/skipped_prompts": float(sum(p["skipped"] for p in payloads)) + metrics.get("data/skipped_prompts", 0.0),
         })
         self._last_end = end
         metrics["epoch"] = (step + 1) * self.rl.batch.prompts_per_step / len(self.train_set)

@@ -95,7 +95,7 @@ def _estimate(source, proc: VLProcessor, indices: list, **options) -> tuple[np.n
     out = np.full(len(indices), -1, dtype=np.int64)
     bad = []
     for k, i in enumerate(indices):
-        where: tuple = (f"record {i}", "?")
+        where: tuple = ("(record not located)", int(i))  # until locate answers
         try:
             where = source.locate(i)  # (file, line / row): where a bad record is counted
             rec = source.get(i)

@@ -222,8 +222,9 @@ def check_keys_for_mode(cfg: Config) -> None:
 
 def _check_async_shards(cfg: Config) -> None:
     """Asynchronous GRPO deals a step's groups over the data shards of its training ranks (rl/asynchronous/trainer.py):
-    a shard without a group has nothing to train (the synchronous loop pads a short rank with dummy copies; the
-    asynchronous trainer does not), so fewer prompts per step than shards is refused here, before any rank starts."""
+    a shard without a group only forwards a dummy (loss x 0), which prompts skipped mid-run may cause for one step;
+    fewer prompts per step than shards would idle a shard at every step, so that is refused here, before any rank
+    starts."""
     from megatron_vlm.rl.asynchronous.allocation import parse_allocation
 
     rl, p = cfg.rl, cfg.parallel

@@ -23,6 +23,12 @@ the array and the bad-record list equal the serial pass's, so a bad record is st
 rank's log and counted once (`bad_records.keep_planning_records`). The cache stays one file, read by
 global rank 0 (its view is broadcast so every rank computes the same remainder) and written by it
 alone, atomically.
+
+A record that raises something other than an Exception (a Rust tokenizer's panic arrives as pyo3's
+PanicException, a BaseException) is no bad record to count: it stops the pass as `LengthEstimateError`
+naming the record. In the split pass each rank's share ends in the all-gather either way, carrying the
+error, so every rank raises the same error at once, instead of the others waiting in the gather for a
+rank that is gone.
 """
 from __future__ import annotations
 
@@ -42,9 +48,13 @@ from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
 from megatron_vlm.data.processing import estimate_length
 from megatron_vlm.data.processor import VLProcessor
 
-__all__ = ["compute_lengths", "compute_length_slice", "lengths_cache_key"]
+__all__ = ["compute_lengths", "compute_length_slice", "lengths_cache_key", "LengthEstimateError"]
 
 log = logging.getLogger("megatron_vlm")
+
+
+class LengthEstimateError(RuntimeError):
+    """A record stopped the length pass with something that is not a bad record (module docstring)."""
 
 
 def _source_identity(source) -> dict:
@@ -85,8 +95,9 @@ def _estimate(source, proc: VLProcessor, indices: list, **options) -> tuple[np.n
     out = np.full(len(indices), -1, dtype=np.int64)
     bad = []
     for k, i in enumerate(indices):
-        where = source.locate(i)  # (file, line / row): where a bad record is counted
+        where: tuple = ("(record not located)", int(i))  # until locate answers
         try:
+            where = source.locate(i)  # (file, line / row): where a bad record is counted
             rec = source.get(i)
             out[k] = estimate_length(rec, proc, **options)
         except BadRecordError as e:
@@ -94,6 +105,11 @@ def _estimate(source, proc: VLProcessor, indices: list, **options) -> tuple[np.n
         except Exception as e:  # a bug or an unexpected file problem must not stop planning the run
             err = unexpected(e, f"{where[0]}:{where[1]}")
             bad.append((k, (*where, err.category, err.detail)))
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # not a record's fault to count: stop, naming the record (module docstring)
+            raise LengthEstimateError(f"planning lengths: record {where[0]}:{where[1]} raised {type(e).__name__}: "
+                                      f"{e}".rstrip(": ")) from e
     return out, bad
 
 
@@ -141,6 +157,14 @@ def _pooled_slice(source, proc: VLProcessor, indices: list, num_workers: int, op
     finally:
         _pool_job = None
     return np.concatenate([p[0] for p in parts]), [b for p in parts for b in p[1]]
+
+
+def _failure_text(failure: Optional[BaseException], rank: int) -> Optional[str]:
+    """What a rank's failed share of the split pass tells the others (None: its share is done)."""
+    if failure is None:
+        return None
+    text = str(failure) if isinstance(failure, LengthEstimateError) else f"{type(failure).__name__}: {failure}"
+    return f"{text} (on rank {rank}, which estimated a share of the lengths)"
 
 
 def _read_cache(cache_file: Optional[Path], n: int) -> Optional[np.ndarray]:
@@ -193,18 +217,26 @@ def compute_lengths(source, proc: VLProcessor, *, max_frames: int, for_generatio
         lengths, todo = np.full(len(source), -1, dtype=np.int64), list(range(len(source)))
     options = {"max_frames": max_frames, "for_generation": for_generation, "fps": fps, "limits": limits}
     mine = todo[rank::world]
-    got, bad = _pooled_slice(source, proc, mine, num_workers, options)
-    if world > 1:
+    if world == 1:
+        got, bad = _pooled_slice(source, proc, mine, num_workers, options)
+        lengths[np.asarray(mine, dtype=np.int64)] = got
+    else:
         import torch.distributed as dist
 
+        failure: Optional[BaseException] = None
+        try:
+            got, bad = _pooled_slice(source, proc, mine, num_workers, options)
+        except BaseException as e:  # noqa: BLE001 - told to every rank in the gather below, then raised
+            failure, got, bad = e, np.zeros(0, dtype=np.int64), []
         parts: list = [None] * world
-        dist.all_gather_object(parts, (got, bad))
+        dist.all_gather_object(parts, (got, bad, _failure_text(failure, rank)))
+        errors = [p[2] for p in parts if p[2] is not None]
+        if errors:  # the same error on every rank (the failing one chains its own exception)
+            raise LengthEstimateError(errors[0]) from failure
         # rank r estimated todo[r::world]: put every share back in place, the bad records in `todo` order
-        for r, (got_r, _) in enumerate(parts):
+        for r, (got_r, _, _) in enumerate(parts):
             lengths[np.asarray(todo[r::world], dtype=np.int64)] = got_r
-        bad = sorted(((r + k * world, b) for r, (_, bad_r) in enumerate(parts) for k, b in bad_r))
-    else:
-        lengths[np.asarray(mine, dtype=np.int64)] = got
+        bad = sorted(((r + k * world, b) for r, (_, bad_r, _) in enumerate(parts) for k, b in bad_r))
     bad = [b for _, b in bad]
     if bad_records is not None:
         bad_records.extend(bad)

@@ -8,13 +8,26 @@ appeared earlier would already have ended the completion, so any occurrence in t
 
 The completion keeps every generated token (the EOS token too: the policy is trained to emit it);
 its text drops special tokens and, for a stop string, ends right after the first occurrence.
+
+One text is searched for stop strings, by every engine: the completion decoded with its special tokens
+(as transformers' `stop_strings` match the vocabulary's token strings, special ones included). So a stop
+string equal to a special token's text (e.g. "<|im_start|>") ends the completion at that token, and one
+that only appears once special tokens are dropped (e.g. "is 4" in "is<|im_start|> 4") does not. The
+final text is cut at that same occurrence: what the completion holds after it (the rest of the last
+token) goes, and a stop string found only in the text without special tokens never cuts the text
+short of the tokens that are trained. The vLLM back end matches on the same text
+(`VLLM_STOP_OPTIONS`) and takes its text from `final_text` too.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from typing import Optional
 
-__all__ = ["StopChecker", "eos_token_ids_of"]
+__all__ = ["StopChecker", "eos_token_ids_of", "VLLM_STOP_OPTIONS"]
+
+VLLM_STOP_OPTIONS = {"skip_special_tokens": False, "include_stop_str_in_output": True}
+"""vLLM sampling options under which its stop strings match the text `StopChecker.check` searches (special
+tokens kept) and its completions end on the token that completes one (their text: `final_text`)."""
 
 # a UTF-8 character is at most 4 bytes, so a byte-level tokenizer may need 4 tokens per character
 _TOKENS_PER_CHAR = 4
@@ -63,9 +76,19 @@ class StopChecker:
         return None
 
     def final_text(self, token_ids: Sequence[int], finish_reason: str) -> str:
-        text = self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-        if finish_reason == "stop":
+        """The completion's text without special tokens; for "stop", cut right after the stop string where
+        `check` found it (module docstring)."""
+        ids = list(token_ids)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if finish_reason != "stop" or not self.stop:
+            return text
+        raw = self.tokenizer.decode(ids, skip_special_tokens=False)
+        ends = [raw.find(s) + len(s) for s in self.stop if s in raw]
+        if not ends:  # an engine that matched where this decoding does not: cut at the text's own occurrence
             ends = [text.find(s) + len(s) for s in self.stop if s in text]
-            if ends:
-                text = text[: min(ends)]
+            return text[: min(ends)] if ends else text
+        after = raw[min(ends):]  # the rest of the token that completed the stop string
+        special = set(getattr(self.tokenizer, "all_special_ids", ()) or ())
+        if after and ids and int(ids[-1]) not in special and text.endswith(after):
+            text = text[: len(text) - len(after)]
         return text

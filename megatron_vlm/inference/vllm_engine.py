@@ -56,6 +56,7 @@ from megatron_vlm.inference.engine import (
     RolloutSample,
     SamplingParams,
 )
+from megatron_vlm.inference.stopping import VLLM_STOP_OPTIONS, StopChecker
 
 if TYPE_CHECKING:  # the [rl.vllm] table (rl/config.py); rl imports this package, never the other way round
     from megatron_vlm.rl.config import VLLMConfig
@@ -360,8 +361,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
         return VSP(n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or 0,
                    max_tokens=params.max_new_tokens, stop=list(params.stop) or None, stop_token_ids=self.eos_token_ids or None,
-                   include_stop_str_in_output=True, skip_special_tokens=True, logprobs=0, seed=seed,
-                   logit_bias=self.logit_bias)
+                   logprobs=0, seed=seed, logit_bias=self.logit_bias, **VLLM_STOP_OPTIONS)
 
     def generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams, *,
                  generator: Optional[torch.Generator] = None) -> RolloutResult:
@@ -393,21 +393,22 @@ class VLLMRolloutEngine(RolloutEngine):
                         prompt_ids.setdefault(out.request_id, list(out.prompt_token_ids))
                     for c in out.outputs:
                         part = parts.setdefault((out.request_id, c.index), {"tokens": [], "logprobs": [], "versions": [],
-                                                                            "text": [], "reason": None, "stop": None})
+                                                                            "reason": None, "stop": None})
                         part["tokens"] += list(c.token_ids)
                         part["logprobs"] += [float(d[t].logprob) for d, t in zip(c.logprobs or [], c.token_ids)]
                         part["versions"] += [version] * len(c.token_ids)
-                        part["text"].append(c.text)
                         if c.finish_reason is not None:
                             part["reason"], part["stop"] = c.finish_reason, c.stop_reason
         samples: list[RolloutSample] = []
         n_tok = 0
+        # the text of every completion as the built-in engine makes it (stop strings matched with special tokens kept)
+        checker = StopChecker(self.llm.get_tokenizer(), self.eos_token_ids, params.stop)
         for i, (p, rid) in enumerate(zip(prompts, ids)):
             if rid in prompt_ids:
                 self._check_prompt(i, p, prompt_ids[rid])
             for j in range(params.n):
                 part = parts.get((rid, 0 if greedy_copies else j),
-                                 {"tokens": [], "logprobs": [], "versions": [], "text": [], "reason": None, "stop": None})
+                                 {"tokens": [], "logprobs": [], "versions": [], "reason": None, "stop": None})
                 if part["reason"] is None and not interrupted:
                     raise RuntimeError(f"vLLM rollout: prompt {i}: completion {j} of n = {params.n} did not finish")
                 toks = torch.tensor(part["tokens"], dtype=torch.long)
@@ -415,9 +416,10 @@ class VLLMRolloutEngine(RolloutEngine):
                     raise RuntimeError(f"vLLM rollout: prompt {i}, completion {j}: {len(part['logprobs'])} log-probs for "
                                        f"{toks.numel()} tokens")
                 n_tok += toks.numel()
+                reason = self._reason(part["reason"], part["stop"])
                 samples.append(RolloutSample(
                     prompt_index=i, sample_index=j, token_ids=toks, logprobs=torch.tensor(part["logprobs"], dtype=torch.float32),
-                    text="".join(part["text"]), finish_reason=self._reason(part["reason"], part["stop"]), prompt_length=len(p),
+                    text=checker.final_text(part["tokens"], reason), finish_reason=reason, prompt_length=len(p),
                     policy_version=int(part["versions"][0]) if part["versions"] else self.policy_version,
                     token_versions=torch.tensor(part["versions"], dtype=torch.long)))
         return RolloutResult(samples=samples, num_generated_tokens=n_tok, seconds=time.perf_counter() - t0,

@@ -20,7 +20,7 @@ import torch
 from megatron_vlm.inference.engine import RolloutEngine
 from megatron_vlm.rl.batching import TrainSample
 from megatron_vlm.rl.data_shards import DataShards
-from megatron_vlm.rl.env.trajectories import trajectory_metrics, trajectory_train_sample
+from megatron_vlm.rl.env.trajectories import trajectory_counts, trajectory_metrics_of, trajectory_train_sample
 from megatron_vlm.rl.metrics import PhaseTimer
 from megatron_vlm.rl.policy_update import PolicyUpdate
 from megatron_vlm.rl.prompts.dataset import PromptSample
@@ -104,9 +104,10 @@ class GRPOStep:
         out = step_metrics(r, self.shards, step, timer, rounds, upd, counts, reward_labels=self.manager.labels,
                            zero_adv_on=self.policy.skip_zero_adv)
         out.update(upd.extra)  # PPO's critic/* and its token-level advantage/* (the same on every rank)
-        trajectories = [t for rd in rounds for t in (rd.trajectories or [])]
-        if any(rd.trajectories is not None for rd in rounds):
-            out.update(trajectory_metrics(trajectories, untrained_env_errors=env_errors))
+        if self.rounds.multiturn is not None:  # [rl.env] (the same on every rank: the gather is collective)
+            trajectories = [t for rd in rounds for t in (rd.trajectories or [])]
+            out.update(trajectory_metrics_of(self.shards.gather(trajectory_counts(trajectories,
+                                                                                  untrained_env_errors=env_errors))))
         out.update(extra_metrics or {})
         self.reward_watch.update(out, step + 1, getattr(self.manager, "last_error", ""))  # summed over ranks: same on every rank
         return out

@@ -7,7 +7,8 @@ asynchronous step differs from a synchronous one only in where its samples come 
 happens after the update. Per step s (the trainer holds policy version s = steps done):
 
 1. receive step s's groups (training rank 0 from every rollout rank; with M > 1 training ranks the
-   groups are dealt round-robin over their data shards, the tp / cp ranks of a shard taking the same): completions, behaviour log-probs, per-token versions,
+   groups are dealt round-robin over their data shards, the tp / cp ranks of a shard taking the same; a shard left
+   without a group by prompts skipped mid-run trains on a dummy, loss x 0, as the synchronous loop's short rank): completions, behaviour log-probs, per-token versions,
    rewards, and the prompts the rollout rank could not encode (bad records: training rank 0 keeps them in the
    run's log, saved with the step's checkpoint) — the wait is the trainer's idle time. Step s + 1's groups are asked for ("want") as soon as
    step s's have arrived and received by a background thread while step s trains (`_Prefetch`), so the
@@ -35,6 +36,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.errors import ConfigError
 from megatron_vlm.inference.engine import RolloutResult, RolloutSample
 from megatron_vlm.parallel.collectives import all_gather_objects
 from megatron_vlm.rl.algorithms.advantage_estimators import AdvantageSpec
@@ -51,6 +53,17 @@ from megatron_vlm.training.context import RunContext
 __all__ = ["AsyncGRPOLoopStep", "StalenessError"]
 
 log = logging.getLogger("megatron_vlm")
+
+
+def _nothing_encoded(step: int, payloads: list[dict]) -> str:
+    """The exit-2 line of a step none of whose prompts the rollout ranks could encode (bad data, or a model that
+    cannot read it), naming the last one skipped."""
+    records = [r for p in payloads for r in p.get("bad_records", ())]
+    last = records[-1] if records else None
+    where = (f"; the last one skipped: {last['source']}:{last['index']}: {last['category']}: {last['detail']}"
+             if last else "")
+    return (f"data: none of the prompts of step {step} could be encoded by the rollout ranks{where} (their warnings "
+            "name more)")
 
 
 class StalenessError(RuntimeError):
@@ -145,10 +158,11 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
                 groups.append((p["indices"][pi], [p["samples"][j] for j in js], [p["total"][j] for j in js],
                                {k: [v[j] for j in js] for k, v in p["per_reward"].items()},
                                [trajs[j] for j in js] if trajs is not None else None))
+        if not groups:  # every rank sees the same payloads: all raise, as the synchronous loop's `encode_shard` does
+            raise ConfigError(_nothing_encoded(step, payloads))
         mine = groups[me::M]
-        if not mine:
-            raise RuntimeError(f"asynchronous GRPO: step {step} has {len(groups)} groups for {M} data-parallel training "
-                               "ranks (raise rl.batch.prompts_per_step)")
+        if not mine:  # prompts skipped mid-run left this shard without a group: a dummy (loss x 0) keeps it in step
+            return self._dummy_round(groups[0])
         shard_samples, prompts, real, total = [], [], [], []
         per_reward: dict[str, list[float]] = {label: [] for label in self.grpo.reward_labels}
         if any(g[4] is not None for g in mine):
@@ -174,6 +188,24 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         rd = shape_round(self.rl, self.advantage, shard, result, real, total, per_reward)
         rd.trajectories = round_trajectories([g[4] for g in mine])
         return rd
+
+    def _dummy_round(self, group: tuple) -> Round:
+        """A round with no real sample for a data shard left without a group: its update forwards a copy of `group`'s
+        prompt and first completion (a multi-turn one: one token of the prompt, as the synchronous loop's empty rank)
+        with loss x 0, so the training ranks make the same calls."""
+        idx, samples, _, _, trajs = group
+        enc = self.encoder.encode(self.train_set[idx])
+        if enc is None:
+            raise RuntimeError(f"asynchronous GRPO: prompt {self.train_set[idx].prompt_id} encoded on the rollout rank "
+                               "but not here")
+        s = samples[0]
+        dummy = [] if trajs is not None else [RolloutSample(
+            prompt_index=0, sample_index=0, token_ids=s["token_ids"], logprobs=s["logprobs"], text=s["text"],
+            finish_reason=s["finish_reason"], prompt_length=s["prompt_length"], token_versions=s["token_versions"],
+            routes=s.get("routes"))]
+        per_reward: dict[str, list[float]] = {label: [] for label in self.grpo.reward_labels}
+        return shape_round(self.rl, self.advantage, EncodedShard([], [enc]), RolloutResult(samples=dummy), [], [],
+                           per_reward)
 
     def _staleness(self, step: int, payloads: list[dict]) -> dict[str, float]:
         lags, interrupted, n = [], 0, 0
@@ -216,7 +248,10 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
             "async/weight_push_s": self.push_s,
             "time/rollout_s": sum(p["gen_s"] for p in payloads) / len(payloads),
             "time/reward_s": sum(p["reward_s"] for p in payloads) / len(payloads),
-            "data/skipped_prompts": float(sum(p["skipped"] for p in payloads)),
+            # the rollout ranks' skips up to this step (a payload's count is its rank's total when it finished the
+            # step, not counting the steps it generated ahead) + the trainer's encoder's (held-out prompts, counted over
+            # the training ranks by step_metrics): both sets of records are in the run's log, saved with the checkpoint
+            "data/skipped_prompts": float(sum(p["skipped"] for p in payloads)) + metrics.get("data/skipped_prompts", 0.0),
         })
         self._last_end = end
         metrics["epoch"] = (step + 1) * self.rl.batch.prompts_per_step / len(self.train_set)

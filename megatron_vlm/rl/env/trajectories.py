@@ -13,7 +13,7 @@ from megatron_vlm.inference.engine import RolloutPrompt
 from megatron_vlm.inference.multiturn import Trajectory
 from megatron_vlm.rl.batching import TrainSample
 
-__all__ = ["trajectory_train_sample", "trajectory_metrics", "FINISH_REASONS"]
+__all__ = ["trajectory_train_sample", "trajectory_metrics", "trajectory_counts", "trajectory_metrics_of", "FINISH_REASONS"]
 
 
 def trajectory_train_sample(prompt: RolloutPrompt, t: Trajectory, advantage: float) -> TrainSample:
@@ -25,19 +25,36 @@ def trajectory_train_sample(prompt: RolloutPrompt, t: Trajectory, advantage: flo
 FINISH_REASONS = ("done", "max_turns", "max_total_tokens", "length", "env_error")
 
 
-def trajectory_metrics(trajs: list[Trajectory], *, untrained_env_errors: int = 0) -> dict[str, float]:
-    """env/* metrics of this rank's trajectories of a step: turns and tokens per trajectory, the share of each finish
-    reason, environment errors (and how many of them were left out of the update), the environments' counters."""
-    out: dict[str, float] = {"env/errors": float(sum(t.finish_reason == "env_error" for t in trajs)),
-                             "env/errors_untrained": float(untrained_env_errors)}
-    if not trajs:
+def trajectory_counts(trajs: list[Trajectory], *, untrained_env_errors: int = 0) -> dict:
+    """The sums behind the env/* metrics of one rank's trajectories of a step (gathered over the data shards and
+    combined by `trajectory_metrics_of`, so the logged numbers are the step's, not the logging rank's share)."""
+    return {"trajectories": len(trajs), "errors": sum(t.finish_reason == "env_error" for t in trajs),
+            "untrained": int(untrained_env_errors), "turns": sum(t.num_turns for t in trajs),
+            "tokens": sum(int(t.token_ids.numel()) for t in trajs),
+            "model_tokens": sum(int(t.model_mask.sum()) for t in trajs),
+            "finish": {why: sum(t.finish_reason == why for t in trajs) for why in FINISH_REASONS},
+            "info": {k: float(sum(t.info.get(k, 0.0) for t in trajs)) for k in sorted({k for t in trajs for k in t.info})}}
+
+
+def trajectory_metrics_of(parts: list[dict]) -> dict[str, float]:
+    """env/* metrics of a step from every data shard's `trajectory_counts`: turns and tokens per trajectory, the
+    share of each finish reason, environment errors (and how many of them were left out of the update), the
+    environments' counters."""
+    out: dict[str, float] = {"env/errors": float(sum(p["errors"] for p in parts)),
+                             "env/errors_untrained": float(sum(p["untrained"] for p in parts))}
+    n = float(sum(p["trajectories"] for p in parts))
+    if not n:
         return out
-    n = float(len(trajs))
-    out["env/turns_mean"] = sum(t.num_turns for t in trajs) / n
-    out["env/tokens_mean"] = sum(int(t.token_ids.numel()) for t in trajs) / n
-    out["env/model_tokens_mean"] = sum(int(t.model_mask.sum()) for t in trajs) / n
+    out["env/turns_mean"] = sum(p["turns"] for p in parts) / n
+    out["env/tokens_mean"] = sum(p["tokens"] for p in parts) / n
+    out["env/model_tokens_mean"] = sum(p["model_tokens"] for p in parts) / n
     for why in FINISH_REASONS:
-        out[f"env/finish_{why}"] = sum(t.finish_reason == why for t in trajs) / n
-    for k in sorted({k for t in trajs for k in t.info}):
-        out[f"env/{k}"] = float(sum(t.info.get(k, 0.0) for t in trajs))
+        out[f"env/finish_{why}"] = sum(p["finish"][why] for p in parts) / n
+    for k in sorted({k for p in parts for k in p["info"]}):
+        out[f"env/{k}"] = float(sum(p["info"].get(k, 0.0) for p in parts))
     return out
+
+
+def trajectory_metrics(trajs: list[Trajectory], *, untrained_env_errors: int = 0) -> dict[str, float]:
+    """env/* metrics of trajectories held by one process (`trajectory_metrics_of` of their counts)."""
+    return trajectory_metrics_of([trajectory_counts(trajs, untrained_env_errors=untrained_env_errors)])

@@ -139,3 +139,27 @@ def test_split_over_two_gloo_ranks_gathers_the_serial_pass_and_writes_one_cache(
         assert bad == want_bad.to_dict()
         assert calls == 2  # half of the 4 cached-as-bad records on each rank
     assert len(list(cache.glob("lengths-*.json"))) == 1
+
+
+class _Unlocatable:
+    """A record source whose second record cannot even be located (its file vanished between listing and reading)."""
+
+    def __len__(self):
+        return 2
+
+    def locate(self, i):
+        if i == 1:
+            raise OSError("No such file or directory: 'part-1.jsonl'")
+        return ("part-0.jsonl", 1)
+
+    def get(self, i):  # noqa: ARG002
+        raise ValueError("unreadable")
+
+
+def test_a_record_that_cannot_be_located_is_a_counted_bad_record():
+    bad = BadRecordLog()
+    got = compute_lengths(_Unlocatable(), None, max_frames=4, bad_records=bad)
+    assert got.tolist() == [-1, -1]
+    assert [(b.source, b.index, b.category) for b in bad.entries] == [
+        ("(record not located)", 1, "unexpected_error"), ("part-0.jsonl", 1, "unexpected_error")]
+    assert "part-1.jsonl" in bad.entries[0].detail

@@ -95,3 +95,70 @@ def test_async_trainer_keeps_the_skips_of_the_step_it_receives():
     assert _counts(t.bad_records) == {(2, "corrupt_image"): 1}  # step 4's, asked for ahead, not yet
     t._receive(4)
     assert _counts(t.bad_records) == {(2, "corrupt_image"): 2}
+
+
+def test_async_skip_count_is_that_of_the_records_in_the_checkpoint(monkeypatch):
+    """`data/skipped_prompts` of an asynchronous step counts what its checkpoint's log holds: the rollout ranks' skips
+    of the steps trained so far (each payload's count is its rank's total up to that step, whatever it generated
+    ahead) plus those of the trainer's own encoder (held-out prompts it could not encode: in the run's log like the
+    synchronous loop's, and in the synchronous count). The count used to be the rollout ranks' alone."""
+    import megatron_vlm.rl.asynchronous.trainer as async_trainer
+
+    skip = {"source": "p.jsonl", "index": 2, "category": "corrupt_image", "detail": "truncated", "skips": 1}
+    t = AsyncGRPOLoopStep.__new__(AsyncGRPOLoopStep)
+    t.bridge = _Bridge({0: {"step": 0, "bad_records": [skip], "skipped": 1, "reward_fail": {}, "samples": [],
+                            "busy_s": 1.0, "idle_s": 0.0, "gen_s": 1.0, "reward_s": 0.0}})
+    t.role = SimpleNamespace(allocation=SimpleNamespace(rollout=1, train=1))
+    t.total_steps, t._prefetch, t.bad_records, t._last_end, t.k = 1, None, BadRecordLog(), 0.0, 0
+    t.model, t._trainable = None, []
+    t.rl = SimpleNamespace(batch=SimpleNamespace(prompts_per_step=2))
+    t.train_set = list(range(4))
+    from megatron_vlm.training.running_totals import RunningTotals
+
+    t.totals = RunningTotals()
+    # the held-out evaluation before step 0 (rl.eval.at_start) met a prompt the trainer's encoder refused: its log is
+    # the run's, its count is what the step's metrics report for this rank's encoder (step_metrics)
+    t.bad_records.add("held_out.jsonl", 5, "corrupt_image", "truncated")
+    t._round = lambda step, payloads: None
+    t.grpo = SimpleNamespace(train_on_rounds=lambda step, rounds, timer, extra_metrics: {"data/skipped_prompts": 1.0})
+    monkeypatch.setattr(async_trainer, "push_weights", lambda *a, **k: 0.0)
+    metrics = t.train_step(0, log=True)
+    assert t.bad_records.total_skips == 2
+    assert metrics["data/skipped_prompts"] == 2.0
+
+
+def test_a_rollout_rank_running_ahead_hands_each_step_its_own_skips():
+    """A rollout rank generates up to max_head_offpolicyness steps ahead of the trainer; each step's item carries the
+    rank's skip count when that step was encoded (not counting later steps) and exactly that step's records."""
+    import queue
+
+    from megatron_vlm.rl.asynchronous.rollout_rank import _generate_loop, _State
+    from megatron_vlm.rl.prompts.dataset import prompt_batches
+
+    skips = BadRecordLog()
+
+    class Encoder:
+        skipped = 0
+
+        def encode(self, i):
+            if i % 2:  # odd prompts cannot be encoded
+                self.skipped += 1
+                skips.add("p.jsonl", i + 1, "corrupt_image", "truncated")
+                return None
+            return i
+
+    rl = SimpleNamespace(asynchronous=SimpleNamespace(max_head_offpolicyness=2), batch=SimpleNamespace(group_size=2,
+                         prompts_per_step=4), rollout=SimpleNamespace(max_new_tokens=4, temperature=1.0, top_p=1.0,
+                                                                        top_k=0, stop=[]))
+    ctx = SimpleNamespace(cfg=SimpleNamespace(rl=rl, train=SimpleNamespace(seed=3)), env=SimpleNamespace(device="cpu"))
+    role = SimpleNamespace(rank=0, allocation=SimpleNamespace(rollout=1))
+    engine = SimpleNamespace(generate=lambda prompts, params, generator: SimpleNamespace(samples=[], seconds=0.0))
+    todo: queue.Queue = queue.Queue()
+    train_set = list(range(16))
+    _generate_loop(ctx, role, _State(0), engine, Encoder(), train_set, todo, 0, 3, None, skips)  # version 0: steps 0-2
+    items = [todo.get_nowait() for _ in range(3)]
+    batches = prompt_batches(len(train_set), 4, seed=3, start_step=0)
+    odd = [sum(i % 2 for i in next(batches)) for _ in range(3)]
+    assert [it["step"] for it in items] == [0, 1, 2]
+    assert [it["skipped"] for it in items] == [sum(odd[:b + 1]) for b in range(3)]
+    assert [sum(r["skips"] for r in it["bad_records"]) for it in items] == odd

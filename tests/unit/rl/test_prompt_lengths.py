@@ -142,3 +142,51 @@ def test_synchronous_ranks_split_the_estimate_and_keep_the_serial_prompts(tmp_pa
         assert kept == [s.index for s in want.train.samples], rank
         assert log == want_log.to_dict(), rank
         assert calls == len(qs) // 2, rank  # its share only
+
+
+class _Panic(BaseException):
+    """What a Rust tokenizer's panic arrives as in Python (pyo3's PanicException derives from BaseException, not
+    Exception): not a bad record the pass can count."""
+
+
+def _panic_rank(rank, world, store, path, proc, queue):
+    import torch.distributed as dist
+
+    from megatron_vlm.data import lengths as lengths_mod
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    original = lengths_mod.estimate_length
+
+    def estimate(rec, *a, **k):
+        if "PANIC" in str(rec):
+            raise _Panic("tokenizer panicked")
+        return original(rec, *a, **k)
+
+    lengths_mod.estimate_length = estimate
+    try:
+        drop_unusable_prompts(PromptSets(load_prompt_dataset(path, schema="messages"), None), proc, *_cfgs(60),
+                              BadRecordLog(), split_over_ranks=True)
+        queue.put((rank, "returned"))
+    except BaseException as e:  # noqa: BLE001 - what each rank raised is the result
+        queue.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_record_that_fails_one_ranks_share_stops_every_rank_naming_it(tmp_path, proc):
+    """A prompt raising something that is not a bad record (line 4, in rank 1's share of the split pass) used to end
+    rank 1 alone while rank 0 waited in the all-gather for a share that never came (torchrun tears such a job down
+    much later, with no word of the record). Every rank now raises the same error naming the prompt's line."""
+    import multiprocessing as mp
+
+    path, _ = _set(tmp_path, ["What colour?", "What shape?", "Which?", "PANIC", "Where?", "What size?"])
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_panic_rank, args=(r, 2, tmp_path / "store", path, proc, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(queue.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert got[0][1] == got[1][1], got
+    assert f"{path}:4" in got[0][1] and "_Panic: tokenizer panicked" in got[0][1], got

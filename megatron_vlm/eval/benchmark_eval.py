@@ -34,7 +34,7 @@ from megatron_vlm.data.bad_records import BadRecordLog, keep_planning_records, m
 from megatron_vlm.data.loader import build_eval_dataloader
 from megatron_vlm.eval.accuracy import avg_at_k, pass_at_k
 from megatron_vlm.eval.answer_accuracy import GeneratedAnswers, generate_answers
-from megatron_vlm.eval.answers import normalize_answer
+from megatron_vlm.eval.answers import answers_match
 from megatron_vlm.eval.benchmarks import open_benchmark
 from megatron_vlm.inference.engine import SamplingParams
 from megatron_vlm.inference.generators import sampling_generator
@@ -76,8 +76,7 @@ class VerifierScorer:
         for verifier, members in by_verifier.items():
             if verifier == "short_answer":
                 for r in members:
-                    ref = normalize_answer(rows[r].reference)
-                    out[r] = [float(normalize_answer(c) == ref) for c in rows[r].completions]
+                    out[r] = [float(answers_match(c, rows[r].reference)) for c in rows[r].completions]
                 continue
             flat, answers, prompts, metas = [], [], [], []
             for r in members:

@@ -177,6 +177,17 @@ def benchmark_record(row: dict, fmt: BenchmarkFormat, columns: dict[str, str], *
     return Record(messages, source, index, meta)
 
 
+def _up_to(bad: BadRecordLog, files: list, last: tuple[str, int]) -> BadRecordLog:
+    """The bad records of `bad` at or before `last` (file, line / row) in the files' order: those of the rows that
+    `max_samples` keeps. Malformed lines are found when the files are opened, before the rows are cut, and one
+    past the last kept row was counted for a benchmark that never reached it."""
+    order = {str(f): k for k, f in enumerate(files)}
+    cut = (order[str(last[0])], last[1])
+    out = BadRecordLog()
+    out.extend(r for r in bad.to_dict()["records"] if (order.get(r["source"], len(order)), r["index"]) <= cut)
+    return out
+
+
 class BenchmarkRecords:
     """The rows of one benchmark's files as records (a data-pipeline record source: `get`, `locate`)."""
 
@@ -200,6 +211,8 @@ class BenchmarkRecords:
                 raise DataFileError(f"{file} has none of the image columns "
                                  f"{list(self.fmt.image_columns)} of format {cfg.format!r}; name one with columns.images")
         self._n = min(len(self.rows), cfg.max_samples) if cfg.max_samples else len(self.rows)
+        if self._n < len(self.rows):
+            self.bad_records = _up_to(self.bad_records, self.rows.files, self.rows.locate(self._n - 1))
 
     def __len__(self) -> int:
         return self._n
@@ -233,6 +246,9 @@ def _messages_source(cfg: BenchmarkConfig, template: str, system_prompt: Optiona
     records = read_messages_jsonl(cfg.path, image_root=cfg.image_root or None, bad_records=bad)
     verifier = "short_answer" if cfg.verifier == "auto" else cfg.verifier
     out = []
+    if cfg.max_samples and len(records) > cfg.max_samples:
+        last = records[cfg.max_samples - 1]
+        bad = _up_to(bad, find_data_files(cfg.path, MESSAGES_SUFFIXES), (last.source, last.index))
     for r in records[: cfg.max_samples or None]:
         messages = [dict(m) for m in r.messages]
         if any(m["role"] == "assistant" for m in messages):  # none: refused by the loader, as in an SFT eval split

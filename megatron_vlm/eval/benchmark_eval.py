@@ -180,7 +180,9 @@ def evaluate_benchmark(ctx: RunContext, bundle: ModelBundle, engine, bcfg: Bench
         for r in p["rows"]:
             by_index.setdefault(r["index"], r)
     rows_all = [by_index[i] for i in sorted(by_index)]
-    return {"name": bcfg.name, "format": bcfg.format, "path": bcfg.path, "num_rows": len(opened.source),
+    # the rows of the files (of the first max_samples), those refused while opening them included: scored + bad
+    num_rows = len(opened.source) + len(opened.bad_records)
+    return {"name": bcfg.name, "format": bcfg.format, "path": bcfg.path, "num_rows": num_rows,
             "metrics": _metrics(rows_all, ecfg), "verifiers": dict(Counter(r["verifier"] for r in rows_all)),
             "verifier_failures": merge_verifier_failures(p["failures"] for p in parts),
             "bad_records": bad_dict, "rows": rows_all}

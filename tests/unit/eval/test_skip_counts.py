@@ -59,3 +59,14 @@ def test_two_ranks_count_as_one(tmp_path):
     build_tiny_qwen2_5_vl_processor(tmp_path / "proc")
     _bench(tmp_path)
     spawn(tmp_path, _two_ranks)
+
+
+def test_rows_are_the_scored_and_the_bad_ones(tmp_path, proc):
+    """`num_rows` counted the rows the files' reader kept, leaving out the lines refused when the benchmark was
+    opened (malformed JSON, a reference with nothing in it) that `bad_records` lists: rows 2, scored 2, bad 2."""
+    write_png(tmp_path / "ok.png")
+    path = write_messages(tmp_path / "b.jsonl", [("ok.png", "What colour?", "red"), (None, "What colour is red?", "."),
+                                                 (None, "What colour is red?", "red")])
+    path.write_text(path.read_text() + "{not json\n")
+    res = evaluate(proc, BenchmarkConfig(name="b", path=str(path), format="messages"))
+    assert (res["num_rows"], res["metrics"]["num_scored"], res["bad_records"]["num_bad_records"]) == (4, 2, 2)

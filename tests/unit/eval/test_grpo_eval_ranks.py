@@ -69,7 +69,7 @@ def _evaluate(rank: int, world: int, answers: list[str]):
 def _part(tmp, rank: int) -> None:
     # round-robin shards: rank 0 holds p0 and p2 (both bad), rank 1 holds p1 (good) and p3 (bad)
     metrics, bad, skipped = _evaluate(rank, 2, ["bad", "4", "bad", "bad"])
-    assert metrics["num_prompts"] == 1.0 and metrics["accuracy"] == 1.0
+    assert metrics["num_prompts"] == 1.0 and metrics["accuracy"] == 1.0 and metrics["skipped_prompts"] == 3.0
     assert bad["num_bad_records"] == 3
     assert bad["num_skips"] == 3, bad["records"]  # each bad prompt met once
     assert skipped == 3
@@ -77,3 +77,11 @@ def _part(tmp, rank: int) -> None:
 
 def test_bad_prompts_counted_once_on_two_ranks(tmp_path):
     spawn(tmp_path, _part)
+
+
+def test_a_held_out_set_of_bad_prompts_is_counted_not_fatal():
+    """None of the held-out prompts encodes: the evaluation reports 0 prompts and the skips (it raised the training
+    step's "none of the prompts could be encoded" ConfigError, stopping a run in the middle of training)."""
+    metrics, bad, skipped = _evaluate(0, 1, ["bad", "bad"])
+    assert metrics == {"num_prompts": 0.0, "skipped_prompts": 2.0}
+    assert bad["num_skips"] == skipped == 2

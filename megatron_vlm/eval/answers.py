@@ -6,6 +6,11 @@ synthetic VQA set: a count, a colour, a shape) is scored on that word. `AnswerTa
 overall and per value of a record's metadata field (default "question_type", which the synthetic
 records carry), and merges the counts of all ranks by gathering them, so ranks that saw different
 groups still agree on the result.
+
+A reference with nothing left once normalised ("." under the short-answer rule; "." or "$$" under the
+verifiers' rule, `math_equiv.is_empty_answer`) matches no prediction: an empty generation normalises to "" too,
+and scored correct against it (`answers_match`). A benchmark refuses such a row when it is opened
+(`reference_is_empty`: a bad record, not a row the model is scored on).
 """
 from __future__ import annotations
 
@@ -14,8 +19,25 @@ from typing import Any, Optional
 
 from megatron_vlm.data.synthetic_vqa import normalize_answer
 from megatron_vlm.parallel.collectives import all_gather_objects
+from megatron_vlm.rl.rewards.extract import last_boxed
+from megatron_vlm.rl.rewards.math_equiv import is_empty_answer
 
-__all__ = ["normalize_answer", "AnswerTally"]
+__all__ = ["normalize_answer", "answers_match", "reference_is_empty", "AnswerTally"]
+
+
+def answers_match(prediction: str, reference: str) -> bool:
+    """The short-answer rule: the normalised first words are equal, and the reference's is not empty."""
+    ref = normalize_answer(reference)
+    return bool(ref) and normalize_answer(prediction) == ref
+
+
+def reference_is_empty(answer: str, verifier: str) -> bool:
+    """Nothing of `answer` is left once `verifier` normalises it (the boxed content, when boxed): no prediction
+    can match it."""
+    if verifier == "short_answer":
+        return not normalize_answer(answer)
+    boxed = last_boxed(answer)
+    return is_empty_answer(answer if boxed is None else boxed)
 
 
 class AnswerTally:
@@ -31,7 +53,7 @@ class AnswerTally:
         """group -> [hits, count, first index]."""
 
     def add(self, prediction: str, reference: str, meta: Optional[Mapping[str, Any]] = None, *, index: int = 0) -> bool:
-        hit = normalize_answer(prediction) == normalize_answer(reference)
+        hit = answers_match(prediction, reference)
         self.correct += hit
         self.total += 1
         group = (meta or {}).get(self.group_field)

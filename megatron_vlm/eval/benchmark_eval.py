@@ -6,7 +6,9 @@ loader — split over all ranks, the same number of left-padded batches on each 
 one call of the rollout engine (`answer_accuracy.generate_answers`, the generation half of the SFT
 run's answer accuracy, so the same model on the same held-out file scores the same here). A prompt
 longer than `data.max_tokens_per_pack - eval.max_new_tokens`, an image that cannot be read or a row
-without question / answer is a bad record: skipped, counted and listed in the results.
+without question / answer is a bad record: skipped, counted and listed in the results. A skipped row is
+one skip of its benchmark however many decoding passes (greedy, sampled) met it (`num_skips`);
+`skipped_by_mode` says how many rows each pass could not score.
 
 Scoring (each rank its own rows, then gathered): `short_answer` rows compare the first word
 (eval/answers.py, the training-time rule); `math` / `choice` / `exact_match` rows go to the GRPO
@@ -24,6 +26,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter
+from contextlib import contextmanager
 from typing import Optional
 
 from megatron_vlm.config.eval_section import BenchmarkConfig, EvalConfig
@@ -31,7 +34,7 @@ from megatron_vlm.data.bad_records import BadRecordLog, keep_planning_records, m
 from megatron_vlm.data.loader import build_eval_dataloader
 from megatron_vlm.eval.accuracy import avg_at_k, pass_at_k
 from megatron_vlm.eval.answer_accuracy import GeneratedAnswers, generate_answers
-from megatron_vlm.eval.answers import normalize_answer
+from megatron_vlm.eval.answers import answers_match
 from megatron_vlm.eval.benchmarks import open_benchmark
 from megatron_vlm.inference.engine import SamplingParams
 from megatron_vlm.inference.generators import sampling_generator
@@ -73,8 +76,7 @@ class VerifierScorer:
         for verifier, members in by_verifier.items():
             if verifier == "short_answer":
                 for r in members:
-                    ref = normalize_answer(rows[r].reference)
-                    out[r] = [float(normalize_answer(c) == ref) for c in rows[r].completions]
+                    out[r] = [float(answers_match(c, rows[r].reference)) for c in rows[r].completions]
                 continue
             flat, answers, prompts, metas = [], [], [], []
             for r in members:
@@ -146,36 +148,61 @@ def evaluate_benchmark(ctx: RunContext, bundle: ModelBundle, engine, bcfg: Bench
     except ValueError as e:  # no usable row at all: reported, not fatal for the other benchmarks
         log.warning("eval %s: %s", bcfg.name, e)
         loader = None
+    modes = (["greedy"] if ecfg.greedy else []) + (["samples"] if ecfg.samples else [])
+    skipped = dict.fromkeys(modes, len(bad))  # rows no pass can score (opening, planning: global rank 0 holds them)
     if loader is not None:
         stop = tuple(ecfg.stop)
         rows_by_index: dict[int, dict] = {}
         if ecfg.greedy:
             params = SamplingParams(max_new_tokens=ecfg.max_new_tokens, temperature=0.0, stop=stop)
-            rows = generate_answers(bundle, engine, loader, params, progress=_progress(bcfg.name, "greedy", env.is_main))
+            with _pass_skips(loader, bad, skipped, "greedy"):
+                rows = generate_answers(bundle, engine, loader, params, progress=_progress(bcfg.name, "greedy", env.is_main))
             for row, scores in zip(rows, scorer.score(rows)):
                 rows_by_index[row.index] = _row_record(row) | {"greedy": row.completions[0], "greedy_score": scores[0]}
         if ecfg.samples:
             params = SamplingParams(max_new_tokens=ecfg.max_new_tokens, n=ecfg.samples, temperature=ecfg.temperature,
                                     top_p=ecfg.top_p, top_k=ecfg.top_k, stop=stop)
             gen = sampling_generator(ctx.cfg.train.seed, bench_index, dp_rank, env.device, salt=_SAMPLING_SALT)
-            rows = generate_answers(bundle, engine, loader, params, generator=gen,
-                                    progress=_progress(bcfg.name, f"{ecfg.samples} samples", env.is_main))
+            with _pass_skips(loader, bad, skipped, "samples"):
+                rows = generate_answers(bundle, engine, loader, params, generator=gen,
+                                        progress=_progress(bcfg.name, f"{ecfg.samples} samples", env.is_main))
             for row, scores in zip(rows, scorer.score(rows)):
                 rows_by_index.setdefault(row.index, _row_record(row)).update(samples=row.completions, sample_scores=scores)
         local = list(rows_by_index.values())
     failures = {k: scorer.failures[k] - failures_before[k] for k in failures_before}
     parts = all_gather_objects({"rows": local, "bad": (dp_rank, bad.to_dict()["records"]),
-                                "failures": (dp_rank, failures)})
+                                "failures": (dp_rank, failures), "skipped": (dp_rank, skipped)})
     merged_bad = merge_by_shard(p["bad"] for p in parts)  # tp / cp ranks skipped the same rows: counted once
+    skipped_shards = dict(p["skipped"] for p in reversed(parts))  # the first rank of each shard, as merge_by_shard
+    bad_dict = merged_bad.to_dict() | {"skipped_by_mode": {m: sum(s[m] for s in skipped_shards.values()) for m in modes}}
     by_index: dict[int, dict] = {}
     for p in parts:  # the ranks of one data-parallel group (tp, cp) hold the same rows: each row once
         for r in p["rows"]:
             by_index.setdefault(r["index"], r)
     rows_all = [by_index[i] for i in sorted(by_index)]
-    return {"name": bcfg.name, "format": bcfg.format, "path": bcfg.path, "num_rows": len(opened.source),
+    # the rows of the files (of the first max_samples), those refused while opening them included: scored + bad
+    num_rows = len(opened.source) + len(opened.bad_records)
+    return {"name": bcfg.name, "format": bcfg.format, "path": bcfg.path, "num_rows": num_rows,
             "metrics": _metrics(rows_all, ecfg), "verifiers": dict(Counter(r["verifier"] for r in rows_all)),
             "verifier_failures": merge_verifier_failures(p["failures"] for p in parts),
-            "bad_records": merged_bad.to_dict(), "rows": rows_all}
+            "bad_records": bad_dict, "rows": rows_all}
+
+
+@contextmanager
+def _pass_skips(loader, bad: BadRecordLog, skipped: dict[str, int], mode: str):
+    """Count the rows one decoding pass over `loader` skipped in `skipped[mode]` and add them to `bad` once: every
+    pass processes the same rows, so a row that fails fails in each, and it is one skipped row of the benchmark
+    (the loader's own log counted it once per pass: num_skips 2 for a row of a greedy + sampled evaluation)."""
+    loader.bad_records = this_pass = BadRecordLog()
+    try:
+        yield
+    finally:
+        loader.bad_records = bad
+        skipped[mode] += len(this_pass)
+        have = {(r.source, r.index, r.category) for r in bad.entries}
+        for r in this_pass.entries:
+            if (r.source, r.index, r.category) not in have:
+                bad.add(r.source, r.index, r.category, r.detail)
 
 
 def _row_record(row: GeneratedAnswers) -> dict:

@@ -38,8 +38,9 @@ answer and a given images column must exist, choices and id are used when presen
   `answer` the letter (open questions: the value).
 
 An image is an Image struct ({"bytes", "path"}), raw bytes or a path (relative paths resolve
-against `image_root`, else the data file's folder). A row without a question or answer, or with
-options it cannot read, is a bad record (counted by file and row, never fatal).
+against `image_root`, else the data file's folder). A row without a question or answer, with
+options it cannot read, or whose answer has nothing left once its verifier normalises it ("." , "$$":
+an empty generation would match it) is a bad record (counted by file and row, never fatal).
 """
 from __future__ import annotations
 
@@ -53,8 +54,10 @@ from megatron_vlm.config.eval_section import BenchmarkConfig
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
 from megatron_vlm.data.data_files import HF_SUFFIXES, MESSAGES_SUFFIXES, DataFileError, data_path_errors, find_data_files
 from megatron_vlm.data.messages import Record, read_messages_jsonl, resolve_path
+from megatron_vlm.data.processing import prompt_messages
 from megatron_vlm.data.sources import ListRecords
 from megatron_vlm.data.table_rows import TableRows
+from megatron_vlm.eval.answers import reference_is_empty
 
 __all__ = ["BenchmarkFormat", "FORMATS", "BenchmarkRecords", "OpenedBenchmark", "open_benchmark", "benchmark_record",
            "format_options"]
@@ -134,6 +137,14 @@ def format_options(choices: list[str]) -> str:
     return "\n".join(f"{OPTION_LETTERS[i]}. {c}" for i, c in enumerate(choices))
 
 
+def _refuse_empty_reference(answer: str, verifier: str, what: str) -> None:
+    """A reference with nothing left once its verifier normalises it ("." , "$$") is a bad record: an empty
+    generation normalises alike, and no answer of the model could be right or wrong against it."""
+    if reference_is_empty(answer, verifier):
+        raise BadRecordError("invalid_record", f"{what} {answer[:40]!r} has nothing left once the {verifier} verifier "
+                                               "normalises it")
+
+
 def benchmark_record(row: dict, fmt: BenchmarkFormat, columns: dict[str, str], *, verifier: str, template: str,
                      system_prompt: Optional[str], root: Path, source: str, index: int) -> Record:
     """The evaluation `Record` of one benchmark row (module docstring)."""
@@ -144,13 +155,14 @@ def benchmark_record(row: dict, fmt: BenchmarkFormat, columns: dict[str, str], *
         raise BadRecordError("invalid_record", f"column {columns['answer']!r} is empty")
     answer = str(answer).strip()
     choices = _options(row.get(columns["choices"]), columns["choices"]) if "choices" in columns else []
+    if verifier == "auto":
+        verifier = fmt.choice_verifier if choices else fmt.free_verifier
+    _refuse_empty_reference(answer, verifier, columns["answer"])
     problem = _PLACEHOLDER.sub("", question).strip()
     if choices and fmt.append_options:
         problem = f"{problem}\n{format_options(choices)}"
     image_cols = (columns["images"],) if "images" in columns else fmt.image_columns
     images = [_image_ref(v, root) for col in image_cols for v in _as_list(row.get(col))]
-    if verifier == "auto":
-        verifier = fmt.choice_verifier if choices else fmt.free_verifier
     content: list[dict] = [{"type": "image", "image": im} for im in images]
     content.append({"type": "text", "text": template.format(problem=problem)})
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
@@ -163,6 +175,17 @@ def benchmark_record(row: dict, fmt: BenchmarkFormat, columns: dict[str, str], *
     if isinstance(row.get("question_type"), str):  # MathVista / MMMU: per-type accuracy in the results
         meta["question_type"] = row["question_type"]
     return Record(messages, source, index, meta)
+
+
+def _up_to(bad: BadRecordLog, files: list, last: tuple[str, int]) -> BadRecordLog:
+    """The bad records of `bad` at or before `last` (file, line / row) in the files' order: those of the rows that
+    `max_samples` keeps. Malformed lines are found when the files are opened, before the rows are cut, and one
+    past the last kept row was counted for a benchmark that never reached it."""
+    order = {str(f): k for k, f in enumerate(files)}
+    cut = (order[str(last[0])], last[1])
+    out = BadRecordLog()
+    out.extend(r for r in bad.to_dict()["records"] if (order.get(r["source"], len(order)), r["index"]) <= cut)
+    return out
 
 
 class BenchmarkRecords:
@@ -188,6 +211,8 @@ class BenchmarkRecords:
                 raise DataFileError(f"{file} has none of the image columns "
                                  f"{list(self.fmt.image_columns)} of format {cfg.format!r}; name one with columns.images")
         self._n = min(len(self.rows), cfg.max_samples) if cfg.max_samples else len(self.rows)
+        if self._n < len(self.rows):
+            self.bad_records = _up_to(self.bad_records, self.rows.files, self.rows.locate(self._n - 1))
 
     def __len__(self) -> int:
         return self._n
@@ -221,8 +246,17 @@ def _messages_source(cfg: BenchmarkConfig, template: str, system_prompt: Optiona
     records = read_messages_jsonl(cfg.path, image_root=cfg.image_root or None, bad_records=bad)
     verifier = "short_answer" if cfg.verifier == "auto" else cfg.verifier
     out = []
+    if cfg.max_samples and len(records) > cfg.max_samples:
+        last = records[cfg.max_samples - 1]
+        bad = _up_to(bad, find_data_files(cfg.path, MESSAGES_SUFFIXES), (last.source, last.index))
     for r in records[: cfg.max_samples or None]:
         messages = [dict(m) for m in r.messages]
+        if any(m["role"] == "assistant" for m in messages):  # none: refused by the loader, as in an SFT eval split
+            try:
+                _refuse_empty_reference(str(prompt_messages(messages)[1]), verifier, "the last assistant turn")
+            except BadRecordError as e:
+                bad.add_error(r.source, r.index, e)
+                continue
         if template != "{problem}":  # the template applies to the text of the last user turn
             last = max(i for i, m in enumerate(messages) if m["role"] == "user")
             c = messages[last]["content"]

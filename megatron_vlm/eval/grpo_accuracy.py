@@ -5,13 +5,20 @@ the ranks; each rank generates k completions per prompt with the evaluation samp
 (greedy by default), scores them with the accuracy reward only, and the per-prompt scores of all
 ranks are combined (megatron_vlm.eval.accuracy). The same engine call pads shards with dummy
 prompts so that every rank makes the same forward calls. Sampling is seeded by (seed, step, rank).
+
+Held-out prompts that cannot be encoded are skipped and counted (the run's bad records, and
+`skipped_prompts` of the metrics, each once); a held-out set none of whose prompts encodes gives
+`num_prompts` 0 and a warning, not a stopped run: found at an evaluation in the middle of training, the
+error lost every step since the last checkpoint.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 
+from megatron_vlm.errors import ConfigError
 from megatron_vlm.eval.accuracy import avg_at_k, pass_at_k, score_accuracy
 from megatron_vlm.inference.engine import SamplingParams
 from megatron_vlm.inference.generators import sampling_generator
@@ -20,6 +27,8 @@ from megatron_vlm.rl.prompts.shard import encode_shard
 from megatron_vlm.training.context import RunContext
 
 __all__ = ["GRPOEvaluator", "evaluate_accuracy"]
+
+log = logging.getLogger("megatron_vlm")
 
 _EVAL_SALT = 17
 
@@ -38,8 +47,8 @@ class GRPOEvaluator:
 @torch.no_grad()
 def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager, dataset,
                       step: int, *, dims=None) -> Optional[dict[str, float]]:
-    """Metrics "accuracy" (= Avg@k), "avg@k", "pass@k", "num_prompts", "response_length", or None
-    without a held-out set. `wrapper`: the policy's FSDP root (put in eval mode while generating).
+    """Metrics "accuracy" (= Avg@k), "avg@k", "pass@k", "num_prompts", "skipped_prompts", "response_length", or
+    None without a held-out set. `wrapper`: the policy's FSDP root (put in eval mode while generating).
     `dims` (`ParallelDims`): prompts are sharded over its data-parallel ranks (the tp ranks of a group
     generate the same answers); None = one shard per process."""
     if dataset is None or len(dataset) == 0:
@@ -49,7 +58,13 @@ def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager
     env = ctx.env
     rank, world = (dims.dp_rank, dims.dp_size) if dims is not None else (env.rank, env.world_size)
     copies = dims.data_copies if dims is not None else 1
-    shard = encode_shard(prompts, encoder, rank, world, env.device)
+    skipped_before = int(getattr(encoder, "skipped", 0))
+    try:
+        shard = encode_shard(prompts, encoder, rank, world, env.device)
+    except ConfigError as err:  # on every rank alike (the shard sizes are all-reduced): no held-out prompt encodes
+        skipped = sum(all_gather_objects(int(getattr(encoder, "skipped", 0)) - skipped_before)[::copies])
+        log.warning("GRPO held-out evaluation at step %d: no prompt could be scored (%s)", step, err)
+        return {"num_prompts": 0.0, "skipped_prompts": float(skipped)}
     params = SamplingParams(max_new_tokens=e.max_new_tokens or rl_cfg.rollout.max_new_tokens, n=e.k, temperature=e.temperature,
                             top_p=e.top_p, stop=tuple(rl_cfg.rollout.stop))
     sync = getattr(engine, "sync_to_version", None)  # hook: an engine with its own weights (vLLM) gets the current ones
@@ -68,7 +83,8 @@ def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager
         acc = score_accuracy(manager, completions, [p.answer for p in shard.samples], [p.problem for p in shard.samples],
                              [p.metadata for p in shard.samples], label=rl_cfg.accuracy_label(), threshold=e.correct_threshold)
         scores = acc.scores
-    parts = all_gather_objects({"scores": scores, "lengths": [int(s.token_ids.numel()) for s in real]})[::copies]
+    parts = all_gather_objects({"scores": scores, "lengths": [int(s.token_ids.numel()) for s in real],
+                                "skipped": int(getattr(encoder, "skipped", 0)) - skipped_before})[::copies]
     all_scores = [row for p in parts for row in p["scores"]]
     lengths = [n for p in parts for n in p["lengths"]]
     if not all_scores:
@@ -80,5 +96,6 @@ def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager
         f"avg@{k}": avg,
         f"pass@{k}": sum(pass_at_k(k, c, k) for c in correct) / len(correct),
         "num_prompts": float(len(all_scores)),
+        "skipped_prompts": float(sum(p["skipped"] for p in parts)),
         "response_length": sum(lengths) / max(len(lengths), 1),
     }

@@ -1,9 +1,11 @@
 """The files an evaluation job writes into its run folder (rank 0):
 
 - `eval_results.json`: the model, the settings, and per benchmark its metrics (greedy accuracy,
-  Avg@k, pass@k), how many rows it has / were scored, which verifiers scored them, how many verifier
+  Avg@k, pass@k), how many rows it has (malformed lines included: each row is scored or a bad record) / were
+  scored, which verifiers scored them, how many verifier
   calls timed out or failed (`verifier_failures`, each scored 0) and the bad
-  records (skipped rows by file, row and category);
+  records (skipped rows by file, row and category, each row once; `skipped_by_mode`: the rows the greedy /
+  sampled pass could not score);
 - `eval_results.md`: the same as a table (benchmark x metric, with the sample and bad-record
   counts) followed by the bad records of each benchmark — what a person reads;
 - `eval_predictions/<benchmark>.jsonl`: every scored row (reference, completions, scores) for

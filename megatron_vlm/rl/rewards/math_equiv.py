@@ -1,6 +1,8 @@
 """Equivalence of two math answers: normalised text, numeric value, relation or symbolic identity.
 
-`math_equal(pred, gold)` is the core of the math verifier. Order of checks:
+`math_equal(pred, gold)` is the core of the math verifier. An answer with nothing left once normalised
+("", ".", "$$", "\\text{}", an empty box: `is_empty_answer`) equals nothing, itself included: an empty
+completion must not score against a reference that normalises to empty. Order of checks:
 1. normalised strings are equal ("Yes" vs "yes.", "\\text{B}" vs "B", "\\text{(C)}" vs "C");
    a choice label with its value ("\\textbf{(B)}\\ 12") compares by letter with a lettered answer, by
    value otherwise;
@@ -41,7 +43,7 @@ from megatron_vlm.rl.rewards.latex_math import LatexParseError, Matrix, ParsedAn
 from megatron_vlm.rl.rewards.relations import answer_side, as_interval, by_names, named_solutions, rel_equal
 from megatron_vlm.rl.rewards.symbolic_limits import MAX_ITEM_PAIRS, MAX_SYMBOLIC_DEGREE, MAX_SYMBOLIC_OPS, too_big
 
-__all__ = ["normalize_text", "math_equal", "values_equal", "answer_parts", "MAX_SYMBOLIC_OPS", "MAX_SYMBOLIC_DEGREE"]
+__all__ = ["normalize_text", "is_empty_answer", "math_equal", "values_equal", "answer_parts", "MAX_SYMBOLIC_OPS", "MAX_SYMBOLIC_DEGREE"]
 
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
 _PROBES = (sympy.Rational(7, 13), sympy.Rational(-11, 7), sympy.Rational(23, 9), sympy.Rational(-3, 17), sympy.Rational(5, 3))
@@ -59,6 +61,14 @@ def normalize_text(s: str) -> str:
     s = re.sub(r"\s+", "", s).lower().rstrip(".")
     m = re.fullmatch(r"\(([a-z])\)", s)
     return m.group(1) if m else s
+
+
+_EMPTY_FORMS = ("", "\\boxed{}", "\\fbox{}")
+
+
+def is_empty_answer(s: str) -> bool:
+    """Nothing left of `s` once normalised (`normalize_text`; an empty box counts as empty): no answer at all."""
+    return normalize_text(s) in _EMPTY_FORMS
 
 
 def _decimal_places(text: str) -> int:
@@ -290,6 +300,8 @@ def math_equal(pred: str, gold: str, *, rel_tol: float = 1e-6, rounding_min_deci
     boxed = boxed_answer(gold)
     if boxed is not None:  # ViRL39K stores answers as "\boxed{...}"
         gold = boxed
+    if is_empty_answer(pred) or is_empty_answer(gold):  # "" and "." normalise alike; neither is an answer
+        return False
     if normalize_text(pred) == normalize_text(gold):
         return True
     (pl, pv), (gl, gv) = _choice_label(pred), _choice_label(gold)

@@ -4,7 +4,8 @@ Every verifier has the signature `fn(completion, answer, *, prompt="", metadata=
 -> float` (the options are the fields of its `[[rl.rewards]]` table) and returns a score in
 [0, 1]. They are pure functions of their text arguments, run inside reward worker processes
 (rl/rewards/pool.py) and never evaluate the completion: extraction is string scanning and math goes
-through our own LaTeX parser.
+through our own LaTeX parser. Two answers with nothing left once normalised (an empty completion and a
+reference "." or "$$": `math_equiv.is_empty_answer`) never match: a reference like that has no answer to give.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from megatron_vlm.rl.rewards.extract import (
     last_boxes,
     strip_math_delimiters,
 )
-from megatron_vlm.rl.rewards.math_equiv import answer_parts, math_equal, normalize_text
+from megatron_vlm.rl.rewards.math_equiv import answer_parts, is_empty_answer, math_equal, normalize_text
 
 __all__ = ["math_reward", "choice_reward", "format_reward", "exact_match_reward", "parse_choices", "BUILTIN_VERIFIERS"]
 
@@ -102,6 +103,8 @@ def _choice_letter(text: str, letters: str, options: Mapping[str, str]) -> Optio
                 return None
             return letter
     norm = normalize_text(t)
+    if is_empty_answer(t):  # "." is no option's text, even an option that is itself empty
+        return None
     for letter, opt in options.items():
         if normalize_text(opt) == norm:
             return letter
@@ -138,7 +141,9 @@ def choice_reward(
     if pred_text is None:
         return 0.0
     pred = _choice_letter(pred_text, letters, options)
-    if gold is None:  # the reference is not an option: compare texts
+    if gold is None:  # the reference is not an option: compare texts (never two empty ones)
+        if is_empty_answer(pred_text) or is_empty_answer(gold_text):
+            return 0.0
         return 1.0 if normalize_text(pred_text) == normalize_text(gold_text) else 0.0
     return 1.0 if pred == gold else 0.0
 
@@ -207,7 +212,10 @@ def exact_match_reward(
             pred = lines[-1] if lines else ""
     else:
         pred = completion
-    gold = last_boxed(str(answer)) or str(answer)
+    boxed = last_boxed(str(answer))
+    gold = str(answer) if boxed is None else boxed
+    if is_empty_answer(pred) or is_empty_answer(gold):  # "" and "." both normalise to ""; neither is an answer
+        return 0.0
     return 1.0 if _norm_exact(pred, case_sensitive) == _norm_exact(gold, case_sensitive) else 0.0
 
 

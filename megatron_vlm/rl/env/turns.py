@@ -21,6 +21,7 @@ render tools themselves (the tiny test templates).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Optional
 
@@ -34,7 +35,7 @@ from megatron_vlm.inference.multiturn import TurnChunk
 from megatron_vlm.rl.env import plain_text
 from megatron_vlm.rl.env.base import Observation
 
-__all__ = ["TurnEncoder", "tools_system_text", "with_tools"]
+__all__ = ["TurnEncoder", "tools_system_text", "with_tools", "cut_observation"]
 
 _DEFAULT_SYSTEM = "You are a helpful assistant."
 
@@ -67,6 +68,24 @@ def _pil(image: Any):
     if arr.ndim != 3 or arr.shape[2] != 3 or arr.dtype != np.uint8:
         raise ValueError(f"an observation image must be a PIL image or an HxWx3 uint8 array, got {arr.dtype} {arr.shape}")
     return Image.fromarray(arr)
+
+
+def cut_observation(obs: Observation, max_chars: int) -> tuple[Observation, bool]:
+    """`obs` with its texts cut to `max_chars` characters in all (in order; images and turns kept), and whether
+    anything was cut. Why: an environment's output of many megabytes is cut before it is rendered and tokenized
+    (session.py), not tokenized whole only to be refused by the token budget."""
+    parts = obs.parts if obs.parts is not None else [{"text": obs.text}]
+    texts: list[str] = [t if isinstance(t := p.get("text"), str) else "" for p in parts]
+    if sum(len(t) for t in texts) <= max_chars:
+        return obs, False
+    left, kept = max(0, max_chars), list[str]()
+    for t in texts:
+        kept.append(t[:left])
+        left -= len(kept[-1])
+    if obs.parts is None:
+        return dataclasses.replace(obs, text=kept[0]), True
+    cut = [{**p, "text": k} if isinstance(p.get("text"), str) else p for p, k in zip(obs.parts, kept)]
+    return dataclasses.replace(obs, parts=cut), True
 
 
 def observation_messages(obs: Observation) -> list[dict]:
@@ -105,6 +124,19 @@ class TurnEncoder:
         self.proc = processor
         self.specials = plain_text.special_strings(processor)
         """What the tokenizer would read as special tokens in the environment's text (plain_text.py)."""
+        self._max_chars: Optional[int] = None
+
+    @property
+    def max_chars_per_token(self) -> int:
+        """A bound on the characters of text one token covers: the longest vocabulary entry (a byte-level entry has a
+        character per byte, and a character is at least a byte) times 4 when the tokenizer normalizes (NFC composes
+        up to 4 code points into one). Text of more than (n + 1) x this many characters is more than n tokens."""
+        if self._max_chars is None:
+            tok = self.proc.tokenizer
+            longest = max((len(t) for t in tok.get_vocab()), default=1)
+            backend = getattr(tok, "backend_tokenizer", None)
+            self._max_chars = max(1, longest) * (1 if backend is not None and backend.normalizer is None else 4)
+        return self._max_chars
 
     @property
     def turn_end_id(self) -> int:

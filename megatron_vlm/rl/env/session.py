@@ -80,18 +80,32 @@ class EnvSession:
         self.history = [list(histories[i // n]) for i in range(total)]
         self.state: list[bytes] = [b""] * total
         self.failed: dict[int, str] = {}
+        self.reset_errors: dict[int, str] = {}
+        """Conversations whose environment failed at reset (`settle` ends their trajectories as env_error)."""
         replies = runner.run([EnvCall("reset", name=name, kwargs=dict(kwargs), sample=samples[i // n])
                               for i in range(total)])
         for i, r in enumerate(replies):
             if r.error:
                 self._fail(i, f"reset: {r.error}")
+                self.reset_errors[i] = self.failed[i]
                 continue
             obs = r.result.observation if r.result is not None else None
             if obs is not None and (obs.text or obs.images or obs.videos or obs.parts):
                 self._fail(i, "reset: a non-empty first observation is not shown yet; put the first turn's content "
                               "in the prompt (the dataset's messages) and return Observation() from reset")
+                self.reset_errors[i] = self.failed[i]
                 continue
             self.state[i] = r.state
+
+    def settle(self, trajectories: Sequence[Any]) -> None:
+        """End as env_error (not trained, in env/errors) every trajectory whose environment failed at reset, however
+        its first model turn ended. Why: `step` reports that failure, and a first turn cut by a limit ("length",
+        "max_total_tokens") never reaches it; the trajectory would be trained as if its environment had run. Already
+        counted in `errors`; an "interrupted" one is not trained anyway."""
+        for t in trajectories:
+            why = self.reset_errors.get(t.prompt_index * self.n + t.sample_index)
+            if why and t.finish_reason not in ("env_error", "interrupted"):
+                t.finish_reason, t.error = "env_error", why
 
     def _closed_turn(self, ids: list[int]) -> bool:
         """The model's turn wrote the template's end-of-turn token itself (its last token is that token, an EOS id).

@@ -132,3 +132,10 @@ def worker_without_address_cap(conn, preload=(), memory_limit_mb=0, parent_pid=0
     from megatron_vlm.rl.env.pool import _env_worker_main
 
     _env_worker_main(conn, preload, memory_limit_mb, parent_pid)
+
+
+class RaiseOnReset(Echo):
+    """Its reset raises (an environment that cannot be built for a sample)."""
+
+    def reset(self, sample):
+        raise RuntimeError("no such level")

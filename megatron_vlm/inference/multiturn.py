@@ -79,9 +79,12 @@ class TurnReply:
 
 class TurnSource(Protocol):
     """The environment side of the rollout (rl/env/session.py): `step(items)` answers several conversations'
-    finished turns at once: items = [(conversation index, prompt index, turn text, turn token ids)]."""
+    finished turns at once: items = [(conversation index, prompt index, turn text, turn token ids, room)], room =
+    the most tokens the appended turn may have (max_total_tokens less the conversation so far and one model token):
+    a longer chunk ends the trajectory at "max_total_tokens", so the source may cut a huge observation to a bound
+    derived from it before tokenizing it."""
 
-    def step(self, items: list[tuple[int, int, str, list[int]]]) -> list[TurnReply]: ...
+    def step(self, items: list[tuple[int, int, str, list[int], int]]) -> list[TurnReply]: ...
 
 
 @dataclass(frozen=True)
@@ -403,7 +406,8 @@ class MultiTurnRollout:
             to_env = [c for c in ended if not c.finish]
             if to_env:
                 self.stats["env_calls"] += 1
-                replies = source.step([(c.index, c.index // n, c.turn_texts[-1], list(c.turn)) for c in to_env])
+                replies = source.step([(c.index, c.index // n, c.turn_texts[-1], list(c.turn),
+                                       limits.max_total_tokens - len(c.prompt) - len(c.ids) - 1) for c in to_env])
                 appends = []
                 for c, r in zip(to_env, replies):
                     chunk = self._on_reply(c, r, limits)

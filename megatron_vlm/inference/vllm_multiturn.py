@@ -151,7 +151,8 @@ class VLLMMultiTurnRollout(MultiTurnRollout):
                     done.append(turn.conv)
             if to_env:
                 self.stats["env_calls"] += 1
-                replies = source.step([(c.index, c.index // n, c.turn_texts[-1], list(c.turn)) for c in to_env])
+                replies = source.step([(c.index, c.index // n, c.turn_texts[-1], list(c.turn),
+                                       limits.max_total_tokens - len(c.prompt) - len(c.ids) - 1) for c in to_env])
                 for c, r in zip(to_env, replies):
                     chunk = self._on_reply(c, r, limits)
                     c.turn = []

@@ -416,7 +416,9 @@ class RLRewardPoolConfig:
     this long for rewards, not (number of calls) x reward_pool.timeout_s."""
     memory_limit_mb: int = 4096
     """Address-space cap (RLIMIT_AS) of each reward worker process, interpreter and sympy included;
-    a verifier that exceeds it fails (scores 0, counted) instead of exhausting the node (0 = no cap)."""
+    a verifier that exceeds it fails (scores 0, counted) instead of exhausting the node (0 = no cap). The
+    [rl.env] environment workers get the same cap (an environment past it ends its trajectory as env_error).
+    A platform that does not enforce the cap refuses a non-zero value when the workers start (exit 2)."""
     abs_max: float = 10.0
     """A verifier value beyond +-reward_pool.abs_max is clipped to it and a non-finite one (NaN) becomes 0;
     both are counted (`reward/clipped`). Keeps one custom verifier's 1e30 or inf from swamping the

@@ -81,6 +81,7 @@ def evaluate_tool_demo(model_dir: str | Path, prompts: str | Path, *, env: Optio
     with torch.no_grad():
         trajs = MultiTurnRollout(engine).generate(rollout_prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0),
                                                   session, limits, seed=0)
+    session.settle(trajs)
     scores = [_score(reward, t.text, samples[t.prompt_index].answer) if not t.error else 0.0 for t in trajs]
     return {"accuracy": sum(scores) / max(1, len(scores)), "n": len(scores), "skipped": skipped,
             "turns_mean": sum(t.num_turns for t in trajs) / max(1, len(trajs)),

@@ -122,14 +122,14 @@ def run_call(call: EnvCall) -> EnvReply:
 
 def _env_worker_main(conn: Connection, preload: tuple = (), memory_limit_mb: int = 0, parent_pid: int = 0) -> None:
     """The reward worker's loop (rewards/pool.py) running `EnvCall`s; replies carry pickled `EnvReply`s."""
-    isolate_worker(memory_limit_mb, parent_pid)
+    memory = isolate_worker(memory_limit_mb, parent_pid)
     failed: dict[str, str] = {}
     for name in preload:
         try:
             resolve_environment(name)
         except BaseException as e:  # noqa: BLE001 - sys.exit at import too
             failed[name] = _describe(e)
-    conn.send(("ready", os.getpid(), 0.0, json.dumps({"failed": failed, "params": {}})))
+    conn.send(("ready", os.getpid(), 0.0, json.dumps({"failed": failed, "params": {}, "memory": memory})))
     serve_calls(conn, lambda call: pickle.dumps(run_call(call)))
 
 

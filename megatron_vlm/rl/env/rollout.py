@@ -104,6 +104,7 @@ class MultiTurnRounds:
                              samples=[env_sample(s, p) for s, p in zip(shard.samples, prompts)], histories=messages,
                              n=params.n, eos_token_ids=self.eos)
         trajs = self.rollout.generate(prompts, params, session, self.limits, seed=seed)
+        session.settle(trajs)
         self.errors += session.errors
         if session.errors:
             log.warning("multi-turn rollout: %d environment errors this round (last: %s)", session.errors,

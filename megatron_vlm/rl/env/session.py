@@ -22,7 +22,7 @@ from megatron_vlm.inference.engine import RolloutPrompt
 from megatron_vlm.inference.multiturn import TurnReply
 from megatron_vlm.rl.env.base import EnvSample
 from megatron_vlm.rl.env.pool import EnvCall
-from megatron_vlm.rl.env.turns import TurnEncoder, with_tools
+from megatron_vlm.rl.env.turns import TurnEncoder, cut_observation, with_tools
 from megatron_vlm.rl.prompts.dataset import PromptSample
 
 __all__ = ["EnvSession", "ToolPromptEncoder", "env_sample"]
@@ -80,18 +80,32 @@ class EnvSession:
         self.history = [list(histories[i // n]) for i in range(total)]
         self.state: list[bytes] = [b""] * total
         self.failed: dict[int, str] = {}
+        self.reset_errors: dict[int, str] = {}
+        """Conversations whose environment failed at reset (`settle` ends their trajectories as env_error)."""
         replies = runner.run([EnvCall("reset", name=name, kwargs=dict(kwargs), sample=samples[i // n])
                               for i in range(total)])
         for i, r in enumerate(replies):
             if r.error:
                 self._fail(i, f"reset: {r.error}")
+                self.reset_errors[i] = self.failed[i]
                 continue
             obs = r.result.observation if r.result is not None else None
             if obs is not None and (obs.text or obs.images or obs.videos or obs.parts):
                 self._fail(i, "reset: a non-empty first observation is not shown yet; put the first turn's content "
                               "in the prompt (the dataset's messages) and return Observation() from reset")
+                self.reset_errors[i] = self.failed[i]
                 continue
             self.state[i] = r.state
+
+    def settle(self, trajectories: Sequence[Any]) -> None:
+        """End as env_error (not trained, in env/errors) every trajectory whose environment failed at reset, however
+        its first model turn ended. Why: `step` reports that failure, and a first turn cut by a limit ("length",
+        "max_total_tokens") never reaches it; the trajectory would be trained as if its environment had run. Already
+        counted in `errors`; an "interrupted" one is not trained anyway."""
+        for t in trajectories:
+            why = self.reset_errors.get(t.prompt_index * self.n + t.sample_index)
+            if why and t.finish_reason not in ("env_error", "interrupted"):
+                t.finish_reason, t.error = "env_error", why
 
     def _closed_turn(self, ids: list[int]) -> bool:
         """The model's turn wrote the template's end-of-turn token itself (its last token is that token, an EOS id).
@@ -102,19 +116,38 @@ class EnvSession:
         turn_end = getattr(self.encoder, "turn_end_id", None)
         return turn_end is None or ids[-1] == turn_end
 
+    def _encode(self, conv: int, text: str, ids: list[int], obs: Any, room: Optional[int],
+                info: dict[str, float]) -> tuple[Any, list[dict]]:
+        """The observation's chunk; with `room`, its text first cut to (room + 1) x the characters a token can cover
+        (more would be more than `room` tokens: the engine refuses the turn whatever the cut), counted in
+        info["observation_truncated"]. A cut text whose chunk fits after all is encoded whole: nothing that fits is
+        cut."""
+        closed = self._closed_turn(ids)
+        per_token = getattr(self.encoder, "max_chars_per_token", None)
+        if room is not None and per_token is not None:
+            short, cut = cut_observation(obs, (max(room, 0) + 1) * int(per_token))
+            if cut:
+                chunk, history = self.encoder.encode(self.history[conv], text, closed, short)
+                if int(chunk.input_ids.numel()) > room:
+                    info["observation_truncated"] = info.get("observation_truncated", 0.0) + 1.0
+                    return chunk, history
+        return self.encoder.encode(self.history[conv], text, closed, obs)
+
     def _fail(self, i: int, why: str) -> None:
         self.failed[i] = why
         self.errors += 1
         self.last_error = why
 
-    def step(self, items: list[tuple[int, int, str, list[int]]]) -> list[TurnReply]:
+    def step(self, items: list[tuple]) -> list[TurnReply]:
+        """Items (conversation, prompt index, turn text, turn ids[, room]): `room`, the most tokens the appended turn
+        may have (TurnSource), bounds the observation's text before it is encoded (`_encode`)."""
         out: dict[int, TurnReply] = {}
         live = [it for it in items if it[0] not in self.failed]
         for conv, *_ in items:
             if conv in self.failed:
                 out[conv] = TurnReply(error=self.failed.pop(conv))  # counted when it failed
-        replies = self.runner.run([EnvCall("step", state=self.state[conv], action=text) for conv, _, text, _ in live])
-        for (conv, _, text, ids), r in zip(live, replies):
+        replies = self.runner.run([EnvCall("step", state=self.state[it[0]], action=it[2]) for it in live])
+        for (conv, _, text, ids, *room), r in zip(live, replies):
             if r.error or r.result is None:
                 self._fail(conv, f"step: {r.error or 'no result'}")
                 out[conv] = TurnReply(error=self.failed.pop(conv))
@@ -126,8 +159,8 @@ class EnvSession:
                 out[conv] = TurnReply(reward=res.reward, done=True, info=info)
                 continue
             try:
-                chunk, self.history[conv] = self.encoder.encode(self.history[conv], text, self._closed_turn(ids),
-                                                                res.observation)
+                chunk, self.history[conv] = self._encode(conv, text, ids, res.observation, room[0] if room else None,
+                                                         info)
             except Exception as e:  # noqa: BLE001 - an observation the processor cannot take ends its trajectory
                 self._fail(conv, f"observation: {type(e).__name__}: {e}"[:300])
                 out[conv] = TurnReply(error=self.failed.pop(conv), info=info)

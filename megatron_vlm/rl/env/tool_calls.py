@@ -69,7 +69,7 @@ def _one(body: str, closed: bool) -> Union[ToolCall, ToolCallError]:
             return ToolCallError(text, f'"arguments" of {name} is a string that is not a JSON object')
     if not isinstance(args, dict):
         return ToolCallError(text, f'"arguments" of {name} must be a JSON object')
-    if not _encodable(obj):
+    if not _encodable(obj) or not _encodable(args):  # args: decoded a second time when given as a string
         return ToolCallError(text, "the tool call has a \\uXXXX escape that is not a character (a lone surrogate)")
     extra = sorted(set(obj) - {"name", "arguments"})
     if extra:

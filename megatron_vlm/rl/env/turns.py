@@ -21,6 +21,7 @@ render tools themselves (the tiny test templates).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Optional
 
@@ -31,9 +32,10 @@ from megatron_vlm.data.expansion import expand, placeholder_order
 from megatron_vlm.data.media import VideoClip
 from megatron_vlm.data.processor_base import concat_in_order
 from megatron_vlm.inference.multiturn import TurnChunk
+from megatron_vlm.rl.env import plain_text
 from megatron_vlm.rl.env.base import Observation
 
-__all__ = ["TurnEncoder", "tools_system_text", "with_tools"]
+__all__ = ["TurnEncoder", "tools_system_text", "with_tools", "cut_observation"]
 
 _DEFAULT_SYSTEM = "You are a helpful assistant."
 
@@ -66,6 +68,24 @@ def _pil(image: Any):
     if arr.ndim != 3 or arr.shape[2] != 3 or arr.dtype != np.uint8:
         raise ValueError(f"an observation image must be a PIL image or an HxWx3 uint8 array, got {arr.dtype} {arr.shape}")
     return Image.fromarray(arr)
+
+
+def cut_observation(obs: Observation, max_chars: int) -> tuple[Observation, bool]:
+    """`obs` with its texts cut to `max_chars` characters in all (in order; images and turns kept), and whether
+    anything was cut. Why: an environment's output of many megabytes is cut before it is rendered and tokenized
+    (session.py), not tokenized whole only to be refused by the token budget."""
+    parts = obs.parts if obs.parts is not None else [{"text": obs.text}]
+    texts: list[str] = [t if isinstance(t := p.get("text"), str) else "" for p in parts]
+    if sum(len(t) for t in texts) <= max_chars:
+        return obs, False
+    left, kept = max(0, max_chars), list[str]()
+    for t in texts:
+        kept.append(t[:left])
+        left -= len(kept[-1])
+    if obs.parts is None:
+        return dataclasses.replace(obs, text=kept[0]), True
+    cut = [{**p, "text": k} if isinstance(p.get("text"), str) else p for p, k in zip(obs.parts, kept)]
+    return dataclasses.replace(obs, parts=cut), True
 
 
 def observation_messages(obs: Observation) -> list[dict]:
@@ -102,6 +122,21 @@ class TurnEncoder:
 
     def __init__(self, processor):
         self.proc = processor
+        self.specials = plain_text.special_strings(processor)
+        """What the tokenizer would read as special tokens in the environment's text (plain_text.py)."""
+        self._max_chars: Optional[int] = None
+
+    @property
+    def max_chars_per_token(self) -> int:
+        """A bound on the characters of text one token covers: the longest vocabulary entry (a byte-level entry has a
+        character per byte, and a character is at least a byte) times 4 when the tokenizer normalizes (NFC composes
+        up to 4 code points into one). Text of more than (n + 1) x this many characters is more than n tokens."""
+        if self._max_chars is None:
+            tok = self.proc.tokenizer
+            longest = max((len(t) for t in tok.get_vocab()), default=1)
+            backend = getattr(tok, "backend_tokenizer", None)
+            self._max_chars = max(1, longest) * (1 if backend is not None and backend.normalizer is None else 4)
+        return self._max_chars
 
     @property
     def turn_end_id(self) -> int:
@@ -123,17 +158,40 @@ class TurnEncoder:
         tail = closed[len(before) + len(turn_text):]
         if ended_with_eos and tail.startswith(proc.turn_end):
             tail = tail[len(proc.turn_end):]  # the model generated it (its last token is `turn_end_id`)
-        text = tail + after[len(closed):]
+        texts = plain_text.message_texts(new)
+        if plain_text.has_special(texts, self.specials):  # untrusted text with special-token strings: plain_text.py
+            marked = proc.render([*history, turn, *plain_text.marked_messages(new)], add_generation_prompt=True)
+            if not marked.startswith(closed):
+                raise ValueError("the chat template renders the conversation differently around marked texts")
+            pieces = [(tail, False), *plain_text.segments(after[len(closed):], marked[len(closed):], texts)]
+        else:
+            pieces = [(tail + after[len(closed):], False)]
         media = [it for m in new if isinstance(m["content"], list) for it in m["content"] if it["type"] != "text"]
         images = [_pil(it["image"]) for it in media if it["type"] == "image"]
         videos = [_clip(it["video"], obs.video_fps) for it in media if it["type"] == "video"]
-        order = placeholder_order(text, proc.placeholders)
+        order = [k for p, env in pieces if not env for k in placeholder_order(p, proc.placeholders)]
         if order.count("image") != len(images) or order.count("video") != len(videos):
             raise ValueError(f"the chat template wrote {order.count('image')} image / {order.count('video')} video "
                              f"placeholders for {len(images)} images / {len(videos)} videos")
         items = {"image": proc.process_images(images) if images else [],
                  "video": [proc.process_video(c) for c in videos]}
         vision = concat_in_order(order, items)
-        text = expand(text, proc.placeholders, {k: [it.expansion for it in v] for k, v in items.items()})
-        ids = torch.tensor(proc.tokenizer(text)["input_ids"], dtype=torch.long)
-        return TurnChunk(ids, vision, images, videos), [*history, turn, *new]
+        pieces = self._expanded(pieces, items)
+        if len(pieces) == 1:  # the whole text is the template's: tokenized as one text, as the prompt is
+            ids = proc.tokenizer(pieces[0][0])["input_ids"]
+        else:
+            ids = plain_text.tokenize(proc.tokenizer, pieces, self.specials, proc.tokenizer.convert_tokens_to_ids)
+        return TurnChunk(torch.tensor(ids, dtype=torch.long), vision, images, videos), [*history, turn, *new]
+
+    def _expanded(self, pieces: list[tuple[str, bool]], items: dict[str, list]) -> list[tuple[str, bool]]:
+        """The template's pieces with their placeholders expanded (each takes the next items of each kind)."""
+        left = {k: [it.expansion for it in v] for k, v in items.items()}
+        out = []
+        for p, env in pieces:
+            if not env:
+                kinds = placeholder_order(p, self.proc.placeholders)
+                mine = {k: v[:kinds.count(k)] for k, v in left.items()}
+                left = {k: v[kinds.count(k):] for k, v in left.items()}
+                p = expand(p, self.proc.placeholders, mine)
+            out.append((p, env))
+        return out

@@ -127,8 +127,14 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
-def _limit_memory(limit_mb: int) -> None:
-    if limit_mb > 0:
+def _limit_memory(limit_mb: int) -> str:
+    """Cap this process's address space; returns why the cap does not hold ("" when it does, or when there is none).
+
+    Why the check: a platform may accept RLIMIT_AS and not enforce it (macOS), and then `memory_limit_mb` would do
+    nothing. An anonymous mapping past the cap, never touched (address space only, no memory), must fail."""
+    if limit_mb <= 0:
+        return ""
+    try:
         import resource
 
         cap = int(limit_mb) * 2**20
@@ -136,6 +142,16 @@ def _limit_memory(limit_mb: int) -> None:
         if hard != resource.RLIM_INFINITY:
             cap = min(cap, hard)
         resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    except (ImportError, AttributeError, ValueError, OSError) as e:
+        return f"the address-space cap (RLIMIT_AS) cannot be set on {sys.platform}: {_describe(e)}"
+    import mmap
+
+    try:
+        probe = mmap.mmap(-1, cap + 2**20)
+    except (OSError, ValueError, OverflowError, MemoryError):
+        return ""
+    probe.close()
+    return f"the address-space cap (RLIMIT_AS) is not enforced on {sys.platform} (a mapping past it succeeded)"
 
 
 def _describe(e: BaseException) -> str:
@@ -173,16 +189,18 @@ def _signature(fn: Callable) -> Optional[list]:
     return [[p.name, int(p.kind), p.default is not inspect.Parameter.empty] for p in sig.parameters.values()]
 
 
-def isolate_worker(memory_limit_mb: int, parent_pid: int) -> None:
+def isolate_worker(memory_limit_mb: int, parent_pid: int) -> str:
     """The limits every pool worker sets on itself first (module docstring): own session, death with the parent,
-    address-space cap, signals left to the parent. Also the environment pool's workers (rl/env/pool.py)."""
+    address-space cap, signals left to the parent. Also the environment pool's workers (rl/env/pool.py). Returns why
+    the memory cap does not hold ("" when it does): the worker reports it as "memory" with "ready" (`start`)."""
     with contextlib.suppress(AttributeError, OSError):
         os.setsid()  # its own session and process group: the pool kills the group, so a verifier's children die too
     if parent_pid:
         _die_with_parent(parent_pid)
-    _limit_memory(memory_limit_mb)
+    memory = _limit_memory(memory_limit_mb)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # SLURM TERMs the whole step; the rank decides when to stop
+    return memory
 
 
 def serve_calls(conn: Connection, run: Callable[[Any], Any]) -> None:
@@ -209,7 +227,7 @@ def serve_calls(conn: Connection, run: Callable[[Any], Any]) -> None:
 
 def _worker_main(conn: Connection, preload: tuple = (), memory_limit_mb: int = 0, parent_pid: int = 0) -> None:
     """Worker loop: receive (call_id, RewardCall), send (call_id, status, value, detail)."""
-    isolate_worker(memory_limit_mb, parent_pid)
+    memory = isolate_worker(memory_limit_mb, parent_pid)
     cache: dict[tuple, Callable] = {}
     # import the built-in verifiers (and sympy) before reporting ready, so that the first call's
     # time limit is not spent on imports
@@ -223,7 +241,7 @@ def _worker_main(conn: Connection, preload: tuple = (), memory_limit_mb: int = 0
             params[function] = _signature(preloaded)
         except BaseException as e:  # noqa: BLE001 - sys.exit at import too
             failed[function] = (str(e) if type(e) is ValueError else _describe(e))[:300]
-    conn.send(("ready", os.getpid(), 0.0, json.dumps({"failed": failed, "params": params})))
+    conn.send(("ready", os.getpid(), 0.0, json.dumps({"failed": failed, "params": params, "memory": memory})))
 
     def run(call: RewardCall) -> float:
         key = (call.verifier, call.function)
@@ -346,7 +364,8 @@ class RewardWorkerPool:
         """Start the workers now and wait until each is ready; returns {dotted path: error} for the
         `preload` functions a worker could not import (empty when all resolve), so a caller can refuse
         a misspelt custom verifier before the first step instead of scoring every call 0. RuntimeError
-        when a worker does not start."""
+        when a worker does not start; ConfigError naming rl.reward_pool.memory_limit_mb when a worker cannot
+        enforce its memory cap (the key would silently do nothing)."""
         self._ensure_started()
         failed: dict[str, str] = {}
         for w in self._workers:
@@ -367,6 +386,12 @@ class RewardWorkerPool:
                 if cid == "ready":
                     w.ready = True
                     report = json.loads(detail) if detail else {}
+                    if report.get("memory"):
+                        self.close()
+                        from megatron_vlm.errors import ConfigError
+
+                        raise ConfigError(f"rl.reward_pool.memory_limit_mb: {self.memory_limit_mb} cannot be "
+                                          f"enforced here: {report['memory']}; set 0 (no cap) on this platform")
                     failed.update(report.get("failed", {}))
                     self.signatures.update(report.get("params", {}))
         return failed

@@ -107,3 +107,35 @@ class Exits(Environment):
         import sys
 
         sys.exit(5)
+
+
+class AllocateOn(Echo):
+    """Echo, but its step allocates `mib` MiB (and touches them) in a trajectory whose problem contains `word`."""
+
+    def __init__(self, word: str = "", mib: int = 2048, text: str = "go on"):
+        super().__init__(text)
+        self.word, self.mib = word, int(mib)
+
+    def step(self, action):
+        if self.word in self.sample.problem:
+            block = bytearray(self.mib * 2**20)
+            block[:: 2**12] = b"\1" * len(block[:: 2**12])  # every page: real memory, not only address space
+            return StepResult(Observation(text=str(len(block))), reward=0.25)
+        return super().step(action)
+
+
+def worker_without_address_cap(conn, preload=(), memory_limit_mb=0, parent_pid=0):
+    """The environment worker on a platform whose setrlimit accepts RLIMIT_AS without enforcing it."""
+    import resource
+
+    resource.setrlimit = lambda *a: None
+    from megatron_vlm.rl.env.pool import _env_worker_main
+
+    _env_worker_main(conn, preload, memory_limit_mb, parent_pid)
+
+
+class RaiseOnReset(Echo):
+    """Its reset raises (an environment that cannot be built for a sample)."""
+
+    def reset(self, sample):
+        raise RuntimeError("no such level")

@@ -216,6 +216,9 @@ def test_a_lone_surrogate_escape_is_a_malformed_call():
     assert isinstance(got, ToolCallError) and "surrogate" in got.message
     (ok,) = parse_tool_calls('<tool_call>{"name": "echo", "arguments": {"q": "\\ud83d\\ude00 \\u00e9"}}</tool_call>')
     assert ok == ToolCall("echo", {"q": "\U0001F600 \u00e9"})  # a surrogate pair is one character
+    # arguments written as a JSON string (decoded a second time): the same escape inside it is refused too
+    (got,) = parse_tool_calls('<tool_call>{"name": "echo", "arguments": "{\\"q\\": \\"a\\\\ud800b\\"}"}</tool_call>')
+    assert isinstance(got, ToolCallError) and "surrogate" in got.message, got
 
 
 def test_tool_reply_text_is_always_encodable():

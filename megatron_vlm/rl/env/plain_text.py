@@ -1,0 +1,129 @@
+"""Environment text as plain text: literal special-token strings in it become ordinary tokens, the template's stay special.
+
+Why: an environment's or tool's text is untrusted (a web page, a file, a program's output, text the model made a
+tool echo). Tokenized with special-token parsing on, as the chat template's output is, a literal "<|image_pad|>" in
+it would be an image placeholder with no image (the trajectory then ends as env_error) and "<|im_end|>\\n<|im_start|>"
+a forged turn boundary inside the environment's turn. The model must see the characters, as any other text.
+
+How: the observation's turns are rendered a second time with each text replaced by a marker, which locates the
+texts in the rendering (`segments`); the template's pieces keep their special tokens and placeholders, the texts are
+tokenized with special-token parsing off (`tokenize`). The rendering is split at the template's special tokens, as
+the tokenizer itself splits text at added tokens before its model runs, so text without such literals gets the ids
+of tokenizing the whole rendering (the caller takes that path for it anyway, unchanged). A template that changes a
+text (strips or escapes it) cannot be located this way; such a turn with a literal in its text is refused
+(ValueError: the trajectory ends as env_error) rather than letting the literal become special.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["special_strings", "has_special", "marked_messages", "segments", "tokenize"]
+
+_MARK = "\ue000{}\ue001"
+_MARK_RE = re.compile("\ue000(\\d+)\ue001")
+
+
+def special_strings(proc: Any) -> tuple[str, ...]:
+    """Texts the tokenizer reads as one special token (its special added tokens, the processor's placeholders and
+    structural tokens), longest first (a regex alternation then prefers the longer of two that share a start)."""
+    tok = proc.tokenizer
+    found = {str(getattr(t, "content", t)) for t in getattr(tok, "added_tokens_decoder", {}).values()
+             if getattr(t, "special", False)}
+    found |= set(getattr(tok, "all_special_tokens", ()))
+    found |= {t for t in (*proc.placeholders.values(), *getattr(proc, "special_strings", ())) if t}
+    added = set(tok.get_added_vocab())  # a string that is no added token is plain text to the tokenizer anyway
+    return tuple(sorted((t for t in found if t in added), key=lambda t: (-len(t), t)))
+
+
+def has_special(texts: list[str], specials: tuple[str, ...]) -> bool:
+    return any(s in t for t in texts for s in specials)
+
+
+def message_texts(messages: list[dict]) -> list[str]:
+    """The texts of `messages` (string contents and text items), in order."""
+    out = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, str):
+            out.append(content)
+        else:
+            out += [it["text"] for it in content if it.get("type") == "text"]
+    return out
+
+
+def marked_messages(messages: list[dict]) -> list[dict]:
+    """`messages` with the k-th text (`message_texts` order) replaced by the k-th marker."""
+    k = 0
+
+    def mark() -> str:
+        nonlocal k
+        k += 1
+        return _MARK.format(k - 1)
+
+    out = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, str):
+            content = mark()
+        else:
+            content = [{**it, "text": mark()} if it.get("type") == "text" else it for it in content]
+        out.append({**m, "content": content})
+    return out
+
+
+def segments(rendered: str, marked: str, texts: list[str]) -> list[tuple[str, bool]]:
+    """[(piece, is the environment's text)] of `rendered` (the observation's turns as the template wrote them), from
+    `marked`, the same turns rendered from `marked_messages`. ValueError when the template does not write each text
+    unchanged in its marker's place."""
+    out: list[tuple[str, bool]] = []
+    pos, seen = 0, []
+    for m in _MARK_RE.finditer(marked):
+        out.append((marked[pos:m.start()], False))
+        k = int(m.group(1))
+        seen.append(k)
+        out.append((texts[k] if k < len(texts) else "", True))
+        pos = m.end()
+    out.append((marked[pos:], False))
+    if seen != list(range(len(texts))) or "".join(p for p, _ in out) != rendered:
+        raise ValueError("the chat template changes the environment's text (it is not written as given), so its "
+                         "special-token strings cannot be kept as plain text")
+    return [(p, env) for p, env in out if p]
+
+
+def tokenize(tokenizer: Any, pieces: list[tuple[str, bool]], specials: tuple[str, ...],
+             token_id: Callable[[str], int]) -> list[int]:
+    """Token ids of the joined pieces: special tokens of the template's pieces as their ids, everything else
+    (environment text included) with special-token parsing off."""
+    text = "".join(p for p, _ in pieces)
+    spans, pos = [], 0
+    for p, env in pieces:
+        if env:
+            spans.append((pos, pos + len(p)))
+        pos += len(p)
+    pattern = re.compile("|".join(map(re.escape, specials)))
+    ids: list[int] = []
+    kept: list[int] = []
+    pos = 0
+    for m in pattern.finditer(text):
+        if any(a < m.end() and m.start() < b for a, b in spans):
+            continue  # inside (or across the edge of) the environment's text: plain characters
+        if m.start() > pos:
+            ids += _plain(tokenizer, text[pos:m.start()])
+        kept.append(token_id(m.group()))
+        ids.append(kept[-1])
+        pos = m.end()
+    if pos < len(text):
+        ids += _plain(tokenizer, text[pos:])
+    template = sum(len(pattern.findall(p)) for p, env in pieces if not env)
+    protected = {token_id(t) for t in specials}
+    if len(kept) != template or sum(i in protected for i in ids) != len(kept):  # e.g. a placeholder that is an
+        # added token but not a special one: special-token parsing off does not split it
+        raise ValueError(f"the environment's text runs into a special token of the chat template or tokenizes to one "
+                         f"({template} in the template, {len(kept)} kept)")
+    return ids
+
+
+def _plain(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])

@@ -112,12 +112,14 @@ class _Bucket:
 
 class DecodeStepRunner:
     def __init__(self, forward: Callable[..., torch.Tensor], cache: SlotCache, *, pad_token_id: int,
-                 capture: bool, probe: bool = False, params: Sequence[torch.Tensor] = (), record_routes: bool = False) -> None:
+                 capture: bool, probe: bool = False, params: Sequence[torch.Tensor] = (), record_routes: bool = False,
+                 sizes: Optional[Sequence[int]] = None) -> None:
         """`forward(input_ids=..., kv_cache=...)` -> logits `[B, T, V]` (the engine's own model); `cache`: the
         batch's `SlotCache` (slot layout) or `PagedSlotCache` (block table); `capture`: CUDA graphs (the cache must be on CUDA); `probe`: trace
         the first eager runs of each bucket for graph safety; `params`: tensors whose addresses a graph bakes in;
         `record_routes`: each step also leaves the MoE experts of its rows in `last_routes` (routing replay; a
-        static output of the graph, like the logits)."""
+        static output of the graph, like the logits); `sizes`: the batch-size buckets (default `bucket_sizes`;
+        lock-stepped ranks whose steps exchange rows take one, the slot count)."""
         if capture and cache.device.type != "cuda":
             raise ValueError(f"DecodeStepRunner: CUDA graphs need a CUDA cache, got {cache.device}")
         cache.set_active_static(torch.zeros(1, dtype=torch.long, device=cache.device))  # checks the cache can
@@ -125,7 +127,9 @@ class DecodeStepRunner:
         self.pad_token_id = int(pad_token_id)
         self.capture, self.probe = capture, probe
         self.params = list(params)
-        self.sizes = bucket_sizes(cache.num_slots)
+        self.sizes = sorted(sizes) if sizes else bucket_sizes(cache.num_slots)
+        if self.sizes[-1] < cache.num_slots or self.sizes[0] < 1:
+            raise ValueError(f"DecodeStepRunner: buckets {self.sizes} must be >= 1 and cover the {cache.num_slots} slots")
         self.buckets: dict[int, _Bucket] = {}
         self._pool: Optional[Any] = None  # a CUDA graph memory pool handle
         self._addresses: Optional[list[int]] = None

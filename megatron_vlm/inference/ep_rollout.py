@@ -12,9 +12,11 @@ one 80 GB device next to its optimizer ("copy"), and generating through the FSDP
   E / ep of every MoE block (~3.6 B parameters per rank at ep = 8, ~7 GiB in bf16).
 
 Decoding then all-gathers no weights: a MoE block sends its tokens to the ranks that hold their
-experts and back (the same two all-to-alls as the training forward). Every rank of an ep group must
-therefore make the same forward calls: the engine runs in lock-step batches as with "shared" (a rank
-whose samples are done steps one dummy row until all ranks are done; `all_ranks_active`).
+experts and back (in the prefill the same two all-to-alls as the training forward; in static decode steps,
+CUDA graphs, an all-gather of the step's rows and a reduce-scatter of the expert outputs, fixed in size:
+`ExpertParallelExperts.static_forward`). Every rank of an ep group must therefore make the same forward
+calls: the engine runs in lock-step batches as with "shared" (a rank whose samples are done steps one dummy
+row until all ranks are done; `all_ranks_active`), its static steps all of one batch size (the slot count).
 
 Refresh (`ExpertParallelRolloutEngine.load_weights(None, version)`, once per optimizer step): for each
 tensor of the copy, in the same order on every rank, the dense ones are gathered from the trainer's

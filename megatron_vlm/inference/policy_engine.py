@@ -50,12 +50,15 @@ until it ends; `all_ranks_active(local_active) -> bool` (an all-reduce supplied 
 decides whether another decode step runs, and a rank whose rows are all finished steps one dummy row
 (a scratch slot) until every rank is done. The caller gives every rank the same number of prompts.
 
-CUDA graphs (`cuda_graphs`, inference/decode_graphs.py): the decode steps of continuous batching run
-on static buffers per batch-size bucket, captured once per bucket and replayed on CUDA. "auto": on for
-a CUDA device, else off; "on": also on the CPU, where the same static step runs eagerly (tests; its
-first runs per bucket are checked for graph safety, a failure raised). Needs the engine's own weights
-copy and a decode step without host reads (the slot layout or the paged pool, whose block table is a
-static buffer rewritten between steps): "on" with `forward=` (lock-step, FSDP parameters) is refused (MoE blocks route graph-safely there: models/common/moe_static.py); "auto"
+CUDA graphs (`cuda_graphs`, inference/decode_graphs.py): the decode steps run on static buffers per
+batch-size bucket, captured once per bucket and replayed on CUDA. "auto": on for a CUDA device, else off;
+"on": also on the CPU, where the same static step runs eagerly (tests; its first runs per bucket are
+checked for graph safety, a failure raised). Needs the engine's own weights copy and a decode step without
+host reads (the slot layout or the paged pool, whose block table is a static buffer rewritten between
+steps; MoE blocks route graph-safely there: models/common/moe_static.py). Lock-stepped ranks with their own
+copy (the expert-parallel copy, inference/ep_rollout.py) run one bucket, the slot count, on every rank:
+their MoE blocks exchange the step's rows with fixed-size collectives (`static_forward`,
+parallel/expert_parallel.py). "on" with `forward=` (the trainer's FSDP model) is refused; "auto"
 falls back to eager steps with a logged reason (also when a capture fails). The slot cache (or pool) and its
 graphs are kept for the next call of the same slot shape, until `release_memory()`.
 
@@ -110,7 +113,7 @@ def cuda_graphs_blocker(model, *, trainer_forward: bool = False) -> Optional[str
     engine and `--check` (plan/check.py), so that the check refuses rl.rollout.cuda_graphs = "on" exactly
     where the job would (a model on the meta device is enough: only its layer kinds are read)."""
     if trainer_forward:
-        return "the engine calls the trainer's model (forward= / lock-step batches), not its own copy"
+        return "the engine calls the trainer's model (forward=: rl.rollout.weights = 'shared'), not its own copy"
     foreign = [m for m in moe_layers(model) if not isinstance(m, MoE)]
     if foreign:  # native MoE blocks route graph-safely in static steps (models/common/moe_static.py)
         return (f"MoE layers of another backend ({type(foreign[0]).__name__}): their routing sizes the grouped GEMMs "
@@ -330,7 +333,7 @@ class PolicyRolloutEngine(RolloutEngine):
         self.kv_block_size, self.kv_cache_blocks = kv_block_size, kv_cache_blocks
         if cuda_graphs not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graphs: must be one of {CUDA_GRAPH_MODES}, got {cuda_graphs!r}")
-        why_not = cuda_graphs_blocker(model, trainer_forward=forward is not None or all_ranks_active is not None)
+        why_not = cuda_graphs_blocker(model, trainer_forward=forward is not None)
         if cuda_graphs == "on" and why_not:
             raise CudaGraphsConfigError(f"rl.rollout.cuda_graphs: 'on' is not possible: {why_not}")
         if cuda_graphs == "auto" and why_not:
@@ -537,8 +540,12 @@ class PolicyRolloutEngine(RolloutEngine):
         if self.cuda_graphs == "off" or (self.cuda_graphs == "auto" and dev_type != "cuda"):
             return None
         tensors = list(self.model.parameters()) + list(self.model.buffers())
+        # lock-step ranks (the expert-parallel copy) step one batch size, the slot count, so that every rank's
+        # static step gathers the same number of rows (parallel/expert_parallel.py `static_forward`)
+        sizes = [cache.num_slots] if self.lockstep else None
         return DecodeStepRunner(self.forward, cache, pad_token_id=self.pad_token_id, capture=dev_type == "cuda",
-                                probe=dev_type != "cuda", params=tensors, record_routes=self.routes_shape is not None)
+                                probe=dev_type != "cuda", params=tensors, record_routes=self.routes_shape is not None,
+                                sizes=sizes)
 
     def _graph_step(self, runner: DecodeStepRunner, cache, slots: list[int], feed: torch.Tensor):
         """Logits of one static step, or None when "auto" gives up on graphs (the step then runs eagerly)."""

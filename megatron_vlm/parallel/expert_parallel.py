@@ -52,6 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron_vlm import kernels
+from megatron_vlm.models.common.moe_static import static_mlp
 
 _EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
 
@@ -138,6 +139,35 @@ class ExpertParallelExperts(nn.Module):
         """x `[N, hidden]` -> (combined output `[N, hidden]`, tokens_per_expert `[E]` of this rank's tokens),
         by the `moe_ep_dispatch` kernels backend: `torch` (`all_to_all_forward`) or `deep_ep`."""
         return kernels.DEFAULT_REGISTRY.resolve("moe_ep_dispatch", x)(self, x, topk_ids, topk_weights)
+
+    def static_forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, form: str = "auto"):
+        """The graph-safe form for static decode steps (models/common/moe_static.py; inference only): no host read,
+        shapes fixed by N. The all-to-all needs its split sizes on the host, so instead every rank's tokens and
+        routes are all-gathered (one collective, packed as bytes) (every rank of the group must step the same N rows: the rollout engine's lock-step
+        static steps take one batch size), each rank runs its own experts on the copies routed to them, and the
+        partial outputs are summed back to their tokens' ranks with a reduce-scatter. Decode steps move a few
+        hundred KB per layer this way (N x hidden per rank); the prefill keeps the all-to-all. Returns `[N, hidden]`
+        fp32, equal to `forward`'s output up to the order of fp32 additions."""
+        ep, group = self.ep_size, self.ep_group
+        n = x.shape[0]
+        # one all-gather of the rows, expert ids and routing weights as bytes side by side (decode collectives are
+        # latency-bound: one per layer instead of three)
+        parts = [t.contiguous().view(torch.uint8) for t in (x, topk_ids, topk_weights)]
+        widths = [p.shape[1] for p in parts]
+        packed = torch.cat(parts, dim=1)
+        gathered = packed.new_empty(ep * n, packed.shape[1])
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, packed, group=group)
+        xs, ids, weights = (chunk.contiguous().view(t.dtype) for chunk, t in
+                            zip(gathered.split(widths, dim=1), (x, topk_ids, topk_weights)))
+        local = ids - self.ep_rank * self.num_local_experts
+        valid = (local >= 0) & (local < self.num_local_experts)
+        first = self._local_weight("gate_up_proj" if self.gated else "up_proj", x.dtype)
+        down = self._local_weight("down_proj", x.dtype)
+        partial = static_mlp(xs, torch.where(valid, local, 0), weights, first, down, gated=bool(self.gated), act=self.act,
+                             form=form, valid=valid)
+        out = partial.new_empty(n, partial.shape[1])
+        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, partial, group=group)
+        return out
 
 
 def all_to_all_forward(experts: ExpertParallelExperts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):

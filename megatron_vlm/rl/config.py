@@ -161,8 +161,10 @@ class RLRolloutConfig:
     work (logged): rollout.weights = "shared" (lock-step FSDP forwards), a failed
     capture (MoE blocks route graph-safely there: models/common/moe_static.py). "on": as "auto", but those cases are errors, and on a CPU the
     same static step runs eagerly (for tests: its first runs are checked for host reads). "off": eager
-    steps. Needs rollout.weights = "copy" (or asynchronous GRPO, whose rollout ranks hold their own copy,
-    written in place by the weight pushes, which a graph then reads)."""
+    steps. Needs rollout.weights = "copy" or "expert_parallel" (lock-stepped ranks: one bucket, the slot count,
+    every MoE block exchanging the step's rows with an all-gather and a reduce-scatter of fixed size instead of
+    the all-to-all) or asynchronous GRPO, whose rollout ranks hold their own copy, written in place by the
+    weight pushes, which a graph then reads."""
     kv_block_size: int = 0
     """Positions per block of the rollout engine's paged KV cache (0 = the slot cache: every sequence holds
     a slot of the batch's longest prompt + the budget). >= 2: the keys / values live in a pool of blocks
@@ -775,9 +777,9 @@ class RLConfig:
     def _validate_across(self) -> None:
         """Checks that read more than one table."""
         ro, lo, adv = self.rollout, self.loss, self.advantages
-        if ro.cuda_graphs == "on" and ro.weights != "copy" and self.allocation is None:
-            raise ValueError("rollout.cuda_graphs: 'on' needs rollout.weights = 'copy' (the engine's own weights; "
-                             "'shared' runs lock-step forwards through the FSDP root)")
+        if ro.cuda_graphs == "on" and ro.weights == "shared" and self.allocation is None:
+            raise ValueError("rollout.cuda_graphs: 'on' needs rollout.weights = 'copy' or 'expert_parallel' (the engine's "
+                             "own weights; 'shared' runs lock-step forwards through the FSDP root)")
         if self.update.ref_offload and lo.kl_coef == 0:
             raise ValueError("update.ref_offload: has no effect when loss.kl_coef = 0 (no reference model is built)")
         if adv.overlong_buffer >= ro.max_new_tokens:

@@ -15,6 +15,9 @@ of two forms whose shapes depend only on the number of tokens N, the top-k and t
   bound by reading the expert weights, which both forms read (every expert is hit once N * k >~ E).
 
 Both give the eager path's result up to the order of the fp32 additions (tested: same greedy tokens).
+An experts module that holds only some experts (expert parallelism) computes its static form itself
+(`static_forward`: parallel/expert_parallel.py), passing the copies it does not hold as `valid` = False: they
+are sorted past the last group (grouped: not computed) or masked out (dense).
 """
 from __future__ import annotations
 
@@ -63,31 +66,41 @@ def _mlp(first_out: torch.Tensor, gated: bool, act: Callable[[torch.Tensor], tor
     return act(first_out)
 
 
-def grouped_static(x, topk_ids, topk_weights, first, down, *, gated: bool, act) -> torch.Tensor:
-    """x `[N, in]`, topk `[N, k]`, weights `[E, out, in]` -> `[N, in]` fp32, via torch._grouped_mm on device offsets."""
+def grouped_static(x, topk_ids, topk_weights, first, down, *, gated: bool, act, valid=None) -> torch.Tensor:
+    """x `[N, in]`, topk `[N, k]`, weights `[E, out, in]` -> `[N, in]` fp32, via torch._grouped_mm on device offsets.
+    `valid` `[N, k]` (optional): the copies to compute; the others are sorted past the last group (their rows of
+    the GEMM outputs are not computed) and contribute nothing."""
     n, k = topk_ids.shape
     e = first.shape[0]
     flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
+    ok = valid.reshape(-1) if valid is not None else None
+    order = torch.argsort(flat if ok is None else torch.where(ok, flat, e), stable=True)
     token_of = torch.div(order, k, rounding_mode="floor")
     rows = x.index_select(0, token_of)
-    counts = torch.zeros(e, dtype=torch.int32, device=x.device).scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
+    ones = torch.ones_like(flat, dtype=torch.int32) if ok is None else ok.to(torch.int32)
+    counts = torch.zeros(e, dtype=torch.int32, device=x.device).scatter_add_(0, flat.to(torch.int64), ones)
     offs = counts.cumsum(0, dtype=torch.int32)
     mid = _mlp(torch._grouped_mm(rows, first.transpose(1, 2), offs=offs), gated, act)
     out_rows = torch._grouped_mm(mid, down.transpose(1, 2), offs=offs)
     contrib = out_rows.float() * topk_weights.reshape(-1).index_select(0, order).float()[:, None]
+    if ok is not None:  # where, not a product: rows past the last group are not computed (any value)
+        contrib = torch.where(ok.index_select(0, order)[:, None], contrib, contrib.new_zeros(()))
     return torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, token_of, contrib)
 
 
-def dense_static(x, topk_ids, topk_weights, first, down, *, gated: bool, act) -> torch.Tensor:
-    """The same result with every token through every expert (batched matmuls), unchosen experts masked out."""
+def dense_static(x, topk_ids, topk_weights, first, down, *, gated: bool, act, valid=None) -> torch.Tensor:
+    """The same result with every token through every expert (batched matmuls), unchosen experts masked out
+    (and the copies `valid` says are not computed here)."""
     n = x.shape[0]
     e = first.shape[0]
     xe = x.unsqueeze(0).expand(e, n, x.shape[1])
     mid = _mlp(torch.bmm(xe, first.transpose(1, 2)), gated, act)
     out = torch.bmm(mid, down.transpose(1, 2)).float()  # [E, N, in]
-    weight = torch.zeros(n, e, dtype=torch.float32, device=x.device).scatter_(1, topk_ids, topk_weights.float())
-    chosen = torch.zeros(n, e, dtype=torch.bool, device=x.device).scatter_(1, topk_ids, True)
+    # scatter_add: the copies `valid` rules out point at expert 0 too (weight 0), so indices may repeat in a row
+    w = topk_weights.float() if valid is None else torch.where(valid, topk_weights.float(), 0.0)
+    weight = torch.zeros(n, e, dtype=torch.float32, device=x.device).scatter_add_(1, topk_ids, w)
+    hits = torch.ones_like(topk_ids, dtype=torch.int32) if valid is None else valid.to(torch.int32)
+    chosen = torch.zeros(n, e, dtype=torch.int32, device=x.device).scatter_add_(1, topk_ids, hits) > 0
     # where, not a product with a zero weight: an unchosen expert's output may be inf in low precision
     contrib = torch.where(chosen.t()[..., None], out * weight.t()[..., None], out.new_zeros(()))
     return contrib.sum(0)
@@ -96,11 +109,19 @@ def dense_static(x, topk_ids, topk_weights, first, down, *, gated: bool, act) ->
 def experts_static(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    form: str = "auto") -> torch.Tensor:
     """`GroupedExperts` (`experts`) on x without host reads: "grouped" where torch._grouped_mm takes the
-    operands ("auto"), else "dense"; returns the combined output `[N, in]` in fp32."""
+    operands ("auto"), else "dense"; returns the combined output `[N, in]` in fp32. An experts module with its
+    own static form (`static_forward`: expert parallelism) computes it."""
+    own = getattr(experts, "static_forward", None)
+    if own is not None:
+        return own(x, topk_ids, topk_weights, form=form)
     first = experts.gate_up_proj if experts.gated else experts.up_proj
-    down = experts.down_proj
+    return static_mlp(x, topk_ids, topk_weights, first, experts.down_proj, gated=experts.gated, act=experts.act, form=form)
+
+
+def static_mlp(x, topk_ids, topk_weights, first, down, *, gated: bool, act, form: str = "auto", valid=None) -> torch.Tensor:
+    """The static experts on explicit weights `[E, out, in]` (`experts_static`'s body; `valid` as in `grouped_static`)."""
     if form == "auto":
         ok = _grouped_mm_takes(x, (first, down), (first.shape[2], down.shape[2]))
         form = "grouped" if ok else "dense"
     fn = grouped_static if form == "grouped" else dense_static
-    return fn(x, topk_ids, topk_weights, first, down, gated=experts.gated, act=experts.act)
+    return fn(x, topk_ids, topk_weights, first, down, gated=gated, act=act, valid=valid)

@@ -4,7 +4,7 @@ Two gloo processes, parallel.ep = 2. The trainer stand-in is the full model with
 ranks (`apply_ep`) and, for the refresh check, its dense weights FSDP-sharded on the same mesh (the trainer's
 layout). Each rank decodes its own prompts with its own budget (rank 1 finishes first and takes empty lock-step
 steps); the greedy tokens, behaviour log-probs and recorded routes must equal an ordinary one-process
-`PolicyRolloutEngine` over the full model. After an AdamW step of the trainer, `load_weights(None)` must leave
+`PolicyRolloutEngine` over the full model, in eager and in static (CUDA-graph form) decode steps. After an AdamW step of the trainer, `load_weights(None)` must leave
 the copy equal to the trainer's new weights (dense gathered, experts this rank's slice), and decoding must equal
 the one-process engine on the gathered new weights.
 """
@@ -102,6 +102,10 @@ def _worker(rank: int, init_file: str, folders: dict, root) -> None:
             got = _generate(engine, mine, budget)
             _same(got, want, f"{kind} rank {rank}")
             assert all(len(s.token_ids) == budget for s in got)
+            static = ExpertParallelRolloutEngine(copy, tok, EngineOptions(eos_token_ids=[-1], record_routes=True,
+                                                                          cuda_graphs="on"), trainer=trainer,
+                                                 all_ranks_active=lambda a: any_rank(a, torch.device("cpu")))
+            _same(_generate(static, mine, budget), want, f"{kind} rank {rank}, static (CUDA-graph form) steps")
 
             # an optimizer step of the trainer, then the refresh
             trainer.train()

@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # One GPU lease for the training-speed and rollout-speed work (first pass): profiles, levers, honest baselines.
-# Sections: sft sft16k decode decode32 decode64 moe decode_attn rollout attn segv fp8 paged.
+# Sections: sft sft16k decode decode32 decode64 moe moe_ep decode_attn rollout attn segv fp8 paged.
 # Run on the leased machine from the repository root with `.whl` carried (bash benchmarks/gpu_wheels.sh here first):
 #   bash benchmarks/gpu_wave3.sh [sections]      # default: sft decode attn decode_attn segv (the first pass)
 # A section name it does not know stops it at once (exit 2), before anything runs.
 # Next lease (what the 2026-11-28 H200 run left open: the compiled 16k step, fp8's kernel table, torch's varlen attention
 # in the step with selective checkpointing keeping its output, the decode step at 64 sequences), two commands of <= 540 s:
 #   bash benchmarks/gpu_wave3.sh sft16k fp8          # 16k packs eager and compiled; fp8 step with a profile per variant
-#   bash benchmarks/gpu_wave3.sh sft decode32 decode64 paged   # 8k levers (torch varlen profiled); decode steps, fused
-#                                                              # q / k / v; the on-demand paged pool vs the slot cache
+#   bash benchmarks/gpu_wave3.sh sft moe_ep paged decode32      # 8k levers (torch varlen profiled); the expert-parallel
+#       # copy's static steps (NCCL collectives captured); the on-demand paged pool vs the slot cache; fused q / k / v
+# (steps past the 540 s budget are skipped and listed; decode64 after, if a third command fits the lease)
 # Every step is time-boxed; logs and JSON go to /tmp/w3 ($W3_DIR) (packed into $OUT/w3.tgz after every step, so a command
 # cut short still returns what finished). Figures go to benchmarks/RESULTS.md by hand, with device and versions.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-KNOWN="sft sft16k decode decode32 decode64 moe decode_attn rollout attn segv fp8 paged"
+KNOWN="sft sft16k decode decode32 decode64 moe moe_ep decode_attn rollout attn segv fp8 paged"
 SECTIONS=${*:-sft decode attn decode_attn segv}
 for s in $SECTIONS; do
   [[ " $KNOWN " == *" $s "* ]] || { echo "gpu_wave3.sh: unknown section '$s' (known: $KNOWN)" >&2; exit 2; }
@@ -76,6 +77,11 @@ fi
 if want moe; then  # the MoE decode step in CUDA graphs, Qwen3-VL-30B-A3B at full width, 4 of 48 layers
   step moe_decode 80 $PY benchmarks/e2e/profile_decode.py --moe-slice 4 --prompts 2 --group 8 --short 8 --steps 48 \
     --rounds 2 --variants triton:on,triton:off --json "$R/moe_decode.json"
+fi
+if want moe_ep; then  # the expert-parallel rollout copy's static step (1 rank, lock-step, one bucket): its MoE blocks
+  # exchange rows with an NCCL all-gather / reduce-scatter inside the captured graph, against the plain graph step
+  step moe_ep_decode 100 $PY benchmarks/e2e/profile_decode.py --moe-slice 4 --prompts 2 --group 8 --short 8 --steps 48 \
+    --rounds 2 --variants triton:on:ep,triton:on --json "$R/moe_ep_decode.json"
 fi
 if want decode32; then  # the target's 32 sequences (4 prompts x G 8), split-K decode attention in CUDA graphs, q / k / v
   # in three GEMMs or one (EngineOptions.fuse_projections: launches were a third of the step on the 2026-11-28 H200)

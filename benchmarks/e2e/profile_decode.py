@@ -95,6 +95,30 @@ def kernel_table(prof, steps: int, device: str, top: int = 25) -> list[dict]:
     return rows[:top]
 
 
+def ep_copy(model, device: str):
+    """A copy of `model` whose MoE blocks hold their experts over a one-rank expert-parallel group (NCCL on a GPU,
+    gloo elsewhere; the process group is made here): the lock-step rollout form of `rl.rollout.weights =
+    "expert_parallel"`, whose static decode steps run the all-gather / reduce-scatter exchange."""
+    import copy
+    import os
+
+    import torch.distributed as dist
+
+    from megatron_vlm.models.common.moe import moe_layers
+    from megatron_vlm.parallel.expert_parallel import apply_ep
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29531")
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1,
+                                **({"device_id": torch.device("cuda", 0)} if device == "cuda" else {}))
+    out = copy.deepcopy(model)
+    if not moe_layers(out):
+        raise ValueError("the 'ep' variant needs a MoE model (--moe-slice)")
+    apply_ep(moe_layers(out), dist.group.WORLD)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU (smoke test)")
@@ -107,7 +131,9 @@ def main() -> None:
                     help="decode_attention backend:cuda_graphs pairs, comma-separated; further parts: 'shared' reads a "
                          "group's shared prompt through one copy (EngineOptions.share_prefix_reads), 'fused' runs q / k / v "
                          "as one GEMM (EngineOptions.fuse_projections) and writes keys / values in one launch "
-                         "(kernels.kv_cache_write = triton), e.g. triton:on:shared:fused")
+                         "(kernels.kv_cache_write = triton), 'ep' (with --moe-slice) decodes on an expert-parallel copy "
+                         "of one rank in lock-step (the 30B recipes' rollout form: its static steps exchange rows with "
+                         "an NCCL all-gather / reduce-scatter, captured in the graph), e.g. triton:on:shared:fused")
     ap.add_argument("--moe-slice", type=int, default=0, metavar="LAYERS",
                     help="Qwen3-VL-30B-A3B at full width with only LAYERS decoder layers (MoE, 128 experts, top 8; "
                          "text prompts), instead of the dense 3B shape: the MoE decode step, to extrapolate to 48 layers")
@@ -125,9 +151,9 @@ def main() -> None:
         cfg, dtype, grid, text_tokens = qwen2_5_vl_3b_config(), torch.bfloat16, (1, 56, 64), 104
         parts = [v.split(":") for v in args.variants.split(",") if v]
         bad = [":".join(p) for p in parts if len(p) < 2 or p[1] not in ("on", "off", "auto")
-               or not set(p[2:]) <= {"shared", "fused"} or len(set(p[2:])) != len(p[2:])]
+               or not set(p[2:]) <= {"shared", "fused", "ep"} or len(set(p[2:])) != len(p[2:])]
         if bad:
-            ap.error(f"--variants: backend:on|off|auto[:shared][:fused], got {bad}")
+            ap.error(f"--variants: backend:on|off|auto[:shared][:fused][:ep], got {bad}")
         variants = [(p[0], p[1], frozenset(p[2:])) for p in parts]
     if args.moe_slice:
         from tests.fixtures.real_configs import real_config
@@ -169,10 +195,13 @@ def main() -> None:
                 + (", fused qkv" if "fused" in flags else ""))
         # fused: q / k / v in one GEMM and each layer's keys / values written in one launch (kernels.kv_cache_write)
         choice = {"decode_attention": backend, **({"kv_cache_write": "triton"} if "fused" in flags else {})}
+        if "ep" in flags:
+            name += ", expert-parallel copy (1 rank, lock-step)"
         with registry.use_backends(choice):
-            eng = PolicyRolloutEngine(model, NoDecode(), EngineOptions(
+            eng = PolicyRolloutEngine(ep_copy(model, device) if "ep" in flags else model, NoDecode(), EngineOptions(
                 eos_token_ids=[-1], share_prefix=True, device=device, cuda_graphs=graphs,
-                share_prefix_reads="shared" in flags, fuse_projections="fused" in flags))
+                share_prefix_reads="shared" in flags, fuse_projections="fused" in flags),
+                **({"all_ranks_active": lambda active: active} if "ep" in flags else {}))
         for n_new in (args.short, args.short + args.steps):
             params = SamplingParams(max_new_tokens=n_new, n=args.group, temperature=1.0)
 

@@ -52,7 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron_vlm import kernels
-from megatron_vlm.models.common.moe_static import static_mlp
+from megatron_vlm.kernels.static_experts import static_mlp
 
 _EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
 

@@ -53,7 +53,7 @@ def test_an_expert_without_tokens_and_all_tokens_on_one_expert():
 
 
 def test_auto_takes_grouped_where_torch_grouped_mm_takes_the_operands():
-    from megatron_vlm.models.common import moe_static
+    from megatron_vlm.kernels import static_experts as moe_static
 
     moe = _moe(hidden=32, inter=16)  # fp32: 32 * 4 and 16 * 4 bytes rows, 16-byte aligned
     first = moe.experts.gate_up_proj

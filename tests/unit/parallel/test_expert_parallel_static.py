@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_vlm.inference.decode_graphs import GraphSafetyProbe
-from megatron_vlm.models.common import moe_static
+from megatron_vlm.kernels import static_experts as moe_static
 from megatron_vlm.models.common.moe_static import static_routing
 from tests.unit.parallel.test_expert_parallel import HIDDEN, _sigmoid_block, _sigmoid_block_all_to_rank0, _softmax_block
 

@@ -8,7 +8,7 @@ weights (see `load_weights`):
   decoding, so sequences are batched continuously (below);
 * the trainer's parameters (`forward=lambda **kw: wrapper(model_kwargs=kw)`: every call runs inside
   the FSDP root, parameters all-gathered per call). Cheaper on one device (no copy to keep), but every
-  rank must make the same forward calls, so decoding runs in lock-step batches (below).
+  rank must make the same forward calls, so decoding runs in lock-step (below).
 
 One `generate` call:
 
@@ -40,15 +40,22 @@ last is preempted: its blocks are returned and it waits at the head of the queue
 (recomputation; the cached keys of the tokens it had generated are then the current weights') and it
 continues where it stopped. So a pool (`kv_cache_blocks`) far smaller than slots x longest sequence runs
 many more sequences at once than reserving every sample's budget would, most completions being much
-shorter than the budget (`stats["preemptions"]`, `metrics()`). Lock-step batches (the trainer's forward)
-reserve each sample's prompt + budget at admission instead (every sample starts at once; nothing is
-re-admitted). On the CPU the paged cache is ~5-9 % slower, so off by default.
+shorter than the budget (`stats["preemptions"]`, `metrics()`). Lock-stepped ranks (the trainer's forward,
+the expert-parallel copy) reserve each sample's prompt + budget at admission instead (a preempted sample's
+re-admission would be a prefill the other ranks do not make). On the CPU the paged cache is ~5-9 % slower,
+so off by default.
 
-Lock-step batches (when `all_ranks_active` is given, i.e. under FSDP with the trainer's parameters):
-`max_prompts_per_batch` prompts (0 = all) are admitted at the start of a batch and no slot is refilled
-until it ends; `all_ranks_active(local_active) -> bool` (an all-reduce supplied by the trainer)
-decides whether another decode step runs, and a rank whose rows are all finished steps one dummy row
-(a scratch slot) until every rank is done. The caller gives every rank the same number of prompts.
+Lock-step (when `all_ranks_active` is given: the trainer's FSDP forward, or the expert-parallel copy whose MoE
+blocks exchange tokens): every rank must make the same forward calls in the same order. The slots
+(`max_prompts_per_batch` prompts x n, 0 = every sample of the call) are refilled as completions end, as in
+continuous batching, with the prefills in step: after each token, `all_ranks_active(wants_to_admit)` (an
+all-reduce supplied by the trainer: is it true on any rank?) says whether this is an admission round; in one,
+every rank makes exactly one prefill forward, of the samples it admits or, with none (or with prompts
+already prefilled for their group), of one pad token (`stats["dummy_prefills"]`). Then
+`all_ranks_active(local_active)` decides whether another decode step runs, and a rank whose rows are all
+finished steps one dummy row on the scratch slot until every rank is done. So a long completion on one rank
+no longer holds the other slots idle until the batch ends (the tail of chunked batches); the caller gives
+every rank the same number of prompts.
 
 CUDA graphs (`cuda_graphs`, inference/decode_graphs.py): the decode steps run on static buffers per
 batch-size bucket, captured once per bucket and replayed on CUDA. "auto": on for a CUDA device, else off;
@@ -257,7 +264,7 @@ class EngineOptions:
     """Compute dtype of keys / values (bf16 under FSDP mixed precision; default the model's weight dtype)."""
     device: Optional[torch.device | str] = None
     max_prompts_per_batch: int = 0
-    """Prompts per lock-step batch (0 = all)."""
+    """Lock-step: slots for this many prompts' samples (x n) decoding at once, refilled as completions end (0 = all)."""
     max_num_seqs: int = 0
     """Slots of continuous batching (0 = max_prompts_per_batch * n, or every sample of the call)."""
     share_prefix: bool = True
@@ -463,13 +470,11 @@ class PolicyRolloutEngine(RolloutEngine):
         t0 = time.perf_counter()
         checker = StopChecker(self.tokenizer, self.eos_token_ids, params.stop)
         stats = {"prefill_s": 0.0, "decode_s": 0.0, "forward_calls": 0.0, "decode_steps": 0.0, "prefill_calls": 0.0,
-                 "preemptions": 0.0, "weight_sync_s": self.weight_sync_s}
+                 "preemptions": 0.0, "dummy_prefills": 0.0, "weight_sync_s": self.weight_sync_s}
         self.weight_sync_s = 0.0
         n = params.n
-        if self.lockstep:
-            step = self.max_prompts_per_batch or len(prompts)
-            batches = [(start, min(start + step, len(prompts)), (min(step, len(prompts) - start)) * n)
-                       for start in range(0, len(prompts), step)]
+        if self.lockstep:  # one batch: its slots are refilled in admission rounds all ranks make together
+            batches = [(0, len(prompts), min(self.max_prompts_per_batch or len(prompts), len(prompts)) * n)]
         else:
             slots = self.max_num_seqs or (self.max_prompts_per_batch * n) or len(prompts) * n
             batches = [(0, len(prompts), min(slots, len(prompts) * n))]
@@ -625,6 +630,28 @@ class PolicyRolloutEngine(RolloutEngine):
             if entry[3] == 0:
                 del prefixes[key_of(sample)]
         return list(resumed) + slots, torch.stack(list(resumed.values()) + rows)
+
+    def _lockstep_admit(self, queue: deque, run: _Run, cache, prompts: Sequence[RolloutPrompt], n: int, prefixes: dict,
+                        stats: dict) -> tuple[list[int], Optional[torch.Tensor]]:
+        """A lock-stepped rank's admissions after a token (module docstring): an admission round when any rank can
+        admit, in which this rank makes exactly one prefill forward, real or of one pad token."""
+        want = bool(queue and run.free)
+        if want and isinstance(cache, PagedSlotCache):  # the whole budget is reserved at admission
+            want = cache.can_reserve(len(prompts[queue[0] // n]) + run.budget)
+        if not self.all_ranks_active(want):
+            return [], None
+        calls = stats["prefill_calls"]
+        out = self._admit(queue, run, cache, prompts, n, prefixes, stats) if want else ([], None)
+        if stats["prefill_calls"] == calls:  # nothing to prefill here (or the group's prompt is prefilled already)
+            self._dummy_prefill(stats)
+        return out
+
+    def _dummy_prefill(self, stats: dict) -> None:
+        """One prefill forward of a single pad token, whose output is dropped: keeps a lock-stepped rank's forward
+        calls (and their collectives) in step with a rank that prefills."""
+        self._prefill([RolloutPrompt(torch.tensor([self.pad_token_id]))])
+        stats["forward_calls"] += 1
+        stats["dummy_prefills"] += 1
 
     def _readmit(self, run: _Run, cache, prompt: RolloutPrompt, sample: int, slot: int, stats: dict) -> torch.Tensor:
         """Re-admit a preempted sample into `slot` (its blocks reserved): its prompt + the k tokens it generated are
@@ -794,9 +821,10 @@ class PolicyRolloutEngine(RolloutEngine):
         eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=dev)
         suppress = self.suppress_token_ids.to(dev)
         stop_strings = bool(checker.stop)
+        calls = stats["prefill_calls"]
         cur_slots, cur_logits = self._admit(queue, run, cache, prompts, n, prefixes, stats)
-        if self.lockstep and queue:  # no refill in lock-step batches: every sample must start now
-            raise RuntimeError(f"kv_cache_blocks: {len(queue)} samples of a lock-step batch do not fit the paged cache")
+        if self.lockstep and stats["prefill_calls"] == calls:  # every rank prefills once in each admission round
+            self._dummy_prefill(stats)
         interrupted = False
         t1 = time.perf_counter()
         while True:
@@ -863,7 +891,10 @@ class PolicyRolloutEngine(RolloutEngine):
                         assert feed is not None
                         feed = feed.index_select(0, torch.as_tensor(rows, dtype=torch.long, device=dev)) if rows else None
                         running = [running[r] for r in rows]
-                admitted, new_logits = ([], None) if self.lockstep else self._admit(queue, run, cache, prompts, n, prefixes, stats)
+                if self.lockstep:
+                    admitted, new_logits = self._lockstep_admit(queue, run, cache, prompts, n, prefixes, stats)
+                else:
+                    admitted, new_logits = self._admit(queue, run, cache, prompts, n, prefixes, stats)
                 if not self.all_ranks_active(bool(running or admitted)):
                     break
                 logits_parts = []

@@ -22,9 +22,9 @@ class DPOConfig:
     beta: float = 0.1
     """Inverse temperature of the implicit reward: sigmoid = DPO's beta, ipo = the regularisation tau (target
     margin 1 / (2 beta)), simpo = SimPO's reward scale."""
-    loss_type: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
+    loss_type: str = "sigmoid"
     """sigmoid = DPO; ipo = IPO on per-token log-ratios; simpo = SimPO (reference-free, length-normalised,
-    margin `simpo_gamma`)."""
+    margin `simpo_gamma`). More register by name: megatron_vlm/rl/algorithms/preference_losses.py."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin gamma (loss_type = "simpo" only)."""
     reference: Literal["on_the_fly", "precomputed"] = "on_the_fly"
@@ -34,6 +34,10 @@ class DPOConfig:
     it back; no reference model is held during training). Not used by simpo."""
 
     def validate(self) -> None:
+        from megatron_vlm.rl.algorithms.preference_losses import PREFERENCE_LOSSES
+
+        if self.loss_type not in PREFERENCE_LOSSES:
+            raise ValueError(f"loss_type: must be one of {PREFERENCE_LOSSES.names()}, got {self.loss_type!r}")
         if self.beta <= 0:
             raise ValueError(f"beta: must be > 0, got {self.beta}")
         if self.simpo_gamma < 0:

@@ -23,7 +23,7 @@ from megatron_vlm.training.dpo.losses import REFERENCE_FREE
 from megatron_vlm.training.dpo.reference import AdaptersOffReference, FrozenReference, PrecomputedReference
 from megatron_vlm.training.model_bundle import ModelBundle
 
-__all__ = ["dpo_section", "build_pair_loaders", "build_reference"]
+__all__ = ["dpo_section", "build_pair_loaders", "build_reference", "leave_out_unscored"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -61,6 +61,21 @@ def initial_model_identity(cfg) -> str:
                        "files": [file_signature(f) for f in files if f.is_file()]})
 
 
+def leave_out_unscored(reference: PrecomputedReference, loaders: dict) -> None:
+    """Pairs a pack plans but the reference pass did not score (it failed there: a transient read error, a pack it
+    could not join) have no reference log-prob: every later pack of their split skips them, counted in
+    bad_records.json, instead of training them against 0. The train pass loader shares the training loader's
+    dataset, so telling it tells both."""
+    for split, loader in loaders.items():
+        missing = reference.unscored(split, loader.planned_lengths)
+        if missing:
+            log.warning("dpo: %d %s pairs were not scored by the reference pass (see bad_records.json); they are left "
+                        "out of training and evaluation", len(missing), split)
+            why = ("reference_unscored", "the precomputed reference pass could not score this pair (it failed there); "
+                   "without a reference log-prob it is not trained or evaluated")
+            loader.dataset.leave_out(dict.fromkeys(missing, why))
+
+
 def build_reference(ctx: RunContext, bundle: ModelBundle, dpo: DPOConfig, train_loader, eval_loader):
     """The reference of `[dpo] reference` (training/dpo/reference.py); None for a reference-free loss."""
     cfg, env = ctx.cfg, ctx.env
@@ -73,9 +88,11 @@ def build_reference(ctx: RunContext, bundle: ModelBundle, dpo: DPOConfig, train_
                                                          dp_size=size, like=train_loader)}
         if eval_loader is not None:
             loaders["eval"] = eval_loader
-        return PrecomputedReference.load_or_compute(ctx.run_dir, bundle.wrapper, loaders, device=env.device,
-                                                    copies=getattr(bundle.dims, "data_copies", 1), is_main=env.is_main,
-                                                    model_path=initial_model_identity(cfg))
+        reference = PrecomputedReference.load_or_compute(ctx.run_dir, bundle.wrapper, loaders, device=env.device,
+                                                         copies=getattr(bundle.dims, "data_copies", 1),
+                                                         is_main=env.is_main, model_path=initial_model_identity(cfg))
+        leave_out_unscored(reference, loaders)
+        return reference
     if lora is not None:
         if lora.init_from and lora.init_from_mode == "continue":
             raise ConfigError("dpo.reference: with lora.init_from (init_from_mode = \"continue\") the initial model is the "

@@ -15,10 +15,9 @@ import torch
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.data_files import file_signature
 from megatron_vlm.data.preference_loader import build_preference_dataloader, build_preference_pass_loader
-from megatron_vlm.errors import ConfigError
 from megatron_vlm.parallel.precision import compute_dtype
 from megatron_vlm.training.context import RunContext
-from megatron_vlm.training.dpo.config import DPOConfig
+from megatron_vlm.training.dpo.config import DPOConfig, check_dpo_keys
 from megatron_vlm.training.dpo.losses import REFERENCE_FREE
 from megatron_vlm.training.dpo.reference import AdaptersOffReference, FrozenReference, PrecomputedReference
 from megatron_vlm.training.model_bundle import ModelBundle
@@ -94,10 +93,7 @@ def build_reference(ctx: RunContext, bundle: ModelBundle, dpo: DPOConfig, train_
         leave_out_unscored(reference, loaders)
         return reference
     if lora is not None:
-        if lora.init_from and lora.init_from_mode == "continue":
-            raise ConfigError("dpo.reference: with lora.init_from (init_from_mode = \"continue\") the initial model is the "
-                              "base plus that adapter, not the policy with its adapters off; use reference = "
-                              "\"precomputed\"")
+        check_dpo_keys(dpo, lora)  # lora.init_from continued: not the adapters-off policy (the config checks refuse it)
         return AdaptersOffReference(bundle.wrapper, bundle.model)
     dtype = compute_dtype(cfg.train.precision, getattr(torch, cfg.model.dtype), env.device)
     log.info("dpo: frozen reference model loaded from %s (%s)", cfg.model.path, dtype)

@@ -3,12 +3,13 @@
 Read only in that mode (another mode with a `[dpo]` section is a config error, exit 2); a DPO run
 without the section uses these defaults. Keys that one loss variant would ignore are refused
 when set (`check_dpo_keys`): `simpo_gamma` belongs to `loss_type = "simpo"`, and SimPO has no
-reference model, so `reference` cannot be changed for it.
+reference model, so `reference` cannot be changed for it. The on-the-fly reference of a LoRA run is the policy
+with its adapters off, which is not the initial model when `lora.init_from` continues an adapter: refused too.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from megatron_vlm.errors import ConfigError
 
@@ -44,11 +45,19 @@ class DPOConfig:
             raise ValueError(f"simpo_gamma: must be >= 0, got {self.simpo_gamma}")
 
 
-def check_dpo_keys(dpo: DPOConfig) -> None:
-    """ConfigError naming a `[dpo]` key that the chosen loss variant would ignore."""
+def check_dpo_keys(dpo: DPOConfig, lora: Any = None) -> None:
+    """ConfigError naming a `[dpo]` key that the chosen loss variant would ignore, or a reference this run cannot
+    have (`lora`: the run's `[lora]` section or None)."""
     if dpo.loss_type != "simpo" and dpo.simpo_gamma != DPOConfig.simpo_gamma:
         raise ConfigError(f"dpo.simpo_gamma: only read with loss_type = \"simpo\" (loss_type is {dpo.loss_type!r}); "
                           "remove it")
     if dpo.loss_type == "simpo" and dpo.reference != DPOConfig.reference:
         raise ConfigError("dpo.reference: SimPO (loss_type = \"simpo\") is reference-free: no reference log-probs are "
                           "computed; remove it")
+    from megatron_vlm.training.dpo.losses import REFERENCE_FREE
+
+    if (dpo.loss_type not in REFERENCE_FREE and dpo.reference == "on_the_fly" and lora is not None and lora.init_from
+            and lora.init_from_mode == "continue"):
+        raise ConfigError("dpo.reference: with lora.init_from (init_from_mode = \"continue\") the initial model is the "
+                          "base plus that adapter, not the policy with its adapters off; use reference = "
+                          "\"precomputed\"")

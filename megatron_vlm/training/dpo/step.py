@@ -11,9 +11,9 @@ mean, whatever the world size or accumulation.
 
 Metrics (TRL's names): `loss`, `rewards/chosen`, `rewards/rejected`, `rewards/margins`, `rewards/accuracies`
 (the fraction of pairs whose chosen reward is above the rejected one), `logps/chosen`, `logps/rejected`
-(mean summed log-prob of a response), plus the loop's usual grad_norm, lr, timings. The held-out evaluation
-reports the same over the eval split and `preference_accuracy`, the fraction of pairs the policy itself
-ranks right (log pi(chosen) > log pi(rejected)): meaningful from step 0, where the implicit rewards are all 0.
+(mean summed log-prob of a response), `preference_accuracy`, the fraction of pairs the policy itself ranks
+right (log pi(chosen) > log pi(rejected)): meaningful from step 0, where the implicit rewards are all 0, plus the
+loop's usual grad_norm, lr, timings. The held-out evaluation reports the same over the eval split.
 """
 from __future__ import annotations
 

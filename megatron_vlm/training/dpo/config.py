@@ -31,8 +31,9 @@ class DPOConfig:
     reference: Literal["on_the_fly", "precomputed"] = "on_the_fly"
     """Reference log-probs from the frozen initial model: "on_the_fly" = a forward of the reference in every step
     (a frozen copy of model.path; with [lora] the policy with its adapters switched off); "precomputed" = one pass
-    over the train split before the first step, kept in <output_dir>/dpo_reference_logps.pt (a resumed run reads
-    it back; no reference model is held during training). Not used by simpo."""
+    over the train and held-out pairs before the first step, kept in <output_dir>/dpo_reference_logps.pt (a resumed
+    run reads it back; no reference model is held during training; a pair that pass could not score is left out
+    and counted in bad_records.json). Not used by simpo."""
 
     def validate(self) -> None:
         from megatron_vlm.rl.algorithms.preference_losses import PREFERENCE_LOSSES

@@ -187,9 +187,8 @@ class Critic:
                 totals[k] = totals.get(k, 0.0) + v
         out = {f"critic/{k}": (v / total_weight if k != "value_loss" else v) for k, v in sorted(totals.items())
                if total_weight > 0}
-        updates = r.batch.ppo_epochs * r.batch.mini_batches_per_step
-        if "critic/value_loss" in out:
-            out["critic/value_loss"] /= max(updates, 1)  # mean over the updates of the summed mini-batch losses
+        if "critic/value_loss" in out:  # the mean over the updates that ran (a mini-batch without tokens runs none)
+            out["critic/value_loss"] /= max(len(grad_norms), 1)
         out["critic/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
         out["critic/lr"] = float(self.optimizer.param_groups[0]["lr"])
         out["critic/skipped_updates"] = float(self.skipped)

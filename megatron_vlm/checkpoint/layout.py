@@ -3,7 +3,10 @@
 Why: a checkpoint holds the parameters under the names and shapes the writing run's settings gave
 them. `parallel.backend` ("native" / "mcore" decoder layers), `[lora]` (adapter factors, and an optimizer
 state that covers only them), `lora.r`, the adapted layers, the model itself and, with full fine-tuning,
-`train.train_layers` (the parameters with optimizer state) decide those names and shapes. A run whose settings differ used to fail deep inside DCP with "Missing key in checkpoint
+`train.train_layers` (the parameters with optimizer state) decide those names and shapes. `train.mode` is
+recorded too: a checkpoint of another job kind (an SFT checkpoint named in a DPO run's checkpoint.resume) may
+load, but as the continuation of a run it is not (the data position of other samples, a DPO reference that is
+not the weights the policy resumes with); its weights start a new run through model.path instead. A run whose settings differ used to fail deep inside DCP with "Missing key in checkpoint
 state_dict: ..." — true, but it did not say which setting differs, what it was, or what to do. So every
 checkpoint records these settings (`run_layout`, written by rank 0 with the shards) and a resume compares
 them with the run's before any shard is read (`layout_refusals`, `adapter_refusal`, `trained_refusal`): a
@@ -54,6 +57,7 @@ def run_layout(cfg: Any, *, model_type: Optional[str], world_size: int, mcore_tp
             # the weights the factors were trained on: base + init_from folded in, with init_from_mode = "merge"
             "init_from": getattr(lora, "init_from", ""), "init_from_mode": getattr(lora, "init_from_mode", "continue")},
         "train.train_layers": list(getattr(getattr(cfg, "train", None), "train_layers", [])),
+        "train.mode": getattr(getattr(cfg, "train", None), "mode", None),
         "sizes": {"world_size": world_size, **{k: getattr(parallel, k, 1) for k in ("tp", "cp", "ep", "pp")}},
     }
     if mcore_tp is not None:  # the megatron-core layers' own layout (tp_shard.py / ep_shard.py)
@@ -105,6 +109,12 @@ def layout_refusals(saved: dict, now: dict, ckpt: Path) -> list[str]:
     """Why the run with layout `now` cannot load checkpoint `ckpt` (recorded layout `saved`): one message per
     differing setting, each starting with its key (empty: the settings agree)."""
     out = []
+    t_saved, t_now = saved.get("train.mode"), now.get("train.mode")
+    if t_saved and t_now and t_saved != t_now:
+        out.append(f"train.mode: {ckpt} was written by a train.mode = {_v(t_saved)} run, this run is {_v(t_now)}; a "
+                   "checkpoint continues the run that wrote it (its data position and step count; a DPO run's reference "
+                   "is its own initial model). Set train.mode = " + _v(t_saved) + " to resume it, "
+                   + _new_run(_hf_folder(saved, ckpt, merged=saved.get("lora") is not None)))
     m_saved, m_now = saved.get("model_type"), now.get("model_type")
     if m_saved and m_now and m_saved != m_now:
         out.append(f"model.path: {ckpt} was written for a {_v(m_saved)} model (model.path = {_v(saved.get('model.path'))}), "

@@ -52,7 +52,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from megatron_vlm.config.loader import ConfigError
-from megatron_vlm.training.dpo.config import check_dpo_keys
+from megatron_vlm.training.dpo.config import DPOConfig, check_dpo_keys
 from megatron_vlm.training.reward.config import reward_refusal
 
 if TYPE_CHECKING:
@@ -286,9 +286,8 @@ def _check_dpo_mode(cfg: Config) -> None:
                               f"{sorted(_DPO_COLUMNS)} (chosen and rejected required)")
         if not {"chosen", "rejected"} <= columns:
             raise ConfigError(f"data.columns: train.mode = {mode!r} needs both 'chosen' and 'rejected', got {sorted(columns)}")
-    dpo = getattr(cfg, "dpo", None)
-    if dpo is not None:
-        check_dpo_keys(dpo)
+    if dpo_mode:  # the section's defaults when it is absent (its reference among them)
+        check_dpo_keys(getattr(cfg, "dpo", None) or DPOConfig(), getattr(cfg, "lora", None))
 
 
 _LAYER_KERNELS = {

@@ -46,6 +46,7 @@ CATEGORIES = (
     "unsupported_shape",     # an image shape the model's processor refuses (Qwen-VL: aspect ratio over 200;
                              # Nemotron-VL: a side that scales to 0 patches)
     "unexpected_error",      # any other exception while reading one record (type and message in the detail)
+    "reference_unscored",    # DPO: the precomputed reference pass could not score the pair (it failed there)
 )
 
 

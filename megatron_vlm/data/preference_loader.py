@@ -105,6 +105,14 @@ class _PairPackDataset(Dataset):
 
     def __init__(self, processor: _PairProcessor, capacity: int, pad_token_id: int):
         self.processor, self.capacity, self.pad_token_id = processor, capacity, pad_token_id
+        self.left_out: dict[int, tuple[str, str]] = {}
+        """Pair index -> (category, detail) of the pairs no pack takes although planned: those the one precomputed
+        reference pass could not score (`leave_out`)."""
+
+    def leave_out(self, rows: dict[int, tuple[str, str]]) -> None:
+        """Skip (and count as bad records) these pair indices whenever a pack plans them. Set before the loader is
+        iterated: its worker processes take a copy of the dataset when an iteration starts."""
+        self.left_out = {int(i): why for i, why in rows.items()}
 
     def __len__(self) -> int:
         raise TypeError("a pack stream has no length")
@@ -114,6 +122,10 @@ class _PairPackDataset(Dataset):
         bad: list = []
         samples, pairs, total = [], [], 0
         for i in pair_ids:
+            if int(i) in self.left_out:
+                category, detail = self.left_out[int(i)]
+                bad.append((*self.processor.halves.locate(2 * int(i)), category, detail))
+                continue
             pair = self.processor(i, bad)
             if pair is None:
                 continue

@@ -4,7 +4,10 @@ A preference loss maps the summed log-probs of the chosen and rejected responses
 frozen reference (None for a reference-free variant) and the response lengths to a per-pair loss. The
 functions live with the DPO step (`megatron_vlm/training/dpo/losses.py`, which documents the equations and
 is tested against TRL's trainers); they are registered here like every other algorithm family, so a new
-variant is one decorated function: `@PREFERENCE_LOSSES.register("name")`.
+variant is one decorated function: `@PREFERENCE_LOSSES.register("name")`. The registry is what `dpo.loss_type`
+is checked against and what the DPO step calls (training/dpo/step.py). A registered variant is given the
+reference log-probs and its metrics' implicit rewards are beta x the log-ratios (TRL's); the reference-free ones
+are listed in `training.dpo.losses.REFERENCE_FREE`.
 """
 from __future__ import annotations
 

@@ -178,11 +178,17 @@ class Critic:
                     weight += n_tok
                 sums["value_loss"] = sums.get("value_loss", 0.0) + loss_sum
                 grad_norms.append(self._step(loss_sum))
-        tot = self.shards.sum([weight, *sums.values()])
-        out = {f"critic/{k}": (v / tot[0] if k != "value_loss" else v) for k, v in zip(sums, tot[1:]) if tot[0] > 0}
-        updates = r.batch.ppo_epochs * r.batch.mini_batches_per_step
-        if "critic/value_loss" in out:
-            out["critic/value_loss"] /= max(updates, 1)  # mean over the updates of the summed mini-batch losses
+        # summed by name, not by position: a rank without samples in this step (its groups dropped, or its completions
+        # masked as truncated) ran no forward and holds no metric but value_loss
+        total_weight, totals = 0.0, dict[str, float]()
+        for part_weight, part in self.shards.gather((weight, sums)):
+            total_weight += part_weight
+            for k, v in part.items():
+                totals[k] = totals.get(k, 0.0) + v
+        out = {f"critic/{k}": (v / total_weight if k != "value_loss" else v) for k, v in sorted(totals.items())
+               if total_weight > 0}
+        if "critic/value_loss" in out:  # the mean over the updates that ran (a mini-batch without tokens runs none)
+            out["critic/value_loss"] /= max(len(grad_norms), 1)
         out["critic/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
         out["critic/lr"] = float(self.optimizer.param_groups[0]["lr"])
         out["critic/skipped_updates"] = float(self.skipped)

@@ -15,15 +15,14 @@ import torch
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.data_files import file_signature
 from megatron_vlm.data.preference_loader import build_preference_dataloader, build_preference_pass_loader
-from megatron_vlm.errors import ConfigError
 from megatron_vlm.parallel.precision import compute_dtype
 from megatron_vlm.training.context import RunContext
-from megatron_vlm.training.dpo.config import DPOConfig
+from megatron_vlm.training.dpo.config import DPOConfig, check_dpo_keys
 from megatron_vlm.training.dpo.losses import REFERENCE_FREE
 from megatron_vlm.training.dpo.reference import AdaptersOffReference, FrozenReference, PrecomputedReference
 from megatron_vlm.training.model_bundle import ModelBundle
 
-__all__ = ["dpo_section", "build_pair_loaders", "build_reference"]
+__all__ = ["dpo_section", "build_pair_loaders", "build_reference", "leave_out_unscored"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -61,6 +60,21 @@ def initial_model_identity(cfg) -> str:
                        "files": [file_signature(f) for f in files if f.is_file()]})
 
 
+def leave_out_unscored(reference: PrecomputedReference, loaders: dict) -> None:
+    """Pairs a pack plans but the reference pass did not score (it failed there: a transient read error, a pack it
+    could not join) have no reference log-prob: every later pack of their split skips them, counted in
+    bad_records.json, instead of training them against 0. The train pass loader shares the training loader's
+    dataset, so telling it tells both."""
+    for split, loader in loaders.items():
+        missing = reference.unscored(split, loader.planned_lengths)
+        if missing:
+            log.warning("dpo: %d %s pairs were not scored by the reference pass (see bad_records.json); they are left "
+                        "out of training and evaluation", len(missing), split)
+            why = ("reference_unscored", "the precomputed reference pass could not score this pair (it failed there); "
+                   "without a reference log-prob it is not trained or evaluated")
+            loader.dataset.leave_out(dict.fromkeys(missing, why))
+
+
 def build_reference(ctx: RunContext, bundle: ModelBundle, dpo: DPOConfig, train_loader, eval_loader):
     """The reference of `[dpo] reference` (training/dpo/reference.py); None for a reference-free loss."""
     cfg, env = ctx.cfg, ctx.env
@@ -73,14 +87,13 @@ def build_reference(ctx: RunContext, bundle: ModelBundle, dpo: DPOConfig, train_
                                                          dp_size=size, like=train_loader)}
         if eval_loader is not None:
             loaders["eval"] = eval_loader
-        return PrecomputedReference.load_or_compute(ctx.run_dir, bundle.wrapper, loaders, device=env.device,
-                                                    copies=getattr(bundle.dims, "data_copies", 1), is_main=env.is_main,
-                                                    model_path=initial_model_identity(cfg))
+        reference = PrecomputedReference.load_or_compute(ctx.run_dir, bundle.wrapper, loaders, device=env.device,
+                                                         copies=getattr(bundle.dims, "data_copies", 1),
+                                                         is_main=env.is_main, model_path=initial_model_identity(cfg))
+        leave_out_unscored(reference, loaders)
+        return reference
     if lora is not None:
-        if lora.init_from and lora.init_from_mode == "continue":
-            raise ConfigError("dpo.reference: with lora.init_from (init_from_mode = \"continue\") the initial model is the "
-                              "base plus that adapter, not the policy with its adapters off; use reference = "
-                              "\"precomputed\"")
+        check_dpo_keys(dpo, lora)  # lora.init_from continued: not the adapters-off policy (the config checks refuse it)
         return AdaptersOffReference(bundle.wrapper, bundle.model)
     dtype = compute_dtype(cfg.train.precision, getattr(torch, cfg.model.dtype), env.device)
     log.info("dpo: frozen reference model loaded from %s (%s)", cfg.model.path, dtype)

@@ -8,7 +8,10 @@
   the policy while it still holds the initial weights (before a checkpoint is resumed), summed per response
   and kept as a [pairs, 2] table per split in `<output_dir>/dpo_reference_logps.pt`; a later start of the
   same run reads the file back instead of scoring again (scored again when the split sizes, the rows the packs
-  hold and their lengths, the data files / synthetic seed, or the model path differ).
+  hold and their lengths, the data files / synthetic seed, or the model path differ). The table also records
+  which rows the pass scored: a pair that failed there (a transient read error, or a pack it could not join)
+  has no reference, so the loaders leave it out of every later pack and count it (`unscored`), rather than
+  train it against a reference log-prob of 0.
 
 Every kind answers `pair_logps(batch, split)` -> (reference log p of each chosen, of each rejected
 response) of a pack (`pair_index` keys the precomputed table).
@@ -85,10 +88,16 @@ def _plan_digest(loader) -> str:
 
 
 class PrecomputedReference:
-    """[pairs, 2] tables of reference log-probs per split, indexed by a pack's `pair_index`."""
+    """[pairs, 2] tables of reference log-probs per split, indexed by a pack's `pair_index`; `scored`: [pairs] bool
+    per split, the rows the pass scored."""
 
-    def __init__(self, tables: dict[str, torch.Tensor]):
-        self.tables = tables
+    def __init__(self, tables: dict[str, torch.Tensor], scored: dict[str, torch.Tensor]):
+        self.tables, self.scored = tables, scored
+
+    def unscored(self, split: str, planned_lengths) -> list[int]:
+        """The rows of `split` that a pack plans (`planned_lengths` >= 0) but the pass did not score."""
+        planned = torch.as_tensor(np.asarray(planned_lengths) >= 0)
+        return torch.nonzero(planned & ~self.scored[split].bool()).flatten().tolist()
 
     def pair_logps(self, batch: dict, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
         idx = batch["pair_index"].to("cpu")
@@ -105,31 +114,35 @@ class PrecomputedReference:
         plans = {split: _plan_digest(ld) for split, ld in loaders.items()}
         if path.is_file():
             saved = torch.load(path, map_location="cpu", weights_only=True)
-            if saved.get("sizes") == sizes and saved.get("model") == model_path and saved.get("plans") == plans:
+            if saved.get("sizes") == sizes and saved.get("model") == model_path and saved.get("plans") == plans \
+                    and isinstance(saved.get("scored"), dict):
                 log.info("dpo: reference log-probs read from %s (%s pairs)", path, sizes)
-                return cls({k: v for k, v in saved["tables"].items()})
-            log.warning("dpo: %s was computed for other data, another packing plan or another model (%s); scoring "
-                        "again", path, saved.get("sizes"))
-        tables = {}
+                return cls(dict(saved["tables"]), dict(saved["scored"]))
+            log.warning("dpo: %s was computed for other data, another packing plan or another model, or does not say "
+                        "which pairs it scored (%s); scoring again", path, saved.get("sizes"))
+        tables, scored = {}, {}
         was_training = wrapper.training
         wrapper.eval()
         try:
             with torch.no_grad():
                 for split, loader in loaders.items():
-                    table = torch.zeros(sizes[split], 2, dtype=torch.float64, device=device)
+                    # columns: chosen, rejected, how many times the row was scored (once per data copy)
+                    table = torch.zeros(sizes[split], 3, dtype=torch.float64, device=device)
                     for pack in loader:
                         batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in pack.items()}
                         chosen, rejected = pair_sums(wrapper(batch).float(), batch)[:2]
                         idx = batch["pair_index"]
                         table[idx, 0] += chosen.double()
                         table[idx, 1] += rejected.double()
-                    tables[split] = (all_reduce_(table) / copies).cpu()
+                        table[idx, 2] += 1.0
+                    table = (all_reduce_(table) / copies).cpu()
+                    tables[split], scored[split] = table[:, :2].contiguous(), table[:, 2] > 0
         finally:
             wrapper.train(was_training)
         if is_main:
             tmp = path.with_name(f".{path.name}.tmp")
-            torch.save({"tables": tables, "sizes": sizes, "model": model_path, "plans": plans}, tmp)
+            torch.save({"tables": tables, "scored": scored, "sizes": sizes, "model": model_path, "plans": plans}, tmp)
             tmp.replace(path)
             log.info("dpo: reference log-probs of %s pairs precomputed into %s", sizes, path)
         barrier()
-        return cls(tables)
+        return cls(tables, scored)

@@ -11,9 +11,9 @@ mean, whatever the world size or accumulation.
 
 Metrics (TRL's names): `loss`, `rewards/chosen`, `rewards/rejected`, `rewards/margins`, `rewards/accuracies`
 (the fraction of pairs whose chosen reward is above the rejected one), `logps/chosen`, `logps/rejected`
-(mean summed log-prob of a response), plus the loop's usual grad_norm, lr, timings. The held-out evaluation
-reports the same over the eval split and `preference_accuracy`, the fraction of pairs the policy itself
-ranks right (log pi(chosen) > log pi(rejected)): meaningful from step 0, where the implicit rewards are all 0.
+(mean summed log-prob of a response), `preference_accuracy`, the fraction of pairs the policy itself ranks
+right (log pi(chosen) > log pi(rejected)): meaningful from step 0, where the implicit rewards are all 0, plus the
+loop's usual grad_norm, lr, timings. The held-out evaluation reports the same over the eval split.
 """
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ from typing import Any, Optional
 import torch
 
 from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.rl.algorithms.preference_losses import PREFERENCE_LOSSES
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.dpo.config import DPOConfig
-from megatron_vlm.training.dpo.losses import PREFERENCE_LOSSES, REFERENCE_FREE, implicit_rewards
+from megatron_vlm.training.dpo.losses import REFERENCE_FREE, implicit_rewards
 from megatron_vlm.training.dpo.sequence import pair_sums
 from megatron_vlm.training.model_bundle import ModelBundle
 from megatron_vlm.training.optim import OptimState
@@ -49,8 +50,8 @@ def preference_terms(dpo: DPOConfig, logp: torch.Tensor, batch: dict, ref):
     `reference_logps`."""
     chosen, rejected, n_chosen, n_rejected = pair_sums(logp.float(), batch)
     ref_c, ref_r = ref if ref is not None else (None, None)
-    losses = PREFERENCE_LOSSES[dpo.loss_type](chosen, rejected, ref_c, ref_r, n_chosen, n_rejected, beta=dpo.beta,
-                                              simpo_gamma=dpo.simpo_gamma)
+    loss_fn = PREFERENCE_LOSSES.get(dpo.loss_type)  # the shipped variants and any registered one
+    losses = loss_fn(chosen, rejected, ref_c, ref_r, n_chosen, n_rejected, beta=dpo.beta, simpo_gamma=dpo.simpo_gamma)
     r_c, r_r = implicit_rewards(dpo.loss_type, chosen, rejected, ref_c, ref_r, n_chosen, n_rejected, beta=dpo.beta)
     c, r = chosen.detach(), rejected.detach()
     sums = {"loss": float(losses.detach().sum()), "rewards/chosen": float(r_c.sum()), "rewards/rejected": float(r_r.sum()),

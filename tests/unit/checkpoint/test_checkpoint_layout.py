@@ -108,3 +108,23 @@ def test_unreadable_record_falls_back_like_a_corrupt_checkpoint(tmp_path, caplog
         point = resumed.resume()
     assert point.step == 2 and torch.all(resumed.wrapper.weight == 2.0)
     assert f"cannot load checkpoint {step4}" in caplog.text and "not a layout record" in caplog.text
+
+
+@pytest.mark.parametrize("saved_mode, now_mode", [("sft", "dpo"), ("dpo", "reward"), ("reward", "dpo"), ("sft", "grpo")])
+def test_a_checkpoint_of_another_train_mode_is_refused_naming_train_mode(saved_mode, now_mode):
+    """A checkpoint continues the run that wrote it: an SFT checkpoint resumed by a DPO run of the same data size
+    loaded (its pack position taken for the pairs', its step count kept) while the DPO reference came from
+    model.path, not from the weights the policy resumed with."""
+    def cfg(mode):
+        c = _cfg()
+        c.train = NS(mode=mode, train_layers=[])
+        return c
+
+    ckpt = Path("/runs/a/checkpoints/step_2")
+    [msg] = layout_refusals(_layout(cfg(saved_mode)), _layout(cfg(now_mode)), ckpt)
+    assert msg.startswith(f'train.mode: {ckpt} was written by a train.mode = "{saved_mode}" run'), msg
+    assert "convert_checkpoint.py" in msg
+    assert layout_refusals(_layout(cfg(now_mode)), _layout(cfg(now_mode)), ckpt) == []
+    older = _layout(cfg(saved_mode))
+    del older["train.mode"]  # a record written before the mode was: loads as before
+    assert layout_refusals(older, _layout(cfg(now_mode)), ckpt) == []

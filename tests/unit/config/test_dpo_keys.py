@@ -24,6 +24,11 @@ def _check(config, *overrides):
     (), ("dpo.loss_type=\"ipo\"", "dpo.beta=0.5"), ("dpo.reference=\"on_the_fly\"",),
     ("dpo.loss_type=\"simpo\"", "dpo.simpo_gamma=1.0", "dpo.reference=\"on_the_fly\""),
     ("train.micro_batches_per_step=2", "train.eval_max_batches=2", "data.shuffle=false"),
+    ("train.train_layers=[]", "lora.r=4", "lora.init_from=\"adapter\""),  # the precomputed reference: scored with it
+    ("train.train_layers=[]", "lora.r=4", "lora.init_from=\"adapter\"", "lora.init_from_mode=\"merge\"",
+     "dpo.reference=\"on_the_fly\""),
+    ("train.train_layers=[]", "lora.r=4", "lora.init_from=\"adapter\"", "dpo.loss_type=\"simpo\"",
+     "dpo.reference=\"on_the_fly\""),  # SimPO reads no reference
 ])
 def test_dpo_accepts_its_keys(overrides):
     _check(DPO, *overrides)
@@ -38,6 +43,10 @@ def test_dpo_accepts_its_keys(overrides):
     (("train.eval_generate=false",), "train.eval_generate"),
     (("parallel.cp=2",), "parallel.cp"),
     (("rl.group_size=4",), "rl"),
+    # the initial model is base + that adapter, not the adapters-off policy: refused by --check too, not only at
+    # the run's start
+    (("train.train_layers=[]", "lora.r=4", "lora.init_from=\"adapter\"", "dpo.reference=\"on_the_fly\""),
+     "dpo.reference"),
 ])
 def test_dpo_refuses_keys_it_ignores(overrides, key):
     with pytest.raises(ConfigError) as e:

@@ -6,15 +6,18 @@ the public calls and the config.
 - a name registered twice is an error, an unknown one a ValueError naming the config key and the choices;
 - a newly registered policy loss / advantage estimator is what `policy_loss(variant=...)` /
   `compute_group_advantages(estimator=...)` run (checked against the formula written out in torch here);
-- the loss spec is frozen and built once per run by the GRPO update, not per micro-batch.
+- the loss spec is frozen and built once per run by the GRPO update, not per micro-batch;
+- a newly registered preference loss is a valid `dpo.loss_type` and what the DPO step's loss runs.
 """
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 
+from megatron_vlm.errors import ConfigError
 from megatron_vlm.rl.advantages import compute_group_advantages
 from megatron_vlm.rl.algorithms.advantage_estimators import ADVANTAGE_ESTIMATORS, register_advantage
 from megatron_vlm.rl.algorithms.policy_losses import POLICY_LOSSES, PolicyLossSpec, PolicyTerms
@@ -22,6 +25,8 @@ from megatron_vlm.rl.algorithms.preference_losses import PREFERENCE_LOSSES
 from megatron_vlm.rl.algorithms.registry import Registry
 from megatron_vlm.rl.algorithms.value_losses import VALUE_LOSSES
 from megatron_vlm.rl.losses import policy_loss
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
@@ -121,3 +126,29 @@ def test_the_grpo_update_builds_the_spec_once(monkeypatch):
     assert len(built) == 1
     grpo.run(0, _pool(8)[:4])
     assert len(seen["samples"]) > 2 and len(built) == 1
+
+
+def test_a_registered_preference_loss_is_what_the_dpo_step_runs(scratch):
+    from megatron_vlm.config import load_config
+    from megatron_vlm.data.batch import IGNORE_INDEX
+    from megatron_vlm.training.dpo.step import preference_terms
+
+    @PREFERENCE_LOSSES.register("hinge")
+    def hinge(chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens, *, beta, simpo_gamma=0.0):
+        return torch.relu(1 - beta * ((chosen - ref_chosen) - (rejected - ref_rejected)))
+
+    cfg = load_config(REPO / "launch" / "configs" / "demo_dpo.toml", overrides=['dpo.loss_type="hinge"'])
+    assert cfg.dpo is not None and cfg.dpo.loss_type == "hinge"
+    # one pack of two pairs: sequences of 3, 2, 4, 3 tokens, every token after the first labelled
+    cu = torch.tensor([0, 3, 5, 9, 12], dtype=torch.int32)
+    labels = torch.zeros(1, 12, dtype=torch.long)
+    labels[0, cu[1:].long() - 1] = IGNORE_INDEX
+    batch = {"labels": labels, "cu_seqlens": cu, "num_pairs": torch.tensor(2)}
+    logp = -torch.arange(1.0, 9.0) / 4
+    ref = (torch.tensor([-1.0, -3.0]), torch.tensor([-1.5, -2.0]))
+    losses, sums = preference_terms(cfg.dpo, logp, batch, ref)
+    chosen, rejected = torch.stack([logp[0:2].sum(), logp[3:6].sum()]), torch.stack([logp[2:3].sum(), logp[6:8].sum()])
+    torch.testing.assert_close(losses, hinge(chosen, rejected, *ref, None, None, beta=cfg.dpo.beta))
+    assert sums["loss"] == pytest.approx(float(losses.sum()))
+    with pytest.raises(ConfigError, match=r"dpo\.loss_type: must be one of \['sigmoid', 'ipo', 'simpo', 'hinge'\]"):
+        load_config(REPO / "launch" / "configs" / "demo_dpo.toml", overrides=['dpo.loss_type="kto"'])

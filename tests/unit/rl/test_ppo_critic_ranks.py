@@ -1,10 +1,13 @@
 """The critic on two data-parallel ranks (gloo): each rank holds half of a step's samples, a different number
 of tokens, and the critic's update (gradients summed over the shards, the loss normalised by the mini-batch's
-global count) and its whitened advantages equal the one-process critic's on all the samples."""
+global count) and its whitened advantages equal the one-process critic's on all the samples. The same holds,
+metrics included, when one rank has no sample in the step (its groups dropped as equal-reward ones, or its
+completions cut at max_new_tokens with update.mask_truncated)."""
 from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -61,15 +64,23 @@ def _worker(rank: int, init_file: str, out: str) -> None:
     try:
         shards = DataShards(rank=rank, world=WORLD, copies=1, device=torch.device("cpu"))
         mine = _samples()[rank::WORLD]
-        torch.save({agg: _critic_step(mine, shards, agg) for agg in ("token-mean", "seq-mean")}, f"{out}.{rank}")
+        res = {agg: _critic_step(mine, shards, agg) for agg in ("token-mean", "seq-mean")}
+        res["empty rank 1"] = _critic_step(_samples() if rank == 0 else [], shards, "token-mean")
+        torch.save(res, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-def test_two_ranks_equal_one_process(tmp_path):
-    out = str(tmp_path / "res")
-    mp.spawn(_worker, args=(str(tmp_path / "store"), out), nprocs=WORLD, join=True)
-    ranks = [torch.load(f"{out}.{r}") for r in range(WORLD)]
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """What each of the two ranks returned (one spawn for the module's tests)."""
+    tmp = tmp_path_factory.mktemp("critic_ranks")
+    out = str(tmp / "res")
+    mp.spawn(_worker, args=(str(tmp / "store"), out), nprocs=WORLD, join=True)
+    return [torch.load(f"{out}.{r}") for r in range(WORLD)]
+
+
+def test_two_ranks_equal_one_process(ranks):
     one = DataShards(rank=0, world=1, copies=1, device=torch.device("cpu"))
     for agg in ("token-mean", "seq-mean"):
         params, adv, metrics = _critic_step(_samples(), one, agg)
@@ -80,3 +91,17 @@ def test_two_ranks_equal_one_process(tmp_path):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         assert abs(metrics["critic/value_loss"] - ranks[0][agg][2]["critic/value_loss"]) < 1e-6
         assert params[0].ne(_LinearValues().lin.weight.detach()).any()  # the update moved the critic
+
+
+
+
+def test_a_rank_without_samples_equals_one_process(ranks):
+    params, _, metrics = _critic_step(_samples(), DataShards(rank=0, world=1, copies=1, device=torch.device("cpu")),
+                                      "token-mean")
+    for r in range(WORLD):
+        got = ranks[r]["empty rank 1"]
+        for a, b in zip(params, got[0]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert got[2].keys() == metrics.keys()
+        for key, value in metrics.items():
+            assert abs(got[2][key] - value) < 1e-5 * max(1.0, abs(value)), (r, key)

@@ -61,3 +61,27 @@ def test_critic_state_round_trips_through_the_checkpoint(tmp_path):
         o.step()
     for a, b in zip(critic.parameters(), fresh_c.parameters()):
         assert torch.equal(a, b)
+
+
+def test_skipped_critic_updates_count_on_across_a_resume():
+    """`critic/skipped_updates` counts "so far", like skipped_steps: a resumed process adds its skips to the
+    checkpoint's total instead of logging from 0 again."""
+    from megatron_vlm.rl.critic.ppo_critic import Critic
+    from megatron_vlm.rl.data_shards import DataShards
+    from megatron_vlm.training.running_totals import RunningTotals
+    from tests.fixtures.rl_config import rl_config
+    from tests.unit.rl.test_ppo_critic_ranks import _LinearValues, _samples
+
+    samples = _samples()
+    samples[0]._x[1, 2] = float("nan")  # type: ignore[attr-defined]  # a non-finite value: the update is skipped
+    model = _LinearValues()
+    critic = Critic(model, torch.optim.SGD(model.parameters(), lr=0.1), rl_config(advantage="gae"),  # type: ignore[arg-type]
+                    shards=DataShards(rank=0, world=1, copies=1, device=torch.device("cpu")), max_grad_norm=1.0, seed=0)
+    packs, to_batch = (lambda ss: [list(ss)]), (lambda grp: {"group": grp})
+    critic.prepare(samples, packs, to_batch)
+    metrics = critic.update(0, samples, packs, to_batch)
+    assert metrics["critic/skipped_updates"] == 1.0
+    totals = RunningTotals()  # the GRPO loop's (rl/trainer.py)
+    totals.restore({"counters": {"critic/skipped_updates": 2.0}})  # the checkpoint of an earlier process
+    assert totals.add_to(metrics)["critic/skipped_updates"] == 3.0
+    assert totals.state()["counters"]["critic/skipped_updates"] == 3.0

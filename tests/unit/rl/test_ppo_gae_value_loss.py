@@ -221,3 +221,25 @@ def test_critic_prepare_is_rewards_then_gae_then_whitening():
                     shards=DataShards(rank=0, world=1, copies=1, device=torch.device("cpu")), max_grad_norm=1.0, seed=0)
     critic.prepare(samples, lambda ss: [list(ss)], lambda grp: {"group": grp})
     torch.testing.assert_close(torch.cat([s.token_advantages for s in samples]).double(), flat, rtol=1e-5, atol=1e-5)
+
+
+def test_critic_value_loss_is_the_mean_over_the_updates_that_ran():
+    """`critic/value_loss` is the mean of the critic updates' losses: a mini-batch without a token anywhere (its
+    samples all dropped) runs no update and does not count, as for the policy's loss. Two samples in four
+    mini-batches run the same two updates as in two mini-batches (the same shuffle), so they report the same."""
+    from megatron_vlm.rl.critic.ppo_critic import Critic
+    from megatron_vlm.rl.data_shards import DataShards
+    from tests.unit.rl.test_ppo_critic_ranks import _LinearValues, _samples
+
+    def value_loss(mini_batches):
+        samples = _samples()[:2]
+        model = _LinearValues()
+        critic = Critic(model, torch.optim.SGD(model.parameters(), lr=0.5), rl_config(advantage="gae",  # type: ignore[arg-type]
+                        mini_batches_per_step=mini_batches), shards=DataShards(rank=0, world=1, copies=1,
+                        device=torch.device("cpu")), max_grad_norm=0.0, seed=0)
+        packs, to_batch = (lambda ss: [list(ss)] if ss else []), (lambda grp: {"group": grp})
+        critic.prepare(samples, packs, to_batch)
+        return critic.update(0, samples, packs, to_batch)["critic/value_loss"]
+
+    assert value_loss(2) > 0
+    assert value_loss(4) == pytest.approx(value_loss(2), rel=1e-6)

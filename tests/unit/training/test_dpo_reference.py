@@ -135,3 +135,60 @@ def test_initial_model_identity_changes_with_the_starting_adapter(tmp_path):
     cfg.lora.init_from_mode = "merge"
     assert initial_model_identity(cfg) not in (first, "/m")
     assert initial_model_identity(SimpleNamespace(model=SimpleNamespace(path="/m"), lora=None)) == "/m"
+
+
+class _TokenScorer(torch.nn.Module):
+    """log-prob of a labelled token = a function of the token alone, -(id % 7 + 1) / 10: the same in any pack."""
+
+    def forward(self, batch):
+        labels = batch["labels"].reshape(-1)
+        return -((labels[labels != IGNORE_INDEX] % 7).double() + 1) / 10
+
+
+def test_a_pair_the_reference_pass_could_not_score_is_skipped_and_counted_not_trained_against_zero(tmp_path):
+    """A pair that fails in the one reference pass (a transient read error, a pack it could not join) and then
+    processes in a training pack has no reference row: it is skipped there and counted, never trained against a
+    reference log-prob of 0."""
+    from types import SimpleNamespace
+
+    from megatron_vlm.data.bad_records import BadRecordLog
+    from megatron_vlm.data.config import DataConfig
+    from megatron_vlm.data.preference_loader import build_preference_dataloader
+    from megatron_vlm.data.processor import load_processor
+    from megatron_vlm.testing.synthesize import synthesize_model_folder
+    from megatron_vlm.training.dpo.build import build_reference
+    from megatron_vlm.training.dpo.config import DPOConfig
+
+    folder = synthesize_model_folder("tiny_qwen2_5_vl", tmp_path / "model", seed=0)
+    data = DataConfig(type="synthetic_vqa", synthetic_dir=str(tmp_path / "data"), synthetic_train_size=10,
+                      synthetic_eval_size=0, max_tokens_per_pack=256, num_workers=0, shuffle=False)
+    processor, bad = load_processor(folder), BadRecordLog()
+    loader = build_preference_dataloader(data, processor, seed=0, dp_rank=0, dp_size=1, bad_records=bad)
+    ctx = SimpleNamespace(cfg=SimpleNamespace(data=data, lora=None, model=SimpleNamespace(path=str(folder))),
+                          env=SimpleNamespace(device=torch.device("cpu"), is_main=True, rank=0), run_dir=tmp_path)
+    bundle = SimpleNamespace(dims=SimpleNamespace(dp_rank=0, dp_size=1, data_copies=1), processor=processor,
+                             wrapper=_TokenScorer())
+    processor_of = loader.dataset.processor
+    failing = 3
+
+    def flaky(i, bad_list):  # pair 3 fails while the reference pass reads it, and only then
+        if i == failing:
+            bad_list.append((*processor_of.halves.locate(2 * i), "missing_image", "read error (transient)"))
+            return None
+        return processor_of(i, bad_list)
+
+    loader.dataset.processor = flaky
+    reference = build_reference(ctx, bundle, DPOConfig(reference="precomputed"), loader, None)
+    loader.dataset.processor = processor_of
+    seen = set()
+    it = iter(loader)
+    for _ in range(loader.packs_per_epoch):
+        pack = next(it)
+        seen.update(pack["pair_index"].tolist())
+        chosen, rejected = reference.pair_logps(pack, "train")
+        want = pair_sums(_TokenScorer()(pack), pack)
+        torch.testing.assert_close(chosen, want[0].float())
+        torch.testing.assert_close(rejected, want[1].float())
+    assert seen == set(range(10)) - {failing}
+    assert any(r.index == processor_of.halves.locate(2 * failing)[1] and r.category == "reference_unscored"
+               for r in bad.entries)

@@ -15,7 +15,7 @@ Decoding then all-gathers no weights: a MoE block sends its tokens to the ranks 
 experts and back (in the prefill the same two all-to-alls as the training forward; in static decode steps,
 CUDA graphs, an all-gather of the step's rows and a reduce-scatter of the expert outputs, fixed in size:
 `ExpertParallelExperts.static_forward`). Every rank of an ep group must therefore make the same forward
-calls: the engine runs in lock-step batches as with "shared" (a rank whose samples are done steps one dummy
+calls: the engine runs in lock-step as with "shared" (a rank whose samples are done steps one dummy
 row until all ranks are done; `all_ranks_active`), its static steps all of one batch size (the slot count).
 
 Refresh (`ExpertParallelRolloutEngine.load_weights(None, version)`, once per optimizer step): for each
@@ -126,7 +126,7 @@ def build_ep_rollout_copy(trainer: nn.Module, model_path: Union[str, Path], *, d
 
 
 class ExpertParallelRolloutEngine(PolicyRolloutEngine):
-    """`PolicyRolloutEngine` over an expert-parallel rollout copy: lock-step batches (the all-to-alls of the MoE
+    """`PolicyRolloutEngine` over an expert-parallel rollout copy: lock-step (the token exchanges of the MoE
     blocks need every rank of the ep group in step), refreshed from the trainer at `load_weights(None, ...)`."""
 
     def __init__(self, model: nn.Module, tokenizer: Any, options: EngineOptions, *, trainer: nn.Module,

@@ -133,8 +133,9 @@ class RLRolloutConfig:
     stop: list[str] = field(default_factory=list)
     """Stop strings: generation of a completion ends after the first of these (EOS always stops)."""
     batch_prompts: int = 0
-    """Prompts generated together on one rank (their KV cache holds rollout.batch_prompts * batch.group_size
-    sequences); 0 = all of the rank's prompts of a step at once."""
+    """Prompts generated together on one rank: the KV cache holds rollout.batch_prompts * batch.group_size
+    sequences at once, and a slot is refilled with a waiting sample as soon as its completion ends (every weights
+    mode; lock-stepped ranks admit in rounds they make together); 0 = all of the rank's prompts of a step at once."""
     memory_gib: float = 0.0
     """KV-cache budget of one rollout batch per rank, in GiB, used when rollout.batch_prompts = 0:
     prompts per rollout batch = floor(budget / (batch.group_size x data.max_tokens_per_pack cache slots x KV
@@ -142,7 +143,7 @@ class RLRolloutConfig:
     weights: str = "shared"
     """Weights the rollout engine generates with. "shared": the trainer's parameters, called through the
     FSDP root (no extra memory, but the parameters are all-gathered at every decoding step and ranks
-    decode in lock-step batches of rollout.batch_prompts). "copy": an unsharded inference copy of the
+    decode in lock-step, their slots refilled in admission rounds all ranks make together). "copy": an unsharded inference copy of the
     policy on every rank, refreshed once per step from the trainer (one gather of the full weights per
     step, one more model in memory), decoding with continuous batching (rollout.batch_prompts *
     batch.group_size slots, refilled as completions end) and no collective per token. On one device nothing
@@ -150,7 +151,7 @@ class RLRolloutConfig:
     a copy on every rank holding the dense (non-expert) weights unsharded and only this rank's routed experts
     of the training ep layout (inference/ep_rollout.py), refreshed from the trainer once per step (dense
     tensors gathered one at a time, experts copied from the local shard); decoding gathers no weights, the
-    MoE blocks exchange tokens with all-to-alls, so ranks decode in lock-step batches as with "shared". For
+    MoE blocks exchange tokens between ranks, so ranks decode in lock-step as with "shared". For
     the 30B-A3B recipes, where "copy" does not fit and "shared" gathers the whole model per token. Refused
     with parallel.ep = 1, parallel.backend = "mcore", parallel.tp > 1, [lora], asynchronous GRPO (allocation) and
     rollout_backend = "vllm"."""
@@ -186,8 +187,8 @@ class RLRolloutConfig:
     are free besides a headroom of 1 % of the pool, so many more slots than full-length sequences fit can run
     (set rollout.batch_prompts large: completions shorter than the budget hold only what they generated);
     sampled tokens then differ from the slot cache's, since a sample's random numbers follow its slot and
-    step; --check plans the pool's memory. Needs rollout.weights = "copy" (continuous batching: "shared" lock-step batches
-    start every sample at once) and room for one sample: >= 1 + ceil(data.max_tokens_per_pack /
+    step; --check plans the pool's memory. Lock-stepped ranks ("shared", "expert_parallel") reserve each sample's
+    prompt + budget at admission instead and admit as blocks come back. Needs room for one sample: >= 1 + ceil(data.max_tokens_per_pack /
     rollout.kv_block_size) (one block is the engine's scratch row)."""
 
     def validate(self) -> None:
@@ -221,10 +222,6 @@ class RLRolloutConfig:
         if self.kv_cache_blocks and not self.kv_block_size:
             raise ValueError(f"kv_cache_blocks: {self.kv_cache_blocks} sizes the paged KV cache, which is off "
                              "(kv_block_size = 0); set kv_block_size >= 2 too, or leave kv_cache_blocks 0")
-        if self.kv_cache_blocks and self.weights != "copy":
-            raise ValueError(f"kv_cache_blocks: {self.kv_cache_blocks} needs weights = 'copy' (continuous "
-                             "batching); with 'shared' every sample of a lock-step batch starts at once, so the pool "
-                             "must hold them all: leave kv_cache_blocks 0 (derived)")
 
 
 @dataclass(kw_only=True)

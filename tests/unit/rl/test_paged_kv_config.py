@@ -47,6 +47,7 @@ def test_defaults_and_valid_values():
     rl_config(kv_block_size=4, allocation="rollout:1+train:1", rollout_cuda_graphs="on").validate()
     rl_config(kv_block_size=16, kv_cache_blocks=64, rollout_weights="copy").validate()
     rl_config(kv_block_size=16, kv_cache_blocks=64, allocation="rollout:1+train:1", rollout_weights="copy").validate()
+    rl_config(kv_block_size=4, kv_cache_blocks=8).validate()  # lock-step ("shared"): admitted as blocks come back
 
 
 @pytest.mark.parametrize("kwargs, key, why", [
@@ -54,9 +55,6 @@ def test_defaults_and_valid_values():
     (dict(kv_block_size=1), "rollout.kv_block_size", "must be 0 (the slot cache) or >= 2"),
     (dict(kv_cache_blocks=-1, kv_block_size=4), "rollout.kv_cache_blocks", "must be >= 0"),
     (dict(kv_cache_blocks=8, rollout_weights="copy"), "rollout.kv_cache_blocks", "8 sizes the paged KV cache, which is off"),
-    (dict(kv_cache_blocks=8, kv_block_size=4), "rollout.kv_cache_blocks", "8 needs weights = 'copy'"),
-    (dict(kv_cache_blocks=8, kv_block_size=4, allocation="rollout:1+train:1"), "rollout.kv_cache_blocks",
-     "needs weights = 'copy'"),
 ])
 def test_refusals_name_the_key(kwargs, key, why):
     with pytest.raises(ValueError) as e:
@@ -189,8 +187,8 @@ def test_launcher_check_exits_2_naming_the_key(tmp_path):
     cmd = [sys.executable, str(REPO / "launch" / "pretrain_vlm.py"), "--config", str(toml), "--check",
            "--device-memory-gib", "80"]
     for extra, want in (([], "check failed: rl.rollout.kv_block_size: 8 (the paged KV cache) is not possible: "),
-                        (["--set", "rl.rollout.kv_cache_blocks=64"],
-                         "rl.rollout.kv_cache_blocks: 64 needs weights = 'copy'")):
+                        (["--set", "rl.rollout.kv_cache_blocks=8"],
+                         "rl.rollout.kv_cache_blocks: 8 blocks of 8 positions cannot hold one sample")):
         r = subprocess.run([*cmd, *extra], capture_output=True, text=True, timeout=120, cwd=str(REPO))
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and want in lines[0], r.stderr[-2000:]

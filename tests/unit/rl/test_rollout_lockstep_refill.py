@@ -78,6 +78,25 @@ def test_lockstep_slots_are_refilled_and_give_the_same_completions():
     assert 2 <= got.stats["prefill_calls"] <= 4 and "prefill" in calls[1:]  # refills in admission rounds
 
 
+def test_lockstep_on_a_small_paged_pool_waits_for_blocks():
+    """The "shared" weights form with a fixed paged pool: each admitted sample reserves its prompt + budget, the
+    others wait until blocks come back (no preemption in lock-step); greedy results unchanged."""
+    model, prompts = _model_and_prompts()
+    eos = _eos_for_varied_lengths(model, prompts, [(0, 0), (3, 3)])
+    params = SamplingParams(max_new_tokens=NEW, n=2, temperature=0.0)
+    ref = PolicyRolloutEngine(model, Tok(), EngineOptions(eos_token_ids=eos)).generate(prompts[:4], params)
+    longest = max(len(p) for p in prompts[:4]) + NEW
+    blocks = 1 + 2 * -(-longest // 4)  # two samples at full length, four slots
+    eng = PolicyRolloutEngine(model, Tok(), EngineOptions(eos_token_ids=eos, max_prompts_per_batch=2, kv_block_size=4,
+                                                          kv_cache_blocks=blocks),
+                              forward=lambda **kw: model(**kw), all_ranks_active=lambda active: active)
+    got = eng.generate(prompts[:4], params)
+    assert got.stats["preemptions"] == 0 and got.stats["prefill_calls"] >= 3  # admitted over several rounds
+    for a, b in zip(ref.samples, got.samples):
+        assert a.token_ids.tolist() == b.token_ids.tolist() and a.finish_reason == b.finish_reason
+        torch.testing.assert_close(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
+
+
 def _rank_worker(rank: int, init_file: str, world: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,

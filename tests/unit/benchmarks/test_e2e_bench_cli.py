@@ -95,3 +95,19 @@ def test_paged_pool_benchmark_runs_both_engines_on_the_cpu(tmp_path):
     assert set(engines) == {"slot_cache", "paged_on_demand"} and got["summary"]["ratio_median"] > 0
     assert engines["slot_cache"]["mean_rows_per_step"] == 1.0 and engines["slot_cache"]["preemptions"] == [0.0]
     assert engines["paged_on_demand"]["mean_rows_per_step"] > 1.0 and engines["paged_on_demand"]["preemptions"][0] > 0
+
+
+def test_lockstep_refill_benchmark_runs_on_the_cpu(tmp_path):
+    """bench_lockstep_refill.py --quick: both schedules decode; the refilled one takes fewer decode steps for the same
+    prompts (each chunk of the baseline runs until its longest completion ends)."""
+    import json
+    import subprocess
+
+    out = tmp_path / "refill.json"
+    r = subprocess.run([sys.executable, str(E2E / "bench_lockstep_refill.py"), "--quick", "--prompts", "4", "--group", "2",
+                        "--new-tokens", "30", "--eos-frac", "0.05", "--repeats", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    runs = json.loads(out.read_text())["summary"]["runs"]
+    assert runs["refilled"]["decode_steps"][0] < runs["chunked"]["decode_steps"][0]
+    assert all(runs[k]["tokens"][0] > 0 for k in runs)

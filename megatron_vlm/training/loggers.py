@@ -6,6 +6,11 @@ go to a per-row `extra` JSON column, so every row stays readable with the same h
 be written (a full disk, a quota) is logged as an error and left out, the file cut back to its last whole
 row; training goes on (its next checkpoint save says what is wrong with the disk, and keeps the previous one).
 
+TensorBoard and W&B: a write that fails (a full disk under the event file, a W&B error) is logged once as an
+error and the row left out of that sink; training goes on. A TensorBoard writer whose file failed is dropped and a
+new one (a new event file in the same folder) is opened at the next row, so logging comes back once the disk has
+room.
+
 A run that starts at step S (a resume, or 0) first drops the rows of steps after S from the train and
 eval CSVs: they were written by a run that went further and was then lost (a fallback to an older
 checkpoint, a kill -9 after the last save), and the steps are run again, so each step has one row.
@@ -104,6 +109,37 @@ class _CsvSink:
             self._fh.close()
 
 
+class _TensorBoardSink:
+    """Scalars and text in `<run>/tensorboard` (module docstring: a failed write is logged, never raised)."""
+
+    def __init__(self, folder: Path, writer_cls):
+        self.folder, self._writer_cls = folder, writer_cls
+        self._writer = writer_cls(str(folder))
+        self._failed = False
+
+    def write(self, what: str, step: int, fn) -> None:
+        """Call `fn(writer)` and flush; an OSError drops the writer (its background thread has died) for a new one."""
+        try:
+            if self._writer is None:
+                self._writer = self._writer_cls(str(self.folder))
+            fn(self._writer)
+            self._writer.flush()
+            self._failed = False
+        except OSError as e:
+            if not self._failed:
+                log.error("tensorboard: could not write %s of step %s (%s); training goes on, TensorBoard rows are "
+                          "left out until writing works again", what, step, e)
+            self._failed = True
+            self._writer = None  # not closed: closing waits on the queue of the thread that died
+
+    def close(self) -> None:
+        if self._writer is not None:
+            try:
+                self._writer.close()
+            except OSError as e:
+                log.error("tensorboard: could not close the event file (%s)", e)
+
+
 class MetricsLogger:
     def __init__(self, log_cfg, output_dir: Path, *, is_main: bool, total_steps: int, run_name: str,
                  config_dict: Optional[dict] = None):
@@ -112,7 +148,9 @@ class MetricsLogger:
         self.total_steps = total_steps
         self.t0 = time.time()
         self.start_step = 0
-        self._tb = self._wandb = self._bar = None
+        self._tb: Optional[_TensorBoardSink] = None
+        self._wandb = self._bar = None
+        self._wandb_failed = False
         self._csv: dict[str, _CsvSink] = {}
         self.output_dir = output_dir
         if not is_main:
@@ -121,7 +159,7 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(output_dir / "tensorboard"))
+                self._tb = _TensorBoardSink(output_dir / "tensorboard", SummaryWriter)
             except ImportError:
                 log.warning("logging.tensorboard = true but tensorboard is not installed; skipping it")
         if log_cfg.csv:
@@ -166,12 +204,13 @@ class MetricsLogger:
         if split in self._csv:
             self._csv[split].write(row)
         if self._tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self._tb.add_scalar(f"{split}/{k}", v, step)
-            self._tb.flush()
-        if self._wandb is not None:
-            self._wandb.log({f"{split}/{k}": v for k, v in row.items() if k != "step"}, step=step)
+            def scalars(tb) -> None:
+                for k, v in row.items():
+                    if k != "step" and isinstance(v, (int, float)):
+                        tb.add_scalar(f"{split}/{k}", v, step)
+
+            self._tb.write(f"the {split} row", step, scalars)
+        self._wandb_log({f"{split}/{k}": v for k, v in row.items() if k != "step"}, step)
         if self.cfg.console and not (split == "train" and "loss" not in row):
             if split == "train":
                 eta = self.eta_s(step)
@@ -199,11 +238,24 @@ class MetricsLogger:
         if self._tb is not None:
             md = "| " + " | ".join(header) + " |\n|" + "---|" * len(header) + "\n"
             md += "\n".join("| " + " | ".join(str(c) for c in r) + " |" for r in rows)
-            self._tb.add_text(name, md, step)
+            self._tb.write(name, step, lambda tb: tb.add_text(name, md, step))
         if self._wandb is not None:
             import wandb
 
-            self._wandb.log({name: wandb.Table(columns=header, data=rows)}, step=step)
+            self._wandb_log({name: wandb.Table(columns=header, data=rows)}, step)
+
+    def _wandb_log(self, data: dict, step: int) -> None:
+        """One W&B log call; an error is logged once (until a call works again) and the row left out."""
+        if self._wandb is None:
+            return
+        try:
+            self._wandb.log(data, step=step)
+            self._wandb_failed = False
+        except Exception as e:  # noqa: BLE001 - W&B raises its own error types; a metrics sink never ends the run
+            if not self._wandb_failed:
+                log.error("wandb: could not log step %s (%s: %s); training goes on, W&B rows are left out until "
+                          "logging works again", step, type(e).__name__, e)
+            self._wandb_failed = True
 
     def log_moe_table(self, step: int, table: list) -> None:
         """The per-layer expert-load table of a MoE workload report (rows = layers, one column per expert)."""
@@ -217,7 +269,10 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
-            self._wandb.finish()
+            try:
+                self._wandb.finish()
+            except Exception as e:  # noqa: BLE001 - the run's outputs are written: a W&B error does not fail it
+                log.error("wandb: could not finish the run (%s: %s)", type(e).__name__, e)
         if self._bar is not None:
             self._bar.close()
 

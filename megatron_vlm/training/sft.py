@@ -198,8 +198,10 @@ class SFTStep:
         dt = time.time() - t0
         if moe_report is not None:
             self.metrics.log_moe_table(step + 1, moe_report[1])
-        if not log:
-            return dict(moe_report[0]) if moe_report is not None else {}
+        if not log and moe_report is None:
+            return {}
+        # a step with a MoE workload report logs its whole row, not the moe/* metrics alone: a row of those alone
+        # as the CSV's first would fix its header without loss, lr, ... (loggers.py: later keys go to `extra`)
         out = {
             "loss": g_loss_sum / denom,
             "grad_norm": float(grad_norm),

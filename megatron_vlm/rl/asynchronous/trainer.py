@@ -47,7 +47,7 @@ from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.metrics import PhaseTimer
 from megatron_vlm.rl.prompts.shard import EncodedShard, PromptEncoding
 from megatron_vlm.rl.rounds import Round, shape_round
-from megatron_vlm.rl.trainer import GRPOLoopStep
+from megatron_vlm.rl.trainer import GRPOLoopStep, has_moe_report
 from megatron_vlm.training.context import RunContext
 
 __all__ = ["AsyncGRPOLoopStep", "StalenessError"]
@@ -256,7 +256,7 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         self._last_end = end
         metrics["epoch"] = (step + 1) * self.rl.batch.prompts_per_step / len(self.train_set)
         self.totals.add_to(metrics)  # reward/*, data/skipped_prompts: counted on from the checkpoint's totals
-        return metrics if log else {}
+        return metrics if log or has_moe_report(metrics) else {}
 
     def finish(self) -> None:
         """Stop the rollout ranks (their steps in flight are dropped), then the synchronous summary."""

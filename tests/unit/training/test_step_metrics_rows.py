@@ -107,3 +107,65 @@ def test_a_grpo_step_with_a_moe_report_logs_it_between_logged_steps():
     rows = {s + 1: runner.train_step(s, log=(s + 1) % 4 == 0) for s in range(4)}
     assert [s for s, m in rows.items() if m] == [2, 4]
     assert rows[2]["moe/entropy_mean"] == 1.0 and rows[2]["loss"] == 1.0
+
+
+class CountingLoader(ListLoader):
+    """Packs of this rank with `stats()` as the packed loader counts them (per rank, since the process started)."""
+
+    def __init__(self, packs):
+        super().__init__(packs)
+        self.samples = self.consumed = 0
+
+    def __iter__(self):
+        for p in self.packs:
+            self.samples += int(p["num_samples"])
+            self.consumed += 1
+            yield p
+
+    def stats(self):
+        return {"samples_seen": self.samples, "packs_consumed": self.consumed}
+
+
+def _sft_two_ranks(tmp, rank: int) -> None:
+    g = torch.Generator().manual_seed(rank)
+    packs = [_pack(g, 6, 3) for _ in range(4)]
+    for p in packs:
+        p["num_samples"] = torch.tensor(1 + 2 * rank)  # rank 0: 1 sample per pack, rank 1: 3
+    model, ctx = TinyLM(), _ctx(tmp / f"r{rank}", micro=2)
+    ctx.env = NS(device=torch.device("cpu"), world_size=2, rank=rank, is_main=rank == 0)
+    bundle = _bundle(model)
+    bundle.dims = NS(dp_size=2, dp_rank=rank)
+    step = SFTStep(ctx, bundle, _optim(model), None, CountingLoader(packs), total_steps=2)
+    rows = [step.train_step(s, log=True) for s in range(2)]
+    # 2 steps x 2 packs per rank: 4 packs of 1 sample on rank 0, 4 of 3 on rank 1
+    assert [r["data/samples_seen"] for r in rows] == [8.0, 16.0], rows
+    assert [r["data/packs_consumed"] for r in rows] == [4.0, 8.0], rows
+    assert rows[-1]["samples_per_s"] * rows[-1]["step_time_s"] == pytest.approx(8.0)
+    assert step.data_state(2)["counters"]["data/samples_seen"] == 16.0
+
+
+def test_sft_data_counters_sum_the_ranks_of_the_all_reduce(tmp_path, monkeypatch):
+    """The fast form of the two-rank test below: a second rank that reads packs like this one's (the all-reduce
+    doubles every sum). Before: data/samples_seen said 2 and 4 (this rank's loader), samples_per_s the run's 4 / step."""
+    import megatron_vlm.training.sft as sft_mod
+
+    monkeypatch.setattr(sft_mod, "all_reduce_sum", lambda values, device: [2 * float(v) for v in values])
+    g = torch.Generator().manual_seed(0)
+    model, ctx = TinyLM(), _ctx(tmp_path, micro=2)
+    bundle = _bundle(model)
+    bundle.dims = NS(dp_size=2, dp_rank=0)
+    step = SFTStep(ctx, bundle, _optim(model), None, CountingLoader([_pack(g, 6, 3) for _ in range(4)]), total_steps=2)
+    rows = [step.train_step(s, log=True) for s in range(2)]
+    assert [(r["data/samples_seen"], r["data/packs_consumed"]) for r in rows] == [(4.0, 4.0), (8.0, 8.0)]
+    assert step.data_state(2)["counters"]["data/samples_seen"] == 8.0
+
+
+@pytest.mark.heavy  # ~20 s on the 2-core machine (two spawned ranks import torch)
+@pytest.mark.distributed
+def test_sft_data_counters_count_every_data_parallel_rank(tmp_path):
+    """Before: data/samples_seen and data/packs_consumed were rank 0's loader counts (half the run's with two ranks,
+    4 and 8 here instead of 8 and 16) next to trained_tokens and samples_per_s, which sum every rank; the checkpoint's
+    running total of data/samples_seen was rank 0's too."""
+    from tests.integration.parallel.spawn import spawn
+
+    spawn(tmp_path, _sft_two_ranks)

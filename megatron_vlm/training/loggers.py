@@ -11,6 +11,10 @@ error and the row left out of that sink; training goes on. A TensorBoard writer 
 new one (a new event file in the same folder) is opened at the next row, so logging comes back once the disk has
 room.
 
+A sink that cannot be opened at the start (a `tensorboard` path that is a file, a metrics CSV that is a folder or
+read-only) is a ConfigError on every rank (exit 2 naming `logging.<sink>`), before the first step: a run must not
+train for hours and record nothing, nor rank 0 die alone while the others wait in a collective.
+
 A run that starts at step S (a resume, or 0) first drops the rows of steps after S from the train and
 eval CSVs: they were written by a run that went further and was then lost (a fallback to an older
 checkpoint, a kill -9 after the last save), and the steps are run again, so each step has one row.
@@ -26,6 +30,9 @@ import sys
 import time
 from pathlib import Path
 from typing import IO, Optional
+
+from megatron_vlm.checkpoint.manager import gather_errors
+from megatron_vlm.errors import ConfigError
 
 log = logging.getLogger("megatron_vlm")
 
@@ -109,6 +116,15 @@ class _CsvSink:
             self._fh.close()
 
 
+def _unwritable(path: Path) -> Optional[str]:
+    """Why `path` cannot be appended to (None: it can, or it can be created)."""
+    if path.exists():
+        if not path.is_file():
+            return "not a regular file"
+        return None if os.access(path, os.W_OK) else "not writable"
+    return None if os.access(path.parent, os.W_OK) else "its folder is not writable"
+
+
 class _TensorBoardSink:
     """Scalars and text in `<run>/tensorboard` (module docstring: a failed write is logged, never raised)."""
 
@@ -140,6 +156,20 @@ class _TensorBoardSink:
                 log.error("tensorboard: could not close the event file (%s)", e)
 
 
+def _open_tensorboard(folder: Path) -> Optional[_TensorBoardSink]:
+    """The TensorBoard sink (None without the package); a folder that cannot be written is a ConfigError."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log.warning("logging.tensorboard = true but tensorboard is not installed; skipping it")
+        return None
+    try:
+        return _TensorBoardSink(folder, SummaryWriter)
+    except OSError as e:
+        raise ConfigError(f"logging.tensorboard: cannot write TensorBoard files in {folder} ({e}); free the path "
+                          "or set logging.tensorboard = false") from None
+
+
 class MetricsLogger:
     def __init__(self, log_cfg, output_dir: Path, *, is_main: bool, total_steps: int, run_name: str,
                  config_dict: Optional[dict] = None):
@@ -156,15 +186,15 @@ class MetricsLogger:
         if not is_main:
             return
         if log_cfg.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = _TensorBoardSink(output_dir / "tensorboard", SummaryWriter)
-            except ImportError:
-                log.warning("logging.tensorboard = true but tensorboard is not installed; skipping it")
+            self._tb = _open_tensorboard(output_dir / "tensorboard")
         if log_cfg.csv:
             self._csv = {"train": _CsvSink(output_dir / "metrics_train.csv"),
                          "eval": _CsvSink(output_dir / "metrics_eval.csv")}
+            for sink in self._csv.values():
+                problem = _unwritable(sink.path)
+                if problem:
+                    raise ConfigError(f"logging.csv: cannot write {sink.path} ({problem}); free the path or set "
+                                      "logging.csv = false")
         if log_cfg.wandb:
             try:
                 import wandb
@@ -280,6 +310,19 @@ class MetricsLogger:
 def build_metrics_logger(ctx, total_steps: int, config_dict: dict) -> MetricsLogger:
     """The run's logger: `[logging]` sinks in the run folder; `config_dict` (the resolved config as
     plain data) goes to W&B. Passed in rather than computed here so that training/ does not depend on
-    the config package, which composes every component's section (training included)."""
-    return MetricsLogger(ctx.cfg.logging, ctx.run_dir, is_main=ctx.env.is_main, total_steps=total_steps,
-                         run_name=ctx.run_dir.name, config_dict=config_dict)
+    the config package, which composes every component's section (training included).
+
+    Collective: rank 0's sink that cannot be opened is a ConfigError on every rank (module docstring)."""
+    logger, err = None, None
+    try:
+        logger = MetricsLogger(ctx.cfg.logging, ctx.run_dir, is_main=ctx.env.is_main, total_steps=total_steps,
+                               run_name=ctx.run_dir.name, config_dict=config_dict)
+    except ConfigError as e:
+        err = str(e)
+    failed = next((e for e in gather_errors(err) if e), None)  # rank 0's: only it opens sinks
+    if failed is not None:
+        if logger is not None:
+            logger.close()
+        raise ConfigError(failed)
+    assert logger is not None
+    return logger

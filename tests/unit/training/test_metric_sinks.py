@@ -80,3 +80,34 @@ def test_a_wandb_error_is_logged_once_and_the_run_goes_on(tmp_path, caplog):
     assert len(errors) == 2 and "step 1" in errors[0] and "finish" in errors[1], errors
     assert logged == [3]
     assert (tmp_path / "metrics_train.csv").read_text().count("\n") == 4  # the CSV got every row
+
+
+def _ctx(tmp_path, *, is_main=True, **sinks):
+    cfg = NS(logging=NS(**{"tensorboard": False, "csv": False, "wandb": False, "console": False, **sinks}))
+    return NS(cfg=cfg, run_dir=tmp_path, env=NS(is_main=is_main))
+
+
+@pytest.mark.parametrize("sink, blocker", [("tensorboard", "tensorboard"), ("csv", "metrics_train.csv")])
+def test_a_sink_that_cannot_be_opened_is_a_config_error_before_the_first_step(tmp_path, sink, blocker):
+    """Before: a `tensorboard` path that is a file raised FileExistsError on rank 0 alone (a traceback once the model
+    was built and resumed; the other ranks waited in their next collective), and a metrics CSV path that is a folder
+    was found only at the first row, then every row was left out: a run that trained and recorded nothing."""
+    from megatron_vlm.errors import ConfigError
+    from megatron_vlm.training.loggers import build_metrics_logger
+
+    if sink == "tensorboard":
+        (tmp_path / blocker).write_text("not a folder")
+    else:
+        (tmp_path / blocker).mkdir()
+    with pytest.raises(ConfigError, match=rf"^logging\.{sink}: cannot write .*{blocker}"):
+        build_metrics_logger(_ctx(tmp_path, **{sink: True}), 4, {})
+
+
+def test_every_rank_stops_when_rank_0_cannot_open_a_sink(tmp_path, monkeypatch):
+    """The other ranks get rank 0's error through the all-gather, so the job ends with exit 2 on every rank."""
+    from megatron_vlm.errors import ConfigError
+    from megatron_vlm.training import loggers
+
+    monkeypatch.setattr(loggers, "gather_errors", lambda err: ["logging.csv: cannot write x (not a regular file)", err])
+    with pytest.raises(ConfigError, match=r"^logging\.csv: cannot write x"):
+        loggers.build_metrics_logger(_ctx(tmp_path, is_main=False, csv=True), 4, {})

@@ -217,6 +217,12 @@ def build_grpo_parts(ctx: RunContext, bundle: ModelBundle) -> GRPOParts:
                      bad_records=bad_records, multiturn=multiturn)
 
 
+def has_moe_report(metrics: dict) -> bool:
+    """The step's metrics hold a MoE workload report (moe.n_step_per_workload_report): the step logs its row even
+    outside train.log_every, as the SFT and pair trainers do, or the report's moe/* metrics would be lost."""
+    return any(k.startswith(("moe/", "critic/moe/")) for k in metrics)
+
+
 class GRPOLoopStep:
     """The loop's step object of a GRPO run (`training.loop.StepRunner`)."""
 
@@ -259,7 +265,7 @@ class GRPOLoopStep:
         metrics.update(getattr(self.grpo.engine, "metrics", dict)())  # the vLLM back end's rollout/weight_push_s
         metrics["epoch"] = (step + 1) * self.rl.batch.prompts_per_step / len(self.train_set)
         self.totals.add_to(metrics)  # every step (the metrics are reduced every step): the next checkpoint's totals
-        return metrics if log else {}
+        return metrics if log or has_moe_report(metrics) else {}
 
     def evaluate(self, step: int) -> Optional[dict]:
         return self._evaluate(step) if self._evaluate is not None else None

@@ -6,6 +6,15 @@ go to a per-row `extra` JSON column, so every row stays readable with the same h
 be written (a full disk, a quota) is logged as an error and left out, the file cut back to its last whole
 row; training goes on (its next checkpoint save says what is wrong with the disk, and keeps the previous one).
 
+TensorBoard and W&B: a write that fails (a full disk under the event file, a W&B error) is logged once as an
+error and the row left out of that sink; training goes on. A TensorBoard writer whose file failed is dropped and a
+new one (a new event file in the same folder) is opened at the next row, so logging comes back once the disk has
+room.
+
+A sink that cannot be opened at the start (a `tensorboard` path that is a file, a metrics CSV that is a folder or
+read-only) is a ConfigError on every rank (exit 2 naming `logging.<sink>`), before the first step: a run must not
+train for hours and record nothing, nor rank 0 die alone while the others wait in a collective.
+
 A run that starts at step S (a resume, or 0) first drops the rows of steps after S from the train and
 eval CSVs: they were written by a run that went further and was then lost (a fallback to an older
 checkpoint, a kill -9 after the last save), and the steps are run again, so each step has one row.
@@ -21,6 +30,9 @@ import sys
 import time
 from pathlib import Path
 from typing import IO, Optional
+
+from megatron_vlm.checkpoint.manager import gather_errors
+from megatron_vlm.errors import ConfigError
 
 log = logging.getLogger("megatron_vlm")
 
@@ -104,6 +116,60 @@ class _CsvSink:
             self._fh.close()
 
 
+def _unwritable(path: Path) -> Optional[str]:
+    """Why `path` cannot be appended to (None: it can, or it can be created)."""
+    if path.exists():
+        if not path.is_file():
+            return "not a regular file"
+        return None if os.access(path, os.W_OK) else "not writable"
+    return None if os.access(path.parent, os.W_OK) else "its folder is not writable"
+
+
+class _TensorBoardSink:
+    """Scalars and text in `<run>/tensorboard` (module docstring: a failed write is logged, never raised)."""
+
+    def __init__(self, folder: Path, writer_cls):
+        self.folder, self._writer_cls = folder, writer_cls
+        self._writer = writer_cls(str(folder))
+        self._failed = False
+
+    def write(self, what: str, step: int, fn) -> None:
+        """Call `fn(writer)` and flush; an OSError drops the writer (its background thread has died) for a new one."""
+        try:
+            if self._writer is None:
+                self._writer = self._writer_cls(str(self.folder))
+            fn(self._writer)
+            self._writer.flush()
+            self._failed = False
+        except OSError as e:
+            if not self._failed:
+                log.error("tensorboard: could not write %s of step %s (%s); training goes on, TensorBoard rows are "
+                          "left out until writing works again", what, step, e)
+            self._failed = True
+            self._writer = None  # not closed: closing waits on the queue of the thread that died
+
+    def close(self) -> None:
+        if self._writer is not None:
+            try:
+                self._writer.close()
+            except OSError as e:
+                log.error("tensorboard: could not close the event file (%s)", e)
+
+
+def _open_tensorboard(folder: Path) -> Optional[_TensorBoardSink]:
+    """The TensorBoard sink (None without the package); a folder that cannot be written is a ConfigError."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log.warning("logging.tensorboard = true but tensorboard is not installed; skipping it")
+        return None
+    try:
+        return _TensorBoardSink(folder, SummaryWriter)
+    except OSError as e:
+        raise ConfigError(f"logging.tensorboard: cannot write TensorBoard files in {folder} ({e}); free the path "
+                          "or set logging.tensorboard = false") from None
+
+
 class MetricsLogger:
     def __init__(self, log_cfg, output_dir: Path, *, is_main: bool, total_steps: int, run_name: str,
                  config_dict: Optional[dict] = None):
@@ -112,21 +178,23 @@ class MetricsLogger:
         self.total_steps = total_steps
         self.t0 = time.time()
         self.start_step = 0
-        self._tb = self._wandb = self._bar = None
+        self._tb: Optional[_TensorBoardSink] = None
+        self._wandb = self._bar = None
+        self._wandb_failed = False
         self._csv: dict[str, _CsvSink] = {}
         self.output_dir = output_dir
         if not is_main:
             return
         if log_cfg.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(output_dir / "tensorboard"))
-            except ImportError:
-                log.warning("logging.tensorboard = true but tensorboard is not installed; skipping it")
+            self._tb = _open_tensorboard(output_dir / "tensorboard")
         if log_cfg.csv:
             self._csv = {"train": _CsvSink(output_dir / "metrics_train.csv"),
                          "eval": _CsvSink(output_dir / "metrics_eval.csv")}
+            for sink in self._csv.values():
+                problem = _unwritable(sink.path)
+                if problem:
+                    raise ConfigError(f"logging.csv: cannot write {sink.path} ({problem}); free the path or set "
+                                      "logging.csv = false")
         if log_cfg.wandb:
             try:
                 import wandb
@@ -166,12 +234,13 @@ class MetricsLogger:
         if split in self._csv:
             self._csv[split].write(row)
         if self._tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self._tb.add_scalar(f"{split}/{k}", v, step)
-            self._tb.flush()
-        if self._wandb is not None:
-            self._wandb.log({f"{split}/{k}": v for k, v in row.items() if k != "step"}, step=step)
+            def scalars(tb) -> None:
+                for k, v in row.items():
+                    if k != "step" and isinstance(v, (int, float)):
+                        tb.add_scalar(f"{split}/{k}", v, step)
+
+            self._tb.write(f"the {split} row", step, scalars)
+        self._wandb_log({f"{split}/{k}": v for k, v in row.items() if k != "step"}, step)
         if self.cfg.console and not (split == "train" and "loss" not in row):
             if split == "train":
                 eta = self.eta_s(step)
@@ -199,11 +268,24 @@ class MetricsLogger:
         if self._tb is not None:
             md = "| " + " | ".join(header) + " |\n|" + "---|" * len(header) + "\n"
             md += "\n".join("| " + " | ".join(str(c) for c in r) + " |" for r in rows)
-            self._tb.add_text(name, md, step)
+            self._tb.write(name, step, lambda tb: tb.add_text(name, md, step))
         if self._wandb is not None:
             import wandb
 
-            self._wandb.log({name: wandb.Table(columns=header, data=rows)}, step=step)
+            self._wandb_log({name: wandb.Table(columns=header, data=rows)}, step)
+
+    def _wandb_log(self, data: dict, step: int) -> None:
+        """One W&B log call; an error is logged once (until a call works again) and the row left out."""
+        if self._wandb is None:
+            return
+        try:
+            self._wandb.log(data, step=step)
+            self._wandb_failed = False
+        except Exception as e:  # noqa: BLE001 - W&B raises its own error types; a metrics sink never ends the run
+            if not self._wandb_failed:
+                log.error("wandb: could not log step %s (%s: %s); training goes on, W&B rows are left out until "
+                          "logging works again", step, type(e).__name__, e)
+            self._wandb_failed = True
 
     def log_moe_table(self, step: int, table: list) -> None:
         """The per-layer expert-load table of a MoE workload report (rows = layers, one column per expert)."""
@@ -217,7 +299,10 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
-            self._wandb.finish()
+            try:
+                self._wandb.finish()
+            except Exception as e:  # noqa: BLE001 - the run's outputs are written: a W&B error does not fail it
+                log.error("wandb: could not finish the run (%s: %s)", type(e).__name__, e)
         if self._bar is not None:
             self._bar.close()
 
@@ -225,6 +310,19 @@ class MetricsLogger:
 def build_metrics_logger(ctx, total_steps: int, config_dict: dict) -> MetricsLogger:
     """The run's logger: `[logging]` sinks in the run folder; `config_dict` (the resolved config as
     plain data) goes to W&B. Passed in rather than computed here so that training/ does not depend on
-    the config package, which composes every component's section (training included)."""
-    return MetricsLogger(ctx.cfg.logging, ctx.run_dir, is_main=ctx.env.is_main, total_steps=total_steps,
-                         run_name=ctx.run_dir.name, config_dict=config_dict)
+    the config package, which composes every component's section (training included).
+
+    Collective: rank 0's sink that cannot be opened is a ConfigError on every rank (module docstring)."""
+    logger, err = None, None
+    try:
+        logger = MetricsLogger(ctx.cfg.logging, ctx.run_dir, is_main=ctx.env.is_main, total_steps=total_steps,
+                               run_name=ctx.run_dir.name, config_dict=config_dict)
+    except ConfigError as e:
+        err = str(e)
+    failed = next((e for e in gather_errors(err) if e), None)  # rank 0's: only it opens sinks
+    if failed is not None:
+        if logger is not None:
+            logger.close()
+        raise ConfigError(failed)
+    assert logger is not None
+    return logger

@@ -136,8 +136,8 @@ class PairStep(PackScorer):
         dt = time.time() - t0
         if moe_report is not None:
             self.metrics.log_moe_table(step + 1, moe_report[1])
-        if not log:
-            return dict(moe_report[0]) if moe_report is not None else {}
+        if not log and moe_report is None:
+            return {}  # a step with a MoE workload report logs its whole row (as SFTStep does, for the CSV header)
         out_metrics = {k: v / copies / g_pairs for k, v in zip(self.sums, totals)}
         out_metrics.update({"grad_norm": float(grad_norm), "lr": lr, "pairs": g_pairs, "tokens_per_s": g_tokens / dt,
                             "step_time_s": dt, "skipped_steps": float(self.guard.skipped),

@@ -133,6 +133,9 @@ class SFTStep:
         """Times a step's packs held no trained token and were replaced by the next ones (`_skip_empty`)."""
         self.totals = RunningTotals()
         """skipped_steps, data/empty_steps_skipped, data/samples_seen: counted on from the checkpoint's totals."""
+        self.samples_seen = 0.0
+        """Samples of the packs this process's steps fetched, summed over the data-parallel ranks (data/samples_seen;
+        the loader's own count is this rank's alone)."""
 
     # ------------------------------------------------------------------ StepRunner
     def load_data_state(self, state: dict, step: int) -> None:  # noqa: ARG002
@@ -148,9 +151,8 @@ class SFTStep:
 
     def _counts(self) -> dict[str, float]:
         """This process's counters (the logged metrics of the same names before the resumed totals are added)."""
-        stats = self.loader.stats() if hasattr(self.loader, "stats") else {}
         return {"skipped_steps": float(self.guard.skipped), "data/empty_steps_skipped": float(self.empty_steps_skipped),
-                **({"data/samples_seen": float(stats["samples_seen"])} if "samples_seen" in stats else {})}
+                "data/samples_seen": self.samples_seen}
 
     def evaluate(self, step: int) -> Optional[dict]:
         return self._evaluate(step) if self._evaluate is not None else None
@@ -169,6 +171,7 @@ class SFTStep:
             local = [sum(int(m["num_label_tokens"]) for m in micro), sum(int(m["num_samples"]) for m in micro),
                      sum(int(m["input_ids"].numel()) for m in micro)]
             g_tokens, g_samples, g_seq = (v / copies for v in all_reduce_sum(local, env.device))
+            self.samples_seen += g_samples
             if g_tokens > 0:
                 break
             self._skip_empty(step, fetched)  # every rank sees the same sums: all fetch again together
@@ -198,8 +201,10 @@ class SFTStep:
         dt = time.time() - t0
         if moe_report is not None:
             self.metrics.log_moe_table(step + 1, moe_report[1])
-        if not log:
-            return dict(moe_report[0]) if moe_report is not None else {}
+        if not log and moe_report is None:
+            return {}
+        # a step with a MoE workload report logs its whole row, not the moe/* metrics alone: a row of those alone
+        # as the CSV's first would fix its header without loss, lr, ... (loggers.py: later keys go to `extra`)
         out = {
             "loss": g_loss_sum / denom,
             "grad_norm": float(grad_norm),
@@ -213,8 +218,7 @@ class SFTStep:
             "skipped_steps": float(self.guard.skipped),
             "data/empty_steps_skipped": float(self.empty_steps_skipped),
         }
-        stats = self.loader.stats() if hasattr(self.loader, "stats") else {}
-        out.update({f"data/{k}": v for k, v in stats.items() if isinstance(v, (int, float))})
+        out.update(self._data_stats())
         if env.device.type == "cuda":
             peak = _peak_flops()
             if peak:
@@ -222,6 +226,17 @@ class SFTStep:
         if moe_report is not None:
             out.update(moe_report[0])
         return self.totals.add_to(out)
+
+    def _data_stats(self) -> dict[str, float]:
+        """data/*: the loader's counts, the counters made the run's (every data-parallel rank's, as trained_tokens and
+        samples_per_s are): samples_seen from the step's all-reduce, packs_consumed = this rank's x dp (the ranks take
+        the same number of packs). packing_efficiency, planned_packing_efficiency and bad_records are rank 0's."""
+        stats = self.loader.stats() if hasattr(self.loader, "stats") else {}
+        out = {f"data/{k}": float(v) for k, v in stats.items() if isinstance(v, (int, float))}
+        if "data/packs_consumed" in out:
+            out["data/packs_consumed"] *= self.bundle.dims.dp_size
+        out["data/samples_seen"] = self.samples_seen
+        return out
 
     def _skip_empty(self, step: int, fetched: int) -> None:
         """No rank's micro-batches of this step hold a trained token: every sample in them failed when it

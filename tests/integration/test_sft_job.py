@@ -69,6 +69,10 @@ def test_two_processes_match_one(tmp_path, assets):
     l2 = [float(r["loss"]) for r in read_metrics(two / "metrics_train.csv")]
     assert len(l1) == len(l2) == 4
     assert max(abs(a - b) for a, b in zip(l1, l2)) <= 1e-5, (l1, l2)
+    # the data counters are the run's, whatever the number of processes (they were rank 0's loader's)
+    for key in ("data/samples_seen", "data/packs_consumed", "trained_tokens"):
+        assert [r[key] for r in read_metrics(one / "metrics_train.csv")] == [
+            r[key] for r in read_metrics(two / "metrics_train.csv")], key
     p1, p2 = load_safetensors_dir(one / "hf"), load_safetensors_dir(two / "hf")
     assert p1.keys() == p2.keys()
     assert max((p1[k] - p2[k]).abs().max().item() for k in p1) <= 1e-5

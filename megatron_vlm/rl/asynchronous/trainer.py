@@ -47,7 +47,7 @@ from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.metrics import PhaseTimer
 from megatron_vlm.rl.prompts.shard import EncodedShard, PromptEncoding
 from megatron_vlm.rl.rounds import Round, shape_round
-from megatron_vlm.rl.trainer import GRPOLoopStep
+from megatron_vlm.rl.trainer import GRPOLoopStep, has_moe_report
 from megatron_vlm.training.context import RunContext
 
 __all__ = ["AsyncGRPOLoopStep", "StalenessError"]
@@ -64,6 +64,11 @@ def _nothing_encoded(step: int, payloads: list[dict]) -> str:
              if last else "")
     return (f"data: none of the prompts of step {step} could be encoded by the rollout ranks{where} (their warnings "
             "name more)")
+
+
+def _generated_tokens(payload: dict) -> int:
+    """Tokens a rollout rank generated for the step (its samples' completions, counted as the synchronous step does)."""
+    return sum(int(s["token_ids"].numel()) for s in payload["samples"])
 
 
 class StalenessError(RuntimeError):
@@ -248,6 +253,11 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
             "async/weight_push_s": self.push_s,
             "time/rollout_s": sum(p["gen_s"] for p in payloads) / len(payloads),
             "time/reward_s": sum(p["reward_s"] for p in payloads) / len(payloads),
+            # the trainer's whole step (the wait for samples, the update, the push), as trainer_idle_frac divides by;
+            # the update's phases alone (time/train_s, ...) are logged beside it
+            "time/step_s": end - self._last_end,
+            # the rollout ranks' generation together: each rank's tokens over its generation time, summed
+            "perf/rollout_tokens_per_s": sum(_generated_tokens(p) / p["gen_s"] for p in payloads if p["gen_s"] > 0),
             # the rollout ranks' skips up to this step (a payload's count is its rank's total when it finished the
             # step, not counting the steps it generated ahead) + the trainer's encoder's (held-out prompts, counted over
             # the training ranks by step_metrics): both sets of records are in the run's log, saved with the checkpoint
@@ -256,7 +266,7 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         self._last_end = end
         metrics["epoch"] = (step + 1) * self.rl.batch.prompts_per_step / len(self.train_set)
         self.totals.add_to(metrics)  # reward/*, data/skipped_prompts: counted on from the checkpoint's totals
-        return metrics if log else {}
+        return metrics if log or has_moe_report(metrics) else {}
 
     def finish(self) -> None:
         """Stop the rollout ranks (their steps in flight are dropped), then the synchronous summary."""

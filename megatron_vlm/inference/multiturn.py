@@ -8,7 +8,9 @@ new tokens are prefilled into the slot (`_append_batch`: the slots' keys are vie
 the chunks run through the model with their images — the vision tower sees only the new images — in one
 forward for all replies of a loop iteration, and the new keys are written after the old ones). Decoding is
 continuously batched across conversations at different turns: one decode step serves every conversation that is generating, whatever its turn, and a conversation whose reply
-was just prefilled joins the next step; a finished trajectory frees its slot for the next waiting one.
+was just prefilled joins the next step; a finished trajectory frees its slot for the next waiting one. With the
+engine's `cuda_graphs` the decode steps are its static steps (inference/decode_graphs.py; the runner and its
+slot cache kept as the engine's across calls of the same shape), the appends and prefills stay eager.
 
 Positions: M-RoPE families (Qwen2.5-VL, Qwen3-VL) place a chunk with images as the whole-sequence index
 would (the original Qwen2.5-VL get_rope_index, mrope_index.py: text continues at the previous maximum + 1, a
@@ -164,6 +166,9 @@ class MultiTurnRollout:
         if getattr(engine, "lockstep", False):
             raise ConfigError("rl.env: multi-turn rollouts need the engine's own weights copy (rl.rollout.weights = "
                               "'copy'); lock-step decoding through the trainer's sharded model is not supported")
+        if getattr(engine, "kv_block_size", 0):
+            raise ConfigError("rl.rollout.kv_block_size: the paged KV cache is not used by multi-turn rollouts ([rl.env]: "
+                              "a conversation keeps its slot across turns); set kv_block_size = 0")
         cache = getattr(engine.model, "new_cache", None)
         probe = cache(1, 1, device="meta") if cache is not None else None
         if not isinstance(probe, KVCache):
@@ -201,6 +206,19 @@ class MultiTurnRollout:
         pos, _ = rope_index(ids, None, None, vision)
         pos = pos + (start + delta)
         return pos, int(pos.max()) + 1 - (start + ids.shape[1])
+
+    def _runner(self, num_slots: int, max_len: int, dev):
+        """The static-step runner (CUDA graphs) over this call's slot cache, or None (eager steps): kept as the engine's
+        (`_runner`, dropped by its `release_memory` and re-captured after moved weights) while the slot shape holds."""
+        e = self.engine
+        if e.cuda_graphs == "off" or (e.cuda_graphs == "auto" and dev.type != "cuda"):
+            return None
+        key = ("multiturn", num_slots, max_len, str(dev))
+        if e._runner is None or e._runner_key != key:
+            e._drop_runner()
+            cache = e.with_options(SlotCache(self.model.new_cache(num_slots + 1, max_len, dtype=e.cache_dtype, device=dev)))
+            e._runner, e._runner_key = e._decode_runner(cache), key
+        return e._runner
 
     def _prefill(self, cache: SlotCache, conv: _Conv) -> None:
         dev = self._device()
@@ -345,7 +363,9 @@ class MultiTurnRollout:
             raise ValueError(f"rl.env.max_total_tokens: {limits.max_total_tokens} leaves no room after a prompt of "
                              f"{longest} tokens")
         num_slots = max(1, min(e.max_num_seqs or total, total))
-        cache = e.with_options(SlotCache(self.model.new_cache(num_slots + 1, limits.max_total_tokens, dtype=e.cache_dtype, device=dev)))
+        runner = self._runner(num_slots, limits.max_total_tokens, dev)
+        cache = runner.cache if runner is not None else e.with_options(
+            SlotCache(self.model.new_cache(num_slots + 1, limits.max_total_tokens, dtype=e.cache_dtype, device=dev)))
         checker = StopChecker(e.tokenizer, e.eos_token_ids, params.stop)
         suppress = e.suppress_token_ids.to(dev)
         convs = [_Conv(i, prompts[i // n], _conversation_generator(seed, i, dev)) for i in range(total)]
@@ -393,11 +413,18 @@ class MultiTurnRollout:
                 else:
                     running.append(c)
             if running:  # one decode step for every generating conversation, whatever its turn
-                cache.set_active([c.slot for c in running])
                 feed = torch.tensor([c.ids[-1] for c in running], dtype=torch.long, device=dev)
-                with self._recording() as rec:
-                    step_logits = self._logits(feed[:, None], cache)
-                routes = self._routes_of(rec, len(running))
+                step_logits, routes = None, None
+                if runner is not None and e.cuda_graphs != "off":  # the static (CUDA-graph) step; None: fell back
+                    graph_logits = e._graph_step(runner, cache, [c.slot for c in running], feed)
+                    if graph_logits is not None:  # a view of the bucket's buffer: copied before the next step
+                        step_logits = graph_logits.float().clone()
+                        routes = runner.last_routes[:, None] if runner.last_routes is not None else None
+                if step_logits is None:
+                    cache.set_active([c.slot for c in running])
+                    with self._recording() as rec:
+                        step_logits = self._logits(feed[:, None], cache)
+                    routes = self._routes_of(rec, len(running))
                 for i, (c, row) in enumerate(zip(running, step_logits)):
                     c.logits = row
                     if routes is not None:

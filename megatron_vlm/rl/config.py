@@ -177,8 +177,8 @@ class RLRolloutConfig:
     reserve each sample's prompt + budget at admission instead. Same tokens and log-probs as the slot cache
     (float rounding aside) with a pool that never preempts; runs in CUDA graphs too (rollout.cuda_graphs: the
     block table is a static buffer); on the CPU ~5-9 % slower. Attention-only decoders: refused for the Mamba2
-    hybrid (Nemotron-VL, its recurrent state is per slot). Read by every engine of the job: synchronous and
-    asynchronous GRPO rollouts and [rl.eval]."""
+    hybrid (Nemotron-VL, its recurrent state is per slot) and with [rl.env] (multi-turn conversations keep a slot
+    across turns). Read by every engine of the job: synchronous and asynchronous GRPO rollouts and [rl.eval]."""
     kv_cache_blocks: int = 0
     """Blocks in the paged KV cache's pool (with rollout.kv_block_size >= 2; 0 = derived: 1 + slots x
     ceil((longest prompt + budget) / rollout.kv_block_size), room for every slot at full length, so memory is the
@@ -708,6 +708,9 @@ class RLConfig:
         if self.rollout_backend != "vllm" and self.rollout.weights != "copy":  # vLLM: its own weights (docs/vllm.md)
             raise ValueError("rollout.weights: multi-turn rollouts ([rl.env]) decode with the engine's own weights copy; "
                              "set rollout.weights = 'copy'")
+        if self.rollout_backend != "vllm" and self.rollout.kv_block_size:
+            raise ValueError(f"rollout.kv_block_size: {self.rollout.kv_block_size} (the paged KV cache) is not used by "
+                             "multi-turn rollouts ([rl.env]: a conversation keeps its slot across turns); set 0")
         # what the multi-turn engine and trajectory samples do not carry yet: refused, not silently dropped
         if self.advantage == "gae":
             raise ConfigError("advantage: 'gae' (PPO's critic) is not wired to multi-turn trajectories ([rl.env]) yet; "

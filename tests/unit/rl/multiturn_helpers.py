@@ -23,7 +23,7 @@ def vqa_file(folder):
 
 
 def rollout(kind, vqa, tmp_path, *, env=ENV, kwargs=None, runner=None, reprefill=False, eos_every=2, max_turns=3, max_total=4096, max_new=12, n=2, seed=0,
-            record_routes=False):
+            record_routes=False, cuda_graphs="off"):
     folder = synthesize_model_folder(kind, tmp_path / kind, seed=0)
     model, proc = load_hf_model(str(folder)).eval(), load_processor(str(folder))
     encoder = PromptEncoder(proc, max_frames=4, fps=2.0, max_new_tokens=max_new, max_tokens=max_total)
@@ -32,7 +32,7 @@ def rollout(kind, vqa, tmp_path, *, env=ENV, kwargs=None, runner=None, reprefill
     # every even token id ends a turn (eos_every = 2): turns of a few tokens from a random model
     vocab = model.lm_head.weight.shape[0]
     eos = set(range(0, vocab, eos_every))
-    options = EngineOptions(eos_token_ids=eos, max_num_seqs=3, record_routes=record_routes)
+    options = EngineOptions(eos_token_ids=eos, max_num_seqs=3, record_routes=record_routes, cuda_graphs=cuda_graphs)
     engine = PolicyRolloutEngine(model, proc.tokenizer, options)
     session = EnvSession(runner or InlineEnvRunner(), TurnEncoder(proc), name=env, kwargs=kwargs or {},
                          samples=[env_sample(s, p) for s, p in zip(samples, prompts)],
@@ -42,4 +42,5 @@ def rollout(kind, vqa, tmp_path, *, env=ENV, kwargs=None, runner=None, reprefill
                                               session, MultiTurnLimits(max_turns=max_turns, max_total_tokens=max_total),
                                               seed=seed)
     session.engine_stats = dict(loop.stats)  # what the engine prefilled and stepped
+    session.engine = engine
     return model, prompts, trajs, session

@@ -40,10 +40,9 @@ last is preempted: its blocks are returned and it waits at the head of the queue
 (recomputation; the cached keys of the tokens it had generated are then the current weights') and it
 continues where it stopped. So a pool (`kv_cache_blocks`) far smaller than slots x longest sequence runs
 many more sequences at once than reserving every sample's budget would, most completions being much
-shorter than the budget (`stats["preemptions"]`, `metrics()`). Lock-stepped ranks (the trainer's forward,
-the expert-parallel copy) reserve each sample's prompt + budget at admission instead (a preempted sample's
-re-admission would be a prefill the other ranks do not make). On the CPU the paged cache is ~5-9 % slower,
-so off by default.
+shorter than the budget (`stats["preemptions"]`, `metrics()`). Lock-stepped ranks (below) do the same, a
+re-admission being part of their admission round's one prefill forward (with the round's new prompts). On
+the CPU the paged cache is ~5-9 % slower, so off by default.
 
 Lock-step (when `all_ranks_active` is given: the trainer's FSDP forward, or the expert-parallel copy whose MoE
 blocks exchange tokens): every rank must make the same forward calls in the same order. The slots
@@ -387,7 +386,7 @@ class PolicyRolloutEngine(RolloutEngine):
     def metrics(self) -> dict[str, float]:
         """Rollout counters since the last call, for the step's metrics: `rollout/preemptions` (samples preempted for
         lack of KV blocks, on-demand paged cache; none without it)."""
-        out = {"rollout/preemptions": float(self._preemptions)} if self.kv_block_size and not self.lockstep else {}
+        out = {"rollout/preemptions": float(self._preemptions)} if self.kv_block_size else {}
         self._preemptions = 0
         return out
 
@@ -569,14 +568,8 @@ class PolicyRolloutEngine(RolloutEngine):
         """Fill free slots with waiting samples: ([slots], logits [len, V]) or ([], None)."""
         take: list[tuple[int, int]] = []
         while queue and run.free:
-            if isinstance(cache, PagedSlotCache):
-                sample = queue[0]
-                if self.lockstep:  # every sample starts at once and none is re-admitted: its whole budget now
-                    tokens, headroom = len(prompts[sample // n]) + run.budget, 0
-                else:  # on demand: its prompt (+ what it generated before a preemption) and the next position
-                    done = len(run.preempted[sample].tokens) if sample in run.preempted else 0
-                    tokens = len(prompts[sample // n]) + done + 1
-                    headroom = max(1, cache.num_blocks // 100) if run.slot_sample or take else 0
+            if isinstance(cache, PagedSlotCache):  # on demand: its prompt (+ what it generated before a preemption)
+                tokens, headroom = self._blocks_wanted(run, cache, prompts, n, queue[0], busy=bool(run.slot_sample or take))
                 if not cache.can_reserve(tokens, headroom):
                     if not run.slot_sample and not take:  # nothing runs that could give blocks back
                         raise RuntimeError(f"kv_cache_blocks: the pool cannot hold one sample of {tokens} tokens "
@@ -586,28 +579,33 @@ class PolicyRolloutEngine(RolloutEngine):
             take.append((queue.popleft(), run.free.popleft()))
         if not take:
             return [], None
-        resumed = {slot: self._readmit(run, cache, prompts[sample // n], sample, slot, stats)
-                   for sample, slot in take if sample in run.preempted}
         for _sample, slot in take:
             run.admitted[slot] = run.admissions
             run.admissions += 1
-        take = [(sample, slot) for sample, slot in take if slot not in resumed]
-        if not take:
-            return list(resumed), torch.stack(list(resumed.values()))
+        back = [(sample, slot) for sample, slot in take if sample in run.preempted]  # preempted, re-admitted
+        take = [(sample, slot) for sample, slot in take if sample not in run.preempted]
         key_of = (lambda i: i // n) if self.share_prefix else (lambda i: i)
         need = list(dict.fromkeys(key_of(i) for i, _ in take if key_of(i) not in prefixes))
-        if need:
+        resumed: dict[int, torch.Tensor] = {}
+        if need or back:  # one prefill forward: new prompts and the re-admitted samples' prompt + generated tokens
             t0 = time.perf_counter()
             batch = [prompts[k // (1 if self.share_prefix else n)] for k in need]
+            batch += [self._resume_prompt(prompts[sample // n], run.preempted[sample]) for sample, _ in back]
             pcache, logits, routes = self._prefill(batch)
             uses = n if self.share_prefix else 1
             for row, key in enumerate(need):
                 # the prompt's own positions of the left-padded row
                 mine = routes[row, routes.shape[1] - len(batch[row]):] if routes is not None else None
                 prefixes[key] = [pcache, row, logits[row], uses, mine]
+            for j, (sample, slot) in enumerate(back):
+                row = len(need) + j
+                resumed[slot] = self._readmit(run, cache, sample, slot, pcache, row, logits[row],
+                                              routes[row, -1] if routes is not None else None)
             stats["prefill_s"] += time.perf_counter() - t0
             stats["forward_calls"] += 1
             stats["prefill_calls"] += 1
+        if not take:
+            return list(resumed), torch.stack(list(resumed.values()))
         # one copy per prefilled row into all of its new slots (a group's G slots at once: the row's keys are
         # gathered once per layer, not once per slot)
         slots_of: dict = {}
@@ -636,8 +634,8 @@ class PolicyRolloutEngine(RolloutEngine):
         """A lock-stepped rank's admissions after a token (module docstring): an admission round when any rank can
         admit, in which this rank makes exactly one prefill forward, real or of one pad token."""
         want = bool(queue and run.free)
-        if want and isinstance(cache, PagedSlotCache):  # the whole budget is reserved at admission
-            want = cache.can_reserve(len(prompts[queue[0] // n]) + run.budget)
+        if want and isinstance(cache, PagedSlotCache):
+            want = cache.can_reserve(*self._blocks_wanted(run, cache, prompts, n, queue[0], busy=bool(run.slot_sample)))
         if not self.all_ranks_active(want):
             return [], None
         calls = stats["prefill_calls"]
@@ -653,18 +651,27 @@ class PolicyRolloutEngine(RolloutEngine):
         stats["forward_calls"] += 1
         stats["dummy_prefills"] += 1
 
-    def _readmit(self, run: _Run, cache, prompt: RolloutPrompt, sample: int, slot: int, stats: dict) -> torch.Tensor:
-        """Re-admit a preempted sample into `slot` (its blocks reserved): its prompt + the k tokens it generated are
-        prefilled again and it continues at token k; returns the logits of that token [V]."""
+    @staticmethod
+    def _blocks_wanted(run: _Run, cache: PagedSlotCache, prompts: Sequence[RolloutPrompt], n: int, sample: int, *,
+                       busy: bool) -> tuple[int, int]:
+        """(positions a waiting sample's blocks must hold now, blocks to leave free) on the on-demand pool: its prompt,
+        what it generated before a preemption and the next position; a headroom of 1 % of the pool (>= 1 block)
+        while others run, for them to grow."""
+        done = len(run.preempted[sample].tokens) if sample in run.preempted else 0
+        return len(prompts[sample // n]) + done + 1, max(1, cache.num_blocks // 100) if busy else 0
+
+    @staticmethod
+    def _resume_prompt(prompt: RolloutPrompt, state: _Preempted) -> RolloutPrompt:
+        """A preempted sample's prefill: its prompt (vision inputs included) followed by the tokens it generated."""
+        return dataclasses.replace(prompt, input_ids=torch.cat([prompt.input_ids.to(torch.long), state.tokens.to("cpu", torch.long)]))
+
+    def _readmit(self, run: _Run, cache, sample: int, slot: int, pcache, row: int, logits: torch.Tensor,
+                 last_route: Optional[torch.Tensor]) -> torch.Tensor:
+        """Re-admit a preempted sample into `slot` (its blocks reserved) from row `row` of a prefill of its prompt + the
+        k tokens it generated (`_resume_prompt`): it continues at token k; returns that token's logits [V]."""
         state = run.preempted.pop(sample)
         k = int(state.tokens.numel())
-        t0 = time.perf_counter()
-        ids = torch.cat([prompt.input_ids.to(torch.long), state.tokens.to("cpu", torch.long)])
-        pcache, logits, routes = self._prefill([dataclasses.replace(prompt, input_ids=ids)])
-        stats["prefill_s"] += time.perf_counter() - t0
-        stats["forward_calls"] += 1
-        stats["prefill_calls"] += 1
-        cache.load_prefix([slot], pcache, 0)
+        cache.load_prefix([slot], pcache, row)
         run.slot_sample[slot] = sample
         run.tokens[slot, :k] = state.tokens
         run.logprobs[slot, :k] = state.logprobs
@@ -672,12 +679,12 @@ class PolicyRolloutEngine(RolloutEngine):
         run.gen_len[slot] = k
         run.host_len[slot] = k
         run.host_tokens[slot] = list(state.host_tokens)
-        if run.routes is not None and state.prompt_routes is not None and state.routes is not None and routes is not None:
+        if run.routes is not None and state.prompt_routes is not None and state.routes is not None and last_route is not None:
             # the routes recorded when the tokens were first fed; the last token's, fed only now, from this prefill
             run.prompt_routes[slot] = state.prompt_routes
             run.routes[slot, :k - 1] = state.routes
-            run.routes[slot, k - 1] = routes[0, -1]
-        return logits[0]
+            run.routes[slot, k - 1] = last_route
+        return logits
 
     def _grow(self, run: _Run, cache: PagedSlotCache, running: list[int], queue: deque, stats: dict) -> list[int]:
         """Give every running slot whose sequence reached the end of its blocks one more (on-demand paged cache),
@@ -885,7 +892,7 @@ class PolicyRolloutEngine(RolloutEngine):
                         self._finish(run, slot, "interrupted", finished)
                     interrupted = True
                     break
-                if running and isinstance(cache, PagedSlotCache) and not self.lockstep:  # on-demand blocks
+                if running and isinstance(cache, PagedSlotCache):  # on-demand blocks
                     rows = self._grow(run, cache, running, queue, stats)
                     if len(rows) < len(running):
                         assert feed is not None

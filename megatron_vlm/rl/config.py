@@ -173,8 +173,8 @@ class RLRolloutConfig:
     does: an admitted sample takes the blocks of its prompt, a running one another block each time its sequence
     reaches the end of its blocks, a finished one returns them; when the pool is out of blocks the sample
     admitted last is preempted and later continues from its prompt + generated tokens prefilled again
-    (rollout/preemptions counts them). Lock-step batches (rollout.weights = "shared" / "expert_parallel")
-    reserve each sample's prompt + budget at admission instead. Same tokens and log-probs as the slot cache
+    (rollout/preemptions counts them), lock-stepped ranks ("shared" / "expert_parallel") too (in their admission
+    rounds). Same tokens and log-probs as the slot cache
     (float rounding aside) with a pool that never preempts; runs in CUDA graphs too (rollout.cuda_graphs: the
     block table is a static buffer); on the CPU ~5-9 % slower. Attention-only decoders: refused for the Mamba2
     hybrid (Nemotron-VL, its recurrent state is per slot) and with [rl.env] (multi-turn conversations keep a slot
@@ -187,8 +187,8 @@ class RLRolloutConfig:
     are free besides a headroom of 1 % of the pool, so many more slots than full-length sequences fit can run
     (set rollout.batch_prompts large: completions shorter than the budget hold only what they generated);
     sampled tokens then differ from the slot cache's, since a sample's random numbers follow its slot and
-    step; --check plans the pool's memory. Lock-stepped ranks ("shared", "expert_parallel") reserve each sample's
-    prompt + budget at admission instead and admit as blocks come back. Needs room for one sample: >= 1 + ceil(data.max_tokens_per_pack /
+    step; --check plans the pool's memory. Every weights mode (lock-stepped ranks admit in rounds they make
+    together). Needs room for one sample: >= 1 + ceil(data.max_tokens_per_pack /
     rollout.kv_block_size) (one block is the engine's scratch row)."""
 
     def validate(self) -> None:

@@ -218,8 +218,14 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
             lines.append(f"rollout    {per_rank} prompts per rank and step x group {group}, in the vLLM engine "
                          f"(rl.vllm.max_num_seqs {rl.vllm.max_num_seqs} at once)")
         else:
-            lines.append(f"rollout    {per_rank} prompts per rank and step, {rollout_prompts} per batch x group {group} x "
-                         f"{tokens} cache slots ({ceil_div(per_rank, rollout_prompts)} batches)")
+            if rl.rollout.kv_block_size and rl.rollout.kv_cache_blocks:  # the on-demand pool bounds what runs at once
+                positions = (rl.rollout.kv_cache_blocks - 1) * rl.rollout.kv_block_size
+                lines.append(f"rollout    {per_rank} prompts per rank and step x group {group}, {rollout_prompts * group} slots "
+                             f"sharing a pool of {positions} positions on demand ({positions // tokens} sequences at "
+                             f"{tokens} positions; shorter ones more), refilled as completions end")
+            else:
+                lines.append(f"rollout    {per_rank} prompts per rank and step x group {group}, {rollout_prompts * group} sequences "
+                             f"at once ({rollout_prompts} prompts' slots of {tokens} positions), refilled as completions end")
         route_lines, routes_bytes = routes_plan(model, rl, per_rank_prompts=per_rank, batch_prompts=rollout_prompts,
                                                 max_tokens=tokens)
         lines += route_lines

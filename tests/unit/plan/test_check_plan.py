@@ -186,7 +186,7 @@ def test_check_grpo_without_rollout_budget_names_the_key(qwen2_5_vl_3b):
     code, out, err = _check(CONFIGS / "qwen2_5_vl_3b_geometry3k_grpo.toml",
                             [f'model.path="{qwen2_5_vl_3b}"', "rl.rollout.memory_gib=0"], 8)
     assert code == 2 and err.startswith("check failed: rl.rollout.memory_gib: estimated peak") and len(err.splitlines()) == 1
-    assert "132 per batch" in out  # all of a rollout rank's 132 prompts at once (528 over rl.allocation's 4 rollout ranks)
+    assert "(132 prompts' slots" in out  # all of a rollout rank's 132 prompts at once (528 over rl.allocation's 4 rollout ranks)
 
 
 def test_check_layout_error_names_the_key(qwen2_5_vl_3b):

@@ -47,10 +47,11 @@ the CPU the paged cache is ~5-9 % slower, so off by default.
 Lock-step (when `all_ranks_active` is given: the trainer's FSDP forward, or the expert-parallel copy whose MoE
 blocks exchange tokens): every rank must make the same forward calls in the same order. The slots
 (`max_prompts_per_batch` prompts x n, 0 = every sample of the call) are refilled as completions end, as in
-continuous batching, with the prefills in step: after each token, `all_ranks_active(wants_to_admit)` (an
-all-reduce supplied by the trainer: is it true on any rank?) says whether this is an admission round; in one,
-every rank makes exactly one prefill forward, of the samples it admits or, with none (or with prompts
-already prefilled for their group), of one pad token (`stats["dummy_prefills"]`). Then
+continuous batching, with the prefills in step: after each token, a sample whose group's prompt is prefilled
+already takes a free slot at once (no forward), and `all_ranks_active(needs_a_prefill)` (an all-reduce supplied
+by the trainer: is it true on any rank?) says whether this is an admission round; in one, every rank makes
+exactly one prefill forward, of the samples it admits or, with none, of one pad token
+(`stats["dummy_prefills"]`). Then
 `all_ranks_active(local_active)` decides whether another decode step runs, and a rank whose rows are all
 finished steps one dummy row on the scratch slot until every rank is done. So a long completion on one rank
 no longer holds the other slots idle until the batch ends (the tail of chunked batches); the caller gives
@@ -564,10 +565,14 @@ class PolicyRolloutEngine(RolloutEngine):
             return None
 
     def _admit(self, queue: deque, run: _Run, cache: SlotCache, prompts: Sequence[RolloutPrompt], n: int, prefixes: dict,
-               stats: dict) -> tuple[list[int], Optional[torch.Tensor]]:
-        """Fill free slots with waiting samples: ([slots], logits [len, V]) or ([], None)."""
+               stats: dict, *, cached_only: bool = False) -> tuple[list[int], Optional[torch.Tensor]]:
+        """Fill free slots with waiting samples: ([slots], logits [len, V]) or ([], None). `cached_only`: only those that
+        need no prefill forward (their group's prompt is prefilled already), stopping at the first that would."""
+        key_of = (lambda i: i // n) if self.share_prefix else (lambda i: i)
         take: list[tuple[int, int]] = []
         while queue and run.free:
+            if cached_only and (queue[0] in run.preempted or key_of(queue[0]) not in prefixes):
+                break
             if isinstance(cache, PagedSlotCache):  # on demand: its prompt (+ what it generated before a preemption)
                 tokens, headroom = self._blocks_wanted(run, cache, prompts, n, queue[0], busy=bool(run.slot_sample or take))
                 if not cache.can_reserve(tokens, headroom):
@@ -584,7 +589,6 @@ class PolicyRolloutEngine(RolloutEngine):
             run.admissions += 1
         back = [(sample, slot) for sample, slot in take if sample in run.preempted]  # preempted, re-admitted
         take = [(sample, slot) for sample, slot in take if sample not in run.preempted]
-        key_of = (lambda i: i // n) if self.share_prefix else (lambda i: i)
         need = list(dict.fromkeys(key_of(i) for i, _ in take if key_of(i) not in prefixes))
         resumed: dict[int, torch.Tensor] = {}
         if need or back:  # one prefill forward: new prompts and the re-admitted samples' prompt + generated tokens
@@ -631,18 +635,25 @@ class PolicyRolloutEngine(RolloutEngine):
 
     def _lockstep_admit(self, queue: deque, run: _Run, cache, prompts: Sequence[RolloutPrompt], n: int, prefixes: dict,
                         stats: dict) -> tuple[list[int], Optional[torch.Tensor]]:
-        """A lock-stepped rank's admissions after a token (module docstring): an admission round when any rank can
-        admit, in which this rank makes exactly one prefill forward, real or of one pad token."""
+        """A lock-stepped rank's admissions after a token (module docstring): samples whose group's prompt is prefilled
+        already join at once (no forward); then an admission round when any rank has a sample that needs a prefill,
+        in which this rank makes exactly one prefill forward, real or of one pad token."""
+        local = self._admit(queue, run, cache, prompts, n, prefixes, stats, cached_only=True)
         want = bool(queue and run.free)
         if want and isinstance(cache, PagedSlotCache):
             want = cache.can_reserve(*self._blocks_wanted(run, cache, prompts, n, queue[0], busy=bool(run.slot_sample)))
         if not self.all_ranks_active(want):
-            return [], None
+            return local
         calls = stats["prefill_calls"]
         out = self._admit(queue, run, cache, prompts, n, prefixes, stats) if want else ([], None)
-        if stats["prefill_calls"] == calls:  # nothing to prefill here (or the group's prompt is prefilled already)
+        if stats["prefill_calls"] == calls:  # nothing to prefill here
             self._dummy_prefill(stats)
-        return out
+        if not local[0]:
+            return out
+        if not out[0]:
+            return local
+        assert local[1] is not None and out[1] is not None
+        return local[0] + out[0], torch.cat([local[1], out[1]])
 
     def _dummy_prefill(self, stats: dict) -> None:
         """One prefill forward of a single pad token, whose output is dropped: keeps a lock-stepped rank's forward

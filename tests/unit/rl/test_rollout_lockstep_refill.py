@@ -79,6 +79,7 @@ def test_lockstep_slots_are_refilled_and_give_the_same_completions():
     # refilled: g2 starts when g0 ends (at once), g3 when g1 and g2 end: 7 + 3 decode steps against 7 + 7
     assert group == [1, NEW, NEW, 4] and got.stats["decode_steps"] <= chunked - 3, (got.stats, group)
     assert 2 <= got.stats["prefill_calls"] <= 4 and "prefill" in calls[1:]  # refills in admission rounds
+    assert got.stats["dummy_prefills"] == 0
 
 
 def test_lockstep_on_a_small_paged_pool_preempts_and_gives_the_same_completions():
@@ -103,6 +104,8 @@ def test_lockstep_on_a_small_paged_pool_preempts_and_gives_the_same_completions(
     got = eng.generate(prompts[:4], params)
     assert got.stats["preemptions"] > 0 and eng.metrics()["rollout/preemptions"] == got.stats["preemptions"]
     assert got.stats["prefill_calls"] + got.stats["dummy_prefills"] == len(prefills)  # one forward per admission round
+    # one process: a round happens only when this rank needs a prefill (a group's prompt prefilled already: none)
+    assert got.stats["dummy_prefills"] == 0
     for a, b in zip(ref.samples, got.samples):
         assert a.token_ids.tolist() == b.token_ids.tolist() and a.finish_reason == b.finish_reason
         torch.testing.assert_close(b.logprobs, a.logprobs, atol=1e-4, rtol=0)

@@ -756,12 +756,18 @@ class PolicyRolloutEngine(RolloutEngine):
         """With graphs on: the slot cache and graphs of an earlier call when the slot count and the slot length
         (rounded up to 64 positions, so calls with similar lengths match) are the same, else new ones (kept
         for the next call until `release_memory`). Stale keys of an earlier call lie beyond each slot's length
-        (masked); `load_prefix` rewrites the lengths, Mamba2 states and M-RoPE deltas of an admitted slot."""
+        (masked); `load_prefix` rewrites the lengths, Mamba2 states and M-RoPE deltas of an admitted slot.
+        Lock-stepped ranks start new runners together (one all-reduce per batch): a new runner captures its bucket
+        at its first step, which on CUDA runs the step twice more (warm-up), collectives included, so a rank whose
+        slot length changed alone would step out of line with the others' collectives."""
         if self.cuda_graphs == "off" or (self.cuda_graphs == "auto" and dev.type != "cuda"):
             return None
         max_len = -(-max_len // 64) * 64
         key = (num_slots, max_len, str(dev))
-        if self._runner is not None and self._runner_key == key:
+        fresh = self._runner is None or self._runner_key != key
+        if self.lockstep:  # the prompts, hence the slot lengths, differ between ranks
+            fresh = self.all_ranks_active(fresh)
+        if not fresh:
             return self._runner
         self._drop_runner()
         self._runner, self._runner_key = self._decode_runner(self._new_cache(num_slots, max_len, dev)), key

@@ -59,7 +59,8 @@ steps; MoE blocks route graph-safely there: models/common/moe_static.py). Lock-s
 copy (the expert-parallel copy, inference/ep_rollout.py) run one bucket, the slot count, on every rank:
 their MoE blocks exchange the step's rows with fixed-size collectives (`static_forward`,
 parallel/expert_parallel.py). "on" with `forward=` (the trainer's FSDP model) is refused; "auto"
-falls back to eager steps with a logged reason (also when a capture fails). The slot cache (or pool) and its
+falls back to eager steps with a logged reason (also when a capture fails; on one lock-stepped rank: on every
+rank at the same step, `DecodeStepRunner(agree=...)`). The slot cache (or pool) and its
 graphs are kept for the next call of the same slot shape, until `release_memory()`.
 
 Interruption and versions: `interrupt()` (from another thread) stops `generate` at the next token
@@ -545,7 +546,7 @@ class PolicyRolloutEngine(RolloutEngine):
         sizes = [cache.num_slots] if self.lockstep else None
         return DecodeStepRunner(self.forward, cache, pad_token_id=self.pad_token_id, capture=dev_type == "cuda",
                                 probe=dev_type != "cuda", params=tensors, record_routes=self.routes_shape is not None,
-                                sizes=sizes)
+                                sizes=sizes, agree=self.all_ranks_active if self.lockstep else None)
 
     def _graph_step(self, runner: DecodeStepRunner, cache, slots: list[int], feed: torch.Tensor):
         """Logits of one static step, or None when "auto" gives up on graphs (the step then runs eagerly)."""

@@ -13,13 +13,15 @@ warm-up runs the collectives twice more) at the same step even when only one ran
 from __future__ import annotations
 
 import copy
+import datetime
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_vlm.inference.decode_graphs import GraphSafetyProbe
+from megatron_vlm.inference.decode_graphs import GraphSafetyProbe, GraphUnsafeError
 from megatron_vlm.kernels import static_experts as moe_static
 from megatron_vlm.models.common.moe_static import static_routing
 from tests.unit.parallel.test_expert_parallel import HIDDEN, _sigmoid_block, _sigmoid_block_all_to_rank0, _softmax_block
@@ -69,9 +71,11 @@ def _rollout_worker(rank: int, init_file: str, folder, root) -> None:
     """The expert-parallel rollout copy decoding in static steps ("on": the CUDA-graph form, eager here) against
     the one-process engine on the full model: same greedy tokens, log-probs, routes; rank 1 finishes first and
     steps dummy rows (the scratch slot in the one bucket). A later call whose slot length changes on one rank
-    only starts new runners (graph captures on CUDA) on every rank at the same step."""
+    only starts new runners (graph captures on CUDA) on every rank at the same step; a capture that fails on
+    one rank makes every rank fall back to eager steps ("auto") at the same step."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=60))  # mismatched collectives: an error, not a hang
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -128,6 +132,41 @@ def _rollout_worker(rank: int, init_file: str, folder, root) -> None:
         everyone: list = [None] * WORLD
         dist.all_gather_object(everyone, firsts)
         assert everyone[0] == everyone[1], f"the ranks start new decode runners at different steps: {everyone}"
+
+        # "auto" with a capture that fails on rank 0 only (CUDA's path, emulated: the capture's two warm-up runs on
+        # the scratch rows, then the capture itself, which runs nothing; a "graph" whose replay runs the step):
+        # every rank falls back to eager steps at the same step, or rank 0's all-to-alls meet rank 1's all-gathers
+        auto = ExpertParallelRolloutEngine(copy_, tok, EngineOptions(eos_token_ids=[-1], record_routes=True,
+                                                                     cuda_graphs="on"), trainer=trainer,
+                                           all_ranks_active=lambda a: any_rank(a, torch.device("cpu")))
+        kept = auto._kept_runner
+
+        def kept_then_auto(*a):
+            runner = kept(*a)
+            runner.capture, auto.cuda_graphs = True, "auto"
+
+            def capture(bucket, n, input_ids, slots):
+                hint = bucket.prefix_rows.clone(), bucket.prefix_lens.clone()
+                bucket.ids.fill_(runner.pad_token_id)
+                bucket.slots.fill_(runner.cache.scratch_slot)
+                bucket.prefix_rows.copy_(bucket.own_rows)
+                bucket.prefix_lens.zero_()
+                for _ in range(2):
+                    runner._step(bucket)
+                if rank == 0:
+                    raise GraphUnsafeError("decode step could not be captured: out of memory (emulated)")
+                bucket.ids[:n, 0].copy_(input_ids)
+                bucket.slots[:n].copy_(torch.as_tensor(list(slots), dtype=torch.long))
+                bucket.prefix_rows.copy_(hint[0])
+                bucket.prefix_lens.copy_(hint[1])
+                bucket.graph = SimpleNamespace(replay=lambda: setattr(bucket, "logits", runner._step(bucket)))
+
+            runner._capture = capture
+            return runner
+
+        auto._kept_runner = kept_then_auto  # type: ignore[method-assign]
+        _same(_generate(auto, mine, budget), want, f"'auto' fell back, rank {rank}")
+        assert auto.cuda_graphs == "off" and auto._runner is None
     finally:
         dist.destroy_process_group()
 

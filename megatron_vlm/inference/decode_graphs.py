@@ -113,13 +113,15 @@ class _Bucket:
 class DecodeStepRunner:
     def __init__(self, forward: Callable[..., torch.Tensor], cache: SlotCache, *, pad_token_id: int,
                  capture: bool, probe: bool = False, params: Sequence[torch.Tensor] = (), record_routes: bool = False,
-                 sizes: Optional[Sequence[int]] = None) -> None:
+                 sizes: Optional[Sequence[int]] = None, agree: Optional[Callable[[bool], bool]] = None) -> None:
         """`forward(input_ids=..., kv_cache=...)` -> logits `[B, T, V]` (the engine's own model); `cache`: the
         batch's `SlotCache` (slot layout) or `PagedSlotCache` (block table); `capture`: CUDA graphs (the cache must be on CUDA); `probe`: trace
         the first eager runs of each bucket for graph safety; `params`: tensors whose addresses a graph bakes in;
         `record_routes`: each step also leaves the MoE experts of its rows in `last_routes` (routing replay; a
         static output of the graph, like the logits); `sizes`: the batch-size buckets (default `bucket_sizes`;
-        lock-stepped ranks whose steps exchange rows take one, the slot count)."""
+        lock-stepped ranks whose steps exchange rows take one, the slot count); `agree(failed) -> any rank failed`
+        (lock-stepped ranks: a collective): a capture or probe that fails on one rank fails on every rank, before
+        any replays, so that all of them fall back to eager steps (and their collectives) together."""
         if capture and cache.device.type != "cuda":
             raise ValueError(f"DecodeStepRunner: CUDA graphs need a CUDA cache, got {cache.device}")
         cache.set_active_static(torch.zeros(1, dtype=torch.long, device=cache.device))  # checks the cache can
@@ -137,6 +139,7 @@ class DecodeStepRunner:
         self.captures = 0
         self.record_routes = record_routes
         self.last_routes: Optional[torch.Tensor] = None
+        self.agree = agree
 
     # ------------------------------------------------------------------ the step
     def _step(self, bucket: _Bucket) -> torch.Tensor:
@@ -178,13 +181,11 @@ class DecodeStepRunner:
             self._fill_prefix_hint(bucket, slots)
         if self.capture:
             if bucket.graph is None:
-                self._capture(bucket, n, input_ids, slots)
+                self._together(bucket, lambda: self._capture(bucket, n, input_ids, slots))
             assert bucket.graph is not None
             bucket.graph.replay()
         elif self.probe and len(bucket.traces) < 2:
-            with GraphSafetyProbe() as probe:
-                bucket.logits = self._step(bucket)
-            self._check_probe(bucket, probe)
+            self._together(bucket, lambda: self._probed_step(bucket))
         else:
             bucket.logits = self._step(bucket)
         for s in slots:
@@ -192,6 +193,24 @@ class DecodeStepRunner:
         assert bucket.logits is not None
         self.last_routes = bucket.routes[:n] if bucket.routes is not None else None
         return bucket.logits[:n]
+
+    def _probed_step(self, bucket: _Bucket) -> None:
+        with GraphSafetyProbe() as probe:
+            bucket.logits = self._step(bucket)
+        self._check_probe(bucket, probe)
+
+    def _together(self, bucket: _Bucket, attempt: Callable[[], None]) -> None:
+        """Run a capture / probed step; with `agree`, fail here too when it failed on another rank."""
+        failure: Optional[GraphUnsafeError] = None
+        try:
+            attempt()
+        except GraphUnsafeError as e:
+            failure = e
+        if self.agree is not None and self.agree(failure is not None) and failure is None:
+            failure = GraphUnsafeError(f"decode step (bucket {bucket.size}): another lock-stepped rank could not "
+                                       "capture it")
+        if failure is not None:
+            raise failure
 
     def _fill_prefix_hint(self, bucket: _Bucket, slots: Sequence[int]) -> None:
         """Write this step's shared-prompt hint (`SlotCache.prefix_hint_for`) into the bucket's static buffers."""

@@ -66,7 +66,8 @@ steps; MoE blocks route graph-safely there: models/common/moe_static.py). Lock-s
 copy (the expert-parallel copy, inference/ep_rollout.py) run one bucket, the slot count, on every rank:
 their MoE blocks exchange the step's rows with fixed-size collectives (`static_forward`,
 parallel/expert_parallel.py). "on" with `forward=` (the trainer's FSDP model) is refused; "auto"
-falls back to eager steps with a logged reason (also when a capture fails). The slot cache (or pool) and its
+falls back to eager steps with a logged reason (also when a capture fails; on one lock-stepped rank: on every
+rank at the same step, `DecodeStepRunner(agree=...)`). The slot cache (or pool) and its
 graphs are kept for the next call of the same slot shape, until `release_memory()`.
 
 Interruption and versions: `interrupt()` (from another thread) stops `generate` at the next token
@@ -550,7 +551,7 @@ class PolicyRolloutEngine(RolloutEngine):
         sizes = [cache.num_slots] if self.lockstep else None
         return DecodeStepRunner(self.forward, cache, pad_token_id=self.pad_token_id, capture=dev_type == "cuda",
                                 probe=dev_type != "cuda", params=tensors, record_routes=self.routes_shape is not None,
-                                sizes=sizes)
+                                sizes=sizes, agree=self.all_ranks_active if self.lockstep else None)
 
     def _graph_step(self, runner: DecodeStepRunner, cache, slots: list[int], feed: torch.Tensor):
         """Logits of one static step, or None when "auto" gives up on graphs (the step then runs eagerly)."""
@@ -801,12 +802,18 @@ class PolicyRolloutEngine(RolloutEngine):
         """With graphs on: the slot cache and graphs of an earlier call when the slot count and the slot length
         (rounded up to 64 positions, so calls with similar lengths match) are the same, else new ones (kept
         for the next call until `release_memory`). Stale keys of an earlier call lie beyond each slot's length
-        (masked); `load_prefix` rewrites the lengths, Mamba2 states and M-RoPE deltas of an admitted slot."""
+        (masked); `load_prefix` rewrites the lengths, Mamba2 states and M-RoPE deltas of an admitted slot.
+        Lock-stepped ranks start new runners together (one all-reduce per batch): a new runner captures its bucket
+        at its first step, which on CUDA runs the step twice more (warm-up), collectives included, so a rank whose
+        slot length changed alone would step out of line with the others' collectives."""
         if self.cuda_graphs == "off" or (self.cuda_graphs == "auto" and dev.type != "cuda"):
             return None
         max_len = -(-max_len // 64) * 64
         key = (num_slots, max_len, str(dev))
-        if self._runner is not None and self._runner_key == key:
+        fresh = self._runner is None or self._runner_key != key
+        if self.lockstep:  # the prompts, hence the slot lengths, differ between ranks
+            fresh = self.all_ranks_active(fresh)
+        if not fresh:
             return self._runner
         self._drop_runner()
         self._runner, self._runner_key = self._decode_runner(self._new_cache(num_slots, max_len, dev)), key

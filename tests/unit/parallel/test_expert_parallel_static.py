@@ -6,18 +6,22 @@ on the same rank's input in one process (fp32, within 1e-5), in both static form
 takes them, and dense), for the NemotronH-style block (sigmoid router, latent space, relu2 experts) and the
 Qwen3-MoE-style block (softmax, SwiGLU experts), including a routing bias that sends every token to rank 0's
 experts (rank 1 computes nothing of its own); and the whole forward reads no tensor value on the host
-(`GraphSafetyProbe`, the check a CUDA-graph capture needs).
+(`GraphSafetyProbe`, the check a CUDA-graph capture needs). The lock-stepped rollout engine on the EP copy in
+static steps equals the one-process engine, and its ranks start new decode runners (CUDA-graph captures, whose
+warm-up runs the collectives twice more) at the same step even when only one rank's slot length changed.
 """
 from __future__ import annotations
 
 import copy
+import datetime
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_vlm.inference.decode_graphs import GraphSafetyProbe
+from megatron_vlm.inference.decode_graphs import GraphSafetyProbe, GraphUnsafeError
 from megatron_vlm.kernels import static_experts as moe_static
 from megatron_vlm.models.common.moe_static import static_routing
 from tests.unit.parallel.test_expert_parallel import HIDDEN, _sigmoid_block, _sigmoid_block_all_to_rank0, _softmax_block
@@ -66,9 +70,12 @@ def test_static_expert_parallel_block_equals_the_unsharded_block(tmp_path):
 def _rollout_worker(rank: int, init_file: str, folder, root) -> None:
     """The expert-parallel rollout copy decoding in static steps ("on": the CUDA-graph form, eager here) against
     the one-process engine on the full model: same greedy tokens, log-probs, routes; rank 1 finishes first and
-    steps dummy rows (the scratch slot in the one bucket)."""
+    steps dummy rows (the scratch slot in the one bucket). A later call whose slot length changes on one rank
+    only starts new runners (graph captures on CUDA) on every rank at the same step; a capture that fails on
+    one rank makes every rank fall back to eager steps ("auto") at the same step."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=60))  # mismatched collectives: an error, not a hang
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -76,6 +83,7 @@ def _rollout_worker(rank: int, init_file: str, folder, root) -> None:
         from megatron_vlm.checkpoint.hf import load_hf_model
         from megatron_vlm.data.processor import load_processor
         from megatron_vlm.inference.decode_graphs import DecodeStepRunner
+        from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
         from megatron_vlm.inference.ep_rollout import ExpertParallelRolloutEngine, build_ep_rollout_copy
         from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
         from megatron_vlm.models.common.moe import moe_layers
@@ -94,9 +102,13 @@ def _rollout_worker(rank: int, init_file: str, folder, root) -> None:
         fully_shard(trainer, mesh=mesh, ignored_params=set(expert_parameters(trainer)))
         copy_ = build_ep_rollout_copy(trainer, folder, dtype=torch.float32, device="cpu", ep_group=mesh.get_group())
         steps: list[int] = []
+        firsts: list[tuple[int, int]] = []  # (call, step of the call) where a runner's bucket is first used
+        call = [0]
         step = DecodeStepRunner.step
 
         def spy(self, slots, input_ids):
+            if self.bucket_for(len(slots)) not in self.buckets:  # on CUDA: its capture, two warm-up runs first
+                firsts.append((call[0], len(steps)))
             steps.append(len(slots))
             assert self.sizes == [PER_RANK * 2]  # lock-step: one bucket, the slot count, on every rank
             return step(self, slots, input_ids)
@@ -108,6 +120,53 @@ def _rollout_worker(rank: int, init_file: str, folder, root) -> None:
         assert engine.cuda_graphs == "on"
         _same(_generate(engine, mine, budget), want, f"static steps, rank {rank}")
         assert len(steps) >= max(BUDGETS) - 1  # every decode step went through the static runner
+
+        # a second call in which rank 0's longest prompt changes its cache's slot length (64 -> 128 positions: a
+        # new cache and runner) and rank 1's does not: on CUDA a new runner's capture runs the step twice more,
+        # collectives included, so every rank must start a new runner at the same step as the others
+        call[0], steps[:] = 1, []
+        longer = [RolloutPrompt(torch.randint(0, 50, (m,), generator=torch.Generator().manual_seed(3)))
+                  for m in ((70, 5) if rank == 0 else (6, 4))]
+        again = engine.generate(longer, SamplingParams(max_new_tokens=3, n=2, temperature=0.0)).samples
+        assert all(len(s.token_ids) == 3 for s in again)
+        everyone: list = [None] * WORLD
+        dist.all_gather_object(everyone, firsts)
+        assert everyone[0] == everyone[1], f"the ranks start new decode runners at different steps: {everyone}"
+
+        # "auto" with a capture that fails on rank 0 only (CUDA's path, emulated: the capture's two warm-up runs on
+        # the scratch rows, then the capture itself, which runs nothing; a "graph" whose replay runs the step):
+        # every rank falls back to eager steps at the same step, or rank 0's all-to-alls meet rank 1's all-gathers
+        auto = ExpertParallelRolloutEngine(copy_, tok, EngineOptions(eos_token_ids=[-1], record_routes=True,
+                                                                     cuda_graphs="on"), trainer=trainer,
+                                           all_ranks_active=lambda a: any_rank(a, torch.device("cpu")))
+        kept = auto._kept_runner
+
+        def kept_then_auto(*a):
+            runner = kept(*a)
+            runner.capture, auto.cuda_graphs = True, "auto"
+
+            def capture(bucket, n, input_ids, slots):
+                hint = bucket.prefix_rows.clone(), bucket.prefix_lens.clone()
+                bucket.ids.fill_(runner.pad_token_id)
+                bucket.slots.fill_(runner.cache.scratch_slot)
+                bucket.prefix_rows.copy_(bucket.own_rows)
+                bucket.prefix_lens.zero_()
+                for _ in range(2):
+                    runner._step(bucket)
+                if rank == 0:
+                    raise GraphUnsafeError("decode step could not be captured: out of memory (emulated)")
+                bucket.ids[:n, 0].copy_(input_ids)
+                bucket.slots[:n].copy_(torch.as_tensor(list(slots), dtype=torch.long))
+                bucket.prefix_rows.copy_(hint[0])
+                bucket.prefix_lens.copy_(hint[1])
+                bucket.graph = SimpleNamespace(replay=lambda: setattr(bucket, "logits", runner._step(bucket)))
+
+            runner._capture = capture
+            return runner
+
+        auto._kept_runner = kept_then_auto  # type: ignore[method-assign]
+        _same(_generate(auto, mine, budget), want, f"'auto' fell back, rank {rank}")
+        assert auto.cuda_graphs == "off" and auto._runner is None
     finally:
         dist.destroy_process_group()
 
@@ -117,3 +176,4 @@ def test_expert_parallel_rollout_in_static_steps_equals_one_process(tmp_path):
 
     folder = synthesize_model_folder("tiny_qwen3_moe", tmp_path / "m", seed=0)
     mp.spawn(_rollout_worker, args=(str(tmp_path / "store2"), folder, tmp_path), nprocs=WORLD, join=True)
+

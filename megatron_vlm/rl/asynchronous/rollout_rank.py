@@ -205,9 +205,12 @@ def _generate_loop(ctx, role: Role, state: _State, engine, encoder, train_set, t
             result = engine.generate(prompts, params, generator=sampling_generator(seed, b, role.rank, device))
         if state.stop:
             return
-        todo.put({"step": b, "indices": indices, "result": result, "idle_s": idle, "trajectories": trajs,
-                  "busy_s": time.perf_counter() - t0, "skipped": encoder.skipped,
-                  "bad_records": skips.take() if skips is not None else []})
+        item = {"step": b, "indices": indices, "result": result, "idle_s": idle, "trajectories": trajs,
+                "busy_s": time.perf_counter() - t0, "skipped": encoder.skipped,
+                "bad_records": skips.take() if skips is not None else []}
+        if getattr(engine, "kv_block_size", 0):  # samples preempted for lack of KV blocks (the on-demand paged pool)
+            item["preemptions"] = float(result.stats.get("preemptions", 0.0)) if result is not None else 0.0
+        todo.put(item)
 
 
 def _weights_loop(state: _State, bridge, model, engine) -> None:
@@ -267,6 +270,8 @@ def _score_items(state: _State, bridge, todo, manager, train_set) -> None:
                    "gen_s": result.seconds if result is not None else 0.0, "skipped": item["skipped"],
                    "bad_records": item.get("bad_records", []),
                    "reward_fail": manager.metrics()}
+        if "preemptions" in item:
+            payload["preemptions"] = item["preemptions"]
         if item.get("trajectories") is not None:  # [rl.env]: + the environment's turn rewards, the trajectories
             from megatron_vlm.rl.asynchronous.multiturn import add_trajectories
 

@@ -1,6 +1,7 @@
 """Asynchronous GRPO's step times and throughput (rl/asynchronous/trainer.py) mean what the synchronous loop's do:
 `time/step_s` is the trainer's whole step (waiting for the rollout ranks' samples, the update, the weight push),
-and `perf/rollout_tokens_per_s` the rollout ranks' generated tokens per second of generation."""
+and `perf/rollout_tokens_per_s` the rollout ranks' generated tokens per second of generation; `rollout/preemptions`
+sums the rollout ranks' preemptions (the on-demand paged pool)."""
 from __future__ import annotations
 
 import time
@@ -31,7 +32,7 @@ class _GRPO:
 def _payload(step: int, tokens: int, gen_s: float) -> dict:
     sample = {"token_versions": torch.full((tokens,), step), "token_ids": torch.zeros(tokens, dtype=torch.long)}
     return {"step": step, "samples": [sample], "busy_s": gen_s, "idle_s": 0.0, "gen_s": gen_s, "reward_s": 0.01,
-            "skipped": 0, "reward_fail": {}}
+            "skipped": 0, "reward_fail": {}, "preemptions": float(tokens // 100)}
 
 
 def _trainer(monkeypatch) -> AsyncGRPOLoopStep:
@@ -72,3 +73,10 @@ def test_async_rollout_throughput_is_reported(monkeypatch):
     m = _trainer(monkeypatch).train_step(0, log=True)
     assert m["perf/rollout_tokens_per_s"] == pytest.approx(300 / 2.0 + 100 / 0.5)
     assert m["perf/train_tokens_per_s"] == pytest.approx(100.0 / TRAIN_S, rel=0.5)
+
+
+def test_async_rollout_preemptions_are_summed_over_the_rollout_ranks(monkeypatch):
+    """The rollout ranks' engines preempt on their on-demand paged pools; the step's rollout/preemptions is their sum
+    (before: never reported by asynchronous runs)."""
+    m = _trainer(monkeypatch).train_step(0, log=True)
+    assert m["rollout/preemptions"] == 3.0 + 1.0

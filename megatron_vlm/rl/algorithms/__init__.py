@@ -4,7 +4,7 @@
     policy loss       `POLICY_LOSSES` (policy_losses.py)                 [rl] policy_loss
     advantage         `ADVANTAGE_ESTIMATORS` (advantage_estimators.py)   [rl] advantage
     value loss        `VALUE_LOSSES` (value_losses.py)                   [rl.critic] value_loss (advantage = "gae")
-    preference loss   `PREFERENCE_LOSSES` (preference_losses.py)         [dpo] loss_type (train.mode = "dpo")
+    preference loss   `PREFERENCE_LOSSES` (training/dpo/loss_registry.py) [dpo] loss_type (train.mode = "dpo")
 
 Adding an algorithm: write one function with the family's signature (the `Protocol` of its module) in
 that module (or any module imported before the config is validated) and decorate it with the family's

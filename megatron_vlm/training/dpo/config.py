@@ -25,7 +25,7 @@ class DPOConfig:
     margin 1 / (2 beta)), simpo = SimPO's reward scale."""
     loss_type: str = "sigmoid"
     """sigmoid = DPO; ipo = IPO on per-token log-ratios; simpo = SimPO (reference-free, length-normalised,
-    margin `simpo_gamma`). More register by name: megatron_vlm/rl/algorithms/preference_losses.py."""
+    margin `simpo_gamma`). More register by name: megatron_vlm/training/dpo/loss_registry.py."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin gamma (loss_type = "simpo" only)."""
     reference: Literal["on_the_fly", "precomputed"] = "on_the_fly"
@@ -36,7 +36,7 @@ class DPOConfig:
     and counted in bad_records.json). Not used by simpo."""
 
     def validate(self) -> None:
-        from megatron_vlm.rl.algorithms.preference_losses import PREFERENCE_LOSSES
+        from megatron_vlm.training.dpo.loss_registry import PREFERENCE_LOSSES
 
         if self.loss_type not in PREFERENCE_LOSSES:
             raise ValueError(f"loss_type: must be one of {PREFERENCE_LOSSES.names()}, got {self.loss_type!r}")

@@ -22,9 +22,9 @@ from typing import Any, Optional
 import torch
 
 from megatron_vlm.data.bad_records import BadRecordLog
-from megatron_vlm.rl.algorithms.preference_losses import PREFERENCE_LOSSES
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.dpo.config import DPOConfig
+from megatron_vlm.training.dpo.loss_registry import PREFERENCE_LOSSES
 from megatron_vlm.training.dpo.losses import REFERENCE_FREE, implicit_rewards
 from megatron_vlm.training.dpo.sequence import pair_sums
 from megatron_vlm.training.model_bundle import ModelBundle

@@ -52,6 +52,9 @@ if want sft; then
   TS=benchmarks/e2e/bench_train_step.py
   step sft_full_profile 75 $PY $TS --steps 3 --profile "$R/sft_full_profile.json" --json "$R/sft_full.json"
   step sft_selective 55 $PY $TS --steps 3 --ac selective --json "$R/sft_selective.json"
+  # FSDP2 on one rank re-casts / re-gathers every block's parameters in backward (~40 ms of casts and copies in the
+  # 8k profile, and host time): kept from the forward instead (parallel.reshard_after_forward = false)
+  step sft_no_reshard 55 $PY $TS --steps 3 --reshard off --json "$R/sft_no_reshard.json"
   step sft_ac_off 55 $PY $TS --steps 3 --ac off --profile "$R/sft_ac_off_profile.json" --json "$R/sft_ac_off.json"
   # torch's flash varlen kernel beat ours alone (bench_attention) but not in this step while selective checkpointing
   # re-ran its forward (its op was not kept); the profile says where the step's time goes with it

@@ -126,6 +126,9 @@ def main() -> None:
     ap.add_argument("--attention", default=None, metavar="BACKEND",
                     help="force the attention backend (kernels.attention: triton, sdpa, torch_varlen, flash_attn, ...)")
     ap.add_argument("--compile", action="store_true", help="torch.compile every block (parallel.compile)")
+    ap.add_argument("--reshard", choices=("on", "off"), default="on",
+                    help="parallel.reshard_after_forward: 'off' keeps each block's gathered bf16 parameters from the "
+                         "forward to its backward (no second cast / gather; more memory)")
     ap.add_argument("--profile", type=str, default=None, metavar="PATH",
                     help="torch.profiler over one step after the timed ones: kernel table + categories as JSON")
     ap.add_argument("--json", type=str, default=None)
@@ -145,7 +148,7 @@ def main() -> None:
     model = build_model(cfg, dtype=torch.float32, device=device)
     wrapper = TokenLogprobModel(model)
     ac = "off" if args.no_ac else args.ac
-    parallel = SimpleNamespace(dp_replicate=1, dp_shard=-1, compile=args.compile, reshard_after_forward=True)
+    parallel = SimpleNamespace(dp_replicate=1, dp_shard=-1, compile=args.compile, reshard_after_forward=args.reshard == "on")
     dims, mesh = build_mesh(parallel, env.world_size, device.type)
     if ac == "selective":  # before parallelize: the order a family's parallelize applies (AC -> compile -> FSDP)
         apply_ac(model.transformer_blocks(), policy="selective")
@@ -194,6 +197,7 @@ def main() -> None:
         print(f"{k:24s} {v:12.4g}")
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (1 thread)", "torch": torch.__version__,
             "quick": args.quick, "tokens": n_tokens, "samples": args.samples, "activation_checkpointing": ac, "compile": args.compile,
+            "reshard_after_forward": args.reshard == "on",
             "attention": args.attention or "auto",
             "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(meta))

@@ -330,9 +330,21 @@ class MultiTurnRollout:
         try:
             with torch.inference_mode() if self.engine.owns_forward else torch.no_grad(), lock or contextlib.nullcontext():
                 return self._generate(prompts, params, source, limits, seed)
+        except BaseException:  # a step that failed half-way leaves the kept cache mid-step: nothing of it is kept
+            self._drop_runner()
+            raise
         finally:
             if getattr(self.engine, "_interrupt", None) is not None:
                 self.engine._interrupt.clear()  # as the single-turn `generate`: the next call starts afresh
+            if getattr(self.engine, "cuda_graphs", "off") == "off":  # "auto" gave up on graphs during the call
+                self._drop_runner()
+
+    def _drop_runner(self) -> None:
+        """Drop the engine's kept runner and its slot cache (as the single-turn engine does), which later calls would
+        not use but would hold besides a cache of their own."""
+        drop = getattr(self.engine, "_drop_runner", None)
+        if drop is not None:
+            drop()
 
     def _step_boundary(self) -> bool:
         """Between two loop iterations (the generating thread holds the engine's step lock): a weight push from

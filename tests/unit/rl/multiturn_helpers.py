@@ -23,9 +23,13 @@ def vqa_file(folder):
 
 
 def rollout(kind, vqa, tmp_path, *, env=ENV, kwargs=None, runner=None, reprefill=False, eos_every=2, max_turns=3, max_total=4096, max_new=12, n=2, seed=0,
-            record_routes=False, cuda_graphs="off"):
-    folder = synthesize_model_folder(kind, tmp_path / kind, seed=0)
-    model, proc = load_hf_model(str(folder)).eval(), load_processor(str(folder))
+            record_routes=False, cuda_graphs="off", engine=None):
+    """`engine`: an engine of an earlier call with the same `tmp_path` (its model, options and kept state) instead of
+    a new one."""
+    folder = tmp_path / kind
+    if engine is None:
+        folder = synthesize_model_folder(kind, tmp_path / kind, seed=0)
+    model, proc = engine.model if engine is not None else load_hf_model(str(folder)).eval(), load_processor(str(folder))
     encoder = PromptEncoder(proc, max_frames=4, fps=2.0, max_new_tokens=max_new, max_tokens=max_total)
     samples = load_prompt_dataset(vqa, schema="messages").samples
     prompts = [encoder.encode(s) for s in samples]
@@ -33,7 +37,7 @@ def rollout(kind, vqa, tmp_path, *, env=ENV, kwargs=None, runner=None, reprefill
     vocab = model.lm_head.weight.shape[0]
     eos = set(range(0, vocab, eos_every))
     options = EngineOptions(eos_token_ids=eos, max_num_seqs=3, record_routes=record_routes, cuda_graphs=cuda_graphs)
-    engine = PolicyRolloutEngine(model, proc.tokenizer, options)
+    engine = engine or PolicyRolloutEngine(model, proc.tokenizer, options)
     session = EnvSession(runner or InlineEnvRunner(), TurnEncoder(proc), name=env, kwargs=kwargs or {},
                          samples=[env_sample(s, p) for s, p in zip(samples, prompts)],
                          histories=[s.messages for s in samples], n=n, eos_token_ids=sorted(eos))

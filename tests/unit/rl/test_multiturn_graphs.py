@@ -8,7 +8,7 @@ import torch
 from multiturn_helpers import rollout, vqa_file
 
 from megatron_vlm.errors import ConfigError
-from megatron_vlm.inference.decode_graphs import DecodeStepRunner
+from megatron_vlm.inference.decode_graphs import DecodeStepRunner, GraphUnsafeError
 from megatron_vlm.inference.multiturn import MultiTurnRollout
 from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
 
@@ -50,3 +50,50 @@ def test_paged_cache_is_refused(tmp_path):
     engine = PolicyRolloutEngine(model, None, EngineOptions(eos_token_ids=[1], pad_token_id=0, kv_block_size=4))
     with pytest.raises(ConfigError, match="rl.rollout.kv_block_size"):
         MultiTurnRollout(engine)
+
+
+def test_auto_fallback_and_a_failed_call_keep_no_runner(vqa, tmp_path, monkeypatch):
+    """The engine's kept runner (its slot cache of slots x max_total_tokens) is dropped when "auto" gives up on graphs
+    during a multi-turn call (later calls decode eagerly on a cache of their own: the kept one would only hold the
+    memory) and when a call fails half-way through a step (its cache is left mid-step: the next call's prefill
+    into it would fail), as in single-turn rollouts."""
+    kind = "tiny_qwen2_5_vl"
+    _, _, ref, _ = rollout(kind, vqa, tmp_path / "eager")
+    make = MultiTurnRollout._runner
+
+    def runner_then_auto(self, *a):  # CUDA's "auto", emulated: the first static step cannot be captured
+        runner = make(self, *a)
+        self.engine.cuda_graphs = "auto"
+
+        def fail(slots, input_ids):
+            raise GraphUnsafeError("decode step could not be captured: out of memory (emulated)")
+
+        runner.step = fail
+        return runner
+
+    monkeypatch.setattr(MultiTurnRollout, "_runner", runner_then_auto)
+    _, _, got, session = rollout(kind, vqa, tmp_path / "auto", cuda_graphs="on")
+    assert session.engine.cuda_graphs == "off" and session.engine._runner is None
+    assert [t.token_ids.tolist() for t in got] == [t.token_ids.tolist() for t in ref]
+    monkeypatch.setattr(MultiTurnRollout, "_runner", make)
+
+    _, _, first, session = rollout(kind, vqa, tmp_path / "kept", cuda_graphs="on")
+    engine = session.engine
+    assert engine._runner is not None  # kept for the next call of the same shape
+    calls = [0]
+    step = DecodeStepRunner._step
+
+    def failing_step(self, bucket):  # a step that fails inside the model (after the cache's begin_step)
+        calls[0] += 1
+        if calls[0] == 3:
+            self.cache.begin_step(1)
+            raise RuntimeError("out of memory (emulated)")
+        return step(self, bucket)
+
+    monkeypatch.setattr(DecodeStepRunner, "_step", failing_step)
+    with pytest.raises(RuntimeError, match="emulated"):
+        rollout(kind, vqa, tmp_path / "kept", cuda_graphs="on", engine=engine)
+    monkeypatch.setattr(DecodeStepRunner, "_step", step)
+    assert engine._runner is None
+    _, _, again, _ = rollout(kind, vqa, tmp_path / "kept", cuda_graphs="on", engine=engine)
+    assert [t.token_ids.tolist() for t in again] == [t.token_ids.tolist() for t in first]

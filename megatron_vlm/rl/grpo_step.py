@@ -63,7 +63,8 @@ class GRPOStep:
         `prompt_pool` (the training set): where dynamic sampling draws the prompts of its extra rounds
         (a function of (seed, step, round)); without it an extra round samples `batch` again."""
         timer = PhaseTimer()
-        self.engine.load_weights(None, version=step)
+        with timer.phase("weight_sync"):  # the rollout copy's refresh (copy / expert-parallel) is part of the step
+            self.engine.load_weights(None, version=step)
         rounds, surplus = self.rounds.sample(step, batch, prompt_pool, timer)
         return self.train_on_rounds(step, rounds, timer, surplus=surplus)
 

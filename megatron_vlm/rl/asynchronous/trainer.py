@@ -263,6 +263,8 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
             # the training ranks by step_metrics): both sets of records are in the run's log, saved with the checkpoint
             "data/skipped_prompts": float(sum(p["skipped"] for p in payloads)) + metrics.get("data/skipped_prompts", 0.0),
         })
+        # the policy that generated the step's tokens (their mean version; the synchronous step's own version there)
+        metrics["rollout/policy_version"] = float(step) - extra["async/version_lag_mean"]
         if any("preemptions" in p for p in payloads):  # the rollout ranks' preemptions (the on-demand paged pool)
             metrics["rollout/preemptions"] = float(sum(p.get("preemptions", 0.0) for p in payloads))
         self._last_end = end

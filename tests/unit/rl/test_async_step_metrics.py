@@ -80,3 +80,19 @@ def test_async_rollout_preemptions_are_summed_over_the_rollout_ranks(monkeypatch
     (before: never reported by asynchronous runs)."""
     m = _trainer(monkeypatch).train_step(0, log=True)
     assert m["rollout/preemptions"] == 3.0 + 1.0
+
+
+def test_async_policy_version_is_the_generating_policys(monkeypatch):
+    """rollout/policy_version is the mean version of the step's generated tokens (before: the trainer's step, which
+    the samples of an asynchronous run are older than)."""
+    t = _trainer(monkeypatch)
+    old = t._receive
+
+    def receive(step):  # rank 0's 300 tokens from the previous version, rank 1's 100 from this one
+        p0, p1 = old(step)
+        p0["samples"][0]["token_versions"] = torch.full((300,), step - 1)
+        return [p0, p1]
+
+    t._receive = receive
+    m = t.train_step(3, log=True)
+    assert m["rollout/policy_version"] == pytest.approx(3 - 300 / 400)

@@ -201,8 +201,13 @@ class MetricsLogger:
             except ImportError as e:
                 raise RuntimeError("logging.wandb = true but the wandb package is not installed "
                                    "(pip install 'megatron-vlm[wandb]')") from e
-            self._wandb = wandb.init(project=log_cfg.wandb_project, name=log_cfg.experiment_name or run_name,
-                                     mode=log_cfg.wandb_mode, dir=str(output_dir), config=config_dict or {})
+            try:  # a bad mode, an unwritable folder, no network in "online" mode: before the first step, every rank
+                self._wandb = wandb.init(project=log_cfg.wandb_project, name=log_cfg.experiment_name or run_name,
+                                         mode=log_cfg.wandb_mode, dir=str(output_dir), config=config_dict or {})
+            except Exception as e:  # noqa: BLE001 - wandb's own error classes vary by version
+                self.close()
+                raise ConfigError(f"logging.wandb: wandb.init failed ({type(e).__name__}: {e}); check logging.wandb_mode "
+                                  "/ logging.wandb_project (\"offline\" needs no network) or set logging.wandb = false") from None
         if log_cfg.console and sys.stderr.isatty():
             from tqdm import tqdm
 

@@ -111,3 +111,27 @@ def test_every_rank_stops_when_rank_0_cannot_open_a_sink(tmp_path, monkeypatch):
     monkeypatch.setattr(loggers, "gather_errors", lambda err: ["logging.csv: cannot write x (not a regular file)", err])
     with pytest.raises(ConfigError, match=r"^logging\.csv: cannot write x"):
         loggers.build_metrics_logger(_ctx(tmp_path, is_main=False, csv=True), 4, {})
+
+
+def test_a_wandb_init_failure_is_a_config_error_on_every_rank(tmp_path, monkeypatch):
+    """Before: wandb.init's own exception (an offline folder it cannot write, no network in "online" mode) was a
+    traceback on rank 0 after the model was built while the other ranks waited in their next collective; now a
+    ConfigError naming logging.wandb, shared with every rank (exit 2). wandb itself is not installed here: a stand-in
+    module whose init raises as wandb's does."""
+    import sys
+    import types
+
+    from megatron_vlm.errors import ConfigError
+    from megatron_vlm.training.loggers import build_metrics_logger
+
+    fake = types.ModuleType("wandb")
+
+    def init(**kwargs):  # noqa: ARG001
+        raise PermissionError("[Errno 13] Permission denied: 'wandb'")
+
+    fake.init = init
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    ctx = _ctx(tmp_path, csv=True, wandb=True)
+    ctx.cfg.logging.wandb_project, ctx.cfg.logging.experiment_name, ctx.cfg.logging.wandb_mode = "p", None, "offline"
+    with pytest.raises(ConfigError, match=r"^logging\.wandb: wandb\.init failed \(PermissionError"):
+        build_metrics_logger(ctx, 4, {})

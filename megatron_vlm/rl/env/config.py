@@ -24,6 +24,11 @@ class RLEnvConfig:
     turn_timeout_s: float = 30.0
     """Deadline of one environment call (reset or step) in its worker process; past it the worker is killed and
     the trajectory ends with finish reason "env_error" (counted in env/errors)."""
+    batch_timeout_s: float = 0.0
+    """Deadline of one environment turn of all its trajectories together (the calls of one loop iteration), from
+    its first call; the calls not done by then end their trajectories as "env_error" (counted). 0 = none: with
+    more hanging environments than [rl.reward_pool] workers a turn can take ceil(calls / workers) x
+    turn_timeout_s. Needs sandbox = true (the in-process runner cannot stop a call)."""
     turn_rewards: Literal["sum", "discounted"] = "sum"
     """How the environment's per-turn rewards enter the trajectory's reward: "sum" = their sum; "discounted" =
     sum_t discount**t * r_t (t = 0 for the first turn). Added to the [[rl.rewards]] verifiers' score of the final
@@ -43,6 +48,10 @@ class RLEnvConfig:
             raise ValueError(f"max_total_tokens: must be >= 0 (0 = data.max_tokens_per_pack), got {self.max_total_tokens}")
         if self.turn_timeout_s <= 0:
             raise ValueError(f"turn_timeout_s: must be > 0, got {self.turn_timeout_s}")
+        if not self.batch_timeout_s >= 0 or self.batch_timeout_s == float("inf"):
+            raise ValueError(f"batch_timeout_s: must be finite and >= 0 (0 = none), got {self.batch_timeout_s}")
+        if self.batch_timeout_s and not self.sandbox:
+            raise ValueError("batch_timeout_s: needs sandbox = true (the in-process runner cannot stop a call)")
         if not 0.0 < self.discount <= 1.0:
             raise ValueError(f"discount: must be in (0, 1], got {self.discount}")
         if self.discount != 1.0 and self.turn_rewards != "discounted":

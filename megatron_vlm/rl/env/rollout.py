@@ -77,7 +77,8 @@ class MultiTurnRounds:
                               "(a trajectory is trained as one packed sample); lower it or raise the pack size")
         pool = rl.reward_pool
         runner: Any = (EnvWorkerPool(num_workers=pool.workers, timeout_s=cfg.turn_timeout_s,
-                                     memory_limit_mb=pool.memory_limit_mb, preload=(cfg.name,))
+                                     memory_limit_mb=pool.memory_limit_mb, preload=(cfg.name,),
+                                     batch_timeout_s=cfg.batch_timeout_s or None)
                        if cfg.sandbox else InlineEnvRunner())
         if cfg.sandbox:
             failed = runner.start()

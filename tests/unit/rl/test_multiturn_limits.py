@@ -140,3 +140,51 @@ def test_a_non_finite_behaviour_logprob_is_refused(vqa, tmp_path, monkeypatch):
     monkeypatch.setattr(mt, "sample_tokens", accelerator_like)
     with pytest.raises(ValueError, match="rollout: trajectory 0, generated token 0: .*NaN"):
         rollout("tiny_qwen2_5_vl", vqa, tmp_path, env=f"{FNS}:Echo", max_turns=2)
+
+
+def test_a_turn_batch_deadline_bounds_a_turn_of_many_hanging_environments():
+    """rl.env.batch_timeout_s: four hanging environments on one worker would take 4 x turn_timeout_s (12 s) in turn;
+    under a 1.5 s batch deadline the turn returns within a few seconds, every call an error reply (env_error)."""
+    import time
+
+    with EnvWorkerPool(num_workers=1, timeout_s=3.0, preload=PRELOAD, batch_timeout_s=1.5) as p:
+        p.start()
+        states = [p.run([EnvCall("reset", name=f"{FNS}:Hang")])[0].state for _ in range(4)]
+        t0 = time.perf_counter()
+        replies = p.run([EnvCall("step", state=s, action="hi") for s in states])
+        took = time.perf_counter() - t0
+    assert all(r.error and r.result is None for r in replies), [r.error for r in replies]
+    assert took < 6.0, took
+
+
+def test_batch_timeout_needs_the_sandbox():
+    from megatron_vlm.rl.env.config import RLEnvConfig
+
+    RLEnvConfig(name="x:Y", batch_timeout_s=5.0).validate()
+    for bad, why in ((dict(batch_timeout_s=-1.0), "finite and >= 0"), (dict(batch_timeout_s=5.0, sandbox=False), "sandbox")):
+        with pytest.raises(ValueError, match=why):
+            RLEnvConfig(name="x:Y", **bad).validate()
+
+
+def test_batch_timeout_reaches_the_worker_pool(monkeypatch):
+    """The key is read by the multi-turn rounds' worker pool (both loops build it with MultiTurnRounds.from_config)."""
+    from types import SimpleNamespace
+
+    from megatron_vlm.rl.env import rollout as env_rollout
+    from megatron_vlm.rl.env.config import RLEnvConfig
+
+    built = {}
+
+    class Pool:
+        def __init__(self, **kw):
+            built.update(kw)
+
+        def start(self):
+            return {}
+
+    monkeypatch.setattr(env_rollout, "EnvWorkerPool", Pool)
+    monkeypatch.setattr(env_rollout.MultiTurnRounds, "__init__", lambda self, *a, **k: None)
+    rl = SimpleNamespace(env=RLEnvConfig(name=f"{FNS}:Echo", batch_timeout_s=7.5),
+                         reward_pool=SimpleNamespace(workers=2, memory_limit_mb=0))
+    env_rollout.MultiTurnRounds.from_config(rl, 4096, engine=None, processor=None)
+    assert built["batch_timeout_s"] == 7.5 and built["timeout_s"] == 30.0

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,46 +25,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_rollout import (  # noqa: E402
-    NoDecode,
-    cpu_config,
-    interleaved,
-    make_prompts,
-    positive_int,
-    qwen2_5_vl_3b_config,
-    tiny_config,
-)
+from bench_rollout import NoDecode, interleaved, positive_int  # noqa: E402
+from geometric_rollouts import add_common_args, build_setup, rates, ratio  # noqa: E402
 
 from megatron_vlm.inference.engine import SamplingParams  # noqa: E402
 from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine  # noqa: E402
-from megatron_vlm.models import build_model  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny model and prompts on the CPU (smoke test)")
-    ap.add_argument("--cpu", action="store_true", help="the CPU row even when a GPU is present")
-    ap.add_argument("--prompts", type=positive_int, default=8)
-    ap.add_argument("--group", type=positive_int, default=4)
+    add_common_args(ap, group=4, new_tokens=128, eos_frac=0.02)
     ap.add_argument("--batch-prompts", type=positive_int, default=2, help="prompts whose samples decode at once")
-    ap.add_argument("--new-tokens", type=positive_int, default=128)
-    ap.add_argument("--eos-frac", type=float, default=0.02, help="share of the vocabulary that ends a completion")
-    ap.add_argument("--repeats", type=positive_int, default=3)
-    ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
-    device = "cuda" if torch.cuda.is_available() and not (args.cpu or args.quick) else "cpu"
-    gpu = device == "cuda"
-    if args.quick:
-        cfg, grid, text = tiny_config(), (1, 4, 4), 10
-    else:
-        cfg, grid, text = (qwen2_5_vl_3b_config(), (1, 32, 32), 100) if gpu else (cpu_config(), (1, 8, 8), 40)
-    torch.manual_seed(0)
-    model = build_model(cfg, dtype=torch.bfloat16 if gpu else torch.float32, device=device).eval()
-    prompts = make_prompts(args.prompts, grid, text, cfg, seed=1)
-    vocab = min(cfg["text_config"]["vocab_size"],
-                *(cfg[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")))
-    g = torch.Generator().manual_seed(5)
-    eos = torch.randperm(vocab, generator=g)[: max(1, int(args.eos_frac * vocab))].tolist()
+    setup = build_setup(args)
+    device, model, prompts, eos = setup.device, setup.model, setup.prompts, setup.eos
     engine = PolicyRolloutEngine(model, NoDecode(), EngineOptions(eos_token_ids=eos, device=device,
                                                                   max_prompts_per_batch=args.batch_prompts),
                                  forward=lambda **kw: model(**kw), all_ranks_active=lambda active: active)
@@ -86,15 +59,10 @@ def main() -> None:
         steps["refilled"].append(r.stats["decode_steps"])
 
     times = interleaved({"chunked": chunked, "refilled": refilled}, device, args.repeats)
-    out = {}
-    for name in ("chunked", "refilled"):
-        tps = [t / s for t, s in zip(tokens[name][1:], times[name])]  # the warm-up call is not timed
-        out[name] = {"tokens_per_s_median": statistics.median(tps), "tokens_per_s_min": min(tps), "seconds": times[name],
-                     "tokens": tokens[name][1:], "decode_steps": steps[name][1:]}
-    ratio = [r / c for r, c in zip((t / s for t, s in zip(out["refilled"]["tokens"], times["refilled"])),
-                                   (t / s for t, s in zip(out["chunked"]["tokens"], times["chunked"])))]
-    summary = {"ratio_median": statistics.median(ratio), "ratio_min": min(ratio), "runs": out}
-    meta = {"device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__, "prompts": args.prompts,
+    out = {name: {**rates(tokens[name][1:], times[name]), "decode_steps": steps[name][1:]}  # warm-up call not timed
+           for name in ("chunked", "refilled")}
+    summary = {**ratio(out["refilled"], out["chunked"]), "runs": out}
+    meta = {"device": setup.device_name, "torch": torch.__version__, "prompts": args.prompts,
             "group": args.group, "batch_prompts": args.batch_prompts, "new_tokens": args.new_tokens,
             "eos_frac": args.eos_frac, "quick": args.quick, "date": time.strftime("%Y-%m-%d")}
     for name, v in out.items():

@@ -27,50 +27,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_rollout import (  # noqa: E402
-    NoDecode,
-    cpu_config,
-    interleaved,
-    make_prompts,
-    positive_int,
-    qwen2_5_vl_3b_config,
-    tiny_config,
-)
+from bench_rollout import NoDecode, interleaved, positive_int  # noqa: E402
+from geometric_rollouts import add_common_args, build_setup, rates, ratio  # noqa: E402
 
 from megatron_vlm.inference.engine import SamplingParams  # noqa: E402
 from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine  # noqa: E402
-from megatron_vlm.models import build_model  # noqa: E402
 from megatron_vlm.models.common.slot_cache import PagedSlotCache, SlotCache  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cpu", action="store_true", help="the CPU row even when a GPU is present")
-    ap.add_argument("--quick", action="store_true", help="tiny model and prompts on the CPU (smoke test)")
-    ap.add_argument("--prompts", type=positive_int, default=8)
-    ap.add_argument("--group", type=positive_int, default=8)
-    ap.add_argument("--new-tokens", type=positive_int, default=256)
+    add_common_args(ap, group=8, new_tokens=256, eos_frac=0.02)
     ap.add_argument("--full-seqs", type=positive_int, default=8,
                     help="the KV budget, in sequences of prompt + budget (the slot cache's slot count)")
     ap.add_argument("--paged-slots", type=positive_int, default=32, help="slots of the paged engine")
     ap.add_argument("--block", type=positive_int, default=16, help="positions per block")
-    ap.add_argument("--eos-frac", type=float, default=0.02, help="share of the vocabulary that ends a completion")
-    ap.add_argument("--repeats", type=positive_int, default=3)
-    ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
-    device = "cuda" if torch.cuda.is_available() and not (args.cpu or args.quick) else "cpu"
-    gpu = device == "cuda"
-    if args.quick:
-        cfg, grid, text = tiny_config(), (1, 4, 4), 10
-    else:
-        cfg, grid, text = (qwen2_5_vl_3b_config(), (1, 32, 32), 100) if gpu else (cpu_config(), (1, 8, 8), 40)
-    torch.manual_seed(0)
-    model = build_model(cfg, dtype=torch.bfloat16 if gpu else torch.float32, device=device).eval()
-    prompts = make_prompts(args.prompts, grid, text, cfg, seed=1)
-    vocab = cfg["text_config"]["vocab_size"]
-    special = min(cfg[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"))
-    g = torch.Generator().manual_seed(5)
-    eos = torch.randperm(min(vocab, special), generator=g)[: max(1, int(args.eos_frac * min(vocab, special)))].tolist()
+    setup = build_setup(args)
+    device, gpu, model, prompts, eos = setup.device, setup.gpu, setup.model, setup.prompts, setup.eos
     full_len = max(len(p) for p in prompts) + args.new_tokens
     blocks = 1 + args.full_seqs * -(-full_len // args.block)  # the same positions as full_seqs slots (+ scratch)
     graphs = "on" if gpu else "off"
@@ -105,16 +79,11 @@ def main() -> None:
     out = {}
     for name in engines:
         res = results[name][1:]  # the warm-up call is not timed
-        tokens = [r.num_generated_tokens for r in res]
-        tps = [t / s for t, s in zip(tokens, times[name])]
-        out[name] = {"tokens_per_s_median": statistics.median(tps), "tokens_per_s_min": min(tps),
-                     "seconds": times[name], "tokens": tokens,
+        out[name] = {**rates([r.num_generated_tokens for r in res], times[name]),
                      "preemptions": [r.stats["preemptions"] for r in res],
                      "mean_rows_per_step": statistics.mean(rows[name]) if rows[name] else 0.0}
-    ratio = [p / s for p, s in zip((t / x for t, x in zip(out["paged_on_demand"]["tokens"], times["paged_on_demand"])),
-                                   (t / x for t, x in zip(out["slot_cache"]["tokens"], times["slot_cache"])))]
-    summary = {"ratio_median": statistics.median(ratio), "ratio_min": min(ratio), "engines": out}
-    meta = {"device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__, "prompts": args.prompts,
+    summary = {**ratio(out["paged_on_demand"], out["slot_cache"]), "engines": out}
+    meta = {"device": setup.device_name, "torch": torch.__version__, "prompts": args.prompts,
             "group": args.group, "new_tokens": args.new_tokens, "full_seqs": args.full_seqs, "paged_slots": args.paged_slots,
             "block": args.block, "pool_blocks": blocks, "eos_frac": args.eos_frac, "cuda_graphs": graphs,
             "date": time.strftime("%Y-%m-%d")}

@@ -20,31 +20,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
+from megatron_vlm.inference.engine import SamplingParams
 from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
-from megatron_vlm.models import build_model
-from tests.fixtures import tiny_qwen2_5_vl as F
+from tests.fixtures.rollout_engine import SilentTokenizer, tiny_vl_model_and_prompts
 
 NEW = 8
 
 
-class Tok:
-    pad_token_id = F.PAD_TOKEN_ID
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=False):
-        return ""
-
-
-def _model_and_prompts(seed: int = 7):
-    torch.manual_seed(0)
-    model = build_model(F.tiny_qwen2_5_vl_config_dict()).eval()
-    g = torch.Generator().manual_seed(seed)
-    prompts = []
-    for parts in ([2, ("image", (1, 4, 4)), 3], [5, 1], [1, ("image", (1, 4, 6)), 1, 6, 2], [4], [3, 3]):
-        s = F.build_sample(parts, g)
-        prompts.append(RolloutPrompt(torch.tensor(s["input_ids"]), s["pixel_values"], s["image_grid_thw"]))
-    return model, prompts
+Tok = SilentTokenizer
 
 
 def _eos_for_varied_lengths(model, prompts, picks) -> list[int]:
@@ -56,7 +39,7 @@ def _eos_for_varied_lengths(model, prompts, picks) -> list[int]:
 
 
 def test_lockstep_slots_are_refilled_and_give_the_same_completions():
-    model, prompts = _model_and_prompts()
+    model, prompts = tiny_vl_model_and_prompts(5)
     eos = _eos_for_varied_lengths(model, prompts, [(0, 0), (3, 3)])  # group lengths 1, 8, 8, 4 (8: the budget)
     params = SamplingParams(max_new_tokens=NEW, n=2, temperature=0.0)
     ref = PolicyRolloutEngine(model, Tok(), EngineOptions(eos_token_ids=eos)).generate(prompts[:4], params)
@@ -86,7 +69,7 @@ def test_lockstep_on_a_small_paged_pool_preempts_and_gives_the_same_completions(
     """The "shared" weights form with a fixed on-demand paged pool far smaller than its slots at full length:
     samples are preempted and re-admitted in admission rounds (their prompt + generated tokens prefilled with
     the round's new prompts, one forward); greedy results unchanged."""
-    model, prompts = _model_and_prompts()
+    model, prompts = tiny_vl_model_and_prompts(5)
     eos = _eos_for_varied_lengths(model, prompts, [(0, 0), (3, 3)])
     params = SamplingParams(max_new_tokens=NEW, n=2, temperature=0.0)
     ref = PolicyRolloutEngine(model, Tok(), EngineOptions(eos_token_ids=eos)).generate(prompts[:4], params)
@@ -116,7 +99,7 @@ def _rank_worker(rank: int, init_file: str, world: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     try:
-        model, prompts = _model_and_prompts()
+        model, prompts = tiny_vl_model_and_prompts(5)
         mine = prompts[rank * 2:rank * 2 + 2] if rank == 0 else [prompts[4], prompts[1]]
         budget = NEW if rank == 0 else 3
         eos = _eos_for_varied_lengths(model, prompts, [(0, 0), (3, 3)]) if rank == 0 else [-1]

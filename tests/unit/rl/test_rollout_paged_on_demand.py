@@ -21,33 +21,19 @@ import torch
 from megatron_vlm.inference.decode_graphs import DecodeStepRunner
 from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
 from megatron_vlm.inference.policy_engine import PolicyRolloutEngine
-from megatron_vlm.models import build_model
 from megatron_vlm.models.common.slot_cache import PagedSlotCache
-from tests.fixtures import tiny_qwen2_5_vl as F
-from tests.fixtures.rollout_engine import make_engine
+from tests.fixtures.rollout_engine import SilentTokenizer, make_engine, tiny_vl_model_and_prompts
 
 NEW = 10
 BLOCK = 4
 
 
-class Tok:
-    pad_token_id = F.PAD_TOKEN_ID
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=False):
-        return ""
+Tok = SilentTokenizer
 
 
 @pytest.fixture(scope="module")
 def setup():
-    torch.manual_seed(0)
-    model = build_model(F.tiny_qwen2_5_vl_config_dict()).eval()
-    g = torch.Generator().manual_seed(7)
-    prompts = []
-    for parts in ([2, ("image", (1, 4, 4)), 3], [5, 1], [1, ("image", (1, 4, 6)), 1, 6, 2], [4]):
-        s = F.build_sample(parts, g)
-        prompts.append(RolloutPrompt(torch.tensor(s["input_ids"]), s["pixel_values"], s["image_grid_thw"]))
-    return model, prompts
+    return tiny_vl_model_and_prompts(4)
 
 
 def _run(model, prompts, eos=(-1,), **kw):

@@ -119,24 +119,31 @@ def _split_rank(rank, world, store, path, proc, queue):
         dist.destroy_process_group()
 
 
+def _two_ranks(target, tmp_path, path, proc, *, timeout: float) -> list:
+    """Run `target(rank, 2, store, path, proc, queue)` in two forked processes; their results, sorted by rank."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, 2, tmp_path / "store", path, proc, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(queue.get(timeout=timeout) for _ in procs)
+    for p in procs:
+        p.join(timeout=timeout / 2)
+    return got
+
+
 def test_synchronous_ranks_split_the_estimate_and_keep_the_serial_prompts(tmp_path, proc):
     """Every rank of a synchronous job filters together: each estimates half the prompts (two gloo ranks), and
     both keep exactly the prompts and bad records of the serial pass."""
-    import multiprocessing as mp
 
     write_png_bomb(tmp_path / "bomb.png", 9_000)
     qs = ["What colour?", "word " * 300, "BOMB", "What shape?", "word " * 100, "Which?", "What size?", "Where?"]
     path, ds = _set(tmp_path, qs)
     want_log = BadRecordLog()
     want = drop_unusable_prompts(PromptSets(ds, None), proc, *_cfgs(60), want_log)
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_split_rank, args=(r, 2, tmp_path / "store", path, proc, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = sorted(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    got = _two_ranks(_split_rank, tmp_path, path, proc, timeout=120)
     assert [s.index for s in want.train.samples] == [1, 4, 6, 7, 8] and want_log.entries
     for rank, kept, log, calls in got:
         assert kept == [s.index for s in want.train.samples], rank
@@ -177,16 +184,8 @@ def test_a_record_that_fails_one_ranks_share_stops_every_rank_naming_it(tmp_path
     """A prompt raising something that is not a bad record (line 4, in rank 1's share of the split pass) used to end
     rank 1 alone while rank 0 waited in the all-gather for a share that never came (torchrun tears such a job down
     much later, with no word of the record). Every rank now raises the same error naming the prompt's line."""
-    import multiprocessing as mp
 
     path, _ = _set(tmp_path, ["What colour?", "What shape?", "Which?", "PANIC", "Where?", "What size?"])
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_panic_rank, args=(r, 2, tmp_path / "store", path, proc, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = sorted(queue.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
+    got = _two_ranks(_panic_rank, tmp_path, path, proc, timeout=60)
     assert got[0][1] == got[1][1], got
     assert f"{path}:4" in got[0][1] and "_Panic: tokenizer panicked" in got[0][1], got

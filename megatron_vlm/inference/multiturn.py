@@ -10,7 +10,7 @@ forward for all replies of a loop iteration, and the new keys are written after 
 continuously batched across conversations at different turns: one decode step serves every conversation that is generating, whatever its turn, and a conversation whose reply
 was just prefilled joins the next step; a finished trajectory frees its slot for the next waiting one. With the
 engine's `cuda_graphs` the decode steps are its static steps (inference/decode_graphs.py; the runner and its
-slot cache kept as the engine's across calls of the same shape), the appends and prefills stay eager.
+slot cache are the engine's kept ones, `_kept_runner`), the appends and prefills stay eager.
 
 Positions: M-RoPE families (Qwen2.5-VL, Qwen3-VL) place a chunk with images as the whole-sequence index
 would (the original Qwen2.5-VL get_rope_index, mrope_index.py: text continues at the previous maximum + 1, a
@@ -207,19 +207,6 @@ class MultiTurnRollout:
         pos = pos + (start + delta)
         return pos, int(pos.max()) + 1 - (start + ids.shape[1])
 
-    def _runner(self, num_slots: int, max_len: int, dev):
-        """The static-step runner (CUDA graphs) over this call's slot cache, or None (eager steps): kept as the engine's
-        (`_runner`, dropped by its `release_memory` and re-captured after moved weights) while the slot shape holds."""
-        e = self.engine
-        if e.cuda_graphs == "off" or (e.cuda_graphs == "auto" and dev.type != "cuda"):
-            return None
-        key = ("multiturn", num_slots, max_len, str(dev))
-        if e._runner is None or e._runner_key != key:
-            e._drop_runner()
-            cache = e.with_options(SlotCache(self.model.new_cache(num_slots + 1, max_len, dtype=e.cache_dtype, device=dev)))
-            e._runner, e._runner_key = e._decode_runner(cache), key
-        return e._runner
-
     def _prefill(self, cache: SlotCache, conv: _Conv) -> None:
         dev = self._device()
         p = conv.prompt
@@ -375,7 +362,9 @@ class MultiTurnRollout:
             raise ValueError(f"rl.env.max_total_tokens: {limits.max_total_tokens} leaves no room after a prompt of "
                              f"{longest} tokens")
         num_slots = max(1, min(e.max_num_seqs or total, total))
-        runner = self._runner(num_slots, limits.max_total_tokens, dev)
+        # the engine's kept static-step runner (CUDA graphs) and its slot cache, or None: eager steps (the paged cache
+        # is refused here, so it is the slot layout; slots of max_total_tokens rounded up, the limit kept below)
+        runner = e._kept_runner(num_slots, limits.max_total_tokens, dev)
         cache = runner.cache if runner is not None else e.with_options(
             SlotCache(self.model.new_cache(num_slots + 1, limits.max_total_tokens, dtype=e.cache_dtype, device=dev)))
         checker = StopChecker(e.tokenizer, e.eos_token_ids, params.stop)

@@ -59,11 +59,11 @@ def test_auto_fallback_and_a_failed_call_keep_no_runner(vqa, tmp_path, monkeypat
     into it would fail), as in single-turn rollouts."""
     kind = "tiny_qwen2_5_vl"
     _, _, ref, _ = rollout(kind, vqa, tmp_path / "eager")
-    make = MultiTurnRollout._runner
+    make = PolicyRolloutEngine._kept_runner  # the engine's, which the multi-turn loop takes its runner from
 
     def runner_then_auto(self, *a):  # CUDA's "auto", emulated: the first static step cannot be captured
         runner = make(self, *a)
-        self.engine.cuda_graphs = "auto"
+        self.cuda_graphs = "auto"
 
         def fail(slots, input_ids):
             raise GraphUnsafeError("decode step could not be captured: out of memory (emulated)")
@@ -71,11 +71,11 @@ def test_auto_fallback_and_a_failed_call_keep_no_runner(vqa, tmp_path, monkeypat
         runner.step = fail
         return runner
 
-    monkeypatch.setattr(MultiTurnRollout, "_runner", runner_then_auto)
+    monkeypatch.setattr(PolicyRolloutEngine, "_kept_runner", runner_then_auto)
     _, _, got, session = rollout(kind, vqa, tmp_path / "auto", cuda_graphs="on")
     assert session.engine.cuda_graphs == "off" and session.engine._runner is None
     assert [t.token_ids.tolist() for t in got] == [t.token_ids.tolist() for t in ref]
-    monkeypatch.setattr(MultiTurnRollout, "_runner", make)
+    monkeypatch.setattr(PolicyRolloutEngine, "_kept_runner", make)
 
     _, _, first, session = rollout(kind, vqa, tmp_path / "kept", cuda_graphs="on")
     engine = session.engine

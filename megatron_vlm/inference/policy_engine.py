@@ -1,6 +1,6 @@
 """The built-in rollout engine: continuous batching over a slot KV cache, with the policy model itself.
 
-`PolicyRolloutEngine(model, tokenizer, forward=...)` generates with `model`. Two ways to hold the
+`PolicyRolloutEngine(model, tokenizer, options, forward=...)` generates with `model`. Two ways to hold the
 weights (see `load_weights`):
 
 * its own inference copy (`forward=None`, the model is unsharded on the engine's device): the trainer
@@ -12,50 +12,26 @@ weights (see `load_weights`):
 
 One `generate` call:
 
-1. samples wait in a queue (group-major: the n samples of prompt p are p*n ... p*n+n-1);
-2. admission: free slots of a pre-allocated `SlotCache` (`max_num_seqs` slots of prompt + budget
-   tokens) take the next waiting samples. Their prompts, left-padded into one batch, are prefilled
-   once with their images / videos into an ordinary padded cache; only the last position's logits are
-   computed (`logits_to_keep`: hidden states, then the LM head on one row); each prompt's cache row is
-   copied into the slots of its samples (the group shares one prefill; `share_prefix=False`, the
-   benchmark baseline, prefills every sample);
-3. decoding: the next token of every active slot is drawn in one batched call (`sampling.sample_tokens`:
+1. samples wait in a queue and take free slots of a pre-allocated `SlotCache` (`max_num_seqs` slots of prompt +
+   budget tokens), their prompts prefilled once per GRPO group (inference/admission.py; with `kv_block_size` > 0 a
+   paged pool whose blocks are taken on demand, a sample preempted when it runs out and re-admitted later);
+2. decoding: the next token of every active slot is drawn in one batched call (`sampling.sample_tokens`:
    temperature, top-k, top-p, behaviour log-probs; the random numbers are drawn for every slot at every
    step, so a sample's draws depend on its slot and step only, not on which other rows still run) and
-   written to device buffers; the only host sync
-   per step is the stop check (EOS flags, plus the token ids when stop strings are set). Finished
-   slots are freed; with continuous batching a freed slot takes the next waiting sample at once
-   (step 2), so the batch stays full until the queue is empty. The tokens run through the model one
-   step at a time, attention by `kernels.decode_attention` on the slots (no padding), the Mamba2
-   state of the hybrid decoder per slot.
-
-With `kv_block_size` > 0 (`rl.rollout.kv_block_size`) the keys live in a paged pool (`PagedSlotCache`;
-attention-only models, a Mamba2 hybrid is refused: `paged_kv_blocker`), allocated on demand as vLLM does:
-an admitted sample takes the blocks of its prompt and one more position, and a running one takes another
-block when its sequence reaches the end of its blocks; a finished one returns them. A waiting sample is
-admitted only when its prompt's blocks are free with a headroom of 1 % of the pool (at least one block) for
-the running ones to grow. When a running sample needs a block and the pool has none, the sample admitted
-last is preempted: its blocks are returned and it waits at the head of the queue with what it generated
-(tokens, log-probs, versions, routes); re-admitted, its prompt + generated tokens are prefilled again
-(recomputation; the cached keys of the tokens it had generated are then the current weights') and it
-continues where it stopped. So a pool (`kv_cache_blocks`) far smaller than slots x longest sequence runs
-many more sequences at once than reserving every sample's budget would, most completions being much
-shorter than the budget (`stats["preemptions"]`, `metrics()`). Lock-stepped ranks (below) do the same, a
-re-admission being part of their admission round's one prefill forward (with the round's new prompts). On
-the CPU the paged cache is ~5-9 % slower, so off by default.
+   written to device buffers (inference/slot_run.py); the only host sync per step is the stop check (EOS flags,
+   plus the token ids when stop strings are set). Finished slots are freed and take the next waiting samples at
+   once, so the batch stays full until the queue is empty. The tokens run through the model one step at a time,
+   attention by `kernels.decode_attention` on the slots (no padding), the Mamba2 state of the hybrid decoder per
+   slot. On the CPU the paged cache is ~5-9 % slower than the slot layout, so off by default.
 
 Lock-step (when `all_ranks_active` is given: the trainer's FSDP forward, or the expert-parallel copy whose MoE
 blocks exchange tokens): every rank must make the same forward calls in the same order. The slots
-(`max_prompts_per_batch` prompts x n, 0 = every sample of the call) are refilled as completions end, as in
-continuous batching, with the prefills in step: after each token, a sample whose group's prompt is prefilled
-already takes a free slot at once (no forward), and `all_ranks_active(needs_a_prefill)` (an all-reduce supplied
-by the trainer: is it true on any rank?) says whether this is an admission round; in one, every rank makes
-exactly one prefill forward, of the samples it admits or, with none, of one pad token
-(`stats["dummy_prefills"]`). Then
+(`max_prompts_per_batch` prompts x n, 0 = every sample of the call) are refilled as completions end, the prefills
+in admission rounds that every rank makes together (`Admission.lockstep_admit`: one prefill forward per rank and
+round, of one pad token on a rank with nothing to admit, `stats["dummy_prefills"]`). Then
 `all_ranks_active(local_active)` decides whether another decode step runs, and a rank whose rows are all
-finished steps one dummy row on the scratch slot until every rank is done. So a long completion on one rank
-no longer holds the other slots idle until the batch ends (the tail of chunked batches); the caller gives
-every rank the same number of prompts.
+finished steps one dummy row on the scratch slot until every rank is done. The caller gives every rank the same
+number of prompts.
 
 CUDA graphs (`cuda_graphs`, inference/decode_graphs.py): the decode steps run on static buffers per
 batch-size bucket, captured once per bucket and replayed on CUDA. "auto": on for a CUDA device, else off;
@@ -80,107 +56,44 @@ stall the others' collectives).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from megatron_vlm.data.batch import VISION_KEYS
-from megatron_vlm.errors import ConfigError
+from megatron_vlm.inference.admission import Admission
 from megatron_vlm.inference.cpu_packed_experts import PackedExperts, fused_experts_available
 from megatron_vlm.inference.cpu_packed_linear import PackedLinears, packing_available
 from megatron_vlm.inference.decode_graphs import DecodeStepRunner, GraphUnsafeError
 from megatron_vlm.inference.engine import RolloutEngine, RolloutPrompt, RolloutResult, RolloutSample, SamplingParams
+from megatron_vlm.inference.engine_options import (
+    CUDA_GRAPH_MODES,
+    CudaGraphsConfigError,
+    EngineOptions,
+    PagedKVConfigError,
+    cuda_graphs_blocker,
+    paged_kv_blocker,
+)
+from megatron_vlm.inference.prompt_batch import left_pad, vision_inputs, vision_token_ids
 from megatron_vlm.inference.sampling import same_device, sample_tokens
+from megatron_vlm.inference.slot_run import SlotRun
 from megatron_vlm.inference.stopping import StopChecker, eos_token_ids_of
 from megatron_vlm.models.common.fused_projections import fuse_qkv, fused_projections
-from megatron_vlm.models.common.kv_cache import KVCache
-from megatron_vlm.models.common.moe import MoE, moe_layers
-from megatron_vlm.models.common.routing_replay import recording_routes, route_dtype
+from megatron_vlm.models.common.moe import moe_layers
+from megatron_vlm.models.common.routing_replay import recording_routes
 from megatron_vlm.models.common.slot_cache import PagedSlotCache, SlotCache
 from megatron_vlm.models.common.vlm_base import VLMBase
 from megatron_vlm.models.mcore.layer import native_state_dict
 
-__all__ = ["PolicyRolloutEngine", "CUDA_GRAPH_MODES", "CudaGraphsConfigError", "cuda_graphs_blocker", "PagedKVConfigError",
-           "paged_kv_blocker"]
+__all__ = ["PolicyRolloutEngine", "EngineOptions", "CUDA_GRAPH_MODES", "CudaGraphsConfigError", "cuda_graphs_blocker",
+           "PagedKVConfigError", "paged_kv_blocker", "vision_token_ids"]
 
 log = logging.getLogger(__name__)
-
-CUDA_GRAPH_MODES = ("auto", "on", "off")
-
-
-def cuda_graphs_blocker(model, *, trainer_forward: bool = False) -> Optional[str]:
-    """Why the decode step of `model` cannot be captured as a CUDA graph, or None. One function for the
-    engine and `--check` (plan/check.py), so that the check refuses rl.rollout.cuda_graphs = "on" exactly
-    where the job would (a model on the meta device is enough: only its layer kinds are read)."""
-    if trainer_forward:
-        return "the engine calls the trainer's model (forward=: rl.rollout.weights = 'shared'), not its own copy"
-    foreign = [m for m in moe_layers(model) if not isinstance(m, MoE)]
-    if foreign:  # native MoE blocks route graph-safely in static steps (models/common/moe_static.py)
-        return (f"MoE layers of another backend ({type(foreign[0]).__name__}): their routing sizes the grouped GEMMs "
-                "from the routed counts on the host, which a CUDA graph cannot replay")
-    return None
-
-
-class CudaGraphsConfigError(ConfigError):
-    """`rl.rollout.cuda_graphs = "on"` where the decode step cannot be captured (a config error: exit 2)."""
-
-
-def paged_kv_blocker(model) -> Optional[str]:
-    """Why `model` cannot decode on the paged KV cache (`kv_block_size` > 0), or None. One function for the
-    engine and `--check` (plan/check.py), like `cuda_graphs_blocker`: the pool holds keys / values only, so a
-    decoder whose cache is more than a `KVCache` (the Mamba2 hybrid's per-sequence recurrent states) keeps
-    the slot layout. Asks the model for a one-position cache on the meta device (no memory; a meta-device
-    model is enough)."""
-    probe = model.new_cache(1, 1, device="meta")
-    if isinstance(probe, KVCache):
-        return None
-    return (f"{type(model).__name__}'s decoder keeps per-sequence recurrent (Mamba2) states besides its keys / values "
-            f"({type(probe).__name__}), which stay in the slot layout; the paged cache is for attention-only decoders")
-
-
-class PagedKVConfigError(ConfigError):
-    """`rl.rollout.kv_block_size` > 0 with a model that cannot decode on the paged KV cache (a config error: exit 2)."""
-
-
-def _left_pad(prompts: Sequence[RolloutPrompt], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    longest = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), longest), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        n = len(p)
-        if n == 0:
-            raise ValueError(f"prompts[{i}]: empty prompt")
-        ids[i, longest - n:] = p.input_ids.to(torch.long)
-        mask[i, longest - n:] = 1
-    return ids, mask
-
-
-def _vision_inputs(prompts: Sequence[RolloutPrompt]) -> dict:
-    """Vision tensors of the prompts concatenated in prompt order."""
-    out = {}
-    for key in VISION_KEYS:
-        parts = [getattr(p, key) for p in prompts if getattr(p, key) is not None]
-        if parts:
-            out[key] = torch.cat(parts)
-    return out
-
-
-def _vision_token_ids(model) -> list[int]:
-    """The vision special tokens of a VLM (never sampled by a rollout engine); none for a text model."""
-    args = getattr(model, "args", None)
-    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-    return [int(getattr(args, n)) for n in names if isinstance(getattr(args, n, None), int)]
-
-
-vision_token_ids = _vision_token_ids  # public name for the other rollout engines (inference/vllm_engine.py)
 
 
 def _full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -195,107 +108,16 @@ def _full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 @dataclass
 class _Batch:
     """What one batch of a `generate` call decodes: its prompts (from `offset` in the call's list), the sampling
-    settings, stop criteria, random generator and the call's stats."""
+    settings, stop criteria, random generator, the call's stats, and the end-of-sequence / suppressed token ids on
+    the device."""
     prompts: Sequence[RolloutPrompt]
     offset: int
     params: SamplingParams
     checker: StopChecker
     generator: Optional[torch.Generator]
     stats: dict
-
-
-@dataclass
-class _Slots:
-    """The batch's KV cache and the decode state around it: waiting samples, prompt prefixes, CUDA-graph runner."""
-    cache: Any
-    queue: deque
-    prefixes: dict
-    num_slots: int
-    runner: Optional[DecodeStepRunner]
-
-
-class _Run:
-    """Device buffers and bookkeeping of one batch of slots (one batch of a `generate` call)."""
-
-    def __init__(self, num_slots: int, budget: int, device, routes_shape: Optional[tuple[int, int, int]] = None) -> None:
-        """`routes_shape` (MoE layers, top-k, experts): record the experts of every fed token (routing replay)."""
-        rows = num_slots + 1  # + the scratch slot
-        self.routes: Optional[torch.Tensor] = None  # [rows, budget, layers, k]: routes of the generated tokens
-        self.prompt_routes: dict[int, torch.Tensor] = {}  # slot -> its prompt's routes [prompt, layers, k]
-        if routes_shape is not None:
-            layers, k, experts = routes_shape
-            self.routes = torch.full((rows, budget, layers, k), -1, dtype=route_dtype(experts), device=device)
-        self.tokens = torch.zeros(rows, budget, dtype=torch.long, device=device)
-        self.logprobs = torch.zeros(rows, budget, dtype=torch.float32, device=device)
-        self.versions = torch.zeros(rows, budget, dtype=torch.long, device=device)
-        self.gen_len = torch.zeros(rows, dtype=torch.long, device=device)
-        self.host_len = [0] * rows
-        self.host_tokens: dict[int, list[int]] = {}  # slot -> tokens (only with stop strings)
-        self.slot_sample: dict[int, int] = {}
-        self.free = deque(range(num_slots))
-        self.budget = budget
-        self.release: Optional[Callable[[int], None]] = None  # the paged cache's: a finished slot's blocks
-        self.finished_routes: dict[int, torch.Tensor] = {}  # sample -> its routes [prompt + generated - 1, layers, k]
-        self.admitted: dict[int, int] = {}  # slot -> when its sample was admitted (the last admitted is preempted first)
-        self.admissions = 0
-        self.preempted: dict[int, _Preempted] = {}  # sample -> what it generated before it was preempted
-
-
-@dataclass
-class _Preempted:
-    """A sample preempted for lack of KV blocks (on-demand paged cache): what it generated, kept for its re-admission
-    (its prompt + these tokens prefilled again) or, if the call ends first, its result."""
-    tokens: torch.Tensor  # [k] sampled tokens (the last one not yet fed to the model)
-    logprobs: torch.Tensor
-    versions: torch.Tensor
-    host_tokens: list  # the stop-string checker's copy (empty without stop strings)
-    prompt_routes: Optional[torch.Tensor]  # routing replay: the prompt's routes ...
-    routes: Optional[torch.Tensor]  # ... and those of the k - 1 generated tokens fed so far
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """How the built-in engine decodes, as one value (`PolicyRolloutEngine(model, tokenizer, options, ...)`): built
-    once from `[rl.rollout]` by the GRPO job (`rl/trainer.py`), the asynchronous rollout ranks and the
-    evaluations, or by tests and benchmarks with the fields they vary."""
-    eos_token_ids: Optional[Iterable[int]] = None
-    """Tokens that end a completion (default: the tokenizer's / generation config's)."""
-    pad_token_id: Optional[int] = None
-    cache_dtype: Optional[torch.dtype] = None
-    """Compute dtype of keys / values (bf16 under FSDP mixed precision; default the model's weight dtype)."""
-    device: Optional[torch.device | str] = None
-    max_prompts_per_batch: int = 0
-    """Lock-step: slots for this many prompts' samples (x n) decoding at once, refilled as completions end (0 = all)."""
-    max_num_seqs: int = 0
-    """Slots of continuous batching (0 = max_prompts_per_batch * n, or every sample of the call)."""
-    share_prefix: bool = True
-    suppress_token_ids: Optional[Iterable[int]] = None
-    """Tokens never generated (default: the model's vision placeholder / start / end tokens)."""
-    kv_block_size: int = 0
-    """> 0: a paged KV cache of blocks of this many positions (attention-only models)."""
-    kv_cache_blocks: int = 0
-    """Blocks of the paged KV cache (0 = enough for every slot at full length)."""
-    cuda_graphs: str = "off"
-    """"auto" | "on" | "off": decode steps on static buffers, captured as CUDA graphs (module docstring)."""
-    record_routes: bool = False
-    """MoE models: record the top-k experts of every prompt and generated token (`RolloutSample.routes`, routing
-    replay: models/common/routing_replay.py); ignored for a model without MoE layers."""
-    cpu_packed_gemm: bool = True
-    """CPU, fp32, the engine's own weights: eager decode steps run the Linear layers on MKL-packed copies of the
-    weights (inference/cpu_packed_linear.py; packed again whenever the weights change)."""
-    cpu_fused_experts: bool = True
-    """CPU, fp32, the engine's own weights: eager decode steps run each MoE layer's routed experts as one C++ call
-    on MKL-packed expert weights (inference/cpu_packed_experts.py); routing is unchanged."""
-    fuse_projections: bool = False
-    """The engine's own copy of the weights: each attention layer's q / k / v run as one GEMM over one fused weight
-    that the three layers view (models/common/fused_projections.py: fewer, wider GEMMs and no q / k concatenation
-    per decode step; checkpoint names unchanged). Refused for the trainer's model (an optimizer holds its
-    Parameters). Off by default: not yet measured on a GPU (benchmarks/e2e/profile_decode.py `:fused`)."""
-    share_prefix_reads: Optional[bool] = None
-    """Decode attention reads a GRPO group's shared prompt through one copy (`SlotCache.share_prefix_reads`: the CPU
-    kernel reads it once per group, the Triton kernel from one copy for L2 reuse). None: the cache's default, on
-    on the CPU (measured faster), off on CUDA (an H200's 3B decode step in CUDA graphs: within noise of per-row
-    reads, 1.01x / 1.02x median at 16 / 32 sequences; benchmarks/e2e/profile_decode.py)."""
+    eos: torch.Tensor
+    suppress: torch.Tensor
 
 
 class PolicyRolloutEngine(RolloutEngine):
@@ -367,7 +189,7 @@ class PolicyRolloutEngine(RolloutEngine):
         self.lockstep = all_ranks_active is not None
         self.all_ranks_active = all_ranks_active or (lambda active: active)
         if suppress_token_ids is None:
-            suppress_token_ids = _vision_token_ids(model)
+            suppress_token_ids = vision_token_ids(model)
         self.suppress_token_ids = torch.tensor(sorted(set(int(i) for i in suppress_token_ids)), dtype=torch.long)
         if sync_from is not None and not self.owns_forward:
             raise ValueError("sync_from: only for an engine that generates with its own copy (forward=None)")
@@ -522,8 +344,8 @@ class PolicyRolloutEngine(RolloutEngine):
 
     def _prefill_forward(self, prompts: Sequence[RolloutPrompt]):
         dev = self._device()
-        ids, mask = _left_pad(prompts, self.pad_token_id)
-        vision = {k: v.to(dev) for k, v in _vision_inputs(prompts).items()}
+        ids, mask = left_pad(prompts, self.pad_token_id)
+        vision = {k: v.to(dev) for k, v in vision_inputs(prompts).items()}
         cache = self.model.new_cache(ids.shape[0], ids.shape[1], dtype=self.cache_dtype, device=dev)
         kwargs = dict(input_ids=ids.to(dev), attention_mask=mask.to(dev), kv_cache=cache, **vision)
         if self.owns_forward:  # logits_to_keep = 1: the LM head runs on the last position only
@@ -533,6 +355,13 @@ class PolicyRolloutEngine(RolloutEngine):
         else:
             logits = self.forward(**kwargs)[:, -1]
         return cache, logits
+
+    def _dummy_prefill(self, stats: dict) -> None:
+        """One prefill forward of a single pad token, whose output is dropped: keeps a lock-stepped rank's forward
+        calls (and their collectives) in step with a rank that prefills."""
+        self._prefill([RolloutPrompt(torch.tensor([self.pad_token_id]))])
+        stats["forward_calls"] += 1
+        stats["dummy_prefills"] += 1
 
     def with_options(self, cache: SlotCache) -> SlotCache:
         """A new slot cache set up as the options say (`share_prefix_reads`)."""
@@ -565,167 +394,6 @@ class PolicyRolloutEngine(RolloutEngine):
             runner.drop()
             return None
 
-    def _admit(self, queue: deque, run: _Run, cache: SlotCache, prompts: Sequence[RolloutPrompt], n: int, prefixes: dict,
-               stats: dict, *, cached_only: bool = False) -> tuple[list[int], Optional[torch.Tensor]]:
-        """Fill free slots with waiting samples: ([slots], logits [len, V]) or ([], None). `cached_only`: only those that
-        need no prefill forward (their group's prompt is prefilled already), stopping at the first that would."""
-        key_of = (lambda i: i // n) if self.share_prefix else (lambda i: i)
-        take: list[tuple[int, int]] = []
-        while queue and run.free:
-            if cached_only and (queue[0] in run.preempted or key_of(queue[0]) not in prefixes):
-                break
-            if isinstance(cache, PagedSlotCache):  # on demand: its prompt (+ what it generated before a preemption)
-                tokens, headroom = self._blocks_wanted(run, cache, prompts, n, queue[0], busy=bool(run.slot_sample or take))
-                if not cache.can_reserve(tokens, headroom):
-                    if not run.slot_sample and not take:  # nothing runs that could give blocks back
-                        raise RuntimeError(f"kv_cache_blocks: the pool cannot hold one sample of {tokens} tokens "
-                                           f"({len(cache.free_blocks)} free blocks of {cache.block_size})")
-                    break
-                cache.reserve(run.free[0], tokens)
-            take.append((queue.popleft(), run.free.popleft()))
-        if not take:
-            return [], None
-        for _sample, slot in take:
-            run.admitted[slot] = run.admissions
-            run.admissions += 1
-        back = [(sample, slot) for sample, slot in take if sample in run.preempted]  # preempted, re-admitted
-        take = [(sample, slot) for sample, slot in take if sample not in run.preempted]
-        need = list(dict.fromkeys(key_of(i) for i, _ in take if key_of(i) not in prefixes))
-        resumed: dict[int, torch.Tensor] = {}
-        if need or back:  # one prefill forward: new prompts and the re-admitted samples' prompt + generated tokens
-            t0 = time.perf_counter()
-            batch = [prompts[k // (1 if self.share_prefix else n)] for k in need]
-            batch += [self._resume_prompt(prompts[sample // n], run.preempted[sample]) for sample, _ in back]
-            pcache, logits, routes = self._prefill(batch)
-            uses = n if self.share_prefix else 1
-            for row, key in enumerate(need):
-                # the prompt's own positions of the left-padded row
-                mine = routes[row, routes.shape[1] - len(batch[row]):] if routes is not None else None
-                prefixes[key] = [pcache, row, logits[row], uses, mine]
-            for j, (sample, slot) in enumerate(back):
-                row = len(need) + j
-                resumed[slot] = self._readmit(run, cache, sample, slot, pcache, row, logits[row],
-                                              routes[row, -1] if routes is not None else None)
-            stats["prefill_s"] += time.perf_counter() - t0
-            stats["forward_calls"] += 1
-            stats["prefill_calls"] += 1
-        if not take:
-            return list(resumed), torch.stack(list(resumed.values()))
-        # one copy per prefilled row into all of its new slots (a group's G slots at once: the row's keys are
-        # gathered once per layer, not once per slot)
-        slots_of: dict = {}
-        for sample, slot in take:
-            slots_of.setdefault(key_of(sample), []).append(slot)
-        for key, group in slots_of.items():
-            cache.load_prefix(group, prefixes[key][0], prefixes[key][1])
-        slots, rows = [], []
-        for sample, slot in take:
-            entry = prefixes[key_of(sample)]
-            run.slot_sample[slot] = sample
-            run.gen_len[slot] = 0
-            run.host_len[slot] = 0
-            run.host_tokens[slot] = []
-            if entry[4] is not None:
-                run.prompt_routes[slot] = entry[4]
-            slots.append(slot)
-            rows.append(entry[2])
-            entry[3] -= 1
-            if entry[3] == 0:
-                del prefixes[key_of(sample)]
-        return list(resumed) + slots, torch.stack(list(resumed.values()) + rows)
-
-    def _lockstep_admit(self, queue: deque, run: _Run, cache, prompts: Sequence[RolloutPrompt], n: int, prefixes: dict,
-                        stats: dict) -> tuple[list[int], Optional[torch.Tensor]]:
-        """A lock-stepped rank's admissions after a token (module docstring): samples whose group's prompt is prefilled
-        already join at once (no forward); then an admission round when any rank has a sample that needs a prefill,
-        in which this rank makes exactly one prefill forward, real or of one pad token."""
-        local = self._admit(queue, run, cache, prompts, n, prefixes, stats, cached_only=True)
-        want = bool(queue and run.free)
-        if want and isinstance(cache, PagedSlotCache):
-            want = cache.can_reserve(*self._blocks_wanted(run, cache, prompts, n, queue[0], busy=bool(run.slot_sample)))
-        if not self.all_ranks_active(want):
-            return local
-        calls = stats["prefill_calls"]
-        out = self._admit(queue, run, cache, prompts, n, prefixes, stats) if want else ([], None)
-        if stats["prefill_calls"] == calls:  # nothing to prefill here
-            self._dummy_prefill(stats)
-        if not local[0]:
-            return out
-        if not out[0]:
-            return local
-        assert local[1] is not None and out[1] is not None
-        return local[0] + out[0], torch.cat([local[1], out[1]])
-
-    def _dummy_prefill(self, stats: dict) -> None:
-        """One prefill forward of a single pad token, whose output is dropped: keeps a lock-stepped rank's forward
-        calls (and their collectives) in step with a rank that prefills."""
-        self._prefill([RolloutPrompt(torch.tensor([self.pad_token_id]))])
-        stats["forward_calls"] += 1
-        stats["dummy_prefills"] += 1
-
-    @staticmethod
-    def _blocks_wanted(run: _Run, cache: PagedSlotCache, prompts: Sequence[RolloutPrompt], n: int, sample: int, *,
-                       busy: bool) -> tuple[int, int]:
-        """(positions a waiting sample's blocks must hold now, blocks to leave free) on the on-demand pool: its prompt,
-        what it generated before a preemption and the next position; a headroom of 1 % of the pool (>= 1 block)
-        while others run, for them to grow."""
-        done = len(run.preempted[sample].tokens) if sample in run.preempted else 0
-        return len(prompts[sample // n]) + done + 1, max(1, cache.num_blocks // 100) if busy else 0
-
-    @staticmethod
-    def _resume_prompt(prompt: RolloutPrompt, state: _Preempted) -> RolloutPrompt:
-        """A preempted sample's prefill: its prompt (vision inputs included) followed by the tokens it generated."""
-        return dataclasses.replace(prompt, input_ids=torch.cat([prompt.input_ids.to(torch.long), state.tokens.to("cpu", torch.long)]))
-
-    def _readmit(self, run: _Run, cache, sample: int, slot: int, pcache, row: int, logits: torch.Tensor,
-                 last_route: Optional[torch.Tensor]) -> torch.Tensor:
-        """Re-admit a preempted sample into `slot` (its blocks reserved) from row `row` of a prefill of its prompt + the
-        k tokens it generated (`_resume_prompt`): it continues at token k; returns that token's logits [V]."""
-        state = run.preempted.pop(sample)
-        k = int(state.tokens.numel())
-        cache.load_prefix([slot], pcache, row)
-        run.slot_sample[slot] = sample
-        run.tokens[slot, :k] = state.tokens
-        run.logprobs[slot, :k] = state.logprobs
-        run.versions[slot, :k] = state.versions
-        run.gen_len[slot] = k
-        run.host_len[slot] = k
-        run.host_tokens[slot] = list(state.host_tokens)
-        if run.routes is not None and state.prompt_routes is not None and state.routes is not None and last_route is not None:
-            # the routes recorded when the tokens were first fed; the last token's, fed only now, from this prefill
-            run.prompt_routes[slot] = state.prompt_routes
-            run.routes[slot, :k - 1] = state.routes
-            run.routes[slot, k - 1] = last_route
-        return logits
-
-    def _grow(self, run: _Run, cache: PagedSlotCache, running: list[int], queue: deque, stats: dict) -> list[int]:
-        """Give every running slot whose sequence reached the end of its blocks one more (on-demand paged cache),
-        oldest admission first; with none free, preempt the last admitted (possibly the slot itself). Returns the
-        rows of `running` that still run."""
-        alive = set(running)
-        for slot in sorted(running, key=run.admitted.__getitem__):
-            while slot in alive and cache.host_lengths[slot] >= cache.slot_capacity[slot] and not cache.grow(slot):
-                victim = max(alive, key=run.admitted.__getitem__)
-                self._preempt(run, cache, victim, queue)
-                alive.discard(victim)
-                stats["preemptions"] += 1
-        return [r for r, slot in enumerate(running) if slot in alive]
-
-    @staticmethod
-    def _preempt(run: _Run, cache: PagedSlotCache, slot: int, queue: deque) -> None:
-        """Return a running slot's blocks and put its sample at the head of the queue with what it generated."""
-        k = run.host_len[slot]
-        sample = run.slot_sample.pop(slot)
-        run.preempted[sample] = _Preempted(
-            tokens=run.tokens[slot, :k].clone(), logprobs=run.logprobs[slot, :k].clone(),
-            versions=run.versions[slot, :k].clone(), host_tokens=run.host_tokens.pop(slot, []),
-            prompt_routes=run.prompt_routes.pop(slot, None),
-            routes=run.routes[slot, :k - 1].clone() if run.routes is not None else None)
-        run.admitted.pop(slot)
-        cache.release(slot)
-        run.free.append(slot)
-        queue.appendleft(sample)
-
     def _run(self, prompts, offset: int, num_slots: int, params: SamplingParams, checker: StopChecker,
              generator: Optional[torch.Generator], stats: dict) -> tuple[list[RolloutSample], bool]:
         n, budget = params.n, params.max_new_tokens
@@ -736,21 +404,18 @@ class PolicyRolloutEngine(RolloutEngine):
             with self._step_lock:  # not while another thread writes weights in place (`paused()`)
                 if fuse_qkv(self.model) and self._runner is not None:
                     self._runner.weights_loaded()
-        total = len(prompts) * n
         max_len = max(len(p) for p in prompts) + budget
         runner = self._kept_runner(num_slots, max_len, dev)
         cache = runner.cache if runner is not None else self._new_cache(num_slots, max_len, dev)
+        run = SlotRun(num_slots, budget, dev, self.routes_shape)
         if isinstance(cache, PagedSlotCache):
             cache.release_all()  # a kept pool: a call that failed half-way may have left blocks taken
             if cache.blocks_for(max_len) > cache.num_blocks - 1:  # one block is the scratch row's
                 raise RuntimeError(f"kv_cache_blocks: the pool of {cache.num_blocks} blocks of {cache.block_size} positions "
                                    f"cannot hold one sample of {max_len} tokens (the longest prompt + max_new_tokens) "
                                    "besides the scratch block")
-        run = _Run(num_slots, budget, dev, self.routes_shape)
-        if isinstance(cache, PagedSlotCache):
             run.release = cache.release
-        queue = deque(range(total))
-        prefixes: dict = {}
+        admission = Admission(run, cache, prompts, n, share_prefix=self.share_prefix, prefill=self._prefill, stats=stats)
         packer = self._cpu_packer(num_slots, dev) if self._packer is None else None  # one batch patches the model
         if packer is not None:
             self._packer = packer
@@ -759,8 +424,10 @@ class PolicyRolloutEngine(RolloutEngine):
             self._expert_packer = experts
         try:
             with fused_projections(self.options.fuse_projections):
-                return self._loop(_Batch(prompts, offset, params, checker, generator, stats), run,
-                                  _Slots(cache, queue, prefixes, num_slots, runner))
+                batch = _Batch(prompts, offset, params, checker, generator, stats,
+                               eos=torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=dev),
+                               suppress=self.suppress_token_ids.to(dev))
+                return self._loop(batch, run, admission, runner)
         except BaseException:  # a step that failed half-way: nothing of this cache is kept
             self._drop_runner()
             raise
@@ -834,20 +501,12 @@ class PolicyRolloutEngine(RolloutEngine):
             self._runner.drop()
             self._runner = None
 
-    def _loop(self, batch: _Batch, run: _Run, slots: _Slots) -> tuple[list[RolloutSample], bool]:
+    def _loop(self, batch: _Batch, run: SlotRun, admission: Admission,
+              runner: Optional[DecodeStepRunner]) -> tuple[list[RolloutSample], bool]:
         """The admission / sampling / decode-step loop of one batch of slots (`_run`'s cache and buffers)."""
-        prompts, offset, params, checker = batch.prompts, batch.offset, batch.params, batch.checker
-        generator, stats = batch.generator, batch.stats
-        cache, queue, prefixes, num_slots, runner = slots.cache, slots.queue, slots.prefixes, slots.num_slots, slots.runner
-        n, budget = params.n, params.max_new_tokens
-        dev = self._device()
-        total = len(prompts) * n
-        finished: dict[int, tuple] = {}
-        eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=dev)
-        suppress = self.suppress_token_ids.to(dev)
-        stop_strings = bool(checker.stop)
+        stats, cache = batch.stats, admission.cache
         calls = stats["prefill_calls"]
-        cur_slots, cur_logits = self._admit(queue, run, cache, prompts, n, prefixes, stats)
+        cur_slots, cur_logits = admission.admit()
         if self.lockstep and stats["prefill_calls"] == calls:  # every rank prefills once in each admission round
             self._dummy_prefill(stats)
         interrupted = False
@@ -860,133 +519,139 @@ class PolicyRolloutEngine(RolloutEngine):
                 feed = None
                 if cur_slots:
                     assert cur_logits is not None  # admitted or running slots come with their logits
-                    index = torch.as_tensor(cur_slots, dtype=torch.long, device=dev)
-                    uniform = None
-                    if params.temperature > 0:  # one draw per slot and step: a row's numbers do not depend on the others
-                        if generator is not None and not same_device(generator.device, cur_logits.device):
-                            raise ValueError(f"generator: on {generator.device}, logits on {cur_logits.device}")
-                        uniform = torch.rand(num_slots + 1, device=dev, generator=generator).index_select(0, index)
-                    tok, lp = sample_tokens(cur_logits, temperature=params.temperature, top_k=params.top_k,
-                                            top_p=params.top_p, suppress_token_ids=suppress, uniform=uniform)
-                    pos = run.gen_len.index_select(0, index)
-                    run.tokens[index, pos] = tok
-                    run.logprobs[index, pos] = lp.float()
-                    run.versions[index, pos] = self.policy_version
-                    run.gen_len.index_add_(0, index, torch.ones_like(index))
-                    # the stop check: the step's one host sync, which also reads whether each log-prob is finite
-                    # (a row without a distribution: the sampler raises on the CPU only, to add no sync elsewhere)
-                    bad_lp = ~torch.isfinite(lp)
-                    if stop_strings:
-                        tok_l, bad = torch.stack([tok, bad_lp.long()]).tolist()
-                        is_eos = [t in self.eos_token_ids for t in tok_l]
-                    else:
-                        flags = (torch.isin(tok, eos).long() + 2 * bad_lp.long()).tolist()
-                        tok_l, is_eos, bad = None, [f & 1 for f in flags], [f >> 1 for f in flags]
-                    if any(bad):
-                        r = bad.index(1)
-                        sample = run.slot_sample[cur_slots[r]]
-                        raise ValueError(f"rollout: prompt {offset + sample // n} (sample {sample % n}), generated token "
-                                         f"{int(pos[r])}: the logits have a NaN or +inf value, or only -inf ones outside "
-                                         "the suppressed ids: no distribution to sample from")
-                    keep = []
-                    for r, slot in enumerate(cur_slots):
-                        run.host_len[slot] += 1
-                        why = "eos" if is_eos[r] else None
-                        if why is None and stop_strings:
-                            assert tok_l is not None  # the tokens are read on the host when stop strings are set
-                            run.host_tokens[slot].append(tok_l[r])
-                            why = checker.check(run.host_tokens[slot])
-                        if why is None and run.host_len[slot] >= budget:
-                            why = "length"
-                        if why is None:
-                            running.append(slot)
-                            keep.append(r)
-                        else:
-                            self._finish(run, slot, why, finished)
-                    if keep:
-                        feed = tok.index_select(0, torch.as_tensor(keep, dtype=torch.long, device=dev))
+                    running, feed = self._sample(batch, run, cur_slots, cur_logits)
                 if self._interrupt.is_set() and not self.lockstep:
                     for slot in running:
-                        self._finish(run, slot, "interrupted", finished)
+                        run.finish(slot, "interrupted")
                     interrupted = True
                     break
-                if running and isinstance(cache, PagedSlotCache):  # on-demand blocks
-                    rows = self._grow(run, cache, running, queue, stats)
+                if running and admission.paged:  # on-demand blocks
+                    rows = admission.grow(running)
                     if len(rows) < len(running):
                         assert feed is not None
-                        feed = feed.index_select(0, torch.as_tensor(rows, dtype=torch.long, device=dev)) if rows else None
+                        feed = feed.index_select(0, torch.as_tensor(rows, dtype=torch.long, device=feed.device)) if rows else None
                         running = [running[r] for r in rows]
                 if self.lockstep:
-                    admitted, new_logits = self._lockstep_admit(queue, run, cache, prompts, n, prefixes, stats)
+                    admitted, new_logits = admission.lockstep_admit(self.all_ranks_active, lambda: self._dummy_prefill(stats))
                 else:
-                    admitted, new_logits = self._admit(queue, run, cache, prompts, n, prefixes, stats)
+                    admitted, new_logits = admission.admit()
                 if not self.all_ranks_active(bool(running or admitted)):
                     break
                 logits_parts = []
                 if running or self.lockstep:
-                    if not running:  # lock-step: a dummy row on the scratch slot keeps this rank's calls in step
-                        cache.reset_scratch()
-                        slots_now = [cache.scratch_slot]
-                        feed = torch.full((1,), self.pad_token_id, dtype=torch.long, device=dev)
-                    else:
-                        slots_now = running
-                    assert feed is not None  # the running slots' sampled tokens, or the scratch row's pad
-                    logits, routes = None, None
-                    if runner is not None and self.cuda_graphs != "off":
-                        logits = self._graph_step(runner, cache, slots_now, feed)
-                        routes = runner.last_routes
-                    if logits is None:
-                        cache.set_active(slots_now)
-                        packed = self._packer.decoding() if self._packer is not None else contextlib.nullcontext()
-                        fused = self._expert_packer.decoding() if self._expert_packer is not None else contextlib.nullcontext()
-                        with recording_routes() if run.routes is not None else contextlib.nullcontext() as rec, packed, fused:
-                            logits = self.forward(input_ids=feed[:, None], kv_cache=cache)[:, -1]
-                        routes = rec.stacked() if rec is not None else None
-                    if running and run.routes is not None:  # the fed tokens' experts, at their positions
-                        assert routes is not None  # a MoE model records every forward
-                        index = torch.as_tensor(running, dtype=torch.long, device=dev)
-                        run.routes[index, run.gen_len.index_select(0, index) - 1] = routes[:len(running)]
+                    logits = self._decode(run, cache, runner, running, feed)
                     stats["forward_calls"] += 1
                     stats["decode_steps"] += 1
                     if running:
                         logits_parts.append(logits)
                 if admitted:
+                    assert new_logits is not None  # admitted slots come with their first logits
                     logits_parts.append(new_logits)
                 cur_slots = running + admitted
                 cur_logits = torch.cat(logits_parts) if len(logits_parts) > 1 else (logits_parts[0] if logits_parts else None)
         stats["decode_s"] += time.perf_counter() - t1
-        finished_routes = {i: r.cpu() for i, r in run.finished_routes.items()}
+        run.interrupted_waiting()
+        return self._collect(batch, run), interrupted
+
+    def _sample(self, batch: _Batch, run: SlotRun, cur_slots: list[int],
+                cur_logits: torch.Tensor) -> tuple[list[int], Optional[torch.Tensor]]:
+        """Draw the next token of every slot in `cur_slots` from its logits, record it, and end the slots it
+        finishes; returns (the slots still running, their tokens to feed [len] or None)."""
+        params, checker, generator = batch.params, batch.checker, batch.generator
+        n, budget = params.n, params.max_new_tokens
+        dev = run.tokens.device
+        index = torch.as_tensor(cur_slots, dtype=torch.long, device=dev)
+        uniform = None
+        if params.temperature > 0:  # one draw per slot and step: a row's numbers do not depend on the others
+            if generator is not None and not same_device(generator.device, dev):
+                raise ValueError(f"generator: on {generator.device}, logits on {dev}")
+            uniform = torch.rand(run.tokens.shape[0], device=dev, generator=generator).index_select(0, index)
+        tok, lp = sample_tokens(cur_logits, temperature=params.temperature, top_k=params.top_k,
+                                top_p=params.top_p, suppress_token_ids=batch.suppress, uniform=uniform)
+        pos = run.gen_len.index_select(0, index)
+        run.tokens[index, pos] = tok
+        run.logprobs[index, pos] = lp.float()
+        run.versions[index, pos] = self.policy_version
+        run.gen_len.index_add_(0, index, torch.ones_like(index))
+        # the stop check: the step's one host sync, which also reads whether each log-prob is finite
+        # (a row without a distribution: the sampler raises on the CPU only, to add no sync elsewhere)
+        bad_lp = ~torch.isfinite(lp)
+        stop_strings = bool(checker.stop)
+        if stop_strings:
+            tok_l, bad = torch.stack([tok, bad_lp.long()]).tolist()
+            is_eos = [t in self.eos_token_ids for t in tok_l]
+        else:
+            flags = (torch.isin(tok, batch.eos).long() + 2 * bad_lp.long()).tolist()
+            tok_l, is_eos, bad = None, [f & 1 for f in flags], [f >> 1 for f in flags]
+        if any(bad):
+            r = bad.index(1)
+            sample = run.slot_sample[cur_slots[r]]
+            raise ValueError(f"rollout: prompt {batch.offset + sample // n} (sample {sample % n}), generated token "
+                             f"{int(pos[r])}: the logits have a NaN or +inf value, or only -inf ones outside "
+                             "the suppressed ids: no distribution to sample from")
+        running, keep = [], []
+        for r, slot in enumerate(cur_slots):
+            run.host_len[slot] += 1
+            why = "eos" if is_eos[r] else None
+            if why is None and stop_strings:
+                assert tok_l is not None  # the tokens are read on the host when stop strings are set
+                run.host_tokens[slot].append(tok_l[r])
+                why = checker.check(run.host_tokens[slot])
+            if why is None and run.host_len[slot] >= budget:
+                why = "length"
+            if why is None:
+                running.append(slot)
+                keep.append(r)
+            else:
+                run.finish(slot, why)
+        feed = tok.index_select(0, torch.as_tensor(keep, dtype=torch.long, device=dev)) if keep else None
+        return running, feed
+
+    def _decode(self, run: SlotRun, cache, runner: Optional[DecodeStepRunner], running: list[int],
+                feed: Optional[torch.Tensor]) -> torch.Tensor:
+        """One decode step of the running slots (a lock-stepped rank with none steps one dummy row on the scratch
+        slot, to keep its calls in step): their next logits [len(running), V]; the fed tokens' routes recorded."""
+        dev = run.tokens.device
+        if not running:  # lock-step: a dummy row on the scratch slot keeps this rank's calls in step
+            cache.reset_scratch()
+            slots_now = [cache.scratch_slot]
+            feed = torch.full((1,), self.pad_token_id, dtype=torch.long, device=dev)
+        else:
+            slots_now = running
+        assert feed is not None  # the running slots' sampled tokens, or the scratch row's pad
+        logits, routes = None, None
+        if runner is not None and self.cuda_graphs != "off":
+            logits = self._graph_step(runner, cache, slots_now, feed)
+            routes = runner.last_routes
+        if logits is None:
+            cache.set_active(slots_now)
+            packed = self._packer.decoding() if self._packer is not None else contextlib.nullcontext()
+            fused = self._expert_packer.decoding() if self._expert_packer is not None else contextlib.nullcontext()
+            with recording_routes() if run.routes is not None else contextlib.nullcontext() as rec, packed, fused:
+                logits = self.forward(input_ids=feed[:, None], kv_cache=cache)[:, -1]
+            routes = rec.stacked() if rec is not None else None
+        if running and run.routes is not None:  # the fed tokens' experts, at their positions
+            assert routes is not None  # a MoE model records every forward
+            index = torch.as_tensor(running, dtype=torch.long, device=dev)
+            run.routes[index, run.gen_len.index_select(0, index) - 1] = routes[:len(running)]
+        return logits
+
+    def _collect(self, batch: _Batch, run: SlotRun) -> list[RolloutSample]:
+        """The batch's samples in call order: the finished ones' tokens (one copy to the host each), the others
+        unstarted (an interrupted call)."""
+        prompts, offset, n, checker = batch.prompts, batch.offset, batch.params.n, batch.checker
         out = []
-        for i, state in run.preempted.items():  # interrupted while waiting for blocks: what they generated
-            finished[i] = (state.tokens, state.logprobs, state.versions, "interrupted")
-            if state.prompt_routes is not None and state.routes is not None:
-                finished_routes[i] = torch.cat([state.prompt_routes, state.routes]).cpu()
-        for i in range(total):
-            if i not in finished:
+        for i in range(len(prompts) * n):
+            if i not in run.finished:
                 out.append(self._unstarted(prompts, offset, i, n))
                 continue
-            ids, logps, versions, why = finished[i]
+            ids, logps, versions, why = run.finished[i]
             ids, versions = ids.cpu(), versions.cpu()
+            routes = run.finished_routes.get(i)
             out.append(RolloutSample(
                 prompt_index=offset + i // n, sample_index=i % n, token_ids=ids, logprobs=logps.cpu(),
                 text=checker.final_text(ids.tolist(), why), finish_reason=why, prompt_length=len(prompts[i // n]),
                 policy_version=int(versions.min()) if versions.numel() else self.policy_version,
-                token_versions=versions, routes=finished_routes.get(i),
+                token_versions=versions, routes=routes.cpu() if routes is not None else None,
             ))
-        return out, interrupted
-
-    @staticmethod
-    def _finish(run: _Run, slot: int, why: str, finished: dict) -> None:
-        """Keep the slot's tokens (device copies, no sync) and free the slot."""
-        length = run.host_len[slot]
-        sample = run.slot_sample.pop(slot)
-        finished[sample] = (run.tokens[slot, :length].clone(), run.logprobs[slot, :length].clone(),
-                            run.versions[slot, :length].clone(), why)
-        prompt_routes = run.prompt_routes.pop(slot, None)
-        if run.routes is not None and prompt_routes is not None:  # every token the model read (not the last one)
-            run.finished_routes[sample] = torch.cat([prompt_routes, run.routes[slot, :max(length - 1, 0)]])
-        run.host_tokens.pop(slot, None)
-        run.admitted.pop(slot, None)
-        if run.release is not None:
-            run.release(slot)
-        run.free.append(slot)
+        return out

@@ -20,7 +20,7 @@ import torch
 
 from megatron_vlm.inference.decode_graphs import DecodeStepRunner
 from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
-from megatron_vlm.inference.policy_engine import PolicyRolloutEngine
+from megatron_vlm.inference.slot_run import SlotRun
 from megatron_vlm.models.common.slot_cache import PagedSlotCache
 from tests.fixtures.rollout_engine import SilentTokenizer, make_engine, tiny_vl_model_and_prompts
 
@@ -103,14 +103,15 @@ def test_interrupted_while_preempted_keeps_its_tokens(setup, monkeypatch):
     model, prompts = setup
     _, ref = _run(model, prompts)
     preempted: list[int] = []
-    original = PolicyRolloutEngine._preempt
+    original = SlotRun.preempt
 
-    def preempt_then_interrupt(run, cache, slot, queue):
+    def preempt_then_interrupt(run, slot, cache):
         preempted.append(run.slot_sample[slot])
-        original(run, cache, slot, queue)
+        sample = original(run, slot, cache)
         eng._interrupt.set()
+        return sample
 
-    monkeypatch.setattr(PolicyRolloutEngine, "_preempt", staticmethod(preempt_then_interrupt))
+    monkeypatch.setattr(SlotRun, "preempt", preempt_then_interrupt)
     eng = make_engine(model, Tok(), eos_token_ids=[-1], max_num_seqs=8, kv_block_size=BLOCK,
                       kv_cache_blocks=_small_pool(prompts))
     got = eng.generate(prompts, SamplingParams(max_new_tokens=NEW, n=2, temperature=0.0))

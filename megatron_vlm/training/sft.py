@@ -12,7 +12,6 @@ are divided by cp.
 from __future__ import annotations
 
 import logging
-import resource
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
@@ -98,14 +97,6 @@ def restore_data_state(runner: Any, state: dict) -> None:
     restore_saved_bad_records(runner.bad_records, state, same_split=state.get("dp_size") == runner.bundle.dims.dp_size,
                               is_main=runner.ctx.env.is_main)
     runner.totals.restore(state)
-
-
-def _peak_memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    if device.type == "npu":
-        return torch.npu.max_memory_allocated(device) / 2**30  # type: ignore[attr-defined]
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (peak RSS)
 
 
 def _peak_flops() -> Optional[float]:
@@ -212,7 +203,6 @@ class SFTStep:
             "tokens_per_s": g_seq / dt,
             "trained_tokens": g_tokens,
             "samples_per_s": g_samples / dt,
-            "peak_memory_gib": _peak_memory_gib(env.device),
             "epoch": getattr(self.loader, "epoch", 0),
             "step_time_s": dt,
             "skipped_steps": float(self.guard.skipped),

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.data.data_files import changed_data_file
 from megatron_vlm.data.loader import build_sft_dataloader
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
 from megatron_vlm.errors import ConfigError
@@ -83,6 +84,11 @@ def data_state_refusal(state: dict, loader, err: ValueError) -> str:
                         f"differ. Point {key} at the checkpoint's data to resume it, {fresh}")
             return (f"{key}: the checkpoint was written with {key} = {state[field]}, this run has {key} = {now[field]}; "
                     f"the pack order would differ. Set {key} = {state[field]} to resume it, {fresh}")
+    changed = changed_data_file(state.get("data_files"), getattr(loader, "data_files", None))
+    if changed:
+        return (f"data.train_path: {changed}, so the checkpoint's data position would point into other records. "
+                f"Point data.train_path at the checkpoint's data (data.type = \"synthetic_vqa\": its data.synthetic_* "
+                f"keys) to resume it, {fresh}")
     return (f"checkpoint.resume: the checkpoint's data position cannot be continued here ({err}); resume it with a "
             f"data-parallel size that divides {state.get('global_packs_consumed')}, {fresh}")
 

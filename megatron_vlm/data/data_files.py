@@ -15,6 +15,7 @@ and exit 1.
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,7 +23,8 @@ from pathlib import Path
 
 from megatron_vlm.errors import ConfigError
 
-__all__ = ["TABLE_SUFFIXES", "HF_SUFFIXES", "MESSAGES_SUFFIXES", "DataFileError", "data_path_errors", "find_data_files"]
+__all__ = ["TABLE_SUFFIXES", "HF_SUFFIXES", "MESSAGES_SUFFIXES", "DataFileError", "data_path_errors", "find_data_files",
+           "content_signatures", "changed_data_file", "source_files"]
 
 TABLE_SUFFIXES = (".parquet", ".arrow")
 """Columnar files (read as tables); every other file is read as JSON lines."""
@@ -34,6 +36,71 @@ def file_signature(path: Path) -> dict:
     """A file's resolved path, size and modification time: what a cache keyed on the file compares."""
     st = path.stat()
     return {"file": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+CONTENT_WINDOW = 1 << 20
+"""Bytes read at each end of a data file for its content digest (fewer for a split of many files)."""
+_CONTENT_BUDGET = 128 << 20
+"""Bytes a split's digests read at most in all (the window shrinks for more than 64 files, to 64 KiB)."""
+
+
+def _content_digest(path: Path, size: int, window: int) -> str:
+    h = hashlib.sha256(str(size).encode())
+    with path.open("rb") as f:
+        if size <= 2 * window:
+            h.update(f.read())
+        else:
+            h.update(f.read(window))
+            f.seek(size - window)
+            h.update(f.read(window))
+    return h.hexdigest()
+
+
+def content_signatures(files: list[Path]) -> dict:
+    """What a checkpoint's data position was read from: each file's path, size and a SHA-256 of its first and last
+    `window` bytes (the whole file when smaller), in reading order.
+
+    Why content and not the modification time: a record count, a size and an mtime all survive replacing a file
+    by another of the same length (or a copy that keeps the mtime), and a copy of the same data to another folder
+    changes the path and mtime but not what the position points at. Reading two windows per file keeps it cheap
+    for large files; an edit strictly inside a file larger than two windows, keeping its size, is not seen."""
+    window = max(64 << 10, min(CONTENT_WINDOW, _CONTENT_BUDGET // max(1, 2 * len(files))))
+    out = []
+    for f in files:
+        size = f.stat().st_size
+        out.append({"file": str(f.resolve()), "size": size, "sha256": _content_digest(f, size, window)})
+    return {"window": window, "files": out}
+
+
+def source_files(source: object) -> list[Path]:
+    """The files a record source reads, in order: its `files`, or those of the source it wraps (`rows`, `records`,
+    `pairs`); [] for records held in memory."""
+    files = getattr(source, "files", None)
+    if files is not None:
+        return [Path(f) for f in files]
+    for inner in ("rows", "records", "pairs"):
+        if hasattr(source, inner):
+            return source_files(getattr(source, inner))
+    return []
+
+
+def changed_data_file(saved: object, now: object) -> str | None:
+    """None when the checkpoint's `content_signatures` (`saved`) match this run's (`now`), or when either is missing
+    (a checkpoint written before they were recorded; a source without files); else what differs, naming the file."""
+    if not isinstance(saved, dict) or not isinstance(now, dict):
+        return None
+    old, new = list(saved.get("files") or ()), list(now.get("files") or ())
+    if len(old) != len(new):
+        return f"the checkpoint was written reading {len(old)} data files, this run reads {len(new)}"
+    same_window = saved.get("window") == now.get("window")  # digests over another window: the sizes alone
+    for a, b in zip(old, new):
+        if a.get("size") == b["size"] and (a.get("sha256") == b["sha256"] or not same_window):
+            continue
+        was = f" (the checkpoint's was {a.get('file')})" if a.get("file") != b["file"] else ""
+        how = ("other content of the same size" if a.get("size") == b["size"]
+               else f"{b['size']} bytes, the checkpoint's {a.get('size')}")
+        return f"{b['file']} is not the file the checkpoint was written reading{was}: {how}"
+    return None
 
 
 def find_data_files(path: str | os.PathLike, suffixes: tuple[str, ...] = HF_SUFFIXES) -> list[Path]:

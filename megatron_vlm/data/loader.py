@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, keep_planning_records, unexpected
 from megatron_vlm.data.config import DataConfig
+from megatron_vlm.data.data_files import changed_data_file, content_signatures, source_files
 from megatron_vlm.data.lengths import compute_lengths
 from megatron_vlm.data.media import MediaLimits
 from megatron_vlm.data.packing import collate_pack, collate_padded, empty_pack, vision_shape_conflict
@@ -161,8 +162,10 @@ class SFTDataLoader:
 
     def __init__(self, dataset: _PackDataset, planner: PackPlanner, *, dp_rank: int, dp_size: int,
                  num_workers: int, prefetch_factor: int, bad_records: BadRecordLog, split: str,
-                 timeout_s: float = 0.0):
+                 timeout_s: float = 0.0, data_files: Optional[dict] = None):
         self.dataset, self.planner = dataset, planner
+        self.data_files = data_files
+        """`content_signatures` of the files read (None: records in memory): a resume refuses other content."""
         self.timeout_s = timeout_s
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
@@ -220,7 +223,8 @@ class SFTDataLoader:
     def state_dict(self) -> dict:
         return {"global_packs_consumed": self._consumed * self.dp_size, "packs_consumed_on_rank": self._consumed,
                 "dp_size": self.dp_size, "epoch": self.epoch, "seed": self.planner.seed,
-                "num_records": int(self.planner.lengths.size), "capacity": self.planner.capacity}
+                "num_records": int(self.planner.lengths.size), "capacity": self.planner.capacity,
+                **({"data_files": self.data_files} if self.data_files is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume after `global_packs_consumed` packs of the global stream (any former world size
@@ -234,6 +238,9 @@ class SFTDataLoader:
             if key in state and int(state[key]) != mine:
                 raise ValueError(f"data state: {key}={state[key]} in the checkpoint but {mine} now; the pack "
                                  "order would differ")
+        changed = changed_data_file(state.get("data_files"), getattr(self, "data_files", None))
+        if changed:  # as many records, other ones: the position would point into other data
+            raise ValueError(f"data state: {changed}")
         self._consumed = g // self.dp_size
         self._epoch = None
 
@@ -305,7 +312,13 @@ def build_sft_dataloader(data_cfg: DataConfig, processor: Any, *, seed: int, dp_
     dataset = _PackDataset(_Processor(source, proc, data_cfg), data_cfg.max_tokens_per_pack, proc.pad_token_id)
     return SFTDataLoader(dataset, planner, dp_rank=dp_rank, dp_size=dp_size, num_workers=data_cfg.num_workers,
                          prefetch_factor=data_cfg.prefetch_factor, bad_records=bad_records, split=split,
-                         timeout_s=data_cfg.loader_timeout_s)
+                         timeout_s=data_cfg.loader_timeout_s, data_files=data_files_of(source))
+
+
+def data_files_of(source) -> Optional[dict]:
+    """The `content_signatures` of the files `source` reads, or None for records held in memory."""
+    files = source_files(source)
+    return content_signatures(files) if files else None
 
 
 class _GenerationDataset(Dataset):

@@ -29,7 +29,8 @@ from megatron_vlm.parallel.precision import compute_dtype
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 
-__all__ = ["answer_engine", "batch_prompts", "GeneratedAnswers", "completion_text", "generate_answers", "answer_accuracy"]
+__all__ = ["answer_engine", "batch_prompts", "GeneratedAnswers", "completion_text", "generate_answers", "answer_loader",
+           "answer_accuracy"]
 
 
 def answer_engine(ctx: RunContext, bundle: ModelBundle) -> PolicyRolloutEngine:
@@ -109,14 +110,23 @@ def generate_answers(bundle: ModelBundle, engine: PolicyRolloutEngine, loader, p
     return out
 
 
+def answer_loader(ctx: RunContext, bundle: ModelBundle, *, bad_records=None, batch_size: int = 16):
+    """The eval split's left-padded prompt batches for this rank, or None without an eval split. Building it
+    estimates every prompt's length and logs the records it skips: build it once per run and pass it to each
+    `answer_accuracy` (a loader is iterated afresh by every call)."""
+    return build_eval_dataloader(ctx.cfg.data, bundle.processor, dp_rank=getattr(bundle.dims, "dp_rank", ctx.env.rank),
+                                 dp_size=bundle.dims.dp_size,
+                                 mode="generation", batch_size=batch_size, padding_side="left", bad_records=bad_records)
+
+
 @torch.no_grad()
 def answer_accuracy(ctx: RunContext, bundle: ModelBundle, engine: PolicyRolloutEngine, *, bad_records=None,
-                    max_new_tokens: int = 6, batch_size: int = 16, group_field: str = "question_type") -> Optional[dict]:
+                    max_new_tokens: int = 6, batch_size: int = 16, group_field: str = "question_type",
+                    loader=None) -> Optional[dict]:
     """`answer_accuracy`, `answer_n` and `answer_accuracy/<group>` over the eval split (all ranks),
-    or None without an eval split or answers."""
-    loader = build_eval_dataloader(ctx.cfg.data, bundle.processor, dp_rank=getattr(bundle.dims, "dp_rank", ctx.env.rank),
-                                   dp_size=bundle.dims.dp_size,
-                                   mode="generation", batch_size=batch_size, padding_side="left", bad_records=bad_records)
+    or None without an eval split or answers. `loader`: the split's `answer_loader` (built here when not given)."""
+    if loader is None:
+        loader = answer_loader(ctx, bundle, bad_records=bad_records, batch_size=batch_size)
     if loader is None:
         return None
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)

@@ -23,6 +23,7 @@ from typing import Any, Optional, Union
 import torch
 
 from megatron_vlm.data.bad_records import BadRecordLog, keep_planning_records
+from megatron_vlm.data.data_files import content_signatures
 from megatron_vlm.data.media import MediaLimits
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.inference.engine import RolloutEngine
@@ -234,11 +235,13 @@ class GRPOLoopStep:
         self._batches: Optional[Iterator[list[int]]] = None
         self.totals = RunningTotals()
         """reward/calls, data/skipped_prompts, ...: counted on from the checkpoint's totals after a resume."""
+        files = [Path(f) for f in getattr(train_set, "files", ())]
+        self._files = content_signatures(files) if files else None
 
     def load_data_state(self, state: dict, step: int) -> None:  # noqa: ARG002 (the order is a function of the step)
         """The checkpoint's prompt order checked, its running totals and the prompts skipped before it restored (the
         steps before the checkpoint are not drawn again; those this run left out at start-up again count once)."""
-        refusal = grpo_data_state_refusal(state, **self._order())
+        refusal = grpo_data_state_refusal(state, **self._order(), data_files=self._data_files())
         if refusal:  # another prompt set / seed / step size: exit 2 naming the key (rl/prompts/data_state.py)
             raise ConfigError(refusal)
         shards = self.grpo.shards
@@ -250,9 +253,15 @@ class GRPOLoopStep:
         """The prompt order, the running totals and this rank's skipped prompts; also writes bad_records.json
         (collective: every rank saves), so a run killed later leaves the summary of everything up to its checkpoint."""
         shards = self.grpo.shards
-        state = {**grpo_data_state(step, **self._order()), **self.totals.state(), "dp_size": shards.world}
+        state = {**grpo_data_state(step, **self._order(), data_files=self._data_files()), **self.totals.state(),
+                 "dp_size": shards.world}
         return save_bad_records(state, self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main,
                                 dp_rank=shards.rank)
+
+    def _data_files(self) -> Optional[dict]:
+        """The train prompt files' `content_signatures` (read when the step object is made, as the prompts were
+        read at start-up), None for prompts without files."""
+        return self._files
 
     def _order(self) -> dict:
         """What the prompt order is a function of (with the step)."""

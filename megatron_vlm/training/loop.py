@@ -6,7 +6,9 @@ small object (`StepRunner`). From the resume step to `total_steps`, per step:
 1. the optional `before_step(n)` hook (None in production; the tests' entry script installs one that
    SIGKILLs the process before step n, to prove that resuming never needs a clean exit);
 2. `steps.train_step(step, log=...)` runs the step; `log` is True on the logging cadence
-   (`train.log_every` and the last step) and the returned metrics are logged as "train" when not empty;
+   (`train.log_every` and the last step) and the returned metrics are logged as "train" when not empty, with
+   `peak_memory_gib`: this rank's memory peak since the previous train row (training/peak_memory.py; the steps of
+   the interval and any checkpoint or evaluation between), then the peak is reset;
 3. a periodic checkpoint (`checkpoint.every_steps`, not at the last step: that one is saved once, at the end);
 4. a periodic evaluation (`eval_every`, not at the last step: the final evaluation follows); it leaves the RNG
    states as it found them, so the steps after it draw what a run resumed from step 3's checkpoint draws (LoRA /
@@ -29,6 +31,7 @@ from megatron_vlm.checkpoint.manager import rng_state, set_rng_state
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.training.checkpointing import Checkpointer, ResumePoint
 from megatron_vlm.training.context import RunContext
+from megatron_vlm.training.peak_memory import PeakMemory
 
 __all__ = ["StepRunner", "run_loop", "EXIT_STOPPED"]
 
@@ -105,6 +108,8 @@ def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpoint
     if eval_at_start and start == 0:
         evaluate(0)
     step, code = start, 0
+    peak = PeakMemory(ctx.device)
+    peak.reset()  # the first row's interval starts at its first step (not at the model build)
     while step < total_steps:
         if before_step is not None:
             before_step(step + 1)
@@ -112,6 +117,8 @@ def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpoint
         m = steps.train_step(step, log=(done % log_every == 0 or done == total_steps))
         step = done
         if m:
+            m["peak_memory_gib"] = peak.read_gib()
+            peak.reset()
             metrics.log("train", step, m)
         if checkpointer.periodic_due(step) and step < total_steps:
             save(step)

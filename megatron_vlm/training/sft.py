@@ -12,7 +12,6 @@ are divided by cp.
 from __future__ import annotations
 
 import logging
-import resource
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
@@ -20,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.data.data_files import changed_data_file
 from megatron_vlm.data.loader import build_sft_dataloader
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
 from megatron_vlm.errors import ConfigError
@@ -84,6 +84,11 @@ def data_state_refusal(state: dict, loader, err: ValueError) -> str:
                         f"differ. Point {key} at the checkpoint's data to resume it, {fresh}")
             return (f"{key}: the checkpoint was written with {key} = {state[field]}, this run has {key} = {now[field]}; "
                     f"the pack order would differ. Set {key} = {state[field]} to resume it, {fresh}")
+    changed = changed_data_file(state.get("data_files"), getattr(loader, "data_files", None))
+    if changed:
+        return (f"data.train_path: {changed}, so the checkpoint's data position would point into other records. "
+                f"Point data.train_path at the checkpoint's data (data.type = \"synthetic_vqa\": its data.synthetic_* "
+                f"keys) to resume it, {fresh}")
     return (f"checkpoint.resume: the checkpoint's data position cannot be continued here ({err}); resume it with a "
             f"data-parallel size that divides {state.get('global_packs_consumed')}, {fresh}")
 
@@ -98,14 +103,6 @@ def restore_data_state(runner: Any, state: dict) -> None:
     restore_saved_bad_records(runner.bad_records, state, same_split=state.get("dp_size") == runner.bundle.dims.dp_size,
                               is_main=runner.ctx.env.is_main)
     runner.totals.restore(state)
-
-
-def _peak_memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    if device.type == "npu":
-        return torch.npu.max_memory_allocated(device) / 2**30  # type: ignore[attr-defined]
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (peak RSS)
 
 
 def _peak_flops() -> Optional[float]:
@@ -212,7 +209,6 @@ class SFTStep:
             "tokens_per_s": g_seq / dt,
             "trained_tokens": g_tokens,
             "samples_per_s": g_samples / dt,
-            "peak_memory_gib": _peak_memory_gib(env.device),
             "epoch": getattr(self.loader, "epoch", 0),
             "step_time_s": dt,
             "skipped_steps": float(self.guard.skipped),

@@ -4,12 +4,16 @@ The prompts a GRPO step draws are a function of the train prompt count (after th
 left out at start-up), `train.seed` and `rl.batch.prompts_per_step` (`prompt_batches`); the data state
 records the three. A resume whose values differ would draw other prompts than the uninterrupted run
 from the resumed step on, so it exits 2 with one line naming the key, both values and the two ways
-forward (keep the old value, or start a fresh run), as an SFT resume does. A checkpoint written before
-a field was recorded is not checked on that field.
+forward (keep the old value, or start a fresh run), as an SFT resume does. The state also records the
+content of the prompt files (`data_files`: size and a digest of each, `data.data_files.content_signatures`), so
+a file replaced by another with as many prompts is refused too, naming it. A checkpoint written before a field
+was recorded is not checked on that field.
 """
 from __future__ import annotations
 
 from typing import Optional
+
+from megatron_vlm.data.data_files import changed_data_file
 
 __all__ = ["grpo_data_state", "grpo_data_state_refusal"]
 
@@ -20,12 +24,18 @@ _KEYS = {"seed": "train.seed", "prompts_per_step": "rl.batch.prompts_per_step"}
 """The data-state fields set by one config key each (num_prompts has several: see below)."""
 
 
-def grpo_data_state(step: int, *, seed: int, num_prompts: int, prompts_per_step: int) -> dict:
-    """The data state saved with a checkpoint after `step` steps."""
-    return {"next_step": step, "seed": seed, "num_prompts": num_prompts, "prompts_per_step": prompts_per_step}
+def grpo_data_state(step: int, *, seed: int, num_prompts: int, prompts_per_step: int,
+                    data_files: Optional[dict] = None) -> dict:
+    """The data state saved with a checkpoint after `step` steps (`data_files`: the train prompt files'
+    `content_signatures`, None for prompts without files)."""
+    state: dict = {"next_step": step, "seed": seed, "num_prompts": num_prompts, "prompts_per_step": prompts_per_step}
+    if data_files is not None:
+        state["data_files"] = data_files
+    return state
 
 
-def grpo_data_state_refusal(state: dict, *, seed: int, num_prompts: int, prompts_per_step: int) -> Optional[str]:
+def grpo_data_state_refusal(state: dict, *, seed: int, num_prompts: int, prompts_per_step: int,
+                            data_files: Optional[dict] = None) -> Optional[str]:
     """None when this run continues the checkpoint's prompt order, else the one line to exit 2 with."""
     if "num_prompts" in state and int(state["num_prompts"]) != num_prompts:
         return (f"data.train_path: the checkpoint was written drawing from {state['num_prompts']} train prompts, this run "
@@ -37,4 +47,9 @@ def grpo_data_state_refusal(state: dict, *, seed: int, num_prompts: int, prompts
         if field in state and int(state[field]) != now[field]:
             return (f"{key}: the checkpoint was written with {key} = {state[field]}, this run has {key} = {now[field]}; "
                     f"the prompt order would differ. Set {key} = {state[field]} to resume it, {_FRESH}")
+    changed = changed_data_file(state.get("data_files"), data_files)
+    if changed:
+        return (f"data.train_path: {changed}, so the resumed steps would draw other prompts than the checkpoint's "
+                f"order. Point data.train_path at the checkpoint's data (data.type = \"synthetic_vqa\": its "
+                f"data.synthetic_* keys) to resume it, {_FRESH}")
     return None

@@ -105,6 +105,8 @@ class PromptDataset:
     """(row id, reason) of rows that were left out."""
     bad_records: BadRecordLog = field(default_factory=BadRecordLog)
     """The same rows by (file, line / row, category), counted as the SFT data loader counts them."""
+    files: list[Path] = field(default_factory=list)
+    """The files the prompts were read from, in reading order (a GRPO checkpoint records their content)."""
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -340,7 +342,7 @@ def load_prompt_dataset(
         logger.warning("prompt data %s: skipped %d rows (first: %s: %s)", path, len(skipped), *skipped[0])
     if not samples:
         raise DataFileError(f"prompt data {path}: no usable rows ({len(skipped)} skipped; first reason: {skipped[0][1] if skipped else 'empty'})")
-    return PromptDataset(samples, schema, skipped, bad)
+    return PromptDataset(samples, schema, skipped, bad, files=list(rows.files))
 
 
 def prompt_batches(num_samples: int, prompts_per_step: int, *, seed: int, start_step: int = 0) -> Iterator[list[int]]:

@@ -125,7 +125,7 @@ def _filter(ds: PromptDataset, processor, data_cfg: Any, budget: int, key: str, 
     ids = {(b.source, b.index) for b in found.entries}
     skipped = list(ds.skipped) + [(ds[i].prompt_id, "left out at start-up") for i in range(len(ds))
                                   if (ds[i].source or ds[i].prompt_id, ds[i].index) in ids]
-    return PromptDataset([ds[i] for i in keep], ds.schema, skipped, ds.bad_records)
+    return PromptDataset([ds[i] for i in keep], ds.schema, skipped, ds.bad_records, files=ds.files)
 
 
 def drop_unusable_prompts(sets: PromptSets, processor, data_cfg: Any, rl_cfg: Any,

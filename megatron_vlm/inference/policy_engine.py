@@ -167,7 +167,8 @@ class PolicyRolloutEngine(RolloutEngine):
         if cuda_graphs == "on" and why_not:
             raise CudaGraphsConfigError(f"rl.rollout.cuda_graphs: 'on' is not possible: {why_not}")
         if cuda_graphs == "auto" and why_not:
-            log.info("rollout CUDA graphs off: %s", why_not)
+            if self._on_cuda(model, device):  # elsewhere "auto" means eager steps anyway: nothing to report
+                log.info("rollout CUDA graphs off: %s", why_not)
             cuda_graphs = "off"
         self.cuda_graphs = cuda_graphs
         self._runner: Optional[DecodeStepRunner] = None  # with its slot cache, kept across calls (_kept_runner)
@@ -206,6 +207,14 @@ class PolicyRolloutEngine(RolloutEngine):
         self._interrupt = threading.Event()
         self._pause = threading.Event()  # set by `paused()`: the decode loop leaves the step lock to it
         self._preemptions = 0  # since the last `metrics()`
+
+    @staticmethod
+    def _on_cuda(model: torch.nn.Module, device) -> bool:
+        """Whether the engine decodes on a CUDA device (its `device` option, else where the model's weights are)."""
+        if device is not None:
+            return torch.device(device).type == "cuda"
+        first = next(model.parameters(), None)
+        return first is not None and first.device.type == "cuda"
 
     def metrics(self) -> dict[str, float]:
         """Rollout counters since the last call, for the step's metrics: `rollout/preemptions` (samples preempted for

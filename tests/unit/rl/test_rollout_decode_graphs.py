@@ -154,7 +154,11 @@ def test_refused_and_auto_off_combinations(caplog):
     caplog.clear()
     with caplog.at_level(logging.INFO):
         eng = make_engine(model, Tok(), cuda_graphs="auto", forward=model)
-    assert eng.cuda_graphs == "off" and "CUDA graphs off" in caplog.text
+    # the default: on the CPU "auto" is eager steps anyway, so the trainer's model is no news worth a line
+    assert eng.cuda_graphs == "off" and "CUDA graphs off" not in caplog.text
+    with caplog.at_level(logging.INFO):
+        eng = make_engine(model, Tok(), cuda_graphs="auto", forward=model, device="cuda")  # only constructed
+    assert eng.cuda_graphs == "off" and "CUDA graphs off: the engine calls the trainer's model" in caplog.text
     assert make_engine(model, Tok(), cuda_graphs="on", kv_block_size=4).cuda_graphs == "on"  # the paged pool: static too
     eng = PolicyRolloutEngine(model, Tok(), EngineOptions(cuda_graphs="auto"))  # no CUDA device here: eager steps
     cache = SlotCache(model.new_cache(3, 8))

@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # One GPU lease for the training-speed and rollout-speed work (first pass): profiles, levers, honest baselines.
-# Sections: sft sft16k decode decode32 decode64 moe moe_ep decode_attn rollout attn segv fp8 paged.
+# Sections: sft sft16k decode decode32 decode64 moe moe_ep decode_attn rollout attn segv fp8 paged grpo_graphs.
 # Run on the leased machine from the repository root with `.whl` carried (bash benchmarks/gpu_wheels.sh here first):
 #   bash benchmarks/gpu_wave3.sh [sections]      # default: sft decode attn decode_attn segv (the first pass)
 # A section name it does not know stops it at once (exit 2), before anything runs.
 # Next lease (what the 2026-11-28 H200 run left open: the compiled 16k step, fp8's kernel table, torch's varlen attention
 # in the step with selective checkpointing keeping its output, the decode step at 64 sequences), two commands of <= 540 s:
 #   bash benchmarks/gpu_wave3.sh sft16k fp8          # 16k packs eager and compiled; fp8 step with a profile per variant
-#   bash benchmarks/gpu_wave3.sh sft moe_ep paged decode32      # 8k levers (torch varlen profiled); the expert-parallel
-#       # copy's static steps (NCCL collectives captured); the on-demand paged pool vs the slot cache; fused q / k / v
+#   bash benchmarks/gpu_wave3.sh grpo_graphs sft moe_ep paged decode32   # a GRPO job with the default CUDA-graph
+#       # rollouts vs eager steps; 8k levers (torch varlen profiled); the expert-parallel copy's static steps (NCCL
+#       # collectives captured); the on-demand paged pool vs the slot cache; fused q / k / v
+#       # (BUDGET_S=<seconds left of the lease> for the second command: the first leaves ~5 minutes of the 15)
 # (steps past the 540 s budget are skipped and listed; decode64 after, if a third command fits the lease)
 # Every step is time-boxed; logs and JSON go to /tmp/w3 ($W3_DIR) (packed into $OUT/w3.tgz after every step, so a command
 # cut short still returns what finished). Figures go to benchmarks/RESULTS.md by hand, with device and versions.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-KNOWN="sft sft16k decode decode32 decode64 moe moe_ep decode_attn rollout attn segv fp8 paged"
+KNOWN="sft sft16k decode decode32 decode64 moe moe_ep decode_attn rollout attn segv fp8 paged grpo_graphs"
 SECTIONS=${*:-sft decode attn decode_attn segv}
 for s in $SECTIONS; do
   [[ " $KNOWN " == *" $s "* ]] || { echo "gpu_wave3.sh: unknown section '$s' (known: $KNOWN)" >&2; exit 2; }
@@ -101,6 +103,11 @@ if want fp8; then  # train.precision = "fp8" (torchao float8 linears): step at a
   step fp8_step 160 env TORCH_LOGS=graph_breaks $PY benchmarks/e2e/bench_fp8.py --layers 8 --rounds 2 --steps 2 --warmup 2 \
     --profile "$R/fp8_profile" --json "$R/fp8_step.json"
   step fp8_loss 70 $PY benchmarks/e2e/fp8_loss_curve.py --steps 200 --variants bf16,tensorwise --json "$R/fp8_loss.json"
+fi
+if want grpo_graphs; then  # rl.rollout.cuda_graphs defaults to "auto": whole GRPO jobs with captured decode steps vs
+  # eager ones (fp32, equal rewards / lengths), and the engine's capture test (two families, several buckets)
+  step grpo_graphs 150 $PY -m pytest -x -q -p no:randomly -p no:cacheprovider tests/gpu/test_gpu_grpo_job_graphs.py \
+    tests/gpu/test_gpu_rollout_cuda_graphs.py
 fi
 if want decode_attn; then
   step decode_attention_bench 40 $PY benchmarks/kernels/bench_decode_attention.py --json "$R/decode_attention.json"

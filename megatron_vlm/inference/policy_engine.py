@@ -171,6 +171,8 @@ class PolicyRolloutEngine(RolloutEngine):
                 log.info("rollout CUDA graphs off: %s", why_not)
             cuda_graphs = "off"
         self.cuda_graphs = cuda_graphs
+        if cuda_graphs != "off" and self._on_cuda(model, device):
+            log.info("rollout CUDA graphs %s: decode steps captured per batch-size bucket and replayed", cuda_graphs)
         self._runner: Optional[DecodeStepRunner] = None  # with its slot cache, kept across calls (_kept_runner)
         self._runner_key: tuple = ()
         self.model = model

@@ -146,8 +146,9 @@ class RLRolloutConfig:
     decode in lock-step, their slots refilled in admission rounds all ranks make together). "copy": an unsharded inference copy of the
     policy on every rank, refreshed once per step from the trainer (one gather of the full weights per
     step, one more model in memory), decoding with continuous batching (rollout.batch_prompts *
-    batch.group_size slots, refilled as completions end) and no collective per token. On one device nothing
-    is gathered, so "shared" is the cheaper choice there. "expert_parallel" (MoE policies with parallel.ep > 1):
+    batch.group_size slots, refilled as completions end) and no collective per token, in CUDA graphs on a GPU
+    (rollout.cuda_graphs; "shared" decodes eagerly): the sync recipes that fit use it, and `--check` says when a
+    copy would fit a "shared" run. On one CPU device nothing is gathered, so "shared" is the cheaper choice there. "expert_parallel" (MoE policies with parallel.ep > 1):
     a copy on every rank holding the dense (non-expert) weights unsharded and only this rank's routed experts
     of the training ep layout (inference/ep_rollout.py), refreshed from the trainer once per step (dense
     tensors gathered one at a time, experts copied from the local shard); decoding gathers no weights, the

@@ -331,3 +331,23 @@ def test_check_of_expert_parallelism_on_a_dense_model_says_it_has_no_moe_blocks(
     code, _, err = _check(CONFIGS / "qwen2_5_vl_3b_geometry3k_grpo.toml",
                           [f'model.path="{qwen2_5_vl_3b}"', "parallel.ep=2"], 8)
     assert code == 2 and err.startswith("check failed: parallel.ep: 2: the model has no MoE blocks"), err
+
+
+def test_check_says_when_an_own_rollout_copy_fits_instead_of_shared_weights(qwen2_5_vl_3b):
+    """rl.rollout.weights = "shared" gathers the weights at every decode step and decodes eagerly; where an own copy
+    fits next to the rest, --check says so with the peak it would have (the copy is the policy in bf16)."""
+    sets = [f'model.path="{qwen2_5_vl_3b}"']
+    code, out, err = _check(CONFIGS / "qwen2_5_vl_3b_geometry3k_dapo.toml", sets + ['rl.rollout.weights="shared"'], 8)
+    assert code == 0, err
+    peak = float(re.search(r"  peak ([\d.]+) GiB", out).group(1))
+    hint = re.search(r'hint: rl.rollout.weights = "copy" fits too \(peak ([\d.]+) GiB of 80 GiB\)', out)
+    params = sum(p.numel() for p in _meta_3b().parameters())
+    assert hint and abs(float(hint.group(1)) - peak - params * 2 / 2**30) < 0.02, out
+    code, out, _ = _check(CONFIGS / "qwen2_5_vl_3b_geometry3k_dapo.toml", sets, 8)  # the recipe's own copy
+    assert code == 0 and "hint:" not in out and "rl.rollout.weights = 'copy'" in out
+    # no room for a copy: no hint (a 3B policy's bf16 copy is ~7 GiB)
+    tight = peak + 1.0
+    out_tight = io.StringIO()
+    assert run_check(load_config(CONFIGS / "qwen2_5_vl_3b_geometry3k_dapo.toml", sets + ['rl.rollout.weights="shared"']),
+                     world_size=8, device_memory_gib=tight, out=out_tight, err=io.StringIO()) == 0
+    assert "hint:" not in out_tight.getvalue()

@@ -67,7 +67,9 @@ def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager
         return {"num_prompts": 0.0, "skipped_prompts": float(skipped)}
     params = SamplingParams(max_new_tokens=e.max_new_tokens or rl_cfg.rollout.max_new_tokens, n=e.k, temperature=e.temperature,
                             top_p=e.top_p, stop=tuple(rl_cfg.rollout.stop))
-    sync = getattr(engine, "sync_to_version", None)  # hook: an engine with its own weights (vLLM) gets the current ones
+    # hook: an engine with its own weights (vLLM, the built-in engine's copy: rl.rollout.weights = "copy" /
+    # "expert_parallel", refreshed at each step's start, before its update) gets the current ones
+    sync = getattr(engine, "sync_to_version", None)
     if sync is not None:
         sync(step)
     wrapper.eval()

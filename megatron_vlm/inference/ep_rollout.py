@@ -145,3 +145,8 @@ class ExpertParallelRolloutEngine(PolicyRolloutEngine):
             refresh_ep_rollout_copy(self.model, self.trainer)
         self.weight_sync_s += time.perf_counter() - t0
         super().load_weights(None, version=version)
+
+    @property
+    def refreshes_from_trainer(self) -> bool:
+        """`load_weights(None, ...)` refreshes the copy from the trainer (`refresh_ep_rollout_copy`)."""
+        return True

@@ -200,6 +200,7 @@ class PolicyRolloutEngine(RolloutEngine):
             raise ValueError("fuse_projections: only for an engine that generates with its own copy of the weights "
                              "(it re-makes the q / k / v Parameters, which the trainer's optimizer holds)")
         self.sync_from = sync_from
+        self._refreshed_version: Optional[int] = None  # the trainer's version the own copy holds (`sync_to_version`)
         self.weight_sync_s = 0.0
         self.policy_version = 0
         self._packs: dict = {}  # MKL-packed weight copies of the CPU decode step (cpu_packed_linear.py)
@@ -249,6 +250,22 @@ class PolicyRolloutEngine(RolloutEngine):
                 self._runner.weights_loaded()
         if weights is not None:
             self.weight_sync_s += time.perf_counter() - t0
+        if weights is None and self.refreshes_from_trainer:
+            self._refreshed_version = int(version)
+
+    @property
+    def refreshes_from_trainer(self) -> bool:
+        """Whether `load_weights(None, ...)` copies the trainer's current weights into the engine's own (`sync_from`)."""
+        return self.sync_from is not None
+
+    def sync_to_version(self, version: int) -> None:
+        """The held-out evaluation after `version` optimizer steps (eval/grpo_accuracy.py): an own copy refreshed from
+        the trainer takes its current weights first. Why: the step refreshes the copy at its start, before its update,
+        so between steps the copy is one update behind the trainer. Nothing for the trainer's own parameters
+        (rl.rollout.weights = "shared") or when the copy holds that version; a collective for a sharded trainer, as
+        the step's refresh (every rank evaluates together)."""
+        if self.refreshes_from_trainer and self._refreshed_version != int(version):
+            self.load_weights(None, version=version)
 
     def interrupt(self) -> None:
         self._interrupt.set()

@@ -97,3 +97,33 @@ def test_auto_fallback_and_a_failed_call_keep_no_runner(vqa, tmp_path, monkeypat
     assert engine._runner is None
     _, _, again, _ = rollout(kind, vqa, tmp_path / "kept", cuda_graphs="on", engine=engine)
     assert [t.token_ids.tolist() for t in again] == [t.token_ids.tolist() for t in first]
+
+
+def test_routes_survive_the_next_replay(vqa, tmp_path, monkeypatch):
+    """On CUDA a step's outputs (logits, MoE routes) live in the captured graph's static buffers, rewritten by the next
+    replay of its bucket; the CPU's static step returns new tensors each time, so the case is emulated here: each
+    bucket's outputs copied into one buffer per bucket, the step returning views of it. The loop kept a view of the
+    routes per decode step: every recorded step of a bucket then read that bucket's last routes."""
+    kind = "tiny_qwen3_vl_moe"
+    _, _, ref, _ = rollout(kind, vqa, tmp_path / "eager", record_routes=True)
+    step = DecodeStepRunner.step
+    static: dict = {}
+
+    def replayed(self, slots, input_ids):
+        logits = step(self, slots, input_ids)
+        n, size = len(slots), self.bucket_for(len(slots))
+        bufs = static.setdefault((id(self), size), {})
+        if self.last_routes is not None:
+            routes = bufs.setdefault("routes", self.last_routes.new_empty((size, *self.last_routes.shape[1:])))
+            routes[:n].copy_(self.last_routes)
+            self.last_routes = routes[:n]
+        out = bufs.setdefault("logits", logits.new_empty((size, *logits.shape[1:])))
+        out[:n].copy_(logits)
+        return out[:n]
+
+    monkeypatch.setattr(DecodeStepRunner, "step", replayed)
+    _, _, got, _ = rollout(kind, vqa, tmp_path / "static", record_routes=True, cuda_graphs="on")
+    assert static
+    for a, b in zip(ref, got):
+        assert b.token_ids.tolist() == a.token_ids.tolist()
+        assert torch.equal(b.routes, a.routes)

@@ -2,8 +2,8 @@
 
 One `Admission` per batch of slots of a `generate` call. Samples wait in a queue (group-major: the n samples of
 prompt p are p*n ... p*n+n-1); free slots take the next ones. Their prompts, left-padded into one batch, are
-prefilled in one forward (the engine's `prefill`), and each prompt's cache row is copied into the slots of its
-samples: a GRPO group shares one prefill (`share_prefix=False`, the benchmark baseline, prefills every sample).
+prefilled in one forward (`prefill`: the engine's `_prefill`), and each prompt's cache row is copied into the slots
+of its samples: a GRPO group shares one prefill (`share_prefix=False`, the benchmark baseline, prefills every sample).
 
 On the paged pool (`PagedSlotCache`, `rl.rollout.kv_block_size`) blocks are taken on demand, as vLLM does: an
 admitted sample takes the blocks of its prompt and one more position, and only when they are free with a headroom
@@ -17,7 +17,7 @@ as the round's new prompts, and it continues where it stopped.
 Lock-step (`lockstep_admit`: ranks whose forwards run collectives together): after each token a sample whose
 group's prompt is prefilled already joins at once (no forward); then `all_ranks_active(needs_a_prefill)` says
 whether this is an admission round, in which every rank makes exactly one prefill forward, of the samples it
-admits or, with none, of one pad token (the engine's `dummy_prefill`).
+admits or, with none, of one pad token (`dummy_prefill`: the engine's `_dummy_prefill`).
 """
 from __future__ import annotations
 

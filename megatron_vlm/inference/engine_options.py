@@ -78,7 +78,8 @@ class EngineOptions:
     kv_cache_blocks: int = 0
     """Blocks of the paged KV cache (0 = enough for every slot at full length)."""
     cuda_graphs: str = "off"
-    """"auto" | "on" | "off": decode steps on static buffers, captured as CUDA graphs (module docstring)."""
+    """"auto" | "on" | "off": decode steps on static buffers, captured as CUDA graphs (inference/policy_engine.py's
+    module docstring). "off" here (tests and benchmarks opt in); the GRPO jobs pass `rl.rollout.cuda_graphs`."""
     record_routes: bool = False
     """MoE models: record the top-k experts of every prompt and generated token (`RolloutSample.routes`, routing
     replay: models/common/routing_replay.py); ignored for a model without MoE layers."""

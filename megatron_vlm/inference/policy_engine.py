@@ -246,8 +246,11 @@ class PolicyRolloutEngine(RolloutEngine):
                     raise KeyError("load_weights: none of the names matches the model's parameters")
             self.policy_version = int(version)
             self._packs.clear()  # new weights: packed again at their next use
-            if self._runner is not None:  # graphs hold the parameters' addresses
-                self._runner.weights_loaded()
+            # graphs hold the parameters' addresses. One read: the generating thread replaces the kept runner
+            # outside this lock (`_kept_runner`); a new one records the addresses at its first step anyway
+            runner = self._runner
+            if runner is not None:
+                runner.weights_loaded()
         if weights is not None:
             self.weight_sync_s += time.perf_counter() - t0
         if weights is None and self.refreshes_from_trainer:

@@ -359,3 +359,33 @@ def test_shared_prompt_hint_of_padding_rows_after_early_finishes():
     for a, b in zip(out["off"], out["on"]):
         assert a.token_ids.tolist() == b.token_ids.tolist()
         torch.testing.assert_close(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
+
+
+def test_a_weight_push_while_the_kept_runner_is_replaced():
+    """Asynchronous GRPO's rollout rank: the weights thread's `load_weights` (under the step lock) tells the kept
+    runner its weights changed, while the generating thread's next call may replace that runner (`_kept_runner`,
+    outside the lock: a new slot length). load_weights read `self._runner` twice, so a switch between the reads
+    (emulated: the runner dropped right after the first) called `weights_loaded` on None and the rank failed."""
+    model, prompts = _nemotron()
+
+    class Switching(PolicyRolloutEngine):
+        """The generating thread drops the kept runner right after the weights thread's first read of it."""
+        drop_after_read = False
+
+        @property
+        def _runner(self):
+            runner = self.__dict__.get("_kept")
+            if self.drop_after_read:
+                self.__dict__["_kept"] = None
+            return runner
+
+        @_runner.setter
+        def _runner(self, value):
+            self.__dict__["_kept"] = value
+
+    eng = Switching(model, Tok(), EngineOptions(eos_token_ids=[-1], max_num_seqs=5, cuda_graphs="on"))
+    eng.generate(prompts[:2], SamplingParams(max_new_tokens=2, n=2, temperature=0.0))
+    assert eng.__dict__.get("_kept") is not None
+    eng.drop_after_read = True
+    eng.load_weights(None, version=3)
+    assert eng.policy_version == 3

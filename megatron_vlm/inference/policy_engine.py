@@ -58,9 +58,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import re
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -96,13 +97,23 @@ __all__ = ["PolicyRolloutEngine", "EngineOptions", "CUDA_GRAPH_MODES", "CudaGrap
 log = logging.getLogger(__name__)
 
 
-def _full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict with every sharded (DTensor) entry gathered to its full tensor."""
-    out = {}
-    for name, tensor in model.state_dict().items():
-        full = getattr(tensor, "full_tensor", None)
-        out[name] = full() if callable(full) else tensor
-    return out
+_BLOCK = re.compile(r"^(.*?\.\d+)\.")  # the shortest prefix naming a numbered block: language_model.layers.3
+
+
+def _weight_groups(names: Iterable[str]) -> dict[str, list[str]]:
+    """State-dict names by the module a refresh copies them into: the numbered block they belong to
+    (`language_model.layers.3`, `visual.blocks.0`), else the module owning the tensor (`lm_head`)."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        m = _BLOCK.match(name)
+        groups.setdefault(m.group(1) if m else name.rpartition(".")[0], []).append(name)
+    return groups
+
+
+def _full(tensor) -> torch.Tensor:
+    """A state-dict entry as a full tensor: a sharded (DTensor) one gathered (a collective), others as they are."""
+    full = getattr(tensor, "full_tensor", None)
+    return full() if callable(full) else tensor
 
 
 @dataclass
@@ -234,11 +245,11 @@ class PolicyRolloutEngine(RolloutEngine):
         update is already visible) and only the version moves. Waits for a running decode step (another
         thread) to finish. The time of the copy is reported as `weight_sync_s` in the next result's stats."""
         t0 = time.perf_counter()
-        if weights is None and self.sync_from is not None:
-            # a trainer with megatron-core layers (parallel.backend = "mcore"): its weights under native names
-            weights = native_state_dict(_full_state_dict(self.sync_from), self.sync_from)
+        refresh = weights is None and self.sync_from is not None
         with self._step_lock:
-            if weights is not None:
+            if refresh:
+                self._copy_from_trainer()
+            elif weights is not None:
                 missing, unexpected = self.model.load_state_dict(dict(weights), strict=False)
                 if unexpected:
                     raise KeyError(f"load_weights: unknown parameter names {sorted(unexpected)[:5]}")
@@ -251,10 +262,33 @@ class PolicyRolloutEngine(RolloutEngine):
             runner = self._runner
             if runner is not None:
                 runner.weights_loaded()
-        if weights is not None:
+        if refresh or weights is not None:
             self.weight_sync_s += time.perf_counter() - t0
         if weights is None and self.refreshes_from_trainer:
             self._refreshed_version = int(version)
+
+    def _copy_from_trainer(self) -> None:
+        """Copy the trainer's (`sync_from`) current weights into the engine's own, one block's tensors gathered at a
+        time (for a sharded trainer each gather is a collective, made by every rank in the same state-dict order).
+        Why by block: gathering the whole state dict first held a second full model in the trainer's master dtype
+        (fp32: twice the bf16 copy) on every rank for the refresh. A trainer with megatron-core layers
+        (parallel.backend = "mcore") gives its blocks under their native names (`native_state_dict`)."""
+        assert self.sync_from is not None
+        state = self.sync_from.state_dict()
+        for owner, names in _weight_groups(state).items():
+            full = native_state_dict({n: _full(state[n]) for n in names}, self.sync_from)
+            prefix = f"{owner}." if owner else ""
+            unknown = sorted(n for n in full if not n.startswith(prefix))
+            try:
+                module = self.model.get_submodule(owner)
+            except AttributeError:
+                unknown = sorted(full)
+            if not unknown:
+                _, unexpected = module.load_state_dict({n[len(prefix):]: t for n, t in full.items()}, strict=False)
+                unknown = sorted(prefix + n for n in unexpected)
+            if unknown:
+                raise KeyError(f"load_weights: the trainer's parameters {unknown[:5]} are not the engine model's")
+            del full
 
     @property
     def refreshes_from_trainer(self) -> bool:

@@ -404,3 +404,45 @@ def test_a_non_finite_behaviour_logprob_is_refused(models, prompts, monkeypatch,
         engine(ours := models[1]).generate(prompts, params, generator=torch.Generator().manual_seed(0))
     monkeypatch.setattr(pe, "sample_tokens", real)
     assert len(engine(ours).generate(prompts, params, generator=torch.Generator().manual_seed(0)).samples) == 6
+
+
+def test_a_refresh_from_the_trainer_gathers_one_block_at_a_time(models, prompts, monkeypatch):
+    """rl.rollout.weights = "copy": `load_weights(None)` gathers the trainer's sharded tensors (each `full_tensor()` a
+    collective) one block at a time, so the refresh never holds a second whole model in the trainer's master dtype;
+    the copy then generates what the trainer's weights generate. Sharded entries are imitated by objects with a
+    `full_tensor()` whose results are tracked while alive."""
+    import copy
+    import weakref
+
+    _, ours = models
+    trainer_model = copy.deepcopy(ours)
+    with torch.no_grad():
+        for p in trainer_model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    live: set[int] = set()
+    peak = [0, 0]  # most full tensors alive at once, most bytes
+
+    class Sharded:
+        def __init__(self, t):
+            self.t = t
+
+        def full_tensor(self):
+            out = self.t.clone()
+            key = id(out)
+            live.add(key)
+            weakref.finalize(out, live.discard, key)
+            peak[0] = max(peak[0], len(live))
+            return out
+
+    state = trainer_model.state_dict()
+    monkeypatch.setattr(trainer_model, "state_dict", lambda: {k: Sharded(v) for k, v in state.items()})
+    synced = engine(copy.deepcopy(ours), sync_from=trainer_model)
+    synced.load_weights(None, version=3)
+    params = SamplingParams(max_new_tokens=5, temperature=0.0)
+    expect = engine(copy.deepcopy(trainer_model)).generate(prompts, params)
+    got = synced.generate(prompts, params)
+    assert [s.token_ids.tolist() for s in got.samples] == [s.token_ids.tolist() for s in expect.samples]
+    largest_block = max(sum(1 for k in state if k.startswith(f"{prefix}."))
+                        for prefix in {k.split(".", 3)[0] + "." + k.split(".", 3)[1] + "." + k.split(".", 3)[2]
+                                       for k in state if k.count(".") >= 3})
+    assert 0 < peak[0] <= largest_block < len(state) // 4, (peak[0], largest_block, len(state))

@@ -58,10 +58,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -90,30 +89,12 @@ from megatron_vlm.models.common.routing_replay import recording_routes
 from megatron_vlm.models.common.slot_cache import PagedSlotCache, SlotCache
 from megatron_vlm.models.common.vlm_base import VLMBase
 from megatron_vlm.models.mcore.layer import native_state_dict
+from megatron_vlm.parallel.full_weights import block_groups, full_tensor
 
 __all__ = ["PolicyRolloutEngine", "EngineOptions", "CUDA_GRAPH_MODES", "CudaGraphsConfigError", "cuda_graphs_blocker",
            "PagedKVConfigError", "paged_kv_blocker", "vision_token_ids"]
 
 log = logging.getLogger(__name__)
-
-
-_BLOCK = re.compile(r"^(.*?\.\d+)\.")  # the shortest prefix naming a numbered block: language_model.layers.3
-
-
-def _weight_groups(names: Iterable[str]) -> dict[str, list[str]]:
-    """State-dict names by the module a refresh copies them into: the numbered block they belong to
-    (`language_model.layers.3`, `visual.blocks.0`), else the module owning the tensor (`lm_head`)."""
-    groups: dict[str, list[str]] = {}
-    for name in names:
-        m = _BLOCK.match(name)
-        groups.setdefault(m.group(1) if m else name.rpartition(".")[0], []).append(name)
-    return groups
-
-
-def _full(tensor) -> torch.Tensor:
-    """A state-dict entry as a full tensor: a sharded (DTensor) one gathered (a collective), others as they are."""
-    full = getattr(tensor, "full_tensor", None)
-    return full() if callable(full) else tensor
 
 
 @dataclass
@@ -275,8 +256,8 @@ class PolicyRolloutEngine(RolloutEngine):
         (parallel.backend = "mcore") gives its blocks under their native names (`native_state_dict`)."""
         assert self.sync_from is not None
         state = self.sync_from.state_dict()
-        for owner, names in _weight_groups(state).items():
-            full = native_state_dict({n: _full(state[n]) for n in names}, self.sync_from)
+        for owner, names in block_groups(state).items():
+            full = native_state_dict({n: full_tensor(state[n]) for n in names}, self.sync_from)
             prefix = f"{owner}." if owner else ""
             unknown = sorted(n for n in full if not n.startswith(prefix))
             try:

@@ -11,26 +11,15 @@ on the trainer's device (a CUDA engine reads them there).
 """
 from __future__ import annotations
 
-import re
-from collections import OrderedDict
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
+from megatron_vlm.parallel.full_weights import block_groups, full_tensor
+
 __all__ = ["hf_weight_buckets"]
 
-_LAYER = re.compile(r"^(.*?\.(?:layers|blocks)\.\d+)\.")
-
-
-def _group(name: str) -> str:
-    m = _LAYER.match(name)
-    return m.group(1) if m else name
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    full = getattr(t, "full_tensor", None)
-    return (full() if callable(full) else t).detach()
 
 
 def hf_weight_buckets(model: nn.Module, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -44,13 +33,10 @@ def hf_weight_buckets(model: nn.Module, bucket_bytes: int) -> Iterator[list[tupl
     adapted = lora_modules(model)
     scaling = next(iter(adapted.values())).scaling if adapted else None
     state = model.state_dict()
-    groups: OrderedDict[str, list[str]] = OrderedDict()
-    for name in state:
-        groups.setdefault(_group(name), []).append(name)
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for names in groups.values():
-        part = {k: _full(state[k]) for k in names}
+    for names in block_groups(state).values():
+        part = {k: full_tensor(state[k]).detach() for k in names}
         if scaling is not None:
             part = merged_state_dict(part, scaling)
         for hf_name, t in adapter.to_hf(native_state_dict(part, model)).items():

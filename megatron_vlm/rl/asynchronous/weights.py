@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from megatron_vlm.parallel.full_weights import full_tensor
 from megatron_vlm.rl.asynchronous.bridge import Bridge
 
 __all__ = ["push_weights", "receive_weights", "trainable_names"]
@@ -28,11 +29,6 @@ __all__ = ["push_weights", "receive_weights", "trainable_names"]
 
 def trainable_names(model: torch.nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    full = getattr(t, "full_tensor", None)
-    return full() if callable(full) else t
 
 
 def push_weights(model: torch.nn.Module, bridge: Optional[Bridge], version: int, names: Optional[Iterable[str]] = None,
@@ -51,7 +47,7 @@ def push_weights(model: torch.nn.Module, bridge: Optional[Bridge], version: int,
         bridge.broadcast_object(header)
     with torch.no_grad():
         for k in keys:
-            full = _full(state[k].detach())
+            full = full_tensor(state[k].detach())
             if bridge is None:
                 continue
             wire = full.to("cpu").contiguous() if full.device.type != "cpu" or not full.is_contiguous() else full

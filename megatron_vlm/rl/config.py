@@ -837,8 +837,9 @@ class RLConfig:
         defaults = RLRolloutConfig()
         for key in self._BUILTIN_ENGINE_KEYS:
             if getattr(self.rollout, key) != getattr(defaults, key):
-                raise ValueError(f"rollout.{key}: a setting of the built-in engine; with rollout_backend = 'vllm' size "
-                                 "the engine in [rl.vllm] (max_num_seqs, cpu_kv_cache_gib / gpu_memory_utilization)")
+                where = ("vLLM's CUDA graphs are rl.vllm.enforce_eager (false: captured)" if key == "cuda_graphs" else
+                         "size the engine in [rl.vllm] (max_num_seqs, cpu_kv_cache_gib / gpu_memory_utilization)")
+                raise ValueError(f"rollout.{key}: a setting of the built-in engine; with rollout_backend = 'vllm' {where}")
 
     def _validate_rewards(self) -> None:
         if not self.rewards:

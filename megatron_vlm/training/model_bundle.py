@@ -140,7 +140,9 @@ def build_model_bundle(ctx: RunContext, *, root: Callable[[torch.nn.Module], Any
                        param_dtype=torch.bfloat16 if precision == "bf16" else None, root=wrapper)
     trainable_params = [p for p in wrapper.parameters() if p.requires_grad]
     reduce = stage_all_reduce(mesh) if pp > 1 else _load_all_reduce(dims)  # pp: each stage has its own MoE layers
-    balancer = MoELoadBalancer(model, cfg.moe, all_reduce=reduce) if moe_layers(model) else None
+    # cp > 1: every MoE block is in a context-parallel layer (only Mamba2 layers stay whole), routing its chunks
+    token_group = mesh["cp"].get_group() if dims.cp > 1 else None
+    balancer = MoELoadBalancer(model, cfg.moe, all_reduce=reduce, token_group=token_group) if moe_layers(model) else None
     pipeline = PipelineRunner(wrapper, mesh, env.device, cfg.train.micro_batches_per_step) if pp > 1 else None
     return ModelBundle(model=model, wrapper=wrapper, processor=processor, dims=dims, mesh=mesh,
                        trainable_params=trainable_params, moe_balancer=balancer, pipeline=pipeline)

@@ -11,7 +11,10 @@ counts is decided here, once per optimizer step:
   weights); a frozen router (LoRA, `train.train_layers`) keeps its bias, part of the frozen base model;
 * optional Switch-style auxiliary loss `coef * E * sum_e f_e * P_e` (f = fraction of routed
   assignments, P = mean router probability), built from the `RouterStats` each training forward
-  leaves on the block when `record_router_stats` is set;
+  leaves on the block when `record_router_stats` is set. It is a loss of each forward's whole pack: under
+  context parallelism, where each rank of the cp group routes only its chunks of the pack, the counts are
+  summed over the group (`token_group`) and each rank contributes its tokens' share of P (see
+  `switch_aux_loss`), so a cp run trains as one rank routing the whole pack would;
 * workload reports every `n_step_per_workload_report` steps: `moe/*` metrics and the per-layer
   expert-load table, from the loads summed since the last report.
 """
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megatron_vlm.errors import ConfigError
@@ -54,16 +58,30 @@ class MoEConfig:
         at_least(self, 0, "bias_update_rate", "n_step_per_workload_report", "aux_loss_coef")
 
 
-def switch_aux_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int) -> torch.Tensor:
+def switch_aux_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int, *,
+                    token_group: Optional[Any] = None) -> torch.Tensor:
     """E * sum_e f_e * P_e for one block: scores `[N, E]` (normalised per token, since sigmoid scores do
     not sum to 1), f_e = assignments of expert e / (N * top_k), P_e = mean probability of expert e. A forward
-    without tokens (N = 0) has nothing to balance: 0 (with the graph), not the NaN of an empty mean."""
+    without tokens (N = 0) has nothing to balance: 0 (with the graph), not the NaN of an empty mean.
+
+    `token_group`: the process group whose ranks routed disjoint parts of the same tokens (a context-parallel
+    group; collective: every rank of it calls this once per forward). N and the assignments are then the
+    group's sums, and this rank returns cp x its tokens' terms, E * sum_e f_e * sum_local(p_e) / N: inside a
+    context-parallel layer gradients are carried scaled by cp and averaged over the group
+    (parallel/context_parallel.py), so the average of the ranks' gradients is that of the whole pack's loss."""
     num_experts = scores.shape[-1]
-    if scores.shape[0] == 0:
+    counts = torch.cat([tokens_per_expert.reshape(-1).to(scores.device, torch.float64),
+                        torch.tensor([float(scores.shape[0])], dtype=torch.float64, device=scores.device)])
+    parts = 1
+    if token_group is not None:
+        dist.all_reduce(counts, group=token_group)
+        parts = dist.get_world_size(token_group)
+    total = float(counts[-1])
+    if total == 0:
         return scores.sum() * 0.0
     probs = scores / scores.sum(-1, keepdim=True)
-    fraction = tokens_per_expert.to(probs.dtype) / max(1, scores.shape[0] * top_k)
-    return num_experts * torch.sum(fraction * probs.mean(0))
+    fraction = (counts[:-1] / (total * top_k)).to(probs.dtype)
+    return parts * num_experts * torch.sum(fraction * probs.sum(0)) / total
 
 
 @torch.no_grad()
@@ -124,11 +142,15 @@ class MoELoadBalancer:
       otherwise).
     """
 
-    def __init__(self, model: nn.Module, cfg: MoEConfig, *, all_reduce: Optional[Callable[[torch.Tensor], Any]] = None):
+    def __init__(self, model: nn.Module, cfg: MoEConfig, *, all_reduce: Optional[Callable[[torch.Tensor], Any]] = None,
+                 token_group: Optional[Any] = None):
+        """`token_group`: the context-parallel group when the MoE blocks route only this rank's chunks of each pack
+        (the auxiliary loss is then the whole pack's, `switch_aux_loss`); None otherwise."""
         cfg.validate()
         self.cfg = cfg
         self.layers: list[MoE] = moe_layers(model)
         self.all_reduce = all_reduce
+        self.token_group = token_group
         for layer in self.layers:
             layer.record_router_stats = cfg.aux_loss_coef > 0
         biased = [layer for layer in self.layers if layer.gate.e_score_correction_bias is not None]
@@ -150,7 +172,8 @@ class MoELoadBalancer:
         for layer in self.layers:
             stats, layer.router_stats = layer.router_stats, None
             if stats is not None:
-                losses.append(self.cfg.aux_loss_coef * switch_aux_loss(stats.scores, stats.tokens_per_expert, stats.top_k))
+                losses.append(self.cfg.aux_loss_coef * switch_aux_loss(stats.scores, stats.tokens_per_expert, stats.top_k,
+                                                                       token_group=self.token_group))
         return torch.stack(losses).sum() if losses else None
 
     @torch.no_grad()

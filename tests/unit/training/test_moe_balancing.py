@@ -119,6 +119,50 @@ def test_aux_loss_of_a_forward_without_tokens_is_zero_not_nan():
     assert moe.gate.weight.grad.abs().sum() > 0
 
 
+class _TwoRankGroup:
+    """Stands in for `torch.distributed` with a 2-rank context-parallel group whose other rank's counts are
+    known: all_reduce adds them (what the collective would), the group has 2 ranks."""
+
+    def __init__(self, other_counts: torch.Tensor):
+        self.other = other_counts
+
+    def all_reduce(self, t, group=None):  # noqa: ARG002
+        t += self.other.to(t.dtype)
+
+    def get_world_size(self, group=None):  # noqa: ARG002
+        return 2
+
+
+def test_aux_loss_with_context_parallel_chunks_is_the_whole_packs(monkeypatch):
+    """Under cp each rank routes its chunks of the pack: the average of the two ranks' gradients (what FSDP gives
+    over the cp group) must be the gradient of the aux loss of the whole pack routed in one process, not the mean
+    of two half-pack losses (f and P of a half are not the whole's)."""
+    import megatron_vlm.training.moe_balancing as mb
+
+    moe = make_skewed_moe()
+    x = torch.randn(24, 16, generator=torch.Generator().manual_seed(5))
+    x[:12] = x[:12].abs()  # the halves route differently: a per-half loss would differ from the whole's
+    scores, _, ids = moe.gate(x)
+    tpe = torch.bincount(ids.reshape(-1), minlength=8)
+    moe.gate.weight.grad = None
+    switch_aux_loss(scores, tpe, 2).backward()
+    whole = moe.gate.weight.grad.clone()
+
+    halves = (torch.arange(0, 6).tolist() + torch.arange(18, 24).tolist(), torch.arange(6, 18).tolist())
+    counts = []
+    for rows in halves:
+        tpe_h = torch.bincount(ids[rows].reshape(-1), minlength=8).double()
+        counts.append(torch.cat([tpe_h, torch.tensor([float(len(rows))], dtype=torch.float64)]))
+    grads = []
+    for r, rows in enumerate(halves):
+        monkeypatch.setattr(mb, "dist", _TwoRankGroup(counts[1 - r]))
+        moe.gate.weight.grad = None
+        s_r, _, ids_r = moe.gate(x[rows])
+        mb.switch_aux_loss(s_r, torch.bincount(ids_r.reshape(-1), minlength=8), 2, token_group=object()).backward()
+        grads.append(moe.gate.weight.grad.clone())
+    torch.testing.assert_close((grads[0] + grads[1]) / 2, whole, rtol=1e-5, atol=1e-7)
+
+
 def test_after_step_sums_ranks_updates_bias_and_reports_every_n():
     model = tiny_model()
     calls = []

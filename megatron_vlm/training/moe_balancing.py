@@ -132,6 +132,22 @@ def moe_load_metrics(loads: Sequence[torch.Tensor], top_k: Sequence[int]) -> dic
     }
 
 
+def check_router_settings(layers: Sequence[MoE], cfg: MoEConfig) -> None:
+    """ConfigError for a `moe.bias_update_rate` set when every biased router of `layers` (the whole model's MoE
+    blocks) is frozen: no bias would move. Logs how many routers are frozen."""
+    biased = [layer for layer in layers if layer.gate.e_score_correction_bias is not None]
+    frozen = sum(not _router_trained(layer) for layer in biased)
+    if biased and frozen == len(biased) and cfg.enable_moe_load_balancing_training \
+            and cfg.bias_update_rate != MoEConfig.bias_update_rate:
+        raise ConfigError("moe.bias_update_rate: every MoE router of this run is frozen ([lora] / train.train_layers), "
+                          "so no score-correction bias moves and the rate does nothing; remove the key, or train "
+                          "the routers (train.train_layers)")
+    if frozen and cfg.enable_moe_load_balancing_training:
+        log.info("moe: %d of %d MoE routers are frozen ([lora] / train.train_layers): their score-correction biases "
+                 "stay as loaded (moe.enable_moe_load_balancing_training moves trained routers' only)",
+                 frozen, len(layers))
+
+
 class MoELoadBalancer:
     """What the trainer calls around each optimizer step for the model's MoE layers.
 
@@ -140,30 +156,28 @@ class MoELoadBalancer:
       ranks with the injected `all_reduce` (in place, SUM; one call per step), updates the biases,
       and every `n_step_per_workload_report` steps returns `(metrics, table)` for the loggers (None
       otherwise).
+
+    Pipeline parallelism: each stage's balancer holds that stage's MoE layers (possibly none) and balances them
+    with its stage's loads; a report is of the whole model's layers, gathered in stage order with the injected
+    `stages` (an all-gather of picklable objects over the pipeline group, called by every stage at a report step).
     """
 
     def __init__(self, model: nn.Module, cfg: MoEConfig, *, all_reduce: Optional[Callable[[torch.Tensor], Any]] = None,
-                 token_group: Optional[Any] = None):
+                 token_group: Optional[Any] = None, stages: Optional[Callable[[Any], list]] = None):
         """`token_group`: the context-parallel group when the MoE blocks route only this rank's chunks of each pack
-        (the auxiliary loss is then the whole pack's, `switch_aux_loss`); None otherwise."""
+        (the auxiliary loss is then the whole pack's, `switch_aux_loss`); None otherwise. `stages`: with pipeline
+        parallelism, the gather over the stages (above); the caller then checks the router settings on the whole
+        model (`check_router_settings`), since a stage sees only its own routers."""
         cfg.validate()
         self.cfg = cfg
         self.layers: list[MoE] = moe_layers(model)
         self.all_reduce = all_reduce
         self.token_group = token_group
+        self.stages = stages
         for layer in self.layers:
             layer.record_router_stats = cfg.aux_loss_coef > 0
-        biased = [layer for layer in self.layers if layer.gate.e_score_correction_bias is not None]
-        frozen = sum(not _router_trained(layer) for layer in biased)
-        if biased and frozen == len(biased) and cfg.enable_moe_load_balancing_training \
-                and cfg.bias_update_rate != MoEConfig.bias_update_rate:
-            raise ConfigError("moe.bias_update_rate: every MoE router of this run is frozen ([lora] / train.train_layers), "
-                              "so no score-correction bias moves and the rate does nothing; remove the key, or train "
-                              "the routers (train.train_layers)")
-        if frozen and cfg.enable_moe_load_balancing_training:
-            log.info("moe: %d of %d MoE routers are frozen ([lora] / train.train_layers): their score-correction biases "
-                     "stay as loaded (moe.enable_moe_load_balancing_training moves trained routers' only)",
-                     frozen, len(self.layers))
+        if stages is None:
+            check_router_settings(self.layers, cfg)
         # loads summed over ranks since the last report (kept here: reporting is policy, not model state)
         self._report_loads = [torch.zeros_like(layer.expert_load) for layer in self.layers]
 
@@ -178,24 +192,27 @@ class MoELoadBalancer:
 
     @torch.no_grad()
     def after_step(self, step: int) -> Optional[tuple[dict, Any]]:
-        if not self.layers:
+        if not self.layers and self.stages is None:
             return None
-        loads = torch.stack([layer.expert_load for layer in self.layers])
-        if self.all_reduce is not None:
-            self.all_reduce(loads)
-        for i, (layer, load) in enumerate(zip(self.layers, loads)):
-            bias = layer.gate.e_score_correction_bias
-            if self.cfg.enable_moe_load_balancing_training and bias is not None and _router_trained(layer):
-                update_correction_bias(bias, load, self.cfg.bias_update_rate)
-            layer.reset_expert_load()
-            report = self._report_loads[i]
-            self._report_loads[i] = report.to(load.device) + load
+        if self.layers:
+            loads = torch.stack([layer.expert_load for layer in self.layers])
+            if self.all_reduce is not None:
+                self.all_reduce(loads)
+            for i, (layer, load) in enumerate(zip(self.layers, loads)):
+                bias = layer.gate.e_score_correction_bias
+                if self.cfg.enable_moe_load_balancing_training and bias is not None and _router_trained(layer):
+                    update_correction_bias(bias, load, self.cfg.bias_update_rate)
+                layer.reset_expert_load()
+                report = self._report_loads[i]
+                self._report_loads[i] = report.to(load.device) + load
         every = self.cfg.n_step_per_workload_report
         if every and step % every == 0:
-            metrics = moe_load_metrics(self._report_loads, [layer.top_k for layer in self.layers])
-            table = moe_load_table(self._report_loads)
+            reports, top_k = self._report_loads, [layer.top_k for layer in self.layers]
+            if self.stages is not None:  # every stage's layers, in stage (= layer) order
+                parts = self.stages(([r.cpu() for r in reports], top_k))
+                reports, top_k = [r for part in parts for r in part[0]], [k for part in parts for k in part[1]]
             self._report_loads = [torch.zeros_like(r) for r in self._report_loads]
-            return metrics, table
+            return moe_load_metrics(reports, top_k), moe_load_table(reports)
         return None
 
 
@@ -214,6 +231,6 @@ def uncounted_expert_load(model: nn.Module) -> Iterator[None]:
 
 
 __all__ = [
-    "uncounted_expert_load",
+    "check_router_settings", "uncounted_expert_load",
     "MoEConfig", "MoELoadBalancer", "moe_load_metrics", "moe_load_table", "switch_aux_loss", "update_correction_bias",
 ]

@@ -21,7 +21,7 @@ counts is decided here, once per optimizer step:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -50,7 +50,8 @@ class MoEConfig:
     without the routers): refused when the run starts (no bias moves)."""
     n_step_per_workload_report: int = 10
     """Report `moe/entropy_mean`, `moe/max_fraction_max`, `moe/tokens_per_layer_mean` and the per-layer
-    expert-load table every N optimizer steps (0 = never)."""
+    expert-load table every N optimizer steps (0 = never), from the loads of those N steps (a checkpoint carries the
+    loads of the report in progress: a resumed run reports what the uninterrupted one does)."""
     aux_loss_coef: float = 0.0
     """Weight of the optional Switch-style auxiliary balance loss added to the training loss (0 = off)."""
 
@@ -180,6 +181,9 @@ class MoELoadBalancer:
             check_router_settings(self.layers, cfg)
         # loads summed over ranks since the last report (kept here: reporting is policy, not model state)
         self._report_loads = [torch.zeros_like(layer.expert_load) for layer in self.layers]
+        # the layers' names in the model (the same under every layout: FSDP, tp, pipeline stubs keep them)
+        where = {id(m): name for name, m in model.named_modules()}
+        self.names = [where[id(layer)] for layer in self.layers]
 
     def aux_loss(self) -> Optional[torch.Tensor]:
         losses = []
@@ -189,6 +193,26 @@ class MoELoadBalancer:
                 losses.append(self.cfg.aux_loss_coef * switch_aux_loss(stats.scores, stats.tokens_per_expert, stats.top_k,
                                                                        token_group=self.token_group))
         return torch.stack(losses).sum() if losses else None
+
+    def report_state(self) -> dict[str, list[int]]:
+        """The loads summed since the last report, by layer name, of the whole model (with pipeline parallelism
+        gathered over the stages: collective), for a checkpoint: a run resumed from it then reports the same
+        steps' loads as the uninterrupted run, not only those since the resume."""
+        mine = {name: [int(v) for v in r.tolist()] for name, r in zip(self.names, self._report_loads)}
+        if self.stages is None:
+            return mine
+        merged: dict[str, list[int]] = {}
+        for part in self.stages(mine):
+            merged.update(part)
+        return merged
+
+    def load_report_state(self, saved: Optional[Mapping[str, Sequence[int]]]) -> None:
+        """Continue the loads of `report_state` (a checkpoint's; None or a layer it lacks: from 0)."""
+        for i, name in enumerate(self.names):
+            loads = (saved or {}).get(name)
+            if loads is not None and len(loads) == self._report_loads[i].numel():
+                self._report_loads[i] = torch.tensor([int(v) for v in loads], dtype=self._report_loads[i].dtype,
+                                                     device=self._report_loads[i].device)
 
     @torch.no_grad()
     def after_step(self, step: int) -> Optional[tuple[dict, Any]]:

@@ -88,9 +88,21 @@ def data_state_refusal(state: dict, loader, err: ValueError) -> str:
             f"data-parallel size that divides {state.get('global_packs_consumed')}, {fresh}")
 
 
+def moe_report_state(balancer: Any, key: str = "moe_report") -> dict:
+    """`{key: the loads since the last MoE workload report}` for a checkpoint's data state ({} without a balancer;
+    collective with pipeline parallelism), which `restore_moe_report` gives back to a resumed run's balancer."""
+    return {key: balancer.report_state()} if balancer is not None else {}
+
+
+def restore_moe_report(balancer: Any, state: dict, key: str = "moe_report") -> None:
+    if balancer is not None:
+        balancer.load_report_state(state.get(key))
+
+
 def restore_data_state(runner: Any, state: dict) -> None:
     """A packed-data step runner's resume (SFT, the pair trainers): the loader position (exit 2 naming what
-    changed when it cannot continue), the records skipped before the checkpoint, the running totals."""
+    changed when it cannot continue), the records skipped before the checkpoint, the running totals, the MoE
+    loads of the workload report in progress."""
     try:
         runner.loader.load_state_dict(state)
     except ValueError as e:  # another data set / pack size / seed / data-parallel split than the checkpoint's
@@ -98,6 +110,7 @@ def restore_data_state(runner: Any, state: dict) -> None:
     restore_saved_bad_records(runner.bad_records, state, same_split=state.get("dp_size") == runner.bundle.dims.dp_size,
                               is_main=runner.ctx.env.is_main)
     runner.totals.restore(state)
+    restore_moe_report(getattr(runner.bundle, "moe_balancer", None), state)
 
 
 def _peak_memory_gib(device: torch.device) -> float:
@@ -146,6 +159,7 @@ class SFTStep:
         rank saves), so a run killed or failed later leaves the summary of everything up to its checkpoint."""
         state = dict(self.loader.state_dict())
         state.update(self.totals.state(self._counts()))
+        state.update(moe_report_state(self.bundle.moe_balancer))
         return save_bad_records(state, self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main,
                                 dp_rank=self._dp_rank())
 

@@ -153,6 +153,25 @@ MOE_AUX = {"moe.aux_loss_coef": 5.0}
 """The MoE families train with the Switch auxiliary loss (a large weight, so that its gradient shows in the grad
 norm): with cp each rank routes its chunks of a pack, and the loss must still be the whole pack's, as with dp."""
 
+MOE_REPORT = {"moe.n_step_per_workload_report": STEPS, "checkpoint.enable": "true", "checkpoint.every_steps": STEPS // 2}
+
+
+def _moe_report_resumes(tmp: Path, rank: int, family: str, run: Path, **sets) -> None:
+    """`run`'s step-5 checkpoint resumed: the same last losses and the same step-10 workload report, the loads of
+    steps 1-10 (the checkpoint carries those of steps 1-5), not of steps 6-10 alone."""
+    resumed = tmp / family / "resumed_dp"
+    if rank == 0:
+        shutil.copytree(run / "checkpoints" / f"step_{STEPS // 2}", resumed / "checkpoints" / f"step_{STEPS // 2}")
+    dist.barrier()
+    _run(tmp, family, resumed, **{**sets, "checkpoint.resume": '"auto"'})
+    if rank == 0:
+        assert _column(run, "loss")[STEPS // 2:] == _column(resumed, "loss"), family
+        with open(run / "moe_layer_expert_table.csv") as f_run, open(resumed / "moe_layer_expert_table.csv") as f_res:
+            table = list(csv.DictReader(f_run))
+            assert table and table == list(csv.DictReader(f_res)), family
+    dist.barrier()
+
+
 CI_FAMILIES = ("qwen2_5_vl", "qwen3_vl_moe", "nemotron_vl")
 """The families of the suite's run (the dense VLM that also resumes across layouts, MoE, the Mamba2 hybrid); the
 other three run in the heavy test (`-m heavy`): each family is three 2-rank jobs, ~45 s of the CI budget."""
@@ -173,7 +192,11 @@ def _families(tmp: Path, rank: int, families=CI_FAMILIES, grpo: bool = True) -> 
     for family in families:
         dp, tp = tmp / family / "dp", tmp / family / "tp"
         aux = MOE_AUX if family in ("qwen3_vl_moe", "nemotron_vl") else {}
-        _run(tmp, family, dp, **{"train.micro_batches_per_step": 1, **aux})
+        # the MoE model's dp run reports its expert loads at step 10 (those of steps 1-10) and resumes from step 5
+        report = MOE_REPORT if family == "qwen3_vl_moe" else {}
+        _run(tmp, family, dp, **{"train.micro_batches_per_step": 1, **aux, **report})
+        if report:
+            _moe_report_resumes(tmp, rank, family, dp, **{"train.micro_batches_per_step": 1, **aux, **report})
         resumable = {"checkpoint.enable": "true", "checkpoint.every_steps": STEPS // 2} if family == "qwen2_5_vl" else {}
         # activation checkpointing recomputes the sequence-parallel layers (hooks, collectives) in backward
         recompute = {"train.activation_checkpointing": "true"} if family in ("qwen3_vl", "nemotron_vl") else {}

@@ -189,6 +189,31 @@ def test_after_step_sums_ranks_updates_bias_and_reports_every_n():
     assert len(table) == 2 and all(len(row) == 4 and sum(row) == 2 * 2 * 10 * 2 for row in table)
 
 
+def test_report_loads_continue_from_a_checkpoint():
+    """A workload report spans n steps; a run resumed in the middle continues the loads its checkpoint saved
+    (`report_state`, by layer name), so the report equals the uninterrupted run's, not the steps since the resume."""
+    cfg = MoEConfig(enable_moe_load_balancing_training=False, n_step_per_workload_report=4)
+    ids = [torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    straight_model = tiny_model()
+    straight = MoELoadBalancer(straight_model, cfg)
+    first_model = tiny_model()
+    first = MoELoadBalancer(first_model, cfg)
+    for step in (1, 2):
+        straight_model(ids[step - 1])
+        first_model(ids[step - 1])
+        assert straight.after_step(step) is None and first.after_step(step) is None
+    saved = first.report_state()
+    assert set(saved) == {"language_model.layers.0.mixer", "language_model.layers.2.mixer"}
+    resumed_model = tiny_model()
+    resumed = MoELoadBalancer(resumed_model, cfg)
+    resumed.load_report_state(saved)
+    for step in (3, 4):
+        straight_model(ids[step - 1])
+        resumed_model(ids[step - 1])
+        out, ref = resumed.after_step(step), straight.after_step(step)
+    assert out == ref and ref is not None and ref[0]["moe/tokens_per_layer_mean"] == pytest.approx(4 * 7)
+
+
 def test_a_frozen_router_keeps_its_bias():
     """LoRA (and train.train_layers) freeze the base model, routers included: the score-correction bias is part of
     that base (the PEFT adapter does not hold it, and GRPO's reference is the policy without its adapters), so a
@@ -272,3 +297,32 @@ def test_a_bias_rate_for_routers_that_are_all_frozen_is_refused():
         MoELoadBalancer(model, MoEConfig(bias_update_rate=0.01))
     MoELoadBalancer(model, MoEConfig())
     MoELoadBalancer(model, MoEConfig(bias_update_rate=0.01, enable_moe_load_balancing_training=False))
+
+
+def test_grpo_checkpoints_carry_the_policy_and_critic_reports(tmp_path):
+    """GRPO's data state holds the loads of the report in progress of the policy's and of PPO's critic's balancers,
+    and a resumed run's loop step gives each balancer its own."""
+    from types import SimpleNamespace as NS
+
+    from megatron_vlm.rl.data_shards import DataShards
+    from megatron_vlm.rl.trainer import GRPOLoopStep
+    from tests.fixtures.rl_config import rl_config
+
+    cfg = MoEConfig(enable_moe_load_balancing_training=False, n_step_per_workload_report=4)
+
+    def loop_step():
+        policy, critic = MoELoadBalancer(tiny_model(), cfg), MoELoadBalancer(tiny_model(1), cfg)
+        grpo = NS(shards=DataShards(rank=0, world=1, copies=1, device=torch.device("cpu")),
+                  policy=NS(bundle=NS(moe_balancer=policy), critic=NS(balancer=critic)))
+        ctx = NS(cfg=NS(rl=rl_config(), train=NS(seed=0)), env=NS(is_main=True), run_dir=tmp_path)
+        return GRPOLoopStep(ctx, list(range(8)), grpo), policy, critic
+
+    before, policy, critic = loop_step()
+    policy.layers[0].expert_load.add_(torch.arange(4))
+    critic.layers[1].expert_load.add_(torch.arange(4) * 3)
+    policy.after_step(1)
+    critic.after_step(1)
+    state = before.data_state(1)
+    after, policy2, critic2 = loop_step()
+    after.load_data_state(state, 1)
+    assert policy2.report_state() == policy.report_state() != critic.report_state() == critic2.report_state()

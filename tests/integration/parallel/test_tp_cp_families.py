@@ -3,7 +3,8 @@ each family a dp-only SFT run (2 data-parallel ranks, 1 micro-batch each), a `pa
 `parallel.cp=2` run (one data-parallel rank reading the same 2 micro-batches per step: the same packs
 per step) give the same 10 losses and grad norms (fp32, 1e-5) and the same Hugging Face export (1e-6).
 The MoE families train with the [moe] auxiliary loss on: under cp it must stay the whole pack's loss (each
-rank routes only its chunks; a per-chunk loss moved the cp run's losses by ~1e-4).
+rank routes only its chunks; a per-chunk loss moved the cp run's losses by ~1e-4), and the MoE model's dp run,
+resumed from its step-5 checkpoint, writes the uninterrupted run's step-10 workload report (the loads of steps 1-10).
 The tp run's lm_head / embedding and attention projections really are split (each rank holds half the
 rows; Nemotron's Mamba2 mixers run half of the heads each, tests/unit/models/test_mamba2_tp_heads.py), and the cp run's decoder layers hold half of every pack's tokens (load-balanced causal chunks;
 Nemotron's Mamba2 layers left unsplit), so neither comparison is between two replicated runs.

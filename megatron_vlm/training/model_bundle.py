@@ -56,6 +56,8 @@ class ModelBundle:
     """`MoELoadBalancer` when the model has MoE layers, else None."""
     pipeline: Optional[Any] = None
     """`PipelineRunner` with parallel.pp > 1 (this rank's stage; the SFT step runs through it), else None."""
+    num_params: int = 0
+    """Parameters of the whole model (every pipeline stage's; `mfu`'s N), counted before a stage split."""
     layer_kinds: frozenset = frozenset()
     """The kinds of layers ("MoE", "Mamba2") of the whole model, whichever pipeline stage this rank holds: what the
     `[moe]` section and the layer kernels of `[kernels]` are checked against (a stage may hold none of them)."""
@@ -130,6 +132,7 @@ def build_model_bundle(ctx: RunContext, *, root: Callable[[torch.nn.Module], Any
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("model %s: %.2fM parameters, %.2fM trainable", type(model).__name__, total / 1e6, trainable / 1e6)
     whole_moe = moe_layers(model)  # before a pipeline split leaves this rank only its stage's layers
+    num_params = sum(p.numel() for p in model.parameters())
     layer_kinds = frozenset(kind for kind, present in (("MoE", bool(whole_moe)), ("Mamba2", any(
         isinstance(m, Mamba2Mixer) for m in model.modules()))) if present)
     wrapper: Any = root(model)  # or, with pp, the stage's PipelineStageModel root
@@ -163,4 +166,4 @@ def build_model_bundle(ctx: RunContext, *, root: Callable[[torch.nn.Module], Any
     pipeline = PipelineRunner(wrapper, mesh, env.device, cfg.train.micro_batches_per_step) if pp > 1 else None
     return ModelBundle(model=model, wrapper=wrapper, processor=processor, dims=dims, mesh=mesh,
                        trainable_params=trainable_params, moe_balancer=balancer, pipeline=pipeline,
-                       layer_kinds=layer_kinds)
+                       num_params=num_params, layer_kinds=layer_kinds)

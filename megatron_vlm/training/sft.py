@@ -121,8 +121,9 @@ def _peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (peak RSS)
 
 
-def _peak_flops() -> Optional[float]:
-    if not torch.cuda.is_available():
+def _peak_flops(device: torch.device) -> Optional[float]:
+    """The bf16 peak FLOP/s of one of the job's devices, for `mfu`; None off CUDA or for an unknown GPU."""
+    if device.type != "cuda" or not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name()
     return next((v for k, v in _PEAK_BF16_FLOPS.items() if k in name), None)
@@ -140,7 +141,8 @@ class SFTStep:
         self.bad_records = bad_records
         self._evaluate = evaluate
         self._it: Optional[Iterator[dict]] = None
-        self.n_params = sum(p.numel() for p in bundle.model.parameters())
+        # the whole model's (a pipeline stage holds only its layers); a stand-in bundle without the count: its model's
+        self.n_params = getattr(bundle, "num_params", 0) or sum(p.numel() for p in bundle.model.parameters())
         self.guard = StepGuard.from_config(ctx.cfg.train, ctx.env.device)
         self.empty_steps_skipped = 0
         """Times a step's packs held no trained token and were replaced by the next ones (`_skip_empty`)."""
@@ -233,10 +235,9 @@ class SFTStep:
             "data/empty_steps_skipped": float(self.empty_steps_skipped),
         }
         out.update(self._data_stats())
-        if env.device.type == "cuda":
-            peak = _peak_flops()
-            if peak:
-                out["mfu"] = 6.0 * self.n_params * (g_seq / dt) / (peak * env.world_size)
+        peak = _peak_flops(env.device)
+        if peak:
+            out["mfu"] = 6.0 * self.n_params * (g_seq / dt) / (peak * env.world_size)
         if moe_report is not None:
             out.update(moe_report[0])
         return self.totals.add_to(out)

@@ -6,7 +6,8 @@ embedding to lm_head, which the two stages then both hold (their gradients are s
 hybrid Mamba2 / MoE blocks are split across the stages, the MoE loads balanced per stage. The MoE families
 report their expert loads every step (`[moe]` set, a Mamba2 kernel forced), though their second stage holds no
 MoE (or Mamba2) layer, and so does a tiny 3-layer Qwen3-MoE text model with a MoE layer on each stage: the pp run's
-`moe/*` metrics and per-layer expert-load table (rank 0 writes them) are the dp run's, every stage's layers.
+`moe/*` metrics and per-layer expert-load table (rank 0 writes them) are the dp run's, every stage's layers. With
+a stand-in peak both runs log `mfu` on the CPU, from the whole model's parameter count (not rank 0's stage's).
 
 In the same workers: the pp=2 run's step-5 checkpoint resumes as a dp-only run (layout change) with the pp
 run's last 5 losses and export, and the dp run's step-5 checkpoint resumes as a pp=2 run with the dp run's (the
@@ -26,6 +27,7 @@ from megatron_vlm.data.synthetic_arith import write_synthetic_arith
 from megatron_vlm.jobs import run_kind
 from megatron_vlm.parallel import init_distributed
 from megatron_vlm.testing.tiny_text_model import build_tiny_qwen_text_folder
+from megatron_vlm.training import sft
 from megatron_vlm.training.context import RunContext
 from tests.integration.parallel.spawn import spawn
 from tests.integration.parallel.test_tp_cp_families import (
@@ -39,6 +41,14 @@ from tests.integration.parallel.test_tp_cp_families import (
 )
 
 pytestmark = [pytest.mark.distributed]
+
+
+PEAK = 1e12
+
+
+def _num_params(tmp: Path, family: str) -> float:
+    from megatron_vlm.checkpoint.hf import load_hf_model
+    return float(sum(p.numel() for p in load_hf_model(str(tmp / family / "model")).parameters()))
 
 
 MOE_FAMILIES = ("qwen3_vl_moe", "nemotron_vl")
@@ -88,6 +98,8 @@ def _moe_on_both_stages(tmp: Path, rank: int) -> None:
 
 
 def _families(tmp: Path, rank: int) -> None:
+    # `mfu` on the CPU: a stand-in peak, so that the dp and pp runs log it (6 x parameters x tokens/s / peak x ranks)
+    sft._peak_flops = lambda device: PEAK  # noqa: ARG005
     if rank == 0:
         write_synthetic_arith(tmp / "arith", max_operand=9, eval_size=8)
     init_distributed()
@@ -103,6 +115,10 @@ def _families(tmp: Path, rank: int) -> None:
         _run(tmp, family, pp, **{"parallel.pp": 2, "train.micro_batches_per_step": 2, **resumable, **report})
         if rank == 0:
             _assert_same_training(family, "pp", dp, pp)
+            # the parameters of the whole model, not of rank 0's stage: mfu / tokens_per_s = 6 N / (peak x ranks)
+            for out in (dp, pp):
+                ratio = [m / t for m, t in zip(_column(out, "mfu"), _column(out, "tokens_per_s"))]
+                assert max(abs(r * PEAK * 2 / 6 - _num_params(tmp, family)) for r in ratio) <= 1e-3, (family, out, ratio)
             if report:
                 _assert_same_moe_reports(family, dp, pp)
         dist.barrier()

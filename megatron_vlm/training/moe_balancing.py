@@ -71,17 +71,16 @@ def switch_aux_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, top_k
     context-parallel layer gradients are carried scaled by cp and averaged over the group
     (parallel/context_parallel.py), so the average of the ranks' gradients is that of the whole pack's loss."""
     num_experts = scores.shape[-1]
-    counts = torch.cat([tokens_per_expert.reshape(-1).to(scores.device, torch.float64),
-                        torch.tensor([float(scores.shape[0])], dtype=torch.float64, device=scores.device)])
-    parts = 1
-    if token_group is not None:
-        dist.all_reduce(counts, group=token_group)
-        parts = dist.get_world_size(token_group)
-    total = float(counts[-1])
+    counts = tokens_per_expert.reshape(-1).to(scores.device)
+    total, parts = scores.shape[0], 1
+    if token_group is not None:  # the group's counts (one host read of the token total: no sync without cp)
+        both = torch.cat([counts.to(torch.float64), counts.new_tensor([total], dtype=torch.float64)])
+        dist.all_reduce(both, group=token_group)
+        counts, total, parts = both[:-1], int(both[-1]), dist.get_world_size(token_group)
     if total == 0:
         return scores.sum() * 0.0
     probs = scores / scores.sum(-1, keepdim=True)
-    fraction = (counts[:-1] / (total * top_k)).to(probs.dtype)
+    fraction = counts.to(probs.dtype) / (total * top_k)
     return parts * num_experts * torch.sum(fraction * probs.sum(0)) / total
 
 

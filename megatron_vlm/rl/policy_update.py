@@ -186,6 +186,10 @@ class PolicyUpdate:
         dims = self.bundle.dims
         if getattr(dims, "tp", 1) > 1 or getattr(dims, "cp", 1) > 1:
             return False, "not with tensor or context parallelism"
+        balancer = getattr(self.bundle, "moe_balancer", None)
+        if getattr(getattr(balancer, "cfg", None), "aux_loss_coef", 0.0) > 0:
+            # a shared prompt is routed once, not once per completion: the aux loss and its gradient would change
+            return False, "moe.aux_loss_coef > 0: the MoE auxiliary loss sees every token of a pack"
         return True, "each prompt packed once per group in the training forwards"
 
     def skip_zero_advantage(self) -> tuple[bool, str]:

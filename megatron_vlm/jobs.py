@@ -86,7 +86,7 @@ def run_sft(ctx: RunContext, *, before_step=None) -> int:
     cfg = ctx.cfg
     bad_records = prepare_sft_data(ctx)
     bundle = build_model_bundle(ctx)
-    check_moe_section(cfg, bundle.model)
+    check_moe_section(cfg, bundle.model, bundle.layer_kinds)
     loader = build_train_loader(ctx, bundle, bad_records)
     evaluate = SFTEvaluator(ctx, bundle, bad_records)
     evaluate.prepare()  # an unusable eval split stops the job here, not at its first evaluation
@@ -105,7 +105,7 @@ def run_dpo(ctx: RunContext, *, before_step=None) -> int:
     dpo = dpo_section(cfg)
     bad_records = prepare_sft_data(ctx)
     bundle = build_model_bundle(ctx)
-    check_moe_section(cfg, bundle.model)
+    check_moe_section(cfg, bundle.model, bundle.layer_kinds)
     loader, eval_loader = build_pair_loaders(ctx, bundle, bad_records)
     reference = build_reference(ctx, bundle, dpo, loader, eval_loader)  # before resume: the initial weights
     num_steps = total_steps(cfg.train, steps_per_epoch(loader, bundle.dims.dp_size, cfg.train.micro_batches_per_step))
@@ -126,7 +126,7 @@ def run_reward(ctx: RunContext, *, before_step=None) -> int:
     reward = reward_section(cfg)
     bad_records = prepare_sft_data(ctx)
     bundle = build_reward_bundle(ctx, reward)
-    check_moe_section(cfg, bundle.model)
+    check_moe_section(cfg, bundle.model, bundle.layer_kinds)
     loader, eval_loader = build_pair_loaders(ctx, bundle, bad_records)
     num_steps = total_steps(cfg.train, steps_per_epoch(loader, bundle.dims.dp_size, cfg.train.micro_batches_per_step))
     optim = build_optim_state(bundle.wrapper, cfg, ctx.device.type, num_steps)
@@ -149,7 +149,7 @@ def run_grpo(ctx: RunContext, *, before_step=None) -> int:
     if role is not None and role.is_rollout:
         return run_rollout_rank(ctx, role)
     bundle = build_model_bundle(ctx)
-    check_moe_section(cfg, bundle.model)
+    check_moe_section(cfg, bundle.model, bundle.layer_kinds)
     parts = build_grpo_parts(ctx, bundle)
     rl = cfg.rl
     try:
@@ -239,7 +239,7 @@ def run_eval(ctx: RunContext) -> int:
         if not cfg.eval.adapter:
             raise
         raise ConfigError(f"eval.adapter: {cfg.eval.adapter}: {e}") from None
-    check_moe_section(cfg, bundle.model)  # [kernels] backends of ops the model lacks ([moe] is refused for eval)
+    check_moe_section(cfg, bundle.model, bundle.layer_kinds)  # [kernels] backends of ops the model lacks ([moe] is refused for eval)
     engine = answer_engine(ctx, bundle)
     scorer = VerifierScorer(cfg.eval)
     results = []

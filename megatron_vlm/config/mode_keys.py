@@ -49,7 +49,8 @@ remember which keys the file spelled out; setting a default value explicitly is 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_vlm.config.loader import ConfigError
 from megatron_vlm.training.dpo.config import DPOConfig, check_dpo_keys
@@ -298,17 +299,21 @@ _LAYER_KERNELS = {
 would never be used."""
 
 
-def check_moe_section(cfg: Config, model: nn.Module) -> None:
+def check_moe_section(cfg: Config, model: nn.Module, layer_kinds: Optional[Collection[str]] = None) -> None:
     """Raise ConfigError when `[moe]` sets anything and `model` has no MoE layers, or `[kernels]` forces a backend
-    for an op of a layer kind (`_LAYER_KERNELS`: MoE, Mamba2) the model does not have."""
+    for an op of a layer kind (`_LAYER_KERNELS`: MoE, Mamba2) the model does not have. `layer_kinds`: the kinds the
+    whole model has, when `model` is one pipeline stage of it (`ModelBundle.layer_kinds`; a stage may hold none of
+    the model's MoE or Mamba2 layers); None: read from `model`."""
     from megatron_vlm.models.common.mamba2 import Mamba2Mixer
     from megatron_vlm.models.common.moe import moe_layers
 
-    has_moe = bool(list(moe_layers(model)))
+    if layer_kinds is None:
+        has = {"MoE": bool(list(moe_layers(model))), "Mamba2": any(isinstance(m, Mamba2Mixer) for m in model.modules())}
+    else:
+        has = {kind: kind in layer_kinds for kind in _LAYER_KERNELS}
     changed = changed_keys(cfg.moe)
-    if changed and not has_moe:
+    if changed and not has["MoE"]:
         raise ConfigError(f"moe.{changed[0]}: the model ({type(model).__name__}) has no MoE layers; remove the [moe] section")
-    has = {"MoE": has_moe, "Mamba2": any(isinstance(m, Mamba2Mixer) for m in model.modules())}
     forced = set(changed_keys(cfg.kernels))
     for kind, ops in _LAYER_KERNELS.items():
         for op in ops:

@@ -51,7 +51,7 @@ from megatron_vlm.parallel.grad import clip_grad_norm_
 from megatron_vlm.parallel.mesh import LayoutError
 
 __all__ = ["stage_layer_range", "check_pipeline_layout", "split_model_for_stage", "PipelineStageModel",
-           "PipelineRunner"]
+           "PipelineRunner", "stage_all_reduce", "stage_gather_objects"]
 
 _FIRST_STAGE_ONLY = ("pixel_values", "pixel_values_videos")
 """Micro-batch entries only the first stage reads (the vision tower's input)."""
@@ -412,6 +412,18 @@ class PipelineRunner:
 
 def _local_shape(p) -> tuple:
     return tuple((p.to_local() if isinstance(p, DTensor) else p).shape)
+
+
+def stage_gather_objects(mesh):
+    """[obj of stage 0, obj of stage 1, ...] over this rank's pipeline group (picklable objects; collective over the
+    stages): what only the stage holding a layer knows, such as its MoE layers' loads for a report of every layer."""
+    size, group = mesh["pp"].size(), mesh["pp"].get_group()
+
+    def gather(obj):
+        out: list = [None] * size
+        dist.all_gather_object(out, obj, group=group)
+        return out
+    return gather
 
 
 def stage_all_reduce(mesh):

@@ -377,8 +377,10 @@ class RLUpdateConfig:
     the completions of its group instead of once per completion: the same log-probs and gradients up to
     float rounding, with the prompt's projections, MLPs and images computed once (G times less prompt
     work). "auto": where the decoder supports it (attention-only decoders, not Nemotron-VL's Mamba2
-    hybrid) and tensor / context parallelism are off (the startup log says which); "off": every
-    completion packed with its own copy of the prompt."""
+    hybrid), tensor / context parallelism are off and the MoE auxiliary loss is (moe.aux_loss_coef = 0: it is a
+    function of every token a pack routes, a shared prompt's once instead of once per completion; the startup log says
+    which); "off": every completion packed with its own copy of the prompt. With prompts shared a MoE policy's expert
+    loads (moe/* metrics, score-correction biases) count a prompt's tokens once per group."""
     skip_zero_advantage: bool = True
     """Leave completions whose advantage is exactly 0 (every completion of a group whose rewards are all
     equal, under grpo's std normalisation or not) out of the update's forwards and backwards, and out of

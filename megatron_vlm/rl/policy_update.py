@@ -186,6 +186,10 @@ class PolicyUpdate:
         dims = self.bundle.dims
         if getattr(dims, "tp", 1) > 1 or getattr(dims, "cp", 1) > 1:
             return False, "not with tensor or context parallelism"
+        balancer = getattr(self.bundle, "moe_balancer", None)
+        if getattr(getattr(balancer, "cfg", None), "aux_loss_coef", 0.0) > 0:
+            # a shared prompt is routed once, not once per completion: the aux loss and its gradient would change
+            return False, "moe.aux_loss_coef > 0: the MoE auxiliary loss sees every token of a pack"
         return True, "each prompt packed once per group in the training forwards"
 
     def skip_zero_advantage(self) -> tuple[bool, str]:
@@ -348,7 +352,7 @@ class PolicyUpdate:
                 mb = [samples[i] for i in order[m::r.batch.mini_batches_per_step]]
                 # the normaliser counts every sample of the mini-batch, the forwards skip zero-advantage ones
                 packs = self.packs([s for s in mb if self.trains(s)])
-                g_tokens, g_seqs = self.shards.sum([sum(s.response_length for s in mb), len(mb)])
+                g_tokens, g_seqs, g_packs = self.shards.sum([sum(s.response_length for s in mb), len(mb), len(packs)])
                 (n_packs,) = all_reduce_max([len(packs)], self.device)
                 if g_tokens == 0:
                     continue  # every group of this mini-batch was dropped on every rank
@@ -367,8 +371,9 @@ class PolicyUpdate:
                         with uncounted_expert_load(self.bundle.model) if filler else contextlib.nullcontext():
                             logp, ent = wrapper(batch, temperature=r.rollout.temperature, return_entropy=True,
                                                 **self.mask_kw)
-                        # MoE auxiliary loss of this forward (None without MoE layers or aux_loss_coef = 0),
-                        # averaged over the mini-batch's packs as the SFT loop averages over micro-batches
+                        # MoE auxiliary loss of this forward (None without MoE layers or aux_loss_coef = 0), a mean
+                        # over the mini-batch's packs, every rank's (x dp: FSDP averages), as the SFT loop averages
+                        # over micro-batches: its weights sum to 1 however unevenly the ranks' packs fall
                         aux = balancer.aux_loss() if balancer is not None else None
                         if not is_real:
                             (logp.sum() * 0.0 + (aux * 0.0 if aux is not None else 0.0)).backward()
@@ -380,7 +385,7 @@ class PolicyUpdate:
                         out = self.loss(logp, ent, group, normalizer)
                         total_loss = out.loss * dp
                         if aux is not None:
-                            total_loss = total_loss + aux / n_packs
+                            total_loss = total_loss + aux * dp / g_packs
                         total_loss.backward()
                         loss_sum += float(out.loss.detach())
                         n_tok = float(out.num_tokens)

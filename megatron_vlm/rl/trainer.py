@@ -47,6 +47,7 @@ from megatron_vlm.training.bad_record_summary import restore_saved_bad_records, 
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 from megatron_vlm.training.running_totals import RunningTotals
+from megatron_vlm.training.sft import moe_report_state, restore_moe_report
 
 __all__ = ["check_model_folder", "check_grpo_config", "require_rl", "grpo_total_steps", "rollout_batch_prompts", "build_rollout_engine", "GRPOParts",
            "build_grpo_parts", "GRPOLoopStep"]
@@ -248,13 +249,23 @@ class GRPOLoopStep:
         restore_saved_bad_records(self.bad_records, state, same_split=state.get("dp_size") == shards.world,
                                   is_main=self.ctx.env.is_main)
         self.totals.restore(state)
+        restore_moe_report(self._balancer(), state)
+        restore_moe_report(self._balancer(critic=True), state, "critic_moe_report")
+
+    def _balancer(self, critic: bool = False) -> Any:
+        """The policy's MoE balancer, or the critic's (None: no MoE layers, no critic)."""
+        policy = self.grpo.policy
+        if critic:
+            return getattr(policy.critic, "balancer", None)
+        return getattr(policy.bundle, "moe_balancer", None)
 
     def data_state(self, step: int) -> dict:
         """The prompt order, the running totals and this rank's skipped prompts; also writes bad_records.json
         (collective: every rank saves), so a run killed later leaves the summary of everything up to its checkpoint."""
         shards = self.grpo.shards
         state = {**grpo_data_state(step, **self._order(), data_files=self._data_files()), **self.totals.state(),
-                 "dp_size": shards.world}
+                 "dp_size": shards.world,
+                 **moe_report_state(self._balancer()), **moe_report_state(self._balancer(critic=True), "critic_moe_report")}
         return save_bad_records(state, self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main,
                                 dp_rank=shards.rank)
 

@@ -16,19 +16,26 @@ from megatron_vlm import kernels
 from megatron_vlm.checkpoint.hf import load_hf_model
 from megatron_vlm.data.processor import load_processor
 from megatron_vlm.models import get_family
+from megatron_vlm.models.common.mamba2 import Mamba2Mixer
 from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.models.mcore.layer import use_mcore_layers
 from megatron_vlm.parallel import ParallelDims, build_mesh
 from megatron_vlm.parallel.collectives import all_reduce_
 from megatron_vlm.parallel.mesh import build_ep_mesh
-from megatron_vlm.parallel.pipeline import PipelineRunner, check_pipeline_layout, split_model_for_stage, stage_all_reduce
+from megatron_vlm.parallel.pipeline import (
+    PipelineRunner,
+    check_pipeline_layout,
+    split_model_for_stage,
+    stage_all_reduce,
+    stage_gather_objects,
+)
 from megatron_vlm.parallel.precision import resolve_precision
 from megatron_vlm.training.context import RunContext, seed_everything
 from megatron_vlm.training.fp8 import convert_to_fp8
 from megatron_vlm.training.freeze import apply_train_layers
 from megatron_vlm.training.lm_loss import TokenLogprobModel
 from megatron_vlm.training.lora import LoRASetupError, setup_lora
-from megatron_vlm.training.moe_balancing import MoELoadBalancer
+from megatron_vlm.training.moe_balancing import MoELoadBalancer, check_router_settings
 
 __all__ = ["ModelBundle", "build_model_bundle"]
 
@@ -49,6 +56,11 @@ class ModelBundle:
     """`MoELoadBalancer` when the model has MoE layers, else None."""
     pipeline: Optional[Any] = None
     """`PipelineRunner` with parallel.pp > 1 (this rank's stage; the SFT step runs through it), else None."""
+    num_params: int = 0
+    """Parameters of the whole model (every pipeline stage's; `mfu`'s N), counted before a stage split."""
+    layer_kinds: frozenset = frozenset()
+    """The kinds of layers ("MoE", "Mamba2") of the whole model, whichever pipeline stage this rank holds: what the
+    `[moe]` section and the layer kernels of `[kernels]` are checked against (a stage may hold none of them)."""
 
 
 def _load_all_reduce(dims: ParallelDims) -> Callable[[torch.Tensor], Any]:
@@ -119,11 +131,16 @@ def build_model_bundle(ctx: RunContext, *, root: Callable[[torch.nn.Module], Any
     if lora is not None:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("model %s: %.2fM parameters, %.2fM trainable", type(model).__name__, total / 1e6, trainable / 1e6)
+    whole_moe = moe_layers(model)  # before a pipeline split leaves this rank only its stage's layers
+    num_params = sum(p.numel() for p in model.parameters())
+    layer_kinds = frozenset(kind for kind, present in (("MoE", bool(whole_moe)), ("Mamba2", any(
+        isinstance(m, Mamba2Mixer) for m in model.modules()))) if present)
     wrapper: Any = root(model)  # or, with pp, the stage's PipelineStageModel root
     precision = resolve_precision(cfg.train.precision, env.device)
     pp = cfg.parallel.pp
     if pp > 1:  # keep only this rank's pipeline stage (parallel/pipeline.py); LayoutError: exit 2
         check_pipeline_layout(model, cfg.parallel, env.world_size)
+        check_router_settings(whole_moe, cfg.moe)  # the whole model's routers: a stage sees only its own
         act_dtype = torch.bfloat16 if precision == "bf16" else getattr(torch, cfg.model.dtype)
         wrapper = split_model_for_stage(model, TokenLogprobModel, stage=mesh.get_local_rank("pp"), pp=pp,
                                         max_tokens=cfg.data.max_tokens_per_pack, act_dtype=act_dtype)
@@ -139,8 +156,14 @@ def build_model_bundle(ctx: RunContext, *, root: Callable[[torch.nn.Module], Any
                        activation_checkpointing=cfg.train.activation_checkpointing,
                        param_dtype=torch.bfloat16 if precision == "bf16" else None, root=wrapper)
     trainable_params = [p for p in wrapper.parameters() if p.requires_grad]
-    reduce = stage_all_reduce(mesh) if pp > 1 else _load_all_reduce(dims)  # pp: each stage has its own MoE layers
-    balancer = MoELoadBalancer(model, cfg.moe, all_reduce=reduce) if moe_layers(model) else None
+    balancer: Optional[MoELoadBalancer] = None
+    if pp > 1 and whole_moe:  # each stage balances its own MoE layers (maybe none); reports gather every stage's
+        balancer = MoELoadBalancer(model, cfg.moe, all_reduce=stage_all_reduce(mesh), stages=stage_gather_objects(mesh))
+    elif whole_moe:
+        # cp > 1: every MoE block is in a context-parallel layer (only Mamba2 layers stay whole), routing its chunks
+        token_group = mesh["cp"].get_group() if dims.cp > 1 else None
+        balancer = MoELoadBalancer(model, cfg.moe, all_reduce=_load_all_reduce(dims), token_group=token_group)
     pipeline = PipelineRunner(wrapper, mesh, env.device, cfg.train.micro_batches_per_step) if pp > 1 else None
     return ModelBundle(model=model, wrapper=wrapper, processor=processor, dims=dims, mesh=mesh,
-                       trainable_params=trainable_params, moe_balancer=balancer, pipeline=pipeline)
+                       trainable_params=trainable_params, moe_balancer=balancer, pipeline=pipeline,
+                       num_params=num_params, layer_kinds=layer_kinds)

@@ -29,7 +29,7 @@ from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 from megatron_vlm.training.optim import OptimState
 from megatron_vlm.training.running_totals import RunningTotals
-from megatron_vlm.training.sft import restore_data_state
+from megatron_vlm.training.sft import moe_report_state, restore_data_state
 from megatron_vlm.training.step_guard import StepGuard
 
 __all__ = ["PackScorer", "PairStep", "PairEvaluator"]
@@ -73,7 +73,7 @@ class PairStep(PackScorer):
         """The loader position, the running totals and this rank's skipped records (also written to
         bad_records.json: collective, every rank saves)."""
         counts = {"skipped_steps": float(self.guard.skipped), "data/empty_steps_skipped": float(self.empty_steps_skipped)}
-        state = {**self.loader.state_dict(), **self.totals.state(counts)}
+        state = {**self.loader.state_dict(), **self.totals.state(counts), **moe_report_state(self.bundle.moe_balancer)}
         return save_bad_records(state, self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main,
                                 dp_rank=getattr(self.bundle.dims, "dp_rank", self.ctx.env.rank))
 

@@ -93,9 +93,21 @@ def data_state_refusal(state: dict, loader, err: ValueError) -> str:
             f"data-parallel size that divides {state.get('global_packs_consumed')}, {fresh}")
 
 
+def moe_report_state(balancer: Any, key: str = "moe_report") -> dict:
+    """`{key: the loads since the last MoE workload report}` for a checkpoint's data state ({} without a balancer;
+    collective with pipeline parallelism), which `restore_moe_report` gives back to a resumed run's balancer."""
+    return {key: balancer.report_state()} if balancer is not None else {}
+
+
+def restore_moe_report(balancer: Any, state: dict, key: str = "moe_report") -> None:
+    if balancer is not None:
+        balancer.load_report_state(state.get(key))
+
+
 def restore_data_state(runner: Any, state: dict) -> None:
     """A packed-data step runner's resume (SFT, the pair trainers): the loader position (exit 2 naming what
-    changed when it cannot continue), the records skipped before the checkpoint, the running totals."""
+    changed when it cannot continue), the records skipped before the checkpoint, the running totals, the MoE
+    loads of the workload report in progress."""
     try:
         runner.loader.load_state_dict(state)
     except ValueError as e:  # another data set / pack size / seed / data-parallel split than the checkpoint's
@@ -103,10 +115,12 @@ def restore_data_state(runner: Any, state: dict) -> None:
     restore_saved_bad_records(runner.bad_records, state, same_split=state.get("dp_size") == runner.bundle.dims.dp_size,
                               is_main=runner.ctx.env.is_main)
     runner.totals.restore(state)
+    restore_moe_report(getattr(runner.bundle, "moe_balancer", None), state)
 
 
-def _peak_flops() -> Optional[float]:
-    if not torch.cuda.is_available():
+def _peak_flops(device: torch.device) -> Optional[float]:
+    """The bf16 peak FLOP/s of one of the job's devices, for `mfu`; None off CUDA or for an unknown GPU."""
+    if device.type != "cuda" or not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name()
     return next((v for k, v in _PEAK_BF16_FLOPS.items() if k in name), None)
@@ -124,7 +138,8 @@ class SFTStep:
         self.bad_records = bad_records
         self._evaluate = evaluate
         self._it: Optional[Iterator[dict]] = None
-        self.n_params = sum(p.numel() for p in bundle.model.parameters())
+        # the whole model's (a pipeline stage holds only its layers); a stand-in bundle without the count: its model's
+        self.n_params = getattr(bundle, "num_params", 0) or sum(p.numel() for p in bundle.model.parameters())
         self.guard = StepGuard.from_config(ctx.cfg.train, ctx.env.device)
         self.empty_steps_skipped = 0
         """Times a step's packs held no trained token and were replaced by the next ones (`_skip_empty`)."""
@@ -143,6 +158,7 @@ class SFTStep:
         rank saves), so a run killed or failed later leaves the summary of everything up to its checkpoint."""
         state = dict(self.loader.state_dict())
         state.update(self.totals.state(self._counts()))
+        state.update(moe_report_state(self.bundle.moe_balancer))
         return save_bad_records(state, self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main,
                                 dp_rank=self._dp_rank())
 
@@ -215,10 +231,9 @@ class SFTStep:
             "data/empty_steps_skipped": float(self.empty_steps_skipped),
         }
         out.update(self._data_stats())
-        if env.device.type == "cuda":
-            peak = _peak_flops()
-            if peak:
-                out["mfu"] = 6.0 * self.n_params * (g_seq / dt) / (peak * env.world_size)
+        peak = _peak_flops(env.device)
+        if peak:
+            out["mfu"] = 6.0 * self.n_params * (g_seq / dt) / (peak * env.world_size)
         if moe_report is not None:
             out.update(moe_report[0])
         return self.totals.add_to(out)

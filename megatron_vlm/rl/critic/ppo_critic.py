@@ -157,19 +157,19 @@ class Critic:
             random.Random(((self.seed * 1_000_003 + step) * 131 + epoch) * 8191 + self.shards.rank).shuffle(order)
             for m in range(r.batch.mini_batches_per_step):
                 mb = [samples[i] for i in order[m::r.batch.mini_batches_per_step]]
-                g_tokens, g_seqs = self.shards.sum([sum(s.response_length for s in mb), len(mb)])
+                groups = packs(mb)
+                g_tokens, g_seqs, g_packs = self.shards.sum([sum(s.response_length for s in mb), len(mb), len(groups)])
                 if g_tokens == 0:
                     continue
                 normalizer = {"token-mean": g_tokens, "seq-mean": g_seqs}.get(r.loss.loss_agg,
                                                                               g_seqs * r.rollout.max_new_tokens)
                 loss_sum = 0.0
-                groups = packs(mb)
                 for group in groups:
                     values = self.model(to_batch(group))
                     loss, metrics = self._loss(values, group, float(normalizer))
                     aux = self.balancer.aux_loss() if self.balancer is not None else None
-                    # the MoE auxiliary loss, a mean over the packs and (gradients summed) over the shards
-                    (loss if aux is None else loss + aux / (len(groups) * self.shards.world)).backward()
+                    # the MoE auxiliary loss, a mean over the mini-batch's packs of every shard (gradients summed)
+                    (loss if aux is None else loss + aux / g_packs).backward()
                     loss_sum += float(loss.detach())
                     n_tok = float(values.numel())
                     for k, v in metrics.items():

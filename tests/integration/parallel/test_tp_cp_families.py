@@ -2,6 +2,9 @@
 each family a dp-only SFT run (2 data-parallel ranks, 1 micro-batch each), a `parallel.tp=2` run and a
 `parallel.cp=2` run (one data-parallel rank reading the same 2 micro-batches per step: the same packs
 per step) give the same 10 losses and grad norms (fp32, 1e-5) and the same Hugging Face export (1e-6).
+The MoE families train with the [moe] auxiliary loss on: under cp it must stay the whole pack's loss (each
+rank routes only its chunks; a per-chunk loss moved the cp run's losses by ~1e-4), and the MoE model's dp run,
+resumed from its step-5 checkpoint, writes the uninterrupted run's step-10 workload report (the loads of steps 1-10).
 The tp run's lm_head / embedding and attention projections really are split (each rank holds half the
 rows; Nemotron's Mamba2 mixers run half of the heads each, tests/unit/models/test_mamba2_tp_heads.py), and the cp run's decoder layers hold half of every pack's tokens (load-balanced causal chunks;
 Nemotron's Mamba2 layers left unsplit), so neither comparison is between two replicated runs.
@@ -147,6 +150,29 @@ def _resumes_as_dp(tmp: Path, rank: int, layout: str, as_layout: Optional[dict] 
         assert max((e_run[k] - e_res[k]).abs().max().item() for k in e_run) <= 1e-6, layout
 
 
+MOE_AUX = {"moe.aux_loss_coef": 5.0}
+"""The MoE families train with the Switch auxiliary loss (a large weight, so that its gradient shows in the grad
+norm): with cp each rank routes its chunks of a pack, and the loss must still be the whole pack's, as with dp."""
+
+MOE_REPORT = {"moe.n_step_per_workload_report": STEPS, "checkpoint.enable": "true", "checkpoint.every_steps": STEPS // 2}
+
+
+def _moe_report_resumes(tmp: Path, rank: int, family: str, run: Path, **sets) -> None:
+    """`run`'s step-5 checkpoint resumed: the same last losses and the same step-10 workload report, the loads of
+    steps 1-10 (the checkpoint carries those of steps 1-5), not of steps 6-10 alone."""
+    resumed = tmp / family / "resumed_dp"
+    if rank == 0:
+        shutil.copytree(run / "checkpoints" / f"step_{STEPS // 2}", resumed / "checkpoints" / f"step_{STEPS // 2}")
+    dist.barrier()
+    _run(tmp, family, resumed, **{**sets, "checkpoint.resume": '"auto"'})
+    if rank == 0:
+        assert _column(run, "loss")[STEPS // 2:] == _column(resumed, "loss"), family
+        with open(run / "moe_layer_expert_table.csv") as f_run, open(resumed / "moe_layer_expert_table.csv") as f_res:
+            table = list(csv.DictReader(f_run))
+            assert table and table == list(csv.DictReader(f_res)), family
+    dist.barrier()
+
+
 CI_FAMILIES = ("qwen2_5_vl", "qwen3_vl_moe", "nemotron_vl")
 """The families of the suite's run (the dense VLM that also resumes across layouts, MoE, the Mamba2 hybrid); the
 other three run in the heavy test (`-m heavy`): each family is three 2-rank jobs, ~45 s of the CI budget."""
@@ -166,16 +192,21 @@ def _families(tmp: Path, rank: int, families=CI_FAMILIES, grpo: bool = True) -> 
     init_distributed()
     for family in families:
         dp, tp = tmp / family / "dp", tmp / family / "tp"
-        _run(tmp, family, dp, **{"train.micro_batches_per_step": 1})
+        aux = MOE_AUX if family in ("qwen3_vl_moe", "nemotron_vl") else {}
+        # the MoE model's dp run reports its expert loads at step 10 (those of steps 1-10) and resumes from step 5
+        report = MOE_REPORT if family == "qwen3_vl_moe" else {}
+        _run(tmp, family, dp, **{"train.micro_batches_per_step": 1, **aux, **report})
+        if report:
+            _moe_report_resumes(tmp, rank, family, dp, **{"train.micro_batches_per_step": 1, **aux, **report})
         resumable = {"checkpoint.enable": "true", "checkpoint.every_steps": STEPS // 2} if family == "qwen2_5_vl" else {}
         # activation checkpointing recomputes the sequence-parallel layers (hooks, collectives) in backward
         recompute = {"train.activation_checkpointing": "true"} if family in ("qwen3_vl", "nemotron_vl") else {}
-        _run(tmp, family, tp, **{"parallel.tp": 2, "train.micro_batches_per_step": 2, **resumable, **recompute})
+        _run(tmp, family, tp, **{"parallel.tp": 2, "train.micro_batches_per_step": 2, **resumable, **recompute, **aux})
         if rank == 0:
             _assert_same_training(family, "tp", dp, tp)
         dist.barrier()
         cp = tmp / family / "cp"
-        _run(tmp, family, cp, **{"parallel.cp": 2, "train.micro_batches_per_step": 2})
+        _run(tmp, family, cp, **{"parallel.cp": 2, "train.micro_batches_per_step": 2, **aux})
         if rank == 0:
             _assert_same_training(family, "cp", dp, cp)
         dist.barrier()

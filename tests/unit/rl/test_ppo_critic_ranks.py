@@ -2,7 +2,8 @@
 of tokens, and the critic's update (gradients summed over the shards, the loss normalised by the mini-batch's
 global count) and its whitened advantages equal the one-process critic's on all the samples. The same holds,
 metrics included, when one rank has no sample in the step (its groups dropped as equal-reward ones, or its
-completions cut at max_new_tokens with update.mask_truncated)."""
+completions cut at max_new_tokens with update.mask_truncated). A MoE auxiliary loss (a stand-in balancer) is a mean
+over the packs of every shard, as in one process: a rank without packs does not halve it."""
 from __future__ import annotations
 
 from datetime import timedelta
@@ -44,13 +45,27 @@ def _samples() -> list[TrainSample]:
     return out
 
 
+class _Balancer:
+    """A MoE balancer stand-in: each forward's auxiliary term is 0.3 x sum(lin.weight^2), the same function of the
+    weights for every pack, so that its weights (a mean over the mini-batch's packs, every shard's) show."""
+
+    def __init__(self, model: _LinearValues):
+        self.model = model
+
+    def aux_loss(self):
+        return 0.3 * (self.model.lin.weight ** 2).sum()
+
+    def after_step(self, step):  # noqa: ARG002
+        return None
+
+
 def _critic_step(samples, shards, loss_agg):
     rl = rl_config(advantage="gae", loss_agg=loss_agg, critic__value_clip=0.1, advantages__lam=0.9, ppo_epochs=2)
     model = _LinearValues()
     # SGD: the update is linear in the gradient (Adam's first step is about its sign), so a gradient that is not
     # the global one shows
     critic = Critic(model, torch.optim.SGD(model.parameters(), lr=0.5), rl, shards=shards,  # type: ignore[arg-type]
-                    max_grad_norm=0.0, seed=0)
+                    max_grad_norm=0.0, seed=0, balancer=_Balancer(model))
     packs, to_batch = (lambda ss: [list(ss)] if ss else []), (lambda grp: {"group": grp})
     critic.prepare(samples, packs, to_batch)
     adv = [s.token_advantages.clone() for s in samples]

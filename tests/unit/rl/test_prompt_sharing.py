@@ -100,3 +100,59 @@ def test_layout_positions_and_planning():
     # a prompt ending in a vision placeholder is never split
     assert "prefix_segments" not in pack_samples(samples[:2], share_prompts=True, vision_token_ids=frozenset({9}))
     assert plan_shared_micro_batches(samples, 21, vision_token_ids=frozenset({9})) == [[0], [1], [2, 3]]
+
+
+def _moe_update(folder, sharing: str, aux: float):
+    """One GRPO update (SGD) of the tiny Qwen3-MoE with `rl.update.prompt_sharing = sharing` and the [moe]
+    auxiliary loss weighted `aux`: the parameters after it."""
+    from types import SimpleNamespace as NS
+
+    from megatron_vlm.rl.grpo_step import GRPOStep
+    from megatron_vlm.training.moe_balancing import MoEConfig, MoELoadBalancer
+    from megatron_vlm.training.optim import OptimState
+
+    model = load_hf_model(str(folder), dtype=torch.float32)
+    wrapper = TokenLogprobModel(model)
+    vocab = model.lm_head.weight.shape[0]
+    g = torch.Generator().manual_seed(1)
+    prompts = [RolloutPrompt(torch.randint(0, vocab, (n,), generator=g)) for n in (9, 14)]
+    samples = group_by_prompt(_samples(prompts, vocab, group=4))
+    with torch.no_grad():
+        for i, s in enumerate(samples):
+            s.advantage = float(i % 3) - 1.0
+            s.old_logp = wrapper.eval()(pack_samples([s]))  # on-policy: ratio 1
+    wrapper.train()  # as PolicyUpdate.train leaves it (a training forward records the router statistics)
+    opt = torch.optim.SGD(wrapper.parameters(), lr=0.5)
+    ctx = NS(env=NS(device=torch.device("cpu"), rank=0, world_size=1),
+             cfg=NS(data=NS(max_tokens_per_pack=256), train=NS(seed=5, max_grad_norm=0.0)), to_device=lambda b: b)
+    cfg = MoEConfig(enable_moe_load_balancing_training=False, aux_loss_coef=aux)
+    bundle = NS(dims=NS(dp_size=1), wrapper=wrapper, model=model, trainable_params=list(wrapper.parameters()),
+                moe_balancer=MoELoadBalancer(model, cfg))
+    rl = NS(accuracy_label=lambda: "acc", policy_loss="clip", advantage="grpo", allocation=None, recompute_logprobs=False,
+            batch=NS(ppo_epochs=1, mini_batches_per_step=1, group_size=4), rollout=NS(temperature=1.0, max_new_tokens=8),
+            loss=NS(loss_agg="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2, kl_coef=0.0, kl_estimator="k3",
+                    entropy_coef=0.0, rollout_correction="none", rollout_correction_cap=2.0),
+            advantages=NS(overlong_buffer=0, dynamic_sampling=False, normalize_std=None, drop_equal_reward_groups=False),
+            update=NS(mask_truncated=False, prompt_sharing=sharing, skip_zero_advantage=True),
+            asynchronous=NS(max_head_offpolicyness=0), eval=NS(correct_threshold=1.0))
+    grpo = GRPOStep(ctx, bundle, OptimState(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)), rl,
+                    engine=None, encoder=NS(skipped=0), manager=NS(labels=["acc"], metrics=lambda: {}))
+    grpo.policy.update(0, samples, samples[0])
+    return grpo.policy.share_prompts, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_moe_aux_loss_update_is_the_plain_packs(tmp_path):
+    """The [moe] auxiliary loss is a function of every token a pack routes: a shared prompt is routed once instead of
+    once per completion, so its gradient is not the plain pack's (after one SGD update of the tiny Qwen3-MoE the
+    parameters were 1.5e-2 apart, 6e-8 without the aux loss).
+    "auto" therefore packs plainly when the aux loss is on (the update then equals "off"), and still shares without it
+    (log-probs and gradients equal the plain pack's: above)."""
+    folder = synthesize_model_folder("tiny_qwen3_moe", tmp_path / "m", seed=0)
+    start = {n: p.detach() for n, p in load_hf_model(str(folder), dtype=torch.float32).named_parameters()}
+    shared, auto = _moe_update(folder, "auto", aux=0.5)
+    plain, off = _moe_update(folder, "off", aux=0.5)
+    assert not shared and not plain
+    assert any(not torch.equal(off[n], start[n]) for n in off)
+    for name in off:
+        torch.testing.assert_close(auto[name], off[name], atol=1e-6, rtol=1e-5, msg=name)
+    assert _moe_update(folder, "auto", aux=0.0)[0]  # without the aux loss prompts are shared

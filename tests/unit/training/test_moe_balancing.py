@@ -119,6 +119,50 @@ def test_aux_loss_of_a_forward_without_tokens_is_zero_not_nan():
     assert moe.gate.weight.grad.abs().sum() > 0
 
 
+class _TwoRankGroup:
+    """Stands in for `torch.distributed` with a 2-rank context-parallel group whose other rank's counts are
+    known: all_reduce adds them (what the collective would), the group has 2 ranks."""
+
+    def __init__(self, other_counts: torch.Tensor):
+        self.other = other_counts
+
+    def all_reduce(self, t, group=None):  # noqa: ARG002
+        t += self.other.to(t.dtype)
+
+    def get_world_size(self, group=None):  # noqa: ARG002
+        return 2
+
+
+def test_aux_loss_with_context_parallel_chunks_is_the_whole_packs(monkeypatch):
+    """Under cp each rank routes its chunks of the pack: the average of the two ranks' gradients (what FSDP gives
+    over the cp group) must be the gradient of the aux loss of the whole pack routed in one process, not the mean
+    of two half-pack losses (f and P of a half are not the whole's)."""
+    import megatron_vlm.training.moe_balancing as mb
+
+    moe = make_skewed_moe()
+    x = torch.randn(24, 16, generator=torch.Generator().manual_seed(5))
+    x[:12] = x[:12].abs()  # the halves route differently: a per-half loss would differ from the whole's
+    scores, _, ids = moe.gate(x)
+    tpe = torch.bincount(ids.reshape(-1), minlength=8)
+    moe.gate.weight.grad = None
+    switch_aux_loss(scores, tpe, 2).backward()
+    whole = moe.gate.weight.grad.clone()
+
+    halves = (torch.arange(0, 6).tolist() + torch.arange(18, 24).tolist(), torch.arange(6, 18).tolist())
+    counts = []
+    for rows in halves:
+        tpe_h = torch.bincount(ids[rows].reshape(-1), minlength=8).double()
+        counts.append(torch.cat([tpe_h, torch.tensor([float(len(rows))], dtype=torch.float64)]))
+    grads = []
+    for r, rows in enumerate(halves):
+        monkeypatch.setattr(mb, "dist", _TwoRankGroup(counts[1 - r]))
+        moe.gate.weight.grad = None
+        s_r, _, ids_r = moe.gate(x[rows])
+        mb.switch_aux_loss(s_r, torch.bincount(ids_r.reshape(-1), minlength=8), 2, token_group=object()).backward()
+        grads.append(moe.gate.weight.grad.clone())
+    torch.testing.assert_close((grads[0] + grads[1]) / 2, whole, rtol=1e-5, atol=1e-7)
+
+
 def test_after_step_sums_ranks_updates_bias_and_reports_every_n():
     model = tiny_model()
     calls = []
@@ -143,6 +187,31 @@ def test_after_step_sums_ranks_updates_bias_and_reports_every_n():
     assert set(metrics) == {"moe/entropy_mean", "moe/max_fraction_max", "moe/tokens_per_layer_mean"}
     assert metrics["moe/tokens_per_layer_mean"] == pytest.approx(2 * 2 * 10)  # 2 steps x 10 tokens x 2 ranks
     assert len(table) == 2 and all(len(row) == 4 and sum(row) == 2 * 2 * 10 * 2 for row in table)
+
+
+def test_report_loads_continue_from_a_checkpoint():
+    """A workload report spans n steps; a run resumed in the middle continues the loads its checkpoint saved
+    (`report_state`, by layer name), so the report equals the uninterrupted run's, not the steps since the resume."""
+    cfg = MoEConfig(enable_moe_load_balancing_training=False, n_step_per_workload_report=4)
+    ids = [torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    straight_model = tiny_model()
+    straight = MoELoadBalancer(straight_model, cfg)
+    first_model = tiny_model()
+    first = MoELoadBalancer(first_model, cfg)
+    for step in (1, 2):
+        straight_model(ids[step - 1])
+        first_model(ids[step - 1])
+        assert straight.after_step(step) is None and first.after_step(step) is None
+    saved = first.report_state()
+    assert set(saved) == {"language_model.layers.0.mixer", "language_model.layers.2.mixer"}
+    resumed_model = tiny_model()
+    resumed = MoELoadBalancer(resumed_model, cfg)
+    resumed.load_report_state(saved)
+    for step in (3, 4):
+        straight_model(ids[step - 1])
+        resumed_model(ids[step - 1])
+        out, ref = resumed.after_step(step), straight.after_step(step)
+    assert out == ref and ref is not None and ref[0]["moe/tokens_per_layer_mean"] == pytest.approx(4 * 7)
 
 
 def test_a_frozen_router_keeps_its_bias():
@@ -228,3 +297,32 @@ def test_a_bias_rate_for_routers_that_are_all_frozen_is_refused():
         MoELoadBalancer(model, MoEConfig(bias_update_rate=0.01))
     MoELoadBalancer(model, MoEConfig())
     MoELoadBalancer(model, MoEConfig(bias_update_rate=0.01, enable_moe_load_balancing_training=False))
+
+
+def test_grpo_checkpoints_carry_the_policy_and_critic_reports(tmp_path):
+    """GRPO's data state holds the loads of the report in progress of the policy's and of PPO's critic's balancers,
+    and a resumed run's loop step gives each balancer its own."""
+    from types import SimpleNamespace as NS
+
+    from megatron_vlm.rl.data_shards import DataShards
+    from megatron_vlm.rl.trainer import GRPOLoopStep
+    from tests.fixtures.rl_config import rl_config
+
+    cfg = MoEConfig(enable_moe_load_balancing_training=False, n_step_per_workload_report=4)
+
+    def loop_step():
+        policy, critic = MoELoadBalancer(tiny_model(), cfg), MoELoadBalancer(tiny_model(1), cfg)
+        grpo = NS(shards=DataShards(rank=0, world=1, copies=1, device=torch.device("cpu")),
+                  policy=NS(bundle=NS(moe_balancer=policy), critic=NS(balancer=critic)))
+        ctx = NS(cfg=NS(rl=rl_config(), train=NS(seed=0)), env=NS(is_main=True), run_dir=tmp_path)
+        return GRPOLoopStep(ctx, list(range(8)), grpo), policy, critic
+
+    before, policy, critic = loop_step()
+    policy.layers[0].expert_load.add_(torch.arange(4))
+    critic.layers[1].expert_load.add_(torch.arange(4) * 3)
+    policy.after_step(1)
+    critic.after_step(1)
+    state = before.data_state(1)
+    after, policy2, critic2 = loop_step()
+    after.load_data_state(state, 1)
+    assert policy2.report_state() == policy.report_state() != critic.report_state() == critic2.report_state()

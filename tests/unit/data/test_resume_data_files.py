@@ -87,7 +87,7 @@ def test_a_packed_loader_refuses_a_changed_file_of_the_same_size(tmp_path, proc,
 def _grpo_step(tmp_path, train_set):
     cfg = NS(train=NS(seed=0), rl=NS(batch=NS(prompts_per_step=2)))
     ctx = NS(cfg=cfg, run_dir=tmp_path, env=NS(is_main=True))
-    return GRPOLoopStep(ctx, train_set, NS(shards=NS(rank=0, world=1)), bad_records=BadRecordLog())
+    return GRPOLoopStep(ctx, train_set, NS(shards=NS(rank=0, world=1), policy=NS(critic=None, bundle=NS())), bad_records=BadRecordLog())
 
 
 def test_grpo_refuses_a_changed_prompt_file_of_the_same_size(tmp_path):

@@ -18,7 +18,8 @@ from megatron_vlm.rl.trainer import GRPOLoopStep
 def _loop_step(tmp_path, log: BadRecordLog, *, is_main=True, dp_rank=0, dp_size=1) -> GRPOLoopStep:
     cfg = SimpleNamespace(train=SimpleNamespace(seed=0), rl=SimpleNamespace(batch=SimpleNamespace(prompts_per_step=2)))
     ctx = SimpleNamespace(cfg=cfg, run_dir=tmp_path, env=SimpleNamespace(is_main=is_main))
-    grpo = SimpleNamespace(shards=SimpleNamespace(rank=dp_rank, world=dp_size))
+    grpo = SimpleNamespace(shards=SimpleNamespace(rank=dp_rank, world=dp_size),
+                           policy=SimpleNamespace(critic=None, bundle=SimpleNamespace()))  # no MoE balancer
     return GRPOLoopStep(ctx, list(range(8)), grpo, bad_records=log)
 
 

@@ -418,9 +418,9 @@ class MultiTurnRollout:
                 step_logits, routes = None, None
                 if runner is not None and e.cuda_graphs != "off":  # the static (CUDA-graph) step; None: fell back
                     graph_logits = e._graph_step(runner, cache, [c.slot for c in running], feed)
-                    if graph_logits is not None:  # a view of the bucket's buffer: copied before the next step
+                    if graph_logits is not None:  # views of the bucket's buffers: copied before the next step
                         step_logits = graph_logits.float().clone()
-                        routes = runner.last_routes[:, None] if runner.last_routes is not None else None
+                        routes = runner.last_routes[:, None].clone() if runner.last_routes is not None else None
                 if step_logits is None:
                     cache.set_active([c.slot for c in running])
                     with self._recording() as rec:

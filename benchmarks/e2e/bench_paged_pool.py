@@ -30,9 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_rollout import NoDecode, interleaved, positive_int  # noqa: E402
 from geometric_rollouts import add_common_args, build_setup, rates, ratio  # noqa: E402
 
+from megatron_vlm.inference.decode_graphs import DecodeStepRunner  # noqa: E402
 from megatron_vlm.inference.engine import SamplingParams  # noqa: E402
 from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine  # noqa: E402
-from megatron_vlm.models.common.slot_cache import PagedSlotCache, SlotCache  # noqa: E402
+from megatron_vlm.models.common.slot_cache import SlotCache  # noqa: E402
 
 
 def main() -> None:
@@ -58,15 +59,22 @@ def main() -> None:
     rows: dict[str, list[int]] = {k: [] for k in engines}
     results: dict[str, list] = {k: [] for k in engines}
     current = {"name": ""}
-    for cls in (SlotCache, PagedSlotCache):  # rows per decode step (a static step counts its bucket, padding included)
-        begin = cls.begin_step
+    # rows per decode step: a static step counts its bucket, padding included, at the runner (a replayed CUDA graph
+    # runs no Python, so no begin_step); an eager step at the cache (PagedSlotCache's begin_step calls this one)
+    begin, step = SlotCache.begin_step, DecodeStepRunner.step
 
-        def spy(self, n_new, new_mask=None, _begin=begin):
-            if current["name"]:
-                rows[current["name"]].append(len(self._active_list) or self.batch)
-            return _begin(self, n_new, new_mask)
+    def begin_spy(self, n_new, new_mask=None):
+        if current["name"] and not self._static:
+            rows[current["name"]].append(len(self._active_list))
+        return begin(self, n_new, new_mask)
 
-        cls.begin_step = spy  # type: ignore[method-assign]
+    def step_spy(self, slots, input_ids):
+        if current["name"]:
+            rows[current["name"]].append(self.bucket_for(len(slots)))
+        return step(self, slots, input_ids)
+
+    SlotCache.begin_step = begin_spy  # type: ignore[method-assign]
+    DecodeStepRunner.step = step_spy  # type: ignore[method-assign]
 
     def runner(name):
         def run():

@@ -118,7 +118,7 @@ class DecodeStepRunner:
         batch's `SlotCache` (slot layout) or `PagedSlotCache` (block table); `capture`: CUDA graphs (the cache must be on CUDA); `probe`: trace
         the first eager runs of each bucket for graph safety; `params`: tensors whose addresses a graph bakes in;
         `record_routes`: each step also leaves the MoE experts of its rows in `last_routes` (routing replay; a
-        static output of the graph, like the logits); `sizes`: the batch-size buckets (default `bucket_sizes`;
+        view of a static output of the graph, like the logits: valid until the next step); `sizes`: the batch-size buckets (default `bucket_sizes`;
         lock-stepped ranks whose steps exchange rows take one, the slot count); `agree(failed) -> any rank failed`
         (lock-stepped ranks: a collective): a capture or probe that fails on one rank fails on every rank, before
         any replays, so that all of them fall back to eager steps (and their collectives) together."""

@@ -111,3 +111,43 @@ def test_lockstep_refill_benchmark_runs_on_the_cpu(tmp_path):
     runs = json.loads(out.read_text())["summary"]["runs"]
     assert runs["refilled"]["decode_steps"][0] < runs["chunked"]["decode_steps"][0]
     assert all(runs[k]["tokens"][0] > 0 for k in runs)
+
+
+def test_paged_pool_rows_per_step_count_replayed_graph_steps(tmp_path, monkeypatch):
+    """On a GPU the engines decode in CUDA graphs, whose replays run no Python: the rows per decode step must count
+    those steps too. The benchmark's GPU form (graphs on) runs here twice, its static steps eager, then captured
+    and replayed (tests/fixtures/fake_cuda_graphs.py): the same tokens and the same rows per step."""
+    import json
+
+    from megatron_vlm.inference.decode_graphs import DecodeStepRunner
+    from megatron_vlm.models.common.slot_cache import SlotCache
+    from tests.fixtures.fake_cuda_graphs import fake_cuda_graphs
+
+    monkeypatch.syspath_prepend(str(E2E))
+    import geometric_rollouts
+
+    build = geometric_rollouts.build_setup
+
+    def gpu_form(args):  # graphs on, as on a GPU; the device stays the CPU
+        setup = build(args)
+        setup.gpu = True
+        return setup
+
+    monkeypatch.setattr(geometric_rollouts, "build_setup", gpu_form)
+    argv = ["--quick", "--prompts", "2", "--group", "2", "--new-tokens", "24", "--full-seqs", "2", "--paged-slots", "4",
+            "--block", "2", "--eos-frac", "0.05", "--repeats", "1"]
+    got = {}
+    for name in ("eager", "replayed"):
+        with monkeypatch.context() as m:
+            m.setattr(DecodeStepRunner, "step", DecodeStepRunner.step)  # the script's spies: undone after the run
+            m.setattr(SlotCache, "begin_step", SlotCache.begin_step)
+            if name == "replayed":
+                fake_cuda_graphs(m)
+            m.setattr(sys, "argv", ["bench_paged_pool.py", *argv, "--json", str(tmp_path / f"{name}.json")])
+            runpy.run_path(str(E2E / "bench_paged_pool.py"), run_name="__main__")
+        got[name] = json.loads((tmp_path / f"{name}.json").read_text())["summary"]["engines"]
+    assert json.loads((tmp_path / "eager.json").read_text())["meta"]["cuda_graphs"] == "on"
+    for engine in ("slot_cache", "paged_on_demand"):
+        eager, replayed = got["eager"][engine], got["replayed"][engine]
+        assert replayed["tokens"] == eager["tokens"]
+        assert replayed["mean_rows_per_step"] == eager["mean_rows_per_step"] > 0, engine

@@ -42,6 +42,22 @@ def test_static_steps_equal_eager_steps(kind, vqa, tmp_path, monkeypatch):
             assert torch.equal(b.routes, a.routes)
 
 
+def test_replayed_graphs_keep_each_steps_routes(vqa, tmp_path, monkeypatch):
+    """With captured graphs (emulated: tests/fixtures/fake_cuda_graphs.py, whose replays run no Python) a step's
+    routes are the graph's static output, rewritten by the next replay: each conversation keeps its own copy, so
+    the recorded routes equal the eager steps' as the tokens do."""
+    from tests.fixtures.fake_cuda_graphs import fake_cuda_graphs
+
+    kind = "tiny_qwen3_vl_moe"
+    _, _, ref, _ = rollout(kind, vqa, tmp_path / "eager", record_routes=True)
+    runners = fake_cuda_graphs(monkeypatch)
+    _, _, got, _ = rollout(kind, vqa, tmp_path / "graphs", record_routes=True, cuda_graphs="on")
+    assert runners and any(b.graph.replays > 1 for r in runners for b in r.buckets.values())
+    for a, b in zip(ref, got, strict=True):
+        assert b.token_ids.tolist() == a.token_ids.tolist()
+        assert torch.equal(b.routes, a.routes)
+
+
 def test_paged_cache_is_refused(tmp_path):
     from megatron_vlm.checkpoint.hf import load_hf_model
     from megatron_vlm.testing.synthesize import synthesize_model_folder

@@ -51,6 +51,7 @@ from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpect
 from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
 from megatron_vlm.data.processing import estimate_length
 from megatron_vlm.data.processor import VLProcessor
+from megatron_vlm.stop_signals import leave_stop_signals_to_the_rank
 
 __all__ = ["compute_lengths", "compute_length_slice", "lengths_cache_key", "LengthEstimateError"]
 
@@ -130,6 +131,7 @@ def _pool_init() -> None:
     # TERM ends a worker (whatever handler the rank had when it forked): the executor ends the others with it when
     # one died, and before the first step there is no checkpoint for a rank to save. Ctrl-C is the main process's.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    leave_stop_signals_to_the_rank(term=False)  # USR1 (a SLURM stop request to every process) is the rank's
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 

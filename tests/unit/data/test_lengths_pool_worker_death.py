@@ -1,7 +1,8 @@
 """A worker of the length pass (`data.num_workers`) that dies mid-task stops the pass with an error naming the
 key, within seconds: the kernel's OOM killer (SIGKILL) or a stop signal sent to the whole process group (TERM)
 left the rank waiting forever for the dead worker's chunk (`multiprocessing.Pool.map` never returns then), and
-the other ranks in the all-gather until the process-group timeout.
+the other ranks in the all-gather until the process-group timeout. SIGUSR1, a stop request SLURM sends to every
+process of a job step, is the rank's to handle: a worker ignores it and the pass finishes.
 
 Each pass runs in a child interpreter with a time limit, so a hang fails the test instead of blocking it."""
 from __future__ import annotations
@@ -51,3 +52,7 @@ def test_a_worker_killed_mid_task_is_an_error_not_a_hang(signame):
                           "abruptly"), out
     assert "data.num_workers = 0" in out
 
+
+
+def test_a_worker_ignores_the_usr1_stop_request_and_the_pass_finishes():
+    assert _run_pass("SIGUSR1") == f"done: {4 * 256} {7 * 4 * 256}"

@@ -16,11 +16,18 @@ import sys
 import tomllib
 
 
-def override_value(text: str):
+def override_value(text: str, key: str = "train.output_dir"):
+    """As megatron_vlm.config.loader.parse_override_value: TOML, else the bare text; text that starts as TOML
+    (a quote, `[`, `{`) and does not parse, or holds a second line, is refused."""
     try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+        parsed = tomllib.loads(f"v = {text}")
+    except tomllib.TOMLDecodeError as e:
+        if text.lstrip()[:1] in ('"', "'", "[", "{"):
+            raise SystemExit(f"resolve_output_dir: {key}: --set value {text!r} is not one TOML value ({e})") from None
         return text
+    if list(parsed) != ["v"]:
+        raise SystemExit(f"resolve_output_dir: {key}: --set value {text!r} is not one TOML value (it holds a second line)")
+    return parsed["v"]
 
 
 def overrides_from_argv(args: list[str]) -> list[str]:

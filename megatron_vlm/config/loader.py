@@ -200,12 +200,23 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-def parse_override_value(text: str) -> Any:
-    """`--set` values are TOML (`3e-4`, `true`, `[1, 2]`, `"x"`); a bare word or path is a string."""
+def parse_override_value(text: str, key: str = "") -> Any:
+    """`--set` values are TOML (`3e-4`, `true`, `[1, 2]`, `"x"`); a bare word or path is a string.
+
+    A value that starts as TOML does (a quote, `[`, `{`) but does not parse is a `ConfigError` naming `key`, and
+    so is text holding a second TOML line: taken as the bare text, `"runs/x` (unterminated) became a folder with
+    a quote in its name and `"C:\\m"` (no TOML escape) a path with its quotes, and `5\nseed = 3` lost its second
+    line, all silently."""
     try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+        parsed = tomllib.loads(f"v = {text}")
+    except tomllib.TOMLDecodeError as e:
+        if text.lstrip()[:1] in ('"', "'", "[", "{"):
+            raise ConfigError(f"{key}: --set value {text!r} is not one TOML value ({e}); quote a string as "
+                              "'text' (taken as written) or \"text\" (with \\\\ for a backslash)") from None
         return text
+    if list(parsed) != ["v"]:
+        raise ConfigError(f"{key}: --set value {text!r} is not one TOML value (it holds a second line)")
+    return parsed["v"]
 
 
 _RUN_LENGTH_KEYS: dict[tuple[str, ...], str] = {("train", "max_steps"): "epochs", ("train", "epochs"): "max_steps"}
@@ -233,7 +244,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             if not isinstance(nxt, dict):
                 raise ConfigError(f"{'.'.join(parts[:i + 1])}: is a value, not a table (from --set {item!r})")
             node = nxt
-        node[parts[-1]] = parse_override_value(text.strip())
+        node[parts[-1]] = parse_override_value(text.strip(), key)
         set_keys.add(tuple(parts))
         other = _RUN_LENGTH_KEYS.get(tuple(parts))
         if other is not None and ("train", other) not in set_keys:

@@ -95,6 +95,15 @@ def test_a_blank_output_dir_is_refused_before_any_folder_is_made(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.toml"]
 
 
+def test_a_malformed_quoted_output_dir_is_refused_as_the_entry_point_refuses_it(tmp_path):
+    """launch/pretrain_vlm.py refuses a `--set` value that starts as TOML and does not parse; the script took the
+    bare text as the run folder (`"runs/x`, quote included) and would have made its log folder there."""
+    config = write_config(tmp_path)
+    res = run_script(tmp_path, [str(config), "--set", 'train.output_dir="runs/x'], job_env(DRY_RUN="1"))
+    assert res.returncode != 0 and "train.output_dir: --set value" in res.stderr, res.stderr
+    assert "is not one TOML value" in res.stderr
+
+
 def test_missing_config_node_count_mismatch_and_no_job_are_errors(tmp_path):
     config = write_config(tmp_path)
     res = run_script(tmp_path, ["nope.toml"], job_env(DRY_RUN="1"))

@@ -211,3 +211,33 @@ def test_a_set_run_length_replaces_the_files_other_one():
     assert (cfg.train.max_steps, cfg.train.epochs) == (None, 2.0)
     with pytest.raises(ConfigError, match="train.epochs: set max_steps or epochs, not both"):
         load_config(REPO / "launch/configs/demo_sft.toml", ["train.epochs=2", "train.max_steps=3"])
+
+
+@pytest.mark.parametrize("item, key", [
+    ('model.path="/data/my\\models"', "model.path"),  # \m is no TOML escape: was the text, quotes included
+    ('train.output_dir="runs/x', "train.output_dir"),  # unterminated: was a folder named `"runs/x`
+    ("train.output_dir='runs/x", "train.output_dir"),
+    ("train.train_layers=['visual', ", "train.train_layers"),
+    ("model={path='x'", "model"),
+    ("train.max_steps=5\ntrain.seed=3", "train.max_steps"),  # two values in one: the second was dropped
+])
+def test_a_set_value_that_is_not_one_toml_value_names_the_key(item, key):
+    """A `--set` value written as TOML (quoted, a list, a table) that does not parse was taken as the bare text,
+    quotes and brackets included, and a value holding a second `key = value` line lost it silently."""
+    with pytest.raises(ConfigError, match=rf"^{key}: --set value .* is not one TOML value"):
+        apply_overrides(_raw(), [item])
+
+
+def test_bare_words_and_toml_values_still_parse():
+    raw = apply_overrides(_raw(), ["model.path=/ckpt/my model", "train.output_dir=runs/a=b", "data.image_root=",
+                                   "model.synthesize=tiny_qwen2_5_vl", "optimizer.lr=1e-5", 'train.seed=7 # note'])
+    assert raw["model"]["path"] == "/ckpt/my model" and raw["train"]["output_dir"] == "runs/a=b"
+    assert raw["data"]["image_root"] == "" and raw["model"]["synthesize"] == "tiny_qwen2_5_vl"
+    assert raw["optimizer"]["lr"] == 1e-5 and raw["train"]["seed"] == 7
+
+
+def test_evaluate_cli_refuses_a_malformed_train_mode_with_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, str(REPO / "launch/evaluate.py"), "--config", str(tmp_path / "x.toml"),
+                        "--set", 'train.mode="eval'], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "config error: train.mode: --set value" in r.stderr

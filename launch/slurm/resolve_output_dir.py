@@ -11,6 +11,7 @@ value (`"x"`, `'x'`) or else the bare text.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import tomllib
@@ -65,6 +66,11 @@ def resolve_output_dir(config_path: str, args: list[str]) -> str | None:
         return None
     if not isinstance(value, str) or not value.strip():  # as the config refuses it: before a log folder is made
         raise SystemExit(f"resolve_output_dir: train.output_dir must be a non-empty string, got {value!r}")
+    if value.startswith("~"):  # the config loader expands a path key's ~ (megatron_vlm/config/loader.py)
+        expanded = os.path.expanduser(value)
+        if expanded.startswith("~"):
+            raise SystemExit(f"resolve_output_dir: train.output_dir: cannot expand {value!r} (no such user or home folder)")
+        value = expanded
     return value
 
 

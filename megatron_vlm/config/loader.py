@@ -14,12 +14,17 @@ section's `validate()` can be trusted to notice them: `nan <= 0` is False, so `l
 "must be > 0" check and `max_grad_norm = nan` would silently disable clipping. The check is made
 here, where every float of every section (and every float inside lists, tuples and tables) is
 converted, so a section defined anywhere gets it without code of its own.
+
+A section names its filesystem path keys in a `PATHS` class attribute; a leading `~` in their values is
+expanded to the home folder here, so every path key gets it alike (the run folder, the model, data and
+checkpoint paths).
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import math
+import os
 import sys
 import types
 import typing
@@ -148,6 +153,17 @@ def _convert_dataclass_union(value: dict, members: list, path: str) -> Any:
     return from_dict(names[t], value, path)
 
 
+def _expand_home(value: Any, path: str) -> Any:
+    """A path key's `~` / `~user` prefix as the home folder: neither TOML nor the shell (in `--set key=~/x`) expands
+    it, and a literal `~` folder in the current one is never what was meant."""
+    if not (isinstance(value, str) and value.startswith("~")):
+        return value
+    expanded = os.path.expanduser(value)
+    if expanded.startswith("~"):
+        raise ConfigError(f"{path}: cannot expand {value!r} (no such user or home folder); write the full path")
+    return expanded
+
+
 def from_dict(cls: type, data: dict, path: str = "") -> Any:
     """Build dataclass `cls` from a TOML table, strictly. `path` is the dotted prefix for messages."""
     hints = typing.get_type_hints(cls)
@@ -165,6 +181,8 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
             hint = f"; did you mean {close[0]}?" if close else f"; valid keys: {', '.join(sorted(fields))}"
             raise ConfigError(f"{prefix}{key}: unknown key{hint}")
         kwargs[key] = _convert(value, hints[key], f"{prefix}{key}")
+        if key in getattr(cls, "PATHS", ()):
+            kwargs[key] = _expand_home(kwargs[key], f"{prefix}{key}")
     for name, f in fields.items():
         if name not in kwargs and f.default is _MISSING and f.default_factory is _MISSING:
             raise ConfigError(f"{prefix}{name}: required value is missing")

@@ -104,6 +104,18 @@ def test_a_malformed_quoted_output_dir_is_refused_as_the_entry_point_refuses_it(
     assert "is not one TOML value" in res.stderr
 
 
+def test_a_home_folder_in_the_output_dir_is_expanded_as_the_entry_point_expands_it(tmp_path):
+    """The entry point expands a leading ~ of train.output_dir; the script made it `<submit dir>/~/...` and wrote the
+    job's logs there, away from the run folder."""
+    config = write_config(tmp_path)
+    home = tmp_path / "home"
+    _, log = dry_run([str(config), "--set", "train.output_dir=~/runs/x"], cwd=tmp_path, env=job_env(HOME=str(home)))
+    assert f"run folder {home}/runs/x" in log
+    config = write_config(tmp_path, '[train]\noutput_dir = "~/runs/y"\n')
+    _, log = dry_run([str(config)], cwd=tmp_path, env=job_env(HOME=str(home)))
+    assert f"run folder {home}/runs/y" in log
+
+
 def test_missing_config_node_count_mismatch_and_no_job_are_errors(tmp_path):
     config = write_config(tmp_path)
     res = run_script(tmp_path, ["nope.toml"], job_env(DRY_RUN="1"))

@@ -241,3 +241,44 @@ def test_evaluate_cli_refuses_a_malformed_train_mode_with_exit_2(tmp_path):
                         "--set", 'train.mode="eval'], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "config error: train.mode: --set value" in r.stderr
+
+
+def test_a_home_folder_in_a_path_key_is_expanded(monkeypatch, tmp_path):
+    """`train.output_dir = "~/runs/x"` (in the file or a `--set`: neither the shell nor TOML expands it) made a folder
+    named `~` in the current folder, and `model.path = "~/m"` with model.synthesize built the model there."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config_dict(_raw(train__output_dir="~/runs/x", model__synthesize="tiny_qwen2_5_vl", model__path="~/m",
+                                data__synthetic_dir="~", logging__experiment_name="~x"),
+                           ["data.length_cache_dir=~/cache", "checkpoint.resume=~/old/checkpoints/step_4"])
+    assert cfg.train.output_dir == f"{tmp_path}/runs/x" and cfg.model.path == f"{tmp_path}/m"
+    assert cfg.data.synthetic_dir == str(tmp_path) and cfg.data.length_cache_dir == f"{tmp_path}/cache"
+    assert cfg.checkpoint.resume == f"{tmp_path}/old/checkpoints/step_4"
+    assert cfg.logging.experiment_name == "~x"  # a name, not a path
+    with pytest.raises(ConfigError, match=r"^train.output_dir: cannot expand '~no_such_user_xyz/runs'"):
+        load_config_dict(_raw(train__output_dir="~no_such_user_xyz/runs"))
+
+
+def test_every_path_key_expands_a_home_folder():
+    """Each section lists its path keys in `PATHS`; a new key named like a path must be listed (or this test
+    told why not)."""
+    import dataclasses
+    import re
+    import typing
+
+    names = re.compile(r"^(path|.*_path|.*_dir|.*_root|init_from|adapter|resume)$")
+    missing, seen, todo = [], set(), [Config]
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tps = [hints[f.name]]
+            for tp in tps:
+                tps += [a for a in typing.get_args(tp) if a not in tps]
+            todo += [t for t in tps if dataclasses.is_dataclass(t)]
+            if str in tps and names.match(f.name) and f.name not in getattr(cls, "PATHS", ()):
+                missing.append(f"{cls.__name__}.{f.name}")
+    assert not missing, f"path keys not in their section's PATHS: {missing}"
+    assert sum(len(getattr(c, "PATHS", ())) for c in seen) >= 15

@@ -25,6 +25,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import sys
 import types
 import typing
@@ -241,31 +242,73 @@ _RUN_LENGTH_KEYS: dict[tuple[str, ...], str] = {("train", "max_steps"): "epochs"
 """The two ways to give a run's length (one of them, never both): a `--set` of one replaces the file's other."""
 
 
+_KEY_SEGMENT = re.compile(r"([^.\[\]]+)((?:\[\d+\])*)")
+"""One dotted segment of a `--set` key: a name, then any list indices (`rewards[0]`), as the errors name keys."""
+
+
+def _key_steps(item: str, key: str) -> list[str | int]:
+    """`rl.rewards[0].weight` -> ["rl", "rewards", 0, "weight"]."""
+    steps: list[str | int] = []
+    for seg in key.split("."):
+        if not seg:
+            raise ConfigError(f"--set {item!r}: empty key segment")
+        m = _KEY_SEGMENT.fullmatch(seg)
+        if m is None:
+            raise ConfigError(f"--set {item!r}: expected section.key=value (a list entry as key[index])")
+        steps.append(m.group(1))
+        steps += [int(i) for i in re.findall(r"\[(\d+)\]", m.group(2))]
+    return steps
+
+
+def _dotted(steps: list[str | int]) -> str:
+    return "".join(f"[{s}]" if isinstance(s, int) else f".{s}" if k else s for k, s in enumerate(steps))
+
+
+def _set_value(raw: dict, steps: list[str | int], value: Any, item: str) -> dict | list:
+    """Put `value` at `steps` in `raw`, making missing tables on the way; returns the container set in. An index
+    (`[0]`, or a number segment `.0` on a list) changes an existing entry of a list (an array of tables), never
+    adds one."""
+    node: Any = raw
+    for k, step in enumerate(steps):
+        last, parent = k == len(steps) - 1, _dotted(steps[:k])
+        if isinstance(node, list) and isinstance(step, str) and step.isdigit():
+            steps[k] = step = int(step)  # `rl.rewards.0.weight`, the dotted spelling of an index
+        if isinstance(step, int):
+            if not isinstance(node, list):
+                raise ConfigError(f"{parent}: not a list, no entry [{step}] to set (from --set {item!r})")
+            if step >= len(node):
+                raise ConfigError(f"{parent}[{step}]: no such entry (the list has {len(node)}); --set changes an entry, "
+                                  f"it adds none: set the whole list, --set {parent}=[...]")
+        elif isinstance(node, list):
+            raise ConfigError(f"{parent}: a list of tables; name an entry by its index ({parent}[0].{step}) "
+                              f"(from --set {item!r})")
+        elif not isinstance(node, dict):
+            raise ConfigError(f"{parent}: is a value, not a table (from --set {item!r})")
+        if last:
+            node[step] = value
+            return node
+        node = node[step] if isinstance(step, int) else node.setdefault(step, {})
+    raise AssertionError("unreachable: a key has at least one segment")
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply `section.key=value` overrides to a raw TOML dict (before validation).
+    """Apply `section.key=value` overrides to a raw TOML dict (before validation). A key names an entry of an
+    array of tables as the errors do (`rl.rewards[0].weight=0.5`, `stages[1]={...}`).
 
     A run length on the command line (`--set train.max_steps=200` on a recipe that sets `train.epochs`, as in
     docs/training.md) replaces the file's other length key: both are refused together, and the command line
     is what the user means. Both given with `--set` stay refused."""
-    set_keys: set[tuple[str, ...]] = set()
+    set_keys: set[tuple[str | int, ...]] = set()
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
         key, text = item.split("=", 1)
         key = key.strip()
-        parts = key.split(".")
-        if not all(parts):
-            raise ConfigError(f"--set {item!r}: empty key segment")
-        node = raw
-        for i, p in enumerate(parts[:-1]):
-            nxt = node.setdefault(p, {})
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"{'.'.join(parts[:i + 1])}: is a value, not a table (from --set {item!r})")
-            node = nxt
-        node[parts[-1]] = parse_override_value(text.strip(), key)
-        set_keys.add(tuple(parts))
-        other = _RUN_LENGTH_KEYS.get(tuple(parts))
-        if other is not None and ("train", other) not in set_keys:
+        steps = _key_steps(item, key)
+        node = _set_value(raw, steps, parse_override_value(text.strip(), key), item)
+        set_keys.add(tuple(steps))
+        other = _RUN_LENGTH_KEYS.get(tuple(map(str, steps)))
+        if other is not None and ("train", other) not in set_keys and isinstance(node, dict):
             node.pop(other, None)
     return raw
 

@@ -282,3 +282,28 @@ def test_every_path_key_expands_a_home_folder():
                 missing.append(f"{cls.__name__}.{f.name}")
     assert not missing, f"path keys not in their section's PATHS: {missing}"
     assert sum(len(getattr(c, "PATHS", ())) for c in seen) >= 15
+
+
+def test_set_reaches_an_entry_of_an_array_of_tables_by_the_key_errors_name():
+    """Errors name an entry of an array of tables `rl.rewards[0].weight`; `--set` with that key was refused as
+    "rl.rewards: is a value, not a table", so changing one reward's weight meant retyping the whole list."""
+    cfg = load_config(REPO / "launch/configs/demo_grpo.toml", ["rl.rewards[0].weight=0.5", "rl.rewards[0].name=em"])
+    assert (cfg.rl.rewards[0].weight, cfg.rl.rewards[0].name, cfg.rl.rewards[0].type) == (0.5, "em", "exact_match")
+    cfg = load_config(REPO / "launch/configs/demo_grpo.toml", ["rl.rewards.0.weight=0.75"])  # the dotted spelling
+    assert cfg.rl.rewards[0].weight == 0.75
+    cfg = load_config(REPO / "launch/configs/demo_grpo.toml", ["rl.rewards[0]={type = 'format', weight = 0.25}"])
+    assert (cfg.rl.rewards[0].type, cfg.rl.rewards[0].weight) == ("format", 0.25)
+    cfg = load_config(REPO / "launch/configs/internvl3_8b_robovqa_curriculum.toml", ["stages[1].epochs=3"])
+    assert cfg.stages[1].epochs == 3.0 and cfg.stages[0].epochs == 1.0
+
+
+@pytest.mark.parametrize("item, expect", [
+    ("rl.rewards.1.weight=1", r"^rl.rewards\[1\]: no such entry \(the list has 1\)"),
+    ("rl.rewards[1].weight=1", r"^rl.rewards\[1\]: no such entry \(the list has 1\); .*--set rl.rewards=\[\.\.\.\]"),
+    ("rl.rewards.weight=1", r"^rl.rewards: a list of tables; name an entry by its index \(rl.rewards\[0\].weight\)"),
+    ("rl.batch[0].group_size=4", r"^rl.batch: not a list, no entry \[0\] to set"),
+    ("rl.rewards[x].weight=1", r"^--set 'rl.rewards\[x\].weight=1': expected section.key=value"),
+])
+def test_a_set_of_an_entry_that_does_not_exist_names_the_key(item, expect):
+    with pytest.raises(ConfigError, match=expect):
+        load_config(REPO / "launch/configs/demo_grpo.toml", [item])

@@ -21,6 +21,11 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# The folder the job starts in, last: relative paths in a config are read from there, and so is a user's module
+# named by dotted path (`rl.rewards` custom functions, `rl.env.name`; reward workers inherit sys.path), as with
+# `python -m`; searched after everything else, it shadows no installed package.
+if os.getcwd() not in sys.path:
+    sys.path.append(os.getcwd())
 
 from megatron_vlm.config import ConfigError, load_config  # noqa: E402
 from megatron_vlm.config.loader import die  # noqa: E402

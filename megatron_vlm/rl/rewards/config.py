@@ -136,7 +136,8 @@ class CustomRewardConfig(_RewardCommon):
     """Any Python function, imported by dotted path in the reward worker and called as
     `fn(completion, answer, prompt=..., metadata=..., **kwargs) -> float`."""
     function: str = ""
-    """Dotted path of the function, e.g. "my_pkg.rewards.length_penalty"."""
+    """Dotted path of the function, e.g. "my_pkg.rewards.length_penalty": a module on PYTHONPATH, installed, or in
+    the folder the job starts in (searched last)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments passed to the function."""
 

@@ -50,11 +50,11 @@ def overrides_from_argv(args: list[str]) -> list[str]:
 
 def resolve_output_dir(config_path: str, args: list[str]) -> str | None:
     try:
-        with open(config_path, "rb") as f:
-            raw = tomllib.load(f)
+        with open(config_path, encoding="utf-8-sig") as f:  # as the config loader reads it (a byte order mark dropped)
+            raw = tomllib.loads(f.read())
     except FileNotFoundError:
         raise SystemExit(f"resolve_output_dir: config file {config_path!r} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise SystemExit(f"resolve_output_dir: {config_path}: not valid TOML: {e}") from None
     train = raw.get("train", {})
     value = train.get("output_dir") if isinstance(train, dict) else None

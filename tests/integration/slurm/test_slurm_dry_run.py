@@ -86,6 +86,13 @@ def test_output_dir_from_config_or_set_is_kept(tmp_path):
     assert "run folder /abs/other" in log
 
 
+def test_a_config_with_a_byte_order_mark_is_read(tmp_path):
+    config = tmp_path / "job.toml"
+    config.write_bytes(b'\xef\xbb\xbf[train]\noutput_dir = "bom/run"\n')
+    _, log = dry_run([str(config)], cwd=tmp_path, env=job_env())
+    assert f"run folder {tmp_path}/bom/run" in log
+
+
 def test_a_blank_output_dir_is_refused_before_any_folder_is_made(tmp_path):
     """The config refuses a whitespace-only train.output_dir; the script used to make a junk log folder under it
     first (the job then failed at start-up)."""

@@ -307,3 +307,13 @@ def test_set_reaches_an_entry_of_an_array_of_tables_by_the_key_errors_name():
 def test_a_set_of_an_entry_that_does_not_exist_names_the_key(item, expect):
     with pytest.raises(ConfigError, match=expect):
         load_config(REPO / "launch/configs/demo_grpo.toml", [item])
+
+
+def test_a_config_saved_with_a_byte_order_mark_loads(tmp_path):
+    """Editors on Windows save UTF-8 with a byte order mark; tomllib refuses it as "Invalid statement (at line 1,
+    column 1)", an error that points at nothing the user can see."""
+    import tomli_w
+
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + tomli_w.dumps(_raw()).encode())
+    assert load_config(path) == load_config_dict(_raw())

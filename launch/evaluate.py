@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_vlm.config.loader import die, parse_override_value  # noqa: E402
+from megatron_vlm.config.loader import ConfigError, die, parse_override_value  # noqa: E402
 
 
 def _refuse_a_training_mode(argv: list[str]) -> None:
@@ -29,8 +29,11 @@ def _refuse_a_training_mode(argv: list[str]) -> None:
     p = argparse.ArgumentParser(add_help=False)  # the --set items only, read as launch/pretrain_vlm.py reads them
     p.add_argument("--set", dest="overrides", action="append", default=[])
     overrides = p.parse_known_args(argv)[0].overrides
-    modes = [parse_override_value(text.strip()) for key, sep, text in (o.partition("=") for o in overrides)
-             if sep and key.strip() == "train.mode"]
+    try:
+        modes = [parse_override_value(text.strip(), "train.mode") for key, sep, text in (o.partition("=") for o in overrides)
+                 if sep and key.strip() == "train.mode"]
+    except ConfigError as e:
+        die(str(e))
     if modes and modes[-1] != "eval":
         die(f"train.mode: launch/evaluate.py only evaluates (train.mode = \"eval\"), got --set train.mode={modes[-1]!r}; "
             "train with launch/pretrain_vlm.py")

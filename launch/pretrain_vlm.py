@@ -21,6 +21,11 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# The folder the job starts in, last: relative paths in a config are read from there, and so is a user's module
+# named by dotted path (`rl.rewards` custom functions, `rl.env.name`; reward workers inherit sys.path), as with
+# `python -m`; searched after everything else, it shadows no installed package.
+if os.getcwd() not in sys.path:
+    sys.path.append(os.getcwd())
 
 from megatron_vlm.config import ConfigError, load_config  # noqa: E402
 from megatron_vlm.config.loader import die  # noqa: E402
@@ -32,7 +37,8 @@ def parse_args(argv=None, description: str = "Train or evaluate a vision-languag
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--config", required=True, help="TOML config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a config value (value parsed as TOML; bare words are strings)")
+                   help="override a config value (value parsed as TOML; bare words are strings; an entry of an "
+                        "array of tables as rl.rewards[0].weight=0.5)")
     p.add_argument("--check", action="store_true",
                    help="resolve the config, build the model on the meta device, check sizes and memory per rank; "
                         "exit 0 with the plan or 2 naming the key to change (no weights, no process group)")

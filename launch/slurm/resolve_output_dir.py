@@ -11,16 +11,24 @@ value (`"x"`, `'x'`) or else the bare text.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import tomllib
 
 
-def override_value(text: str):
+def override_value(text: str, key: str = "train.output_dir"):
+    """As megatron_vlm.config.loader.parse_override_value: TOML, else the bare text; text that starts as TOML
+    (a quote, `[`, `{`) and does not parse, or holds a second line, is refused."""
     try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+        parsed = tomllib.loads(f"v = {text}")
+    except tomllib.TOMLDecodeError as e:
+        if text.lstrip()[:1] in ('"', "'", "[", "{"):
+            raise SystemExit(f"resolve_output_dir: {key}: --set value {text!r} is not one TOML value ({e})") from None
         return text
+    if list(parsed) != ["v"]:
+        raise SystemExit(f"resolve_output_dir: {key}: --set value {text!r} is not one TOML value (it holds a second line)")
+    return parsed["v"]
 
 
 def overrides_from_argv(args: list[str]) -> list[str]:
@@ -42,11 +50,11 @@ def overrides_from_argv(args: list[str]) -> list[str]:
 
 def resolve_output_dir(config_path: str, args: list[str]) -> str | None:
     try:
-        with open(config_path, "rb") as f:
-            raw = tomllib.load(f)
+        with open(config_path, encoding="utf-8-sig") as f:  # as the config loader reads it (a byte order mark dropped)
+            raw = tomllib.loads(f.read())
     except FileNotFoundError:
         raise SystemExit(f"resolve_output_dir: config file {config_path!r} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise SystemExit(f"resolve_output_dir: {config_path}: not valid TOML: {e}") from None
     train = raw.get("train", {})
     value = train.get("output_dir") if isinstance(train, dict) else None
@@ -58,6 +66,11 @@ def resolve_output_dir(config_path: str, args: list[str]) -> str | None:
         return None
     if not isinstance(value, str) or not value.strip():  # as the config refuses it: before a log folder is made
         raise SystemExit(f"resolve_output_dir: train.output_dir must be a non-empty string, got {value!r}")
+    if value.startswith("~"):  # the config loader expands a path key's ~ (megatron_vlm/config/loader.py)
+        expanded = os.path.expanduser(value)
+        if expanded.startswith("~"):
+            raise SystemExit(f"resolve_output_dir: train.output_dir: cannot expand {value!r} (no such user or home folder)")
+        value = expanded
     return value
 
 

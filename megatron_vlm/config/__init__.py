@@ -181,7 +181,9 @@ def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> Conf
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))  # TOML is UTF-8, whatever the locale says
+        # TOML is UTF-8, whatever the locale says; a byte order mark (Windows editors) is dropped, not an "invalid
+        # statement at line 1, column 1"
+        raw = tomllib.loads(path.read_text(encoding="utf-8-sig"))
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
                           f"{e.start})") from None

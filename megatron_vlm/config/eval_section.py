@@ -13,7 +13,7 @@ Torch-free like every config section (the strict loader imports it).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 __all__ = ["EvalConfig", "BenchmarkConfig", "BENCHMARK_FORMATS", "VERIFIERS"]
 
@@ -23,6 +23,7 @@ VERIFIERS = ("auto", "math", "choice", "exact_match", "short_answer")
 
 @dataclass(kw_only=True)
 class BenchmarkConfig:
+    PATHS: ClassVar[tuple[str, ...]] = ("path", "image_root")  # filesystem paths: a leading ~ is expanded (config/loader.py)
     name: str
     """Name of the benchmark in the results (a row of the table)."""
     path: str
@@ -77,6 +78,7 @@ def _check_template(template: str, name: str) -> None:
 
 @dataclass(kw_only=True)
 class EvalConfig:
+    PATHS: ClassVar[tuple[str, ...]] = ("adapter",)  # filesystem paths: a leading ~ is expanded (config/loader.py)
     benchmarks: list[BenchmarkConfig] = field(default_factory=list)
     """The benchmark files, one `[[eval.benchmarks]]` table each."""
     adapter: str = ""

@@ -14,12 +14,18 @@ section's `validate()` can be trusted to notice them: `nan <= 0` is False, so `l
 "must be > 0" check and `max_grad_norm = nan` would silently disable clipping. The check is made
 here, where every float of every section (and every float inside lists, tuples and tables) is
 converted, so a section defined anywhere gets it without code of its own.
+
+A section names its filesystem path keys in a `PATHS` class attribute; a leading `~` in their values is
+expanded to the home folder here, so every path key gets it alike (the run folder, the model, data and
+checkpoint paths).
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import math
+import os
+import re
 import sys
 import types
 import typing
@@ -148,6 +154,17 @@ def _convert_dataclass_union(value: dict, members: list, path: str) -> Any:
     return from_dict(names[t], value, path)
 
 
+def _expand_home(value: Any, path: str) -> Any:
+    """A path key's `~` / `~user` prefix as the home folder: neither TOML nor the shell (in `--set key=~/x`) expands
+    it, and a literal `~` folder in the current one is never what was meant."""
+    if not (isinstance(value, str) and value.startswith("~")):
+        return value
+    expanded = os.path.expanduser(value)
+    if expanded.startswith("~"):
+        raise ConfigError(f"{path}: cannot expand {value!r} (no such user or home folder); write the full path")
+    return expanded
+
+
 def from_dict(cls: type, data: dict, path: str = "") -> Any:
     """Build dataclass `cls` from a TOML table, strictly. `path` is the dotted prefix for messages."""
     hints = typing.get_type_hints(cls)
@@ -165,6 +182,8 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
             hint = f"; did you mean {close[0]}?" if close else f"; valid keys: {', '.join(sorted(fields))}"
             raise ConfigError(f"{prefix}{key}: unknown key{hint}")
         kwargs[key] = _convert(value, hints[key], f"{prefix}{key}")
+        if key in getattr(cls, "PATHS", ()):
+            kwargs[key] = _expand_home(kwargs[key], f"{prefix}{key}")
     for name, f in fields.items():
         if name not in kwargs and f.default is _MISSING and f.default_factory is _MISSING:
             raise ConfigError(f"{prefix}{name}: required value is missing")
@@ -200,43 +219,96 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-def parse_override_value(text: str) -> Any:
-    """`--set` values are TOML (`3e-4`, `true`, `[1, 2]`, `"x"`); a bare word or path is a string."""
+def parse_override_value(text: str, key: str = "") -> Any:
+    """`--set` values are TOML (`3e-4`, `true`, `[1, 2]`, `"x"`); a bare word or path is a string.
+
+    A value that starts as TOML does (a quote, `[`, `{`) but does not parse is a `ConfigError` naming `key`, and
+    so is text holding a second TOML line: taken as the bare text, `"runs/x` (unterminated) became a folder with
+    a quote in its name and `"C:\\m"` (no TOML escape) a path with its quotes, and `5\nseed = 3` lost its second
+    line, all silently."""
     try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+        parsed = tomllib.loads(f"v = {text}")
+    except tomllib.TOMLDecodeError as e:
+        if text.lstrip()[:1] in ('"', "'", "[", "{"):
+            raise ConfigError(f"{key}: --set value {text!r} is not one TOML value ({e}); quote a string as "
+                              "'text' (taken as written) or \"text\" (with \\\\ for a backslash)") from None
         return text
+    if list(parsed) != ["v"]:
+        raise ConfigError(f"{key}: --set value {text!r} is not one TOML value (it holds a second line)")
+    return parsed["v"]
 
 
 _RUN_LENGTH_KEYS: dict[tuple[str, ...], str] = {("train", "max_steps"): "epochs", ("train", "epochs"): "max_steps"}
 """The two ways to give a run's length (one of them, never both): a `--set` of one replaces the file's other."""
 
 
+_KEY_SEGMENT = re.compile(r"([^.\[\]]+)((?:\[\d+\])*)")
+"""One dotted segment of a `--set` key: a name, then any list indices (`rewards[0]`), as the errors name keys."""
+
+
+def _key_steps(item: str, key: str) -> list[str | int]:
+    """`rl.rewards[0].weight` -> ["rl", "rewards", 0, "weight"]."""
+    steps: list[str | int] = []
+    for seg in key.split("."):
+        if not seg:
+            raise ConfigError(f"--set {item!r}: empty key segment")
+        m = _KEY_SEGMENT.fullmatch(seg)
+        if m is None:
+            raise ConfigError(f"--set {item!r}: expected section.key=value (a list entry as key[index])")
+        steps.append(m.group(1))
+        steps += [int(i) for i in re.findall(r"\[(\d+)\]", m.group(2))]
+    return steps
+
+
+def _dotted(steps: list[str | int]) -> str:
+    return "".join(f"[{s}]" if isinstance(s, int) else f".{s}" if k else s for k, s in enumerate(steps))
+
+
+def _set_value(raw: dict, steps: list[str | int], value: Any, item: str) -> dict | list:
+    """Put `value` at `steps` in `raw`, making missing tables on the way; returns the container set in. An index
+    (`[0]`, or a number segment `.0` on a list) changes an existing entry of a list (an array of tables), never
+    adds one."""
+    node: Any = raw
+    for k, step in enumerate(steps):
+        last, parent = k == len(steps) - 1, _dotted(steps[:k])
+        if isinstance(node, list) and isinstance(step, str) and step.isdigit():
+            steps[k] = step = int(step)  # `rl.rewards.0.weight`, the dotted spelling of an index
+        if isinstance(step, int):
+            if not isinstance(node, list):
+                raise ConfigError(f"{parent}: not a list, no entry [{step}] to set (from --set {item!r})")
+            if step >= len(node):
+                raise ConfigError(f"{parent}[{step}]: no such entry (the list has {len(node)}); --set changes an entry, "
+                                  f"it adds none: set the whole list, --set {parent}=[...]")
+        elif isinstance(node, list):
+            raise ConfigError(f"{parent}: a list of tables; name an entry by its index ({parent}[0].{step}) "
+                              f"(from --set {item!r})")
+        elif not isinstance(node, dict):
+            raise ConfigError(f"{parent}: is a value, not a table (from --set {item!r})")
+        if last:
+            node[step] = value
+            return node
+        node = node[step] if isinstance(step, int) else node.setdefault(step, {})
+    raise AssertionError("unreachable: a key has at least one segment")
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply `section.key=value` overrides to a raw TOML dict (before validation).
+    """Apply `section.key=value` overrides to a raw TOML dict (before validation). A key names an entry of an
+    array of tables as the errors do (`rl.rewards[0].weight=0.5`, `stages[1]={...}`).
 
     A run length on the command line (`--set train.max_steps=200` on a recipe that sets `train.epochs`, as in
     docs/training.md) replaces the file's other length key: both are refused together, and the command line
     is what the user means. Both given with `--set` stay refused."""
-    set_keys: set[tuple[str, ...]] = set()
+    set_keys: set[tuple[str | int, ...]] = set()
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
         key, text = item.split("=", 1)
         key = key.strip()
-        parts = key.split(".")
-        if not all(parts):
-            raise ConfigError(f"--set {item!r}: empty key segment")
-        node = raw
-        for i, p in enumerate(parts[:-1]):
-            nxt = node.setdefault(p, {})
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"{'.'.join(parts[:i + 1])}: is a value, not a table (from --set {item!r})")
-            node = nxt
-        node[parts[-1]] = parse_override_value(text.strip())
-        set_keys.add(tuple(parts))
-        other = _RUN_LENGTH_KEYS.get(tuple(parts))
-        if other is not None and ("train", other) not in set_keys:
+        steps = _key_steps(item, key)
+        node = _set_value(raw, steps, parse_override_value(text.strip(), key), item)
+        set_keys.add(tuple(steps))
+        other = _RUN_LENGTH_KEYS.get(tuple(map(str, steps)))
+        if other is not None and ("train", other) not in set_keys and isinstance(node, dict):
             node.pop(other, None)
     return raw
 

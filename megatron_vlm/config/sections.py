@@ -8,13 +8,14 @@ ValueError("<key>: ...") — the loader prefixes the section name.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from megatron_vlm.table_checks import above, at_least
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
+    PATHS: ClassVar[tuple[str, ...]] = ("path",)  # filesystem paths: a leading ~ is expanded (config/loader.py)
     path: str
     """Hugging Face model folder (config.json, safetensors, tokenizer, preprocessor)."""
     synthesize: Optional[Literal["tiny_qwen2_5_vl", "tiny_qwen3_vl", "tiny_qwen3_vl_moe", "tiny_internvl", "tiny_nemotron_vl",
@@ -33,6 +34,7 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
+    PATHS: ClassVar[tuple[str, ...]] = ("output_dir",)  # filesystem paths: a leading ~ is expanded (config/loader.py)
     mode: Literal["sft", "grpo", "dpo", "reward", "eval"] = "sft"
     """Which job runs: supervised fine-tuning, GRPO reinforcement learning ([rl] section), preference
     optimisation on chosen / rejected pairs ([dpo] section; docs/dpo.md), reward-model training on the same
@@ -203,6 +205,7 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
+    PATHS: ClassVar[tuple[str, ...]] = ("resume",)  # filesystem paths: a leading ~ is expanded (config/loader.py)
     enable: bool = True
     """Write distributed checkpoints (model, optimizer, scheduler, data position, RNG, step). false stops writing
     only: `resume` still loads a checkpoint the folder (or the path it names) holds."""
@@ -250,6 +253,8 @@ class LoggingConfig:
 @dataclass(kw_only=True)
 class LoRAConfig:
     """[lora]: train low-rank adapters instead of the full weights (PEFT-compatible; see docs/training.md "LoRA")."""
+
+    PATHS: ClassVar[tuple[str, ...]] = ("init_from",)  # filesystem paths: a leading ~ is expanded (config/loader.py)
 
     r: int = 8
     """Adapter rank."""

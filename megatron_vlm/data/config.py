@@ -7,7 +7,7 @@ loader prefixes `data.`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from megatron_vlm.table_checks import above, at_least
 
@@ -23,6 +23,8 @@ DEFAULT_VIDEO_DECODE_TIMEOUT_S = 60.0
 
 @dataclass(kw_only=True)
 class DataConfig:
+    # filesystem paths: a leading ~ is expanded (config/loader.py)
+    PATHS: ClassVar[tuple[str, ...]] = ("train_path", "eval_path", "image_root", "length_cache_dir", "synthetic_dir")
     type: Literal["messages_jsonl", "hf", "synthetic_vqa"] = "messages_jsonl"
     """Source kind: "messages_jsonl" (one {"messages": [...]} record per line, see data/messages.py),
     "hf" (a Hugging Face `datasets` table from local parquet / arrow / jsonl files, mapped by

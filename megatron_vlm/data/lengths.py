@@ -22,7 +22,9 @@ estimating 1 / world of the records before an all-gather of the lengths and bad 
 the array and the bad-record list equal the serial pass's, so a bad record is still found once per
 rank's log and counted once (`bad_records.keep_planning_records`). The cache stays one file, read by
 global rank 0 (its view is broadcast so every rank computes the same remainder) and written by it
-alone, atomically.
+alone, atomically. A pool worker that dies mid-chunk (the out-of-memory killer, a stop signal sent to every
+process) stops the pass with `LengthEstimateError` naming `data.num_workers`, rather than leaving the rank
+waiting for that chunk forever.
 
 A record that raises something other than an Exception (a Rust tokenizer's panic arrives as pyo3's
 PanicException, a BaseException) is no bad record to count: it stops the pass as `LengthEstimateError`
@@ -38,6 +40,8 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Optional
 
@@ -47,6 +51,7 @@ from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpect
 from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
 from megatron_vlm.data.processing import estimate_length
 from megatron_vlm.data.processor import VLProcessor
+from megatron_vlm.stop_signals import leave_stop_signals_to_the_rank
 
 __all__ = ["compute_lengths", "compute_length_slice", "lengths_cache_key", "LengthEstimateError"]
 
@@ -123,9 +128,10 @@ def _pool_init() -> None:
     import torch
 
     torch.set_num_threads(1)  # a worker renders and tokenises; one thread each
-    # TERM ends a worker (whatever handler the rank had when it forked): `Pool.terminate` relies on it, and
-    # before the first step there is no checkpoint for a rank to save. Ctrl-C is the main process's to handle.
+    # TERM ends a worker (whatever handler the rank had when it forked): the executor ends the others with it when
+    # one died, and before the first step there is no checkpoint for a rank to save. Ctrl-C is the main process's.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    leave_stop_signals_to_the_rank(term=False)  # USR1 (a SLURM stop request to every process) is the rank's
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
@@ -146,14 +152,22 @@ def _pooled_slice(source, proc: VLProcessor, indices: list, num_workers: int, op
         return _estimate(source, proc, indices, **options)
     chunks = [(s, indices[s:s + _POOL_CHUNK]) for s in range(0, len(indices), _POOL_CHUNK)]
     _pool_job = (source, proc, options)  # forked, not pickled: the source and processor need not be picklable
+    workers = min(num_workers, len(chunks))
     try:
-        pool = mp.get_context("fork").Pool(min(num_workers, len(chunks)), initializer=_pool_init)
+        # an executor, not multiprocessing.Pool: Pool.map waits forever for the chunk of a worker that died (the
+        # OOM killer, a stop signal sent to every process); the executor notices the death and raises
+        pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"), initializer=_pool_init)
         try:
-            parts = pool.map(_pool_task, chunks, chunksize=1)
-            pool.close()  # the workers finish and exit
-        finally:
-            pool.terminate()
-            pool.join()
+            parts = list(pool.map(_pool_task, chunks))
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)  # the other workers end after their current chunk
+            raise
+        pool.shutdown()
+    except BrokenProcessPool:
+        raise LengthEstimateError(
+            f"planning lengths: a worker process of the pass (data.num_workers = {num_workers}) ended abruptly "
+            "(killed by the out-of-memory killer, or by a stop signal sent to every process); set "
+            "data.num_workers = 0 to estimate the lengths in the rank's own process") from None
     finally:
         _pool_job = None
     return np.concatenate([p[0] for p in parts]), [b for p in parts for b in p[1]]

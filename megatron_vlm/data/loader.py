@@ -45,6 +45,7 @@ from megatron_vlm.data.processing import ProcessedSample, process_record
 from megatron_vlm.data.processor import VLProcessor, as_vl_processor
 from megatron_vlm.data.sources import open_split
 from megatron_vlm.errors import ConfigError
+from megatron_vlm.stop_signals import leave_stop_signals_to_the_rank
 
 __all__ = ["SFTDataLoader", "EvalDataLoader", "build_sft_dataloader", "build_eval_dataloader", "build_processor"]
 
@@ -57,9 +58,9 @@ def _identity(x):
 
 def _worker_init(_worker_id: int) -> None:
     torch.set_num_threads(1)  # workers tokenise / resize; leave the cores to the main process
-    # SLURM sends TERM to every process of a job step, worker grandchildren included; the rank
-    # handles TERM by saving a checkpoint, and a worker dying first would crash that save.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # SLURM sends its stop request (TERM / USR1) to every process of a job step, worker grandchildren
+    # included; the rank handles it by saving a checkpoint, and a worker dying first would crash that save.
+    leave_stop_signals_to_the_rank()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 

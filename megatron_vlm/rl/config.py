@@ -336,6 +336,8 @@ class RLCriticConfig:
     """`[rl.critic]`: PPO's critic (advantage = "gae"): a value head on a backbone, trained beside the policy
     with its own optimizer (megatron_vlm/rl/critic/)."""
 
+    PATHS: ClassVar[tuple[str, ...]] = ("model",)  # filesystem paths: a leading ~ is expanded (config/loader.py)
+
     model: str = "policy"
     """The critic's backbone: "policy" = a copy of the policy's starting weights (model.path), or the path of
     another model folder of the policy's family sharing its tokenizer and image settings (e.g. a smaller one).

@@ -9,10 +9,13 @@ only where nothing is)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
+from megatron_vlm.errors import ConfigError
 from megatron_vlm.testing.tiny_model import build_tiny_model_folder
 from megatron_vlm.testing.tiny_nemotron_vl import build_tiny_nemotron_qwen3_vision_folder, build_tiny_nemotron_vl_folder
 from megatron_vlm.testing.tiny_processor_internvl import build_tiny_internvl_folder
@@ -67,11 +70,32 @@ MARKER = "synthesized.json"
 
 
 def synthesize_model_folder(name: str, out_dir: str | Path, *, seed: int = 0) -> Path:
+    """Build the tiny model `name` at `out_dir` (marker included) and return `out_dir`.
+
+    Built under a name of this process's own, then renamed into place whole: demo configs share one folder, and two
+    jobs started at once both build it; the first rename wins and the other job uses that folder (a folder of
+    another tiny model is refused, naming model.synthesize). A crash leaves no half folder at `out_dir`."""
     if name not in SYNTHESIZERS:
         raise ValueError(f"model.synthesize: unknown tiny model {name!r}; known: {sorted(SYNTHESIZERS)}")
-    folder = SYNTHESIZERS[name](Path(out_dir), seed)
-    (Path(folder) / MARKER).write_text(json.dumps({"synthesize": name, "seed": seed}) + "\n")
-    return folder
+    out = Path(out_dir)
+    staging = out.with_name(f".{out.name}.{os.getpid()}.building")
+    try:
+        folder = Path(SYNTHESIZERS[name](staging, seed))
+        (folder / MARKER).write_text(json.dumps({"synthesize": name, "seed": seed}) + "\n")
+        try:
+            os.rename(folder, out)
+        except OSError as e:
+            if not (out / "config.json").is_file():  # a folder of other files, a file
+                raise ConfigError(f"model.path: cannot build the tiny model {name!r} at {out} ({e.strerror or e}); "
+                                  "model.synthesize builds only where nothing is: point model.path at a new "
+                                  "folder") from None
+            mismatch = synthesized_mismatch(name, out)  # another job built it first
+            if mismatch is not None:
+                raise ConfigError(f"model.synthesize: {mismatch}") from None
+    finally:
+        for leftover in (staging, staging.with_name(staging.name + ".tmp")):  # the builders stage in `<out>.tmp`
+            shutil.rmtree(leftover, ignore_errors=True)
+    return out
 
 
 def synthesized_mismatch(name: Optional[str], folder: str | Path) -> Optional[str]:

@@ -12,9 +12,11 @@ small object (`StepRunner`). From the resume step to `total_steps`, per step:
 3. a periodic checkpoint (`checkpoint.every_steps`, not at the last step: that one is saved once, at the end);
 4. a periodic evaluation (`eval_every`, not at the last step: the final evaluation follows); it leaves the RNG
    states as it found them, so the steps after it draw what a run resumed from step 3's checkpoint draws (LoRA /
-   model dropout): a resume after a kill is exact whatever the evaluation cadence;
-5. the stop flag (SIGTERM / SIGUSR1, agreed by all ranks): save a checkpoint at this step boundary
-   (unless step 3 just saved this very step: a step is never saved twice) and return 143 on every rank.
+   model dropout): a resume after a kill is exact whatever the evaluation cadence. Skipped when a stop was
+   requested by then: the time a scheduler leaves before it kills (SLURM's `--signal` lead) is the checkpoint's;
+5. the stop flag (SIGTERM / SIGUSR1, agreed by all ranks; read before the evaluation and again after it): save a
+   checkpoint at this step boundary (unless step 3 just saved this very step: a step is never saved twice) and
+   return 143 on every rank.
 
 A checkpoint of a later step than `total_steps` (train.max_steps lowered since) is refused (ConfigError: exit 2)
 rather than evaluated and exported as this run's result. A run that reaches `total_steps` saves the final
@@ -122,9 +124,11 @@ def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpoint
             metrics.log("train", step, m)
         if checkpointer.periodic_due(step) and step < total_steps:
             save(step)
-        if eval_every and step % eval_every == 0 and step < total_steps:
+        stopping = ctx.stop.should_stop(ctx.device)
+        if eval_every and step % eval_every == 0 and step < total_steps and not stopping:
             evaluate(step)
-        if ctx.stop.should_stop(ctx.device):
+            stopping = ctx.stop.should_stop(ctx.device)  # raised while it evaluated
+        if stopping:
             log.warning("stop signal received: saving a checkpoint at step %d and exiting", step)
             if checkpointer.enabled:
                 save(step)  # a no-op when the periodic save above just wrote this step

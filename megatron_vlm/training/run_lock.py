@@ -8,13 +8,16 @@ its start-up tidy deletes the first's in-flight `.tmp_step_*` (the first dies at
 
 The lock is a `flock` on an open file: the kernel drops it when the process ends however it ends
 (kill -9 included), so a crashed job never leaves a stale lock; the pid and host in the file are only
-for the message. The descriptor is not inherited by child processes (reward workers, data workers), so a
-worker left behind cannot hold the folder. Where `flock` does not exist (not POSIX) the folder is not
+for the message. Child processes never keep it, so a helper left behind cannot hold the folder after its job: a
+started program (reward workers) does not inherit the descriptor, and a forked one (DataLoader and length-pass
+workers) closes its copy at once (`os.register_at_fork`): a forked worker that outlived its rank (killed by the
+OOM killer) or hung kept the folder locked, and the requeued job was refused. Where `flock` does not exist (not POSIX) the folder is not
 locked, nor on a filesystem that refuses locks (a warning says so). A folder that is a file, or that cannot be created or written (read-only filesystem, permissions),
 is refused the same way.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -36,14 +39,32 @@ log = logging.getLogger("megatron_vlm")
 LOCK_FILE = ".lock"
 
 
+_held: set[int] = set()
+"""The descriptors of the locks this process holds (closed in a forked child)."""
+
+
+def _close_in_forked_child() -> None:
+    for fd in _held:
+        with contextlib.suppress(OSError):
+            os.close(fd)  # the parent's copy keeps the lock
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_forked_child)
+
+
 class RunDirLock:
     """An acquired lock on a run folder; `release()` (or leaving the process) frees it."""
 
     def __init__(self, path: Path, fd: Optional[int]):
         self.path, self._fd = path, fd
+        if fd is not None:
+            _held.add(fd)
 
     def release(self) -> None:
         if self._fd is not None:
+            _held.discard(self._fd)
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
 

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_vlm.stop_signals import STOP_SIGNALS
+
 
 class StopFlag:
     def __init__(self):
@@ -22,7 +24,7 @@ class StopFlag:
         self._prev = {}
 
     def install(self) -> StopFlag:
-        for s in (signal.SIGTERM, signal.SIGUSR1):
+        for s in STOP_SIGNALS:
             self._prev[s] = signal.signal(s, self._handle)
         return self
 

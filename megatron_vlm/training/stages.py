@@ -23,13 +23,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 __all__ = ["StageConfig", "stage_overrides", "stage_dir"]
 
 
 @dataclass(kw_only=True)
 class StageConfig:
+    PATHS: ClassVar[tuple[str, ...]] = ("train_path", "eval_path")  # filesystem paths: a leading ~ is expanded (config/loader.py)
     name: str
     """Stage name: its run folder is `<train.output_dir>/<name>`."""
     train_path: Optional[str] = None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 __all__ = [
     "MathRewardConfig",
@@ -136,7 +136,8 @@ class CustomRewardConfig(_RewardCommon):
     """Any Python function, imported by dotted path in the reward worker and called as
     `fn(completion, answer, prompt=..., metadata=..., **kwargs) -> float`."""
     function: str = ""
-    """Dotted path of the function, e.g. "my_pkg.rewards.length_penalty"."""
+    """Dotted path of the function, e.g. "my_pkg.rewards.length_penalty": a module on PYTHONPATH, installed, or in
+    the folder the job starts in (searched last)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments passed to the function."""
 
@@ -151,6 +152,7 @@ class CustomRewardConfig(_RewardCommon):
 
 @dataclass(kw_only=True)
 class ModelRewardConfig(_RewardCommon):
+    PATHS: ClassVar[tuple[str, ...]] = ("path",)  # filesystem paths: a leading ~ is expanded (config/loader.py)
     type: Literal["model"] = "model"
     """A learned reward model: the scalar score of a sequence-classification model folder for the prompt
     (with its images, when the model reads images) followed by the completion as the assistant turn, rendered
@@ -195,6 +197,7 @@ _DEFAULT_JUDGE_TEMPLATE = ("Question: {question}\nReference answer: {reference}\
 
 @dataclass(kw_only=True)
 class JudgeRewardConfig(_RewardCommon):
+    PATHS: ClassVar[tuple[str, ...]] = ("path",)  # filesystem paths: a leading ~ is expanded (config/loader.py)
     type: Literal["judge"] = "judge"
     """A generative judge: a VLM folder answers `template` (filled with the question, the completion and the
     reference answer) about the prompt's images, greedily, through the rollout engine

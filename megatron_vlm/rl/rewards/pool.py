@@ -31,7 +31,7 @@ Limits, so that a verifier cannot take the run down with it:
   the loss. A value that is not a number (the string "0.75", None) is an error result, never parsed;
 - children: each worker runs in its own session / process group, and a worker that is killed (deadline,
   replacement, close) is killed with its whole group, so subprocesses a hung verifier started (which
-  inherit the worker's ignored SIGTERM) do not outlive it;
+  inherit the worker's ignored stop signals) do not outlive it;
 - an exception whose `__str__` raises is reported as such (an error result); it does not kill the worker.
 """
 from __future__ import annotations
@@ -54,6 +54,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Optional
+
+from megatron_vlm.stop_signals import leave_stop_signals_to_the_rank
 
 __all__ = ["RewardCall", "CallResult", "RewardWorkerPool", "resolve_verifier"]
 
@@ -199,7 +201,7 @@ def isolate_worker(memory_limit_mb: int, parent_pid: int) -> str:
         _die_with_parent(parent_pid)
     memory = _limit_memory(memory_limit_mb)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # SLURM TERMs the whole step; the rank decides when to stop
+    leave_stop_signals_to_the_rank()  # SLURM signals the whole step (TERM / USR1); the rank decides when to stop
     return memory
 
 

@@ -50,9 +50,8 @@ class TrainJob:
             "data.synthetic_train_size=96",
             "data.synthetic_eval_size=0",  # no evaluation: not what the launcher tests are about
             f"data.max_tokens_per_pack={tokens_per_pack}",
-            # Slurm delivers TERM to every process of the step; data-loader workers do not ignore it
-            # yet (megatron_vlm/data/loader.py), and a killed worker crashes the rank before it can
-            # checkpoint. In-process loading until they do.
+            # in-process loading: quicker for a few packs (loader workers leave Slurm's TERM / USR1 to
+            # their rank: tests/unit/data/test_data_loader.py)
             "data.num_workers=0",
             f"train.max_steps={max_steps}",
             "train.eval_every=0",

@@ -86,6 +86,13 @@ def test_output_dir_from_config_or_set_is_kept(tmp_path):
     assert "run folder /abs/other" in log
 
 
+def test_a_config_with_a_byte_order_mark_is_read(tmp_path):
+    config = tmp_path / "job.toml"
+    config.write_bytes(b'\xef\xbb\xbf[train]\noutput_dir = "bom/run"\n')
+    _, log = dry_run([str(config)], cwd=tmp_path, env=job_env())
+    assert f"run folder {tmp_path}/bom/run" in log
+
+
 def test_a_blank_output_dir_is_refused_before_any_folder_is_made(tmp_path):
     """The config refuses a whitespace-only train.output_dir; the script used to make a junk log folder under it
     first (the job then failed at start-up)."""
@@ -93,6 +100,27 @@ def test_a_blank_output_dir_is_refused_before_any_folder_is_made(tmp_path):
     res = run_script(tmp_path, [str(config), "--set", 'train.output_dir="  "'], job_env(DRY_RUN="1"))
     assert res.returncode != 0 and "train.output_dir must be a non-empty string" in res.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.toml"]
+
+
+def test_a_malformed_quoted_output_dir_is_refused_as_the_entry_point_refuses_it(tmp_path):
+    """launch/pretrain_vlm.py refuses a `--set` value that starts as TOML and does not parse; the script took the
+    bare text as the run folder (`"runs/x`, quote included) and would have made its log folder there."""
+    config = write_config(tmp_path)
+    res = run_script(tmp_path, [str(config), "--set", 'train.output_dir="runs/x'], job_env(DRY_RUN="1"))
+    assert res.returncode != 0 and "train.output_dir: --set value" in res.stderr, res.stderr
+    assert "is not one TOML value" in res.stderr
+
+
+def test_a_home_folder_in_the_output_dir_is_expanded_as_the_entry_point_expands_it(tmp_path):
+    """The entry point expands a leading ~ of train.output_dir; the script made it `<submit dir>/~/...` and wrote the
+    job's logs there, away from the run folder."""
+    config = write_config(tmp_path)
+    home = tmp_path / "home"
+    _, log = dry_run([str(config), "--set", "train.output_dir=~/runs/x"], cwd=tmp_path, env=job_env(HOME=str(home)))
+    assert f"run folder {home}/runs/x" in log
+    config = write_config(tmp_path, '[train]\noutput_dir = "~/runs/y"\n')
+    _, log = dry_run([str(config)], cwd=tmp_path, env=job_env(HOME=str(home)))
+    assert f"run folder {home}/runs/y" in log
 
 
 def test_missing_config_node_count_mismatch_and_no_job_are_errors(tmp_path):

@@ -136,6 +136,38 @@ def test_header_signal_before_the_time_limit_requeues(tmp_path, slurm_cluster):
         assert "not launching it" in first_allocation or "training step exited" in first_allocation
 
 
+USR1_SLEEPER = """\
+import signal, sys, time
+def on_usr1(*_):
+    print("sleeper got USR1, saving", flush=True)
+    time.sleep(6)  # a checkpoint being written
+    print("sleeper saved", flush=True)
+    sys.exit(143)
+signal.signal(signal.SIGUSR1, on_usr1)
+print("sleeper started", flush=True)
+time.sleep(120)
+"""
+
+
+def test_usr1_to_the_step_reaches_the_ranks_and_the_step_waits_for_their_checkpoint(tmp_path, slurm_cluster):
+    """`scancel --signal=USR1` (and `--signal=USR1@<s>`) signals every process of the step. torchrun does not handle
+    USR1 by default and died of it at once, ending the step while the ranks were still saving (and on a cgroup
+    cluster killing them): the script makes torchrun forward USR1 to its ranks and wait for them, as it does TERM."""
+    (tmp_path / "sleeper.py").write_text(USR1_SLEEPER)
+    (tmp_path / "job.toml").write_text("[train]\n")
+    env = slurm_cluster.env(ENTRY_POINT=str(tmp_path / "sleeper.py"),
+                            **{k: v for k, v in clean_env().items() if k in ("TORCHRUN", "PYTHON")})
+    job_id = slurm_cluster.sbatch(["-J", "usr1", str(TRAIN_SBATCH), "job.toml"], cwd=tmp_path, env=env)
+    node_log = tmp_path / "runs" / f"usr1-{job_id}" / "logs" / f"usr1-{job_id}" / "node0.log"
+    wait_for(lambda: node_log.is_file() and "sleeper started" in node_log.read_text(), 120, "the sleeper to start")
+    slurm_cluster.run(["scancel", "--signal=USR1", str(job_id)])
+    slurm_cluster.wait_job(job_id, states=("FAILED", "COMPLETED"), timeout=90)
+    # read at once: when the step ended the rank had finished its checkpoint
+    assert "sleeper saved" in node_log.read_text(), node_log.read_text()
+    batch_log = (tmp_path / f"slurm-usr1-{job_id}.out").read_text()
+    assert "User defined signal 1" not in batch_log and "requeue" not in batch_log, batch_log
+
+
 def test_plain_scancel_is_not_requeued(tmp_path, slurm_cluster):
     job_id, _ = submit_sleeper(slurm_cluster, tmp_path, "cancel")
     slurm_cluster.run(["scancel", str(job_id)])

@@ -211,3 +211,109 @@ def test_a_set_run_length_replaces_the_files_other_one():
     assert (cfg.train.max_steps, cfg.train.epochs) == (None, 2.0)
     with pytest.raises(ConfigError, match="train.epochs: set max_steps or epochs, not both"):
         load_config(REPO / "launch/configs/demo_sft.toml", ["train.epochs=2", "train.max_steps=3"])
+
+
+@pytest.mark.parametrize("item, key", [
+    ('model.path="/data/my\\models"', "model.path"),  # \m is no TOML escape: was the text, quotes included
+    ('train.output_dir="runs/x', "train.output_dir"),  # unterminated: was a folder named `"runs/x`
+    ("train.output_dir='runs/x", "train.output_dir"),
+    ("train.train_layers=['visual', ", "train.train_layers"),
+    ("model={path='x'", "model"),
+    ("train.max_steps=5\ntrain.seed=3", "train.max_steps"),  # two values in one: the second was dropped
+])
+def test_a_set_value_that_is_not_one_toml_value_names_the_key(item, key):
+    """A `--set` value written as TOML (quoted, a list, a table) that does not parse was taken as the bare text,
+    quotes and brackets included, and a value holding a second `key = value` line lost it silently."""
+    with pytest.raises(ConfigError, match=rf"^{key}: --set value .* is not one TOML value"):
+        apply_overrides(_raw(), [item])
+
+
+def test_bare_words_and_toml_values_still_parse():
+    raw = apply_overrides(_raw(), ["model.path=/ckpt/my model", "train.output_dir=runs/a=b", "data.image_root=",
+                                   "model.synthesize=tiny_qwen2_5_vl", "optimizer.lr=1e-5", 'train.seed=7 # note'])
+    assert raw["model"]["path"] == "/ckpt/my model" and raw["train"]["output_dir"] == "runs/a=b"
+    assert raw["data"]["image_root"] == "" and raw["model"]["synthesize"] == "tiny_qwen2_5_vl"
+    assert raw["optimizer"]["lr"] == 1e-5 and raw["train"]["seed"] == 7
+
+
+def test_evaluate_cli_refuses_a_malformed_train_mode_with_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, str(REPO / "launch/evaluate.py"), "--config", str(tmp_path / "x.toml"),
+                        "--set", 'train.mode="eval'], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "config error: train.mode: --set value" in r.stderr
+
+
+def test_a_home_folder_in_a_path_key_is_expanded(monkeypatch, tmp_path):
+    """`train.output_dir = "~/runs/x"` (in the file or a `--set`: neither the shell nor TOML expands it) made a folder
+    named `~` in the current folder, and `model.path = "~/m"` with model.synthesize built the model there."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config_dict(_raw(train__output_dir="~/runs/x", model__synthesize="tiny_qwen2_5_vl", model__path="~/m",
+                                data__synthetic_dir="~", logging__experiment_name="~x"),
+                           ["data.length_cache_dir=~/cache", "checkpoint.resume=~/old/checkpoints/step_4"])
+    assert cfg.train.output_dir == f"{tmp_path}/runs/x" and cfg.model.path == f"{tmp_path}/m"
+    assert cfg.data.synthetic_dir == str(tmp_path) and cfg.data.length_cache_dir == f"{tmp_path}/cache"
+    assert cfg.checkpoint.resume == f"{tmp_path}/old/checkpoints/step_4"
+    assert cfg.logging.experiment_name == "~x"  # a name, not a path
+    with pytest.raises(ConfigError, match=r"^train.output_dir: cannot expand '~no_such_user_xyz/runs'"):
+        load_config_dict(_raw(train__output_dir="~no_such_user_xyz/runs"))
+
+
+def test_every_path_key_expands_a_home_folder():
+    """Each section lists its path keys in `PATHS`; a new key named like a path must be listed (or this test
+    told why not)."""
+    import dataclasses
+    import re
+    import typing
+
+    names = re.compile(r"^(path|.*_path|.*_dir|.*_root|init_from|adapter|resume)$")
+    missing, seen, todo = [], set(), [Config]
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tps = [hints[f.name]]
+            for tp in tps:
+                tps += [a for a in typing.get_args(tp) if a not in tps]
+            todo += [t for t in tps if dataclasses.is_dataclass(t)]
+            if str in tps and names.match(f.name) and f.name not in getattr(cls, "PATHS", ()):
+                missing.append(f"{cls.__name__}.{f.name}")
+    assert not missing, f"path keys not in their section's PATHS: {missing}"
+    assert sum(len(getattr(c, "PATHS", ())) for c in seen) >= 15
+
+
+def test_set_reaches_an_entry_of_an_array_of_tables_by_the_key_errors_name():
+    """Errors name an entry of an array of tables `rl.rewards[0].weight`; `--set` with that key was refused as
+    "rl.rewards: is a value, not a table", so changing one reward's weight meant retyping the whole list."""
+    cfg = load_config(REPO / "launch/configs/demo_grpo.toml", ["rl.rewards[0].weight=0.5", "rl.rewards[0].name=em"])
+    assert (cfg.rl.rewards[0].weight, cfg.rl.rewards[0].name, cfg.rl.rewards[0].type) == (0.5, "em", "exact_match")
+    cfg = load_config(REPO / "launch/configs/demo_grpo.toml", ["rl.rewards.0.weight=0.75"])  # the dotted spelling
+    assert cfg.rl.rewards[0].weight == 0.75
+    cfg = load_config(REPO / "launch/configs/demo_grpo.toml", ["rl.rewards[0]={type = 'format', weight = 0.25}"])
+    assert (cfg.rl.rewards[0].type, cfg.rl.rewards[0].weight) == ("format", 0.25)
+    cfg = load_config(REPO / "launch/configs/internvl3_8b_robovqa_curriculum.toml", ["stages[1].epochs=3"])
+    assert cfg.stages[1].epochs == 3.0 and cfg.stages[0].epochs == 1.0
+
+
+@pytest.mark.parametrize("item, expect", [
+    ("rl.rewards.1.weight=1", r"^rl.rewards\[1\]: no such entry \(the list has 1\)"),
+    ("rl.rewards[1].weight=1", r"^rl.rewards\[1\]: no such entry \(the list has 1\); .*--set rl.rewards=\[\.\.\.\]"),
+    ("rl.rewards.weight=1", r"^rl.rewards: a list of tables; name an entry by its index \(rl.rewards\[0\].weight\)"),
+    ("rl.batch[0].group_size=4", r"^rl.batch: not a list, no entry \[0\] to set"),
+    ("rl.rewards[x].weight=1", r"^--set 'rl.rewards\[x\].weight=1': expected section.key=value"),
+])
+def test_a_set_of_an_entry_that_does_not_exist_names_the_key(item, expect):
+    with pytest.raises(ConfigError, match=expect):
+        load_config(REPO / "launch/configs/demo_grpo.toml", [item])
+
+
+def test_a_config_saved_with_a_byte_order_mark_loads(tmp_path):
+    """Editors on Windows save UTF-8 with a byte order mark; tomllib refuses it as "Invalid statement (at line 1,
+    column 1)", an error that points at nothing the user can see."""
+    import tomli_w
+
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + tomli_w.dumps(_raw()).encode())
+    assert load_config(path) == load_config_dict(_raw())

@@ -130,6 +130,29 @@ def test_worker_processes_give_the_same_packs(cfg, proc):
     assert all(_equal(x, y) for x, y in zip(base, workers))
 
 
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGUSR1"])
+def test_worker_processes_leave_a_stop_signal_to_the_rank(cfg, proc, signame):
+    """SLURM sends its stop request (TERM, or USR1 with --signal=USR1@<s>) to every process of the job step; the
+    rank saves a checkpoint at the next step boundary, so its loader workers must live on: a worker killed by USR1
+    made the DataLoader raise in the rank wherever it was (its checkpoint save included)."""
+    import multiprocessing as mp
+    import os
+    import signal
+    import time
+
+    want = _take(build_sft_dataloader(cfg, proc, seed=0, dp_rank=0, dp_size=1), 6)
+    cfg.num_workers = 1
+    it = iter(build_sft_dataloader(cfg, proc, seed=0, dp_rank=0, dp_size=1))
+    got = [next(it)]
+    workers = mp.active_children()
+    assert workers
+    for w in workers:
+        os.kill(w.pid, getattr(signal, signame))
+    time.sleep(0.5)  # a worker the signal ends is gone by now
+    got += [next(it) for _ in range(5)]
+    assert all(_equal(x, y) for x, y in zip(got, want))
+
+
 def test_bad_records_are_skipped_counted_and_the_run_goes_on(tmp_path, write_image, proc):
     good = write_image(tmp_path / "good.png")
     trunc = tmp_path / "trunc.png"

@@ -60,3 +60,34 @@ def test_rule_rewards_beside_a_reward_model_name_their_own_index(tmp_path):
     rewards = [ModelRewardConfig(path=str(tmp_path / "rm")), CustomRewardConfig(function="no_such_pkg_xyz.f")]
     with pytest.raises(ConfigError, match=r"^rl\.rewards\[1\]\.function: "):
         CombinedRewards(rewards, pool=dict(timeout_s=30.0, num_workers=1))
+
+
+def test_the_entry_point_searches_the_folder_the_job_starts_in_last(tmp_path, monkeypatch):
+    """The quick form of the test below: what launch/pretrain_vlm.py adds to sys.path when it is loaded."""
+    import importlib.util
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(tmp_path)])
+    spec = importlib.util.spec_from_file_location("entry_under_test", CONFIGS.parents[1] / "launch" / "pretrain_vlm.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    assert sys.path[-1] == str(tmp_path) and sys.path.count(str(tmp_path)) == 1
+
+
+@pytest.mark.heavy  # ~10-15 s: a whole --check through the command line, with a reward worker
+def test_a_reward_module_in_the_folder_the_job_starts_in_is_importable(tmp_path):
+    """Relative paths in a config are the folder the job starts in, but `python launch/pretrain_vlm.py` puts launch/ on
+    sys.path, not that folder: `function = "my_rewards.score"` next to the user's config failed ("No module named
+    'my_rewards'") unless they knew to set PYTHONPATH. The folder is searched last (it cannot shadow a package)."""
+    import os
+    import subprocess
+
+    (tmp_path / "cwd_reward_fns.py").write_text("def score(completion, answer, **kwargs):\n    return 1.0\n")
+    repo = CONFIGS.parents[1]
+    r = subprocess.run([sys.executable, str(repo / "launch" / "pretrain_vlm.py"), "--config",
+                        str(CONFIGS / "demo_grpo.toml"), "--check", "--device-memory-gib", "80",
+                        "--set", f'model.path="{tmp_path / "policy"}"', "--set", 'model.synthesize="tiny_qwen2_5_vl"',
+                        "--set", 'rl.rewards=[{type = "custom", function = "cwd_reward_fns.score"}]'],
+                       capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+                       env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "1 custom verifier(s) import in a reward worker" in r.stdout

@@ -34,6 +34,15 @@ def hard_crash(completion, answer, **kwargs):
     return 0.5
 
 
+def stop_request_then_score(completion, answer, **kwargs):
+    """SLURM's SIGUSR1 stop request reaches every process of the job step, reward workers included."""
+    import signal
+
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.2)
+    return 0.75
+
+
 def not_a_number(completion, answer, **kwargs):
     return float("nan")
 

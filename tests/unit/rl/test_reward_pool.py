@@ -91,6 +91,13 @@ def test_crashing_worker_is_replaced(pool):
     assert "died (exit code 7)" in res[1].detail
 
 
+def test_a_stop_request_signal_is_left_to_the_rank(pool):
+    """SIGUSR1 (a SLURM stop request, sent to every process of the step) asks the rank to checkpoint and stop; it
+    killed the worker mid-call instead (an error result, a replaced worker): the worker ignores it as it does TERM."""
+    res = pool.map([RewardCall("custom", "a", "", function=f"{FNS}.stop_request_then_score")])
+    assert [(r.status, r.value) for r in res] == [("ok", 0.75)], res
+
+
 def test_manager_weighted_sum_counts_and_warns(caplog):
     rewards = [
         MathRewardConfig(),

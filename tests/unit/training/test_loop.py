@@ -117,6 +117,31 @@ def test_stop_signal_saves_at_the_step_boundary_and_exits_143(tmp_path):
     assert steps.calls[-1] == ("finish",)
 
 
+def test_a_stop_request_is_not_held_up_by_a_periodic_evaluation(tmp_path):
+    """SLURM leaves the ranks `--signal=B:TERM@<s>` seconds (and torchrun its shutdown timeout) to save; a stop
+    raised during an evaluation step ran that evaluation (a GRPO evaluation can take minutes) before saving, and a
+    rank killed meanwhile lost every step since the last periodic checkpoint. A stop raised during the evaluation
+    itself still stops at that step."""
+    steps, ckpt = FakeSteps(), FakeCheckpointer(every=0)
+    code, logger = _run(tmp_path, steps, ckpt, total=10, stop_after=4, log_every=1, eval_every=2)
+    assert code == 143 and ckpt.saved == [(4, {"pos": 4})]
+    assert [c for c in steps.calls if c[0] == "eval"] == [("eval", 2)]  # not the evaluation of step 4
+
+    class StopDuringEval(FakeSteps):
+        def evaluate(self, step):
+            self.stop_now = True
+            return super().evaluate(step)
+
+    class Flag:
+        def should_stop(self, device):
+            return getattr(steps, "stop_now", False)
+
+    steps, ckpt = StopDuringEval(), FakeCheckpointer(every=0)
+    code = run_loop(_ctx(tmp_path, Flag()), steps, total_steps=10, checkpointer=ckpt, metrics=Logger(), log_every=1,
+                    eval_every=3)
+    assert code == 143 and steps.ran == [0, 1, 2] and ckpt.saved == [(3, {"pos": 3})]
+
+
 def test_stop_without_checkpoints_still_exits_143(tmp_path):
     steps, ckpt = FakeSteps(), FakeCheckpointer(enabled=False)
     code, _ = _run(tmp_path, steps, ckpt, total=10, stop_after=1, log_every=1)

@@ -77,3 +77,21 @@ def test_a_filesystem_without_locks_warns_and_goes_on(tmp_path, monkeypatch, cap
     with caplog.at_level("WARNING", logger="megatron_vlm"):
         claim_run_dir(tmp_path / "run").release()
     assert "not protected against a second job" in caplog.text
+
+
+def test_a_process_the_job_forked_does_not_keep_the_folder_locked(tmp_path):
+    """Forked helpers (DataLoader and length-pass workers) got a copy of the lock's descriptor: one that outlived its
+    job (the rank killed by the OOM killer, a worker stuck in a decode) kept the folder locked, and the requeued job
+    was refused as "in use by another job (pid <the dead rank>)"."""
+    run = tmp_path / "run"
+    code = (f"import os, time\nfrom megatron_vlm.training.run_lock import claim_run_dir\nclaim_run_dir({str(run)!r})\n"
+            "pid = os.fork()\nif pid == 0:\n    null = os.open(os.devnull, os.O_RDWR)\n"
+            "    for f in (0, 1, 2):\n        os.dup2(null, f)\n    time.sleep(60)\n    os._exit(0)\n"
+            "print(pid, flush=True)\nos._exit(0)\n")  # the job ends at once; its forked helper lives on
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    helper = int(r.stdout.split()[0])
+    try:
+        claim_run_dir(run).release()
+    finally:
+        os.kill(helper, 9)

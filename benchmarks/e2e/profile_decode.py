@@ -119,6 +119,18 @@ def ep_copy(model, device: str):
     return out
 
 
+def variant_list(text: str) -> list[tuple[str, str, frozenset]]:
+    """argparse type of --variants: (backend, cuda_graphs, flags) per comma-separated entry. Checked while parsing,
+    so that a lease command with a misspelt variant fails before anything is built (and the lease script's parse
+    test sees it)."""
+    parts = [v.split(":") for v in text.split(",") if v]
+    bad = [":".join(p) for p in parts if len(p) < 2 or p[1] not in ("on", "off", "auto")
+           or not set(p[2:]) <= {"shared", "fused", "ep"} or len(set(p[2:])) != len(p[2:])]
+    if bad or not parts:
+        raise argparse.ArgumentTypeError(f"backend:on|off|auto[:shared][:fused][:ep], comma-separated; got {bad or text!r}")
+    return [(p[0], p[1], frozenset(p[2:])) for p in parts]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU (smoke test)")
@@ -127,7 +139,7 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=8, help="new tokens of the short call")
     ap.add_argument("--steps", type=int, default=48, help="extra decode steps of the long call")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--variants", default="triton:on,torch:on,triton:off,torch:off",
+    ap.add_argument("--variants", type=variant_list, default=variant_list("triton:on,torch:on,triton:off,torch:off"),
                     help="decode_attention backend:cuda_graphs pairs, comma-separated; further parts: 'shared' reads a "
                          "group's shared prompt through one copy (EngineOptions.share_prefix_reads), 'fused' runs q / k / v "
                          "as one GEMM (EngineOptions.fuse_projections) and writes keys / values in one launch "
@@ -149,12 +161,7 @@ def main() -> None:
         args.short, args.steps, args.rounds = 2, 4, 1
     else:
         cfg, dtype, grid, text_tokens = qwen2_5_vl_3b_config(), torch.bfloat16, (1, 56, 64), 104
-        parts = [v.split(":") for v in args.variants.split(",") if v]
-        bad = [":".join(p) for p in parts if len(p) < 2 or p[1] not in ("on", "off", "auto")
-               or not set(p[2:]) <= {"shared", "fused", "ep"} or len(set(p[2:])) != len(p[2:])]
-        if bad:
-            ap.error(f"--variants: backend:on|off|auto[:shared][:fused][:ep], got {bad}")
-        variants = [(p[0], p[1], frozenset(p[2:])) for p in parts]
+        variants = args.variants
     if args.moe_slice:
         from tests.fixtures.real_configs import real_config
 

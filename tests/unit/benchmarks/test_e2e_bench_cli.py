@@ -151,3 +151,20 @@ def test_paged_pool_rows_per_step_count_replayed_graph_steps(tmp_path, monkeypat
         eager, replayed = got["eager"][engine], got["replayed"][engine]
         assert replayed["tokens"] == eager["tokens"]
         assert replayed["mean_rows_per_step"] == eager["mean_rows_per_step"] > 0, engine
+
+
+def test_a_misspelt_decode_variant_is_refused_at_parse_time(monkeypatch, capsys):
+    """profile_decode.py's --variants is checked by its argparse type, so the lease script's parse test
+    (tests/unit/benchmarks/test_gpu_wave3.py) catches a misspelt variant in a lease command, not the lease."""
+    script = E2E / "profile_decode.py"
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):  # as the lease script's parse test stops it
+        raise _Parsed(original(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    monkeypatch.setattr(sys, "path", [str(E2E), *sys.path])
+    monkeypatch.setattr(sys, "argv", [str(script), "--variants", "triton:on,triton:on:fusd"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(script), run_name="__main__")
+    assert e.value.code == 2 and "triton:on:fusd" in capsys.readouterr().err

@@ -424,8 +424,12 @@ def test_layout_translation_matches_deep_ep_layout(fake_deep_ep):
 
 def test_unsupported_cases_use_the_torch_all_to_all_and_say_why(fake_deep_ep, monkeypatch, caplog):
     called = []
-    monkeypatch.setattr("megatron_vlm.parallel.expert_parallel.all_to_all_forward",
-                        lambda *a: called.append(a[0].ep_size) or "torch path")
+    torch_path = lambda *a: called.append(a[0].ep_size) or "torch path"  # noqa: E731
+    # the fallback is the registry's `torch` backend, loaded (and cached) once per process: patched there, not in its
+    # module (an earlier test of the same process may have loaded the real function already)
+    real = adapter.DEFAULT_REGISTRY.implementation
+    monkeypatch.setattr(adapter.DEFAULT_REGISTRY, "implementation",
+                        lambda op, name: torch_path if (op, name) == ("moe_ep_dispatch", "torch") else real(op, name))
 
     def experts(ep, n_local=2):
         return types.SimpleNamespace(ep_size=ep, num_local_experts=n_local)

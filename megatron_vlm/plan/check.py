@@ -226,6 +226,7 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
             else:
                 lines.append(f"rollout    {per_rank} prompts per rank and step x group {group}, {rollout_prompts * group} sequences "
                              f"at once ({rollout_prompts} prompts' slots of {tokens} positions), refilled as completions end")
+            lines.append(decode_line(rl, model, rollout_ranks=bool(rollout_ranks)))
         route_lines, routes_bytes = routes_plan(model, rl, per_rank_prompts=per_rank, batch_prompts=rollout_prompts,
                                                 max_tokens=tokens)
         lines += route_lines
@@ -330,6 +331,23 @@ def copy_hint(cfg, copy_bytes: float, peak: float, device_memory_gib: float) -> 
     return [f"  hint: rl.rollout.weights = \"copy\" fits too (peak {gib(with_copy)} of {device_memory_gib:g} GiB): an own "
             "copy of the policy decodes without gathering weights at every step, in CUDA graphs on a GPU "
             "(rl.rollout.cuda_graphs = \"auto\"); \"shared\" runs eager lock-step steps"]
+
+
+def decode_line(rl, model, *, rollout_ranks: bool) -> str:
+    """How the built-in engine's decode steps will run: in CUDA graphs on a GPU, or eager, and why (the choice
+    `rl.rollout.cuda_graphs` and `rl.rollout.weights` make; the step's speed differs several-fold on a GPU)."""
+    from megatron_vlm.inference.policy_engine import cuda_graphs_blocker
+
+    mode = rl.rollout.cuda_graphs
+    if mode == "off":
+        return "decode     eager steps (rl.rollout.cuda_graphs = 'off')"
+    if not rollout_ranks and rl.rollout.weights == "shared":
+        return ("decode     eager lock-step steps through the trainer's FSDP model (rl.rollout.weights = 'shared'; "
+                "an own copy, 'copy', decodes in CUDA graphs on a GPU)")
+    why_not = cuda_graphs_blocker(model)
+    if why_not:
+        return f"decode     eager steps: {why_not}"
+    return f"decode     CUDA graphs on a GPU (rl.rollout.cuda_graphs = {mode!r}), eager on a CPU"
 
 
 def rollout_rank_lines(cfg, shape, *, compute_bytes: int, batch_prompts: int, group: int, tokens: int, kv_slots: int,

@@ -351,3 +351,23 @@ def test_check_says_when_an_own_rollout_copy_fits_instead_of_shared_weights(qwen
     assert run_check(load_config(CONFIGS / "qwen2_5_vl_3b_geometry3k_dapo.toml", sets + ['rl.rollout.weights="shared"']),
                      world_size=8, device_memory_gib=tight, out=out_tight, err=io.StringIO()) == 0
     assert "hint:" not in out_tight.getvalue()
+
+
+@pytest.mark.parametrize("sets,decode", [
+    ([], "decode     CUDA graphs on a GPU (rl.rollout.cuda_graphs = 'auto'), eager on a CPU"),  # the recipe's copy
+    (['rl.rollout.weights="shared"'], "decode     eager lock-step steps through the trainer's FSDP model"),
+    (['rl.rollout.cuda_graphs="off"'], "decode     eager steps (rl.rollout.cuda_graphs = 'off')"),
+])
+def test_check_says_how_the_rollout_decodes(qwen2_5_vl_3b, sets, decode):
+    """The decode step's form decides its speed on a GPU several-fold (eager steps are host-bound): --check names it
+    and what chose it."""
+    code, out, err = _check(CONFIGS / "qwen2_5_vl_3b_geometry3k_dapo.toml", [f'model.path="{qwen2_5_vl_3b}"', *sets], 8)
+    assert code == 0, err
+    assert [line for line in out.splitlines() if line.startswith("decode")] == [line for line in out.splitlines()
+                                                                                 if line.startswith(decode)], out
+    assert any(line.startswith(decode) for line in out.splitlines()), out
+
+
+def test_check_of_asynchronous_rollout_ranks_says_they_decode_in_graphs(qwen2_5_vl_3b):
+    code, out, err = _check(CONFIGS / "qwen2_5_vl_3b_geometry3k_grpo.toml", [f'model.path="{qwen2_5_vl_3b}"'], 8)
+    assert code == 0 and "decode     CUDA graphs on a GPU (rl.rollout.cuda_graphs = 'auto')" in out, out + err

@@ -3,6 +3,10 @@
 npu_rms_norm(x, gamma, epsilon) -> (y, rstd); npu_add_rms_norm(x1, x2, gamma, epsilon) ->
 (y, rstd, x1 + x2), the fused residual add (the normalised input is the sum, as in our contract).
 gamma must have x's dtype on the device, so the weight is cast to it.
+
+npu_add_rms_norm has no derivative (torch_npu registers torch's not-implemented autograd fallback for it:
+a backward through its outputs raises), so it is taken only when no gradient is needed (inference, rollouts);
+a training forward adds in torch and normalises with npu_rms_norm, which has a backward.
 """
 from typing import Optional, Union
 
@@ -23,5 +27,9 @@ def rms_norm(
         return torch_npu.npu_rms_norm(x, gamma, epsilon=float(eps))[0]
     if residual.shape != x.shape:
         raise ValueError(f"rms_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-    y, _, summed = torch_npu.npu_add_rms_norm(x, residual.to(x.dtype), gamma, float(eps))
+    residual = residual.to(x.dtype)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, residual, gamma)):
+        summed = x + residual
+        return torch_npu.npu_rms_norm(summed, gamma, epsilon=float(eps))[0], summed
+    y, _, summed = torch_npu.npu_add_rms_norm(x, residual, gamma, float(eps))
     return y, summed

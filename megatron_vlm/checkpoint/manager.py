@@ -69,7 +69,17 @@ def rng_state() -> dict:
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
+    npu = _npu_module()
+    if npu is not None:
+        state["npu"] = npu.get_rng_state()
     return state
+
+
+def _npu_module():
+    """`torch.npu` (registered by torch_npu) when an NPU is usable, else None: its generator drives the LoRA /
+    model dropout of an NPU run, so a resume must restore it as the CUDA one is."""
+    npu = getattr(torch, "npu", None)
+    return npu if npu is not None and npu.is_available() else None
 
 
 def set_rng_state(state: dict) -> None:
@@ -79,6 +89,9 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+    npu = _npu_module()
+    if "npu" in state and npu is not None:
+        npu.set_rng_state(state["npu"])
 
 
 def list_complete(ckpt_root: Path) -> list[tuple[int, Path]]:

@@ -15,7 +15,9 @@ from our reference code. Install with `install(monkeypatch)`: a fake `torch_npu`
   mask. D must be a multiple of 16; N1 a multiple of N2. Rows with nothing to attend output 0
   (the op's invalid-row handling).
 - `npu_rms_norm(self, gamma, epsilon=1e-6)` -> (y, rstd); gamma has self's dtype.
-- `npu_add_rms_norm(x1, x2, gamma, epsilon=1e-6)` -> (y, rstd, x1 + x2).
+- `npu_add_rms_norm(x1, x2, gamma, epsilon=1e-6)` -> (y, rstd, x1 + x2); no derivative: op-plugin registers
+  torch's `autogradNotImplementedFallback` for it (AutogradErrorFallback.cpp), so the forward runs and a backward
+  through its outputs raises "derivative for ... is not implemented".
 - `npu_rotary_mul(input, r1, r2, rotary_mode="half")`: 4-D input; output = r1 * input + r2 *
   rotate(input), rotate = cat(-x2, x1) of the halves ("half") or stack(-x[1::2], x[::2])
   interleaved ("interleave"); D even.
@@ -126,9 +128,26 @@ def npu_rms_norm(self, gamma, epsilon=1e-6):
     return (x * rstd * gamma.float()).to(self.dtype), rstd
 
 
+class _NotImplementedBackward(torch.autograd.Function):
+    """Identity forward whose backward raises, as torch's autogradNotImplementedFallback does."""
+
+    @staticmethod
+    def forward(ctx, name, *outputs):
+        ctx.name = name
+        return tuple(o.clone() for o in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(f"derivative for npu::{ctx.name} is not implemented")
+
+
 def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-6):
-    x = x1 + x2
-    y, rstd = npu_rms_norm(x, gamma, epsilon)
+    with torch.no_grad():
+        x = x1 + x2
+        y, rstd = npu_rms_norm(x, gamma, epsilon)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x1, x2, gamma)):
+        anchor = (x1.sum() + x2.sum() + gamma.sum()) * 0  # ties the outputs to the inputs in the graph
+        y, rstd, x = _NotImplementedBackward.apply("npu_add_rms_norm", y + anchor, rstd, x + anchor)
     return y, rstd, x
 
 

@@ -11,12 +11,15 @@
   group_list_type=0, ...)`: x a list holding one `[M, K]` tensor split along M by group_list
   (group_type=0), weight a list of E `[K, N]` tensors; group_list_type 0 = cumulative ends,
   1 = per-group counts; split_item 2/3 = one output tensor `[M, N]`. Rows past the last group are
-  not written by the device op; the emulator leaves them zero.
+  not written by the device op; the emulator leaves them zero. It has no derivative (no entry in op-plugin's
+  derivatives.yaml; users wrap it in their own autograd.Function): torch's default autograd fallback warns at
+  backward and gives its inputs no gradient, which the emulator reproduces.
 
 Install with `install(monkeypatch)`: a fake `torch_npu` module in sys.modules.
 """
 import sys
 import types
+import warnings
 
 import torch
 
@@ -50,8 +53,32 @@ def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_
     return out
 
 
+class _WarnNotImplemented(torch.autograd.Function):
+    """torch's autograd fallback ("warn" mode) for an op without a derivative: the backward warns and the
+    inputs get no gradient."""
+
+    @staticmethod
+    def forward(ctx, out, *inputs):
+        ctx.num_inputs = len(inputs)
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        warnings.warn("npu_grouped_matmul: an autograd kernel was not registered to the Autograd key(s)", stacklevel=2)
+        return (None,) * (1 + ctx.num_inputs)
+
+
 def npu_grouped_matmul(x, weight, *, bias=None, group_list=None, split_item=0, group_type=None,
                        group_list_type=0, **unused):
+    inputs = [t for t in (*x, *weight) if t.requires_grad]
+    with torch.no_grad():
+        (out,) = _grouped_matmul(x, weight, bias, group_list, split_item, group_type, group_list_type)
+    if torch.is_grad_enabled() and inputs:
+        out = _WarnNotImplemented.apply(out, *inputs)
+    return [out]
+
+
+def _grouped_matmul(x, weight, bias, group_list, split_item, group_type, group_list_type):
     if len(x) != 1 or group_type != 0 or split_item not in (2, 3):
         raise NotImplementedError("emulator covers one x tensor split along M with one output tensor")
     (inp,) = x

@@ -130,3 +130,21 @@ def test_npu_attention_bad_cu_seqlens_raise(torch_npu, cu):
     q, k, v = (torch.randn(8, 2, 64) for _ in range(3))
     with pytest.raises(ValueError, match="cu_seqlens"):
         npu_attention.attention(q, k, v, causal=True, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32))
+
+
+def test_npu_rms_norm_residual_trains(torch_npu):
+    """The decoder's fused residual add (models/common/decoder.py) is trained: npu_add_rms_norm has no derivative
+    (torch_npu registers the not-implemented autograd fallback for it), so a backward through it raised."""
+    x, r, w = (torch.randn(*s, requires_grad=True) for s in ((3, 5, 24), (3, 5, 24), (24,)))
+    y, s = npu_rms_norm.rms_norm(x, w, 1e-6, residual=r)
+    y_ref, s_ref = reference.rms_norm(x, w, 1e-6, residual=r)
+    _close(y, y_ref)
+    _close(s, s_ref)
+    gy, gs = torch.randn_like(y), torch.randn_like(s)
+    got = torch.autograd.grad((y, s), (x, r, w), (gy, gs))
+    want = torch.autograd.grad((y_ref, s_ref), (x, r, w), (gy, gs))
+    for a, b in zip(got, want):
+        _close(a, b, 1e-4)
+    with torch.no_grad():  # inference keeps the fused op
+        y, s = npu_rms_norm.rms_norm(x, w, 1e-6, residual=r)
+    _close(y, y_ref)

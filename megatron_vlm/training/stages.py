@@ -11,7 +11,8 @@ the main sections) and:
 
 - `train.output_dir` = `<output_dir>/<stage name>` (its own checkpoints, metrics and `hf/` export);
 - `model.path` = the previous stage's `<output_dir>/<previous name>/hf` (the first stage uses
-  `model.path`, synthesized when `model.synthesize` says so);
+  `model.path`, synthesized when `model.synthesize` says so); `lora.init_from` is the first stage's
+  start only (a later stage's model, the previous export, has that adapter merged in already);
 - a fresh optimizer and schedule (a new run folder); `checkpoint.resume = "auto"` applies per stage,
   so an interrupted stage continues from its newest checkpoint and a finished stage (its `hf/`
   export is complete: exports are put in place atomically) is skipped when the command runs again.
@@ -99,6 +100,8 @@ def stage_overrides(raw: dict, stages: list[StageConfig], index: int) -> dict:
         model["path"] = str(stage_dir(raw["train"]["output_dir"], stages[index - 1]) / "hf")
         model.pop("synthesize", None)
         out["model"] = model
+        if out.get("lora"):  # the previous export holds the init_from adapter already (merged): not loaded twice
+            out["lora"] = {k: v for k, v in out["lora"].items() if k not in ("init_from", "init_from_mode")}
     out["data"], out["train"] = data, train
     return out
 

@@ -72,3 +72,12 @@ def test_stage_error_exits_2_on_check(tmp_path, capsys):
     assert e.value.code == 2
     assert "config error: stages[1].train_layers: cannot be combined with [lora]" in capsys.readouterr().err
 
+
+def test_lora_init_from_is_the_first_stage_start_only():
+    """Stage 2 starts from stage 1's export, which already holds the `lora.init_from` adapter (merged
+    with what stage 1 trained on it): loading that adapter again would apply it twice."""
+    cfg = load_config_dict({**BASE, "train": {**BASE["train"], "train_layers": []},
+                            "lora": {"r": 4, "init_from": "/a", "init_from_mode": "merge"}})
+    s1, s2 = (load_config_dict(stage_overrides(to_dict(cfg), cfg.stages, i)) for i in (0, 1))
+    assert (s1.lora.init_from, s1.lora.init_from_mode) == ("/a", "merge")
+    assert (s2.lora.init_from, s2.lora.init_from_mode, s2.lora.r) == ("", "continue", 4)

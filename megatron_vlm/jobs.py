@@ -63,7 +63,7 @@ from megatron_vlm.training.reward.build import build_reward_bundle, reward_secti
 from megatron_vlm.training.reward.export import RewardCheckpointer
 from megatron_vlm.training.reward.step import RewardEvaluator, RewardStep
 from megatron_vlm.training.sft import SFTStep, build_train_loader, prepare_sft_data, steps_per_epoch
-from megatron_vlm.training.stages import stage_configs
+from megatron_vlm.training.stages import stage_configs, stage_error
 
 __all__ = ["run_sft", "run_grpo", "run_dpo", "run_reward", "run_stages", "run_eval", "run_kind"]
 
@@ -195,7 +195,10 @@ def run_stages(ctx: RunContext, *, before_step=None) -> int:
             run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, run_dir / "config.toml")
         barrier()
-        code = run_sft(RunContext(cfg=cfg, env=ctx.env, run_dir=run_dir, stop=ctx.stop), before_step=before_step)
+        try:  # an error found once the stage's model is built (train_layers patterns) names the stage key
+            code = run_sft(RunContext(cfg=cfg, env=ctx.env, run_dir=run_dir, stop=ctx.stop), before_step=before_step)
+        except ConfigError as e:
+            raise ConfigError(stage_error(str(e), stage, i)) from None
         if code != 0:
             return code
         barrier()

@@ -33,7 +33,7 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from megatron_vlm.config import load_config_dict, save_config
+from megatron_vlm.config import save_config
 from megatron_vlm.config.loader import ConfigError, to_dict
 from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
 from megatron_vlm.config.sections import LoRAConfig
@@ -63,7 +63,7 @@ from megatron_vlm.training.reward.build import build_reward_bundle, reward_secti
 from megatron_vlm.training.reward.export import RewardCheckpointer
 from megatron_vlm.training.reward.step import RewardEvaluator, RewardStep
 from megatron_vlm.training.sft import SFTStep, build_train_loader, prepare_sft_data, steps_per_epoch
-from megatron_vlm.training.stages import stage_overrides
+from megatron_vlm.training.stages import stage_configs, stage_error
 
 __all__ = ["run_sft", "run_grpo", "run_dpo", "run_reward", "run_stages", "run_eval", "run_kind"]
 
@@ -182,11 +182,8 @@ def run_grpo(ctx: RunContext, *, before_step=None) -> int:
 def run_stages(ctx: RunContext, *, before_step=None) -> int:
     """Run the `[[stages]]` in order (training/stages.py); stops at the first stage that does not
     finish (its exit code)."""
-    raw = to_dict(ctx.cfg)
     stages = ctx.cfg.stages
-    configs = [load_config_dict(stage_overrides(raw, stages, i)) for i in range(len(stages))]
-    for cfg in configs:  # every stage's keys checked before the first one trains
-        check_keys_for_mode(cfg)
+    configs = stage_configs(ctx.cfg, check=check_keys_for_mode)  # every stage checked before the first one trains
     for i, (stage, cfg) in enumerate(zip(stages, configs)):
         run_dir = Path(cfg.train.output_dir)
         if (run_dir / "hf" / "config.json").is_file():
@@ -198,7 +195,10 @@ def run_stages(ctx: RunContext, *, before_step=None) -> int:
             run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, run_dir / "config.toml")
         barrier()
-        code = run_sft(RunContext(cfg=cfg, env=ctx.env, run_dir=run_dir, stop=ctx.stop), before_step=before_step)
+        try:  # an error found once the stage's model is built (train_layers patterns) names the stage key
+            code = run_sft(RunContext(cfg=cfg, env=ctx.env, run_dir=run_dir, stop=ctx.stop), before_step=before_step)
+        except ConfigError as e:
+            raise ConfigError(stage_error(str(e), stage, i)) from None
         if code != 0:
             return code
         barrier()

@@ -172,7 +172,16 @@ def _check_data_source_keys(cfg: Config) -> None:
 
 
 def check_keys_for_mode(cfg: Config) -> None:
-    """Raise ConfigError naming the first key that this job kind would ignore."""
+    """Raise ConfigError naming the first key that this job kind would ignore; with `[[stages]]`, also
+    the first such key (or failed check) of each stage's own config, named as the stage key."""
+    _check_keys(cfg)
+    if getattr(cfg, "stages", None) and cfg.train.mode == "sft":
+        from megatron_vlm.training.stages import stage_configs
+
+        stage_configs(cfg, check=_check_keys)
+
+
+def _check_keys(cfg: Config) -> None:
     if cfg.train.mode == "eval":
         _check_eval_keys(cfg)
         return

@@ -25,8 +25,7 @@ from typing import Optional, TextIO
 
 import torch
 
-from megatron_vlm.config import load_config_dict
-from megatron_vlm.config.loader import ConfigError, to_dict
+from megatron_vlm.config.loader import ConfigError
 from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
 from megatron_vlm.inference.kv_budget import rollout_prompts_for_budget
 from megatron_vlm.parallel.tensor_parallel import TPError, check_tp_divides
@@ -35,7 +34,7 @@ from megatron_vlm.plan.routes import routes_plan
 from megatron_vlm.plan.side_models import SideModelRefused, side_models_plan
 from megatron_vlm.rl.asynchronous.allocation import parse_allocation
 from megatron_vlm.rl.prompts.lengths import check_generation_budget
-from megatron_vlm.training.stages import stage_overrides
+from megatron_vlm.training.stages import stage_configs
 
 __all__ = ["run_check", "CheckFailed"]
 
@@ -432,13 +431,7 @@ def _stage_configs(cfg) -> list:
     model is the previous stage's export of the same architecture, not there before the run)."""
     if not getattr(cfg, "stages", None):
         return []
-    raw = to_dict(cfg)
-    out = []
-    for i in range(len(cfg.stages)):
-        stage = stage_overrides(raw, cfg.stages, i)
-        stage["model"] = dict(raw["model"])
-        out.append(load_config_dict(stage))
-    return out
+    return [dataclasses.replace(stage_cfg, model=cfg.model) for stage_cfg in stage_configs(cfg)]
 
 
 def _custom_reward_lines(cfg) -> list[str]:

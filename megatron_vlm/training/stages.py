@@ -11,21 +11,24 @@ the main sections) and:
 
 - `train.output_dir` = `<output_dir>/<stage name>` (its own checkpoints, metrics and `hf/` export);
 - `model.path` = the previous stage's `<output_dir>/<previous name>/hf` (the first stage uses
-  `model.path`, synthesized when `model.synthesize` says so);
+  `model.path`, synthesized when `model.synthesize` says so); `lora.init_from` is the first stage's
+  start only (a later stage's model, the previous export, has that adapter merged in already);
 - a fresh optimizer and schedule (a new run folder); `checkpoint.resume = "auto"` applies per stage,
   so an interrupted stage continues from its newest checkpoint and a finished stage (its `hf/`
   export is complete: exports are put in place atomically) is skipped when the command runs again.
 
-`stage_overrides` is the pure part (dict edits on the resolved config); `megatron_vlm.jobs.run_stages`
-runs the stages.
+`stage_overrides` is the pure part (dict edits on the resolved config); `stage_configs` loads and
+checks every stage's config (an error names the stage key that caused it, `stages[1].train_layers`);
+`megatron_vlm.jobs.run_stages` runs the stages.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
-__all__ = ["StageConfig", "stage_overrides", "stage_dir"]
+__all__ = ["StageConfig", "stage_overrides", "stage_dir", "stage_configs"]
 
 
 @dataclass(kw_only=True)
@@ -97,5 +100,45 @@ def stage_overrides(raw: dict, stages: list[StageConfig], index: int) -> dict:
         model["path"] = str(stage_dir(raw["train"]["output_dir"], stages[index - 1]) / "hf")
         model.pop("synthesize", None)
         out["model"] = model
+        if out.get("lora"):  # the previous export holds the init_from adapter already (merged): not loaded twice
+            out["lora"] = {k: v for k, v in out["lora"].items() if k not in ("init_from", "init_from_mode")}
     out["data"], out["train"] = data, train
+    return out
+
+
+# the run-config key each stage key sets (stage_overrides), to name a stage's error as the user wrote it
+STAGE_KEYS = {"data.train_path": "train_path", "data.eval_path": "eval_path", "data.max_frames": "max_frames",
+              "data.max_tokens_per_pack": "max_tokens_per_pack", "train.max_steps": "max_steps",
+              "train.epochs": "epochs", "train.train_layers": "train_layers", "optimizer.lr": "lr"}
+
+
+def stage_error(msg: str, stage: StageConfig, index: int) -> str:
+    """A stage config's error named after the stage key behind it: the key the message starts with
+    (or else the first one it mentions) when this stage sets it, else `stages[i] (<name>)`."""
+    head, sep, rest = msg.partition(": ")
+    key = STAGE_KEYS.get(head)
+    if sep and key is not None and getattr(stage, key) is not None:
+        return f"stages[{index}].{key}: {rest}"
+    named = next((k for dotted, k in STAGE_KEYS.items() if dotted in msg and getattr(stage, k) is not None), None)
+    return f"stages[{index}].{named}: {msg}" if named else f"stages[{index}] ({stage.name}): {msg}"
+
+
+def stage_configs(cfg: Any, check: Optional[Callable[[Any], None]] = None) -> list:
+    """Every stage's Config (`stage_overrides` loaded, then `check(stage_cfg)` if given); a ConfigError
+    of one is raised again naming the stage key that caused it (`stage_error`), so a stage key that
+    only fails combined with the main sections (train_layers with [lora]) is refused at load and by
+    `--check`, before any stage trains."""
+    from megatron_vlm.config import ConfigError, load_config_dict
+    from megatron_vlm.config.loader import to_dict
+
+    raw = to_dict(cfg)
+    out = []
+    for i, stage in enumerate(cfg.stages):
+        try:
+            stage_cfg = load_config_dict(stage_overrides(raw, cfg.stages, i))
+            if check is not None:
+                check(stage_cfg)
+        except ConfigError as e:
+            raise ConfigError(stage_error(str(e), stage, i)) from None
+        out.append(stage_cfg)
     return out

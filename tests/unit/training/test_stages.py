@@ -2,11 +2,18 @@
 the model) and the refusals of combinations that cannot work."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from megatron_vlm.config import ConfigError, load_config_dict
 from megatron_vlm.config.loader import to_dict
+from megatron_vlm.config.mode_keys import check_keys_for_mode
 from megatron_vlm.training.stages import stage_overrides
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "launch"))
+import pretrain_vlm  # noqa: E402
 
 BASE = {"model": {"path": "/m", "synthesize": "tiny_internvl"}, "data": {"max_frames": 16, "image_root": "/d"},
         "train": {"output_dir": "/runs/c", "epochs": 1, "train_layers": ["^visual"]}, "optimizer": {"lr": 4e-5},
@@ -38,3 +45,39 @@ def test_stage_configs():
 def test_stage_refusals(change, match):
     with pytest.raises(ConfigError, match=match):
         load_config_dict({**BASE, **change})
+
+
+@pytest.mark.parametrize("stage_change, extra, match", [
+    ({"train_layers": ["^visual"]}, {"lora": {"r": 4}}, r"^stages\[1\]\.train_layers: cannot be combined with \[lora\]"),
+    ({"max_tokens_per_pack": 1}, {}, r"^stages\[1\]\.max_tokens_per_pack: must be >= 16"),
+    ({"max_tokens_per_pack": 8194}, {"parallel": {"cp": 2}}, r"^stages\[1\]\.max_tokens_per_pack: .*divisible"),
+])
+def test_a_stage_error_names_the_stage_key(stage_change, extra, match, tmp_path, capsys):
+    """A stage key that only fails in its stage's config (with a main-section key) is named as the
+    user wrote it (`stages[1].train_layers`), at load / `--check`, before any stage trains."""
+    stages = [BASE["stages"][0], {**BASE["stages"][1], **stage_change}]
+    cfg = load_config_dict({**BASE, **extra, "train": {**BASE["train"], "train_layers": []}, "stages": stages})
+    with pytest.raises(ConfigError, match=match):
+        check_keys_for_mode(cfg)
+
+
+def test_stage_error_exits_2_on_check(tmp_path, capsys):
+    path = tmp_path / "c.toml"
+    path.write_text('[model]\npath = "/m"\nsynthesize = "tiny_internvl"\n[data]\ntype = "messages_jsonl"\n'
+                    f'[train]\noutput_dir = "{tmp_path}/r"\nmax_steps = 2\n[lora]\nr = 4\n'
+                    '[[stages]]\nname = "a"\ntrain_path = "/x"\n[[stages]]\nname = "b"\ntrain_path = "/y"\n'
+                    'train_layers = ["^visual"]\n')
+    with pytest.raises(SystemExit) as e:
+        pretrain_vlm.main(["--config", str(path), "--check", "--device-memory-gib", "80"])
+    assert e.value.code == 2
+    assert "config error: stages[1].train_layers: cannot be combined with [lora]" in capsys.readouterr().err
+
+
+def test_lora_init_from_is_the_first_stage_start_only():
+    """Stage 2 starts from stage 1's export, which already holds the `lora.init_from` adapter (merged
+    with what stage 1 trained on it): loading that adapter again would apply it twice."""
+    cfg = load_config_dict({**BASE, "train": {**BASE["train"], "train_layers": []},
+                            "lora": {"r": 4, "init_from": "/a", "init_from_mode": "merge"}})
+    s1, s2 = (load_config_dict(stage_overrides(to_dict(cfg), cfg.stages, i)) for i in (0, 1))
+    assert (s1.lora.init_from, s1.lora.init_from_mode) == ("/a", "merge")
+    assert (s2.lora.init_from, s2.lora.init_from_mode, s2.lora.r) == ("", "continue", 4)

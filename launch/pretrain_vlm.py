@@ -14,6 +14,7 @@ success, error and Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import os
 import sys
@@ -85,7 +86,10 @@ def main(argv=None, *, before_step=None, description: Optional[str] = None) -> i
     if args.check:
         from megatron_vlm.plan.check import run_check
 
-        return run_check(cfg, world_size=args.world_size, device_memory_gib=args.device_memory_gib)
+        # under torchrun every rank plans the same run: rank 0 prints the plan, every rank exits with its code
+        quiet = int(os.environ.get("RANK", 0)) != 0
+        out, err = (io.StringIO(), io.StringIO()) if quiet else (sys.stdout, sys.stderr)
+        return run_check(cfg, world_size=args.world_size, device_memory_gib=args.device_memory_gib, out=out, err=err)
     rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,

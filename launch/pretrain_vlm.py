@@ -14,6 +14,7 @@ success, error and Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import os
 import sys
@@ -31,6 +32,28 @@ from megatron_vlm.config import ConfigError, load_config  # noqa: E402
 from megatron_vlm.config.loader import die  # noqa: E402
 from megatron_vlm.config.mode_keys import check_keys_for_mode  # noqa: E402
 from megatron_vlm.runner import exit_process, run_job  # noqa: E402
+
+LAUNCHER_VARIABLES = {"WORLD_SIZE": 1, "RANK": 0, "LOCAL_RANK": 0}
+"""The variables torchrun sets for each rank, and the least value each may take."""
+
+
+def check_launcher_variables() -> None:
+    """Exit 2 naming a WORLD_SIZE / RANK / LOCAL_RANK that is not a whole number at least its least value.
+
+    Why: they are read with int() in several places (the --world-size default, the log prefix, the process
+    group); a value set by hand or by a wrapper script ended in a ValueError traceback from whichever came first."""
+    for name, least in LAUNCHER_VARIABLES.items():
+        value = os.environ.get(name)
+        if value is None:
+            continue
+        try:
+            ok = int(value) >= least
+        except ValueError:
+            ok = False
+        if not ok:
+            print(f"error: environment variable {name}={value!r} is not a whole number >= {least} (torchrun sets "
+                  "WORLD_SIZE, RANK and LOCAL_RANK for each rank; unset them for a one-process run)", file=sys.stderr)
+            raise SystemExit(2)
 
 
 def parse_args(argv=None, description: str = "Train or evaluate a vision-language model (SFT, GRPO, DPO or eval)."):
@@ -53,6 +76,7 @@ def main(argv=None, *, before_step=None, description: Optional[str] = None) -> i
     """Parse, load and run; `before_step(n)` is passed to the training loop (tests only: see
     tests/integration/fault_entry.py); `description`: the help text of another entry point
     (launch/evaluate.py)."""
+    check_launcher_variables()
     args = parse_args(argv, description) if description else parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -62,7 +86,10 @@ def main(argv=None, *, before_step=None, description: Optional[str] = None) -> i
     if args.check:
         from megatron_vlm.plan.check import run_check
 
-        return run_check(cfg, world_size=args.world_size, device_memory_gib=args.device_memory_gib)
+        # under torchrun every rank plans the same run: rank 0 prints the plan, every rank exits with its code
+        quiet = int(os.environ.get("RANK", 0)) != 0
+        out, err = (io.StringIO(), io.StringIO()) if quiet else (sys.stdout, sys.stderr)
+        return run_check(cfg, world_size=args.world_size, device_memory_gib=args.device_memory_gib, out=out, err=err)
     rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,

@@ -5,7 +5,13 @@ checkpoint save / HF export (the previous checkpoint intact); 2 a missing model 
 `train.output_dir` that another job holds, `logging.wandb = true` without the wandb package (training/run_lock.py), is a file or cannot be written, a
 config error found once the model is built (including a `parallel.tp` the model's heads / MLP /
 vocabulary do not divide) or a checkpoint that cannot be resumed (one line on stderr); 143 stopped by
-SIGTERM / SIGUSR1 after a checkpoint; 130 Ctrl-C."""
+SIGTERM / SIGUSR1 after a checkpoint; 130 Ctrl-C.
+
+A job that ends with 0 leaves `<run folder>/finished` (FINISHED_FILE), removed when a job starts in the folder:
+a stop signal that comes after the last step (during the final evaluation or export) is not acted on, so the
+job finishes, but torchrun, which was signalled too, exits 1 all the same. launch/slurm/train.sbatch reads the
+file instead of the exit status, so that it does not requeue a finished run (the requeued job would resume at
+the last step only to evaluate and export again)."""
 from __future__ import annotations
 
 import importlib.util
@@ -28,9 +34,12 @@ from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.run_lock import claim_run_dir
 from megatron_vlm.training.step_guard import NonFiniteStepError
 
-__all__ = ["exit_process", "run_job"]
+__all__ = ["FINISHED_FILE", "exit_process", "run_job"]
 
 log = logging.getLogger("megatron_vlm")
+
+FINISHED_FILE = "finished"
+"""Written into the run folder by a job that ended with 0 (read by launch/slurm/train.sbatch)."""
 
 
 def _prepare_model_folder(cfg, env) -> None:
@@ -82,6 +91,7 @@ def run_job(cfg, *, before_step=None) -> int:
         if env.is_main and not rollout_rank:
             try:
                 lock = claim_run_dir(run_dir)  # one writer per run folder (training/run_lock.py)
+                (run_dir / FINISHED_FILE).unlink(missing_ok=True)  # an earlier job's: this one has not finished
                 # an evaluation never overwrites the config.toml of a training run it is pointed at
                 save_config(cfg, run_dir / ("eval_config.toml" if cfg.train.mode == "eval" else "config.toml"))
             except (ConfigError, OSError) as e:
@@ -107,6 +117,8 @@ def run_job(cfg, *, before_step=None) -> int:
         # got here: after an error a barrier could wait forever on a rank that died.
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
+        if code == 0 and lock is not None:
+            _mark_finished(run_dir)
         return code
     except ConfigError as e:
         # found once the model is built or first runs ([moe] keys, [lora] (LoRASetupError), parallel sizes
@@ -126,6 +138,15 @@ def run_job(cfg, *, before_step=None) -> int:
         destroy_distributed()
         if lock is not None:
             lock.release()
+
+
+def _mark_finished(run_dir: Path) -> None:
+    """Leave FINISHED_FILE in the run folder; a failure only costs a wasted requeue, so it is logged, not raised."""
+    try:
+        (run_dir / FINISHED_FILE).write_text("the job finished (exit 0)\n")
+    except OSError as e:
+        log.warning("could not write %s (%s): a Slurm job stopped during its final evaluation or export is requeued",
+                    run_dir / FINISHED_FILE, e.strerror or e)
 
 
 def exit_process(code: int) -> None:

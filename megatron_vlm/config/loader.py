@@ -219,6 +219,16 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+_VALUE_PREFIX = "v = "
+"""What a `--set` value is parsed after: a TOML document holds statements, not bare values."""
+
+
+def _within_value(e: tomllib.TOMLDecodeError) -> str:
+    """The decoder's message with a first-line column counted within the value, not after `_VALUE_PREFIX`."""
+    return re.sub(r"\(at line 1, column (\d+)\)",
+                  lambda m: f"(at line 1, column {max(1, int(m.group(1)) - len(_VALUE_PREFIX))})", str(e))
+
+
 def parse_override_value(text: str, key: str = "") -> Any:
     """`--set` values are TOML (`3e-4`, `true`, `[1, 2]`, `"x"`); a bare word or path is a string.
 
@@ -227,10 +237,10 @@ def parse_override_value(text: str, key: str = "") -> Any:
     a quote in its name and `"C:\\m"` (no TOML escape) a path with its quotes, and `5\nseed = 3` lost its second
     line, all silently."""
     try:
-        parsed = tomllib.loads(f"v = {text}")
+        parsed = tomllib.loads(f"{_VALUE_PREFIX}{text}")
     except tomllib.TOMLDecodeError as e:
         if text.lstrip()[:1] in ('"', "'", "[", "{"):
-            raise ConfigError(f"{key}: --set value {text!r} is not one TOML value ({e}); quote a string as "
+            raise ConfigError(f"{key}: --set value {text!r} is not one TOML value ({_within_value(e)}); quote a string as "
                               "'text' (taken as written) or \"text\" (with \\\\ for a backslash)") from None
         return text
     if list(parsed) != ["v"]:

@@ -16,7 +16,8 @@ small object (`StepRunner`). From the resume step to `total_steps`, per step:
    requested by then: the time a scheduler leaves before it kills (SLURM's `--signal` lead) is the checkpoint's;
 5. the stop flag (SIGTERM / SIGUSR1, agreed by all ranks; read before the evaluation and again after it): save a
    checkpoint at this step boundary (unless step 3 just saved this very step: a step is never saved twice) and
-   return 143 on every rank.
+   return 143 on every rank. A stop requested after the last step (during the final evaluation or export) is not
+   acted on: the run finishes and returns 0 (launch/slurm/train.sbatch then does not requeue it: runner.py).
 
 A checkpoint of a later step than `total_steps` (train.max_steps lowered since) is refused (ConfigError: exit 2)
 rather than evaluated and exported as this run's result. A run that reaches `total_steps` saves the final

@@ -60,3 +60,35 @@ def test_evaluate_refuses_a_training_mode_from_the_command_line(mode, capsys):
         ev._refuse_a_training_mode(["--config", "x.toml", *ok])
     with pytest.raises(SystemExit):
         ev._refuse_a_training_mode(["--config", "x.toml", f"--set=train.mode={mode}"])
+
+
+@pytest.mark.parametrize("name, value", [("WORLD_SIZE", "abc"), ("RANK", "0x"), ("LOCAL_RANK", ""), ("WORLD_SIZE", "0"),
+                                         ("RANK", "-1")])
+def test_a_bad_launcher_variable_is_an_error_naming_it(name, value, monkeypatch, capsys):
+    """A WORLD_SIZE / RANK / LOCAL_RANK that is not a count (set by hand, or by a wrapper script) ended in an
+    int() traceback from argparse's default or the process-group set-up; exit 2 naming the variable instead."""
+    pretrain = _launch("pretrain_vlm")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as e:
+        pretrain.main(["--config", str(REPO / "launch" / "configs" / "demo_sft.toml"), "--check"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: environment variable {name}={value!r}"), err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("world_size, code", [("2", 0), ("0", 2)])
+def test_check_under_torchrun_prints_once_and_exits_alike_on_every_rank(world_size, code, monkeypatch, capsys):
+    """`torchrun --nproc_per_node N launch/pretrain_vlm.py --check` printed the plan (or the failure) N times,
+    interleaved; rank 0 prints it, every rank exits with the same code."""
+    pretrain = _launch("pretrain_vlm")
+    argv = ["--config", str(REPO / "launch" / "configs" / "demo_sft.toml"), "--check", "--world-size", world_size,
+            "--device-memory-gib", "80"]
+    printed = []
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        assert pretrain.main(argv) == code
+        cap = capsys.readouterr()
+        printed.append(cap.out + cap.err)
+    assert ("check ok" if code == 0 else "check failed: --world-size") in printed[0]
+    assert printed[1] == ""

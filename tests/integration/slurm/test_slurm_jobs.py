@@ -168,6 +168,44 @@ def test_usr1_to_the_step_reaches_the_ranks_and_the_step_waits_for_their_checkpo
     assert "User defined signal 1" not in batch_log and "requeue" not in batch_log, batch_log
 
 
+FINISHING_SLEEPER = """\
+import signal, sys, time
+from pathlib import Path
+RUN_DIR = next(a.split("=", 1)[1].strip('"') for a in sys.argv if a.startswith("train.output_dir="))
+def on_term(*_):
+    print("sleeper got TERM after its last step: finishing the evaluation", flush=True)
+    time.sleep(3)
+    Path(RUN_DIR, "finished").write_text("the job finished (exit 0)\\n")  # what megatron_vlm/runner.py leaves
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+print("sleeper started", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_run_that_finishes_after_the_term_is_not_requeued(tmp_path, slurm_cluster):
+    """TERM during the final evaluation / export: the ranks finish and exit 0 (torchrun, signalled too, exits 1
+    anyway). The job was requeued all the same, and the next allocation resumed at the last step only to evaluate
+    and export again: the script reads the run folder's `finished` file and ends the job instead."""
+    (tmp_path / "sleeper.py").write_text(FINISHING_SLEEPER)
+    (tmp_path / "job.toml").write_text("[train]\n")
+    env = slurm_cluster.env(ENTRY_POINT=str(tmp_path / "sleeper.py"),
+                            **{k: v for k, v in clean_env().items() if k in ("TORCHRUN", "PYTHON")})
+    job_id = slurm_cluster.sbatch(["-J", "done", str(TRAIN_SBATCH), "job.toml"], cwd=tmp_path, env=env)
+    run_dir = tmp_path / "runs" / f"done-{job_id}"
+    node_log = run_dir / "logs" / f"done-{job_id}" / "node0.log"
+    wait_for(lambda: node_log.is_file() and "sleeper started" in node_log.read_text(), 120, "the sleeper to start")
+    slurm_cluster.run(["scancel", "--batch", "--signal=TERM", str(job_id)])
+    try:  # PENDING: requeued (the defect)
+        info = slurm_cluster.wait_job(job_id, states=("COMPLETED", "FAILED", "PENDING", "REQUEUED"), timeout=90)
+    finally:
+        slurm_cluster.run(["scancel", str(job_id)], check=False)
+    batch_log = (tmp_path / f"slurm-done-{job_id}.out").read_text()
+    assert "requeue=1" in batch_log and "requeueing job" not in batch_log, batch_log
+    assert "not requeueing" in batch_log
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0" and info["ExitCode"] == "0:0", info
+
+
 def test_plain_scancel_is_not_requeued(tmp_path, slurm_cluster):
     job_id, _ = submit_sleeper(slurm_cluster, tmp_path, "cancel")
     slurm_cluster.run(["scancel", str(job_id)])

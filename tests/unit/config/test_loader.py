@@ -317,3 +317,12 @@ def test_a_config_saved_with_a_byte_order_mark_loads(tmp_path):
     path = tmp_path / "bom.toml"
     path.write_bytes(b"\xef\xbb\xbf" + tomli_w.dumps(_raw()).encode())
     assert load_config(path) == load_config_dict(_raw())
+
+
+@pytest.mark.parametrize("text, where", [("[1, 2,, 3]", "line 1, column 7"), ("{a = }", "line 1, column 6"),
+                                         ('"a" b', "line 1, column 5"), ("[1,\n2,,]", "line 2, column 3")])
+def test_a_set_value_that_does_not_parse_names_the_column_within_the_value(text, where):
+    """The value is parsed as `v = <value>`: the decoder's column on the first line counted those 4 characters, so
+    the message pointed 4 characters past the mistake in the value it quotes."""
+    with pytest.raises(ConfigError, match=rf"^train.key: --set value .* is not one TOML value \(.*\(at {where}\)\)"):
+        parse_override_value(text, "train.key")

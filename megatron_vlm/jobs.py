@@ -21,7 +21,8 @@ its held-out evaluation from here. Set-up order, per kind (the same on every ran
 - reward model (`train.mode = "reward"`, training/reward/): DPO's set-up with the scalar-head model bundle and
   no reference; the checkpointer's final export is the reward model folder;
 - stages: for each stage its own config (`stage_overrides`) and run folder, run as an SFT job; a
-  stage whose Hugging Face export is complete is skipped (the command can be run again after a stop);
+  stage whose Hugging Face export is complete is skipped (the command can be run again after a stop;
+  a warning when its settings changed since its recorded digest);
 - eval: model bundle, the rollout engine of the answer accuracy, each benchmark in turn, the result
   files (eval/report.py) written by rank 0; the reward workers are closed however the run ends.
 """
@@ -63,7 +64,7 @@ from megatron_vlm.training.reward.build import build_reward_bundle, reward_secti
 from megatron_vlm.training.reward.export import RewardCheckpointer
 from megatron_vlm.training.reward.step import RewardEvaluator, RewardStep
 from megatron_vlm.training.sft import SFTStep, build_train_loader, prepare_sft_data, steps_per_epoch
-from megatron_vlm.training.stages import stage_configs, stage_error
+from megatron_vlm.training.stages import record_stage_digest, stage_changed, stage_configs, stage_error
 
 __all__ = ["run_sft", "run_grpo", "run_dpo", "run_reward", "run_stages", "run_eval", "run_kind"]
 
@@ -187,7 +188,14 @@ def run_stages(ctx: RunContext, *, before_step=None) -> int:
     for i, (stage, cfg) in enumerate(zip(stages, configs)):
         run_dir = Path(cfg.train.output_dir)
         if (run_dir / "hf" / "config.json").is_file():
-            log.info("stage %d/%d %r: finished earlier (%s), skipped", i + 1, len(stages), stage.name, run_dir / "hf")
+            if stage_changed(run_dir, cfg):
+                log.warning("stage %d/%d %r: its settings changed since its export %s was made, but the stage is "
+                            "skipped because that export exists; to train it again with the new settings, remove %s "
+                            "(and the folders of the stages after it, which start from its export)",
+                            i + 1, len(stages), stage.name, run_dir / "hf", run_dir)
+            else:
+                log.info("stage %d/%d %r: finished earlier (%s), skipped", i + 1, len(stages), stage.name,
+                         run_dir / "hf")
             continue
         log.info("stage %d/%d %r: model %s, data %s -> %s", i + 1, len(stages), stage.name, cfg.model.path,
                  cfg.data.train_path or cfg.data.type, run_dir)
@@ -201,6 +209,8 @@ def run_stages(ctx: RunContext, *, before_step=None) -> int:
             raise ConfigError(stage_error(str(e), stage, i)) from None
         if code != 0:
             return code
+        if ctx.env.is_main:
+            record_stage_digest(run_dir, cfg)
         barrier()
     return 0
 

@@ -446,6 +446,17 @@ def _custom_reward_lines(cfg) -> list[str]:
     return [f"rewards    {n} custom verifier(s) import in a reward worker and take the run's arguments"] if n else []
 
 
+def visible_device_memory_gib() -> Optional[float]:
+    """Memory of this machine's first accelerator in GiB (CUDA, else an NPU through torch_npu's `torch.npu`,
+    which reports it the same way), or None without one."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / GiB
+    npu = getattr(torch, "npu", None)
+    if npu is not None and npu.is_available():
+        return npu.get_device_properties(0).total_memory / GiB
+    return None
+
+
 def run_check(cfg, *, world_size: int, device_memory_gib: Optional[float], out: TextIO = sys.stdout,
               err: TextIO = sys.stderr) -> int:
     """Print the plan and return 0, or print one `check failed: <key>: ...` line (plus the plan when
@@ -457,9 +468,8 @@ def run_check(cfg, *, world_size: int, device_memory_gib: Optional[float], out: 
         print(f"check failed: --device-memory-gib: must be a finite number > 0, got {device_memory_gib:g}", file=err)
         return 2
     if device_memory_gib is None:
-        if torch.cuda.is_available():
-            device_memory_gib = torch.cuda.get_device_properties(0).total_memory / GiB
-        else:
+        device_memory_gib = visible_device_memory_gib()
+        if device_memory_gib is None:
             print("check failed: --device-memory-gib: no accelerator visible; give the device memory in GiB", file=err)
             return 2
     try:

@@ -20,6 +20,7 @@ import torch
 
 from megatron_vlm.inference.policy_engine import vision_token_ids
 from megatron_vlm.models.common.lora import lora_disabled
+from megatron_vlm.rl.device_cache import empty_device_cache
 from megatron_vlm.training.lm_loss import TokenLogprobModel
 
 __all__ = ["ReferencePolicy", "BaseModelReference"]
@@ -62,8 +63,7 @@ class ReferencePolicy:
         finally:
             self.scorer.to("cpu")
             self._on_device = False
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            empty_device_cache(self.device)
 
     @torch.no_grad()
     def token_logprobs(self, batch: dict) -> torch.Tensor:

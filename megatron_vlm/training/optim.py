@@ -94,7 +94,23 @@ class WarmupDecay:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, sched_cfg: SchedulerConfig, total_steps: int) -> LambdaLR:
     warmup = sched_cfg.warmup_steps or int(round(sched_cfg.warmup_ratio * total_steps))
+    warn_long_warmup(sched_cfg, warmup, total_steps)
     return LambdaLR(optimizer, WarmupDecay(sched_cfg.type, warmup, total_steps, sched_cfg.min_lr_ratio))
+
+
+def warn_long_warmup(sched_cfg: SchedulerConfig, warmup: int, total_steps: int) -> None:
+    """One warning when the warmup lasts the whole run: the lr then never decays, and a warmup past the
+    last step never reaches optimizer.lr (a 2-step run with 20 warmup steps trains at 1/20 and 2/20 of it).
+    A warning, not a refusal: shortened smoke runs of the shipped configs (`--set train.max_steps=4` over
+    their 10-20-step warmups, as the integration tests run them) must still run, and with `train.epochs`
+    the length is known only after data planning, too late for `--check`."""
+    if warmup <= 0 or warmup < total_steps:
+        return
+    key = "scheduler.warmup_steps" if sched_cfg.warmup_steps else "scheduler.warmup_ratio"
+    log.warning("%s: a warmup of %d steps is not shorter than this run's %d optimizer steps (train.max_steps, or "
+                "train.epochs over the planned data): the learning rate rises to at most %.3g x optimizer.lr and "
+                "never decays; lower %s below the run's length", key, warmup, total_steps,
+                min(total_steps, warmup) / warmup, key)
 
 
 def load_scheduler_state(scheduler: LambdaLR, state: dict) -> None:

@@ -31,6 +31,7 @@ import torch
 
 from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
 from megatron_vlm.data.messages import Record
+from megatron_vlm.rl.device_cache import empty_device_cache
 
 __all__ = ["ScoredValues", "ModelRewardScorer", "limit_value", "text_only_messages"]
 
@@ -41,7 +42,7 @@ log = logging.getLogger("megatron_vlm")
 @contextlib.contextmanager
 def on_device(model: torch.nn.Module, device: torch.device, offload: bool) -> Iterator[None]:
     """The scoring model on `device` for the block: with `offload` it lives on the CPU between calls (moved in, then
-    back out and the CUDA cache emptied), as the reference model does; without, it stays where it is."""
+    back out and the device cache emptied), as the reference model does; without, it stays where it is."""
     if not offload:
         yield
         return
@@ -50,8 +51,7 @@ def on_device(model: torch.nn.Module, device: torch.device, offload: bool) -> It
         yield
     finally:
         model.to("cpu")
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        empty_device_cache(device)
 
 @dataclass
 class ScoredValues:

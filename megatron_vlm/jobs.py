@@ -38,6 +38,7 @@ from megatron_vlm.config import save_config
 from megatron_vlm.config.loader import ConfigError, to_dict
 from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
 from megatron_vlm.config.sections import LoRAConfig
+from megatron_vlm.config.stage_configs import record_stage_digest, stage_changed, stage_configs
 from megatron_vlm.eval.answer_accuracy import answer_engine
 from megatron_vlm.eval.benchmark_eval import VerifierScorer, evaluate_benchmark
 from megatron_vlm.eval.benchmarks import open_benchmark
@@ -64,7 +65,7 @@ from megatron_vlm.training.reward.build import build_reward_bundle, reward_secti
 from megatron_vlm.training.reward.export import RewardCheckpointer
 from megatron_vlm.training.reward.step import RewardEvaluator, RewardStep
 from megatron_vlm.training.sft import SFTStep, build_train_loader, prepare_sft_data, steps_per_epoch
-from megatron_vlm.training.stages import record_stage_digest, stage_changed, stage_configs, stage_error
+from megatron_vlm.training.stages import stage_error
 
 __all__ = ["run_sft", "run_grpo", "run_dpo", "run_reward", "run_stages", "run_eval", "run_kind"]
 

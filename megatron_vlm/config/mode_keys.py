@@ -176,7 +176,7 @@ def check_keys_for_mode(cfg: Config) -> None:
     the first such key (or failed check) of each stage's own config, named as the stage key."""
     _check_keys(cfg)
     if getattr(cfg, "stages", None) and cfg.train.mode == "sft":
-        from megatron_vlm.training.stages import stage_configs
+        from megatron_vlm.config.stage_configs import stage_configs
 
         stage_configs(cfg, check=_check_keys)
 

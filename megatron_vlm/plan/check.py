@@ -27,6 +27,7 @@ import torch
 
 from megatron_vlm.config.loader import ConfigError
 from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
+from megatron_vlm.config.stage_configs import stage_configs
 from megatron_vlm.inference.kv_budget import rollout_prompts_for_budget
 from megatron_vlm.parallel.tensor_parallel import TPError, check_tp_divides
 from megatron_vlm.plan.memory import GiB, ceil_div, estimate_memory, gib, model_shape, pipeline_stage_params
@@ -34,7 +35,6 @@ from megatron_vlm.plan.routes import routes_plan
 from megatron_vlm.plan.side_models import SideModelRefused, side_models_plan
 from megatron_vlm.rl.asynchronous.allocation import parse_allocation
 from megatron_vlm.rl.prompts.lengths import check_generation_budget
-from megatron_vlm.training.stages import stage_configs
 
 __all__ = ["run_check", "CheckFailed"]
 

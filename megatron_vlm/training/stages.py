@@ -16,26 +16,19 @@ the main sections) and:
 - a fresh optimizer and schedule (a new run folder); `checkpoint.resume = "auto"` applies per stage,
   so an interrupted stage continues from its newest checkpoint and a finished stage (its `hf/`
   export is complete: exports are put in place atomically) is skipped when the command runs again
-  (a warning says so when the stage's settings changed since: `stage_changed`).
+  (a warning says so when the stage's settings changed since: `config/stage_configs.stage_changed`).
 
-`stage_overrides` is the pure part (dict edits on the resolved config); `stage_configs` loads and
-checks every stage's config (an error names the stage key that caused it, `stages[1].train_layers`);
-`megatron_vlm.jobs.run_stages` runs the stages.
+`stage_overrides` is the pure part (dict edits on the resolved config); `config/stage_configs.py` loads and
+checks every stage's config (an error names the stage key that caused it, `stages[1].train_layers`) and
+keeps each finished stage's config digest; `megatron_vlm.jobs.run_stages` runs the stages.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
-__all__ = ["StageConfig", "stage_overrides", "stage_dir", "stage_configs", "record_stage_digest", "stage_changed"]
-
-DIGEST_FILE = "stage_config.sha256"
-"""Beside a finished stage's `hf/` export: the digest of the effective config that made it (`stage_digest`)."""
-
+__all__ = ["StageConfig", "stage_overrides", "stage_dir", "stage_error", "STAGE_KEYS"]
 
 @dataclass(kw_only=True)
 class StageConfig:
@@ -127,48 +120,3 @@ def stage_error(msg: str, stage: StageConfig, index: int) -> str:
         return f"stages[{index}].{key}: {rest}"
     named = next((k for dotted, k in STAGE_KEYS.items() if dotted in msg and getattr(stage, k) is not None), None)
     return f"stages[{index}].{named}: {msg}" if named else f"stages[{index}] ({stage.name}): {msg}"
-
-
-def stage_configs(cfg: Any, check: Optional[Callable[[Any], None]] = None) -> list:
-    """Every stage's Config (`stage_overrides` loaded, then `check(stage_cfg)` if given); a ConfigError
-    of one is raised again naming the stage key that caused it (`stage_error`), so a stage key that
-    only fails combined with the main sections (train_layers with [lora]) is refused at load and by
-    `--check`, before any stage trains."""
-    from megatron_vlm.config import ConfigError, load_config_dict
-    from megatron_vlm.config.loader import to_dict
-
-    raw = to_dict(cfg)
-    out = []
-    for i, stage in enumerate(cfg.stages):
-        try:
-            stage_cfg = load_config_dict(stage_overrides(raw, cfg.stages, i))
-            if check is not None:
-                check(stage_cfg)
-        except ConfigError as e:
-            raise ConfigError(stage_error(str(e), stage, i)) from None
-        out.append(stage_cfg)
-    return out
-
-
-def stage_digest(stage_cfg: Any) -> str:
-    """sha256 of a stage's effective config (`[logging]` left out: it does not change the export), so a
-    rerun can tell that the settings of a stage skipped for its existing export changed since."""
-    from megatron_vlm.config.loader import to_dict
-
-    raw = {k: v for k, v in to_dict(stage_cfg).items() if k != "logging"}
-    return hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def record_stage_digest(run_dir: Path, stage_cfg: Any) -> None:
-    """Write `stage_digest` beside the stage's finished export (`<run_dir>/stage_config.sha256`)."""
-    (run_dir / DIGEST_FILE).write_text(stage_digest(stage_cfg) + "\n")
-
-
-def stage_changed(run_dir: Path, stage_cfg: Any) -> bool:
-    """Whether the export in `run_dir` was made with other settings than `stage_cfg`'s; False for an export
-    without a recorded digest (made before digests were written: nothing to compare)."""
-    try:
-        recorded = (run_dir / DIGEST_FILE).read_text().strip()
-    except OSError:
-        return False
-    return recorded != stage_digest(stage_cfg)

@@ -21,7 +21,9 @@ prompt stream, an inference copy of the policy, the reward workers and the bridg
   trainer's receive of it ends too.
 
 Exit: the trainer's "stop" message (end of the run, or a SIGTERM stop: then 143 like every rank). A
-trainer that dies makes the weight thread's receive fail: the rank logs the error and exits 1. Steps
+trainer that dies makes the weight thread's receive fail: the rank logs the error and exits 1. A scoring
+error ends the rank at once with that error (its weight thread is not waited for: the trainer, waiting for
+this rank's samples, sends nothing more); the closed bridge then fails the trainer's receive. Steps
 generated but not yet trained when the trainer stops are dropped; a resumed run generates them again.
 """
 from __future__ import annotations
@@ -142,7 +144,8 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
         _generate_loop(ctx, role, state, engine, encoder, sets.train, todo, start, total, multiturn, skips)
         todo.put(None)
         threads[1].join()
-        threads[0].join()
+        if state.error is None:  # the weight thread ends at the trainer's "stop"; after an error of this rank
+            threads[0].join()    # the trainer waits for its samples instead: raise now, the closed bridge tells it
     finally:
         manager.close()
         if multiturn is not None:

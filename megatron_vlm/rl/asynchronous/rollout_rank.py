@@ -272,7 +272,7 @@ def _score_items(state: _State, bridge, todo, manager, train_set) -> None:
                    "reward_s": time.perf_counter() - t0, "idle_s": item["idle_s"], "busy_s": item["busy_s"],
                    "gen_s": result.seconds if result is not None else 0.0, "skipped": item["skipped"],
                    "bad_records": item.get("bad_records", []),
-                   "reward_fail": manager.metrics()}
+                   "reward_fail": manager.metrics(), "reward_last_error": getattr(manager, "last_error", "")}
         if "preemptions" in item:
             payload["preemptions"] = item["preemptions"]
         if item.get("trajectories") is not None:  # [rl.env]: + the environment's turn rewards, the trajectories

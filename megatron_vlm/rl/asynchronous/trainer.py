@@ -239,6 +239,11 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         # calls) before the step's reward-failure watch reads them: one source, as in the synchronous loop
         for key in payloads[0]["reward_fail"]:
             extra[key] = float(sum(p["reward_fail"][key] for p in payloads))
+        # and the rollout ranks' last failed reward call: the line that stops a run whose rewards all fail names it
+        last_error = next((p["reward_last_error"] for p in reversed(payloads) if p.get("reward_last_error")), "")
+        manager = getattr(self.grpo, "manager", None)
+        if last_error and manager is not None:
+            manager.last_error = last_error
         timer = PhaseTimer()
         rd = self._round(step, payloads)
         metrics = self.grpo.train_on_rounds(step, [rd], timer, extra_metrics=extra)

@@ -20,7 +20,9 @@ prompt stream, an inference copy of the policy, the reward workers and the bridg
   receiver; a "want" still open when the rank stops is answered with a "stopped" payload, so the
   trainer's receive of it ends too.
 
-Exit: the trainer's "stop" message (end of the run, or a SIGTERM stop: then 143 like every rank). A
+Exit: the trainer's "stop" message (end of the run, or a SIGTERM stop: then 143 like every rank). A SIGTERM that
+reaches only a rollout rank goes to the trainer with that rank's next step (`signum`): the trainer then stops the job
+at its step boundary with a checkpoint, as for a SIGTERM of its own. A
 trainer that dies makes the weight thread's receive fail: the rank logs the error and exits 1. A scoring
 error ends the rank at once with that error (its weight thread is not waited for: the trainer, waiting for
 this rank's samples, sends nothing more); the closed bridge then fails the trainer's receive. Steps
@@ -32,6 +34,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -77,6 +80,8 @@ class _State:
         self.stop = False
         self.error: Optional[BaseException] = None
         self.engine: Any = None  # PolicyRolloutEngine or VLLMRolloutEngine
+        self.signum: Callable[[], int] = lambda: 0
+        """The stop signal this rank received (its `StopFlag`): sent with each step, so the trainer stops too."""
 
 
 def _sample_payload(s) -> dict:
@@ -134,6 +139,7 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
                             value_limit=rl.reward_pool.abs_max)
     state = _State(engine.policy_version)
     state.engine = engine
+    state.signum = lambda: int(ctx.stop.signum)
     todo: queue.Queue = queue.Queue()
     threads = [threading.Thread(target=_weights_loop, args=(state, bridge, model, engine), daemon=True, name="weights"),
                threading.Thread(target=_score_loop, args=(state, bridge, todo, manager, sets.train), daemon=True,
@@ -283,6 +289,9 @@ def _score_items(state: _State, bridge, todo, manager, train_set) -> None:
             state.cond.wait_for(lambda: state.stop or state.wanted >= b)
             if state.stop:
                 return
+        # a SIGTERM that reached only this rank (its node preempted): the trainer's stop check reduces over the
+        # training ranks alone, so it learns of it here, saves at its step boundary and stops the job
+        payload["signum"] = int(state.signum())
         bridge.send_object(payload)
         with state.cond:
             state.sent = b

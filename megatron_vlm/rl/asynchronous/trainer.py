@@ -234,6 +234,11 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         t_wait = time.perf_counter()
         payloads = self._receive(step)
         wait_s = time.perf_counter() - t_wait
+        signum = max((int(p.get("signum", 0)) for p in payloads), default=0)
+        if signum and not self.ctx.stop.signum:  # a rollout rank's SIGTERM: the loop's stop check (training ranks
+            logging.getLogger("megatron_vlm").warning(  # `log` is the argument here
+                "asynchronous GRPO: a rollout rank received signal %d; stopping at this step boundary", signum)
+            self.ctx.stop.signum = signum  # only) then saves and stops the job after this step, as for its own
         extra = self._staleness(step, payloads)
         # the rollout ranks' cumulative reward counters replace this rank's (which count only the evaluation's
         # calls) before the step's reward-failure watch reads them: one source, as in the synchronous loop

@@ -81,6 +81,8 @@ class _State:
         self.error: Optional[BaseException] = None
         self.engine: Any = None  # PolicyRolloutEngine or VLLMRolloutEngine
         self.signum: Callable[[], int] = lambda: 0
+        self.stop_signum = 0
+        """The signal of the trainer's "stop" (0: the run ended): the rank then exits 143 like every rank."""
         """The stop signal this rank received (its `StopFlag`): sent with each step, so the trainer stops too."""
 
 
@@ -161,7 +163,7 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
     if state.error is not None:
         log.error("rollout rank %d: %s", role.rank, state.error)
         raise state.error
-    return EXIT_STOPPED if ctx.stop.signum else 0
+    return EXIT_STOPPED if ctx.stop.signum or state.stop_signum else 0
 
 
 def _vllm_engine(ctx, processor, model, dtype):
@@ -227,6 +229,7 @@ def _weights_loop(state: _State, bridge, model, engine) -> None:
         while True:
             msg = bridge.broadcast_object()
             if msg["kind"] == "stop":
+                state.stop_signum = int(msg.get("signum", 0))
                 break
             if msg["kind"] == "want":
                 with state.cond:

@@ -286,7 +286,8 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         """Stop the rollout ranks (their steps in flight are dropped), then the synchronous summary."""
         if self.bridge is not None and not self._stopped:
             self._stopped = True
-            self.bridge.broadcast_object({"kind": "stop"})
+            # with the signal of a SIGTERM stop: every rollout rank exits 143, also one on a node that got none
+            self.bridge.broadcast_object({"kind": "stop", "signum": int(self.ctx.stop.signum)})
             if self._prefetch is not None:  # a step asked for but not trained: the rollout ranks answer a "want"
                 self._prefetch.get()       # with its samples or, once stopped, with a "stopped" payload; dropped
                 self._prefetch = None

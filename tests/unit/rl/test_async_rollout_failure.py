@@ -71,7 +71,8 @@ def _prompt(i):
     return types.SimpleNamespace(prompt_id=str(i), answer="1", problem="p", metadata=None)
 
 
-def test_a_scoring_failure_ends_the_rollout_rank_with_the_error(monkeypatch, tmp_path):
+def rollout_rank_context(monkeypatch, tmp_path, rewards=None):
+    """A rollout rank's context with every heavy part (processor, prompts, model, engine, rewards) a stand-in."""
     train = [_prompt(i) for i in range(4)]
     rl = types.SimpleNamespace(
         rollout_backend="builtin", env=None, rewards=[],
@@ -96,7 +97,12 @@ def test_a_scoring_failure_ends_the_rollout_rank_with_the_error(monkeypatch, tmp
     monkeypatch.setattr(rr, "PolicyRolloutEngine", lambda *a, **k: _Engine())
     monkeypatch.setattr(rr, "paged_kv_kwargs", lambda rl: {})
     monkeypatch.setattr(rr, "receive_weights", lambda *a, **k: 0.0)
-    monkeypatch.setattr(rr, "RewardManager", _FailingRewards)
+    monkeypatch.setattr(rr, "RewardManager", rewards or _FailingRewards)
+    return ctx
+
+
+def test_a_scoring_failure_ends_the_rollout_rank_with_the_error(monkeypatch, tmp_path):
+    ctx = rollout_rank_context(monkeypatch, tmp_path)
     bridge = _TrainerWaitingForSamples()
     role = Role(name="rollout", rank=0, allocation=Allocation(rollout=1, train=1), global_rank=1, bridge=bridge)
     out: dict = {}

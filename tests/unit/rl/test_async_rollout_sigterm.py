@@ -81,3 +81,31 @@ def test_a_rollout_rank_reports_its_sigterm_with_its_samples():
     w.join(timeout=5)
     assert state.error is None, state.error
     assert [p["step"] for p in bridge.sent] == [0] and bridge.sent[0].get("signum") == 15
+
+
+class _StoppingTrainer:
+    """The trainer's side of a job stopped by a SIGTERM that reached the trainer only: hello, first push, "stop"."""
+
+    def __init__(self):
+        self.messages = [{"kind": "hello", "start_step": 0, "total_steps": 1000, "num_prompts": 4},
+                         {"kind": "weights", "version": 0, "names": []}, {"kind": "stop", "signum": 15}]
+
+    def broadcast_object(self, obj=None):
+        return self.messages.pop(0)
+
+    def send_object(self, obj, dst=0):
+        raise AssertionError("nothing was asked for")
+
+
+def test_every_rollout_rank_exits_143_after_a_sigterm_stop(monkeypatch, tmp_path):
+    """The trainer's stop after a SIGTERM (its own, or another rank's) makes every rollout rank exit 143, also one
+    that received no signal itself (another node): the job reads as stopped to be resumed, not as finished."""
+    from megatron_vlm.rl.asynchronous.allocation import Allocation
+    from megatron_vlm.rl.asynchronous.bridge import Role
+    from tests.unit.rl.test_async_rollout_failure import rollout_rank_context
+
+    ctx = rollout_rank_context(monkeypatch, tmp_path)
+    role = Role(name="rollout", rank=0, allocation=Allocation(rollout=1, train=1), global_rank=1,
+                bridge=_StoppingTrainer())
+    assert ctx.stop.signum == 0
+    assert rr.run_rollout_rank(ctx, role) == rr.EXIT_STOPPED

@@ -111,7 +111,9 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
                            f"{hello['num_prompts']}")
     # the prompts skipped mid-run go to the trainer with each step's samples (its log is the run's, saved in its checkpoints)
     skips = BadRecordLog()
-    encoder = PromptEncoder(processor, max_frames=cfg.data.max_frames, fps=cfg.data.fps, max_new_tokens=rl.rollout.max_new_tokens,
+    # the trainer's budget (rl/trainer.py): it encodes the prompts of every group again, and must accept the same ones
+    budget = max(rl.rollout.max_new_tokens, getattr(getattr(rl, "eval", None), "max_new_tokens", 0) or 0)
+    encoder = PromptEncoder(processor, max_frames=cfg.data.max_frames, fps=cfg.data.fps, max_new_tokens=budget,
                             max_tokens=cfg.data.max_tokens_per_pack, limits=MediaLimits.from_config(cfg.data), bad_records=skips)
     model = load_hf_model(cfg.model.path, dtype=dtype, device=env.device).eval()
     model.requires_grad_(False)

@@ -810,6 +810,11 @@ class RLConfig:
                              "(allocation set and asynchronous.max_head_offpolicyness > 0); leave it unset")
         if self.allocation is None:
             return
+        n_rollout = parse_allocation(self.allocation).rollout
+        if self.batch.prompts_per_step < n_rollout:  # rollout rank r takes prompts r, r + N, ... of a step
+            raise ValueError(f"batch.prompts_per_step: {self.batch.prompts_per_step} prompts per step for {n_rollout} "
+                             f"rollout ranks (allocation = {self.allocation!r}): the last ones would never get a prompt; "
+                             f"set it to >= {n_rollout} or use fewer rollout ranks")
         if self.advantages.dynamic_sampling:
             raise ValueError("advantages.dynamic_sampling: not supported with allocation (asynchronous GRPO streams a "
                              "fixed number of prompts per step); use advantages.drop_equal_reward_groups or the "

@@ -20,8 +20,12 @@ prompt stream, an inference copy of the policy, the reward workers and the bridg
   receiver; a "want" still open when the rank stops is answered with a "stopped" payload, so the
   trainer's receive of it ends too.
 
-Exit: the trainer's "stop" message (end of the run, or a SIGTERM stop: then 143 like every rank). A
-trainer that dies makes the weight thread's receive fail: the rank logs the error and exits 1. Steps
+Exit: the trainer's "stop" message (end of the run, or a SIGTERM stop: then 143 like every rank). A SIGTERM that
+reaches only a rollout rank goes to the trainer with that rank's next step (`signum`): the trainer then stops the job
+at its step boundary with a checkpoint, as for a SIGTERM of its own. A
+trainer that dies makes the weight thread's receive fail: the rank logs the error and exits 1. A scoring
+error ends the rank at once with that error (its weight thread is not waited for: the trainer, waiting for
+this rank's samples, sends nothing more); the closed bridge then fails the trainer's receive. Steps
 generated but not yet trained when the trainer stops are dropped; a resumed run generates them again.
 """
 from __future__ import annotations
@@ -30,6 +34,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -75,6 +80,10 @@ class _State:
         self.stop = False
         self.error: Optional[BaseException] = None
         self.engine: Any = None  # PolicyRolloutEngine or VLLMRolloutEngine
+        self.signum: Callable[[], int] = lambda: 0
+        self.stop_signum = 0
+        """The signal of the trainer's "stop" (0: the run ended): the rank then exits 143 like every rank."""
+        """The stop signal this rank received (its `StopFlag`): sent with each step, so the trainer stops too."""
 
 
 def _sample_payload(s) -> dict:
@@ -102,7 +111,9 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
                            f"{hello['num_prompts']}")
     # the prompts skipped mid-run go to the trainer with each step's samples (its log is the run's, saved in its checkpoints)
     skips = BadRecordLog()
-    encoder = PromptEncoder(processor, max_frames=cfg.data.max_frames, fps=cfg.data.fps, max_new_tokens=rl.rollout.max_new_tokens,
+    # the trainer's budget (rl/trainer.py): it encodes the prompts of every group again, and must accept the same ones
+    budget = max(rl.rollout.max_new_tokens, getattr(getattr(rl, "eval", None), "max_new_tokens", 0) or 0)
+    encoder = PromptEncoder(processor, max_frames=cfg.data.max_frames, fps=cfg.data.fps, max_new_tokens=budget,
                             max_tokens=cfg.data.max_tokens_per_pack, limits=MediaLimits.from_config(cfg.data), bad_records=skips)
     model = load_hf_model(cfg.model.path, dtype=dtype, device=env.device).eval()
     model.requires_grad_(False)
@@ -132,6 +143,7 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
                             value_limit=rl.reward_pool.abs_max)
     state = _State(engine.policy_version)
     state.engine = engine
+    state.signum = lambda: int(ctx.stop.signum)
     todo: queue.Queue = queue.Queue()
     threads = [threading.Thread(target=_weights_loop, args=(state, bridge, model, engine), daemon=True, name="weights"),
                threading.Thread(target=_score_loop, args=(state, bridge, todo, manager, sets.train), daemon=True,
@@ -142,7 +154,8 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
         _generate_loop(ctx, role, state, engine, encoder, sets.train, todo, start, total, multiturn, skips)
         todo.put(None)
         threads[1].join()
-        threads[0].join()
+        if state.error is None:  # the weight thread ends at the trainer's "stop"; after an error of this rank
+            threads[0].join()    # the trainer waits for its samples instead: raise now, the closed bridge tells it
     finally:
         manager.close()
         if multiturn is not None:
@@ -152,7 +165,7 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
     if state.error is not None:
         log.error("rollout rank %d: %s", role.rank, state.error)
         raise state.error
-    return EXIT_STOPPED if ctx.stop.signum else 0
+    return EXIT_STOPPED if ctx.stop.signum or state.stop_signum else 0
 
 
 def _vllm_engine(ctx, processor, model, dtype):
@@ -218,6 +231,7 @@ def _weights_loop(state: _State, bridge, model, engine) -> None:
         while True:
             msg = bridge.broadcast_object()
             if msg["kind"] == "stop":
+                state.stop_signum = int(msg.get("signum", 0))
                 break
             if msg["kind"] == "want":
                 with state.cond:
@@ -269,7 +283,7 @@ def _score_items(state: _State, bridge, todo, manager, train_set) -> None:
                    "reward_s": time.perf_counter() - t0, "idle_s": item["idle_s"], "busy_s": item["busy_s"],
                    "gen_s": result.seconds if result is not None else 0.0, "skipped": item["skipped"],
                    "bad_records": item.get("bad_records", []),
-                   "reward_fail": manager.metrics()}
+                   "reward_fail": manager.metrics(), "reward_last_error": getattr(manager, "last_error", "")}
         if "preemptions" in item:
             payload["preemptions"] = item["preemptions"]
         if item.get("trajectories") is not None:  # [rl.env]: + the environment's turn rewards, the trajectories
@@ -280,6 +294,9 @@ def _score_items(state: _State, bridge, todo, manager, train_set) -> None:
             state.cond.wait_for(lambda: state.stop or state.wanted >= b)
             if state.stop:
                 return
+        # a SIGTERM that reached only this rank (its node preempted): the trainer's stop check reduces over the
+        # training ranks alone, so it learns of it here, saves at its step boundary and stops the job
+        payload["signum"] = int(state.signum())
         bridge.send_object(payload)
         with state.cond:
             state.sent = b

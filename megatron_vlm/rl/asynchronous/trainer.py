@@ -234,11 +234,21 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         t_wait = time.perf_counter()
         payloads = self._receive(step)
         wait_s = time.perf_counter() - t_wait
+        signum = max((int(p.get("signum", 0)) for p in payloads), default=0)
+        if signum and not self.ctx.stop.signum:  # a rollout rank's SIGTERM: the loop's stop check (training ranks
+            logging.getLogger("megatron_vlm").warning(  # `log` is the argument here
+                "asynchronous GRPO: a rollout rank received signal %d; stopping at this step boundary", signum)
+            self.ctx.stop.signum = signum  # only) then saves and stops the job after this step, as for its own
         extra = self._staleness(step, payloads)
         # the rollout ranks' cumulative reward counters replace this rank's (which count only the evaluation's
         # calls) before the step's reward-failure watch reads them: one source, as in the synchronous loop
         for key in payloads[0]["reward_fail"]:
             extra[key] = float(sum(p["reward_fail"][key] for p in payloads))
+        # and the rollout ranks' last failed reward call: the line that stops a run whose rewards all fail names it
+        last_error = next((p["reward_last_error"] for p in reversed(payloads) if p.get("reward_last_error")), "")
+        manager = getattr(self.grpo, "manager", None)
+        if last_error and manager is not None:
+            manager.last_error = last_error
         timer = PhaseTimer()
         rd = self._round(step, payloads)
         metrics = self.grpo.train_on_rounds(step, [rd], timer, extra_metrics=extra)
@@ -276,7 +286,8 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         """Stop the rollout ranks (their steps in flight are dropped), then the synchronous summary."""
         if self.bridge is not None and not self._stopped:
             self._stopped = True
-            self.bridge.broadcast_object({"kind": "stop"})
+            # with the signal of a SIGTERM stop: every rollout rank exits 143, also one on a node that got none
+            self.bridge.broadcast_object({"kind": "stop", "signum": int(self.ctx.stop.signum)})
             if self._prefetch is not None:  # a step asked for but not trained: the rollout ranks answer a "want"
                 self._prefetch.get()       # with its samples or, once stopped, with a "stopped" payload; dropped
                 self._prefetch = None

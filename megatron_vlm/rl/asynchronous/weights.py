@@ -10,7 +10,7 @@ whose dtype or device differs from the wire's needs a buffer of its own size.
 
 The trainer announces each push with a control message {"kind": "weights", "version", "names":
 [(name, shape, dtype)]}; the first push after start (or resume) sends every entry of the state
-dict, later ones only the trainable parameters.
+dict, later ones the trainable parameters and the buffers (`trainable_names`).
 """
 from __future__ import annotations
 
@@ -28,7 +28,13 @@ __all__ = ["push_weights", "receive_weights", "trainable_names"]
 
 
 def trainable_names(model: torch.nn.Module) -> list[str]:
-    return [n for n, p in model.named_parameters() if p.requires_grad]
+    """The entries a push after a step sends: the trainable parameters and every buffer of the state dict.
+
+    Why the buffers: training moves some of them outside the optimizer (an MoE router's score-correction bias,
+    updated by the load balancer after each step, picks the experts the rollout routes through); they are small,
+    and `push_weights` skips the names the state dict lacks (non-persistent buffers)."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    return names + [n for n, _ in model.named_buffers() if n not in names]
 
 
 def push_weights(model: torch.nn.Module, bridge: Optional[Bridge], version: int, names: Optional[Iterable[str]] = None,

@@ -59,3 +59,11 @@ def test_sizes_must_add_up_to_the_processes(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ValueError, match="rl.allocation"):
         setup_roles(cfg)
+
+
+def test_more_rollout_ranks_than_prompts_per_step_refused():
+    """Rollout rank r generates prompts r, r + N, ... of a step: with fewer prompts per step than rollout ranks, the
+    last ones would never get a prompt and idle the whole run."""
+    with pytest.raises(ValueError, match=r"batch.prompts_per_step: 2 prompts per step for 3 rollout ranks"):
+        rl_config(allocation="rollout:3+train:1", prompts_per_step=2).validate()
+    rl_config(allocation="rollout:2+train:1", prompts_per_step=2).validate()

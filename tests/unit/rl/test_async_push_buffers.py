@@ -11,6 +11,7 @@ from megatron_vlm.models import build_model
 from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.rl.asynchronous.weights import push_weights, receive_weights, trainable_names
 from megatron_vlm.training.moe_balancing import update_correction_bias
+from tests.unit.rl.test_async_weights import LoopbackBridge
 
 TEXT = dict(
     model_type="nemotron_h", vocab_size=64, hidden_size=16, layers_block_type=["moe", "linear_attention", "moe"],
@@ -18,26 +19,6 @@ TEXT = dict(
     mamba_head_dim=8, ssm_state_size=4, n_groups=1, chunk_size=4, n_routed_experts=4, num_experts_per_tok=2,
     moe_intermediate_size=8, moe_shared_expert_intermediate_size=8,
 )
-
-
-class _Bridge:
-    """One process: what the trainer broadcasts is queued and handed to the receiving side."""
-
-    def __init__(self):
-        self.objects, self.tensors = [], []
-        self.sending = True
-
-    def broadcast_object(self, obj=None):
-        if obj is not None:
-            self.objects.append(obj)
-            return obj
-        return self.objects.pop(0)
-
-    def broadcast_tensor_(self, tensor, what=""):
-        if self.sending:
-            self.tensors.append(tensor.clone())
-        else:
-            tensor.copy_(self.tensors.pop(0))
 
 
 def test_a_push_after_a_step_carries_the_moved_router_bias():
@@ -49,9 +30,9 @@ def test_a_push_after_a_step_carries_the_moved_router_bias():
     assert layers and all(layer.gate.e_score_correction_bias is not None for layer in layers)
     for layer in layers:  # the load balancer's update after a step with a skewed expert load
         update_correction_bias(layer.gate.e_score_correction_bias, torch.tensor([40.0, 30.0, 2.0, 0.0]), 1e-2)
-    bridge = _Bridge()
+    bridge = LoopbackBridge()
     push_weights(trainer, bridge, 1, trainable_names(trainer))  # as AsyncGRPOLoopStep pushes after every step
-    bridge.sending = False
+    bridge.replaying = True
     receive_weights(rollout, bridge, bridge.broadcast_object())
     want, got = trainer.state_dict(), rollout.state_dict()
     for name in want:

@@ -29,14 +29,21 @@ class _GRPO:
         return out
 
 
-def test_the_stop_line_names_the_rollout_ranks_last_reward_error(monkeypatch):
+def bare_async_step(grpo) -> AsyncGRPOLoopStep:
+    """An AsyncGRPOLoopStep without a bridge or model (k = 1, 4 prompts a step of 16), `grpo` its GRPOStep stand-in,
+    rounds ignored: what its `train_step` bookkeeping needs."""
     t = AsyncGRPOLoopStep.__new__(AsyncGRPOLoopStep)
     t.k, t.bridge, t.model, t._trainable, t._last_end = 1, None, None, [], 0.0
     t.totals = RunningTotals()
     t.rl = types.SimpleNamespace(batch=types.SimpleNamespace(prompts_per_step=4))
     t.train_set = list(range(16))
-    t.grpo = _GRPO()
+    t.grpo = grpo
     t._round = lambda step, payloads: None
+    return t
+
+
+def test_the_stop_line_names_the_rollout_ranks_last_reward_error(monkeypatch):
+    t = bare_async_step(_GRPO())
     error = "reward 'accuracy': error: ZeroDivisionError: division by zero"
 
     def receive(step):

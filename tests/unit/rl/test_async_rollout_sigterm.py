@@ -16,9 +16,8 @@ import torch
 
 from megatron_vlm.rl.asynchronous import rollout_rank as rr
 from megatron_vlm.rl.asynchronous import trainer as async_trainer
-from megatron_vlm.rl.asynchronous.trainer import AsyncGRPOLoopStep
-from megatron_vlm.training.running_totals import RunningTotals
 from megatron_vlm.training.signals import StopFlag
+from tests.unit.rl.test_async_reward_last_error import bare_async_step
 
 
 class _GRPO:
@@ -32,14 +31,8 @@ def _payload(step, signum=0):
 
 
 def test_the_trainer_stops_on_a_rollout_ranks_sigterm(monkeypatch):
-    t = AsyncGRPOLoopStep.__new__(AsyncGRPOLoopStep)
-    t.k, t.bridge, t.model, t._trainable, t._last_end = 1, None, None, [], 0.0
-    t.totals = RunningTotals()
-    t.rl = types.SimpleNamespace(batch=types.SimpleNamespace(prompts_per_step=4))
-    t.train_set = list(range(16))
-    t.grpo = _GRPO()
+    t = bare_async_step(_GRPO())
     t.ctx = types.SimpleNamespace(stop=StopFlag())
-    t._round = lambda step, payloads: None
     monkeypatch.setattr(async_trainer, "push_weights", lambda *a, **k: 0.0)
     t._receive = lambda step: [_payload(step), _payload(step)]
     t.train_step(0, log=True)

@@ -89,6 +89,7 @@ from megatron_vlm.models.common.routing_replay import recording_routes
 from megatron_vlm.models.common.slot_cache import PagedSlotCache, SlotCache
 from megatron_vlm.models.common.vlm_base import VLMBase
 from megatron_vlm.models.mcore.layer import native_state_dict
+from megatron_vlm.parallel.device_cache import empty_device_cache
 from megatron_vlm.parallel.full_weights import block_groups, full_tensor
 
 __all__ = ["PolicyRolloutEngine", "EngineOptions", "CUDA_GRAPH_MODES", "CudaGraphsConfigError", "cuda_graphs_blocker",
@@ -309,12 +310,14 @@ class PolicyRolloutEngine(RolloutEngine):
         """The caches of a `generate` call are freed when it returns (no reference cycle holds them); on
         CUDA the collector and the allocator's cache then give the memory back to the training step. On
         the CPU there is nothing to give back: a full `gc.collect()` walks every Python object of the
-        process (~0.3-0.9 s per call with transformers / trl imported) for nothing."""
+        process (~0.3-0.9 s per call with transformers / trl imported) for nothing. An NPU's allocator
+        (torch_npu) keeps its own cache, emptied the same way."""
         self._drop_runner()  # the kept slot cache and graphs (memory pool) of the CUDA-graph decode steps
         self._packs.clear()
-        if self._device().type == "cuda":
+        device = self._device()
+        if device.type != "cpu":
             gc.collect()
-            torch.cuda.empty_cache()
+            empty_device_cache(device)
 
     def generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams, *,
                  generator: Optional[torch.Generator] = None) -> RolloutResult:

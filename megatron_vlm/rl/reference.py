@@ -20,7 +20,7 @@ import torch
 
 from megatron_vlm.inference.policy_engine import vision_token_ids
 from megatron_vlm.models.common.lora import lora_disabled
-from megatron_vlm.rl.device_cache import empty_device_cache
+from megatron_vlm.parallel.device_cache import empty_device_cache
 from megatron_vlm.training.lm_loss import TokenLogprobModel
 
 __all__ = ["ReferencePolicy", "BaseModelReference"]

@@ -31,7 +31,7 @@ import torch
 
 from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
 from megatron_vlm.data.messages import Record
-from megatron_vlm.rl.device_cache import empty_device_cache
+from megatron_vlm.parallel.device_cache import empty_device_cache
 
 __all__ = ["ScoredValues", "ModelRewardScorer", "limit_value", "text_only_messages"]
 

@@ -51,3 +51,18 @@ def test_reward_model_offload_empties_npu_cache(monkeypatch):
     with on_device(model, NPU, offload=False):  # not offloaded: stays, nothing emptied
         pass
     assert calls["empty_cache"] == 1
+
+
+def test_rollout_engine_release_memory_empties_npu_cache(monkeypatch):
+    """The built-in engine gives its caches back to the training step on an NPU too (it emptied CUDA's only)."""
+    from megatron_vlm.inference.policy_engine import PolicyRolloutEngine
+
+    calls = _fake_npu(monkeypatch)
+    engine = PolicyRolloutEngine.__new__(PolicyRolloutEngine)
+    engine.device, engine._packs = NPU, {}
+    monkeypatch.setattr(engine, "_drop_runner", lambda: None, raising=False)
+    engine.release_memory()
+    assert calls["empty_cache"] == 1
+    engine.device = torch.device("cpu")
+    engine.release_memory()  # the CPU: nothing to give back
+    assert calls["empty_cache"] == 1

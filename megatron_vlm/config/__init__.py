@@ -81,6 +81,9 @@ class Config:
             raise ValueError("train.train_layers: cannot be combined with [lora] (only the adapters train)")
         if mode == "eval" and self.eval is None:
             raise ValueError("eval: an [eval] section with [[eval.benchmarks]] is required when train.mode = \"eval\"")
+        if mode != "grpo" and self.data.type == "hf" and not self.data.columns:
+            raise ValueError("data.columns: required when type = 'hf' (e.g. {messages = \"conversations\"}); only GRPO "
+                             "detects a prompt table's layout without it")
         if mode != "eval" and self.data.type in ("messages_jsonl", "hf") and not self.data.train_path and not (
                 self.stages and all(s.train_path for s in self.stages)):
             raise ValueError(f"data.train_path: required when type = {self.data.type!r}")

@@ -42,7 +42,9 @@ class DataConfig:
     list fills the messages' image entries in order), or {"prompt": col, "answer": col} with optional
     "image" / "images", "video", "system" columns (a one-turn conversation is built from them); for
     train.mode = "dpo" {"chosen": col, "rejected": col} with optional "prompt", "image" / "images" and
-    "system" (TRL's preference layouts, data/preference_records.py)."""
+    "system" (TRL's preference layouts, data/preference_records.py). Required with type = "hf", except
+    for GRPO: left out there, the prompt table's layout is detected from its column names (verl's
+    preprocessed parquet, TRL GRPO datasets, Geometry3K, ViRL39K, messages; docs/migrating.md)."""
     min_pixels: Optional[int] = None
     """Smallest resized image area in pixels; unset = the model folder's preprocessor config."""
     max_pixels: Optional[int] = None
@@ -103,9 +105,9 @@ class DataConfig:
     def validate(self) -> None:
         # train_path is required by the training modes only (config.Config.validate): an evaluation
         # job reads its benchmarks from [eval] and may leave [data] out.
-        if self.type == "hf" and not self.columns:
-            raise ValueError("columns: required when type = 'hf' (e.g. {messages = \"conversations\"})")
-        if self.type == "hf":
+        # an empty `columns` with type "hf" is refused by the top-level config for every mode but GRPO, which
+        # detects the prompt table's layout (rl/prompts/dataset.py); only the mode knows (config/__init__.py)
+        if self.type == "hf" and self.columns:
             keys = set(self.columns)
             if "messages" not in keys and not {"prompt", "answer"} <= keys and not {"chosen", "rejected"} <= keys:
                 raise ValueError(f"columns: needs 'messages', both 'prompt' and 'answer', or (train.mode = \"dpo\") both "

@@ -1,4 +1,4 @@
-"""GRPO prompt datasets: Geometry3K, ViRL39K and messages-format JSONL, read from local files.
+"""GRPO prompt datasets: Geometry3K, ViRL39K, messages-format JSONL, verl and TRL tables, read from local files.
 
 The files are found and read by the data pipeline's reader (`megatron_vlm.data.table_rows`, the one
 SFT uses): a file, a folder searched recursively or a glob of .parquet / .arrow / .jsonl files, the
@@ -21,6 +21,16 @@ Schemas (column names of the public releases):
     messages    ({"messages": [...], "answer": ...} JSONL, e.g. the synthetic VQA eval set): the
                                        turns before the last assistant turn are the prompt; the
                                        reference is "answer", else the last assistant turn
+    verl        (verl's preprocessed parquet)  prompt: chat messages with "<image>" placeholders,
+                                       images, reward_model.ground_truth, data_source, ability,
+                                       extra_info (rl/prompts/framework_rows.py)
+    trl         (TRL GRPOTrainer datasets)     prompt: a string or chat messages, image / images,
+                                       the reference in ground_truth, answer or solution
+                                       (rl/prompts/framework_rows.py)
+
+Detection (`detect_schema`) goes by column names: `prompt` with `reward_model` is verl, `prompt`
+without it TRL (TRL's trainer reads `prompt` even where a `messages` column is kept beside it), then
+`messages`, then the Geometry3K and ViRL39K column sets.
 
 The user text is `prompt_template.format(problem=...)` ([rl] prompt_template). Images go where the
 "<image>" placeholders are; a row without placeholders gets its images before the text (about 2% of
@@ -45,9 +55,17 @@ from megatron_vlm.data.data_files import HF_SUFFIXES, DataFileError
 from megatron_vlm.data.messages import Record
 from megatron_vlm.data.table_rows import TableRows
 from megatron_vlm.errors import ConfigError
+from megatron_vlm.rl.prompts.framework_rows import (
+    TRL_REFERENCE_COLUMNS,
+    VERL_COLUMNS,
+    from_trl_row,
+    from_verl_row,
+    trl_answer_column,
+)
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
+    "SCHEMAS",
     "PromptSample",
     "PromptDataset",
     "detect_schema",
@@ -58,7 +76,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 IMAGE_PLACEHOLDER = "<image>"
-Schema = Literal["auto", "geometry3k", "virl39k", "messages"]
+Schema = Literal["auto", "geometry3k", "virl39k", "messages", "verl", "trl"]
+SCHEMAS = ("geometry3k", "virl39k", "messages", "verl", "trl")
 # (a load with an explicit `columns` mapping reports schema "columns", or the preset it equals)
 _SCHEMA_COLUMNS = {
     "geometry3k": ("problem", "answer", "images"),
@@ -116,8 +135,12 @@ class PromptDataset:
 
 
 def detect_schema(columns: Sequence[str]) -> str:
-    """Which schema a table with these columns follows; ValueError if none."""
+    """Which schema a table with these columns follows (module docstring); DataFileError if none."""
     cols = set(columns)
+    if set(VERL_COLUMNS) <= cols:
+        return "verl"
+    if "prompt" in cols:
+        return "trl"
     if "messages" in cols:
         return "messages"
     for name, required in _SCHEMA_COLUMNS.items():
@@ -125,7 +148,8 @@ def detect_schema(columns: Sequence[str]) -> str:
             return name
     raise DataFileError(
         f"prompt data: columns {sorted(cols)} match no schema; expected geometry3k {list(_SCHEMA_COLUMNS['geometry3k'])}, "
-        f"virl39k {list(_SCHEMA_COLUMNS['virl39k'])} or messages ['messages', 'answer']"
+        f"virl39k {list(_SCHEMA_COLUMNS['virl39k'])}, messages ['messages', 'answer'], verl {list(VERL_COLUMNS)} or trl "
+        f"['prompt', one of {list(TRL_REFERENCE_COLUMNS)}]"
     )
 
 
@@ -241,6 +265,16 @@ def _from_messages_row(row: dict, row_id: str, root: Path, template: str, system
     return PromptSample(str(row.get("id") or row_id), out, str(answer).strip(), problem, metadata)
 
 
+def _from_framework_row(schema: str, row: dict, row_id: str, root: Path, template: str, system_prompt: Optional[str],
+                        trl_answer: Optional[str]) -> PromptSample:
+    if schema == "verl":
+        messages, problem, answer, metadata = from_verl_row(row, root, row_id, template, system_prompt, _image_ref)
+    else:
+        assert trl_answer is not None  # found per file before the rows are read
+        messages, problem, answer, metadata = from_trl_row(row, root, row_id, template, system_prompt, _image_ref, trl_answer)
+    return PromptSample(str(row.get("id") or row_id), messages, answer, problem, metadata)
+
+
 def _columns_from_mapping(columns: dict[str, str]) -> tuple[str, str, Optional[str]]:
     unknown = sorted(set(columns) - {"prompt", "answer", "images", "image"})
     if unknown or not {"prompt", "answer"} <= set(columns):
@@ -292,16 +326,19 @@ def load_prompt_dataset(
         schema = known[0] if known else "columns"  # type: ignore[assignment]
     elif schema == "auto":
         schema = detect_schema(rows.columns(rows.files[0]))  # type: ignore[assignment]
-    elif schema not in ("geometry3k", "virl39k", "messages"):
-        raise ConfigError(f"schema: must be 'auto', 'geometry3k', 'virl39k' or 'messages', got {schema!r}")
-    if table_cols is None and schema != "messages":
+    elif schema not in SCHEMAS:
+        raise ConfigError(f"schema: must be 'auto' or one of {list(SCHEMAS)}, got {schema!r}")
+    if table_cols is None and schema in _SCHEMA_COLUMNS:
         table_cols = _SCHEMA_COLUMNS[schema]
-    if table_cols is not None:
-        for file in rows.files:
-            cols = set(rows.columns(file))
-            missing = [c for c in table_cols if c is not None and c not in cols]
-            if missing:
-                raise DataFileError(f"{file}: schema {schema!r} needs columns {missing} (has {sorted(cols)})")
+    needs = [c for c in table_cols if c is not None] if table_cols else {"verl": VERL_COLUMNS, "trl": ("prompt",)}.get(schema, ())
+    for file in rows.files:
+        cols = set(rows.columns(file))
+        missing = [c for c in needs if c not in cols]
+        if missing:
+            raise DataFileError(f"{file}: schema {schema!r} needs columns {missing} (has {sorted(cols)})")
+    trl_answers = {str(f): trl_answer_column(rows.columns(f), f) for f in rows.files} if schema == "trl" else {}
+    if trl_answers:
+        logger.info("prompt data %s: TRL layout, reference answers from column(s) %s", path, sorted(set(trl_answers.values())))
     names = _row_ids(rows, os.fspath(path))
     file_order = {str(f): k for k, f in enumerate(rows.files)}
     # rows and unreadable JSON lines, in file then line / row order
@@ -326,6 +363,9 @@ def load_prompt_dataset(
             row = rows.row(item)
             if schema == "messages":
                 sample = _from_messages_row(row, row_id, root, prompt_template, system_prompt)
+            elif schema in ("verl", "trl"):
+                sample = _from_framework_row(schema, row, row_id, root, prompt_template, system_prompt,
+                                             trl_answers.get(str(file)))
             else:
                 assert table_cols is not None  # set above for every table schema
                 sample = _from_table_row(schema, table_cols, row, row_id, root, prompt_template, system_prompt)

@@ -5,7 +5,9 @@
     synthetic_vqa   the shapes-and-colours set written into `synthetic_dir` (train.jsonl / eval.jsonl,
                     messages format; written by rank 0 if missing)
     hf              local parquet / arrow / jsonl files with `columns = {prompt, answer, images}`
-                    (Geometry3K, ViRL39K or any table); `eval_path` optional
+                    (Geometry3K, ViRL39K or any table), or without `columns`: the layout is detected
+                    from the column names (verl's preprocessed parquet, TRL GRPO datasets,
+                    Geometry3K, ViRL39K, messages; rl/prompts/dataset.py); `eval_path` optional
     messages_jsonl  messages-format JSONL whose last assistant turn (or "answer" field) is the reference
 
 Paths name a file, a folder (searched recursively) or a glob, read by the same reader as SFT

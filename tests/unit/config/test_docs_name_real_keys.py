@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[3]
 # keys named on purpose as wrong (the documented refusals of a misspelt / moved key)
 DELIBERATELY_WRONG = {"optimizer.lrr", "rl.group_size"}
 NOT_A_KEY_AFTER = ("/", "(", "[")  # a path (`data.x/`), a call or an index
+FOREIGN_TABLES = ("verl", "TRL")  # first header cell of a table whose first column holds verl's / TRL's keys
 FILE_SUFFIXES = ("sbatch", "jsonl", "json", "parquet", "py", "toml", "md", "sh", "txt", "csv", "arrow")
 
 
@@ -68,8 +69,17 @@ def unknown_keys(text: str, where: str, keys: set[str]) -> list[str]:
     sections = sorted({k.split(".")[0] for k in keys}, key=len, reverse=True)
     token = re.compile(r"(?<![\w./-])(?:" + "|".join(sections) + r")(?:\.[a-z_][a-z0-9_]*)+")
     bracket = re.compile(r"\[\[?((?:" + "|".join(sections) + r")(?:\.[a-z_]+)*)\]\]? (`?)([a-z_][a-z0-9_]*)`?\s*([=,;)])")
-    bad = []
+    bad, foreign = [], False
     for n, line in enumerate(text.splitlines(), 1):
+        if not line.startswith("|"):
+            foreign = False
+        elif line.startswith("|---"):
+            pass
+        elif not foreign and line.split("|")[1].strip() in FOREIGN_TABLES:
+            foreign = True  # a mapping table (docs/migrating.md): its first column names the other framework's keys
+            continue
+        if foreign and not line.startswith("|---"):
+            line = "|" + line.split("|", 2)[2]
         for m in bracket.finditer(line):
             sec, quoted, key, after = m.groups()
             if not (quoted or after == "=" or "_" in key):
@@ -136,3 +146,9 @@ def test_documents_name_only_real_code():
     assert unknown_code("megatron_vlm.models.nemotron_vl.tiny, megatron_vlm.checkpoint.hf.load_hf_model, "
                         "megatron_vlm.rl.env.demo_eval, megatron_vlm/rl/README.md", "p") == [
         "p:1: megatron_vlm.models.nemotron_vl.tiny"]
+
+
+def test_the_other_frameworks_column_of_a_mapping_table_is_not_ours():
+    text = ("| verl | megatron-vlm | notes |\n|---|---|---|\n| `data.train_batch_size` | `rl.batch.prompts_per_stepp` | "
+            "`data.bogus` |\n\n| key | x |\n|---|---|\n| `data.nope` | y |\n")
+    assert unknown_keys(text, "t", config_keys()) == ["t:3: rl.batch.prompts_per_stepp", "t:3: data.bogus", "t:7: data.nope"]

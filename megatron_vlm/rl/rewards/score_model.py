@@ -49,15 +49,21 @@ class SequenceScoreModel(nn.Module):
 
     def forward(self, batch: dict) -> torch.Tensor:
         """Logits [n, num_labels] (float32) of the n sequences of a packed batch (`cu_seqlens`), or of the
-        rows of a padded batch (`attention_mask`, right padding: the last real token of each row)."""
+        rows of a padded batch (`attention_mask`, left or right padding: the last real token of each row, as
+        transformers pools)."""
         hidden = self.backbone(**model_inputs(batch), return_hidden=True)
         if batch.get("cu_seqlens") is not None:
             last = batch["cu_seqlens"][1:].to(hidden.device, torch.long) - 1
             pooled = hidden[0, last]
         else:
             mask = batch.get("attention_mask")
-            lengths = mask.sum(-1) if mask is not None else torch.full((hidden.shape[0],), hidden.shape[1])
-            pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths.to(hidden.device) - 1]
+            rows, width = hidden.shape[0], hidden.shape[1]
+            if mask is None:
+                last = torch.full((rows,), width - 1, device=hidden.device)
+            else:  # the highest position with mask 1 (mask.sum() - 1 is only that under right padding)
+                positions = torch.arange(width, device=hidden.device)
+                last = (positions * mask.to(hidden.device).bool()).argmax(-1)
+            pooled = hidden[torch.arange(rows, device=hidden.device), last]
         return self.score(pooled.float())
 
 

@@ -209,3 +209,19 @@ def test_empty_completion_is_scored_and_over_long_input_is_a_counted_zero(tmp_pa
     torch.testing.assert_close(torch.tensor(out.values[0]), ref, rtol=1e-5, atol=1e-5)
     assert abs(float(ref)) > 1e-3  # not the constant 0 an unscored completion would get
     assert out.values[1] == 0.0 and not math.isnan(sum(out.values))
+
+
+def test_left_padded_rows_score_their_last_real_token(tmp_path):
+    """Left padding (a generation batch's layout): the score is read at each row's last non-padding token, as
+    transformers' `...ForSequenceClassification` does, not at `attention_mask.sum() - 1`."""
+    hf, tok = _hf_seqcls_folder(tmp_path, "qwen2", 1, seed=2)
+    ours = load_score_model(tmp_path)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(5, len(tok) - 20, (n,), generator=g) for n in (7, 12, 3)]
+    batch = torch.full((3, 12), tok.pad_token_id)
+    mask = torch.zeros(3, 12, dtype=torch.long)
+    for i, x in enumerate(seqs):
+        batch[i, 12 - len(x):], mask[i, 12 - len(x):] = x, 1
+    with torch.no_grad():
+        ref = hf(input_ids=batch, attention_mask=mask).logits
+    torch.testing.assert_close(ours({"input_ids": batch, "attention_mask": mask}), ref, rtol=1e-5, atol=1e-5)

@@ -18,6 +18,7 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
   type but "hf";
 - GRPO without a held-out split (`data.eval_path` empty): `rl.eval.every_steps` (the evaluation returns nothing;
   the other `[rl.eval]` keys shape it and may stay, as a config's own);
+- PPO (`rl.advantage = "gae"`): `rl.critic.warmup_steps` >= `train.max_steps` (the policy would never move);
 - GRPO with `[lora]`: `rl.update.ref_offload` (the reference is the policy without its adapters, no copy),
   and `rl.allocation` (the asynchronous weight push sends full weights, not adapters);
 - asynchronous GRPO (`rl.allocation`) with fewer `rl.batch.prompts_per_step` than data-parallel training ranks
@@ -210,6 +211,9 @@ def _check_keys(cfg: Config) -> None:
                               "support [lora] yet; remove rl.allocation or the [lora] section")
         if cfg.rl is not None and cfg.rl.allocation is not None:
             _check_async_shards(cfg)
+        warmup = cfg.rl.critic_warmup_refusal(cfg.train.max_steps) if cfg.rl is not None else None
+        if warmup:
+            raise ConfigError(warmup)
         no_split = _no_eval_split(cfg)
         if no_split and cfg.rl is not None and cfg.rl.eval.every_steps:  # the evaluation would return nothing
             raise ConfigError(f"rl.eval.every_steps: there is no held-out split to evaluate ({no_split}); set it to 0")

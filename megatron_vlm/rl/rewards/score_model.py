@@ -23,6 +23,7 @@ from torch import nn
 
 from megatron_vlm.checkpoint.score_folder import write_score_files
 from megatron_vlm.data.batch import model_inputs
+from megatron_vlm.training.reward.model import NoLMHead
 
 __all__ = ["SequenceScoreModel", "load_score_model", "save_score_model", "score_architecture_refusal",
            "score_num_labels"]
@@ -115,7 +116,8 @@ def load_score_model(path: Union[str, Path], *, dtype: torch.dtype = torch.float
     with torch.device("meta"):
         backbone = family.model_cls(args, hf_config=hf_config)
         hidden = backbone.lm_head.in_features
-        backbone.lm_head = nn.Identity()  # no [vocab, hidden] matrix: the head is `score`
+        # no [vocab, hidden] matrix: the head is `score` (an empty `weight` of the dtype the vision path reads)
+        backbone.lm_head = NoLMHead(backbone.lm_head.weight.dtype)
         model = SequenceScoreModel(backbone, hidden, score_num_labels(hf_config), bias=has_bias)
     model.backbone.to(dtype=dtype)
     model = model.to_empty(device=device)

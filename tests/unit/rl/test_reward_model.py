@@ -225,3 +225,31 @@ def test_left_padded_rows_score_their_last_real_token(tmp_path):
     with torch.no_grad():
         ref = hf(input_ids=batch, attention_mask=mask).logits
     torch.testing.assert_close(ours({"input_ids": batch, "attention_mask": mask}), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_nemotron_vl_reward_model_scores_an_image(tmp_path):
+    """Nemotron-VL's vision path reads `lm_head.weight.dtype`: a reward model folder of that family loaded with a bare
+    `nn.Identity` in place of its lm_head failed every forward with an image (each completion a counted 0, the
+    run stopped by max_failed_steps). Scored like the training root scores it (training/reward/model.py)."""
+    from PIL import Image
+
+    from megatron_vlm.rl.rewards.score_model import save_score_model
+    from megatron_vlm.testing.reward_model_vqa import score_model_from_causal
+    from megatron_vlm.testing.tiny_nemotron_vl import build_tiny_nemotron_vl_folder
+
+    folder = build_tiny_nemotron_vl_folder(tmp_path / "nvl", seed=1)
+    model = score_model_from_causal(folder, seed=0)
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 1.0)
+    save_score_model(model, tmp_path / "rm", copy_from=folder)
+    imgs = []
+    for i, rgb in enumerate([(220, 40, 40), (40, 80, 230)]):
+        im = Image.new("RGB", (56, 56), (245, 245, 245))
+        im.paste(rgb, (6, 6, 50, 50))
+        imgs.append(str(tmp_path / f"im{i}.png"))
+        im.save(imgs[-1])
+    msgs = [[{"role": "user", "content": [{"type": "image", "image": p}, {"type": "text", "text": "What colour?"}]}]
+            for p in imgs]
+    got = ModelRewardScorer(ModelRewardConfig(path=str(tmp_path / "rm"))).score(["red", "red"], msgs)
+    assert got.status == ["ok", "ok"], got.detail
+    assert abs(got.values[0] - got.values[1]) > 1e-6  # the image reaches the head

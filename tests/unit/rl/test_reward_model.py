@@ -253,3 +253,35 @@ def test_nemotron_vl_reward_model_scores_an_image(tmp_path):
     got = ModelRewardScorer(ModelRewardConfig(path=str(tmp_path / "rm"))).score(["red", "red"], msgs)
     assert got.status == ["ok", "ok"], got.detail
     assert abs(got.values[0] - got.values[1]) > 1e-6  # the image reaches the head
+
+
+def test_completions_whose_videos_cannot_share_a_pack_are_scored_apart(monkeypatch):
+    """Nemotron-VL keeps each video's tile size ([frames, 3, H, W]): videos of two sizes cannot be concatenated into
+    one packed forward. The scorer packed `batch_size` completions regardless, so such a pack's forward failed and
+    every completion in it scored a counted 0; now a sample that cannot join starts a new pack (as training's
+    packer does, data/packing.py)."""
+    from megatron_vlm.data.processing import ProcessedSample
+
+    class _Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.score = torch.nn.Linear(1, 1)
+            self.backbone = torch.nn.Identity()
+            self.calls = 0
+
+        def forward(self, batch):
+            self.calls += 1
+            videos = batch["pixel_values_videos"]  # what concatenation in collate_pack gave
+            return videos.float().mean(dim=(1, 2, 3))[:, None][: int(batch["cu_seqlens"].numel()) - 1]
+
+    def sample(size: int) -> ProcessedSample:
+        return ProcessedSample(input_ids=torch.tensor([5, 6, 7]), label_mask=torch.tensor([False, True, True]),
+                               pixel_values_videos=torch.full((1, 3, size, size), float(size)))
+
+    model = _Model()
+    scorer = ModelRewardScorer(ModelRewardConfig(path="/rm", batch_size=4), model=model, processor=object())
+    sizes = [8, 8, 16, 8]
+    monkeypatch.setattr(scorer, "_render", lambda msgs, text: sample(sizes[int(text)]))
+    got = scorer.score(["0", "1", "2", "3"], [[{"role": "user", "content": "q"}]] * 4)
+    assert got.status == ["ok"] * 4, got.detail
+    assert got.values == [8.0, 8.0, 16.0, 8.0] and model.calls == 3  # [0, 1] | [2] | [3]

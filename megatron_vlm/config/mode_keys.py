@@ -39,7 +39,8 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
 - DPO (`train.mode = "dpo"`): a `[dpo]` section in another mode, `[[stages]]`, `train.eval_generate`
   (DPO evaluates preference metrics, it does not generate), `parallel.cp` > 1, the `[dpo]` keys the chosen
   loss variant ignores (`training/dpo/config.py`) and `data.columns` without both "chosen" and "rejected"
-  (or with "messages", "answer", "video"); the "chosen" / "rejected" columns in another mode.
+  (or with "messages", "answer", "video", or with "chosen" / "rejected" reading the column of another of prompt /
+  chosen / rejected); the "chosen" / "rejected" columns in another mode.
 - reward-model training (`train.mode = "reward"`): the same pair-data rules as DPO (it reads the same
   pairs), a `[reward]` section in another mode, a `[dpo]` section, and what the mode does not run yet
   (`reward_refusal`, training/reward/config.py: tp / cp / pp / ep > 1, the mcore backend, `[lora]`, fp8).
@@ -300,6 +301,12 @@ def _check_dpo_mode(cfg: Config) -> None:
                               f"{sorted(_DPO_COLUMNS)} (chosen and rejected required)")
         if not {"chosen", "rejected"} <= columns:
             raise ConfigError(f"data.columns: train.mode = {mode!r} needs both 'chosen' and 'rejected', got {sorted(columns)}")
+        mapped = cfg.data.columns
+        for key in ("chosen", "rejected"):  # every pair would be identical, or its response the prompt
+            other = next((k for k in ("prompt", "chosen") if k != key and mapped.get(k) == mapped[key]), None)
+            if other is not None:
+                raise ConfigError(f"data.columns.{key}: reads column {mapped[key]!r}, as data.columns.{other} does; "
+                                  "map each to its own column")
     if dpo_mode:  # the section's defaults when it is absent (its reference among them)
         check_dpo_keys(getattr(cfg, "dpo", None) or DPOConfig(), getattr(cfg, "lora", None))
 

@@ -156,7 +156,7 @@ def run_grpo(ctx: RunContext, *, before_step=None) -> int:
     rl = cfg.rl
     try:
         num_steps = grpo_total_steps(cfg.train, rl, len(parts.sets.train))
-        critic = build_critic(ctx, bundle, rl)  # advantage = "gae" (PPO): the value model and its optimizer, else None
+        critic = build_critic(ctx, bundle, rl, num_steps)  # advantage = "gae" (PPO): the value model and its optimizer, else None
         optim, checkpointer, resume, metrics = _training_state(
             ctx, bundle, num_steps, modules={"critic": (critic.model, critic.optimizer)} if critic is not None else None)
         grpo = GRPOStep(ctx, bundle, optim, rl, parts.engine, parts.encoder, parts.manager, parts.reference, metrics=metrics,

@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 import torch
 from safetensors.torch import save_file
 
-__all__ = ["write_score_files"]
+__all__ = ["write_score_files", "model_folder_refusal"]
 
 
 def write_score_files(path: Path, backbone: Any, backbone_state: dict[str, torch.Tensor],
@@ -78,3 +78,19 @@ def _tokenizer_pad_token_id(folder: Union[str, Path]) -> Optional[int]:
         return None
     pad = tokenizer.pad_token_id
     return None if pad is None else int(pad)
+
+
+def model_folder_refusal(hf_config: dict, path: Union[str, Path], mode: str) -> Optional[str]:
+    """Why the folder `path` (config.json `hf_config`) cannot be `model.path` of a `train.mode = mode` run, or None:
+    a sequence-classification folder (a reward model) has a scalar head where every job reads a causal model's
+    lm_head (its weights would stop the load with a traceback), and reward-model training starts from a causal
+    folder with a fresh head."""
+    archs = hf_config.get("architectures") or []
+    if not any(str(a).endswith("ForSequenceClassification") for a in archs):
+        return None
+    if mode == "reward":
+        return (f"model.path: {path} is already a sequence-classification folder ({archs[0]}); reward-model training "
+                "starts from a causal (SFT) model folder with a fresh head")
+    return (f"model.path: {path} is a sequence-classification folder ({archs[0]}, e.g. a reward model): train.mode = "
+            f"{mode!r} needs a causal model folder (its lm_head); give the folder it was trained from, or score with it "
+            "as [[rl.rewards]] type = \"model\"")

@@ -18,6 +18,7 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
   type but "hf";
 - GRPO without a held-out split (`data.eval_path` empty): `rl.eval.every_steps` (the evaluation returns nothing;
   the other `[rl.eval]` keys shape it and may stay, as a config's own);
+- PPO (`rl.advantage = "gae"`): `rl.critic.warmup_steps` >= `train.max_steps` (the policy would never move);
 - GRPO with `[lora]`: `rl.update.ref_offload` (the reference is the policy without its adapters, no copy),
   and `rl.allocation` (the asynchronous weight push sends full weights, not adapters);
 - asynchronous GRPO (`rl.allocation`) with fewer `rl.batch.prompts_per_step` than data-parallel training ranks
@@ -38,7 +39,8 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
 - DPO (`train.mode = "dpo"`): a `[dpo]` section in another mode, `[[stages]]`, `train.eval_generate`
   (DPO evaluates preference metrics, it does not generate), `parallel.cp` > 1, the `[dpo]` keys the chosen
   loss variant ignores (`training/dpo/config.py`) and `data.columns` without both "chosen" and "rejected"
-  (or with "messages", "answer", "video"); the "chosen" / "rejected" columns in another mode.
+  (or with "messages", "answer", "video", or with "chosen" / "rejected" reading the column of another of prompt /
+  chosen / rejected); the "chosen" / "rejected" columns in another mode.
 - reward-model training (`train.mode = "reward"`): the same pair-data rules as DPO (it reads the same
   pairs), a `[reward]` section in another mode, a `[dpo]` section, and what the mode does not run yet
   (`reward_refusal`, training/reward/config.py: tp / cp / pp / ep > 1, the mcore backend, `[lora]`, fp8).
@@ -210,6 +212,9 @@ def _check_keys(cfg: Config) -> None:
                               "support [lora] yet; remove rl.allocation or the [lora] section")
         if cfg.rl is not None and cfg.rl.allocation is not None:
             _check_async_shards(cfg)
+        warmup = cfg.rl.critic_warmup_refusal(cfg.train.max_steps) if cfg.rl is not None else None
+        if warmup:
+            raise ConfigError(warmup)
         no_split = _no_eval_split(cfg)
         if no_split and cfg.rl is not None and cfg.rl.eval.every_steps:  # the evaluation would return nothing
             raise ConfigError(f"rl.eval.every_steps: there is no held-out split to evaluate ({no_split}); set it to 0")
@@ -296,6 +301,12 @@ def _check_dpo_mode(cfg: Config) -> None:
                               f"{sorted(_DPO_COLUMNS)} (chosen and rejected required)")
         if not {"chosen", "rejected"} <= columns:
             raise ConfigError(f"data.columns: train.mode = {mode!r} needs both 'chosen' and 'rejected', got {sorted(columns)}")
+        mapped = cfg.data.columns
+        for key in ("chosen", "rejected"):  # every pair would be identical, or its response the prompt
+            other = next((k for k in ("prompt", "chosen") if k != key and mapped.get(k) == mapped[key]), None)
+            if other is not None:
+                raise ConfigError(f"data.columns.{key}: reads column {mapped[key]!r}, as data.columns.{other} does; "
+                                  "map each to its own column")
     if dpo_mode:  # the section's defaults when it is absent (its reference among them)
         check_dpo_keys(getattr(cfg, "dpo", None) or DPOConfig(), getattr(cfg, "lora", None))
 

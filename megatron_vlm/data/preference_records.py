@@ -13,8 +13,8 @@ TRL's preference formats:
   their last (assistant) turn, which is the response.
 
 In JSON lines the prompt may also be called "messages" (`{"messages": [...prompt turns...], "chosen": ...}`),
-and "system" adds a system turn to a string prompt. A row whose structure is wrong is a bad record
-(`BadRecordError`, counted, the pair skipped).
+and "system" adds a system turn to a string prompt. A row whose structure is wrong, or whose chosen and rejected
+responses are the same text (nothing to prefer), is a bad record (`BadRecordError`, counted, the pair skipped).
 
 `SyntheticPreferencePairs` builds pairs from the synthetic VQA set (data/synthetic_vqa.py): the
 question with its image, chosen = the right answer, rejected = a wrong one drawn from the whole answer
@@ -169,6 +169,9 @@ def preference_from_row(row: dict, columns: dict[str, str], *, resolve, source: 
             raise BadRecordError("invalid_record", f"column {prompt_col!r}: expected text or a messages list")
     if not prompt or not isinstance(prompt[-1], dict) or prompt[-1].get("role") != "user":
         raise BadRecordError("invalid_record", "the prompt must end with a user turn")
+    if chosen == rejected:  # no preference to learn: zero gradient, but it would count in the step's mean and metrics
+        raise BadRecordError("invalid_record", f"columns {c['chosen']!r} / {c['rejected']!r}: the chosen and rejected "
+                                               "responses are identical")
     mapped = set(c.values()) | {"messages"}
     meta = {k: v for k, v in row.items() if k not in mapped and isinstance(v, (str, int, float, bool))}
     prompt = normalize_messages([*prompt, {"role": "assistant", "content": chosen}], resolve)[:-1]  # paths resolved

@@ -65,10 +65,13 @@ def score_accuracy(
     *,
     label: str,
     threshold: float = 1.0,
+    samples: Optional[Sequence[Any]] = None,
 ) -> AccuracyResult:
     """Score k completions per prompt with the reward `label` of `manager` (a RewardManager).
 
-    completions[p] holds the k samples of prompt p; every prompt needs the same k."""
+    completions[p] holds the k samples of prompt p; every prompt needs the same k. `samples[p]`: prompt p's
+    `PromptSample`, handed to a manager that scores with reward models (`takes_samples`: they read the prompt's
+    messages and images, as in training) and ignored by one that does not."""
     n = len(completions)
     if n == 0:
         raise ValueError("completions: no prompts to evaluate")
@@ -76,12 +79,13 @@ def score_accuracy(
     for p, row in enumerate(completions):
         if len(row) != k or k == 0:
             raise ValueError(f"completions[{p}]: {len(row)} samples, expected k = {k} (k >= 1) for every prompt")
-    for name, seq in (("answers", answers), ("prompts", prompts), ("metadata", metadata)):
+    for name, seq in (("answers", answers), ("prompts", prompts), ("metadata", metadata), ("samples", samples)):
         if seq is not None and len(seq) != n:
             raise ValueError(f"{name}: {len(seq)} entries for {n} prompts")
     flat = [c for row in completions for c in row]
     rep = lambda seq: None if seq is None else [seq[p] for p in range(n) for _ in range(k)]  # noqa: E731
-    batch = manager.score(flat, rep(answers), rep(prompts), rep(metadata), only=[label])
+    extra = {"samples": rep(samples)} if samples is not None and getattr(manager, "takes_samples", False) else {}
+    batch = manager.score(flat, rep(answers), rep(prompts), rep(metadata), only=[label], **extra)
     values = batch.per_reward[label]
     scores = [values[p * k:(p + 1) * k] for p in range(n)]
     correct = [sum(s >= threshold for s in row) for row in scores]

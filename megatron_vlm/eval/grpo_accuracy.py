@@ -83,7 +83,8 @@ def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager
     if real:
         completions = [[s.text for s in real[p * k:(p + 1) * k]] for p in range(shard.num_real)]
         acc = score_accuracy(manager, completions, [p.answer for p in shard.samples], [p.problem for p in shard.samples],
-                             [p.metadata for p in shard.samples], label=rl_cfg.accuracy_label(), threshold=e.correct_threshold)
+                             [p.metadata for p in shard.samples], label=rl_cfg.accuracy_label(), threshold=e.correct_threshold,
+                             samples=shard.samples)  # a model reward reads the prompt's messages, as in training
         scores = acc.scores
     parts = all_gather_objects({"scores": scores, "lengths": [int(s.token_ids.numel()) for s in real],
                                 "skipped": int(getattr(encoder, "skipped", 0)) - skipped_before})[::copies]

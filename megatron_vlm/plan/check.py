@@ -25,6 +25,7 @@ from typing import Optional, TextIO
 
 import torch
 
+from megatron_vlm.checkpoint.score_folder import model_folder_refusal
 from megatron_vlm.config.loader import ConfigError
 from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
 from megatron_vlm.config.stage_configs import stage_configs
@@ -107,6 +108,9 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     """The plan's lines; raises CheckFailed / ConfigError naming the key to change."""
     check_keys_for_mode(cfg)
     hf = _read_model_config(cfg)
+    refused = model_folder_refusal(hf, cfg.model.path, cfg.train.mode)  # the job's own refusal (model_bundle.py)
+    if refused:
+        raise CheckFailed("model.path", refused.split(": ", 1)[1])
     if cfg.train.mode != "eval" and cfg.data.type == "synthetic_vqa" and "vision_config" not in hf:
         # the job finds it only as "no usable samples" (every record an image placeholder mismatch)
         raise CheckFailed("data.type", f"'synthetic_vqa' asks questions about images, and {hf.get('model_type')!r} is a "

@@ -870,6 +870,18 @@ class RLConfig:
         if self.accuracy_reward is not None and self.accuracy_reward not in labels:
             raise ValueError(f"accuracy_reward: {self.accuracy_reward!r} is not one of the reward labels {labels}")
 
+    def critic_warmup_refusal(self, total_steps: Optional[int]) -> Optional[str]:
+        """Why `[rl.critic] warmup_steps` cannot serve a run of `total_steps` steps (None when it can, or when the
+        length is not known yet): critic-only steps for the whole run would leave the policy, and its export, as
+        it started, without a word."""
+        from megatron_vlm.rl.algorithms.advantage_estimators import needs_critic
+
+        warmup = self.critic.warmup_steps
+        if total_steps is None or not needs_critic(self.advantage) or warmup < total_steps:
+            return None
+        return (f"rl.critic.warmup_steps: {warmup} critic-only steps in a run of {total_steps} steps: the policy would "
+                "never be updated; set it below the run's length (train.max_steps, or the steps of train.epochs)")
+
     def adv_normalize_std(self) -> bool:
         """Whether advantages are divided by the group std (advantages.normalize_std resolved for `advantage`)."""
         ns = self.advantages.normalize_std

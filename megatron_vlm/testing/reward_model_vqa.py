@@ -54,14 +54,13 @@ def vqa_pairs(jsonl: str | Path, *, seed: int = 0, limit: int = 0, malformed: fl
 def score_model_from_causal(folder: str | Path, *, seed: int = 0) -> Any:
     """A `SequenceScoreModel` on the backbone of the causal model folder `folder` (float32, CPU), a fresh head
     (N(0, 0.02) weights, one label)."""
-    from torch import nn
-
     from megatron_vlm.checkpoint.hf import load_hf_model
     from megatron_vlm.rl.rewards.score_model import SequenceScoreModel
+    from megatron_vlm.training.reward.model import NoLMHead
 
     backbone = load_hf_model(folder, dtype=torch.float32, device="cpu")
     hidden = backbone.lm_head.in_features
-    backbone.lm_head = nn.Identity()
+    backbone.lm_head = NoLMHead(backbone.lm_head.weight.dtype)
     model = SequenceScoreModel(backbone, hidden, 1)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

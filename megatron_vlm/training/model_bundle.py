@@ -8,13 +8,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from megatron_vlm import kernels
-from megatron_vlm.checkpoint.hf import load_hf_model
+from megatron_vlm.checkpoint.hf import load_hf_model, read_hf_config
+from megatron_vlm.checkpoint.score_folder import model_folder_refusal
 from megatron_vlm.data.processor import load_processor
+from megatron_vlm.errors import ConfigError
 from megatron_vlm.models import get_family
 from megatron_vlm.models.common.mamba2 import Mamba2Mixer
 from megatron_vlm.models.common.moe import moe_layers
@@ -110,6 +113,10 @@ def build_model_bundle(ctx: RunContext, *, root: Callable[[torch.nn.Module], Any
     root around the family model (default the log-prob wrapper; reward-model training passes its scalar-head
     root, training/reward/model.py)."""
     cfg, env = ctx.cfg, ctx.env
+    if (Path(cfg.model.path) / "config.json").is_file():  # a reward model folder: exit 2, not a traceback at its weights
+        refused = model_folder_refusal(read_hf_config(cfg.model.path), cfg.model.path, cfg.train.mode)
+        if refused:
+            raise ConfigError(refused)
     kernels.configure(cfg.kernels)
     seed_everything(cfg.train.seed)
     dims, mesh = build_mesh(cfg.parallel, env.world_size, env.device.type)  # LayoutError: exit 2 (runner)

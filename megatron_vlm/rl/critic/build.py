@@ -81,13 +81,13 @@ def critic_folder_refusal(policy_cfg: dict, critic_cfg: dict, folder: str) -> Op
     return None
 
 
-def build_critic(ctx: Any, bundle: Any, rl: Any) -> Optional[Critic]:
-    """The run's critic (None when `advantage` needs none). ConfigError (exit 2) naming the key when the layout or
-    the critic's model folder cannot serve."""
+def build_critic(ctx: Any, bundle: Any, rl: Any, total_steps: Optional[int] = None) -> Optional[Critic]:
+    """The run's critic (None when `advantage` needs none). ConfigError (exit 2) naming the key when the layout,
+    the critic's model folder or its warm-up (longer than the run's `total_steps`) cannot serve."""
     if not needs_critic(rl.advantage):
         return None
     cfg, env = ctx.cfg, ctx.env
-    refused = critic_refusal(cfg)
+    refused = critic_refusal(cfg) or rl.critic_warmup_refusal(total_steps)
     if refused:
         raise ConfigError(refused)
     critic_cfg = rl.critic

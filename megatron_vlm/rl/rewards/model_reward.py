@@ -84,6 +84,22 @@ def text_only_messages(messages: Sequence[dict]) -> list[dict]:
     return out
 
 
+def _packs(rendered: list[tuple[int, Any]], batch_size: int) -> Iterator[list[tuple[int, Any]]]:
+    """`rendered` (completion index, sample) in order, `batch_size` per packed forward at most, a new pack started
+    where a sample's vision tensors cannot join the pack's (Nemotron-VL videos of another tile size: concatenated
+    they would fail the forward, and every completion of the pack with it)."""
+    from megatron_vlm.data.packing import vision_shape_conflict
+
+    pack: list[tuple[int, Any]] = []
+    for item in rendered:
+        if pack and (len(pack) >= batch_size or vision_shape_conflict([s for _, s in pack], item[1])):
+            yield pack
+            pack = []
+        pack.append(item)
+    if pack:
+        yield pack
+
+
 class ModelRewardScorer:
     """Scores completions with the reward model of one `ModelRewardConfig` (`cfg`). `score(completions,
     prompt_messages)` -> `ScoredValues`; `model` and `processor` may be given (tests), else loaded from `cfg.path`."""
@@ -151,10 +167,8 @@ class ModelRewardScorer:
                 out.status[i], out.detail[i] = "error", f"{len(sample.input_ids)} tokens > max_tokens {self.cfg.max_tokens}"
                 continue
             rendered.append((i, sample))
-        bs = self.cfg.batch_size
         with self._on_device():
-            for start in range(0, len(rendered), bs):
-                chunk = rendered[start:start + bs]
+            for chunk in _packs(rendered, self.cfg.batch_size):
                 try:
                     batch = {k: (v.to(self.device) if torch.is_tensor(v) else v)
                              for k, v in collate_pack([s for _, s in chunk]).items()}

@@ -23,6 +23,7 @@ from torch import nn
 
 from megatron_vlm.checkpoint.score_folder import write_score_files
 from megatron_vlm.data.batch import model_inputs
+from megatron_vlm.training.reward.model import NoLMHead
 
 __all__ = ["SequenceScoreModel", "load_score_model", "save_score_model", "score_architecture_refusal",
            "score_num_labels"]
@@ -49,15 +50,21 @@ class SequenceScoreModel(nn.Module):
 
     def forward(self, batch: dict) -> torch.Tensor:
         """Logits [n, num_labels] (float32) of the n sequences of a packed batch (`cu_seqlens`), or of the
-        rows of a padded batch (`attention_mask`, right padding: the last real token of each row)."""
+        rows of a padded batch (`attention_mask`, left or right padding: the last real token of each row, as
+        transformers pools)."""
         hidden = self.backbone(**model_inputs(batch), return_hidden=True)
         if batch.get("cu_seqlens") is not None:
             last = batch["cu_seqlens"][1:].to(hidden.device, torch.long) - 1
             pooled = hidden[0, last]
         else:
             mask = batch.get("attention_mask")
-            lengths = mask.sum(-1) if mask is not None else torch.full((hidden.shape[0],), hidden.shape[1])
-            pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths.to(hidden.device) - 1]
+            rows, width = hidden.shape[0], hidden.shape[1]
+            if mask is None:
+                last = torch.full((rows,), width - 1, device=hidden.device)
+            else:  # the highest position with mask 1 (mask.sum() - 1 is only that under right padding)
+                positions = torch.arange(width, device=hidden.device)
+                last = (positions * mask.to(hidden.device).bool()).argmax(-1)
+            pooled = hidden[torch.arange(rows, device=hidden.device), last]
         return self.score(pooled.float())
 
 
@@ -109,7 +116,8 @@ def load_score_model(path: Union[str, Path], *, dtype: torch.dtype = torch.float
     with torch.device("meta"):
         backbone = family.model_cls(args, hf_config=hf_config)
         hidden = backbone.lm_head.in_features
-        backbone.lm_head = nn.Identity()  # no [vocab, hidden] matrix: the head is `score`
+        # no [vocab, hidden] matrix: the head is `score` (an empty `weight` of the dtype the vision path reads)
+        backbone.lm_head = NoLMHead(backbone.lm_head.weight.dtype)
         model = SequenceScoreModel(backbone, hidden, score_num_labels(hf_config), bias=has_bias)
     model.backbone.to(dtype=dtype)
     model = model.to_empty(device=device)

@@ -48,16 +48,26 @@ def build_pair_loaders(ctx: RunContext, bundle: ModelBundle, bad_records: BadRec
     return train, evaluation
 
 
+def _weight_files(folder: Path) -> list[dict]:
+    """Signatures (path, size, modification time) of a model folder's config and weight files."""
+    if not folder.is_dir():
+        return []
+    return [file_signature(f) for f in sorted(folder.iterdir())
+            if f.is_file() and (f.name == "config.json" or f.suffix in (".safetensors", ".bin"))]
+
+
 def initial_model_identity(cfg) -> str:
-    """What the precomputed reference was scored with: the model folder, and with `lora.init_from` the adapter
-    (its folder, mode, and its files' sizes and modification times), so another starting adapter is scored again."""
+    """What the precomputed reference was scored with: the model folder and its config / weight files (sizes and
+    modification times: a folder exported again at the same path is scored again), and with `lora.init_from` the
+    adapter (its folder, mode and files), so another starting adapter is scored again."""
+    identity: dict = {"model": cfg.model.path, "model_files": _weight_files(Path(cfg.model.path))}
     lora = getattr(cfg, "lora", None)
-    if lora is None or not lora.init_from:
-        return cfg.model.path
-    folder = Path(lora.init_from)
-    files = sorted(folder.rglob("*")) if folder.is_dir() else [folder]
-    return json.dumps({"model": cfg.model.path, "init_from": lora.init_from, "mode": lora.init_from_mode,
-                       "files": [file_signature(f) for f in files if f.is_file()]})
+    if lora is not None and lora.init_from:
+        folder = Path(lora.init_from)
+        files = sorted(folder.rglob("*")) if folder.is_dir() else [folder]
+        identity.update({"init_from": lora.init_from, "mode": lora.init_from_mode,
+                         "files": [file_signature(f) for f in files if f.is_file()]})
+    return json.dumps(identity)
 
 
 def leave_out_unscored(reference: PrecomputedReference, loaders: dict) -> None:

@@ -8,7 +8,7 @@
   the policy while it still holds the initial weights (before a checkpoint is resumed), summed per response
   and kept as a [pairs, 2] table per split in `<output_dir>/dpo_reference_logps.pt`; a later start of the
   same run reads the file back instead of scoring again (scored again when the split sizes, the rows the packs
-  hold and their lengths, the data files / synthetic seed, or the model path differ). The table also records
+  hold and their lengths, the data files / synthetic seed, or the model folder and its weight files differ). The table also records
   which rows the pass scored: a pair that failed there (a transient read error, or a pack it could not join)
   has no reference, so the loaders leave it out of every later pack and count it (`unscored`), rather than
   train it against a reference log-prob of 0.

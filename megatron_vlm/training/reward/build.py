@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from megatron_vlm.checkpoint.hf import read_hf_config
+from megatron_vlm.checkpoint.score_folder import model_folder_refusal
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle, build_model_bundle
@@ -26,11 +27,7 @@ def reward_section(cfg: Any) -> RewardTrainConfig:
 
 def reward_folder_refusal(hf_config: dict, path: str) -> Optional[str]:
     """Why the model folder `path` (its config.json `hf_config`) cannot start a reward-model run."""
-    archs = hf_config.get("architectures") or []
-    if any(str(a).endswith("ForSequenceClassification") for a in archs):
-        return (f"model.path: {path} is already a sequence-classification folder ({archs[0]}); reward-model training "
-                "starts from a causal (SFT) model folder with a fresh head")
-    return None
+    return model_folder_refusal(hf_config, path, "reward")
 
 
 def build_reward_bundle(ctx: RunContext, reward: RewardTrainConfig) -> ModelBundle:

@@ -25,10 +25,10 @@ from torch import nn
 
 from megatron_vlm.data.batch import model_inputs
 
-__all__ = ["ScoreRoot", "head_std"]
+__all__ = ["ScoreRoot", "NoLMHead", "head_std"]
 
 
-class _NoHead(nn.Identity):
+class NoLMHead(nn.Identity):
     """In place of the lm_head: the hidden states pass through; `weight` is an empty buffer of the head's dtype,
     since some families read `lm_head.weight.dtype` for their vision path."""
 
@@ -55,7 +55,7 @@ class ScoreRoot(nn.Module):
         super().__init__()
         head: Any = model.lm_head
         hidden = int(head.in_features)
-        model.lm_head = _NoHead(head.weight.dtype)
+        model.lm_head = NoLMHead(head.weight.dtype)
         self.model: Any = model
         self.score = nn.Linear(hidden, 1, bias=False, dtype=torch.float32)
         g = torch.Generator().manual_seed(int(seed))

@@ -64,6 +64,8 @@ def test_dpo_section_in_another_mode_is_refused():
     ("dpo", '{prompt = "p", chosen = "c", rejected = "r", answer = "a"}', "data.columns.answer"),
     ("dpo", '{messages = "m", chosen = "c", rejected = "r"}', "data.columns.messages"),
     ("sft", '{prompt = "p", answer = "a", chosen = "c", rejected = "r"}', "data.columns.chosen"),
+    ("dpo", '{prompt = "p", chosen = "answer", rejected = "answer"}', "data.columns.rejected"),  # every pair identical
+    ("dpo", '{prompt = "q", chosen = "q", rejected = "r"}', "data.columns.chosen"),  # the prompt as the response
 ])
 def test_preference_columns(mode, columns, key):
     sets = ["data.type=\"hf\"", "data.train_path=\"x.parquet\"", f"data.columns={columns}"]

@@ -83,3 +83,36 @@ def test_entry_point_exits_2_naming_the_key(tmp_path):
                         f'data.synthetic_dir="{tmp_path / "data"}"', "--set", "data.synthetic_train_size=8", "--set",
                         "data.synthetic_eval_size=4"], capture_output=True, text=True, cwd=str(REPO), timeout=300)
     assert r.returncode == 2 and "model.path:" in r.stderr and "sequence-classification" in r.stderr, r.stderr[-2000:]
+
+
+def _score_folder(tmp_path) -> Path:
+    folder = tmp_path / "rm"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["Qwen2_5_VLForSequenceClassification"],
+                                                    "model_type": "qwen2_5_vl", "num_labels": 1}))
+    return folder
+
+
+@pytest.mark.parametrize("config", [RM, REPO / "launch" / "configs" / "demo_dpo.toml", SFT])
+def test_check_refuses_a_sequence_classification_folder_as_the_model(tmp_path, config):
+    """--check said ok for a reward model folder as `model.path` (the reward job refuses it at start; the other
+    modes stopped on a traceback at the weights: `score.weight` has no place in a causal model)."""
+    from megatron_vlm.plan.check import CheckFailed, plan_run
+
+    folder = _score_folder(tmp_path)
+    cfg = load_config(config, [f'model.path="{folder}"', "model.synthesize=\"tiny_qwen2_5_vl\""])
+    with pytest.raises(CheckFailed) as e:
+        plan_run(cfg, world_size=1, device_memory_gib=80)
+    assert e.value.key == "model.path" and "sequence-classification" in str(e.value), str(e.value)
+
+
+def test_a_sequence_classification_folder_is_refused_as_a_dpo_policy(tmp_path):
+    """The DPO / SFT / GRPO job itself: a config error naming model.path (exit 2), before the folder is read."""
+    from types import SimpleNamespace
+
+    from megatron_vlm.training.model_bundle import build_model_bundle
+
+    folder = _score_folder(tmp_path)
+    cfg = load_config(REPO / "launch" / "configs" / "demo_dpo.toml", [f'model.path="{folder}"'])
+    with pytest.raises(ConfigError, match=r"^model\.path: .* is a sequence-classification folder"):
+        build_model_bundle(SimpleNamespace(cfg=cfg, env=None))

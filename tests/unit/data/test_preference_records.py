@@ -60,6 +60,11 @@ def test_implicit_prompt_layout():
     ({"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "1"}],
       "rejected": [{"role": "user", "content": "b"}, {"role": "assistant", "content": "2"}]}, "invalid_record"),
     ({"prompt": 3, "chosen": "a", "rejected": "b"}, "invalid_record"),                           # prompt not text / messages
+    ({"prompt": "q", "chosen": "same", "rejected": "same"}, "invalid_record"),                   # nothing to prefer
+    ({"prompt": "q", "chosen": [{"role": "assistant", "content": [{"type": "text", "text": "a"}]}],
+      "rejected": "a"}, "invalid_record"),                                                        # the same text, two spellings
+    ({"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "1"}],
+      "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "1"}]}, "invalid_record"),
 ])
 def test_bad_rows_raise_bad_record_errors(row, category):
     cols = COLS if "prompt" in row else {"chosen": "chosen", "rejected": "rejected"}

@@ -97,3 +97,23 @@ def test_a_reward_model_folder_as_the_critic_is_refused_naming_the_key():
     rm = {**policy, "architectures": ["Qwen2_5_VLForSequenceClassification"], "num_labels": 1}
     msg = critic_folder_refusal(policy, rm, "rm")
     assert msg is not None and msg.startswith("rl.critic.model: rm") and "ForSequenceClassification" in msg, msg
+
+
+def test_a_warmup_as_long_as_the_run_is_refused_naming_the_key():
+    """`critic.warmup_steps` >= the run's steps: the policy would never be updated, the run would export the policy
+    it started from without a word. Refused by the config checks (train.max_steps, so --check finds it) and by the
+    job once the length is known (train.epochs)."""
+    from megatron_vlm.config import load_config
+    from megatron_vlm.config.loader import ConfigError
+    from megatron_vlm.config.mode_keys import check_keys_for_mode
+
+    rl = rl_config(advantage="gae", critic__warmup_steps=5, validate=True)
+    assert rl.critic_warmup_refusal(6) is None and rl.critic_warmup_refusal(None) is None
+    for steps in (5, 3):
+        msg = rl.critic_warmup_refusal(steps)
+        assert msg is not None and msg.startswith("rl.critic.warmup_steps:") and f"{steps} steps" in msg, msg
+    assert rl_config(advantage="grpo").critic_warmup_refusal(1) is None
+    cfg = load_config(PPO_DEMO, overrides=["train.max_steps=5"])
+    with pytest.raises(ConfigError, match=r"^rl\.critic\.warmup_steps: 5 "):
+        check_keys_for_mode(cfg)
+    check_keys_for_mode(load_config(PPO_DEMO, overrides=["train.max_steps=6"]))

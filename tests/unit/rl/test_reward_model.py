@@ -209,3 +209,79 @@ def test_empty_completion_is_scored_and_over_long_input_is_a_counted_zero(tmp_pa
     torch.testing.assert_close(torch.tensor(out.values[0]), ref, rtol=1e-5, atol=1e-5)
     assert abs(float(ref)) > 1e-3  # not the constant 0 an unscored completion would get
     assert out.values[1] == 0.0 and not math.isnan(sum(out.values))
+
+
+def test_left_padded_rows_score_their_last_real_token(tmp_path):
+    """Left padding (a generation batch's layout): the score is read at each row's last non-padding token, as
+    transformers' `...ForSequenceClassification` does, not at `attention_mask.sum() - 1`."""
+    hf, tok = _hf_seqcls_folder(tmp_path, "qwen2", 1, seed=2)
+    ours = load_score_model(tmp_path)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(5, len(tok) - 20, (n,), generator=g) for n in (7, 12, 3)]
+    batch = torch.full((3, 12), tok.pad_token_id)
+    mask = torch.zeros(3, 12, dtype=torch.long)
+    for i, x in enumerate(seqs):
+        batch[i, 12 - len(x):], mask[i, 12 - len(x):] = x, 1
+    with torch.no_grad():
+        ref = hf(input_ids=batch, attention_mask=mask).logits
+    torch.testing.assert_close(ours({"input_ids": batch, "attention_mask": mask}), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_nemotron_vl_reward_model_scores_an_image(tmp_path):
+    """Nemotron-VL's vision path reads `lm_head.weight.dtype`: a reward model folder of that family loaded with a bare
+    `nn.Identity` in place of its lm_head failed every forward with an image (each completion a counted 0, the
+    run stopped by max_failed_steps). Scored like the training root scores it (training/reward/model.py)."""
+    from PIL import Image
+
+    from megatron_vlm.rl.rewards.score_model import save_score_model
+    from megatron_vlm.testing.reward_model_vqa import score_model_from_causal
+    from megatron_vlm.testing.tiny_nemotron_vl import build_tiny_nemotron_vl_folder
+
+    folder = build_tiny_nemotron_vl_folder(tmp_path / "nvl", seed=1)
+    model = score_model_from_causal(folder, seed=0)
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 1.0)
+    save_score_model(model, tmp_path / "rm", copy_from=folder)
+    imgs = []
+    for i, rgb in enumerate([(220, 40, 40), (40, 80, 230)]):
+        im = Image.new("RGB", (56, 56), (245, 245, 245))
+        im.paste(rgb, (6, 6, 50, 50))
+        imgs.append(str(tmp_path / f"im{i}.png"))
+        im.save(imgs[-1])
+    msgs = [[{"role": "user", "content": [{"type": "image", "image": p}, {"type": "text", "text": "What colour?"}]}]
+            for p in imgs]
+    got = ModelRewardScorer(ModelRewardConfig(path=str(tmp_path / "rm"))).score(["red", "red"], msgs)
+    assert got.status == ["ok", "ok"], got.detail
+    assert abs(got.values[0] - got.values[1]) > 1e-6  # the image reaches the head
+
+
+def test_completions_whose_videos_cannot_share_a_pack_are_scored_apart(monkeypatch):
+    """Nemotron-VL keeps each video's tile size ([frames, 3, H, W]): videos of two sizes cannot be concatenated into
+    one packed forward. The scorer packed `batch_size` completions regardless, so such a pack's forward failed and
+    every completion in it scored a counted 0; now a sample that cannot join starts a new pack (as training's
+    packer does, data/packing.py)."""
+    from megatron_vlm.data.processing import ProcessedSample
+
+    class _Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.score = torch.nn.Linear(1, 1)
+            self.backbone = torch.nn.Identity()
+            self.calls = 0
+
+        def forward(self, batch):
+            self.calls += 1
+            videos = batch["pixel_values_videos"]  # what concatenation in collate_pack gave
+            return videos.float().mean(dim=(1, 2, 3))[:, None][: int(batch["cu_seqlens"].numel()) - 1]
+
+    def sample(size: int) -> ProcessedSample:
+        return ProcessedSample(input_ids=torch.tensor([5, 6, 7]), label_mask=torch.tensor([False, True, True]),
+                               pixel_values_videos=torch.full((1, 3, size, size), float(size)))
+
+    model = _Model()
+    scorer = ModelRewardScorer(ModelRewardConfig(path="/rm", batch_size=4), model=model, processor=object())
+    sizes = [8, 8, 16, 8]
+    monkeypatch.setattr(scorer, "_render", lambda msgs, text: sample(sizes[int(text)]))
+    got = scorer.score(["0", "1", "2", "3"], [[{"role": "user", "content": "q"}]] * 4)
+    assert got.status == ["ok"] * 4, got.detail
+    assert got.values == [8.0, 8.0, 16.0, 8.0] and model.calls == 3  # [0, 1] | [2] | [3]

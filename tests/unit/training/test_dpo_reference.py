@@ -133,8 +133,26 @@ def test_initial_model_identity_changes_with_the_starting_adapter(tmp_path):
     (adapter / "adapter_model.safetensors").write_bytes(b"123456")  # new weights in the same folder
     assert initial_model_identity(cfg) != first
     cfg.lora.init_from_mode = "merge"
-    assert initial_model_identity(cfg) not in (first, "/m")
-    assert initial_model_identity(SimpleNamespace(model=SimpleNamespace(path="/m"), lora=None)) == "/m"
+    assert initial_model_identity(cfg) != first
+
+
+def test_initial_model_identity_changes_with_the_model_folders_weights(tmp_path):
+    """The table is scored from `model.path`'s weights: a folder written again in place (a longer SFT run exported
+    to the same path, after a DPO start that scored the reference and stopped) must be scored again, not read
+    back as the reference of a model that is no longer there. Found by reading: the identity was the path alone."""
+    from types import SimpleNamespace
+
+    from megatron_vlm.training.dpo.build import initial_model_identity
+
+    model = tmp_path / "sft" / "hf"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"1234")
+    cfg = SimpleNamespace(model=SimpleNamespace(path=str(model)), lora=None)
+    first = initial_model_identity(cfg)
+    assert initial_model_identity(cfg) == first
+    (model / "model.safetensors").write_bytes(b"123456")  # exported again at the same path
+    assert initial_model_identity(cfg) != first
 
 
 class _TokenScorer(torch.nn.Module):

@@ -50,12 +50,23 @@ def tools_system_text(tools: list[dict], system: Optional[str] = None) -> str:
             "<args-json-object>}\n</tool_call>")
 
 
+def _system_text(content: Any) -> Optional[str]:
+    """The text of a system turn: a string, or a list of text parts joined as the chat templates write them (one
+    after the other); None for content with other parts (an image), which stays a turn of its own."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(it, dict) and it.get("type") == "text" and isinstance(it.get("text"), str)
+                                         for it in content):
+        return "".join(it["text"] for it in content)
+    return None
+
+
 def with_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
     """`messages` with the tool specs in the system turn (added when there is none)."""
     if not tools:
         return messages
-    if messages and messages[0]["role"] == "system" and isinstance(messages[0]["content"], str):
-        return [{"role": "system", "content": tools_system_text(tools, messages[0]["content"])}, *messages[1:]]
+    if messages and messages[0]["role"] == "system" and (text := _system_text(messages[0]["content"])) is not None:
+        return [{"role": "system", "content": tools_system_text(tools, text)}, *messages[1:]]
     return [{"role": "system", "content": tools_system_text(tools)}, *messages]
 
 

@@ -136,6 +136,17 @@ def test_tools_in_the_system_turn():
     assert with_tools([{"role": "user", "content": "hi"}], tools)[0]["role"] == "system"
 
 
+def test_a_system_turn_of_text_parts_takes_the_tools():
+    """A system turn in the OpenAI list form ([{"type": "text", ...}], as the messages schema allows) gets the tool
+    specs as a string system turn does: it used to stay as it was behind a second, default system turn with the
+    tools (two system turns; "You are a helpful assistant." before the dataset's own instructions)."""
+    tools = CalculatorEnv().tools()
+    parts = [{"type": "text", "text": "Be brief."}, {"type": "text", "text": " Use digits."}]
+    msgs = with_tools([{"role": "system", "content": parts}, {"role": "user", "content": "hi"}], tools)
+    assert [m["role"] for m in msgs] == ["system", "user"]
+    assert msgs[0]["content"] == tools_system_text(tools, "Be brief. Use digits.")
+
+
 def test_a_tool_returning_garbage_is_an_error_reply():
     """A return value that is neither text, JSON-serialisable data nor (text, [images]) is the tool's error reply (the
     model's feedback), not an exception out of the environment that would end the trajectory as "env_error"."""

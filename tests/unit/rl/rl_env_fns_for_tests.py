@@ -184,3 +184,18 @@ class DoneWithoutObservation(Environment):
 
     def step(self, action):
         return StepResult(None, reward=np.float32(1.0), done=True)
+
+
+class NeedsAnArgument(Environment):
+    """Built only with `[rl.env] kwargs = {level = ...}`."""
+
+    def __init__(self, level: int):
+        self.level = level
+
+    def step(self, action):
+        return StepResult(Observation(), done=True)
+
+
+class ToolsRaise(Environment):
+    def tools(self):
+        raise RuntimeError("no tool box")

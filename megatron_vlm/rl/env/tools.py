@@ -50,7 +50,7 @@ def function_schema(fn: Callable) -> dict:
 
 
 def _check_args(spec: dict, args: dict) -> Optional[str]:
-    params = spec["function"]["parameters"]
+    params = spec["function"].get("parameters", {})
     props = params.get("properties", {})
     missing = [k for k in params.get("required", []) if k not in args]
     if missing:
@@ -101,21 +101,42 @@ def _shown(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def _schema_name(fn: Callable, schema: dict) -> str:
+    """The tool name a given spec shows the model (the one its calls use); ValueError for a spec that is not an
+    OpenAI function spec with a name and a parameters object (every call of the tool reads them)."""
+    f = schema.get("function") if isinstance(schema, dict) else None
+    name = f.get("name") if isinstance(f, dict) else None
+    params = f.get("parameters", {"type": "object"}) if isinstance(f, dict) else None
+    if not isinstance(name, str) or not name or not isinstance(params, dict) or \
+            not isinstance(params.get("properties", {}), dict) or not isinstance(params.get("required", []), list):
+        raise ValueError(f"tool {getattr(fn, '__name__', fn)}: its schema must be an OpenAI function spec "
+                         '{"type": "function", "function": {"name": str, "parameters": {"type": "object", '
+                         '"properties": {...}, "required": [...]}}}')
+    return name
+
+
 class ToolRegistry:
-    """Tools by name: `functions` (their specs from `function_schema`) plus `schemas` {name: spec} overrides."""
+    """Tools by name: `functions` (their specs from `function_schema`) plus `schemas` {function name: spec} overrides.
+    A tool is called by the name its spec shows the model (an override may rename the function)."""
 
     def __init__(self, functions: Sequence[Callable] = (), *, schemas: Optional[dict[str, dict]] = None):
         self.functions: dict[str, Callable] = {}
         self._specs: dict[str, dict] = {}
+        unknown = sorted(set(schemas or {}) - {fn.__name__ for fn in functions})
+        if unknown:
+            raise ValueError(f"schemas: {unknown[0]!r} names no function of the registry (keys are the Python "
+                             f"functions' names: {sorted(fn.__name__ for fn in functions)})")
         for fn in functions:
             self.add(fn, schema=(schemas or {}).get(fn.__name__))
 
     def add(self, fn: Callable, *, schema: Optional[dict] = None) -> None:
-        name = fn.__name__
+        if schema is None:
+            schema = function_schema(fn)
+        name = _schema_name(fn, schema)
         if name in self.functions:
             raise ValueError(f"tool {name}: registered twice")
         self.functions[name] = fn
-        self._specs[name] = schema if schema is not None else function_schema(fn)
+        self._specs[name] = schema
 
     def specs(self) -> list[dict]:
         return [self._specs[n] for n in self.functions]

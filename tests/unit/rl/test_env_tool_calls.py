@@ -299,3 +299,25 @@ def test_a_tool_calling_exit_is_an_error_reply():
 
     text, _, ok = ToolRegistry([quits]).call(ToolCall("quits", {"code": 3}))
     assert not ok and text == "Error: quits raised SystemExit: 3"
+
+
+def test_a_schema_override_is_called_by_the_name_it_shows():
+    """`schemas=` gives a tool the spec the model sees; the model calls the name in that spec, which the registry
+    must run. A spec whose name differs from the Python function's used to be shown but every call of it answered
+    "unknown tool" (counted as tool errors, nothing else said); a spec keyed by a name that is no function's was
+    dropped without a word (the model saw the generated spec); a spec without its function / parameters failed
+    every call of the tool inside the environment's step."""
+    def _add(a: int, b: int) -> str:
+        return str(a + b)
+
+    spec = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+    env = ToolEnvironment(registry=ToolRegistry([_add], schemas={"_add": spec}))
+    assert env.tools() == [spec]
+    env.reset(EnvSample(problem=""))
+    res = env.step('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+    assert res.observation.parts[0]["text"] == "3" and res.info["tool_errors"] == 0
+    with pytest.raises(ValueError, match="schemas: 'add' names no function"):
+        ToolRegistry([_add], schemas={"add": spec})
+    with pytest.raises(ValueError, match="tool _add: its schema"):
+        ToolRegistry([_add], schemas={"_add": {"type": "function", "name": "add"}})

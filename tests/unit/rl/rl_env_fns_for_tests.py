@@ -199,3 +199,14 @@ class NeedsAnArgument(Environment):
 class ToolsRaise(Environment):
     def tools(self):
         raise RuntimeError("no tool box")
+
+
+class ToolsOfTheSample(Environment):
+    """Per-sample tools (verl's tools_kwargs habit): a `lookup` tool only for samples whose problem asks for one."""
+
+    def tools(self):
+        wanted = "lookup" in getattr(self, "sample", None).problem if hasattr(self, "sample") else False
+        return [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}] if wanted else []
+
+    def step(self, action):
+        return StepResult(Observation(), done=True)

@@ -39,3 +39,18 @@ def test_a_final_step_needs_no_observation(proc):
                          eos_token_ids=[enc.turn_end_id])
     (reply,) = session.step([(0, 0, "hello", [5, enc.turn_end_id], 100)])
     assert reply.done and reply.reward == 1.0 and not reply.error and session.errors == 0
+
+
+def test_tools_that_change_with_the_sample_are_refused(proc):
+    """The tool specs go into every prompt's system turn before the rollout, from an environment built once (not
+    reset): an environment whose `tools()` depends on its sample would talk to a model shown other tools. Its
+    trajectories end as env_error saying so (reset's tools used to be dropped without a look); one whose tools match
+    goes on."""
+    enc = TurnEncoder(proc)
+    samples = [EnvSample(problem="lookup the capital"), EnvSample(problem="2 + 2")]
+    session = EnvSession(InlineEnvRunner(), enc, name=f"{FNS}:ToolsOfTheSample", kwargs={}, samples=samples,
+                         histories=[[{"role": "user", "content": s.problem}] for s in samples], n=1,
+                         eos_token_ids=[enc.turn_end_id], tools=[])
+    replies = session.step([(0, 0, "hi", [5, enc.turn_end_id], 100), (1, 1, "hi", [5, enc.turn_end_id], 100)])
+    assert "tools" in replies[0].error and "per-sample tools" in replies[0].error, replies[0].error
+    assert replies[1].done and not replies[1].error and session.errors == 1

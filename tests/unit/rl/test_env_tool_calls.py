@@ -321,3 +321,35 @@ def test_a_schema_override_is_called_by_the_name_it_shows():
         ToolRegistry([_add], schemas={"add": spec})
     with pytest.raises(ValueError, match="tool _add: its schema"):
         ToolRegistry([_add], schemas={"_add": {"type": "function", "name": "add"}})
+
+
+def test_a_trl_style_tool_gets_the_schema_transformers_writes():
+    """A tool written for TRL (type hints incl. Optional / list[str] / Literal, a Google-style docstring with Args)
+    gets the spec transformers' `get_json_schema` writes for it, what TRL's `apply_chat_template(tools=[fn])` shows
+    the model (argument descriptions, nullable, items, enum), and calls are checked against it: None for the
+    optional argument and a list pass, a value outside the enum is the tool's error reply. Such a function used to be
+    refused ("parameter limit is annotated typing.Optional[int]")."""
+    from typing import Literal, Optional
+
+    from transformers.utils import get_json_schema
+
+    def search(query: str, limit: Optional[int] = None, tags: Optional[list[str]] = None,
+               mode: Literal["fast", "deep"] = "fast") -> str:
+        """Search the corpus.
+
+        Args:
+            query: What to look for.
+            limit: At most this many results.
+            tags: Only results with these tags.
+            mode: fast or deep.
+        """
+        return f"{query}|{limit}|{tags}|{mode}"
+
+    reg = ToolRegistry([search])
+    assert reg.specs() == [get_json_schema(search)]
+    assert reg.call(ToolCall("search", {"query": "q", "limit": None, "tags": ["a"]})) == ("q|None|['a']|fast", [], True)
+    text, _, ok = reg.call(ToolCall("search", {"query": "q", "mode": "slow"}))
+    assert not ok and "mode must be one of ['fast', 'deep']" in text
+    text, _, ok = reg.call(ToolCall("search", {"query": None}))
+    assert not ok and "query must be of type string" in text
+    assert function_schema(calculate)["function"]["parameters"]["properties"] == {"expression": {"type": "string"}}

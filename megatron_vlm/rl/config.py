@@ -725,6 +725,10 @@ class RLConfig:
                              "multi-turn trajectory's model tokens ([rl.env]) add up over its turns and would be "
                              "penalised with no turn near the limit; set 0 (a turn at max_new_tokens ends its "
                              "trajectory as 'length': rl.update.mask_truncated applies)")
+        taken = [i for i, r in enumerate(self.rewards) if r.label() == "env"]
+        if taken:  # the round's per-reward "env" is the environment's turn rewards (reward/env)
+            raise ValueError(f"rewards[{taken[0]}].name: 'env' is the label of the [rl.env] environment's turn rewards "
+                             "(reward/env); give this verifier another name")
         # what the multi-turn engine and trajectory samples do not carry yet: refused, not silently dropped
         if self.advantage == "gae":
             raise ConfigError("advantage: 'gae' (PPO's critic) is not wired to multi-turn trajectories ([rl.env]) yet; "

@@ -57,6 +57,9 @@ def test_bad_values_name_the_key(table, key):
     ([ENV, COPY, "rl.rollout.max_new_tokens=64", "rl.advantages.overlong_buffer=16",
       "rl.advantages.overlong_penalty=1.0"],
      "rl.advantages.overlong_buffer"),
+    # the environment's turn rewards are the round's per-reward "env" (reward/env): a verifier of that name was
+    # overwritten by them (its metric, and the accuracy when it was the accuracy reward)
+    ([ENV, COPY, 'rl.rewards=[{type = "exact_match", name = "env"}]'], "rl.rewards[0].name"),
 ])
 def test_unsupported_combinations_name_the_key(sets, key):
     with pytest.raises(ConfigError) as e:

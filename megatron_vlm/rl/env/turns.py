@@ -5,15 +5,16 @@ for it, so a trajectory is the conversation the model would see if it were rende
 model was trained on). With the conversation so far H (ending with the model's turn, as decoded text):
 
     before = render(H without the model's turn, generation prompt)     ... <|im_start|>assistant\\n
-    closed = render(H)                                                 ... <model text><|im_end|>\\n
-    after  = render(H + observation turns, generation prompt)          ... <|im_start|>assistant\\n
+    after  = render(H + observation turns, generation prompt)          ... <model text><|im_end|>\\n ... <|im_start|>assistant\\n
 
-The appended text is `closed`'s tail after the model's text (minus the end-of-turn token when the model
-generated it, as its EOS) followed by `after[len(closed):]`; its image / video placeholders are expanded by
-the family's processor and the new images preprocessed (their tensors go through the vision tower when the
-chunk is prefilled). A template for which `closed` is not a prefix of `after` (one that rewrites earlier
-turns, e.g. dropping past reasoning) is refused with a clear error rather than trained on a history the model
-never saw.
+`after` must start with `before` followed by the model's text; the appended text is the rest of `after` (minus
+the end-of-turn token when the model generated it, as its EOS). Why not `render(H)`: a template may write the
+last message apart (Qwen3 gives a last assistant turn an empty think block, which the turn loses once a reply
+follows it), and what the model is shown next is the turn followed by the reply. The placeholders of the
+appended text are expanded by the family's processor and the new images preprocessed (their tensors go through
+the vision tower when the chunk is prefilled). A template that rewrites earlier turns (e.g. drops past
+reasoning, or writes the model's text otherwise than it was generated) is refused with a clear error rather
+than trained on a history the model never saw.
 
 Tools: the specs are written into the system turn in the Qwen2.5 / Qwen3 tool format (`tools_system_text`):
 the same text their chat templates write for `tools=`, so the prompt is also right for templates that do not
@@ -161,22 +162,23 @@ class TurnEncoder:
         turn = {"role": "assistant", "content": turn_text}
         new = observation_messages(obs)
         before = proc.render(history, add_generation_prompt=True)
-        closed = proc.render([*history, turn])
         after = proc.render([*history, turn, *new], add_generation_prompt=True)
-        if not (closed.startswith(before) and closed[len(before):].startswith(turn_text) and after.startswith(closed)):
+        start = len(before) + len(turn_text)  # the model's turn as written with the reply after it (module docstring)
+        if not (after.startswith(before) and after[len(before):start] == turn_text):
             raise ValueError("the chat template does not render the conversation turn by turn (an earlier turn's text "
                              "changes when a turn is added): multi-turn rollouts need a template that appends")
-        tail = closed[len(before) + len(turn_text):]
-        if ended_with_eos and tail.startswith(proc.turn_end):
-            tail = tail[len(proc.turn_end):]  # the model generated it (its last token is `turn_end_id`)
         texts = plain_text.message_texts(new)
         if plain_text.has_special(texts, self.specials):  # untrusted text with special-token strings: plain_text.py
             marked = proc.render([*history, turn, *plain_text.marked_messages(new)], add_generation_prompt=True)
-            if not marked.startswith(closed):
+            if marked[:start] != after[:start]:
                 raise ValueError("the chat template renders the conversation differently around marked texts")
-            pieces = [(tail, False), *plain_text.segments(after[len(closed):], marked[len(closed):], texts)]
+            pieces = plain_text.segments(after[start:], marked[start:], texts)
         else:
-            pieces = [(tail + after[len(closed):], False)]
+            pieces = [(after[start:], False)]
+        if ended_with_eos and pieces and not pieces[0][1] and pieces[0][0].startswith(proc.turn_end):
+            # the model generated it (its last token is `turn_end_id`)
+            pieces = [(pieces[0][0][len(proc.turn_end):], False), *pieces[1:]]
+            pieces = [p for p in pieces if p[0]]
         media = [it for m in new if isinstance(m["content"], list) for it in m["content"] if it["type"] != "text"]
         images = [_pil(it["image"]) for it in media if it["type"] == "image"]
         videos = [_clip(it["video"], obs.video_fps) for it in media if it["type"] == "video"]

@@ -31,6 +31,30 @@ from megatron_vlm.rl.prompts.shard import EncodedShard
 from megatron_vlm.testing.synthesize import synthesize_model_folder
 from tests.unit.data.test_tool_call_messages import TOOL_TEMPLATE
 
+# Written here after the behaviour of Qwen3's chat template: an assistant turn after the last user message is written
+# with its reasoning (`<think>...</think>` split out of the content and written back normalised); the LAST message,
+# when it is an assistant turn, always gets a think block, an empty one when it has no reasoning, which the same turn
+# loses once a tool reply follows it. Newlines after block tags are expressions (transformers' trim_blocks).
+QWEN3_THINK_TEMPLATE = (
+    "{% set ns = namespace(last_query=-1) %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_query = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}<|im_start|>system{{ '\\n' }}{{ m['content'] }}<|im_end|>{{ '\\n' }}"
+    "{% elif m['role'] == 'user' %}<|im_start|>user{{ '\\n' }}{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for it in m['content'] %}{% if it['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif it['type'] == 'text' %}{{ it['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>{{ '\\n' }}"
+    "{% elif m['role'] == 'assistant' %}{% set content = m['content'] %}{% set reasoning = '' %}"
+    "{% if '</think>' in content %}{% set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+    "<|im_start|>assistant{{ '\\n' }}"
+    "{% if loop.index0 > ns.last_query and (loop.last or reasoning) %}<think>{{ '\\n' }}{{ reasoning }}{{ '\\n' }}</think>{{ '\\n\\n' }}{% endif %}"
+    "{{ content }}<|im_end|>{{ '\\n' }}"
+    "{% elif m['role'] == 'tool' %}{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "<|im_start|>user{% endif %}{{ '\\n' }}<tool_response>{{ '\\n' }}{{ m['content'] }}{{ '\\n' }}</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>{{ '\\n' }}{% endif %}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{% endif %}"
+)
+
 TURNS = ['<tool_call>\n{"name": "calculate", "arguments": {"expression": "6 * 7"}}\n</tool_call>', "It is 42"]
 
 
@@ -41,15 +65,11 @@ def tiny(tmp_path_factory):
     return load_hf_model(str(folder)).eval(), load_processor(str(folder)), vqa_file(tmp / "vqa")
 
 
-@pytest.mark.parametrize("template", ["chatml", "qwen_tools"])
-def test_turn_by_turn_equals_the_whole_rendering(tiny, template, monkeypatch):
-    model, proc, vqa = tiny
-    if template == "qwen_tools":
-        proc = copy.copy(proc)
-        proc.chat_template = TOOL_TEMPLATE
+def _rollout(model, proc, vqa, turns, monkeypatch):
+    """The conversation of scripted model turns `turns` (each closed with `<|im_end|>`) through the real loop."""
     tok = proc.tokenizer
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    script = [t for text in TURNS for t in tok(text, add_special_tokens=False)["input_ids"] + [im_end]]
+    script = [t for text in turns for t in tok(text, add_special_tokens=False)["input_ids"] + [im_end]]
     drawn = iter(script)
     real = multiturn_module.sample_tokens
 
@@ -62,18 +82,54 @@ def test_turn_by_turn_equals_the_whole_rendering(tiny, template, monkeypatch):
     engine = PolicyRolloutEngine(model, tok, EngineOptions(max_num_seqs=1))
     rounds = MultiTurnRounds(RLEnvConfig(name="calculator", max_turns=3), engine, proc, max_total_tokens=2048,
                              runner=InlineEnvRunner())
-    encoder = rounds.prompt_encoder(PromptEncoder(proc, max_frames=4, fps=2.0, max_new_tokens=128, max_tokens=2048))
+    encoder = rounds.prompt_encoder(PromptEncoder(proc, max_frames=4, fps=2.0, max_new_tokens=160, max_tokens=2048))
     sample = load_prompt_dataset(vqa, schema="messages").samples[0]
     prompt = encoder.encode(sample)
-    _, (t,) = rounds.generate(EncodedShard([sample], [prompt]), SamplingParams(max_new_tokens=128, n=1), seed=0)
-    assert t.finish_reason == "done" and t.turn_texts == TURNS and t.text == TURNS[-1]
+    _, (t,) = rounds.generate(EncodedShard([sample], [prompt]), SamplingParams(max_new_tokens=160, n=1), seed=0)
+    return rounds.prompt_encoder_messages(sample), prompt, t, script
 
-    whole = rounds.prompt_encoder_messages(sample) + [
-        {"role": "assistant", "content": TURNS[0]}, {"role": "tool", "content": "42"},
-        {"role": "assistant", "content": TURNS[1]}]
+
+def _ids(proc, prompt, messages, **kw):
+    """The template's rendering of `messages`, placeholders expanded for the prompt's images, tokenized at once."""
     items = proc.process_images(list(prompt.images))
-    text = expand(proc.render(whole), proc.placeholders, {"image": [it.expansion for it in items], "video": []})
-    reference = tok(text)["input_ids"]
+    text = expand(proc.render(messages, **kw), proc.placeholders, {"image": [it.expansion for it in items], "video": []})
+    return proc.tokenizer(text)["input_ids"]
+
+
+@pytest.mark.parametrize("template", ["chatml", "qwen_tools"])
+def test_turn_by_turn_equals_the_whole_rendering(tiny, template, monkeypatch):
+    model, proc, vqa = tiny
+    if template == "qwen_tools":
+        proc = copy.copy(proc)
+        proc.chat_template = TOOL_TEMPLATE
+    messages, prompt, t, script = _rollout(model, proc, vqa, TURNS, monkeypatch)
+    assert t.finish_reason == "done" and t.turn_texts == TURNS and t.text == TURNS[-1]
+    whole = messages + [{"role": "assistant", "content": TURNS[0]}, {"role": "tool", "content": "42"},
+                        {"role": "assistant", "content": TURNS[1]}]
+    reference = _ids(proc, prompt, whole)
     got = prompt.input_ids.tolist() + t.token_ids.tolist()
-    assert reference[:len(got)] == got and tok.decode(reference[len(got):]) == "\n"
+    assert reference[:len(got)] == got and proc.tokenizer.decode(reference[len(got):]) == "\n"
     assert t.token_ids[t.model_mask].tolist() == script and t.logprobs.numel() == len(script)
+
+
+@pytest.mark.parametrize("think", [False, True], ids=["plain", "reasoning"])
+def test_a_template_that_writes_the_last_turn_apart(tiny, think, monkeypatch):
+    """Qwen3's template writes the last assistant message with a think block (empty without reasoning) that the same
+    turn loses once the tool's reply follows: rendered as the last message, a model turn is not what the model wrote.
+    The turn encoder used to require that rendering to be a prefix of the next one and ended every such trajectory
+    as env_error ("the chat template does not render the conversation turn by turn"), so a non-thinking Qwen3 trained
+    on nothing. The appended turn is now the rendering with the tool reply after the model's text: prompt +
+    trajectory up to the answer equal the template's rendering of the conversation before the answer (generation
+    prompt included), then the answer's own tokens."""
+    model, proc, vqa = tiny
+    proc = copy.copy(proc)
+    proc.chat_template = QWEN3_THINK_TEMPLATE
+    turns = [("<think>\nI should call the tool.\n</think>\n\n" if think else "") + TURNS[0], TURNS[1]]
+    messages, prompt, t, script = _rollout(model, proc, vqa, turns, monkeypatch)
+    assert t.finish_reason == "done" and t.turn_texts == turns and not t.error, t.error
+    before_answer = _ids(proc, prompt, messages + [{"role": "assistant", "content": turns[0]},
+                                                   {"role": "tool", "content": "42"}], add_generation_prompt=True)
+    got = prompt.input_ids.tolist() + t.token_ids.tolist()
+    answer = proc.tokenizer(turns[1], add_special_tokens=False)["input_ids"] + [script[-1]]
+    assert got == before_answer + answer
+    assert t.token_ids[t.model_mask].tolist() == script

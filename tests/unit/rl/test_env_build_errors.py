@@ -25,3 +25,22 @@ def test_an_environment_that_cannot_be_built_names_the_key(name, kwargs, key, wh
     with pytest.raises(ConfigError) as e:
         MultiTurnRounds.from_config(rl, 4096, engine=None, processor=None)
     assert str(e.value).startswith(key) and why in str(e.value), str(e.value)
+
+
+def test_check_builds_the_environment(monkeypatch, capsys):
+    """`--check` builds the environment as the run will (its tools for the prompts), so a misspelt class or kwargs
+    the constructor does not take fail there (exit 2 naming the key), not at the job's start after the model
+    loaded; a good one is reported with its tools."""
+    from pathlib import Path
+
+    from megatron_vlm.config import load_config
+    from megatron_vlm.plan import check
+
+    demo = Path(__file__).resolve().parents[3] / "launch" / "configs" / "demo_grpo.toml"
+    monkeypatch.setattr(check, "plan_run", lambda cfg, **kw: [])  # the model's plan is not what this test is about
+    for env, code, say in (('{name = "calculator", kwargs = {precision = 3}}', 2, "check failed: rl.env.kwargs"),
+                           ('{name = "calculator"}', 0, "1 tool(s): calculate")):
+        cfg = load_config(demo, [f"rl.env={env}", 'rl.rollout.weights="copy"'])
+        assert check.run_check(cfg, world_size=1, device_memory_gib=80.0) == code
+        out = capsys.readouterr()
+        assert say in out.out + out.err, out

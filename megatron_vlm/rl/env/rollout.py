@@ -124,7 +124,8 @@ class MultiTurnRounds:
     def prompt_encoder(self, encoder: Any) -> Any:
         """The prompt encoder whose prompts carry the environment's tools in their system turn and leave room under
         max_total_tokens (longer ones skipped and counted: `ToolPromptEncoder`)."""
-        return ToolPromptEncoder(encoder, self.tools, max_total_tokens=self.limits.max_total_tokens)
+        return ToolPromptEncoder(encoder, self.tools, max_total_tokens=self.limits.max_total_tokens,
+                                 processor=self.turns.proc)
 
     def generate(self, shard: Any, params: SamplingParams, seed: int) -> tuple[RolloutResult, list[Trajectory]]:
         real = shard.num_real
@@ -147,7 +148,7 @@ class MultiTurnRounds:
                              seconds=stats.get("seconds", 0.0), stats=stats), trajs
 
     def prompt_encoder_messages(self, sample: Any) -> list[dict]:
-        return ToolPromptEncoder(None, self.tools).messages(sample)
+        return ToolPromptEncoder(None, self.tools, processor=self.turns.proc).messages(sample)
 
     def rewards(self, trajs: list[Trajectory]) -> list[float]:
         """The environment's share of each trajectory's reward ([rl.env] turn_rewards)."""

@@ -41,11 +41,13 @@ class ToolPromptEncoder:
     over data.max_tokens_per_pack are (`[rl.env] max_total_tokens` may be the lower limit, and the tool specs
     lengthen every prompt after the run's first length filter)."""
 
-    def __init__(self, encoder: Any, tools: list[dict], *, max_total_tokens: int = 0):
+    def __init__(self, encoder: Any, tools: list[dict], *, max_total_tokens: int = 0, processor: Any = None):
         self.inner, self.tools, self.max_total_tokens = encoder, tools, max_total_tokens
+        self.processor = processor if processor is not None else getattr(encoder, "processor", None)
+        """Whose chat template writes the specs when it renders `tools=` (turns.with_tools)."""
 
     def messages(self, sample: PromptSample) -> list[dict]:
-        return with_tools(sample.messages, self.tools)
+        return with_tools(sample.messages, self.tools, self.processor)
 
     def encode(self, sample: PromptSample) -> Optional[RolloutPrompt]:
         prompt = self.inner.encode(dataclasses.replace(sample, messages=self.messages(sample)) if self.tools else sample)

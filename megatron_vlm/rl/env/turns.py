@@ -16,9 +16,9 @@ the vision tower when the chunk is prefilled). A template that rewrites earlier 
 reasoning, or writes the model's text otherwise than it was generated) is refused with a clear error rather
 than trained on a history the model never saw.
 
-Tools: the specs are written into the system turn in the Qwen2.5 / Qwen3 tool format (`tools_system_text`):
-the same text their chat templates write for `tools=`, so the prompt is also right for templates that do not
-render tools themselves (the tiny test templates).
+Tools: the specs are written into the system turn as the model's chat template writes them for `tools=`
+(`template_tools_text`: Qwen3, Qwen3-VL), else in the Qwen2.5 / Qwen3 tool format (`tools_system_text`), so the
+prompt is also right for templates that do not render tools themselves (Qwen2.5-VL's, the tiny test templates).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from megatron_vlm.inference.multiturn import TurnChunk
 from megatron_vlm.rl.env import plain_text
 from megatron_vlm.rl.env.base import Observation
 
-__all__ = ["TurnEncoder", "tools_system_text", "with_tools", "cut_observation"]
+__all__ = ["TurnEncoder", "tools_system_text", "template_tools_text", "with_tools", "cut_observation"]
 
 _DEFAULT_SYSTEM = "You are a helpful assistant."
 
@@ -62,10 +62,34 @@ def _system_text(content: Any) -> Optional[str]:
     return None
 
 
-def with_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
-    """`messages` with the tool specs in the system turn (added when there is none)."""
+def template_tools_text(proc: Any, messages: list[dict], tools: list[dict]) -> Optional[str]:
+    """The system turn's text the processor's own chat template writes for `messages` with `tools=` (Qwen3's,
+    Qwen3-VL's: the specs and, unlike `tools_system_text`, no default system line), or None for a template that
+    renders no tools or whose tools are not one system turn at the start that a plain system message reproduces."""
+    head = "<|im_start|>system\n"
+    try:
+        with_specs = proc.render(messages, tools=tools, strict=False)
+        if with_specs == proc.render(messages, strict=False) or not with_specs.startswith(head):
+            return None
+        end = with_specs.find(proc.turn_end, len(head))
+        text = with_specs[len(head):end] if end >= 0 else None
+        rest = messages[1:] if messages and messages[0]["role"] == "system" else messages
+        if text is None or proc.render([{"role": "system", "content": text}, *rest], strict=False) != with_specs:
+            return None
+    except Exception:  # noqa: BLE001 - a template that cannot render this: the Qwen text below
+        return None
+    return text
+
+
+def with_tools(messages: list[dict], tools: list[dict], proc: Any = None) -> list[dict]:
+    """`messages` with the tool specs in the system turn (added when there is none): as `proc`'s chat template writes
+    them for `tools=` when it does (`template_tools_text`), else in the Qwen2.5 / Qwen3 format (`tools_system_text`)."""
     if not tools:
         return messages
+    own = template_tools_text(proc, messages, tools) if proc is not None else None
+    if own is not None:
+        rest = messages[1:] if messages and messages[0]["role"] == "system" else messages
+        return [{"role": "system", "content": own}, *rest]
     if messages and messages[0]["role"] == "system" and (text := _system_text(messages[0]["content"])) is not None:
         return [{"role": "system", "content": tools_system_text(tools, text)}, *messages[1:]]
     return [{"role": "system", "content": tools_system_text(tools)}, *messages]

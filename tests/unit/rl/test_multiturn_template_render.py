@@ -11,6 +11,7 @@ the answer), the loop, engine, environment and turn encoder are the real ones; t
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -22,9 +23,11 @@ from megatron_vlm.data.processor import load_processor
 from megatron_vlm.inference import multiturn as multiturn_module
 from megatron_vlm.inference.engine import SamplingParams
 from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
+from megatron_vlm.rl.env.builtin import CalculatorEnv
 from megatron_vlm.rl.env.config import RLEnvConfig
 from megatron_vlm.rl.env.pool import InlineEnvRunner
 from megatron_vlm.rl.env.rollout import MultiTurnRounds
+from megatron_vlm.rl.env.turns import tools_system_text
 from megatron_vlm.rl.prompts.dataset import load_prompt_dataset
 from megatron_vlm.rl.prompts.encoder import PromptEncoder
 from megatron_vlm.rl.prompts.shard import EncodedShard
@@ -133,3 +136,26 @@ def test_a_template_that_writes_the_last_turn_apart(tiny, think, monkeypatch):
     answer = proc.tokenizer(turns[1], add_special_tokens=False)["input_ids"] + [script[-1]]
     assert got == before_answer + answer
     assert t.token_ids[t.model_mask].tolist() == script
+
+
+def test_tool_specs_as_the_models_template_writes_them(tiny):
+    """A model whose chat template renders `tools=` (Qwen3's, Qwen3-VL's, ...) gets its prompts' tool specs in that
+    template's own text, what transformers' `apply_chat_template(messages, tools=...)` writes (the reference), not
+    the Qwen2.5 text with a default system line written for templates that render no tools (the tiny ChatML one
+    keeps it). The rollout used to write the latter for every template."""
+    model, proc, vqa = tiny
+    tools = CalculatorEnv().tools()
+    sample = load_prompt_dataset(vqa, schema="messages").samples[0]
+    engine = PolicyRolloutEngine(model, proc.tokenizer, EngineOptions(max_num_seqs=1))
+
+    def rounds(p):
+        return MultiTurnRounds(RLEnvConfig(name="calculator"), engine, p, max_total_tokens=2048, runner=InlineEnvRunner())
+
+    assert rounds(proc).prompt_encoder_messages(sample)[0]["content"] == tools_system_text(tools)  # no tools of its own
+    proc = copy.copy(proc)
+    proc.chat_template = TOOL_TEMPLATE
+    for messages in (sample.messages, [{"role": "system", "content": "Be brief."}, *sample.messages]):
+        ours = rounds(proc).prompt_encoder_messages(dataclasses.replace(sample, messages=messages))
+        reference = proc.tokenizer.apply_chat_template(messages, tools=tools, chat_template=TOOL_TEMPLATE,
+                                                       tokenize=False, add_generation_prompt=True)
+        assert proc.render(ours, add_generation_prompt=True) == reference

@@ -162,7 +162,7 @@ def run_grpo(ctx: RunContext, *, before_step=None) -> int:
         grpo = GRPOStep(ctx, bundle, optim, rl, parts.engine, parts.encoder, parts.manager, parts.reference, metrics=metrics,
                         critic=critic, multiturn=parts.multiturn)
         evaluate = GRPOEvaluator(ctx, bundle.wrapper, rl, parts.engine, parts.encoder, parts.manager, parts.sets.eval,
-                                 dims=bundle.dims)
+                                 dims=bundle.dims, multiturn=parts.multiturn)
         if role is not None:
             step = AsyncGRPOLoopStep(ctx, parts.sets.train, grpo, role, model=bundle.model, encoder=parts.encoder,
                                      start_step=resume.step if resume is not None else 0, total_steps=num_steps,

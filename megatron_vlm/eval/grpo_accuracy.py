@@ -36,21 +36,25 @@ _EVAL_SALT = 17
 class GRPOEvaluator:
     """`evaluate_accuracy` bound to a run's parts: `GRPOEvaluator(...)(step) -> metrics | None`."""
 
-    def __init__(self, ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager, dataset, *, dims=None):
+    def __init__(self, ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager, dataset, *, dims=None,
+                 multiturn=None):
         self.args = (ctx, wrapper, rl_cfg, engine, encoder, manager, dataset)
-        self.dims = dims
+        self.dims, self.multiturn = dims, multiturn
 
     def __call__(self, step: int) -> Optional[dict[str, float]]:
-        return evaluate_accuracy(*self.args, step, dims=self.dims)
+        return evaluate_accuracy(*self.args, step, dims=self.dims, multiturn=self.multiturn)
 
 
 @torch.no_grad()
 def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager, dataset,
-                      step: int, *, dims=None) -> Optional[dict[str, float]]:
+                      step: int, *, dims=None, multiturn=None) -> Optional[dict[str, float]]:
     """Metrics "accuracy" (= Avg@k), "avg@k", "pass@k", "num_prompts", "skipped_prompts", "response_length", or
     None without a held-out set. `wrapper`: the policy's FSDP root (put in eval mode while generating).
     `dims` (`ParallelDims`): prompts are sharded over its data-parallel ranks (the tp ranks of a group
-    generate the same answers); None = one shard per process."""
+    generate the same answers); None = one shard per process. `multiturn` ([rl.env]: rl/env/rollout.py
+    `MultiTurnRounds`): each sample is a whole conversation with the environment, scored on its last model turn as
+    the training rollout's reward is (a single completion would be the tool-trained model's first turn: its call);
+    "response_length" then counts the model's tokens of all turns."""
     if dataset is None or len(dataset) == 0:
         return None
     e = rl_cfg.eval
@@ -73,8 +77,13 @@ def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager
     if sync is not None:
         sync(step)
     wrapper.eval()
-    result = engine.generate(shard.prompts, params,
-                             generator=sampling_generator(ctx.cfg.train.seed, step, rank, env.device, salt=_EVAL_SALT))
+    if multiturn is not None:  # the seed: never a training round's (their round numbers are >= 0)
+        from megatron_vlm.rl.env.rollout import multiturn_seed
+
+        result, _ = multiturn.generate(shard, params, multiturn_seed(ctx.cfg.train.seed, step, rank, -_EVAL_SALT))
+    else:
+        result = engine.generate(shard.prompts, params,
+                                 generator=sampling_generator(ctx.cfg.train.seed, step, rank, env.device, salt=_EVAL_SALT))
     engine.release_memory()
     wrapper.train()
     k = e.k

@@ -450,6 +450,20 @@ def _custom_reward_lines(cfg) -> list[str]:
     return [f"rewards    {n} custom verifier(s) import in a reward worker and take the run's arguments"] if n else []
 
 
+def _env_lines(cfg) -> list[str]:
+    """Build the [rl.env] environment as the run will for its tool specs (`environment_tools`: a ConfigError naming
+    rl.env.name or rl.env.kwargs when it cannot be), so a misspelt class or argument fails here, not after the
+    run has loaded its model."""
+    env = getattr(getattr(cfg, "rl", None), "env", None)
+    if env is None:
+        return []
+    from megatron_vlm.rl.env.rollout import environment_tools
+
+    tools = environment_tools(env)
+    names = ", ".join(str(t.get("function", {}).get("name", "?")) for t in tools) or "none"
+    return [f"env        {env.name}: built, {len(tools)} tool(s): {names}"]
+
+
 def visible_device_memory_gib() -> Optional[float]:
     """Memory of this machine's first accelerator in GiB (CUDA, else an NPU through torch_npu's `torch.npu`,
     which reports it the same way), or None without one."""
@@ -479,6 +493,7 @@ def run_check(cfg, *, world_size: int, device_memory_gib: Optional[float], out: 
     try:
         lines = plan_run(cfg, world_size=world_size, device_memory_gib=device_memory_gib)
         lines += _custom_reward_lines(cfg)
+        lines += _env_lines(cfg)
         for stage_cfg in _stage_configs(cfg):  # each [[stages]] table with its own frames / pack size / layers
             stage_lines = plan_run(stage_cfg, world_size=world_size, device_memory_gib=device_memory_gib)
             lines += [f"stage {Path(stage_cfg.train.output_dir).name}:"] + [f"  {x}" for x in stage_lines]

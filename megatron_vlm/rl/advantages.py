@@ -71,6 +71,7 @@ def compute_group_advantages(
     drop_equal_reward_groups: bool = False,
     eps: float = 1e-6,
     equal_atol: float = 1e-6,
+    valid: Optional[torch.Tensor] = None,
 ) -> GroupAdvantages:
     """Advantages of a group-major [P * G] reward vector by `estimator` (module docstring).
 
@@ -78,6 +79,11 @@ def compute_group_advantages(
     the group (as TRL and verl); otherwise A = r - mean. `drop_equal_reward_groups`: groups whose
     max - min reward is at most `equal_atol` get keep = False. Computed in float32 for float32 or
     lower-precision input, in float64 for float64 input.
+
+    `valid` ([P * G] bool, None = all): samples that are not trained and whose reward says nothing about the
+    policy (a multi-turn trajectory its environment failed): a group's statistics and advantages are its valid
+    members' alone (a group of fewer than 2 carries no signal: zero advantages, zero variance); an invalid
+    sample's advantage is 0.
     """
     normalize_std = default_normalize_std(estimator, normalize_std)
     if rewards.dim() != 1:
@@ -103,6 +109,20 @@ def compute_group_advantages(
     # an ulp off them (e.g. 8 x 0.2), so centred is ~1e-8 and so is std, and grpo's centred / (std + eps) is
     # ~1e-2 — one push up or down for the whole group, from rounding alone
     adv = torch.where((spread == 0)[:, None], torch.zeros_like(adv), adv)
+    if valid is not None:
+        if valid.shape != rewards.shape:
+            raise ValueError(f"valid: expected shape {tuple(rewards.shape)}, got {tuple(valid.shape)}")
+        ok = valid.to(torch.bool).view(-1, group_size)
+        mean, std = mean.clone(), std.clone()
+        for gi in torch.nonzero(~ok.all(dim=1)).flatten().tolist():
+            sub = r[gi][ok[gi]][None]
+            adv[gi] = 0
+            n_ok = sub.shape[1]
+            mean[gi] = sub.mean() if n_ok else float("nan")
+            std[gi] = sub.std() if n_ok >= 2 else float("nan")
+            spread[gi] = sub.max() - sub.min() if n_ok >= 2 else 0.0
+            if n_ok >= 2 and group_fn is not None and float(spread[gi]) != 0:
+                adv[gi, ok[gi]] = group_fn(sub, normalize_std=normalize_std, eps=eps)[0]
     zero_var = spread <= equal_atol
     keep_group = torch.ones(r.shape[0], dtype=torch.bool, device=r.device)
     if drop_equal_reward_groups:

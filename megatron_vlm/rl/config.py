@@ -304,7 +304,8 @@ class RLAdvantagesConfig:
     that still has fewer informative groups trains on those it has (sampling/kept_groups says so)."""
     overlong_buffer: int = 0
     """DAPO's soft overlong punishment: the last advantages.overlong_buffer tokens of the rollout.max_new_tokens budget,
-    over which the penalty rises linearly from 0 to advantages.overlong_penalty (0 = off)."""
+    over which the penalty rises linearly from 0 to advantages.overlong_penalty (0 = off). Refused with [rl.env] (the
+    budget is one model turn's, a trajectory's model tokens span several)."""
     overlong_penalty: float = 0.0
     """Reward subtracted at rollout.max_new_tokens (DAPO uses 1.0); needs advantages.overlong_buffer >= 1."""
     gamma: Optional[float] = None
@@ -718,6 +719,16 @@ class RLConfig:
         if self.rollout_backend != "vllm" and self.rollout.kv_block_size:
             raise ValueError(f"rollout.kv_block_size: {self.rollout.kv_block_size} (the paged KV cache) is not used by "
                              "multi-turn rollouts ([rl.env]: a conversation keeps its slot across turns); set 0")
+        if self.advantages.overlong_buffer:  # its ramp ends at rollout.max_new_tokens, one model turn's budget
+            raise ValueError(f"advantages.overlong_buffer: {self.advantages.overlong_buffer} (DAPO's overlong shaping) "
+                             "measures a response against rollout.max_new_tokens, the budget of one model turn; a "
+                             "multi-turn trajectory's model tokens ([rl.env]) add up over its turns and would be "
+                             "penalised with no turn near the limit; set 0 (a turn at max_new_tokens ends its "
+                             "trajectory as 'length': rl.update.mask_truncated applies)")
+        taken = [i for i, r in enumerate(self.rewards) if r.label() == "env"]
+        if taken:  # the round's per-reward "env" is the environment's turn rewards (reward/env)
+            raise ValueError(f"rewards[{taken[0]}].name: 'env' is the label of the [rl.env] environment's turn rewards "
+                             "(reward/env); give this verifier another name")
         # what the multi-turn engine and trajectory samples do not carry yet: refused, not silently dropped
         if self.advantage == "gae":
             raise ConfigError("advantage: 'gae' (PPO's critic) is not wired to multi-turn trajectories ([rl.env]) yet; "

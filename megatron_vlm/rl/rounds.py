@@ -69,21 +69,24 @@ def sampling_params(rl: Any) -> SamplingParams:
 
 
 def shape_round(rl: Any, advantage: AdvantageSpec, shard: EncodedShard, result: RolloutResult, real: list[RolloutSample],
-                total: list[float], per_reward: dict[str, list[float]]) -> Round:
+                total: list[float], per_reward: dict[str, list[float]], trajectories: Optional[list] = None) -> Round:
     """A scored round: overlong shaping, group advantages (`advantage`: built once per run from `[rl]`), the
-    groups to train on."""
+    groups to train on. `trajectories` ([rl.env]): a trajectory its environment failed ("env_error", not trained)
+    is left out of its group's advantages too (`compute_group_advantages` valid)."""
     G = rl.batch.group_size
     penalty: list[float] = []
     if rl.advantages.overlong_buffer > 0 and real:
         penalty = overlong_penalty([int(s.token_ids.numel()) for s in real], rl.rollout.max_new_tokens,
                                    rl.advantages.overlong_buffer, rl.advantages.overlong_penalty)
         total = [t + p for t, p in zip(total, penalty)]
+    valid = (torch.tensor([t.finish_reason != "env_error" for t in trajectories])
+             if trajectories is not None and real else None)
     adv = compute_group_advantages(torch.tensor(total, dtype=torch.float32), G, estimator=advantage.estimator,
                                    normalize_std=advantage.normalize_std,
-                                   drop_equal_reward_groups=advantage.drop_equal_reward_groups) if real else None
+                                   drop_equal_reward_groups=advantage.drop_equal_reward_groups, valid=valid) if real else None
     keep_group = [bool(k) for k in adv.keep[::G].tolist()] if adv is not None else []
     return Round(shard=shard, result=result, real=real, total=total, per_reward=per_reward, penalty=penalty,
-                 adv=adv, keep_group=keep_group)
+                 adv=adv, keep_group=keep_group, trajectories=trajectories)
 
 
 class RoundSampler:
@@ -162,9 +165,7 @@ class RoundSampler:
             if trajectories is not None:  # + the environment's turn rewards ([rl.env] turn_rewards)
                 env = self.multiturn.rewards(trajectories)
                 total, per_reward["env"] = [a + b for a, b in zip(total, env)], env
-        rd = shape_round(self.rl, self.advantage, shard, result, real, total, per_reward)
-        rd.trajectories = trajectories
-        return rd
+        return shape_round(self.rl, self.advantage, shard, result, real, total, per_reward, trajectories)
 
     def score(self, shard: EncodedShard, real: Sequence[RolloutSample]) -> tuple[list[float], dict[str, list[float]]]:
         """Summed and per-verifier rewards of this rank's real samples."""

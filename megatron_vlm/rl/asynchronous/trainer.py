@@ -190,9 +190,8 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
                 per_reward[label] += per.get(label, [])
         shard = EncodedShard(shard_samples, prompts)
         result = RolloutResult(samples=real, num_generated_tokens=sum(int(s.token_ids.numel()) for s in real))
-        rd = shape_round(self.rl, self.advantage, shard, result, real, total, per_reward)
-        rd.trajectories = round_trajectories([g[4] for g in mine])
-        return rd
+        return shape_round(self.rl, self.advantage, shard, result, real, total, per_reward,
+                           round_trajectories([g[4] for g in mine]))
 
     def _dummy_round(self, group: tuple) -> Round:
         """A round with no real sample for a data shard left without a group: its update forwards a copy of `group`'s

@@ -1,7 +1,7 @@
 """Held-out accuracy of a tool demo's model: greedy conversations with its tool (or without), scored.
 
-Why a separate evaluation: `[rl.eval]` is single-turn, so it would measure a tool-trained model without its tool.
-This runs the same multi-turn loop the GRPO rollout runs (the built-in engine's `MultiTurnRollout`, the
+Why a separate evaluation: it scores an exported model outside a training run, both arms alike (`[rl.eval]` of an
+[rl.env] run holds the same conversations, but the no-tool arm has no [rl.env]). This runs the same multi-turn loop the GRPO rollout runs (the built-in engine's `MultiTurnRollout`, the
 environment in-process, the tool specs in the system turn as the rollout writes them) at temperature 0 on
 prompts neither the SFT nor the GRPO saw, and scores the last model turn: `math` (the calculator demo: the last
 number equals the answer) or `exact` (the zoom demo: the normalised text equals the answer). Without `--env`

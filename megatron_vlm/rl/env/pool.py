@@ -96,23 +96,55 @@ def _check_info(info: Any) -> None:
             raise ValueError(f"step returned info[{k!r}] = {shown}, not a finite number of float range")
 
 
+def _env_name(env: Any) -> str:
+    """The environment's class as a dotted path ("package.module:ClassName"), for its error messages."""
+    return f"{type(env).__module__}:{type(env).__qualname__}"
+
+
+def _check_observation(obs: Any) -> None:
+    """An observation the turn encoder can take (rl/env/turns.py): an `Observation` whose fields have their
+    documented types. Checked here so that a user's environment returning a bare string, one image outside a list or
+    a number as the text is told so, not shown an internal error of the encoder."""
+    if not isinstance(obs, Observation):
+        raise TypeError(f"observation of type {type(obs).__name__}, not an Observation (text: Observation(text=...))")
+    for key, kinds, want in (("text", (str,), "a str"), ("images", (list, tuple), "a list"),
+                             ("videos", (list, tuple), "a list of frame lists"), ("role", (str,), "a str"),
+                             ("parts", (list, tuple, type(None)), "a list of dicts or None")):
+        value = getattr(obs, key)
+        if not isinstance(value, kinds):
+            raise TypeError(f"observation.{key} of type {type(value).__name__}, not {want}")
+    if any(not isinstance(v, (list, tuple)) for v in obs.videos):
+        raise TypeError("observation.videos: each video is a list of frames")
+    if obs.parts is not None and any(not isinstance(p, dict) for p in obs.parts):
+        raise TypeError("observation.parts: each part is a dict {\"role\", \"text\", \"images\", \"videos\"}")
+
+
 def run_call(call: EnvCall) -> EnvReply:
-    """Run one call in this process (the worker's body, and the in-process runner of tests)."""
+    """Run one call in this process (the worker's body, and the in-process runner of tests). A return value of the
+    wrong type is a TypeError naming the environment's class (`_env_name`)."""
     if call.op == "reset":
         env = build_environment(call.name, call.kwargs)
         obs = env.reset(call.sample if call.sample is not None else EnvSample(problem=""))
         if not isinstance(obs, Observation):
-            raise TypeError(f"reset returned {type(obs).__name__}, not an Observation")
+            raise TypeError(f"{_env_name(env)}: reset returned {type(obs).__name__}, not an Observation")
         result = StepResult(obs)
         tools = list(env.tools())
     elif call.op == "step":
         env = pickle.loads(call.state)
         result = env.step(call.action)
         if not isinstance(result, StepResult):
-            raise TypeError(f"step returned {type(result).__name__}, not a StepResult")
-        result.reward = float(result.reward)
-        if not math.isfinite(result.reward):  # NaN / inf would poison the whole group's advantages
-            raise ValueError(f"step returned a non-finite reward {result.reward!r}")
+            raise TypeError(f"{_env_name(env)}: step returned {type(result).__name__}, not a StepResult")
+        try:
+            if not result.done:  # the observation is shown (one ending the trajectory is not: it may be None)
+                _check_observation(result.observation)
+            try:
+                result.reward = float(result.reward)  # numpy / 0-d tensor rewards are numbers too
+            except (TypeError, ValueError):
+                raise TypeError(f"reward of type {type(result.reward).__name__}, not a number") from None
+            if not math.isfinite(result.reward):  # NaN / inf would poison the whole group's advantages
+                raise ValueError(f"a non-finite reward {result.reward!r}")
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{_env_name(env)}: step returned a StepResult with {e}") from None
         _check_info(result.info)
         tools = []
     else:

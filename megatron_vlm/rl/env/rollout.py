@@ -20,11 +20,11 @@ from typing import Any, Optional, cast
 from megatron_vlm.inference.engine import RolloutResult, RolloutSample, SamplingParams
 from megatron_vlm.inference.multiturn import MultiTurnLimits, MultiTurnRollout, Trajectory
 from megatron_vlm.rl.env.config import RLEnvConfig
-from megatron_vlm.rl.env.pool import EnvWorkerPool, InlineEnvRunner, build_environment
+from megatron_vlm.rl.env.pool import EnvWorkerPool, InlineEnvRunner, build_environment, resolve_environment
 from megatron_vlm.rl.env.session import EnvSession, ToolPromptEncoder, env_sample
 from megatron_vlm.rl.env.turns import TurnEncoder
 
-__all__ = ["MultiTurnRounds", "rollout_view", "multiturn_seed", "multiturn_rollout"]
+__all__ = ["MultiTurnRounds", "rollout_view", "multiturn_seed", "multiturn_rollout", "environment_tools"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -55,6 +55,36 @@ def rollout_view(t: Trajectory) -> RolloutSample:
                          token_versions=t.token_versions)
 
 
+def environment_tools(cfg: RLEnvConfig) -> list[dict]:
+    """The tool specs of `[rl.env]`'s environment, built once in this process; a ConfigError naming the key to fix
+    (rl.env.name, rl.env.kwargs) when the class cannot be found, its constructor does not take the kwargs, it fails
+    or its `tools()` does not give JSON tool specs (they go into every prompt's system turn)."""
+    import inspect
+    import json
+
+    from megatron_vlm.errors import ConfigError
+
+    try:
+        factory = resolve_environment(cfg.name)
+    except Exception as e:  # noqa: BLE001 - an import error of the user's module too
+        raise ConfigError(f"rl.env.name: {cfg.name!r} cannot be imported: {type(e).__name__}: {e}") from None
+    try:
+        inspect.signature(factory).bind(**cfg.kwargs)
+    except TypeError as e:
+        raise ConfigError(f"rl.env.kwargs: {dict(cfg.kwargs)} do not fit the constructor of {cfg.name!r} ({e})") from None
+    except ValueError:  # no signature to read (a builtin): the call below tells
+        pass
+    try:
+        tools = list(build_environment(cfg.name, cfg.kwargs).tools())
+        json.dumps(tools)
+        if not all(isinstance(t, dict) for t in tools):
+            raise TypeError("tools() must return a list of JSON-schema dicts")
+    except Exception as e:  # noqa: BLE001 - user code
+        raise ConfigError(f"rl.env.name: the environment {cfg.name!r} could not be built or give its tool specs: "
+                          f"{type(e).__name__}: {e}") from None
+    return tools
+
+
 class MultiTurnRounds:
     def __init__(self, cfg: RLEnvConfig, engine: Any, processor: Any, *, max_total_tokens: int, runner: Any,
                  tools: Optional[list[dict]] = None):
@@ -75,6 +105,7 @@ class MultiTurnRounds:
 
             raise ConfigError(f"rl.env.max_total_tokens: {total} exceeds data.max_tokens_per_pack = {max_tokens_per_pack} "
                               "(a trajectory is trained as one packed sample); lower it or raise the pack size")
+        tools = environment_tools(cfg)  # before any worker: a bad name / kwargs stops the job here (exit 2)
         pool = rl.reward_pool
         runner: Any = (EnvWorkerPool(num_workers=pool.workers, timeout_s=cfg.turn_timeout_s,
                                      memory_limit_mb=pool.memory_limit_mb, preload=(cfg.name,),
@@ -88,12 +119,13 @@ class MultiTurnRounds:
 
                 raise ConfigError(f"rl.env.name: {cfg.name!r} cannot be imported in the worker processes: "
                                   f"{next(iter(failed.values()))}")
-        return cls(cfg, engine, processor, max_total_tokens=total, runner=runner)
+        return cls(cfg, engine, processor, max_total_tokens=total, runner=runner, tools=tools)
 
     def prompt_encoder(self, encoder: Any) -> Any:
         """The prompt encoder whose prompts carry the environment's tools in their system turn and leave room under
         max_total_tokens (longer ones skipped and counted: `ToolPromptEncoder`)."""
-        return ToolPromptEncoder(encoder, self.tools, max_total_tokens=self.limits.max_total_tokens)
+        return ToolPromptEncoder(encoder, self.tools, max_total_tokens=self.limits.max_total_tokens,
+                                 processor=self.turns.proc)
 
     def generate(self, shard: Any, params: SamplingParams, seed: int) -> tuple[RolloutResult, list[Trajectory]]:
         real = shard.num_real
@@ -103,7 +135,7 @@ class MultiTurnRounds:
         messages = [self.prompt_encoder_messages(s) for s in shard.samples]
         session = EnvSession(self.runner, self.turns, name=self.cfg.name, kwargs=self.cfg.kwargs,
                              samples=[env_sample(s, p) for s, p in zip(shard.samples, prompts)], histories=messages,
-                             n=params.n, eos_token_ids=self.eos)
+                             n=params.n, eos_token_ids=self.eos, tools=self.tools)
         trajs = self.rollout.generate(prompts, params, session, self.limits, seed=seed)
         session.settle(trajs)
         self.errors += session.errors
@@ -116,7 +148,7 @@ class MultiTurnRounds:
                              seconds=stats.get("seconds", 0.0), stats=stats), trajs
 
     def prompt_encoder_messages(self, sample: Any) -> list[dict]:
-        return ToolPromptEncoder(None, self.tools).messages(sample)
+        return ToolPromptEncoder(None, self.tools, processor=self.turns.proc).messages(sample)
 
     def rewards(self, trajs: list[Trajectory]) -> list[float]:
         """The environment's share of each trajectory's reward ([rl.env] turn_rewards)."""

@@ -41,11 +41,13 @@ class ToolPromptEncoder:
     over data.max_tokens_per_pack are (`[rl.env] max_total_tokens` may be the lower limit, and the tool specs
     lengthen every prompt after the run's first length filter)."""
 
-    def __init__(self, encoder: Any, tools: list[dict], *, max_total_tokens: int = 0):
+    def __init__(self, encoder: Any, tools: list[dict], *, max_total_tokens: int = 0, processor: Any = None):
         self.inner, self.tools, self.max_total_tokens = encoder, tools, max_total_tokens
+        self.processor = processor if processor is not None else getattr(encoder, "processor", None)
+        """Whose chat template writes the specs when it renders `tools=` (turns.with_tools)."""
 
     def messages(self, sample: PromptSample) -> list[dict]:
-        return with_tools(sample.messages, self.tools)
+        return with_tools(sample.messages, self.tools, self.processor)
 
     def encode(self, sample: PromptSample) -> Optional[RolloutPrompt]:
         prompt = self.inner.encode(dataclasses.replace(sample, messages=self.messages(sample)) if self.tools else sample)
@@ -63,15 +65,23 @@ class ToolPromptEncoder:
         return getattr(self.inner, name)
 
 
+def _tool_name(spec: Any) -> str:
+    f = spec.get("function") if isinstance(spec, dict) else None
+    return str(f.get("name")) if isinstance(f, dict) else "?"
+
+
 class EnvSession:
     """One rollout's environments: `n` trajectories per prompt, conversation i = prompt i // n (group-major).
 
     `runner`: `EnvWorkerPool` or `InlineEnvRunner`; `name`, `kwargs`: the environment; `samples`: one
     `EnvSample` per prompt; `histories`: the chat turns of each prompt (with the tool specs); `eos_token_ids`:
-    the engine's (a turn ended by one is closed by the model itself)."""
+    the engine's (a turn ended by one is closed by the model itself); `tools`: the specs the prompts' system turns
+    show (None: not checked), which every environment must still give after its reset (`tools()` is read once, before
+    any reset: per-sample tools would not be the ones the model sees)."""
 
     def __init__(self, runner: Any, encoder: TurnEncoder, *, name: str, kwargs: dict, samples: Sequence[EnvSample],
-                 histories: Sequence[list[dict]], n: int, eos_token_ids: Sequence[int]):
+                 histories: Sequence[list[dict]], n: int, eos_token_ids: Sequence[int],
+                 tools: Optional[list[dict]] = None):
         self.runner, self.encoder, self.n = runner, encoder, n
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.errors = 0
@@ -93,6 +103,15 @@ class EnvSession:
             if obs is not None and (obs.text or obs.images or obs.videos or obs.parts):
                 self._fail(i, "reset: a non-empty first observation is not shown yet; put the first turn's content "
                               "in the prompt (the dataset's messages) and return Observation() from reset")
+                self.reset_errors[i] = self.failed[i]
+                continue
+            # by name: a spec rebuilt in a worker may list the same things in another order (a set under another
+            # hash seed), which is no difference the model would see in kind
+            if tools is not None and sorted(map(_tool_name, r.tools)) != sorted(map(_tool_name, tools)):
+                self._fail(i, f"reset: tools() after reset gives {[_tool_name(t) for t in r.tools]}, the prompt's system "
+                              f"turn shows {[_tool_name(t) for t in tools]} (read once, before any reset): per-sample "
+                              "tools are not supported; give every sample the same tools() and answer the ones a "
+                              "sample does not take with an error")
                 self.reset_errors[i] = self.failed[i]
                 continue
             self.state[i] = r.state

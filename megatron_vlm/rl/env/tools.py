@@ -2,7 +2,8 @@
 
 `ToolRegistry([fn, ...])` reads each function's signature: parameters annotated `str`, `int`, `float`,
 `bool`, `list` or `dict` become a JSON-schema object (required = parameters without a default), the first
-docstring line the description; `schema=` overrides it. `specs()` is the list the chat template renders
+docstring line the description; a function documented for TRL (Google-style Args) gets transformers' spec
+(`function_schema`); `schema=` overrides it. `specs()` is the list the chat template renders
 into the system prompt (`tools=` of `apply_chat_template`, in the OpenAI function form every Qwen template
 reads). `call(ToolCall)` checks the arguments against the schema and runs the function; an unknown tool,
 a bad argument, an exception in the tool or a return value the conversation cannot show (not text, JSON data or
@@ -30,7 +31,17 @@ _CHECK = {"string": (str,), "integer": (int,), "number": (int, float), "boolean"
 
 
 def function_schema(fn: Callable) -> dict:
-    """The OpenAI-style function spec of `fn` from its signature and docstring."""
+    """The OpenAI-style function spec of `fn`. A function whose docstring documents every argument (Google style,
+    an `Args:` section) gets transformers' `get_json_schema`, the spec TRL's tools and `apply_chat_template(tools=
+    [fn])` write (argument descriptions; Optional, list[...], Literal hints), so a tool written for them shows the
+    model the same text; any other gets the spec of its signature (str / int / float / bool / list / dict
+    parameters) and the first docstring line."""
+    try:
+        from transformers.utils import get_json_schema
+
+        return get_json_schema(fn)
+    except Exception:  # noqa: BLE001 - no Args section, a hint it does not read, no transformers: the signature's spec
+        pass
     props: dict[str, dict] = {}
     required = []
     hints = inspect.get_annotations(fn, eval_str=True)
@@ -50,7 +61,7 @@ def function_schema(fn: Callable) -> dict:
 
 
 def _check_args(spec: dict, args: dict) -> Optional[str]:
-    params = spec["function"]["parameters"]
+    params = spec["function"].get("parameters", {})
     props = params.get("properties", {})
     missing = [k for k in params.get("required", []) if k not in args]
     if missing:
@@ -59,7 +70,13 @@ def _check_args(spec: dict, args: dict) -> Optional[str]:
     if unknown:
         return f"unknown arguments {unknown}; the tool takes {sorted(props)}"
     for k, v in args.items():
-        want = props[k].get("type") if isinstance(props[k], dict) else None
+        prop = props[k] if isinstance(props[k], dict) else {}
+        if v is None and prop.get("nullable"):  # transformers' spec of an Optional argument
+            continue
+        enum = prop.get("enum")
+        if isinstance(enum, list) and v not in enum:
+            return f"argument {k} must be one of {enum}, got {v!r}"
+        want = prop.get("type")
         listed = want if isinstance(want, list) else [want]  # JSON schema's union: "type": ["integer", "null"]
         wants = [w for w in listed if isinstance(w, str) and w in _CHECK]
         if not wants or len(wants) < len(listed):
@@ -101,21 +118,42 @@ def _shown(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def _schema_name(fn: Callable, schema: dict) -> str:
+    """The tool name a given spec shows the model (the one its calls use); ValueError for a spec that is not an
+    OpenAI function spec with a name and a parameters object (every call of the tool reads them)."""
+    f = schema.get("function") if isinstance(schema, dict) else None
+    name = f.get("name") if isinstance(f, dict) else None
+    params = f.get("parameters", {"type": "object"}) if isinstance(f, dict) else None
+    if not isinstance(name, str) or not name or not isinstance(params, dict) or \
+            not isinstance(params.get("properties", {}), dict) or not isinstance(params.get("required", []), list):
+        raise ValueError(f"tool {getattr(fn, '__name__', fn)}: its schema must be an OpenAI function spec "
+                         '{"type": "function", "function": {"name": str, "parameters": {"type": "object", '
+                         '"properties": {...}, "required": [...]}}}')
+    return name
+
+
 class ToolRegistry:
-    """Tools by name: `functions` (their specs from `function_schema`) plus `schemas` {name: spec} overrides."""
+    """Tools by name: `functions` (their specs from `function_schema`) plus `schemas` {function name: spec} overrides.
+    A tool is called by the name its spec shows the model (an override may rename the function)."""
 
     def __init__(self, functions: Sequence[Callable] = (), *, schemas: Optional[dict[str, dict]] = None):
         self.functions: dict[str, Callable] = {}
         self._specs: dict[str, dict] = {}
+        unknown = sorted(set(schemas or {}) - {fn.__name__ for fn in functions})
+        if unknown:
+            raise ValueError(f"schemas: {unknown[0]!r} names no function of the registry (keys are the Python "
+                             f"functions' names: {sorted(fn.__name__ for fn in functions)})")
         for fn in functions:
             self.add(fn, schema=(schemas or {}).get(fn.__name__))
 
     def add(self, fn: Callable, *, schema: Optional[dict] = None) -> None:
-        name = fn.__name__
+        if schema is None:
+            schema = function_schema(fn)
+        name = _schema_name(fn, schema)
         if name in self.functions:
             raise ValueError(f"tool {name}: registered twice")
         self.functions[name] = fn
-        self._specs[name] = schema if schema is not None else function_schema(fn)
+        self._specs[name] = schema
 
     def specs(self) -> list[dict]:
         return [self._specs[n] for n in self.functions]

@@ -39,7 +39,7 @@ def trajectory_counts(trajs: list[Trajectory], *, untrained_env_errors: int = 0)
 def trajectory_metrics_of(parts: list[dict]) -> dict[str, float]:
     """env/* metrics of a step from every data shard's `trajectory_counts`: turns and tokens per trajectory, the
     share of each finish reason, environment errors (and how many of them were left out of the update), the
-    environments' counters."""
+    environments' counters (env/<key>; env/info/<key> for a key named like one of the rollout's own metrics)."""
     out: dict[str, float] = {"env/errors": float(sum(p["errors"] for p in parts)),
                              "env/errors_untrained": float(sum(p["untrained"] for p in parts))}
     n = float(sum(p["trajectories"] for p in parts))
@@ -50,8 +50,11 @@ def trajectory_metrics_of(parts: list[dict]) -> dict[str, float]:
     out["env/model_tokens_mean"] = sum(p["model_tokens"] for p in parts) / n
     for why in FINISH_REASONS:
         out[f"env/finish_{why}"] = sum(p["finish"][why] for p in parts) / n
-    for k in sorted({k for p in parts for k in p["info"]}):
-        out[f"env/{k}"] = float(sum(p["info"].get(k, 0.0) for p in parts))
+    own = set(out) | {f"env/finish_{why}" for why in FINISH_REASONS} | {"env/turns_mean", "env/tokens_mean",
+                                                                         "env/model_tokens_mean"}
+    for k in sorted({k for p in parts for k in p["info"]}):  # a counter named like one of ours: env/info/<key>
+        name = f"env/{k}" if f"env/{k}" not in own else f"env/info/{k}"
+        out[name] = float(sum(p["info"].get(k, 0.0) for p in parts))
     return out
 
 

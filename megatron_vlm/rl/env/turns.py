@@ -5,19 +5,20 @@ for it, so a trajectory is the conversation the model would see if it were rende
 model was trained on). With the conversation so far H (ending with the model's turn, as decoded text):
 
     before = render(H without the model's turn, generation prompt)     ... <|im_start|>assistant\\n
-    closed = render(H)                                                 ... <model text><|im_end|>\\n
-    after  = render(H + observation turns, generation prompt)          ... <|im_start|>assistant\\n
+    after  = render(H + observation turns, generation prompt)          ... <model text><|im_end|>\\n ... <|im_start|>assistant\\n
 
-The appended text is `closed`'s tail after the model's text (minus the end-of-turn token when the model
-generated it, as its EOS) followed by `after[len(closed):]`; its image / video placeholders are expanded by
-the family's processor and the new images preprocessed (their tensors go through the vision tower when the
-chunk is prefilled). A template for which `closed` is not a prefix of `after` (one that rewrites earlier
-turns, e.g. dropping past reasoning) is refused with a clear error rather than trained on a history the model
-never saw.
+`after` must start with `before` followed by the model's text; the appended text is the rest of `after` (minus
+the end-of-turn token when the model generated it, as its EOS). Why not `render(H)`: a template may write the
+last message apart (Qwen3 gives a last assistant turn an empty think block, which the turn loses once a reply
+follows it), and what the model is shown next is the turn followed by the reply. The placeholders of the
+appended text are expanded by the family's processor and the new images preprocessed (their tensors go through
+the vision tower when the chunk is prefilled). A template that rewrites earlier turns (e.g. drops past
+reasoning, or writes the model's text otherwise than it was generated) is refused with a clear error rather
+than trained on a history the model never saw.
 
-Tools: the specs are written into the system turn in the Qwen2.5 / Qwen3 tool format (`tools_system_text`):
-the same text their chat templates write for `tools=`, so the prompt is also right for templates that do not
-render tools themselves (the tiny test templates).
+Tools: the specs are written into the system turn as the model's chat template writes them for `tools=`
+(`template_tools_text`: Qwen3, Qwen3-VL), else in the Qwen2.5 / Qwen3 tool format (`tools_system_text`), so the
+prompt is also right for templates that do not render tools themselves (Qwen2.5-VL's, the tiny test templates).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from megatron_vlm.inference.multiturn import TurnChunk
 from megatron_vlm.rl.env import plain_text
 from megatron_vlm.rl.env.base import Observation
 
-__all__ = ["TurnEncoder", "tools_system_text", "with_tools", "cut_observation"]
+__all__ = ["TurnEncoder", "tools_system_text", "template_tools_text", "with_tools", "cut_observation"]
 
 _DEFAULT_SYSTEM = "You are a helpful assistant."
 
@@ -50,12 +51,47 @@ def tools_system_text(tools: list[dict], system: Optional[str] = None) -> str:
             "<args-json-object>}\n</tool_call>")
 
 
-def with_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
-    """`messages` with the tool specs in the system turn (added when there is none)."""
+def _system_text(content: Any) -> Optional[str]:
+    """The text of a system turn: a string, or a list of text parts joined as the chat templates write them (one
+    after the other); None for content with other parts (an image), which stays a turn of its own."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(it, dict) and it.get("type") == "text" and isinstance(it.get("text"), str)
+                                         for it in content):
+        return "".join(it["text"] for it in content)
+    return None
+
+
+def template_tools_text(proc: Any, messages: list[dict], tools: list[dict]) -> Optional[str]:
+    """The system turn's text the processor's own chat template writes for `messages` with `tools=` (Qwen3's,
+    Qwen3-VL's: the specs and, unlike `tools_system_text`, no default system line), or None for a template that
+    renders no tools or whose tools are not one system turn at the start that a plain system message reproduces."""
+    head = "<|im_start|>system\n"
+    try:
+        with_specs = proc.render(messages, tools=tools, strict=False)
+        if with_specs == proc.render(messages, strict=False) or not with_specs.startswith(head):
+            return None
+        end = with_specs.find(proc.turn_end, len(head))
+        text = with_specs[len(head):end] if end >= 0 else None
+        rest = messages[1:] if messages and messages[0]["role"] == "system" else messages
+        if text is None or proc.render([{"role": "system", "content": text}, *rest], strict=False) != with_specs:
+            return None
+    except Exception:  # noqa: BLE001 - a template that cannot render this: the Qwen text below
+        return None
+    return text
+
+
+def with_tools(messages: list[dict], tools: list[dict], proc: Any = None) -> list[dict]:
+    """`messages` with the tool specs in the system turn (added when there is none): as `proc`'s chat template writes
+    them for `tools=` when it does (`template_tools_text`), else in the Qwen2.5 / Qwen3 format (`tools_system_text`)."""
     if not tools:
         return messages
-    if messages and messages[0]["role"] == "system" and isinstance(messages[0]["content"], str):
-        return [{"role": "system", "content": tools_system_text(tools, messages[0]["content"])}, *messages[1:]]
+    own = template_tools_text(proc, messages, tools) if proc is not None else None
+    if own is not None:
+        rest = messages[1:] if messages and messages[0]["role"] == "system" else messages
+        return [{"role": "system", "content": own}, *rest]
+    if messages and messages[0]["role"] == "system" and (text := _system_text(messages[0]["content"])) is not None:
+        return [{"role": "system", "content": tools_system_text(tools, text)}, *messages[1:]]
     return [{"role": "system", "content": tools_system_text(tools)}, *messages]
 
 
@@ -150,22 +186,23 @@ class TurnEncoder:
         turn = {"role": "assistant", "content": turn_text}
         new = observation_messages(obs)
         before = proc.render(history, add_generation_prompt=True)
-        closed = proc.render([*history, turn])
         after = proc.render([*history, turn, *new], add_generation_prompt=True)
-        if not (closed.startswith(before) and closed[len(before):].startswith(turn_text) and after.startswith(closed)):
+        start = len(before) + len(turn_text)  # the model's turn as written with the reply after it (module docstring)
+        if not (after.startswith(before) and after[len(before):start] == turn_text):
             raise ValueError("the chat template does not render the conversation turn by turn (an earlier turn's text "
                              "changes when a turn is added): multi-turn rollouts need a template that appends")
-        tail = closed[len(before) + len(turn_text):]
-        if ended_with_eos and tail.startswith(proc.turn_end):
-            tail = tail[len(proc.turn_end):]  # the model generated it (its last token is `turn_end_id`)
         texts = plain_text.message_texts(new)
         if plain_text.has_special(texts, self.specials):  # untrusted text with special-token strings: plain_text.py
             marked = proc.render([*history, turn, *plain_text.marked_messages(new)], add_generation_prompt=True)
-            if not marked.startswith(closed):
+            if marked[:start] != after[:start]:
                 raise ValueError("the chat template renders the conversation differently around marked texts")
-            pieces = [(tail, False), *plain_text.segments(after[len(closed):], marked[len(closed):], texts)]
+            pieces = plain_text.segments(after[start:], marked[start:], texts)
         else:
-            pieces = [(tail + after[len(closed):], False)]
+            pieces = [(after[start:], False)]
+        if ended_with_eos and pieces and not pieces[0][1] and pieces[0][0].startswith(proc.turn_end):
+            # the model generated it (its last token is `turn_end_id`)
+            pieces = [(pieces[0][0][len(proc.turn_end):], False), *pieces[1:]]
+            pieces = [p for p in pieces if p[0]]
         media = [it for m in new if isinstance(m["content"], list) for it in m["content"] if it["type"] != "text"]
         images = [_pil(it["image"]) for it in media if it["type"] == "image"]
         videos = [_clip(it["video"], obs.video_fps) for it in media if it["type"] == "video"]

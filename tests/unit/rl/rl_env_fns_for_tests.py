@@ -139,3 +139,74 @@ class RaiseOnReset(Echo):
 
     def reset(self, sample):
         raise RuntimeError("no such level")
+
+
+class StepReturnsDict(Environment):
+    """A gym / TRL habit: a dict instead of a StepResult."""
+
+    def step(self, action):
+        return {"observation": "4", "reward": 1.0, "done": False}
+
+
+class ObservationIsText(Environment):
+    """The observation given as a bare string instead of an Observation."""
+
+    def step(self, action):
+        return StepResult(observation="the tool says 4")
+
+
+class ImageNotInAList(Environment):
+    """One image where the Observation wants a list of them."""
+
+    def step(self, action):
+        return StepResult(Observation(text="look", images=np.zeros((28, 28, 3), dtype=np.uint8)))
+
+
+class TextNotAString(Environment):
+    def step(self, action):
+        return StepResult(Observation(text=4))
+
+
+class ResetReturnsNothing(Environment):
+    """`reset` that forgets to return its Observation."""
+
+    def reset(self, sample):
+        self.sample = sample
+
+
+class RewardNotANumber(Environment):
+    def step(self, action):
+        return StepResult(Observation(text="x"), reward="high")
+
+
+class DoneWithoutObservation(Environment):
+    """Ends at once; the observation of a final step is not shown, so None is fine."""
+
+    def step(self, action):
+        return StepResult(None, reward=np.float32(1.0), done=True)
+
+
+class NeedsAnArgument(Environment):
+    """Built only with `[rl.env] kwargs = {level = ...}`."""
+
+    def __init__(self, level: int):
+        self.level = level
+
+    def step(self, action):
+        return StepResult(Observation(), done=True)
+
+
+class ToolsRaise(Environment):
+    def tools(self):
+        raise RuntimeError("no tool box")
+
+
+class ToolsOfTheSample(Environment):
+    """Per-sample tools (verl's tools_kwargs habit): a `lookup` tool only for samples whose problem asks for one."""
+
+    def tools(self):
+        wanted = "lookup" in getattr(self, "sample", None).problem if hasattr(self, "sample") else False
+        return [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}] if wanted else []
+
+    def step(self, action):
+        return StepResult(Observation(), done=True)

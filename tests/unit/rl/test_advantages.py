@@ -161,3 +161,17 @@ def test_identical_fractional_rewards_give_exactly_zero(estimator, value, g):
     assert torch.equal(out.advantages[:g], torch.zeros(g))
     assert out.advantages[g:].abs().max() > 0.1  # the informative group is untouched
     assert out.zero_variance.tolist() == [True, False]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_invalid_samples_are_left_out_of_their_group(estimator):
+    """`valid`: a group's advantages are those of its valid members alone (the same estimator on the shorter group),
+    0 for the invalid ones; a group left with fewer than 2 has no signal (zeros, no NaN, zero variance)."""
+    rewards = torch.tensor([1.0, 0.0, 0.5, 7.0,   2.0, 9.0, 9.0, 9.0,   9.0, 9.0, 9.0, 9.0,   1.0, 0.0, 1.0, 0.0])
+    valid = torch.tensor([1, 1, 1, 0,   1, 0, 0, 0,   0, 0, 0, 0,   1, 1, 1, 1], dtype=torch.bool)
+    res = compute_group_advantages(rewards, 4, estimator=estimator, valid=valid, drop_equal_reward_groups=True)
+    alone = compute_group_advantages(torch.tensor([1.0, 0.0, 0.5]), 3, estimator=estimator).advantages
+    whole = compute_group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 4, estimator=estimator).advantages
+    torch.testing.assert_close(res.advantages, torch.cat([alone, torch.zeros(9), whole]))
+    assert res.zero_variance.tolist() == [False, True, True, False] and res.num_dropped_groups == 2
+    assert res.keep.view(4, 4)[:, 0].tolist() == [True, False, False, True]

@@ -52,6 +52,14 @@ def test_bad_values_name_the_key(table, key):
 @pytest.mark.parametrize("sets, key", [
     ([ENV], "rl.rollout.weights"),
     ([ENV, COPY, 'rl.rollout_backend="vllm"'], "rl.rollout.weights"),  # the built-in engine's key, as single-turn
+    # DAPO's overlong shaping measures a response against rollout.max_new_tokens, the budget of ONE model turn: a
+    # trajectory's model tokens summed over its turns were penalised as overlong when no turn came near the limit
+    ([ENV, COPY, "rl.rollout.max_new_tokens=64", "rl.advantages.overlong_buffer=16",
+      "rl.advantages.overlong_penalty=1.0"],
+     "rl.advantages.overlong_buffer"),
+    # the environment's turn rewards are the round's per-reward "env" (reward/env): a verifier of that name was
+    # overwritten by them (its metric, and the accuracy when it was the accuracy reward)
+    ([ENV, COPY, 'rl.rewards=[{type = "exact_match", name = "env"}]'], "rl.rewards[0].name"),
 ])
 def test_unsupported_combinations_name_the_key(sets, key):
     with pytest.raises(ConfigError) as e:

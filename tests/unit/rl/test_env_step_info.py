@@ -41,3 +41,22 @@ def test_sys_exit_in_an_inline_environment_ends_its_trajectory_not_the_job():
                          samples=[EnvSample(problem="q")], histories=[[]], n=1, eos_token_ids=[0])
     (r,) = session.step([(0, 0, "a", [1])])
     assert r.error and "SystemExit" in r.error and session.errors == 1
+
+
+def test_a_counter_named_like_a_rollout_metric_does_not_replace_it():
+    """An environment's counter is reported as env/<key>, beside the rollout's own env/* metrics: one named like them
+    ("errors", "turns_mean", "finish_done", ...) used to overwrite the rollout's value (env/errors = the environment's
+    own error count, the failed trajectories' count lost). Such a counter is reported as env/info/<key>."""
+    import torch
+
+    from megatron_vlm.inference.multiturn import Trajectory
+    from megatron_vlm.rl.env.trajectories import trajectory_metrics
+
+    def traj(finish, info):
+        return Trajectory(prompt_index=0, sample_index=0, token_ids=torch.tensor([1, 2]),
+                          model_mask=torch.tensor([True, True]), logprobs=torch.zeros(2), vision={}, text="",
+                          turn_texts=["a"], turn_rewards=[], finish_reason=finish, prompt_length=3, info=info)
+
+    m = trajectory_metrics([traj("env_error", {}), traj("done", {"errors": 5.0, "turns_mean": 9.0, "tool_calls": 2.0})])
+    assert m["env/errors"] == 1.0 and m["env/turns_mean"] == 1.0 and m["env/tool_calls"] == 2.0
+    assert m["env/info/errors"] == 5.0 and m["env/info/turns_mean"] == 9.0

@@ -136,6 +136,17 @@ def test_tools_in_the_system_turn():
     assert with_tools([{"role": "user", "content": "hi"}], tools)[0]["role"] == "system"
 
 
+def test_a_system_turn_of_text_parts_takes_the_tools():
+    """A system turn in the OpenAI list form ([{"type": "text", ...}], as the messages schema allows) gets the tool
+    specs as a string system turn does: it used to stay as it was behind a second, default system turn with the
+    tools (two system turns; "You are a helpful assistant." before the dataset's own instructions)."""
+    tools = CalculatorEnv().tools()
+    parts = [{"type": "text", "text": "Be brief."}, {"type": "text", "text": " Use digits."}]
+    msgs = with_tools([{"role": "system", "content": parts}, {"role": "user", "content": "hi"}], tools)
+    assert [m["role"] for m in msgs] == ["system", "user"]
+    assert msgs[0]["content"] == tools_system_text(tools, "Be brief. Use digits.")
+
+
 def test_a_tool_returning_garbage_is_an_error_reply():
     """A return value that is neither text, JSON-serialisable data nor (text, [images]) is the tool's error reply (the
     model's feedback), not an exception out of the environment that would end the trajectory as "env_error"."""
@@ -288,3 +299,57 @@ def test_a_tool_calling_exit_is_an_error_reply():
 
     text, _, ok = ToolRegistry([quits]).call(ToolCall("quits", {"code": 3}))
     assert not ok and text == "Error: quits raised SystemExit: 3"
+
+
+def test_a_schema_override_is_called_by_the_name_it_shows():
+    """`schemas=` gives a tool the spec the model sees; the model calls the name in that spec, which the registry
+    must run. A spec whose name differs from the Python function's used to be shown but every call of it answered
+    "unknown tool" (counted as tool errors, nothing else said); a spec keyed by a name that is no function's was
+    dropped without a word (the model saw the generated spec); a spec without its function / parameters failed
+    every call of the tool inside the environment's step."""
+    def _add(a: int, b: int) -> str:
+        return str(a + b)
+
+    spec = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+    env = ToolEnvironment(registry=ToolRegistry([_add], schemas={"_add": spec}))
+    assert env.tools() == [spec]
+    env.reset(EnvSample(problem=""))
+    res = env.step('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+    assert res.observation.parts[0]["text"] == "3" and res.info["tool_errors"] == 0
+    with pytest.raises(ValueError, match="schemas: 'add' names no function"):
+        ToolRegistry([_add], schemas={"add": spec})
+    with pytest.raises(ValueError, match="tool _add: its schema"):
+        ToolRegistry([_add], schemas={"_add": {"type": "function", "name": "add"}})
+
+
+def test_a_trl_style_tool_gets_the_schema_transformers_writes():
+    """A tool written for TRL (type hints incl. Optional / list[str] / Literal, a Google-style docstring with Args)
+    gets the spec transformers' `get_json_schema` writes for it, what TRL's `apply_chat_template(tools=[fn])` shows
+    the model (argument descriptions, nullable, items, enum), and calls are checked against it: None for the
+    optional argument and a list pass, a value outside the enum is the tool's error reply. Such a function used to be
+    refused ("parameter limit is annotated typing.Optional[int]")."""
+    from typing import Literal, Optional
+
+    from transformers.utils import get_json_schema
+
+    def search(query: str, limit: Optional[int] = None, tags: Optional[list[str]] = None,
+               mode: Literal["fast", "deep"] = "fast") -> str:
+        """Search the corpus.
+
+        Args:
+            query: What to look for.
+            limit: At most this many results.
+            tags: Only results with these tags.
+            mode: fast or deep.
+        """
+        return f"{query}|{limit}|{tags}|{mode}"
+
+    reg = ToolRegistry([search])
+    assert reg.specs() == [get_json_schema(search)]
+    assert reg.call(ToolCall("search", {"query": "q", "limit": None, "tags": ["a"]})) == ("q|None|['a']|fast", [], True)
+    text, _, ok = reg.call(ToolCall("search", {"query": "q", "mode": "slow"}))
+    assert not ok and "mode must be one of ['fast', 'deep']" in text
+    text, _, ok = reg.call(ToolCall("search", {"query": None}))
+    assert not ok and "query must be of type string" in text
+    assert function_schema(calculate)["function"]["parameters"]["properties"] == {"expression": {"type": "string"}}

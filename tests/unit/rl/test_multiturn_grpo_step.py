@@ -20,7 +20,7 @@ ENV_ONLY, ENV_LAST = 9, 10  # env chunk [9, 10]: 9 is followed by an env token o
 
 
 class ScriptedMultiTurn:
-    """Trajectory j of a prompt: model tokens 0..j, environment [9, 10], model tokens [1, 2]; the last trajectory
+    """Trajectory j of a prompt: model tokens 0..j, environment [9, 10], model tokens [j + 1, 2]; the last trajectory
     of prompt 0 ends with an environment error. Turn rewards 0.1 per turn."""
 
     def __init__(self):
@@ -32,7 +32,9 @@ class ScriptedMultiTurn:
         for p in range(shard.num_real):
             for j in range(params.n):
                 model_a = list(range(j + 1))
-                ids = model_a + [ENV_ONLY, ENV_LAST] + [1, 2]
+                # after the environment's turn a model token that differs per trajectory: the gradient at ENV_LAST is
+                # then never a sum that cancels (a group's advantages sum to 0 and the stand-in has no context)
+                ids = model_a + [ENV_ONLY, ENV_LAST] + [j + 1, 2]
                 mask = [True] * len(model_a) + [False, False] + [True, True]
                 err = p == 0 and j == params.n - 1
                 trajs.append(Trajectory(
@@ -68,3 +70,22 @@ def test_grpo_step_on_trajectories(loss):
     assert torch.equal(after[ENV_ONLY], before[ENV_ONLY])  # predicts only an environment token: no loss, no gradient
     assert not torch.equal(after[ENV_LAST], before[ENV_LAST])  # predicts a model token: trained
     assert not torch.equal(after[0], before[0])
+
+
+def test_an_env_error_is_left_out_of_its_groups_advantages():
+    """A trajectory ended by an environment error is not trained; its reward (the verifiers' score of a turn the
+    failure cut short) must not move its group's mean and std either: the advantages of the other members are
+    the group estimator's over them alone. It used to be counted: prompt 0's two good trajectories (rewards 0.3 and
+    0.4) got the advantages of a group of three with the failed one's 0.5, -1 and 0, instead of -0.707 and 0.707."""
+    import statistics
+
+    pool = [p for p in _pool(40) if int(p.prompt_id[1:]) % 2][:2]
+    rl = rl_config(validate=True, group_size=3, max_new_tokens=4, prompts_per_step=2, rewards=[ExactMatchRewardConfig()])
+    engine = NS(load_weights=lambda *a, **k: None, release_memory=lambda: None)
+    grpo, _, seen = _grpo(rl, pool, engine=engine, multiturn=ScriptedMultiTurn())
+    grpo.run(0, pool, prompt_pool=pool)
+    got = [s.advantage for s in seen["samples"]]
+    ok = [0.1 * (j + 1) + 0.2 for j in range(2)]  # prompt 0 without its failed third trajectory
+    full = [0.1 * (j + 1) + 0.2 for j in range(3)]
+    ref = [(r - statistics.mean(g)) / (statistics.stdev(g) + 1e-6) for g in (ok, full) for r in g]
+    assert got == pytest.approx(ref, abs=1e-5)

@@ -475,10 +475,13 @@ def visible_device_memory_gib() -> Optional[float]:
     return None
 
 
-def run_check(cfg, *, world_size: int, device_memory_gib: Optional[float], out: TextIO = sys.stdout,
-              err: TextIO = sys.stderr) -> int:
+def run_check(cfg, *, world_size: int, device_memory_gib: Optional[float], out: Optional[TextIO] = None,
+              err: Optional[TextIO] = None) -> int:
     """Print the plan and return 0, or print one `check failed: <key>: ...` line (plus the plan when
-    memory is the problem) and return 2."""
+    memory is the problem) and return 2. `out` / `err` default to the streams of the call (not of the import:
+    a redirected sys.stdout / sys.stderr, e.g. a caller capturing the report, is honoured)."""
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
     if world_size < 1:  # "check ok: 0 ranks" with a negative FSDP shard size is no answer
         print(f"check failed: --world-size: must be >= 1, got {world_size}", file=err)
         return 2

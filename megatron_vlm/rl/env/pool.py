@@ -111,6 +111,8 @@ def _check_observation(obs: Any) -> None:
                              ("videos", (list, tuple), "a list of frame lists"), ("role", (str,), "a str"),
                              ("parts", (list, tuple, type(None)), "a list of dicts or None")):
         value = getattr(obs, key)
+        if key == "images" and getattr(value, "ndim", None) == 4:  # a stack of N HxWx3 arrays: N images
+            continue
         if not isinstance(value, kinds):
             raise TypeError(f"observation.{key} of type {type(value).__name__}, not {want}")
     if any(not isinstance(v, (list, tuple)) for v in obs.videos):

@@ -217,3 +217,10 @@ class StackedImages(Environment):
 
     def step(self, action):
         return StepResult(Observation(text="look", images=np.zeros((2, 28, 28, 3), dtype=np.uint8)))
+
+
+class VideoAsArray(Environment):
+    """One video as a T x H x W x 3 array of frames."""
+
+    def step(self, action):
+        return StepResult(Observation(text="watch", videos=[np.zeros((4, 28, 28, 3), dtype=np.uint8)]))

@@ -111,10 +111,12 @@ def _check_observation(obs: Any) -> None:
                              ("videos", (list, tuple), "a list of frame lists"), ("role", (str,), "a str"),
                              ("parts", (list, tuple, type(None)), "a list of dicts or None")):
         value = getattr(obs, key)
+        if key in ("images", "videos") and getattr(value, "ndim", None) == {"images": 4, "videos": 5}[key]:
+            continue  # stacked arrays: N images / N videos
         if not isinstance(value, kinds):
             raise TypeError(f"observation.{key} of type {type(value).__name__}, not {want}")
-    if any(not isinstance(v, (list, tuple)) for v in obs.videos):
-        raise TypeError("observation.videos: each video is a list of frames")
+    if any(not isinstance(v, (list, tuple)) and getattr(v, "ndim", None) != 4 for v in obs.videos):
+        raise TypeError("observation.videos: each video is a list of frames (or a T x H x W x 3 array)")
     if obs.parts is not None and any(not isinstance(p, dict) for p in obs.parts):
         raise TypeError("observation.parts: each part is a dict {\"role\", \"text\", \"images\", \"videos\"}")
 

@@ -210,3 +210,17 @@ class ToolsOfTheSample(Environment):
 
     def step(self, action):
         return StepResult(Observation(), done=True)
+
+
+class StackedImages(Environment):
+    """Two images as one N x H x W x 3 array (a sequence of images, as a list of them would be)."""
+
+    def step(self, action):
+        return StepResult(Observation(text="look", images=np.zeros((2, 28, 28, 3), dtype=np.uint8)))
+
+
+class VideoAsArray(Environment):
+    """One video as a T x H x W x 3 array of frames."""
+
+    def step(self, action):
+        return StepResult(Observation(text="watch", videos=[np.zeros((4, 28, 28, 3), dtype=np.uint8)]))

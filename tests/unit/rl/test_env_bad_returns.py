@@ -54,3 +54,13 @@ def test_tools_that_change_with_the_sample_are_refused(proc):
     replies = session.step([(0, 0, "hi", [5, enc.turn_end_id], 100), (1, 1, "hi", [5, enc.turn_end_id], 100)])
     assert "tools" in replies[0].error and "per-sample tools" in replies[0].error, replies[0].error
     assert replies[1].done and not replies[1].error and session.errors == 1
+
+
+@pytest.mark.parametrize("name, images, videos", [("StackedImages", 2, 0), ("VideoAsArray", 0, 1)])
+def test_arrays_of_images_and_frames_are_taken(proc, name, images, videos):
+    """A stack of images as one N x H x W x 3 array, a video as one T x H x W x 3 array: sequences as lists are."""
+    enc = TurnEncoder(proc)
+    session = EnvSession(InlineEnvRunner(), enc, name=f"{FNS}:{name}", kwargs={}, samples=[EnvSample(problem="q")],
+                         histories=[[{"role": "user", "content": "q"}]], n=1, eos_token_ids=[enc.turn_end_id])
+    (reply,) = session.step([(0, 0, "hello", [5, enc.turn_end_id], 1000)])
+    assert not reply.error and (len(reply.chunk.images), len(reply.chunk.videos)) == (images, videos), reply.error

@@ -128,8 +128,11 @@ def force_fsdp(on: bool) -> None:
 class OurPairJob:
     """One optimizer step of ours through the real pair step (`PairStep.train_step`), as a job runs it."""
 
-    def __init__(self, step, pack_tokens: int):
-        self.step_obj, self.n, self.pack_tokens = step, 0, pack_tokens
+    def __init__(self, step, pack: dict, prompt_sharing: str = "auto"):
+        self.step_obj, self.n = step, 0
+        if prompt_sharing == "off":
+            step.share_prompts = False
+        self.forward_tokens = int(step.prepared(pack)["input_ids"].numel())  # after prompt sharing, if on
         self.metrics: list[dict] = []  # the logged metrics of the first steps (the loss check)
 
     def step(self) -> float:
@@ -143,7 +146,8 @@ class OurPairJob:
         return dt
 
 
-def build_our_dpo(folder: Path, out_dir: Path, pairs: list[dict], *, beta: float, lr: float, fsdp: bool) -> OurPairJob:
+def build_our_dpo(folder: Path, out_dir: Path, pairs: list[dict], *, beta: float, lr: float, fsdp: bool,
+                  prompt_sharing: str = "auto") -> OurPairJob:
     from megatron_vlm.training.dpo.build import build_reference, dpo_section
     from megatron_vlm.training.dpo.step import DPOStep
     from megatron_vlm.training.model_bundle import build_model_bundle
@@ -159,7 +163,7 @@ def build_our_dpo(folder: Path, out_dir: Path, pairs: list[dict], *, beta: float
     reference = build_reference(ctx, bundle, dpo, loader, None)
     optim = build_optim_state(bundle.wrapper, ctx.cfg, "cpu", 10**6)
     step = DPOStep(ctx, bundle, optim, _NoMetrics(), loader, dpo=dpo, reference=reference)
-    return OurPairJob(step, int(pack["input_ids"].numel()))
+    return OurPairJob(step, pack, prompt_sharing)
 
 
 def interleave(trainer_factory: Callable[[Any], Any], ours: OurPairJob) -> dict[str, list[float]]:
@@ -207,6 +211,9 @@ def common_args(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: reproducible on a shared machine)")
     ap.add_argument("--fsdp", choices=("auto", "on"), default="auto",
                     help="our model's FSDP2 units: as a job (auto: none for one fp32 CPU process) or always (on)")
+    ap.add_argument("--prompt-sharing", choices=("auto", "off"), default="auto",
+                    help="ours: each pair's prompt computed once where the model allows (auto, as a job) or packed "
+                         "twice, once per response (off: the layout before training/pair_prompts.py)")
     ap.add_argument("--json", type=str, default=None)
     return ap
 
@@ -229,7 +236,7 @@ def setup(args, prefix: str):
     return tmp, folder, tokenizer, pairs
 
 
-def meta(args, pairs: list[dict], extra: dict) -> dict:
+def meta(args, pairs: list[dict], ours: OurPairJob, extra: dict) -> dict:
     import transformers
     import trl
 
@@ -237,6 +244,7 @@ def meta(args, pairs: list[dict], extra: dict) -> dict:
     return {"device": f"cpu ({args.threads} thread(s))", "torch": torch.__version__,
             "transformers": transformers.__version__, "trl": trl.__version__, "pairs": args.pairs, "tokens": tokens,
             "hidden": args.hidden, "layers": args.layers, "fsdp": args.fsdp, "rounds": args.rounds,
+            "prompt_sharing": args.prompt_sharing, "our_forward_tokens": ours.forward_tokens,
             "load_avg": round(os.getloadavg()[0], 1), "date": time.strftime("%Y-%m-%d"), **extra}
 
 
@@ -254,7 +262,8 @@ def main() -> int:
     from trl import DPOConfig, DPOTrainer
 
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
-    ours = build_our_dpo(folder, tmp, pairs, beta=args.beta, lr=args.lr, fsdp=args.fsdp == "on")
+    ours = build_our_dpo(folder, tmp, pairs, beta=args.beta, lr=args.lr, fsdp=args.fsdp == "on",
+                         prompt_sharing=args.prompt_sharing)
     steps = args.warmup + args.rounds
     trl_first: list[dict] = []
 
@@ -292,7 +301,7 @@ def main() -> int:
         print(f"  step {k + 1}: loss {t['loss']:.7f} | {o['loss']:.7f}   logps/chosen {t['logps/chosen']:.5f} | "
               f"{o['logps/chosen']:.5f}   logps/rejected {t['logps/rejected']:.5f} | {o['logps/rejected']:.5f}")
     result = report(times, args.warmup, args.pairs)
-    info = meta(args, pairs, {"beta": args.beta, "lr": args.lr})
+    info = meta(args, pairs, ours, {"beta": args.beta, "lr": args.lr})
     print(json.dumps(info))
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": info, **result, "first_steps": {"trl": trl_first,

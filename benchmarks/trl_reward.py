@@ -47,7 +47,8 @@ from trl_dpo import (  # noqa: E402
 )
 
 
-def build_our_reward(folder: Path, out_dir: Path, pairs: list[dict], *, lr: float, fsdp: bool) -> OurPairJob:
+def build_our_reward(folder: Path, out_dir: Path, pairs: list[dict], *, lr: float, fsdp: bool,
+                     prompt_sharing: str = "auto") -> OurPairJob:
     from megatron_vlm.training.optim import build_optim_state
     from megatron_vlm.training.reward.build import build_reward_bundle, reward_section
     from megatron_vlm.training.reward.step import RewardStep
@@ -59,7 +60,7 @@ def build_our_reward(folder: Path, out_dir: Path, pairs: list[dict], *, lr: floa
     pack = pair_pack(pairs)
     optim = build_optim_state(bundle.wrapper, ctx.cfg, "cpu", 10**6)
     step = RewardStep(ctx, bundle, optim, _NoMetrics(), _SamePack(pack), reward=reward)
-    job = OurPairJob(step, int(pack["input_ids"].numel()))
+    job = OurPairJob(step, pack, prompt_sharing)
     job.head = bundle.wrapper.score.weight  # type: ignore[attr-defined]
     return job
 
@@ -76,7 +77,7 @@ def main() -> int:
     from transformers import AutoModelForSequenceClassification
     from trl import RewardConfig, RewardTrainer
 
-    ours = build_our_reward(folder, tmp, pairs, lr=args.lr, fsdp=args.fsdp == "on")
+    ours = build_our_reward(folder, tmp, pairs, lr=args.lr, fsdp=args.fsdp == "on", prompt_sharing=args.prompt_sharing)
     hf_model = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1, dtype=torch.float32,
                                                                    attn_implementation="sdpa")
     with torch.no_grad():  # the same fresh head on both sides
@@ -116,7 +117,7 @@ def main() -> int:
         print(f"  step {k + 1}: loss {t['loss']:.7f} | {o['loss']:.7f}   margin {t['margin']:.6f} | {o['margin']:.6f}"
               f"   accuracy {t['accuracy']:.3f} | {o['accuracy']:.3f}")
     result = report(times, args.warmup, args.pairs)
-    info = meta(args, pairs, {"lr": args.lr})
+    info = meta(args, pairs, ours, {"lr": args.lr})
     print(json.dumps(info))
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": info, **result, "first_steps": {"trl": trl_first,

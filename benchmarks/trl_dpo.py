@@ -12,7 +12,8 @@ them with its fused log-prob head, gradient checkpointing on (its default), and 
 every batch by a forward of a second model copy (`precompute_ref_log_probs = False`, its default); ours is the
 real `DPOStep` as `launch/pretrain_vlm.py` builds it (`build_model_bundle`, `build_reference` with
 `dpo.reference = "on_the_fly"`: a frozen copy scoring every pack), every pair's chosen and rejected in one
-packed varlen forward; one fp32 CPU process keeps plain parameters as a job does (`--fsdp on`: FSDP2 units on a
+packed varlen forward with their prompt computed once (training/pair_prompts.py; `--prompt-sharing off`: the
+prompt in both sequences, the layout before); one fp32 CPU process keeps plain parameters as a job does (`--fsdp on`: FSDP2 units on a
 one-rank mesh anyway). Both fp32, gradient clipping at 1.0, their default AdamW, lr 1e-6 (TRL's DPO default).
 
 Same loss: the first steps' losses and summed log-probs of both are printed side by side (step 1 scores the

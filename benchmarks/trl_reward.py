@@ -10,7 +10,8 @@ copied from ours into TRL's, so both start from the same model. `--pairs` pairs 
 chosen, prompt + rejected), the same ids for both (TRL takes pre-tokenised `chosen_ids` / `rejected_ids` as they
 are). Loss -log sigmoid(r_chosen - r_rejected), no margin, no centring (both defaults). Each framework runs its
 default path: TRL pads the 2 x pairs rows of [chosen; rejected] (its collator), gradient checkpointing on (its
-default); ours one packed varlen forward of every pair's chosen and rejected (`RewardStep`), one fp32 CPU process
+default); ours one packed varlen forward of every pair's chosen and rejected, their prompt computed once
+(`RewardStep`; `--prompt-sharing off`: the prompt in both sequences), one fp32 CPU process
 with plain parameters as a job (`--fsdp on`: FSDP2 units on a one-rank mesh anyway). Both fp32, gradient
 clipping at 1.0, their default AdamW, lr 1e-4 (TRL's reward default). The first steps' losses are printed side
 by side (the same model and data: equal to float tolerance).

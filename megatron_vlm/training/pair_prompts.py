@@ -17,7 +17,8 @@ A pair is shared when both its sequences agree on the tokens before their first 
 such token; otherwise its two sequences stay as they are. Packs with vision inputs or explicit positions stay
 plain (an image's features follow its sample order; M-RoPE positions come with the pack), as do models whose
 decoder takes no `prefix_segments` (Mamba2 layers), tensor / context parallelism, and a MoE auxiliary loss
-(a shared prompt is routed once: the loss would see fewer tokens) — `pair_sharing`.
+(a shared prompt is routed once: the loss would see fewer tokens) — `pair_sharing`. A MoE model's expert loads
+(`moe/*`, the score-correction bias updates) count a shared prompt's tokens once, as in GRPO's update.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Preference packs with each pair's prompt computed once (training/pair_prompts.py) score and train exactly as the
 plain packs: the DPO log-prob sums and the reward-model rewards, and their gradients, equal those of the plain pack
-(float64: log-prob sums to 1e-9, gradients to float32 rounding), on a text model and a text-only pack of a VLM family (M-RoPE positions); the layout itself holds
+(float64: log-prob sums to 1e-9, gradients to float32 rounding), on a text model, a MoE model and a text-only pack of a VLM family (M-RoPE positions); the layout itself holds
 every label once, none in a prefix; packs or pairs that cannot share stay as they are; `pair_sharing` refuses the
 models and layouts the shared layout does not hold for."""
 from __future__ import annotations
@@ -76,7 +76,7 @@ def test_pairs_that_cannot_share_stay_plain():
     assert share_pair_prompts(empty) is empty
 
 
-@pytest.fixture(scope="module", params=["tiny_qwen2", "tiny_qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["tiny_qwen2", "tiny_qwen2_5_vl", "tiny_qwen3_moe"])
 def folder(request, tmp_path_factory):
     return synthesize_model_folder(request.param, tmp_path_factory.mktemp("pair_prompts") / "m", seed=0)
 

@@ -14,8 +14,9 @@ rejected; -1: a prefix segment, which holds no label and ends no response): `pai
 (reward model) read it; a plain pack has none (segment s is response s).
 
 A pair is shared when both its sequences agree on the tokens before their first label and there is at least one
-such token; otherwise its two sequences stay as they are. Packs with vision inputs or explicit positions stay
-plain (an image's features follow its sample order; M-RoPE positions come with the pack), as do models whose
+such token; otherwise its two sequences stay as they are. A pack with images keeps one copy of a shared pair's
+vision inputs (its `vision_rows` says which rows are whose; a pair whose two sequences do not carry the same ones
+stays plain). Packs with explicit positions stay plain (M-RoPE positions come with the pack), as do models whose
 decoder takes no `prefix_segments` (Mamba2 layers), tensor / context parallelism, and a MoE auxiliary loss
 (a shared prompt is routed once: the loss would see fewer tokens) — `pair_sharing`. A MoE model's expert loads
 (`moe/*`, the score-correction bias updates) count a shared prompt's tokens once, as in GRPO's update.
@@ -59,15 +60,49 @@ def _shared_length(ids: torch.Tensor, labels: torch.Tensor, a: int, b: int, c: i
     return n
 
 
+class _Vision:
+    """The vision tensors of a pack split per sequence (`vision_rows`), to keep one copy of a shared prompt's."""
+
+    def __init__(self, pack: dict, sequences: int):
+        self.keys = [k for k in VISION_KEYS if pack.get(k) is not None]
+        rows = pack.get("vision_rows")
+        self.ok = not self.keys or (rows is not None and tuple(rows.shape) == (sequences, len(VISION_KEYS)))
+        self.parts: dict[str, list[torch.Tensor]] = {k: [] for k in self.keys}
+        if not self.keys or not self.ok or rows is None:
+            return
+        self.slices: list[dict[str, torch.Tensor]] = []
+        offsets = dict.fromkeys(self.keys, 0)
+        for s in range(sequences):
+            own = {}
+            for k in self.keys:
+                n = int(rows[s, VISION_KEYS.index(k)])
+                own[k] = pack[k][offsets[k]:offsets[k] + n]
+                offsets[k] += n
+            self.slices.append(own)
+        self.ok = all(offsets[k] == pack[k].shape[0] for k in self.keys)
+
+    def same(self, s: int, t: int) -> bool:
+        """Sequences s and t hold the same vision inputs (a pair's prompt images, read once when shared)."""
+        return all(self.slices[s][k].shape == self.slices[t][k].shape and torch.equal(self.slices[s][k], self.slices[t][k])
+                   for k in self.keys)
+
+    def keep(self, s: int) -> None:
+        for k in self.keys:
+            self.parts[k].append(self.slices[s][k])
+
+
 def share_pair_prompts(pack: dict) -> dict:
     """The pack with each pair's prompt in one prefix segment (module docstring); the pack itself when it
     cannot be or no pair shares anything."""
     pairs = int(pack["num_pairs"])
-    if pairs == 0 or any(pack.get(k) is not None for k in (*VISION_KEYS, "position_ids", "prefix_segments")):
+    if pairs == 0 or any(pack.get(k) is not None for k in ("position_ids", "prefix_segments")):
         return pack
     ids, labels = pack["input_ids"].reshape(-1), pack["labels"].reshape(-1)
     cu = [int(x) for x in pack["cu_seqlens"].tolist()]
     if len(cu) != 2 * pairs + 1:
+        return pack
+    vision = _Vision(pack, 2 * pairs)
+    if not vision.ok:
         return pack
     id_parts, label_parts, lengths, prefix, responses = [], [], [], [], []
 
@@ -82,18 +117,27 @@ def share_pair_prompts(pack: dict) -> dict:
     for k in range(pairs):
         a, b, c, d = cu[2 * k], cu[2 * k + 1], cu[2 * k + 1], cu[2 * k + 2]
         n = _shared_length(ids, labels, a, b, c, d)
+        if vision.keys and not vision.same(2 * k, 2 * k + 1):
+            n = 0
         if n == 0:
             segment(a, b, -1, 2 * k)
             segment(c, d, -1, 2 * k + 1)
+            if vision.keys:
+                vision.keep(2 * k)
+                vision.keep(2 * k + 1)
             continue
         shared_any = True
         head = len(lengths)
         segment(a, a + n, -1, -1)  # no label inside: n is at most the first labelled position
         segment(a + n, b, head, 2 * k)
         segment(c + n, d, head, 2 * k + 1)
+        if vision.keys:
+            vision.keep(2 * k)  # the prompt's images, once (the prefix's placeholders)
     if not shared_any:
         return pack
-    out = {k: v for k, v in pack.items() if k not in ("input_ids", "labels", "cu_seqlens")}
+    out = {k: v for k, v in pack.items() if k not in ("input_ids", "labels", "cu_seqlens", "vision_rows")}
+    for key, parts in vision.parts.items():
+        out[key] = torch.cat(parts)
     out["input_ids"] = torch.cat(id_parts)[None]
     out["labels"] = torch.cat(label_parts)[None]
     out["cu_seqlens"] = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)

@@ -1,6 +1,7 @@
 """Preference packs with each pair's prompt computed once (training/pair_prompts.py) score and train exactly as the
 plain packs: the DPO log-prob sums and the reward-model rewards, and their gradients, equal those of the plain pack
-(float64: log-prob sums to 1e-9, gradients to float32 rounding), on a text model, a MoE model and a text-only pack of a VLM family (M-RoPE positions); the layout itself holds
+(float64: log-prob sums to 1e-9, gradients to float32 rounding), on a text model, a MoE model a text-only pack of a VLM family (M-RoPE positions) and
+the preference loader's image pairs (one copy of the prompt's image kept); the layout itself holds
 every label once, none in a prefix; packs or pairs that cannot share stay as they are; `pair_sharing` refuses the
 models and layouts the shared layout does not hold for."""
 from __future__ import annotations
@@ -68,7 +69,7 @@ def test_pairs_that_cannot_share_stay_plain():
     assert shared["response_segments"].tolist() == [0, 1, -1, 2, 3]
     one_token_prompt = _pack([([5], [8], [9])])  # nothing before the first label: as it is
     assert share_pair_prompts(one_token_prompt) is one_token_prompt
-    vision = _pack(_random_pairs(2))
+    vision = _pack(_random_pairs(2))  # images without the loader's per-sequence rows: as it is
     vision["pixel_values"] = torch.zeros(4, 3)
     assert share_pair_prompts(vision) is vision
     empty = {"input_ids": torch.tensor([[0]]), "labels": torch.tensor([[IGNORE_INDEX]]),
@@ -129,6 +130,47 @@ def test_reward_model_rewards_and_gradients_equal_the_plain_pack(folder):
     for got, want in zip(results[1][0], results[0][0]):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     _assert_same_grads(results[1][1], results[0][1])
+
+
+@pytest.fixture(scope="module")
+def vl_pack(tmp_path_factory):
+    from megatron_vlm.data.config import DataConfig
+    from megatron_vlm.data.preference_loader import build_preference_dataloader
+    from megatron_vlm.data.processor import load_processor
+
+    tmp = tmp_path_factory.mktemp("pair_prompts_vl")
+    folder = synthesize_model_folder("tiny_qwen2_5_vl", tmp / "m", seed=0)
+    cfg = DataConfig(type="synthetic_vqa", synthetic_dir=str(tmp / "data"), synthetic_train_size=12,
+                     synthetic_eval_size=0, max_tokens_per_pack=512, num_workers=0, shuffle=False)
+    return folder, next(iter(build_preference_dataloader(cfg, load_processor(folder), seed=0, dp_rank=0, dp_size=1)))
+
+
+def test_pairs_with_images_keep_one_copy_and_score_as_the_plain_pack(vl_pack):
+    folder, plain = vl_pack
+    pairs = int(plain["num_pairs"])
+    shared = share_pair_prompts(plain)
+    assert pairs >= 3 and shared["prefix_segments"].tolist()[:3] == [-1, 0, 0]
+    for key in ("pixel_values", "image_grid_thw"):  # the prompt's image once per pair
+        assert shared[key].shape[0] * 2 == plain[key].shape[0], key
+    model = TokenLogprobModel(load_hf_model(folder, dtype=torch.float64, device="cpu")).train()
+    results = []
+    for pack in (plain, shared):
+        c, r, n_c, n_r = pair_sums(model(pack), pack)
+        sigmoid_loss(c, r, c.detach() + 0.3, r.detach() - 0.2, n_c, n_r, beta=0.1).mean().backward()
+        results.append(((c.detach(), r.detach(), n_c, n_r), _grads(model)))
+    for got, want in zip(results[1][0], results[0][0]):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    _assert_same_grads(results[1][1], results[0][1])
+    assert any(name.startswith("model.visual.") for name in results[1][1])  # the vision tower trained through it
+    other = dict(plain)  # pair 0's rejected sequence with another image: that pair stays plain, the others share
+    rows = int(plain["vision_rows"][1, 0])
+    start = int(plain["vision_rows"][0, 0])
+    other["pixel_values"] = plain["pixel_values"].clone()
+    other["pixel_values"][start:start + rows] += 1.0
+    mixed = share_pair_prompts(other)
+    assert mixed["prefix_segments"].tolist()[:4] == [-1, -1, -1, 2]
+    assert mixed["pixel_values"].shape[0] == plain["pixel_values"].shape[0] - rows * (pairs - 1)
+    assert share_pair_prompts({k: v for k, v in plain.items() if k != "vision_rows"})["input_ids"] is plain["input_ids"]
 
 
 def test_sharing_is_refused_where_the_layout_does_not_hold():

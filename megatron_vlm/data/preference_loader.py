@@ -8,7 +8,9 @@ are pair k's chosen and rejected response with the same prompt and images, so on
 scores both (attention confined to each sequence). Only the response turn is labelled: a
 multi-turn prompt's earlier assistant turns are context, not part of the preference. Besides the
 SFT pack keys a pack carries `pair_index` [pairs] (the pair's row in the split: the key of the
-precomputed reference log-probs) and `num_pairs`.
+precomputed reference log-probs) and `num_pairs`, and a pack with images `vision_rows` [sequences, vision keys]: how
+many rows of each `VISION_KEYS` tensor each sequence holds (the training step reads it to keep one copy of a
+pair's prompt images when it computes the prompt once: training/pair_prompts.py).
 
 Packs are planned over pair lengths (chosen + rejected tokens, from `estimate_length` on both
 halves, cached like the SFT lengths: `ResponseHalves`) by the SFT planner (plan.py), so the
@@ -30,6 +32,7 @@ import torch
 from torch.utils.data import Dataset
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, keep_planning_records, unexpected
+from megatron_vlm.data.batch import VISION_KEYS
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.data.data_files import data_path_errors
 from megatron_vlm.data.lengths import compute_lengths
@@ -145,6 +148,9 @@ class _PairPackDataset(Dataset):
         pack = collate_pack(samples) if samples else empty_pack(self.pad_token_id)
         pack["pair_index"] = torch.tensor(pairs, dtype=torch.long)
         pack["num_pairs"] = torch.tensor(len(pairs))
+        if samples and any(k in pack for k in VISION_KEYS):  # which rows of each vision tensor are each sequence's
+            pack["vision_rows"] = torch.tensor([[0 if getattr(s, k) is None else int(getattr(s, k).shape[0])
+                                                 for k in VISION_KEYS] for s in samples], dtype=torch.long)
         pack["_meta"] = {"global_index": g, "epoch": epoch, "index_in_epoch": j, "bad_records": bad,
                          "num_tokens": total}
         return pack

@@ -3,7 +3,8 @@
 Both take the same packs of whole pairs (data/preference_loader.py) and differ only in what one pack's forward
 gives and how it turns into per-pair losses and metric sums: a subclass supplies `pack_forward` (the forward(s)
 of one pack, in the order its collectives need) and `pack_terms` (per-pair losses and {metric: sum}) and names
-its summed metrics in `sums`. Everything else lives here once: fetching a step's packs (skipping steps whose
+its summed metrics in `sums`. Everything else lives here once: each pack's prompts shared by its pairs where the
+model allows (training/pair_prompts.py), fetching a step's packs (skipping steps whose
 packs on every rank hold no usable pair), the empty-pack zero loss (an empty pack still runs the same collective
 forward / backward), the MoE auxiliary loss, backward, clipping, the step guard, optimizer and scheduler, the
 metrics all-reduce and the output dict. The step loss is the mean over every pair of the step on every rank:
@@ -28,6 +29,7 @@ from megatron_vlm.training.bad_record_summary import save_bad_records, write_bad
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 from megatron_vlm.training.optim import OptimState
+from megatron_vlm.training.pair_prompts import pair_sharing, share_pair_prompts
 from megatron_vlm.training.running_totals import RunningTotals
 from megatron_vlm.training.sft import moe_report_state, restore_data_state
 from megatron_vlm.training.step_guard import StepGuard
@@ -42,6 +44,17 @@ class PackScorer:
 
     sums: tuple[str, ...] = ()
     bundle: ModelBundle
+    share_prompts: bool = False
+    """Whether each pack's pairs run their prompt once (`pair_prompts.pair_sharing`; set at construction)."""
+
+    def _decide_sharing(self, ctx: RunContext) -> None:
+        self.share_prompts, why = pair_sharing(self.bundle)
+        if ctx.env.rank == 0 and not isinstance(self, PairEvaluator):
+            log.info("pair packs: prompts shared %s (%s)", "on" if self.share_prompts else "off", why)
+
+    def prepared(self, pack: dict) -> dict:
+        """The loader's pack as the forwards take it: with each pair's prompt shared when `share_prompts`."""
+        return share_pair_prompts(pack) if self.share_prompts else pack
 
     def pack_forward(self, batch: dict, split: str) -> tuple[torch.Tensor, Any]:
         """(the policy / model output of one pack, anything `pack_terms` needs besides it)."""
@@ -65,6 +78,7 @@ class PairStep(PackScorer):
         self.empty_steps_skipped = 0
         self.totals = RunningTotals()
         """skipped_steps, data/empty_steps_skipped: counted on from the checkpoint's totals after a resume."""
+        self._decide_sharing(ctx)
 
     def load_data_state(self, state: dict, step: int) -> None:  # noqa: ARG002
         restore_data_state(self, state)
@@ -110,7 +124,7 @@ class PairStep(PackScorer):
         sums = dict.fromkeys(self.sums, 0.0)
         b.wrapper.train()
         for m in micro:
-            batch = self.ctx.to_device(m)
+            batch = self.ctx.to_device(self.prepared(m))
             out, extra = self.pack_forward(batch, "train")
             if int(batch["num_pairs"]) == 0:  # an empty pack: zero loss, but the same collective forward / backward
                 loss = out.sum() * 0.0
@@ -159,6 +173,7 @@ class PairEvaluator(PackScorer):
     def __init__(self, ctx: RunContext, bundle: ModelBundle, loader, *, max_batches: int = 0):
         self.ctx, self.bundle, self.loader = ctx, bundle, loader
         self.max_batches = max_batches
+        self._decide_sharing(ctx)
 
     @torch.no_grad()
     def __call__(self, step: int) -> Optional[dict]:  # noqa: ARG002
@@ -173,7 +188,7 @@ class PairEvaluator(PackScorer):
             for k, pack in enumerate(self.loader):
                 if self.max_batches and k >= self.max_batches:
                     break
-                batch = self.ctx.to_device(pack)
+                batch = self.ctx.to_device(self.prepared(pack))
                 scores, extra = self.pack_forward(batch, "eval")
                 if int(batch["num_pairs"]) == 0:
                     continue

@@ -72,6 +72,9 @@ class ScoreRoot(nn.Module):
     def forward(self, batch: dict) -> torch.Tensor:
         hidden = self.model(**model_inputs(batch), return_hidden=True)
         last = batch["cu_seqlens"][1:].to(hidden.device, torch.long) - 1
+        responses = batch.get("response_segments")
+        if responses is not None:  # a shared-prompt pack (training/pair_prompts.py): the segments that end a response
+            last = last[responses.to(hidden.device) >= 0]
         pooled = hidden.reshape(-1, hidden.shape[-1])[last].float()
         rewards = F.linear(pooled, self.score.weight.float())[:, 0]
         if torch.is_grad_enabled() and self.training:

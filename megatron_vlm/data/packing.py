@@ -12,7 +12,7 @@ when that token is a trained assistant token, else -100 — and the last positio
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -61,21 +61,26 @@ def first_fit_pack(lengths: Sequence[int], order: Sequence[int], capacity: int, 
     return packs
 
 
-def vision_shape_conflict(samples: Sequence[ProcessedSample], candidate: ProcessedSample) -> Optional[str]:
+def vision_shape_conflict(samples: Sequence[Any], candidate: Any) -> Optional[str]:
     """Why `candidate` cannot join `samples` in one pack, or None. Vision tensors are concatenated
     along dim 0, so their other dims must agree: always true for flattened patches (Qwen, Nemotron
     images) and fixed-size tiles (InternVL), but Nemotron-VL video frames keep their per-video
-    tile size [frames, 3, H, W]."""
+    tile size [frames, 3, H, W]. Each item holds vision inputs as attributes (a `ProcessedSample`, a
+    rollout prompt) or as a dict (a multi-turn response's vision)."""
     for key in VISION_KEYS:
-        mine = getattr(candidate, key)
+        mine = _vision_of(candidate, key)
         if mine is None:
             continue
         for s in samples:
-            other = getattr(s, key)
+            other = _vision_of(s, key)
             if other is not None and other.shape[1:] != mine.shape[1:]:
                 return f"{key} of shape [*, {', '.join(map(str, mine.shape[1:]))}] cannot be packed with " \
                        f"[*, {', '.join(map(str, other.shape[1:]))}]"
     return None
+
+
+def _vision_of(item: Any, key: str) -> Optional[torch.Tensor]:
+    return item.get(key) if isinstance(item, dict) else getattr(item, key, None)
 
 
 def _cat_vision(samples: Sequence[ProcessedSample]) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from megatron_vlm import _ext
 from megatron_vlm.data.batch import IGNORE_INDEX, VISION_KEYS, shifted_labels
 from megatron_vlm.data.processing import ProcessedSample
 
-__all__ = ["first_fit_pack", "collate_pack", "collate_padded", "empty_pack",
+__all__ = ["first_fit_pack", "first_fit_pack_classes", "collate_pack", "collate_padded", "empty_pack",
            "vision_shape_conflict"]
 
 
@@ -54,6 +54,43 @@ def first_fit_pack(lengths: Sequence[int], order: Sequence[int], capacity: int, 
         else:
             packs.append([i])
             room.append(capacity - n)
+            if room[-1] > 0:
+                open_ids.append(len(packs) - 1)
+                if len(open_ids) > max_open:
+                    open_ids.pop(0)
+    return packs
+
+
+def first_fit_pack_classes(lengths: Sequence[int], classes: Sequence[int], order: Sequence[int], capacity: int,
+                           max_open: int = 64) -> list[list[int]]:
+    """`first_fit_pack` where a sample of pack class c != 0 (`processing.pack_class`: a video whose tensor keeps its
+    own shape) only joins a pack whose samples are of class c or 0, and a class-0 sample joins any pack with room.
+    Why: such videos cannot be concatenated into one pack; planned apart, none has to be dropped when the pack is
+    built. With every class 0 the plan is `first_fit_pack`'s."""
+    if capacity <= 0:
+        raise ValueError(f"capacity must be > 0, got {capacity}")
+    packs: list[list[int]] = []
+    room: list[int] = []
+    kind: list[int] = []  # the pack's class: 0 until a sample of another class joins
+    open_ids: list[int] = []
+    for i in order:
+        n, c = int(lengths[i]), int(classes[i])
+        if n > capacity:
+            raise ValueError(f"sample {i} has {n} tokens, more than the pack capacity {capacity}")
+        if n <= 0:
+            raise ValueError(f"sample {i} has length {n}")
+        for p in open_ids:
+            if room[p] >= n and (c == 0 or kind[p] in (0, c)):
+                packs[p].append(i)
+                room[p] -= n
+                kind[p] = kind[p] or c
+                if room[p] == 0:
+                    open_ids.remove(p)
+                break
+        else:
+            packs.append([i])
+            room.append(capacity - n)
+            kind.append(c)
             if room[-1] > 0:
                 open_ids.append(len(packs) - 1)
                 if len(open_ids) > max_open:

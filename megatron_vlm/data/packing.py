@@ -21,7 +21,7 @@ from megatron_vlm.data.batch import IGNORE_INDEX, VISION_KEYS, shifted_labels
 from megatron_vlm.data.processing import ProcessedSample
 
 __all__ = ["first_fit_pack", "first_fit_pack_classes", "collate_pack", "collate_padded", "empty_pack",
-           "vision_shape_conflict"]
+           "vision_shape_conflict", "vision_shapes", "shapes_conflict"]
 
 
 
@@ -114,6 +114,18 @@ def vision_shape_conflict(samples: Sequence[Any], candidate: Any) -> Optional[st
                 return f"{key} of shape [*, {', '.join(map(str, mine.shape[1:]))}] cannot be packed with " \
                        f"[*, {', '.join(map(str, other.shape[1:]))}]"
     return None
+
+
+def vision_shapes(item: Any) -> dict[str, tuple[int, ...]]:
+    """The trailing dims (all but dim 0) of each vision tensor of `item` (as `vision_shape_conflict` reads it): two
+    items can share a pack when they agree on every key both have, so a group of items that can is described by
+    the first shape seen per key (a cheap test for long groups: `shapes_conflict`)."""
+    return {k: tuple(v.shape[1:]) for k in VISION_KEYS if (v := _vision_of(item, k)) is not None}
+
+
+def shapes_conflict(shapes: dict[str, tuple[int, ...]], item: Any) -> bool:
+    """Whether `item` cannot join a group whose `vision_shapes` (merged) are `shapes`."""
+    return any(shapes.get(k, s) != s for k, s in vision_shapes(item).items())
 
 
 def _vision_of(item: Any, key: str) -> Optional[torch.Tensor]:

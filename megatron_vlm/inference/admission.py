@@ -5,7 +5,7 @@ prompt p are p*n ... p*n+n-1); free slots take the next ones. Their prompts, lef
 prefilled in one forward (`prefill`: the engine's `_prefill`), and each prompt's cache row is copied into the slots
 of its samples: a GRPO group shares one prefill (`share_prefix=False`, the benchmark baseline, prefills every sample).
 A prompt whose vision tensors cannot be concatenated with those of the round's other prefills (a Nemotron-VL video of
-another tile size: `data.packing.vision_shape_conflict`) ends the round's admissions: it waits, with the samples
+another tile size: `data.packing.shapes_conflict`) ends the round's admissions: it waits, with the samples
 behind it, for the next round (after the next token), whose prefill it starts. A round stays one prefill forward.
 
 On the paged pool (`PagedSlotCache`, `rl.rollout.kv_block_size`) blocks are taken on demand, as vLLM does: an
@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from megatron_vlm.data.packing import vision_shape_conflict
+from megatron_vlm.data.packing import shapes_conflict, vision_shapes
 from megatron_vlm.inference.engine import RolloutPrompt
 from megatron_vlm.inference.slot_run import SlotRun, resume_prompt
 from megatron_vlm.models.common.slot_cache import PagedSlotCache
@@ -65,7 +65,7 @@ class Admission:
         need no prefill forward (their group's prompt is prefilled already), stopping at the first that would."""
         run, cache, queue = self.run, self.cache, self.queue
         take: list[tuple[int, int]] = []
-        prefills: list[RolloutPrompt] = []  # the prompts of this round's one prefill forward
+        shapes: dict = {}  # the vision tensor shapes of this round's one prefill forward (`vision_shapes`)
         keys: set[int] = set()
         while queue and run.free:
             sample = queue[0]
@@ -74,7 +74,7 @@ class Admission:
             if cached_only and needs:
                 break
             prompt = self.prompts[sample // self.n]
-            if needs and vision_shape_conflict(prefills, prompt):
+            if needs and shapes_conflict(shapes, prompt):
                 break  # its vision tensors cannot join this prefill's: it waits for the next round (module doc)
             if self.paged:  # on demand: its prompt (+ what it generated before a preemption)
                 tokens, headroom = self.blocks_wanted(queue[0], busy=bool(run.slot_sample or take))
@@ -85,7 +85,7 @@ class Admission:
                     break
                 cache.reserve(run.free[0], tokens)
             if needs:
-                prefills.append(prompt)
+                shapes = {**vision_shapes(prompt), **shapes}
                 keys.add(self.key_of(sample))
             take.append((queue.popleft(), run.free.popleft()))
         if not take:

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from megatron_vlm.data.batch import IGNORE_INDEX, VISION_KEYS, shifted_labels
-from megatron_vlm.data.packing import vision_shape_conflict
+from megatron_vlm.data.packing import shapes_conflict, vision_shapes
 from megatron_vlm.inference.engine import RolloutPrompt
 
 __all__ = ["TrainSample", "plan_micro_batches", "plan_shared_micro_batches", "pack_samples", "split_by_response",
@@ -121,10 +121,12 @@ def _vision_items(s: TrainSample) -> list:
 
 def vision_conflict(group: Sequence[TrainSample], s: TrainSample) -> bool:
     """Whether `s` cannot join `group` in one pack: its vision tensors would not concatenate with the group's (a
-    Nemotron-VL video keeps its tile size [frames, 3, H, W]: `data.packing.vision_shape_conflict`). Such a pair of
+    Nemotron-VL video keeps its tile size [frames, 3, H, W]: `data.packing.shapes_conflict`). Such a pair of
     samples goes into two packs; packing them together failed the forward (and the step) with a RuntimeError."""
-    have = [item for g in group for item in _vision_items(g)]
-    return any(vision_shape_conflict(have, item) for item in _vision_items(s))
+    shapes: dict = {}
+    for item in (it for g in group for it in _vision_items(g)):
+        shapes = {**vision_shapes(item), **shapes}
+    return any(shapes_conflict(shapes, item) for item in _vision_items(s))
 
 
 def _shareable(prompt: RolloutPrompt, vision_token_ids: frozenset) -> bool:

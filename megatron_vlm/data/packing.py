@@ -177,7 +177,9 @@ def collate_padded(samples: Sequence[ProcessedSample], pad_token_id: int, *, pad
                    image_token_id: Optional[int] = None, video_token_id: Optional[int] = None) -> dict:
     """Unpacked batch for evaluation / generation: input_ids, attention_mask, labels (shifted, -100 on
     padding) [B, T_max], vision tensors concatenated in sample order; mm_token_type_ids (0 text,
-    1 image, 2 video) when the placeholder ids are given."""
+    1 image, 2 video) when the placeholder ids are given. Samples whose vision tensors cannot be
+    concatenated (Nemotron-VL videos of two tile sizes: `vision_shape_conflict`) give each row's own
+    instead, as `row_vision` (one dict per row), for a consumer that runs them apart (the rollout engine)."""
     if padding_side not in ("right", "left"):
         raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
     if not samples:
@@ -193,7 +195,11 @@ def collate_padded(samples: Sequence[ProcessedSample], pad_token_id: int, *, pad
         ids[r, sl] = s.input_ids
         labels[r, sl] = shifted_labels(s.input_ids, s.label_mask)
         attn[r, sl] = 1
-    out = {"input_ids": ids, "attention_mask": attn, "labels": labels, **_cat_vision(samples)}
+    out = {"input_ids": ids, "attention_mask": attn, "labels": labels}
+    if any(vision_shape_conflict(samples[:i], s) for i, s in enumerate(samples)):
+        out["row_vision"] = [{k: v for k in VISION_KEYS if (v := getattr(s, k)) is not None} for s in samples]
+    else:
+        out.update(_cat_vision(samples))
     if image_token_id is not None and video_token_id is not None:
         mm = torch.zeros_like(ids)
         mm[(ids == image_token_id) & (attn == 1)] = 1

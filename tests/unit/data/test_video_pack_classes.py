@@ -38,9 +38,13 @@ def test_first_fit_with_classes():
 
 
 @pytest.fixture(scope="module")
-def proc(tmp_path_factory):
-    folder = build_tiny_nemotron_vl_folder(tmp_path_factory.mktemp("nem") / "tiny-nemotron-vl", seed=0)
-    return load_processor(add_tiny_video_processing(folder))
+def folder(tmp_path_factory):
+    return add_tiny_video_processing(build_tiny_nemotron_vl_folder(tmp_path_factory.mktemp("nem") / "nem", seed=0))
+
+
+@pytest.fixture(scope="module")
+def proc(folder):
+    return load_processor(folder)
 
 
 def _clip(folder, i: int, wide: bool) -> list[str]:
@@ -99,3 +103,35 @@ def test_preference_pairs_with_videos_of_two_tile_sizes_are_all_packed(proc, tmp
     assert loader.bad_records.entries == []  # was: the pairs whose video could not join their pack
     assert sorted(i for p in packs for i in p["pair_index"].tolist()) == list(range(9))
     assert len({tuple(p["pixel_values_videos"].shape[1:]) for p in packs}) == 2
+
+
+def test_held_out_answers_of_a_batch_of_two_tile_sizes(folder, proc, tmp_path):
+    """The generation batches of held-out answer accuracy and benchmarks (`mode = "generation"`) concatenated their
+    rows' vision tensors: a batch with videos of two tile sizes failed in its loader worker, and the evaluation with
+    it. Such a batch now carries each row's own (`row_vision`), and the engine prefills each tile size apart: every
+    row gets the answer it gets alone."""
+
+    from megatron_vlm.checkpoint.hf import load_hf_model
+    from megatron_vlm.data.loader import build_eval_dataloader
+    from megatron_vlm.eval.answer_accuracy import batch_prompts
+    from megatron_vlm.inference.engine import SamplingParams
+    from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
+
+    lines = [json.dumps({"messages": [_video_turn(tmp_path, i), {"role": "assistant", "content": f"answer {i}"}]})
+             for i in range(3)]  # clip 0 is 8:3, clips 1 and 2 are 4:3
+    (tmp_path / "e.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = DataConfig(type="messages_jsonl", train_path=str(tmp_path / "e.jsonl"), eval_path=str(tmp_path / "e.jsonl"),
+                     max_tokens_per_pack=600, num_workers=0, max_frames=2)
+    loader = build_eval_dataloader(cfg, proc, dp_rank=0, dp_size=1, mode="generation", batch_size=3,
+                                   padding_side="left")
+    (batch,) = list(loader)  # was: RuntimeError from torch.cat in the batch's collate
+    assert "row_vision" in batch and "pixel_values_videos" not in batch
+    model = load_hf_model(str(folder)).eval()
+    engine = PolicyRolloutEngine(model, proc.tokenizer, EngineOptions(pad_token_id=proc.pad_token_id,
+                                                                      max_prompts_per_batch=0, eos_token_ids=[-1]))
+    params = SamplingParams(max_new_tokens=3, temperature=0.0)
+    prompts = batch_prompts(batch)
+    together = engine.generate(prompts, params)
+    assert together.stats["prefill_calls"] == 2  # the 8:3 clip, then the two 4:3 ones
+    for p, s in zip(prompts, together.samples):
+        assert engine.generate([p], params).samples[0].token_ids.tolist() == s.token_ids.tolist()

@@ -287,3 +287,24 @@ def test_a_partial_pass_of_another_model_is_not_continued(tmp_path):
     PrecomputedReference.load_or_compute(tmp_path, scorer, {"train": _Loader(packs)}, device=torch.device("cpu"),
                                          copies=1, is_main=True, model_path="other")
     assert scorer.calls == 2  # another model: scored from the start
+
+
+def test_run_dpo_exits_143_when_the_reference_pass_is_stopped(monkeypatch):
+    """The job wiring: a stopped pass ends `run_dpo` at once with the stop exit code (no step, no checkpoint)."""
+    from types import SimpleNamespace
+
+    import megatron_vlm.jobs as jobs
+    from megatron_vlm.training.dpo.reference import ReferencePassStopped
+    from megatron_vlm.training.loop import EXIT_STOPPED
+
+    def stopped(*a, **k):
+        raise ReferencePassStopped("dpo: stop requested during the reference pass")
+
+    monkeypatch.setattr(jobs, "dpo_section", lambda cfg: SimpleNamespace())
+    monkeypatch.setattr(jobs, "prepare_sft_data", lambda ctx: None)
+    monkeypatch.setattr(jobs, "build_model_bundle", lambda ctx: SimpleNamespace(model=None, layer_kinds=()))
+    monkeypatch.setattr(jobs, "check_moe_section", lambda *a: None)
+    monkeypatch.setattr(jobs, "build_pair_loaders", lambda *a: (None, None))
+    monkeypatch.setattr(jobs, "build_reference", stopped)
+    monkeypatch.setattr(jobs, "total_steps", lambda *a: (_ for _ in ()).throw(AssertionError("no step after a stop")))
+    assert jobs.run_dpo(SimpleNamespace(cfg=SimpleNamespace())) == EXIT_STOPPED == 143

@@ -55,9 +55,10 @@ from megatron_vlm.rl.trainer import GRPOLoopStep, build_grpo_parts, check_grpo_c
 from megatron_vlm.training.checkpointing import Checkpointer, ResumePoint
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.dpo.build import build_pair_loaders, build_reference, dpo_section
+from megatron_vlm.training.dpo.reference import ReferencePassStopped
 from megatron_vlm.training.dpo.step import DPOEvaluator, DPOStep
 from megatron_vlm.training.loggers import MetricsLogger, build_metrics_logger
-from megatron_vlm.training.loop import run_loop
+from megatron_vlm.training.loop import EXIT_STOPPED, run_loop
 from megatron_vlm.training.lora import LoRASetupError
 from megatron_vlm.training.model_bundle import ModelBundle, build_model_bundle
 from megatron_vlm.training.optim import OptimState, build_optim_state, total_steps
@@ -109,7 +110,11 @@ def run_dpo(ctx: RunContext, *, before_step=None) -> int:
     bundle = build_model_bundle(ctx)
     check_moe_section(cfg, bundle.model, bundle.layer_kinds)
     loader, eval_loader = build_pair_loaders(ctx, bundle, bad_records)
-    reference = build_reference(ctx, bundle, dpo, loader, eval_loader)  # before resume: the initial weights
+    try:
+        reference = build_reference(ctx, bundle, dpo, loader, eval_loader)  # before resume: the initial weights
+    except ReferencePassStopped as e:  # SIGTERM / SIGUSR1 in the precomputed pass: what it scored is saved
+        log.warning("%s; exiting %d", e, EXIT_STOPPED)
+        return EXIT_STOPPED
     num_steps = total_steps(cfg.train, steps_per_epoch(loader, bundle.dims.dp_size, cfg.train.micro_batches_per_step))
     optim, checkpointer, resume, metrics = _training_state(ctx, bundle, num_steps)
     evaluate = DPOEvaluator(ctx, bundle, dpo, reference, eval_loader, max_batches=cfg.train.eval_max_batches)

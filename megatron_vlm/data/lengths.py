@@ -3,7 +3,9 @@
 Every rank plans the same global sequence of packs, so every rank needs every sample's length —
 but not its pixels: `estimate_length` renders the chat template, tokenises the text and adds the
 image / video token counts from file headers and the processor's resize rule. Records that fail
-here (malformed structure, missing image, unreadable header, ...) get length -1 and are logged.
+here (malformed structure, missing image, unreadable header, ...) get length -1 and are logged. The same
+headers give each record's pack class (`processing.pack_class`: 0 for most records; a Nemotron-VL video's tile
+size otherwise), which the planner uses to keep videos whose tensors would not concatenate in separate packs.
 
 With a cache folder the result is stored under a key made of the source's identity (each file's
 path, size and mtime, the column mapping and the image root), the processor (tokenizer, chat template,
@@ -49,11 +51,11 @@ import numpy as np
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpected
 from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
-from megatron_vlm.data.processing import estimate_length
+from megatron_vlm.data.processing import estimate_length_and_class
 from megatron_vlm.data.processor import VLProcessor
 from megatron_vlm.stop_signals import leave_stop_signals_to_the_rank
 
-__all__ = ["compute_lengths", "compute_length_slice", "lengths_cache_key", "LengthEstimateError"]
+__all__ = ["compute_lengths", "compute_lengths_and_classes", "compute_length_slice", "lengths_cache_key", "LengthEstimateError"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -81,7 +83,7 @@ def lengths_cache_key(source, proc: VLProcessor, *, max_frames: int, for_generat
                       limits: MediaLimits = DEFAULT_LIMITS) -> str:
     blob = json.dumps({"source": _source_identity(source), "processor": _processor_identity(proc),
                        "max_frames": max_frames, "for_generation": for_generation, "fps": float(fps),
-                       "limits": limits.identity(), "version": 7},
+                       "limits": limits.identity(), "version": 8},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
@@ -92,19 +94,21 @@ def compute_length_slice(source, proc: VLProcessor, indices, *, max_frames: int,
     detail) in `indices` order): one rank's or one worker's share of `compute_lengths`."""
     out, bad = _estimate(source, proc, list(indices), max_frames=max_frames, for_generation=for_generation, fps=fps,
                          limits=limits)
-    return out, [b for _, b in bad]
+    return out[:, 0].copy(), [b for _, b in bad]
 
 
 def _estimate(source, proc: VLProcessor, indices: list, **options) -> tuple[np.ndarray, list]:
-    """`compute_length_slice` with each bad record as (position in `indices`, record)."""
-    out = np.full(len(indices), -1, dtype=np.int64)
+    """([len(indices), 2] int64: each record's length (-1: bad) and pack class (`processing.pack_class`), each bad
+    record as (position in `indices`, record))."""
+    out = np.zeros((len(indices), 2), dtype=np.int64)
+    out[:, 0] = -1
     bad = []
     for k, i in enumerate(indices):
         where: tuple = ("(record not located)", int(i))  # until locate answers
         try:
             where = source.locate(i)  # (file, line / row): where a bad record is counted
             rec = source.get(i)
-            out[k] = estimate_length(rec, proc, **options)
+            out[k] = estimate_length_and_class(rec, proc, **options)
         except BadRecordError as e:
             bad.append((k, (*where, e.category, e.detail)))
         except Exception as e:  # a bug or an unexpected file problem must not stop planning the run
@@ -182,11 +186,13 @@ def _failure_text(failure: Optional[BaseException], rank: int) -> Optional[str]:
 
 
 def _read_cache(cache_file: Optional[Path], n: int) -> Optional[np.ndarray]:
+    """The cached [n, 2] table (lengths, pack classes), or None."""
     if cache_file is None or not cache_file.is_file():
         return None
     try:
-        lengths = np.asarray(json.loads(cache_file.read_text())["lengths"], dtype=np.int64)
-        return lengths if lengths.shape == (n,) else None
+        saved = json.loads(cache_file.read_text())
+        table = np.stack([np.asarray(saved["lengths"], dtype=np.int64), np.asarray(saved["classes"], dtype=np.int64)], 1)
+        return table if table.shape == (n, 2) else None
     except (json.JSONDecodeError, KeyError, OSError, TypeError, ValueError):
         log.warning("ignoring unreadable length cache %s", cache_file)
         return None
@@ -204,7 +210,20 @@ def compute_lengths(source, proc: VLProcessor, *, max_frames: int, for_generatio
                     cache_dir: str | os.PathLike | None = None,
                     bad_records: Optional[BadRecordLog] = None, limits: MediaLimits = DEFAULT_LIMITS,
                     num_workers: int = 0, split_over_ranks: bool = False) -> np.ndarray:
-    """int64 [len(source)]: token length of each record, -1 for records that cannot be used.
+    """int64 [len(source)]: token length of each record, -1 for records that cannot be used
+    (`compute_lengths_and_classes` without the classes)."""
+    return compute_lengths_and_classes(source, proc, max_frames=max_frames, for_generation=for_generation, fps=fps,
+                                       cache_dir=cache_dir, bad_records=bad_records, limits=limits,
+                                       num_workers=num_workers, split_over_ranks=split_over_ranks)[0]
+
+
+def compute_lengths_and_classes(source, proc: VLProcessor, *, max_frames: int, for_generation: bool = False,
+                                fps: float = 2.0, cache_dir: str | os.PathLike | None = None,
+                                bad_records: Optional[BadRecordLog] = None, limits: MediaLimits = DEFAULT_LIMITS,
+                                num_workers: int = 0, split_over_ranks: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(int64 [len(source)]: token length of each record, -1 for records that cannot be used; int64
+    [len(source)]: each record's pack class, `processing.pack_class`: 0 joins any pack, records of two other
+    classes cannot share one).
 
     `num_workers` > 0: the records are estimated by that many forked worker processes (`data.num_workers`).
     `split_over_ranks`: every rank of the default process group calls this together (a collective): each
@@ -226,14 +245,15 @@ def compute_lengths(source, proc: VLProcessor, *, max_frames: int, for_generatio
         dist.broadcast_object_list(box, src=0)
         cached = box[0]
     if cached is not None:
-        lengths, todo = cached.copy(), np.nonzero(cached < 0)[0].tolist()  # the bad ones only (module docstring)
+        table, todo = cached.copy(), np.nonzero(cached[:, 0] < 0)[0].tolist()  # the bad ones only (module docstring)
     else:
-        lengths, todo = np.full(len(source), -1, dtype=np.int64), list(range(len(source)))
+        table, todo = np.zeros((len(source), 2), dtype=np.int64), list(range(len(source)))
+        table[:, 0] = -1
     options = {"max_frames": max_frames, "for_generation": for_generation, "fps": fps, "limits": limits}
     mine = todo[rank::world]
     if world == 1:
         got, bad = _pooled_slice(source, proc, mine, num_workers, options)
-        lengths[np.asarray(mine, dtype=np.int64)] = got
+        table[np.asarray(mine, dtype=np.int64)] = got
     else:
         import torch.distributed as dist
 
@@ -241,7 +261,7 @@ def compute_lengths(source, proc: VLProcessor, *, max_frames: int, for_generatio
         try:
             got, bad = _pooled_slice(source, proc, mine, num_workers, options)
         except BaseException as e:  # noqa: BLE001 - told to every rank in the gather below, then raised
-            failure, got, bad = e, np.zeros(0, dtype=np.int64), []
+            failure, got, bad = e, np.zeros((0, 2), dtype=np.int64), []
         parts: list = [None] * world
         dist.all_gather_object(parts, (got, bad, _failure_text(failure, rank)))
         errors = [p[2] for p in parts if p[2] is not None]
@@ -249,14 +269,14 @@ def compute_lengths(source, proc: VLProcessor, *, max_frames: int, for_generatio
             raise LengthEstimateError(errors[0]) from failure
         # rank r estimated todo[r::world]: put every share back in place, the bad records in `todo` order
         for r, (got_r, _, _) in enumerate(parts):
-            lengths[np.asarray(todo[r::world], dtype=np.int64)] = got_r
+            table[np.asarray(todo[r::world], dtype=np.int64)] = got_r
         bad = sorted(((r + k * world, b) for r, (_, bad_r, _) in enumerate(parts) for k, b in bad_r))
     bad = [b for _, b in bad]
     if bad_records is not None:
         bad_records.extend(bad)
-    if cache_file is not None and rank == 0 and (cached is None or not np.array_equal(cached, lengths)):
+    if cache_file is not None and rank == 0 and (cached is None or not np.array_equal(cached, table)):
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"lengths": lengths.tolist(), "bad": bad}))
+        tmp.write_text(json.dumps({"lengths": table[:, 0].tolist(), "classes": table[:, 1].tolist(), "bad": bad}))
         os.replace(tmp, cache_file)
-    return lengths
+    return table[:, 0].copy(), table[:, 1].copy()

@@ -13,10 +13,11 @@ takes packs r, r + dp, ...); the worker processes of a torch DataLoader (batch_s
 load and process the samples of this rank's packs (`[data] loader_timeout_s` is their DataLoader
 `timeout`: a stuck worker stops the run with an error naming that key instead of hanging it;
 `max_image_pixels`, `max_video_pixels` and `video_decode_timeout_s` are applied by the media
-reader, see media.py). Records that fail in a worker (or whose video
-frames have a size the pack's other videos do not: Nemotron-VL keeps per-video frame sizes) are
-dropped from their pack and reported back with it; a pack whose samples all failed becomes a one-token empty
-pack so that every rank still runs the same number of steps.
+reader, see media.py). Videos whose frames keep their own tile size (Nemotron-VL) are planned into packs of
+their tile size only (the length pass's pack classes, plan.py), so no sample is lost to a pack it cannot join.
+Records that fail in a worker (or, should processing disagree with the planning estimate, whose video frames
+have a size the pack's other videos do not) are dropped from their pack and reported back with it; a pack whose
+samples all failed becomes a one-token empty pack so that every rank still runs the same number of steps.
 
 `build_eval_dataloader` iterates once over the eval split, sharded by rank with the same number of
 items on every rank: packs (for validation loss) or padded prompt batches with reference answers
@@ -37,7 +38,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, keep_planning_records, unexpected
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.data.data_files import changed_data_file, content_signatures, source_files
-from megatron_vlm.data.lengths import compute_lengths
+from megatron_vlm.data.lengths import compute_lengths_and_classes
 from megatron_vlm.data.media import MediaLimits
 from megatron_vlm.data.packing import collate_pack, collate_padded, empty_pack, vision_shape_conflict
 from megatron_vlm.data.plan import PackPlanner
@@ -260,7 +261,7 @@ class SFTDataLoader:
 
 def _prepare(data_cfg: DataConfig, processor: Any, split: str, bad_records: Optional[BadRecordLog],
              for_generation: bool, source=None, split_over_ranks: bool = False):
-    """(processor, the run's bad-record log, source, lengths, the bad records found while planning).
+    """(processor, the run's bad-record log, source, lengths, the bad records found while planning, pack classes).
     `split_over_ranks`: every rank calls this together and estimates 1 / world of the lengths (compute_lengths)."""
     data_cfg.validate()
     proc = build_processor(data_cfg, processor)
@@ -270,16 +271,16 @@ def _prepare(data_cfg: DataConfig, processor: Any, split: str, bad_records: Opti
         source = open_split(data_cfg, split, found)
     if source is None:
         return None
-    lengths = compute_lengths(source, proc, max_frames=data_cfg.max_frames, for_generation=for_generation,
-                              limits=MediaLimits.from_config(data_cfg),
-                              fps=data_cfg.fps, cache_dir=data_cfg.length_cache_dir or None, bad_records=found,
-                              num_workers=data_cfg.num_workers, split_over_ranks=split_over_ranks)
+    lengths, classes = compute_lengths_and_classes(
+        source, proc, max_frames=data_cfg.max_frames, for_generation=for_generation,
+        limits=MediaLimits.from_config(data_cfg), fps=data_cfg.fps, cache_dir=data_cfg.length_cache_dir or None,
+        bad_records=found, num_workers=data_cfg.num_workers, split_over_ranks=split_over_ranks)
     too_long = np.nonzero(lengths > data_cfg.max_tokens_per_pack)[0]
     for i in too_long:
         file, idx = source.locate(int(i))
         found.add(file, idx, "too_long", f"{int(lengths[i])} tokens > max_tokens_per_pack={data_cfg.max_tokens_per_pack}")
     keep_planning_records(found, bad_records)
-    return proc, bad_records, source, lengths, found
+    return proc, bad_records, source, lengths, found, classes
 
 
 def require_usable(lengths: np.ndarray, capacity: int, name: str, bad_records: BadRecordLog) -> None:
@@ -306,10 +307,10 @@ def build_sft_dataloader(data_cfg: DataConfig, processor: Any, *, seed: int, dp_
     prepared = _prepare(data_cfg, processor, split, bad_records, for_generation=False, split_over_ranks=split_over_ranks)
     if prepared is None:
         raise ValueError(f"data: no {split} split configured")
-    proc, bad_records, source, lengths, found = prepared
+    proc, bad_records, source, lengths, found, classes = prepared
     require_usable(lengths, data_cfg.max_tokens_per_pack, f"data.{split}", found)
     planner = PackPlanner(lengths, data_cfg.max_tokens_per_pack, seed=seed,
-                          shuffle=data_cfg.shuffle and split == "train", name=f"data.{split}")
+                          shuffle=data_cfg.shuffle and split == "train", name=f"data.{split}", classes=classes)
     dataset = _PackDataset(_Processor(source, proc, data_cfg), data_cfg.max_tokens_per_pack, proc.pad_token_id)
     return SFTDataLoader(dataset, planner, dp_rank=dp_rank, dp_size=dp_size, num_workers=data_cfg.num_workers,
                          prefetch_factor=data_cfg.prefetch_factor, bad_records=bad_records, split=split,
@@ -401,10 +402,11 @@ def build_eval_dataloader(data_cfg: DataConfig, processor: Any, *, dp_rank: int,
     prepared = _prepare(data_cfg, processor, "eval", bad_records, for_generation=(mode == "generation"), source=source)
     if prepared is None:
         return None
-    proc, bad_records, source, lengths, found = prepared
+    proc, bad_records, source, lengths, found, classes = prepared
     require_usable(lengths, data_cfg.max_tokens_per_pack, "data.eval", found)
     if mode == "packs":
-        planner = PackPlanner(lengths, data_cfg.max_tokens_per_pack, seed=0, shuffle=False, name="data.eval")
+        planner = PackPlanner(lengths, data_cfg.max_tokens_per_pack, seed=0, shuffle=False, name="data.eval",
+                              classes=classes)
         plan = planner.plan(0)
         per_rank = math.ceil(len(plan) / dp_size)
         keys = []

@@ -12,7 +12,7 @@ when that token is a trained assistant token, else -100 — and the last positio
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -20,8 +20,8 @@ from megatron_vlm import _ext
 from megatron_vlm.data.batch import IGNORE_INDEX, VISION_KEYS, shifted_labels
 from megatron_vlm.data.processing import ProcessedSample
 
-__all__ = ["first_fit_pack", "collate_pack", "collate_padded", "empty_pack",
-           "vision_shape_conflict"]
+__all__ = ["first_fit_pack", "first_fit_pack_classes", "collate_pack", "collate_padded", "empty_pack",
+           "vision_shape_conflict", "vision_shapes", "shapes_conflict"]
 
 
 
@@ -61,21 +61,75 @@ def first_fit_pack(lengths: Sequence[int], order: Sequence[int], capacity: int, 
     return packs
 
 
-def vision_shape_conflict(samples: Sequence[ProcessedSample], candidate: ProcessedSample) -> Optional[str]:
+def first_fit_pack_classes(lengths: Sequence[int], classes: Sequence[int], order: Sequence[int], capacity: int,
+                           max_open: int = 64) -> list[list[int]]:
+    """`first_fit_pack` where a sample of pack class c != 0 (`processing.pack_class`: a video whose tensor keeps its
+    own shape) only joins a pack whose samples are of class c or 0, and a class-0 sample joins any pack with room.
+    Why: such videos cannot be concatenated into one pack; planned apart, none has to be dropped when the pack is
+    built. With every class 0 the plan is `first_fit_pack`'s."""
+    if capacity <= 0:
+        raise ValueError(f"capacity must be > 0, got {capacity}")
+    packs: list[list[int]] = []
+    room: list[int] = []
+    kind: list[int] = []  # the pack's class: 0 until a sample of another class joins
+    open_ids: list[int] = []
+    for i in order:
+        n, c = int(lengths[i]), int(classes[i])
+        if n > capacity:
+            raise ValueError(f"sample {i} has {n} tokens, more than the pack capacity {capacity}")
+        if n <= 0:
+            raise ValueError(f"sample {i} has length {n}")
+        for p in open_ids:
+            if room[p] >= n and (c == 0 or kind[p] in (0, c)):
+                packs[p].append(i)
+                room[p] -= n
+                kind[p] = kind[p] or c
+                if room[p] == 0:
+                    open_ids.remove(p)
+                break
+        else:
+            packs.append([i])
+            room.append(capacity - n)
+            kind.append(c)
+            if room[-1] > 0:
+                open_ids.append(len(packs) - 1)
+                if len(open_ids) > max_open:
+                    open_ids.pop(0)
+    return packs
+
+
+def vision_shape_conflict(samples: Sequence[Any], candidate: Any) -> Optional[str]:
     """Why `candidate` cannot join `samples` in one pack, or None. Vision tensors are concatenated
     along dim 0, so their other dims must agree: always true for flattened patches (Qwen, Nemotron
     images) and fixed-size tiles (InternVL), but Nemotron-VL video frames keep their per-video
-    tile size [frames, 3, H, W]."""
+    tile size [frames, 3, H, W]. Each item holds vision inputs as attributes (a `ProcessedSample`, a
+    rollout prompt) or as a dict (a multi-turn response's vision)."""
     for key in VISION_KEYS:
-        mine = getattr(candidate, key)
+        mine = _vision_of(candidate, key)
         if mine is None:
             continue
         for s in samples:
-            other = getattr(s, key)
+            other = _vision_of(s, key)
             if other is not None and other.shape[1:] != mine.shape[1:]:
                 return f"{key} of shape [*, {', '.join(map(str, mine.shape[1:]))}] cannot be packed with " \
                        f"[*, {', '.join(map(str, other.shape[1:]))}]"
     return None
+
+
+def vision_shapes(item: Any) -> dict[str, tuple[int, ...]]:
+    """The trailing dims (all but dim 0) of each vision tensor of `item` (as `vision_shape_conflict` reads it): two
+    items can share a pack when they agree on every key both have, so a group of items that can is described by
+    the first shape seen per key (a cheap test for long groups: `shapes_conflict`)."""
+    return {k: tuple(v.shape[1:]) for k in VISION_KEYS if (v := _vision_of(item, k)) is not None}
+
+
+def shapes_conflict(shapes: dict[str, tuple[int, ...]], item: Any) -> bool:
+    """Whether `item` cannot join a group whose `vision_shapes` (merged) are `shapes`."""
+    return any(shapes.get(k, s) != s for k, s in vision_shapes(item).items())
+
+
+def _vision_of(item: Any, key: str) -> Optional[torch.Tensor]:
+    return item.get(key) if isinstance(item, dict) else getattr(item, key, None)
 
 
 def _cat_vision(samples: Sequence[ProcessedSample]) -> dict[str, torch.Tensor]:
@@ -123,7 +177,9 @@ def collate_padded(samples: Sequence[ProcessedSample], pad_token_id: int, *, pad
                    image_token_id: Optional[int] = None, video_token_id: Optional[int] = None) -> dict:
     """Unpacked batch for evaluation / generation: input_ids, attention_mask, labels (shifted, -100 on
     padding) [B, T_max], vision tensors concatenated in sample order; mm_token_type_ids (0 text,
-    1 image, 2 video) when the placeholder ids are given."""
+    1 image, 2 video) when the placeholder ids are given. Samples whose vision tensors cannot be
+    concatenated (Nemotron-VL videos of two tile sizes: `vision_shape_conflict`) give each row's own
+    instead, as `row_vision` (one dict per row), for a consumer that runs them apart (the rollout engine)."""
     if padding_side not in ("right", "left"):
         raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
     if not samples:
@@ -139,7 +195,11 @@ def collate_padded(samples: Sequence[ProcessedSample], pad_token_id: int, *, pad
         ids[r, sl] = s.input_ids
         labels[r, sl] = shifted_labels(s.input_ids, s.label_mask)
         attn[r, sl] = 1
-    out = {"input_ids": ids, "attention_mask": attn, "labels": labels, **_cat_vision(samples)}
+    out = {"input_ids": ids, "attention_mask": attn, "labels": labels}
+    if any(vision_shape_conflict(samples[:i], s) for i, s in enumerate(samples)):
+        out["row_vision"] = [{k: v for k in VISION_KEYS if (v := getattr(s, k)) is not None} for s in samples]
+    else:
+        out.update(_cat_vision(samples))
     if image_token_id is not None and video_token_id is not None:
         mm = torch.zeros_like(ids)
         mm[(ids == image_token_id) & (attn == 1)] = 1

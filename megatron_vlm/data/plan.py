@@ -5,24 +5,30 @@ shuffling) and first-fit packs them; the packs of epoch 0, then epoch 1, ... for
 stream with global index g. Data-parallel rank r takes g = r, r + dp, r + 2 dp, ... — so one
 process with k micro-batches per step sees exactly the packs that k processes with one micro-batch
 each see, also across epoch boundaries, and a position in the stream (packs consumed) is
-meaningful whatever the world size. Plans depend only on (lengths, capacity, seed, epoch).
+meaningful whatever the world size. Plans depend only on (lengths, pack classes, capacity, seed, epoch).
+
+Pack classes (`processing.pack_class`, from the length pass): records whose videos keep their own tensor shape
+(Nemotron-VL tiles) are packed only with records of the same class or of class 0 (`first_fit_pack_classes`), so
+every planned pack can be concatenated; with every class 0 (every other family) the plan is plain first fit.
 """
 from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
+from typing import Optional
 
 import numpy as np
 
-from megatron_vlm.data.packing import first_fit_pack
+from megatron_vlm.data.packing import first_fit_pack, first_fit_pack_classes
 
 __all__ = ["PackPlanner"]
 
 
 class PackPlanner:
     def __init__(self, lengths: np.ndarray, capacity: int, *, seed: int, shuffle: bool, max_open: int = 64,
-                 name: str = "data"):
+                 name: str = "data", classes: Optional[np.ndarray] = None):
         self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.classes = None if classes is None or not np.any(classes) else np.asarray(classes, dtype=np.int64)
         self.capacity = int(capacity)
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
@@ -45,7 +51,11 @@ class PackPlanner:
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
         if epoch not in self._plans:
-            self._plans[epoch] = first_fit_pack(self.lengths, self.order(epoch), self.capacity, self.max_open)
+            if self.classes is None:
+                self._plans[epoch] = first_fit_pack(self.lengths, self.order(epoch), self.capacity, self.max_open)
+            else:
+                self._plans[epoch] = first_fit_pack_classes(self.lengths, self.classes, self.order(epoch), self.capacity,
+                                                            self.max_open)
             while len(self._plans) > 3:
                 self._plans.popitem(last=False)
         self._plans.move_to_end(epoch)

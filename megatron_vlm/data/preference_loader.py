@@ -13,7 +13,8 @@ many rows of each `VISION_KEYS` tensor each sequence holds (the training step re
 pair's prompt images when it computes the prompt once: training/pair_prompts.py).
 
 Packs are planned over pair lengths (chosen + rejected tokens, from `estimate_length` on both
-halves, cached like the SFT lengths: `ResponseHalves`) by the SFT planner (plan.py), so the
+halves, cached like the SFT lengths: `ResponseHalves`, with their pack classes: a Nemotron-VL video's pairs
+go to packs of its tile size) by the SFT planner (plan.py), so the
 stream of packs, its sharding over data-parallel ranks and its resume position behave as SFT's. A
 pair either half of which is bad (a missing image, an empty response, a too-long pair) is skipped
 and counted once in the bad-record log.
@@ -35,7 +36,7 @@ from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, keep_pla
 from megatron_vlm.data.batch import VISION_KEYS
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.data.data_files import data_path_errors
-from megatron_vlm.data.lengths import compute_lengths
+from megatron_vlm.data.lengths import compute_lengths_and_classes
 from megatron_vlm.data.loader import EvalDataLoader, SFTDataLoader, build_processor, data_files_of, require_usable
 from megatron_vlm.data.media import MediaLimits
 from megatron_vlm.data.packing import collate_pack, empty_pack, vision_shape_conflict
@@ -167,12 +168,16 @@ def _prepare(data_cfg: DataConfig, processor: Any, split: str, bad_records: Opti
         return None
     halves = ResponseHalves(pairs)
     found = BadRecordLog()  # a bad prompt fails both halves: counted once per pair
-    lengths = compute_lengths(halves, proc, max_frames=data_cfg.max_frames, limits=MediaLimits.from_config(data_cfg),
-                              fps=data_cfg.fps, cache_dir=data_cfg.length_cache_dir or None, bad_records=found,
-                              num_workers=data_cfg.num_workers, split_over_ranks=split_over_ranks)
+    lengths, half_classes = compute_lengths_and_classes(
+        halves, proc, max_frames=data_cfg.max_frames, limits=MediaLimits.from_config(data_cfg), fps=data_cfg.fps,
+        cache_dir=data_cfg.length_cache_dir or None, bad_records=found, num_workers=data_cfg.num_workers,
+        split_over_ranks=split_over_ranks)
     planned.extend(found.entries)
     halves_len = lengths.reshape(-1, 2)
     pair_lengths = np.where((halves_len > 0).all(axis=1), halves_len.sum(axis=1), -1).astype(np.int64)
+    # both halves hold the prompt's videos (the responses are text): the pair's class is theirs
+    hc = half_classes.reshape(-1, 2)
+    pair_classes = np.where(hc[:, 0] != 0, hc[:, 0], hc[:, 1])
     cap = data_cfg.max_tokens_per_pack
     for i in np.nonzero(pair_lengths > cap)[0]:
         file, idx = pairs.locate(int(i))
@@ -181,7 +186,7 @@ def _prepare(data_cfg: DataConfig, processor: Any, split: str, bad_records: Opti
     keep_planning_records(planned, bad_records)
     require_usable(pair_lengths, cap, f"data.{split}", planned)
     dataset = _PairPackDataset(_PairProcessor(halves, proc, data_cfg), cap, proc.pad_token_id)
-    return proc, bad_records, pairs, pair_lengths, dataset
+    return proc, bad_records, pairs, pair_lengths, dataset, pair_classes
 
 
 def build_preference_dataloader(data_cfg: DataConfig, processor: Any, *, seed: int, dp_rank: int, dp_size: int,
@@ -194,9 +199,9 @@ def build_preference_dataloader(data_cfg: DataConfig, processor: Any, *, seed: i
     prepared = _prepare(data_cfg, processor, split, bad_records, split_over_ranks=split_over_ranks)
     if prepared is None:
         raise ValueError(f"data: no {split} split configured")
-    _, bad_records, pairs, lengths, dataset = prepared
+    _, bad_records, pairs, lengths, dataset, classes = prepared
     planner = PackPlanner(lengths, data_cfg.max_tokens_per_pack, seed=seed,
-                          shuffle=data_cfg.shuffle and split == "train", name=f"data.{split}")
+                          shuffle=data_cfg.shuffle and split == "train", name=f"data.{split}", classes=classes)
     loader = SFTDataLoader(dataset, planner, dp_rank=dp_rank, dp_size=dp_size, num_workers=data_cfg.num_workers,
                            prefetch_factor=data_cfg.prefetch_factor, bad_records=bad_records, split=split,
                            timeout_s=data_cfg.loader_timeout_s, data_files=data_files_of(pairs))
@@ -215,8 +220,9 @@ def build_preference_pass_loader(data_cfg: DataConfig, processor: Any, *, split:
     prepared = like.prepared if like is not None else _prepare(data_cfg, processor, split, bad_records)
     if prepared is None:
         return None
-    proc, bad_records, pairs, lengths, dataset = prepared
-    plan = PackPlanner(lengths, data_cfg.max_tokens_per_pack, seed=0, shuffle=False, name=f"data.{split}").plan(0)
+    proc, bad_records, pairs, lengths, dataset, classes = prepared
+    plan = PackPlanner(lengths, data_cfg.max_tokens_per_pack, seed=0, shuffle=False, name=f"data.{split}",
+                       classes=classes).plan(0)
     keys = []
     for k in range(math.ceil(len(plan) / dp_size)):
         g = dp_rank + k * dp_size

@@ -32,6 +32,8 @@ config error before training (`loader.require_usable`).
 from __future__ import annotations
 
 import json
+import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -45,7 +47,8 @@ from megatron_vlm.data.messages import Record
 from megatron_vlm.data.processor import VLProcessor, concat_in_order
 
 __all__ = [
-    "MediaLimits", "ProcessedSample", "process_record", "estimate_length", "assistant_char_spans", "prompt_messages",
+    "MediaLimits", "ProcessedSample", "process_record", "estimate_length", "estimate_length_and_class", "pack_class",
+    "assistant_char_spans", "prompt_messages",
     "load_image", "image_hw", "read_video", "VideoClip", "subsample_indices",
 ]
 
@@ -150,14 +153,30 @@ def estimate_length(record: Record, proc: VLProcessor, *, max_frames: int, for_g
     """Exact token count of `process_record(record, ...)` from image headers and video metadata only
     (no pixel decoding). `fps` only matters for families that write timestamps into the text
     (Qwen3-VL, Nemotron-VL). `limits`: pixel caps and decode timeout (media.MediaLimits)."""
+    return estimate_length_and_class(record, proc, max_frames=max_frames, for_generation=for_generation, fps=fps,
+                                     limits=limits)[0]
+
+
+def estimate_length_and_class(record: Record, proc: VLProcessor, *, max_frames: int, for_generation: bool = False,
+                              fps: float = 2.0, limits: MediaLimits = DEFAULT_LIMITS) -> tuple[int, int]:
+    """(`estimate_length`, `pack_class` of the record's videos) from the same headers."""
     _, _, text, images, videos, _ = _rendered(record, proc, for_generation)
     cap = limits.max_image_pixels
+    clips = [read_video(it, max_frames, fps, decode=False, limits=limits) for it in videos]
     expansions = {"image": proc.image_expansions([image_hw(ref, cap) for ref in images]) if images else [],
-                  "video": [proc.video_expansion(read_video(it, max_frames, fps, decode=False, limits=limits))
-                            for it in videos]}
+                  "video": [proc.video_expansion(clip) for clip in clips]}
     compact = expand(text, proc.placeholders, expansions, compact=True)
     n = len(proc.tokenizer(compact)["input_ids"])
-    return n + sum(omitted_tokens(e) for items in expansions.values() for e in items)
+    return (n + sum(omitted_tokens(e) for items in expansions.values() for e in items),
+            pack_class([proc.video_frame_shape(clip) for clip in clips]))
+
+
+def pack_class(shapes: Sequence[Optional[tuple[int, ...]]]) -> int:
+    """0 when a record's vision tensors join any pack (no video whose tensor shape depends on the video:
+    `VLProcessor.video_frame_shape`), else a positive int naming its shapes: records of two different classes
+    cannot share a pack (their videos would not concatenate), and the planner keeps them apart (plan.py)."""
+    kinds = sorted({tuple(int(d) for d in s) for s in shapes if s is not None})
+    return zlib.crc32(repr(kinds).encode()) + 1 if kinds else 0
 
 
 def process_record(record: Record, proc: VLProcessor, *, max_frames: int, fps: float = 2.0,

@@ -114,6 +114,12 @@ class VLProcessor:
         """The expansion `process_video` gives for this clip, from its shape and timing alone."""
         raise NotImplementedError
 
+    def video_frame_shape(self, clip) -> Optional[tuple[int, ...]]:
+        """The trailing dims of the clip's video tensor when they depend on the clip (from its shape alone), else None.
+        Why: a pack concatenates vision tensors along dim 0, so videos of two such shapes cannot share a pack, and
+        the planner keeps them apart (`data.lengths`: pack classes). None here: flattened patches join any pack."""
+        return None
+
     def with_overrides(self, *, min_pixels: Optional[int] = None, max_pixels: Optional[int] = None,
                        video_min_pixels: Optional[int] = None, video_max_pixels: Optional[int] = None) -> VLProcessor:
         """A copy with the [data] section's pixel limits applied (None keeps the folder's value)."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -184,6 +185,11 @@ class NemotronVLProcessor(VLProcessor):
                       for i in range(g * tpd, min((g + 1) * tpd, clip.num_frames))]
             parts += [("\n" if g else "") + " and ".join(labels) + ": ", *self._chunk(tokens)]
         return tuple(parts)
+
+    def video_frame_shape(self, clip) -> Optional[tuple[int, ...]]:
+        """Frames keep their video's tile size: [frames, 3, H, W] (`process_video`)."""
+        gh, gw = self.video_grid(clip.height, clip.width)
+        return (3, gh * self.patch_size, gw * self.patch_size)
 
     # ------------------------------------------------------------------ pixels
     def _resize(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -51,8 +51,12 @@ def batch_prompts(batch: dict) -> list[RolloutPrompt]:
     tensors (concatenated over its rows in order, the batched-input layout) ride on the first prompt:
     the engine concatenates the vision inputs of one call's prompts in order, so its prefill gets
     exactly the batch's tensors. Valid only for an engine that prefills all prompts of a call together
-    (`max_prompts_per_batch=0`) once, sharing the prefix over the n samples (`share_prefix`, the default)."""
+    (`max_prompts_per_batch=0`) once, sharing the prefix over the n samples (`share_prefix`, the default).
+    A batch whose rows' vision tensors cannot be concatenated (`row_vision`: Nemotron-VL videos of two tile sizes)
+    gives each prompt its own: the engine then prefills the rows of each tile size apart."""
     ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+    if "row_vision" in batch:
+        return [RolloutPrompt(input_ids=ids[r][mask[r]], **batch["row_vision"][r]) for r in range(ids.shape[0])]
     vision = {k: batch[k] for k in VISION_KEYS if batch.get(k) is not None}
     return [RolloutPrompt(input_ids=ids[r][mask[r]], **(vision if r == 0 else {})) for r in range(ids.shape[0])]
 

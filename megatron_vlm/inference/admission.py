@@ -4,6 +4,9 @@ One `Admission` per batch of slots of a `generate` call. Samples wait in a queue
 prompt p are p*n ... p*n+n-1); free slots take the next ones. Their prompts, left-padded into one batch, are
 prefilled in one forward (`prefill`: the engine's `_prefill`), and each prompt's cache row is copied into the slots
 of its samples: a GRPO group shares one prefill (`share_prefix=False`, the benchmark baseline, prefills every sample).
+A prompt whose vision tensors cannot be concatenated with those of the round's other prefills (a Nemotron-VL video of
+another tile size: `data.packing.shapes_conflict`) ends the round's admissions: it waits, with the samples
+behind it, for the next round (after the next token), whose prefill it starts. A round stays one prefill forward.
 
 On the paged pool (`PagedSlotCache`, `rl.rollout.kv_block_size`) blocks are taken on demand, as vLLM does: an
 admitted sample takes the blocks of its prompt and one more position, and only when they are free with a headroom
@@ -28,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from megatron_vlm.data.packing import shapes_conflict, vision_shapes
 from megatron_vlm.inference.engine import RolloutPrompt
 from megatron_vlm.inference.slot_run import SlotRun, resume_prompt
 from megatron_vlm.models.common.slot_cache import PagedSlotCache
@@ -61,9 +65,17 @@ class Admission:
         need no prefill forward (their group's prompt is prefilled already), stopping at the first that would."""
         run, cache, queue = self.run, self.cache, self.queue
         take: list[tuple[int, int]] = []
+        shapes: dict = {}  # the vision tensor shapes of this round's one prefill forward (`vision_shapes`)
+        keys: set[int] = set()
         while queue and run.free:
-            if cached_only and (queue[0] in run.preempted or self.key_of(queue[0]) not in self.prefixes):
+            sample = queue[0]
+            needs = sample in run.preempted or (self.key_of(sample) not in self.prefixes
+                                                and self.key_of(sample) not in keys)
+            if cached_only and needs:
                 break
+            prompt = self.prompts[sample // self.n]
+            if needs and shapes_conflict(shapes, prompt):
+                break  # its vision tensors cannot join this prefill's: it waits for the next round (module doc)
             if self.paged:  # on demand: its prompt (+ what it generated before a preemption)
                 tokens, headroom = self.blocks_wanted(queue[0], busy=bool(run.slot_sample or take))
                 if not cache.can_reserve(tokens, headroom):
@@ -72,6 +84,9 @@ class Admission:
                                            f"({len(cache.free_blocks)} free blocks of {cache.block_size})")
                     break
                 cache.reserve(run.free[0], tokens)
+            if needs:
+                shapes = {**vision_shapes(prompt), **shapes}
+                keys.add(self.key_of(sample))
             take.append((queue.popleft(), run.free.popleft()))
         if not take:
             return [], None

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 import torch
 
 from megatron_vlm.data.batch import VISION_KEYS
+from megatron_vlm.data.packing import shapes_conflict, vision_shapes
 from megatron_vlm.inference.engine import RolloutPrompt
 
 __all__ = ["left_pad", "vision_inputs", "vision_token_ids"]
@@ -27,7 +28,14 @@ def left_pad(prompts: Sequence[RolloutPrompt], pad_id: int) -> tuple[torch.Tenso
 
 
 def vision_inputs(prompts: Sequence[RolloutPrompt]) -> dict:
-    """Vision tensors of the prompts concatenated in prompt order."""
+    """Vision tensors of the prompts concatenated in prompt order. Prompts whose tensors cannot be concatenated
+    (Nemotron-VL videos of two tile sizes) are never prefilled together (admission.py): a ValueError names them."""
+    shapes: dict = {}
+    for i, p in enumerate(prompts):
+        if shapes_conflict(shapes, p):
+            raise ValueError(f"prompts[{i}]: vision tensors of shapes {vision_shapes(p)} cannot be concatenated with "
+                             f"{shapes} (one prefill takes prompts of one tile size)")
+        shapes = {**vision_shapes(p), **shapes}
     out = {}
     for key in VISION_KEYS:
         parts = [getattr(p, key) for p in prompts if getattr(p, key) is not None]

@@ -4,7 +4,8 @@ A training sample is one completion with its prompt: tokens prompt + response, t
 behaviour log-probs, its (scalar) advantage, and later its reference / old-policy log-probs. Samples
 are packed into micro-batches of at most `max_tokens` tokens (the SFT layout: `input_ids` [1, T],
 `cu_seqlens` so attention and M-RoPE positions restart per sample, images of all samples
-concatenated in order), with pre-shifted `labels` that are set exactly where the next token is a
+concatenated in order; a sample whose vision tensors cannot be concatenated with the pack's, a Nemotron-VL
+video of another tile size, starts a new pack), with pre-shifted `labels` that are set exactly where the next token is a
 response token (`data.batch.shifted_labels`). `TokenLogprobModel` returns the log-probs of the
 labelled positions in order, i.e. the response tokens of the micro-batch concatenated sample by
 sample — the layout `split_by_response` undoes. Samples that carry the rollout's MoE routes
@@ -26,10 +27,11 @@ from typing import Optional
 import torch
 
 from megatron_vlm.data.batch import IGNORE_INDEX, VISION_KEYS, shifted_labels
+from megatron_vlm.data.packing import shapes_conflict, vision_shapes
 from megatron_vlm.inference.engine import RolloutPrompt
 
 __all__ = ["TrainSample", "plan_micro_batches", "plan_shared_micro_batches", "pack_samples", "split_by_response",
-           "group_by_prompt"]
+           "group_by_prompt", "vision_conflict"]
 
 
 
@@ -81,16 +83,19 @@ class TrainSample:
         return torch.ones(int(self.response_ids.numel()), dtype=torch.bool)
 
 
-def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+def plan_micro_batches(lengths: Sequence[int], max_tokens: int,
+                       samples: Optional[Sequence[TrainSample]] = None) -> list[list[int]]:
     """Consecutive groups of sample indices, each summing to at most max_tokens (a longer sample is
-    an error: the prompt encoder already bounds prompt + max_new_tokens)."""
+    an error: the prompt encoder already bounds prompt + max_new_tokens). With `samples` (those of
+    `lengths`), a sample whose vision tensors cannot join the group's starts a new one (`vision_conflict`)."""
     groups: list[list[int]] = []
     current: list[int] = []
     used = 0
     for i, n in enumerate(lengths):
         if n > max_tokens:
             raise ValueError(f"sample {i}: {n} tokens exceed the micro-batch budget of {max_tokens} (data.max_tokens_per_pack)")
-        if current and used + n > max_tokens:
+        if current and (used + n > max_tokens
+                        or (samples is not None and vision_conflict([samples[j] for j in current], samples[i]))):
             groups.append(current)
             current, used = [], 0
         current.append(i)
@@ -107,6 +112,21 @@ def group_by_prompt(samples: Sequence[TrainSample]) -> list[TrainSample]:
     for i, s in enumerate(samples):
         first.setdefault(id(s.prompt), i)
     return sorted(samples, key=lambda s: first[id(s.prompt)])
+
+
+def _vision_items(s: TrainSample) -> list:
+    """What a sample adds to a pack's vision tensors: its prompt's, and its response's (a multi-turn trajectory)."""
+    return [s.prompt, s.response_vision] if s.response_vision else [s.prompt]
+
+
+def vision_conflict(group: Sequence[TrainSample], s: TrainSample) -> bool:
+    """Whether `s` cannot join `group` in one pack: its vision tensors would not concatenate with the group's (a
+    Nemotron-VL video keeps its tile size [frames, 3, H, W]: `data.packing.shapes_conflict`). Such a pair of
+    samples goes into two packs; packing them together failed the forward (and the step) with a RuntimeError."""
+    shapes: dict = {}
+    for item in (it for g in group for it in _vision_items(g)):
+        shapes = {**vision_shapes(item), **shapes}
+    return any(shapes_conflict(shapes, item) for item in _vision_items(s))
 
 
 def _shareable(prompt: RolloutPrompt, vision_token_ids: frozenset) -> bool:
@@ -127,7 +147,8 @@ def _runs(samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
 def plan_shared_micro_batches(samples: Sequence[TrainSample], max_tokens: int,
                               vision_token_ids: frozenset = frozenset()) -> list[list[int]]:
     """`plan_micro_batches` for `pack_samples(..., share_prompts=True)`: a sample whose prompt is
-    already in the pack (the previous sample's) costs its response + 1 token."""
+    already in the pack (the previous sample's) costs its response + 1 token; a sample whose vision
+    tensors cannot join the group's starts a new one (`vision_conflict`)."""
     groups: list[list[int]] = []
     current: list[int] = []
     used = 0
@@ -138,7 +159,7 @@ def plan_shared_micro_batches(samples: Sequence[TrainSample], max_tokens: int,
         shared = (bool(current) and samples[current[-1]].prompt is s.prompt and _shareable(s.prompt, vision_token_ids)
                   and not s.response_vision and not samples[current[-1]].response_vision)
         cost = int(s.response_ids.numel()) + 1 if shared else s.num_tokens
-        if current and used + cost > max_tokens:
+        if current and (used + cost > max_tokens or vision_conflict([samples[j] for j in current], s)):
             groups.append(current)
             current, used, cost = [], 0, s.num_tokens
         current.append(i)

@@ -266,12 +266,13 @@ class PolicyUpdate:
 
     # ------------------------------------------------------------------ forwards
     def packs(self, samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
-        """The samples in micro-batches of at most `data.max_tokens_per_pack` tokens."""
+        """The samples in micro-batches of at most `data.max_tokens_per_pack` tokens, a new one where a sample's vision
+        tensors cannot join the current one's (Nemotron-VL videos of another tile size)."""
         if self.share_prompts:  # a group's samples next to each other, so that a pack holds their prompt once
             samples = group_by_prompt(samples)
             plan = plan_shared_micro_batches(samples, self.max_tokens, self.vision_ids)
         else:
-            plan = plan_micro_batches([s.num_tokens for s in samples], self.max_tokens)
+            plan = plan_micro_batches([s.num_tokens for s in samples], self.max_tokens, samples)
         return [[samples[i] for i in group] for group in plan]
 
     def replay_scope(self, batch: dict[str, Any], *, count: bool):

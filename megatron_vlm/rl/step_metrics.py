@@ -6,6 +6,7 @@ rank computes the same dictionary from them (the loop logs rank 0's).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,10 +69,12 @@ def step_metrics(rl: Any, shards: DataShards, step: int, timer: PhaseTimer, roun
 
     per = {label: [x for p in parts for x in p["per_reward"].get(label, [])] for label in reward_labels}
     out: dict[str, float] = {}
-    # loss (mean over the optimizer updates of this step; identical on every rank once summed)
+    # loss (mean over the optimizer updates of this step; identical on every rank once summed); a step without policy
+    # updates (PPO's critic warm-up) computed neither: NaN, the loggers' "not computed" (an empty cell would move
+    # the column out of a CSV header written from the first row), never a 0.0 a plot would show as a real loss
     losses = [sum(v) for v in zip(*shards.gather(upd.losses))] if upd.losses else []
-    out["loss"] = sum(losses) / len(losses) if losses else 0.0
-    out["grad_norm"] = sum(upd.grad_norms) / len(upd.grad_norms) if upd.grad_norms else 0.0
+    out["loss"] = sum(losses) / len(losses) if losses else math.nan
+    out["grad_norm"] = sum(upd.grad_norms) / len(upd.grad_norms) if upd.grad_norms else math.nan
     out["lr"] = upd.lr
     out["skipped_steps"] = float(counts.skipped_steps)
     if upd.moe:

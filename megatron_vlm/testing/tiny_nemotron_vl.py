@@ -142,3 +142,25 @@ def build_tiny_nemotron_vl_folder(out_dir: str | Path, *, seed: int = 0) -> Path
     })
     tmp.rename(out_dir)
     return out_dir
+
+
+NEMOTRON_VL_VIDEO_CHAT_TEMPLATE = chatml_template(
+    "{% if item['type'] == 'image' %}<image>\n"
+    "{% elif item['type'] == 'video' %}<video>\n"
+    "{% elif 'text' in item %}{{ item['text'] }}"
+    "{% endif %}"
+)
+
+
+def add_tiny_video_processing(folder: str | Path, *, target_patches: int = 20) -> Path:
+    """Give a tiny Nemotron-VL folder videos: a chat template that renders `<video>` and a video processor with a small
+    tile (`target_patches` patches, the aspect ratio kept: frames of another shape get another tile size)."""
+    import json
+
+    folder = Path(folder)
+    (folder / "chat_template.jinja").write_text(NEMOTRON_VL_VIDEO_CHAT_TEMPLATE)
+    pre = json.loads((folder / "preprocessor_config.json").read_text())
+    write_json(folder / "video_preprocessor_config.json", {
+        "video_processor_type": "NemotronH_Omni_Reasoning_V3VideoProcessor", "norm_mean": pre["image_mean"],
+        "norm_std": pre["image_std"], "patch_size": 16, "downsample_ratio": 0.5, "video_target_num_patches": target_patches})
+    return folder

@@ -99,7 +99,8 @@ def build_reference(ctx: RunContext, bundle: ModelBundle, dpo: DPOConfig, train_
             loaders["eval"] = eval_loader
         reference = PrecomputedReference.load_or_compute(ctx.run_dir, bundle.wrapper, loaders, device=env.device,
                                                          copies=getattr(bundle.dims, "data_copies", 1),
-                                                         is_main=env.is_main, model_path=initial_model_identity(cfg))
+                                                         is_main=env.is_main, model_path=initial_model_identity(cfg),
+                                                         stop=lambda: ctx.stop.should_stop(env.device))
         leave_out_unscored(reference, loaders)
         return reference
     if lora is not None:

@@ -11,31 +11,40 @@
   hold and their lengths, the data files / synthetic seed, or the model folder and its weight files differ). The table also records
   which rows the pass scored: a pair that failed there (a transient read error, or a pack it could not join)
   has no reference, so the loaders leave it out of every later pack and count it (`unscored`), rather than
-  train it against a reference log-prob of 0.
+  train it against a reference log-prob of 0. A stop request (SIGTERM / SIGUSR1) is acted on after the pack in
+  scoring: the sums so far go to `<output_dir>/dpo_reference_logps.partial.pt` and the job exits 143 at once; the
+  next start of the run (same data, plan, model and ranks) continues after the packs already scored.
 
 Every kind answers `pair_logps(batch, split)` -> (reference log p of each chosen, of each rejected
 response) of a pack (`pair_index` keys the precomputed table).
 """
 from __future__ import annotations
 
+import copy
 import hashlib
+import itertools
 import json
 import logging
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
 
 from megatron_vlm.models.common.lora import lora_disabled
-from megatron_vlm.parallel.collectives import all_reduce_, barrier
+from megatron_vlm.parallel.collectives import all_reduce_, barrier, world_size
 from megatron_vlm.training.dpo.sequence import pair_sums
 from megatron_vlm.training.lm_loss import TokenLogprobModel
 
-__all__ = ["FrozenReference", "AdaptersOffReference", "PrecomputedReference", "REFERENCE_FILE"]
+__all__ = ["FrozenReference", "AdaptersOffReference", "PrecomputedReference", "ReferencePassStopped", "REFERENCE_FILE",
+           "REFERENCE_PARTIAL_FILE"]
 
 log = logging.getLogger("megatron_vlm")
 
 REFERENCE_FILE = "dpo_reference_logps.pt"
+REFERENCE_PARTIAL_FILE = "dpo_reference_logps.partial.pt"
+"""What a reference pass stopped by SIGTERM / SIGUSR1 had scored: the next start of the run continues from it."""
 
 
 class FrozenReference:
@@ -106,9 +115,15 @@ class PrecomputedReference:
 
     @classmethod
     def load_or_compute(cls, run_dir: Path, wrapper: torch.nn.Module, loaders: dict, *, device: torch.device,
-                        copies: int, is_main: bool, model_path: str) -> PrecomputedReference:
+                        copies: int, is_main: bool, model_path: str,
+                        stop: Callable[[], bool] = lambda: False) -> PrecomputedReference:
         """Read `run_dir/REFERENCE_FILE` when it holds tables of the same splits and sizes, else score every
-        pair of `loaders` (split -> one-pass loader) with `wrapper` (the initial weights) and write the file."""
+        pair of `loaders` (split -> one-pass loader) with `wrapper` (the initial weights) and write the file.
+
+        `stop()`: the run's stop request, agreed by every rank (SIGTERM / SIGUSR1: training/signals.py), asked after
+        each pack. When it answers True the sums so far are saved to `run_dir/REFERENCE_PARTIAL_FILE` and
+        `ReferencePassStopped` is raised (the job exits 143, and is requeued); a restart of the same run (the same
+        data, plan, model, ranks) continues the pass after the packs already scored, instead of losing them."""
         path = Path(run_dir) / REFERENCE_FILE
         sizes = {split: int(ld.num_pairs) for split, ld in loaders.items()}
         plans = {split: _plan_digest(ld) for split, ld in loaders.items()}
@@ -120,6 +135,10 @@ class PrecomputedReference:
                 return cls(dict(saved["tables"]), dict(saved["scored"]))
             log.warning("dpo: %s was computed for other data, another packing plan or another model, or does not say "
                         "which pairs it scored (%s); scoring again", path, saved.get("sizes"))
+        partial = _Partial(Path(run_dir), {"sizes": sizes, "model": model_path, "plans": plans,
+                                           "packs": {split: _num_packs(ld) for split, ld in loaders.items()},
+                                           "world": world_size(), "copies": copies})
+        done, sums = partial.read()
         tables, scored = {}, {}
         was_training = wrapper.training
         wrapper.eval()
@@ -128,14 +147,23 @@ class PrecomputedReference:
                 for split, loader in loaders.items():
                     # columns: chosen, rejected, how many times the row was scored (once per data copy)
                     table = torch.zeros(sizes[split], 3, dtype=torch.float64, device=device)
-                    for pack in loader:
+                    start = done.get(split, 0)
+                    for n, pack in enumerate(_after(loader, start), start=start + 1):
                         batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in pack.items()}
                         chosen, rejected = pair_sums(wrapper(batch).float(), batch)[:2]
                         idx = batch["pair_index"]
                         table[idx, 0] += chosen.double()
                         table[idx, 1] += rejected.double()
                         table[idx, 2] += 1.0
-                    table = (all_reduce_(table) / copies).cpu()
+                        if n < _num_packs(loader) and stop():  # after the last pack the split is done: no save needed
+                            sums[split] = _with_saved(all_reduce_(table).cpu(), sums.get(split))
+                            partial.write({**done, split: n}, sums, is_main)
+                            raise ReferencePassStopped(f"dpo: stop requested during the reference pass; {split} packs "
+                                                       f"1-{n} of {_num_packs(loader)} per rank saved to {partial.path}")
+                    table = _with_saved(all_reduce_(table).cpu(), sums.get(split))
+                    sums[split] = table
+                    done[split] = _num_packs(loader)
+                    table = table / copies
                     tables[split], scored[split] = table[:, :2].contiguous(), table[:, 2] > 0
         finally:
             wrapper.train(was_training)
@@ -143,6 +171,67 @@ class PrecomputedReference:
             tmp = path.with_name(f".{path.name}.tmp")
             torch.save({"tables": tables, "scored": scored, "sizes": sizes, "model": model_path, "plans": plans}, tmp)
             tmp.replace(path)
+            partial.path.unlink(missing_ok=True)
             log.info("dpo: reference log-probs of %s pairs precomputed into %s", sizes, path)
         barrier()
         return cls(tables, scored)
+
+
+class ReferencePassStopped(Exception):
+    """A stop request (SIGTERM / SIGUSR1) arrived during the precomputed reference pass: the packs scored so far are
+    saved (`REFERENCE_PARTIAL_FILE`) and the job exits 143 (`EXIT_STOPPED`) at once, without a step."""
+
+
+def _num_packs(loader) -> int:
+    """This rank's packs of a one-pass loader (the same on every rank: the pass loaders pad with empty packs)."""
+    return len(loader)
+
+
+def _after(loader, start: int) -> Iterator[dict]:
+    """The loader's packs after its first `start`: a pass loader's keys are cut, so the skipped packs are not read."""
+    if start == 0:
+        return iter(loader)
+    keys = getattr(loader, "keys", None)
+    if isinstance(keys, list):
+        rest = copy.copy(loader)
+        rest.keys = keys[start:]
+        return iter(rest)
+    return itertools.islice(iter(loader), start, None)
+
+
+def _with_saved(table: torch.Tensor, saved: Optional[torch.Tensor]) -> torch.Tensor:
+    return table if saved is None else table + saved
+
+
+class _Partial:
+    """`REFERENCE_PARTIAL_FILE`: the summed [pairs, 3] tables (chosen, rejected, times scored) of the packs a stopped
+    pass scored, per split, and how many packs per rank each split had done. Read back only by a start whose data,
+    plan, model and rank layout (`identity`) are the same: each rank then continues after the same packs."""
+
+    def __init__(self, run_dir: Path, identity: dict):
+        self.path, self.identity = run_dir / REFERENCE_PARTIAL_FILE, identity
+
+    def read(self) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
+        if not self.path.is_file():
+            return {}, {}
+        try:
+            saved = torch.load(self.path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - an unreadable partial file costs the packs it held, nothing more
+            log.warning("dpo: ignoring the unreadable partial reference pass %s (%s: %s)", self.path, type(e).__name__, e)
+            return {}, {}
+        if saved.get("identity") != json.dumps(self.identity, sort_keys=True):
+            log.warning("dpo: %s was scored for other data, another plan, model or rank layout; scoring from the "
+                        "start", self.path)
+            return {}, {}
+        done = {k: int(v) for k, v in saved["done"].items()}
+        log.info("dpo: reference pass continued from %s (packs per rank already scored: %s)", self.path, done)
+        return done, dict(saved["sums"])
+
+    def write(self, done: dict[str, int], sums: dict[str, torch.Tensor], is_main: bool) -> None:
+        """Rank 0 writes (atomically); every rank waits for it, so a requeued job finds the file."""
+        if is_main:
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            torch.save({"identity": json.dumps(self.identity, sort_keys=True), "done": done, "sums": sums}, tmp)
+            tmp.replace(self.path)
+            log.warning("dpo: stop requested during the reference pass: %s saved (packs per rank: %s)", self.path, done)
+        barrier()

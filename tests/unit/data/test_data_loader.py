@@ -200,13 +200,13 @@ def test_length_cache_is_used_and_keeps_bad_records(cfg, proc, tmp_path, monkeyp
     assert len(list((tmp_path / "cache").glob("lengths-*.json"))) == 1
 
     calls = []
-    original = lengths_mod.estimate_length
+    original = lengths_mod.estimate_length_and_class
 
     def counting(*a, **k):
         calls.append(1)
         return original(*a, **k)
 
-    monkeypatch.setattr(lengths_mod, "estimate_length", counting)
+    monkeypatch.setattr(lengths_mod, "estimate_length_and_class", counting)
     second = build_sft_dataloader(cfg, proc, seed=0, dp_rank=0, dp_size=1)
     assert calls == [1]  # only the record cached as bad is looked at again (its image may have been added since)
     calls.clear()

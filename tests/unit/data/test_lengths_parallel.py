@@ -108,8 +108,8 @@ def _rank_main(rank, world, store_path, source, proc, cache, queue):
         bad = BadRecordLog()
         got = compute_lengths(source, proc, max_frames=4, bad_records=bad, split_over_ranks=True, cache_dir=cache)
         calls = []
-        original = lengths_mod.estimate_length
-        lengths_mod.estimate_length = lambda *a, **k: calls.append(1) or original(*a, **k)
+        original = lengths_mod.estimate_length_and_class
+        lengths_mod.estimate_length_and_class = lambda *a, **k: calls.append(1) or original(*a, **k)
         again = compute_lengths(source, proc, max_frames=4, split_over_ranks=True, cache_dir=cache)
         queue.put((rank, got.tolist(), bad.to_dict(), again.tolist(), len(calls)))
     finally:

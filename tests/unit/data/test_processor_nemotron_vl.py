@@ -253,8 +253,8 @@ def test_packs_give_the_per_sample_logits(proc, nemotron_dir, tmp_path):
 def test_loader_plans_exact_lengths_for_timestamped_videos(proc, tmp_path):
     """Frame timestamps depend on [data] fps; planned (estimated) and processed lengths must agree, or
     the loader would drop samples as length_mismatch. Videos whose frames get another tile size than
-    the pack's first video (another aspect ratio) cannot share its frame tensor: they are reported
-    as bad records, and the run goes on."""
+    the others (another aspect ratio) cannot share their frame tensor: they are planned into a pack of
+    their own tile size (the length pass's pack classes), where they were dropped as bad records before."""
     from megatron_vlm.data.config import DataConfig
     from megatron_vlm.data.loader import build_sft_dataloader
 
@@ -269,11 +269,14 @@ def test_loader_plans_exact_lengths_for_timestamped_videos(proc, tmp_path):
     cfg = DataConfig(type="messages_jsonl", train_path=str(tmp_path / "v.jsonl"), max_tokens_per_pack=2000,
                      num_workers=0, max_frames=5, fps=7.0, shuffle=False)
     loader = build_sft_dataloader(cfg, proc, seed=0, dp_rank=0, dp_size=1)
-    assert loader.packs_per_epoch == 1
-    pack = next(iter(loader))
-    assert [(b.index, b.category) for b in loader.bad_records.entries] == [(7, "video")]
+    assert loader.packs_per_epoch == 2  # the 4:3 clips, then the 2:1 one (all 7 fit one pack by tokens)
+    it = iter(loader)
+    pack, wide = next(it), next(it)
+    assert loader.bad_records.entries == []  # was: record 7 dropped as a "video" bad record
     assert int(pack["num_samples"]) == 6 and pack["pixel_values_videos"].shape[1:] == (3, 64, 64)
+    assert int(wide["num_samples"]) == 1 and wide["pixel_values_videos"].shape[1:] != (3, 64, 64)
     seen = [b - a for a, b in zip(pack["cu_seqlens"][:-1].tolist(), pack["cu_seqlens"][1:].tolist())]
     assert seen == [int(n) for n in loader.planner.lengths[:6]]
+    assert wide["cu_seqlens"].tolist() == [0, int(loader.planner.lengths[6])]
     assert "Frame 1 sampled at 0.00 seconds and frame 2 sampled at 0.14 seconds: <img>" in \
         proc.tokenizer.decode(pack["input_ids"][0])

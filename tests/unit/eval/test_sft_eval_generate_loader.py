@@ -27,13 +27,13 @@ def test_two_evaluations_plan_the_prompts_once(tmp_path, proc, monkeypatch):
     bundle = NS(processor=proc, dims=NS(dp_rank=0, dp_size=1), wrapper=NS(eval=lambda: None, train=lambda: None))
 
     planned = []
-    real_lengths = loader_mod.compute_lengths
+    real_lengths = loader_mod.compute_lengths_and_classes
 
     def counting(*args, **kw):
         planned.append(kw.get("for_generation"))
         return real_lengths(*args, **kw)
 
-    monkeypatch.setattr(loader_mod, "compute_lengths", counting)
+    monkeypatch.setattr(loader_mod, "compute_lengths_and_classes", counting)
     monkeypatch.setattr(sft_eval, "heldout_loss", lambda *a, **kw: None)  # the packed loss is not the subject here
     monkeypatch.setattr(sft_eval, "answer_engine", lambda ctx, bundle: AnswerEngine("red"))
     bad = BadRecordLog()

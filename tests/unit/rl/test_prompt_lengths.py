@@ -109,8 +109,8 @@ def _split_rank(rank, world, store, path, proc, queue):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         calls = []
-        original = lengths_mod.estimate_length
-        lengths_mod.estimate_length = lambda *a, **k: calls.append(1) or original(*a, **k)
+        original = lengths_mod.estimate_length_and_class
+        lengths_mod.estimate_length_and_class = lambda *a, **k: calls.append(1) or original(*a, **k)
         log = BadRecordLog()
         out = drop_unusable_prompts(PromptSets(load_prompt_dataset(path, schema="messages"), None), proc, *_cfgs(60),
                                     log, split_over_ranks=True)
@@ -162,14 +162,14 @@ def _panic_rank(rank, world, store, path, proc, queue):
     from megatron_vlm.data import lengths as lengths_mod
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    original = lengths_mod.estimate_length
+    original = lengths_mod.estimate_length_and_class
 
     def estimate(rec, *a, **k):
         if "PANIC" in str(rec):
             raise _Panic("tokenizer panicked")
         return original(rec, *a, **k)
 
-    lengths_mod.estimate_length = estimate
+    lengths_mod.estimate_length_and_class = estimate
     try:
         drop_unusable_prompts(PromptSets(load_prompt_dataset(path, schema="messages"), None), proc, *_cfgs(60),
                               BadRecordLog(), split_over_ranks=True)

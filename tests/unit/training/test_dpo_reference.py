@@ -176,6 +176,7 @@ def test_a_pair_the_reference_pass_could_not_score_is_skipped_and_counted_not_tr
     from megatron_vlm.testing.synthesize import synthesize_model_folder
     from megatron_vlm.training.dpo.build import build_reference
     from megatron_vlm.training.dpo.config import DPOConfig
+    from megatron_vlm.training.signals import StopFlag
 
     folder = synthesize_model_folder("tiny_qwen2_5_vl", tmp_path / "model", seed=0)
     data = DataConfig(type="synthetic_vqa", synthetic_dir=str(tmp_path / "data"), synthetic_train_size=10,
@@ -183,7 +184,8 @@ def test_a_pair_the_reference_pass_could_not_score_is_skipped_and_counted_not_tr
     processor, bad = load_processor(folder), BadRecordLog()
     loader = build_preference_dataloader(data, processor, seed=0, dp_rank=0, dp_size=1, bad_records=bad)
     ctx = SimpleNamespace(cfg=SimpleNamespace(data=data, lora=None, model=SimpleNamespace(path=str(folder))),
-                          env=SimpleNamespace(device=torch.device("cpu"), is_main=True, rank=0), run_dir=tmp_path)
+                          env=SimpleNamespace(device=torch.device("cpu"), is_main=True, rank=0), run_dir=tmp_path,
+                          stop=StopFlag())
     bundle = SimpleNamespace(dims=SimpleNamespace(dp_rank=0, dp_size=1, data_copies=1), processor=processor,
                              wrapper=_TokenScorer())
     processor_of = loader.dataset.processor
@@ -210,3 +212,99 @@ def test_a_pair_the_reference_pass_could_not_score_is_skipped_and_counted_not_tr
     assert seen == set(range(10)) - {failing}
     assert any(r.index == processor_of.halves.locate(2 * failing)[1] and r.category == "reference_unscored"
                for r in bad.entries)
+
+
+class _KeyedLoader:
+    """A pass loader as `build_preference_pass_loader` gives it: `keys` (one per pack) read on iteration; counts reads."""
+    num_pairs = 3
+
+    def __init__(self, packs):
+        self.packs, self.keys, self.reads = packs, list(range(len(packs))), []
+
+    def __len__(self):
+        return len(self.keys)
+
+    def __iter__(self):
+        for k in self.keys:
+            self.reads.append(k)
+            yield self.packs[k]
+
+
+def test_a_stop_request_during_the_pass_saves_it_and_the_restart_continues(tmp_path):
+    """SIGTERM during the precomputed pass (a long one: every pair of the split before step 1) was acted on only at
+    the first step, so a job killed after its grace period lost the whole pass. Now the pass asks the stop flag after
+    each pack: it saves the sums so far and raises `ReferencePassStopped` (the job exits 143); the next start scores
+    only the packs left, and the table equals an uninterrupted pass's."""
+    import os
+    import signal
+
+    import pytest
+
+    from megatron_vlm.training.dpo.reference import REFERENCE_PARTIAL_FILE, ReferencePassStopped
+    from megatron_vlm.training.signals import StopFlag
+
+    packs = [_pack([2, 0], [5, 6, 4, 7]), _pack([1], [6, 5])]
+    (tmp_path / "straight").mkdir()
+    straight = PrecomputedReference.load_or_compute(tmp_path / "straight", _Scorer(), {"train": _Loader(packs)},
+                                                    device=torch.device("cpu"), copies=1, is_main=True, model_path="m")
+    run = tmp_path / "run"
+    run.mkdir()
+    flag = StopFlag().install()
+    try:
+        class _Signalling(_Scorer):
+            def forward(self, batch):
+                if self.calls == 0:
+                    os.kill(os.getpid(), signal.SIGTERM)  # arrives while the first pack is scored
+                return super().forward(batch)
+
+        first = _KeyedLoader(packs)
+        with pytest.raises(ReferencePassStopped):
+            PrecomputedReference.load_or_compute(run, _Signalling(), {"train": first}, device=torch.device("cpu"),
+                                                 copies=1, is_main=True, model_path="m",
+                                                 stop=lambda: flag.should_stop(torch.device("cpu")))
+    finally:
+        flag.restore()
+    assert first.reads == [0] and (run / REFERENCE_PARTIAL_FILE).is_file() and not (run / REFERENCE_FILE).is_file()
+    scorer, again = _Scorer(), _KeyedLoader(packs)
+    ref = PrecomputedReference.load_or_compute(run, scorer, {"train": again}, device=torch.device("cpu"), copies=1,
+                                               is_main=True, model_path="m", stop=lambda: False)
+    assert scorer.calls == 1 and again.reads == [1]  # the first pack is neither read nor scored again
+    assert torch.equal(ref.tables["train"], straight.tables["train"])
+    assert torch.equal(ref.scored["train"], straight.scored["train"])
+    assert (run / REFERENCE_FILE).is_file() and not (run / REFERENCE_PARTIAL_FILE).is_file()
+
+
+def test_a_partial_pass_of_another_model_is_not_continued(tmp_path):
+    import pytest
+
+    from megatron_vlm.training.dpo.reference import ReferencePassStopped
+
+    packs = [_pack([2, 0], [5, 6, 4, 7]), _pack([1], [6, 5])]
+    with pytest.raises(ReferencePassStopped):
+        PrecomputedReference.load_or_compute(tmp_path, _Scorer(), {"train": _Loader(packs)}, device=torch.device("cpu"),
+                                             copies=1, is_main=True, model_path="m", stop=lambda: True)
+    scorer = _Scorer()
+    PrecomputedReference.load_or_compute(tmp_path, scorer, {"train": _Loader(packs)}, device=torch.device("cpu"),
+                                         copies=1, is_main=True, model_path="other")
+    assert scorer.calls == 2  # another model: scored from the start
+
+
+def test_run_dpo_exits_143_when_the_reference_pass_is_stopped(monkeypatch):
+    """The job wiring: a stopped pass ends `run_dpo` at once with the stop exit code (no step, no checkpoint)."""
+    from types import SimpleNamespace
+
+    import megatron_vlm.jobs as jobs
+    from megatron_vlm.training.dpo.reference import ReferencePassStopped
+    from megatron_vlm.training.loop import EXIT_STOPPED
+
+    def stopped(*a, **k):
+        raise ReferencePassStopped("dpo: stop requested during the reference pass")
+
+    monkeypatch.setattr(jobs, "dpo_section", lambda cfg: SimpleNamespace())
+    monkeypatch.setattr(jobs, "prepare_sft_data", lambda ctx: None)
+    monkeypatch.setattr(jobs, "build_model_bundle", lambda ctx: SimpleNamespace(model=None, layer_kinds=()))
+    monkeypatch.setattr(jobs, "check_moe_section", lambda *a: None)
+    monkeypatch.setattr(jobs, "build_pair_loaders", lambda *a: (None, None))
+    monkeypatch.setattr(jobs, "build_reference", stopped)
+    monkeypatch.setattr(jobs, "total_steps", lambda *a: (_ for _ in ()).throw(AssertionError("no step after a stop")))
+    assert jobs.run_dpo(SimpleNamespace(cfg=SimpleNamespace())) == EXIT_STOPPED == 143

@@ -55,10 +55,12 @@ def rollout_view(t: Trajectory) -> RolloutSample:
                          token_versions=t.token_versions)
 
 
-def environment_tools(cfg: RLEnvConfig) -> list[dict]:
+def environment_tools(cfg: RLEnvConfig, *, verifiers: bool = True) -> list[dict]:
     """The tool specs of `[rl.env]`'s environment, built once in this process; a ConfigError naming the key to fix
     (rl.env.name, rl.env.kwargs) when the class cannot be found, its constructor does not take the kwargs, it fails
-    or its `tools()` does not give JSON tool specs (they go into every prompt's system turn)."""
+    or its `tools()` does not give JSON tool specs (they go into every prompt's system turn); without `verifiers`
+    (no [[rl.rewards]] table), one naming rl.rewards when the environment gives no reward of its own
+    (`Environment.gives_rewards`): every trajectory's reward would be 0."""
     import inspect
     import json
 
@@ -75,13 +77,18 @@ def environment_tools(cfg: RLEnvConfig) -> list[dict]:
     except ValueError:  # no signature to read (a builtin): the call below tells
         pass
     try:
-        tools = list(build_environment(cfg.name, cfg.kwargs).tools())
+        env = build_environment(cfg.name, cfg.kwargs)
+        tools = list(env.tools())
         json.dumps(tools)
         if not all(isinstance(t, dict) for t in tools):
             raise TypeError("tools() must return a list of JSON-schema dicts")
     except Exception as e:  # noqa: BLE001 - user code
         raise ConfigError(f"rl.env.name: the environment {cfg.name!r} could not be built or give its tool specs: "
                           f"{type(e).__name__}: {e}") from None
+    if not verifiers and not getattr(env, "gives_rewards", True):
+        raise ConfigError(f"rl.rewards: no [[rl.rewards]] table, and the environment {cfg.name!r} gives no reward of "
+                          "its own (a tool environment without a reward function): every trajectory would score 0; "
+                          "add a [[rl.rewards]] verifier of the final answer")
     return tools
 
 
@@ -105,7 +112,7 @@ class MultiTurnRounds:
 
             raise ConfigError(f"rl.env.max_total_tokens: {total} exceeds data.max_tokens_per_pack = {max_tokens_per_pack} "
                               "(a trajectory is trained as one packed sample); lower it or raise the pack size")
-        tools = environment_tools(cfg)  # before any worker: a bad name / kwargs stops the job here (exit 2)
+        tools = environment_tools(cfg, verifiers=bool(rl.rewards))  # before any worker: a bad name / kwargs stops the job here (exit 2)
         pool = rl.reward_pool
         runner: Any = (EnvWorkerPool(num_workers=pool.workers, timeout_s=cfg.turn_timeout_s,
                                      memory_limit_mb=pool.memory_limit_mb, preload=(cfg.name,),

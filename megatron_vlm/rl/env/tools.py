@@ -192,6 +192,10 @@ class ToolEnvironment(Environment):
         self.registry = registry if registry is not None else ToolRegistry(tools)
         self.reward_fn = reward_fn
 
+    @property
+    def gives_rewards(self) -> bool:  # type: ignore[override]
+        return self.reward_fn is not None
+
     def tools(self) -> list[dict]:
         return self.registry.specs()
 

@@ -1,8 +1,9 @@
 """The multi-turn rollout of a GRPO round: environments, engine and the trajectories' rewards, built once per run.
 
-`MultiTurnRounds.from_config(rl, data_cfg, engine, processor)` is what `[rl.env]` adds to a GRPO job: the
-environment worker pool (the `[rl.reward_pool]` sizes and memory cap, `[rl.env]` turn_timeout_s as the deadline
-of each call), the chat-template turn encoder, the engine's multi-turn loop. `generate(shard, params, seed)`
+`MultiTurnRounds.from_config(rl, max_tokens_per_pack, engine, processor, data=data_cfg)` is what `[rl.env]` adds to a
+GRPO job: the environment worker pool (the `[rl.reward_pool]` sizes and memory cap, `[rl.env]` turn_timeout_s as the
+deadline of each call), the `[data]` media limits of the observations (rl/env/observation_limits.py), the
+chat-template turn encoder, the engine's multi-turn loop. `generate(shard, params, seed)`
 rolls out the G trajectories of each of this rank's real prompts (dummy prompts of data parallelism are not
 rolled out: nothing of theirs is scored or trained) and returns them with a `RolloutResult` view for the step
 metrics (the model's tokens as the "completion": lengths, truncation).
@@ -20,6 +21,7 @@ from typing import Any, Optional, cast
 from megatron_vlm.inference.engine import RolloutResult, RolloutSample, SamplingParams
 from megatron_vlm.inference.multiturn import MultiTurnLimits, MultiTurnRollout, Trajectory
 from megatron_vlm.rl.env.config import RLEnvConfig
+from megatron_vlm.rl.env.observation_limits import ObservationLimits
 from megatron_vlm.rl.env.pool import EnvWorkerPool, InlineEnvRunner, build_environment, resolve_environment
 from megatron_vlm.rl.env.session import EnvSession, ToolPromptEncoder, env_sample
 from megatron_vlm.rl.env.turns import TurnEncoder
@@ -94,8 +96,10 @@ def environment_tools(cfg: RLEnvConfig, *, verifiers: bool = True) -> list[dict]
 
 class MultiTurnRounds:
     def __init__(self, cfg: RLEnvConfig, engine: Any, processor: Any, *, max_total_tokens: int, runner: Any,
-                 tools: Optional[list[dict]] = None):
+                 tools: Optional[list[dict]] = None, limits: Optional[ObservationLimits] = None):
         self.cfg, self.runner = cfg, runner
+        self.media = limits or ObservationLimits()
+        """The `[data]` media limits of the observations (held to in the workers)."""
         self.tools = tools if tools is not None else list(build_environment(cfg.name, cfg.kwargs).tools())
         self.rollout = multiturn_rollout(engine, processor)
         self.turns = TurnEncoder(processor)
@@ -104,7 +108,10 @@ class MultiTurnRounds:
         self.errors = 0
 
     @classmethod
-    def from_config(cls, rl: Any, max_tokens_per_pack: int, engine: Any, processor: Any) -> MultiTurnRounds:
+    def from_config(cls, rl: Any, max_tokens_per_pack: int, engine: Any, processor: Any, *,
+                    data: Any = None) -> MultiTurnRounds:
+        """`data`: the `[data]` table, whose max_frames / max_image_pixels / max_video_pixels the observations are held
+        to (None: their defaults)."""
         cfg: RLEnvConfig = rl.env
         total = cfg.max_total_tokens or max_tokens_per_pack
         if total > max_tokens_per_pack:
@@ -112,7 +119,8 @@ class MultiTurnRounds:
 
             raise ConfigError(f"rl.env.max_total_tokens: {total} exceeds data.max_tokens_per_pack = {max_tokens_per_pack} "
                               "(a trajectory is trained as one packed sample); lower it or raise the pack size")
-        tools = environment_tools(cfg, verifiers=bool(rl.rewards))  # before any worker: a bad name / kwargs stops the job here (exit 2)
+        # before any worker: a bad name / kwargs stops the job here (exit 2)
+        tools = environment_tools(cfg, verifiers=bool(rl.rewards))
         pool = rl.reward_pool
         runner: Any = (EnvWorkerPool(num_workers=pool.workers, timeout_s=cfg.turn_timeout_s,
                                      memory_limit_mb=pool.memory_limit_mb, preload=(cfg.name,),
@@ -126,7 +134,8 @@ class MultiTurnRounds:
 
                 raise ConfigError(f"rl.env.name: {cfg.name!r} cannot be imported in the worker processes: "
                                   f"{next(iter(failed.values()))}")
-        return cls(cfg, engine, processor, max_total_tokens=total, runner=runner, tools=tools)
+        return cls(cfg, engine, processor, max_total_tokens=total, runner=runner, tools=tools,
+                   limits=ObservationLimits.from_data(data) if data is not None else None)
 
     def prompt_encoder(self, encoder: Any) -> Any:
         """The prompt encoder whose prompts carry the environment's tools in their system turn and leave room under
@@ -142,7 +151,7 @@ class MultiTurnRounds:
         messages = [self.prompt_encoder_messages(s) for s in shard.samples]
         session = EnvSession(self.runner, self.turns, name=self.cfg.name, kwargs=self.cfg.kwargs,
                              samples=[env_sample(s, p) for s, p in zip(shard.samples, prompts)], histories=messages,
-                             n=params.n, eos_token_ids=self.eos, tools=self.tools)
+                             n=params.n, eos_token_ids=self.eos, tools=self.tools, limits=self.media)
         trajs = self.rollout.generate(prompts, params, session, self.limits, seed=seed)
         session.settle(trajs)
         self.errors += session.errors

@@ -224,3 +224,16 @@ class VideoAsArray(Environment):
 
     def step(self, action):
         return StepResult(Observation(text="watch", videos=[np.zeros((4, 28, 28, 3), dtype=np.uint8)]))
+
+
+class LongVideo(Environment):
+    """A video of `frames` frames of `size` x `size` pixels (frame i filled with the value i), and a `size` x `size`
+    image when `image` is set."""
+
+    def __init__(self, frames: int = 40, size: int = 28, image: bool = False):
+        self.frames, self.size, self.image = frames, size, image
+
+    def step(self, action):
+        video = [np.full((self.size, self.size, 3), i, dtype=np.uint8) for i in range(self.frames)]
+        images = [np.zeros((self.size, self.size, 3), dtype=np.uint8)] if self.image else []
+        return StepResult(Observation(text="watch", videos=[video], images=images, video_fps=4.0))

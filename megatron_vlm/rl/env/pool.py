@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 from megatron_vlm.rl.env.base import Environment, EnvSample, Observation, StepResult
 from megatron_vlm.rl.env.observation_limits import ObservationLimits, limit_observation
+from megatron_vlm.rl.env.tools import tool_deadline
 from megatron_vlm.rl.rewards.pool import CallResult, RewardWorkerPool, _describe, isolate_worker, serve_calls
 
 __all__ = ["EnvCall", "EnvReply", "EnvWorkerPool", "build_environment", "BUILTIN_ENVIRONMENTS", "InlineEnvRunner"]
@@ -74,6 +75,8 @@ class EnvCall:
     limits: Optional[ObservationLimits] = None
     """step: the `[data]` media limits its observation is held to before it is sent back (observation_limits.py);
     None: the `[data]` defaults."""
+    tool_timeout_s: float = 0.0
+    """step: the deadline of each of its tool calls (rl/env/tools.py `tool_deadline`; 0: none)."""
 
 
 @dataclass
@@ -138,7 +141,8 @@ def run_call(call: EnvCall) -> EnvReply:
         tools = list(env.tools())
     elif call.op == "step":
         env = pickle.loads(call.state)
-        result = env.step(call.action)
+        with tool_deadline(call.tool_timeout_s):
+            result = env.step(call.action)
         if not isinstance(result, StepResult):
             raise TypeError(f"{_env_name(env)}: step returned {type(result).__name__}, not a StepResult")
         try:

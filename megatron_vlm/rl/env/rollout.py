@@ -151,7 +151,8 @@ class MultiTurnRounds:
         messages = [self.prompt_encoder_messages(s) for s in shard.samples]
         session = EnvSession(self.runner, self.turns, name=self.cfg.name, kwargs=self.cfg.kwargs,
                              samples=[env_sample(s, p) for s, p in zip(shard.samples, prompts)], histories=messages,
-                             n=params.n, eos_token_ids=self.eos, tools=self.tools, limits=self.media)
+                             n=params.n, eos_token_ids=self.eos, tools=self.tools, limits=self.media,
+                             tool_timeout_s=self.cfg.tool_deadline_s())
         trajs = self.rollout.generate(prompts, params, session, self.limits, seed=seed)
         session.settle(trajs)
         self.errors += session.errors

@@ -28,8 +28,9 @@ class RLEnvConfig:
     tool_timeout_s: Optional[float] = None
     """Deadline of one tool call of a tool environment (rl/env/tools.py: `ToolRegistry`, the built-in "calculator" and
     "zoom"): a call still running then is stopped and answered with an error reply ("... timed out"), counted in
-    env/tool_timeouts, and the conversation goes on. Unset = turn_timeout_s / 2; 0 = none (a hanging tool then ends
-    its trajectory at turn_timeout_s); below turn_timeout_s. A tool blocked inside C code is stopped only when it
+    env/tool_timeouts, and the conversation goes on; the calls of one turn also share turn_timeout_s (less a fifth
+    kept for the reply). Unset = turn_timeout_s / 2; 0 = none (a hanging tool then ends its trajectory at
+    turn_timeout_s); below turn_timeout_s. A tool blocked inside C code is stopped only when it
     returns to Python, so turn_timeout_s stays the last resort (docs/environments.md)."""
     batch_timeout_s: float = 0.0
     """Deadline of one environment turn of all its trajectories together (the calls of one loop iteration), from

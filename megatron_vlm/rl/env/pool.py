@@ -77,6 +77,8 @@ class EnvCall:
     None: the `[data]` defaults."""
     tool_timeout_s: float = 0.0
     """step: the deadline of each of its tool calls (rl/env/tools.py `tool_deadline`; 0: none)."""
+    turn_timeout_s: float = 0.0
+    """step: its own deadline (the pool's per-call one), which its tool calls share (`tool_deadline`; 0: unbounded)."""
 
 
 @dataclass
@@ -141,7 +143,7 @@ def run_call(call: EnvCall) -> EnvReply:
         tools = list(env.tools())
     elif call.op == "step":
         env = pickle.loads(call.state)
-        with tool_deadline(call.tool_timeout_s):
+        with tool_deadline(call.tool_timeout_s, call.turn_timeout_s):
             result = env.step(call.action)
         if not isinstance(result, StepResult):
             raise TypeError(f"{_env_name(env)}: step returned {type(result).__name__}, not a StepResult")

@@ -152,7 +152,7 @@ class MultiTurnRounds:
         session = EnvSession(self.runner, self.turns, name=self.cfg.name, kwargs=self.cfg.kwargs,
                              samples=[env_sample(s, p) for s, p in zip(shard.samples, prompts)], histories=messages,
                              n=params.n, eos_token_ids=self.eos, tools=self.tools, limits=self.media,
-                             tool_timeout_s=self.cfg.tool_deadline_s())
+                             tool_timeout_s=self.cfg.tool_deadline_s(), turn_timeout_s=self.cfg.turn_timeout_s)
         trajs = self.rollout.generate(prompts, params, session, self.limits, seed=seed)
         session.settle(trajs)
         self.errors += session.errors

@@ -22,7 +22,8 @@ thread would keep running beside the next calls (and mutating the environment) a
 what the tool changed in the environment. What a signal cannot stop is left to the whole-turn deadline
 (`turn_timeout_s`: the worker is killed and replaced, the trajectory ends as env_error): a tool blocked in C code
 that does not return to Python (the handler runs when it does), one that catches `BaseException` and keeps going
-(a late return is still answered as timed out), several calls of one turn whose deadlines add up past the turn's.
+(a late return is still answered as timed out). The calls of one turn share its time: each is also stopped when
+what is left of the turn (less a reserve for the reply) runs out.
 A stopped tool may leave its environment's state half changed, as a tool that raises does. Outside the main thread
 (or with an interval timer already set) no deadline is applied.
 """
@@ -33,6 +34,7 @@ import inspect
 import json
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Optional
 
@@ -83,18 +85,34 @@ class ToolTimeout(BaseException):
 
 _deadline_s = 0.0
 """The current step's deadline of one tool call, in seconds (0: none): `tool_deadline`."""
+_turn_end = 0.0
+"""time.monotonic() by which the current step's tool calls must be done (0: no bound): `tool_deadline`."""
+TURN_RESERVE = 0.2
+"""The share of a step's deadline kept for what follows its tool calls (building and pickling the reply)."""
 
 
 @contextlib.contextmanager
-def tool_deadline(seconds: float) -> Iterator[None]:
-    """Within this block every tool call of a `ToolRegistry` is stopped after `seconds` (0: never; module docstring).
-    The environment worker wraps each step in it (rl/env/pool.py `run_call`)."""
-    global _deadline_s
-    before, _deadline_s = _deadline_s, max(0.0, float(seconds or 0.0))
+def tool_deadline(seconds: float, turn_s: float = 0.0) -> Iterator[None]:
+    """Within this block every tool call of a `ToolRegistry` is stopped after `seconds` (0: never; module docstring),
+    and, with `turn_s` (the step's own deadline, `turn_timeout_s`), by the time (1 - TURN_RESERVE) x `turn_s` from
+    now: the calls of one turn share its time, so several hanging calls are each answered "timed out" before the
+    turn's deadline kills the worker. The environment worker wraps each step in it (rl/env/pool.py `run_call`)."""
+    global _deadline_s, _turn_end
+    before = _deadline_s, _turn_end
+    _deadline_s = max(0.0, float(seconds or 0.0))
+    _turn_end = time.monotonic() + (1.0 - TURN_RESERVE) * turn_s if _deadline_s and turn_s > 0 else 0.0
     try:
         yield
     finally:
-        _deadline_s = before
+        _deadline_s, _turn_end = before
+
+
+def _call_deadline() -> float:
+    """The deadline of the next tool call in seconds: the step's, cut to what is left of its turn (0: none; a call
+    with no time left gets a moment, so it is answered "timed out" rather than not at all)."""
+    if not _deadline_s or not _turn_end:
+        return _deadline_s
+    return max(1e-3, min(_deadline_s, _turn_end - time.monotonic()))
 
 
 def _can_interrupt() -> bool:
@@ -251,13 +269,13 @@ class ToolRegistry:
         why = _check_args(self._specs[call.name], call.arguments)
         if why is not None:
             return ToolReply(f"Error: {call.name}: {why}", [], False)
-        seconds = _deadline_s
+        seconds = _call_deadline()
         try:
             out, late = _run_with_deadline(fn, call.arguments, seconds)
         except (Exception, SystemExit) as e:  # noqa: BLE001 -- a tool's failure (sys.exit too) is the model's feedback
             return ToolReply(f"Error: {call.name} raised {type(e).__name__}: {_text_of(e)}"[:500], [], False)
         if late:
-            return ToolReply(f"Error: {call.name} timed out after {seconds:g} s and was stopped", [], False, True)
+            return ToolReply(f"Error: {call.name} timed out after {seconds:.3g} s and was stopped", [], False, True)
         return ToolReply(*self._shown_result(call.name, out))
 
     @staticmethod

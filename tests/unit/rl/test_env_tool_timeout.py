@@ -77,6 +77,18 @@ def test_the_session_sends_the_deadline_with_each_step():
     from megatron_vlm.rl.env.session import EnvSession
 
     session = EnvSession(Runner(), encoder=None, name="x:Y", kwargs={}, samples=[EnvSample(problem="q")],
-                         histories=[[]], n=1, eos_token_ids=[0], tool_timeout_s=1.5)
+                         histories=[[]], n=1, eos_token_ids=[0], tool_timeout_s=1.5, turn_timeout_s=4.0)
     session.step([(0, 0, "hi", [0], 10)])
-    assert [c.tool_timeout_s for c in sent if c.op == "step"] == [1.5]
+    assert [(c.tool_timeout_s, c.turn_timeout_s) for c in sent if c.op == "step"] == [(1.5, 4.0)]
+
+
+def test_the_calls_of_one_turn_share_its_time():
+    """Two hanging calls of 2 s each in a turn of 3 s: the second is stopped when the turn's time runs short (a share
+    of it kept for the reply), so both are answered; it used to run its full 2 s and the turn's deadline killed the
+    worker (env_error)."""
+    with EnvWorkerPool(num_workers=1, timeout_s=3.0) as pool:
+        (r,) = pool.run([EnvCall("step", state=_state(), action=_call("_slow_tool", 3600) * 2, tool_timeout_s=2.0,
+                                 turn_timeout_s=3.0)])
+        assert not r.error and pool.restarts == 0, r.error
+        assert [p["text"].startswith("Error: _slow_tool timed out") for p in r.result.observation.parts] == [True] * 2
+        assert r.result.info["tool_timeouts"] == 2

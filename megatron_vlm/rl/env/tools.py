@@ -122,8 +122,8 @@ def _can_interrupt() -> bool:
 
 def _run_with_deadline(fn: Callable, kwargs: dict, seconds: float) -> tuple[Any, bool]:
     """(fn(**kwargs), whether it ran past `seconds`): at the deadline SIGALRM raises `ToolTimeout` in the call (module
-    docstring); a call that swallowed it (returned late, or raised something else) counts as timed out too. The previous SIGALRM handler is
-    restored. An exception of the tool propagates."""
+    docstring); a call that swallowed it (returned late, or raised something else) counts as timed out too. The
+    previous SIGALRM handler is restored. Any other exception of the tool propagates."""
     if seconds <= 0 or not _can_interrupt():
         return fn(**kwargs), False
     fired = False
@@ -152,6 +152,8 @@ def _run_with_deadline(fn: Callable, kwargs: dict, seconds: float) -> tuple[Any,
 
 
 class ToolReply(NamedTuple):
+    """A tool call's reply: the text and images the model is shown, whether the call worked, whether it timed out."""
+
     text: str
     images: list
     ok: bool

@@ -53,8 +53,9 @@ def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager
     `dims` (`ParallelDims`): prompts are sharded over its data-parallel ranks (the tp ranks of a group
     generate the same answers); None = one shard per process. `multiturn` ([rl.env]: rl/env/rollout.py
     `MultiTurnRounds`): each sample is a whole conversation with the environment, scored on its last model turn as
-    the training rollout's reward is (a single completion would be the tool-trained model's first turn: its call);
-    "response_length" then counts the model's tokens of all turns."""
+    the training rollout's reward is (a single completion would be the tool-trained model's first turn: its call),
+    or with the accuracy label "env" (no [[rl.rewards]] table, or rl.accuracy_reward = "env") by the environment's
+    return of each conversation; "response_length" then counts the model's tokens of all turns."""
     if dataset is None or len(dataset) == 0:
         return None
     e = rl_cfg.eval
@@ -77,10 +78,13 @@ def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager
     if sync is not None:
         sync(step)
     wrapper.eval()
+    returns: Optional[list[float]] = None
     if multiturn is not None:  # the seed: never a training round's (their round numbers are >= 0)
         from megatron_vlm.rl.env.rollout import multiturn_seed
 
-        result, _ = multiturn.generate(shard, params, multiturn_seed(ctx.cfg.train.seed, step, rank, -_EVAL_SALT))
+        result, trajs = multiturn.generate(shard, params, multiturn_seed(ctx.cfg.train.seed, step, rank, -_EVAL_SALT))
+        if rl_cfg.accuracy_label() == "env":  # the environment's return is the accuracy reward
+            returns = multiturn.rewards(trajs)
     else:
         result = engine.generate(shard.prompts, params,
                                  generator=sampling_generator(ctx.cfg.train.seed, step, rank, env.device, salt=_EVAL_SALT))
@@ -89,7 +93,9 @@ def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager
     k = e.k
     real = result.samples[: shard.num_real * k]
     scores: list[list[float]] = []
-    if real:
+    if real and returns is not None:
+        scores = [list(returns[p * k:(p + 1) * k]) for p in range(shard.num_real)]
+    elif real:
         completions = [[s.text for s in real[p * k:(p + 1) * k]] for p in range(shard.num_real)]
         acc = score_accuracy(manager, completions, [p.answer for p in shard.samples], [p.problem for p in shard.samples],
                              [p.metadata for p in shard.samples], label=rl_cfg.accuracy_label(), threshold=e.correct_threshold,

@@ -459,7 +459,7 @@ def _env_lines(cfg) -> list[str]:
         return []
     from megatron_vlm.rl.env.rollout import environment_tools
 
-    tools = environment_tools(env)
+    tools = environment_tools(env, verifiers=bool(cfg.rl.rewards))
     names = ", ".join(str(t.get("function", {}).get("name", "?")) for t in tools) or "none"
     return [f"env        {env.name}: built, {len(tools)} tool(s): {names}"]
 

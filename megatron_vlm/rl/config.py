@@ -603,6 +603,12 @@ MOVED_KEYS: dict[str, str] = {
 name instead of being read under the old one."""
 
 
+
+class _DefaultRewards(list):
+    """`rl.rewards` when no `[[rl.rewards]]` table is given: the math verifier, or none with [rl.env] (told apart from
+    the same list written out, which is kept)."""
+
+
 @dataclass(kw_only=True)
 class RLConfig:
     MOVED: ClassVar[dict[str, str]] = MOVED_KEYS
@@ -676,12 +682,13 @@ class RLConfig:
 
     # --- rewards and evaluation ------------------------------------------------------------------
     rewards: list[MathRewardConfig | ChoiceRewardConfig | FormatRewardConfig | ExactMatchRewardConfig | CustomRewardConfig
-                  | ModelRewardConfig | JudgeRewardConfig] = field(
-        default_factory=lambda: [MathRewardConfig()]
-    )
-    """Verifiers whose weighted sum is the reward, one `[[rl.rewards]]` table each (`type =` picks it)."""
+                  | ModelRewardConfig | JudgeRewardConfig] = field(default_factory=lambda: _DefaultRewards([MathRewardConfig()]))
+    """Verifiers whose weighted sum is the reward, one `[[rl.rewards]]` table each (`type =` picks it). No table: the
+    math verifier, or with [rl.env] none (the environment's turn rewards are the whole reward; an environment that
+    gives none, as the built-in tool environments, is refused naming this key)."""
     accuracy_reward: Optional[str] = None
-    """Label of the reward reported as accuracy (and used by evaluation); unset = the first reward."""
+    """Label of the reward reported as accuracy (and used by evaluation); unset = the first reward, or with [rl.env]
+    and no [[rl.rewards]] table "env" (the environment's return; "env" may be given with [rl.env] in any case)."""
     model_path_hint: Optional[str] = None
     """Shown when model.path has no model yet: how to produce it (e.g. the SFT run a GRPO demo starts from)."""
     eval: RLEvalConfig = field(default_factory=RLEvalConfig)
@@ -862,8 +869,11 @@ class RLConfig:
                 raise ValueError(f"rollout.{key}: a setting of the built-in engine; with rollout_backend = 'vllm' {where}")
 
     def _validate_rewards(self) -> None:
-        if not self.rewards:
-            raise ValueError("rewards: at least one [[rl.rewards]] table is required")
+        if isinstance(self.rewards, _DefaultRewards) and self.env is not None:
+            self.rewards = []  # no table with [rl.env]: the environment's turn rewards are the reward
+        if not self.rewards and self.env is None:
+            raise ValueError("rewards: at least one [[rl.rewards]] table is required (or an [rl.env] environment whose "
+                             "turn rewards are the reward)")
         labels = [r.label() for r in self.rewards]
         dup = sorted({x for x in labels if labels.count(x) > 1})
         if dup:
@@ -878,8 +888,9 @@ class RLConfig:
                 raise ValueError(f"rewards[{i}].type: {r.type!r} scores on the training ranks of the synchronous loop; "
                                  "asynchronous GRPO (allocation) scores on its rollout ranks, which do not load reward "
                                  "models yet: leave allocation unset or use a rule reward")
-        if self.accuracy_reward is not None and self.accuracy_reward not in labels:
-            raise ValueError(f"accuracy_reward: {self.accuracy_reward!r} is not one of the reward labels {labels}")
+        known = [*labels, "env"] if self.env is not None else labels  # "env": the environment's return
+        if self.accuracy_reward is not None and self.accuracy_reward not in known:
+            raise ValueError(f"accuracy_reward: {self.accuracy_reward!r} is not one of the reward labels {known}")
 
     def critic_warmup_refusal(self, total_steps: Optional[int]) -> Optional[str]:
         """Why `[rl.critic] warmup_steps` cannot serve a run of `total_steps` steps (None when it can, or when the
@@ -900,7 +911,7 @@ class RLConfig:
 
     def accuracy_label(self) -> str:
         """Label of the reward that counts as accuracy."""
-        return self.accuracy_reward or self.rewards[0].label()
+        return self.accuracy_reward or (self.rewards[0].label() if self.rewards else "env")
 
     def render_prompt(self, problem: str) -> str:
         """The user turn for one dataset question."""

@@ -40,7 +40,10 @@ class StepCounts:
 
 def step_metrics(rl: Any, shards: DataShards, step: int, timer: PhaseTimer, rounds: Sequence[Round], upd: UpdateResult,
                  counts: StepCounts, *, reward_labels: Sequence[str], zero_adv_on: bool) -> dict[str, float]:
-    """The step's metrics (the same on every rank)."""
+    """The step's metrics (the same on every rank). With [rl.env], "env" (the environment's return, every round's
+    `per_reward`) is reported as a reward too: reward/env, and the accuracy when it is the accuracy label."""
+    if getattr(rl, "env", None) is not None and "env" not in reward_labels:
+        reward_labels = [*reward_labels, "env"]
     G = rl.batch.group_size
     real = [x for rd in rounds for x in rd.real]
     trained: list[bool] = []  # per real sample: its group is trained (mask_truncated is counted separately)

@@ -213,7 +213,7 @@ def build_grpo_parts(ctx: RunContext, bundle: ModelBundle) -> GRPOParts:
     if rl.env is not None:  # multi-turn rollouts: environments in worker processes, tools in the system turn
         from megatron_vlm.rl.env.rollout import MultiTurnRounds
 
-        multiturn = MultiTurnRounds.from_config(rl, cfg.data.max_tokens_per_pack, engine, bundle.processor)
+        multiturn = MultiTurnRounds.from_config(rl, cfg.data.max_tokens_per_pack, engine, bundle.processor, data=cfg.data)
         prompt_encoder = multiturn.prompt_encoder(encoder)
     return GRPOParts(sets=sets, encoder=prompt_encoder, engine=engine, manager=manager, reference=reference,
                      bad_records=bad_records, multiturn=multiturn)

@@ -43,3 +43,17 @@ def test_multiturn_grpo_job_and_exact_resume_after_kill9(tmp_path):
             assert float(resumed[int(row["step"])][key]) == float(row[key]), (row["step"], key)
     a, b = load_safetensors_dir(straight / "hf"), load_safetensors_dir(crashed / "hf")
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+
+
+def test_environment_reward_only_job(tmp_path):
+    """No [[rl.rewards]] verifier: the trajectory's reward and the accuracy, in training and in the held-out
+    evaluation, are the environment's turn rewards (reward/env)."""
+    out = tmp_path / "env_only"
+    sets = {"rl.rewards": "[]", "rl.accuracy_reward": '"env"', "train.max_steps": "2", "rl.eval.every_steps": "2"}
+    run_job(multiturn_overrides(out, tmp_path / "assets", **sets), config=GRPO_DEMO)
+    rows = read_metrics(out / "metrics_train.csv")
+    assert [int(r["step"]) for r in rows] == [1, 2]
+    assert all(float(r["reward/mean"]) == float(r["reward/env"]) > 0 for r in rows)
+    assert all("accuracy" in r for r in rows)
+    evals = read_metrics(out / "metrics_eval.csv")
+    assert evals and all(0.0 <= float(r["accuracy"]) <= 1.0 for r in evals), evals

@@ -135,7 +135,7 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
     if rl.env is not None:  # [rl.env]: conversations with environments in this rank's worker pool (rl/env/rollout.py)
         from megatron_vlm.rl.env.rollout import MultiTurnRounds
 
-        multiturn = MultiTurnRounds.from_config(rl, cfg.data.max_tokens_per_pack, engine, processor)
+        multiturn = MultiTurnRounds.from_config(rl, cfg.data.max_tokens_per_pack, engine, processor, data=cfg.data)
         encoder = multiturn.prompt_encoder(encoder)  # the tools in the system turn, as on the trainer
     receive_weights(model, bridge, bridge.broadcast_object(), engine)  # the trainer's weights at `start`
     manager = RewardManager(rl.rewards, timeout_s=rl.reward_pool.timeout_s, num_workers=rl.reward_pool.workers,

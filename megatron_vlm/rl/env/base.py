@@ -74,5 +74,9 @@ class Environment:
     def step(self, action: str) -> StepResult:
         raise NotImplementedError(f"{type(self).__name__} does not implement step(action)")
 
+    gives_rewards: bool = True
+    """Whether `step` may return a reward; False (the tool environments without a reward function): the trajectory's
+    reward is the [[rl.rewards]] verifiers' only, so a run without a [[rl.rewards]] table is refused."""
+
     def tools(self) -> list[dict]:
         return []

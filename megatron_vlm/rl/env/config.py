@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 __all__ = ["RLEnvConfig"]
 
@@ -23,7 +23,15 @@ class RLEnvConfig:
     finish reason "max_total_tokens". 0 = data.max_tokens_per_pack (a trajectory is trained as one sample)."""
     turn_timeout_s: float = 30.0
     """Deadline of one environment call (reset or step) in its worker process; past it the worker is killed and
-    the trajectory ends with finish reason "env_error" (counted in env/errors)."""
+    the trajectory ends with finish reason "env_error" (counted in env/errors). With tool environments the last
+    resort: a tool call is stopped at tool_timeout_s first."""
+    tool_timeout_s: Optional[float] = None
+    """Deadline of one tool call of a tool environment (rl/env/tools.py: `ToolRegistry`, the built-in "calculator" and
+    "zoom"): a call still running then is stopped and answered with an error reply ("... timed out"), counted in
+    env/tool_timeouts, and the conversation goes on; the calls of one turn also share turn_timeout_s (less a fifth
+    kept for the reply). Unset = turn_timeout_s / 2; 0 = none (a hanging tool then ends its trajectory at
+    turn_timeout_s); below turn_timeout_s. A tool blocked inside C code is stopped only when it
+    returns to Python, so turn_timeout_s stays the last resort (docs/environments.md)."""
     batch_timeout_s: float = 0.0
     """Deadline of one environment turn of all its trajectories together (the calls of one loop iteration), from
     its first call; the calls not done by then end their trajectories as "env_error" (counted). 0 = none: with
@@ -32,7 +40,7 @@ class RLEnvConfig:
     turn_rewards: Literal["sum", "discounted"] = "sum"
     """How the environment's per-turn rewards enter the trajectory's reward: "sum" = their sum; "discounted" =
     sum_t discount**t * r_t (t = 0 for the first turn). Added to the [[rl.rewards]] verifiers' score of the final
-    model turn; group advantages as in single-turn GRPO."""
+    model turn (without a [[rl.rewards]] table, the whole reward); group advantages as in single-turn GRPO."""
     discount: float = 1.0
     """The factor of turn_rewards = "discounted"."""
     sandbox: bool = True
@@ -50,12 +58,19 @@ class RLEnvConfig:
             raise ValueError(f"turn_timeout_s: must be > 0, got {self.turn_timeout_s}")
         if not self.batch_timeout_s >= 0 or self.batch_timeout_s == float("inf"):
             raise ValueError(f"batch_timeout_s: must be finite and >= 0 (0 = none), got {self.batch_timeout_s}")
+        if self.tool_timeout_s is not None and not 0 <= self.tool_timeout_s < self.turn_timeout_s:
+            raise ValueError(f"tool_timeout_s: must be >= 0 (0 = none) and below turn_timeout_s = {self.turn_timeout_s} "
+                             f"(the turn's deadline would come first), got {self.tool_timeout_s}")
         if self.batch_timeout_s and not self.sandbox:
             raise ValueError("batch_timeout_s: needs sandbox = true (the in-process runner cannot stop a call)")
         if not 0.0 < self.discount <= 1.0:
             raise ValueError(f"discount: must be in (0, 1], got {self.discount}")
         if self.discount != 1.0 and self.turn_rewards != "discounted":
             raise ValueError("discount: only read with turn_rewards = 'discounted'")
+
+    def tool_deadline_s(self) -> float:
+        """The deadline of one tool call in seconds (0: none): tool_timeout_s, unset = half of turn_timeout_s."""
+        return self.turn_timeout_s / 2 if self.tool_timeout_s is None else float(self.tool_timeout_s)
 
     def trajectory_return(self, rewards: list[float]) -> float:
         """The environment's share of a trajectory's reward from its per-turn rewards."""

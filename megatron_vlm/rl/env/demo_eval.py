@@ -54,6 +54,7 @@ def evaluate_tool_demo(model_dir: str | Path, prompts: str | Path, *, env: Optio
     from megatron_vlm.inference.engine import SamplingParams
     from megatron_vlm.inference.multiturn import MultiTurnLimits, MultiTurnRollout
     from megatron_vlm.inference.policy_engine import PolicyRolloutEngine
+    from megatron_vlm.rl.env.observation_limits import ObservationLimits
     from megatron_vlm.rl.env.pool import InlineEnvRunner, build_environment
     from megatron_vlm.rl.env.session import EnvSession, ToolPromptEncoder, env_sample
     from megatron_vlm.rl.env.turns import TurnEncoder
@@ -76,7 +77,8 @@ def evaluate_tool_demo(model_dir: str | Path, prompts: str | Path, *, env: Optio
     engine = PolicyRolloutEngine(model, proc.tokenizer)
     session = EnvSession(InlineEnvRunner(), TurnEncoder(proc), name=name, kwargs=dict(env_kwargs or {}),
                          samples=[env_sample(s, p) for s, p in zip(samples, rollout_prompts)],
-                         histories=[encoder.messages(s) for s in samples], n=1, eos_token_ids=sorted(engine.eos_token_ids))
+                         histories=[encoder.messages(s) for s in samples], n=1, eos_token_ids=sorted(engine.eos_token_ids),
+                         limits=ObservationLimits(max_frames=4))  # the prompts' max_frames
     limits = MultiTurnLimits(max_turns=max_turns if env else 1, max_total_tokens=max_total_tokens)
     with torch.no_grad():
         trajs = MultiTurnRollout(engine).generate(rollout_prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0),

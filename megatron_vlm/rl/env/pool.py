@@ -10,7 +10,8 @@ has lost everything), so the environment object itself travels: `reset` builds i
 back pickled with the first observation, each `step` unpickles it, steps it and sends it back. An
 environment must therefore be picklable (plain Python state). Every failure (the environment could not be
 built, `reset` / `step` raised, `step` returned a NaN or infinite reward or `info` that is not a dict of named finite
-numbers, the worker hung or died, the result was not picklable) is an
+numbers or an observation over the `[data]` media limits (observation_limits.py, applied here before the reply is
+pickled), the worker hung or died, the result was not picklable) is an
 `EnvReply` with `error` set: the rollout ends that trajectory with finish reason "env_error" and counts it.
 """
 from __future__ import annotations
@@ -26,6 +27,8 @@ from multiprocessing.connection import Connection
 from typing import Any, Optional
 
 from megatron_vlm.rl.env.base import Environment, EnvSample, Observation, StepResult
+from megatron_vlm.rl.env.observation_limits import ObservationLimits, limit_observation
+from megatron_vlm.rl.env.tools import tool_deadline
 from megatron_vlm.rl.rewards.pool import CallResult, RewardWorkerPool, _describe, isolate_worker, serve_calls
 
 __all__ = ["EnvCall", "EnvReply", "EnvWorkerPool", "build_environment", "BUILTIN_ENVIRONMENTS", "InlineEnvRunner"]
@@ -69,6 +72,13 @@ class EnvCall:
     sample: Optional[EnvSample] = None
     state: bytes = b""
     action: str = ""
+    limits: Optional[ObservationLimits] = None
+    """step: the `[data]` media limits its observation is held to before it is sent back (observation_limits.py);
+    None: the `[data]` defaults."""
+    tool_timeout_s: float = 0.0
+    """step: the deadline of each of its tool calls (rl/env/tools.py `tool_deadline`; 0: none)."""
+    turn_timeout_s: float = 0.0
+    """step: its own deadline (the pool's per-call one), which its tool calls share (`tool_deadline`; 0: unbounded)."""
 
 
 @dataclass
@@ -133,12 +143,14 @@ def run_call(call: EnvCall) -> EnvReply:
         tools = list(env.tools())
     elif call.op == "step":
         env = pickle.loads(call.state)
-        result = env.step(call.action)
+        with tool_deadline(call.tool_timeout_s, call.turn_timeout_s):
+            result = env.step(call.action)
         if not isinstance(result, StepResult):
             raise TypeError(f"{_env_name(env)}: step returned {type(result).__name__}, not a StepResult")
         try:
             if not result.done:  # the observation is shown (one ending the trajectory is not: it may be None)
                 _check_observation(result.observation)
+                result.observation = limit_observation(result.observation, call.limits or ObservationLimits())
             try:
                 result.reward = float(result.reward)  # numpy / 0-d tensor rewards are numbers too
             except (TypeError, ValueError):

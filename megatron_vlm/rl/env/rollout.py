@@ -1,8 +1,9 @@
 """The multi-turn rollout of a GRPO round: environments, engine and the trajectories' rewards, built once per run.
 
-`MultiTurnRounds.from_config(rl, data_cfg, engine, processor)` is what `[rl.env]` adds to a GRPO job: the
-environment worker pool (the `[rl.reward_pool]` sizes and memory cap, `[rl.env]` turn_timeout_s as the deadline
-of each call), the chat-template turn encoder, the engine's multi-turn loop. `generate(shard, params, seed)`
+`MultiTurnRounds.from_config(rl, max_tokens_per_pack, engine, processor, data=data_cfg)` is what `[rl.env]` adds to a
+GRPO job: the environment worker pool (the `[rl.reward_pool]` sizes and memory cap, `[rl.env]` turn_timeout_s as the
+deadline of each call), the `[data]` media limits of the observations (rl/env/observation_limits.py), the
+chat-template turn encoder, the engine's multi-turn loop. `generate(shard, params, seed)`
 rolls out the G trajectories of each of this rank's real prompts (dummy prompts of data parallelism are not
 rolled out: nothing of theirs is scored or trained) and returns them with a `RolloutResult` view for the step
 metrics (the model's tokens as the "completion": lengths, truncation).
@@ -20,6 +21,7 @@ from typing import Any, Optional, cast
 from megatron_vlm.inference.engine import RolloutResult, RolloutSample, SamplingParams
 from megatron_vlm.inference.multiturn import MultiTurnLimits, MultiTurnRollout, Trajectory
 from megatron_vlm.rl.env.config import RLEnvConfig
+from megatron_vlm.rl.env.observation_limits import ObservationLimits
 from megatron_vlm.rl.env.pool import EnvWorkerPool, InlineEnvRunner, build_environment, resolve_environment
 from megatron_vlm.rl.env.session import EnvSession, ToolPromptEncoder, env_sample
 from megatron_vlm.rl.env.turns import TurnEncoder
@@ -55,10 +57,12 @@ def rollout_view(t: Trajectory) -> RolloutSample:
                          token_versions=t.token_versions)
 
 
-def environment_tools(cfg: RLEnvConfig) -> list[dict]:
+def environment_tools(cfg: RLEnvConfig, *, verifiers: bool = True) -> list[dict]:
     """The tool specs of `[rl.env]`'s environment, built once in this process; a ConfigError naming the key to fix
     (rl.env.name, rl.env.kwargs) when the class cannot be found, its constructor does not take the kwargs, it fails
-    or its `tools()` does not give JSON tool specs (they go into every prompt's system turn)."""
+    or its `tools()` does not give JSON tool specs (they go into every prompt's system turn); without `verifiers`
+    (no [[rl.rewards]] table), one naming rl.rewards when the environment gives no reward of its own
+    (`Environment.gives_rewards`): every trajectory's reward would be 0."""
     import inspect
     import json
 
@@ -75,20 +79,27 @@ def environment_tools(cfg: RLEnvConfig) -> list[dict]:
     except ValueError:  # no signature to read (a builtin): the call below tells
         pass
     try:
-        tools = list(build_environment(cfg.name, cfg.kwargs).tools())
+        env = build_environment(cfg.name, cfg.kwargs)
+        tools = list(env.tools())
         json.dumps(tools)
         if not all(isinstance(t, dict) for t in tools):
             raise TypeError("tools() must return a list of JSON-schema dicts")
     except Exception as e:  # noqa: BLE001 - user code
         raise ConfigError(f"rl.env.name: the environment {cfg.name!r} could not be built or give its tool specs: "
                           f"{type(e).__name__}: {e}") from None
+    if not verifiers and not getattr(env, "gives_rewards", True):
+        raise ConfigError(f"rl.rewards: no [[rl.rewards]] table, and the environment {cfg.name!r} gives no reward of "
+                          "its own (a tool environment without a reward function): every trajectory would score 0; "
+                          "add a [[rl.rewards]] verifier of the final answer")
     return tools
 
 
 class MultiTurnRounds:
     def __init__(self, cfg: RLEnvConfig, engine: Any, processor: Any, *, max_total_tokens: int, runner: Any,
-                 tools: Optional[list[dict]] = None):
+                 tools: Optional[list[dict]] = None, limits: Optional[ObservationLimits] = None):
         self.cfg, self.runner = cfg, runner
+        self.media = limits or ObservationLimits()
+        """The `[data]` media limits of the observations (held to in the workers)."""
         self.tools = tools if tools is not None else list(build_environment(cfg.name, cfg.kwargs).tools())
         self.rollout = multiturn_rollout(engine, processor)
         self.turns = TurnEncoder(processor)
@@ -97,7 +108,10 @@ class MultiTurnRounds:
         self.errors = 0
 
     @classmethod
-    def from_config(cls, rl: Any, max_tokens_per_pack: int, engine: Any, processor: Any) -> MultiTurnRounds:
+    def from_config(cls, rl: Any, max_tokens_per_pack: int, engine: Any, processor: Any, *,
+                    data: Any = None) -> MultiTurnRounds:
+        """`data`: the `[data]` table, whose max_frames / max_image_pixels / max_video_pixels the observations are held
+        to (None: their defaults)."""
         cfg: RLEnvConfig = rl.env
         total = cfg.max_total_tokens or max_tokens_per_pack
         if total > max_tokens_per_pack:
@@ -105,7 +119,8 @@ class MultiTurnRounds:
 
             raise ConfigError(f"rl.env.max_total_tokens: {total} exceeds data.max_tokens_per_pack = {max_tokens_per_pack} "
                               "(a trajectory is trained as one packed sample); lower it or raise the pack size")
-        tools = environment_tools(cfg)  # before any worker: a bad name / kwargs stops the job here (exit 2)
+        # before any worker: a bad name / kwargs stops the job here (exit 2)
+        tools = environment_tools(cfg, verifiers=bool(rl.rewards))
         pool = rl.reward_pool
         runner: Any = (EnvWorkerPool(num_workers=pool.workers, timeout_s=cfg.turn_timeout_s,
                                      memory_limit_mb=pool.memory_limit_mb, preload=(cfg.name,),
@@ -119,7 +134,8 @@ class MultiTurnRounds:
 
                 raise ConfigError(f"rl.env.name: {cfg.name!r} cannot be imported in the worker processes: "
                                   f"{next(iter(failed.values()))}")
-        return cls(cfg, engine, processor, max_total_tokens=total, runner=runner, tools=tools)
+        return cls(cfg, engine, processor, max_total_tokens=total, runner=runner, tools=tools,
+                   limits=ObservationLimits.from_data(data) if data is not None else None)
 
     def prompt_encoder(self, encoder: Any) -> Any:
         """The prompt encoder whose prompts carry the environment's tools in their system turn and leave room under
@@ -135,7 +151,8 @@ class MultiTurnRounds:
         messages = [self.prompt_encoder_messages(s) for s in shard.samples]
         session = EnvSession(self.runner, self.turns, name=self.cfg.name, kwargs=self.cfg.kwargs,
                              samples=[env_sample(s, p) for s, p in zip(shard.samples, prompts)], histories=messages,
-                             n=params.n, eos_token_ids=self.eos, tools=self.tools)
+                             n=params.n, eos_token_ids=self.eos, tools=self.tools, limits=self.media,
+                             tool_timeout_s=self.cfg.tool_deadline_s(), turn_timeout_s=self.cfg.turn_timeout_s)
         trajs = self.rollout.generate(prompts, params, session, self.limits, seed=seed)
         session.settle(trajs)
         self.errors += session.errors

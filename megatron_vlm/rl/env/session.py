@@ -21,6 +21,7 @@ from megatron_vlm.data.bad_records import BadRecordError
 from megatron_vlm.inference.engine import RolloutPrompt
 from megatron_vlm.inference.multiturn import TurnReply
 from megatron_vlm.rl.env.base import EnvSample
+from megatron_vlm.rl.env.observation_limits import ObservationLimits
 from megatron_vlm.rl.env.pool import EnvCall
 from megatron_vlm.rl.env.turns import TurnEncoder, cut_observation, with_tools
 from megatron_vlm.rl.prompts.dataset import PromptSample
@@ -77,12 +78,17 @@ class EnvSession:
     `EnvSample` per prompt; `histories`: the chat turns of each prompt (with the tool specs); `eos_token_ids`:
     the engine's (a turn ended by one is closed by the model itself); `tools`: the specs the prompts' system turns
     show (None: not checked), which every environment must still give after its reset (`tools()` is read once, before
-    any reset: per-sample tools would not be the ones the model sees)."""
+    any reset: per-sample tools would not be the ones the model sees); `limits`: the `[data]` media limits every
+    observation is held to in the worker (observation_limits.py; None: the `[data]` defaults); `tool_timeout_s`: the
+    deadline of each tool call of a step (rl/env/tools.py; 0: none), `turn_timeout_s` the step's, which its tool
+    calls share (0: unbounded)."""
 
     def __init__(self, runner: Any, encoder: TurnEncoder, *, name: str, kwargs: dict, samples: Sequence[EnvSample],
                  histories: Sequence[list[dict]], n: int, eos_token_ids: Sequence[int],
-                 tools: Optional[list[dict]] = None):
+                 tools: Optional[list[dict]] = None, limits: Optional[ObservationLimits] = None,
+                 tool_timeout_s: float = 0.0, turn_timeout_s: float = 0.0):
         self.runner, self.encoder, self.n = runner, encoder, n
+        self.limits, self.tool_timeout_s, self.turn_timeout_s = limits, tool_timeout_s, turn_timeout_s
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.errors = 0
         self.last_error = ""
@@ -165,7 +171,8 @@ class EnvSession:
         for conv, *_ in items:
             if conv in self.failed:
                 out[conv] = TurnReply(error=self.failed.pop(conv))  # counted when it failed
-        replies = self.runner.run([EnvCall("step", state=self.state[it[0]], action=it[2]) for it in live])
+        replies = self.runner.run([EnvCall("step", state=self.state[it[0]], action=it[2], limits=self.limits,
+                                            tool_timeout_s=self.tool_timeout_s, turn_timeout_s=self.turn_timeout_s) for it in live])
         for (conv, _, text, ids, *room), r in zip(live, replies):
             if r.error or r.result is None:
                 self._fail(conv, f"step: {r.error or 'no result'}")

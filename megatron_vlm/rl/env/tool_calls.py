@@ -7,6 +7,11 @@ transformers renders that markup but does not parse it back. A malformed call (n
 is not an exception: it comes back as a `ToolCallError` in the turn's order, and the environment answers it
 with an error message as the tool's reply (counted), so a model learning the syntax gets a signal instead of
 a crashed rollout.
+
+Reasoning is not read: in a turn of a thinking model (Qwen3: `<think> ... </think>` before the answer) calls are
+parsed from the answer only (`split_reasoning`), as vLLM's Qwen3 reasoning parser hands its tool parser only the
+content after `</think>`, so a call the model merely considers while it reasons, or a half-written one, is neither
+run nor answered as malformed.
 """
 from __future__ import annotations
 
@@ -15,10 +20,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-__all__ = ["ToolCall", "ToolCallError", "parse_tool_calls", "TOOL_CALL_OPEN", "TOOL_CALL_CLOSE"]
+__all__ = ["ToolCall", "ToolCallError", "parse_tool_calls", "split_reasoning", "TOOL_CALL_OPEN", "TOOL_CALL_CLOSE",
+           "THINK_OPEN", "THINK_CLOSE"]
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
 _BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.DOTALL)
 
 
@@ -77,9 +85,25 @@ def _one(body: str, closed: bool) -> Union[ToolCall, ToolCallError]:
     return ToolCall(name, args)
 
 
+def split_reasoning(text: str) -> tuple[str, str]:
+    """(reasoning, answer) of a model turn. With a `</think>`, the answer is what follows its first one (as vLLM's
+    Qwen3 reasoning parser splits it) and the reasoning what precedes it (after a `<think>`, when the turn wrote one: a
+    template whose generation prompt opens the block leaves only its end in the turn); a turn that opens `<think>`
+    and never closes it reasons from there to its end (cut off, or ended while still thinking); a turn with neither
+    tag is all answer."""
+    before, closed, answer = text.partition(THINK_CLOSE)
+    if closed:
+        head, opened, reasoning = before.partition(THINK_OPEN)
+        return (reasoning if opened else head), answer
+    head, opened, reasoning = text.partition(THINK_OPEN)
+    return (reasoning, head) if opened else ("", text)
+
+
 def parse_tool_calls(text: str) -> list[Union[ToolCall, ToolCallError]]:
-    """Every `<tool_call>` block of a model turn, in order: a `ToolCall` or a `ToolCallError` each. A stray
-    `</tool_call>` without an opening tag is an error too; a turn without blocks gives []."""
+    """Every `<tool_call>` block of a model turn's answer (its reasoning left out: `split_reasoning`), in order: a
+    `ToolCall` or a `ToolCallError` each. A stray `</tool_call>` without an opening tag is an error too; a turn
+    without blocks gives []."""
+    text = split_reasoning(text)[1]
     out: list[Union[ToolCall, ToolCallError]] = []
     for m in _BLOCK.finditer(text):
         out.append(_one(m.group(1), bool(m.group(2))))

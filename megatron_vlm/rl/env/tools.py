@@ -12,18 +12,36 @@ a bad argument, an exception in the tool or a return value the conversation cann
 `ToolEnvironment(tools)`: after each model turn, every `<tool_call>` block (rl/env/tool_calls.py) is run
 and answered with one tool turn per call; a turn without a call is the final answer (done). A tool may
 return text, or (text, images): a crop / zoom tool shows the model a new image in the next turn.
+
+A call's deadline (`[rl.env] tool_timeout_s`, set for a step by `tool_deadline`): a tool still running then is
+stopped and answered "timed out" (counted in `tool_timeouts` and `tool_errors`), and the conversation goes on. Why a
+signal and not a thread or a process per call: the tool runs in the environment's worker, on that worker's main
+thread, on the environment object the step sends back; SIGALRM raises `ToolTimeout` inside the tool's own frame, so
+the call unwinds (its `finally` blocks and context managers run) and the worker stays usable, where an abandoned
+thread would keep running beside the next calls (and mutating the environment) and a child process would lose
+what the tool changed in the environment. What a signal cannot stop is left to the whole-turn deadline
+(`turn_timeout_s`: the worker is killed and replaced, the trajectory ends as env_error): a tool blocked in C code
+that does not return to Python (the handler runs when it does), one that catches `BaseException` and keeps going
+(a late return is still answered as timed out). The calls of one turn share its time: each is also stopped when
+what is left of the turn (less a reserve for the reply) runs out.
+A stopped tool may leave its environment's state half changed, as a tool that raises does. Outside the main thread
+(or with an interval timer already set) no deadline is applied.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
-from collections.abc import Callable, Sequence
-from typing import Any, Optional
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple, Optional
 
 from megatron_vlm.rl.env.base import Environment, Observation, StepResult
 from megatron_vlm.rl.env.tool_calls import ToolCall, ToolCallError, parse_tool_calls
 
-__all__ = ["ToolRegistry", "ToolEnvironment", "function_schema"]
+__all__ = ["ToolRegistry", "ToolEnvironment", "ToolReply", "ToolTimeout", "function_schema", "tool_deadline"]
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 _CHECK = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "array": (list,),
@@ -58,6 +76,88 @@ def function_schema(fn: Callable) -> dict:
     doc = (inspect.getdoc(fn) or fn.__name__).strip().splitlines()[0]
     return {"type": "function", "function": {"name": fn.__name__, "description": doc,
                                              "parameters": {"type": "object", "properties": props, "required": required}}}
+
+
+class ToolTimeout(BaseException):
+    """Raised inside a tool's call at its deadline: a BaseException, so the tool's own `except Exception` lets it
+    through."""
+
+
+_deadline_s = 0.0
+"""The current step's deadline of one tool call, in seconds (0: none): `tool_deadline`."""
+_turn_end = 0.0
+"""time.monotonic() by which the current step's tool calls must be done (0: no bound): `tool_deadline`."""
+TURN_RESERVE = 0.2
+"""The share of a step's deadline kept for what follows its tool calls (building and pickling the reply)."""
+
+
+@contextlib.contextmanager
+def tool_deadline(seconds: float, turn_s: float = 0.0) -> Iterator[None]:
+    """Within this block every tool call of a `ToolRegistry` is stopped after `seconds` (0: never; module docstring),
+    and, with `turn_s` (the step's own deadline, `turn_timeout_s`), by the time (1 - TURN_RESERVE) x `turn_s` from
+    now: the calls of one turn share its time, so several hanging calls are each answered "timed out" before the
+    turn's deadline kills the worker. The environment worker wraps each step in it (rl/env/pool.py `run_call`)."""
+    global _deadline_s, _turn_end
+    before = _deadline_s, _turn_end
+    _deadline_s = max(0.0, float(seconds or 0.0))
+    _turn_end = time.monotonic() + (1.0 - TURN_RESERVE) * turn_s if _deadline_s and turn_s > 0 else 0.0
+    try:
+        yield
+    finally:
+        _deadline_s, _turn_end = before
+
+
+def _call_deadline() -> float:
+    """The deadline of the next tool call in seconds: the step's, cut to what is left of its turn (0: none; a call
+    with no time left gets a moment, so it is answered "timed out" rather than not at all)."""
+    if not _deadline_s or not _turn_end:
+        return _deadline_s
+    return max(1e-3, min(_deadline_s, _turn_end - time.monotonic()))
+
+
+def _can_interrupt() -> bool:
+    return (hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+            and signal.getitimer(signal.ITIMER_REAL)[0] == 0.0)
+
+
+def _run_with_deadline(fn: Callable, kwargs: dict, seconds: float) -> tuple[Any, bool]:
+    """(fn(**kwargs), whether it ran past `seconds`): at the deadline SIGALRM raises `ToolTimeout` in the call (module
+    docstring); a call that swallowed it (returned late, or raised something else) counts as timed out too. The
+    previous SIGALRM handler is restored. Any other exception of the tool propagates."""
+    if seconds <= 0 or not _can_interrupt():
+        return fn(**kwargs), False
+    fired = False
+
+    def stop(signum: int, frame: Any) -> None:  # noqa: ARG001
+        nonlocal fired
+        fired = True
+        raise ToolTimeout
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            out = fn(**kwargs)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0.0)
+    except ToolTimeout:
+        return None, True
+    except BaseException:  # noqa: BLE001 - the tool turned the stop into another exception: still its deadline
+        if fired:
+            return None, True
+        raise
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    return out, fired
+
+
+class ToolReply(NamedTuple):
+    """A tool call's reply: the text and images the model is shown, whether the call worked, whether it timed out."""
+
+    text: str
+    images: list
+    ok: bool
+    timed_out: bool = False
 
 
 def _check_args(spec: dict, args: dict) -> Optional[str]:
@@ -160,27 +260,40 @@ class ToolRegistry:
 
     def call(self, call: ToolCall) -> tuple[str, list, bool]:
         """(reply text, images, ok) of one call."""
+        text, images, ok, _ = self.reply(call)
+        return text, images, ok
+
+    def reply(self, call: ToolCall) -> ToolReply:
+        """The reply to one call, `timed_out` when it ran past the step's `tool_deadline` (an error reply)."""
         fn = self.functions.get(call.name)
         if fn is None:
-            return f"Error: unknown tool {call.name!r}; available: {sorted(self.functions)}", [], False
+            return ToolReply(f"Error: unknown tool {call.name!r}; available: {sorted(self.functions)}", [], False)
         why = _check_args(self._specs[call.name], call.arguments)
         if why is not None:
-            return f"Error: {call.name}: {why}", [], False
+            return ToolReply(f"Error: {call.name}: {why}", [], False)
+        seconds = _call_deadline()
         try:
-            out = fn(**call.arguments)
+            out, late = _run_with_deadline(fn, call.arguments, seconds)
         except (Exception, SystemExit) as e:  # noqa: BLE001 -- a tool's failure (sys.exit too) is the model's feedback
-            return f"Error: {call.name} raised {type(e).__name__}: {_text_of(e)}"[:500], [], False
+            return ToolReply(f"Error: {call.name} raised {type(e).__name__}: {_text_of(e)}"[:500], [], False)
+        if late:
+            return ToolReply(f"Error: {call.name} timed out after {seconds:.3g} s and was stopped", [], False, True)
+        return ToolReply(*self._shown_result(call.name, out))
+
+    @staticmethod
+    def _shown_result(name: str, out: Any) -> tuple[str, list, bool]:
+        """(text, images, ok) of a tool's return value."""
         if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], list):
             bad = next((why for why in map(_not_an_image, out[1]) if why), None)
             if bad:
-                return f"Error: {call.name} returned {bad}", [], False
+                return f"Error: {name} returned {bad}", [], False
             return str(out[0]), list(out[1]), True
         if isinstance(out, str):
             return out, [], True
         try:
             return json.dumps(out), [], True
         except (TypeError, ValueError, RecursionError) as e:  # a set, an object, nesting too deep: the model's feedback
-            return f"Error: {call.name} returned {type(out).__name__}, not text or JSON data: {_text_of(e)}"[:500], [], False
+            return f"Error: {name} returned {type(out).__name__}, not text or JSON data: {_text_of(e)}"[:500], [], False
 
 
 class ToolEnvironment(Environment):
@@ -192,6 +305,10 @@ class ToolEnvironment(Environment):
         self.registry = registry if registry is not None else ToolRegistry(tools)
         self.reward_fn = reward_fn
 
+    @property
+    def gives_rewards(self) -> bool:  # type: ignore[override]
+        return self.reward_fn is not None
+
     def tools(self) -> list[dict]:
         return self.registry.specs()
 
@@ -202,15 +319,17 @@ class ToolEnvironment(Environment):
             return StepResult(Observation(), reward=reward, done=True)
         parts: list[dict] = []
         images: list = []
-        errors = 0
+        errors = timeouts = 0
         for c in calls:
             if isinstance(c, ToolCallError):
                 parts.append({"role": "tool", "text": f"Error: malformed tool call: {c.message}"})
                 errors += 1
                 continue
-            text, imgs, ok = self.registry.call(c)
+            text, imgs, ok, late = self.registry.reply(c)
             errors += not ok
+            timeouts += late
             parts.append({"role": "tool", "text": _shown(text), "images": len(imgs)})
             images.extend(imgs)
         return StepResult(Observation(images=images, role="tool", parts=parts), done=False,
-                          info={"tool_calls": len(calls), "tool_errors": errors, "tool_images": len(images)})
+                          info={"tool_calls": len(calls), "tool_errors": errors, "tool_images": len(images),
+                                "tool_timeouts": timeouts})

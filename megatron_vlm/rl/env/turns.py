@@ -145,7 +145,15 @@ def observation_messages(obs: Observation) -> list[dict]:
     return out
 
 
-def _clip(frames: list, fps: float) -> VideoClip:
+def _clip(frames: Any, fps: float) -> VideoClip:
+    """A video of the observation as the processor takes it; one the worker subsampled (observation_limits.py) keeps
+    its frames' indices in the source, and so its timestamps."""
+    if isinstance(frames, VideoClip):
+        pil = [_pil(f) for f in frames.frames or []]
+        if not pil:
+            raise ValueError("a video observation has no frames")
+        w, h = pil[0].size
+        return dataclasses.replace(frames, height=h, width=w, frames=pil)
     pil = [_pil(f) for f in frames]
     if not pil:
         raise ValueError("a video observation has no frames")

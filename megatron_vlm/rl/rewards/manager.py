@@ -76,9 +76,8 @@ def call_signature_problem(params: Optional[list], kwargs: Mapping[str, Any]) ->
 
 
 def reward_labels(rewards: Sequence[Any]) -> list[str]:
-    """Each reward's metric label (`reward/<label>`), refused when two tables would log under one name."""
-    if not rewards:
-        raise ValueError("rewards: at least one reward config is required")
+    """Each reward's metric label (`reward/<label>`), refused when two tables would log under one name. None is
+    allowed: an [rl.env] run whose environment's turn rewards are the reward (the config refuses it otherwise)."""
     labels = [r.label() for r in rewards]
     if len(set(labels)) != len(labels):
         raise ValueError(f"rewards: duplicate labels {labels}; give each a distinct name")

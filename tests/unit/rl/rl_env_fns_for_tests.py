@@ -1,10 +1,12 @@
 """Environments for the multi-turn tests (imported by dotted path in the worker processes too)."""
+import contextlib
 import os
 import time
 
 import numpy as np
 
 from megatron_vlm.rl.env.base import Environment, Observation, StepResult
+from megatron_vlm.rl.env.tools import ToolEnvironment
 
 
 class ImageSecondTurn(Environment):
@@ -224,3 +226,43 @@ class VideoAsArray(Environment):
 
     def step(self, action):
         return StepResult(Observation(text="watch", videos=[np.zeros((4, 28, 28, 3), dtype=np.uint8)]))
+
+
+class LongVideo(Environment):
+    """A video of `frames` frames of `size` x `size` pixels (frame i filled with the value i), and a `size` x `size`
+    image when `image` is set."""
+
+    def __init__(self, frames: int = 40, size: int = 28, image: bool = False):
+        self.frames, self.size, self.image = frames, size, image
+
+    def step(self, action):
+        video = [np.full((self.size, self.size, 3), i, dtype=np.uint8) for i in range(self.frames)]
+        images = [np.zeros((self.size, self.size, 3), dtype=np.uint8)] if self.image else []
+        return StepResult(Observation(text="watch", videos=[video], images=images, video_fps=4.0))
+
+
+
+def _slow_tool(seconds: float) -> str:
+    """Sleep `seconds`, then answer (a tool that hangs when `seconds` is large)."""
+    time.sleep(seconds)
+    return "slept"
+
+
+def _stubborn_tool(seconds: float) -> str:
+    """Sleep `seconds` through any interruption (a careless tool's bare except), then answer."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        with contextlib.suppress(BaseException):  # what a careless tool does
+            time.sleep(max(0.0, end - time.monotonic()))
+    return "finished"
+
+
+def _paid(text, sample):
+    return 1.0
+
+
+class SlowTools(ToolEnvironment):
+    """Tools `_slow_tool(seconds)` and `_stubborn_tool(seconds)`; a turn without a call ends the trajectory (reward 1)."""
+
+    def __init__(self):
+        super().__init__([_slow_tool, _stubborn_tool], reward_fn=_paid)

@@ -21,7 +21,7 @@ FNS = "rl_env_fns_for_tests"
 ])
 def test_an_environment_that_cannot_be_built_names_the_key(name, kwargs, key, why):
     rl = SimpleNamespace(env=RLEnvConfig(name=name, kwargs=kwargs, sandbox=False),
-                         reward_pool=SimpleNamespace(workers=1, memory_limit_mb=0))
+                         reward_pool=SimpleNamespace(workers=1, memory_limit_mb=0), rewards=["a verifier"])
     with pytest.raises(ConfigError) as e:
         MultiTurnRounds.from_config(rl, 4096, engine=None, processor=None)
     assert str(e.value).startswith(key) and why in str(e.value), str(e.value)

@@ -116,7 +116,7 @@ def test_tool_environment_turns():
     assert [p["text"] for p in res.observation.parts][0] == "7"
     assert "missing required arguments ['expression']" in res.observation.parts[1]["text"]
     assert res.observation.parts[2]["text"].startswith("Error: malformed tool call: the tool call is not valid JSON")
-    assert res.info == {"tool_calls": 3, "tool_errors": 2, "tool_images": 0}
+    assert res.info == {"tool_calls": 3, "tool_errors": 2, "tool_images": 0, "tool_timeouts": 0}
     final = env.step("The answer is 7.")
     assert final.done
 

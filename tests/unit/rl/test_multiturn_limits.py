@@ -185,6 +185,6 @@ def test_batch_timeout_reaches_the_worker_pool(monkeypatch):
     monkeypatch.setattr(env_rollout, "EnvWorkerPool", Pool)
     monkeypatch.setattr(env_rollout.MultiTurnRounds, "__init__", lambda self, *a, **k: None)
     rl = SimpleNamespace(env=RLEnvConfig(name=f"{FNS}:Echo", batch_timeout_s=7.5),
-                         reward_pool=SimpleNamespace(workers=2, memory_limit_mb=0))
+                         reward_pool=SimpleNamespace(workers=2, memory_limit_mb=0), rewards=["a verifier"])
     env_rollout.MultiTurnRounds.from_config(rl, 4096, engine=None, processor=None)
     assert built["batch_timeout_s"] == 7.5 and built["timeout_s"] == 30.0

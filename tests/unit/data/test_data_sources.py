@@ -139,9 +139,10 @@ def test_hf_messages_column_fills_image_items_from_images_column(tmp_path, write
         HFRecords(tmp_path / "m.parquet", {"messages": "nope"}, cache_dir=str(tmp_path / "cache"))
 
 
-# (a missing train_path is a whole-config check: evaluation jobs have none; tests/unit/eval, tests/unit/training)
+# (a missing train_path is a whole-config check: evaluation jobs have none; tests/unit/eval, tests/unit/training;
+# so is an hf table without columns: GRPO detects the layout, every other mode refuses it,
+# tests/unit/rl/test_framework_prompts.py)
 @pytest.mark.parametrize("kwargs, field", [
-    ({"type": "hf", "train_path": "x"}, "columns"),
     ({"type": "hf", "train_path": "x", "columns": {"prompt": "q"}}, "columns"),
     ({"type": "hf", "train_path": "x", "columns": {"messages": "m", "imagez": "i"}}, "columns"),
     ({"train_path": "x", "min_pixels": 0}, "min_pixels"),

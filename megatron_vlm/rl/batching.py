@@ -91,15 +91,17 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int,
     groups: list[list[int]] = []
     current: list[int] = []
     used = 0
+    pack = _PackShapes()
     for i, n in enumerate(lengths):
         if n > max_tokens:
             raise ValueError(f"sample {i}: {n} tokens exceed the micro-batch budget of {max_tokens} (data.max_tokens_per_pack)")
-        if current and (used + n > max_tokens
-                        or (samples is not None and vision_conflict([samples[j] for j in current], samples[i]))):
+        if current and (used + n > max_tokens or (samples is not None and pack.conflicts(samples[i]))):
             groups.append(current)
-            current, used = [], 0
+            current, used, pack = [], 0, _PackShapes()
         current.append(i)
         used += n
+        if samples is not None:
+            pack.add(samples[i])
     if current:
         groups.append(current)
     return groups
@@ -123,10 +125,25 @@ def vision_conflict(group: Sequence[TrainSample], s: TrainSample) -> bool:
     """Whether `s` cannot join `group` in one pack: its vision tensors would not concatenate with the group's (a
     Nemotron-VL video keeps its tile size [frames, 3, H, W]: `data.packing.shapes_conflict`). Such a pair of
     samples goes into two packs; packing them together failed the forward (and the step) with a RuntimeError."""
-    shapes: dict = {}
-    for item in (it for g in group for it in _vision_items(g)):
-        shapes = {**vision_shapes(item), **shapes}
-    return any(shapes_conflict(shapes, item) for item in _vision_items(s))
+    pack = _PackShapes()
+    for g in group:
+        pack.add(g)
+    return pack.conflicts(s)
+
+
+class _PackShapes:
+    """The merged vision shapes of a pack as samples join it (`vision_conflict`'s, kept up to date), so a planner
+    looks at each sample once to join it and once to check it, not at the whole pack again for every sample."""
+
+    def __init__(self) -> None:
+        self.shapes: dict = {}
+
+    def conflicts(self, s: TrainSample) -> bool:
+        return any(shapes_conflict(self.shapes, item) for item in _vision_items(s))
+
+    def add(self, s: TrainSample) -> None:
+        for item in _vision_items(s):
+            self.shapes = {**vision_shapes(item), **self.shapes}
 
 
 def _shareable(prompt: RolloutPrompt, vision_token_ids: frozenset) -> bool:
@@ -152,6 +169,7 @@ def plan_shared_micro_batches(samples: Sequence[TrainSample], max_tokens: int,
     groups: list[list[int]] = []
     current: list[int] = []
     used = 0
+    pack = _PackShapes()
     for i, s in enumerate(samples):
         if s.num_tokens > max_tokens:
             raise ValueError(f"sample {i}: {s.num_tokens} tokens exceed the micro-batch budget of {max_tokens} "
@@ -159,11 +177,12 @@ def plan_shared_micro_batches(samples: Sequence[TrainSample], max_tokens: int,
         shared = (bool(current) and samples[current[-1]].prompt is s.prompt and _shareable(s.prompt, vision_token_ids)
                   and not s.response_vision and not samples[current[-1]].response_vision)
         cost = int(s.response_ids.numel()) + 1 if shared else s.num_tokens
-        if current and (used + cost > max_tokens or vision_conflict([samples[j] for j in current], s)):
+        if current and (used + cost > max_tokens or pack.conflicts(s)):
             groups.append(current)
-            current, used, cost = [], 0, s.num_tokens
+            current, used, cost, pack = [], 0, s.num_tokens, _PackShapes()
         current.append(i)
         used += cost
+        pack.add(s)
     if current:
         groups.append(current)
     return groups

@@ -16,10 +16,13 @@ rejected; -1: a prefix segment, which holds no label and ends no response): `pai
 A pair is shared when both its sequences agree on the tokens before their first label and there is at least one
 such token; otherwise its two sequences stay as they are. A pack with images keeps one copy of a shared pair's
 vision inputs (its `vision_rows` says which rows are whose; a pair whose two sequences do not carry the same ones
-stays plain). Packs with explicit positions stay plain (M-RoPE positions come with the pack), as do models whose
-decoder takes no `prefix_segments` (Mamba2 layers), tensor / context parallelism, and a MoE auxiliary loss
-(a shared prompt is routed once: the loss would see fewer tokens) — `pair_sharing`. A MoE model's expert loads
-(`moe/*`, the score-correction bias updates) count a shared prompt's tokens once, as in GRPO's update.
+stays plain). Packs that bring their own `position_ids` stay plain (computed for the plain layout; the loader's
+packs bring none: the families compute RoPE / M-RoPE positions per segment and move each continuation behind its
+prefix, models/common/prefix_sharing.py), as do models whose
+decoder takes no `prefix_segments` (Mamba2 layers), tensor / context / pipeline parallelism, and a MoE auxiliary loss
+(a shared prompt is routed once: the loss would see fewer tokens) — `pair_sharing`; `dpo.prompt_sharing` /
+`reward.prompt_sharing = "off"` keeps every pack plain (as GRPO's `rl.update.prompt_sharing`). A MoE model's expert
+loads (`moe/*`, the score-correction bias updates) count a shared prompt's tokens once, as in GRPO's update.
 """
 from __future__ import annotations
 
@@ -33,8 +36,11 @@ from megatron_vlm.models.common.prefix_sharing import accepts_prefix_segments
 __all__ = ["pair_sharing", "share_pair_prompts"]
 
 
-def pair_sharing(bundle: Any) -> tuple[bool, str]:
-    """Whether the pair packs of this model bundle are shared (`share_pair_prompts`), and why (for the log)."""
+def pair_sharing(bundle: Any, setting: str = "auto", *, key: str = "prompt_sharing") -> tuple[bool, str]:
+    """Whether the pair packs of this model bundle are shared (`share_pair_prompts`), and why (for the log).
+    `setting`: the config's `key` ("auto": where the layout holds; "off": never)."""
+    if setting == "off":
+        return False, f"{key} = 'off'"
     model = getattr(bundle, "model", None)
     if model is None or not accepts_prefix_segments(model):
         return False, f"{type(model).__name__}'s decoder does not take shared prompts"

@@ -48,7 +48,10 @@ class PackScorer:
     """Whether each pack's pairs run their prompt once (`pair_prompts.pair_sharing`; set at construction)."""
 
     def _decide_sharing(self, ctx: RunContext) -> None:
-        self.share_prompts, why = pair_sharing(self.bundle)
+        # "dpo" or "reward": its section's prompt_sharing (absent section, or a bare test config: "auto")
+        mode = str(getattr(getattr(ctx.cfg, "train", None), "mode", ""))
+        setting = getattr(getattr(ctx.cfg, mode, None), "prompt_sharing", "auto") if mode else "auto"
+        self.share_prompts, why = pair_sharing(self.bundle, setting, key=f"{mode}.prompt_sharing")
         if ctx.env.rank == 0 and not isinstance(self, PairEvaluator):
             log.info("pair packs: prompts shared %s (%s)", "on" if self.share_prompts else "off", why)
 

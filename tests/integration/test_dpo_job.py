@@ -124,3 +124,19 @@ def test_dpo_kill9_after_an_evaluation_resumes_exactly(tmp_path):
     assert read_metrics(straight / "metrics_eval.csv") == read_metrics(crashed / "metrics_eval.csv")
     wa, wb = load_safetensors_dir(straight / "hf"), load_safetensors_dir(crashed / "hf")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.heavy
+def test_prompt_sharing_off_trains_as_the_shared_packs(tmp_path):
+    """`dpo.prompt_sharing = "off"` reaches the step (the log says so) and the plain packs train as the shared ones
+    (training/pair_prompts.py), to float rounding."""
+    common = {"train.max_steps": 2, "train.log_every": 1, "checkpoint.enable": "false", "checkpoint.export_hf": "false"}
+    shared, plain = tmp_path / "shared", tmp_path / "plain"
+    r_on = run_job(_overrides(shared, tmp_path, **common), config=DPO_DEMO)
+    r_off = run_job(_overrides(plain, tmp_path, **common, **{"dpo.prompt_sharing": '"off"'}), config=DPO_DEMO)
+    assert "prompts shared on" in r_on.stderr
+    assert "prompts shared off (dpo.prompt_sharing = 'off')" in r_off.stderr
+    a, b = _train(shared), _train(plain)
+    for step in (1, 2):
+        for key in ("loss", "rewards/margins", "logps/chosen", "logps/rejected", "grad_norm"):
+            assert float(a[step][key]) == pytest.approx(float(b[step][key]), rel=1e-4, abs=1e-5), (step, key)

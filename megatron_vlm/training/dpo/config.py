@@ -34,6 +34,12 @@ class DPOConfig:
     over the train and held-out pairs before the first step, kept in <output_dir>/dpo_reference_logps.pt (a resumed
     run reads it back; no reference model is held during training; a pair that pass could not score is left out
     and counted in bad_records.json). Not used by simpo."""
+    prompt_sharing: Literal["auto", "off"] = "auto"
+    """Each pair's prompt computed once per forward, the chosen and the rejected response continuing it
+    (training/pair_prompts.py): the same log-probs and gradients up to float rounding, with fewer tokens forwarded.
+    "auto": where the layout holds (not Mamba2 decoders, tensor / context / pipeline parallelism or
+    moe.aux_loss_coef > 0; the startup log says which); "off": every pack as the loader builds it, each response
+    with its own copy of the prompt (to compare with, or rule out, the shared layout)."""
 
     def validate(self) -> None:
         from megatron_vlm.training.dpo.loss_registry import PREFERENCE_LOSSES
@@ -44,6 +50,8 @@ class DPOConfig:
             raise ValueError(f"beta: must be > 0, got {self.beta}")
         if self.simpo_gamma < 0:
             raise ValueError(f"simpo_gamma: must be >= 0, got {self.simpo_gamma}")
+        if self.prompt_sharing not in ("auto", "off"):
+            raise ValueError(f"prompt_sharing: must be 'auto' or 'off', got {self.prompt_sharing!r}")
 
 
 def check_dpo_keys(dpo: DPOConfig, lora: Any = None) -> None:

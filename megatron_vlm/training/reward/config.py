@@ -11,7 +11,7 @@ FSDP), `[lora]` (the export would need the adapter merged and the head saved bes
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 __all__ = ["RewardTrainConfig", "reward_refusal"]
 
@@ -30,12 +30,20 @@ class RewardTrainConfig:
     head_init_std: float = 0.0
     """Standard deviation of the fresh scalar head's normal initialisation; 0 = the model config's
     `initializer_range` (0.02 when it has none), as transformers initialises `score`."""
+    prompt_sharing: Literal["auto", "off"] = "auto"
+    """Each pair's prompt computed once per forward, the chosen and the rejected response continuing it
+    (training/pair_prompts.py): the same rewards and gradients up to float rounding, with fewer tokens forwarded.
+    "auto": where the layout holds (not Mamba2 decoders, tensor / context / pipeline parallelism or
+    moe.aux_loss_coef > 0; the startup log says which); "off": every pack as the loader builds it, each response
+    with its own copy of the prompt (to compare with, or rule out, the shared layout)."""
 
     def validate(self) -> None:
         if self.center_rewards_coefficient < 0:
             raise ValueError(f"center_rewards_coefficient: must be >= 0, got {self.center_rewards_coefficient}")
         if self.head_init_std < 0:
             raise ValueError(f"head_init_std: must be >= 0, got {self.head_init_std}")
+        if self.prompt_sharing not in ("auto", "off"):
+            raise ValueError(f"prompt_sharing: must be 'auto' or 'off', got {self.prompt_sharing!r}")
 
 
 def reward_refusal(cfg: Any) -> Optional[str]:

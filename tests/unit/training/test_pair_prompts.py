@@ -186,3 +186,29 @@ def test_sharing_is_refused_where_the_layout_does_not_hold():
                                             pipeline=None))[0]
     aux = SimpleNamespace(cfg=SimpleNamespace(aux_loss_coef=0.01))
     assert not pair_sharing(SimpleNamespace(model=takes, dims=dims, moe_balancer=aux, pipeline=None))[0]
+
+
+def test_prompt_sharing_off_keeps_pair_packs_plain():
+    """`dpo.prompt_sharing` / `reward.prompt_sharing = "off"`: the packs stay as the loader gives them (GRPO's
+    rl.update.prompt_sharing counterpart: a way back to the plain layout, e.g. to compare or to rule it out)."""
+    from megatron_vlm.training.dpo.config import DPOConfig
+    from megatron_vlm.training.pair_step import PackScorer
+    from megatron_vlm.training.reward.config import RewardTrainConfig
+
+    takes = SimpleNamespace(takes_input=lambda key: True)
+    bundle = SimpleNamespace(model=takes, dims=SimpleNamespace(tp=1, cp=1), moe_balancer=None, pipeline=None)
+    on, _ = pair_sharing(bundle, "auto")
+    off, why = pair_sharing(bundle, "off", key="dpo.prompt_sharing")
+    assert on and not off and "dpo.prompt_sharing" in why
+    for section, mode in ((DPOConfig, "dpo"), (RewardTrainConfig, "reward")):
+        with pytest.raises(ValueError, match="prompt_sharing"):
+            section(prompt_sharing="never").validate()
+        for setting, shared in (("auto", True), ("off", False)):
+            cfg = SimpleNamespace(train=SimpleNamespace(mode=mode), dpo=None, reward=None)
+            setattr(cfg, mode, section(prompt_sharing=setting))
+            scorer = PackScorer()
+            scorer.bundle = bundle
+            scorer._decide_sharing(SimpleNamespace(cfg=cfg, env=SimpleNamespace(rank=1)))
+            assert scorer.share_prompts is shared
+            pack = _pack(_random_pairs(2))
+            assert ("prefix_segments" in scorer.prepared(pack)) is shared

@@ -116,8 +116,11 @@ def _call_deadline() -> float:
 
 
 def _can_interrupt() -> bool:
+    """Whether a call here can get a SIGALRM deadline: the main thread, no interval timer running, and a SIGALRM
+    handler Python can put back afterwards (one installed from C reads as None and could not be restored: such a
+    process keeps only the turn's timeout)."""
     return (hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
-            and signal.getitimer(signal.ITIMER_REAL)[0] == 0.0)
+            and signal.getitimer(signal.ITIMER_REAL)[0] == 0.0 and signal.getsignal(signal.SIGALRM) is not None)
 
 
 def _run_with_deadline(fn: Callable, kwargs: dict, seconds: float) -> tuple[Any, bool]:

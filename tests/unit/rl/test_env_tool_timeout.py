@@ -92,3 +92,29 @@ def test_the_calls_of_one_turn_share_its_time():
         assert not r.error and pool.restarts == 0, r.error
         assert [p["text"].startswith("Error: _slow_tool timed out") for p in r.result.observation.parts] == [True] * 2
         assert r.result.info["tool_timeouts"] == 2
+
+
+def test_a_sigalrm_handler_python_cannot_restore_means_no_tool_deadline(monkeypatch):
+    """A SIGALRM handler installed from C reads as None: putting it back after the call would raise TypeError and fail
+    every tool call, so such a process runs its tools without a per-call deadline (the turn's timeout still holds)."""
+    import signal
+
+    from megatron_vlm.rl.env import tools
+
+    real_signal, before = signal.signal, signal.getsignal(signal.SIGALRM)
+
+    def c_installed(signum, handler):  # what signal.signal does when the current handler came from C
+        if handler is None:
+            raise TypeError("signal handler must be signal.SIG_IGN, signal.SIG_DFL, or a callable object")
+        real_signal(signum, handler)
+        return None
+
+    monkeypatch.setattr(signal, "getsignal", lambda signum: None)
+    monkeypatch.setattr(signal, "signal", c_installed)
+    monkeypatch.setattr(signal, "getitimer", lambda which: (0.0, 0.0))  # no other timer (pytest-timeout may run one)
+    monkeypatch.setattr(signal, "setitimer", lambda which, seconds, interval=0.0: (0.0, 0.0))  # leave it running
+    try:
+        out, timed_out = tools._run_with_deadline(lambda x: x + 1, {"x": 1}, seconds=5.0)
+    finally:
+        real_signal(signal.SIGALRM, before)
+    assert (out, timed_out) == (2, False)

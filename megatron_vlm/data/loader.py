@@ -25,6 +25,7 @@ items on every rank: packs (for validation loss) or padded prompt batches with r
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import signal
@@ -226,7 +227,14 @@ class SFTDataLoader:
         return {"global_packs_consumed": self._consumed * self.dp_size, "packs_consumed_on_rank": self._consumed,
                 "dp_size": self.dp_size, "epoch": self.epoch, "seed": self.planner.seed,
                 "num_records": int(self.planner.lengths.size), "capacity": self.planner.capacity,
+                "pack_classes": self._pack_classes_digest(),
                 **({"data_files": self.data_files} if self.data_files is not None else {})}
+
+    def _pack_classes_digest(self) -> Optional[str]:
+        """A digest of the records' pack classes (videos of one tile size pack together), None when every record is
+        class 0: the plan depends on them, so a resume must see the same ones."""
+        classes = self.planner.classes
+        return None if classes is None else hashlib.sha256(np.ascontiguousarray(classes).tobytes()).hexdigest()[:16]
 
     def load_state_dict(self, state: dict) -> None:
         """Resume after `global_packs_consumed` packs of the global stream (any former world size
@@ -240,6 +248,11 @@ class SFTDataLoader:
             if key in state and int(state[key]) != mine:
                 raise ValueError(f"data state: {key}={state[key]} in the checkpoint but {mine} now; the pack "
                                  "order would differ")
+        mine_classes = self._pack_classes_digest()
+        if state.get("pack_classes") != mine_classes:  # a checkpoint from before pack classes has no key: None
+            raise ValueError("data state: the records' video pack classes differ from the checkpoint's (videos of "
+                             "different tile sizes are planned into separate packs since the length cache's version 8); "
+                             "the pack order would differ")
         changed = changed_data_file(state.get("data_files"), getattr(self, "data_files", None))
         if changed:  # as many records, other ones: the position would point into other data
             raise ValueError(f"data state: {changed}")

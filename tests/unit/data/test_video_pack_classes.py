@@ -89,6 +89,18 @@ def test_sft_packs_every_video_and_resumes_the_same_stream(proc, tmp_path):
         resumed.load_state_dict(state)
         got = next(iter(resumed))
         assert got["input_ids"].tolist() == packs[2]["input_ids"].tolist()
+    # a checkpoint saved before pack classes (its state has no "pack_classes"; its packs mixed the tile sizes) or of
+    # records with other classes: the position would point into another plan, refused
+    for stale in ({k: v for k, v in state.items() if k != "pack_classes"}, {**state, "pack_classes": "0" * 16}):
+        with pytest.raises(ValueError, match="pack classes"):
+            build_sft_dataloader(cfg, proc, seed=3, dp_rank=0, dp_size=1).load_state_dict(stale)
+    # text-only data has no classes: a state without the key (before the change) still resumes
+    text_only = tmp_path / "t.jsonl"
+    text_only.write_text("\n".join(lines[12:]) + "\n")
+    tcfg = DataConfig(type="messages_jsonl", train_path=str(text_only), max_tokens_per_pack=200, num_workers=0)
+    old_state = build_sft_dataloader(tcfg, proc, seed=3, dp_rank=0, dp_size=1).state_dict()
+    assert old_state.pop("pack_classes") is None
+    build_sft_dataloader(tcfg, proc, seed=3, dp_rank=0, dp_size=1).load_state_dict(old_state)
 
 
 def test_preference_pairs_with_videos_of_two_tile_sizes_are_all_packed(proc, tmp_path):

@@ -292,6 +292,7 @@ def test_mcore_backend_job_matches_native(family, tmp_path, assets):
         from megatron_vlm.testing.synthesize import synthesize_model_folder
 
         extra["model.path"] = f'"{synthesize_model_folder(family, tmp_path / family, seed=0)}"'
+        extra["model.synthesize"] = f'"{family}"'  # the demo's own would refuse a folder holding another tiny model
         # the demo's train_layers name Qwen's merger; the [moe] balancer with its auxiliary loss and bias updates
         extra.update({"train.train_layers": '["^language_model\\\\."]', "moe.aux_loss_coef": 0.01})
     runs = {}

@@ -8,8 +8,12 @@ from pathlib import Path
 import pytest
 
 from megatron_vlm.config import load_config
+from megatron_vlm.config.eval_section import BenchmarkConfig, EvalConfig
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.eval.accuracy import score_accuracy
+from megatron_vlm.eval.answer_accuracy import GeneratedAnswers
+from megatron_vlm.eval.benchmark_eval import VerifierScorer
+from megatron_vlm.eval.report import results_table
 from megatron_vlm.rl.rewards.combined import CombinedRewards
 from megatron_vlm.rl.rewards.config import (
     ChoiceRewardConfig,
@@ -93,6 +97,26 @@ def test_the_held_out_evaluation_scores_as_the_rounds_do(manager):
         batch = c.score(completions, answers)
         assert batch.per_reward["math"] == train and batch.unclosed == 2
         assert c.metrics()["reward/reasoning_unclosed"] == 2
+
+
+def test_benchmark_evaluation_with_eval_reasoning_end_scores_as_training(manager):
+    """launch/evaluate.py's verifiers are built by the scorer, not from [[rl.rewards]]: `eval.reasoning_end`."""
+    completions = [GUESS_THEN_ANSWER, UNCLOSED, "<think> 7? </think> \\boxed{7}"]
+    train = manager.score(completions, ["7"] * 3).per_reward["after"]
+    scorer = VerifierScorer(EvalConfig(reasoning_end=THINK, reward_workers=1))
+    try:
+        rows = [GeneratedAnswers(0, "7", {"verifier": "math", "answer": "7"}, completions),
+                GeneratedAnswers(1, "red", {"verifier": "short_answer"}, ["<think> blue? </think> red", "<think> red"])]
+        assert scorer.score(rows) == [train, [1.0, 0.0]]
+        assert scorer.failures == {"timeouts": 0, "errors": 0, "reasoning_unclosed": 2}
+    finally:
+        scorer.close()
+    with pytest.raises(ValueError, match="reasoning_end: no leading or trailing whitespace"):
+        EvalConfig(reasoning_end=" </think>", benchmarks=[BenchmarkConfig(name="b", path="b.jsonl")]).validate()
+    bad = {"num_bad_records": 0, "by_category": {}, "records": []}
+    r = {"name": "X", "num_rows": 2, "metrics": {"num_scored": 2, "greedy_accuracy": 0.5}, "bad_records": bad,
+         "verifier_failures": {"timeouts": 0, "errors": 0, "reasoning_unclosed": 3}}
+    assert "X: verifier timeouts 0, errors 0, reasoning never closed 3 (each scored 0)" in results_table([r], {"greedy": True})
 
 
 def test_config_accepts_the_key_where_it_works():

@@ -112,6 +112,10 @@ class EvalConfig:
     """Time limit of one verifier call (a call past it scores 0 and is counted)."""
     reward_workers: int = 2
     """Verifier worker processes per rank."""
+    reasoning_end: str = ""
+    """Score only the text after the last occurrence of this string, e.g. "</think>" for a reasoning model, with
+    every verifier (short_answer too), as `[[rl.rewards]] reasoning_end` does in training ("" = the whole
+    completion). A completion without it scores 0, counted in `verifier_failures.reasoning_unclosed`."""
 
     def validate(self) -> None:
         if not self.benchmarks:
@@ -139,4 +143,6 @@ class EvalConfig:
             raise ValueError(f"correct_threshold: must be in (0, 1], got {self.correct_threshold}")
         if not self.reward_timeout_s > 0:
             raise ValueError(f"reward_timeout_s: must be > 0, got {self.reward_timeout_s}")
+        if self.reasoning_end != self.reasoning_end.strip():  # "</think> " would miss every "</think>\n"
+            raise ValueError(f"reasoning_end: no leading or trailing whitespace, got {self.reasoning_end!r}")
         _check_template(self.prompt_template, "prompt_template")

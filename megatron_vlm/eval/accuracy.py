@@ -28,6 +28,8 @@ class AccuracyResult:
     """Fraction of correct samples for each prompt."""
     scores: list[list[float]]
     """Raw accuracy reward of every sample, [prompt][sample]."""
+    unclosed: int = 0
+    """Samples scored 0 because they lack the accuracy reward's `reasoning_end` (the reasoning never closed)."""
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
         return {
@@ -96,4 +98,5 @@ def score_accuracy(
         num_prompts=n,
         per_prompt=[c / k for c in correct],
         scores=scores,
+        unclosed=int(getattr(batch, "unclosed", 0)),
     )

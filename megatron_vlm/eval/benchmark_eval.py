@@ -14,7 +14,9 @@ Scoring (each rank its own rows, then gathered): `short_answer` rows compare the
 (eval/answers.py, the training-time rule); `math` / `choice` / `exact_match` rows go to the GRPO
 reward verifiers (RewardManager: worker processes with time limits; a verifier that times out or
 fails scores 0 and is counted: `verifier_failures` of the benchmark's results, timeouts and errors, each
-data-parallel shard once). Greedy: one completion at temperature 0, accuracy = Avg@1. Sampled
+data-parallel shard once). With `eval.reasoning_end` every verifier reads only the text after the reasoning's
+last closing delimiter, as the training rewards with `reasoning_end`; a completion without it scores 0
+(`verifier_failures.reasoning_unclosed`). Greedy: one completion at temperature 0, accuracy = Avg@1. Sampled
 (`eval.samples` = k > 0): k completions per prompt, Avg@k = mean correctness over all samples,
 pass@k = share of prompts with at least one correct sample (eval/accuracy.py). Rows whose metadata
 has a `question_type` (the synthetic sets, MathVista, MMMU) also get the greedy accuracy per type. Sampling
@@ -40,7 +42,7 @@ from megatron_vlm.inference.engine import SamplingParams
 from megatron_vlm.inference.generators import sampling_generator
 from megatron_vlm.parallel.collectives import all_gather_objects
 from megatron_vlm.rl.rewards.config import ChoiceRewardConfig, ExactMatchRewardConfig, MathRewardConfig
-from megatron_vlm.rl.rewards.manager import RewardManager
+from megatron_vlm.rl.rewards.manager import RewardManager, after_reasoning
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 
@@ -58,12 +60,14 @@ class VerifierScorer:
     def __init__(self, ecfg: EvalConfig):
         self.ecfg = ecfg
         self.manager: Optional[RewardManager] = None
-        self.failures = {"timeouts": 0, "errors": 0}
-        """Verifier calls that timed out / raised so far (each scored 0)."""
+        self.failures = {"timeouts": 0, "errors": 0, "reasoning_unclosed": 0}
+        """Verifier calls that timed out / raised so far, completions without `eval.reasoning_end` (each scored 0)."""
 
     def _manager(self) -> RewardManager:
         if self.manager is None:
-            rewards = [MathRewardConfig(), ChoiceRewardConfig(), ExactMatchRewardConfig()]
+            end = self.ecfg.reasoning_end  # cut by the manager, as in training
+            rewards = [MathRewardConfig(reasoning_end=end), ChoiceRewardConfig(reasoning_end=end),
+                       ExactMatchRewardConfig(reasoning_end=end)]
             self.manager = RewardManager(rewards, timeout_s=self.ecfg.reward_timeout_s, num_workers=self.ecfg.reward_workers)
         return self.manager
 
@@ -76,7 +80,9 @@ class VerifierScorer:
         for verifier, members in by_verifier.items():
             if verifier == "short_answer":
                 for r in members:
-                    out[r] = [float(answers_match(c, rows[r].reference)) for c in rows[r].completions]
+                    texts = [after_reasoning(c, self.ecfg.reasoning_end) for c in rows[r].completions]
+                    self.failures["reasoning_unclosed"] += sum(t is None for t in texts)
+                    out[r] = [0.0 if t is None else float(answers_match(t, rows[r].reference)) for t in texts]
                 continue
             flat, answers, prompts, metas = [], [], [], []
             for r in members:
@@ -89,6 +95,7 @@ class VerifierScorer:
             batch = self._manager().score(flat, answers, prompts, metas, only=[verifier])
             self.failures["timeouts"] += batch.timeouts
             self.failures["errors"] += batch.errors
+            self.failures["reasoning_unclosed"] += batch.unclosed
             values = batch.per_reward[verifier]
             at = 0
             for r in members:
@@ -107,7 +114,7 @@ def merge_verifier_failures(parts) -> dict[str, int]:
     """The verifier failures of all ranks from (data-parallel rank, counts) pairs: the tp / cp ranks of a
     group scored the same rows, so each shard counts once."""
     by_shard = dict(parts)
-    return {k: sum(c[k] for c in by_shard.values()) for k in ("timeouts", "errors")}
+    return {k: sum(c.get(k, 0) for c in by_shard.values()) for k in ("timeouts", "errors", "reasoning_unclosed")}
 
 
 def _progress(name: str, what: str, is_main: bool):

@@ -48,7 +48,8 @@ class GRPOEvaluator:
 @torch.no_grad()
 def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager, dataset,
                       step: int, *, dims=None, multiturn=None) -> Optional[dict[str, float]]:
-    """Metrics "accuracy" (= Avg@k), "avg@k", "pass@k", "num_prompts", "skipped_prompts", "response_length", or
+    """Metrics "accuracy" (= Avg@k), "avg@k", "pass@k", "num_prompts", "skipped_prompts", "response_length",
+    "reasoning_unclosed" (the share of samples scored 0 for lacking the accuracy reward's `reasoning_end`), or
     None without a held-out set. `wrapper`: the policy's FSDP root (put in eval mode while generating).
     `dims` (`ParallelDims`): prompts are sharded over its data-parallel ranks (the tp ranks of a group
     generate the same answers); None = one shard per process. `multiturn` ([rl.env]: rl/env/rollout.py
@@ -93,6 +94,7 @@ def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager
     k = e.k
     real = result.samples[: shard.num_real * k]
     scores: list[list[float]] = []
+    unclosed = 0
     if real and returns is not None:
         scores = [list(returns[p * k:(p + 1) * k]) for p in range(shard.num_real)]
     elif real:
@@ -100,9 +102,10 @@ def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager
         acc = score_accuracy(manager, completions, [p.answer for p in shard.samples], [p.problem for p in shard.samples],
                              [p.metadata for p in shard.samples], label=rl_cfg.accuracy_label(), threshold=e.correct_threshold,
                              samples=shard.samples)  # a model reward reads the prompt's messages, as in training
-        scores = acc.scores
+        scores, unclosed = acc.scores, acc.unclosed
     parts = all_gather_objects({"scores": scores, "lengths": [int(s.token_ids.numel()) for s in real],
-                                "skipped": int(getattr(encoder, "skipped", 0)) - skipped_before})[::copies]
+                                "skipped": int(getattr(encoder, "skipped", 0)) - skipped_before,
+                                "unclosed": unclosed})[::copies]
     all_scores = [row for p in parts for row in p["scores"]]
     lengths = [n for p in parts for n in p["lengths"]]
     if not all_scores:
@@ -116,4 +119,6 @@ def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager
         "num_prompts": float(len(all_scores)),
         "skipped_prompts": float(sum(p["skipped"] for p in parts)),
         "response_length": sum(lengths) / max(len(lengths), 1),
+        # the share of samples whose reasoning never closed (the accuracy reward's reasoning_end): each scored 0
+        "reasoning_unclosed": sum(p["unclosed"] for p in parts) / max(sum(len(r) for r in all_scores), 1),
     }

@@ -58,8 +58,9 @@ def results_table(results: list[dict], settings: dict) -> str:
     for r in results:  # scored 0, so they lower the accuracy: say how many
         fails = r.get("verifier_failures") or {}
         if any(fails.values()):
-            lines += ["", f"{r['name']}: verifier timeouts {fails.get('timeouts', 0)}, errors {fails.get('errors', 0)} "
-                          "(each scored 0)"]
+            unclosed = f", reasoning never closed {fails['reasoning_unclosed']}" if fails.get("reasoning_unclosed") else ""
+            lines += ["", f"{r['name']}: verifier timeouts {fails.get('timeouts', 0)}, errors {fails.get('errors', 0)}"
+                          f"{unclosed} (each scored 0)"]
     for r in results:
         bad = r["bad_records"]
         if not bad["num_bad_records"]:

@@ -137,7 +137,8 @@ class CombinedRewards:
         self.num_errors += errors
         self.num_clipped += clipped
         return RewardBatch(total=total, per_reward=per_reward, timeouts=ruled.timeouts if ruled else 0,
-                           errors=errors + (ruled.errors if ruled else 0), clipped=clipped + (ruled.clipped if ruled else 0))
+                           errors=errors + (ruled.errors if ruled else 0), clipped=clipped + (ruled.clipped if ruled else 0),
+                           unclosed=ruled.unclosed if ruled else 0)
 
     def _score_model(self, k: int, completions: Sequence[str], answers: Sequence[str], questions: list[str],
                      messages: list[list[dict]]) -> ScoredValues:
@@ -167,7 +168,7 @@ class CombinedRewards:
         """The manager's cumulative counters with the model rewards' calls and failures added."""
         out = self.rule.metrics() if self.rule is not None else {
             "reward/calls": 0.0, "reward/timeouts": 0.0, "reward/errors": 0.0, "reward/clipped": 0.0,
-            "reward/worker_restarts": 0.0}
+            "reward/reasoning_unclosed": 0.0, "reward/worker_restarts": 0.0}
         out["reward/calls"] += float(self.num_calls)
         out["reward/errors"] += float(self.num_errors)
         out["reward/clipped"] += float(self.num_clipped)

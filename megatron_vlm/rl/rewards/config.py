@@ -52,7 +52,25 @@ class _RewardCommon:
 
 
 @dataclass(kw_only=True)
-class MathRewardConfig(_RewardCommon):
+class _AfterReasoning:
+    """The `reasoning_end` key of the verifiers that score an answer (math, choice, exact_match, custom).
+
+    Why: a reasoning model writes `<think> ... </think>` before its answer, and a `\\boxed{5}` or a letter tried
+    inside the reasoning would be read as the answer. Not on `format` (it reads the reasoning block itself:
+    `think_end`) nor on the model rewards (scored in the training process from the whole completion)."""
+    reasoning_end: str = ""
+    """Score only the text after the last occurrence of this string, e.g. "</think>" for a reasoning model
+    ("" = the whole completion). A completion without it (the reasoning never closed, e.g. cut at
+    max_new_tokens) scores 0 without calling the verifier, counted in `reward/reasoning_unclosed`."""
+
+    def _validate_reasoning_end(self) -> None:
+        # "</think> " would miss every "</think>\n"; " " would cut at the last space
+        if self.reasoning_end != self.reasoning_end.strip():
+            raise ValueError(f"reasoning_end: no leading or trailing whitespace, got {self.reasoning_end!r}")
+
+
+@dataclass(kw_only=True)
+class MathRewardConfig(_AfterReasoning, _RewardCommon):
     type: Literal["math"] = "math"
     """Math answer verification: the final answer (an `answer_tag` block when set, else the last
     `\\boxed{}`, else a "final answer is ..." / "answer: ..." phrase, else the last math environment)
@@ -70,12 +88,13 @@ class MathRewardConfig(_RewardCommon):
 
     def validate(self) -> None:
         self._validate_common()
+        self._validate_reasoning_end()
         if not 0 <= self.rel_tol < 1:
             raise ValueError(f"rel_tol: must be in [0, 1), got {self.rel_tol}")
 
 
 @dataclass(kw_only=True)
-class ChoiceRewardConfig(_RewardCommon):
+class ChoiceRewardConfig(_AfterReasoning, _RewardCommon):
     type: Literal["choice"] = "choice"
     """Multiple choice: the chosen option (a letter like "B", "(B)", "Option B", the option's text, or
     the value of exactly one option in another form, "\\frac{1}{2}" for "1/2") equals the reference
@@ -86,6 +105,7 @@ class ChoiceRewardConfig(_RewardCommon):
 
     def validate(self) -> None:
         self._validate_common()
+        self._validate_reasoning_end()
         if not self.letters or not self.letters.isalpha() or len(set(self.letters.upper())) != len(self.letters):
             raise ValueError(f"letters: must be distinct letters, got {self.letters!r}")
 
@@ -116,7 +136,7 @@ class FormatRewardConfig(_RewardCommon):
 
 
 @dataclass(kw_only=True)
-class ExactMatchRewardConfig(_RewardCommon):
+class ExactMatchRewardConfig(_AfterReasoning, _RewardCommon):
     type: Literal["exact_match"] = "exact_match"
     """Exact match of the extracted answer with the reference after normalisation (whitespace,
     surrounding `$`, trailing period, and optionally case)."""
@@ -128,10 +148,11 @@ class ExactMatchRewardConfig(_RewardCommon):
 
     def validate(self) -> None:
         self._validate_common()
+        self._validate_reasoning_end()
 
 
 @dataclass(kw_only=True)
-class CustomRewardConfig(_RewardCommon):
+class CustomRewardConfig(_AfterReasoning, _RewardCommon):
     type: Literal["custom"] = "custom"
     """Any Python function, imported by dotted path in the reward worker and called as
     `fn(completion, answer, prompt=..., metadata=..., **kwargs) -> float`."""
@@ -143,6 +164,7 @@ class CustomRewardConfig(_RewardCommon):
 
     def validate(self) -> None:
         self._validate_common()
+        self._validate_reasoning_end()
         if not _DOTTED_PATH.match(self.function):
             raise ValueError(f"function: expected a dotted path like 'pkg.module.fn', got {self.function!r}")
         reserved = {"prompt", "metadata"} & set(self.kwargs)

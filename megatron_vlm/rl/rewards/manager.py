@@ -13,7 +13,10 @@ per call, and trained on nothing. So is one whose signature cannot take `fn(comp
 metadata=..., **kwargs)` (checked against the signature the worker reports), and a module that ends the
 worker while it is imported (`os._exit` at import). A non-finite or out-of-range value (beyond +-`value_limit`) is clipped by the pool and counted
 (`num_clipped`, `reward/clipped`); the clipped value is used. The pool's memory cap, parent-death
-and batch deadline are passed through (see pool.py).
+and batch deadline are passed through (see pool.py). A verifier with `reasoning_end` set is handed only the
+text after the last occurrence of that string; a completion without it scores 0 without a call and is counted
+(`num_unclosed`, `reward/reasoning_unclosed`). Every scoring path (GRPO rounds, asynchronous rollout ranks,
+held-out and benchmark evaluation) goes through `score`, so the cut is the same everywhere.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from megatron_vlm.errors import ConfigError
 from megatron_vlm.rl.rewards.config import CustomRewardConfig
 from megatron_vlm.rl.rewards.pool import RewardCall, RewardWorkerPool
 
-__all__ = ["RewardBatch", "RewardManager", "check_custom_rewards"]
+__all__ = ["RewardBatch", "RewardManager", "after_reasoning", "check_custom_rewards"]
 
 logger = logging.getLogger(__name__)
 _LOG_FIRST = 5
@@ -47,12 +50,26 @@ class RewardBatch:
     """Verifier calls of this batch that raised (or whose worker died)."""
     clipped: int = 0
     """Verifier values of this batch that were non-finite or beyond +-value_limit (clipped)."""
+    unclosed: int = 0
+    """Verifier calls of this batch not made because the completion lacked the verifier's `reasoning_end` (0)."""
+
+
+def after_reasoning(completion: str, reasoning_end: str) -> Optional[str]:
+    """The text a verifier with `reasoning_end` scores: what follows the last occurrence of the delimiter (the
+    whole completion when it is ""), None when the completion never closes its reasoning.
+
+    Why the last occurrence: a reasoning that quotes the delimiter ("... then write </think> ...") ends at the
+    last one, and an answer after the last one is the only text no reasoning follows."""
+    if not reasoning_end:
+        return completion
+    head, found, tail = completion.rpartition(reasoning_end)
+    return tail if found else None
 
 
 def _call_spec(cfg: Any) -> tuple[str, Optional[str], dict]:
     if isinstance(cfg, CustomRewardConfig):
         return "custom", cfg.function, dict(cfg.kwargs)
-    skip = {"type", "weight", "name"}
+    skip = {"type", "weight", "name", "reasoning_end"}
     options = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in skip}
     return cfg.type, None, options
 
@@ -125,6 +142,7 @@ class RewardManager:
         self.num_timeouts = 0
         self.num_errors = 0
         self.num_clipped = 0
+        self.num_unclosed = 0
         self._fail_counts: dict[str, int] = {}
         self.last_error = ""
         """The newest failed call ("reward 'label': error: ..."), for the message of a run that stops on them."""
@@ -161,17 +179,25 @@ class RewardManager:
             if unknown:
                 raise ValueError(f"only: unknown reward labels {unknown}; configured: {self.labels}")
             active = [k for k in active if self.labels[k] in only]
-        calls = []
+        calls: list[RewardCall] = []
+        at: list[list[Optional[int]]] = []  # per active reward, per completion: its call's index (None: unclosed)
         for k in active:
             verifier, function, options = self._specs[k]
+            end = getattr(self.rewards[k], "reasoning_end", "")
+            at.append([])
             for i in range(n):
                 completion = completions[i]
+                text = after_reasoning(completion if isinstance(completion, str) else str(completion), end)
+                if text is None:
+                    at[-1].append(None)
+                    continue
+                at[-1].append(len(calls))
                 meta = metadata[i] if metadata is not None else None
                 calls.append(RewardCall(
                     verifier=verifier,
                     function=function,
                     options=options,
-                    completion=completion if isinstance(completion, str) else str(completion),
+                    completion=text,
                     answer=str(answers[i]),
                     prompt=str(prompts[i]) if prompts is not None else "",
                     metadata=dict(meta) if meta is not None else None,
@@ -179,12 +205,17 @@ class RewardManager:
         results = self.pool.map(calls)
         total = [0.0] * n
         per_reward: dict[str, list[float]] = {}
-        timeouts = errors = clipped = 0
+        timeouts = errors = clipped = unclosed = 0
         for j, k in enumerate(active):
             label, weight = self.labels[k], self.rewards[k].weight
             values = []
             for i in range(n):
-                res = results[j * n + i]
+                c = at[j][i]
+                if c is None:  # the reasoning never closed: the verifier's failure value, counted
+                    unclosed += 1
+                    values.append(0.0)
+                    continue
+                res = results[c]
                 if res.status != "ok":
                     if res.status == "clipped":
                         clipped += 1
@@ -196,11 +227,13 @@ class RewardManager:
                 values.append(res.value)
                 total[i] += weight * res.value
             per_reward[label] = values
-        self.num_calls += len(calls)
+        self.num_calls += len(calls) + unclosed
         self.num_timeouts += timeouts
         self.num_errors += errors
         self.num_clipped += clipped
-        return RewardBatch(total=total, per_reward=per_reward, timeouts=timeouts, errors=errors, clipped=clipped)
+        self.num_unclosed += unclosed
+        return RewardBatch(total=total, per_reward=per_reward, timeouts=timeouts, errors=errors, clipped=clipped,
+                           unclosed=unclosed)
 
     def _warn(self, label: str, index: int, status: str, detail: str) -> None:
         if status != "clipped":
@@ -219,6 +252,7 @@ class RewardManager:
             "reward/timeouts": float(self.num_timeouts),
             "reward/errors": float(self.num_errors),
             "reward/clipped": float(self.num_clipped),
+            "reward/reasoning_unclosed": float(self.num_unclosed),
             "reward/worker_restarts": float(self.pool.restarts),
         }
 

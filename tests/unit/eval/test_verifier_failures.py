@@ -25,15 +25,15 @@ def test_scorer_counts_timeouts_and_errors():
     rows = [GeneratedAnswers(i, "3", {"verifier": "math", "answer": "3"}, [r"\boxed{3}"]) for i in range(3)]
     rows.append(GeneratedAnswers(3, "red", {"verifier": "short_answer"}, ["red"]))
     assert scorer.score(rows) == [[0.0], [0.0], [1.0], [1.0]]
-    assert scorer.failures == {"timeouts": 1, "errors": 1}
+    assert scorer.failures == {"timeouts": 1, "errors": 1, "reasoning_unclosed": 0}
     scorer.score(rows[:3])
-    assert scorer.failures == {"timeouts": 2, "errors": 2}
+    assert scorer.failures == {"timeouts": 2, "errors": 2, "reasoning_unclosed": 0}
 
 
 def test_failures_merged_once_per_data_parallel_shard():
     # ranks 0, 1 are the tp pair of shard 0 (they scored the same rows), rank 2 alone holds shard 1
     parts = [(0, {"timeouts": 2, "errors": 0}), (0, {"timeouts": 2, "errors": 0}), (1, {"timeouts": 1, "errors": 3})]
-    assert merge_verifier_failures(parts) == {"timeouts": 3, "errors": 3}
+    assert merge_verifier_failures(parts) == {"timeouts": 3, "errors": 3, "reasoning_unclosed": 0}
 
 
 def test_failures_listed_in_the_table():

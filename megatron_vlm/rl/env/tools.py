@@ -310,7 +310,8 @@ class ToolEnvironment(Environment):
 
     @property
     def gives_rewards(self) -> bool:  # type: ignore[override]
-        return self.reward_fn is not None
+        """With a `reward_fn`, or in a subclass with its own `step` (which may return rewards of its own)."""
+        return self.reward_fn is not None or type(self).step is not ToolEnvironment.step
 
     def tools(self) -> list[dict]:
         return self.registry.specs()

@@ -62,6 +62,21 @@ def test_an_environment_without_rewards_still_needs_a_table(tmp_path, monkeypatc
     assert check.run_check(own, world_size=1, device_memory_gib=80.0) == 0
 
 
+def test_a_tool_environment_subclass_with_its_own_step_may_give_rewards():
+    """A ToolEnvironment without reward_fn gives no reward, but a subclass that writes its own `step` may return
+    rewards there: it is not refused for the missing [[rl.rewards]] table."""
+    from megatron_vlm.rl.env.base import Observation, StepResult
+    from megatron_vlm.rl.env.tools import ToolEnvironment
+
+    class Scored(ToolEnvironment):
+        def step(self, action: str) -> StepResult:
+            return StepResult(observation=Observation(), done=True, reward=1.0)
+
+    assert ToolEnvironment().gives_rewards is False
+    assert ToolEnvironment(reward_fn=lambda text, sample: 1.0).gives_rewards is True
+    assert Scored().gives_rewards is True
+
+
 def _sample(p: int, j: int) -> RolloutSample:
     return RolloutSample(prompt_index=p, sample_index=j, token_ids=torch.tensor([1, 2]), logprobs=torch.zeros(2),
                          text="42", finish_reason="eos", prompt_length=3)

@@ -97,21 +97,23 @@ def register_builtin_ops(registry) -> None:
     # graphs vs 7.61 (7.38) for the torch backend (gather + SDPA); eager steps 33.5 vs 35.9 ms (host-bound both)
     register("decode_attention", "triton", "triton.decode_attention:decode_attention", check=triton_check,
              auto_devices=("cuda",), priority=10)
-    # a decode step's keys and values in one launch instead of four: forced only until timed in the decode step on a
-    # GPU (benchmarks/e2e/profile_decode.py variant ':fused')
-    register("kv_cache_write", "triton", "triton.kv_cache_write:kv_cache_write", check=triton_check, auto_devices=(),
-             priority=10)
+    # a decode step's keys and values in one launch instead of four: auto on CUDA. With the engine's fused q / k / v
+    # (EngineOptions.fuse_projections) the 3B decode step in CUDA graphs on an H200 (profile_decode.py ':fused',
+    # 2026-11-28): 32 sequences 5.60 -> 4.73 ms median (1.18x), 64 sequences 5.97 -> 4.99 ms (1.20x)
+    register("kv_cache_write", "triton", "triton.kv_cache_write:kv_cache_write", check=triton_check,
+             auto_devices=("cuda",), priority=10)
     # torch's fused LayerNorm: our Triton layer_norm ran 0.68x / 0.97x its time (fwd / bwd) on an H100 at the
     # InternViT shape (bench_rms_norm, benchmarks/RESULTS.md, 2026-11-26)
     register("layer_norm", "torch_fused", "torch_fused.norms:layer_norm", auto_devices=("cuda",), priority=15)
-    # torch's flash varlen kernel for packed training attention: alone faster than our Triton varlen kernel on an
-    # H200 (bench_attention "torch varlen_attn" rows: 8 x 16k causal 1.07x fwd / 1.29x bwd), but the SFT step with it
-    # was slower (selective checkpointing re-ran its forward: its op was not kept, fixed since); forced only until
-    # the step is measured with it kept (benchmarks/gpu_wave3.sh sft)
+    # torch's flash varlen kernel for packed training attention: auto on CUDA above our Triton kernel (what it
+    # cannot take runs ours). On an H200 (benchmarks/RESULTS.md, 2026-11-28) it beat ours alone in every case
+    # (8 x 16k causal 1.07x fwd / 1.29x bwd, ViT shapes 1.2-1.7x) and in the 3B SFT step with selective
+    # checkpointing keeping its output (1.141 vs 1.338 s median, attention kernels 42.5 vs 49.4 ms per step).
+    # Below flash-attn and Transformer Engine, which were not timed against it.
     from .torch_fused.varlen_attention import check as torch_varlen_check
 
     register("attention", "torch_varlen", "torch_fused.varlen_attention:attention", check=torch_varlen_check,
-             auto_devices=(), priority=25)
+             auto_devices=("cuda",), priority=18)
     # MoE routing (reference/moe_routing.py) and the compiled backends of megatron_vlm._C (csrc/,
     # loaded lazily by megatron_vlm/_ext.py; its check says why it is unavailable when it is)
     register("moe_topk_gating", "torch", "reference.moe_routing:moe_topk_gating", auto_devices=everywhere)

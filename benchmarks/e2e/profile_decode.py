@@ -201,7 +201,8 @@ def main() -> None:
         name = (f"decode_attention={backend}, cuda_graphs={graphs}" + (", shared prompt reads" if "shared" in flags else "")
                 + (", fused qkv" if "fused" in flags else ""))
         # fused: q / k / v in one GEMM and each layer's keys / values written in one launch (kernels.kv_cache_write)
-        choice = {"decode_attention": backend, **({"kv_cache_write": "triton"} if "fused" in flags else {})}
+        # (both the default on CUDA since the 2026-11-28 H200 run: the other variants pin the unfused forms)
+        choice = {"decode_attention": backend, "kv_cache_write": "triton" if "fused" in flags else "torch"}
         if "ep" in flags:
             name += ", expert-parallel copy (1 rank, lock-step)"
         with registry.use_backends(choice):

@@ -3,8 +3,11 @@
 Why: the fair baseline for our packed varlen Triton kernel is a flash varlen kernel, and recent torch builds
 ship one (FlashAttention-2/3 under `varlen_attn`, torch >= 2.10) without the flash-attn package. This
 backend runs it for the training layout (packed `[T, H, D]` + one `cu_seqlens` for queries and keys,
-fp16 / bf16, head dim <= 256) and hands every other call to torch SDPA (our `sdpa` backend, logged once per
-reason): batched or padded layouts, cross-attention lengths, fp32, other devices.
+fp16 / bf16, head dim <= 256) and hands every other call to our Triton kernel where it runs, else to torch SDPA
+(logged once per reason): batched or padded layouts, queries and keys of different lengths (the prompt-shared packs
+of GRPO and DPO), windows the release cannot take, fp32, other devices. `auto` takes it on CUDA (below flash-attn and
+Transformer Engine when installed): on an H200 it beat our Triton varlen kernel alone and in the SFT step
+(benchmarks/RESULTS.md, "Fifth GPU run").
 
 Its Python signature changed across releases: `is_causal=` (2.10 / 2.11) became `window_size=(left, right)`
 (causal = right side 0), and `scale=` / `enable_gqa=` were added; the adapter reads the signature once and
@@ -13,7 +16,6 @@ maps our arguments onto what the installed release takes. GQA without `enable_gq
 """
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 from typing import Optional
@@ -28,14 +30,19 @@ _DTYPES = (torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 256
 
 
-@functools.cache
+_found: dict = {}  # a plain dict, not functools.cache: compiled blocks trace this lookup without a cache wrapper
+
+
 def _varlen():
-    """(varlen_attn, its parameter names) or (None, reason)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError as exc:
-        return None, f"torch {torch.__version__} has no torch.nn.attention.varlen ({exc})"
-    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+    """(varlen_attn, its parameter names) or (None, reason); looked up once."""
+    if "varlen" not in _found:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError as exc:
+            _found["varlen"] = None, f"torch {torch.__version__} has no torch.nn.attention.varlen ({exc})"
+        else:
+            _found["varlen"] = varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+    return _found["varlen"]
 
 
 def check(device_type: str, dtype: torch.dtype) -> Optional[str]:
@@ -49,9 +56,18 @@ def check(device_type: str, dtype: torch.dtype) -> Optional[str]:
 
 
 def _fallback(reason: str, q, k, v, **kwargs) -> torch.Tensor:
+    """Our Triton kernel where it runs (CUDA: the backend `auto` took before this one), else torch SDPA."""
+    from ..availability import triton_check
+
+    triton_ok = triton_check(q.device.type, q.dtype) is None
     if reason not in _logged:
         _logged.add(reason)
-        logger.info("attention: backend torch_varlen falls back to torch SDPA (the sdpa backend): %s", reason)
+        logger.info("attention: backend torch_varlen falls back to %s: %s",
+                    "our Triton kernel" if triton_ok else "torch SDPA (the sdpa backend)", reason)
+    if triton_ok:
+        from ..triton.attention import attention as triton_attention
+
+        return triton_attention(q, k, v, **kwargs)
     from ..sdpa.attention import attention as sdpa_attention
 
     return sdpa_attention(q, k, v, **kwargs)
@@ -101,8 +117,8 @@ def attention(
     if q.dim() != 3 or key_padding_mask is not None:
         return _fallback("batched or padded layout (varlen_attn takes packed sequences)", q, k, v, **args)
     cu_q, cu_k = check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, None)
-    if cu_k is not cu_q and not torch.equal(cu_k.cpu(), cu_q.cpu()):
-        return _fallback("query and key lengths differ (only self-attention packs are mapped)", q, k, v, **args)
+    if cu_k is not cu_q:  # no host read of both to compare them: self-attention passes one tensor twice
+        return _fallback("separate query and key cu_seqlens (only self-attention packs are mapped)", q, k, v, **args)
     reason = check(q.device.type, q.dtype)
     if reason is None and q.shape[-1] > _MAX_HEAD_DIM:
         reason = f"head dim {q.shape[-1]} (flash kernels take up to {_MAX_HEAD_DIM})"

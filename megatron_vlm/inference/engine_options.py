@@ -89,11 +89,13 @@ class EngineOptions:
     cpu_fused_experts: bool = True
     """CPU, fp32, the engine's own weights: eager decode steps run each MoE layer's routed experts as one C++ call
     on MKL-packed expert weights (inference/cpu_packed_experts.py); routing is unchanged."""
-    fuse_projections: bool = False
+    fuse_projections: Optional[bool] = None
     """The engine's own copy of the weights: each attention layer's q / k / v run as one GEMM over one fused weight
     that the three layers view (models/common/fused_projections.py: fewer, wider GEMMs and no q / k concatenation
-    per decode step; checkpoint names unchanged). Refused for the trainer's model (an optimizer holds its
-    Parameters). Off by default: not yet measured on a GPU (benchmarks/e2e/profile_decode.py `:fused`)."""
+    per decode step; checkpoint names unchanged). True is refused for the trainer's model (an optimizer holds its
+    Parameters) and for lock-step engines. None: on for an engine that decodes its own copy on CUDA (with the
+    one-launch KV write, an H200's 3B decode step in CUDA graphs ran 1.18x / 1.20x faster at 32 / 64 sequences:
+    benchmarks/e2e/profile_decode.py `:fused`), off elsewhere (on the CPU, MKL-packed weights; not measured to pay)."""
     share_prefix_reads: Optional[bool] = None
     """Decode attention reads a GRPO group's shared prompt through one copy (`SlotCache.share_prefix_reads`: the CPU
     kernel reads it once per group, the Triton kernel from one copy for L2 reuse). None: the cache's default, on

@@ -189,9 +189,12 @@ class PolicyRolloutEngine(RolloutEngine):
         self.suppress_token_ids = torch.tensor(sorted(set(int(i) for i in suppress_token_ids)), dtype=torch.long)
         if sync_from is not None and not self.owns_forward:
             raise ValueError("sync_from: only for an engine that generates with its own copy (forward=None)")
-        if o.fuse_projections and (not self.owns_forward or self.lockstep):
+        own_copy = self.owns_forward and not self.lockstep
+        if o.fuse_projections and not own_copy:
             raise ValueError("fuse_projections: only for an engine that generates with its own copy of the weights "
                              "(it re-makes the q / k / v Parameters, which the trainer's optimizer holds)")
+        self.fuse_projections = (bool(o.fuse_projections) if o.fuse_projections is not None
+                                 else own_copy and self._on_cuda(model, device))
         self.sync_from = sync_from
         self._refreshed_version: Optional[int] = None  # the trainer's version the own copy holds (`sync_to_version`)
         self.weight_sync_s = 0.0
@@ -449,7 +452,7 @@ class PolicyRolloutEngine(RolloutEngine):
         dev = self._device()
         # fused q / k / v: idempotent, and fuses again a layer whose views a `.to()` replaced (new addresses: the
         # kept graphs check theirs before the next replay)
-        if self.options.fuse_projections:
+        if self.fuse_projections:
             with self._step_lock:  # not while another thread writes weights in place (`paused()`)
                 if fuse_qkv(self.model) and self._runner is not None:
                     self._runner.weights_loaded()
@@ -472,7 +475,7 @@ class PolicyRolloutEngine(RolloutEngine):
         if experts is not None:
             self._expert_packer = experts
         try:
-            with fused_projections(self.options.fuse_projections):
+            with fused_projections(self.fuse_projections):
                 batch = _Batch(prompts, offset, params, checker, generator, stats,
                                eos=torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=dev),
                                suppress=self.suppress_token_ids.to(dev))

@@ -103,9 +103,10 @@ def test_every_lease_command_parses_with_its_scripts_own_parser(tmp_path, monkey
 
 def test_16k_step_takes_whole_block_checkpointing_on_an_80_gb_gpu(tmp_path):
     """Selective checkpointing at 16k tokens peaked at 90 GiB on an H200: a GPU reporting less than ~100 GB (an 80 GB
-    H100) runs the 16k steps with whole-block checkpointing instead of an out-of-memory step."""
+    H100) runs the 16k steps with whole-block checkpointing instead of an out-of-memory step; on the larger GPU the
+    compiled whole-block step runs too (the form an 80 GB GPU would run), once."""
     script, env = _copy(tmp_path)
-    for mib, want in (("81559", "full"), ("143771", "selective")):
+    for mib, want in (("81559", ["full"] * 3), ("143771", ["selective"] * 3 + ["full"])):
         smi = tmp_path / "bin" / "nvidia-smi"
         smi.write_text(f'#!/bin/sh\ncase "$*" in *memory.total*noheader*) echo {mib};; esac\n')
         smi.chmod(0o755)
@@ -115,4 +116,4 @@ def test_16k_step_takes_whole_block_checkpointing_on_an_80_gb_gpu(tmp_path):
         assert r.returncode == 0, r.stdout + r.stderr
         steps = [line.split("\x1f")[:-1] for line in (tmp_path / "argv.txt").read_text().splitlines()]
         acs = [c[c.index("--ac") + 1] for c in steps if "--ac" in c]
-        assert acs == [want, want], (mib, acs)
+        assert acs == want, (mib, acs)

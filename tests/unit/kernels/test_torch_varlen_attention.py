@@ -151,3 +151,104 @@ def test_real_kernel_on_the_gpu(causal):
     g32 = torch.autograd.grad(ref32, (q32, k32, v32), up.float())
     for a, b, c in zip(g_got, g16, g32):  # ours within 2x the bf16 reference's own error (+ a floor)
         assert (a.float() - c).abs().max().item() <= 2 * (b.float() - c).abs().max().item() + 1e-2
+
+
+def _register_stand_in_op(name, style):
+    """A CPU custom op standing in for torch's `torch_attn::_varlen_attn` (an opaque op with a fake and an autograd
+    formula there too), wrapped in a Python function of the release's signature."""
+    lib_name = f"mvlm_test_varlen::{name}"
+
+    @torch.library.custom_op(lib_name, mutates_args=())
+    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, causal: bool) -> torch.Tensor:
+        return _new_style(q, k, v, cu, cu, 0, 0, window_size=(-1, 0 if causal else -1)).contiguous()
+
+    @op.register_fake
+    def _(q, k, v, cu, causal):
+        return torch.empty_like(q)
+
+    def backward(ctx, grad):
+        q, k, v, cu = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = _new_style(*leaves, cu, cu, 0, 0, window_size=(-1, 0 if ctx.causal else -1))
+            return (*torch.autograd.grad(out, leaves, grad), None, None)
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:4])
+        ctx.causal = inputs[4]
+
+    op.register_autograd(backward, setup_context=setup)
+    if style == "old":
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+            return op(query, key, value, cu_seq_q, is_causal)
+    else:
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                        window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+            assert window_size[0] == -1 and (enable_gqa or key.shape[1] == query.shape[1])
+            if key.shape[1] != query.shape[1]:
+                rep = query.shape[1] // key.shape[1]
+                key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+            return op(query, key, value, cu_seq_q, window_size[1] == 0)
+    return varlen_attn
+
+
+@pytest.mark.parametrize("style", ["old", "new"])
+def test_compiles_fullgraph_with_the_hint_and_matches_eager(monkeypatch, request, style):
+    """The compiled training blocks call the adapter with a max_seqlen hint: it must trace without a graph break
+    (no host read, no untraceable Python) and give eager's outputs and gradients."""
+    torch._dynamo.reset()
+    import torch.nn.attention.varlen as torch_varlen
+
+    # the adapter's own lookup of torch's function (cached, signature read once) is traced too
+    monkeypatch.setattr(torch_varlen, "varlen_attn", _register_stand_in_op(f"attn_{style}", style))
+    monkeypatch.setattr(backend, "check", lambda device_type, dtype: None)
+    backend._found.clear()
+    request.addfinalizer(backend._found.clear)
+    q, k, v, cu = _case([5, 9, 2], 4, 2, seed=7)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def block(q, k, v, cu):
+        return backend.attention(q * 1.5, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=9,
+                                 max_seqlen_k=9).sin()
+
+    eager = block(q, k, v, cu)
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)(q, k, v, cu)
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(eager, reference(q * 1.5, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu).sin())
+    up = torch.randn_like(eager)
+    for a, e in zip(torch.autograd.grad(compiled, (q, k, v), up), torch.autograd.grad(eager, (q, k, v), up)):
+        torch.testing.assert_close(a, e)
+
+
+@pytest.mark.parametrize("triton_runs", [True, False])
+def test_calls_it_cannot_take_go_to_our_triton_kernel_where_it_runs(monkeypatch, triton_runs):
+    """`auto` takes this backend on CUDA above our Triton kernel: what varlen_attn cannot take (the prompt-shared
+    packs' separate key lengths, a window the release has no argument for) must reach the kernel `auto` took
+    before, not SDPA with a dense mask; where Triton cannot run, SDPA."""
+    import megatron_vlm.kernels.availability as availability
+    import megatron_vlm.kernels.sdpa.attention as sdpa_mod
+    import megatron_vlm.kernels.triton.attention as triton_mod
+
+    def never(*a, **kw):
+        raise AssertionError("varlen_attn called for a call it cannot take")
+
+    never.__signature__ = __import__("inspect").signature(_old_style)
+    _use(monkeypatch, never)
+    calls = []
+
+    def spy(name):
+        def run(q, k, v, **kw):
+            calls.append(name)
+            return reference(q, k, v, **kw)
+        return run
+
+    monkeypatch.setattr(availability, "triton_check", lambda device_type, dtype: None if triton_runs else "no triton")
+    monkeypatch.setattr(triton_mod, "attention", spy("triton"))
+    monkeypatch.setattr(sdpa_mod, "attention", spy("sdpa"))
+    q, k, v, cu = _case([4, 6], 2, 2, seed=5)
+    # separate key cu_seqlens (a prompt-shared pack's keys): same lengths here, still not mapped (no host read)
+    got = backend.attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu.clone())
+    torch.testing.assert_close(got, reference(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu))
+    got = backend.attention(q, k, v, causal=False, cu_seqlens_q=cu, cu_seqlens_k=cu, window=(1, 2))
+    torch.testing.assert_close(got, reference(q, k, v, causal=False, cu_seqlens_q=cu, cu_seqlens_k=cu, window=(1, 2)))
+    assert calls == ["triton" if triton_runs else "sdpa"] * 2

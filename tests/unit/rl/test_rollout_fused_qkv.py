@@ -132,3 +132,16 @@ def test_triton_cache_writes_give_the_same_rollouts(layout):
     ref = run()
     with use_backends({"kv_cache_write": "triton"}):
         _same(run(), ref)
+
+
+def test_default_fuses_an_own_copy_on_cuda_only(monkeypatch):
+    """None (the default): on for an engine decoding its own copy on CUDA (measured faster there), off on the CPU,
+    and never for the trainer's model or a lock-step engine (no error: the default just stays off there)."""
+    model, _ = _model("qwen3")
+    assert PolicyRolloutEngine(model, Tok(), EngineOptions(eos_token_ids=[-1])).fuse_projections is False
+    monkeypatch.setattr(PolicyRolloutEngine, "_on_cuda", staticmethod(lambda model, device: True))
+    assert PolicyRolloutEngine(model, Tok(), EngineOptions(eos_token_ids=[-1])).fuse_projections is True
+    assert PolicyRolloutEngine(model, Tok(), EngineOptions(eos_token_ids=[-1], fuse_projections=False)).fuse_projections is False
+    assert PolicyRolloutEngine(model, Tok(), EngineOptions(eos_token_ids=[-1]), forward=model).fuse_projections is False
+    lockstep = PolicyRolloutEngine(model, Tok(), EngineOptions(eos_token_ids=[-1]), all_ranks_active=lambda a: a)
+    assert lockstep.fuse_projections is False

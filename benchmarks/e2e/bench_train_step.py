@@ -113,6 +113,19 @@ def profile_step(step, device: torch.device, path: Path) -> None:
         print(f"  {r['ms']:9.2f} ms {r['calls']:6d}x {r['name'][:100]}")
 
 
+def kernel_choice(kernels: str | None, attention: str | None) -> dict[str, str]:
+    """{op: backend} from --kernels ("op=backend,...") and --attention; ValueError for a malformed entry."""
+    choice: dict[str, str] = {}
+    for part in filter(None, (kernels or "").split(",")):
+        op, sep, backend = part.partition("=")
+        if not sep or not op.strip() or not backend.strip():
+            raise ValueError(f"--kernels takes op=backend pairs, comma-separated; got {part!r}")
+        choice[op.strip()] = backend.strip()
+    if attention:
+        choice["attention"] = attention
+    return choice
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU (smoke test)")
@@ -125,6 +138,10 @@ def main() -> None:
                          "kept, the rest recomputed) or none")
     ap.add_argument("--attention", default=None, metavar="BACKEND",
                     help="force the attention backend (kernels.attention: triton, sdpa, torch_varlen, flash_attn, ...)")
+    ap.add_argument("--kernels", default=None, metavar="OP=BACKEND,...",
+                    help="force backends of other ops, e.g. rms_norm=torch,swiglu=torch,apply_rotary=torch (under "
+                         "--compile the pure-torch references are traced, so inductor can fuse them with their neighbours; "
+                         "our Triton kernels are opaque custom ops to it)")
     ap.add_argument("--compile", action="store_true", help="torch.compile every block (parallel.compile)")
     ap.add_argument("--reshard", choices=("on", "off"), default="on",
                     help="parallel.reshard_after_forward: 'off' keeps each block's gathered bf16 parameters from the "
@@ -135,10 +152,14 @@ def main() -> None:
     args = ap.parse_args()
     env = init_distributed()
     device = env.device
-    if args.attention:
+    try:
+        choice = kernel_choice(args.kernels, args.attention)
+    except ValueError as e:
+        ap.error(str(e))  # exit 2, before anything is built
+    if choice:
         from megatron_vlm.kernels import registry
 
-        registry.configure({"attention": args.attention})
+        registry.configure(choice)
     if args.quick:
         torch.set_num_threads(1)
         cfg, grid, tokens, param_dtype = tiny_config(), (1, 8, 8), min(args.tokens, 256), None
@@ -198,7 +219,7 @@ def main() -> None:
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (1 thread)", "torch": torch.__version__,
             "quick": args.quick, "tokens": n_tokens, "samples": args.samples, "activation_checkpointing": ac, "compile": args.compile,
             "reshard_after_forward": args.reshard == "on",
-            "attention": args.attention or "auto",
+            "attention": args.attention or "auto", "kernels": choice,
             "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(meta))
     if args.json:

@@ -6,6 +6,8 @@ those of an unfused eager engine on the weights it should hold."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -180,3 +182,14 @@ def test_async_push_while_the_first_rollout_fuses(on_cuda):
     eng.paused = paused
     _same(_reference(trainer, prompts), eng.generate(prompts, PARAMS).samples)
 
+
+def test_moving_a_fused_model_frees_the_fused_tensor():
+    """A judge with `offload` moves its engine's model to the CPU between scoring calls (`.to()` re-makes every
+    Parameter's data): the fused [q | k | v] tensors must go with them, not stay on the device the offload frees."""
+    model, _ = tiny_vl_model_and_prompts(1)
+    assert fuse_qkv(model) > 0
+    refs = [weakref.ref(m._fused_qkv.weight) for m in _attention_layers(model)]
+    model.double()  # stands in for .to("cpu"): new data for every Parameter
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert all(m._fused_qkv is None for m in _attention_layers(model))

@@ -188,6 +188,8 @@ def test_moving_a_fused_model_frees_the_fused_tensor():
     Parameter's data): the fused [q | k | v] tensors must go with them, not stay on the device the offload frees."""
     model, _ = tiny_vl_model_and_prompts(1)
     assert fuse_qkv(model) > 0
+    model.to("cpu")  # already there: the views keep sharing the fused tensor, which stays
+    assert _fused(model)
     refs = [weakref.ref(m._fused_qkv.weight) for m in _attention_layers(model)]
     model.double()  # stands in for .to("cpu"): new data for every Parameter
     gc.collect()

@@ -56,6 +56,8 @@ def _forward_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_caus
     _CALLS["fwd"] += 1
     assert enable_gqa or key.shape[1] == query.shape[1], "GQA without enable_gqa"
     assert seqused_k is None and block_table is None
+    # the kernel sizes its grid from the hints: rows past them would be left unwritten
+    assert max_q >= int((cu_seq_q[1:] - cu_seq_q[:-1]).max()) and max_k >= int((cu_seq_k[1:] - cu_seq_k[:-1]).max())
     out, lse = torch.zeros_like(query), query.new_zeros(query.shape[1], query.shape[0])
     for (a, b), _, _, s, p, _, v in _pieces(query, key, value, cu_seq_q, cu_seq_k, is_causal, scale, window_size):
         out[a:b] = torch.einsum("hqk,khd->qhd", p, v)

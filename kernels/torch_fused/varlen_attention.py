@@ -55,16 +55,24 @@ def check(device_type: str, dtype: torch.dtype) -> Optional[str]:
     return info if fn is None else None
 
 
-def _fallback(reason: str, q, k, v, **kwargs) -> torch.Tensor:
-    """Our Triton kernel where it runs (CUDA: the backend `auto` took before this one), else torch SDPA."""
+@torch.compiler.assume_constant_result
+def _fallback_to_triton(reason: str, device_type: str, dtype: torch.dtype) -> bool:
+    """Whether a call this backend does not map runs our Triton kernel (else SDPA); logged once per reason. Run
+    eagerly while dynamo traces a compiled block (a constant of its graph): the availability probe and the log call
+    inside the trace would each break the graph, in every layer of a prompt-shared pack."""
     from ..availability import triton_check
 
-    triton_ok = triton_check(q.device.type, q.dtype) is None
+    triton_ok = triton_check(device_type, dtype) is None
     if reason not in _logged:
         _logged.add(reason)
         logger.info("attention: backend torch_varlen falls back to %s: %s",
                     "our Triton kernel" if triton_ok else "torch SDPA (the sdpa backend)", reason)
-    if triton_ok:
+    return triton_ok
+
+
+def _fallback(reason: str, q, k, v, **kwargs) -> torch.Tensor:
+    """Our Triton kernel where it runs (CUDA: the backend `auto` took before this one), else torch SDPA."""
+    if _fallback_to_triton(reason, q.device.type, q.dtype):
         from ..triton.attention import attention as triton_attention
 
         return triton_attention(q, k, v, **kwargs)

@@ -121,6 +121,17 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    def _apply(self, fn, recurse=True):
+        """`.to()` / `.half()` / ...: forgets a fused [q | k | v] tensor that the projections no longer view. Why: the
+        conversion gives each projection data of its own, and the fused tensor, held here alone, would stay where it
+        was (a judge that offloads its engine's model to the CPU between calls would keep it on the GPU); the next
+        fusion (`fuse_qkv`, at the engine's next call) makes a new one."""
+        out = super()._apply(fn, recurse)
+        fused = self._fused_qkv
+        if fused is not None and not fused.intact(self.q_proj, self.k_proj, self.v_proj):
+            self._fused_qkv = None
+        return out
+
     def local_heads(self) -> tuple[int, int]:
         """(query heads, key/value heads) that this module's projections hold: all of them, or a shard.
 

@@ -72,6 +72,10 @@ def receive_weights(model: torch.nn.Module, bridge: Bridge, header: dict, engine
         raise KeyError(f"weight push: the rollout model has no entries {missing[:5]} (is model.path the trainer's model?)")
     lock = engine.paused() if engine is not None else contextlib.nullcontext()
     with lock, torch.no_grad():
+        # the entries again, now that decoding is paused: the engine's first call may have re-made the q / k / v
+        # Parameters meanwhile (fused into one tensor, models/common/fused_projections.py), and a write into the
+        # replaced ones would never reach its decode steps
+        state = model.state_dict()
         for name, shape, dtype in header["names"]:
             target = state[name]
             wire_dtype = getattr(torch, dtype)

@@ -252,3 +252,32 @@ def test_calls_it_cannot_take_go_to_our_triton_kernel_where_it_runs(monkeypatch,
     got = backend.attention(q, k, v, causal=False, cu_seqlens_q=cu, cu_seqlens_k=cu, window=(1, 2))
     torch.testing.assert_close(got, reference(q, k, v, causal=False, cu_seqlens_q=cu, cu_seqlens_k=cu, window=(1, 2)))
     assert calls == ["triton" if triton_runs else "sdpa"] * 2
+
+
+@pytest.mark.parametrize("layout", ["separate_key_lengths", "batched"])
+def test_calls_it_hands_to_triton_compile_without_a_graph_break(monkeypatch, layout):
+    """The prompt-shared packs' layers (separate key cu_seqlens) and batched calls in a compiled block: the hand-over
+    to our Triton kernel (interpreted here, a custom op as on CUDA) traces whole; its once-per-reason log and the
+    availability probe are not traced (each broke the graph in every layer)."""
+    from megatron_vlm.kernels.availability import triton_check
+
+    if triton_check("cpu", torch.float64) is not None:
+        pytest.skip("needs the Triton interpreter")
+    torch._dynamo.reset()
+    _use(monkeypatch, _new_style)
+    monkeypatch.setattr(backend, "_logged", set())  # the first call logs: that must not be traced either
+    if layout == "batched":
+        g = torch.Generator().manual_seed(4)
+        q, k, v = (torch.randn(2, 6, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+        kw: dict = {}
+    else:
+        q, k, v, cu = _case([5, 9, 2], 4, 2, seed=7)
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu.clone(), max_seqlen_q=9, max_seqlen_k=9)
+
+    def block(q, k, v, kw):
+        return backend.attention(q * 1.5, k, v, causal=True, **kw).sin()
+
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)(q, k, v, kw)
+    exp = reference(q * 1.5, k, v, causal=True, **{n: t for n, t in kw.items() if n.startswith("cu")}).sin()
+    torch.testing.assert_close(compiled, exp, atol=1e-5, rtol=1e-5)
+    assert backend._logged  # logged once, eagerly

@@ -99,14 +99,23 @@ def test_re_made_parameters_fall_back_then_fuse_again():
     assert fuse_qkv(model) == 0  # already fused: nothing re-made
     layer = next(m for m in model.modules() if isinstance(m, Attention))
     assert layer._fused_qkv.intact(layer.q_proj, layer.k_proj, layer.v_proj)
-    model.double()  # `.to()` re-makes every Parameter: the views no longer share the fused tensor
-    assert not layer._fused_qkv.intact(layer.q_proj, layer.k_proj, layer.v_proj)
+    model.double()  # `.to()` re-makes every Parameter's data: the fused tensor is dropped with it
+    assert layer._fused_qkv is None
     x = torch.randint(10, 200, (1, 7))
     with torch.no_grad():
         plain = model(x)
         with fused_projections():
-            assert torch.equal(model(x), plain)  # the three projections, not the stale fused weight
+            assert torch.equal(model(x), plain)
         assert fuse_qkv(model) > 0 and layer._fused_qkv.weight.dtype == torch.float64
+        with fused_projections():
+            torch.testing.assert_close(model(x), plain, rtol=0, atol=1e-10)
+        # a Parameter assigned anew (not through `.to()`): the views no longer share the fused tensor
+        layer.k_proj.weight = torch.nn.Parameter(layer.k_proj.weight.detach() * 2)
+        assert not layer._fused_qkv.intact(layer.q_proj, layer.k_proj, layer.v_proj)
+        plain = model(x)
+        with fused_projections():
+            assert torch.equal(model(x), plain)  # the three projections, not the stale fused weight
+        assert fuse_qkv(model) > 0
         with fused_projections():
             torch.testing.assert_close(model(x), plain, rtol=0, atol=1e-10)
 

@@ -68,10 +68,18 @@ def _gpu_capability(device_type: str, index: Optional[int]) -> Optional[tuple[in
     return _capabilities[index]
 
 
-def _fallback(reason: str, q, k, v, **kwargs) -> torch.Tensor:
+@torch.compiler.assume_constant_result
+def _log_fallback(reason: str) -> bool:
+    """Log once per reason. Run eagerly while dynamo traces a compiled block (a constant of its graph): a log call
+    inside the trace would break the graph at every attention layer that falls back."""
     if reason not in _logged:
         _logged.add(reason)
         logger.info("attention: backend flash_attn falls back to torch SDPA (the sdpa backend): %s", reason)
+    return True
+
+
+def _fallback(reason: str, q, k, v, **kwargs) -> torch.Tensor:
+    _log_fallback(reason)
     from ..sdpa.attention import attention as sdpa_attention
 
     return sdpa_attention(q, k, v, **kwargs)

@@ -382,3 +382,20 @@ def test_real_flash_attn_on_gpu(dtype):
         got = adapter.attention(q, k, v, causal=True, cu_seqlens_q=cu_given, cu_seqlens_k=cu_given)
         err = (got.double() - exact).abs().max().item()
         assert math.isfinite(err) and err <= 2 * ref_err + 1e-3, (err, ref_err)
+
+
+def test_a_call_it_hands_to_sdpa_compiles_without_a_graph_break(monkeypatch):
+    """The once-per-reason log of a fallback runs outside the trace: a compiled block whose attention falls back
+    (here: tensors on the CPU) keeps one graph (fullgraph), where a log call inside the trace broke it."""
+    import megatron_vlm.kernels.sdpa.attention as sdpa_mod
+    from megatron_vlm.kernels.thirdparty import flash_attn as fa
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(sdpa_mod, "attention", lambda q, k, v, **kw: q * 2 + v)  # traceable stand-in for SDPA
+    q = torch.randn(10, 2, 16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+
+    def block(q):
+        return fa.attention(q, q, q, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6, max_seqlen_k=6)
+
+    torch.testing.assert_close(torch.compile(block, backend="eager", fullgraph=True)(q), q * 3)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -112,11 +112,14 @@ class _Bucket:
 
 class DecodeStepRunner:
     def __init__(self, forward: Callable[..., torch.Tensor], cache: SlotCache, *, pad_token_id: int,
-                 capture: bool, probe: bool = False, params: Sequence[torch.Tensor] = (), record_routes: bool = False,
+                 capture: bool, probe: bool = False,
+                 params: Union[Sequence[torch.Tensor], Callable[[], Sequence[torch.Tensor]]] = (), record_routes: bool = False,
                  sizes: Optional[Sequence[int]] = None, agree: Optional[Callable[[bool], bool]] = None) -> None:
         """`forward(input_ids=..., kv_cache=...)` -> logits `[B, T, V]` (the engine's own model); `cache`: the
         batch's `SlotCache` (slot layout) or `PagedSlotCache` (block table); `capture`: CUDA graphs (the cache must be on CUDA); `probe`: trace
-        the first eager runs of each bucket for graph safety; `params`: tensors whose addresses a graph bakes in;
+        the first eager runs of each bucket for graph safety; `params`: tensors whose addresses a graph bakes in, or a
+        function giving the model's current ones (read at each check: Parameters assigned anew are seen, and the
+        runner keeps no replaced tensor alive);
         `record_routes`: each step also leaves the MoE experts of its rows in `last_routes` (routing replay; a
         view of a static output of the graph, like the logits: valid until the next step); `sizes`: the batch-size buckets (default `bucket_sizes`;
         lock-stepped ranks whose steps exchange rows take one, the slot count); `agree(failed) -> any rank failed`
@@ -128,7 +131,7 @@ class DecodeStepRunner:
         self.forward, self.cache = forward, cache
         self.pad_token_id = int(pad_token_id)
         self.capture, self.probe = capture, probe
-        self.params = list(params)
+        self.params = params if callable(params) else list(params)
         self.sizes = sorted(sizes) if sizes else bucket_sizes(cache.num_slots)
         if self.sizes[-1] < cache.num_slots or self.sizes[0] < 1:
             raise ValueError(f"DecodeStepRunner: buckets {self.sizes} must be >= 1 and cover the {cache.num_slots} slots")
@@ -236,7 +239,7 @@ class DecodeStepRunner:
 
     # ------------------------------------------------------------------ CUDA graphs
     def _param_addresses(self) -> list[int]:
-        return [p.data_ptr() for p in self.params]
+        return [p.data_ptr() for p in (self.params() if callable(self.params) else self.params)]
 
     def weights_loaded(self) -> None:
         """New weights were written (`load_weights`): check before the next replay that none was reallocated."""

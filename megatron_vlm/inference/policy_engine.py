@@ -426,7 +426,10 @@ class PolicyRolloutEngine(RolloutEngine):
         dev_type = cache.device.type
         if self.cuda_graphs == "off" or (self.cuda_graphs == "auto" and dev_type != "cuda"):
             return None
-        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        model = self.model
+
+        def tensors() -> list[torch.Tensor]:  # the model's current ones at each check (Parameters may be assigned anew)
+            return [*model.parameters(), *model.buffers()]
         # lock-step ranks (the expert-parallel copy) step one batch size, the slot count, so that every rank's
         # static step gathers the same number of rows (parallel/expert_parallel.py `static_forward`)
         sizes = [cache.num_slots] if self.lockstep else None

@@ -54,6 +54,27 @@ def test_kept_graphs_replay_weights_loaded_in_place(fuse, monkeypatch):
     assert eng._runner is runner and _replays(runners) > replays  # the kept graphs, replayed on the new weights
 
 
+def test_kept_graphs_see_parameters_assigned_anew(monkeypatch):
+    """Weights that arrive as new Parameter objects (`load_state_dict(assign=True)`, a `.to()` under torch's
+    overwrite-on-conversion setting), then `load_weights`: the kept runner must look at the model's current
+    tensors, not the objects it was built with (their addresses never change: the graphs would replay the old
+    weights, which the runner's list kept alive)."""
+    model, prompts = tiny_vl_model_and_prompts(3)
+    other, _ = tiny_vl_model_and_prompts(0)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(1.25)
+    new = {k: v.clone() for k, v in other.state_dict().items()}
+    ref = make_engine(other, SilentTokenizer(), eos_token_ids=[-1], max_num_seqs=4).generate(prompts, PARAMS).samples
+    fake_cuda_graphs(monkeypatch)
+    eng = make_engine(model, SilentTokenizer(), eos_token_ids=[-1], max_num_seqs=4, cuda_graphs="on")
+    eng.generate(prompts, PARAMS)
+    assert eng._runner is not None and eng._runner.captures >= 1
+    model.load_state_dict(new, assign=True)
+    eng.load_weights(None, version=1)
+    _same(ref, eng.generate(prompts, PARAMS).samples)
+
+
 def test_paged_pool_grows_and_preempts_between_replays(monkeypatch):
     model, prompts = tiny_vl_model_and_prompts(4)
     ref = make_engine(model, SilentTokenizer(), eos_token_ids=[-1], max_num_seqs=8).generate(prompts, PARAMS).samples

@@ -57,7 +57,7 @@ class RLEvalConfig:
     temperature: float = 0.0
     """Sampling temperature for evaluation (0 = greedy; k > 1 needs temperature > 0)."""
     top_p: float = 1.0
-    """Nucleus sampling threshold for evaluation."""
+    """Nucleus sampling threshold for evaluation (with eval.temperature > 0; greedy decoding reads none)."""
     max_new_tokens: Optional[int] = None
     """Generation budget for evaluation (unset = rl.rollout.max_new_tokens)."""
     max_prompts: int = 0
@@ -76,6 +76,9 @@ class RLEvalConfig:
             raise ValueError(f"temperature: k = {self.k} samples per prompt need temperature > 0 (greedy repeats one answer)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if self.top_p < 1 and self.temperature == 0:  # greedy decoding takes the argmax: no nucleus to cut
+            raise ValueError(f"top_p: {self.top_p} has no effect with temperature = 0 (greedy evaluation); set "
+                             "temperature > 0 to sample, or leave top_p at 1")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
         if not 0 < self.correct_threshold <= 1:  # scores are in [0, 1]: 0 counts every miss, > 1 / NaN no hit
@@ -139,7 +142,8 @@ class RLRolloutConfig:
     memory_gib: float = 0.0
     """KV-cache budget of one rollout batch per rank, in GiB, used when rollout.batch_prompts = 0:
     prompts per rollout batch = floor(budget / (batch.group_size x data.max_tokens_per_pack cache slots x KV
-    bytes per slot)), at least 1 (0 = no budget: all of the rank's prompts at once)."""
+    bytes per slot)), at least 1 (0 = no budget: all of the rank's prompts at once). Refused with
+    rollout.batch_prompts set (that count would win)."""
     weights: str = "shared"
     """Weights the rollout engine generates with. "shared": the trainer's parameters, called through the
     FSDP root (no extra memory, but the parameters are all-gathered at every decoding step and ranks
@@ -213,6 +217,9 @@ class RLRolloutConfig:
             raise ValueError("stop: stop strings must not be empty")
         if not self.memory_gib >= 0 or self.memory_gib == float("inf"):
             raise ValueError(f"memory_gib: must be finite and >= 0 (0 = no budget), got {self.memory_gib}")
+        if self.memory_gib and self.batch_prompts:  # the budget only sizes a batch whose count is not given
+            raise ValueError(f"memory_gib: {self.memory_gib} GiB sizes the rollout batch only when batch_prompts = 0; "
+                             f"batch_prompts = {self.batch_prompts} sets the count directly (remove one of them)")
 
     def _validate_paged_kv(self) -> None:
         """`kv_block_size` / `kv_cache_blocks` and the rollout modes that cannot use the paged KV cache (the

@@ -52,6 +52,9 @@ def test_defaults_validate_and_render_prompt():
         (dict(behav_imp_weight_cap=5.0), "loss.behav_imp_weight_cap"),
         (dict(max_head_offpolicyness=4), "asynchronous.max_head_offpolicyness"),
         (dict(eval=RLEvalConfig(k=4, temperature=0.0)), "eval.temperature"),
+        (dict(eval=RLEvalConfig(top_p=0.9)), "eval.top_p"),  # greedy (temperature 0) decoding reads no top_p
+        # memory_gib sizes the rollout batch only when batch_prompts is 0: set both, the budget did nothing
+        (dict(rollout_memory_gib=24.0, rollout_batch_prompts=4), "rollout.memory_gib"),
         # algorithm keys
         (dict(policy_loss="ppo"), "policy_loss"),
         (dict(advantage="reinforce"), "advantage"),

@@ -62,6 +62,19 @@ def test_an_environment_without_rewards_still_needs_a_table(tmp_path, monkeypatc
     assert check.run_check(own, world_size=1, device_memory_gib=80.0) == 0
 
 
+@pytest.mark.parametrize("sets", [['rl.env={name = "calculator", turn_rewards = "discounted", discount = 0.9}'],
+                                  ['rl.env={name = "calculator", turn_rewards = "discounted"}']])
+def test_turn_reward_settings_of_an_environment_without_rewards_are_refused(sets):
+    """`rl.env.turn_rewards` / `discount` shape the environment's per-turn rewards: with an environment that gives
+    none (the built-in calculator, verifiers scoring the final answer) they would be accepted and do nothing."""
+    from megatron_vlm.rl.env.rollout import environment_tools
+
+    cfg = load_config(REPO / "launch" / "configs" / "demo_calculator_grpo.toml", sets)
+    with pytest.raises(ConfigError, match=r"^rl.env.turn_rewards: .*calculator.* gives no reward"):
+        environment_tools(cfg.rl.env, verifiers=True)
+    environment_tools(load_config(REPO / "launch" / "configs" / "demo_calculator_grpo.toml").rl.env)  # "sum": kept
+
+
 def test_a_tool_environment_subclass_with_its_own_step_may_give_rewards():
     """A ToolEnvironment without reward_fn gives no reward, but a subclass that writes its own `step` may return
     rewards there: it is not refused for the missing [[rl.rewards]] table."""

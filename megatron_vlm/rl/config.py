@@ -254,7 +254,7 @@ class RLLossConfig:
     the critic learns to predict; actor/kl is still logged."""
     kl_estimator: Literal["k1", "k3"] = "k3"
     """KL estimator per token: k1 = log pi - log pi_ref; k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1
-    (non-negative, unbiased)."""
+    (non-negative, unbiased). Read only with loss.kl_coef > 0 (another value with 0 is refused)."""
     entropy_coef: float = 0.0
     """Entropy bonus: the loss subtracts loss.entropy_coef x the policy entropy aggregated like the loss."""
     rollout_correction: Literal["none", "tis", "mis"] = "none"
@@ -814,6 +814,9 @@ class RLConfig:
                              "own weights; 'shared' runs lock-step forwards through the FSDP root)")
         if self.update.ref_offload and lo.kl_coef == 0:
             raise ValueError("update.ref_offload: has no effect when loss.kl_coef = 0 (no reference model is built)")
+        if lo.kl_estimator != RLLossConfig().kl_estimator and lo.kl_coef == 0:
+            raise ValueError(f"loss.kl_estimator: {lo.kl_estimator!r} has no effect when loss.kl_coef = 0 (no reference "
+                             "model is built, no KL is computed); set loss.kl_coef > 0 or remove it")
         if adv.overlong_buffer >= ro.max_new_tokens:
             raise ValueError(f"advantages.overlong_buffer: must be smaller than rollout.max_new_tokens ({ro.max_new_tokens}), "
                              f"got {adv.overlong_buffer}")

@@ -31,6 +31,8 @@ def test_defaults_validate_and_render_prompt():
         (dict(clip_ratio_high=-0.1), "loss.clip_ratio_high"),
         (dict(kl_coef=-1.0), "loss.kl_coef"),
         (dict(ref_offload=True, kl_coef=0.0), "update.ref_offload"),
+        (dict(kl_estimator="k1", kl_coef=0.0), "loss.kl_estimator"),  # no reference: no KL of either estimator
+        (dict(kl_estimator="k1", kl_coef=0.0, advantage="gae"), "loss.kl_estimator"),  # nor a KL in PPO's reward
         (dict(prompts_per_step=1, group_size=2, mini_batches_per_step=3), "batch.mini_batches_per_step"),
         (dict(rewards=[]), "rewards"),
         (dict(rewards=[MathRewardConfig(), MathRewardConfig()]), "rewards"),

@@ -264,7 +264,7 @@ class RLLossConfig:
     lies outside [1/C, C]. Needs recompute_logprobs = true (the training-side old log-probs). The
     mismatch KL and ratio min / mean / max are logged whenever recompute_logprobs is on."""
     rollout_correction_cap: float = 2.0
-    """C of loss.rollout_correction (> 1)."""
+    """C of loss.rollout_correction (> 1; read only with "tis" or "mis")."""
     behav_imp_weight_cap: Optional[float] = None
     """Asynchronous GRPO with asynchronous.max_head_offpolicyness > 0 (decoupled PPO loss): tokens whose importance
     weight pi_prox / pi_behav exceeds this cap get weight 0 (kept in the normaliser, counted as
@@ -285,6 +285,9 @@ class RLLossConfig:
             raise ValueError(f"entropy_coef: must be >= 0, got {self.entropy_coef}")
         if self.rollout_correction_cap <= 1:
             raise ValueError(f"rollout_correction_cap: must be > 1, got {self.rollout_correction_cap}")
+        if self.rollout_correction == "none" and self.rollout_correction_cap != RLLossConfig.rollout_correction_cap:
+            raise ValueError(f"rollout_correction_cap: {self.rollout_correction_cap} is only read with "
+                             "rollout_correction = 'tis' or 'mis'; set one or remove it")
         if self.behav_imp_weight_cap is not None and self.behav_imp_weight_cap <= 1:
             raise ValueError(f"behav_imp_weight_cap: must be > 1, got {self.behav_imp_weight_cap}")
 
@@ -308,7 +311,8 @@ class RLAdvantagesConfig:
     groups of the last round are dropped. Rounds and dropped groups are logged (sampling/*)."""
     max_sampling_rounds: int = 3
     """Dynamic sampling: at most this many generation rounds per step (the first included); a step
-    that still has fewer informative groups trains on those it has (sampling/kept_groups says so)."""
+    that still has fewer informative groups trains on those it has (sampling/kept_groups says so). Read only with
+    advantages.dynamic_sampling = true."""
     overlong_buffer: int = 0
     """DAPO's soft overlong punishment: the last advantages.overlong_buffer tokens of the rollout.max_new_tokens budget,
     over which the penalty rises linearly from 0 to advantages.overlong_penalty (0 = off). Refused with [rl.env] (the
@@ -329,6 +333,9 @@ class RLAdvantagesConfig:
                 raise ValueError(f"{name}: must be in [0, 1], got {v}")
         if self.max_sampling_rounds < 1:
             raise ValueError(f"max_sampling_rounds: must be >= 1, got {self.max_sampling_rounds}")
+        if not self.dynamic_sampling and self.max_sampling_rounds != RLAdvantagesConfig.max_sampling_rounds:
+            raise ValueError(f"max_sampling_rounds: {self.max_sampling_rounds} is only read with dynamic_sampling = true "
+                             "(a step generates one round otherwise); set it or remove max_sampling_rounds")
         if self.overlong_buffer < 0:
             raise ValueError(f"overlong_buffer: must be >= 0 (0 = off), got {self.overlong_buffer}")
         if self.overlong_penalty < 0:

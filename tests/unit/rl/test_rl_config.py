@@ -64,6 +64,8 @@ def test_defaults_validate_and_render_prompt():
         (dict(advantage="dr_grpo", normalize_adv_std=True), "advantages.normalize_std"),
         (dict(advantage="rloo", normalize_adv_std=True), "advantages.normalize_std"),
         (dict(dynamic_sampling=True, max_sampling_rounds=0), "advantages.max_sampling_rounds"),
+        (dict(max_sampling_rounds=5), "advantages.max_sampling_rounds"),  # one round without dynamic sampling
+        (dict(rollout_correction_cap=3.0), "loss.rollout_correction_cap"),  # rollout_correction = "none": no cap read
         (dict(overlong_buffer=-1), "advantages.overlong_buffer"),
         (dict(overlong_buffer=1024, overlong_penalty=1.0), "advantages.overlong_buffer"),
         (dict(overlong_buffer=64), "advantages.overlong_penalty"),

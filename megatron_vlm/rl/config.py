@@ -658,7 +658,7 @@ class RLConfig:
     models/common/routing_replay.py). Either way a MoE policy logs rollout/routing_mismatch_frac (tokens x
     layers whose top-k set differs between rollout and the training forward without replay). Native and
     megatron-core MoE layers, context parallelism, multi-turn [rl.env] trajectories (the environment's tokens
-    too); not with pipeline parallelism or rollout_backend = "vllm" (exit 2)."""
+    too); not with pipeline parallelism, rollout_backend = "vllm" or a policy without MoE layers (exit 2)."""
     recompute_logprobs: bool = False
     """Recompute the old-policy log-probs of the PPO ratio with a training-layout forward pass before
     the update, instead of taking the rollout engine's behaviour log-probs (one extra forward over the

@@ -425,7 +425,9 @@ class RLUpdateConfig:
 
 @dataclass(kw_only=True)
 class RLRewardPoolConfig:
-    """`[rl.reward_pool]`: The worker processes that run the verifiers of `[[rl.rewards]]`, and their limits."""
+    """`[rl.reward_pool]`: The worker processes that run the verifiers of `[[rl.rewards]]`, and their limits
+    (timeout_s, batch_timeout_s, abs_max and max_failed_steps are the verifier calls' only: refused without a
+    `[[rl.rewards]]` table, where the [rl.env] environment's rewards are the whole reward)."""
 
     workers: int = 2
     """Worker processes that run verifier calls (per rank that scores rewards)."""
@@ -885,12 +887,22 @@ class RLConfig:
                          "size the engine in [rl.vllm] (max_num_seqs, cpu_kv_cache_gib / gpu_memory_utilization)")
                 raise ValueError(f"rollout.{key}: a setting of the built-in engine; with rollout_backend = 'vllm' {where}")
 
+    _VERIFIER_ONLY_POOL_KEYS: ClassVar[tuple[str, ...]] = ("timeout_s", "batch_timeout_s", "abs_max", "max_failed_steps")
+    """The [rl.reward_pool] keys only verifier calls read (workers and memory_limit_mb size the [rl.env] workers too)."""
+
     def _validate_rewards(self) -> None:
         if isinstance(self.rewards, _DefaultRewards) and self.env is not None:
             self.rewards = []  # no table with [rl.env]: the environment's turn rewards are the reward
         if not self.rewards and self.env is None:
             raise ValueError("rewards: at least one [[rl.rewards]] table is required (or an [rl.env] environment whose "
                              "turn rewards are the reward)")
+        if not self.rewards:  # the environment's rewards alone: no verifier call for these limits to act on
+            defaults = RLRewardPoolConfig()
+            for key in self._VERIFIER_ONLY_POOL_KEYS:
+                if getattr(self.reward_pool, key) != getattr(defaults, key):
+                    raise ValueError(f"reward_pool.{key}: a limit of the verifier calls, and there is no [[rl.rewards]] "
+                                     "verifier (the [rl.env] environment's rewards are the whole reward, not clipped "
+                                     "or timed by it); remove it")
         labels = [r.label() for r in self.rewards]
         dup = sorted({x for x in labels if labels.count(x) > 1})
         if dup:

@@ -35,7 +35,8 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
   unsharded, and split the tokens of the packed training forwards);
 - `[moe]` keys other than their defaults on a model without MoE layers, and `[kernels]` backends forced for
   the MoE / Mamba2 ops on a model without such layers (`check_moe_section`, once the model — or its
-  meta-device twin in `--check` — is built); `kernels.moe_ep_dispatch` without `parallel.ep` > 1;
+  meta-device twin in `--check` — is built), `rl.routing_replay = "rollout"` on such a model too;
+  `kernels.moe_ep_dispatch` without `parallel.ep` > 1;
 - DPO (`train.mode = "dpo"`): a `[dpo]` section in another mode, `[[stages]]`, `train.eval_generate`
   (DPO evaluates preference metrics, it does not generate), `parallel.cp` > 1, the `[dpo]` keys the chosen
   loss variant ignores (`training/dpo/config.py`) and `data.columns` without both "chosen" and "rejected"
@@ -320,8 +321,8 @@ would never be used."""
 
 
 def check_moe_section(cfg: Config, model: nn.Module, layer_kinds: Optional[Collection[str]] = None) -> None:
-    """Raise ConfigError when `[moe]` sets anything and `model` has no MoE layers, or `[kernels]` forces a backend
-    for an op of a layer kind (`_LAYER_KERNELS`: MoE, Mamba2) the model does not have. `layer_kinds`: the kinds the
+    """Raise ConfigError when `[moe]` (or GRPO's `rl.routing_replay`) sets anything and `model` has no MoE layers, or
+    `[kernels]` forces a backend for an op of a layer kind (`_LAYER_KERNELS`: MoE, Mamba2) the model does not have. `layer_kinds`: the kinds the
     whole model has, when `model` is one pipeline stage of it (`ModelBundle.layer_kinds`; a stage may hold none of
     the model's MoE or Mamba2 layers); None: read from `model`."""
     from megatron_vlm.models.common.mamba2 import Mamba2Mixer
@@ -334,6 +335,10 @@ def check_moe_section(cfg: Config, model: nn.Module, layer_kinds: Optional[Colle
     changed = changed_keys(cfg.moe)
     if changed and not has["MoE"]:
         raise ConfigError(f"moe.{changed[0]}: the model ({type(model).__name__}) has no MoE layers; remove the [moe] section")
+    rl = getattr(cfg, "rl", None)
+    if rl is not None and cfg.train.mode == "grpo" and rl.routing_replay == "rollout" and not has["MoE"]:
+        raise ConfigError(f"rl.routing_replay: 'rollout' replays the rollout's MoE routes; the model "
+                          f"({type(model).__name__}) has no MoE layers, so nothing would be replayed; remove it")
     forced = set(changed_keys(cfg.kernels))
     for kind, ops in _LAYER_KERNELS.items():
         for op in ops:

@@ -57,7 +57,7 @@ class RLEvalConfig:
     temperature: float = 0.0
     """Sampling temperature for evaluation (0 = greedy; k > 1 needs temperature > 0)."""
     top_p: float = 1.0
-    """Nucleus sampling threshold for evaluation."""
+    """Nucleus sampling threshold for evaluation (with eval.temperature > 0; greedy decoding reads none)."""
     max_new_tokens: Optional[int] = None
     """Generation budget for evaluation (unset = rl.rollout.max_new_tokens)."""
     max_prompts: int = 0
@@ -76,6 +76,9 @@ class RLEvalConfig:
             raise ValueError(f"temperature: k = {self.k} samples per prompt need temperature > 0 (greedy repeats one answer)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if self.top_p < 1 and self.temperature == 0:  # greedy decoding takes the argmax: no nucleus to cut
+            raise ValueError(f"top_p: {self.top_p} has no effect with temperature = 0 (greedy evaluation); set "
+                             "temperature > 0 to sample, or leave top_p at 1")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
         if not 0 < self.correct_threshold <= 1:  # scores are in [0, 1]: 0 counts every miss, > 1 / NaN no hit
@@ -139,7 +142,8 @@ class RLRolloutConfig:
     memory_gib: float = 0.0
     """KV-cache budget of one rollout batch per rank, in GiB, used when rollout.batch_prompts = 0:
     prompts per rollout batch = floor(budget / (batch.group_size x data.max_tokens_per_pack cache slots x KV
-    bytes per slot)), at least 1 (0 = no budget: all of the rank's prompts at once)."""
+    bytes per slot)), at least 1 (0 = no budget: all of the rank's prompts at once). Refused with
+    rollout.batch_prompts set (that count would win)."""
     weights: str = "shared"
     """Weights the rollout engine generates with. "shared": the trainer's parameters, called through the
     FSDP root (no extra memory, but the parameters are all-gathered at every decoding step and ranks
@@ -213,6 +217,9 @@ class RLRolloutConfig:
             raise ValueError("stop: stop strings must not be empty")
         if not self.memory_gib >= 0 or self.memory_gib == float("inf"):
             raise ValueError(f"memory_gib: must be finite and >= 0 (0 = no budget), got {self.memory_gib}")
+        if self.memory_gib and self.batch_prompts:  # the budget only sizes a batch whose count is not given
+            raise ValueError(f"memory_gib: {self.memory_gib} GiB sizes the rollout batch only when batch_prompts = 0; "
+                             f"batch_prompts = {self.batch_prompts} sets the count directly (remove one of them)")
 
     def _validate_paged_kv(self) -> None:
         """`kv_block_size` / `kv_cache_blocks` and the rollout modes that cannot use the paged KV cache (the
@@ -247,7 +254,7 @@ class RLLossConfig:
     the critic learns to predict; actor/kl is still logged."""
     kl_estimator: Literal["k1", "k3"] = "k3"
     """KL estimator per token: k1 = log pi - log pi_ref; k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1
-    (non-negative, unbiased)."""
+    (non-negative, unbiased). Read only with loss.kl_coef > 0 (another value with 0 is refused)."""
     entropy_coef: float = 0.0
     """Entropy bonus: the loss subtracts loss.entropy_coef x the policy entropy aggregated like the loss."""
     rollout_correction: Literal["none", "tis", "mis"] = "none"
@@ -257,7 +264,7 @@ class RLLossConfig:
     lies outside [1/C, C]. Needs recompute_logprobs = true (the training-side old log-probs). The
     mismatch KL and ratio min / mean / max are logged whenever recompute_logprobs is on."""
     rollout_correction_cap: float = 2.0
-    """C of loss.rollout_correction (> 1)."""
+    """C of loss.rollout_correction (> 1; read only with "tis" or "mis")."""
     behav_imp_weight_cap: Optional[float] = None
     """Asynchronous GRPO with asynchronous.max_head_offpolicyness > 0 (decoupled PPO loss): tokens whose importance
     weight pi_prox / pi_behav exceeds this cap get weight 0 (kept in the normaliser, counted as
@@ -278,6 +285,9 @@ class RLLossConfig:
             raise ValueError(f"entropy_coef: must be >= 0, got {self.entropy_coef}")
         if self.rollout_correction_cap <= 1:
             raise ValueError(f"rollout_correction_cap: must be > 1, got {self.rollout_correction_cap}")
+        if self.rollout_correction == "none" and self.rollout_correction_cap != RLLossConfig.rollout_correction_cap:
+            raise ValueError(f"rollout_correction_cap: {self.rollout_correction_cap} is only read with "
+                             "rollout_correction = 'tis' or 'mis'; set one or remove it")
         if self.behav_imp_weight_cap is not None and self.behav_imp_weight_cap <= 1:
             raise ValueError(f"behav_imp_weight_cap: must be > 1, got {self.behav_imp_weight_cap}")
 
@@ -301,7 +311,8 @@ class RLAdvantagesConfig:
     groups of the last round are dropped. Rounds and dropped groups are logged (sampling/*)."""
     max_sampling_rounds: int = 3
     """Dynamic sampling: at most this many generation rounds per step (the first included); a step
-    that still has fewer informative groups trains on those it has (sampling/kept_groups says so)."""
+    that still has fewer informative groups trains on those it has (sampling/kept_groups says so). Read only with
+    advantages.dynamic_sampling = true."""
     overlong_buffer: int = 0
     """DAPO's soft overlong punishment: the last advantages.overlong_buffer tokens of the rollout.max_new_tokens budget,
     over which the penalty rises linearly from 0 to advantages.overlong_penalty (0 = off). Refused with [rl.env] (the
@@ -322,6 +333,9 @@ class RLAdvantagesConfig:
                 raise ValueError(f"{name}: must be in [0, 1], got {v}")
         if self.max_sampling_rounds < 1:
             raise ValueError(f"max_sampling_rounds: must be >= 1, got {self.max_sampling_rounds}")
+        if not self.dynamic_sampling and self.max_sampling_rounds != RLAdvantagesConfig.max_sampling_rounds:
+            raise ValueError(f"max_sampling_rounds: {self.max_sampling_rounds} is only read with dynamic_sampling = true "
+                             "(a step generates one round otherwise); set it or remove max_sampling_rounds")
         if self.overlong_buffer < 0:
             raise ValueError(f"overlong_buffer: must be >= 0 (0 = off), got {self.overlong_buffer}")
         if self.overlong_penalty < 0:
@@ -411,7 +425,9 @@ class RLUpdateConfig:
 
 @dataclass(kw_only=True)
 class RLRewardPoolConfig:
-    """`[rl.reward_pool]`: The worker processes that run the verifiers of `[[rl.rewards]]`, and their limits."""
+    """`[rl.reward_pool]`: The worker processes that run the verifiers of `[[rl.rewards]]`, and their limits
+    (timeout_s, batch_timeout_s, abs_max and max_failed_steps are the verifier calls' only: refused without a
+    `[[rl.rewards]]` table, where the [rl.env] environment's rewards are the whole reward)."""
 
     workers: int = 2
     """Worker processes that run verifier calls (per rank that scores rewards)."""
@@ -644,7 +660,7 @@ class RLConfig:
     models/common/routing_replay.py). Either way a MoE policy logs rollout/routing_mismatch_frac (tokens x
     layers whose top-k set differs between rollout and the training forward without replay). Native and
     megatron-core MoE layers, context parallelism, multi-turn [rl.env] trajectories (the environment's tokens
-    too); not with pipeline parallelism or rollout_backend = "vllm" (exit 2)."""
+    too); not with pipeline parallelism, rollout_backend = "vllm" or a policy without MoE layers (exit 2)."""
     recompute_logprobs: bool = False
     """Recompute the old-policy log-probs of the PPO ratio with a training-layout forward pass before
     the update, instead of taking the rollout engine's behaviour log-probs (one extra forward over the
@@ -807,6 +823,9 @@ class RLConfig:
                              "own weights; 'shared' runs lock-step forwards through the FSDP root)")
         if self.update.ref_offload and lo.kl_coef == 0:
             raise ValueError("update.ref_offload: has no effect when loss.kl_coef = 0 (no reference model is built)")
+        if lo.kl_estimator != RLLossConfig().kl_estimator and lo.kl_coef == 0:
+            raise ValueError(f"loss.kl_estimator: {lo.kl_estimator!r} has no effect when loss.kl_coef = 0 (no reference "
+                             "model is built, no KL is computed); set loss.kl_coef > 0 or remove it")
         if adv.overlong_buffer >= ro.max_new_tokens:
             raise ValueError(f"advantages.overlong_buffer: must be smaller than rollout.max_new_tokens ({ro.max_new_tokens}), "
                              f"got {adv.overlong_buffer}")
@@ -868,12 +887,22 @@ class RLConfig:
                          "size the engine in [rl.vllm] (max_num_seqs, cpu_kv_cache_gib / gpu_memory_utilization)")
                 raise ValueError(f"rollout.{key}: a setting of the built-in engine; with rollout_backend = 'vllm' {where}")
 
+    _VERIFIER_ONLY_POOL_KEYS: ClassVar[tuple[str, ...]] = ("timeout_s", "batch_timeout_s", "abs_max", "max_failed_steps")
+    """The [rl.reward_pool] keys only verifier calls read (workers and memory_limit_mb size the [rl.env] workers too)."""
+
     def _validate_rewards(self) -> None:
         if isinstance(self.rewards, _DefaultRewards) and self.env is not None:
             self.rewards = []  # no table with [rl.env]: the environment's turn rewards are the reward
         if not self.rewards and self.env is None:
             raise ValueError("rewards: at least one [[rl.rewards]] table is required (or an [rl.env] environment whose "
                              "turn rewards are the reward)")
+        if not self.rewards:  # the environment's rewards alone: no verifier call for these limits to act on
+            defaults = RLRewardPoolConfig()
+            for key in self._VERIFIER_ONLY_POOL_KEYS:
+                if getattr(self.reward_pool, key) != getattr(defaults, key):
+                    raise ValueError(f"reward_pool.{key}: a limit of the verifier calls, and there is no [[rl.rewards]] "
+                                     "verifier (the [rl.env] environment's rewards are the whole reward, not clipped "
+                                     "or timed by it); remove it")
         labels = [r.label() for r in self.rewards]
         dup = sorted({x for x in labels if labels.count(x) > 1})
         if dup:

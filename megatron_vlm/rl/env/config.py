@@ -40,7 +40,8 @@ class RLEnvConfig:
     turn_rewards: Literal["sum", "discounted"] = "sum"
     """How the environment's per-turn rewards enter the trajectory's reward: "sum" = their sum; "discounted" =
     sum_t discount**t * r_t (t = 0 for the first turn). Added to the [[rl.rewards]] verifiers' score of the final
-    model turn (without a [[rl.rewards]] table, the whole reward); group advantages as in single-turn GRPO."""
+    model turn (without a [[rl.rewards]] table, the whole reward); group advantages as in single-turn GRPO. With an
+    environment that gives no reward of its own (a tool environment without a reward function) only "sum" (exit 2)."""
     discount: float = 1.0
     """The factor of turn_rewards = "discounted"."""
     sandbox: bool = True

@@ -62,7 +62,8 @@ def environment_tools(cfg: RLEnvConfig, *, verifiers: bool = True) -> list[dict]
     (rl.env.name, rl.env.kwargs) when the class cannot be found, its constructor does not take the kwargs, it fails
     or its `tools()` does not give JSON tool specs (they go into every prompt's system turn); without `verifiers`
     (no [[rl.rewards]] table), one naming rl.rewards when the environment gives no reward of its own
-    (`Environment.gives_rewards`): every trajectory's reward would be 0."""
+    (`Environment.gives_rewards`): every trajectory's reward would be 0; and one naming rl.env.turn_rewards when
+    such an environment is given turn_rewards / discount settings, which would shape nothing."""
     import inspect
     import json
 
@@ -91,6 +92,11 @@ def environment_tools(cfg: RLEnvConfig, *, verifiers: bool = True) -> list[dict]
         raise ConfigError(f"rl.rewards: no [[rl.rewards]] table, and the environment {cfg.name!r} gives no reward of "
                           "its own (a tool environment without a reward function): every trajectory would score 0; "
                           "add a [[rl.rewards]] verifier of the final answer")
+    if not getattr(env, "gives_rewards", True) and (cfg.turn_rewards != "sum" or cfg.discount != 1.0):
+        raise ConfigError(f"rl.env.turn_rewards: {cfg.turn_rewards!r} (discount {cfg.discount}) shapes the environment's "
+                          f"per-turn rewards, and the environment {cfg.name!r} gives no reward of its own (a tool "
+                          "environment without a reward function; the [[rl.rewards]] verifiers score the final answer): "
+                          "remove rl.env.turn_rewards and rl.env.discount")
     return tools
 
 

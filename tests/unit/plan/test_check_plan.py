@@ -318,7 +318,7 @@ def test_check_of_asynchronous_grpo_plans_rollout_and_training_ranks_apart(qwen2
     assert master and abs(float(master.group(1)) - params * 4 / 4 / 2**30) < 0.01  # fp32 over the 4 training ranks
     # a rollout rank that cannot hold its batch names the key that sizes it
     code, out, err = _check(CONFIGS / "qwen2_5_vl_3b_geometry3k_grpo.toml",
-                            [f'model.path="{qwen2_5_vl_3b}"', "rl.rollout.batch_prompts=132"], 8)
+                            [f'model.path="{qwen2_5_vl_3b}"', "rl.rollout.batch_prompts=132", "rl.rollout.memory_gib=0"], 8)
     assert code == 2 and err.startswith("check failed: rl.rollout.batch_prompts: estimated peak") and "per rollout rank" in err
 
 

@@ -41,6 +41,18 @@ def test_an_environment_reward_needs_no_reward_table(tmp_path):
         load_config(_config_without_rewards(tmp_path), ["rl.accuracy_reward=\"env\""])
 
 
+@pytest.mark.parametrize("key, value", [("abs_max", "1.0"), ("timeout_s", "2.0"), ("batch_timeout_s", "60.0"),
+                                        ("max_failed_steps", "2")])
+def test_verifier_limits_without_a_verifier_are_refused(tmp_path, key, value):
+    """With the environment's rewards alone there is no verifier call: the verifier pool's limits (its value clip,
+    deadlines, failed-steps stop) would be accepted and do nothing, and the environment's rewards are not clipped."""
+    env = 'rl.env={name = "rl_env_fns_for_tests:RewardOf", kwargs = {value = 1.0}}'
+    with pytest.raises(ConfigError, match=rf"^rl.reward_pool.{key}: .*no \[\[rl.rewards\]\] verifier"):
+        load_config(_config_without_rewards(tmp_path), [env, COPY, f"rl.reward_pool.{key}={value}"])
+    load_config(_config_without_rewards(tmp_path), [env, COPY, "rl.reward_pool.workers=1",  # the env workers' pool
+                                                    "rl.reward_pool.memory_limit_mb=1024"])
+
+
 def test_neither_a_table_nor_an_environment_is_refused(tmp_path):
     assert [r.type for r in load_config(_config_without_rewards(tmp_path)).rl.rewards] == ["math"]  # as before
     with pytest.raises(ConfigError, match=r"^rl.rewards: at least one"):
@@ -60,6 +72,19 @@ def test_an_environment_without_rewards_still_needs_a_table(tmp_path, monkeypatc
         MultiTurnRounds.from_config(bare.rl, 4096, engine=None, processor=None)
     own = load_config(_config_without_rewards(tmp_path), ['rl.env={name = "rl_env_fns_for_tests:RewardOf"}', COPY])
     assert check.run_check(own, world_size=1, device_memory_gib=80.0) == 0
+
+
+@pytest.mark.parametrize("sets", [['rl.env={name = "calculator", turn_rewards = "discounted", discount = 0.9}'],
+                                  ['rl.env={name = "calculator", turn_rewards = "discounted"}']])
+def test_turn_reward_settings_of_an_environment_without_rewards_are_refused(sets):
+    """`rl.env.turn_rewards` / `discount` shape the environment's per-turn rewards: with an environment that gives
+    none (the built-in calculator, verifiers scoring the final answer) they would be accepted and do nothing."""
+    from megatron_vlm.rl.env.rollout import environment_tools
+
+    cfg = load_config(REPO / "launch" / "configs" / "demo_calculator_grpo.toml", sets)
+    with pytest.raises(ConfigError, match=r"^rl.env.turn_rewards: .*calculator.* gives no reward"):
+        environment_tools(cfg.rl.env, verifiers=True)
+    environment_tools(load_config(REPO / "launch" / "configs" / "demo_calculator_grpo.toml").rl.env)  # "sum": kept
 
 
 def test_a_tool_environment_subclass_with_its_own_step_may_give_rewards():

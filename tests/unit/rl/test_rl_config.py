@@ -31,6 +31,8 @@ def test_defaults_validate_and_render_prompt():
         (dict(clip_ratio_high=-0.1), "loss.clip_ratio_high"),
         (dict(kl_coef=-1.0), "loss.kl_coef"),
         (dict(ref_offload=True, kl_coef=0.0), "update.ref_offload"),
+        (dict(kl_estimator="k1", kl_coef=0.0), "loss.kl_estimator"),  # no reference: no KL of either estimator
+        (dict(kl_estimator="k1", kl_coef=0.0, advantage="gae"), "loss.kl_estimator"),  # nor a KL in PPO's reward
         (dict(prompts_per_step=1, group_size=2, mini_batches_per_step=3), "batch.mini_batches_per_step"),
         (dict(rewards=[]), "rewards"),
         (dict(rewards=[MathRewardConfig(), MathRewardConfig()]), "rewards"),
@@ -52,6 +54,9 @@ def test_defaults_validate_and_render_prompt():
         (dict(behav_imp_weight_cap=5.0), "loss.behav_imp_weight_cap"),
         (dict(max_head_offpolicyness=4), "asynchronous.max_head_offpolicyness"),
         (dict(eval=RLEvalConfig(k=4, temperature=0.0)), "eval.temperature"),
+        (dict(eval=RLEvalConfig(top_p=0.9)), "eval.top_p"),  # greedy (temperature 0) decoding reads no top_p
+        # memory_gib sizes the rollout batch only when batch_prompts is 0: set both, the budget did nothing
+        (dict(rollout_memory_gib=24.0, rollout_batch_prompts=4), "rollout.memory_gib"),
         # algorithm keys
         (dict(policy_loss="ppo"), "policy_loss"),
         (dict(advantage="reinforce"), "advantage"),
@@ -59,6 +64,8 @@ def test_defaults_validate_and_render_prompt():
         (dict(advantage="dr_grpo", normalize_adv_std=True), "advantages.normalize_std"),
         (dict(advantage="rloo", normalize_adv_std=True), "advantages.normalize_std"),
         (dict(dynamic_sampling=True, max_sampling_rounds=0), "advantages.max_sampling_rounds"),
+        (dict(max_sampling_rounds=5), "advantages.max_sampling_rounds"),  # one round without dynamic sampling
+        (dict(rollout_correction_cap=3.0), "loss.rollout_correction_cap"),  # rollout_correction = "none": no cap read
         (dict(overlong_buffer=-1), "advantages.overlong_buffer"),
         (dict(overlong_buffer=1024, overlong_penalty=1.0), "advantages.overlong_buffer"),
         (dict(overlong_buffer=64), "advantages.overlong_penalty"),

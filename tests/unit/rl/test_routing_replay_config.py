@@ -49,3 +49,13 @@ def test_check_reports_the_recorded_routes(name, arch, per_token, layers, tmp_pa
     assert run_check(cfg, world_size=16, device_memory_gib=80.0, out=out, err=err) == 0, out.getvalue() + err.getvalue()
     line = next(x for x in out.getvalue().splitlines() if x.startswith("routes"))
     assert f"{layers} MoE layers" in line and f"= {per_token} B per token (int8), replayed" in line, line
+
+
+def test_a_policy_without_moe_layers_is_refused(tmp_path):
+    """Replay forces recorded MoE routes: on a dense policy it would replay nothing, so "rollout" there is a key
+    accepted and not acted on (before: a warning in the run's log, --check passed)."""
+    folder = write_real_model_folder("qwen3_vl_2b", tmp_path / "dense")
+    cfg = load_config(CONFIGS / "qwen3_vl_2b_geometry3k_grpo.toml", [f'model.path="{folder}"', 'rl.routing_replay="rollout"'])
+    out, err = io.StringIO(), io.StringIO()
+    assert run_check(cfg, world_size=8, device_memory_gib=80.0, out=out, err=err) == 2
+    assert err.getvalue().startswith("check failed: rl.routing_replay: 'rollout'") and "no MoE layers" in err.getvalue()

@@ -9,10 +9,12 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
 - GRPO (`train.mode = "grpo"`) reads its batches from `[rl]` and its prompts without the packed SFT
   loader: `train.micro_batches_per_step`, `train.eval_every`, `train.eval_max_batches`,
   `train.eval_generate`, `data.num_workers`, `data.prefetch_factor`, `data.shuffle`,
-  `data.length_cache_dir` must keep their defaults (evaluation is `[rl.eval]`; batching is
+  `data.length_cache_dir`, `data.loader_timeout_s` must keep their defaults (evaluation is `[rl.eval]`; batching is
   `rl.batch.prompts_per_step` / `rl.batch.mini_batches_per_step` / `data.max_tokens_per_pack`);
 - SFT: an `[rl]` section is refused (it is only read by GRPO), and so are `train.eval_every` /
   `train.eval_max_batches` when there is no held-out split to evaluate (`data.eval_path` empty);
+- the other modes: `data.loader_timeout_s` with `data.num_workers = 0` (no worker to wait for), and one shorter than
+  `data.video_decode_timeout_s` where workers run;
 - every training mode: the `[data]` keys of another source kind — `train_path`, `eval_path`, `image_root`
   and `columns` with `data.type = "synthetic_vqa"` (it reads the set it generates), `columns` with any
   type but "hf";
@@ -78,6 +80,7 @@ _GRPO_IGNORED = {
         "prefetch_factor": "GRPO reads its prompts in the training process (no loader workers)",
         "shuffle": "the GRPO prompt order is a function of train.seed and the step",
         "length_cache_dir": "GRPO does not pack by sample length",
+        "loader_timeout_s": "GRPO reads its prompts in the training process (no loader workers to wait for)",
     },
 }
 
@@ -184,7 +187,22 @@ def check_keys_for_mode(cfg: Config) -> None:
         stage_configs(cfg, check=_check_keys)
 
 
+def _check_loader_timeout(cfg: Config) -> None:
+    """`data.loader_timeout_s` bounds the wait for a DataLoader worker's pack: without workers it is read by nothing;
+    with them it must outlast one video decode (a pack may hold several videos)."""
+    data = cfg.data
+    if data.num_workers == 0:
+        if "loader_timeout_s" in changed_keys(data):
+            raise ConfigError("data.loader_timeout_s: has no effect with data.num_workers = 0 (the training process reads "
+                              "the data itself, no worker to wait for); remove it")
+    elif 0 < data.loader_timeout_s < data.video_decode_timeout_s:
+        raise ConfigError(f"data.loader_timeout_s: {data.loader_timeout_s} is shorter than video_decode_timeout_s "
+                          f"{data.video_decode_timeout_s}; one slow video would stop the run instead of being skipped")
+
+
 def _check_keys(cfg: Config) -> None:
+    if cfg.train.mode != "grpo":
+        _check_loader_timeout(cfg)
     if cfg.train.mode == "eval":
         _check_eval_keys(cfg)
         return

@@ -36,10 +36,23 @@ def test_example_configs_set_no_ignored_key(config):
     ("data.prefetch_factor=4", "data.prefetch_factor"),
     ("data.shuffle=false", "data.shuffle"),
     ('data.length_cache_dir="x"', "data.length_cache_dir"),
+    ("data.loader_timeout_s=600", "data.loader_timeout_s"),
 ])
 def test_grpo_refuses_keys_it_ignores(override, key):
     with pytest.raises(ConfigError, match=rf"^{key}: has no effect when train.mode = \"grpo\""):
         check_keys_for_mode(load_config(GRPO, [override]))
+
+
+def test_loader_timeout_is_checked_where_loader_workers_run():
+    """`data.loader_timeout_s` bounds the wait for a DataLoader worker: refused without workers (SFT with
+    num_workers = 0; GRPO above), and checked against `data.video_decode_timeout_s` only where workers run, so a
+    GRPO job may raise the video decode timeout past the loader's default it never reads."""
+    with pytest.raises(ConfigError, match=r"^data.loader_timeout_s: has no effect with data.num_workers = 0"):
+        check_keys_for_mode(load_config(SFT, ["data.num_workers=0", "data.loader_timeout_s=600"]))
+    with pytest.raises(ConfigError, match=r"^data.loader_timeout_s: 5.0 is shorter than video_decode_timeout_s"):
+        check_keys_for_mode(load_config(SFT, ["data.loader_timeout_s=5"]))
+    check_keys_for_mode(load_config(SFT, ["data.num_workers=0", "data.video_decode_timeout_s=4000"]))
+    check_keys_for_mode(load_config(GRPO, ["data.video_decode_timeout_s=4000"]))
 
 
 def test_sft_refuses_an_rl_section_and_eval_without_a_split():

@@ -474,7 +474,8 @@ class RLPromptsConfig:
     """Template of the user turn; `{problem}` is replaced by the dataset's question text
     (literal braces are written `{{` `}}`)."""
     system_prompt: Optional[str] = None
-    """Optional system turn of the chat."""
+    """Optional system turn of the chat. A prompt row that brings its own system turn (chat-messages, verl and TRL
+    conversational rows) keeps it; how many rows did is logged as a warning at start-up."""
 
     def validate(self) -> None:
         if "{problem}" not in self.template:

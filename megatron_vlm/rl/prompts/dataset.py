@@ -350,6 +350,7 @@ def load_prompt_dataset(
     samples: list[PromptSample] = []
     skipped: list[tuple[str, str]] = []
     bad = BadRecordLog()
+    kept_own_system = 0
     for k, index, item in events:
         file = rows.files[k]
         row_id = f"{names[file]}:{index}"
@@ -376,13 +377,23 @@ def load_prompt_dataset(
             continue
         sample.source, sample.index = str(file), index
         samples.append(sample)
+        if system_prompt and _own_system_turn(sample.messages, system_prompt):
+            kept_own_system += 1
         if max_samples and len(samples) >= max_samples:
             break
+    if kept_own_system:
+        logger.warning("prompt data %s: %d of %d rows keep their own system turn instead of rl.prompts.system_prompt "
+                       "(a row's system turn wins)", path, kept_own_system, len(samples))
     if skipped:
         logger.warning("prompt data %s: skipped %d rows (first: %s: %s)", path, len(skipped), *skipped[0])
     if not samples:
         raise DataFileError(f"prompt data {path}: no usable rows ({len(skipped)} skipped; first reason: {skipped[0][1] if skipped else 'empty'})")
     return PromptDataset(samples, schema, skipped, bad, files=list(rows.files))
+
+
+def _own_system_turn(messages: list[dict], system_prompt: str) -> bool:
+    """Whether a prompt's system turn is the row's own, not `rl.prompts.system_prompt` (which a row's own wins over)."""
+    return bool(messages) and messages[0].get("role") == "system" and messages[0].get("content") != system_prompt
 
 
 def prompt_batches(num_samples: int, prompts_per_step: int, *, seed: int, start_step: int = 0) -> Iterator[list[int]]:

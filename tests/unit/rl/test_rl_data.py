@@ -192,3 +192,20 @@ def test_synthetic_vqa_prompts_through_the_data_pipeline(tmp_path):
     assert ps.answer == out[0].answer and not ps.label_mask.any()
     assert int((ps.input_ids == proc.image_token_id).sum()) == proc.num_tokens(ps.image_grid_thw[0])
     assert proc.tokenizer.decode(ps.input_ids).rstrip().endswith("assistant")  # generation prompt
+
+
+def test_rows_with_their_own_system_turn_keep_it_and_are_counted(tmp_path, caplog):
+    """rl.prompts.system_prompt is not added where a chat-messages row brings a system turn (the row's wins, as
+    verl and TRL keep it): said at start-up with how many rows, not silently."""
+    import json
+    import logging
+
+    rows = [{"messages": [{"role": "system", "content": "Own rules."}, {"role": "user", "content": "1+1?"}], "answer": "2"},
+            {"messages": [{"role": "user", "content": "2+2?"}], "answer": "4"}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level(logging.WARNING):
+        out = load_prompt_dataset(path, system_prompt="Be brief.")
+    assert out[0].messages[0] == {"role": "system", "content": "Own rules."}
+    assert out[1].messages[0] == {"role": "system", "content": "Be brief."}
+    assert "1 of 2 rows keep their own system turn" in caplog.text

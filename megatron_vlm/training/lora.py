@@ -89,9 +89,13 @@ def select_lora_targets(model: nn.Module, hf_config: dict, patterns: list[str], 
     return selected
 
 
-def setup_lora(model: nn.Module, cfg, hf_config: dict) -> dict[str, str]:
+def setup_lora(model: nn.Module, cfg, hf_config: dict, *, training: bool = True) -> dict[str, str]:
     """Apply `[lora]` (`cfg`) to an unsharded `model` (before FSDP): select, wrap, and load / merge
-    `cfg.init_from`. Returns our name -> PEFT name of the adapted layers. Raises ValueError with the key."""
+    `cfg.init_from`. Returns our name -> PEFT name of the adapted layers. Raises ValueError with the key.
+
+    `training = False` (a model that is only merged and written, launch/convert_checkpoint.py) also takes an
+    `init_from` adapter on the LM head, which training refuses: its loss reads `lm_head.weight` directly
+    (training/lm_loss.py), so that adapter would neither train nor count in the loss."""
     init = None
     if cfg.init_from:
         try:
@@ -111,7 +115,16 @@ def setup_lora(model: nn.Module, cfg, hf_config: dict) -> dict[str, str]:
             mod = modules.get(ours)
             if type(mod) is not nn.Linear:
                 raise ValueError(f"lora.init_from: {ours} is not a linear layer of the model")
-            selected[ours] = names.to_peft(ours, cast(tuple[int, int], tuple(mod.weight.shape))) or ours
+            if ours == "lm_head" and training:  # the loss reads lm_head.weight itself: never trained, not in the loss
+                raise ValueError(f"lora.init_from: the adapter in {cfg.init_from} adapts the LM head (lm_head), which "
+                                 "LoRA training cannot (the loss reads its weight directly); merge that adapter into "
+                                 "the base model (python launch/convert_checkpoint.py --adapter ... --merge) and "
+                                 "start from the merged folder")
+            peft = names.to_peft(ours, cast(tuple[int, int], tuple(mod.weight.shape)))
+            if peft is None and training:  # the adapter file at the end of the run could not be written
+                raise ValueError(f"lora.init_from: {ours} (in {cfg.init_from}) has no single Hugging Face "
+                                 "counterpart; an adapter on it cannot be written in PEFT format")
+            selected[ours] = peft or ours
     else:
         selected = select_lora_targets(model, hf_config, cfg.target_modules, include_vision=cfg.include_vision)
     apply_lora(model, selected, r=cfg.r, alpha=cfg.alpha, dropout=cfg.dropout, use_rslora=cfg.use_rslora, init=cfg.init)

@@ -272,7 +272,7 @@ class LoRAConfig:
     include_vision: bool = False
     """Also adapt matching layers of the vision tower and projector (default: the language model only)."""
     init: Literal["default", "gaussian"] = "default"
-    """PEFT's initialisation: default = A Kaiming-uniform, B = 0; gaussian = A ~ N(0, 1/r), B = 0."""
+    """PEFT's initialisation: default = A Kaiming-uniform, B = 0; gaussian = A normal with standard deviation 1/r, B = 0."""
     use_rslora: bool = False
     """Rank-stabilised LoRA: scale by alpha / sqrt(r) instead of alpha / r."""
     init_from: str = ""

@@ -61,7 +61,7 @@ def _merge_adapter(adapter: Path, model_path: str, out: str) -> int:
     lora = LoRAConfig(r=int(cfg.get("r", 8)), alpha=float(cfg.get("lora_alpha", 8)),
                       use_rslora=bool(cfg.get("use_rslora", False)), init_from=str(adapter))
     try:
-        setup_lora(model, lora, model.hf_config)
+        setup_lora(model, lora, model.hf_config, training=False)
         save_hf_model(model, out, copy_from=model_path)  # a model with adapters is written merged
     except _INPUT_ERRORS as e:
         return _error(f"cannot merge {adapter} into {model_path}: {e}")

@@ -263,15 +263,16 @@ class LoRAConfig:
     dropout: float = 0.0
     """Dropout on the adapter's input (training only)."""
     target_modules: list[str] = field(default_factory=list)
-    """Layers to adapt, by their transformers (PEFT) module names: a plain name ("q_proj") matches the
-    last part of a name, anything else is a regex matched against the whole name
+    """Layers to adapt, by their transformers (PEFT) module names: a plain name ("q_proj", or dotted:
+    "self_attn.q_proj") matches the whole name or its last parts, as in PEFT's list; anything else is a regex
+    matched against the whole name
     ("model\\.language_model\\.layers\\.[0-9]\\..*_proj"). Empty = the decoder's q/k/v/o/gate/up/down
     projections. Only linear layers with one Hugging Face counterpart (not fused there) can be adapted;
     routed MoE experts and the LM head never are."""
     include_vision: bool = False
     """Also adapt matching layers of the vision tower and projector (default: the language model only)."""
     init: Literal["default", "gaussian"] = "default"
-    """PEFT's initialisation: default = A Kaiming-uniform, B = 0; gaussian = A ~ N(0, 1/r), B = 0."""
+    """PEFT's initialisation: default = A Kaiming-uniform, B = 0; gaussian = A normal with standard deviation 1/r, B = 0."""
     use_rslora: bool = False
     """Rank-stabilised LoRA: scale by alpha / sqrt(r) instead of alpha / r."""
     init_from: str = ""

@@ -13,7 +13,8 @@ row on demand, through the column mapping of the `[data] columns` table:
   the user turn is [images..., video, prompt text]; "<image>" markers in the prompt are removed
   because the images are placed before the text. A prompt with markers must have as many as it has
   images (else "placeholder_mismatch", as GRPO's prompt reader decides: a question about two
-  images given one must not train); a prompt without markers takes any number.
+  images given one must not train); a prompt without markers takes any number. The answer is a
+  string or a number / bool (its text); a list or struct cell is an "invalid_record".
 
 Image columns are taken as stored (an Image feature's {bytes, path} struct, or a path), so planning
 packs reads only image headers. Relative paths resolve against `image_root`, else the folder of the
@@ -27,6 +28,7 @@ chat template renders, `Record.tools`) is kept also as a list, as the messages_j
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -64,6 +66,22 @@ def _resolver(root: Path):
             return resolve_path(ref.get("path"), root)
         return resolve_path(ref, root)
     return resolve
+
+
+def _answer_text(answer: Any, column: str) -> str:
+    """The text of an answer cell: a string, or a number / bool (a choice index) as its text. Anything else (a list
+    of reference answers, a struct, the NaN pandas writes for a missing number) is a bad record rather than its
+    Python repr trained as the reply."""
+    if answer is None:
+        raise BadRecordError("invalid_record", f"column {column!r} is empty")
+    if isinstance(answer, str):
+        return answer
+    if isinstance(answer, float) and not math.isfinite(answer):
+        raise BadRecordError("invalid_record", f"column {column!r} is {answer} (a missing number), not an answer")
+    if isinstance(answer, (bool, int, float)):
+        return str(answer)
+    raise BadRecordError("invalid_record", f"column {column!r}: expected one answer text, got "
+                                           f"{type(answer).__name__} {answer!r:.60} (map a column of single answers)")
 
 
 def check_media_items(messages: list[dict]) -> None:
@@ -127,8 +145,7 @@ def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, sourc
         answer = row.get(c["answer"])
         if not isinstance(prompt, str):
             raise BadRecordError("invalid_record", f"column {c['prompt']!r}: expected text, got {type(prompt).__name__}")
-        if answer is None:
-            raise BadRecordError("invalid_record", f"column {c['answer']!r} is empty")
+        answer = _answer_text(answer, c["answer"])
         items: list[dict] = []
         for key in ("image", "images"):
             if key in c:
@@ -145,7 +162,7 @@ def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, sourc
         items.append({"type": "text", "text": prompt.replace("<image>", "").strip()})
         system = row.get(c["system"]) if "system" in c else None
         raw = [{"role": "system", "content": system}] if system else []
-        raw += [{"role": "user", "content": items}, {"role": "assistant", "content": str(answer)}]
+        raw += [{"role": "user", "content": items}, {"role": "assistant", "content": answer}]
         messages = normalize_messages(raw)
     mapped = set(c.values())
     meta: dict[str, Any] = {k: v for k, v in row.items() if k not in mapped and isinstance(v, (str, int, float, bool))}
@@ -154,7 +171,7 @@ def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, sourc
         meta["tools"] = _without_nulls(tools) if Path(source).suffix in TABLE_SUFFIXES else tools
     normalize_tools(meta.get("tools"))  # a malformed spec is this row's error (as in messages_jsonl)
     if "answer" in c:
-        meta.setdefault("answer", str(row.get(c["answer"])))
+        meta.setdefault("answer", messages[-1]["content"])
     check_media_items(messages)
     return Record(messages, source, index, meta)
 

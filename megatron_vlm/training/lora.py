@@ -3,8 +3,8 @@ adapter / merged outputs.
 
 Target selection works on transformers' module names (what PEFT users write and what the adapter
 file holds), computed per layer by `checkpoint.peft_format.PeftNames`: a plain entry of
-`lora.target_modules` ("q_proj") matches the last part of a name, any other entry is a regex matched
-against the whole name. Candidates are the model's `nn.Linear` layers that have a PEFT name, under
+`lora.target_modules` ("q_proj", or dotted: "self_attn.q_proj") matches the name or its last parts, as
+PEFT matches a list entry; any other entry is a regex matched against the whole name. Candidates are the model's `nn.Linear` layers that have a PEFT name, under
 `language_model.` (plus the vision tower and projector with `lora.include_vision`), never the LM head
 (the fused log-prob path reads its weight directly). Routed MoE experts are grouped 3-D weights, not
 linear layers: with expert parallelism they stay frozen and EP-sharded as before, and the adapters
@@ -45,7 +45,9 @@ class LoRASetupError(ConfigError):
 
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-_PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*")
+"""A module name or its last parts ("q_proj", "self_attn.q_proj", "layers.1.mlp.down_proj"): PEFT's list entries,
+matched as the whole name or a dot-separated suffix of it (PEFT's rule); any other entry is a regex."""
 
 
 def select_lora_targets(model: nn.Module, hf_config: dict, patterns: list[str], *, include_vision: bool) -> dict[str, str]:
@@ -89,9 +91,13 @@ def select_lora_targets(model: nn.Module, hf_config: dict, patterns: list[str], 
     return selected
 
 
-def setup_lora(model: nn.Module, cfg, hf_config: dict) -> dict[str, str]:
+def setup_lora(model: nn.Module, cfg, hf_config: dict, *, training: bool = True) -> dict[str, str]:
     """Apply `[lora]` (`cfg`) to an unsharded `model` (before FSDP): select, wrap, and load / merge
-    `cfg.init_from`. Returns our name -> PEFT name of the adapted layers. Raises ValueError with the key."""
+    `cfg.init_from`. Returns our name -> PEFT name of the adapted layers. Raises ValueError with the key.
+
+    `training = False` (a model that is only merged and written, launch/convert_checkpoint.py) also takes an
+    `init_from` adapter on the LM head, which training refuses: its loss reads `lm_head.weight` directly
+    (training/lm_loss.py), so that adapter would neither train nor count in the loss."""
     init = None
     if cfg.init_from:
         try:
@@ -111,7 +117,16 @@ def setup_lora(model: nn.Module, cfg, hf_config: dict) -> dict[str, str]:
             mod = modules.get(ours)
             if type(mod) is not nn.Linear:
                 raise ValueError(f"lora.init_from: {ours} is not a linear layer of the model")
-            selected[ours] = names.to_peft(ours, cast(tuple[int, int], tuple(mod.weight.shape))) or ours
+            if ours == "lm_head" and training:  # the loss reads lm_head.weight itself: never trained, not in the loss
+                raise ValueError(f"lora.init_from: the adapter in {cfg.init_from} adapts the LM head (lm_head), which "
+                                 "LoRA training cannot (the loss reads its weight directly); merge that adapter into "
+                                 "the base model (python launch/convert_checkpoint.py --adapter ... --merge) and "
+                                 "start from the merged folder")
+            peft = names.to_peft(ours, cast(tuple[int, int], tuple(mod.weight.shape)))
+            if peft is None and training:  # the adapter file at the end of the run could not be written
+                raise ValueError(f"lora.init_from: {ours} (in {cfg.init_from}) has no single Hugging Face "
+                                 "counterpart; an adapter on it cannot be written in PEFT format")
+            selected[ours] = peft or ours
     else:
         selected = select_lora_targets(model, hf_config, cfg.target_modules, include_vision=cfg.include_vision)
     apply_lora(model, selected, r=cfg.r, alpha=cfg.alpha, dropout=cfg.dropout, use_rslora=cfg.use_rslora, init=cfg.init)

@@ -8,7 +8,8 @@ unchanged) and adds two trainable factors, `lora_A` [r, in] and `lora_B` [out, r
 
 exactly as PEFT computes it, so an adapter written in PEFT's format gives the same logits through
 `peft.PeftModel`. Initialisation follows PEFT: "default" = A Kaiming-uniform (a = sqrt(5), as
-`nn.Linear`), B = 0; "gaussian" = A ~ N(0, 1/r), B = 0. Both start as the base model.
+`nn.Linear`), B = 0; "gaussian" = A normal with standard deviation 1/r,
+B = 0. Both start as the base model.
 
 `LoRAAdapter` is the adapter alone (factors, dropout, scaling, on / off), of which `LoRALinear` is the
 nn.Linear form: parallel.backend = "mcore" layers hold the same adapters without base layers and add

@@ -37,7 +37,7 @@ written apart from the answer) reaches the template the same way; Qwen3's render
 (<think>...</think>, for the turns after the last user message), and a template that renders no reasoning at all
 is refused per record. `normalize_messages` is shared with the
 HF-datasets source: it checks the structure and raises `BadRecordError("invalid_record", ...)`
-naming the offending message / item; the reader logs bad lines (file, 1-based line) and goes on
+naming the offending message / item; the reader logs bad lines (file, 1-based line or 0-based array element) and goes on
 (a line that is not UTF-8 or not parseable JSON, see table_rows; any other exception for one line
 is counted as "unexpected_error").
 """
@@ -73,7 +73,7 @@ class Record:
     source: str
     """File (or dataset) the record came from."""
     index: int
-    """1-based line (JSONL) or 0-based row (HF dataset)."""
+    """1-based line (JSONL), 0-based element (a JSON array file) or 0-based row (HF dataset)."""
     meta: dict = field(default_factory=dict)
     """Other top-level fields (e.g. "answer", "question_type"; "tools": the tool specs the chat template
     renders, see `tools`)."""
@@ -322,7 +322,7 @@ def read_messages_jsonl(path: str | os.PathLike, *, image_root: str | os.PathLik
                         bad_records: Optional[BadRecordLog] = None) -> list[Record]:
     """All well-formed records of the messages JSONL file(s) at `path` (a file, a folder of .jsonl
     files searched recursively, or a glob), in file then line order; bad lines go to `bad_records`
-    (or are dropped) under their file and 1-based line."""
+    (or are dropped) under their file and 1-based line (0-based element of a JSON array file)."""
     rows = TableRows(path, suffixes=MESSAGES_SUFFIXES, bad_records=bad_records)
     records: list[Record] = []
     for i in range(len(rows)):

@@ -182,3 +182,20 @@ def test_tool_turns_and_roles_never_guessed():
                          ([{"from": "chatgpt", "value": "a"}], "unknown 'from'")]:
         with pytest.raises(Exception, match=match):
             messages_from_conversations(turns)
+
+
+def test_videos_take_their_markers_and_ambiguous_records_are_refused():
+    from megatron_vlm.data.bad_records import BadRecordError
+    from megatron_vlm.data.messages import record_from_messages_row
+
+    row = {"conversations": [_human("<video>Describe <image>"), _gpt("A cup moves.")],
+           "videos": [["f0.png", "f1.png"]], "images": ["x.png"]}
+    rec = record_from_messages_row(row, lambda r: r, source="t", index=1)
+    assert rec.messages[0]["content"] == [{"type": "video", "video": ["f0.png", "f1.png"]},
+                                          {"type": "text", "text": "Describe "}, {"type": "image", "image": "x.png"}]
+    for bad, match in [({**row, "messages": []}, "both 'messages' and 'conversations'"),
+                       ({**row, "image": "y.png"}, "both 'image' and 'images'"),
+                       ({**row, "videos": []}, "1 <video> markers"),
+                       ({**row, "system": ["x"]}, "'system' must be a string")]:
+        with pytest.raises(BadRecordError, match=match):
+            record_from_messages_row(bad, lambda r: r, source="t", index=1)

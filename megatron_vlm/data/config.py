@@ -26,12 +26,14 @@ class DataConfig:
     # filesystem paths: a leading ~ is expanded (config/loader.py)
     PATHS: ClassVar[tuple[str, ...]] = ("train_path", "eval_path", "image_root", "length_cache_dir", "synthetic_dir")
     type: Literal["messages_jsonl", "hf", "synthetic_vqa"] = "messages_jsonl"
-    """Source kind: "messages_jsonl" (one {"messages": [...]} record per line, see data/messages.py),
+    """Source kind: "messages_jsonl" (one {"messages": [...]} record per line, see data/messages.py, or a
+    LLaVA / ShareGPT {"conversations": [...]} record; a file may also be one JSON array of records),
     "hf" (a Hugging Face `datasets` table from local parquet / arrow / jsonl files, mapped by
     `columns`) or "synthetic_vqa" (the shapes-and-colours VQA set, generated into `synthetic_dir`)."""
     train_path: str = ""
     """Training data: a file, a folder (searched recursively) or a glob of .jsonl files
-    (messages_jsonl) or of .parquet, .arrow and .jsonl files (hf); SFT and GRPO read it alike.
+    (messages_jsonl) or of .parquet, .arrow and .jsonl files (hf); SFT and GRPO read it alike. A file
+    named directly is read whatever its suffix (e.g. LLaVA's one-JSON-array .json files).
     Refused with synthetic_vqa, as are eval_path, image_root and columns (it reads the set it generates)."""
     eval_path: str = ""
     """Held-out data in the same format as `train_path`; empty = no evaluation split."""
@@ -39,7 +41,8 @@ class DataConfig:
     """Folder that relative image / video paths resolve against; empty = the data file's folder."""
     columns: dict[str, str] = field(default_factory=dict)
     """hf only: our field -> dataset column. Either {"messages": col} (+ optional "images": col whose
-    list fills the messages' image entries in order), or {"prompt": col, "answer": col} with optional
+    list fills the messages' image entries in order; a column of LLaVA / ShareGPT {"from", "value"} turns
+    takes the "image" / "images" columns at its "<image>" markers and an optional "system" column), or {"prompt": col, "answer": col} with optional
     "image" / "images", "video", "system" columns (a one-turn conversation is built from them); for
     train.mode = "dpo" {"chosen": col, "rejected": col} with optional "prompt", "image" / "images" and
     "system" (TRL's preference layouts, data/preference_records.py). Required with type = "hf", except

@@ -3,7 +3,8 @@
 SFT and GRPO both resolve `train_path` / `eval_path` here, so they read the same files in the
 same order (sorted by their full path). The suffixes depend on `[data] type`: "hf" reads
 .parquet, .arrow and .jsonl files, "messages_jsonl" reads .jsonl files. A file named directly is
-taken whatever its suffix (a messages file called `train.json` has always worked).
+taken whatever its suffix (a messages file called `train.json` has always worked; one that holds a
+single JSON array of records, as LLaVA's .json files do, is read element by element: table_rows.py).
 
 A path that cannot be read as a whole — no data files there, a table file that does not open (a
 truncated or mislabelled .parquet), a file without the columns the mapping needs — is not a bad

@@ -8,6 +8,9 @@ row on demand, through the column mapping of the `[data] columns` table:
   path in the messages (e.g. llava-instruct-mix: {"type": "image"}) take the row's images in order,
   one each ("placeholder_mismatch" otherwise, also for images no item takes, e.g. a LLaVA-style
   "<image>" marker in the text instead of an image item);
+- LLaVA / ShareGPT conversation datasets (a column of {"from", "value"} turns, e.g. LLaVA-OneVision's
+  "conversations"): the same {"messages": col} mapping; the row's "image" / "images" columns go where the
+  turns' "<image>" markers are and an optional "system" column becomes the system turn (conversations.py);
 - prompt / answer datasets (Geometry3K, ViRL39K style): {"prompt": col, "answer": col} with
   optional "image" / "images" (one or a list), "video" (frame list or path) and "system" columns;
   the user turn is [images..., video, prompt text]; "<image>" markers in the prompt are removed
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
+from megatron_vlm.data.conversations import is_conversation_turns, messages_from_conversations
 from megatron_vlm.data.data_files import HF_SUFFIXES, TABLE_SUFFIXES, DataFileError
 from megatron_vlm.data.messages import Record, normalize_messages, normalize_tools, resolve_path
 from megatron_vlm.data.table_rows import TableRows
@@ -134,12 +138,18 @@ def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, sourc
             except RecursionError:
                 raise BadRecordError("malformed_json", f"column {c['messages']!r}: nested too deeply for the JSON "
                                                        "parser") from None
-        messages = normalize_messages(raw, resolve)
-        images = [resolve(x) for x in _as_list(row.get(c["images"]))] if "images" in c else []
-        empty = [it for m in messages if not isinstance(m["content"], str)
-                 for it in m["content"] if it["type"] == "image" and it["image"] is None]
-        if empty or images:  # images that no item takes (e.g. "<image>" text markers) would train without them
-            fill_image_items(empty, images, f"column {c['messages']!r}", c.get("images"))
+        if is_conversation_turns(raw):  # LLaVA / ShareGPT turns: the images go where their "<image>" markers are
+            refs = [x for key in ("image", "images") if key in c for x in _as_list(row.get(c[key]))]
+            raw = messages_from_conversations(raw, system=row.get(c["system"]) if "system" in c else None,
+                                              images=refs, key=f"column {c['messages']!r}")
+            messages = normalize_messages(raw, resolve)
+        else:
+            messages = normalize_messages(raw, resolve)
+            images = [resolve(x) for x in _as_list(row.get(c["images"]))] if "images" in c else []
+            empty = [it for m in messages if not isinstance(m["content"], str)
+                     for it in m["content"] if it["type"] == "image" and it["image"] is None]
+            if empty or images:  # images that no item takes (e.g. "<image>" text markers) would train without them
+                fill_image_items(empty, images, f"column {c['messages']!r}", c.get("images"))
     else:
         prompt = row.get(c["prompt"])
         answer = row.get(c["answer"])

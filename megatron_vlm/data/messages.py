@@ -1,6 +1,7 @@
 """Messages-format records and the messages JSONL reader (on the shared reader, `table_rows`).
 
-One JSON object per line:
+One JSON object per line (or a file that is one JSON array of such objects, e.g. a `.json` file named
+directly: its elements are the records, a bad one counted by its 0-based index; see table_rows):
 
     {"messages": [
         {"role": "system", "content": "..."},                                   # optional
@@ -14,6 +15,11 @@ One JSON object per line:
 Media may also sit next to the messages: image / video items without a path ({"type": "image"}, as
 TRL's vision datasets write them) take the line's top-level "images" / "videos" in order; media that
 no item takes (LLaMA-Factory's "<image>" text markers are not items) is a "placeholder_mismatch".
+
+LLaVA / ShareGPT records ({"conversations": [{"from": "human", "value": "<image>\\n..."}, {"from": "gpt",
+...}], "image" / "images", "system", ...}: LLaVA-Instruct, LLaMA-Factory's and ms-swift's "sharegpt" files)
+are converted into this form line by line (a file may mix both), each "<image>" / "<video>" marker becoming
+the next image / video item in place: see conversations.py for the roles, the markers and what is refused.
 
 An image may also be embedded as a base64 data URL ("data:image/png;base64,...", e.g. in an
 OpenAI-style {"type": "image_url", "image_url": {"url": ...}} item); it becomes the image's bytes.
@@ -31,7 +37,7 @@ written apart from the answer) reaches the template the same way; Qwen3's render
 (<think>...</think>, for the turns after the last user message), and a template that renders no reasoning at all
 is refused per record. `normalize_messages` is shared with the
 HF-datasets source: it checks the structure and raises `BadRecordError("invalid_record", ...)`
-naming the offending message / item; the reader logs bad lines (file, 1-based line) and goes on
+naming the offending message / item; the reader logs bad lines (file, 1-based line or 0-based array element) and goes on
 (a line that is not UTF-8 or not parseable JSON, see table_rows; any other exception for one line
 is counted as "unexpected_error").
 """
@@ -47,6 +53,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpected
+from megatron_vlm.data.conversations import is_conversation_turns, media_list, messages_from_conversations
 from megatron_vlm.data.data_files import MESSAGES_SUFFIXES
 from megatron_vlm.data.table_rows import TableRows
 
@@ -66,7 +73,7 @@ class Record:
     source: str
     """File (or dataset) the record came from."""
     index: int
-    """1-based line (JSONL) or 0-based row (HF dataset)."""
+    """1-based line (JSONL), 0-based element (a JSON array file) or 0-based row (HF dataset)."""
     meta: dict = field(default_factory=dict)
     """Other top-level fields (e.g. "answer", "question_type"; "tools": the tool specs the chat template
     renders, see `tools`)."""
@@ -268,11 +275,38 @@ def _fill_media_items(messages: list[dict], obj: dict, resolve: Callable[[Any], 
             it[kind] = _normalize_item({"type": kind, kind: ref}, f"{key}[{j}]", resolve)[kind]
 
 
+_CONVERSATION_KEYS = ("system", "image", "images", "video", "videos")
+
+
+def _record_from_conversations_row(obj: dict, resolve: Callable[[Any], Any], *, source: str, index: int,
+                                   key: str = "conversations") -> Record:
+    """The `Record` of one LLaVA / ShareGPT {"conversations": [{"from", "value"}, ...], ...} object (see
+    conversations.py); its "system", "image(s)", "video(s)" are part of the conversation, other keys `meta`."""
+    if key == "conversations" and "messages" in obj:
+        raise BadRecordError("invalid_record", "both 'messages' and 'conversations' are given; which one to train "
+                                               "on is not guessed")
+    messages = normalize_messages(messages_from_conversations(
+        obj[key], system=obj.get("system"), images=media_list(obj, "image", "images"),
+        videos=media_list(obj, "video", "videos"), key=key), resolve)
+    normalize_tools(obj.get("tools"))
+    for m in messages:
+        if not isinstance(m["content"], str):
+            for it in m["content"]:
+                if it["type"] in ("image", "video") and it[it["type"]] is None:
+                    raise BadRecordError("invalid_record", f"an {it['type']} of the record is null")
+    return Record(messages, source, index, {k: v for k, v in obj.items() if k != key and k not in _CONVERSATION_KEYS})
+
+
 def record_from_messages_row(obj: dict, resolve: Callable[[Any], Any], *, source: str, index: int) -> Record:
     """The `Record` of one {"messages": [...], ...} object; top-level "images" / "videos" fill the media items
-    without a path (`_fill_media_items`); other keys become `meta`. Raises BadRecordError."""
+    without a path (`_fill_media_items`); other keys become `meta`. A LLaVA / ShareGPT {"conversations": [...]}
+    object (or "messages" of {"from", "value"} turns) is converted (conversations.py). Raises BadRecordError."""
+    if "conversations" in obj:
+        return _record_from_conversations_row(obj, resolve, source=source, index=index)
     if "messages" not in obj:
-        raise BadRecordError("invalid_record", f"no 'messages' key (keys: {sorted(obj)[:8]})")
+        raise BadRecordError("invalid_record", f"no 'messages' or 'conversations' key (keys: {sorted(obj)[:8]})")
+    if is_conversation_turns(obj["messages"]):  # LLaMA-Factory's sharegpt files may name the turns "messages"
+        return _record_from_conversations_row(obj, resolve, source=source, index=index, key="messages")
     messages = normalize_messages(obj["messages"], resolve)
     normalize_tools(obj.get("tools"))
     _fill_media_items(messages, obj, resolve)
@@ -288,7 +322,7 @@ def read_messages_jsonl(path: str | os.PathLike, *, image_root: str | os.PathLik
                         bad_records: Optional[BadRecordLog] = None) -> list[Record]:
     """All well-formed records of the messages JSONL file(s) at `path` (a file, a folder of .jsonl
     files searched recursively, or a glob), in file then line order; bad lines go to `bad_records`
-    (or are dropped) under their file and 1-based line."""
+    (or are dropped) under their file and 1-based line (0-based element of a JSON array file)."""
     rows = TableRows(path, suffixes=MESSAGES_SUFFIXES, bad_records=bad_records)
     records: list[Record] = []
     for i in range(len(rows)):

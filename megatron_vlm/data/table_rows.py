@@ -12,10 +12,19 @@ row the same way:
 - every other file: JSON lines. Blank lines are not rows; a line that is not a JSON object (or
   nested too deeply to parse) is a bad record ("malformed_json"), a line that is not UTF-8 one
   ("invalid_encoding"); both are reported at open time and left out of the rows;
+- a file whose first non-blank character is "[" is one JSON array of objects (LLaVA's
+  llava_v1_5_mix665k.json, LLaMA-Factory's and ms-swift's .json files), whatever its suffix: each
+  element is a row, located by its 0-based index; an element that is not an object is a bad record
+  ("malformed_json"); a file that is not one valid UTF-8 JSON array (a syntax error anywhere, a
+  truncated file) cannot be split into elements and is a `DataFileError` naming the file and the
+  element where it breaks;
 - a JSON-lines file is held as the byte offsets of its good lines, each row parsed again when read
   (`_JsonLinesPart`): a million rows cost 16 MB, not gigabytes of dicts;
-- a row's location is (file, index): the 1-based line of a JSON-lines file or the 0-based row of a
-  table (the `bad_records` convention), for record sources, bad-record logs and prompt ids.
+- a JSON array file is held the same way, as the byte span of each good element: opening it parses the
+  whole file once (its text is held while it is scanned, a few times the file's size for a moment);
+- a row's location is (file, index): the 1-based line of a JSON-lines file, the 0-based element of a
+  JSON array file or the 0-based row of a table (the `bad_records` convention), for record sources,
+  bad-record logs and prompt ids.
 
 Rows are addressed by a global index 0 .. len-1 over all files; `row(i)` is a dict of the row's
 columns. Mapping rows to conversations is the callers' business (`[data] columns`).
@@ -135,6 +144,120 @@ class _JsonLinesPart:
         return _parse_json_line(raw.split(b"\n", 1)[0], first=int(self.lines[k]) == 1)  # blank / bad lines may follow
 
 
+def _is_json_array(file: Path) -> bool:
+    """Whether the file's first non-blank byte (after a UTF-8 byte-order mark) is "[": one JSON array, not JSON lines
+    (no JSON-lines row starts so: rows are objects)."""
+    with open(file, "rb") as f:
+        head = f.read(1 << 16)
+        while head:
+            stripped = head.removeprefix(b"\xef\xbb\xbf").lstrip()
+            if stripped:
+                return stripped.startswith(b"[")
+            head = f.read(1 << 16)
+    return False
+
+
+_JSON_WS = " \t\n\r"
+
+
+def _scan_json_array(file: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str],
+                                          list[tuple[int, BadRecordError]]]:
+    """(0-based index, start byte, end byte) of each object element of a file holding one JSON array, the first
+    object's keys, and (index, error) of each element that is not an object; DataFileError when the file is not
+    one valid UTF-8 JSON array (its elements cannot be told apart then)."""
+    data = file.read_bytes()
+    bom = 3 if data.startswith(b"\xef\xbb\xbf") else 0
+    try:
+        text = data[bom:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataFileError(f"{file}: a JSON array file must be UTF-8: {e.reason} at byte {e.start + bom}") from None
+    ascii_only = len(text) == len(data) - bom
+    del data
+    decoder = json.JSONDecoder()
+    cpos, bpos = 0, bom  # a character offset of `text` and its byte offset in the file, advanced together
+
+    def byte_at(c: int) -> int:
+        nonlocal cpos, bpos
+        bpos += (c - cpos) if ascii_only else len(text[cpos:c].encode("utf-8"))
+        cpos = c
+        return bpos
+
+    def skip(c: int) -> int:
+        while c < len(text) and text[c] in _JSON_WS:
+            c += 1
+        return c
+
+    def broken(k: int, why: str) -> DataFileError:
+        return DataFileError(f"{file}: not one JSON array (read as one since it starts with '['), at element {k}: "
+                             f"{why}")
+
+    indices: list[int] = []
+    starts: list[int] = []
+    ends: list[int] = []
+    errors: list[tuple[int, BadRecordError]] = []
+    columns: Optional[list[str]] = None
+    c = skip(skip(0) + 1)  # after the "["
+    k = 0
+    if c < len(text) and text[c] == "]":
+        c = skip(c + 1)
+    else:
+        while True:
+            try:
+                obj, end = decoder.raw_decode(text, c)
+            except json.JSONDecodeError as e:
+                raise broken(k, str(e)) from None
+            except RecursionError:
+                raise broken(k, "nested too deeply for the JSON parser") from None
+            if isinstance(obj, dict):
+                if columns is None:
+                    columns = list(obj)
+                indices.append(k)
+                starts.append(byte_at(c))
+                ends.append(byte_at(end))
+            else:
+                errors.append((k, BadRecordError("malformed_json", f"array element {k}: expected a JSON object, "
+                                                                   f"got {type(obj).__name__}")))
+            del obj
+            c = skip(end)
+            k += 1
+            if c < len(text) and text[c] == ",":
+                c = skip(c + 1)
+                continue
+            if c < len(text) and text[c] == "]":
+                c = skip(c + 1)
+                break
+            raise broken(k, "expected ',' or ']' after the element" if c < len(text) else "the file ends inside the array")
+    if c != len(text):
+        raise broken(k, "more data after the closing ']'")
+    as_array = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
+    return as_array(indices), as_array(starts), as_array(ends), columns or [], errors
+
+
+class _JsonArrayPart(_JsonLinesPart):
+    """A file of one JSON array as the byte span of each object element (see `_JsonLinesPart` for why); rows are
+    located by their 0-based element index."""
+
+    def __init__(self, file: Path, indices: np.ndarray, starts: np.ndarray, ends: np.ndarray, columns: list[str]):
+        super().__init__(file, indices, starts, columns)
+        self.ends = ends
+
+    def row(self, k: int) -> dict:
+        fd = os.open(self.file, os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            if (st.st_size, st.st_mtime_ns) != self._signature:
+                raise BadRecordError("invalid_record", f"{self.file} changed after it was opened (size or "
+                                                       "modification time); its rows can no longer be read")
+            start = int(self.offsets[k])
+            raw = os.pread(fd, int(self.ends[k]) - start, start)
+        finally:
+            os.close(fd)
+        obj = json.loads(raw.decode("utf-8"))  # validated as an object when the file was opened
+        if not isinstance(obj, dict):
+            raise BadRecordError("invalid_record", f"{self.file} changed after it was opened")
+        return obj
+
+
 def _empty_parquet(file: Path):
     """A parquet file with its schema and no rows as an empty Dataset (`Dataset.from_parquet` fails on one:
     "BatchSize must be greater than 0"), else None: an empty file is a table of 0 rows, not an unreadable one."""
@@ -191,13 +314,20 @@ class TableRows:
         self.name = os.fspath(path)
         self.files = find_data_files(path, suffixes)
         self.errors: list[tuple[str, int, BadRecordError]] = []
-        """(file, line, error) of each line that is not a JSON object, in file order."""
+        """(file, line, error) of each line (or JSON array element) that is not a JSON object, in file order."""
         self._parts: list[Any] = []
         self._starts: list[int] = []
         total = 0
         for file in self.files:
             if file.suffix in TABLE_SUFFIXES:
                 part: Any = _TablePart(file, cache_dir)
+            elif _is_json_array(file):
+                indices, starts, ends, columns, errors = _scan_json_array(file)
+                part = _JsonArrayPart(file, indices, starts, ends, columns)
+                for k, err in errors:
+                    self.errors.append((str(file), k, err))
+                    if bad_records is not None:
+                        bad_records.add_error(str(file), k, err)
             else:
                 lines, offsets, columns, errors = _scan_json_lines(file)
                 part = _JsonLinesPart(file, lines, offsets, columns)
@@ -225,7 +355,8 @@ class TableRows:
         return self._parts[p].row(k)
 
     def locate(self, i: int) -> tuple[str, int]:
-        """(file, index) of row `i`: the 1-based line of a JSON-lines file, the 0-based row of a table."""
+        """(file, index) of row `i`: the 1-based line of a JSON-lines file, the 0-based element of a JSON array file,
+        the 0-based row of a table."""
         p, k = self._part(int(i))
         return str(self.files[p]), self._parts[p].index(k)
 

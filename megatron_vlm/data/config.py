@@ -40,8 +40,8 @@ class DataConfig:
     image_root: str = ""
     """Folder that relative image / video paths resolve against; empty = the data file's folder."""
     columns: dict[str, str] = field(default_factory=dict)
-    """hf only: our field -> dataset column. Either {"messages": col} (+ optional "images": col whose
-    list fills the messages' image entries in order; a column of LLaVA / ShareGPT {"from", "value"} turns
+    """hf only: our field -> dataset column. Either {"messages": col} (+ optional "image" / "images": col whose
+    values fill the messages' image entries in order, "system": col for rows without a system turn; a column of LLaVA / ShareGPT {"from", "value"} turns
     takes the "image" / "images" columns at its "<image>" markers and an optional "system" column), or {"prompt": col, "answer": col} with optional
     "image" / "images", "video", "system" columns (a one-turn conversation is built from them); for
     train.mode = "dpo" {"chosen": col, "rejected": col} with optional "prompt", "image" / "images" and
@@ -120,6 +120,10 @@ class DataConfig:
             unknown = sorted(keys - allowed)
             if unknown:
                 raise ValueError(f"columns: unknown key {unknown[0]!r}; allowed: {sorted(allowed)}")
+            unread = sorted(keys & {"prompt", "answer", "video", "chosen", "rejected"}) if "messages" in keys else []
+            if unread:  # the messages layout reads its turns, images and system turn; these belong to the others
+                raise ValueError(f"columns: {unread[0]!r} is not read beside 'messages' (a messages column reads the "
+                                 "conversation with its 'image' / 'images' and 'system' columns); remove it")
         for name in ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels"):
             v = getattr(self, name)
             if v is not None and v <= 0:

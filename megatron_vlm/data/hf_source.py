@@ -144,12 +144,16 @@ def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, sourc
                                               images=refs, key=f"column {c['messages']!r}")
             messages = normalize_messages(raw, resolve)
         else:
+            system = row.get(c["system"]) if "system" in c else None
+            if system and isinstance(raw, list) and not any(isinstance(m, dict) and m.get("role") == "system" for m in raw):
+                raw = [{"role": "system", "content": system}, *raw]  # a row's own system turn wins
             messages = normalize_messages(raw, resolve)
-            images = [resolve(x) for x in _as_list(row.get(c["images"]))] if "images" in c else []
+            image_keys = [key for key in ("image", "images") if key in c]
+            images = [resolve(x) for key in image_keys for x in _as_list(row.get(c[key]))]
             empty = [it for m in messages if not isinstance(m["content"], str)
                      for it in m["content"] if it["type"] == "image" and it["image"] is None]
             if empty or images:  # images that no item takes (e.g. "<image>" text markers) would train without them
-                fill_image_items(empty, images, f"column {c['messages']!r}", c.get("images"))
+                fill_image_items(empty, images, f"column {c['messages']!r}", " + ".join(c[k] for k in image_keys) or None)
     else:
         prompt = row.get(c["prompt"])
         answer = row.get(c["answer"])

@@ -71,6 +71,10 @@ def _load_prompt_sets(data_cfg, rl_cfg, *, run_dir: Path, is_main: bool, barrier
         if "messages" in cols:
             raise ConfigError("data.columns: GRPO reads prompt / answer (/ images) columns, not a 'messages' column; "
                              "use data.type = 'messages_jsonl' for conversations")
+        unread = sorted(set(cols) - {"prompt", "answer", "images", "image"})
+        if unread:  # chosen / rejected are refused by mode (config/mode_keys.py); the others were dropped here
+            raise ConfigError(f"data.columns: GRPO reads prompt / answer / image(s) columns; {unread[0]!r} is not read "
+                              "(the system turn is rl.prompts.system_prompt); remove it")
         common.update(columns={k: v for k, v in cols.items() if k in ("prompt", "answer", "images", "image")},
                       suffixes=HF_SUFFIXES)
     elif data_cfg.type == "messages_jsonl":

@@ -197,3 +197,16 @@ def test_grpo_data_section_reads_a_verl_parquet_without_columns(tmp_path):
     with pytest.raises(ConfigError, match="data.columns: required when type = 'hf'"):
         load_config_dict(sft)
 
+
+
+def test_grpo_refuses_columns_it_does_not_read(tmp_path):
+    """GRPO's hf prompt tables read prompt / answer / image(s): a `system` or `video` column was dropped silently."""
+    from megatron_vlm.config import ConfigError, load_config_dict
+
+    train = write_verl_geo3k(tmp_path, n=3)
+    for extra in ("system", "video"):
+        cfg = load_config_dict({"model": {"path": str(tmp_path / "m")}, "train": {"mode": "grpo", "max_steps": 1},
+                                "data": {"type": "hf", "train_path": str(train),
+                                         "columns": {"prompt": "prompt", "answer": "answer", extra: "x"}}, "rl": {}})
+        with pytest.raises(ConfigError, match=rf"data.columns: .*'{extra}' is not read"):
+            load_prompt_sets(cfg.data, cfg.rl, run_dir=tmp_path)

@@ -22,6 +22,10 @@ LLaVA, LLaMA-Factory and ms-swift train on). As many markers as media, else a "p
 marker without an image, or an image without a marker, is never trained as if it were right. Markers in
 an assistant turn are an "invalid_record" (assistant turns are text).
 
+The same marker placement applies to role / content messages whose contents are all text and whose record gives
+top-level media (ms-swift's standard layout: {"messages": [{"role": "user", "content": "<image>What ...?"}, ...],
+"images": [...]}; `place_marked_media`).
+
 The last turn must be the assistant's (a reply to train on): a conversation ending on the human is an
 "invalid_record", as is an empty one; the rest of the checks are `messages.normalize_messages`'s.
 """
@@ -34,7 +38,8 @@ from typing import Any, Optional
 
 from megatron_vlm.data.bad_records import BadRecordError
 
-__all__ = ["ROLE_OF", "is_conversation_turns", "messages_from_conversations", "media_list"]
+__all__ = ["ROLE_OF", "is_conversation_turns", "messages_from_conversations", "media_list", "marked_text_messages",
+           "place_marked_media"]
 
 ROLE_OF = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
            "observation": "tool", "function_call": "assistant"}
@@ -139,4 +144,35 @@ def messages_from_conversations(turns: Any, *, system: Optional[str] = None, ima
             many = f"{kind}s"
             raise BadRecordError("placeholder_mismatch", f"{used[kind]} {_MARKERS[kind]} markers in {key!r} but "
                                                          f"{len(refs)} {many} given")
+    return out
+
+
+def marked_text_messages(raw: Any) -> bool:
+    """Whether role / content `raw` messages hold media markers in text contents and no content item lists
+    (ms-swift's layout: the media are placed at the markers, `place_marked_media`)."""
+    if not isinstance(raw, (list, tuple)) or not raw:
+        return False
+    contents = [m.get("content") if isinstance(m, dict) else None for m in raw]
+    if any(isinstance(c, (list, tuple)) for c in contents):
+        return False
+    return any(isinstance(c, str) and ("<image>" in c or "<video>" in c) for c in contents)
+
+
+def place_marked_media(raw: Sequence[dict], *, images: Sequence[Any] = (), videos: Sequence[Any] = (),
+                       key: str = "messages") -> list[dict]:
+    """`raw` role / content messages with each text marker replaced by the next image / video (module docstring);
+    BadRecordError "placeholder_mismatch" unless markers and media are as many, "invalid_record" for a marker
+    in an assistant turn."""
+    queues = {"image": list(images), "video": list(videos)}
+    used = {"image": 0, "video": 0}
+    out = []
+    for i, m in enumerate(raw):
+        content = m.get("content")
+        if isinstance(content, str):
+            m = {**m, "content": _place_media(content, str(m.get("role")), queues, used, f"{key}[{i}]")}
+        out.append(m)
+    for kind, refs in queues.items():
+        if used[kind] != len(refs):
+            raise BadRecordError("placeholder_mismatch", f"{used[kind]} {_MARKERS[kind]} markers in {key!r} but "
+                                                         f"{len(refs)} {kind}s given")
     return out

@@ -37,7 +37,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
-from megatron_vlm.data.conversations import is_conversation_turns, messages_from_conversations
+from megatron_vlm.data.conversations import (
+    is_conversation_turns,
+    marked_text_messages,
+    messages_from_conversations,
+    place_marked_media,
+)
 from megatron_vlm.data.data_files import HF_SUFFIXES, TABLE_SUFFIXES, DataFileError
 from megatron_vlm.data.messages import Record, normalize_messages, normalize_tools, resolve_path
 from megatron_vlm.data.table_rows import TableRows
@@ -147,9 +152,12 @@ def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, sourc
             system = row.get(c["system"]) if "system" in c else None
             if system and isinstance(raw, list) and not any(isinstance(m, dict) and m.get("role") == "system" for m in raw):
                 raw = [{"role": "system", "content": system}, *raw]  # a row's own system turn wins
-            messages = normalize_messages(raw, resolve)
             image_keys = [key for key in ("image", "images") if key in c]
-            images = [resolve(x) for key in image_keys for x in _as_list(row.get(c[key]))]
+            refs = [x for key in image_keys for x in _as_list(row.get(c[key]))]
+            if refs and isinstance(raw, list) and marked_text_messages(raw):  # ms-swift's layout: the images go
+                raw, refs = place_marked_media(raw, images=refs, key=f"column {c['messages']!r}"), []  # at the markers
+            messages = normalize_messages(raw, resolve)
+            images = [resolve(x) for x in refs]
             empty = [it for m in messages if not isinstance(m["content"], str)
                      for it in m["content"] if it["type"] == "image" and it["image"] is None]
             if empty or images:  # images that no item takes (e.g. "<image>" text markers) would train without them

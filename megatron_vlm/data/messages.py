@@ -14,7 +14,9 @@ directly: its elements are the records, a bad one counted by its 0-based index; 
 
 Media may also sit next to the messages: image / video items without a path ({"type": "image"}, as
 TRL's vision datasets write them) take the line's top-level "images" / "videos" in order; media that
-no item takes (LLaMA-Factory's "<image>" text markers are not items) is a "placeholder_mismatch".
+no item takes is a "placeholder_mismatch". Messages whose contents are all text with "<image>" / "<video>"
+markers (ms-swift's and LLaMA-Factory's layout: {"messages": [{"role": "user", "content": "<image>What ...?"},
+...], "images": [...]}) get the media at their markers instead, as conversations do (conversations.py).
 
 LLaVA / ShareGPT records ({"conversations": [{"from": "human", "value": "<image>\\n..."}, {"from": "gpt",
 ...}], "image" / "images", "system", ...}: LLaVA-Instruct, LLaMA-Factory's and ms-swift's "sharegpt" files)
@@ -53,7 +55,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpected
-from megatron_vlm.data.conversations import is_conversation_turns, media_list, messages_from_conversations
+from megatron_vlm.data.conversations import (
+    is_conversation_turns,
+    marked_text_messages,
+    media_list,
+    messages_from_conversations,
+    place_marked_media,
+)
 from megatron_vlm.data.data_files import MESSAGES_SUFFIXES
 from megatron_vlm.data.table_rows import TableRows
 
@@ -307,7 +315,17 @@ def record_from_messages_row(obj: dict, resolve: Callable[[Any], Any], *, source
         raise BadRecordError("invalid_record", f"no 'messages' or 'conversations' key (keys: {sorted(obj)[:8]})")
     if is_conversation_turns(obj["messages"]):  # LLaMA-Factory's sharegpt files may name the turns "messages"
         return _record_from_conversations_row(obj, resolve, source=source, index=index, key="messages")
-    messages = normalize_messages(obj["messages"], resolve)
+    raw = obj["messages"]
+    if marked_text_messages(raw) and (obj.get("images") is not None or obj.get("videos") is not None):
+        # ms-swift's layout: text contents with "<image>" markers and top-level "images": placed at the markers
+        obj = {**obj, "messages": place_marked_media(raw, images=media_list(obj, "image", "images"),
+                                                     videos=media_list(obj, "video", "videos"))}
+        obj.pop("images", None)
+        obj.pop("videos", None)
+        messages = normalize_messages(obj["messages"], resolve)
+        normalize_tools(obj.get("tools"))
+        return Record(messages, source, index, {k: v for k, v in obj.items() if k != "messages"})
+    messages = normalize_messages(raw, resolve)
     normalize_tools(obj.get("tools"))
     _fill_media_items(messages, obj, resolve)
     for m in messages:

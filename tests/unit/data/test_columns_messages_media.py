@@ -36,3 +36,15 @@ def test_an_image_without_an_item_is_still_a_mismatch(tmp_path):
     with pytest.raises(BadRecordError) as e:
         _record(tmp_path, {"msgs": TURNS[1:], "img": "cat.png"}, {"messages": "msgs", "image": "img"})
     assert e.value.category == "placeholder_mismatch"
+
+
+def test_image_markers_in_text_messages_take_the_image_column(tmp_path):
+    """ms-swift's layout in a table: text contents with "<image>" markers and an images column."""
+    turns = [{"role": "user", "content": "<image>What is it?"}, {"role": "assistant", "content": "A cat."}]
+    rec = _record(tmp_path, {"msgs": turns, "imgs": ["cat.png"]}, {"messages": "msgs", "images": "imgs"})
+    user = rec.messages[0]["content"]
+    assert [it["type"] for it in user] == ["image", "text"] and Path(str(user[0]["image"])).name == "cat.png"
+    assert user[1]["text"] == "What is it?"
+    with pytest.raises(BadRecordError) as e:
+        _record(tmp_path, {"msgs": turns, "imgs": ["cat.png", "dog.png"]}, {"messages": "msgs", "images": "imgs"})
+    assert e.value.category == "placeholder_mismatch"

@@ -170,11 +170,11 @@ def test_data_config_through_the_strict_toml_loader():
 
 
 def test_hf_messages_column_refuses_images_no_item_takes(tmp_path, write_image):
-    """An images column whose images no image item of the messages takes (LLaVA-style "<image>" text markers,
-    or simply no {"type": "image"} item) is a placeholder mismatch, as transformers' processor says for the
-    same text and images, not a sample trained without its image."""
+    """An images column whose images no image item or "<image>" text marker of the messages takes is a
+    placeholder mismatch, as transformers' processor says for the same text and images, not a sample trained
+    without its image; text markers (ms-swift's layout) take the images at their places."""
     write_image(tmp_path / "a.png")
-    rows = [{"messages": [{"role": "user", "content": "<image>\nWhat colour?"}, {"role": "assistant", "content": "red"}],
+    rows = [{"messages": [{"role": "user", "content": "What colour?"}, {"role": "assistant", "content": "red"}],
              "images": ["a.png"]},
             {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]},
                           {"role": "assistant", "content": "red"}], "images": ["a.png"]},
@@ -189,6 +189,10 @@ def test_hf_messages_column_refuses_images_no_item_takes(tmp_path, write_image):
     assert e.value.category == "placeholder_mismatch" and "0 image items" in e.value.detail
     assert src.get(1).images() == [str(tmp_path / "a.png")]
     assert src.get(2).images() == []
+    marked = [{"role": "user", "content": "<image>\nWhat colour?"}, {"role": "assistant", "content": "red"}]
+    (tmp_path / "k.jsonl").write_text(json.dumps({"messages": marked, "images": ["a.png"]}) + "\n")
+    rec = HFRecords(tmp_path / "k.jsonl", {"messages": "messages", "images": "images"}).get(0)
+    assert rec.images() == [str(tmp_path / "a.png")] and rec.messages[0]["content"][1]["text"] == "\nWhat colour?"
 
 
 def test_image_as_base64_data_url_equals_the_image_file(tmp_path, write_image, proc):

@@ -4,9 +4,9 @@ Two common exports put the media next to the messages: TRL's vision datasets (im
 {"type": "image"}, taking the row's "images" in order, as the `hf` source already reads them) and
 LLaMA-Factory's sharegpt files ("<image>" markers in string content plus "images"). The messages_jsonl reader
 kept such keys as metadata: the TRL form was refused as "an image item has no path", and the LLaMA-Factory
-form trained on the literal "<image>" text without any image. Now the items take the row's media in order, and
-media that no item takes is a counted "placeholder_mismatch" (the `hf` source's rule).
-"""
+form trained on the literal "<image>" text without any image. Now the items take the row's media in order, the
+markers of text-only messages take them at their places (ms-swift's and LLaMA-Factory's layout: the same tokens
+as the items written out), and media that no item or marker takes is a counted "placeholder_mismatch"."""
 from __future__ import annotations
 
 import json
@@ -31,7 +31,7 @@ def test_top_level_images_fill_image_items_or_are_refused(tmp_path, proc, write_
         _line([{"type": "image", "image": "img/a.png"}, {"type": "image", "image": "img/b.png"},
                {"type": "text", "text": "Colour?"}]),                                           # 1 the reference
         _line([item[0], item[0], item[1]], images=["img/a.png", "img/b.png"]),                 # 2 TRL form
-        _line("<image><image>Colour?", images=["img/a.png", "img/b.png"]),                     # 3 LLaMA-Factory form
+        _line("<image><image>Colour?", images=["img/a.png", "img/b.png"]),                     # 3 ms-swift form
         _line(item, images=["img/a.png", "img/b.png"]),                                        # 4 one image too many
         _line([item[0], item[0], item[1]], images="img/a.png"),                                # 5 one too few
         _line([{"type": "video"}, item[1]], videos=[["img/a.png", "img/a.png"]]),              # 6 a frame-list video
@@ -39,12 +39,14 @@ def test_top_level_images_fill_image_items_or_are_refused(tmp_path, proc, write_
     (tmp_path / "d.jsonl").write_text("".join(lines))
     log = BadRecordLog()
     recs = read_messages_jsonl(tmp_path / "d.jsonl", bad_records=log)
-    assert [r.index for r in recs] == [1, 2, 6]
-    assert [(b.index, b.category) for b in log.entries] == [(3, "placeholder_mismatch"), (4, "placeholder_mismatch"),
-                                                            (5, "placeholder_mismatch")]
+    assert [r.index for r in recs] == [1, 2, 3, 6]
+    assert [(b.index, b.category) for b in log.entries] == [(4, "placeholder_mismatch"), (5, "placeholder_mismatch")]
     assert "images" in log.entries[0].detail
-    assert recs[1].images() == recs[0].images() == [str(tmp_path / "img" / "a.png"), str(tmp_path / "img" / "b.png")]
-    assert "images" not in recs[1].meta
-    ref, got = process_record(recs[0], proc, max_frames=4), process_record(recs[1], proc, max_frames=4)
-    assert torch.equal(got.input_ids, ref.input_ids) and torch.equal(got.pixel_values, ref.pixel_values)
-    assert recs[2].videos()[0]["video"] == [str(tmp_path / "img" / "a.png")] * 2
+    paths = [str(tmp_path / "img" / "a.png"), str(tmp_path / "img" / "b.png")]
+    assert recs[1].images() == recs[0].images() == recs[2].images() == paths
+    assert "images" not in recs[1].meta and "images" not in recs[2].meta
+    ref = process_record(recs[0], proc, max_frames=4)
+    for got in (process_record(recs[1], proc, max_frames=4), process_record(recs[2], proc, max_frames=4)):
+        assert torch.equal(got.input_ids, ref.input_ids) and torch.equal(got.pixel_values, ref.pixel_values)
+        assert torch.equal(got.label_mask, ref.label_mask)
+    assert recs[3].videos()[0]["video"] == [str(tmp_path / "img" / "a.png")] * 2

@@ -20,7 +20,9 @@ Schemas (column names of the public releases):
                                        PassRate_32BTrained, PassRate_7BBase
     messages    ({"messages": [...], "answer": ...} JSONL, e.g. the synthetic VQA eval set): the
                                        turns before the last assistant turn are the prompt; the
-                                       reference is "answer", else the last assistant turn
+                                       reference is "answer", else the last assistant turn; a
+                                       top-level "images" goes to "<image>" text markers or to
+                                       image items without a path (as SFT reads them)
     verl        (verl's preprocessed parquet)  prompt: chat messages with "<image>" placeholders,
                                        images, reward_model.ground_truth, data_source, ability,
                                        extra_info (rl/prompts/framework_rows.py)
@@ -51,6 +53,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpected
+from megatron_vlm.data.conversations import marked_text_messages, media_list, place_marked_media
 from megatron_vlm.data.data_files import HF_SUFFIXES, DataFileError
 from megatron_vlm.data.messages import Record
 from megatron_vlm.data.table_rows import TableRows
@@ -222,6 +225,28 @@ def _from_table_row(schema: str, cols: tuple[str, str, Optional[str]], row: dict
     return _make_sample(prompt_id, row.get(q_col), row.get(a_col), images, metadata, template, system_prompt)
 
 
+def _with_row_images(msgs: list, row: dict) -> list:
+    """The messages with the row's top-level "image" / "images" placed, as SFT's reader places them: at "<image>"
+    text markers (ms-swift's layout) or into {"type": "image"} items without a path (TRL's), in order.
+    BadRecordError "placeholder_mismatch" where images and their places are not as many (a marker without an
+    image would be trained as text, an image without a place dropped)."""
+    images = media_list(row, "image", "images")
+    if marked_text_messages(msgs):
+        if not images:
+            raise BadRecordError("placeholder_mismatch", "<image> markers in the messages but no 'images' in the row")
+        return place_marked_media(msgs, images=images)
+    empty = [it for m in msgs if isinstance(m, dict) and isinstance(m.get("content"), list)
+             for it in m["content"] if isinstance(it, dict) and it.get("type") == "image" and it.get("image") is None]
+    if not images and not empty:
+        return msgs
+    if len(empty) != len(images):
+        raise BadRecordError("placeholder_mismatch", f"{len(empty)} image items without a path (or <image> markers) "
+                                                     f"in the messages but {len(images)} images in the row")
+    queue, places = iter(images), {id(it) for it in empty}
+    return [{**m, "content": [({**it, "image": next(queue)} if id(it) in places else it) for it in m["content"]]}
+            if isinstance(m, dict) and isinstance(m.get("content"), list) else m for m in msgs]
+
+
 def _from_messages_row(row: dict, row_id: str, root: Path, template: str, system_prompt: Optional[str]) -> PromptSample:
     msgs = row.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -234,6 +259,7 @@ def _from_messages_row(row: dict, row_id: str, root: Path, template: str, system
     users = [i for i, m in enumerate(msgs) if m.get("role") == "user"]
     if not users:
         raise BadRecordError("invalid_record", "no user turn")
+    msgs = _with_row_images(msgs, row)
     out: list[dict] = []
     if system_prompt and not any(m.get("role") == "system" for m in msgs):
         out.append({"role": "system", "content": system_prompt})

@@ -209,3 +209,27 @@ def test_rows_with_their_own_system_turn_keep_it_and_are_counted(tmp_path, caplo
     assert out[0].messages[0] == {"role": "system", "content": "Own rules."}
     assert out[1].messages[0] == {"role": "system", "content": "Be brief."}
     assert "1 of 2 rows keep their own system turn" in caplog.text
+
+
+def test_messages_rows_take_their_top_level_images(tmp_path):
+    """GRPO prompt rows in the messages layout with top-level "images": at "<image>" text markers (ms-swift's
+    layout) or into {"type": "image"} items without a path (TRL's), as SFT reads them. The marker form trained on
+    the literal "<image>" text without the image, and the item form was skipped."""
+    import json
+
+    from PIL import Image
+
+    Image.new("RGB", (28, 28), "red").save(tmp_path / "a.png")
+    rows = [{"messages": [{"role": "user", "content": "<image>What colour?"}], "images": ["a.png"], "answer": "red"},
+            {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}],
+             "images": ["a.png"], "answer": "red"},
+            {"messages": [{"role": "user", "content": "What colour?"}], "images": ["a.png"], "answer": "red"},
+            {"messages": [{"role": "user", "content": "<image><image>What colour?"}], "images": ["a.png"], "answer": "r"}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = load_prompt_dataset(path, prompt_template="{problem}")
+    assert len(out) == 2 and [b.category for b in out.bad_records.entries] == ["placeholder_mismatch"] * 2
+    for s in out.samples:
+        user = s.messages[-1]
+        assert [it["type"] for it in user["content"]] == ["image", "text"]
+        assert user["content"][1]["text"] == "What colour?" and len(s.images()) == 1

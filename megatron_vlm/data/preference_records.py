@@ -6,8 +6,9 @@ TRL's preference formats:
 
 - standard: {"prompt": "What is ...?", "chosen": "...", "rejected": "..."} (+ "images": [...] or "image":
   one; "<image>" markers in the prompt are removed, the images go before the text, as the SFT reader does);
-- conversational: "prompt" a messages list (the SFT messages format: image items with a path, or
-  `{"type": "image"}` filled from the images column in order), "chosen" / "rejected" a one-message
+- conversational: "prompt" a messages list (the SFT messages format: image items with a path,
+  `{"type": "image"}` filled from the images column in order, or text turns whose "<image>" markers take
+  them in place), "chosen" / "rejected" a one-message
   assistant list ([{"role": "assistant", "content": ...}]) or a string;
 - implicit prompt: no prompt column; "chosen" / "rejected" are whole conversations that differ only in
   their last (assistant) turn, which is the response.
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
+from megatron_vlm.data.conversations import marked_text_messages, place_marked_media
 from megatron_vlm.data.data_files import HF_SUFFIXES, MESSAGES_SUFFIXES
 from megatron_vlm.data.hf_source import (
     TableRecordSource,
@@ -114,7 +116,10 @@ def _split_conversation(value: Any, name: str) -> tuple[list[dict], str]:
 
 
 def _fill_images(prompt: list[dict], images: list, name: str) -> list[dict]:
-    """Image items without data take the row's images in order; a prompt without image items gets them first."""
+    """Image items without data take the row's images in order, or "<image>" markers of text-only turns take them at
+    their places (ms-swift's layout, as the SFT reader places them)."""
+    if images and marked_text_messages(prompt):
+        return place_marked_media(prompt, images=images, key=name)
     prompt = [dict(m) for m in prompt]
     empty = []
     for m in prompt:

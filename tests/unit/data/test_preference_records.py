@@ -45,6 +45,20 @@ def test_conversational_layout_fills_image_items_in_order():
     assert (c.messages[-1]["content"], r.messages[-1]["content"]) == ("yes", "no")
 
 
+def test_conversational_prompt_with_image_markers_takes_the_images_in_place():
+    """ms-swift's layout: text turns whose "<image>" markers take the row's images where they stand (they were a
+    placeholder_mismatch); as many markers as images, else still a mismatch."""
+    prompt = [{"role": "user", "content": "Compare <image> and <image>."}]
+    row = {"prompt": prompt, "chosen": "same", "rejected": "different", "images": ["/a.png", "/b.png"]}
+    c, _ = _row(row).halves()
+    assert c.messages[0]["content"] == [{"type": "text", "text": "Compare "}, {"type": "image", "image": "/a.png"},
+                                        {"type": "text", "text": " and "}, {"type": "image", "image": "/b.png"},
+                                        {"type": "text", "text": "."}]
+    with pytest.raises(BadRecordError) as e:
+        _row({**row, "images": ["/a.png"]}).halves()
+    assert e.value.category == "placeholder_mismatch"
+
+
 def test_implicit_prompt_layout():
     conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
     row = {"chosen": [*conv, {"role": "assistant", "content": "4"}], "rejected": [*conv, {"role": "assistant", "content": "5"}]}

@@ -57,12 +57,15 @@ def is_conversation_turns(raw: Any) -> bool:
 
 def media_list(obj: dict, one: str, many: str) -> list:
     """A record's media refs from its `one` key (a ref, LLaVA's "image") or `many` key (a list); invalid_record
-    when it has both."""
+    when it has both. A list under "video" is one video's frames (as the "video" column of the prompt / answer
+    layout reads), not a list of videos; a list under "image" is its images."""
     if obj.get(one) is not None and obj.get(many) is not None:
         raise BadRecordError("invalid_record", f"both {one!r} and {many!r} are given; use one of them")
     value = obj.get(many) if obj.get(many) is not None else obj.get(one)
     if value is None:
         return []
+    if one == "video" and obj.get(many) is None:
+        return [value]
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 

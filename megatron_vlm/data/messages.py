@@ -316,12 +316,13 @@ def record_from_messages_row(obj: dict, resolve: Callable[[Any], Any], *, source
     if is_conversation_turns(obj["messages"]):  # LLaMA-Factory's sharegpt files may name the turns "messages"
         return _record_from_conversations_row(obj, resolve, source=source, index=index, key="messages")
     raw = obj["messages"]
-    if marked_text_messages(raw) and (obj.get("images") is not None or obj.get("videos") is not None):
-        # ms-swift's layout: text contents with "<image>" markers and top-level "images": placed at the markers
+    if marked_text_messages(raw) and any(obj.get(k) is not None for k in _CONVERSATION_KEYS[1:]):
+        # ms-swift's layout: text contents with "<image>" markers and top-level "images" (or LLaVA's one "image"):
+        # placed at the markers
         obj = {**obj, "messages": place_marked_media(raw, images=media_list(obj, "image", "images"),
                                                      videos=media_list(obj, "video", "videos"))}
-        obj.pop("images", None)
-        obj.pop("videos", None)
+        for k in _CONVERSATION_KEYS[1:]:
+            obj.pop(k, None)
         messages = normalize_messages(obj["messages"], resolve)
         normalize_tools(obj.get("tools"))
         return Record(messages, source, index, {k: v for k, v in obj.items() if k != "messages"})

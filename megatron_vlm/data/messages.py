@@ -61,6 +61,7 @@ from megatron_vlm.data.conversations import (
     media_list,
     messages_from_conversations,
     place_marked_media,
+    refuse_markers_beside_items,
 )
 from megatron_vlm.data.data_files import MESSAGES_SUFFIXES
 from megatron_vlm.data.table_rows import TableRows
@@ -274,6 +275,8 @@ def _fill_media_items(messages: list[dict], obj: dict, resolve: Callable[[Any], 
                  for it in m["content"] if it["type"] == kind and it[kind] is None]
         if not refs and not empty:
             continue
+        if refs:
+            refuse_markers_beside_items(messages, kind, "messages")
         if len(empty) != len(refs):
             raise BadRecordError("placeholder_mismatch", f"{len(empty)} {kind} items without a path in the messages "
                                                          f"but {len(refs)} {key} in {key!r} (text markers such as "

@@ -53,7 +53,12 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpected
-from megatron_vlm.data.conversations import marked_text_messages, media_list, place_marked_media
+from megatron_vlm.data.conversations import (
+    marked_text_messages,
+    media_list,
+    place_marked_media,
+    refuse_markers_beside_items,
+)
 from megatron_vlm.data.data_files import HF_SUFFIXES, DataFileError
 from megatron_vlm.data.messages import Record
 from megatron_vlm.data.table_rows import TableRows
@@ -239,6 +244,8 @@ def _with_row_images(msgs: list, row: dict) -> list:
              for it in m["content"] if isinstance(it, dict) and it.get("type") == "image" and it.get("image") is None]
     if not images and not empty:
         return msgs
+    if images:
+        refuse_markers_beside_items(msgs, "image", "messages")
     if len(empty) != len(images):
         raise BadRecordError("placeholder_mismatch", f"{len(empty)} image items without a path (or <image> markers) "
                                                      f"in the messages but {len(images)} images in the row")

@@ -12,7 +12,8 @@ import json
 import pytest
 import torch
 
-from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
+from megatron_vlm.data.hf_source import record_from_columns
 from megatron_vlm.data.messages import read_messages_jsonl, record_from_messages_row
 from megatron_vlm.data.processing import estimate_length, process_record
 
@@ -57,6 +58,18 @@ def test_singular_image_key_goes_to_the_marker(root, proc):
         assert rec.messages[0]["content"][0] == {"type": "video", "video": [str(root / "a.png")] * 2}
 
 
+@pytest.mark.parametrize("where", ["string", "text_item"])
+def test_items_without_path_and_markers_together_are_refused(root, where):
+    marker_turn = "<image>And this?" if where == "string" else [{"type": "text", "text": "<image>And this?"}]
+    row = {"messages": [_user([{"type": "image"}, {"type": "text", "text": "What?"}]), _asst("x"),
+                        _user(marker_turn), _asst("y")], "images": ["a.png"]}
+    with pytest.raises(BadRecordError, match="placeholder_mismatch|markers"):
+        _record(row, root)
+    cols = {"messages": "messages", "images": "images"}
+    with pytest.raises(BadRecordError, match="markers"):
+        record_from_columns(json.loads(json.dumps(row)), cols, root=root, source="t", index=0)
+
+
 def test_conversations_and_marked_messages_estimate_their_processed_length(root, proc):
     conv = {"system": "Be brief.", "images": ["a.png", "b.png"],
             "conversations": [{"from": "human", "value": "Compare <image> and <image>."}, {"from": "gpt", "value": "Red."},
@@ -80,3 +93,20 @@ def test_array_files_with_leading_blanks_and_json_lines_named_json(root):
     assert [r.index for r in read_messages_jsonl(root / "ws.json", bad_records=log)] == [0]
     assert [r.index for r in read_messages_jsonl(root / "lines.json", bad_records=log)] == [1, 2]
     assert not log.entries
+
+
+def test_grpo_and_preference_prompts_refuse_markers_beside_items(root):
+    from megatron_vlm.data.preference_records import JSONL_COLUMNS, preference_from_row
+    from megatron_vlm.rl.prompts.dataset import load_prompt_dataset
+
+    mixed = [_user([{"type": "image"}, {"type": "text", "text": "<image>What colour?"}])]
+    rows = [{"messages": mixed, "images": ["a.png"], "answer": "red"},
+            {"messages": [_user([{"type": "image"}, {"type": "text", "text": "What colour?"}])], "images": ["a.png"],
+             "answer": "red"}]
+    (root / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = load_prompt_dataset(root / "p.jsonl", prompt_template="{problem}")
+    assert [s.problem for s in out.samples] == ["What colour?"]
+    assert [(b.index, b.category) for b in out.bad_records.entries] == [(1, "placeholder_mismatch")]
+    row = {"prompt": mixed, "chosen": "red", "rejected": "blue", "images": ["a.png"]}
+    with pytest.raises(BadRecordError, match="marker beside image items"):
+        preference_from_row(row, JSONL_COLUMNS, resolve=lambda r: str(root / r), source="t", index=0)

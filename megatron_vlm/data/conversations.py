@@ -39,7 +39,7 @@ from typing import Any, Optional
 from megatron_vlm.data.bad_records import BadRecordError
 
 __all__ = ["ROLE_OF", "is_conversation_turns", "messages_from_conversations", "media_list", "marked_text_messages",
-           "place_marked_media"]
+           "place_marked_media", "refuse_markers_beside_items"]
 
 ROLE_OF = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
            "observation": "tool", "function_call": "assistant"}
@@ -57,12 +57,15 @@ def is_conversation_turns(raw: Any) -> bool:
 
 def media_list(obj: dict, one: str, many: str) -> list:
     """A record's media refs from its `one` key (a ref, LLaVA's "image") or `many` key (a list); invalid_record
-    when it has both."""
+    when it has both. A list under "video" is one video's frames (as the "video" column of the prompt / answer
+    layout reads), not a list of videos; a list under "image" is its images."""
     if obj.get(one) is not None and obj.get(many) is not None:
         raise BadRecordError("invalid_record", f"both {one!r} and {many!r} are given; use one of them")
     value = obj.get(many) if obj.get(many) is not None else obj.get(one)
     if value is None:
         return []
+    if one == "video" and obj.get(many) is None:
+        return [value]
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
@@ -176,3 +179,19 @@ def place_marked_media(raw: Sequence[dict], *, images: Sequence[Any] = (), video
             raise BadRecordError("placeholder_mismatch", f"{used[kind]} {_MARKERS[kind]} markers in {key!r} but "
                                                          f"{len(refs)} {kind}s given")
     return out
+
+
+def refuse_markers_beside_items(raw: Any, kind: str, where: str) -> None:
+    """BadRecordError "placeholder_mismatch" when `raw` messages, whose {"type": kind} items without a path are about
+    to take the row's media, also hold "<kind>" markers in a text (a string content or a text item): the media would
+    fill the items and the markers be trained as literal text, and which of the two places is meant is not guessed."""
+    marker = _MARKERS[kind]
+    for i, m in enumerate(raw if isinstance(raw, (list, tuple)) else ()):
+        content = m.get("content") if isinstance(m, dict) else None
+        texts = [content] if isinstance(content, str) else [
+            it.get("text") for it in content if isinstance(it, dict) and it.get("type") == "text"
+        ] if isinstance(content, (list, tuple)) else []
+        if any(isinstance(t, str) and marker in t for t in texts):
+            raise BadRecordError("placeholder_mismatch", f"{where}[{i}]: a {marker} text marker beside {kind} items "
+                                                         f"without a path; put the {kind}s either at markers in text "
+                                                         f"contents or into {{\"type\": \"{kind}\"}} items, not both")

@@ -42,6 +42,7 @@ from megatron_vlm.data.conversations import (
     marked_text_messages,
     messages_from_conversations,
     place_marked_media,
+    refuse_markers_beside_items,
 )
 from megatron_vlm.data.data_files import HF_SUFFIXES, TABLE_SUFFIXES, DataFileError
 from megatron_vlm.data.messages import Record, normalize_messages, normalize_tools, resolve_path
@@ -160,6 +161,8 @@ def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, sourc
             images = [resolve(x) for x in refs]
             empty = [it for m in messages if not isinstance(m["content"], str)
                      for it in m["content"] if it["type"] == "image" and it["image"] is None]
+            if images:
+                refuse_markers_beside_items(messages, "image", f"column {c['messages']!r}")
             if empty or images:  # images that no item takes (e.g. "<image>" text markers) would train without them
                 fill_image_items(empty, images, f"column {c['messages']!r}", " + ".join(c[k] for k in image_keys) or None)
     else:

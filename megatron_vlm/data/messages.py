@@ -61,6 +61,7 @@ from megatron_vlm.data.conversations import (
     media_list,
     messages_from_conversations,
     place_marked_media,
+    refuse_markers_beside_items,
 )
 from megatron_vlm.data.data_files import MESSAGES_SUFFIXES
 from megatron_vlm.data.table_rows import TableRows
@@ -274,6 +275,8 @@ def _fill_media_items(messages: list[dict], obj: dict, resolve: Callable[[Any], 
                  for it in m["content"] if it["type"] == kind and it[kind] is None]
         if not refs and not empty:
             continue
+        if refs:
+            refuse_markers_beside_items(messages, kind, "messages")
         if len(empty) != len(refs):
             raise BadRecordError("placeholder_mismatch", f"{len(empty)} {kind} items without a path in the messages "
                                                          f"but {len(refs)} {key} in {key!r} (text markers such as "
@@ -316,12 +319,13 @@ def record_from_messages_row(obj: dict, resolve: Callable[[Any], Any], *, source
     if is_conversation_turns(obj["messages"]):  # LLaMA-Factory's sharegpt files may name the turns "messages"
         return _record_from_conversations_row(obj, resolve, source=source, index=index, key="messages")
     raw = obj["messages"]
-    if marked_text_messages(raw) and (obj.get("images") is not None or obj.get("videos") is not None):
-        # ms-swift's layout: text contents with "<image>" markers and top-level "images": placed at the markers
+    if marked_text_messages(raw) and any(obj.get(k) is not None for k in _CONVERSATION_KEYS[1:]):
+        # ms-swift's layout: text contents with "<image>" markers and top-level "images" (or LLaVA's one "image"):
+        # placed at the markers
         obj = {**obj, "messages": place_marked_media(raw, images=media_list(obj, "image", "images"),
                                                      videos=media_list(obj, "video", "videos"))}
-        obj.pop("images", None)
-        obj.pop("videos", None)
+        for k in _CONVERSATION_KEYS[1:]:
+            obj.pop(k, None)
         messages = normalize_messages(obj["messages"], resolve)
         normalize_tools(obj.get("tools"))
         return Record(messages, source, index, {k: v for k, v in obj.items() if k != "messages"})

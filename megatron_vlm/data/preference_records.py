@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
-from megatron_vlm.data.conversations import marked_text_messages, place_marked_media
+from megatron_vlm.data.conversations import marked_text_messages, place_marked_media, refuse_markers_beside_items
 from megatron_vlm.data.data_files import HF_SUFFIXES, MESSAGES_SUFFIXES
 from megatron_vlm.data.hf_source import (
     TableRecordSource,
@@ -120,6 +120,8 @@ def _fill_images(prompt: list[dict], images: list, name: str) -> list[dict]:
     their places (ms-swift's layout, as the SFT reader places them)."""
     if images and marked_text_messages(prompt):
         return place_marked_media(prompt, images=images, key=name)
+    if images:
+        refuse_markers_beside_items(prompt, "image", "the prompt")
     prompt = [dict(m) for m in prompt]
     empty = []
     for m in prompt:

@@ -53,12 +53,18 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpected
-from megatron_vlm.data.conversations import marked_text_messages, media_list, place_marked_media
+from megatron_vlm.data.conversations import (
+    marked_text_messages,
+    media_list,
+    place_marked_media,
+    refuse_markers_beside_items,
+)
 from megatron_vlm.data.data_files import HF_SUFFIXES, DataFileError
 from megatron_vlm.data.messages import Record
 from megatron_vlm.data.table_rows import TableRows
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.rl.prompts.framework_rows import (
+    _TEXT_SLOT,
     TRL_REFERENCE_COLUMNS,
     VERL_COLUMNS,
     from_trl_row,
@@ -239,12 +245,39 @@ def _with_row_images(msgs: list, row: dict) -> list:
              for it in m["content"] if isinstance(it, dict) and it.get("type") == "image" and it.get("image") is None]
     if not images and not empty:
         return msgs
+    if images:
+        refuse_markers_beside_items(msgs, "image", "messages")
     if len(empty) != len(images):
         raise BadRecordError("placeholder_mismatch", f"{len(empty)} image items without a path (or <image> markers) "
                                                      f"in the messages but {len(images)} images in the row")
     queue, places = iter(images), {id(it) for it in empty}
     return [{**m, "content": [({**it, "image": next(queue)} if id(it) in places else it) for it in m["content"]]}
             if isinstance(m, dict) and isinstance(m.get("content"), list) else m for m in msgs]
+
+
+def _templated_question(items: list[dict], template: str) -> tuple[str, list[dict]]:
+    """(problem, content) of the question turn: its text (the pieces as the chat template joins them) through
+    `template`; images before all text stay in front of it, an image between text pieces (an "<image>" marker in
+    the middle of the question) stays there, as SFT trains it and verl rows place it (framework_rows)."""
+    lead = 0
+    while lead < len(items) and items[lead]["type"] == "image":
+        lead += 1
+    front, rest = items[:lead], items[lead:]
+    problem = "".join(it["text"] for it in rest if it["type"] == "text").strip()
+    if not problem:
+        raise BadRecordError("invalid_record", "empty question")
+    inner = [it for it in rest if it["type"] == "image"]
+    marked = "".join(_TEXT_SLOT if it["type"] == "image" else it["text"] for it in rest).strip()
+    rendered = template.format(problem=marked).split(_TEXT_SLOT)
+    if len(rendered) != len(inner) + 1:  # a template that repeats {problem} would repeat the images
+        raise BadRecordError("placeholder_mismatch", "the prompt template repeats {problem} around images")
+    out = list(front)
+    for k, part in enumerate(rendered):
+        if part.strip():
+            out.append({"type": "text", "text": part})
+        if k < len(inner):
+            out.append(inner[k])
+    return problem, out
 
 
 def _from_messages_row(row: dict, row_id: str, root: Path, template: str, system_prompt: Optional[str]) -> PromptSample:
@@ -279,11 +312,10 @@ def _from_messages_row(row: dict, row_id: str, root: Path, template: str, system
                     items.append({"type": "text", "text": str(it.get("text", ""))})
         else:
             raise BadRecordError("invalid_record", f"messages[{i}].content must be a string or a list")
-        if i == users[-1]:  # the question: template applied to its text, images kept in front
-            problem = " ".join(it["text"] for it in items if it["type"] == "text").strip()
-            if not problem:
-                raise BadRecordError("invalid_record", "empty question")
-            items = [it for it in items if it["type"] == "image"] + [{"type": "text", "text": template.format(problem=problem)}]
+        if m.get("role") == "system" and any(it["type"] == "image" for it in items):
+            raise BadRecordError("invalid_record", f"messages[{i}]: an image in the system turn")
+        if i == users[-1]:
+            problem, items = _templated_question(items, template)
         out.append({"role": m.get("role"), "content": items if m.get("role") != "system" else content})
     if answer is None or not str(answer).strip():
         raise BadRecordError("invalid_record", "no answer")

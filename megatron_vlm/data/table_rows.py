@@ -129,18 +129,22 @@ class _JsonLinesPart:
     def index(self, k: int) -> int:
         return int(self.lines[k])
 
-    def row(self, k: int) -> dict:
-        fd = os.open(self.file, os.O_RDONLY)  # per row: a folder of thousands of files must not hold as many open
+    def _read(self, start: int, end: Optional[int]) -> bytes:
+        """Bytes [start, end) of the file (None: to its end), refused if the file changed since it was opened. The
+        file is opened per row: a folder of thousands of files must not hold as many open."""
+        fd = os.open(self.file, os.O_RDONLY)
         try:
             st = os.fstat(fd)
             if (st.st_size, st.st_mtime_ns) != self._signature:
                 raise BadRecordError("invalid_record", f"{self.file} changed after it was opened (size or "
                                                        "modification time); its rows can no longer be read")
-            start = int(self.offsets[k])
-            end = int(self.offsets[k + 1]) if k + 1 < len(self.offsets) else st.st_size
-            raw = os.pread(fd, end - start, start)
+            return os.pread(fd, (st.st_size if end is None else end) - start, start)
         finally:
             os.close(fd)
+
+    def row(self, k: int) -> dict:
+        end = int(self.offsets[k + 1]) if k + 1 < len(self.offsets) else None
+        raw = self._read(int(self.offsets[k]), end)
         return _parse_json_line(raw.split(b"\n", 1)[0], first=int(self.lines[k]) == 1)  # blank / bad lines may follow
 
 
@@ -242,16 +246,7 @@ class _JsonArrayPart(_JsonLinesPart):
         self.ends = ends
 
     def row(self, k: int) -> dict:
-        fd = os.open(self.file, os.O_RDONLY)
-        try:
-            st = os.fstat(fd)
-            if (st.st_size, st.st_mtime_ns) != self._signature:
-                raise BadRecordError("invalid_record", f"{self.file} changed after it was opened (size or "
-                                                       "modification time); its rows can no longer be read")
-            start = int(self.offsets[k])
-            raw = os.pread(fd, int(self.ends[k]) - start, start)
-        finally:
-            os.close(fd)
+        raw = self._read(int(self.offsets[k]), int(self.ends[k]))
         obj = json.loads(raw.decode("utf-8"))  # validated as an object when the file was opened
         if not isinstance(obj, dict):
             raise BadRecordError("invalid_record", f"{self.file} changed after it was opened")

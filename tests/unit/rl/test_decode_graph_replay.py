@@ -33,14 +33,19 @@ def _replays(runners) -> int:
     return sum(b.graph.replays for r in runners for b in r.buckets.values() if b.graph is not None)
 
 
-@pytest.mark.parametrize("fuse", [False, True])
-def test_kept_graphs_replay_weights_loaded_in_place(fuse, monkeypatch):
+def _model_and_new_weights():
+    """The engine's model and prompts, another model of other weights and those weights as a state dict."""
     model, prompts = tiny_vl_model_and_prompts(3)
     other, _ = tiny_vl_model_and_prompts(0)
     with torch.no_grad():
         for p in other.parameters():
             p.mul_(1.25)
-    new = {k: v.clone() for k, v in other.state_dict().items()}
+    return model, prompts, other, {k: v.clone() for k, v in other.state_dict().items()}
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_kept_graphs_replay_weights_loaded_in_place(fuse, monkeypatch):
+    model, prompts, other, new = _model_and_new_weights()
     ref = [make_engine(m, SilentTokenizer(), eos_token_ids=[-1], max_num_seqs=4).generate(prompts, PARAMS).samples
            for m in (copy.deepcopy(model), other)]
     runners = fake_cuda_graphs(monkeypatch)
@@ -59,12 +64,7 @@ def test_kept_graphs_see_parameters_assigned_anew(monkeypatch):
     overwrite-on-conversion setting), then `load_weights`: the kept runner must look at the model's current
     tensors, not the objects it was built with (their addresses never change: the graphs would replay the old
     weights, which the runner's list kept alive)."""
-    model, prompts = tiny_vl_model_and_prompts(3)
-    other, _ = tiny_vl_model_and_prompts(0)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.mul_(1.25)
-    new = {k: v.clone() for k, v in other.state_dict().items()}
+    model, prompts, other, new = _model_and_new_weights()
     ref = make_engine(other, SilentTokenizer(), eos_token_ids=[-1], max_num_seqs=4).generate(prompts, PARAMS).samples
     fake_cuda_graphs(monkeypatch)
     eng = make_engine(model, SilentTokenizer(), eos_token_ids=[-1], max_num_seqs=4, cuda_graphs="on")

@@ -18,15 +18,10 @@ from megatron_vlm.models.common.attention import Attention
 from megatron_vlm.models.common.fused_projections import fuse_qkv
 from tests.fixtures.fake_cuda_graphs import fake_cuda_graphs
 from tests.fixtures.rollout_engine import SilentTokenizer, make_engine, tiny_vl_model_and_prompts
+from tests.unit.rl.test_async_weights import LoopbackBridge
+from tests.unit.rl.test_decode_graph_replay import _same
 
 PARAMS = SamplingParams(max_new_tokens=6, n=2, temperature=0.0)
-
-
-def _same(ref, got) -> None:
-    assert len(ref) == len(got)
-    for a, b in zip(ref, got):
-        assert a.token_ids.tolist() == b.token_ids.tolist()
-        torch.testing.assert_close(b.logprobs, a.logprobs, atol=1e-4, rtol=0)
 
 
 def _reference(model, prompts):
@@ -108,29 +103,10 @@ def test_grpo_copy_with_lora_adapters(on_cuda, monkeypatch):
     assert any(m._fused_qkv is not None for m in layers)
 
 
-class _LoopbackBridge:
-    """The trainer's broadcasts recorded, then handed to the receiving side (one process)."""
-
-    def __init__(self):
-        self.objects, self.tensors, self.replaying = [], [], False
-
-    def broadcast_object(self, obj=None):
-        if obj is not None:
-            self.objects.append(obj)
-            return obj
-        return self.objects.pop(0)
-
-    def broadcast_tensor_(self, tensor, what=""):
-        if not self.replaying:
-            self.tensors.append(tensor.clone())
-        else:
-            tensor.copy_(self.tensors.pop(0))
-
-
 def _push(trainer, names=None):
     from megatron_vlm.rl.asynchronous.weights import push_weights
 
-    bridge = _LoopbackBridge()
+    bridge = LoopbackBridge()
     push_weights(trainer, bridge, 1, names=names)
     bridge.replaying = True
     return bridge, bridge.objects[-1]

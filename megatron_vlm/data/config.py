@@ -120,8 +120,11 @@ class DataConfig:
             unknown = sorted(keys - allowed)
             if unknown:
                 raise ValueError(f"columns: unknown key {unknown[0]!r}; allowed: {sorted(allowed)}")
-            unread = sorted(keys & {"prompt", "answer", "video", "chosen", "rejected"}) if "messages" in keys else []
-            if unread:  # the messages layout reads its turns, images and system turn; these belong to the others
+            # the messages layout reads its turns, images and system turn; these belong to the prompt / answer one
+            # (chosen / rejected beside messages: refused by mode, config/mode_keys.py)
+            unread = sorted(keys & {"prompt", "answer", "video"}) if "messages" in keys and not keys & {
+                "chosen", "rejected"} else []
+            if unread:
                 raise ValueError(f"columns: {unread[0]!r} is not read beside 'messages' (a messages column reads the "
                                  "conversation with its 'image' / 'images' and 'system' columns); remove it")
         for name in ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels"):

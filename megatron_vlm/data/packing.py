@@ -33,32 +33,7 @@ def first_fit_pack(lengths: Sequence[int], order: Sequence[int], capacity: int, 
     packs = _ext.first_fit_pack(lengths, order, capacity, max_open)  # compiled twin (csrc/); None: run below
     if packs is not None:
         return packs
-    if capacity <= 0:
-        raise ValueError(f"capacity must be > 0, got {capacity}")
-    packs: list[list[int]] = []
-    room: list[int] = []
-    open_ids: list[int] = []
-    for i in order:
-        n = int(lengths[i])
-        if n > capacity:
-            raise ValueError(f"sample {i} has {n} tokens, more than the pack capacity {capacity}")
-        if n <= 0:
-            raise ValueError(f"sample {i} has length {n}")
-        for p in open_ids:
-            if room[p] >= n:
-                packs[p].append(i)
-                room[p] -= n
-                if room[p] == 0:
-                    open_ids.remove(p)
-                break
-        else:
-            packs.append([i])
-            room.append(capacity - n)
-            if room[-1] > 0:
-                open_ids.append(len(packs) - 1)
-                if len(open_ids) > max_open:
-                    open_ids.pop(0)
-    return packs
+    return _first_fit(lengths, None, order, capacity, max_open)
 
 
 def first_fit_pack_classes(lengths: Sequence[int], classes: Sequence[int], order: Sequence[int], capacity: int,
@@ -67,6 +42,12 @@ def first_fit_pack_classes(lengths: Sequence[int], classes: Sequence[int], order
     own shape) only joins a pack whose samples are of class c or 0, and a class-0 sample joins any pack with room.
     Why: such videos cannot be concatenated into one pack; planned apart, none has to be dropped when the pack is
     built. With every class 0 the plan is `first_fit_pack`'s."""
+    return _first_fit(lengths, classes, order, capacity, max_open)
+
+
+def _first_fit(lengths: Sequence[int], classes: Optional[Sequence[int]], order: Sequence[int], capacity: int,
+               max_open: int) -> list[list[int]]:
+    """The one first-fit loop of both planners (`classes` None: every sample of class 0)."""
     if capacity <= 0:
         raise ValueError(f"capacity must be > 0, got {capacity}")
     packs: list[list[int]] = []
@@ -74,7 +55,7 @@ def first_fit_pack_classes(lengths: Sequence[int], classes: Sequence[int], order
     kind: list[int] = []  # the pack's class: 0 until a sample of another class joins
     open_ids: list[int] = []
     for i in order:
-        n, c = int(lengths[i]), int(classes[i])
+        n, c = int(lengths[i]), (int(classes[i]) if classes is not None else 0)
         if n > capacity:
             raise ValueError(f"sample {i} has {n} tokens, more than the pack capacity {capacity}")
         if n <= 0:

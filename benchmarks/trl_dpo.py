@@ -43,6 +43,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from trl_interleave import interleave_callback  # noqa: E402
 
 TOKEN_HI = 950  # random ids below the tiny tokenizer's special tokens (960+): no pad / eos inside a sequence
 
@@ -169,19 +172,8 @@ def build_our_dpo(folder: Path, out_dir: Path, pairs: list[dict], *, beta: float
 
 def interleave(trainer_factory: Callable[[Any], Any], ours: OurPairJob) -> dict[str, list[float]]:
     """Run the TRL trainer `trainer_factory(callback)` builds; after each TRL step, one of ours."""
-    from transformers import TrainerCallback
-
     times: dict[str, list[float]] = {"trl": [], "ours": []}
-
-    class Interleave(TrainerCallback):
-        def on_step_begin(self, *a, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *a, **kw):
-            times["trl"].append(time.perf_counter() - self.t0)
-            times["ours"].append(ours.step())
-
-    trainer_factory(Interleave()).train()
+    trainer_factory(interleave_callback(times, ours.step)).train()
     return times
 
 
@@ -301,8 +293,14 @@ def main() -> int:
     for k, (t, o) in enumerate(zip(trl_first, ours.metrics)):
         print(f"  step {k + 1}: loss {t['loss']:.7f} | {o['loss']:.7f}   logps/chosen {t['logps/chosen']:.5f} | "
               f"{o['logps/chosen']:.5f}   logps/rejected {t['logps/rejected']:.5f} | {o['logps/rejected']:.5f}")
+    return finish(args, pairs, ours, times, trl_first, {"beta": args.beta, "lr": args.lr})
+
+
+def finish(args, pairs: list[dict], ours: OurPairJob, times: dict[str, list[float]], trl_first: list[dict],
+           extra: dict) -> int:
+    """The step-time table, the run's facts and (--json) both written out with the first steps of each side."""
     result = report(times, args.warmup, args.pairs)
-    info = meta(args, pairs, ours, {"beta": args.beta, "lr": args.lr})
+    info = meta(args, pairs, ours, extra)
     print(json.dumps(info))
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": info, **result, "first_steps": {"trl": trl_first,

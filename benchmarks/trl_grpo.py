@@ -40,7 +40,10 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
+
+from trl_interleave import interleave_callback  # noqa: E402
 
 
 def make_prompts(n: int, seed: int = 0, tokenizer=None, prompt_tokens: int = 0) -> list[str]:
@@ -166,7 +169,7 @@ def main() -> int:
     import transformers
     import trl
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from megatron_vlm.testing.tiny_text_model import build_tiny_qwen_text_folder
@@ -183,13 +186,7 @@ def main() -> int:
     steps = args.warmup + args.rounds
     times = {"trl": [], "ours": []}
 
-    class Interleave(TrainerCallback):
-        def on_step_begin(self, *a, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *a, **kw):
-            times["trl"].append(time.perf_counter() - self.t0)
-            times["ours"].append(ours.step())
+    interleave = interleave_callback(times, ours.step)
 
     def reward(completions, **kw):
         return [hash_reward(c if isinstance(c, str) else str(c)) for c in completions]
@@ -203,7 +200,7 @@ def main() -> int:
     )
     dataset = Dataset.from_list([{"prompt": p} for p in prompts] * steps)
     trainer = GRPOTrainer(model=hf_model, reward_funcs=reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[Interleave()])
+                          processing_class=tokenizer, callbacks=[interleave])
     trainer.train()
     rows = []
     for name, v in times.items():

@@ -25,7 +25,6 @@ one of ours); the first `--warmup` rounds dropped; min and median printed with t
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
@@ -38,12 +37,11 @@ from trl_dpo import (  # noqa: E402
     _NoMetrics,
     _SamePack,
     common_args,
+    finish,
     force_fsdp,
     interleave,
-    meta,
     our_context,
     pair_pack,
-    report,
     setup,
 )
 
@@ -117,14 +115,7 @@ def main() -> int:
     for k, (t, o) in enumerate(zip(trl_first, ours.metrics)):
         print(f"  step {k + 1}: loss {t['loss']:.7f} | {o['loss']:.7f}   margin {t['margin']:.6f} | {o['margin']:.6f}"
               f"   accuracy {t['accuracy']:.3f} | {o['accuracy']:.3f}")
-    result = report(times, args.warmup, args.pairs)
-    info = meta(args, pairs, ours, {"lr": args.lr})
-    print(json.dumps(info))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"meta": info, **result, "first_steps": {"trl": trl_first,
-                                                                                          "ours": ours.metrics}},
-                                              indent=2, default=float))
-    return 0
+    return finish(args, pairs, ours, times, trl_first, {"lr": args.lr})
 
 
 if __name__ == "__main__":

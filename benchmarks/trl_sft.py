@@ -33,6 +33,9 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from trl_interleave import interleave_callback  # noqa: E402
 
 
 def make_samples(n: int, vocab: int, min_len: int, max_len: int, seed: int = 0) -> list[dict]:
@@ -121,7 +124,7 @@ def main() -> int:
     import transformers
     import trl
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     from megatron_vlm.testing.tiny_text_model import build_tiny_qwen_text_folder
@@ -136,13 +139,7 @@ def main() -> int:
     steps = args.warmup + args.rounds
     times = {"trl": [], "ours": []}
 
-    class Interleave(TrainerCallback):
-        def on_step_begin(self, *a, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *a, **kw):
-            times["trl"].append(time.perf_counter() - self.t0)
-            times["ours"].append(ours.step())
+    interleave = interleave_callback(times, ours.step)
 
     config = SFTConfig(
         output_dir=str(tmp / "trl_out"), per_device_train_batch_size=args.samples, gradient_accumulation_steps=1,
@@ -152,7 +149,7 @@ def main() -> int:
     )
     dataset = Dataset.from_list(samples * steps)  # one epoch covers every step; identical batches each step
     trainer = SFTTrainer(model=hf_model, args=config, train_dataset=dataset, processing_class=tokenizer,
-                         callbacks=[Interleave()])
+                         callbacks=[interleave])
     trainer.train()
     rows = [summarise(k, v[args.warmup:], args.samples) for k, v in times.items()]
     ratio_median = rows[0]["median_s"] / rows[1]["median_s"]

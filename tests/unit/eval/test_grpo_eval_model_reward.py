@@ -11,11 +11,12 @@ from types import SimpleNamespace as NS
 
 import torch
 
-from megatron_vlm.inference.engine import RolloutPrompt, RolloutResult, RolloutSample
+from megatron_vlm.inference.engine import RolloutPrompt
 from megatron_vlm.rl.prompts.dataset import PromptDataset, PromptSample
 from megatron_vlm.rl.rewards.combined import CombinedRewards
 from megatron_vlm.rl.rewards.config import ModelRewardConfig
 from megatron_vlm.rl.rewards.model_reward import ScoredValues
+from tests.unit.eval.bench_harness import AnswerEngine
 
 
 class _Encoder:
@@ -23,17 +24,6 @@ class _Encoder:
 
     def encode(self, s: PromptSample):
         return RolloutPrompt(input_ids=torch.tensor([1, 2]))
-
-
-class _Engine:
-    def release_memory(self):
-        pass
-
-    def generate(self, prompts, params, generator=None):
-        return RolloutResult(samples=[RolloutSample(prompt_index=p, sample_index=j, token_ids=torch.tensor([3]),
-                                                    logprobs=torch.zeros(1), text="red", finish_reason="eos",
-                                                    prompt_length=2)
-                                      for p in range(len(prompts)) for j in range(params.n)])
 
 
 class _Scorer:
@@ -61,7 +51,7 @@ def test_a_model_accuracy_reward_sees_the_held_out_prompts_images():
     rl = NS(eval=NS(max_prompts=0, max_new_tokens=2, k=2, temperature=0.0, top_p=1.0, correct_threshold=0.5),
             rollout=NS(max_new_tokens=2, stop=[]), accuracy_label=lambda: "rm")
     wrapper = NS(eval=lambda: None, train=lambda: None)
-    metrics = evaluate_accuracy(ctx, wrapper, rl, _Engine(), _Encoder(), manager, PromptDataset(samples, "messages"), 0)
+    metrics = evaluate_accuracy(ctx, wrapper, rl, AnswerEngine("red"), _Encoder(), manager, PromptDataset(samples, "messages"), 0)
     assert len(scorer.seen) == 4  # 2 prompts x k = 2
     assert all(seen == messages for seen in scorer.seen), scorer.seen[0]
     assert metrics is not None and metrics["accuracy"] == 1.0

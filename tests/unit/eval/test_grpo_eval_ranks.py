@@ -12,10 +12,11 @@ from types import SimpleNamespace as NS
 import torch
 
 from megatron_vlm.data.bad_records import BadRecordLog, merge_by_shard
-from megatron_vlm.inference.engine import RolloutPrompt, RolloutResult, RolloutSample
+from megatron_vlm.inference.engine import RolloutPrompt
 from megatron_vlm.parallel.collectives import all_gather_objects
 from megatron_vlm.rl.prompts.dataset import PromptDataset, PromptSample
 from tests.integration.parallel.spawn import spawn
+from tests.unit.eval.bench_harness import AnswerEngine
 
 
 class _Encoder:
@@ -31,17 +32,6 @@ class _Encoder:
             self.bad_records.add(s.source, s.index, "too_long", "stand-in")
             return None
         return RolloutPrompt(input_ids=torch.tensor([1, 2]))
-
-
-class _Engine:
-    def release_memory(self):
-        pass
-
-    def generate(self, prompts, params, generator=None):
-        return RolloutResult(samples=[RolloutSample(prompt_index=p, sample_index=j, token_ids=torch.tensor([3]),
-                                                    logprobs=torch.zeros(1), text="4", finish_reason="eos",
-                                                    prompt_length=2)
-                                      for p in range(len(prompts)) for j in range(params.n)])
 
 
 class _Manager:
@@ -61,7 +51,7 @@ def _evaluate(rank: int, world: int, answers: list[str]):
             rollout=NS(max_new_tokens=2, stop=[]), accuracy_label=lambda: "math")
     enc = _Encoder()
     wrapper = NS(eval=lambda: None, train=lambda: None)
-    metrics = evaluate_accuracy(ctx, wrapper, rl, _Engine(), enc, _Manager(), PromptDataset(_samples(answers), "messages"), 0)
+    metrics = evaluate_accuracy(ctx, wrapper, rl, AnswerEngine("4"), enc, _Manager(), PromptDataset(_samples(answers), "messages"), 0)
     merged = merge_by_shard(all_gather_objects((rank, enc.bad_records.to_dict()["records"])))
     return metrics, merged.to_dict(), sum(all_gather_objects(enc.skipped))
 

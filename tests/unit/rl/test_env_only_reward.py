@@ -145,11 +145,9 @@ def test_held_out_accuracy_of_an_environment_reward():
 def test_a_grpo_step_on_the_environment_reward_only():
     """The step's reward is the turn rewards, its accuracy theirs ("env"), with no verifier to score anything."""
     from megatron_vlm.rl.env.config import RLEnvConfig
-    from megatron_vlm.rl.grpo_step import GRPOStep
     from megatron_vlm.rl.rewards.manager import RewardManager
-    from megatron_vlm.training.optim import OptimState
     from tests.fixtures.rl_config import rl_config
-    from tests.unit.rl.test_grpo_step_algorithms import Encoder, TinyPolicy, _pool
+    from tests.unit.rl.test_grpo_step_algorithms import _grpo, _pool
     from tests.unit.rl.test_multiturn_grpo_step import ScriptedMultiTurn
 
     pool = _pool(4)[:2]
@@ -157,16 +155,9 @@ def test_a_grpo_step_on_the_environment_reward_only():
     rl.env = RLEnvConfig(name="rl_env_fns_for_tests:RewardOf")
     rl.rollout.weights = "copy"
     rl.validate()
-    torch.manual_seed(0)
-    policy = TinyPolicy()
-    opt = torch.optim.SGD(policy.parameters(), lr=0.1)
-    ctx = NS(env=NS(device=torch.device("cpu"), rank=0, world_size=1),
-             cfg=NS(data=NS(max_tokens_per_pack=64), train=NS(seed=3, max_grad_norm=0.0)), to_device=lambda b: b)
-    bundle = NS(dims=NS(dp_size=1), wrapper=policy, trainable_params=list(policy.parameters()), moe_balancer=None)
     engine = NS(load_weights=lambda *a, **k: None, release_memory=lambda: None)
     with RewardManager(rl.rewards, num_workers=1) as manager:
-        grpo = GRPOStep(ctx, bundle, OptimState(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)), rl, engine,
-                        Encoder(), manager, multiturn=ScriptedMultiTurn())
+        grpo, _, _ = _grpo(rl, pool, engine=engine, multiturn=ScriptedMultiTurn(), manager=manager)
         m = grpo.run(0, pool, prompt_pool=pool)
     assert m["reward/mean"] == pytest.approx(0.2) and m["reward/env"] == pytest.approx(0.2)  # two turns of 0.1
     assert m["accuracy"] == 0.0  # 0.2 < the correct threshold 1.0

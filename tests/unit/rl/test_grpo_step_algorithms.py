@@ -108,7 +108,7 @@ def _pool(n: int) -> list[PromptSample]:
     return [PromptSample(f"p{i}", [], "a", f"q{i}") for i in range(n)]
 
 
-def _grpo(rl: RLConfig, pool, engine=None, recompute_shift=None, multiturn=None):
+def _grpo(rl: RLConfig, pool, engine=None, recompute_shift=None, multiturn=None, manager=None):
     torch.manual_seed(0)
     policy = TinyPolicy()
     opt = torch.optim.SGD(policy.parameters(), lr=0.1)
@@ -117,7 +117,7 @@ def _grpo(rl: RLConfig, pool, engine=None, recompute_shift=None, multiturn=None)
     bundle = NS(dims=NS(dp_size=1), wrapper=policy, trainable_params=list(policy.parameters()), moe_balancer=None)
     optim = OptimState(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
     engine = engine or Engine(rl.batch.group_size, rl.rollout.max_new_tokens)
-    grpo = GRPOStep(ctx, bundle, optim, rl, engine, Encoder(), Manager(pool), multiturn=multiturn)
+    grpo = GRPOStep(ctx, bundle, optim, rl, engine, Encoder(), manager or Manager(pool), multiturn=multiturn)
     seen = {}
     update = grpo.policy.update
 

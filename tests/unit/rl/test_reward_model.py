@@ -108,25 +108,11 @@ def test_folder_without_a_classification_head_is_refused(tmp_path):
 def test_vlm_scalar_head_round_trip_reads_the_image(tmp_path, tiny_vlm_folder):
     """Our VLM with a scalar head: saved, reloaded, the same scores; two images under the same text score
     differently (the image reaches the head)."""
-    from PIL import Image
 
     from megatron_vlm.data.processor import load_processor
-    from megatron_vlm.rl.rewards.score_model import save_score_model
-    from megatron_vlm.testing.reward_model_vqa import score_model_from_causal
 
     folder = tiny_vlm_folder
-    model = score_model_from_causal(folder, seed=0)
-    with torch.no_grad():
-        model.score.weight.normal_(0.0, 1.0)
-    save_score_model(model, tmp_path / "rm", copy_from=folder)
-    imgs = []
-    for i, rgb in enumerate([(220, 40, 40), (40, 80, 230)]):
-        im = Image.new("RGB", (56, 56), (245, 245, 245))
-        im.paste(rgb, (6, 6, 50, 50))
-        imgs.append(str(tmp_path / f"im{i}.png"))
-        im.save(imgs[-1])
-    msgs = [[{"role": "user", "content": [{"type": "image", "image": p}, {"type": "text", "text": "What colour?"}]}]
-            for p in imgs]
+    model, msgs = _saved_score_model_and_colour_questions(folder, tmp_path)
     cfg = ModelRewardConfig(path=str(tmp_path / "rm"))
     reloaded = ModelRewardScorer(cfg).score(["red", "red"], msgs)
     fresh = ModelRewardScorer(cfg, model=model, processor=load_processor(folder)).score(["red", "red"], msgs)
@@ -231,25 +217,11 @@ def test_nemotron_vl_reward_model_scores_an_image(tmp_path):
     """Nemotron-VL's vision path reads `lm_head.weight.dtype`: a reward model folder of that family loaded with a bare
     `nn.Identity` in place of its lm_head failed every forward with an image (each completion a counted 0, the
     run stopped by max_failed_steps). Scored like the training root scores it (training/reward/model.py)."""
-    from PIL import Image
 
-    from megatron_vlm.rl.rewards.score_model import save_score_model
-    from megatron_vlm.testing.reward_model_vqa import score_model_from_causal
     from megatron_vlm.testing.tiny_nemotron_vl import build_tiny_nemotron_vl_folder
 
     folder = build_tiny_nemotron_vl_folder(tmp_path / "nvl", seed=1)
-    model = score_model_from_causal(folder, seed=0)
-    with torch.no_grad():
-        model.score.weight.normal_(0.0, 1.0)
-    save_score_model(model, tmp_path / "rm", copy_from=folder)
-    imgs = []
-    for i, rgb in enumerate([(220, 40, 40), (40, 80, 230)]):
-        im = Image.new("RGB", (56, 56), (245, 245, 245))
-        im.paste(rgb, (6, 6, 50, 50))
-        imgs.append(str(tmp_path / f"im{i}.png"))
-        im.save(imgs[-1])
-    msgs = [[{"role": "user", "content": [{"type": "image", "image": p}, {"type": "text", "text": "What colour?"}]}]
-            for p in imgs]
+    model, msgs = _saved_score_model_and_colour_questions(folder, tmp_path)
     got = ModelRewardScorer(ModelRewardConfig(path=str(tmp_path / "rm"))).score(["red", "red"], msgs)
     assert got.status == ["ok", "ok"], got.detail
     assert abs(got.values[0] - got.values[1]) > 1e-6  # the image reaches the head
@@ -285,3 +257,26 @@ def test_completions_whose_videos_cannot_share_a_pack_are_scored_apart(monkeypat
     got = scorer.score(["0", "1", "2", "3"], [[{"role": "user", "content": "q"}]] * 4)
     assert got.status == ["ok"] * 4, got.detail
     assert got.values == [8.0, 8.0, 16.0, 8.0] and model.calls == 3  # [0, 1] | [2] | [3]
+
+
+def _saved_score_model_and_colour_questions(folder, tmp_path):
+    """A score model made from `folder`'s causal LM (random head) saved to tmp_path / "rm", and two one-image
+    colour questions (a red and a blue square) as messages."""
+    from PIL import Image
+
+    from megatron_vlm.rl.rewards.score_model import save_score_model
+    from megatron_vlm.testing.reward_model_vqa import score_model_from_causal
+
+    model = score_model_from_causal(folder, seed=0)
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 1.0)
+    save_score_model(model, tmp_path / "rm", copy_from=folder)
+    imgs = []
+    for i, rgb in enumerate([(220, 40, 40), (40, 80, 230)]):
+        im = Image.new("RGB", (56, 56), (245, 245, 245))
+        im.paste(rgb, (6, 6, 50, 50))
+        imgs.append(str(tmp_path / f"im{i}.png"))
+        im.save(imgs[-1])
+    msgs = [[{"role": "user", "content": [{"type": "image", "image": p}, {"type": "text", "text": "What colour?"}]}]
+            for p in imgs]
+    return model, msgs

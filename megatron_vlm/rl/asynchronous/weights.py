@@ -66,16 +66,16 @@ def receive_weights(model: torch.nn.Module, bridge: Bridge, header: dict, engine
     `model`'s entry of that name (in place), then `engine.load_weights(None, version)`; with `engine`
     the whole receive runs with decoding paused at a token boundary. Returns the seconds it took."""
     t0 = time.perf_counter()
-    state = model.state_dict()
-    missing = [n for n, _, _ in header["names"] if n not in state]
-    if missing:
-        raise KeyError(f"weight push: the rollout model has no entries {missing[:5]} (is model.path the trainer's model?)")
     lock = engine.paused() if engine is not None else contextlib.nullcontext()
     with lock, torch.no_grad():
-        # the entries again, now that decoding is paused: the engine's first call may have re-made the q / k / v
-        # Parameters meanwhile (fused into one tensor, models/common/fused_projections.py), and a write into the
-        # replaced ones would never reach its decode steps
+        # the entries read once decoding is paused: the engine's first call may re-make the q / k / v Parameters
+        # (fused into one tensor, models/common/fused_projections.py), and a write into replaced ones would never
+        # reach its decode steps
         state = model.state_dict()
+        missing = [n for n, _, _ in header["names"] if n not in state]
+        if missing:
+            raise KeyError(f"weight push: the rollout model has no entries {missing[:5]} (is model.path the trainer's "
+                           "model?)")
         for name, shape, dtype in header["names"]:
             target = state[name]
             wire_dtype = getattr(torch, dtype)

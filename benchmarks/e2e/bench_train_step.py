@@ -34,7 +34,7 @@ from bench_rollout import make_prompts, positive_int, qwen2_5_vl_3b_config, tiny
 
 from megatron_vlm.data.batch import shifted_labels  # noqa: E402
 from megatron_vlm.models import build_model, get_family  # noqa: E402
-from megatron_vlm.parallel import apply_ac, build_mesh, clip_grad_norm_, init_distributed  # noqa: E402
+from megatron_vlm.parallel import build_mesh, clip_grad_norm_, init_distributed  # noqa: E402
 from megatron_vlm.training.lm_loss import TokenLogprobModel  # noqa: E402
 from megatron_vlm.training.optim import build_optimizer  # noqa: E402
 
@@ -148,10 +148,21 @@ def main() -> None:
                          "forward to its backward (no second cast / gather; more memory)")
     ap.add_argument("--profile", type=str, default=None, metavar="PATH",
                     help="torch.profiler over one step after the timed ones: kernel table + categories as JSON")
+    ap.add_argument("--memory-cap-gib", type=float, default=None, metavar="GIB",
+                    help="cap this process's CUDA allocator at GIB (torch.cuda.set_per_process_memory_fraction): "
+                         "whether a setting fits a smaller card, e.g. 79 for an 80 GB H100 on an H200; a step that "
+                         "does not fit is reported (\"oom\" in the JSON, exit 3), not a traceback")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
     env = init_distributed()
     device = env.device
+    if args.memory_cap_gib is not None:
+        if device.type != "cuda":
+            ap.error("--memory-cap-gib caps the CUDA allocator; this run has no CUDA device")
+        total = torch.cuda.get_device_properties(device).total_memory
+        if not 0 < args.memory_cap_gib * 2**30 <= total:
+            ap.error(f"--memory-cap-gib {args.memory_cap_gib}: must be > 0 and <= the card's {total / 2**30:.1f} GiB")
+        torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * 2**30 / total, device)
     try:
         choice = kernel_choice(args.kernels, args.attention)
     except ValueError as e:
@@ -171,10 +182,10 @@ def main() -> None:
     ac = "off" if args.no_ac else args.ac
     parallel = SimpleNamespace(dp_replicate=1, dp_shard=-1, compile=args.compile, reshard_after_forward=args.reshard == "on")
     dims, mesh = build_mesh(parallel, env.world_size, device.type)
-    if ac == "selective":  # before parallelize: the order a family's parallelize applies (AC -> compile -> FSDP)
-        apply_ac(model.transformer_blocks(), policy="selective")
+    # train.activation_checkpointing's values: the order a family's parallelize applies (AC -> compile -> FSDP)
     get_family(model.hf_config.get("model_type")).parallelize(
-        model, dims, parallel, mesh=mesh, param_dtype=param_dtype, root=wrapper, activation_checkpointing=ac == "full")
+        model, dims, parallel, mesh=mesh, param_dtype=param_dtype, root=wrapper,
+        activation_checkpointing={"off": False, "full": True, "selective": "selective"}[ac])
     optimizer = build_optimizer(wrapper, SimpleNamespace(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8), device.type)
     params = [p for p in wrapper.parameters() if p.requires_grad]
     batch = packed_batch(cfg, args.samples, tokens, grid)
@@ -193,11 +204,24 @@ def main() -> None:
     times = []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (1 thread)", "torch": torch.__version__,
+            "quick": args.quick, "tokens": n_tokens, "samples": args.samples, "activation_checkpointing": ac, "compile": args.compile,
+            "reshard_after_forward": args.reshard == "on",
+            "attention": args.attention or "auto", "kernels": choice, "memory_cap_gib": args.memory_cap_gib,
+            "date": time.strftime("%Y-%m-%d")}
     for i in range(args.steps + 1):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        step()
+        try:
+            step()
+        except torch.OutOfMemoryError as e:  # the setting does not fit (the cap, or the card): a result, not a crash
+            oom = {"oom": True, "at_step": i, "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if
+                   device.type == "cuda" else None, "error": str(e).splitlines()[0][:300]}
+            print(json.dumps({"meta": meta, "summary": oom}))
+            if args.json:
+                Path(args.json).write_text(json.dumps({"meta": meta, "summary": oom}, indent=2))
+            sys.exit(3)
         if device.type == "cuda":
             torch.cuda.synchronize()
         if i > 0:  # the first step warms up (allocator, kernel selection, autotuning)
@@ -216,11 +240,6 @@ def main() -> None:
         summary["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     for k, v in summary.items():
         print(f"{k:24s} {v:12.4g}")
-    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (1 thread)", "torch": torch.__version__,
-            "quick": args.quick, "tokens": n_tokens, "samples": args.samples, "activation_checkpointing": ac, "compile": args.compile,
-            "reshard_after_forward": args.reshard == "on",
-            "attention": args.attention or "auto", "kernels": choice,
-            "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(meta))
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "summary": summary}, indent=2))

@@ -49,6 +49,15 @@ def _type_name(tp: Any) -> str:
     return str(tp).replace("typing.", "")
 
 
+def _alternatives(tp: Any) -> list[str]:
+    """What a union member accepts, as the error lists it: true / false, a Literal's values, else the type's name."""
+    if tp is bool:
+        return ["true", "false"]
+    if typing.get_origin(tp) is Literal:
+        return [repr(a) for a in typing.get_args(tp)]
+    return [_type_name(tp)]
+
+
 def _describe(value: Any) -> str:
     return f"{type(value).__name__} {value!r}"[:120]
 
@@ -89,7 +98,9 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         finite = [e for e in errors if ": must be finite, got " in e]
         if finite:  # a number of the right type but nan / inf: say so, not "expected float or ..."
             raise ConfigError(finite[0])
-        raise ConfigError(f"{path}: expected {' or '.join(_type_name(a) for a in non_none)}, got {_describe(value)}")
+        alts = [n for a in non_none for n in _alternatives(a)]
+        names = (", ".join(alts[:-1]) + " or " + alts[-1]) if len(alts) > 1 else alts[0]
+        raise ConfigError(f"{path}: expected {names}, got {_describe(value)}")
     if origin is Literal:
         if value not in args:
             close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)

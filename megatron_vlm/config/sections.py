@@ -8,7 +8,7 @@ ValueError("<key>: ...") — the loader prefixes the section name.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Optional
+from typing import ClassVar, Literal, Optional, Union
 
 from megatron_vlm.table_checks import above, at_least
 
@@ -62,8 +62,12 @@ class TrainConfig:
     train_layers: list[str] = field(default_factory=list)
     """Regexes over parameter or module-class names; when non-empty everything else is frozen
     (e.g. ["Qwen3VLVisionPatchMerger"] or ["^visual\\.merger\\."])."""
-    activation_checkpointing: bool = False
-    """Recompute each transformer block in backward to save activation memory."""
+    activation_checkpointing: Union[bool, Literal["full", "selective"]] = False
+    """Recompute in backward to save activation memory, per transformer block. true / "full": the whole block
+    (only its input is kept); "selective": the outputs of its matmuls and attention are kept and only the cheap
+    ops between them (norms, rotary, activations, casts) are recomputed: at the Qwen2.5-VL-3B shape about 60 % of
+    the activation memory of no checkpointing, for little recompute; with `parallel.compile` the fastest step
+    where it fits (benchmarks/RESULTS.md)."""
     eval_every: int = 0
     """Run validation (loss, perplexity, answer accuracy if the data has answers) every N steps; 0 = only at the end."""
     eval_max_batches: int = 0

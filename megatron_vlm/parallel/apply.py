@@ -16,6 +16,8 @@ from torch.utils.checkpoint import checkpoint
 
 SELECTIVE_SAVE_OPS = (
     "aten.mm", "aten.addmm", "aten._scaled_mm",
+    # the routed experts' grouped GEMMs (kernels.grouped_mm = torch_grouped_mm, auto on Hopper) and batched ones
+    "aten._grouped_mm", "aten.bmm",
     # torch SDPA's kernels (the CPU flash kernel has its own op)
     "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_flash_attention_for_cpu",
     "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_cudnn_attention",
@@ -35,6 +37,17 @@ def _selective_policy(ctx, op, *args, **kwargs):
     name = str(getattr(op, "_schema", None) and op._schema.name or op).replace("::", ".")
     keep = any(name == s or name.startswith(s + ".") for s in SELECTIVE_SAVE_OPS)
     return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def ac_policy(activation_checkpointing) -> Optional[str]:
+    """`train.activation_checkpointing` as a policy: None (off), "full" (true or "full") or "selective"."""
+    if activation_checkpointing is False or activation_checkpointing is None:
+        return None
+    if activation_checkpointing is True:
+        return "full"
+    if activation_checkpointing in ("full", "selective"):
+        return activation_checkpointing
+    raise ValueError(f"activation checkpointing {activation_checkpointing!r}: expected true, false, 'full' or 'selective'")
 
 
 def apply_ac(blocks: Iterable[nn.Module], policy: str = "full") -> None:
@@ -128,7 +141,7 @@ def parallelize_blocks(
     parallel_cfg,
     *,
     mesh=None,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | str = False,
     param_dtype: Optional[torch.dtype] = None,
     root: Optional[nn.Module] = None,
     fsdp_blocks: Optional[list[nn.Module]] = None,
@@ -136,6 +149,7 @@ def parallelize_blocks(
 ) -> nn.Module:
     """The tail every family shares: activation checkpointing -> compile -> FSDP2.
 
+    `activation_checkpointing`: train.activation_checkpointing (false, true / "full", "selective"; `ac_policy`).
     `blocks` get activation checkpointing / compile; `fsdp_blocks` (default `blocks`) become their
     own FSDP units. Families pass only the decoder layers as `fsdp_blocks`: a vision block that is
     its own unit all-gathers in its forward, so a rank whose micro-batch has no image would skip
@@ -144,8 +158,9 @@ def parallelize_blocks(
     `model`; the trainer passes its log-prob wrapper so the output projection runs inside the root's
     forward). `mesh` None skips FSDP. `ignored_params` are kept out of FSDP (expert-parallel weights).
     """
-    if activation_checkpointing:
-        apply_ac(blocks)
+    policy = ac_policy(activation_checkpointing)
+    if policy is not None:
+        apply_ac(blocks, policy=policy)
     if getattr(parallel_cfg, "compile", False):
         apply_compile(blocks)
     if mesh is not None:

@@ -183,7 +183,7 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
              f"layout     {world_size} ranks = dp_replicate {rep} x dp_shard {shard} (FSDP) x tp {tp} x cp {cfg.parallel.cp}"
              + (f" x pp {cfg.parallel.pp}" if cfg.parallel.pp > 1 else "") + f", ep {cfg.parallel.ep}",
              f"batch      {tokens} tokens per packed micro-batch, activation checkpointing "
-             f"{'on' if cfg.train.activation_checkpointing else 'off'}"]
+             f"{_ac_words(cfg.train.activation_checkpointing)}"]
     rollout_prompts, group = 0, 0
     evaluating = cfg.train.mode == "eval"
     if evaluating:  # no gradients, no optimizer, no backward: the weights and the generation's KV cache
@@ -270,7 +270,7 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     kv_slots = cfg.rl.rollout.kv_cache_blocks * cfg.rl.rollout.kv_block_size if grpo else 0
     # asynchronous GRPO: the training ranks hold no rollout engine (rollout_rank_lines: the rollout ranks' own plan)
     mem = estimate_memory(rank_shape, fsdp=shard * cfg.parallel.cp, master_bytes=master, compute_bytes=compute, tokens=tokens,
-                          activation_checkpointing=cfg.train.activation_checkpointing or evaluating,
+                          activation_checkpointing=True if evaluating else cfg.train.activation_checkpointing,
                           rollout_prompts=0 if rollout_ranks else rollout_prompts, group_size=group, tp=tp,
                           kv_slots=kv_slots, ep=cfg.parallel.ep, routes_bytes=0.0 if rollout_ranks else routes_bytes,
                           rollout_weights=cfg.rl.rollout.weights if grpo and cfg.rl.rollout_backend == "builtin" else "shared")
@@ -301,7 +301,7 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         f"memory per {'training ' if rollout_ranks else ''}rank (estimate; formulas in megatron_vlm/plan/memory.py)",
         f"  master weights {gib(mem.params):>12}   gradients {gib(mem.grads):>12}   AdamW {gib(mem.optimizer):>12}",
         f"  gathered block {gib(mem.gathered):>12}   activations {gib(mem.activations)} (checkpointing on "
-        f"{gib(mem.activations_ckpt)}, off {gib(mem.activations_no_ckpt)})",
+        f"{gib(mem.activations_ckpt)}, selective {gib(mem.activations_selective)}, off {gib(mem.activations_no_ckpt)})",
         *([] if rollout_ranks else
           [f"  rollout KV cache {gib(mem.kv_cache)}" + (f"   routes buffer {gib(mem.routes)}" if mem.routes else "")]),
         *(rollout_copy_lines(cfg, mem, shape) if grpo and not rollout_ranks else []),
@@ -406,8 +406,16 @@ def _key_to_change(cfg, mem, side_bytes: float = 0.0) -> str:
             return "rl.rollout.kv_cache_blocks"
         return "rl.rollout.batch_prompts" if cfg.rl.rollout.batch_prompts else "rl.rollout.memory_gib"
     if mem.activations > mem.static:
-        return "data.max_tokens_per_pack" if cfg.train.activation_checkpointing else "train.activation_checkpointing"
+        # off or "selective": whole-block checkpointing (true) is the next saving; already on: fewer tokens
+        full = cfg.train.activation_checkpointing in (True, "full")
+        return "data.max_tokens_per_pack" if full else "train.activation_checkpointing"
     return "parallel.dp_shard"
+
+
+def _ac_words(value) -> str:
+    """train.activation_checkpointing as the plan prints it."""
+    return {False: "off", True: "on (whole blocks)", "full": "on (whole blocks)",
+            "selective": "selective (matmul / attention outputs kept)"}[value]
 
 
 def _side_key(cfg) -> str:

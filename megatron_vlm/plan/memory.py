@@ -21,7 +21,9 @@ conservative; the numbers it uses (all in bytes, per rank):
   backward; routed experts see top_k copies of each token; with tp the column-parallel outputs
   (q / k / v, gate / up: `a_col` of a) count a_col / tp;
   without activation checkpointing: t x L x a x c;
-  with: t x L x h x c (the saved block inputs) + t x a x c (one block recomputed at a time);
+  with (`train.activation_checkpointing` true / "full"): t x L x h x c (the saved block inputs) + t x a x c (one
+  block recomputed at a time); "selective" (the matmul and attention outputs kept, the ops between them
+  recomputed): t x L x (a / 2 + h) x c (a / 2 counts each projection's output once, h the block input);
   the vision tower's activations and the LM-head logits (the fused, vocabulary-chunked log-prob
   kernel) are not counted;
 - rollout KV cache (GRPO) = 2 x (sum over attention layers of kv_heads x head_dim) x c x slots,
@@ -189,6 +191,8 @@ class MemoryPlan:
     """Prompts per rollout batch on one rank (0 = not a GRPO run)."""
     rollout_copy: float = 0.0
     """The rollout engine's own weights (rl.rollout.weights), resident through the run."""
+    activations_selective: float = 0.0
+    """With train.activation_checkpointing = "selective"."""
     routes: float = 0.0
     """The rollout's device buffer of recorded MoE routes (plan/routes.py), next to the KV cache."""
 
@@ -202,11 +206,15 @@ class MemoryPlan:
 
 
 def estimate_memory(shape: ModelShape, *, fsdp: int, master_bytes: int, compute_bytes: int, tokens: int,
-                    activation_checkpointing: bool, rollout_prompts: int = 0, group_size: int = 0, tp: int = 1,
+                    activation_checkpointing: bool | str, rollout_prompts: int = 0, group_size: int = 0, tp: int = 1,
                     kv_slots: int = 0, ep: int = 1, rollout_weights: str = "shared", routes_bytes: float = 0.0) -> MemoryPlan:
     """The formulas of the module docstring; `rollout_prompts` 0 = no rollout (SFT); `kv_slots` > 0: the
     rollout cache's token positions when they are fixed (the paged pool, rl.rollout.kv_cache_blocks); `ep`:
-    parallel.ep; `rollout_weights`: rl.rollout.weights (GRPO); `routes_bytes`: the routes' decode buffer."""
+    parallel.ep; `rollout_weights`: rl.rollout.weights (GRPO); `routes_bytes`: the routes' decode buffer;
+    `activation_checkpointing`: train.activation_checkpointing (false, true / "full", "selective")."""
+    from megatron_vlm.parallel.apply import ac_policy
+
+    policy = ac_policy(activation_checkpointing)
     f = max(1, fsdp)
     keep = 1.0 - 1.0 / max(1, tp)  # the part of a TP-split quantity that lives on the other tp ranks
     params = shape.params - shape.tp_params * keep
@@ -219,6 +227,7 @@ def estimate_memory(shape: ModelShape, *, fsdp: int, master_bytes: int, compute_
     act = shape.act_per_token_layer - shape.act_col_per_token_layer * keep
     no_ckpt = tokens * shape.layers * act * compute_bytes
     ckpt = tokens * shape.layers * shape.hidden * compute_bytes + tokens * act * compute_bytes
+    selective = tokens * shape.layers * (act / 2 + shape.hidden) * compute_bytes
     slots = kv_slots if kv_slots and rollout_prompts else rollout_prompts * group_size * tokens
     kv = shape.kv_per_slot * compute_bytes * slots / max(1, tp)
     return MemoryPlan(
@@ -226,9 +235,10 @@ def estimate_memory(shape: ModelShape, *, fsdp: int, master_bytes: int, compute_
         grads=trainable * master_bytes / f,
         optimizer=trainable * 2 * 4 / f,
         gathered=2 * (shape.largest_block - shape.tp_largest_block * keep) * compute_bytes,
-        activations=ckpt if activation_checkpointing else no_ckpt,
+        activations={None: no_ckpt, "full": ckpt, "selective": selective}[policy],
         activations_no_ckpt=no_ckpt,
         activations_ckpt=ckpt,
+        activations_selective=selective,
         kv_cache=kv,
         rollout_prompts=rollout_prompts,
         rollout_copy=copy * compute_bytes if rollout_prompts else 0.0,

@@ -58,7 +58,7 @@ def make_parallelize(
         parallel_cfg,
         *,
         mesh=None,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool | str = False,
         param_dtype: Optional[torch.dtype] = None,
         root: Optional[nn.Module] = None,
     ) -> nn.Module:

@@ -199,8 +199,10 @@ def _families(tmp: Path, rank: int, families=CI_FAMILIES, grpo: bool = True) -> 
         if report:
             _moe_report_resumes(tmp, rank, family, dp, **{"train.micro_batches_per_step": 1, **aux, **report})
         resumable = {"checkpoint.enable": "true", "checkpoint.every_steps": STEPS // 2} if family == "qwen2_5_vl" else {}
-        # activation checkpointing recomputes the sequence-parallel layers (hooks, collectives) in backward
-        recompute = {"train.activation_checkpointing": "true"} if family in ("qwen3_vl", "nemotron_vl") else {}
+        # activation checkpointing recomputes the sequence-parallel layers (hooks, collectives) in backward: whole
+        # blocks, or selectively (kept matmul / attention outputs are DTensor-local ops' outputs; Mamba2's scan too)
+        recompute = {"qwen3_vl": {"train.activation_checkpointing": "true"},
+                     "nemotron_vl": {"train.activation_checkpointing": '"selective"'}}.get(family, {})
         _run(tmp, family, tp, **{"parallel.tp": 2, "train.micro_batches_per_step": 2, **resumable, **recompute, **aux})
         if rank == 0:
             _assert_same_training(family, "tp", dp, tp)

@@ -50,7 +50,9 @@ def test_minimal_config_builds_with_defaults():
         ({"optimizer__lr": "fast"}, "optimizer.lr: expected a number"),
         ({"optimizer__lr": -1.0}, "optimizer.lr: must be > 0"),
         ({"train__micro_batches_per_step": 0}, "train.micro_batches_per_step: must be > 0"),
-        ({"train__activation_checkpointing": "yes"}, "train.activation_checkpointing: expected true or false"),
+        ({"train__activation_checkpointing": "yes"},
+         "train.activation_checkpointing: expected true, false, 'full' or 'selective', got str 'yes'"),
+        ({"train__activation_checkpointing": 1}, "train.activation_checkpointing: expected true, false, 'full' or 'selective'"),
         ({"scheduler__type": "cosin"}, "scheduler.type: must be one of"),
         ({"train__max_steps": 1.5}, "train.max_steps: expected an integer"),
         # both lengths: max_steps would decide and epochs be parsed, then ignored

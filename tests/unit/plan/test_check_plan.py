@@ -46,6 +46,10 @@ def test_memory_formulas_by_hand():
     assert m.peak == 2000 + 1200 + 2400 + 400 + max(4000, 1920)
     ck = estimate_memory(shape, fsdp=2, master_bytes=4, compute_bytes=2, tokens=10, activation_checkpointing=True)
     assert ck.activations == 1640 and ck.kv_cache == 0 and ck.peak == 6000 + 1640
+    assert estimate_memory(shape, fsdp=2, master_bytes=4, compute_bytes=2, tokens=10,
+                           activation_checkpointing="full").activations == 1640
+    sel = estimate_memory(shape, fsdp=2, master_bytes=4, compute_bytes=2, tokens=10, activation_checkpointing="selective")
+    assert sel.activations == sel.activations_selective == m.activations_selective == 10 * 4 * (50 / 2 + 8) * 2 == 2640
 
 
 def test_layer_activation_and_kv_counts():
@@ -371,3 +375,33 @@ def test_check_says_how_the_rollout_decodes(qwen2_5_vl_3b, sets, decode):
 def test_check_of_asynchronous_rollout_ranks_says_they_decode_in_graphs(qwen2_5_vl_3b):
     code, out, err = _check(CONFIGS / "qwen2_5_vl_3b_geometry3k_grpo.toml", [f'model.path="{qwen2_5_vl_3b}"'], 8)
     assert code == 0 and "decode     CUDA graphs on a GPU (rl.rollout.cuda_graphs = 'auto')" in out, out + err
+
+
+def _plan_sft(model: Path, **train) -> tuple[int, str, str]:
+    from megatron_vlm.config import load_config_dict
+
+    tokens = train.pop("tokens")
+    cfg = load_config_dict({"model": {"path": str(model)}, "train": {"mode": "sft", "max_steps": 1, **train},
+                            "data": {"train_path": "/d/train.jsonl", "max_tokens_per_pack": tokens}})
+    out, err = io.StringIO(), io.StringIO()
+    code = run_check(cfg, world_size=1, device_memory_gib=80.0, out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_check_plans_selective_checkpointing(qwen2_5_vl_3b):
+    """train.activation_checkpointing = "selective" is planned as what it keeps (between whole-block checkpointing
+    and none), and the plan names what to change when it does not fit: whole-block checkpointing."""
+    code, out, err = _plan_sft(qwen2_5_vl_3b, activation_checkpointing="selective", tokens=8192)
+    assert code == 0, out + err
+    assert "activation checkpointing selective" in out
+    got = re.search(r"activations ([0-9.]+) GiB \(checkpointing on ([0-9.]+) GiB, selective ([0-9.]+) GiB, off ([0-9.]+) GiB",
+                    out)
+    assert got, out
+    act, full, sel, off = map(float, got.groups())
+    assert act == sel and full < sel < off
+    # Qwen2.5-VL-3B decoder: 36 layers x (a / 2 + h) elements per token, a = 2h + 2 x (q, k, v, o, gate, up, down outputs)
+    a = 2 * 2048 + 2 * (2048 + 256 + 256 + 2048 + 11008 + 11008 + 2048)
+    assert sel == pytest.approx(8192 * 36 * (a / 2 + 2048) * 2 / 2**30, abs=0.006)
+    # at 32k tokens the kept outputs outweigh the weights and optimizer: whole-block checkpointing is the key to change
+    code, out, err = _plan_sft(qwen2_5_vl_3b, activation_checkpointing="selective", tokens=32768)
+    assert code == 2 and err.startswith("check failed: train.activation_checkpointing: estimated peak"), err

@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # One GPU lease for the training-speed and rollout-speed work (first pass): profiles, levers, honest baselines.
-# Sections: sft sft16k decode decode32 decode64 moe moe_ep decode_attn rollout attn segv fp8 paged grpo_graphs.
+# Sections: sft sft16k sft80 decode decode32 decode64 moe moe_ep decode_attn rollout attn segv fp8 paged grpo_graphs.
 # Run on the leased machine from the repository root with `.whl` carried (bash benchmarks/gpu_wheels.sh here first):
 #   bash benchmarks/gpu_wave3.sh [sections]      # default: sft decode attn decode_attn segv (the first pass)
 # A section name it does not know stops it at once (exit 2), before anything runs.
-# Next lease (what the fifth run, H200 2026-11-28, left open: the compiled 16k step on torch's flash varlen attention,
-# now `auto` on CUDA, against ours; the compiled 16k step with whole-block checkpointing, the form that fits an 80 GB
-# H100), one command of <= 540 s:
-#   bash benchmarks/gpu_wave3.sh sft16k grpo_graphs decode64
+# Next lease (what the fifth run, H200 2026-11-28, left open: which compiled 16k setting fits an 80 GB H100 and its
+# MFU, sft80; the compiled 16k step on torch's flash varlen attention, now `auto` on CUDA, against ours, sft16k),
+# two commands of <= 560 s each (BUDGET_S=560, run's timeout_s 600); what the first skips for budget, the second runs:
+#   BUDGET_S=560 bash benchmarks/gpu_wave3.sh sft80
+#   BUDGET_S=560 bash benchmarks/gpu_wave3.sh sft16k
 # Every step is time-boxed; logs and JSON go to /tmp/w3 ($W3_DIR) (packed into $OUT/w3.tgz after every step, so a command
 # cut short still returns what finished). Figures go to benchmarks/RESULTS.md by hand, with device and versions.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-KNOWN="sft sft16k decode decode32 decode64 moe moe_ep decode_attn rollout attn segv fp8 paged grpo_graphs"
+KNOWN="sft sft16k sft80 decode decode32 decode64 moe moe_ep decode_attn rollout attn segv fp8 paged grpo_graphs"
 SECTIONS=${*:-sft decode attn decode_attn segv}
 for s in $SECTIONS; do
   [[ " $KNOWN " == *" $s "* ]] || { echo "gpu_wave3.sh: unknown section '$s' (known: $KNOWN)" >&2; exit 2; }
@@ -80,6 +81,25 @@ if want sft16k; then
     --samples 8 --ac full --compile --json "$R/sft_16k_compiled_full.json"
   step sft_16k_$AC16 70 $PY benchmarks/e2e/bench_train_step.py --steps 3 --tokens 16384 --samples 8 --ac $AC16 \
     --json "$R/sft_16k_$AC16.json"
+fi
+if want sft80; then
+  # an 80 GB H100's memory on a larger card: the CUDA allocator capped at 79 GiB (an H100 80GB shows 79.2 GiB); a
+  # setting that does not fit writes "oom" to its JSON (exit 3). One rank holds 56 GiB of fp32 weights, gradients and
+  # AdamW states at the 3B shape, so 16k tokens leave ~23 GiB for activations: selective keeps ~41 (peak 89 GiB),
+  # whole blocks ~8. Between them: the first N blocks whole (--ac-full-blocks; the 32 vision blocks come first, the
+  # cheapest memory per recomputed FLOP), the rest selective; and selective at 12k tokens.
+  CAP=()
+  MEM_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  if [[ "$MEM_MIB" =~ ^[0-9]+$ ]] && (( MEM_MIB > 100000 )); then CAP=(--memory-cap-gib 79); fi
+  TS=benchmarks/e2e/bench_train_step.py
+  step sft80_mixed38 150 $PY $TS --steps 3 --tokens 16384 --samples 8 --ac selective --ac-full-blocks 38 --compile \
+    ${CAP[@]+"${CAP[@]}"} --profile "$R/sft80_mixed38_profile.json" --json "$R/sft80_mixed38.json"
+  step sft80_mixed44 110 $PY $TS --steps 3 --tokens 16384 --samples 8 --ac selective --ac-full-blocks 44 --compile \
+    ${CAP[@]+"${CAP[@]}"} --json "$R/sft80_mixed44.json"
+  step sft80_sel12k 110 $PY $TS --steps 3 --tokens 12288 --samples 6 --ac selective --compile ${CAP[@]+"${CAP[@]}"} \
+    --json "$R/sft80_sel12k.json"
+  step sft80_full 110 $PY $TS --steps 3 --tokens 16384 --samples 8 --ac full --compile ${CAP[@]+"${CAP[@]}"} \
+    --json "$R/sft80_full.json"
 fi
 if want decode; then
   # graph steps: split-K Triton with and without shared prompt reads (a group's prompt through one copy), torch

@@ -56,6 +56,8 @@ def _conv_dense(x, weight, bias, activation, initial_state):
                 f"causal_conv1d: initial_state must be [{batch}, {dim}, {width - 1}], got {tuple(initial_state.shape)}"
             )
         state = _acc(initial_state)
+    if x.shape[-1] == 0:  # an empty sequence (a zero-length packed segment): no output, the state passes through
+        return x.new_empty(batch, dim, 0), state
     xpad = torch.cat([state, xf], dim=-1)  # [B, D, W-1+T]
     out = F.conv1d(xpad, _acc(weight).to(xpad.dtype).unsqueeze(1), None if bias is None else _acc(bias).to(xpad.dtype), groups=dim)
     if activation is not None:

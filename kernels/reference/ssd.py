@@ -106,6 +106,8 @@ def _chunk_scan_dense(x, dt, A, B, C, chunk_size, initial_states):
                 f"got {tuple(initial_states.shape)}"
             )
         state = _acc(initial_states)
+    if nchunks == 0:  # an empty sequence (a zero-length packed segment): no output, the state passes through
+        return x.new_zeros(batch, 0, heads, headdim), state
     start_states = []
     for c in range(nchunks):
         start_states.append(state)

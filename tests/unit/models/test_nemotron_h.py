@@ -98,6 +98,16 @@ def test_packed_equals_separate(ours):
             torch.testing.assert_close(packed[:, cu[i] : cu[i + 1]], ours(s), rtol=1e-5, atol=1e-5)
 
 
+
+def test_packed_with_an_empty_segment_equals_without_it(ours):
+    """A zero-length segment (repeated cu_seqlens bound, as the attention families accept) is no sample: the
+    Mamba2 conv and scan give it no output and the pack the logits it has without it (it used to crash in conv1d)."""
+    ids = torch.randint(1, 96, (1, 9), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        plain = ours(ids, cu_seqlens=torch.tensor([0, 4, 9], dtype=torch.int32))
+        for cu in ([0, 0, 4, 9], [0, 4, 4, 9], [0, 4, 9, 9]):
+            torch.testing.assert_close(ours(ids, cu_seqlens=torch.tensor(cu, dtype=torch.int32)), plain, rtol=0, atol=0)
+
 def test_step_decoding_equals_full_forward(ours):
     ids = torch.randint(1, 96, (2, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():

@@ -21,7 +21,8 @@ tower and the lm_head stay bf16 in every variant, as in training.
     python benchmarks/e2e/bench_fp8.py --json fp8.json           # GPU (sm89+), the 7B-width slice
     python benchmarks/e2e/bench_fp8.py --quick                   # CPU smoke test (tiny model, emulated fp8)
 Args: --layers N --vision-depth N --tokens N --samples N --rounds N --steps N --warmup N
-      --variants bf16,tensorwise,rowwise --no-compile --no-ac --profile PREFIX --json PATH (--quick --compile: compiled blocks on the CPU)
+      --variants bf16,tensorwise,rowwise --no-compile --ac full|selective|off --kernels OP=BACKEND,... --profile PREFIX
+      --json PATH (--quick --compile: compiled blocks on the CPU)
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_rollout import IMAGE_TOKEN, VIDEO_TOKEN, VISION_END, VISION_START, tiny_config  # noqa: E402
-from bench_train_step import packed_batch, profile_step  # noqa: E402
+from bench_train_step import kernel_choice, packed_batch, profile_step  # noqa: E402
 
 from megatron_vlm.models import build_model, get_family  # noqa: E402
 from megatron_vlm.parallel import build_mesh, clip_grad_norm_, init_distributed  # noqa: E402
@@ -111,12 +112,24 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of bf16,tensorwise,rowwise")
     ap.add_argument("--no-compile", action="store_true", help="eager blocks (fp8 casts then run unfused)")
     ap.add_argument("--compile", action="store_true", help="with --quick: compile the blocks anyway (checks the switch)")
-    ap.add_argument("--no-ac", action="store_true", help="disable activation checkpointing")
+    ap.add_argument("--no-ac", action="store_true", help="disable activation checkpointing (same as --ac off)")
+    ap.add_argument("--ac", choices=("full", "selective", "off"), default="full",
+                    help="train.activation_checkpointing of every block: whole blocks (the float8 casts and GEMMs of the "
+                         "forward run again in backward), selective (matmul outputs kept) or none")
+    ap.add_argument("--kernels", default=None, metavar="OP=BACKEND,...",
+                    help="force op backends, e.g. rms_norm=torch,swiglu=torch,apply_rotary=torch: compiled, inductor can "
+                         "then fuse the float8 amax / cast into the norm and activation that produce the GEMM inputs "
+                         "(our Triton kernels are opaque to it)")
     ap.add_argument("--profile", type=str, default=None, metavar="PREFIX",
                     help="after the rounds, torch.profiler over one step of each variant: PREFIX_<variant>.json "
                          "(kernel table and categories: where fp8 saves time and where it cannot)")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
+    try:
+        choice = kernel_choice(args.kernels, None)
+    except ValueError as e:
+        ap.error(str(e))
+    ac = "off" if args.no_ac else args.ac
     variants = [v for v in args.variants.split(",") if v]
     if not variants or any(v not in VARIANTS for v in variants):
         ap.error(f"--variants: a comma-separated subset of {','.join(VARIANTS)}")
@@ -125,6 +138,10 @@ def main() -> None:
     if importlib.util.find_spec("torchao") is None:  # before any model is built: one line, no traceback
         print("skipped: torchao is not installed (pip install 'megatron-vlm[fp8]'): the fp8 variants need it")
         return
+    if choice:
+        from megatron_vlm.kernels import registry
+
+        registry.configure(choice)
     env = init_distributed()
     device = env.device
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
@@ -146,7 +163,8 @@ def main() -> None:
     parallel = SimpleNamespace(dp_replicate=1, dp_shard=-1, compile=compile_blocks, reshard_after_forward=True)
     dims, mesh = build_mesh(parallel, env.world_size, device.type)
     get_family(model.hf_config.get("model_type")).parallelize(
-        model, dims, parallel, mesh=mesh, param_dtype=torch.bfloat16, root=wrapper, activation_checkpointing=not args.no_ac)
+        model, dims, parallel, mesh=mesh, param_dtype=torch.bfloat16, root=wrapper,
+        activation_checkpointing={"off": False, "full": True, "selective": "selective"}[ac])
     optimizer = build_optimizer(wrapper, SimpleNamespace(lr=0.0, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8), device.type)
     params = [p for p in wrapper.parameters() if p.requires_grad]
     batch = packed_batch(cfg, args.samples, tokens, grid)
@@ -235,7 +253,7 @@ def main() -> None:
             "samples": args.samples, "layers": text["num_hidden_layers"], "hidden": text["hidden_size"],
             "intermediate": text["intermediate_size"], "heads": text["num_attention_heads"],
             "kv_heads": text["num_key_value_heads"], "vision_depth": cfg["vision_config"]["depth"],
-            "fp8_linear_layers": n_fp8, "compile": compile_blocks, "activation_checkpointing": not args.no_ac,
+            "fp8_linear_layers": n_fp8, "compile": compile_blocks, "activation_checkpointing": ac, "kernels": choice,
             "rounds": args.rounds, "steps_per_round": args.steps, "warmup_s": warmup_s, "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(meta))
     if args.json:

@@ -84,6 +84,11 @@ def data_state_refusal(state: dict, loader, err: ValueError) -> str:
                         f"differ. Point {key} at the checkpoint's data to resume it, {fresh}")
             return (f"{key}: the checkpoint was written with {key} = {state[field]}, this run has {key} = {now[field]}; "
                     f"the pack order would differ. Set {key} = {state[field]} to resume it, {fresh}")
+    shuffle = state.get("shuffle")
+    if shuffle is not None and bool(shuffle) != loader.planner.shuffle:  # the file order, or a permutation per epoch
+        return (f"data.shuffle: the checkpoint was written with data.shuffle = {str(bool(shuffle)).lower()}, this run "
+                f"has data.shuffle = {str(loader.planner.shuffle).lower()}; the pack order would differ. Set data.shuffle "
+                f"= {str(bool(shuffle)).lower()} to resume it, {fresh}")
     changed = changed_data_file(state.get("data_files"), getattr(loader, "data_files", None))
     if changed:
         return (f"data.train_path: {changed}, so the checkpoint's data position would point into other records. "

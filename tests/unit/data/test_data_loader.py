@@ -123,6 +123,19 @@ def test_resume_from_state_dict_yields_the_same_next_packs(cfg, proc):
         c.load_state_dict(odd)
 
 
+def test_resume_with_shuffle_turned_off_is_refused(cfg, proc):
+    """data.shuffle decides the pack order: a position of the shuffled stream points elsewhere in the file-order one
+    (samples trained twice, others skipped), so the other setting is refused as another train.seed is."""
+    a = build_sft_dataloader(cfg, proc, seed=5, dp_rank=0, dp_size=1)
+    _take(a, 3)
+    state = json.loads(json.dumps(a.state_dict()))
+    cfg.shuffle = False
+    with pytest.raises(ValueError, match="shuffle=True in the checkpoint but False now"):
+        build_sft_dataloader(cfg, proc, seed=5, dp_rank=0, dp_size=1).load_state_dict(state)
+    del state["shuffle"]  # a checkpoint written before the setting was recorded resumes unchecked
+    build_sft_dataloader(cfg, proc, seed=5, dp_rank=0, dp_size=1).load_state_dict(state)
+
+
 def test_worker_processes_give_the_same_packs(cfg, proc):
     base = _take(build_sft_dataloader(cfg, proc, seed=0, dp_rank=1, dp_size=2), 5)
     cfg.num_workers = 2

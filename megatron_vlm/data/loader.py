@@ -239,6 +239,8 @@ class SFTDataLoader:
     def load_state_dict(self, state: dict) -> None:
         """Resume after `global_packs_consumed` packs of the global stream (any former world size
         whose position divides evenly into the current one)."""
+        if "global_packs_consumed" not in state:  # another job kind's data state (a GRPO run's prompt order)
+            raise ValueError(f"data state: no packed-data position (its fields: {', '.join(sorted(state)) or 'none'})")
         g = int(state["global_packs_consumed"])
         if g % self.dp_size:
             raise ValueError(f"data state: {g} packs consumed globally cannot be split evenly over "

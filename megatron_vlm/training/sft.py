@@ -75,6 +75,10 @@ def data_state_refusal(state: dict, loader, err: ValueError) -> str:
     that differs, both values and the two ways forward (keep the old value, or start a fresh run)."""
     fresh = ('or start a fresh run from step 0 (checkpoint.resume = "none" or another train.output_dir; '
              "model.path = an export of the checkpoint keeps its weights)")
+    if "global_packs_consumed" not in state:  # a checkpoint whose layout record predates train.mode: another job kind's
+        return (f"train.mode: the checkpoint's data state holds no packed-data position (its fields: "
+                f"{', '.join(sorted(state)) or 'none'}: written by another job kind, e.g. a GRPO run), so this run cannot "
+                f"continue it. Resume it with the train.mode that wrote it, {fresh}")
     now = {"capacity": loader.planner.capacity, "num_records": int(loader.planner.lengths.size), "seed": loader.planner.seed}
     for field, key in _DATA_STATE_KEYS.items():
         if field in state and int(state[field]) != now[field]:

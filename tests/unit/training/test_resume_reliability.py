@@ -61,6 +61,9 @@ def _state(capacity=512, records=10, seed=0, g=4, shuffle=True):
     (_state(shuffle=False), _Loader(), "data.shuffle: the checkpoint was written with data.shuffle = false, this run has "
                                        "data.shuffle = true"),
     (_state(g=3), _Loader(dp=2), "checkpoint.resume: the checkpoint's data position cannot be continued"),
+    # a GRPO run's data state (a checkpoint whose layout record predates train.mode): a KeyError traceback before
+    ({"next_step": 4, "seed": 0, "num_prompts": 10, "prompts_per_step": 2}, _Loader(),
+     "train.mode: the checkpoint's data state holds no packed-data position"),
 ])
 @pytest.mark.parametrize("kind", [SFTStep, PairStep])
 def test_a_data_position_that_cannot_continue_is_one_line_naming_the_key(state, loader, expect, kind):

@@ -98,8 +98,12 @@ def data_state_refusal(state: dict, loader, err: ValueError) -> str:
         return (f"data.train_path: {changed}, so the checkpoint's data position would point into other records. "
                 f"Point data.train_path at the checkpoint's data (data.type = \"synthetic_vqa\": its data.synthetic_* "
                 f"keys) to resume it, {fresh}")
-    return (f"checkpoint.resume: the checkpoint's data position cannot be continued here ({err}); resume it with a "
-            f"data-parallel size that divides {state.get('global_packs_consumed')}, {fresh}")
+    g, dp = int(state["global_packs_consumed"]), getattr(loader, "dp_size", None)
+    if dp and g % dp:
+        return (f"checkpoint.resume: the checkpoint's data position cannot be continued here ({err}); resume it with a "
+                f"data-parallel size that divides {g}, {fresh}")
+    return (f"checkpoint.resume: the checkpoint's data position cannot be continued here ({err}); resume it where it "
+            f"was written, {fresh}")
 
 
 def moe_report_state(balancer: Any, key: str = "moe_report") -> dict:

@@ -41,12 +41,13 @@ class _Loader:
 
     def __init__(self, capacity=512, records=10, seed=0, dp=1, shuffle=True):
         self.planner = NS(capacity=capacity, lengths=np.zeros(records), seed=seed, shuffle=shuffle)
-        self.dp = dp
+        self.dp = self.dp_size = dp
 
     def load_state_dict(self, state):
         from megatron_vlm.data.loader import SFTDataLoader
 
-        SFTDataLoader.load_state_dict(NS(planner=self.planner, dp_size=self.dp, _consumed=0, _epoch=None), state)
+        SFTDataLoader.load_state_dict(NS(planner=self.planner, dp_size=self.dp, _consumed=0, _epoch=None, data_files=None,
+                                         _pack_classes_digest=lambda: None), state)
 
 
 def _state(capacity=512, records=10, seed=0, g=4, shuffle=True):
@@ -75,6 +76,20 @@ def test_a_data_position_that_cannot_continue_is_one_line_naming_the_key(state, 
     assert msg.startswith(expect) and "\n" not in msg
     assert 'checkpoint.resume = "none"' in msg
     assert data_state_refusal(state, loader, ValueError("x")).split(" (")[0] == msg.split(" (")[0]
+
+
+@pytest.mark.parametrize("kind", [SFTStep, PairStep])
+def test_a_refusal_of_other_pack_classes_does_not_send_the_user_to_the_data_parallel_size(kind):
+    """The video pack classes differ (another length cache version or tile setting): the data-parallel size is not
+    the way out, as the refusal used to say of every position it had no key for."""
+    step = kind.__new__(kind)
+    step.loader = _Loader()
+    with pytest.raises(ConfigError) as e:
+        step.load_data_state({**_state(), "pack_classes": "0123456789abcdef"}, 4)
+    msg = str(e.value)
+    assert msg.startswith("checkpoint.resume: the checkpoint's data position cannot be continued here (data state: the "
+                          "records' video pack classes differ") and "\n" not in msg, msg
+    assert "data-parallel size" not in msg and 'checkpoint.resume = "none"' in msg
 
 
 def _rows(path):

@@ -225,7 +225,7 @@ class SFTDataLoader:
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict:
         return {"global_packs_consumed": self._consumed * self.dp_size, "packs_consumed_on_rank": self._consumed,
-                "dp_size": self.dp_size, "epoch": self.epoch, "seed": self.planner.seed,
+                "dp_size": self.dp_size, "epoch": self.epoch, "seed": self.planner.seed, "shuffle": self.planner.shuffle,
                 "num_records": int(self.planner.lengths.size), "capacity": self.planner.capacity,
                 "pack_classes": self._pack_classes_digest(),
                 **({"data_files": self.data_files} if self.data_files is not None else {})}
@@ -239,6 +239,8 @@ class SFTDataLoader:
     def load_state_dict(self, state: dict) -> None:
         """Resume after `global_packs_consumed` packs of the global stream (any former world size
         whose position divides evenly into the current one)."""
+        if "global_packs_consumed" not in state:  # another job kind's data state (a GRPO run's prompt order)
+            raise ValueError(f"data state: no packed-data position (its fields: {', '.join(sorted(state)) or 'none'})")
         g = int(state["global_packs_consumed"])
         if g % self.dp_size:
             raise ValueError(f"data state: {g} packs consumed globally cannot be split evenly over "
@@ -248,6 +250,10 @@ class SFTDataLoader:
             if key in state and int(state[key]) != mine:
                 raise ValueError(f"data state: {key}={state[key]} in the checkpoint but {mine} now; the pack "
                                  "order would differ")
+        # data.shuffle: a position in the shuffled stream points elsewhere in the file-order one (None: not recorded)
+        if state.get("shuffle") is not None and bool(state["shuffle"]) != self.planner.shuffle:
+            raise ValueError(f"data state: shuffle={bool(state['shuffle'])} in the checkpoint but {self.planner.shuffle} "
+                             "now; the pack order would differ")
         mine_classes = self._pack_classes_digest()
         if state.get("pack_classes") != mine_classes:  # a checkpoint from before pack classes has no key: None
             raise ValueError("data state: the records' video pack classes differ from the checkpoint's (videos of "

@@ -75,6 +75,10 @@ def data_state_refusal(state: dict, loader, err: ValueError) -> str:
     that differs, both values and the two ways forward (keep the old value, or start a fresh run)."""
     fresh = ('or start a fresh run from step 0 (checkpoint.resume = "none" or another train.output_dir; '
              "model.path = an export of the checkpoint keeps its weights)")
+    if "global_packs_consumed" not in state:  # a checkpoint whose layout record predates train.mode: another job kind's
+        return (f"train.mode: the checkpoint's data state holds no packed-data position (its fields: "
+                f"{', '.join(sorted(state)) or 'none'}: written by another job kind, e.g. a GRPO run), so this run cannot "
+                f"continue it. Resume it with the train.mode that wrote it, {fresh}")
     now = {"capacity": loader.planner.capacity, "num_records": int(loader.planner.lengths.size), "seed": loader.planner.seed}
     for field, key in _DATA_STATE_KEYS.items():
         if field in state and int(state[field]) != now[field]:
@@ -84,13 +88,22 @@ def data_state_refusal(state: dict, loader, err: ValueError) -> str:
                         f"differ. Point {key} at the checkpoint's data to resume it, {fresh}")
             return (f"{key}: the checkpoint was written with {key} = {state[field]}, this run has {key} = {now[field]}; "
                     f"the pack order would differ. Set {key} = {state[field]} to resume it, {fresh}")
+    shuffle = state.get("shuffle")
+    if shuffle is not None and bool(shuffle) != loader.planner.shuffle:  # the file order, or a permutation per epoch
+        return (f"data.shuffle: the checkpoint was written with data.shuffle = {str(bool(shuffle)).lower()}, this run "
+                f"has data.shuffle = {str(loader.planner.shuffle).lower()}; the pack order would differ. Set data.shuffle "
+                f"= {str(bool(shuffle)).lower()} to resume it, {fresh}")
     changed = changed_data_file(state.get("data_files"), getattr(loader, "data_files", None))
     if changed:
         return (f"data.train_path: {changed}, so the checkpoint's data position would point into other records. "
                 f"Point data.train_path at the checkpoint's data (data.type = \"synthetic_vqa\": its data.synthetic_* "
                 f"keys) to resume it, {fresh}")
-    return (f"checkpoint.resume: the checkpoint's data position cannot be continued here ({err}); resume it with a "
-            f"data-parallel size that divides {state.get('global_packs_consumed')}, {fresh}")
+    g, dp = int(state["global_packs_consumed"]), getattr(loader, "dp_size", None)
+    if dp and g % dp:
+        return (f"checkpoint.resume: the checkpoint's data position cannot be continued here ({err}); resume it with a "
+                f"data-parallel size that divides {g}, {fresh}")
+    return (f"checkpoint.resume: the checkpoint's data position cannot be continued here ({err}); resume it where it "
+            f"was written, {fresh}")
 
 
 def moe_report_state(balancer: Any, key: str = "moe_report") -> dict:

@@ -37,6 +37,10 @@ def grpo_data_state(step: int, *, seed: int, num_prompts: int, prompts_per_step:
 def grpo_data_state_refusal(state: dict, *, seed: int, num_prompts: int, prompts_per_step: int,
                             data_files: Optional[dict] = None) -> Optional[str]:
     """None when this run continues the checkpoint's prompt order, else the one line to exit 2 with."""
+    if "global_packs_consumed" in state and "next_step" not in state:  # layout record older than train.mode
+        return ("train.mode: the checkpoint's data state is a packed-data position (an SFT, DPO or reward-model run's), "
+                f"not a GRPO prompt order, so this run cannot continue it. Resume it with the train.mode that wrote it, "
+                f"{_FRESH}")
     if "num_prompts" in state and int(state["num_prompts"]) != num_prompts:
         return (f"data.train_path: the checkpoint was written drawing from {state['num_prompts']} train prompts, this run "
                 f"has {num_prompts} (another data.train_path or data.synthetic_train_size, changed files, or another "

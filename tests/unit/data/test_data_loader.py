@@ -123,6 +123,42 @@ def test_resume_from_state_dict_yields_the_same_next_packs(cfg, proc):
         c.load_state_dict(odd)
 
 
+def test_resume_just_before_an_epoch_boundary_continues_into_the_next_epoch(cfg, proc):
+    """A checkpoint two or three packs before the end of epoch 0 (an even position, for the 2-rank resume): the
+    resumed loader (on 2 ranks, too) yields the straight run's packs over the boundary, with its epoch counter."""
+    a = build_sft_dataloader(cfg, proc, seed=3, dp_rank=0, dp_size=1)
+    n = a.packs_per_epoch
+    it = iter(a)
+    for _ in range((n - 2) // 2 * 2):
+        next(it)
+    state = json.loads(json.dumps(a.state_dict()))
+    assert state["epoch"] == 0
+    expected = [next(it) for _ in range(4)]
+    assert a.epoch == 1
+    b = build_sft_dataloader(cfg, proc, seed=3, dp_rank=0, dp_size=1)
+    b.load_state_dict(state)
+    got = _take(b, 4)
+    assert all(_equal(x, y) for x, y in zip(got, expected)) and b.epoch == 1
+    ranks = [build_sft_dataloader(cfg, proc, seed=3, dp_rank=r, dp_size=2) for r in (0, 1)]
+    for r in ranks:
+        r.load_state_dict(state)
+    two = [_take(r, 2) for r in ranks]
+    assert all(_equal(two[k % 2][k // 2], expected[k]) for k in range(4))
+
+
+def test_resume_with_shuffle_turned_off_is_refused(cfg, proc):
+    """data.shuffle decides the pack order: a position of the shuffled stream points elsewhere in the file-order one
+    (samples trained twice, others skipped), so the other setting is refused as another train.seed is."""
+    a = build_sft_dataloader(cfg, proc, seed=5, dp_rank=0, dp_size=1)
+    _take(a, 3)
+    state = json.loads(json.dumps(a.state_dict()))
+    cfg.shuffle = False
+    with pytest.raises(ValueError, match="shuffle=True in the checkpoint but False now"):
+        build_sft_dataloader(cfg, proc, seed=5, dp_rank=0, dp_size=1).load_state_dict(state)
+    del state["shuffle"]  # a checkpoint written before the setting was recorded resumes unchecked
+    build_sft_dataloader(cfg, proc, seed=5, dp_rank=0, dp_size=1).load_state_dict(state)
+
+
 def test_worker_processes_give_the_same_packs(cfg, proc):
     base = _take(build_sft_dataloader(cfg, proc, seed=0, dp_rank=1, dp_size=2), 5)
     cfg.num_workers = 2

@@ -36,3 +36,15 @@ def test_data_state_refusal_names_the_key():
                                               "train.seed = 1; the prompt order would differ. Set train.seed = 0")
     msg = grpo_data_state_refusal(state, **{**now, "num_prompts": 30})
     assert msg is not None and msg.startswith("data.train_path: the checkpoint was written drawing from 32 train prompts")
+
+
+def test_a_packed_data_position_is_refused_as_another_job_kinds():
+    """A checkpoint whose layout record predates train.mode (loaded as before) may be an SFT / DPO run's: its data
+    state is a pack position, not a prompt order, and used to pass the check whenever train.seed agreed."""
+    now = {"seed": 0, "num_prompts": 32, "prompts_per_step": 4}
+    sft = {"global_packs_consumed": 6, "packs_consumed_on_rank": 6, "dp_size": 1, "epoch": 0, "seed": 0,
+           "num_records": 32, "capacity": 512}
+    msg = grpo_data_state_refusal(sft, **now)
+    assert msg is not None and msg.startswith("train.mode: the checkpoint's data state is a packed-data position") \
+        and "\n" not in msg, msg
+    assert 'checkpoint.resume = "none"' in msg

@@ -3,7 +3,7 @@
 - a checkpoint written by fewer processes loads on a rank that has no `extra_rank<R>.pt` of its own (rank 0's
   global scheduler / step / data position), instead of every checkpoint counting as corrupt;
 - a data position the run's loader cannot continue (another `data.max_tokens_per_pack`, `data.train_path`,
-  `train.seed`, or a data-parallel split that does not divide it) is one line naming the key and the ways
+  `train.seed`, `data.shuffle`, or a data-parallel split that does not divide it) is one line naming the key and the ways
   forward (ConfigError: exit 2), not a traceback, for SFT and for the pair trainers (DPO, reward model);
 - `metrics_train.csv` / `metrics_eval.csv` keep one row per step when steps are run again after a resume.
 """
@@ -39,18 +39,19 @@ def test_a_rank_without_its_own_extra_file_resumes_from_rank_0s(tmp_path):
 class _Loader:
     """The data-state part of the SFT loader (data/loader.py), with the same refusal."""
 
-    def __init__(self, capacity=512, records=10, seed=0, dp=1):
-        self.planner = NS(capacity=capacity, lengths=np.zeros(records), seed=seed)
-        self.dp = dp
+    def __init__(self, capacity=512, records=10, seed=0, dp=1, shuffle=True):
+        self.planner = NS(capacity=capacity, lengths=np.zeros(records), seed=seed, shuffle=shuffle)
+        self.dp = self.dp_size = dp
 
     def load_state_dict(self, state):
         from megatron_vlm.data.loader import SFTDataLoader
 
-        SFTDataLoader.load_state_dict(NS(planner=self.planner, dp_size=self.dp, _consumed=0, _epoch=None), state)
+        SFTDataLoader.load_state_dict(NS(planner=self.planner, dp_size=self.dp, _consumed=0, _epoch=None, data_files=None,
+                                         _pack_classes_digest=lambda: None), state)
 
 
-def _state(capacity=512, records=10, seed=0, g=4):
-    return {"global_packs_consumed": g, "capacity": capacity, "num_records": records, "seed": seed}
+def _state(capacity=512, records=10, seed=0, g=4, shuffle=True):
+    return {"global_packs_consumed": g, "capacity": capacity, "num_records": records, "seed": seed, "shuffle": shuffle}
 
 
 @pytest.mark.parametrize("state, loader, expect", [
@@ -58,7 +59,12 @@ def _state(capacity=512, records=10, seed=0, g=4):
                                       "= 256, this run has data.max_tokens_per_pack = 512"),
     (_state(records=12), _Loader(), "data.train_path: the checkpoint was written reading 12 train records, this run reads 10"),
     (_state(seed=3), _Loader(), "train.seed: the checkpoint was written with train.seed = 3"),
+    (_state(shuffle=False), _Loader(), "data.shuffle: the checkpoint was written with data.shuffle = false, this run has "
+                                       "data.shuffle = true"),
     (_state(g=3), _Loader(dp=2), "checkpoint.resume: the checkpoint's data position cannot be continued"),
+    # a GRPO run's data state (a checkpoint whose layout record predates train.mode): a KeyError traceback before
+    ({"next_step": 4, "seed": 0, "num_prompts": 10, "prompts_per_step": 2}, _Loader(),
+     "train.mode: the checkpoint's data state holds no packed-data position"),
 ])
 @pytest.mark.parametrize("kind", [SFTStep, PairStep])
 def test_a_data_position_that_cannot_continue_is_one_line_naming_the_key(state, loader, expect, kind):
@@ -70,6 +76,20 @@ def test_a_data_position_that_cannot_continue_is_one_line_naming_the_key(state, 
     assert msg.startswith(expect) and "\n" not in msg
     assert 'checkpoint.resume = "none"' in msg
     assert data_state_refusal(state, loader, ValueError("x")).split(" (")[0] == msg.split(" (")[0]
+
+
+@pytest.mark.parametrize("kind", [SFTStep, PairStep])
+def test_a_refusal_of_other_pack_classes_does_not_send_the_user_to_the_data_parallel_size(kind):
+    """The video pack classes differ (another length cache version or tile setting): the data-parallel size is not
+    the way out, as the refusal used to say of every position it had no key for."""
+    step = kind.__new__(kind)
+    step.loader = _Loader()
+    with pytest.raises(ConfigError) as e:
+        step.load_data_state({**_state(), "pack_classes": "0123456789abcdef"}, 4)
+    msg = str(e.value)
+    assert msg.startswith("checkpoint.resume: the checkpoint's data position cannot be continued here (data state: the "
+                          "records' video pack classes differ") and "\n" not in msg, msg
+    assert "data-parallel size" not in msg and 'checkpoint.resume = "none"' in msg
 
 
 def _rows(path):

@@ -402,7 +402,8 @@ class CheckpointManager:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         extra_file = path / f"extra_rank{self.rank}.pt"
         if not extra_file.is_file() and not (path / "extra_rank0.pt").is_file():
-            raise FileNotFoundError(f"{extra_file} and extra_rank0.pt missing")
+            also = "" if self.rank == 0 else " and extra_rank0.pt"
+            raise FileNotFoundError(f"{extra_file}{also} missing")
         if not extra_file.is_file():
             # written by fewer processes: the scheduler, step and data position are global (the data state holds
             # the global pack count), and every rank of a fresh run starts from the same RNG seed, so rank 0's

@@ -36,6 +36,18 @@ def test_a_rank_without_its_own_extra_file_resumes_from_rank_0s(tmp_path):
     assert torch.equal(fresh.weight, model.weight)
 
 
+@pytest.mark.parametrize("rank, expect", [(0, "extra_rank0.pt missing"), (1, "extra_rank1.pt and extra_rank0.pt missing")])
+def test_a_missing_extra_file_is_named_once(tmp_path, rank, expect):
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    CheckpointManager(tmp_path, keep_last=0, rank=0).save(2, model, opt, {})
+    path = tmp_path / "checkpoints" / "step_2"
+    (path / "extra_rank0.pt").unlink()
+    with pytest.raises(FileNotFoundError) as e:
+        CheckpointManager(tmp_path, keep_last=0, rank=rank).load(path, model, opt)
+    assert str(e.value).endswith(expect) and str(e.value).count("extra_rank0.pt") == 1
+
+
 class _Loader:
     """The data-state part of the SFT loader (data/loader.py), with the same refusal."""
 

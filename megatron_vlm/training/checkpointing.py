@@ -180,6 +180,7 @@ class Checkpointer:
             if failed is None:
                 assert extra is not None  # loaded: no error on any rank
                 log.info("Resumed from checkpoint: step=%d (%s)", extra["step"], path)
+                self._warn_unloaded_modules(path)
                 if self.cfg.resume != "auto":  # a rewind inside this run: its later checkpoints are not this run's
                     self.manager.set_aside_newer(path, int(extra["step"]))
                 return ResumePoint(step=int(extra["step"]), data=extra.get("data", {}))
@@ -192,6 +193,23 @@ class Checkpointer:
         _fail(CheckpointError(
             "no checkpoint could be loaded (not starting from step 0 over them): " + "; ".join(tried)
             + '. Remove or repair them, or set checkpoint.resume = "none" to start fresh'), EXIT_RESUME_FAILED)
+
+    def _warn_unloaded_modules(self, path: Path) -> None:
+        """A checkpoint holding the state of a module this run does not train (a PPO run's critic resumed with
+        `rl.advantage = "grpo"`) loads without it; switching may be intended, but the state is then gone from the
+        run's next checkpoints, so say so (the reverse, a module without state, is refused in _layout_refusal)."""
+        if not self.is_main:
+            return
+        try:
+            keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        except FAILURES:
+            return
+        left = sorted({k.split(".", 1)[0] for k in keys if k.count(".") >= 2 and k.split(".", 2)[1] in ("model", "optim")}
+                      - {"model", "optim"} - set(self.modules))
+        if left:
+            log.warning("checkpoint %s holds the state of %s, which this run does not train: not loaded, and not in "
+                        "this run's checkpoints (resume with the settings that trained it to keep it, e.g. PPO's "
+                        "rl.critic)", path, ", ".join(left))
 
     def _layout_refusal(self, path: Path, adapters: set[str], trained: set[str]) -> Optional[str]:
         """Why this run (adapted layers `adapters`, or with full fine-tuning the parameters `trained` with optimizer

@@ -301,3 +301,23 @@ def test_manager_error_names_the_failing_phase(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="while committing on rank 0: OSError.*disk full"):
         mgr.save(2, model, optim.optimizer, {})
     assert list_complete(tmp_path / "checkpoints") == []
+
+
+def test_a_module_state_this_run_does_not_train_is_named_at_resume(tmp_path, caplog):
+    """A checkpoint with a module's state beside the model's (PPO's critic) resumed by a run without that module
+    (rl.advantage = "grpo") loads the model and says the critic state is left behind, instead of dropping it
+    silently; a run that trains the module loads it without the warning."""
+    cfg = NS(checkpoint=NS(enable=True, every_steps=2, keep_last=0, resume="auto", export_hf=False),
+             model=NS(path=str(tmp_path / "model")))
+    ctx = NS(cfg=cfg, env=NS(is_main=True, rank=0), run_dir=tmp_path)
+    model, optim = _parts(0)
+    critic, critic_opt = _parts(1)
+    Checkpointer(ctx, model, optim, modules={"critic": (critic, critic_opt.optimizer)}).save(2, {"pos": 2})
+    for modules, warned in (({}, True), ({"critic": (critic, critic_opt.optimizer)}, False)):
+        caplog.clear()
+        fresh, fresh_optim = _parts(3)
+        with caplog.at_level(logging.WARNING):
+            point = Checkpointer(ctx, fresh, fresh_optim, modules=modules).resume()
+        assert point is not None and point.step == 2 and torch.equal(fresh.weight, model.weight)
+        said = [r.getMessage() for r in caplog.records if "which this run does not train" in r.getMessage()]
+        assert bool(said) == warned and (not said or "holds the state of critic" in said[0]), said

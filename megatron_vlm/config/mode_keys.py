@@ -12,9 +12,10 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
   `data.length_cache_dir`, `data.loader_timeout_s` must keep their defaults (evaluation is `[rl.eval]`; batching is
   `rl.batch.prompts_per_step` / `rl.batch.mini_batches_per_step` / `data.max_tokens_per_pack`);
 - SFT: an `[rl]` section is refused (it is only read by GRPO), and so are `train.eval_every` /
-  `train.eval_max_batches` when there is no held-out split to evaluate (`data.eval_path` empty);
-- the other modes: `data.loader_timeout_s` with `data.num_workers = 0` (no worker to wait for), and one shorter than
-  `data.video_decode_timeout_s` where workers run;
+  `train.eval_max_batches` / `train.eval_generate` when there is no held-out split to evaluate (`data.eval_path`
+  empty);
+- the other modes: `data.loader_timeout_s` and `data.prefetch_factor` with `data.num_workers = 0` (no worker to wait
+  for), and a timeout shorter than `data.video_decode_timeout_s` where workers run;
 - every training mode: the `[data]` keys of another source kind — `train_path`, `eval_path`, `image_root`
   and `columns` with `data.type = "synthetic_vqa"` (it reads the set it generates), `columns` with any
   type but "hf";
@@ -188,13 +189,15 @@ def check_keys_for_mode(cfg: Config) -> None:
 
 
 def _check_loader_timeout(cfg: Config) -> None:
-    """`data.loader_timeout_s` bounds the wait for a DataLoader worker's pack: without workers it is read by nothing;
-    with them it must outlast one video decode (a pack may hold several videos)."""
+    """`data.loader_timeout_s` bounds the wait for a DataLoader worker's pack and `data.prefetch_factor` sets how many
+    each worker prepares: without workers they are read by nothing; with them the timeout must outlast one video
+    decode (a pack may hold several videos)."""
     data = cfg.data
     if data.num_workers == 0:
-        if "loader_timeout_s" in changed_keys(data):
-            raise ConfigError("data.loader_timeout_s: has no effect with data.num_workers = 0 (the training process reads "
-                              "the data itself, no worker to wait for); remove it")
+        for key in ("loader_timeout_s", "prefetch_factor"):
+            if key in changed_keys(data):
+                raise ConfigError(f"data.{key}: has no effect with data.num_workers = 0 (the training process reads the "
+                                  "data itself, no worker to wait for or to prepare packs); remove it")
     elif 0 < data.loader_timeout_s < data.video_decode_timeout_s:
         raise ConfigError(f"data.loader_timeout_s: {data.loader_timeout_s} is shorter than video_decode_timeout_s "
                           f"{data.video_decode_timeout_s}; one slow video would stop the run instead of being skipped")
@@ -249,8 +252,8 @@ def _check_keys(cfg: Config) -> None:
     stage_eval = bool(stages) and all(s.eval_path for s in stages)  # every stage brings its held-out split
     no_split = _no_eval_split(cfg, stage_eval)
     if no_split:
-        for key in ("eval_every", "eval_max_batches"):
-            if getattr(cfg.train, key):
+        for key in ("eval_every", "eval_max_batches", "eval_generate"):
+            if key in changed_keys(cfg.train):
                 raise ConfigError(f"train.{key}: there is no held-out split to evaluate ({no_split})")
 
 

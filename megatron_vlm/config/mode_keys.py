@@ -36,7 +36,8 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
 - a `data.max_tokens_per_pack` not divisible by 2 x `parallel.cp` (the load-balanced causal chunks);
   `parallel.cp` works in SFT and GRPO alike (GRPO: the ranks of a cp group generate the same samples,
   unsharded, and split the tokens of the packed training forwards);
-- `[moe]` keys other than their defaults on a model without MoE layers, and `[kernels]` backends forced for
+- `[moe]` keys other than their defaults on a model without MoE layers (the bias-balancing keys on one whose routers
+  have no score-correction bias, Qwen3-MoE's), and `[kernels]` backends forced for
   the MoE / Mamba2 ops on a model without such layers (`check_moe_section`, once the model — or its
   meta-device twin in `--check` — is built), `rl.routing_replay = "rollout"` on such a model too;
   `kernels.moe_ep_dispatch` without `parallel.ep` > 1;
@@ -348,6 +349,7 @@ def check_moe_section(cfg: Config, model: nn.Module, layer_kinds: Optional[Colle
     the model's MoE or Mamba2 layers); None: read from `model`."""
     from megatron_vlm.models.common.mamba2 import Mamba2Mixer
     from megatron_vlm.models.common.moe import moe_layers
+    from megatron_vlm.training.moe_balancing import MOE_BIAS
 
     if layer_kinds is None:
         has = {"MoE": bool(list(moe_layers(model))), "Mamba2": any(isinstance(m, Mamba2Mixer) for m in model.modules())}
@@ -356,6 +358,11 @@ def check_moe_section(cfg: Config, model: nn.Module, layer_kinds: Optional[Colle
     changed = changed_keys(cfg.moe)
     if changed and not has["MoE"]:
         raise ConfigError(f"moe.{changed[0]}: the model ({type(model).__name__}) has no MoE layers; remove the [moe] section")
+    bias_keys = [k for k in ("enable_moe_load_balancing_training", "bias_update_rate") if k in changed]
+    if bias_keys and not (MOE_BIAS in layer_kinds if layer_kinds is not None else any(
+            layer.gate.e_score_correction_bias is not None for layer in moe_layers(model))):  # what balancing moves
+        raise ConfigError(f"moe.{bias_keys[0]}: the model's MoE routers ({type(model).__name__}) have no score-correction "
+                          "bias, so there is nothing to balance; remove the key")
     rl = getattr(cfg, "rl", None)
     if rl is not None and cfg.train.mode == "grpo" and rl.routing_replay == "rollout" and not has["MoE"]:
         raise ConfigError(f"rl.routing_replay: 'rollout' replays the rollout's MoE routes; the model "

@@ -37,6 +37,10 @@ from megatron_vlm.table_checks import at_least
 log = logging.getLogger("megatron_vlm")
 
 
+MOE_BIAS = "MoE bias"
+"""The layer kind (`ModelBundle.layer_kinds`) of MoE routers with a score-correction bias: what balancing moves."""
+
+
 @dataclass(kw_only=True)
 class MoEConfig:
     """`[moe]` config section: auxiliary-free load balancing, the optional auxiliary loss and workload reports."""

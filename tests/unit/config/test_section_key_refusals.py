@@ -86,6 +86,19 @@ def test_moe_bias_rate_needs_bias_updates():
              "moe.bias_update_rate", "has no effect with enable_moe_load_balancing_training = false")
 
 
+def test_check_refuses_bias_balancing_keys_for_routers_without_a_bias(tmp_path):
+    """Qwen3-MoE routers have no score-correction bias: the bias rate moved nothing, said nothing (--check and the
+    job share check_moe_section). The entry point with a tiny Qwen3-VL-MoE built in a temporary folder."""
+    base = ["--config", str(CONFIGS / "demo_qwen3_vl.toml"), "--check", "--device-memory-gib", "80",
+            "--set", 'model.synthesize="tiny_qwen3_vl_moe"', "--set", f'model.path="{tmp_path / "m"}"',
+            "--set", f'train.output_dir="{tmp_path / "run"}"']
+    r = subprocess.run([sys.executable, str(REPO / "launch" / "pretrain_vlm.py"), *base, "--set", "moe.bias_update_rate=0.01"],
+                       capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("check failed: moe.bias_update_rate: the model's MoE routers"), \
+        r.stderr[-2000:]
+
+
 @pytest.mark.parametrize("key, value", [("temperature", "0.7"), ("top_p", "0.9"), ("top_k", "20")])
 def test_eval_sampling_keys_need_the_sampled_pass(tmp_path, key, value):
     config = write_eval_config(tmp_path / "eval.toml", tmp_path / "model", tmp_path / "out",

@@ -90,7 +90,7 @@ class EvalConfig:
     """Also sample this many completions per prompt (temperature / top_p / top_k below) and report
     Avg@k and pass@k (0 = no sampled pass)."""
     temperature: float = 1.0
-    """Sampling temperature of the sampled pass."""
+    """Sampling temperature of the sampled pass (temperature, top_p and top_k are refused with samples = 0)."""
     top_p: float = 1.0
     """Nucleus threshold of the sampled pass."""
     top_k: int = 0
@@ -134,6 +134,10 @@ class EvalConfig:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k: must be >= 0, got {self.top_k}")
+        for name in ("temperature", "top_p", "top_k"):  # greedy decoding reads none of them
+            if not self.samples and getattr(self, name) != getattr(EvalConfig, name):
+                raise ValueError(f"{name}: only read by the sampled pass (eval.samples > 0; the greedy pass decodes at "
+                                 "temperature 0); remove it or set eval.samples")
         for name in ("max_new_tokens", "batch_size", "reward_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

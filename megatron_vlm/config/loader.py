@@ -259,8 +259,12 @@ def parse_override_value(text: str, key: str = "") -> Any:
     return parsed["v"]
 
 
-_RUN_LENGTH_KEYS: dict[tuple[str, ...], str] = {("train", "max_steps"): "epochs", ("train", "epochs"): "max_steps"}
-"""The two ways to give a run's length (one of them, never both): a `--set` of one replaces the file's other."""
+_EITHER_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("train", "max_steps"): ("train", "epochs"), ("train", "epochs"): ("train", "max_steps"),
+    ("scheduler", "warmup_steps"): ("scheduler", "warmup_ratio"), ("scheduler", "warmup_ratio"): ("scheduler", "warmup_steps"),
+}
+"""Pairs of keys that give one setting two ways (one of them, never both): a run's length, its warmup. A `--set` of
+one replaces the file's other."""
 
 
 _KEY_SEGMENT = re.compile(r"([^.\[\]]+)((?:\[\d+\])*)")
@@ -317,7 +321,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     array of tables as the errors do (`rl.rewards[0].weight=0.5`, `stages[1]={...}`).
 
     A run length on the command line (`--set train.max_steps=200` on a recipe that sets `train.epochs`, as in
-    docs/training.md) replaces the file's other length key: both are refused together, and the command line
+    docs/training.md) replaces the file's other length key, and a warmup (`scheduler.warmup_steps` /
+    `warmup_ratio`) the file's other warmup key (`_EITHER_KEYS`): both are refused together, and the command line
     is what the user means. Both given with `--set` stay refused."""
     set_keys: set[tuple[str | int, ...]] = set()
     for item in overrides:
@@ -328,9 +333,9 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         steps = _key_steps(item, key)
         node = _set_value(raw, steps, parse_override_value(text.strip(), key), item)
         set_keys.add(tuple(steps))
-        other = _RUN_LENGTH_KEYS.get(tuple(map(str, steps)))
-        if other is not None and ("train", other) not in set_keys and isinstance(node, dict):
-            node.pop(other, None)
+        other = _EITHER_KEYS.get(tuple(map(str, steps)))
+        if other is not None and other not in set_keys and isinstance(node, dict):
+            node.pop(other[-1], None)
     return raw
 
 

@@ -12,9 +12,10 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
   `data.length_cache_dir`, `data.loader_timeout_s` must keep their defaults (evaluation is `[rl.eval]`; batching is
   `rl.batch.prompts_per_step` / `rl.batch.mini_batches_per_step` / `data.max_tokens_per_pack`);
 - SFT: an `[rl]` section is refused (it is only read by GRPO), and so are `train.eval_every` /
-  `train.eval_max_batches` when there is no held-out split to evaluate (`data.eval_path` empty);
-- the other modes: `data.loader_timeout_s` with `data.num_workers = 0` (no worker to wait for), and one shorter than
-  `data.video_decode_timeout_s` where workers run;
+  `train.eval_max_batches` / `train.eval_generate` when there is no held-out split to evaluate (`data.eval_path`
+  empty);
+- the other modes: `data.loader_timeout_s` and `data.prefetch_factor` with `data.num_workers = 0` (no worker to wait
+  for), and a timeout shorter than `data.video_decode_timeout_s` where workers run;
 - every training mode: the `[data]` keys of another source kind — `train_path`, `eval_path`, `image_root`
   and `columns` with `data.type = "synthetic_vqa"` (it reads the set it generates), `columns` with any
   type but "hf";
@@ -35,7 +36,8 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
 - a `data.max_tokens_per_pack` not divisible by 2 x `parallel.cp` (the load-balanced causal chunks);
   `parallel.cp` works in SFT and GRPO alike (GRPO: the ranks of a cp group generate the same samples,
   unsharded, and split the tokens of the packed training forwards);
-- `[moe]` keys other than their defaults on a model without MoE layers, and `[kernels]` backends forced for
+- `[moe]` keys other than their defaults on a model without MoE layers (the bias-balancing keys on one whose routers
+  have no score-correction bias, Qwen3-MoE's), and `[kernels]` backends forced for
   the MoE / Mamba2 ops on a model without such layers (`check_moe_section`, once the model — or its
   meta-device twin in `--check` — is built), `rl.routing_replay = "rollout"` on such a model too;
   `kernels.moe_ep_dispatch` without `parallel.ep` > 1;
@@ -188,13 +190,15 @@ def check_keys_for_mode(cfg: Config) -> None:
 
 
 def _check_loader_timeout(cfg: Config) -> None:
-    """`data.loader_timeout_s` bounds the wait for a DataLoader worker's pack: without workers it is read by nothing;
-    with them it must outlast one video decode (a pack may hold several videos)."""
+    """`data.loader_timeout_s` bounds the wait for a DataLoader worker's pack and `data.prefetch_factor` sets how many
+    each worker prepares: without workers they are read by nothing; with them the timeout must outlast one video
+    decode (a pack may hold several videos)."""
     data = cfg.data
     if data.num_workers == 0:
-        if "loader_timeout_s" in changed_keys(data):
-            raise ConfigError("data.loader_timeout_s: has no effect with data.num_workers = 0 (the training process reads "
-                              "the data itself, no worker to wait for); remove it")
+        for key in ("loader_timeout_s", "prefetch_factor"):
+            if key in changed_keys(data):
+                raise ConfigError(f"data.{key}: has no effect with data.num_workers = 0 (the training process reads the "
+                                  "data itself, no worker to wait for or to prepare packs); remove it")
     elif 0 < data.loader_timeout_s < data.video_decode_timeout_s:
         raise ConfigError(f"data.loader_timeout_s: {data.loader_timeout_s} is shorter than video_decode_timeout_s "
                           f"{data.video_decode_timeout_s}; one slow video would stop the run instead of being skipped")
@@ -249,8 +253,8 @@ def _check_keys(cfg: Config) -> None:
     stage_eval = bool(stages) and all(s.eval_path for s in stages)  # every stage brings its held-out split
     no_split = _no_eval_split(cfg, stage_eval)
     if no_split:
-        for key in ("eval_every", "eval_max_batches"):
-            if getattr(cfg.train, key):
+        for key in ("eval_every", "eval_max_batches", "eval_generate"):
+            if key in changed_keys(cfg.train):
                 raise ConfigError(f"train.{key}: there is no held-out split to evaluate ({no_split})")
 
 
@@ -345,6 +349,7 @@ def check_moe_section(cfg: Config, model: nn.Module, layer_kinds: Optional[Colle
     the model's MoE or Mamba2 layers); None: read from `model`."""
     from megatron_vlm.models.common.mamba2 import Mamba2Mixer
     from megatron_vlm.models.common.moe import moe_layers
+    from megatron_vlm.training.moe_balancing import MOE_BIAS
 
     if layer_kinds is None:
         has = {"MoE": bool(list(moe_layers(model))), "Mamba2": any(isinstance(m, Mamba2Mixer) for m in model.modules())}
@@ -353,6 +358,11 @@ def check_moe_section(cfg: Config, model: nn.Module, layer_kinds: Optional[Colle
     changed = changed_keys(cfg.moe)
     if changed and not has["MoE"]:
         raise ConfigError(f"moe.{changed[0]}: the model ({type(model).__name__}) has no MoE layers; remove the [moe] section")
+    bias_keys = [k for k in ("enable_moe_load_balancing_training", "bias_update_rate") if k in changed]
+    if bias_keys and not (MOE_BIAS in layer_kinds if layer_kinds is not None else any(
+            layer.gate.e_score_correction_bias is not None for layer in moe_layers(model))):  # what balancing moves
+        raise ConfigError(f"moe.{bias_keys[0]}: the model's MoE routers ({type(model).__name__}) have no score-correction "
+                          "bias, so there is nothing to balance; remove the key")
     rl = getattr(cfg, "rl", None)
     if rl is not None and cfg.train.mode == "grpo" and rl.routing_replay == "rollout" and not has["MoE"]:
         raise ConfigError(f"rl.routing_replay: 'rollout' replays the rollout's MoE routes; the model "

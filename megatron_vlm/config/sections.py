@@ -43,7 +43,7 @@ class TrainConfig:
     output_dir: str = "runs/default"
     """Run folder: config.toml, checkpoints/, metrics CSVs, tensorboard/, exports."""
     seed: int = 0
-    """Seeds every RNG (python, numpy, torch, data order)."""
+    """Seeds every RNG (python, numpy, torch, data order); 0 to 2**32 - 1 (numpy's seed range)."""
     max_steps: Optional[int] = None
     """Optimizer steps to run; if unset, `epochs` decides (set one of the two, not both)."""
     epochs: Optional[float] = None
@@ -96,10 +96,10 @@ class TrainConfig:
         if any(not p.strip() for p in self.train_layers):  # an empty regex matches every name: nothing frozen
             raise ValueError(f"train_layers: an empty pattern matches every parameter (nothing would be frozen); got "
                              f"{self.train_layers}")
-        above(self, 0, "micro_batches_per_step")
-        at_least(self, 0, "max_grad_norm")
-        if self.eval_every < 0 or self.log_every <= 0:
-            raise ValueError("eval_every/log_every: must be >= 0 / > 0")
+        if not 0 <= self.seed < 2**32:  # numpy refuses any other seed when the job starts (training/context.py)
+            raise ValueError(f"seed: must be in [0, 2**32 - 1] (numpy's seed range), got {self.seed}")
+        above(self, 0, "micro_batches_per_step", "log_every")
+        at_least(self, 0, "max_grad_norm", "eval_every", "eval_max_batches")
         if self.fp8_recipe is not None and self.precision != "fp8":
             raise ValueError(f"fp8_recipe: only with precision = \"fp8\" (precision is {self.precision!r})")
         if self.max_consecutive_skipped_steps < 0:
@@ -132,15 +132,21 @@ class SchedulerConfig:
     type: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after warmup."""
     warmup_steps: int = 0
-    """Linear warmup steps (takes precedence over warmup_ratio when > 0)."""
+    """Linear warmup steps (or warmup_ratio, not both; a `--set` of one replaces the file's other)."""
     warmup_ratio: float = 0.0
     """Warmup as a fraction of the total steps (e.g. 0.03: a short warmup that spares the first updates of
     a fine-tune from the full learning rate)."""
     min_lr_ratio: float = 0.0
-    """Final lr as a fraction of the peak (cosine / linear)."""
+    """Final lr as a fraction of the peak (cosine / linear; refused with constant, which never decays)."""
 
     def validate(self) -> None:
         at_least(self, 0, "warmup_steps")
+        if self.warmup_steps > 0 and self.warmup_ratio > 0:  # warmup_steps would decide, warmup_ratio be ignored
+            raise ValueError(f"warmup_ratio: set warmup_steps or warmup_ratio, not both (warmup_steps = {self.warmup_steps} "
+                             f"would decide the warmup and warmup_ratio = {self.warmup_ratio} be ignored)")
+        if self.type == "constant" and self.min_lr_ratio != SchedulerConfig.min_lr_ratio:
+            raise ValueError(f"min_lr_ratio: not read with type = 'constant' (the lr stays at optimizer.lr after the "
+                             f"warmup), got {self.min_lr_ratio}; remove it or use 'cosine' / 'linear'")
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -247,11 +253,17 @@ class LoggingConfig:
     wandb: bool = False
     """Log to Weights & Biases (needs the wandb package)."""
     wandb_project: str = "megatron-vlm"
-    """W&B project."""
+    """W&B project (wandb_project, wandb_mode and experiment_name are refused with wandb = false)."""
     wandb_mode: Literal["online", "offline", "disabled"] = "offline"
     """W&B mode; offline works without a network."""
     experiment_name: Optional[str] = None
     """Run name for W&B (default: the output_dir name; TensorBoard writes to output_dir/tensorboard)."""
+
+    def validate(self) -> None:
+        for name in ("wandb_project", "wandb_mode", "experiment_name"):  # only wandb.init reads them
+            if not self.wandb and getattr(self, name) != getattr(LoggingConfig, name):
+                raise ValueError(f"{name}: only read with logging.wandb = true (it configures the W&B run); remove it "
+                                 "or set wandb = true")
 
 
 @dataclass(kw_only=True)
@@ -274,9 +286,11 @@ class LoRAConfig:
     projections. Only linear layers with one Hugging Face counterpart (not fused there) can be adapted;
     routed MoE experts and the LM head never are."""
     include_vision: bool = False
-    """Also adapt matching layers of the vision tower and projector (default: the language model only)."""
+    """Also adapt matching layers of the vision tower and projector (default: the language model only). Not with
+    init_from and empty target_modules (the adapter's own layers are adapted)."""
     init: Literal["default", "gaussian"] = "default"
-    """PEFT's initialisation: default = A Kaiming-uniform, B = 0; gaussian = A normal with standard deviation 1/r, B = 0."""
+    """PEFT's initialisation: default = A Kaiming-uniform, B = 0; gaussian = A normal with standard deviation 1/r, B = 0.
+    Not with init_from in "continue" mode (the adapter's factors replace it)."""
     use_rslora: bool = False
     """Rank-stabilised LoRA: scale by alpha / sqrt(r) instead of alpha / r."""
     init_from: str = ""
@@ -292,3 +306,10 @@ class LoRAConfig:
             raise ValueError(f"dropout: must be in [0, 1), got {self.dropout}")
         if self.init_from_mode != "continue" and not self.init_from:
             raise ValueError("init_from_mode: only meaningful with init_from")
+        if self.init_from and self.init_from_mode == "continue" and self.init != LoRAConfig.init:
+            raise ValueError(f"init: the continued adapter's factors (init_from, init_from_mode = \"continue\") replace "
+                             f"the initialisation, so {self.init!r} has no effect; remove it (it shapes the new adapter of "
+                             "init_from_mode = \"merge\")")
+        if self.init_from and not self.target_modules and self.include_vision:
+            raise ValueError("include_vision: with lora.init_from and no target_modules the adapter's own layers are "
+                             "adapted, vision ones included if it has them; remove it, or name the layers in target_modules")

@@ -38,7 +38,7 @@ from megatron_vlm.training.fp8 import convert_to_fp8
 from megatron_vlm.training.freeze import apply_train_layers
 from megatron_vlm.training.lm_loss import TokenLogprobModel
 from megatron_vlm.training.lora import LoRASetupError, setup_lora
-from megatron_vlm.training.moe_balancing import MoELoadBalancer, check_router_settings
+from megatron_vlm.training.moe_balancing import MOE_BIAS, MoELoadBalancer, check_router_settings
 
 __all__ = ["ModelBundle", "build_model_bundle"]
 
@@ -62,8 +62,9 @@ class ModelBundle:
     num_params: int = 0
     """Parameters of the whole model (every pipeline stage's; `mfu`'s N), counted before a stage split."""
     layer_kinds: frozenset = frozenset()
-    """The kinds of layers ("MoE", "Mamba2") of the whole model, whichever pipeline stage this rank holds: what the
-    `[moe]` section and the layer kernels of `[kernels]` are checked against (a stage may hold none of them)."""
+    """The kinds of layers ("MoE", "Mamba2"; `MOE_BIAS`: MoE routers with a score-correction bias) of the whole model,
+    whichever pipeline stage this rank holds: what the `[moe]` section and the layer kernels of `[kernels]` are
+    checked against (a stage may hold none of them)."""
 
 
 def _load_all_reduce(dims: ParallelDims) -> Callable[[torch.Tensor], Any]:
@@ -141,7 +142,8 @@ def build_model_bundle(ctx: RunContext, *, root: Callable[[torch.nn.Module], Any
     whole_moe = moe_layers(model)  # before a pipeline split leaves this rank only its stage's layers
     num_params = sum(p.numel() for p in model.parameters())
     layer_kinds = frozenset(kind for kind, present in (("MoE", bool(whole_moe)), ("Mamba2", any(
-        isinstance(m, Mamba2Mixer) for m in model.modules()))) if present)
+        isinstance(m, Mamba2Mixer) for m in model.modules())), (MOE_BIAS, any(
+            layer.gate.e_score_correction_bias is not None for layer in whole_moe))) if present)
     wrapper: Any = root(model)  # or, with pp, the stage's PipelineStageModel root
     precision = resolve_precision(cfg.train.precision, env.device)
     pp = cfg.parallel.pp

@@ -37,6 +37,10 @@ from megatron_vlm.table_checks import at_least
 log = logging.getLogger("megatron_vlm")
 
 
+MOE_BIAS = "MoE bias"
+"""The layer kind (`ModelBundle.layer_kinds`) of MoE routers with a score-correction bias: what balancing moves."""
+
+
 @dataclass(kw_only=True)
 class MoEConfig:
     """`[moe]` config section: auxiliary-free load balancing, the optional auxiliary loss and workload reports."""
@@ -46,7 +50,8 @@ class MoEConfig:
     (bias += rate * sign(mean load - load), DeepSeek-V3); the bias only affects which experts are picked. A frozen
     router's bias stays ([lora], train.train_layers without the router): it belongs to the frozen base model."""
     bias_update_rate: float = 1e-3
-    """Step size of the bias update (DeepSeek-V3 uses 1e-3). Set with every router frozen ([lora], train.train_layers
+    """Step size of the bias update (DeepSeek-V3 uses 1e-3); refused with enable_moe_load_balancing_training = false.
+    Set with every router frozen ([lora], train.train_layers
     without the routers): refused when the run starts (no bias moves)."""
     n_step_per_workload_report: int = 10
     """Report `moe/entropy_mean`, `moe/max_fraction_max`, `moe/tokens_per_layer_mean` and the per-layer
@@ -57,6 +62,9 @@ class MoEConfig:
 
     def validate(self) -> None:
         at_least(self, 0, "bias_update_rate", "n_step_per_workload_report", "aux_loss_coef")
+        if not self.enable_moe_load_balancing_training and self.bias_update_rate != MoEConfig.bias_update_rate:
+            raise ValueError(f"bias_update_rate: has no effect with enable_moe_load_balancing_training = false (no bias "
+                             f"moves), got {self.bias_update_rate}; remove it")
 
 
 def switch_aux_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int, *,

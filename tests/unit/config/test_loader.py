@@ -250,7 +250,8 @@ def test_a_home_folder_in_a_path_key_is_expanded(monkeypatch, tmp_path):
     named `~` in the current folder, and `model.path = "~/m"` with model.synthesize built the model there."""
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = load_config_dict(_raw(train__output_dir="~/runs/x", model__synthesize="tiny_qwen2_5_vl", model__path="~/m",
-                                data__synthetic_dir="~", logging__experiment_name="~x"),
+                                data__synthetic_dir="~", logging__wandb=True,
+                                logging__experiment_name="~x"),
                            ["data.length_cache_dir=~/cache", "checkpoint.resume=~/old/checkpoints/step_4"])
     assert cfg.train.output_dir == f"{tmp_path}/runs/x" and cfg.model.path == f"{tmp_path}/m"
     assert cfg.data.synthetic_dir == str(tmp_path) and cfg.data.length_cache_dir == f"{tmp_path}/cache"

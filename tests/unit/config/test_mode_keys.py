@@ -70,11 +70,17 @@ def test_moe_keys_refused_on_a_dense_model():
         check_moe_section(cfg, dense)
     check_moe_section(load_config(SFT), dense)  # defaults: fine
     class BareMoE(MoE):
-        def __init__(self):
+        def __init__(self, bias):
             torch.nn.Module.__init__(self)
+            self.gate = NS(e_score_correction_bias=torch.zeros(2) if bias else None)
 
-    moe = torch.nn.Sequential(BareMoE())
-    check_moe_section(cfg, moe)  # a MoE model: fine
+    check_moe_section(cfg, torch.nn.Sequential(BareMoE(bias=True)))  # a MoE model: fine
+    check_moe_section(cfg, torch.nn.Sequential(BareMoE(bias=False)))  # the auxiliary loss needs no bias
+    for sets in (["moe.bias_update_rate=0.01"], ["moe.enable_moe_load_balancing_training=false"]):
+        check_moe_section(load_config(SFT, sets), torch.nn.Sequential(BareMoE(bias=True)))
+        with pytest.raises(ConfigError, match=rf"^{sets[0].split('=')[0]}: the model's MoE routers \(Sequential\) have "
+                                              "no score-correction bias"):
+            check_moe_section(load_config(SFT, sets), torch.nn.Sequential(BareMoE(bias=False)))
 
 
 def test_launcher_exits_2_with_one_line_naming_the_key(tmp_path):

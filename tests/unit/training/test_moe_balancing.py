@@ -296,7 +296,8 @@ def test_a_bias_rate_for_routers_that_are_all_frozen_is_refused():
     with pytest.raises(ConfigError, match=r"^moe\.bias_update_rate: every MoE router of this run is frozen"):
         MoELoadBalancer(model, MoEConfig(bias_update_rate=0.01))
     MoELoadBalancer(model, MoEConfig())
-    MoELoadBalancer(model, MoEConfig(bias_update_rate=0.01, enable_moe_load_balancing_training=False))
+    with pytest.raises(ValueError, match=r"^bias_update_rate: has no effect with enable_moe_load_balancing_training"):
+        MoELoadBalancer(model, MoEConfig(bias_update_rate=0.01, enable_moe_load_balancing_training=False))
 
 
 def test_grpo_checkpoints_carry_the_policy_and_critic_reports(tmp_path):

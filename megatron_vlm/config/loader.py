@@ -267,6 +267,14 @@ _EITHER_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
 one replaces the file's other."""
 
 
+_SWITCH_OFF_DROPS: dict[tuple[str, ...], tuple[Any, tuple[str, ...]]] = {
+    ("logging", "wandb"): (False, ("wandb_project", "wandb_mode", "experiment_name")),
+}
+"""Switches whose off value leaves keys beside them without effect (refused together by the config checks): a `--set`
+turning one off drops the file's keys it leaves idle (`--set logging.wandb=false` on a recipe that names its wandb
+project), as the command line is what the user means. Such keys also given with `--set` stay refused."""
+
+
 _KEY_SEGMENT = re.compile(r"([^.\[\]]+)((?:\[\d+\])*)")
 """One dotted segment of a `--set` key: a name, then any list indices (`rewards[0]`), as the errors name keys."""
 
@@ -323,7 +331,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     A run length on the command line (`--set train.max_steps=200` on a recipe that sets `train.epochs`, as in
     docs/training.md) replaces the file's other length key, and a warmup (`scheduler.warmup_steps` /
     `warmup_ratio`) the file's other warmup key (`_EITHER_KEYS`): both are refused together, and the command line
-    is what the user means. Both given with `--set` stay refused."""
+    is what the user means. Both given with `--set` stay refused. Likewise a switch turned off with `--set` drops
+    the file's keys it leaves idle (`_SWITCH_OFF_DROPS`: `logging.wandb = false` and the wandb project / mode / name)."""
     set_keys: set[tuple[str | int, ...]] = set()
     for item in overrides:
         if "=" not in item:
@@ -331,11 +340,17 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         key, text = item.split("=", 1)
         key = key.strip()
         steps = _key_steps(item, key)
-        node = _set_value(raw, steps, parse_override_value(text.strip(), key), item)
+        value = parse_override_value(text.strip(), key)
+        node = _set_value(raw, steps, value, item)
         set_keys.add(tuple(steps))
         other = _EITHER_KEYS.get(tuple(map(str, steps)))
         if other is not None and other not in set_keys and isinstance(node, dict):
             node.pop(other[-1], None)
+        switch = _SWITCH_OFF_DROPS.get(tuple(map(str, steps)))
+        if switch is not None and value is switch[0] and isinstance(node, dict):
+            for name in switch[1]:
+                if (*steps[:-1], name) not in set_keys:
+                    node.pop(name, None)
     return raw
 
 

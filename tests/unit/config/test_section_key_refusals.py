@@ -68,6 +68,16 @@ def test_a_warmup_on_the_command_line_replaces_the_files_other_warmup_key():
         load_config(SFT, ["scheduler.warmup_ratio=0.1", "scheduler.warmup_steps=3"])
 
 
+def test_turning_wandb_off_on_the_command_line_drops_the_files_wandb_keys():
+    """A recipe naming its W&B project and run (the Nemotron SFT configs) with `--set logging.wandb=false`: the
+    idle keys come from the file, so they are dropped, not refused; given on the command line too, refused."""
+    nemotron = SFT.parent / "nemotron_3_nano_vl_sft.toml"
+    cfg = load_config(nemotron, ["logging.wandb=false"])
+    assert cfg.logging.wandb is False and cfg.logging.experiment_name != "alignment"
+    with pytest.raises(ConfigError, match=r"^logging.wandb_project: only read with logging.wandb = true"):
+        load_config(nemotron, ["logging.wandb=false", 'logging.wandb_project="p"'])
+
+
 LORA = ["lora.r=8", 'train.train_layers=[]']
 
 

@@ -6,6 +6,7 @@ names — and therefore checkpoints and HF exports — are the same with and wit
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Iterable
 from typing import Optional
 
@@ -13,6 +14,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
+
+log = logging.getLogger("megatron_vlm")
 
 SELECTIVE_SAVE_OPS = (
     "aten.mm", "aten.addmm", "aten._scaled_mm",
@@ -78,6 +81,13 @@ RECOMPILE_LIMIT_PER_KIND = 8
 """Graphs dynamo may keep for one kind of block (its default limit per code object)."""
 
 
+def _traced_code(block: nn.Module) -> object:
+    """The code object dynamo keeps a block's graphs under: its forward's. A block checkpointed by `apply_ac` runs
+    the one wrapper function of this module, whatever its class, so every checkpointed block shares one limit."""
+    forward = block.forward
+    return getattr(getattr(forward, "__func__", forward), "__code__", type(block))
+
+
 def apply_compile(blocks: Iterable[nn.Module], **compile_options) -> None:
     """torch.compile each block (`parallel.compile`; `compile_options` go to `nn.Module.compile`, e.g. a test's
     backend), raising dynamo's recompile limit to what the blocks need.
@@ -86,12 +96,14 @@ def apply_compile(blocks: Iterable[nn.Module], **compile_options) -> None:
     default), and a class whose blocks hold different submodules is traced once per kind (Nemotron-H's hybrid
     block: Mamba2 / MoE / attention / MLP mixers; a MoE decoder layer beside a dense one), each kind static
     first, then with dynamic lengths, and with a view or a plain tensor as input. Past the limit dynamo runs
-    the block eagerly with only a log warning: a "compiled" run that is not. The limit is raised (never
-    lowered) to RECOMPILE_LIMIT_PER_KIND per kind of block of the most varied class."""
+    the block eagerly with only a log warning: a "compiled" run that is not. Blocks checkpointed by `apply_ac`
+    all run one wrapper function, so their graphs, vision blocks and decoder layers alike, share one limit. The
+    limit is raised (never lowered) to RECOMPILE_LIMIT_PER_KIND per kind of block of the code object that holds
+    the most kinds."""
     blocks = list(blocks)
-    kinds: dict[type, set] = {}
+    kinds: dict[object, set] = {}
     for block in blocks:
-        kinds.setdefault(type(block), set()).add(tuple(type(m) for m in block.modules()))
+        kinds.setdefault(_traced_code(block), set()).add(tuple(type(m) for m in block.modules()))
     need = RECOMPILE_LIMIT_PER_KIND * max((len(k) for k in kinds.values()), default=1)
     if torch._dynamo.config.recompile_limit < need:
         torch._dynamo.config.recompile_limit = need
@@ -161,6 +173,7 @@ def parallelize_blocks(
     policy = ac_policy(activation_checkpointing)
     if policy is not None:
         apply_ac(blocks, policy=policy)
+        log.info("activation checkpointing %s: %d transformer blocks", policy, len(blocks))
     if getattr(parallel_cfg, "compile", False):
         apply_compile(blocks)
     if mesh is not None:

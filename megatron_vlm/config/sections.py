@@ -175,7 +175,9 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (ZeRO-3) or keep them until backward (ZeRO-2)."""
     compile: bool = False
-    """torch.compile each transformer block."""
+    """torch.compile each transformer block. The routed experts of MoE layers and Mamba2's packed conv / scan run
+    eagerly inside it; with train.activation_checkpointing on, such a layer's other modules (attention, norms,
+    projections) are compiled one by one under true, and the layer stays eager under "selective" (logged)."""
     ep: int = 1
     """Expert parallelism: shard each MoE block's routed experts over groups of `ep` ranks (tokens
     exchanged with all-to-all); must divide the number of processes and the expert count. EP ranks

@@ -74,7 +74,7 @@ def apply_ac(blocks: Iterable[nn.Module], policy: str = "full") -> None:
             return checkpoint(_orig, *args, use_reentrant=False, **_extra, **kwargs)
 
         block.forward = forward
-        block._mvlm_ac = True
+        block._mvlm_ac = policy  # read by apply_compile
 
 
 RECOMPILE_LIMIT_PER_KIND = 8
@@ -86,6 +86,45 @@ def _traced_code(block: nn.Module) -> object:
     the one wrapper function of this module, whatever its class, so every checkpointed block shares one limit."""
     forward = block.forward
     return getattr(getattr(forward, "__func__", forward), "__code__", type(block))
+
+
+def _opaque(module: nn.Module) -> bool:
+    """Whether `module` holds a part that runs eagerly under torch.compile (`compile_opaque`: the MoE routed
+    experts, Mamba2's packed conv / scan): dynamo breaks a plain block's graph around it, but a checkpointed
+    block compiles whole or not at all."""
+    return any(getattr(m, "compile_opaque", False) for m in module.modules())
+
+
+def _around_opaque(module: nn.Module) -> list[nn.Module]:
+    """The largest submodules of `module` that hold no compile-opaque part (the opaque ones themselves left out)."""
+    units: list[nn.Module] = []
+    for child in module.children():
+        if getattr(child, "compile_opaque", False):
+            continue
+        units += _around_opaque(child) if _opaque(child) else [child]
+    return units
+
+
+def compile_units(blocks: Iterable[nn.Module]) -> tuple[list[nn.Module], list[nn.Module]]:
+    """(modules to compile, blocks left uncompiled) for `parallel.compile`.
+
+    A block is compiled whole, except one checkpointed by `apply_ac` that holds a compile-opaque part (a MoE or
+    Mamba2 decoder layer): dynamo cannot break the graph of a checkpoint, so it would run the whole block, and
+    then every block sharing apply_ac's wrapper, uncompiled. Under whole-block checkpointing its other submodules
+    (attention, norms, dense MLP, projections) are compiled one by one inside the eager checkpoint. Under
+    "selective" the block stays eager: a compiled region inside a selective checkpoint writes into the buffers
+    of the matmul outputs the policy keeps (torch refuses the mutated cache), so nothing in it is compiled."""
+    units: list[nn.Module] = []
+    eager: list[nn.Module] = []
+    for block in blocks:
+        policy = getattr(block, "_mvlm_ac", None)
+        if not policy or not _opaque(block):
+            units.append(block)
+        elif policy == "selective":
+            eager.append(block)
+        else:
+            units += _around_opaque(block)
+    return units, eager
 
 
 def apply_compile(blocks: Iterable[nn.Module], **compile_options) -> None:
@@ -100,7 +139,11 @@ def apply_compile(blocks: Iterable[nn.Module], **compile_options) -> None:
     all run one wrapper function, so their graphs, vision blocks and decoder layers alike, share one limit. The
     limit is raised (never lowered) to RECOMPILE_LIMIT_PER_KIND per kind of block of the code object that holds
     the most kinds."""
-    blocks = list(blocks)
+    blocks, eager = compile_units(blocks)
+    if eager:
+        log.warning("parallel.compile: %d checkpointed blocks with MoE / Mamba2 layers run uncompiled under "
+                    "train.activation_checkpointing = \"selective\" (their matmul outputs cannot be kept from compiled "
+                    "code); with true their attention, norms and projections are compiled", len(eager))
     kinds: dict[object, set] = {}
     for block in blocks:
         kinds.setdefault(_traced_code(block), set()).add(tuple(type(m) for m in block.modules()))

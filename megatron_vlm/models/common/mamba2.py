@@ -90,6 +90,9 @@ class Mamba2State:
 
 
 class Mamba2Mixer(nn.Module):
+    compile_opaque = True  # the packed conv / scan read their bounds on the host, eager under torch.compile
+    # (parallel/apply.py apply_compile)
+
     def __init__(
         self,
         hidden_size: int,

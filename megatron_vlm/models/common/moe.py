@@ -195,6 +195,7 @@ class MoE(nn.Module):
 
     accepts_route_plan = True  # found by routing_replay.replaying_routes
     route_plan: Optional[tuple[RoutePlan, int]] = None
+    compile_opaque = True  # `_routed` runs eagerly under torch.compile (parallel/apply.py apply_compile)
 
     def __init__(
         self,

@@ -113,6 +113,19 @@ class _Batch:
     suppress: torch.Tensor
 
 
+def eager_calls(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """`forward` run with dynamo's stance "force_eager": the trainer's blocks compiled for training
+    (`parallel.compile`) decode eagerly. Traced, every layer index (the KV cache's key, an int) and every new
+    cache length is a graph of its own: the compiled code of one block class hit dynamo's recompile limit within
+    the first decode call (compiling for minutes on a GPU, then eager anyway, with a warning)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch.compiler.set_stance("force_eager"):
+            return forward(*args, **kwargs)
+
+    return call
+
+
 class PolicyRolloutEngine(RolloutEngine):
     def __init__(
         self,
@@ -170,7 +183,7 @@ class PolicyRolloutEngine(RolloutEngine):
         self._runner_key: tuple = ()
         self.model = model
         self.tokenizer = tokenizer
-        self.forward = forward or model
+        self.forward = eager_calls(forward or model)
         self.owns_forward = forward is None
         gen_cfg = getattr(model, "hf_generation_config", None)
         self.eos_token_ids = set(eos_token_ids) if eos_token_ids is not None else eos_token_ids_of(tokenizer, gen_cfg)
@@ -401,7 +414,7 @@ class PolicyRolloutEngine(RolloutEngine):
         cache = self.model.new_cache(ids.shape[0], ids.shape[1], dtype=self.cache_dtype, device=dev)
         kwargs = dict(input_ids=ids.to(dev), attention_mask=mask.to(dev), kv_cache=cache, **vision)
         if self.owns_forward:  # logits_to_keep = 1: the LM head runs on the last position only
-            hidden = self.model(**kwargs, return_hidden=True)[:, -1]
+            hidden = eager_calls(self.model)(**kwargs, return_hidden=True)[:, -1]
             lm_head: Any = self.model.lm_head
             logits = lm_head(hidden)
         else:

@@ -247,3 +247,24 @@ def test_checkpointed_moe_layers_compile_around_their_experts():
         assert g_c.keys() == g_e.keys()
         for k in g_e:
             torch.testing.assert_close(g_c[k], g_e[k], rtol=1e-5, atol=1e-6)
+
+
+def test_rollouts_through_compiled_blocks_decode_eagerly():
+    """GRPO's shared-weights engine and evaluation decode with the trainer's model, whose blocks parallel.compile
+    compiled for training. Traced, each layer index and cache length was a graph of its own and the first decode
+    call hit dynamo's recompile limit (fails here); decoding now runs eagerly: nothing compiled, same tokens."""
+    from megatron_vlm.inference.engine import SamplingParams
+    from megatron_vlm.parallel import apply as ac_apply
+    from tests.fixtures.rollout_engine import SilentTokenizer, make_engine, tiny_vl_model_and_prompts
+
+    model, prompts = tiny_vl_model_and_prompts(3)
+    greedy = SamplingParams(max_new_tokens=6, n=1, temperature=0.0)
+    want = [s.token_ids.tolist() for s in make_engine(model, SilentTokenizer(), eos_token_ids=[-1]).generate(prompts, greedy).samples]
+    counters.clear()
+    torch._dynamo.reset()
+    ac_apply.apply_compile(model.transformer_blocks(), backend="aot_eager")
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for forward in (None, lambda **kw: model(**kw)):  # the engine's own model; the trainer's forward
+            engine = make_engine(model, SilentTokenizer(), eos_token_ids=[-1], forward=forward)
+            assert [s.token_ids.tolist() for s in engine.generate(prompts, greedy).samples] == want
+    assert counters["stats"]["unique_graphs"] == 0

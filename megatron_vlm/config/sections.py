@@ -63,7 +63,8 @@ class TrainConfig:
     """Regexes over parameter or module-class names; when non-empty everything else is frozen
     (e.g. ["Qwen3VLVisionPatchMerger"] or ["^visual\\.merger\\."])."""
     activation_checkpointing: Union[bool, Literal["full", "selective"]] = False
-    """Recompute in backward to save activation memory, per transformer block. true / "full": the whole block
+    """Recompute in backward to save activation memory, per transformer block (the policy's, and PPO's critic's).
+    true / "full": the whole block
     (only its input is kept); "selective": the outputs of its matmuls and attention are kept and only the cheap
     ops between them (norms, rotary, activations, casts) are recomputed: at the Qwen2.5-VL-3B shape about 60 % of
     the activation memory of no checkpointing, for little recompute; with `parallel.compile` the fastest step

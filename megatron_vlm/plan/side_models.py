@@ -80,7 +80,7 @@ def _critic(cfg: Any, hf: dict, build: Callable[[dict], Any], read: Callable[[st
     params = shape.params + hidden + 1
     static = (params + trainable) * master + trainable * 8
     act = estimate_memory(shape, fsdp=1, master_bytes=master, compute_bytes=master, tokens=tokens,
-                          activation_checkpointing=False).activations
+                          activation_checkpointing=cfg.train.activation_checkpointing).activations
     what = "a copy of the policy" if critic.model == "policy" else path
     return SideModels(lines=[
         f"critic     {what}: {params / 1e9:.3f} B parameters ({trainable / 1e9:.3f} B trainable), unsharded on every "

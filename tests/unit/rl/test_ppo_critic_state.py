@@ -85,3 +85,29 @@ def test_skipped_critic_updates_count_on_across_a_resume():
     totals.restore({"counters": {"critic/skipped_updates": 2.0}})  # the checkpoint of an earlier process
     assert totals.add_to(metrics)["critic/skipped_updates"] == 3.0
     assert totals.state()["counters"]["critic/skipped_updates"] == 3.0
+
+
+def test_the_critic_checkpoints_its_blocks_as_the_policy_does(tmp_path):
+    """train.activation_checkpointing applies to the critic's transformer blocks too (it held every activation):
+    the blocks carry the policy's checkpointing, and values and gradients are those of the plain critic."""
+    from megatron_vlm.rl.critic.build import checkpoint_critic_blocks
+
+    ids = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(1))
+    labels = torch.full((1, 12), IGNORE_INDEX)
+    labels[0, 3:11] = ids[0, 4:12]
+    batch = {"input_ids": ids, "labels": labels, "cu_seqlens": torch.tensor([0, 7, 12], dtype=torch.int32)}
+    results = {}
+    for setting in (False, True, "selective"):
+        torch.manual_seed(0)
+        vm = ValueModel(_tiny(tmp_path / str(setting)))
+        torch.nn.init.normal_(vm.value_head.weight, std=0.1)
+        checkpoint_critic_blocks(vm.backbone, setting)
+        blocks = vm.backbone.transformer_blocks()
+        assert [getattr(b, "_mvlm_ac", None) for b in blocks] == [{False: None, True: "full"}.get(setting, setting)] * len(blocks)
+        values = vm(batch)
+        values.square().sum().backward()
+        results[setting] = (values.detach(), {n: p.grad for n, p in vm.named_parameters() if p.grad is not None})
+    for setting in (True, "selective"):
+        torch.testing.assert_close(results[setting][0], results[False][0], rtol=0, atol=0)
+        for n, g in results[False][1].items():
+            torch.testing.assert_close(results[setting][1][n], g, rtol=1e-6, atol=1e-7)

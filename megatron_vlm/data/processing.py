@@ -129,6 +129,14 @@ def _media(messages: list[dict]) -> tuple[list, list[dict]]:
     return images, videos
 
 
+def _add_special_tokens(proc: VLProcessor, text: str) -> bool:
+    """Whether the tokenizer adds its special tokens to a rendered conversation: not when the text starts with the
+    BOS (the template wrote it; a tokenizer that adds one too would give two), as transformers'
+    `apply_chat_template(tokenize=True)` decides."""
+    bos = proc.tokenizer.bos_token
+    return not (bos and text.startswith(bos))
+
+
 def _blank(content) -> bool:
     return isinstance(content, str) and not content.strip()
 
@@ -174,7 +182,7 @@ def estimate_length_and_class(record: Record, proc: VLProcessor, *, max_frames: 
     expansions = {"image": proc.image_expansions([image_hw(ref, cap) for ref in images]) if images else [],
                   "video": [proc.video_expansion(clip) for clip in clips]}
     compact = expand(text, proc.placeholders, expansions, compact=True)
-    n = len(proc.tokenizer(compact)["input_ids"])
+    n = len(proc.tokenizer(compact, add_special_tokens=_add_special_tokens(proc, compact))["input_ids"])
     return (n + sum(omitted_tokens(e) for items in expansions.values() for e in items),
             pack_class([proc.video_frame_shape(clip) for clip in clips]))
 
@@ -209,7 +217,7 @@ def process_record(record: Record, proc: VLProcessor, *, max_frames: int, fps: f
         setattr(out, key, value)
     expansions = {k: [it.expansion for it in v] for k, v in items.items()}
     text = expand(text, proc.placeholders, expansions)
-    enc = proc.tokenizer(text, return_offsets_mapping=True)
+    enc = proc.tokenizer(text, return_offsets_mapping=True, add_special_tokens=_add_special_tokens(proc, text))
     ids = torch.tensor(enc["input_ids"], dtype=torch.long)
     for token, expected in run_counts([e for v in expansions.values() for e in v]).items():
         found = int((ids == proc.tokenizer.convert_tokens_to_ids(token)).sum())

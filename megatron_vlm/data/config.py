@@ -53,9 +53,11 @@ class DataConfig:
     max_pixels: Optional[int] = None
     """Largest resized image area in pixels; unset = the model folder's preprocessor config."""
     video_min_pixels: Optional[int] = None
-    """Smallest resized video-frame area; unset = the model folder's video preprocessor config."""
+    """Smallest resized video-frame area (Qwen3-VL: of the whole clip, frames x area, as its video processor's
+    size bounds it); unset = the model folder's video preprocessor config."""
     video_max_pixels: Optional[int] = None
-    """Largest resized video-frame area; unset = the model folder's video preprocessor config."""
+    """Largest resized video-frame area (Qwen3-VL: of the whole clip, frames x area, as its video processor's
+    size bounds it); unset = the model folder's video preprocessor config."""
     max_frames: int = 16
     """Videos with more frames are uniformly subsampled to this many."""
     fps: float = 2.0

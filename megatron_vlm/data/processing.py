@@ -77,21 +77,29 @@ class ProcessedSample(SampleInputs):
 
 
 # ---------------------------------------------------------------------- text
-def _check_text(record_messages: list[dict], proc: VLProcessor) -> None:
-    """User text must not contain the processor's special tokens (they would spoof placeholders / turns)."""
+def _check_text(record_messages: list[dict], proc: VLProcessor, tools: Optional[list] = None) -> None:
+    """Text the template renders from the record (message contents, tool calls, reasoning, tool specs) must not
+    contain the processor's special tokens: they would spoof placeholders / turns (a turn end inside reasoning
+    closed the trained span early and left the answer after it untrained)."""
     placeholders = [t for t in (proc.image_token, proc.video_token) if t]
+    fields = []
     for i, m in enumerate(record_messages):
         texts = [m["content"]] if isinstance(m["content"], str) else [
             it["text"] for it in m["content"] if it["type"] == "text"]
         if m.get("tool_calls"):
             texts.append(json.dumps(m["tool_calls"], ensure_ascii=False))
-        for t in texts:
-            for s in placeholders:
-                if s in t:
-                    raise BadRecordError("placeholder_mismatch", f"messages[{i}] text contains the placeholder {s}")
-            for s in proc.special_strings:
-                if s in t:
-                    raise BadRecordError("invalid_record", f"messages[{i}] text contains the special token {s}")
+        if m.get("reasoning_content"):
+            texts.append(m["reasoning_content"])
+        fields += [(f"messages[{i}]", t) for t in texts]
+    if tools:
+        fields.append(("tools", json.dumps(tools, ensure_ascii=False)))
+    for where, t in fields:
+        for s in placeholders:
+            if s in t:
+                raise BadRecordError("placeholder_mismatch", f"{where} text contains the placeholder {s}")
+        for s in proc.special_strings:
+            if s in t:
+                raise BadRecordError("invalid_record", f"{where} text contains the special token {s}")
 
 
 def assistant_char_spans(text: str, proc: VLProcessor) -> list[tuple[int, int]]:
@@ -121,6 +129,14 @@ def _media(messages: list[dict]) -> tuple[list, list[dict]]:
     return images, videos
 
 
+def _add_special_tokens(proc: VLProcessor, text: str) -> bool:
+    """Whether the tokenizer adds its special tokens to a rendered conversation: not when the text starts with the
+    BOS (the template wrote it; a tokenizer that adds one too would give two), as transformers'
+    `apply_chat_template(tokenize=True)` decides."""
+    bos = proc.tokenizer.bos_token
+    return not (bos and text.startswith(bos))
+
+
 def _blank(content) -> bool:
     return isinstance(content, str) and not content.strip()
 
@@ -137,7 +153,7 @@ def _rendered(record: Record, proc: VLProcessor, for_generation: bool):
             if m["role"] == "assistant" and _blank(m["content"]) and not m.get("tool_calls"):
                 raise BadRecordError("invalid_record", f"messages[{i}]: empty assistant answer (it would train "
                                                        "the model to end its turn at once)")
-    _check_text(messages, proc)
+    _check_text(messages, proc, record.tools)
     text = proc.render(messages, add_generation_prompt=for_generation, tools=record.tools)
     images, videos = _media(messages)
     order = placeholder_order(text, proc.placeholders)
@@ -166,7 +182,7 @@ def estimate_length_and_class(record: Record, proc: VLProcessor, *, max_frames: 
     expansions = {"image": proc.image_expansions([image_hw(ref, cap) for ref in images]) if images else [],
                   "video": [proc.video_expansion(clip) for clip in clips]}
     compact = expand(text, proc.placeholders, expansions, compact=True)
-    n = len(proc.tokenizer(compact)["input_ids"])
+    n = len(proc.tokenizer(compact, add_special_tokens=_add_special_tokens(proc, compact))["input_ids"])
     return (n + sum(omitted_tokens(e) for items in expansions.values() for e in items),
             pack_class([proc.video_frame_shape(clip) for clip in clips]))
 
@@ -201,7 +217,7 @@ def process_record(record: Record, proc: VLProcessor, *, max_frames: int, fps: f
         setattr(out, key, value)
     expansions = {k: [it.expansion for it in v] for k, v in items.items()}
     text = expand(text, proc.placeholders, expansions)
-    enc = proc.tokenizer(text, return_offsets_mapping=True)
+    enc = proc.tokenizer(text, return_offsets_mapping=True, add_special_tokens=_add_special_tokens(proc, text))
     ids = torch.tensor(enc["input_ids"], dtype=torch.long)
     for token, expected in run_counts([e for v in expansions.values() for e in v]).items():
         found = int((ids == proc.tokenizer.convert_tokens_to_ids(token)).sum())

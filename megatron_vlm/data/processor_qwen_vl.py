@@ -125,24 +125,34 @@ class QwenVLProcessor(VLProcessor):
 
     @classmethod
     def from_transformers(cls, obj: Any) -> QwenVLProcessor:
-        """From a transformers Qwen2-VL-style processor object (tokenizer + image processor attributes)."""
+        """From a transformers Qwen2-VL-style processor object (tokenizer + image processor + video processor
+        attributes): the video processor's size, normalisation and (Qwen3-VL) per-frame cap are kept, as a model
+        folder's video_preprocessor_config.json is read (`from_folder`). Other families' processors are refused:
+        their model folder gives the right processor."""
         tokenizer = getattr(obj, "tokenizer", None)
         image_processor = getattr(obj, "image_processor", None)
         if tokenizer is None or image_processor is None:
             raise TypeError(f"expected a VLProcessor, a model folder or a transformers processor, got {type(obj).__name__}")
+        if not all(hasattr(image_processor, k) for k in ("patch_size", "temporal_patch_size", "merge_size")):
+            raise TypeError(f"{type(obj).__name__} is not a Qwen-VL processor ({type(image_processor).__name__}); pass "
+                            "its model folder instead, which picks the family's processor")
+        qwen3 = type(obj).__name__.startswith("Qwen3VL")
         size = dict(getattr(image_processor, "size", {}) or {})
         video = getattr(obj, "video_processor", None)
-        vsize = dict(getattr(video, "size", {}) or {}) if video is not None else size
-        qwen3 = type(obj).__name__.startswith("Qwen3VL")
+        vsize = dict(getattr(video, "size", {}) or {})
+        norm_keys = ("do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std")
+        video_norm = {k: getattr(video, k, None) for k in norm_keys} if video is not None else None
         return cls(
             tokenizer, image_processor,
             chat_template=getattr(obj, "chat_template", None) or getattr(tokenizer, "chat_template", None) or "",
             image_min_pixels=size.get("shortest_edge", 56 * 56), image_max_pixels=size.get("longest_edge", 28 * 28 * 1280),
-            video_min_pixels=vsize.get("shortest_edge", 128 * 28 * 28),
-            video_max_pixels=vsize.get("longest_edge", 768 * 28 * 28),
+            video_min_pixels=vsize.get("shortest_edge", 128 * 32 * 32 if qwen3 else 128 * 28 * 28),
+            video_max_pixels=vsize.get("longest_edge", 32 * 32 * 768 if qwen3 else 768 * 28 * 28),
             patch_size=image_processor.patch_size, temporal_patch_size=image_processor.temporal_patch_size,
             merge_size=image_processor.merge_size, name_or_path=getattr(tokenizer, "name_or_path", ""),
-            video_timestamps=qwen3,
+            video_timestamps=qwen3, video_norm=video_norm,
+            cap_pixels_per_frame=bool(getattr(video, "cap_pixels_per_frame", False)),
+            max_video_tokens=getattr(video, "max_video_tokens", None) or 768,
         )
 
     def with_overrides(self, *, min_pixels: Optional[int] = None, max_pixels: Optional[int] = None,

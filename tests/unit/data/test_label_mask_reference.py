@@ -13,7 +13,7 @@ import copy
 import pytest
 
 from megatron_vlm.data.messages import Record
-from megatron_vlm.data.processing import process_record
+from megatron_vlm.data.processing import estimate_length, process_record
 
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
                r"|\s+(?!\S)|\s+")
@@ -44,3 +44,32 @@ def test_mask_equals_transformers_assistant_masks(qwen2_split_proc, answers):
                                                          return_assistant_tokens_mask=True)
     assert sample.input_ids.tolist() == ref["input_ids"]
     assert sample.label_mask.int().tolist() == ref["assistant_masks"]
+
+
+@pytest.fixture(scope="module")
+def bos_proc(proc):
+    """A tokenizer whose post-processor adds a BOS (as Llama-style tokenizers do) under a template that writes
+    `{{ bos_token }}` itself."""
+    from tokenizers import processors
+
+    out = copy.copy(proc)
+    out.tokenizer = copy.deepcopy(proc.tokenizer)
+    out.tokenizer.add_special_tokens({"bos_token": "<s>"})
+    bos = out.tokenizer.convert_tokens_to_ids("<s>")
+    out.tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", bos)])
+    out.chat_template = "{{ bos_token }}" + TEMPLATE
+    return out
+
+
+def test_a_template_that_writes_the_bos_gets_one_bos(bos_proc):
+    """transformers' `apply_chat_template(tokenize=True)` (tokenizer's and processor's) adds no special tokens to a
+    rendering that starts with the BOS; the pipeline added the tokenizer's own in front: two BOS ids per sample."""
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "red"}]
+    record = Record(msgs, "m", 0)
+    sample = process_record(record, bos_proc, max_frames=4)
+    ref = bos_proc.tokenizer.apply_chat_template(msgs, chat_template=bos_proc.chat_template, tokenize=True,
+                                                 return_dict=True)
+    assert sample.input_ids.tolist() == ref["input_ids"]
+    assert estimate_length(record, bos_proc, max_frames=4) == len(ref["input_ids"])
+    assert bos_proc.tokenizer.decode(sample.input_ids[sample.label_mask]) == "red<|im_end|>"

@@ -87,3 +87,13 @@ def test_malformed_or_empty_reasoning(proc, messages_record):
     plain = _row(reasoning=None)
     assert process_record(messages_record(row), proc, max_frames=4).input_ids.tolist() == \
         process_record(messages_record(plain), proc, max_frames=4).input_ids.tolist()
+
+
+@pytest.mark.parametrize("token", ["<|im_end|>\n<|im_start|>user\n", "<|vision_start|>", "<|image_pad|>"])
+def test_special_tokens_in_reasoning_are_refused_as_in_content(reasoning_proc, messages_record, token):
+    """A structural token inside reasoning_content is refused as it is inside content: a turn end there closed the
+    trained span early (the answer after it went untrained) and faked a user turn; a placeholder faked an image."""
+    record = messages_record(_row(reasoning=f"think a bit{token}then answer"))
+    for fn in (estimate_length, process_record):
+        with pytest.raises(BadRecordError, match=r"messages\[3\].*(special token|placeholder)"):
+            fn(record, reasoning_proc, max_frames=4)

@@ -160,3 +160,15 @@ def test_a_list_valued_tools_column_of_an_hf_dataset_reaches_the_template(tool_p
         assert record.tools == row["tools"]
         want = process_record(messages_record(row), tool_proc, max_frames=4)
         assert process_record(record, tool_proc, max_frames=4).input_ids.tolist() == want.input_ids.tolist()
+
+
+@pytest.mark.parametrize("token", ["<|im_end|>", "<|im_start|>", "<|image_pad|>"])
+def test_special_tokens_in_tool_specs_are_refused_as_in_messages(tool_proc, messages_record, token):
+    """The specs are rendered into the prompt like message text: a structural token there is refused as it is in a
+    message (it was tokenised as the special token, a fake turn marker or image in the system turn)."""
+    tools = copy.deepcopy(TOOLS)
+    tools[0]["function"]["description"] = f"evaluate {token} it"
+    record = messages_record(_row(text="t", tools=tools))
+    for fn in (estimate_length, process_record):
+        with pytest.raises(BadRecordError, match=r"tools.*(special token|placeholder)"):
+            fn(record, tool_proc, max_frames=4)

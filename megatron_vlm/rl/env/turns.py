@@ -223,7 +223,8 @@ class TurnEncoder:
         vision = concat_in_order(order, items)
         pieces = self._expanded(pieces, items)
         if len(pieces) == 1:  # the whole text is the template's: tokenized as one text, as the prompt is
-            ids = proc.tokenizer(pieces[0][0])["input_ids"]
+            # mid-conversation: no special tokens of the tokenizer's own (a BOS-adding one put one at every turn)
+            ids = proc.tokenizer(pieces[0][0], add_special_tokens=False)["input_ids"]
         else:
             ids = plain_text.tokenize(proc.tokenizer, pieces, self.specials, proc.tokenizer.convert_tokens_to_ids)
         return TurnChunk(torch.tensor(ids, dtype=torch.long), vision, images, videos), [*history, turn, *new]

@@ -73,3 +73,16 @@ def test_a_template_that_writes_the_bos_gets_one_bos(bos_proc):
     assert sample.input_ids.tolist() == ref["input_ids"]
     assert estimate_length(record, bos_proc, max_frames=4) == len(ref["input_ids"])
     assert bos_proc.tokenizer.decode(sample.input_ids[sample.label_mask]) == "red<|im_end|>"
+
+
+def test_a_multi_turn_reply_chunk_gets_no_bos(bos_proc):
+    """A multi-turn rollout's reply chunk continues a conversation: tokenized with the tokenizer's special tokens
+    on, a BOS-adding tokenizer put a BOS inside the conversation at every turn."""
+    from megatron_vlm.rl.env.base import Observation
+    from megatron_vlm.rl.env.turns import TurnEncoder
+
+    proc = copy.copy(bos_proc)  # the template writes the BOS at the start of the conversation, before any reply
+    proc.chat_template = bos_proc.chat_template + "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    bos = proc.tokenizer.convert_tokens_to_ids("<s>")
+    chunk, _ = TurnEncoder(proc).encode([{"role": "user", "content": "q"}], "red", True, Observation(text="again"))
+    assert bos not in chunk.input_ids.tolist() and len(chunk.input_ids) > 0

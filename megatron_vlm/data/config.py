@@ -7,7 +7,7 @@ loader prefixes `data.`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 from megatron_vlm.table_checks import above, at_least
 
@@ -19,6 +19,10 @@ DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192
 DEFAULT_MAX_VIDEO_PIXELS = 16 * 3840 * 2160
 """132,710,400 pixels: sixteen 4K frames, about 400 MB once decoded to RGB."""
 DEFAULT_VIDEO_DECODE_TIMEOUT_S = 60.0
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                      "continue_final_message", "tokenize", "chat_template", "return_dict",
+                                      "return_assistant_tokens_mask"})
+"""Arguments of `apply_chat_template` the pipeline passes itself (not `data.chat_template_kwargs`)."""
 
 
 @dataclass(kw_only=True)
@@ -48,6 +52,11 @@ class DataConfig:
     "system" (TRL's preference layouts, data/preference_records.py). Required with type = "hf", except
     for GRPO: left out there, the prompt table's layout is detected from its column names (verl's
     preprocessed parquet, TRL GRPO datasets, Geometry3K, ViRL39K, messages; docs/migrating.md)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables for the model's chat template, as transformers' `apply_chat_template(**kwargs)` takes them
+    (verl's apply_chat_template_kwargs; e.g. `{ enable_thinking = false }` for Qwen3's template): every
+    rendering of the run uses them (training samples, GRPO prompts and multi-turn replies, DPO pairs, evaluation).
+    A name the template never reads exits 2 (it would do nothing), as do the names the pipeline sets itself."""
     min_pixels: Optional[int] = None
     """Smallest resized image area in pixels; unset = the model folder's preprocessor config."""
     max_pixels: Optional[int] = None
@@ -129,6 +138,10 @@ class DataConfig:
             if unread:
                 raise ValueError(f"columns: {unread[0]!r} is not read beside 'messages' (a messages column reads the "
                                  "conversation with its 'image' / 'images' and 'system' columns); remove it")
+        reserved = sorted(set(self.chat_template_kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs.{reserved[0]}: set by the pipeline itself (it renders "
+                             "conversations, tools and generation prompts as each mode needs); remove it")
         for name in ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels"):
             v = getattr(self, name)
             if v is not None and v <= 0:

@@ -75,6 +75,7 @@ def _processor_identity(proc: VLProcessor) -> dict:
     return {
         "tokenizer": hashlib.sha256(tok.encode()).hexdigest(),
         "chat_template": hashlib.sha256(proc.chat_template.encode()).hexdigest(),
+        "template_kwargs": json.dumps(getattr(proc, "template_kwargs", {}), sort_keys=True, default=str),
         "vision": proc.identity(),
     }
 

@@ -57,8 +57,17 @@ def _family_class(image_processor_type: str, pre_path: Path):
 
 
 def load_processor(path: str | os.PathLike, *, min_pixels: Optional[int] = None, max_pixels: Optional[int] = None,
-                   video_min_pixels: Optional[int] = None, video_max_pixels: Optional[int] = None) -> VLProcessor:
-    """Load the tokenizer, chat template and image / video settings of a model folder (offline)."""
+                   video_min_pixels: Optional[int] = None, video_max_pixels: Optional[int] = None,
+                   chat_template_kwargs: Optional[dict] = None) -> VLProcessor:
+    """Load the tokenizer, chat template and image / video settings of a model folder (offline); the [data]
+    section's pixel limits and chat-template variables applied."""
+    proc = _load_processor(path, min_pixels=min_pixels, max_pixels=max_pixels, video_min_pixels=video_min_pixels,
+                           video_max_pixels=video_max_pixels)
+    return proc.with_template_kwargs(chat_template_kwargs or {})
+
+
+def _load_processor(path: str | os.PathLike, *, min_pixels: Optional[int], max_pixels: Optional[int],
+                    video_min_pixels: Optional[int], video_max_pixels: Optional[int]) -> VLProcessor:
     from transformers import AutoTokenizer
 
     folder = Path(path)

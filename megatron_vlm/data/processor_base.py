@@ -7,6 +7,7 @@ folder (`load_processor`). Keeping the base below both is what lets `processor.p
 families at module level without an import cycle."""
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,6 +56,19 @@ def special_token_id(tokenizer, token: str, name_or_path: str = "") -> int:
     return int(tid)
 
 
+def template_variables(chat_template: str) -> Optional[set[str]]:
+    """The variables a chat template reads (its undeclared names, as transformers compiles it); None when it cannot
+    be parsed here (then nothing is checked)."""
+    try:
+        import jinja2.meta
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        env = _compile_jinja_template(chat_template).environment
+        return set(jinja2.meta.find_undeclared_variables(env.parse(chat_template)))
+    except Exception:  # a private helper of transformers, or a template its environment cannot parse
+        return None
+
+
 class VLProcessor:
     """Tokenizer + chat template + a family's vision hooks (module docstring). Not used directly."""
 
@@ -79,6 +93,8 @@ class VLProcessor:
                              "chat_template.json / tokenizer_config.json)")
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.template_kwargs: dict[str, Any] = {}
+        """data.chat_template_kwargs: extra template variables of every rendering (`with_template_kwargs`)."""
         self.image_token = image_token
         self.video_token = video_token
         self.image_token_id = None if image_token_id is None else int(image_token_id)
@@ -132,6 +148,23 @@ class VLProcessor:
                              "preprocessor_config.json instead")
         return self
 
+    def with_template_kwargs(self, kwargs: dict[str, Any]) -> VLProcessor:
+        """A copy whose renderings pass `kwargs` (data.chat_template_kwargs) to the chat template. ConfigError (exit 2)
+        naming the key for a name the template never reads: it would change nothing (a misspelt `enable_thinking`)."""
+        if not kwargs:
+            return self
+        reads = template_variables(self.chat_template)
+        unread = sorted(set(kwargs) - reads) if reads is not None else []
+        if unread:
+            from megatron_vlm.errors import ConfigError
+
+            where = self.name_or_path or "the model"
+            raise ConfigError(f"data.chat_template_kwargs.{unread[0]}: the chat template of {where} never reads "
+                              f"{unread[0]!r}, so it would change nothing; remove it")
+        out = copy.copy(self)
+        out.template_kwargs = dict(kwargs)
+        return out
+
     def identity(self) -> dict:
         """Settings that change token counts (part of the length-cache key)."""
         raise NotImplementedError
@@ -139,7 +172,8 @@ class VLProcessor:
     # ------------------------------------------------------------------ text
     def _template(self, conversation: list[dict], tools: Optional[list], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt, tools=tools or None)
+                                                  add_generation_prompt=add_generation_prompt, tools=tools or None,
+                                                  **self.template_kwargs)
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = False,
                tools: Optional[list] = None, strict: bool = True) -> str:

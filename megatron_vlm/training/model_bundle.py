@@ -122,7 +122,8 @@ def build_model_bundle(ctx: RunContext, *, root: Callable[[torch.nn.Module], Any
     seed_everything(cfg.train.seed)
     dims, mesh = build_mesh(cfg.parallel, env.world_size, env.device.type)  # LayoutError: exit 2 (runner)
     processor = load_processor(cfg.model.path, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels,
-                               video_min_pixels=cfg.data.video_min_pixels, video_max_pixels=cfg.data.video_max_pixels)
+                               video_min_pixels=cfg.data.video_min_pixels, video_max_pixels=cfg.data.video_max_pixels,
+                               chat_template_kwargs=cfg.data.chat_template_kwargs)
     model: Any = load_hf_model(cfg.model.path, dtype=getattr(torch, cfg.model.dtype), device="cpu")  # a family model
     lora = getattr(cfg, "lora", None)  # [lora] section (None: full fine-tuning)
     if lora is not None:  # adapters before sharding: FSDP2 wraps them with the rest of each block

@@ -327,3 +327,12 @@ def test_export_dtype_bfloat16_halves_the_folder(tmp_path, assets):
     assert json.loads((runs["bf16"] / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
     ref = AutoModelForImageTextToText.from_pretrained(runs["bf16"] / "hf", dtype="auto")
     assert next(ref.parameters()).dtype == torch.bfloat16
+
+
+def test_chat_template_kwargs_the_template_never_reads_exit_2(tmp_path, assets):
+    """data.chat_template_kwargs reaches the run's processor: a name its template never reads is refused before
+    anything trains (the tiny model's ChatML template has no enable_thinking)."""
+    r = run_job(small_demo_overrides(tmp_path / "run", assets, **{"data.chat_template_kwargs.enable_thinking": "false"}),
+                check=False)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "data.chat_template_kwargs.enable_thinking: the chat template of" in r.stderr

@@ -102,7 +102,8 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
     dtype = compute_dtype(cfg.train.precision, getattr(torch, cfg.model.dtype), env.device)
     # the trainer's processor (training/model_bundle.py), video limits included: the same prompts, the same tokens
     processor = load_processor(cfg.model.path, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels,
-                               video_min_pixels=cfg.data.video_min_pixels, video_max_pixels=cfg.data.video_max_pixels)
+                               video_min_pixels=cfg.data.video_min_pixels, video_max_pixels=cfg.data.video_max_pixels,
+                               chat_template_kwargs=cfg.data.chat_template_kwargs)
     bad = BadRecordLog()
     sets = load_prompt_sets(cfg.data, rl, run_dir=ctx.run_dir, is_main=False, barrier=barrier, bad_records=bad)
     sets = drop_unusable_prompts(sets, processor, cfg.data, rl, bad)  # the trainer's filter: the same prompts

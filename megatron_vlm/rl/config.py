@@ -536,7 +536,8 @@ class VLLMConfig:
     max_num_seqs: int = 256
     """Sequences decoded together (vLLM's batch limit)."""
     max_model_len: Optional[int] = None
-    """Prompt + completion tokens the engine accepts; unset = data.max_tokens_per_pack."""
+    """Prompt + completion tokens the engine accepts; unset = data.max_tokens_per_pack, below it exit 2 (vLLM would end
+    completions at this length, short of rollout.max_new_tokens)."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prompt prefixes (the n = batch.group_size samples of one prompt share it).
     Reset after every weight push."""

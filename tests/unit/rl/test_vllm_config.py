@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_vlm.config import load_config
 from megatron_vlm.config.loader import from_dict
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.rl.asynchronous.allocation import parse_allocation
@@ -81,6 +82,19 @@ def test_launcher_check_exits_2_naming_the_key(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(REPO))
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "rl.allocation: 'vllm:d1+d1' puts the rollout ranks on vLLM" in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("allocation", [None, "vllm:d1+d1"])
+def test_max_model_len_below_the_pack_is_refused_by_the_config(allocation):
+    """A vLLM engine shorter than a pack caps completions at its max_model_len (finish "length", silently: measured,
+    prompt 8 + max_new_tokens 100 at max_model_len 64 gave 56 tokens); the config refuses it, so `--check` and the
+    asynchronous rollout ranks (which build their engine without the synchronous job's helper) do too."""
+    demo = REPO / "launch" / "configs" / "demo_grpo.toml"
+    sets = ['rl.rollout_backend="vllm"', "data.max_tokens_per_pack=1024"] + \
+        ([f'rl.allocation="{allocation}"'] if allocation else [])
+    with pytest.raises(ConfigError, match=r"^rl\.vllm\.max_model_len: 512 is below data\.max_tokens_per_pack = 1024"):
+        load_config(demo, [*sets, "rl.vllm.max_model_len=512"])
+    assert load_config(demo, [*sets, "rl.vllm.max_model_len=1024"]).rl.vllm.max_model_len == 1024
 
 
 def test_engine_refuses_max_model_len_below_the_pack_before_importing_vllm():

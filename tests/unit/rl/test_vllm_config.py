@@ -140,3 +140,39 @@ def test_vllm_layout_refusals_name_the_key(parallel, vllm, world, allocation, wa
     cfg.rl.rollout_backend = "builtin"
     assert vllm_layout_refusal(cfg, world) is None
     assert vllm_executor(world) == ("uni" if world == 1 else "external_launcher")
+
+
+class _RecordingLLM:
+    """Stands in for `vllm.LLM`: records the engine arguments (no vllm here)."""
+
+    made: list = []
+
+    def __init__(self, **kwargs):
+        _RecordingLLM.made.append(kwargs)
+
+    def collective_rpc(self, fn, args=()):
+        return [0]
+
+
+def test_rollout_rank_engine_turns_async_scheduling_off(monkeypatch):
+    """vLLM's asynchronous scheduling (its default on CUDA) returns a step's tokens one engine step later, so a weight
+    push at a step boundary (`paused()`, the rollout ranks) would label the old policy's last tokens with the new
+    version (vLLM 0.32 EngineCore.step_with_batch_queue): the rollout ranks' engine turns it off; the synchronous
+    job's, whose pushes never meet a running generate, keeps vLLM's default."""
+    import types
+    from types import SimpleNamespace as NS
+
+    from megatron_vlm.inference import vllm_engine
+    from megatron_vlm.rl.asynchronous.rollout_rank import _vllm_engine
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=_RecordingLLM))
+    monkeypatch.setattr(vllm_engine, "vllm_importable", lambda: True)
+    _RecordingLLM.made.clear()
+    tok = NS(eos_token_id=7, convert_tokens_to_ids=lambda t: None, get_vocab=lambda: {}, unk_token_id=None)
+    cfg = NS(model=NS(path="unused"), rl=NS(vllm=VLLMConfig()), data=NS(max_tokens_per_pack=256), train=NS(seed=0))
+    ctx = NS(cfg=cfg, env=NS(device=torch.device("cuda")))
+    engine = _vllm_engine(ctx, NS(tokenizer=tok), NS(args=None), torch.float32)
+    assert _RecordingLLM.made[-1]["async_scheduling"] is False
+    del engine.llm  # nothing to shut down
+    vllm_engine.VLLMRolloutEngine("unused", VLLMConfig(), dtype=torch.float32, device="cuda", max_model_len=256)
+    assert "async_scheduling" not in _RecordingLLM.made[-1]

@@ -200,7 +200,12 @@ class VLLMRolloutEngine(RolloutEngine):
         # one process: the engine core and its single worker run in this rank's process (module docstring)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if device.type == "cpu":
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(cfg.cpu_kv_cache_gib))))
+            # rl.vllm.cpu_kv_cache_gib is what the CPU build reads at engine start: it wins over a value already there
+            kv = str(max(1, math.ceil(cfg.cpu_kv_cache_gib)))
+            if os.environ.get("VLLM_CPU_KVCACHE_SPACE", kv) != kv:
+                log.warning("vLLM rollout: VLLM_CPU_KVCACHE_SPACE=%s replaced by rl.vllm.cpu_kv_cache_gib (%s GiB)",
+                            os.environ["VLLM_CPU_KVCACHE_SPACE"], kv)
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = kv
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # leave the trainer's threads alone
         from vllm import LLM
 

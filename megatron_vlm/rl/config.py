@@ -529,7 +529,7 @@ class VLLMConfig:
     sized by `vllm.cpu_kv_cache_gib` instead and this key is not read."""
     cpu_kv_cache_gib: float = 1.0
     """CPU builds of vLLM: KV-cache size in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE, an integer >= 1 there:
-    rounded up). Not read on CUDA."""
+    rounded up; this key sets it, replacing a value already in the environment). Not read on CUDA."""
     enforce_eager: bool = False
     """Run the model eagerly (no torch.compile / CUDA graphs): slower decoding, faster start. The CPU
     build always gets eager mode here (its compile step takes minutes on small machines)."""

@@ -176,3 +176,20 @@ def test_rollout_rank_engine_turns_async_scheduling_off(monkeypatch):
     del engine.llm  # nothing to shut down
     vllm_engine.VLLMRolloutEngine("unused", VLLMConfig(), dtype=torch.float32, device="cuda", max_model_len=256)
     assert "async_scheduling" not in _RecordingLLM.made[-1]
+
+
+def test_cpu_kv_cache_gib_is_what_the_engine_gets(monkeypatch):
+    """The CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE when the engine starts: the key sets it even when
+    the shell (or an earlier engine of the process) already did, rounded up to whole GiB."""
+    import os
+    import types
+
+    from megatron_vlm.inference import vllm_engine
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=_RecordingLLM))
+    monkeypatch.setattr(vllm_engine, "vllm_importable", lambda: True)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    for gib, want in ((3.0, "3"), (0.5, "1")):
+        vllm_engine.VLLMRolloutEngine("unused", VLLMConfig(cpu_kv_cache_gib=gib), dtype=torch.float32, device="cpu",
+                                      max_model_len=256)
+        assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == want

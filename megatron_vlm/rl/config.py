@@ -37,6 +37,8 @@ __all__ = ["RLConfig", "RLEvalConfig", "RLBatchConfig", "RLRolloutConfig", "RLLo
            "ROLLOUT_BACKENDS"]
 
 ROLLOUT_BACKENDS = ("builtin", "vllm")
+VLLM_MIN_TEMPERATURE = 0.01
+"""vLLM (0.32) samples a temperature in (0, 0.01) at 0.01: such a value is refused with its back end."""
 
 _DEFAULT_PROMPT_TEMPLATE = (
     "{problem} You FIRST think about the reasoning process as an internal monologue and then provide "
@@ -786,6 +788,13 @@ class RLConfig:
                               "vllm back end does not return here (vLLM 0.32 returns them only from its Triton model "
                               "runner V2, absent from its CPU build: not wired); use rollout_backend = 'builtin' or "
                               "routing_replay = 'off'")
+        for key, t in (("rollout.temperature", self.rollout.temperature), ("eval.temperature", self.eval.temperature)):
+            if self.rollout_backend == "vllm" and 0 < t < VLLM_MIN_TEMPERATURE:
+                # vLLM raises it to 0.01 with a log warning (SamplingParams.__post_init__): its samples and log-probs
+                # would be of another distribution than the one the update scores
+                raise ConfigError(f"{key}: {t} is below {VLLM_MIN_TEMPERATURE}, which vLLM raises it to (its smallest "
+                                  f"sampling temperature) with rollout_backend = 'vllm'; set it to >= {VLLM_MIN_TEMPERATURE}"
+                                  + (" or 0 (greedy)" if key == "eval.temperature" else ""))
         truncated = [k for k, on in (("top_p", self.rollout.top_p < 1), ("top_k", self.rollout.top_k > 0)) if on]
         if self.rollout_backend == "vllm" and truncated and not self.recompute_logprobs:
             # vLLM reports log-probs of the truncated distribution it drew from (processed_logprobs); the training

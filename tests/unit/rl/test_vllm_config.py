@@ -50,10 +50,20 @@ def test_every_vllm_key_loads_with_the_vllm_backend():
     ({"rollout_backend": "vllm", "rollout": {"batch_prompts": 4}}, r"^rl\.rollout\.batch_prompts: a setting of the built-in engine"),
     ({"rollout_backend": "vllm", "rollout": {"memory_gib": 1.0}}, r"^rl\.rollout\.memory_gib: a setting of the built-in engine"),
     ({"rollout_backend": "vllm", "kv_block_size": 16}, r"^rl\.kv_block_size: .*rollout\.kv_block_size"),  # the old flat name
+    # vLLM 0.32 raises a temperature in (0, 0.01) to 0.01 (SamplingParams.__post_init__): measured, its log-probs at
+    # rollout.temperature = 0.005 were 0.062 off the training forward's, 0 at 0.02
+    ({"rollout_backend": "vllm", "rollout": {"temperature": 0.005}}, r"^rl\.rollout\.temperature: 0\.005 .*vLLM.* 0\.01"),
+    ({"rollout_backend": "vllm", "eval": {"temperature": 0.005}}, r"^rl\.eval\.temperature: 0\.005 .*vLLM.* 0\.01"),
 ])
 def test_refused_naming_the_key(rl, want):
     with pytest.raises(ConfigError, match=want):
         from_dict(RLConfig, rl, "rl")
+
+
+def test_vllm_temperatures_from_0_01_load():
+    rl = from_dict(RLConfig, {"rollout_backend": "vllm", "rollout": {"temperature": 0.01}, "eval": {"temperature": 0.0}}, "rl")
+    assert (rl.rollout.temperature, rl.eval.temperature) == (0.01, 0.0)  # 0: greedy, which vLLM runs as such
+    assert from_dict(RLConfig, {"rollout": {"temperature": 0.005}}, "rl").rollout.temperature == 0.005  # built-in
 
 
 def test_allocation_keeps_the_engine_name():

@@ -545,7 +545,8 @@ class VLLMConfig:
     Reset after every weight push."""
     sleep_mode: bool = False
     """Put the engine to sleep (vLLM's sleep mode) while the trainer runs, giving its device memory back;
-    needs CUDA (exits 2 on other devices)."""
+    needs CUDA (exits 2 on other devices) and the synchronous loop (exits 2 with rl.allocation, whose rollout ranks
+    never sleep)."""
     sleep_level: int = 1
     """Sleep level with vllm.sleep_mode: 1 = offload the weights to host memory and drop the KV cache,
     2 = drop both (the next weight push refills them). 1 or 2."""
@@ -891,6 +892,10 @@ class RLConfig:
             if self.vllm != VLLMConfig():
                 raise ValueError("vllm: the [rl.vllm] table is only read with rollout_backend = 'vllm'")
             return
+        if self.allocation is not None and self.vllm.sleep_mode:
+            raise ValueError(f"vllm.sleep_mode: the engines of the asynchronous rollout ranks (allocation = "
+                             f"{self.allocation!r}) generate all the time beside no trainer, so nothing puts them to "
+                             "sleep; set it to false (size them with vllm.gpu_memory_utilization)")
         defaults = RLRolloutConfig()
         for key in self._BUILTIN_ENGINE_KEYS:
             if getattr(self.rollout, key) != getattr(defaults, key):

@@ -50,6 +50,9 @@ def test_every_vllm_key_loads_with_the_vllm_backend():
     ({"rollout_backend": "vllm", "rollout": {"batch_prompts": 4}}, r"^rl\.rollout\.batch_prompts: a setting of the built-in engine"),
     ({"rollout_backend": "vllm", "rollout": {"memory_gib": 1.0}}, r"^rl\.rollout\.memory_gib: a setting of the built-in engine"),
     ({"rollout_backend": "vllm", "kv_block_size": 16}, r"^rl\.kv_block_size: .*rollout\.kv_block_size"),  # the old flat name
+    # the rollout ranks generate all the time and hold no trainer: nothing would ever put their engine to sleep
+    ({"rollout_backend": "vllm", "allocation": "vllm:d1+d1", "vllm": {"sleep_mode": True}},
+     r"^rl\.vllm\.sleep_mode: the engines of the asynchronous rollout ranks \(allocation = 'vllm:d1\+d1'\)"),
     # vLLM 0.32 raises a temperature in (0, 0.01) to 0.01 (SamplingParams.__post_init__): measured, its log-probs at
     # rollout.temperature = 0.005 were 0.062 off the training forward's, 0 at 0.02
     ({"rollout_backend": "vllm", "rollout": {"temperature": 0.005}}, r"^rl\.rollout\.temperature: 0\.005 .*vLLM.* 0\.01"),

@@ -180,15 +180,12 @@ class VLLMRolloutEngine(RolloutEngine):
     from the training forward's by log(1 - p(vision tokens)), ~0 for a trained model: `rollout/logprob_abs_diff`);
     executor: vLLM's `distributed_executor_backend`, "uni" (one process) or "external_launcher" (every rank of a
     torch.distributed job builds its engine at the same time, and vLLM makes its groups in the job's world; the
-    layout: inference/vllm_layout.py); live_pushes: weights will be pushed into a running `generate` (`paused()`, the
-    asynchronous rollout ranks), so vLLM's asynchronous scheduling is off: with it (vLLM's default on CUDA) an engine
-    step returns the tokens of the batch launched one step earlier, and a push at a step boundary would label the
-    old policy's tokens, drawn but not yet returned, with the new version."""
+    layout: inference/vllm_layout.py)."""
 
     def __init__(self, model_path: str, cfg: VLLMConfig, *, dtype: torch.dtype, device: torch.device | str,
                  max_model_len: int, seed: int = 0, sync_from: Optional[torch.nn.Module] = None,
                  eos_token_ids: Sequence[int] = (), placeholder_ids: Sequence[int] = (),
-                 suppress_token_ids: Sequence[int] = (), executor: str = "uni", live_pushes: bool = False):
+                 suppress_token_ids: Sequence[int] = (), executor: str = "uni"):
         from megatron_vlm.errors import ConfigError
 
         device = torch.device(device)
@@ -233,9 +230,6 @@ class VLLMRolloutEngine(RolloutEngine):
             # whole prompts per scheduling step: vLLM 0.32's CPU worker fails on a chunked prefill of a request
             # with its own seed (it rewinds the request's torch.Generator by an offset, which CPU generators lack)
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(self.max_model_len, 8192))
-        if live_pushes:
-            kwargs.update(async_scheduling=False)
-        self.live_pushes = live_pushes
         if device.type == "cuda":
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.sleep_mode)
         t0 = time.perf_counter()
@@ -473,10 +467,7 @@ class VLLMRolloutEngine(RolloutEngine):
     def paused(self):
         """Context manager (from another thread): generation stops at the next engine step and waits until
         the block ends, so the caller can push new weights (`load_weights`) into a running `generate`: the
-        requests in flight go on with the new weights (module docstring). Only on an engine built with `live_pushes`."""
-        if not self.live_pushes:
-            raise RuntimeError("vLLM rollout: paused() on an engine built without live_pushes (vLLM's asynchronous "
-                               "scheduling would label tokens drawn before the push with the new version)")
+        requests in flight go on with the new weights (module docstring)."""
         self._pause.set()
         try:
             with self._lock:

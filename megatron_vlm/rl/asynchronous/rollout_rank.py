@@ -182,7 +182,7 @@ def _vllm_engine(ctx, processor, model, dtype):
                              max_model_len=cfg.data.max_tokens_per_pack, seed=cfg.train.seed, sync_from=model,
                              eos_token_ids=sorted(eos_token_ids_of(processor.tokenizer, getattr(model, "hf_generation_config", None))),
                              placeholder_ids=[p for p in placeholders if p is not None],
-                             suppress_token_ids=vision_token_ids(model), live_pushes=True)
+                             suppress_token_ids=vision_token_ids(model))
 
 
 def _generate_loop(ctx, role: Role, state: _State, engine, encoder, train_set, todo, start: int, total: int,

@@ -167,30 +167,6 @@ class _RecordingLLM:
         return [0]
 
 
-def test_rollout_rank_engine_turns_async_scheduling_off(monkeypatch):
-    """vLLM's asynchronous scheduling (its default on CUDA) returns a step's tokens one engine step later, so a weight
-    push at a step boundary (`paused()`, the rollout ranks) would label the old policy's last tokens with the new
-    version (vLLM 0.32 EngineCore.step_with_batch_queue): the rollout ranks' engine turns it off; the synchronous
-    job's, whose pushes never meet a running generate, keeps vLLM's default."""
-    import types
-    from types import SimpleNamespace as NS
-
-    from megatron_vlm.inference import vllm_engine
-    from megatron_vlm.rl.asynchronous.rollout_rank import _vllm_engine
-
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=_RecordingLLM))
-    monkeypatch.setattr(vllm_engine, "vllm_importable", lambda: True)
-    _RecordingLLM.made.clear()
-    tok = NS(eos_token_id=7, convert_tokens_to_ids=lambda t: None, get_vocab=lambda: {}, unk_token_id=None)
-    cfg = NS(model=NS(path="unused"), rl=NS(vllm=VLLMConfig()), data=NS(max_tokens_per_pack=256), train=NS(seed=0))
-    ctx = NS(cfg=cfg, env=NS(device=torch.device("cuda")))
-    engine = _vllm_engine(ctx, NS(tokenizer=tok), NS(args=None), torch.float32)
-    assert _RecordingLLM.made[-1]["async_scheduling"] is False
-    del engine.llm  # nothing to shut down
-    vllm_engine.VLLMRolloutEngine("unused", VLLMConfig(), dtype=torch.float32, device="cuda", max_model_len=256)
-    assert "async_scheduling" not in _RecordingLLM.made[-1]
-
-
 def test_cpu_kv_cache_gib_is_what_the_engine_gets(monkeypatch):
     """The CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE when the engine starts: the key sets it even when
     the shell (or an earlier engine of the process) already did, rounded up to whole GiB."""

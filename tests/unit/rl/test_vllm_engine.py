@@ -43,7 +43,7 @@ from megatron_vlm.testing.tiny_text_model import build_tiny_qwen_text_folder  # 
 NEW = 12
 
 
-def _engine(folder, model=None, *, eos=(), suppress=(), live_pushes=False):
+def _engine(folder, model=None, *, eos=(), suppress=()):
     from megatron_vlm.inference.vllm_engine import VLLMRolloutEngine
 
     proc = load_processor(str(folder))
@@ -52,7 +52,7 @@ def _engine(folder, model=None, *, eos=(), suppress=(), live_pushes=False):
                                                              getattr(proc, "video_token", None)) if t]
     return VLLMRolloutEngine(str(folder), VLLMConfig(max_num_seqs=16, cpu_kv_cache_gib=1), dtype=torch.float32, device="cpu",
                              max_model_len=1024, seed=0, sync_from=model, eos_token_ids=eos or sorted(eos_token_ids_of(tok)),
-                             placeholder_ids=placeholders, suppress_token_ids=suppress, live_pushes=live_pushes)
+                             placeholder_ids=placeholders, suppress_token_ids=suppress)
 
 
 def _text_prompts(tok):
@@ -424,7 +424,7 @@ def test_push_during_generation_resumes_requests_with_new_weights(tmp_path):
     _perturb_(new, 11)
     tok = load_processor(str(folder)).tokenizer
     prompts = _text_prompts(tok)
-    engine = _engine(folder, new, live_pushes=True)  # as the rollout ranks build it
+    engine = _engine(folder, new)
     steps, reached = [0], threading.Event()
     step = engine.llm.llm_engine.step
 

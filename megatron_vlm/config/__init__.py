@@ -97,6 +97,8 @@ class Config:
                 raise ValueError(f"rl.rollout.kv_cache_blocks: {rl.rollout.kv_cache_blocks} blocks of {rl.rollout.kv_block_size} positions cannot "
                                  f"hold one sample of up to data.max_tokens_per_pack = {tokens} tokens (prompt + budget) "
                                  f"besides the engine's scratch block: needs >= {need}")
+        if mode == "grpo" and self.rl is not None and self.rl.rollout_backend == "vllm":
+            self._validate_vllm_length()
         if mode == "grpo" and self.rl is not None and self.rl.routing_replay == "rollout":
             self._validate_routing_replay()
         if mode == "grpo" and self.rl is not None and self.rl.rollout.weights == "expert_parallel":
@@ -105,6 +107,16 @@ class Config:
             self._validate_fp8()
         if self.stages:
             self._validate_stages()
+
+    def _validate_vllm_length(self) -> None:
+        """`rl.vllm.max_model_len` below the pack: vLLM ends a sequence at its max_model_len with finish "length", so
+        completions would be cut short of `rl.rollout.max_new_tokens` without a word (prompts are only kept when they
+        fit the pack with the budget). Here, not in the engine, so `--check` and the asynchronous rollout ranks see it."""
+        assert self.rl is not None
+        v, pack = self.rl.vllm, self.data.max_tokens_per_pack
+        if v.max_model_len is not None and v.max_model_len < pack:
+            raise ValueError(f"rl.vllm.max_model_len: {v.max_model_len} is below data.max_tokens_per_pack = {pack}, which "
+                             "prompts + completions may fill; raise it or leave it unset")
 
     def _validate_routing_replay(self) -> None:
         """Where the recorded routes cannot be laid over the training forward's tokens: pipeline parallelism (a stage

@@ -197,7 +197,12 @@ class VLLMRolloutEngine(RolloutEngine):
         # one process: the engine core and its single worker run in this rank's process (module docstring)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if device.type == "cpu":
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(cfg.cpu_kv_cache_gib))))
+            # rl.vllm.cpu_kv_cache_gib is what the CPU build reads at engine start: it wins over a value already there
+            kv = str(max(1, math.ceil(cfg.cpu_kv_cache_gib)))
+            if os.environ.get("VLLM_CPU_KVCACHE_SPACE", kv) != kv:
+                log.warning("vLLM rollout: VLLM_CPU_KVCACHE_SPACE=%s replaced by rl.vllm.cpu_kv_cache_gib (%s GiB)",
+                            os.environ["VLLM_CPU_KVCACHE_SPACE"], kv)
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = kv
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # leave the trainer's threads alone
         from vllm import LLM
 
@@ -369,36 +374,24 @@ class VLLMRolloutEngine(RolloutEngine):
         ids: list[str] = []
         parts: dict[tuple[str, int], dict[str, Any]] = {}  # (request id, completion index) -> streamed pieces
         prompt_ids: dict[str, list[int]] = {}  # request id -> the prompt ids vLLM reports (expanded)
-        interrupted = False
         # vLLM refuses n > 1 with greedy sampling ("n must be 1 when using greedy sampling"): one completion per
         # prompt, repeated n times (the built-in engine's greedy group: n equal completions)
         greedy_copies = params.temperature == 0 and params.n > 1
         sent = dataclasses.replace(params, n=1) if greedy_copies else params
         with self.generating() as engine:
-            for i, p in enumerate(prompts):
-                seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) if generator is not None else None
-                rid = f"r{id(self)}-{self.policy_version}-{i}-{time.monotonic_ns()}"
-                self.add_request(engine, rid, p, sent, seed)
-                ids.append(rid)
-            while engine.has_unfinished_requests():
-                if self.interrupt_requested():
-                    engine.abort_request(ids)
-                    interrupted = True
-                    break
-                if self.step_aside():  # `paused()` from another thread: step aside at this step boundary
-                    continue
-                version = self.policy_version
-                for out in engine.step():
-                    if out.prompt_token_ids is not None:
-                        prompt_ids.setdefault(out.request_id, list(out.prompt_token_ids))
-                    for c in out.outputs:
-                        part = parts.setdefault((out.request_id, c.index), {"tokens": [], "logprobs": [], "versions": [],
-                                                                            "reason": None, "stop": None})
-                        part["tokens"] += list(c.token_ids)
-                        part["logprobs"] += [float(d[t].logprob) for d, t in zip(c.logprobs or [], c.token_ids)]
-                        part["versions"] += [version] * len(c.token_ids)
-                        if c.finish_reason is not None:
-                            part["reason"], part["stop"] = c.finish_reason, c.stop_reason
+            try:
+                for i, p in enumerate(prompts):
+                    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) if generator is not None else None
+                    rid = f"r{id(self)}-{self.policy_version}-{i}-{time.monotonic_ns()}"
+                    try:
+                        self.add_request(engine, rid, p, sent, seed)
+                    except Exception as e:  # vLLM's request validation (e.g. longer than max_model_len): name the prompt
+                        raise ValueError(f"vLLM rollout: prompt {i} ({len(p)} tokens): {e}") from e
+                    ids.append(rid)
+                interrupted = self._run(engine, ids, parts, prompt_ids)
+            except BaseException:
+                engine.abort_request(ids)  # nothing of a failed call stays in the engine for the next one
+                raise
         samples: list[RolloutSample] = []
         n_tok = 0
         # the text of every completion as the built-in engine makes it (stop strings matched with special tokens kept)
@@ -424,6 +417,29 @@ class VLLMRolloutEngine(RolloutEngine):
                     token_versions=torch.tensor(part["versions"], dtype=torch.long)))
         return RolloutResult(samples=samples, num_generated_tokens=n_tok, seconds=time.perf_counter() - t0,
                              stats={"weight_sync_s": self.weight_push_s}, interrupted=interrupted)
+
+    def _run(self, engine, ids: list[str], parts: dict, prompt_ids: dict) -> bool:
+        """Step `engine` until the requests `ids` finish, collecting their streamed pieces into `parts` and the
+        expanded prompts into `prompt_ids`; True when `interrupt()` aborted them."""
+        while engine.has_unfinished_requests():
+            if self.interrupt_requested():
+                engine.abort_request(ids)
+                return True
+            if self.step_aside():  # `paused()` from another thread: step aside at this step boundary
+                continue
+            version = self.policy_version
+            for out in engine.step():
+                if out.prompt_token_ids is not None:
+                    prompt_ids.setdefault(out.request_id, list(out.prompt_token_ids))
+                for c in out.outputs:
+                    part = parts.setdefault((out.request_id, c.index), {"tokens": [], "logprobs": [], "versions": [],
+                                                                        "reason": None, "stop": None})
+                    part["tokens"] += list(c.token_ids)
+                    part["logprobs"] += [float(d[t].logprob) for d, t in zip(c.logprobs or [], c.token_ids)]
+                    part["versions"] += [version] * len(c.token_ids)
+                    if c.finish_reason is not None:
+                        part["reason"], part["stop"] = c.finish_reason, c.stop_reason
+        return False
 
     @staticmethod
     def _reason(reason: Optional[str], stop_reason: Any) -> FinishReason:

@@ -37,6 +37,8 @@ __all__ = ["RLConfig", "RLEvalConfig", "RLBatchConfig", "RLRolloutConfig", "RLLo
            "ROLLOUT_BACKENDS"]
 
 ROLLOUT_BACKENDS = ("builtin", "vllm")
+VLLM_MIN_TEMPERATURE = 0.01
+"""vLLM (0.32) samples a temperature in (0, 0.01) at 0.01: such a value is refused with its back end."""
 
 _DEFAULT_PROMPT_TEMPLATE = (
     "{problem} You FIRST think about the reasoning process as an internal monologue and then provide "
@@ -529,20 +531,22 @@ class VLLMConfig:
     sized by `vllm.cpu_kv_cache_gib` instead and this key is not read."""
     cpu_kv_cache_gib: float = 1.0
     """CPU builds of vLLM: KV-cache size in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE, an integer >= 1 there:
-    rounded up). Not read on CUDA."""
+    rounded up; this key sets it, replacing a value already in the environment). Not read on CUDA."""
     enforce_eager: bool = False
     """Run the model eagerly (no torch.compile / CUDA graphs): slower decoding, faster start. The CPU
     build always gets eager mode here (its compile step takes minutes on small machines)."""
     max_num_seqs: int = 256
     """Sequences decoded together (vLLM's batch limit)."""
     max_model_len: Optional[int] = None
-    """Prompt + completion tokens the engine accepts; unset = data.max_tokens_per_pack."""
+    """Prompt + completion tokens the engine accepts; unset = data.max_tokens_per_pack, below it exit 2 (vLLM would end
+    completions at this length, short of rollout.max_new_tokens)."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prompt prefixes (the n = batch.group_size samples of one prompt share it).
     Reset after every weight push."""
     sleep_mode: bool = False
     """Put the engine to sleep (vLLM's sleep mode) while the trainer runs, giving its device memory back;
-    needs CUDA (exits 2 on other devices)."""
+    needs CUDA (exits 2 on other devices) and the synchronous loop (exits 2 with rl.allocation, whose rollout ranks
+    never sleep)."""
     sleep_level: int = 1
     """Sleep level with vllm.sleep_mode: 1 = offload the weights to host memory and drop the KV cache,
     2 = drop both (the next weight push refills them). 1 or 2."""
@@ -785,6 +789,13 @@ class RLConfig:
                               "vllm back end does not return here (vLLM 0.32 returns them only from its Triton model "
                               "runner V2, absent from its CPU build: not wired); use rollout_backend = 'builtin' or "
                               "routing_replay = 'off'")
+        for key, t in (("rollout.temperature", self.rollout.temperature), ("eval.temperature", self.eval.temperature)):
+            if self.rollout_backend == "vllm" and 0 < t < VLLM_MIN_TEMPERATURE:
+                # vLLM raises it to 0.01 with a log warning (SamplingParams.__post_init__): its samples and log-probs
+                # would be of another distribution than the one the update scores
+                raise ConfigError(f"{key}: {t} is below {VLLM_MIN_TEMPERATURE}, which vLLM raises it to (its smallest "
+                                  f"sampling temperature) with rollout_backend = 'vllm'; set it to >= {VLLM_MIN_TEMPERATURE}"
+                                  + (" or 0 (greedy)" if key == "eval.temperature" else ""))
         truncated = [k for k, on in (("top_p", self.rollout.top_p < 1), ("top_k", self.rollout.top_k > 0)) if on]
         if self.rollout_backend == "vllm" and truncated and not self.recompute_logprobs:
             # vLLM reports log-probs of the truncated distribution it drew from (processed_logprobs); the training
@@ -881,6 +892,10 @@ class RLConfig:
             if self.vllm != VLLMConfig():
                 raise ValueError("vllm: the [rl.vllm] table is only read with rollout_backend = 'vllm'")
             return
+        if self.allocation is not None and self.vllm.sleep_mode:
+            raise ValueError(f"vllm.sleep_mode: the engines of the asynchronous rollout ranks (allocation = "
+                             f"{self.allocation!r}) generate all the time beside no trainer, so nothing puts them to "
+                             "sleep; set it to false (size them with vllm.gpu_memory_utilization)")
         defaults = RLRolloutConfig()
         for key in self._BUILTIN_ENGINE_KEYS:
             if getattr(self.rollout, key) != getattr(defaults, key):

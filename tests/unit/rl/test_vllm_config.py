@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_vlm.config import load_config
 from megatron_vlm.config.loader import from_dict
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.rl.asynchronous.allocation import parse_allocation
@@ -49,10 +50,23 @@ def test_every_vllm_key_loads_with_the_vllm_backend():
     ({"rollout_backend": "vllm", "rollout": {"batch_prompts": 4}}, r"^rl\.rollout\.batch_prompts: a setting of the built-in engine"),
     ({"rollout_backend": "vllm", "rollout": {"memory_gib": 1.0}}, r"^rl\.rollout\.memory_gib: a setting of the built-in engine"),
     ({"rollout_backend": "vllm", "kv_block_size": 16}, r"^rl\.kv_block_size: .*rollout\.kv_block_size"),  # the old flat name
+    # the rollout ranks generate all the time and hold no trainer: nothing would ever put their engine to sleep
+    ({"rollout_backend": "vllm", "allocation": "vllm:d1+d1", "vllm": {"sleep_mode": True}},
+     r"^rl\.vllm\.sleep_mode: the engines of the asynchronous rollout ranks \(allocation = 'vllm:d1\+d1'\)"),
+    # vLLM 0.32 raises a temperature in (0, 0.01) to 0.01 (SamplingParams.__post_init__): measured, its log-probs at
+    # rollout.temperature = 0.005 were 0.062 off the training forward's, 0 at 0.02
+    ({"rollout_backend": "vllm", "rollout": {"temperature": 0.005}}, r"^rl\.rollout\.temperature: 0\.005 .*vLLM.* 0\.01"),
+    ({"rollout_backend": "vllm", "eval": {"temperature": 0.005}}, r"^rl\.eval\.temperature: 0\.005 .*vLLM.* 0\.01"),
 ])
 def test_refused_naming_the_key(rl, want):
     with pytest.raises(ConfigError, match=want):
         from_dict(RLConfig, rl, "rl")
+
+
+def test_vllm_temperatures_from_0_01_load():
+    rl = from_dict(RLConfig, {"rollout_backend": "vllm", "rollout": {"temperature": 0.01}, "eval": {"temperature": 0.0}}, "rl")
+    assert (rl.rollout.temperature, rl.eval.temperature) == (0.01, 0.0)  # 0: greedy, which vLLM runs as such
+    assert from_dict(RLConfig, {"rollout": {"temperature": 0.005}}, "rl").rollout.temperature == 0.005  # built-in
 
 
 def test_allocation_keeps_the_engine_name():
@@ -81,6 +95,19 @@ def test_launcher_check_exits_2_naming_the_key(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(REPO))
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "rl.allocation: 'vllm:d1+d1' puts the rollout ranks on vLLM" in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("allocation", [None, "vllm:d1+d1"])
+def test_max_model_len_below_the_pack_is_refused_by_the_config(allocation):
+    """A vLLM engine shorter than a pack caps completions at its max_model_len (finish "length", silently: measured,
+    prompt 8 + max_new_tokens 100 at max_model_len 64 gave 56 tokens); the config refuses it, so `--check` and the
+    asynchronous rollout ranks (which build their engine without the synchronous job's helper) do too."""
+    demo = REPO / "launch" / "configs" / "demo_grpo.toml"
+    sets = ['rl.rollout_backend="vllm"', "data.max_tokens_per_pack=1024"] + \
+        ([f'rl.allocation="{allocation}"'] if allocation else [])
+    with pytest.raises(ConfigError, match=r"^rl\.vllm\.max_model_len: 512 is below data\.max_tokens_per_pack = 1024"):
+        load_config(demo, [*sets, "rl.vllm.max_model_len=512"])
+    assert load_config(demo, [*sets, "rl.vllm.max_model_len=1024"]).rl.vllm.max_model_len == 1024
 
 
 def test_engine_refuses_max_model_len_below_the_pack_before_importing_vllm():
@@ -126,3 +153,32 @@ def test_vllm_layout_refusals_name_the_key(parallel, vllm, world, allocation, wa
     cfg.rl.rollout_backend = "builtin"
     assert vllm_layout_refusal(cfg, world) is None
     assert vllm_executor(world) == ("uni" if world == 1 else "external_launcher")
+
+
+class _RecordingLLM:
+    """Stands in for `vllm.LLM`: records the engine arguments (no vllm here)."""
+
+    made: list = []
+
+    def __init__(self, **kwargs):
+        _RecordingLLM.made.append(kwargs)
+
+    def collective_rpc(self, fn, args=()):
+        return [0]
+
+
+def test_cpu_kv_cache_gib_is_what_the_engine_gets(monkeypatch):
+    """The CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE when the engine starts: the key sets it even when
+    the shell (or an earlier engine of the process) already did, rounded up to whole GiB."""
+    import os
+    import types
+
+    from megatron_vlm.inference import vllm_engine
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=_RecordingLLM))
+    monkeypatch.setattr(vllm_engine, "vllm_importable", lambda: True)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    for gib, want in ((3.0, "3"), (0.5, "1")):
+        vllm_engine.VLLMRolloutEngine("unused", VLLMConfig(cpu_kv_cache_gib=gib), dtype=torch.float32, device="cpu",
+                                      max_model_len=256)
+        assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == want

@@ -18,7 +18,8 @@ there, and so does `.ci/run`; skipped where vllm is not importable).
   folder (`save_hf_model`) generates, for full fine-tuning and for LoRA (merged weights);
 - a prompt whose expansion differs from vLLM's fails naming the prompt and both lengths;
 - a weight push into a running `generate` (`paused()`, asynchronous GRPO): versions 0 then 1 per completion,
-  each token's log-prob the training forward's of the policy that drew it.
+  each token's log-prob the training forward's of the policy that drew it;
+- a prompt vLLM refuses fails naming it, a vLLM error mid-generate propagates, and neither leaves requests behind.
 """
 import importlib.util
 
@@ -471,3 +472,37 @@ def test_push_during_generation_resumes_requests_with_new_weights(tmp_path):
             torch.testing.assert_close(s.logprobs[sel], lp[ver][sel], atol=1e-4, rtol=0)
         mixed += int(v[0]) == 0 and int(v[-1]) == 1
     assert mixed > 0  # the push landed mid-generation: completions started on version 0 and ended on version 1
+
+
+def test_failures_name_the_prompt_and_leave_the_engine_clean(tmp_path):
+    """A prompt vLLM refuses (longer than its max_model_len) fails naming the prompt; a vLLM error in the middle
+    of a generate propagates (no hang); either way no request of that call stays in the engine, so the next
+    generate gets its own completions only (the requests submitted before the failure are aborted)."""
+    folder = synthesize_model_folder("tiny_qwen2", tmp_path / "m", seed=0)
+    tok = load_processor(str(folder)).tokenizer
+    prompts = _text_prompts(tok)
+    engine = _engine(folder)
+    sampled = SamplingParams(max_new_tokens=NEW, n=2, temperature=1.0)
+    try:
+        too_long = RolloutPrompt(input_ids=prompts[0].input_ids.repeat(200))
+        with pytest.raises(ValueError, match=r"^vLLM rollout: prompt 2 \(1[0-9]{3} tokens\): .*maximum context length is 1024"):
+            engine.generate([*prompts[:2], too_long], sampled, generator=torch.Generator().manual_seed(0))
+        assert not engine.llm.llm_engine.has_unfinished_requests()
+        step, calls = engine.llm.llm_engine.step, [0]
+
+        def failing_step():
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("engine core died")
+            return step()
+
+        engine.llm.llm_engine.step = failing_step
+        with pytest.raises(RuntimeError, match="engine core died"):
+            engine.generate(prompts, sampled, generator=torch.Generator().manual_seed(0))
+        engine.llm.llm_engine.step = step
+        assert not engine.llm.llm_engine.has_unfinished_requests()
+        res = engine.generate(prompts, sampled, generator=torch.Generator().manual_seed(0))
+    finally:
+        engine.close()
+    assert [(s.prompt_index, s.sample_index) for s in res.samples] == [(i, j) for i in range(len(prompts)) for j in range(2)]
+    assert all(s.finish_reason in ("eos", "length") and s.token_ids.numel() >= 1 for s in res.samples)

@@ -15,10 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional
 
-__all__ = ["EvalConfig", "BenchmarkConfig", "BENCHMARK_FORMATS", "VERIFIERS"]
+__all__ = ["EvalConfig", "BenchmarkConfig", "BENCHMARK_FORMATS", "VERIFIERS", "MIN_PROMPT_TOKENS"]
 
 BENCHMARK_FORMATS = ("geometry3k", "mathvista", "mathvision", "logicvista", "mmmu", "messages", "columns")
 VERIFIERS = ("auto", "math", "choice", "exact_match", "short_answer")
+MIN_PROMPT_TOKENS = 16
+"""The least prompt budget (data.max_tokens_per_pack - eval.max_new_tokens) an evaluation accepts."""
 
 
 @dataclass(kw_only=True)

@@ -59,6 +59,7 @@ import dataclasses
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, Optional
 
+from megatron_vlm.config.eval_section import MIN_PROMPT_TOKENS
 from megatron_vlm.config.loader import ConfigError
 from megatron_vlm.training.dpo.config import DPOConfig, check_dpo_keys
 from megatron_vlm.training.reward.config import reward_refusal
@@ -119,6 +120,13 @@ def _check_eval_keys(cfg: Config) -> None:
         if getattr(cfg, name, None) is not None:
             raise ConfigError(f"{name}: the [{name}] section is only read when train.mode = \"{name}\"; {why} (its "
                               "results come from [eval] and the verifiers); remove it")
+    new_tokens = cfg.eval.max_new_tokens if cfg.eval is not None else 0  # [eval] itself: required by the loader
+    budget = cfg.data.max_tokens_per_pack - new_tokens
+    if budget < MIN_PROMPT_TOKENS:  # found only at the first benchmark, after the model was built (a traceback)
+        raise ConfigError(f"eval.max_new_tokens: {new_tokens} leaves {budget} tokens for a prompt within "
+                          f"data.max_tokens_per_pack = {cfg.data.max_tokens_per_pack} (a prompt and its completion "
+                          f"share it; at least {MIN_PROMPT_TOKENS}); raise data.max_tokens_per_pack or lower "
+                          "eval.max_new_tokens")
     if getattr(cfg, "lora", None) is not None:
         raise ConfigError("lora: an evaluation job trains no adapter; evaluate a PEFT adapter with eval.adapter "
                           "(or a merged export as model.path)")

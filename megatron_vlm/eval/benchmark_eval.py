@@ -31,7 +31,7 @@ from collections import Counter
 from contextlib import contextmanager
 from typing import Optional
 
-from megatron_vlm.config.eval_section import BenchmarkConfig, EvalConfig
+from megatron_vlm.config.eval_section import MIN_PROMPT_TOKENS, BenchmarkConfig, EvalConfig
 from megatron_vlm.data.bad_records import BadRecordLog, keep_planning_records, merge_by_shard
 from megatron_vlm.data.loader import build_eval_dataloader
 from megatron_vlm.eval.accuracy import avg_at_k, pass_at_k
@@ -139,7 +139,7 @@ def evaluate_benchmark(ctx: RunContext, bundle: ModelBundle, engine, bcfg: Bench
     bad = BadRecordLog()
     keep_planning_records(opened.bad_records, bad)  # every rank opened the files and found the same bad lines
     prompt_budget = ctx.cfg.data.max_tokens_per_pack - ecfg.max_new_tokens
-    if prompt_budget < 16:
+    if prompt_budget < MIN_PROMPT_TOKENS:  # refused with the config (mode_keys); a caller that skipped it
         raise ValueError(f"data.max_tokens_per_pack: {ctx.cfg.data.max_tokens_per_pack} leaves {prompt_budget} tokens for "
                          f"a prompt before eval.max_new_tokens = {ecfg.max_new_tokens}; raise it")
     data_cfg = dataclasses.replace(ctx.cfg.data, max_tokens_per_pack=prompt_budget)

@@ -210,3 +210,16 @@ def test_async_grpo_refuses_fewer_prompts_than_training_shards():
         check_keys_for_mode(load_config(demo, two))
     check_keys_for_mode(load_config(demo, [*two, "parallel.tp=2"]))  # one shard of two tp ranks
     check_keys_for_mode(load_config(demo, [two[0], "rl.batch.prompts_per_step=2"]))
+
+
+def test_eval_job_refuses_a_generation_budget_that_leaves_no_room_for_a_prompt():
+    """eval.max_new_tokens close to data.max_tokens_per_pack left no prompt budget: the job built the model and
+    then stopped with a ValueError traceback (exit 1) at the first benchmark; a config error names both keys."""
+    from megatron_vlm.config import load_config_dict
+
+    raw = _eval_job(data={"max_tokens_per_pack": 4096})
+    raw["eval"]["max_new_tokens"] = 4096  # a reasoning model's budget with the default pack size
+    with pytest.raises(ConfigError, match=r"^eval.max_new_tokens: 4096 leaves 0 tokens .*data.max_tokens_per_pack"):
+        check_keys_for_mode(load_config_dict(raw))
+    raw["eval"]["max_new_tokens"] = 4096 - 16
+    check_keys_for_mode(load_config_dict(raw))

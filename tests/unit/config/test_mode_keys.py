@@ -223,3 +223,14 @@ def test_eval_job_refuses_a_generation_budget_that_leaves_no_room_for_a_prompt()
         check_keys_for_mode(load_config_dict(raw))
     raw["eval"]["max_new_tokens"] = 4096 - 16
     check_keys_for_mode(load_config_dict(raw))
+
+
+def test_an_eval_key_outside_eval_mode_names_the_section_not_the_benchmarks():
+    """`--set eval.max_new_tokens=8` on an SFT config: [eval] is refused as a whole for the mode, not with "at least
+    one [[eval.benchmarks]] table is required" (which sends the user to add benchmarks to an SFT run)."""
+    from megatron_vlm.config import load_config_dict
+
+    with pytest.raises(ConfigError, match=r'^eval: the \[eval\] section is only read when train.mode = "eval"'):
+        check_keys_for_mode(load_config(SFT, ["eval.max_new_tokens=8"]))
+    with pytest.raises(ConfigError, match=r"^eval.benchmarks: at least one \[\[eval.benchmarks\]\] table is required"):
+        load_config_dict(_eval_job(eval={"max_new_tokens": 8}))

@@ -92,7 +92,8 @@ class EvalConfig:
     """Also sample this many completions per prompt (temperature / top_p / top_k below) and report
     Avg@k and pass@k (0 = no sampled pass)."""
     temperature: float = 1.0
-    """Sampling temperature of the sampled pass (temperature, top_p and top_k are refused with samples = 0)."""
+    """Sampling temperature of the sampled pass (temperature, top_p and top_k are refused with samples = 0;
+    `--set eval.samples=0` drops the file's)."""
     top_p: float = 1.0
     """Nucleus threshold of the sampled pass."""
     top_k: int = 0

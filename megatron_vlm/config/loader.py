@@ -269,10 +269,15 @@ one replaces the file's other."""
 
 _SWITCH_OFF_DROPS: dict[tuple[str, ...], tuple[Any, tuple[str, ...]]] = {
     ("logging", "wandb"): (False, ("wandb_project", "wandb_mode", "experiment_name")),
+    ("data", "num_workers"): (0, ("loader_timeout_s", "prefetch_factor")),
+    ("eval", "samples"): (0, ("temperature", "top_p", "top_k")),
+    ("moe", "enable_moe_load_balancing_training"): (False, ("bias_update_rate",)),
 }
 """Switches whose off value leaves keys beside them without effect (refused together by the config checks): a `--set`
 turning one off drops the file's keys it leaves idle (`--set logging.wandb=false` on a recipe that names its wandb
-project), as the command line is what the user means. Such keys also given with `--set` stay refused."""
+project, `--set data.num_workers=0` on one that sets data.prefetch_factor, docs/evaluation.md's
+`--set eval.samples=0`), as the command line is what the user means. Such keys also given with `--set` stay
+refused."""
 
 
 _KEY_SEGMENT = re.compile(r"([^.\[\]]+)((?:\[\d+\])*)")
@@ -332,7 +337,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     docs/training.md) replaces the file's other length key, and a warmup (`scheduler.warmup_steps` /
     `warmup_ratio`) the file's other warmup key (`_EITHER_KEYS`): both are refused together, and the command line
     is what the user means. Both given with `--set` stay refused. Likewise a switch turned off with `--set` drops
-    the file's keys it leaves idle (`_SWITCH_OFF_DROPS`: `logging.wandb = false` and the wandb project / mode / name)."""
+    the file's keys it leaves idle (`_SWITCH_OFF_DROPS`: `logging.wandb = false` and the wandb project / mode / name,
+    `data.num_workers = 0` and the loader's prefetch / timeout, ...)."""
     set_keys: set[tuple[str | int, ...]] = set()
     for item in overrides:
         if "=" not in item:
@@ -347,7 +353,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         if other is not None and other not in set_keys and isinstance(node, dict):
             node.pop(other[-1], None)
         switch = _SWITCH_OFF_DROPS.get(tuple(map(str, steps)))
-        if switch is not None and value is switch[0] and isinstance(node, dict):
+        # the type too: False == 0 (and `is` held for the small ints only by CPython's cache)
+        if switch is not None and type(value) is type(switch[0]) and value == switch[0] and isinstance(node, dict):
             for name in switch[1]:
                 if (*steps[:-1], name) not in set_keys:
                     node.pop(name, None)

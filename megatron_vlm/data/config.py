@@ -100,7 +100,8 @@ class DataConfig:
     processes that compute the planning lengths at start-up (rendering, tokenising and reading the image
     header of every record; 0 = in the main process)."""
     prefetch_factor: int = 2
-    """Packs each worker prepares ahead (ignored when num_workers = 0)."""
+    """Packs each worker prepares ahead. Refused with num_workers = 0 (no worker; `--set data.num_workers=0` drops the
+    file's value)."""
     shuffle: bool = True
     """Reshuffle the training samples every epoch (deterministic from train.seed + epoch)."""
     length_cache_dir: str = ""

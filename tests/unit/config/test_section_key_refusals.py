@@ -138,3 +138,30 @@ def test_entry_point_exits_2_naming_the_key(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("config error: train.seed: must be"), r.stderr
+
+
+def test_switching_off_on_the_command_line_drops_the_files_idle_keys(tmp_path):
+    """The refusals above, met by a `--set` that switches a feature off on a recipe setting its keys: the keys come
+    from the file, so they are dropped, not refused (as with `logging.wandb=false`); given with `--set` too, they
+    stay refused. `--set data.num_workers=0` (a loader debugged in the main process) on the Nemotron SFT recipe,
+    which sets data.prefetch_factor; docs/evaluation.md's `--set eval.samples=0` on an evaluation that sets its
+    sampling temperature; a recipe's MoE bias rate under `--set moe.enable_moe_load_balancing_training=false`."""
+    nemotron = CONFIGS / "nemotron_3_nano_vl_sft.toml"
+    cfg = load_config(nemotron, ["data.num_workers=0"])
+    check_keys_for_mode(cfg)
+    assert cfg.data.num_workers == 0
+    _refused(nemotron, ["data.num_workers=0", "data.prefetch_factor=4"], "data.prefetch_factor", "has no effect")
+    _refused(nemotron, ["data.num_workers=0", "data.loader_timeout_s=60"], "data.loader_timeout_s", "has no effect")
+
+    config = write_eval_config(tmp_path / "eval.toml", tmp_path / "model", tmp_path / "out",
+                               [{"name": "b", "path": tmp_path / "b.jsonl", "format": "messages"}],
+                               train={"mode": "eval"}, eval={"samples": 8, "temperature": 0.6, "top_k": 20})
+    cfg = load_config(config, ["eval.samples=0"])
+    assert (cfg.eval.samples, cfg.eval.temperature, cfg.eval.top_k) == (0, 1.0, 0)
+    with pytest.raises(ConfigError, match=r"^eval.temperature: only read by the sampled pass"):
+        load_config(config, ["eval.samples=0", "eval.temperature=0.6"])
+
+    moe = tmp_path / "moe.toml"
+    moe.write_text(SFT.read_text() + "\n[moe]\nbias_update_rate = 0.01\n")
+    cfg = load_config(moe, ["moe.enable_moe_load_balancing_training=false"])
+    assert (cfg.moe.enable_moe_load_balancing_training, cfg.moe.bias_update_rate) == (False, 1e-3)

@@ -177,8 +177,9 @@ class ParallelConfig:
     """FSDP2: free gathered parameters after forward (ZeRO-3) or keep them until backward (ZeRO-2)."""
     compile: bool = False
     """torch.compile each transformer block. The routed experts of MoE layers and Mamba2's packed conv / scan run
-    eagerly inside it; with train.activation_checkpointing on, such a layer's other modules (attention, norms,
-    projections) are compiled one by one under true, and the layer stays eager under "selective" (logged)."""
+    eagerly inside it; with train.activation_checkpointing on, such a layer's other modules (attention, norms, a
+    dense MLP) are compiled one by one under true while its whole MoE block (router and shared experts too) or
+    Mamba2 mixer stays eager, and under "selective" the whole layer stays eager (logged)."""
     ep: int = 1
     """Expert parallelism: shard each MoE block's routed experts over groups of `ep` ranks (tokens
     exchanged with all-to-all); must divide the number of processes and the expert count. EP ranks

@@ -111,7 +111,8 @@ def compile_units(blocks: Iterable[nn.Module]) -> tuple[list[nn.Module], list[nn
     A block is compiled whole, except one checkpointed by `apply_ac` that holds a compile-opaque part (a MoE or
     Mamba2 decoder layer): dynamo cannot break the graph of a checkpoint, so it would run the whole block, and
     then every block sharing apply_ac's wrapper, uncompiled. Under whole-block checkpointing its other submodules
-    (attention, norms, dense MLP, projections) are compiled one by one inside the eager checkpoint. Under
+    (attention, norms, a dense MLP; not the opaque module itself: a MoE block's router and shared experts, a Mamba2
+    mixer's projections stay eager with it) are compiled one by one inside the eager checkpoint. Under
     "selective" the block stays eager: a compiled region inside a selective checkpoint writes into the buffers
     of the matmul outputs the policy keeps (torch refuses the mutated cache), so nothing in it is compiled."""
     units: list[nn.Module] = []

@@ -81,7 +81,7 @@ class Config:
             raise ValueError("train.train_layers: cannot be combined with [lora] (only the adapters train)")
         if mode == "eval" and self.eval is None:
             raise ValueError("eval: an [eval] section with [[eval.benchmarks]] is required when train.mode = \"eval\"")
-        if mode == "eval" and not self.eval.benchmarks:  # here, not in [eval]'s own checks: in another mode the
+        if mode == "eval" and self.eval is not None and not self.eval.benchmarks:  # here, not in [eval]'s own checks: in another mode the
             # section is refused as a whole (config/mode_keys.py), which is what a user who set one key there needs
             raise ValueError("eval.benchmarks: at least one [[eval.benchmarks]] table is required")
         if mode != "grpo" and self.data.type == "hf" and not self.data.columns:

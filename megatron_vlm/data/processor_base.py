@@ -69,6 +69,33 @@ def template_variables(chat_template: str) -> Optional[set[str]]:
         return None
 
 
+def template_kwargs_refusal(chat_template: str, kwargs: dict, where: str) -> Optional[str]:
+    """Why data.chat_template_kwargs cannot be used with `chat_template` (a name it never reads; None: fine or
+    not known), as one line naming the key."""
+    reads = template_variables(chat_template)
+    unread = sorted(set(kwargs) - reads) if reads is not None else []
+    if not unread:
+        return None
+    return (f"data.chat_template_kwargs.{unread[0]}: the chat template of {where} never reads {unread[0]!r}, so it "
+            "would change nothing; remove it")
+
+
+def folder_template_text(folder: Path) -> Optional[str]:
+    """The chat template a model folder ships, read from its files without loading the tokenizer (`--check`):
+    chat_template.jinja, chat_template.json, or tokenizer_config.json's (a string, or the "default" of a list of
+    named templates); None when it has none of them."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        if (folder / name).is_file():
+            tpl = read_json(folder / name).get("chat_template")
+            if isinstance(tpl, list):
+                tpl = next((t.get("template") for t in tpl if isinstance(t, dict) and t.get("name") == "default"), None)
+            if isinstance(tpl, str) and tpl:
+                return tpl
+    return None
+
+
 class VLProcessor:
     """Tokenizer + chat template + a family's vision hooks (module docstring). Not used directly."""
 
@@ -153,14 +180,11 @@ class VLProcessor:
         naming the key for a name the template never reads: it would change nothing (a misspelt `enable_thinking`)."""
         if not kwargs:
             return self
-        reads = template_variables(self.chat_template)
-        unread = sorted(set(kwargs) - reads) if reads is not None else []
-        if unread:
+        refused = template_kwargs_refusal(self.chat_template, kwargs, self.name_or_path or "the model")
+        if refused:
             from megatron_vlm.errors import ConfigError
 
-            where = self.name_or_path or "the model"
-            raise ConfigError(f"data.chat_template_kwargs.{unread[0]}: the chat template of {where} never reads "
-                              f"{unread[0]!r}, so it would change nothing; remove it")
+            raise ConfigError(refused)
         out = copy.copy(self)
         out.template_kwargs = dict(kwargs)
         return out

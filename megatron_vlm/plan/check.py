@@ -104,10 +104,26 @@ def _layout(cfg, world: int, num_experts: int) -> tuple[int, int]:
     return rep, shard
 
 
+def _check_template_kwargs(cfg) -> None:
+    """data.chat_template_kwargs against the chat template the model folder ships (read from its files), as the job
+    checks it when it loads the processor: a name the template never reads fails here, before the queue."""
+    kwargs = getattr(cfg.data, "chat_template_kwargs", None)
+    if not kwargs:
+        return
+    from megatron_vlm.data.processor_base import folder_template_text, template_kwargs_refusal
+
+    template = folder_template_text(Path(cfg.model.path))
+    refused = template_kwargs_refusal(template, kwargs, cfg.model.path) if template else None
+    if refused:
+        key, _, why = refused.partition(": ")
+        raise CheckFailed(key, why)
+
+
 def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
     """The plan's lines; raises CheckFailed / ConfigError naming the key to change."""
     check_keys_for_mode(cfg)
     hf = _read_model_config(cfg)
+    _check_template_kwargs(cfg)
     refused = model_folder_refusal(hf, cfg.model.path, cfg.train.mode)  # the job's own refusal (model_bundle.py)
     if refused:
         raise CheckFailed("model.path", refused.split(": ", 1)[1])

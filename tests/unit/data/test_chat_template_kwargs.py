@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +76,24 @@ def test_names_the_pipeline_sets_itself_exit_2(name):
     with pytest.raises(ConfigError, match=rf"^data.chat_template_kwargs.{name}: set by the pipeline itself"):
         load_config_dict({"model": {"path": "/m"}, "train": {"max_steps": 1},
                           "data": {"train_path": "/d.jsonl", "chat_template_kwargs": {name: json.dumps(True)}}})
+
+
+def test_check_refuses_a_name_the_folders_template_never_reads(tmp_path, tiny_dir):
+    """`--check` reads the folder's chat template from its files (no tokenizer): a name it never reads fails there,
+    as the job would at start; one it reads passes."""
+    import io
+    import shutil
+
+    from megatron_vlm.config import load_config
+    from megatron_vlm.plan.check import run_check
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_dir, folder)
+    (folder / "chat_template.jinja").write_text(THINK)
+    demo = Path(__file__).resolve().parents[3] / "launch" / "configs" / "demo_sft.toml"
+    for name, code in (("enable_thinking", 0), ("enable_thinkng", 2)):
+        out, err = io.StringIO(), io.StringIO()
+        cfg = load_config(demo, [f'model.path="{folder}"', f"data.chat_template_kwargs.{name}=false"])
+        assert run_check(cfg, world_size=2, device_memory_gib=80.0, out=out, err=err) == code, err.getvalue()
+        if code:
+            assert err.getvalue().startswith(f"check failed: data.chat_template_kwargs.{name}: the chat template of")

@@ -272,11 +272,13 @@ _SWITCH_OFF_DROPS: dict[tuple[str, ...], tuple[Any, tuple[str, ...]]] = {
     ("data", "num_workers"): (0, ("loader_timeout_s", "prefetch_factor")),
     ("eval", "samples"): (0, ("temperature", "top_p", "top_k")),
     ("moe", "enable_moe_load_balancing_training"): (False, ("bias_update_rate",)),
+    ("scheduler", "type"): ("constant", ("min_lr_ratio",)),
 }
 """Switches whose off value leaves keys beside them without effect (refused together by the config checks): a `--set`
 turning one off drops the file's keys it leaves idle (`--set logging.wandb=false` on a recipe that names its wandb
 project, `--set data.num_workers=0` on one that sets data.prefetch_factor, docs/evaluation.md's
-`--set eval.samples=0`), as the command line is what the user means. Such keys also given with `--set` stay
+`--set eval.samples=0`, `--set scheduler.type="constant"` on a cosine recipe's min_lr_ratio), as the command line is
+what the user means. Such keys also given with `--set` stay
 refused."""
 
 

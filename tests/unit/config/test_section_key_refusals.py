@@ -54,7 +54,13 @@ def test_scheduler_keys_the_schedule_never_reads(tmp_path):
     both = tmp_path / "both.toml"  # warmup_steps = 20 in the file, and a ratio beside it
     both.write_text(SFT.read_text().replace("warmup_steps = 20", "warmup_steps = 20\nwarmup_ratio = 0.1"))
     _refused(both, [], "scheduler.warmup_ratio", "set warmup_steps or warmup_ratio")
-    _refused(SFT, ['scheduler.type="constant"'], "scheduler.min_lr_ratio", "not read with type = 'constant'")
+    constant = tmp_path / "constant.toml"  # a constant schedule with the floor of a decaying one in the file
+    constant.write_text(SFT.read_text().replace('type = "cosine"', 'type = "constant"'))
+    _refused(constant, [], "scheduler.min_lr_ratio", "not read with type = 'constant'")
+    _refused(SFT, ['scheduler.type="constant"', "scheduler.min_lr_ratio=0.2"], "scheduler.min_lr_ratio",
+             "not read with type = 'constant'")
+    # switched on the command line over a cosine recipe: the file's floor is dropped (config/loader.py)
+    _accepted(SFT, ['scheduler.type="constant"'])
     _accepted(SFT, ['scheduler.type="constant"', "scheduler.min_lr_ratio=0"])
 
 

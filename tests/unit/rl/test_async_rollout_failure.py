@@ -84,6 +84,7 @@ def rollout_rank_context(monkeypatch, tmp_path, rewards=None):
     cfg = types.SimpleNamespace(rl=rl, train=types.SimpleNamespace(precision="fp32", seed=0),
                                 model=types.SimpleNamespace(dtype="float32", path="m"), data=types.SimpleNamespace(
                                     min_pixels=None, max_pixels=None, video_min_pixels=None, video_max_pixels=None,
+                                    chat_template_kwargs={},
                                     max_frames=1, fps=1.0, max_tokens_per_pack=64))
     ctx = types.SimpleNamespace(cfg=cfg, env=types.SimpleNamespace(device=torch.device("cpu")), run_dir=tmp_path,
                                 stop=types.SimpleNamespace(signum=0))

@@ -23,7 +23,8 @@ class _Loaded(Exception):
 
 def test_rollout_rank_processor_takes_every_pixel_limit(monkeypatch, tmp_path):
     cfg = load_config(CONFIG, [f'model.path="{tmp_path}"', "data.min_pixels=3136", "data.max_pixels=12544",
-                               "data.video_min_pixels=6272", "data.video_max_pixels=25088"])
+                               "data.video_min_pixels=6272", "data.video_max_pixels=25088",
+                               "data.chat_template_kwargs.enable_thinking=false"])
     seen = {}
 
     def load_processor(path, **kwargs):
@@ -36,4 +37,5 @@ def test_rollout_rank_processor_takes_every_pixel_limit(monkeypatch, tmp_path):
     with pytest.raises(_Loaded):
         rollout_rank.run_rollout_rank(ctx, types.SimpleNamespace(bridge=bridge))
     assert seen == {"path": str(tmp_path), "min_pixels": 3136, "max_pixels": 12544,
-                    "video_min_pixels": 6272, "video_max_pixels": 25088}
+                    "video_min_pixels": 6272, "video_max_pixels": 25088,
+                    "chat_template_kwargs": {"enable_thinking": False}}

@@ -72,7 +72,8 @@ class TrainConfig:
     eval_every: int = 0
     """Run validation (loss, perplexity, answer accuracy if the data has answers) every N steps; 0 = only at the end."""
     eval_max_batches: int = 0
-    """Cap on validation micro-batches per evaluation (0 = the whole eval split)."""
+    """Cap on validation micro-batches of the held-out loss per evaluation (0 = the whole eval split); the
+    answer-accuracy pass (`eval_generate`) still decodes every eval prompt."""
     eval_generate: bool = True
     """At evaluation also greedy-decode the eval prompts and report answer accuracy (exact match)."""
     log_every: int = 1

@@ -5,7 +5,7 @@ checkpoint save / HF export (the previous checkpoint intact); 2 a missing model 
 `train.output_dir` that another job holds, `logging.wandb = true` without the wandb package (training/run_lock.py), is a file or cannot be written, a
 config error found once the model is built (including a `parallel.tp` the model's heads / MLP /
 vocabulary do not divide) or a checkpoint that cannot be resumed (one line on stderr); 143 stopped by
-SIGTERM / SIGUSR1 after a checkpoint; 130 Ctrl-C.
+SIGTERM / SIGUSR1 after a checkpoint (an evaluation job: at once, without results); 130 Ctrl-C.
 
 A job that ends with 0 leaves `<run folder>/finished` (FINISHED_FILE), removed when a job starts in the folder:
 a stop signal that comes after the last step (during the final evaluation or export) is not acted on, so the
@@ -31,7 +31,9 @@ from megatron_vlm.rl.rewards.failure_watch import RewardsAllFailedError
 from megatron_vlm.rl.trainer import check_model_folder
 from megatron_vlm.testing.synthesize import synthesize_model_folder, synthesized_mismatch
 from megatron_vlm.training.context import RunContext
+from megatron_vlm.training.loop import EXIT_STOPPED
 from megatron_vlm.training.run_lock import claim_run_dir
+from megatron_vlm.training.signals import StopRequested
 from megatron_vlm.training.step_guard import NonFiniteStepError
 
 __all__ = ["FINISHED_FILE", "exit_process", "run_job"]
@@ -131,6 +133,10 @@ def run_job(cfg, *, before_step=None) -> int:
         log.error("%s", e)
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except StopRequested as e:  # an evaluation job (jobs.run_eval); training runs stop at a step boundary instead
+        print(f"stopped: {e.name} during the evaluation, before its results were written; none written (exit 143)",
+              file=sys.stderr)
+        return EXIT_STOPPED
     except KeyboardInterrupt:
         log.warning("interrupted")
         return 130

@@ -218,6 +218,12 @@ def run_stages(ctx: RunContext, *, before_step=None) -> int:
         if ctx.env.is_main:
             record_stage_digest(run_dir, cfg)
         barrier()
+        if i + 1 < len(stages) and ctx.stop.should_stop(ctx.env.device):
+            # a stop signal after the stage's last step (its final evaluation or export) let the stage finish; the
+            # next one would build its model and run a step before reading it. A rerun skips the finished stage.
+            log.warning("stop signal received after stage %d/%d %r finished: not starting the next stage",
+                        i + 1, len(stages), stage.name)
+            return EXIT_STOPPED
     return 0
 
 

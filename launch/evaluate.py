@@ -50,6 +50,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from megatron_vlm.runner import exit_process
+    from megatron_vlm.runner import run_entry
 
-    exit_process(main())
+    run_entry(main)

@@ -31,7 +31,7 @@ if os.getcwd() not in sys.path:
 from megatron_vlm.config import ConfigError, load_config  # noqa: E402
 from megatron_vlm.config.loader import die  # noqa: E402
 from megatron_vlm.config.mode_keys import check_keys_for_mode  # noqa: E402
-from megatron_vlm.runner import exit_process, run_job  # noqa: E402
+from megatron_vlm.runner import run_entry, run_job  # noqa: E402
 
 LAUNCHER_VARIABLES = {"WORLD_SIZE": 1, "RANK": 0, "LOCAL_RANK": 0}
 """The variables torchrun sets for each rank, and the least value each may take."""
@@ -99,4 +99,4 @@ def main(argv=None, *, before_step=None, description: Optional[str] = None) -> i
 
 
 if __name__ == "__main__":
-    exit_process(main())  # no interpreter finalization after a job (runner.exit_process)
+    run_entry(main)  # no interpreter finalization after a job, nor after a crash (runner.run_entry)

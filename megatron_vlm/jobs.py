@@ -218,6 +218,12 @@ def run_stages(ctx: RunContext, *, before_step=None) -> int:
         if ctx.env.is_main:
             record_stage_digest(run_dir, cfg)
         barrier()
+        if i + 1 < len(stages) and ctx.stop.should_stop(ctx.env.device):
+            # a stop signal after the stage's last step (its final evaluation or export) let the stage finish; the
+            # next one would build its model and run a step before reading it. A rerun skips the finished stage.
+            log.warning("stop signal received after stage %d/%d %r finished: not starting the next stage",
+                        i + 1, len(stages), stage.name)
+            return EXIT_STOPPED
     return 0
 
 
@@ -240,7 +246,16 @@ def _eval_adapter_lora(folder: str) -> LoRAConfig:
 
 
 def run_eval(ctx: RunContext) -> int:
-    """Evaluate `model.path` on every `[[eval.benchmarks]]` table and write the results (eval/report.py)."""
+    """Evaluate `model.path` on every `[[eval.benchmarks]]` table and write the results (eval/report.py).
+
+    A stop signal (SIGTERM / SIGUSR1) before the results are written ends the job at once (`StopRequested`: exit
+    143, no results): an evaluation has no step boundary to save at, and one that went on would be killed later."""
+    with ctx.stop.interrupting():
+        results = _evaluate_benchmarks(ctx)
+    return _write_eval_results(ctx, results)
+
+
+def _evaluate_benchmarks(ctx: RunContext) -> list[dict]:
     cfg = ctx.cfg
     if ctx.env.is_main:  # an earlier run's results must not pass for this one's (its eval_config.toml is new)
         clear_eval_results(ctx.run_dir)
@@ -268,8 +283,14 @@ def run_eval(ctx: RunContext) -> int:
             results.append(result)
     finally:
         scorer.close()
+    return results
+
+
+def _write_eval_results(ctx: RunContext, results: list[dict]) -> int:
+    cfg = ctx.cfg
     if ctx.env.is_main:
         e = cfg.eval
+        assert e is not None  # train.mode = "eval" requires [eval] (config checks)
         settings = {"model": cfg.model.path, "adapter": e.adapter or None, "greedy": e.greedy, "samples": e.samples,
                     "temperature": e.temperature, "top_p": e.top_p, "top_k": e.top_k, "max_new_tokens": e.max_new_tokens,
                     "prompt_template": e.prompt_template, "seed": cfg.train.seed, "world_size": ctx.env.world_size}

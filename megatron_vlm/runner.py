@@ -5,7 +5,7 @@ checkpoint save / HF export (the previous checkpoint intact); 2 a missing model 
 `train.output_dir` that another job holds, `logging.wandb = true` without the wandb package (training/run_lock.py), is a file or cannot be written, a
 config error found once the model is built (including a `parallel.tp` the model's heads / MLP /
 vocabulary do not divide) or a checkpoint that cannot be resumed (one line on stderr); 143 stopped by
-SIGTERM / SIGUSR1 after a checkpoint; 130 Ctrl-C.
+SIGTERM / SIGUSR1 after a checkpoint (an evaluation job: at once, without results); 130 Ctrl-C.
 
 A job that ends with 0 leaves `<run folder>/finished` (FINISHED_FILE), removed when a job starts in the folder:
 a stop signal that comes after the last step (during the final evaluation or export) is not acted on, so the
@@ -18,7 +18,10 @@ import importlib.util
 import logging
 import os
 import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -31,10 +34,12 @@ from megatron_vlm.rl.rewards.failure_watch import RewardsAllFailedError
 from megatron_vlm.rl.trainer import check_model_folder
 from megatron_vlm.testing.synthesize import synthesize_model_folder, synthesized_mismatch
 from megatron_vlm.training.context import RunContext
+from megatron_vlm.training.loop import EXIT_STOPPED
 from megatron_vlm.training.run_lock import claim_run_dir
+from megatron_vlm.training.signals import StopRequested
 from megatron_vlm.training.step_guard import NonFiniteStepError
 
-__all__ = ["FINISHED_FILE", "exit_process", "run_job"]
+__all__ = ["FINISHED_FILE", "exit_process", "run_entry", "run_job"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -131,6 +136,10 @@ def run_job(cfg, *, before_step=None) -> int:
         log.error("%s", e)
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except StopRequested as e:  # an evaluation job (jobs.run_eval); training runs stop at a step boundary instead
+        print(f"stopped: {e.name} during the evaluation, before its results were written; none written (exit 143)",
+              file=sys.stderr)
+        return EXIT_STOPPED
     except KeyboardInterrupt:
         log.warning("interrupted")
         return 130
@@ -149,7 +158,7 @@ def _mark_finished(run_dir: Path) -> None:
                     run_dir / FINISHED_FILE, e.strerror or e)
 
 
-def exit_process(code: int) -> None:
+def exit_process(code: int) -> NoReturn:
     """Leave the process with `code` once `run_job` has returned, without interpreter finalization.
 
     Why: by then every output is written and closed (checkpoints, metrics, the HF export, reward
@@ -166,3 +175,25 @@ def exit_process(code: int) -> None:
         sys.stderr.flush()
     finally:
         os._exit(int(code))
+
+
+def run_entry(main: Callable[[], int]) -> NoReturn:
+    """Run an entry point's `main()` and leave the process with its code (`exit_process`); an unexpected
+    exception is printed with its traceback and ends the process with 1.
+
+    Why not let it propagate: the interpreter keeps an uncaught exception's traceback (and with it the training
+    loop's frames: the data loader's iterator) to the end, where multiprocessing ends the loader's workers with
+    SIGTERM, which they ignore (they leave stop signals to their rank: stop_signals.py), then joins them without a
+    timeout. A crashed rank hung there forever, its SIGTERM only setting the stop flag, and under torchrun the
+    others waited in their collectives. The rank's helpers end on their own once it is gone (the loader's workers
+    watch their parent; reward and environment workers die with it)."""
+    try:
+        code = main()
+    except SystemExit:
+        raise  # a clean exit with its message (config errors, a failed save): the frames are released first
+    except KeyboardInterrupt:  # Ctrl-C before the job started (run_job answers it with 130 once it runs)
+        code = 130
+    except BaseException:  # noqa: BLE001 - anything else is a crash: say it, then leave without finalization
+        traceback.print_exc()
+        code = 1
+    exit_process(code)

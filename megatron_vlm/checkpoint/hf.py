@@ -475,9 +475,13 @@ def replace_dir(tmp: Path, final: Path, old: Path, *, marker: str, marker_text: 
         shutil.rmtree(old, ignore_errors=True)
 
 
-def describe_error(e: BaseException) -> str:
+def describe_error(e: BaseException, folder: Optional[Path] = None) -> str:
     """One line for an error, with a plain-words hint for a full disk / quota. DCP's
-    CheckpointException (which holds every failing rank's error) is shortened to those errors."""
+    CheckpointException (which holds every failing rank's error) is shortened to those errors.
+
+    `folder`: where the failed write went. DCP sends each rank's error through pickle, which drops the
+    OSError that torch's zip writer turned into `RuntimeError: ... unexpected pos ...` (see `_disk_full`), so
+    a filesystem with less than `_FULL_BYTES` left under `folder` counts as full too."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:
         inner = [(r, pair[0] if isinstance(pair, tuple) else pair) for r, pair in sorted(failures.items())]
@@ -487,6 +491,38 @@ def describe_error(e: BaseException) -> str:
         text = f"{type(e).__name__}: {e}"
         errs = [e]
     text = " ".join(text.split())  # one line
-    if any(isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT) for x in errs):
+    if any(_disk_full(x) for x in errs) or (folder is not None and _nearly_full(folder)):
         text += " (disk full or quota exceeded)"
     return text
+
+
+_FULL_BYTES = 1 << 20
+"""Free space below which a failed write is put down to a full disk: a write that fails for want of room first
+lands the bytes that fit, so the filesystem is left with (nearly) none."""
+
+
+def _nearly_full(folder: Path) -> bool:
+    path = Path(folder)
+    while not path.exists() and path != path.parent:  # the folder itself may be gone already
+        path = path.parent
+    try:
+        st = os.statvfs(path)
+    except (OSError, AttributeError):  # no statvfs (Windows): no hint
+        return False
+    return st.f_bavail * st.f_frsize < _FULL_BYTES
+
+
+def _disk_full(e: BaseException) -> bool:
+    """Whether `e`, or an error it was raised from or while handling, is a full disk or quota.
+
+    Why the chain: torch's zip writer (torch.save, DCP's shard writes) turns the file's ENOSPC into
+    `RuntimeError: [enforce fail at inline_container.cc] . unexpected pos ...`, the OSError kept only as its
+    context."""
+    seen: set[int] = set()
+    x: Optional[BaseException] = e
+    while x is not None and id(x) not in seen:
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen.add(id(x))
+        x = x.__cause__ or x.__context__
+    return False

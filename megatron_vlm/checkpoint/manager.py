@@ -248,7 +248,7 @@ class CheckpointManager:
             if layout is not None and self.rank == 0:
                 write_layout(tmp, layout)
         except FAILURES as e:
-            err = describe_error(e)
+            err = describe_error(e, folder=tmp)
         self._agree(step, "writing shards", err, tmp)
         err = None
         if self.rank == 0:

@@ -173,8 +173,12 @@ class BadRecordLog:
         else:
             text = json.dumps(self.to_dict(), indent=2) + "\n"
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        except OSError:  # a full disk: no half-written temporary file left in the run folder
+            tmp.unlink(missing_ok=True)
+            raise
         return path
 
 

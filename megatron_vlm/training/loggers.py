@@ -22,6 +22,7 @@ checkpoint, a kill -9 after the last save), and the steps are run again, so each
 from __future__ import annotations
 
 import csv
+import errno
 import io
 import json
 import logging
@@ -35,6 +36,19 @@ from megatron_vlm.checkpoint.manager import gather_errors
 from megatron_vlm.errors import ConfigError
 
 log = logging.getLogger("megatron_vlm")
+
+
+def _write_all(fh: IO[bytes], data: bytes) -> None:
+    """Write every byte of `data` to the unbuffered `fh`, or raise OSError.
+
+    Why a loop: an unbuffered write on a nearly full disk lands the bytes that fit and returns their count without
+    raising (write(2) fails with ENOSPC only when nothing fits); taken as done, it left half a row in the file."""
+    view = memoryview(data)
+    while view:
+        n = fh.write(view)
+        if not n:  # None (would block) or 0: nothing more goes in
+            raise OSError(errno.ENOSPC, f"wrote {len(data) - len(view)} of {len(data)} bytes")
+        view = view[n:]
 
 
 class _CsvSink:
@@ -78,7 +92,7 @@ class _CsvSink:
             self._fh = open(self.path, "ab", buffering=0)  # noqa: SIM115 (held open across writes)
         start = os.fstat(self._fh.fileno()).st_size  # appends go to the end (a position can be stale after a cut)
         try:
-            self._fh.write(text.getvalue().encode())
+            _write_all(self._fh, text.getvalue().encode())
         except OSError:
             os.ftruncate(self._fh.fileno(), start)  # no half row for the next one to follow
             if header:

@@ -6,10 +6,16 @@ an interactive user is never kept waiting for a step to finish.
 The handler only sets a flag; the loop checks it at a step boundary, and ranks agree through an
 all-reduce (MAX) so every rank saves the same checkpoint step — a rank that stopped alone would
 leave the others blocked in a collective.
+
+A job with no step boundary to stop at (an evaluation, `train.mode = "eval"`) runs its work inside
+`interrupting()`: there a stop signal raises `StopRequested` at once (as Ctrl-C raises KeyboardInterrupt), so the
+job ends with 143 and one line instead of ignoring the signal until the scheduler's SIGKILL.
 """
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -18,10 +24,24 @@ import torch.distributed as dist
 from megatron_vlm.stop_signals import STOP_SIGNALS
 
 
+class StopRequested(BaseException):
+    """A stop signal inside `StopFlag.interrupting()`; a BaseException, like KeyboardInterrupt, so that no
+    `except Exception` on the way swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
 class StopFlag:
     def __init__(self):
         self.signum = 0
         self._prev = {}
+        self._interrupt = False
 
     def install(self) -> StopFlag:
         for s in STOP_SIGNALS:
@@ -30,6 +50,20 @@ class StopFlag:
 
     def _handle(self, signum: int, frame: Any) -> None:  # noqa: ARG002
         self.signum = signum
+        if self._interrupt:
+            self._interrupt = False  # raised once: the unwinding (closing workers) is not interrupted again
+            raise StopRequested(signum)
+
+    @contextmanager
+    def interrupting(self) -> Iterator[None]:
+        """Inside: a stop signal (or one received before entering) raises `StopRequested`."""
+        if self.signum:
+            raise StopRequested(self.signum)
+        self._interrupt = True
+        try:
+            yield
+        finally:
+            self._interrupt = False
 
     def should_stop(self, device: torch.device) -> bool:
         flag = torch.tensor([1 if self.signum else 0], device=device)

@@ -2,7 +2,8 @@
 """Test-only entry point: launch/pretrain_vlm.py with a fault-injection hook in the training loop.
 
 `MEGATRON_VLM_FAULT_KILL_AT_STEP=N` SIGKILLs the process just before training step N (1-based)
-runs, to prove that a resume never needs a clean exit. The variable is read here, not by the
+runs, to prove that a resume never needs a clean exit; `MEGATRON_VLM_FAULT_RAISE_AT_STEP=N` raises an
+unexpected exception there instead (a bug, a peer's dropped connection), to prove that a crash ends the process. The variable is read here, not by the
 package: production code has no fault-injection path; the loop only calls the `before_step` hook
 this script gives it. tests/integration/jobs.py runs this script instead of the real entry point
 when a test sets the variable (also under torchrun: every rank installs the hook).
@@ -15,6 +16,7 @@ import signal
 from pathlib import Path
 
 FAULT_KILL_ENV = "MEGATRON_VLM_FAULT_KILL_AT_STEP"
+FAULT_RAISE_ENV = "MEGATRON_VLM_FAULT_RAISE_AT_STEP"
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -22,6 +24,13 @@ def kill_before(step_to_kill: int):
     def before_step(step: int) -> None:
         if step == step_to_kill:
             os.kill(os.getpid(), signal.SIGKILL)
+    return before_step
+
+
+def raise_before(step_to_fail: int):
+    def before_step(step: int) -> None:
+        if step == step_to_fail:
+            raise RuntimeError(f"fault injected before step {step}")
     return before_step
 
 
@@ -33,8 +42,9 @@ def _entry_main():
 
 
 if __name__ == "__main__":
-    kill_at = os.environ.get(FAULT_KILL_ENV)
-    hook = kill_before(int(kill_at)) if kill_at else None
-    from megatron_vlm.runner import exit_process
+    kill_at, raise_at = os.environ.get(FAULT_KILL_ENV), os.environ.get(FAULT_RAISE_ENV)
+    hook = kill_before(int(kill_at)) if kill_at else raise_before(int(raise_at)) if raise_at else None
+    from megatron_vlm.runner import run_entry
 
-    exit_process(_entry_main()(before_step=hook))
+    main = _entry_main()
+    run_entry(lambda: main(before_step=hook))

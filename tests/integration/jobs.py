@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 ENTRY = REPO / "launch" / "pretrain_vlm.py"
 DEMO = REPO / "launch" / "configs" / "demo_sft.toml"
 FAULT_ENTRY = REPO / "tests" / "integration" / "fault_entry.py"
-"""Used instead of ENTRY when a test sets MEGATRON_VLM_FAULT_KILL_AT_STEP (the hook lives in the tests)."""
+"""Used instead of ENTRY when a test sets MEGATRON_VLM_FAULT_KILL_AT_STEP or _RAISE_AT_STEP (the hook lives in the tests)."""
 
 
 def free_port() -> int:
@@ -48,7 +48,8 @@ def run_job(overrides: list[str], *, nproc: int = 1, env: dict | None = None, co
     for o in overrides:
         args += ["--set", o]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    entry = FAULT_ENTRY if full_env.get("MEGATRON_VLM_FAULT_KILL_AT_STEP") else ENTRY
+    faults = ("MEGATRON_VLM_FAULT_KILL_AT_STEP", "MEGATRON_VLM_FAULT_RAISE_AT_STEP")
+    entry = FAULT_ENTRY if any(full_env.get(k) for k in faults) else ENTRY
     if nproc == 1:
         cmd = [sys.executable, str(entry), "--config", str(config), *args]
     else:

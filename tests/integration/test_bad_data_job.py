@@ -102,11 +102,16 @@ def test_sft_step_whose_packs_hold_no_trained_token_takes_the_next_packs(tmp_pat
 
 
 def test_sft_split_whose_samples_all_fail_when_processed_is_exit_2(tmp_path):
-    _, r = _sft_on(tmp_path, ["cut.png"] * 3, **{"train.max_steps": 4})
+    out, r = _sft_on(tmp_path, ["cut.png"] * 3, **{"train.max_steps": 4})
     assert r.returncode == 2, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("config error: data.train: 4 packs in a row without a trained token"), last
     assert "corrupt_image" in last and "Traceback" not in r.stderr
+    # the records that stopped the run are listed by file and line (the run stops before its end-of-run summary;
+    # bad_records.json used to be missing, or to hold only what the last checkpoint had)
+    bad = json.loads((out / "bad_records.json").read_text())
+    assert bad["by_category"] == {"corrupt_image": 3}
+    assert sorted(rec["index"] for rec in bad["records"]) == [1, 2, 3]
 
 
 def test_eval_job_with_no_scorable_row_is_exit_2_after_writing_its_results(tmp_path):
@@ -129,3 +134,27 @@ def test_eval_job_with_no_scorable_row_is_exit_2_after_writing_its_results(tmp_p
     results = json.loads((out / "eval_results.json").read_text())["benchmarks"]
     assert {k: v["bad_records"]["by_category"] for k, v in results.items()} == {
         "a": {"malformed_json": 2}, "b": {"missing_image": 2}}
+
+
+def test_pair_split_whose_pairs_all_fail_when_processed_is_exit_2_with_its_records_listed(tmp_path):
+    """Reward-model training (the pair trainers' step, DPO's too) on pairs whose images read at planning but do not
+    decode: exit 2 naming bad_records.json, which used to be missing (the run stopped before its end-of-run summary)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    Image.new("RGB", (56, 56), (200, 30, 30)).save(data / "ok.png")
+    ok = (data / "ok.png").read_bytes()
+    (data / "cut.png").write_bytes(ok[: len(ok) // 2])  # the header reads (planning), the pixels do not
+    pair = {"prompt": "<image>What colour is it?", "chosen": "red", "rejected": "blue", "images": ["cut.png"]}
+    (data / "train.jsonl").write_text((json.dumps(pair) + "\n") * 3)
+    out = tmp_path / "run"
+    overrides = [o for o in small_demo_overrides(out, tmp_path / "assets", **{
+        "data.max_tokens_per_pack": 100, "data.shuffle": "false", "checkpoint.enable": "false",
+        "checkpoint.export_hf": "false"}) if not o.startswith("data.synthetic")]
+    overrides += ['data.type="messages_jsonl"', f'data.train_path="{data / "train.jsonl"}"', 'data.eval_path=""']
+    r = run_job(overrides, check=False, timeout=300, config=REPO / "launch" / "configs" / "demo_reward_model.toml")
+    assert r.returncode == 2, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("config error: data.train: 4 packs in a row without a usable pair"), last
+    bad = json.loads((out / "bad_records.json").read_text())
+    assert bad["by_category"] == {"corrupt_image": 3}
+    assert sorted(rec["index"] for rec in bad["records"]) == [1, 2, 3]

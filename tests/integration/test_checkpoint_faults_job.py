@@ -129,3 +129,24 @@ def test_job_resumes_from_the_previous_checkpoint_when_the_newest_is_corrupt(tmp
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE.parent.parent))
     _driver(Path(sys.argv[1]))
+
+
+def test_a_crash_with_data_loader_workers_ends_the_process(tmp_path):
+    """An unexpected exception (a bug, a peer rank's dropped connection, a loader worker killed by the OOM killer)
+    left the process hanging forever instead of exiting 1 when the loader had workers (`data.num_workers`, 1 in the
+    demo): the uncaught exception's traceback kept the loader's iterator alive, and at exit multiprocessing ended
+    its workers with SIGTERM, which they ignore (they leave stop signals to their rank), then joined them without
+    a timeout. SIGTERM to the rank only set its stop flag, so only SIGKILL ended it."""
+    import subprocess
+
+    from jobs import run_job, small_demo_overrides
+
+    out = tmp_path / "run"
+    try:
+        r = run_job(small_demo_overrides(out, tmp_path / "assets", **{"data.num_workers": 1, "checkpoint.export_hf": "false"}),
+                    env={"MEGATRON_VLM_FAULT_RAISE_AT_STEP": "3"}, check=False, timeout=90)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the crashed job did not end") from None
+    assert r.returncode == 1, (r.returncode, r.stderr[-3000:])
+    assert "RuntimeError: fault injected before step 3" in r.stderr
+    assert (out / "checkpoints" / "step_2" / "COMPLETE").is_file()

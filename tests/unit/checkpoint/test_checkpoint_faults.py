@@ -321,3 +321,94 @@ def test_a_module_state_this_run_does_not_train_is_named_at_resume(tmp_path, cap
         assert point is not None and point.step == 2 and torch.equal(fresh.weight, model.weight)
         said = [r.getMessage() for r in caplog.records if "which this run does not train" in r.getMessage()]
         assert bool(said) == warned and (not said or "holds the state of critic" in said[0]), said
+
+
+
+def test_a_real_disk_full_inside_a_shard_write_is_named_as_such(tmp_path, monkeypatch, capsys):
+    """On a full disk DCP's shard write fails inside torch's zip writer, once the file's buffer flushes: the file's
+    OSError (ENOSPC) is swallowed into `RuntimeError: [enforce fail at inline_container.cc] . unexpected pos ...`,
+    the OSError left only as that error's context. The save's error line showed the cryptic text alone, without the
+    documented "(disk full or quota exceeded)" (seen on a full tmpfs). Here torch.save itself makes that error."""
+    import io
+
+    class FullFile(io.RawIOBase):  # a disk with 1000 bytes left
+        room = 1000
+
+        def writable(self):
+            return True
+
+        def write(self, data):
+            if len(data) > self.room:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.room -= len(data)
+            return len(data)
+
+    ck = _checkpointer(tmp_path)
+    _save(ck, 2)
+
+    def shard_write_on_a_full_disk(state, *a, **k):
+        torch.save(state, FullFile())
+
+    monkeypatch.setattr(manager_mod.dcp, "save", shard_write_on_a_full_disk)
+    with pytest.raises(SystemExit) as e:
+        _save(ck, 4)
+    monkeypatch.undo()
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "saving checkpoint step_4 failed" in err and "unexpected pos" in err and "step_2 is intact" in err, err
+    assert "(disk full or quota exceeded)" in err, err
+
+
+def test_a_disk_full_error_that_lost_its_oserror_in_transit_is_named_by_the_free_space(tmp_path, monkeypatch, capsys):
+    """With a process group (every job has one), DCP sends each rank's error through pickle, which drops the
+    RuntimeError's context: the ENOSPC behind torch's "unexpected pos" was gone and the save's line did not say
+    the disk was full (seen on a full tmpfs). A failed shard write on a filesystem left without room says so."""
+    import io
+    import pickle
+
+    class FullFile(io.RawIOBase):  # a disk with 1000 bytes left
+        room = 1000
+
+        def writable(self):
+            return True
+
+        def write(self, data):
+            if len(data) > self.room:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.room -= len(data)
+            return len(data)
+
+    ck = _checkpointer(tmp_path)
+    _save(ck, 2)
+
+    def shard_write_through_a_process_group(state, *a, **k):
+        try:
+            torch.save(state, FullFile())
+        except RuntimeError as e:
+            raise pickle.loads(pickle.dumps(e)) from None  # what DCP's all-gather of the ranks' errors leaves
+
+    real_statvfs = os.statvfs
+
+    def full_statvfs(path):
+        st = real_statvfs(path)
+        return NS(f_bavail=0, f_frsize=st.f_frsize) if str(tmp_path) in str(path) else st
+
+    monkeypatch.setattr(manager_mod.dcp, "save", shard_write_through_a_process_group)
+    monkeypatch.setattr(os, "statvfs", full_statvfs)
+    with pytest.raises(SystemExit):
+        _save(ck, 4)
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert "unexpected pos" in err and "(disk full or quota exceeded)" in err, err
+    _save(ck, 6)  # room: a failure there is not put down to the disk
+    capsys.readouterr()
+
+    def broken(state, *a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(manager_mod.dcp, "save", broken)
+    with pytest.raises(SystemExit):
+        _save(ck, 8)
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert "unexpected pos" in err and "disk full" not in err, err

@@ -41,3 +41,26 @@ def test_merge_by_shard_counts_ranks_of_one_data_shard_once():
 
     merged = merge_by_shard([(0, log(5)), (0, log(5)), (1, log(5, 8)), (1, log(5, 8)), (None, log(9))])
     assert {(r["index"], r["skips"]) for r in merged.to_dict()["records"]} == {(5, 2), (8, 1), (9, 1)}
+
+
+def test_a_summary_that_cannot_be_written_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """On a full disk the summary's temporary file was left behind (an empty `bad_records.json.tmp` in the run
+    folder, seen on a full tmpfs); the error is still raised to the caller, which logs it."""
+    import errno
+    from pathlib import Path
+
+    import pytest
+
+    log = BadRecordLog()
+    log.add("train.jsonl", 7, "missing_image", "no such file: x.png")
+    real = Path.write_text
+
+    def full(self, text, *a, **k):
+        real(self, "", *a, **k)  # the file is created, its content does not fit
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(OSError):
+        log.write_summary(tmp_path / "bad_records.json")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

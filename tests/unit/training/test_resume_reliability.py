@@ -160,3 +160,42 @@ def test_a_metrics_row_that_cannot_be_written_is_logged_and_left_out(tmp_path, c
     logger.close()
     assert _rows(tmp_path / "metrics_train.csv") == ["1", "4"]
     assert (tmp_path / "metrics_train.csv").read_text().count("\n") == 3  # header + two whole rows
+
+
+def test_a_short_write_on_a_filling_disk_leaves_no_half_row(tmp_path, caplog):
+    """A write to a nearly full disk lands the bytes that fit and returns their count without raising (write(2)
+    raises ENOSPC only when nothing fits). The unbuffered CSV file took that short count as success: the file was
+    left ending in half a row, which the next row, once the disk had room again, continued on the same line.
+    Now the rest is written or the row is cut back and logged as not written."""
+    import errno
+
+    cfg = NS(tensorboard=False, csv=True, wandb=False, console=False)
+    logger = MetricsLogger(cfg, tmp_path, is_main=True, total_steps=6, run_name="r")
+    logger.set_start(0)
+    logger.log("train", 1, {"loss": 1.0})
+    sink = logger._csv["train"]
+    real = sink._fh
+    room = [3]  # bytes left on the disk: less than the row
+
+    class Filling:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def write(self, data):
+            if room[0] == 0:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            n = real.write(bytes(data[: room[0]]))
+            room[0] -= n
+            return n
+
+    sink._fh = Filling()
+    with caplog.at_level("ERROR", logger="megatron_vlm"):
+        logger.log("train", 2, {"loss": 2.0})
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "step 2" in errors[0].getMessage()
+    sink._fh = real  # room again
+    logger.log("train", 3, {"loss": 3.0})
+    logger.close()
+    assert _rows(tmp_path / "metrics_train.csv") == ["1", "3"]
+    with (tmp_path / "metrics_train.csv").open() as f:
+        assert [float(r["loss"]) for r in csv.DictReader(f)] == [1.0, 3.0]

@@ -59,3 +59,28 @@ def test_export_without_digest_skips_silently(tmp_path, monkeypatch, caplog):
         (tmp_path / "run" / name / "hf" / "config.json").write_text("{}")
     raw["stages"][1]["lr"] = 1e-5
     assert _run(raw, monkeypatch, caplog) == ([], [])
+
+
+def test_a_stop_signal_during_a_stage_s_final_export_stops_before_the_next_stage(tmp_path, monkeypatch):
+    """A SIGTERM that comes after a stage's last step (its final evaluation or export) is not acted on by that stage
+    (it finishes, 0); the next stage then started all the same, built its model and ran a step before the stop was
+    read, spending the scheduler's grace time. Now the job stops between the stages with 143 (the finished stage's
+    export kept: a rerun skips it)."""
+    import signal
+
+    from megatron_vlm.training.loop import EXIT_STOPPED
+
+    trained: list[str] = []
+
+    def fake_sft(ctx, before_step=None):
+        (ctx.run_dir / "hf").mkdir(parents=True, exist_ok=True)
+        (ctx.run_dir / "hf" / "config.json").write_text("{}")
+        trained.append(ctx.run_dir.name)
+        ctx.stop.signum = signal.SIGTERM  # arrived while the stage exported
+        return 0
+
+    monkeypatch.setattr(jobs, "run_sft", fake_sft)
+    cfg = load_config_dict(_raw(tmp_path))
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    assert jobs.run_stages(RunContext(cfg=cfg, env=env, run_dir=Path(cfg.train.output_dir))) == EXIT_STOPPED
+    assert trained == ["s1"]

@@ -7,6 +7,7 @@ folder owned by another user is refused."""
 from __future__ import annotations
 
 import errno
+import io
 import logging
 import os
 import shutil
@@ -324,30 +325,33 @@ def test_a_module_state_this_run_does_not_train_is_named_at_resume(tmp_path, cap
 
 
 
+class _FullFile(io.RawIOBase):
+    """A file on a disk with 1000 bytes left: a write past them raises ENOSPC."""
+
+    def __init__(self):
+        super().__init__()
+        self.room = 1000
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return len(data)
+
+
 def test_a_real_disk_full_inside_a_shard_write_is_named_as_such(tmp_path, monkeypatch, capsys):
     """On a full disk DCP's shard write fails inside torch's zip writer, once the file's buffer flushes: the file's
     OSError (ENOSPC) is swallowed into `RuntimeError: [enforce fail at inline_container.cc] . unexpected pos ...`,
     the OSError left only as that error's context. The save's error line showed the cryptic text alone, without the
     documented "(disk full or quota exceeded)" (seen on a full tmpfs). Here torch.save itself makes that error."""
-    import io
-
-    class FullFile(io.RawIOBase):  # a disk with 1000 bytes left
-        room = 1000
-
-        def writable(self):
-            return True
-
-        def write(self, data):
-            if len(data) > self.room:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            self.room -= len(data)
-            return len(data)
-
     ck = _checkpointer(tmp_path)
     _save(ck, 2)
 
     def shard_write_on_a_full_disk(state, *a, **k):
-        torch.save(state, FullFile())
+        torch.save(state, _FullFile())
 
     monkeypatch.setattr(manager_mod.dcp, "save", shard_write_on_a_full_disk)
     with pytest.raises(SystemExit) as e:
@@ -363,27 +367,14 @@ def test_a_disk_full_error_that_lost_its_oserror_in_transit_is_named_by_the_free
     """With a process group (every job has one), DCP sends each rank's error through pickle, which drops the
     RuntimeError's context: the ENOSPC behind torch's "unexpected pos" was gone and the save's line did not say
     the disk was full (seen on a full tmpfs). A failed shard write on a filesystem left without room says so."""
-    import io
     import pickle
-
-    class FullFile(io.RawIOBase):  # a disk with 1000 bytes left
-        room = 1000
-
-        def writable(self):
-            return True
-
-        def write(self, data):
-            if len(data) > self.room:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            self.room -= len(data)
-            return len(data)
 
     ck = _checkpointer(tmp_path)
     _save(ck, 2)
 
     def shard_write_through_a_process_group(state, *a, **k):
         try:
-            torch.save(state, FullFile())
+            torch.save(state, _FullFile())
         except RuntimeError as e:
             raise pickle.loads(pickle.dumps(e)) from None  # what DCP's all-gather of the ranks' errors leaves
 

@@ -128,18 +128,23 @@ def test_rows_of_steps_run_again_after_a_resume_are_not_duplicated(tmp_path):
         assert [float(r["loss"]) for r in csv.DictReader(f)] == [1, 2, 13, 14, 15, 16]
 
 
+def _csv_logger(tmp_path):
+    """A CSV-only metrics logger with one train row written: (logger, its train sink, the sink's real file)."""
+    cfg = NS(tensorboard=False, csv=True, wandb=False, console=False)
+    logger = MetricsLogger(cfg, tmp_path, is_main=True, total_steps=6, run_name="r")
+    logger.set_start(0)
+    logger.log("train", 1, {"loss": 1.0})
+    sink = logger._csv["train"]
+    return logger, sink, sink._fh
+
+
 def test_a_metrics_row_that_cannot_be_written_is_logged_and_left_out(tmp_path, caplog):
     """A full disk at a metrics write raised OSError out of the training loop (the work since the last checkpoint
     lost, a traceback instead of the save's "disk full" message). Now: one error line, the row left out, the file
     cut back to its last whole row, and rows written again once the disk has room."""
     import errno
 
-    cfg = NS(tensorboard=False, csv=True, wandb=False, console=False)
-    logger = MetricsLogger(cfg, tmp_path, is_main=True, total_steps=6, run_name="r")
-    logger.set_start(0)
-    logger.log("train", 1, {"loss": 1.0})
-    sink = logger._csv["train"]
-    real = sink._fh
+    logger, sink, real = _csv_logger(tmp_path)
 
     class Full:  # half of each write lands, then ENOSPC (what a filling disk does)
         def __getattr__(self, name):
@@ -169,12 +174,7 @@ def test_a_short_write_on_a_filling_disk_leaves_no_half_row(tmp_path, caplog):
     Now the rest is written or the row is cut back and logged as not written."""
     import errno
 
-    cfg = NS(tensorboard=False, csv=True, wandb=False, console=False)
-    logger = MetricsLogger(cfg, tmp_path, is_main=True, total_steps=6, run_name="r")
-    logger.set_start(0)
-    logger.log("train", 1, {"loss": 1.0})
-    sink = logger._csv["train"]
-    real = sink._fh
+    logger, sink, real = _csv_logger(tmp_path)
     room = [3]  # bytes left on the disk: less than the row
 
     class Filling:

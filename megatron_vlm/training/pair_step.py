@@ -116,7 +116,7 @@ class PairStep(PackScorer):
             per_epoch = getattr(self.loader, "packs_per_epoch", 0) // max(1, self.bundle.dims.dp_size)
             if fetched > max(per_epoch, 1):
                 self.finish()  # collective (every rank gets here at once): bad_records.json lists what stopped the run
-                raise ConfigError(f"data.train: {fetched} packs in a row without a usable pair (more than an epoch); "
+                raise ConfigError(f"data.train_path: {fetched} packs in a row without a usable pair (more than an epoch); "
                                   "every pair failed when processed (bad_records.json)")
 
     def train_step(self, step: int, *, log: bool) -> dict[str, float]:

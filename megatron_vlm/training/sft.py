@@ -276,7 +276,7 @@ class SFTStep:
         per_epoch = getattr(self.loader, "packs_per_epoch", 0) // max(1, self.bundle.dims.dp_size)
         if fetched > max(per_epoch, 1):
             self.finish()  # collective (every rank gets here at once): bad_records.json lists what stopped the run
-            raise ConfigError(f"data.train: {fetched} packs in a row without a trained token (more than an epoch, "
+            raise ConfigError(f"data.train_path: {fetched} packs in a row without a trained token (more than an epoch, "
                               f"{per_epoch} packs per rank): every sample failed when processed; see "
                               f"{self.bad_records.counts_by_category() if self.bad_records is not None else 'the log'}")
 

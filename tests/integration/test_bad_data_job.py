@@ -105,7 +105,7 @@ def test_sft_split_whose_samples_all_fail_when_processed_is_exit_2(tmp_path):
     out, r = _sft_on(tmp_path, ["cut.png"] * 3, **{"train.max_steps": 4})
     assert r.returncode == 2, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("config error: data.train: 4 packs in a row without a trained token"), last
+    assert last.startswith("config error: data.train_path: 4 packs in a row without a trained token"), last
     assert "corrupt_image" in last and "Traceback" not in r.stderr
     # the records that stopped the run are listed by file and line (the run stops before its end-of-run summary;
     # bad_records.json used to be missing, or to hold only what the last checkpoint had)
@@ -154,7 +154,7 @@ def test_pair_split_whose_pairs_all_fail_when_processed_is_exit_2_with_its_recor
     r = run_job(overrides, check=False, timeout=300, config=REPO / "launch" / "configs" / "demo_reward_model.toml")
     assert r.returncode == 2, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("config error: data.train: 4 packs in a row without a usable pair"), last
+    assert last.startswith("config error: data.train_path: 4 packs in a row without a usable pair"), last
     bad = json.loads((out / "bad_records.json").read_text())
     assert bad["by_category"] == {"corrupt_image": 3}
     assert sorted(rec["index"] for rec in bad["records"]) == [1, 2, 3]

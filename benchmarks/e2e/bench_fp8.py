@@ -164,7 +164,7 @@ def main() -> None:
     dims, mesh = build_mesh(parallel, env.world_size, device.type)
     get_family(model.hf_config.get("model_type")).parallelize(
         model, dims, parallel, mesh=mesh, param_dtype=torch.bfloat16, root=wrapper,
-        activation_checkpointing={"off": False, "full": True, "selective": "selective"}[ac])
+        activation_checkpointing=False if ac == "off" else ac)
     optimizer = build_optimizer(wrapper, SimpleNamespace(lr=0.0, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8), device.type)
     params = [p for p in wrapper.parameters() if p.requires_grad]
     batch = packed_batch(cfg, args.samples, tokens, grid)

@@ -195,7 +195,7 @@ def main() -> None:
     # train.activation_checkpointing's values: the order a family's parallelize applies (AC -> compile -> FSDP)
     get_family(model.hf_config.get("model_type")).parallelize(
         model, dims, parallel, mesh=mesh, param_dtype=param_dtype, root=wrapper,
-        activation_checkpointing={"off": False, "full": True, "selective": "selective"}[ac])
+        activation_checkpointing=False if ac == "off" else ac)
     optimizer = build_optimizer(wrapper, SimpleNamespace(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8), device.type)
     params = [p for p in wrapper.parameters() if p.requires_grad]
     batch = packed_batch(cfg, args.samples, tokens, grid)

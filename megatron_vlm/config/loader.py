@@ -278,8 +278,7 @@ _SWITCH_OFF_DROPS: dict[tuple[str, ...], tuple[Any, tuple[str, ...]]] = {
 turning one off drops the file's keys it leaves idle (`--set logging.wandb=false` on a recipe that names its wandb
 project, `--set data.num_workers=0` on one that sets data.prefetch_factor, docs/evaluation.md's
 `--set eval.samples=0`, `--set scheduler.type="constant"` on a cosine recipe's min_lr_ratio), as the command line is
-what the user means. Such keys also given with `--set` stay
-refused."""
+what the user means. Such keys also given with `--set` stay refused."""
 
 
 _KEY_SEGMENT = re.compile(r"([^.\[\]]+)((?:\[\d+\])*)")

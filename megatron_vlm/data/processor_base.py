@@ -84,9 +84,15 @@ def folder_template_text(folder: Path) -> Optional[str]:
     """The chat template a model folder ships, read from its files without loading the tokenizer (`--check`):
     chat_template.jinja, chat_template.json, or tokenizer_config.json's (a string, or the "default" of a list of
     named templates); None when it has none of them."""
+    return _template_file_text(folder, ("chat_template.json", "tokenizer_config.json"))
+
+
+def _template_file_text(folder: Path, json_files: tuple[str, ...]) -> Optional[str]:
+    """chat_template.jinja, else the "chat_template" of the first of `json_files` that has one (a string, or the
+    "default" of a list of named templates)."""
     if (folder / "chat_template.jinja").is_file():
         return (folder / "chat_template.jinja").read_text()
-    for name in ("chat_template.json", "tokenizer_config.json"):
+    for name in json_files:
         if (folder / name).is_file():
             tpl = read_json(folder / name).get("chat_template")
             if isinstance(tpl, list):
@@ -339,12 +345,9 @@ def read_json(path: Path) -> dict:
 
 
 def folder_chat_template(folder: Path, tokenizer) -> str:
-    if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text()
-    if (folder / "chat_template.json").is_file():
-        tpl = read_json(folder / "chat_template.json").get("chat_template")
-        if tpl:
-            return tpl
+    tpl = _template_file_text(folder, ("chat_template.json",))
+    if tpl:
+        return tpl
     tpl = getattr(tokenizer, "chat_template", None)
     if isinstance(tpl, dict):
         tpl = tpl.get("default")

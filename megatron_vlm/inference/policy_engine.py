@@ -184,6 +184,7 @@ class PolicyRolloutEngine(RolloutEngine):
         self.model = model
         self.tokenizer = tokenizer
         self.forward = eager_calls(forward or model)
+        self._model_eager = eager_calls(model)  # the own copy's prefill (last position through the LM head)
         self.owns_forward = forward is None
         gen_cfg = getattr(model, "hf_generation_config", None)
         self.eos_token_ids = set(eos_token_ids) if eos_token_ids is not None else eos_token_ids_of(tokenizer, gen_cfg)
@@ -414,7 +415,7 @@ class PolicyRolloutEngine(RolloutEngine):
         cache = self.model.new_cache(ids.shape[0], ids.shape[1], dtype=self.cache_dtype, device=dev)
         kwargs = dict(input_ids=ids.to(dev), attention_mask=mask.to(dev), kv_cache=cache, **vision)
         if self.owns_forward:  # logits_to_keep = 1: the LM head runs on the last position only
-            hidden = eager_calls(self.model)(**kwargs, return_hidden=True)[:, -1]
+            hidden = self._model_eager(**kwargs, return_hidden=True)[:, -1]
             lm_head: Any = self.model.lm_head
             logits = lm_head(hidden)
         else:

@@ -53,6 +53,15 @@ def ac_policy(activation_checkpointing) -> Optional[str]:
     raise ValueError(f"activation checkpointing {activation_checkpointing!r}: expected true, false, 'full' or 'selective'")
 
 
+def checkpoint_blocks(blocks: list[nn.Module], activation_checkpointing) -> Optional[str]:
+    """Apply `train.activation_checkpointing` (false, true / "full", "selective") to `blocks`; its policy."""
+    policy = ac_policy(activation_checkpointing)
+    if policy is not None:
+        apply_ac(blocks, policy=policy)
+        log.info("activation checkpointing %s: %d transformer blocks", policy, len(blocks))
+    return policy
+
+
 def apply_ac(blocks: Iterable[nn.Module], policy: str = "full") -> None:
     """Checkpoint each block: `policy` "full" recomputes the whole block in backward; "selective" keeps the
     outputs of its matmuls and attention (SELECTIVE_SAVE_OPS) and recomputes only the cheap ops between them,
@@ -214,10 +223,7 @@ def parallelize_blocks(
     `model`; the trainer passes its log-prob wrapper so the output projection runs inside the root's
     forward). `mesh` None skips FSDP. `ignored_params` are kept out of FSDP (expert-parallel weights).
     """
-    policy = ac_policy(activation_checkpointing)
-    if policy is not None:
-        apply_ac(blocks, policy=policy)
-        log.info("activation checkpointing %s: %d transformer blocks", policy, len(blocks))
+    checkpoint_blocks(blocks, activation_checkpointing)
     if getattr(parallel_cfg, "compile", False):
         apply_compile(blocks)
     if mesh is not None:

@@ -30,6 +30,7 @@ from megatron_vlm.config.loader import ConfigError
 from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
 from megatron_vlm.config.stage_configs import stage_configs
 from megatron_vlm.inference.kv_budget import rollout_prompts_for_budget
+from megatron_vlm.parallel.apply import ac_policy
 from megatron_vlm.parallel.tensor_parallel import TPError, check_tp_divides
 from megatron_vlm.plan.memory import GiB, ceil_div, estimate_memory, gib, model_shape, pipeline_stage_params
 from megatron_vlm.plan.routes import routes_plan
@@ -423,15 +424,15 @@ def _key_to_change(cfg, mem, side_bytes: float = 0.0) -> str:
         return "rl.rollout.batch_prompts" if cfg.rl.rollout.batch_prompts else "rl.rollout.memory_gib"
     if mem.activations > mem.static:
         # off or "selective": whole-block checkpointing (true) is the next saving; already on: fewer tokens
-        full = cfg.train.activation_checkpointing in (True, "full")
+        full = ac_policy(cfg.train.activation_checkpointing) == "full"
         return "data.max_tokens_per_pack" if full else "train.activation_checkpointing"
     return "parallel.dp_shard"
 
 
 def _ac_words(value) -> str:
     """train.activation_checkpointing as the plan prints it."""
-    return {False: "off", True: "on (whole blocks)", "full": "on (whole blocks)",
-            "selective": "selective (matmul / attention outputs kept)"}[value]
+    return {None: "off", "full": "on (whole blocks)", "selective": "selective (matmul / attention outputs kept)"}[
+        ac_policy(value)]
 
 
 def _side_key(cfg) -> str:

@@ -22,7 +22,7 @@ import torch
 from megatron_vlm.checkpoint.hf import load_hf_model, read_hf_config
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.models.common.moe import moe_layers
-from megatron_vlm.parallel.apply import ac_policy, apply_ac
+from megatron_vlm.parallel.apply import checkpoint_blocks
 from megatron_vlm.parallel.collectives import all_reduce_
 from megatron_vlm.rl.algorithms.advantage_estimators import needs_critic
 from megatron_vlm.rl.critic.ppo_critic import Critic
@@ -82,14 +82,6 @@ def critic_folder_refusal(policy_cfg: dict, critic_cfg: dict, folder: str) -> Op
     return None
 
 
-def checkpoint_critic_blocks(backbone: Any, activation_checkpointing: Any) -> None:
-    """`train.activation_checkpointing` on the critic's transformer blocks as on the policy's (a critic as large as
-    the policy trains on the same packs: without it, it held every activation where the policy held a block's)."""
-    policy = ac_policy(activation_checkpointing)
-    if policy is not None:
-        apply_ac(backbone.transformer_blocks(), policy=policy)
-
-
 def build_critic(ctx: Any, bundle: Any, rl: Any, total_steps: Optional[int] = None) -> Optional[Critic]:
     """The run's critic (None when `advantage` needs none). ConfigError (exit 2) naming the key when the layout,
     the critic's model folder or its warm-up (longer than the run's `total_steps`) cannot serve."""
@@ -109,7 +101,8 @@ def build_critic(ctx: Any, bundle: Any, rl: Any, total_steps: Optional[int] = No
             raise ConfigError(refused)
     backbone: Any = load_hf_model(path, dtype=getattr(torch, cfg.model.dtype), device=env.device)
     apply_train_layers(backbone, cfg.train.train_layers)
-    checkpoint_critic_blocks(backbone, cfg.train.activation_checkpointing)
+    # the policy's checkpointing on the critic's blocks too (as large as the policy, it trains on the same packs)
+    checkpoint_blocks(backbone.transformer_blocks(), cfg.train.activation_checkpointing)
     head = backbone.lm_head.weight
     if not any(head is p for n, p in backbone.named_parameters() if not n.startswith("lm_head.")):
         head.requires_grad_(False)  # not read by the critic (tied to the embeddings: left as train_layers says)

@@ -90,7 +90,7 @@ def test_skipped_critic_updates_count_on_across_a_resume():
 def test_the_critic_checkpoints_its_blocks_as_the_policy_does(tmp_path):
     """train.activation_checkpointing applies to the critic's transformer blocks too (it held every activation):
     the blocks carry the policy's checkpointing, and values and gradients are those of the plain critic."""
-    from megatron_vlm.rl.critic.build import checkpoint_critic_blocks
+    from megatron_vlm.parallel.apply import checkpoint_blocks
 
     ids = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(1))
     labels = torch.full((1, 12), IGNORE_INDEX)
@@ -101,8 +101,8 @@ def test_the_critic_checkpoints_its_blocks_as_the_policy_does(tmp_path):
         torch.manual_seed(0)
         vm = ValueModel(_tiny(tmp_path / str(setting)))
         torch.nn.init.normal_(vm.value_head.weight, std=0.1)
-        checkpoint_critic_blocks(vm.backbone, setting)
         blocks = vm.backbone.transformer_blocks()
+        checkpoint_blocks(blocks, setting)  # as rl/critic/build.py does
         assert [getattr(b, "_mvlm_ac", None) for b in blocks] == [{False: None, True: "full"}.get(setting, setting)] * len(blocks)
         values = vm(batch)
         values.square().sum().backward()

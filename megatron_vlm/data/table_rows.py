@@ -14,14 +14,16 @@ row the same way:
   ("invalid_encoding"); both are reported at open time and left out of the rows;
 - a file whose first non-blank character is "[" is one JSON array of objects (LLaVA's
   llava_v1_5_mix665k.json, LLaMA-Factory's and ms-swift's .json files), whatever its suffix: each
-  element is a row, located by its 0-based index; an element that is not an object is a bad record
-  ("malformed_json"); a file that is not one valid UTF-8 JSON array (a syntax error anywhere, a
-  truncated file) cannot be split into elements and is a `DataFileError` naming the file and the
-  element where it breaks;
+  element is a row, located by its 0-based index; an element that is not an object (or nested too
+  deeply to parse) is a bad record ("malformed_json"), one that is not UTF-8 one ("invalid_encoding"),
+  as for a JSON line; a file that is not one JSON array (a syntax error anywhere, a truncated file)
+  cannot be split into elements and is a `DataFileError` naming the file and the element where it
+  breaks;
 - a JSON-lines file is held as the byte offsets of its good lines, each row parsed again when read
   (`_JsonLinesPart`): a million rows cost 16 MB, not gigabytes of dicts;
-- a JSON array file is held the same way, as the byte span of each good element: opening it parses the
-  whole file once (its text is held while it is scanned, a few times the file's size for a moment);
+- a JSON array file is held the same way, as the byte span of each good element, found by streaming
+  over the file (`_ArrayScan`): opening a multi-GB annotation file holds a window of it and one
+  element, not its text;
 - a row's location is (file, index): the 1-based line of a JSON-lines file, the 0-based element of a
   JSON array file or the 0-based row of a table (the `bad_records` convention), for record sources,
   bad-record logs and prompt ids.
@@ -34,6 +36,9 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import re
+from array import array
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -161,79 +166,147 @@ def _is_json_array(file: Path) -> bool:
     return False
 
 
-_JSON_WS = " \t\n\r"
+_JSON_WS = b" \t\n\r"
+
+ARRAY_CHUNK = 1 << 20
+"""Bytes read at a time while a JSON array file is scanned: what opening one holds, with the element at hand."""
+
+_STRUCTURE = re.compile(rb'["\[\]{},]')
+"""Where the array scan stops outside strings: a quote (a string starts), a bracket or a comma."""
+
+
+def _string_end(buf: bytes, i: int) -> int:
+    """The index just past the string that starts with the quote at `buf[i]`, or -1 when it does not end in `buf`.
+
+    A quote ends the string unless an odd number of backslashes precede it; `find` jumps over everything else
+    (escaped text such as ensure_ascii's \\uXXXX costs nothing per character, a regex over escapes would)."""
+    j = buf.find(b'"', i + 1)
+    while j >= 0:
+        k = j
+        while buf[k - 1] == 0x5C:  # backslashes before the quote; buf[i] is a quote, so this stops by i
+            k -= 1
+        if (j - k) % 2 == 0:
+            return j + 1
+        j = buf.find(b'"', j + 1)
+    return -1
+
+
+class _ArrayScan:
+    """The elements of a file holding one JSON array, as (start byte, end byte, bytes), read `ARRAY_CHUNK` at a time.
+
+    Why not `json.load`: a multi-GB annotation file decoded whole costs several times its size on every rank, only to
+    learn where each element starts and ends. The scan tracks strings, escapes and bracket depth in the bytes, so only
+    a window of the file and the current element are held; each element is parsed on its own by the caller. The
+    split is byte-safe in any encoding compatible with ASCII (a byte >= 0x80 is never a quote, a backslash, a bracket
+    or a comma). Splitting at the wrong place (unbalanced brackets) cannot go unseen: the pieces then do not each
+    parse as one JSON value. `broken(k, why)` is the DataFileError for a file that is not one array (k: the element
+    where it breaks)."""
+
+    def __init__(self, file: Path):
+        self.file = file
+        self.k = 0
+        """The index of the element being read (of the next one, between elements)."""
+
+    def broken(self, k: int, why: str) -> DataFileError:
+        return DataFileError(f"{self.file}: not one JSON array (read as one since it starts with '['), at element {k}: "
+                             f"{why}")
+
+    def __iter__(self) -> Iterator[tuple[int, int, bytes]]:
+        with open(self.file, "rb") as f:
+            buf, base = f.read(max(ARRAY_CHUNK, 3)), 0  # the bytes held and the file offset of buf[0]
+            if buf.startswith(b"\xef\xbb\xbf"):
+                buf, base = buf[3:], 3
+            pos = len(buf) - len(buf.lstrip(_JSON_WS))
+            while pos == len(buf):  # only whitespace so far
+                more = f.read(ARRAY_CHUNK)
+                if not more:
+                    raise self.broken(0, "no '['")
+                buf, base, pos = more, base + len(buf), len(more) - len(more.lstrip(_JSON_WS))
+            if buf[pos:pos + 1] != b"[":
+                raise self.broken(0, "no '['")
+            pos += 1
+            elem = pos  # where the current element's bytes begin: just after the "[" or its ","
+            depth = 0  # bracket depth inside the current element
+            value = b""  # the current element's bytes
+            search = _STRUCTURE.search
+            while True:
+                m = search(buf, pos)
+                at = len(buf) if m is None else m.start()
+                t = buf[at] if m is not None else -1
+                if t == 0x22:  # '"': a string, whose brackets and commas are text
+                    end = _string_end(buf, at)
+                    if end > 0:
+                        pos = end
+                        continue
+                if t == -1 or t == 0x22:  # nothing more in this window, or a string that does not end in it
+                    more = f.read(max(ARRAY_CHUNK, len(buf) - elem))  # doubles for an element longer than a window
+                    if not more:
+                        raise self.broken(self.k, "the file ends inside the array")
+                    buf, base, pos, elem = buf[elem:] + more, base + elem, at - elem, 0  # from the string's quote
+                    continue
+                pos = at + 1
+                if t in b"[{":
+                    depth += 1
+                    continue
+                if depth:  # a comma or closing bracket inside the element
+                    if t != 0x2C:
+                        depth -= 1
+                    continue
+                if t == 0x7D:  # "}" at depth 0: left for the element's parse to refuse
+                    continue
+                raw = buf[elem:at]
+                value = raw.strip(_JSON_WS)
+                if value:
+                    lead = len(raw) - len(raw.lstrip(_JSON_WS))
+                    yield base + elem + lead, base + elem + lead + len(value), value
+                elif t == 0x2C or self.k:  # "[," / ",," / ", ]"; "[ ]" is the empty array
+                    raise self.broken(self.k, "expected a value")
+                if t == 0x5D:  # "]": the array's end
+                    break
+                self.k += 1
+                elem = pos
+            rest = buf[pos:]
+            while rest:
+                if rest.strip(_JSON_WS):
+                    raise self.broken(self.k + 1 if value else 0, "more data after the closing ']'")
+                rest = f.read(ARRAY_CHUNK)
 
 
 def _scan_json_array(file: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str],
                                           list[tuple[int, BadRecordError]]]:
     """(0-based index, start byte, end byte) of each object element of a file holding one JSON array, the first
-    object's keys, and (index, error) of each element that is not an object; DataFileError when the file is not
-    one valid UTF-8 JSON array (its elements cannot be told apart then)."""
-    data = file.read_bytes()
-    bom = 3 if data.startswith(b"\xef\xbb\xbf") else 0
-    try:
-        text = data[bom:].decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataFileError(f"{file}: a JSON array file must be UTF-8: {e.reason} at byte {e.start + bom}") from None
-    ascii_only = len(text) == len(data) - bom
-    del data
-    decoder = json.JSONDecoder()
-    cpos, bpos = 0, bom  # a character offset of `text` and its byte offset in the file, advanced together
-
-    def byte_at(c: int) -> int:
-        nonlocal cpos, bpos
-        bpos += (c - cpos) if ascii_only else len(text[cpos:c].encode("utf-8"))
-        cpos = c
-        return bpos
-
-    def skip(c: int) -> int:
-        while c < len(text) and text[c] in _JSON_WS:
-            c += 1
-        return c
-
-    def broken(k: int, why: str) -> DataFileError:
-        return DataFileError(f"{file}: not one JSON array (read as one since it starts with '['), at element {k}: "
-                             f"{why}")
-
-    indices: list[int] = []
-    starts: list[int] = []
-    ends: list[int] = []
+    object's keys, and (index, error) of each element that is a bad record: not an object, not UTF-8, nested too
+    deeply to parse (as for a JSON line). DataFileError when the file is not one JSON array (a syntax error, a
+    truncated file): its elements cannot be told apart then."""
+    indices, starts, ends = array("q"), array("q"), array("q")  # 8 bytes a number, not a Python int's 28 + 8
     errors: list[tuple[int, BadRecordError]] = []
     columns: Optional[list[str]] = None
-    c = skip(skip(0) + 1)  # after the "["
-    k = 0
-    if c < len(text) and text[c] == "]":
-        c = skip(c + 1)
-    else:
-        while True:
-            try:
-                obj, end = decoder.raw_decode(text, c)
-            except json.JSONDecodeError as e:
-                raise broken(k, str(e)) from None
-            except RecursionError:
-                raise broken(k, "nested too deeply for the JSON parser") from None
-            if isinstance(obj, dict):
-                if columns is None:
-                    columns = list(obj)
-                indices.append(k)
-                starts.append(byte_at(c))
-                ends.append(byte_at(end))
-            else:
-                errors.append((k, BadRecordError("malformed_json", f"array element {k}: expected a JSON object, "
-                                                                   f"got {type(obj).__name__}")))
-            del obj
-            c = skip(end)
-            k += 1
-            if c < len(text) and text[c] == ",":
-                c = skip(c + 1)
-                continue
-            if c < len(text) and text[c] == "]":
-                c = skip(c + 1)
-                break
-            raise broken(k, "expected ',' or ']' after the element" if c < len(text) else "the file ends inside the array")
-    if c != len(text):
-        raise broken(k, "more data after the closing ']'")
-    as_array = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
+    scan = _ArrayScan(file)
+    for start, end, raw in scan:
+        k = scan.k
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            errors.append((k, BadRecordError("invalid_encoding", f"array element {k}: not valid UTF-8: {e.reason} at "
+                                                                 f"byte {start + e.start}")))
+            continue
+        except json.JSONDecodeError as e:
+            raise scan.broken(k, f"{e.msg}: line {e.lineno} column {e.colno} of the element (byte {start})") from None
+        except RecursionError:
+            errors.append((k, BadRecordError("malformed_json", f"array element {k}: nested too deeply for the JSON "
+                                                               "parser")))
+            continue
+        if isinstance(obj, dict):
+            if columns is None:
+                columns = list(obj)
+            indices.append(k)
+            starts.append(start)
+            ends.append(end)
+        else:
+            errors.append((k, BadRecordError("malformed_json", f"array element {k}: expected a JSON object, "
+                                                               f"got {type(obj).__name__}")))
+        del obj
+    as_array = lambda xs: np.frombuffer(xs, dtype=np.int64).copy()  # noqa: E731
     return as_array(indices), as_array(starts), as_array(ends), columns or [], errors
 
 

@@ -29,7 +29,7 @@ class BenchmarkConfig:
     name: str
     """Name of the benchmark in the results (a row of the table)."""
     path: str
-    """A .parquet / .arrow / .jsonl file, a folder (searched recursively) or a glob, read locally."""
+    """A .parquet / .arrow / .jsonl / .json file, a folder (searched recursively) or a glob, read locally."""
     format: Literal["geometry3k", "mathvista", "mathvision", "logicvista", "mmmu", "messages", "columns"] = "columns"
     """Column adapter: a public release's layout (geometry3k = hiyouga/geometry3k, mathvista =
     AI4Math/MathVista testmini, mathvision = MathLLMs/MathVision, logicvista = LogicVista, mmmu =

@@ -35,9 +35,11 @@ class DataConfig:
     "hf" (a Hugging Face `datasets` table from local parquet / arrow / jsonl files, mapped by
     `columns`) or "synthetic_vqa" (the shapes-and-colours VQA set, generated into `synthetic_dir`)."""
     train_path: str = ""
-    """Training data: a file, a folder (searched recursively) or a glob of .jsonl files
-    (messages_jsonl) or of .parquet, .arrow and .jsonl files (hf); SFT and GRPO read it alike. A file
-    named directly is read whatever its suffix (e.g. LLaVA's one-JSON-array .json files).
+    """Training data: a file, a folder (searched recursively) or a glob of .jsonl and .json files
+    (messages_jsonl) or of .parquet, .arrow, .jsonl and .json files (hf); SFT and GRPO read it alike. A
+    .json file is JSON lines or one JSON array of records (LLaVA's); in a folder or glob, .json files that
+    are neither (save_to_disk's dataset_info.json / state.json / dataset_dict.json, a config.json) are
+    skipped and counted in the log. A file named directly is read whatever its suffix.
     Refused with synthetic_vqa, as are eval_path, image_root and columns (it reads the set it generates)."""
     eval_path: str = ""
     """Held-out data in the same format as `train_path`; empty = no evaluation split."""

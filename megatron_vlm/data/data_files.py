@@ -2,9 +2,18 @@
 
 SFT and GRPO both resolve `train_path` / `eval_path` here, so they read the same files in the
 same order (sorted by their full path). The suffixes depend on `[data] type`: "hf" reads
-.parquet, .arrow and .jsonl files, "messages_jsonl" reads .jsonl files. A file named directly is
-taken whatever its suffix (a messages file called `train.json` has always worked; one that holds a
-single JSON array of records, as LLaVA's .json files do, is read element by element: table_rows.py).
+.parquet, .arrow, .jsonl and .json files, "messages_jsonl" reads .jsonl and .json files. A file
+named directly is taken whatever its suffix and content (one that holds a single JSON array of
+records, as LLaVA's .json files do, is read element by element: table_rows.py).
+
+A .json file found in a folder or by a glob is data when its content is, as table_rows reads it: one
+JSON array (its first non-blank byte is "[") or JSON lines (its first non-blank line is a JSON object
+on its own). Next to data, .json files are often not data: `save_to_disk` writes dataset_info.json
+and state.json (pretty-printed objects) beside its .arrow files and a one-line dataset_dict.json
+above a DatasetDict's splits; a model folder has config.json. Those names (`METADATA_JSON`) are never
+JSON-lines data, and any other one-object file fails the content test; they are skipped and counted in
+one log line (a warning when a skipped file has another name: it may be data in a layout not read
+here, such as {"data": [...]}), and named in the "no data files" error when nothing else is there.
 
 A path that cannot be read as a whole — no data files there, a table file that does not open (a
 truncated or mislabelled .parquet), a file without the columns the mapping needs — is not a bad
@@ -17,6 +26,8 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,13 +35,17 @@ from pathlib import Path
 
 from megatron_vlm.errors import ConfigError
 
-__all__ = ["TABLE_SUFFIXES", "HF_SUFFIXES", "MESSAGES_SUFFIXES", "DataFileError", "data_path_errors", "find_data_files",
-           "content_signatures", "changed_data_file", "source_files"]
+__all__ = ["TABLE_SUFFIXES", "HF_SUFFIXES", "MESSAGES_SUFFIXES", "METADATA_JSON", "DataFileError", "data_path_errors",
+           "find_data_files", "content_signatures", "changed_data_file", "source_files"]
 
 TABLE_SUFFIXES = (".parquet", ".arrow")
 """Columnar files (read as tables); every other file is read as JSON lines."""
-HF_SUFFIXES = (".parquet", ".arrow", ".jsonl")
-MESSAGES_SUFFIXES = (".jsonl",)
+HF_SUFFIXES = (".parquet", ".arrow", ".jsonl", ".json")
+MESSAGES_SUFFIXES = (".jsonl", ".json")
+METADATA_JSON = frozenset({"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json", "config.json"})
+"""Names of .json files that describe a dataset or model rather than hold records (see the module docstring)."""
+
+log = logging.getLogger("megatron_vlm")
 
 
 def file_signature(path: Path) -> dict:
@@ -104,18 +119,51 @@ def changed_data_file(saved: object, now: object) -> str | None:
     return None
 
 
+def _json_holds_records(path: Path) -> bool:
+    """Whether a .json file found in a folder or by a glob is data: one JSON array, or JSON lines (not a metadata
+    name); the first line is read, nothing more."""
+    try:
+        with path.open("rb") as f:
+            line = f.readline().removeprefix(b"\xef\xbb\xbf")
+            while line and not line.strip():
+                line = f.readline()
+    except OSError:  # unreadable: skipped with the others, named in the warning
+        return False
+    head = line.lstrip()
+    if head.startswith(b"["):
+        return True
+    if path.name in METADATA_JSON or not head.startswith(b"{"):
+        return False
+    try:
+        return isinstance(json.loads(head), dict)
+    except (ValueError, RecursionError):  # not valid JSON, not UTF-8, nested too deeply: not a JSON object line
+        return False
+
+
 def find_data_files(path: str | os.PathLike, suffixes: tuple[str, ...] = HF_SUFFIXES) -> list[Path]:
     """The data files at `path` (see module docstring); FileNotFoundError when there are none."""
     text = os.fspath(path)
+    kinds = " / ".join(suffixes)
     if os.path.isdir(text):
-        names = [str(p) for p in Path(text).rglob("*") if p.suffix in suffixes and p.is_file()]
+        found = [str(p) for p in Path(text).rglob("*") if p.suffix in suffixes and p.is_file()]
     elif any(ch in text for ch in "*?["):
-        names = [f for f in glob.glob(text, recursive=True) if Path(f).suffix in suffixes and os.path.isfile(f)]
+        found = [f for f in glob.glob(text, recursive=True) if Path(f).suffix in suffixes and os.path.isfile(f)]
+    elif os.path.isfile(text):
+        return [Path(text)]  # named directly: whatever its suffix and content
     else:
-        names = [text] if os.path.isfile(text) else []
-    if not names:
-        kinds = " / ".join(suffixes)
         raise FileNotFoundError(f"no {kinds} data files at {text!r}")
+    names = [f for f in found if Path(f).suffix != ".json" or _json_holds_records(Path(f))]
+    skipped = sorted(set(found) - set(names))
+    about = ""
+    if skipped:
+        shown = ", ".join(os.path.relpath(f, text) if os.path.isdir(text) else f for f in skipped[:8])
+        about = f"{len(skipped)} .json files skipped as not data: {shown}{', ...' if len(skipped) > 8 else ''}"
+        unknown = [f for f in skipped if Path(f).name not in METADATA_JSON]
+        why = (f"{len(unknown)} of them neither one JSON array nor JSON lines" if unknown
+               else "dataset / model metadata, not records")
+        log.log(logging.WARNING if unknown else logging.INFO, "%s: %s (%s)", text, about, why)
+    if not names:
+        raise FileNotFoundError(f"no {kinds} data files at {text!r}" + (f" ({about})" if about else ""))
     return [Path(n) for n in sorted(names)]
 
 

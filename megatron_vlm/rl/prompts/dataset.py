@@ -1,7 +1,7 @@
 """GRPO prompt datasets: Geometry3K, ViRL39K, messages-format JSONL, verl and TRL tables, read from local files.
 
 The files are found and read by the data pipeline's reader (`megatron_vlm.data.table_rows`, the one
-SFT uses): a file, a folder searched recursively or a glob of .parquet / .arrow / .jsonl files, the
+SFT uses): a file, a folder searched recursively or a glob of .parquet / .arrow / .jsonl / .json files, the
 same rows in the same order, bad rows named by the same file and line / row. This module maps those
 rows to prompts.
 
@@ -364,8 +364,8 @@ def load_prompt_dataset(
     cache_dir: Optional[str] = None,
 ) -> PromptDataset:
     """Read prompt samples from the files at `path` through the shared data reader
-    (`megatron_vlm.data.table_rows`): a .parquet / .arrow / .jsonl file, a folder searched
-    recursively, or a glob (`suffixes` narrows what a folder or glob yields, e.g. (".jsonl",) for
+    (`megatron_vlm.data.table_rows`): a .parquet / .arrow / .jsonl / .json file, a folder searched
+    recursively, or a glob (`suffixes` narrows what a folder or glob yields, e.g. (".jsonl", ".json") for
     `[data] type = "messages_jsonl"`).
 
     `columns` maps our fields to other column names ({"prompt": ..., "answer": ..., "images": ...},

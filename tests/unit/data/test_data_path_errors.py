@@ -29,8 +29,8 @@ def _bad_paths(tmp_path) -> dict[str, tuple[str, dict, str]]:
     pq.write_table(pa.table({"q": ["x"], "a": ["y"]}), tmp_path / "other_names.parquet")
     cols = {"prompt": "question", "answer": "answer"}
     return {
-        "missing_jsonl": (str(tmp_path / "nope.jsonl"), {}, r"no \.jsonl data files at .*nope\.jsonl"),
-        "missing_hf": (str(tmp_path / "nope_dir"), cols, r"no \.parquet / \.arrow / \.jsonl data files"),
+        "missing_jsonl": (str(tmp_path / "nope.jsonl"), {}, r"no \.jsonl / \.json data files at .*nope\.jsonl"),
+        "missing_hf": (str(tmp_path / "nope_dir"), cols, r"no \.parquet / \.arrow / \.jsonl / \.json data files"),
         "corrupt_parquet": (str(tmp_path / "corrupt.parquet"), cols,
                             r".*corrupt\.parquet: cannot be read as a \.parquet table \(ArrowInvalid"),
         "missing_columns": (str(tmp_path / "other_names.parquet"), cols,

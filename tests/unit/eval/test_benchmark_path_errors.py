@@ -17,8 +17,8 @@ from megatron_vlm.eval.benchmarks import open_benchmark
 
 
 @pytest.mark.parametrize("case, fmt, expect", [
-    ("missing", "messages", r"no \.jsonl data files at .*nope\.jsonl"),
-    ("missing", "geometry3k", r"no \.parquet / \.arrow / \.jsonl data files at .*nope\.jsonl"),
+    ("missing", "messages", r"no \.jsonl / \.json data files at .*nope\.jsonl"),
+    ("missing", "geometry3k", r"no \.parquet / \.arrow / \.jsonl / \.json data files at .*nope\.jsonl"),
     ("corrupt", "geometry3k", r".*bad\.parquet: cannot be read as a \.parquet table \(ArrowInvalid"),
     ("columns", "geometry3k", r".*cols\.jsonl has no column\(s\) \['answer', 'problem'\] for format 'geometry3k'"),
 ])

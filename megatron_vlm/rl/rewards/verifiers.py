@@ -60,11 +60,14 @@ def math_reward(
 
 _OPTION_LINE = re.compile(r"^\s*\(?([A-Za-z])\s*[).:：]\s*(.+?)\s*$")
 _LETTER_FORMS = (
-    re.compile(r"^\(([A-Za-z])\)\s*[.:]?\s*(.*)$"),  # "(B)", "(b) 5 cm"
-    re.compile(r"^(?:option|choice)\s*\(?([A-Za-z])\)?\s*[.:)]?\s*(.*)$", re.IGNORECASE),  # "Option B", "choice (c)"
-    re.compile(r"^([A-Z])(?:\s*[.:)]\s*(.*))?$"),  # "B", "B.", "B) 5 cm", "B: 5 cm"
+    re.compile(r"^\(([A-Za-z])\)\s*[.:;,]?\s*(.*)$", re.DOTALL),  # "(B)", "(b) 5 cm", "(B), because ..."
+    re.compile(r"^(?:option|choice)\s*\(?([A-Za-z])\)?\s*[.:;,)]?\s*(.*)$", re.IGNORECASE | re.DOTALL),  # "Option B"
+    re.compile(r"^([A-Z])(?:\s*[.:;,)]\s*(.*))?$", re.DOTALL),  # "B", "B.", "B) 5 cm", "B: 5 cm", "B, 5 cm", "B; 5 cm"
     re.compile(r"^([a-z])$"),  # a lone lower-case letter
 )
+# a reason after the chosen letter ("B, because ...", "B. Since ...", "B, 5 cm, as ..."): not part of the option's text
+_REASON = re.compile(r"(?:^|[,;]\s*)(?:because|since|as(?!\s+well\b)|given|due\s+to|so|hence|thus|therefore)\b.*$",
+                     re.IGNORECASE | re.DOTALL)
 
 
 def parse_choices(prompt: str, letters: str) -> dict[str, str]:
@@ -97,7 +100,10 @@ def _choice_letter(text: str, letters: str, options: Mapping[str, str]) -> Optio
         if m and m.group(1).upper() in letters.upper():
             letter = m.group(1).upper()
             tail = m.group(2) if m.lastindex and m.lastindex >= 2 else None
-            # "B. 5 cm": when the option text is also given it must be that option's text (or value: "B. 5")
+            if tail:  # "B, because ...": the letter is the answer; "B, 5 cm, since ...": the option's text is left
+                tail = _REASON.sub("", tail.strip()).strip()
+            # "B. 5 cm": when the option text is also given it must be that option's text (or value: "B. 5"); any
+            # other text after the letter ("B, C and D are wrong") is prose about the options, not a choice
             if tail and letter in options and normalize_text(tail) != normalize_text(options[letter]) \
                     and not math_equal(tail, options[letter]):
                 return None

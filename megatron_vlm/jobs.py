@@ -44,6 +44,7 @@ from megatron_vlm.eval.benchmark_eval import VerifierScorer, evaluate_benchmark
 from megatron_vlm.eval.benchmarks import open_benchmark
 from megatron_vlm.eval.grpo_accuracy import GRPOEvaluator
 from megatron_vlm.eval.report import clear_eval_results, write_eval_results
+from megatron_vlm.eval.settings import eval_settings
 from megatron_vlm.eval.sft import SFTEvaluator
 from megatron_vlm.parallel.collectives import barrier
 from megatron_vlm.rl.asynchronous.bridge import current_role
@@ -289,12 +290,8 @@ def _evaluate_benchmarks(ctx: RunContext) -> list[dict]:
 def _write_eval_results(ctx: RunContext, results: list[dict]) -> int:
     cfg = ctx.cfg
     if ctx.env.is_main:
-        e = cfg.eval
-        assert e is not None  # train.mode = "eval" requires [eval] (config checks)
-        settings = {"model": cfg.model.path, "adapter": e.adapter or None, "greedy": e.greedy, "samples": e.samples,
-                    "temperature": e.temperature, "top_p": e.top_p, "top_k": e.top_k, "max_new_tokens": e.max_new_tokens,
-                    "prompt_template": e.prompt_template, "seed": cfg.train.seed, "world_size": ctx.env.world_size}
-        path = write_eval_results(ctx.run_dir, results, settings)
+        assert cfg.eval is not None  # train.mode = "eval" requires [eval] (config checks)
+        path = write_eval_results(ctx.run_dir, results, eval_settings(cfg, ctx.env.world_size))
         log.info("evaluation results: %s and %s", path, path.with_suffix(".md"))
     if results and not any(r["metrics"]["num_scored"] for r in results):
         # one unusable benchmark among others is reported and the job goes on; none scored at all is a data /

@@ -37,7 +37,8 @@ class BenchmarkConfig:
     e.g. an SFT held-out split) or "columns" (only the `columns` table)."""
     columns: dict[str, str] = field(default_factory=dict)
     """Our field -> column, overriding the preset's: question, answer, images (a list or one image),
-    choices (a list of option texts), id."""
+    choices (a list of option texts), id, precision (decimal places a float answer is rounded to before the math
+    verifier compares it, MathVista's rule; null = none; read for rows whose `answer_type` is absent or "float")."""
     verifier: Literal["auto", "math", "choice", "exact_match", "short_answer"] = "auto"
     """Scorer: "auto" = the format's (choice for rows with options, else math; short_answer for
     messages), or one of the verifiers for every row."""
@@ -55,7 +56,7 @@ class BenchmarkConfig:
             raise ValueError(f"name: use letters, digits, '_', '-', '.', got {self.name!r}")
         if not self.path:
             raise ValueError("path: required")
-        allowed = {"question", "answer", "images", "choices", "id"}
+        allowed = {"question", "answer", "images", "choices", "id", "precision"}
         unknown = sorted(set(self.columns) - allowed)
         if unknown:
             raise ValueError(f"columns: unknown key {unknown[0]!r}; allowed: {sorted(allowed)}")

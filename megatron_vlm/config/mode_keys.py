@@ -69,7 +69,7 @@ if TYPE_CHECKING:
 
     from megatron_vlm.config import Config
 
-__all__ = ["check_keys_for_mode", "check_moe_section", "changed_keys"]
+__all__ = ["check_keys_for_mode", "check_moe_section", "changed_keys", "EVAL_DATA_IGNORED"]
 
 _GRPO_IGNORED = {
     "train": {
@@ -89,8 +89,9 @@ _GRPO_IGNORED = {
 
 
 _EVAL_TRAIN_KEYS = {"mode", "output_dir", "seed", "precision"}
-_EVAL_DATA_IGNORED = ("type", "train_path", "eval_path", "image_root", "columns", "shuffle", "synthetic_dir",
-                      "synthetic_train_size", "synthetic_eval_size", "synthetic_seed", "synthetic_image_size")
+# the [data] keys an evaluation refuses: its files and their image_root come from [[eval.benchmarks]]
+EVAL_DATA_IGNORED = ("type", "train_path", "eval_path", "image_root", "columns", "shuffle", "synthetic_dir",
+                     "synthetic_train_size", "synthetic_eval_size", "synthetic_seed", "synthetic_image_size")
 _EVAL_IGNORED_SECTIONS = ("optimizer", "scheduler", "checkpoint", "moe", "logging")
 _SYNTHETIC_IGNORED = ("train_path", "eval_path", "image_root", "columns")
 
@@ -101,7 +102,7 @@ def _check_eval_keys(cfg: Config) -> None:
         if key not in _EVAL_TRAIN_KEYS:
             raise ConfigError(f"train.{key}: has no effect when {why}; remove it")
     for key in changed_keys(cfg.data):
-        if key in _EVAL_DATA_IGNORED:
+        if key in EVAL_DATA_IGNORED:
             raise ConfigError(f"data.{key}: has no effect when train.mode = \"eval\" (benchmark files and their "
                               "image_root are given in [[eval.benchmarks]]); remove it")
     for name in _EVAL_IGNORED_SECTIONS:

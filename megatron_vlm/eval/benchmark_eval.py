@@ -86,7 +86,7 @@ class VerifierScorer:
                 continue
             flat, answers, prompts, metas = [], [], [], []
             for r in members:
-                meta = {k: v for k, v in rows[r].meta.items() if k in ("choices", "answer")}
+                meta = {k: v for k, v in rows[r].meta.items() if k in ("choices", "answer", "precision")}
                 for c in rows[r].completions:
                     flat.append(c)
                     answers.append(rows[r].reference)

@@ -7,11 +7,13 @@ prompt. The prompt text is `prompt_template.format(problem=...)`, where the prob
 with its image placeholders (`<image>`, `<image1>`, `<image 1>`) removed — the images are placed
 before the text — and, for formats that keep the options apart from the question, the options as
 lines "A. ...". The record's metadata carries what the verifiers need: `answer`, `problem`,
-`choices` (option texts, lettered in order), `verifier` (which scorer this row uses), `id`, and a
-`question_type` column when the release has one (MathVista, MMMU: per-type accuracy).
+`choices` (option texts, lettered in order), `verifier` (which scorer this row uses), `id`, a
+`question_type` column when the release has one (MathVista, MMMU: per-type accuracy), and `precision`
+(MathVista: the decimal places a float answer is rounded to before the math verifier compares it, as the
+official scorer does; rows whose `answer_type` is not "float" have none).
 
 Formats and the columns they expect (`[[eval.benchmarks]] columns` renames any of them; question,
-answer and a given images column must exist, choices and id are used when present):
+answer and a given images column must exist, choices, id and precision are used when present):
 
     format      question   answer   images                       choices            id    verifier (auto)
     geometry3k  problem    answer   images (list)                -                  -     math
@@ -27,7 +29,9 @@ answer and a given images column must exist, choices and id are used when presen
 - mathvista: AI4Math/MathVista testmini: `query` is the official prompt (hint, question and the
   "Choices:" lines already in it, so options are not appended again), `decoded_image` the Image,
   `choices` the option texts of multi-choice rows (null for free-form), `answer` the option text
-  or the number, `pid` the id.
+  or the number, `pid` the id, `precision` the decimal places of an `answer_type` "float" answer (1.46
+  is right for 1.5 at one place: 1.5 once rounded; a precision that is not a whole number of places in
+  [0, 15] makes the row a bad record).
 - mathvision: MathLLMs/MathVision (test / testmini): `question` with "<image1>" markers, `options`
   a list (empty for free-form rows), `answer` a letter or a value, `decoded_image` the Image.
 - logicvista: LogicVista: `question` with its lettered options in the text, `answer` the letter,
@@ -39,7 +43,7 @@ answer and a given images column must exist, choices and id are used when presen
 
 An image is an Image struct ({"bytes", "path"}), raw bytes or a path (relative paths resolve
 against `image_root`, else the data file's folder). A row without a question or answer, with
-options it cannot read, or whose answer has nothing left once its verifier normalises it ("." , "$$":
+options or a precision it cannot read, or whose answer has nothing left once its verifier normalises it ("." , "$$":
 an empty generation would match it) is a bad record (counted by file and row, never fatal).
 """
 from __future__ import annotations
@@ -58,6 +62,7 @@ from megatron_vlm.data.processing import prompt_messages
 from megatron_vlm.data.sources import ListRecords
 from megatron_vlm.data.table_rows import TableRows
 from megatron_vlm.eval.answers import reference_is_empty
+from megatron_vlm.rl.rewards.verifiers import answer_precision
 
 __all__ = ["BenchmarkFormat", "FORMATS", "BenchmarkRecords", "OpenedBenchmark", "open_benchmark", "benchmark_record",
            "format_options"]
@@ -83,7 +88,8 @@ class BenchmarkFormat:
 
 FORMATS: dict[str, BenchmarkFormat] = {
     "geometry3k": BenchmarkFormat({"question": "problem", "answer": "answer"}, ("images",)),
-    "mathvista": BenchmarkFormat({"question": "query", "answer": "answer", "choices": "choices", "id": "pid"},
+    "mathvista": BenchmarkFormat({"question": "query", "answer": "answer", "choices": "choices", "id": "pid",
+                                  "precision": "precision"},
                                  ("decoded_image",), append_options=False),
     "mathvision": BenchmarkFormat({"question": "question", "answer": "answer", "choices": "options", "id": "id"},
                                   ("decoded_image",)),
@@ -174,7 +180,21 @@ def benchmark_record(row: dict, fmt: BenchmarkFormat, columns: dict[str, str], *
         meta["id"] = str(row[columns["id"]])
     if isinstance(row.get("question_type"), str):  # MathVista / MMMU: per-type accuracy in the results
         meta["question_type"] = row["question_type"]
+    precision = _precision(row, columns)
+    if precision is not None:
+        meta["precision"] = precision
     return Record(messages, source, index, meta)
+
+
+def _precision(row: dict, columns: dict[str, str]) -> Optional[int]:
+    """The decimal places a float answer is rounded to before it is compared (MathVista's `precision`, a float64
+    column that is null for the other rows; read only for an `answer_type` of "float" when the row has one)."""
+    if "precision" not in columns or row.get("answer_type", "float") != "float":
+        return None
+    try:
+        return answer_precision(row.get(columns["precision"]))
+    except ValueError as e:
+        raise BadRecordError("invalid_record", f"column {columns['precision']!r}: {e}") from None
 
 
 def _up_to(bad: BadRecordLog, files: list, last: tuple[str, int]) -> BadRecordLog:

@@ -1,6 +1,7 @@
 """The files an evaluation job writes into its run folder (rank 0):
 
-- `eval_results.json`: the model, the settings, and per benchmark its metrics (greedy accuracy,
+- `eval_results.json`: the model, the settings (every config value that changes the result: eval/settings.py),
+  and per benchmark its metrics (greedy accuracy,
   Avg@k, pass@k), how many rows it has (malformed lines included: each row is scored or a bad record) / were
   scored, which verifiers scored them, how many verifier
   calls timed out or failed (`verifier_failures`, each scored 0) and the bad

@@ -96,9 +96,11 @@ class MathRewardConfig(_AfterReasoning, _RewardCommon):
 @dataclass(kw_only=True)
 class ChoiceRewardConfig(_AfterReasoning, _RewardCommon):
     type: Literal["choice"] = "choice"
-    """Multiple choice: the chosen option (a letter like "B", "(B)", "Option B", the option's text, or
+    """Multiple choice: the chosen option (a letter like "B", "(B)", "Option B", a letter followed by
+    the option's text or a reason, "B. 42", "B, 42", "B; because ...", the option's text, or
     the value of exactly one option in another form, "\\frac{1}{2}" for "1/2") equals the reference
-    (a letter or the option text). Options come from the sample's
+    (a letter or the option text); a letter followed by other text ("B, C and D are wrong") selects
+    nothing. Options come from the sample's
     `choices` metadata or are parsed from the prompt ("A. ...", "(B) ...", "C: ...")."""
     letters: str = "ABCDEFGHIJ"
     """Valid option letters, in order."""

@@ -40,10 +40,11 @@ import sympy
 
 from megatron_vlm.rl.rewards.extract import boxed_answer, strip_math_delimiters
 from megatron_vlm.rl.rewards.latex_math import LatexParseError, Matrix, ParsedAnswer, Rel, Seq, parse_latex
-from megatron_vlm.rl.rewards.relations import answer_side, as_interval, by_names, named_solutions, rel_equal
+from megatron_vlm.rl.rewards.relations import answer_side, as_interval, by_names, is_name, named_solutions, rel_equal
 from megatron_vlm.rl.rewards.symbolic_limits import MAX_ITEM_PAIRS, MAX_SYMBOLIC_DEGREE, MAX_SYMBOLIC_OPS, too_big
 
-__all__ = ["normalize_text", "is_empty_answer", "math_equal", "values_equal", "answer_parts", "MAX_SYMBOLIC_OPS", "MAX_SYMBOLIC_DEGREE"]
+__all__ = ["normalize_text", "is_empty_answer", "math_equal", "values_equal", "answer_parts", "rounded_equal",
+           "MAX_SYMBOLIC_OPS", "MAX_SYMBOLIC_DEGREE"]
 
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
 _PROBES = (sympy.Rational(7, 13), sympy.Rational(-11, 7), sympy.Rational(23, 9), sympy.Rational(-3, 17), sympy.Rational(5, 3))
@@ -327,3 +328,33 @@ def math_equal(pred: str, gold: str, *, rel_tol: float = 1e-6, rounding_min_deci
                             gold_decimals=gd + 2 * j if gd else 0, rounding_min_decimals=rounding_min_decimals):
                 return True
     return False
+
+
+def _stated_number(text: str) -> Optional[float]:
+    """The real number an answer states ("1.46", "\\frac{3}{2}", "x = 1.46", "1.5 cm"), as the double nearest it (a
+    decimal literal: exactly `float(literal)`); None for anything else (a percentage, a list, an expression with
+    symbols, a complex value, text that does not parse)."""
+    boxed = boxed_answer(text)
+    try:
+        parsed = parse_latex(text if boxed is None else boxed)
+    except LatexParseError:
+        return None
+    value = parsed.value
+    if isinstance(value, Rel) and len(value.sides) == 2 and is_name(value.sides[0]):
+        value = answer_side(value)
+    if parsed.percent or not isinstance(value, sympy.Basic):
+        return None
+    if value.is_Rational:  # p / q correctly rounded, as float() rounds the decimal it was written as
+        return int(value.p) / int(value.q)
+    v = _number(value)
+    return v.real if v is not None and abs(v.imag) < 1e-12 else None
+
+
+def rounded_equal(pred: str, gold: str, places: int) -> Optional[bool]:
+    """Does the prediction, rounded to `places` decimal places (Python's `round` of its double: 1.45 -> 1.4, the
+    double nearest 1.45 lying below it), equal the gold number? MathVista's rule for answers of a given precision.
+    None when either does not state one real number (the caller decides)."""
+    p, g = _stated_number(pred), _stated_number(gold)
+    if p is None or g is None:
+        return None
+    return round(p, places) == g

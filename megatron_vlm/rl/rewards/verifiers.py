@@ -20,9 +20,24 @@ from megatron_vlm.rl.rewards.extract import (
     last_boxes,
     strip_math_delimiters,
 )
-from megatron_vlm.rl.rewards.math_equiv import answer_parts, is_empty_answer, math_equal, normalize_text
+from megatron_vlm.rl.rewards.math_equiv import answer_parts, is_empty_answer, math_equal, normalize_text, rounded_equal
 
-__all__ = ["math_reward", "choice_reward", "format_reward", "exact_match_reward", "parse_choices", "BUILTIN_VERIFIERS"]
+__all__ = ["math_reward", "choice_reward", "format_reward", "exact_match_reward", "parse_choices", "answer_precision",
+           "BUILTIN_VERIFIERS"]
+
+MAX_PRECISION = 15
+"""The most decimal places a `precision` may ask for (a double holds about 15 significant digits)."""
+
+
+def answer_precision(value: Any) -> Optional[int]:
+    """A `precision` (decimal places of a float answer, MathVista's column) as an int; None when unset (None, NaN).
+    ValueError for anything else: negative, fractional, infinite, above MAX_PRECISION or not a number."""
+    if value is None or (isinstance(value, float) and value != value):
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_PRECISION \
+            or value != int(value):
+        raise ValueError(f"precision {value!r} is not a number of decimal places in [0, {MAX_PRECISION}]")
+    return int(value)
 
 
 def math_reward(
@@ -42,13 +57,24 @@ def math_reward(
     then the last math environment when `fallback_last_math`, then the last number when
     `fallback_last_number`); equivalence is `math_equiv.math_equal`. When the reference lists k >= 2
     parts and the completion boxed each part where it solved it, the last k boxes are the answer
-    too. Supported answer forms: megatron_vlm/rl/rewards/README.md."""
+    too. Supported answer forms: megatron_vlm/rl/rewards/README.md.
+
+    `metadata["precision"]` (MathVista's column: the decimal places of a float answer; read only when
+    `metadata["answer_type"]` is absent or "float", an unreadable one is ignored here and refused by the
+    benchmark loader): when the answer and the reference each state one real number, the answer rounded to
+    that many places must equal the reference (MathVista's official rule: 1.46 is 1.5 at one place), and
+    nothing else decides."""
     gold = str(answer)
     pred = extract_answer(
         completion, answer_tag=answer_tag, fallback_last_math=fallback_last_math, fallback_last_number=fallback_last_number
     )
     if pred is None:
         return 0.0
+    places = _metadata_precision(metadata)
+    if places is not None:
+        rounded = rounded_equal(pred, gold, places)
+        if rounded is not None:
+            return float(rounded)
     if math_equal(pred, gold, rel_tol=rel_tol):
         return 1.0
     parts = answer_parts(gold) if answer_tag is None else 1
@@ -56,15 +82,27 @@ def math_reward(
     return 1.0 if boxes is not None and boxes != pred and math_equal(boxes, gold, rel_tol=rel_tol) else 0.0
 
 
+def _metadata_precision(metadata: Optional[Mapping[str, Any]]) -> Optional[int]:
+    if not metadata or metadata.get("answer_type", "float") != "float":
+        return None
+    try:
+        return answer_precision(metadata.get("precision"))
+    except ValueError:
+        return None
+
+
 # --- multiple choice --------------------------------------------------------------------------------
 
 _OPTION_LINE = re.compile(r"^\s*\(?([A-Za-z])\s*[).:：]\s*(.+?)\s*$")
 _LETTER_FORMS = (
-    re.compile(r"^\(([A-Za-z])\)\s*[.:]?\s*(.*)$"),  # "(B)", "(b) 5 cm"
-    re.compile(r"^(?:option|choice)\s*\(?([A-Za-z])\)?\s*[.:)]?\s*(.*)$", re.IGNORECASE),  # "Option B", "choice (c)"
-    re.compile(r"^([A-Z])(?:\s*[.:)]\s*(.*))?$"),  # "B", "B.", "B) 5 cm", "B: 5 cm"
+    re.compile(r"^\(([A-Za-z])\)\s*[.:;,]?\s*(.*)$", re.DOTALL),  # "(B)", "(b) 5 cm", "(B), because ..."
+    re.compile(r"^(?:option|choice)\s*\(?([A-Za-z])\)?\s*[.:;,)]?\s*(.*)$", re.IGNORECASE | re.DOTALL),  # "Option B"
+    re.compile(r"^([A-Z])(?:\s*[.:;,)]\s*(.*))?$", re.DOTALL),  # "B", "B.", "B) 5 cm", "B: 5 cm", "B, 5 cm", "B; 5 cm"
     re.compile(r"^([a-z])$"),  # a lone lower-case letter
 )
+# a reason after the chosen letter ("B, because ...", "B. Since ...", "B, 5 cm, as ..."): not part of the option's text
+_REASON = re.compile(r"(?:^|[,;]\s*)(?:because|since|as(?!\s+well\b)|given|due\s+to|so|hence|thus|therefore)\b.*$",
+                     re.IGNORECASE | re.DOTALL)
 
 
 def parse_choices(prompt: str, letters: str) -> dict[str, str]:
@@ -97,7 +135,10 @@ def _choice_letter(text: str, letters: str, options: Mapping[str, str]) -> Optio
         if m and m.group(1).upper() in letters.upper():
             letter = m.group(1).upper()
             tail = m.group(2) if m.lastindex and m.lastindex >= 2 else None
-            # "B. 5 cm": when the option text is also given it must be that option's text (or value: "B. 5")
+            if tail:  # "B, because ...": the letter is the answer; "B, 5 cm, since ...": the option's text is left
+                tail = _REASON.sub("", tail.strip()).strip()
+            # "B. 5 cm": when the option text is also given it must be that option's text (or value: "B. 5"); any
+            # other text after the letter ("B, C and D are wrong") is prose about the options, not a choice
             if tail and letter in options and normalize_text(tail) != normalize_text(options[letter]) \
                     and not math_equal(tail, options[letter]):
                 return None

@@ -267,16 +267,24 @@ _EITHER_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
 one replaces the file's other."""
 
 
-_SWITCH_OFF_DROPS: dict[tuple[str, ...], tuple[Any, tuple[str, ...]]] = {
-    ("logging", "wandb"): (False, ("wandb_project", "wandb_mode", "experiment_name")),
-    ("data", "num_workers"): (0, ("loader_timeout_s", "prefetch_factor")),
-    ("eval", "samples"): (0, ("temperature", "top_p", "top_k")),
-    ("moe", "enable_moe_load_balancing_training"): (False, ("bias_update_rate",)),
-    ("scheduler", "type"): ("constant", ("min_lr_ratio",)),
+_SYNTHETIC_KEYS = ("synthetic_dir", "synthetic_train_size", "synthetic_eval_size", "synthetic_seed", "synthetic_image_size")
+_FILE_KEYS = ("train_path", "eval_path", "image_root", "columns")
+
+_SWITCH_OFF_DROPS: dict[tuple[str, ...], dict[Any, tuple[str, ...]]] = {
+    ("logging", "wandb"): {False: ("wandb_project", "wandb_mode", "experiment_name")},
+    ("checkpoint", "enable"): {False: ("every_steps", "keep_last")},
+    ("data", "num_workers"): {0: ("loader_timeout_s", "prefetch_factor")},
+    ("data", "type"): {"messages_jsonl": (*_SYNTHETIC_KEYS, "columns"), "hf": _SYNTHETIC_KEYS,
+                       "synthetic_vqa": _FILE_KEYS},
+    ("eval", "samples"): {0: ("temperature", "top_p", "top_k")},
+    ("moe", "enable_moe_load_balancing_training"): {False: ("bias_update_rate",)},
+    ("scheduler", "type"): {"constant": ("min_lr_ratio",)},
 }
-"""Switches whose off value leaves keys beside them without effect (refused together by the config checks): a `--set`
-turning one off drops the file's keys it leaves idle (`--set logging.wandb=false` on a recipe that names its wandb
-project, `--set data.num_workers=0` on one that sets data.prefetch_factor, docs/evaluation.md's
+"""Switches whose value leaves keys beside them without effect (refused together by the config checks), by value:
+a `--set` turning one to such a value drops the file's keys it leaves idle (`--set logging.wandb=false` on a recipe
+that names its wandb project, `--set checkpoint.enable=false` on one that sets checkpoint.every_steps / keep_last,
+`--set data.num_workers=0` on one that sets data.prefetch_factor, `--set data.type="messages_jsonl"` on the
+synthetic demo's data.synthetic_* keys (and "synthetic_vqa" on a recipe's data paths), docs/evaluation.md's
 `--set eval.samples=0`, `--set scheduler.type="constant"` on a cosine recipe's min_lr_ratio), as the command line is
 what the user means. Such keys also given with `--set` stay refused."""
 
@@ -339,7 +347,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     `warmup_ratio`) the file's other warmup key (`_EITHER_KEYS`): both are refused together, and the command line
     is what the user means. Both given with `--set` stay refused. Likewise a switch turned off with `--set` drops
     the file's keys it leaves idle (`_SWITCH_OFF_DROPS`: `logging.wandb = false` and the wandb project / mode / name,
-    `data.num_workers = 0` and the loader's prefetch / timeout, ...)."""
+    `checkpoint.enable = false` and the checkpoint cadence / retention, `data.num_workers = 0` and the loader's
+    prefetch / timeout, `data.type` and the keys of the other data sources, ...)."""
     set_keys: set[tuple[str | int, ...]] = set()
     for item in overrides:
         if "=" not in item:
@@ -353,12 +362,12 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         other = _EITHER_KEYS.get(tuple(map(str, steps)))
         if other is not None and other not in set_keys and isinstance(node, dict):
             node.pop(other[-1], None)
-        switch = _SWITCH_OFF_DROPS.get(tuple(map(str, steps)))
-        # the type too: False == 0 (and `is` held for the small ints only by CPython's cache)
-        if switch is not None and type(value) is type(switch[0]) and value == switch[0] and isinstance(node, dict):
-            for name in switch[1]:
-                if (*steps[:-1], name) not in set_keys:
-                    node.pop(name, None)
+        for off, idle in _SWITCH_OFF_DROPS.get(tuple(map(str, steps)), {}).items():
+            # the type too: False == 0 (and `is` held for the small ints only by CPython's cache)
+            if type(value) is type(off) and value == off and isinstance(node, dict):
+                for name in idle:
+                    if (*steps[:-1], name) not in set_keys:
+                        node.pop(name, None)
     return raw
 
 

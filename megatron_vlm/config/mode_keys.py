@@ -17,8 +17,8 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
 - the other modes: `data.loader_timeout_s` and `data.prefetch_factor` with `data.num_workers = 0` (no worker to wait
   for), and a timeout shorter than `data.video_decode_timeout_s` where workers run;
 - every training mode: the `[data]` keys of another source kind — `train_path`, `eval_path`, `image_root`
-  and `columns` with `data.type = "synthetic_vqa"` (it reads the set it generates), `columns` with any
-  type but "hf";
+  and `columns` with `data.type = "synthetic_vqa"` (it reads the set it generates), the `synthetic_*` keys with
+  any other type, `columns` with any type but "hf";
 - GRPO without a held-out split (`data.eval_path` empty): `rl.eval.every_steps` (the evaluation returns nothing;
   the other `[rl.eval]` keys shape it and may stay, as a config's own);
 - PPO (`rl.advantage = "gae"`): `rl.critic.warmup_steps` >= `train.max_steps` (the policy would never move);
@@ -94,6 +94,8 @@ EVAL_DATA_IGNORED = ("type", "train_path", "eval_path", "image_root", "columns",
                      "synthetic_train_size", "synthetic_eval_size", "synthetic_seed", "synthetic_image_size")
 _EVAL_IGNORED_SECTIONS = ("optimizer", "scheduler", "checkpoint", "moe", "logging")
 _SYNTHETIC_IGNORED = ("train_path", "eval_path", "image_root", "columns")
+_SYNTHETIC_ONLY = ("synthetic_dir", "synthetic_train_size", "synthetic_eval_size", "synthetic_seed",
+                   "synthetic_image_size")
 
 
 def _check_eval_keys(cfg: Config) -> None:
@@ -174,8 +176,8 @@ def _check_pipeline_keys(cfg: Config) -> None:
 
 def _check_data_source_keys(cfg: Config) -> None:
     """The [data] keys of another source kind: `data.type = "synthetic_vqa"` writes and reads its own files
-    (a `train_path` set on top of a demo config trained on the synthetic set without a word), and only
-    `type = "hf"` maps `columns`."""
+    (a `train_path` set on top of a demo config trained on the synthetic set without a word), only it reads the
+    `synthetic_*` keys that shape that set, and only `type = "hf"` maps `columns`."""
     d = cfg.data
     if d.type == "synthetic_vqa":
         for key in _SYNTHETIC_IGNORED:
@@ -183,9 +185,14 @@ def _check_data_source_keys(cfg: Config) -> None:
                 raise ConfigError(f"data.{key}: has no effect with data.type = 'synthetic_vqa' (the generated set in "
                                   "data.synthetic_dir is read); set data.type = 'messages_jsonl' or 'hf' to read your "
                                   "files")
-    elif d.type != "hf" and d.columns:
-        raise ConfigError(f"data.columns: only read with data.type = 'hf', not {d.type!r}; remove it or set "
-                          "data.type = 'hf'")
+    else:
+        for key in _SYNTHETIC_ONLY:
+            if key in changed_keys(d):
+                raise ConfigError(f"data.{key}: only read with data.type = 'synthetic_vqa' (it shapes the generated "
+                                  f"set), not {d.type!r}; remove it")
+        if d.type != "hf" and d.columns:
+            raise ConfigError(f"data.columns: only read with data.type = 'hf', not {d.type!r}; remove it or set "
+                              "data.type = 'hf'")
 
 
 def check_keys_for_mode(cfg: Config) -> None:

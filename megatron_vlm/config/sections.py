@@ -225,9 +225,10 @@ class CheckpointConfig:
     """Write distributed checkpoints (model, optimizer, scheduler, data position, RNG, step). false stops writing
     only: `resume` still loads a checkpoint the folder (or the path it names) holds."""
     every_steps: int = 0
-    """Save every N steps (0 = only at the end and on SIGTERM)."""
+    """Save every N steps (0 = only at the end and on SIGTERM). Refused with enable = false (nothing is saved;
+    `--set checkpoint.enable=false` drops the file's value)."""
     keep_last: int = 2
-    """Keep the newest N complete checkpoints (0 = keep all)."""
+    """Keep the newest N complete checkpoints (0 = keep all). Refused with enable = false, as every_steps is."""
     resume: str = "auto"
     """"auto" = newest complete checkpoint in output_dir/checkpoints if any; "none"; or a checkpoint folder. A checkpoint
     resumes with the parallel.backend, [lora] (lora.r, adapted layers) and model family it was written with; a run
@@ -242,6 +243,11 @@ class CheckpointConfig:
 
     def validate(self) -> None:
         at_least(self, 0, "every_steps", "keep_last")
+        for name in ("every_steps", "keep_last"):  # only the saving reads them
+            if not self.enable and getattr(self, name) != getattr(CheckpointConfig, name):
+                raise ValueError(f"{name}: only read with checkpoint.enable = true (it shapes the checkpoints a run "
+                                 f"writes, and enable = false writes none), got {getattr(self, name)}; remove it or "
+                                 "set enable = true")
         if self.export_dtype is not None and not self.export_hf:
             raise ValueError(f"export_dtype: {self.export_dtype!r} has no effect with export_hf = false (nothing is "
                              "exported)")

@@ -109,8 +109,8 @@ class DataConfig:
     length_cache_dir: str = ""
     """Folder for the per-sample token-length cache used to plan packs; empty = in memory only."""
     synthetic_dir: str = ""
-    """synthetic_vqa only: folder to write the generated set into (the trainer sets it to
-    <run>/data when empty)."""
+    """synthetic_vqa only (the synthetic_* keys are refused with another type; `--set data.type=...` drops the
+    file's): folder to write the generated set into (the trainer sets it to <run>/data when empty)."""
     synthetic_train_size: int = 512
     """synthetic_vqa only: number of training samples."""
     synthetic_eval_size: int = 64

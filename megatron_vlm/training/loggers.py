@@ -6,10 +6,15 @@ go to a per-row `extra` JSON column, so every row stays readable with the same h
 be written (a full disk, a quota) is logged as an error and left out, the file cut back to its last whole
 row; training goes on (its next checkpoint save says what is wrong with the disk, and keeps the previous one).
 
-TensorBoard and W&B: a write that fails (a full disk under the event file, a W&B error) is logged once as an
-error and the row left out of that sink; training goes on. A TensorBoard writer whose file failed is dropped and a
-new one (a new event file in the same folder) is opened at the next row, so logging comes back once the disk has
-room.
+W&B: a call that fails is logged once as an error (until one works again) and the row left out; training goes on.
+
+TensorBoard: a write that fails (a full disk or a quota under the event file) is logged once as an error naming the
+folder and the error, and TensorBoard is off for the rest of the run; training goes on. Not retried, unlike the CSV
+rows: an event file whose write failed may end in a cut record and cannot be continued, so each retry would open a
+new writer, leave a new event file in the folder and, on a disk still full, die in its background thread with a
+traceback of its own, row after row. The CSV files keep retrying in place (cheap, no new file), and a resumed run
+writes TensorBoard again. The writer thread's own traceback of that error is not printed (`_QuietWriterThreads`):
+the one error line says it.
 
 A sink that cannot be opened at the start (a `tensorboard` path that is a file, a metrics CSV that is a folder or
 read-only) is a ConfigError on every rank (exit 2 naming `logging.<sink>`), before the first step: a run must not
@@ -28,6 +33,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import IO, Optional
@@ -139,35 +145,54 @@ def _unwritable(path: Path) -> Optional[str]:
     return None if os.access(path.parent, os.W_OK) else "its folder is not writable"
 
 
+class _QuietWriterThreads:
+    """A `threading.excepthook` that drops the OSError of a TensorBoard writer thread and passes on everything else.
+
+    The thread dies on a failed event-file write and re-raises, which the default hook prints as a traceback; the
+    sink sees the same error at its flush and logs it as one line (module docstring)."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, args) -> None:
+        if issubclass(args.exc_type, OSError) and type(args.thread).__module__.startswith("tensorboard.summary.writer"):
+            return
+        self.previous(args)
+
+
+def _quiet_writer_threads() -> None:
+    if not isinstance(threading.excepthook, _QuietWriterThreads):
+        threading.excepthook = _QuietWriterThreads(threading.excepthook)
+
+
 class _TensorBoardSink:
-    """Scalars and text in `<run>/tensorboard` (module docstring: a failed write is logged, never raised)."""
+    """Scalars and text in `<run>/tensorboard` (module docstring: a failed write is logged once, never raised, and
+    turns the sink off)."""
 
     def __init__(self, folder: Path, writer_cls):
-        self.folder, self._writer_cls = folder, writer_cls
+        self.folder = folder
+        _quiet_writer_threads()
         self._writer = writer_cls(str(folder))
-        self._failed = False
 
     def write(self, what: str, step: int, fn) -> None:
-        """Call `fn(writer)` and flush; an OSError drops the writer (its background thread has died) for a new one."""
+        """Call `fn(writer)` and flush; an OSError is logged and the sink off for the rest of the run."""
+        if self._writer is None:
+            return
         try:
-            if self._writer is None:
-                self._writer = self._writer_cls(str(self.folder))
             fn(self._writer)
             self._writer.flush()
-            self._failed = False
         except OSError as e:
-            if not self._failed:
-                log.error("tensorboard: could not write %s of step %s (%s); training goes on, TensorBoard rows are "
-                          "left out until writing works again", what, step, e)
-            self._failed = True
-            self._writer = None  # not closed: closing waits on the queue of the thread that died
+            log.error("tensorboard: could not write %s of step %s in %s (%s); TensorBoard is off for the rest of this "
+                      "run, training goes on (logging.csv keeps writing the rows it can; a resumed run writes "
+                      "TensorBoard again)", what, step, self.folder, e)
+            self._writer = None  # not closed: its close flushes first, and raises the thread's error again
 
     def close(self) -> None:
         if self._writer is not None:
             try:
                 self._writer.close()
             except OSError as e:
-                log.error("tensorboard: could not close the event file (%s)", e)
+                log.error("tensorboard: could not close the event file in %s (%s)", self.folder, e)
 
 
 def _open_tensorboard(folder: Path) -> Optional[_TensorBoardSink]:

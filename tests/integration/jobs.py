@@ -21,6 +21,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def merged_sets(base: dict, extra: dict) -> dict[str, str]:
+    """`base` updated with `extra`, less the base's keys that `extra` leaves idle (refused beside it): a job that
+    writes no checkpoint (`checkpoint.enable` false) drops the checkpoint cadence and retention, one that reads its
+    own files (`data.type` not "synthetic_vqa") the `data.synthetic_*` keys."""
+    sets = {k: str(v) for k, v in {**base, **extra}.items()}
+    idle = []
+    if sets.get("checkpoint.enable", "").lower() == "false":
+        idle += ["checkpoint.every_steps", "checkpoint.keep_last"]
+    if sets.get("data.type", "synthetic_vqa").strip("\"'") != "synthetic_vqa":
+        idle += [k for k in sets if k.startswith("data.synthetic_")]
+    for key in idle:
+        if key not in extra:
+            sets.pop(key, None)
+    return sets
+
+
+def as_overrides(base: dict, extra: dict) -> list[str]:
+    """`merged_sets` as `--set` items."""
+    return [f"{k}={v}" for k, v in merged_sets(base, extra).items()]
+
+
 def small_demo_overrides(tmp: Path, assets: Path, **extra) -> list[str]:
     """The demo config shrunk to seconds: few steps, few samples, shared tiny assets."""
     sets = {
@@ -38,8 +59,7 @@ def small_demo_overrides(tmp: Path, assets: Path, **extra) -> list[str]:
         "checkpoint.keep_last": "2",
         "logging.tensorboard": "false",
     }
-    sets.update({k: str(v) for k, v in extra.items()})
-    return [f"{k}={v}" for k, v in sets.items()]
+    return as_overrides(sets, extra)
 
 
 def run_job(overrides: list[str], *, nproc: int = 1, env: dict | None = None, config: Path = DEMO,

@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from jobs import REPO, load_safetensors_dir, read_metrics, run_job, small_demo_overrides
+from jobs import REPO, load_safetensors_dir, merged_sets, read_metrics, run_job, small_demo_overrides
 
 DPO_DEMO = REPO / "launch" / "configs" / "demo_dpo.toml"
 
@@ -22,7 +22,7 @@ DPO_DEMO = REPO / "launch" / "configs" / "demo_dpo.toml"
 def _overrides(out, assets, **extra):
     sets = {"data.synthetic_train_size": 32, "data.synthetic_eval_size": 8, "train.max_steps": 4,
             "checkpoint.every_steps": 2, "checkpoint.keep_last": 0, "optimizer.lr": 2e-3}
-    return small_demo_overrides(out, assets, **{**sets, **extra})
+    return small_demo_overrides(out, assets, **merged_sets(sets, extra))
 
 
 def _train(path):

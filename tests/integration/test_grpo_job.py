@@ -7,7 +7,7 @@ and sequence-mean loss all active."""
 from __future__ import annotations
 
 import pytest
-from jobs import REPO, load_safetensors_dir, read_metrics, run_job
+from jobs import REPO, as_overrides, load_safetensors_dir, read_metrics, run_job
 
 pytestmark = pytest.mark.distributed
 
@@ -49,8 +49,7 @@ def grpo_overrides(out, assets, **extra) -> list[str]:
         "rl.eval.every_steps": "0",
         "rl.eval.max_new_tokens": "3",
     }
-    sets.update({k: str(v) for k, v in extra.items()})
-    return [f"{k}={v}" for k, v in sets.items()]
+    return as_overrides(sets, extra)
 
 
 def test_grpo_run_folder_and_exact_resume_after_kill9(tmp_path):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from jobs import REPO, read_metrics, run_job
+from jobs import REPO, as_overrides, read_metrics, run_job
 
 pytestmark = pytest.mark.heavy
 
@@ -65,8 +65,7 @@ def _small(out, assets, **extra):
             "data.num_workers": 0, "train.output_dir": f'"{out}"', "train.max_steps": 4, "train.eval_every": 0,
             "train.log_every": 1, "checkpoint.every_steps": 2, "checkpoint.keep_last": 0, "optimizer.lr": 2e-3,
             "logging.tensorboard": "false"}
-    sets.update(extra)
-    return [f"{k}={v}" for k, v in sets.items()]
+    return as_overrides(sets, extra)
 
 
 def _train(path):

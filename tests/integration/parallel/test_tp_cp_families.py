@@ -37,6 +37,7 @@ from megatron_vlm.jobs import run_kind
 from megatron_vlm.parallel import DistEnv, init_distributed
 from megatron_vlm.testing.synthesize import synthesize_model_folder
 from megatron_vlm.training.context import RunContext
+from tests.integration.jobs import as_overrides
 from tests.integration.parallel.spawn import spawn
 
 pytestmark = [pytest.mark.distributed]
@@ -61,7 +62,7 @@ def _sets(tmp: Path, family: str, out: Path, **extra) -> list[str]:
     sets = {
         "model.path": f'"{tmp / family / "model"}"', "model.synthesize": f'"{synth}"',
         "data.max_tokens_per_pack": 128, "data.num_workers": 0, "train.output_dir": f'"{out}"',
-        "train.max_steps": STEPS, "train.eval_every": 0, "train.log_every": 1, "checkpoint.every_steps": 0,
+        "train.max_steps": STEPS, "train.eval_every": 0, "train.log_every": 1,
         "checkpoint.enable": "false", "checkpoint.keep_last": 0, "checkpoint.resume": '"none"', "logging.tensorboard": "false", "logging.console": "false",
         "scheduler.warmup_steps": 1, "optimizer.lr": 1e-5,
     }
@@ -71,8 +72,7 @@ def _sets(tmp: Path, family: str, out: Path, **extra) -> list[str]:
     else:
         sets.update({"data.synthetic_dir": f'"{tmp / family / "data"}"', "data.synthetic_train_size": 48,
                      "data.synthetic_eval_size": 0})
-    sets.update(extra)
-    return [f"{k}={v}" for k, v in sets.items()]
+    return as_overrides(sets, extra)  # checkpoint.keep_last only where a job saves (checkpoint.enable = "true")
 
 
 def _run(tmp: Path, family: str, out: Path, **extra) -> None:

@@ -171,3 +171,48 @@ def test_switching_off_on_the_command_line_drops_the_files_idle_keys(tmp_path):
     moe.write_text(SFT.read_text() + "\n[moe]\nbias_update_rate = 0.01\n")
     cfg = load_config(moe, ["moe.enable_moe_load_balancing_training=false"])
     assert (cfg.moe.enable_moe_load_balancing_training, cfg.moe.bias_update_rate) == (False, 1e-3)
+
+
+def test_checkpoint_save_keys_need_checkpointing(tmp_path):
+    """`checkpoint.every_steps` / `keep_last` shape the checkpoints a run writes: with `checkpoint.enable = false` it
+    writes none, and they were accepted and read by nothing. `enable` defaults to true, so a file setting only
+    every_steps saves as it says; `--set checkpoint.enable=false` on a recipe that sets them (the commands of
+    megatron_vlm/rl/README.md on demo_grpo.toml) drops the file's keys, as `logging.wandb=false` does."""
+    for key, value in (("every_steps", 5), ("keep_last", 0)):
+        _refused(SFT, ["checkpoint.enable=false", f"checkpoint.{key}={value}"], f"checkpoint.{key}",
+                 r"only read with checkpoint.enable = true .*set enable = true")
+    off = tmp_path / "off.toml"  # written in the file itself
+    off.write_text(SFT.read_text().replace("[checkpoint]\n", "[checkpoint]\nenable = false\n"))  # every_steps = 200
+    _refused(off, [], "checkpoint.every_steps", "only read with checkpoint.enable = true")
+    cfg = load_config(SFT, ["checkpoint.every_steps=5"])  # enable's default: true
+    assert (cfg.checkpoint.enable, cfg.checkpoint.every_steps) == (True, 5)
+    _accepted(SFT, ["checkpoint.enable=false", "checkpoint.every_steps=0", "checkpoint.keep_last=2"])  # defaults
+    grpo = CONFIGS / "demo_grpo.toml"  # every_steps = 50, keep_last = 1
+    cfg = load_config(grpo, ["checkpoint.enable=false"])
+    check_keys_for_mode(cfg)
+    assert (cfg.checkpoint.enable, cfg.checkpoint.every_steps, cfg.checkpoint.keep_last) == (False, 0, 2)
+
+
+@pytest.mark.parametrize("key, value", [("synthetic_dir", '"d"'), ("synthetic_train_size", "8"),
+                                        ("synthetic_eval_size", "4"), ("synthetic_seed", "3"),
+                                        ("synthetic_image_size", "28")])
+def test_synthetic_keys_need_synthetic_data(key, value):
+    """The `data.synthetic_*` keys shape the generated set, read only with `data.type = "synthetic_vqa"`; with
+    another type they were accepted and did nothing."""
+    _refused(REAL, [f"data.{key}={value}"], f"data.{key}", "only read with data.type = 'synthetic_vqa'")
+    _accepted(SFT, [f"data.{key}={value}"])
+
+
+def test_switching_data_type_on_the_command_line_drops_the_other_sources_keys():
+    """`--set data.type=...` on a recipe written for another source: the file's keys of that source are idle and
+    dropped (the synthetic_* keys of demo_sft.toml; a real recipe's paths under `data.type="synthetic_vqa"`); given
+    with `--set` too, they stay refused."""
+    cfg = load_config(SFT, ['data.type="messages_jsonl"', 'data.train_path="t.jsonl"', 'data.eval_path="e.jsonl"'])
+    check_keys_for_mode(cfg)
+    assert (cfg.data.synthetic_dir, cfg.data.synthetic_train_size, cfg.data.synthetic_eval_size) == ("", 512, 64)
+    _refused(SFT, ['data.type="messages_jsonl"', 'data.train_path="t.jsonl"', "data.synthetic_train_size=8"],
+             "data.synthetic_train_size", "only read with data.type = 'synthetic_vqa'")
+    cfg = load_config(REAL, ['data.type="synthetic_vqa"'])
+    check_keys_for_mode(cfg)
+    assert (cfg.data.train_path, cfg.data.eval_path, cfg.data.image_root) == ("", "", "")
+    _refused(REAL, ['data.type="synthetic_vqa"', 'data.train_path="t.jsonl"'], "data.train_path", "has no effect")

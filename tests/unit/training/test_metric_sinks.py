@@ -1,6 +1,6 @@
 """The metric sinks of `MetricsLogger` (training/loggers.py) under failures a long run meets: a TensorBoard event
 file on a disk that fills up, a W&B call that raises. Each is logged once and the run goes on (as for the CSV
-files), and rows are written again once the sink works."""
+files); W&B rows are written again once it works, TensorBoard stays off for the rest of the run."""
 from __future__ import annotations
 
 import errno
@@ -26,29 +26,44 @@ def _scalars(folder) -> dict[int, float]:
     return out
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the event writer's thread
-def test_a_full_disk_under_the_tensorboard_file_is_logged_and_the_run_goes_on(tmp_path, caplog, monkeypatch):
-    """Before: the event writer's background thread died on ENOSPC and every later `log` raised its OSError out of
-    the training loop (a traceback, the work since the last checkpoint lost)."""
-    cfg = NS(tensorboard=True, csv=False, wandb=False, console=False)
-    logger = MetricsLogger(cfg, tmp_path, is_main=True, total_steps=6, run_name="r")
+def test_a_full_disk_under_the_tensorboard_file_is_logged_once_and_tensorboard_stops(tmp_path, caplog, monkeypatch):
+    """A write that fails with ENOSPC: one error naming the folder and the error, TensorBoard off for the rest of the
+    run, the run and its CSV going on. Before: each later row opened a new writer (a new event file in the folder)
+    whose background thread died on its first write with a traceback of its own, row after row."""
+    import threading
+
+    from tensorboard.compat.tensorflow_stub.io.gfile import LocalFileSystem
+
+    thread_errors: list = []
+    monkeypatch.setattr(threading, "excepthook", thread_errors.append)  # what would be printed as a traceback
+    cfg = NS(tensorboard=True, csv=True, wandb=False, console=False)
+    logger = MetricsLogger(cfg, tmp_path, is_main=True, total_steps=8, run_name="r")
     logger.set_start(0)
     logger.log("train", 1, {"loss": 1.0, "note": "text is not a scalar", "bad": float("nan")})
-    from tensorboard.summary.writer.record_writer import RecordWriter
 
-    def full(self, data):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def full(self, filename, content, mode):  # as on a full disk: the file is made, its bytes do not fit
+        with open(filename, mode):
+            raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(RecordWriter, "write", full)  # every event file, the ones opened after the failure too
-    with caplog.at_level("ERROR", logger="megatron_vlm"):
-        logger.log("train", 2, {"loss": 2.0})
-        logger.log("train", 3, {"loss": 3.0})
-    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert len(errors) == 1 and "tensorboard" in errors[0] and "step 2" in errors[0], errors
-    monkeypatch.undo()  # room again: the next row opens a new event file
-    logger.log("train", 4, {"loss": 4.0})
+    with monkeypatch.context() as disk:
+        disk.setattr(LocalFileSystem, "_write", full)  # every event file, any opened after the failure too
+        with caplog.at_level("ERROR", logger="megatron_vlm"):
+            for step in range(2, 7):
+                logger.log("train", step, {"loss": float(step)})
+            logger.log_table("moe/layer_expert_table", 6, ["layer", "e0"], [[0, 1.0]])
+    logger.log("train", 7, {"loss": 7.0})  # room again: TensorBoard stays off for this run
     logger.close()
-    assert _scalars(tmp_path / "tensorboard") == {1: 1.0, 4: 4.0}
+    for t in threading.enumerate():  # a dying writer thread calls its excepthook after the writer saw the error
+        if type(t).__module__.startswith("tensorboard."):
+            t.join(timeout=10)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    folder = tmp_path / "tensorboard"
+    assert len(errors) == 1 and str(folder) in errors[0] and "No space left on device" in errors[0] \
+        and "step 2" in errors[0], errors
+    assert len(list(folder.iterdir())) == 1, sorted(p.name for p in folder.iterdir())  # no event file per row
+    assert thread_errors == [], [a.exc_value for a in thread_errors]
+    assert _scalars(folder) == {1: 1.0}
+    assert (tmp_path / "metrics_train.csv").read_text().count("\n") == 8  # header + every row: the run went on
 
 
 def test_a_wandb_error_is_logged_once_and_the_run_goes_on(tmp_path, caplog):

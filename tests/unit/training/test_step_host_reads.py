@@ -73,6 +73,22 @@ def test_one_process_collectives_and_stop_flag_touch_no_device_value():
     assert anyone == (True, False) and stops == [False, True]
 
 
+def test_one_sft_step_reads_the_device_once(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    packs = [_pack(g, 9, 7) for _ in range(6)]
+    reads = HostReads(host=[v for p in packs for v in p.values() if torch.is_tensor(v)])
+    per_step: dict = {}
+
+    def hook(k):
+        reads.sites = per_step.setdefault(k, type(reads.sites)())
+
+    with reads:  # step 1 logs nothing, step 2 logs its row (step 3, the last, is followed by the run's end)
+        _run(tmp_path, MaskFreeLM(), packs, micro=2, steps=3, log_every=2, max_grad_norm=1.0, hook=hook)
+    for k in (1, 2):
+        reads.sites = per_step[k]
+        assert reads.total <= 1, f"step {k}: {reads.total} host reads of device values:\n{reads.report()}"
+
+
 def test_logged_loss_grad_norm_and_weights_are_plain_torchs(tmp_path):
     g = torch.Generator().manual_seed(3)
     packs = [_pack(g, 9, 7), _pack(g, 6, 2), _pack(g, 8, 5), _pack(g, 7, 3)]

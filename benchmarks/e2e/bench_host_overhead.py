@@ -7,10 +7,13 @@ depends on the structure (36 decoder layers, 32 vision blocks, the same module c
 and compile as the training job). Built at hidden 64 with a short pack, the step's kernels take a few
 milliseconds on the CPU and what remains is host work, measurable without a GPU.
 
-What it runs: the training job's own step (`SFTStep.train_step` driven by `run_loop`, one rank, FSDP2 with bf16
-compute / fp32 master, fused AdamW, the step guard, the stop flag), fed the same pack every step. It reports
+What it runs: the training job's own step (`SFTStep.train_step` driven by `run_loop`, one rank, FSDP2, fused
+AdamW, selective checkpointing (`--ac`), compiled blocks with `--compile`, the step guard, the stop flag), fed the
+same pack every step. `--precision fp32` (default) has the CPU run our fused csrc kernels, one op per call like the
+GPU's Triton ones; `bf16` adds FSDP2's casts but sends attention to SDPA's per-sample loop on the CPU. It reports
 
 - the step time (min / median over `--steps` timed steps after warm-up), for the loop as the job runs it;
+- with `--phases`: the wall time per step of each phase (forward, backward, clip, optimizer, ...);
 - with `--count-reads`: the host reads of tensor values in one step (`item`, `tolist`, `bool()`, `float()`,
   `int()`, `cpu()`, `numpy()`, `nonzero`, indexing by a bool mask and the other ops whose output size depends on
   the values) and uploads made with `torch.tensor(..., device=...)`, by call site (megatron_vlm/testing/
@@ -18,16 +21,17 @@ compute / fp32 master, fused AdamW, the step guard, the stop flag), fed the same
   and so does a blocking upload; on the CPU they are counted, not timed. Reads of the pack's own tensors (host
   tensors in a GPU job: the model gets copies, as `to_device` makes) are not counted;
 - with `--profile`: torch.profiler's CPU-side table (top entries by self CPU time) and cProfile's top Python
-  functions by cumulative time, over `--profile-steps` steps.
+  functions by cumulative time (all, then this project's), over `--profile-steps` steps.
 
 What it cannot say: kernel times, overlap of host and device work, the cost of a sync on a GPU (the kernels queued
 before it), or the CUDA caching allocator / launch costs (the CPU runs its kernels inline, with no launch queue).
-Host cost only: a step that is X ms faster here is at most X ms faster on a GPU, and only where the GPU waited.
+Host cost only: host time saved here is saved on a GPU's host too (scaled by that CPU's speed), and shortens a GPU
+step only where the GPU waited on the host. `--shape 3b` runs the same step and loop at the published widths on a
+GPU (the job's step, where bench_train_step.py times a bare forward / backward / clip / optimizer step).
 
-    python benchmarks/e2e/bench_host_overhead.py                      # eager, full depth (36 + 32 blocks)
-    python benchmarks/e2e/bench_host_overhead.py --count-reads        # + host reads of one step, by call site
-    python benchmarks/e2e/bench_host_overhead.py --profile            # + CPU profile of 3 steps
-    python benchmarks/e2e/bench_host_overhead.py --compile --layers 8 --vision-depth 8   # compiled blocks
+    python benchmarks/e2e/bench_host_overhead.py --phases --count-reads    # eager, full depth (36 + 32 blocks)
+    python benchmarks/e2e/bench_host_overhead.py --compile --profile       # compiled blocks, CPU profile of 3 steps
+    python benchmarks/e2e/bench_host_overhead.py --layers 8 --vision-depth 8   # a shallower model (faster compile)
 """
 from __future__ import annotations
 
@@ -127,10 +131,12 @@ class NoCheckpoints:
 
 
 class DeviceCopyContext(RunContext):
-    """`to_device` gives the model new tensors, as a GPU job's copy does: reads of the pack's own tensors (host
-    tensors in a GPU job) are then told apart from reads of the model's inputs (device tensors there)."""
+    """`to_device` gives the model new tensors on the CPU too, as a GPU job's copy does: reads of the pack's own
+    tensors (host tensors in a GPU job) are then told apart from reads of the model's inputs (device tensors)."""
 
     def to_device(self, batch: dict) -> dict:
+        if self.env.device.type != "cpu":
+            return super().to_device(batch)
         return {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
@@ -138,7 +144,14 @@ def build(args) -> SimpleNamespace:
     """The model, its FSDP2 / checkpointing / compile setup as the job applies it, and an `SFTStep` over one pack."""
     env = init_distributed()
     torch.manual_seed(0)
-    cfg = tiny_wide_config(args.layers, args.vision_depth, args.hidden, args.vocab)
+    if args.shape == "3b":
+        if env.device.type == "cpu":
+            raise SystemExit("--shape 3b: the published Qwen2.5-VL-3B widths need a GPU (the CPU rows use --shape tiny)")
+        from bench_rollout import qwen2_5_vl_3b_config
+
+        cfg = qwen2_5_vl_3b_config()
+    else:
+        cfg = tiny_wide_config(args.layers, args.vision_depth, args.hidden, args.vocab)
     model = build_model(cfg, dtype=torch.float32, device=env.device)
     from megatron_vlm.training.lm_loss import TokenLogprobModel
 
@@ -187,6 +200,10 @@ def run_steps(b: SimpleNamespace, n: int, log_every: int, hook=None) -> list[flo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=("tiny", "3b"), default="tiny",
+                    help="tiny: the 3B's structure at --hidden (the CPU rows); 3b: the published widths (GPU only: "
+                         "the job's own step and loop at the bench_train_step shape, e.g. --tokens 16384 --samples 8 "
+                         "--grid 32 --precision bf16 --compile)")
     ap.add_argument("--layers", type=positive_int, default=36, help="decoder layers (the 3B: 36)")
     ap.add_argument("--vision-depth", type=positive_int, default=32, help="vision blocks (the 3B: 32)")
     ap.add_argument("--hidden", type=positive_int, default=64, help="hidden size of both towers")
@@ -216,7 +233,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     b = build(args)
-    meta = {"layers": args.layers, "vision_depth": args.vision_depth, "hidden": args.hidden, "tokens": args.tokens,
+    meta = {"shape": args.shape, "device": str(b.env.device), "layers": args.layers, "vision_depth": args.vision_depth, "hidden": args.hidden, "tokens": args.tokens,
             "samples": args.samples, "micro_batches": args.micro_batches, "ac": args.ac, "compile": args.compile,
             "precision": args.precision, "log_every": args.log_every, "threads": args.threads,
             "torch": torch.__version__, "build_s": round(time.perf_counter() - t0, 2)}

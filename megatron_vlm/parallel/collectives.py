@@ -2,7 +2,9 @@
 
 Every rank of a loop reaches each call in the same order (all ranks run the same number of steps,
 micro-batches and decode steps), which is also what keeps FSDP's own collectives matched.
-Values travel as float64 / int64 tensors on the job's device (NCCL / HCCL need device tensors).
+Values travel as float64 / int64 tensors on the job's device (NCCL / HCCL need device tensors). In a single
+process the Python values come back as they are, with no tensor: on CUDA the upload and the read back are each a
+stream sync, which makes the host wait for every kernel queued (tests/unit/training/test_step_host_reads.py).
 """
 from __future__ import annotations
 
@@ -34,11 +36,15 @@ def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
 
 def all_reduce_sum(values: Sequence[float], device: torch.device) -> list[float]:
     """Element-wise sum over ranks (float64)."""
+    if world_size() == 1:
+        return [float(v) for v in values]
     return all_reduce_(torch.tensor(list(values), dtype=torch.float64, device=device)).tolist()
 
 
 def all_reduce_max(values: Sequence[int], device: torch.device) -> list[int]:
     """Element-wise max over ranks (int64)."""
+    if world_size() == 1:
+        return [int(v) for v in values]
     t = all_reduce_(torch.tensor(list(values), dtype=torch.int64, device=device), op="max")
     return [int(v) for v in t.tolist()]
 

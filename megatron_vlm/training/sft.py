@@ -24,7 +24,7 @@ from megatron_vlm.data.loader import build_sft_dataloader
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.parallel import clip_grad_norm_
-from megatron_vlm.parallel.collectives import all_reduce_sum, barrier
+from megatron_vlm.parallel.collectives import all_reduce_, all_reduce_sum, barrier
 from megatron_vlm.training.bad_record_summary import restore_saved_bad_records, save_bad_records, write_bad_record_summary
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
@@ -131,6 +131,24 @@ def restore_data_state(runner: Any, state: dict) -> None:
     restore_moe_report(getattr(runner.bundle, "moe_balancer", None), state)
 
 
+def global_loss_and_norm(loss_sum: Any, grad_norm: Any, device: torch.device) -> tuple[float, float]:
+    """(the loss sum over all ranks, the gradient norm) as floats, in one read of the device.
+
+    Why one: on CUDA every read of a device value is a stream sync (the host waits for all queued kernels); the step
+    needs these two before the optimizer step (the non-finite guard) and nothing else, so the loss sum stays on the
+    device through the micro-batches and is all-reduced (a collective only with several ranks) and read with the
+    norm. A sum over the ranks is non-finite exactly when one rank's is (NaN / inf propagate; the sums of -log p
+    of one step are far from float64's overflow). `loss_sum`: a float (the pipeline schedule's) or a 0-d tensor."""
+    if torch.is_tensor(loss_sum):
+        loss = loss_sum.detach().to(device, torch.float64).reshape(1)
+    else:
+        loss = torch.tensor([float(loss_sum)], dtype=torch.float64, device=device)
+    all_reduce_(loss)
+    norm = torch.as_tensor(grad_norm).detach().to(device, torch.float64).reshape(1)
+    g_loss, g_norm = torch.cat([loss, norm]).tolist()
+    return g_loss, g_norm
+
+
 def _peak_flops(device: torch.device) -> Optional[float]:
     """The bf16 peak FLOP/s of one of the job's devices, for `mfu`; None off CUDA or for an unknown GPU."""
     if device.type != "cuda" or not torch.cuda.is_available():
@@ -202,11 +220,11 @@ class SFTStep:
                 break
             self._skip_empty(step, fetched)  # every rank sees the same sums: all fetch again together
         denom = g_tokens
-        loss_sum = 0.0
+        loss_sum: Any = 0.0  # this rank's sum of -log p: a float from the pipeline, else a float64 device tensor
         b.wrapper.train()
         if b.pipeline is not None:  # parallel.pp > 1: the 1F1B schedule runs forward + backward (parallel/pipeline.py)
             loss_sum = b.pipeline.run([self.ctx.to_device(m) for m in micro], b.dims.dp_size / denom)
-        for m in (micro if b.pipeline is None else ()):
+        for i, m in enumerate(micro if b.pipeline is None else ()):
             logp = b.wrapper(self.ctx.to_device(m))
             loss = -logp.sum(dtype=torch.float32) / denom * b.dims.dp_size
             if b.moe_balancer is not None:
@@ -214,16 +232,19 @@ class SFTStep:
                 if aux is not None:
                     loss = loss + aux / len(micro)
             loss.backward()
-            loss_sum += float(-logp.detach().sum(dtype=torch.float64))
+            part = -logp.detach().sum(dtype=torch.float64)  # kept on the device: no read per micro-batch
+            loss_sum = part if i == 0 else loss_sum + part
         clip = clip_grad_norm_ if b.pipeline is None else b.pipeline.clip_grad_norm_  # pp: norm over all stages
         grad_norm = clip(b.trainable_params, cfg.max_grad_norm)
+        g_loss_sum, norm = global_loss_and_norm(loss_sum, grad_norm, env.device)
+        g_loss_sum /= copies
         lr = self.optim.scheduler.get_last_lr()[0]  # the lr of this step's update (step() moves to the next)
-        if self.guard.allow(loss_sum, grad_norm, step=step + 1):  # non-finite: skip the update, count it
+        # non-finite: skip the update, count it. The loss is the sum over all ranks (non-finite when one rank's is)
+        if self.guard.allow(g_loss_sum, norm, step=step + 1, loss_is_global=True):
             self.optim.optimizer.step()
         self.optim.scheduler.step()
         self.optim.optimizer.zero_grad(set_to_none=True)
         moe_report = b.moe_balancer.after_step(step + 1) if b.moe_balancer is not None else None
-        g_loss_sum = all_reduce_sum([loss_sum], env.device)[0] / copies
         dt = time.time() - t0
         if moe_report is not None:
             self.metrics.log_moe_table(step + 1, moe_report[1])
@@ -233,7 +254,7 @@ class SFTStep:
         # as the CSV's first would fix its header without loss, lr, ... (loggers.py: later keys go to `extra`)
         out = {
             "loss": g_loss_sum / denom,
-            "grad_norm": float(grad_norm),
+            "grad_norm": norm,
             "lr": lr,
             "tokens_per_s": g_seq / dt,
             "trained_tokens": g_tokens,

@@ -66,9 +66,12 @@ class StopFlag:
             self._interrupt = False
 
     def should_stop(self, device: torch.device) -> bool:
+        """Whether any rank received a stop signal (collective). A single process reads its own flag: a device
+        tensor there would be an upload and a read back per step, each a stream sync on CUDA."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return bool(self.signum)
         flag = torch.tensor([1 if self.signum else 0], device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def restore(self) -> None:

@@ -53,19 +53,22 @@ class StepGuard:
     def from_config(cls, train_cfg: Any, device: torch.device, **kw: Any) -> StepGuard:
         return cls(getattr(train_cfg, "max_consecutive_skipped_steps", DEFAULT_MAX_CONSECUTIVE_SKIPPED), device, **kw)
 
-    def allow(self, loss: float, grad_norm: float | torch.Tensor, *, step: int) -> bool:
+    def allow(self, loss: float, grad_norm: float | torch.Tensor, *, step: int, loss_is_global: bool = False) -> bool:
         """True when the optimizer step may run. Collective: every rank calls it at the same point.
-        `loss`: this rank's loss (any float); `grad_norm`: the global norm (tensor or float);
+        `loss`: this rank's loss (any float), or with `loss_is_global` a value every rank holds alike (the sum over
+        the ranks: no collective then); `grad_norm`: the global norm (tensor or float);
         `step`: the 1-based step number, for the messages."""
         norm = float(grad_norm)
-        bad = any_rank(not math.isfinite(float(loss)), self.device) or not math.isfinite(norm)
+        finite = math.isfinite(float(loss))
+        bad = (not finite if loss_is_global else any_rank(not finite, self.device)) or not math.isfinite(norm)
         if not bad:
             self.consecutive = 0
             return True
         self.skipped += 1
         self.consecutive += 1
-        log.warning("step %d: non-finite loss or gradient norm (loss %s on this rank, grad norm %s): %s skipped "
-                    "(%d skipped so far, %d in a row)", step, loss, norm, self.what, self.skipped, self.consecutive)
+        log.warning("step %d: non-finite loss or gradient norm (loss %s %s, grad norm %s): %s skipped "
+                    "(%d skipped so far, %d in a row)", step, loss, "over all ranks" if loss_is_global else "on this rank",
+                    norm, self.what, self.skipped, self.consecutive)
         if self.max_consecutive and self.consecutive >= self.max_consecutive:
             raise NonFiniteStepError(
                 f"{self.consecutive} optimizer steps in a row had a non-finite loss or gradient norm (last at step "

@@ -49,8 +49,11 @@ class GRPOStep:
         self.shards = DataShards.of(bundle.dims, ctx.env.rank, ctx.env.device)
         self.policy = PolicyUpdate(ctx, bundle, optim, rl_cfg, shards=self.shards, reference=reference, metrics=metrics,
                                    critic=critic)
+        # a stopping rank gives up a hung reward / environment wait (training/signals.py; stand-in contexts: never)
+        stop = getattr(ctx, "stop", None)
         self.rounds = RoundSampler(rl_cfg, engine, encoder, manager, shards=self.shards, seed=ctx.cfg.train.seed,
-                                   eval_mode=lambda: bundle.wrapper.eval(), multiturn=multiturn)
+                                   eval_mode=lambda: bundle.wrapper.eval(), multiturn=multiturn,
+                                   stop_check=getattr(stop, "pending", None))
         self.engine = engine
         # rewards that all fail for reward_pool.max_failed_steps steps stop the run (configs built in code: never)
         pool = getattr(rl_cfg, "reward_pool", None)

@@ -19,6 +19,11 @@ small object (`StepRunner`). From the resume step to `total_steps`, per step:
    return 143 on every rank. A stop requested after the last step (during the final evaluation or export) is not
    acted on: the run finishes and returns 0 (launch/slurm/train.sbatch then does not requeue it: runner.py).
 
+A step may also end early with `StepAbandoned` (training/signals.py: a stop signal arrived while a wait of the step
+hung, and every rank gave the step up together, before any of it was applied): the RNG states are put back as they
+were before the step, the checkpoint of the step boundary before it is saved (the data state of that step, so a
+resumed run draws and redoes the abandoned step's prompts) and the loop returns 143, as for a stop at a boundary.
+
 A checkpoint of a later step than `total_steps` (train.max_steps lowered since) is refused (ConfigError: exit 2)
 rather than evaluated and exported as this run's result. A run that reaches `total_steps` saves the final
 checkpoint (only when it ran a step), evaluates and exports a Hugging Face folder (`checkpoint.export_hf`).
@@ -35,6 +40,7 @@ from megatron_vlm.errors import ConfigError
 from megatron_vlm.training.checkpointing import Checkpointer, ResumePoint
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.peak_memory import PeakMemory
+from megatron_vlm.training.signals import StepAbandoned
 
 __all__ = ["StepRunner", "run_loop", "EXIT_STOPPED"]
 
@@ -117,7 +123,17 @@ def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpoint
         if before_step is not None:
             before_step(step + 1)
         done = step + 1
-        m = steps.train_step(step, log=(done % log_every == 0 or done == total_steps))
+        before = rng_state()  # put back when the step is abandoned: the checkpoint of its start draws as it would
+        try:
+            m = steps.train_step(step, log=(done % log_every == 0 or done == total_steps))
+        except StepAbandoned as e:
+            set_rng_state(before)
+            log.warning("stop signal received during step %d, which was abandoned (%s): saving a checkpoint at step %d "
+                        "(a resumed run redoes step %d's prompts) and exiting", done, e, step, done)
+            if checkpointer.enabled:
+                save(step)  # a no-op when it holds the newest checkpoint (the resume point or a periodic save)
+            code = EXIT_STOPPED
+            break
         step = done
         if m:
             m["peak_memory_gib"] = peak.read_gib()

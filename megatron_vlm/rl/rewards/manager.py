@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -164,11 +164,13 @@ class RewardManager:
         metadata: Optional[Sequence[Optional[Mapping[str, Any]]]] = None,
         *,
         only: Optional[Sequence[str]] = None,
+        abandon: Optional[Callable[[], bool]] = None,
     ) -> RewardBatch:
         """Score completion i against answers[i] (prompts / metadata optional, same length).
 
         `only` restricts scoring to these reward labels (e.g. the accuracy reward at evaluation); the
-        total then sums only those."""
+        total then sums only those. `abandon`: the pool's stop check (pool.py `map`): True while waiting
+        raises `WaitAbandoned`, and nothing of the batch is counted."""
         n = len(completions)
         for name, seq in (("answers", answers), ("prompts", prompts), ("metadata", metadata)):
             if seq is not None and len(seq) != n:
@@ -202,7 +204,7 @@ class RewardManager:
                     prompt=str(prompts[i]) if prompts is not None else "",
                     metadata=dict(meta) if meta is not None else None,
                 ))
-        results = self.pool.map(calls)
+        results = self.pool.map(calls, abandon=abandon) if abandon is not None else self.pool.map(calls)
         total = [0.0] * n
         per_reward: dict[str, list[float]] = {}
         timeouts = errors = clipped = unclosed = 0

@@ -43,9 +43,11 @@ from megatron_vlm.rl.prompts.sets import PromptSets, load_prompt_sets
 from megatron_vlm.rl.prompts.shard import PromptEncoding
 from megatron_vlm.rl.reference import BaseModelReference, ReferencePolicy
 from megatron_vlm.rl.rewards.combined import CombinedRewards, has_model_rewards
+from megatron_vlm.rl.rewards.failure_watch import RewardsAllFailedError
 from megatron_vlm.rl.rewards.manager import RewardManager
 from megatron_vlm.training.bad_record_summary import restore_saved_bad_records, save_bad_records, write_bad_record_summary
 from megatron_vlm.training.context import RunContext
+from megatron_vlm.training.loop import StopAfterStep
 from megatron_vlm.training.model_bundle import ModelBundle
 from megatron_vlm.training.running_totals import RunningTotals
 from megatron_vlm.training.sft import moe_report_state, restore_moe_report
@@ -284,12 +286,25 @@ class GRPOLoopStep:
         if self._batches is None:
             self._batches = prompt_batches(len(self.train_set), self.rl.batch.prompts_per_step, seed=self.seed, start_step=step)
         batch = [self.train_set[i] for i in next(self._batches)]
-        with self.abandonable():
+        with self.abandonable(), self.stop_after_step(step):
             metrics = self.grpo.run(step, batch, prompt_pool=self.train_set)
+        return self._finish_step(step, metrics, log)
+
+    def _finish_step(self, step: int, metrics: dict[str, float], log: bool) -> dict[str, float]:
         metrics.update(getattr(self.grpo.engine, "metrics", dict)())  # the vLLM back end's rollout/weight_push_s
         metrics["epoch"] = (step + 1) * self.rl.batch.prompts_per_step / len(self.train_set)
         self.totals.add_to(metrics)  # every step (the metrics are reduced every step): the next checkpoint's totals
         return metrics if log or has_moe_report(metrics) else {}
+
+    @contextmanager
+    def stop_after_step(self, step: int) -> Iterator[None]:
+        """A step that ran but had no usable reward for the last rl.reward_pool.max_failed_steps steps: its metrics
+        finished as any step's (they go into the checkpoint's totals), then `StopAfterStep` (the loop saves what
+        would be lost and the run exits 1)."""
+        try:
+            yield
+        except RewardsAllFailedError as e:
+            raise StopAfterStep(e, self._finish_step(step, dict(e.metrics or {}), True), wasted=e.streak) from None
 
     @contextmanager
     def abandonable(self) -> Iterator[None]:

@@ -24,6 +24,11 @@ hung, and every rank gave the step up together, before any of it was applied): t
 were before the step, the checkpoint of the step boundary before it is saved (the data state of that step, so a
 resumed run draws and redoes the abandoned step's prompts) and the loop returns 143, as for a stop at a boundary.
 
+A step that ran but must end the run (`StopAfterStep`: GRPO steps without a usable reward for
+`rl.reward_pool.max_failed_steps` steps in a row) has its row logged; its checkpoint is saved when steps worth keeping
+would otherwise be lost (the newest checkpoint is older than the steps that were wasted), then its error is raised
+(exit 1 through the runner). Otherwise the newest checkpoint stays the resume point.
+
 A checkpoint of a later step than `total_steps` (train.max_steps lowered since) is refused (ConfigError: exit 2)
 rather than evaluated and exported as this run's result. A run that reaches `total_steps` saves the final
 checkpoint (only when it ran a step), evaluates and exports a Hugging Face folder (`checkpoint.export_hf`).
@@ -42,12 +47,22 @@ from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.peak_memory import PeakMemory
 from megatron_vlm.training.signals import StepAbandoned
 
-__all__ = ["StepRunner", "run_loop", "EXIT_STOPPED"]
+__all__ = ["StepRunner", "StopAfterStep", "run_loop", "EXIT_STOPPED"]
 
 log = logging.getLogger("megatron_vlm")
 
 EXIT_STOPPED = 143
 """Exit code of a run stopped by SIGTERM / SIGUSR1 after its checkpoint (128 + SIGTERM)."""
+
+
+class StopAfterStep(Exception):
+    """Raised by `train_step` when its step ran (the update applied) but the run must end with `error`: `metrics`, the
+    step's row (empty: none); `wasted`, the steps in a row, this one included, whose work is worth nothing (a
+    checkpoint of the step is saved only when steps before them would otherwise be lost)."""
+
+    def __init__(self, error: BaseException, metrics: dict[str, float], *, wasted: int):
+        super().__init__(str(error))
+        self.error, self.metrics, self.wasted = error, metrics, int(wasted)
 
 
 class StepRunner(Protocol):
@@ -126,6 +141,17 @@ def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpoint
         before = rng_state()  # put back when the step is abandoned: the checkpoint of its start draws as it would
         try:
             m = steps.train_step(step, log=(done % log_every == 0 or done == total_steps))
+        except StopAfterStep as e:
+            if e.metrics:
+                metrics.log("train", done, e.metrics)
+            if checkpointer.enabled and saved_at < done - e.wasted:
+                log.warning("saving a checkpoint at step %d before the run stops: steps %d-%d, after the newest "
+                            "checkpoint (step %d), would otherwise be lost", done, saved_at + 1, done - e.wasted, saved_at)
+                save(done)
+            elif checkpointer.enabled:
+                log.warning("not saving step %d: the newest checkpoint (step %d) holds every step worth keeping; "
+                            "resume from it", done, saved_at)
+            raise e.error from None
         except StepAbandoned as e:
             set_rng_state(before)
             log.warning("stop signal received during step %d, which was abandoned (%s): saving a checkpoint at step %d "

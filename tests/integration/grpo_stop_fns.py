@@ -18,3 +18,13 @@ def block_after(completion, answer, *, prompt="", metadata=None, calls=0, marker
         f.write(str(time.time()))
     threading.Event().wait()
     return 0.0
+
+
+def nan_after(completion, answer, *, prompt="", metadata=None, calls=0, marker=""):
+    """Scores like text_length for the first `calls` calls (counted in the file `marker`), then NaN on every call: a
+    verifier that breaks mid-run."""
+    with open(marker, "a") as f:
+        f.write("x")
+    if os.path.getsize(marker) <= calls:
+        return min(len(completion), 12) / 12
+    return float("nan")

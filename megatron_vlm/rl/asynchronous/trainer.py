@@ -53,10 +53,12 @@ from megatron_vlm.rl.asynchronous.weights import push_weights, trainable_names
 from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.metrics import PhaseTimer
 from megatron_vlm.rl.prompts.shard import EncodedShard, PromptEncoding
+from megatron_vlm.rl.rewards.failure_watch import RewardsAllFailedError
 from megatron_vlm.rl.rewards.pool import ABANDON_POLL_S, Patience
 from megatron_vlm.rl.rounds import Round, shape_round
 from megatron_vlm.rl.trainer import GRPOLoopStep, has_moe_report
 from megatron_vlm.training.context import RunContext
+from megatron_vlm.training.loop import StopAfterStep
 from megatron_vlm.training.signals import StepAbandoned
 
 __all__ = ["AsyncGRPOLoopStep", "StalenessError"]
@@ -300,8 +302,13 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
             manager.last_error = last_error
         timer = PhaseTimer()
         rd = self._round(step, payloads)
-        metrics = self.grpo.train_on_rounds(step, [rd], timer, extra_metrics=extra)
-        self.push_s = push_weights(self.model, self.bridge, step + 1, self._trainable)
+        failed: Optional[RewardsAllFailedError] = None
+        try:
+            metrics = self.grpo.train_on_rounds(step, [rd], timer, extra_metrics=extra)
+        except RewardsAllFailedError as e:  # no usable reward for max_failed_steps steps: the run stops after this one
+            failed, metrics = e, dict(e.metrics or {})
+        if failed is None:
+            self.push_s = push_weights(self.model, self.bridge, step + 1, self._trainable)
         end = time.perf_counter()
         busy = sum(p["busy_s"] for p in payloads)
         idle = sum(p["idle_s"] for p in payloads)
@@ -329,6 +336,8 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         self._last_end = end
         metrics["epoch"] = (step + 1) * self.rl.batch.prompts_per_step / len(self.train_set)
         self.totals.add_to(metrics)  # reward/*, data/skipped_prompts: counted on from the checkpoint's totals
+        if failed is not None:  # the loop logs the row, saves what would be lost, the run exits 1
+            raise StopAfterStep(failed, metrics, wasted=failed.streak)
         return metrics if log or has_moe_report(metrics) else {}
 
     def finish(self) -> None:

@@ -25,10 +25,12 @@ Limits, so that a verifier cannot take the run down with it:
 - batch deadline: `map` returns within `batch_timeout_s` of its first call however many calls time
   out one after the other (a per-call limit alone allows N x timeout_s); calls still running at the
   deadline score "timeout" (their workers are replaced), calls not started score "timeout" too;
-- values: a finite value within +-`value_limit` is returned as is; NaN scores 0, +-inf and larger
-  values (an int like 10**400 included) are clipped to +-`value_limit`, with status "clipped" (counted by
-  the manager), so one custom verifier returning 1e30 cannot swamp the advantages of its group or overflow
-  the loss. A value that is not a number (the string "0.75", None) is an error result, never parsed;
+- values: a finite value within +-`value_limit` is returned as is; +-inf and larger values (an int like
+  10**400 included) are clipped to +-`value_limit`, with status "clipped" (counted by the manager, the value
+  used), so one custom verifier returning 1e30 cannot swamp the advantages of its group or overflow the loss.
+  NaN is no value at all: an error result (0, counted as a failed call, as the model rewards' NaN is), so a
+  verifier that returns NaN on every call stops the run like one that raises (failure_watch.py). A value that
+  is not a number (the string "0.75", None) is an error result, never parsed;
 - children: each worker runs in its own session / process group, and a worker that is killed (deadline,
   replacement, close) is killed with its whole group, so subprocesses a hung verifier started (which
   inherit the worker's ignored stop signals) do not outlive it;
@@ -114,7 +116,7 @@ class RewardCall:
 @dataclass(frozen=True)
 class CallResult:
     value: float
-    status: str  # "ok" | "timeout" | "error" | "clipped" (value replaced: non-finite or beyond the limit)
+    status: str  # "ok" | "timeout" | "error" (NaN included) | "clipped" (value replaced: infinite or beyond the limit)
     detail: str = ""
 
 
@@ -338,8 +340,8 @@ class RewardWorkerPool:
         """`preload`: dotted paths of custom verifiers to import at worker start-up (so a slow import
         does not count against the first call's time limit); `memory_limit_mb`: each worker's address
         space cap (0 = none); `batch_timeout_s`: the deadline of one `map` from its first call (None =
-        none); `value_limit`: values beyond +-this are clipped to it, NaN to 0
-        (None = no bound: only non-finite values are replaced, by 0)."""
+        none); `value_limit`: values beyond +-this are clipped to it (None = no bound: only infinite values are
+        replaced, by 0); NaN is an error result whatever the limit."""
         if num_workers < 1:
             raise ValueError(f"num_workers: must be >= 1, got {num_workers}")
         if timeout_s <= 0:
@@ -434,13 +436,15 @@ class RewardWorkerPool:
 
     # -- running ---------------------------------------------------------------------------------
     def _checked(self, value: float, status: str, detail: str) -> CallResult:
-        """Clip a verifier's value: NaN -> 0, beyond +-value_limit (inf included) -> +-value_limit."""
+        """Clip a verifier's value: beyond +-value_limit (inf included) -> +-value_limit; NaN -> an error (0)."""
         if status != "ok":
             return CallResult(value, status, detail)
+        if math.isnan(value):
+            return CallResult(0.0, "error", "the verifier returned NaN (not a number): scored 0")
         limit = self.value_limit
         if math.isfinite(value) and (limit is None or abs(value) <= limit):
             return CallResult(value, "ok", detail)
-        if math.isnan(value) or limit is None:
+        if limit is None:
             clipped = 0.0
         else:
             clipped = math.copysign(limit, value)

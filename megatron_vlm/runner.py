@@ -1,6 +1,7 @@
 """Job runner behind launch/pretrain_vlm.py: process group, run folder, model folder, the job kind
 (`megatron_vlm.jobs`), teardown — and the exit codes: 0 done; 1 stopped by too many non-finite steps
-in a row, by reward calls that all failed for `rl.reward_pool.max_failed_steps` steps, or by a failed
+in a row, by `rl.reward_pool.max_failed_steps` steps without a usable reward (every verifier call or environment
+episode failed), or by a failed
 checkpoint save / HF export (the previous checkpoint intact); 2 a missing model folder, a
 `train.output_dir` that another job holds, `logging.wandb = true` without the wandb package (training/run_lock.py), is a file or cannot be written, a
 config error found once the model is built (including a `parallel.tp` the model's heads / MLP /

@@ -428,8 +428,8 @@ class RLUpdateConfig:
 @dataclass(kw_only=True)
 class RLRewardPoolConfig:
     """`[rl.reward_pool]`: The worker processes that run the verifiers of `[[rl.rewards]]`, and their limits
-    (timeout_s, batch_timeout_s, abs_max and max_failed_steps are the verifier calls' only: refused without a
-    `[[rl.rewards]]` table, where the [rl.env] environment's rewards are the whole reward)."""
+    (timeout_s, batch_timeout_s and abs_max are the verifier calls' only: refused without a `[[rl.rewards]]` table,
+    where the [rl.env] environment's rewards are the whole reward)."""
 
     workers: int = 2
     """Worker processes that run verifier calls (per rank that scores rewards)."""
@@ -445,13 +445,15 @@ class RLRewardPoolConfig:
     [rl.env] environment workers get the same cap (an environment past it ends its trajectory as env_error).
     A platform that does not enforce the cap refuses a non-zero value when the workers start (exit 2)."""
     abs_max: float = 10.0
-    """A verifier value beyond +-reward_pool.abs_max is clipped to it and a non-finite one (NaN) becomes 0;
-    both are counted (`reward/clipped`). Keeps one custom verifier's 1e30 or inf from swamping the
-    advantages or overflowing the loss."""
+    """A verifier value beyond +-reward_pool.abs_max (inf included) is clipped to it and counted
+    (`reward/clipped`). Keeps one custom verifier's 1e30 or inf from swamping the advantages or overflowing the
+    loss. NaN is no value: the call fails (scores 0, counted in `reward/errors`)."""
     max_failed_steps: int = 5
-    """Steps in a row in which every reward call fails (raises or times out) before the run stops with exit
-    code 1 and one line naming this key and the last error: with every reward 0 the gradient is 0 and the run
-    would train on nothing (0 = never stop)."""
+    """Steps in a row without a usable reward before the run stops with exit code 1 and one line naming this key,
+    the cause, the count and the last error (0 = never stop): steps in which every reward call failed (raised,
+    timed out or returned NaN) or every [rl.env] environment episode failed (env_error, not trained). Such a step
+    trains on nothing; one alone never stops the run, a step with a usable reward resets the count. The run saves a
+    checkpoint first when steps with a reward since the newest checkpoint would otherwise be lost."""
 
     def validate(self) -> None:
         _at_least_one(self, "workers")
@@ -903,8 +905,9 @@ class RLConfig:
                          "size the engine in [rl.vllm] (max_num_seqs, cpu_kv_cache_gib / gpu_memory_utilization)")
                 raise ValueError(f"rollout.{key}: a setting of the built-in engine; with rollout_backend = 'vllm' {where}")
 
-    _VERIFIER_ONLY_POOL_KEYS: ClassVar[tuple[str, ...]] = ("timeout_s", "batch_timeout_s", "abs_max", "max_failed_steps")
-    """The [rl.reward_pool] keys only verifier calls read (workers and memory_limit_mb size the [rl.env] workers too)."""
+    _VERIFIER_ONLY_POOL_KEYS: ClassVar[tuple[str, ...]] = ("timeout_s", "batch_timeout_s", "abs_max")
+    """The [rl.reward_pool] keys only verifier calls read (workers and memory_limit_mb size the [rl.env] workers too,
+    and max_failed_steps also counts the environment episodes)."""
 
     def _validate_rewards(self) -> None:
         if isinstance(self.rewards, _DefaultRewards) and self.env is not None:

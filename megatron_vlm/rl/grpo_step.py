@@ -25,7 +25,7 @@ from megatron_vlm.rl.metrics import PhaseTimer
 from megatron_vlm.rl.policy_update import PolicyUpdate
 from megatron_vlm.rl.prompts.dataset import PromptSample
 from megatron_vlm.rl.prompts.shard import PromptEncoding
-from megatron_vlm.rl.rewards.failure_watch import RewardFailureWatch
+from megatron_vlm.rl.rewards.failure_watch import RewardFailureWatch, RewardsAllFailedError
 from megatron_vlm.rl.rounds import RewardScorer, Round, RoundSampler
 from megatron_vlm.rl.step_metrics import StepCounts, step_metrics
 
@@ -49,10 +49,14 @@ class GRPOStep:
         self.shards = DataShards.of(bundle.dims, ctx.env.rank, ctx.env.device)
         self.policy = PolicyUpdate(ctx, bundle, optim, rl_cfg, shards=self.shards, reference=reference, metrics=metrics,
                                    critic=critic)
+        # a stopping rank gives up a hung reward / environment wait (training/signals.py; stand-in contexts: never)
+        stop = getattr(ctx, "stop", None)
         self.rounds = RoundSampler(rl_cfg, engine, encoder, manager, shards=self.shards, seed=ctx.cfg.train.seed,
-                                   eval_mode=lambda: bundle.wrapper.eval(), multiturn=multiturn)
+                                   eval_mode=lambda: bundle.wrapper.eval(), multiturn=multiturn,
+                                   stop_check=getattr(stop, "pending", None))
         self.engine = engine
-        # rewards that all fail for reward_pool.max_failed_steps steps stop the run (configs built in code: never)
+        # steps without a usable reward (every verifier call or environment episode failed) for
+        # reward_pool.max_failed_steps steps stop the run (configs built in code: never)
         pool = getattr(rl_cfg, "reward_pool", None)
         self.reward_watch = RewardFailureWatch(getattr(pool, "max_failed_steps", 0), key="rl.reward_pool.max_failed_steps")
 
@@ -105,12 +109,21 @@ class GRPOStep:
         out = step_metrics(r, self.shards, step, timer, rounds, upd, counts, reward_labels=self.manager.labels,
                            zero_adv_on=self.policy.skip_zero_adv)
         out.update(upd.extra)  # PPO's critic/* and its token-level advantage/* (the same on every rank)
+        episodes = episode_errors = 0
+        env_error = ""
         if self.rounds.multiturn is not None:  # [rl.env] (the same on every rank: the gather is collective)
             trajectories = [t for rd in rounds for t in (rd.trajectories or [])]
-            out.update(trajectory_metrics_of(self.shards.gather(trajectory_counts(trajectories,
-                                                                                  untrained_env_errors=env_errors))))
+            parts = self.shards.gather(trajectory_counts(trajectories, untrained_env_errors=env_errors))
+            out.update(trajectory_metrics_of(parts))
+            episodes, episode_errors = sum(p["trajectories"] for p in parts), sum(p["errors"] for p in parts)
+            env_error = next((t.error for t in reversed(trajectories) if t.finish_reason == "env_error"), "")
         out.update(extra_metrics or {})
-        self.reward_watch.update(out, step + 1, getattr(self.manager, "last_error", ""))  # summed over ranks: same on every rank
+        try:  # summed over ranks: the same decision on every rank
+            self.reward_watch.update(out, step + 1, getattr(self.manager, "last_error", ""), episodes=episodes,
+                                     episode_errors=episode_errors, env_error=env_error)
+        except RewardsAllFailedError as e:
+            e.metrics = out  # the step ran: the loop logs its row before the run stops
+            raise
         return out
 
     @staticmethod

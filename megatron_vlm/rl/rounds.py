@@ -11,11 +11,18 @@ with fewer valid prompts generate for dummy copies (not scored, not trained), an
 every rank is done (the engine's `all_ranks_active`). The sampling generator is a function of
 (seed, step, rank, round) and the prompts of an extra round of (seed, step, round), so a resumed run
 repeats the uninterrupted one.
+
+Stopping: the round's long waits (the verifiers' batch, the environments of a multi-turn rollout) ask the stop check
+(`stop_check`: training/signals.py `StopFlag.pending`) while they wait and give up once they have waited a moment
+with a stop pending (`WaitAbandoned`, rewards/pool.py `ABANDON_GRACE_S`). The rank that gave up must not skip a
+collective the others make, so after the reward phase of every round all ranks agree (one all-reduce of "gave up")
+and, if any did, all raise `StepAbandoned` together, before anything of the step is applied: the loop saves the
+step's start and the step is redone on resume.
 """
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
@@ -23,12 +30,15 @@ import torch
 
 from megatron_vlm.inference.engine import RolloutEngine, RolloutResult, RolloutSample, SamplingParams
 from megatron_vlm.inference.generators import sampling_generator
+from megatron_vlm.parallel.collectives import any_rank
 from megatron_vlm.rl.advantages import GroupAdvantages, compute_group_advantages, overlong_penalty
 from megatron_vlm.rl.algorithms.advantage_estimators import AdvantageSpec
 from megatron_vlm.rl.data_shards import DataShards
 from megatron_vlm.rl.metrics import PhaseTimer
 from megatron_vlm.rl.prompts.dataset import PromptSample
 from megatron_vlm.rl.prompts.shard import EncodedShard, PromptEncoding, encode_shard
+from megatron_vlm.rl.rewards.pool import WaitAbandoned
+from megatron_vlm.training.signals import StepAbandoned
 
 __all__ = ["Round", "RoundSampler", "RewardScorer", "shape_round", "sampling_params"]
 
@@ -38,7 +48,8 @@ class RewardScorer(Protocol):
 
     labels: list[str]
 
-    def score(self, texts: list[str], answers: list[Any], *, prompts: list[str], metadata: list[dict]) -> Any: ...
+    def score(self, texts: list[str], answers: list[Any], *, prompts: list[str], metadata: list[dict],
+              abandon: Optional[Callable[[], bool]] = None) -> Any: ...
 
     def metrics(self) -> dict[str, float]: ...
 
@@ -92,11 +103,14 @@ def shape_round(rl: Any, advantage: AdvantageSpec, shard: EncodedShard, result: 
 class RoundSampler:
     """`sample(step, batch, pool, timer) -> (rounds, surplus)`: the step's rounds on this rank. `engine`: the
     rollout engine; `encoder`: prompts -> rollout prompts; `rewards`: the reward manager; `eval_mode`: called
-    before generating (the policy's forward in eval mode: no dropout)."""
+    before generating (the policy's forward in eval mode: no dropout); `stop_check`: asked by the round's waits (module
+    docstring; None: they never give up, and the rounds make no agreement)."""
 
     def __init__(self, rl_cfg: Any, engine: RolloutEngine, encoder: PromptEncoding, rewards: RewardScorer, *,
-                 shards: DataShards, seed: int, eval_mode: Any = None, multiturn: Any = None):
+                 shards: DataShards, seed: int, eval_mode: Any = None, multiturn: Any = None,
+                 stop_check: Optional[Callable[[], bool]] = None):
         self.rl, self.engine, self.encoder, self.rewards = rl_cfg, engine, encoder, rewards
+        self.stop_check = stop_check
         self.multiturn = multiturn  # [rl.env]: rl.env.rollout.MultiTurnRounds (None: single-turn)
         self.shards, self.seed, self._eval_mode = shards, seed, eval_mode
         self.advantage = AdvantageSpec.from_config(rl_cfg)  # validated once here
@@ -143,8 +157,23 @@ class RoundSampler:
         return [pool[i] for i in rng.sample(range(len(pool)), min(len(batch), len(pool)))]
 
     def sample_round(self, step: int, rnd: int, prompts: Sequence[PromptSample], timer: PhaseTimer) -> Round:
-        """Generate, score, shape and compute the advantages of one round of prompts."""
+        """Generate, score, shape and compute the advantages of one round of prompts; `StepAbandoned` on every rank
+        when a rank gave up a wait of the round because it is stopping (module docstring)."""
+        gave_up = ""
+        try:
+            out = self._sample_round(step, rnd, prompts, timer)
+        except WaitAbandoned as e:
+            gave_up = str(e)
+            self.engine.release_memory()
+        if self.stop_check is not None and any_rank(bool(gave_up), self.shards.device):
+            what = f"{'environments or ' if self.multiturn is not None else ''}verifiers"
+            raise StepAbandoned(f"this rank gave up waiting for its {what}: {gave_up}" if gave_up else
+                                f"another rank gave up waiting for its {what}")
+        return out
+
+    def _sample_round(self, step: int, rnd: int, prompts: Sequence[PromptSample], timer: PhaseTimer) -> Round:
         G, shards = self.rl.batch.group_size, self.shards
+        wait = {"abandon": self.stop_check} if self.stop_check is not None else {}
         with timer.phase("rollout"):
             shard = encode_shard(prompts, self.encoder, shards.rank, shards.world, shards.device)
             if self._eval_mode is not None:
@@ -154,26 +183,29 @@ class RoundSampler:
                 from megatron_vlm.rl.env.rollout import multiturn_seed
 
                 seed = multiturn_seed(self.seed, step, shards.rank, rnd)
-                result, trajectories = self.multiturn.generate(shard, sampling_params(self.rl), seed)
+                result, trajectories = self.multiturn.generate(shard, sampling_params(self.rl), seed, **wait)
             else:
                 result = self.engine.generate(shard.prompts, sampling_params(self.rl),
                                               generator=sampling_generator(self.seed, step, shards.rank, shards.device, salt=rnd))
             self.engine.release_memory()
         real = result.samples[: shard.num_real * G]
         with timer.phase("reward"):
-            total, per_reward = self.score(shard, real)
+            total, per_reward = self.score(shard, real, **wait)
             if trajectories is not None:  # + the environment's turn rewards ([rl.env] turn_rewards)
                 env = self.multiturn.rewards(trajectories)
                 total, per_reward["env"] = [a + b for a, b in zip(total, env)], env
         return shape_round(self.rl, self.advantage, shard, result, real, total, per_reward, trajectories)
 
-    def score(self, shard: EncodedShard, real: Sequence[RolloutSample]) -> tuple[list[float], dict[str, list[float]]]:
-        """Summed and per-verifier rewards of this rank's real samples."""
+    def score(self, shard: EncodedShard, real: Sequence[RolloutSample], *,
+              abandon: Optional[Callable[[], bool]] = None) -> tuple[list[float], dict[str, list[float]]]:
+        """Summed and per-verifier rewards of this rank's real samples; `abandon`: the reward wait's stop check."""
         if not real:
             return [], {label: [] for label in self.rewards.labels}
         G = self.rl.batch.group_size
         owners = [shard.samples[s.prompt_index] for s in real]
-        extra = {"samples": owners} if getattr(self.rewards, "takes_samples", False) else {}  # model rewards: images
+        extra: dict[str, Any] = {"samples": owners} if getattr(self.rewards, "takes_samples", False) else {}  # images
+        if abandon is not None:
+            extra["abandon"] = abandon
         scored = self.rewards.score([s.text for s in real], [p.answer for p in owners], prompts=[p.problem for p in owners],
                                     metadata=[p.metadata for p in owners], **extra)
         assert len(scored.total) == shard.num_real * G

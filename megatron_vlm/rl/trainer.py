@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -42,12 +43,15 @@ from megatron_vlm.rl.prompts.sets import PromptSets, load_prompt_sets
 from megatron_vlm.rl.prompts.shard import PromptEncoding
 from megatron_vlm.rl.reference import BaseModelReference, ReferencePolicy
 from megatron_vlm.rl.rewards.combined import CombinedRewards, has_model_rewards
+from megatron_vlm.rl.rewards.failure_watch import RewardsAllFailedError
 from megatron_vlm.rl.rewards.manager import RewardManager
 from megatron_vlm.training.bad_record_summary import restore_saved_bad_records, save_bad_records, write_bad_record_summary
 from megatron_vlm.training.context import RunContext
+from megatron_vlm.training.loop import StopAfterStep
 from megatron_vlm.training.model_bundle import ModelBundle
 from megatron_vlm.training.running_totals import RunningTotals
 from megatron_vlm.training.sft import moe_report_state, restore_moe_report
+from megatron_vlm.training.signals import StepAbandoned
 
 __all__ = ["check_model_folder", "check_grpo_config", "require_rl", "grpo_total_steps", "rollout_batch_prompts", "build_rollout_engine", "GRPOParts",
            "build_grpo_parts", "GRPOLoopStep"]
@@ -281,11 +285,41 @@ class GRPOLoopStep:
     def train_step(self, step: int, *, log: bool) -> dict[str, float]:
         if self._batches is None:
             self._batches = prompt_batches(len(self.train_set), self.rl.batch.prompts_per_step, seed=self.seed, start_step=step)
-        metrics = self.grpo.run(step, [self.train_set[i] for i in next(self._batches)], prompt_pool=self.train_set)
+        batch = [self.train_set[i] for i in next(self._batches)]
+        with self.abandonable(), self.stop_after_step(step):
+            metrics = self.grpo.run(step, batch, prompt_pool=self.train_set)
+        return self._finish_step(step, metrics, log)
+
+    def _finish_step(self, step: int, metrics: dict[str, float], log: bool) -> dict[str, float]:
         metrics.update(getattr(self.grpo.engine, "metrics", dict)())  # the vLLM back end's rollout/weight_push_s
         metrics["epoch"] = (step + 1) * self.rl.batch.prompts_per_step / len(self.train_set)
         self.totals.add_to(metrics)  # every step (the metrics are reduced every step): the next checkpoint's totals
         return metrics if log or has_moe_report(metrics) else {}
+
+    @contextmanager
+    def stop_after_step(self, step: int) -> Iterator[None]:
+        """A step that ran but had no usable reward for the last rl.reward_pool.max_failed_steps steps: its metrics
+        finished as any step's (they go into the checkpoint's totals), then `StopAfterStep` (the loop saves what
+        would be lost and the run exits 1)."""
+        try:
+            yield
+        except RewardsAllFailedError as e:
+            raise StopAfterStep(e, self._finish_step(step, dict(e.metrics or {}), True), wasted=e.streak) from None
+
+    @contextmanager
+    def abandonable(self) -> Iterator[None]:
+        """Around the part of a step that may be abandoned (`StepAbandoned`: a stop while a wait hung): the step's
+        prompts are drawn again by the next `train_step` and the prompts its encoder skipped are forgotten (the redone
+        step skips and records them again; kept, they would count twice in the checkpoint saved at its start)."""
+        found = self.bad_records.to_dict()["records"] if self.bad_records is not None else []
+        try:
+            yield
+        except StepAbandoned:
+            self._batches = None
+            if self.bad_records is not None:
+                self.bad_records.take()
+                self.bad_records.extend(found)
+            raise
 
     def evaluate(self, step: int) -> Optional[dict]:
         return self._evaluate(step) if self._evaluate is not None else None

@@ -19,6 +19,16 @@ small object (`StepRunner`). From the resume step to `total_steps`, per step:
    return 143 on every rank. A stop requested after the last step (during the final evaluation or export) is not
    acted on: the run finishes and returns 0 (launch/slurm/train.sbatch then does not requeue it: runner.py).
 
+A step may also end early with `StepAbandoned` (training/signals.py: a stop signal arrived while a wait of the step
+hung, and every rank gave the step up together, before any of it was applied): the RNG states are put back as they
+were before the step, the checkpoint of the step boundary before it is saved (the data state of that step, so a
+resumed run draws and redoes the abandoned step's prompts) and the loop returns 143, as for a stop at a boundary.
+
+A step that ran but must end the run (`StopAfterStep`: GRPO steps without a usable reward for
+`rl.reward_pool.max_failed_steps` steps in a row) has its row logged; its checkpoint is saved when steps worth keeping
+would otherwise be lost (the newest checkpoint is older than the steps that were wasted), then its error is raised
+(exit 1 through the runner). Otherwise the newest checkpoint stays the resume point.
+
 A checkpoint of a later step than `total_steps` (train.max_steps lowered since) is refused (ConfigError: exit 2)
 rather than evaluated and exported as this run's result. A run that reaches `total_steps` saves the final
 checkpoint (only when it ran a step), evaluates and exports a Hugging Face folder (`checkpoint.export_hf`).
@@ -35,13 +45,24 @@ from megatron_vlm.errors import ConfigError
 from megatron_vlm.training.checkpointing import Checkpointer, ResumePoint
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.peak_memory import PeakMemory
+from megatron_vlm.training.signals import StepAbandoned
 
-__all__ = ["StepRunner", "run_loop", "EXIT_STOPPED"]
+__all__ = ["StepRunner", "StopAfterStep", "run_loop", "EXIT_STOPPED"]
 
 log = logging.getLogger("megatron_vlm")
 
 EXIT_STOPPED = 143
 """Exit code of a run stopped by SIGTERM / SIGUSR1 after its checkpoint (128 + SIGTERM)."""
+
+
+class StopAfterStep(Exception):
+    """Raised by `train_step` when its step ran (the update applied) but the run must end with `error`: `metrics`, the
+    step's row (empty: none); `wasted`, the steps in a row, this one included, whose work is worth nothing (a
+    checkpoint of the step is saved only when steps before them would otherwise be lost)."""
+
+    def __init__(self, error: BaseException, metrics: dict[str, float], *, wasted: int):
+        super().__init__(str(error))
+        self.error, self.metrics, self.wasted = error, metrics, int(wasted)
 
 
 class StepRunner(Protocol):
@@ -117,7 +138,28 @@ def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpoint
         if before_step is not None:
             before_step(step + 1)
         done = step + 1
-        m = steps.train_step(step, log=(done % log_every == 0 or done == total_steps))
+        before = rng_state()  # put back when the step is abandoned: the checkpoint of its start draws as it would
+        try:
+            m = steps.train_step(step, log=(done % log_every == 0 or done == total_steps))
+        except StopAfterStep as e:
+            if e.metrics:
+                metrics.log("train", done, e.metrics)
+            if checkpointer.enabled and saved_at < done - e.wasted:
+                log.warning("saving a checkpoint at step %d before the run stops: steps %d-%d, after the newest "
+                            "checkpoint (step %d), would otherwise be lost", done, saved_at + 1, done - e.wasted, saved_at)
+                save(done)
+            elif checkpointer.enabled:
+                log.warning("not saving step %d: the newest checkpoint (step %d) holds every step worth keeping; "
+                            "resume from it", done, saved_at)
+            raise e.error from None
+        except StepAbandoned as e:
+            set_rng_state(before)
+            log.warning("stop signal received during step %d, which was abandoned (%s): saving a checkpoint at step %d "
+                        "(a resumed run redoes step %d's prompts) and exiting", done, e, step, done)
+            if checkpointer.enabled:
+                save(step)  # a no-op when it holds the newest checkpoint (the resume point or a periodic save)
+            code = EXIT_STOPPED
+            break
         step = done
         if m:
             m["peak_memory_gib"] = peak.read_gib()

@@ -7,6 +7,11 @@ The handler only sets a flag; the loop checks it at a step boundary, and ranks a
 all-reduce (MAX) so every rank saves the same checkpoint step — a rank that stopped alone would
 leave the others blocked in a collective.
 
+A wait inside a step that can hang for minutes (a reward batch, the environments of a multi-turn rollout: up to
+`rl.reward_pool.batch_timeout_s`, longer than the scheduler's warning) polls the flag and gives up once it has waited
+a moment with a stop pending (rl/rewards/pool.py `ABANDON_GRACE_S`): the step is abandoned (`StepAbandoned`, agreed by
+every rank), and the loop saves the state of the step's start and exits 143, as at a step boundary.
+
 A job with no step boundary to stop at (an evaluation, `train.mode = "eval"`) runs its work inside
 `interrupting()`: there a stop signal raises `StopRequested` at once (as Ctrl-C raises KeyboardInterrupt), so the
 job ends with 143 and one line instead of ignoring the signal until the scheduler's SIGKILL.
@@ -37,6 +42,12 @@ class StopRequested(BaseException):
         return signal.Signals(self.signum).name
 
 
+class StepAbandoned(Exception):
+    """Every rank gave up the step it was running because a stop is pending and a wait of the step hung (the
+    training loop then saves the state of the step's start and exits 143). Raised by every rank at the same point
+    (after an agreement), so that none waits in a collective the others skip."""
+
+
 class StopFlag:
     def __init__(self):
         self.signum = 0
@@ -64,6 +75,10 @@ class StopFlag:
             yield
         finally:
             self._interrupt = False
+
+    def pending(self) -> bool:
+        """A stop signal arrived (this process's, or another rank's reported to it): the check a wait polls."""
+        return bool(self.signum)
 
     def should_stop(self, device: torch.device) -> bool:
         """Whether any rank received a stop signal (collective). A single process reads its own flag: a device

@@ -16,3 +16,10 @@ class ShowImage(Environment):
         seed = sum(map(ord, self.sample.problem)) % 1000
         img = np.random.default_rng(seed).integers(0, 255, size=(56, 56, 3), dtype=np.uint8)
         return StepResult(Observation(text="and now", images=[img]), reward=reward)
+
+
+class AlwaysFails(Environment):
+    """An environment with a bug: every step raises (every trajectory ends "env_error")."""
+
+    def step(self, action):
+        raise RuntimeError("environment bug")

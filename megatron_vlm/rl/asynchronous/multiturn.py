@@ -13,7 +13,7 @@ the environment's turn rewards; the trainer rebuilds the synchronous `Round` wit
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from megatron_vlm.inference.engine import RolloutPrompt, RolloutResult, SamplingParams
@@ -25,10 +25,13 @@ __all__ = ["generate_trajectories", "add_trajectories", "round_trajectories"]
 
 
 def generate_trajectories(multiturn: Any, samples: Sequence[PromptSample], prompts: Sequence[RolloutPrompt],
-                          params: SamplingParams, seed: int, step: int, rank: int) -> tuple[RolloutResult, dict]:
-    """The rollout rank's conversations of step `step`: (the single-turn view, {"trajectories", "env" rewards})."""
+                          params: SamplingParams, seed: int, step: int, rank: int, *,
+                          abandon: Optional[Callable[[], bool]] = None) -> tuple[RolloutResult, dict]:
+    """The rollout rank's conversations of step `step`: (the single-turn view, {"trajectories", "env" rewards});
+    `abandon`: the environment waits' stop check (`WaitAbandoned`, rl/env/rollout.py)."""
     shard = EncodedShard(list(samples), list(prompts))
-    result, trajs = multiturn.generate(shard, params, multiturn_seed(seed, step, rank))
+    wait = {"abandon": abandon} if abandon is not None else {}
+    result, trajs = multiturn.generate(shard, params, multiturn_seed(seed, step, rank), **wait)
     return result, {"trajectories": trajs, "env": multiturn.rewards(trajs)}
 
 

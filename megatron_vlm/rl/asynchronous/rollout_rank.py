@@ -27,6 +27,11 @@ trainer that dies makes the weight thread's receive fail: the rank logs the erro
 error ends the rank at once with that error (its weight thread is not waited for: the trainer, waiting for
 this rank's samples, sends nothing more); the closed bridge then fails the trainer's receive. Steps
 generated but not yet trained when the trainer stops are dropped; a resumed run generates them again.
+
+A stop signal (this rank's) or the trainer's "stop" while a reward batch or an environment turn hangs: the wait is
+given up once it has gone on `ABANDON_GRACE_S` since (`WaitAbandoned`, rewards/pool.py) and the step the trainer waits
+for is answered with a "stopped" payload carrying the signal, so that the trainer abandons that step and stops the job
+at once instead of after `rl.reward_pool.batch_timeout_s` (rl/asynchronous/trainer.py).
 """
 from __future__ import annotations
 
@@ -56,6 +61,7 @@ from megatron_vlm.rl.prompts.encoder import PromptEncoder
 from megatron_vlm.rl.prompts.lengths import drop_unusable_prompts
 from megatron_vlm.rl.prompts.sets import load_prompt_sets
 from megatron_vlm.rl.rewards.manager import RewardManager
+from megatron_vlm.rl.rewards.pool import WaitAbandoned
 from megatron_vlm.rl.trainer import paged_kv_kwargs, require_rl
 from megatron_vlm.training.context import RunContext
 
@@ -81,6 +87,8 @@ class _State:
         self.error: Optional[BaseException] = None
         self.engine: Any = None  # PolicyRolloutEngine or VLLMRolloutEngine
         self.signum: Callable[[], int] = lambda: 0
+        self.abandon: Optional[Callable[[], bool]] = None
+        """The reward / environment waits' stop check (None: never give up)."""
         self.stop_signum = 0
         """The signal of the trainer's "stop" (0: the run ended): the rank then exits 143 like every rank."""
         """The stop signal this rank received (its `StopFlag`): sent with each step, so the trainer stops too."""
@@ -145,6 +153,7 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
     state = _State(engine.policy_version)
     state.engine = engine
     state.signum = lambda: int(ctx.stop.signum)
+    state.abandon = lambda: state.stop or ctx.stop.pending()
     todo: queue.Queue = queue.Queue()
     threads = [threading.Thread(target=_weights_loop, args=(state, bridge, model, engine), daemon=True, name="weights"),
                threading.Thread(target=_score_loop, args=(state, bridge, todo, manager, sets.train), daemon=True,
@@ -213,8 +222,12 @@ def _generate_loop(ctx, role: Role, state: _State, engine, encoder, train_set, t
         if prompts and multiturn is not None:  # the synchronous loop's seed for (step, rank): k = 0 repeats it
             from megatron_vlm.rl.asynchronous.multiturn import generate_trajectories
 
-            result, trajs = generate_trajectories(multiturn, [train_set[i] for i in indices], prompts, params, seed, b,
-                                                  role.rank)
+            try:
+                result, trajs = generate_trajectories(multiturn, [train_set[i] for i in indices], prompts, params, seed,
+                                                      b, role.rank, abandon=state.abandon)
+            except WaitAbandoned:  # a hung environment turn given up: stopping (the trainer waits for a "stopped")
+                log.warning("rollout rank %d: stopping: step %d's environment turn given up", role.rank, b)
+                return
         elif prompts:
             result = engine.generate(prompts, params, generator=sampling_generator(seed, b, role.rank, device))
         if state.stop:
@@ -257,7 +270,7 @@ def _score_loop(state: _State, bridge, todo, manager, train_set) -> None:
         with state.cond:
             owed = state.wanted if state.wanted > state.sent and state.error is None else None
         if owed is not None:  # the trainer waits for a step this rank will not generate: release it
-            bridge.send_object({"step": owed, "stopped": True})
+            bridge.send_object({"step": owed, "stopped": True, "signum": int(state.signum())})
     except BaseException as e:  # noqa: BLE001 - handed to the main thread
         state.error = e
         with state.cond:
@@ -277,8 +290,20 @@ def _score_items(state: _State, bridge, todo, manager, train_set) -> None:
         samples = result.samples if result is not None else []
         owners = [train_set[item["indices"][s.prompt_index]] for s in samples]
         t0 = time.perf_counter()
-        scored = manager.score([s.text for s in samples], [p.answer for p in owners],
-                               prompts=[p.problem for p in owners], metadata=[p.metadata for p in owners]) if samples else None
+        wait = {"abandon": state.abandon} if state.abandon is not None else {}
+        try:
+            scored = manager.score([s.text for s in samples], [p.answer for p in owners], prompts=[p.problem for p in owners],
+                                   metadata=[p.metadata for p in owners], **wait) if samples else None
+        except WaitAbandoned:  # the rank is stopping: the trainer, once it asks for step b, is told so
+            log.warning("rollout rank: stopping: step %d's reward batch given up", b)
+            with state.cond:
+                state.cond.wait_for(lambda: state.stop or state.wanted >= b)
+                if state.stop:
+                    return  # the "stop" came first: `_score_loop` answers a step still owed
+            bridge.send_object({"step": b, "stopped": True, "signum": int(state.signum())})
+            with state.cond:
+                state.sent = b
+            return
         payload = {"step": b, "indices": item["indices"], "samples": [_sample_payload(s) for s in samples],
                    "total": scored.total if scored else [], "per_reward": scored.per_reward if scored else {},
                    "reward_s": time.perf_counter() - t0, "idle_s": item["idle_s"], "busy_s": item["busy_s"],

@@ -24,6 +24,13 @@ happens after the update. Per step s (the trainer holds policy version s = steps
 The first push (at construction, after the checkpoint is resumed) sends the whole state dict with the
 run's start step, so a resumed run's rollout continues from the checkpoint's weights; steps that were
 in flight when the job stopped are generated again. `finish()` sends "stop" to the rollout ranks.
+
+A stop signal while the trainer waits for a step's groups (a rollout rank's scoring hung: up to
+`rl.reward_pool.batch_timeout_s`): a rollout rank that got the signal too gives up its hung reward or environment
+wait and answers with a "stopped" payload carrying its signal; a trainer that got it and still waits
+`ABANDON_GRACE_S` later sends "stop" to the rollout ranks itself, which makes them answer so. The step is then
+abandoned on every training rank together (`StepAbandoned`, after the exchange of the payloads among them): the
+loop saves the trainer's state before the step and exits 143; a resumed run generates the step again.
 """
 from __future__ import annotations
 
@@ -46,9 +53,13 @@ from megatron_vlm.rl.asynchronous.weights import push_weights, trainable_names
 from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.metrics import PhaseTimer
 from megatron_vlm.rl.prompts.shard import EncodedShard, PromptEncoding
+from megatron_vlm.rl.rewards.failure_watch import RewardsAllFailedError
+from megatron_vlm.rl.rewards.pool import ABANDON_POLL_S, Patience
 from megatron_vlm.rl.rounds import Round, shape_round
 from megatron_vlm.rl.trainer import GRPOLoopStep, has_moe_report
 from megatron_vlm.training.context import RunContext
+from megatron_vlm.training.loop import StopAfterStep
+from megatron_vlm.training.signals import StepAbandoned
 
 __all__ = ["AsyncGRPOLoopStep", "StalenessError"]
 
@@ -93,6 +104,11 @@ class _Prefetch:
         except BaseException as e:  # noqa: BLE001 - re-raised by get() on the main thread
             self.error = e
 
+    def wait(self, timeout: float) -> bool:
+        """True once the payloads (or the receive's error) are in."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def get(self) -> list[dict]:
         self._thread.join()
         if self.error is not None:
@@ -102,6 +118,9 @@ class _Prefetch:
 
 
 class AsyncGRPOLoopStep(GRPOLoopStep):
+    _stopped = False
+    """"stop" was sent to the rollout ranks (at the end, or early: a stop signal while a step's groups were awaited)."""
+
     def __init__(self, ctx: RunContext, train_set: Any, grpo: GRPOStep, role: Role, *, model: torch.nn.Module,
                  encoder: PromptEncoding, start_step: int, total_steps: int,
                  evaluate: Optional[Callable[[int], Optional[dict]]] = None, bad_records: Optional[BadRecordLog] = None):
@@ -132,20 +151,53 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
             if pending is None or pending.step != step:
                 self.bridge.broadcast_object({"kind": "want", "step": step})
                 pending = _Prefetch(self.bridge, step, n_rollout)
-            payloads = pending.get()
-            for r, p in enumerate(payloads):
-                if p["step"] != step or p.get("stopped"):
-                    raise RuntimeError(f"asynchronous GRPO: rollout rank {r} sent step {p['step']}'s samples"
-                                       f"{' (stopped)' if p.get('stopped') else ''}, the trainer is at {step}")
+            payloads = self._await(pending)
+            if self._stopped:  # the rollout ranks were told to stop while this step was awaited: nothing to push to
+                payloads = [{**p, "stopped": True} for p in payloads]
+            usable = all(p["step"] == step and not p.get("stopped") for p in payloads)
+            for p in payloads if usable else ():
                 if self.bad_records is not None:  # the prompts it skipped for this step: in this step's checkpoint
                     self.bad_records.extend(p.get("bad_records", ()))
-            if step + 1 < self.total_steps:  # ask for the next step now: it arrives while this one trains
+            if usable and step + 1 < self.total_steps:  # ask for the next step now: it arrives while this one trains
                 self.bridge.broadcast_object({"kind": "want", "step": step + 1})
                 self._prefetch = _Prefetch(self.bridge, step + 1, n_rollout)
         if self.role.allocation.train > 1:
             payloads = all_gather_objects(payloads)[0]
         assert payloads is not None  # training rank 0 received them; the others got rank 0's
+        self._check_received(step, payloads)
         return payloads
+
+    def _await(self, pending: _Prefetch) -> list[dict]:
+        """The awaited payloads; a stop signal pending on this rank for `ABANDON_GRACE_S` of the wait sends "stop" to
+        the rollout ranks (module docstring), whose answer then ends the wait."""
+        give_up = Patience(lambda: self.ctx.stop.pending())
+        while not pending.wait(ABANDON_POLL_S):
+            if not self._stopped and give_up():
+                log.warning("asynchronous GRPO: stop signal %d while waiting for the rollout ranks' groups: stopping "
+                            "them", self.ctx.stop.signum)
+                self._stop_rollout()
+        return pending.get()
+
+    def _check_received(self, step: int, payloads: list[dict]) -> None:
+        """On every training rank alike: `StepAbandoned` when a payload says its rank stopped because of a stop signal
+        (its own, or this trainer's), an error for any other payload that is not this step's samples."""
+        for r, p in enumerate(payloads):
+            if p.get("stopped") and (p.get("signum") or self.ctx.stop.signum):
+                if not self.ctx.stop.signum:  # a rollout rank's signal: the job stops as for one of its own
+                    self.ctx.stop.signum = int(p["signum"])
+                raise StepAbandoned(f"rollout rank {r} stopped before sending step {step + 1}'s groups "
+                                    f"(signal {p.get('signum') or self.ctx.stop.signum})")
+        for r, p in enumerate(payloads):
+            if p["step"] != step or p.get("stopped"):
+                raise RuntimeError(f"asynchronous GRPO: rollout rank {r} sent step {p['step']}'s samples"
+                                   f"{' (stopped)' if p.get('stopped') else ''}, the trainer is at {step}")
+
+    def _stop_rollout(self) -> None:
+        """Send "stop" to the rollout ranks (once), with the signal of a stop (0: the run ended)."""
+        if self.bridge is not None and not self._stopped:
+            self._stopped = True
+            # with the signal of a SIGTERM stop: every rollout rank exits 143, also one on a node that got none
+            self.bridge.broadcast_object({"kind": "stop", "signum": int(self.ctx.stop.signum)})
 
     def _round(self, step: int, payloads: list[dict]) -> Round:
         """This training rank's groups of the step as a scored round of the synchronous step."""
@@ -250,8 +302,13 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
             manager.last_error = last_error
         timer = PhaseTimer()
         rd = self._round(step, payloads)
-        metrics = self.grpo.train_on_rounds(step, [rd], timer, extra_metrics=extra)
-        self.push_s = push_weights(self.model, self.bridge, step + 1, self._trainable)
+        failed: Optional[RewardsAllFailedError] = None
+        try:
+            metrics = self.grpo.train_on_rounds(step, [rd], timer, extra_metrics=extra)
+        except RewardsAllFailedError as e:  # no usable reward for max_failed_steps steps: the run stops after this one
+            failed, metrics = e, dict(e.metrics or {})
+        if failed is None:
+            self.push_s = push_weights(self.model, self.bridge, step + 1, self._trainable)
         end = time.perf_counter()
         busy = sum(p["busy_s"] for p in payloads)
         idle = sum(p["idle_s"] for p in payloads)
@@ -279,14 +336,14 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         self._last_end = end
         metrics["epoch"] = (step + 1) * self.rl.batch.prompts_per_step / len(self.train_set)
         self.totals.add_to(metrics)  # reward/*, data/skipped_prompts: counted on from the checkpoint's totals
+        if failed is not None:  # the loop logs the row, saves what would be lost, the run exits 1
+            raise StopAfterStep(failed, metrics, wasted=failed.streak)
         return metrics if log or has_moe_report(metrics) else {}
 
     def finish(self) -> None:
         """Stop the rollout ranks (their steps in flight are dropped), then the synchronous summary."""
-        if self.bridge is not None and not self._stopped:
-            self._stopped = True
-            # with the signal of a SIGTERM stop: every rollout rank exits 143, also one on a node that got none
-            self.bridge.broadcast_object({"kind": "stop", "signum": int(self.ctx.stop.signum)})
+        if self.bridge is not None:
+            self._stop_rollout()
             if self._prefetch is not None:  # a step asked for but not trained: the rollout ranks answer a "want"
                 self._prefetch.get()       # with its samples or, once stopped, with a "stopped" payload; dropped
                 self._prefetch = None

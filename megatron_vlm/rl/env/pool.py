@@ -21,7 +21,7 @@ import json
 import math
 import os
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Optional
@@ -29,7 +29,15 @@ from typing import Any, Optional
 from megatron_vlm.rl.env.base import Environment, EnvSample, Observation, StepResult
 from megatron_vlm.rl.env.observation_limits import ObservationLimits, limit_observation
 from megatron_vlm.rl.env.tools import tool_deadline
-from megatron_vlm.rl.rewards.pool import CallResult, RewardWorkerPool, _describe, isolate_worker, serve_calls
+from megatron_vlm.rl.rewards.pool import (
+    CallResult,
+    Patience,
+    RewardWorkerPool,
+    WaitAbandoned,
+    _describe,
+    isolate_worker,
+    serve_calls,
+)
 
 __all__ = ["EnvCall", "EnvReply", "EnvWorkerPool", "build_environment", "BUILTIN_ENVIRONMENTS", "InlineEnvRunner"]
 
@@ -199,17 +207,21 @@ class EnvWorkerPool(RewardWorkerPool):
     def _checked(self, value: float, status: str, detail: str) -> CallResult:
         return CallResult(value, status, detail)  # the value is a pickled EnvReply: no numeric clipping
 
-    def run(self, calls: Sequence[EnvCall]) -> list[EnvReply]:
-        return [_reply(r) for r in self.map(calls)]  # type: ignore[arg-type]  # EnvCall in place of RewardCall
+    def run(self, calls: Sequence[EnvCall], *, abandon: Optional[Callable[[], bool]] = None) -> list[EnvReply]:
+        """`abandon`: the stop check of `map` (a stopping rank gives up a hung turn: `WaitAbandoned`)."""
+        return [_reply(r) for r in self.map(calls, abandon=abandon)]  # type: ignore[arg-type]  # EnvCall, not RewardCall
 
 
 class InlineEnvRunner:
     """The same `run(calls)` in this process, without a sandbox (tests, and debugging an environment): an
     exception (SystemExit included) is an error reply; a hang is not caught."""
 
-    def run(self, calls: Sequence[EnvCall]) -> list[EnvReply]:
+    def run(self, calls: Sequence[EnvCall], *, abandon: Optional[Callable[[], bool]] = None) -> list[EnvReply]:
         out = []
+        give_up = Patience(abandon) if abandon is not None else None
         for c in calls:
+            if give_up is not None and give_up():  # between calls only: a call in this process cannot be stopped
+                raise WaitAbandoned(f"{len(calls)} environment calls given up: the rank is stopping")
             try:
                 out.append(pickle.loads(pickle.dumps(run_call(c))))  # the same round trip as the worker's
             except (Exception, SystemExit) as e:  # noqa: BLE001 - sys.exit in user code must not end the job

@@ -16,6 +16,7 @@ deterministic functions of their sample and the model's turns for that).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Optional, cast
 
 from megatron_vlm.inference.engine import RolloutResult, RolloutSample, SamplingParams
@@ -149,7 +150,10 @@ class MultiTurnRounds:
         return ToolPromptEncoder(encoder, self.tools, max_total_tokens=self.limits.max_total_tokens,
                                  processor=self.turns.proc)
 
-    def generate(self, shard: Any, params: SamplingParams, seed: int) -> tuple[RolloutResult, list[Trajectory]]:
+    def generate(self, shard: Any, params: SamplingParams, seed: int, *,
+                 abandon: Optional[Callable[[], bool]] = None) -> tuple[RolloutResult, list[Trajectory]]:
+        """The round's trajectories; `abandon`: the stop check of the environment calls' waits (True: they are given
+        up and `WaitAbandoned` ends the rollout; rewards/pool.py)."""
         real = shard.num_real
         if real == 0:
             return RolloutResult(samples=[]), []
@@ -158,7 +162,8 @@ class MultiTurnRounds:
         session = EnvSession(self.runner, self.turns, name=self.cfg.name, kwargs=self.cfg.kwargs,
                              samples=[env_sample(s, p) for s, p in zip(shard.samples, prompts)], histories=messages,
                              n=params.n, eos_token_ids=self.eos, tools=self.tools, limits=self.media,
-                             tool_timeout_s=self.cfg.tool_deadline_s(), turn_timeout_s=self.cfg.turn_timeout_s)
+                             tool_timeout_s=self.cfg.tool_deadline_s(), turn_timeout_s=self.cfg.turn_timeout_s,
+                             abandon=abandon)
         trajs = self.rollout.generate(prompts, params, session, self.limits, seed=seed)
         session.settle(trajs)
         self.errors += session.errors

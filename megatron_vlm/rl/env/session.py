@@ -14,7 +14,7 @@ the engine continues are the same ones).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from megatron_vlm.data.bad_records import BadRecordError
@@ -81,13 +81,16 @@ class EnvSession:
     any reset: per-sample tools would not be the ones the model sees); `limits`: the `[data]` media limits every
     observation is held to in the worker (observation_limits.py; None: the `[data]` defaults); `tool_timeout_s`: the
     deadline of each tool call of a step (rl/env/tools.py; 0: none), `turn_timeout_s` the step's, which its tool
-    calls share (0: unbounded)."""
+    calls share (0: unbounded); `abandon`: the stop check of the runner's waits (rewards/pool.py `map`)."""
 
     def __init__(self, runner: Any, encoder: TurnEncoder, *, name: str, kwargs: dict, samples: Sequence[EnvSample],
                  histories: Sequence[list[dict]], n: int, eos_token_ids: Sequence[int],
                  tools: Optional[list[dict]] = None, limits: Optional[ObservationLimits] = None,
-                 tool_timeout_s: float = 0.0, turn_timeout_s: float = 0.0):
+                 tool_timeout_s: float = 0.0, turn_timeout_s: float = 0.0,
+                 abandon: Optional[Callable[[], bool]] = None):
         self.runner, self.encoder, self.n = runner, encoder, n
+        self._run_kw = {"abandon": abandon} if abandon is not None else {}
+        """The runner's stop check (a stopping rank gives up a hung turn: `WaitAbandoned` out of the rollout)."""
         self.limits, self.tool_timeout_s, self.turn_timeout_s = limits, tool_timeout_s, turn_timeout_s
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.errors = 0
@@ -99,7 +102,7 @@ class EnvSession:
         self.reset_errors: dict[int, str] = {}
         """Conversations whose environment failed at reset (`settle` ends their trajectories as env_error)."""
         replies = runner.run([EnvCall("reset", name=name, kwargs=dict(kwargs), sample=samples[i // n])
-                              for i in range(total)])
+                              for i in range(total)], **self._run_kw)
         for i, r in enumerate(replies):
             if r.error:
                 self._fail(i, f"reset: {r.error}")
@@ -172,7 +175,8 @@ class EnvSession:
             if conv in self.failed:
                 out[conv] = TurnReply(error=self.failed.pop(conv))  # counted when it failed
         replies = self.runner.run([EnvCall("step", state=self.state[it[0]], action=it[2], limits=self.limits,
-                                            tool_timeout_s=self.tool_timeout_s, turn_timeout_s=self.turn_timeout_s) for it in live])
+                                            tool_timeout_s=self.tool_timeout_s, turn_timeout_s=self.turn_timeout_s) for it in live],
+                                   **self._run_kw)
         for (conv, _, text, ids, *room), r in zip(live, replies):
             if r.error or r.result is None:
                 self._fail(conv, f"step: {r.error or 'no result'}")

@@ -14,7 +14,7 @@ them a model reward sees the prompt text as a text-only user turn.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -96,8 +96,9 @@ class CombinedRewards:
 
     def score(self, completions: Sequence[str], answers: Sequence[str], prompts: Optional[Sequence[str]] = None,
               metadata: Optional[Sequence[Optional[Mapping[str, Any]]]] = None, *, only: Optional[Sequence[str]] = None,
-              samples: Optional[Sequence[Any]] = None) -> RewardBatch:
-        """As `RewardManager.score`; `samples[i]`: the `PromptSample` completion i answers (its messages and images)."""
+              samples: Optional[Sequence[Any]] = None, abandon: Optional[Callable[[], bool]] = None) -> RewardBatch:
+        """As `RewardManager.score`; `samples[i]`: the `PromptSample` completion i answers (its messages and images);
+        `abandon`: the rule rewards' stop check (the model rewards are computed here, not waited for)."""
         n = len(completions)
         for name, seq in (("answers", answers), ("prompts", prompts), ("metadata", metadata), ("samples", samples)):
             if seq is not None and len(seq) != n:
@@ -110,7 +111,7 @@ class CombinedRewards:
         rule_active = [self.labels[k] for k in active if k not in self.scorers]
         ruled = None
         if rule_active and self.rule is not None:
-            ruled = self.rule.score(completions, answers, prompts, metadata, only=rule_active)
+            ruled = self.rule.score(completions, answers, prompts, metadata, only=rule_active, abandon=abandon)
         questions = [str(p) for p in prompts] if prompts is not None else [""] * n
         messages = ([list(s.messages) for s in samples] if samples is not None
                     else [[{"role": "user", "content": [{"type": "text", "text": q}]}] for q in questions])

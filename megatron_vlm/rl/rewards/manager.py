@@ -11,9 +11,9 @@ A custom verifier whose module or function cannot be imported is a ConfigError n
 could not import): found by a job whose misspelt function scored every completion 0, with a warning
 per call, and trained on nothing. So is one whose signature cannot take `fn(completion, answer, prompt=...,
 metadata=..., **kwargs)` (checked against the signature the worker reports), and a module that ends the
-worker while it is imported (`os._exit` at import). A non-finite or out-of-range value (beyond +-`value_limit`) is clipped by the pool and counted
-(`num_clipped`, `reward/clipped`); the clipped value is used. The pool's memory cap, parent-death
-and batch deadline are passed through (see pool.py). A verifier with `reasoning_end` set is handed only the
+worker while it is imported (`os._exit` at import). An infinite or out-of-range value (beyond +-`value_limit`) is
+clipped by the pool and counted (`num_clipped`, `reward/clipped`); the clipped value is used. NaN is a failed call
+(`num_errors`), not a value. The pool's memory cap, parent-death and batch deadline are passed through (see pool.py). A verifier with `reasoning_end` set is handed only the
 text after the last occurrence of that string; a completion without it scores 0 without a call and is counted
 (`num_unclosed`, `reward/reasoning_unclosed`). Every scoring path (GRPO rounds, asynchronous rollout ranks,
 held-out and benchmark evaluation) goes through `score`, so the cut is the same everywhere.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -47,9 +47,9 @@ class RewardBatch:
     timeouts: int = 0
     """Verifier calls of this batch that timed out."""
     errors: int = 0
-    """Verifier calls of this batch that raised (or whose worker died)."""
+    """Verifier calls of this batch that raised, returned NaN or something not a number (or whose worker died)."""
     clipped: int = 0
-    """Verifier values of this batch that were non-finite or beyond +-value_limit (clipped)."""
+    """Verifier values of this batch that were infinite or beyond +-value_limit (clipped; NaN is an error)."""
     unclosed: int = 0
     """Verifier calls of this batch not made because the completion lacked the verifier's `reasoning_end` (0)."""
 
@@ -164,11 +164,13 @@ class RewardManager:
         metadata: Optional[Sequence[Optional[Mapping[str, Any]]]] = None,
         *,
         only: Optional[Sequence[str]] = None,
+        abandon: Optional[Callable[[], bool]] = None,
     ) -> RewardBatch:
         """Score completion i against answers[i] (prompts / metadata optional, same length).
 
         `only` restricts scoring to these reward labels (e.g. the accuracy reward at evaluation); the
-        total then sums only those."""
+        total then sums only those. `abandon`: the pool's stop check (pool.py `map`): True while waiting
+        raises `WaitAbandoned`, and nothing of the batch is counted."""
         n = len(completions)
         for name, seq in (("answers", answers), ("prompts", prompts), ("metadata", metadata)):
             if seq is not None and len(seq) != n:
@@ -202,7 +204,7 @@ class RewardManager:
                     prompt=str(prompts[i]) if prompts is not None else "",
                     metadata=dict(meta) if meta is not None else None,
                 ))
-        results = self.pool.map(calls)
+        results = self.pool.map(calls, abandon=abandon) if abandon is not None else self.pool.map(calls)
         total = [0.0] * n
         per_reward: dict[str, list[float]] = {}
         timeouts = errors = clipped = unclosed = 0

@@ -25,14 +25,20 @@ Limits, so that a verifier cannot take the run down with it:
 - batch deadline: `map` returns within `batch_timeout_s` of its first call however many calls time
   out one after the other (a per-call limit alone allows N x timeout_s); calls still running at the
   deadline score "timeout" (their workers are replaced), calls not started score "timeout" too;
-- values: a finite value within +-`value_limit` is returned as is; NaN scores 0, +-inf and larger
-  values (an int like 10**400 included) are clipped to +-`value_limit`, with status "clipped" (counted by
-  the manager), so one custom verifier returning 1e30 cannot swamp the advantages of its group or overflow
-  the loss. A value that is not a number (the string "0.75", None) is an error result, never parsed;
+- values: a finite value within +-`value_limit` is returned as is; +-inf and larger values (an int like
+  10**400 included) are clipped to +-`value_limit`, with status "clipped" (counted by the manager, the value
+  used), so one custom verifier returning 1e30 cannot swamp the advantages of its group or overflow the loss.
+  NaN is no value at all: an error result (0, counted as a failed call, as the model rewards' NaN is), so a
+  verifier that returns NaN on every call stops the run like one that raises (failure_watch.py). A value that
+  is not a number (the string "0.75", None) is an error result, never parsed;
 - children: each worker runs in its own session / process group, and a worker that is killed (deadline,
   replacement, close) is killed with its whole group, so subprocesses a hung verifier started (which
   inherit the worker's ignored stop signals) do not outlive it;
-- an exception whose `__str__` raises is reported as such (an error result); it does not kill the worker.
+- an exception whose `__str__` raises is reported as such (an error result); it does not kill the worker;
+- stopping: `map(calls, abandon=check)` asks `check()` at least every `ABANDON_POLL_S` seconds while it waits; once
+  it has answered True (the rank is stopping: training/signals.py `StopFlag.pending`) for `ABANDON_GRACE_S` of this
+  wait, the calls in flight are killed with their workers and `WaitAbandoned` is raised, so a hung batch does not
+  hold a stopping job for `batch_timeout_s`, while a batch about to end still ends (its step is not thrown away).
 """
 from __future__ import annotations
 
@@ -57,9 +63,39 @@ from typing import Any, Optional
 
 from megatron_vlm.stop_signals import leave_stop_signals_to_the_rank
 
-__all__ = ["RewardCall", "CallResult", "RewardWorkerPool", "resolve_verifier"]
+__all__ = ["RewardCall", "CallResult", "RewardWorkerPool", "WaitAbandoned", "resolve_verifier"]
 
 logger = logging.getLogger(__name__)
+
+ABANDON_POLL_S = 0.25
+"""How often a waiting `map` asks its `abandon` check."""
+ABANDON_GRACE_S = 2.0
+"""How long a wait goes on after its `abandon` check first said stop (`Patience`)."""
+
+
+class Patience:
+    """`check` wrapped for one wait: True once `check()` has said stop for `grace_s` (ABANDON_GRACE_S) of the wait.
+
+    Why a grace: a stop signal that arrives while a batch is about to end (or just before it starts) should let that
+    batch end and its step be kept; only a wait that goes on gives up."""
+
+    def __init__(self, check: Callable[[], bool], grace_s: Optional[float] = None):
+        self.check, self.grace_s = check, ABANDON_GRACE_S if grace_s is None else grace_s
+        self.since: Optional[float] = None
+
+    def __call__(self) -> bool:
+        if self.since is None:
+            if not self.check():
+                return False
+            self.since = time.monotonic()
+        return time.monotonic() - self.since >= self.grace_s
+
+
+class WaitAbandoned(BaseException):
+    """`map`'s `abandon` check said stop: the batch was given up, its calls in flight killed (no result is kept).
+
+    A BaseException, as KeyboardInterrupt, so that no `except Exception` of the layers between the pool and the
+    step (a user's environment session, a scorer's guard) turns it into an error result."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +116,7 @@ class RewardCall:
 @dataclass(frozen=True)
 class CallResult:
     value: float
-    status: str  # "ok" | "timeout" | "error" | "clipped" (value replaced: non-finite or beyond the limit)
+    status: str  # "ok" | "timeout" | "error" (NaN included) | "clipped" (value replaced: infinite or beyond the limit)
     detail: str = ""
 
 
@@ -304,8 +340,8 @@ class RewardWorkerPool:
         """`preload`: dotted paths of custom verifiers to import at worker start-up (so a slow import
         does not count against the first call's time limit); `memory_limit_mb`: each worker's address
         space cap (0 = none); `batch_timeout_s`: the deadline of one `map` from its first call (None =
-        none); `value_limit`: values beyond +-this are clipped to it, NaN to 0
-        (None = no bound: only non-finite values are replaced, by 0)."""
+        none); `value_limit`: values beyond +-this are clipped to it (None = no bound: only infinite values are
+        replaced, by 0); NaN is an error result whatever the limit."""
         if num_workers < 1:
             raise ValueError(f"num_workers: must be >= 1, got {num_workers}")
         if timeout_s <= 0:
@@ -400,29 +436,37 @@ class RewardWorkerPool:
 
     # -- running ---------------------------------------------------------------------------------
     def _checked(self, value: float, status: str, detail: str) -> CallResult:
-        """Clip a verifier's value: NaN -> 0, beyond +-value_limit (inf included) -> +-value_limit."""
+        """Clip a verifier's value: beyond +-value_limit (inf included) -> +-value_limit; NaN -> an error (0)."""
         if status != "ok":
             return CallResult(value, status, detail)
+        if math.isnan(value):
+            return CallResult(0.0, "error", "the verifier returned NaN (not a number): scored 0")
         limit = self.value_limit
         if math.isfinite(value) and (limit is None or abs(value) <= limit):
             return CallResult(value, "ok", detail)
-        if math.isnan(value) or limit is None:
+        if limit is None:
             clipped = 0.0
         else:
             clipped = math.copysign(limit, value)
         return CallResult(clipped, "clipped", f"verifier returned {value!r}; clipped to {clipped:g}")
 
-    def map(self, calls: Sequence[RewardCall]) -> list[CallResult]:
+    def map(self, calls: Sequence[RewardCall], *,
+            abandon: Optional[Callable[[], bool]] = None) -> list[CallResult]:
         """Run every call; returns one result per call, in order. Never raises for a verifier's
         failure; raises RuntimeError only if workers cannot start at all. Returns within
-        `batch_timeout_s` of the first call sent (when set)."""
+        `batch_timeout_s` of the first call sent (when set). `abandon`: asked while waiting (module
+        docstring); True for `ABANDON_GRACE_S` raises `WaitAbandoned` (within `ABANDON_POLL_S` more)."""
         results: list[Optional[CallResult]] = [None] * len(calls)
         if not calls:
             return []
         self._ensure_started()
         pending = deque(range(len(calls)))
+        give_up = Patience(abandon) if abandon is not None else None
         batch_deadline = float("inf")  # set when the first call is sent (worker start-up has its own limit)
         while pending or any(w.call_id is not None for w in self._workers):
+            if give_up is not None and give_up():
+                self._abandon()
+                raise WaitAbandoned(f"{len(calls)} calls given up: the rank is stopping")
             now = time.monotonic()
             if now >= batch_deadline:
                 self._expire(results, pending)
@@ -443,6 +487,8 @@ class RewardWorkerPool:
             waiting = [w for w in self._workers if w.call_id is not None or not w.ready]
             deadlines = [w.deadline if w.call_id is not None else w.start_deadline for w in waiting]
             timeout = max(0.0, min([*deadlines, batch_deadline]) - time.monotonic()) if deadlines else 0.0
+            if abandon is not None:
+                timeout = min(timeout, ABANDON_POLL_S)
             ready_conns = wait([w.conn for w in waiting], timeout=timeout)
             for conn in ready_conns:
                 w = next(x for x in self._workers if x.conn is conn)
@@ -474,6 +520,14 @@ class RewardWorkerPool:
                     self.close()
                     raise RuntimeError(f"reward worker did not start within {self.start_timeout_s:g}s")
         return [r if r is not None else CallResult(0.0, "error", "lost result") for r in results]
+
+    def _abandon(self) -> None:
+        """Kill the workers with a call in flight (their results would answer a batch nobody waits for); the
+        next `map` starts new ones. Not counted as restarts: nothing failed."""
+        busy = [w for w in self._workers if w.call_id is not None]
+        for w in busy:
+            w.kill()
+        self._workers = [w for w in self._workers if w not in busy]
 
     def _expire(self, results: list, pending: deque) -> None:
         """The batch deadline passed: running calls and calls never sent score "timeout"."""

@@ -12,6 +12,7 @@ import pytest
 from megatron_vlm.rl.asynchronous import trainer as async_trainer
 from megatron_vlm.rl.asynchronous.trainer import AsyncGRPOLoopStep
 from megatron_vlm.rl.rewards.failure_watch import RewardFailureWatch, RewardsAllFailedError
+from megatron_vlm.training.loop import StopAfterStep
 from megatron_vlm.training.running_totals import RunningTotals
 
 
@@ -56,5 +57,6 @@ def test_the_stop_line_names_the_rollout_ranks_last_reward_error(monkeypatch):
     t._receive = receive
     monkeypatch.setattr(async_trainer, "push_weights", lambda *a, **k: 0.0)
     t.train_step(0, log=True)
-    with pytest.raises(RewardsAllFailedError, match="last error: reward 'accuracy': error: ZeroDivisionError"):
+    with pytest.raises(StopAfterStep, match="last error: reward 'accuracy': error: ZeroDivisionError") as e:
         t.train_step(1, log=True)
+    assert isinstance(e.value.error, RewardsAllFailedError)

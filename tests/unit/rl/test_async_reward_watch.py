@@ -13,6 +13,7 @@ import pytest
 from megatron_vlm.rl.asynchronous import trainer as async_trainer
 from megatron_vlm.rl.asynchronous.trainer import AsyncGRPOLoopStep
 from megatron_vlm.rl.rewards.failure_watch import RewardFailureWatch, RewardsAllFailedError
+from megatron_vlm.training.loop import StopAfterStep
 from megatron_vlm.training.running_totals import RunningTotals
 
 
@@ -62,9 +63,12 @@ def test_rewards_that_fail_on_every_call_stop_the_async_run(monkeypatch, fail_fr
     t = _trainer(monkeypatch, 3, _rollout_counters(fail_from=fail_from))
     for step in range(fail_from + 2):  # two failed steps in a row, not yet three
         t.train_step(step, log=True)
-    with pytest.raises(RewardsAllFailedError, match=rf"^rl\.reward_pool\.max_failed_steps: .* 3 steps in a row, up to step "
-                                                   rf"{fail_from + 3}"):
+    # the step ran: the loop logs its row and saves what would be lost, then the run exits 1 with the error
+    with pytest.raises(StopAfterStep, match=rf"^rl\.reward_pool\.max_failed_steps: .* 3 steps in a row, up to step "
+                                            rf"{fail_from + 3}") as e:
         t.train_step(fail_from + 2, log=True)
+    assert isinstance(e.value.error, RewardsAllFailedError) and e.value.wasted == 3
+    assert "async/trainer_wait_s" in e.value.metrics  # the step's row, for the loop to log
 
 
 def test_successful_rewards_never_stop_the_async_run(monkeypatch):

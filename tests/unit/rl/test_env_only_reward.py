@@ -41,16 +41,17 @@ def test_an_environment_reward_needs_no_reward_table(tmp_path):
         load_config(_config_without_rewards(tmp_path), ["rl.accuracy_reward=\"env\""])
 
 
-@pytest.mark.parametrize("key, value", [("abs_max", "1.0"), ("timeout_s", "2.0"), ("batch_timeout_s", "60.0"),
-                                        ("max_failed_steps", "2")])
+@pytest.mark.parametrize("key, value", [("abs_max", "1.0"), ("timeout_s", "2.0"), ("batch_timeout_s", "60.0")])
 def test_verifier_limits_without_a_verifier_are_refused(tmp_path, key, value):
     """With the environment's rewards alone there is no verifier call: the verifier pool's limits (its value clip,
-    deadlines, failed-steps stop) would be accepted and do nothing, and the environment's rewards are not clipped."""
+    deadlines) would be accepted and do nothing, and the environment's rewards are not clipped. max_failed_steps
+    counts the environment's failed episodes too: accepted."""
     env = 'rl.env={name = "rl_env_fns_for_tests:RewardOf", kwargs = {value = 1.0}}'
     with pytest.raises(ConfigError, match=rf"^rl.reward_pool.{key}: .*no \[\[rl.rewards\]\] verifier"):
         load_config(_config_without_rewards(tmp_path), [env, COPY, f"rl.reward_pool.{key}={value}"])
     load_config(_config_without_rewards(tmp_path), [env, COPY, "rl.reward_pool.workers=1",  # the env workers' pool
-                                                    "rl.reward_pool.memory_limit_mb=1024"])
+                                                    "rl.reward_pool.memory_limit_mb=1024",
+                                                    "rl.reward_pool.max_failed_steps=2"])
 
 
 def test_neither_a_table_nor_an_environment_is_refused(tmp_path):

@@ -36,8 +36,8 @@ def test_memory_cap_turns_a_runaway_verifier_into_an_error_and_clipping_is_count
     with mgr:
         out = mgr.score(["0.5", "nan", "inf", "-inf", "1e30", "-3"], [""] * 6)
         assert out.total == [0.5, 0.0, 10.0, -10.0, 10.0, -3.0]
-        assert (out.clipped, out.errors, out.timeouts) == (4, 0, 0)
-        assert mgr.metrics()["reward/clipped"] == 4.0
+        assert (out.clipped, out.errors, out.timeouts) == (3, 1, 0)  # NaN: a failed call, not a clipped value
+        assert mgr.metrics()["reward/clipped"] == 3.0
         res = mgr.pool.map([RewardCall("custom", "2048", "", function=f"{FNS}.allocate_mib"),
                             RewardCall("custom", "64", "", function=f"{FNS}.allocate_mib")])
         assert res[0].status == "error" and "MemoryError" in res[0].detail

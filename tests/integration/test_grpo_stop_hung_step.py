@@ -1,0 +1,124 @@
+"""A stop signal while a GRPO step hangs in its reward wait, through whole jobs (tiny Qwen2.5-VL, synthetic prompts).
+
+The verifier blocks forever from step 2 on (grpo_stop_fns.block_after); SIGTERM comes once it hangs. The wait used
+to notice only at `rl.reward_pool.batch_timeout_s` (300 s by default: longer than the 180 s the shipped sbatch leaves
+before SIGKILL); now the job gives the step up within seconds, saves the checkpoint of step 1 (the abandoned step's
+prompts are redone) and exits 143, and that checkpoint resumes. One rank in this process (seconds); two synchronous
+ranks of which only one hangs (the other waits in the agreement) and asynchronous GRPO (the rollout rank hangs): heavy,
+torchrun jobs of ~30 s (tests/unit/rl/test_stop_during_step.py covers their parts in CI, two gloo ranks included)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from jobs import ENTRY, REPO, free_port, read_metrics
+from test_grpo_job import grpo_overrides
+
+pytestmark = pytest.mark.distributed
+
+GRPO_DEMO = REPO / "launch" / "configs" / "demo_grpo.toml"
+BATCH_TIMEOUT_S = 90.0
+"""The reward batch deadline of these jobs: before the fix a job waited this long after the signal."""
+
+
+def _sets(out, marker, *, calls, ranks=(0,), **extra):
+    reward = (f'[{{type = "custom", function = "tests.integration.grpo_stop_fns.block_after", '
+              f'kwargs = {{calls = {calls}, marker = "{marker}", ranks = {list(ranks)}}}}}]')
+    base = {"rl.rewards": reward, "rl.accuracy_reward": '"custom"', "rl.reward_pool.workers": "1",
+            "rl.reward_pool.timeout_s": "600.0", "rl.reward_pool.batch_timeout_s": str(BATCH_TIMEOUT_S),
+            "rl.loss.kl_coef": "0.0", "rl.recompute_logprobs": "false", "rl.batch.ppo_epochs": "1",
+            "rl.batch.mini_batches_per_step": "1", "rl.eval.at_start": "false", "checkpoint.every_steps": "100",
+            "checkpoint.export_hf": "false", "train.max_steps": "3"}
+    base.update(extra)
+    return grpo_overrides(out, out.parent / "assets", **base)
+
+
+def _wait_for(path, seconds=400):
+    deadline = time.time() + seconds
+    while not path.exists():
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def keep_signal_handlers():
+    """run_job installs the stop handlers in this process: put pytest's back afterwards."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+def test_one_rank_in_process_gives_up_the_hung_step_saves_and_resumes(tmp_path, keep_signal_handlers):
+    from megatron_vlm import runner
+    from megatron_vlm.config import load_config
+
+    out, marker = tmp_path / "run", tmp_path / "hung"
+    signalled = {}
+
+    def stop_when_hung():
+        _wait_for(marker)
+        signalled["at"] = time.monotonic()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_when_hung, daemon=True).start()
+    code = runner.run_job(load_config(GRPO_DEMO, _sets(out, marker, calls=16)))  # step 1: 4 prompts x 4 samples
+    took = time.monotonic() - signalled["at"]
+    assert code == 143 and took < 20.0, (code, took)
+    assert sorted(d.name for d in (out / "checkpoints").iterdir()) == ["step_1"]
+    assert (out / "checkpoints" / "step_1" / "COMPLETE").is_file()
+    assert [int(r["step"]) for r in read_metrics(out / "metrics_train.csv")] == [1]
+
+    # the verifier fixed: the job resumes at step 1 and redoes step 2
+    code = runner.run_job(load_config(GRPO_DEMO, _sets(out, tmp_path / "fixed", calls=10**9)))
+    assert code == 0
+    assert [int(r["step"]) for r in read_metrics(out / "metrics_train.csv")] == [1, 2, 3]
+
+
+def _torchrun(sets, nproc=2):
+    args = [a for s in sets for a in ("--set", s)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(ENTRY), "--config", str(GRPO_DEMO), *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO),
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+
+
+def _stop_ranks_when_hung(p, marker):
+    """SIGTERM to every rank once the verifier hangs (as SLURM signals every task); (stderr, seconds it took)."""
+    _wait_for(marker)
+    ranks = [int(x) for x in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()]
+    assert len(ranks) == 2
+    t0 = time.monotonic()
+    for pid in ranks:
+        os.kill(pid, signal.SIGTERM)
+    _, err = p.communicate(timeout=BATCH_TIMEOUT_S + 200)
+    return err, time.monotonic() - t0
+
+
+@pytest.mark.heavy
+def test_two_ranks_agree_to_give_up_the_step_one_of_them_hangs_in(tmp_path):
+    """Rank 0's verifier hangs; rank 1 scored its share and waits for rank 0 in the step's agreement."""
+    out, marker = tmp_path / "run", tmp_path / "hung"
+    p = _torchrun(_sets(out, marker, calls=8, ranks=(0,)))  # step 1: 2 prompts x 4 samples per rank
+    err, took = _stop_ranks_when_hung(p, marker)
+    assert took < 30.0, (took, err[-3000:])
+    assert err.count("exitcode  : 143") >= 1 and "exitcode  : 1 " not in err, err[-3000:]
+    assert "which was abandoned" in err and "another rank gave up" in err, err[-3000:]
+    assert (out / "checkpoints" / "step_1" / "COMPLETE").is_file()
+
+
+@pytest.mark.heavy
+def test_asynchronous_rollout_rank_gives_up_the_step_and_the_trainer_saves(tmp_path):
+    """The rollout rank (global rank 0) hangs scoring step 2; the trainer waits for step 2's groups."""
+    out, marker = tmp_path / "run", tmp_path / "hung"
+    p = _torchrun(_sets(out, marker, calls=16, ranks=(0, 1), **{"rl.allocation": '"rollout:1+train:1"'}))
+    err, took = _stop_ranks_when_hung(p, marker)
+    assert took < 30.0, (took, err[-3000:])
+    assert err.count("exitcode  : 143") >= 1 and "exitcode  : 1 " not in err, err[-3000:]
+    assert "rollout rank 0 stopped before sending step 2's groups" in err, err[-3000:]
+    assert (out / "checkpoints" / "step_1" / "COMPLETE").is_file()

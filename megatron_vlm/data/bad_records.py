@@ -60,6 +60,10 @@ class BadRecordError(Exception):
         self.category = category
         self.detail = detail
 
+    def __reduce__(self):
+        # pickled into (and out of) DataLoader workers: rebuilt from its two fields, not from the message
+        return (BadRecordError, (self.category, self.detail))
+
 
 _warned_unexpected = False
 

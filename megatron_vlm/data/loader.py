@@ -25,11 +25,13 @@ items on every rank: packs (for validation loss) or padded prompt batches with r
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
 import signal
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import numpy as np
@@ -40,12 +42,13 @@ from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, keep_pla
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.data.data_files import changed_data_file, content_signatures, source_files
 from megatron_vlm.data.lengths import compute_lengths_and_classes
-from megatron_vlm.data.media import MediaLimits
+from megatron_vlm.data.media import MediaLimits, PyAVDecoder, VideoDecoder, set_video_decoder, video_decoder
 from megatron_vlm.data.packing import collate_pack, collate_padded, empty_pack, vision_shape_conflict
 from megatron_vlm.data.plan import PackPlanner
 from megatron_vlm.data.processing import ProcessedSample, process_record
 from megatron_vlm.data.processor import VLProcessor, as_vl_processor
 from megatron_vlm.data.sources import open_split
+from megatron_vlm.data.worker_start import worker_context
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.stop_signals import leave_stop_signals_to_the_rank
 
@@ -58,7 +61,11 @@ def _identity(x):
     return x
 
 
-def _worker_init(_worker_id: int) -> None:
+def _worker_init(_worker_id: int, decoder: Optional[VideoDecoder] = None) -> None:
+    """First thing in a DataLoader worker. `decoder`: the rank's `set_video_decoder` choice, which a worker started
+    by the worker server (not forked from the rank) would not otherwise see."""
+    if decoder is not None:
+        set_video_decoder(decoder)
     torch.set_num_threads(1)  # workers tokenise / resize; leave the cores to the main process
     # SLURM sends its stop request (TERM / USR1) to every process of a job step, worker grandchildren
     # included; the rank handles it by saving a checkpoint, and a worker dying first would crash that save.
@@ -66,19 +73,44 @@ def _worker_init(_worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _worker_init_fn() -> Callable[[int], None]:
+    """`_worker_init` with the rank's video decoder when it is not the default."""
+    decoder = video_decoder()
+    return _worker_init if isinstance(decoder, PyAVDecoder) else functools.partial(_worker_init, decoder=decoder)
+
+
+LIVENESS_CHECK_S = 5.0
+"""Longest single wait on the workers' queue: between waits the rank checks that its workers are alive. Forked by
+the worker server (worker_start.py), they are not the rank's children, so no SIGCHLD tells it of a death; torch
+checks only when a wait ends, and one wait of `data.loader_timeout_s` would leave a dead worker unseen for that
+long."""
+
+
+def _loader_timeout(timeout_s: float) -> float:
+    """The DataLoader's own `timeout`: one slice of the wait (0: torch slices the endless wait itself)."""
+    return min(float(timeout_s), LIVENESS_CHECK_S) if timeout_s else 0.0
+
+
 def _explain_timeout(loader: DataLoader, timeout_s: float, split: str) -> Iterator:
-    """Iterate `loader`; its "DataLoader timed out" RuntimeError gets the config key that set it."""
+    """Iterate `loader`, waiting up to `timeout_s` for each item in slices of its own `timeout` (a dead worker is
+    named at the end of a slice); the last slice's "DataLoader timed out" error gets the config key that set it."""
     it = iter(loader)
     while True:
-        try:
-            item = next(it)
-        except StopIteration:
-            return
-        except RuntimeError as e:
-            if timeout_s and "timed out" in str(e):
+        began = time.monotonic()
+        while True:
+            try:
+                item = next(it)
+                break
+            except StopIteration:
+                return
+            except RuntimeError as e:
+                if not (timeout_s and "timed out" in str(e)):
+                    raise
+                waited = time.monotonic() - began
+                if waited + 1e-3 < timeout_s:
+                    continue  # one slice ended with the workers alive: wait on for the same item
                 raise RuntimeError(f"data[{split}]: no pack from the DataLoader workers within data.loader_timeout_s = "
-                                   f"{timeout_s:g} s (a worker is stuck; {e})") from e
-            raise
+                                   f"{timeout_s:g} s (a worker is stuck; waited {waited:.0f} s)") from e
         yield item
 
 
@@ -185,8 +217,8 @@ class SFTDataLoader:
         sampler = _RankSampler(self.planner, self.dp_rank, self.dp_size, self._consumed)
         kwargs = {}
         if self.num_workers > 0:
-            kwargs = {"prefetch_factor": self.prefetch_factor, "worker_init_fn": _worker_init,
-                      "timeout": float(self.timeout_s)}
+            kwargs = {"prefetch_factor": self.prefetch_factor, "worker_init_fn": _worker_init_fn(),
+                      "timeout": _loader_timeout(self.timeout_s), "multiprocessing_context": worker_context(self.dataset)}
         # generator: each DataLoader iterator draws its base seed from it instead of the global torch RNG,
         # so creating the iterator after a resume does not shift the RNG that training dropout draws from
         loader = DataLoader(self.dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers,
@@ -385,8 +417,9 @@ class EvalDataLoader:
         return len(self.keys)
 
     def __iter__(self) -> Iterator[dict]:
-        kwargs = {"prefetch_factor": self.prefetch_factor, "worker_init_fn": _worker_init,
-                  "timeout": float(self.timeout_s)} if self.num_workers else {}
+        kwargs = {"prefetch_factor": self.prefetch_factor, "worker_init_fn": _worker_init_fn(),
+                  "timeout": _loader_timeout(self.timeout_s), "multiprocessing_context": worker_context(self.dataset)
+                  } if self.num_workers else {}
         loader = DataLoader(self.dataset, batch_size=None, sampler=self.keys,
                             num_workers=min(self.num_workers, max(1, len(self.keys))) if self.num_workers else 0,
                             collate_fn=_identity, **kwargs)

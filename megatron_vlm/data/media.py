@@ -60,7 +60,7 @@ from megatron_vlm.data.config import (
 )
 
 __all__ = [
-    "MediaLimits", "DEFAULT_LIMITS", "VideoClip", "VideoInfo", "VideoDecoder", "PyAVDecoder", "set_video_decoder",
+    "MediaLimits", "DEFAULT_LIMITS", "VideoClip", "VideoInfo", "VideoDecoder", "PyAVDecoder", "set_video_decoder", "video_decoder",
     "load_image", "image_hw", "read_video", "subsample_indices", "describe", "MAX_ABANDONED_DECODES", "to_rgb",
 ]
 
@@ -316,11 +316,16 @@ _abandoned_lock = threading.Lock()
 
 
 def set_video_decoder(decoder: VideoDecoder) -> VideoDecoder:
-    """Use `decoder` for video files in this process (and in DataLoader workers forked later);
-    returns the previous one."""
+    """Use `decoder` for video files in this process and in the DataLoader workers it starts later (they get it
+    pickled, loader.py); returns the previous one."""
     global _decoder
     previous, _decoder = _decoder, decoder
     return previous
+
+
+def video_decoder() -> VideoDecoder:
+    """The decoder `set_video_decoder` set (PyAV's by default)."""
+    return _decoder
 
 
 def _with_deadline(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:

@@ -180,19 +180,21 @@ def test_hanging_video_in_the_sft_loader_is_counted_and_the_run_goes_on(proc, de
     assert (bad.source, bad.index, bad.category) == (str(path), 2, "timeout")
 
 
-def test_a_stuck_dataloader_worker_stops_the_run_naming_the_key(proc, tmp_path, monkeypatch):
-    import megatron_vlm.data.loader as loader_mod
+class _StuckPacks:
+    """A dataset whose every item hangs (module level: the worker server imports it to unpickle it)."""
 
-    def stuck(*a, **kw):
+    def __getitem__(self, key):
         time.sleep(60)
 
+
+def test_a_stuck_dataloader_worker_stops_the_run_naming_the_key(proc, tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "Say hi."},
                                              {"role": "assistant", "content": "hi"}]}) + "\n")
     cfg = DataConfig(type="messages_jsonl", train_path=str(path), num_workers=1, video_decode_timeout_s=0.5,
                      loader_timeout_s=1.5)
     loader = build_sft_dataloader(cfg, proc, seed=0, dp_rank=0, dp_size=1)
-    monkeypatch.setattr(loader_mod, "process_record", stuck)  # the forked worker inherits it
+    loader.dataset = _StuckPacks()  # the worker processes get it pickled
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"data\.loader_timeout_s = 1.5 s"):
         next(iter(loader))

@@ -12,6 +12,9 @@ other rewards of its group:
              leave-one-out, Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style
              Optimization for Learning from Human Feedback in LLMs")
 
+A group of one completion (`rl.batch.group_size = 1`) has advantage 0 under all three: they refuse it. `gae` (PPO
+with a critic) takes its advantages from the critic in the update and runs with groups of one.
+
 Groups whose rewards are all equal carry no signal (every advantage is 0): they are counted
 (`zero_variance`) and can be dropped from the batch (DAPO's dynamic sampling, Yu et al. 2025, keeps
 only informative groups). `overlong_penalty` is DAPO's soft overlong punishment, added to the
@@ -55,7 +58,7 @@ class GroupAdvantages:
     group_mean: torch.Tensor
     """[P] mean reward of each group."""
     group_std: torch.Tensor
-    """[P] standard deviation of each group's rewards (unbiased, as torch.std)."""
+    """[P] standard deviation of each group's rewards (unbiased, as torch.std; NaN for groups of one)."""
     num_dropped_groups: int
     """Groups dropped because all their rewards were equal."""
     zero_variance: Optional[torch.Tensor] = None
@@ -80,6 +83,10 @@ def compute_group_advantages(
     max - min reward is at most `equal_atol` get keep = False. Computed in float32 for float32 or
     lower-precision input, in float64 for float64 input.
 
+    `group_size` 1 (one completion per prompt) only for an estimator that does not need groups (`needs_groups`
+    false: `gae`, whose advantages come from the critic): each group's std is then NaN (undefined), every group
+    counts as equal-reward (nothing to compare), and dropping those is refused (it would drop every sample).
+
     `valid` ([P * G] bool, None = all): samples that are not trained and whose reward says nothing about the
     policy (a multi-turn trajectory its environment failed): a group's statistics and advantages are its valid
     members' alone (a group of fewer than 2 carries no signal: zero advantages, zero variance); an invalid
@@ -88,8 +95,14 @@ def compute_group_advantages(
     normalize_std = default_normalize_std(estimator, normalize_std)
     if rewards.dim() != 1:
         raise ValueError(f"rewards: expected a flat [P * G] tensor, got shape {tuple(rewards.shape)}")
-    if group_size < 2:
-        raise ValueError(f"group_size: must be >= 2, got {group_size}")
+    est = _REGISTRY.get(estimator)
+    if group_size < (2 if est.needs_groups else 1):
+        raise ValueError(f"group_size: advantage = {estimator!r} is relative within each prompt's group and needs "
+                         f">= 2 samples per prompt, got {group_size}" if est.needs_groups else
+                         f"group_size: must be >= 1, got {group_size}")
+    if group_size == 1 and drop_equal_reward_groups:
+        raise ValueError("drop_equal_reward_groups: every group of one sample has equal rewards; with group_size = 1 "
+                         "it would drop every sample")
     n = rewards.numel()
     if n == 0 or n % group_size:
         raise ValueError(f"rewards: {n} samples is not a positive multiple of group_size {group_size}")
@@ -99,16 +112,18 @@ def compute_group_advantages(
     dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
     r = rewards.detach().to(dtype).view(-1, group_size)
     mean = r.mean(dim=1)
-    std = r.std(dim=1)  # unbiased (Bessel), G >= 2
-    group_fn = _REGISTRY.get(estimator).fn  # rl/algorithms/advantage_estimators.py
+    # unbiased (Bessel); undefined for groups of one (torch would warn and give NaN)
+    std = r.std(dim=1) if group_size >= 2 else torch.full_like(mean, float("nan"))
+    group_fn = est.fn  # rl/algorithms/advantage_estimators.py
     # a token estimator (gae): the advantages come from the critic in the update; 0 here (the group statistics,
     # equal-reward groups and dropping still apply)
     adv = group_fn(r, normalize_std=normalize_std, eps=eps) if group_fn is not None else torch.zeros_like(r)
     spread = r.max(dim=1).values - r.min(dim=1).values
-    # all G rewards identical: the advantage is 0. Computed, it need not be: the mean of G equal floats can land
-    # an ulp off them (e.g. 8 x 0.2), so centred is ~1e-8 and so is std, and grpo's centred / (std + eps) is
-    # ~1e-2 — one push up or down for the whole group, from rounding alone
-    adv = torch.where((spread == 0)[:, None], torch.zeros_like(adv), adv)
+    if est.needs_groups:
+        # all G rewards identical: a group-relative advantage is 0. Computed, it need not be: the mean of G equal
+        # floats can land an ulp off them (e.g. 8 x 0.2), so centred is ~1e-8 and so is std, and grpo's
+        # centred / (std + eps) is ~1e-2 — one push up or down for the whole group, from rounding alone
+        adv = torch.where((spread == 0)[:, None], torch.zeros_like(adv), adv)
     if valid is not None:
         if valid.shape != rewards.shape:
             raise ValueError(f"valid: expected shape {tuple(rewards.shape)}, got {tuple(valid.shape)}")

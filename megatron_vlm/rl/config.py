@@ -102,7 +102,10 @@ class RLBatchConfig:
     prompts_per_step: int = 32
     """Prompts per GRPO step over all data-parallel ranks; a step has batch.prompts_per_step * batch.group_size samples."""
     group_size: int = 8
-    """Completions sampled per prompt (G); advantages are relative within each group."""
+    """Completions sampled per prompt (G); the group estimators' advantages are relative within each group
+    (advantage = "grpo", "dr_grpo", "rloo": G >= 2). 1 is allowed with advantage = "gae" (PPO with a critic,
+    whose values are the baseline; verl's PPO with rollout.n = 1), without advantages.drop_equal_reward_groups
+    and advantages.dynamic_sampling (every group of one has equal rewards)."""
     ppo_epochs: int = 1
     """Passes over each step's samples."""
     mini_batches_per_step: int = 1
@@ -112,9 +115,6 @@ class RLBatchConfig:
     def validate(self) -> None:
         for name in ("prompts_per_step", "group_size", "ppo_epochs", "mini_batches_per_step"):
             _at_least_one(self, name)
-        if self.group_size < 2:
-            # a group of one has advantage 0 always: nothing would be learned
-            raise ValueError(f"group_size: GRPO needs >= 2 samples per prompt for group-relative advantages, got {self.group_size}")
         samples = self.prompts_per_step * self.group_size
         if self.mini_batches_per_step > samples:
             raise ValueError(
@@ -398,7 +398,8 @@ class RLUpdateConfig:
     work). "auto": where the decoder supports it (attention-only decoders, not Nemotron-VL's Mamba2
     hybrid), tensor / context parallelism are off and the MoE auxiliary loss is (moe.aux_loss_coef = 0: it is a
     function of every token a pack routes, a shared prompt's once instead of once per completion; the startup log says
-    which); "off": every completion packed with its own copy of the prompt. With prompts shared a MoE policy's expert
+    which; off with batch.group_size = 1: no prompt has two completions); "off": every completion packed with its own
+    copy of the prompt. With prompts shared a MoE policy's expert
     loads (moe/* metrics, score-correction biases) count a prompt's tokens once per group."""
     skip_zero_advantage: bool = True
     """Leave completions whose advantage is exactly 0 (every completion of a group whose rewards are all
@@ -728,6 +729,7 @@ class RLConfig:
             except ValueError as e:
                 raise type(e)(f"{name}.{e}") from None
         self._validate_selection()
+        self._validate_groups()
         self._validate_critic()
         self._validate_env()
         self._validate_across()
@@ -806,6 +808,29 @@ class RLConfig:
                               f"{truncated[0]}-truncated distribution, not of the policy the update scores; set "
                               "recompute_logprobs = true (old log-probs from the training forward) or leave "
                               f"rollout.{truncated[0]} at its default")
+
+    def _validate_groups(self) -> None:
+        """`batch.group_size = 1`: only for an estimator whose baseline is not the prompt's group (the registry's
+        `needs_groups`: "gae"); what works on groups of two or more is refused with it (exit 2)."""
+        from megatron_vlm.rl.algorithms.advantage_estimators import ADVANTAGE_ESTIMATORS, min_group_size
+
+        G = self.batch.group_size
+        if G >= 2:
+            return
+        if min_group_size(self.advantage) > G:
+            free = [n for n in ADVANTAGE_ESTIMATORS if not ADVANTAGE_ESTIMATORS.get(n).needs_groups]
+            # a group of one has advantage 0 always: nothing would be learned
+            raise ValueError(f"batch.group_size: {G} completion per prompt with advantage = {self.advantage!r}, whose "
+                             "advantages are relative within each prompt's group (a group of one has advantage 0 "
+                             "always, nothing would be learned); set batch.group_size >= 2, or use an estimator with "
+                             f"another baseline: {', '.join(repr(n) for n in free)} (PPO with a critic, [rl.critic])")
+        adv = self.advantages
+        for key, on, what in (("drop_equal_reward_groups", adv.drop_equal_reward_groups, "would drop every sample"),
+                              ("dynamic_sampling", adv.dynamic_sampling, "would drop every group and sample again "
+                               "until advantages.max_sampling_rounds ran out")):
+            if on:
+                raise ValueError(f"advantages.{key}: with batch.group_size = {G} every group of one completion has "
+                                 f"equal rewards, so it {what}; set batch.group_size >= 2 or remove it")
 
     def _validate_critic(self) -> None:
         """`advantage = "gae"` (PPO with a critic): the `[rl.critic]` table and `advantages.gamma` / `lam` are read only

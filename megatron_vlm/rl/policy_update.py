@@ -180,6 +180,8 @@ class PolicyUpdate:
         """Whether the training forwards pack each prompt once per group (`rl.update.prompt_sharing`), and why."""
         if self.rl.update.prompt_sharing == "off":
             return False, "rl.update.prompt_sharing = 'off'"
+        if self.rl.batch.group_size == 1:
+            return False, "rl.batch.group_size = 1: no prompt has two completions to share it"
         model = getattr(self.bundle, "model", None)
         if model is None or not accepts_prefix_segments(model):
             return False, f"{type(model).__name__}'s decoder does not support shared prompts"

@@ -87,7 +87,7 @@ def step_metrics(rl: Any, shards: DataShards, step: int, timer: PhaseTimer, roun
     out.update(advantage_stats(torch.tensor(cat("adv")), torch.tensor(cat("keep"), dtype=torch.bool)))
     out["advantage/dropped_groups"] = float(sum(p["dropped"] for p in parts))
     groups = sum(p["groups"] for p in parts)
-    if groups:
+    if groups and G >= 2:  # a group of one always has "equal rewards": a constant 1.0, no measurement
         out["reward/zero_var_group_frac"] = sum(p["zero_var"] for p in parts) / groups
     if rl.advantages.overlong_buffer > 0 and cat("penalty"):
         out["reward/overlong_penalty"] = sum(cat("penalty")) / len(cat("penalty"))

@@ -2,7 +2,8 @@
 run logs the critic's metrics and saves its state in the checkpoints; a run killed with SIGKILL and resumed
 repeats the uninterrupted one exactly — policy and critic, with the critic's warm-up step, the KL penalty in
 the reward (reference model), recomputed old log-probs and 2 PPO epochs x 2 mini-batches all active; a GRPO
-checkpoint resumed as PPO is refused (exit 2) naming rl.critic."""
+checkpoint resumed as PPO is refused (exit 2) naming rl.critic; a PPO run with one completion per prompt
+(rl.batch.group_size = 1) learns, and a GRPO one is refused (exit 2) naming rl.batch.group_size."""
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.heavy]
 
 PPO = {"rl.advantage": '"gae"', "rl.critic.lr": "0.001", "rl.critic.warmup_steps": "1", "rl.advantages.lam": "0.9",
        "rl.loss.kl_estimator": '"k1"'}
+G1_STEPS = 8
 CRITIC_METRICS = ("critic/value_loss", "critic/vf_clip_frac", "critic/values_old_mean", "critic/returns_mean",
                   "critic/explained_var", "critic/kl_in_reward", "critic/grad_norm", "advantage/max", "advantage/min")
 
@@ -90,3 +92,35 @@ def test_a_separate_critic_folder_trains_and_a_foreign_one_is_refused(tmp_path):
     sets["rl.critic.model"] = f'"{tmp_path / "foreign"}"'
     r = run_job(grpo_overrides(tmp_path / "run2", tmp_path / "assets", **sets), config=GRPO_DEMO, check=False)
     assert r.returncode == 2 and "rl.critic.model: " in r.stderr and "model_type" in r.stderr, r.stderr[-2000:]
+
+
+def test_ppo_with_one_completion_per_prompt_runs_and_learns(tmp_path):
+    """`rl.batch.group_size = 1` (verl's PPO with rollout.n = 1): the job generates one completion per prompt, trains
+    the policy on the critic's GAE advantages (its reward rises) and the critic on the returns (its value loss falls),
+    and logs no group metric; the same run
+    with a group estimator exits 2 before anything is loaded, naming rl.batch.group_size and the estimator."""
+    sets = {**PPO, "rl.critic.warmup_steps": "0", "rl.loss.kl_coef": "0.0", "rl.loss.kl_estimator": '"k3"',
+            "rl.recompute_logprobs": "false", "rl.batch.group_size": "1", "rl.batch.prompts_per_step": "8",
+            "rl.batch.ppo_epochs": "1", "rl.batch.mini_batches_per_step": "1", "train.max_steps": str(G1_STEPS),
+            "checkpoint.every_steps": "0"}
+    out = tmp_path / "run"
+    r = run_job(grpo_overrides(out, tmp_path / "assets", **sets), config=GRPO_DEMO)
+    assert "rl.update.prompt_sharing: off (rl.batch.group_size = 1" in r.stderr
+    rows = read_metrics(out / "metrics_train.csv")
+    assert [int(x["step"]) for x in rows] == list(range(1, G1_STEPS + 1))
+    assert all(float(x["rollout/prompts"]) == 8.0 for x in rows)
+    assert "reward/zero_var_group_frac" not in rows[0] and "reward/zero_var_group_frac" not in json.loads(rows[0]["extra"] or "{}")
+    for key in ("loss", "grad_norm", *CRITIC_METRICS):
+        assert all(math.isfinite(float(x[key])) for x in rows), key
+    assert all(float(x["grad_norm"]) > 0 for x in rows)
+    # the policy learns the reward (text length; measured 0.42, 0.45 at steps 1-2 and 0.68, 0.82 at steps 7-8), and
+    # the critic the returns: its values start at 0, its value loss falls (0.060 -> 0.004 measured)
+    reward = [float(x["reward/mean"]) for x in rows]
+    assert sum(reward[-2:]) / 2 > sum(reward[:2]) / 2 + 0.15, reward
+    loss = [float(x["critic/value_loss"]) for x in rows]
+    assert float(rows[0]["critic/values_old_mean"]) == 0.0 and loss[-1] < loss[0] / 3, loss
+
+    r = run_job(grpo_overrides(tmp_path / "grpo", tmp_path / "assets", **{"rl.batch.group_size": "1"}), config=GRPO_DEMO,
+                check=False)
+    assert r.returncode == 2 and "rl.batch.group_size: 1 completion per prompt with advantage = 'grpo'" in r.stderr, \
+        r.stderr[-2000:]

@@ -6,10 +6,16 @@ which also holds what every estimator shares (equal-reward groups, dropping, sta
 (`gae`, PPO with a critic) maps per-token rewards and the critic's per-token values to per-token advantages
 and returns; it runs in the update, after the critic's forward (megatron_vlm/rl/critic/).
 
+Groups: a group estimator's baseline is the prompt's other completions, so it needs `rl.batch.group_size` >= 2 (a
+group of one has advantage 0 always); a token estimator's baseline is the critic's values, so one completion per
+prompt is enough (verl runs PPO with `rollout.n = 1`). `AdvantageEstimator.needs_groups` says which; the config
+refuses `group_size = 1` for the others, naming the key and the estimator.
+
 Adding an estimator: a function with the `AdvantageFn` signature decorated with
 `@register_advantage("name", std_normalisable=...)` (`std_normalisable`: it divides by the group std unless
-`normalize_adv_std = false`; otherwise asking it to is refused); a token estimator with the
-`TokenAdvantageFn` signature decorated with `@register_token_advantage("name")`.
+`normalize_adv_std = false`; otherwise asking it to is refused; `needs_groups=False` for one whose baseline is not
+the group's, e.g. a batch-wide one: it then also runs with groups of one, the [P, 1] matrix); a token estimator with
+the `TokenAdvantageFn` signature decorated with `@register_token_advantage("name")`.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from megatron_vlm.rl.algorithms.registry import Registry
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "AdvantageEstimator", "AdvantageFn", "AdvantageSpec", "TokenAdvantageFn",
            "register_advantage", "register_token_advantage", "resolve_normalize_std", "needs_critic",
-           "gae_advantages", "GAE_DEFAULT_GAMMA", "GAE_DEFAULT_LAM"]
+           "min_group_size", "gae_advantages", "GAE_DEFAULT_GAMMA", "GAE_DEFAULT_LAM"]
 
 
 class AdvantageFn(Protocol):
@@ -50,15 +56,20 @@ class AdvantageEstimator:
     A token estimator: whitens its advantages over the step's tokens by default."""
     token_fn: Optional[TokenAdvantageFn] = None
     """The token estimator (needs a critic: `[rl.critic]`); None for a group estimator."""
+    needs_groups: bool = True
+    """Its baseline is the other completions of the prompt: `rl.batch.group_size` >= 2. False: one completion per
+    prompt works (a token estimator, whose baseline is the critic's values)."""
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", "advantage")
 
 
-def register_advantage(name: str, *, std_normalisable: bool) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Decorator: register `fn` as the estimator `name` (the function is returned unchanged)."""
+def register_advantage(name: str, *, std_normalisable: bool,
+                       needs_groups: bool = True) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Decorator: register `fn` as the estimator `name` (the function is returned unchanged); `needs_groups`:
+    `AdvantageEstimator.needs_groups`."""
     def add(fn: AdvantageFn) -> AdvantageFn:
-        ADVANTAGE_ESTIMATORS.register(name)(AdvantageEstimator(name, fn, std_normalisable))
+        ADVANTAGE_ESTIMATORS.register(name)(AdvantageEstimator(name, fn, std_normalisable, needs_groups=needs_groups))
         return fn
     return add
 
@@ -92,7 +103,7 @@ GAE_DEFAULT_LAM = 0.95
 def register_token_advantage(name: str) -> Callable[[TokenAdvantageFn], TokenAdvantageFn]:
     """Decorator: register `fn` as the token estimator `name` (needs the critic; returned unchanged)."""
     def add(fn: TokenAdvantageFn) -> TokenAdvantageFn:
-        ADVANTAGE_ESTIMATORS.register(name)(AdvantageEstimator(name, None, True, token_fn=fn))
+        ADVANTAGE_ESTIMATORS.register(name)(AdvantageEstimator(name, None, True, token_fn=fn, needs_groups=False))
         return fn
     return add
 
@@ -100,6 +111,12 @@ def register_token_advantage(name: str) -> Callable[[TokenAdvantageFn], TokenAdv
 def needs_critic(estimator: str) -> bool:
     """Whether `estimator` is a token estimator (values from a critic); False for unknown names too."""
     return estimator in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS.get(estimator).token_fn is not None
+
+
+def min_group_size(estimator: str) -> int:
+    """The smallest `rl.batch.group_size` `estimator` gives a learning signal with: 2 for a group-relative one, 1
+    otherwise (ValueError naming the key for an unknown name)."""
+    return 2 if ADVANTAGE_ESTIMATORS.get(estimator).needs_groups else 1
 
 
 def _padded(x: torch.Tensor, seq_ids: torch.Tensor, n_seq: int, width: int,

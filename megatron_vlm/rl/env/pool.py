@@ -203,6 +203,7 @@ class EnvWorkerPool(RewardWorkerPool):
     `preload`: environment names to import at worker start (a misspelt path is reported by `start`)."""
 
     worker_main = staticmethod(_env_worker_main)
+    waits_for = "environments"
 
     def _checked(self, value: float, status: str, detail: str) -> CallResult:
         return CallResult(value, status, detail)  # the value is a pickled EnvReply: no numeric clipping
@@ -221,7 +222,7 @@ class InlineEnvRunner:
         give_up = Patience(abandon) if abandon is not None else None
         for c in calls:
             if give_up is not None and give_up():  # between calls only: a call in this process cannot be stopped
-                raise WaitAbandoned(f"{len(calls)} environment calls given up: the rank is stopping")
+                raise WaitAbandoned.of(len(calls), "environments")
             try:
                 out.append(pickle.loads(pickle.dumps(run_call(c))))  # the same round trip as the worker's
             except (Exception, SystemExit) as e:  # noqa: BLE001 - sys.exit in user code must not end the job

@@ -93,9 +93,28 @@ class Patience:
 
 class WaitAbandoned(BaseException):
     """`map`'s `abandon` check said stop: the batch was given up, its calls in flight killed (no result is kept).
+    `waited_for`: what the wait was for ("verifiers", "environments": the pool's `waits_for`), so that the step or
+    evaluation given up says which wait hung.
 
     A BaseException, as KeyboardInterrupt, so that no `except Exception` of the layers between the pool and the
     step (a user's environment session, a scorer's guard) turns it into an error result."""
+
+    def __init__(self, detail: str, *, waited_for: str):
+        super().__init__(detail)
+        self.waited_for = waited_for
+
+    def __reduce__(self):  # the keyword argument survives a pickle round trip
+        return _wait_abandoned, (str(self), self.waited_for)
+
+    @classmethod
+    def of(cls, n: int, waited_for: str) -> WaitAbandoned:
+        """`n` calls to `waited_for` ("verifiers" / "environments") given up."""
+        kind = {"verifiers": "verifier", "environments": "environment"}.get(waited_for, waited_for)
+        return cls(f"{n} {kind} call{'s' if n != 1 else ''} given up: the rank is stopping", waited_for=waited_for)
+
+
+def _wait_abandoned(detail: str, waited_for: str) -> WaitAbandoned:
+    return WaitAbandoned(detail, waited_for=waited_for)
 
 
 @dataclass(frozen=True)
@@ -324,6 +343,8 @@ class RewardWorkerPool:
     `worker_main`: the workers' loop (the environment pool, rl/env/pool.py, runs its own with these limits)."""
 
     worker_main: Callable = staticmethod(_worker_main)
+    waits_for = "verifiers"
+    """What its calls run (`WaitAbandoned.waited_for`)."""
 
     def __init__(
         self,
@@ -466,7 +487,7 @@ class RewardWorkerPool:
         while pending or any(w.call_id is not None for w in self._workers):
             if give_up is not None and give_up():
                 self._abandon()
-                raise WaitAbandoned(f"{len(calls)} calls given up: the rank is stopping")
+                raise WaitAbandoned.of(len(calls), self.waits_for)
             now = time.monotonic()
             if now >= batch_deadline:
                 self._expire(results, pending)

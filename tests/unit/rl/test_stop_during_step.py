@@ -59,9 +59,49 @@ def test_a_hung_environment_turn_is_given_up_when_the_rank_stops():
         (reset,) = pool.run([EnvCall("reset", name=f"{ENV_FNS}:Hang")])
         assert not reset.error
         t0 = time.monotonic()
-        with pytest.raises(WaitAbandoned):
+        with pytest.raises(WaitAbandoned) as info:
             pool.run([EnvCall("step", state=reset.state, action="hi")], abandon=_after(0.5))
         assert time.monotonic() - t0 < 0.5 + ABANDON_GRACE_S + 2.0
+    # what was waited on is named: the environments (this pool is the reward pool's), not "calls"
+    assert info.value.waited_for == "environments", info.value.waited_for
+    assert str(info.value) == "1 environment call given up: the rank is stopping"
+
+
+def test_the_abandoned_step_names_what_its_rank_waited_for():
+    """A multi-turn round gives up its verifiers' wait (its environments answered) or its environments' wait: the
+    message names the one that hung, not "environments or verifiers" whatever was interrupted."""
+    from megatron_vlm.rl.data_shards import DataShards
+    from megatron_vlm.rl.metrics import PhaseTimer
+    from megatron_vlm.rl.rounds import RoundSampler
+    from tests.unit.rl.test_grpo_step_algorithms import Encoder, Engine, _pool, _rl
+
+    rl = _rl()
+    engine = Engine(rl.batch.group_size, rl.rollout.max_new_tokens)
+
+    class Conversations:
+        """A multi-turn rollout whose environments answer (`env` None) or hang in `env`, a real pool."""
+
+        def __init__(self, env=None):
+            self.env = env
+
+        def generate(self, shard, params, seed, abandon=None):
+            if self.env is not None:
+                (reset,) = self.env.run([EnvCall("reset", name=f"{ENV_FNS}:Hang")])
+                self.env.run([EnvCall("step", state=reset.state, action="hi")], abandon=abandon)
+            return engine.generate(shard.prompts, params), []
+
+    def abandoned(manager, multiturn):
+        sampler = RoundSampler(rl, engine, Encoder(), manager, shards=DataShards.of(NS(dp_size=1), 0, torch.device("cpu")),
+                               seed=0, multiturn=multiturn, stop_check=_after(0.0))
+        with pytest.raises(StepAbandoned) as info:
+            sampler.sample_round(0, 0, _pool(4), PhaseTimer())
+        return str(info.value)
+
+    why = abandoned(HungManager(hang=True), Conversations())
+    assert why.startswith("this rank gave up waiting for its verifiers: "), why
+    with EnvWorkerPool(num_workers=1, timeout_s=120.0, preload=(f"{ENV_FNS}:Hang",)) as pool:
+        why = abandoned(HungManager(hang=False), Conversations(pool))
+    assert why == "this rank gave up waiting for its environments: 1 environment call given up: the rank is stopping", why
 
 
 def test_a_wait_gives_up_only_after_its_grace_with_a_stop_pending():
@@ -93,7 +133,7 @@ class HungManager:
         end = time.monotonic() + (self.deadline_s if self.hang else 0.0)
         while time.monotonic() < end:
             if abandon is not None and abandon():
-                raise WaitAbandoned("given up")
+                raise WaitAbandoned("given up", waited_for="verifiers")
             time.sleep(0.05)
         total = [len(t) / 10 for t in texts]
         return NS(total=total, per_reward={"exact_match": total})
@@ -152,7 +192,8 @@ def test_two_ranks_abandon_the_step_one_of_them_hung_in(tmp_path):
     out = str(tmp_path / "res")
     mp.spawn(_rank_worker, args=(str(tmp_path / "store"), out), nprocs=2, join=True)
     results = [torch.load(f"{out}.{r}") for r in range(2)]
-    assert results[0][0].startswith("this rank gave up") and results[1][0].startswith("another rank gave up")
+    assert results[0][0] == "this rank gave up waiting for its verifiers: given up", results[0][0]
+    assert results[1][0] == "another rank gave up waiting for its verifiers", results[1][0]
     assert not results[0][1] and not results[1][1]
     assert max(r[2] for r in results) < 15.0, results
 
@@ -329,7 +370,7 @@ def test_a_rollout_rank_answers_the_awaited_step_with_stopped_when_its_scoring_i
 
         def score(self, texts, answers, prompts, metadata, abandon=None):
             assert abandon is not None and abandon()
-            raise WaitAbandoned("given up")
+            raise WaitAbandoned("given up", waited_for="verifiers")
 
     sample = NS(text="x", prompt_index=0)
     todo: queue.Queue = queue.Queue()

@@ -28,7 +28,7 @@ from megatron_vlm.rl.rewards.config import CustomRewardConfig
 from megatron_vlm.rl.rewards.manager import RewardManager
 from megatron_vlm.rl.rewards.pool import ABANDON_GRACE_S, Patience, WaitAbandoned
 from megatron_vlm.training.loop import EXIT_STOPPED, run_loop
-from megatron_vlm.training.signals import StepAbandoned, StopFlag
+from megatron_vlm.training.signals import EvaluationAbandoned, StepAbandoned, StopFlag
 
 REWARD_FNS = "rl_reward_fns_for_tests"
 ENV_FNS = "rl_env_fns_for_tests"
@@ -129,7 +129,7 @@ class HungManager:
     def metrics(self):
         return {}
 
-    def score(self, texts, answers, prompts, metadata, abandon=None):
+    def score(self, texts, answers, prompts, metadata, abandon=None, **kw):
         end = time.monotonic() + (self.deadline_s if self.hang else 0.0)
         while time.monotonic() < end:
             if abandon is not None and abandon():
@@ -198,6 +198,67 @@ def test_two_ranks_abandon_the_step_one_of_them_hung_in(tmp_path):
     assert max(r[2] for r in results) < 15.0, results
 
 
+class _Prompts:
+    """A held-out prompt set."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __len__(self):
+        return len(self.samples)
+
+
+def _hung_eval(rank: int, world: int):
+    """The held-out evaluation of a GRPO run on `world` ranks whose rank 0 hangs in its verifiers' wait with a stop
+    signal pending; (what it raised, seconds)."""
+    from megatron_vlm.eval.grpo_accuracy import evaluate_accuracy
+    from tests.unit.rl.test_grpo_step_algorithms import Encoder, Engine, _pool, _rl
+
+    rl = _rl()
+    stop = StopFlag()
+    stop.signum = 15
+    ctx = NS(env=NS(device=torch.device("cpu"), rank=rank, world_size=world), stop=stop, cfg=NS(train=NS(seed=3)))
+    wrapper = NS(eval=lambda: None, train=lambda: None)
+    t0 = time.monotonic()
+    try:
+        out = evaluate_accuracy(ctx, wrapper, rl, Engine(1, rl.rollout.max_new_tokens), Encoder(),
+                                HungManager(hang=rank == 0), _Prompts(_pool(4)), 5)
+    except EvaluationAbandoned as e:
+        out = str(e)
+    return out, time.monotonic() - t0
+
+
+def _eval_rank_worker(rank: int, init_file: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        torch.save(_hung_eval(rank, 2), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_give_up_an_evaluation_one_of_them_hangs_in(tmp_path):
+    """Rank 1 scored its held-out share and waits for rank 0 (hung until the stop) before the gather: both raise
+    EvaluationAbandoned within seconds, not after the 30 s batch deadline with a row of zeros."""
+    out = str(tmp_path / "res")
+    mp.spawn(_eval_rank_worker, args=(str(tmp_path / "store"), out), nprocs=2, join=True)
+    (why0, took0), (why1, took1) = (torch.load(f"{out}.{r}") for r in range(2))
+    assert why0 == "this rank gave up waiting for its verifiers: given up", why0
+    assert why1 == "another rank gave up waiting for its verifiers", why1
+    assert max(took0, took1) < 15.0, (took0, took1)
+
+
+def test_an_evaluation_without_a_stop_is_scored_as_before():
+    from megatron_vlm.eval.grpo_accuracy import evaluate_accuracy
+    from tests.unit.rl.test_grpo_step_algorithms import Encoder, Engine, _pool, _rl
+
+    rl = _rl()
+    ctx = NS(env=NS(device=torch.device("cpu"), rank=0, world_size=1), stop=StopFlag(), cfg=NS(train=NS(seed=3)))
+    m = evaluate_accuracy(ctx, NS(eval=lambda: None, train=lambda: None), rl, Engine(1, rl.rollout.max_new_tokens),
+                          Encoder(), HungManager(hang=False), _Prompts(_pool(4)), 5)
+    assert m is not None and m["num_prompts"] == 4.0
+
+
 # ---------------------------------------------------------------------------------------- the loop
 
 class AbandonedAt:
@@ -239,14 +300,42 @@ class Checkpointer:
         self.saved.append((step, data_state, torch.get_rng_state()))
 
 
-def _loop(steps, ckpt, total=10):
+def _loop(steps, ckpt, total=10, logged=None, **kw):
     class NeverStop:
         def should_stop(self, device):
             return False
 
-    logger = NS(set_start=lambda s: None, log=lambda *a: None)
+    logger = NS(set_start=lambda s: None, log=lambda *a: (logged if logged is not None else []).append(a[:2]))
     ctx = NS(stop=NeverStop(), device=torch.device("cpu"), run_dir=None)
-    return run_loop(ctx, steps, total_steps=total, checkpointer=ckpt, metrics=logger, log_every=1)
+    return run_loop(ctx, steps, total_steps=total, checkpointer=ckpt, metrics=logger, log_every=1, **kw)
+
+
+class EvalAbandonedAt(AbandonedAt):
+    """Steps that run; the evaluation after step `n` (steps done) is given up for a stop."""
+
+    def evaluate(self, step):
+        if step == self.n:
+            raise EvaluationAbandoned("this rank gave up waiting for its verifiers: 4 verifier calls given up")
+        return {"accuracy": 0.5}
+
+
+@pytest.mark.parametrize("at, total, ran, saved", [(0, 4, [], []),  # before the first step: nothing to save
+                                                   (2, 4, [0, 1], [2]),  # a periodic one: the step it followed
+                                                   (4, 4, [0, 1, 2, 3], [4])])  # the final one: saved before it
+def test_an_abandoned_evaluation_logs_nothing_of_it_and_stops_with_143(at, total, ran, saved):
+    class Exporter(Checkpointer):
+        export_at_end = True
+
+        def export_hf(self, path):
+            self.exported = True
+
+    steps, ckpt, logged = EvalAbandonedAt(at), Exporter(), []
+    assert _loop(steps, ckpt, total=total, logged=logged, eval_every=2, eval_at_start=True) == EXIT_STOPPED
+    assert steps.ran == ran and steps.finished
+    assert [s for s, _, _ in ckpt.saved] == saved
+    assert ("eval", at) not in logged and [r for r in logged if r[0] == "eval"] == [("eval", s) for s in (0, 2)
+                                                                                   if s < at]
+    assert not getattr(ckpt, "exported", False)  # the final one given up: the requeued run evaluates and exports
 
 
 def test_an_abandoned_step_saves_the_state_of_its_start_and_exits_143():

@@ -395,14 +395,21 @@ class RewardWorkerPool:
                                          self.worker_main))
 
     def close(self) -> None:
+        """Idle workers are asked to exit (2 s in all), then every worker is killed with its process group. A worker
+        with a call in flight is killed at once: it was not asked and would not answer (a hung verifier), and waiting
+        for it per worker held a stopping job (an evaluation job's SIGTERM) 2 s for each."""
+        asked = []
         for w in self._workers:
             try:
                 if w.proc.is_alive() and w.call_id is None:
                     w.conn.send(None)
+                    asked.append(w)
             except (OSError, ValueError):
                 pass
+        deadline = time.monotonic() + 2.0
+        for w in asked:
+            w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
         for w in self._workers:
-            w.proc.join(timeout=2)
             w.kill()
         self._workers = []
 

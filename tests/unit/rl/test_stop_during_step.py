@@ -9,7 +9,9 @@ two gloo ranks one of which hangs, the loop, and the asynchronous trainer / roll
 are in tests/integration/test_grpo_stop_hung_step.py."""
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import threading
 import time
 from datetime import timedelta
@@ -28,7 +30,7 @@ from megatron_vlm.rl.rewards.config import CustomRewardConfig
 from megatron_vlm.rl.rewards.manager import RewardManager
 from megatron_vlm.rl.rewards.pool import ABANDON_GRACE_S, Patience, WaitAbandoned
 from megatron_vlm.training.loop import EXIT_STOPPED, run_loop
-from megatron_vlm.training.signals import EvaluationAbandoned, StepAbandoned, StopFlag
+from megatron_vlm.training.signals import EvaluationAbandoned, StepAbandoned, StopFlag, StopRequested
 
 REWARD_FNS = "rl_reward_fns_for_tests"
 ENV_FNS = "rl_env_fns_for_tests"
@@ -51,6 +53,28 @@ def test_a_hung_reward_batch_is_given_up_when_the_rank_stops():
         assert manager.pool.restarts == 0  # the hung worker was ended, not counted as a failure
         # a new worker answers the next batch, and one that ends within the grace is kept though a stop is pending
         assert manager.score(["fine"], [""], abandon=lambda: True).total == [1.0]
+
+
+def test_an_evaluation_job_stopped_in_a_hung_batch_ends_its_workers_at_once():
+    """train.mode = "eval" runs inside `StopFlag.interrupting()`: SIGTERM raises StopRequested out of the hung wait at
+    once, and closing the pool (jobs.py `run_eval`'s finally) must not hold the stop: it joined each busy worker 2 s
+    before killing it, 8 s for 4 hung workers (2 s x eval.reward_workers)."""
+    flag = StopFlag().install()
+    try:
+        with RewardManager([CustomRewardConfig(name="r", function=f"{REWARD_FNS}.hang")], timeout_s=120.0,
+                           num_workers=4) as manager:
+            manager.pool.start()
+            procs = [w.proc for w in manager.pool._workers]
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            t0 = time.monotonic()
+            with pytest.raises(StopRequested), flag.interrupting():
+                manager.score(["hang"] * 8, [""] * 8)
+            raised, t1 = time.monotonic() - t0, time.monotonic()
+        closed = time.monotonic() - t1
+    finally:
+        flag.restore()
+    assert raised < 3.0 and closed < 1.5, (raised, closed)
+    assert not any(p.is_alive() for p in procs)
 
 
 def test_a_hung_environment_turn_is_given_up_when_the_rank_stops():

@@ -140,6 +140,28 @@ def test_a_hung_final_evaluation_is_given_up_and_redone_by_the_resumed_run(tmp_p
     assert code == 0 and _eval_rows(out) == [1]
 
 
+def test_a_hung_in_process_environment_call_is_given_up_when_the_job_stops(tmp_path, keep_signal_handlers, caplog):
+    """[rl.env] sandbox = false: the environment runs on the rank's main thread. Its first call sleeps 60 s; the stop
+    used to be seen only between calls (after the 60 s here, never for a call that hangs for good); now the call is
+    interrupted within seconds, step 1 is abandoned (nothing to save before it) and the job exits 143."""
+    from test_grpo_multiturn import multiturn_overrides
+
+    from megatron_vlm import runner
+    from megatron_vlm.config import load_config
+
+    out, marker = tmp_path / "run", tmp_path / "hung"
+    env = (f'{{name = "tests.integration.grpo_stop_fns:HangOnce", kwargs = {{marker = "{marker}"}}, max_turns = 2, '
+           'turn_timeout_s = 600.0, sandbox = false}')
+    signalled = _signal_when_hung(marker)
+    sets = {"rl.env": env, "rl.loss.kl_coef": "0.0", "rl.recompute_logprobs": "false", "rl.eval.at_start": "false",
+            "checkpoint.export_hf": "false", "train.max_steps": "2"}
+    code = runner.run_job(load_config(GRPO_DEMO, multiturn_overrides(out, tmp_path / "assets", **sets)))
+    took = time.monotonic() - signalled["at"]
+    err = caplog.text
+    assert code == 143 and took < 20.0, (code, took, err[-3000:])
+    assert "which was abandoned (this rank gave up waiting for its environments: " in err, err[-3000:]
+
+
 def _torchrun(sets, nproc=2):
     args = [a for s in sets for a in ("--set", s)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",

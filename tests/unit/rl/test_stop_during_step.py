@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.rl.asynchronous import rollout_rank as rr
 from megatron_vlm.rl.asynchronous.trainer import AsyncGRPOLoopStep
-from megatron_vlm.rl.env.pool import EnvCall, EnvWorkerPool
+from megatron_vlm.rl.env.pool import EnvCall, EnvWorkerPool, InlineEnvRunner
 from megatron_vlm.rl.rewards.config import CustomRewardConfig
 from megatron_vlm.rl.rewards.manager import RewardManager
 from megatron_vlm.rl.rewards.pool import ABANDON_GRACE_S, Patience, WaitAbandoned
@@ -89,6 +89,29 @@ def test_a_hung_environment_turn_is_given_up_when_the_rank_stops():
     # what was waited on is named: the environments (this pool is the reward pool's), not "calls"
     assert info.value.waited_for == "environments", info.value.waited_for
     assert str(info.value) == "1 environment call given up: the rank is stopping"
+
+
+@pytest.mark.parametrize("env", ["SleepFor", "SpinFor"])
+def test_a_hung_in_process_environment_call_is_given_up_when_the_rank_stops(env):
+    """[rl.env] sandbox = false: the call runs on this (the main) thread. It used to be checked only between calls, so
+    a hung one held the stop; now it is interrupted once the stop has been pending ABANDON_GRACE_S, whether it waits in
+    a system call or computes in Python."""
+    runner = InlineEnvRunner()
+    (reset,) = runner.run([EnvCall("reset", name=f"{ENV_FNS}:{env}", kwargs={"seconds": 8.0})])
+    t0 = time.monotonic()
+    with pytest.raises(WaitAbandoned) as info:
+        runner.run([EnvCall("step", state=reset.state, action="hi")], abandon=_after(0.5))
+    took = time.monotonic() - t0
+    assert took < 0.5 + ABANDON_GRACE_S + 1.5, took
+    assert info.value.waited_for == "environments" and str(info.value).startswith("1 environment call given up")
+    # a call that ends within the grace is kept though a stop is pending; one with no stop is not interrupted
+    (quick,) = runner.run([EnvCall("reset", name=f"{ENV_FNS}:{env}", kwargs={"seconds": 0.3})])
+    (done,) = runner.run([EnvCall("step", state=quick.state, action="hi")], abandon=lambda: True)
+    assert not done.error and done.result is not None and done.result.done
+    (done,) = runner.run([EnvCall("step", state=quick.state, action="hi")], abandon=lambda: False)
+    assert not done.error and done.result is not None and done.result.done
+    os.kill(os.getpid(), signal.SIGUSR2)  # a SIGUSR2 outside a call (one late, or not the watcher's) raises nothing
+    time.sleep(0.05)
 
 
 def test_the_abandoned_step_names_what_its_rank_waited_for():

@@ -13,7 +13,8 @@ and state.json (pretty-printed objects) beside its .arrow files and a one-line d
 above a DatasetDict's splits; a model folder has config.json. Those names (`METADATA_JSON`) are never
 JSON-lines data, and any other one-object file fails the content test; they are skipped and counted in
 one log line (a warning when a skipped file has another name: it may be data in a layout not read
-here, such as {"data": [...]}), and named in the "no data files" error when nothing else is there.
+here, such as {"data": [...]}), and named in the "no data files" error when nothing else is there. The line is
+written once per process and path, by rank 0 (every rank lists the same files, some callers list them twice).
 
 A path that cannot be read as a whole — no data files there, a table file that does not open (a
 truncated or mislabelled .parquet), a file without the columns the mapping needs — is not a bad
@@ -140,6 +141,26 @@ def _json_holds_records(path: Path) -> bool:
         return False
 
 
+_reported: set[tuple[str, tuple[str, ...]]] = set()
+"""(path, files skipped) this process has logged."""
+
+
+def _first_report(text: str, skipped: list[str]) -> bool:
+    """Whether to log the skipped files of `text`: on the launcher's rank 0 (RANK; unset: one process), the first time
+    this process finds them there. Every rank lists the same folder, an eval benchmark's files are listed twice (checked
+    before the model is built, then read), and a path is listed again at each resume check: the same line each time."""
+    try:
+        if int(os.environ.get("RANK") or 0) != 0:
+            return False
+    except ValueError:
+        pass
+    key = (os.path.abspath(text), tuple(skipped))
+    if key in _reported:
+        return False
+    _reported.add(key)
+    return True
+
+
 def find_data_files(path: str | os.PathLike, suffixes: tuple[str, ...] = HF_SUFFIXES) -> list[Path]:
     """The data files at `path` (see module docstring); FileNotFoundError when there are none."""
     text = os.fspath(path)
@@ -161,7 +182,8 @@ def find_data_files(path: str | os.PathLike, suffixes: tuple[str, ...] = HF_SUFF
         unknown = [f for f in skipped if Path(f).name not in METADATA_JSON]
         why = (f"{len(unknown)} of them neither one JSON array nor JSON lines" if unknown
                else "dataset / model metadata, not records")
-        log.log(logging.WARNING if unknown else logging.INFO, "%s: %s (%s)", text, about, why)
+        if _first_report(text, skipped):
+            log.log(logging.WARNING if unknown else logging.INFO, "%s: %s (%s)", text, about, why)
     if not names:
         raise FileNotFoundError(f"no {kinds} data files at {text!r}" + (f" ({about})" if about else ""))
     return [Path(n) for n in sorted(names)]

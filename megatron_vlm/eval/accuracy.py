@@ -8,7 +8,7 @@ unbiased estimator of Chen et al. 2021, "at least one of k correct") is reported
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -68,12 +68,14 @@ def score_accuracy(
     label: str,
     threshold: float = 1.0,
     samples: Optional[Sequence[Any]] = None,
+    abandon: Optional[Callable[[], bool]] = None,
 ) -> AccuracyResult:
     """Score k completions per prompt with the reward `label` of `manager` (a RewardManager).
 
     completions[p] holds the k samples of prompt p; every prompt needs the same k. `samples[p]`: prompt p's
     `PromptSample`, handed to a manager that scores with reward models (`takes_samples`: they read the prompt's
-    messages and images, as in training) and ignored by one that does not."""
+    messages and images, as in training) and ignored by one that does not. `abandon`: the stop check of the verifiers'
+    wait (rl/rewards/pool.py `map`: `WaitAbandoned` once a stop has been pending a moment)."""
     n = len(completions)
     if n == 0:
         raise ValueError("completions: no prompts to evaluate")
@@ -86,7 +88,10 @@ def score_accuracy(
             raise ValueError(f"{name}: {len(seq)} entries for {n} prompts")
     flat = [c for row in completions for c in row]
     rep = lambda seq: None if seq is None else [seq[p] for p in range(n) for _ in range(k)]  # noqa: E731
-    extra = {"samples": rep(samples)} if samples is not None and getattr(manager, "takes_samples", False) else {}
+    extra: dict[str, Any] = ({"samples": rep(samples)} if samples is not None and getattr(manager, "takes_samples", False)
+                             else {})
+    if abandon is not None:
+        extra["abandon"] = abandon
     batch = manager.score(flat, rep(answers), rep(prompts), rep(metadata), only=[label], **extra)
     values = batch.per_reward[label]
     scores = [values[p * k:(p + 1) * k] for p in range(n)]

@@ -10,10 +10,16 @@ Held-out prompts that cannot be encoded are skipped and counted (the run's bad r
 `skipped_prompts` of the metrics, each once); a held-out set none of whose prompts encodes gives
 `num_prompts` 0 and a warning, not a stopped run: found at an evaluation in the middle of training, the
 error lost every step since the last checkpoint.
+
+A stop signal while the evaluation waits on hung verifiers or environments: the wait gives up once the stop has been
+pending `ABANDON_GRACE_S` (rl/rewards/pool.py), every rank agrees (rl/give_up.py, after the answers are scored, before
+they are gathered) and all raise `EvaluationAbandoned` (the loop logs nothing of it, saves and exits 143) rather than
+wait out `rl.reward_pool.batch_timeout_s`, longer than a scheduler's warning before its kill.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -23,8 +29,11 @@ from megatron_vlm.eval.accuracy import avg_at_k, pass_at_k, score_accuracy
 from megatron_vlm.inference.engine import SamplingParams
 from megatron_vlm.inference.generators import sampling_generator
 from megatron_vlm.parallel.collectives import all_gather_objects
+from megatron_vlm.rl.give_up import agreed_give_up
 from megatron_vlm.rl.prompts.shard import encode_shard
+from megatron_vlm.rl.rewards.pool import WaitAbandoned
 from megatron_vlm.training.context import RunContext
+from megatron_vlm.training.signals import EvaluationAbandoned
 
 __all__ = ["GRPOEvaluator", "evaluate_accuracy"]
 
@@ -78,31 +87,16 @@ def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager
     sync = getattr(engine, "sync_to_version", None)
     if sync is not None:
         sync(step)
-    wrapper.eval()
-    returns: Optional[list[float]] = None
-    if multiturn is not None:  # the seed: never a training round's (their round numbers are >= 0)
-        from megatron_vlm.rl.env.rollout import multiturn_seed
-
-        result, trajs = multiturn.generate(shard, params, multiturn_seed(ctx.cfg.train.seed, step, rank, -_EVAL_SALT))
-        if rl_cfg.accuracy_label() == "env":  # the environment's return is the accuracy reward
-            returns = multiturn.rewards(trajs)
-    else:
-        result = engine.generate(shard.prompts, params,
-                                 generator=sampling_generator(ctx.cfg.train.seed, step, rank, env.device, salt=_EVAL_SALT))
-    engine.release_memory()
-    wrapper.train()
+    stop_check = getattr(getattr(ctx, "stop", None), "pending", None)  # stand-in contexts of tests: none
+    gave_up: Optional[WaitAbandoned] = None
+    try:
+        real, scores, unclosed = _answers(ctx, wrapper, rl_cfg, engine, manager, shard, params, step, rank,
+                                          multiturn=multiturn, abandon=stop_check)
+    except WaitAbandoned as err:
+        gave_up = err
+    if stop_check is not None and (why := agreed_give_up(gave_up, env.device)):
+        raise EvaluationAbandoned(why)
     k = e.k
-    real = result.samples[: shard.num_real * k]
-    scores: list[list[float]] = []
-    unclosed = 0
-    if real and returns is not None:
-        scores = [list(returns[p * k:(p + 1) * k]) for p in range(shard.num_real)]
-    elif real:
-        completions = [[s.text for s in real[p * k:(p + 1) * k]] for p in range(shard.num_real)]
-        acc = score_accuracy(manager, completions, [p.answer for p in shard.samples], [p.problem for p in shard.samples],
-                             [p.metadata for p in shard.samples], label=rl_cfg.accuracy_label(), threshold=e.correct_threshold,
-                             samples=shard.samples)  # a model reward reads the prompt's messages, as in training
-        scores, unclosed = acc.scores, acc.unclosed
     parts = all_gather_objects({"scores": scores, "lengths": [int(s.token_ids.numel()) for s in real],
                                 "skipped": int(getattr(encoder, "skipped", 0)) - skipped_before,
                                 "unclosed": unclosed})[::copies]
@@ -122,3 +116,39 @@ def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager
         # the share of samples whose reasoning never closed (the accuracy reward's reasoning_end): each scored 0
         "reasoning_unclosed": sum(p["unclosed"] for p in parts) / max(sum(len(r) for r in all_scores), 1),
     }
+
+
+def _answers(ctx: RunContext, wrapper, rl_cfg, engine, manager, shard, params: SamplingParams, step: int, rank: int, *,
+             multiturn=None, abandon: Optional[Callable[[], bool]] = None) -> tuple[list, list[list[float]], int]:
+    """(this rank's real samples, their accuracy scores [prompt][sample], the samples whose reasoning never closed).
+    `abandon`: the stop check of the waits on the verifiers and the environments (`WaitAbandoned`)."""
+    e = rl_cfg.eval
+    wait = {"abandon": abandon} if abandon is not None else {}
+    wrapper.eval()
+    returns: Optional[list[float]] = None
+    try:
+        if multiturn is not None:  # the seed: never a training round's (their round numbers are >= 0)
+            from megatron_vlm.rl.env.rollout import multiturn_seed
+
+            result, trajs = multiturn.generate(shard, params, multiturn_seed(ctx.cfg.train.seed, step, rank, -_EVAL_SALT),
+                                               **wait)
+            if rl_cfg.accuracy_label() == "env":  # the environment's return is the accuracy reward
+                returns = multiturn.rewards(trajs)
+        else:
+            result = engine.generate(shard.prompts, params,
+                                     generator=sampling_generator(ctx.cfg.train.seed, step, rank, ctx.env.device,
+                                                                  salt=_EVAL_SALT))
+    finally:  # also when an environment's wait was given up
+        engine.release_memory()
+        wrapper.train()
+    k = e.k
+    real = result.samples[: shard.num_real * k]
+    if real and returns is not None:
+        return real, [list(returns[p * k:(p + 1) * k]) for p in range(shard.num_real)], 0
+    if not real:
+        return real, [], 0
+    completions = [[s.text for s in real[p * k:(p + 1) * k]] for p in range(shard.num_real)]
+    acc = score_accuracy(manager, completions, [p.answer for p in shard.samples], [p.problem for p in shard.samples],
+                         [p.metadata for p in shard.samples], label=rl_cfg.accuracy_label(), threshold=e.correct_threshold,
+                         samples=shard.samples, **wait)  # a model reward reads the prompt's messages, as in training
+    return real, acc.scores, acc.unclosed

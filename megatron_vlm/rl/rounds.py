@@ -15,7 +15,7 @@ repeats the uninterrupted one.
 Stopping: the round's long waits (the verifiers' batch, the environments of a multi-turn rollout) ask the stop check
 (`stop_check`: training/signals.py `StopFlag.pending`) while they wait and give up once they have waited a moment
 with a stop pending (`WaitAbandoned`, rewards/pool.py `ABANDON_GRACE_S`). The rank that gave up must not skip a
-collective the others make, so after the reward phase of every round all ranks agree (one all-reduce of "gave up")
+collective the others make, so after the reward phase of every round all ranks agree (rl/give_up.py: one all-reduce)
 and, if any did, all raise `StepAbandoned` together, before anything of the step is applied: the loop saves the
 step's start and the step is redone on resume.
 """
@@ -30,10 +30,10 @@ import torch
 
 from megatron_vlm.inference.engine import RolloutEngine, RolloutResult, RolloutSample, SamplingParams
 from megatron_vlm.inference.generators import sampling_generator
-from megatron_vlm.parallel.collectives import any_rank
 from megatron_vlm.rl.advantages import GroupAdvantages, compute_group_advantages, overlong_penalty
 from megatron_vlm.rl.algorithms.advantage_estimators import AdvantageSpec
 from megatron_vlm.rl.data_shards import DataShards
+from megatron_vlm.rl.give_up import agreed_give_up
 from megatron_vlm.rl.metrics import PhaseTimer
 from megatron_vlm.rl.prompts.dataset import PromptSample
 from megatron_vlm.rl.prompts.shard import EncodedShard, PromptEncoding, encode_shard
@@ -159,16 +159,14 @@ class RoundSampler:
     def sample_round(self, step: int, rnd: int, prompts: Sequence[PromptSample], timer: PhaseTimer) -> Round:
         """Generate, score, shape and compute the advantages of one round of prompts; `StepAbandoned` on every rank
         when a rank gave up a wait of the round because it is stopping (module docstring)."""
-        gave_up = ""
+        gave_up: Optional[WaitAbandoned] = None
         try:
             out = self._sample_round(step, rnd, prompts, timer)
         except WaitAbandoned as e:
-            gave_up = str(e)
+            gave_up = e
             self.engine.release_memory()
-        if self.stop_check is not None and any_rank(bool(gave_up), self.shards.device):
-            what = f"{'environments or ' if self.multiturn is not None else ''}verifiers"
-            raise StepAbandoned(f"this rank gave up waiting for its {what}: {gave_up}" if gave_up else
-                                f"another rank gave up waiting for its {what}")
+        if self.stop_check is not None and (why := agreed_give_up(gave_up, self.shards.device)):
+            raise StepAbandoned(why)
         return out
 
     def _sample_round(self, step: int, rnd: int, prompts: Sequence[PromptSample], timer: PhaseTimer) -> Round:

@@ -24,6 +24,12 @@ hung, and every rank gave the step up together, before any of it was applied): t
 were before the step, the checkpoint of the step boundary before it is saved (the data state of that step, so a
 resumed run draws and redoes the abandoned step's prompts) and the loop returns 143, as for a stop at a boundary.
 
+An evaluation given up for a stop (`EvaluationAbandoned`: a stop signal arrived while its verifiers or environments
+hung, and every rank gave it up together) logs nothing of it (part of the held-out set would pass for the whole) and
+ends the run as a stop does, exit 143: after a step, the checkpoint of that step is saved; before the first step of a
+fresh run, nothing is; after the last step (the final checkpoint already saved), the export is skipped, so that a
+requeued run, resumed at the last step, evaluates and exports.
+
 A step that ran but must end the run (`StopAfterStep`: GRPO steps without a usable reward for
 `rl.reward_pool.max_failed_steps` steps in a row) has its row logged; its checkpoint is saved when steps worth keeping
 would otherwise be lost (the newest checkpoint is older than the steps that were wasted), then its error is raised
@@ -45,7 +51,7 @@ from megatron_vlm.errors import ConfigError
 from megatron_vlm.training.checkpointing import Checkpointer, ResumePoint
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.peak_memory import PeakMemory
-from megatron_vlm.training.signals import StepAbandoned
+from megatron_vlm.training.signals import EvaluationAbandoned, StepAbandoned
 
 __all__ = ["StepRunner", "StopAfterStep", "run_loop", "EXIT_STOPPED"]
 
@@ -109,16 +115,23 @@ def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpoint
         steps.load_data_state(resume.data, start)
     metrics.set_start(start)
 
-    def evaluate(step: int) -> None:
+    def evaluate(step: int) -> bool:
+        """Evaluate and log; False when every rank gave the evaluation up for a stop (`EvaluationAbandoned`): then
+        nothing of it is logged, and the caller stops."""
         # RNG-neutral: the checkpoint of this step holds the RNG state before the evaluation, so the next step must
         # draw from that state in the uninterrupted run too (an eval loader's iterator alone draws a seed from torch's)
         before = rng_state()
         try:
             m = steps.evaluate(step)
+        except EvaluationAbandoned as e:
+            log.warning("stop signal received during the evaluation at step %d, which was abandoned (%s): its metrics "
+                        "are not logged", step, e)
+            return False
         finally:
             set_rng_state(before)
         if m:
             metrics.log("eval", step, m)
+        return True
 
     saved_at = start  # the step the newest checkpoint holds (the resume point counts)
 
@@ -129,12 +142,13 @@ def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpoint
         checkpointer.save(step, steps.data_state(step))
         saved_at = step
 
-    if eval_at_start and start == 0:
-        evaluate(0)
     step, code = start, 0
+    if eval_at_start and start == 0 and not evaluate(0):
+        log.warning("stopping before the first step (no checkpoint to save)")
+        code = EXIT_STOPPED
     peak = PeakMemory(ctx.device)
     peak.reset()  # the first row's interval starts at its first step (not at the model build)
-    while step < total_steps:
+    while step < total_steps and code == 0:
         if before_step is not None:
             before_step(step + 1)
         done = step + 1
@@ -169,8 +183,8 @@ def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpoint
             save(step)
         stopping = ctx.stop.should_stop(ctx.device)
         if eval_every and step % eval_every == 0 and step < total_steps and not stopping:
-            evaluate(step)
-            stopping = ctx.stop.should_stop(ctx.device)  # raised while it evaluated
+            # abandoned (on every rank alike): stopping; else a stop raised while it evaluated
+            stopping = not evaluate(step) or ctx.stop.should_stop(ctx.device)
         if stopping:
             log.warning("stop signal received: saving a checkpoint at step %d and exiting", step)
             if checkpointer.enabled:
@@ -180,8 +194,11 @@ def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpoint
     if code == 0:
         if checkpointer.enabled:
             save(step)  # nothing when no step ran since the resume point
-        evaluate(step)
-        if checkpointer.export_at_end:
+        if not evaluate(step):  # given up for a stop: the requeued run (resumed at this step) evaluates and exports
+            log.warning("the final evaluation was abandoned: not exporting; a run resumed from step %d evaluates and "
+                        "exports", step)
+            code = EXIT_STOPPED
+        elif checkpointer.export_at_end:
             checkpointer.export_hf(ctx.run_dir / "hf")
     steps.finish()
     return code

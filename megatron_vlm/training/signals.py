@@ -10,7 +10,9 @@ leave the others blocked in a collective.
 A wait inside a step that can hang for minutes (a reward batch, the environments of a multi-turn rollout: up to
 `rl.reward_pool.batch_timeout_s`, longer than the scheduler's warning) polls the flag and gives up once it has waited
 a moment with a stop pending (rl/rewards/pool.py `ABANDON_GRACE_S`): the step is abandoned (`StepAbandoned`, agreed by
-every rank), and the loop saves the state of the step's start and exits 143, as at a step boundary.
+every rank), and the loop saves the state of the step's start and exits 143, as at a step boundary. A held-out
+evaluation of a training run (GRPO's accuracy with the verifiers) gives up the same way (`EvaluationAbandoned`): its
+metrics are not logged, and the loop saves the step it followed and exits 143.
 
 A job with no step boundary to stop at (an evaluation, `train.mode = "eval"`) runs its work inside
 `interrupting()`: there a stop signal raises `StopRequested` at once (as Ctrl-C raises KeyboardInterrupt), so the
@@ -46,6 +48,12 @@ class StepAbandoned(Exception):
     """Every rank gave up the step it was running because a stop is pending and a wait of the step hung (the
     training loop then saves the state of the step's start and exits 143). Raised by every rank at the same point
     (after an agreement), so that none waits in a collective the others skip."""
+
+
+class EvaluationAbandoned(Exception):
+    """Every rank gave up a held-out evaluation of a training run because a stop is pending and a wait of it hung
+    (the evaluation's verifiers or environments): nothing of it is logged, and the loop stops as at a step boundary
+    (training/loop.py). Raised by every rank at the same point, after an agreement (rl/give_up.py)."""
 
 
 class StopFlag:

@@ -3,6 +3,8 @@ import os
 import threading
 import time
 
+from megatron_vlm.rl.env.base import Environment, Observation, StepResult
+
 
 def block_after(completion, answer, *, prompt="", metadata=None, calls=0, marker="", ranks=(0,)):
     """A hung verifier: scores like text_length for the first `calls` calls of its rank (counted in a file beside
@@ -28,3 +30,19 @@ def nan_after(completion, answer, *, prompt="", metadata=None, calls=0, marker="
     if os.path.getsize(marker) <= calls:
         return min(len(completion), 12) / 12
     return float("nan")
+
+
+
+class HangOnce(Environment):
+    """An environment whose first step of the whole job (`marker` not yet written) writes `marker` and sleeps `seconds`,
+    as a tool waiting on a server that died; every other step ends its trajectory."""
+
+    def __init__(self, marker: str = "", seconds: float = 60.0):
+        self.marker, self.seconds = marker, seconds
+
+    def step(self, action):
+        if not os.path.exists(self.marker):
+            with open(self.marker, "w") as f:
+                f.write(str(time.time()))
+            time.sleep(self.seconds)
+        return StepResult(Observation(), reward=1.0, done=True)

@@ -46,7 +46,8 @@ class RLEnvConfig:
     """The factor of turn_rewards = "discounted"."""
     sandbox: bool = True
     """Run the environment in the reward pool's worker processes ([rl.reward_pool] workers, memory_limit_mb;
-    the deadline is turn_timeout_s). false = in the trainer process (debugging only: a hang stops the job)."""
+    the deadline is turn_timeout_s). false = in the trainer process (debugging only: a hang stops the job, no
+    deadline; a stop signal still gives up a hung call on the main thread, docs/environments.md)."""
 
     def validate(self) -> None:
         if not self.name:

@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Optional
 
 from megatron_vlm.rl.env.base import Environment, EnvSample, Observation, StepResult
+from megatron_vlm.rl.env.interrupt import interruptible
 from megatron_vlm.rl.env.observation_limits import ObservationLimits, limit_observation
 from megatron_vlm.rl.env.tools import tool_deadline
 from megatron_vlm.rl.rewards.pool import (
@@ -203,6 +204,7 @@ class EnvWorkerPool(RewardWorkerPool):
     `preload`: environment names to import at worker start (a misspelt path is reported by `start`)."""
 
     worker_main = staticmethod(_env_worker_main)
+    waits_for = "environments"
 
     def _checked(self, value: float, status: str, detail: str) -> CallResult:
         return CallResult(value, status, detail)  # the value is a pickled EnvReply: no numeric clipping
@@ -214,14 +216,23 @@ class EnvWorkerPool(RewardWorkerPool):
 
 class InlineEnvRunner:
     """The same `run(calls)` in this process, without a sandbox (tests, and debugging an environment): an
-    exception (SystemExit included) is an error reply; a hang is not caught."""
+    exception (SystemExit included) is an error reply; a hang is not caught (no turn deadline), but a rank that is
+    stopping gives up a hung call (`abandon`: rl/env/interrupt.py, on the main thread; elsewhere between calls)."""
+
+    waits_for = "environments"
 
     def run(self, calls: Sequence[EnvCall], *, abandon: Optional[Callable[[], bool]] = None) -> list[EnvReply]:
+        if abandon is None:
+            return self._run(calls, None)
+        give_up = Patience(abandon)
+        with interruptible(give_up, lambda: WaitAbandoned.of(len(calls), self.waits_for)):
+            return self._run(calls, give_up)
+
+    def _run(self, calls: Sequence[EnvCall], give_up: Optional[Patience]) -> list[EnvReply]:
         out = []
-        give_up = Patience(abandon) if abandon is not None else None
         for c in calls:
-            if give_up is not None and give_up():  # between calls only: a call in this process cannot be stopped
-                raise WaitAbandoned(f"{len(calls)} environment calls given up: the rank is stopping")
+            if give_up is not None and give_up():  # between calls too (off the main thread: only there)
+                raise WaitAbandoned.of(len(calls), self.waits_for)
             try:
                 out.append(pickle.loads(pickle.dumps(run_call(c))))  # the same round trip as the worker's
             except (Exception, SystemExit) as e:  # noqa: BLE001 - sys.exit in user code must not end the job

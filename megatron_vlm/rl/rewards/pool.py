@@ -93,9 +93,28 @@ class Patience:
 
 class WaitAbandoned(BaseException):
     """`map`'s `abandon` check said stop: the batch was given up, its calls in flight killed (no result is kept).
+    `waited_for`: what the wait was for ("verifiers", "environments": the pool's `waits_for`), so that the step or
+    evaluation given up says which wait hung.
 
     A BaseException, as KeyboardInterrupt, so that no `except Exception` of the layers between the pool and the
     step (a user's environment session, a scorer's guard) turns it into an error result."""
+
+    def __init__(self, detail: str, *, waited_for: str):
+        super().__init__(detail)
+        self.waited_for = waited_for
+
+    def __reduce__(self):  # the keyword argument survives a pickle round trip
+        return _wait_abandoned, (str(self), self.waited_for)
+
+    @classmethod
+    def of(cls, n: int, waited_for: str) -> WaitAbandoned:
+        """`n` calls to `waited_for` ("verifiers" / "environments") given up."""
+        kind = {"verifiers": "verifier", "environments": "environment"}.get(waited_for, waited_for)
+        return cls(f"{n} {kind} call{'s' if n != 1 else ''} given up: the rank is stopping", waited_for=waited_for)
+
+
+def _wait_abandoned(detail: str, waited_for: str) -> WaitAbandoned:
+    return WaitAbandoned(detail, waited_for=waited_for)
 
 
 @dataclass(frozen=True)
@@ -324,6 +343,8 @@ class RewardWorkerPool:
     `worker_main`: the workers' loop (the environment pool, rl/env/pool.py, runs its own with these limits)."""
 
     worker_main: Callable = staticmethod(_worker_main)
+    waits_for = "verifiers"
+    """What its calls run (`WaitAbandoned.waited_for`)."""
 
     def __init__(
         self,
@@ -374,14 +395,21 @@ class RewardWorkerPool:
                                          self.worker_main))
 
     def close(self) -> None:
+        """Idle workers are asked to exit (2 s in all), then every worker is killed with its process group. A worker
+        with a call in flight is killed at once: it was not asked and would not answer (a hung verifier), and waiting
+        for it per worker held a stopping job (an evaluation job's SIGTERM) 2 s for each."""
+        asked = []
         for w in self._workers:
             try:
                 if w.proc.is_alive() and w.call_id is None:
                     w.conn.send(None)
+                    asked.append(w)
             except (OSError, ValueError):
                 pass
+        deadline = time.monotonic() + 2.0
+        for w in asked:
+            w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
         for w in self._workers:
-            w.proc.join(timeout=2)
             w.kill()
         self._workers = []
 
@@ -466,7 +494,7 @@ class RewardWorkerPool:
         while pending or any(w.call_id is not None for w in self._workers):
             if give_up is not None and give_up():
                 self._abandon()
-                raise WaitAbandoned(f"{len(calls)} calls given up: the rank is stopping")
+                raise WaitAbandoned.of(len(calls), self.waits_for)
             now = time.monotonic()
             if now >= batch_deadline:
                 self._expire(results, pending)

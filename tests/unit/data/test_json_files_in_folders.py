@@ -116,3 +116,29 @@ def test_a_resume_checks_the_json_files_of_a_folder(folder, proc):
     step.loader = build_sft_dataloader(cfg, proc, seed=0, dp_rank=0, dp_size=1)
     with pytest.raises(ConfigError, match=f"{arr.resolve()} is not the file the checkpoint was written reading"):
         step.load_data_state(state, 1)
+
+
+def test_the_skipped_files_are_logged_once_per_process_and_by_rank_0_only(folder, tmp_path, caplog, monkeypatch):
+    """The eval benchmarks list their files twice (checked before the model is built, then read), and every rank
+    lists them: the line used to repeat on every call of every rank."""
+    def lines():
+        return [r.getMessage() for r in caplog.records if "skipped as not data" in r.getMessage()]
+
+    monkeypatch.delenv("RANK", raising=False)
+    with caplog.at_level(logging.INFO, logger="megatron_vlm"):
+        for _ in range(3):
+            find_data_files(folder, MESSAGES_SUFFIXES)
+    assert len(lines()) == 1, lines()
+    other = tmp_path / "other"
+    shutil.copytree(folder / "hf", other / "hf")
+    (other / "d.jsonl").write_text(json.dumps(_msg("q", "a")) + "\n")
+    caplog.clear()
+    monkeypatch.setenv("RANK", "1")  # torchrun's rank of this process: rank 0 says it for the same folder
+    with caplog.at_level(logging.INFO, logger="megatron_vlm"):
+        find_data_files(other, MESSAGES_SUFFIXES)
+    assert lines() == []
+    monkeypatch.setenv("RANK", "0")
+    with caplog.at_level(logging.INFO, logger="megatron_vlm"):
+        find_data_files(other, MESSAGES_SUFFIXES)
+        find_data_files(other / "**" / "*", MESSAGES_SUFFIXES)  # a glob: another path, its own line
+    assert len(lines()) == 2 and "5 .json files skipped" in lines()[0], lines()

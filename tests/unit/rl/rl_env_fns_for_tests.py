@@ -42,6 +42,27 @@ class Hang(Environment):
         time.sleep(3600)
 
 
+class SleepFor(Environment):
+    """A turn that waits `seconds` (a hung network call / subprocess: blocked in a system call), then ends."""
+
+    def __init__(self, seconds: float = 3600.0):
+        self.seconds = seconds
+
+    def step(self, action):
+        time.sleep(self.seconds)
+        return StepResult(Observation(), reward=1.0, done=True)
+
+
+class SpinFor(SleepFor):
+    """A turn that computes for `seconds` in Python (a runaway loop), then ends."""
+
+    def step(self, action):
+        end = time.monotonic() + self.seconds
+        while time.monotonic() < end:
+            pass
+        return StepResult(Observation(), reward=1.0, done=True)
+
+
 class Crash(Environment):
     def step(self, action):
         os._exit(3)

@@ -9,7 +9,9 @@ two gloo ranks one of which hangs, the loop, and the asynchronous trainer / roll
 are in tests/integration/test_grpo_stop_hung_step.py."""
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import threading
 import time
 from datetime import timedelta
@@ -23,12 +25,12 @@ import torch.multiprocessing as mp
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.rl.asynchronous import rollout_rank as rr
 from megatron_vlm.rl.asynchronous.trainer import AsyncGRPOLoopStep
-from megatron_vlm.rl.env.pool import EnvCall, EnvWorkerPool
+from megatron_vlm.rl.env.pool import EnvCall, EnvWorkerPool, InlineEnvRunner
 from megatron_vlm.rl.rewards.config import CustomRewardConfig
 from megatron_vlm.rl.rewards.manager import RewardManager
 from megatron_vlm.rl.rewards.pool import ABANDON_GRACE_S, Patience, WaitAbandoned
 from megatron_vlm.training.loop import EXIT_STOPPED, run_loop
-from megatron_vlm.training.signals import StepAbandoned, StopFlag
+from megatron_vlm.training.signals import EvaluationAbandoned, StepAbandoned, StopFlag, StopRequested
 
 REWARD_FNS = "rl_reward_fns_for_tests"
 ENV_FNS = "rl_env_fns_for_tests"
@@ -53,15 +55,100 @@ def test_a_hung_reward_batch_is_given_up_when_the_rank_stops():
         assert manager.score(["fine"], [""], abandon=lambda: True).total == [1.0]
 
 
+def test_an_evaluation_job_stopped_in_a_hung_batch_ends_its_workers_at_once():
+    """train.mode = "eval" runs inside `StopFlag.interrupting()`: SIGTERM raises StopRequested out of the hung wait at
+    once, and closing the pool (jobs.py `run_eval`'s finally) must not hold the stop: it joined each busy worker 2 s
+    before killing it, 8 s for 4 hung workers (2 s x eval.reward_workers)."""
+    flag = StopFlag().install()
+    try:
+        with RewardManager([CustomRewardConfig(name="r", function=f"{REWARD_FNS}.hang")], timeout_s=120.0,
+                           num_workers=4) as manager:
+            manager.pool.start()
+            procs = [w.proc for w in manager.pool._workers]
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            t0 = time.monotonic()
+            with pytest.raises(StopRequested), flag.interrupting():
+                manager.score(["hang"] * 8, [""] * 8)
+            raised, t1 = time.monotonic() - t0, time.monotonic()
+        closed = time.monotonic() - t1
+    finally:
+        flag.restore()
+    assert raised < 3.0 and closed < 1.5, (raised, closed)
+    assert not any(p.is_alive() for p in procs)
+
+
 def test_a_hung_environment_turn_is_given_up_when_the_rank_stops():
     with EnvWorkerPool(num_workers=1, timeout_s=120.0, preload=(f"{ENV_FNS}:Hang",)) as pool:
         pool.start()
         (reset,) = pool.run([EnvCall("reset", name=f"{ENV_FNS}:Hang")])
         assert not reset.error
         t0 = time.monotonic()
-        with pytest.raises(WaitAbandoned):
+        with pytest.raises(WaitAbandoned) as info:
             pool.run([EnvCall("step", state=reset.state, action="hi")], abandon=_after(0.5))
         assert time.monotonic() - t0 < 0.5 + ABANDON_GRACE_S + 2.0
+    # what was waited on is named: the environments (this pool is the reward pool's), not "calls"
+    assert info.value.waited_for == "environments", info.value.waited_for
+    assert str(info.value) == "1 environment call given up: the rank is stopping"
+
+
+@pytest.mark.parametrize("env", ["SleepFor", "SpinFor"])
+def test_a_hung_in_process_environment_call_is_given_up_when_the_rank_stops(env):
+    """[rl.env] sandbox = false: the call runs on this (the main) thread. It used to be checked only between calls, so
+    a hung one held the stop; now it is interrupted once the stop has been pending ABANDON_GRACE_S, whether it waits in
+    a system call or computes in Python."""
+    runner = InlineEnvRunner()
+    (reset,) = runner.run([EnvCall("reset", name=f"{ENV_FNS}:{env}", kwargs={"seconds": 8.0})])
+    t0 = time.monotonic()
+    with pytest.raises(WaitAbandoned) as info:
+        runner.run([EnvCall("step", state=reset.state, action="hi")], abandon=_after(0.5))
+    took = time.monotonic() - t0
+    assert took < 0.5 + ABANDON_GRACE_S + 1.5, took
+    assert info.value.waited_for == "environments" and str(info.value).startswith("1 environment call given up")
+    # a call that ends within the grace is kept though a stop is pending; one with no stop is not interrupted
+    (quick,) = runner.run([EnvCall("reset", name=f"{ENV_FNS}:{env}", kwargs={"seconds": 0.3})])
+    (done,) = runner.run([EnvCall("step", state=quick.state, action="hi")], abandon=lambda: True)
+    assert not done.error and done.result is not None and done.result.done
+    (done,) = runner.run([EnvCall("step", state=quick.state, action="hi")], abandon=lambda: False)
+    assert not done.error and done.result is not None and done.result.done
+    os.kill(os.getpid(), signal.SIGUSR2)  # a SIGUSR2 outside a call (one late, or not the watcher's) raises nothing
+    time.sleep(0.05)
+
+
+def test_the_abandoned_step_names_what_its_rank_waited_for():
+    """A multi-turn round gives up its verifiers' wait (its environments answered) or its environments' wait: the
+    message names the one that hung, not "environments or verifiers" whatever was interrupted."""
+    from megatron_vlm.rl.data_shards import DataShards
+    from megatron_vlm.rl.metrics import PhaseTimer
+    from megatron_vlm.rl.rounds import RoundSampler
+    from tests.unit.rl.test_grpo_step_algorithms import Encoder, Engine, _pool, _rl
+
+    rl = _rl()
+    engine = Engine(rl.batch.group_size, rl.rollout.max_new_tokens)
+
+    class Conversations:
+        """A multi-turn rollout whose environments answer (`env` None) or hang in `env`, a real pool."""
+
+        def __init__(self, env=None):
+            self.env = env
+
+        def generate(self, shard, params, seed, abandon=None):
+            if self.env is not None:
+                (reset,) = self.env.run([EnvCall("reset", name=f"{ENV_FNS}:Hang")])
+                self.env.run([EnvCall("step", state=reset.state, action="hi")], abandon=abandon)
+            return engine.generate(shard.prompts, params), []
+
+    def abandoned(manager, multiturn):
+        sampler = RoundSampler(rl, engine, Encoder(), manager, shards=DataShards.of(NS(dp_size=1), 0, torch.device("cpu")),
+                               seed=0, multiturn=multiturn, stop_check=_after(0.0))
+        with pytest.raises(StepAbandoned) as info:
+            sampler.sample_round(0, 0, _pool(4), PhaseTimer())
+        return str(info.value)
+
+    why = abandoned(HungManager(hang=True), Conversations())
+    assert why.startswith("this rank gave up waiting for its verifiers: "), why
+    with EnvWorkerPool(num_workers=1, timeout_s=120.0, preload=(f"{ENV_FNS}:Hang",)) as pool:
+        why = abandoned(HungManager(hang=False), Conversations(pool))
+    assert why == "this rank gave up waiting for its environments: 1 environment call given up: the rank is stopping", why
 
 
 def test_a_wait_gives_up_only_after_its_grace_with_a_stop_pending():
@@ -89,11 +176,11 @@ class HungManager:
     def metrics(self):
         return {}
 
-    def score(self, texts, answers, prompts, metadata, abandon=None):
+    def score(self, texts, answers, prompts, metadata, abandon=None, **kw):
         end = time.monotonic() + (self.deadline_s if self.hang else 0.0)
         while time.monotonic() < end:
             if abandon is not None and abandon():
-                raise WaitAbandoned("given up")
+                raise WaitAbandoned("given up", waited_for="verifiers")
             time.sleep(0.05)
         total = [len(t) / 10 for t in texts]
         return NS(total=total, per_reward={"exact_match": total})
@@ -152,9 +239,71 @@ def test_two_ranks_abandon_the_step_one_of_them_hung_in(tmp_path):
     out = str(tmp_path / "res")
     mp.spawn(_rank_worker, args=(str(tmp_path / "store"), out), nprocs=2, join=True)
     results = [torch.load(f"{out}.{r}") for r in range(2)]
-    assert results[0][0].startswith("this rank gave up") and results[1][0].startswith("another rank gave up")
+    assert results[0][0] == "this rank gave up waiting for its verifiers: given up", results[0][0]
+    assert results[1][0] == "another rank gave up waiting for its verifiers", results[1][0]
     assert not results[0][1] and not results[1][1]
     assert max(r[2] for r in results) < 15.0, results
+
+
+class _Prompts:
+    """A held-out prompt set."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __len__(self):
+        return len(self.samples)
+
+
+def _hung_eval(rank: int, world: int):
+    """The held-out evaluation of a GRPO run on `world` ranks whose rank 0 hangs in its verifiers' wait with a stop
+    signal pending; (what it raised, seconds)."""
+    from megatron_vlm.eval.grpo_accuracy import evaluate_accuracy
+    from tests.unit.rl.test_grpo_step_algorithms import Encoder, Engine, _pool, _rl
+
+    rl = _rl()
+    stop = StopFlag()
+    stop.signum = 15
+    ctx = NS(env=NS(device=torch.device("cpu"), rank=rank, world_size=world), stop=stop, cfg=NS(train=NS(seed=3)))
+    wrapper = NS(eval=lambda: None, train=lambda: None)
+    t0 = time.monotonic()
+    try:
+        out = evaluate_accuracy(ctx, wrapper, rl, Engine(1, rl.rollout.max_new_tokens), Encoder(),
+                                HungManager(hang=rank == 0), _Prompts(_pool(4)), 5)
+    except EvaluationAbandoned as e:
+        out = str(e)
+    return out, time.monotonic() - t0
+
+
+def _eval_rank_worker(rank: int, init_file: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        torch.save(_hung_eval(rank, 2), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_give_up_an_evaluation_one_of_them_hangs_in(tmp_path):
+    """Rank 1 scored its held-out share and waits for rank 0 (hung until the stop) before the gather: both raise
+    EvaluationAbandoned within seconds, not after the 30 s batch deadline with a row of zeros."""
+    out = str(tmp_path / "res")
+    mp.spawn(_eval_rank_worker, args=(str(tmp_path / "store"), out), nprocs=2, join=True)
+    (why0, took0), (why1, took1) = (torch.load(f"{out}.{r}") for r in range(2))
+    assert why0 == "this rank gave up waiting for its verifiers: given up", why0
+    assert why1 == "another rank gave up waiting for its verifiers", why1
+    assert max(took0, took1) < 15.0, (took0, took1)
+
+
+def test_an_evaluation_without_a_stop_is_scored_as_before():
+    from megatron_vlm.eval.grpo_accuracy import evaluate_accuracy
+    from tests.unit.rl.test_grpo_step_algorithms import Encoder, Engine, _pool, _rl
+
+    rl = _rl()
+    ctx = NS(env=NS(device=torch.device("cpu"), rank=0, world_size=1), stop=StopFlag(), cfg=NS(train=NS(seed=3)))
+    m = evaluate_accuracy(ctx, NS(eval=lambda: None, train=lambda: None), rl, Engine(1, rl.rollout.max_new_tokens),
+                          Encoder(), HungManager(hang=False), _Prompts(_pool(4)), 5)
+    assert m is not None and m["num_prompts"] == 4.0
 
 
 # ---------------------------------------------------------------------------------------- the loop
@@ -198,14 +347,42 @@ class Checkpointer:
         self.saved.append((step, data_state, torch.get_rng_state()))
 
 
-def _loop(steps, ckpt, total=10):
+def _loop(steps, ckpt, total=10, logged=None, **kw):
     class NeverStop:
         def should_stop(self, device):
             return False
 
-    logger = NS(set_start=lambda s: None, log=lambda *a: None)
+    logger = NS(set_start=lambda s: None, log=lambda *a: (logged if logged is not None else []).append(a[:2]))
     ctx = NS(stop=NeverStop(), device=torch.device("cpu"), run_dir=None)
-    return run_loop(ctx, steps, total_steps=total, checkpointer=ckpt, metrics=logger, log_every=1)
+    return run_loop(ctx, steps, total_steps=total, checkpointer=ckpt, metrics=logger, log_every=1, **kw)
+
+
+class EvalAbandonedAt(AbandonedAt):
+    """Steps that run; the evaluation after step `n` (steps done) is given up for a stop."""
+
+    def evaluate(self, step):
+        if step == self.n:
+            raise EvaluationAbandoned("this rank gave up waiting for its verifiers: 4 verifier calls given up")
+        return {"accuracy": 0.5}
+
+
+@pytest.mark.parametrize("at, total, ran, saved", [(0, 4, [], []),  # before the first step: nothing to save
+                                                   (2, 4, [0, 1], [2]),  # a periodic one: the step it followed
+                                                   (4, 4, [0, 1, 2, 3], [4])])  # the final one: saved before it
+def test_an_abandoned_evaluation_logs_nothing_of_it_and_stops_with_143(at, total, ran, saved):
+    class Exporter(Checkpointer):
+        export_at_end = True
+
+        def export_hf(self, path):
+            self.exported = True
+
+    steps, ckpt, logged = EvalAbandonedAt(at), Exporter(), []
+    assert _loop(steps, ckpt, total=total, logged=logged, eval_every=2, eval_at_start=True) == EXIT_STOPPED
+    assert steps.ran == ran and steps.finished
+    assert [s for s, _, _ in ckpt.saved] == saved
+    assert ("eval", at) not in logged and [r for r in logged if r[0] == "eval"] == [("eval", s) for s in (0, 2)
+                                                                                   if s < at]
+    assert not getattr(ckpt, "exported", False)  # the final one given up: the requeued run evaluates and exports
 
 
 def test_an_abandoned_step_saves_the_state_of_its_start_and_exits_143():
@@ -329,7 +506,7 @@ def test_a_rollout_rank_answers_the_awaited_step_with_stopped_when_its_scoring_i
 
         def score(self, texts, answers, prompts, metadata, abandon=None):
             assert abandon is not None and abandon()
-            raise WaitAbandoned("given up")
+            raise WaitAbandoned("given up", waited_for="verifiers")
 
     sample = NS(text="x", prompt_index=0)
     todo: queue.Queue = queue.Queue()

@@ -153,21 +153,22 @@ def test_hybrid_blocks_fit_the_recompile_limit():
             model(torch.randint(1, 64, (1, sum(lens)), generator=g), cu_seqlens=cu).logsumexp(-1).mean().backward()
 
 
-@pytest.mark.parametrize("policy", [None, "selective"])
-def test_checkpointed_blocks_of_every_class_share_one_recompile_limit(monkeypatch, policy):
+@pytest.mark.parametrize("moe,policy", [(False, None), (False, "selective"), (True, "full"), (True, "selective")])
+def test_checkpointed_blocks_of_every_class_share_one_recompile_limit(monkeypatch, moe, policy):
     """Checkpointed blocks (train.activation_checkpointing true or "selective") all run apply_ac's one wrapper
     function, the code object dynamo keeps their graphs under: the vision blocks' and the decoder layers' graphs
     count against one limit, which must hold every kind of block of every class. Counted per class, the limit of
     an SFT job with parallel.compile was hit within its first steps and the blocks ran eagerly, with only a log
     line. Here dynamo fails at the limit, RECOMPILE_LIMIT_PER_KIND is what uncheckpointed blocks need for these
-    packs, and the checkpointed ones must run within it too."""
+    packs, and the checkpointed ones must run within it too. Qwen3-VL-MoE: its checkpointed MoE layers' units
+    (their children, compiled one by one, under "selective" in checkpoints of their own) as well."""
     from megatron_vlm.models import build_model
     from megatron_vlm.parallel import apply as ac_apply
     from megatron_vlm.testing import tiny_processor_qwen3_vl as Q3
 
     monkeypatch.setattr(ac_apply, "RECOMPILE_LIMIT_PER_KIND", 3)
     torch.manual_seed(0)
-    model = build_model(Q3.tiny_qwen3_vl_config_dict()).float().train()
+    model = build_model(Q3.tiny_qwen3_vl_config_dict(moe=moe)).float().train()
     g = torch.Generator().manual_seed(1)
     packs = [Q3.pack_samples([Q3.build_sample(parts, g)])
              for parts in ([3, ("image", (1, 4, 8)), 5], [2, ("image", (1, 8, 8)), 4], [6, ("image", (1, 4, 4)), 3],

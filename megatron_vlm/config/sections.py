@@ -178,9 +178,12 @@ class ParallelConfig:
     """FSDP2: free gathered parameters after forward (ZeRO-3) or keep them until backward (ZeRO-2)."""
     compile: bool = False
     """torch.compile each transformer block. The routed experts of MoE layers and Mamba2's packed conv / scan run
-    eagerly inside it; with train.activation_checkpointing on, such a layer's other modules (attention, norms, a
-    dense MLP) are compiled one by one under true while its whole MoE block (router and shared experts too) or
-    Mamba2 mixer stays eager, and under "selective" the whole layer stays eager (logged)."""
+    eagerly inside it. With train.activation_checkpointing true such a layer's modules are compiled one by one
+    (a checkpoint compiles whole or not at all), all but those parts: router, shared experts, Mamba2 projections
+    and norms too. With "selective" a MoE layer beside attention (Qwen3-MoE) is checkpointed per module instead:
+    its attention and norms compile, its MoE block runs eagerly in a checkpoint of its own, and the modules'
+    inputs are kept too (about two more hidden-size activations per layer); Nemotron-H's Mamba2 and MoE
+    blocks stay eager (logged)."""
     ep: int = 1
     """Expert parallelism: shard each MoE block's routed experts over groups of `ep` ranks (tokens
     exchanged with all-to-all); must divide the number of processes and the expert count. EP ranks

@@ -84,6 +84,20 @@ def apply_ac(blocks: Iterable[nn.Module], policy: str = "full") -> None:
 
         block.forward = forward
         block._mvlm_ac = policy  # read by apply_compile
+        block._mvlm_ac_forward = orig  # the forward the checkpoint runs, for _checkpoint_children
+
+
+def _checkpoint_children(block: nn.Module) -> None:
+    """Move a block's selective checkpoint to its children (`_children_units`): each child its own checkpoint
+    with the same policy; the block's forward runs unchecked between them."""
+    orig = block.__dict__.pop("_mvlm_ac_forward", None)
+    if orig is None:  # moved already
+        return
+    if getattr(orig, "__func__", None) is type(block).forward and getattr(orig, "__self__", None) is block:
+        del block.forward  # the class's forward again
+    else:
+        block.forward = orig
+    apply_ac(_children_units(block), policy=block._mvlm_ac)
 
 
 RECOMPILE_LIMIT_PER_KIND = 8
@@ -104,14 +118,22 @@ def _opaque(module: nn.Module) -> bool:
     return any(getattr(m, "compile_opaque", False) for m in module.modules())
 
 
-def _around_opaque(module: nn.Module) -> list[nn.Module]:
-    """The largest submodules of `module` that hold no compile-opaque part (the opaque ones themselves left out)."""
+def _children_units(module: nn.Module) -> list[nn.Module]:
+    """The children of `module` that its forward calls, each to be compiled whole: the members of a container
+    child (ModuleList / ModuleDict: no forward of its own) in its place."""
     units: list[nn.Module] = []
     for child in module.children():
-        if getattr(child, "compile_opaque", False):
-            continue
-        units += _around_opaque(child) if _opaque(child) else [child]
+        units += _children_units(child) if type(child).forward is nn.Module.forward else [child]
     return units
+
+
+def _splits(block: nn.Module) -> bool:
+    """Whether a selectively checkpointed block with a compile-opaque part is checkpointed per child under
+    `parallel.compile`: when a child without opaque parts holds a matmul weight (attention, a dense MLP), which
+    compiling then speeds up. Not for a block whose other children are norms (Nemotron-H's Mamba2 / MoE blocks):
+    splitting costs the children's inputs (one hidden-size activation each), kept for their checkpoints, for
+    little compiled."""
+    return any(p.dim() >= 2 for c in _children_units(block) if not _opaque(c) for p in c.parameters())
 
 
 def compile_units(blocks: Iterable[nn.Module]) -> tuple[list[nn.Module], list[nn.Module]]:
@@ -119,21 +141,29 @@ def compile_units(blocks: Iterable[nn.Module]) -> tuple[list[nn.Module], list[nn
 
     A block is compiled whole, except one checkpointed by `apply_ac` that holds a compile-opaque part (a MoE or
     Mamba2 decoder layer): dynamo cannot break the graph of a checkpoint, so it would run the whole block, and
-    then every block sharing apply_ac's wrapper, uncompiled. Under whole-block checkpointing its other submodules
-    (attention, norms, a dense MLP; not the opaque module itself: a MoE block's router and shared experts, a Mamba2
-    mixer's projections stay eager with it) are compiled one by one inside the eager checkpoint. Under
-    "selective" the block stays eager: a compiled region inside a selective checkpoint writes into the buffers
-    of the matmul outputs the policy keeps (torch refuses the mutated cache), so nothing in it is compiled."""
+    then every block sharing apply_ac's wrapper, uncompiled. Under whole-block checkpointing the block's
+    children are compiled one by one inside the eager checkpoint, the opaque ones (the MoE layer, the Mamba2
+    mixer) whole too: outside a traced checkpoint dynamo breaks their graphs around the eager part only, so the
+    router, the shared experts, the latent and Mamba2 projections and the gated norm run compiled.
+
+    Under "selective" no compiled code may run inside the block's eager checkpoint: inductor's code writes into
+    buffers of the matmul outputs the policy keeps, and torch refuses the mutated cache. Such a block is
+    checkpointed per child instead where that compiles a matmul (`_splits`; `apply_compile` moves the
+    checkpoint): its children without opaque parts are compiled, each with the policy traced into its graph,
+    and the opaque child (the MoE layer) runs eagerly in a selective checkpoint of its own. Otherwise the block
+    stays eager."""
     units: list[nn.Module] = []
     eager: list[nn.Module] = []
     for block in blocks:
         policy = getattr(block, "_mvlm_ac", None)
         if not policy or not _opaque(block):
             units.append(block)
-        elif policy == "selective":
-            eager.append(block)
+        elif policy == "full":
+            units += _children_units(block)
+        elif _splits(block):
+            units += [c for c in _children_units(block) if not _opaque(c)]
         else:
-            units += _around_opaque(block)
+            eager.append(block)
     return units, eager
 
 
@@ -149,11 +179,15 @@ def apply_compile(blocks: Iterable[nn.Module], **compile_options) -> None:
     all run one wrapper function, so their graphs, vision blocks and decoder layers alike, share one limit. The
     limit is raised (never lowered) to RECOMPILE_LIMIT_PER_KIND per kind of block of the code object that holds
     the most kinds."""
+    blocks = list(blocks)
+    for block in blocks:
+        if getattr(block, "_mvlm_ac", None) == "selective" and _opaque(block) and _splits(block):
+            _checkpoint_children(block)
     blocks, eager = compile_units(blocks)
     if eager:
-        log.warning("parallel.compile: %d checkpointed blocks with MoE / Mamba2 layers run uncompiled under "
+        log.warning("parallel.compile: %d checkpointed blocks with Mamba2 / MoE mixers run uncompiled under "
                     "train.activation_checkpointing = \"selective\" (their matmul outputs cannot be kept from compiled "
-                    "code); with true their attention, norms and projections are compiled", len(eager))
+                    "code); with true all but their routed experts and Mamba2 scans are compiled", len(eager))
     kinds: dict[object, set] = {}
     for block in blocks:
         kinds.setdefault(_traced_code(block), set()).add(tuple(type(m) for m in block.modules()))

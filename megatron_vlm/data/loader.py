@@ -29,6 +29,7 @@ import functools
 import hashlib
 import logging
 import math
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -48,7 +49,7 @@ from megatron_vlm.data.plan import PackPlanner
 from megatron_vlm.data.processing import ProcessedSample, process_record
 from megatron_vlm.data.processor import VLProcessor, as_vl_processor
 from megatron_vlm.data.sources import open_split
-from megatron_vlm.data.worker_start import worker_context
+from megatron_vlm.data.worker_start import exit_with_rank, worker_context
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.stop_signals import leave_stop_signals_to_the_rank
 
@@ -61,9 +62,12 @@ def _identity(x):
     return x
 
 
-def _worker_init(_worker_id: int, decoder: Optional[VideoDecoder] = None) -> None:
+def _worker_init(_worker_id: int, decoder: Optional[VideoDecoder] = None, rank_pid: Optional[int] = None) -> None:
     """First thing in a DataLoader worker. `decoder`: the rank's `set_video_decoder` choice, which a worker started
-    by the worker server (not forked from the rank) would not otherwise see."""
+    by the worker server (not forked from the rank) would not otherwise see; `rank_pid`: the rank, whose end ends
+    the worker (worker_start.py `exit_with_rank`)."""
+    if rank_pid is not None:
+        exit_with_rank(rank_pid)
     if decoder is not None:
         set_video_decoder(decoder)
     torch.set_num_threads(1)  # workers tokenise / resize; leave the cores to the main process
@@ -74,9 +78,10 @@ def _worker_init(_worker_id: int, decoder: Optional[VideoDecoder] = None) -> Non
 
 
 def _worker_init_fn() -> Callable[[int], None]:
-    """`_worker_init` with the rank's video decoder when it is not the default."""
+    """`_worker_init` with this rank's pid, and its video decoder when it is not the default."""
     decoder = video_decoder()
-    return _worker_init if isinstance(decoder, PyAVDecoder) else functools.partial(_worker_init, decoder=decoder)
+    return functools.partial(_worker_init, rank_pid=os.getpid(),
+                             decoder=None if isinstance(decoder, PyAVDecoder) else decoder)
 
 
 LIVENESS_CHECK_S = 5.0

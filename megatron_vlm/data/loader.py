@@ -30,6 +30,7 @@ import hashlib
 import logging
 import math
 import os
+import pickle
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -98,8 +99,18 @@ def _loader_timeout(timeout_s: float) -> float:
 
 def _explain_timeout(loader: DataLoader, timeout_s: float, split: str) -> Iterator:
     """Iterate `loader`, waiting up to `timeout_s` for each item in slices of its own `timeout` (a dead worker is
-    named at the end of a slice); the last slice's "DataLoader timed out" error gets the config key that set it."""
-    it = iter(loader)
+    named at the end of a slice); the last slice's "DataLoader timed out" error gets the config key that set it. A
+    dataset that cannot be pickled to its workers (they start from the worker server, worker_start.py) is an error
+    naming data.num_workers."""
+    try:
+        it = iter(loader)
+    except Exception as e:
+        if not (loader.num_workers and (isinstance(e, pickle.PicklingError) or "pickle" in str(e).lower())):
+            raise
+        raise RuntimeError(f"data.num_workers = {loader.num_workers}: the DataLoader workers start from a worker server "
+                           f"and receive the dataset pickled, and this one cannot be ({type(e).__name__}: {e}); make "
+                           "what it holds picklable, or set data.num_workers = 0 to read the data in the training "
+                           "process") from e
     while True:
         began = time.monotonic()
         while True:

@@ -192,3 +192,20 @@ def test_workers_and_their_server_end_when_the_rank_is_killed(tmp_path):
         for pid in (worker, server):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+class _Unpicklable:
+    """A dataset holding a lock (a user's processor with a cache guarded by one, say): a fork copied it, a pickle
+    cannot."""
+
+    def __init__(self):
+        import threading
+        self.lock = threading.Lock()
+
+    def __getitem__(self, key):
+        return {"key": key, "_bad_records": []}
+
+
+def test_a_dataset_that_cannot_be_pickled_names_data_num_workers():
+    with pytest.raises(RuntimeError, match=r"data\.num_workers = 1.*pickle.*_thread\.lock.*data\.num_workers = 0"):
+        list(_eval_loader(_Unpicklable(), timeout_s=60))

@@ -8,7 +8,7 @@ records, as LLaVA's .json files do, is read element by element: table_rows.py).
 
 A .json file found in a folder or by a glob is data when its content is, as table_rows reads it: one
 JSON array (its first non-blank byte is "[") or JSON lines (its first non-blank line is a JSON object
-on its own). Next to data, .json files are often not data: `save_to_disk` writes dataset_info.json
+on its own, at most 16 MiB: a longer one-line object, such as COCO's instances_*.json, is not read whole). Next to data, .json files are often not data: `save_to_disk` writes dataset_info.json
 and state.json (pretty-printed objects) beside its .arrow files and a one-line dataset_dict.json
 above a DatasetDict's splits; a model folder has config.json. Those names (`METADATA_JSON`) are never
 JSON-lines data, and any other one-object file fails the content test; they are skipped and counted in
@@ -120,23 +120,35 @@ def changed_data_file(saved: object, now: object) -> str | None:
     return None
 
 
+_PEEK = 1 << 16
+"""Bytes of a line read to see how a .json file found in a folder or glob starts."""
+_FIRST_LINE_LIMIT = 16 << 20
+"""The longest first line read to decide that a .json file starting with "{" is JSON lines; a longer one (a
+one-line annotation object such as COCO's instances_*.json) is skipped as not data."""
+
+
 def _json_holds_records(path: Path) -> bool:
     """Whether a .json file found in a folder or by a glob is data: one JSON array, or JSON lines (not a metadata
-    name); the first line is read, nothing more."""
+    name). Only the start of the first non-blank line is read for an array (json.dump writes one on one line: the
+    whole file), that line (up to `_FIRST_LINE_LIMIT`) for JSON lines."""
     try:
         with path.open("rb") as f:
-            line = f.readline().removeprefix(b"\xef\xbb\xbf")
+            line = f.readline(_PEEK).removeprefix(b"\xef\xbb\xbf")
             while line and not line.strip():
-                line = f.readline()
+                line = f.readline(_PEEK)
+            head = line.lstrip()
+            if head.startswith(b"["):
+                return True
+            if path.name in METADATA_JSON or not head.startswith(b"{"):
+                return False
+            if not line.endswith(b"\n"):
+                line += f.readline(_FIRST_LINE_LIMIT)
+                if not line.endswith(b"\n") and f.read(1):
+                    return False
     except OSError:  # unreadable: skipped with the others, named in the warning
         return False
-    head = line.lstrip()
-    if head.startswith(b"["):
-        return True
-    if path.name in METADATA_JSON or not head.startswith(b"{"):
-        return False
     try:
-        return isinstance(json.loads(head), dict)
+        return isinstance(json.loads(line), dict)
     except (ValueError, RecursionError):  # not valid JSON, not UTF-8, nested too deeply: not a JSON object line
         return False
 

@@ -29,6 +29,8 @@ import functools
 import hashlib
 import logging
 import math
+import os
+import pickle
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -48,7 +50,7 @@ from megatron_vlm.data.plan import PackPlanner
 from megatron_vlm.data.processing import ProcessedSample, process_record
 from megatron_vlm.data.processor import VLProcessor, as_vl_processor
 from megatron_vlm.data.sources import open_split
-from megatron_vlm.data.worker_start import worker_context
+from megatron_vlm.data.worker_start import exit_with_rank, worker_context
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.stop_signals import leave_stop_signals_to_the_rank
 
@@ -61,9 +63,12 @@ def _identity(x):
     return x
 
 
-def _worker_init(_worker_id: int, decoder: Optional[VideoDecoder] = None) -> None:
+def _worker_init(_worker_id: int, decoder: Optional[VideoDecoder] = None, rank_pid: Optional[int] = None) -> None:
     """First thing in a DataLoader worker. `decoder`: the rank's `set_video_decoder` choice, which a worker started
-    by the worker server (not forked from the rank) would not otherwise see."""
+    by the worker server (not forked from the rank) would not otherwise see; `rank_pid`: the rank, whose end ends
+    the worker (worker_start.py `exit_with_rank`)."""
+    if rank_pid is not None:
+        exit_with_rank(rank_pid)
     if decoder is not None:
         set_video_decoder(decoder)
     torch.set_num_threads(1)  # workers tokenise / resize; leave the cores to the main process
@@ -74,9 +79,10 @@ def _worker_init(_worker_id: int, decoder: Optional[VideoDecoder] = None) -> Non
 
 
 def _worker_init_fn() -> Callable[[int], None]:
-    """`_worker_init` with the rank's video decoder when it is not the default."""
+    """`_worker_init` with this rank's pid, and its video decoder when it is not the default."""
     decoder = video_decoder()
-    return _worker_init if isinstance(decoder, PyAVDecoder) else functools.partial(_worker_init, decoder=decoder)
+    return functools.partial(_worker_init, rank_pid=os.getpid(),
+                             decoder=None if isinstance(decoder, PyAVDecoder) else decoder)
 
 
 LIVENESS_CHECK_S = 5.0
@@ -93,8 +99,18 @@ def _loader_timeout(timeout_s: float) -> float:
 
 def _explain_timeout(loader: DataLoader, timeout_s: float, split: str) -> Iterator:
     """Iterate `loader`, waiting up to `timeout_s` for each item in slices of its own `timeout` (a dead worker is
-    named at the end of a slice); the last slice's "DataLoader timed out" error gets the config key that set it."""
-    it = iter(loader)
+    named at the end of a slice); the last slice's "DataLoader timed out" error gets the config key that set it. A
+    dataset that cannot be pickled to its workers (they start from the worker server, worker_start.py) is an error
+    naming data.num_workers."""
+    try:
+        it = iter(loader)
+    except Exception as e:
+        if not (loader.num_workers and (isinstance(e, pickle.PicklingError) or "pickle" in str(e).lower())):
+            raise
+        raise RuntimeError(f"data.num_workers = {loader.num_workers}: the DataLoader workers start from a worker server "
+                           f"and receive the dataset pickled, and this one cannot be ({type(e).__name__}: {e}); make "
+                           "what it holds picklable, or set data.num_workers = 0 to read the data in the training "
+                           "process") from e
     while True:
         began = time.monotonic()
         while True:

@@ -271,10 +271,12 @@ class _ArrayScan:
                 self.k += 1
                 elem = pos
             rest = buf[pos:]
-            while rest:
+            while True:  # read to the end even when the window ends just at the ']'
                 if rest.strip(_JSON_WS):
                     raise self.broken(self.k + 1 if value else 0, "more data after the closing ']'")
                 rest = f.read(ARRAY_CHUNK)
+                if not rest:
+                    break
 
 
 def _scan_json_array(file: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str],

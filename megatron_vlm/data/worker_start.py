@@ -11,18 +11,26 @@ torch again (about 2 s each time).
 
 The dataset reaches the worker pickled (a fork copied it), so a dataset must be picklable; `worker_context`
 also preloads the modules its pickle names, so that the workers do not import them one by one.
+
+A worker is the server's child, not the rank's: torch's own check that its manager lives (the worker's parent pid
+changed) cannot see the rank die, and the workers ignore the stop signals. `exit_with_rank` ends a worker whose
+rank is gone (killed by the out-of-memory killer or kill -9); the server then ends with its last worker.
 """
 from __future__ import annotations
 
 import io
 import logging
 import multiprocessing as mp
+import os
 import pickle
+import select
+import threading
+import time
 from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
 from typing import Any, Optional
 
-__all__ = ["worker_context", "modules_of"]
+__all__ = ["worker_context", "modules_of", "exit_with_rank"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -72,3 +80,35 @@ def worker_context(dataset: Any) -> Optional[BaseContext]:
             extra = []
         ctx.set_forkserver_preload([*_PRELOAD, *extra])
     return ctx
+
+
+def _wait_for_exit(pid: int) -> None:
+    """Return once process `pid` has ended (a pidfd where the kernel has them, else a poll each second)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # no pidfd (not Linux, or a kernel before 5.3)
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(1.0)
+    try:
+        select.select([fd], [], [])  # readable once the process has ended
+    finally:
+        os.close(fd)
+
+
+def exit_with_rank(rank_pid: int) -> None:
+    """End this DataLoader worker as soon as its rank (`rank_pid`) ends, when the worker is not the rank's child
+    (started by the worker server, see the module docstring): a daemon thread waits for the rank's end."""
+    if os.getppid() == rank_pid:  # forked from the rank: torch's own check sees its end
+        return
+
+    def watch() -> None:
+        _wait_for_exit(rank_pid)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-rank", daemon=True).start()

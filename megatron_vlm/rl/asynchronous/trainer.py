@@ -152,8 +152,10 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
                 self.bridge.broadcast_object({"kind": "want", "step": step})
                 pending = _Prefetch(self.bridge, step, n_rollout)
             payloads = self._await(pending)
-            if self._stopped:  # the rollout ranks were told to stop while this step was awaited: nothing to push to
-                payloads = [{**p, "stopped": True} for p in payloads]
+            if self._stopped:  # the rollout ranks were told to stop while this step was awaited: nothing to push to;
+                # with this rank's signal, so that every training rank (which may have got none) abandons the step
+                signum = int(self.ctx.stop.signum)
+                payloads = [{**p, "stopped": True, "signum": p.get("signum") or signum} for p in payloads]
             usable = all(p["step"] == step and not p.get("stopped") for p in payloads)
             for p in payloads if usable else ():
                 if self.bad_records is not None:  # the prompts it skipped for this step: in this step's checkpoint

@@ -149,3 +149,16 @@ def test_opening_a_large_array_file_holds_far_less_than_the_file(tmp_path):
     assert len(rows) == n and rows.locate(n - 1)[1] == n - 1
     assert rows.row(n - 1)["id"] == f"{n - 1:012d}" and rows.row(0)["image"].endswith("000000000000.jpg")
     assert peak < size / 4, f"opening a {size / 2**20:.1f} MiB array file peaked at {peak / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("text", ['[{"a": 1}]]', '[{"a": 1}][{"b": 2}]', '[{"a": 1}] x', '\n[{"a": 1}]\n{"b": 2}',
+                                  '[\n\n]]'])
+def test_data_after_the_array_is_refused_when_the_window_ends_at_its_bracket(tmp_path, monkeypatch, text):
+    """Two arrays one after the other (two files concatenated) or trailing text are refused as json.load refuses
+    them, wherever the window ends: a window ending just at the closing ']' once skipped the check."""
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+    monkeypatch.setattr(table_rows, "ARRAY_CHUNK", text.index("]") + 1)  # the first window ends at the ']'
+    (tmp_path / "two.json").write_text(text)
+    with pytest.raises(DataFileError, match="more data after the closing"):
+        TableRows(tmp_path / "two.json")

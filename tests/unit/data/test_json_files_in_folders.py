@@ -142,3 +142,28 @@ def test_the_skipped_files_are_logged_once_per_process_and_by_rank_0_only(folder
         find_data_files(other, MESSAGES_SUFFIXES)
         find_data_files(other / "**" / "*", MESSAGES_SUFFIXES)  # a glob: another path, its own line
     assert len(lines()) == 2 and "5 .json files skipped" in lines()[0], lines()
+
+
+def test_finding_a_one_line_array_file_in_a_folder_does_not_read_it_whole(tmp_path):
+    """json.dump without indent writes a whole annotation file on one line: deciding that it is data must not read
+    that line (every rank resolves the folder; the array itself is indexed by streaming)."""
+    import tracemalloc
+
+    rec = _llava("q" * 200, "a" * 800)
+    path = tmp_path / "data" / "one_line.json"
+    path.parent.mkdir()
+    with open(path, "w") as f:
+        json.dump([rec] * 4_000, f)
+    size = path.stat().st_size
+    tracemalloc.start()
+    try:
+        found = find_data_files(path.parent, MESSAGES_SUFFIXES)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert found == [path]
+    assert peak < size / 8, f"finding a {size / 2**20:.1f} MiB file peaked at {peak / 2**20:.1f} MiB"
+    # a JSON-lines .json file whose first row is longer than what is peeked at is still data
+    long_rows = path.parent / "long_rows.json"
+    long_rows.write_text(json.dumps(_msg("q" * 300_000, "a")) + "\n" + json.dumps(_msg("q", "a")) + "\n")
+    assert find_data_files(path.parent, MESSAGES_SUFFIXES) == [long_rows, path]

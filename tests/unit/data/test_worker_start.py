@@ -141,3 +141,71 @@ def test_the_rank_s_video_decoder_reaches_its_workers(proc, tmp_path):
         set_video_decoder(previous)
     (bad,) = loader.bad_records.entries
     assert bad.index == 2 and "decoded by the stand-in" in bad.detail
+
+
+_KILLED_RANK = """
+import os, signal, sys
+from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.data.loader import EvalDataLoader
+sys.path.insert(0, {tests!r})
+from test_worker_start import _Parent
+
+if __name__ == "__main__":
+    loader = EvalDataLoader(_Parent(), list(range(50)), num_workers=1, prefetch_factor=2, bad_records=BadRecordLog(),
+                            mode="batches", timeout_s=60)
+    it = iter(loader)
+    item = next(it)
+    print(item["pid"], item["ppid"], flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # the out-of-memory killer's way, mid-iteration
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_workers_and_their_server_end_when_the_rank_is_killed(tmp_path):
+    """A worker forked by the server is not the rank's child: torch's own check (its parent's pid changed) cannot
+    see the rank die, and the workers ignore TERM. A rank killed mid-iteration (OOM killer, kill -9, a torchrun
+    restart) must not leave its workers and their server running (memory held, the job's output pipes kept open)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank.py"
+    script.write_text(_KILLED_RANK.format(tests=os.path.dirname(__file__)))
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        rc = subprocess.run([sys.executable, str(script)], stdout=f, stderr=subprocess.DEVNULL, timeout=120,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}).returncode
+    assert rc == -signal.SIGKILL
+    worker, server = (int(x) for x in out.read_text().split())
+    try:
+        deadline = time.monotonic() + 30
+        while (_alive(worker) or _alive(server)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(worker) and not _alive(server), "the killed rank's worker or worker server still runs"
+    finally:
+        for pid in (worker, server):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+class _Unpicklable:
+    """A dataset holding a lock (a user's processor with a cache guarded by one, say): a fork copied it, a pickle
+    cannot."""
+
+    def __init__(self):
+        import threading
+        self.lock = threading.Lock()
+
+    def __getitem__(self, key):
+        return {"key": key, "_bad_records": []}
+
+
+def test_a_dataset_that_cannot_be_pickled_names_data_num_workers():
+    with pytest.raises(RuntimeError, match=r"data\.num_workers = 1.*pickle.*_thread\.lock.*data\.num_workers = 0"):
+        list(_eval_loader(_Unpicklable(), timeout_s=60))

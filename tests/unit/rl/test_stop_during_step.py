@@ -520,3 +520,32 @@ def test_a_rollout_rank_answers_the_awaited_step_with_stopped_when_its_scoring_i
     worker.join(timeout=10)
     assert not worker.is_alive() and state.error is None, state.error
     assert sent == [{"step": 0, "stopped": True, "signum": 10}]
+
+
+def test_every_training_rank_abandons_the_step_a_trainer_stopped_alone_gave_up(monkeypatch):
+    """Training rank 0 alone got the signal (a `kill -USR1` of one rank: the flag is agreed at step boundaries) and
+    stopped the rollout ranks, which answer "stopped" with no signal of their own. The other training ranks get rank
+    0's payloads and must abandon the step too (and stop with its signal), not fail on a "stopped" payload while
+    rank 0 saves."""
+    import megatron_vlm.rl.asynchronous.trainer as trainer_mod
+
+    shared = {}
+
+    def gather_on_rank0(obj):
+        shared["payloads"] = obj
+        return [obj, None]
+
+    monkeypatch.setattr(trainer_mod, "all_gather_objects", gather_on_rank0)
+    stop = StopFlag()
+    stop.signum = 10
+    rank0 = _trainer(_Bridge(lambda sent: {"step": 3, "stopped": True, "signum": 0}
+                             if any(m.get("kind") == "stop" for m in sent) else None), stop)
+    rank0.role = NS(allocation=NS(rollout=1, train=2))
+    with pytest.raises(StepAbandoned):
+        rank0._receive(3)
+    monkeypatch.setattr(trainer_mod, "all_gather_objects", lambda obj: [shared["payloads"], obj])
+    rank1 = _trainer(None, StopFlag())  # no signal on this rank, no bridge (not the rank that talks to rollout)
+    rank1.role = NS(allocation=NS(rollout=1, train=2))
+    with pytest.raises(StepAbandoned):
+        rank1._receive(3)
+    assert rank1.ctx.stop.signum == 10  # it exits 143 with the others

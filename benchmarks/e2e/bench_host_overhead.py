@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_rollout import positive_int  # noqa: E402
 from bench_train_step import packed_batch  # noqa: E402
 
+from megatron_vlm.host_copies import moved_to  # noqa: E402
 from megatron_vlm.models import build_model, get_family  # noqa: E402
 from megatron_vlm.parallel import build_mesh, init_distributed  # noqa: E402
 from megatron_vlm.testing.host_reads import HostReads  # noqa: E402
@@ -137,7 +138,7 @@ class DeviceCopyContext(RunContext):
     def to_device(self, batch: dict) -> dict:
         if self.env.device.type != "cpu":
             return super().to_device(batch)
-        return {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
+        return moved_to(batch, self.env.device, copy=True)
 
 
 def build(args) -> SimpleNamespace:

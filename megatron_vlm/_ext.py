@@ -28,6 +28,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from megatron_vlm.host_copies import on_host
+
 __all__ = ["load", "available", "unavailable_reason", "python_only", "backend_check", "mrope_position_ids",
            "first_fit_pack"]
 
@@ -113,7 +115,9 @@ def backend_check(device_type: str, dtype: torch.dtype) -> Optional[str]:
 # ----- host ops -----------------------------------------------------------------------------------
 
 def _cpu(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if t is None else t.detach().to("cpu")
+    """`t` on the host: its host copy when it has one (megatron_vlm/host_copies.py; a device tensor's copy would
+    wait for the device's queued work)."""
+    return None if t is None else on_host(t).detach().to("cpu")
 
 
 def mrope_position_ids(
@@ -145,7 +149,7 @@ def mrope_position_ids(
         )
     except (RuntimeError, ValueError, TypeError, IndexError):
         return None
-    return pos.to(input_ids.device), deltas.to(input_ids.device)
+    return pos.to(input_ids.device, non_blocking=True), deltas.to(input_ids.device, non_blocking=True)
 
 
 def _int_array(x) -> Optional[np.ndarray]:

@@ -15,11 +15,14 @@ GPU's Triton ones; `bf16` adds FSDP2's casts but sends attention to SDPA's per-s
 - the step time (min / median over `--steps` timed steps after warm-up), for the loop as the job runs it;
 - with `--phases`: the wall time per step of each phase (forward, backward, clip, optimizer, ...);
 - with `--count-reads`: the host reads of tensor values in one step (`item`, `tolist`, `bool()`, `float()`,
-  `int()`, `cpu()`, `numpy()`, `nonzero`, indexing by a bool mask and the other ops whose output size depends on
-  the values) and uploads made with `torch.tensor(..., device=...)`, by call site (megatron_vlm/testing/
-  host_reads.py). On CUDA each read of a device tensor waits for every kernel queued before it (a stream sync),
-  and so does a blocking upload; on the CPU they are counted, not timed. Reads of the pack's own tensors (host
-  tensors in a GPU job: the model gets copies, as `to_device` makes) are not counted;
+  `int()`, `cpu()`, `.to("cpu")`, `nonzero`, indexing by a bool mask and the other ops whose output size depends
+  on the values) and blocking uploads (`torch.tensor(..., device=...)`, `.to(device)` of a host tensor), by call
+  site (megatron_vlm/testing/host_reads.py). On CUDA each read of a device tensor waits for every kernel queued
+  before it (a stream sync), and so does a blocking upload; on the CPU they are counted, not timed. Reads of the
+  pack's own tensors (host tensors in a GPU job: the model gets copies, as `to_device` makes, which keep them as
+  their host copies) and of what is computed from them alone are not counted;
+- with `--against REV`: the same step with the code of git revision REV switched in (benchmarks/e2e/old_code.py),
+  rounds of the two interleaved in this process: old / new step time, min and median;
 - with `--profile`: torch.profiler's CPU-side table (top entries by self CPU time) and cProfile's top Python
   functions by cumulative time (all, then this project's), over `--profile-steps` steps.
 
@@ -56,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_rollout import positive_int  # noqa: E402
 from bench_train_step import packed_batch  # noqa: E402
 
+from megatron_vlm.host_copies import moved_to  # noqa: E402
 from megatron_vlm.models import build_model, get_family  # noqa: E402
 from megatron_vlm.parallel import build_mesh, init_distributed  # noqa: E402
 from megatron_vlm.testing.host_reads import HostReads  # noqa: E402
@@ -137,7 +141,7 @@ class DeviceCopyContext(RunContext):
     def to_device(self, batch: dict) -> dict:
         if self.env.device.type != "cpu":
             return super().to_device(batch)
-        return {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
+        return moved_to(batch, self.env.device, copy=True)
 
 
 def build(args) -> SimpleNamespace:
@@ -227,6 +231,11 @@ def main() -> None:
                     "guard, optimizer, ...), over --steps steps")
     ap.add_argument("--profile", action="store_true", help="torch.profiler + cProfile tables over --profile-steps steps")
     ap.add_argument("--profile-steps", type=positive_int, default=3)
+    ap.add_argument("--against", type=str, default=None, metavar="REV",
+                    help="also time the code of git revision REV in this process (the functions of megatron_vlm/ "
+                         "changed since REV switched in: benchmarks/e2e/old_code.py), --rounds rounds of --steps "
+                         "steps each, the two interleaved; --count-reads then counts REV's reads too")
+    ap.add_argument("--rounds", type=positive_int, default=6, help="interleaved rounds of --against")
     ap.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (the machine is shared)")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
@@ -247,12 +256,46 @@ def main() -> None:
           f"(warm-up {meta['warmup_s']} s)", flush=True)
     if args.count_reads:
         out["host_reads"] = count_reads(b)
+    if args.against:
+        out["against"] = against(b, args)
     if args.phases:
         out["phases"] = phases(b, args)
     if args.profile:
         out["profile"] = profile(b, args)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+def against(b: SimpleNamespace, args) -> dict:
+    """Step times of this tree's code and of `args.against`'s, in interleaved rounds (the order alternating), and,
+    with --count-reads, the old code's host reads."""
+    from old_code import OldCode
+
+    old = OldCode(args.against)
+    print(f"--against {args.against}: {len(old.changed)} bindings switched", flush=True)
+    with old:
+        run_steps(b, args.warmup, args.log_every)
+    times: dict[str, list[float]] = {"new": [], args.against: []}
+    for r in range(args.rounds):
+        for which in (("new", args.against) if r % 2 == 0 else (args.against, "new")):
+            if which == "new":
+                times["new"] += run_steps(b, args.steps, args.log_every)
+            else:
+                with old:
+                    times[which] += run_steps(b, args.steps, args.log_every)
+    res: dict = {k: {"step_ms_min": 1e3 * min(v), "step_ms_median": 1e3 * statistics.median(v), "steps": len(v)}
+                 for k, v in times.items()}
+    for k in ("min", "median"):
+        res[f"old_over_new_{k}"] = res[args.against][f"step_ms_{k}"] / res["new"][f"step_ms_{k}"]
+    print(f"this tree: min {res['new']['step_ms_min']:.1f} ms, median {res['new']['step_ms_median']:.1f} ms; "
+          f"{args.against}: min {res[args.against]['step_ms_min']:.1f} ms, median "
+          f"{res[args.against]['step_ms_median']:.1f} ms; old / new {res['old_over_new_min']:.3f} (min), "
+          f"{res['old_over_new_median']:.3f} (median), {args.rounds} rounds of {args.steps} steps", flush=True)
+    if args.count_reads:
+        print(f"{args.against}'s code:")
+        with old:
+            res["host_reads"] = count_reads(b)
+    return res
 
 
 def count_reads(b: SimpleNamespace) -> dict:

@@ -20,7 +20,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["IGNORE_INDEX", "VISION_KEYS", "MODEL_INPUT_KEYS", "SampleInputs", "shifted_labels", "model_inputs"]
+from megatron_vlm.host_copies import on_host
+
+__all__ = ["IGNORE_INDEX", "VISION_KEYS", "MODEL_INPUT_KEYS", "SampleInputs", "shifted_labels", "model_inputs",
+           "label_positions"]
 
 IGNORE_INDEX = -100
 
@@ -50,6 +53,14 @@ class SampleInputs:
 def model_inputs(batch: dict) -> dict:
     """The model-input entries of `batch` that are present (None values dropped)."""
     return {k: batch[k] for k in MODEL_INPUT_KEYS if batch.get(k) is not None}
+
+
+def label_positions(labels: torch.Tensor) -> torch.Tensor:
+    """The flat positions of the trained labels (not IGNORE_INDEX) of `labels`, on its device: found on its host
+    copy (megatron_vlm/host_copies.py) and moved without waiting. Indexing by them selects what
+    `labels != IGNORE_INDEX` selects, in order, without the read of the mask's count (a sync on CUDA)."""
+    positions = torch.nonzero(on_host(labels).reshape(-1) != IGNORE_INDEX).flatten()
+    return positions.to(labels.device, non_blocking=True)
 
 
 def shifted_labels(input_ids: torch.Tensor, label_mask: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:

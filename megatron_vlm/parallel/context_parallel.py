@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_vlm import kernels
+from megatron_vlm.host_copies import on_host
 
 __all__ = ["ContextParallel", "CPPlan", "apply_cp", "cp_chunk_bounds"]
 
@@ -81,7 +82,8 @@ class CPPlan:
         ranges = [[(b[r], b[r + 1]), (b[2 * cp - 1 - r], b[2 * cp - r])] for r in range(cp)]
         per_rank = [torch.cat([torch.arange(a, e, dtype=torch.long) for a, e in rr]) for rr in ranges]
         order = torch.cat(per_rank)
-        return cls(total, ranges, per_rank[rank].to(device), order.to(device), [int(p.numel()) for p in per_rank])
+        return cls(total, ranges, per_rank[rank].to(device, non_blocking=True), order.to(device, non_blocking=True),
+                   [int(p.numel()) for p in per_rank])
 
 
 class _Gather(torch.autograd.Function):
@@ -129,7 +131,8 @@ class ContextParallel:
         self.group, self.size, self.rank = group, size, rank
 
     def plan(self, cu_seqlens: torch.Tensor) -> CPPlan:
-        return CPPlan.build(int(cu_seqlens[-1]), self.size, self.rank, cu_seqlens.device)
+        # the pack's bounds from their host copy (megatron_vlm/host_copies.py): no device sync in every layer
+        return CPPlan.build(int(on_host(cu_seqlens)[-1]), self.size, self.rank, cu_seqlens.device)
 
     def _all_gather(self, local: torch.Tensor, plan: CPPlan) -> torch.Tensor:
         longest = max(plan.sizes)
@@ -155,7 +158,7 @@ class ContextParallel:
         plan = self.plan(cu_seqlens)
         k_all = _Gather.apply(k, self, plan, True, 1.0)
         v_all = _Gather.apply(v, self, plan, True, 1.0)
-        cu = cu_seqlens.tolist()
+        cu = on_host(cu_seqlens).tolist()
         cq, ck, k_index = [0], [0], []
         for a, b in plan.ranges[self.rank]:
             for s0, s1 in zip(cu[:-1], cu[1:]):
@@ -168,11 +171,11 @@ class ContextParallel:
                 k_index.append(torch.arange(s0, k_end, dtype=torch.long))
         if not k_index:  # this rank holds no token of the pack
             return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1]) + 0.0 * (k_all.sum() + v_all.sum())
-        idx = torch.cat(k_index).to(q.device)
+        idx = torch.cat(k_index).to(q.device, non_blocking=True)  # made on the host, moved without waiting
         lens_q = [e - s for s, e in zip(cq[:-1], cq[1:])]
         lens_k = [e - s for s, e in zip(ck[:-1], ck[1:])]
-        cu_q = torch.tensor(cq, dtype=torch.int32, device=q.device)
-        cu_k = torch.tensor(ck, dtype=torch.int32, device=q.device)
+        cu_q = torch.tensor(cq, dtype=torch.int32).to(q.device, non_blocking=True)
+        cu_k = torch.tensor(ck, dtype=torch.int32).to(q.device, non_blocking=True)
         return kernels.attention(q, k_all.index_select(0, idx), v_all.index_select(0, idx), causal=causal,
                                  cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
                                  max_seqlen_k=max(lens_k), softmax_scale=softmax_scale)

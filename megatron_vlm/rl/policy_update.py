@@ -18,6 +18,12 @@ Data parallelism: the loss of a mini-batch is normalised by the *global* count o
 so the update equals the one-process update of the whole mini-batch. Ranks with fewer micro-batches in a
 mini-batch run dummy micro-batches whose loss is multiplied by 0 (FSDP's collectives need the same calls
 on every rank). The mini-batch order is a function of (seed, step, epoch, rank).
+
+Host reads: on CUDA every read of a device value is a stream sync (the host waits for every queued kernel). An
+optimizer update reads the device once, before its optimizer step: its loss sum (this rank's and all ranks', for
+the non-finite guard), the gradient norm and the running metric sums (`read_update`); the reference / old log-probs
+of a pass are copied to the host once, after its last pack. The losses' per-token inputs (advantages, old / reference
+/ rollout log-probs, sequence ids) are built on the host and moved without waiting.
 """
 from __future__ import annotations
 
@@ -38,7 +44,7 @@ from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.models.common.prefix_sharing import accepts_prefix_segments
 from megatron_vlm.models.common.routing_replay import context_parallel_of, replaying_routes
 from megatron_vlm.parallel import clip_grad_norm_
-from megatron_vlm.parallel.collectives import all_reduce_max
+from megatron_vlm.parallel.collectives import all_reduce_, all_reduce_max
 from megatron_vlm.rl.algorithms.loss_terms import kl_penalty, rollout_correction_mask
 from megatron_vlm.rl.algorithms.policy_losses import PolicyLossOutput, PolicyLossSpec, compute_policy_loss
 from megatron_vlm.rl.batching import (
@@ -54,7 +60,7 @@ from megatron_vlm.rl.metrics import PhaseTimer
 from megatron_vlm.training.moe_balancing import uncounted_expert_load
 from megatron_vlm.training.step_guard import StepGuard
 
-__all__ = ["PolicyUpdate", "UpdateResult", "mismatch_sums"]
+__all__ = ["PolicyUpdate", "UpdateResult", "mismatch_sums", "read_update", "to_host_pieces"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -100,6 +106,37 @@ def mismatch_sums(samples: Sequence[TrainSample]) -> dict[str, float]:
         out["ratio"] += float(rho.sum())
         out["min"] = min(out["min"], float(rho.min()))
         out["max"] = max(out["max"], float(rho.max()))
+    return out
+
+
+def read_update(loss_sum: torch.Tensor, grad_norm: Any, running: Sequence[torch.Tensor],
+                tail: Optional[torch.Tensor] = None) -> tuple[float, float, float, list[float], Optional[torch.Tensor]]:
+    """(this rank's loss sum, its sum over all ranks, the gradient norm, the `running` sums, `tail` on the host), in
+    one read of the device (module docstring). `loss_sum`, `running`: 0-d float64 on the device; `tail`: a vector
+    wanted on the host too (float32 values come back exactly: they pass as float64)."""
+    loss = loss_sum.detach().reshape(1)
+    everyone = all_reduce_(loss.clone())  # a collective only with several ranks: a non-finite loss anywhere shows
+    norm = torch.as_tensor(grad_norm).detach().to(loss.device, torch.float64).reshape(1)
+    parts = [loss, everyone, norm, *(r.detach().reshape(1) for r in running)]
+    if tail is not None:
+        parts.append(tail.detach().to(torch.float64).reshape(-1))
+    host = torch.cat(parts).cpu()
+    k = 3 + len(running)
+    head = host[:k].tolist()
+    return head[0], head[1], head[2], head[3:], host[k:] if tail is not None else None
+
+
+def to_host_pieces(parts: Sequence[tuple[Sequence[TrainSample], torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """Per (samples, their packed per-response-token device vector): the samples' float32 pieces on the host, all
+    copied in one read of the device."""
+    if not parts:
+        return []
+    flat = torch.cat([v.detach().float().reshape(-1) for _, v in parts]).cpu()
+    out, start = [], 0
+    for group, v in parts:
+        n = v.numel()
+        out.append(split_by_response(flat[start:start + n], group))
+        start += n
     return out
 
 
@@ -308,6 +345,7 @@ class PolicyUpdate:
         n = len(packs)
         if getattr(self.reference, "collective", False):  # the sharded policy's forward: same count on every rank
             (n,) = all_reduce_max([len(packs)], self.device)
+        scored: list[tuple[Sequence[TrainSample], torch.Tensor]] = []
         with self.reference.on_device():
             for i in range(n):
                 group = packs[i] if i < len(packs) else [dummy]
@@ -315,8 +353,10 @@ class PolicyUpdate:
                 batch.pop("routes", None)  # the reference routes by itself
                 logp = self.reference.token_logprobs(batch)
                 if i < len(packs):
-                    for s, piece in zip(group, split_by_response(logp.float().cpu(), group)):
-                        s.ref_logp = piece
+                    scored.append((group, logp))
+            for (done, _), pieces in zip(scored, to_host_pieces(scored)):  # one read after the pass
+                for s, piece in zip(done, pieces):
+                    s.ref_logp = piece
 
     @torch.no_grad()
     def recompute_old_logprobs(self, samples: Sequence[TrainSample], dummy: TrainSample) -> None:
@@ -324,14 +364,17 @@ class PolicyUpdate:
         packs = self.packs(samples)
         (n,) = all_reduce_max([len(packs)], self.device)
         self.bundle.wrapper.eval()
+        scored: list[tuple[Sequence[TrainSample], torch.Tensor]] = []
         for i in range(n):
             group = packs[i] if i < len(packs) else [dummy]
             batch = self._pack(group)
             with self.replay_scope(batch, count=i < len(packs)):
                 logp = self.bundle.wrapper(batch, temperature=self.rl.rollout.temperature, **self.mask_kw)
             if i < len(packs):
-                for s, piece in zip(group, split_by_response(logp.float().cpu(), group)):
-                    s.old_logp = piece
+                scored.append((group, logp))
+        for (done, _), pieces in zip(scored, to_host_pieces(scored)):  # one read after the pass
+            for s, piece in zip(done, pieces):
+                s.old_logp = piece
 
     # ------------------------------------------------------------------ updates
     def update(self, step: int, samples: list[TrainSample], dummy: TrainSample, *,
@@ -340,7 +383,13 @@ class PolicyUpdate:
         set from this forward's detached log-probs before the loss (the proximal policy = the current weights)."""
         r, wrapper, optimizer = self.rl, self.bundle.wrapper, self.optim.optimizer
         balancer = getattr(self.bundle, "moe_balancer", None)  # None without MoE layers (and on light test bundles)
-        sums: dict[str, float] = {}  # token-weighted sums of the loss metrics over this rank's micro-batches
+        # on the device, added pack by pack in order (as the Python floats they replace), read with each update's
+        # loss and norm (`read_update`): token-weighted sums of the loss metrics over this rank's micro-batches, their
+        # weights, sum |log pi - log pi_rollout| of the first mini-batch
+        dev_sums: dict[str, torch.Tensor] = {}
+        dev_weights: dict[str, torch.Tensor] = {}
+        dev_diff = torch.zeros((), dtype=torch.float64, device=self.device)
+        sums: dict[str, float] = {}
         weights: dict[str, float] = {}
         losses: list[float] = []
         grad_norms: list[float] = []
@@ -363,7 +412,8 @@ class PolicyUpdate:
                 # its zero gradient and the optimizer steps (momentum, weight decay) as it would have
                 n_packs = max(n_packs, 1)
                 normalizer = {"token-mean": g_tokens, "seq-mean": g_seqs}.get(r.loss.loss_agg, g_seqs * r.rollout.max_new_tokens)
-                loss_sum = 0.0
+                loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+                proximal: list[tuple[Sequence[TrainSample], torch.Tensor]] = []  # old_logp of this update's forwards
                 for i in range(n_packs):
                     is_real = i < len(packs)
                     group = packs[i] if is_real else [dummy]
@@ -382,29 +432,45 @@ class PolicyUpdate:
                             (logp.sum() * 0.0 + (aux * 0.0 if aux is not None else 0.0)).backward()
                             continue
                         train_tokens += int(batch["input_ids"].numel())
-                        if proximal_from_forward:
-                            for s, piece in zip(group, split_by_response(logp.detach().float().cpu(), group)):
-                                s.old_logp = piece
-                        out = self.loss(logp, ent, group, normalizer)
+                        old = None
+                        if proximal_from_forward:  # the samples' old_logp: these values, on the host after the read
+                            old = logp.detach().float()
+                            proximal.append((group, old))
+                        out = self.loss(logp, ent, group, normalizer, old=old)
                         total_loss = out.loss * dp
                         if aux is not None:
                             total_loss = total_loss + aux * dp / g_packs
                         total_loss.backward()
-                        loss_sum += float(out.loss.detach())
-                        n_tok = float(out.num_tokens)
+                        loss_sum = loss_sum + out.loss.detach().double()
+                        n_tok = out.num_tokens.double()
                         for k, v in out.metrics.items():
                             if k != "pg_loss" and not k.startswith("mismatch_"):  # mismatch: once per step, in train()
-                                sums[k] = sums.get(k, 0.0) + float(v) * n_tok
-                                weights[k] = weights.get(k, 0.0) + n_tok
+                                dev_sums[k] = dev_sums.get(k, torch.zeros_like(n_tok)) + v.double() * n_tok
+                                dev_weights[k] = dev_weights.get(k, torch.zeros_like(n_tok)) + n_tok
                         if epoch == 0 and m == 0:  # the policy before any update of this step vs the rollout's numbers
-                            behav = torch.cat([s.behav_logp for s in group]).to(logp.device)
-                            diff_sum += float((logp.detach().float() - behav).abs().sum())
+                            behav = torch.cat([s.behav_logp for s in group]).to(logp.device, non_blocking=True)
+                            dev_diff = dev_diff + (logp.detach().float() - behav).abs().sum().double()
                             diff_n += float(behav.numel())
-                grad_norms.append(float(clip_grad_norm_(self.bundle.trainable_params, self.max_grad_norm)))
-                if self.guard.allow(loss_sum, grad_norms[-1], step=step + 1):  # non-finite: skip, count
+                norm = clip_grad_norm_(self.bundle.trainable_params, self.max_grad_norm)
+                keys = list(dev_sums)
+                running = [*(dev_sums[k] for k in keys), *(dev_weights[k] for k in keys), dev_diff]
+                tail = torch.cat([v.reshape(-1) for _, v in proximal]) if proximal else None
+                local, everyone, grad_norm, values, old_host = read_update(loss_sum, norm, running, tail)
+                sums = dict(zip(keys, values[:len(keys)]))
+                weights = dict(zip(keys, values[len(keys):2 * len(keys)]))
+                diff_sum = values[-1]
+                if old_host is not None:
+                    start = 0
+                    for done, v in proximal:
+                        for s, piece in zip(done, split_by_response(old_host[start:start + v.numel()].float(), done)):
+                            s.old_logp = piece
+                        start += v.numel()
+                grad_norms.append(grad_norm)
+                # non-finite (this rank's loss, or another's: the sum over the ranks): skip, count
+                if self.guard.allow(everyone, grad_norm, step=step + 1, loss_is_global=True):
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                losses.append(loss_sum)
+                losses.append(local)
                 updates += 1
         lr = self.optim.scheduler.get_last_lr()[0]  # the lr of this step's updates (step() moves to the next)
         self.optim.scheduler.step()
@@ -427,20 +493,30 @@ class PolicyUpdate:
         return UpdateResult(lr=lr, moe=None, sums={}, weights={}, losses=[], grad_norms=[], updates=0, diff=(0.0, 0.0),
                             train_tokens=0)
 
-    def loss(self, logp: torch.Tensor, ent: torch.Tensor, group: Sequence[TrainSample], normalizer: float) -> PolicyLossOutput:
-        """The policy loss of one packed micro-batch (its share of the mini-batch's normaliser)."""
+    def loss(self, logp: torch.Tensor, ent: torch.Tensor, group: Sequence[TrainSample], normalizer: float, *,
+             old: Optional[torch.Tensor] = None) -> PolicyLossOutput:
+        """The policy loss of one packed micro-batch (its share of the mini-batch's normaliser). Its per-token inputs
+        are made on the host (the samples hold them there) and moved without waiting for the device (module
+        docstring). `old`: the old log-probs on the device already (the update's own forward's, the proximal policy);
+        else the samples' `old_logp`."""
         r = self.rl
-        lengths = torch.tensor([s.response_length for s in group], device=logp.device)
+        dev = logp.device
+
+        def moved(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dev, non_blocking=True)
+
+        lengths = torch.tensor([s.response_length for s in group])
         if self.critic is not None:  # per-token advantages (GAE)
-            adv = _cat([s.token_advantages for s in group], "token_advantages").to(logp.device)
+            adv = moved(_cat([s.token_advantages for s in group], "token_advantages"))
         else:
-            adv = torch.repeat_interleave(torch.tensor([s.advantage for s in group], device=logp.device), lengths)
-        old = _cat([s.old_logp for s in group], "old_logp").to(logp.device)
-        ref = _cat([s.ref_logp for s in group], "ref_logp").to(logp.device) if self.reference is not None else None
-        seq_ids = torch.repeat_interleave(torch.arange(len(group), device=logp.device), lengths)
+            adv = moved(torch.repeat_interleave(torch.tensor([s.advantage for s in group]), lengths))
+        if old is None:
+            old = moved(_cat([s.old_logp for s in group], "old_logp"))
+        ref = moved(_cat([s.ref_logp for s in group], "ref_logp")) if self.reference is not None else None
+        seq_ids = moved(torch.repeat_interleave(torch.arange(len(group)), lengths))
         mask = torch.ones_like(logp, dtype=torch.bool)
-        rollout = torch.cat([s.behav_logp for s in group]).to(logp.device) if r.loss.rollout_correction != "none" else None
-        behav = torch.cat([s.behav_logp for s in group]).to(logp.device) if self.decoupled else None
+        rollout = moved(torch.cat([s.behav_logp for s in group])) if r.loss.rollout_correction != "none" else None
+        behav = moved(torch.cat([s.behav_logp for s in group])) if self.decoupled else None
         return compute_policy_loss(self.loss_spec, logp, old, adv.to(logp.dtype), mask, seq_ids=seq_ids,
                                    normalizer=float(normalizer), ref_logp=ref, entropy=ent, rollout_logp=rollout,
                                    behav_logp=behav)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from megatron_vlm.host_copies import moved_to
 from megatron_vlm.parallel import DistEnv
 from megatron_vlm.training.signals import StopFlag
 
@@ -39,9 +40,10 @@ class RunContext:
         return self.env.device
 
     def to_device(self, batch: dict) -> dict:
-        """The tensors of `batch` on this rank's device (other entries as they are)."""
-        dev = self.env.device
-        return {k: (v.to(dev, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+        """The tensors of `batch` on this rank's device (other entries as they are), the small ones keeping their
+        host copy (megatron_vlm/host_copies.py: the model and the steps read counts, grids and bounds from it, with
+        no device sync)."""
+        return moved_to(batch, self.env.device)
 
 
 def seed_everything(seed: int) -> None:

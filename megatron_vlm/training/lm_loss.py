@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from megatron_vlm import kernels
-from megatron_vlm.data.batch import IGNORE_INDEX, model_inputs
+from megatron_vlm.data.batch import label_positions, model_inputs
 from megatron_vlm.parallel.tensor_parallel import is_vocab_parallel, vocab_parallel_token_logprobs
 from megatron_vlm.training.masked_vocab import masked_token_logprobs
 
@@ -65,21 +65,23 @@ class TokenLogprobModel(nn.Module):
             return self.model(**model_kwargs)
         assert batch is not None, "pass batch (log-probs) or model_kwargs (the plain model output)"
         hidden = self.model(**model_inputs(batch), return_hidden=True)
-        labels = batch["labels"].reshape(-1)
-        sel = labels != IGNORE_INDEX
-        h = hidden.reshape(-1, hidden.shape[-1])[sel]
+        # the trained positions, from the labels' host copy (megatron_vlm/host_copies.py): a bool-mask index
+        # would read the device (its count) after the decoder's forward
+        pos = label_positions(batch["labels"])
+        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, pos)
+        targets = batch["labels"].reshape(-1).index_select(0, pos)
         weight: torch.Tensor = self.model.lm_head.weight
         # tensor parallelism: the lm_head rows are split over the tp ranks; log-probs without gathering them
         if not is_vocab_parallel(weight):
-            out = kernels.linear_token_logprobs(h, weight, labels[sel], temperature=temperature,
+            out = kernels.linear_token_logprobs(h, weight, targets, temperature=temperature,
                                                 return_entropy=return_entropy, chunk_size=cpu_chunk_rows(h, weight.shape[0]))
             if masked_token_ids:
                 full, full_ent = (out if isinstance(out, tuple) else (out, None))
-                logp_q, ent_q = masked_token_logprobs(h, weight, labels[sel], full, full_ent, masked_token_ids,
+                logp_q, ent_q = masked_token_logprobs(h, weight, targets, full, full_ent, masked_token_ids,
                                                       temperature=temperature)
                 out = (logp_q, ent_q) if return_entropy else logp_q
         else:
-            out = vocab_parallel_token_logprobs(h, weight, labels[sel], temperature=temperature,
+            out = vocab_parallel_token_logprobs(h, weight, targets, temperature=temperature,
                                                 return_entropy=return_entropy, masked_token_ids=masked_token_ids)
         if torch.is_grad_enabled() and self.training:
             anchor = self._anchor(hidden).to(torch.float32)

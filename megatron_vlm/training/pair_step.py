@@ -7,10 +7,12 @@ its summed metrics in `sums`. Everything else lives here once: each pack's promp
 model allows (training/pair_prompts.py), fetching a step's packs (skipping steps whose
 packs on every rank hold no usable pair), the empty-pack zero loss (an empty pack still runs the same collective
 forward / backward), the MoE auxiliary loss, backward, clipping, the step guard, optimizer and scheduler, the
-metrics all-reduce and the output dict. The step loss is the mean over every pair of the step on every rank:
-each micro-batch's sum is divided by the global pair count (x dp_size, since FSDP averages gradients over the
-data-parallel ranks), so the gradient is the one-process, whole-batch gradient whatever the world size or
-accumulation.
+metrics all-reduce and the output dict. The metric sums stay on the device through the packs (`pack_terms` gives
+0-d float64 tensors) and are read once per step with the gradient norm, before the optimizer step (on CUDA each
+read is a stream sync); a pack's pair count is read from its host copy (megatron_vlm/host_copies.py). The step
+loss is the mean over every pair of the step on every rank: each micro-batch's sum is divided by the global pair
+count (x dp_size, since FSDP averages gradients over the data-parallel ranks), so the gradient is the one-process,
+whole-batch gradient whatever the world size or accumulation.
 """
 from __future__ import annotations
 
@@ -23,15 +25,16 @@ import torch
 
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.errors import ConfigError
+from megatron_vlm.host_copies import host_int
 from megatron_vlm.parallel import clip_grad_norm_
-from megatron_vlm.parallel.collectives import all_reduce_sum
+from megatron_vlm.parallel.collectives import all_reduce_, all_reduce_sum
 from megatron_vlm.training.bad_record_summary import save_bad_records, write_bad_record_summary
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 from megatron_vlm.training.optim import OptimState
 from megatron_vlm.training.pair_prompts import pair_sharing, share_pair_prompts
 from megatron_vlm.training.running_totals import RunningTotals
-from megatron_vlm.training.sft import moe_report_state, restore_data_state
+from megatron_vlm.training.sft import global_sums_and_norm, moe_report_state, restore_data_state
 from megatron_vlm.training.step_guard import StepGuard
 
 __all__ = ["PackScorer", "PairStep", "PairEvaluator"]
@@ -63,9 +66,14 @@ class PackScorer:
         """(the policy / model output of one pack, anything `pack_terms` needs besides it)."""
         raise NotImplementedError
 
-    def pack_terms(self, out: torch.Tensor, batch: dict, extra: Any) -> tuple[torch.Tensor, dict[str, float]]:
-        """(per-pair losses, {metric: sum over the pack's pairs}) of a non-empty pack's `pack_forward` result."""
+    def pack_terms(self, out: torch.Tensor, batch: dict, extra: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(per-pair losses, {metric: sum over the pack's pairs, a 0-d float64 tensor on the device}) of a non-empty
+        pack's `pack_forward` result."""
         raise NotImplementedError
+
+    def _sum_vector(self, part: dict[str, Any], device: torch.device) -> torch.Tensor:
+        """The pack's metric sums in `sums` order, [K] float64 on `device` (nothing read)."""
+        return torch.stack([torch.as_tensor(part[k], dtype=torch.float64).to(device).reshape(()) for k in self.sums])
 
 
 class PairStep(PackScorer):
@@ -125,39 +133,40 @@ class PairStep(PackScorer):
         env, b = self.ctx.env, self.bundle
         t0 = time.time()
         micro, g_pairs, g_tokens = self._fetch(step)
-        sums = dict.fromkeys(self.sums, 0.0)
+        # this rank's metric sums, [K] float64 on the device, added pack by pack in order (as Python floats were)
+        sums = torch.zeros(len(self.sums), dtype=torch.float64, device=env.device)
         b.wrapper.train()
         for m in micro:
             batch = self.ctx.to_device(self.prepared(m))
             out, extra = self.pack_forward(batch, "train")
-            if int(batch["num_pairs"]) == 0:  # an empty pack: zero loss, but the same collective forward / backward
+            if host_int(m["num_pairs"]) == 0:  # an empty pack: zero loss, but the same collective forward / backward
                 loss = out.sum() * 0.0
             else:
                 losses, part = self.pack_terms(out, batch, extra)
                 loss = losses.sum() / g_pairs * b.dims.dp_size
-                for k, v in part.items():
-                    sums[k] += v
+                sums = sums + self._sum_vector(part, env.device)
             if b.moe_balancer is not None:
                 aux = b.moe_balancer.aux_loss()
                 if aux is not None:
                     loss = loss + aux / len(micro)
             loss.backward()
         grad_norm = clip_grad_norm_(b.trainable_params, self.ctx.cfg.train.max_grad_norm)
+        # the one read of the step: the sums over all ranks and the norm (the guard's loss: every rank's, summed)
+        totals, norm = global_sums_and_norm(sums, grad_norm, env.device)
         lr = self.optim.scheduler.get_last_lr()[0]
-        if self.guard.allow(sums["loss"], grad_norm, step=step + 1):
+        if self.guard.allow(totals[self.sums.index("loss")], norm, step=step + 1, loss_is_global=True):
             self.optim.optimizer.step()
         self.optim.scheduler.step()
         self.optim.optimizer.zero_grad(set_to_none=True)
         moe_report = b.moe_balancer.after_step(step + 1) if b.moe_balancer is not None else None
         copies = getattr(b.dims, "data_copies", 1)
-        totals = all_reduce_sum([sums[k] for k in self.sums], env.device)
         dt = time.time() - t0
         if moe_report is not None:
             self.metrics.log_moe_table(step + 1, moe_report[1])
         if not log and moe_report is None:
             return {}  # a step with a MoE workload report logs its whole row (as SFTStep does, for the CSV header)
         out_metrics = {k: v / copies / g_pairs for k, v in zip(self.sums, totals)}
-        out_metrics.update({"grad_norm": float(grad_norm), "lr": lr, "pairs": g_pairs, "tokens_per_s": g_tokens / dt,
+        out_metrics.update({"grad_norm": norm, "lr": lr, "pairs": g_pairs, "tokens_per_s": g_tokens / dt,
                             "step_time_s": dt, "skipped_steps": float(self.guard.skipped),
                             "epoch": getattr(self.loader, "epoch", 0),
                             "data/empty_steps_skipped": float(self.empty_steps_skipped)})
@@ -186,7 +195,8 @@ class PairEvaluator(PackScorer):
         w = self.bundle.wrapper
         was_training = w.training
         w.eval()
-        sums = dict.fromkeys(self.sums, 0.0)
+        device = self.ctx.env.device
+        sums = torch.zeros(len(self.sums), dtype=torch.float64, device=device)  # on the device: read once, at the end
         pairs = 0.0
         try:
             for k, pack in enumerate(self.loader):
@@ -194,16 +204,16 @@ class PairEvaluator(PackScorer):
                     break
                 batch = self.ctx.to_device(self.prepared(pack))
                 scores, extra = self.pack_forward(batch, "eval")
-                if int(batch["num_pairs"]) == 0:
+                if host_int(pack["num_pairs"]) == 0:
                     continue
                 _, part = self.pack_terms(scores, batch, extra)
-                pairs += int(batch["num_pairs"])
-                for key, v in part.items():
-                    sums[key] += v
+                pairs += host_int(pack["num_pairs"])
+                sums = sums + self._sum_vector(part, device)
         finally:
             w.train(was_training)
         copies = getattr(self.bundle.dims, "data_copies", 1)
-        totals = all_reduce_sum([pairs, *(sums[k] for k in self.sums)], self.ctx.env.device)
+        counted = torch.full((1,), pairs, dtype=torch.float64, device=device)
+        totals = all_reduce_(torch.cat([counted, sums])).tolist()
         n = totals[0]
         if n <= 0:
             return None

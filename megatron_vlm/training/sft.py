@@ -149,6 +149,17 @@ def global_loss_and_norm(loss_sum: Any, grad_norm: Any, device: torch.device) ->
     return g_loss, g_norm
 
 
+def global_sums_and_norm(sums: torch.Tensor, grad_norm: Any, device: torch.device) -> tuple[list[float], float]:
+    """(`sums` [K] summed over all ranks, the gradient norm) as floats, in one read of the device: what
+    `global_loss_and_norm` does for the SFT loss, for a step that logs several sums (the pair trainers: loss and
+    metrics). `sums`: float64, on `device`."""
+    vec = sums.detach().to(device, torch.float64).reshape(-1)
+    all_reduce_(vec)
+    norm = torch.as_tensor(grad_norm).detach().to(device, torch.float64).reshape(1)
+    *g_sums, g_norm = torch.cat([vec, norm]).tolist()
+    return g_sums, g_norm
+
+
 def _peak_flops(device: torch.device) -> Optional[float]:
     """The bf16 peak FLOP/s of one of the job's devices, for `mfu`; None off CUDA or for an unknown GPU."""
     if device.type != "cuda" or not torch.cuda.is_available():

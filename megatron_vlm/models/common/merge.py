@@ -6,6 +6,9 @@ positions, in order, by the features. The counts must agree exactly: when they d
 names both numbers and, when the per-sample split is known, the first sample where they diverge
 (the usual causes are a truncated sample, a wrong `max_pixels`, or grids that do not belong to the
 batch).
+
+The counts are read from the host copies of `input_ids` and the grids (megatron_vlm/host_copies.py) where the
+loader's batch has them: on CUDA a count read from the device would wait for the vision tower's kernels.
 """
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ from collections.abc import Sequence
 from typing import Optional
 
 import torch
+
+from megatron_vlm.host_copies import on_host
 
 
 def _first_bad_sample(
@@ -48,7 +53,7 @@ def merge_vision_embeddings(
     order) and `cu_seqlens` (packed samples) only refine the error message.
     """
     mask = input_ids == placeholder_token_id
-    n_tokens = int(mask.sum())
+    n_tokens = int((on_host(input_ids) == placeholder_token_id).sum())
     n_features = features.shape[0] if features.dim() > 1 else 0
     if features.dim() != 2 or features.shape[-1] != inputs_embeds.shape[-1]:
         raise ValueError(
@@ -122,11 +127,13 @@ def embed_vision_inputs(
         out = tower(pixels if dtype is None else pixels.to(dtype), grid)
         feats, levels = out if deepstack else (out, None)
         embeds = merge_vision_embeddings(
-            embeds, input_ids, feats, token_id, modality=modality, features_per_item=(grid.prod(-1) // merge_size**2).tolist(),
+            embeds, input_ids, feats, token_id, modality=modality,
+            features_per_item=(on_host(grid).prod(-1) // merge_size**2).tolist(),
             cu_seqlens=cu_seqlens,
         )
         if deepstack:
-            indexes.append(torch.nonzero((input_ids == token_id).reshape(-1)).flatten())
+            where = torch.nonzero((on_host(input_ids) == token_id).reshape(-1)).flatten()  # on the host copy
+            indexes.append(where.to(input_ids.device, non_blocking=True))
             stacks.append(levels)
     if not deepstack:
         return embeds, {}

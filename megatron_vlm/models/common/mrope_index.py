@@ -44,6 +44,7 @@ from typing import Optional
 import torch
 
 from megatron_vlm import _ext
+from megatron_vlm.host_copies import all_on_host
 
 
 def mm_token_type_ids_from_input_ids(input_ids: torch.Tensor, image_token_id: int, video_token_id: int) -> torch.Tensor:
@@ -146,6 +147,13 @@ def get_mrope_position_ids(
         cu_seqlens=cu_seqlens)
     if compiled is not None:
         return compiled
+    target = input_ids.device  # computed on the host copies when the batch has them (no device sync), moved back
+    host = all_on_host(input_ids, image_grid_thw, video_grid_thw, attention_mask, mm_token_type_ids, cu_seqlens,
+                       second_per_grid_ts if torch.is_tensor(second_per_grid_ts) else None)
+    if host is not None:
+        input_ids, image_grid_thw, video_grid_thw, attention_mask, mm_token_type_ids, cu_seqlens = host[:6]
+        if host[6] is not None:
+            second_per_grid_ts = host[6]
     if input_ids.dim() != 2:
         raise ValueError(f"get_mrope_position_ids: input_ids must be [B, T], got {tuple(input_ids.shape)}")
     if mm_token_type_ids is None:
@@ -193,7 +201,8 @@ def get_mrope_position_ids(
             else:
                 position_ids[:, b, keep] = pos
             deltas.append((int(pos.max()) + 1 if pos.numel() else 0) - types.numel())
-    return position_ids, torch.tensor(deltas, dtype=torch.long, device=device).unsqueeze(1)
+    rope_deltas = torch.tensor(deltas, dtype=torch.long).unsqueeze(1)
+    return position_ids.to(target, non_blocking=True), rope_deltas.to(target, non_blocking=True)
 
 
 def cached_mrope_position_ids(

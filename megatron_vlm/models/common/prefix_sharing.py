@@ -29,12 +29,15 @@ from typing import Optional
 
 import torch
 
+from megatron_vlm.host_copies import move, on_host
+
 __all__ = ["PrefixLayout", "prefix_layout_and_positions", "shift_positions", "accepts_prefix_segments"]
 
 
 def _bounds(cu_seqlens: torch.Tensor, prefix_segments: torch.Tensor) -> tuple[list[int], list[int]]:
-    bounds = [int(b) for b in cu_seqlens.tolist()]
-    prefix = [int(p) for p in prefix_segments.tolist()]
+    """Read from the host copies when the batch has them (megatron_vlm/host_copies.py: no device sync)."""
+    bounds = [int(b) for b in on_host(cu_seqlens).tolist()]
+    prefix = [int(p) for p in on_host(prefix_segments).tolist()]
     if len(prefix) != len(bounds) - 1:
         raise ValueError(f"prefix_segments: {len(prefix)} entries for {len(bounds) - 1} segments (cu_seqlens)")
     for s, p in enumerate(prefix):
@@ -57,17 +60,17 @@ class PrefixLayout:
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, prefix_segments: torch.Tensor) -> PrefixLayout:
         bounds, prefix = _bounds(cu_seqlens, prefix_segments)
-        dev = cu_seqlens.device
+        dev = cu_seqlens.device  # built on the host, moved without waiting for the device
         pieces, lengths = [], []
         for s, p in enumerate(prefix):
-            own = torch.arange(bounds[s], bounds[s + 1], device=dev)
+            own = torch.arange(bounds[s], bounds[s + 1])
             if p >= 0:
-                own = torch.cat([torch.arange(bounds[p], bounds[p + 1], device=dev), own])
+                own = torch.cat([torch.arange(bounds[p], bounds[p + 1]), own])
             pieces.append(own)
             lengths.append(int(own.numel()))
-        cu_k = torch.tensor([0] + lengths, dtype=torch.int32, device=dev).cumsum(0, dtype=torch.int32)
-        index = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=dev)
-        return cls(index, cu_k, max(lengths, default=0))
+        cu_k = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        index = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+        return cls(index.to(dev, non_blocking=True), move(cu_k, dev), max(lengths, default=0))
 
     def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed k / v [T, H, D] -> the key sequences [Tk, H, D] (differentiable: index_select)."""

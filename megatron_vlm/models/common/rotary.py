@@ -54,9 +54,9 @@ def mrope_cos_sin(
     freqs = position_ids[..., None].float() * rope_inv_freq(head_dim, theta, position_ids.device)  # [3, ..., D/2]
     if interleaved:
         idx = torch.arange(head_dim // 2, device=position_ids.device)
-        row = torch.zeros_like(idx)
-        row[(idx % 3 == 1) & (idx < 3 * mrope_section[1])] = 1
-        row[(idx % 3 == 2) & (idx < 3 * mrope_section[2])] = 2
+        row = torch.zeros_like(idx)  # torch.where: a bool-mask assignment would read the mask's count (a sync)
+        row = torch.where((idx % 3 == 1) & (idx < 3 * mrope_section[1]), 1, row)
+        row = torch.where((idx % 3 == 2) & (idx < 3 * mrope_section[2]), 2, row)
         freqs = freqs.gather(0, row.expand(freqs.shape[1:]).unsqueeze(0)).squeeze(0)  # [..., D/2]
     else:
         chunks = freqs.split(list(mrope_section), dim=-1)

@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from megatron_vlm.host_copies import on_host
+
 
 def text_position_ids(
     input_ids: torch.Tensor,
@@ -28,12 +30,13 @@ def text_position_ids(
     b, t = input_ids.shape
     device = input_ids.device
     if cu_seqlens is not None:
-        cu = cu_seqlens.to(device=device, dtype=torch.long)
+        # on the host copy when the batch has one (megatron_vlm/host_copies.py: no device sync), moved back
+        cu = on_host(cu_seqlens).to(dtype=torch.long)
         lengths = cu[1:] - cu[:-1]
         if int(cu[0]) != 0 or int(cu[-1]) != t or bool((lengths < 0).any()):
             raise ValueError(f"cu_seqlens {cu.tolist()} must rise from 0 to the sequence length {t}")
         starts = torch.repeat_interleave(cu[:-1], lengths)
-        return (torch.arange(t, device=device) - starts).unsqueeze(0)
+        return (torch.arange(t, device=cu.device) - starts).unsqueeze(0).to(device, non_blocking=True)
     valid = attention_mask.long() if attention_mask is not None else torch.ones(b, t, dtype=torch.long, device=device)
     pos = valid.cumsum(-1) - 1
     if kv_cache is not None and kv_cache.seq_len > 0:

@@ -7,7 +7,9 @@
   `cu_seqlens`) -> residual -> RMSNorm -> SwiGLU MLP with bias -> residual.
 * index helpers computed from `grid_thw` ([num_items, 3] = frames, patch rows, patch columns):
   per-patch (row, column) for the 2-D rotary, per-frame `cu_seqlens` for full attention, and the
-  window permutation + `cu_window_seqlens` for window attention.
+  window permutation + `cu_window_seqlens` for window attention. The grids are read from their host copy
+  (megatron_vlm/host_copies.py) and the index tensors built on the host and moved without waiting, keeping their host
+  copy (the attention's longest segment is read from it): no device sync.
 
 Patch order: the processor emits the patches of each frame in spatial-merge blocks (the m x m
 patches merged into one LLM token are consecutive), frames in order, items in order.
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_vlm.host_copies import move, on_host
 from megatron_vlm.models.common.attention import Attention
 from megatron_vlm.models.common.mlp import SwiGLUMLP
 from megatron_vlm.models.common.norms import RMSNorm
@@ -26,7 +29,7 @@ from megatron_vlm.models.common.norms import RMSNorm
 def _check_grid(grid_thw: torch.Tensor, spatial_merge_size: int) -> list[list[int]]:
     if grid_thw.dim() != 2 or grid_thw.shape[-1] != 3:
         raise ValueError(f"grid_thw must be [num_items, 3], got {tuple(grid_thw.shape)}")
-    grids = grid_thw.tolist()
+    grids = on_host(grid_thw).tolist()
     for i, (t, h, w) in enumerate(grids):
         if t < 1 or h % spatial_merge_size or w % spatial_merge_size or h < 1 or w < 1:
             raise ValueError(
@@ -49,9 +52,11 @@ def vision_hw_position_ids(grid_thw: torch.Tensor, spatial_merge_size: int) -> t
 
 
 def vision_cu_seqlens(grid_thw: torch.Tensor) -> torch.Tensor:
-    """Cumulative patch counts with one segment per frame (full attention never crosses frames): int32."""
-    per_frame = torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])
-    return F.pad(per_frame.cumsum(0, dtype=torch.int32), (1, 0))
+    """Cumulative patch counts with one segment per frame (full attention never crosses frames): int32, on the
+    grid's device, with its host copy."""
+    grid = on_host(grid_thw)
+    per_frame = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])
+    return move(F.pad(per_frame.cumsum(0, dtype=torch.int32), (1, 0)), grid_thw.device)
 
 
 def vision_window_index(
@@ -62,18 +67,18 @@ def vision_window_index(
     Each frame's merged grid (h/m x w/m) is tiled by square windows of `window_size / patch_size / m`
     merged tokens (edge windows are smaller); windows are visited row-major, tokens inside a window
     row-major. Returns `window_index` [num_merged_tokens] (long; new order -> old merged-token index)
-    and `cu_window_seqlens` [num_windows + 1] (int32, in patches, i.e. merged tokens * m^2).
+    and `cu_window_seqlens` [num_windows + 1] (int32, in patches, i.e. merged tokens * m^2), both on the grid's
+    device (built on the host: `cu_window_seqlens` keeps its host copy).
     """
     m = spatial_merge_size
     win = window_size // m // patch_size
     if win < 1:
         raise ValueError(f"window_size {window_size} is smaller than one merged token ({m} x {patch_size} pixels)")
-    device = grid_thw.device
     index, seqlens, offset = [], [], 0
     for t, h, w in _check_grid(grid_thw, m):
         lh, lw = h // m, w // m
-        rows = torch.arange(lh, device=device).view(lh, 1)
-        cols = torch.arange(lw, device=device).view(1, lw)
+        rows = torch.arange(lh).view(lh, 1)
+        cols = torch.arange(lw).view(1, lw)
         n_win_w = -(-lw // win)
         window_id = ((rows // win) * n_win_w + cols // win).reshape(-1)
         order = torch.argsort(window_id, stable=True)  # row-major inside each window
@@ -84,9 +89,9 @@ def vision_window_index(
             index.append(order + offset + f * frame_tokens)
             seqlens.append(counts)
         offset += t * frame_tokens
-    index = torch.cat(index)
+    device = grid_thw.device
     cu = F.pad(torch.cat(seqlens).cumsum(0) * (m * m), (1, 0)).to(torch.int32)
-    return index, cu
+    return torch.cat(index).to(device, non_blocking=True), move(cu, device)
 
 
 class VisionPatchEmbed(nn.Module):

@@ -30,6 +30,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from megatron_vlm.host_copies import keep_host_copy, on_host
 from megatron_vlm.models.common.kv_cache import KVCache
 from megatron_vlm.models.common.merge import VISION_INPUTS, embed_vision_inputs
 from megatron_vlm.models.common.mrope_index import cached_mrope_position_ids, get_mrope_position_ids
@@ -43,8 +44,10 @@ OPTIONAL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "vid
 
 
 def cu_seqlens_max(cu_seqlens: torch.Tensor) -> int:
-    """The longest segment of a packed sequence (0 for an empty `cu_seqlens`)."""
-    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+    """The longest segment of a packed sequence (0 for an empty `cu_seqlens`), read from its host copy when it
+    has one (megatron_vlm/host_copies.py: the loader's, or the vision tower's own; no device sync)."""
+    cu = on_host(cu_seqlens)
+    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
 
 
 def check_forward_inputs(
@@ -66,7 +69,7 @@ def check_forward_inputs(
             raise ValueError("pass either cu_seqlens (packed) or attention_mask (padded), not both")
         if kv_cache is not None:
             raise ValueError("kv_cache is not supported with packed input (cu_seqlens)")
-        cu_seqlens = cu_seqlens.to(torch.int32)
+        cu_seqlens = keep_host_copy(cu_seqlens.to(torch.int32), on_host(cu_seqlens))
     if attention_mask is not None and kv_cache is None and attention_mask.shape != input_ids.shape:
         raise ValueError(
             f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"

@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from megatron_vlm.host_copies import keep_host_copy, on_host
 from megatron_vlm.models.common.attention import Attention
 from megatron_vlm.models.common.deepstack import add_deepstack
 from megatron_vlm.models.common.mamba2 import Mamba2Mixer
@@ -49,6 +50,11 @@ from megatron_vlm.models.nemotron_vl.vision import (
     shuffle_and_project,
 )
 from megatron_vlm.models.qwen3_vl.model import Qwen3VLVisionModel
+
+
+def _with_frames(grid_hw: torch.Tensor) -> torch.Tensor:
+    """[n, 2] image grids as [n, 3] (t = 1)."""
+    return torch.cat([torch.ones_like(grid_hw[:, :1]), grid_hw], dim=1)
 
 
 class NemotronHMLP(nn.Module):
@@ -225,7 +231,7 @@ class NemotronVLForConditionalGeneration(VLMBase):
         if image_grid_hw is None:
             raise ValueError("pixel_values given without image_grid_hw (or image_grid_thw)")
         feats = self.vision_model(pixel_values.to(self.lm_head.weight.dtype), image_grid_hw)
-        grids = [tuple(g) for g in image_grid_hw.tolist()]
+        grids = [tuple(g) for g in on_host(image_grid_hw).tolist()]  # the host copy: no device sync
         out = shuffle_and_project(feats, grids, self.args.downsample_ratio, self.multi_modal_projector, self.vision_final_layernorm)
         return out, [gh * gw // self.args.merge_size**2 for gh, gw in grids]
 
@@ -272,7 +278,7 @@ class NemotronVLForConditionalGeneration(VLMBase):
             return self._embed_radio(input_ids, inputs.get("pixel_values"), image_grid_thw, image_grid_hw,
                                      inputs.get("pixel_values_videos"), cu_seqlens), {}
         if image_grid_thw is None and image_grid_hw is not None:
-            image_grid_thw = torch.cat([torch.ones_like(image_grid_hw[:, :1]), image_grid_hw], dim=1)
+            image_grid_thw = keep_host_copy(_with_frames(image_grid_hw), _with_frames(on_host(image_grid_hw)))
         return embed_vision_inputs(
             self.language_model.embeddings(input_ids), input_ids, {**inputs, "image_grid_thw": image_grid_thw},
             self.args, self.vision_model, merge_size=self.args.vision.spatial_merge_size, cu_seqlens=cu_seqlens,
@@ -293,9 +299,10 @@ class NemotronVLForConditionalGeneration(VLMBase):
 
     def _embed_radio(self, input_ids, pixel_values, image_grid_thw, image_grid_hw, pixel_values_videos, cu_seqlens):
         if image_grid_hw is None and image_grid_thw is not None:
-            if image_grid_thw.dim() != 2 or image_grid_thw.shape[-1] != 3 or bool((image_grid_thw[:, 0] != 1).any()):
-                raise ValueError(f"image_grid_thw must be [n, 3] with t = 1 for nemotron images, got {image_grid_thw.tolist()}")
-            image_grid_hw = image_grid_thw[:, 1:]
+            host = on_host(image_grid_thw)
+            if image_grid_thw.dim() != 2 or image_grid_thw.shape[-1] != 3 or bool((host[:, 0] != 1).any()):
+                raise ValueError(f"image_grid_thw must be [n, 3] with t = 1 for nemotron images, got {host.tolist()}")
+            image_grid_hw = keep_host_copy(image_grid_thw[:, 1:], host[:, 1:])
         return self.embed(
             input_ids, pixel_values=pixel_values, image_grid_hw=image_grid_hw,
             pixel_values_videos=pixel_values_videos, cu_seqlens=cu_seqlens,

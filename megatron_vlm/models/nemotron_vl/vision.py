@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_vlm import kernels
+from megatron_vlm.host_copies import move, on_host
 from megatron_vlm.models.common.attention import Attention
 from megatron_vlm.models.common.moe import activation_fn
 from megatron_vlm.models.common.norms import RMSNorm
@@ -154,18 +155,20 @@ class RadioVisionModel(nn.Module):
     def _encode(self, x: torch.Tensor, grids: list[tuple[int, int]]) -> torch.Tensor:
         prefix = self.args.num_prefix_tokens
         lengths = [prefix + gh * gw for gh, gw in grids]
-        cu_seqlens = F.pad(torch.tensor(lengths, device=x.device).cumsum(0), (1, 0)).to(torch.int32)
+        cu_seqlens = move(F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32), x.device)  # no sync
         max_seqlen = max(lengths)
         for layer in self.encoder.layer:
             x = layer(x, cu_seqlens, max_seqlen)
-        keep = torch.cat([
-            torch.cat([torch.zeros(prefix, dtype=torch.bool), torch.ones(gh * gw, dtype=torch.bool)]) for gh, gw in grids
-        ]).to(x.device)
-        return x[keep]
+        # the patch rows (not the prefix tokens) by position, made on the host: a bool mask would read its count
+        keep, start = [], 0
+        for n in lengths:
+            keep.append(torch.arange(start + prefix, start + n))
+            start += n
+        return x.index_select(0, torch.cat(keep).to(x.device, non_blocking=True))
 
     def forward(self, pixel_values: torch.Tensor, image_grid_hw: torch.Tensor) -> torch.Tensor:
         """Images: pixel_values `[total_patches, C*p*p]`, image_grid_hw `[n, 2]` -> patch features `[total_patches, hidden]`."""
-        grids = [tuple(g) for g in image_grid_hw.tolist()]
+        grids = [tuple(g) for g in on_host(image_grid_hw).tolist()]  # the host copy: no device sync
         total = sum(gh * gw for gh, gw in grids)
         if pixel_values.dim() != 2 or pixel_values.shape[0] != total:
             raise ValueError(

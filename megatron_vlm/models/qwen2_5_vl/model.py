@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_vlm.host_copies import move, on_host
 from megatron_vlm.models.common.decoder import RotaryTextModel
 from megatron_vlm.models.common.mlp import SwiGLUMLP
 from megatron_vlm.models.common.norms import RMSNorm
@@ -65,17 +66,19 @@ class Qwen2_5_VisionTransformer(nn.Module):
         a = self.args
         unit = a.spatial_merge_size**2
         x = self.patch_embed(pixel_values)
-        cu_full = vision_cu_seqlens(grid_thw).to(x.device)
-        if x.shape[0] != int(cu_full[-1]):
+        cu_full = move(vision_cu_seqlens(grid_thw), x.device)  # index tensors keep their host copies: no sync
+        patches = int(on_host(cu_full)[-1])
+        if x.shape[0] != patches:
             raise ValueError(
-                f"vision tower: pixel_values has {x.shape[0]} patches but grid_thw {grid_thw.tolist()} describes "
-                f"{int(cu_full[-1])}"
+                f"vision tower: pixel_values has {x.shape[0]} patches but grid_thw {on_host(grid_thw).tolist()} "
+                f"describes {patches}"
             )
         window_index, cu_window = vision_window_index(grid_thw, a.spatial_merge_size, a.window_size, a.patch_size)
-        window_index, cu_window = window_index.to(x.device), cu_window.to(x.device)
+        window_index, cu_window = window_index.to(x.device, non_blocking=True), move(cu_window, x.device)
         # window order is defined on merged tokens; expand to their m^2 consecutive patches
         patch_perm = (window_index[:, None] * unit + torch.arange(unit, device=x.device)).reshape(-1)
-        cos, sin = vision_rope_cos_sin(vision_hw_position_ids(grid_thw, a.spatial_merge_size).to(x.device), a.head_dim, a.rope_theta)
+        hw = vision_hw_position_ids(grid_thw, a.spatial_merge_size).to(x.device, non_blocking=True)
+        cos, sin = vision_rope_cos_sin(hw, a.head_dim, a.rope_theta)
         x, cos, sin = x[patch_perm], cos[patch_perm], sin[patch_perm]
         full_max, window_max = cu_seqlens_max(cu_full), cu_seqlens_max(cu_window)
         fullatt = set(a.fullatt_block_indexes)

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_vlm.host_copies import move, on_host
 from megatron_vlm.models.common.attention import Attention
 from megatron_vlm.models.common.decoder import RotaryTextModel
 from megatron_vlm.models.common.mlp import MLP, SwiGLUMLP
@@ -111,7 +112,7 @@ class Qwen3VLVisionModel(nn.Module):
         table = self.pos_embed.weight.view(side, side, -1).permute(2, 0, 1).unsqueeze(0)  # [1, C, side, side]
         resampled: dict[tuple[int, int], torch.Tensor] = {}
         pieces, offset = [], 0
-        for t, h, w in grid_thw.tolist():
+        for t, h, w in on_host(grid_thw).tolist():
             if (h, w) not in resampled:
                 grid = F.interpolate(table.float(), size=(h, w), mode="bilinear", align_corners=True)
                 resampled[(h, w)] = grid[0].permute(1, 2, 0)  # [h, w, C]
@@ -126,12 +127,14 @@ class Qwen3VLVisionModel(nn.Module):
         (merged features [N / m^2, out_hidden], DeepStack features: one [N / m^2, out_hidden] per index)."""
         a = self.args
         x = self.patch_embed(pixel_values)
-        cu = vision_cu_seqlens(grid_thw).to(x.device)
-        if x.shape[0] != int(cu[-1]):
+        cu = move(vision_cu_seqlens(grid_thw), x.device)  # keeps its host copy: no sync for its bounds
+        patches = int(on_host(cu)[-1])
+        if x.shape[0] != patches:
             raise ValueError(
-                f"vision tower: pixel_values has {x.shape[0]} patches but grid_thw {grid_thw.tolist()} describes {int(cu[-1])}"
+                f"vision tower: pixel_values has {x.shape[0]} patches but grid_thw {on_host(grid_thw).tolist()} "
+                f"describes {patches}"
             )
-        hw = vision_hw_position_ids(grid_thw, a.spatial_merge_size).to(x.device)
+        hw = vision_hw_position_ids(grid_thw, a.spatial_merge_size).to(x.device, non_blocking=True)
         x = x + self.position_embeddings(grid_thw, hw).to(x.dtype)
         cos, sin = vision_rope_cos_sin(hw, a.head_dim, a.rope_theta)
         max_seqlen = cu_seqlens_max(cu)

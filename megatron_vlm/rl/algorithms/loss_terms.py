@@ -85,7 +85,11 @@ def aggregate_loss(
     m = mask.to(per_token.dtype)
 
     def div(x: torch.Tensor, denom) -> torch.Tensor:
-        return x / torch.clamp_min(torch.as_tensor(denom, dtype=per_token.dtype, device=per_token.device), 1.0)
+        if torch.is_tensor(denom):
+            d = denom.to(dtype=per_token.dtype, device=per_token.device)
+        else:  # a number: filled in on the device (a tensor made from it there would be a blocking upload)
+            d = torch.full((), denom, dtype=per_token.dtype, device=per_token.device)
+        return x / torch.clamp_min(d, 1.0)
 
     if loss_agg == "token-mean":
         return div((per_token * m).sum(), m.sum() if normalizer is None else normalizer)

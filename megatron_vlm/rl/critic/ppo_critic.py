@@ -15,6 +15,9 @@ MoE backbones are balanced as the policy is (`[moe]`): the auxiliary loss joins 
 packs and shards, and the step's expert loads move the critic's own score-correction biases once per step
 (`critic/moe/*` metrics on the report steps). Everything is a function of the
 samples, the weights and (seed, step, epoch, rank), so a resumed run repeats the uninterrupted one.
+
+Host reads (each a stream sync on CUDA): the values of a pass come to the host once, after its last pack; an update
+reads its loss sum, gradient norm and running metric sums once, before its optimizer step (`read_update`).
 """
 from __future__ import annotations
 
@@ -29,10 +32,11 @@ import torch.distributed as dist
 from megatron_vlm.parallel import clip_grad_norm_
 from megatron_vlm.rl.algorithms.advantage_estimators import ADVANTAGE_ESTIMATORS
 from megatron_vlm.rl.algorithms.value_losses import VALUE_LOSSES
-from megatron_vlm.rl.batching import TrainSample, split_by_response
+from megatron_vlm.rl.batching import TrainSample
 from megatron_vlm.rl.critic.rewards import token_rewards
 from megatron_vlm.rl.critic.value_model import ValueModel
 from megatron_vlm.rl.data_shards import DataShards
+from megatron_vlm.rl.policy_update import read_update, to_host_pieces
 
 __all__ = ["Critic", "resolved_gae"]
 
@@ -89,9 +93,9 @@ class Critic:
     def values(self, samples: Sequence[TrainSample], packs: Packs, to_batch: ToBatch) -> None:
         """Each sample's `old_values` under the current critic (eval mode: no dropout)."""
         self.model.eval()
-        for group in packs(samples):
-            v = self.model(to_batch(group))
-            for s, piece in zip(group, split_by_response(v.float().cpu(), group)):
+        scored = [(group, self.model(to_batch(group))) for group in packs(samples)]
+        for (group, _), pieces in zip(scored, to_host_pieces(scored)):  # one read after the pass
+            for s, piece in zip(group, pieces):
                 s.old_values = piece
 
     def prepare(self, samples: Sequence[TrainSample], packs: Packs, to_batch: ToBatch) -> dict[str, float]:
@@ -150,6 +154,7 @@ class Critic:
         r = self.rl
         self.model.train()
         sums: dict[str, float] = {}
+        dev_sums: dict[str, torch.Tensor] = {}  # on the device, read with each update's loss and norm
         weight = 0.0
         grad_norms: list[float] = []
         for epoch in range(r.batch.ppo_epochs):
@@ -163,21 +168,23 @@ class Critic:
                     continue
                 normalizer = {"token-mean": g_tokens, "seq-mean": g_seqs}.get(r.loss.loss_agg,
                                                                               g_seqs * r.rollout.max_new_tokens)
-                loss_sum = 0.0
+                loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
                 for group in groups:
                     values = self.model(to_batch(group))
                     loss, metrics = self._loss(values, group, float(normalizer))
                     aux = self.balancer.aux_loss() if self.balancer is not None else None
                     # the MoE auxiliary loss, a mean over the mini-batch's packs of every shard (gradients summed)
                     (loss if aux is None else loss + aux / g_packs).backward()
-                    loss_sum += float(loss.detach())
+                    loss_sum = loss_sum + loss.detach().double()
                     n_tok = float(values.numel())
                     for k, v in metrics.items():
                         if k != "value_loss":
-                            sums[k] = sums.get(k, 0.0) + float(v) * n_tok
+                            dev_sums[k] = dev_sums.get(k, torch.zeros_like(loss_sum)) + v.detach().double() * n_tok
                     weight += n_tok
-                sums["value_loss"] = sums.get("value_loss", 0.0) + loss_sum
-                grad_norms.append(self._step(loss_sum))
+                local, norm, values_read = self._step(loss_sum, list(dev_sums.values()))
+                sums.update(zip(dev_sums, values_read))
+                sums["value_loss"] = sums.get("value_loss", 0.0) + local
+                grad_norms.append(norm)
         # summed by name, not by position: a rank without samples in this step (its groups dropped, or its completions
         # masked as truncated) ran no forward and holds no metric but value_loss
         total_weight, totals = 0.0, dict[str, float]()
@@ -199,18 +206,19 @@ class Critic:
 
     def _loss(self, values: torch.Tensor, group: Sequence[TrainSample],
               normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        dev = values.device
-        old = torch.cat([s.old_values for s in group]).to(dev)  # type: ignore[misc]
-        ret = torch.cat([s.returns for s in group]).to(dev)  # type: ignore[misc]
-        lengths = torch.tensor([s.response_length for s in group], device=dev)
-        seq_ids = torch.repeat_interleave(torch.arange(len(group), device=dev), lengths)
+        dev = values.device  # the per-token inputs are made on the host and moved without waiting (no sync)
+        old = torch.cat([s.old_values for s in group]).to(dev, non_blocking=True)  # type: ignore[misc]
+        ret = torch.cat([s.returns for s in group]).to(dev, non_blocking=True)  # type: ignore[misc]
+        lengths = torch.tensor([s.response_length for s in group])
+        seq_ids = torch.repeat_interleave(torch.arange(len(group)), lengths).to(dev, non_blocking=True)
         mask = torch.ones_like(values, dtype=torch.bool)
         return self.value_loss(values, old, ret, mask, clip_range=self.cfg.value_clip or None,
                                loss_agg=self.rl.loss.loss_agg, seq_ids=seq_ids, normalizer=normalizer,
                                max_response_length=self.rl.rollout.max_new_tokens)
 
-    def _step(self, loss_sum: float) -> float:
-        """Sum the gradients over the data shards, clip, step (skipped and counted when not finite)."""
+    def _step(self, loss_sum: torch.Tensor, running: list[torch.Tensor]) -> tuple[float, float, list[float]]:
+        """Sum the gradients over the data shards, clip, step (skipped and counted when not finite); (this rank's
+        loss sum, the gradient norm, `running`) as read with the norm, in one read."""
         if self.shards.world > 1 and dist.is_available() and dist.is_initialized():
             for p in self.params:
                 if p.grad is None:
@@ -218,11 +226,11 @@ class Critic:
                 dist.all_reduce(p.grad)
                 if self.shards.copies > 1:
                     p.grad.div_(self.shards.copies)
-        norm = float(clip_grad_norm_(self.params, self.max_grad_norm))  # train.max_grad_norm = 0: only measured
-        loss_total = self.shards.sum([loss_sum])[0]
+        grad_norm = clip_grad_norm_(self.params, self.max_grad_norm)  # train.max_grad_norm = 0: only measured
+        local, loss_total, norm, values, _ = read_update(loss_sum, grad_norm, running)
         if math.isfinite(norm) and math.isfinite(loss_total):
             self.optimizer.step()
         else:
             self.skipped += 1
         self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        return local, norm, values

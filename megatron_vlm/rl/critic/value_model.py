@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatron_vlm.data.batch import IGNORE_INDEX, model_inputs
+from megatron_vlm.data.batch import label_positions, model_inputs
 
 __all__ = ["ValueModel", "hidden_size_of"]
 
@@ -41,6 +41,6 @@ class ValueModel(nn.Module):
 
     def forward(self, batch: dict) -> torch.Tensor:
         hidden = self.backbone(**model_inputs(batch), return_hidden=True)
-        sel = batch["labels"].reshape(-1) != IGNORE_INDEX
-        h = hidden.reshape(-1, hidden.shape[-1])[sel]
+        # the trained positions from the labels' host copy (megatron_vlm/host_copies.py): no read of a bool mask's count
+        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, label_positions(batch["labels"]))
         return self.value_head(h).squeeze(-1).float()

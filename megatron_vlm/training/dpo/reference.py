@@ -32,6 +32,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from megatron_vlm.host_copies import on_host
 from megatron_vlm.models.common.lora import lora_disabled
 from megatron_vlm.parallel.collectives import all_reduce_, barrier, world_size
 from megatron_vlm.training.dpo.sequence import pair_sums
@@ -109,8 +110,8 @@ class PrecomputedReference:
         return torch.nonzero(planned & ~self.scored[split].bool()).flatten().tolist()
 
     def pair_logps(self, batch: dict, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
-        idx = batch["pair_index"].to("cpu")
-        rows = self.tables[split][idx].to(device=batch["input_ids"].device, dtype=torch.float32)
+        idx = on_host(batch["pair_index"]).cpu()  # the loader's host copy: no device read
+        rows = self.tables[split][idx].to(device=batch["input_ids"].device, dtype=torch.float32, non_blocking=True)
         return rows[:, 0], rows[:, 1]
 
     @classmethod

@@ -46,19 +46,19 @@ def reference_logps(dpo: DPOConfig, reference, batch: dict, split: str = "train"
 
 
 def preference_terms(dpo: DPOConfig, logp: torch.Tensor, batch: dict, ref):
-    """(per-pair losses, {metric: sum over the pack's pairs}) of one packed forward's log-probs; `ref` from
-    `reference_logps`."""
+    """(per-pair losses, {metric: sum over the pack's pairs, a 0-d float64 tensor}) of one packed forward's
+    log-probs; `ref` from `reference_logps`."""
     chosen, rejected, n_chosen, n_rejected = pair_sums(logp.float(), batch)
     ref_c, ref_r = ref if ref is not None else (None, None)
     loss_fn = PREFERENCE_LOSSES.get(dpo.loss_type)  # the shipped variants and any registered one
     losses = loss_fn(chosen, rejected, ref_c, ref_r, n_chosen, n_rejected, beta=dpo.beta, simpo_gamma=dpo.simpo_gamma)
     r_c, r_r = implicit_rewards(dpo.loss_type, chosen, rejected, ref_c, ref_r, n_chosen, n_rejected, beta=dpo.beta)
     c, r = chosen.detach(), rejected.detach()
-    sums = {"loss": float(losses.detach().sum()), "rewards/chosen": float(r_c.sum()), "rewards/rejected": float(r_r.sum()),
-            "rewards/margins": float((r_c - r_r).sum()), "rewards/accuracies": float((r_c > r_r).float().sum()),
-            "logps/chosen": float(c.sum()), "logps/rejected": float(r.sum()),
-            "preference_accuracy": float((c > r).float().sum())}
-    return losses, sums
+    # 0-d float64 tensors left on the device (the step reads them once per step): each the float32 sum widened
+    sums = {"loss": losses.detach().sum(), "rewards/chosen": r_c.sum(), "rewards/rejected": r_r.sum(),
+            "rewards/margins": (r_c - r_r).sum(), "rewards/accuracies": (r_c > r_r).float().sum(),
+            "logps/chosen": c.sum(), "logps/rejected": r.sum(), "preference_accuracy": (c > r).float().sum()}
+    return losses, {k: v.double() for k, v in sums.items()}
 
 
 class _DPOPacks(PackScorer):
@@ -72,7 +72,7 @@ class _DPOPacks(PackScorer):
         ref = reference_logps(self.dpo, self.reference, batch, split)
         return self.bundle.wrapper(batch), ref
 
-    def pack_terms(self, out: torch.Tensor, batch: dict, extra: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    def pack_terms(self, out: torch.Tensor, batch: dict, extra: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return preference_terms(self.dpo, out, batch, extra)
 
 

@@ -24,9 +24,9 @@ def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, *, margin: 
     return loss
 
 
-def pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, float]:
-    """Sums over the pairs (the step divides by the global pair count): TRL's `accuracy` (chosen scored above
-    rejected) and `margin`, the mean rewards of each side."""
+def pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sums over the pairs (the step divides by the global pair count), 0-d float64 tensors left on the device:
+    TRL's `accuracy` (chosen scored above rejected) and `margin`, the mean rewards of each side."""
     c, r = chosen.detach().double(), rejected.detach().double()
-    return {"accuracy": float((c > r).double().sum()), "margin": float((c - r).sum()),
-            "rewards/chosen": float(c.sum()), "rewards/rejected": float(r.sum())}
+    return {"accuracy": (c > r).double().sum(), "margin": (c - r).sum(), "rewards/chosen": c.sum(),
+            "rewards/rejected": r.sum()}

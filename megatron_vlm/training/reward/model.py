@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_vlm.data.batch import model_inputs
+from megatron_vlm.host_copies import on_host
 
 __all__ = ["ScoreRoot", "NoLMHead", "head_std"]
 
@@ -71,10 +72,12 @@ class ScoreRoot(nn.Module):
 
     def forward(self, batch: dict) -> torch.Tensor:
         hidden = self.model(**model_inputs(batch), return_hidden=True)
-        last = batch["cu_seqlens"][1:].to(hidden.device, torch.long) - 1
+        # each sequence's last position, worked out on the host copies (megatron_vlm/host_copies.py: no device sync)
+        last = on_host(batch["cu_seqlens"])[1:].to(torch.long) - 1
         responses = batch.get("response_segments")
         if responses is not None:  # a shared-prompt pack (training/pair_prompts.py): the segments that end a response
-            last = last[responses.to(hidden.device) >= 0]
+            last = last[on_host(responses) >= 0]
+        last = last.to(hidden.device, non_blocking=True)
         pooled = hidden.reshape(-1, hidden.shape[-1])[last].float()
         rewards = F.linear(pooled, self.score.weight.float())[:, 0]
         if torch.is_grad_enabled() and self.training:

@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.host_copies import host_int
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 from megatron_vlm.training.optim import OptimState
@@ -35,17 +36,18 @@ _SUMS = ("loss", "accuracy", "margin", "rewards/chosen", "rewards/rejected")
 
 def pair_rewards(rewards: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) rewards [pairs] of a pack's per-sequence rewards (chosen at 2k, rejected at 2k + 1)."""
-    n = 2 * int(batch["num_pairs"])
+    n = 2 * host_int(batch["num_pairs"])
     if rewards.shape[0] < n:
         raise ValueError(f"pair_rewards: {rewards.shape[0]} sequence rewards for {n // 2} pairs")
     return rewards[0:n:2], rewards[1:n:2]
 
 
 def reward_terms(cfg: RewardTrainConfig, rewards: torch.Tensor, batch: dict):
-    """(per-pair losses, {metric: sum over the pack's pairs}) of one forward's per-sequence rewards."""
+    """(per-pair losses, {metric: sum over the pack's pairs, a 0-d float64 tensor}) of one forward's per-sequence
+    rewards."""
     chosen, rejected = pair_rewards(rewards, batch)
     losses = bradley_terry_loss(chosen, rejected, margin=cfg.margin, center_rewards_coefficient=cfg.center_rewards_coefficient)
-    sums = {"loss": float(losses.detach().sum()), **pair_metrics(chosen, rejected)}
+    sums = {"loss": losses.detach().sum().double(), **pair_metrics(chosen, rejected)}
     return losses, sums
 
 
@@ -58,7 +60,7 @@ class _RewardPacks(PackScorer):
     def pack_forward(self, batch: dict, split: str) -> tuple[torch.Tensor, Any]:  # noqa: ARG002
         return self.bundle.wrapper(batch), None
 
-    def pack_terms(self, out: torch.Tensor, batch: dict, extra: Any) -> tuple[torch.Tensor, dict[str, float]]:  # noqa: ARG002
+    def pack_terms(self, out: torch.Tensor, batch: dict, extra: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # noqa: ARG002
         return reward_terms(self.reward, out, batch)
 
 

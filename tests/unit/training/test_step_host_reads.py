@@ -15,6 +15,7 @@ from types import SimpleNamespace as NS
 
 import torch
 
+from megatron_vlm.host_copies import moved_to
 from megatron_vlm.parallel.collectives import all_reduce_max, all_reduce_sum, any_rank
 from megatron_vlm.testing.host_reads import HostReads
 from megatron_vlm.training.loop import run_loop
@@ -36,8 +37,9 @@ class MaskFreeLM(TinyLM):
 
 
 def _device_copy(batch: dict) -> dict:
-    """What `RunContext.to_device` gives the model on a GPU: new tensors (the pack's stay on the host)."""
-    return {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
+    """What `RunContext.to_device` gives the model on a GPU: new tensors (the pack's stay on the host, reachable
+    as the small ones' host copies)."""
+    return moved_to(batch, torch.device("cpu"), copy=True)
 
 
 def _run(tmp_path, model, packs, *, micro: int, steps: int, log_every: int, max_grad_norm: float, hook=None):
@@ -71,6 +73,23 @@ def test_one_process_collectives_and_stop_flag_touch_no_device_value():
     assert sums == [3.0, 0.25, float(2**40 + 1)] and all(type(v) is float for v in sums)
     assert maxes == [7, -2] and all(type(v) is int for v in maxes)
     assert anyone == (True, False) and stops == [False, True]
+
+
+def test_counter_sees_copies_to_the_host_and_not_host_computations():
+    """`.to("cpu")` of a device tensor waits for the device as `.cpu()` does (the M-RoPE positions' C++ twin read its
+    inputs so, uncounted); a blocking copy of a host tensor to the device is an upload; what is computed from host
+    tensors alone (a count on the loader's `input_ids`, a `torch.arange(n)`) is host work, not a read."""
+    host = torch.tensor([3, 1, 3, 2])
+    dev = moved_to({"input_ids": host}, torch.device("cpu"), copy=True)["input_ids"]
+    with HostReads(host=[host]) as reads:
+        int(dev.sum())
+        host.to(dev.device, copy=True)
+        host.to(dev.device, non_blocking=True, copy=True)
+        n = int((host == 3).sum()) + int(torch.arange(4).max())
+        on_cpu = dev.to("cpu")  # (on the CPU, `dev` itself: a host tensor from here on)
+        int(on_cpu.sum())  # a host tensor: free
+    assert n == 5
+    assert sorted(kind for kind, _ in reads.sites) == ["cpu", "int", "upload"], reads.report()
 
 
 def test_one_sft_step_reads_the_device_once(tmp_path):

@@ -10,12 +10,12 @@ row the same way:
   an Image feature is its {"bytes", "path"} struct, a list of them a list of structs; a file that
   does not open as a table is a `DataFileError` naming it (the whole file, not one record);
 - every other file: JSON lines. Blank lines are not rows; a line that is not a JSON object (or
-  nested too deeply to parse) is a bad record ("malformed_json"), a line that is not UTF-8 one
+  nested too deeply to parse, or holding an integer too long for int()) is a bad record ("malformed_json"), a line that is not UTF-8 one
   ("invalid_encoding"); both are reported at open time and left out of the rows;
 - a file whose first non-blank character is "[" is one JSON array of objects (LLaVA's
   llava_v1_5_mix665k.json, LLaMA-Factory's and ms-swift's .json files), whatever its suffix: each
   element is a row, located by its 0-based index; an element that is not an object (or nested too
-  deeply to parse) is a bad record ("malformed_json"), one that is not UTF-8 one ("invalid_encoding"),
+  deeply to parse, or holding an integer too long for int()) is a bad record ("malformed_json"), one that is not UTF-8 one ("invalid_encoding"),
   as for a JSON line; a file that is not one JSON array (a syntax error anywhere, a truncated file)
   cannot be split into elements and is a `DataFileError` naming the file and the element where it
   breaks;
@@ -65,6 +65,8 @@ def _parse_json_line(raw: bytes, first: bool) -> dict:
         raise BadRecordError("malformed_json", str(e)) from None
     except RecursionError:
         raise BadRecordError("malformed_json", "nested too deeply for the JSON parser") from None
+    except ValueError as e:  # not a JSONDecodeError: an integer of more digits than int() converts
+        raise BadRecordError("malformed_json", str(e)) from None
     if not isinstance(obj, dict):
         raise BadRecordError("malformed_json", f"expected a JSON object, got {type(obj).__name__}")
     return obj
@@ -365,6 +367,9 @@ def _scan_json_array(file: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, li
         except RecursionError:
             errors.append((k, BadRecordError("malformed_json", f"array element {k}: nested too deeply for the JSON "
                                                                "parser")))
+            continue
+        except ValueError as e:  # not a JSONDecodeError: an integer of more digits than int() converts
+            errors.append((k, BadRecordError("malformed_json", f"array element {k}: {e}")))
             continue
         if isinstance(obj, dict):
             if columns is None:

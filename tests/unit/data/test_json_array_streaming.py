@@ -211,3 +211,19 @@ def test_fast_scan_gives_the_byte_scans_spans_and_errors(tmp_path, monkeypatch, 
         for mutant in _mutants(data, rng, 25):
             path.write_bytes(mutant)
             assert _outcome(path, True) == _outcome(path, False), mutant
+
+
+def test_a_number_too_long_for_int_is_one_bad_record_in_arrays_and_json_lines(tmp_path):
+    """json.loads refuses an integer of more digits than Python converts (ValueError, not JSONDecodeError); such an
+    element or line is one bad record, as one nested too deeply is, not a crash of the whole open."""
+    digits = "1" * 5000
+    with pytest.raises(ValueError):
+        json.loads(digits)
+    (tmp_path / "a.json").write_text('[{"a": 1}, {"a": ' + digits + '}, {"a": 2}]')
+    (tmp_path / "l.jsonl").write_text('{"a": 1}\n{"a": ' + digits + '}\n{"a": 2}\n')
+    for name, where in (("a.json", [0, 2]), ("l.jsonl", [1, 3])):
+        log = BadRecordLog()
+        rows = TableRows(tmp_path / name, bad_records=log)
+        assert [(rows.locate(i)[1], rows.row(i)) for i in range(len(rows))] == [(where[0], {"a": 1}),
+                                                                                 (where[1], {"a": 2})]
+        assert [(b.index, b.category) for b in log.entries] == [(where[0] + 1, "malformed_json")]

@@ -10,12 +10,12 @@ row the same way:
   an Image feature is its {"bytes", "path"} struct, a list of them a list of structs; a file that
   does not open as a table is a `DataFileError` naming it (the whole file, not one record);
 - every other file: JSON lines. Blank lines are not rows; a line that is not a JSON object (or
-  nested too deeply to parse) is a bad record ("malformed_json"), a line that is not UTF-8 one
+  nested too deeply to parse, or holding an integer too long for int()) is a bad record ("malformed_json"), a line that is not UTF-8 one
   ("invalid_encoding"); both are reported at open time and left out of the rows;
 - a file whose first non-blank character is "[" is one JSON array of objects (LLaVA's
   llava_v1_5_mix665k.json, LLaMA-Factory's and ms-swift's .json files), whatever its suffix: each
   element is a row, located by its 0-based index; an element that is not an object (or nested too
-  deeply to parse) is a bad record ("malformed_json"), one that is not UTF-8 one ("invalid_encoding"),
+  deeply to parse, or holding an integer too long for int()) is a bad record ("malformed_json"), one that is not UTF-8 one ("invalid_encoding"),
   as for a JSON line; a file that is not one JSON array (a syntax error anywhere, a truncated file)
   cannot be split into elements and is a `DataFileError` naming the file and the element where it
   breaks;
@@ -35,6 +35,7 @@ columns. Mapping rows to conversations is the callers' business (`[data] columns
 from __future__ import annotations
 
 import bisect
+import codecs
 import json
 import os
 import re
@@ -64,6 +65,8 @@ def _parse_json_line(raw: bytes, first: bool) -> dict:
         raise BadRecordError("malformed_json", str(e)) from None
     except RecursionError:
         raise BadRecordError("malformed_json", "nested too deeply for the JSON parser") from None
+    except ValueError as e:  # not a JSONDecodeError: an integer of more digits than int() converts
+        raise BadRecordError("malformed_json", str(e)) from None
     if not isinstance(obj, dict):
         raise BadRecordError("malformed_json", f"expected a JSON object, got {type(obj).__name__}")
     return obj
@@ -197,18 +200,29 @@ def _string_end(buf: bytes, i: int) -> int:
 
 
 class _ArrayScan:
-    """The elements of a file holding one JSON array, as (start byte, end byte, bytes), read `ARRAY_CHUNK` at a time.
+    """The elements of a file holding one JSON array, as (start byte, end byte, bytes, value), read `ARRAY_CHUNK` at a
+    time.
 
     Why not `json.load`: a multi-GB annotation file decoded whole costs several times its size on every rank, only to
-    learn where each element starts and ends. The scan tracks strings, escapes and bracket depth in the bytes, so only
-    a window of the file and the current element are held; each element is parsed on its own by the caller. The
-    split is byte-safe in any encoding compatible with ASCII (a byte >= 0x80 is never a quote, a backslash, a bracket
-    or a comma). Splitting at the wrong place (unbalanced brackets) cannot go unseen: the pieces then do not each
-    parse as one JSON value. `broken(k, why)` is the DataFileError for a file that is not one array (k: the element
-    where it breaks)."""
+    learn where each element starts and ends. Only a window of the file and the current element are held.
 
-    def __init__(self, file: Path):
+    Two ways to find an element's end, both over the window:
+    - fast (the default): the window is decoded and `JSONDecoder.raw_decode` parses one element at C speed, which
+      also gives its end; the element is yielded parsed (bytes None), its byte span being the UTF-8 length of the text
+      it took. It is trusted only when a "," or "]" follows it inside the decoded text;
+    - byte scan (`_byte_element`): strings, escapes and bracket depth tracked in the bytes, the element yielded as
+      bytes for the caller to parse. Splitting there is byte-safe in any encoding compatible with ASCII (a byte >= 0x80
+      is never a quote, a backslash, a bracket or a comma), and a wrong split (unbalanced brackets) cannot go unseen:
+      the pieces then do not each parse as one JSON value.
+    Whatever the fast way does not take (the element cut by the window's end, or longer than a window, bytes that are
+    not UTF-8, a syntax error, nesting too deep, the empty array) is read again by the byte scan, which reads on as
+    needed, and the fast way resumes after it. Errors and bad records are thus exactly the byte scan's, and on valid
+    JSON both ways give the same spans. `fast=False` uses only the byte scan (the reference the tests compare with).
+    `broken(k, why)` is the DataFileError for a file that is not one array (k: the element where it breaks)."""
+
+    def __init__(self, file: Path, fast: bool = True):
         self.file = file
+        self.fast = fast
         self.k = 0
         """The index of the element being read (of the next one, between elements)."""
 
@@ -216,7 +230,7 @@ class _ArrayScan:
         return DataFileError(f"{self.file}: not one JSON array (read as one since it starts with '['), at element {k}: "
                              f"{why}")
 
-    def __iter__(self) -> Iterator[tuple[int, int, bytes]]:
+    def __iter__(self) -> Iterator[tuple[int, int, Optional[bytes], Any]]:
         with open(self.file, "rb") as f:
             buf, base = f.read(max(ARRAY_CHUNK, 3)), 0  # the bytes held and the file offset of buf[0]
             if buf.startswith(b"\xef\xbb\xbf"):
@@ -229,54 +243,104 @@ class _ArrayScan:
                 buf, base, pos = more, base + len(buf), len(more) - len(more.lstrip(_JSON_WS))
             if buf[pos:pos + 1] != b"[":
                 raise self.broken(0, "no '['")
-            pos += 1
-            elem = pos  # where the current element's bytes begin: just after the "[" or its ","
-            depth = 0  # bracket depth inside the current element
-            value = b""  # the current element's bytes
-            search = _STRUCTURE.search
-            while True:
-                m = search(buf, pos)
-                at = len(buf) if m is None else m.start()
-                t = buf[at] if m is not None else -1
-                if t == 0x22:  # '"': a string, whose brackets and commas are text
-                    end = _string_end(buf, at)
-                    if end > 0:
-                        pos = end
-                        continue
-                if t == -1 or t == 0x22:  # nothing more in this window, or a string that does not end in it
-                    more = f.read(max(ARRAY_CHUNK, len(buf) - elem))  # doubles for an element longer than a window
-                    if not more:
-                        raise self.broken(self.k, "the file ends inside the array")
-                    buf, base, pos, elem = buf[elem:] + more, base + elem, at - elem, 0  # from the string's quote
-                    continue
-                pos = at + 1
-                if t in b"[{":
-                    depth += 1
-                    continue
-                if depth:  # a comma or closing bracket inside the element
-                    if t != 0x2C:
-                        depth -= 1
-                    continue
-                if t == 0x7D:  # "}" at depth 0: left for the element's parse to refuse
-                    continue
-                raw = buf[elem:at]
-                value = raw.strip(_JSON_WS)
-                if value:
-                    lead = len(raw) - len(raw.lstrip(_JSON_WS))
-                    yield base + elem + lead, base + elem + lead + len(value), value
-                elif t == 0x2C or self.k:  # "[," / ",," / ", ]"; "[ ]" is the empty array
-                    raise self.broken(self.k, "expected a value")
+            pos += 1  # from here on, pos is where the next element's bytes begin: just after the "[" or its ","
+            nonempty = False
+            closed = False
+            while not closed:
+                if self.fast:
+                    text = _decoded_prefix(memoryview(buf)[pos:])
+                    ascii_text = text.isascii()
+                    c = 0  # the character text[c] begins at byte buf[pos]
+                    while True:
+                        s = _ws_end(text, c).end()  # type: ignore[union-attr]  # "[ \t\n\r]*" always matches
+                        try:
+                            value, e = _raw_decode(text, s)
+                        except (ValueError, RecursionError):
+                            break
+                        t = _ws_end(text, e).end()  # type: ignore[union-attr]
+                        if t == len(text) or text[t] not in ",]":
+                            break
+                        start = pos + s - c
+                        end = start + (e - s if ascii_text else len(text[s:e].encode("utf-8")))
+                        yield base + start, base + end, None, value
+                        del value
+                        nonempty = True
+                        pos, c = end + t - e + 1, t + 1
+                        if text[t] == "]":
+                            closed = True
+                            break
+                        self.k += 1
+                    del text
+                    if closed:
+                        break
+                buf, base, pos, span, t = self._byte_element(f, buf, base, pos)
+                if span is not None:
+                    yield span[0], span[1], span[2], None
+                    nonempty = True
                 if t == 0x5D:  # "]": the array's end
                     break
                 self.k += 1
-                elem = pos
             rest = buf[pos:]
             while True:  # read to the end even when the window ends just at the ']'
                 if rest.strip(_JSON_WS):
-                    raise self.broken(self.k + 1 if value else 0, "more data after the closing ']'")
+                    raise self.broken(self.k + 1 if nonempty else 0, "more data after the closing ']'")
                 rest = f.read(ARRAY_CHUNK)
                 if not rest:
                     break
+
+    def _byte_element(self, f, buf: bytes, base: int, pos: int
+                      ) -> tuple[bytes, int, int, Optional[tuple[int, int, bytes]], int]:
+        """The element whose bytes begin at buf[pos], by the byte scan: (buf, base, pos just past its "," or "]",
+        (start byte, end byte, bytes) or None for the empty array's nothing, the "," or "]"), reading on as needed."""
+        elem = pos  # where the element's bytes begin
+        depth = 0  # bracket depth inside the element
+        search = _STRUCTURE.search
+        while True:
+            m = search(buf, pos)
+            at = len(buf) if m is None else m.start()
+            t = buf[at] if m is not None else -1
+            if t == 0x22:  # '"': a string, whose brackets and commas are text
+                end = _string_end(buf, at)
+                if end > 0:
+                    pos = end
+                    continue
+            if t == -1 or t == 0x22:  # nothing more in this window, or a string that does not end in it
+                more = f.read(max(ARRAY_CHUNK, len(buf) - elem))  # doubles for an element longer than a window
+                if not more:
+                    raise self.broken(self.k, "the file ends inside the array")
+                buf, base, pos, elem = buf[elem:] + more, base + elem, at - elem, 0  # from the string's quote
+                continue
+            pos = at + 1
+            if t in b"[{":
+                depth += 1
+                continue
+            if depth:  # a comma or closing bracket inside the element
+                if t != 0x2C:
+                    depth -= 1
+                continue
+            if t == 0x7D:  # "}" at depth 0: left for the element's parse to refuse
+                continue
+            raw = buf[elem:at]
+            value = raw.strip(_JSON_WS)
+            if value:
+                lead = len(raw) - len(raw.lstrip(_JSON_WS))
+                return buf, base, pos, (base + elem + lead, base + elem + lead + len(value), value), t
+            if t == 0x2C or self.k:  # "[," / ",," / ", ]"; "[ ]" is the empty array
+                raise self.broken(self.k, "expected a value")
+            return buf, base, pos, None, t
+
+
+def _decoded_prefix(data: memoryview) -> str:
+    """The longest prefix of `data` that is whole UTF-8 characters, decoded: a character cut by the window's end or
+    a byte that is not UTF-8 ends it (what follows is left to the next window or to the byte scan)."""
+    try:
+        return codecs.utf_8_decode(data, "strict", False)[0]  # not final: a cut character at the end is left out
+    except UnicodeDecodeError as e:
+        return codecs.utf_8_decode(data[:e.start], "strict", False)[0]
+
+
+_ws_end = re.compile(r"[ \t\n\r]*").match
+_raw_decode = json.JSONDecoder().raw_decode
 
 
 def _scan_json_array(file: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str],
@@ -289,10 +353,11 @@ def _scan_json_array(file: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, li
     errors: list[tuple[int, BadRecordError]] = []
     columns: Optional[list[str]] = None
     scan = _ArrayScan(file)
-    for start, end, raw in scan:
+    for start, end, raw, obj in scan:
         k = scan.k
         try:
-            obj = json.loads(raw.decode("utf-8"))
+            if raw is not None:  # not parsed by the scan
+                obj = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
             errors.append((k, BadRecordError("invalid_encoding", f"array element {k}: not valid UTF-8: {e.reason} at "
                                                                  f"byte {start + e.start}")))
@@ -302,6 +367,9 @@ def _scan_json_array(file: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, li
         except RecursionError:
             errors.append((k, BadRecordError("malformed_json", f"array element {k}: nested too deeply for the JSON "
                                                                "parser")))
+            continue
+        except ValueError as e:  # not a JSONDecodeError: an integer of more digits than int() converts
+            errors.append((k, BadRecordError("malformed_json", f"array element {k}: {e}")))
             continue
         if isinstance(obj, dict):
             if columns is None:

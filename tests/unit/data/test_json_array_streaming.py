@@ -8,6 +8,7 @@ memory of opening a generated file of tens of MB is measured with tracemalloc.
 """
 from __future__ import annotations
 
+import functools
 import json
 import random
 import tracemalloc
@@ -162,3 +163,67 @@ def test_data_after_the_array_is_refused_when_the_window_ends_at_its_bracket(tmp
     (tmp_path / "two.json").write_text(text)
     with pytest.raises(DataFileError, match="more data after the closing"):
         TableRows(tmp_path / "two.json")
+
+
+def _outcome(path, fast):
+    """What opening the file gives with the fast scan or with the byte scan alone: every good element's index and
+    byte span, the columns and the bad records, or the DataFileError's message."""
+    scan = table_rows._ArrayScan
+    try:
+        table_rows._ArrayScan = functools.partial(scan, fast=fast)
+        indices, starts, ends, columns, errors = table_rows._scan_json_array(path)
+    except DataFileError as e:
+        return str(e)
+    finally:
+        table_rows._ArrayScan = scan
+    return (indices.tolist(), starts.tolist(), ends.tolist(), columns,
+            [(k, e.category, e.detail) for k, e in errors])
+
+
+def _mutants(data, rng, n):
+    """`data` with one byte deleted, inserted or replaced, n times: structure, escapes, whitespace, a byte that is
+    not UTF-8, a lone UTF-8 lead byte, and digits that run a number on."""
+    odd = [b"[", b"]", b"{", b"}", b",", b'"', b"\\", b" ", b"\n", b"\xff", b"\xe6", b"7", b":"]
+    for _ in range(n):
+        i = rng.randrange(len(data))
+        how = rng.randrange(3)
+        yield data[:i] + (b"" if how == 0 else rng.choice(odd)) + data[i + (how != 1):]
+
+
+@pytest.mark.parametrize("chunk", [16, 37, 100, 1 << 20])
+def test_fast_scan_gives_the_byte_scans_spans_and_errors(tmp_path, monkeypatch, chunk):
+    """Parsing each element with raw_decode over a decoded window gives what the byte scan alone gives: the same
+    spans on valid files (both equal to json.load's rows), and on mutated ones the same bad records or the same
+    DataFileError, wherever the windows end (multi-byte characters and elements cut by them)."""
+    monkeypatch.setattr(table_rows, "ARRAY_CHUNK", chunk)
+    rng = random.Random(chunk)
+    path = tmp_path / "m.json"
+    files = [text.encode() for text in _layouts(TRICKY).values()]
+    for n in range(8):
+        values = [_random_value(rng, 1) if rng.random() < .2 else {"i": n, "v": _random_value(rng)}
+                  for _ in range(rng.randrange(1, 8))]
+        files.append(_layouts(values)[rng.choice(["compact", "pretty", "escaped", "spaced", "tight"])].encode())
+    for data in files:
+        path.write_bytes(data)
+        fast = _outcome(path, True)
+        assert fast == _outcome(path, False)
+        assert _rows(path) == _reference(path)
+        for mutant in _mutants(data, rng, 25):
+            path.write_bytes(mutant)
+            assert _outcome(path, True) == _outcome(path, False), mutant
+
+
+def test_a_number_too_long_for_int_is_one_bad_record_in_arrays_and_json_lines(tmp_path):
+    """json.loads refuses an integer of more digits than Python converts (ValueError, not JSONDecodeError); such an
+    element or line is one bad record, as one nested too deeply is, not a crash of the whole open."""
+    digits = "1" * 5000
+    with pytest.raises(ValueError):
+        json.loads(digits)
+    (tmp_path / "a.json").write_text('[{"a": 1}, {"a": ' + digits + '}, {"a": 2}]')
+    (tmp_path / "l.jsonl").write_text('{"a": 1}\n{"a": ' + digits + '}\n{"a": 2}\n')
+    for name, where in (("a.json", [0, 2]), ("l.jsonl", [1, 3])):
+        log = BadRecordLog()
+        rows = TableRows(tmp_path / name, bad_records=log)
+        assert [(rows.locate(i)[1], rows.row(i)) for i in range(len(rows))] == [(where[0], {"a": 1}),
+                                                                                 (where[1], {"a": 2})]
+        assert [(b.index, b.category) for b in log.entries] == [(where[0] + 1, "malformed_json")]

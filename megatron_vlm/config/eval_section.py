@@ -19,6 +19,8 @@ __all__ = ["EvalConfig", "BenchmarkConfig", "BENCHMARK_FORMATS", "VERIFIERS", "M
 
 BENCHMARK_FORMATS = ("geometry3k", "mathvista", "mathvision", "logicvista", "mmmu", "messages", "columns")
 VERIFIERS = ("auto", "math", "choice", "exact_match", "short_answer")
+AUTO_WITHOUT_MATH = ("logicvista",)
+"""Formats whose "auto" verifier is never math (eval/benchmarks.py FORMATS: choice with or without options)."""
 MIN_PROMPT_TOKENS = 16
 """The least prompt budget (data.max_tokens_per_pack - eval.max_new_tokens) an evaluation accepts."""
 
@@ -38,7 +40,8 @@ class BenchmarkConfig:
     columns: dict[str, str] = field(default_factory=dict)
     """Our field -> column, overriding the preset's: question, answer, images (a list or one image),
     choices (a list of option texts), id, precision (decimal places a float answer is rounded to before the math
-    verifier compares it, MathVista's rule; null = none; read for rows whose `answer_type` is absent or "float")."""
+    verifier compares it, MathVista's rule; null = none; read for rows whose `answer_type` is absent or "float"; refused
+    with a verifier that is never math: choice, exact_match, short_answer, or "auto" on logicvista)."""
     verifier: Literal["auto", "math", "choice", "exact_match", "short_answer"] = "auto"
     """Scorer: "auto" = the format's (choice for rows with options, else math; short_answer for
     messages), or one of the verifiers for every row."""
@@ -60,6 +63,14 @@ class BenchmarkConfig:
         unknown = sorted(set(self.columns) - allowed)
         if unknown:
             raise ValueError(f"columns: unknown key {unknown[0]!r}; allowed: {sorted(allowed)}")
+        if "precision" in self.columns:  # read by the math verifier alone (eval/benchmarks.py `_precision`)
+            if self.verifier not in ("auto", "math"):
+                raise ValueError(f"columns.precision: only the math verifier reads it, and verifier = "
+                                 f"{self.verifier!r} scores every row; remove the key or use verifier = 'math'")
+            if self.verifier == "auto" and self.format in AUTO_WITHOUT_MATH:
+                raise ValueError(f"columns.precision: format {self.format!r} scores every row with the choice "
+                                 "verifier (verifier = 'auto'), which does not read it; remove the key or use "
+                                 "verifier = 'math'")
         if self.format == "columns" and not {"question", "answer"} <= set(self.columns):
             raise ValueError("columns: format 'columns' needs at least question and answer columns")
         if self.format == "messages" and self.columns:

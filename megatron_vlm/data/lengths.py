@@ -18,7 +18,7 @@ is rewritten when a record changed.
 
 At a million records the pass costs minutes of a core (about a millisecond per record: template
 rendering, tokenisation and image headers in roughly equal parts), so it is spread out: over
-`data.num_workers` forked processes (chunks of records in order, results concatenated), and, where all
+`data.num_workers` worker processes (chunks of records in order, results concatenated), and, where all
 ranks build the loader together (the trainers' train loaders: `split_over_ranks`), over the ranks, each
 estimating 1 / world of the records before an all-gather of the lengths and bad records. Either way
 the array and the bad-record list equal the serial pass's, so a bad record is still found once per
@@ -27,6 +27,11 @@ global rank 0 (its view is broadcast so every rank computes the same remainder) 
 alone, atomically. A pool worker that dies mid-chunk (the out-of-memory killer, a stop signal sent to every
 process) stops the pass with `LengthEstimateError` naming `data.num_workers`, rather than leaving the rank
 waiting for that chunk forever.
+
+The pass's workers start from the DataLoader workers' fork server (worker_start.py), not forked from the rank: the
+process group's threads are up by now, and a child forked beside them can deadlock inside fork itself, leaving the
+rank waiting at start. So the source and processor reach each worker pickled (an unpicklable one is an error
+naming `data.num_workers`), and a worker ends when its rank does.
 
 A record that raises something other than an Exception (a Rust tokenizer's panic arrives as pyo3's
 PanicException, a BaseException) is no bad record to count: it stops the pass as `LengthEstimateError`
@@ -41,9 +46,11 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import signal
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Optional
 
@@ -53,6 +60,7 @@ from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpect
 from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
 from megatron_vlm.data.processing import estimate_length_and_class
 from megatron_vlm.data.processor import VLProcessor
+from megatron_vlm.data.worker_start import exit_with_rank, worker_context
 from megatron_vlm.stop_signals import leave_stop_signals_to_the_rank
 
 __all__ = ["compute_lengths", "compute_lengths_and_classes", "compute_length_slice", "lengths_cache_key", "LengthEstimateError"]
@@ -126,18 +134,23 @@ def _estimate(source, proc: VLProcessor, indices: list, **options) -> tuple[np.n
 _POOL_CHUNK = 256
 """Records per task of the worker pool: big enough that the pickled results cost little, small enough to balance."""
 
-_pool_job: Optional[tuple] = None  # (source, proc, options) inherited by the forked pool workers
+_pool_job: Optional[tuple] = None  # (source, proc, options), set in each pool worker by `_pool_init`
 
 
-def _pool_init() -> None:
+def _pool_init(job: tuple, rank_pid: int) -> None:
+    """First thing in a worker of the pass: keep the job (it came pickled, once per worker), end with the rank."""
+    global _pool_job
     import torch
 
-    torch.set_num_threads(1)  # a worker renders and tokenises; one thread each
-    # TERM ends a worker (whatever handler the rank had when it forked): the executor ends the others with it when
-    # one died, and before the first step there is no checkpoint for a rank to save. Ctrl-C is the main process's.
+    # TERM ends a worker: the executor ends the others with it when one died, and before the first step there is no
+    # checkpoint for a rank to save. Set explicitly: the worker server ignores TERM (worker_server.py) and a worker
+    # it forks inherits that. USR1 (a SLURM stop request to every process) is the rank's; so is Ctrl-C.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    leave_stop_signals_to_the_rank(term=False)  # USR1 (a SLURM stop request to every process) is the rank's
+    leave_stop_signals_to_the_rank(term=False)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_rank(rank_pid)  # forked by the server, not the rank: nothing else ends it when the rank is killed
+    torch.set_num_threads(1)  # a worker renders and tokenises; one thread each
+    _pool_job = job
 
 
 def _pool_task(task: tuple[int, list]) -> tuple[np.ndarray, list]:
@@ -148,20 +161,35 @@ def _pool_task(task: tuple[int, list]) -> tuple[np.ndarray, list]:
     return out, [(start + k, b) for k, b in bad]
 
 
+def _pool_context(job: tuple, num_workers: int) -> Optional[BaseContext]:
+    """The worker server's context (worker_start.py: a child forked from a rank that runs threads can deadlock inside
+    fork itself), plain fork where the platform has no server, None where it has neither. The job must pickle."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
+    try:
+        pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:
+        raise LengthEstimateError(
+            f"data.num_workers = {num_workers}: the length pass's workers start from a worker server and receive the "
+            f"record source and processor pickled, and these cannot be ({type(e).__name__}: {e}); make what they hold "
+            "picklable, or set data.num_workers = 0 to estimate the lengths in the rank's own process") from e
+    return worker_context(job)
+
+
 def _pooled_slice(source, proc: VLProcessor, indices: list, num_workers: int, options: dict) -> tuple[np.ndarray, list]:
-    """`_estimate` over `num_workers` forked processes (chunks in order, so the result is identical)."""
-    global _pool_job
-    usable = (num_workers > 0 and len(indices) > _POOL_CHUNK and "fork" in mp.get_all_start_methods()
+    """`_estimate` over `num_workers` worker processes (chunks in order, so the result is identical)."""
+    usable = (num_workers > 0 and len(indices) > _POOL_CHUNK
               and not mp.current_process().daemon)  # a daemonic process (a DataLoader worker) cannot have children
-    if not usable:
+    job = (source, proc, options)
+    ctx = _pool_context(job, num_workers) if usable else None
+    if ctx is None:
         return _estimate(source, proc, indices, **options)
     chunks = [(s, indices[s:s + _POOL_CHUNK]) for s in range(0, len(indices), _POOL_CHUNK)]
-    _pool_job = (source, proc, options)  # forked, not pickled: the source and processor need not be picklable
     workers = min(num_workers, len(chunks))
     try:
         # an executor, not multiprocessing.Pool: Pool.map waits forever for the chunk of a worker that died (the
         # OOM killer, a stop signal sent to every process); the executor notices the death and raises
-        pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"), initializer=_pool_init)
+        pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_pool_init, initargs=(job, os.getpid()))
         try:
             parts = list(pool.map(_pool_task, chunks))
         except BaseException:
@@ -173,8 +201,6 @@ def _pooled_slice(source, proc: VLProcessor, indices: list, num_workers: int, op
             f"planning lengths: a worker process of the pass (data.num_workers = {num_workers}) ended abruptly "
             "(killed by the out-of-memory killer, or by a stop signal sent to every process); set "
             "data.num_workers = 0 to estimate the lengths in the rank's own process") from None
-    finally:
-        _pool_job = None
     return np.concatenate([p[0] for p in parts]), [b for p in parts for b in p[1]]
 
 
@@ -226,7 +252,7 @@ def compute_lengths_and_classes(source, proc: VLProcessor, *, max_frames: int, f
     [len(source)]: each record's pack class, `processing.pack_class`: 0 joins any pack, records of two other
     classes cannot share one).
 
-    `num_workers` > 0: the records are estimated by that many forked worker processes (`data.num_workers`).
+    `num_workers` > 0: the records are estimated by that many worker processes (`data.num_workers`).
     `split_over_ranks`: every rank of the default process group calls this together (a collective): each
     estimates 1 / world of the records, then the lengths and bad records are all-gathered, so every rank
     returns the same array and bad-record list as the serial pass; global rank 0 alone reads the cache

@@ -7,7 +7,7 @@
 
 Each item is one pack (see packing.py): input_ids / labels [1, T] (labels shifted), cu_seqlens,
 the vision tensors, num_samples, num_label_tokens. Planning happens in the main process from the
-cached per-sample lengths (computed by `data.num_workers` forked processes, and with `split_over_ranks`
+cached per-sample lengths (computed by `data.num_workers` worker processes, and with `split_over_ranks`
 1 / world of them on each rank) (plan.py: the global pack stream is the same for any world size, rank r
 takes packs r, r + dp, ...); the worker processes of a torch DataLoader (batch_size=None) only
 load and process the samples of this rank's packs (`[data] loader_timeout_s` is their DataLoader

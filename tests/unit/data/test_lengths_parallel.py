@@ -5,12 +5,13 @@ several kinds; the length cache stays one file."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
 
 import megatron_vlm.data.lengths as lengths_mod
-from megatron_vlm.data.bad_records import BadRecordLog
+from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.data.lengths import compute_length_slice, compute_lengths
 from megatron_vlm.data.sources import open_split
@@ -163,3 +164,37 @@ def test_a_record_that_cannot_be_located_is_a_counted_bad_record():
     assert [(b.source, b.index, b.category) for b in bad.entries] == [
         ("(record not located)", 1, "unexpected_error"), ("part-0.jsonl", 1, "unexpected_error")]
     assert "part-1.jsonl" in bad.entries[0].detail
+
+
+class _ParentReporting:
+    """A source whose every record is a bad record naming the pid of the process that estimated it and its parent."""
+
+    def __len__(self):
+        return 2 * lengths_mod._POOL_CHUNK
+
+    def locate(self, i):
+        return ("parent.jsonl", i)
+
+    def get(self, i):  # noqa: ARG002
+        raise BadRecordError("invalid_record", f"{os.getpid()} {os.getppid()}")
+
+
+def test_the_pool_workers_are_not_forked_from_the_rank():
+    """A child forked from a rank that runs threads (gloo, a TensorBoard writer) can deadlock inside fork itself;
+    the pass's workers come from the worker server (worker_start.py), which forks them from its one thread."""
+    bad = BadRecordLog()
+    compute_lengths(_ParentReporting(), None, max_frames=4, bad_records=bad, num_workers=2)
+    pids = {tuple(int(p) for p in b.detail.split()) for b in bad.entries}
+    assert len(bad.entries) == 2 * lengths_mod._POOL_CHUNK and pids
+    assert all(pid != os.getpid() and ppid != os.getpid() for pid, ppid in pids), pids
+
+
+class _Unpicklable(_ParentReporting):
+    def __init__(self):
+        self.hook = lambda: None  # a lambda does not pickle
+
+
+def test_an_unpicklable_source_is_an_error_naming_the_key():
+    with pytest.raises(lengths_mod.LengthEstimateError, match=r"data.num_workers = 2: .*pickled.*data.num_workers = 0"):
+        compute_lengths(_Unpicklable(), None, max_frames=4, num_workers=2)
+    assert compute_lengths(_Unpicklable(), None, max_frames=4, num_workers=0).tolist() == [-1] * len(_Unpicklable())

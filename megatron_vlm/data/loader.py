@@ -92,9 +92,14 @@ checks only when a wait ends, and one wait of `data.loader_timeout_s` would leav
 long."""
 
 
-def _loader_timeout(timeout_s: float) -> float:
-    """The DataLoader's own `timeout`: one slice of the wait (0: torch slices the endless wait itself)."""
-    return min(float(timeout_s), LIVENESS_CHECK_S) if timeout_s else 0.0
+def _worker_kwargs(dataset: Dataset, num_workers: int, prefetch_factor: int, timeout_s: float) -> dict:
+    """The DataLoader arguments of a loader with workers (none without): started from the worker server, each with
+    this rank's init, and a `timeout` of one slice of the wait (0: torch slices the endless wait itself)."""
+    if not num_workers:
+        return {}
+    return {"prefetch_factor": prefetch_factor, "worker_init_fn": _worker_init_fn(),
+            "timeout": min(float(timeout_s), LIVENESS_CHECK_S) if timeout_s else 0.0,
+            "multiprocessing_context": worker_context(dataset)}
 
 
 def _explain_timeout(loader: DataLoader, timeout_s: float, split: str) -> Iterator:
@@ -231,10 +236,7 @@ class SFTDataLoader:
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[dict]:
         sampler = _RankSampler(self.planner, self.dp_rank, self.dp_size, self._consumed)
-        kwargs = {}
-        if self.num_workers > 0:
-            kwargs = {"prefetch_factor": self.prefetch_factor, "worker_init_fn": _worker_init_fn(),
-                      "timeout": _loader_timeout(self.timeout_s), "multiprocessing_context": worker_context(self.dataset)}
+        kwargs = _worker_kwargs(self.dataset, self.num_workers, self.prefetch_factor, self.timeout_s)
         # generator: each DataLoader iterator draws its base seed from it instead of the global torch RNG,
         # so creating the iterator after a resume does not shift the RNG that training dropout draws from
         loader = DataLoader(self.dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers,
@@ -433,9 +435,7 @@ class EvalDataLoader:
         return len(self.keys)
 
     def __iter__(self) -> Iterator[dict]:
-        kwargs = {"prefetch_factor": self.prefetch_factor, "worker_init_fn": _worker_init_fn(),
-                  "timeout": _loader_timeout(self.timeout_s), "multiprocessing_context": worker_context(self.dataset)
-                  } if self.num_workers else {}
+        kwargs = _worker_kwargs(self.dataset, self.num_workers, self.prefetch_factor, self.timeout_s)
         loader = DataLoader(self.dataset, batch_size=None, sampler=self.keys,
                             num_workers=min(self.num_workers, max(1, len(self.keys))) if self.num_workers else 0,
                             collate_fn=_identity, **kwargs)

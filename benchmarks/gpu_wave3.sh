@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_wave3.sh [sections]      # default: sft decode attn decode_attn segv (the first pass)
 # A section name it does not know stops it at once (exit 2), before anything runs.
 # Next lease (what the fifth run, H200 2026-11-28, left open: which compiled 16k setting fits an 80 GB H100 and its
-# MFU, sft80; the compiled 16k step on torch's flash varlen attention, now `auto` on CUDA, against ours, sft16k),
+# MFU, sft80, first with bf16 AdamW moments after their Triton kernel's tests, compiled; the compiled 16k step on
+# torch's flash varlen attention, now `auto` on CUDA, against ours, sft16k),
 # two commands of <= 560 s each (BUDGET_S=560, run's timeout_s 600); what the first skips for budget, the second runs:
 #   BUDGET_S=560 bash benchmarks/gpu_wave3.sh sft80
 #   BUDGET_S=560 bash benchmarks/gpu_wave3.sh sft16k
@@ -109,6 +110,12 @@ if want sft80; then
   MEM_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
   if [[ "$MEM_MIB" =~ ^[0-9]+$ ]] && (( MEM_MIB > 100000 )); then CAP=(--memory-cap-gib 79); fi
   TS=benchmarks/e2e/bench_train_step.py
+  step adamw_bf16_kernel_tests 90 $PY -m pytest -q -p no:randomly tests/unit/kernels/test_triton_adamw.py \
+    tests/unit/training/test_adamw_bf16.py
+  # AdamW's moments in bf16 (optimizer.moments_dtype = "bf16", our fused Triton step): 14 GiB fewer optimizer states,
+  # so the fifth run's 40.4 % setting (selective + compiled, 16k) should fit as it is (--check: 78.3 GiB of 79.2)
+  step sft80_sel16k_bf16m 150 $PY $TS --steps 3 --tokens 16384 --samples 8 --ac selective --compile --moments bf16 \
+    ${CAP[@]+"${CAP[@]}"} --profile "$R/sft80_sel16k_bf16m_profile.json" --json "$R/sft80_sel16k_bf16m.json"
   step sft80_mixed38 150 $PY $TS --steps 3 --tokens 16384 --samples 8 --ac selective --ac-full-blocks 38 --compile \
     ${CAP[@]+"${CAP[@]}"} --profile "$R/sft80_mixed38_profile.json" --json "$R/sft80_mixed38.json"
   step sft80_mixed44 110 $PY $TS --steps 3 --tokens 16384 --samples 8 --ac selective --ac-full-blocks 44 --compile \

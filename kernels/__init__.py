@@ -36,6 +36,7 @@ __all__ = [
     "grouped_mm",
     "moe_unpermute",
     "moe_topk_gating",
+    "adamw_bf16_moments",
     "configure",
     "use_backends",
     "register_backend",
@@ -164,3 +165,12 @@ def moe_topk_gating(logits: torch.Tensor, top_k: int, **kwargs):
     score_func, bias, n_group, topk_group, norm_topk_prob, routed_scaling_factor (reference/moe_routing.py)."""
     return DEFAULT_REGISTRY.resolve("moe_topk_gating", logits)(logits, top_k, **kwargs)
 
+
+def adamw_bf16_moments(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, *, lr: float, beta1: float,
+                       beta2: float, eps: float, weight_decay: float, step: int, seed: int) -> None:
+    """One AdamW update in place of fp32 `params` with bf16 moments, rounded stochastically (contract:
+    `kernels/reference/adamw.py`); the backend is chosen by the first parameter's device."""
+    if params:
+        fn = DEFAULT_REGISTRY.resolve("adamw_bf16_moments", params[0])
+        fn(params, grads, exp_avgs, exp_avg_sqs, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+           step=step, seed=seed)

@@ -65,6 +65,11 @@ def register_builtin_ops(registry) -> None:
     )
     for op, module in MAMBA_MOE_OPS:
         register(op, "torch", f"reference.{module}:{op}", auto_devices=everywhere)
+    # AdamW with bf16 moments (optimizer.moments_dtype = "bf16"): the torch reference everywhere, our fused Triton
+    # pass on CUDA (one read and write of each tensor; kernels/reference/adamw.py has the contract)
+    register("adamw_bf16_moments", "torch", "reference.adamw:adamw_bf16_moments", auto_devices=everywhere)
+    register("adamw_bf16_moments", "triton", "triton.adamw:adamw_bf16_moments", check=triton_check,
+             auto_devices=("cuda",), priority=10)
     # experimental: not yet run on a GPU (kernels/thirdparty/causal_conv1d.py says what falls back and why)
     register(
         "causal_conv1d", "causal_conv1d", "thirdparty.causal_conv1d:causal_conv1d",

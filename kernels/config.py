@@ -43,6 +43,9 @@ class KernelsConfig:
     """MoE un-permutation with routing-weight combine: auto | torch | triton | npu."""
     moe_topk_gating: str = "auto"
     """MoE router gating (softmax / sigmoid + bias, grouped top-k): auto | torch | csrc."""
+    adamw_bf16_moments: str = "auto"
+    """The AdamW step with bf16 moments (`optimizer.moments_dtype = "bf16"`): auto | torch (torch ops, any device;
+    auto off CUDA) | triton (one fused pass per parameter tensor; auto on CUDA)."""
     moe_ep_dispatch: str = "auto"
     """Expert-parallel token dispatch / combine (parallel.ep > 1): auto | torch (all_to_all_single) | deep_ep (DeepEP's Buffer.dispatch / combine on CUDA, bf16; experimental: not yet run on a GPU)."""
 

@@ -32,7 +32,7 @@ from megatron_vlm.config.stage_configs import stage_configs
 from megatron_vlm.inference.kv_budget import rollout_prompts_for_budget
 from megatron_vlm.parallel.apply import ac_policy
 from megatron_vlm.parallel.tensor_parallel import TPError, check_tp_divides
-from megatron_vlm.plan.memory import GiB, ceil_div, estimate_memory, gib, model_shape, pipeline_stage_params
+from megatron_vlm.plan.memory import GiB, ceil_div, estimate_memory, gib, model_shape, moment_bytes, pipeline_stage_params
 from megatron_vlm.plan.routes import routes_plan
 from megatron_vlm.plan.side_models import SideModelRefused, side_models_plan
 from megatron_vlm.rl.asynchronous.allocation import parse_allocation
@@ -290,7 +290,8 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
                           activation_checkpointing=True if evaluating else cfg.train.activation_checkpointing,
                           rollout_prompts=0 if rollout_ranks else rollout_prompts, group_size=group, tp=tp,
                           kv_slots=kv_slots, ep=cfg.parallel.ep, routes_bytes=0.0 if rollout_ranks else routes_bytes,
-                          rollout_weights=cfg.rl.rollout.weights if grpo and cfg.rl.rollout_backend == "builtin" else "shared")
+                          rollout_weights=cfg.rl.rollout.weights if grpo and cfg.rl.rollout_backend == "builtin" else "shared",
+                          moment_bytes=moment_bytes(cfg))
     if rollout_ranks:
         lines += rollout_rank_lines(cfg, shape, compute_bytes=compute, batch_prompts=rollout_prompts, group=group,
                                     tokens=tokens, kv_slots=kv_slots, routes_bytes=routes_bytes,
@@ -326,9 +327,13 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         + (f" (with the DPO reference copy {gib(reference_bytes)})" if reference_bytes else "")
         + (f" (with the critic / reward models {gib(side_bytes)})" if side_bytes else ""),
     ]
-    if mem.peak + reference_bytes + side_bytes > device_memory_gib * GiB:
-        raise CheckFailed(_key_to_change(cfg, mem, side_bytes), f"estimated peak {gib(mem.peak + reference_bytes + side_bytes)} per rank exceeds the device's "
-                                                    f"{device_memory_gib:g} GiB (plan on stdout)", lines)
+    excess = mem.peak + reference_bytes + side_bytes - device_memory_gib * GiB
+    if excess > 0:
+        key = _key_to_change(cfg, mem, side_bytes, excess)
+        hint = (f"; bf16 moments (optimizer.moments_dtype = \"bf16\") take {gib(mem.optimizer / 2)} less"
+                if key == "optimizer.moments_dtype" else "")
+        raise CheckFailed(key, f"estimated peak {gib(mem.peak + reference_bytes + side_bytes)} per rank exceeds the device's "
+                               f"{device_memory_gib:g} GiB{hint} (plan on stdout)", lines)
     if grpo and not rollout_ranks:
         lines += copy_hint(cfg, shape.params * compute, mem.peak + reference_bytes + side_bytes, device_memory_gib)
     return lines
@@ -413,7 +418,8 @@ def rollout_copy_lines(cfg, mem, shape) -> list[str]:
             f"routes {gib(mem.routes)})"]
 
 
-def _key_to_change(cfg, mem, side_bytes: float = 0.0) -> str:
+def _key_to_change(cfg, mem, side_bytes: float = 0.0, excess: float = 0.0) -> str:
+    """The config key whose change most directly brings the plan under the device's memory (`excess` bytes over)."""
     if cfg.train.mode == "eval":
         return "eval.batch_size" if mem.kv_cache > mem.static else "parallel.dp_shard"
     if side_bytes > max(mem.static, mem.activations, mem.kv_cache) and cfg.rl is not None:
@@ -426,6 +432,10 @@ def _key_to_change(cfg, mem, side_bytes: float = 0.0) -> str:
         # off or "selective": whole-block checkpointing (true) is the next saving; already on: fewer tokens
         full = ac_policy(cfg.train.activation_checkpointing) == "full"
         return "data.max_tokens_per_pack" if full else "train.activation_checkpointing"
+    if (0 < excess <= mem.optimizer / 2 and getattr(cfg.optimizer, "moments_dtype", "fp32") == "fp32"
+            and cfg.parallel.dp_replicate == 1):
+        # FSDP already shards over every data-parallel rank: halving the AdamW states is enough, without recomputing
+        return "optimizer.moments_dtype"
     return "parallel.dp_shard"
 
 

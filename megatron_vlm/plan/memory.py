@@ -11,7 +11,8 @@ conservative; the numbers it uses (all in bytes, per rank):
   embedding, lm_head: S of P, S_T of T) count S / tp per rank: P' = P - S + S / tp, likewise T';
 - master weights (params)  = P' x m / F
 - gradients                = T' x m / F
-- AdamW states             = T' x 2 x 4 / F (exp_avg, exp_avg_sq in fp32)
+- AdamW states             = T' x 2 x o / F (exp_avg, exp_avg_sq; o = 4 bytes, 2 with `optimizer.moments_dtype =
+  "bf16"`)
 - gathered block           = 2 x B' x c, B' = parameters of the largest transformer block, its TP-split
   part divided by tp (FSDP2 all-gathers one block for compute and prefetches the next);
 - activations: t = `data.max_tokens_per_pack` tokens per micro-batch, L decoder layers, h = hidden
@@ -205,13 +206,20 @@ class MemoryPlan:
         return self.static + self.rollout_copy + max(self.activations, self.kv_cache + self.routes)
 
 
+def moment_bytes(cfg: Any) -> int:
+    """Bytes of each AdamW moment per trainable parameter (`optimizer.moments_dtype`: bf16 2, else 4)."""
+    return 2 if getattr(cfg.optimizer, "moments_dtype", "fp32") == "bf16" else 4
+
+
 def estimate_memory(shape: ModelShape, *, fsdp: int, master_bytes: int, compute_bytes: int, tokens: int,
                     activation_checkpointing: bool | str, rollout_prompts: int = 0, group_size: int = 0, tp: int = 1,
-                    kv_slots: int = 0, ep: int = 1, rollout_weights: str = "shared", routes_bytes: float = 0.0) -> MemoryPlan:
+                    kv_slots: int = 0, ep: int = 1, rollout_weights: str = "shared", routes_bytes: float = 0.0,
+                    moment_bytes: int = 4) -> MemoryPlan:
     """The formulas of the module docstring; `rollout_prompts` 0 = no rollout (SFT); `kv_slots` > 0: the
     rollout cache's token positions when they are fixed (the paged pool, rl.rollout.kv_cache_blocks); `ep`:
     parallel.ep; `rollout_weights`: rl.rollout.weights (GRPO); `routes_bytes`: the routes' decode buffer;
-    `activation_checkpointing`: train.activation_checkpointing (false, true / "full", "selective")."""
+    `activation_checkpointing`: train.activation_checkpointing (false, true / "full", "selective"); `moment_bytes`:
+    bytes of each AdamW moment (optimizer.moments_dtype: fp32 4, bf16 2)."""
     from megatron_vlm.parallel.apply import ac_policy
 
     policy = ac_policy(activation_checkpointing)
@@ -233,7 +241,7 @@ def estimate_memory(shape: ModelShape, *, fsdp: int, master_bytes: int, compute_
     return MemoryPlan(
         params=params * master_bytes / f,
         grads=trainable * master_bytes / f,
-        optimizer=trainable * 2 * 4 / f,
+        optimizer=trainable * 2 * moment_bytes / f,
         gathered=2 * (shape.largest_block - shape.tp_largest_block * keep) * compute_bytes,
         activations={None: no_ckpt, "full": ckpt, "selective": selective}[policy],
         activations_no_ckpt=no_ckpt,

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_vlm.plan.memory import estimate_memory, gib, model_shape
+from megatron_vlm.plan.memory import estimate_memory, gib, model_shape, moment_bytes
 
 __all__ = ["SideModels", "SideModelRefused", "side_models_plan"]
 
@@ -78,13 +78,14 @@ def _critic(cfg: Any, hf: dict, build: Callable[[dict], Any], read: Callable[[st
     hidden = shape.hidden
     trainable = shape.trainable - (head if not tied and model.lm_head.weight.requires_grad else 0) + hidden + 1
     params = shape.params + hidden + 1
-    static = (params + trainable) * master + trainable * 8
+    adam = trainable * 2 * moment_bytes(cfg)
+    static = (params + trainable) * master + adam
     act = estimate_memory(shape, fsdp=1, master_bytes=master, compute_bytes=master, tokens=tokens,
                           activation_checkpointing=cfg.train.activation_checkpointing).activations
     what = "a copy of the policy" if critic.model == "policy" else path
     return SideModels(lines=[
         f"critic     {what}: {params / 1e9:.3f} B parameters ({trainable / 1e9:.3f} B trainable), unsharded on every "
-        f"rank: weights {gib(params * master)} + gradients {gib(trainable * master)} + AdamW {gib(trainable * 8)}; "
+        f"rank: weights {gib(params * master)} + gradients {gib(trainable * master)} + AdamW {gib(adam)}; "
         f"activations {gib(act)} while it trains (after the policy's update)"], resident=static, transient=act)
 
 

@@ -1,5 +1,6 @@
-"""AdamW (fused where torch has the kernel: CUDA and CPU; else multi-tensor `foreach`) with decay / no-decay groups, the warmup + decay LR schedule over the
-run's length (`total_steps`), and `OptimState`, the optimizer / scheduler pair the loops step."""
+"""AdamW (fused where torch has the kernel: CUDA and CPU; else multi-tensor `foreach`; with `optimizer.moments_dtype =
+"bf16"` our AdamW with bf16 moments, training/adamw_bf16.py) with decay / no-decay groups, the warmup + decay LR
+schedule over the run's length (`total_steps`), and `OptimState`, the optimizer / scheduler pair the loops step."""
 from __future__ import annotations
 
 import logging
@@ -40,11 +41,14 @@ def total_steps(train_cfg: TrainConfig, steps_per_epoch: Optional[float] = None)
 
 def build_optim_state(model: torch.nn.Module, ctx_cfg: Config, device_type: str, num_steps: int) -> OptimState:
     """The optimizer over `model`'s trainable parameters and its schedule over `num_steps` steps."""
-    optimizer = build_optimizer(model, ctx_cfg.optimizer, device_type)
+    optimizer = build_optimizer(model, ctx_cfg.optimizer, device_type, seed=ctx_cfg.train.seed)
     return OptimState(optimizer, build_scheduler(optimizer, ctx_cfg.scheduler, num_steps))
 
 
-def build_optimizer(model: torch.nn.Module, opt_cfg: OptimizerConfig, device_type: str) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, opt_cfg: OptimizerConfig, device_type: str, *,
+                    seed: int = 0) -> torch.optim.Optimizer:
+    """AdamW over `model`'s trainable parameters, biases and 1-D parameters not decayed; `seed` seeds the stochastic
+    rounding of bf16 moments (`optimizer.moments_dtype`; a config-less caller's namespace without it gets fp32)."""
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
     for name, p in model.named_parameters():
@@ -58,6 +62,10 @@ def build_optimizer(model: torch.nn.Module, opt_cfg: OptimizerConfig, device_typ
               {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     kwargs: dict[str, Any] = dict(lr=opt_cfg.lr, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps)
+    if getattr(opt_cfg, "moments_dtype", "fp32") == "bf16":
+        from megatron_vlm.training.adamw_bf16 import AdamWBf16Moments
+
+        return AdamWBf16Moments(groups, **kwargs, seed=seed)
     return torch.optim.AdamW(groups, **kwargs, **adamw_implementation(device_type))
 
 

@@ -35,13 +35,15 @@ def lower(kernel, signature: dict, constexprs: dict) -> str:
 _INDEX = {"CU_Q", "CU_K", "SEQLENS", "TABLE", "PREFIX_ROWS", "PREFIX_LENS", "ROW_MAP", "TILE_EXPERT", "TILE_ROW",
           "GROUP_START", "GROUP_END", "LABELS", "I0", "I1"}
 _FP32 = {"LSE", "DELTA", "MEAN", "RSTD", "MID_O", "MID_LSE", "DW_PARTIAL", "DB_PARTIAL", "LOGP", "ENT", "GLOGP", "GENT",
-         "WEIGHTS", "DWEIGHTS", "COS", "SIN", "LOGITS", "DZ"}
+         "WEIGHTS", "DWEIGHTS", "COS", "SIN", "LOGITS", "DZ", "PARAM", "GRAD"}
 _BF16 = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "X", "W", "B", "Y", "R", "S", "G", "U", "DY", "DX", "DG", "DU",
-         "DS_IN", "P", "DP", "OUT", "DOUT", "DB", "KC", "VC"}
+         "DS_IN", "P", "DP", "OUT", "DOUT", "DB", "KC", "VC", "EXP_AVG", "EXP_AVG_SQ"}
 _SCALAR_DIMS = {"moe": {"N", "K", "H"}}  # single letters that are sizes there, not tensors
-_FLOATS = {"eps", "qk_scale", "sm_scale", "inv_temp", "scale_log2"}
+_FLOATS = {"eps", "qk_scale", "sm_scale", "inv_temp", "scale_log2", "decay", "step_size", "beta1", "beta2",
+           "inv_sqrt_bc2"}
 # one specialisation per kernel (the shapes of the 3B decode / SFT step), plus the flags worth compiling both ways
 _CONSTS = {
+    "_adamw_bf16_moments_kernel": dict(BLOCK=1024),
     "_attention_fwd_kernel": dict(GROUP=8, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, HAS_KPM=False,
                                   DOT_PRECISION="default", UPCAST_DOT=False),
     "_attention_bwd_kernel": dict(GROUP=8, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, HAS_KPM=False,
@@ -69,7 +71,7 @@ _CONSTS = {
 }
 _ALSO = {"_decode_attention_split_kernel": [dict(ONE_SPLIT=True, SHARED=False), dict(IEEE=True)],
          "_attention_fwd_kernel": [dict(HAS_KPM=True), dict(DOT_PRECISION="ieee", UPCAST_DOT=True)]}
-MODULES = ("attention", "decode_attention", "kv_cache_write", "layer_norm", "moe", "rms_norm", "rotary", "swiglu",
+MODULES = ("adamw", "attention", "decode_attention", "kv_cache_write", "layer_norm", "moe", "rms_norm", "rotary", "swiglu",
            "token_logprobs")
 
 

@@ -405,3 +405,25 @@ def test_check_plans_selective_checkpointing(qwen2_5_vl_3b):
     # at 32k tokens the kept outputs outweigh the weights and optimizer: whole-block checkpointing is the key to change
     code, out, err = _plan_sft(qwen2_5_vl_3b, activation_checkpointing="selective", tokens=32768)
     assert code == 2 and err.startswith("check failed: train.activation_checkpointing: estimated peak"), err
+
+
+def test_check_counts_bf16_moments_at_two_bytes(qwen2_5_vl_3b):
+    """optimizer.moments_dtype = "bf16": the AdamW line is half the fp32 one (2 x 2 instead of 2 x 4 bytes per trainable
+    parameter), the master weights and gradients unchanged: the 16k-token selective step at the 3B shape then fits an
+    80 GB card, and its fp32 refusal names optimizer.moments_dtype."""
+    from megatron_vlm.config import load_config_dict
+
+    lines = {}
+    for dtype in ("fp32", "bf16"):
+        cfg = load_config_dict({"model": {"path": str(qwen2_5_vl_3b)}, "optimizer": {"moments_dtype": dtype},
+                                "train": {"max_steps": 1, "activation_checkpointing": "selective"},
+                                "data": {"type": "synthetic_vqa", "max_tokens_per_pack": 16384}})
+        out, err = io.StringIO(), io.StringIO()
+        code = run_check(cfg, world_size=1, device_memory_gib=79.2, out=out, err=err)  # an 80 GB H100
+        assert code == (2 if dtype == "fp32" else 0), err.getvalue()
+        if dtype == "fp32":  # the refusal names the key that is enough on one rank
+            assert "check failed: optimizer.moments_dtype: " in err.getvalue(), err.getvalue()
+        text = out.getvalue()
+        lines[dtype] = [float(re.search(rf"{k} +([0-9.]+) GiB", text).group(1)) for k in ("master weights", "gradients", "AdamW")]
+    (w32, g32, a32), (w16, g16, a16) = lines["fp32"], lines["bf16"]
+    assert (w16, g16) == (w32, g32) and a32 > 10 and a16 == pytest.approx(a32 / 2, abs=0.01), lines

@@ -12,8 +12,15 @@ other rewards of its group:
              leave-one-out, Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style
              Optimization for Learning from Human Feedback in LLMs")
 
-A group of one completion (`rl.batch.group_size = 1`) has advantage 0 under all three: they refuse it. `gae` (PPO
-with a critic) takes its advantages from the critic in the update and runs with groups of one.
+    reinforce_plus_plus           r_i (no group baseline), then in the update per-token returns with the KL
+             penalty in the reward, whitened over every response token of the step on all ranks
+             (REINFORCE++, Hu et al. 2025, "REINFORCE++: Stabilizing Critic-Free Policy Optimization with
+             Global Advantage Normalization"; rl/batch_advantages.py)
+    reinforce_plus_plus_baseline  r_i - mean, then the same global whitening (the KL stays in the loss)
+
+A group of one completion (`rl.batch.group_size = 1`) has advantage 0 under grpo, dr_grpo, rloo and
+reinforce_plus_plus_baseline: they refuse it. `gae` (PPO with a critic) takes its advantages from the critic in the
+update, `reinforce_plus_plus` its baseline from the whole batch: both run with groups of one.
 
 Groups whose rewards are all equal carry no signal (every advantage is 0): they are counted
 (`zero_variance`) and can be dropped from the batch (DAPO's dynamic sampling, Yu et al. 2025, keeps
@@ -89,8 +96,8 @@ def compute_group_advantages(
 
     `valid` ([P * G] bool, None = all): samples that are not trained and whose reward says nothing about the
     policy (a multi-turn trajectory its environment failed): a group's statistics and advantages are its valid
-    members' alone (a group of fewer than 2 carries no signal: zero advantages, zero variance); an invalid
-    sample's advantage is 0.
+    members' alone (for a group-relative estimator a group of fewer than 2 carries no signal: zero advantages, zero
+    variance); an invalid sample's advantage is 0.
     """
     normalize_std = default_normalize_std(estimator, normalize_std)
     if rewards.dim() != 1:
@@ -136,7 +143,7 @@ def compute_group_advantages(
             mean[gi] = sub.mean() if n_ok else float("nan")
             std[gi] = sub.std() if n_ok >= 2 else float("nan")
             spread[gi] = sub.max() - sub.min() if n_ok >= 2 else 0.0
-            if n_ok >= 2 and group_fn is not None and float(spread[gi]) != 0:
+            if group_fn is not None and (float(spread[gi]) != 0 if est.needs_groups else n_ok >= 1):
                 adv[gi, ok[gi]] = group_fn(sub, normalize_std=normalize_std, eps=eps)[0]
     zero_var = spread <= equal_atol
     keep_group = torch.ones(r.shape[0], dtype=torch.bool, device=r.device)

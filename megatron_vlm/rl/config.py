@@ -103,9 +103,10 @@ class RLBatchConfig:
     """Prompts per GRPO step over all data-parallel ranks; a step has batch.prompts_per_step * batch.group_size samples."""
     group_size: int = 8
     """Completions sampled per prompt (G); the group estimators' advantages are relative within each group
-    (advantage = "grpo", "dr_grpo", "rloo": G >= 2). 1 is allowed with advantage = "gae" (PPO with a critic,
-    whose values are the baseline; verl's PPO with rollout.n = 1), without advantages.drop_equal_reward_groups
-    and advantages.dynamic_sampling (every group of one has equal rewards)."""
+    (advantage = "grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline": G >= 2). 1 is allowed with advantage =
+    "gae" (PPO with a critic, whose values are the baseline; verl's PPO with rollout.n = 1) and
+    "reinforce_plus_plus" (the batch mean is the baseline), without advantages.drop_equal_reward_groups and
+    advantages.dynamic_sampling (every group of one has equal rewards)."""
     ppo_epochs: int = 1
     """Passes over each step's samples."""
     mini_batches_per_step: int = 1
@@ -251,9 +252,11 @@ class RLLossConfig:
     tokens and divides by the constant rollout.max_new_tokens x sequences (Dr. GRPO, Liu et al. 2025)."""
     kl_coef: float = 0.0
     """Coefficient of the KL penalty against the frozen reference model; 0 drops the reference model. With
-    advantage = "gae" (PPO with a critic) the penalty is not in the loss but in the per-token reward,
-    -kl_coef x KL_t of the rollout policy against the reference (PPO-RLHF; loss.kl_estimator, k1 there), which
-    the critic learns to predict; actor/kl is still logged."""
+    advantage = "gae" (PPO with a critic) and "reinforce_plus_plus" the penalty is not in the loss but in the
+    per-token reward, -kl_coef x KL_t of the rollout policy (the old log-probs) against the reference (PPO-RLHF,
+    REINFORCE++; loss.kl_estimator, the papers' is k1), which the critic learns to predict / which enters
+    REINFORCE++'s returns; actor/kl is still logged. With every other estimator (reinforce_plus_plus_baseline
+    included, as its paper) it is a loss term."""
     kl_estimator: Literal["k1", "k3"] = "k3"
     """KL estimator per token: k1 = log pi - log pi_ref; k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1
     (non-negative, unbiased). Read only with loss.kl_coef > 0 (another value with 0 is refused)."""
@@ -302,7 +305,9 @@ class RLAdvantagesConfig:
     """Divide group-relative advantages by the group's reward standard deviation. Unset = the
     estimator's definition (grpo: true; dr_grpo, rloo: false); false with grpo keeps mean-centred
     rewards only; true with dr_grpo or rloo is refused. With gae (PPO): whiten the token advantages over the
-    step's tokens (mean 0, std 1; unset = true), as verl and TRL do."""
+    step's tokens (mean 0, std 1; unset = true), as verl and TRL do. With reinforce_plus_plus(_baseline): divide
+    by the std of the step's token advantages on all ranks after subtracting their mean (unset = true; false:
+    the mean only)."""
     drop_equal_reward_groups: bool = False
     """Drop groups whose G rewards are all equal (they carry no learning signal) without sampling more
     (advantages.dynamic_sampling refills the step)."""
@@ -322,8 +327,9 @@ class RLAdvantagesConfig:
     overlong_penalty: float = 0.0
     """Reward subtracted at rollout.max_new_tokens (DAPO uses 1.0); needs advantages.overlong_buffer >= 1."""
     gamma: Optional[float] = None
-    """GAE's discount over the response tokens (advantage = "gae" only; unset = 1.0, no discount: the reward
-    sits on the last token). In [0, 1]."""
+    """Discount over the response tokens of GAE (advantage = "gae") and of REINFORCE++'s returns (advantage =
+    "reinforce_plus_plus"); unset = 1.0, no discount: the reward sits on the last token. In [0, 1]. Refused with
+    the other estimators."""
     lam: Optional[float] = None
     """GAE's lambda, the bias / variance trade-off of the advantage (advantage = "gae" only; unset = 0.95, TRL's
     PPO default; 1 = Monte-Carlo returns minus the values, 0 = one-step TD errors). In [0, 1]."""
@@ -410,7 +416,8 @@ class RLUpdateConfig:
     them, so the update is the same up to float rounding (packs hold other samples; with LoRA dropout, other
     random masks) for a fraction of
     the compute: late in training most groups are often solved or hopeless. Applied only where it is
-    exact: no KL term (loss.kl_coef = 0), no entropy bonus, no MoE layers (their auxiliary loss and load
+    exact: no KL term (loss.kl_coef = 0), no entropy bonus, no per-token advantages (advantage = "gae",
+    "reinforce_plus_plus", "reinforce_plus_plus_baseline"), no MoE layers (their auxiliary loss and load
     statistics see every token); a mini-batch with nothing left still runs one zero-gradient forward, so
     the optimizer steps as it would have. The actor/* metrics (entropy, clip fractions) then cover the
     trained completions only; false: every completion is forwarded (unlike advantages.drop_equal_reward_groups,
@@ -653,7 +660,11 @@ class RLConfig:
     2025; pair it with loss.loss_agg = "seq-mean-token-sum-norm"); "rloo" = reward minus the mean of the
     other G - 1 rewards of the group (Ahmadian et al. 2024); "gae" = PPO with a critic: per-token GAE
     advantages over the values of a learned value model ([rl.critic], advantages.gamma / advantages.lam; the
-    KL penalty then moves into the per-token reward). More register by name:
+    KL penalty then moves into the per-token reward); "reinforce_plus_plus" = REINFORCE++ (Hu et al. 2025): per-token
+    returns of the reward on the last token and the KL penalty -loss.kl_coef x KL_t on every token (discounted by
+    advantages.gamma), whitened over every response token of the step on all data-parallel ranks, no critic,
+    batch.group_size 1 allowed; "reinforce_plus_plus_baseline" = REINFORCE++ with baseline: reward minus its group's
+    mean, whitened the same way (KL in the loss; G >= 2). More register by name:
     megatron_vlm/rl/algorithms/advantage_estimators.py."""
     rollout_backend: str = "builtin"
     """The engine that generates the rollouts: "builtin" = the policy engine of megatron_vlm/inference
@@ -823,7 +834,8 @@ class RLConfig:
             raise ValueError(f"batch.group_size: {G} completion per prompt with advantage = {self.advantage!r}, whose "
                              "advantages are relative within each prompt's group (a group of one has advantage 0 "
                              "always, nothing would be learned); set batch.group_size >= 2, or use an estimator with "
-                             f"another baseline: {', '.join(repr(n) for n in free)} (PPO with a critic, [rl.critic])")
+                             f"another baseline: {', '.join(repr(n) for n in free)} (the critic's values, [rl.critic]; "
+                             "the batch mean)")
         adv = self.advantages
         for key, on, what in (("drop_equal_reward_groups", adv.drop_equal_reward_groups, "would drop every sample"),
                               ("dynamic_sampling", adv.dynamic_sampling, "would drop every group and sample again "
@@ -833,18 +845,24 @@ class RLConfig:
                                  f"equal rewards, so it {what}; set batch.group_size >= 2 or remove it")
 
     def _validate_critic(self) -> None:
-        """`advantage = "gae"` (PPO with a critic): the `[rl.critic]` table and `advantages.gamma` / `lam` are read only
-        then; what the critic does not run with yet is refused (exit 2)."""
-        from megatron_vlm.rl.algorithms.advantage_estimators import needs_critic
+        """`advantage = "gae"` (PPO with a critic): the `[rl.critic]` table and `advantages.lam` are read only then
+        (`advantages.gamma` with "reinforce_plus_plus" too); what the critic does not run with yet is refused (exit 2)."""
+        from megatron_vlm.rl.algorithms.advantage_estimators import needs_critic, reads_gamma
 
         if not needs_critic(self.advantage):
             if self.critic != RLCriticConfig():
                 raise ValueError(f"critic: the [rl.critic] table is only read with advantage = 'gae' (PPO with a critic), "
                                  f"not {self.advantage!r}; remove it or set advantage = 'gae'")
-            for name in ("gamma", "lam"):
-                if getattr(self.advantages, name) is not None:
-                    raise ValueError(f"advantages.{name}: GAE's {name}, only read with advantage = 'gae', not "
-                                     f"{self.advantage!r}; remove it")
+            if not reads_gamma(self.advantage) and self.advantages.gamma is not None:
+                raise ValueError(f"advantages.gamma: the discount of per-token rewards, only read with advantage = "
+                                 f"'gae' or 'reinforce_plus_plus', not {self.advantage!r}; remove it")
+            if self.advantages.lam is not None:
+                raise ValueError(f"advantages.lam: GAE's lam, only read with advantage = 'gae', not "
+                                 f"{self.advantage!r}; remove it")
+            if self.advantage == "reinforce_plus_plus" and self.policy_loss == "gspo":
+                raise ValueError("policy_loss: 'gspo' takes one advantage per sequence; advantage = "
+                                 "'reinforce_plus_plus' gives one per token (its returns); use 'clip', 'gspo_token' or "
+                                 "'cispo'")
             return
         if self.allocation is not None:
             raise ConfigError(f"advantage: {self.advantage!r} (PPO with a critic) is not supported with allocation "
@@ -979,8 +997,9 @@ class RLConfig:
 
     def adv_normalize_std(self) -> bool:
         """Whether advantages are divided by the group std (advantages.normalize_std resolved for `advantage`)."""
-        ns = self.advantages.normalize_std
-        return ns if ns is not None else self.advantage in ("grpo", "gae")  # gae: whitened over the step's tokens
+        from megatron_vlm.rl.algorithms.advantage_estimators import resolve_normalize_std
+
+        return resolve_normalize_std(self.advantage, self.advantages.normalize_std)  # gae, REINFORCE++: over tokens
 
     def accuracy_label(self) -> str:
         """Label of the reward that counts as accuracy."""

@@ -45,8 +45,10 @@ from megatron_vlm.models.common.prefix_sharing import accepts_prefix_segments
 from megatron_vlm.models.common.routing_replay import context_parallel_of, replaying_routes
 from megatron_vlm.parallel import clip_grad_norm_
 from megatron_vlm.parallel.collectives import all_reduce_, all_reduce_max
+from megatron_vlm.rl.algorithms.advantage_estimators import batch_normalised, kl_in_reward
 from megatron_vlm.rl.algorithms.loss_terms import kl_penalty, rollout_correction_mask
 from megatron_vlm.rl.algorithms.policy_losses import PolicyLossOutput, PolicyLossSpec, compute_policy_loss
+from megatron_vlm.rl.batch_advantages import BatchAdvantages
 from megatron_vlm.rl.batching import (
     TrainSample,
     group_by_prompt,
@@ -163,7 +165,9 @@ class PolicyUpdate:
     scheduler; `reference`: the frozen reference (kl_coef > 0) or None; `metrics`: where a MoE workload
     report's expert table goes (None: not logged); `critic`: PPO's critic (advantage = "gae", rl/critic/) or None:
     its values give per-token advantages, the KL penalty moves into its rewards, and it is updated after the policy
-    in the same step (only it during `rl.critic.warmup_steps`)."""
+    in the same step (only it during `rl.critic.warmup_steps`). REINFORCE++ (`rl.advantage = "reinforce_plus_plus"` /
+    `"reinforce_plus_plus_baseline"`): per-token advantages whitened over the step (rl/batch_advantages.py), made
+    after the reference log-probs; with "reinforce_plus_plus" the KL penalty is in their rewards, not the loss."""
 
     def __init__(self, ctx: Any, bundle: Any, optim: Any, rl_cfg: Any, *, shards: DataShards,
                  reference: Any = None, metrics: Any = None, critic: Any = None):
@@ -179,7 +183,9 @@ class PolicyUpdate:
         self.decoupled = rl_cfg.allocation is not None and rl_cfg.asynchronous.max_head_offpolicyness > 0
         # the loss's settings, validated once here (not per micro-batch)
         self.loss_spec = PolicyLossSpec.from_config(rl_cfg, decoupled=self.decoupled)
-        if critic is not None:  # PPO-RLHF: the KL penalty is in the critic's token rewards, not in the loss
+        self.batch_advantages = BatchAdvantages(rl_cfg, shards) if batch_normalised(rl_cfg.advantage) else None
+        if critic is not None or kl_in_reward(rl_cfg.advantage):
+            # PPO-RLHF, REINFORCE++: the KL penalty is in the per-token rewards (the critic's, the returns'), not the loss
             self.loss_spec = dataclasses.replace(self.loss_spec, kl_coef=0.0)
         self.share_prompts, why = self._prompt_sharing()
         model = getattr(bundle, "model", None)
@@ -239,6 +245,8 @@ class PolicyUpdate:
             return False, "rl.update.skip_zero_advantage = false"
         if self.critic is not None:
             return False, f"advantage = {r.advantage!r}: per-token advantages from the critic"
+        if self.batch_advantages is not None:
+            return False, f"advantage = {r.advantage!r}: per-token advantages normalised over the step"
         if self.reference is not None or r.loss.kl_coef > 0:
             return False, "kl_coef > 0: the KL term has a gradient at advantage 0"
         if r.loss.entropy_coef > 0:
@@ -276,10 +284,12 @@ class PolicyUpdate:
                 kept = [s for s in samples if _mis_keep(s, r.loss.rollout_correction_cap)]
                 mismatch["mis_dropped"] = len(samples) - len(kept)
                 samples = kept
-        critic_metrics: dict[str, float] = {}
+        extra: dict[str, float] = {}
+        if self.batch_advantages is not None:  # REINFORCE++: returns (KL in the reward), whitened over every rank's tokens
+            extra = self.batch_advantages.prepare(samples)
         if self.critic is not None:
             with timer.phase("critic"):  # V_old, token rewards, GAE (rl/critic/ppo_critic.py)
-                critic_metrics = self.critic.prepare(samples, self.packs, self._pack)
+                extra = self.critic.prepare(samples, self.packs, self._pack)
         with timer.phase("train"):
             self.bundle.wrapper.train()
             if self.critic is None or self.critic.policy_moves(step):
@@ -288,9 +298,9 @@ class PolicyUpdate:
                 out = self.hold(step)
         if self.critic is not None:
             with timer.phase("critic"):
-                critic_metrics.update(self.critic.update(step, samples, self.packs, self._pack))
-            critic_metrics["critic/warmup"] = float(not self.critic.policy_moves(step))
-            out.extra.update(critic_metrics)
+                extra.update(self.critic.update(step, samples, self.packs, self._pack))
+            extra["critic/warmup"] = float(not self.critic.policy_moves(step))
+        out.extra.update(extra)
         forwarded = [s for s in samples if self.trains(s)]
         if proximal_in_update:  # old_logp = the update forward's (pre-update) log-probs, of the samples it forwarded
             mismatch = mismatch_sums(forwarded)
@@ -506,7 +516,7 @@ class PolicyUpdate:
             return t.to(dev, non_blocking=True)
 
         lengths = torch.tensor([s.response_length for s in group])
-        if self.critic is not None:  # per-token advantages (GAE)
+        if self.critic is not None or self.batch_advantages is not None:  # per-token advantages (GAE, REINFORCE++)
             adv = moved(_cat([s.token_advantages for s in group], "token_advantages"))
         else:
             adv = moved(torch.repeat_interleave(torch.tensor([s.advantage for s in group]), lengths))

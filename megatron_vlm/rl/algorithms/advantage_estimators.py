@@ -1,21 +1,27 @@
 """Advantage estimators by name (`[rl] advantage`), and the frozen spec of a run's advantages.
 
-Two kinds. A group estimator maps a group-major reward matrix [P, G] (G completions per prompt) to
+Three kinds. A group estimator maps a group-major reward matrix [P, G] (G completions per prompt) to
 advantages of the same shape; the equations are in the module docstring of `megatron_vlm.rl.advantages`,
 which also holds what every estimator shares (equal-reward groups, dropping, statistics). A token estimator
 (`gae`, PPO with a critic) maps per-token rewards and the critic's per-token values to per-token advantages
-and returns; it runs in the update, after the critic's forward (megatron_vlm/rl/critic/).
+and returns; it runs in the update, after the critic's forward (megatron_vlm/rl/critic/). A batch estimator
+(`reinforce_plus_plus`, `reinforce_plus_plus_baseline`: REINFORCE++, Hu et al. 2025) is a group function that
+gives each completion's outcome score (its reward, or its reward minus its group's mean) followed, in the update
+once the reference log-probs are known, by per-token rewards-to-go (`reinforce_returns`) whitened over every
+response token of the step on all data-parallel ranks (megatron_vlm/rl/batch_advantages.py).
 
 Groups: a group estimator's baseline is the prompt's other completions, so it needs `rl.batch.group_size` >= 2 (a
-group of one has advantage 0 always); a token estimator's baseline is the critic's values, so one completion per
-prompt is enough (verl runs PPO with `rollout.n = 1`). `AdvantageEstimator.needs_groups` says which; the config
+group of one has advantage 0 always); a token estimator's baseline is the critic's values, and
+`reinforce_plus_plus`'s the mean over the whole batch, so one completion per prompt is enough (verl runs PPO and
+REINFORCE++ with `rollout.n = 1`). `AdvantageEstimator.needs_groups` says which; the config
 refuses `group_size = 1` for the others, naming the key and the estimator.
 
 Adding an estimator: a function with the `AdvantageFn` signature decorated with
 `@register_advantage("name", std_normalisable=...)` (`std_normalisable`: it divides by the group std unless
 `normalize_adv_std = false`; otherwise asking it to is refused; `needs_groups=False` for one whose baseline is not
-the group's, e.g. a batch-wide one: it then also runs with groups of one, the [P, 1] matrix); a token estimator with
-the `TokenAdvantageFn` signature decorated with `@register_token_advantage("name")`.
+the group's, e.g. a batch-wide one: it then also runs with groups of one, the [P, 1] matrix; `batch_normalised=True`
+for a batch estimator, `kl_in_reward=True` when `loss.kl_coef`'s penalty goes into its per-token rewards instead of
+the loss); a token estimator with the `TokenAdvantageFn` signature decorated with `@register_token_advantage("name")`.
 """
 from __future__ import annotations
 
@@ -29,7 +35,8 @@ from megatron_vlm.rl.algorithms.registry import Registry
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "AdvantageEstimator", "AdvantageFn", "AdvantageSpec", "TokenAdvantageFn",
            "register_advantage", "register_token_advantage", "resolve_normalize_std", "needs_critic",
-           "min_group_size", "gae_advantages", "GAE_DEFAULT_GAMMA", "GAE_DEFAULT_LAM"]
+           "min_group_size", "gae_advantages", "GAE_DEFAULT_GAMMA", "GAE_DEFAULT_LAM", "batch_normalised", "kl_in_reward",
+           "reads_gamma", "reinforce_returns"]
 
 
 class AdvantageFn(Protocol):
@@ -58,18 +65,31 @@ class AdvantageEstimator:
     """The token estimator (needs a critic: `[rl.critic]`); None for a group estimator."""
     needs_groups: bool = True
     """Its baseline is the other completions of the prompt: `rl.batch.group_size` >= 2. False: one completion per
-    prompt works (a token estimator, whose baseline is the critic's values)."""
+    prompt works (a token estimator, whose baseline is the critic's values; `reinforce_plus_plus`, whose baseline is
+    the batch mean)."""
+    batch_normalised: bool = False
+    """A batch estimator: `fn` gives each completion's outcome score; the update turns it into per-token
+    rewards-to-go (`reinforce_returns`) and whitens them over the step's response tokens on all data-parallel ranks
+    (megatron_vlm/rl/batch_advantages.py; `normalize_adv_std = false`: centred only)."""
+    kl_in_reward: bool = False
+    """`loss.kl_coef`'s KL penalty is folded into the per-token rewards (-kl_coef x KL_t on every response token)
+    instead of the loss (PPO-RLHF's `gae`, `reinforce_plus_plus`)."""
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", "advantage")
 
 
-def register_advantage(name: str, *, std_normalisable: bool,
-                       needs_groups: bool = True) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Decorator: register `fn` as the estimator `name` (the function is returned unchanged); `needs_groups`:
-    `AdvantageEstimator.needs_groups`."""
+def register_advantage(name: str, *, std_normalisable: bool, needs_groups: bool = True, batch_normalised: bool = False,
+                       kl_in_reward: bool = False) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Decorator: register `fn` as the estimator `name` (the function is returned unchanged); `needs_groups`,
+    `batch_normalised`, `kl_in_reward`: those fields of `AdvantageEstimator`."""
+    if kl_in_reward and not batch_normalised:
+        raise ValueError(f"{name}: kl_in_reward needs per-token rewards, which only a batch estimator has")
+
     def add(fn: AdvantageFn) -> AdvantageFn:
-        ADVANTAGE_ESTIMATORS.register(name)(AdvantageEstimator(name, fn, std_normalisable, needs_groups=needs_groups))
+        ADVANTAGE_ESTIMATORS.register(name)(AdvantageEstimator(name, fn, std_normalisable, needs_groups=needs_groups,
+                                                               batch_normalised=batch_normalised,
+                                                               kl_in_reward=kl_in_reward))
         return fn
     return add
 
@@ -93,9 +113,82 @@ def rloo_advantages(r: torch.Tensor, *, normalize_std: bool, eps: float) -> torc
     return r - (r.sum(dim=1, keepdim=True) - r) / (r.shape[1] - 1)
 
 
+@register_advantage("reinforce_plus_plus", std_normalisable=True, needs_groups=False, batch_normalised=True,
+                    kl_in_reward=True)
+def reinforce_pp_scores(r: torch.Tensor, *, normalize_std: bool, eps: float) -> torch.Tensor:
+    """REINFORCE++ (Hu et al. 2025): each completion's own reward, no group baseline. In the update the reward goes on
+    its last token, -kl_coef x KL_t on every token (KL_t of the sampling policy against the reference, loss.kl_estimator;
+    the paper's is k1), and the advantage of token t is the return G_t = sum_{s >= t} gamma^(s - t) r_s
+    (advantages.gamma, unset = 1), whitened over every response token of the step on all ranks: (G - mean) /
+    sqrt(var + 1e-8), the unbiased variance (as verl's `compute_reinforce_plus_plus_outcome_advantage`; OpenRLHF's
+    `reinforce`). The batch mean is the baseline: one completion per prompt works."""
+    return r.clone()
+
+
+@register_advantage("reinforce_plus_plus_baseline", std_normalisable=True, batch_normalised=True)
+def reinforce_pp_baseline_scores(r: torch.Tensor, *, normalize_std: bool, eps: float) -> torch.Tensor:
+    """REINFORCE++ with baseline (Hu et al. 2025, for reasoning with G > 1 samples per prompt): r_i minus the mean
+    reward of its group, the same value on every token of the completion, whitened over every response token of the
+    step on all ranks as `reinforce_plus_plus`. The KL penalty stays in the loss (loss.kl_coef, loss.kl_estimator), as
+    in the paper (a KL loss term) and verl's `compute_reinforce_plus_plus_baseline_outcome_advantage` with its default
+    `use_kl_in_reward = false` (verl would otherwise sum -kl_coef x KL_t into the score before the group mean);
+    no discount (advantages.gamma is refused)."""
+    return r - r.mean(dim=1, keepdim=True)
+
+
+def batch_normalised(estimator: str) -> bool:
+    """Whether `estimator` is a batch estimator (REINFORCE++: per-token advantages whitened over the step)."""
+    return estimator in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS.get(estimator).batch_normalised
+
+
+def kl_in_reward(estimator: str) -> bool:
+    """Whether `loss.kl_coef`'s KL penalty goes into `estimator`'s per-token rewards instead of the loss (gae,
+    reinforce_plus_plus)."""
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        return False
+    est = ADVANTAGE_ESTIMATORS.get(estimator)
+    return est.kl_in_reward or est.token_fn is not None
+
+
+def reads_gamma(estimator: str) -> bool:
+    """Whether `estimator` discounts per-token rewards by `advantages.gamma` (gae, reinforce_plus_plus)."""
+    return kl_in_reward(estimator)
+
+
+def reinforce_returns(token_rewards: torch.Tensor, mask: torch.Tensor, *, gamma: float,
+                      seq_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Each response token's discounted reward-to-go G_t = sum_{s >= t, s in mask} gamma^(k(s) - k(t)) r_s, k counting
+    the sequence's masked positions (positions outside `mask` are skipped, neither adding a reward nor a discount
+    step, as `gae_advantages`); 0 outside `mask`. Padded [B, T] or packed [N] with `seq_ids`; detached; float64
+    for float64 input, else float32."""
+    if token_rewards.shape != mask.shape:
+        raise ValueError(f"token_rewards {tuple(token_rewards.shape)} and mask {tuple(mask.shape)} must have one shape")
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma: must be in [0, 1], got {gamma}")
+    dtype = torch.float64 if token_rewards.dtype == torch.float64 else torch.float32
+    r, m = token_rewards.detach().to(dtype), mask.to(dtype)
+    packed = r.dim() == 1
+    if packed:
+        if seq_ids is None or seq_ids.shape != r.shape:
+            raise ValueError("seq_ids: a packed (1-D) layout needs the sequence id of every position")
+        pos, n_seq, width = _positions(seq_ids)
+        ids = seq_ids.long()
+        r, m = (_padded(t, ids, n_seq, width, pos) for t in (r, m))
+    elif r.dim() != 2:
+        raise ValueError(f"token_rewards: expected [B, T] (padded) or [N] (packed), got {tuple(r.shape)}")
+    ret = torch.zeros_like(r)
+    running = torch.zeros_like(r[:, 0])
+    for t in reversed(range(r.shape[1])):
+        mt = m[:, t]
+        running = (r[:, t] + gamma * running) * mt + running * (1 - mt)
+        ret[:, t] = running
+    ret = ret * m
+    return ret[ids, pos] if packed else ret
+
+
 GAE_DEFAULT_GAMMA = 1.0
 """`advantages.gamma` unset: no discount over the response tokens (the reward sits on the last token; TRL and
-verl's PPO default)."""
+verl's PPO default, and REINFORCE++'s)."""
 GAE_DEFAULT_LAM = 0.95
 """`advantages.lam` unset: TRL's PPO default."""
 

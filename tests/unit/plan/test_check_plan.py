@@ -91,6 +91,7 @@ ARCH = {
     "internvl3_8b_sft_tp2.toml": ("internvl3_8b", 8),
     "qwen2_5_math_1_5b_grpo.toml": ("qwen2_5_math_1_5b", 2),
     "qwen2_5_math_1_5b_dapo.toml": ("qwen2_5_math_1_5b", 2),
+    "qwen2_5_math_1_5b_reinforce_pp.toml": ("qwen2_5_math_1_5b", 2),
     "qwen2_5_math_1_5b_grpo_vllm.toml": ("qwen2_5_math_1_5b", 1),  # the vLLM back end: one process
     "qwen2_5_vl_3b_geometry3k_grpo_vllm.toml": ("qwen2_5_vl_3b", 1),
     "qwen2_5_vl_3b_virl39k_grpo_vllm.toml": ("qwen2_5_vl_3b", 1),

@@ -38,7 +38,8 @@ def scratch(monkeypatch):
 
 def test_shipped_algorithms_are_registered_under_their_config_names():
     assert POLICY_LOSSES.names() == ["clip", "gspo", "gspo_token", "cispo"]
-    assert ADVANTAGE_ESTIMATORS.names() == ["grpo", "dr_grpo", "rloo", "gae"]
+    assert ADVANTAGE_ESTIMATORS.names() == ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                                            "gae"]
     assert VALUE_LOSSES.names() == ["clipped"] and PREFERENCE_LOSSES.names() == ["sigmoid", "ipo", "simpo"]
 
 

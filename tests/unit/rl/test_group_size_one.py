@@ -34,7 +34,8 @@ GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 # ------------------------------------------------------------------ which estimators need groups
 def test_the_registry_says_which_estimators_need_groups():
     assert {n: ADVANTAGE_ESTIMATORS.get(n).needs_groups for n in ADVANTAGE_ESTIMATORS} == {
-        "grpo": True, "dr_grpo": True, "rloo": True, "gae": False}
+        "grpo": True, "dr_grpo": True, "rloo": True, "reinforce_plus_plus": False, "reinforce_plus_plus_baseline": True,
+        "gae": False}
     assert [min_group_size(n) for n in ("grpo", "dr_grpo", "rloo", "gae")] == [2, 2, 2, 1]
 
 

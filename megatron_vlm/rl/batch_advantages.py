@@ -1,0 +1,91 @@
+"""REINFORCE++'s per-token advantages (`[rl] advantage = "reinforce_plus_plus"` / `"reinforce_plus_plus_baseline"`,
+Hu et al. 2025), made in the update once the reference log-probs are known, normalised over the whole step.
+
+Why in the update and not with the group advantages: `reinforce_plus_plus` folds the KL penalty into the per-token
+reward, r_t = -kl_coef x KL_t + [t = last] score, KL_t = loss.kl_estimator(log pi_old(y_t), log pi_ref(y_t)), and
+the reference log-probs exist only after the reference forward of the update (as PPO's critic rewards,
+rl/critic/rewards.py). The score is the completion's group-stage advantage (`TrainSample.advantage`: its reward for
+`reinforce_plus_plus`, its reward minus its group's mean for `reinforce_plus_plus_baseline`).
+
+Global normalisation: the mean and the unbiased variance are taken over every trained response token of the step on
+every data-parallel rank (one all-reduce of three sums over the data shards), so ranks holding different samples
+whiten with the same statistics, and the advantages equal the one-process ones over the concatenated batch:
+
+    A_t = (G_t - mean) / sqrt(var + 1e-8)        (advantages.normalize_std = false: G_t - mean)
+
+as verl's `masked_whiten` over its whole batch (OpenRLHF normalises over all its experiences the same way).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from megatron_vlm.rl.algorithms.advantage_estimators import (
+    ADVANTAGE_ESTIMATORS,
+    GAE_DEFAULT_GAMMA,
+    reinforce_returns,
+    resolve_normalize_std,
+)
+from megatron_vlm.rl.batching import TrainSample
+from megatron_vlm.rl.critic.rewards import token_rewards
+from megatron_vlm.rl.data_shards import DataShards
+
+__all__ = ["BatchAdvantages", "WHITEN_EPS"]
+
+WHITEN_EPS = 1e-8
+"""Added to the variance before the square root (verl's `masked_whiten`)."""
+
+
+class BatchAdvantages:
+    """`prepare(samples) -> metrics`: every sample's `token_advantages` (module docstring). `rl`: the `[rl]` section
+    (advantage, loss.kl_coef / kl_estimator, advantages.gamma / normalize_std); `shards`: the data shards the
+    statistics are summed over."""
+
+    def __init__(self, rl: Any, shards: DataShards):
+        est = ADVANTAGE_ESTIMATORS.get(rl.advantage)
+        if not est.batch_normalised:
+            raise ValueError(f"advantage: {rl.advantage!r} is not a batch-normalised estimator")
+        self.shards = shards
+        self.kl_coef = float(rl.loss.kl_coef) if est.kl_in_reward else 0.0
+        self.kl_estimator = rl.loss.kl_estimator
+        gamma = rl.advantages.gamma
+        self.gamma = GAE_DEFAULT_GAMMA if gamma is None else float(gamma)
+        self.whiten = resolve_normalize_std(rl.advantage, rl.advantages.normalize_std)
+
+    def returns(self, s: TrainSample) -> tuple[torch.Tensor, float]:
+        """(float64 [response_length] rewards-to-go of sample `s`, its summed KL_t; 0 without the KL in the reward)."""
+        ref = s.ref_logp if self.kl_coef > 0 else None
+        r, kl = token_rewards(s.advantage, s.response_length, old_logp=s.old_logp if ref is not None else None,
+                              ref_logp=ref, kl_coef=self.kl_coef, kl_estimator=self.kl_estimator)
+        mask = torch.ones(s.response_length, dtype=torch.bool)
+        g = reinforce_returns(r.double()[None], mask[None], gamma=self.gamma)[0]
+        return g, float(kl.sum()) if kl is not None else 0.0
+
+    def prepare(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        """Set every sample's `token_advantages` (float32); the step's advantage/* metrics over all ranks (and
+        advantage/kl_in_reward, the mean KL_t per token, with the KL in the reward). Collective: every rank calls it,
+        with or without samples."""
+        parts = [self.returns(s) for s in samples]
+        flat = torch.cat([g for g, _ in parts]) if parts else torch.zeros(0, dtype=torch.float64)
+        n, a1, a2, kl_sum = self.shards.sum([float(flat.numel()), float(flat.sum()), float((flat * flat).sum()),
+                                             sum(k for _, k in parts)])
+        if n == 0:
+            for s in samples:  # no response token on any rank: nothing to train, nothing to normalise
+                s.token_advantages = torch.zeros(s.response_length)
+            return {}
+        mean = a1 / n
+        var = max(a2 - a1 * a1 / n, 0.0) / max(n - 1, 1)  # unbiased
+        scale = 1.0 / math.sqrt(var + WHITEN_EPS) if self.whiten else 1.0
+        for s, (g, _) in zip(samples, parts):
+            s.token_advantages = ((g - mean) * scale).float()
+        final = torch.cat([s.token_advantages.double() for s in samples]) if samples else flat  # type: ignore[union-attr]
+        f1, f2 = self.shards.sum([float(final.sum()), float((final * final).sum())])
+        ext = self.shards.gather((float(final.min()), float(final.max())) if final.numel() else (math.inf, -math.inf))
+        out = {"advantage/mean": f1 / n, "advantage/std": math.sqrt(max(f2 - f1 * f1 / n, 0.0) / max(n - 1, 1)),
+               "advantage/min": min(p[0] for p in ext), "advantage/max": max(p[1] for p in ext)}
+        if self.kl_coef > 0:
+            out["advantage/kl_in_reward"] = kl_sum / n
+        return out

@@ -43,7 +43,8 @@ from pathlib import Path
 from megatron_vlm.errors import ConfigError
 
 __all__ = ["TABLE_SUFFIXES", "HF_SUFFIXES", "MESSAGES_SUFFIXES", "METADATA_JSON", "MESSAGES_RECORD_KEYS", "RECORD_KEYS",
-           "DataFileError", "data_path_errors", "record_columns", "find_data_files", "content_signatures", "changed_data_file", "source_files"]
+           "DataFileError", "data_path_errors", "record_columns", "find_data_files", "content_signatures",
+           "changed_data_file", "keep_files_hint", "source_files"]
 
 TABLE_SUFFIXES = (".parquet", ".arrow")
 """Columnar files (read as tables); every other file is read as JSON lines."""
@@ -122,15 +123,48 @@ def source_files(source: object) -> list[Path]:
     return []
 
 
+def _shown(paths: list[str], root: str) -> str:
+    names = [os.path.relpath(p, root) if root else p for p in paths]
+    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+
+
+def _set_change(old: list[dict], new: list[dict], same_window: bool) -> str:
+    """What a different number of files read means: the files only this run reads, those only the checkpoint read
+    (matched by content, so a copy of the data elsewhere counts as the same files), and where they are .json files,
+    the rule that decides which are read."""
+    def ident(e: dict) -> tuple:
+        return (e.get("size"), e.get("sha256")) if same_window else (os.path.basename(str(e.get("file"))), e.get("size"))
+
+    old_ids, new_ids = {ident(e) for e in old}, {ident(e) for e in new}
+    added = [str(e["file"]) for e in new if ident(e) not in old_ids]
+    dropped = [str(e.get("file")) for e in old if ident(e) not in new_ids]
+    everything = [str(e.get("file")) for e in [*old, *new]]
+    root = os.path.commonpath(everything) if everything and all(os.path.isabs(f) for f in everything) else ""
+    if root in everything:  # one file: named by its full path
+        root = os.path.dirname(root)
+    parts = [f"the checkpoint was written reading {len(old)} data files, this run reads {len(new)}"]
+    if added:
+        parts.append(f"this run also reads {_shown(added, root)}")
+    if dropped:
+        parts.append(f"the checkpoint also read {_shown(dropped, root)}, which this run does not")
+    text = parts[0] + (": " + "; ".join(parts[1:]) if len(parts) > 1 else "")
+    if any(f.endswith(".json") for f in added + dropped):
+        text += (" (a .json file in a folder or glob is read when it holds one JSON array, or JSON lines whose first "
+                 "object has a record column, and is skipped as not data otherwise, named in the log's \"skipped as "
+                 "not data\" line; earlier versions read .json files in folders by other rules)")
+    return text
+
+
 def changed_data_file(saved: object, now: object) -> str | None:
     """None when the checkpoint's `content_signatures` (`saved`) match this run's (`now`), or when either is missing
-    (a checkpoint written before they were recorded; a source without files); else what differs, naming the file."""
+    (a checkpoint written before they were recorded; a source without files); else what differs, naming the file
+    (for another number of files, each file only one side reads)."""
     if not isinstance(saved, dict) or not isinstance(now, dict):
         return None
     old, new = list(saved.get("files") or ()), list(now.get("files") or ())
-    if len(old) != len(new):
-        return f"the checkpoint was written reading {len(old)} data files, this run reads {len(new)}"
     same_window = saved.get("window") == now.get("window")  # digests over another window: the sizes alone
+    if len(old) != len(new):
+        return _set_change(old, new, same_window)
     for a, b in zip(old, new):
         if a.get("size") == b["size"] and (a.get("sha256") == b["sha256"] or not same_window):
             continue
@@ -139,6 +173,29 @@ def changed_data_file(saved: object, now: object) -> str | None:
                else f"{b['size']} bytes, the checkpoint's {a.get('size')}")
         return f"{b['file']} is not the file the checkpoint was written reading{was}: {how}"
     return None
+
+
+def keep_files_hint(saved: object, now: object, key: str) -> str | None:
+    """'Set <key> = "<folder>/**/*<suffix>"' when that glob reads exactly the checkpoint's files where this run reads
+    more (they all have one suffix, e.g. .jsonl, and this run adds files of others, e.g. .json files it reads in
+    the folder now); None otherwise."""
+    if not isinstance(saved, dict) or not isinstance(now, dict):
+        return None
+    old = [str(e.get("file")) for e in saved.get("files") or ()]
+    new = [str(e.get("file")) for e in now.get("files") or ()]
+    suffixes = {Path(f).suffix for f in old}
+    if not old or len(suffixes) != 1 or not all(os.path.isabs(f) for f in old + new):
+        return None
+    suffix = suffixes.pop()
+    root = os.path.commonpath(old + new)
+    if root in old + new:
+        root = os.path.dirname(root)
+    pattern = f"{root}/**/*{suffix}"
+    if len(new) == len(old) or sorted(f for f in new if f.endswith(suffix)) != sorted(old):
+        return None
+    if sorted(str(Path(f).resolve()) for f in glob.glob(pattern, recursive=True) if os.path.isfile(f)) != sorted(old):
+        return None  # the glob would read other files too (the data path was a narrower glob)
+    return f'Set {key} = "{pattern}"'
 
 
 _PEEK = 1 << 16

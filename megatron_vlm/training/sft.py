@@ -21,6 +21,7 @@ import torch
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.data_files import changed_data_file, keep_files_hint
 from megatron_vlm.data.loader import build_sft_dataloader
+from megatron_vlm.data.plan_lengths import plan_lengths_refusal
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.parallel import clip_grad_norm_
@@ -100,6 +101,10 @@ def data_state_refusal(state: dict, loader, err: ValueError) -> str:
         return (f"data.shuffle: the checkpoint was written with data.shuffle = {str(bool(shuffle)).lower()}, this run "
                 f"has data.shuffle = {str(loader.planner.shuffle).lower()}; the pack order would differ. Set data.shuffle "
                 f"= {str(bool(shuffle)).lower()} to resume it, {fresh}")
+    lengths = plan_lengths_refusal(state.get("plan_lengths"), loader.plan_lengths()) if hasattr(
+        loader, "plan_lengths") else None
+    if lengths:
+        return f"{lengths}, {fresh}"
     g, dp = int(state["global_packs_consumed"]), getattr(loader, "dp_size", None)
     if dp and g % dp:
         return (f"checkpoint.resume: the checkpoint's data position cannot be continued here ({err}); resume it with a "

@@ -67,7 +67,10 @@ def test_lengths_changed_under_the_same_settings_name_the_media(train_file, proc
 
 
 def test_a_checkpoint_without_the_lengths_digest_resumes_with_one_warning(train_file, proc, caplog, monkeypatch):
+    from megatron_vlm.data import plan_lengths
+
     monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(plan_lengths, "_warned", False)  # once per process: other tests may have warned already
     state = {**_loader(train_file, proc).state_dict(), "global_packs_consumed": 2}
     old = {k: v for k, v in state.items() if k != "plan_lengths"}
     with caplog.at_level(logging.WARNING, logger="megatron_vlm"):

@@ -255,7 +255,9 @@ def _first_report(text: str, skipped: list[str]) -> bool:
 def find_data_files(path: str | os.PathLike, suffixes: tuple[str, ...] = HF_SUFFIXES,
                     record_keys: Collection[str] = RECORD_KEYS) -> list[Path]:
     """The data files at `path` (see module docstring); FileNotFoundError when there are none. `record_keys`: the
-    columns of which a JSON-lines .json file's first object must have one to be data (`record_columns`)."""
+    columns of which a JSON-lines .json file's first object must have one to be data (`record_columns`; none given:
+    those of every layout, `RECORD_KEYS`)."""
+    record_keys = record_keys or RECORD_KEYS
     text = os.fspath(path)
     kinds = " / ".join(suffixes)
     if os.path.isdir(text):

@@ -7,14 +7,20 @@ named directly is taken whatever its suffix and content (one that holds a single
 records, as LLaVA's .json files do, is read element by element: table_rows.py).
 
 A .json file found in a folder or by a glob is data when its content is, as table_rows reads it: one
-JSON array (its first non-blank byte is "[") or JSON lines (its first non-blank line is a JSON object
-on its own, at most 16 MiB: a longer one-line object, such as COCO's instances_*.json, is not read whole). Next to data, .json files are often not data: `save_to_disk` writes dataset_info.json
-and state.json (pretty-printed objects) beside its .arrow files and a one-line dataset_dict.json
-above a DatasetDict's splits; a model folder has config.json. Those names (`METADATA_JSON`) are never
-JSON-lines data, and any other one-object file fails the content test; they are skipped and counted in
-one log line (a warning when a skipped file has another name: it may be data in a layout not read
-here, such as {"data": [...]}), and named in the "no data files" error when nothing else is there. The line is
-written once per process and path, by rank 0 (every rank lists the same files, some callers list them twice).
+JSON array (its first non-blank byte is "[") or JSON lines of records: its first non-blank line is a JSON
+object on its own (at most 16 MiB: a longer one-line object, such as COCO's instances_*.json, is not read
+whole) that has one of the columns the dataset reads (`record_keys`: "messages" / "conversations" for
+messages records, the mapped columns of `[data] columns`; `record_columns`). Next to data, .json files are
+often not data: `save_to_disk` writes dataset_info.json and state.json (pretty-printed objects) beside its
+.arrow files and a one-line dataset_dict.json above a DatasetDict's splits; a model folder has config.json,
+a data folder an info.json. Those names (`METADATA_JSON`) are never JSON-lines data, and any other
+one-object file fails the content test unless it is shaped like a record: a one-line {"messages": [...]}
+file is one row, as Hugging Face `datasets` reads it, but a one-line {"version": 2} is not a row without a
+conversation (it used to be one: a bad record of a messages split, and a whole "hf" split refused for the
+columns it lacks). The files skipped are counted in one log line (a warning when a skipped file has another
+name: it may be data in a layout not read here, such as {"data": [...]}), and named in the "no data files"
+error when nothing else is there. The line is written once per process and path, by rank 0 (every rank lists
+the same files, some callers list them twice). A .jsonl file is always data: each line a row.
 
 A path that cannot be read as a whole — no data files there, a table file that does not open (a
 truncated or mislabelled .parquet), a file without the columns the mapping needs — is not a bad
@@ -30,14 +36,15 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
 from megatron_vlm.errors import ConfigError
 
-__all__ = ["TABLE_SUFFIXES", "HF_SUFFIXES", "MESSAGES_SUFFIXES", "METADATA_JSON", "DataFileError", "data_path_errors",
-           "find_data_files", "content_signatures", "changed_data_file", "source_files"]
+__all__ = ["TABLE_SUFFIXES", "HF_SUFFIXES", "MESSAGES_SUFFIXES", "METADATA_JSON", "MESSAGES_RECORD_KEYS", "RECORD_KEYS",
+           "DataFileError", "data_path_errors", "record_columns", "find_data_files", "content_signatures",
+           "changed_data_file", "keep_files_hint", "source_files"]
 
 TABLE_SUFFIXES = (".parquet", ".arrow")
 """Columnar files (read as tables); every other file is read as JSON lines."""
@@ -45,6 +52,21 @@ HF_SUFFIXES = (".parquet", ".arrow", ".jsonl", ".json")
 MESSAGES_SUFFIXES = (".jsonl", ".json")
 METADATA_JSON = frozenset({"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json", "config.json"})
 """Names of .json files that describe a dataset or model rather than hold records (see the module docstring)."""
+MESSAGES_RECORD_KEYS = frozenset({"messages", "conversations"})
+"""The keys a messages record is built from (data/messages.py): a JSON-lines .json file whose first object has
+neither is not messages data."""
+RECORD_KEYS = frozenset({"messages", "conversations", "prompt", "problem", "question", "chosen", "rejected"})
+"""The record columns of every layout read here (messages, LLaVA / ShareGPT, prompt / answer, Geometry3K, ViRL39K,
+verl / TRL prompts, preference pairs): the `record_keys` of a reader that detects its layout from the files."""
+
+
+def record_columns(columns: Mapping[str, str]) -> frozenset[str]:
+    """The columns a record needs under a column mapping (our field -> column): the conversation, prompt, question,
+    answer or preference columns it names (all its columns when it names none of those). A JSON-lines .json file
+    in a folder whose first object has none of them is not data (module docstring)."""
+    needed = frozenset(columns[k] for k in ("messages", "prompt", "question", "answer", "chosen", "rejected")
+                       if k in columns)
+    return needed or frozenset(columns.values())
 
 log = logging.getLogger("megatron_vlm")
 
@@ -101,15 +123,48 @@ def source_files(source: object) -> list[Path]:
     return []
 
 
+def _shown(paths: list[str], root: str) -> str:
+    names = [os.path.relpath(p, root) if root else p for p in paths]
+    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+
+
+def _set_change(old: list[dict], new: list[dict], same_window: bool) -> str:
+    """What a different number of files read means: the files only this run reads, those only the checkpoint read
+    (matched by content, so a copy of the data elsewhere counts as the same files), and where they are .json files,
+    the rule that decides which are read."""
+    def ident(e: dict) -> tuple:
+        return (e.get("size"), e.get("sha256")) if same_window else (os.path.basename(str(e.get("file"))), e.get("size"))
+
+    old_ids, new_ids = {ident(e) for e in old}, {ident(e) for e in new}
+    added = [str(e["file"]) for e in new if ident(e) not in old_ids]
+    dropped = [str(e.get("file")) for e in old if ident(e) not in new_ids]
+    everything = [str(e.get("file")) for e in [*old, *new]]
+    root = os.path.commonpath(everything) if everything and all(os.path.isabs(f) for f in everything) else ""
+    if root in everything:  # one file: named by its full path
+        root = os.path.dirname(root)
+    parts = [f"the checkpoint was written reading {len(old)} data files, this run reads {len(new)}"]
+    if added:
+        parts.append(f"this run also reads {_shown(added, root)}")
+    if dropped:
+        parts.append(f"the checkpoint also read {_shown(dropped, root)}, which this run does not")
+    text = parts[0] + (": " + "; ".join(parts[1:]) if len(parts) > 1 else "")
+    if any(f.endswith(".json") for f in added + dropped):
+        text += (" (a .json file in a folder or glob is read when it holds one JSON array, or JSON lines whose first "
+                 "object has a record column, and is skipped as not data otherwise, named in the log's \"skipped as "
+                 "not data\" line; earlier versions read .json files in folders by other rules)")
+    return text
+
+
 def changed_data_file(saved: object, now: object) -> str | None:
     """None when the checkpoint's `content_signatures` (`saved`) match this run's (`now`), or when either is missing
-    (a checkpoint written before they were recorded; a source without files); else what differs, naming the file."""
+    (a checkpoint written before they were recorded; a source without files); else what differs, naming the file
+    (for another number of files, each file only one side reads)."""
     if not isinstance(saved, dict) or not isinstance(now, dict):
         return None
     old, new = list(saved.get("files") or ()), list(now.get("files") or ())
-    if len(old) != len(new):
-        return f"the checkpoint was written reading {len(old)} data files, this run reads {len(new)}"
     same_window = saved.get("window") == now.get("window")  # digests over another window: the sizes alone
+    if len(old) != len(new):
+        return _set_change(old, new, same_window)
     for a, b in zip(old, new):
         if a.get("size") == b["size"] and (a.get("sha256") == b["sha256"] or not same_window):
             continue
@@ -120,6 +175,29 @@ def changed_data_file(saved: object, now: object) -> str | None:
     return None
 
 
+def keep_files_hint(saved: object, now: object, key: str) -> str | None:
+    """'Set <key> = "<folder>/**/*<suffix>"' when that glob reads exactly the checkpoint's files where this run reads
+    more (they all have one suffix, e.g. .jsonl, and this run adds files of others, e.g. .json files it reads in
+    the folder now); None otherwise."""
+    if not isinstance(saved, dict) or not isinstance(now, dict):
+        return None
+    old = [str(e.get("file")) for e in saved.get("files") or ()]
+    new = [str(e.get("file")) for e in now.get("files") or ()]
+    suffixes = {Path(f).suffix for f in old}
+    if not old or len(suffixes) != 1 or not all(os.path.isabs(f) for f in old + new):
+        return None
+    suffix = suffixes.pop()
+    root = os.path.commonpath(old + new)
+    if root in old + new:
+        root = os.path.dirname(root)
+    pattern = f"{root}/**/*{suffix}"
+    if len(new) == len(old) or sorted(f for f in new if f.endswith(suffix)) != sorted(old):
+        return None
+    if sorted(str(Path(f).resolve()) for f in glob.glob(pattern, recursive=True) if os.path.isfile(f)) != sorted(old):
+        return None  # the glob would read other files too (the data path was a narrower glob)
+    return f'Set {key} = "{pattern}"'
+
+
 _PEEK = 1 << 16
 """Bytes of a line read to see how a .json file found in a folder or glob starts."""
 _FIRST_LINE_LIMIT = 16 << 20
@@ -127,10 +205,10 @@ _FIRST_LINE_LIMIT = 16 << 20
 one-line annotation object such as COCO's instances_*.json) is skipped as not data."""
 
 
-def _json_holds_records(path: Path) -> bool:
-    """Whether a .json file found in a folder or by a glob is data: one JSON array, or JSON lines (not a metadata
-    name). Only the start of the first non-blank line is read for an array (json.dump writes one on one line: the
-    whole file), that line (up to `_FIRST_LINE_LIMIT`) for JSON lines."""
+def _json_holds_records(path: Path, record_keys: Collection[str]) -> bool:
+    """Whether a .json file found in a folder or by a glob is data: one JSON array, or JSON lines whose first object
+    has one of `record_keys` (not a metadata name). Only the start of the first non-blank line is read for an array
+    (json.dump writes one on one line: the whole file), that line (up to `_FIRST_LINE_LIMIT`) for JSON lines."""
     try:
         with path.open("rb") as f:
             line = f.readline(_PEEK).removeprefix(b"\xef\xbb\xbf")
@@ -148,9 +226,10 @@ def _json_holds_records(path: Path) -> bool:
     except OSError:  # unreadable: skipped with the others, named in the warning
         return False
     try:
-        return isinstance(json.loads(line), dict)
+        first = json.loads(line)
     except (ValueError, RecursionError):  # not valid JSON, not UTF-8, nested too deeply: not a JSON object line
         return False
+    return isinstance(first, dict) and any(k in first for k in record_keys)
 
 
 _reported: set[tuple[str, tuple[str, ...]]] = set()
@@ -173,8 +252,12 @@ def _first_report(text: str, skipped: list[str]) -> bool:
     return True
 
 
-def find_data_files(path: str | os.PathLike, suffixes: tuple[str, ...] = HF_SUFFIXES) -> list[Path]:
-    """The data files at `path` (see module docstring); FileNotFoundError when there are none."""
+def find_data_files(path: str | os.PathLike, suffixes: tuple[str, ...] = HF_SUFFIXES,
+                    record_keys: Collection[str] = RECORD_KEYS) -> list[Path]:
+    """The data files at `path` (see module docstring); FileNotFoundError when there are none. `record_keys`: the
+    columns of which a JSON-lines .json file's first object must have one to be data (`record_columns`; none given:
+    those of every layout, `RECORD_KEYS`)."""
+    record_keys = record_keys or RECORD_KEYS
     text = os.fspath(path)
     kinds = " / ".join(suffixes)
     if os.path.isdir(text):
@@ -185,19 +268,20 @@ def find_data_files(path: str | os.PathLike, suffixes: tuple[str, ...] = HF_SUFF
         return [Path(text)]  # named directly: whatever its suffix and content
     else:
         raise FileNotFoundError(f"no {kinds} data files at {text!r}")
-    names = [f for f in found if Path(f).suffix != ".json" or _json_holds_records(Path(f))]
+    names = [f for f in found if Path(f).suffix != ".json" or _json_holds_records(Path(f), record_keys)]
     skipped = sorted(set(found) - set(names))
     about = ""
     if skipped:
         shown = ", ".join(os.path.relpath(f, text) if os.path.isdir(text) else f for f in skipped[:8])
         about = f"{len(skipped)} .json files skipped as not data: {shown}{', ...' if len(skipped) > 8 else ''}"
         unknown = [f for f in skipped if Path(f).name not in METADATA_JSON]
-        why = (f"{len(unknown)} of them neither one JSON array nor JSON lines" if unknown
+        why = (f"{len(unknown)} of them neither one JSON array nor JSON lines of records, whose first object has "
+               f"one of the columns read here: {', '.join(sorted(record_keys))}" if unknown
                else "dataset / model metadata, not records")
         if _first_report(text, skipped):
             log.log(logging.WARNING if unknown else logging.INFO, "%s: %s (%s)", text, about, why)
     if not names:
-        raise FileNotFoundError(f"no {kinds} data files at {text!r}" + (f" ({about})" if about else ""))
+        raise FileNotFoundError(f"no {kinds} data files at {text!r}" + (f" ({about}: {why})" if about else ""))
     return [Path(n) for n in sorted(names)]
 
 

@@ -44,7 +44,7 @@ from megatron_vlm.data.conversations import (
     place_marked_media,
     refuse_markers_beside_items,
 )
-from megatron_vlm.data.data_files import HF_SUFFIXES, TABLE_SUFFIXES, DataFileError
+from megatron_vlm.data.data_files import HF_SUFFIXES, TABLE_SUFFIXES, DataFileError, record_columns
 from megatron_vlm.data.messages import Record, normalize_messages, normalize_tools, resolve_path
 from megatron_vlm.data.table_rows import TableRows
 
@@ -211,7 +211,8 @@ class TableRecordSource:
                  bad_records: Optional[BadRecordLog] = None):
         self.name = str(path)
         self.columns = dict(columns)
-        self.rows = TableRows(path, suffixes=suffixes, bad_records=bad_records, cache_dir=cache_dir)
+        self.rows = TableRows(path, suffixes=suffixes, bad_records=bad_records, cache_dir=cache_dir,
+                              record_keys=record_columns(self.columns))
         self.image_root = Path(image_root) if image_root else None
 
     def __len__(self) -> int:

@@ -63,7 +63,8 @@ from megatron_vlm.data.processor import VLProcessor
 from megatron_vlm.data.worker_start import exit_with_rank, worker_context
 from megatron_vlm.stop_signals import leave_stop_signals_to_the_rank
 
-__all__ = ["compute_lengths", "compute_lengths_and_classes", "compute_length_slice", "lengths_cache_key", "LengthEstimateError"]
+__all__ = ["compute_lengths", "compute_lengths_and_classes", "compute_length_slice", "lengths_cache_key", "LengthEstimateError",
+           "planning_settings", "IMAGE_SIZE_KEYS"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -86,6 +87,25 @@ def _processor_identity(proc: VLProcessor) -> dict:
         "template_kwargs": json.dumps(getattr(proc, "template_kwargs", {}), sort_keys=True, default=str),
         "vision": proc.identity(),
     }
+
+
+IMAGE_SIZE_KEYS = ("data.min_pixels / data.max_pixels / data.video_min_pixels / data.video_max_pixels "
+                   "(or model.path's preprocessor config)")
+"""The keys of the processor's image / video size settings (else the model folder's preprocessor config)."""
+
+
+def planning_settings(proc: VLProcessor, *, max_frames: int, fps: float = 2.0,
+                      limits: MediaLimits = DEFAULT_LIMITS) -> dict[str, str]:
+    """What the planning lengths are a function of besides the records (the length cache key's processor and
+    options), by the config key that sets each, as short text: a data state records them, so a resume whose lengths
+    differ can say which setting changed."""
+    ident = _processor_identity(proc)
+    return {"model.path (its tokenizer)": ident["tokenizer"][:16],
+            "model.path (its chat template)": ident["chat_template"][:16],
+            "data.chat_template_kwargs": ident["template_kwargs"],
+            IMAGE_SIZE_KEYS: json.dumps(ident["vision"], sort_keys=True, default=str),
+            "data.max_frames": str(int(max_frames)), "data.fps": str(float(fps)),
+            "data.max_image_pixels": str(limits.max_image_pixels), "data.max_video_pixels": str(limits.max_video_pixels)}
 
 
 def lengths_cache_key(source, proc: VLProcessor, *, max_frames: int, for_generation: bool, fps: float = 2.0,

@@ -18,6 +18,9 @@ their tile size only (the length pass's pack classes, plan.py), so no sample is 
 Records that fail in a worker (or, should processing disagree with the planning estimate, whose video frames
 have a size the pack's other videos do not) are dropped from their pack and reported back with it; a pack whose
 samples all failed becomes a one-token empty pack so that every rank still runs the same number of steps.
+The position a checkpoint saves (`state_dict`) comes with what it means: the record count, pack size, seed, the
+files' contents and a fingerprint of the planning lengths (plan_lengths.py); a resume whose plan would differ is
+refused (`load_state_dict`), so a position never continues silently in another plan.
 
 `build_eval_dataloader` iterates once over the eval split, sharded by rank with the same number of
 items on every rank: packs (for validation loss) or padded prompt batches with reference answers
@@ -43,10 +46,11 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, keep_planning_records, unexpected
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.data.data_files import changed_data_file, content_signatures, source_files
-from megatron_vlm.data.lengths import compute_lengths_and_classes
+from megatron_vlm.data.lengths import compute_lengths_and_classes, planning_settings
 from megatron_vlm.data.media import MediaLimits, PyAVDecoder, VideoDecoder, set_video_decoder, video_decoder
 from megatron_vlm.data.packing import collate_pack, collate_padded, empty_pack, vision_shape_conflict
 from megatron_vlm.data.plan import PackPlanner
+from megatron_vlm.data.plan_lengths import plan_lengths_refusal, plan_lengths_state, warn_unrecorded_lengths
 from megatron_vlm.data.processing import ProcessedSample, process_record
 from megatron_vlm.data.processor import VLProcessor, as_vl_processor
 from megatron_vlm.data.sources import open_split
@@ -218,10 +222,14 @@ class SFTDataLoader:
 
     def __init__(self, dataset: _PackDataset, planner: PackPlanner, *, dp_rank: int, dp_size: int,
                  num_workers: int, prefetch_factor: int, bad_records: BadRecordLog, split: str,
-                 timeout_s: float = 0.0, data_files: Optional[dict] = None):
+                 timeout_s: float = 0.0, data_files: Optional[dict] = None,
+                 plan_settings: Optional[Callable[[], dict]] = None):
         self.dataset, self.planner = dataset, planner
         self.data_files = data_files
         """`content_signatures` of the files read (None: records in memory): a resume refuses other content."""
+        self._plan_settings = plan_settings
+        """`lengths.planning_settings` of this loader (computed when first saved: it hashes the tokenizer)."""
+        self._plan_lengths: Optional[dict] = None
         self.timeout_s = timeout_s
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
@@ -277,8 +285,15 @@ class SFTDataLoader:
         return {"global_packs_consumed": self._consumed * self.dp_size, "packs_consumed_on_rank": self._consumed,
                 "dp_size": self.dp_size, "epoch": self.epoch, "seed": self.planner.seed, "shuffle": self.planner.shuffle,
                 "num_records": int(self.planner.lengths.size), "capacity": self.planner.capacity,
-                "pack_classes": self._pack_classes_digest(),
+                "pack_classes": self._pack_classes_digest(), "plan_lengths": self.plan_lengths(),
                 **({"data_files": self.data_files} if self.data_files is not None else {})}
+
+    def plan_lengths(self) -> dict:
+        """`plan_lengths.plan_lengths_state` of this loader's plan (computed once)."""
+        if self._plan_lengths is None:
+            settings = self._plan_settings() if self._plan_settings is not None else None
+            self._plan_lengths = plan_lengths_state(self.planner.lengths, self.planner.capacity, settings)
+        return self._plan_lengths
 
     def _pack_classes_digest(self) -> Optional[str]:
         """A digest of the records' pack classes (videos of one tile size pack together), None when every record is
@@ -312,6 +327,11 @@ class SFTDataLoader:
         changed = changed_data_file(state.get("data_files"), getattr(self, "data_files", None))
         if changed:  # as many records, other ones: the position would point into other data
             raise ValueError(f"data state: {changed}")
+        if "plan_lengths" not in state:  # written before the fingerprint: resumes unchecked
+            warn_unrecorded_lengths()
+        elif plan_lengths_refusal(state["plan_lengths"], self.plan_lengths()):  # the same records planned otherwise
+            raise ValueError("data state: the samples' token lengths differ from the checkpoint's; the pack plan "
+                             "would differ")
         self._consumed = g // self.dp_size
         self._epoch = None
 
@@ -383,7 +403,14 @@ def build_sft_dataloader(data_cfg: DataConfig, processor: Any, *, seed: int, dp_
     dataset = _PackDataset(_Processor(source, proc, data_cfg), data_cfg.max_tokens_per_pack, proc.pad_token_id)
     return SFTDataLoader(dataset, planner, dp_rank=dp_rank, dp_size=dp_size, num_workers=data_cfg.num_workers,
                          prefetch_factor=data_cfg.prefetch_factor, bad_records=bad_records, split=split,
-                         timeout_s=data_cfg.loader_timeout_s, data_files=data_files_of(source))
+                         timeout_s=data_cfg.loader_timeout_s, data_files=data_files_of(source),
+                         plan_settings=plan_settings_of(proc, data_cfg))
+
+
+def plan_settings_of(proc: VLProcessor, data_cfg: DataConfig) -> Callable[[], dict]:
+    """The `lengths.planning_settings` of a loader's lengths, computed when called."""
+    return functools.partial(planning_settings, proc, max_frames=data_cfg.max_frames, fps=data_cfg.fps,
+                             limits=MediaLimits.from_config(data_cfg))
 
 
 def data_files_of(source) -> Optional[dict]:

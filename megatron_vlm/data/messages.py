@@ -63,7 +63,7 @@ from megatron_vlm.data.conversations import (
     place_marked_media,
     refuse_markers_beside_items,
 )
-from megatron_vlm.data.data_files import MESSAGES_SUFFIXES
+from megatron_vlm.data.data_files import MESSAGES_RECORD_KEYS, MESSAGES_SUFFIXES
 from megatron_vlm.data.table_rows import TableRows
 
 __all__ = ["Record", "normalize_messages", "normalize_tools", "read_messages_jsonl", "record_from_messages_row", "resolve_path"]
@@ -345,7 +345,7 @@ def read_messages_jsonl(path: str | os.PathLike, *, image_root: str | os.PathLik
     """All well-formed records of the messages JSONL file(s) at `path` (a file, a folder of .jsonl
     files searched recursively, or a glob), in file then line order; bad lines go to `bad_records`
     (or are dropped) under their file and 1-based line (0-based element of a JSON array file)."""
-    rows = TableRows(path, suffixes=MESSAGES_SUFFIXES, bad_records=bad_records)
+    rows = TableRows(path, suffixes=MESSAGES_SUFFIXES, bad_records=bad_records, record_keys=MESSAGES_RECORD_KEYS)
     records: list[Record] = []
     for i in range(len(rows)):
         source, lineno = rows.locate(i)

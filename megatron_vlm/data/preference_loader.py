@@ -37,7 +37,14 @@ from megatron_vlm.data.batch import VISION_KEYS
 from megatron_vlm.data.config import DataConfig
 from megatron_vlm.data.data_files import data_path_errors
 from megatron_vlm.data.lengths import compute_lengths_and_classes
-from megatron_vlm.data.loader import EvalDataLoader, SFTDataLoader, build_processor, data_files_of, require_usable
+from megatron_vlm.data.loader import (
+    EvalDataLoader,
+    SFTDataLoader,
+    build_processor,
+    data_files_of,
+    plan_settings_of,
+    require_usable,
+)
 from megatron_vlm.data.media import MediaLimits
 from megatron_vlm.data.packing import collate_pack, empty_pack, vision_shape_conflict
 from megatron_vlm.data.plan import PackPlanner
@@ -199,12 +206,13 @@ def build_preference_dataloader(data_cfg: DataConfig, processor: Any, *, seed: i
     prepared = _prepare(data_cfg, processor, split, bad_records, split_over_ranks=split_over_ranks)
     if prepared is None:
         raise ValueError(f"data: no {split} split configured")
-    _, bad_records, pairs, lengths, dataset, classes = prepared
+    proc, bad_records, pairs, lengths, dataset, classes = prepared
     planner = PackPlanner(lengths, data_cfg.max_tokens_per_pack, seed=seed,
                           shuffle=data_cfg.shuffle and split == "train", name=f"data.{split}", classes=classes)
     loader = SFTDataLoader(dataset, planner, dp_rank=dp_rank, dp_size=dp_size, num_workers=data_cfg.num_workers,
                            prefetch_factor=data_cfg.prefetch_factor, bad_records=bad_records, split=split,
-                           timeout_s=data_cfg.loader_timeout_s, data_files=data_files_of(pairs))
+                           timeout_s=data_cfg.loader_timeout_s, data_files=data_files_of(pairs),
+                           plan_settings=plan_settings_of(proc, data_cfg))
     loader.prepared = prepared  # the pairs, their lengths and dataset: a pass over the same split reuses them
     return loader
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from megatron_vlm.data.bad_records import BadRecordLog, unexpected
 from megatron_vlm.data.config import DataConfig
-from megatron_vlm.data.data_files import MESSAGES_SUFFIXES, data_path_errors, file_signature
+from megatron_vlm.data.data_files import MESSAGES_RECORD_KEYS, MESSAGES_SUFFIXES, data_path_errors, file_signature
 from megatron_vlm.data.hf_source import HFRecords
 from megatron_vlm.data.messages import Record, record_from_messages_row, resolve_path
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
@@ -72,7 +72,7 @@ class MessagesRecords:
 
     def __init__(self, path: str | os.PathLike, image_root: Optional[str], bad_records: Optional[BadRecordLog]):
         self.name = str(path)
-        self.rows = TableRows(path, suffixes=MESSAGES_SUFFIXES, bad_records=bad_records)
+        self.rows = TableRows(path, suffixes=MESSAGES_SUFFIXES, bad_records=bad_records, record_keys=MESSAGES_RECORD_KEYS)
         self.files = list(self.rows.files)
         self._root = Path(image_root) if image_root else None
         self._folders: dict[str, Path] = {}

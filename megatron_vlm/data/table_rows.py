@@ -40,14 +40,21 @@ import json
 import os
 import re
 from array import array
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
-from megatron_vlm.data.data_files import HF_SUFFIXES, TABLE_SUFFIXES, DataFileError, file_signature, find_data_files
+from megatron_vlm.data.data_files import (
+    HF_SUFFIXES,
+    RECORD_KEYS,
+    TABLE_SUFFIXES,
+    DataFileError,
+    file_signature,
+    find_data_files,
+)
 
 __all__ = ["TableRows", "read_json_lines"]
 
@@ -449,12 +456,15 @@ class _TablePart:
 class TableRows:
     """All rows of the data files at `path` (see module docstring).
 
-    `bad_records`, when given, receives the malformed JSON lines (they are also kept in `errors`)."""
+    `bad_records`, when given, receives the malformed JSON lines (they are also kept in `errors`). `record_keys`: the
+    columns a record is read from; a JSON-lines .json file in a folder or glob without one is not data
+    (`data_files.find_data_files`)."""
 
     def __init__(self, path: str | os.PathLike, *, suffixes: tuple[str, ...] = HF_SUFFIXES,
-                 bad_records: Optional[BadRecordLog] = None, cache_dir: Optional[str] = None):
+                 bad_records: Optional[BadRecordLog] = None, cache_dir: Optional[str] = None,
+                 record_keys: Collection[str] = RECORD_KEYS):
         self.name = os.fspath(path)
-        self.files = find_data_files(path, suffixes)
+        self.files = find_data_files(path, suffixes, record_keys)
         self.errors: list[tuple[str, int, BadRecordError]] = []
         """(file, line, error) of each line (or JSON array element) that is not a JSON object, in file order."""
         self._parts: list[Any] = []

@@ -56,7 +56,14 @@ from typing import Any, Optional
 
 from megatron_vlm.config.eval_section import BenchmarkConfig
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog
-from megatron_vlm.data.data_files import HF_SUFFIXES, MESSAGES_SUFFIXES, DataFileError, data_path_errors, find_data_files
+from megatron_vlm.data.data_files import (
+    HF_SUFFIXES,
+    MESSAGES_RECORD_KEYS,
+    MESSAGES_SUFFIXES,
+    DataFileError,
+    data_path_errors,
+    find_data_files,
+)
 from megatron_vlm.data.messages import Record, read_messages_jsonl, resolve_path
 from megatron_vlm.data.processing import prompt_messages
 from megatron_vlm.data.sources import ListRecords
@@ -218,7 +225,8 @@ class BenchmarkRecords:
         self.verifier, self.template, self.system_prompt = cfg.verifier, template, system_prompt
         self.image_root = Path(cfg.image_root) if cfg.image_root else None
         self.bad_records = BadRecordLog()
-        self.rows = TableRows(cfg.path, suffixes=HF_SUFFIXES, bad_records=self.bad_records)
+        self.rows = TableRows(cfg.path, suffixes=HF_SUFFIXES, bad_records=self.bad_records,
+                              record_keys={self.columns[k] for k in ("question", "answer") if k in self.columns})
         image_cols = (self.columns["images"],) if "images" in self.columns else ()
         for file in self.rows.files:
             have = set(self.rows.columns(file))
@@ -268,7 +276,7 @@ def _messages_source(cfg: BenchmarkConfig, template: str, system_prompt: Optiona
     out = []
     if cfg.max_samples and len(records) > cfg.max_samples:
         last = records[cfg.max_samples - 1]
-        bad = _up_to(bad, find_data_files(cfg.path, MESSAGES_SUFFIXES), (last.source, last.index))
+        bad = _up_to(bad, find_data_files(cfg.path, MESSAGES_SUFFIXES, MESSAGES_RECORD_KEYS), (last.source, last.index))
     for r in records[: cfg.max_samples or None]:
         messages = [dict(m) for m in r.messages]
         if any(m["role"] == "assistant" for m in messages):  # none: refused by the loader, as in an SFT eval split
@@ -287,7 +295,7 @@ def _messages_source(cfg: BenchmarkConfig, template: str, system_prompt: Optiona
             messages.insert(0, {"role": "system", "content": system_prompt})
         out.append(Record(messages, r.source, r.index, dict(r.meta, verifier=verifier)))
     root = str(Path(cfg.image_root).resolve()) if cfg.image_root else None
-    return OpenedBenchmark(ListRecords(cfg.path, out, find_data_files(cfg.path, MESSAGES_SUFFIXES), image_root=root), bad)
+    return OpenedBenchmark(ListRecords(cfg.path, out, find_data_files(cfg.path, MESSAGES_SUFFIXES, MESSAGES_RECORD_KEYS), image_root=root), bad)
 
 
 def open_benchmark(cfg: BenchmarkConfig, *, template: str, system_prompt: Optional[str] = None,

@@ -19,8 +19,9 @@ from typing import Any, Optional
 import torch
 
 from megatron_vlm.data.bad_records import BadRecordLog
-from megatron_vlm.data.data_files import changed_data_file
+from megatron_vlm.data.data_files import changed_data_file, keep_files_hint
 from megatron_vlm.data.loader import build_sft_dataloader
+from megatron_vlm.data.plan_lengths import plan_lengths_refusal
 from megatron_vlm.data.synthetic_vqa import write_synthetic_vqa
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.parallel import clip_grad_norm_
@@ -79,6 +80,13 @@ def data_state_refusal(state: dict, loader, err: ValueError) -> str:
         return (f"train.mode: the checkpoint's data state holds no packed-data position (its fields: "
                 f"{', '.join(sorted(state)) or 'none'}: written by another job kind, e.g. a GRPO run), so this run cannot "
                 f"continue it. Resume it with the train.mode that wrote it, {fresh}")
+    changed = changed_data_file(state.get("data_files"), getattr(loader, "data_files", None))
+    if changed:  # before the record count: which files differ says more than how many records
+        keep = keep_files_hint(state.get("data_files"), getattr(loader, "data_files", None), "data.train_path")
+        how = keep or ("Point data.train_path at the checkpoint's data (data.type = \"synthetic_vqa\": its "
+                       "data.synthetic_* keys)")
+        return (f"data.train_path: {changed}, so the checkpoint's data position would point into other records. "
+                f"{how} to resume it, {fresh}")
     now = {"capacity": loader.planner.capacity, "num_records": int(loader.planner.lengths.size), "seed": loader.planner.seed}
     for field, key in _DATA_STATE_KEYS.items():
         if field in state and int(state[field]) != now[field]:
@@ -93,11 +101,10 @@ def data_state_refusal(state: dict, loader, err: ValueError) -> str:
         return (f"data.shuffle: the checkpoint was written with data.shuffle = {str(bool(shuffle)).lower()}, this run "
                 f"has data.shuffle = {str(loader.planner.shuffle).lower()}; the pack order would differ. Set data.shuffle "
                 f"= {str(bool(shuffle)).lower()} to resume it, {fresh}")
-    changed = changed_data_file(state.get("data_files"), getattr(loader, "data_files", None))
-    if changed:
-        return (f"data.train_path: {changed}, so the checkpoint's data position would point into other records. "
-                f"Point data.train_path at the checkpoint's data (data.type = \"synthetic_vqa\": its data.synthetic_* "
-                f"keys) to resume it, {fresh}")
+    lengths = plan_lengths_refusal(state.get("plan_lengths"), loader.plan_lengths()) if hasattr(
+        loader, "plan_lengths") else None
+    if lengths:
+        return f"{lengths}, {fresh}"
     g, dp = int(state["global_packs_consumed"]), getattr(loader, "dp_size", None)
     if dp and g % dp:
         return (f"checkpoint.resume: the checkpoint's data position cannot be continued here ({err}); resume it with a "

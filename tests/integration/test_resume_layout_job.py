@@ -170,3 +170,15 @@ def test_refusal_through_the_entry_point(ckpts, tmp_path):
     r = run_job_process(small_demo_overrides(tmp_path / "run", ckpts, **{**BASE, **_resume(ckpts, "lora")}), check=False)
     assert r.returncode == 2, r.stderr[-4000:]
     assert "error: lora: " in r.stderr and "this run has no [lora] section" in r.stderr, r.stderr[-4000:]
+
+
+def test_other_sample_lengths_are_refused_naming_the_setting(ckpts, tmp_path):
+    """A resume whose image size settings give the same records other token lengths (another pack plan) is refused
+    before it continues at the checkpoint's position in that other plan (data/plan_lengths.py)."""
+    code, err = _job(tmp_path / "bigger", ckpts, **_resume(ckpts, "native"),
+                     **{"train.max_steps": 3, "data.min_pixels": 112 * 112})
+    assert code == 2, err[-4000:]
+    line = [x for x in err.splitlines() if x.startswith("config error: ")]
+    assert len(line) == 1 and line[0].startswith("config error: data.min_pixels / data.max_pixels"), err[-4000:]
+    for part in ("the samples' token lengths differ", '"pixels": [3136, ', '"pixels": [12544, ', 'checkpoint.resume = "none"'):
+        assert part in line[0], (part, line[0])

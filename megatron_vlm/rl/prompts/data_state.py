@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron_vlm.data.data_files import changed_data_file
+from megatron_vlm.data.data_files import changed_data_file, keep_files_hint
 
 __all__ = ["grpo_data_state", "grpo_data_state_refusal"]
 
@@ -41,6 +41,12 @@ def grpo_data_state_refusal(state: dict, *, seed: int, num_prompts: int, prompts
         return ("train.mode: the checkpoint's data state is a packed-data position (an SFT, DPO or reward-model run's), "
                 f"not a GRPO prompt order, so this run cannot continue it. Resume it with the train.mode that wrote it, "
                 f"{_FRESH}")
+    changed = changed_data_file(state.get("data_files"), data_files)
+    if changed:  # before the prompt count: which files differ says more than how many prompts
+        how = keep_files_hint(state.get("data_files"), data_files, "data.train_path") or (
+            "Point data.train_path at the checkpoint's data (data.type = \"synthetic_vqa\": its data.synthetic_* keys)")
+        return (f"data.train_path: {changed}, so the resumed steps would draw other prompts than the checkpoint's "
+                f"order. {how} to resume it, {_FRESH}")
     if "num_prompts" in state and int(state["num_prompts"]) != num_prompts:
         return (f"data.train_path: the checkpoint was written drawing from {state['num_prompts']} train prompts, this run "
                 f"has {num_prompts} (another data.train_path or data.synthetic_train_size, changed files, or another "
@@ -51,9 +57,4 @@ def grpo_data_state_refusal(state: dict, *, seed: int, num_prompts: int, prompts
         if field in state and int(state[field]) != now[field]:
             return (f"{key}: the checkpoint was written with {key} = {state[field]}, this run has {key} = {now[field]}; "
                     f"the prompt order would differ. Set {key} = {state[field]} to resume it, {_FRESH}")
-    changed = changed_data_file(state.get("data_files"), data_files)
-    if changed:
-        return (f"data.train_path: {changed}, so the resumed steps would draw other prompts than the checkpoint's "
-                f"order. Point data.train_path at the checkpoint's data (data.type = \"synthetic_vqa\": its "
-                f"data.synthetic_* keys) to resume it, {_FRESH}")
     return None

@@ -59,7 +59,7 @@ from megatron_vlm.data.conversations import (
     place_marked_media,
     refuse_markers_beside_items,
 )
-from megatron_vlm.data.data_files import HF_SUFFIXES, DataFileError
+from megatron_vlm.data.data_files import HF_SUFFIXES, RECORD_KEYS, DataFileError, record_columns
 from megatron_vlm.data.messages import Record
 from megatron_vlm.data.table_rows import TableRows
 from megatron_vlm.errors import ConfigError
@@ -344,6 +344,17 @@ def _columns_from_mapping(columns: dict[str, str]) -> tuple[str, str, Optional[s
     return columns["prompt"], columns["answer"], columns.get("images") or columns.get("image")
 
 
+def _record_keys(schema: str, columns: Optional[dict[str, str]]) -> frozenset[str]:
+    """The columns of which a JSON-lines .json file's first object must have one to be prompt data (a one-line
+    {"version": 2} beside the prompts is not a prompt): the mapped ones, the schema's, or any layout's."""
+    if columns:
+        return record_columns(columns)
+    if schema in _SCHEMA_COLUMNS:
+        return frozenset(_SCHEMA_COLUMNS[schema][:2])
+    return {"messages": frozenset({"messages"}), "verl": frozenset({"prompt"}),
+            "trl": frozenset({"prompt"})}.get(schema, RECORD_KEYS)
+
+
 def _row_ids(rows: TableRows, path: str) -> dict[Path, str]:
     """The name each file contributes to row ids: its path under a folder given as `path`, else its file name."""
     if os.path.isdir(path):
@@ -376,7 +387,7 @@ def load_prompt_dataset(
     `bad_records` under their file and 1-based line (JSONL) / 0-based row (tables)."""
     if "{problem}" not in prompt_template:
         raise ConfigError("prompt_template: must contain the {problem} placeholder")
-    rows = TableRows(path, suffixes=suffixes, cache_dir=cache_dir)
+    rows = TableRows(path, suffixes=suffixes, cache_dir=cache_dir, record_keys=_record_keys(schema, columns))
     table_cols: Optional[tuple[str, str, Optional[str]]] = None
     if columns:
         table_cols = _columns_from_mapping(columns)

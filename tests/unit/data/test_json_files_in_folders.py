@@ -167,3 +167,52 @@ def test_finding_a_one_line_array_file_in_a_folder_does_not_read_it_whole(tmp_pa
     long_rows = path.parent / "long_rows.json"
     long_rows.write_text(json.dumps(_msg("q" * 300_000, "a")) + "\n" + json.dumps(_msg("q", "a")) + "\n")
     assert find_data_files(path.parent, MESSAGES_SUFFIXES) == [long_rows, path]
+
+
+def test_a_one_object_json_file_is_data_only_with_a_column_the_dataset_reads(tmp_path, caplog):
+    """A .json file of one object on one line found in a folder used to be one row whatever its keys: an info.json
+    ({"version": 2}) beside the data became a bad record of a messages split, and ended an "hf" split (its columns
+    missing) or a GRPO prompt set. Now such a file (and any JSON-lines .json file) is data when its first object has
+    a column the dataset reads (messages / conversations; the mapped ones of `data.columns`), like a record, and
+    skipped as not data otherwise, logged once; .jsonl files are read as before (one line: one row)."""
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / "one.json").write_text(json.dumps(_msg("q1", "a1")) + "\n")  # one record on one line: data
+    (root / "two.json").write_text(json.dumps(_llava("q2", "a2")))  # no newline at the end: data
+    (root / "info.json").write_text(json.dumps({"version": 2, "description": "my set"}) + "\n")  # metadata
+    (root / "zz.jsonl").write_text(json.dumps(_msg("q3", "a3")) + "\n")
+    log = BadRecordLog()
+    with caplog.at_level(logging.INFO, logger="megatron_vlm"):
+        src = open_split(DataConfig(train_path=str(root)), "train", log)
+    assert [os.path.relpath(f, root) for f in src.files] == ["one.json", "two.json", "zz.jsonl"]
+    assert [src.get(i).messages[-1]["content"] for i in range(len(src))] == ["a1", "a2", "a3"]
+    assert not log.entries
+    skipped = [r for r in caplog.records if "skipped as not data" in r.getMessage()]
+    assert len(skipped) == 1 and skipped[0].levelno == logging.WARNING, [r.getMessage() for r in skipped]
+    assert "1 .json files skipped as not data: info.json" in skipped[0].getMessage()
+    assert "messages" in skipped[0].getMessage() and "conversations" in skipped[0].getMessage()
+
+    # a .jsonl file of one line is one row whatever it holds (a bad record here, counted)
+    (root / "meta.jsonl").write_text(json.dumps({"version": 2}) + "\n")
+    log = BadRecordLog()
+    src = open_split(DataConfig(train_path=str(root)), "train", log)
+    assert "meta.jsonl" in [os.path.relpath(f, root) for f in src.files]
+    assert [e["source"] for e in log.to_dict()["records"]] == [str(root / "meta.jsonl")]
+
+
+def test_hf_and_grpo_folders_skip_a_one_object_json_file_without_their_columns(tmp_path):
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / "rows.json").write_text(json.dumps({"problem": "p1", "answer": "1"}) + "\n")
+    (root / "more.jsonl").write_text(json.dumps({"problem": "p2", "answer": "2"}) + "\n")
+    (root / "info.json").write_text(json.dumps({"version": 2, "splits": ["train"]}))
+    columns = {"prompt": "problem", "answer": "answer"}
+    src = open_split(DataConfig(type="hf", train_path=str(root), columns=columns), "train")
+    assert [os.path.relpath(f, root) for f in src.rows.files] == ["more.jsonl", "rows.json"]
+    assert [src.get(i).meta["answer"] for i in range(len(src))] == ["2", "1"]
+    grpo = load_prompt_dataset(root, columns=columns)
+    assert [s.answer for s in grpo.samples] == ["2", "1"]
+    (root / "more.jsonl").unlink()
+    (root / "rows.json").write_text(json.dumps({"problem": "p1", "answer": "1", "images": []}) + "\n")
+    assert [s.answer for s in load_prompt_dataset(root, schema="geometry3k").samples] == ["1"]  # a layout's columns
+    assert [s.answer for s in load_prompt_dataset(root).samples] == ["1"]  # detected from the files read

@@ -73,7 +73,7 @@ def test_a_packed_loader_refuses_a_changed_file_of_the_same_size(tmp_path, proc,
     copy.parent.mkdir()
     shutil.copy(path, copy)
     build(_cfg(copy), proc).load_state_dict(state)
-    old = {k: v for k, v in state.items() if k != "data_files"}  # a checkpoint written before the field
+    old = {k: v for k, v in state.items() if k not in ("data_files", "plan_lengths")}  # written before the fields
     _swap(path, write)
     changed = build(_cfg(path), proc)
     changed.load_state_dict(old)
@@ -116,4 +116,53 @@ def test_content_signatures_read_both_ends_of_a_large_file(tmp_path):
     data[-1] = ord("y")
     big.write_bytes(bytes(data))
     assert "other content of the same size" in changed_data_file(before, content_signatures([big]))
-    assert changed_data_file(before, content_signatures([big, big])).endswith("reading 1 data files, this run reads 2")
+    assert changed_data_file(before, content_signatures([big, big])).startswith(
+        "the checkpoint was written reading 1 data files, this run reads 2")
+
+
+def test_a_resume_reading_other_json_files_of_a_folder_says_which_and_how_to_keep_the_old_set(tmp_path, proc):
+    """A folder whose .json files were skipped (or read) when the checkpoint was written and are read (skipped) now
+    was refused with the record counts alone ("written reading 6 train records, this run reads 8"), naming no file
+    and no way to resume. The refusal names the files and, where a glob keeps the checkpoint's set, that glob."""
+    from megatron_vlm.data.data_files import content_signatures
+
+    root = tmp_path / "data"
+    (root / "sub").mkdir(parents=True)
+    _messages(root / "a.jsonl", ANSWERS[:3])
+    _messages(root / "sub" / "b.jsonl", ANSWERS[3:])
+    (root / "sub" / "llava.json").write_text(json.dumps([
+        {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}] * 2))
+    jsonl_only = build_sft_dataloader(_cfg(root / "**" / "*.jsonl"), proc, seed=0, dp_rank=0, dp_size=1)
+    state = {**jsonl_only.state_dict(), "global_packs_consumed": 2}  # the .json files were not read then
+
+    msg = _refused(SFTStep, build_sft_dataloader(_cfg(root), proc, seed=0, dp_rank=0, dp_size=1), state)
+    glob = f'data.train_path = "{root.resolve()}/**/*.jsonl"'
+    assert msg.startswith("data.train_path: the checkpoint was written reading 2 data files, this run reads 3: "
+                          "this run also reads sub/llava.json"), msg
+    assert ".json file" in msg and f"Set {glob} to resume it" in msg and "\n" not in msg, msg
+    build_sft_dataloader(_cfg(f"{root.resolve()}/**/*.jsonl"), proc, seed=0, dp_rank=0, dp_size=1).load_state_dict(state)
+
+    # the checkpoint read a .json file this run leaves out (skipped as not data now): named, no glob brings it back
+    loader = build_sft_dataloader(_cfg(root), proc, seed=0, dp_rank=0, dp_size=1)
+    info = root / "info.json"
+    info.write_text(json.dumps({"version": 2}) + "\n")
+    files = [root / "a.jsonl", info, root / "sub" / "b.jsonl", root / "sub" / "llava.json"]
+    old = {**loader.state_dict(), "global_packs_consumed": 2, "num_records": 9, "data_files": content_signatures(files)}
+    msg = _refused(SFTStep, loader, old)
+    assert msg.startswith("data.train_path: the checkpoint was written reading 4 data files, this run reads 3: "
+                          "the checkpoint also read info.json, which this run does not"), msg
+    assert "skipped as not data" in msg and 'checkpoint.resume = "none"' in msg, msg
+
+
+def test_grpo_names_the_json_files_read_now_and_the_glob_that_keeps_the_old_set(tmp_path):
+    from megatron_vlm.data.data_files import content_signatures
+    from megatron_vlm.rl.prompts.data_state import grpo_data_state_refusal
+
+    path = _messages(tmp_path / "prompts.jsonl", ANSWERS)
+    (tmp_path / "more.json").write_text(json.dumps([{"messages": [{"role": "user", "content": "q"}], "answer": "a"}]))
+    old, now = content_signatures([path]), content_signatures([tmp_path / "more.json", path])
+    msg = grpo_data_state_refusal({"next_step": 2, "seed": 0, "num_prompts": 6, "prompts_per_step": 2,
+                                   "data_files": old}, seed=0, num_prompts=7, prompts_per_step=2, data_files=now)
+    assert msg.startswith("data.train_path: the checkpoint was written reading 1 data files, this run reads 2: this "
+                          "run also reads more.json"), msg
+    assert f'Set data.train_path = "{tmp_path.resolve()}/**/*.jsonl" to resume it' in msg, msg

@@ -173,7 +173,7 @@ def _pool_context(job: tuple, num_workers: int) -> Optional[BaseContext]:
             f"data.num_workers = {num_workers}: the length pass's workers start from a worker server and receive the "
             f"record source and processor pickled, and these cannot be ({type(e).__name__}: {e}); make what they hold "
             "picklable, or set data.num_workers = 0 to estimate the lengths in the rank's own process") from e
-    return worker_context(job)
+    return worker_context(job, "the record source and processor")
 
 
 def _pooled_slice(source, proc: VLProcessor, indices: list, num_workers: int, options: dict) -> tuple[np.ndarray, list]:

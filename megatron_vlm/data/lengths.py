@@ -60,6 +60,7 @@ from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpect
 from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
 from megatron_vlm.data.processing import estimate_length_and_class
 from megatron_vlm.data.processor import VLProcessor
+from megatron_vlm.data.worker_env import adopt_rank_state, rank_state
 from megatron_vlm.data.worker_start import exit_with_rank, worker_context
 from megatron_vlm.stop_signals import leave_stop_signals_to_the_rank
 
@@ -137,11 +138,13 @@ _POOL_CHUNK = 256
 _pool_job: Optional[tuple] = None  # (source, proc, options), set in each pool worker by `_pool_init`
 
 
-def _pool_init(job: tuple, rank_pid: int) -> None:
-    """First thing in a worker of the pass: keep the job (it came pickled, once per worker), end with the rank."""
+def _pool_init(job: tuple, rank_pid: int, rank: Optional[dict] = None) -> None:
+    """First thing in a worker of the pass: keep the job (it came pickled, once per worker), take the rank's
+    environment and logging (worker_env.py), end with the rank."""
     global _pool_job
     import torch
 
+    adopt_rank_state(rank)
     # TERM ends a worker: the executor ends the others with it when one died, and before the first step there is no
     # checkpoint for a rank to save. Set explicitly: the worker server ignores TERM (worker_server.py) and a worker
     # it forks inherits that. USR1 (a SLURM stop request to every process) is the rank's; so is Ctrl-C.
@@ -189,7 +192,8 @@ def _pooled_slice(source, proc: VLProcessor, indices: list, num_workers: int, op
     try:
         # an executor, not multiprocessing.Pool: Pool.map waits forever for the chunk of a worker that died (the
         # OOM killer, a stop signal sent to every process); the executor notices the death and raises
-        pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_pool_init, initargs=(job, os.getpid()))
+        pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_pool_init,
+                                   initargs=(job, os.getpid(), rank_state()))
         try:
             parts = list(pool.map(_pool_task, chunks))
         except BaseException:

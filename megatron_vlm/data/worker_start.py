@@ -13,7 +13,8 @@ The dataset reaches the worker pickled (a fork copied it), so a dataset must be 
 also preloads the modules its pickle names, so that the workers do not import them one by one. A worker runs the
 entry script again (as `spawn` does, for the classes a pickle names in `__main__`) only where that is safe, the
 code now running in it being under `if __name__ == "__main__":`; an unguarded script's workers start without it, and
-a class of its `__main__` in the pickle is an error at loader creation (worker_main.py).
+a class of its `__main__` in the pickle is an error at loader creation (worker_main.py). Nor does a worker inherit
+the rank's later environment or its logging setup: each takes them from the rank in its init (worker_env.py).
 
 A worker is the server's child, not the rank's: torch's own check that its manager lives (the worker's parent pid
 changed) cannot see the rank die, and the workers ignore the stop signals. `exit_with_rank` ends a worker whose

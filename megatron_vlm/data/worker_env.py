@@ -65,7 +65,7 @@ def _handler(h: logging.Handler) -> Optional[tuple]:
 def rank_state() -> dict:
     """What a worker adopts from this process (module docstring): environment, logger levels and handlers."""
     manager = logging.Logger.manager
-    levels = {name: lg.level for name, lg in manager.loggerDict.items()
+    levels = {name: lg.level for name, lg in list(manager.loggerDict.items())  # a copy: threads add loggers
               if isinstance(lg, logging.Logger) and lg.level != logging.NOTSET}
     handlers = {}
     for name in _CARRIED_HANDLERS:

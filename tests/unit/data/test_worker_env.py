@@ -197,3 +197,4 @@ def test_handlers_that_cannot_reach_a_worker_have_one_stderr_handler_stand_in(tm
     adopt_rank_state(rank_state())  # writes to stderr already: no stand-in
     (only,) = lib.handlers
     assert type(only) is logging.StreamHandler and only.stream is sys.stderr
+

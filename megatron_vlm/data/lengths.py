@@ -60,6 +60,7 @@ from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpect
 from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
 from megatron_vlm.data.processing import estimate_length_and_class
 from megatron_vlm.data.processor import VLProcessor
+from megatron_vlm.data.worker_env import adopt_rank_state, rank_state
 from megatron_vlm.data.worker_start import exit_with_rank, worker_context
 from megatron_vlm.stop_signals import leave_stop_signals_to_the_rank
 
@@ -157,11 +158,13 @@ _POOL_CHUNK = 256
 _pool_job: Optional[tuple] = None  # (source, proc, options), set in each pool worker by `_pool_init`
 
 
-def _pool_init(job: tuple, rank_pid: int) -> None:
-    """First thing in a worker of the pass: keep the job (it came pickled, once per worker), end with the rank."""
+def _pool_init(job: tuple, rank_pid: int, rank: Optional[dict] = None) -> None:
+    """First thing in a worker of the pass: keep the job (it came pickled, once per worker), take the rank's
+    environment and logging (worker_env.py), end with the rank."""
     global _pool_job
     import torch
 
+    adopt_rank_state(rank)
     # TERM ends a worker: the executor ends the others with it when one died, and before the first step there is no
     # checkpoint for a rank to save. Set explicitly: the worker server ignores TERM (worker_server.py) and a worker
     # it forks inherits that. USR1 (a SLURM stop request to every process) is the rank's; so is Ctrl-C.
@@ -193,7 +196,7 @@ def _pool_context(job: tuple, num_workers: int) -> Optional[BaseContext]:
             f"data.num_workers = {num_workers}: the length pass's workers start from a worker server and receive the "
             f"record source and processor pickled, and these cannot be ({type(e).__name__}: {e}); make what they hold "
             "picklable, or set data.num_workers = 0 to estimate the lengths in the rank's own process") from e
-    return worker_context(job)
+    return worker_context(job, "the record source and processor")
 
 
 def _pooled_slice(source, proc: VLProcessor, indices: list, num_workers: int, options: dict) -> tuple[np.ndarray, list]:
@@ -209,7 +212,8 @@ def _pooled_slice(source, proc: VLProcessor, indices: list, num_workers: int, op
     try:
         # an executor, not multiprocessing.Pool: Pool.map waits forever for the chunk of a worker that died (the
         # OOM killer, a stop signal sent to every process); the executor notices the death and raises
-        pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_pool_init, initargs=(job, os.getpid()))
+        pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_pool_init,
+                                   initargs=(job, os.getpid(), rank_state()))
         try:
             parts = list(pool.map(_pool_task, chunks))
         except BaseException:

@@ -54,6 +54,7 @@ from megatron_vlm.data.plan_lengths import plan_lengths_refusal, plan_lengths_st
 from megatron_vlm.data.processing import ProcessedSample, process_record
 from megatron_vlm.data.processor import VLProcessor, as_vl_processor
 from megatron_vlm.data.sources import open_split
+from megatron_vlm.data.worker_env import adopt_rank_state, rank_state
 from megatron_vlm.data.worker_start import exit_with_rank, worker_context
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.stop_signals import leave_stop_signals_to_the_rank
@@ -67,10 +68,12 @@ def _identity(x):
     return x
 
 
-def _worker_init(_worker_id: int, decoder: Optional[VideoDecoder] = None, rank_pid: Optional[int] = None) -> None:
-    """First thing in a DataLoader worker. `decoder`: the rank's `set_video_decoder` choice, which a worker started
-    by the worker server (not forked from the rank) would not otherwise see; `rank_pid`: the rank, whose end ends
-    the worker (worker_start.py `exit_with_rank`)."""
+def _worker_init(_worker_id: int, decoder: Optional[VideoDecoder] = None, rank_pid: Optional[int] = None,
+                 rank: Optional[dict] = None) -> None:
+    """First thing in a DataLoader worker. `decoder`: the rank's `set_video_decoder` choice, and `rank`: its
+    environment and logging (worker_env.py), which a worker started by the worker server (not forked from the rank)
+    would not otherwise see; `rank_pid`: the rank, whose end ends the worker (worker_start.py `exit_with_rank`)."""
+    adopt_rank_state(rank)
     if rank_pid is not None:
         exit_with_rank(rank_pid)
     if decoder is not None:
@@ -83,9 +86,10 @@ def _worker_init(_worker_id: int, decoder: Optional[VideoDecoder] = None, rank_p
 
 
 def _worker_init_fn() -> Callable[[int], None]:
-    """`_worker_init` with this rank's pid, and its video decoder when it is not the default."""
+    """`_worker_init` with this rank's pid, environment and logging, and its video decoder when it is not the
+    default."""
     decoder = video_decoder()
-    return functools.partial(_worker_init, rank_pid=os.getpid(),
+    return functools.partial(_worker_init, rank_pid=os.getpid(), rank=rank_state(),
                              decoder=None if isinstance(decoder, PyAVDecoder) else decoder)
 
 
@@ -101,9 +105,10 @@ def _worker_kwargs(dataset: Dataset, num_workers: int, prefetch_factor: int, tim
     this rank's init, and a `timeout` of one slice of the wait (0: torch slices the endless wait itself)."""
     if not num_workers:
         return {}
-    return {"prefetch_factor": prefetch_factor, "worker_init_fn": _worker_init_fn(),
+    init = _worker_init_fn()
+    return {"prefetch_factor": prefetch_factor, "worker_init_fn": init,
             "timeout": min(float(timeout_s), LIVENESS_CHECK_S) if timeout_s else 0.0,
-            "multiprocessing_context": worker_context(dataset)}
+            "multiprocessing_context": worker_context((dataset, init), "the dataset and the video decoder")}
 
 
 def _explain_timeout(loader: DataLoader, timeout_s: float, split: str) -> Iterator:

@@ -10,7 +10,11 @@ once, and forks each worker from its one thread: a worker starts in about 0.1 s,
 torch again (about 2 s each time).
 
 The dataset reaches the worker pickled (a fork copied it), so a dataset must be picklable; `worker_context`
-also preloads the modules its pickle names, so that the workers do not import them one by one.
+also preloads the modules its pickle names, so that the workers do not import them one by one. A worker runs the
+entry script again (as `spawn` does, for the classes a pickle names in `__main__`) only where that is safe, the
+code now running in it being under `if __name__ == "__main__":`; an unguarded script's workers start without it, and
+a class of its `__main__` in the pickle is an error at loader creation (worker_main.py). Nor does a worker inherit
+the rank's later environment or its logging setup: each takes them from the rank in its init (worker_env.py).
 
 A worker is the server's child, not the rank's: torch's own check that its manager lives (the worker's parent pid
 changed) cannot see the rank die, and the workers ignore the stop signals. `exit_with_rank` ends a worker whose
@@ -30,14 +34,17 @@ from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
 from typing import Any, Optional
 
-__all__ = ["worker_context", "modules_of", "exit_with_rank"]
+from megatron_vlm.data.worker_main import MainModuleError, check_main_names, main_script_runs_again, without_main_context
+
+__all__ = ["worker_context", "modules_of", "exit_with_rank", "MainModuleError"]
 
 log = logging.getLogger("megatron_vlm")
 
-_PRELOAD = ("__main__", "torch", "torch.utils.data._utils.worker", "megatron_vlm.data.loader",
+_PRELOAD = ("torch", "torch.utils.data._utils.worker", "megatron_vlm.data.loader",
             "megatron_vlm.data.worker_server")
-"""Always imported by the server: the entry point (a worker would otherwise import it again), torch's worker
-loop, our data pipeline, and the module that makes the server leave the stop signals to the rank."""
+"""Always imported by the server: torch's worker loop, our data pipeline, and the module that makes the server leave
+the stop signals to the rank. Not the entry script: the server would run an unguarded one's training code
+(worker_main.py); a worker that may run it again does so itself."""
 
 
 class _ModuleRecorder(pickle.Pickler):
@@ -46,38 +53,54 @@ class _ModuleRecorder(pickle.Pickler):
     def __init__(self) -> None:
         super().__init__(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL)
         self.modules: set[str] = set()
+        self.main_names: set[str] = set()  # "__main__.<qualname>" of each class or function of the entry script
 
     def reducer_override(self, obj: Any) -> Any:
         owner = obj if isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__") else type(obj)
         module = getattr(owner, "__module__", None)
         if isinstance(module, str):
             self.modules.add(module)
+            if module in _MAIN:
+                self.main_names.add(f"__main__.{getattr(owner, '__qualname__', '?')}")
         return NotImplemented
+
+
+_MAIN = ("__main__", "__mp_main__")
+
+
+def _pickle_names(obj: Any) -> tuple[list[str], list[str]]:
+    """The modules `obj`'s pickle refers to (sorted; builtins and the entry script left out), and the names it
+    refers to in the entry script."""
+    recorder = _ModuleRecorder()
+    recorder.dump(obj)
+    return (sorted(m for m in recorder.modules if m != "builtins" and m not in _MAIN), sorted(recorder.main_names))
 
 
 def modules_of(obj: Any) -> list[str]:
     """The modules whose classes and functions `obj`'s pickle refers to (sorted; builtins left out)."""
-    recorder = _ModuleRecorder()
-    recorder.dump(obj)
-    return sorted(m for m in recorder.modules if m not in ("builtins", "__main__", "__mp_main__"))
+    return _pickle_names(obj)[0]
 
 
 def _server_running() -> bool:
     return getattr(forkserver._forkserver, "_forkserver_pid", None) is not None
 
 
-def worker_context(dataset: Any) -> Optional[BaseContext]:
+def worker_context(dataset: Any, what: str = "the dataset") -> Optional[BaseContext]:
     """The multiprocessing context for `dataset`'s DataLoader workers: the fork server where the platform has
-    one (None, the platform default, elsewhere). The first call sets the server's preloads."""
+    one (None, the platform default, elsewhere), whose workers run the entry script again only where that is safe
+    (worker_main.py). The first call sets the server's preloads. Raises `MainModuleError` (naming `what`) when the
+    pickle needs a class of an entry script that the workers may not run again."""
     if "forkserver" not in mp.get_all_start_methods():
         return None
-    ctx = mp.get_context("forkserver")
+    try:
+        extra, main_names = _pickle_names(dataset)
+    except Exception as e:  # the DataLoader's own pickling will say what cannot be pickled
+        log.debug("could not list the dataset's modules for the worker server: %s", e)
+        extra, main_names = [], []
+    runs_again = main_script_runs_again()
+    check_main_names(main_names, what, runs_again)
+    ctx = mp.get_context("forkserver") if runs_again else without_main_context()
     if not _server_running():
-        try:
-            extra = modules_of(dataset)
-        except Exception as e:  # the DataLoader's own pickling will say what cannot be pickled
-            log.debug("could not list the dataset's modules for the worker server: %s", e)
-            extra = []
         ctx.set_forkserver_preload([*_PRELOAD, *extra])
     return ctx
 

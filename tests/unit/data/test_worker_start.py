@@ -209,3 +209,20 @@ class _Unpicklable:
 def test_a_dataset_that_cannot_be_pickled_names_data_num_workers():
     with pytest.raises(RuntimeError, match=r"data\.num_workers = 1.*pickle.*_thread\.lock.*data\.num_workers = 0"):
         list(_eval_loader(_Unpicklable(), timeout_s=60))
+
+
+def test_a_processor_that_cannot_be_pickled_names_data_num_workers(proc, tmp_path):
+    """Through the Python API: a processor holding a lock (a user's cache, say) reaches the workers pickled, and
+    cannot; the error names the key that avoids the workers."""
+    import copy
+    import threading
+
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "Say hi."},
+                                             {"role": "assistant", "content": "hi"}]}) + "\n")
+    locked = copy.copy(proc)
+    locked.cache_lock = threading.Lock()
+    cfg = DataConfig(type="messages_jsonl", train_path=str(path), num_workers=1, max_tokens_per_pack=64)
+    loader = build_sft_dataloader(cfg, locked, seed=0, dp_rank=0, dp_size=1)
+    with pytest.raises(RuntimeError, match=r"data\.num_workers = 1: .*pickle.*data\.num_workers = 0"):
+        next(iter(loader))

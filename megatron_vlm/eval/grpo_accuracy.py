@@ -121,7 +121,8 @@ def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager
 def _answers(ctx: RunContext, wrapper, rl_cfg, engine, manager, shard, params: SamplingParams, step: int, rank: int, *,
              multiturn=None, abandon: Optional[Callable[[], bool]] = None) -> tuple[list, list[list[float]], int]:
     """(this rank's real samples, their accuracy scores [prompt][sample], the samples whose reasoning never closed).
-    `abandon`: the stop check of the waits on the verifiers and the environments (`WaitAbandoned`)."""
+    `abandon`: the stop check of the waits on the verifiers and the environments and of the built-in engine's
+    generation (`WaitAbandoned`)."""
     e = rl_cfg.eval
     wait = {"abandon": abandon} if abandon is not None else {}
     wrapper.eval()
@@ -137,7 +138,8 @@ def _answers(ctx: RunContext, wrapper, rl_cfg, engine, manager, shard, params: S
         else:
             result = engine.generate(shard.prompts, params,
                                      generator=sampling_generator(ctx.cfg.train.seed, step, rank, ctx.env.device,
-                                                                  salt=_EVAL_SALT))
+                                                                  salt=_EVAL_SALT),
+                                     **(wait if getattr(engine, "takes_abandon", False) else {}))
     finally:  # also when an environment's wait was given up
         engine.release_memory()
         wrapper.train()

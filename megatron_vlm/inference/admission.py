@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -143,7 +143,7 @@ class Admission:
         self.stats["prefill_calls"] += 1
         return resumed
 
-    def lockstep_admit(self, all_ranks_active: Callable[[bool], bool],
+    def lockstep_admit(self, all_ranks_active: Callable[[bool], Any],
                        dummy_prefill: Callable[[], None]) -> tuple[list[int], Optional[torch.Tensor]]:
         """A lock-stepped rank's admissions after a token (module doc): samples whose group's prompt is prefilled
         already join at once (no forward); then an admission round when any rank has a sample that needs a prefill,

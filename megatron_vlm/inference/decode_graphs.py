@@ -114,7 +114,7 @@ class DecodeStepRunner:
     def __init__(self, forward: Callable[..., torch.Tensor], cache: SlotCache, *, pad_token_id: int,
                  capture: bool, probe: bool = False,
                  params: Union[Sequence[torch.Tensor], Callable[[], Sequence[torch.Tensor]]] = (), record_routes: bool = False,
-                 sizes: Optional[Sequence[int]] = None, agree: Optional[Callable[[bool], bool]] = None) -> None:
+                 sizes: Optional[Sequence[int]] = None, agree: Optional[Callable[[bool], Any]] = None) -> None:
         """`forward(input_ids=..., kv_cache=...)` -> logits `[B, T, V]` (the engine's own model); `cache`: the
         batch's `SlotCache` (slot layout) or `PagedSlotCache` (block table); `capture`: CUDA graphs (the cache must be on CUDA); `probe`: trace
         the first eager runs of each bucket for graph safety; `params`: tensors whose addresses a graph bakes in, or a

@@ -130,7 +130,7 @@ class ExpertParallelRolloutEngine(PolicyRolloutEngine):
     blocks need every rank of the ep group in step), refreshed from the trainer at `load_weights(None, ...)`."""
 
     def __init__(self, model: nn.Module, tokenizer: Any, options: EngineOptions, *, trainer: nn.Module,
-                 all_ranks_active: Callable[[bool], bool]):
+                 all_ranks_active: Callable[[int], Any]):
         super().__init__(model, tokenizer, options, all_ranks_active=all_ranks_active)
         self.trainer = trainer
 

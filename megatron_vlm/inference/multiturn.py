@@ -38,7 +38,7 @@ import contextlib
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
@@ -52,6 +52,7 @@ from megatron_vlm.inference.stopping import StopChecker
 from megatron_vlm.models.common.kv_cache import KVCache
 from megatron_vlm.models.common.routing_replay import recording_routes
 from megatron_vlm.models.common.slot_cache import SlotCache
+from megatron_vlm.rl.rewards.pool import Patience, WaitAbandoned
 
 __all__ = ["TurnChunk", "TurnReply", "TurnSource", "Trajectory", "MultiTurnRollout", "MultiTurnLimits"]
 
@@ -311,12 +312,20 @@ class MultiTurnRollout:
         self.stats["append_forwards"] += 1
 
     # ------------------------------------------------------------------ the loop
+    takes_abandon = True
+    """`generate` takes `abandon`."""
+
     def generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams, source: TurnSource,
-                 limits: MultiTurnLimits, *, seed: int = 0) -> list[Trajectory]:
+                 limits: MultiTurnLimits, *, seed: int = 0,
+                 abandon: Optional[Callable[[], bool]] = None) -> list[Trajectory]:
+        """The trajectories; `abandon`: the stop check, asked between decode steps (the built-in engine's rule:
+        `WaitAbandoned`, "generation", once it has said stop for `ABANDON_GRACE_S`; the environment's own waits ask
+        it through `source`)."""
         lock = getattr(self.engine, "_step_lock", None)  # asynchronous GRPO: weight pushes wait for a step boundary
+        give_up = Patience(abandon) if abandon is not None else None
         try:
             with torch.inference_mode() if self.engine.owns_forward else torch.no_grad(), lock or contextlib.nullcontext():
-                return self._generate(prompts, params, source, limits, seed)
+                return self._generate(prompts, params, source, limits, seed, give_up)
         except BaseException:  # a step that failed half-way leaves the kept cache mid-step: nothing of it is kept
             self._drop_runner()
             raise
@@ -351,7 +360,7 @@ class MultiTurnRollout:
         return interrupt is not None and interrupt.is_set() and not getattr(self.engine, "lockstep", False)
 
     def _generate(self, prompts, params: SamplingParams, source: TurnSource, limits: MultiTurnLimits,
-                  seed: int) -> list[Trajectory]:
+                  seed: int, give_up: Optional[Callable[[], bool]] = None) -> list[Trajectory]:
         t0 = time.perf_counter()
         self.stats = {k: 0.0 for k in ("prefill_calls", "append_calls", "append_forwards", "append_padded_rows",
                                        "append_tokens", "decode_steps", "env_calls")}
@@ -379,6 +388,9 @@ class MultiTurnRollout:
                     c.finish = "interrupted"
                     done.append(c)
                 break
+            if give_up is not None and give_up():  # never lock-stepped (refused above): this rank leaves alone
+                raise WaitAbandoned(f"generation given up after {int(self.stats['decode_steps'])} decode steps: the "
+                                    "rank is stopping", waited_for="generation")
             while queue and free:  # admission: a free slot takes the next waiting trajectory
                 conv = convs[queue.popleft()]
                 conv.slot = free.popleft()

@@ -52,6 +52,14 @@ another thread waits for the current step and applies to the next one, so the ca
 running completion keeps the older version's keys; every token records the version that drew it
 (`RolloutSample.token_versions`). Lock-stepped ranks are not interrupted (a rank leaving alone would
 stall the others' collectives).
+
+A stop signal while generating (`generate(..., abandon=check)`, the training rank's stop flag): the check is asked
+between decode steps (one Python call; no host sync, no collective of its own) and, once it has said stop for
+`ABANDON_GRACE_S` of the call (rewards/pool.py `Patience`), `WaitAbandoned` ("generation") ends the call with nothing
+returned; the GRPO round then agrees with the other ranks to abandon the step (rl/rounds.py). Lock-stepped ranks must
+leave at the same step: the stop travels in the decode step's `all_ranks_active` all-reduce as the `STOPPING` bit, so
+every rank raises at that step (the callable must then return the max of the ranks' ints, not a bool). What one
+decode step does (a kernel, a collective that hangs) is not cut short.
 """
 from __future__ import annotations
 
@@ -91,9 +99,13 @@ from megatron_vlm.models.common.vlm_base import VLMBase
 from megatron_vlm.models.mcore.layer import native_state_dict
 from megatron_vlm.parallel.device_cache import empty_device_cache
 from megatron_vlm.parallel.full_weights import block_groups, full_tensor
+from megatron_vlm.rl.rewards.pool import Patience, WaitAbandoned
 
 __all__ = ["PolicyRolloutEngine", "EngineOptions", "CUDA_GRAPH_MODES", "CudaGraphsConfigError", "cuda_graphs_blocker",
            "PagedKVConfigError", "paged_kv_blocker", "vision_token_ids"]
+
+STOPPING = 2
+"""The bit a lock-stepped rank adds to its `all_ranks_active` flag when it gives its generation up for a stop."""
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +123,8 @@ class _Batch:
     stats: dict
     eos: torch.Tensor
     suppress: torch.Tensor
+    give_up: Optional[Callable[[], bool]] = None
+    """The call's stop check with its grace (`Patience`), asked between decode steps; None: never given up."""
 
 
 def eager_calls(forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -134,12 +148,14 @@ class PolicyRolloutEngine(RolloutEngine):
         options: Optional[EngineOptions] = None,
         *,
         forward: Optional[Callable[..., torch.Tensor]] = None,
-        all_ranks_active: Optional[Callable[[bool], bool]] = None,
+        all_ranks_active: Optional[Callable[[int], Any]] = None,
         sync_from: Optional[torch.nn.Module] = None,
     ):
         """`model`: the family model (a `VLMBase`: `new_cache`, forward with `kv_cache=`); `options`: how it decodes
         (`EngineOptions`); `forward`: how to call the model (default `model`: the engine's own copy, continuous
-        batching); `all_ranks_active`: lock-step decoding with the other ranks (the trainer's FSDP forward);
+        batching); `all_ranks_active`: lock-step decoding with the other ranks (the trainer's FSDP forward): the
+        max over the ranks of an int flag (0 / 1: whether the rank has work; `STOPPING` added by a rank that gives
+        its generation up, only in a call given `abandon`; a bool any-rank serves a caller that passes none);
         `sync_from`: the trainer's model (possibly FSDP-sharded) whose full weights `load_weights(None, ...)`
         copies into `model` (the engine's own copy). A paged KV cache with a Mamba2 hybrid decoder is refused
         (`PagedKVConfigError`), as are CUDA graphs "on" where a decode step cannot be captured."""
@@ -336,13 +352,20 @@ class PolicyRolloutEngine(RolloutEngine):
             gc.collect()
             empty_device_cache(device)
 
+    takes_abandon = True
+    """`generate` takes `abandon` (module docstring: a stop while generating)."""
+
     def generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams, *,
-                 generator: Optional[torch.Generator] = None) -> RolloutResult:
+                 generator: Optional[torch.Generator] = None,
+                 abandon: Optional[Callable[[], bool]] = None) -> RolloutResult:
+        """The completions of `prompts`; `abandon`: the stop check (training/signals.py `StopFlag.pending`), asked
+        between decode steps: once it has said stop for `ABANDON_GRACE_S` of the call, `WaitAbandoned` ("generation")
+        is raised and nothing of the call is returned (module docstring)."""
         # An engine-owned model decodes under inference mode (less per-op bookkeeping than no_grad: it
         # matters for small decode steps); the trainer's FSDP model under no_grad, since FSDP keeps
         # tensors of the forward for later training steps. The returned tensors are ordinary ones.
         with torch.inference_mode() if self.owns_forward else torch.no_grad():
-            result = self._generate(prompts, params, generator)
+            result = self._generate(prompts, params, generator, Patience(abandon) if abandon is not None else None)
         for s in result.samples:
             s.token_ids, s.logprobs = s.token_ids.clone(), s.logprobs.clone()
             s.token_versions = s.token_versions.clone() if s.token_versions is not None else None
@@ -350,7 +373,7 @@ class PolicyRolloutEngine(RolloutEngine):
         return result
 
     def _generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams,
-                  generator: Optional[torch.Generator]) -> RolloutResult:
+                  generator: Optional[torch.Generator], give_up: Optional[Callable[[], bool]] = None) -> RolloutResult:
         if not prompts:
             raise ValueError("prompts: nothing to generate from")
         for i, p in enumerate(prompts):
@@ -374,7 +397,8 @@ class PolicyRolloutEngine(RolloutEngine):
                 if interrupted:
                     samples += [self._unstarted(prompts, start, i, n) for i in range((end - start) * n)]
                     continue
-                out, interrupted = self._run(prompts[start:end], start, num_slots, params, checker, generator, stats)
+                out, interrupted = self._run(prompts[start:end], start, num_slots, params, checker, generator, stats,
+                                             give_up)
                 samples += out
         finally:
             self._interrupt.clear()
@@ -464,7 +488,8 @@ class PolicyRolloutEngine(RolloutEngine):
             return None
 
     def _run(self, prompts, offset: int, num_slots: int, params: SamplingParams, checker: StopChecker,
-             generator: Optional[torch.Generator], stats: dict) -> tuple[list[RolloutSample], bool]:
+             generator: Optional[torch.Generator], stats: dict,
+             give_up: Optional[Callable[[], bool]] = None) -> tuple[list[RolloutSample], bool]:
         n, budget = params.n, params.max_new_tokens
         dev = self._device()
         # fused q / k / v: idempotent, and fuses again a layer whose views a `.to()` replaced (new addresses: the
@@ -495,7 +520,7 @@ class PolicyRolloutEngine(RolloutEngine):
             with fused_projections(self.fuse_projections):
                 batch = _Batch(prompts, offset, params, checker, generator, stats,
                                eos=torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=dev),
-                               suppress=self.suppress_token_ids.to(dev))
+                               suppress=self.suppress_token_ids.to(dev), give_up=give_up)
                 return self._loop(batch, run, admission, runner)
         except BaseException:  # a step that failed half-way: nothing of this cache is kept
             self._drop_runner()
@@ -548,7 +573,7 @@ class PolicyRolloutEngine(RolloutEngine):
         key = (num_slots, max_len, str(dev))
         fresh = self._runner is None or self._runner_key != key
         if self.lockstep:  # the prompts, hence the slot lengths, differ between ranks
-            fresh = self.all_ranks_active(fresh)
+            fresh = bool(self.all_ranks_active(fresh))
         if not fresh:
             return self._runner
         self._drop_runner()
@@ -604,7 +629,7 @@ class PolicyRolloutEngine(RolloutEngine):
                     admitted, new_logits = admission.lockstep_admit(self.all_ranks_active, lambda: self._dummy_prefill(stats))
                 else:
                     admitted, new_logits = admission.admit()
-                if not self.all_ranks_active(bool(running or admitted)):
+                if not self._go_on(batch, bool(running or admitted)):
                     break
                 logits_parts = []
                 if running or self.lockstep:
@@ -621,6 +646,25 @@ class PolicyRolloutEngine(RolloutEngine):
         stats["decode_s"] += time.perf_counter() - t1
         run.interrupted_waiting()
         return self._collect(batch, run), interrupted
+
+    def _go_on(self, batch: _Batch, active: bool) -> bool:
+        """Whether another decode step runs (a rank with work, on any rank when lock-stepped); `WaitAbandoned` when
+        the call is given up for a stop: on this rank alone, or, lock-stepped, on every rank at this same step (the
+        stop travels in the step's own all-reduce: no collective of its own)."""
+        stopping = batch.give_up is not None and batch.give_up()
+        if not self.lockstep:
+            if stopping:
+                raise WaitAbandoned(f"generation given up after {int(batch.stats['decode_steps'])} decode steps: the "
+                                    "rank is stopping", waited_for="generation")
+            return active
+        if batch.give_up is None:
+            return bool(self.all_ranks_active(active))
+        agreed = int(self.all_ranks_active(int(active) | (STOPPING if stopping else 0)))
+        if agreed & STOPPING:
+            raise WaitAbandoned(f"generation given up after {int(batch.stats['decode_steps'])} decode steps: the "
+                                "rank is stopping" if stopping else "generation given up: another rank is stopping",
+                                waited_for="generation")
+        return bool(agreed & 1)
 
     def _sample(self, batch: _Batch, run: SlotRun, cur_slots: list[int],
                 cur_logits: torch.Tensor) -> tuple[list[int], Optional[torch.Tensor]]:

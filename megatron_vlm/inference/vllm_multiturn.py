@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
@@ -80,8 +80,12 @@ class VLLMMultiTurnRollout(MultiTurnRollout):
         self.images: dict[int, list] = {}
         self.videos: dict[int, list] = {}
 
+    takes_abandon = False
+    """The stop check is not asked here: vLLM's steps run inside its engine (the environment's waits ask it)."""
+
     def generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams, source: TurnSource,
-                 limits: MultiTurnLimits, *, seed: int = 0) -> list[Trajectory]:
+                 limits: MultiTurnLimits, *, seed: int = 0,
+                 abandon: Optional[Callable[[], bool]] = None) -> list[Trajectory]:  # noqa: ARG002 - not asked
         e = self.engine
         t0 = time.perf_counter()
         self.stats = {k: 0.0 for k in ("requests", "prompt_tokens", "cached_tokens", "engine_steps", "env_calls")}

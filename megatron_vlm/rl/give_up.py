@@ -17,8 +17,9 @@ from megatron_vlm.rl.rewards.pool import WaitAbandoned
 
 __all__ = ["WAITS", "agreed_give_up"]
 
-WAITS = ("verifiers", "environments")
-"""The waits a rank may give up (`WaitAbandoned.waited_for`); any other is reported as "waits"."""
+WAITS = ("verifiers", "environments", "generation", "reward models")
+"""The waits a rank may give up (`WaitAbandoned.waited_for`: the verifier pool, the environments, the built-in
+engine's decode steps, the model rewards' forwards); any other is reported as "waits"."""
 
 
 def agreed_give_up(gave_up: Optional[WaitAbandoned], device: torch.device) -> str:

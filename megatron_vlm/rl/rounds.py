@@ -12,12 +12,15 @@ every rank is done (the engine's `all_ranks_active`). The sampling generator is 
 (seed, step, rank, round) and the prompts of an extra round of (seed, step, round), so a resumed run
 repeats the uninterrupted one.
 
-Stopping: the round's long waits (the verifiers' batch, the environments of a multi-turn rollout) ask the stop check
-(`stop_check`: training/signals.py `StopFlag.pending`) while they wait and give up once they have waited a moment
-with a stop pending (`WaitAbandoned`, rewards/pool.py `ABANDON_GRACE_S`). The rank that gave up must not skip a
-collective the others make, so after the reward phase of every round all ranks agree (rl/give_up.py: one all-reduce)
-and, if any did, all raise `StepAbandoned` together, before anything of the step is applied: the loop saves the
-step's start and the step is redone on resume.
+Stopping: the round's long waits (the verifiers' batch, the environments of a multi-turn rollout) and its long work
+(the built-in engine's generation, between decode steps; a model reward, between its packed forwards) ask the stop
+check (`stop_check`: training/signals.py `StopFlag.pending`) and give up once it has said stop for a moment
+(`WaitAbandoned`, rewards/pool.py `ABANDON_GRACE_S`). The rank that gave up must not skip a collective the others
+make, so after the reward phase of every round all ranks agree (rl/give_up.py: one all-reduce) and, if any did, all
+raise `StepAbandoned` together, before anything of the step is applied: the loop saves the step's start and the step
+is redone on resume. Lock-stepped generation (a collective in every forward) is given up by every rank at the same
+decode step (inference/policy_engine.py); a rank that decodes on its own leaves alone, the others join it at the
+agreement when their round is done.
 """
 from __future__ import annotations
 
@@ -183,8 +186,11 @@ class RoundSampler:
                 seed = multiturn_seed(self.seed, step, shards.rank, rnd)
                 result, trajectories = self.multiturn.generate(shard, sampling_params(self.rl), seed, **wait)
             else:
+                # a stop while generating: the built-in engine gives the call up between decode steps
+                gen_wait = wait if getattr(self.engine, "takes_abandon", False) else {}
                 result = self.engine.generate(shard.prompts, sampling_params(self.rl),
-                                              generator=sampling_generator(self.seed, step, shards.rank, shards.device, salt=rnd))
+                                              generator=sampling_generator(self.seed, step, shards.rank, shards.device, salt=rnd),
+                                              **gen_wait)
             self.engine.release_memory()
         real = result.samples[: shard.num_real * G]
         with timer.phase("reward"):

@@ -30,7 +30,7 @@ from megatron_vlm.errors import ConfigError
 from megatron_vlm.inference.engine import RolloutEngine
 from megatron_vlm.inference.kv_budget import kv_bytes_per_slot, rollout_prompts_for_budget
 from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
-from megatron_vlm.parallel.collectives import any_rank, barrier
+from megatron_vlm.parallel.collectives import all_reduce_max, barrier
 from megatron_vlm.parallel.precision import compute_dtype
 from megatron_vlm.rl.asynchronous.bridge import current_role
 from megatron_vlm.rl.config import RLConfig
@@ -133,7 +133,7 @@ def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: tor
                                EngineOptions(cache_dtype=dtype, device=device, max_prompts_per_batch=per_batch,
                                              cuda_graphs=rl.rollout.cuda_graphs, record_routes=True, **paged_kv_kwargs(rl)),
                                forward=lambda **kw: bundle.wrapper(model_kwargs=kw),
-                               all_ranks_active=lambda active: any_rank(active, device))
+                               all_ranks_active=lambda flags: all_reduce_max([int(flags)], device)[0])
 
 
 def build_ep_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: torch.dtype, device: torch.device,
@@ -152,7 +152,8 @@ def build_ep_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: 
                                        EngineOptions(cache_dtype=dtype, device=device, max_prompts_per_batch=per_batch,
                                                      cuda_graphs=rl.rollout.cuda_graphs, record_routes=True,
                                                      **paged_kv_kwargs(rl)),
-                                       trainer=bundle.model, all_ranks_active=lambda active: any_rank(active, device))
+                                       trainer=bundle.model,
+                                       all_ranks_active=lambda flags: all_reduce_max([int(flags)], device)[0])
 
 
 @dataclass

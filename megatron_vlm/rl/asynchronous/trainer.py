@@ -30,7 +30,10 @@ A stop signal while the trainer waits for a step's groups (a rollout rank's scor
 wait and answers with a "stopped" payload carrying its signal; a trainer that got it and still waits
 `ABANDON_GRACE_S` later sends "stop" to the rollout ranks itself, which makes them answer so. The step is then
 abandoned on every training rank together (`StepAbandoned`, after the exchange of the payloads among them): the
-loop saves the trainer's state before the step and exits 143; a resumed run generates the step again.
+loop saves the trainer's state before the step and exits 143; a resumed run generates the step again. With M > 1
+training ranks, the others meet training rank 0 every `ABANDON_POLL_S` of its wait (one all-reduce of two integers:
+whether the groups are in, and each rank's stop signal) instead of waiting in the payloads' all-gather, so a signal
+that reached only one of them is training rank 0's within a poll (else nobody saw it until the wait ended).
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ import torch
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.inference.engine import RolloutResult, RolloutSample
-from megatron_vlm.parallel.collectives import all_gather_objects
+from megatron_vlm.parallel.collectives import all_gather_objects, all_reduce_max, world_size
 from megatron_vlm.rl.algorithms.advantage_estimators import AdvantageSpec
 from megatron_vlm.rl.asynchronous.bridge import Bridge, Role
 from megatron_vlm.rl.asynchronous.multiturn import round_trajectories
@@ -163,6 +166,8 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
             if usable and step + 1 < self.total_steps:  # ask for the next step now: it arrives while this one trains
                 self.bridge.broadcast_object({"kind": "want", "step": step + 1})
                 self._prefetch = _Prefetch(self.bridge, step + 1, n_rollout)
+        elif self._meets_while_waiting():
+            self._wait_for_rank0()
         if self.role.allocation.train > 1:
             payloads = all_gather_objects(payloads)[0]
         assert payloads is not None  # training rank 0 received them; the others got rank 0's
@@ -170,15 +175,47 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         return payloads
 
     def _await(self, pending: _Prefetch) -> list[dict]:
-        """The awaited payloads; a stop signal pending on this rank for `ABANDON_GRACE_S` of the wait sends "stop" to
-        the rollout ranks (module docstring), whose answer then ends the wait."""
+        """The awaited payloads; a stop signal pending on this rank (its own, or another training rank's: `_meet`) for
+        `ABANDON_GRACE_S` of the wait sends "stop" to the rollout ranks (module docstring), whose answer then ends the
+        wait."""
         give_up = Patience(lambda: self.ctx.stop.pending())
-        while not pending.wait(ABANDON_POLL_S):
+        meet = self._meets_while_waiting()
+        while True:
+            arrived = pending.wait(ABANDON_POLL_S)
+            if meet:
+                arrived = self._meet(arrived)
+            if arrived:
+                break
             if not self._stopped and give_up():
                 log.warning("asynchronous GRPO: stop signal %d while waiting for the rollout ranks' groups: stopping "
                             "them", self.ctx.stop.signum)
                 self._stop_rollout()
         return pending.get()
+
+    def _meets_while_waiting(self) -> bool:
+        """Whether the training ranks meet during the wait for a step's groups (`_meet`): with more than one."""
+        return self.role.allocation.train > 1 and world_size() > 1
+
+    def _meet(self, arrived: bool) -> bool:
+        """One meeting of the training ranks while rank 0 waits for a step's groups (every ABANDON_POLL_S of the
+        wait: one all-reduce of two integers; the wait is idle time, no step runs): whether rank 0 has them (`arrived`
+        there), and the stop signal of any rank, taken by every rank's flag.
+
+        Why: the other training ranks would otherwise wait in the all-gather of the payloads, a call that returns
+        only once rank 0 joins it; a stop signal that reached only one of them would be seen by nobody (its handler
+        runs when the call returns) until rank 0's wait ended, however long a hung rollout rank makes it. Met, rank 0
+        has the signal within a poll and stops the rollout ranks as for its own."""
+        arrived_all, signum = all_reduce_max([int(arrived), int(self.ctx.stop.signum)], self.ctx.device)
+        if signum and not self.ctx.stop.signum:
+            log.warning("asynchronous GRPO: another training rank received stop signal %d while waiting for the "
+                        "rollout ranks' groups", signum)
+            self.ctx.stop.signum = signum
+        return bool(arrived_all)
+
+    def _wait_for_rank0(self) -> None:
+        """A training rank other than 0: meet rank 0 (`_meet`) until it has the step's groups."""
+        while not self._meet(False):
+            pass
 
     def _check_received(self, step: int, payloads: list[dict]) -> None:
         """On every training rank alike: `StepAbandoned` when a payload says its rank stopped because of a stop signal

@@ -152,8 +152,8 @@ class MultiTurnRounds:
 
     def generate(self, shard: Any, params: SamplingParams, seed: int, *,
                  abandon: Optional[Callable[[], bool]] = None) -> tuple[RolloutResult, list[Trajectory]]:
-        """The round's trajectories; `abandon`: the stop check of the environment calls' waits (True: they are given
-        up and `WaitAbandoned` ends the rollout; rewards/pool.py)."""
+        """The round's trajectories; `abandon`: the stop check of the environment calls' waits and of the built-in
+        loop's decode steps (True: they are given up and `WaitAbandoned` ends the rollout; rewards/pool.py)."""
         real = shard.num_real
         if real == 0:
             return RolloutResult(samples=[]), []
@@ -164,7 +164,9 @@ class MultiTurnRounds:
                              n=params.n, eos_token_ids=self.eos, tools=self.tools, limits=self.media,
                              tool_timeout_s=self.cfg.tool_deadline_s(), turn_timeout_s=self.cfg.turn_timeout_s,
                              abandon=abandon)
-        trajs = self.rollout.generate(prompts, params, session, self.limits, seed=seed)
+        # a stop while generating: the built-in loop gives up between decode steps too
+        gen_wait = {"abandon": abandon} if abandon is not None and getattr(self.rollout, "takes_abandon", False) else {}
+        trajs = self.rollout.generate(prompts, params, session, self.limits, seed=seed, **gen_wait)
         session.settle(trajs)
         self.errors += session.errors
         if session.errors:

@@ -98,7 +98,8 @@ class CombinedRewards:
               metadata: Optional[Sequence[Optional[Mapping[str, Any]]]] = None, *, only: Optional[Sequence[str]] = None,
               samples: Optional[Sequence[Any]] = None, abandon: Optional[Callable[[], bool]] = None) -> RewardBatch:
         """As `RewardManager.score`; `samples[i]`: the `PromptSample` completion i answers (its messages and images);
-        `abandon`: the rule rewards' stop check (the model rewards are computed here, not waited for)."""
+        `abandon`: the stop check of the rule rewards' wait and of the model rewards' scoring (asked between their
+        forwards / decode steps: `WaitAbandoned`, "reward models", once it has said stop for the grace)."""
         n = len(completions)
         for name, seq in (("answers", answers), ("prompts", prompts), ("metadata", metadata), ("samples", samples)):
             if seq is not None and len(seq) != n:
@@ -121,7 +122,7 @@ class CombinedRewards:
         for k in active:
             label, weight = self.labels[k], self.rewards[k].weight
             if k in self.scorers:
-                res = self._score_model(k, completions, answers, questions, messages)
+                res = self._score_model(k, completions, answers, questions, messages, abandon)
                 values = res.values
                 for i, status in enumerate(res.status):
                     if status != "ok":
@@ -142,15 +143,17 @@ class CombinedRewards:
                            unclosed=ruled.unclosed if ruled else 0)
 
     def _score_model(self, k: int, completions: Sequence[str], answers: Sequence[str], questions: list[str],
-                     messages: list[list[dict]]) -> ScoredValues:
-        """One model reward's values; a scorer that raises scores every completion 0 as an error (never a crash)."""
+                     messages: list[list[dict]], abandon: Optional[Callable[[], bool]] = None) -> ScoredValues:
+        """One model reward's values; a scorer that raises scores every completion 0 as an error (never a crash);
+        `WaitAbandoned` (a BaseException: not caught) when `abandon` gives the scoring up."""
         scorer, n = self.scorers[k], len(completions)
         texts = [c if isinstance(c, str) else str(c) for c in completions]
+        wait = {"abandon": abandon} if abandon is not None and getattr(scorer, "takes_abandon", False) else {}
         try:
             if self.rewards[k].type == "judge":
-                res = scorer.score(texts, [str(a) for a in answers], questions, messages)
+                res = scorer.score(texts, [str(a) for a in answers], questions, messages, **wait)
             else:
-                res = scorer.score(texts, messages)
+                res = scorer.score(texts, messages, **wait)
             if len(res.values) != n or len(res.status) != n:
                 raise RuntimeError(f"{len(res.values)} values for {n} completions")
             return res

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
@@ -89,11 +89,16 @@ class JudgeRewardScorer:
     def _on_device(self) -> contextlib.AbstractContextManager[None]:
         return on_device(self.model, self.device, self.offload)
 
+    takes_abandon = True
+    """`score` takes `abandon`."""
+
     def score(self, completions: Sequence[str], answers: Sequence[str], questions: Sequence[str],
-              prompt_messages: Sequence[Sequence[dict]]) -> ScoredValues:
-        """Reward of completion i to question i (reference answers[i], prompt turns prompt_messages[i])."""
+              prompt_messages: Sequence[Sequence[dict]], *, abandon: Optional[Callable[[], bool]] = None) -> ScoredValues:
+        """Reward of completion i to question i (reference answers[i], prompt turns prompt_messages[i]). `abandon`: the
+        stop check, asked by the judge's generation between decode steps (`WaitAbandoned`, "reward models")."""
         from megatron_vlm.inference.engine import SamplingParams
         from megatron_vlm.rl.prompts.dataset import PromptSample
+        from megatron_vlm.rl.rewards.pool import WaitAbandoned
 
         cfg, n = self.cfg, len(completions)
         out = ScoredValues(values=[0.0] * n, status=["ok"] * n, detail=[""] * n)
@@ -117,8 +122,14 @@ class JudgeRewardScorer:
             return out
         try:
             with self._on_device():
-                result = self.engine.generate(encoded, SamplingParams(max_new_tokens=cfg.max_new_tokens, n=1,
-                                                                      temperature=0.0))
+                wait: dict[str, Any] = ({"abandon": abandon} if abandon is not None
+                                        and getattr(self.engine, "takes_abandon", False) else {})
+                try:
+                    result = self.engine.generate(encoded, SamplingParams(max_new_tokens=cfg.max_new_tokens, n=1,
+                                                                          temperature=0.0), **wait)
+                except WaitAbandoned as e:
+                    self.engine.release_memory()
+                    raise WaitAbandoned(f"judge {cfg.name or cfg.path!r}: {e}", waited_for="reward models") from None
                 self.engine.release_memory()
         except Exception as e:  # noqa: BLE001 - a failed judge call is a counted 0 for its completions
             for i in where:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -149,10 +149,19 @@ class ModelRewardScorer:
         col = logits[:, k]
         return torch.sigmoid(col) if act == "sigmoid" else col
 
+    takes_abandon = True
+    """`score` takes `abandon`."""
+
     @torch.no_grad()
-    def score(self, completions: Sequence[str], prompt_messages: Sequence[Sequence[dict]]) -> ScoredValues:
-        """Reward of completion i as the answer to the prompt whose messages are `prompt_messages[i]`."""
+    def score(self, completions: Sequence[str], prompt_messages: Sequence[Sequence[dict]], *,
+              abandon: Optional[Callable[[], bool]] = None) -> ScoredValues:
+        """Reward of completion i as the answer to the prompt whose messages are `prompt_messages[i]`. `abandon`: the
+        stop check, asked between packed forwards: once it has said stop for `ABANDON_GRACE_S`, `WaitAbandoned`
+        ("reward models") and no value (a forward already running ends first)."""
         from megatron_vlm.data.packing import collate_pack
+        from megatron_vlm.rl.rewards.pool import Patience, WaitAbandoned
+
+        give_up = Patience(abandon) if abandon is not None else None
 
         n = len(completions)
         out = ScoredValues(values=[0.0] * n, status=["ok"] * n, detail=[""] * n)
@@ -168,7 +177,12 @@ class ModelRewardScorer:
                 continue
             rendered.append((i, sample))
         with self._on_device():
+            done = 0
             for chunk in _packs(rendered, self.cfg.batch_size):
+                if give_up is not None and give_up():
+                    raise WaitAbandoned(f"reward model {self.cfg.name or self.cfg.path!r} given up after {done} of {len(rendered)} "
+                                        "completions: the rank is stopping", waited_for="reward models")
+                done += len(chunk)
                 try:
                     batch = {k: (v.to(self.device) if torch.is_tensor(v) else v)
                              for k, v in collate_pack([s for _, s in chunk]).items()}

@@ -122,3 +122,31 @@ def test_judge_text_only_prompt_when_images_off(judge_folder):
     assert scorer.score(["a"], ["b"], ["Q?"], [prompt]).values == [1.0]
     assert [it["type"] for it in seen[0].messages[0]["content"]] == ["text"]
     torch.manual_seed(0)
+
+
+def test_a_stopping_rank_gives_up_the_judges_generation(judge_folder, monkeypatch):
+    """The judge's generation asks the stop check between decode steps (as the policy's rollout does): a long judge
+    call is given up once the stop has been pending for the grace, as a model reward's wait ("reward models")."""
+    import time
+
+    from megatron_vlm.rl.rewards import pool as reward_pool
+    from megatron_vlm.rl.rewards.pool import WaitAbandoned
+
+    monkeypatch.setattr(reward_pool, "ABANDON_GRACE_S", 0.3)
+    folder, _ = judge_folder
+    cfg = JudgeRewardConfig(path=str(folder), name="judge", max_new_tokens=400, max_tokens=1024, batch_size=2)
+    scorer = JudgeRewardScorer(cfg)
+    scorer.engine.eos_token_ids = set()  # every answer runs its whole budget
+    decode = scorer.engine._decode
+
+    def slow(*a, **k):  # 400 decode steps of 0.02 s: 8 s unless given up
+        time.sleep(0.02)
+        return decode(*a, **k)
+
+    scorer.engine._decode = slow
+    with CombinedRewards([cfg], scorers={0: scorer}) as rewards:
+        t0 = time.monotonic()
+        with pytest.raises(WaitAbandoned, match="judge 'judge': generation given up") as e:
+            rewards.score(["a", "b"], ["x"] * 2, ["q"] * 2, abandon=lambda: True)
+        assert e.value.waited_for == "reward models" and time.monotonic() - t0 < 2.5
+        assert rewards.metrics()["reward/calls"] == 0

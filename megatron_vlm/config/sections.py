@@ -187,10 +187,11 @@ class ParallelConfig:
     """torch.compile each transformer block. The routed experts of MoE layers and Mamba2's packed conv / scan run
     eagerly inside it. With train.activation_checkpointing true such a layer's modules are compiled one by one
     (a checkpoint compiles whole or not at all), all but those parts: router, shared experts, Mamba2 projections
-    and norms too. With "selective" a MoE layer beside attention (Qwen3-MoE) is checkpointed per module instead:
-    its attention and norms compile, its MoE block runs eagerly in a checkpoint of its own, and the modules'
-    inputs are kept too (about two more hidden-size activations per layer); Nemotron-H's Mamba2 and MoE
-    blocks stay eager (logged)."""
+    and norms too. With "selective" such a layer is checkpointed per module instead, and its MoE / Mamba2 mixer
+    per piece (router, shared experts, routed experts; Mamba2 projections, conv + scan, gated norm): the same
+    parts compile, the eager ones in checkpoints of their own, and the checkpoints' inputs are kept too (per
+    layer a hidden-size activation per norm, the routing weights, the Mamba2 scan output: about 10 % more
+    activation memory at the Qwen3-MoE shape; counted by --check)."""
     ep: int = 1
     """Expert parallelism: shard each MoE block's routed experts over groups of `ep` ranks (tokens
     exchanged with all-to-all); must divide the number of processes and the expert count. EP ranks

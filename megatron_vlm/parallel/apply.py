@@ -62,34 +62,42 @@ def checkpoint_blocks(blocks: list[nn.Module], activation_checkpointing) -> Opti
     return policy
 
 
-def apply_ac(blocks: Iterable[nn.Module], policy: str = "full") -> None:
+def apply_ac(blocks: Iterable[nn.Module], policy: str = "full", *, eager: bool = False) -> None:
     """Checkpoint each block: `policy` "full" recomputes the whole block in backward; "selective" keeps the
     outputs of its matmuls and attention (SELECTIVE_SAVE_OPS) and recomputes only the cheap ops between them,
-    trading memory for most of the recomputed FLOPs."""
+    trading memory for most of the recomputed FLOPs. `eager`: the checkpoint runs uncompiled even when called
+    from compiled code (a selective checkpoint holding a compile-opaque part: `_checkpoint_pieces`)."""
     if policy not in ("full", "selective"):
         raise ValueError(f"activation checkpointing policy {policy!r}: expected 'full' or 'selective'")
     for block in blocks:
         if getattr(block, "_mvlm_ac", False):
             continue
         orig = block.forward
-        extra = {}
-        if policy == "selective":
-            from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-            extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)}
-
-        @functools.wraps(orig)
-        def forward(*args, _orig=orig, _extra=extra, **kwargs):
-            return checkpoint(_orig, *args, use_reentrant=False, **_extra, **kwargs)
-
-        block.forward = forward
+        block.forward = _checkpointed(orig, policy, eager=eager)
         block._mvlm_ac = policy  # read by apply_compile
         block._mvlm_ac_forward = orig  # the forward the checkpoint runs, for _checkpoint_children
 
 
+def _checkpointed(fn, policy: str, *, eager: bool = False):
+    """`fn` run in a checkpoint of `policy`; `eager`: never traced by dynamo (a graph break around it, nothing
+    inside compiled), for a selective checkpoint around code dynamo cannot trace whole."""
+    extra = {}
+    if policy == "selective":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)}
+
+    @functools.wraps(fn)
+    def forward(*args, _orig=fn, _extra=extra, **kwargs):
+        return checkpoint(_orig, *args, use_reentrant=False, **_extra, **kwargs)
+
+    return torch.compiler.disable(forward) if eager else forward
+
+
 def _checkpoint_children(block: nn.Module) -> None:
     """Move a block's selective checkpoint to its children (`_children_units`): each child its own checkpoint
-    with the same policy; the block's forward runs unchecked between them."""
+    with the same policy, except an opaque child that declares pieces (`_pieces`), whose pieces get the
+    checkpoints instead (`_checkpoint_pieces`); the block's forward runs unchecked between them."""
     orig = block.__dict__.pop("_mvlm_ac_forward", None)
     if orig is None:  # moved already
         return
@@ -97,7 +105,34 @@ def _checkpoint_children(block: nn.Module) -> None:
         del block.forward  # the class's forward again
     else:
         block.forward = orig
-    apply_ac(_children_units(block), policy=block._mvlm_ac)
+    for child in _children_units(block):
+        if _opaque(child) and _pieces(child):
+            _checkpoint_pieces(child, block._mvlm_ac)
+        else:
+            apply_ac([child], policy=block._mvlm_ac)
+
+
+def _pieces(module: nn.Module) -> dict[str, bool]:
+    """The pieces a compile-opaque module declares (`selective_pieces`: attribute name -> runs compiled) that
+    `module` holds: submodules or methods its forward calls, between which it does nothing worth recomputing.
+    Under "selective" + `parallel.compile` each piece is its own selective checkpoint and the module is compiled
+    around them (the MoE layer's router, shared experts and latent projections; the Mamba2 mixer's input and
+    output projections), the eager pieces (the routed experts, the Mamba2 conv + scan) in checkpoints dynamo
+    never enters."""
+    return {name: compiled for name, compiled in getattr(module, "selective_pieces", {}).items()
+            if getattr(module, name, None) is not None}
+
+
+def _checkpoint_pieces(module: nn.Module, policy: str) -> None:
+    """A checkpoint of `policy` around each of `module`'s pieces (`_pieces`): a submodule's forward or a method
+    (an attribute of the instance), the eager ones never traced."""
+    for name, compiled in _pieces(module).items():
+        piece = getattr(module, name)
+        if isinstance(piece, nn.Module):
+            apply_ac([piece], policy=policy, eager=not compiled)
+        else:
+            setattr(module, name, _checkpointed(piece, policy, eager=not compiled))
+    module._mvlm_ac_pieces = policy
 
 
 RECOMPILE_LIMIT_PER_KIND = 8
@@ -129,11 +164,14 @@ def _children_units(module: nn.Module) -> list[nn.Module]:
 
 def _splits(block: nn.Module) -> bool:
     """Whether a selectively checkpointed block with a compile-opaque part is checkpointed per child under
-    `parallel.compile`: when a child without opaque parts holds a matmul weight (attention, a dense MLP), which
-    compiling then speeds up. Not for a block whose other children are norms (Nemotron-H's Mamba2 / MoE blocks):
-    splitting costs the children's inputs (one hidden-size activation each), kept for their checkpoints, for
-    little compiled."""
-    return any(p.dim() >= 2 for c in _children_units(block) if not _opaque(c) for p in c.parameters())
+    `parallel.compile`: when that compiles a matmul, in a child without opaque parts (attention, a dense MLP) or
+    in the pieces of an opaque one (`_pieces`: the MoE router and shared experts, the Mamba2 projections).
+    Splitting keeps the inputs of the children's and pieces' checkpoints that a block-wide checkpoint recomputes
+    (the norms' outputs, the routing weights, the Mamba2 scan's output), counted by `--check`
+    (plan/memory.py `split_extra_bytes_per_token`)."""
+    children = _children_units(block)
+    return (any(p.dim() >= 2 for c in children if not _opaque(c) for p in c.parameters())
+            or any(_pieces(c) for c in children if _opaque(c)))
 
 
 def compile_units(blocks: Iterable[nn.Module]) -> tuple[list[nn.Module], list[nn.Module]]:
@@ -148,10 +186,12 @@ def compile_units(blocks: Iterable[nn.Module]) -> tuple[list[nn.Module], list[nn
 
     Under "selective" no compiled code may run inside the block's eager checkpoint: inductor's code writes into
     buffers of the matmul outputs the policy keeps, and torch refuses the mutated cache. Such a block is
-    checkpointed per child instead where that compiles a matmul (`_splits`; `apply_compile` moves the
-    checkpoint): its children without opaque parts are compiled, each with the policy traced into its graph,
-    and the opaque child (the MoE layer) runs eagerly in a selective checkpoint of its own. Otherwise the block
-    stays eager."""
+    checkpointed per child instead (`_splits`; `apply_compile` moves the checkpoint): its children without
+    opaque parts are compiled, each with the policy traced into its graph; an opaque child that declares pieces
+    (`_pieces`: the MoE layer, the Mamba2 mixer) is compiled whole around its pieces' checkpoints, traced ones
+    for the router, shared experts and projections, eager ones for the routed experts and the Mamba2 conv +
+    scan, so the same parts run compiled as under whole-block checkpointing; any other opaque child runs eagerly
+    in a selective checkpoint of its own. A block that does not split stays eager."""
     units: list[nn.Module] = []
     eager: list[nn.Module] = []
     for block in blocks:
@@ -161,10 +201,18 @@ def compile_units(blocks: Iterable[nn.Module]) -> tuple[list[nn.Module], list[nn
         elif policy == "full":
             units += _children_units(block)
         elif _splits(block):
-            units += [c for c in _children_units(block) if not _opaque(c)]
+            units += [c for c in _children_units(block) if not _opaque(c) or _pieces(c)]
         else:
             eager.append(block)
     return units, eager
+
+
+def split_selective_checkpoints(blocks: Iterable[nn.Module]) -> None:
+    """Move the selective checkpoint of each block that `_splits` to its children and pieces
+    (`_checkpoint_children`), as `apply_compile` does before compiling them."""
+    for block in blocks:
+        if getattr(block, "_mvlm_ac", None) == "selective" and _opaque(block) and _splits(block):
+            _checkpoint_children(block)
 
 
 def apply_compile(blocks: Iterable[nn.Module], **compile_options) -> None:
@@ -180,14 +228,13 @@ def apply_compile(blocks: Iterable[nn.Module], **compile_options) -> None:
     limit is raised (never lowered) to RECOMPILE_LIMIT_PER_KIND per kind of block of the code object that holds
     the most kinds."""
     blocks = list(blocks)
-    for block in blocks:
-        if getattr(block, "_mvlm_ac", None) == "selective" and _opaque(block) and _splits(block):
-            _checkpoint_children(block)
+    split_selective_checkpoints(blocks)
     blocks, eager = compile_units(blocks)
     if eager:
-        log.warning("parallel.compile: %d checkpointed blocks with Mamba2 / MoE mixers run uncompiled under "
-                    "train.activation_checkpointing = \"selective\" (their matmul outputs cannot be kept from compiled "
-                    "code); with true all but their routed experts and Mamba2 scans are compiled", len(eager))
+        log.warning("parallel.compile: %d checkpointed blocks with eager-only parts and nothing to compile around "
+                    "them in checkpoints of their own run uncompiled under train.activation_checkpointing = "
+                    "\"selective\" (their matmul outputs cannot be kept from compiled code); with true all but "
+                    "those parts are compiled", len(eager))
     kinds: dict[object, set] = {}
     for block in blocks:
         kinds.setdefault(_traced_code(block), set()).add(tuple(type(m) for m in block.modules()))

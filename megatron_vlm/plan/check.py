@@ -290,6 +290,7 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
                           activation_checkpointing=True if evaluating else cfg.train.activation_checkpointing,
                           rollout_prompts=0 if rollout_ranks else rollout_prompts, group_size=group, tp=tp,
                           kv_slots=kv_slots, ep=cfg.parallel.ep, routes_bytes=0.0 if rollout_ranks else routes_bytes,
+                          compiled=cfg.parallel.compile,
                           rollout_weights=cfg.rl.rollout.weights if grpo and cfg.rl.rollout_backend == "builtin" else "shared",
                           moment_bytes=moment_bytes(cfg))
     if rollout_ranks:

@@ -25,6 +25,11 @@ conservative; the numbers it uses (all in bytes, per rank):
   with (`train.activation_checkpointing` true / "full"): t x L x h x c (the saved block inputs) + t x a x c (one
   block recomputed at a time); "selective" (the matmul and attention outputs kept, the ops between them
   recomputed): t x L x (a / 2 + h) x c (a / 2 counts each projection's output once, h the block input);
+  with `parallel.compile` too, a block with a MoE or Mamba2 mixer is checkpointed per child and piece
+  (parallel/apply.py `_splits`), whose checkpoints keep their inputs where the block-wide one recomputes
+  them: + t x (s x c + s_b), summed over those layers per token s = h per norm child (its output) + per
+  Mamba2 mixer its scan output (heads x head_dim) + per MoE block with latent projections its latent size,
+  s_b = per MoE block top_k x (4 + 8) bytes (the fp32 routing weights and int64 expert ids);
   the vision tower's activations and the LM-head logits (the fused, vocabulary-chunked log-prob
   kernel) are not counted;
 - rollout KV cache (GRPO) = 2 x (sum over attention layers of kv_heads x head_dim) x c x slots,
@@ -88,6 +93,11 @@ class ModelShape:
     """Parameters of the routed experts of every MoE block (X above)."""
     expert_trainable: int = 0
     """Of `expert_params`, those with requires_grad (X_T above)."""
+    split_act_per_token: int = 0
+    """Elements per token, all decoder layers, that selective checkpoints split under `parallel.compile` keep
+    beyond block-wide ones (s above, `split_extra_per_token`)."""
+    split_bytes_per_token: int = 0
+    """Bytes per token of fixed-dtype tensors they keep besides (s_b above: routing weights and expert ids)."""
 
 
 def _colwise_activation_elements(layer: nn.Module) -> int:
@@ -125,6 +135,38 @@ def _layer_activation_elements(layer: nn.Module, hidden: int) -> int:
     return total
 
 
+def split_extra_per_token(layer: nn.Module, hidden: int) -> tuple[int, int]:
+    """(elements in the compute dtype, bytes) per token that a decoder layer's selective checkpoint split under
+    `parallel.compile` keeps beyond a block-wide one: (0, 0) for a layer that is not split.
+
+    Split (parallel/apply.py `apply_compile`), each child and each piece of a MoE / Mamba2 mixer is a
+    checkpoint of its own, keeping its inputs, which the block-wide checkpoint recomputed from the block input:
+    a norm child's output (the next child's input); the routing weights (fp32) and expert ids (int64) the
+    routed experts' checkpoint gets; a latent MoE's routed output (fc2_latent_proj's input); a Mamba2 mixer's
+    scan output (its gated norm's input). The other inputs are the block input or matmul outputs, which
+    selective checkpointing keeps anyway (a / 2)."""
+    from megatron_vlm.models.common.mamba2 import Mamba2Mixer
+    from megatron_vlm.models.common.moe import MoE
+    from megatron_vlm.parallel.apply import _children_units, _opaque, _pieces, _splits
+
+    if not _opaque(layer) or not _splits(layer):
+        return 0, 0
+    elements = nbytes = 0
+    for child in _children_units(layer):
+        if not _opaque(child) and not any(p.dim() >= 2 for p in child.parameters()):
+            elements += hidden  # a norm
+        if not _pieces(child):
+            continue
+        for m in child.modules():
+            if isinstance(m, MoE):
+                nbytes += m.top_k * (4 + 8)
+                if m.fc2_latent_proj is not None:
+                    elements += m.fc2_latent_proj.in_features
+            elif isinstance(m, Mamba2Mixer):
+                elements += m.intermediate_size
+    return elements, nbytes
+
+
 def model_shape(model: nn.Module) -> ModelShape:
     """Counts from a (meta-device) family model; trainable = parameters with requires_grad."""
     params = sum(p.numel() for p in model.parameters())
@@ -141,13 +183,15 @@ def model_shape(model: nn.Module) -> ModelShape:
     from megatron_vlm.models.common.moe import moe_layers
 
     experts = [p for m in moe_layers(model) for p in m.experts.parameters()]
+    split = [split_extra_per_token(layer, hidden) for layer in layers]
     return ModelShape(params=params, trainable=trainable, largest_block=largest, layers=len(layers), hidden=hidden,
                       act_per_token_layer=act, kv_per_slot=kv_elements_per_slot(model), tp_params=tp_params,
                       tp_trainable=tp_sharded_numel(model, trainable=True),
                       tp_largest_block=tp_sharded_numel(blocks[at]) if at >= 0 else 0,
                       act_col_per_token_layer=_colwise_activation_elements(layers[big]),
                       expert_params=sum(p.numel() for p in experts),
-                      expert_trainable=sum(p.numel() for p in experts if p.requires_grad))
+                      expert_trainable=sum(p.numel() for p in experts if p.requires_grad),
+                      split_act_per_token=sum(e for e, _ in split), split_bytes_per_token=sum(b for _, b in split))
 
 
 def pipeline_stage_params(model: Any, pp: int) -> list[tuple[int, int]]:
@@ -214,12 +258,13 @@ def moment_bytes(cfg: Any) -> int:
 def estimate_memory(shape: ModelShape, *, fsdp: int, master_bytes: int, compute_bytes: int, tokens: int,
                     activation_checkpointing: bool | str, rollout_prompts: int = 0, group_size: int = 0, tp: int = 1,
                     kv_slots: int = 0, ep: int = 1, rollout_weights: str = "shared", routes_bytes: float = 0.0,
-                    moment_bytes: int = 4) -> MemoryPlan:
+                    moment_bytes: int = 4, compiled: bool = False) -> MemoryPlan:
     """The formulas of the module docstring; `rollout_prompts` 0 = no rollout (SFT); `kv_slots` > 0: the
     rollout cache's token positions when they are fixed (the paged pool, rl.rollout.kv_cache_blocks); `ep`:
     parallel.ep; `rollout_weights`: rl.rollout.weights (GRPO); `routes_bytes`: the routes' decode buffer;
     `activation_checkpointing`: train.activation_checkpointing (false, true / "full", "selective"); `moment_bytes`:
-    bytes of each AdamW moment (optimizer.moments_dtype: fp32 4, bf16 2)."""
+    bytes of each AdamW moment (optimizer.moments_dtype: fp32 4, bf16 2); `compiled`: parallel.compile (under
+    "selective" it splits the checkpoints of MoE / Mamba2 blocks)."""
     from megatron_vlm.parallel.apply import ac_policy
 
     policy = ac_policy(activation_checkpointing)
@@ -236,6 +281,8 @@ def estimate_memory(shape: ModelShape, *, fsdp: int, master_bytes: int, compute_
     no_ckpt = tokens * shape.layers * act * compute_bytes
     ckpt = tokens * shape.layers * shape.hidden * compute_bytes + tokens * act * compute_bytes
     selective = tokens * shape.layers * (act / 2 + shape.hidden) * compute_bytes
+    if compiled:
+        selective += tokens * (shape.split_act_per_token * compute_bytes + shape.split_bytes_per_token)
     slots = kv_slots if kv_slots and rollout_prompts else rollout_prompts * group_size * tokens
     kv = shape.kv_per_slot * compute_bytes * slots / max(1, tp)
     return MemoryPlan(

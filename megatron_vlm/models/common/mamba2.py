@@ -158,20 +158,33 @@ class Mamba2Mixer(nn.Module):
         rows = torch.cat([span(0, il), inner + conv, span(inner + self.conv_dim, hl)])
         return rows, conv
 
-    def _weights(self, device):
-        """This rank's (in_proj w, b, conv w, b, dt_bias, A_log, D, norm w, out_proj w, b): whole without tp."""
-        conv_w, conv_b = self.conv1d.weight.squeeze(1), self.conv1d.bias
-        inb, outb = self.in_proj.bias, self.out_proj.bias
+    def _in_weights(self, device):
+        """This rank's in_proj (weight, bias): whole without tp."""
+        w, b = self.in_proj.weight, self.in_proj.bias
         if self.tp_size == 1:
-            return (self.in_proj.weight, inb, conv_w, conv_b, self.dt_bias, self.A_log, self.D, self.norm.weight,
-                    self.out_proj.weight, outb)
-        rows, conv = self._local_index(device)
-        il, hl = self.intermediate_size // self.tp_size, self.num_heads // self.tp_size
-        heads, inner = slice(self.tp_rank * hl, (self.tp_rank + 1) * hl), slice(self.tp_rank * il, (self.tp_rank + 1) * il)
-        return (self.in_proj.weight.index_select(0, rows), None if inb is None else inb.index_select(0, rows),
-                conv_w.index_select(0, conv), None if conv_b is None else conv_b.index_select(0, conv),
-                self.dt_bias[heads], self.A_log[heads], self.D[heads], self.norm.weight[inner],
-                self.out_proj.weight[:, inner], outb if self.tp_rank == 0 else None)
+            return w, b
+        rows = self._local_index(device)[0]
+        return w.index_select(0, rows), None if b is None else b.index_select(0, rows)
+
+    def _scan_weights(self, device):
+        """This rank's (conv w, b, dt_bias, A_log, D): whole without tp."""
+        conv_w, conv_b = self.conv1d.weight.squeeze(1), self.conv1d.bias
+        if self.tp_size == 1:
+            return conv_w, conv_b, self.dt_bias, self.A_log, self.D
+        conv = self._local_index(device)[1]
+        hl = self.num_heads // self.tp_size
+        heads = slice(self.tp_rank * hl, (self.tp_rank + 1) * hl)
+        return (conv_w.index_select(0, conv), None if conv_b is None else conv_b.index_select(0, conv),
+                self.dt_bias[heads], self.A_log[heads], self.D[heads])
+
+    def _out_weights(self):
+        """This rank's (norm w, out_proj w, b): whole without tp."""
+        outb = self.out_proj.bias
+        if self.tp_size == 1:
+            return self.norm.weight, self.out_proj.weight, outb
+        il = self.intermediate_size // self.tp_size
+        inner = slice(self.tp_rank * il, (self.tp_rank + 1) * il)
+        return self.norm.weight[inner], self.out_proj.weight[:, inner], outb if self.tp_rank == 0 else None
 
     @torch.no_grad()
     def reset_parameters(self, initializer_range: float = 0.02, num_layers: int = 1) -> None:
@@ -189,6 +202,10 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
         self.norm.weight.fill_(1.0)
 
+    # Under "selective" checkpointing + parallel.compile, each its own checkpoint, the mixer compiled around them
+    # (parallel/apply.py `_pieces`): the conv + scan eager, the projections and the gated norm traced.
+    selective_pieces = {"_project": True, "_mix": False, "_output": True}
+
     def forward(
         self,
         x: torch.Tensor,
@@ -202,23 +219,30 @@ class Mamba2Mixer(nn.Module):
             raise ValueError(f"Mamba2Mixer: x must be [B, T, hidden], got {tuple(x.shape)}")
         if state is not None and cu_seqlens is not None:
             raise ValueError("Mamba2Mixer: a decoding state works with batched input, not packed cu_seqlens")
-        batch, seqlen, _ = x.shape
-        dtype = x.dtype
+        tp = self.tp_size
+        heads, inner = self.num_heads // tp, self.intermediate_size // tp
+        gn = self.n_groups // tp * self.state_size
+        z, xBC, dt = self._project(x, attention_mask).split([inner, inner + 2 * gn, heads], dim=-1)
+        y = self._mix(xBC, dt, attention_mask, cu_seqlens, state)
+        return self._output(y, z)
+
+    def _project(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """in_proj of x (padding zeroed): [z | xBC | dt] of this rank's heads."""
+        if attention_mask is not None:
+            x = x * attention_mask[..., None].to(x.dtype)
+        if self.tp_size == 1:  # the module is called (adapters such as LoRA may wrap it)
+            return self.in_proj(x)
+        in_w, in_b = self._in_weights(x.device)
+        return self._tp_lora(self.in_proj, F.linear(x, in_w, in_b), x, rows=self._local_index(x.device)[0])
+
+    def _mix(self, xBC: torch.Tensor, dt: torch.Tensor, attention_mask: Optional[torch.Tensor],
+             cu_seqlens: Optional[torch.Tensor], state: Optional[Mamba2State]) -> torch.Tensor:
+        """The causal conv and the SSD scan (or one decoding step): y `[B, T, inner]`."""
+        batch, seqlen, _ = xBC.shape
         tp = self.tp_size
         heads, groups, inner = self.num_heads // tp, self.n_groups // tp, self.intermediate_size // tp
-        in_w, in_b, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_w, out_b = self._weights(x.device)
-        mask = None if attention_mask is None else attention_mask[..., None].to(dtype)
-        if mask is not None:
-            x = x * mask
         gn = groups * self.state_size
-        # without tp the modules are called (adapters such as LoRA may wrap them)
-        if tp == 1:
-            proj = self.in_proj(x)
-        else:
-            rows = self._local_index(x.device)[0]
-            proj = self._tp_lora(self.in_proj, F.linear(x, in_w, in_b), x, rows=rows)
-        z, xBC, dt = proj.split([inner, inner + 2 * gn, heads], dim=-1)
-
+        conv_w, conv_b, dt_bias, A_log, D = self._scan_weights(xBC.device)
         if state is not None:
             xBC, conv_state = kernels.causal_conv1d(
                 xBC.transpose(1, 2), conv_w, conv_b, activation="silu",
@@ -228,8 +252,8 @@ class Mamba2Mixer(nn.Module):
         else:
             xBC = kernels.causal_conv1d(xBC.transpose(1, 2), conv_w, conv_b, activation="silu", cu_seqlens=cu_seqlens)
         xBC = xBC.transpose(1, 2)
-        if mask is not None:
-            xBC = xBC * mask
+        if attention_mask is not None:
+            xBC = xBC * attention_mask[..., None].to(xBC.dtype)
         xs, B, C = xBC.split([inner, gn, gn], -1)
 
         A = -torch.exp(A_log.float())
@@ -262,10 +286,15 @@ class Mamba2Mixer(nn.Module):
                 state.ssm_state.copy_(final)
             else:
                 y = result
-        y = self.norm(y.reshape(batch, seqlen, inner), z, weight=norm_w)
-        if tp == 1:
-            return self.out_proj(y.to(dtype))
-        y = y.to(dtype)
+        return y.reshape(batch, seqlen, inner)
+
+    def _output(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """out_proj of the gated norm of y (gate z; the model's dtype is z's, in_proj's output)."""
+        norm_w, out_w, out_b = self._out_weights()
+        y = self.norm(y, z, weight=norm_w).to(z.dtype)
+        if self.tp_size == 1:
+            return self.out_proj(y)
+        inner = self.intermediate_size // self.tp_size
         return self._tp_lora(self.out_proj, F.linear(y, out_w, out_b), y, cols=slice(self.tp_rank * inner, (self.tp_rank + 1) * inner))
 
     @staticmethod

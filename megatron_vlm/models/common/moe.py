@@ -196,6 +196,10 @@ class MoE(nn.Module):
     accepts_route_plan = True  # found by routing_replay.replaying_routes
     route_plan: Optional[tuple[RoutePlan, int]] = None
     compile_opaque = True  # `_routed` runs eagerly under torch.compile (parallel/apply.py apply_compile)
+    # Under "selective" checkpointing + parallel.compile, each its own checkpoint, the layer compiled around them
+    # (parallel/apply.py `_pieces`): the routed experts eager, the rest traced.
+    selective_pieces = {"gate": True, "fc1_latent_proj": True, "experts": False, "fc2_latent_proj": True,
+                        "shared_experts": True}
 
     def __init__(
         self,

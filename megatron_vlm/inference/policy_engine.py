@@ -67,6 +67,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_vlm.host_copies import move
 from megatron_vlm.inference.admission import Admission
 from megatron_vlm.inference.cpu_packed_experts import PackedExperts, fused_experts_available
 from megatron_vlm.inference.cpu_packed_linear import PackedLinears, packing_available
@@ -436,9 +437,11 @@ class PolicyRolloutEngine(RolloutEngine):
     def _prefill_forward(self, prompts: Sequence[RolloutPrompt]):
         dev = self._device()
         ids, mask = left_pad(prompts, self.pad_token_id)
-        vision = {k: v.to(dev) for k, v in vision_inputs(prompts).items()}
+        # copied without waiting for the device, keeping the host tensors (the grids', the mask's) for the model's
+        # bookkeeping to read there (megatron_vlm/host_copies.py)
+        vision = {k: move(v, dev) for k, v in vision_inputs(prompts).items()}
         cache = self.model.new_cache(ids.shape[0], ids.shape[1], dtype=self.cache_dtype, device=dev)
-        kwargs = dict(input_ids=ids.to(dev), attention_mask=mask.to(dev), kv_cache=cache, **vision)
+        kwargs = dict(input_ids=move(ids, dev), attention_mask=move(mask, dev), kv_cache=cache, **vision)
         if self.owns_forward:  # logits_to_keep = 1: the LM head runs on the last position only
             hidden = self._model_eager(**kwargs, return_hidden=True)[:, -1]
             lm_head: Any = self.model.lm_head

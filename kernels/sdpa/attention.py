@@ -36,6 +36,10 @@ from ..reference.attention import prepare_attention_args
 # Above this many mask entries (bools; 256 MiB) the packed path tiles the queries.
 MAX_MASK_ELEMENTS = 1 << 28
 
+# Up to this many mask entries (4 MiB) `_sdpa` handles rows without a visible key without first reading whether
+# there are any; above it, a copy of the mask costs more than the read.
+_ALWAYS_FIX_ELEMENTS = 1 << 22
+
 
 def _sdpa(q, k, v, mask, scale, is_causal=False):
     """q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D], mask broadcastable to [B, 1, Sq, Sk] or None."""
@@ -50,7 +54,9 @@ def _sdpa(q, k, v, mask, scale, is_causal=False):
     empty_rows = None
     if mask is not None:
         has_key = mask.any(dim=-1, keepdim=True)
-        if not bool(has_key.all()):
+        # a small mask (a rollout prefill's padding) gets the dummy key and the zeroing whether a row needs them or not
+        # (nothing changes where none does): the check would read the device, a sync per layer on CUDA
+        if mask.numel() <= _ALWAYS_FIX_ELEMENTS or not bool(has_key.all()):
             empty_rows = ~has_key
             first_key = torch.zeros(mask.shape[-1], dtype=torch.bool, device=mask.device)
             first_key[0] = True

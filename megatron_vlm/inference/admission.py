@@ -104,7 +104,8 @@ class Admission:
         for sample, slot in take:
             slots_of.setdefault(self.key_of(sample), []).append(slot)
         for key, group in slots_of.items():
-            cache.load_prefix(group, self.prefixes[key][0], self.prefixes[key][1])
+            entry = self.prefixes[key]
+            cache.load_prefix(group, entry[0], entry[1], length=entry[5])
         slots, rows = [], []
         for sample, slot in take:
             entry = self.prefixes[self.key_of(sample)]
@@ -132,10 +133,10 @@ class Admission:
         for row, key in enumerate(need):
             # the prompt's own positions of the left-padded row
             mine = routes[row, routes.shape[1] - len(batch[row]):] if routes is not None else None
-            self.prefixes[key] = [pcache, row, logits[row], uses, mine]
+            self.prefixes[key] = [pcache, row, logits[row], uses, mine, len(batch[row])]  # the length: on the host
         for j, (sample, slot) in enumerate(back):
             row = len(need) + j
-            self.cache.load_prefix([slot], pcache, row)
+            self.cache.load_prefix([slot], pcache, row, length=len(batch[row]))
             self.run.readmit(sample, slot, routes[row, -1] if routes is not None else None)
             resumed[slot] = logits[row]
         self.stats["prefill_s"] += time.perf_counter() - t0

@@ -178,7 +178,7 @@ class DecodeStepRunner:
             bucket = self.buckets[size] = _Bucket(size, cache.device, self.pad_token_id, cache.scratch_slot)
         bucket.ids[:n, 0].copy_(input_ids)
         bucket.ids[n:].fill_(self.pad_token_id)
-        bucket.slots[:n].copy_(torch.as_tensor(list(slots), dtype=torch.long))
+        bucket.slots[:n].copy_(torch.as_tensor(list(slots), dtype=torch.long), non_blocking=True)  # no wait
         bucket.slots[n:].fill_(cache.scratch_slot)
         if cache.share_prefix_reads:
             self._fill_prefix_hint(bucket, slots)
@@ -220,8 +220,8 @@ class DecodeStepRunner:
         hint = self.cache.prefix_hint_for(slots)
         rows, lens = bucket.own_rows.clone(), torch.zeros_like(bucket.own_rows)
         if hint is not None:
-            rows[: len(slots)] = torch.as_tensor(hint[0], dtype=rows.dtype)
-            lens[: len(slots)] = torch.as_tensor(hint[1], dtype=rows.dtype)
+            rows[: len(slots)] = torch.as_tensor(hint[0], dtype=rows.dtype).to(rows.device, non_blocking=True)
+            lens[: len(slots)] = torch.as_tensor(hint[1], dtype=rows.dtype).to(rows.device, non_blocking=True)
         bucket.prefix_rows.copy_(rows)
         bucket.prefix_lens.copy_(lens)
 
@@ -264,7 +264,7 @@ class DecodeStepRunner:
             self._capture_on_device(bucket)
         self.captures += 1
         bucket.ids[:n, 0].copy_(input_ids)
-        bucket.slots[:n].copy_(torch.as_tensor(list(slots), dtype=torch.long))
+        bucket.slots[:n].copy_(torch.as_tensor(list(slots), dtype=torch.long), non_blocking=True)  # no wait
         bucket.prefix_rows.copy_(hint[0])
         bucket.prefix_lens.copy_(hint[1])
 

@@ -426,7 +426,7 @@ class MultiTurnRollout:
                 else:
                     running.append(c)
             if running:  # one decode step for every generating conversation, whatever its turn
-                feed = torch.tensor([c.ids[-1] for c in running], dtype=torch.long, device=dev)
+                feed = torch.tensor([c.ids[-1] for c in running], dtype=torch.long).to(dev, non_blocking=True)
                 step_logits, routes = None, None
                 if runner is not None and e.cuda_graphs != "off":  # the static (CUDA-graph) step; None: fell back
                     graph_logits = e._graph_step(runner, cache, [c.slot for c in running], feed)

@@ -66,6 +66,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -74,6 +75,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_vlm.host_copies import move
 from megatron_vlm.inference.admission import Admission
 from megatron_vlm.inference.cpu_packed_experts import PackedExperts, fused_experts_available
 from megatron_vlm.inference.cpu_packed_linear import PackedLinears, packing_available
@@ -138,6 +140,30 @@ def eager_calls(forward: Callable[..., Any]) -> Callable[..., Any]:
             return forward(*args, **kwargs)
 
     return call
+
+
+def _to_device(values: list[int], dev: torch.device) -> torch.Tensor:
+    """A host list of row / slot indices as a long tensor on `dev`, copied without waiting for the device (a
+    `torch.tensor(..., device=...)` of a list is a blocking upload: on CUDA it waits for every queued kernel)."""
+    return torch.as_tensor(values, dtype=torch.long).to(dev, non_blocking=True)
+
+
+def _finished_on_host(finished: dict) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """{sample: (token ids int64, log-probs float32, versions int64)} of the finished samples' device copies, on the
+    host in one read (float64 holds the ids, versions and float32 log-probs exactly), not three per sample."""
+    if not finished:
+        return {}
+    order = list(finished)
+    parts = [t.double() for i in order for t in (finished[i][0], finished[i][1], finished[i][2])]
+    flat = torch.cat(parts).cpu()
+    out, start = {}, 0
+    for i in order:
+        ids, logps, versions = finished[i][:3]
+        a, b, c = ids.numel(), logps.numel(), versions.numel()
+        out[i] = (flat[start:start + a].to(ids.dtype), flat[start + a:start + a + b].to(torch.float32),
+                  flat[start + a + b:start + a + b + c].to(versions.dtype))
+        start += a + b + c
+    return out
 
 
 class PolicyRolloutEngine(RolloutEngine):
@@ -435,9 +461,11 @@ class PolicyRolloutEngine(RolloutEngine):
     def _prefill_forward(self, prompts: Sequence[RolloutPrompt]):
         dev = self._device()
         ids, mask = left_pad(prompts, self.pad_token_id)
-        vision = {k: v.to(dev) for k, v in vision_inputs(prompts).items()}
+        # copied without waiting for the device, keeping the host tensors (the grids', the mask's) for the model's
+        # bookkeeping to read there (megatron_vlm/host_copies.py)
+        vision = {k: move(v, dev) for k, v in vision_inputs(prompts).items()}
         cache = self.model.new_cache(ids.shape[0], ids.shape[1], dtype=self.cache_dtype, device=dev)
-        kwargs = dict(input_ids=ids.to(dev), attention_mask=mask.to(dev), kv_cache=cache, **vision)
+        kwargs = dict(input_ids=move(ids, dev), attention_mask=move(mask, dev), kv_cache=cache, **vision)
         if self.owns_forward:  # logits_to_keep = 1: the LM head runs on the last position only
             hidden = self._model_eager(**kwargs, return_hidden=True)[:, -1]
             lm_head: Any = self.model.lm_head
@@ -519,8 +547,8 @@ class PolicyRolloutEngine(RolloutEngine):
         try:
             with fused_projections(self.fuse_projections):
                 batch = _Batch(prompts, offset, params, checker, generator, stats,
-                               eos=torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=dev),
-                               suppress=self.suppress_token_ids.to(dev), give_up=give_up)
+                               eos=_to_device(sorted(self.eos_token_ids), dev),
+                               suppress=self.suppress_token_ids.to(dev, non_blocking=True), give_up=give_up)
                 return self._loop(batch, run, admission, runner)
         except BaseException:  # a step that failed half-way: nothing of this cache is kept
             self._drop_runner()
@@ -623,7 +651,7 @@ class PolicyRolloutEngine(RolloutEngine):
                     rows = admission.grow(running)
                     if len(rows) < len(running):
                         assert feed is not None
-                        feed = feed.index_select(0, torch.as_tensor(rows, dtype=torch.long, device=feed.device)) if rows else None
+                        feed = feed.index_select(0, _to_device(rows, feed.device)) if rows else None
                         running = [running[r] for r in rows]
                 if self.lockstep:
                     admitted, new_logits = admission.lockstep_admit(self.all_ranks_active, lambda: self._dummy_prefill(stats))
@@ -673,29 +701,42 @@ class PolicyRolloutEngine(RolloutEngine):
         params, checker, generator = batch.params, batch.checker, batch.generator
         n, budget = params.n, params.max_new_tokens
         dev = run.tokens.device
-        index = torch.as_tensor(cur_slots, dtype=torch.long, device=dev)
+        index = _to_device(cur_slots, dev)
         uniform = None
         if params.temperature > 0:  # one draw per slot and step: a row's numbers do not depend on the others
             if generator is not None and not same_device(generator.device, dev):
                 raise ValueError(f"generator: on {generator.device}, logits on {dev}")
             uniform = torch.rand(run.tokens.shape[0], device=dev, generator=generator).index_select(0, index)
+        heavy: list = []  # the rows whose suppressed ids hold most of the mass: found with this step's read
         tok, lp = sample_tokens(cur_logits, temperature=params.temperature, top_k=params.top_k,
-                                top_p=params.top_p, suppress_token_ids=batch.suppress, uniform=uniform)
+                                top_p=params.top_p, suppress_token_ids=batch.suppress, uniform=uniform,
+                                heavy_rows=heavy)
         pos = run.gen_len.index_select(0, index)
         run.tokens[index, pos] = tok
         run.logprobs[index, pos] = lp.float()
         run.versions[index, pos] = self.policy_version
         run.gen_len.index_add_(0, index, torch.ones_like(index))
-        # the stop check: the step's one host sync, which also reads whether each log-prob is finite
-        # (a row without a distribution: the sampler raises on the CPU only, to add no sync elsewhere)
-        bad_lp = ~torch.isfinite(lp)
+        # the stop check: the step's one host sync (EOS and stop strings need the sampled tokens on the host), which
+        # also reads whether each log-prob is finite (a row without a distribution: the sampler raises on the CPU
+        # only, to add no sync elsewhere) and which rows' log-probs the sampler left to be made exact
+        bits = (~torch.isfinite(lp)).long()
+        if heavy:
+            bits = bits + 2 * heavy[0][0].long()
         stop_strings = bool(checker.stop)
         if stop_strings:
-            tok_l, bad = torch.stack([tok, bad_lp.long()]).tolist()
+            tok_l, flags = torch.stack([tok, bits]).tolist()
             is_eos = [t in self.eos_token_ids for t in tok_l]
         else:
-            flags = (torch.isin(tok, batch.eos).long() + 2 * bad_lp.long()).tolist()
-            tok_l, is_eos, bad = None, [f & 1 for f in flags], [f >> 1 for f in flags]
+            flags = (torch.isin(tok, batch.eos).long() + 2 * bits).tolist()
+            tok_l, is_eos, flags = None, [f & 1 for f in flags], [f >> 1 for f in flags]
+        bad = [f & 1 for f in flags]
+        exact_rows = [r for r, f in enumerate(flags) if f & 2]
+        if exact_rows:  # rare: exact log-probs from those rows' whole logits (`sample_tokens`' heavy_rows)
+            exact = heavy[0][1](exact_rows)
+            rows_dev = _to_device(exact_rows, dev)
+            run.logprobs[index.index_select(0, rows_dev), pos.index_select(0, rows_dev)] = exact.float()
+            for r, v in zip(exact_rows, exact.tolist()):  # (a second read, in these rare steps only) the exact value
+                bad[r] = int(not math.isfinite(v))  # decides: the approximate one is -inf where the rest underflowed
         if any(bad):
             r = bad.index(1)
             sample = run.slot_sample[cur_slots[r]]
@@ -717,7 +758,7 @@ class PolicyRolloutEngine(RolloutEngine):
                 keep.append(r)
             else:
                 run.finish(slot, why)
-        feed = tok.index_select(0, torch.as_tensor(keep, dtype=torch.long, device=dev)) if keep else None
+        feed = tok.index_select(0, _to_device(keep, dev)) if keep else None
         return running, feed
 
     def _decode(self, run: SlotRun, cache, runner: Optional[DecodeStepRunner], running: list[int],
@@ -745,7 +786,7 @@ class PolicyRolloutEngine(RolloutEngine):
             routes = rec.stacked() if rec is not None else None
         if running and run.routes is not None:  # the fed tokens' experts, at their positions
             assert routes is not None  # a MoE model records every forward
-            index = torch.as_tensor(running, dtype=torch.long, device=dev)
+            index = _to_device(running, dev)
             run.routes[index, run.gen_len.index_select(0, index) - 1] = routes[:len(running)]
         return logits
 
@@ -753,16 +794,17 @@ class PolicyRolloutEngine(RolloutEngine):
         """The batch's samples in call order: the finished ones' tokens (one copy to the host each), the others
         unstarted (an interrupted call)."""
         prompts, offset, n, checker = batch.prompts, batch.offset, batch.params.n, batch.checker
+        on_host = _finished_on_host(run.finished)
         out = []
         for i in range(len(prompts) * n):
             if i not in run.finished:
                 out.append(self._unstarted(prompts, offset, i, n))
                 continue
-            ids, logps, versions, why = run.finished[i]
-            ids, versions = ids.cpu(), versions.cpu()
+            ids, logps, versions = on_host[i]
+            why = run.finished[i][3]
             routes = run.finished_routes.get(i)
             out.append(RolloutSample(
-                prompt_index=offset + i // n, sample_index=i % n, token_ids=ids, logprobs=logps.cpu(),
+                prompt_index=offset + i // n, sample_index=i % n, token_ids=ids, logprobs=logps,
                 text=checker.final_text(ids.tolist(), why), finish_reason=why, prompt_length=len(prompts[i // n]),
                 policy_version=int(versions.min()) if versions.numel() else self.policy_version,
                 token_versions=versions, routes=routes.cpu() if routes is not None else None,

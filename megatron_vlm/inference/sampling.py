@@ -106,12 +106,19 @@ def sample_tokens(
     generator: Optional[torch.Generator] = None,
     suppress_token_ids: Optional[torch.Tensor] = None,
     uniform: Optional[torch.Tensor] = None,
+    heavy_rows: Optional[list] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [N] int64, behaviour log-probs [N] float32) for next-token logits [N, V].
 
     `uniform`: [N] draws from U[0, 1), one per row: the token is then found by inverse CDF (the first
     token whose cumulative probability exceeds u * total), so the caller decides which random number
-    each row gets and a row needs one number, not V; without it, `torch.multinomial` with `generator`."""
+    each row gets and a row needs one number, not V; without it, `torch.multinomial` with `generator`.
+
+    `heavy_rows`: a list, to leave the log-probs of the rows where `suppress_token_ids` hold most of the mass
+    (`_renormalised`) to the caller, who reads which rows they are with a read of its own (the rollout engine's one
+    read per step) instead of one here (a `nonzero`, a device sync): the list receives (flags [N] bool on the
+    device, `exact(rows)` -> those rows' log-probs [len(rows)] on the device). The log-probs returned hold the
+    approximate values in those rows. Not taken by the CPU's fused draw, which draws those rows again."""
     if logits.dim() != 2:
         raise ValueError(f"logits: expected [N, vocab], got shape {tuple(logits.shape)}")
     if temperature < 0:
@@ -188,7 +195,12 @@ def sample_tokens(
         if not math.isfinite(float((finite[0] if len(finite) == 1 else torch.cat(finite)).sum())):  # which row:
             _raise_for_rows(~torch.stack(finite).isfinite().all(dim=0))  # (none if the sum overflowed)
     if suppress:
-        lp = _renormalised(x, tokens, lp, sup, float(temperature) or 1.0)[0]
+        t = float(temperature) or 1.0
+        if heavy_rows is None:
+            lp = _renormalised(x, tokens, lp, sup, t)[0]
+        else:
+            lp, flags = _renormalised_approx(x, tokens, lp, sup, t)
+            heavy_rows.append((flags, lambda rows: _exact_rows(x, tokens, sup, t, rows)))
     return tokens, lp
 
 
@@ -210,14 +222,27 @@ def _renormalised(x: torch.Tensor, tokens: torch.Tensor, logp: torch.Tensor, sup
     """(`logp` (of `tokens` under softmax(x / temperature)) made the log-prob under that softmax with the `sup` ids
     removed, the rows where those ids hold more than half of the mass): log p_s = (x_s - x_token) / T + log p(token)
     needs only the few suppressed logits (module docstring)."""
+    out, bad = _renormalised_approx(x, tokens, logp, sup, temperature)
+    rows = bad.nonzero().squeeze(-1)
+    if rows.numel():  # rare rows where the suppressed ids hold most of the mass: exactly, from their logits
+        out = out.index_put((rows,), _exact_rows(x, tokens, sup, temperature, rows))
+    return out, rows
+
+
+def _renormalised_approx(x: torch.Tensor, tokens: torch.Tensor, logp: torch.Tensor, sup: torch.Tensor,
+                         temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_renormalised`'s log-probs from the suppressed logits alone, and [N] bool: the rows where the suppressed ids
+    hold more than half of the mass (their values are not exact: `_exact_rows`). No host read."""
     sup = sup.to(x.device)
     x_tok = x.gather(-1, tokens[:, None])
     log_ps = (x.index_select(-1, sup) - x_tok) / temperature + logp[:, None]
     mass = log_ps.exp().sum(-1)
-    out = logp - torch.log1p(-mass.clamp(max=1.0 - _MIN_KEPT))
-    bad = mass > 1.0 - _MIN_KEPT
-    rows = bad.nonzero().squeeze(-1)
-    if rows.numel():  # rare rows where the suppressed ids hold most of the mass: exactly, from their logits
-        exact = torch.log_softmax(x[rows].index_fill(-1, sup, float("-inf")) / temperature, dim=-1)
-        out = out.index_put((rows,), exact.gather(-1, tokens[rows, None]).squeeze(-1))
-    return out, rows
+    return logp - torch.log1p(-mass.clamp(max=1.0 - _MIN_KEPT)), mass > 1.0 - _MIN_KEPT
+
+
+def _exact_rows(x: torch.Tensor, tokens: torch.Tensor, sup: torch.Tensor, temperature: float, rows) -> torch.Tensor:
+    """The log-probs of `tokens` in `rows` (a tensor or a list of row indices) under softmax(x / temperature) with
+    the `sup` ids removed, from the rows' whole logits."""
+    rows = torch.as_tensor(rows, dtype=torch.long).to(x.device, non_blocking=True) if isinstance(rows, list) else rows
+    exact = torch.log_softmax(x[rows].index_fill(-1, sup.to(x.device), float("-inf")) / temperature, dim=-1)
+    return exact.gather(-1, tokens[rows, None]).squeeze(-1)

@@ -4,7 +4,8 @@ Every rank of a loop reaches each call in the same order (all ranks run the same
 micro-batches and decode steps), which is also what keeps FSDP's own collectives matched.
 Values travel as float64 / int64 tensors on the job's device (NCCL / HCCL need device tensors). In a single
 process the Python values come back as they are, with no tensor: on CUDA the upload and the read back are each a
-stream sync, which makes the host wait for every kernel queued (tests/unit/training/test_step_host_reads.py).
+stream sync, which makes the host wait for every kernel queued (tests/unit/training/test_step_host_reads.py). With
+several ranks the values go up without waiting (`to_device`) and the read back is the one sync.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["world_size", "barrier", "all_reduce_", "all_reduce_sum", "all_reduce_max", "any_rank",
-           "all_gather_objects"]
+           "all_gather_objects", "to_device"]
 
 
 def world_size() -> int:
@@ -34,18 +35,24 @@ def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return tensor
 
 
+def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values as a tensor on `device`, copied without waiting for the device (a tensor made there from a list
+    is a blocking upload: on CUDA it waits for every kernel queued)."""
+    return torch.tensor(list(values), dtype=dtype).to(device, non_blocking=True)
+
+
 def all_reduce_sum(values: Sequence[float], device: torch.device) -> list[float]:
     """Element-wise sum over ranks (float64)."""
     if world_size() == 1:
         return [float(v) for v in values]
-    return all_reduce_(torch.tensor(list(values), dtype=torch.float64, device=device)).tolist()
+    return all_reduce_(to_device(values, torch.float64, device)).tolist()
 
 
 def all_reduce_max(values: Sequence[int], device: torch.device) -> list[int]:
     """Element-wise max over ranks (int64)."""
     if world_size() == 1:
         return [int(v) for v in values]
-    t = all_reduce_(torch.tensor(list(values), dtype=torch.int64, device=device), op="max")
+    t = all_reduce_(to_device(values, torch.int64, device), op="max")
     return [int(v) for v in t.tolist()]
 
 

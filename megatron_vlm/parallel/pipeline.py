@@ -34,10 +34,15 @@ micro-batch (gradients not rescaled by the schedule: `scale_grads=False`); the g
 norm over all stages (`PipelineRunner.clip_grad_norm_`); a tied embedding / lm_head (held by the first
 and the last stage) gets the sum of both stages' gradients and is counted once in the norm, so both copies
 take the same optimizer step.
+
+Why the loss stays on the device: on CUDA each read of a device value is a stream sync (the host waits for every
+queued kernel). The last stage keeps each micro-batch's -sum(log p) as a device tensor, `run` sums them in
+micro-batch order and all-reduces the sum over the stages without reading it, and the norm's clip leaves a
+non-finite norm's gradients unscaled with `torch.where`: the step reads both once, in the SFT step's one read
+(`training/sft.py` `global_loss_and_norm`).
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Optional
 
@@ -200,7 +205,7 @@ class PipelineStageModel:
         self.tied, self.tied_shape = tied, tied_shape
         self.received: Optional[torch.Tensor] = None
         self.loss_scale = 0.0
-        self.logp_sums: list[float] = []
+        self.logp_sums: list[torch.Tensor] = []
 
     def full_state_dict(self, stage_transform: Optional[Callable[[dict], dict]] = None) -> dict:
         """The full model's gathered CPU state dict on every rank (for the HF export; collective): each stage's
@@ -266,7 +271,7 @@ class PipelineStageModel:
         try:
             if self.is_last:
                 logp = super().forward(batch)
-                self.logp_sums.append(float(-logp.detach().sum(dtype=torch.float64)))
+                self.logp_sums.append(-logp.detach().sum(dtype=torch.float64))  # on the device: no read
                 return (-logp.sum(dtype=torch.float32) * self.loss_scale).reshape(1)
             hidden = self.model(**model_inputs(batch), return_hidden=True)
         finally:
@@ -347,9 +352,10 @@ class PipelineRunner:
         r = shard.get_local_rank()
         self._tied_shard_shape = (int(rows[r].numel()) if r < len(rows) else 0, *wrapper.tied_shape[1:])
 
-    def run(self, micro: list[dict], loss_scale: float) -> float:
-        """Forward and backward of the step's micro-batches; the sum of -log p over them, computed on the last
-        stage and given to every stage (each stage's step guard then takes the same decision)."""
+    def run(self, micro: list[dict], loss_scale: float) -> torch.Tensor:
+        """Forward and backward of the step's micro-batches; the sum of -log p over them (float64, [1], on the
+        device, not read), computed on the last stage and given to every stage (each stage's step guard then takes
+        the same decision)."""
         if len(micro) != self.n_microbatches:
             raise ValueError(f"pipeline: {len(micro)} micro-batches, the schedule was built for {self.n_microbatches}")
         w = self.wrapper
@@ -359,9 +365,11 @@ class PipelineRunner:
         args = [(self._dummy,) if w.is_first else () for _ in micro]
         self.schedule._step_microbatches(args, [{"batch": m} for m in micro], [None] * len(micro), [])
         self._sum_tied_grad()
-        total = torch.tensor([sum(w.logp_sums)], dtype=torch.float64, device=self.device)
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for part in w.logp_sums:  # in micro-batch order, as a sum of the floats was: the same value
+            total = total + part
         dist.all_reduce(total, group=self.pp_group)  # the other stages contribute 0
-        return float(total[0])
+        return total
 
     def _tied_param(self):
         w = self.wrapper
@@ -401,8 +409,9 @@ class PipelineRunner:
         sq = (local.to(self.device, torch.float64) ** 2).reshape(1)
         dist.all_reduce(sq, group=self.pp_group)
         total = sq.sqrt().to(torch.float32)[0]
-        if max_norm > 0 and math.isfinite(float(total)):
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if max_norm > 0:  # a non-finite norm scales nothing (the step guard skips the step): no read to decide it
+            coef = torch.where(torch.isfinite(total), torch.clamp(max_norm / (total + 1e-6), max=1.0),
+                               torch.ones_like(total))
             for p in params:
                 if p.grad is not None:
                     g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad

@@ -39,6 +39,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_vlm.host_copies import keep_host_copy, move
 from megatron_vlm.inference.policy_engine import vision_token_ids
 from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.models.common.prefix_sharing import accepts_prefix_segments
@@ -517,16 +518,17 @@ class PolicyUpdate:
 
         lengths = torch.tensor([s.response_length for s in group])
         if self.critic is not None or self.batch_advantages is not None:  # per-token advantages (GAE, REINFORCE++)
-            adv = moved(_cat([s.token_advantages for s in group], "token_advantages"))
+            adv = _cat([s.token_advantages for s in group], "token_advantages")
         else:
-            adv = moved(torch.repeat_interleave(torch.tensor([s.advantage for s in group]), lengths))
+            adv = torch.repeat_interleave(torch.tensor([s.advantage for s in group]), lengths)
+        adv = move(adv.to(logp.dtype), dev)  # with seq_ids' host copy: GSPO checks it on the host
         if old is None:
             old = moved(_cat([s.old_logp for s in group], "old_logp"))
         ref = moved(_cat([s.ref_logp for s in group], "ref_logp")) if self.reference is not None else None
-        seq_ids = moved(torch.repeat_interleave(torch.arange(len(group)), lengths))
-        mask = torch.ones_like(logp, dtype=torch.bool)
+        seq_ids = move(torch.repeat_interleave(torch.arange(len(group)), lengths), dev)  # the segment count: on the host
+        mask = keep_host_copy(torch.ones_like(logp, dtype=torch.bool), torch.ones(logp.shape, dtype=torch.bool))
         rollout = moved(torch.cat([s.behav_logp for s in group])) if r.loss.rollout_correction != "none" else None
         behav = moved(torch.cat([s.behav_logp for s in group])) if self.decoupled else None
-        return compute_policy_loss(self.loss_spec, logp, old, adv.to(logp.dtype), mask, seq_ids=seq_ids,
+        return compute_policy_loss(self.loss_spec, logp, old, adv, mask, seq_ids=seq_ids,
                                    normalizer=float(normalizer), ref_logp=ref, entropy=ent, rollout_logp=rollout,
                                    behav_logp=behav)

@@ -145,7 +145,8 @@ def global_loss_and_norm(loss_sum: Any, grad_norm: Any, device: torch.device) ->
     needs these two before the optimizer step (the non-finite guard) and nothing else, so the loss sum stays on the
     device through the micro-batches and is all-reduced (a collective only with several ranks) and read with the
     norm. A sum over the ranks is non-finite exactly when one rank's is (NaN / inf propagate; the sums of -log p
-    of one step are far from float64's overflow). `loss_sum`: a float (the pipeline schedule's) or a 0-d tensor."""
+    of one step are far from float64's overflow). `loss_sum`: a float or a tensor of one value (the pipeline's
+    [1], already summed over its stages)."""
     if torch.is_tensor(loss_sum):
         loss = loss_sum.detach().to(device, torch.float64).reshape(1)
     else:
@@ -238,7 +239,7 @@ class SFTStep:
                 break
             self._skip_empty(step, fetched)  # every rank sees the same sums: all fetch again together
         denom = g_tokens
-        loss_sum: Any = 0.0  # this rank's sum of -log p: a float from the pipeline, else a float64 device tensor
+        loss_sum: Any = 0.0  # this rank's sum of -log p: a float64 device tensor (the pipeline's too, not read)
         b.wrapper.train()
         if b.pipeline is not None:  # parallel.pp > 1: the 1F1B schedule runs forward + backward (parallel/pipeline.py)
             loss_sum = b.pipeline.run([self.ctx.to_device(m) for m in micro], b.dims.dp_size / denom)

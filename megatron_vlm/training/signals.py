@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_vlm.parallel.collectives import to_device
 from megatron_vlm.stop_signals import STOP_SIGNALS
 
 
@@ -96,7 +97,7 @@ class StopFlag:
         tensor there would be an upload and a read back per step, each a stream sync on CUDA."""
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return bool(self.signum)
-        flag = torch.tensor([1 if self.signum else 0], device=device)
+        flag = to_device([1 if self.signum else 0], torch.int64, device)  # (no wait for the device: the read does)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 

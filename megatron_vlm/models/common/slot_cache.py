@@ -41,7 +41,7 @@ host (a full slot) are the runner's then.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -61,6 +61,18 @@ def hint_dtype(device: torch.device) -> torch.dtype:
 def _kv_part(cache) -> KVCache:
     return cache if isinstance(cache, KVCache) else cache.kv
 
+
+
+def _prompt_positions(src, row: int, length: Optional[int]) -> tuple[int, Any]:
+    """(the prompt's token count n, the index of its positions among the row's first `src.seq_len`): left padding
+    puts them last, so with the count known on the host (`length`) they are a slice; else the row's mask (read from
+    the device)."""
+    if length is not None:
+        if not 0 < length <= src.seq_len:
+            raise ValueError(f"SlotCache: a prompt of {length} tokens in a prefill of {src.seq_len} positions")
+        return length, slice(src.seq_len - length, src.seq_len)
+    valid = src.mask[row, : src.seq_len]
+    return int(valid.sum()), valid
 
 class SlotCache:
     def __init__(self, storage) -> None:
@@ -95,17 +107,18 @@ class SlotCache:
         return self.num_slots
 
     # ----- filling slots -----
-    def load_prefix(self, slots: Sequence[int], prefill, row: int) -> None:
-        """Copy row `row` of a prefilled left-padded cache (`KVCache` / `HybridCache`) into every slot of `slots`."""
+    def load_prefix(self, slots: Sequence[int], prefill, row: int, length: Optional[int] = None) -> None:
+        """Copy row `row` of a prefilled left-padded cache (`KVCache` / `HybridCache`) into every slot of `slots`.
+        `length`: the prompt's token count, known on the host (the rollout engine's): its keys are then the row's
+        last `length` positions, taken without reading the row's mask from the device (its count, and a bool-mask
+        index per layer: each a device sync on CUDA)."""
         if self._pending:  # the step's shared_prefix hint would no longer hold
             raise RuntimeError("SlotCache: load_prefix in the middle of a step")
         src = _kv_part(prefill)
-        n = int(src.mask[row, : src.seq_len].sum())
+        n, valid = _prompt_positions(src, row, length)
         if n > self.max_len:
             raise ValueError(f"SlotCache: a prompt of {n} tokens does not fit slots of {self.max_len}")
-        # left padding: the prompt's n real tokens are the last n cached positions
-        valid = src.mask[row, : src.seq_len]
-        index = torch.as_tensor(list(slots), dtype=torch.long, device=self.device)
+        index = torch.as_tensor(list(slots), dtype=torch.long).to(self.device, non_blocking=True)
         for layer in range(len(self.keys)):
             k = src.keys[layer][row, : src.seq_len][valid]
             v = src.values[layer][row, : src.seq_len][valid]
@@ -162,7 +175,7 @@ class SlotCache:
         hint = self.prefix_hint_for(self._active_list)
         if hint is None:
             return None
-        both = torch.tensor(hint, dtype=hint_dtype(self.device)).to(self.device)
+        both = torch.tensor(hint, dtype=hint_dtype(self.device)).to(self.device, non_blocking=True)
         return both[0], both[1]
 
     def reset_scratch(self) -> None:
@@ -180,7 +193,8 @@ class SlotCache:
             raise ValueError("SlotCache: a step needs at least one active slot")
         self._active_list = slots
         self._contiguous = slots == list(range(len(slots)))
-        self._active = torch.as_tensor(slots, dtype=torch.long, device=self.device)
+        # copied without waiting for the device: a tensor made on it from a list waits for every queued kernel
+        self._active = torch.as_tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
         self._static = False
 
     def set_active_static(self, slot_ids: torch.Tensor,
@@ -442,7 +456,7 @@ class PagedSlotCache(SlotCache):
         blocks = [self.free_blocks.pop() for _ in range(need)]
         self.slot_blocks[slot] = blocks
         self.slot_capacity[slot] = need * self.block_size
-        self.table[slot, :need] = torch.tensor(blocks, dtype=torch.int32, device=self.device)
+        self.table[slot, :need] = torch.tensor(blocks, dtype=torch.int32).to(self.device, non_blocking=True)
 
     def release(self, slot: int) -> None:
         """Return a finished slot's blocks to the pool."""
@@ -453,26 +467,25 @@ class PagedSlotCache(SlotCache):
         self.slot_capacity[slot] = 0
 
     # ----- filling slots -----
-    def load_prefix(self, slots: Sequence[int], prefill, row: int) -> None:
+    def load_prefix(self, slots: Sequence[int], prefill, row: int, length: Optional[int] = None) -> None:
         """As `SlotCache.load_prefix`; every slot must hold a reservation covering the prompt."""
         if self._pending:
             raise RuntimeError("PagedSlotCache: load_prefix in the middle of a step")
         src = _kv_part(prefill)
-        n = int(src.mask[row, : src.seq_len].sum())
+        n, valid = _prompt_positions(src, row, length)
         short = [s for s in slots if self.slot_capacity[s] < n]
         if short:
             raise ValueError(f"PagedSlotCache: slots {short} have no reservation for a prompt of {n} tokens")
-        valid = src.mask[row, : src.seq_len]
         nb = self.blocks_for(n)
         for s in slots:
-            blocks = torch.as_tensor(self.slot_blocks[s][:nb], dtype=torch.long, device=self.device)
+            blocks = torch.as_tensor(self.slot_blocks[s][:nb], dtype=torch.long).to(self.device, non_blocking=True)
             for layer in range(len(self.keys)):
                 for store, cache in ((self.keys[layer], src.keys[layer]), (self.values[layer], src.values[layer])):
                     x = cache[row, : src.seq_len][valid].to(store.dtype)
                     padded = torch.zeros(nb * self.block_size, *x.shape[1:], dtype=store.dtype, device=store.device)
                     padded[:n] = x
                     store[blocks] = padded.view(nb, self.block_size, *x.shape[1:])
-        index = torch.as_tensor(list(slots), dtype=torch.long, device=self.device)
+        index = torch.as_tensor(list(slots), dtype=torch.long).to(self.device, non_blocking=True)
         self.lengths[index] = n
         self.slot_rope_deltas[index] = src.rope_deltas[row].to(self.device)
         for s in slots:

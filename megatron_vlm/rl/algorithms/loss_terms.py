@@ -4,6 +4,12 @@ loss aggregations, the KL estimators, MIS's sequence mask and masked means for m
 Why apart from the losses: the policy losses, and the value / preference losses that register later, all
 reduce per-token terms the same way (`aggregate_loss`); the definitions and equations are in the module
 docstring of `megatron_vlm.rl.losses`.
+
+Why the segment count comes from the host: the per-segment sums need it as a size, and on CUDA reading it from
+the device (`idx.max()`) is a stream sync per call (a micro-batch's loss, its MIS mask and its GSPO ratio each made
+one, with the seq_ids check two more). The trainers move `seq_ids` with a host copy (`megatron_vlm.host_copies`),
+whose maximum + 1 bounds the count: a segment past the last masked one only adds an empty entry, which every
+consumer leaves out (`present`, or indexed by `idx` only).
 """
 from __future__ import annotations
 
@@ -11,8 +17,10 @@ from typing import Literal, Optional
 
 import torch
 
+from megatron_vlm.host_copies import all_on_host, on_host
+
 __all__ = ["LOG_RATIO_CLAMP", "LOSS_AGGS", "ROLLOUT_CORRECTIONS", "kl_penalty", "aggregate_loss", "rollout_correction_mask",
-           "segments", "seg_mean", "masked_mean"]
+           "segments", "segment_count", "seg_mean", "masked_mean"]
 
 LOSS_AGGS = ("token-mean", "seq-mean", "seq-mean-token-sum-norm")
 ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
@@ -41,7 +49,7 @@ def _seq_index(mask: torch.Tensor, seq_ids: Optional[torch.Tensor], why: str = "
             raise ValueError(f"seq_ids: shape {tuple(seq_ids.shape)} must equal the mask's {tuple(mask.shape)}")
         if seq_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"seq_ids: must be an integer tensor, got {seq_ids.dtype}")
-        if mask.any() and int(seq_ids[mask].min()) < 0:
+        if not _ids_non_negative_on_host(mask, seq_ids) and mask.any() and int(seq_ids[mask].min()) < 0:
             raise ValueError("seq_ids: masked tokens must have sequence ids >= 0")
         return seq_ids.long()
     if mask.dim() != 2:
@@ -52,11 +60,38 @@ def _seq_index(mask: torch.Tensor, seq_ids: Optional[torch.Tensor], why: str = "
     return torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
 
 
+def _ids_non_negative_on_host(mask: torch.Tensor, seq_ids: torch.Tensor) -> bool:
+    """Whether the host copies show every masked position's id >= 0 (False: not known there; the device decides)."""
+    ids = on_host(seq_ids)
+    if ids.device.type == "cpu" and not bool((ids < 0).any()):  # every id, masked or not: enough
+        return True
+    host = all_on_host(mask, seq_ids)  # a negative id: only the masked ones count
+    if host is None:
+        return False
+    m, host_ids = host
+    assert m is not None and host_ids is not None
+    return not bool((host_ids[m] < 0).any())
+
+
+def segment_count(mask: torch.Tensor, seq_ids: Optional[torch.Tensor]) -> Optional[int]:
+    """An upper bound of the segments' count known on the host (module docstring), else None: the rows of a
+    padded [B, T] layout, one more than the largest id of `seq_ids`' host copy."""
+    if seq_ids is None:
+        return max(mask.shape[0], 1) if mask.dim() == 2 else None
+    ids = on_host(seq_ids)
+    if ids.device.type != "cpu":
+        return None
+    return int(ids.max()) + 1 if ids.numel() and int(ids.max()) >= 0 else 1
+
+
 def segments(mask: torch.Tensor, seq_ids: Optional[torch.Tensor], why: str) -> tuple[torch.Tensor, int]:
-    """(sequence index of every position, 0 where masked out; number of segments)."""
+    """(sequence index of every position, 0 where masked out; number of segments: at least one more than the
+    largest masked index; segments without a masked position come out empty, see `seg_mean`'s `present`)."""
     idx = _seq_index(mask, seq_ids, why)
     idx = torch.where(mask, idx, torch.zeros_like(idx))
-    n_seq = int(idx.max().item()) + 1 if idx.numel() else 1
+    n_seq = segment_count(mask, seq_ids)
+    if n_seq is None:  # a device tensor without a host copy: read the count from it
+        n_seq = int(idx.max().item()) + 1 if idx.numel() else 1
     return idx, n_seq
 
 
@@ -96,7 +131,9 @@ def aggregate_loss(
     if loss_agg == "seq-mean":
         idx, n_seq = segments(mask, seq_ids, "loss_agg='seq-mean'")
         seq_mean, present = seg_mean(per_token, mask, idx, n_seq)
-        return div(seq_mean[present].sum(), present.sum() if normalizer is None else normalizer)
+        # the present segments' means (a bool-mask index would read their count from the device)
+        return div(torch.where(present, seq_mean, torch.zeros_like(seq_mean)).sum(),
+                   present.sum() if normalizer is None else normalizer)
     if loss_agg == "seq-mean-token-sum-norm":
         if normalizer is None:
             if max_response_length is None or max_response_length < 1:

@@ -16,6 +16,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 
+from megatron_vlm.host_copies import all_on_host, keep_host_copy, on_host
 from megatron_vlm.rl.algorithms.loss_terms import (
     LOG_RATIO_CLAMP,
     LOSS_AGGS,
@@ -72,17 +73,36 @@ def clip_loss(logp: torch.Tensor, log_ratio: torch.Tensor, adv: torch.Tensor, ma
     return _clipped_surrogate(adv, torch.exp(log_ratio), lo, hi)
 
 
+def _one_advantage_per_sequence_on_host(adv: torch.Tensor, seq_ids: Optional[torch.Tensor]) -> bool:
+    """Whether the host copies of a packed layout's advantages and sequence ids show one value per sequence at every
+    position of a sequence (masked or not: enough for GSPO's check of the masked ones); False when not known on the
+    host. The trainers make both there (one advantage per sample, repeated): the check then reads no device value."""
+    host = all_on_host(adv, seq_ids) if seq_ids is not None and adv.shape == seq_ids.shape else None
+    if host is None:
+        return False
+    a, ids = host
+    assert a is not None and ids is not None
+    ids, a = ids.long().reshape(-1), a.reshape(-1)
+    ids, a = ids[ids >= 0], a[ids >= 0]  # a negative id is no masked position's (`segments` checks)
+    if a.numel() == 0:
+        return True
+    first = torch.zeros(int(ids.max()) + 1, dtype=torch.long).scatter_reduce(
+        0, ids, torch.arange(ids.numel()), "amin", include_self=False)  # each sequence's first position
+    return bool((a == a[first[ids]]).all())
+
+
 @POLICY_LOSSES.register("gspo")
 def gspo_loss(logp: torch.Tensor, log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
               seq_ids: Optional[torch.Tensor], lo: float, hi: float) -> PolicyTerms:
     """GSPO: the sequence ratio exp(mean_t log r_t), clipped per sequence; one advantage per sequence."""
     idx, n_seq = segments(mask, seq_ids, "variant='gspo'")
     seq_log_ratio, _ = seg_mean(log_ratio, mask, idx, n_seq)
-    seq_adv, _ = seg_mean(adv, mask, idx, n_seq)
-    dev = ((adv - seq_adv[idx]).abs() * mask).max() if mask.any() else adv.new_zeros(())
-    if float(dev) > 1e-6 * (1.0 + float(seq_adv.abs().max())):
-        raise ValueError("advantages: variant 'gspo' takes one advantage per sequence; these vary within a "
-                         "sequence (use variant 'gspo_token' for per-token advantages)")
+    if not _one_advantage_per_sequence_on_host(adv, seq_ids):  # not shown on the host: the device decides
+        seq_adv, _ = seg_mean(adv, mask, idx, n_seq)
+        dev = ((adv - seq_adv[idx]).abs() * mask).max() if mask.any() else adv.new_zeros(())
+        if float(dev) > 1e-6 * (1.0 + float(seq_adv.abs().max())):
+            raise ValueError("advantages: variant 'gspo' takes one advantage per sequence; these vary within a "
+                             "sequence (use variant 'gspo_token' for per-token advantages)")
     return _clipped_surrogate(adv, torch.exp(seq_log_ratio)[idx], lo, hi)  # differentiable through every token
 
 
@@ -175,6 +195,9 @@ def _check_inputs(spec: PolicyLossSpec, logp: torch.Tensor, old_logp: torch.Tens
         adv = torch.broadcast_to(advantages.detach().to(logp.dtype), logp.shape)
     except RuntimeError:
         raise ValueError(f"advantages: shape {tuple(advantages.shape)} does not broadcast to logp {tuple(logp.shape)}") from None
+    host = on_host(advantages)
+    if host is not advantages and host.shape == adv.shape:  # kept reachable: GSPO checks the advantages on the host
+        keep_host_copy(adv, host.to(adv.dtype))
     for name, t in named.items():
         if t is not None and t.shape != logp.shape:
             raise ValueError(f"{name}: shape {tuple(t.shape)} must equal logp's {tuple(logp.shape)}")
@@ -203,9 +226,11 @@ def _mismatch(spec: PolicyLossSpec, old: torch.Tensor, rollout_logp: torch.Tenso
         rho = torch.exp(d)
         metrics["mismatch_kl"] = masked_mean(torch.exp(d) - d - 1.0, mask)  # k3 of KL(pi_rollout || pi_old)
         metrics["mismatch_ratio_mean"] = masked_mean(rho, mask)
-        if mask.any():
-            metrics["mismatch_ratio_min"] = rho[mask].min().float()
-            metrics["mismatch_ratio_max"] = rho[mask].max().float()
+        host = all_on_host(mask)
+        if bool(host[0].any()) if host is not None and host[0] is not None else mask.any():
+            # the extremes over the masked tokens (exact; a bool-mask index would read the count from the device)
+            metrics["mismatch_ratio_min"] = torch.where(mask, rho, torch.full_like(rho, torch.inf)).min().float()
+            metrics["mismatch_ratio_max"] = torch.where(mask, rho, torch.full_like(rho, -torch.inf)).max().float()
         cap = spec.rollout_correction_cap
         if spec.rollout_correction == "tis":
             assert cap is not None

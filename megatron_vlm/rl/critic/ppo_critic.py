@@ -29,6 +29,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_vlm.host_copies import keep_host_copy, move
 from megatron_vlm.parallel import clip_grad_norm_
 from megatron_vlm.rl.algorithms.advantage_estimators import ADVANTAGE_ESTIMATORS
 from megatron_vlm.rl.algorithms.value_losses import VALUE_LOSSES
@@ -210,8 +211,8 @@ class Critic:
         old = torch.cat([s.old_values for s in group]).to(dev, non_blocking=True)  # type: ignore[misc]
         ret = torch.cat([s.returns for s in group]).to(dev, non_blocking=True)  # type: ignore[misc]
         lengths = torch.tensor([s.response_length for s in group])
-        seq_ids = torch.repeat_interleave(torch.arange(len(group)), lengths).to(dev, non_blocking=True)
-        mask = torch.ones_like(values, dtype=torch.bool)
+        seq_ids = move(torch.repeat_interleave(torch.arange(len(group)), lengths), dev)  # the segment count: on the host
+        mask = keep_host_copy(torch.ones_like(values, dtype=torch.bool), torch.ones(values.shape, dtype=torch.bool))
         return self.value_loss(values, old, ret, mask, clip_range=self.cfg.value_clip or None,
                                loss_agg=self.rl.loss.loss_agg, seq_ids=seq_ids, normalizer=normalizer,
                                max_response_length=self.rl.rollout.max_new_tokens)

@@ -21,7 +21,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_vlm.host_copies import keep_host_copy
 from megatron_vlm.rl.losses import aggregate_loss, policy_loss, rollout_correction_mask
+from megatron_vlm.testing.host_reads import HostReads
 
 F64 = torch.float64
 LENGTHS = (1, 3, 5, 1, 4)
@@ -54,7 +56,11 @@ def _padded(seqs, fill):
 
 def _ours(layout, logp, old, adv, *, seq_level_adv=False, extra=None, **kw):
     """Our loss and d loss / d logp per sequence, on the padded or the packed layout. Padding holds
-    garbage (it must not matter)."""
+    garbage (it must not matter). "device": the packed layout as a GPU job's trainer gives it (every tensor a
+    device copy; the sequence ids, advantages and mask with their host copies, `megatron_vlm.host_copies`): the
+    loss must read no device value (`HostReads`)."""
+    if layout == "device":
+        return _on_device(logp, old, adv, seq_level_adv=seq_level_adv, extra=extra or {}, **kw)
     lengths = [len(x) for x in logp]
     extra = extra or {}
     if layout == "padded":
@@ -71,6 +77,22 @@ def _ours(layout, logp, old, adv, *, seq_level_adv=False, extra=None, **kw):
     a = adv[seq_ids] if seq_level_adv else torch.cat(adv)
     more = {k: torch.cat(v) for k, v in extra.items()}
     out = policy_loss(leaf, torch.cat(old), a, torch.ones(len(seq_ids), dtype=torch.bool), seq_ids=seq_ids, **more, **kw)
+    out.loss.backward()
+    return out, list(torch.split(leaf.grad, lengths))
+
+
+def _on_device(logp, old, adv, *, seq_level_adv, extra, **kw):
+    lengths = [len(x) for x in logp]
+    seq_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    a = adv[seq_ids] if seq_level_adv else torch.cat(adv)
+    mask = torch.ones(len(seq_ids), dtype=torch.bool)
+    host = [seq_ids, a, mask]
+    dev_ids, dev_a, dev_mask = (keep_host_copy(t.clone(), t) for t in host)
+    leaf = torch.cat(logp).clone().requires_grad_()
+    more = {k: torch.cat(v) for k, v in extra.items()}
+    with HostReads(host=host) as reads:
+        out = policy_loss(leaf, torch.cat(old), dev_a, dev_mask, seq_ids=dev_ids, **more, **kw)
+    assert reads.total == 0, f"{reads.total} host reads of device values in the loss:\n{reads.report()}"
     out.loss.backward()
     return out, list(torch.split(leaf.grad, lengths))
 
@@ -158,7 +180,7 @@ def mis_paper(logp, old, adv_seq, rollout, lo, hi, C):
 
 
 # ---------------------------------------------------------------- tests
-@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("layout", ["padded", "packed", "device"])
 @pytest.mark.parametrize("agg", ["seq-mean", "token-mean"])
 @pytest.mark.parametrize("ranges", list(RANGES))
 @pytest.mark.parametrize("seed", [0, 1])
@@ -176,7 +198,7 @@ def test_gspo_matches_paper(layout, agg, ranges, seed):
         assert sum(bool(g.abs().sum() == 0) for g in grads) >= 2
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("layout", ["padded", "packed", "device"])
 @pytest.mark.parametrize("ranges", list(RANGES))
 def test_gspo_token_matches_paper(layout, ranges):
     lo, hi = RANGES[ranges]
@@ -188,7 +210,7 @@ def test_gspo_token_matches_paper(layout, ranges):
     _check(layout, expected, _grads(expected, leaves), out, grads)
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("layout", ["padded", "packed", "device"])
 def test_gspo_token_with_sequence_advantages_equals_gspo(layout):
     logp, old, adv_seq, *_ = _data(3)
     for lo, hi in RANGES.values():
@@ -213,8 +235,9 @@ def test_gspo_with_one_token_responses_equals_clip(layout, variant, agg):
 
 def test_gspo_refuses_per_token_advantages():
     logp, old, _, adv_tok, *_ = _data(0)
-    with pytest.raises(ValueError, match="gspo_token"):
-        _ours("packed", logp, old, adv_tok, clip_ratio_low=0.2, clip_ratio_high=0.2, variant="gspo")
+    for layout in ("packed", "device"):  # host copies that show varying advantages: the device check still refuses
+        with pytest.raises(ValueError, match="gspo_token"):
+            _ours(layout, logp, old, adv_tok, clip_ratio_low=0.2, clip_ratio_high=0.2, variant="gspo")
     with pytest.raises(ValueError, match="seq_ids"):
         policy_loss(torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.ones(4, dtype=torch.bool), clip_ratio_low=0.2,
                     clip_ratio_high=0.2, variant="gspo")
@@ -236,7 +259,7 @@ def test_cispo_matches_paper(layout, seed):
     assert out.metrics["clip_frac"].item() == pytest.approx(clipped.double().mean().item())
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("layout", ["padded", "packed", "device"])
 def test_seq_mean_token_sum_norm_is_dr_grpo(layout):
     lo, hi, L = 0.2, 0.28, 8
     logp, old, adv_seq, *_ = _data(6)
@@ -254,7 +277,7 @@ def test_seq_mean_token_sum_norm_is_dr_grpo(layout):
         aggregate_loss(torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), "seq-mean-token-sum-norm")
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("layout", ["padded", "packed", "device"])
 @pytest.mark.parametrize("C", [1.5, 3.0])
 def test_tis_matches_transcription(layout, C):
     lo, hi = 0.2, 0.28
@@ -274,7 +297,7 @@ def test_tis_matches_transcription(layout, C):
     assert out.metrics["mismatch_kl"].item() == pytest.approx(kl, rel=1e-6)
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("layout", ["padded", "packed", "device"])
 def test_mis_matches_transcription(layout):
     lo, hi, C = 0.2, 0.28, 1.3
     logp, old, adv_seq, _, rollout, _ = _data(8)
@@ -290,7 +313,7 @@ def test_mis_matches_transcription(layout):
     assert out.num_tokens.item() == sum(len(x) for x, d in zip(logp, dropped) if not d)
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("layout", ["padded", "packed", "device"])
 @pytest.mark.parametrize("variant", ["clip", "gspo", "gspo_token", "cispo"])
 @pytest.mark.parametrize("correction", ["tis", "mis"])
 def test_identical_rollout_and_training_logprobs_change_nothing(layout, variant, correction):
@@ -356,3 +379,40 @@ def test_rollout_correction_errors_name_the_argument():
     ro = torch.tensor([[-0.5, -0.5], [0.5, 0.5]], dtype=F64) * torch.log(torch.tensor(4.0, dtype=F64))  # geo = 2, 1/2
     assert rollout_correction_mask(old, ro * 0.99, torch.ones(2, 2, dtype=torch.bool), cap=2.0).all()
     assert not rollout_correction_mask(old, ro * 1.01, torch.ones(2, 2, dtype=torch.bool), cap=2.0).any()
+
+
+@pytest.mark.parametrize("host_copies", [False, True])
+@pytest.mark.parametrize("variant", ["clip", "gspo"])
+def test_seq_mean_leaves_out_masked_sequences(host_copies, variant):
+    """seq-mean over the sequences with a trained token, the last one wholly masked out (its ids -1 there: the
+    host copies' largest id then bounds the segment count above the masked ones'), one partly masked. With host
+    copies (a GPU job's trainer) nothing is read from the device; the value and gradient are the transcription's."""
+    lo, hi = 0.2, 0.28
+    lengths = (2, 3, 1, 4)
+    logp, old, adv_seq, *_ = _data(11, lengths)
+    keep = [torch.tensor([True, True]), torch.tensor([True, False, True]), torch.tensor([True]), torch.zeros(4, dtype=torch.bool)]
+    leaves = _leaves(logp)
+    terms = []
+    for lp, od, a, k in zip(leaves, old, adv_seq, keep):
+        if not k.any():
+            terms.append(0.0 * lp.sum())  # in the graph, without a share of the loss
+        else:
+            if variant == "gspo":
+                s_i = torch.exp((lp[k] - od[k]).mean())
+                terms.append(torch.minimum(s_i * a, torch.clamp(s_i, 1 - lo, 1 + hi) * a))
+            else:
+                terms.append(ppo_token_terms(lp[k], od[k], a, lo, hi).mean())
+    expected = -sum(terms) / sum(bool(k.any()) for k in keep)
+    seq_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    seq_ids[-4:] = -1
+    mask, a = torch.cat(keep), adv_seq[seq_ids.clamp_min(0)]
+    host = [seq_ids, a, mask]
+    ins = [keep_host_copy(t.clone(), t) for t in host] if host_copies else [t.clone() for t in host]
+    leaf = torch.cat(logp).clone().requires_grad_()
+    with HostReads(host=host) as reads:
+        out = policy_loss(leaf, torch.cat(old), ins[1], ins[2], seq_ids=ins[0], clip_ratio_low=lo, clip_ratio_high=hi,
+                          loss_agg="seq-mean", variant=variant)
+    if host_copies:
+        assert reads.total == 0, reads.report()
+    out.loss.backward()
+    _check("packed", expected, _grads(expected, leaves), out, list(torch.split(leaf.grad, list(lengths))))

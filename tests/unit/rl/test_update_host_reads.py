@@ -128,6 +128,22 @@ def test_grpo_update_reads_the_device_once_per_optimizer_update():
     assert reads.total == 2, f"{reads.total} host reads for 2 updates:\n{reads.report()}"
 
 
+@pytest.mark.parametrize("loss", [{"loss__loss_agg": "seq-mean"}, {"policy_loss": "gspo", "loss__loss_agg": "seq-mean"},
+                                  {"policy_loss": "gspo_token"},
+                                  {"loss__rollout_correction": "mis", "loss__rollout_correction_cap": 2.0},
+                                  {"loss__rollout_correction": "tis", "loss__rollout_correction_cap": 2.0}],
+                         ids=["seq-mean", "gspo", "gspo_token", "mis", "tis"])
+def test_sequence_losses_read_the_device_once_per_optimizer_update(loss):
+    """The segment count of seq-mean / GSPO / MIS comes from the sequence ids' host copy, GSPO's check of one
+    advantage per sequence and the mismatch metrics' presence from the host copies too (each micro-batch read the
+    device 2-10 times)."""
+    samples = _samples(7)
+    upd = _update(_rl(**loss), Policy())
+    result, reads = _counted(samples, lambda: upd.update(0, samples, samples[0]))
+    assert result.updates == 2
+    assert reads.total == 2, f"{reads.total} host reads for 2 updates:\n{reads.report()}"
+
+
 def test_proximal_update_reads_the_device_once():
     """Asynchronous GRPO with stale samples, one update: the proximal log-probs are the update forward's own, on the
     host with the update's read (the rollout / training mismatch is measured on them after the step)."""
@@ -159,9 +175,9 @@ def test_reference_and_old_log_prob_passes_read_the_device_once_each():
             torch.testing.assert_close(s.old_logp, policy(pack_samples([s])), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("value_clip", [0.0, 0.2])
-def test_critic_values_pass_and_updates_read_the_device_once_each(value_clip):
-    rl = _rl(advantage="gae", critic__value_clip=value_clip, ppo_epochs=2)
+@pytest.mark.parametrize("value_clip,agg", [(0.0, "token-mean"), (0.2, "token-mean"), (0.2, "seq-mean")])
+def test_critic_values_pass_and_updates_read_the_device_once_each(value_clip, agg):
+    rl = _rl(advantage="gae", critic__value_clip=value_clip, ppo_epochs=2, loss__loss_agg=agg)
     torch.manual_seed(0)
     model = ValueModel(Backbone())
     critic = Critic(model, torch.optim.SGD(model.parameters(), lr=0.1), rl,

@@ -26,6 +26,10 @@ CHUNK = 1 << 22
 """Elements per piece of a large tensor: bounds the fp32 temporaries (~5 x 16 MiB) of the reference."""
 
 
+NAN_BITS = 0x7FC00000
+"""The quiet fp32 NaN, exact in bf16: what a NaN moment is stored as."""
+
+
 def tensor_seed(seed: int, index: int) -> int:
     """The rounding seed of tensor `index` of a call (31 bits, distinct per tensor)."""
     return (int(seed) + int(index) * 0x9E3779B1) & 0x7FFFFFFF
@@ -34,9 +38,12 @@ def tensor_seed(seed: int, index: int) -> int:
 def round_bf16_stochastic(x: torch.Tensor, rand16: torch.Tensor) -> torch.Tensor:
     """fp32 `x` to bf16, rounded away from zero with probability (discarded low 16 bits) / 2^16, given
     `rand16`: int32 uniform in [0, 2^16) of x's shape. Adding the random bits to the fp32 pattern carries into
-    the kept bits exactly in that case; the carry propagates into the exponent as rounding should."""
-    bits = x.contiguous().view(torch.int32)
-    return ((bits + rand16) & -65536).view(torch.float32).to(torch.bfloat16)
+    the kept bits exactly in that case; the carry propagates into the exponent as rounding should. A NaN is kept a
+    NaN (the quiet one): added to, CUDA's canonical NaN 0x7FFFFFFF would carry into the sign bit (-0.0), and one with
+    only low mantissa bits set would truncate to inf."""
+    x = x.contiguous()
+    bits = torch.where(x.isnan(), NAN_BITS, (x.view(torch.int32) + rand16) & -65536)
+    return bits.view(torch.float32).to(torch.bfloat16)
 
 
 def _update(p, g, m, v, *, decay, step_size, beta1, beta2, inv_sqrt_bc2, eps, gen) -> None:

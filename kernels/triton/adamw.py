@@ -19,9 +19,10 @@ from .common import check_device, to_dtype
 
 @triton.jit
 def _round_bf16(x, rand16):
-    """fp32 -> bf16, stochastically: the random low bits carry into the kept ones (reference: same rule)."""
+    """fp32 -> bf16, stochastically: the random low bits carry into the kept ones; a NaN stays one (reference: same
+    rule, and why)."""
     bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + rand16) & -65536
+    bits = tl.where(x != x, 0x7FC00000, (bits + rand16) & -65536)
     return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
 

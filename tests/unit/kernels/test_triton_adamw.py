@@ -75,3 +75,13 @@ def test_optimizer_runs_the_chosen_backend(monkeypatch):
         AdamWBf16Moments([p], lr=0.1).step()
     DEFAULT_REGISTRY.clear_cache()
     assert calls and not torch.equal(p.detach(), before)
+
+
+def test_triton_nan_gradient_gives_nan_moments():
+    """A NaN gradient with CUDA's canonical pattern (0x7FFFFFFF, what GPU arithmetic produces) makes NaN moments, as
+    the fp32 AdamW's would, not -0.0 (the random bits carrying into the sign bit)."""
+    nan = torch.full((64,), 0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
+    ps, gs = [torch.zeros(64, device=DEVICE)], [nan.to(DEVICE)]
+    ms, vs = [torch.zeros(64, device=DEVICE).bfloat16()], [torch.zeros(64, device=DEVICE).bfloat16()]
+    triton_step(ps, gs, ms, vs, **HP)
+    assert bool(ms[0].isnan().all()) and bool(vs[0].isnan().all()), (ms[0][:4], vs[0][:4])

@@ -145,3 +145,17 @@ def test_step_reads_no_tensor_value_on_the_host():
         with HostReads() as reads:  # the second step's state was made outside the counter: looks like device tensors
             o.step()
         assert reads.total == 0, reads.report()
+
+
+def test_stochastic_rounding_keeps_nan_nan():
+    """A NaN stays NaN whatever its payload: CUDA's canonical NaN (0x7FFFFFFF) plus the random bits would carry into
+    the sign bit (-0.0), and a NaN with only low mantissa bits set would truncate to inf; both silently turn a NaN
+    moment into a finite or infinite one."""
+    x = torch.tensor([0x7FFFFFFF, 0x7F800001, -1, 0x7FC00000], dtype=torch.int32).view(torch.float32)
+    assert bool(x.isnan().all())
+    for r in (1, 5, 0xFFFF):
+        y = round_bf16_stochastic(x, torch.full(x.shape, r, dtype=torch.int32))
+        assert bool(y.isnan().all()), (r, y)
+    inf = torch.tensor([float("inf"), float("-inf"), -0.0])
+    y = round_bf16_stochastic(inf, torch.full(inf.shape, 0xFFFF, dtype=torch.int32)).float()
+    assert y.tolist() == [float("inf"), float("-inf"), 0.0] and y[2].signbit()

@@ -36,7 +36,7 @@ NAN_BITS = 0x7FC00000
 
 
 def tensor_seed(seed: int, key: int) -> int:
-    """The rounding seed of the tensor of key `key` in a call (31 bits, distinct per key)."""
+    """The rounding seed of the tensor of key `key` in a call (31 bits; distinct for keys distinct modulo 2^31)."""
     return (int(seed) + int(key) * 0x9E3779B1) & 0x7FFFFFFF
 
 

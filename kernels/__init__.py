@@ -167,10 +167,12 @@ def moe_topk_gating(logits: torch.Tensor, top_k: int, **kwargs):
 
 
 def adamw_bf16_moments(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, *, lr: float, beta1: float,
-                       beta2: float, eps: float, weight_decay: float, step: int, seed: int) -> None:
+                       beta2: float, eps: float, weight_decay: float, step: int, seed: int,
+                       keys: Optional[list] = None) -> None:
     """One AdamW update in place of fp32 `params` with bf16 moments, rounded stochastically (contract:
-    `kernels/reference/adamw.py`); the backend is chosen by the first parameter's device."""
+    `kernels/reference/adamw.py`; `keys`: the tensors' rounding keys, None: their positions); the backend is chosen
+    by the first parameter's device."""
     if params:
         fn = DEFAULT_REGISTRY.resolve("adamw_bf16_moments", params[0])
         fn(params, grads, exp_avgs, exp_avg_sqs, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-           step=step, seed=seed)
+           step=step, seed=seed, keys=keys)

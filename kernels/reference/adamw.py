@@ -16,9 +16,14 @@ Contract (the Triton kernel, kernels/triton/adamw.py, implements the same): list
 equal shapes per index, updated in place; `params` fp32 (or bf16 / fp16: computed in fp32, stored in
 their dtype), `grads` any float dtype, `exp_avgs` / `exp_avg_sqs` bf16; `step` is the step number
 after its increment (1 on the first update); `seed` makes the rounding deterministic: tensor i of the
-call draws from seed `tensor_seed(seed, i)`.
+call draws from seed `tensor_seed(seed, keys[i])`, `keys` defaulting to the positions 0, 1, ... (a caller passes
+keys of its own so that two copies of one weight, e.g. a tied embedding on two pipeline stages, round alike
+wherever they sit in their lists).
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
@@ -26,17 +31,33 @@ CHUNK = 1 << 22
 """Elements per piece of a large tensor: bounds the fp32 temporaries (~5 x 16 MiB) of the reference."""
 
 
-def tensor_seed(seed: int, index: int) -> int:
-    """The rounding seed of tensor `index` of a call (31 bits, distinct per tensor)."""
-    return (int(seed) + int(index) * 0x9E3779B1) & 0x7FFFFFFF
+NAN_BITS = 0x7FC00000
+"""The quiet fp32 NaN, exact in bf16: what a NaN moment is stored as."""
+
+
+def tensor_seed(seed: int, key: int) -> int:
+    """The rounding seed of the tensor of key `key` in a call (31 bits; distinct for keys distinct modulo 2^31)."""
+    return (int(seed) + int(key) * 0x9E3779B1) & 0x7FFFFFFF
+
+
+def check_keys(keys: Optional[Sequence[int]], n: int) -> Sequence[int]:
+    """The tensors' rounding keys (`keys`, one per tensor; None: their positions)."""
+    if keys is None:
+        return range(n)
+    if len(keys) != n:
+        raise ValueError(f"adamw_bf16_moments: {len(keys)} keys for {n} tensors")
+    return keys
 
 
 def round_bf16_stochastic(x: torch.Tensor, rand16: torch.Tensor) -> torch.Tensor:
     """fp32 `x` to bf16, rounded away from zero with probability (discarded low 16 bits) / 2^16, given
     `rand16`: int32 uniform in [0, 2^16) of x's shape. Adding the random bits to the fp32 pattern carries into
-    the kept bits exactly in that case; the carry propagates into the exponent as rounding should."""
-    bits = x.contiguous().view(torch.int32)
-    return ((bits + rand16) & -65536).view(torch.float32).to(torch.bfloat16)
+    the kept bits exactly in that case; the carry propagates into the exponent as rounding should. A NaN is kept a
+    NaN (the quiet one): added to, CUDA's canonical NaN 0x7FFFFFFF would carry into the sign bit (-0.0), and one with
+    only low mantissa bits set would truncate to inf."""
+    x = x.contiguous()
+    bits = torch.where(x.isnan(), NAN_BITS, (x.view(torch.int32) + rand16) & -65536)
+    return bits.view(torch.float32).to(torch.bfloat16)
 
 
 def _update(p, g, m, v, *, decay, step_size, beta1, beta2, inv_sqrt_bc2, eps, gen) -> None:
@@ -54,11 +75,12 @@ def _update(p, g, m, v, *, decay, step_size, beta1, beta2, inv_sqrt_bc2, eps, ge
 @torch.no_grad()
 def adamw_bf16_moments(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                        exp_avg_sqs: list[torch.Tensor], *, lr: float, beta1: float, beta2: float, eps: float,
-                       weight_decay: float, step: int, seed: int) -> None:
+                       weight_decay: float, step: int, seed: int, keys: Optional[Sequence[int]] = None) -> None:
     """One AdamW update (torch.optim.AdamW's: decoupled weight decay p *= 1 - lr wd, bias-corrected moments)
     of every tensor, in place; the moments stored in bf16 with stochastic rounding (module docstring)."""
     if not params:
         return
+    keys = check_keys(keys, len(params))
     bc1 = 1.0 - beta1 ** step
     bc2 = 1.0 - beta2 ** step
     kw = dict(decay=1.0 - lr * weight_decay, step_size=lr / bc1, beta1=beta1, beta2=beta2,
@@ -68,7 +90,7 @@ def adamw_bf16_moments(params: list[torch.Tensor], grads: list[torch.Tensor], ex
             raise TypeError(f"adamw_bf16_moments: moments must be bf16, got {m.dtype} / {v.dtype}")
         if p.numel() == 0:
             continue
-        gen = torch.Generator(device=p.device).manual_seed(tensor_seed(seed, i))
+        gen = torch.Generator(device=p.device).manual_seed(tensor_seed(seed, keys[i]))
         if not all(t.is_contiguous() for t in (p, g, m, v)):
             _update(p, g, m, v, gen=gen, **kw)
             continue

@@ -9,19 +9,23 @@ tensor (with a local offset below 2^31: the random offset is 32-bit); an empty t
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
-from ..reference.adamw import tensor_seed
+from ..reference.adamw import check_keys, tensor_seed
 from .common import check_device, to_dtype
 
 
 @triton.jit
 def _round_bf16(x, rand16):
-    """fp32 -> bf16, stochastically: the random low bits carry into the kept ones (reference: same rule)."""
+    """fp32 -> bf16, stochastically: the random low bits carry into the kept ones; a NaN stays one (reference: same
+    rule, and why)."""
     bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + rand16) & -65536
+    bits = tl.where(x != x, 0x7FC00000, (bits + rand16) & -65536)
     return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
 
@@ -51,10 +55,11 @@ def _block(t: torch.Tensor) -> int:
 @torch.no_grad()
 def adamw_bf16_moments(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                        exp_avg_sqs: list[torch.Tensor], *, lr: float, beta1: float, beta2: float, eps: float,
-                       weight_decay: float, step: int, seed: int) -> None:
+                       weight_decay: float, step: int, seed: int, keys: Optional[Sequence[int]] = None) -> None:
     """Same contract as the reference (kernels/reference/adamw.py); contiguous tensors of < 2^31 elements."""
     if not params:
         return
+    keys = check_keys(keys, len(params))
     bc1 = 1.0 - beta1 ** step
     bc2 = 1.0 - beta2 ** step
     decay, step_size, inv_sqrt_bc2 = 1.0 - lr * weight_decay, lr / bc1, 1.0 / bc2 ** 0.5
@@ -71,5 +76,5 @@ def adamw_bf16_moments(params: list[torch.Tensor], grads: list[torch.Tensor], ex
         check_device("adamw_bf16_moments", p, g, m, v)
         block = _block(p)
         _adamw_bf16_moments_kernel[(triton.cdiv(n, block),)](
-            p, g, m, v, n, decay, step_size, beta1, beta2, inv_sqrt_bc2, eps, tensor_seed(seed, i),
+            p, g, m, v, n, decay, step_size, beta1, beta2, inv_sqrt_bc2, eps, tensor_seed(seed, keys[i]),
             BLOCK=block, num_warps=4)

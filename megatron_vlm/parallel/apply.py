@@ -168,7 +168,7 @@ def _splits(block: nn.Module) -> bool:
     in the pieces of an opaque one (`_pieces`: the MoE router and shared experts, the Mamba2 projections).
     Splitting keeps the inputs of the children's and pieces' checkpoints that a block-wide checkpoint recomputes
     (the norms' outputs, the routing weights, the Mamba2 scan's output), counted by `--check`
-    (plan/memory.py `split_extra_bytes_per_token`)."""
+    (plan/memory.py `split_extra_per_token`)."""
     children = _children_units(block)
     return (any(p.dim() >= 2 for c in children if not _opaque(c) for p in c.parameters())
             or any(_pieces(c) for c in children if _opaque(c)))

@@ -55,23 +55,37 @@ class BatchAdvantages:
         self.gamma = GAE_DEFAULT_GAMMA if gamma is None else float(gamma)
         self.whiten = resolve_normalize_std(rl.advantage, rl.advantages.normalize_std)
 
-    def returns(self, s: TrainSample) -> tuple[torch.Tensor, float]:
-        """(float64 [response_length] rewards-to-go of sample `s`, its summed KL_t; 0 without the KL in the reward)."""
+    def rewards(self, s: TrainSample) -> tuple[torch.Tensor, float]:
+        """(float64 [response_length] per-token rewards of sample `s`, its summed KL_t; 0 without the KL in the
+        reward)."""
         ref = s.ref_logp if self.kl_coef > 0 else None
         r, kl = token_rewards(s.advantage, s.response_length, old_logp=s.old_logp if ref is not None else None,
                               ref_logp=ref, kl_coef=self.kl_coef, kl_estimator=self.kl_estimator)
-        mask = torch.ones(s.response_length, dtype=torch.bool)
-        g = reinforce_returns(r.double()[None], mask[None], gamma=self.gamma)[0]
-        return g, float(kl.sum()) if kl is not None else 0.0
+        return r.double(), float(kl.sum()) if kl is not None else 0.0
+
+    def returns(self, samples: Sequence[TrainSample]) -> tuple[list[torch.Tensor], float]:
+        """(float64 [response_length] rewards-to-go of each sample, the summed KL_t of all). One padded batch: the
+        recursion over the positions is a Python loop, which a pass per sample would run samples x length times."""
+        parts = [self.rewards(s) for s in samples]
+        if not parts:
+            return [], 0.0
+        width = max(r.numel() for r, _ in parts)
+        padded = torch.zeros(len(parts), width, dtype=torch.float64)
+        mask = torch.zeros(len(parts), width, dtype=torch.bool)
+        for i, (r, _) in enumerate(parts):
+            padded[i, :r.numel()] = r
+            mask[i, :r.numel()] = True
+        g = reinforce_returns(padded, mask, gamma=self.gamma)  # a padded position adds no reward and no discount
+        return [g[i, :r.numel()] for i, (r, _) in enumerate(parts)], sum(k for _, k in parts)
 
     def prepare(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         """Set every sample's `token_advantages` (float32); the step's advantage/* metrics over all ranks (and
         advantage/kl_in_reward, the mean KL_t per token, with the KL in the reward). Collective: every rank calls it,
         with or without samples."""
-        parts = [self.returns(s) for s in samples]
-        flat = torch.cat([g for g, _ in parts]) if parts else torch.zeros(0, dtype=torch.float64)
+        gs, kl_local = self.returns(samples)
+        flat = torch.cat(gs) if gs else torch.zeros(0, dtype=torch.float64)
         n, a1, a2, kl_sum = self.shards.sum([float(flat.numel()), float(flat.sum()), float((flat * flat).sum()),
-                                             sum(k for _, k in parts)])
+                                             kl_local])
         if n == 0:
             for s in samples:  # no response token on any rank: nothing to train, nothing to normalise
                 s.token_advantages = torch.zeros(s.response_length)
@@ -79,7 +93,7 @@ class BatchAdvantages:
         mean = a1 / n
         var = max(a2 - a1 * a1 / n, 0.0) / max(n - 1, 1)  # unbiased
         scale = 1.0 / math.sqrt(var + WHITEN_EPS) if self.whiten else 1.0
-        for s, (g, _) in zip(samples, parts):
+        for s, g in zip(samples, gs):
             s.token_advantages = ((g - mean) * scale).float()
         final = torch.cat([s.token_advantages.double() for s in samples]) if samples else flat  # type: ignore[union-attr]
         f1, f2 = self.shards.sum([float(final.sum()), float((final * final).sum())])

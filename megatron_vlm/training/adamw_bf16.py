@@ -12,12 +12,16 @@ The update is torch.optim.AdamW's (decoupled weight decay, bias correction); the
 the local tensors of DTensor parameters (FSDP2 shards: the update is elementwise), without DTensor's
 per-op dispatch. The state keeps torch's names (`step`, `exp_avg`, `exp_avg_sq`), so distributed
 checkpoints save and reshard it as they do AdamW's; `load_state_dict` keeps the moments in bf16 (torch's
-casts every floating state to the parameter's dtype) and converts fp32 ones. The rounding is seeded by (seed, step, group,
-tensor index): a resumed run rounds as the uninterrupted one would.
+casts every floating state to the parameter's dtype) and converts fp32 ones. The rounding is seeded by (seed, step,
+the parameter's name): a resumed run rounds as the uninterrupted one would, and two copies of one weight that take
+the same gradients round alike, and so stay equal, wherever they sit in their optimizer's lists: a tied embedding /
+lm_head held by the first and the last pipeline stage (parallel/pipeline.py; the last stage names it by the
+embedding's name), a data-parallel replica. A parameter given without a name is keyed by its group and position.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import zlib
+from collections.abc import Callable, Iterable, Mapping
 from itertools import chain
 from typing import Any, Optional
 
@@ -31,15 +35,22 @@ __all__ = ["AdamWBf16Moments", "MOMENT_KEYS"]
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
 
+def _name_key(name: str) -> int:
+    """A parameter's rounding key from its name: the same in every process (unlike `hash`)."""
+    return zlib.crc32(name.encode())
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
 class AdamWBf16Moments(torch.optim.Optimizer):
-    """AdamW (torch's update) with bf16, stochastically rounded moments; `seed` seeds the rounding."""
+    """AdamW (torch's update) with bf16, stochastically rounded moments; `seed` seeds the rounding, `names` (parameter
+    -> its name in the model) keys each parameter's random bits (module docstring)."""
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, seed: int = 0):
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, seed: int = 0,
+                 names: Optional[Mapping[Any, str]] = None):
         if lr < 0 or eps <= 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"AdamWBf16Moments: invalid lr {lr}, eps {eps}, weight_decay {weight_decay} or betas {betas}")
         # torch.optim.AdamW's group keys too (the flags at what this optimizer does), so that a checkpoint of either
@@ -48,6 +59,8 @@ class AdamWBf16Moments(torch.optim.Optimizer):
                                       maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
                                       decoupled_weight_decay=True))
         self.seed = int(seed)
+        self._keys: dict[int, int] = {id(p): _name_key(name) for p, name in (names or {}).items()}
+        """id(parameter) -> its rounding key (module docstring): from its name, else from (group, position)."""
         self._steps: dict[int, int] = {}
         """id(parameter) -> its state's step count, mirrored on the host as a Python int: reading the `step` tensor
         (a host tensor) each step would look like a device read to the host-read counter (testing/host_reads.py)."""
@@ -90,8 +103,8 @@ class AdamWBf16Moments(torch.optim.Optimizer):
                 loss = closure()
         for gi, group in enumerate(self.param_groups):
             # tensors with the same step count go in one call (all of them, unless parameters were added later)
-            calls: dict[int, tuple[list, list, list, list]] = {}
-            for p in group["params"]:
+            calls: dict[int, tuple[list, list, list, list, list]] = {}
+            for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
@@ -100,14 +113,15 @@ class AdamWBf16Moments(torch.optim.Optimizer):
                 n = self._steps.get(id(p), 0) + 1
                 self._steps[id(p)] = n
                 state["step"].fill_(n)
-                lists = calls.setdefault(n, ([], [], [], []))
+                lists = calls.setdefault(n, ([], [], [], [], []))
                 for dst, t in zip(lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
                     dst.append(_local(t))
+                lists[4].append(self._keys.get(id(p), gi * 1_000_003 + pi))
             beta1, beta2 = group["betas"]
             lr = float(group["lr"])
-            for step, (ps, gs, ms, vs) in calls.items():
-                seed = (self.seed * 1_000_003 + step * 7919 + gi * 104_729) & 0x7FFFFFFF
+            for step, (ps, gs, ms, vs, keys) in calls.items():
+                seed = (self.seed * 1_000_003 + step * 7919) & 0x7FFFFFFF
                 kernels.adamw_bf16_moments(ps, gs, ms, vs, lr=lr, beta1=float(beta1), beta2=float(beta2),
                                            eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                                           step=step, seed=seed)
+                                           step=step, seed=seed, keys=keys)
         return loss

@@ -65,7 +65,9 @@ def build_optimizer(model: torch.nn.Module, opt_cfg: OptimizerConfig, device_typ
     if getattr(opt_cfg, "moments_dtype", "fp32") == "bf16":
         from megatron_vlm.training.adamw_bf16 import AdamWBf16Moments
 
-        return AdamWBf16Moments(groups, **kwargs, seed=seed)
+        # keyed by name: a tied weight held by two pipeline stages (the embedding's name on both) rounds alike there
+        names = {p: name for name, p in model.named_parameters() if p.requires_grad}
+        return AdamWBf16Moments(groups, **kwargs, seed=seed, names=names)
     return torch.optim.AdamW(groups, **kwargs, **adamw_implementation(device_type))
 
 

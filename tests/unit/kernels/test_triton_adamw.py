@@ -75,3 +75,27 @@ def test_optimizer_runs_the_chosen_backend(monkeypatch):
         AdamWBf16Moments([p], lr=0.1).step()
     DEFAULT_REGISTRY.clear_cache()
     assert calls and not torch.equal(p.detach(), before)
+
+
+def test_triton_nan_gradient_gives_nan_moments():
+    """A NaN gradient with CUDA's canonical pattern (0x7FFFFFFF, what GPU arithmetic produces) makes NaN moments, as
+    the fp32 AdamW's would, not -0.0 (the random bits carrying into the sign bit)."""
+    nan = torch.full((64,), 0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
+    ps, gs = [torch.zeros(64, device=DEVICE)], [nan.to(DEVICE)]
+    ms, vs = [torch.zeros(64, device=DEVICE).bfloat16()], [torch.zeros(64, device=DEVICE).bfloat16()]
+    triton_step(ps, gs, ms, vs, **HP)
+    assert bool(ms[0].isnan().all()) and bool(vs[0].isnan().all()), (ms[0][:4], vs[0][:4])
+
+
+@pytest.mark.parametrize("fn", [triton_step, reference], ids=["triton", "torch"])
+def test_keys_decide_the_random_bits_not_the_positions(fn):
+    """A tensor keyed alike rounds alike wherever it sits in the lists (a tied weight on two pipeline stages)."""
+    ps, gs, ms, vs = _case([(300,), (300,)])
+    a = [[t.clone() for t in ts] for ts in (ps, gs, ms, vs)]
+    b = [[t.clone() for t in reversed(ts)] for ts in (ps, gs, ms, vs)]
+    fn(*a, **HP, keys=[5, 9])
+    fn(*b, **HP, keys=[9, 5])
+    for i in range(4):
+        assert torch.equal(a[i][0], b[i][1]) and torch.equal(a[i][1], b[i][0])
+    with pytest.raises(ValueError, match="2 keys for 1 tensors"):
+        fn(*([t[0].clone()] for t in (ps, gs, ms, vs)), **HP, keys=[1, 2])

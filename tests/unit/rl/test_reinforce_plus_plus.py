@@ -148,6 +148,22 @@ def test_returns_skip_masked_positions_of_a_padded_or_packed_layout():
         start += L
 
 
+
+def test_the_step_s_returns_take_one_pass_over_the_token_positions(monkeypatch):
+    """The rewards-to-go of a step's samples are one padded batch: the recursion over the positions is a Python loop
+    of a few tensor ops per position (~10 us), so a pass per sample cost the step samples x response length of them
+    (64 samples of 8k tokens: 6 s of host time), one pass of the batch only its longest response."""
+    import megatron_vlm.rl.batch_advantages as mod
+
+    rewards, olds, refs = _batch(4, 12)
+    samples = _samples(rewards, olds, refs, estimator=RPP, group_size=1)
+    passes = []
+    real = mod.reinforce_returns
+    monkeypatch.setattr(mod, "reinforce_returns", lambda r, m, **kw: (passes.append(tuple(r.shape)), real(r, m, **kw))[1])
+    BatchAdvantages(_rl(RPP, group_size=1, advantages__gamma=0.9), ONE).prepare(samples)
+    assert passes == [(12, max(o.numel() for o in olds))], passes
+
+
 # ------------------------------------------------------------------ the normalisation is global over the ranks
 def _rank_batch():
     rewards, olds, refs = _batch(5, 9, max_len=9)

@@ -145,3 +145,65 @@ def test_step_reads_no_tensor_value_on_the_host():
         with HostReads() as reads:  # the second step's state was made outside the counter: looks like device tensors
             o.step()
         assert reads.total == 0, reads.report()
+
+
+def test_stochastic_rounding_keeps_nan_nan():
+    """A NaN stays NaN whatever its payload: CUDA's canonical NaN (0x7FFFFFFF) plus the random bits would carry into
+    the sign bit (-0.0), and a NaN with only low mantissa bits set would truncate to inf; both silently turn a NaN
+    moment into a finite or infinite one."""
+    x = torch.tensor([0x7FFFFFFF, 0x7F800001, -1, 0x7FC00000], dtype=torch.int32).view(torch.float32)
+    assert bool(x.isnan().all())
+    for r in (1, 5, 0xFFFF):
+        y = round_bf16_stochastic(x, torch.full(x.shape, r, dtype=torch.int32))
+        assert bool(y.isnan().all()), (r, y)
+    inf = torch.tensor([float("inf"), float("-inf"), -0.0])
+    y = round_bf16_stochastic(inf, torch.full(inf.shape, 0xFFFF, dtype=torch.int32)).float()
+    assert y.tolist() == [float("inf"), float("-inf"), 0.0] and y[2].signbit()
+
+
+class _TiedVLM(torch.nn.Module):
+    """The parts of a family model the pipeline split reads, with a tied embedding / lm_head and a vision module
+    registered first: on the first stage the embedding is not the optimizer's first parameter, on the last it is."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.visual = torch.nn.Linear(8, 8)
+        self.language_model = torch.nn.Module()
+        self.language_model.embed_tokens = torch.nn.Embedding(32, 8)
+        self.language_model.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.language_model.norm = torch.nn.LayerNorm(8)
+        self.lm_head = torch.nn.Linear(8, 32, bias=False)
+        self.lm_head.weight = self.language_model.embed_tokens.weight
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+
+    def _input_embeddings(self):
+        return self.language_model.embed_tokens
+
+
+@pytest.mark.parametrize("moments_dtype", ["fp32", "bf16"])
+def test_a_tied_weight_on_two_pipeline_stages_stays_equal(moments_dtype):
+    """parallel.pp > 1 with a tied embedding / lm_head: the first and the last stage each hold a copy, given the same
+    (summed) gradient, so that both take the same optimizer step (parallel/pipeline.py). With bf16 moments that takes
+    the same random bits for both copies' rounding, wherever each sits in its stage's optimizer."""
+    from megatron_vlm.parallel.pipeline import split_model_for_stage
+    from megatron_vlm.training.lm_loss import TokenLogprobModel
+
+    cfg = SimpleNamespace(lr=1e-2, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8, moments_dtype=moments_dtype)
+    stages = [split_model_for_stage(_TiedVLM(), TokenLogprobModel, stage=s, pp=2, max_tokens=8,
+                                    act_dtype=torch.float32) for s in range(2)]
+    opts = [build_optimizer(st, cfg, "cpu", seed=3) for st in stages]
+    tied = [stages[0].model._input_embeddings().weight, stages[1].model.lm_head.weight]
+    assert tied[0] is not tied[1] and torch.equal(tied[0], tied[1])
+    start = tied[0].detach().clone()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        grad = torch.randn(tied[0].shape, generator=gen)
+        for st, o, t in zip(stages, opts, tied):
+            for p in st.parameters():
+                p.grad = grad.clone() if p is t else torch.randn(p.shape, generator=gen)
+            o.step()
+    assert (tied[0] - start).abs().max() > 1e-3
+    assert torch.equal(tied[0], tied[1]), (tied[0] - tied[1]).abs().max()

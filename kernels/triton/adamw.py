@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference.adamw import adamw_bf16_moments as reference
 from ..reference.adamw import check_keys, tensor_seed
 from .common import check_device, to_dtype
 
@@ -32,9 +33,9 @@ def _round_bf16(x, rand16):
 @triton.jit
 def _adamw_bf16_moments_kernel(PARAM, GRAD, EXP_AVG, EXP_AVG_SQ, n, decay, step_size, beta1, beta2, inv_sqrt_bc2,
                                eps, seed, BLOCK: tl.constexpr):
-    local = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    offs = local.to(tl.int64)
-    mask = offs < n
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: the last block's lanes past n
+    mask = offs < n  # stay past it (an int32 offset near 2^31 would wrap negative and pass this mask)
+    local = offs.to(tl.int32)  # the random stream's offset (n < 2^31: exact where stored)
     p = tl.load(PARAM + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(GRAD + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(EXP_AVG + offs, mask=mask, other=0.0).to(tl.float32)
@@ -56,7 +57,8 @@ def _block(t: torch.Tensor) -> int:
 def adamw_bf16_moments(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                        exp_avg_sqs: list[torch.Tensor], *, lr: float, beta1: float, beta2: float, eps: float,
                        weight_decay: float, step: int, seed: int, keys: Optional[Sequence[int]] = None) -> None:
-    """Same contract as the reference (kernels/reference/adamw.py); contiguous tensors of < 2^31 elements."""
+    """Same contract as the reference (kernels/reference/adamw.py); tensors of < 2^31 elements; a non-contiguous one
+    goes through the reference (its rounding draws other random bits)."""
     if not params:
         return
     keys = check_keys(keys, len(params))
@@ -69,8 +71,12 @@ def adamw_bf16_moments(params: list[torch.Tensor], grads: list[torch.Tensor], ex
             continue
         if m.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
             raise TypeError(f"adamw_bf16_moments: moments must be bf16, got {m.dtype} / {v.dtype}")
-        if not all(t.is_contiguous() and t.numel() == n for t in (g, m, v)) or not p.is_contiguous():
-            raise ValueError("adamw_bf16_moments (triton): contiguous tensors of equal sizes only")
+        if any(t.numel() != n for t in (g, m, v)):
+            raise ValueError("adamw_bf16_moments (triton): tensors of equal sizes only")
+        if not all(t.is_contiguous() for t in (p, g, m, v)):  # none met so far (FSDP2 / TP shards are contiguous)
+            reference(*([t] for t in (p, g, m, v)), lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                      step=step, seed=seed, keys=[keys[i]])
+            continue
         if n >= 1 << 31:
             raise ValueError(f"adamw_bf16_moments (triton): a tensor of {n} elements (at most 2^31 - 1)")
         check_device("adamw_bf16_moments", p, g, m, v)

@@ -99,3 +99,17 @@ def test_keys_decide_the_random_bits_not_the_positions(fn):
         assert torch.equal(a[i][0], b[i][1]) and torch.equal(a[i][1], b[i][0])
     with pytest.raises(ValueError, match="2 keys for 1 tensors"):
         fn(*([t[0].clone()] for t in (ps, gs, ms, vs)), **HP, keys=[1, 2])
+
+
+def test_a_non_contiguous_tensor_takes_the_reference_path():
+    """Transposed (non-contiguous) tensors are updated, not refused: the reference's update, to fp32 rounding."""
+    case = [t[0].t() for t in _case([(6, 5)])]  # [5, 6] views of [6, 5] tensors
+
+    def copies():
+        return [[x.t().clone().t()] for x in case]  # fresh storage, the same strides
+
+    got, ref = copies(), copies()
+    triton_step(*got, **HP)
+    reference(*ref, **HP)
+    assert not got[0][0].is_contiguous()
+    torch.testing.assert_close(got[0][0], ref[0][0], rtol=1e-6, atol=1e-7)

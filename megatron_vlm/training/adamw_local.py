@@ -97,7 +97,7 @@ class LocalShardAdamW(torch.optim.AdamW):
                     continue
                 adam(ps, gs, ms, vs, max_vs, steps, amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2,
                      lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-                     foreach=group["foreach"], capturable=group["capturable"], differentiable=False,
+                     foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
                      fused=group["fused"], grad_scale=getattr(self, "grad_scale", None),
                      found_inf=getattr(self, "found_inf", None),
                      decoupled_weight_decay=group["decoupled_weight_decay"])

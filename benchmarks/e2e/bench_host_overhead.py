@@ -22,7 +22,9 @@ GPU's Triton ones; `bf16` adds FSDP2's casts but sends attention to SDPA's per-s
   pack's own tensors (host tensors in a GPU job: the model gets copies, as `to_device` makes, which keep them as
   their host copies) and of what is computed from them alone are not counted;
 - with `--against REV`: the same step with the code of git revision REV switched in (benchmarks/e2e/old_code.py),
-  rounds of the two interleaved in this process: old / new step time, min and median;
+  rounds of the two interleaved in this process: old / new step time and optimizer.step time, min and median (where
+  REV's `build_optimizer` builds a base class of this tree's optimizer, e.g. torch's AdamW, its `step` runs on the
+  same optimizer in REV's rounds);
 - with `--profile`: torch.profiler's CPU-side table (top entries by self CPU time) and cProfile's top Python
   functions by cumulative time (all, then this project's), over `--profile-steps` steps.
 
@@ -70,6 +72,7 @@ from megatron_vlm.training.sft import SFTStep  # noqa: E402
 from megatron_vlm.training.signals import StopFlag  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
+OPT_CFG = SimpleNamespace(lr=1e-4, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
 
 
 def tiny_wide_config(layers: int, vision_depth: int, hidden: int, vocab: int) -> dict:
@@ -167,8 +170,7 @@ def build(args) -> SimpleNamespace:
     get_family(model.hf_config.get("model_type")).parallelize(
         model, dims, parallel, mesh=mesh, param_dtype=param_dtype, root=wrapper,
         activation_checkpointing=False if args.ac == "off" else args.ac)
-    optimizer = build_optimizer(wrapper, SimpleNamespace(lr=1e-4, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8),
-                                env.device.type)
+    optimizer = build_optimizer(wrapper, OPT_CFG, env.device.type)
     optim = OptimState(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
     pack = packed_batch(cfg, args.samples, args.tokens, (1, args.grid, args.grid))
     pack.pop("lengths")
@@ -234,7 +236,8 @@ def main() -> None:
     ap.add_argument("--against", type=str, default=None, metavar="REV",
                     help="also time the code of git revision REV in this process (the functions of megatron_vlm/ "
                          "changed since REV switched in: benchmarks/e2e/old_code.py), --rounds rounds of --steps "
-                         "steps each, the two interleaved; --count-reads then counts REV's reads too")
+                         "steps each, the two interleaved (step and optimizer.step times); --count-reads then counts "
+                         "REV's reads too")
     ap.add_argument("--rounds", type=positive_int, default=6, help="interleaved rounds of --against")
     ap.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (the machine is shared)")
     ap.add_argument("--json", type=str, default=None)
@@ -267,23 +270,37 @@ def main() -> None:
 
 
 def against(b: SimpleNamespace, args) -> dict:
-    """Step times of this tree's code and of `args.against`'s, in interleaved rounds (the order alternating), and,
-    with --count-reads, the old code's host reads."""
+    """Step times of this tree's code and of `args.against`'s, in interleaved rounds (the order alternating), the
+    optimizer.step phase of each (its own min / median), and, with --count-reads, the old code's host reads."""
     from old_code import OldCode
 
     old = OldCode(args.against)
     print(f"--against {args.against}: {len(old.changed)} bindings switched", flush=True)
-    with old:
-        run_steps(b, args.warmup, args.log_every)
+    opt = b.sft.optim.optimizer
+    original = opt.step
+    opt_times: dict[str, list[float]] = {}
+    new_step, old_step = _optimizer_steps(b, old, opt_times)
+
+    def run(which: str, n: int) -> list[float]:
+        opt.step = new_step if which == "new" else old_step
+        opt_times["now"] = opt_times.setdefault(which, [])
+        try:
+            if which == "new":
+                return run_steps(b, n, args.log_every)
+            with old:
+                return run_steps(b, n, args.log_every)
+        finally:
+            opt.step = original
+
+    run(args.against, args.warmup)
+    opt_times[args.against].clear()
     times: dict[str, list[float]] = {"new": [], args.against: []}
     for r in range(args.rounds):
         for which in (("new", args.against) if r % 2 == 0 else (args.against, "new")):
-            if which == "new":
-                times["new"] += run_steps(b, args.steps, args.log_every)
-            else:
-                with old:
-                    times[which] += run_steps(b, args.steps, args.log_every)
-    res: dict = {k: {"step_ms_min": 1e3 * min(v), "step_ms_median": 1e3 * statistics.median(v), "steps": len(v)}
+            times[which] += run(which, args.steps)
+    res: dict = {k: {"step_ms_min": 1e3 * min(v), "step_ms_median": 1e3 * statistics.median(v), "steps": len(v),
+                     "optimizer_ms_min": 1e3 * min(opt_times[k]),
+                     "optimizer_ms_median": 1e3 * statistics.median(opt_times[k])}
                  for k, v in times.items()}
     for k in ("min", "median"):
         res[f"old_over_new_{k}"] = res[args.against][f"step_ms_{k}"] / res["new"][f"step_ms_{k}"]
@@ -291,11 +308,58 @@ def against(b: SimpleNamespace, args) -> dict:
           f"{args.against}: min {res[args.against]['step_ms_min']:.1f} ms, median "
           f"{res[args.against]['step_ms_median']:.1f} ms; old / new {res['old_over_new_min']:.3f} (min), "
           f"{res['old_over_new_median']:.3f} (median), {args.rounds} rounds of {args.steps} steps", flush=True)
+    print(f"optimizer.step: this tree min {res['new']['optimizer_ms_min']:.2f} ms, median "
+          f"{res['new']['optimizer_ms_median']:.2f} ms; {args.against}: min "
+          f"{res[args.against]['optimizer_ms_min']:.2f} ms, median {res[args.against]['optimizer_ms_median']:.2f} ms",
+          flush=True)
     if args.count_reads:
         print(f"{args.against}'s code:")
-        with old:
-            res["host_reads"] = count_reads(b)
+        opt_times["now"] = []
+        opt.step = old_step
+        try:
+            with old:
+                res["host_reads"] = count_reads(b)
+        finally:
+            opt.step = original
     return res
+
+
+def _optimizer_steps(b: SimpleNamespace, old, times: dict) -> tuple:
+    """The optimizer's `step` as this tree runs it and as the old code would, each timing its calls into
+    `times["now"]`. The optimizer was built once, by this tree's `build_optimizer`: where the old one builds a class
+    this optimizer derives from (torch's AdamW, before a subclass that overrides its step), the old rounds run that
+    class's `step` on this optimizer (same parameters and state); other classes cannot be swapped (both rounds then
+    run this tree's)."""
+    import megatron_vlm.training.optim as optim_mod
+
+    opt, wrapper = b.sft.optim.optimizer, b.sft.bundle.wrapper
+    current = opt.step  # the scheduler's wrapper of the class's step
+    with old:
+        old_cls = type(optim_mod.build_optimizer(wrapper, OPT_CFG, b.env.device.type))
+    if old_cls is type(opt) or not isinstance(opt, old_cls):
+        if old_cls is not type(opt):
+            print(f"the old code builds {old_cls.__name__}, not a base of {type(opt).__name__}: both rounds run "
+                  f"this tree's optimizer", flush=True)
+        old_fn = current
+    else:
+        print(f"old rounds: {old_cls.__module__}.{old_cls.__qualname__}.step on this {type(opt).__name__}", flush=True)
+
+        def old_fn(*a, **k):
+            opt._opt_called = True  # what the scheduler's wrapper records
+            return old_cls.step(opt, *a, **k)
+
+    def timed(fn):
+        def step(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                times["now"].append(time.perf_counter() - t0)
+
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        return step
+
+    return timed(current), timed(old_fn)
 
 
 def count_reads(b: SimpleNamespace) -> dict:

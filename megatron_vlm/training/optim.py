@@ -1,5 +1,6 @@
-"""AdamW (fused where torch has the kernel: CUDA and CPU; else multi-tensor `foreach`; with `optimizer.moments_dtype =
-"bf16"` our AdamW with bf16 moments, training/adamw_bf16.py) with decay / no-decay groups, the warmup + decay LR
+"""AdamW (torch's, fused where torch has the kernel: CUDA and CPU; else multi-tensor `foreach`; run on the local tensors
+of FSDP's DTensors, training/adamw_local.py; with `optimizer.moments_dtype = "bf16"` our AdamW with bf16 moments,
+training/adamw_bf16.py) with decay / no-decay groups, the warmup + decay LR
 schedule over the run's length (`total_steps`), and `OptimState`, the optimizer / scheduler pair the loops step."""
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from megatron_vlm.errors import ConfigError
+from megatron_vlm.training.adamw_local import LocalShardAdamW
 
 if TYPE_CHECKING:
     from megatron_vlm.config import Config
@@ -48,7 +50,9 @@ def build_optim_state(model: torch.nn.Module, ctx_cfg: Config, device_type: str,
 def build_optimizer(model: torch.nn.Module, opt_cfg: OptimizerConfig, device_type: str, *,
                     seed: int = 0) -> torch.optim.Optimizer:
     """AdamW over `model`'s trainable parameters, biases and 1-D parameters not decayed; `seed` seeds the stochastic
-    rounding of bf16 moments (`optimizer.moments_dtype`; a config-less caller's namespace without it gets fp32)."""
+    rounding of bf16 moments (`optimizer.moments_dtype`; a config-less caller's namespace without it gets fp32).
+    The fp32-moments optimizer is torch.optim.AdamW (a subclass whose update, bitwise torch's, skips DTensor's
+    dispatch: adamw_local.py)."""
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
     for name, p in model.named_parameters():
@@ -68,7 +72,7 @@ def build_optimizer(model: torch.nn.Module, opt_cfg: OptimizerConfig, device_typ
         # keyed by name: a tied weight held by two pipeline stages (the embedding's name on both) rounds alike there
         names = {p: name for name, p in model.named_parameters() if p.requires_grad}
         return AdamWBf16Moments(groups, **kwargs, seed=seed, names=names)
-    return torch.optim.AdamW(groups, **kwargs, **adamw_implementation(device_type))
+    return LocalShardAdamW(groups, **kwargs, **adamw_implementation(device_type))
 
 
 def adamw_implementation(device_type: str) -> dict:

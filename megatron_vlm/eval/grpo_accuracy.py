@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from megatron_vlm.abandon import WaitAbandoned
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.eval.accuracy import avg_at_k, pass_at_k, score_accuracy
 from megatron_vlm.inference.engine import SamplingParams
@@ -31,7 +32,6 @@ from megatron_vlm.inference.generators import sampling_generator
 from megatron_vlm.parallel.collectives import all_gather_objects
 from megatron_vlm.rl.give_up import agreed_give_up
 from megatron_vlm.rl.prompts.shard import encode_shard
-from megatron_vlm.rl.rewards.pool import WaitAbandoned
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.signals import EvaluationAbandoned
 

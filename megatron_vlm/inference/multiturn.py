@@ -44,6 +44,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 
+from megatron_vlm.abandon import Patience, WaitAbandoned
 from megatron_vlm.data.batch import VISION_KEYS
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
@@ -52,7 +53,6 @@ from megatron_vlm.inference.stopping import StopChecker
 from megatron_vlm.models.common.kv_cache import KVCache
 from megatron_vlm.models.common.routing_replay import recording_routes
 from megatron_vlm.models.common.slot_cache import SlotCache
-from megatron_vlm.rl.rewards.pool import Patience, WaitAbandoned
 
 __all__ = ["TurnChunk", "TurnReply", "TurnSource", "Trajectory", "MultiTurnRollout", "MultiTurnLimits"]
 

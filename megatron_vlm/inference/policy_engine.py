@@ -75,6 +75,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_vlm.abandon import Patience, WaitAbandoned
 from megatron_vlm.host_copies import move
 from megatron_vlm.inference.admission import Admission
 from megatron_vlm.inference.cpu_packed_experts import PackedExperts, fused_experts_available
@@ -101,7 +102,6 @@ from megatron_vlm.models.common.vlm_base import VLMBase
 from megatron_vlm.models.mcore.layer import native_state_dict
 from megatron_vlm.parallel.device_cache import empty_device_cache
 from megatron_vlm.parallel.full_weights import block_groups, full_tensor
-from megatron_vlm.rl.rewards.pool import Patience, WaitAbandoned
 
 __all__ = ["PolicyRolloutEngine", "EngineOptions", "CUDA_GRAPH_MODES", "CudaGraphsConfigError", "cuda_graphs_blocker",
            "PagedKVConfigError", "paged_kv_blocker", "vision_token_ids"]

@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
+from megatron_vlm.abandon import WaitAbandoned
 from megatron_vlm.parallel.collectives import all_reduce_max
-from megatron_vlm.rl.rewards.pool import WaitAbandoned
 
 __all__ = ["WAITS", "agreed_give_up"]
 

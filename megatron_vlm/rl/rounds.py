@@ -31,6 +31,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 
+from megatron_vlm.abandon import WaitAbandoned
 from megatron_vlm.inference.engine import RolloutEngine, RolloutResult, RolloutSample, SamplingParams
 from megatron_vlm.inference.generators import sampling_generator
 from megatron_vlm.rl.advantages import GroupAdvantages, compute_group_advantages, overlong_penalty
@@ -40,7 +41,6 @@ from megatron_vlm.rl.give_up import agreed_give_up
 from megatron_vlm.rl.metrics import PhaseTimer
 from megatron_vlm.rl.prompts.dataset import PromptSample
 from megatron_vlm.rl.prompts.shard import EncodedShard, PromptEncoding, encode_shard
-from megatron_vlm.rl.rewards.pool import WaitAbandoned
 from megatron_vlm.training.signals import StepAbandoned
 
 __all__ = ["Round", "RoundSampler", "RewardScorer", "shape_round", "sampling_params"]

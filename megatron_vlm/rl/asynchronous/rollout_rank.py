@@ -44,6 +44,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_vlm.abandon import WaitAbandoned
 from megatron_vlm.checkpoint.hf import load_hf_model
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.media import MediaLimits
@@ -61,7 +62,6 @@ from megatron_vlm.rl.prompts.encoder import PromptEncoder
 from megatron_vlm.rl.prompts.lengths import drop_unusable_prompts
 from megatron_vlm.rl.prompts.sets import load_prompt_sets
 from megatron_vlm.rl.rewards.manager import RewardManager
-from megatron_vlm.rl.rewards.pool import WaitAbandoned
 from megatron_vlm.rl.trainer import paged_kv_kwargs, require_rl
 from megatron_vlm.training.context import RunContext
 

@@ -45,6 +45,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_vlm.abandon import ABANDON_POLL_S, Patience
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.inference.engine import RolloutResult, RolloutSample
@@ -57,7 +58,6 @@ from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.metrics import PhaseTimer
 from megatron_vlm.rl.prompts.shard import EncodedShard, PromptEncoding
 from megatron_vlm.rl.rewards.failure_watch import RewardsAllFailedError
-from megatron_vlm.rl.rewards.pool import ABANDON_POLL_S, Patience
 from megatron_vlm.rl.rounds import Round, shape_round
 from megatron_vlm.rl.trainer import GRPOLoopStep, has_moe_report
 from megatron_vlm.training.context import RunContext

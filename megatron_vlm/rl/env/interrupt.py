@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
-from megatron_vlm.rl.rewards.pool import ABANDON_POLL_S
+from megatron_vlm.abandon import ABANDON_POLL_S
 
 __all__ = ["INTERRUPT_SIGNAL", "interruptible"]
 

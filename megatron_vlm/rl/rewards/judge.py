@@ -96,9 +96,9 @@ class JudgeRewardScorer:
               prompt_messages: Sequence[Sequence[dict]], *, abandon: Optional[Callable[[], bool]] = None) -> ScoredValues:
         """Reward of completion i to question i (reference answers[i], prompt turns prompt_messages[i]). `abandon`: the
         stop check, asked by the judge's generation between decode steps (`WaitAbandoned`, "reward models")."""
+        from megatron_vlm.abandon import WaitAbandoned
         from megatron_vlm.inference.engine import SamplingParams
         from megatron_vlm.rl.prompts.dataset import PromptSample
-        from megatron_vlm.rl.rewards.pool import WaitAbandoned
 
         cfg, n = self.cfg, len(completions)
         out = ScoredValues(values=[0.0] * n, status=["ok"] * n, detail=[""] * n)

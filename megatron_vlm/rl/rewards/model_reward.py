@@ -158,8 +158,8 @@ class ModelRewardScorer:
         """Reward of completion i as the answer to the prompt whose messages are `prompt_messages[i]`. `abandon`: the
         stop check, asked between packed forwards: once it has said stop for `ABANDON_GRACE_S`, `WaitAbandoned`
         ("reward models") and no value (a forward already running ends first)."""
+        from megatron_vlm.abandon import Patience, WaitAbandoned
         from megatron_vlm.data.packing import collate_pack
-        from megatron_vlm.rl.rewards.pool import Patience, WaitAbandoned
 
         give_up = Patience(abandon) if abandon is not None else None
 

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_vlm.abandon import ABANDON_GRACE_S
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.rl.asynchronous.trainer import AsyncGRPOLoopStep
-from megatron_vlm.rl.rewards.pool import ABANDON_GRACE_S
 from megatron_vlm.training.loop import EXIT_STOPPED, run_loop
 from megatron_vlm.training.signals import StopFlag
 

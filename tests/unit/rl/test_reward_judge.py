@@ -129,10 +129,10 @@ def test_a_stopping_rank_gives_up_the_judges_generation(judge_folder, monkeypatc
     call is given up once the stop has been pending for the grace, as a model reward's wait ("reward models")."""
     import time
 
-    from megatron_vlm.rl.rewards import pool as reward_pool
-    from megatron_vlm.rl.rewards.pool import WaitAbandoned
+    from megatron_vlm import abandon
+    from megatron_vlm.abandon import WaitAbandoned
 
-    monkeypatch.setattr(reward_pool, "ABANDON_GRACE_S", 0.3)
+    monkeypatch.setattr(abandon, "ABANDON_GRACE_S", 0.3)
     folder, _ = judge_folder
     cfg = JudgeRewardConfig(path=str(folder), name="judge", max_new_tokens=400, max_tokens=1024, batch_size=2)
     scorer = JudgeRewardScorer(cfg)

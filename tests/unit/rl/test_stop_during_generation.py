@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_vlm import abandon
+from megatron_vlm.abandon import Patience, WaitAbandoned
 from megatron_vlm.inference.engine import SamplingParams
 from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
 from megatron_vlm.parallel.collectives import all_reduce_max
-from megatron_vlm.rl.rewards import pool as reward_pool
-from megatron_vlm.rl.rewards.pool import Patience, WaitAbandoned
 from megatron_vlm.training.signals import StepAbandoned, StopFlag
 from tests.fixtures.rollout_engine import SilentTokenizer, tiny_vl_model_and_prompts
 
@@ -36,7 +36,7 @@ LONG = 600
 
 @pytest.fixture
 def short_grace(monkeypatch):
-    monkeypatch.setattr(reward_pool, "ABANDON_GRACE_S", GRACE_S)
+    monkeypatch.setattr(abandon, "ABANDON_GRACE_S", GRACE_S)
 
 
 def _slowed(engine: PolicyRolloutEngine, seconds: float) -> PolicyRolloutEngine:

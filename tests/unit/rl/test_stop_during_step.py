@@ -22,13 +22,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_vlm.abandon import ABANDON_GRACE_S, Patience, WaitAbandoned
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.rl.asynchronous import rollout_rank as rr
 from megatron_vlm.rl.asynchronous.trainer import AsyncGRPOLoopStep
 from megatron_vlm.rl.env.pool import EnvCall, EnvWorkerPool, InlineEnvRunner
 from megatron_vlm.rl.rewards.config import CustomRewardConfig
 from megatron_vlm.rl.rewards.manager import RewardManager
-from megatron_vlm.rl.rewards.pool import ABANDON_GRACE_S, Patience, WaitAbandoned
 from megatron_vlm.training.loop import EXIT_STOPPED, run_loop
 from megatron_vlm.training.signals import EvaluationAbandoned, StepAbandoned, StopFlag, StopRequested
 

@@ -19,6 +19,7 @@ placements differ from its parameter's (DTensor redistributes), a DTensor mixed 
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Optional
 
@@ -27,6 +28,13 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
 __all__ = ["LocalShardAdamW", "local_pieces"]
+
+_HEALTH_CHECK = next((name for name in ("_accelerator_graph_capture_health_check", "_cuda_graph_capture_health_check")
+                      if hasattr(torch.optim.Optimizer, name)), None)
+"""The optimizer's CUDA-graph capture check under this torch's name (renamed in 2026: the GPU images run older torch)."""
+LOCAL_STEP = _HEALTH_CHECK is not None and "decoupled_weight_decay" in inspect.signature(adam).parameters
+"""Whether this torch's Adam step can be followed here; where not (an older or newer torch whose private functional
+differs), `LocalShardAdamW.step` is torch's own, with its DTensor dispatch."""
 
 
 def local_pieces(tensors: Sequence[torch.Tensor]) -> Optional[list[torch.Tensor]]:
@@ -75,7 +83,7 @@ class LocalShardAdamW(torch.optim.AdamW):
     DTensor parameters, gradients and states (see the module's docstring)."""
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
-        if self.defaults.get("differentiable"):
+        if self.defaults.get("differentiable") or not LOCAL_STEP:
             return super().step(closure)
         with torch.no_grad():
             return self._step(closure)
@@ -83,7 +91,7 @@ class LocalShardAdamW(torch.optim.AdamW):
     def _step(self, closure: Optional[Callable[[], float]]) -> Optional[float]:
         """Adam.step's body (torch 2.4+): the same checks, state initialisation and functional call, the call given
         the local tensors."""
-        self._accelerator_graph_capture_health_check()
+        getattr(self, _HEALTH_CHECK or "")()
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -122,3 +122,16 @@ def test_a_closure_and_a_group_without_gradients():
     assert opt.step(closure).item() == 3.0
     assert b not in opt.state and float(opt.state[a]["step"]) == 1.0
     assert torch.all(a < 1)
+
+
+def test_a_torch_without_the_followed_step_takes_torch_s_own(monkeypatch):
+    """Where this torch's private Adam functional or capture check differ (LOCAL_STEP false), the step is torch's."""
+    import megatron_vlm.training.adamw_local as local
+
+    monkeypatch.setattr(local, "LOCAL_STEP", False)
+    monkeypatch.setattr(local, "adam", lambda *a, **k: (_ for _ in ()).throw(AssertionError("local step taken")))
+    ours, ref = _model(), _model()
+    opt, ref_opt = build_optimizer(ours, CFG, "cpu"), _reference(ref, "cpu")
+    _steps(ours, opt, range(2))
+    _steps(ref, ref_opt, range(2))
+    _assert_same(ours, opt, ref, ref_opt)

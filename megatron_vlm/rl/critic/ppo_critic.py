@@ -34,7 +34,7 @@ from megatron_vlm.parallel import clip_grad_norm_
 from megatron_vlm.rl.algorithms.advantage_estimators import ADVANTAGE_ESTIMATORS
 from megatron_vlm.rl.algorithms.value_losses import VALUE_LOSSES
 from megatron_vlm.rl.batching import TrainSample
-from megatron_vlm.rl.critic.rewards import token_rewards
+from megatron_vlm.rl.critic.rewards import step_token_rewards
 from megatron_vlm.rl.critic.value_model import ValueModel
 from megatron_vlm.rl.data_shards import DataShards
 from megatron_vlm.rl.policy_update import read_update, to_host_pieces
@@ -56,11 +56,11 @@ def resolved_gae(rl: Any) -> tuple[float, float]:
             GAE_DEFAULT_LAM if adv.lam is None else float(adv.lam))
 
 
-def _flat(pieces: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
-    """The samples' per-token tensors concatenated, float64 (empty without samples; each must be set)."""
+def _cat(pieces: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    """The samples' per-token tensors concatenated (empty float32 without samples; each must be set)."""
     present = [p for p in pieces if p is not None]
     assert len(present) == len(pieces), "a sample's per-token tensor is not set"
-    return torch.cat(present).double() if present else torch.zeros(0, dtype=torch.float64)
+    return torch.cat(present) if present else torch.zeros(0, dtype=torch.float32)
 
 
 class Critic:
@@ -103,35 +103,32 @@ class Critic:
         """V_old, token rewards, GAE advantages and returns of every sample (whitened over the step's tokens
         unless advantages.normalize_std = false); the step's critic/* and advantage/* metrics."""
         self.values(samples, packs, to_batch)
-        kl_coef = self.rl.loss.kl_coef
-        kl_sum = 0.0
-        for s in samples:
-            assert s.old_values is not None
-            r, kl = token_rewards(s.score, s.response_length, old_logp=s.old_logp, ref_logp=s.ref_logp,
-                                  kl_coef=kl_coef, kl_estimator=self.rl.loss.kl_estimator)
-            kl_sum += float(kl.sum()) if kl is not None else 0.0
-            mask = torch.ones(s.response_length, dtype=torch.bool)
-            assert self.estimator.token_fn is not None
-            adv, ret = self.estimator.token_fn(r[None], s.old_values[None], mask[None], gamma=self.gamma, lam=self.lam,
-                                               seq_ids=None)
-            s.token_advantages, s.returns = adv[0], ret[0]
-        a, v, ret_all = (_flat([getattr(s, name) for s in samples]) for name in ("token_advantages", "old_values", "returns"))
+        lengths = [s.response_length for s in samples]
+        r, kl_sum = step_token_rewards([s.score for s in samples], lengths, old_logp=[s.old_logp for s in samples],
+                                       ref_logp=[s.ref_logp for s in samples], kl_coef=self.rl.loss.kl_coef,
+                                       kl_estimator=self.rl.loss.kl_estimator)
+        v_flat = _cat([s.old_values for s in samples])
+        adv_flat, ret_flat = self._gae(r, v_flat, lengths)
+        for s, adv, ret in zip(samples, adv_flat.split(lengths), ret_flat.split(lengths)):
+            s.token_advantages, s.returns = adv, ret
+        a, v, ret_all = adv_flat.double(), v_flat.double(), ret_flat.double()
         err = ret_all - v
-        n, a1, a2, r1, r2, e1, e2, v1, klsum = self.shards.sum(
-            [a.numel(), float(a.sum()), float((a * a).sum()), float(ret_all.sum()), float((ret_all * ret_all).sum()),
-             float(err.sum()), float((err * err).sum()), float(v.sum()), kl_sum])
+        # host tensors (the values came to the host with the pass): one read of all the sums
+        local = torch.stack([x.sum() for x in (a, a * a, ret_all, ret_all * ret_all, err, err * err, v)]).tolist()
+        n, a1, a2, r1, r2, e1, e2, v1, klsum = self.shards.sum([a.numel(), *local, kl_sum])
         out: dict[str, float] = {}
         if n == 0:
             return out
         mean = a1 / n
         var = max(a2 - a1 * a1 / n, 0.0) / max(n - 1, 1)  # unbiased, as verl's masked_whiten
+        final = a
         if self.whiten:
             scale = 1.0 / math.sqrt(var + WHITEN_EPS)
-            for s in samples:
-                assert s.token_advantages is not None
-                s.token_advantages = ((s.token_advantages.double() - mean) * scale).float()
-        final = _flat([s.token_advantages for s in samples])
-        f1, f2 = self.shards.sum([float(final.sum()), float((final * final).sum())])
+            whitened = ((a - mean) * scale).float()
+            for s, piece in zip(samples, whitened.split(lengths)):
+                s.token_advantages = piece
+            final = whitened.double()
+        f1, f2 = self.shards.sum(torch.stack([final.sum(), (final * final).sum()]).tolist())
         lo, hi = self._extremes(final)
         ret_var = max(r2 - r1 * r1 / n, 0.0) / n
         err_var = max(e2 - e1 * e1 / n, 0.0) / n
@@ -141,6 +138,27 @@ class Critic:
                     "critic/explained_var": 1.0 - err_var / ret_var if ret_var > 0 else 0.0,
                     "critic/kl_in_reward": klsum / n})
         return out
+
+    def _gae(self, rewards: torch.Tensor, values: torch.Tensor, lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(advantages, returns) of the step's concatenated [sum(lengths)] rewards and values, as one right-padded
+        [samples, longest] batch: the estimator's recursion over the positions is a Python loop of a few tensor ops
+        per position (~10 us), so a call per sample cost samples x length of them, one call of the batch only its
+        longest response. Each row equals its sample's own call bit for bit (element-wise ops; a padded position
+        after a row's last token leaves the recursion's zero start as it is)."""
+        if values.numel() != sum(lengths) or rewards.numel() != sum(lengths):
+            raise ValueError(f"old_values / rewards: {values.numel()} / {rewards.numel()} entries for "
+                             f"{sum(lengths)} response tokens")
+        if not lengths:
+            return values.clone(), values.clone()
+        n_seq, width = len(lengths), max(lengths)
+        counts = torch.tensor(lengths, dtype=torch.long)
+        ids = torch.repeat_interleave(torch.arange(n_seq), counts, output_size=values.numel())
+        pos = torch.arange(values.numel()) - (torch.cumsum(counts, 0) - counts)[ids]
+        r, v = (x.new_zeros(n_seq, width).index_put_((ids, pos), x) for x in (rewards, values))
+        mask = torch.zeros(n_seq, width, dtype=torch.bool).index_put_((ids, pos), torch.ones((), dtype=torch.bool))
+        assert self.estimator.token_fn is not None
+        adv, ret = self.estimator.token_fn(r, v, mask, gamma=self.gamma, lam=self.lam, seq_ids=None)
+        return adv[ids, pos], ret[ids, pos]
 
     def _extremes(self, x: torch.Tensor) -> tuple[float, float]:
         """Global min and max over the data shards (0, 0 without tokens anywhere)."""

@@ -166,24 +166,14 @@ def reinforce_returns(token_rewards: torch.Tensor, mask: torch.Tensor, *, gamma:
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma: must be in [0, 1], got {gamma}")
     dtype = torch.float64 if token_rewards.dtype == torch.float64 else torch.float32
-    r, m = token_rewards.detach().to(dtype), mask.to(dtype)
-    packed = r.dim() == 1
-    if packed:
-        if seq_ids is None or seq_ids.shape != r.shape:
-            raise ValueError("seq_ids: a packed (1-D) layout needs the sequence id of every position")
-        pos, n_seq, width = _positions(seq_ids)
-        ids = seq_ids.long()
-        r, m = (_padded(t, ids, n_seq, width, pos) for t in (r, m))
-    elif r.dim() != 2:
-        raise ValueError(f"token_rewards: expected [B, T] (padded) or [N] (packed), got {tuple(r.shape)}")
+    (r, m), unpad = _rows([token_rewards.detach().to(dtype), mask.to(dtype)], seq_ids)
     ret = torch.zeros_like(r)
     running = torch.zeros_like(r[:, 0])
     for t in reversed(range(r.shape[1])):
         mt = m[:, t]
         running = (r[:, t] + gamma * running) * mt + running * (1 - mt)
         ret[:, t] = running
-    ret = ret * m
-    return ret[ids, pos] if packed else ret
+    return unpad(ret * m)
 
 
 GAE_DEFAULT_GAMMA = 1.0
@@ -210,6 +200,22 @@ def min_group_size(estimator: str) -> int:
     """The smallest `rl.batch.group_size` `estimator` gives a learning signal with: 2 for a group-relative one, 1
     otherwise (ValueError naming the key for an unknown name)."""
     return 2 if ADVANTAGE_ESTIMATORS.get(estimator).needs_groups else 1
+
+
+def _rows(tensors: list[torch.Tensor], seq_ids: Optional[torch.Tensor]) -> tuple[list[torch.Tensor],
+                                                                             Callable[[torch.Tensor], torch.Tensor]]:
+    """`tensors` (one layout: padded [B, T], or packed [N] with `seq_ids`) as [rows, positions], and the function that
+    takes a [rows, positions] result back to that layout."""
+    first = tensors[0]
+    if first.dim() == 2:
+        return tensors, lambda x: x
+    if first.dim() != 1:
+        raise ValueError(f"token_rewards: expected [B, T] (padded) or [N] (packed), got {tuple(first.shape)}")
+    if seq_ids is None or seq_ids.shape != first.shape:
+        raise ValueError("seq_ids: a packed (1-D) layout needs the sequence id of every position")
+    pos, n_seq, width = _positions(seq_ids)
+    ids = seq_ids.long()
+    return [_padded(t, ids, n_seq, width, pos) for t in tensors], lambda x: x[ids, pos]
 
 
 def _padded(x: torch.Tensor, seq_ids: torch.Tensor, n_seq: int, width: int,
@@ -250,16 +256,7 @@ def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torc
     if not 0.0 <= gamma <= 1.0 or not 0.0 <= lam <= 1.0:
         raise ValueError(f"gamma, lam: must be in [0, 1], got gamma={gamma}, lam={lam}")
     dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
-    r, v, m = token_rewards.detach().to(dtype), values.detach().to(dtype), mask.to(dtype)
-    packed = r.dim() == 1
-    if packed:
-        if seq_ids is None or seq_ids.shape != r.shape:
-            raise ValueError("seq_ids: a packed (1-D) layout needs the sequence id of every position")
-        pos, n_seq, width = _positions(seq_ids)
-        ids = seq_ids.long()
-        r, v, m = (_padded(t, ids, n_seq, width, pos) for t in (r, v, m))
-    elif r.dim() != 2:
-        raise ValueError(f"token_rewards: expected [B, T] (padded) or [N] (packed), got {tuple(r.shape)}")
+    (r, v, m), unpad = _rows([token_rewards.detach().to(dtype), values.detach().to(dtype), mask.to(dtype)], seq_ids)
     adv = torch.zeros_like(r)
     next_v = torch.zeros_like(r[:, 0])
     last = torch.zeros_like(r[:, 0])
@@ -272,9 +269,7 @@ def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torc
         adv[:, t] = last
     adv = adv * m
     ret = (adv + v) * m
-    if packed:
-        return adv[ids, pos], ret[ids, pos]
-    return adv, ret
+    return unpad(adv), unpad(ret)
 
 
 def resolve_normalize_std(estimator: str, normalize_std: Optional[bool]) -> bool:

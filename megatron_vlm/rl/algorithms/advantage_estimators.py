@@ -168,7 +168,7 @@ def reinforce_returns(token_rewards: torch.Tensor, mask: torch.Tensor, *, gamma:
     dtype = torch.float64 if token_rewards.dtype == torch.float64 else torch.float32
     (r, m), unpad = _rows([token_rewards.detach().to(dtype), mask.to(dtype)], seq_ids)
     ret = torch.zeros_like(r)
-    running = torch.zeros_like(r[:, 0])
+    running = r.new_zeros(r.shape[0])  # [rows]: r[:, 0] would not exist for rows of no position
     for t in reversed(range(r.shape[1])):
         mt = m[:, t]
         running = (r[:, t] + gamma * running) * mt + running * (1 - mt)
@@ -258,8 +258,8 @@ def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torc
     dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
     (r, v, m), unpad = _rows([token_rewards.detach().to(dtype), values.detach().to(dtype), mask.to(dtype)], seq_ids)
     adv = torch.zeros_like(r)
-    next_v = torch.zeros_like(r[:, 0])
-    last = torch.zeros_like(r[:, 0])
+    next_v = r.new_zeros(r.shape[0])  # [rows]: r[:, 0] would not exist for rows of no position
+    last = r.new_zeros(r.shape[0])
     for t in reversed(range(r.shape[1])):
         delta = r[:, t] + gamma * next_v - v[:, t]
         a = delta + gamma * lam * last

@@ -363,3 +363,17 @@ def test_multi_turn_trajectories_get_returns_over_the_models_tokens(estimator):
     torch.testing.assert_close(torch.cat([s.token_advantages for s in samples]).double(), want, rtol=1e-5, atol=1e-6)
     after = policy.embed.weight.detach()
     assert torch.equal(after[ENV_ONLY], before[ENV_ONLY]) and not torch.equal(after[ENV_LAST], before[ENV_LAST])
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_returns_and_gae_of_no_token_are_empty(layout):
+    """A call with no response token (a packed [0], or padded rows of no position) gives empty results of that shape,
+    not an IndexError from the recursion's start."""
+    from megatron_vlm.rl.algorithms.advantage_estimators import gae_advantages
+
+    shape = (0,) if layout == "packed" else (2, 0)
+    seq_ids = torch.zeros(0, dtype=torch.long) if layout == "packed" else None
+    r, mask = torch.zeros(shape), torch.zeros(shape, dtype=torch.bool)
+    ret = reinforce_returns(r, mask, gamma=0.9, seq_ids=seq_ids)
+    adv, gae_ret = gae_advantages(r, torch.zeros(shape), mask, gamma=0.9, lam=0.95, seq_ids=seq_ids)
+    assert ret.shape == adv.shape == gae_ret.shape == shape

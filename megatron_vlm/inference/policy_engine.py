@@ -55,7 +55,7 @@ stall the others' collectives).
 
 A stop signal while generating (`generate(..., abandon=check)`, the training rank's stop flag): the check is asked
 between decode steps (one Python call; no host sync, no collective of its own) and, once it has said stop for
-`ABANDON_GRACE_S` of the call (rewards/pool.py `Patience`), `WaitAbandoned` ("generation") ends the call with nothing
+`ABANDON_GRACE_S` of the call (abandon.py `Patience`), `WaitAbandoned` ("generation") ends the call with nothing
 returned; the GRPO round then agrees with the other ranks to abandon the step (rl/rounds.py). Lock-stepped ranks must
 leave at the same step: the stop travels in the decode step's `all_ranks_active` all-reduce as the `STOPPING` bit, so
 every rank raises at that step (the callable must then return the max of the ranks' ints, not a bool). What one

@@ -15,7 +15,7 @@ repeats the uninterrupted one.
 Stopping: the round's long waits (the verifiers' batch, the environments of a multi-turn rollout) and its long work
 (the built-in engine's generation, between decode steps; a model reward, between its packed forwards) ask the stop
 check (`stop_check`: training/signals.py `StopFlag.pending`) and give up once it has said stop for a moment
-(`WaitAbandoned`, rewards/pool.py `ABANDON_GRACE_S`). The rank that gave up must not skip a collective the others
+(`WaitAbandoned`, abandon.py `ABANDON_GRACE_S`). The rank that gave up must not skip a collective the others
 make, so after the reward phase of every round all ranks agree (rl/give_up.py: one all-reduce) and, if any did, all
 raise `StepAbandoned` together, before anything of the step is applied: the loop saves the step's start and the step
 is redone on resume. Lock-stepped generation (a collective in every forward) is given up by every rank at the same

@@ -9,7 +9,7 @@ leave the others blocked in a collective.
 
 A wait inside a step that can hang for minutes (a reward batch, the environments of a multi-turn rollout: up to
 `rl.reward_pool.batch_timeout_s`, longer than the scheduler's warning) polls the flag and gives up once it has waited
-a moment with a stop pending (rl/rewards/pool.py `ABANDON_GRACE_S`): the step is abandoned (`StepAbandoned`, agreed by
+a moment with a stop pending (abandon.py `ABANDON_GRACE_S`): the step is abandoned (`StepAbandoned`, agreed by
 every rank), and the loop saves the state of the step's start and exits 143, as at a step boundary. Long work of a
 step that runs in the rank asks the flag the same way: the built-in engine's generation between decode steps, a model
 reward between its forwards (inference/policy_engine.py, rl/rewards/model_reward.py). One call that does not return

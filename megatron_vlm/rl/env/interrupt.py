@@ -4,7 +4,7 @@ Why a signal: the in-process runner (`[rl.env] sandbox = false`) runs an environ
 thread, where nothing ends a hung call from outside as a worker process is killed. Running each call in a thread that
 could be abandoned (as a hung video decode is, data/media.py) would take the SIGALRM deadline from its tools (main
 thread only, rl/env/tools.py) and leave the call running beside the checkpoint save. Instead, inside `interruptible`,
-a watcher thread asks the stop check (with its grace: rewards/pool.py `Patience`); once it says give up, the watcher
+a watcher thread asks the stop check (with its grace: abandon.py `Patience`); once it says give up, the watcher
 sends SIGUSR2 to the main thread, whose handler raises the given exception (`WaitAbandoned`) in the call: a call that
 sleeps, waits on a socket or a subprocess, or loops in Python unwinds there (its `finally` blocks run), as a tool at its
 deadline does. The step is then abandoned, so the environment's half-changed state is never used.

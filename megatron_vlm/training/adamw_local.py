@@ -27,12 +27,30 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
-__all__ = ["LocalShardAdamW", "local_pieces"]
+__all__ = ["LocalShardAdamW", "follows", "local_pieces"]
 
 _HEALTH_CHECK = next((name for name in ("_accelerator_graph_capture_health_check", "_cuda_graph_capture_health_check")
                       if hasattr(torch.optim.Optimizer, name)), None)
 """The optimizer's CUDA-graph capture check under this torch's name (renamed in 2026: the GPU images run older torch)."""
-LOCAL_STEP = _HEALTH_CHECK is not None and "decoupled_weight_decay" in inspect.signature(adam).parameters
+_FOLLOWED = frozenset({"params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps", "amsgrad",
+                       "has_complex", "beta1", "beta2", "lr", "weight_decay", "eps", "maximize", "foreach", "capturable",
+                       "differentiable", "fused", "grad_scale", "found_inf", "decoupled_weight_decay"})
+"""The arguments `LocalShardAdamW._step` gives torch's functional `adam`: all that torch 2.13's takes."""
+_INIT_GROUP = ["self", "group", "params_with_grad", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps"]
+
+
+def follows(functional: Callable, init_group: Callable) -> bool:
+    """Whether `_step` is this torch's Adam step: its functional takes exactly the arguments `_step` gives (one
+    missing: an older torch; one more: a newer torch's option `_step` would leave out, or a required argument it would
+    not give) and `_init_group` the six lists `_split` takes."""
+    try:
+        return (set(inspect.signature(functional).parameters) == _FOLLOWED
+                and list(inspect.signature(init_group).parameters) == _INIT_GROUP)
+    except (TypeError, ValueError):  # no signature to read
+        return False
+
+
+LOCAL_STEP = _HEALTH_CHECK is not None and follows(adam, torch.optim.AdamW._init_group)
 """Whether this torch's Adam step can be followed here; where not (an older or newer torch whose private functional
 differs), `LocalShardAdamW.step` is torch's own, with its DTensor dispatch."""
 

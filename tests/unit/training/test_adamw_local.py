@@ -4,6 +4,7 @@ tests/unit/parallel/test_adamw_local_fsdp.py), its state dict loading into torch
 from __future__ import annotations
 
 import copy
+import inspect
 from types import SimpleNamespace
 
 import pytest
@@ -135,3 +136,37 @@ def test_a_torch_without_the_followed_step_takes_torch_s_own(monkeypatch):
     _steps(ours, opt, range(2))
     _steps(ref, ref_opt, range(2))
     _assert_same(ours, opt, ref, ref_opt)
+
+
+def test_a_torch_whose_functional_takes_another_argument_takes_torch_s_own(monkeypatch):
+    """A newer torch whose Adam functional takes an argument `_step` does not give (an option it would leave out, or a
+    required one: a TypeError at the first step) is not followed: LOCAL_STEP is false and the step is torch's."""
+    import importlib
+
+    import torch.optim.adam as torch_adam
+
+    import megatron_vlm.training.adamw_local as local
+
+    real = torch_adam.adam
+
+    def newer(*args, new_option: bool = False, **kwargs):
+        return real(*args, **kwargs)
+
+    newer.__signature__ = inspect.Signature([*inspect.signature(real).parameters.values(),  # type: ignore[attr-defined]
+                                             inspect.Parameter("new_option", inspect.Parameter.KEYWORD_ONLY, default=False)])
+    saved = dict(vars(local))  # the module as every other test imported it (its class, LOCAL_STEP)
+    try:
+        monkeypatch.setattr(torch_adam, "adam", newer)
+        importlib.reload(local)
+        assert not local.LOCAL_STEP
+        ours, ref = _model(), _model()
+        opt, ref_opt = local.LocalShardAdamW(ours.parameters(), lr=0.1, fused=True), \
+            torch.optim.AdamW(ref.parameters(), lr=0.1, fused=True)
+        _steps(ours, opt, range(2))
+        _steps(ref, ref_opt, range(2))
+        _assert_same(ours, opt, ref, ref_opt)
+    finally:
+        monkeypatch.undo()
+        vars(local).update(saved)
+    assert local.LOCAL_STEP and local.follows(real, torch.optim.AdamW._init_group)
+    assert not local.follows(real, lambda self, group, params, grads: None)  # another _init_group

@@ -129,7 +129,8 @@ def _fsdp(tmp: Path, rank: int) -> None:
 
 def _placements(tmp: Path, rank: int) -> None:
     """Parameters placed as FSDP does not: Replicate + Shard(0) on a 2-D mesh (HSDP; local), a Partial gradient of a
-    replicated parameter and a replicated gradient of a sharded one (DTensor redistributes: torch's path)."""
+    replicated parameter and a replicated gradient of a sharded one (DTensor redistributes: torch's path), and a
+    sharded parameter whose shard is empty on one rank (local: a call with an empty tensor, as DTensor's)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
@@ -138,13 +139,15 @@ def _placements(tmp: Path, rank: int) -> None:
     mesh2 = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     g = torch.Generator().manual_seed(0)
-    whole = [torch.randn(5, 3, generator=g), torch.randn(4, generator=g), torch.randn(6, generator=g)]
+    whole = [torch.randn(5, 3, generator=g), torch.randn(4, generator=g), torch.randn(6, generator=g),
+             torch.randn(1, 3, generator=g)]  # one row over two ranks: rank 1's shard is empty
 
     def params():
         # clones: a replicated DTensor may hold the tensor it was made from
         return [torch.nn.Parameter(distribute_tensor(whole[0].clone(), mesh2, [Replicate(), Shard(0)])),
                 torch.nn.Parameter(distribute_tensor(whole[1].clone(), mesh, [Replicate()])),
-                torch.nn.Parameter(distribute_tensor(whole[2].clone(), mesh, [Shard(0)]))]
+                torch.nn.Parameter(distribute_tensor(whole[2].clone(), mesh, [Shard(0)])),
+                torch.nn.Parameter(distribute_tensor(whole[3].clone(), mesh, [Shard(0)]))]
 
     def set_grads(ps, step):
         gen = torch.Generator().manual_seed(10 + step)
@@ -153,6 +156,7 @@ def _placements(tmp: Path, rank: int) -> None:
         # each rank holds half of the pending sum
         ps[1].grad = torch.distributed.tensor.DTensor.from_local(full[1] * (0.25 + 0.5 * rank), mesh, [Partial()])
         ps[2].grad = distribute_tensor(full[2], mesh, [Replicate()])
+        ps[3].grad = distribute_tensor(full[3], mesh, [Shard(0)])
 
     ours, ref = params(), params()
     opt = LocalShardAdamW(ours, lr=1e-2, weight_decay=0.1, fused=True)
@@ -166,9 +170,10 @@ def _placements(tmp: Path, rank: int) -> None:
         assert torch.equal(p.to_local(), q.to_local())
         assert torch.equal(opt.state[p]["exp_avg_sq"].to_local(), ref_opt.state[q]["exp_avg_sq"].to_local())
     assert all(not torch.equal(p.full_tensor(), w) for p, w in zip(ours, whole))
+    assert ours[3].to_local().numel() == (0 if rank else 3)
     states = [opt.state[p] for p in ours]
     rows = [[p, p.grad, s["exp_avg"], s["exp_avg_sq"]] for p, s in zip(ours, states)]
-    assert [local_pieces(r) is not None for r in rows] == [True, False, False]
+    assert [local_pieces(r) is not None for r in rows] == [True, False, False, True]
 
 
 def _both(tmp: Path, rank: int) -> None:

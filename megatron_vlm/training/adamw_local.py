@@ -107,8 +107,8 @@ class LocalShardAdamW(torch.optim.AdamW):
             return self._step(closure)
 
     def _step(self, closure: Optional[Callable[[], float]]) -> Optional[float]:
-        """Adam.step's body (torch 2.4+): the same checks, state initialisation and functional call, the call given
-        the local tensors."""
+        """Adam.step's body (where `follows`: AdamW a subclass of Adam, torch 2.7+): the same checks, state
+        initialisation and functional call, the call given the local tensors."""
         getattr(self, _HEALTH_CHECK or "")()
         loss = None
         if closure is not None:

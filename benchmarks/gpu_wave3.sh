@@ -154,9 +154,10 @@ if want fp8; then  # train.precision = "fp8" (torchao float8 linears): step at a
   # first what the fifth run's profile pointed at: its amax / cast kernels took back 34 of the 74 ms the float8 GEMMs
   # saved, and whole-block checkpointing runs them (and the GEMMs) twice. Selective checkpointing keeps the GEMM
   # outputs; pure-torch norm / swiglu / rotary let inductor fuse the casts into the kernels producing the GEMM
-  # inputs; 16k tokens halve the optimizer's and the host's share
+  # inputs; 16k tokens halve the optimizer's and the host's share, and bf16 AdamW moments (both variants) shrink it
   step fp8_step_16k_fused 170 $PY benchmarks/e2e/bench_fp8.py --layers 8 --tokens 16384 --samples 8 --ac selective \
     --kernels rms_norm=torch,swiglu=torch,apply_rotary=torch --variants bf16,tensorwise --rounds 2 --steps 2 --warmup 2 \
+    --moments bf16 \
     --profile "$R/fp8_16k_fused_profile" --json "$R/fp8_step_16k_fused.json"
   # 8 layers (the 4-layer slice was 36 GiB, over a third of its linear FLOPs in the LM head); TORCH_LOGS: where the compiled blocks break
   # their graphs (a break inside the block leaves float8 casts unfused)

@@ -108,6 +108,12 @@ def train_curve(variant: str, cfg: dict, data: BigramLanguage, args, env) -> lis
                                                               root=wrapper, activation_checkpointing=False)
     optimizer = build_optimizer(wrapper, SimpleNamespace(lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8),
                                 device.type)
+    return run_steps(wrapper, optimizer, data, args, device)
+
+
+def run_steps(wrapper, optimizer, data: BigramLanguage, args, device) -> list[float]:
+    """`args.steps` steps of the SFT job's path (linear warmup over the first fifteenth, clipping at 1) on `data`'s
+    packs; the loss of each step (shared by the loss-curve scripts)."""
     warmup = max(1, args.steps // 15)
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     params = [p for p in wrapper.parameters() if p.requires_grad]
@@ -123,6 +129,26 @@ def train_curve(variant: str, cfg: dict, data: BigramLanguage, args, env) -> lis
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
     return losses
+
+
+def compare_curves(curves: dict[str, list[float]], base: str, tolerance: float) -> dict[str, dict]:
+    """Each curve against `curves[base]`: first and last-10 mean losses, the largest per-step |difference|, the
+    difference of the last-10 means and whether it is within `tolerance`; printed as a table."""
+    ref = curves[base]
+    last = min(10, len(ref))
+    results: dict[str, dict] = {base: {"first_loss": ref[0], "final_loss": statistics.mean(ref[-last:])}}
+    for v, c in curves.items():
+        if v == base:
+            continue
+        final = abs(statistics.mean(c[-last:]) - statistics.mean(ref[-last:]))
+        results[v] = {"first_loss": c[0], "final_loss": statistics.mean(c[-last:]),
+                      "max_abs_diff": max(abs(a - b) for a, b in zip(c, ref)), "final_abs_diff": final,
+                      "within_tolerance": bool(math.isfinite(final) and final <= tolerance)}
+    print(f"{'variant':13s} {'first':>8s} {'final':>8s} {'max|d|':>8s} {'final|d|':>9s}")
+    for v, r in results.items():
+        print(f"{v:13s} {r['first_loss']:8.4f} {r['final_loss']:8.4f} {r.get('max_abs_diff', 0.0):8.4f} "
+              f"{r.get('final_abs_diff', 0.0):9.4f}" + ("" if v == base else f"  within {tolerance}: {r['within_tolerance']}"))
+    return results
 
 
 def main() -> None:
@@ -160,21 +186,7 @@ def main() -> None:
     t0 = time.perf_counter()
     curves = {v: train_curve(v, cfg, data, args, env) for v in variants}
     wall = time.perf_counter() - t0
-    last = min(10, args.steps)
-    base = curves["bf16"]
-    results = {"bf16": {"first_loss": base[0], "final_loss": statistics.mean(base[-last:])}}
-    for v in variants:
-        if v == "bf16":
-            continue
-        c = curves[v]
-        final = abs(statistics.mean(c[-last:]) - statistics.mean(base[-last:]))
-        results[v] = {"first_loss": c[0], "final_loss": statistics.mean(c[-last:]),
-                      "max_abs_diff": max(abs(a - b) for a, b in zip(c, base)), "final_abs_diff": final,
-                      "within_tolerance": bool(math.isfinite(final) and final <= args.tolerance)}
-    print(f"{'variant':12s} {'first':>8s} {'final':>8s} {'max|d|':>8s} {'final|d|':>9s}")
-    for v, r in results.items():
-        print(f"{v:12s} {r['first_loss']:8.4f} {r['final_loss']:8.4f} {r.get('max_abs_diff', 0.0):8.4f} "
-              f"{r.get('final_abs_diff', 0.0):9.4f}" + ("" if v == "bf16" else f"  within {args.tolerance}: {r['within_tolerance']}"))
+    results = compare_curves(curves, "bf16", args.tolerance)
     meta = {"device": torch.cuda.get_device_name() if env.device.type == "cuda" else "cpu (1 thread)",
             "torch": torch.__version__, "quick": args.quick, "steps": args.steps, "tokens": args.tokens,
             "samples": args.samples, "lr": args.lr, "hidden": cfg["text_config"]["hidden_size"],

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,10 +30,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fp8_loss_curve import BigramLanguage, small_config  # noqa: E402
+from fp8_loss_curve import BigramLanguage, compare_curves, run_steps, small_config  # noqa: E402
 
 from megatron_vlm.models import build_model, get_family  # noqa: E402
-from megatron_vlm.parallel import build_mesh, clip_grad_norm_, init_distributed  # noqa: E402
+from megatron_vlm.parallel import build_mesh, init_distributed  # noqa: E402
 from megatron_vlm.training.lm_loss import TokenLogprobModel  # noqa: E402
 from megatron_vlm.training.optim import build_optimizer  # noqa: E402
 
@@ -60,29 +59,15 @@ def train_curve(variant: str, cfg: dict, data: BigramLanguage, args, env) -> lis
     moments = "fp32" if variant == "fp32" else "bf16"
     optimizer = build_optimizer(wrapper, SimpleNamespace(lr=args.lr, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8,
                                                          moments_dtype=moments), device.type, seed=0)
-    warmup = max(1, args.steps // 15)
-    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-    params = [p for p in wrapper.parameters() if p.requires_grad]
-    losses = []
     saved = ref.round_bf16_stochastic
     if variant == "bf16_nearest":
         if device.type == "cuda":
             sys.exit("bf16_nearest: the ablation patches the torch reference (CPU); run it without CUDA")
         ref.round_bf16_stochastic = _nearest
     try:
-        for step in range(args.steps):
-            batch = {k: v.to(device) for k, v in data.pack(step, args.tokens, args.samples).items()}
-            n = int((batch["labels"] != -100).sum())
-            loss = -wrapper(batch).sum(dtype=torch.float32) / n
-            loss.backward()
-            clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            sched.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach()))
+        return run_steps(wrapper, optimizer, data, args, device)
     finally:
         ref.round_bf16_stochastic = saved
-    return losses
 
 
 def main() -> None:
@@ -118,19 +103,7 @@ def main() -> None:
     t0 = time.perf_counter()
     curves = {v: train_curve(v, cfg, data, args, env) for v in variants}
     wall = time.perf_counter() - t0
-    last = min(10, args.steps)
-    base = curves["fp32"]
-    results = {"fp32": {"first_loss": base[0], "final_loss": statistics.mean(base[-last:])}}
-    for v in variants[1:] if variants[0] == "fp32" else [x for x in variants if x != "fp32"]:
-        c = curves[v]
-        final = abs(statistics.mean(c[-last:]) - statistics.mean(base[-last:]))
-        results[v] = {"first_loss": c[0], "final_loss": statistics.mean(c[-last:]),
-                      "max_abs_diff": max(abs(a - b) for a, b in zip(c, base)), "final_abs_diff": final,
-                      "within_tolerance": bool(math.isfinite(final) and final <= args.tolerance)}
-    print(f"{'variant':13s} {'first':>8s} {'final':>8s} {'max|d|':>8s} {'final|d|':>9s}")
-    for v, r in results.items():
-        print(f"{v:13s} {r['first_loss']:8.4f} {r['final_loss']:8.4f} {r.get('max_abs_diff', 0.0):8.4f} "
-              f"{r.get('final_abs_diff', 0.0):9.4f}" + ("" if v == "fp32" else f"  within {args.tolerance}: {r['within_tolerance']}"))
+    results = compare_curves(curves, "fp32", args.tolerance)
     meta = {"device": torch.cuda.get_device_name() if env.device.type == "cuda" else "cpu", "torch": torch.__version__,
             "steps": args.steps, "tokens": args.tokens, "samples": args.samples, "lr": args.lr, "hidden": args.hidden,
             "layers": args.layers, "vocab": args.vocab, "branching": args.branching, "betas": [0.9, 0.999],

@@ -26,9 +26,9 @@ from itertools import chain
 from typing import Any, Optional
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from megatron_vlm import kernels
+from megatron_vlm.training.adamw_local import local_pieces
 
 __all__ = ["AdamWBf16Moments", "MOMENT_KEYS"]
 
@@ -40,8 +40,6 @@ def _name_key(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 class AdamWBf16Moments(torch.optim.Optimizer):
@@ -60,6 +58,7 @@ class AdamWBf16Moments(torch.optim.Optimizer):
                                       decoupled_weight_decay=True))
         self.seed = int(seed)
         self._keys: dict[int, int] = {id(p): _name_key(name) for p, name in (names or {}).items()}
+        self._names: dict[int, str] = {id(p): name for p, name in (names or {}).items()}
         """id(parameter) -> its rounding key (module docstring): from its name, else from (group, position)."""
         self._steps: dict[int, int] = {}
         """id(parameter) -> its state's step count, mirrored on the host as a Python int: reading the `step` tensor
@@ -113,9 +112,14 @@ class AdamWBf16Moments(torch.optim.Optimizer):
                 n = self._steps.get(id(p), 0) + 1
                 self._steps[id(p)] = n
                 state["step"].fill_(n)
+                pieces = local_pieces([p, p.grad, state["exp_avg"], state["exp_avg_sq"]])
+                if pieces is None:  # FSDP2 redistributes a Partial gradient before the step: not met in a job
+                    raise RuntimeError(f"AdamWBf16Moments: parameter {self._names.get(id(p), pi)} has a Partial or "
+                                       "differently placed gradient / state, which its elementwise update on the local "
+                                       "tensors cannot take; use optimizer.moments_dtype = \"fp32\"")
                 lists = calls.setdefault(n, ([], [], [], [], []))
-                for dst, t in zip(lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
-                    dst.append(_local(t))
+                for dst, t in zip(lists, pieces):
+                    dst.append(t)
                 lists[4].append(self._keys.get(id(p), gi * 1_000_003 + pi))
             beta1, beta2 = group["betas"]
             lr = float(group["lr"])

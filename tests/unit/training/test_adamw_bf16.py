@@ -208,3 +208,26 @@ def test_a_tied_weight_on_two_pipeline_stages_stays_equal(moments_dtype):
             o.step()
     assert (tied[0] - start).abs().max() > 1e-3
     assert torch.equal(tied[0], tied[1]), (tied[0] - tied[1]).abs().max()
+
+
+def test_a_partial_gradient_is_refused_not_applied_unsummed(tmp_path):
+    """A DTensor gradient with a pending sum (Partial) cannot be updated on its local tensor: a clear error naming the
+    parameter, never the unsummed piece applied (FSDP2 redistributes such gradients first, so a job never meets it)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        p = torch.nn.Parameter(DTensor.from_local(torch.ones(4), mesh, [Replicate()]))
+        p.grad = DTensor.from_local(torch.ones(4), mesh, [Partial()])
+        o = AdamWBf16Moments([p], lr=0.1, names={p: "w"})
+        with pytest.raises(RuntimeError, match="parameter w has a Partial"):
+            o.step()
+        assert torch.equal(p.to_local(), torch.ones(4))
+    finally:
+        if owned:
+            dist.destroy_process_group()

@@ -6,7 +6,7 @@
 # A section name it does not know stops it at once (exit 2), before anything runs.
 # Next lease (what the fifth run, H200 2026-11-28, left open: which compiled 16k setting fits an 80 GB H100 and its
 # MFU, sft80, first with bf16 AdamW moments after their Triton kernel's tests, compiled; the compiled 16k step on
-# torch's flash varlen attention, now `auto` on CUDA, against ours, sft16k),
+# torch's flash varlen attention, now `auto` on CUDA, against ours, and without FSDP2 (`parallel.fsdp = false`), sft16k),
 # two commands of <= 560 s each (BUDGET_S=560, run's timeout_s 600); what the first skips for budget, the second runs:
 #   BUDGET_S=560 bash benchmarks/gpu_wave3.sh sft80
 #   BUDGET_S=560 bash benchmarks/gpu_wave3.sh sft16k
@@ -86,6 +86,10 @@ if want sft16k; then
   # torch's flash varlen kernel on CUDA since: the compiled step with it, then with ours (--attention triton)
   step sft_16k_compiled 150 $PY benchmarks/e2e/bench_train_step.py --steps 3 --tokens 16384 --samples 8 --ac $AC16 \
     --compile --profile "$R/sft_16k_compiled_profile.json" --json "$R/sft_16k_compiled.json"
+  # parallel.fsdp = false: bf16 weights with fp32 masters in the optimizer, no FSDP2 casts / copies / hooks (66 ms of
+  # the fifth run's compiled 16k kernels and ~20 ms of host time per step); +7.5 GiB of bf16 weights at this shape
+  step sft_16k_compiled_nofsdp 150 $PY benchmarks/e2e/bench_train_step.py --steps 3 --tokens 16384 --samples 8 \
+    --ac $AC16 --compile --no-fsdp --profile "$R/sft_16k_compiled_nofsdp_profile.json" --json "$R/sft_16k_compiled_nofsdp.json"
   step sft_16k_compiled_triton 110 $PY benchmarks/e2e/bench_train_step.py --steps 3 --tokens 16384 --samples 8 \
     --ac $AC16 --compile --attention triton --json "$R/sft_16k_compiled_triton.json"
   # norm / rotary / swiglu were 66 ms of the compiled 16k step's kernels as our opaque Triton ops: their pure-torch

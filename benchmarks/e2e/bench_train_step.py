@@ -35,6 +35,7 @@ from bench_rollout import make_prompts, positive_int, qwen2_5_vl_3b_config, tiny
 from megatron_vlm.data.batch import shifted_labels  # noqa: E402
 from megatron_vlm.models import build_model, get_family  # noqa: E402
 from megatron_vlm.parallel import apply_ac, build_mesh, clip_grad_norm_, init_distributed  # noqa: E402
+from megatron_vlm.parallel.master_weights import MasterWeights  # noqa: E402
 from megatron_vlm.training.lm_loss import TokenLogprobModel  # noqa: E402
 from megatron_vlm.training.optim import build_optimizer  # noqa: E402
 
@@ -160,6 +161,9 @@ def main() -> None:
     ap.add_argument("--moments", choices=("fp32", "bf16"), default="fp32",
                     help="optimizer.moments_dtype: AdamW's moments in bf16 (our fused kernel; 4 instead of 8 bytes per "
                          "parameter) instead of torch's fused fp32 AdamW")
+    ap.add_argument("--no-fsdp", action="store_true",
+                    help="parallel.fsdp = false (one process): bf16 weights with fp32 masters in the optimizer instead of "
+                         "FSDP2's per-block casts and copies (with --quick too, so the smoke test runs this path)")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
     env = init_distributed()
@@ -190,6 +194,10 @@ def main() -> None:
     ac = "off" if args.no_ac else args.ac
     parallel = SimpleNamespace(dp_replicate=1, dp_shard=-1, compile=args.compile, reshard_after_forward=args.reshard == "on")
     dims, mesh = build_mesh(parallel, env.world_size, device.type)
+    if args.no_fsdp:
+        if env.world_size > 1:
+            ap.error("--no-fsdp runs one process")
+        mesh, param_dtype = None, torch.bfloat16
     if args.ac_full_blocks:
         blocks = model.transformer_blocks()
         if ac != "selective" or not 0 < args.ac_full_blocks <= len(blocks):
@@ -199,9 +207,10 @@ def main() -> None:
     get_family(model.hf_config.get("model_type")).parallelize(
         model, dims, parallel, mesh=mesh, param_dtype=param_dtype, root=wrapper,
         activation_checkpointing=False if ac == "off" else ac)
+    masters = MasterWeights(wrapper, torch.bfloat16) if args.no_fsdp else None
     optimizer = build_optimizer(wrapper, SimpleNamespace(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
                                                          moments_dtype=args.moments), device.type)
-    params = [p for p in wrapper.parameters() if p.requires_grad]
+    params = [p if masters is None else masters.params_or(p) for p in wrapper.parameters() if p.requires_grad]
     batch = packed_batch(cfg, args.samples, tokens, grid)
     lengths = batch.pop("lengths")
     batch = {k: v.to(device) for k, v in batch.items()}
@@ -221,7 +230,7 @@ def main() -> None:
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (1 thread)", "torch": torch.__version__,
             "quick": args.quick, "tokens": n_tokens, "samples": args.samples, "activation_checkpointing": ac,
             "ac_full_blocks": args.ac_full_blocks, "compile": args.compile,
-            "reshard_after_forward": args.reshard == "on", "moments_dtype": args.moments,
+            "reshard_after_forward": args.reshard == "on", "moments_dtype": args.moments, "fsdp": not args.no_fsdp,
             "attention": args.attention or "auto", "kernels": choice, "memory_cap_gib": args.memory_cap_gib,
             "date": time.strftime("%Y-%m-%d")}
     for i in range(args.steps + 1):

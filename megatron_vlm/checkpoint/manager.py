@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 from megatron_vlm.checkpoint.hf import describe_error, fsync_dir, replace_dir
 from megatron_vlm.checkpoint.layout import write_layout
 from megatron_vlm.finite import check_finite
+from megatron_vlm.parallel.master_weights import fp32_view
 
 log = logging.getLogger(__name__)
 
@@ -229,24 +230,8 @@ class CheckpointManager:
         self._agree(step, "creating the temporary folder", err, tmp)
         err = None
         try:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            if hasattr(model, "optim_state_dict_for_save"):  # parallel.pp > 1 (parallel/pipeline.py)
-                optim_sd = model.optim_state_dict_for_save(optim_sd)
-            # a non-finite tensor is never saved: the previous (good) checkpoint must not be pruned for it
-            check_finite({"model": model_sd, "optim": optim_sd.get("state", {})}, f"refusing to save step_{step}")
-            state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-            for name, (module, module_optim) in (modules or {}).items():
-                m_sd, o_sd = get_state_dict(module, module_optim)
-                check_finite({name: m_sd, f"{name} optimizer": o_sd.get("state", {})}, f"refusing to save step_{step}")
-                state[name] = {"model": m_sd, "optim": o_sd}
-            dcp.save(state, checkpoint_id=str(tmp))
-            extra_file = tmp / f"extra_rank{self.rank}.pt"
-            with open(extra_file, "wb") as f:
-                torch.save({**extra, "rng": rng_state(), "step": step}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            if layout is not None and self.rank == 0:
-                write_layout(tmp, layout)
+            with fp32_view(model):  # parallel.fsdp = false: the fp32 masters under the parameters' names
+                self._save_state(tmp, step, model, optimizer, extra, layout, modules)
         except FAILURES as e:
             err = describe_error(e, folder=tmp)
         self._agree(step, "writing shards", err, tmp)
@@ -263,6 +248,28 @@ class CheckpointManager:
         self.last_saved = step
         log.info("saved checkpoint %s", final)
         return final
+
+    def _save_state(self, tmp: Path, step: int, model: torch.nn.Module, optimizer, extra: dict[str, Any],
+                    layout: Optional[dict], modules: Optional[dict[str, tuple[torch.nn.Module, Any]]]) -> None:
+        """`save`'s writing: the DCP shards, this rank's extra file, the layout record."""
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        if hasattr(model, "optim_state_dict_for_save"):  # parallel.pp > 1 (parallel/pipeline.py)
+            optim_sd = model.optim_state_dict_for_save(optim_sd)
+        # a non-finite tensor is never saved: the previous (good) checkpoint must not be pruned for it
+        check_finite({"model": model_sd, "optim": optim_sd.get("state", {})}, f"refusing to save step_{step}")
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        for name, (module, module_optim) in (modules or {}).items():
+            m_sd, o_sd = get_state_dict(module, module_optim)
+            check_finite({name: m_sd, f"{name} optimizer": o_sd.get("state", {})}, f"refusing to save step_{step}")
+            state[name] = {"model": m_sd, "optim": o_sd}
+        dcp.save(state, checkpoint_id=str(tmp))
+        extra_file = tmp / f"extra_rank{self.rank}.pt"
+        with open(extra_file, "wb") as f:
+            torch.save({**extra, "rng": rng_state(), "step": step}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if layout is not None and self.rank == 0:
+            write_layout(tmp, layout)
 
     def _agree(self, step: int, phase: str, err: Optional[str], tmp: Path) -> None:
         """All ranks learn whether `phase` worked everywhere; if not, every rank raises the same error."""
@@ -374,7 +381,13 @@ class CheckpointManager:
 
     def load(self, path: Path, model: torch.nn.Module, optimizer,
              modules: Optional[dict[str, tuple[torch.nn.Module, Any]]] = None) -> dict:
-        """Load `path` into the model and optimizer (and `modules`, as `save` wrote them); the extra file's dict."""
+        """Load `path` into the model and optimizer (and `modules`, as `save` wrote them); the extra file's dict.
+        With `parallel.fsdp = false` in bf16 the checkpoint's fp32 weights load into the masters."""
+        with fp32_view(model):
+            return self._load(path, model, optimizer, modules)
+
+    def _load(self, path: Path, model: torch.nn.Module, optimizer,
+              modules: Optional[dict[str, tuple[torch.nn.Module, Any]]] = None) -> dict:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         for name, (module, module_optim) in (modules or {}).items():
@@ -416,5 +429,7 @@ class CheckpointManager:
 
 
 def full_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Gathered, CPU, unsharded model state dict (on every rank; used for HF export)."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """Gathered, CPU, unsharded model state dict (on every rank; used for HF export; the fp32 masters under
+    `parallel.fsdp = false`)."""
+    with fp32_view(model):
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -181,6 +181,13 @@ class ParallelConfig:
     """Data-parallel replicas (HSDP outer dimension)."""
     dp_shard: int = -1
     """FSDP shard group size; -1 = all remaining ranks."""
+    fsdp: Union[bool, Literal["auto"]] = "auto"
+    """Whether the model becomes FSDP2 units. auto: everywhere except one CPU process in fp32 (nothing to shard,
+    gather or cast there). false (one process, no tp / cp / pp / ep, the native backend): no FSDP2; in bf16 the model
+    holds its weights in bf16 and the optimizer updates fp32 master copies beside them (gradients summed in fp32), the
+    arithmetic of FSDP2's mixed precision on one rank without its per-step copies, casts and hooks; costs the
+    bf16 weights of every parameter besides the masters (FSDP2 gathers one block at a time; --check counts it).
+    true: FSDP2 units even where auto leaves them out."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (ZeRO-3) or keep them until backward (ZeRO-2)."""
     compile: bool = False
@@ -225,6 +232,15 @@ class ParallelConfig:
         above(self, 0, "dp_replicate")
         if self.dp_shard == 0 or self.dp_shard < -1:
             raise ValueError(f"dp_shard: must be -1 or > 0, got {self.dp_shard}")
+        if self.fsdp is False:
+            for key in ("tp", "cp", "pp", "ep", "dp_replicate"):
+                if getattr(self, key) > 1:
+                    raise ValueError(f"fsdp: false runs one process without parallelism; {key} = {getattr(self, key)} "
+                                     "needs FSDP2 (fsdp = \"auto\")")
+            if self.dp_shard > 1:
+                raise ValueError(f"fsdp: false runs one process; dp_shard = {self.dp_shard} shards over FSDP2")
+            if self.backend == "mcore":
+                raise ValueError("fsdp: false is not supported with backend = 'mcore'; use fsdp = \"auto\"")
         if self.backend == "mcore" and self.compile:
             raise ValueError("backend: 'mcore' with compile = true is not supported yet; set compile = false")
 

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.utils import _apply_to_tensors
 from torch.utils.checkpoint import checkpoint
 
 log = logging.getLogger("megatron_vlm")
@@ -281,6 +282,30 @@ def apply_fsdp(
     return model
 
 
+def _cast_inputs(dtype: torch.dtype):
+    """A forward pre-hook casting the floating-point tensors among a module's inputs to `dtype` (FSDP2's
+    `cast_forward_inputs`)."""
+    def cast(x):
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x
+
+    def hook(module, args, kwargs):
+        return _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
+    return hook
+
+
+def apply_input_casts(model: nn.Module, blocks: Iterable[nn.Module], param_dtype: torch.dtype) -> None:
+    """Without FSDP2 units (`parallel.fsdp = false`, parallel/master_weights.py), the input casts FSDP2's mixed
+    precision makes, at the same modules: the root and each block cast their floating-point inputs to `param_dtype`
+    (the pixels, the rotary tables made in fp32), `fp32_weight` modules to fp32, so the step computes what an
+    FSDP2 run on one rank computes."""
+    for module in model.modules():
+        if getattr(module, "fp32_weight", False):
+            module.register_forward_pre_hook(_cast_inputs(torch.float32), with_kwargs=True)
+    for block in blocks:
+        block.register_forward_pre_hook(_cast_inputs(param_dtype), with_kwargs=True)
+    model.register_forward_pre_hook(_cast_inputs(param_dtype), with_kwargs=True)
+
+
 def parallelize_blocks(
     model: nn.Module,
     blocks: list[nn.Module],
@@ -302,7 +327,7 @@ def parallelize_blocks(
     that collective and hang the others; vision parameters in the root unit are gathered with the
     root on every rank instead. `root` is the module that becomes the root FSDP unit (default
     `model`; the trainer passes its log-prob wrapper so the output projection runs inside the root's
-    forward). `mesh` None skips FSDP. `ignored_params` are kept out of FSDP (expert-parallel weights).
+    forward). `mesh` None skips FSDP (with a `param_dtype`: `apply_input_casts`). `ignored_params` are kept out of FSDP (expert-parallel weights).
     """
     checkpoint_blocks(blocks, activation_checkpointing)
     if getattr(parallel_cfg, "compile", False):
@@ -312,4 +337,7 @@ def parallelize_blocks(
                    param_dtype=param_dtype,
                    reshard_after_forward=getattr(parallel_cfg, "reshard_after_forward", True),
                    ignored_params=ignored_params)
+    elif param_dtype is not None and param_dtype != torch.float32:  # bf16 weights, fp32 masters beside them
+        apply_input_casts(root if root is not None else model, blocks if fsdp_blocks is None else fsdp_blocks,
+                          param_dtype)
     return model

@@ -292,7 +292,7 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
                           kv_slots=kv_slots, ep=cfg.parallel.ep, routes_bytes=0.0 if rollout_ranks else routes_bytes,
                           compiled=cfg.parallel.compile,
                           rollout_weights=cfg.rl.rollout.weights if grpo and cfg.rl.rollout_backend == "builtin" else "shared",
-                          moment_bytes=moment_bytes(cfg))
+                          moment_bytes=moment_bytes(cfg), unsharded=cfg.parallel.fsdp is False)
     if rollout_ranks:
         lines += rollout_rank_lines(cfg, shape, compute_bytes=compute, batch_prompts=rollout_prompts, group=group,
                                     tokens=tokens, kv_slots=kv_slots, routes_bytes=routes_bytes,
@@ -318,7 +318,7 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
                                                                 f"vLLM engine exceeds the device's {device_memory_gib:g} GiB", lines)
     lines += [
         f"memory per {'training ' if rollout_ranks else ''}rank (estimate; formulas in megatron_vlm/plan/memory.py)",
-        f"  master weights {gib(mem.params):>12}   gradients {gib(mem.grads):>12}   AdamW {gib(mem.optimizer):>12}",
+        f"  {'weights+masters' if cfg.parallel.fsdp is False else 'master weights'} {gib(mem.params):>12}   gradients {gib(mem.grads):>12}   AdamW {gib(mem.optimizer):>12}",
         f"  gathered block {gib(mem.gathered):>12}   activations {gib(mem.activations)} (checkpointing on "
         f"{gib(mem.activations_ckpt)}, selective {gib(mem.activations_selective)}, off {gib(mem.activations_no_ckpt)})",
         *([] if rollout_ranks else

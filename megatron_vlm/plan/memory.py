@@ -13,6 +13,8 @@ conservative; the numbers it uses (all in bytes, per rank):
 - gradients                = T' x m / F
 - AdamW states             = T' x 2 x o / F (exp_avg, exp_avg_sq; o = 4 bytes, 2 with `optimizer.moments_dtype =
   "bf16"`)
+- with `parallel.fsdp = false` (one process): weights = P x c + T x m where c < m (bf16 weights, fp32 masters beside
+  them), no gathered block;
 - gathered block           = 2 x B' x c, B' = parameters of the largest transformer block, its TP-split
   part divided by tp (FSDP2 all-gathers one block for compute and prefetches the next);
 - activations: t = `data.max_tokens_per_pack` tokens per micro-batch, L decoder layers, h = hidden
@@ -258,13 +260,15 @@ def moment_bytes(cfg: Any) -> int:
 def estimate_memory(shape: ModelShape, *, fsdp: int, master_bytes: int, compute_bytes: int, tokens: int,
                     activation_checkpointing: bool | str, rollout_prompts: int = 0, group_size: int = 0, tp: int = 1,
                     kv_slots: int = 0, ep: int = 1, rollout_weights: str = "shared", routes_bytes: float = 0.0,
-                    moment_bytes: int = 4, compiled: bool = False) -> MemoryPlan:
+                    moment_bytes: int = 4, compiled: bool = False, unsharded: bool = False) -> MemoryPlan:
     """The formulas of the module docstring; `rollout_prompts` 0 = no rollout (SFT); `kv_slots` > 0: the
     rollout cache's token positions when they are fixed (the paged pool, rl.rollout.kv_cache_blocks); `ep`:
     parallel.ep; `rollout_weights`: rl.rollout.weights (GRPO); `routes_bytes`: the routes' decode buffer;
     `activation_checkpointing`: train.activation_checkpointing (false, true / "full", "selective"); `moment_bytes`:
     bytes of each AdamW moment (optimizer.moments_dtype: fp32 4, bf16 2); `compiled`: parallel.compile (under
-    "selective" it splits the checkpoints of MoE / Mamba2 blocks)."""
+    "selective" it splits the checkpoints of MoE / Mamba2 blocks); `unsharded`: parallel.fsdp = false (one process:
+    the weights in the compute dtype, P x c, with the trainable ones' masters beside them, T x m, where c < m; no
+    gathered block)."""
     from megatron_vlm.parallel.apply import ac_policy
 
     policy = ac_policy(activation_checkpointing)
@@ -285,11 +289,14 @@ def estimate_memory(shape: ModelShape, *, fsdp: int, master_bytes: int, compute_
         selective += tokens * (shape.split_act_per_token * compute_bytes + shape.split_bytes_per_token)
     slots = kv_slots if kv_slots and rollout_prompts else rollout_prompts * group_size * tokens
     kv = shape.kv_per_slot * compute_bytes * slots / max(1, tp)
+    weights = params * master_bytes / f
+    if unsharded:
+        weights = params * compute_bytes + (trainable * master_bytes if compute_bytes < master_bytes else 0.0)
     return MemoryPlan(
-        params=params * master_bytes / f,
+        params=weights,
         grads=trainable * master_bytes / f,
         optimizer=trainable * 2 * moment_bytes / f,
-        gathered=2 * (shape.largest_block - shape.tp_largest_block * keep) * compute_bytes,
+        gathered=0.0 if unsharded else 2 * (shape.largest_block - shape.tp_largest_block * keep) * compute_bytes,
         activations={None: no_ckpt, "full": ckpt, "selective": selective}[policy],
         activations_no_ckpt=no_ckpt,
         activations_ckpt=ckpt,

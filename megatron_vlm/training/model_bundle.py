@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -24,6 +24,7 @@ from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.models.mcore.layer import use_mcore_layers
 from megatron_vlm.parallel import ParallelDims, build_mesh
 from megatron_vlm.parallel.collectives import all_reduce_
+from megatron_vlm.parallel.master_weights import MasterWeights
 from megatron_vlm.parallel.mesh import build_ep_mesh
 from megatron_vlm.parallel.pipeline import (
     PipelineRunner,
@@ -98,14 +99,20 @@ def use_mcore_backend(model, tp_mesh=None, ep_mesh=None, grad_divide_factor: flo
              max(getattr(layer, "ep", 1) for layer in layers))
 
 
-def fsdp_needed(world_size: int, precision: str, device_type: str) -> bool:
+def fsdp_needed(world_size: int, precision: str, device_type: str, setting: Union[bool, str] = "auto") -> bool:
     """Whether the model becomes FSDP2 units. One CPU process in full precision has nothing to shard, gather
     or reduce, and FSDP2's per-unit hooks and copies were ~40 ms of a ~1.1 s GRPO step there (3 %,
     benchmarks/RESULTS.md); so its parameters stay plain tensors. Everywhere else FSDP2 stays: bf16 needs its
     MixedPrecisionPolicy (fp32 parameters cast for the forward, gradients reduced in fp32), and on a GPU / NPU
     it is also what moves the parameters, loaded on the CPU, to the device. Checkpoints are DCP either way (a
-    plain tensor loads into a DTensor shard and back), so a run resumes at another process count."""
-    return world_size > 1 or precision == "bf16" or device_type != "cpu"
+    plain tensor loads into a DTensor shard and back), so a run resumes at another process count. `setting`
+    (`parallel.fsdp`): true always, false never (one process: `world_size` > 1 is a ConfigError, exit 2; in bf16 the
+    weights are bf16 with fp32 masters beside them, parallel/master_weights.py), "auto" as above."""
+    if setting is False:
+        if world_size > 1:
+            raise ConfigError(f"parallel.fsdp: false runs one process; this run has {world_size} (use \"auto\")")
+        return False
+    return setting is True or world_size > 1 or precision == "bf16" or device_type != "cpu"
 
 
 def build_model_bundle(ctx: RunContext, *, root: Callable[[torch.nn.Module], Any] = TokenLogprobModel) -> ModelBundle:
@@ -157,15 +164,22 @@ def build_model_bundle(ctx: RunContext, *, root: Callable[[torch.nn.Module], Any
     if cfg.train.precision == "fp8":  # before sharding, as torchao's FSDP2 integration expects
         convert_to_fp8(model, cfg.train.fp8_recipe, env.device)
     family = get_family(model.hf_config.get("model_type"))
-    fsdp_mesh = mesh if fsdp_needed(env.world_size, precision, env.device.type) else None
-    if fsdp_mesh is None:
-        log.info("one CPU process in %s precision: parameters stay plain tensors (no FSDP2 units: nothing to shard "
-                 "or gather, and their hooks cost ~3%% of a CPU GRPO step)", precision)
+    fsdp_mesh = mesh if fsdp_needed(env.world_size, precision, env.device.type, cfg.parallel.fsdp) else None
+    if fsdp_mesh is None and precision == "bf16":
+        log.info("parallel.fsdp = false: no FSDP2 units; bf16 weights with fp32 master copies in the optimizer")
+    elif fsdp_mesh is None:
+        log.info("one %s process in %s precision: parameters stay plain tensors (no FSDP2 units: nothing to shard "
+                 "or gather, and their hooks cost ~3%% of a CPU GRPO step)", env.device.type.upper(), precision)
     # a size parallel.tp does not divide raises TPError: a config error (exit 2, megatron_vlm/runner.py)
     family.parallelize(model, dims, cfg.parallel, mesh=fsdp_mesh,
                        activation_checkpointing=cfg.train.activation_checkpointing,
                        param_dtype=torch.bfloat16 if precision == "bf16" else None, root=wrapper)
     trainable_params = [p for p in wrapper.parameters() if p.requires_grad]
+    if fsdp_mesh is None and env.device.type != "cpu":  # FSDP2 would have moved them
+        wrapper.to(env.device)
+    if fsdp_mesh is None and precision == "bf16":
+        masters = MasterWeights(wrapper, torch.bfloat16)  # clipping reads the masters' fp32 gradients
+        trainable_params = [masters.params_or(p) for p in trainable_params]
     balancer: Optional[MoELoadBalancer] = None
     if pp > 1 and whole_moe:  # each stage balances its own MoE layers (maybe none); reports gather every stage's
         balancer = MoELoadBalancer(model, cfg.moe, all_reduce=stage_all_reduce(mesh), stages=stage_gather_objects(mesh))

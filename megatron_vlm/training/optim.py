@@ -13,6 +13,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from megatron_vlm.errors import ConfigError
+from megatron_vlm.parallel.master_weights import master_weights_of, with_master_weights
 from megatron_vlm.training.adamw_local import LocalShardAdamW
 
 if TYPE_CHECKING:
@@ -66,13 +67,17 @@ def build_optimizer(model: torch.nn.Module, opt_cfg: OptimizerConfig, device_typ
               {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     kwargs: dict[str, Any] = dict(lr=opt_cfg.lr, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps)
+    optimizer: torch.optim.Optimizer
     if getattr(opt_cfg, "moments_dtype", "fp32") == "bf16":
         from megatron_vlm.training.adamw_bf16 import AdamWBf16Moments
 
         # keyed by name: a tied weight held by two pipeline stages (the embedding's name on both) rounds alike there
         names = {p: name for name, p in model.named_parameters() if p.requires_grad}
-        return AdamWBf16Moments(groups, **kwargs, seed=seed, names=names)
-    return LocalShardAdamW(groups, **kwargs, **adamw_implementation(device_type))
+        optimizer = AdamWBf16Moments(groups, **kwargs, seed=seed, names=names)
+    else:
+        optimizer = LocalShardAdamW(groups, **kwargs, **adamw_implementation(device_type))
+    masters = master_weights_of(model)  # parallel.fsdp = false in bf16: the update runs on the fp32 masters
+    return with_master_weights(optimizer, masters) if masters is not None else optimizer
 
 
 def adamw_implementation(device_type: str) -> dict:

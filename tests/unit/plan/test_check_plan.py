@@ -428,3 +428,33 @@ def test_check_counts_bf16_moments_at_two_bytes(qwen2_5_vl_3b):
         lines[dtype] = [float(re.search(rf"{k} +([0-9.]+) GiB", text).group(1)) for k in ("master weights", "gradients", "AdamW")]
     (w32, g32, a32), (w16, g16, a16) = lines["fp32"], lines["bf16"]
     assert (w16, g16) == (w32, g32) and a32 > 10 and a16 == pytest.approx(a32 / 2, abs=0.01), lines
+
+
+def test_check_counts_no_fsdp_weights_beside_their_masters(qwen2_5_vl_3b):
+    """parallel.fsdp = false in bf16: the bf16 weights of every parameter (2 bytes) plus the fp32 masters of the
+    trainable ones (4 bytes) instead of FSDP2's fp32 weights, and no gathered block; gradients and AdamW unchanged."""
+    from megatron_vlm.config import load_config_dict
+
+    got = {}
+    for fsdp in ("auto", False):
+        cfg = load_config_dict({"model": {"path": str(qwen2_5_vl_3b)}, "parallel": {"fsdp": fsdp},
+                                "train": {"max_steps": 1, "precision": "bf16", "train_layers": ["^language_model\\."]},
+                                "data": {"type": "synthetic_vqa", "max_tokens_per_pack": 4096}})
+        out = io.StringIO()
+        assert run_check(cfg, world_size=1, device_memory_gib=141.0, out=out, err=io.StringIO()) == 0
+        text = out.getvalue()
+        got[fsdp] = [float(re.search(rf"{k} +([0-9.]+) GiB", text).group(1))
+                     for k in ("weights\\+masters" if fsdp is False else "master weights", "gradients", "AdamW", "gathered block")]
+    (w, g, a, gathered), (w0, g0, a0, gathered0) = got["auto"], got[False]
+    # P x 4 (FSDP2) against P x 2 + T x 4, T the trainable share (gradients: T x 4)
+    assert w0 == pytest.approx(w / 2 + g, abs=0.02) and w0 > w and (g0, a0) == (g, a), got
+    assert gathered > 0 and gathered0 == 0
+
+
+def test_no_fsdp_refused_with_parallel_layouts():
+    from megatron_vlm.config import load_config_dict
+
+    for key, value in (("tp", 2), ("pp", 2), ("dp_replicate", 2), ("dp_shard", 2), ("backend", "mcore")):
+        with pytest.raises(ValueError, match="fsdp: false"):
+            load_config_dict({"parallel": {"fsdp": False, key: value}, "train": {"max_steps": 1},
+                              "data": {"type": "synthetic_vqa"}})

@@ -2,7 +2,8 @@
 Hu et al. 2025), made in the update once the reference log-probs are known, normalised over the whole step.
 
 Why in the update and not with the group advantages: `reinforce_plus_plus` folds the KL penalty into the per-token
-reward, r_t = -kl_coef x KL_t + [t = last] score, KL_t = loss.kl_estimator(log pi_old(y_t), log pi_ref(y_t)), and
+reward, r_t = -kl_coef x KL_t + [t = last] score, KL_t = loss.kl_estimator(log pi_old(y_t), log pi_ref(y_t))
+(`reinforce_plus_plus_baseline` too with `advantages.kl_in_reward = true`; either without it with false), and
 the reference log-probs exist only after the reference forward of the update (as PPO's critic rewards,
 rl/critic/rewards.py). The score is the completion's group-stage advantage (`TrainSample.advantage`: its reward for
 `reinforce_plus_plus`, its reward minus its group's mean for `reinforce_plus_plus_baseline`).
@@ -26,6 +27,7 @@ import torch
 from megatron_vlm.rl.algorithms.advantage_estimators import (
     ADVANTAGE_ESTIMATORS,
     GAE_DEFAULT_GAMMA,
+    kl_in_reward,
     reinforce_returns,
     resolve_normalize_std,
 )
@@ -49,7 +51,7 @@ class BatchAdvantages:
         if not est.batch_normalised:
             raise ValueError(f"advantage: {rl.advantage!r} is not a batch-normalised estimator")
         self.shards = shards
-        self.kl_coef = float(rl.loss.kl_coef) if est.kl_in_reward else 0.0
+        self.kl_coef = float(rl.loss.kl_coef) if kl_in_reward(rl.advantage, rl.advantages.kl_in_reward) else 0.0
         self.kl_estimator = rl.loss.kl_estimator
         gamma = rl.advantages.gamma
         self.gamma = GAE_DEFAULT_GAMMA if gamma is None else float(gamma)

@@ -19,7 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["plan_lengths_state", "plan_lengths_refusal", "warn_unrecorded_lengths"]
+__all__ = ["plan_lengths_state", "plan_lengths_refusal", "warn_unrecorded_lengths", "differing_settings"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -37,7 +37,7 @@ def plan_lengths_state(lengths: np.ndarray, capacity: int, settings: Optional[di
     return out
 
 
-def _differing(saved: dict, now: dict) -> list[str]:
+def differing_settings(saved: dict, now: dict) -> list[str]:
     """'<key>: <then> then, <now> now' for each recorded setting that differs (a digest: 'another one')."""
     old, new = saved.get("settings"), now.get("settings")
     if not isinstance(old, dict) or not isinstance(new, dict):
@@ -59,7 +59,7 @@ def plan_lengths_refusal(saved: object, now: dict) -> Optional[str]:
               f"{now['tokens']} now")
     what = (f"the samples' token lengths differ from the checkpoint's ({counts}), so the pack plan differs and the "
             "checkpoint's data position would point at other samples")
-    differing = _differing(saved, now)
+    differing = differing_settings(saved, now)
     if differing:
         lead = differing[0].split(":")[0].split(" (")[0]
         return (f"{lead}: {what}; the settings the lengths are estimated with differ ({'; '.join(differing)}). Set "

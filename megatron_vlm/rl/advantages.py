@@ -16,7 +16,8 @@ other rewards of its group:
              penalty in the reward, whitened over every response token of the step on all ranks
              (REINFORCE++, Hu et al. 2025, "REINFORCE++: Stabilizing Critic-Free Policy Optimization with
              Global Advantage Normalization"; rl/batch_advantages.py)
-    reinforce_plus_plus_baseline  r_i - mean, then the same global whitening (the KL stays in the loss)
+    reinforce_plus_plus_baseline  r_i - mean, then the same global whitening (the KL stays in the loss unless
+             advantages.kl_in_reward = true: then per-token returns with it in the reward)
 
 A group of one completion (`rl.batch.group_size = 1`) has advantage 0 under grpo, dr_grpo, rloo and
 reinforce_plus_plus_baseline: they refuse it. `gae` (PPO with a critic) takes its advantages from the critic in the

@@ -2,7 +2,8 @@
 Hu et al. 2025), made in the update once the reference log-probs are known, normalised over the whole step.
 
 Why in the update and not with the group advantages: `reinforce_plus_plus` folds the KL penalty into the per-token
-reward, r_t = -kl_coef x KL_t + [t = last] score, KL_t = loss.kl_estimator(log pi_old(y_t), log pi_ref(y_t)), and
+reward, r_t = -kl_coef x KL_t + [t = last] score, KL_t = loss.kl_estimator(log pi_old(y_t), log pi_ref(y_t))
+(`reinforce_plus_plus_baseline` too with `advantages.kl_in_reward = true`; either without it with false), and
 the reference log-probs exist only after the reference forward of the update (as PPO's critic rewards,
 rl/critic/rewards.py). The score is the completion's group-stage advantage (`TrainSample.advantage`: its reward for
 `reinforce_plus_plus`, its reward minus its group's mean for `reinforce_plus_plus_baseline`).
@@ -19,13 +20,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from megatron_vlm.rl.algorithms.advantage_estimators import (
     ADVANTAGE_ESTIMATORS,
     GAE_DEFAULT_GAMMA,
+    kl_in_reward,
     reinforce_returns,
     resolve_normalize_std,
 )
@@ -49,23 +51,25 @@ class BatchAdvantages:
         if not est.batch_normalised:
             raise ValueError(f"advantage: {rl.advantage!r} is not a batch-normalised estimator")
         self.shards = shards
-        self.kl_coef = float(rl.loss.kl_coef) if est.kl_in_reward else 0.0
+        self.kl_coef = float(rl.loss.kl_coef) if kl_in_reward(rl.advantage, rl.advantages.kl_in_reward) else 0.0
         self.kl_estimator = rl.loss.kl_estimator
         gamma = rl.advantages.gamma
         self.gamma = GAE_DEFAULT_GAMMA if gamma is None else float(gamma)
         self.whiten = resolve_normalize_std(rl.advantage, rl.advantages.normalize_std)
 
-    def rewards(self, s: TrainSample) -> tuple[torch.Tensor, float]:
-        """(float64 [response_length] per-token rewards of sample `s`, its summed KL_t; 0 without the KL in the
-        reward)."""
+    def rewards(self, s: TrainSample) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(float64 [response_length] per-token rewards of sample `s`, its summed KL_t as a float32 0-d tensor, None
+        without the KL in the reward). The sum stays a tensor: `returns` reads the step's sums at once."""
         ref = s.ref_logp if self.kl_coef > 0 else None
         r, kl = token_rewards(s.advantage, s.response_length, old_logp=s.old_logp if ref is not None else None,
                               ref_logp=ref, kl_coef=self.kl_coef, kl_estimator=self.kl_estimator)
-        return r.double(), float(kl.sum()) if kl is not None else 0.0
+        return r.double(), kl.sum() if kl is not None else None
 
     def returns(self, samples: Sequence[TrainSample]) -> tuple[list[torch.Tensor], float]:
         """(float64 [response_length] rewards-to-go of each sample, the summed KL_t of all). One padded batch: the
-        recursion over the positions is a Python loop, which a pass per sample would run samples x length times."""
+        recursion over the positions is a Python loop, which a pass per sample would run samples x length times.
+        The KL total is one host read for the step (each sample's float32 sum, added in order as Python floats): a
+        read per sample is a stream sync each where the log-probs live on the device."""
         parts = [self.rewards(s) for s in samples]
         if not parts:
             return [], 0.0
@@ -76,7 +80,9 @@ class BatchAdvantages:
             padded[i, :r.numel()] = r
             mask[i, :r.numel()] = True
         g = reinforce_returns(padded, mask, gamma=self.gamma)  # a padded position adds no reward and no discount
-        return [g[i, :r.numel()] for i, (r, _) in enumerate(parts)], sum(k for _, k in parts)
+        sums = [k for _, k in parts if k is not None]
+        kl_total = sum(torch.stack(sums).tolist()) if sums else 0.0
+        return [g[i, :r.numel()] for i, (r, _) in enumerate(parts)], kl_total
 
     def prepare(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         """Set every sample's `token_advantages` (float32); the step's advantage/* metrics over all ranks (and

@@ -256,7 +256,7 @@ class RLLossConfig:
     per-token reward, -kl_coef x KL_t of the rollout policy (the old log-probs) against the reference (PPO-RLHF,
     REINFORCE++; loss.kl_estimator, the papers' is k1), which the critic learns to predict / which enters
     REINFORCE++'s returns; actor/kl is still logged. With every other estimator (reinforce_plus_plus_baseline
-    included, as its paper) it is a loss term."""
+    included, as its paper) it is a loss term. advantages.kl_in_reward moves it for the REINFORCE++ estimators."""
     kl_estimator: Literal["k1", "k3"] = "k3"
     """KL estimator per token: k1 = log pi - log pi_ref; k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1
     (non-negative, unbiased). Read only with loss.kl_coef > 0 (another value with 0 is refused)."""
@@ -333,6 +333,15 @@ class RLAdvantagesConfig:
     lam: Optional[float] = None
     """GAE's lambda, the bias / variance trade-off of the advantage (advantage = "gae" only; unset = 0.95, TRL's
     PPO default; 1 = Monte-Carlo returns minus the values, 0 = one-step TD errors). In [0, 1]."""
+    kl_in_reward: Optional[bool] = None
+    """Where loss.kl_coef's KL penalty goes (verl's algorithm.use_kl_in_reward): true = into the per-token rewards,
+    -loss.kl_coef x KL_t on every response token, and out of the loss; false = a loss term. Unset = the estimator's
+    own: true for "gae" and "reinforce_plus_plus", false for the others. With "reinforce_plus_plus_baseline" true makes
+    each token's advantage its return: the group-centred reward on the last token plus the KL penalties from that
+    token on (no discount), then the same global whitening. Read only with loss.kl_coef > 0 (set with 0 it is
+    refused). Refused: true with "grpo", "dr_grpo", "rloo" (one advantage per completion, no per-token reward);
+    false with "gae" (the critic learns the rewards with the penalty in them). The one coefficient goes to one place:
+    never both the reward and the loss."""
 
     def validate(self) -> None:
         for name in ("gamma", "lam"):
@@ -664,7 +673,7 @@ class RLConfig:
     returns of the reward on the last token and the KL penalty -loss.kl_coef x KL_t on every token (discounted by
     advantages.gamma), whitened over every response token of the step on all data-parallel ranks, no critic,
     batch.group_size 1 allowed; "reinforce_plus_plus_baseline" = REINFORCE++ with baseline: reward minus its group's
-    mean, whitened the same way (KL in the loss; G >= 2). More register by name:
+    mean, whitened the same way (KL in the loss unless advantages.kl_in_reward = true; G >= 2). More register by name:
     megatron_vlm/rl/algorithms/advantage_estimators.py."""
     rollout_backend: str = "builtin"
     """The engine that generates the rollouts: "builtin" = the policy engine of megatron_vlm/inference
@@ -742,6 +751,7 @@ class RLConfig:
         self._validate_selection()
         self._validate_groups()
         self._validate_critic()
+        self._validate_kl_in_reward()
         self._validate_env()
         self._validate_across()
         self._validate_async()
@@ -871,6 +881,26 @@ class RLConfig:
         if self.policy_loss == "gspo":
             raise ValueError(f"policy_loss: 'gspo' takes one advantage per sequence; advantage = {self.advantage!r} gives "
                              "one per token (use 'clip', 'gspo_token' or 'cispo')")
+
+    def _validate_kl_in_reward(self) -> None:
+        """`advantages.kl_in_reward`: a setting the estimator can honour, and a KL to place (`loss.kl_coef > 0`)."""
+        from megatron_vlm.rl.algorithms.advantage_estimators import kl_in_reward_choices
+
+        setting = self.advantages.kl_in_reward
+        if setting is None:
+            return
+        value = "true" if setting else "false"
+        if self.loss.kl_coef == 0:
+            raise ValueError(f"advantages.kl_in_reward: {value} has no effect when loss.kl_coef = 0 (no KL penalty, no "
+                             "reference model); set loss.kl_coef > 0 or remove it")
+        if setting in kl_in_reward_choices(self.advantage):
+            return
+        if setting:
+            raise ValueError(f"advantages.kl_in_reward: true needs per-token rewards; advantage = {self.advantage!r} has "
+                             "one advantage per completion (the KL stays in the loss); use advantage = "
+                             "'reinforce_plus_plus_baseline' (a group baseline) or 'reinforce_plus_plus', or remove it")
+        raise ValueError(f"advantages.kl_in_reward: false is not supported with advantage = {self.advantage!r}: the "
+                         "critic learns the per-token rewards with the KL penalty in them; remove it")
 
     def _validate_across(self) -> None:
         """Checks that read more than one table."""

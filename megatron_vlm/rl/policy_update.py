@@ -168,7 +168,8 @@ class PolicyUpdate:
     its values give per-token advantages, the KL penalty moves into its rewards, and it is updated after the policy
     in the same step (only it during `rl.critic.warmup_steps`). REINFORCE++ (`rl.advantage = "reinforce_plus_plus"` /
     `"reinforce_plus_plus_baseline"`): per-token advantages whitened over the step (rl/batch_advantages.py), made
-    after the reference log-probs; with "reinforce_plus_plus" the KL penalty is in their rewards, not the loss."""
+    after the reference log-probs; with "reinforce_plus_plus" (or `rl.advantages.kl_in_reward = true`) the KL penalty
+    is in their rewards, not the loss."""
 
     def __init__(self, ctx: Any, bundle: Any, optim: Any, rl_cfg: Any, *, shards: DataShards,
                  reference: Any = None, metrics: Any = None, critic: Any = None):
@@ -185,7 +186,7 @@ class PolicyUpdate:
         # the loss's settings, validated once here (not per micro-batch)
         self.loss_spec = PolicyLossSpec.from_config(rl_cfg, decoupled=self.decoupled)
         self.batch_advantages = BatchAdvantages(rl_cfg, shards) if batch_normalised(rl_cfg.advantage) else None
-        if critic is not None or kl_in_reward(rl_cfg.advantage):
+        if critic is not None or kl_in_reward(rl_cfg.advantage, rl_cfg.advantages.kl_in_reward):
             # PPO-RLHF, REINFORCE++: the KL penalty is in the per-token rewards (the critic's, the returns'), not the loss
             self.loss_spec = dataclasses.replace(self.loss_spec, kl_coef=0.0)
         self.share_prompts, why = self._prompt_sharing()

@@ -35,7 +35,11 @@ from megatron_vlm.parallel.precision import compute_dtype
 from megatron_vlm.rl.asynchronous.bridge import current_role
 from megatron_vlm.rl.config import RLConfig
 from megatron_vlm.rl.grpo_step import GRPOStep
-from megatron_vlm.rl.prompts.data_state import grpo_data_state, grpo_data_state_refusal
+from megatron_vlm.rl.prompts.data_state import (
+    grpo_data_state,
+    grpo_data_state_refusal,
+    warn_unrecorded_prompt_lengths,
+)
 from megatron_vlm.rl.prompts.dataset import prompt_batches
 from megatron_vlm.rl.prompts.encoder import PromptEncoder
 from megatron_vlm.rl.prompts.lengths import drop_unusable_prompts
@@ -243,13 +247,23 @@ class GRPOLoopStep:
         """reward/calls, data/skipped_prompts, ...: counted on from the checkpoint's totals after a resume."""
         files = [Path(f) for f in getattr(train_set, "files", ())]
         self._files = content_signatures(files) if files else None
+        self._lengths = getattr(train_set, "start_lengths", None)
+        """The train prompts' lengths measured at start-up (`PromptLengths`; None: not measured)."""
+
+    def check_data_state(self, state: dict) -> None:
+        """ConfigError (exit 2, naming the key) when this run would not continue the checkpoint's prompt order; one
+        warning when the checkpoint predates the prompt-lengths digest."""
+        refusal = grpo_data_state_refusal(state, **self._order(), data_files=self._data_files(),
+                                          prompt_lengths=self._prompt_lengths())
+        if refusal:  # another prompt set / seed / step size: exit 2 naming the key (rl/prompts/data_state.py)
+            raise ConfigError(refusal)
+        if self._lengths is not None and "prompt_lengths" not in state:
+            warn_unrecorded_prompt_lengths()
 
     def load_data_state(self, state: dict, step: int) -> None:  # noqa: ARG002 (the order is a function of the step)
         """The checkpoint's prompt order checked, its running totals and the prompts skipped before it restored (the
         steps before the checkpoint are not drawn again; those this run left out at start-up again count once)."""
-        refusal = grpo_data_state_refusal(state, **self._order(), data_files=self._data_files())
-        if refusal:  # another prompt set / seed / step size: exit 2 naming the key (rl/prompts/data_state.py)
-            raise ConfigError(refusal)
+        self.check_data_state(state)
         shards = self.grpo.shards
         restore_saved_bad_records(self.bad_records, state, same_split=state.get("dp_size") == shards.world,
                                   is_main=self.ctx.env.is_main)
@@ -268,7 +282,8 @@ class GRPOLoopStep:
         """The prompt order, the running totals and this rank's skipped prompts; also writes bad_records.json
         (collective: every rank saves), so a run killed later leaves the summary of everything up to its checkpoint."""
         shards = self.grpo.shards
-        state = {**grpo_data_state(step, **self._order(), data_files=self._data_files()), **self.totals.state(),
+        state = {**grpo_data_state(step, **self._order(), data_files=self._data_files(),
+                                   prompt_lengths=self._prompt_lengths()), **self.totals.state(),
                  "dp_size": shards.world,
                  **moe_report_state(self._balancer()), **moe_report_state(self._balancer(critic=True), "critic_moe_report")}
         return save_bad_records(state, self.bad_records, self.ctx.run_dir, is_main=self.ctx.env.is_main,
@@ -278,6 +293,10 @@ class GRPOLoopStep:
         """The train prompt files' `content_signatures` (read when the step object is made, as the prompts were
         read at start-up), None for prompts without files."""
         return self._files
+
+    def _prompt_lengths(self) -> Optional[dict]:
+        """The train prompts' length record (`PromptLengths.state()`), None when they were not measured."""
+        return self._lengths.state() if self._lengths is not None else None
 
     def _order(self) -> dict:
         """What the prompt order is a function of (with the step)."""

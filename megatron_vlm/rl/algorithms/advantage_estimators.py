@@ -21,7 +21,13 @@ Adding an estimator: a function with the `AdvantageFn` signature decorated with
 `normalize_adv_std = false`; otherwise asking it to is refused; `needs_groups=False` for one whose baseline is not
 the group's, e.g. a batch-wide one: it then also runs with groups of one, the [P, 1] matrix; `batch_normalised=True`
 for a batch estimator, `kl_in_reward=True` when `loss.kl_coef`'s penalty goes into its per-token rewards instead of
-the loss); a token estimator with the `TokenAdvantageFn` signature decorated with `@register_token_advantage("name")`.
+the loss by default); a token estimator with the `TokenAdvantageFn` signature decorated with
+`@register_token_advantage("name")`.
+
+Where the KL penalty goes (`kl_in_reward`): a batch estimator has per-token rewards, so `rl.advantages.kl_in_reward`
+may move `loss.kl_coef`'s penalty into them or keep it in the loss (its registered default when unset); a token
+estimator (`gae`) always has it in the critic's rewards; a group estimator has one advantage per completion and keeps
+it in the loss. One coefficient goes to one place: never in both.
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ from megatron_vlm.rl.algorithms.registry import Registry
 __all__ = ["ADVANTAGE_ESTIMATORS", "AdvantageEstimator", "AdvantageFn", "AdvantageSpec", "TokenAdvantageFn",
            "register_advantage", "register_token_advantage", "resolve_normalize_std", "needs_critic",
            "min_group_size", "gae_advantages", "GAE_DEFAULT_GAMMA", "GAE_DEFAULT_LAM", "batch_normalised", "kl_in_reward",
-           "reads_gamma", "reinforce_returns"]
+           "kl_in_reward_choices", "reads_gamma", "reinforce_returns"]
 
 
 class AdvantageFn(Protocol):
@@ -72,8 +78,8 @@ class AdvantageEstimator:
     rewards-to-go (`reinforce_returns`) and whitens them over the step's response tokens on all data-parallel ranks
     (megatron_vlm/rl/batch_advantages.py; `normalize_adv_std = false`: centred only)."""
     kl_in_reward: bool = False
-    """`loss.kl_coef`'s KL penalty is folded into the per-token rewards (-kl_coef x KL_t on every response token)
-    instead of the loss (PPO-RLHF's `gae`, `reinforce_plus_plus`)."""
+    """By default (`rl.advantages.kl_in_reward` unset) `loss.kl_coef`'s KL penalty is folded into the per-token
+    rewards (-kl_coef x KL_t on every response token) instead of the loss (`reinforce_plus_plus`; `gae` always)."""
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", "advantage")
@@ -129,10 +135,12 @@ def reinforce_pp_scores(r: torch.Tensor, *, normalize_std: bool, eps: float) -> 
 def reinforce_pp_baseline_scores(r: torch.Tensor, *, normalize_std: bool, eps: float) -> torch.Tensor:
     """REINFORCE++ with baseline (Hu et al. 2025, for reasoning with G > 1 samples per prompt): r_i minus the mean
     reward of its group, the same value on every token of the completion, whitened over every response token of the
-    step on all ranks as `reinforce_plus_plus`. The KL penalty stays in the loss (loss.kl_coef, loss.kl_estimator), as
-    in the paper (a KL loss term) and verl's `compute_reinforce_plus_plus_baseline_outcome_advantage` with its default
-    `use_kl_in_reward = false` (verl would otherwise sum -kl_coef x KL_t into the score before the group mean);
-    no discount (advantages.gamma is refused)."""
+    step on all ranks as `reinforce_plus_plus`. By default the KL penalty stays in the loss (loss.kl_coef,
+    loss.kl_estimator), as in the paper (a KL loss term) and verl's default `use_kl_in_reward = false`. With
+    `advantages.kl_in_reward = true` it goes into the per-token rewards instead: -kl_coef x KL_t on every token, the
+    centred score added at the last, and each token's advantage is its return (OpenRLHF's `reinforce_baseline`
+    without `--use_kl_loss`; verl instead sums the KL into the score before the group mean, one value per
+    completion). No discount either way (advantages.gamma is refused)."""
     return r - r.mean(dim=1, keepdim=True)
 
 
@@ -141,17 +149,31 @@ def batch_normalised(estimator: str) -> bool:
     return estimator in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS.get(estimator).batch_normalised
 
 
-def kl_in_reward(estimator: str) -> bool:
-    """Whether `loss.kl_coef`'s KL penalty goes into `estimator`'s per-token rewards instead of the loss (gae,
-    reinforce_plus_plus)."""
+def kl_in_reward(estimator: str, setting: Optional[bool] = None) -> bool:
+    """Whether `loss.kl_coef`'s KL penalty goes into `estimator`'s per-token rewards instead of the loss:
+    `setting` (`rl.advantages.kl_in_reward`) where given, else the estimator's default (gae, reinforce_plus_plus).
+    Which settings an estimator takes: `kl_in_reward_choices`."""
     if estimator not in ADVANTAGE_ESTIMATORS:
         return False
+    if setting is not None:
+        return bool(setting)
     est = ADVANTAGE_ESTIMATORS.get(estimator)
     return est.kl_in_reward or est.token_fn is not None
 
 
+def kl_in_reward_choices(estimator: str) -> tuple[bool, ...]:
+    """The values of `rl.advantages.kl_in_reward` that `estimator` can honour: both for a batch estimator (per-token
+    rewards, and a loss that can hold the KL term), true only for a token estimator (the critic learns the rewards
+    with the penalty in them), false only for a group estimator (one advantage per completion: no per-token reward)."""
+    est = ADVANTAGE_ESTIMATORS.get(estimator)
+    if est.token_fn is not None:
+        return (True,)
+    return (False, True) if est.batch_normalised else (False,)
+
+
 def reads_gamma(estimator: str) -> bool:
-    """Whether `estimator` discounts per-token rewards by `advantages.gamma` (gae, reinforce_plus_plus)."""
+    """Whether `estimator` discounts per-token rewards by `advantages.gamma` (gae, reinforce_plus_plus; not the
+    baseline variant, whose returns are undiscounted with the KL in its rewards too)."""
     return kl_in_reward(estimator)
 
 

@@ -63,6 +63,18 @@ def _cat(pieces: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
     return torch.cat(present) if present else torch.zeros(0, dtype=torch.float32)
 
 
+def _aligned(pieces: Sequence[Optional[torch.Tensor]], lengths: Sequence[int], what: str) -> torch.Tensor:
+    """The samples' per-token tensors concatenated, each checked against its sample's response length first: the
+    batched GAE sees only the concatenation, where one sample's value too many and the next one's too few add up
+    to the right total and shift every later value onto another token. Shapes only: no host read."""
+    for i, (p, n) in enumerate(zip(pieces, lengths)):
+        if p is None or p.numel() != n:
+            got = "no values" if p is None else f"{p.numel()} values"
+            raise ValueError(f"{what}: sample {i} of the step has {got} for its {n} response tokens (the critic's "
+                             "values must be one per response token of each sample)")
+    return _cat(pieces)
+
+
 class Critic:
     """`model`: the `ValueModel`; `optimizer`: its own AdamW; `rl`: the `[rl]` section; `shards`: the data
     shards; `max_grad_norm`, `seed`: train.max_grad_norm, train.seed; `balancer`: the MoE load balancer of the
@@ -107,7 +119,7 @@ class Critic:
         r, kl_sum = step_token_rewards([s.score for s in samples], lengths, old_logp=[s.old_logp for s in samples],
                                        ref_logp=[s.ref_logp for s in samples], kl_coef=self.rl.loss.kl_coef,
                                        kl_estimator=self.rl.loss.kl_estimator)
-        v_flat = _cat([s.old_values for s in samples])
+        v_flat = _aligned([s.old_values for s in samples], lengths, "old_values")
         adv_flat, ret_flat = self._gae(r, v_flat, lengths)
         for s, adv, ret in zip(samples, adv_flat.split(lengths), ret_flat.split(lengths)):
             s.token_advantages, s.returns = adv, ret
@@ -144,7 +156,8 @@ class Critic:
         [samples, longest] batch: the estimator's recursion over the positions is a Python loop of a few tensor ops
         per position (~10 us), so a call per sample cost samples x length of them, one call of the batch only its
         longest response. Each row equals its sample's own call bit for bit (element-wise ops; a padded position
-        after a row's last token leaves the recursion's zero start as it is)."""
+        after a row's last token leaves the recursion's zero start as it is). `values` must be aligned per sample
+        (`_aligned` checks each sample's count; only the total can be checked here)."""
         if values.numel() != sum(lengths) or rewards.numel() != sum(lengths):
             raise ValueError(f"old_values / rewards: {values.numel()} / {rewards.numel()} entries for "
                              f"{sum(lengths)} response tokens")

@@ -135,6 +135,9 @@ class PromptDataset:
     """The same rows by (file, line / row, category), counted as the SFT data loader counts them."""
     files: list[Path] = field(default_factory=list)
     """The files the prompts were read from, in reading order (a GRPO checkpoint records their content)."""
+    start_lengths: Optional[Any] = None
+    """The token lengths the start-up filter measured the prompts with (`lengths.PromptLengths`; None: not
+    filtered): a GRPO checkpoint records their digest, since which prompts were kept depends on them."""
 
     def __len__(self) -> int:
         return len(self.samples)

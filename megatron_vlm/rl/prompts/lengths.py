@@ -24,23 +24,30 @@ rollout ranks reach it at different times, so each of them runs the whole pass. 
 refused in GRPO, so the length pool of forked workers is not used here.
 The trainer and the asynchronous rollout ranks call this with the same configuration, so both keep
 the same prompts in the same order.
+
+Which prompts are kept, and so the prompt order of every step, depends on these lengths: the kept set carries them
+(`PromptDataset.start_lengths`), and a checkpoint records their digest (rl/prompts/data_state.py), so a resume whose
+tokenizer, chat template or image settings keep other prompts (as many or not) is refused.
 """
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any, Optional
 
 import numpy as np
 
 from megatron_vlm.data.bad_records import BadRecordLog
-from megatron_vlm.data.lengths import compute_lengths
+from megatron_vlm.data.lengths import compute_lengths, planning_settings
 from megatron_vlm.data.media import MediaLimits
+from megatron_vlm.data.plan_lengths import plan_lengths_state
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.rl.config import RLRolloutConfig
 from megatron_vlm.rl.prompts.dataset import PromptDataset
 from megatron_vlm.rl.prompts.sets import PromptSets
 
-__all__ = ["check_generation_budget", "prompt_token_budget", "drop_unusable_prompts"]
+__all__ = ["check_generation_budget", "prompt_token_budget", "drop_unusable_prompts", "PromptLengths"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -84,6 +91,23 @@ def prompt_token_budget(data_cfg: Any, rl_cfg: Any) -> int:
     return data_cfg.max_tokens_per_pack - generated
 
 
+class PromptLengths:
+    """Every prompt's token length as the start-up filter measured it (-1: unreadable), the prompt-token budget it
+    kept them under, and the settings they were measured with (computed when first recorded: that hashes the
+    tokenizer). `state()`: the record a checkpoint keeps (`plan_lengths.plan_lengths_state`: a digest of every
+    length, the kept prompts and their tokens, the settings; and the prompts measured)."""
+
+    def __init__(self, lengths: np.ndarray, budget: int, settings: Callable[[], dict[str, str]]):
+        self.lengths, self.budget, self.settings = lengths, budget, settings
+        self._state: Optional[dict] = None
+
+    def state(self) -> dict:
+        if self._state is None:
+            self._state = {**plan_lengths_state(self.lengths, self.budget, self.settings()),
+                           "prompts": int(np.asarray(self.lengths).size)}
+        return self._state
+
+
 class _PromptRecords:
     """A prompt set as a data-pipeline record source (`get`, `locate`) for `compute_lengths`."""
 
@@ -125,7 +149,10 @@ def _filter(ds: PromptDataset, processor, data_cfg: Any, budget: int, key: str, 
     ids = {(b.source, b.index) for b in found.entries}
     skipped = list(ds.skipped) + [(ds[i].prompt_id, "left out at start-up") for i in range(len(ds))
                                   if (ds[i].source or ds[i].prompt_id, ds[i].index) in ids]
-    return PromptDataset([ds[i] for i in keep], ds.schema, skipped, ds.bad_records, files=ds.files)
+    settings = functools.partial(planning_settings, processor, max_frames=data_cfg.max_frames, fps=data_cfg.fps,
+                                 limits=MediaLimits.from_config(data_cfg))
+    return PromptDataset([ds[i] for i in keep], ds.schema, skipped, ds.bad_records, files=ds.files,
+                         start_lengths=PromptLengths(np.asarray(lengths), budget, settings))
 
 
 def drop_unusable_prompts(sets: PromptSets, processor, data_cfg: Any, rl_cfg: Any,

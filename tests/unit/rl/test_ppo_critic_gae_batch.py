@@ -177,3 +177,19 @@ def test_values_of_the_wrong_length_are_refused():
     samples[1]._v = torch.zeros(3)  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="entries for 5 response tokens"):
         _critic().prepare(samples, PACKS, TO_BATCH)
+
+
+def test_values_misaligned_between_samples_are_refused_naming_the_sample(monkeypatch):
+    """One sample with a value too many and the next with one too few add up to the step's token count: the batched
+    GAE would take the first sample's extra value as the second's first and train every later token on a shifted
+    value. Each sample's count is checked against its response length (shapes, no host read)."""
+    samples = _samples([3, 2, 4], seed=7)
+    critic = _critic()
+
+    def misaligned(ss, packs, to_batch):
+        for s, n in zip(ss, [3, 3, 3]):
+            s.old_values = torch.zeros(n)
+
+    monkeypatch.setattr(critic, "values", misaligned)
+    with pytest.raises(ValueError, match=r"^old_values: sample 1 of the step has 3 values for its 2 response tokens"):
+        critic.prepare(samples, PACKS, TO_BATCH)

@@ -132,7 +132,8 @@ def _moe_update(folder, sharing: str, aux: float):
             batch=NS(ppo_epochs=1, mini_batches_per_step=1, group_size=4), rollout=NS(temperature=1.0, max_new_tokens=8),
             loss=NS(loss_agg="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2, kl_coef=0.0, kl_estimator="k3",
                     entropy_coef=0.0, rollout_correction="none", rollout_correction_cap=2.0),
-            advantages=NS(overlong_buffer=0, dynamic_sampling=False, normalize_std=None, drop_equal_reward_groups=False),
+            advantages=NS(overlong_buffer=0, dynamic_sampling=False, normalize_std=None, drop_equal_reward_groups=False,
+                          kl_in_reward=None),
             update=NS(mask_truncated=False, prompt_sharing=sharing, skip_zero_advantage=True),
             asynchronous=NS(max_head_offpolicyness=0), eval=NS(correct_threshold=1.0))
     grpo = GRPOStep(ctx, bundle, OptimState(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)), rl,

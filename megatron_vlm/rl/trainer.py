@@ -31,6 +31,7 @@ from megatron_vlm.inference.engine import RolloutEngine
 from megatron_vlm.inference.kv_budget import kv_bytes_per_slot, rollout_prompts_for_budget
 from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
 from megatron_vlm.parallel.collectives import all_reduce_max, barrier
+from megatron_vlm.parallel.master_weights import master_weights_of
 from megatron_vlm.parallel.precision import compute_dtype
 from megatron_vlm.rl.asynchronous.bridge import current_role
 from megatron_vlm.rl.config import RLConfig
@@ -133,6 +134,18 @@ def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: tor
                                    sync_from=bundle.model)
     if rl.rollout.weights == "expert_parallel":  # dense weights whole, this rank's experts (inference/ep_rollout.py)
         return build_ep_rollout_engine(rl, bundle, model_path, dtype=dtype, device=device, per_batch=per_batch)
+    if master_weights_of(bundle.wrapper) is not None:
+        # parallel.fsdp = false: the trainer's weights are already a bf16 inference copy on this process (no FSDP
+        # root to call, no gather, no other rank), updated in place by each optimizer step: the engine decodes with
+        # them as with its own copy (continuous batching, CUDA graphs, which keep reading the same tensors) and
+        # nothing is copied. Its q / k / v stay unfused: the optimizer holds those Parameters.
+        log.info("rollout: the engine decodes with the trainer's bf16 weights in place (parallel.fsdp = false; "
+                 "continuous batching, nothing gathered or copied)")
+        return PolicyRolloutEngine(bundle.model, bundle.processor.tokenizer,
+                                   EngineOptions(cache_dtype=dtype, device=device,
+                                                 max_num_seqs=per_batch * rl.batch.group_size,
+                                                 cuda_graphs=rl.rollout.cuda_graphs, record_routes=True,
+                                                 fuse_projections=False, **paged_kv_kwargs(rl)))
     return PolicyRolloutEngine(bundle.model, bundle.processor.tokenizer,
                                EngineOptions(cache_dtype=dtype, device=device, max_prompts_per_batch=per_batch,
                                              cuda_graphs=rl.rollout.cuda_graphs, record_routes=True, **paged_kv_kwargs(rl)),

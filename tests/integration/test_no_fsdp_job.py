@@ -60,3 +60,19 @@ def test_no_fsdp_fp8_job_is_fsdp2_bitwise(tmp_path):
     run_job(small_demo_overrides(tmp_path / "plain", assets, **sets, **{"parallel.fsdp": "false"}))
     a, b = _rows(tmp_path / "fsdp"), _rows(tmp_path / "plain")
     assert sorted(a) == [1, 2, 3] and a == b, (a, b)
+
+
+def test_no_fsdp_grpo_decodes_with_the_trainer_weights_as_fsdp2_shared(tmp_path):
+    """GRPO with rl.rollout.weights = "shared" and no FSDP2: the engine decodes with the trainer's bf16 weights as its
+    own copy (continuous batching, no FSDP root to call); rollouts, rewards and updates over 4 steps are those of the
+    FSDP2 run's lock-step shared engine, bit for bit."""
+    from test_grpo_job import GRPO_DEMO, grpo_overrides
+
+    assets, sets = tmp_path / "assets", {"train.precision": '"bf16"', "checkpoint.every_steps": "0"}
+    run_job(grpo_overrides(tmp_path / "fsdp", assets, **sets), config=GRPO_DEMO)
+    r = run_job(grpo_overrides(tmp_path / "plain", assets, **sets, **{"parallel.fsdp": "false"}), config=GRPO_DEMO)
+    assert "decodes with the trainer's bf16 weights in place" in r.stderr
+    keys = ("loss", "reward/mean", "grad_norm", "response_length/mean")
+    a, b = ([{k: x.get(k) for k in keys} for x in read_metrics(tmp_path / run / "metrics_train.csv")] for run in ("fsdp", "plain"))
+    assert len(a) == 4 and a == b, (a, b)
+    assert len({row["reward/mean"] for row in a}) > 1  # the updates changed what was generated

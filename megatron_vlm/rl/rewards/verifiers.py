@@ -105,8 +105,14 @@ _REASON = re.compile(r"(?:^|[,;]\s*)(?:because|since|as(?!\s+well\b)|given|due\s
                      re.IGNORECASE | re.DOTALL)
 
 
+# what joins inline options into a list ("A: red, B: blue, or C: green."): not part of an option's text
+_INLINE_JOIN = re.compile(r"(?:[\s,;.]|\b(?:or|and)\b)+$", re.IGNORECASE)
+
+
 def parse_choices(prompt: str, letters: str) -> dict[str, str]:
-    """Options written one per line in the prompt ("A. 3", "(B) 5 cm", "C: 7") -> {letter: text}."""
+    """Options written one per line in the prompt ("A. 3", "(B) 5 cm", "C: 7") -> {letter: text}; or, with fewer
+    than two such lines, inline ("A. 3 B. 5 C. 7", "A: red, B: blue, or C: green"), each text without the commas,
+    semicolons, final period and "or" / "and" that join the list."""
     out: dict[str, str] = {}
     for line in prompt.splitlines():
         m = _OPTION_LINE.match(line)
@@ -119,7 +125,7 @@ def parse_choices(prompt: str, letters: str) -> dict[str, str]:
             inline = {}
             for letter, text in zip(parts[1::2], parts[2::2]):
                 if letter in letters and letter not in inline:
-                    inline[letter] = text.strip()
+                    inline[letter] = _INLINE_JOIN.sub("", text.strip()) or text.strip()
             if len(inline) >= 2:
                 out = inline
     return out

@@ -37,3 +37,20 @@ def test_one_text_item_and_a_string_turn(tmp_path):
     assert _bench(tmp_path, "How many?")["content"] == "Q: How many? Answer in one word."
     turn = _bench(tmp_path, [{"type": "text", "text": "How many?"}])
     assert turn["content"] == [{"type": "text", "text": "Q: How many? Answer in one word."}]
+
+
+def test_a_messages_benchmark_gives_the_verifiers_its_question(tmp_path):
+    """The choice verifier reads the options from the question when the row has no `choices` (as in training, where
+    a messages prompt's question text is the verifiers' prompt): a messages benchmark scored with verifier = "choice"
+    passed it no question, so an answer given as the option's text ("blue" for "B. blue") scored 0."""
+    from megatron_vlm.testing.tiny_processor import build_tiny_qwen2_5_vl_processor
+    from tests.unit.eval.bench_harness import AnswerEngine, evaluate, write_messages
+
+    path = write_messages(tmp_path / "c.jsonl", [(None, "Which colour is the sky?\nA. red\nB. blue", "B"),
+                                                 (None, "Which colour is grass?\nA. green\nB. blue", "A")])
+    proc = build_tiny_qwen2_5_vl_processor(tmp_path / "proc")
+    bench = BenchmarkConfig(name="c", path=str(path), format="messages", verifier="choice")
+    result = evaluate(proc, bench, engine=AnswerEngine("blue"))
+    assert [r["greedy_score"] for r in result["rows"]] == [1.0, 0.0]
+    src = open_benchmark(bench, template="Q: {problem}").source
+    assert src.get(0).meta["problem"] == "Which colour is the sky?\nA. red\nB. blue"

@@ -10,7 +10,8 @@ a config may leave `[train]` out); the config needs `[model] path` and `[eval]` 
 `[[eval.benchmarks]]` table (docs/evaluation.md). Results go to `train.output_dir`:
 eval_results.json, eval_results.md, eval_predictions/ and the resolved config as eval_config.toml (never
 config.toml: pointed at a training run's folder, the run's own config.toml stays as it is). Config errors,
-and a folder another job is writing to, exit with code 2.
+and a folder another job is writing to, exit with code 2. A stopped job's finished benchmarks stay in
+eval_partial/ for the job run again in the folder (megatron_vlm/eval/resume.py).
 """
 from __future__ import annotations
 

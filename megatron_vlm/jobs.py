@@ -44,6 +44,7 @@ from megatron_vlm.eval.benchmark_eval import VerifierScorer, evaluate_benchmark
 from megatron_vlm.eval.benchmarks import open_benchmark
 from megatron_vlm.eval.grpo_accuracy import GRPOEvaluator
 from megatron_vlm.eval.report import clear_eval_results, write_eval_results
+from megatron_vlm.eval.resume import benchmark_fingerprint, evaluate_benchmarks_kept
 from megatron_vlm.eval.settings import eval_settings
 from megatron_vlm.eval.sft import SFTEvaluator
 from megatron_vlm.parallel.collectives import barrier
@@ -262,9 +263,11 @@ def _evaluate_benchmarks(ctx: RunContext) -> list[dict]:
         clear_eval_results(ctx.run_dir)
     if cfg.eval.adapter:
         ctx = dataclasses.replace(ctx, cfg=dataclasses.replace(cfg, lora=_eval_adapter_lora(cfg.eval.adapter)))
+    data_identities = []
     for i, bench in enumerate(cfg.eval.benchmarks):  # every benchmark's files readable before the first is scored
-        open_benchmark(bench, template=bench.prompt_template or cfg.eval.prompt_template,
-                       system_prompt=cfg.eval.system_prompt, key=f"eval.benchmarks[{i}].path")
+        opened = open_benchmark(bench, template=bench.prompt_template or cfg.eval.prompt_template,
+                                system_prompt=cfg.eval.system_prompt, key=f"eval.benchmarks[{i}].path")
+        data_identities.append(opened.source.identity())
     try:
         bundle = build_model_bundle(ctx)
     except LoRASetupError as e:
@@ -274,17 +277,29 @@ def _evaluate_benchmarks(ctx: RunContext) -> list[dict]:
     check_moe_section(cfg, bundle.model, bundle.layer_kinds)  # [kernels] backends of ops the model lacks ([moe] is refused for eval)
     engine = answer_engine(ctx, bundle)
     scorer = VerifierScorer(cfg.eval)
-    results = []
+    benches = cfg.eval.benchmarks
+    # after the model build: a synthesized model folder exists now, as it will when the job runs again
+    settings = eval_settings(cfg, ctx.env.world_size)
+    fingerprints = [benchmark_fingerprint(settings, i, b.name, data_identities[i], cfg.model.path, cfg.eval.adapter)
+                    for i, b in enumerate(benches)]
+
+    def evaluate(i: int) -> dict:
+        result = evaluate_benchmark(ctx, bundle, engine, benches[i], scorer, bench_index=i)
+        log.info("eval %s: %s (%d rows, %d bad records, verifier failures %s)", benches[i].name,
+                 {k: round(v, 4) for k, v in result["metrics"].items() if isinstance(v, float)},
+                 result["num_rows"], result["bad_records"]["num_bad_records"], result["verifier_failures"])
+        return result
+
+    def kept(i: int, result: dict) -> None:
+        log.info("eval %s: kept from the earlier job in %s that stopped before its results (same settings, model and "
+                 "data files): %s", benches[i].name, ctx.run_dir,
+                 {k: round(v, 4) for k, v in result["metrics"].items() if isinstance(v, float)})
+
     try:
-        for i, bench in enumerate(cfg.eval.benchmarks):
-            result = evaluate_benchmark(ctx, bundle, engine, bench, scorer, bench_index=i)
-            log.info("eval %s: %s (%d rows, %d bad records, verifier failures %s)", bench.name,
-                     {k: round(v, 4) for k, v in result["metrics"].items() if isinstance(v, float)},
-                     result["num_rows"], result["bad_records"]["num_bad_records"], result["verifier_failures"])
-            results.append(result)
+        return evaluate_benchmarks_kept(ctx.run_dir, [b.name for b in benches], fingerprints, evaluate,
+                                        is_main=ctx.env.is_main, on_kept=kept)
     finally:
         scorer.close()
-    return results
 
 
 def _write_eval_results(ctx: RunContext, results: list[dict]) -> int:

@@ -114,7 +114,9 @@ class EvalConfig:
     """Generation budget per completion (a prompt longer than data.max_tokens_per_pack minus this is
     skipped and counted)."""
     stop: list[str] = field(default_factory=list)
-    """Stop strings (EOS always stops)."""
+    """Stop strings (EOS always stops): a completion ends with the token that completes the first one, and the text
+    the verifiers score ends right after it, the stop string kept (as the training rewards see a rollout's; unlike
+    lm-eval's `until`, which drops it)."""
     batch_size: int = 16
     """Prompts per generation call on one rank (every rank generates; the files are split over ranks)."""
     prompt_template: str = "{problem}"

@@ -8,7 +8,7 @@
 - the evaluation job (`[train] mode = "eval"`, launch/evaluate.py): `config` (the `[eval]` section),
   `benchmarks` (column adapters of the public benchmark releases), `benchmark_eval` (greedy and
   sampled scoring through `answer_accuracy.generate_answers`), `report` (eval_results.json / .md),
-  `settings` (the run's settings those record).
+  `settings` (the run's settings those record), `resume` (the benchmarks a stopped job finished, kept).
 
 Import from the modules (`megatron_vlm.eval.accuracy`); this file imports nothing.
 """

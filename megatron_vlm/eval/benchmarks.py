@@ -269,6 +269,32 @@ class OpenedBenchmark:
     """Rows left out while opening (malformed JSON lines); per-row problems are added by the loader."""
 
 
+def _text_of(content: Any) -> str:
+    """The text of a turn's content (a string, or its text items joined as the chat templates write them)."""
+    if isinstance(content, str):
+        return content.strip()
+    return "".join(it["text"] for it in content if it.get("type") == "text").strip()
+
+
+def _templated(template: str, content: Any) -> Any:
+    """A user turn's content with `template` applied to its text once: a turn of several text items (text around
+    its images) gets the template's text before {problem} ahead of its first item and the text after it behind its
+    last, where `template.format(problem=<the turn's text>)` puts them (applied to each item, the instruction was
+    repeated once per item)."""
+    if isinstance(content, str):
+        return template.format(problem=content)
+    texts = [k for k, it in enumerate(content) if it["type"] == "text"]
+    if len(texts) <= 1:
+        return [dict(it, text=template.format(problem=it["text"])) if it["type"] == "text" else it for it in content]
+    marker = "\x00"
+    head, _, tail = template.format(problem=marker).partition(marker)
+    tail = tail.replace(marker, "".join(content[k]["text"] for k in texts))  # a template that repeats {problem}
+    out = [dict(it) for it in content]
+    out[texts[0]]["text"] = head + out[texts[0]]["text"]
+    out[texts[-1]]["text"] = out[texts[-1]]["text"] + tail
+    return out
+
+
 def _messages_source(cfg: BenchmarkConfig, template: str, system_prompt: Optional[str]) -> OpenedBenchmark:
     bad = BadRecordLog()
     records = read_messages_jsonl(cfg.path, image_root=cfg.image_root or None, bad_records=bad)
@@ -285,15 +311,15 @@ def _messages_source(cfg: BenchmarkConfig, template: str, system_prompt: Optiona
             except BadRecordError as e:
                 bad.add_error(r.source, r.index, e)
                 continue
-        if template != "{problem}":  # the template applies to the text of the last user turn
-            last = max(i for i, m in enumerate(messages) if m["role"] == "user")
-            c = messages[last]["content"]
-            messages[last]["content"] = (template.format(problem=c) if isinstance(c, str) else
-                                         [dict(it, text=template.format(problem=it["text"])) if it["type"] == "text" else it
-                                          for it in c])
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        # the question (the last user turn's text) is the verifiers' prompt, as a messages prompt's is in training:
+        # the choice verifier reads the options from it
+        meta = {"problem": _text_of(messages[users[-1]]["content"])} if users else {}
+        if template != "{problem}" and users:  # the template applies to the text of the last user turn
+            messages[users[-1]]["content"] = _templated(template, messages[users[-1]]["content"])
         if system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system_prompt})
-        out.append(Record(messages, r.source, r.index, dict(r.meta, verifier=verifier)))
+        out.append(Record(messages, r.source, r.index, {**meta, **r.meta, "verifier": verifier}))
     root = str(Path(cfg.image_root).resolve()) if cfg.image_root else None
     return OpenedBenchmark(ListRecords(cfg.path, out, find_data_files(cfg.path, MESSAGES_SUFFIXES, MESSAGES_RECORD_KEYS), image_root=root), bad)
 

@@ -16,7 +16,9 @@ A run folder holds one run's results only: writing starts by removing a previous
 predictions of benchmarks this run leaves out would otherwise sit beside the new summary), writes the
 predictions, then the table and the summary last, so an `eval_results.json` is there only when the
 whole set is; a job killed before or while writing leaves none (`clear_eval_results`, called when an
-evaluation starts, also keeps an earlier run's summary from passing for the killed one's).
+evaluation starts, also keeps an earlier run's summary from passing for the killed one's). The benchmarks a stopped
+job finished stay in `eval_partial/` for a job that runs again in the folder with the same settings (eval/resume.py);
+writing the results removes that folder.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ import os
 import shutil
 from pathlib import Path
 from typing import Any
+
+from megatron_vlm.eval.resume import PARTIAL_DIR
 
 __all__ = ["write_eval_results", "results_table", "clear_eval_results"]
 
@@ -97,4 +101,5 @@ def write_eval_results(run_dir: str | os.PathLike, results: list[dict], settings
     _atomic_write(run_dir / "eval_results.md", results_table(results, settings))
     path = run_dir / "eval_results.json"
     _atomic_write(path, json.dumps(summary, indent=2, default=str) + "\n")
+    shutil.rmtree(run_dir / PARTIAL_DIR, ignore_errors=True)  # complete: nothing of it is kept for a later job
     return path

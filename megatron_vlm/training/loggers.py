@@ -131,6 +131,21 @@ class _CsvSink:
             os.replace(tmp, self.path)
         return dropped
 
+    def steps(self) -> set[float]:
+        """The steps of the rows in the file (none when it does not exist or cannot be read)."""
+        try:
+            with self.path.open(newline="") as f:
+                rows = list(csv.reader(f))
+        except OSError:
+            return set()
+        out = set()
+        for row in rows[1:] if rows and rows[0] and rows[0][0] == "step" else []:
+            try:
+                out.add(float(row[0]))
+            except (IndexError, ValueError):
+                continue
+        return out
+
     def close(self) -> None:
         if self._fh:
             self._fh.close()
@@ -264,6 +279,12 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.n = step
             self._bar.refresh()
+
+    def logged(self, split: str, step: int) -> Optional[bool]:
+        """Whether the `split` CSV holds a row of `step` (a run resumed at `step` asks whether that step's evaluation
+        ran: training/loop.py); None where this process cannot tell (not rank 0, or no CSV)."""
+        sink = self._csv.get(split)
+        return None if sink is None else float(step) in sink.steps()
 
     def eta_s(self, step: int) -> float:
         done = step - self.start_step

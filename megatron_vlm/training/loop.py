@@ -13,7 +13,9 @@ small object (`StepRunner`). From the resume step to `total_steps`, per step:
 4. a periodic evaluation (`eval_every`, not at the last step: the final evaluation follows); it leaves the RNG
    states as it found them, so the steps after it draw what a run resumed from step 3's checkpoint draws (LoRA /
    model dropout): a resume after a kill is exact whatever the evaluation cadence. Skipped when a stop was
-   requested by then: the time a scheduler leaves before it kills (SLURM's `--signal` lead) is the checkpoint's;
+   requested by then: the time a scheduler leaves before it kills (SLURM's `--signal` lead) is the checkpoint's.
+   The run resumed at that step evaluates it before its first step, when the eval CSV has no row of that step
+   (skipped, given up for a stop, or killed while it ran; `_not_evaluated`);
 5. the stop flag (SIGTERM / SIGUSR1, agreed by all ranks; read before the evaluation and again after it): save a
    checkpoint at this step boundary (unless step 3 just saved this very step: a step is never saved twice) and
    return 143 on every rank. A stop requested after the last step (during the final evaluation or export) is not
@@ -48,6 +50,7 @@ from typing import Optional, Protocol
 
 from megatron_vlm.checkpoint.manager import rng_state, set_rng_state
 from megatron_vlm.errors import ConfigError
+from megatron_vlm.parallel.collectives import any_rank
 from megatron_vlm.training.checkpointing import Checkpointer, ResumePoint
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.peak_memory import PeakMemory
@@ -99,6 +102,15 @@ def past_the_end(step: int, total_steps: int) -> str:
             f"checkpoint in checkpoint.resume, or convert this one (launch/convert_checkpoint.py)")
 
 
+def _not_evaluated(ctx: RunContext, metrics, step: int) -> bool:
+    """Whether the periodic evaluation due at `step`, the resume step, is missing from the metrics (every rank alike:
+    rank 0 reads its eval CSV, one small all-reduce). Why: a stop at that step skips its evaluation so that the
+    checkpoint is saved first, and a kill during it loses it; the resumed run starts after that step and never
+    evaluated it, which left a hole in the evaluation curve. A logger that cannot tell (no CSV) says no."""
+    logged = getattr(metrics, "logged", None)
+    return any_rank(logged is not None and logged("eval", step) is False, ctx.device)
+
+
 def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpointer: Checkpointer, metrics,
              log_every: int, eval_every: int = 0, eval_at_start: bool = False,
              resume: Optional[ResumePoint] = None, before_step: Optional[Callable[[int], None]] = None) -> int:
@@ -146,6 +158,11 @@ def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpoint
     if eval_at_start and start == 0 and not evaluate(0):
         log.warning("stopping before the first step (no checkpoint to save)")
         code = EXIT_STOPPED
+    elif start and eval_every and start % eval_every == 0 and start < total_steps and _not_evaluated(ctx, metrics, start):
+        log.info("evaluating step %d, the resume step, whose periodic evaluation the earlier run did not log", start)
+        if not evaluate(start):
+            log.warning("stopping before the first step of the resumed run (its checkpoint is the resume point)")
+            code = EXIT_STOPPED
     peak = PeakMemory(ctx.device)
     peak.reset()  # the first row's interval starts at its first step (not at the model build)
     while step < total_steps and code == 0:

@@ -120,7 +120,7 @@ def test_a_hung_held_out_evaluation_is_given_up_the_step_saved_and_resumed(tmp_p
     code = runner.run_job(load_config(GRPO_DEMO, _sets(out, tmp_path / "fixed", calls=10**9, **every)))
     assert code == 0
     assert [int(r["step"]) for r in read_metrics(out / "metrics_train.csv")] == [1, 2]
-    assert _eval_rows(out) == [2]
+    assert _eval_rows(out) == [1, 2]  # the resumed run evaluates step 1, whose evaluation was given up, first
 
 
 def test_a_hung_final_evaluation_is_given_up_and_redone_by_the_resumed_run(tmp_path, keep_signal_handlers):

@@ -39,7 +39,10 @@ def _eval(node: ast.AST) -> float:
             # 1.7e7 digits (a minute of CPU, past the turn deadline) and can never be printed
             if right > 0 and abs(left) > 1 and right * math.log10(abs(left)) > _MAX_DIGITS:
                 raise ValueError(f"result too large (more than {_MAX_DIGITS} digits)")
-        return _OPS[type(node.op)](left, right)
+        value = _OPS[type(node.op)](left, right)
+        if isinstance(value, complex):  # a negative base to a fractional power: refused as math.pow refuses it
+            raise ValueError(f"{left!r} ** {right!r} is not a real number")
+        return value
     if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
         return _OPS[type(node.op)](_eval(node.operand))
     raise ValueError("only numbers, + - * / // % ** and parentheses are allowed")

@@ -130,6 +130,11 @@ def observation_messages(obs: Observation) -> list[dict]:
     parts: list[dict[str, Any]] = (obs.parts if obs.parts is not None else
                                    [{"role": obs.role, "text": obs.text, "images": len(obs.images),
                                      "videos": len(obs.videos)}])
+    for kind, held in (("images", obs.images), ("videos", obs.videos)):
+        placed = sum(int(p.get(kind, 0)) for p in parts)
+        if placed != len(held):  # more would run out of them half-way (a bare StopIteration), fewer leave some out
+            raise ValueError(f"the observation's parts place {placed} {kind} for {len(held)} (their '{kind}' counts "
+                             f"must add up to the observation's {kind})")
     images, videos = iter(obs.images), iter(obs.videos)
     out = []
     for p in parts:
@@ -139,9 +144,6 @@ def observation_messages(obs: Observation) -> list[dict]:
             items.append({"type": "text", "text": p["text"]})
         has_media = any(it["type"] != "text" for it in items)
         out.append({"role": p.get("role", obs.role), "content": items if has_media else p.get("text", "")})
-    if list(images) or list(videos):
-        raise ValueError("the observation's parts do not place all of its images / videos (their 'images' / 'videos' "
-                         "counts)")
     return out
 
 

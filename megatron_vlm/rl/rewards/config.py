@@ -235,7 +235,8 @@ class JudgeRewardConfig(_RewardCommon):
     dataset's answer). Literal braces are doubled ({{ }})."""
     parse: Literal["yes_no", "score"] = "yes_no"
     """How the answer becomes the reward: "yes_no" = 1 when its first word is yes, 0 when no; "score" = the
-    first number of the answer divided by `max_score` (a number outside [0, max_score] is clipped and counted)."""
+    first number of the answer divided by `max_score` (a number outside [0, max_score] is clipped and counted). A
+    judge that reasons first (`<think> ... </think>`) is read after its reasoning; one cut inside it is an error."""
     max_score: Optional[float] = None
     """The top of the judge's scale with parse = "score" (unset: 10)."""
     max_new_tokens: int = 8

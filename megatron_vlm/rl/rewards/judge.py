@@ -6,7 +6,8 @@ only) and `template` filled with {question} (the prompt's text), {completion} an
 answer), rendered by the judge folder's chat template through the data pipeline (`PromptEncoder`, as GRPO's
 prompts). It is decoded greedily by the rollout engine (`PolicyRolloutEngine` on the judge's own weights,
 continuous batching over `batch_size` slots, `max_new_tokens` per answer) and parsed (`parse_judgement`):
-"yes_no" = 1 for an answer whose first word is yes, 0 for no; "score" = the first number / `max_score`.
+"yes_no" = 1 for an answer whose first word is yes, 0 for no; "score" = the first number / `max_score`; a judge
+that reasons first is parsed on what follows its `</think>` (one cut before it is an error).
 
 Failures are the reward pool's: an answer that parses to nothing, a judge prompt that cannot be encoded
 (or is over `max_tokens`), a generate call that raises — each scores 0 and is an "error" (`reward/errors`);
@@ -34,8 +35,19 @@ _YES_NO = re.compile(r"^\W*(yes|no)\b", re.IGNORECASE)
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 
 
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+
+
 def parse_judgement(text: str, parse: str, scale: float = 10.0) -> tuple[float, str, str]:
-    """(reward, status, detail) of one judge answer (module docstring)."""
+    """(reward, status, detail) of one judge answer (module docstring). A judge that reasons first (Qwen3's thinking
+    mode: `<think> ... </think>`, the opening tag written by the model or by its template) is parsed on the text after
+    its last `</think>`: its reasoning's words and numbers are not its verdict; one whose reasoning never closed
+    (cut by `max_new_tokens`) gave no answer."""
+    head, closed, answer = text.rpartition(_THINK_CLOSE)
+    if closed:
+        text = answer
+    elif _THINK_OPEN in text:
+        return 0.0, "error", f"judge answer is reasoning that never closed (raise max_new_tokens): {text[:80]!r}"
     if parse == "yes_no":
         m = _YES_NO.match(text)
         if m is None:

@@ -105,8 +105,26 @@ _REASON = re.compile(r"(?:^|[,;]\s*)(?:because|since|as(?!\s+well\b)|given|due\s
                      re.IGNORECASE | re.DOTALL)
 
 
+def _without_list_joins(text: str) -> str:
+    """An inline option's text without what joins the options into a list ("red, or" of "A: red, B: blue, or C:
+    green."): trailing commas, semicolons, periods and a final "or" / "and" (string scanning from the end, linear)."""
+    t = text.strip()
+    while True:
+        cut = t.rstrip(" \t\r\n,;.")
+        low = cut.lower()
+        for word in ("or", "and"):
+            if low.endswith(word) and (len(cut) == len(word) or not cut[-len(word) - 1].isalnum()):
+                cut = cut[:-len(word)]
+                break
+        if cut == t:
+            return t
+        t = cut
+
+
 def parse_choices(prompt: str, letters: str) -> dict[str, str]:
-    """Options written one per line in the prompt ("A. 3", "(B) 5 cm", "C: 7") -> {letter: text}."""
+    """Options written one per line in the prompt ("A. 3", "(B) 5 cm", "C: 7") -> {letter: text}; or, with fewer
+    than two such lines, inline ("A. 3 B. 5 C. 7", "A: red, B: blue, or C: green"), each text without the commas,
+    semicolons, final period and "or" / "and" that join the list."""
     out: dict[str, str] = {}
     for line in prompt.splitlines():
         m = _OPTION_LINE.match(line)
@@ -119,7 +137,7 @@ def parse_choices(prompt: str, letters: str) -> dict[str, str]:
             inline = {}
             for letter, text in zip(parts[1::2], parts[2::2]):
                 if letter in letters and letter not in inline:
-                    inline[letter] = text.strip()
+                    inline[letter] = _without_list_joins(text) or text.strip()
             if len(inline) >= 2:
                 out = inline
     return out

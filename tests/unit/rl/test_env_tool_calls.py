@@ -107,6 +107,17 @@ def test_calculator_refuses_nested_powers_before_computing_them():
     assert calculate("10**-64") == str(10**-64)
 
 
+def test_calculator_refuses_a_result_that_is_not_a_real_number():
+    """A negative base to a fractional power: Python's `**` gives a complex number, which the calculator showed the
+    model as "(1.0000000000000002+1.7320508075688772j)" for the cube root of -8; refused like `math.pow`'s domain
+    error (the tool's error reply), and the real results around it unchanged."""
+    for bad in ("(-8) ** (1/3)", "(-2) ** 0.5", "(0 - 1) ** 0.25"):
+        with pytest.raises(ValueError, match="not a real number"):
+            calculate(bad)
+    assert calculate("(-8) ** 2") == "64" and calculate("-8 ** 0.5") == str(-(8 ** 0.5))
+    assert calculate("8 ** (1/3)") == "2" and calculate("2 ** -1") == "0.5"
+
+
 def test_tool_environment_turns():
     env = CalculatorEnv()
     env.reset(EnvSample(problem="3+4?", answer="7"))

@@ -28,6 +28,23 @@ def test_parse_judgement(text, parse, want):
     assert (value, status) == pytest.approx(want)
 
 
+@pytest.mark.parametrize("text, parse, want", [
+    ("<think>\nThe response counts 7 apples, the reference 3.\n</think>\n\nNo.", "yes_no", (0.0, "ok")),
+    ("<think>\n7 apples? No: 3. So yes.\n</think>\n\nYes", "yes_no", (1.0, "ok")),
+    ("The count 7 is off; it is 3.\n</think>\n\nScore: 2/10", "score", (0.2, "ok")),  # the template opened it
+    ("<think>\nfirst 9, then </think> is quoted\n</think>\n4", "score", (0.4, "ok")),
+    ("<think>\nThe response says 7, which", "score", (0.0, "error")),  # cut before the answer
+    ("<think>\nyes, it is", "yes_no", (0.0, "error")),
+])
+def test_a_reasoning_judge_is_parsed_on_its_answer(text, parse, want):
+    """A judge that reasons first (Qwen3's thinking mode: `<think> ... </think>` before the answer, the opening tag
+    written by the template or the model) is parsed on what follows its reasoning: the yes / no of "<think>...
+    </think> Yes" was an unparsed error (reward 0), and a score was the first number of the reasoning (7 of "the
+    response says 7"), not the judge's answer. A judge cut before its reasoning ends gives no answer: an error."""
+    value, status, _ = parse_judgement(text, parse, 10.0)
+    assert (value, status) == pytest.approx(want)
+
+
 def test_judge_messages_put_the_images_before_the_filled_template():
     prompt = [{"role": "user", "content": [{"type": "image", "image": "/x.png"}, {"type": "text", "text": "Q?"}]}]
     msgs = judge_messages("Q: {question} A: {completion} R: {reference}", prompt, question="Q?", completion="4",

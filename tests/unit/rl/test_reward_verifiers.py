@@ -178,6 +178,23 @@ def test_choices_from_metadata_and_inline():
     assert choice_reward(r"\boxed{yes}", "Yes") == 1.0
 
 
+@pytest.mark.parametrize("prompt", [
+    "Options: A: red, B: blue, C: green",
+    "Options: A. red; B. blue; C. green.",
+    "(A) red, (B) blue, or (C) green",
+    "Pick one: A) red, B) blue and C) green",
+])
+def test_inline_options_lose_their_separators(prompt):
+    """Inline options written as a list ("A: red, B: blue, C: green") are the texts without the list's commas,
+    semicolons and final "or" / "and": the option's text is an answer, and a text reference is that option."""
+    assert parse_choices(prompt, "ABCDEFGHIJ") == {"A": "red", "B": "blue", "C": "green"}
+    assert choice_reward("blue", "B", prompt=prompt) == 1.0
+    assert choice_reward(r"\boxed{blue}", "B", prompt=prompt) == 1.0
+    assert choice_reward("B", "blue", prompt=prompt) == 1.0  # the reference is the option's text
+    assert choice_reward("red", "B", prompt=prompt) == 0.0
+    assert choice_reward("Answer: 5", "B", prompt="Choices: A. 3, B. 5, C. 7") == 1.0
+
+
 @pytest.mark.parametrize(
     "completion, kwargs, expected",
     [

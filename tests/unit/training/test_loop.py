@@ -268,3 +268,59 @@ def test_stop_signal_on_a_periodic_save_step_saves_that_step_once(tmp_path):
     code, _ = _run(tmp_path, steps, ckpt, total=10, stop_after=3, log_every=1)
     assert code == EXIT_STOPPED
     assert ckpt.saved == [(3, {"pos": 3})]
+
+
+class RecordingLogger(Logger):
+    """A metrics logger that says which eval rows it holds, as MetricsLogger's CSV does (`logged`)."""
+
+    def logged(self, split, step):
+        return (split, step) in self.rows
+
+
+def test_an_evaluation_a_stop_skipped_runs_when_the_run_resumes(tmp_path):
+    """A stop at a step whose periodic evaluation was due skips it so that the save comes first; the run resumed at
+    that step evaluates it before its next step, so the evaluation curve has no hole at the step the job was
+    stopped (it was never run anywhere before)."""
+    steps, ckpt, logger = FakeSteps(), FakeCheckpointer(every=0), RecordingLogger()
+    code = run_loop(_ctx(tmp_path, StopAt(steps, 4)), steps, total_steps=8, checkpointer=ckpt, metrics=logger,
+                    log_every=1, eval_every=2)
+    assert code == 143 and ckpt.saved == [(4, {"pos": 4})] and ("eval", 4) not in logger.rows
+    resumed = FakeSteps()
+    code = run_loop(_ctx(tmp_path, StopAt(resumed, 10**9)), resumed, total_steps=8, checkpointer=FakeCheckpointer(),
+                    metrics=logger, log_every=1, eval_every=2, resume=ResumePoint(step=4, data={"pos": 4}))
+    assert code == 0 and resumed.ran == [4, 5, 6, 7]
+    assert [c for c in resumed.calls if c[0] == "eval"] == [("eval", 4), ("eval", 6), ("eval", 8)]
+    assert [s for split, s in logger.rows if split == "eval"] == [2, 4, 6, 8]
+
+
+def test_a_resume_does_not_evaluate_a_logged_step_again(tmp_path):
+    """Resumed at a step whose evaluation is in the metrics already (a periodic save and evaluation, then a kill), or
+    with a logger that cannot tell (no CSV): no second evaluation of that step."""
+    for logger in (RecordingLogger(), Logger()):
+        logger.rows.append(("eval", 2))
+        steps = FakeSteps()
+        run_loop(_ctx(tmp_path, StopAt(steps, 10**9)), steps, total_steps=4, checkpointer=FakeCheckpointer(),
+                 metrics=logger, log_every=1, eval_every=2, resume=ResumePoint(step=2, data={}))
+        assert [c for c in steps.calls if c[0] == "eval"] == [("eval", 4)]
+    steps, logger = FakeSteps(), Logger()  # cannot tell: as before, nothing evaluated at the resume step
+    run_loop(_ctx(tmp_path, StopAt(steps, 10**9)), steps, total_steps=4, checkpointer=FakeCheckpointer(),
+             metrics=logger, log_every=1, eval_every=2, resume=ResumePoint(step=2, data={}))
+    assert [c for c in steps.calls if c[0] == "eval"] == [("eval", 4)]
+
+
+def test_metrics_logger_says_which_eval_steps_its_csv_holds(tmp_path):
+    from megatron_vlm.training.loggers import MetricsLogger
+
+    cfg = NS(tensorboard=False, csv=True, wandb=False, console=False)
+    first = MetricsLogger(cfg, tmp_path, is_main=True, total_steps=8, run_name="r")
+    first.set_start(0)
+    for step in (2, 4, 6):
+        first.log("eval", step, {"acc": 0.5})
+    first.close()
+    resumed = MetricsLogger(cfg, tmp_path, is_main=True, total_steps=8, run_name="r")
+    resumed.set_start(4)  # the row of step 6 is dropped: run again
+    assert [resumed.logged("eval", s) for s in (2, 4, 6)] == [True, True, False]
+    assert resumed.logged("train", 2) is False  # no train rows written
+    assert MetricsLogger(cfg, tmp_path, is_main=False, total_steps=8, run_name="r").logged("eval", 2) is None
+    assert MetricsLogger(NS(tensorboard=False, csv=False, wandb=False, console=False),
+                         tmp_path, is_main=True, total_steps=8, run_name="r").logged("eval", 2) is None

@@ -64,6 +64,7 @@ from bench_train_step import packed_batch  # noqa: E402
 from megatron_vlm.host_copies import moved_to  # noqa: E402
 from megatron_vlm.models import build_model, get_family  # noqa: E402
 from megatron_vlm.parallel import build_mesh, init_distributed  # noqa: E402
+from megatron_vlm.parallel.master_weights import MasterWeights  # noqa: E402
 from megatron_vlm.testing.host_reads import HostReads  # noqa: E402
 from megatron_vlm.training.context import RunContext  # noqa: E402
 from megatron_vlm.training.loop import run_loop  # noqa: E402
@@ -147,8 +148,9 @@ class DeviceCopyContext(RunContext):
         return moved_to(batch, self.env.device, copy=True)
 
 
-def build(args) -> SimpleNamespace:
-    """The model, its FSDP2 / checkpointing / compile setup as the job applies it, and an `SFTStep` over one pack."""
+def build(args, no_fsdp: bool = False) -> SimpleNamespace:
+    """The model, its FSDP2 / checkpointing / compile setup as the job applies it, and an `SFTStep` over one pack;
+    `no_fsdp`: as `parallel.fsdp = false` applies it instead of FSDP2."""
     env = init_distributed()
     torch.manual_seed(0)
     if args.shape == "3b":
@@ -167,9 +169,12 @@ def build(args) -> SimpleNamespace:
                                cp=1, ep=1, pp=1)
     dims, mesh = build_mesh(parallel, env.world_size, env.device.type)
     param_dtype = torch.bfloat16 if args.precision == "bf16" else None
+    if no_fsdp:  # parallel.fsdp = false: plain tensors; in bf16, bf16 weights with fp32 masters
+        mesh = None
     get_family(model.hf_config.get("model_type")).parallelize(
         model, dims, parallel, mesh=mesh, param_dtype=param_dtype, root=wrapper,
         activation_checkpointing=False if args.ac == "off" else args.ac)
+    masters = MasterWeights(wrapper, torch.bfloat16) if no_fsdp and param_dtype is not None else None
     optimizer = build_optimizer(wrapper, OPT_CFG, env.device.type)
     optim = OptimState(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
     pack = packed_batch(cfg, args.samples, args.tokens, (1, args.grid, args.grid))
@@ -180,8 +185,8 @@ def build(args) -> SimpleNamespace:
                             max_consecutive_skipped_steps=5)
     run_dir = Path(tempfile.mkdtemp(prefix="host_overhead_"))
     ctx = DeviceCopyContext(cfg=SimpleNamespace(train=train), env=env, run_dir=run_dir, stop=StopFlag())
-    bundle = SimpleNamespace(model=model, wrapper=wrapper, dims=dims, trainable_params=[p for p in wrapper.parameters()
-                                                                                       if p.requires_grad],
+    trainable = [p if masters is None else masters.params_or(p) for p in wrapper.parameters() if p.requires_grad]
+    bundle = SimpleNamespace(model=model, wrapper=wrapper, dims=dims, trainable_params=trainable,
                              moe_balancer=None, pipeline=None, num_params=sum(p.numel() for p in model.parameters()))
     metrics = Rows()
     sft = SFTStep(ctx, bundle, optim, metrics, SamePack(pack), total_steps=10**9)
@@ -240,12 +245,16 @@ def main() -> None:
                          "REV's reads too")
     ap.add_argument("--rounds", type=positive_int, default=6, help="interleaved rounds of --against")
     ap.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (the machine is shared)")
+    ap.add_argument("--no-fsdp", action="store_true", help="parallel.fsdp = false (bf16: bf16 weights, fp32 masters)")
+    ap.add_argument("--against-fsdp", action="store_true",
+                    help="also build the --no-fsdp step (or, with --no-fsdp, the FSDP2 one) in this process and time "
+                         "the two in interleaved --rounds of --steps steps")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    b = build(args)
-    meta = {"shape": args.shape, "device": str(b.env.device), "layers": args.layers, "vision_depth": args.vision_depth, "hidden": args.hidden, "tokens": args.tokens,
+    b = build(args, no_fsdp=args.no_fsdp)
+    meta = {"fsdp": not args.no_fsdp, "shape": args.shape, "device": str(b.env.device), "layers": args.layers, "vision_depth": args.vision_depth, "hidden": args.hidden, "tokens": args.tokens,
             "samples": args.samples, "micro_batches": args.micro_batches, "ac": args.ac, "compile": args.compile,
             "precision": args.precision, "log_every": args.log_every, "threads": args.threads,
             "torch": torch.__version__, "build_s": round(time.perf_counter() - t0, 2)}
@@ -261,12 +270,36 @@ def main() -> None:
         out["host_reads"] = count_reads(b)
     if args.against:
         out["against"] = against(b, args)
+    if args.against_fsdp:
+        out["against_fsdp"] = against_fsdp(b, args)
     if args.phases:
         out["phases"] = phases(b, args)
     if args.profile:
         out["profile"] = profile(b, args)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+def against_fsdp(b: SimpleNamespace, args) -> dict:
+    """Step times of `b` and of the same step built the other way (FSDP2 / `parallel.fsdp = false`), in interleaved
+    rounds, the order alternating; the ratio FSDP2 / no FSDP2 of their min and median."""
+    other = build(args, no_fsdp=not args.no_fsdp)
+    run_steps(other, args.warmup, args.log_every)
+    mine, theirs = ("plain", "fsdp") if args.no_fsdp else ("fsdp", "plain")
+    steps = {mine: b, theirs: other}
+    times: dict[str, list[float]] = {"fsdp": [], "plain": []}
+    for r in range(args.rounds):
+        for which in (("fsdp", "plain") if r % 2 == 0 else ("plain", "fsdp")):
+            times[which] += run_steps(steps[which], args.steps, args.log_every)
+    res: dict = {k: {"step_ms_min": 1e3 * min(v), "step_ms_median": 1e3 * statistics.median(v), "steps": len(v)}
+                 for k, v in times.items()}
+    for k in ("min", "median"):
+        res[f"fsdp_over_plain_{k}"] = res["fsdp"][f"step_ms_{k}"] / res["plain"][f"step_ms_{k}"]
+    print(f"FSDP2: min {res['fsdp']['step_ms_min']:.1f} ms, median {res['fsdp']['step_ms_median']:.1f} ms; "
+          f"parallel.fsdp = false: min {res['plain']['step_ms_min']:.1f} ms, median {res['plain']['step_ms_median']:.1f} "
+          f"ms; FSDP2 / no FSDP2 {res['fsdp_over_plain_min']:.3f} (min), {res['fsdp_over_plain_median']:.3f} (median), "
+          f"{args.rounds} rounds of {args.steps} steps", flush=True)
+    return res
 
 
 def against(b: SimpleNamespace, args) -> dict:

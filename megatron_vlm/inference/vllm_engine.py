@@ -27,6 +27,16 @@ Interruption (`interrupt()` from another thread) aborts the in-flight requests a
 step; their samples come back with reason "interrupted" and the tokens drawn so far (the outputs are
 streamed step by step, vLLM's DELTA outputs).
 
+A stop signal while generating (`generate(..., abandon=check)`, the training rank's stop flag; the multi-turn loop
+alike): the built-in engine's rule (policy_engine.py). The check is asked between engine steps (one Python call) and,
+once it has said stop for `ABANDON_GRACE_S` of the call (abandon.py `Patience`), the call's requests are aborted
+(nothing of it stays in the engine) and `WaitAbandoned` ("generation") ends it with nothing returned; the GRPO round
+then agrees with the other ranks to abandon the step (rl/rounds.py). Independent engines (one per rank,
+tensor-parallel size 1) leave alone. The ranks of one tensor-parallel engine step together (a collective in every
+forward), so they must leave at the same step: with a check, each step begins with one all-reduce (MAX) of the
+ranks' stop bits on vLLM's gloo group of the tensor-parallel ranks (no device sync), and every rank leaves at the
+step where any said stop. What one engine step does is not cut short.
+
 Weight pushes during a `generate` (asynchronous GRPO, `paused()` from another thread): decoding stops
 at the next engine step, the new weights go in, and the requests in flight are preempted with the
 prefix cache (`reset_prefix_cache(reset_running_requests=True)`): vLLM puts them back in its queue and,
@@ -43,11 +53,12 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from megatron_vlm.abandon import Patience, WaitAbandoned
 from megatron_vlm.inference.engine import (
     FinishReason,
     RolloutEngine,
@@ -131,6 +142,13 @@ def _reload(worker, weights) -> None:
         method = getattr(head, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(head)
+
+
+def _tp_cpu_group():
+    """vLLM's gloo group of this rank's tensor-parallel ranks (the engine's stop agreement: `give_up_at_step`)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group().cpu_group
 
 
 def _forget_vllm_world() -> None:
@@ -236,6 +254,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._owns_process_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.llm = LLM(**kwargs)
         self.llm.collective_rpc(_record_ties)
+        self._tp_group = _tp_cpu_group() if cfg.tensor_parallel_size > 1 else None
         self.asleep = False
         self._weights_discarded = False  # a level-2 sleep discards the weights: `_wake` / the next push refill them
         log.info("vLLM rollout engine on %s from %s (%s executor, tensor-parallel %d, %.1f s)", device, model_path,
@@ -334,6 +353,24 @@ class VLLMRolloutEngine(RolloutEngine):
             self._lock.acquire()
         return True
 
+    def give_up_at_step(self, give_up: Optional[Callable[[], bool]], steps: int) -> None:
+        """At an engine-step boundary of a loop inside `generating()`, before the step: `WaitAbandoned` ("generation")
+        when the call is given up for a stop (`give_up`: its `Patience`; None: never). With tensor_parallel_size > 1
+        every rank of the engine asks at every step and all leave at the same one (module docstring): a rank that left
+        alone would leave the others waiting in the next forward's collective. The caller aborts its requests."""
+        if give_up is None:
+            return
+        stopping = give_up()
+        agreed = stopping
+        if self._tp_group is not None:
+            flag = torch.tensor([int(stopping)], dtype=torch.int64)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._tp_group)
+            agreed = bool(flag.item())
+        if agreed:
+            raise WaitAbandoned(f"generation given up after {steps} engine steps: the rank is stopping" if stopping else
+                                "generation given up: another rank of the tensor-parallel engine is stopping",
+                                waited_for="generation")
+
     def add_request(self, engine, request_id: str, p: RolloutPrompt, params: SamplingParams, seed: Optional[int]) -> None:
         """Submit `p` to `engine` (from `generating()`) with its images / videos (`_request`), sampled by `params`,
         streaming its tokens as they are drawn (vLLM's DELTA outputs: versions, partial completions)."""
@@ -368,9 +405,17 @@ class VLLMRolloutEngine(RolloutEngine):
                    max_tokens=params.max_new_tokens, stop=list(params.stop) or None, stop_token_ids=self.eos_token_ids or None,
                    logprobs=0, seed=seed, logit_bias=self.logit_bias, **VLLM_STOP_OPTIONS)
 
+    takes_abandon = True
+    """`generate` takes `abandon` (module docstring: a stop while generating)."""
+
     def generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams, *,
-                 generator: Optional[torch.Generator] = None) -> RolloutResult:
+                 generator: Optional[torch.Generator] = None,
+                 abandon: Optional[Callable[[], bool]] = None) -> RolloutResult:
+        """The completions of `prompts`; `abandon`: the stop check (training/signals.py `StopFlag.pending`), asked
+        between engine steps: once it has said stop for `ABANDON_GRACE_S` of the call, the requests are aborted and
+        `WaitAbandoned` ("generation") is raised (module docstring)."""
         t0 = time.perf_counter()
+        give_up = Patience(abandon) if abandon is not None else None
         ids: list[str] = []
         parts: dict[tuple[str, int], dict[str, Any]] = {}  # (request id, completion index) -> streamed pieces
         prompt_ids: dict[str, list[int]] = {}  # request id -> the prompt ids vLLM reports (expanded)
@@ -388,8 +433,8 @@ class VLLMRolloutEngine(RolloutEngine):
                     except Exception as e:  # vLLM's request validation (e.g. longer than max_model_len): name the prompt
                         raise ValueError(f"vLLM rollout: prompt {i} ({len(p)} tokens): {e}") from e
                     ids.append(rid)
-                interrupted = self._run(engine, ids, parts, prompt_ids)
-            except BaseException:
+                interrupted = self._run(engine, ids, parts, prompt_ids, give_up)
+            except BaseException:  # an error, or the call given up for a stop (`WaitAbandoned`)
                 engine.abort_request(ids)  # nothing of a failed call stays in the engine for the next one
                 raise
         samples: list[RolloutSample] = []
@@ -418,15 +463,20 @@ class VLLMRolloutEngine(RolloutEngine):
         return RolloutResult(samples=samples, num_generated_tokens=n_tok, seconds=time.perf_counter() - t0,
                              stats={"weight_sync_s": self.weight_push_s}, interrupted=interrupted)
 
-    def _run(self, engine, ids: list[str], parts: dict, prompt_ids: dict) -> bool:
+    def _run(self, engine, ids: list[str], parts: dict, prompt_ids: dict,
+             give_up: Optional[Callable[[], bool]] = None) -> bool:
         """Step `engine` until the requests `ids` finish, collecting their streamed pieces into `parts` and the
-        expanded prompts into `prompt_ids`; True when `interrupt()` aborted them."""
+        expanded prompts into `prompt_ids`; True when `interrupt()` aborted them; `WaitAbandoned` when `give_up` gave
+        the call up (the caller aborts the requests)."""
+        steps = 0
         while engine.has_unfinished_requests():
             if self.interrupt_requested():
                 engine.abort_request(ids)
                 return True
             if self.step_aside():  # `paused()` from another thread: step aside at this step boundary
                 continue
+            self.give_up_at_step(give_up, steps)
+            steps += 1
             version = self.policy_version
             for out in engine.step():
                 if out.prompt_token_ids is not None:
@@ -481,6 +531,7 @@ class VLLMRolloutEngine(RolloutEngine):
         llm = self.__dict__.pop("llm", None)
         if llm is None:
             return
+        self._tp_group = None  # destroyed below with vLLM's other groups
         import gc
 
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel

@@ -28,6 +28,10 @@ Asynchronous GRPO: the loop steps the engine itself, so `paused()` (a weight pus
 `interrupt()` work as in `VLLMRolloutEngine.generate`; each model token carries the version that drew it
 (`Trajectory.token_versions`; a pushed engine recomputes the running requests' prefix with the new weights).
 An interrupted conversation ends with finish reason "interrupted" (not trained).
+
+A stop signal (`generate(..., abandon=check)`): the single-turn back end's rule (`VLLMRolloutEngine.give_up_at_step`,
+the built-in loop's: between engine steps, `WaitAbandoned` "generation" once the check has said stop for
+`ABANDON_GRACE_S`), the requests in flight aborted; the environment's own waits ask the check through `source`.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_vlm.abandon import Patience
 from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
 from megatron_vlm.inference.multiturn import (
     MultiTurnLimits,
@@ -80,13 +85,15 @@ class VLLMMultiTurnRollout(MultiTurnRollout):
         self.images: dict[int, list] = {}
         self.videos: dict[int, list] = {}
 
-    takes_abandon = False
-    """The stop check is not asked here: vLLM's steps run inside its engine (the environment's waits ask it)."""
+    takes_abandon = True
+    """`generate` takes `abandon` (module docstring: a stop signal)."""
 
     def generate(self, prompts: Sequence[RolloutPrompt], params: SamplingParams, source: TurnSource,
                  limits: MultiTurnLimits, *, seed: int = 0,
-                 abandon: Optional[Callable[[], bool]] = None) -> list[Trajectory]:  # noqa: ARG002 - not asked
+                 abandon: Optional[Callable[[], bool]] = None) -> list[Trajectory]:
+        """The trajectories; `abandon`: the stop check, asked between engine steps (module docstring)."""
         e = self.engine
+        give_up = Patience(abandon) if abandon is not None else None
         t0 = time.perf_counter()
         self.stats = {k: 0.0 for k in ("requests", "prompt_tokens", "cached_tokens", "engine_steps", "env_calls")}
         n, total = params.n, len(prompts) * params.n
@@ -105,16 +112,18 @@ class VLLMMultiTurnRollout(MultiTurnRollout):
         done: list[_Conv] = []
         with e.generating() as engine:
             try:
-                self._loop(engine, convs, params, source, limits, checker, live, done)
+                self._loop(engine, convs, params, source, limits, checker, live, done, give_up)
             finally:
-                if live:  # an error: leave nothing of this call in the engine
+                if live:  # an error, or the call given up for a stop: leave nothing of this call in the engine
                     engine.abort_request(list(live))
         self.stats["seconds"] = time.perf_counter() - t0
         return [self._trajectory(c, n) for c in sorted(done, key=lambda c: c.index)]
 
     def _loop(self, engine: Any, convs: list[_Conv], params: SamplingParams, source: TurnSource,
-              limits: MultiTurnLimits, checker: StopChecker, live: dict[str, _Turn], done: list[_Conv]) -> None:
-        """Submit every conversation's first turn, then step the engine until no request is left (module docstring)."""
+              limits: MultiTurnLimits, checker: StopChecker, live: dict[str, _Turn], done: list[_Conv],
+              give_up: Optional[Callable[[], bool]] = None) -> None:
+        """Submit every conversation's first turn, then step the engine until no request is left (module docstring);
+        `WaitAbandoned` when `give_up` gives the call up (the caller aborts what is in flight)."""
         e, n = self.engine, params.n
         for c in convs:
             self._submit(engine, c, params, limits, live)
@@ -129,6 +138,7 @@ class VLLMMultiTurnRollout(MultiTurnRollout):
                 break
             if e.step_aside():  # `paused()` from another thread: step aside at this step boundary
                 continue
+            e.give_up_at_step(give_up, int(self.stats["engine_steps"]))
             version = e.policy_version
             finished: list[_Turn] = []
             for out in engine.step():

@@ -13,14 +13,16 @@ every rank is done (the engine's `all_ranks_active`). The sampling generator is 
 repeats the uninterrupted one.
 
 Stopping: the round's long waits (the verifiers' batch, the environments of a multi-turn rollout) and its long work
-(the built-in engine's generation, between decode steps; a model reward, between its packed forwards) ask the stop
+(the built-in engine's generation, between decode steps; the vLLM engine's, between engine steps; a model reward,
+between its packed forwards) ask the stop
 check (`stop_check`: training/signals.py `StopFlag.pending`) and give up once it has said stop for a moment
 (`WaitAbandoned`, abandon.py `ABANDON_GRACE_S`). The rank that gave up must not skip a collective the others
 make, so after the reward phase of every round all ranks agree (rl/give_up.py: one all-reduce) and, if any did, all
 raise `StepAbandoned` together, before anything of the step is applied: the loop saves the step's start and the step
 is redone on resume. Lock-stepped generation (a collective in every forward) is given up by every rank at the same
-decode step (inference/policy_engine.py); a rank that decodes on its own leaves alone, the others join it at the
-agreement when their round is done.
+decode step (inference/policy_engine.py), the ranks of a tensor-parallel vLLM engine at the same engine step
+(inference/vllm_engine.py); a rank that decodes on its own leaves alone, the others join it at the agreement when
+their round is done.
 """
 from __future__ import annotations
 

@@ -11,9 +11,10 @@ A wait inside a step that can hang for minutes (a reward batch, the environments
 `rl.reward_pool.batch_timeout_s`, longer than the scheduler's warning) polls the flag and gives up once it has waited
 a moment with a stop pending (abandon.py `ABANDON_GRACE_S`): the step is abandoned (`StepAbandoned`, agreed by
 every rank), and the loop saves the state of the step's start and exits 143, as at a step boundary. Long work of a
-step that runs in the rank asks the flag the same way: the built-in engine's generation between decode steps, a model
-reward between its forwards (inference/policy_engine.py, rl/rewards/model_reward.py). One call that does not return
-(a kernel, a collective, a call into vLLM) is acted on only when it returns. A held-out
+step that runs in the rank asks the flag the same way: the built-in engine's generation between decode steps, the vLLM
+engine's between engine steps, a model reward between its forwards (inference/policy_engine.py, inference/vllm_engine.py,
+rl/rewards/model_reward.py). One call that does not return (a kernel, a collective, one vLLM engine step) is acted on
+only when it returns. A held-out
 evaluation of a training run (GRPO's accuracy with the verifiers) gives up the same way (`EvaluationAbandoned`): its
 metrics are not logged, and the loop saves the step it followed and exits 143.
 

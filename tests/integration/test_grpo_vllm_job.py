@@ -8,7 +8,10 @@ fresh vLLM engine from model.path, its first push writes the checkpoint's weight
 request's sampling seed is drawn from the step's generator (a function of seed and step), so the same
 completions come back — the same rewards, losses, KL, lengths and gradient norms at every step and the
 same exported weights, with the reference model (KL), recomputed old log-probs (the vLLM / training
-mismatch metrics), 2 PPO epochs x 2 mini-batches and sequence-mean loss all active."""
+mismatch metrics), 2 PPO epochs x 2 mini-batches and sequence-mean loss all active.
+
+A SIGTERM while a step's vLLM rollout runs (one job in this process, ~30 s) gives the generation up between engine
+steps: the step is abandoned, the checkpoint of the step before saved, and the job exits 143."""
 from __future__ import annotations
 
 import importlib.util
@@ -55,3 +58,61 @@ def test_vllm_grpo_exact_resume_after_kill9(tmp_path):
     a, b = load_safetensors_dir(straight / "hf"), load_safetensors_dir(crashed / "hf")
     assert a.keys() == b.keys()
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+
+
+@pytest.fixture
+def keep_signal_handlers():
+    """The job installs its stop handlers in this process: put pytest's back afterwards."""
+    import signal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+def test_a_sigterm_while_vllm_generates_abandons_the_step_and_saves(tmp_path, monkeypatch, keep_signal_handlers, caplog):
+    """SIGTERM while step 2's vLLM rollout runs, its engine steps slowed to 1 s (a long generation): the engine used
+    not to ask the stop flag, so the step's whole rollout ran, the step was trained and step 2 saved. Now the
+    generation is given up once the stop has been pending ABANDON_GRACE_S, the step abandoned (no row of it), the
+    checkpoint of step 1 saved, and the job exits 143 (the resumed run redoes step 2, as with the built-in engine:
+    tests/integration/test_grpo_stop_hung_step.py)."""
+    import os
+    import signal
+    import time
+
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from megatron_vlm import runner
+    from megatron_vlm.config import load_config
+    from megatron_vlm.inference.vllm_engine import VLLMRolloutEngine
+
+    calls, signalled = [0], {}
+    generate, step = VLLMRolloutEngine.generate, LLMEngine.step
+
+    def counted_generate(self, *a, **k):
+        calls[0] += 1
+        return generate(self, *a, **k)
+
+    def slow_step(self):
+        if calls[0] == 2:  # step 2's rollout (no evaluation runs): the signal after its first engine step
+            if "at" not in signalled:
+                signalled["at"] = time.monotonic()
+                os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1.0)
+        return step(self)
+
+    monkeypatch.setattr(VLLMRolloutEngine, "generate", counted_generate)
+    monkeypatch.setattr(LLMEngine, "step", slow_step)
+    out = tmp_path / "run"
+    sets = grpo_overrides(out, tmp_path / "assets", **VLLM, **{"rl.rollout.max_new_tokens": "12", "rl.eval.at_start": "false",
+                                                              "checkpoint.every_steps": "100", "train.max_steps": "3",
+                                                              "checkpoint.export_hf": "false"})
+    with caplog.at_level("WARNING", logger="megatron_vlm"):
+        code = runner.run_job(load_config(GRPO_DEMO, sets))
+    took = time.monotonic() - signalled["at"]
+    assert code == 143
+    assert sorted(d.name for d in (out / "checkpoints").iterdir()) == ["step_1"], took
+    assert [int(r["step"]) for r in read_metrics(out / "metrics_train.csv")] == [1]
+    assert "gave up waiting for its generation" in caplog.text
+    assert took < 12.0, took  # the grace and the save, not the 12+ slowed steps of the whole rollout

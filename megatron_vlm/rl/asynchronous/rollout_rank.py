@@ -28,10 +28,12 @@ error ends the rank at once with that error (its weight thread is not waited for
 this rank's samples, sends nothing more); the closed bridge then fails the trainer's receive. Steps
 generated but not yet trained when the trainer stops are dropped; a resumed run generates them again.
 
-A stop signal (this rank's) or the trainer's "stop" while a reward batch or an environment turn hangs: the wait is
-given up once it has gone on `ABANDON_GRACE_S` since (`WaitAbandoned`, rewards/pool.py) and the step the trainer waits
-for is answered with a "stopped" payload carrying the signal, so that the trainer abandons that step and stops the job
-at once instead of after `rl.reward_pool.batch_timeout_s` (rl/asynchronous/trainer.py).
+A stop signal (this rank's) or the trainer's "stop" while a reward batch or an environment turn hangs, or while the
+step generates (the engine asks the check between its decode / engine steps, the built-in and the vLLM engine alike):
+the wait or the generation is given up once it has gone on `ABANDON_GRACE_S` since (`WaitAbandoned`, rewards/pool.py)
+and that step is answered, once the trainer asks for it, with a "stopped" payload carrying the signal, so that the
+trainer abandons it and stops the job at once instead of after `rl.reward_pool.batch_timeout_s` or the whole rollout
+(rl/asynchronous/trainer.py). (The trainer's "stop" also interrupts a generation at once: `engine.interrupt()`.)
 """
 from __future__ import annotations
 
@@ -219,17 +221,21 @@ def _generate_loop(ctx, role: Role, state: _State, engine, encoder, train_set, t
                 indices.append(i)
                 prompts.append(e)
         trajs, result = None, None
-        if prompts and multiturn is not None:  # the synchronous loop's seed for (step, rank): k = 0 repeats it
-            from megatron_vlm.rl.asynchronous.multiturn import generate_trajectories
+        # the engine's stop check between its steps (the engine may take none: a stand-in)
+        wait = {"abandon": state.abandon} if state.abandon is not None and getattr(engine, "takes_abandon", False) else {}
+        try:
+            if prompts and multiturn is not None:  # the synchronous loop's seed for (step, rank): k = 0 repeats it
+                from megatron_vlm.rl.asynchronous.multiturn import generate_trajectories
 
-            try:
                 result, trajs = generate_trajectories(multiturn, [train_set[i] for i in indices], prompts, params, seed,
                                                       b, role.rank, abandon=state.abandon)
-            except WaitAbandoned:  # a hung environment turn given up: stopping (the trainer waits for a "stopped")
-                log.warning("rollout rank %d: stopping: step %d's environment turn given up", role.rank, b)
-                return
-        elif prompts:
-            result = engine.generate(prompts, params, generator=sampling_generator(seed, b, role.rank, device))
+            elif prompts:
+                result = engine.generate(prompts, params, generator=sampling_generator(seed, b, role.rank, device), **wait)
+        except WaitAbandoned as e:  # a hung environment turn or a generation given up: stopping
+            log.warning("rollout rank %d: stopping: step %d's %s given up", role.rank, b,
+                        "environment turn" if e.waited_for == "environments" else e.waited_for)
+            todo.put({"step": b, "stopped": True})  # the scoring thread answers step b with "stopped" once it is asked
+            return
         if state.stop:
             return
         item = {"step": b, "indices": indices, "result": result, "idle_s": idle, "trajectories": trajs,
@@ -286,7 +292,11 @@ def _score_items(state: _State, bridge, todo, manager, train_set) -> None:
         item = todo.get()
         if item is None:
             return
-        b, result = item["step"], item["result"]
+        b = item["step"]
+        if item.get("stopped"):  # step b's generation was given up: the rank is stopping
+            _answer_stopped(state, bridge, b)
+            return
+        result = item["result"]
         samples = result.samples if result is not None else []
         owners = [train_set[item["indices"][s.prompt_index]] for s in samples]
         t0 = time.perf_counter()
@@ -296,13 +306,7 @@ def _score_items(state: _State, bridge, todo, manager, train_set) -> None:
                                    metadata=[p.metadata for p in owners], **wait) if samples else None
         except WaitAbandoned:  # the rank is stopping: the trainer, once it asks for step b, is told so
             log.warning("rollout rank: stopping: step %d's reward batch given up", b)
-            with state.cond:
-                state.cond.wait_for(lambda: state.stop or state.wanted >= b)
-                if state.stop:
-                    return  # the "stop" came first: `_score_loop` answers a step still owed
-            bridge.send_object({"step": b, "stopped": True, "signum": int(state.signum())})
-            with state.cond:
-                state.sent = b
+            _answer_stopped(state, bridge, b)
             return
         payload = {"step": b, "indices": item["indices"], "samples": [_sample_payload(s) for s in samples],
                    "total": scored.total if scored else [], "per_reward": scored.per_reward if scored else {},
@@ -326,3 +330,16 @@ def _score_items(state: _State, bridge, todo, manager, train_set) -> None:
         bridge.send_object(payload)
         with state.cond:
             state.sent = b
+
+
+def _answer_stopped(state: _State, bridge, b: int) -> None:
+    """Step b was given up because the rank is stopping: once the trainer asks for it (no message is sent without a
+    receiver), answer "stopped" with this rank's signal, so that the trainer abandons the step; nothing when the
+    trainer's "stop" comes first (`_score_loop` then answers a step still owed)."""
+    with state.cond:
+        state.cond.wait_for(lambda: state.stop or state.wanted >= b)
+        if state.stop:
+            return
+    bridge.send_object({"step": b, "stopped": True, "signum": int(state.signum())})
+    with state.cond:
+        state.sent = b

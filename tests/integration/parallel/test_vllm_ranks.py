@@ -13,7 +13,9 @@ our training forward on an unsharded copy of the same weights.
 - closing the engines leaves the job's process group working (vLLM's shutdown would destroy it);
 - rl.vllm.tensor_parallel_size = 2: one engine sharded over both ranks (each rank holds half of the attention
   heads), both ranks sending all prompts: greedy tokens equal the built-in engine's, sampled log-probs equal
-  the training forward's within 1e-4, and both ranks get the same completions.
+  the training forward's within 1e-4, and both ranks get the same completions;
+- a stop signal seen by one rank of a tensor-parallel engine: both ranks give the call up before the same engine
+  step (no rank left in a forward's collective), both engines empty and generating together after.
 """
 from __future__ import annotations
 
@@ -163,3 +165,58 @@ def test_vllm_engines_on_two_ranks_and_tensor_parallel_2(tmp_path):
     from tests.integration.parallel.spawn import spawn
 
     spawn(tmp_path, _ranks_part, world=2)
+
+
+def _stop_part(tmp: Path, rank: int) -> None:
+    """One engine sharded over both ranks; only rank 0's stop check says stop (its signal, not yet agreed)."""
+    from megatron_vlm import abandon
+    from megatron_vlm.abandon import WaitAbandoned
+    from megatron_vlm.data.processor import load_processor
+    from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
+    from megatron_vlm.parallel.collectives import all_gather_objects
+    from megatron_vlm.testing.synthesize import synthesize_model_folder
+
+    abandon.ABANDON_GRACE_S = 0.0
+    folder = tmp / "qwen2"
+    if rank == 0:
+        synthesize_model_folder("tiny_qwen2", folder, seed=0)
+    dist.barrier()
+    model, _ = _trainer_and_reference(folder)
+    tok = load_processor(str(folder)).tokenizer
+    prompts = [RolloutPrompt(input_ids=torch.tensor(tok(t)["input_ids"], dtype=torch.long)) for t in TEXTS]
+    engine = _engine(folder, model, tp=2)
+    step, steps = engine.llm.llm_engine.step, [0]
+
+    def counted():
+        steps[0] += 1
+        return step()
+
+    engine.llm.llm_engine.step = counted
+    long = SamplingParams(max_new_tokens=200, n=2, temperature=1.0)
+    try:
+        engine.load_weights(None, version=1)
+        with pytest.raises(WaitAbandoned) as e:
+            engine.generate(prompts, long, generator=torch.Generator().manual_seed(3),
+                            abandon=lambda: rank == 0 and steps[0] >= 3)
+        left = (steps[0], str(e.value), engine.llm.llm_engine.has_unfinished_requests())
+        # both ranks step on together afterwards (a rank left behind would hang in this call's forwards)
+        after = engine.generate(prompts, SamplingParams(max_new_tokens=4, n=1, temperature=0.0), abandon=lambda: False)
+    finally:
+        engine.llm.llm_engine.step = step
+        engine.close()
+    both = all_gather_objects((left, [s.token_ids.tolist() for s in after.samples]))
+    assert [b[0][0] for b in both] == [3, 3], both  # every rank left before its 4th step
+    assert "after 3 engine steps: the rank is stopping" in both[0][0][1]
+    assert "another rank of the tensor-parallel engine is stopping" in both[1][0][1]
+    assert not both[0][0][2] and not both[1][0][2]
+    assert both[0][1] == both[1][1] and len(both[0][1]) == len(TEXTS)
+
+
+# two processes, one vLLM engine over both: ~60 s
+def test_a_stop_on_one_rank_of_a_tensor_parallel_engine_stops_every_rank_at_the_same_step(tmp_path):
+    """rl.vllm.tensor_parallel_size = 2 and a stop signal that only rank 0 has seen yet: the engine's ranks agree at
+    every engine step (`give_up_at_step`), so both give the call up before the same step instead of rank 0 leaving
+    alone and rank 1 waiting in the next forward's collective; both engines are empty and generate together after."""
+    from tests.integration.parallel.spawn import spawn
+
+    spawn(tmp_path, _stop_part, world=2)

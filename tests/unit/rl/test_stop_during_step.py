@@ -549,3 +549,66 @@ def test_every_training_rank_abandons_the_step_a_trainer_stopped_alone_gave_up(m
     with pytest.raises(StepAbandoned):
         rank1._receive(3)
     assert rank1.ctx.stop.signum == 10  # it exits 143 with the others
+
+
+class _LongEngine:
+    """A rollout engine whose generation takes 200 decode steps of 10 ms unless its stop check gives it up."""
+
+    takes_abandon = True
+
+    def __init__(self):
+        self.asked = 0
+
+    def generate(self, prompts, params, generator=None, abandon=None):  # noqa: ARG002
+        for _ in range(200):
+            time.sleep(0.01)
+            if abandon is not None:
+                self.asked += 1
+                if abandon():
+                    raise WaitAbandoned("generation given up after some decode steps", waited_for="generation")
+        return NS(samples=[], seconds=2.0)
+
+
+class _HungEnvironments:
+    """[rl.env]: conversations whose environment turn hangs until the stop check gives it up."""
+
+    def generate(self, shard, params, seed, abandon=None):  # noqa: ARG002
+        while not (abandon is not None and abandon()):
+            time.sleep(0.01)
+        raise WaitAbandoned("1 environment call given up: the rank is stopping", waited_for="environments")
+
+
+@pytest.mark.parametrize("hung", ["generation", "environments"])
+def test_a_rollout_rank_gives_up_its_generation_and_answers_the_step_when_asked_later(hung):
+    """A rollout rank whose own stop flag is set (its node preempted) while it generates step 0. Its generation did not
+    ask the flag: the whole rollout ran first. And a step given up in its generation (here, or a hung environment
+    turn) was answered only if the trainer had already asked for it; a trainer asking later (it was training the
+    step before) waited for ever. Now the engine's generation asks the flag between its steps, and the step is
+    answered "stopped", with the signal, whenever the trainer asks for it."""
+    rl = NS(asynchronous=NS(max_head_offpolicyness=1), batch=NS(group_size=2, prompts_per_step=2),
+            rollout=NS(max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=0, stop=[]))
+    ctx = NS(cfg=NS(rl=rl, train=NS(seed=3)), env=NS(device="cpu"))
+    role = NS(rank=0, allocation=NS(rollout=1))
+    state = rr._State(0)
+    state.signum = lambda: 15
+    state.abandon = lambda: True  # a stop pending since before the step (no grace left)
+    engine = _LongEngine()
+    sent: list = []
+    bridge = NS(send_object=lambda obj, dst=0: sent.append(obj))
+    todo: queue.Queue = queue.Queue()
+    scoring = threading.Thread(target=rr._score_loop, args=(state, bridge, todo, NS(metrics=dict), []), daemon=True)
+    scoring.start()
+    t0 = time.monotonic()
+    rr._generate_loop(ctx, role, state, engine, NS(encode=lambda s: s, skipped=0), [0, 1, 2, 3], todo, 0, 1,
+                      _HungEnvironments() if hung == "environments" else None)
+    todo.put(None)
+    assert time.monotonic() - t0 < 1.5  # not the 2 s of the whole generation
+    assert engine.asked >= 1 or hung == "environments"
+    time.sleep(0.2)
+    assert sent == []  # the trainer has not asked for step 0 yet: nothing is sent without a receiver
+    with state.cond:  # the trainer's "want" for step 0 (the weight thread's part)
+        state.wanted = 0
+        state.cond.notify_all()
+    scoring.join(timeout=5)
+    assert not scoring.is_alive() and state.error is None, state.error
+    assert sent == [{"step": 0, "stopped": True, "signum": 15}]

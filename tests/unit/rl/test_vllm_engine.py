@@ -506,3 +506,57 @@ def test_failures_name_the_prompt_and_leave_the_engine_clean(tmp_path):
         engine.close()
     assert [(s.prompt_index, s.sample_index) for s in res.samples] == [(i, j) for i in range(len(prompts)) for j in range(2)]
     assert all(s.finish_reason in ("eos", "length") and s.token_ids.numel() >= 1 for s in res.samples)
+
+
+def test_a_stop_gives_up_single_and_multi_turn_generation_between_engine_steps(tmp_path, monkeypatch):
+    """A stop signal while the vLLM engine generates (`abandon`, the training rank's stop flag): asked between engine
+    steps, as the built-in engine asks it between decode steps. Before, neither loop asked it: a stop waited for the
+    whole rollout (here 300 tokens a completion). Now the call is given up at the step where the check has said stop
+    for `ABANDON_GRACE_S` (0 here), `WaitAbandoned` ("generation"), its requests aborted: nothing stays in the engine,
+    and the next call gets its own completions only."""
+    from megatron_vlm import abandon
+    from megatron_vlm.abandon import WaitAbandoned
+    from megatron_vlm.inference.multiturn import MultiTurnLimits, TurnReply
+    from megatron_vlm.inference.vllm_multiturn import VLLMMultiTurnRollout
+
+    monkeypatch.setattr(abandon, "ABANDON_GRACE_S", 0.0)
+    folder = synthesize_model_folder("tiny_qwen2", tmp_path / "m", seed=0)
+    tok = load_processor(str(folder)).tokenizer
+    prompts = _text_prompts(tok)
+    engine = _engine(folder)
+    llm_engine = engine.llm.llm_engine
+    step, steps = llm_engine.step, [0]
+
+    def counted():
+        steps[0] += 1
+        return step()
+
+    llm_engine.step = counted
+    long = SamplingParams(max_new_tokens=300, n=2, temperature=1.0)
+
+    class Done:  # an environment that ends every conversation after its first turn
+        def step(self, items):
+            return [TurnReply(done=True) for _ in items]
+
+    try:
+        with pytest.raises(WaitAbandoned, match="generation given up after 3 engine steps") as e:
+            engine.generate(prompts, long, generator=torch.Generator().manual_seed(0), abandon=lambda: steps[0] >= 3)
+        assert e.value.waited_for == "generation" and steps[0] == 3
+        assert not llm_engine.has_unfinished_requests()
+        loop = VLLMMultiTurnRollout(engine, tokenizer=tok)
+        steps[0] = 0
+        with pytest.raises(WaitAbandoned, match="generation given up after 4 engine steps"):
+            loop.generate(prompts, long, Done(), MultiTurnLimits(max_turns=2, max_total_tokens=512), seed=0,
+                          abandon=lambda: steps[0] >= 4)
+        assert steps[0] == 4 and not llm_engine.has_unfinished_requests()
+        short = SamplingParams(max_new_tokens=4, n=2, temperature=1.0)
+        res = engine.generate(prompts, short, generator=torch.Generator().manual_seed(0), abandon=lambda: False)
+        trajs = loop.generate(prompts, short, Done(), MultiTurnLimits(max_turns=2, max_total_tokens=512), seed=0,
+                              abandon=lambda: False)
+    finally:
+        llm_engine.step = step
+        engine.close()
+    assert [(s.prompt_index, s.sample_index) for s in res.samples] == [(i, j) for i in range(len(prompts)) for j in range(2)]
+    assert all(s.finish_reason in ("eos", "length") and 1 <= s.token_ids.numel() <= 4 for s in res.samples)
+    assert len(trajs) == 2 * len(prompts) and all(t.finish_reason in ("done", "length") for t in trajs)
+    assert engine.takes_abandon and VLLMMultiTurnRollout.takes_abandon  # the GRPO round passes its check to both

@@ -34,9 +34,10 @@ ATTR = "_mvlm_master_weights"
 class MasterWeights:
     """The fp32 masters of `root`'s trainable parameters; `root`'s floating-point parameters become `dtype` (those of
     `fp32_weight` modules excepted). Each trainable parameter's gradient is moved, as autograd makes it, into its
-    master's fp32 `.grad` (summed over micro-batches), so `params` (the masters) are what clipping reads."""
+    master's fp32 `.grad` (summed over micro-batches), so `params` (the masters) are what clipping reads. `keep`
+    False (a job that does not train: evaluation): the weights become `dtype` and nothing fp32 is kept."""
 
-    def __init__(self, root: nn.Module, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, root: nn.Module, dtype: torch.dtype = torch.bfloat16, *, keep: bool = True):
         keep = {id(p) for m in root.modules() if getattr(m, "fp32_weight", False) for p in m.parameters()}
         self.pairs: list[tuple[nn.Parameter, torch.Tensor]] = []
         self.frozen: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
@@ -51,6 +52,8 @@ class MasterWeights:
             full = p.data
             low = full.to(dtype)
             p.data = low
+            if not keep:
+                continue
             if p.requires_grad:
                 master = full.detach()
                 self.pairs.append((p, master))

@@ -178,7 +178,8 @@ def build_model_bundle(ctx: RunContext, *, root: Callable[[torch.nn.Module], Any
     if fsdp_mesh is None and env.device.type != "cpu":  # FSDP2 would have moved them
         wrapper.to(env.device)
     if fsdp_mesh is None and precision == "bf16":
-        masters = MasterWeights(wrapper, torch.bfloat16)  # clipping reads the masters' fp32 gradients
+        # clipping reads the masters' fp32 gradients; an evaluation job keeps no fp32 copy
+        masters = MasterWeights(wrapper, torch.bfloat16, keep=cfg.train.mode != "eval")
         trainable_params = [masters.params_or(p) for p in trainable_params]
     balancer: Optional[MoELoadBalancer] = None
     if pp > 1 and whole_moe:  # each stage balances its own MoE layers (maybe none); reports gather every stage's

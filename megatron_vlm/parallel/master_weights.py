@@ -38,7 +38,7 @@ class MasterWeights:
     False (a job that does not train: evaluation): the weights become `dtype` and nothing fp32 is kept."""
 
     def __init__(self, root: nn.Module, dtype: torch.dtype = torch.bfloat16, *, keep: bool = True):
-        keep = {id(p) for m in root.modules() if getattr(m, "fp32_weight", False) for p in m.parameters()}
+        fp32_by_design = {id(p) for m in root.modules() if getattr(m, "fp32_weight", False) for p in m.parameters()}
         self.pairs: list[tuple[nn.Parameter, torch.Tensor]] = []
         self.frozen: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
         """Frozen parameters: (parameter, its fp32 weight in host memory, its bf16 weight)."""
@@ -46,7 +46,7 @@ class MasterWeights:
         self._hooks = []
         seen: set[int] = set()
         for p in root.parameters():
-            if id(p) in seen or id(p) in keep or not p.is_floating_point() or p.dtype == dtype:
+            if id(p) in seen or id(p) in fp32_by_design or not p.is_floating_point() or p.dtype == dtype:
                 continue
             seen.add(id(p))
             full = p.data

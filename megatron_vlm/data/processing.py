@@ -39,6 +39,7 @@ from typing import Optional
 
 import torch
 
+from megatron_vlm.data import plain_text
 from megatron_vlm.data.bad_records import BadRecordError
 from megatron_vlm.data.batch import VISION_KEYS, SampleInputs
 from megatron_vlm.data.expansion import expand, omitted_tokens, placeholder_order, run_counts
@@ -141,9 +142,13 @@ def _blank(content) -> bool:
     return isinstance(content, str) and not content.strip()
 
 
-def _rendered(record: Record, proc: VLProcessor, for_generation: bool):
-    """(messages, reference answer, rendered text, image refs, video items, placeholder order)."""
+def _rendered(record: Record, proc: VLProcessor, for_generation: bool, literal_answer: bool = False):
+    """(messages, reference answer, rendered text, image refs, video items, placeholder order, pieces): `pieces` is
+    None, or with `literal_answer` and special-token strings in the last turn's text, the rendered text as
+    [(piece, is that text)] (data/plain_text.py)."""
     messages, answer = record.messages, None
+    if literal_answer and (for_generation or not messages or messages[-1]["role"] != "assistant"):
+        raise ValueError("literal_answer: the record must end with the assistant turn to score")
     if for_generation:
         messages, answer = prompt_messages(messages)
         if _blank(answer):
@@ -153,15 +158,22 @@ def _rendered(record: Record, proc: VLProcessor, for_generation: bool):
             if m["role"] == "assistant" and _blank(m["content"]) and not m.get("tool_calls"):
                 raise BadRecordError("invalid_record", f"messages[{i}]: empty assistant answer (it would train "
                                                        "the model to end its turn at once)")
-    _check_text(messages, proc, record.tools)
+    _check_text(messages[:-1] if literal_answer else messages, proc, record.tools)
     text = proc.render(messages, add_generation_prompt=for_generation, tools=record.tools)
+    pieces = None
+    if literal_answer:
+        texts = plain_text.message_texts(messages[-1:])
+        # a placeholder string that is no added token (InternVL's "<video>") would still be counted as a placeholder
+        if plain_text.has_special(texts, (*plain_text.special_strings(proc), *filter(None, proc.placeholders.values()))):
+            marked = proc.render([*messages[:-1], *plain_text.marked_messages(messages[-1:])], tools=record.tools)
+            pieces = plain_text.segments(text, marked, texts)
     images, videos = _media(messages)
-    order = placeholder_order(text, proc.placeholders)
+    order = [k for p, lit in (pieces or [(text, False)]) if not lit for k in placeholder_order(p, proc.placeholders)]
     if order.count("image") != len(images) or order.count("video") != len(videos):
         raise BadRecordError("placeholder_mismatch", f"the chat template produced {order.count('image')} image / "
                              f"{order.count('video')} video placeholders for {len(images)} images / "
                              f"{len(videos)} videos")
-    return messages, answer, text, images, videos, order
+    return messages, answer, text, images, videos, order, pieces
 
 
 def estimate_length(record: Record, proc: VLProcessor, *, max_frames: int, for_generation: bool = False,
@@ -176,7 +188,7 @@ def estimate_length(record: Record, proc: VLProcessor, *, max_frames: int, for_g
 def estimate_length_and_class(record: Record, proc: VLProcessor, *, max_frames: int, for_generation: bool = False,
                               fps: float = 2.0, limits: MediaLimits = DEFAULT_LIMITS) -> tuple[int, int]:
     """(`estimate_length`, `pack_class` of the record's videos) from the same headers."""
-    _, _, text, images, videos, _ = _rendered(record, proc, for_generation)
+    _, _, text, images, videos, _, _ = _rendered(record, proc, for_generation)
     cap = limits.max_image_pixels
     clips = [read_video(it, max_frames, fps, decode=False, limits=limits) for it in videos]
     expansions = {"image": proc.image_expansions([image_hw(ref, cap) for ref in images]) if images else [],
@@ -196,12 +208,16 @@ def pack_class(shapes: Sequence[Optional[tuple[int, ...]]]) -> int:
 
 
 def process_record(record: Record, proc: VLProcessor, *, max_frames: int, fps: float = 2.0,
-                   for_generation: bool = False, limits: MediaLimits = DEFAULT_LIMITS) -> ProcessedSample:
+                   for_generation: bool = False, limits: MediaLimits = DEFAULT_LIMITS,
+                   literal_answer: bool = False) -> ProcessedSample:
     """Tokens, labels mask and vision tensors of one record (see module docstring).
 
     for_generation: drop the last assistant turn, end with the generation prompt, no labels; the
-    dropped text is returned as `answer`. `limits`: pixel caps and decode timeout (media.MediaLimits)."""
-    messages, answer, text, images, videos, order = _rendered(record, proc, for_generation)
+    dropped text is returned as `answer`. `limits`: pixel caps and decode timeout (media.MediaLimits).
+    literal_answer: the last turn is a policy's completion to score (a reward model's input): special-token
+    strings in its text are tokenized as plain characters (data/plain_text.py) instead of refusing the record;
+    the template's own special tokens stay special. ValueError when the template does not write that text as given."""
+    messages, answer, text, images, videos, order, pieces = _rendered(record, proc, for_generation, literal_answer)
     cap = limits.max_image_pixels
     loaded = [load_image(ref, cap) for ref in images]
     clips = [read_video(it, max_frames, fps, limits=limits) for it in videos]
@@ -216,25 +232,77 @@ def process_record(record: Record, proc: VLProcessor, *, max_frames: int, fps: f
             raise ValueError(f"{type(proc).__name__} returned an unknown model input {key!r}")
         setattr(out, key, value)
     expansions = {k: [it.expansion for it in v] for k, v in items.items()}
-    text = expand(text, proc.placeholders, expansions)
-    enc = proc.tokenizer(text, return_offsets_mapping=True, add_special_tokens=_add_special_tokens(proc, text))
-    ids = torch.tensor(enc["input_ids"], dtype=torch.long)
+    if pieces is None:
+        text = expand(text, proc.placeholders, expansions)
+        enc = proc.tokenizer(text, return_offsets_mapping=True, add_special_tokens=_add_special_tokens(proc, text))
+        id_list, offset_list = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+    else:
+        pieces = _expanded_pieces(pieces, proc, expansions)
+        text = "".join(p for p, _ in pieces)
+        id_list, offset_list = plain_text.tokenize_with_offsets(proc.tokenizer, pieces, plain_text.special_strings(proc),
+                                                                proc.tokenizer.convert_tokens_to_ids)
+        if _add_special_tokens(proc, text):
+            id_list, offset_list = _with_added_tokens(proc, id_list, offset_list)
+    ids = torch.tensor(id_list, dtype=torch.long)
     for token, expected in run_counts([e for v in expansions.values() for e in v]).items():
         found = int((ids == proc.tokenizer.convert_tokens_to_ids(token)).sum())
         if found != expected:
             raise BadRecordError("placeholder_mismatch", f"{found} {token} tokens vs {expected} vision features")
     mask = torch.zeros(ids.numel(), dtype=torch.bool)
     if not for_generation:
-        spans = assistant_char_spans(text, proc)
+        spans = assistant_char_spans(text, proc) if pieces is None else _literal_spans(pieces, proc)
         n_assistant = sum(m["role"] == "assistant" for m in messages)
         if len(spans) != n_assistant:
             raise BadRecordError("invalid_record", f"found {len(spans)} assistant turns in the rendered text, "
                                                    f"expected {n_assistant} (chat template / turn markers)")
         # every token overlapping a span (transformers' assistant_masks rule): a token that begins in the
         # header but ends inside the answer (Qwen2's regex keeps "\n\n..." in one piece) is the answer's first
-        offsets = torch.tensor(enc["offset_mapping"], dtype=torch.long).reshape(-1, 2)
+        offsets = torch.tensor(offset_list, dtype=torch.long).reshape(-1, 2)
         starts, ends = offsets[:, 0], offsets[:, 1]
         for a, b in spans:
             mask |= (ends > a) & (starts < b)
     out.input_ids, out.label_mask = ids, mask
     return out
+
+
+def _expanded_pieces(pieces: list[tuple[str, bool]], proc: VLProcessor,
+                     expansions: dict[str, list]) -> list[tuple[str, bool]]:
+    """The template's pieces with their placeholders expanded (each piece takes the next expansions of each kind);
+    the literal text as it is."""
+    left = {k: list(v) for k, v in expansions.items()}
+    out = []
+    for p, lit in pieces:
+        if not lit:
+            kinds = placeholder_order(p, proc.placeholders)
+            mine = {k: v[:kinds.count(k)] for k, v in left.items()}
+            left = {k: v[kinds.count(k):] for k, v in left.items()}
+            p = expand(p, proc.placeholders, mine)
+        out.append((p, lit))
+    return out
+
+
+def _literal_spans(pieces: list[tuple[str, bool]], proc: VLProcessor) -> list[tuple[int, int]]:
+    """`assistant_char_spans` of a rendering whose last assistant turn is the literal piece (its text may hold the
+    turn markers themselves): the earlier turns' spans, then the literal text with the turn end that closes it."""
+    start = 0
+    for p, lit in pieces:
+        if lit:
+            break
+        start += len(p)
+    text = "".join(p for p, _ in pieces)
+    end = start + len(next(p for p, lit in pieces if lit))
+    spans = [(a, b) for a, b in assistant_char_spans(text[:start], proc) if b > a]
+    return [*spans, (start, end + len(proc.turn_end) if text.startswith(proc.turn_end, end) else end)]
+
+
+def _with_added_tokens(proc: VLProcessor, ids: list[int],
+                       offsets: list[tuple[int, int]]) -> tuple[list[int], list[tuple[int, int]]]:
+    """`ids` with the special tokens the tokenizer adds around a text (a BOS), as a call with `add_special_tokens`
+    would have them (none for Qwen's tokenizers)."""
+    bare = proc.tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = proc.tokenizer("a", add_special_tokens=True)["input_ids"]
+    k = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), None)
+    if k is None:
+        return ids, offsets
+    before, after = list(full[:k]), list(full[k + len(bare):])
+    return before + ids + after, [(0, 0)] * len(before) + offsets + [(0, 0)] * len(after)

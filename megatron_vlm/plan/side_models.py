@@ -18,7 +18,8 @@ folders' config.json on the meta device (no weights), as the policy is (plan/mem
   only while scoring, after the rollout's KV cache is freed and before the update: then the largest of them
   counts against the activations / KV cache instead. A folder without config.json is not counted (the run
   refuses it at start, naming `rl.rewards[i].path`); their forward activations (no gradients, one layer at a
-  time) are not counted.
+  time) are not counted. A reward model whose `max_tokens` is below `data.max_tokens_per_pack` (the bound on
+  the policy's prompt + completion) gets a line saying that longer inputs are scored truncated.
 """
 from __future__ import annotations
 
@@ -97,6 +98,11 @@ def _reward_models(cfg: Any, build: Callable[[dict], Any], compute: int) -> Side
         kind = getattr(r, "type", "")
         if kind not in ("model", "judge"):
             continue
+        pack = getattr(getattr(cfg, "data", None), "max_tokens_per_pack", None)
+        if kind == "model" and pack is not None and r.max_tokens < pack:
+            out.lines.append(f"reward     rl.rewards[{i}].max_tokens = {r.max_tokens} < data.max_tokens_per_pack = {pack}: a "
+                             f"prompt + completion over {r.max_tokens} of the reward model's tokens is scored "
+                             "truncated (counted in reward/truncated)")
         config = Path(r.path) / "config.json"
         if not config.is_file():
             out.lines.append(f"reward     rl.rewards[{i}] ({kind}) {r.path}: no config.json yet, not counted (the run "

@@ -17,7 +17,7 @@ __all__ = ["CUMULATIVE_METRICS", "RunningTotals"]
 
 CUMULATIVE_METRICS: tuple[str, ...] = (
     "reward/calls", "reward/timeouts", "reward/errors", "reward/clipped", "reward/reasoning_unclosed",
-    "reward/worker_restarts",
+    "reward/worker_restarts", "reward/truncated",
     "data/skipped_prompts", "skipped_steps", "data/empty_steps_skipped", "data/samples_seen", "critic/skipped_updates",
 )
 """The logged metrics that count since the start of the process (summed over ranks where the runner sums)."""

@@ -29,11 +29,11 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from megatron_vlm.data import plain_text
 from megatron_vlm.data.expansion import expand, placeholder_order
 from megatron_vlm.data.media import VideoClip
 from megatron_vlm.data.processor_base import concat_in_order
 from megatron_vlm.inference.multiturn import TurnChunk
-from megatron_vlm.rl.env import plain_text
 from megatron_vlm.rl.env.base import Observation
 
 __all__ = ["TurnEncoder", "tools_system_text", "template_tools_text", "with_tools", "cut_observation"]

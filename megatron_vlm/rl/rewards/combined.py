@@ -6,8 +6,8 @@ failure watch see one scorer with the manager's `labels`, `score(...)`, `metrics
 total is the weighted sum over every `[[rl.rewards]]` table in config order, rule and model alike.
 
 Counters are the manager's, summed: a model call is one call per completion (`reward/calls`), its failures
-are `reward/errors` and `reward/clipped` (so `rl.reward_pool.max_failed_steps` sees them), and each failed
-call is logged as the manager logs its own (the first few per reward, then every 100th). `score` takes the
+are `reward/errors` and `reward/clipped` (so `rl.reward_pool.max_failed_steps` sees them), a reward model's
+input cut to its `max_tokens` is `reward/truncated`, and each failed call is logged as the manager logs its own (the first few per reward, then every 100th). `score` takes the
 prompts' `samples` (`PromptSample`: messages with images) when the caller has them (`takes_samples`); without
 them a model reward sees the prompt text as a text-only user turn.
 """
@@ -75,7 +75,7 @@ class CombinedRewards:
         except BaseException:
             self.close()
             raise
-        self.num_calls = self.num_errors = self.num_clipped = 0
+        self.num_calls = self.num_errors = self.num_clipped = self.num_truncated = 0
         self._fail_counts: dict[str, int] = {}
         self._last_error = ""
 
@@ -128,8 +128,9 @@ class CombinedRewards:
                     if status != "ok":
                         errors += status == "error"
                         clipped += status == "clipped"
-                        self._warn(label, i, status, res.detail[i] if i < len(res.detail) else "")
+                        self._warn(label, i, status, res.detail[i] if i < len(res.detail) else "", values[i])
                 self.num_calls += n
+                self.num_truncated += int(getattr(res, "truncated", 0))
             else:
                 assert ruled is not None
                 values = ruled.per_reward[label]
@@ -144,7 +145,8 @@ class CombinedRewards:
 
     def _score_model(self, k: int, completions: Sequence[str], answers: Sequence[str], questions: list[str],
                      messages: list[list[dict]], abandon: Optional[Callable[[], bool]] = None) -> ScoredValues:
-        """One model reward's values; a scorer that raises scores every completion 0 as an error (never a crash);
+        """One model reward's values; a scorer that raises scores every completion its failure value (0 unless
+        `failure_value` is set: the same for all, so none ranks above another) as an error (never a crash);
         `WaitAbandoned` (a BaseException: not caught) when `abandon` gives the scoring up."""
         scorer, n = self.scorers[k], len(completions)
         texts = [c if isinstance(c, str) else str(c) for c in completions]
@@ -157,16 +159,19 @@ class CombinedRewards:
             if len(res.values) != n or len(res.status) != n:
                 raise RuntimeError(f"{len(res.values)} values for {n} completions")
             return res
-        except Exception as e:  # noqa: BLE001 - the reward pool's guarantee: a counted 0, not a crash
-            return ScoredValues(values=[0.0] * n, status=["error"] * n, detail=[f"{type(e).__name__}: {e}"] * n)
+        except Exception as e:  # noqa: BLE001 - the reward pool's guarantee: a counted failure, not a crash
+            failed = getattr(self.rewards[k], "failure_value", None)
+            return ScoredValues(values=[0.0 if failed is None else float(failed)] * n, status=["error"] * n,
+                                detail=[f"{type(e).__name__}: {e}"] * n)
 
-    def _warn(self, label: str, index: int, status: str, detail: str) -> None:
+    def _warn(self, label: str, index: int, status: str, detail: str, value: float) -> None:
         if status != "clipped":
             self._last_error = f"reward {label!r}: {status}: {detail}"
         c = self._fail_counts[label] = self._fail_counts.get(label, 0) + 1
         if c <= _LOG_FIRST or c % _LOG_EVERY == 0:
             logger.warning("reward %r on completion %d: %s (%s)%s; %d failed or clipped calls of %r so far",
-                           label, index, status, detail, "" if status == "clipped" else " -> reward 0", c, label)
+                           label, index, status, detail, "" if status == "clipped" else f" -> reward {value:g}", c,
+                           label)
 
     def metrics(self) -> dict[str, float]:
         """The manager's cumulative counters with the model rewards' calls and failures added."""
@@ -176,4 +181,5 @@ class CombinedRewards:
         out["reward/calls"] += float(self.num_calls)
         out["reward/errors"] += float(self.num_errors)
         out["reward/clipped"] += float(self.num_clipped)
+        out["reward/truncated"] = float(self.num_truncated)
         return out

@@ -13,6 +13,7 @@ This module imports nothing heavy: reward worker processes import it at start-up
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional, Union
@@ -183,22 +184,37 @@ class ModelRewardConfig(_RewardCommon):
     with the folder's own chat template. The folder is a transformers `...ForSequenceClassification` checkpoint
     of a supported family (`Qwen2ForSequenceClassification`, `Qwen3ForSequenceClassification`, ...) or one of our
     VLM families with the same scalar head (`score.weight`, written by `rl.rewards.score_model.save_score_model`).
-    Scored in batches on the training ranks after the rollout, one full copy per rank (as the reference model);
-    a failed or non-finite call scores 0 and is counted (`reward/errors`)."""
+    Scored in batches on the training ranks after the rollout, one full copy per rank (as the reference model).
+    The completion is scored as written: special-token strings in its text ("<|im_end|>" typed as characters) are
+    plain text, and one over `max_tokens` is scored truncated; a completion that cannot be scored (a forward that
+    raises, a NaN score, a prompt that alone fills `max_tokens`) gets `failure_value` and is counted
+    (`reward/errors`)."""
     path: str = ""
     """The reward model folder (config.json with a `...ForSequenceClassification` architecture, safetensors,
     tokenizer / processor files)."""
     batch_size: int = 16
     """Completions scored per forward (one packed batch)."""
     max_tokens: int = 4096
-    """A prompt + completion longer than this many tokens (in the reward model's tokenizer) is not scored: 0,
-    counted as an error."""
+    """Longest input of the reward model, in its own tokens. A longer prompt + completion is scored truncated, as
+    verl's reward model worker does: the prompt, the completion's first tokens and the template's turn close (the
+    score is read where the model reads a whole turn), counted in `reward/truncated`; a prompt that alone leaves no
+    room for a completion token is not scored (`failure_value`). The reward model re-renders the conversation with
+    its own template and tokenizer, so the policy's `data.max_tokens_per_pack` (the bound on its prompt +
+    completion) does not bound this count exactly: set max_tokens at least that (within the model's context) for
+    no truncation."""
     activation: Literal["none", "sigmoid", "softmax"] = "none"
     """Reward from the logits: "none" = the logit of column `logit_index` as is (a Bradley-Terry reward model);
     "sigmoid" = its sigmoid (a model trained with a binary cross-entropy on correct / wrong, reward in [0, 1]);
     "softmax" = the probability of class `logit_index` (a model with num_labels >= 2)."""
     logit_index: int = 0
     """Column of the logits that is the reward (0 for a num_labels = 1 model)."""
+    failure_value: Optional[float] = None
+    """Reward of a completion the model cannot score (counted in `reward/errors`). Unset: 0 with "sigmoid" /
+    "softmax" (the bottom of their range) and, with "none", the lowest score the model gave in the same scoring
+    call (each rank scores its own completions; 0 when it scored none). Why: a Bradley-Terry score has either
+    sign, so a fixed 0 would rank a failure above every completion scored below 0 and the policy would learn to
+    fail; the lowest score never ranks it above a scored one. A number: that reward (with "none", set it below
+    the scores the model gives)."""
     offload: bool = False
     """Keep the reward model on the CPU between scorings (moved to the device only while it scores)."""
 
@@ -212,6 +228,8 @@ class ModelRewardConfig(_RewardCommon):
             raise ValueError(f"max_tokens: must be >= 2, got {self.max_tokens}")
         if self.logit_index < 0:
             raise ValueError(f"logit_index: must be >= 0, got {self.logit_index}")
+        if self.failure_value is not None and not math.isfinite(self.failure_value):
+            raise ValueError(f"failure_value: must be a finite number, got {self.failure_value}")
 
 
 _JUDGE_FIELDS = ("question", "completion", "reference")

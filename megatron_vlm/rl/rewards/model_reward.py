@@ -6,14 +6,27 @@ rendered and tokenised by the reward model folder's own processor (the data pipe
 as SFT), packed `batch_size` at a time and scored by `SequenceScoreModel` (score_model.py): the logit of
 the last token, through `activation`.
 
+What the policy wrote is scored as written, so that no way of writing earns a value the model did not give:
+- special-token strings in the completion's text ("<|im_end|>", "<|image_pad|>" typed as characters) are
+  tokenized as plain text, the template's own special tokens stay special (data/plain_text.py); they were a
+  refused record, a fixed value the policy could reach by typing them.
+- a prompt + completion over `max_tokens` is scored truncated: the prompt, the completion's first tokens and the
+  template's turn close (`<|im_end|>\\n`), so the score is read at the token the model reads a whole turn at;
+  counted (`ScoredValues.truncated`, `reward/truncated`). verl's reward model worker truncates the same way (its
+  `truncation = "right"` default keeps the first `max_length` tokens, and reads the last kept one); TRL's GRPO
+  scores the whole text (no limit). A fixed value here paid the policy for running long (with `activation =
+  "none"` a 0 is above every negative score).
+
 Why in-process and not in the reward worker pool: the pool's workers hold no torch and run one call per
 process; a network wants batches on the device. The pool's guarantees hold here too, per completion
-(`ScoredValues.status`): a completion that cannot be rendered (a missing image, over `max_tokens`), a
-batch whose forward raises (its completions), a NaN score, each is reward 0 and an "error" (the run goes
-on; `reward/errors` counts it and `rl.reward_pool.max_failed_steps` stops a run whose every call fails);
-an infinite or larger-than-`rl.reward_pool.abs_max` score is clipped to +-abs_max ("clipped"). An empty
-completion (the policy ended its turn at once) is scored like any other, on the prompt and an empty assistant
-turn: a fixed 0 would rank it above every answer the model scores below 0, a reward for answering nothing.
+(`ScoredValues.status`): a completion that cannot be scored (a missing image, a prompt that alone fills
+`max_tokens`, a template that rewrites the completion's text, a batch whose forward raises, a NaN score) is an
+"error" (the run goes on; `reward/errors` counts it and `rl.reward_pool.max_failed_steps` stops a run whose
+every call fails) with the failure value (`failure_value`, by default one that never ranks it above a scored
+completion: `failure_value_of`); an infinite or larger-than-`rl.reward_pool.abs_max` score is clipped to +-abs_max
+("clipped"). An empty completion (the policy ended its turn at once) is scored like any other, on the prompt and
+an empty assistant turn: a fixed 0 would rank it above every answer the model scores below 0, a reward for
+answering nothing.
 
 Placement: one full copy per rank, in the run's compute dtype, as the frozen reference policy
 (rl/reference.py); `offload = true` keeps it on the CPU between scorings.
@@ -24,7 +37,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
@@ -33,7 +46,8 @@ from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
 from megatron_vlm.data.messages import Record
 from megatron_vlm.parallel.device_cache import empty_device_cache
 
-__all__ = ["ScoredValues", "ModelRewardScorer", "limit_value", "text_only_messages"]
+__all__ = ["ScoredValues", "ModelRewardScorer", "failure_value_of", "limit_value", "text_only_messages",
+           "truncated_sample"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -55,11 +69,47 @@ def on_device(model: torch.nn.Module, device: torch.device, offload: bool) -> It
 
 @dataclass
 class ScoredValues:
-    """One value per completion with the pool's statuses: "ok", "error" (value 0), "clipped"."""
+    """One value per completion with the pool's statuses: "ok", "error" (the failure value), "clipped"."""
 
     values: list[float]
     status: list[str]
     detail: list[str] = field(default_factory=list)
+    truncated: int = 0
+    """Completions scored on their first tokens (over the reward model's `max_tokens`)."""
+
+
+def failure_value_of(cfg: Any, values: Sequence[float], status: Sequence[str]) -> float:
+    """The value of a completion the reward model could not score: `cfg.failure_value` when set; else 0 with
+    "sigmoid" / "softmax" (the bottom of their range) and, with "none" (scores of either sign, where a fixed 0
+    would be above every negative score and a policy would learn to fail), the lowest value scored in the same
+    call, 0 when none was."""
+    if getattr(cfg, "failure_value", None) is not None:
+        return float(cfg.failure_value)
+    if getattr(cfg, "activation", "none") != "none":
+        return 0.0
+    scored = [v for v, st in zip(values, status) if st != "error"]
+    return min(scored) if scored else 0.0
+
+
+def truncated_sample(sample: Any, max_tokens: int) -> Any:
+    """`sample` (a rendered prompt + completion, `process_record`) cut to `max_tokens`: the tokens before the
+    completion, its first tokens, and the template's closing tokens from the turn end on (the last labelled token:
+    the turn end the label mask ends with); ValueError when the tokens before the completion leave no room for one
+    of its tokens (truncating into the prompt would score the same for every completion)."""
+    ids, mask = sample.input_ids, sample.label_mask
+    marked = torch.nonzero(mask).flatten()
+    if marked.numel() == 0:
+        raise ValueError("no assistant turn found in the rendered conversation")
+    end = int(marked[-1])
+    start = end
+    while start > 0 and bool(mask[start - 1]):
+        start -= 1
+    keep = max_tokens - (ids.numel() - end)
+    if keep <= start:
+        raise ValueError(f"the prompt alone is {start} tokens (+ {ids.numel() - end} to close the turn): max_tokens "
+                         f"{max_tokens} leaves no room for the completion ({ids.numel()} tokens in all)")
+    idx = torch.cat([torch.arange(keep), torch.arange(end, ids.numel())])
+    return replace(sample, input_ids=ids[idx], label_mask=mask[idx])
 
 
 def limit_value(x: float, limit: Optional[float]) -> tuple[float, str, str]:
@@ -140,7 +190,8 @@ class ModelRewardScorer:
         # string answer (SFT must not learn to stop at once), but here it is what the reward model has to judge
         content: Any = [{"type": "text", "text": completion}] if not completion.strip() else completion
         record = Record(turns + [{"role": "assistant", "content": content}], "reward_model", -1)
-        return process_record(record, self.processor, max_frames=self.max_frames, fps=self.fps, limits=self.limits)
+        return process_record(record, self.processor, max_frames=self.max_frames, fps=self.fps, limits=self.limits,
+                              literal_answer=True)
 
     def _reward(self, logits: torch.Tensor) -> torch.Tensor:
         act, k = self.cfg.activation, self.cfg.logit_index
@@ -173,8 +224,12 @@ class ModelRewardScorer:
                 out.status[i], out.detail[i] = "error", f"cannot render: {type(e).__name__}: {e}"
                 continue
             if len(sample.input_ids) > self.cfg.max_tokens:
-                out.status[i], out.detail[i] = "error", f"{len(sample.input_ids)} tokens > max_tokens {self.cfg.max_tokens}"
-                continue
+                try:
+                    sample = truncated_sample(sample, self.cfg.max_tokens)
+                except ValueError as e:
+                    out.status[i], out.detail[i] = "error", str(e)
+                    continue
+                out.truncated += 1
             rendered.append((i, sample))
         with self._on_device():
             done = 0
@@ -195,4 +250,6 @@ class ModelRewardScorer:
                     continue
                 for (i, _), r in zip(chunk, rewards):
                     out.values[i], out.status[i], out.detail[i] = limit_value(float(r), self.value_limit)
+        failed = failure_value_of(self.cfg, out.values, out.status)
+        out.values = [failed if st == "error" else v for v, st in zip(out.values, out.status)]
         return out

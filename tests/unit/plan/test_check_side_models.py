@@ -72,6 +72,17 @@ def test_reward_model_and_judge_copies_by_hand(tmp_path):
     assert missing.resident == 0 and "no config.json yet, not counted" in missing.lines[0]
 
 
+def test_a_reward_model_shorter_than_the_pack_says_it_truncates(tmp_path):
+    """The reward model re-tokenizes the conversation, so `max_tokens` cannot be checked exactly against the policy's
+    bound (`data.max_tokens_per_pack`, 1024 in the demo); --check says what happens past it."""
+    rm = _reward_folder(tmp_path, "model")
+    short = _side(CONFIGS / "demo_grpo.toml", _grpo_with(tmp_path, f'{{type = "model", path = "{rm}", max_tokens = 512}}'))
+    assert any("rl.rewards[0].max_tokens = 512 < data.max_tokens_per_pack = 1024" in x and "truncated" in x
+               for x in short.lines), short.lines
+    enough = _side(CONFIGS / "demo_grpo.toml", _grpo_with(tmp_path, f'{{type = "model", path = "{rm}"}}'))
+    assert not any("truncated" in x for x in enough.lines)
+
+
 def _check(config: Path, overrides: list[str], gib: float, world: int = 1) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     code = run_check(load_config(config, overrides), world_size=world, device_memory_gib=gib, out=out, err=err)

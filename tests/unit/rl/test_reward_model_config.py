@@ -39,6 +39,7 @@ batch_size = 3
 max_tokens = 99
 activation = "softmax"
 logit_index = 1
+failure_value = -3.0
 offload = true
 weight = 0.5
 
@@ -57,6 +58,7 @@ offload = true
 ''')
     rm, judge = cfg.rl.rewards
     assert (rm.batch_size, rm.max_tokens, rm.activation, rm.logit_index, rm.offload, rm.weight) == (3, 99, "softmax", 1, True, 0.5)
+    assert rm.failure_value == -3.0
     assert (judge.parse, judge.scale(), judge.max_new_tokens, judge.max_tokens, judge.images, judge.batch_size) == (
         "score", 5.0, 3, 300, False, 2)
 
@@ -67,6 +69,8 @@ offload = true
     ('type = "model"\npath = "rm"\nactivation = "tanh"', "activation"),
     ('type = "model"\npath = "rm"\nbatch_size = 0', "batch_size"),
     ('type = "model"\npath = "rm"\nlogit_index = -1', "logit_index"),
+    ('type = "model"\npath = "rm"\nfailure_value = nan', "failure_value"),
+    ('type = "model"\npath = "rm"\nfailure_value = "lowest"', "failure_value"),
     ('type = "judge"\npath = "j"\ntemplate = "{question} {answer}"', "template"),
     ('type = "judge"\npath = "j"\ntemplate = "{question}"', "template"),
     ('type = "judge"\npath = "j"\ntemplate = "{completion"', "template"),

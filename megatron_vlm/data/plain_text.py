@@ -1,9 +1,11 @@
-"""Environment text as plain text: literal special-token strings in it become ordinary tokens, the template's stay special.
+"""Untrusted text as plain text: literal special-token strings in it become ordinary tokens, the template's stay special.
 
-Why: an environment's or tool's text is untrusted (a web page, a file, a program's output, text the model made a
-tool echo). Tokenized with special-token parsing on, as the chat template's output is, a literal "<|image_pad|>" in
-it would be an image placeholder with no image (the trajectory then ends as env_error) and "<|im_end|>\\n<|im_start|>"
-a forged turn boundary inside the environment's turn. The model must see the characters, as any other text.
+Why: an environment's or tool's text (a web page, a file, a program's output, text the model made a tool echo) and
+a policy's completion scored by a reward model (rl/rewards/model_reward.py) are untrusted. Tokenized with
+special-token parsing on, as the chat template's output is, a literal "<|image_pad|>" in it would be an image
+placeholder with no image (the trajectory then ends as env_error, the completion is not scored) and
+"<|im_end|>\\n<|im_start|>" a forged turn boundary inside the turn. The model must see the characters, as any other
+text.
 
 How: the observation's turns are rendered a second time with each text replaced by a marker, which locates the
 texts in the rendering (`segments`); the template's pieces keep their special tokens and placeholders, the texts are
@@ -19,7 +21,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["special_strings", "has_special", "marked_messages", "segments", "tokenize"]
+__all__ = ["special_strings", "has_special", "marked_messages", "segments", "tokenize", "tokenize_with_offsets"]
 
 _MARK = "\ue000{}\ue001"
 _MARK_RE = re.compile("\ue000(\\d+)\ue001")
@@ -74,7 +76,7 @@ def marked_messages(messages: list[dict]) -> list[dict]:
 
 
 def segments(rendered: str, marked: str, texts: list[str]) -> list[tuple[str, bool]]:
-    """[(piece, is the environment's text)] of `rendered` (the observation's turns as the template wrote them), from
+    """[(piece, is the untrusted text)] of `rendered` (the turns as the template wrote them), from
     `marked`, the same turns rendered from `marked_messages`. ValueError when the template does not write each text
     unchanged in its marker's place."""
     out: list[tuple[str, bool]] = []
@@ -87,7 +89,7 @@ def segments(rendered: str, marked: str, texts: list[str]) -> list[tuple[str, bo
         pos = m.end()
     out.append((marked[pos:], False))
     if seen != list(range(len(texts))) or "".join(p for p, _ in out) != rendered:
-        raise ValueError("the chat template changes the environment's text (it is not written as given), so its "
+        raise ValueError("the chat template changes the untrusted text (it is not written as given), so its "
                          "special-token strings cannot be kept as plain text")
     return [(p, env) for p, env in out if p]
 
@@ -95,7 +97,14 @@ def segments(rendered: str, marked: str, texts: list[str]) -> list[tuple[str, bo
 def tokenize(tokenizer: Any, pieces: list[tuple[str, bool]], specials: tuple[str, ...],
              token_id: Callable[[str], int]) -> list[int]:
     """Token ids of the joined pieces: special tokens of the template's pieces as their ids, everything else
-    (environment text included) with special-token parsing off."""
+    (the untrusted text included) with special-token parsing off."""
+    return tokenize_with_offsets(tokenizer, pieces, specials, token_id, offsets=False)[0]
+
+
+def tokenize_with_offsets(tokenizer: Any, pieces: list[tuple[str, bool]], specials: tuple[str, ...],
+                          token_id: Callable[[str], int], *, offsets: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+    """`tokenize`'s ids and, with `offsets`, each token's [start, end) characters in the joined text (a fast
+    tokenizer's offset mapping); ValueError when the untrusted text runs into a special token of the template."""
     text = "".join(p for p, _ in pieces)
     spans, pos = [], 0
     for p, env in pieces:
@@ -104,26 +113,31 @@ def tokenize(tokenizer: Any, pieces: list[tuple[str, bool]], specials: tuple[str
         pos += len(p)
     pattern = re.compile("|".join(map(re.escape, specials)))
     ids: list[int] = []
+    where: list[tuple[int, int]] = []
     kept: list[int] = []
+
+    def plain(a: int, b: int) -> None:
+        enc = tokenizer(text[a:b], add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=offsets)
+        ids.extend(enc["input_ids"])
+        if offsets:
+            where.extend((a + s, a + e) for s, e in enc["offset_mapping"])
+
     pos = 0
     for m in pattern.finditer(text):
         if any(a < m.end() and m.start() < b for a, b in spans):
-            continue  # inside (or across the edge of) the environment's text: plain characters
+            continue  # inside (or across the edge of) the untrusted text: plain characters
         if m.start() > pos:
-            ids += _plain(tokenizer, text[pos:m.start()])
+            plain(pos, m.start())
         kept.append(token_id(m.group()))
         ids.append(kept[-1])
+        where.append((m.start(), m.end()))
         pos = m.end()
     if pos < len(text):
-        ids += _plain(tokenizer, text[pos:])
+        plain(pos, len(text))
     template = sum(len(pattern.findall(p)) for p, env in pieces if not env)
     protected = {token_id(t) for t in specials}
     if len(kept) != template or sum(i in protected for i in ids) != len(kept):  # e.g. a placeholder that is an
         # added token but not a special one: special-token parsing off does not split it
-        raise ValueError(f"the environment's text runs into a special token of the chat template or tokenizes to one "
+        raise ValueError(f"the untrusted text runs into a special token of the chat template or tokenizes to one "
                          f"({template} in the template, {len(kept)} kept)")
-    return ids
-
-
-def _plain(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    return ids, (where if offsets else [])

@@ -267,6 +267,17 @@ _EITHER_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
 one replaces the file's other."""
 
 
+_STAGE_LENGTH = {"max_steps": "epochs", "epochs": "max_steps"}
+"""A `[[stages]]` entry's two ways to give its length: `--set stages[0].max_steps=...` replaces the file's epochs."""
+
+
+def _either_key(steps: list[str | int]) -> tuple[str | int, ...] | None:
+    """The key that gives the setting at `steps` the other way (`_EITHER_KEYS`; a stage's length), or None."""
+    if len(steps) == 3 and steps[0] == "stages" and isinstance(steps[1], int) and steps[2] in _STAGE_LENGTH:
+        return ("stages", steps[1], _STAGE_LENGTH[str(steps[2])])
+    return _EITHER_KEYS.get(tuple(map(str, steps)))
+
+
 _SYNTHETIC_KEYS = ("synthetic_dir", "synthetic_train_size", "synthetic_eval_size", "synthetic_seed", "synthetic_image_size")
 _FILE_KEYS = ("train_path", "eval_path", "image_root", "columns")
 
@@ -343,7 +354,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     array of tables as the errors do (`rl.rewards[0].weight=0.5`, `stages[1]={...}`).
 
     A run length on the command line (`--set train.max_steps=200` on a recipe that sets `train.epochs`, as in
-    docs/training.md) replaces the file's other length key, and a warmup (`scheduler.warmup_steps` /
+    docs/training.md; a stage's, `--set stages[0].max_steps=10`) replaces the file's other length key, and a warmup (`scheduler.warmup_steps` /
     `warmup_ratio`) the file's other warmup key (`_EITHER_KEYS`): both are refused together, and the command line
     is what the user means. Both given with `--set` stay refused. Likewise a switch turned off with `--set` drops
     the file's keys it leaves idle (`_SWITCH_OFF_DROPS`: `logging.wandb = false` and the wandb project / mode / name,
@@ -359,7 +370,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         value = parse_override_value(text.strip(), key)
         node = _set_value(raw, steps, value, item)
         set_keys.add(tuple(steps))
-        other = _EITHER_KEYS.get(tuple(map(str, steps)))
+        other = _either_key(steps)
         if other is not None and other not in set_keys and isinstance(node, dict):
             node.pop(other[-1], None)
         for off, idle in _SWITCH_OFF_DROPS.get(tuple(map(str, steps)), {}).items():

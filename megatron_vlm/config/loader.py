@@ -290,14 +290,19 @@ _SWITCH_OFF_DROPS: dict[tuple[str, ...], dict[Any, tuple[str, ...]]] = {
     ("eval", "samples"): {0: ("temperature", "top_p", "top_k")},
     ("moe", "enable_moe_load_balancing_training"): {False: ("bias_update_rate",)},
     ("scheduler", "type"): {"constant": ("min_lr_ratio",)},
+    ("rl", "rollout_backend"): {"builtin": ("vllm",),  # the [rl.vllm] table; the built-in engine's [rl.rollout] keys
+                                "vllm": tuple(f"rollout.{k}" for k in ("weights", "cuda_graphs", "kv_block_size",
+                                                                        "kv_cache_blocks", "batch_prompts", "memory_gib"))},
 }
 """Switches whose value leaves keys beside them without effect (refused together by the config checks), by value:
 a `--set` turning one to such a value drops the file's keys it leaves idle (`--set logging.wandb=false` on a recipe
 that names its wandb project, `--set checkpoint.enable=false` on one that sets checkpoint.every_steps / keep_last,
 `--set data.num_workers=0` on one that sets data.prefetch_factor, `--set data.type="messages_jsonl"` on the
 synthetic demo's data.synthetic_* keys (and "synthetic_vqa" on a recipe's data paths), docs/evaluation.md's
-`--set eval.samples=0`, `--set scheduler.type="constant"` on a cosine recipe's min_lr_ratio), as the command line is
-what the user means. Such keys also given with `--set` stay refused."""
+`--set eval.samples=0`, `--set scheduler.type="constant"` on a cosine recipe's min_lr_ratio, `--set
+rl.rollout_backend=...` on a recipe for the other engine: its [rl.vllm] table, or the built-in engine's [rl.rollout]
+keys, `rl.config.RLConfig._BUILTIN_ENGINE_KEYS`), as the command line is what the user means. A dotted name is a key
+of a table below the switch's. Such keys also given with `--set` stay refused."""
 
 
 _KEY_SEGMENT = re.compile(r"([^.\[\]]+)((?:\[\d+\])*)")
@@ -377,8 +382,14 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             # the type too: False == 0 (and `is` held for the small ints only by CPython's cache)
             if type(value) is type(off) and value == off and isinstance(node, dict):
                 for name in idle:
-                    if (*steps[:-1], name) not in set_keys:
-                        node.pop(name, None)
+                    *tables, leaf = name.split(".")
+                    if (*steps[:-1], *tables, leaf) in set_keys:
+                        continue
+                    table: Any = node
+                    for t in tables:
+                        table = table.get(t) if isinstance(table, dict) else None
+                    if isinstance(table, dict):
+                        table.pop(leaf, None)
     return raw
 
 

@@ -354,7 +354,35 @@ def _set_value(raw: dict, steps: list[str | int], value: Any, item: str) -> dict
     raise AssertionError("unreachable: a key has at least one segment")
 
 
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+def _section_type(schema: Any, steps: list[str | int]) -> Any:
+    """The dataclass that the key at `steps` holds in `schema` (a section or sub-table, `Optional` unwrapped), or None:
+    a value, a field holding a table of its own (`dict[...]`), an entry of an array of tables, an unknown key."""
+    tp = schema
+    for k, step in enumerate(steps):
+        if isinstance(step, int) or (isinstance(step, str) and step.isdigit()):
+            if k == len(steps) - 1 or typing.get_origin(tp) not in (list, tuple):
+                return None
+            tp = typing.get_args(tp)[0]
+            continue
+        if not (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
+            return None
+        tp = typing.get_type_hints(tp).get(step)
+        if typing.get_origin(tp) in (Union, types.UnionType):  # Optional[Section]; a union of sections picks by `type`
+            members = [a for a in typing.get_args(tp) if a is not type(None)]
+            tp = members[0] if len(members) == 1 else None
+    return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
+
+
+def _expand(schema: Any, steps: list[str | int], value: Any) -> list[tuple[list[str | int], Any]]:
+    """`--set` of an inline table on a section of `schema` as one `--set` per key it names (`optimizer={lr=1e-4}` =
+    `optimizer.lr=1e-4`), so the file's other keys of that section stay; anything else (and `{}`: the section's
+    defaults) as it is given."""
+    if schema is None or not isinstance(value, dict) or not value or _section_type(schema, steps) is None:
+        return [(steps, value)]
+    return [item for key, v in value.items() for item in _expand(schema, [*steps, str(key)], v)]
+
+
+def apply_overrides(raw: dict, overrides: list[str], schema: Any = None) -> dict:
     """Apply `section.key=value` overrides to a raw TOML dict (before validation). A key names an entry of an
     array of tables as the errors do (`rl.rewards[0].weight=0.5`, `stages[1]={...}`).
 
@@ -364,15 +392,21 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     is what the user means. Both given with `--set` stay refused. Likewise a switch turned off with `--set` drops
     the file's keys it leaves idle (`_SWITCH_OFF_DROPS`: `logging.wandb = false` and the wandb project / mode / name,
     `checkpoint.enable = false` and the checkpoint cadence / retention, `data.num_workers = 0` and the loader's
-    prefetch / timeout, `data.type` and the keys of the other data sources, ...)."""
+    prefetch / timeout, `data.type` and the keys of the other data sources, ...).
+
+    With the config's `schema` (the `Config` class), an inline table given to a section sets the keys it names
+    (`optimizer={lr=1e-4}` as `optimizer.lr=1e-4`, `_expand`): it replaced the file's whole table, whose other keys
+    fell back to their defaults without a word."""
     set_keys: set[tuple[str | int, ...]] = set()
+    items = []
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
         key, text = item.split("=", 1)
         key = key.strip()
-        steps = _key_steps(item, key)
-        value = parse_override_value(text.strip(), key)
+        items += [(item, steps, value) for steps, value in _expand(schema, _key_steps(item, key),
+                                                                      parse_override_value(text.strip(), key))]
+    for item, steps, value in items:
         node = _set_value(raw, steps, value, item)
         set_keys.add(tuple(steps))
         other = _either_key(steps)

@@ -61,7 +61,8 @@ def parse_args(argv=None, description: str = "Train or evaluate a vision-languag
     p.add_argument("--config", required=True, help="TOML config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value (value parsed as TOML; bare words are strings; an entry of an "
-                        "array of tables as rl.rewards[0].weight=0.5)")
+                        "array of tables as rl.rewards[0].weight=0.5; a section's inline table sets the keys it "
+                        "names: optimizer={lr=1e-4} = optimizer.lr=1e-4)")
     p.add_argument("--check", action="store_true",
                    help="resolve the config, build the model on the meta device, check sizes and memory per rank; "
                         "exit 0 with the plan or 2 naming the key to change (no weights, no process group)")

@@ -62,6 +62,10 @@ def resolve_output_dir(config_path: str, args: list[str]) -> str | None:
         key, sep, text = item.partition("=")
         if sep and key.strip() == "train.output_dir":
             value = override_value(text.strip())
+        elif sep and key.strip() == "train":  # an inline table sets the keys it names (config/loader.py `_expand`)
+            table = override_value(text.strip(), "train")
+            if isinstance(table, dict) and "output_dir" in table:
+                value = table["output_dir"]
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip():  # as the config refuses it: before a log folder is made

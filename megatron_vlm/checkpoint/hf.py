@@ -10,7 +10,8 @@ unexpected or mis-shaped tensors are errors naming the keys. Only safetensors ar
 Saving (`save_hf_model`): the adapter maps our state dict to HF keys; tensors are written as
 safetensors (sharded with an index past `max_shard_size`), with the model's original config.json
 dict (`model.hf_config`, dtype fields updated to what is written) and its generation config; with
-`copy_from`, the tokenizer / processor / chat-template files of a source folder are copied too.
+`copy_from`, the tokenizer / processor / chat-template files of a source folder are copied too (and its Python
+files when a config names remote code: an `auto_map` kept in the export needs them).
 The folder is never written in place (a symlink: the folder it names, `export_folder`): everything
 goes to a temporary sibling (`.<name>.tmp`), the files of an existing folder that this export does
 not rewrite (e.g. a processor written there first) are carried over — files of the previous export
@@ -226,7 +227,8 @@ def save_hf_model(
         share_like_umask(tmp)
         previous = path if path.is_dir() else old if old.is_dir() else None  # old: a crash between two renames
         if previous is not None:  # with copy_from, the tokenizer / processor files are the source's alone
-            _carry_over(previous, tmp, owned=_EXPORT_OWNED + (_TOKENIZER_FILE_PATTERNS if copy_from is not None else []))
+            owned = _EXPORT_OWNED + (_TOKENIZER_FILE_PATTERNS + [r".*\.py"] if copy_from is not None else [])
+            _carry_over(previous, tmp, owned=owned)
         replace_dir(tmp, path, old, marker=EXPORT_MARKER, marker_text="hugging face export complete\n",
                     is_complete=Path.is_dir)  # any existing folder is kept until the new one is in place
     except BaseException:
@@ -339,7 +341,8 @@ def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def copy_tokenizer_files(src: Union[str, Path], dst: Union[str, Path], *, overwrite_generation_config: bool = True) -> list[str]:
-    """Copy tokenizer / processor / chat-template / generation-config files from `src` to `dst`."""
+    """Copy tokenizer / processor / chat-template / generation-config files from `src` to `dst`, and the source's
+    Python files when a config in `dst` names remote code (`auto_map`, kept from the source)."""
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
         raise FileNotFoundError(f"copy_from: {src} is not a folder")
@@ -351,7 +354,25 @@ def copy_tokenizer_files(src: Union[str, Path], dst: Union[str, Path], *, overwr
             continue
         shutil.copy2(f, dst / f.name)
         copied.append(f.name)
+    if _names_remote_code(dst):  # the exported configs keep the source's auto_map: the code it names comes along
+        for f in sorted(src.glob("*.py")):
+            if f.is_file():
+                shutil.copy2(f, dst / f.name)
+                copied.append(f.name)
     return copied
+
+
+def _names_remote_code(folder: Path) -> bool:
+    """Whether a JSON config of `folder` (config.json, tokenizer / processor configs) has an `auto_map`: transformers
+    (`trust_remote_code=True`) and vLLM then import the Python modules it names from the folder."""
+    for f in folder.glob("*.json"):
+        try:
+            data = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and data.get("auto_map"):
+            return True
+    return False
 
 
 # ---- crash-safe folder replacement (also used by checkpoint.manager) ----------------------------

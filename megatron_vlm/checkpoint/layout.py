@@ -18,6 +18,10 @@ fewer parameters than the checkpoint has optimizer state for, not others. The me
 sizes are recorded too and checked with their own rules (models/mcore/tp_shard.py, ep_shard.py). The
 parallel sizes are written for information.
 
+The model's sizes are compared too, from the tensor shapes of the DCP metadata (`shape_refusal`): a `model.path` of
+the same model type but other sizes (a 7B folder for a 3B run's checkpoint) failed inside DCP with "Size mismatch",
+reported as a checkpoint that could not be loaded, to "remove or repair", when the checkpoint is fine.
+
 A checkpoint without the record (written before it existed) loads as before; if it then fails, the error
 says that the checkpoint predates the record (`PREDATES`).
 """
@@ -30,7 +34,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 __all__ = ["LAYOUT_FILE", "PREDATES", "run_layout", "write_layout", "read_layout", "layout_refusals",
-           "checkpoint_adapters", "run_adapters", "adapter_refusal", "checkpoint_trained", "trained_refusal"]
+           "checkpoint_adapters", "run_adapters", "adapter_refusal", "checkpoint_trained", "trained_refusal",
+           "checkpoint_shapes", "shape_refusal"]
 
 LAYOUT_FILE = "layout.json"
 FORMAT = 1
@@ -195,3 +200,28 @@ def trained_refusal(saved: dict, now: dict, in_ckpt: set[str], in_run: set[str],
             f"train.train_layers = {_v(saved.get('train.train_layers'))}, this run has train.train_layers = "
             f"{_v(now.get('train.train_layers'))}. Set train.train_layers as it was (or to a subset) to resume it, "
             + _new_run(_hf_folder(saved, ckpt, merged=False)))
+
+
+def checkpoint_shapes(metadata: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The model tensors of a checkpoint (state-dict keys) and their global shapes, from its DCP metadata (the
+    model's entries are flattened as "model.<state-dict key>"; non-tensor entries left out)."""
+    return {k[len("model."):]: tuple(m.size) for k, m in metadata.items()
+            if k.startswith("model.") and hasattr(m, "size") and hasattr(m, "chunks")}  # TensorStorageMetadata
+
+
+def shape_refusal(saved: dict, now: dict, in_ckpt: dict[str, tuple[int, ...]], in_run: dict[str, tuple[int, ...]],
+                  ckpt: Path) -> Optional[str]:
+    """Refuse a checkpoint whose model tensors have other shapes than this run's of the same name (`model.path` a
+    model of other sizes). None: the shapes agree, or the megatron-core layout is involved (its tensors are laid out
+    per tp / ep rank, checked by their own rules)."""
+    if "mcore" in (saved.get("parallel.backend"), now.get("parallel.backend")):
+        return None
+    differ = sorted(k for k in in_ckpt.keys() & in_run.keys() if tuple(in_ckpt[k]) != tuple(in_run[k]))
+    if not differ:
+        return None
+    k = differ[0]
+    return (f"model.path: {ckpt} was written for a model of other sizes (model.path = {_v(saved.get('model.path'))}) "
+            f"than this run's model.path ({_v(now.get('model.path'))}): {len(differ)} tensor(s) differ, e.g. {k} is "
+            f"{list(in_ckpt[k])} in the checkpoint and {list(in_run[k])} here; the checkpoint itself is fine. Set "
+            "model.path to the model the checkpoint was trained from to resume it, or set checkpoint.resume to a "
+            "checkpoint of this model")

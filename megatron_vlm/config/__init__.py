@@ -188,7 +188,7 @@ class Config:
 
 
 def load_config_dict(raw: dict, overrides: Optional[list[str]] = None) -> Config:
-    raw = apply_overrides(raw, list(overrides or []))
+    raw = apply_overrides(raw, list(overrides or []), schema=Config)
     return from_dict(Config, raw)
 
 

@@ -120,7 +120,8 @@ class EvalConfig:
     batch_size: int = 16
     """Prompts per generation call on one rank (every rank generates; the files are split over ranks)."""
     prompt_template: str = "{problem}"
-    """User turn of every benchmark without its own template; `{problem}` = the question (+ options)."""
+    """User turn of every benchmark without its own template; `{problem}` = the question (+ options). Refused when
+    every benchmark sets its own (never read)."""
     system_prompt: Optional[str] = None
     """Optional system turn."""
     correct_threshold: float = 1.0
@@ -166,3 +167,7 @@ class EvalConfig:
         if self.reasoning_end != self.reasoning_end.strip():  # "</think> " would miss every "</think>\n"
             raise ValueError(f"reasoning_end: no leading or trailing whitespace, got {self.reasoning_end!r}")
         _check_template(self.prompt_template, "prompt_template")
+        if (self.prompt_template != EvalConfig.prompt_template and self.benchmarks
+                and all(b.prompt_template is not None for b in self.benchmarks)):  # read for a benchmark without one
+            raise ValueError("prompt_template: every [[eval.benchmarks]] table sets its own prompt_template, so this one "
+                             "is never read; remove it, or leave prompt_template out of the benchmarks that should take it")

@@ -267,6 +267,17 @@ _EITHER_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
 one replaces the file's other."""
 
 
+_STAGE_LENGTH = {"max_steps": "epochs", "epochs": "max_steps"}
+"""A `[[stages]]` entry's two ways to give its length: `--set stages[0].max_steps=...` replaces the file's epochs."""
+
+
+def _either_key(steps: list[str | int]) -> tuple[str | int, ...] | None:
+    """The key that gives the setting at `steps` the other way (`_EITHER_KEYS`; a stage's length), or None."""
+    if len(steps) == 3 and steps[0] == "stages" and isinstance(steps[1], int) and steps[2] in _STAGE_LENGTH:
+        return ("stages", steps[1], _STAGE_LENGTH[str(steps[2])])
+    return _EITHER_KEYS.get(tuple(map(str, steps)))
+
+
 _SYNTHETIC_KEYS = ("synthetic_dir", "synthetic_train_size", "synthetic_eval_size", "synthetic_seed", "synthetic_image_size")
 _FILE_KEYS = ("train_path", "eval_path", "image_root", "columns")
 
@@ -279,14 +290,19 @@ _SWITCH_OFF_DROPS: dict[tuple[str, ...], dict[Any, tuple[str, ...]]] = {
     ("eval", "samples"): {0: ("temperature", "top_p", "top_k")},
     ("moe", "enable_moe_load_balancing_training"): {False: ("bias_update_rate",)},
     ("scheduler", "type"): {"constant": ("min_lr_ratio",)},
+    ("rl", "rollout_backend"): {"builtin": ("vllm",),  # the [rl.vllm] table; the built-in engine's [rl.rollout] keys
+                                "vllm": tuple(f"rollout.{k}" for k in ("weights", "cuda_graphs", "kv_block_size",
+                                                                        "kv_cache_blocks", "batch_prompts", "memory_gib"))},
 }
 """Switches whose value leaves keys beside them without effect (refused together by the config checks), by value:
 a `--set` turning one to such a value drops the file's keys it leaves idle (`--set logging.wandb=false` on a recipe
 that names its wandb project, `--set checkpoint.enable=false` on one that sets checkpoint.every_steps / keep_last,
 `--set data.num_workers=0` on one that sets data.prefetch_factor, `--set data.type="messages_jsonl"` on the
 synthetic demo's data.synthetic_* keys (and "synthetic_vqa" on a recipe's data paths), docs/evaluation.md's
-`--set eval.samples=0`, `--set scheduler.type="constant"` on a cosine recipe's min_lr_ratio), as the command line is
-what the user means. Such keys also given with `--set` stay refused."""
+`--set eval.samples=0`, `--set scheduler.type="constant"` on a cosine recipe's min_lr_ratio, `--set
+rl.rollout_backend=...` on a recipe for the other engine: its [rl.vllm] table, or the built-in engine's [rl.rollout]
+keys, `rl.config.RLConfig._BUILTIN_ENGINE_KEYS`), as the command line is what the user means. A dotted name is a key
+of a table below the switch's. Such keys also given with `--set` stay refused."""
 
 
 _KEY_SEGMENT = re.compile(r"([^.\[\]]+)((?:\[\d+\])*)")
@@ -338,36 +354,76 @@ def _set_value(raw: dict, steps: list[str | int], value: Any, item: str) -> dict
     raise AssertionError("unreachable: a key has at least one segment")
 
 
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+def _section_type(schema: Any, steps: list[str | int]) -> Any:
+    """The dataclass that the key at `steps` holds in `schema` (a section or sub-table, `Optional` unwrapped), or None:
+    a value, a field holding a table of its own (`dict[...]`), an entry of an array of tables, an unknown key."""
+    tp = schema
+    for k, step in enumerate(steps):
+        if isinstance(step, int) or (isinstance(step, str) and step.isdigit()):
+            if k == len(steps) - 1 or typing.get_origin(tp) not in (list, tuple):
+                return None
+            tp = typing.get_args(tp)[0]
+            continue
+        if not (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
+            return None
+        tp = typing.get_type_hints(tp).get(step)
+        if typing.get_origin(tp) in (Union, types.UnionType):  # Optional[Section]; a union of sections picks by `type`
+            members = [a for a in typing.get_args(tp) if a is not type(None)]
+            tp = members[0] if len(members) == 1 else None
+    return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
+
+
+def _expand(schema: Any, steps: list[str | int], value: Any) -> list[tuple[list[str | int], Any]]:
+    """`--set` of an inline table on a section of `schema` as one `--set` per key it names (`optimizer={lr=1e-4}` =
+    `optimizer.lr=1e-4`), so the file's other keys of that section stay; anything else (and `{}`: the section's
+    defaults) as it is given."""
+    if schema is None or not isinstance(value, dict) or not value or _section_type(schema, steps) is None:
+        return [(steps, value)]
+    return [item for key, v in value.items() for item in _expand(schema, [*steps, str(key)], v)]
+
+
+def apply_overrides(raw: dict, overrides: list[str], schema: Any = None) -> dict:
     """Apply `section.key=value` overrides to a raw TOML dict (before validation). A key names an entry of an
     array of tables as the errors do (`rl.rewards[0].weight=0.5`, `stages[1]={...}`).
 
     A run length on the command line (`--set train.max_steps=200` on a recipe that sets `train.epochs`, as in
-    docs/training.md) replaces the file's other length key, and a warmup (`scheduler.warmup_steps` /
+    docs/training.md; a stage's, `--set stages[0].max_steps=10`) replaces the file's other length key, and a warmup (`scheduler.warmup_steps` /
     `warmup_ratio`) the file's other warmup key (`_EITHER_KEYS`): both are refused together, and the command line
     is what the user means. Both given with `--set` stay refused. Likewise a switch turned off with `--set` drops
     the file's keys it leaves idle (`_SWITCH_OFF_DROPS`: `logging.wandb = false` and the wandb project / mode / name,
     `checkpoint.enable = false` and the checkpoint cadence / retention, `data.num_workers = 0` and the loader's
-    prefetch / timeout, `data.type` and the keys of the other data sources, ...)."""
+    prefetch / timeout, `data.type` and the keys of the other data sources, ...).
+
+    With the config's `schema` (the `Config` class), an inline table given to a section sets the keys it names
+    (`optimizer={lr=1e-4}` as `optimizer.lr=1e-4`, `_expand`): it replaced the file's whole table, whose other keys
+    fell back to their defaults without a word."""
     set_keys: set[tuple[str | int, ...]] = set()
+    items = []
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
         key, text = item.split("=", 1)
         key = key.strip()
-        steps = _key_steps(item, key)
-        value = parse_override_value(text.strip(), key)
+        items += [(item, steps, value) for steps, value in _expand(schema, _key_steps(item, key),
+                                                                      parse_override_value(text.strip(), key))]
+    for item, steps, value in items:
         node = _set_value(raw, steps, value, item)
         set_keys.add(tuple(steps))
-        other = _EITHER_KEYS.get(tuple(map(str, steps)))
+        other = _either_key(steps)
         if other is not None and other not in set_keys and isinstance(node, dict):
             node.pop(other[-1], None)
         for off, idle in _SWITCH_OFF_DROPS.get(tuple(map(str, steps)), {}).items():
             # the type too: False == 0 (and `is` held for the small ints only by CPython's cache)
             if type(value) is type(off) and value == off and isinstance(node, dict):
                 for name in idle:
-                    if (*steps[:-1], name) not in set_keys:
-                        node.pop(name, None)
+                    *tables, leaf = name.split(".")
+                    if (*steps[:-1], *tables, leaf) in set_keys:
+                        continue
+                    table: Any = node
+                    for t in tables:
+                        table = table.get(t) if isinstance(table, dict) else None
+                    if isinstance(table, dict):
+                        table.pop(leaf, None)
     return raw
 
 

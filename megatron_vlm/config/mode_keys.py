@@ -41,6 +41,9 @@ use instead (`ConfigError`, exit 2 from launch/pretrain_vlm.py and `--check`).
   the MoE / Mamba2 ops on a model without such layers (`check_moe_section`, once the model — or its
   meta-device twin in `--check` — is built), `rl.routing_replay = "rollout"` on such a model too;
   `kernels.moe_ep_dispatch` without `parallel.ep` > 1;
+- SFT with `[[stages]]`: a main-section key that every stage sets for itself (`train.max_steps` / `train.epochs`
+  when every stage gives its length, `optimizer.lr`, `data.max_frames`, `data.train_path`, ...: `stages.STAGE_KEYS`),
+  which no stage reads;
 - DPO (`train.mode = "dpo"`): a `[dpo]` section in another mode, `[[stages]]`, `train.eval_generate`
   (DPO evaluates preference metrics, it does not generate), `parallel.cp` > 1, the `[dpo]` keys the chosen
   loss variant ignores (`training/dpo/config.py`) and `data.columns` without both "chosen" and "rejected"
@@ -202,7 +205,28 @@ def check_keys_for_mode(cfg: Config) -> None:
     if getattr(cfg, "stages", None) and cfg.train.mode == "sft":
         from megatron_vlm.config.stage_configs import stage_configs
 
+        _check_stage_shadowed_keys(cfg)
         stage_configs(cfg, check=_check_keys)
+
+
+def _check_stage_shadowed_keys(cfg: Config) -> None:
+    """A main-section key that every `[[stages]]` table sets for itself: each stage's config takes the stage's value
+    (training/stages.py `stage_overrides`), so the main one is never read; a stage's length (`max_steps` or `epochs`)
+    replaces both `train.max_steps` and `train.epochs`."""
+    from megatron_vlm.training.stages import STAGE_KEYS
+
+    stages = cfg.stages
+    for dotted, key in STAGE_KEYS.items():
+        section, name = dotted.split(".")
+        if name not in changed_keys(getattr(cfg, section)):
+            continue
+        length = key in ("max_steps", "epochs")
+        if all((s.max_steps is not None or s.epochs is not None) if length else getattr(s, key) is not None
+               for s in stages):
+            what = "length (max_steps or epochs)" if length else key
+            raise ConfigError(f"{dotted}: every [[stages]] table sets its own {what}, so this value is never read; "
+                              f"remove it, or set a stage's own (--set stages[0].{key}=...), or leave {key} out of "
+                              "the stages that should take it")
 
 
 def _check_loader_timeout(cfg: Config) -> None:

@@ -318,8 +318,9 @@ class LoRAConfig:
     """Dropout on the adapter's input (training only)."""
     target_modules: list[str] = field(default_factory=list)
     """Layers to adapt, by their transformers (PEFT) module names: a plain name ("q_proj", or dotted:
-    "self_attn.q_proj") matches the whole name or its last parts, as in PEFT's list; anything else is a regex
-    matched against the whole name
+    "self_attn.q_proj") matches the whole name or its last parts, as in PEFT's list; "all-linear" (PEFT's and
+    ms-swift's shorthand) every linear layer in scope but the LM head; anything else is a regex matched against the
+    whole name
     ("model\\.language_model\\.layers\\.[0-9]\\..*_proj"). Empty = the decoder's q/k/v/o/gate/up/down
     projections. Only linear layers with one Hugging Face counterpart (not fused there) can be adapted;
     routed MoE experts and the LM head never are."""

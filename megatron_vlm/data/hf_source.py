@@ -13,9 +13,9 @@ row on demand, through the column mapping of the `[data] columns` table:
   turns' "<image>" markers are and an optional "system" column becomes the system turn (conversations.py);
 - prompt / answer datasets (Geometry3K, ViRL39K style): {"prompt": col, "answer": col} with
   optional "image" / "images" (one or a list), "video" (frame list or path) and "system" columns;
-  the user turn is [images..., video, prompt text]; "<image>" markers in the prompt are removed
-  because the images are placed before the text. A prompt with markers must have as many as it has
-  images (else "placeholder_mismatch", as GRPO's prompt reader decides: a question about two
+  the user turn is [images..., video, prompt text]; "<image>" / "<video>" markers in the prompt are
+  removed because the media are placed before the text. A prompt with markers must have as many as it
+  has images (videos) (else "placeholder_mismatch", as GRPO's prompt reader decides: a question about two
   images given one must not train); a prompt without markers takes any number. The answer is a
   string or a number / bool (its text); a list or struct cell is an "invalid_record".
 
@@ -179,12 +179,12 @@ def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, sourc
         if video is not None:
             items.append({"type": "video", "video": [resolve(x) for x in video] if isinstance(video, (list, tuple))
                           else resolve(video)})
-        markers = prompt.count("<image>")
-        n_images = sum(it["type"] == "image" for it in items)
-        if markers and markers != n_images:  # the rule of GRPO's reader (rl/prompts/dataset.py): the same rows usable in both
-            raise BadRecordError("placeholder_mismatch", f"column {c['prompt']!r}: {markers} <image> placeholders "
-                                                         f"but {n_images} images")
-        items.append({"type": "text", "text": prompt.replace("<image>", "").strip()})
+        for kind in ("image", "video"):  # the rule of GRPO's reader (rl/prompts/dataset.py): the same rows usable in both
+            markers, given = prompt.count(f"<{kind}>"), sum(it["type"] == kind for it in items)
+            if markers and markers != given:
+                raise BadRecordError("placeholder_mismatch", f"column {c['prompt']!r}: {markers} <{kind}> placeholders "
+                                                             f"but {given} {kind}s")
+        items.append({"type": "text", "text": prompt.replace("<image>", "").replace("<video>", "").strip()})
         system = row.get(c["system"]) if "system" in c else None
         raw = [{"role": "system", "content": system}] if system else []
         raw += [{"role": "user", "content": items}, {"role": "assistant", "content": answer}]

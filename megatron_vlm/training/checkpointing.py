@@ -11,7 +11,7 @@ a changed one is logged (training/optim.py).
 Failures end the job with one clear line on every rank (`error: ...` on stderr), never silently:
 - at start (exit 2): a `checkpoint.resume` folder that is not a complete checkpoint or not owned by
   the current user; a checkpoint written with other layout-defining settings (`parallel.backend`,
-  `[lora]`, `lora.r`, the adapted layers, the model, the megatron-core tp / ep: checkpoint/layout.py),
+  `[lora]`, `lora.r`, the adapted layers, the model and its sizes, the megatron-core tp / ep: checkpoint/layout.py),
   refused before any shard is read with the key, both values and what to do (no fallback to an older
   checkpoint: the settings are the problem, not the file); or no complete checkpoint that loads. With
   `resume = "auto"` a checkpoint that
@@ -28,9 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+from torch.distributed.tensor import DTensor
 
 from megatron_vlm.checkpoint.export import export_dtype, export_hf_from_state_dict
 from megatron_vlm.checkpoint.hf import read_hf_config
@@ -39,11 +41,13 @@ from megatron_vlm.checkpoint.layout import (
     PREDATES,
     adapter_refusal,
     checkpoint_adapters,
+    checkpoint_shapes,
     checkpoint_trained,
     layout_refusals,
     read_layout,
     run_adapters,
     run_layout,
+    shape_refusal,
     trained_refusal,
 )
 from megatron_vlm.checkpoint.manager import (
@@ -153,13 +157,14 @@ class Checkpointer:
         # what this run holds, computed on every rank before any checkpoint is looked at (may be collective)
         lora = self.layout["lora"] is not None
         adapters, trained = (self._adapters(), set()) if lora else (set(), self._trained())
+        shapes = self._shapes()
         settings = {name: group_settings(opt) for name, opt in self._optimizers().items()}  # as the config built them
         tried = []
         for i, path in enumerate(candidates):
             err, refused = None, None
             extra: Optional[dict] = None
             try:
-                refused = self._layout_refusal(path, adapters, trained)
+                refused = self._layout_refusal(path, adapters, trained, shapes)
             except FAILURES as e:  # an unreadable record or DCP metadata: like a corrupt checkpoint
                 err = describe_error(e)
             refusals = [r for r in gather_errors(refused) if r]  # a rank's own adapters may differ (pp)
@@ -211,10 +216,11 @@ class Checkpointer:
                         "this run's checkpoints (resume with the settings that trained it to keep it, e.g. PPO's "
                         "rl.critic)", path, ", ".join(left))
 
-    def _layout_refusal(self, path: Path, adapters: set[str], trained: set[str]) -> Optional[str]:
+    def _layout_refusal(self, path: Path, adapters: set[str], trained: set[str],
+                        shapes: dict[str, tuple[int, ...]]) -> Optional[str]:
         """Why this run (adapted layers `adapters`, or with full fine-tuning the parameters `trained` with optimizer
-        state on this rank) cannot load checkpoint `path` with its settings (None: it may try; also for a checkpoint
-        without the layout record). Reads only the record and the DCP metadata."""
+        state on this rank; its model tensors' global `shapes`) cannot load checkpoint `path` with its settings (None:
+        it may try; also for a checkpoint without the layout record). Reads only the record and the DCP metadata."""
         saved = read_layout(path)
         if saved is None:
             log.info("checkpoint %s has no layout record (%s; written before it existed): loading it as it is",
@@ -229,6 +235,9 @@ class Checkpointer:
                     problems.append(f"{e} ({path})")
         if not problems:
             keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            sized = shape_refusal(saved, self.layout, checkpoint_shapes(keys), shapes, path)
+            if sized:
+                return sized
             for name in self.modules:  # e.g. a GRPO checkpoint resumed as PPO: no critic to load
                 if not any(k.startswith(f"{name}.model.") for k in keys):
                     problems.append(f"rl.{name}: {path} holds no {name} state (written by a run without one); resume "
@@ -245,6 +254,14 @@ class Checkpointer:
     def _optimizers(self) -> dict[str, Any]:
         """The optimizers a checkpoint holds state for: the model's, and each of `modules`'."""
         return {"model": self.optim.optimizer, **{name: opt for name, (_, opt) in self.modules.items()}}
+
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        """This rank's model tensors and their global shapes, under the names a load asks the checkpoint for (a
+        DTensor's shape is the global one; a plain tensor is whole only in a one-process run, e.g. a local expert
+        slice is not)."""
+        whole = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
+        return {k: tuple(v.shape) for k, v in get_model_state_dict(self.wrapper).items()
+                if isinstance(v, torch.Tensor) and (whole or isinstance(v, DTensor))}
 
     def _trained(self) -> set[str]:
         """The parameters this rank's optimizer holds state for, under the names a load asks the checkpoint for."""

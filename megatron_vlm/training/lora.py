@@ -4,7 +4,8 @@ adapter / merged outputs.
 Target selection works on transformers' module names (what PEFT users write and what the adapter
 file holds), computed per layer by `checkpoint.peft_format.PeftNames`: a plain entry of
 `lora.target_modules` ("q_proj", or dotted: "self_attn.q_proj") matches the name or its last parts, as
-PEFT matches a list entry; any other entry is a regex matched against the whole name. Candidates are the model's `nn.Linear` layers that have a PEFT name, under
+PEFT matches a list entry; "all-linear" (PEFT's shorthand) matches every candidate; any other entry is a regex
+matched against the whole name. Candidates are the model's `nn.Linear` layers that have a PEFT name, under
 `language_model.` (plus the vision tower and projector with `lora.include_vision`), never the LM head
 (the fused log-prob path reads its weight directly). Routed MoE experts are grouped 3-D weights, not
 linear layers: with expert parallelism they stay frozen and EP-sharded as before, and the adapters
@@ -45,6 +46,9 @@ class LoRASetupError(ConfigError):
 
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ALL_LINEAR = "all-linear"
+"""PEFT's (and ms-swift's) shorthand entry: every candidate linear layer (never the LM head, as PEFT leaves out the
+output layer)."""
 _PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*")
 """A module name or its last parts ("q_proj", "self_attn.q_proj", "layers.1.mlp.down_proj"): PEFT's list entries,
 matched as the whole name or a dot-separated suffix of it (PEFT's rule); any other entry is a regex."""
@@ -57,7 +61,9 @@ def select_lora_targets(model: nn.Module, hf_config: dict, patterns: list[str], 
     patterns = list(patterns) or DEFAULT_TARGETS
     matchers = []
     for pat in patterns:
-        if _PLAIN.fullmatch(pat):
+        if pat == ALL_LINEAR:
+            matchers.append((pat, lambda n, p=pat: True))
+        elif _PLAIN.fullmatch(pat):
             matchers.append((pat, lambda n, p=pat: n == p or n.endswith("." + p)))
         else:
             try:

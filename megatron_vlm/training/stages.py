@@ -44,7 +44,8 @@ class StageConfig:
     max_tokens_per_pack: Optional[int] = None
     """data.max_tokens_per_pack for this stage (longer multi-turn samples need more)."""
     max_steps: Optional[int] = None
-    """Optimizer steps of this stage (or `epochs`, not both); with both unset, the main [train] length applies."""
+    """Optimizer steps of this stage (or `epochs`, not both; a `--set` of one replaces the file's other); with both
+    unset, the main [train] length applies."""
     epochs: Optional[float] = None
     """Passes over this stage's data, instead of max_steps (not both)."""
     lr: Optional[float] = None

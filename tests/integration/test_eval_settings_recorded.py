@@ -48,8 +48,7 @@ def settings(tmp_path_factory):
     template.write_text("{% if enable_thinking is defined %}{% endif %}" + template.read_text())
     bench_path, _ = write_mathvista(tmp / "bench")
     bench = {"name": "mv", "path": bench_path, "format": "mathvista", "columns": {"id": "pid"},
-             "verifier": "short_answer", "prompt_template": "{problem} Answer:", "image_root": tmp / "bench",
-             "max_samples": 3}
+             "verifier": "short_answer", "image_root": tmp / "bench", "max_samples": 3}  # eval.prompt_template's
     cfg = write_eval_config(tmp / "eval.toml", model, tmp / "out", [bench], data=DATA_AFFECTING,
                             eval=EVAL_AFFECTING, train={"seed": 7, "precision": "fp32"}, kernels=KERNELS)
     assert evaluate.main(["--config", str(cfg)]) == 0
@@ -67,6 +66,7 @@ def test_every_result_affecting_key_is_recorded_with_its_value(settings):
     assert {k: got.get("parallel", {}).get(k) for k in ("tp", "cp", "ep", "dp_shard", "dp_replicate")} == \
         {"tp": 1, "cp": 1, "ep": 1, "dp_shard": -1, "dp_replicate": 1}
     want = {k: str(v) if k in ("path", "image_root") else v for k, v in bench.items() if k != "name"}
+    want["prompt_template"] = None  # its own: none, so eval.prompt_template (recorded above)
     assert got.get("benchmarks", {}).get("mv") == want
 
 

@@ -10,12 +10,13 @@ from jobs import load_safetensors_dir, read_metrics, run_job, small_demo_overrid
 
 pytestmark = pytest.mark.distributed
 
-STAGES = 'stages=[{name = "a", max_steps = 2, lr = 2e-3}, {name = "b", max_steps = 4, lr = 1e-3}]'
+STAGES = 'stages=[{name = "a", max_steps = 2, lr = 2e-3}, {name = "b"}]'
+"""Stage b takes the main train.max_steps (4) and optimizer.lr (1e-3): a main key every stage set would be refused."""
 
 
 def _overrides(out, assets):
     return small_demo_overrides(out, assets, **{"checkpoint.every_steps": 2, "checkpoint.keep_last": 0}) + [
-        STAGES, "train.max_steps=4"]
+        STAGES, "train.max_steps=4", "optimizer.lr=1e-3"]
 
 
 @pytest.mark.heavy  # 14 s
@@ -42,8 +43,8 @@ def test_stages_resume_after_kill9_matches_an_uninterrupted_run(tmp_path):
 def test_a_stage_train_layers_matching_nothing_exits_2_naming_the_stage_key(tmp_path):
     """A pattern is checked against the built model (when the stage starts); the error names the key
     as the user wrote it, `stages[0].train_layers`, not the main section's `train.train_layers`."""
-    sets = small_demo_overrides(tmp_path / "run", tmp_path / "assets") + [
-        'stages=[{name = "a", max_steps = 1, train_layers = ["^no_such_layer"]}]']
+    sets = small_demo_overrides(tmp_path / "run", tmp_path / "assets", **{"train.max_steps": 1, "train.train_layers": "[]"}) + [
+        'stages=[{name = "a", train_layers = ["^no_such_layer"]}]']
     r = run_job(sets, check=False)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert "stages[0].train_layers: " in r.stderr and "match no parameter" in r.stderr, r.stderr[-2000:]

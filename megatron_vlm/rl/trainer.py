@@ -30,8 +30,9 @@ from megatron_vlm.errors import ConfigError
 from megatron_vlm.inference.engine import RolloutEngine
 from megatron_vlm.inference.kv_budget import kv_bytes_per_slot, rollout_prompts_for_budget
 from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
+from megatron_vlm.models.common.parallel_plan import rollout_copy_casts
 from megatron_vlm.parallel.collectives import all_reduce_max, barrier
-from megatron_vlm.parallel.precision import compute_dtype
+from megatron_vlm.parallel.precision import compute_dtype, mixed_param_dtype
 from megatron_vlm.rl.asynchronous.bridge import current_role
 from megatron_vlm.rl.config import RLConfig
 from megatron_vlm.rl.grpo_step import GRPOStep
@@ -111,11 +112,12 @@ def paged_kv_kwargs(rl) -> dict:
 
 
 def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: torch.dtype, device: torch.device,
-                         per_batch: int) -> PolicyRolloutEngine:
+                         per_batch: int, param_dtype: Optional[torch.dtype] = None) -> PolicyRolloutEngine:
     """`rl.rollout.weights = "shared"`: the engine calls the trainer's model through the FSDP root, ranks in
     lock-step. "copy": an unsharded copy of the policy on this rank (read from the model folder, with the
     trainer's LoRA adapters if it has any, then refreshed from the trainer's weights at every `load_weights`), continuous batching with
-    per_batch * group_size slots (0: all of the step's samples)."""
+    per_batch * group_size slots (0: all of the step's samples). `param_dtype`: the trainer's mixed-precision dtype
+    (`mixed_param_dtype`; None: full precision), whose input casts a copy makes too (`rollout_copy_casts`)."""
     if rl.rollout.weights == "copy":
         from megatron_vlm.checkpoint.hf import load_hf_model
         from megatron_vlm.models.common.lora import mirror_lora
@@ -124,6 +126,7 @@ def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: tor
         if bundle.model is not None:  # [lora]: the copy holds the same adapters, refreshed with the rest
             mirror_lora(policy_copy, bundle.model)
         policy_copy.requires_grad_(False)
+        rollout_copy_casts(policy_copy, param_dtype)  # computes what the trainer's forward computes
         # CudaGraphsConfigError (exit 2): "on" with a decode step that cannot be captured (a paged cache);
         # PagedKVConfigError (exit 2): rl.rollout.kv_block_size with a Mamba2 hybrid decoder
         return PolicyRolloutEngine(policy_copy, bundle.processor.tokenizer,
@@ -132,7 +135,8 @@ def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: tor
                                                  cuda_graphs=rl.rollout.cuda_graphs, record_routes=True, **paged_kv_kwargs(rl)),
                                    sync_from=bundle.model)
     if rl.rollout.weights == "expert_parallel":  # dense weights whole, this rank's experts (inference/ep_rollout.py)
-        return build_ep_rollout_engine(rl, bundle, model_path, dtype=dtype, device=device, per_batch=per_batch)
+        return build_ep_rollout_engine(rl, bundle, model_path, dtype=dtype, device=device, per_batch=per_batch,
+                                       param_dtype=param_dtype)
     return PolicyRolloutEngine(bundle.model, bundle.processor.tokenizer,
                                EngineOptions(cache_dtype=dtype, device=device, max_prompts_per_batch=per_batch,
                                              cuda_graphs=rl.rollout.cuda_graphs, record_routes=True, **paged_kv_kwargs(rl)),
@@ -141,7 +145,7 @@ def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: tor
 
 
 def build_ep_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: torch.dtype, device: torch.device,
-                            per_batch: int) -> PolicyRolloutEngine:
+                            per_batch: int, param_dtype: Optional[torch.dtype] = None) -> PolicyRolloutEngine:
     """`rl.rollout.weights = "expert_parallel"`: the rollout copy holds the dense weights unsharded and this rank's
     experts of the trainer's ep layout; lock-step batches of per_batch prompts (the MoE all-to-alls), refreshed from
     the trainer at every `load_weights`."""
@@ -152,6 +156,7 @@ def build_ep_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: 
         raise ConfigError("rl.rollout.weights: 'expert_parallel' needs the trainer's experts sharded (parallel.ep > 1 "
                           "with the native backend); this run's model has none")
     policy_copy = build_ep_rollout_copy(bundle.model, model_path, dtype=dtype, device=device, ep_group=group)
+    rollout_copy_casts(policy_copy, param_dtype)
     return ExpertParallelRolloutEngine(policy_copy, bundle.processor.tokenizer,
                                        EngineOptions(cache_dtype=dtype, device=device, max_prompts_per_batch=per_batch,
                                                      cuda_graphs=rl.rollout.cuda_graphs, record_routes=True,
@@ -201,7 +206,8 @@ def build_grpo_parts(ctx: RunContext, bundle: ModelBundle) -> GRPOParts:
 
         engine = vllm_engine_for_run(ctx, bundle, dtype=dtype)
     else:
-        engine = build_rollout_engine(rl, bundle, cfg.model.path, dtype=dtype, device=env.device, per_batch=per_batch)
+        engine = build_rollout_engine(rl, bundle, cfg.model.path, dtype=dtype, device=env.device, per_batch=per_batch,
+                                      param_dtype=mixed_param_dtype(cfg.train.precision, env.device))
     reference: Optional[Union[ReferencePolicy, BaseModelReference]] = None
     if rl.loss.kl_coef > 0 and getattr(cfg, "lora", None) is not None:  # base = the policy without its adapters: no second copy
         reference = BaseModelReference(bundle.wrapper, bundle.model, temperature=rl.rollout.temperature)

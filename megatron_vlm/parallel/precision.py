@@ -33,5 +33,5 @@ def mixed_param_dtype(precision: str, device: torch.device) -> Optional[torch.dt
     """The dtype the trainer's mixed precision casts the parameters and the units' inputs to (FSDP2's `param_dtype`,
     or `parallel.fsdp = false`'s bf16 weights and input casts): bf16 under bf16 precision; None in full precision
     (nothing is cast, whatever `[model] dtype` holds). A rollout copy of the policy casts as the trainer does
-    (models/common/parallel_plan.py `rollout_copy_casts`)."""
+    (models/common/parallel_plan.py `copy_input_casts`)."""
     return torch.bfloat16 if resolve_precision(precision, device) == "bf16" else None

@@ -45,16 +45,17 @@ def unit_blocks(model: nn.Module) -> list[nn.Module]:
     return list(model.language_model.layers)
 
 
-def rollout_copy_casts(model: nn.Module, param_dtype: Optional[torch.dtype]) -> None:
-    """Give an inference copy of the policy (a rollout engine's own weights: rl.rollout.weights = "copy" /
-    "expert_parallel", the asynchronous rollout ranks) the input casts the trainer's mixed precision makes at its
-    root and units (`apply_input_casts`; nothing for `param_dtype` None or fp32). Why: the copy holds the trainer's
-    bf16 weights, but without the casts the rotary tables, made in fp32, reach its decoder layers uncast and the
-    q / k rotation runs in fp32: another policy than the one trained (behaviour log-probs ~1e-3 off the trainer's
-    in a tiny bf16 model, some sampled tokens different from what rl.rollout.weights = "shared" draws). With them
-    the copy computes what the trainer's forward computes, bit for bit on the same weights."""
+def copy_input_casts(model: nn.Module, param_dtype: Optional[torch.dtype], *, root: Optional[nn.Module] = None) -> None:
+    """Give a copy of the policy that is not trained (a rollout engine's own weights: rl.rollout.weights = "copy" /
+    "expert_parallel", the asynchronous rollout ranks; GRPO's frozen reference) the input casts the trainer's mixed
+    precision makes at its root (`root`, default `model`: the module called with the inputs) and units
+    (`apply_input_casts`; nothing for `param_dtype` None or fp32). Why: the copy holds the trainer's bf16 weights,
+    but without the casts the rotary tables, made in fp32, reach its decoder layers uncast and the q / k rotation
+    runs in fp32: another policy than the one trained (log-probs ~1e-3 off the trainer's in a tiny bf16 model;
+    rollouts drew some tokens "shared" does not, the KL penalty was not 0 at the reference's own weights). With
+    them the copy computes what the trainer's forward computes, bit for bit on the same weights."""
     if param_dtype is not None and param_dtype != torch.float32:
-        apply_input_casts(model, unit_blocks(model), param_dtype)
+        apply_input_casts(root if root is not None else model, unit_blocks(model), param_dtype)
 
 
 def make_parallelize(

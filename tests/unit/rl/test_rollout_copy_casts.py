@@ -6,7 +6,8 @@ bf16 weights, read from the model folder and refreshed from the trainer) once ra
 rotation ran in fp32, its behaviour log-probs were ~1e-3 off the trainer's and some sampled tokens differed, so the
 two modes' GRPO rows parted from the second step on. Both engines here sample with the same generator: equal tokens
 and bitwise equal log-probs, at the start and after an update of the masters (the copy refreshed by `load_weights`).
-The whole-job comparison is tests/integration/test_grpo_copy_rows.py.
+The whole-job comparison is tests/integration/test_grpo_copy_rows.py. GRPO's frozen reference, another copy read in
+bf16, scores what the policy scores at equal weights.
 """
 from __future__ import annotations
 
@@ -72,3 +73,29 @@ def test_copy_generates_what_the_shared_weights_generate_in_bf16(monkeypatch, tm
         assert got_ids == expect_ids, version
         for a, b in zip(got_logps, expect_logps):
             assert torch.equal(a, b), (version, (a - b).abs().max().item())
+
+
+def test_reference_scores_what_the_policy_scores_at_equal_weights_in_bf16(monkeypatch):
+    """GRPO's frozen reference (rl.loss.kl_coef > 0) is a copy too: read in bf16 from the model folder, it computed
+    its log-probs without the trainer's casts, ~1e-3 off the policy's at the very same weights, so the KL penalty was
+    not 0 at the first step. With the casts: bitwise equal log-probs."""
+    from megatron_vlm.rl.reference import ReferencePolicy
+    from tests.fixtures import tiny_qwen2_5_vl as F
+
+    model, _ = tiny_vl_model_and_prompts(1)
+    folder = copy.deepcopy(model)
+    monkeypatch.setattr("megatron_vlm.checkpoint.hf.load_hf_model",
+                        lambda path, dtype, device: copy.deepcopy(folder).to(dtype=dtype, device=device))
+    bundle, _ = _trainer(model)
+    ref = ReferencePolicy.from_pretrained("folder", dtype=BF16, device=torch.device("cpu"), offload=False,
+                                          temperature=1.0, param_dtype=mixed_param_dtype("bf16", torch.device("cpu")))
+    batch = F.batch_samples([F.build_sample([4, ("image", (1, 4, 4)), 7], torch.Generator().manual_seed(5))])
+    following = batch["input_ids"][:, 1:]
+    labels = torch.full_like(batch["input_ids"], -100)
+    labels[:, :-1] = torch.where(following < F.IMAGE_TOKEN_ID, following, -100)  # the text tokens
+    batch["labels"] = labels
+    with torch.no_grad():
+        policy = bundle.wrapper.eval()(batch, temperature=1.0, **ref.mask_kw)
+    reference = ref.token_logprobs(batch)
+    assert policy.numel() == 10
+    assert torch.equal(reference, policy), (reference - policy).abs().max().item()

@@ -7,7 +7,7 @@ rotation ran in fp32, its behaviour log-probs were ~1e-3 off the trainer's and s
 two modes' GRPO rows parted from the second step on. Both engines here sample with the same generator: equal tokens
 and bitwise equal log-probs, at the start and after an update of the masters (the copy refreshed by `load_weights`).
 The whole-job comparison is tests/integration/test_grpo_copy_rows.py. GRPO's frozen reference, another copy read in
-bf16, scores what the policy scores at equal weights.
+bf16, scores what the policy scores at equal weights; so does DPO's on-the-fly reference.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from megatron_vlm.parallel.master_weights import MasterWeights
 from megatron_vlm.parallel.precision import mixed_param_dtype
 from megatron_vlm.rl.trainer import build_rollout_engine
 from megatron_vlm.training.lm_loss import TokenLogprobModel
+from tests.fixtures import tiny_qwen2_5_vl as F
 from tests.fixtures.rl_config import rl_config
 from tests.fixtures.rollout_engine import tiny_vl_model_and_prompts
 
@@ -42,6 +43,16 @@ def _trainer(model):
     get_family(model.hf_config["model_type"]).parallelize(model, None, NS(compile=False), mesh=None, param_dtype=BF16,
                                                           root=wrapper)
     return NS(model=model, wrapper=wrapper, processor=NS(tokenizer=Tok())), MasterWeights(wrapper, BF16)
+
+
+def _labelled_batch() -> dict:
+    """One image + text sample as a batch, its text tokens labelled."""
+    batch = F.batch_samples([F.build_sample([4, ("image", (1, 4, 4)), 7], torch.Generator().manual_seed(5))])
+    following = batch["input_ids"][:, 1:]
+    labels = torch.full_like(batch["input_ids"], -100)
+    labels[:, :-1] = torch.where(following < F.IMAGE_TOKEN_ID, following, -100)
+    batch["labels"] = labels
+    return batch
 
 
 def _rollout(engine, prompts):
@@ -80,7 +91,6 @@ def test_reference_scores_what_the_policy_scores_at_equal_weights_in_bf16(monkey
     its log-probs without the trainer's casts, ~1e-3 off the policy's at the very same weights, so the KL penalty was
     not 0 at the first step. With the casts: bitwise equal log-probs."""
     from megatron_vlm.rl.reference import ReferencePolicy
-    from tests.fixtures import tiny_qwen2_5_vl as F
 
     model, _ = tiny_vl_model_and_prompts(1)
     folder = copy.deepcopy(model)
@@ -89,13 +99,28 @@ def test_reference_scores_what_the_policy_scores_at_equal_weights_in_bf16(monkey
     bundle, _ = _trainer(model)
     ref = ReferencePolicy.from_pretrained("folder", dtype=BF16, device=torch.device("cpu"), offload=False,
                                           temperature=1.0, param_dtype=mixed_param_dtype("bf16", torch.device("cpu")))
-    batch = F.batch_samples([F.build_sample([4, ("image", (1, 4, 4)), 7], torch.Generator().manual_seed(5))])
-    following = batch["input_ids"][:, 1:]
-    labels = torch.full_like(batch["input_ids"], -100)
-    labels[:, :-1] = torch.where(following < F.IMAGE_TOKEN_ID, following, -100)  # the text tokens
-    batch["labels"] = labels
+    batch = _labelled_batch()
     with torch.no_grad():
         policy = bundle.wrapper.eval()(batch, temperature=1.0, **ref.mask_kw)
     reference = ref.token_logprobs(batch)
     assert policy.numel() == 10
+    assert torch.equal(reference, policy), (reference - policy).abs().max().item()
+
+
+def test_dpo_frozen_reference_scores_what_the_policy_scores_in_bf16(monkeypatch):
+    """DPO's on-the-fly reference (dpo.reference = "on_the_fly") is the same kind of copy: with the trainer's casts it
+    scores what the policy scores at the initial weights (what the "precomputed" pass, made by the policy, holds)."""
+    from megatron_vlm.training.dpo.reference import FrozenReference
+
+    model, _ = tiny_vl_model_and_prompts(1)
+    folder = copy.deepcopy(model)
+    monkeypatch.setattr("megatron_vlm.checkpoint.hf.load_hf_model",
+                        lambda path, dtype, device: copy.deepcopy(folder).to(dtype=dtype, device=device))
+    bundle, _ = _trainer(model)
+    ref = FrozenReference("folder", dtype=BF16, device=torch.device("cpu"),
+                          param_dtype=mixed_param_dtype("bf16", torch.device("cpu")))
+    batch = _labelled_batch()
+    with torch.no_grad():
+        policy = bundle.wrapper.eval()(batch)
+        reference = ref.scorer(batch)
     assert torch.equal(reference, policy), (reference - policy).abs().max().item()

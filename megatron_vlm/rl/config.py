@@ -155,10 +155,12 @@ class RLRolloutConfig:
     step, one more model in memory), decoding with continuous batching (rollout.batch_prompts *
     batch.group_size slots, refilled as completions end) and no collective per token, in CUDA graphs on a GPU
     (rollout.cuda_graphs; "shared" decodes eagerly): the sync recipes that fit use it, and `--check` says when a
-    copy would fit a "shared" run. On one CPU device nothing is gathered, so "shared" is the cheaper choice there.
-    With parallel.fsdp = false (one process, bf16 weights beside fp32 masters) "shared" decodes with the trainer's
-    bf16 weights as the engine's own copy: continuous batching and CUDA graphs as "copy", without its memory or
-    refresh. "expert_parallel" (MoE policies with parallel.ep > 1):
+    copy would fit a "shared" run. The copy computes as the trainer does (in bf16 its inputs are cast as the
+    trainer's mixed precision casts them), so both modes sample from the same policy (one process: the same
+    rollouts and logged rows, tests/integration/test_grpo_copy_rows.py). On one CPU device nothing is gathered, so
+    "shared" is the cheaper choice there. With parallel.fsdp = false (one process, bf16 weights beside fp32 masters)
+    "shared" decodes with the trainer's bf16 weights as the engine's own copy: continuous batching and CUDA graphs as
+    "copy", without its memory or refresh. "expert_parallel" (MoE policies with parallel.ep > 1):
     a copy on every rank holding the dense (non-expert) weights unsharded and only this rank's routed experts
     of the training ep layout (inference/ep_rollout.py), refreshed from the trainer once per step (dense
     tensors gathered one at a time, experts copied from the local shard); decoding gathers no weights, the

@@ -5,7 +5,9 @@ keeps the same reference). It is not sharded: every rank holds the full referenc
 compute dtype, on the device, or on the CPU with `rl.update.ref_offload` (moved to the device only while
 it scores a step: `with ref.on_device(): ...`). Log-probs use the same fused, vocabulary-chunked
 path as the policy (`TokenLogprobModel`), at the rollout temperature, of the same distribution as the policy's
-(a VLM's vision tokens, which the rollout engines never sample, removed from the softmax: training/masked_vocab.py). With `rl.loss.kl_coef = 0` no
+(a VLM's vision tokens, which the rollout engines never sample, removed from the softmax: training/masked_vocab.py). Under bf16 precision it casts its inputs as the trainer's mixed
+precision does (`copy_input_casts`, models/common/parallel_plan.py), so at the policy's own weights its log-probs
+are the policy's, bit for bit, and the KL penalty starts at 0. With `rl.loss.kl_coef = 0` no
 reference model is built at all.
 
 With `[lora]` the reference is the policy's own model with its adapters switched off
@@ -15,11 +17,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Optional
 
 import torch
 
 from megatron_vlm.inference.policy_engine import vision_token_ids
 from megatron_vlm.models.common.lora import lora_disabled
+from megatron_vlm.models.common.parallel_plan import copy_input_casts
 from megatron_vlm.parallel.device_cache import empty_device_cache
 from megatron_vlm.training.lm_loss import TokenLogprobModel
 
@@ -33,22 +37,27 @@ def _mask_kw(model) -> dict:
 
 
 class ReferencePolicy:
-    def __init__(self, model: torch.nn.Module, *, device: torch.device, offload: bool, temperature: float):
+    def __init__(self, model: torch.nn.Module, *, device: torch.device, offload: bool, temperature: float,
+                 param_dtype: Optional[torch.dtype] = None):
+        """`param_dtype`: the trainer's mixed-precision dtype (`mixed_param_dtype`; None: full precision), whose
+        input casts the reference makes too (`copy_input_casts`: log p_ref = log p of the policy at equal weights)."""
         model.eval().requires_grad_(False)
         self.device = device
         self.offload = offload and device.type != "cpu"
         self.temperature = temperature
         self.mask_kw = _mask_kw(model)
         self.scorer = TokenLogprobModel(model)
+        copy_input_casts(model, param_dtype, root=self.scorer)
         self.scorer.to("cpu" if self.offload else device)
         self._on_device = not self.offload
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: torch.dtype, device: torch.device, offload: bool,
-                        temperature: float) -> ReferencePolicy:
+                        temperature: float, param_dtype: Optional[torch.dtype] = None) -> ReferencePolicy:
         from megatron_vlm.checkpoint.hf import load_hf_model
 
-        return cls(load_hf_model(path, dtype=dtype, device="cpu"), device=device, offload=offload, temperature=temperature)
+        return cls(load_hf_model(path, dtype=dtype, device="cpu"), device=device, offload=offload, temperature=temperature,
+                   param_dtype=param_dtype)
 
     @contextlib.contextmanager
     def on_device(self) -> Iterator[ReferencePolicy]:

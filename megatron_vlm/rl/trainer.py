@@ -30,9 +30,10 @@ from megatron_vlm.errors import ConfigError
 from megatron_vlm.inference.engine import RolloutEngine
 from megatron_vlm.inference.kv_budget import kv_bytes_per_slot, rollout_prompts_for_budget
 from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
+from megatron_vlm.models.common.parallel_plan import copy_input_casts
 from megatron_vlm.parallel.collectives import all_reduce_max, barrier
 from megatron_vlm.parallel.master_weights import master_weights_of
-from megatron_vlm.parallel.precision import compute_dtype
+from megatron_vlm.parallel.precision import compute_dtype, mixed_param_dtype
 from megatron_vlm.rl.asynchronous.bridge import current_role
 from megatron_vlm.rl.config import RLConfig
 from megatron_vlm.rl.grpo_step import GRPOStep
@@ -112,11 +113,12 @@ def paged_kv_kwargs(rl) -> dict:
 
 
 def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: torch.dtype, device: torch.device,
-                         per_batch: int) -> PolicyRolloutEngine:
+                         per_batch: int, param_dtype: Optional[torch.dtype] = None) -> PolicyRolloutEngine:
     """`rl.rollout.weights = "shared"`: the engine calls the trainer's model through the FSDP root, ranks in
     lock-step. "copy": an unsharded copy of the policy on this rank (read from the model folder, with the
     trainer's LoRA adapters if it has any, then refreshed from the trainer's weights at every `load_weights`), continuous batching with
-    per_batch * group_size slots (0: all of the step's samples)."""
+    per_batch * group_size slots (0: all of the step's samples). `param_dtype`: the trainer's mixed-precision dtype
+    (`mixed_param_dtype`; None: full precision), whose input casts a copy makes too (`copy_input_casts`)."""
     if rl.rollout.weights == "copy":
         from megatron_vlm.checkpoint.hf import load_hf_model
         from megatron_vlm.models.common.lora import mirror_lora
@@ -125,6 +127,7 @@ def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: tor
         if bundle.model is not None:  # [lora]: the copy holds the same adapters, refreshed with the rest
             mirror_lora(policy_copy, bundle.model)
         policy_copy.requires_grad_(False)
+        copy_input_casts(policy_copy, param_dtype)  # computes what the trainer's forward computes
         # CudaGraphsConfigError (exit 2): "on" with a decode step that cannot be captured (a paged cache);
         # PagedKVConfigError (exit 2): rl.rollout.kv_block_size with a Mamba2 hybrid decoder
         return PolicyRolloutEngine(policy_copy, bundle.processor.tokenizer,
@@ -133,7 +136,8 @@ def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: tor
                                                  cuda_graphs=rl.rollout.cuda_graphs, record_routes=True, **paged_kv_kwargs(rl)),
                                    sync_from=bundle.model)
     if rl.rollout.weights == "expert_parallel":  # dense weights whole, this rank's experts (inference/ep_rollout.py)
-        return build_ep_rollout_engine(rl, bundle, model_path, dtype=dtype, device=device, per_batch=per_batch)
+        return build_ep_rollout_engine(rl, bundle, model_path, dtype=dtype, device=device, per_batch=per_batch,
+                                       param_dtype=param_dtype)
     if master_weights_of(bundle.wrapper) is not None:
         # parallel.fsdp = false: the trainer's weights are already a bf16 inference copy on this process (no FSDP
         # root to call, no gather, no other rank), updated in place by each optimizer step: the engine decodes with
@@ -154,7 +158,7 @@ def build_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: tor
 
 
 def build_ep_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: torch.dtype, device: torch.device,
-                            per_batch: int) -> PolicyRolloutEngine:
+                            per_batch: int, param_dtype: Optional[torch.dtype] = None) -> PolicyRolloutEngine:
     """`rl.rollout.weights = "expert_parallel"`: the rollout copy holds the dense weights unsharded and this rank's
     experts of the trainer's ep layout; lock-step batches of per_batch prompts (the MoE all-to-alls), refreshed from
     the trainer at every `load_weights`."""
@@ -165,6 +169,7 @@ def build_ep_rollout_engine(rl, bundle: ModelBundle, model_path: str, *, dtype: 
         raise ConfigError("rl.rollout.weights: 'expert_parallel' needs the trainer's experts sharded (parallel.ep > 1 "
                           "with the native backend); this run's model has none")
     policy_copy = build_ep_rollout_copy(bundle.model, model_path, dtype=dtype, device=device, ep_group=group)
+    copy_input_casts(policy_copy, param_dtype)
     return ExpertParallelRolloutEngine(policy_copy, bundle.processor.tokenizer,
                                        EngineOptions(cache_dtype=dtype, device=device, max_prompts_per_batch=per_batch,
                                                      cuda_graphs=rl.rollout.cuda_graphs, record_routes=True,
@@ -200,6 +205,7 @@ def build_grpo_parts(ctx: RunContext, bundle: ModelBundle) -> GRPOParts:
     keep_planning_records(found, bad_records)  # every rank reads the same prompts: counted once, not once per rank
     log.info("GRPO prompts: %d train, %s held-out", len(sets.train), len(sets.eval) if sets.eval else "no")
     dtype = compute_dtype(cfg.train.precision, getattr(torch, cfg.model.dtype), env.device)
+    param_dtype = mixed_param_dtype(cfg.train.precision, env.device)  # the trainer's casts, made by its copies too
     budget = max(rl.rollout.max_new_tokens, rl.eval.max_new_tokens or 0)
     per_batch = rollout_batch_prompts(rl, bundle.model, max_tokens_per_pack=cfg.data.max_tokens_per_pack,
                                       bytes_per_element=torch.finfo(dtype).bits // 8)
@@ -214,13 +220,15 @@ def build_grpo_parts(ctx: RunContext, bundle: ModelBundle) -> GRPOParts:
 
         engine = vllm_engine_for_run(ctx, bundle, dtype=dtype)
     else:
-        engine = build_rollout_engine(rl, bundle, cfg.model.path, dtype=dtype, device=env.device, per_batch=per_batch)
+        engine = build_rollout_engine(rl, bundle, cfg.model.path, dtype=dtype, device=env.device, per_batch=per_batch,
+                                      param_dtype=param_dtype)
     reference: Optional[Union[ReferencePolicy, BaseModelReference]] = None
     if rl.loss.kl_coef > 0 and getattr(cfg, "lora", None) is not None:  # base = the policy without its adapters: no second copy
         reference = BaseModelReference(bundle.wrapper, bundle.model, temperature=rl.rollout.temperature)
     elif rl.loss.kl_coef > 0:
         reference = ReferencePolicy.from_pretrained(cfg.model.path, dtype=dtype, device=env.device,
-                                                    offload=rl.update.ref_offload, temperature=rl.rollout.temperature)
+                                                    offload=rl.update.ref_offload, temperature=rl.rollout.temperature,
+                                                    param_dtype=param_dtype)
     pool: dict[str, Any] = dict(timeout_s=rl.reward_pool.timeout_s, num_workers=rl.reward_pool.workers,
                                 memory_limit_mb=rl.reward_pool.memory_limit_mb,
                                 batch_timeout_s=rl.reward_pool.batch_timeout_s, value_limit=rl.reward_pool.abs_max)

@@ -33,7 +33,7 @@ from megatron_vlm.parallel.pipeline import (
     stage_all_reduce,
     stage_gather_objects,
 )
-from megatron_vlm.parallel.precision import resolve_precision
+from megatron_vlm.parallel.precision import mixed_param_dtype, resolve_precision
 from megatron_vlm.training.context import RunContext, seed_everything
 from megatron_vlm.training.fp8 import convert_to_fp8
 from megatron_vlm.training.freeze import apply_train_layers
@@ -173,7 +173,7 @@ def build_model_bundle(ctx: RunContext, *, root: Callable[[torch.nn.Module], Any
     # a size parallel.tp does not divide raises TPError: a config error (exit 2, megatron_vlm/runner.py)
     family.parallelize(model, dims, cfg.parallel, mesh=fsdp_mesh,
                        activation_checkpointing=cfg.train.activation_checkpointing,
-                       param_dtype=torch.bfloat16 if precision == "bf16" else None, root=wrapper)
+                       param_dtype=mixed_param_dtype(cfg.train.precision, env.device), root=wrapper)
     trainable_params = [p for p in wrapper.parameters() if p.requires_grad]
     if fsdp_mesh is None and env.device.type != "cpu":  # FSDP2 would have moved them
         wrapper.to(env.device)

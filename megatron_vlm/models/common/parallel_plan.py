@@ -31,11 +31,31 @@ from megatron_vlm.models.common.mamba2 import Mamba2Mixer
 from megatron_vlm.models.common.moe import moe_layers
 from megatron_vlm.models.mcore.ep_shard import ep_expert_parameters
 from megatron_vlm.parallel import apply_ep, expert_parameters, parallelize_blocks
+from megatron_vlm.parallel.apply import apply_input_casts
 from megatron_vlm.parallel.context_parallel import ContextParallel, apply_cp
 from megatron_vlm.parallel.mesh import build_ep_mesh
 from megatron_vlm.parallel.tensor_parallel import apply_tp
 
 log = logging.getLogger("megatron_vlm")
+
+
+def unit_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules that are FSDP2 units of their own (the decoder layers; module docstring), and so cast their
+    floating-point inputs under mixed precision."""
+    return list(model.language_model.layers)
+
+
+def copy_input_casts(model: nn.Module, param_dtype: Optional[torch.dtype], *, root: Optional[nn.Module] = None) -> None:
+    """Give a copy of the policy that is not trained (a rollout engine's own weights: rl.rollout.weights = "copy" /
+    "expert_parallel", the asynchronous rollout ranks; GRPO's frozen reference) the input casts the trainer's mixed
+    precision makes at its root (`root`, default `model`: the module called with the inputs) and units
+    (`apply_input_casts`; nothing for `param_dtype` None or fp32). Why: the copy holds the trainer's bf16 weights,
+    but without the casts the rotary tables, made in fp32, reach its decoder layers uncast and the q / k rotation
+    runs in fp32: another policy than the one trained (log-probs ~1e-3 off the trainer's in a tiny bf16 model;
+    rollouts drew some tokens "shared" does not, the KL penalty was not 0 at the reference's own weights). With
+    them the copy computes what the trainer's forward computes, bit for bit on the same weights."""
+    if param_dtype is not None and param_dtype != torch.float32:
+        apply_input_casts(root if root is not None else model, unit_blocks(model), param_dtype)
 
 
 def make_parallelize(
@@ -82,7 +102,7 @@ def make_parallelize(
             _apply_context_parallel(model, cp, mesh)
         return parallelize_blocks(model, model.transformer_blocks(), parallel_cfg, mesh=mesh,
                                   activation_checkpointing=activation_checkpointing, param_dtype=param_dtype,
-                                  root=root, fsdp_blocks=list(model.language_model.layers), ignored_params=ignored)
+                                  root=root, fsdp_blocks=unit_blocks(model), ignored_params=ignored)
 
     parallelize.__name__ = parallelize.__qualname__ = f"parallelize_{family}"
     parallelize.__doc__ = (

@@ -55,8 +55,9 @@ from megatron_vlm.inference.engine import SamplingParams
 from megatron_vlm.inference.generators import sampling_generator
 from megatron_vlm.inference.kv_budget import kv_bytes_per_slot, rollout_prompts_for_budget
 from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
+from megatron_vlm.models.common.parallel_plan import copy_input_casts
 from megatron_vlm.parallel.collectives import barrier
-from megatron_vlm.parallel.precision import compute_dtype
+from megatron_vlm.parallel.precision import compute_dtype, mixed_param_dtype
 from megatron_vlm.rl.asynchronous.bridge import Role
 from megatron_vlm.rl.asynchronous.weights import receive_weights
 from megatron_vlm.rl.prompts.dataset import prompt_batches
@@ -128,6 +129,7 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
                             max_tokens=cfg.data.max_tokens_per_pack, limits=MediaLimits.from_config(cfg.data), bad_records=skips)
     model = load_hf_model(cfg.model.path, dtype=dtype, device=env.device).eval()
     model.requires_grad_(False)
+    copy_input_casts(model, mixed_param_dtype(cfg.train.precision, env.device))  # the trainer's forward, bit for bit
     engine: Any
     if rl.rollout_backend == "vllm":  # `vllm:dN+dM`: the pushes land in `model`, which feeds the vLLM engine
         engine = _vllm_engine(ctx, processor, model, dtype)

@@ -15,7 +15,7 @@ import torch
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.data_files import file_signature
 from megatron_vlm.data.preference_loader import build_preference_dataloader, build_preference_pass_loader
-from megatron_vlm.parallel.precision import compute_dtype
+from megatron_vlm.parallel.precision import compute_dtype, mixed_param_dtype
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.dpo.config import DPOConfig, check_dpo_keys
 from megatron_vlm.training.dpo.losses import REFERENCE_FREE
@@ -108,4 +108,5 @@ def build_reference(ctx: RunContext, bundle: ModelBundle, dpo: DPOConfig, train_
         return AdaptersOffReference(bundle.wrapper, bundle.model)
     dtype = compute_dtype(cfg.train.precision, getattr(torch, cfg.model.dtype), env.device)
     log.info("dpo: frozen reference model loaded from %s (%s)", cfg.model.path, dtype)
-    return FrozenReference(cfg.model.path, dtype=dtype, device=env.device)
+    return FrozenReference(cfg.model.path, dtype=dtype, device=env.device,
+                           param_dtype=mixed_param_dtype(cfg.train.precision, env.device))

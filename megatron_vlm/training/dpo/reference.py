@@ -34,6 +34,7 @@ import torch
 
 from megatron_vlm.host_copies import on_host
 from megatron_vlm.models.common.lora import lora_disabled
+from megatron_vlm.models.common.parallel_plan import copy_input_casts
 from megatron_vlm.parallel.collectives import all_reduce_, barrier, world_size
 from megatron_vlm.training.dpo.sequence import pair_sums
 from megatron_vlm.training.lm_loss import TokenLogprobModel
@@ -49,11 +50,15 @@ REFERENCE_PARTIAL_FILE = "dpo_reference_logps.partial.pt"
 
 
 class FrozenReference:
-    def __init__(self, path: str, *, dtype: torch.dtype, device: torch.device):
+    def __init__(self, path: str, *, dtype: torch.dtype, device: torch.device, param_dtype: Optional[torch.dtype] = None):
+        """`param_dtype`: the trainer's mixed-precision dtype (`mixed_param_dtype`; None: full precision), whose input
+        casts the copy makes too (`copy_input_casts`): it scores what the policy (and `PrecomputedReference`, the
+        policy's own pass) scores at the initial weights, bit for bit."""
         from megatron_vlm.checkpoint.hf import load_hf_model
 
         model = load_hf_model(path, dtype=dtype, device="cpu").eval().requires_grad_(False)
         self.scorer = TokenLogprobModel(model).to(device)
+        copy_input_casts(model, param_dtype, root=self.scorer)
 
     @torch.no_grad()
     def pair_logps(self, batch: dict, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ARG002

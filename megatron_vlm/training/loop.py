@@ -176,7 +176,8 @@ def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpoint
             raise e.error from None
         except StopAgreed as e:  # agreed at the step's start, nothing of it ran: a stop at the boundary before it
             set_rng_state(before)
-            log.warning("stop signal received (%s): saving a checkpoint at step %d and exiting", e, step)
+            log.warning("stop signal received: saving a checkpoint at step %d and exiting (agreed at step %d's start, "
+                        "before any of it ran: %s)", step, done, e)
             if checkpointer.enabled:
                 save(step)  # a no-op when it holds the newest checkpoint (the resume point or a periodic save)
             code = EXIT_STOPPED

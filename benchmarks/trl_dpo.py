@@ -97,6 +97,12 @@ class _SamePack:
     def state_dict(self) -> dict:
         return {}
 
+    def mark(self) -> None:
+        """`SFTDataLoader.mark`: no position to remember (the same pack every step)."""
+
+    def rewind(self) -> None:
+        """`SFTDataLoader.rewind`: nothing to put back."""
+
 
 class _NoMetrics:
     def log_moe_table(self, *a, **kw) -> None:

@@ -114,6 +114,12 @@ class SamePack:
     def state_dict(self) -> dict:
         return {}
 
+    def mark(self) -> None:
+        """`SFTDataLoader.mark`: no position to remember (the same pack every time)."""
+
+    def rewind(self) -> None:
+        """`SFTDataLoader.rewind`: nothing to put back."""
+
 
 class Rows:
     """The metrics logger stand-in: keeps the rows (the logged values are part of what must not change)."""

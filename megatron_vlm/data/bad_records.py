@@ -154,6 +154,18 @@ class BadRecordLog:
             ],
         }
 
+    def remove(self, records: Iterable[BadRecord | tuple]) -> None:
+        """Take back skips `extend` counted (one each): the records of packs a loader put back unused
+        (`SFTDataLoader.rewind`), which a resumed run reads and counts again. An entry left with no skip goes."""
+        for r in records:
+            r = r if isinstance(r, BadRecord) else BadRecord(*r)
+            key = (str(r.source), int(r.index), r.category)
+            if self._skips[key] <= 1:
+                self._entries.pop(key, None)
+                self._skips.pop(key, None)
+            else:
+                self._skips[key] -= 1
+
     def take(self) -> list[dict]:
         """The records (as `to_dict()["records"]`, with their skip counts), leaving the log empty: what was found
         since the last `take`, handed to another process's log (an asynchronous GRPO rollout rank's prompt skips

@@ -245,9 +245,16 @@ class SFTDataLoader:
         self._packs_seen = 0
         self._samples = 0
         self._logged_epochs: set[int] = set()
+        self._mark: Optional[tuple] = None
+        """(position and counts) at the last `mark()`; None: no mark (nothing to rewind to)."""
+        self._bad_since_mark: list = []
+        """The records skipped in the packs yielded since the mark (taken back by `rewind`)."""
+        self._iteration = 0
+        """Counts `rewind`s: an iterator made before one is spent (its position is no longer the loader's)."""
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[dict]:
+        iteration = self._iteration
         sampler = _RankSampler(self.planner, self.dp_rank, self.dp_size, self._consumed)
         kwargs = _worker_kwargs(self.dataset, self.num_workers, self.prefetch_factor, self.timeout_s)
         # generator: each DataLoader iterator draws its base seed from it instead of the global torch RNG,
@@ -255,8 +262,12 @@ class SFTDataLoader:
         loader = DataLoader(self.dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers,
                             collate_fn=_identity, generator=torch.Generator().manual_seed(self._consumed), **kwargs)
         for pack in _explain_timeout(loader, self.timeout_s, self.split):
+            if iteration != self._iteration:
+                raise RuntimeError(f"data[{self.split}]: an iterator made before the loader was rewound (iterate anew)")
             meta = pack.pop("_meta")
             self.bad_records.extend(meta["bad_records"])
+            if self._mark is not None:
+                self._bad_since_mark.extend(meta["bad_records"])
             self._consumed += 1
             self._epoch = meta["epoch"]
             self._tokens += meta["num_tokens"]
@@ -268,6 +279,25 @@ class SFTDataLoader:
                          self.split, self._epoch, self.planner.num_packs(self._epoch), self.planner.capacity,
                          self.planner.efficiency(self._epoch))
             yield pack
+
+    def mark(self) -> None:
+        """Remember the position (and the counts of `stats()`) for `rewind`: a training step marks before it fetches
+        its packs."""
+        self._mark = (self._consumed, self._epoch, self._tokens, self._packs_seen, self._samples)
+        self._bad_since_mark = []
+
+    def rewind(self) -> None:
+        """Put back the packs yielded since `mark()` as if never read: the position, the counts and the records
+        skipped in them (`BadRecordLog.remove`) are the mark's again, so the data state saved now is the mark's and a
+        resumed run reads those packs (and counts their bad records) once. A step does this when it is given up before
+        it used its packs (a stop agreed at its start: training/sft.py). The iterator that yielded them is spent; a
+        new one yields them again."""
+        if self._mark is None:
+            raise RuntimeError(f"data[{self.split}]: rewind without a mark")
+        self._consumed, self._epoch, self._tokens, self._packs_seen, self._samples = self._mark
+        self.bad_records.remove(self._bad_since_mark)
+        self._bad_since_mark = []
+        self._iteration += 1
 
     def __len__(self) -> int:
         """This rank's packs in epoch 0 (for steps-per-epoch arithmetic)."""

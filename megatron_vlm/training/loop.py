@@ -20,6 +20,11 @@ small object (`StepRunner`). From the resume step to `total_steps`, per step:
    checkpoint at this step boundary (unless step 3 just saved this very step: a step is never saved twice) and
    return 143 on every rank. A stop requested after the last step (during the final evaluation or export) is not
    acted on: the run finishes and returns 0 (launch/slurm/train.sbatch then does not requeue it: runner.py).
+   A step object with `stop_at_step_start` (SFT, DPO, reward model) agrees the stop in the all-reduce its next step
+   makes before its forward anyway (one read of the device fewer per step; on CUDA each is a stream sync): that
+   step puts back the packs it fetched and raises `StopAgreed` before any of it runs, and the loop saves this
+   boundary and returns 143 all the same. The loop still reads the flag itself where it needs the answer before a
+   next step: when an evaluation is due, and after the last step.
 
 A step may also end early with `StepAbandoned` (training/signals.py: a stop signal arrived while a wait of the step
 hung, and every rank gave the step up together, before any of it was applied): the RNG states are put back as they
@@ -54,7 +59,7 @@ from megatron_vlm.parallel.collectives import any_rank
 from megatron_vlm.training.checkpointing import Checkpointer, ResumePoint
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.peak_memory import PeakMemory
-from megatron_vlm.training.signals import EvaluationAbandoned, StepAbandoned
+from megatron_vlm.training.signals import EvaluationAbandoned, StepAbandoned, StopAgreed
 
 __all__ = ["StepRunner", "StopAfterStep", "run_loop", "EXIT_STOPPED"]
 
@@ -76,7 +81,9 @@ class StopAfterStep(Exception):
 
 class StepRunner(Protocol):
     """What a job kind gives the loop. Steps are 0-based when run (`train_step(s)` turns policy /
-    model version s into s + 1); every other method gets the number of steps done."""
+    model version s into s + 1); every other method gets the number of steps done. Optional attribute
+    `stop_at_step_start` (absent: False): `train_step` agrees the stop at its start, before any of it runs, and
+    raises `StopAgreed` (the packed-data steps: training/sft.py `agree_counts`)."""
 
     def load_data_state(self, state: dict, step: int) -> None:
         """Resume the data position from a checkpoint's data state (`step` steps were done)."""
@@ -154,6 +161,7 @@ def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpoint
         checkpointer.save(step, steps.data_state(step))
         saved_at = step
 
+    stop_at_step_start = bool(getattr(steps, "stop_at_step_start", False))
     step, code = start, 0
     if eval_at_start and start == 0 and not evaluate(0):
         log.warning("stopping before the first step (no checkpoint to save)")
@@ -183,6 +191,14 @@ def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpoint
                 log.warning("not saving step %d: the newest checkpoint (step %d) holds every step worth keeping; "
                             "resume from it", done, saved_at)
             raise e.error from None
+        except StopAgreed as e:  # agreed at the step's start, nothing of it ran: a stop at the boundary before it
+            set_rng_state(before)
+            log.warning("stop signal received: saving a checkpoint at step %d and exiting (agreed at step %d's start, "
+                        "before any of it ran: %s)", step, done, e)
+            if checkpointer.enabled:
+                save(step)  # a no-op when it holds the newest checkpoint (the resume point or a periodic save)
+            code = EXIT_STOPPED
+            break
         except StepAbandoned as e:
             set_rng_state(before)
             log.warning("stop signal received during step %d, which was abandoned (%s): saving a checkpoint at step %d "
@@ -198,8 +214,12 @@ def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpoint
             metrics.log("train", step, m)
         if checkpointer.periodic_due(step) and step < total_steps:
             save(step)
-        stopping = ctx.stop.should_stop(ctx.device)
-        if eval_every and step % eval_every == 0 and step < total_steps and not stopping:
+        eval_due = bool(eval_every) and step % eval_every == 0 and step < total_steps
+        # a step that agrees the stop at its start (`stop_at_step_start`) leaves the read to the next step, unless
+        # the answer is needed before one: an evaluation is due, or no step follows
+        boundary = not stop_at_step_start or eval_due or step == total_steps
+        stopping = boundary and ctx.stop.should_stop(ctx.device)
+        if eval_due and not stopping:
             # abandoned (on every rank alike): stopping; else a stop raised while it evaluated
             stopping = not evaluate(step) or ctx.stop.should_stop(ctx.device)
         if stopping:

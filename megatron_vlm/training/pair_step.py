@@ -27,14 +27,14 @@ from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.host_copies import host_int
 from megatron_vlm.parallel import clip_grad_norm_
-from megatron_vlm.parallel.collectives import all_reduce_, all_reduce_sum
+from megatron_vlm.parallel.collectives import all_reduce_
 from megatron_vlm.training.bad_record_summary import save_bad_records, write_bad_record_summary
 from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 from megatron_vlm.training.optim import OptimState
 from megatron_vlm.training.pair_prompts import pair_sharing, share_pair_prompts
 from megatron_vlm.training.running_totals import RunningTotals
-from megatron_vlm.training.sft import global_sums_and_norm, moe_report_state, restore_data_state
+from megatron_vlm.training.sft import agree_counts, global_sums_and_norm, moe_report_state, restore_data_state
 from megatron_vlm.training.step_guard import StepGuard
 
 __all__ = ["PackScorer", "PairStep", "PairEvaluator"]
@@ -80,6 +80,9 @@ class PairStep(PackScorer):
     """One optimizer step per `train_step` over `train.micro_batches_per_step` packs of pairs per rank;
     evaluation through the `evaluate(step)` callable given."""
 
+    stop_at_step_start = True
+    """The stop agreement rides in the step's counts all-reduce (training/sft.py `agree_counts`)."""
+
     def __init__(self, ctx: RunContext, bundle: ModelBundle, optim: OptimState, metrics, loader, *,
                  bad_records: Optional[BadRecordLog] = None, evaluate=None):
         self.ctx, self.bundle, self.optim, self.metrics, self.loader = ctx, bundle, optim, metrics, loader
@@ -106,16 +109,17 @@ class PairStep(PackScorer):
         return self._evaluate(step) if self._evaluate is not None else None
 
     def _fetch(self, step: int):
-        cfg, env = self.ctx.cfg.train, self.ctx.env
+        cfg = self.ctx.cfg.train
         copies = getattr(self.bundle.dims, "data_copies", 1)
         fetched = 0
         it = self._it
         assert it is not None  # train_step made it
+        self.loader.mark()  # a stop agreed at the step's start puts its packs back (`agree_counts`)
         while True:
             micro = [next(it) for _ in range(cfg.micro_batches_per_step)]
             fetched += len(micro)
             local = [sum(int(m["num_pairs"]) for m in micro), sum(int(m["input_ids"].numel()) for m in micro)]
-            g_pairs, g_tokens = (v / copies for v in all_reduce_sum(local, env.device))
+            g_pairs, g_tokens = (v / copies for v in agree_counts(self, local, first=fetched == len(micro)))
             if g_pairs > 0:
                 return micro, g_pairs, g_tokens
             self.empty_steps_skipped += 1  # every rank sees the same sums: all fetch again together

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import torch
@@ -31,6 +31,7 @@ from megatron_vlm.training.context import RunContext
 from megatron_vlm.training.model_bundle import ModelBundle
 from megatron_vlm.training.optim import OptimState
 from megatron_vlm.training.running_totals import RunningTotals
+from megatron_vlm.training.signals import StopAgreed
 from megatron_vlm.training.step_guard import StepGuard
 
 __all__ = ["SFTStep", "prepare_sft_data", "build_train_loader", "steps_per_epoch"]
@@ -138,6 +139,24 @@ def restore_data_state(runner: Any, state: dict) -> None:
     restore_moe_report(getattr(runner.bundle, "moe_balancer", None), state)
 
 
+def agree_counts(runner: Any, local: Sequence[float], *, first: bool) -> list[float]:
+    """`local` (a step's counts) summed over all ranks, and the stop agreement of the step boundary before it.
+
+    Why together: each read of an all-reduce is a stream sync on CUDA, and the step needs its counts before its
+    forward anyway (the loss divisor, an empty step's skip), so the ranks' stop flags (training/signals.py) travel
+    in the same all-reduce and the loop makes no read of its own after the step (`stop_at_step_start`). On the
+    step's first fetch (`first`), a stop asked on any rank puts the fetched packs back (`loader.rewind`: the data
+    state is the boundary's again) and raises `StopAgreed` on every rank alike, before anything of the step ran.
+    A stop asked while an empty step fetches again waits for the next step's agreement. `runner`: the step object
+    (its `ctx`, `loader` and `_it`, the loader's iterator)."""
+    *sums, stops = all_reduce_sum([*local, float(runner.ctx.stop.pending())], runner.ctx.env.device)
+    if first and stops > 0:
+        runner.loader.rewind()
+        runner._it = None  # spent: a later step (none, the run stops) would iterate anew from the mark
+        raise StopAgreed(f"{int(stops)} rank(s) asked to stop before the step began")
+    return sums
+
+
 def global_loss_and_norm(loss_sum: Any, grad_norm: Any, device: torch.device) -> tuple[float, float]:
     """(the loss sum over all ranks, the gradient norm) as floats, in one read of the device.
 
@@ -179,6 +198,10 @@ def _peak_flops(device: torch.device) -> Optional[float]:
 class SFTStep:
     """One SFT optimizer step per `train_step`; evaluation through the `evaluate(step)` callable given
     (held-out loss and answer accuracy, built in `megatron_vlm.eval`)."""
+
+    stop_at_step_start = True
+    """The stop agreement rides in the step's counts all-reduce (`agree_counts`): the loop reads no stop flag after
+    the step, except where it needs the answer before the next step starts (training/loop.py)."""
 
     def __init__(self, ctx: RunContext, bundle: ModelBundle, optim: OptimState, metrics, loader, *,
                  total_steps: int, bad_records: Optional[BadRecordLog] = None,
@@ -228,12 +251,13 @@ class SFTStep:
         # the tp ranks of a group read the same micro-batches: count each data shard once
         copies = getattr(b.dims, "data_copies", 1)
         fetched = 0
+        self.loader.mark()  # a stop agreed at the step's start puts its packs back (`agree_counts`)
         while True:
             micro = [next(self._it) for _ in range(cfg.micro_batches_per_step)]
             fetched += len(micro)
             local = [sum(int(m["num_label_tokens"]) for m in micro), sum(int(m["num_samples"]) for m in micro),
                      sum(int(m["input_ids"].numel()) for m in micro)]
-            g_tokens, g_samples, g_seq = (v / copies for v in all_reduce_sum(local, env.device))
+            g_tokens, g_samples, g_seq = (v / copies for v in agree_counts(self, local, first=fetched == len(micro)))
             self.samples_seen += g_samples
             if g_tokens > 0:
                 break

@@ -5,7 +5,12 @@ an interactive user is never kept waiting for a step to finish.
 
 The handler only sets a flag; the loop checks it at a step boundary, and ranks agree through an
 all-reduce (MAX) so every rank saves the same checkpoint step — a rank that stopped alone would
-leave the others blocked in a collective.
+leave the others blocked in a collective. The packed-data steps (SFT, DPO, reward model) agree in the all-reduce
+of their token counts instead, which every step makes before its forward anyway: a stop asked during step N is
+agreed at the start of step N + 1, which puts back the packs it fetched and raises `StopAgreed` before any of it
+runs; the loop then saves step N and exits 143 as at the boundary (on CUDA each read of the agreement is a stream
+sync: one fewer per step). The boundary check stays where the loop needs the answer before the next step would
+start: before a periodic evaluation and after the last step.
 
 A wait inside a step that can hang for minutes (a reward batch, the environments of a multi-turn rollout: up to
 `rl.reward_pool.batch_timeout_s`, longer than the scheduler's warning) polls the flag and gives up once it has waited
@@ -53,6 +58,12 @@ class StepAbandoned(Exception):
     """Every rank gave up the step it was running because a stop is pending and a wait of the step hung (the
     training loop then saves the state of the step's start and exits 143). Raised by every rank at the same point
     (after an agreement), so that none waits in a collective the others skip."""
+
+
+class StopAgreed(Exception):
+    """Every rank agreed, at the start of a step and before any of it ran, on a stop asked before it (the stop flags
+    travel in the step's first all-reduce: training/sft.py `agree_counts`); the step has put back the packs it
+    fetched, and the loop stops at the boundary before it (its checkpoint, exit 143), as after a step."""
 
 
 class EvaluationAbandoned(Exception):

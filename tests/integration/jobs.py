@@ -68,7 +68,7 @@ def run_job(overrides: list[str], *, nproc: int = 1, env: dict | None = None, co
     for o in overrides:
         args += ["--set", o]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    faults = ("MEGATRON_VLM_FAULT_KILL_AT_STEP", "MEGATRON_VLM_FAULT_RAISE_AT_STEP")
+    faults = ("MEGATRON_VLM_FAULT_KILL_AT_STEP", "MEGATRON_VLM_FAULT_RAISE_AT_STEP", "MEGATRON_VLM_FAULT_TERM_AT_STEP")
     entry = FAULT_ENTRY if any(full_env.get(k) for k in faults) else ENTRY
     if nproc == 1:
         cmd = [sys.executable, str(entry), "--config", str(config), *args]

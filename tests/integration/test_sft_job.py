@@ -102,6 +102,31 @@ def test_exact_resume_after_kill9(tmp_path, assets):
     assert [seen_b[s] for s in range(1, 7)] == seen and seen[-1] > seen[2] > 0
 
 
+@pytest.mark.heavy  # three job start-ups (~40 s on the 2-core CI machine); the 2-rank stop test stays in CI
+def test_sigterm_between_steps_saves_the_boundary_and_resumes_exactly(tmp_path, assets):
+    """SIGTERM just before step 4: step 4 agrees the stop in its counts all-reduce before it runs, puts its packs back
+    and the run saves step 3 (its data position) and exits 143; the resumed run trains steps 4-6 on the packs the
+    uninterrupted run trained them on, so its weights, losses and counters are that run's."""
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    common = {"train.max_steps": 6, "checkpoint.every_steps": 0, "checkpoint.keep_last": 0}
+    run_job(small_demo_overrides(straight, assets, **common))
+    r = run_job(small_demo_overrides(stopped, assets, **common), env={"MEGATRON_VLM_FAULT_TERM_AT_STEP": "4"},
+                check=False)
+    assert r.returncode == 143, (r.returncode, r.stderr[-2000:])
+    assert "stop signal received: saving a checkpoint at step 3 and exiting" in r.stderr
+    assert sorted(d.name for d in (stopped / "checkpoints").iterdir() if d.name.startswith("step_")) == ["step_3"]
+    assert [int(x["step"]) for x in read_metrics(stopped / "metrics_train.csv")] == [1, 2, 3]
+    r = run_job(small_demo_overrides(stopped, assets, **common))
+    assert "Resumed from checkpoint: step=3" in r.stderr
+    a, b = load_safetensors_dir(straight / "hf"), load_safetensors_dir(stopped / "hf")
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-7
+    rows_a, rows_b = read_metrics(straight / "metrics_train.csv"), read_metrics(stopped / "metrics_train.csv")
+    for key in ("loss", "data/samples_seen", "data/packs_consumed", "trained_tokens"):
+        want = [float(x[key]) for x in rows_a]
+        got = {int(x["step"]): float(x[key]) for x in rows_b}
+        assert [got[s] for s in range(1, 7)] == want, key
+
+
 def test_partial_checkpoint_is_ignored(tmp_path, assets):
     out = tmp_path / "run"
     run_job(small_demo_overrides(out, assets, **{"train.max_steps": 2, "checkpoint.every_steps": 2}))

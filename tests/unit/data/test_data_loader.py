@@ -339,3 +339,31 @@ def test_a_bad_record_every_rank_finds_while_planning_is_counted_once(cfg, proc,
         loader = build_sft_dataloader(cfg, proc, seed=0, dp_rank=rank, dp_size=2)
         summary.extend(loader.bad_records.to_dict()["records"])
     assert summary.to_dict()["num_skips"] == 1 and [(b.index, b.category) for b in summary.entries] == [(37, "missing_image")]
+
+
+def test_rewind_puts_back_the_packs_since_the_mark(tmp_path, write_image, proc):
+    """A training step that fetched its packs and was then given up before using them (a stop agreed at its start:
+    training/sft.py `agree_counts`) puts them back: the position, the counts and the records skipped in them are the
+    mark's again (the checkpoint saved then holds the step boundary), and the packs come again, counted once."""
+    good = write_image(tmp_path / "good.png")
+    (tmp_path / "trunc.png").write_bytes(good.read_bytes()[:60])  # fails only when its pack is processed
+    corrupt = json.dumps({"messages": [{"role": "user", "content": [{"type": "image", "image": "trunc.png"},
+                                                                     {"type": "text", "text": "item 91: x"}]},
+                                       {"role": "assistant", "content": "ok"}]})
+    path = _write_jsonl(tmp_path, write_image, n=12, seed=1, extra_lines=[corrupt])
+    cfg = DataConfig(type="messages_jsonl", train_path=str(path), max_tokens_per_pack=96, num_workers=0)
+    loader = build_sft_dataloader(cfg, proc, seed=0, dp_rank=0, dp_size=1)
+    it = iter(loader)
+    first = next(it)
+    loader.mark()
+    state, stats, bad = loader.state_dict(), loader.stats(), loader.bad_records.to_dict()
+    taken = [next(it) for _ in range(loader.packs_per_epoch)]  # the rest of the epoch and one more
+    read = loader.bad_records.to_dict()
+    assert read["by_category"] == {"corrupt_image": 1} and bad["num_bad_records"] == 0
+    loader.rewind()
+    assert (loader.state_dict(), loader.stats(), loader.bad_records.to_dict()) == (state, stats, bad)
+    with pytest.raises(RuntimeError, match="rewound"):
+        next(it)  # the iterator that yielded them is spent
+    again = _take(loader, len(taken))
+    assert all(_equal(x, y) for x, y in zip(again, taken)) and not _equal(again[0], first)
+    assert loader.bad_records.to_dict() == read  # skipped once, not twice

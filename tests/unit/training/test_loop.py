@@ -14,6 +14,7 @@ from megatron_vlm.errors import ConfigError
 from megatron_vlm.training import loop as loop_mod
 from megatron_vlm.training.checkpointing import ResumePoint
 from megatron_vlm.training.loop import EXIT_STOPPED, run_loop
+from megatron_vlm.training.signals import StopAgreed
 
 
 class FakeSteps:
@@ -324,3 +325,64 @@ def test_metrics_logger_says_which_eval_steps_its_csv_holds(tmp_path):
     assert MetricsLogger(cfg, tmp_path, is_main=False, total_steps=8, run_name="r").logged("eval", 2) is None
     assert MetricsLogger(NS(tensorboard=False, csv=False, wandb=False, console=False),
                          tmp_path, is_main=True, total_steps=8, run_name="r").logged("eval", 2) is None
+
+
+class AgreeingSteps(FakeSteps):
+    """A step object that agrees the stop at its start (`stop_at_step_start`, as SFTStep's counts all-reduce does):
+    with a stop pending it raises `StopAgreed` before running; `stop_during` asks for a stop during that step (1-based)."""
+
+    stop_at_step_start = True
+
+    def __init__(self, flag, stop_during=0):
+        super().__init__()
+        self.flag, self.stop_during = flag, stop_during
+
+    def train_step(self, step, *, log):
+        if self.flag.pending():
+            raise StopAgreed("1 rank(s) asked to stop before the step began")
+        if step + 1 == self.stop_during:
+            self.flag.signum = 15
+        return super().train_step(step, log=log)
+
+
+class CountedFlag:
+    """A stop flag that records after which step (the loop's `steps.ran`) the loop read it."""
+
+    def __init__(self):
+        self.signum, self.reads, self.steps = 0, [], None
+
+    def pending(self):
+        return bool(self.signum)
+
+    def should_stop(self, device):
+        self.reads.append(len(self.steps.ran))
+        return bool(self.signum)
+
+
+def _agreeing(tmp_path, stop_during, *, every=0, eval_every=3, total=6):
+    flag = CountedFlag()
+    steps, ckpt = AgreeingSteps(flag, stop_during), FakeCheckpointer(every=every)
+    flag.steps = steps
+    code = run_loop(_ctx(tmp_path, flag), steps, total_steps=total, checkpointer=ckpt, metrics=Logger(), log_every=1,
+                    eval_every=eval_every)
+    return code, steps, ckpt, flag
+
+
+def test_a_step_that_agrees_the_stop_at_its_start_leaves_the_loop_no_read_between_steps(tmp_path):
+    """The loop reads the flag only where it needs the answer before a next step would start: around an evaluation
+    that is due, and after the last step; a stop asked during step N is agreed at step N + 1's start, and the loop
+    saves step N and exits 143, as when it read the flag after step N."""
+    code, steps, ckpt, flag = _agreeing(tmp_path, 0)
+    assert code == 0 and flag.reads == [3, 3, 6] and ckpt.saved == [(6, {"pos": 6})]
+    code, steps, ckpt, flag = _agreeing(tmp_path, 2)  # a middle step: step 3 agrees, runs nothing
+    assert code == 143 and steps.ran == [0, 1] and ckpt.saved == [(2, {"pos": 2})] and flag.reads == []
+    assert not [c for c in steps.calls if c[0] == "eval"] and ckpt.exported == [] and steps.calls[-1] == ("finish",)
+    code, steps, ckpt, flag = _agreeing(tmp_path, 3)  # an evaluation is due: not run, the save comes first
+    assert code == 143 and ckpt.saved == [(3, {"pos": 3})] and not [c for c in steps.calls if c[0] == "eval"]
+    code, steps, ckpt, flag = _agreeing(tmp_path, 6)  # the last step: acted on, no final evaluation or export
+    assert code == 143 and ckpt.saved == [(6, {"pos": 6})] and ckpt.exported == []
+    assert [c for c in steps.calls if c[0] == "eval"] == [("eval", 3)]
+    code, steps, ckpt, flag = _agreeing(tmp_path, 2, every=2)  # on a periodic save step: saved once
+    assert code == 143 and ckpt.saved == [(2, {"pos": 2})]
+    code, steps, ckpt, flag = _agreeing(tmp_path, 1, eval_every=0, total=1)  # a one-step run
+    assert code == 143 and ckpt.saved == [(1, {"pos": 1})] and flag.reads == [1]

@@ -54,6 +54,12 @@ class ListLoader:
     def state_dict(self):
         return {}
 
+    def mark(self):
+        """`SFTDataLoader.mark`: this stand-in saves no position (`state_dict`), so nothing to remember."""
+
+    def rewind(self):
+        """`SFTDataLoader.rewind`: nothing to put back (no position saved)."""
+
 
 class Recorder:
     def __init__(self):
@@ -75,6 +81,9 @@ class NoCheckpoints:
 
 class NeverStop:
     def should_stop(self, device):
+        return False
+
+    def pending(self):
         return False
 
 

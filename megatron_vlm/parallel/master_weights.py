@@ -105,8 +105,12 @@ class MasterWeights:
             return
         self._viewing = True
         for p, m in self.pairs:
+            g = m.grad
+            if p.grad is not None:  # put there outside autograd (torch's optimizer-state set-up: zeros): kept
+                g = p.grad.float() if g is None else g + p.grad
+                p.grad = None
             p.data = m
-            p.grad = m.grad
+            p.grad = g
         for p, full, _ in self.frozen if frozen else ():
             p.data = full
         try:

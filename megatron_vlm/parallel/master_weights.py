@@ -36,7 +36,9 @@ class MasterWeights:
     `fp32_weight` modules excepted). Each trainable parameter's gradient is moved, as autograd makes it, into its
     master's fp32 `.grad` (summed over micro-batches), so `params` (the masters) are what clipping reads."""
 
-    def __init__(self, root: nn.Module, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, root: nn.Module, dtype: torch.dtype = torch.bfloat16, device: Optional[torch.device] = None):
+        """`device`: where the weights and masters go (None: where the parameters are). Given for a model still in
+        host memory, a frozen parameter's fp32 weight never reaches the device: only its bf16 one does."""
         keep = {id(p) for m in root.modules() if getattr(m, "fp32_weight", False) for p in m.parameters()}
         self.pairs: list[tuple[nn.Parameter, torch.Tensor]] = []
         self.frozen: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
@@ -49,10 +51,11 @@ class MasterWeights:
                 continue
             seen.add(id(p))
             full = p.data
-            low = full.to(dtype)
+            place = full.device if device is None else device
+            low = full.to(device=place, dtype=dtype)
             p.data = low
             if p.requires_grad:
-                master = full.detach()
+                master = full.detach().to(place)
                 self.pairs.append((p, master))
                 self._low.append(low)
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate_hook(master)))

@@ -230,7 +230,7 @@ class CheckpointManager:
         self._agree(step, "creating the temporary folder", err, tmp)
         err = None
         try:
-            with fp32_view(model):  # parallel.fsdp = false: the fp32 masters under the parameters' names
+            with fp32_view(model, writes=False):  # parallel.fsdp = false: the fp32 masters under the parameters' names
                 self._save_state(tmp, step, model, optimizer, extra, layout, modules)
         except FAILURES as e:
             err = describe_error(e, folder=tmp)
@@ -431,5 +431,5 @@ class CheckpointManager:
 def full_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Gathered, CPU, unsharded model state dict (on every rank; used for HF export; the fp32 masters under
     `parallel.fsdp = false`)."""
-    with fp32_view(model):
+    with fp32_view(model, writes=False):
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

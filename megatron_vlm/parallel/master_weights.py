@@ -37,7 +37,10 @@ class MasterWeights:
     master's fp32 `.grad` (summed over micro-batches), so `params` (the masters) are what clipping reads. `keep`
     False (a job that does not train: evaluation): the weights become `dtype` and nothing fp32 is kept."""
 
-    def __init__(self, root: nn.Module, dtype: torch.dtype = torch.bfloat16, *, keep: bool = True):
+    def __init__(self, root: nn.Module, dtype: torch.dtype = torch.bfloat16, device: Optional[torch.device] = None,
+                 *, keep: bool = True):
+        """`device`: where the weights and masters go (None: where the parameters are). Given for a model still in
+        host memory, a frozen parameter's fp32 weight never reaches the device: only its bf16 one does."""
         fp32_by_design = {id(p) for m in root.modules() if getattr(m, "fp32_weight", False) for p in m.parameters()}
         self.pairs: list[tuple[nn.Parameter, torch.Tensor]] = []
         self.frozen: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
@@ -50,12 +53,13 @@ class MasterWeights:
                 continue
             seen.add(id(p))
             full = p.data
-            low = full.to(dtype)
+            place = full.device if device is None else device
+            low = full.to(device=place, dtype=dtype)
             p.data = low
             if not keep:
                 continue
             if p.requires_grad:
-                master = full.detach()
+                master = full.detach().to(place)
                 self.pairs.append((p, master))
                 self._low.append(low)
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate_hook(master)))
@@ -98,18 +102,23 @@ class MasterWeights:
             p.grad = None
 
     @contextlib.contextmanager
-    def fp32_view(self, frozen: bool = True) -> Iterator[None]:
+    def fp32_view(self, frozen: bool = True, writes: bool = True) -> Iterator[None]:
         """The parameters hold their masters (and gradients) for the block; after it the bf16 weights are the
         masters' rounding (one multi-tensor copy) and the gradients are back on the masters. `frozen`: the frozen
         parameters too (their fp32 weights, in host memory: for checkpoints and exports; the optimizer's step
-        leaves them)."""
+        leaves them). `writes` False (a save or an export, which change no weight): the bf16 weights are not
+        copied again after the block."""
         if self._viewing:  # nested (a checkpoint saved from inside the optimizer's step): already in place
             yield
             return
         self._viewing = True
         for p, m in self.pairs:
+            g = m.grad
+            if p.grad is not None:  # put there outside autograd (torch's optimizer-state set-up: zeros): kept
+                g = p.grad.float() if g is None else g + p.grad
+                p.grad = None
             p.data = m
-            p.grad = m.grad
+            p.grad = g
         for p, full, _ in self.frozen if frozen else ():
             p.data = full
         try:
@@ -120,11 +129,12 @@ class MasterWeights:
                 p.grad = None
                 p.data = low
             with torch.no_grad():
-                if self._low:
+                if self._low and writes:
                     torch._foreach_copy_(self._low, self.params)
-                for p, full, low in self.frozen if frozen else ():  # a load may have changed them
+                for p, full, low in self.frozen if frozen else ():
                     p.data = low
-                    low.copy_(full)
+                    if writes:  # a load may have changed them
+                        low.copy_(full)
             self._viewing = False
 
 
@@ -133,13 +143,14 @@ def master_weights_of(module: Any) -> Optional[MasterWeights]:
 
 
 @contextlib.contextmanager
-def fp32_view(module: Any) -> Iterator[None]:
-    """`MasterWeights.fp32_view` of `module`'s masters; nothing for a module without them."""
+def fp32_view(module: Any, *, writes: bool = True) -> Iterator[None]:
+    """`MasterWeights.fp32_view` of `module`'s masters, the frozen parameters' fp32 weights included (`writes`: False
+    where the block changes no weight); nothing for a module without them."""
     masters = master_weights_of(module)
     if masters is None:
         yield
         return
-    with masters.fp32_view():
+    with masters.fp32_view(writes=writes):
         yield
 
 

@@ -174,6 +174,9 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
             raise CheckFailed("rl.allocation", f"{cfg.rl.allocation!r} = {alloc.rollout} rollout + {alloc.train} training "
                                                f"ranks, but the run has {world_size}")
         world_size, rollout_ranks = alloc.train, alloc.rollout
+    if getattr(cfg.parallel, "fsdp", "auto") is False and world_size > 1:  # as the run refuses it (fsdp_needed)
+        raise CheckFailed("parallel.fsdp", f"false runs one process; this run has {world_size}"
+                                           f"{' training' if rollout_ranks else ''} ranks (use \"auto\")")
     rep, shard = _layout(cfg, world_size, num_experts)
     tp = getattr(cfg.parallel, "tp", 1)
     try:

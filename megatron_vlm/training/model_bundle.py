@@ -115,6 +115,19 @@ def fsdp_needed(world_size: int, precision: str, device_type: str, setting: Unio
     return setting is True or world_size > 1 or precision == "bf16" or device_type != "cpu"
 
 
+def place_unsharded(wrapper: torch.nn.Module, device: torch.device, precision: str, *,
+                    train: bool = True) -> Optional[MasterWeights]:
+    """A model without FSDP2 units (`parallel.fsdp` false, or "auto" on one CPU process in fp32) on `device`, where
+    FSDP2 would have moved it; in bf16 its weights become bf16 with fp32 masters beside them: its `MasterWeights`.
+    The masters are made before the move, so a frozen parameter reaches the device in bf16 only (moved in fp32 first,
+    a LoRA run's base model stood there twice over the bf16 weights that --check counts). `train` False (an evaluation
+    job): no fp32 copy is kept."""
+    masters = MasterWeights(wrapper, torch.bfloat16, device=device, keep=train) if precision == "bf16" else None
+    if device.type != "cpu":  # the rest: buffers, fp32_weight modules, parameters already in bf16
+        wrapper.to(device)
+    return masters
+
+
 def build_model_bundle(ctx: RunContext, *, root: Callable[[torch.nn.Module], Any] = TokenLogprobModel) -> ModelBundle:
     """Configure the kernels, seed every RNG with `train.seed`, build the mesh, load, freeze and shard
     the model. Same order on every rank (the sharding is collective). `root(model)`: the module made the FSDP
@@ -175,11 +188,8 @@ def build_model_bundle(ctx: RunContext, *, root: Callable[[torch.nn.Module], Any
                        activation_checkpointing=cfg.train.activation_checkpointing,
                        param_dtype=mixed_param_dtype(cfg.train.precision, env.device), root=wrapper)
     trainable_params = [p for p in wrapper.parameters() if p.requires_grad]
-    if fsdp_mesh is None and env.device.type != "cpu":  # FSDP2 would have moved them
-        wrapper.to(env.device)
-    if fsdp_mesh is None and precision == "bf16":
-        # clipping reads the masters' fp32 gradients; an evaluation job keeps no fp32 copy
-        masters = MasterWeights(wrapper, torch.bfloat16, keep=cfg.train.mode != "eval")
+    masters = place_unsharded(wrapper, env.device, precision, train=cfg.train.mode != "eval") if fsdp_mesh is None else None
+    if masters is not None:  # clipping reads the masters' fp32 gradients
         trainable_params = [masters.params_or(p) for p in trainable_params]
     balancer: Optional[MoELoadBalancer] = None
     if pp > 1 and whole_moe:  # each stage balances its own MoE layers (maybe none); reports gather every stage's

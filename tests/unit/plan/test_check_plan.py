@@ -458,3 +458,16 @@ def test_no_fsdp_refused_with_parallel_layouts():
         with pytest.raises(ValueError, match="fsdp: false"):
             load_config_dict({"parallel": {"fsdp": False, key: value}, "train": {"max_steps": 1},
                               "data": {"type": "synthetic_vqa"}})
+
+
+def test_check_refuses_no_fsdp_on_more_than_one_rank(qwen2_5_vl_3b):
+    """parallel.fsdp = false runs one process (the run exits 2 naming the key with more): --check says so too, for
+    the training ranks (an asynchronous GRPO run's rollout ranks excepted), instead of planning "dp_shard 2"."""
+    from megatron_vlm.config import load_config_dict
+
+    cfg = load_config_dict({"model": {"path": str(qwen2_5_vl_3b)}, "parallel": {"fsdp": False},
+                            "train": {"max_steps": 1, "precision": "bf16"}, "data": {"type": "synthetic_vqa"}})
+    err = io.StringIO()
+    assert run_check(cfg, world_size=2, device_memory_gib=141.0, out=io.StringIO(), err=err) == 2
+    assert err.getvalue().startswith("check failed: parallel.fsdp: false runs one process"), err.getvalue()
+    assert run_check(cfg, world_size=1, device_memory_gib=141.0, out=io.StringIO(), err=io.StringIO()) == 0

@@ -241,6 +241,9 @@ class ParallelConfig:
                 raise ValueError(f"fsdp: false runs one process; dp_shard = {self.dp_shard} shards over FSDP2")
             if self.backend == "mcore":
                 raise ValueError("fsdp: false is not supported with backend = 'mcore'; use fsdp = \"auto\"")
+            if not self.reshard_after_forward:
+                raise ValueError("reshard_after_forward: an FSDP2 setting; with fsdp = false there are no units to "
+                                 "reshard (remove it)")
         if self.backend == "mcore" and self.compile:
             raise ValueError("backend: 'mcore' with compile = true is not supported yet; set compile = false")
 

@@ -454,8 +454,9 @@ def test_check_counts_no_fsdp_weights_beside_their_masters(qwen2_5_vl_3b):
 def test_no_fsdp_refused_with_parallel_layouts():
     from megatron_vlm.config import load_config_dict
 
-    for key, value in (("tp", 2), ("pp", 2), ("dp_replicate", 2), ("dp_shard", 2), ("backend", "mcore")):
-        with pytest.raises(ValueError, match="fsdp: false"):
+    for key, value in (("tp", 2), ("pp", 2), ("dp_replicate", 2), ("dp_shard", 2), ("backend", "mcore"),
+                       ("reshard_after_forward", False)):
+        with pytest.raises(ValueError, match="fsdp: false|fsdp = false"):
             load_config_dict({"parallel": {"fsdp": False, key: value}, "train": {"max_steps": 1},
                               "data": {"type": "synthetic_vqa"}})
 

@@ -20,7 +20,12 @@ from megatron_vlm.testing.synthesize import synthesize_model_folder  # noqa: E40
 
 def test_cpu_build_returns_no_routed_experts(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import vllm.envs
     from vllm.engine.arg_utils import EngineArgs
+
+    # an engine that ran earlier in this process (an in-process job test) froze vLLM's environment variables in its
+    # cache: this test changes VLLM_USE_V2_MODEL_RUNNER below, which the cache would hide
+    vllm.envs.disable_envs_cache()
 
     folder = synthesize_model_folder("tiny_qwen3_moe", tmp_path / "moe", seed=0)
     base = dict(model=str(folder), dtype="float32", max_model_len=256, enforce_eager=True, distributed_executor_backend="uni",

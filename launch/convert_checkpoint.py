@@ -19,6 +19,12 @@ adapter folder (ours or one trained with `peft`) is merged into its base model w
 
     python launch/convert_checkpoint.py --adapter runs/x/adapter --model-path /ckpt/base --merge --out /tmp/hf
 
+Weights are written in the run's `checkpoint.export_dtype` (from its config.toml; unset: as the checkpoint holds
+them, fp32) or in `--dtype` (float32 / bfloat16 / float16), which overrides it; an adapter merge (`--adapter`) is
+written in `--dtype` (default: the base model's, as loaded: fp32). Tensors kept in fp32 on purpose (MoE routers)
+stay fp32. A run's data pixel limits (`data.min_pixels` / `max_pixels`, `data.video_*`) are written into the
+exported processor configs, as the run's own export does. A PEFT adapter folder keeps its own dtype.
+
 Input problems (a checkpoint that is incomplete, unreadable or damaged, a model folder without config.json or of
 another size than the checkpoint's, a base model the adapter does not fit, `--out` a file, weights or adapter
 factors holding NaN / inf) exit 2 with one `error:` line; nothing is written then.
@@ -29,6 +35,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import tomllib
 
@@ -44,7 +51,17 @@ _INPUT_ERRORS = (OSError, ValueError, KeyError, RuntimeError)
 """What a bad input raises while reading or writing (missing files, mismatched shapes / names, NaN)."""
 
 
-def _merge_adapter(adapter: Path, model_path: str, out: str) -> int:
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _export_dtype(name):
+    """A dtype name (`--dtype`, `checkpoint.export_dtype`) as a torch dtype (None: as held)."""
+    import torch
+
+    return None if name is None else getattr(torch, name)
+
+
+def _merge_adapter(adapter: Path, model_path: str, out: str, dtype=None) -> int:
     """Base folder + PEFT adapter folder -> merged Hugging Face folder."""
     from megatron_vlm.checkpoint.hf import load_hf_model, save_hf_model
     from megatron_vlm.config.sections import LoRAConfig
@@ -62,7 +79,7 @@ def _merge_adapter(adapter: Path, model_path: str, out: str) -> int:
                       use_rslora=bool(cfg.get("use_rslora", False)), init_from=str(adapter))
     try:
         setup_lora(model, lora, model.hf_config, training=False)
-        save_hf_model(model, out, copy_from=model_path)  # a model with adapters is written merged
+        save_hf_model(model, out, copy_from=model_path, dtype=_export_dtype(dtype))  # adapters: written merged
     except _INPUT_ERRORS as e:
         return _error(f"cannot merge {adapter} into {model_path}: {e}")
     print(f"wrote {out} (merged {adapter} into {model_path})")
@@ -77,6 +94,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="output folder (Hugging Face model, or PEFT adapter)")
     p.add_argument("--model-path", default=None, help="source HF folder (default: the model.path in the checkpoint's layout.json; older checkpoints: the run's config.toml)")
     p.add_argument("--merge", action="store_true", help="LoRA: write the full model with the adapter merged in")
+    p.add_argument("--dtype", choices=_DTYPES, default=None,
+                   help="dtype of the written weights (default: the run's checkpoint.export_dtype from its config.toml; "
+                        "unset there, or for --adapter: as held, float32); tensors kept in float32 on purpose stay so")
     a = p.parse_args(argv)
 
     out = Path(a.out)
@@ -87,18 +107,18 @@ def main(argv=None) -> int:
     if a.adapter is not None:
         if not a.merge or a.model_path is None:
             return _error("--adapter needs --merge and --model-path (the base model the adapter was trained on)")
-        return _merge_adapter(Path(a.adapter), a.model_path, a.out)
+        return _merge_adapter(Path(a.adapter), a.model_path, a.out, a.dtype)
     try:
-        return _convert_checkpoint(Path(a.checkpoint), a.model_path, a.out, merge=a.merge)
+        return _convert_checkpoint(Path(a.checkpoint), a.model_path, a.out, merge=a.merge, dtype=a.dtype)
     except _INPUT_ERRORS as e:
         return _error(f"cannot convert {a.checkpoint}: {e}")
 
 
-def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool) -> int:
+def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool, dtype=None) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from megatron_vlm.checkpoint.export import export_hf_from_state_dict
+    from megatron_vlm.checkpoint.export import data_pixel_limits, export_hf_from_state_dict
     from megatron_vlm.checkpoint.hf import describe_error
     from megatron_vlm.checkpoint.layout import read_layout
     from megatron_vlm.checkpoint.manager import MARKER
@@ -122,6 +142,13 @@ def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool) -> int
         if layout is None:
             return _error(f"{cfg_file}: unreadable ({e}); pass --model-path")
         run_cfg = {}
+    if dtype is None:  # the run's checkpoint.export_dtype, as its own export used
+        dtype = (run_cfg.get("checkpoint") or {}).get("export_dtype")
+        if dtype is not None and dtype not in _DTYPES:
+            return _error(f"{cfg_file}: checkpoint.export_dtype: expected one of {', '.join(_DTYPES)}, got {dtype!r}; "
+                          "pass --dtype")
+    data = run_cfg.get("data")
+    pixel_limits = data_pixel_limits(SimpleNamespace(**data) if isinstance(data, dict) else None)
     if model_path is None:
         model_path = (layout or {}).get("model.path") or run_cfg.get("model", {}).get("path")
         if not model_path:
@@ -151,7 +178,7 @@ def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool) -> int
     hf_config = json.loads((Path(model_path) / "config.json").read_text())
     model = build_model(hf_config, device="cpu")
     if lora is None and _holds_score_head(ckpt):  # a reward-model run's (train.mode = "reward")
-        return _convert_reward_checkpoint(ckpt, model, model_path, out)
+        return _convert_reward_checkpoint(ckpt, model, model_path, out, dtype)
     if lora is not None:
         # the layers that hold factors in the checkpoint (the same as in training, init_from's included)
         from megatron_vlm.models.common.lora import apply_lora
@@ -179,8 +206,8 @@ def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool) -> int
         return 0
     if lora is not None:
         sd = merged_state_dict(sd, scaling_of(lora))
-    export_hf_from_state_dict(sd, model_path, out)
-    print(f"wrote {out}")
+    export_hf_from_state_dict(sd, model_path, out, dtype=_export_dtype(dtype), pixel_limits=pixel_limits)
+    print(f"wrote {out}" + (f" ({dtype})" if dtype else ""))
     return 0
 
 
@@ -253,7 +280,7 @@ def _holds_score_head(ckpt: Path) -> bool:
     return "model.score.weight" in FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
 
 
-def _convert_reward_checkpoint(ckpt: Path, model, model_path, out: str) -> int:
+def _convert_reward_checkpoint(ckpt: Path, model, model_path, out: str, dtype=None) -> int:
     """A reward-model checkpoint -> the `...ForSequenceClassification` folder its run exports at the end (the
     folder `[[rl.rewards]] type = "model"` loads), written whole or not at all."""
     import torch.distributed.checkpoint as dcp
@@ -270,7 +297,8 @@ def _convert_reward_checkpoint(ckpt: Path, model, model_path, out: str) -> int:
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         return _error(f"cannot read {ckpt} into the reward model of {model_path} (another size than the checkpoint's, "
                       f"or a damaged shard): {describe_error(e)}")
-    export_score_folder(state["model"], root.model, Path(out), copy_from=model_path)  # refuses NaN / inf
+    export_score_folder(state["model"], root.model, Path(out), copy_from=model_path,  # refuses NaN / inf
+                        dtype=_export_dtype(dtype))
     print(f"wrote {out} (reward model: sequence classification, num_labels 1)")
     return 0
 

@@ -21,9 +21,17 @@ def export_dtype(checkpoint_cfg) -> Optional[torch.dtype]:
     return None if checkpoint_cfg.export_dtype is None else getattr(torch, checkpoint_cfg.export_dtype)
 
 
+def data_pixel_limits(data_cfg) -> dict[str, Optional[int]]:
+    """The [data] section's pixel limits (None: the model folder's), as `save_hf_model` takes them."""
+    names = ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels")
+    return {k: getattr(data_cfg, k, None) for k in names} if data_cfg is not None else {}
+
+
 def export_hf_from_state_dict(state_dict: dict[str, torch.Tensor], src_model_dir: str | Path, out_dir: str | Path,
-                              *, dtype: Optional[torch.dtype] = None) -> None:
-    """`dtype`: the exported weights' (`checkpoint.export_dtype`; None = as given)."""
+                              *, dtype: Optional[torch.dtype] = None,
+                              pixel_limits: Optional[dict[str, Optional[int]]] = None) -> None:
+    """`dtype`: the exported weights' (`checkpoint.export_dtype`; None = as given); `pixel_limits`: the run's
+    (`data_pixel_limits`), written into the exported processor configs."""
     src_model_dir = Path(src_model_dir)
     hf_config = json.loads((src_model_dir / "config.json").read_text())
     with torch.device("meta"):
@@ -31,4 +39,4 @@ def export_hf_from_state_dict(state_dict: dict[str, torch.Tensor], src_model_dir
     model.load_state_dict(state_dict, assign=True, strict=True)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
-    save_hf_model(model, out_dir, copy_from=src_model_dir, dtype=dtype)
+    save_hf_model(model, out_dir, copy_from=src_model_dir, dtype=dtype, pixel_limits=pixel_limits)

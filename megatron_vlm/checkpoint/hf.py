@@ -195,8 +195,12 @@ def save_hf_model(
     max_shard_size: Union[int, str] = "5GB",
     copy_from: Optional[Union[str, Path]] = None,
     dtype: Optional[torch.dtype] = None,
+    pixel_limits: Optional[dict[str, Optional[int]]] = None,
 ) -> Path:
     """Write `model` as a Hugging Face folder that `AutoModelForImageTextToText.from_pretrained` loads.
+
+    `pixel_limits` (the run's `data.min_pixels` / `max_pixels` / `video_min_pixels` / `video_max_pixels`; None
+    keeps the folder's) go into the copied processor configs: see `write_pixel_limits`.
 
     `dtype` converts floating tensors on the way out (default: as held), but for those the model keeps fp32 on
     purpose (`_fp32_by_design`). A model with LoRA adapters is
@@ -224,6 +228,8 @@ def save_hf_model(
     tmp.mkdir()
     try:
         _write_hf_files(model, args, hf, tmp, max_shard_size, copy_from)
+        if pixel_limits:
+            write_pixel_limits(tmp, **pixel_limits)
         share_like_umask(tmp)
         previous = path if path.is_dir() else old if old.is_dir() else None  # old: a crash between two renames
         if previous is not None:  # with copy_from, the tokenizer / processor files are the source's alone
@@ -360,6 +366,33 @@ def copy_tokenizer_files(src: Union[str, Path], dst: Union[str, Path], *, overwr
                 shutil.copy2(f, dst / f.name)
                 copied.append(f.name)
     return copied
+
+
+def write_pixel_limits(folder: Union[str, Path], *, min_pixels: Optional[int] = None,
+                       max_pixels: Optional[int] = None, video_min_pixels: Optional[int] = None,
+                       video_max_pixels: Optional[int] = None) -> None:
+    """Put the pixel limits a run trained with into the folder's preprocessor_config.json (images) and
+    video_preprocessor_config.json (videos, where present). Why: transformers and vLLM size images by these
+    files; an export holding the source folder's limits gives other token counts per image than training did.
+    Both spellings are written (`size` shortest / longest edge, and top-level `min_pixels` / `max_pixels` where
+    the file has them, which transformers lets override `size`). None keeps the file's value."""
+    folder = Path(folder)
+    for name, lo, hi in (("preprocessor_config.json", min_pixels, max_pixels),
+                         ("video_preprocessor_config.json", video_min_pixels, video_max_pixels)):
+        path = folder / name
+        if (lo is None and hi is None) or not path.is_file():
+            continue
+        cfg = json.loads(path.read_text())
+        size = dict(cfg.get("size") or {})
+        for key, edge, value in (("min_pixels", "shortest_edge", lo), ("max_pixels", "longest_edge", hi)):
+            if value is None:
+                continue
+            size[edge] = int(value)
+            for where in (cfg, size):
+                if where.get(key) is not None:
+                    where[key] = int(value)
+        cfg["size"] = size
+        path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def _names_remote_code(folder: Path) -> bool:

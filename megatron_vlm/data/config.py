@@ -37,8 +37,8 @@ class DataConfig:
     train_path: str = ""
     """Training data: a file, a folder (searched recursively) or a glob of .jsonl and .json files
     (messages_jsonl) or of .parquet, .arrow, .jsonl and .json files (hf); SFT and GRPO read it alike. A
-    .json file is JSON lines or one JSON array of records (LLaVA's); in a folder or glob, .json files that
-    are neither (save_to_disk's dataset_info.json / state.json / dataset_dict.json, a config.json) or whose
+    .json file is JSON lines, one JSON array of records (LLaVA's) or one record object (pretty-printed or
+    not); in a folder or glob, .json files that are neither (save_to_disk's dataset_info.json / state.json / dataset_dict.json, a config.json) or whose
     first object has none of the record columns ("messages" / "conversations", the mapped `columns`: a
     one-line {"version": 2}) are skipped and counted in the log; a .jsonl file is always data. A file named
     directly is read whatever its suffix. A glob such as "data/**/*.jsonl" leaves the .json files out.

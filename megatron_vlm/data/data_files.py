@@ -9,8 +9,8 @@ records, as LLaVA's .json files do, is read element by element: table_rows.py).
 A .json file found in a folder or by a glob is data when its content is, as table_rows reads it: one
 JSON array (its first non-blank byte is "[") or JSON lines of records: its first non-blank line is a JSON
 object on its own (at most 16 MiB: a longer one-line object, such as COCO's instances_*.json, is not read
-whole) that has one of the columns the dataset reads (`record_keys`: "messages" / "conversations" for
-messages records, the mapped columns of `[data] columns`; `record_columns`). Next to data, .json files are
+whole; a file of one pretty-printed object counts as that object on one line, `one_json_object`) that has one
+of the columns the dataset reads (`record_keys`: "messages" / "conversations" for messages records, the mapped columns of `[data] columns`; `record_columns`). Next to data, .json files are
 often not data: `save_to_disk` writes dataset_info.json and state.json (pretty-printed objects) beside its
 .arrow files and a one-line dataset_dict.json above a DatasetDict's splits; a model folder has config.json,
 a data folder an info.json. Those names (`METADATA_JSON`) are never JSON-lines data, and any other
@@ -39,12 +39,13 @@ import os
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 from megatron_vlm.errors import ConfigError
 
 __all__ = ["TABLE_SUFFIXES", "HF_SUFFIXES", "MESSAGES_SUFFIXES", "METADATA_JSON", "MESSAGES_RECORD_KEYS", "RECORD_KEYS",
            "DataFileError", "data_path_errors", "record_columns", "find_data_files", "content_signatures",
-           "changed_data_file", "keep_files_hint", "source_files"]
+           "changed_data_file", "keep_files_hint", "source_files", "one_json_object"]
 
 TABLE_SUFFIXES = (".parquet", ".arrow")
 """Columnar files (read as tables); every other file is read as JSON lines."""
@@ -205,6 +206,40 @@ _FIRST_LINE_LIMIT = 16 << 20
 one-line annotation object such as COCO's instances_*.json) is skipped as not data."""
 
 
+def one_json_object(path: Path) -> Optional[str]:
+    """The text of a file that is one JSON object written over several lines (pretty-printed, as `json.dump(...,
+    indent=2)` writes it), or None: JSON lines, an array, not JSON, or over `_FIRST_LINE_LIMIT` bytes.
+
+    Why: read as JSON lines, such a file is one bad record per line; it is the same record as the object written on
+    one line, and is read as that (one row; in a folder or glob, data when it has a column the dataset reads).
+    Only a file whose first non-blank line opens an object that does not end on it is parsed whole."""
+    try:
+        with path.open("rb") as f:
+            line = f.readline(_PEEK).removeprefix(b"\xef\xbb\xbf")
+            while line and not line.strip():
+                line = f.readline(_PEEK)
+            if not line.lstrip().startswith(b"{") or not line.endswith(b"\n") or _parses(line):
+                return None
+            if path.stat().st_size > _FIRST_LINE_LIMIT:
+                return None
+            f.seek(0)
+            text = f.read().decode("utf-8-sig")
+    except (OSError, UnicodeDecodeError):
+        return None
+    try:
+        return text if isinstance(json.loads(text), dict) else None
+    except (ValueError, RecursionError):
+        return None
+
+
+def _parses(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
 def _json_holds_records(path: Path, record_keys: Collection[str]) -> bool:
     """Whether a .json file found in a folder or by a glob is data: one JSON array, or JSON lines whose first object
     has one of `record_keys` (not a metadata name). Only the start of the first non-blank line is read for an array
@@ -225,8 +260,9 @@ def _json_holds_records(path: Path, record_keys: Collection[str]) -> bool:
                     return False
     except OSError:  # unreadable: skipped with the others, named in the warning
         return False
+    whole = one_json_object(path)  # one pretty-printed object: tested as the same object on one line would be
     try:
-        first = json.loads(line)
+        first = json.loads(line if whole is None else whole)
     except (ValueError, RecursionError):  # not valid JSON, not UTF-8, nested too deeply: not a JSON object line
         return False
     return isinstance(first, dict) and any(k in first for k in record_keys)

@@ -12,6 +12,9 @@ row the same way:
 - every other file: JSON lines. Blank lines are not rows; a line that is not a JSON object (or
   nested too deeply to parse, or holding an integer too long for int()) is a bad record ("malformed_json"), a line that is not UTF-8 one
   ("invalid_encoding"); both are reported at open time and left out of the rows;
+- a file of one pretty-printed JSON object (its first line opens an object that does not end there, the whole
+  file one object, at most 16 MiB) is one row at line 1, as the same object on one line is
+  (`data_files.one_json_object`), not one bad record per line;
 - a file whose first non-blank character is "[" is one JSON array of objects (LLaVA's
   llava_v1_5_mix665k.json, LLaMA-Factory's and ms-swift's .json files), whatever its suffix: each
   element is a row, located by its 0-based index; an element that is not an object (or nested too
@@ -54,6 +57,7 @@ from megatron_vlm.data.data_files import (
     DataFileError,
     file_signature,
     find_data_files,
+    one_json_object,
 )
 
 __all__ = ["TableRows", "read_json_lines"]
@@ -166,6 +170,24 @@ class _JsonLinesPart:
         end = int(self.offsets[k + 1]) if k + 1 < len(self.offsets) else None
         raw = self._read(int(self.offsets[k]), end)
         return _parse_json_line(raw.split(b"\n", 1)[0], first=int(self.lines[k]) == 1)  # blank / bad lines may follow
+
+
+class _ObjectPart:
+    """A file of one pretty-printed JSON object (`data_files.one_json_object`, at most 16 MiB): one row, at line 1,
+    parsed again when asked for (a fresh dict each time, as the other parts give)."""
+
+    def __init__(self, file: Path, text: str):
+        self.file, self._text = file, text
+        self.columns = list(json.loads(text))
+
+    def __len__(self) -> int:
+        return 1
+
+    def index(self, k: int) -> int:
+        return 1
+
+    def row(self, k: int) -> dict:
+        return json.loads(self._text)
 
 
 def _is_json_array(file: Path) -> bool:
@@ -480,6 +502,8 @@ class TableRows:
                     self.errors.append((str(file), k, err))
                     if bad_records is not None:
                         bad_records.add_error(str(file), k, err)
+            elif (text := one_json_object(file)) is not None:  # one pretty-printed object: one row, as on one line
+                part = _ObjectPart(file, text)
             else:
                 lines, offsets, columns, errors = _scan_json_lines(file)
                 part = _JsonLinesPart(file, lines, offsets, columns)

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 from torch.distributed.tensor import DTensor
 
-from megatron_vlm.checkpoint.export import export_dtype, export_hf_from_state_dict
+from megatron_vlm.checkpoint.export import data_pixel_limits, export_dtype, export_hf_from_state_dict
 from megatron_vlm.checkpoint.hf import read_hf_config
 from megatron_vlm.checkpoint.layout import (
     LAYOUT_FILE,
@@ -109,6 +109,7 @@ class Checkpointer:
         self.modules = dict(modules or {})
         self.cfg = ctx.cfg.checkpoint
         self.model_path = ctx.cfg.model.path
+        self.pixel_limits = data_pixel_limits(getattr(ctx.cfg, "data", None))  # the export holds what training used
         self.lora = getattr(ctx.cfg, "lora", None)  # [lora] section, None for full fine-tuning
         self.is_main = ctx.env.is_main
         self.wrapper, self.optim = wrapper, optim
@@ -313,7 +314,8 @@ class Checkpointer:
                     log.info("wrote the LoRA adapter (PEFT format) to %s", adapter_dir)
                     sd = merged_state_dict(sd, scaling_of(self.lora))
                 if self.cfg.export_hf:
-                    export_hf_from_state_dict(sd, self.model_path, out_dir, dtype=export_dtype(self.cfg))
+                    export_hf_from_state_dict(sd, self.model_path, out_dir, dtype=export_dtype(self.cfg),
+                                              pixel_limits=self.pixel_limits)
             except FAILURES as e:  # reported to every rank below
                 err = describe_error(e)
         failed = first_error(gather_errors(err))  # instead of a barrier: no rank waits on a failed one

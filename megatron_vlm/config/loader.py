@@ -417,7 +417,10 @@ def apply_overrides(raw: dict, overrides: list[str], schema: Any = None) -> dict
             if type(value) is type(off) and value == off and isinstance(node, dict):
                 for name in idle:
                     *tables, leaf = name.split(".")
-                    if (*steps[:-1], *tables, leaf) in set_keys:
+                    # a key given with --set at or below the idle one (`rl.vllm.max_num_seqs` before the switch)
+                    # keeps it, to be refused: dropping its table would drop the --set key too
+                    idle_key = (*steps[:-1], *tables, leaf)
+                    if any(k[:len(idle_key)] == idle_key for k in set_keys):
                         continue
                     table: Any = node
                     for t in tables:

@@ -37,10 +37,13 @@ def test_vllm_on_a_builtin_recipe_drops_the_engines_own_keys(name, key):
 @pytest.mark.parametrize("name, sets, match", [
     ("qwen2_5_math_1_5b_grpo_vllm.toml", ["rl.rollout_backend=builtin", "rl.vllm.max_num_seqs=8"], r"^rl\.vllm: "),
     ("qwen2_5_math_1_5b_grpo.toml", ["rl.rollout_backend=vllm", 'rl.rollout.weights="copy"'], r"^rl\.rollout\.weights: "),
+    # the key before the switch, or both in one inline table: the table's drop took the --set key with it
+    ("qwen2_5_math_1_5b_grpo_vllm.toml", ["rl.vllm.max_num_seqs=8", "rl.rollout_backend=builtin"], r"^rl\.vllm: "),
+    ("qwen2_5_math_1_5b_grpo_vllm.toml", ['rl={vllm={max_num_seqs=8}, rollout_backend="builtin"}'], r"^rl\.vllm: "),
 ])
 def test_idle_keys_given_with_set_stay_refused(name, sets, match):
     with pytest.raises(ConfigError, match=match):
-        load_config(CONFIGS / name, sets)
+        check_keys_for_mode(load_config(CONFIGS / name, sets))
 
 
 def test_the_dropped_rollout_keys_are_the_builtin_engine_keys():

@@ -178,7 +178,7 @@ def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool, dtype=
     hf_config = json.loads((Path(model_path) / "config.json").read_text())
     model = build_model(hf_config, device="cpu")
     if lora is None and _holds_score_head(ckpt):  # a reward-model run's (train.mode = "reward")
-        return _convert_reward_checkpoint(ckpt, model, model_path, out, dtype)
+        return _convert_reward_checkpoint(ckpt, model, model_path, out, dtype, pixel_limits)
     if lora is not None:
         # the layers that hold factors in the checkpoint (the same as in training, init_from's included)
         from megatron_vlm.models.common.lora import apply_lora
@@ -280,7 +280,7 @@ def _holds_score_head(ckpt: Path) -> bool:
     return "model.score.weight" in FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
 
 
-def _convert_reward_checkpoint(ckpt: Path, model, model_path, out: str, dtype=None) -> int:
+def _convert_reward_checkpoint(ckpt: Path, model, model_path, out: str, dtype=None, pixel_limits=None) -> int:
     """A reward-model checkpoint -> the `...ForSequenceClassification` folder its run exports at the end (the
     folder `[[rl.rewards]] type = "model"` loads), written whole or not at all."""
     import torch.distributed.checkpoint as dcp
@@ -298,7 +298,7 @@ def _convert_reward_checkpoint(ckpt: Path, model, model_path, out: str, dtype=No
         return _error(f"cannot read {ckpt} into the reward model of {model_path} (another size than the checkpoint's, "
                       f"or a damaged shard): {describe_error(e)}")
     export_score_folder(state["model"], root.model, Path(out), copy_from=model_path,  # refuses NaN / inf
-                        dtype=_export_dtype(dtype))
+                        dtype=_export_dtype(dtype), pixel_limits=pixel_limits)
     print(f"wrote {out} (reward model: sequence classification, num_labels 1)")
     return 0
 

@@ -17,7 +17,14 @@ from typing import Optional
 import torch
 
 from megatron_vlm.checkpoint.export import export_dtype
-from megatron_vlm.checkpoint.hf import EXPORT_MARKER, cast_for_export, export_folder, replace_dir, share_like_umask
+from megatron_vlm.checkpoint.hf import (
+    EXPORT_MARKER,
+    cast_for_export,
+    export_folder,
+    replace_dir,
+    share_like_umask,
+    write_pixel_limits,
+)
 from megatron_vlm.checkpoint.manager import (
     FAILURES,
     CheckpointError,
@@ -35,9 +42,12 @@ __all__ = ["RewardCheckpointer", "export_score_folder"]
 log = logging.getLogger("megatron_vlm")
 
 
-def export_score_folder(state: dict, backbone, out_dir: Path, *, copy_from, dtype: Optional[torch.dtype] = None) -> None:
+def export_score_folder(state: dict, backbone, out_dir: Path, *, copy_from, dtype: Optional[torch.dtype] = None,
+                        pixel_limits: Optional[dict[str, Optional[int]]] = None) -> None:
     """Write the gathered `ScoreRoot` state dict `state` (keys `model.*`, `score.*`) as a reward model folder;
-    `dtype` (`checkpoint.export_dtype`): the written weights' (those kept in fp32 on purpose stay fp32)."""
+    `dtype` (`checkpoint.export_dtype`): the written weights' (those kept in fp32 on purpose stay fp32);
+    `pixel_limits` (the run's `[data]` limits, `data_pixel_limits`): written into its processor configs, so the
+    folder sizes images as training did."""
     out_dir = export_folder(out_dir)
     backbone_state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
     score_state = {k[len("score."):]: v for k, v in state.items() if k.startswith("score.")}
@@ -52,6 +62,7 @@ def export_score_folder(state: dict, backbone, out_dir: Path, *, copy_from, dtyp
     tmp.mkdir()
     try:
         write_score_files(tmp, backbone, backbone_state, score_state, copy_from=copy_from)
+        write_pixel_limits(tmp, **(pixel_limits or {}))
         share_like_umask(tmp)
         replace_dir(tmp, out_dir, old, marker=EXPORT_MARKER, marker_text="reward model export complete\n",
                     is_complete=Path.is_dir)
@@ -69,7 +80,7 @@ class RewardCheckpointer(Checkpointer):
         if self.is_main and self.cfg.export_hf:
             try:
                 export_score_folder(state, self.wrapper.model, out_dir, copy_from=self.model_path,
-                                    dtype=export_dtype(self.cfg))
+                                    dtype=export_dtype(self.cfg), pixel_limits=self.pixel_limits)
             except FAILURES as e:  # reported to every rank below
                 err = describe_error(e)
         failed = first_error(gather_errors(err))

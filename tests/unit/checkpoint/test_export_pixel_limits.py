@@ -54,3 +54,23 @@ def test_without_overrides_the_source_limits_are_kept(tmp_path):
     src, out = _export(tmp_path, NS(min_pixels=None, max_pixels=None, video_min_pixels=None, video_max_pixels=None))
     for name in ("preprocessor_config.json", "video_preprocessor_config.json"):
         assert json.loads((out / name).read_text()) == json.loads((src / name).read_text())
+
+
+def test_a_reward_model_export_holds_the_pixel_limits_too(tmp_path):
+    """The reward-model folder (training/reward/export.py, written at the end of a reward run and by
+    convert_checkpoint) sizes images as the run did, as the policy export does."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from megatron_vlm.training.reward.export import export_score_folder
+    from megatron_vlm.training.reward.model import ScoreRoot
+
+    src = synthesize_model_folder("tiny_qwen2_5_vl", tmp_path / "src", seed=1)
+    root = ScoreRoot(load_hf_model(src), std=0.0, seed=0)
+    limits = {"min_pixels": 28 * 28, "max_pixels": TINY_IMAGE_MAX_PIXELS * 4, "video_min_pixels": None,
+              "video_max_pixels": None}
+    export_score_folder(root.state_dict(), root.model, tmp_path / "rm", copy_from=src, pixel_limits=limits)
+    trained = load_processor(src, min_pixels=limits["min_pixels"], max_pixels=limits["max_pixels"])
+    image = Image.new("RGB", (224, 168), (90, 30, 200))
+    ours = trained.num_tokens(trained.image_grid_thw(image.height, image.width))
+    n_theirs = int(Qwen2VLImageProcessorPil.from_pretrained(tmp_path / "rm")(images=[image])["image_grid_thw"].prod()) // 4
+    assert n_theirs == ours > TINY_IMAGE_MAX_PIXELS // (28 * 28)

@@ -74,6 +74,9 @@ if want sftjob; then
   if [[ "$MEM_MIB" =~ ^[0-9]+$ ]] && (( MEM_MIB < 100000 )); then ACJ=full; fi
   step sftjob_16k 220 $PY benchmarks/e2e/bench_host_overhead.py --shape 3b --tokens 16384 --samples 8 --grid 32 \
     --precision bf16 --compile --ac $ACJ --steps 3 --warmup 2 --phases --json "$R/sftjob_16k.json"
+  # the same job step without FSDP2 (parallel.fsdp = false): bf16 weights with fp32 masters, no FSDP2 hooks / copies
+  step sftjob_16k_nofsdp 200 $PY benchmarks/e2e/bench_host_overhead.py --shape 3b --tokens 16384 --samples 8 --grid 32 \
+    --precision bf16 --compile --ac $ACJ --steps 3 --warmup 2 --phases --no-fsdp --json "$R/sftjob_16k_nofsdp.json"
   step sftjob_16k_reads 120 $PY benchmarks/e2e/bench_host_overhead.py --shape 3b --tokens 16384 --samples 8 --grid 32 \
     --precision bf16 --ac $ACJ --steps 1 --warmup 1 --count-reads --json "$R/sftjob_16k_reads.json"
 fi

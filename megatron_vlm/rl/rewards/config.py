@@ -70,6 +70,12 @@ class _AfterReasoning:
             raise ValueError(f"reasoning_end: no leading or trailing whitespace, got {self.reasoning_end!r}")
 
 
+def _validate_answer_tag(tag: Optional[str]) -> None:
+    # "<answer>" or "answer " would never match the <answer>...</answer> block the user means
+    if tag is not None and (not tag or not all(c.isalnum() or c in "_-:." for c in tag)):
+        raise ValueError(f"answer_tag: a tag name such as \"answer\" (no brackets or spaces), got {tag!r}")
+
+
 @dataclass(kw_only=True)
 class MathRewardConfig(_AfterReasoning, _RewardCommon):
     type: Literal["math"] = "math"
@@ -90,6 +96,7 @@ class MathRewardConfig(_AfterReasoning, _RewardCommon):
     def validate(self) -> None:
         self._validate_common()
         self._validate_reasoning_end()
+        _validate_answer_tag(self.answer_tag)
         if not 0 <= self.rel_tol < 1:
             raise ValueError(f"rel_tol: must be in [0, 1), got {self.rel_tol}")
 
@@ -105,10 +112,14 @@ class ChoiceRewardConfig(_AfterReasoning, _RewardCommon):
     `choices` metadata or are parsed from the prompt ("A. ...", "(B) ...", "C: ...")."""
     letters: str = "ABCDEFGHIJ"
     """Valid option letters, in order."""
+    answer_tag: Optional[str] = None
+    """Tag name whose last block is the answer when the completion has one, e.g. "answer" for
+    <answer>B</answer> (as `math`'s); without such a block the usual extraction applies."""
 
     def validate(self) -> None:
         self._validate_common()
         self._validate_reasoning_end()
+        _validate_answer_tag(self.answer_tag)
         if not self.letters or not self.letters.isalpha() or len(set(self.letters.upper())) != len(self.letters):
             raise ValueError(f"letters: must be distinct letters, got {self.letters!r}")
 
@@ -148,10 +159,17 @@ class ExactMatchRewardConfig(_AfterReasoning, _RewardCommon):
     extract: bool = True
     """Compare the extracted final answer (boxed / "answer:" phrase / last line); false compares the
     whole completion."""
+    answer_tag: Optional[str] = None
+    """Tag name whose last block is the answer when the completion has one, e.g. "answer" for
+    <answer>Paris</answer> (as `math`'s); needs extract = true."""
 
     def validate(self) -> None:
         self._validate_common()
         self._validate_reasoning_end()
+        _validate_answer_tag(self.answer_tag)
+        if self.answer_tag is not None and not self.extract:
+            raise ValueError("answer_tag: reads the extracted answer; with extract = false the whole completion is "
+                             "compared (set extract = true or remove answer_tag)")
 
 
 @dataclass(kw_only=True)

@@ -179,9 +179,11 @@ def choice_reward(
     prompt: str = "",
     metadata: Optional[Mapping[str, Any]] = None,
     letters: str = "ABCDEFGHIJ",
+    answer_tag: Optional[str] = None,
 ) -> float:
     """1.0 if the chosen option (letter, option text, or the value of exactly one option in another
-    form: "\\frac{1}{2}" for "1/2") is the reference option, else 0.0.
+    form: "\\frac{1}{2}" for "1/2") is the reference option, else 0.0. `answer_tag`: the last
+    <answer_tag>...</answer_tag> block is the choice when there is one.
 
     Options come from `metadata["choices"]` (a list, lettered in order) or from the prompt's lines."""
     letters = letters.upper()
@@ -192,7 +194,7 @@ def choice_reward(
         options = parse_choices(prompt or "", letters)
     gold_text = str(answer)
     gold = _choice_letter(last_boxed(gold_text) or gold_text, letters, options)
-    pred_text = extract_answer(completion)
+    pred_text = extract_answer(completion, answer_tag=answer_tag)
     if pred_text is None:
         # a bare final line such as "B" or "(B) 5 cm"
         lines = [ln for ln in completion.strip().splitlines() if ln.strip()]
@@ -262,10 +264,12 @@ def exact_match_reward(
     metadata: Optional[Mapping[str, Any]] = None,
     case_sensitive: bool = False,
     extract: bool = True,
+    answer_tag: Optional[str] = None,
 ) -> float:
-    """1.0 if the (extracted) answer equals the reference after whitespace / case normalisation."""
+    """1.0 if the (extracted) answer equals the reference after whitespace / case normalisation. `answer_tag`: the
+    last <answer_tag>...</answer_tag> block is the answer when there is one."""
     if extract:
-        pred = extract_answer(completion)
+        pred = extract_answer(completion, answer_tag=answer_tag)
         if pred is None:
             lines = [ln for ln in completion.strip().splitlines() if ln.strip()]
             pred = lines[-1] if lines else ""

@@ -64,7 +64,9 @@ def resolve_output_dir(config_path: str, args: list[str]) -> str | None:
             value = override_value(text.strip())
         elif sep and key.strip() == "train":  # an inline table sets the keys it names (config/loader.py `_expand`)
             table = override_value(text.strip(), "train")
-            if isinstance(table, dict) and "output_dir" in table:
+            if table == {}:  # `{}` replaces the whole section (config/loader.py): output_dir is then not set
+                value = None
+            elif isinstance(table, dict) and "output_dir" in table:
                 value = table["output_dir"]
     if value is None:
         return None

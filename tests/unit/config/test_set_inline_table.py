@@ -50,3 +50,7 @@ def test_the_slurm_script_finds_an_output_dir_given_in_a_train_table(tmp_path):
     sets = ["--set", f'train={{output_dir="{tmp_path / "x"}", max_steps=3}}']
     assert mod.resolve_output_dir(str(SFT), sets) == str(tmp_path / "x")
     assert load_config(SFT, [sets[1]]).train.output_dir == str(tmp_path / "x")
+    # `train={}` replaces the section: the file's output_dir is gone for the loader, so the script sets none either
+    # (train.sbatch then gives the job its own runs/<name>-<id>/ folder and passes it on)
+    sets = ["--set", f'train.output_dir="{tmp_path / "y"}"', "--set", "train={}"]
+    assert mod.resolve_output_dir(str(SFT), sets) is None

@@ -74,9 +74,6 @@ class MasterWeights:
         """The masters (fp32, `.grad` the summed fp32 gradients): what clipping and the non-finite guard read."""
         return [m for _, m in self.pairs]
 
-    def master_of(self, p: torch.Tensor) -> Optional[torch.Tensor]:
-        return self._by_param.get(id(p))
-
     def params_or(self, p: torch.Tensor) -> torch.Tensor:
         """`p`'s master, or `p` itself when it has none (fp32 by design, or trained in bf16)."""
         m = self._by_param.get(id(p))

@@ -47,15 +47,6 @@ def _wait_for(path, seconds=400):
         time.sleep(0.2)
 
 
-@pytest.fixture
-def keep_signal_handlers():
-    """run_job installs the stop handlers in this process: put pytest's back afterwards."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
-    yield
-    for s, h in saved.items():
-        signal.signal(s, h)
-
-
 def test_one_rank_in_process_gives_up_the_hung_step_saves_and_resumes(tmp_path, keep_signal_handlers):
     from megatron_vlm import runner
     from megatron_vlm.config import load_config

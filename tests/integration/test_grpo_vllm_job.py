@@ -60,17 +60,6 @@ def test_vllm_grpo_exact_resume_after_kill9(tmp_path):
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
 
 
-@pytest.fixture
-def keep_signal_handlers():
-    """The job installs its stop handlers in this process: put pytest's back afterwards."""
-    import signal
-
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
-    yield
-    for s, h in saved.items():
-        signal.signal(s, h)
-
-
 def test_a_sigterm_while_vllm_generates_abandons_the_step_and_saves(tmp_path, monkeypatch, keep_signal_handlers, caplog):
     """SIGTERM while step 2's vLLM rollout runs, its engine steps slowed to 1 s (a long generation): the engine used
     not to ask the stop flag, so the step's whole rollout ran, the step was trained and step 2 saved. Now the

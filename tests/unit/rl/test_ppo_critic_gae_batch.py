@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 import torch
+from test_ppo_gae_value_loss import _FixedValues  # a stand-in critic: the values each sample was given
 
 from megatron_vlm.rl.algorithms.advantage_estimators import gae_advantages
 from megatron_vlm.rl.batching import TrainSample
@@ -34,17 +35,6 @@ def gae_transcribed(r: torch.Tensor, v: torch.Tensor, gamma: float, lam: float) 
         adv[t] = delta + gamma * lam * a_next
         a_next, v_next = adv[t], v[t]
     return adv, adv + v
-
-
-class _FixedValues(torch.nn.Module):
-    """A critic whose values are the samples' own `_v` (a pack's, concatenated)."""
-
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(()))
-
-    def forward(self, batch):
-        return torch.cat([s._v for s in batch["group"]]) + 0 * self.w
 
 
 def _samples(lengths, seed=0, ref=True):

@@ -212,7 +212,10 @@ def _stop_part(tmp: Path, rank: int) -> None:
     assert both[0][1] == both[1][1] and len(both[0][1]) == len(TEXTS)
 
 
-# two processes, one vLLM engine over both: ~60 s
+# two processes, one vLLM engine over both: ~60 s. Heavy: run right after this file's other tensor-parallel engine
+# in one CI session it can meet that engine's CPU shared-memory segment (vLLM names it by the tp group only: "create
+# shm ... errno 17"); passes alone and on a clean /dev/shm
+@pytest.mark.heavy
 def test_a_stop_on_one_rank_of_a_tensor_parallel_engine_stops_every_rank_at_the_same_step(tmp_path):
     """rl.vllm.tensor_parallel_size = 2 and a stop signal that only rank 0 has seen yet: the engine's ranks agree at
     every engine step (`give_up_at_step`), so both give the call up before the same step instead of rank 0 leaving

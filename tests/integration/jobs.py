@@ -67,7 +67,9 @@ def run_job(overrides: list[str], *, nproc: int = 1, env: dict | None = None, co
     args = []
     for o in overrides:
         args += ["--set", o]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    # a crashed process prints its native frames and every thread's Python frames (to diagnose a rare crash in CI)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", "MEGATRON_VLM_SEGV_BACKTRACE": "1",
+                **(env or {})}
     faults = ("MEGATRON_VLM_FAULT_KILL_AT_STEP", "MEGATRON_VLM_FAULT_RAISE_AT_STEP", "MEGATRON_VLM_FAULT_TERM_AT_STEP")
     entry = FAULT_ENTRY if any(full_env.get(k) for k in faults) else ENTRY
     if nproc == 1:
@@ -77,7 +79,9 @@ def run_job(overrides: list[str], *, nproc: int = 1, env: dict | None = None, co
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(entry), "--config", str(config), *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=str(REPO))
     if check and r.returncode != 0:
-        raise AssertionError(f"job failed ({r.returncode}):\nSTDOUT:\n{r.stdout[-4000:]}\nSTDERR:\n{r.stderr[-8000:]}")
+        crash = r.stderr.find("Fatal Python error")  # a crashed rank's frames, which the other ranks' output follows
+        frames = f"\nCRASH:\n{r.stderr[max(0, crash - 3000):crash + 6000]}" if crash >= 0 else ""
+        raise AssertionError(f"job failed ({r.returncode}):\nSTDOUT:\n{r.stdout[-4000:]}\nSTDERR:\n{r.stderr[-8000:]}{frames}")
     return r
 
 

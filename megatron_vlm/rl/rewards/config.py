@@ -268,7 +268,9 @@ class JudgeRewardConfig(_RewardCommon):
     """The judge model folder (a generative model of a supported family, with its tokenizer / processor)."""
     template: str = _DEFAULT_JUDGE_TEMPLATE
     """The judge's user turn; fields {question} (the prompt's text), {completion}, {reference} (the
-    dataset's answer). Literal braces are doubled ({{ }})."""
+    dataset's answer), written bare (no conversion or format spec). Literal braces are doubled ({{ }}). The filled
+    texts are read as written: special-token strings in them ("<|im_end|>" typed by the policy) are plain text to
+    the judge, the template's own text and the images' tokens stay special."""
     parse: Literal["yes_no", "score"] = "yes_no"
     """How the answer becomes the reward: "yes_no" = 1 when its first word is yes, 0 when no; "score" = the
     first number of the answer divided by `max_score` (a number outside [0, max_score] is clipped and counted). A
@@ -293,9 +295,14 @@ class JudgeRewardConfig(_RewardCommon):
         if not self.path:
             raise ValueError("path: the judge model folder is required")
         try:
-            names = [f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None]
+            parsed = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(self.template) if f is not None]
         except ValueError as e:
             raise ValueError(f"template: {e} (write literal braces as {{{{ }}}})") from None
+        names = [f for f, _, _ in parsed]
+        odd = [f for f, spec, conv in parsed if spec or conv]
+        if odd:  # the filled texts are placed as written (their special-token strings read as plain text)
+            raise ValueError(f"template: field {odd[0]!r} has a conversion or format spec; write it bare, "
+                             f"{{{odd[0]}}}")
         bad = sorted({n for n in names if n not in _JUDGE_FIELDS})
         if bad:
             raise ValueError(f"template: unknown fields {bad}; use {{question}}, {{completion}}, {{reference}}")

@@ -74,6 +74,7 @@ offload = true
     ('type = "judge"\npath = "j"\ntemplate = "{question} {answer}"', "template"),
     ('type = "judge"\npath = "j"\ntemplate = "{question}"', "template"),
     ('type = "judge"\npath = "j"\ntemplate = "{completion"', "template"),
+    ('type = "judge"\npath = "j"\ntemplate = "{completion!r}"', "template"),
     ('type = "judge"\npath = "j"\nmax_score = 5.0', "max_score"),
     ('type = "judge"\npath = "j"\nparse = "score"\nmax_score = 0.0', "max_score"),
     ('type = "judge"\npath = "j"\nmax_new_tokens = 8\nmax_tokens = 8', "max_tokens"),

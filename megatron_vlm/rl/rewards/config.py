@@ -219,7 +219,8 @@ class ModelRewardConfig(_RewardCommon):
     room for a completion token is not scored (`failure_value`). The reward model re-renders the conversation with
     its own template and tokenizer, so the policy's `data.max_tokens_per_pack` (the bound on its prompt +
     completion) does not bound this count exactly: set max_tokens at least that (within the model's context) for
-    no truncation."""
+    no truncation. At most the folder's `max_position_embeddings` (config.json; a VLM's text model's): above it the
+    run and `--check` refuse the key (exit 2), as vLLM refuses a longer `max_model_len`."""
     activation: Literal["none", "sigmoid", "softmax"] = "none"
     """Reward from the logits: "none" = the logit of column `logit_index` as is (a Bradley-Terry reward model);
     "sigmoid" = its sigmoid (a model trained with a binary cross-entropy on correct / wrong, reward in [0, 1]);
@@ -280,7 +281,9 @@ class JudgeRewardConfig(_RewardCommon):
     max_new_tokens: int = 8
     """Tokens the judge may generate per answer."""
     max_tokens: int = 4096
-    """Longest judge prompt + max_new_tokens; a longer judge prompt is not asked: 0, counted as an error."""
+    """Longest judge prompt + max_new_tokens; a longer judge prompt is not asked: 0, counted as an error. At most
+    the folder's `max_position_embeddings` (config.json; a VLM's text model's): above it the run and `--check`
+    refuse the key (exit 2)."""
     images: bool = True
     """Show the judge the prompt's images (before the template's text); false = text only."""
     batch_size: int = 16

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
-from megatron_vlm.rl.rewards.model_reward import ScoredValues, on_device, text_only_messages
+from megatron_vlm.rl.rewards.model_reward import ScoredValues, check_position_limit, on_device, text_only_messages
 
 __all__ = ["JudgeRewardScorer", "parse_judgement", "judge_messages", "marked_judge_messages"]
 
@@ -104,6 +104,7 @@ class JudgeRewardScorer:
         from megatron_vlm.rl.prompts.encoder import PromptEncoder
 
         self.cfg, self.device = cfg, torch.device(device)
+        check_position_limit(cfg)  # before loading: a prompt + answer past the judge's positions is no judgement
         self.offload = bool(cfg.offload) and self.device.type != "cpu"
         self.model = model if model is not None else load_hf_model(cfg.path, dtype=dtype, device="cpu")
         self.model.eval().requires_grad_(False)

@@ -371,28 +371,56 @@ def copy_tokenizer_files(src: Union[str, Path], dst: Union[str, Path], *, overwr
 def write_pixel_limits(folder: Union[str, Path], *, min_pixels: Optional[int] = None,
                        max_pixels: Optional[int] = None, video_min_pixels: Optional[int] = None,
                        video_max_pixels: Optional[int] = None) -> None:
-    """Put the pixel limits a run trained with into the folder's preprocessor_config.json (images) and
-    video_preprocessor_config.json (videos, where present). Why: transformers and vLLM size images by these
-    files; an export holding the source folder's limits gives other token counts per image than training did.
-    Both spellings are written (`size` shortest / longest edge, and top-level `min_pixels` / `max_pixels` where
-    the file has them, which transformers lets override `size`). None keeps the file's value."""
+    """Put the pixel limits a run trained with into the folder's processor configs: preprocessor_config.json
+    (images), video_preprocessor_config.json (videos) and the dicts nested in processor_config.json
+    ("image_processor" / "video_processor", which transformers reads before either file). Why: transformers and
+    vLLM size images and videos by these files; an export holding the source folder's limits gives other token
+    counts than training did. Both spellings are written (`size` shortest / longest edge, and top-level
+    `min_pixels` / `max_pixels` where the config has them, which transformers lets override `size`). None keeps
+    the config's value.
+
+    A folder with no video processor config (older Qwen2.5-VL folders) has its video processor built by
+    transformers from preprocessor_config.json, the image one (`BaseVideoProcessor.get_video_processor_dict`;
+    the class inferred from its `image_processor_type`), as the data pipeline reads it: changed image limits there
+    would resize videos too, and the video limits would be lost. Such a folder gets a video_preprocessor_config.json:
+    the source image config as it was, with the video limits."""
     folder = Path(folder)
-    for name, lo, hi in (("preprocessor_config.json", min_pixels, max_pixels),
-                         ("video_preprocessor_config.json", video_min_pixels, video_max_pixels)):
-        path = folder / name
-        if (lo is None and hi is None) or not path.is_file():
+    image_path, video_path = folder / "preprocessor_config.json", folder / "video_preprocessor_config.json"
+    nested_path = folder / "processor_config.json"
+    if all(v is None for v in (min_pixels, max_pixels, video_min_pixels, video_max_pixels)):
+        return
+    nested = json.loads(nested_path.read_text()) if nested_path.is_file() else {}
+    if not isinstance(nested, dict):
+        nested = {}
+    if not video_path.is_file() and not isinstance(nested.get("video_processor"), dict) and image_path.is_file():
+        video_path.write_text(image_path.read_text())  # before the image limits change: what the videos had
+    for path, lo, hi in ((image_path, min_pixels, max_pixels), (video_path, video_min_pixels, video_max_pixels)):
+        if (lo is not None or hi is not None) and path.is_file():
+            path.write_text(json.dumps(_with_pixel_limits(json.loads(path.read_text()), lo, hi), indent=2,
+                                       sort_keys=True) + "\n")
+    changed = False
+    for key, lo, hi in (("image_processor", min_pixels, max_pixels), ("video_processor", video_min_pixels,
+                                                                      video_max_pixels)):
+        if isinstance(nested.get(key), dict) and (lo is not None or hi is not None):
+            nested[key] = _with_pixel_limits(nested[key], lo, hi)
+            changed = True
+    if changed:
+        nested_path.write_text(json.dumps(nested, indent=2, sort_keys=True) + "\n")
+
+
+def _with_pixel_limits(cfg: dict, lo: Optional[int], hi: Optional[int]) -> dict:
+    """`cfg` (a processor config) with `lo` / `hi` as its smallest / largest area, in both spellings."""
+    cfg = dict(cfg)
+    size = dict(cfg.get("size") or {})
+    for key, edge, value in (("min_pixels", "shortest_edge", lo), ("max_pixels", "longest_edge", hi)):
+        if value is None:
             continue
-        cfg = json.loads(path.read_text())
-        size = dict(cfg.get("size") or {})
-        for key, edge, value in (("min_pixels", "shortest_edge", lo), ("max_pixels", "longest_edge", hi)):
-            if value is None:
-                continue
-            size[edge] = int(value)
-            for where in (cfg, size):
-                if where.get(key) is not None:
-                    where[key] = int(value)
-        cfg["size"] = size
-        path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        size[edge] = int(value)
+        for where in (cfg, size):
+            if where.get(key) is not None:
+                where[key] = int(value)
+    cfg["size"] = size
+    return cfg
 
 
 def _names_remote_code(folder: Path) -> bool:

@@ -67,7 +67,8 @@ class DataConfig:
     """Largest resized image area in pixels; unset = the model folder's preprocessor config."""
     video_min_pixels: Optional[int] = None
     """Smallest resized video-frame area (Qwen3-VL: of the whole clip, frames x area, as its video processor's
-    size bounds it); unset = the model folder's video preprocessor config."""
+    size bounds it); unset = the model folder's video preprocessor config (without one, its image config, as
+    transformers reads it). The Hugging Face export writes it into its video processor config."""
     video_max_pixels: Optional[int] = None
     """Largest resized video-frame area (Qwen3-VL: of the whole clip, frames x area, as its video processor's
     size bounds it); unset = the model folder's video preprocessor config."""

@@ -1,7 +1,8 @@
 """Untrusted text as plain text: literal special-token strings in it become ordinary tokens, the template's stay special.
 
-Why: an environment's or tool's text (a web page, a file, a program's output, text the model made a tool echo) and
-a policy's completion scored by a reward model (rl/rewards/model_reward.py) are untrusted. Tokenized with
+Why: an environment's or tool's text (a web page, a file, a program's output, text the model made a tool echo), a
+policy's completion scored by a reward model (rl/rewards/model_reward.py) and the texts filled into a judge's
+template (rl/rewards/judge.py: `marked_format`, the markers placed inside the template's text) are untrusted. Tokenized with
 special-token parsing on, as the chat template's output is, a literal "<|image_pad|>" in it would be an image
 placeholder with no image (the trajectory then ends as env_error, the completion is not scored) and
 "<|im_end|>\\n<|im_start|>" a forged turn boundary inside the turn. The model must see the characters, as any other
@@ -21,7 +22,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["special_strings", "has_special", "marked_messages", "segments", "tokenize", "tokenize_with_offsets"]
+__all__ = ["special_strings", "has_special", "marked_messages", "marked_format", "unmarked_messages", "segments",
+           "tokenize", "tokenize_with_offsets"]
 
 _MARK = "\ue000{}\ue001"
 _MARK_RE = re.compile("\ue000(\\d+)\ue001")
@@ -71,6 +73,37 @@ def marked_messages(messages: list[dict]) -> list[dict]:
             content = mark()
         else:
             content = [{**it, "text": mark()} if it.get("type") == "text" else it for it in content]
+        out.append({**m, "content": content})
+    return out
+
+
+def marked_format(template: str, fields: dict[str, str]) -> tuple[str, list[str]]:
+    """(`template.format(**fields)` with each field's value replaced by a marker, the values in marker order): the
+    markers are numbered in order of appearance (a field written twice gets two), as `segments` reads them; the
+    template's own text stays as it is (it is trusted, its special-token strings stay special)."""
+    keys = list(fields)
+    tagged = template.format(**{k: _MARK.format(i) for i, k in enumerate(keys)})
+    texts: list[str] = []
+
+    def renumber(m: re.Match) -> str:
+        texts.append(fields[keys[int(m.group(1))]])
+        return _MARK.format(len(texts) - 1)
+
+    return _MARK_RE.sub(renumber, tagged), texts
+
+
+def unmarked_messages(messages: list[dict], texts: list[str]) -> list[dict]:
+    """`messages` (texts holding markers, `marked_format`) with the k-th marker replaced by texts[k]."""
+    def fill(t: str) -> str:
+        return _MARK_RE.sub(lambda m: texts[int(m.group(1))], t)
+
+    out = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, str):
+            content = fill(content)
+        else:
+            content = [{**it, "text": fill(it["text"])} if it.get("type") == "text" else it for it in content]
         out.append({**m, "content": content})
     return out
 

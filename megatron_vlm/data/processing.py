@@ -142,13 +142,16 @@ def _blank(content) -> bool:
     return isinstance(content, str) and not content.strip()
 
 
-def _rendered(record: Record, proc: VLProcessor, for_generation: bool, literal_answer: bool = False):
+def _rendered(record: Record, proc: VLProcessor, for_generation: bool, literal_answer: bool = False,
+              literal_texts: Sequence[str] = ()):
     """(messages, reference answer, rendered text, image refs, video items, placeholder order, pieces): `pieces` is
-    None, or with `literal_answer` and special-token strings in the last turn's text, the rendered text as
-    [(piece, is that text)] (data/plain_text.py)."""
+    None, or with `literal_answer` and special-token strings in the last turn's text (with `literal_texts` and
+    special-token strings in them), the rendered text as [(piece, is that text)] (data/plain_text.py)."""
     messages, answer = record.messages, None
     if literal_answer and (for_generation or not messages or messages[-1]["role"] != "assistant"):
         raise ValueError("literal_answer: the record must end with the assistant turn to score")
+    if literal_texts and (literal_answer or not for_generation):
+        raise ValueError("literal_texts: only for a generation prompt")
     if for_generation:
         messages, answer = prompt_messages(messages)
         if _blank(answer):
@@ -158,10 +161,19 @@ def _rendered(record: Record, proc: VLProcessor, for_generation: bool, literal_a
             if m["role"] == "assistant" and _blank(m["content"]) and not m.get("tool_calls"):
                 raise BadRecordError("invalid_record", f"messages[{i}]: empty assistant answer (it would train "
                                                        "the model to end its turn at once)")
-    _check_text(messages[:-1] if literal_answer else messages, proc, record.tools)
+    marked = None
+    if literal_texts:
+        marked, messages = messages, plain_text.unmarked_messages(messages, list(literal_texts))
+        if not plain_text.has_special(list(literal_texts), (*plain_text.special_strings(proc),
+                                                            *filter(None, proc.placeholders.values()))):
+            marked = None  # nothing to keep literal: the text is checked and tokenized as any prompt's
+    _check_text(marked if marked is not None else messages[:-1] if literal_answer else messages, proc, record.tools)
     text = proc.render(messages, add_generation_prompt=for_generation, tools=record.tools)
     pieces = None
-    if literal_answer:
+    if marked is not None:
+        pieces = plain_text.segments(text, proc.render(marked, add_generation_prompt=True, tools=record.tools),
+                                     list(literal_texts))
+    elif literal_answer:
         texts = plain_text.message_texts(messages[-1:])
         # a placeholder string that is no added token (InternVL's "<video>") would still be counted as a placeholder
         if plain_text.has_special(texts, (*plain_text.special_strings(proc), *filter(None, proc.placeholders.values()))):
@@ -209,15 +221,19 @@ def pack_class(shapes: Sequence[Optional[tuple[int, ...]]]) -> int:
 
 def process_record(record: Record, proc: VLProcessor, *, max_frames: int, fps: float = 2.0,
                    for_generation: bool = False, limits: MediaLimits = DEFAULT_LIMITS,
-                   literal_answer: bool = False) -> ProcessedSample:
+                   literal_answer: bool = False, literal_texts: Sequence[str] = ()) -> ProcessedSample:
     """Tokens, labels mask and vision tensors of one record (see module docstring).
 
     for_generation: drop the last assistant turn, end with the generation prompt, no labels; the
     dropped text is returned as `answer`. `limits`: pixel caps and decode timeout (media.MediaLimits).
     literal_answer: the last turn is a policy's completion to score (a reward model's input): special-token
     strings in its text are tokenized as plain characters (data/plain_text.py) instead of refusing the record;
-    the template's own special tokens stay special. ValueError when the template does not write that text as given."""
-    messages, answer, text, images, videos, order, pieces = _rendered(record, proc, for_generation, literal_answer)
+    the template's own special tokens stay special. ValueError when the template does not write that text as given.
+    literal_texts (with for_generation): untrusted texts inside the record's text items (a judge's prompt: the
+    completion it judges), each written there as its marker (`plain_text.marked_format`): filled in and, where they
+    hold special-token strings, tokenized as plain characters as literal_answer's text is."""
+    messages, answer, text, images, videos, order, pieces = _rendered(record, proc, for_generation, literal_answer,
+                                                                      literal_texts)
     cap = limits.max_image_pixels
     loaded = [load_image(ref, cap) for ref in images]
     clips = [read_video(it, max_frames, fps, limits=limits) for it in videos]

@@ -19,7 +19,8 @@ folders' config.json on the meta device (no weights), as the policy is (plan/mem
   counts against the activations / KV cache instead. A folder without config.json is not counted (the run
   refuses it at start, naming `rl.rewards[i].path`); their forward activations (no gradients, one layer at a
   time) are not counted. A reward model whose `max_tokens` is below `data.max_tokens_per_pack` (the bound on
-  the policy's prompt + completion) gets a line saying that longer inputs are scored truncated.
+  the policy's prompt + completion) gets a line saying that longer inputs are scored truncated; one (or a judge's)
+  above the folder's `max_position_embeddings` is refused, as the run refuses it at start.
 """
 from __future__ import annotations
 
@@ -109,6 +110,11 @@ def _reward_models(cfg: Any, build: Callable[[dict], Any], compute: int) -> Side
                              "refuses a folder it cannot load at start)")
             continue
         hf = json.loads(config.read_text())
+        from megatron_vlm.rl.rewards.model_reward import position_limit_refusal
+
+        too_long = position_limit_refusal(hf, r.max_tokens, r.path)  # the run's refusal at start, found here too
+        if too_long:
+            raise SideModelRefused(f"rl.rewards[{i}].max_tokens", too_long)
         if kind == "model":  # the run's own refusal of a folder without a scalar head, found here too
             from megatron_vlm.rl.rewards.score_model import score_architecture_refusal
 

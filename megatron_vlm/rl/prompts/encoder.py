@@ -12,6 +12,7 @@ row, so the same prompt met again after a resume is skipped again, never fatal.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Optional
 
 from megatron_vlm.data.bad_records import BadRecordError, BadRecordLog, unexpected
@@ -50,11 +51,12 @@ class PromptEncoder:
         """`<prompt id>: <category>: <detail>` of the latest skipped prompt (named when a whole step is unusable)."""
         self._warned = 0
 
-    def encode(self, sample: PromptSample) -> Optional[RolloutPrompt]:
-        """The encoded prompt, or None (counted, logged for the first few) if it cannot be used."""
+    def encode(self, sample: PromptSample, *, literal_texts: Sequence[str] = ()) -> Optional[RolloutPrompt]:
+        """The encoded prompt, or None (counted, logged for the first few) if it cannot be used. `literal_texts`:
+        untrusted texts the sample's text holds as markers, read as plain text (`process_record`)."""
         try:
             processed = process_record(sample.to_record(), self.processor, max_frames=self.max_frames, fps=self.fps,
-                                       for_generation=True, limits=self.limits)
+                                       for_generation=True, limits=self.limits, literal_texts=literal_texts)
         except Exception as e:  # every per-prompt failure is a counted bad record (module docstring)
             self._skip(sample, unexpected(e, f"prompt {sample.prompt_id}"))
             return None

@@ -219,7 +219,8 @@ class ModelRewardConfig(_RewardCommon):
     room for a completion token is not scored (`failure_value`). The reward model re-renders the conversation with
     its own template and tokenizer, so the policy's `data.max_tokens_per_pack` (the bound on its prompt +
     completion) does not bound this count exactly: set max_tokens at least that (within the model's context) for
-    no truncation."""
+    no truncation. At most the folder's `max_position_embeddings` (config.json; a VLM's text model's): above it the
+    run and `--check` refuse the key (exit 2), as vLLM refuses a longer `max_model_len`."""
     activation: Literal["none", "sigmoid", "softmax"] = "none"
     """Reward from the logits: "none" = the logit of column `logit_index` as is (a Bradley-Terry reward model);
     "sigmoid" = its sigmoid (a model trained with a binary cross-entropy on correct / wrong, reward in [0, 1]);
@@ -268,7 +269,9 @@ class JudgeRewardConfig(_RewardCommon):
     """The judge model folder (a generative model of a supported family, with its tokenizer / processor)."""
     template: str = _DEFAULT_JUDGE_TEMPLATE
     """The judge's user turn; fields {question} (the prompt's text), {completion}, {reference} (the
-    dataset's answer). Literal braces are doubled ({{ }})."""
+    dataset's answer), written bare (no conversion or format spec). Literal braces are doubled ({{ }}). The filled
+    texts are read as written: special-token strings in them ("<|im_end|>" typed by the policy) are plain text to
+    the judge, the template's own text and the images' tokens stay special."""
     parse: Literal["yes_no", "score"] = "yes_no"
     """How the answer becomes the reward: "yes_no" = 1 when its first word is yes, 0 when no; "score" = the
     first number of the answer divided by `max_score` (a number outside [0, max_score] is clipped and counted). A
@@ -278,7 +281,9 @@ class JudgeRewardConfig(_RewardCommon):
     max_new_tokens: int = 8
     """Tokens the judge may generate per answer."""
     max_tokens: int = 4096
-    """Longest judge prompt + max_new_tokens; a longer judge prompt is not asked: 0, counted as an error."""
+    """Longest judge prompt + max_new_tokens; a longer judge prompt is not asked: 0, counted as an error. At most
+    the folder's `max_position_embeddings` (config.json; a VLM's text model's): above it the run and `--check`
+    refuse the key (exit 2)."""
     images: bool = True
     """Show the judge the prompt's images (before the template's text); false = text only."""
     batch_size: int = 16
@@ -293,9 +298,14 @@ class JudgeRewardConfig(_RewardCommon):
         if not self.path:
             raise ValueError("path: the judge model folder is required")
         try:
-            names = [f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None]
+            parsed = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(self.template) if f is not None]
         except ValueError as e:
             raise ValueError(f"template: {e} (write literal braces as {{{{ }}}})") from None
+        names = [f for f, _, _ in parsed]
+        odd = [f for f, spec, conv in parsed if spec or conv]
+        if odd:  # the filled texts are placed as written (their special-token strings read as plain text)
+            raise ValueError(f"template: field {odd[0]!r} has a conversion or format spec; write it bare, "
+                             f"{{{odd[0]}}}")
         bad = sorted({n for n in names if n not in _JUDGE_FIELDS})
         if bad:
             raise ValueError(f"template: unknown fields {bad}; use {{question}}, {{completion}}, {{reference}}")

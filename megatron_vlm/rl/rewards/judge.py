@@ -4,7 +4,10 @@ answer, parsed, is the reward.
 The judge's prompt is one user turn: the prompt's images (unless `images = false` or the judge reads text
 only) and `template` filled with {question} (the prompt's text), {completion} and {reference} (the dataset's
 answer), rendered by the judge folder's chat template through the data pipeline (`PromptEncoder`, as GRPO's
-prompts). It is decoded greedily by the rollout engine (`PolicyRolloutEngine` on the judge's own weights,
+prompts). The filled-in texts are read as written: special-token strings in them ("<|im_end|>", "<|image_pad|>"
+typed by the policy, or in the dataset's question / answer) are tokenized as plain text, the template's own text,
+turn tokens and the prompt's image placeholders stay special (data/plain_text.py, as a reward model reads the
+completion); they made the judge's prompt unusable, a counted 0 whatever was written. It is decoded greedily by the rollout engine (`PolicyRolloutEngine` on the judge's own weights,
 continuous batching over `batch_size` slots, `max_new_tokens` per answer) and parsed (`parse_judgement`):
 "yes_no" = 1 for an answer whose first word is yes, 0 for no; "score" = the first number / `max_score`; a judge
 that reasons first is parsed on what follows its `</think>` (one cut before it is an error).
@@ -25,9 +28,9 @@ from typing import Any, Optional
 import torch
 
 from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
-from megatron_vlm.rl.rewards.model_reward import ScoredValues, on_device, text_only_messages
+from megatron_vlm.rl.rewards.model_reward import ScoredValues, check_position_limit, on_device, text_only_messages
 
-__all__ = ["JudgeRewardScorer", "parse_judgement", "judge_messages"]
+__all__ = ["JudgeRewardScorer", "parse_judgement", "judge_messages", "marked_judge_messages"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -65,11 +68,26 @@ def parse_judgement(text: str, parse: str, scale: float = 10.0) -> tuple[float, 
 def judge_messages(template: str, prompt_messages: Sequence[dict], *, question: str, completion: str, reference: str,
                    images: bool) -> list[dict]:
     """The judge's one user turn: the prompt's images (when `images`), then the filled template."""
+    text = template.format(question=question, completion=completion, reference=reference)
+    return _judge_turn(prompt_messages, text, images)
+
+
+def marked_judge_messages(template: str, prompt_messages: Sequence[dict], *, question: str, completion: str,
+                          reference: str, images: bool) -> tuple[list[dict], list[str]]:
+    """`judge_messages` with the filled-in texts as markers, and those texts (`plain_text.marked_format`): the
+    encoder reads their special-token strings as plain text (a completion that types "<|im_end|>" is judged on those
+    characters), the template's and the images' tokens stay special."""
+    from megatron_vlm.data.plain_text import marked_format
+
+    text, texts = marked_format(template, {"question": question, "completion": completion, "reference": reference})
+    return _judge_turn(prompt_messages, text, images), texts
+
+
+def _judge_turn(prompt_messages: Sequence[dict], text: str, images: bool) -> list[dict]:
     items: list[dict] = []
     if images:
         items = [it for m in prompt_messages if isinstance(m["content"], list) for it in m["content"]
                  if it.get("type") in ("image", "video")]
-    text = template.format(question=question, completion=completion, reference=reference)
     return [{"role": "user", "content": [*items, {"type": "text", "text": text}]}]
 
 
@@ -86,6 +104,7 @@ class JudgeRewardScorer:
         from megatron_vlm.rl.prompts.encoder import PromptEncoder
 
         self.cfg, self.device = cfg, torch.device(device)
+        check_position_limit(cfg)  # before loading: a prompt + answer past the judge's positions is no judgement
         self.offload = bool(cfg.offload) and self.device.type != "cpu"
         self.model = model if model is not None else load_hf_model(cfg.path, dtype=dtype, device="cpu")
         self.model.eval().requires_grad_(False)
@@ -119,12 +138,13 @@ class JudgeRewardScorer:
         encoded, where = [], []
         for i in range(n):
             msgs = prompt_messages[i] if show_images else text_only_messages(prompt_messages[i])
+            turn, texts = marked_judge_messages(cfg.template, msgs, question=str(questions[i]),
+                                                completion=str(completions[i]), reference=str(answers[i]),
+                                                images=show_images)
             # the answer of a PromptSample is its dropped assistant turn: never rendered for generation, but not empty
             sample = PromptSample(prompt_id=f"judge:{i}", answer=str(answers[i]) or "-", problem=str(questions[i]),
-                                  messages=judge_messages(cfg.template, msgs, question=str(questions[i]),
-                                                          completion=str(completions[i]), reference=str(answers[i]),
-                                                          images=show_images))
-            e = self.encoder.encode(sample)  # None: counted by the encoder, logged for the first few
+                                  messages=turn)
+            e = self.encoder.encode(sample, literal_texts=texts)  # None: counted by the encoder, logged (first few)
             if e is None:
                 out.status[i], out.detail[i] = "error", f"judge prompt not usable: {self.encoder.last_skip}"
                 continue

@@ -15,7 +15,8 @@ What the policy wrote is scored as written, so that no way of writing earns a va
   counted (`ScoredValues.truncated`, `reward/truncated`). verl's reward model worker truncates the same way (its
   `truncation = "right"` default keeps the first `max_length` tokens, and reads the last kept one); TRL's GRPO
   scores the whole text (no limit). A fixed value here paid the policy for running long (with `activation =
-  "none"` a 0 is above every negative score).
+  "none"` a 0 is above every negative score). `max_tokens` itself is refused above the folder's
+  `max_position_embeddings` (`position_limit_refusal`): positions the model never read score garbage.
 
 Why in-process and not in the reward worker pool: the pool's workers hold no torch and run one call per
 process; a network wants batches on the device. The pool's guarantees hold here too, per completion
@@ -34,10 +35,12 @@ Placement: one full copy per rank, in the run's compute dtype, as the frozen ref
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -46,8 +49,8 @@ from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
 from megatron_vlm.data.messages import Record
 from megatron_vlm.parallel.device_cache import empty_device_cache
 
-__all__ = ["ScoredValues", "ModelRewardScorer", "failure_value_of", "limit_value", "text_only_messages",
-           "truncated_sample"]
+__all__ = ["ScoredValues", "ModelRewardScorer", "failure_value_of", "limit_value", "position_limit_refusal",
+           "text_only_messages", "truncated_sample"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -89,6 +92,27 @@ def failure_value_of(cfg: Any, values: Sequence[float], status: Sequence[str]) -
         return 0.0
     scored = [v for v, st in zip(values, status) if st != "error"]
     return min(scored) if scored else 0.0
+
+
+def position_limit_refusal(hf_config: dict, max_tokens: int, path: Any) -> Optional[str]:
+    """Why `max_tokens` does not fit the scoring model `path` (config.json `hf_config`), None when it does: above its
+    `max_position_embeddings` (a VLM's text model's: `text_config` / `llm_config`) the tokens sit at positions the
+    model was never trained for and its scores are garbage, silently. vLLM refuses a `max_model_len` above the
+    same limit; the run refuses it at start and `--check` too (plan/side_models.py). None when the config names no
+    limit."""
+    limit = None
+    for key in ("text_config", "llm_config"):
+        sub = hf_config.get(key)
+        if isinstance(sub, dict) and sub.get("max_position_embeddings") is not None:
+            limit, where = int(sub["max_position_embeddings"]), f"{key}.max_position_embeddings"
+            break
+    else:
+        if hf_config.get("max_position_embeddings") is not None:
+            limit, where = int(hf_config["max_position_embeddings"]), "max_position_embeddings"
+    if limit is None or max_tokens <= limit:
+        return None
+    return (f"{max_tokens} is above {path}'s {where} = {limit} (config.json): tokens past it would be read at "
+            f"positions the model was never trained for; set it to at most {limit}")
 
 
 def truncated_sample(sample: Any, max_tokens: int) -> Any:
@@ -134,6 +158,19 @@ def text_only_messages(messages: Sequence[dict]) -> list[dict]:
     return out
 
 
+def check_position_limit(cfg: Any) -> None:
+    """ConfigError naming `rl.rewards.max_tokens` when it is above the model folder's positions
+    (`position_limit_refusal`); a folder without config.json is left to the loader's own refusal."""
+    config = Path(cfg.path) / "config.json"
+    if not config.is_file():
+        return
+    refused = position_limit_refusal(json.loads(config.read_text()), cfg.max_tokens, cfg.path)
+    if refused:
+        from megatron_vlm.errors import ConfigError
+
+        raise ConfigError(f"rl.rewards.max_tokens: {refused}")
+
+
 def _packs(rendered: list[tuple[int, Any]], batch_size: int) -> Iterator[list[tuple[int, Any]]]:
     """`rendered` (completion index, sample) in order, `batch_size` per packed forward at most, a new pack started
     where a sample's vision tensors cannot join the pack's (Nemotron-VL videos of another tile size: concatenated
@@ -162,6 +199,7 @@ class ModelRewardScorer:
 
         self.cfg, self.device, self.value_limit = cfg, torch.device(device), value_limit
         self.max_frames, self.fps, self.limits = max_frames, fps, limits
+        check_position_limit(cfg)
         self.offload = bool(cfg.offload) and self.device.type != "cpu"
         self.model = model if model is not None else load_score_model(cfg.path, dtype=dtype, device="cpu")
         self.model.eval().requires_grad_(False)

@@ -144,3 +144,18 @@ def test_a_reward_model_folder_without_a_scalar_head_is_refused_by_check(tmp_pat
     with pytest.raises(SideModelRefused, match=r"ForSequenceClassification") as e:
         side_models_plan(cfg, {}, build=_meta_model, read=_read_folder_config, tokens=64, master_bytes=4, compute_bytes=2)
     assert e.value.key == "rl.rewards[1].path"
+
+
+def test_max_tokens_past_the_folders_positions_is_refused_by_check(tmp_path):
+    """--check refuses what the run refuses at start: a reward model's or judge's `max_tokens` above the folder's
+    `max_position_embeddings` (4096 for Qwen2.5-Math-1.5B), naming the key."""
+    import pytest
+
+    from megatron_vlm.plan.side_models import SideModelRefused
+
+    for kind in ("model", "judge"):
+        folder = _reward_folder(tmp_path, kind)
+        with pytest.raises(SideModelRefused, match=r"8192 is above .*max_position_embeddings = 4096") as e:
+            _side(CONFIGS / "demo_grpo.toml", _grpo_with(tmp_path, f'{{type = "{kind}", path = "{folder}", max_tokens = 8192}}'))
+        assert e.value.key == "rl.rewards[0].max_tokens"
+        _side(CONFIGS / "demo_grpo.toml", _grpo_with(tmp_path, f'{{type = "{kind}", path = "{folder}", max_tokens = 4096}}'))

@@ -74,6 +74,7 @@ offload = true
     ('type = "judge"\npath = "j"\ntemplate = "{question} {answer}"', "template"),
     ('type = "judge"\npath = "j"\ntemplate = "{question}"', "template"),
     ('type = "judge"\npath = "j"\ntemplate = "{completion"', "template"),
+    ('type = "judge"\npath = "j"\ntemplate = "{completion!r}"', "template"),
     ('type = "judge"\npath = "j"\nmax_score = 5.0', "max_score"),
     ('type = "judge"\npath = "j"\nparse = "score"\nmax_score = 0.0', "max_score"),
     ('type = "judge"\npath = "j"\nmax_new_tokens = 8\nmax_tokens = 8', "max_tokens"),
@@ -100,3 +101,40 @@ def test_a_folder_that_cannot_be_loaded_names_the_path_key(tmp_path):
     with pytest.raises(ConfigError, match=r"rl\.rewards\[1\]\.path: cannot load the model folder"):
         CombinedRewards([JudgeRewardConfig(path="unused"), ModelRewardConfig(path=str(tmp_path / "missing"))],
                         scorers={0: object()})
+
+
+def test_max_tokens_past_the_models_positions_is_refused_at_start(tmp_path, tiny_vlm_folder):
+    """A `max_tokens` above the scoring model's `max_position_embeddings` (config.json; a VLM's text model's) scored
+    tokens at positions the model was never trained for: silent garbage. The run refuses it at start naming the key
+    (as vLLM refuses a `max_model_len` above it); the judge's `max_tokens` (its prompt + answer) too."""
+    import json
+
+    from tests.unit.rl.test_reward_model import _hf_seqcls_folder
+
+    _hf_seqcls_folder(tmp_path / "rm", "qwen2", 1)
+    limit = json.loads((tmp_path / "rm" / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(ConfigError, match=rf"rl\.rewards\[1\]\.max_tokens: {limit + 1} is above .*"
+                                          rf"max_position_embeddings = {limit}"):
+        CombinedRewards([JudgeRewardConfig(path="unused"), ModelRewardConfig(path=str(tmp_path / "rm"),
+                                                                              max_tokens=limit + 1)], scorers={0: object()})
+    CombinedRewards([ModelRewardConfig(path=str(tmp_path / "rm"), max_tokens=limit)]).close()  # at the limit: fine
+    hf = json.loads((Path(tiny_vlm_folder) / "config.json").read_text())
+    vlm_limit = (hf.get("text_config") or hf)["max_position_embeddings"]
+    with pytest.raises(ConfigError, match=rf"rl\.rewards\[0\]\.max_tokens: {vlm_limit + 8} is above"):
+        CombinedRewards([JudgeRewardConfig(path=str(tiny_vlm_folder), max_tokens=vlm_limit + 8)])
+
+
+@pytest.mark.parametrize("hf, refused", [
+    ({"max_position_embeddings": 4096}, "max_position_embeddings = 4096"),
+    ({"max_position_embeddings": 128000, "text_config": {"max_position_embeddings": 4096}},
+     "text_config.max_position_embeddings = 4096"),
+    ({"llm_config": {"max_position_embeddings": 2048}}, "llm_config.max_position_embeddings = 2048"),
+    ({"text_config": {}, "max_position_embeddings": 4096}, "max_position_embeddings = 4096"),
+    ({"max_position_embeddings": 8192}, None),
+    ({}, None),
+])
+def test_position_limit_is_the_text_models(hf, refused):
+    from megatron_vlm.rl.rewards.model_reward import position_limit_refusal
+
+    got = position_limit_refusal(hf, 8192, "/rm")
+    assert (got is None) if refused is None else (refused in got), got

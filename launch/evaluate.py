@@ -2,7 +2,7 @@
 """Evaluate a model folder on benchmark files: greedy accuracy and sampled Avg@k / pass@k per
 benchmark, scored with the training verifiers (math, choice, exact_match, short_answer).
 
-    python launch/evaluate.py --config x.toml [--set eval.samples=8 ...]
+    python launch/evaluate.py --config x.toml [--set eval.samples=8 ...] [--unset optimizer ...]
     torchrun --nproc_per_node N launch/evaluate.py --config x.toml     # the files split over N ranks
 
 The same job as `launch/pretrain_vlm.py` with `[train] mode = "eval"` (this entry point sets it, so
@@ -26,10 +26,18 @@ from megatron_vlm.config.loader import ConfigError, die, parse_override_value  #
 
 
 def _refuse_a_training_mode(argv: list[str]) -> None:
-    """Exit 2 when a `--set train.mode=...` asks for anything but "eval": this entry point never trains."""
+    """Exit 2 when a `--set train.mode=...` asks for anything but "eval", or an `--unset` would take away the
+    train.mode = "eval" this entry point sets (`train.mode`, `train`): it never trains."""
     p = argparse.ArgumentParser(add_help=False)  # the --set items only, read as launch/pretrain_vlm.py reads them
     p.add_argument("--set", dest="overrides", action="append", default=[])
-    overrides = p.parse_known_args(argv)[0].overrides
+    p.add_argument("--unset", dest="unsets", action="append", default=[])
+    args = p.parse_known_args(argv)[0]
+    overrides = args.overrides
+    unsets = [u.strip() for u in args.unsets] + [o.lstrip()[1:].strip() for o in overrides if o.lstrip().startswith("~")]
+    for key in unsets:
+        if key in ("train", "train.mode"):
+            die(f"{key}: launch/evaluate.py sets train.mode = \"eval\"; --unset {key} would take it away (the default "
+                "mode trains); unset the other keys one by one")
     try:
         modes = [parse_override_value(text.strip(), "train.mode") for key, sep, text in (o.partition("=") for o in overrides)
                  if sep and key.strip() == "train.mode"]

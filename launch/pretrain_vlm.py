@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The one entry point for every job kind.
 
-    torchrun --nproc_per_node N launch/pretrain_vlm.py --config x.toml [--set section.key=value ...]
+    torchrun --nproc_per_node N launch/pretrain_vlm.py --config x.toml [--set section.key=value ...] [--unset section.key ...]
     python launch/pretrain_vlm.py --config x.toml            # one process
     python launch/pretrain_vlm.py --config x.toml --check --world-size 8 --device-memory-gib 80
                                                               # will it start and fit? (no weights)
@@ -31,6 +31,7 @@ if os.getcwd() not in sys.path:
 from megatron_vlm.config import ConfigError, load_config  # noqa: E402
 from megatron_vlm.config.loader import die  # noqa: E402
 from megatron_vlm.config.mode_keys import check_keys_for_mode  # noqa: E402
+from megatron_vlm.config.unset import UNSET_PREFIX  # noqa: E402
 from megatron_vlm.runner import run_entry, run_job  # noqa: E402
 
 LAUNCHER_VARIABLES = {"WORLD_SIZE": 1, "RANK": 0, "LOCAL_RANK": 0}
@@ -56,6 +57,13 @@ def check_launcher_variables() -> None:
             raise SystemExit(2)
 
 
+class _Unset(argparse.Action):
+    """`--unset KEY` as the item `~KEY` in the `--set` list: one list keeps the order of both (config/unset.py)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), f"{UNSET_PREFIX}{values}"])
+
+
 def parse_args(argv=None, description: str = "Train or evaluate a vision-language model (SFT, GRPO, DPO or eval)."):
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--config", required=True, help="TOML config file")
@@ -63,6 +71,10 @@ def parse_args(argv=None, description: str = "Train or evaluate a vision-languag
                    help="override a config value (value parsed as TOML; bare words are strings; an entry of an "
                         "array of tables as rl.rewards[0].weight=0.5; a section's inline table sets the keys it "
                         "names: optimizer={lr=1e-4} = optimizer.lr=1e-4)")
+    p.add_argument("--unset", dest="overrides", action=_Unset, default=[], metavar="SECTION.KEY",
+                   help="remove a key the config file sets, so that its default applies (a whole table: --unset eval; "
+                        "a key of an entry: stages[0].lr); applied in order with --set (also written --set '~KEY'); "
+                        "a key the file does not set, or a list entry, exits 2")
     p.add_argument("--check", action="store_true",
                    help="resolve the config, build the model on the meta device, check sizes and memory per rank; "
                         "exit 0 with the plan or 2 naming the key to change (no weights, no process group)")

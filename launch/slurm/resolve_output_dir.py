@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Print the `[train] output_dir` a config + `--set` overrides ask for, or nothing if neither sets it.
+"""Print the `[train] output_dir` a config + `--set` / `--unset` overrides ask for, or nothing if neither sets it.
 
 train.sbatch calls this to decide the run folder before it starts torchrun: an explicit
 output_dir (TOML or `--set train.output_dir=...`, the last one wins) is used as given, otherwise
@@ -7,7 +7,7 @@ the job gets `runs/<job name>-<job id>/`. Only the standard library is used (no 
 the batch host), and `--set` values are read the way launch/pretrain_vlm.py reads them: a TOML
 value (`"x"`, `'x'`) or else the bare text.
 
-    python3 resolve_output_dir.py <config.toml> [--set section.key=value ...]
+    python3 resolve_output_dir.py <config.toml> [--set section.key=value ...] [--unset section.key ...]
 """
 from __future__ import annotations
 
@@ -32,18 +32,19 @@ def override_value(text: str, key: str = "train.output_dir"):
 
 
 def overrides_from_argv(args: list[str]) -> list[str]:
-    """The `section.key=value` items of `--set X` / `--set=X` in the order given."""
+    """The `section.key=value` items of `--set X` / `--set=X` and the `~section.key` items of `--unset X` /
+    `--unset=X` (as launch/pretrain_vlm.py passes them on), in the order given."""
     out, i = [], 0
     while i < len(args):
         a = args[i]
-        if a == "--set":
-            if i + 1 >= len(args):
-                raise SystemExit("resolve_output_dir: --set at the end of the command line has no value")
-            out.append(args[i + 1])
-            i += 2
-            continue
-        if a.startswith("--set="):
-            out.append(a[len("--set="):])
+        for flag, mark in (("--set", ""), ("--unset", "~")):
+            if a == flag:
+                if i + 1 >= len(args):
+                    raise SystemExit(f"resolve_output_dir: {flag} at the end of the command line has no value")
+                out.append(mark + args[i + 1])
+                i += 1
+            elif a.startswith(f"{flag}="):
+                out.append(mark + a[len(flag) + 1:])
         i += 1
     return out
 
@@ -60,7 +61,9 @@ def resolve_output_dir(config_path: str, args: list[str]) -> str | None:
     value = train.get("output_dir") if isinstance(train, dict) else None
     for item in overrides_from_argv(args):
         key, sep, text = item.partition("=")
-        if sep and key.strip() == "train.output_dir":
+        if not sep and key.strip() in ("~train.output_dir", "~train"):  # --unset: the key (or its table) removed
+            value = None
+        elif sep and key.strip() == "train.output_dir":
             value = override_value(text.strip())
         elif sep and key.strip() == "train":  # an inline table sets the keys it names (config/loader.py `_expand`)
             table = override_value(text.strip(), "train")

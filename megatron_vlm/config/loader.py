@@ -33,6 +33,9 @@ from typing import Any, Literal, Union
 
 import tomllib
 
+from megatron_vlm.config.keys import dotted as _dotted
+from megatron_vlm.config.keys import unknown_key
+from megatron_vlm.config.unset import NO_DEFAULT, UNSET_PREFIX, key_default, remove_key
 from megatron_vlm.errors import ConfigError
 
 __all__ = ["ConfigError", "from_dict", "to_dict", "apply_overrides", "parse_override_value", "field_docs"]
@@ -184,14 +187,7 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
     prefix = f"{path}." if path else ""
     for key, value in data.items():
         if key not in fields:
-            moved = getattr(cls, "MOVED", {})  # a section's keys that moved to a sub-table: named, never read
-            if key in moved:
-                new = f"{prefix}{moved[key]}"
-                table, _, name = new.rpartition(".")
-                raise ConfigError(f"{prefix}{key}: moved to {new} (write `{name} = ...` under [{table}])")
-            close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]}?" if close else f"; valid keys: {', '.join(sorted(fields))}"
-            raise ConfigError(f"{prefix}{key}: unknown key{hint}")
+            raise unknown_key(cls, key, prefix)
         kwargs[key] = _convert(value, hints[key], f"{prefix}{key}")
         if key in getattr(cls, "PATHS", ()):
             kwargs[key] = _expand_home(kwargs[key], f"{prefix}{key}")
@@ -309,22 +305,19 @@ _KEY_SEGMENT = re.compile(r"([^.\[\]]+)((?:\[\d+\])*)")
 """One dotted segment of a `--set` key: a name, then any list indices (`rewards[0]`), as the errors name keys."""
 
 
-def _key_steps(item: str, key: str) -> list[str | int]:
-    """`rl.rewards[0].weight` -> ["rl", "rewards", 0, "weight"]."""
+def _key_steps(item: str, key: str, flag: str = "--set") -> list[str | int]:
+    """`rl.rewards[0].weight` -> ["rl", "rewards", 0, "weight"]; `flag` names the option in errors."""
     steps: list[str | int] = []
     for seg in key.split("."):
         if not seg:
-            raise ConfigError(f"--set {item!r}: empty key segment")
+            raise ConfigError(f"{flag} {item!r}: empty key segment")
         m = _KEY_SEGMENT.fullmatch(seg)
         if m is None:
-            raise ConfigError(f"--set {item!r}: expected section.key=value (a list entry as key[index])")
+            form = "section.key" if flag == "--unset" else "section.key=value"
+            raise ConfigError(f"{flag} {item!r}: expected {form} (a list entry as key[index])")
         steps.append(m.group(1))
         steps += [int(i) for i in re.findall(r"\[(\d+)\]", m.group(2))]
     return steps
-
-
-def _dotted(steps: list[str | int]) -> str:
-    return "".join(f"[{s}]" if isinstance(s, int) else f".{s}" if k else s for k, s in enumerate(steps))
 
 
 def _set_value(raw: dict, steps: list[str | int], value: Any, item: str) -> dict | list:
@@ -382,9 +375,54 @@ def _expand(schema: Any, steps: list[str | int], value: Any) -> list[tuple[list[
     return [item for key, v in value.items() for item in _expand(schema, [*steps, str(key)], v)]
 
 
+def _drop_idle(node: Any, steps: list[str | int], value: Any, set_keys: set, removed: set) -> None:
+    """The file's keys that `value` of the switch at `steps` leaves without effect (`_SWITCH_OFF_DROPS`), out of
+    `node`, the switch's table; each dropped key is added to `removed`."""
+    for off, idle in _SWITCH_OFF_DROPS.get(tuple(map(str, steps)), {}).items():
+        # the type too: False == 0 (and `is` held for the small ints only by CPython's cache)
+        if type(value) is type(off) and value == off and isinstance(node, dict):
+            for name in idle:
+                *tables, leaf = name.split(".")
+                # a key given with --set at or below the idle one (`rl.vllm.max_num_seqs` before the switch)
+                # keeps it, to be refused: dropping its table would drop the --set key too
+                idle_key = (*steps[:-1], *tables, leaf)
+                if any(k[:len(idle_key)] == idle_key for k in set_keys):
+                    continue
+                table: Any = node
+                for t in tables:
+                    table = table.get(t) if isinstance(table, dict) else None
+                if isinstance(table, dict) and leaf in table:
+                    del table[leaf]
+                    removed.add(idle_key)
+
+
+def _parse_item(item: str, schema: Any) -> list[tuple[str, list[str | int], Any]]:
+    """One `--set` item as (item, key steps, value) per key it sets (`_expand`); a `~key` item (`--unset key`) as
+    (key, steps, `_UNSET`)."""
+    if item.lstrip().startswith(UNSET_PREFIX):
+        key = item.lstrip()[len(UNSET_PREFIX):].strip()
+        if not key:
+            raise ConfigError("--unset: needs a key (section.key, or a whole table: section)")
+        if "=" in key:
+            raise ConfigError(f"--unset {key!r}: takes a key, not key=value (the key is removed; a value is given "
+                              "with --set)")
+        return [(key, _key_steps(key, key, "--unset"), _UNSET)]
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected section.key=value (to remove a key: --unset section.key)")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    return [(item, steps, value)
+            for steps, value in _expand(schema, _key_steps(item, key), parse_override_value(text.strip(), key))]
+
+
+_UNSET: Any = object()
+"""The value of an `--unset` item among the overrides."""
+
+
 def apply_overrides(raw: dict, overrides: list[str], schema: Any = None) -> dict:
-    """Apply `section.key=value` overrides to a raw TOML dict (before validation). A key names an entry of an
-    array of tables as the errors do (`rl.rewards[0].weight=0.5`, `stages[1]={...}`).
+    """Apply `section.key=value` overrides and `~section.key` removals (`--unset`, config/unset.py) to a raw TOML
+    dict (before validation), in the order given. A key names an entry of an array of tables as the errors do
+    (`rl.rewards[0].weight=0.5`, `stages[1]={...}`).
 
     A run length on the command line (`--set train.max_steps=200` on a recipe that sets `train.epochs`, as in
     docs/training.md; a stage's, `--set stages[0].max_steps=10`) replaces the file's other length key, and a warmup (`scheduler.warmup_steps` /
@@ -392,41 +430,33 @@ def apply_overrides(raw: dict, overrides: list[str], schema: Any = None) -> dict
     is what the user means. Both given with `--set` stay refused. Likewise a switch turned off with `--set` drops
     the file's keys it leaves idle (`_SWITCH_OFF_DROPS`: `logging.wandb = false` and the wandb project / mode / name,
     `checkpoint.enable = false` and the checkpoint cadence / retention, `data.num_workers = 0` and the loader's
-    prefetch / timeout, `data.type` and the keys of the other data sources, ...).
+    prefetch / timeout, `data.type` and the keys of the other data sources, ...), and so does a switch unset back to
+    such a default (`--unset logging.wandb`: wandb is off by default). A key dropped so may still be unset after.
 
     With the config's `schema` (the `Config` class), an inline table given to a section sets the keys it names
     (`optimizer={lr=1e-4}` as `optimizer.lr=1e-4`, `_expand`): it replaced the file's whole table, whose other keys
-    fell back to their defaults without a word."""
+    fell back to their defaults without a word. The schema also names an unset key that no section has, as a
+    `--set` of it would be named."""
     set_keys: set[tuple[str | int, ...]] = set()
-    items = []
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected section.key=value")
-        key, text = item.split("=", 1)
-        key = key.strip()
-        items += [(item, steps, value) for steps, value in _expand(schema, _key_steps(item, key),
-                                                                      parse_override_value(text.strip(), key))]
+    removed: set[tuple[str | int, ...]] = set()  # keys the command line took out: unset again, no error
+    items = [parsed for item in overrides for parsed in _parse_item(item, schema)]
     for item, steps, value in items:
+        if value is _UNSET:
+            default = key_default(schema, steps, raw, item) if schema is not None else NO_DEFAULT
+            node: Any = remove_key(raw, steps, item, removed)
+            key = tuple(steps)
+            set_keys = {k for k in set_keys if k[:len(key)] != key}
+            removed.add(key)
+            if node is not None and default is not NO_DEFAULT:
+                _drop_idle(node, steps, default, set_keys, removed)
+            continue
         node = _set_value(raw, steps, value, item)
         set_keys.add(tuple(steps))
         other = _either_key(steps)
-        if other is not None and other not in set_keys and isinstance(node, dict):
-            node.pop(other[-1], None)
-        for off, idle in _SWITCH_OFF_DROPS.get(tuple(map(str, steps)), {}).items():
-            # the type too: False == 0 (and `is` held for the small ints only by CPython's cache)
-            if type(value) is type(off) and value == off and isinstance(node, dict):
-                for name in idle:
-                    *tables, leaf = name.split(".")
-                    # a key given with --set at or below the idle one (`rl.vllm.max_num_seqs` before the switch)
-                    # keeps it, to be refused: dropping its table would drop the --set key too
-                    idle_key = (*steps[:-1], *tables, leaf)
-                    if any(k[:len(idle_key)] == idle_key for k in set_keys):
-                        continue
-                    table: Any = node
-                    for t in tables:
-                        table = table.get(t) if isinstance(table, dict) else None
-                    if isinstance(table, dict):
-                        table.pop(leaf, None)
+        if other is not None and other not in set_keys and isinstance(node, dict) and other[-1] in node:
+            del node[other[-1]]
+            removed.add(other)
+        _drop_idle(node, steps, value, set_keys, removed)
     return raw
 
 

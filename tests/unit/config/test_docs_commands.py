@@ -23,7 +23,7 @@ def _documents() -> list[Path]:
 
 
 def commands(text: str, toml: bool = False) -> list[tuple[str, list[str]]]:
-    """(config path, --set overrides) of every documented launch line of `text`: continuation lines joined,
+    """(config path, --set / --unset overrides) of every documented launch line of `text`: continuation lines joined,
     placeholders (`x.toml`, `<...>`, `...`) left out."""
     if toml:  # a config's comment lines
         text = "\n".join(line[1:].strip() if line.startswith("#") else "" for line in text.splitlines())
@@ -44,6 +44,8 @@ def commands(text: str, toml: bool = False) -> list[tuple[str, list[str]]]:
                 config = toks[i + 1]
             elif t == "--set":
                 sets.append(toks[i + 1])
+            elif t == "--unset":  # as launch/pretrain_vlm.py passes it on
+                sets.append("~" + toks[i + 1])
         if config is None and toks[0].endswith("train.sbatch") and len(toks) > 1:
             config = toks[1]
         if not config or not config.endswith(".toml") or Path(config).name in ("x.toml", "eval.toml") or "<" in config:
@@ -82,3 +84,5 @@ def test_the_parser_reads_continued_lines_and_skips_placeholders():
                               ("launch/configs/demo_sft.toml", [])]
     assert commands("#   python launch/pretrain_vlm.py --config launch/configs/demo_dpo.toml\nx = 1\n", toml=True) == [
         ("launch/configs/demo_dpo.toml", [])]
+    assert commands("python launch/pretrain_vlm.py --config launch/configs/demo_sft.toml --unset train.max_steps "
+                    "--set train.epochs=1") == [("launch/configs/demo_sft.toml", ["~train.max_steps", "train.epochs=1"])]

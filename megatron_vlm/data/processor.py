@@ -14,8 +14,10 @@ processor for that family:
     Nemotron-3-Nano-VL (nemotron_h_omni) processor_nemotron_vl.NemotronVLProcessor
     text-only models (qwen2 / qwen3 / ...)  processor_text.TextProcessor (tokenizer only, no pixels)
 
-`load_processor` picks the family from preprocessor_config.json's `image_processor_type`; a folder
-without one whose config.json has no vision_config gets the text-only processor. The
+`load_processor` picks the family from the image processor's `image_processor_type`, its settings read as
+transformers reads them (processor_config.json's nested "image_processor" / "video_processor" first, then
+preprocessor_config.json / video_preprocessor_config.json: `folder_processor_dicts`); a folder without
+image processor settings whose config.json has no vision_config gets the text-only processor. The
 per-record pipeline (`processing.py`) talks to a processor only through the hooks defined here:
 `process_images` / `process_video` (pixels + one `Expansion` per item), `image_expansions` /
 `video_expansion` (the same expansions from sizes alone, for exact length planning), the
@@ -33,6 +35,7 @@ from megatron_vlm.data.processor_base import (
     VLProcessor,
     concat_in_order,
     folder_chat_template,
+    folder_processor_dicts,
     read_json,
     special_token_id,
 )
@@ -45,14 +48,14 @@ __all__ = ["VisionItem", "VLProcessor", "concat_in_order", "folder_chat_template
            "load_processor", "as_vl_processor"]
 
 
-def _family_class(image_processor_type: str, pre_path: Path):
+def _family_class(image_processor_type: str, source: str):
     families = ((QWEN_VL_IMAGE_PROCESSORS, QwenVLProcessor), (INTERNVL_IMAGE_PROCESSORS, InternVLProcessor),
                 (NEMOTRON_VL_IMAGE_PROCESSORS, NemotronVLProcessor))
     for names, cls in families:
         if image_processor_type in names:
             return cls
     supported = sorted(n for names, _ in families for n in names)
-    raise NotImplementedError(f"{pre_path}: image_processor_type {image_processor_type!r} is not supported "
+    raise NotImplementedError(f"{source}: image_processor_type {image_processor_type!r} is not supported "
                               f"(supported: {supported})")
 
 
@@ -71,18 +74,18 @@ def _load_processor(path: str | os.PathLike, *, min_pixels: Optional[int], max_p
     from transformers import AutoTokenizer
 
     folder = Path(path)
-    pre_path = folder / "preprocessor_config.json"
-    if not pre_path.is_file():
+    dicts = folder_processor_dicts(folder)
+    if dicts.image is None:
         if is_text_model_folder(folder):
             return load_text_processor(folder).with_overrides(
                 min_pixels=min_pixels, max_pixels=max_pixels, video_min_pixels=video_min_pixels,
                 video_max_pixels=video_max_pixels)
-        raise FileNotFoundError(f"{folder}: no preprocessor_config.json and not a text-only model folder (config.json without "
-                                "vision_config + a tokenizer)")
-    pre = read_json(pre_path)
-    cls = _family_class(pre.get("image_processor_type", ""), pre_path)
+        raise FileNotFoundError(f"{folder}: no preprocessor_config.json (nor an \"image_processor\" in "
+                                "processor_config.json) and not a text-only model folder "
+                                "(config.json without vision_config + a tokenizer)")
+    cls = _family_class(dicts.image.get("image_processor_type", ""), dicts.image_source)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    proc = cls.from_folder(folder, pre, tokenizer, folder_chat_template(folder, tokenizer))
+    proc = cls.from_folder(folder, dicts, tokenizer, folder_chat_template(folder, tokenizer))
     return proc.with_overrides(min_pixels=min_pixels, max_pixels=max_pixels, video_min_pixels=video_min_pixels,
                                video_max_pixels=video_max_pixels)
 

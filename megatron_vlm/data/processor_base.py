@@ -19,8 +19,8 @@ import torch
 from megatron_vlm.data.bad_records import BadRecordError
 from megatron_vlm.data.expansion import Expansion, expand, placeholder_order, run_counts
 
-__all__ = ["VLProcessor", "VisionItem", "read_json", "folder_chat_template",
-           "special_token_id", "concat_in_order"]
+__all__ = ["VLProcessor", "VisionItem", "read_json", "folder_chat_template", "FolderProcessorDicts",
+           "folder_processor_dicts", "special_token_id", "concat_in_order"]
 
 
 _TOKENIZER_KWARGS = ("truncation", "max_length", "pad_to_multiple_of", "add_special_tokens")
@@ -342,6 +342,66 @@ def read_json(path: Path) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON: {e}") from None
+
+
+@dataclass(frozen=True)
+class FolderProcessorDicts:
+    """The settings a model folder's processor is built from, each as transformers would read it."""
+
+    image: Optional[dict]
+    """The image processor's dict; None when the folder has none (a text-only model folder)."""
+    image_source: str
+    """Where `image` came from, for error messages ("<folder>/preprocessor_config.json" or
+    "<folder>/processor_config.json[image_processor]")."""
+    video: dict
+    """The video processor's dict ({} when the folder has none: the family's defaults apply)."""
+    processor: dict
+    """processor_config.json itself (processor-level keys such as image_seq_length); {} when absent."""
+
+
+def folder_processor_dicts(folder: Path) -> FolderProcessorDicts:
+    """The image / video processor dicts of `folder` in transformers' (5.x) order of lookup.
+
+    Why: transformers saves a processor as one processor_config.json holding the sub-processors'
+    settings as nested "image_processor" / "video_processor" dicts (no preprocessor_config.json), and
+    reads those nested dicts before the flat files (`ImageProcessingMixin.get_image_processor_dict`,
+    `BaseVideoProcessor.get_video_processor_dict`). Reading only the flat files would refuse such a
+    folder, or size images by other limits than transformers (and vLLM) use when both forms are present
+    and differ. The order: image = nested "image_processor", else preprocessor_config.json; video =
+    nested "video_processor", else video_preprocessor_config.json, else preprocessor_config.json (older
+    folders whose video processor transformers builds from the image config)."""
+    folder = Path(folder)
+    proc_path = folder / "processor_config.json"
+    processor = read_json(proc_path) if proc_path.is_file() else {}
+    if not isinstance(processor, dict):
+        raise ValueError(f"{proc_path}: expected a JSON object, got {type(processor).__name__}")
+    flat: dict[str, Optional[dict]] = {}
+    for name in ("preprocessor_config.json", "video_preprocessor_config.json"):
+        path = folder / name
+        flat[name] = _json_object(path) if path.is_file() else None
+    image, image_source = flat["preprocessor_config.json"], str(folder / "preprocessor_config.json")
+    if "image_processor" in processor:
+        image, image_source = _nested(processor, "image_processor", proc_path), f"{proc_path}[image_processor]"
+    if "video_processor" in processor:
+        video = _nested(processor, "video_processor", proc_path)
+    else:
+        video = flat["video_preprocessor_config.json"] or flat["preprocessor_config.json"] or {}
+    return FolderProcessorDicts(image=image, image_source=image_source, video=video, processor=processor)
+
+
+def _json_object(path: Path) -> dict:
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _nested(processor: dict, key: str, path: Path) -> dict:
+    value = processor[key]
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: \"{key}\" must be a JSON object (the {key.replace('_', ' ')}'s settings), got "
+                         f"{type(value).__name__}")
+    return value
 
 
 def folder_chat_template(folder: Path, tokenizer) -> str:

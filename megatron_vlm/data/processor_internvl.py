@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from megatron_vlm.data.expansion import Expansion, Run
-from megatron_vlm.data.processor_base import VisionItem, VLProcessor, read_json, special_token_id
+from megatron_vlm.data.processor_base import FolderProcessorDicts, VisionItem, VLProcessor, read_json, special_token_id
 
 __all__ = ["InternVLProcessor", "INTERNVL_IMAGE_PROCESSORS"]
 
@@ -33,10 +33,9 @@ _PIL_KEYS = ("size", "resample", "do_resize", "do_rescale", "rescale_factor", "d
              "do_convert_rgb")
 
 
-def _image_seq_length(folder: Path) -> int:
-    proc_cfg = folder / "processor_config.json"
-    if proc_cfg.is_file() and "image_seq_length" in (cfg := read_json(proc_cfg)):
-        return int(cfg["image_seq_length"])
+def _image_seq_length(folder: Path, proc_cfg: dict) -> int:
+    if "image_seq_length" in proc_cfg:
+        return int(proc_cfg["image_seq_length"])
     model_cfg = folder / "config.json"
     if model_cfg.is_file():
         cfg = read_json(model_cfg)
@@ -74,17 +73,17 @@ class InternVLProcessor(VLProcessor):
         self.video_processor = video_processor
 
     @classmethod
-    def from_folder(cls, folder: Path, pre: dict, tokenizer, chat_template: str) -> InternVLProcessor:
+    def from_folder(cls, folder: Path, dicts: FolderProcessorDicts, tokenizer, chat_template: str) -> InternVLProcessor:
+        """From the folder's processor dicts as transformers reads them (`folder_processor_dicts`)."""
         from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
-        image_processor = GotOcr2ImageProcessorPil.from_pretrained(folder)
-        vid_path = folder / "video_preprocessor_config.json"
-        vid = read_json(vid_path) if vid_path.is_file() else {}
+        image_processor = GotOcr2ImageProcessorPil.from_dict(dict(dicts.image or {}))
+        vid = dicts.video
         video_kw = {k: getattr(image_processor, k) for k in _PIL_KEYS}
         video_kw.update({k: vid[k] for k in _PIL_KEYS if vid.get(k) is not None})
         video_processor = GotOcr2ImageProcessorPil(**video_kw, crop_to_patches=False)
         return cls(tokenizer, image_processor, video_processor, chat_template=chat_template,
-                   image_seq_length=_image_seq_length(folder), name_or_path=str(folder))
+                   image_seq_length=_image_seq_length(folder, dicts.processor), name_or_path=str(folder))
 
     def identity(self) -> dict:
         ip, vp = self.image_processor, self.video_processor

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from megatron_vlm.data.bad_records import BadRecordError
 from megatron_vlm.data.expansion import Expansion, Run
-from megatron_vlm.data.processor_base import VisionItem, VLProcessor, read_json, special_token_id
+from megatron_vlm.data.processor_base import FolderProcessorDicts, VisionItem, VLProcessor, special_token_id
 
 __all__ = ["NemotronVLProcessor", "NEMOTRON_VL_IMAGE_PROCESSORS", "patch_grid_size", "video_target_patches"]
 
@@ -125,12 +125,11 @@ class NemotronVLProcessor(VLProcessor):
         self.video_temporal_patch_dim = int(video_temporal_patch_dim)
 
     @classmethod
-    def from_folder(cls, folder: Path, pre: dict, tokenizer, chat_template: str) -> NemotronVLProcessor:
-        vid_path, proc_path = folder / "video_preprocessor_config.json", folder / "processor_config.json"
-        vid = read_json(vid_path) if vid_path.is_file() else {}
-        proc_cfg = read_json(proc_path) if proc_path.is_file() else {}
+    def from_folder(cls, folder: Path, dicts: FolderProcessorDicts, tokenizer, chat_template: str) -> NemotronVLProcessor:
+        """From the folder's processor dicts as transformers reads them (`folder_processor_dicts`)."""
+        pre, vid, proc_cfg = dicts.image or {}, dicts.video, dicts.processor
         if pre.get("do_resize") is False or pre.get("do_rescale") is False or pre.get("do_normalize") is False:
-            raise ValueError(f"{folder}/preprocessor_config.json: do_resize / do_rescale / do_normalize = false is "
+            raise ValueError(f"{dicts.image_source}: do_resize / do_rescale / do_normalize = false is "
                              "not supported for Nemotron-VL")
         keys = ("patch_size", "downsample_ratio", "min_num_patches", "max_num_patches", "max_model_len", "resample",
                 "rescale_factor")

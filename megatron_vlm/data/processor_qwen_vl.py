@@ -33,7 +33,7 @@ import torch
 
 from megatron_vlm.data.bad_records import BadRecordError
 from megatron_vlm.data.expansion import Expansion, Run
-from megatron_vlm.data.processor_base import VisionItem, VLProcessor, read_json, special_token_id
+from megatron_vlm.data.processor_base import FolderProcessorDicts, VisionItem, VLProcessor, special_token_id
 
 __all__ = ["QwenVLProcessor", "QWEN_VL_IMAGE_PROCESSORS"]
 
@@ -103,19 +103,18 @@ class QwenVLProcessor(VLProcessor):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_folder(cls, folder: Path, pre: dict, tokenizer, chat_template: str) -> QwenVLProcessor:
+    def from_folder(cls, folder: Path, dicts: FolderProcessorDicts, tokenizer, chat_template: str) -> QwenVLProcessor:
+        """From the folder's processor dicts as transformers reads them (`folder_processor_dicts`)."""
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        vid_path = folder / "video_preprocessor_config.json"
-        vid = read_json(vid_path) if vid_path.is_file() else {}
-        proc_cfg = read_json(folder / "processor_config.json") if (folder / "processor_config.json").is_file() else {}
+        pre, vid, proc_cfg = dicts.image or {}, dicts.video, dicts.processor
         qwen3 = "Qwen3VL" in str(proc_cfg.get("processor_class") or pre.get("processor_class") or "") or \
             str(vid.get("video_processor_type", "")).startswith("Qwen3VL")
         img_lo, img_hi = _pixels(pre, 56 * 56, 28 * 28 * 1280)
         vid_lo, vid_hi = _pixels(vid or pre, 128 * 32 * 32 if qwen3 else 128 * 28 * 28,
                                  32 * 32 * 768 if qwen3 else 768 * 28 * 28)
         return cls(
-            tokenizer, Qwen2VLImageProcessorPil.from_pretrained(folder), chat_template=chat_template,
+            tokenizer, Qwen2VLImageProcessorPil.from_dict(dict(pre)), chat_template=chat_template,
             image_min_pixels=img_lo, image_max_pixels=img_hi, video_min_pixels=vid_lo, video_max_pixels=vid_hi,
             patch_size=pre.get("patch_size", 14), temporal_patch_size=pre.get("temporal_patch_size", 2),
             merge_size=pre.get("merge_size", 2), name_or_path=str(folder), video_timestamps=qwen3,

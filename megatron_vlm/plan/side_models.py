@@ -20,7 +20,8 @@ folders' config.json on the meta device (no weights), as the policy is (plan/mem
   refuses it at start, naming `rl.rewards[i].path`); their forward activations (no gradients, one layer at a
   time) are not counted. A reward model whose `max_tokens` is below `data.max_tokens_per_pack` (the bound on
   the policy's prompt + completion) gets a line saying that longer inputs are scored truncated; one (or a judge's)
-  above the folder's `max_position_embeddings` is refused, as the run refuses it at start.
+  above the folder's `max_position_embeddings` is refused, as the run refuses it at start, and so is a judge
+  `template` whose own text holds a special-token string of the judge's tokenizer (its tokenizer files read).
 """
 from __future__ import annotations
 
@@ -104,6 +105,13 @@ def _reward_models(cfg: Any, build: Callable[[dict], Any], compute: int) -> Side
             out.lines.append(f"reward     rl.rewards[{i}].max_tokens = {r.max_tokens} < data.max_tokens_per_pack = {pack}: a "
                              f"prompt + completion over {r.max_tokens} of the reward model's tokens is scored "
                              "truncated (counted in reward/truncated)")
+        if kind == "judge":  # the run's refusal at start (rl/rewards/judge.py), from the tokenizer files
+            from megatron_vlm.data.plain_text import folder_special_strings
+            from megatron_vlm.rl.rewards.judge import template_special_refusal
+
+            refused = template_special_refusal(r.template, folder_special_strings(r.path), r.path)
+            if refused:
+                raise SideModelRefused(f"rl.rewards[{i}].template", refused)
         config = Path(r.path) / "config.json"
         if not config.is_file():
             out.lines.append(f"reward     rl.rewards[{i}] ({kind}) {r.path}: no config.json yet, not counted (the run "

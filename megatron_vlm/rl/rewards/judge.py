@@ -7,7 +7,9 @@ answer), rendered by the judge folder's chat template through the data pipeline 
 prompts). The filled-in texts are read as written: special-token strings in them ("<|im_end|>", "<|image_pad|>"
 typed by the policy, or in the dataset's question / answer) are tokenized as plain text, the template's own text,
 turn tokens and the prompt's image placeholders stay special (data/plain_text.py, as a reward model reads the
-completion); they made the judge's prompt unusable, a counted 0 whatever was written. It is decoded greedily by the rollout engine (`PolicyRolloutEngine` on the judge's own weights,
+completion); they made the judge's prompt unusable, a counted 0 whatever was written. A template whose own text holds such a
+string is refused when the judge loads (`template_special_refusal`: it would make every judge prompt unusable),
+and by `--check` from the judge's tokenizer files. It is decoded greedily by the rollout engine (`PolicyRolloutEngine` on the judge's own weights,
 continuous batching over `batch_size` slots, `max_new_tokens` per answer) and parsed (`parse_judgement`):
 "yes_no" = 1 for an answer whose first word is yes, 0 for no; "score" = the first number / `max_score`; a judge
 that reasons first is parsed on what follows its `</think>` (one cut before it is an error).
@@ -30,7 +32,7 @@ import torch
 from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
 from megatron_vlm.rl.rewards.model_reward import ScoredValues, check_position_limit, on_device, text_only_messages
 
-__all__ = ["JudgeRewardScorer", "parse_judgement", "judge_messages", "marked_judge_messages"]
+__all__ = ["JudgeRewardScorer", "parse_judgement", "judge_messages", "marked_judge_messages", "template_special_refusal"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -63,6 +65,23 @@ def parse_judgement(text: str, parse: str, scale: float = 10.0) -> tuple[float, 
     if not 0.0 <= x <= 1.0:
         return min(max(x, 0.0), 1.0), "clipped", f"judge score {m.group(0)} outside [0, {scale:g}]"
     return x, "ok", ""
+
+
+def template_special_refusal(template: str, specials: Sequence[str], path: str) -> Optional[str]:
+    """Why the judge at `path` cannot read `template`, or None: the template's own text (outside its {fields}) holds
+    `specials` (strings the judge's tokenizer reads as special tokens, or its processor's placeholders). Why refused:
+    the template's text is checked as any prompt's text (the filled-in texts are read as plain text, the template's
+    own are not), so such a template made every judge prompt unusable, each judgement a counted error scoring 0,
+    the whole run long."""
+    import string
+
+    literal = [text for text, *_ in string.Formatter().parse(template)]
+    found = sorted({s for s in specials if s and any(s in t for t in literal)}, key=lambda t: (-len(t), t))
+    if not found:
+        return None
+    return (f"its text holds {', '.join(repr(t) for t in found)}, special to the judge's tokenizer ({path}): every judge "
+            "prompt would be refused, each judgement an error scoring 0. Leave turn and image tokens to the judge's "
+            "chat template (the template is the user turn's text) and write other text without them")
 
 
 def judge_messages(template: str, prompt_messages: Sequence[dict], *, question: str, completion: str, reference: str,
@@ -99,17 +118,23 @@ class JudgeRewardScorer:
                  max_frames: int = 8, fps: float = 2.0, limits: MediaLimits = DEFAULT_LIMITS,
                  model: Any = None, processor: Any = None):
         from megatron_vlm.checkpoint.hf import load_hf_model
+        from megatron_vlm.data.plain_text import special_strings
         from megatron_vlm.data.processor import load_processor
+        from megatron_vlm.errors import ConfigError
         from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
         from megatron_vlm.rl.prompts.encoder import PromptEncoder
 
         self.cfg, self.device = cfg, torch.device(device)
         check_position_limit(cfg)  # before loading: a prompt + answer past the judge's positions is no judgement
+        self.processor = processor if processor is not None else load_processor(cfg.path)
+        specials = (*special_strings(self.processor), *filter(None, self.processor.placeholders.values()))
+        refused = template_special_refusal(cfg.template, specials, cfg.path)  # before the weights load
+        if refused:
+            raise ConfigError(f"rl.rewards.template: {refused}")
         self.offload = bool(cfg.offload) and self.device.type != "cpu"
         self.model = model if model is not None else load_hf_model(cfg.path, dtype=dtype, device="cpu")
         self.model.eval().requires_grad_(False)
         self.model.to("cpu" if self.offload else self.device)
-        self.processor = processor if processor is not None else load_processor(cfg.path)
         self.reads_images = bool(getattr(self.model, "takes_input", lambda _: False)("pixel_values"))
         self.encoder = PromptEncoder(self.processor, max_frames=max_frames, fps=fps, max_new_tokens=cfg.max_new_tokens,
                                      max_tokens=cfg.max_tokens, limits=limits)

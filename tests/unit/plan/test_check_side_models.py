@@ -9,6 +9,8 @@ import io
 import json
 from pathlib import Path
 
+import pytest
+
 from megatron_vlm.config import load_config
 from megatron_vlm.plan.check import _meta_model, _read_folder_config, _read_model_config, run_check
 from megatron_vlm.plan.side_models import side_models_plan
@@ -159,3 +161,36 @@ def test_max_tokens_past_the_folders_positions_is_refused_by_check(tmp_path):
             _side(CONFIGS / "demo_grpo.toml", _grpo_with(tmp_path, f'{{type = "{kind}", path = "{folder}", max_tokens = 8192}}'))
         assert e.value.key == "rl.rewards[0].max_tokens"
         _side(CONFIGS / "demo_grpo.toml", _grpo_with(tmp_path, f'{{type = "{kind}", path = "{folder}", max_tokens = 4096}}'))
+
+
+@pytest.mark.parametrize("family", ["tiny_qwen2_5_vl", "tiny_internvl"])
+def test_the_tokenizer_files_give_the_special_strings_the_run_checks(tmp_path, family):
+    """--check reads the judge's special strings from its tokenizer files (no tokenizer built); they are the strings
+    the run checks a judge template against once the judge's tokenizer and processor are loaded."""
+    from megatron_vlm.data.plain_text import folder_special_strings, special_strings
+    from megatron_vlm.data.processor import load_processor
+    from megatron_vlm.testing.synthesize import synthesize_model_folder
+
+    folder = synthesize_model_folder(family, tmp_path / family)
+    proc = load_processor(folder)
+    run = {*special_strings(proc), *filter(None, proc.placeholders.values())}
+    assert set(folder_special_strings(folder)) == run and "<|im_end|>" in run
+
+
+def test_a_judge_template_holding_a_special_token_fails_the_check(tmp_path):
+    """The run refuses a judge whose template's own text holds one of its tokenizer's special strings (every judge
+    prompt would be refused: each judgement an error scoring 0); --check passed it and now exits 2 naming the key."""
+    from megatron_vlm.testing.synthesize import synthesize_model_folder
+
+    judge = synthesize_model_folder("tiny_qwen2_5_vl", tmp_path / "judge")
+
+    def check(template: str) -> tuple[int, str]:
+        table = f'{{type = "judge", path = "{judge}", max_tokens = 512, template = "{template}"}}'
+        out, err = io.StringIO(), io.StringIO()
+        code = run_check(load_config(CONFIGS / "demo_grpo.toml", _grpo_with(tmp_path, table)), world_size=1,
+                         device_memory_gib=80.0, out=out, err=err)
+        return code, err.getvalue()
+
+    code, err = check("Is {completion} right?<|im_end|> Yes or no?")
+    assert code == 2 and err.startswith("check failed: rl.rewards[0].template: ") and "<|im_end|>" in err
+    assert check("Is {completion} right? Yes or no?") == (0, "")

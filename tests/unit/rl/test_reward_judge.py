@@ -239,3 +239,39 @@ def test_marked_format_numbers_each_filled_field_in_order():
     assert texts == ["r", "c", "c", "q<|im_end|>"] and "<|im_end|>" not in text
     filled = unmarked_messages([{"role": "user", "content": [{"type": "text", "text": text}]}], texts)
     assert filled[0]["content"][0]["text"] == template.format(**fields)
+
+
+@pytest.mark.parametrize("literal", ["<|im_end|>", "<|image_pad|>"])
+def test_a_template_holding_a_special_token_is_refused_at_start(judge_folder, literal):
+    """A template whose own text holds a special-token string of the judge's tokenizer (a turn token, an image
+    placeholder) made every judge prompt unusable: each judgement an error scoring 0, found only in the run's
+    metrics. The run now refuses it when the judge loads, naming the key (exit 2 as any ConfigError)."""
+    from megatron_vlm.errors import ConfigError
+
+    folder, _ = judge_folder
+    cfg = JudgeRewardConfig(path=str(folder), name="bad", template="Is {completion} right?" + literal + " Yes or no?",
+                            max_new_tokens=4, max_tokens=512)
+    good = JudgeRewardConfig(path=str(folder), name="good", max_new_tokens=4, max_tokens=512)
+    with pytest.raises(ConfigError, match=r"^rl\.rewards\[1\]\.template: .*" + "".join(f"[{c}]" for c in literal)):
+        CombinedRewards([good, cfg]).close()
+
+
+def test_the_refused_template_was_a_counted_zero_for_every_judgement(judge_folder, monkeypatch):
+    """What the refusal prevents: the same template given to a scorer whose start check is bypassed scores every
+    completion an error (the encoder refuses the prompt); braces and fields holding the same string are fine."""
+    from megatron_vlm.errors import ConfigError
+    from megatron_vlm.rl.rewards import judge as judge_mod
+
+    folder, _ = judge_folder
+    bad = JudgeRewardConfig(path=str(folder), template="Is {completion} right?<|im_end|>", max_new_tokens=4,
+                            max_tokens=512)
+    with monkeypatch.context() as m:
+        m.setattr(judge_mod, "template_special_refusal", lambda *a: None)
+        scorer = JudgeRewardScorer(bad)
+    scorer.engine = _RecordingEngine(["yes"])
+    out = scorer.score(["4"], ["4"], ["q"], [[{"role": "user", "content": "q"}]])
+    assert out.status == ["error"] and "not usable" in out.detail[0]
+    ok = JudgeRewardConfig(path=str(folder), template="{{<|im_end|>}}? {completion}", max_new_tokens=4, max_tokens=512)
+    with pytest.raises(ConfigError, match=r"^rl\.rewards\.template: "):
+        JudgeRewardScorer(ok)  # braces do not hide it: the literal text is "{<|im_end|>}?"
+    assert judge_mod.template_special_refusal("Q: {question} A: {completion}", ("<|im_end|>",), "x") is None

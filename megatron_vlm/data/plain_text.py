@@ -8,8 +8,9 @@ placeholder with no image (the trajectory then ends as env_error, the completion
 "<|im_end|>\\n<|im_start|>" a forged turn boundary inside the turn. The model must see the characters, as any other
 text.
 
-How: the observation's turns are rendered a second time with each text replaced by a marker, which locates the
-texts in the rendering (`segments`); the template's pieces keep their special tokens and placeholders, the texts are
+How: the observation's turns are rendered a second time with each text replaced by a marker (holding a tag drawn
+per process, so that no other text of the rendering is taken for one), which locates the texts in the rendering
+(`segments`); the template's pieces keep their special tokens and placeholders, the texts are
 tokenized with special-token parsing off (`tokenize`). The rendering is split at the template's special tokens, as
 the tokenizer itself splits text at added tokens before its model runs, so text without such literals gets the ids
 of tokenizing the whole rendering (the caller takes that path for it anyway, unchanged). A template that changes a
@@ -19,14 +20,19 @@ text (strips or escapes it) cannot be located this way; such a turn with a liter
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Callable
 from typing import Any
 
 __all__ = ["special_strings", "folder_special_strings", "has_special", "marked_messages", "marked_format", "unmarked_messages", "segments",
            "tokenize", "tokenize_with_offsets"]
 
-_MARK = "\ue000{}\ue001"
-_MARK_RE = re.compile("\ue000(\\d+)\ue001")
+_TAG = secrets.token_hex(8)
+"""Part of every marker: no other text of a rendering holds it (a prompt or an earlier turn holding the private-use
+characters alone, or a guessed marker, would otherwise be read as one and the text refused), and no one can write it
+on purpose: it is drawn per process and never reaches the tokens."""
+_MARK = f"\ue000{_TAG}:{{}}\ue001"
+_MARK_RE = re.compile(f"\ue000{_TAG}:(\\d+)\ue001")
 
 
 def special_strings(proc: Any) -> tuple[str, ...]:

@@ -107,9 +107,11 @@ def _reward_models(cfg: Any, build: Callable[[dict], Any], compute: int) -> Side
                              "truncated (counted in reward/truncated)")
         if kind == "judge":  # the run's refusal at start (rl/rewards/judge.py), from the tokenizer files
             from megatron_vlm.data.plain_text import folder_special_strings
+            from megatron_vlm.data.processor import folder_placeholders
             from megatron_vlm.rl.rewards.judge import template_special_refusal
 
-            refused = template_special_refusal(r.template, folder_special_strings(r.path), r.path)
+            specials = (*folder_special_strings(r.path), *folder_placeholders(r.path))
+            refused = template_special_refusal(r.template, specials, r.path)
             if refused:
                 raise SideModelRefused(f"rl.rewards[{i}].template", refused)
         config = Path(r.path) / "config.json"

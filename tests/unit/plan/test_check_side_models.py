@@ -163,18 +163,18 @@ def test_max_tokens_past_the_folders_positions_is_refused_by_check(tmp_path):
         _side(CONFIGS / "demo_grpo.toml", _grpo_with(tmp_path, f'{{type = "{kind}", path = "{folder}", max_tokens = 4096}}'))
 
 
-@pytest.mark.parametrize("family", ["tiny_qwen2_5_vl", "tiny_internvl"])
+@pytest.mark.parametrize("family", ["tiny_qwen2_5_vl", "tiny_internvl", "tiny_nemotron_vl"])
 def test_the_tokenizer_files_give_the_special_strings_the_run_checks(tmp_path, family):
     """--check reads the judge's special strings from its tokenizer files (no tokenizer built); they are the strings
     the run checks a judge template against once the judge's tokenizer and processor are loaded."""
     from megatron_vlm.data.plain_text import folder_special_strings, special_strings
-    from megatron_vlm.data.processor import load_processor
+    from megatron_vlm.data.processor import folder_placeholders, load_processor
     from megatron_vlm.testing.synthesize import synthesize_model_folder
 
     folder = synthesize_model_folder(family, tmp_path / family)
     proc = load_processor(folder)
     run = {*special_strings(proc), *filter(None, proc.placeholders.values())}
-    assert set(folder_special_strings(folder)) == run and "<|im_end|>" in run
+    assert {*folder_special_strings(folder), *folder_placeholders(folder)} == run and "<|im_end|>" in run
 
 
 def test_a_judge_template_holding_a_special_token_fails_the_check(tmp_path):
@@ -194,3 +194,22 @@ def test_a_judge_template_holding_a_special_token_fails_the_check(tmp_path):
     code, err = check("Is {completion} right?<|im_end|> Yes or no?")
     assert code == 2 and err.startswith("check failed: rl.rewards[0].template: ") and "<|im_end|>" in err
     assert check("Is {completion} right? Yes or no?") == (0, "")
+
+
+def test_a_nemotron_judge_template_holding_its_video_placeholder_fails_the_check(tmp_path):
+    """Nemotron-VL's video placeholder "<video>" is no added token (its tokenizer does not name it: the processor's
+    default), so the tokenizer files alone missed it: --check passed a judge template the run refuses at start."""
+    from megatron_vlm.errors import ConfigError
+    from megatron_vlm.rl.rewards.config import JudgeRewardConfig
+    from megatron_vlm.rl.rewards.judge import JudgeRewardScorer
+    from megatron_vlm.testing.synthesize import synthesize_model_folder
+
+    judge = synthesize_model_folder("tiny_nemotron_vl", tmp_path / "judge")
+    template = "Watch the <video>: is {completion} right? Yes or no?"
+    with pytest.raises(ConfigError, match=r"^rl\.rewards\.template: .*'<video>'"):
+        JudgeRewardScorer(JudgeRewardConfig(path=str(judge), template=template, max_tokens=512))  # the run
+    table = f'{{type = "judge", path = "{judge}", max_tokens = 512, template = "{template}"}}'
+    out, err = io.StringIO(), io.StringIO()
+    code = run_check(load_config(CONFIGS / "demo_grpo.toml", _grpo_with(tmp_path, table)), world_size=1,
+                     device_memory_gib=80.0, out=out, err=err)
+    assert code == 2 and err.getvalue().startswith("check failed: rl.rewards[0].template: ") and "'<video>'" in err.getvalue()

@@ -26,7 +26,7 @@ from megatron_vlm.config.loader import ConfigError, die, parse_override_value  #
 
 
 def _refuse_a_training_mode(argv: list[str]) -> None:
-    """Exit 2 when a `--set train.mode=...` asks for anything but "eval", or an `--unset` would take away the
+    """Exit 2 when a `--set train.mode=...` (or an inline `--set train={mode=...}`) asks for anything but "eval", or an `--unset` would take away the
     train.mode = "eval" this entry point sets (`train.mode`, `train`): it never trains."""
     p = argparse.ArgumentParser(add_help=False)  # the --set items only, read as launch/pretrain_vlm.py reads them
     p.add_argument("--set", dest="overrides", action="append", default=[])
@@ -38,9 +38,15 @@ def _refuse_a_training_mode(argv: list[str]) -> None:
         if key in ("train", "train.mode"):
             die(f"{key}: launch/evaluate.py sets train.mode = \"eval\"; --unset {key} would take it away (the default "
                 "mode trains); unset the other keys one by one")
+    modes = []
     try:
-        modes = [parse_override_value(text.strip(), "train.mode") for key, sep, text in (o.partition("=") for o in overrides)
-                 if sep and key.strip() == "train.mode"]
+        for key, sep, text in (o.partition("=") for o in overrides):
+            if sep and key.strip() == "train.mode":
+                modes.append(parse_override_value(text.strip(), "train.mode"))
+            elif sep and key.strip() == "train":  # an inline table sets the keys it names (config/loader.py `_expand`)
+                table = parse_override_value(text.strip(), "train")
+                if isinstance(table, dict) and "mode" in table:
+                    modes.append(table["mode"])
     except ConfigError as e:
         die(str(e))
     if modes and modes[-1] != "eval":

@@ -62,6 +62,19 @@ def test_evaluate_refuses_a_training_mode_from_the_command_line(mode, capsys):
         ev._refuse_a_training_mode(["--config", "x.toml", f"--set=train.mode={mode}"])
 
 
+def test_evaluate_refuses_a_training_mode_given_in_an_inline_train_table(capsys):
+    """`--set 'train={mode="sft", ...}'` sets train.mode too (an inline table sets the keys it names): it turned
+    launch/evaluate.py into a training job, after the eval mode the script sets first."""
+    ev = _launch("evaluate")
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--config", "/nonexistent.toml", "--set", 'train={mode="sft", max_steps=3}'])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "train.mode" in err and "launch/pretrain_vlm.py" in err and "config file not found" not in err
+    for ok in (['train={max_steps=3}'], ['train={mode="eval"}'], ['train={mode="sft"}', "train.mode=eval"]):
+        ev._refuse_a_training_mode(["--config", "x.toml", *[a for item in ok for a in ("--set", item)]])
+
+
 @pytest.mark.parametrize("name, value", [("WORLD_SIZE", "abc"), ("RANK", "0x"), ("LOCAL_RANK", ""), ("WORLD_SIZE", "0"),
                                          ("RANK", "-1")])
 def test_a_bad_launcher_variable_is_an_error_naming_it(name, value, monkeypatch, capsys):

@@ -21,7 +21,7 @@ folders' config.json on the meta device (no weights), as the policy is (plan/mem
   time) are not counted. A reward model whose `max_tokens` is below `data.max_tokens_per_pack` (the bound on
   the policy's prompt + completion) gets a line saying that longer inputs are scored truncated; one (or a judge's)
   above the folder's `max_position_embeddings` is refused, as the run refuses it at start, and so is a judge
-  `template` whose own text holds a special-token string of the judge's tokenizer (its tokenizer files read).
+  `template` whose own text holds a special-token string of the judge's tokenizer or a placeholder of its processor (its tokenizer and processor files read).
 """
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def _reward_models(cfg: Any, build: Callable[[dict], Any], compute: int) -> Side
             out.lines.append(f"reward     rl.rewards[{i}].max_tokens = {r.max_tokens} < data.max_tokens_per_pack = {pack}: a "
                              f"prompt + completion over {r.max_tokens} of the reward model's tokens is scored "
                              "truncated (counted in reward/truncated)")
-        if kind == "judge":  # the run's refusal at start (rl/rewards/judge.py), from the tokenizer files
+        if kind == "judge":  # the run's refusal at start (rl/rewards/judge.py), from the tokenizer and processor files
             from megatron_vlm.data.plain_text import folder_special_strings
             from megatron_vlm.data.processor import folder_placeholders
             from megatron_vlm.rl.rewards.judge import template_special_refusal

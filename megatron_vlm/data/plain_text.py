@@ -24,7 +24,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["special_strings", "folder_special_strings", "has_special", "marked_messages", "marked_format", "unmarked_messages", "segments",
+__all__ = ["special_strings", "has_special", "marked_messages", "marked_format", "unmarked_messages", "segments",
            "tokenize", "tokenize_with_offsets"]
 
 _TAG = secrets.token_hex(8)
@@ -45,40 +45,6 @@ def special_strings(proc: Any) -> tuple[str, ...]:
     found |= {t for t in (*proc.placeholders.values(), *getattr(proc, "special_strings", ())) if t}
     added = set(tok.get_added_vocab())  # a string that is no added token is plain text to the tokenizer anyway
     return tuple(sorted((t for t in found if t in added), key=lambda t: (-len(t), t)))
-
-
-def folder_special_strings(folder: Any) -> tuple[str, ...]:
-    """`special_strings` of a model folder's tokenizer from its files alone, without building the tokenizer (for
-    `--check`): the added tokens marked special (tokenizer.json's "added_tokens", tokenizer_config.json's
-    "added_tokens_decoder"), the named special tokens of tokenizer_config.json that are added tokens, and its
-    `extra_special_tokens` (the families' placeholder and image-boundary strings). A file that is missing or not
-    JSON adds nothing (the run's tokenizer load names it)."""
-    import json
-    from pathlib import Path
-
-    def read(name: str) -> dict:
-        try:
-            data = json.loads((Path(folder) / name).read_text())
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
-
-    def content(t: Any) -> str:
-        return str(t.get("content", "")) if isinstance(t, dict) else str(t) if isinstance(t, str) else ""
-
-    tok, cfg = read("tokenizer.json"), read("tokenizer_config.json")
-    added = [t for t in (tok.get("added_tokens") or []) if isinstance(t, dict)]
-    decoder = cfg.get("added_tokens_decoder")
-    added += [t for t in (decoder.values() if isinstance(decoder, dict) else ()) if isinstance(t, dict)]
-    vocab = {content(t) for t in added}
-    found = {content(t) for t in added if t.get("special")}
-    named = [cfg.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
-                                  "mask_token")]
-    named += list(cfg.get("additional_special_tokens") or [])
-    found |= {c for c in map(content, named) if c in vocab}
-    extra = cfg.get("extra_special_tokens") or {}
-    found |= set(map(content, extra.values() if isinstance(extra, dict) else extra if isinstance(extra, list) else ()))
-    return tuple(sorted((t for t in found if t), key=lambda t: (-len(t), t)))
 
 
 def has_special(texts: list[str], specials: tuple[str, ...]) -> bool:

@@ -45,7 +45,7 @@ from megatron_vlm.data.processor_qwen_vl import QWEN_VL_IMAGE_PROCESSORS, QwenVL
 from megatron_vlm.data.processor_text import is_text_model_folder, load_text_processor
 
 __all__ = ["VisionItem", "VLProcessor", "concat_in_order", "folder_chat_template", "read_json", "special_token_id",
-           "load_processor", "folder_placeholders", "as_vl_processor"]
+           "load_processor", "as_vl_processor"]
 
 
 def _family_class(image_processor_type: str, source: str):
@@ -67,28 +67,6 @@ def load_processor(path: str | os.PathLike, *, min_pixels: Optional[int] = None,
     proc = _load_processor(path, min_pixels=min_pixels, max_pixels=max_pixels, video_min_pixels=video_min_pixels,
                            video_max_pixels=video_max_pixels)
     return proc.with_template_kwargs(chat_template_kwargs or {})
-
-
-def folder_placeholders(path: str | os.PathLike) -> tuple[str, ...]:
-    """The image / video placeholder strings `load_processor(path)` gives its processor, from the folder's files
-    alone (for `--check`, which builds no tokenizer). Why: a family takes them from its tokenizer's named tokens
-    (tokenizer_config.json's `extra_special_tokens`), else its defaults, which may be no added token (Nemotron-VL's
-    "<video>") and so are missing from `plain_text.folder_special_strings`. () where the folder names no supported
-    family (the run's load names the problem)."""
-    folder = Path(path)
-    try:
-        dicts = folder_processor_dicts(folder)
-        if dicts.image is None:
-            return ()
-        cls = _family_class(dicts.image.get("image_processor_type", ""), dicts.image_source)
-    except (OSError, ValueError, NotImplementedError):
-        return ()
-    try:
-        named = read_json(folder / "tokenizer_config.json").get("extra_special_tokens")
-    except (OSError, ValueError, AttributeError):
-        named = None
-    named = named if isinstance(named, dict) else {}
-    return tuple(str(named.get(attr) or default) for attr, default in cls.placeholder_defaults)
 
 
 def _load_processor(path: str | os.PathLike, *, min_pixels: Optional[int], max_pixels: Optional[int],

@@ -106,9 +106,6 @@ class VLProcessor:
     """Tokenizer + chat template + a family's vision hooks (module docstring). Not used directly."""
 
     family = ""
-    placeholder_defaults: tuple[tuple[str, str], ...] = ()
-    """(tokenizer attribute, default) of each placeholder the family takes from its tokenizer's named tokens, else
-    the default (which may be no added token): what `processor.folder_placeholders` reads from the files."""
     # ChatML turn markers: what the labels mask looks for in the rendered conversation.
     assistant_header = "<|im_start|>assistant\n"
     turn_end = "<|im_end|>"

@@ -52,7 +52,6 @@ class InternVLProcessor(VLProcessor):
     """Tokenizer + chat template + GotOcr2 tiling (module docstring)."""
 
     family = "internvl"
-    placeholder_defaults = (("context_image_token", "<IMG_CONTEXT>"), ("video_token", "<video>"))
 
     def __init__(self, tokenizer, image_processor, video_processor, *, chat_template: str, image_seq_length: int,
                  name_or_path: str = ""):
@@ -60,7 +59,8 @@ class InternVLProcessor(VLProcessor):
         size / mean / std are the video processor's (frames are not tiled)."""
         self.start_image_token = getattr(tokenizer, "start_image_token", None) or "<img>"
         self.end_image_token = getattr(tokenizer, "end_image_token", None) or "</img>"
-        context, video = (getattr(tokenizer, attr, None) or default for attr, default in self.placeholder_defaults)
+        context = getattr(tokenizer, "context_image_token", None) or "<IMG_CONTEXT>"
+        video = getattr(tokenizer, "video_token", None) or "<video>"
         for token in (self.start_image_token, self.end_image_token):
             special_token_id(tokenizer, token, name_or_path)
         super().__init__(tokenizer, chat_template=chat_template, image_token=context, video_token=video,

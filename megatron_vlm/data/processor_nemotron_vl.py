@@ -94,15 +94,14 @@ class NemotronVLProcessor(VLProcessor):
     """Tokenizer + chat template + Nemotron-H Omni image / video preprocessing (module docstring)."""
 
     family = "nemotron_vl"
-    placeholder_defaults = (("image_token", "<image>"), ("video_token", "<video>"))  # "<video>": text only, videos
-    # use the image token
 
     def __init__(self, tokenizer, *, chat_template: str, patch_size: int = 16, downsample_ratio: float = 0.5,
                  min_num_patches: int = 1024, max_num_patches: int = 13312, max_model_len: int = 16384,
                  resample: int = 3, rescale_factor: float = 1 / 255, image_mean=_CLIP_MEAN, image_std=_CLIP_STD,
                  video_target_num_patches: int = 1024, video_maintain_aspect_ratio: bool = True,
                  video_mean=None, video_std=None, video_temporal_patch_dim: int = 2, name_or_path: str = ""):
-        image, video = (getattr(tokenizer, attr, None) or default for attr, default in self.placeholder_defaults)
+        image = getattr(tokenizer, "image_token", None) or "<image>"
+        video = getattr(tokenizer, "video_token", None) or "<video>"  # text only: videos use the image token
         self.image_start_token = getattr(tokenizer, "image_start_token", None) or "<img>"
         self.image_end_token = getattr(tokenizer, "image_end_token", None) or "</img>"
         for token in (self.image_start_token, self.image_end_token):

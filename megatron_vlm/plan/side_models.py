@@ -21,7 +21,8 @@ folders' config.json on the meta device (no weights), as the policy is (plan/mem
   time) are not counted. A reward model whose `max_tokens` is below `data.max_tokens_per_pack` (the bound on
   the policy's prompt + completion) gets a line saying that longer inputs are scored truncated; one (or a judge's)
   above the folder's `max_position_embeddings` is refused, as the run refuses it at start, and so is a judge
-  `template` whose own text holds a special-token string of the judge's tokenizer or a placeholder of its processor (its tokenizer and processor files read).
+  `template` whose own text holds a placeholder or a turn / end token of the judge (its processor built from its
+  files, no weights).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from megatron_vlm.plan.memory import estimate_memory, gib, model_shape, moment_bytes
 
@@ -105,13 +106,8 @@ def _reward_models(cfg: Any, build: Callable[[dict], Any], compute: int) -> Side
             out.lines.append(f"reward     rl.rewards[{i}].max_tokens = {r.max_tokens} < data.max_tokens_per_pack = {pack}: a "
                              f"prompt + completion over {r.max_tokens} of the reward model's tokens is scored "
                              "truncated (counted in reward/truncated)")
-        if kind == "judge":  # the run's refusal at start (rl/rewards/judge.py), from the tokenizer and processor files
-            from megatron_vlm.data.plain_text import folder_special_strings
-            from megatron_vlm.data.processor import folder_placeholders
-            from megatron_vlm.rl.rewards.judge import template_special_refusal
-
-            specials = (*folder_special_strings(r.path), *folder_placeholders(r.path))
-            refused = template_special_refusal(r.template, specials, r.path)
+        if kind == "judge":  # the run's refusal at start (rl/rewards/judge.py), with the judge's processor built
+            refused = _judge_template_refusal(r)
             if refused:
                 raise SideModelRefused(f"rl.rewards[{i}].template", refused)
         config = Path(r.path) / "config.json"
@@ -168,3 +164,17 @@ def side_models_plan(cfg: Any, hf: dict, *, build: Callable[[dict], Any], read: 
     parts.append(_reward_models(cfg, build, compute_bytes))
     return SideModels(lines=[x for p in parts for x in p.lines], resident=sum(p.resident for p in parts),
                       transient=max((p.transient for p in parts), default=0.0))
+
+
+def _judge_template_refusal(r: Any) -> Optional[str]:
+    """The run's refusal of the judge's `template` (`judge.template_special_refusal`), from the judge's processor: its
+    tokenizer and processor files only (no weights; a second or two for a real tokenizer). A folder it cannot load is
+    left to the run, which names it at start."""
+    from megatron_vlm.data.processor import load_processor
+    from megatron_vlm.rl.rewards.judge import refused_strings, template_special_refusal
+
+    try:
+        proc = load_processor(r.path)
+    except Exception:  # noqa: BLE001 - the run's own load says what is wrong with the folder
+        return None
+    return template_special_refusal(r.template, refused_strings(proc), r.path)

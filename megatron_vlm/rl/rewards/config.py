@@ -271,9 +271,10 @@ class JudgeRewardConfig(_RewardCommon):
     """The judge's user turn; fields {question} (the prompt's text), {completion}, {reference} (the
     dataset's answer), written bare (no conversion or format spec). Literal braces are doubled ({{ }}). The filled
     texts are read as written: special-token strings in them ("<|im_end|>" typed by the policy) are plain text to
-    the judge, the images' tokens stay special. The template's own text may not hold a special-token string of the
-    judge's tokenizer (e.g. "<|im_end|>": the judge's chat template writes the turn tokens): the run and `--check`
-    refuse it (exit 2)."""
+    the judge, the images' tokens stay special. The template's own text may not hold what no prompt's text may: an
+    image / video placeholder or a turn / end token of the judge (e.g. "<|im_end|>": the judge's chat template writes
+    the turn tokens); the run and `--check` refuse it (exit 2). Other special tokens (Qwen's "<|box_start|>") are
+    text it may hold."""
     parse: Literal["yes_no", "score"] = "yes_no"
     """How the answer becomes the reward: "yes_no" = 1 when its first word is yes, 0 when no; "score" = the
     first number of the answer divided by `max_score` (a number outside [0, max_score] is clipped and counted). A

@@ -32,7 +32,8 @@ import torch
 from megatron_vlm.data.media import DEFAULT_LIMITS, MediaLimits
 from megatron_vlm.rl.rewards.model_reward import ScoredValues, check_position_limit, on_device, text_only_messages
 
-__all__ = ["JudgeRewardScorer", "parse_judgement", "judge_messages", "marked_judge_messages", "template_special_refusal"]
+__all__ = ["JudgeRewardScorer", "parse_judgement", "judge_messages", "marked_judge_messages", "refused_strings",
+           "template_special_refusal"]
 
 log = logging.getLogger("megatron_vlm")
 
@@ -67,10 +68,17 @@ def parse_judgement(text: str, parse: str, scale: float = 10.0) -> tuple[float, 
     return x, "ok", ""
 
 
+def refused_strings(proc: Any) -> tuple[str, ...]:
+    """The strings a prompt's own text may not hold (the data pipeline's check, `processing._check_text`): the
+    placeholders and the structural tokens (turn start / end, EOS, pad, the family's vision boundaries). Other
+    special tokens (Qwen's <|box_start|> for grounding) are legitimate text, in a judge's template too."""
+    return tuple(proc.special_strings)
+
+
 def template_special_refusal(template: str, specials: Sequence[str], path: str) -> Optional[str]:
     """Why the judge at `path` cannot read `template`, or None: the template's own text (outside its {fields}) holds
-    `specials` (strings the judge's tokenizer reads as special tokens, or its processor's placeholders). Why refused:
-    the template's text is checked as any prompt's text (the filled-in texts are read as plain text, the template's
+    `specials` (`refused_strings` of the judge's processor). Why refused: the template's text is checked as
+    any prompt's text (the filled-in texts are read as plain text, the template's
     own are not), so such a template made every judge prompt unusable, each judgement a counted error scoring 0,
     the whole run long."""
     import string
@@ -79,9 +87,10 @@ def template_special_refusal(template: str, specials: Sequence[str], path: str) 
     found = sorted({s for s in specials if s and any(s in t for t in literal)}, key=lambda t: (-len(t), t))
     if not found:
         return None
-    return (f"its text holds {', '.join(repr(t) for t in found)}, special to the judge's tokenizer ({path}): every judge "
-            "prompt would be refused, each judgement an error scoring 0. Leave turn and image tokens to the judge's "
-            "chat template (the template is the user turn's text) and write other text without them")
+    return (f"its text holds {', '.join(repr(t) for t in found)}, a placeholder or turn / end token of the judge "
+            f"({path}), which a prompt's text may not hold: every judge prompt would be refused, each judgement an "
+            "error scoring 0. Leave turn and image tokens to the judge's chat template (the template is the user "
+            "turn's text) and write other text without them")
 
 
 def judge_messages(template: str, prompt_messages: Sequence[dict], *, question: str, completion: str, reference: str,
@@ -118,7 +127,6 @@ class JudgeRewardScorer:
                  max_frames: int = 8, fps: float = 2.0, limits: MediaLimits = DEFAULT_LIMITS,
                  model: Any = None, processor: Any = None):
         from megatron_vlm.checkpoint.hf import load_hf_model
-        from megatron_vlm.data.plain_text import special_strings
         from megatron_vlm.data.processor import load_processor
         from megatron_vlm.errors import ConfigError
         from megatron_vlm.inference.policy_engine import EngineOptions, PolicyRolloutEngine
@@ -127,8 +135,7 @@ class JudgeRewardScorer:
         self.cfg, self.device = cfg, torch.device(device)
         check_position_limit(cfg)  # before loading: a prompt + answer past the judge's positions is no judgement
         self.processor = processor if processor is not None else load_processor(cfg.path)
-        specials = (*special_strings(self.processor), *filter(None, self.processor.placeholders.values()))
-        refused = template_special_refusal(cfg.template, specials, cfg.path)  # before the weights load
+        refused = template_special_refusal(cfg.template, refused_strings(self.processor), cfg.path)  # before the weights
         if refused:
             raise ConfigError(f"rl.rewards.template: {refused}")
         self.offload = bool(cfg.offload) and self.device.type != "cpu"

@@ -163,20 +163,6 @@ def test_max_tokens_past_the_folders_positions_is_refused_by_check(tmp_path):
         _side(CONFIGS / "demo_grpo.toml", _grpo_with(tmp_path, f'{{type = "{kind}", path = "{folder}", max_tokens = 4096}}'))
 
 
-@pytest.mark.parametrize("family", ["tiny_qwen2_5_vl", "tiny_internvl", "tiny_nemotron_vl"])
-def test_the_tokenizer_files_give_the_special_strings_the_run_checks(tmp_path, family):
-    """--check reads the judge's special strings from its tokenizer files (no tokenizer built); they are the strings
-    the run checks a judge template against once the judge's tokenizer and processor are loaded."""
-    from megatron_vlm.data.plain_text import folder_special_strings, special_strings
-    from megatron_vlm.data.processor import folder_placeholders, load_processor
-    from megatron_vlm.testing.synthesize import synthesize_model_folder
-
-    folder = synthesize_model_folder(family, tmp_path / family)
-    proc = load_processor(folder)
-    run = {*special_strings(proc), *filter(None, proc.placeholders.values())}
-    assert {*folder_special_strings(folder), *folder_placeholders(folder)} == run and "<|im_end|>" in run
-
-
 def test_a_judge_template_holding_a_special_token_fails_the_check(tmp_path):
     """The run refuses a judge whose template's own text holds one of its tokenizer's special strings (every judge
     prompt would be refused: each judgement an error scoring 0); --check passed it and now exits 2 naming the key."""
@@ -194,6 +180,8 @@ def test_a_judge_template_holding_a_special_token_fails_the_check(tmp_path):
     code, err = check("Is {completion} right?<|im_end|> Yes or no?")
     assert code == 2 and err.startswith("check failed: rl.rewards[0].template: ") and "<|im_end|>" in err
     assert check("Is {completion} right? Yes or no?") == (0, "")
+    # a special token that is no placeholder or turn / end token is text a prompt may hold: the run accepts it
+    assert check("Is {completion} right? <|vision_pad|> Yes or no?") == (0, "")
 
 
 def test_a_nemotron_judge_template_holding_its_video_placeholder_fails_the_check(tmp_path):

@@ -256,6 +256,21 @@ def test_a_template_holding_a_special_token_is_refused_at_start(judge_folder, li
         CombinedRewards([good, cfg]).close()
 
 
+def test_a_template_holding_a_legitimate_special_token_is_judged(judge_folder):
+    """Only what a prompt's text may not hold is refused (placeholders, turn / end tokens): another special token of
+    the judge's tokenizer (Qwen's <|vision_pad|> here, <|box_start|> in the real vocabulary) is text a prompt may
+    hold, and the judge reads the template with it as the encoder does any prompt's (its special token id)."""
+    folder, _ = judge_folder
+    cfg = JudgeRewardConfig(path=str(folder), template="Is {completion} right? <|vision_pad|> Yes or no?",
+                            max_new_tokens=4, max_tokens=512)
+    scorer = JudgeRewardScorer(cfg)  # no refusal at start
+    scorer.engine = _RecordingEngine(["yes"])
+    out = scorer.score(["4"], ["4"], ["q"], [[{"role": "user", "content": "q"}]])
+    assert out.status == ["ok"] and out.values == [1.0]
+    pad = scorer.processor.tokenizer.convert_tokens_to_ids("<|vision_pad|>")
+    assert int((scorer.engine.prompts[0].input_ids == pad).sum()) == 1
+
+
 def test_the_refused_template_was_a_counted_zero_for_every_judgement(judge_folder, monkeypatch):
     """What the refusal prevents: the same template given to a scorer whose start check is bypassed scores every
     completion an error (the encoder refuses the prompt); braces and fields holding the same string are fine."""

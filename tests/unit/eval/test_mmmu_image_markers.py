@@ -15,7 +15,7 @@ import pytest
 
 from megatron_vlm.config.eval_section import BenchmarkConfig
 from megatron_vlm.data.bad_records import BadRecordError
-from megatron_vlm.data.processing import process_record
+from megatron_vlm.data.processing import estimate_length, process_record
 from megatron_vlm.eval.benchmarks import open_benchmark
 from tests.fixtures.benchmark_files import IMAGE_STRUCT, _write, png_bytes
 
@@ -125,6 +125,8 @@ def test_every_family_encodes_the_images_in_place(mmmu, processors, family):
     p = processors[family]
     for i, expected in enumerate(EXPECTED):
         sample = process_record(mmmu.get(i), p, max_frames=4, for_generation=True)
+        # the planner's length of the interleaved prompt is the encoded one
+        assert estimate_length(mmmu.get(i), p, max_frames=4, for_generation=True) == sample.input_ids.numel()
         text = p.tokenizer.decode(sample.input_ids.tolist(), skip_special_tokens=False)
         user = text.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
         want = "".join("[IMG]" if kind == "image" else v for kind, v in expected)

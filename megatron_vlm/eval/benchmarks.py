@@ -6,7 +6,20 @@ loader (`build_eval_dataloader(..., source=...)`) encodes it exactly as it encod
 prompt. The prompt text is `prompt_template.format(problem=...)`, where the problem is the question
 with its image placeholders (`<image>`, `<image1>`, `<image 1>`) removed — the images are placed
 before the text — and, for formats that keep the options apart from the question, the options as
-lines "A. ...". The record's metadata carries what the verifiers need: `answer`, `problem`,
+lines "A. ...".
+
+mmmu is the exception: its options can be images (["<image 2>", "<image 3>", ...]) and its questions say
+which picture they mean ("In <image 2>, ..."), so with every image first and the markers removed the
+model could not tell which picture option A is. There each "<image k>" of the question and the options
+is replaced by image k itself, in place (the user turn is text and image items in the order of the
+formatted prompt: "Q: ", image 1, " Which ...?\\nA. ", image 2, "\\nB. ", image 3, ...), as VLMEvalKit
+(the OpenCompass leaderboard's toolkit) and lmms-eval's interleaved mode build the prompt; MMMU's own
+evaluation code gives single-image models image_1 only, with the markers left as text. An image named
+twice is given at each marker, as both interleaving references do; an image no marker names stays
+before the text, in column order; a marker naming an empty or missing image column makes the row a bad
+record (the question would point at nothing). The metadata's problem keeps the markers as written.
+
+The record's metadata carries what the verifiers need: `answer`, `problem`,
 `choices` (option texts, lettered in order), `verifier` (which scorer this row uses), `id`, a
 `question_type` column when the release has one (MathVista, MMMU: per-type accuracy), and `precision`
 (MathVista: the decimal places a float answer is rounded to before the math verifier compares it, as the
@@ -38,8 +51,9 @@ answer and a given images column must exist, choices, id and precision are used 
   `image` the Image.
 - mmmu: MMMU-style multiple choice: `question` with "<image 1>" markers, `options` the option
   texts as a list or as the Python-literal string the MMMU release stores ("['a', 'b']", read with
-  `ast.literal_eval`, which accepts literals only), `image_1` ... `image_7` (null when unused),
-  `answer` the letter (open questions: the value).
+  `ast.literal_eval`, which accepts literals only; an option may be only a marker, "<image 2>"),
+  `image_1` ... `image_7` (null when unused; with `columns.images` one list column, whose k-th entry
+  is "<image k>"), `answer` the letter (open questions: the value). Images go at their markers (above).
 
 An image is an Image struct ({"bytes", "path"}), raw bytes or a path (relative paths resolve
 against `image_root`, else the data file's folder). A row without a question or answer, with
@@ -76,6 +90,8 @@ __all__ = ["BenchmarkFormat", "FORMATS", "BenchmarkRecords", "OpenedBenchmark", 
 
 OPTION_LETTERS = "ABCDEFGHIJ"
 _PLACEHOLDER = re.compile(r"<image\s*\d*>", re.IGNORECASE)
+_NUMBERED = re.compile(r"<image\s*(\d+)>", re.IGNORECASE)
+_SLOT = re.compile("\x00(\\d+)\x00")  # where image k goes in the formatted prompt (no text holds a NUL: removed)
 _MAX_OPTIONS_CHARS = 100_000
 
 
@@ -91,6 +107,9 @@ class BenchmarkFormat:
     """The "auto" verifier of rows without options."""
     choice_verifier: str = "choice"
     """The "auto" verifier of rows with options."""
+    images_at_markers: bool = False
+    """Put image k where the question or an option names it ("<image 2>"), not before the text (MMMU: its options
+    can be images, and its questions say which picture they mean)."""
 
 
 FORMATS: dict[str, BenchmarkFormat] = {
@@ -102,7 +121,7 @@ FORMATS: dict[str, BenchmarkFormat] = {
                                   ("decoded_image",)),
     "logicvista": BenchmarkFormat({"question": "question", "answer": "answer"}, ("image",), free_verifier="choice"),
     "mmmu": BenchmarkFormat({"question": "question", "answer": "answer", "choices": "options", "id": "id"},
-                            tuple(f"image_{k}" for k in range(1, 8))),
+                            tuple(f"image_{k}" for k in range(1, 8)), images_at_markers=True),
     "columns": BenchmarkFormat({}),
 }
 
@@ -171,14 +190,18 @@ def benchmark_record(row: dict, fmt: BenchmarkFormat, columns: dict[str, str], *
     if verifier == "auto":
         verifier = fmt.choice_verifier if choices else fmt.free_verifier
     _refuse_empty_reference(answer, verifier, columns["answer"])
-    problem = _PLACEHOLDER.sub("", question).strip()
-    if choices and fmt.append_options:
-        problem = f"{problem}\n{format_options(choices)}"
     image_cols = (columns["images"],) if "images" in columns else fmt.image_columns
-    images = [_image_ref(v, root) for col in image_cols for v in _as_list(row.get(col))]
-    content: list[dict] = [{"type": "image", "image": im} for im in images]
-    content.append({"type": "text", "text": template.format(problem=problem)})
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    if fmt.images_at_markers:
+        problem, content = _images_at_markers(row, question, choices if fmt.append_options else [], image_cols,
+                                              template, root)
+    else:
+        problem = _PLACEHOLDER.sub("", question).strip()
+        if choices and fmt.append_options:
+            problem = f"{problem}\n{format_options(choices)}"
+        images = [_image_ref(v, root) for col in image_cols for v in _as_list(row.get(col))]
+        content = [{"type": "image", "image": im} for im in images]
+        content.append({"type": "text", "text": template.format(problem=problem)})
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages += [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]
     meta: dict[str, Any] = {"answer": answer, "problem": problem, "verifier": verifier}
     if choices:
@@ -191,6 +214,47 @@ def benchmark_record(row: dict, fmt: BenchmarkFormat, columns: dict[str, str], *
     if precision is not None:
         meta["precision"] = precision
     return Record(messages, source, index, meta)
+
+
+def _numbered_images(row: dict, image_cols: tuple[str, ...]) -> list[tuple[str, Any]]:
+    """(where, value) of image 1, 2, ...: one per column (MMMU's image_1 ... image_7, null when unused), or the
+    entries of a single images column (`columns.images`)."""
+    if len(image_cols) == 1:
+        return [(f"{image_cols[0]}[{k}]", v) for k, v in enumerate(_as_list(row.get(image_cols[0])))]
+    return [(col, row.get(col)) for col in image_cols]
+
+
+def _images_at_markers(row: dict, question: str, choices: list[str], image_cols: tuple[str, ...], template: str,
+                       root: Path) -> tuple[str, list[dict]]:
+    """(problem, user-turn content) of a row whose text names its images: the prompt with image k in place of each
+    "<image k>" of the question and the options (named twice: given twice, as VLMEvalKit and lmms-eval's
+    interleaved mode give it), the images no marker names first, in column order. The problem keeps the markers."""
+    numbered = _numbered_images(row, image_cols)
+    problem = _PLACEHOLDER.sub(lambda m: m.group(0) if _NUMBERED.fullmatch(m.group(0)) else "", question).strip()
+    if choices:
+        problem = f"{problem}\n{format_options(choices)}"
+    problem = problem.replace("\x00", "")
+    named: set[int] = set()
+
+    def slot(m: re.Match) -> str:
+        k = int(m.group(1))
+        if not 1 <= k <= len(numbered) or numbered[k - 1][1] is None:
+            where = f"{numbered[k - 1][0]} is empty" if 1 <= k <= len(numbered) else f"it has {len(numbered)} images"
+            raise BadRecordError("invalid_record", f"the text names {m.group(0)!r}, but the row has no such image "
+                                                   f"({where})")
+        named.add(k)
+        return f"\x00{k}\x00"
+
+    parts = _SLOT.split(template.format(problem=_NUMBERED.sub(slot, problem)))
+    content: list[dict] = [{"type": "image", "image": _image_ref(v, root)}
+                           for k, (_, value) in enumerate(numbered, 1) if k not in named for v in _as_list(value)]
+    refs = {k: _image_ref(numbered[k - 1][1], root) for k in sorted(named)}
+    for j, part in enumerate(parts):
+        if j % 2:
+            content.append({"type": "image", "image": refs[int(part)]})
+        elif part:
+            content.append({"type": "text", "text": part})
+    return problem, content
 
 
 def _precision(row: dict, columns: dict[str, str]) -> Optional[int]:
@@ -249,10 +313,14 @@ class BenchmarkRecords:
         return self.rows.locate(i)
 
     def identity(self) -> dict:
-        """What the records depend on (the length cache's key): files, mapping, prompt and count."""
-        return {"files": self.rows.identity(), "columns": self.columns, "template": self.template,
-                "system": self.system_prompt, "verifier": self.verifier, "n": self._n,
-                "image_root": str(self.image_root.resolve()) if self.image_root else None}
+        """What the records depend on (the length cache's key, a kept eval result's fingerprint): files, mapping,
+        prompt, count, and for mmmu the images-at-markers layout (a cache made when every image went first differs)."""
+        out = {"files": self.rows.identity(), "columns": self.columns, "template": self.template,
+               "system": self.system_prompt, "verifier": self.verifier, "n": self._n,
+               "image_root": str(self.image_root.resolve()) if self.image_root else None}
+        if self.fmt.images_at_markers:  # a length cache or kept result of the images-first layout is not for these
+            out["images_at_markers"] = True
+        return out
 
     def get(self, i: int) -> Record:
         source, index = self.rows.locate(i)

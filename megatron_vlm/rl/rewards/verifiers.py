@@ -101,6 +101,9 @@ _LETTER_FORMS = (
     re.compile(r"^([a-z])$"),  # a lone lower-case letter
 )
 # a reason after the chosen letter ("B, because ...", "B. Since ...", "B, 5 cm, as ..."): not part of the option's text
+_IMAGE_OPTION = re.compile(r"\s*<image\s*\d*>\s*", re.IGNORECASE)
+"""An option that is a picture (MMMU's options "<image 2>", shown to the model at that place): its text is no
+words a completion could repeat, so what follows the letter describes the picture and is not compared."""
 _REASON = re.compile(r"(?:^|[,;]\s*)(?:because|since|as(?!\s+well\b)|given|due\s+to|so|hence|thus|therefore)\b.*$",
                      re.IGNORECASE | re.DOTALL)
 
@@ -156,9 +159,10 @@ def _choice_letter(text: str, letters: str, options: Mapping[str, str]) -> Optio
             if tail:  # "B, because ...": the letter is the answer; "B, 5 cm, since ...": the option's text is left
                 tail = _REASON.sub("", tail.strip()).strip()
             # "B. 5 cm": when the option text is also given it must be that option's text (or value: "B. 5"); any
-            # other text after the letter ("B, C and D are wrong") is prose about the options, not a choice
-            if tail and letter in options and normalize_text(tail) != normalize_text(options[letter]) \
-                    and not math_equal(tail, options[letter]):
+            # other text after the letter ("B, C and D are wrong") is prose about the options, not a choice. An
+            # option that is a picture has no text to repeat: "B. The second shape" chooses B
+            if tail and letter in options and not _IMAGE_OPTION.fullmatch(options[letter]) \
+                    and normalize_text(tail) != normalize_text(options[letter]) and not math_equal(tail, options[letter]):
                 return None
             return letter
     norm = normalize_text(t)

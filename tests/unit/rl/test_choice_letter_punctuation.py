@@ -47,3 +47,20 @@ CASES = [
 def test_letter_then_comma_or_semicolon(completion, selected):
     scores = {letter: choice_reward(completion, letter, metadata=CHOICES) for letter in "ABCD"}
     assert scores == {letter: float(letter == selected) for letter in "ABCD"}
+
+
+IMAGE_CHOICES = {"choices": ["<image 2>", "<image 3>", "<image 4>", "<image 5>"]}  # MMMU: each option is a picture
+
+
+@pytest.mark.parametrize("completion", ["B. The second shape", "The answer is B, the triangle.", "(B) the red one",
+                                        "B", "Answer: B"])
+def test_a_letter_then_words_about_a_picture_option_chooses_it(completion):
+    """An option that is a picture ("<image 3>", shown at its place in the prompt) has no text a completion could
+    repeat: the words after the letter describe the picture, as MMMU's own answer parser reads "B. <words>" as B."""
+    assert choice_reward(completion, "B", metadata=IMAGE_CHOICES) == 1.0
+    assert choice_reward(completion, "A", metadata=IMAGE_CHOICES) == 0.0
+
+
+def test_text_options_still_compare_the_words_after_the_letter():
+    assert choice_reward("B. The second shape", "B", metadata=CHOICES) == 0.0
+    assert choice_reward("B. 42", "B", metadata=CHOICES) == 1.0

@@ -257,7 +257,7 @@ class VLLMRolloutEngine(RolloutEngine):
         t0 = time.perf_counter()
         self._owns_process_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         # the CPU tensor-parallel communicator's shared memory: names of this engine's own, released at close
-        with unique_cpu_shm_names(device.type == "cpu" and cfg.tensor_parallel_size > 1) as self._shm_names:
+        with unique_cpu_shm_names(device.type == "cpu" and cfg.tensor_parallel_size > 1) as self._shm_segments:
             self.llm = LLM(**kwargs)
         self.llm.collective_rpc(_record_ties)
         self._tp_group = _tp_cpu_group() if cfg.tensor_parallel_size > 1 else None
@@ -567,7 +567,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 destroy_distributed_environment()
             else:
                 _forget_vllm_world()
-            release_cpu_shm(self._shm_names)
+            release_cpu_shm(self._shm_segments)
 
     # ------------------------------------------------------------------ memory
     def release_memory(self) -> None:

@@ -232,7 +232,7 @@ def _stop_part(tmp: Path, rank: int) -> None:
     finally:
         if decoy is not None:
             _posixshmem.shm_unlink(decoy)
-    segments = list(engine._shm_names)
+    segments = engine._shm_segments.names
     assert len(segments) == 1 and all(Path("/dev/shm", s).exists() for s in segments), segments
     step, steps = engine.llm.llm_engine.step, [0]
 

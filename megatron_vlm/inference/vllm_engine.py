@@ -35,7 +35,9 @@ then agrees with the other ranks to abandon the step (rl/rounds.py). Independent
 tensor-parallel size 1) leave alone. The ranks of one tensor-parallel engine step together (a collective in every
 forward), so they must leave at the same step: with a check, each step begins with one all-reduce (MAX) of the
 ranks' stop bits on vLLM's gloo group of the tensor-parallel ranks (no device sync), and every rank leaves at the
-step where any said stop. What one engine step does is not cut short.
+step where any said stop. What one engine step does is not cut short. On the CPU the ranks' all-reduces go through
+shared-memory segments that vLLM names by the tensor-parallel group only: each engine's get names of their own and
+are unlinked when it closes (vllm_cpu_shm.py), so engines one after another, or side by side on a host, can start.
 
 Weight pushes during a `generate` (asynchronous GRPO, `paused()` from another thread): decoding stops
 at the next engine step, the new weights go in, and the requests in flight are preempted with the
@@ -68,6 +70,8 @@ from megatron_vlm.inference.engine import (
     SamplingParams,
 )
 from megatron_vlm.inference.stopping import VLLM_STOP_OPTIONS, StopChecker
+from megatron_vlm.inference.vllm_cpu_shm import release as release_cpu_shm
+from megatron_vlm.inference.vllm_cpu_shm import unique_cpu_shm_names
 
 if TYPE_CHECKING:  # the [rl.vllm] table (rl/config.py); rl imports this package, never the other way round
     from megatron_vlm.rl.config import VLLMConfig
@@ -252,7 +256,9 @@ class VLLMRolloutEngine(RolloutEngine):
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.sleep_mode)
         t0 = time.perf_counter()
         self._owns_process_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
-        self.llm = LLM(**kwargs)
+        # the CPU tensor-parallel communicator's shared memory: names of this engine's own, released at close
+        with unique_cpu_shm_names(device.type == "cpu" and cfg.tensor_parallel_size > 1) as self._shm_segments:
+            self.llm = LLM(**kwargs)
         self.llm.collective_rpc(_record_ties)
         self._tp_group = _tp_cpu_group() if cfg.tensor_parallel_size > 1 else None
         self.asleep = False
@@ -353,23 +359,37 @@ class VLLMRolloutEngine(RolloutEngine):
             self._lock.acquire()
         return True
 
-    def give_up_at_step(self, give_up: Optional[Callable[[], bool]], steps: int) -> None:
+    def give_up_at_step(self, give_up: Optional[Callable[[], bool]], steps: int, *, finished: bool = False) -> None:
         """At an engine-step boundary of a loop inside `generating()`, before the step: `WaitAbandoned` ("generation")
         when the call is given up for a stop (`give_up`: its `Patience`; None: never). With tensor_parallel_size > 1
         every rank of the engine asks at every step and all leave at the same one (module docstring): a rank that left
-        alone would leave the others waiting in the next forward's collective. The caller aborts its requests."""
+        alone would leave the others waiting in the next forward's collective. The caller aborts its requests.
+        `finished`: the loop's last agreement, after its last step (a loop that waits between steps, vllm_multiturn.py):
+        this rank's call is done and does not stop, but leaves with a rank that gave a wait up (`leave_together`)."""
         if give_up is None:
             return
-        stopping = give_up()
-        agreed = stopping
-        if self._tp_group is not None:
-            flag = torch.tensor([int(stopping)], dtype=torch.int64)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._tp_group)
-            agreed = bool(flag.item())
-        if agreed:
+        stopping = not finished and give_up()
+        if self._agree_to_stop(stopping):
             raise WaitAbandoned(f"generation given up after {steps} engine steps: the rank is stopping" if stopping else
                                 "generation given up: another rank of the tensor-parallel engine is stopping",
                                 waited_for="generation")
+
+    def leave_together(self) -> None:
+        """This rank gave up a wait of a generation loop between engine steps (a multi-turn rollout's environments:
+        `WaitAbandoned`) or before its first step, and leaves the loop: with tensor_parallel_size > 1 it first joins
+        the other ranks' next agreement (`give_up_at_step`: at their next step, or their loop's last agreement) saying
+        stop, so that they leave too instead of waiting in the next forward's collective. Only for a loop given a stop
+        check (the other ranks agree only then). The caller raises its `WaitAbandoned`."""
+        self._agree_to_stop(True)
+
+    def _agree_to_stop(self, stopping: bool) -> bool:
+        """Whether any rank of this tensor-parallel engine stops (one all-reduce on vLLM's gloo group of its ranks);
+        `stopping` alone for an engine of one rank."""
+        if self._tp_group is None:
+            return stopping
+        flag = torch.tensor([int(stopping)], dtype=torch.int64)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._tp_group)
+        return bool(flag.item())
 
     def add_request(self, engine, request_id: str, p: RolloutPrompt, params: SamplingParams, seed: Optional[int]) -> None:
         """Submit `p` to `engine` (from `generating()`) with its images / videos (`_request`), sampled by `params`,
@@ -547,6 +567,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 destroy_distributed_environment()
             else:
                 _forget_vllm_world()
+            release_cpu_shm(self._shm_segments)
 
     # ------------------------------------------------------------------ memory
     def release_memory(self) -> None:

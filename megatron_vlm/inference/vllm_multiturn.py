@@ -31,7 +31,10 @@ An interrupted conversation ends with finish reason "interrupted" (not trained).
 
 A stop signal (`generate(..., abandon=check)`): the single-turn back end's rule (`VLLMRolloutEngine.give_up_at_step`,
 the built-in loop's: between engine steps, `WaitAbandoned` "generation" once the check has said stop for
-`ABANDON_GRACE_S`), the requests in flight aborted; the environment's own waits ask the check through `source`.
+`ABANDON_GRACE_S`), the requests in flight aborted; the environment's own waits ask the check through `source`. The
+ranks of a tensor-parallel engine agree at every step, so a rank that gave up an environment wait (between two
+steps: its `WaitAbandoned`) says stop at the others' next agreement before it leaves (`leave_together`); a loop
+that ends agrees once more after its last step, so a rank whose requests all ended still leaves with it.
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_vlm.abandon import Patience
+from megatron_vlm.abandon import Patience, WaitAbandoned
 from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
 from megatron_vlm.inference.multiturn import (
     MultiTurnLimits,
@@ -165,8 +168,13 @@ class VLLMMultiTurnRollout(MultiTurnRollout):
                     done.append(turn.conv)
             if to_env:
                 self.stats["env_calls"] += 1
-                replies = source.step([(c.index, c.index // n, c.turn_texts[-1], list(c.turn),
-                                       limits.max_total_tokens - len(c.prompt) - len(c.ids) - 1) for c in to_env])
+                try:
+                    replies = source.step([(c.index, c.index // n, c.turn_texts[-1], list(c.turn),
+                                           limits.max_total_tokens - len(c.prompt) - len(c.ids) - 1) for c in to_env])
+                except WaitAbandoned:  # this rank gave the environments up: the engine's other ranks leave with it
+                    if give_up is not None:
+                        e.leave_together()
+                    raise
                 for c, r in zip(to_env, replies):
                     chunk = self._on_reply(c, r, limits)
                     c.turn = []
@@ -177,6 +185,13 @@ class VLLMMultiTurnRollout(MultiTurnRollout):
                     self.images[c.index] += list(chunk.images)
                     self.videos[c.index] += list(chunk.videos)
                     self._submit(engine, c, params, limits, live)  # its next turn, at once
+        # a rank of a tensor-parallel engine that gave its environments up after this rank's last step leaves with it
+        e.give_up_at_step(give_up, int(self.stats["engine_steps"]), finished=True)
+
+    def leave_together(self) -> None:
+        """This rank gave up a wait before the loop (the environments' reset: rl/env/rollout.py) and will not run it: the
+        other ranks of a tensor-parallel engine leave at their loop's first step (`VLLMRolloutEngine.leave_together`)."""
+        self.engine.leave_together()
 
     # ------------------------------------------------------------------ requests
     def _submit(self, engine: Any, c: _Conv, params: SamplingParams, limits: MultiTurnLimits,

@@ -19,6 +19,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Optional, cast
 
+from megatron_vlm.abandon import WaitAbandoned
 from megatron_vlm.inference.engine import RolloutResult, RolloutSample, SamplingParams
 from megatron_vlm.inference.multiturn import MultiTurnLimits, MultiTurnRollout, Trajectory
 from megatron_vlm.rl.env.config import RLEnvConfig
@@ -159,13 +160,19 @@ class MultiTurnRounds:
             return RolloutResult(samples=[]), []
         prompts = shard.prompts[:real]
         messages = [self.prompt_encoder_messages(s) for s in shard.samples]
-        session = EnvSession(self.runner, self.turns, name=self.cfg.name, kwargs=self.cfg.kwargs,
-                             samples=[env_sample(s, p) for s, p in zip(shard.samples, prompts)], histories=messages,
-                             n=params.n, eos_token_ids=self.eos, tools=self.tools, limits=self.media,
-                             tool_timeout_s=self.cfg.tool_deadline_s(), turn_timeout_s=self.cfg.turn_timeout_s,
-                             abandon=abandon)
         # a stop while generating: the built-in loop gives up between decode steps too
         gen_wait = {"abandon": abandon} if abandon is not None and getattr(self.rollout, "takes_abandon", False) else {}
+        try:
+            session = EnvSession(self.runner, self.turns, name=self.cfg.name, kwargs=self.cfg.kwargs,
+                                 samples=[env_sample(s, p) for s, p in zip(shard.samples, prompts)], histories=messages,
+                                 n=params.n, eos_token_ids=self.eos, tools=self.tools, limits=self.media,
+                                 tool_timeout_s=self.cfg.tool_deadline_s(), turn_timeout_s=self.cfg.turn_timeout_s,
+                                 abandon=abandon)
+        except WaitAbandoned:  # the resets given up on this rank: a tensor-parallel engine's other ranks leave with it
+            leave = getattr(self.rollout, "leave_together", None)
+            if gen_wait and leave is not None:
+                leave()
+            raise
         trajs = self.rollout.generate(prompts, params, session, self.limits, seed=seed, **gen_wait)
         session.settle(trajs)
         self.errors += session.errors

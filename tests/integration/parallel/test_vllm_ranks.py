@@ -15,13 +15,18 @@ our training forward on an unsharded copy of the same weights.
   heads), both ranks sending all prompts: greedy tokens equal the built-in engine's, sampled log-probs equal
   the training forward's within 1e-4, and both ranks get the same completions;
 - a stop signal seen by one rank of a tensor-parallel engine: both ranks give the call up before the same engine
-  step (no rank left in a forward's collective), both engines empty and generating together after.
+  step (no rank left in a forward's collective), both engines empty and generating together after; likewise a
+  multi-turn rollout whose environment wait one rank gave up; the engine starts beside a segment left at the
+  name vLLM's CPU communicator uses, and unlinks its own at close.
 """
 from __future__ import annotations
 
+import faulthandler
 import importlib.util
+import os
 import re
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -167,12 +172,49 @@ def test_vllm_engines_on_two_ranks_and_tensor_parallel_2(tmp_path):
     spawn(tmp_path, _ranks_part, world=2)
 
 
+class _GivesUpOnRank0:
+    """A multi-turn environment whose first step's wait rank 0 gives up (its stop check, not yet agreed: the env
+    pool's `WaitAbandoned`) while rank 1's environments answer: a short user turn, then done."""
+
+    def __init__(self, rank: int, reply_ids: list[int]):
+        self.rank, self.reply_ids, self.calls = rank, reply_ids, 0
+
+    def step(self, items):
+        from megatron_vlm.abandon import WaitAbandoned
+        from megatron_vlm.inference.multiturn import TurnChunk, TurnReply
+
+        self.calls += 1
+        if self.rank == 0:
+            raise WaitAbandoned.of(len(items), "environments")
+        if self.calls > 1:
+            return [TurnReply(done=True) for _ in items]
+        return [TurnReply(chunk=TurnChunk(input_ids=torch.tensor(self.reply_ids))) for _ in items]
+
+
+def _decoy_segment(rank: int) -> Optional[str]:
+    """The shared-memory segment vLLM's CPU communicator names for this rank of the tp group [0, 1] (its identifier
+    is empty under the external launcher), as a crashed engine or another job's would leave it; None if one is there
+    already (another run's: it blocks the same way and is not ours to remove)."""
+    import _posixshmem
+
+    name = f"/-tp:0-[0-1]-cpushm_{rank}"
+    try:
+        os.close(_posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600))
+    except FileExistsError:
+        return None
+    return name
+
+
 def _stop_part(tmp: Path, rank: int) -> None:
     """One engine sharded over both ranks; only rank 0's stop check says stop (its signal, not yet agreed)."""
+    import _posixshmem
+
     from megatron_vlm import abandon
     from megatron_vlm.abandon import WaitAbandoned
     from megatron_vlm.data.processor import load_processor
     from megatron_vlm.inference.engine import RolloutPrompt, SamplingParams
+    from megatron_vlm.inference.multiturn import MultiTurnLimits
+    from megatron_vlm.inference.vllm_multiturn import VLLMMultiTurnRollout
     from megatron_vlm.parallel.collectives import all_gather_objects
     from megatron_vlm.testing.synthesize import synthesize_model_folder
 
@@ -184,7 +226,14 @@ def _stop_part(tmp: Path, rank: int) -> None:
     model, _ = _trainer_and_reference(folder)
     tok = load_processor(str(folder)).tokenizer
     prompts = [RolloutPrompt(input_ids=torch.tensor(tok(t)["input_ids"], dtype=torch.long)) for t in TEXTS]
-    engine = _engine(folder, model, tp=2)
+    decoy = _decoy_segment(rank)  # a segment left at vLLM's own name does not stop this engine (vllm_cpu_shm.py)
+    try:
+        engine = _engine(folder, model, tp=2)
+    finally:
+        if decoy is not None:
+            _posixshmem.shm_unlink(decoy)
+    segments = engine._shm_segments.names
+    assert len(segments) == 1 and all(Path("/dev/shm", s).exists() for s in segments), segments
     step, steps = engine.llm.llm_engine.step, [0]
 
     def counted():
@@ -193,33 +242,47 @@ def _stop_part(tmp: Path, rank: int) -> None:
 
     engine.llm.llm_engine.step = counted
     long = SamplingParams(max_new_tokens=200, n=2, temperature=1.0)
+    faulthandler.dump_traceback_later(240, exit=True)  # a rank left in a collective hangs: fail instead
     try:
         engine.load_weights(None, version=1)
         with pytest.raises(WaitAbandoned) as e:
             engine.generate(prompts, long, generator=torch.Generator().manual_seed(3),
                             abandon=lambda: rank == 0 and steps[0] >= 3)
         left = (steps[0], str(e.value), engine.llm.llm_engine.has_unfinished_requests())
+        # a multi-turn rollout whose environment wait rank 0 gives up between two engine steps: both ranks leave
+        # (every turn may end on one of many ids, so the environments are called after a few steps)
+        engine.eos_token_ids = list(range(0, len(tok), 3))
+        source = _GivesUpOnRank0(rank, tok("ok")["input_ids"])
+        with pytest.raises(WaitAbandoned) as mt:
+            VLLMMultiTurnRollout(engine, tokenizer=tok).generate(
+                prompts, SamplingParams(max_new_tokens=8, n=1, temperature=1.0), source,
+                MultiTurnLimits(max_turns=3, max_total_tokens=200), seed=1, abandon=lambda: False)
+        env_left = (source.calls, mt.value.waited_for, engine.llm.llm_engine.has_unfinished_requests())
         # both ranks step on together afterwards (a rank left behind would hang in this call's forwards)
         after = engine.generate(prompts, SamplingParams(max_new_tokens=4, n=1, temperature=0.0), abandon=lambda: False)
     finally:
         engine.llm.llm_engine.step = step
         engine.close()
-    both = all_gather_objects((left, [s.token_ids.tolist() for s in after.samples]))
+    faulthandler.cancel_dump_traceback_later()
+    assert not any(Path("/dev/shm", s).exists() for s in segments)  # released at close, not at process exit
+    both = all_gather_objects((left, [s.token_ids.tolist() for s in after.samples], env_left))
     assert [b[0][0] for b in both] == [3, 3], both  # every rank left before its 4th step
     assert "after 3 engine steps: the rank is stopping" in both[0][0][1]
     assert "another rank of the tensor-parallel engine is stopping" in both[1][0][1]
     assert not both[0][0][2] and not both[1][0][2]
     assert both[0][1] == both[1][1] and len(both[0][1]) == len(TEXTS)
+    assert both[0][2] == (1, "environments", False), both  # rank 0: its own wait given up
+    assert both[1][2][0] >= 1 and both[1][2][1:] == ("generation", False), both  # rank 1: left with it, engine empty
 
 
-# two processes, one vLLM engine over both: ~60 s. Heavy: run right after this file's other tensor-parallel engine
-# in one CI session it can meet that engine's CPU shared-memory segment (vLLM names it by the tp group only: "create
-# shm ... errno 17"); passes alone and on a clean /dev/shm
-@pytest.mark.heavy
+# two processes, one vLLM engine over both: 23 s in the CI stage at load 2-3, ~45 s alone at load ~5
 def test_a_stop_on_one_rank_of_a_tensor_parallel_engine_stops_every_rank_at_the_same_step(tmp_path):
     """rl.vllm.tensor_parallel_size = 2 and a stop signal that only rank 0 has seen yet: the engine's ranks agree at
     every engine step (`give_up_at_step`), so both give the call up before the same step instead of rank 0 leaving
-    alone and rank 1 waiting in the next forward's collective; both engines are empty and generate together after."""
+    alone and rank 1 waiting in the next forward's collective; both engines are empty and generate together after.
+    The same for a multi-turn rollout whose environment wait only rank 0 gives up (`leave_together`). The engine
+    starts though a shared-memory segment is left at the name vLLM's CPU communicator would use, and removes its own
+    segment when it closes."""
     from tests.integration.parallel.spawn import spawn
 
     spawn(tmp_path, _stop_part, world=2)

@@ -144,17 +144,16 @@ def test_a_non_finite_behaviour_logprob_is_refused(vqa, tmp_path, monkeypatch):
 
 def test_a_turn_batch_deadline_bounds_a_turn_of_many_hanging_environments():
     """rl.env.batch_timeout_s: four hanging environments on one worker would take 4 x turn_timeout_s (12 s) in turn;
-    under a 1.5 s batch deadline the turn returns within a few seconds, every call an error reply (env_error)."""
-    import time
-
+    under a 1.5 s batch deadline the turn ends at the deadline, every call an error reply (env_error): the one that
+    ran is cut at the deadline and the three queued behind it are never started (their replies say so; timing is
+    not asserted, the test machine's load would decide it)."""
     with EnvWorkerPool(num_workers=1, timeout_s=3.0, preload=PRELOAD, batch_timeout_s=1.5) as p:
         p.start()
         states = [p.run([EnvCall("reset", name=f"{FNS}:Hang")])[0].state for _ in range(4)]
-        t0 = time.perf_counter()
         replies = p.run([EnvCall("step", state=s, action="hi") for s in states])
-        took = time.perf_counter() - t0
-    assert all(r.error and r.result is None for r in replies), [r.error for r in replies]
-    assert took < 6.0, took
+    errors = [r.error for r in replies]
+    assert all(r.error and r.result is None for r in replies), errors
+    assert sum("batch deadline" in e and e.endswith("(not started)") for e in errors) == 3, errors
 
 
 def test_batch_timeout_needs_the_sandbox():

@@ -48,12 +48,11 @@ def test_batch_deadline_bounds_a_batch_of_hanging_calls():
     calls = [RewardCall("custom", "hang", "", function=f"{FNS}.hang") for _ in range(4)]
     with RewardWorkerPool(num_workers=1, timeout_s=2.0, batch_timeout_s=3.0) as pool:
         pool.map([RewardCall("custom", "ok", "", function=f"{FNS}.hang")])  # started and warm
-        t0 = time.monotonic()
         res = pool.map(calls)
-        elapsed = time.monotonic() - t0
         assert [r.status for r in res] == ["timeout"] * 4
-        assert "batch deadline" in res[-1].detail
-        assert elapsed < 6.0, elapsed  # per-call limits alone: 4 x 2 s
+        # per-call limits alone would run all four in turn (4 x 2 s); under the 3 s deadline the last is never
+        # started (what bounds the batch; its wall time is left to the load of the test machine)
+        assert "batch deadline" in res[-1].detail and res[-1].detail.endswith("(not started)"), res[-1].detail
         assert pool.map([RewardCall("custom", "ok", "", function=f"{FNS}.hang")])[0].status == "ok"
 
 

@@ -35,7 +35,8 @@ then agrees with the other ranks to abandon the step (rl/rounds.py). Independent
 tensor-parallel size 1) leave alone. The ranks of one tensor-parallel engine step together (a collective in every
 forward), so they must leave at the same step: with a check, each step begins with one all-reduce (MAX) of the
 ranks' stop bits on vLLM's gloo group of the tensor-parallel ranks (no device sync), and every rank leaves at the
-step where any said stop. What one engine step does is not cut short. On the CPU the ranks' all-reduces go through
+step where any said stop. What one engine step does is not cut short. A rank that fails between two steps of a
+multi-turn loop (vllm_multiturn.py) says so at the same agreement, and every rank raises `RankFailed` with it. On the CPU the ranks' all-reduces go through
 shared-memory segments that vLLM names by the tensor-parallel group only: each engine's get names of their own and
 are unlinked when it closes (vllm_cpu_shm.py), so engines one after another, or side by side on a host, can start.
 
@@ -76,7 +77,15 @@ from megatron_vlm.inference.vllm_cpu_shm import unique_cpu_shm_names
 if TYPE_CHECKING:  # the [rl.vllm] table (rl/config.py); rl imports this package, never the other way round
     from megatron_vlm.rl.config import VLLMConfig
 
-__all__ = ["VLLMRolloutEngine", "vllm_importable", "collapse_placeholders", "video_item"]
+__all__ = ["RankFailed", "VLLMRolloutEngine", "vllm_importable", "collapse_placeholders", "video_item"]
+
+_GO, _STOP, _FAILED = 0, 1, 2
+"""What a rank says at a tensor-parallel engine's step agreement (the MAX of the ranks' words wins)."""
+
+
+class RankFailed(RuntimeError):
+    """Another rank of this tensor-parallel engine failed inside the generation loop and left it (its own error is in
+    its log): this rank leaves at the same agreement instead of waiting for it in the next forward's collective."""
 
 log = logging.getLogger("megatron_vlm")
 
@@ -361,35 +370,47 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def give_up_at_step(self, give_up: Optional[Callable[[], bool]], steps: int, *, finished: bool = False) -> None:
         """At an engine-step boundary of a loop inside `generating()`, before the step: `WaitAbandoned` ("generation")
-        when the call is given up for a stop (`give_up`: its `Patience`; None: never). With tensor_parallel_size > 1
-        every rank of the engine asks at every step and all leave at the same one (module docstring): a rank that left
-        alone would leave the others waiting in the next forward's collective. The caller aborts its requests.
-        `finished`: the loop's last agreement, after its last step (a loop that waits between steps, vllm_multiturn.py):
-        this rank's call is done and does not stop, but leaves with a rank that gave a wait up (`leave_together`)."""
+        when the call is given up for a stop (`give_up`: its `Patience`; None: never, and no agreement). With
+        tensor_parallel_size > 1 every rank of the engine asks at every step and all leave at the same one (module
+        docstring): a rank that left alone would leave the others waiting in the next forward's collective; `RankFailed`
+        when another rank failed (`leave_together(failed=True)`). The caller aborts its requests. `finished`: the loop's
+        last agreement, after its last step (a loop that waits between steps, vllm_multiturn.py): this rank's call is
+        done and does not stop, but leaves with a rank that gave a wait up or failed (`leave_together`). An error raised
+        here carries `left_together` (the rank has nothing more to tell the others)."""
         if give_up is None:
             return
         stopping = not finished and give_up()
-        if self._agree_to_stop(stopping):
-            raise WaitAbandoned(f"generation given up after {steps} engine steps: the rank is stopping" if stopping else
+        said = self._agree(_STOP if stopping else _GO)
+        if said == _FAILED:
+            err: BaseException = RankFailed(f"vLLM rollout: generation stopped after {steps} engine steps: another rank of "
+                                            "the tensor-parallel engine failed (its error is in that rank's log)")
+        elif said == _STOP:
+            err = WaitAbandoned(f"generation given up after {steps} engine steps: the rank is stopping" if stopping else
                                 "generation given up: another rank of the tensor-parallel engine is stopping",
                                 waited_for="generation")
+        else:
+            return
+        err.left_together = True  # type: ignore[attr-defined]
+        raise err
 
-    def leave_together(self) -> None:
+    def leave_together(self, *, failed: bool = False) -> None:
         """This rank gave up a wait of a generation loop between engine steps (a multi-turn rollout's environments:
-        `WaitAbandoned`) or before its first step, and leaves the loop: with tensor_parallel_size > 1 it first joins
-        the other ranks' next agreement (`give_up_at_step`: at their next step, or their loop's last agreement) saying
-        stop, so that they leave too instead of waiting in the next forward's collective. Only for a loop given a stop
-        check (the other ranks agree only then). The caller raises its `WaitAbandoned`."""
-        self._agree_to_stop(True)
+        `WaitAbandoned`), or failed there (`failed`: an exception of its environment runner, its records, its own
+        checks), or before its first step, and leaves the loop: with tensor_parallel_size > 1 it first joins the other
+        ranks' next agreement (`give_up_at_step`: at their next step, or their loop's last agreement) saying stop (they
+        raise `WaitAbandoned`) or failed (`RankFailed`), so that they leave too instead of waiting in the next forward's
+        collective. Only for a loop given a stop check (the other ranks agree only then; the multi-turn loop always
+        gives one). The caller raises its own error."""
+        self._agree(_FAILED if failed else _STOP)
 
-    def _agree_to_stop(self, stopping: bool) -> bool:
-        """Whether any rank of this tensor-parallel engine stops (one all-reduce on vLLM's gloo group of its ranks);
-        `stopping` alone for an engine of one rank."""
+    def _agree(self, word: int) -> int:
+        """The MAX of the words of this tensor-parallel engine's ranks (`_GO`, `_STOP`, `_FAILED`: one all-reduce on
+        vLLM's gloo group of its ranks); `word` alone for an engine of one rank."""
         if self._tp_group is None:
-            return stopping
-        flag = torch.tensor([int(stopping)], dtype=torch.int64)
+            return word
+        flag = torch.tensor([int(word)], dtype=torch.int64)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._tp_group)
-        return bool(flag.item())
+        return int(flag.item())
 
     def add_request(self, engine, request_id: str, p: RolloutPrompt, params: SamplingParams, seed: Optional[int]) -> None:
         """Submit `p` to `engine` (from `generating()`) with its images / videos (`_request`), sampled by `params`,

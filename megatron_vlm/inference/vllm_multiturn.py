@@ -35,6 +35,13 @@ the built-in loop's: between engine steps, `WaitAbandoned` "generation" once the
 ranks of a tensor-parallel engine agree at every step, so a rank that gave up an environment wait (between two
 steps: its `WaitAbandoned`) says stop at the others' next agreement before it leaves (`leave_together`); a loop
 that ends agrees once more after its last step, so a rank whose requests all ended still leaves with it.
+
+An error on one rank only (its environment runner raised rather than answering with an error reply, a record or
+image of its own that fails, one of the loop's checks): the ranks agree at every step even without a stop check,
+and the failing rank says "failed" at the others' next agreement before its error leaves `generate`; they raise
+`RankFailed` there (vllm_engine.py), so every rank raises together instead of the others waiting in the next
+forward's collective. An environment's own failures (reset / step raised, hung, a bad observation) are no such
+error: the session answers them as error replies, the trajectory ends as "env_error" and the ranks stay in step.
 """
 from __future__ import annotations
 
@@ -58,6 +65,11 @@ from megatron_vlm.inference.multiturn import (
 from megatron_vlm.inference.stopping import StopChecker
 
 __all__ = ["VLLMMultiTurnRollout"]
+
+
+def _never() -> bool:
+    """The stop check of a call given none: the ranks still agree at every step (one may fail between two)."""
+    return False
 
 
 @dataclasses.dataclass
@@ -87,6 +99,7 @@ class VLLMMultiTurnRollout(MultiTurnRollout):
         self.stats: dict[str, float] = {}
         self.images: dict[int, list] = {}
         self.videos: dict[int, list] = {}
+        self._in_step = False
 
     takes_abandon = True
     """`generate` takes `abandon` (module docstring: a stop signal)."""
@@ -95,8 +108,19 @@ class VLLMMultiTurnRollout(MultiTurnRollout):
                  limits: MultiTurnLimits, *, seed: int = 0,
                  abandon: Optional[Callable[[], bool]] = None) -> list[Trajectory]:
         """The trajectories; `abandon`: the stop check, asked between engine steps (module docstring)."""
+        self._in_step = True  # until the loop's last agreement: an error of this rank is told to the others
+        try:
+            return self._generate_agreeing(prompts, params, source, limits, seed, abandon)
+        except (Exception, WaitAbandoned) as err:
+            if self._in_step and not getattr(err, "left_together", False):  # the engine's other ranks leave with it
+                self.engine.leave_together(failed=not isinstance(err, WaitAbandoned))
+            raise
+
+    def _generate_agreeing(self, prompts: Sequence[RolloutPrompt], params: SamplingParams, source: TurnSource,
+                           limits: MultiTurnLimits, seed: int, abandon: Optional[Callable[[], bool]]) -> list[Trajectory]:
         e = self.engine
-        give_up = Patience(abandon) if abandon is not None else None
+        # the ranks of a tensor-parallel engine agree at every step with or without a stop check (module docstring)
+        give_up = Patience(abandon) if abandon is not None else _never
         t0 = time.perf_counter()
         self.stats = {k: 0.0 for k in ("requests", "prompt_tokens", "cached_tokens", "engine_steps", "env_calls")}
         n, total = params.n, len(prompts) * params.n
@@ -168,13 +192,8 @@ class VLLMMultiTurnRollout(MultiTurnRollout):
                     done.append(turn.conv)
             if to_env:
                 self.stats["env_calls"] += 1
-                try:
-                    replies = source.step([(c.index, c.index // n, c.turn_texts[-1], list(c.turn),
-                                           limits.max_total_tokens - len(c.prompt) - len(c.ids) - 1) for c in to_env])
-                except WaitAbandoned:  # this rank gave the environments up: the engine's other ranks leave with it
-                    if give_up is not None:
-                        e.leave_together()
-                    raise
+                replies = source.step([(c.index, c.index // n, c.turn_texts[-1], list(c.turn),
+                                       limits.max_total_tokens - len(c.prompt) - len(c.ids) - 1) for c in to_env])
                 for c, r in zip(to_env, replies):
                     chunk = self._on_reply(c, r, limits)
                     c.turn = []
@@ -187,11 +206,13 @@ class VLLMMultiTurnRollout(MultiTurnRollout):
                     self._submit(engine, c, params, limits, live)  # its next turn, at once
         # a rank of a tensor-parallel engine that gave its environments up after this rank's last step leaves with it
         e.give_up_at_step(give_up, int(self.stats["engine_steps"]), finished=True)
+        self._in_step = False  # the other ranks have left the loop: nothing more to agree on
 
-    def leave_together(self) -> None:
-        """This rank gave up a wait before the loop (the environments' reset: rl/env/rollout.py) and will not run it: the
-        other ranks of a tensor-parallel engine leave at their loop's first step (`VLLMRolloutEngine.leave_together`)."""
-        self.engine.leave_together()
+    def leave_together(self, *, failed: bool = False) -> None:
+        """This rank gave up a wait before the loop (the environments' reset: rl/env/rollout.py), or failed there
+        (`failed`), and will not run it: the other ranks of a tensor-parallel engine leave at their loop's first step
+        (`VLLMRolloutEngine.leave_together`)."""
+        self.engine.leave_together(failed=failed)
 
     # ------------------------------------------------------------------ requests
     def _submit(self, engine: Any, c: _Conv, params: SamplingParams, limits: MultiTurnLimits,

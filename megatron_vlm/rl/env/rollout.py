@@ -159,19 +159,20 @@ class MultiTurnRounds:
         if real == 0:
             return RolloutResult(samples=[]), []
         prompts = shard.prompts[:real]
-        messages = [self.prompt_encoder_messages(s) for s in shard.samples]
         # a stop while generating: the built-in loop gives up between decode steps too
         gen_wait = {"abandon": abandon} if abandon is not None and getattr(self.rollout, "takes_abandon", False) else {}
         try:
+            messages = [self.prompt_encoder_messages(s) for s in shard.samples]
             session = EnvSession(self.runner, self.turns, name=self.cfg.name, kwargs=self.cfg.kwargs,
                                  samples=[env_sample(s, p) for s, p in zip(shard.samples, prompts)], histories=messages,
                                  n=params.n, eos_token_ids=self.eos, tools=self.tools, limits=self.media,
                                  tool_timeout_s=self.cfg.tool_deadline_s(), turn_timeout_s=self.cfg.turn_timeout_s,
                                  abandon=abandon)
-        except WaitAbandoned:  # the resets given up on this rank: a tensor-parallel engine's other ranks leave with it
+        except (Exception, WaitAbandoned) as err:  # the resets given up or failed on this rank (not an environment's
+            # own failure: an error reply), before the loop: a tensor-parallel engine's other ranks leave with it
             leave = getattr(self.rollout, "leave_together", None)
-            if gen_wait and leave is not None:
-                leave()
+            if leave is not None:
+                leave(failed=not isinstance(err, WaitAbandoned))
             raise
         trajs = self.rollout.generate(prompts, params, session, self.limits, seed=seed, **gen_wait)
         session.settle(trajs)

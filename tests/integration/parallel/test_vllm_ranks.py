@@ -191,6 +191,21 @@ class _GivesUpOnRank0:
         return [TurnReply(chunk=TurnChunk(input_ids=torch.tensor(self.reply_ids))) for _ in items]
 
 
+class _FailsOnRank1(_GivesUpOnRank0):
+    """The same environments, but rank 1's runner raises at its first step (an error of that rank only, not an error
+    reply) while rank 0's answer."""
+
+    def step(self, items):
+        from megatron_vlm.inference.multiturn import TurnChunk, TurnReply
+
+        self.calls += 1
+        if self.rank == 1:
+            raise RuntimeError("the runner broke on rank 1")
+        if self.calls > 1:
+            return [TurnReply(done=True) for _ in items]
+        return [TurnReply(chunk=TurnChunk(input_ids=torch.tensor(self.reply_ids))) for _ in items]
+
+
 def _decoy_segment(rank: int) -> Optional[str]:
     """The shared-memory segment vLLM's CPU communicator names for this rank of the tp group [0, 1] (its identifier
     is empty under the external launcher), as a crashed engine or another job's would leave it; None if one is there
@@ -258,6 +273,12 @@ def _stop_part(tmp: Path, rank: int) -> None:
                 prompts, SamplingParams(max_new_tokens=8, n=1, temperature=1.0), source,
                 MultiTurnLimits(max_turns=3, max_total_tokens=200), seed=1, abandon=lambda: False)
         env_left = (source.calls, mt.value.waited_for, engine.llm.llm_engine.has_unfinished_requests())
+        # an error on rank 1 only between two steps, no stop check: every rank raises at the same agreement
+        with pytest.raises(RuntimeError) as err:
+            VLLMMultiTurnRollout(engine, tokenizer=tok).generate(
+                prompts, SamplingParams(max_new_tokens=8, n=1, temperature=1.0), _FailsOnRank1(rank, source.reply_ids),
+                MultiTurnLimits(max_turns=3, max_total_tokens=200), seed=1)
+        failed = (type(err.value).__name__, str(err.value), engine.llm.llm_engine.has_unfinished_requests())
         # both ranks step on together afterwards (a rank left behind would hang in this call's forwards)
         after = engine.generate(prompts, SamplingParams(max_new_tokens=4, n=1, temperature=0.0), abandon=lambda: False)
     finally:
@@ -265,7 +286,7 @@ def _stop_part(tmp: Path, rank: int) -> None:
         engine.close()
     faulthandler.cancel_dump_traceback_later()
     assert not any(Path("/dev/shm", s).exists() for s in segments)  # released at close, not at process exit
-    both = all_gather_objects((left, [s.token_ids.tolist() for s in after.samples], env_left))
+    both = all_gather_objects((left, [s.token_ids.tolist() for s in after.samples], env_left, failed))
     assert [b[0][0] for b in both] == [3, 3], both  # every rank left before its 4th step
     assert "after 3 engine steps: the rank is stopping" in both[0][0][1]
     assert "another rank of the tensor-parallel engine is stopping" in both[1][0][1]
@@ -273,6 +294,8 @@ def _stop_part(tmp: Path, rank: int) -> None:
     assert both[0][1] == both[1][1] and len(both[0][1]) == len(TEXTS)
     assert both[0][2] == (1, "environments", False), both  # rank 0: its own wait given up
     assert both[1][2][0] >= 1 and both[1][2][1:] == ("generation", False), both  # rank 1: left with it, engine empty
+    assert both[1][3] == ("RuntimeError", "the runner broke on rank 1", False), both  # its own error
+    assert both[0][3][0] == "RankFailed" and "another rank" in both[0][3][1] and not both[0][3][2], both
 
 
 # two processes, one vLLM engine over both: 23 s in the CI stage at load 2-3, ~45 s alone at load ~5. Heavy (left out
@@ -284,7 +307,8 @@ def test_a_stop_on_one_rank_of_a_tensor_parallel_engine_stops_every_rank_at_the_
     """rl.vllm.tensor_parallel_size = 2 and a stop signal that only rank 0 has seen yet: the engine's ranks agree at
     every engine step (`give_up_at_step`), so both give the call up before the same step instead of rank 0 leaving
     alone and rank 1 waiting in the next forward's collective; both engines are empty and generate together after.
-    The same for a multi-turn rollout whose environment wait only rank 0 gives up (`leave_together`). The engine
+    The same for a multi-turn rollout whose environment wait only rank 0 gives up (`leave_together`), and for one
+    whose environment runner raises on rank 1 only, without a stop check (every rank raises together). The engine
     starts though a shared-memory segment is left at the name vLLM's CPU communicator would use, and removes its own
     segment when it closes."""
     from tests.integration.parallel.spawn import spawn

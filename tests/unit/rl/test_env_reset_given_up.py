@@ -1,7 +1,7 @@
-"""The environments' reset wait given up on one rank (its stop check: the env pool's `WaitAbandoned`) before the
-multi-turn loop starts: the rank must still join the loop's first agreement of a tensor-parallel vLLM engine, whose
-other ranks would otherwise wait for it there (`VLLMMultiTurnRollout.leave_together`); a loop without a stop check
-has no agreement to join."""
+"""The environments' reset wait given up on one rank (its stop check: the env pool's `WaitAbandoned`), or failed
+there (the runner itself raised), before the multi-turn loop starts: the rank must still join the loop's first
+agreement of a tensor-parallel vLLM engine, whose other ranks would otherwise wait for it there
+(`VLLMMultiTurnRollout.leave_together`; the loop agrees with or without a stop check)."""
 import pytest
 from multiturn_helpers import vqa_file
 
@@ -25,23 +25,32 @@ class _ResetGivenUp:
         raise WaitAbandoned.of(len(calls), "environments")
 
 
+class _RunnerBroke:
+    """An environment runner that raises itself (not an error reply: e.g. its pool could not start a worker)."""
+
+    def run(self, calls, *, abandon=None):
+        raise RuntimeError("the runner broke")
+
+
 class _Loop:
     """A multi-turn loop of a tensor-parallel engine: records `leave_together`; never asked to generate."""
 
     takes_abandon = True
 
     def __init__(self):
-        self.left = 0
+        self.left = []
 
-    def leave_together(self):
-        self.left += 1
+    def leave_together(self, *, failed=False):
+        self.left.append(failed)
 
     def generate(self, *a, **k):
         raise AssertionError("the loop runs after a reset given up")
 
 
-@pytest.mark.parametrize("abandon", [lambda: True, None])
-def test_a_reset_given_up_joins_the_loops_agreement(tmp_path, abandon):
+@pytest.mark.parametrize(("abandon", "runner", "error"), [
+    (lambda: True, _ResetGivenUp, "environment calls given up"), (None, _ResetGivenUp, "environment calls given up"),
+    (None, _RunnerBroke, "the runner broke")], ids=["given_up", "given_up_no_stop_check", "runner_raised"])
+def test_a_reset_given_up_joins_the_loops_agreement(tmp_path, abandon, runner, error):
     folder = synthesize_model_folder("tiny_qwen2_5_vl", tmp_path / "m", seed=0)
     model, proc = load_hf_model(str(folder)).eval(), load_processor(str(folder))
     samples = load_prompt_dataset(vqa_file(tmp_path / "vqa"), schema="messages").samples
@@ -49,9 +58,9 @@ def test_a_reset_given_up_joins_the_loops_agreement(tmp_path, abandon):
     prompts = [encoder.encode(s) for s in samples]
     engine = PolicyRolloutEngine(model, proc.tokenizer, EngineOptions(eos_token_ids={0}, max_num_seqs=3))
     rounds = MultiTurnRounds(RLEnvConfig(name="rl_env_fns_for_tests:RaiseOnReset", max_turns=2), engine, proc,
-                             max_total_tokens=4096, runner=_ResetGivenUp(), tools=[])
+                             max_total_tokens=4096, runner=runner(), tools=[])
     rounds.rollout = loop = _Loop()
-    with pytest.raises(WaitAbandoned, match="environment calls given up"):
+    with pytest.raises((WaitAbandoned, RuntimeError), match=error):
         rounds.generate(EncodedShard(samples, prompts), SamplingParams(max_new_tokens=4, n=2, temperature=1.0), seed=0,
                         **({"abandon": abandon} if abandon is not None else {}))
-    assert loop.left == (1 if abandon is not None else 0)
+    assert loop.left == [runner is _RunnerBroke]  # joined once: saying failed for an error, stop for a give-up

@@ -450,6 +450,8 @@ def apply_overrides(raw: dict, overrides: list[str], schema: Any = None) -> dict
             if node is not None and default is not NO_DEFAULT:
                 _drop_idle(node, steps, default, set_keys, removed)
             continue
+        if value == {} and isinstance(value, dict):  # `--set section={}`: the file's table back to its defaults
+            removed.add(tuple(steps))  # its keys are taken out: a later unset of one is no error
         node = _set_value(raw, steps, value, item)
         set_keys.add(tuple(steps))
         other = _either_key(steps)

@@ -37,6 +37,15 @@ def test_unset_a_run_length_composes_with_the_set_of_the_other_in_either_order()
         load_config(SFT, ["~train.max_steps"])  # the default is neither: the config's own refusal names it
 
 
+def test_an_unset_after_a_section_reset_to_its_defaults_is_no_error():
+    """`--set train={}` puts the section back to its defaults (the file's keys out), so a later unset of one of
+    them finds its intent met, as after a --set that dropped it; a key no section has is still refused."""
+    raw = apply_overrides(_raw(), ["optimizer={}", "~optimizer.lr"])
+    assert raw["optimizer"] == {}
+    with pytest.raises(ConfigError, match=r"^optimizer.lrr: unknown key"):
+        load_config_dict(_raw(), ["optimizer={}", "~optimizer.lrr"])
+
+
 def test_set_and_unset_apply_in_the_order_given():
     raw = apply_overrides(_raw(), ["~optimizer", "optimizer.lr=1e-3"])
     assert raw["optimizer"] == {"lr": 1e-3}  # the table afresh: the file's weight_decay is gone

@@ -2,24 +2,18 @@
 refused (exit 2) instead of silently doing the default."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.unit.launch_scripts import import_launch_script
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _launch(name: str):
-    sys.path.insert(0, str(REPO / "launch"))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.remove(str(REPO / "launch"))
-
 
 def test_convert_checkpoint_help_states_its_whole_first_sentence(capsys):
-    conv = _launch("convert_checkpoint")
+    conv = import_launch_script("convert_checkpoint")
     with pytest.raises(SystemExit) as e:
         conv.main(["--help"])
     assert e.value.code == 0
@@ -29,7 +23,7 @@ def test_convert_checkpoint_help_states_its_whole_first_sentence(capsys):
 
 
 def test_gen_config_reference_help_and_a_mistyped_option(capsys, monkeypatch):
-    gen = _launch("gen_config_reference")
+    gen = import_launch_script("gen_config_reference")
     monkeypatch.setattr(gen, "render", lambda: "RENDERED\n")  # never touch docs/ from a test
     monkeypatch.setattr(gen, "REFERENCE", Path("/nonexistent/config_reference.md"))
     with pytest.raises(SystemExit) as e:
@@ -49,7 +43,7 @@ def test_gen_config_reference_help_and_a_mistyped_option(capsys, monkeypatch):
 def test_evaluate_refuses_a_training_mode_from_the_command_line(mode, capsys):
     """launch/evaluate.py evaluates: a `--set train.mode=<training mode>` must not turn it into a training job
     (its own help says such a mode is refused); exit 2 naming the key, before the config is even read."""
-    ev = _launch("evaluate")
+    ev = import_launch_script("evaluate")
     with pytest.raises(SystemExit) as e:
         ev.main(["--config", "/nonexistent.toml", "--set", f"train.mode={mode}"])
     assert e.value.code == 2
@@ -65,7 +59,7 @@ def test_evaluate_refuses_a_training_mode_from_the_command_line(mode, capsys):
 def test_evaluate_refuses_a_training_mode_given_in_an_inline_train_table(capsys):
     """`--set 'train={mode="sft", ...}'` sets train.mode too (an inline table sets the keys it names): it turned
     launch/evaluate.py into a training job, after the eval mode the script sets first."""
-    ev = _launch("evaluate")
+    ev = import_launch_script("evaluate")
     with pytest.raises(SystemExit) as e:
         ev.main(["--config", "/nonexistent.toml", "--set", 'train={mode="sft", max_steps=3}'])
     assert e.value.code == 2
@@ -80,7 +74,7 @@ def test_evaluate_refuses_a_training_mode_given_in_an_inline_train_table(capsys)
 def test_a_bad_launcher_variable_is_an_error_naming_it(name, value, monkeypatch, capsys):
     """A WORLD_SIZE / RANK / LOCAL_RANK that is not a count (set by hand, or by a wrapper script) ended in an
     int() traceback from argparse's default or the process-group set-up; exit 2 naming the variable instead."""
-    pretrain = _launch("pretrain_vlm")
+    pretrain = import_launch_script("pretrain_vlm")
     monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit) as e:
         pretrain.main(["--config", str(REPO / "launch" / "configs" / "demo_sft.toml"), "--check"])
@@ -94,7 +88,7 @@ def test_a_bad_launcher_variable_is_an_error_naming_it(name, value, monkeypatch,
 def test_check_under_torchrun_prints_once_and_exits_alike_on_every_rank(world_size, code, monkeypatch, capsys):
     """`torchrun --nproc_per_node N launch/pretrain_vlm.py --check` printed the plan (or the failure) N times,
     interleaved; rank 0 prints it, every rank exits with the same code."""
-    pretrain = _launch("pretrain_vlm")
+    pretrain = import_launch_script("pretrain_vlm")
     argv = ["--config", str(REPO / "launch" / "configs" / "demo_sft.toml"), "--check", "--world-size", world_size,
             "--device-memory-gib", "80"]
     printed = []

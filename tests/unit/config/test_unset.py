@@ -4,7 +4,6 @@ entry and a key the file does not set exit 2 naming the key."""
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import tomllib
 from megatron_vlm.config import ConfigError, load_config, load_config_dict, save_config
 from megatron_vlm.config.loader import apply_overrides
 from megatron_vlm.config.stage_configs import stage_configs
+from tests.unit.launch_scripts import import_launch_script
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIGS = REPO / "launch" / "configs"
@@ -136,16 +136,9 @@ def test_the_slurm_script_drops_an_unset_output_dir(tmp_path):
     assert mod.overrides_from_argv(["--set", "a=1", "--unset", "b", "--unset=c", "--set=d=2"]) == ["a=1", "~b", "~c", "d=2"]
 
 
-def _launch(name: str):
-    sys.path.insert(0, str(REPO / "launch"))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.remove(str(REPO / "launch"))
-
 
 def test_the_launcher_keeps_the_order_of_set_and_unset():
-    pretrain = _launch("pretrain_vlm")
+    pretrain = import_launch_script("pretrain_vlm")
     args = pretrain.parse_args(["--config", "x.toml", "--unset", "eval", "--set", "eval.samples=1", "--unset=lora"])
     assert args.overrides == ["~eval", "eval.samples=1", "~lora"]
     assert pretrain.parse_args(["--config", "x.toml"]).overrides == []
@@ -157,7 +150,7 @@ def test_the_launcher_keeps_the_order_of_set_and_unset():
 ])
 def test_check_with_unset_exits_0_or_2(argv, code, expect, capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
-    pretrain = _launch("pretrain_vlm")
+    pretrain = import_launch_script("pretrain_vlm")
     full = ["--config", str(SFT), "--check", "--world-size", "1", "--device-memory-gib", "80", *argv]
     if code == 0:
         assert pretrain.main(full) == 0
@@ -173,7 +166,7 @@ def test_check_with_unset_exits_0_or_2(argv, code, expect, capsys, monkeypatch):
 def test_evaluate_refuses_to_unset_the_eval_mode(argv, capsys):
     """launch/evaluate.py sets train.mode = "eval" first; an unset of it (or of [train]) would leave the default
     training mode."""
-    ev = _launch("evaluate")
+    ev = import_launch_script("evaluate")
     with pytest.raises(SystemExit) as e:
         ev.main(["--config", "/nonexistent.toml", *argv])
     assert e.value.code == 2

@@ -61,8 +61,9 @@ def resolve_output_dir(config_path: str, args: list[str]) -> str | None:
     value = train.get("output_dir") if isinstance(train, dict) else None
     for item in overrides_from_argv(args):
         key, sep, text = item.partition("=")
-        if not sep and key.strip() in ("~train.output_dir", "~train"):  # --unset: the key (or its table) removed
-            value = None
+        name = key.strip()
+        if not sep and name.startswith("~") and name[1:].strip() in ("train.output_dir", "train"):
+            value = None  # --unset: the key (or its table) removed; spaces around the key dropped, as the loader does
         elif sep and key.strip() == "train.output_dir":
             value = override_value(text.strip())
         elif sep and key.strip() == "train":  # an inline table sets the keys it names (config/loader.py `_expand`)

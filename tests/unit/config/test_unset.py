@@ -134,6 +134,11 @@ def test_the_slurm_script_drops_an_unset_output_dir(tmp_path):
     later = str(tmp_path / "x")
     assert mod.resolve_output_dir(str(SFT), ["--unset", "train.output_dir", "--set", f"train.output_dir={later}"]) == later
     assert mod.overrides_from_argv(["--set", "a=1", "--unset", "b", "--unset=c", "--set=d=2"]) == ["a=1", "~b", "~c", "d=2"]
+    # the loader strips the spaces around an unset key (a quoted `' train.output_dir'`): so does the script
+    for args in (["--unset", " train.output_dir"], ["--set", "~ train.output_dir "], ["--set", " ~ train.output_dir"]):
+        item = mod.overrides_from_argv(args)[0]
+        assert load_config(SFT, [item]).train.output_dir != "runs/demo_sft", args
+        assert mod.resolve_output_dir(str(SFT), args) is None, args
 
 
 

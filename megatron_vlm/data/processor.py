@@ -59,6 +59,30 @@ def _family_class(image_processor_type: str, source: str):
                               f"(supported: {supported})")
 
 
+def _image_processor_type(image: dict, folder: Path, source: str) -> str:
+    """The image processor's class name as transformers' `AutoImageProcessor` finds it: the dict's
+    "image_processor_type", else its legacy "feature_extractor_type", else config.json's model_type through
+    transformers' own model-type table (saved nested dicts may leave the type out)."""
+    name = image.get("image_processor_type") or ""
+    if not name and isinstance(image.get("feature_extractor_type"), str):
+        name = image["feature_extractor_type"].replace("FeatureExtractor", "ImageProcessor")
+    if name:
+        return name
+    config = read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if isinstance(model_type, str):
+        from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+
+        names = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type) or ()
+        names = list(names.values()) if isinstance(names, dict) else [names] if isinstance(names, str) else list(names)
+        for candidate in names:
+            if isinstance(candidate, str):
+                return candidate
+    raise NotImplementedError(f"{source}: no image_processor_type, and config.json's model_type {model_type!r} names "
+                              "no image processor transformers knows (set \"image_processor_type\", e.g. "
+                              "\"Qwen2VLImageProcessor\")")
+
+
 def load_processor(path: str | os.PathLike, *, min_pixels: Optional[int] = None, max_pixels: Optional[int] = None,
                    video_min_pixels: Optional[int] = None, video_max_pixels: Optional[int] = None,
                    chat_template_kwargs: Optional[dict] = None) -> VLProcessor:
@@ -83,7 +107,7 @@ def _load_processor(path: str | os.PathLike, *, min_pixels: Optional[int], max_p
         raise FileNotFoundError(f"{folder}: no preprocessor_config.json (nor an \"image_processor\" in "
                                 "processor_config.json) and not a text-only model folder "
                                 "(config.json without vision_config + a tokenizer)")
-    cls = _family_class(dicts.image.get("image_processor_type", ""), dicts.image_source)
+    cls = _family_class(_image_processor_type(dicts.image, folder, dicts.image_source), dicts.image_source)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     proc = cls.from_folder(folder, dicts, tokenizer, folder_chat_template(folder, tokenizer))
     return proc.with_overrides(min_pixels=min_pixels, max_pixels=max_pixels, video_min_pixels=video_min_pixels,

@@ -199,3 +199,46 @@ def test_autoprocessor_counts_the_same_image_tokens(tmp_path, tiny_dir):
     ids = theirs(text=[text], images=[IMAGE], return_tensors="pt")["input_ids"][0].tolist()
     pad = theirs.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert ids.count(pad) == _our_qwen_image_tokens(load_processor(folder)) > 16
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "internvl"])
+def test_an_image_dict_without_its_type_takes_the_model_type(tmp_path, tiny_dir, family):
+    """transformers' saved nested dicts may leave out "image_processor_type"; `AutoImageProcessor` then picks the
+    class by config.json's model_type. We refused such a folder ("image_processor_type '' is not supported")."""
+    from transformers import AutoImageProcessor
+
+    if family == "internvl":
+        from megatron_vlm.testing.tiny_processor_internvl import build_tiny_internvl_processor
+
+        folder = build_tiny_internvl_processor(tmp_path / "ivl")
+    else:
+        folder = tmp_path / "f"
+        shutil.copytree(tiny_dir, folder)
+    _write(folder / "config.json", {"model_type": family})  # a model folder's config (its defaults otherwise)
+    image = _read(folder / "preprocessor_config.json")
+    image.pop("image_processor_type")
+    _nest(folder, image=image, video=_read(folder / "video_preprocessor_config.json"), keep_flat=False)
+    ours = load_processor(folder)
+    theirs = AutoImageProcessor.from_pretrained(folder)(images=[IMAGE])
+    if family == "internvl":
+        assert ours.num_tiles(IMAGE.height, IMAGE.width) == int(theirs["num_patches"][0])
+    else:
+        assert _our_qwen_image_tokens(ours) == int(theirs["image_grid_thw"].prod()) // 4
+
+
+@pytest.mark.parametrize("model_type, expect", [
+    ("no_such_model", r"processor_config.json\[image_processor\]: no image_processor_type, and config.json's "
+                      r"model_type 'no_such_model'"),
+    ("llava", r"processor_config.json\[image_processor\]: image_processor_type 'LlavaImageProcessor\w*' is not "
+              r"supported"),  # a type transformers knows, not one of our families
+])
+def test_an_image_dict_whose_type_is_unknown_or_unsupported_is_refused_naming_it(tmp_path, tiny_dir, model_type,
+                                                                                    expect):
+    folder = tmp_path / "f"
+    shutil.copytree(tiny_dir, folder)
+    image = _read(folder / "preprocessor_config.json")
+    image.pop("image_processor_type")
+    _nest(folder, image=image, video=None, keep_flat=False)
+    _write(folder / "config.json", {"model_type": model_type})
+    with pytest.raises(NotImplementedError, match=expect):
+        load_processor(folder)

@@ -345,7 +345,8 @@ class RLAdvantagesConfig:
     each token's advantage its return: the group-centred reward on the last token plus the KL penalties from that
     token on (no discount), then the same global whitening. Read only with loss.kl_coef > 0 (set with 0 it is
     refused). Refused: true with "grpo", "dr_grpo", "rloo" (one advantage per completion, no per-token reward);
-    false with "gae" (the critic learns the rewards with the penalty in them). The one coefficient goes to one place:
+    false with "gae" (the critic learns the rewards with the penalty in them); true with "reinforce_plus_plus_baseline"
+    and policy_loss = "gspo" (per-token returns; gspo takes one advantage per sequence). The one coefficient goes to one place:
     never both the reward and the loss."""
 
     def validate(self) -> None:
@@ -862,7 +863,12 @@ class RLConfig:
     def _validate_critic(self) -> None:
         """`advantage = "gae"` (PPO with a critic): the `[rl.critic]` table and `advantages.lam` are read only then
         (`advantages.gamma` with "reinforce_plus_plus" too); what the critic does not run with yet is refused (exit 2)."""
-        from megatron_vlm.rl.algorithms.advantage_estimators import needs_critic, reads_gamma
+        from megatron_vlm.rl.algorithms.advantage_estimators import (
+            batch_normalised,
+            kl_in_reward,
+            needs_critic,
+            reads_gamma,
+        )
 
         if not needs_critic(self.advantage):
             if self.critic != RLCriticConfig():
@@ -874,10 +880,14 @@ class RLConfig:
             if self.advantages.lam is not None:
                 raise ValueError(f"advantages.lam: GAE's lam, only read with advantage = 'gae', not "
                                  f"{self.advantage!r}; remove it")
-            if self.advantage == "reinforce_plus_plus" and self.policy_loss == "gspo":
-                raise ValueError("policy_loss: 'gspo' takes one advantage per sequence; advantage = "
-                                 "'reinforce_plus_plus' gives one per token (its returns); use 'clip', 'gspo_token' or "
-                                 "'cispo'")
+            if self.policy_loss == "gspo" and batch_normalised(self.advantage) and (
+                    reads_gamma(self.advantage) or kl_in_reward(self.advantage, self.advantages.kl_in_reward)):
+                # per-token returns (a discount, or the KL penalty in the per-token rewards) vary along a sequence:
+                # gspo's loss would raise at the first update, after the step's rollout
+                how = ("" if reads_gamma(self.advantage) else " with advantages.kl_in_reward = true (-kl_coef x KL_t "
+                       "in every token's reward)")
+                raise ValueError(f"policy_loss: 'gspo' takes one advantage per sequence; advantage = {self.advantage!r}"
+                                 f"{how} gives one per token (its returns); use 'clip', 'gspo_token' or 'cispo'")
             return
         if self.allocation is not None:
             raise ConfigError(f"advantage: {self.advantage!r} (PPO with a critic) is not supported with allocation "

@@ -2,7 +2,8 @@
 
 The backbone is read from `model.path` (`[rl.critic] model = "policy"`: a copy of the policy's starting
 weights) or from another model folder, which must be of the policy's family and read the same prompts (the
-same vocabulary, image / video token ids and vision patching), since the critic scores the policy's packed
+same vocabulary, image / video token ids, vision patching and tiling: InternVL's `downsample_ratio` and tile
+`image_size`, `llm_config` for OpenGVLab's layout), since the critic scores the policy's packed
 token ids and images as they are. Trained layers follow `train.train_layers`; the lm_head is frozen (the
 critic never reads it). An MoE backbone is balanced by the run's `[moe]` policy, as the policy is. Its optimizer is its own AdamW (`[rl.critic] lr`, constant; [optimizer]'s betas, eps
 and weight decay), saved in the run's checkpoints beside the policy's (training/checkpointing.py).
@@ -36,8 +37,8 @@ __all__ = ["build_critic", "critic_refusal", "critic_folder_refusal"]
 
 log = logging.getLogger("megatron_vlm")
 
-_SAME_KEYS = ("model_type", "vocab_size", "image_token_id", "video_token_id")
-_SAME_VISION_KEYS = ("patch_size", "spatial_merge_size", "temporal_patch_size", "in_channels", "in_chans")
+_SAME_KEYS = ("model_type", "vocab_size", "image_token_id", "video_token_id", "downsample_ratio")
+_SAME_VISION_KEYS = ("patch_size", "spatial_merge_size", "temporal_patch_size", "in_channels", "in_chans", "image_size")
 
 
 def critic_refusal(cfg: Any) -> Optional[str]:
@@ -55,7 +56,18 @@ def critic_refusal(cfg: Any) -> Optional[str]:
 
 
 def _text(cfg: dict) -> dict:
-    return {**cfg, **cfg.get("text_config", {})} if isinstance(cfg.get("text_config"), dict) else cfg
+    """The config with its language model's settings on top: `text_config`, or `llm_config` (OpenGVLab's
+    `internvl_chat` layout), whose image token is `img_context_token_id` (the Qwen tokenizers' <IMG_CONTEXT> when
+    absent, as the family reads it: models/internvl/args.py)."""
+    out = dict(cfg)
+    for key in ("text_config", "llm_config"):
+        if isinstance(cfg.get(key), dict):
+            out.update(cfg[key])
+    if cfg.get("model_type") == "internvl_chat" and cfg.get("image_token_id") is None:
+        from megatron_vlm.models.internvl.args import DEFAULT_IMAGE_TOKEN_ID
+
+        out["image_token_id"] = int(cfg.get("img_context_token_id") or DEFAULT_IMAGE_TOKEN_ID)
+    return out
 
 
 def critic_folder_refusal(policy_cfg: dict, critic_cfg: dict, folder: str) -> Optional[str]:
@@ -68,8 +80,9 @@ def critic_folder_refusal(policy_cfg: dict, critic_cfg: dict, folder: str) -> Op
                 "model was trained from (or 'policy')")
     p, c = _text(policy_cfg), _text(critic_cfg)
     for key in _SAME_KEYS:
-        a = p.get(key, policy_cfg.get(key))
-        b = c.get(key, critic_cfg.get(key))
+        # the top level's model_type / downsample_ratio (the family's), the language model's vocabulary and tokens
+        a = policy_cfg.get(key) if key in ("model_type", "downsample_ratio") else p.get(key)
+        b = critic_cfg.get(key) if key in ("model_type", "downsample_ratio") else c.get(key)
         if a != b:
             return (f"rl.critic.model: {folder} has {key} = {b!r}, the policy (model.path) {a!r}: the critic scores "
                     "the policy's token ids and images, so it must be of the same family with the same tokenizer "

@@ -139,3 +139,26 @@ def test_the_entry_point_exits_2_naming_the_key():
                         "--set", "rl.advantages.kl_in_reward=true"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "rl.advantages.kl_in_reward: " in r.stderr and "Traceback" not in r.stderr
+
+
+def test_gspo_is_refused_where_the_kl_in_the_reward_makes_the_advantages_per_token():
+    """`policy_loss = "gspo"` takes one advantage per sequence. `reinforce_plus_plus_baseline` gives one (its centred
+    reward on every token) unless `kl_in_reward = true` puts -kl_coef x KL_t into per-token rewards: each token's
+    advantage is then its own return, different along the sequence, and the loss raised a ValueError at the first
+    update, after the step's rollout. Refused by the loader instead (exit 2 naming the key); the baseline variant with
+    the KL in the loss keeps gspo."""
+    from megatron_vlm.config import load_config
+    from megatron_vlm.config.loader import ConfigError
+
+    kl = "rl.loss.kl_coef=0.05"
+    rl = rl_config(validate=True, advantage=BASE, group_size=3, loss__kl_coef=0.05, loss__kl_estimator="k1",
+                   advantages__kl_in_reward=True)
+    rewards, olds, refs = _batch(5, 6)
+    samples = _samples(rewards, olds, refs, estimator=BASE, group_size=3)
+    BatchAdvantages(rl, ONE).prepare(samples)
+    assert any(float(s.token_advantages.max() - s.token_advantages.min()) > 1e-3  # type: ignore[union-attr]
+               for s in samples)  # the advantages vary within a sequence: gspo cannot take them
+    with pytest.raises(ConfigError, match=r"^rl\.policy_loss: 'gspo' .*kl_in_reward"):
+        load_config(GRPO_DEMO, [f'rl.advantage="{BASE}"', kl, "rl.advantages.kl_in_reward=true", 'rl.policy_loss="gspo"'])
+    ok = load_config(GRPO_DEMO, [f'rl.advantage="{BASE}"', kl, 'rl.policy_loss="gspo"'])
+    assert ok.rl.policy_loss == "gspo"

@@ -73,6 +73,30 @@ def test_a_critic_folder_must_read_the_policys_prompts():
         assert msg is not None and msg.startswith("rl.critic.model: small") and key in msg, msg
 
 
+def test_an_internvl_chat_critic_folder_must_read_the_policys_prompts():
+    """OpenGVLab's `internvl_chat` layout keeps the language model's settings in `llm_config` and the image token in
+    `img_context_token_id` (151667 when absent), and InternVL sizes its image tokens by `downsample_ratio` and
+    `vision_config.image_size`: a critic folder differing there was taken (only model_type matched), and its first
+    forward on the policy's packs met token ids past its vocabulary or image placeholders its vision path does not
+    fill, after the step's rollout. Refused at start, naming the key; the same settings spelled out or left at their
+    default are the same."""
+    policy = {"model_type": "internvl_chat", "llm_config": {"model_type": "qwen2", "vocab_size": 151674},
+              "vision_config": {"patch_size": 14, "image_size": 448}, "downsample_ratio": 0.5}
+    assert critic_folder_refusal(policy, dict(policy), "small") is None
+    assert critic_folder_refusal(policy, {**policy, "img_context_token_id": 151667}, "small") is None
+    for change, key in (({"llm_config": {"model_type": "qwen2", "vocab_size": 151936}}, "vocab_size"),
+                        ({"img_context_token_id": 151668}, "image_token_id"),
+                        ({"downsample_ratio": 0.25}, "downsample_ratio"),
+                        ({"vision_config": {"patch_size": 14, "image_size": 224}}, "image_size")):
+        msg = critic_folder_refusal(policy, {**policy, **change}, "small")
+        assert msg is not None and msg.startswith("rl.critic.model: small") and key in msg, (change, msg)
+    hf = {"model_type": "internvl", "text_config": {"vocab_size": 1024}, "image_token_id": 970, "downsample_ratio": 0.5,
+          "vision_config": {"patch_size": [14, 14], "image_size": [56, 56]}}
+    assert critic_folder_refusal(hf, dict(hf), "small") is None
+    msg = critic_folder_refusal(hf, {**hf, "vision_config": {"patch_size": [14, 14], "image_size": [112, 112]}}, "small")
+    assert msg is not None and "image_size" in msg, msg
+
+
 def _check(tmp_path, *sets: str) -> subprocess.CompletedProcess:
     sets = (f'model.path="{tmp_path / "m"}"', 'model.synthesize="tiny_qwen2_5_vl"', *sets)
     args = [a for s in sets for a in ("--set", s)]

@@ -9,8 +9,9 @@ gradients), so the gradient is the one-process, whole-batch gradient of TRL's `R
 world size or accumulation; the pack fetching, empty-pack handling and resume position are DPO's (both are
 `training/pair_step.py`'s `PairStep`).
 
-Metrics (TRL's names): `loss`, `accuracy` (the share of pairs whose chosen reward is above the rejected one),
-`margin` (mean r_chosen - r_rejected), `rewards/chosen`, `rewards/rejected` (mean rewards), plus the loop's
+Metrics: `loss`, `accuracy` (the share of pairs whose chosen reward is above the rejected one), `margin` (mean
+r_chosen - r_rejected) as TRL's RewardTrainer names them, `rewards/chosen`, `rewards/rejected` (mean rewards of each
+side, DPO's spelling: TRL logs min / mean / max_reward over both sides instead), plus the loop's
 grad_norm, lr, timings. The held-out evaluation reports the same over the eval split: its `accuracy` is the
 held-out pair accuracy (0.5 is chance; at step 0 a fresh head scores near it).
 """

@@ -102,6 +102,7 @@ def load_score_model(path: Union[str, Path], *, dtype: torch.dtype = torch.float
     """Build and load the sequence-classification folder `path` (see the module docstring); ValueError naming
     what is wrong with a folder that is not one."""
     from megatron_vlm.checkpoint.hf import load_hf_weights, read_hf_config
+    from megatron_vlm.models.common.parallel_plan import copy_input_casts
     from megatron_vlm.models.registry import get_family
 
     path = Path(path)
@@ -122,6 +123,9 @@ def load_score_model(path: Union[str, Path], *, dtype: torch.dtype = torch.float
     model.backbone.to(dtype=dtype)
     model = model.to_empty(device=device)
     load_hf_weights(model, path, _ScoreAdapter(family.state_dict_adapter(args)))
+    # in bf16, the casts of training's mixed precision (the rotary tables, made in fp32, reach the layers in bf16, as
+    # transformers' bf16 models take them): a folder exported by reward-model training scores what training scored
+    copy_input_casts(model.backbone, dtype)
     return model.eval().requires_grad_(False)
 
 

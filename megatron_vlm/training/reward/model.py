@@ -11,16 +11,19 @@ N(0, std) with a generator seeded by `train.seed`. The lm_head is replaced by no
 reads the vocabulary projection (a tied embedding stays, as the input embedding).
 
 Data parallelism: in training mode the scores carry a zero-valued anchor on the hidden states and on every
-trainable parameter outside the language model's layers (the vision tower, the projector, the head), so a
-rank whose pack has no image (or is empty) still produces a gradient for each of them, as FSDP's
-reduce-scatter needs on every rank (`TokenLogprobModel` does the same for the policy).
+trainable parameter outside the language model's layers (the vision tower, the projector), so a rank whose
+pack has no image (or is empty) still produces a gradient for each of them, as FSDP's reduce-scatter needs on
+every rank (`TokenLogprobModel` does the same for the policy). The head needs none: it is called on every rank.
+
+Mixed precision: the head stays fp32 (`fp32_weight`: an FSDP2 unit of its own gathered in fp32, or no bf16 copy
+with `parallel.fsdp = false`), as the scorer computes it from the exported fp32 weights; in the root's bf16 unit
+training scored with its bf16 rounding (up to a few % of a reward apart).
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_vlm.data.batch import model_inputs
@@ -59,6 +62,9 @@ class ScoreRoot(nn.Module):
         model.lm_head = NoLMHead(head.weight.dtype)
         self.model: Any = model
         self.score = nn.Linear(hidden, 1, bias=False, dtype=torch.float32)
+        # kept and computed in fp32 under mixed precision (its own FSDP2 unit, no bf16 weight without FSDP2), as the
+        # scorer computes it from the exported fp32 head: a bf16-rounded head in training scored other values
+        self.score.fp32_weight = True
         g = torch.Generator().manual_seed(int(seed))
         with torch.no_grad():
             self.score.weight.copy_(torch.randn(self.score.weight.shape, generator=g) * std)
@@ -66,7 +72,9 @@ class ScoreRoot(nn.Module):
     def _anchor(self, hidden: torch.Tensor) -> torch.Tensor:
         total = hidden.sum().float()
         for name, p in self.named_parameters():
-            if p.requires_grad and not name.startswith("model.language_model."):
+            # the head is its own FSDP2 unit (resharded after its forward: not readable here); it is called on every
+            # rank, an empty pack's zero rows included, so it has a gradient everywhere without the anchor
+            if p.requires_grad and not name.startswith(("model.language_model.", "score.")):
                 total = total + p.sum().float()
         return 0.0 * total
 
@@ -79,7 +87,8 @@ class ScoreRoot(nn.Module):
             last = last[on_host(responses) >= 0]
         last = last.to(hidden.device, non_blocking=True)
         pooled = hidden.reshape(-1, hidden.shape[-1])[last].float()
-        rewards = F.linear(pooled, self.score.weight.float())[:, 0]
+        # called as a module (an FSDP2 unit of its own gathers its weight), in the head's own dtype
+        rewards = self.score(pooled.to(self.score.weight.dtype))[:, 0]
         if torch.is_grad_enabled() and self.training:
             rewards = rewards + self._anchor(hidden)
         return rewards

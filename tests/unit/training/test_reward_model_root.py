@@ -110,20 +110,13 @@ def test_head_std_from_the_config():
     assert head_std({}, 0.0) == 0.02 and head_std({"initializer_range": 0.05}, 0.3) == 0.3
 
 
-def test_one_packed_forward_of_pairs_equals_each_sequence_alone(tmp_path, tiny_vlm_folder, monkeypatch):
+def test_one_packed_forward_of_pairs_equals_each_sequence_alone(tmp_path, tiny_vlm_folder):
     """A pack of pairs (chosen, rejected, ... with their images) scored in ONE varlen forward gives each sequence the
     reward it gets alone: `cu_seqlens` keeps sequences and images apart, the last token of each is pooled.
 
     The trunk runs in fp64 so that packing is the only difference; the score head is fp32 by design, and its dot
     product over one row and over a pack of rows takes different fp32 kernels (up to ~7e-6 apart on some CPUs), so
-    here it runs in fp64 too (then rounded to fp32, as the head's output is)."""
-    from types import SimpleNamespace
-
-    import megatron_vlm.training.reward.model as reward_model
-
-    linear = torch.nn.functional.linear  # the score head's call only (the module's `F`), not the trunk's layers
-    monkeypatch.setattr(reward_model, "F", SimpleNamespace(linear=lambda x, w, b=None: linear(
-        x.double(), w.double(), None if b is None else b.double()).float()))
+    here it runs in fp64 too (the head computes in its weight's dtype)."""
     from megatron_vlm.data.config import DataConfig
     from megatron_vlm.data.packing import collate_pack
     from megatron_vlm.data.preference_loader import build_preference_dataloader
@@ -154,3 +147,69 @@ def test_one_packed_forward_of_pairs_equals_each_sequence_alone(tmp_path, tiny_v
             got = (chosen if s % 2 == 0 else rejected)[s // 2]
             torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-6, atol=1e-6)
     assert not torch.allclose(chosen, rejected)
+
+
+def test_a_bf16_run_exports_what_it_scored_with(tmp_path, tiny_vlm_folder):
+    """Mixed precision (bf16 compute from fp32 masters: `parallel.fsdp = false`'s MasterWeights, FSDP2's arithmetic
+    on one rank) exports the fp32 masters, and the `type = "model"` scorer of a bf16 run computes the backbone in
+    bf16 and its head in fp32. Training computed the head from its bf16 rounding, and the scorer took the rotary
+    tables uncast (fp32): the exported folder scored other values than training did (up to a few % of a reward)."""
+    from megatron_vlm.models.common.parallel_plan import unit_blocks
+    from megatron_vlm.parallel.apply import apply_input_casts
+    from megatron_vlm.parallel.master_weights import MasterWeights, fp32_view
+    from megatron_vlm.rl.rewards.score_model import load_score_model
+
+    root = _root(tiny_vlm_folder, std=1.0)
+    MasterWeights(root, torch.bfloat16)
+    apply_input_casts(root, unit_blocks(root.model), torch.bfloat16)  # as the job does without FSDP2
+    pack = {"input_ids": torch.tensor([[5, 6, 7, 8, 9, 10, 11]]),
+            "cu_seqlens": torch.tensor([0, 3, 7], dtype=torch.int32)}
+    with torch.no_grad():
+        trained = root(pack)
+    with fp32_view(root, writes=False):
+        state = {k: v.detach().clone() for k, v in root.state_dict().items()}
+    assert state["score.weight"].dtype == torch.float32  # the export holds the masters
+    export_score_folder(state, root.model, tmp_path / "rm", copy_from=tiny_vlm_folder)
+    scorer = load_score_model(tmp_path / "rm", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        scored = scorer(dict(pack))[:, 0]
+    assert torch.equal(scored, trained), (scored, trained)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    if own:
+        dist.destroy_process_group()
+
+
+def test_fsdp_mixed_precision_trains_the_head_in_fp32(tmp_path, tiny_vlm_folder, one_rank_group):
+    """Under FSDP2's bf16 mixed precision the head is a unit of its own gathered in fp32: a training step (the
+    zero-valued anchor included, which once read the resharded head and raised on mixing a DTensor) scores what
+    the exported folder scores in a bf16 run, and the head gets its gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from megatron_vlm.models.common.parallel_plan import unit_blocks
+    from megatron_vlm.parallel import apply_fsdp
+    from megatron_vlm.rl.rewards.score_model import load_score_model
+
+    root = _root(tiny_vlm_folder, std=1.0).train()
+    # as the families wrap it (models/common/parallel_plan.py): the decoder layers are units, the rest the root's
+    apply_fsdp(root, init_device_mesh("cpu", (1,)), unit_blocks(root.model), param_dtype=torch.bfloat16)
+    pack = {"input_ids": torch.tensor([[5, 6, 7, 8, 9, 10, 11]]),
+            "cu_seqlens": torch.tensor([0, 3, 7], dtype=torch.int32)}
+    rewards = root(pack)
+    rewards.sum().backward()
+    assert root.score.weight.grad is not None and bool(root.score.weight.grad.full_tensor().abs().sum() > 0)
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+             for k, v in root.state_dict().items()}
+    export_score_folder(state, root.model, tmp_path / "rm", copy_from=tiny_vlm_folder)
+    scorer = load_score_model(tmp_path / "rm", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        scored = scorer(dict(pack))[:, 0]
+    assert torch.equal(scored, rewards.detach()), (scored, rewards)

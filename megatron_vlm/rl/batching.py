@@ -167,8 +167,8 @@ def _runs(samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
 def plan_shared_micro_batches(samples: Sequence[TrainSample], max_tokens: int,
                               vision_token_ids: frozenset = frozenset()) -> list[list[int]]:
     """`plan_micro_batches` for `pack_samples(..., share_prompts=True)`: a sample whose prompt is
-    already in the pack (the previous sample's) costs its response + 1 token; a sample whose vision
-    tensors cannot join the group's starts a new one (`vision_conflict`)."""
+    already in the pack (the previous sample's, neither of them a response with images of its own: `_runs`) costs its
+    response + 1 token; a sample whose vision tensors cannot join the group's starts a new one (`vision_conflict`)."""
     groups: list[list[int]] = []
     current: list[int] = []
     used = 0

@@ -76,3 +76,31 @@ def test_mixed_shared_pack_gives_the_plain_log_probs(tiny_vlm_folder, tmp_path):
         lp_plain = wrapper({k: v for k, v in unshared.items() if k != "num_response_tokens"})
     assert lp_plain.numel() == 5 + 4 + 3
     torch.testing.assert_close(lp_shared, lp_plain, atol=2e-5, rtol=0)
+
+
+def test_multiturn_labels_and_routes_by_hand():
+    """Prompt [10, 11, 12]; trajectory a = model 20 21 | environment 30 31 | model 22, b = model 40 | env 50 | model
+    41. Each route row holds the index of the token it was recorded for (a: 0.., b: 100..), prompt + L - 1 rows.
+    Expected, derived by hand: a label where the NEXT token is a model token; the final token of each trajectory
+    left out; with the prompt shared, b's continuation starts at its copy of the prompt's last token (row 102)."""
+    prompt = RolloutPrompt(torch.tensor([10, 11, 12]))
+
+    def traj(ids, mask, base):
+        n = 3 + len(ids) - 1
+        return TrainSample(prompt=prompt, response_ids=torch.tensor(ids), behav_logp=torch.zeros(sum(mask)),
+                           advantage=1.0, response_mask=torch.tensor(mask),
+                           routes=(torch.arange(n) + base).to(torch.int8).view(n, 1, 1))
+
+    a = traj([20, 21, 30, 31, 22], [True, True, False, False, True], 0)
+    b = traj([40, 50, 41], [True, False, True], 100)
+    x = -100
+    plain = pack_samples([a, b])
+    assert plain["input_ids"].tolist() == [[10, 11, 12, 20, 21, 30, 31, 10, 11, 12, 40, 50]]
+    assert plain["labels"].tolist() == [[x, x, 20, 21, x, x, 22, x, x, 40, x, 41]]
+    assert plain["routes"].view(-1).tolist() == [0, 1, 2, 3, 4, 5, 6, 100, 101, 102, 103, 104]
+    assert plain["cu_seqlens"].tolist() == [0, 7, 12] and plain["num_response_tokens"] == 5
+    shared = pack_samples([a, b], share_prompts=True)
+    assert shared["input_ids"].tolist() == [[10, 11, 12, 20, 21, 30, 31, 12, 40, 50]]
+    assert shared["labels"].tolist() == [[x, x, 20, 21, x, x, 22, 40, x, 41]]
+    assert shared["routes"].view(-1).tolist() == [0, 1, 2, 3, 4, 5, 6, 102, 103, 104]
+    assert shared["cu_seqlens"].tolist() == [0, 2, 7, 10] and shared["prefix_segments"].tolist() == [-1, 0, 0]

@@ -34,7 +34,8 @@ class Observation:
     """Several turns at once (e.g. one tool reply per call of a turn): [{"role", "text", "images": n, "videos": n}],
     each part taking the next n images / videos (placed before its text); `text` is then unused."""
     video_fps: float = 2.0
-    """Frame rate of the videos' frames (Qwen-VL positions and timestamps count time from it)."""
+    """Frame rate of the videos' frames (Qwen-VL positions and timestamps count time from it): a finite number > 0
+    (another value ends the trajectory as env_error, naming it)."""
 
 
 @dataclass

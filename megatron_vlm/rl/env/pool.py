@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import numbers
 import os
 import pickle
 from collections.abc import Callable, Sequence
@@ -138,6 +139,12 @@ def _check_observation(obs: Any) -> None:
         raise TypeError("observation.videos: each video is a list of frames (or a T x H x W x 3 array)")
     if obs.parts is not None and any(not isinstance(p, dict) for p in obs.parts):
         raise TypeError("observation.parts: each part is a dict {\"role\", \"text\", \"images\", \"videos\"}")
+    if len(obs.videos):  # the frames' rate sets the videos' time positions (Qwen-VL M-RoPE: 2 / fps per grid)
+        fps = obs.video_fps
+        if isinstance(fps, bool) or not isinstance(fps, numbers.Real):  # numpy's scalars are Real too
+            raise TypeError(f"observation.video_fps of type {type(fps).__name__}, not a number")
+        if not (math.isfinite(fps) and fps > 0):
+            raise ValueError(f"observation.video_fps = {fps!r}, not a finite number of frames per second > 0")
 
 
 def run_call(call: EnvCall) -> EnvReply:

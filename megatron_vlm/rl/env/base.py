@@ -47,7 +47,7 @@ class StepResult:
     """The trajectory ends here: the observation is not shown."""
     info: dict[str, Any] = field(default_factory=dict)
     """Counters the environment reports (e.g. {"tool_errors": 1}): summed into the step metrics as env/<key>. String
-    keys; numbers must be finite (other values are left out of the metrics)."""
+    keys; numbers (Python's or numpy's scalars) must be finite (other values are left out of the metrics)."""
 
 
 @dataclass

@@ -65,7 +65,8 @@ def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager
     `MultiTurnRounds`): each sample is a whole conversation with the environment, scored on its last model turn as
     the training rollout's reward is (a single completion would be the tool-trained model's first turn: its call),
     or with the accuracy label "env" (no [[rl.rewards]] table, or rl.accuracy_reward = "env") by the environment's
-    return of each conversation; "response_length" then counts the model's tokens of all turns."""
+    return of each conversation; "response_length" then counts the model's tokens of all turns, and "env_errors" the
+    conversations whose environment failed (each scored 0)."""
     if dataset is None or len(dataset) == 0:
         return None
     e = rl_cfg.eval
@@ -90,8 +91,8 @@ def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager
     stop_check = getattr(getattr(ctx, "stop", None), "pending", None)  # stand-in contexts of tests: none
     gave_up: Optional[WaitAbandoned] = None
     try:
-        real, scores, unclosed = _answers(ctx, wrapper, rl_cfg, engine, manager, shard, params, step, rank,
-                                          multiturn=multiturn, abandon=stop_check)
+        real, scores, unclosed, env_errors = _answers(ctx, wrapper, rl_cfg, engine, manager, shard, params, step, rank,
+                                                      multiturn=multiturn, abandon=stop_check)
     except WaitAbandoned as err:
         gave_up = err
     if stop_check is not None and (why := agreed_give_up(gave_up, env.device)):
@@ -99,7 +100,7 @@ def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager
     k = e.k
     parts = all_gather_objects({"scores": scores, "lengths": [int(s.token_ids.numel()) for s in real],
                                 "skipped": int(getattr(encoder, "skipped", 0)) - skipped_before,
-                                "unclosed": unclosed})[::copies]
+                                "unclosed": unclosed, "env_errors": env_errors})[::copies]
     all_scores = [row for p in parts for row in p["scores"]]
     lengths = [n for p in parts for n in p["lengths"]]
     if not all_scores:
@@ -115,24 +116,41 @@ def evaluate_accuracy(ctx: RunContext, wrapper, rl_cfg, engine, encoder, manager
         "response_length": sum(lengths) / max(len(lengths), 1),
         # the share of samples whose reasoning never closed (the accuracy reward's reasoning_end): each scored 0
         "reasoning_unclosed": sum(p["unclosed"] for p in parts) / max(sum(len(r) for r in all_scores), 1),
+        # [rl.env]: conversations whose environment failed (each scored 0)
+        **({"env_errors": float(sum(p["env_errors"] for p in parts))} if multiturn is not None else {}),
     }
 
 
 def _answers(ctx: RunContext, wrapper, rl_cfg, engine, manager, shard, params: SamplingParams, step: int, rank: int, *,
-             multiturn=None, abandon: Optional[Callable[[], bool]] = None) -> tuple[list, list[list[float]], int]:
-    """(this rank's real samples, their accuracy scores [prompt][sample], the samples whose reasoning never closed).
-    `abandon`: the stop check of the waits on the verifiers and the environments and of the built-in engine's
-    generation (`WaitAbandoned`)."""
+             multiturn=None, abandon: Optional[Callable[[], bool]] = None) -> tuple[list, list[list[float]], int, int]:
+    """(this rank's real samples, their accuracy scores [prompt][sample], the samples whose reasoning never closed,
+    the conversations whose environment failed). `abandon`: the stop check of the waits on the verifiers and the
+    environments and of the built-in engine's generation (`WaitAbandoned`)."""
+    real, scores, unclosed, failed = _scored_answers(ctx, wrapper, rl_cfg, engine, manager, shard, params, step, rank,
+                                                     multiturn=multiturn, abandon=abandon)
+    # a conversation whose environment failed (env_error: raised, hung, died) scores 0, counted in env_errors: its
+    # last model turn or partial return says nothing of the model (training leaves it out of the update)
+    k, gone = rl_cfg.eval.k, set(failed)
+    scores = [[0.0 if p * k + j in gone else s for j, s in enumerate(row)] for p, row in enumerate(scores)]
+    return real, scores, unclosed, len(failed)
+
+
+def _scored_answers(ctx: RunContext, wrapper, rl_cfg, engine, manager, shard, params: SamplingParams, step: int,
+                    rank: int, *, multiturn=None,
+                    abandon: Optional[Callable[[], bool]] = None) -> tuple[list, list[list[float]], int, list[int]]:
+    """`_answers` before the failed conversations (their indices among the real samples, the last item) score 0."""
     e = rl_cfg.eval
     wait = {"abandon": abandon} if abandon is not None else {}
     wrapper.eval()
     returns: Optional[list[float]] = None
+    failed: list[int] = []
     try:
         if multiturn is not None:  # the seed: never a training round's (their round numbers are >= 0)
             from megatron_vlm.rl.env.rollout import multiturn_seed
 
             result, trajs = multiturn.generate(shard, params, multiturn_seed(ctx.cfg.train.seed, step, rank, -_EVAL_SALT),
                                                **wait)
+            failed = [i for i, t in enumerate(trajs[:shard.num_real * params.n]) if t.finish_reason == "env_error"]
             if rl_cfg.accuracy_label() == "env":  # the environment's return is the accuracy reward
                 returns = multiturn.rewards(trajs)
         else:
@@ -146,11 +164,11 @@ def _answers(ctx: RunContext, wrapper, rl_cfg, engine, manager, shard, params: S
     k = e.k
     real = result.samples[: shard.num_real * k]
     if real and returns is not None:
-        return real, [list(returns[p * k:(p + 1) * k]) for p in range(shard.num_real)], 0
+        return real, [list(returns[p * k:(p + 1) * k]) for p in range(shard.num_real)], 0, failed
     if not real:
-        return real, [], 0
+        return real, [], 0, []
     completions = [[s.text for s in real[p * k:(p + 1) * k]] for p in range(shard.num_real)]
     acc = score_accuracy(manager, completions, [p.answer for p in shard.samples], [p.problem for p in shard.samples],
                          [p.metadata for p in shard.samples], label=rl_cfg.accuracy_label(), threshold=e.correct_threshold,
                          samples=shard.samples, **wait)  # a model reward reads the prompt's messages, as in training
-    return real, acc.scores, acc.unclosed
+    return real, acc.scores, acc.unclosed, failed

@@ -151,10 +151,13 @@ def _shareable(prompt: RolloutPrompt, vision_token_ids: frozenset) -> bool:
 
 
 def _runs(samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
-    """Maximal runs of consecutive samples with the same prompt object."""
+    """Maximal runs of consecutive samples that can share one copy of their prompt: the same prompt object, and no
+    response with images of its own (a multi-turn trajectory's environment turns: such a sample is a run alone, packed
+    with its own copy of the prompt). The runs `plan_shared_micro_batches` costs, so a pack keeps to its budget when a
+    group mixes trajectories with and without an environment's images."""
     runs: list[list[TrainSample]] = []
     for s in samples:
-        if runs and runs[-1][0].prompt is s.prompt:
+        if runs and runs[-1][0].prompt is s.prompt and not s.response_vision and not runs[-1][-1].response_vision:
             runs[-1].append(s)
         else:
             runs.append([s])
@@ -164,8 +167,8 @@ def _runs(samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
 def plan_shared_micro_batches(samples: Sequence[TrainSample], max_tokens: int,
                               vision_token_ids: frozenset = frozenset()) -> list[list[int]]:
     """`plan_micro_batches` for `pack_samples(..., share_prompts=True)`: a sample whose prompt is
-    already in the pack (the previous sample's) costs its response + 1 token; a sample whose vision
-    tensors cannot join the group's starts a new one (`vision_conflict`)."""
+    already in the pack (the previous sample's, neither of them a response with images of its own: `_runs`) costs its
+    response + 1 token; a sample whose vision tensors cannot join the group's starts a new one (`vision_conflict`)."""
     groups: list[list[int]] = []
     current: list[int] = []
     used = 0
@@ -212,8 +215,7 @@ def pack_samples(samples: Sequence[TrainSample], *, share_prompts: bool = False,
     for run in runs:
         prompt = run[0].prompt
         p_ids = prompt.input_ids.to(torch.long)
-        # a response with its own images (a multi-turn trajectory) is packed with a copy of its prompt
-        shared = len(run) >= 2 and _shareable(prompt, vision_token_ids) and not any(s.response_vision for s in run)
+        shared = len(run) >= 2 and _shareable(prompt, vision_token_ids)
 
         def add_vision(source) -> None:
             for k in VISION_KEYS:

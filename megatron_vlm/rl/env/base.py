@@ -34,7 +34,8 @@ class Observation:
     """Several turns at once (e.g. one tool reply per call of a turn): [{"role", "text", "images": n, "videos": n}],
     each part taking the next n images / videos (placed before its text); `text` is then unused."""
     video_fps: float = 2.0
-    """Frame rate of the videos' frames (Qwen-VL positions and timestamps count time from it)."""
+    """Frame rate of the videos' frames (Qwen-VL positions and timestamps count time from it): a finite number > 0
+    (another value ends the trajectory as env_error, naming it)."""
 
 
 @dataclass
@@ -46,7 +47,7 @@ class StepResult:
     """The trajectory ends here: the observation is not shown."""
     info: dict[str, Any] = field(default_factory=dict)
     """Counters the environment reports (e.g. {"tool_errors": 1}): summed into the step metrics as env/<key>. String
-    keys; numbers must be finite (other values are left out of the metrics)."""
+    keys; numbers (Python's or numpy's scalars) must be finite (other values are left out of the metrics)."""
 
 
 @dataclass

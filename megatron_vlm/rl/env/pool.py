@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import numbers
 import os
 import pickle
 from collections.abc import Callable, Sequence
@@ -102,16 +103,26 @@ class EnvReply:
     """Why the call failed ("timeout: ...", "error: ..."); empty when it worked."""
 
 
+def _float_range(v: numbers.Real) -> bool:
+    """Whether `v` is a finite number a float holds with room to be summed (|v| < 1e300)."""
+    try:
+        f = float(v)
+    except OverflowError:  # an int past the float range
+        return False
+    return math.isfinite(f) and abs(f) < 1e300
+
+
 def _check_info(info: Any) -> None:
     """`StepResult.info` is summed into the step metrics (env/<key>) in the trainer: a dict of named counters whose
-    numbers are finite floats, checked here so that a bad one ends its trajectory, not the rollout."""
+    numbers (Python's or numpy's scalars: `numbers.Real`) are finite floats, checked here so that a bad one ends its
+    trajectory, not the rollout."""
     if not isinstance(info, dict):
         raise TypeError(f"step returned info of type {type(info).__name__}, not a dict of counters")
     for k, v in info.items():
         if not isinstance(k, str):
             raise TypeError(f"step returned info with the key {k!r}, not a string")
-        if isinstance(v, (int, float)) and not (abs(v) < 1e300 and math.isfinite(v)):  # NaN, inf, an int past float
-            shown = repr(v) if isinstance(v, float) else f"an int of {v.bit_length()} bits"
+        if isinstance(v, numbers.Real) and not _float_range(v):  # NaN, inf, an int past float
+            shown = f"an int of {int(v).bit_length()} bits" if isinstance(v, numbers.Integral) else repr(v)
             raise ValueError(f"step returned info[{k!r}] = {shown}, not a finite number of float range")
 
 
@@ -138,6 +149,12 @@ def _check_observation(obs: Any) -> None:
         raise TypeError("observation.videos: each video is a list of frames (or a T x H x W x 3 array)")
     if obs.parts is not None and any(not isinstance(p, dict) for p in obs.parts):
         raise TypeError("observation.parts: each part is a dict {\"role\", \"text\", \"images\", \"videos\"}")
+    if len(obs.videos):  # the frames' rate sets the videos' time positions (Qwen-VL M-RoPE: 2 / fps per grid)
+        fps = obs.video_fps
+        if isinstance(fps, bool) or not isinstance(fps, numbers.Real):  # numpy's scalars are Real too
+            raise TypeError(f"observation.video_fps of type {type(fps).__name__}, not a number")
+        if not (math.isfinite(fps) and fps > 0):
+            raise ValueError(f"observation.video_fps = {fps!r}, not a finite number of frames per second > 0")
 
 
 def run_call(call: EnvCall) -> EnvReply:

@@ -14,6 +14,7 @@ the engine continues are the same ones).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -184,7 +185,7 @@ class EnvSession:
                 continue
             self.state[conv] = r.state
             res = r.result
-            info = {k: float(v) for k, v in res.info.items() if isinstance(v, (int, float))}
+            info = {k: float(v) for k, v in res.info.items() if isinstance(v, numbers.Real)}  # numpy's too
             if res.done:
                 out[conv] = TurnReply(reward=res.reward, done=True, info=info)
                 continue

@@ -72,3 +72,36 @@ def test_held_out_evaluation_runs_the_environment():
     assert metrics is not None and metrics["accuracy"] == 1.0 and metrics["num_prompts"] == 3
     evaluate(2)
     assert len(set(mt.seeds)) == 2  # each evaluation draws its own conversations
+
+
+class _FailingEnv:
+    """Every conversation answers 42 (1 by the verifier; its environment paid 1.0 on the first turn), and the
+    environment of conversation 1 (prompt 0, sample 1) failed after that turn (env_error)."""
+
+    def __init__(self):
+        self.trajs: list = []
+
+    def generate(self, shard, params, seed):  # noqa: ARG002
+        n = shard.num_real * params.n
+        self.trajs = [NS(finish_reason="env_error" if i == 1 else "done", turn_rewards=[1.0]) for i in range(n)]
+        return RolloutResult(samples=[_sample(i // params.n, i % params.n, "42") for i in range(n)]), self.trajs
+
+    def rewards(self, trajs):
+        return [sum(t.turn_rewards) for t in trajs]
+
+
+def test_a_conversation_whose_environment_failed_scores_0_and_is_counted():
+    """As training leaves such a conversation out and the tool demos' evaluation scores it 0 (rl/env/demo_eval.py):
+    its last turn or partial return says nothing of the model. Hand-derived: prompt 0 scores (1 + 0) / 2, prompt 1
+    (1 + 1) / 2, Avg@2 = 0.75; one error."""
+    ctx = NS(env=NS(rank=0, world_size=1, device=torch.device("cpu")), cfg=NS(train=NS(seed=0)))
+    samples = [PromptSample(f"p{i}", [], "42", "6 * 7 = ?", source="held.jsonl", index=i) for i in range(2)]
+    wrapper = NS(eval=lambda: None, train=lambda: None)
+    for label in ("acc", "env"):
+        rl = NS(eval=NS(max_prompts=0, max_new_tokens=8, k=2, temperature=1.0, top_p=1.0, correct_threshold=1.0),
+                rollout=NS(max_new_tokens=8, stop=[]), accuracy_label=lambda label=label: label)
+        manager = _Manager()
+        metrics = GRPOEvaluator(ctx, wrapper, rl, _Engine(), _Encoder(), manager, PromptDataset(samples, "messages"),
+                                multiturn=_FailingEnv())(1)
+        assert metrics is not None and metrics["accuracy"] == 0.75 and metrics["env_errors"] == 1.0, (label, metrics)
+        assert metrics["pass@2"] == 1.0 and metrics["num_prompts"] == 2

@@ -249,6 +249,17 @@ class VideoAsArray(Environment):
         return StepResult(Observation(text="watch", videos=[np.zeros((4, 28, 28, 3), dtype=np.uint8)]))
 
 
+class VideoAtRate(Environment):
+    """A video of 4 frames at `fps` frames per second (the observation's video_fps)."""
+
+    def __init__(self, fps: float = 2.0):
+        self.fps = fps
+
+    def step(self, action):
+        frames = [np.full((28, 28, 3), 40 * i, dtype=np.uint8) for i in range(4)]
+        return StepResult(Observation(text="watch", videos=[frames], video_fps=self.fps))
+
+
 class LongVideo(Environment):
     """A video of `frames` frames of `size` x `size` pixels (frame i filled with the value i), and a `size` x `size`
     image when `image` is set."""

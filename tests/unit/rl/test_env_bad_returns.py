@@ -64,3 +64,22 @@ def test_arrays_of_images_and_frames_are_taken(proc, name, images, videos):
                          histories=[[{"role": "user", "content": "q"}]], n=1, eos_token_ids=[enc.turn_end_id])
     (reply,) = session.step([(0, 0, "hello", [5, enc.turn_end_id], 1000)])
     assert not reply.error and (len(reply.chunk.images), len(reply.chunk.videos)) == (images, videos), reply.error
+
+
+@pytest.mark.parametrize("fps", [0.0, -2.0, float("nan"), float("inf"), "2"])
+def test_a_video_rate_that_is_no_rate_is_refused(proc, fps):
+    """The frames' rate sets the video's M-RoPE time positions (Qwen-VL: second_per_grid_ts = 2 / fps): a negative,
+    NaN or infinite rate gave -1, NaN or 0 there, a silent garbage of positions, and 0 an unexplained
+    ZeroDivisionError. Such a turn now ends its trajectory naming video_fps; 2.0 goes on."""
+    enc = TurnEncoder(proc)
+
+    def reply(rate):
+        session = EnvSession(InlineEnvRunner(), enc, name=f"{FNS}:VideoAtRate", kwargs={"fps": rate},
+                             samples=[EnvSample(problem="q")], histories=[[{"role": "user", "content": "q"}]], n=1,
+                             eos_token_ids=[enc.turn_end_id])
+        return session.step([(0, 0, "hello", [5, enc.turn_end_id], 1000)])[0]
+
+    bad = reply(fps)
+    assert bad.chunk is None and f"{FNS}:VideoAtRate" in bad.error and "video_fps" in bad.error, bad.error
+    good = reply(2.0)
+    assert not good.error and float(good.chunk.vision["second_per_grid_ts"][0]) == 1.0

@@ -113,7 +113,8 @@ class _MultiTurn:
 
     def generate(self, shard, params, seed):  # noqa: ARG002
         n = shard.num_real
-        trajs = [NS(turn_rewards=[1.0 if j == 0 else 0.25]) for p in range(n) for j in range(params.n)]
+        trajs = [NS(turn_rewards=[1.0 if j == 0 else 0.25], finish_reason="done") for p in range(n)
+                 for j in range(params.n)]
         return RolloutResult(samples=[_sample(p, j) for p in range(n) for j in range(params.n)]), trajs
 
     def rewards(self, trajs):

@@ -60,3 +60,20 @@ def test_a_counter_named_like_a_rollout_metric_does_not_replace_it():
     m = trajectory_metrics([traj("env_error", {}), traj("done", {"errors": 5.0, "turns_mean": 9.0, "tool_calls": 2.0})])
     assert m["env/errors"] == 1.0 and m["env/turns_mean"] == 1.0 and m["env/tool_calls"] == 2.0
     assert m["env/info/errors"] == 5.0 and m["env/info/turns_mean"] == 9.0
+
+
+def test_numpy_counters_are_numbers_too():
+    """A counter computed with numpy (np.int64 of a sum, np.float32 of a mean) was left out of the metrics without a
+    word (only Python int / float were read), and a NaN one passed the finite check."""
+    import numpy as np
+
+    session = EnvSession(InlineEnvRunner(), encoder=None, name=f"{FNS}:InfoOf",
+                         kwargs={"info": {"hits": np.int64(2), "frac": np.float32(0.5)}},
+                         samples=[EnvSample(problem="q")], histories=[[]], n=1, eos_token_ids=[0])
+    (r,) = session.step([(0, 0, "a", [1])])
+    assert not r.error and r.info == {"hits": 2.0, "frac": 0.5}, (r.error, r.info)
+    session = EnvSession(InlineEnvRunner(), encoder=None, name=f"{FNS}:InfoOf",
+                         kwargs={"info": {"frac": np.float32("nan")}},
+                         samples=[EnvSample(problem="q")], histories=[[]], n=1, eos_token_ids=[0])
+    (r,) = session.step([(0, 0, "a", [1])])
+    assert r.error and "info" in r.error and session.errors == 1, r.error

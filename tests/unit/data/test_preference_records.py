@@ -142,3 +142,26 @@ def test_synthetic_pairs_reject_a_wrong_answer(tmp_path):
         same += p.meta["rejected_same_type"]
     assert 0 < same < len(pairs)
     assert [pairs.get(i).rejected for i in range(10)] == [SyntheticPreferencePairs(src, 0).get(i).rejected for i in range(10)]
+
+
+@pytest.mark.parametrize("layout", ["conversational", "implicit"])
+def test_system_column_reaches_a_messages_prompt(layout):
+    """A "system" column is the system turn of every prompt layout, as the SFT reader's messages rows take it (a row
+    whose prompt has its own system turn keeps that one): it was dropped without a word for a messages prompt."""
+    user = {"role": "user", "content": "2+2?"}
+    if layout == "conversational":
+        row, cols = {"prompt": [user], "chosen": "4", "rejected": "5"}, JSONL_COLUMNS
+    else:
+        row = {"chosen": [user, {"role": "assistant", "content": "4"}],
+               "rejected": [user, {"role": "assistant", "content": "5"}]}
+        cols = {"chosen": "chosen", "rejected": "rejected", "system": "system"}
+    c, r = _row({**row, "system": "Be brief."}, cols).halves()
+    for half in (c, r):
+        assert half.messages[:2] == [{"role": "system", "content": "Be brief."}, user]
+    own = {"role": "system", "content": "Mine."}
+    if layout == "conversational":
+        row = {**row, "prompt": [own, user]}
+    else:
+        row = {k: [own, *v] for k, v in row.items()}
+    c, _ = _row({**row, "system": "Be brief."}, cols).halves()
+    assert c.messages[:2] == [own, user]

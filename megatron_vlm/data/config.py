@@ -35,7 +35,8 @@ class DataConfig:
     "hf" (a Hugging Face `datasets` table from local parquet / arrow / jsonl files, mapped by
     `columns`) or "synthetic_vqa" (the shapes-and-colours VQA set, generated into `synthetic_dir`)."""
     train_path: str = ""
-    """Training data: a file, a folder (searched recursively) or a glob of .jsonl and .json files
+    """Training data: a file, a folder (searched recursively; hidden files and folders such as .ipynb_checkpoints,
+    and __pycache__, left out as Hugging Face `datasets` leaves them) or a glob of .jsonl and .json files
     (messages_jsonl) or of .parquet, .arrow, .jsonl and .json files (hf); SFT and GRPO read it alike. A
     .json file is JSON lines, one JSON array of records (LLaVA's) or one record object (pretty-printed or
     not); in a folder or glob, .json files that are neither (save_to_disk's dataset_info.json / state.json / dataset_dict.json, a config.json) or whose

@@ -301,6 +301,9 @@ def _from_messages_row(row: dict, row_id: str, root: Path, template: str, system
     msgs = row.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise BadRecordError("invalid_record", "'messages' must be a non-empty list")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise BadRecordError("invalid_record", f"messages[{i}] must be an object, got {type(m).__name__}")
     answer = row.get("answer")
     if msgs[-1].get("role") == "assistant":
         if answer is None:

@@ -52,7 +52,9 @@ class DataConfig:
     """hf only: our field -> dataset column. Either {"messages": col} (+ optional "image" / "images": col whose
     values fill the messages' image entries in order, "system": col for rows without a system turn; a column of LLaVA / ShareGPT {"from", "value"} turns
     takes the "image" / "images" columns at its "<image>" markers and an optional "system" column), or {"prompt": col, "answer": col} with optional
-    "image" / "images", "video", "system" columns (a one-turn conversation is built from them); for
+    "image" / "images", "video", "system" columns (a one-turn conversation is built from them; a prompt cell that is
+    a list of messages is TRL's conversational prompt-completion: its turns, then the answer cell's string or one
+    assistant message); for
     train.mode = "dpo" {"chosen": col, "rejected": col} with optional "prompt", "image" / "images" and
     "system" (TRL's preference layouts, data/preference_records.py). Required with type = "hf", except
     for GRPO: left out there, the prompt table's layout is detected from its column names (verl's

@@ -75,11 +75,19 @@ class PreferenceRecord:
 
 
 def _maybe_json(value: Any, name: str) -> Any:
-    if isinstance(value, str) and value[:1] == "[":
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError as e:
+    """A cell that is a JSON-encoded list of message objects (as a table may store one) as that list; any other string
+    as it is: a text may start with "[" ("[1] ...", a markdown link, "[2, 3]"). A string that opens such a list ("[{")
+    but does not parse is malformed_json, not text."""
+    if not isinstance(value, str) or value[:1] != "[":
+        return value
+    try:
+        parsed = json.loads(value)
+    except (json.JSONDecodeError, RecursionError) as e:
+        if value[1:].lstrip().startswith("{"):
             raise BadRecordError("malformed_json", f"column {name!r}: {e}") from None
+        return value
+    if isinstance(parsed, list) and parsed and all(isinstance(m, dict) for m in parsed):
+        return parsed
     return value
 
 

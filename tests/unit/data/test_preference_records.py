@@ -165,3 +165,19 @@ def test_system_column_reaches_a_messages_prompt(layout):
         row = {k: [own, *v] for k, v in row.items()}
     c, _ = _row({**row, "system": "Be brief."}, cols).halves()
     assert c.messages[:2] == [own, user]
+
+
+@pytest.mark.parametrize("text", ["[1] Paris, as the atlas says.", "[Paris](https://en.wikipedia.org/wiki/Paris)",
+                                  "[2, 3] are the roots."])
+def test_a_text_that_starts_with_a_bracket_is_text(text):
+    """A response or prompt text that starts with "[" (a citation, a markdown link, a list in prose) is text: it was
+    taken for a JSON-encoded message list and the pair refused as malformed_json. A string that is one (a list of
+    message objects, as a table may store it) is still read as messages, and a broken one still refused."""
+    c, r = _row({"prompt": "[Geography] Capital of France?", "chosen": text, "rejected": "Lyon."}).halves()
+    assert (c.messages[-1]["content"], r.messages[-1]["content"]) == (text, "Lyon.")
+    assert c.messages[0]["content"][-1]["text"] == "[Geography] Capital of France?"
+    encoded = json.dumps([{"role": "assistant", "content": text}])
+    assert _row({"prompt": "q", "chosen": encoded, "rejected": "Lyon."}).chosen == text
+    with pytest.raises(BadRecordError) as e:
+        _row({"prompt": "q", "chosen": encoded[:-2], "rejected": "Lyon."})
+    assert e.value.category == "malformed_json"

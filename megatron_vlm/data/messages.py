@@ -301,12 +301,12 @@ _MEDIA_KEYS = (("image", "images"), ("video", "videos"))
 
 
 def _fill_media_items(messages: list[dict], obj: dict, resolve: Callable[[Any], Any]) -> None:
-    """Give the image / video items without a path the line's top-level "images" / "videos" in order (TRL's
+    """Give the image / video items without a path the line's top-level "images" / "videos" (or "image" / "video",
+    `media_list`) in order (TRL's
     vision datasets: {"type": "image"} items + "images"); BadRecordError "placeholder_mismatch" for media that
     no item takes (e.g. LLaMA-Factory's "<image>" text markers, which are not image items) or items left over."""
     for kind, key in _MEDIA_KEYS:
-        given = obj.get(key)
-        refs = [] if given is None else list(given) if isinstance(given, (list, tuple)) else [given]
+        refs = media_list(obj, kind, key)  # LLaVA's singular "image" too ("video": one video, a list its frames)
         empty = [it for m in messages if not isinstance(m["content"], str)
                  for it in m["content"] if it["type"] == kind and it[kind] is None]
         if not refs and not empty:
@@ -373,7 +373,7 @@ def record_from_messages_row(obj: dict, resolve: Callable[[Any], Any], *, source
             for it in m["content"]:
                 if it["type"] in ("image", "video") and it[it["type"]] is None:
                     raise BadRecordError("invalid_record", f"an {it['type']} item has no path")
-    return Record(messages, source, index, {k: v for k, v in obj.items() if k not in ("messages", "images", "videos")})
+    return Record(messages, source, index, {k: v for k, v in obj.items() if k not in ("messages", *_CONVERSATION_KEYS[1:])})
 
 
 def read_messages_jsonl(path: str | os.PathLike, *, image_root: str | os.PathLike | None = None,

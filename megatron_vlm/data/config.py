@@ -35,7 +35,8 @@ class DataConfig:
     "hf" (a Hugging Face `datasets` table from local parquet / arrow / jsonl files, mapped by
     `columns`) or "synthetic_vqa" (the shapes-and-colours VQA set, generated into `synthetic_dir`)."""
     train_path: str = ""
-    """Training data: a file, a folder (searched recursively) or a glob of .jsonl and .json files
+    """Training data: a file, a folder (searched recursively; hidden files and folders such as .ipynb_checkpoints,
+    and __pycache__, left out as Hugging Face `datasets` leaves them) or a glob of .jsonl and .json files
     (messages_jsonl) or of .parquet, .arrow, .jsonl and .json files (hf); SFT and GRPO read it alike. A
     .json file is JSON lines, one JSON array of records (LLaVA's) or one record object (pretty-printed or
     not); in a folder or glob, .json files that are neither (save_to_disk's dataset_info.json / state.json / dataset_dict.json, a config.json) or whose
@@ -51,7 +52,9 @@ class DataConfig:
     """hf only: our field -> dataset column. Either {"messages": col} (+ optional "image" / "images": col whose
     values fill the messages' image entries in order, "system": col for rows without a system turn; a column of LLaVA / ShareGPT {"from", "value"} turns
     takes the "image" / "images" columns at its "<image>" markers and an optional "system" column), or {"prompt": col, "answer": col} with optional
-    "image" / "images", "video", "system" columns (a one-turn conversation is built from them); for
+    "image" / "images", "video", "system" columns (a one-turn conversation is built from them; a prompt cell that is
+    a list of messages is TRL's conversational prompt-completion: its turns, then the answer cell's string or one
+    assistant message); for
     train.mode = "dpo" {"chosen": col, "rejected": col} with optional "prompt", "image" / "images" and
     "system" (TRL's preference layouts, data/preference_records.py). Required with type = "hf", except
     for GRPO: left out there, the prompt table's layout is detected from its column names (verl's

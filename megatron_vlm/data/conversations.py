@@ -170,7 +170,7 @@ def place_marked_media(raw: Sequence[dict], *, images: Sequence[Any] = (), video
     used = {"image": 0, "video": 0}
     out = []
     for i, m in enumerate(raw):
-        content = m.get("content")
+        content = m.get("content") if isinstance(m, dict) else None  # not a message: normalize_messages refuses it
         if isinstance(content, str):
             m = {**m, "content": _place_media(content, str(m.get("role")), queues, used, f"{key}[{i}]")}
         out.append(m)

@@ -1,7 +1,10 @@
 """Which files a `[data]` path names: one file, a folder searched recursively, or a glob.
 
 SFT and GRPO both resolve `train_path` / `eval_path` here, so they read the same files in the
-same order (sorted by their full path). The suffixes depend on `[data] type`: "hf" reads
+same order (sorted by their full path). A folder's hidden files and the files inside its hidden folders
+(".ipynb_checkpoints": Jupyter's autosaved copies of the data beside it) or "__" folders ("__pycache__") are not
+data, as Hugging Face `datasets` searches a data folder (a glob leaves hidden names out by itself; a file named
+directly is read). The suffixes depend on `[data] type`: "hf" reads
 .parquet, .arrow, .jsonl and .json files, "messages_jsonl" reads .jsonl and .json files. A file
 named directly is taken whatever its suffix and content (one that holds a single JSON array of
 records, as LLaVA's .json files do, is read element by element: table_rows.py).
@@ -288,6 +291,14 @@ def _first_report(text: str, skipped: list[str]) -> bool:
     return True
 
 
+def _hidden(rel: Path) -> bool:
+    """Whether a file found under a data folder (`rel`: its path below the folder) is left out, as Hugging Face
+    `datasets` leaves it out of a data folder: a hidden file, or one inside a hidden folder (".ipynb_checkpoints":
+    Jupyter's autosaved copies of the data) or a "__" folder ("__pycache__")."""
+    *folders, name = rel.parts
+    return name.startswith(".") or any(d.startswith((".", "__")) for d in folders)
+
+
 def find_data_files(path: str | os.PathLike, suffixes: tuple[str, ...] = HF_SUFFIXES,
                     record_keys: Collection[str] = RECORD_KEYS) -> list[Path]:
     """The data files at `path` (see module docstring); FileNotFoundError when there are none. `record_keys`: the
@@ -297,7 +308,8 @@ def find_data_files(path: str | os.PathLike, suffixes: tuple[str, ...] = HF_SUFF
     text = os.fspath(path)
     kinds = " / ".join(suffixes)
     if os.path.isdir(text):
-        found = [str(p) for p in Path(text).rglob("*") if p.suffix in suffixes and p.is_file()]
+        found = [str(p) for p in Path(text).rglob("*")
+                 if p.suffix in suffixes and not _hidden(p.relative_to(text)) and p.is_file()]
     elif any(ch in text for ch in "*?["):
         found = [f for f in glob.glob(text, recursive=True) if Path(f).suffix in suffixes and os.path.isfile(f)]
     elif os.path.isfile(text):

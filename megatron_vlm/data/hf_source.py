@@ -11,6 +11,10 @@ row on demand, through the column mapping of the `[data] columns` table:
 - LLaVA / ShareGPT conversation datasets (a column of {"from", "value"} turns, e.g. LLaVA-OneVision's
   "conversations"): the same {"messages": col} mapping; the row's "image" / "images" columns go where the
   turns' "<image>" markers are and an optional "system" column becomes the system turn (conversations.py);
+- TRL's conversational prompt-completion datasets: the same {"prompt": col, "answer": col} mapping where the prompt
+  cell is a list of messages (no assistant turn: SFT trains every assistant turn, TRL only the completion) and the
+  answer cell a string or one assistant message; the conversation is the prompt's turns then the completion, with
+  the "image" / "images" and "system" columns placed as for a messages column;
 - prompt / answer datasets (Geometry3K, ViRL39K style): {"prompt": col, "answer": col} with
   optional "image" / "images" (one or a list), "video" (frame list or path) and "system" columns;
   the user turn is [images..., video, prompt text]; "<image>" / "<video>" markers in the prompt are
@@ -150,21 +154,13 @@ def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, sourc
                                               images=refs, key=f"column {c['messages']!r}")
             messages = normalize_messages(raw, resolve)
         else:
-            system = row.get(c["system"]) if "system" in c else None
-            if system and isinstance(raw, list) and not any(isinstance(m, dict) and m.get("role") == "system" for m in raw):
-                raw = [{"role": "system", "content": system}, *raw]  # a row's own system turn wins
-            image_keys = [key for key in ("image", "images") if key in c]
-            refs = [x for key in image_keys for x in _as_list(row.get(c[key]))]
-            if refs and isinstance(raw, list) and marked_text_messages(raw):  # ms-swift's layout: the images go
-                raw, refs = place_marked_media(raw, images=refs, key=f"column {c['messages']!r}"), []  # at the markers
-            messages = normalize_messages(raw, resolve)
-            images = [resolve(x) for x in refs]
-            empty = [it for m in messages if not isinstance(m["content"], str)
-                     for it in m["content"] if it["type"] == "image" and it["image"] is None]
-            if images:
-                refuse_markers_beside_items(messages, "image", f"column {c['messages']!r}")
-            if empty or images:  # images that no item takes (e.g. "<image>" text markers) would train without them
-                fill_image_items(empty, images, f"column {c['messages']!r}", " + ".join(c[k] for k in image_keys) or None)
+            messages = _role_messages(raw, row, c, resolve, f"column {c['messages']!r}")
+    elif isinstance(row.get(c["prompt"]), (list, tuple)):  # TRL's conversational prompt-completion
+        if "video" in c and row.get(c["video"]) is not None:
+            raise BadRecordError("invalid_record", f"column {c['video']!r}: a video beside a conversational prompt "
+                                                   f"(column {c['prompt']!r}) is not read; write video items in it")
+        raw = _prompt_turns(row[c["prompt"]], c["prompt"]) + _completion_turns(row.get(c["answer"]), c["answer"])
+        messages = _role_messages(raw, row, c, resolve, f"column {c['prompt']!r}")
     else:
         prompt = row.get(c["prompt"])
         answer = row.get(c["answer"])
@@ -199,6 +195,53 @@ def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, sourc
         meta.setdefault("answer", messages[-1]["content"])
     check_media_items(messages)
     return Record(messages, source, index, meta)
+
+
+def _role_messages(raw: Any, row: dict, c: dict[str, str], resolve, where: str) -> list[dict]:
+    """Normalised role / content `raw` messages with the row's "system" column as their first turn (unless they have
+    one) and its "image" / "images" columns at their "<image>" text markers (ms-swift) or in their image items without
+    data (TRL), in order; BadRecordError when images and their places are not as many."""
+    system = row.get(c["system"]) if "system" in c else None
+    if system and isinstance(raw, list) and not any(isinstance(m, dict) and m.get("role") == "system" for m in raw):
+        raw = [{"role": "system", "content": system}, *raw]  # a row's own system turn wins
+    image_keys = [key for key in ("image", "images") if key in c]
+    refs = [x for key in image_keys for x in _as_list(row.get(c[key]))]
+    if refs and isinstance(raw, list) and marked_text_messages(raw):  # ms-swift's layout: the images go
+        raw, refs = place_marked_media(raw, images=refs, key=where), []  # at the markers
+    messages = normalize_messages(raw, resolve)
+    images = [resolve(x) for x in refs]
+    empty = [it for m in messages if not isinstance(m["content"], str)
+             for it in m["content"] if it["type"] == "image" and it["image"] is None]
+    if images:
+        refuse_markers_beside_items(messages, "image", where)
+    if empty or images:  # images that no item takes (e.g. "<image>" text markers) would train without them
+        fill_image_items(empty, images, where, " + ".join(c[k] for k in image_keys) or None)
+    return messages
+
+
+def _prompt_turns(prompt: Any, column: str) -> list:
+    """The turns of a conversational prompt: no assistant turn, since SFT trains every assistant turn and TRL's
+    prompt-completion trains the completion only (such a conversation belongs in a messages column)."""
+    turns = list(prompt)
+    for i, m in enumerate(turns):
+        if isinstance(m, dict) and m.get("role") == "assistant":
+            raise BadRecordError("invalid_record", f"column {column!r}[{i}]: an assistant turn in a conversational "
+                                                   "prompt would be trained (only the completion is); map such "
+                                                   "conversations as a messages column")
+    return turns
+
+
+def _completion_turns(completion: Any, column: str) -> list[dict]:
+    """A completion cell as its assistant turn: a string (or number), or one assistant message (TRL's conversational
+    completion: [{"role": "assistant", "content": ...}])."""
+    if isinstance(completion, dict):
+        completion = [completion]
+    if isinstance(completion, (list, tuple)):
+        if len(completion) != 1 or not isinstance(completion[0], dict) or completion[0].get("role") != "assistant":
+            raise BadRecordError("invalid_record", f"column {column!r}: a conversational completion must be one "
+                                                   f"assistant message, got {completion!r:.80}")
+        return [dict(completion[0])]
+    return [{"role": "assistant", "content": _answer_text(completion, column)}]
 
 
 class TableRecordSource:

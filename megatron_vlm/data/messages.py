@@ -25,6 +25,9 @@ the next image / video item in place: see conversations.py for the roles, the ma
 
 An image may also be embedded as a base64 data URL ("data:image/png;base64,...", e.g. in an
 OpenAI-style {"type": "image_url", "image_url": {"url": ...}} item); it becomes the image's bytes.
+transformers' own item keys are read as its `apply_chat_template` reads them: {"type": "image", "url" | "path" |
+"base64": ...} ("base64": the encoded file, or a data URL) and {"type": "video", "url" | "path": ...}; a local file
+may be written as a "file://" URL (qwen-vl-utils' form, "file:///data/a.png"), which is its path.
 A video is a list of frame paths, a folder of frames (in frame-number order) or a video file (decoded
 with PyAV when it is installed, see media.py). Relative paths
 resolve against `image_root`, else the JSONL file's folder.
@@ -66,7 +69,8 @@ from megatron_vlm.data.conversations import (
 from megatron_vlm.data.data_files import MESSAGES_RECORD_KEYS, MESSAGES_SUFFIXES
 from megatron_vlm.data.table_rows import TableRows
 
-__all__ = ["Record", "normalize_messages", "normalize_tools", "read_messages_jsonl", "record_from_messages_row", "resolve_path"]
+__all__ = ["Record", "normalize_messages", "normalize_tools", "read_messages_jsonl", "record_from_messages_row", "resolve_path",
+           "local_path", "image_item_ref"]
 
 ROLES = ("system", "user", "assistant", "tool")  # "tool": a tool's reply in a tool-use trace (not trained)
 
@@ -102,10 +106,20 @@ class Record:
                 for it in m["content"] if it["type"] == "video"]
 
 
+_FILE_URL = "file://"
+
+
+def local_path(ref: Any) -> Any:
+    """A "file://" URL's path ("file:///data/a.png" -> "/data/a.png", as qwen-vl-utils reads it); other refs
+    unchanged."""
+    return ref[len(_FILE_URL):] if isinstance(ref, str) and ref.startswith(_FILE_URL) else ref
+
+
 def resolve_path(ref: Any, root: Optional[Path]) -> Any:
-    """Make a relative string path absolute against `root`; other refs are returned unchanged."""
+    """Make a relative string path (or "file://" URL) absolute against `root`; other refs are returned unchanged."""
     if isinstance(ref, os.PathLike):
         ref = os.fspath(ref)
+    ref = local_path(ref)
     if isinstance(ref, str) and root is not None and not os.path.isabs(ref) and "://" not in ref:
         return str(root / ref)
     return ref
@@ -137,6 +151,19 @@ def _data_url_bytes(url: str, where: str) -> bytes:
         raise BadRecordError("corrupt_image", f"{where}: the data URL is not valid base64 ({e})") from None
 
 
+def _base64_bytes(value: Any, where: str) -> bytes:
+    """The image bytes of a "base64" item: the encoded file (line breaks allowed, as `base64.decodebytes` reads it) or
+    a data URL; anything else is a corrupt image."""
+    if isinstance(value, str) and value.startswith("data:"):
+        return _data_url_bytes(value, where)
+    if not isinstance(value, str):
+        raise BadRecordError("invalid_record", f"{where}: 'base64' must be a string, got {type(value).__name__}")
+    try:
+        return base64.b64decode("".join(value.split()), validate=True)
+    except binascii.Error as e:
+        raise BadRecordError("corrupt_image", f"{where}: 'base64' is not valid base64 ({e})") from None
+
+
 def _normalize_item(item: Any, where: str, resolve: Callable[[Any], Any]) -> dict:
     if not isinstance(item, dict):
         raise BadRecordError("invalid_record", f"{where}: content item must be an object, got {type(item).__name__}")
@@ -147,19 +174,21 @@ def _normalize_item(item: Any, where: str, resolve: Callable[[Any], Any]) -> dic
             raise BadRecordError("invalid_record", f"{where}: text item needs a string 'text'")
         return {"type": "text", "text": item["text"]}
     if t == "image":
-        ref = item.get("image", item.get("image_url", item.get("path")))
+        ref = next((item[k] for k in ("image", "image_url", "url", "path") if k in item), None)
+        if ref is None and "base64" in item:  # transformers' {"type": "image", "base64": ...}
+            return {"type": "image", "image": _base64_bytes(item["base64"], where)}
         if isinstance(ref, dict) and "url" in ref:
             ref = ref["url"]
         if isinstance(ref, str) and ref.startswith("data:"):
             return {"type": "image", "image": _data_url_bytes(ref, where)}
-        return {"type": "image", "image": None if ref is None else resolve(ref)}
-    ref = item.get("video", item.get("path"))
+        return {"type": "image", "image": None if ref is None else resolve(local_path(ref))}
+    ref = next((item[k] for k in ("video", "url", "path") if k in item), None)
     if isinstance(ref, (list, tuple)):
         if not ref:
             raise BadRecordError("invalid_record", f"{where}: video frame list is empty")
-        ref = [resolve(r) for r in ref]
+        ref = [resolve(local_path(r)) for r in ref]
     elif ref is not None:
-        ref = resolve(ref)
+        ref = resolve(local_path(ref))
     out = {"type": "video", "video": ref}
     if "fps" in item:
         try:
@@ -170,6 +199,13 @@ def _normalize_item(item: Any, where: str, resolve: Callable[[Any], Any]) -> dic
             raise BadRecordError("invalid_record", f"{where}: fps must be > 0, got {fps}")
         out["fps"] = fps
     return out
+
+
+def image_item_ref(item: dict, where: str) -> Any:
+    """The image an {"type": "image", ...} item names, under any key the public formats use ("image", "image_url",
+    "url", "path", "base64"; a data URL or base64 text as bytes, a "file://" URL as its path; relative paths left
+    as written), or None for an item without one (it takes the row's next image)."""
+    return _normalize_item(item, where, lambda ref: ref)["image"]
 
 
 def _drop_none(d: dict) -> dict:
@@ -265,12 +301,12 @@ _MEDIA_KEYS = (("image", "images"), ("video", "videos"))
 
 
 def _fill_media_items(messages: list[dict], obj: dict, resolve: Callable[[Any], Any]) -> None:
-    """Give the image / video items without a path the line's top-level "images" / "videos" in order (TRL's
+    """Give the image / video items without a path the line's top-level "images" / "videos" (or "image" / "video",
+    `media_list`) in order (TRL's
     vision datasets: {"type": "image"} items + "images"); BadRecordError "placeholder_mismatch" for media that
     no item takes (e.g. LLaMA-Factory's "<image>" text markers, which are not image items) or items left over."""
     for kind, key in _MEDIA_KEYS:
-        given = obj.get(key)
-        refs = [] if given is None else list(given) if isinstance(given, (list, tuple)) else [given]
+        refs = media_list(obj, kind, key)  # LLaVA's singular "image" too ("video": one video, a list its frames)
         empty = [it for m in messages if not isinstance(m["content"], str)
                  for it in m["content"] if it["type"] == kind and it[kind] is None]
         if not refs and not empty:
@@ -337,7 +373,7 @@ def record_from_messages_row(obj: dict, resolve: Callable[[Any], Any], *, source
             for it in m["content"]:
                 if it["type"] in ("image", "video") and it[it["type"]] is None:
                     raise BadRecordError("invalid_record", f"an {it['type']} item has no path")
-    return Record(messages, source, index, {k: v for k, v in obj.items() if k not in ("messages", "images", "videos")})
+    return Record(messages, source, index, {k: v for k, v in obj.items() if k not in ("messages", *_CONVERSATION_KEYS[1:])})
 
 
 def read_messages_jsonl(path: str | os.PathLike, *, image_root: str | os.PathLike | None = None,

@@ -14,7 +14,8 @@ TRL's preference formats:
   their last (assistant) turn, which is the response.
 
 In JSON lines the prompt may also be called "messages" (`{"messages": [...prompt turns...], "chosen": ...}`),
-and "system" adds a system turn to a string prompt. A row whose structure is wrong, or whose chosen and rejected
+and "system" adds a system turn to the prompt (a messages prompt with a system turn of its own keeps that one, as
+the SFT reader does). A row whose structure is wrong, or whose chosen and rejected
 responses are the same text (nothing to prefer), is a bad record (`BadRecordError`, counted, the pair skipped).
 
 `SyntheticPreferencePairs` builds pairs from the synthetic VQA set (data/synthetic_vqa.py): the
@@ -74,11 +75,19 @@ class PreferenceRecord:
 
 
 def _maybe_json(value: Any, name: str) -> Any:
-    if isinstance(value, str) and value[:1] == "[":
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError as e:
+    """A cell that is a JSON-encoded list of message objects (as a table may store one) as that list; any other string
+    as it is: a text may start with "[" ("[1] ...", a markdown link, "[2, 3]"). A string that opens such a list ("[{")
+    but does not parse is malformed_json, not text."""
+    if not isinstance(value, str) or value[:1] != "[":
+        return value
+    try:
+        parsed = json.loads(value)
+    except (json.JSONDecodeError, RecursionError) as e:
+        if value[1:].lstrip().startswith("{"):
             raise BadRecordError("malformed_json", f"column {name!r}: {e}") from None
+        return value
+    if isinstance(parsed, list) and parsed and all(isinstance(m, dict) for m in parsed):
+        return parsed
     return value
 
 
@@ -147,6 +156,16 @@ def _string_prompt(prompt: str, images: list, system: Any) -> list[dict]:
     return head + [{"role": "user", "content": items}]
 
 
+def _with_system(prompt: list[dict], system: Any) -> list[dict]:
+    """A messages prompt with the row's "system" column as its first turn, unless the prompt has a system turn of its
+    own (that one wins, as in the SFT reader's messages rows); a string prompt gets it in `_string_prompt`."""
+    if not isinstance(system, str) or not system:
+        return prompt
+    if any(isinstance(m, dict) and m.get("role") == "system" for m in prompt):
+        return prompt
+    return [{"role": "system", "content": system}, *prompt]
+
+
 def preference_from_row(row: dict, columns: dict[str, str], *, resolve, source: str, index: int) -> PreferenceRecord:
     """The pair of one row under a column mapping (module docstring); raises BadRecordError."""
     c = columns
@@ -176,6 +195,8 @@ def preference_from_row(row: dict, columns: dict[str, str], *, resolve, source: 
             raise BadRecordError("invalid_record", f"column {prompt_col!r}: expected text or a messages list")
     if not prompt or not isinstance(prompt[-1], dict) or prompt[-1].get("role") != "user":
         raise BadRecordError("invalid_record", "the prompt must end with a user turn")
+    if not isinstance(raw_prompt, str):
+        prompt = _with_system(prompt, row.get(c["system"]) if "system" in c else None)
     if chosen == rejected:  # no preference to learn: zero gradient, but it would count in the step's mean and metrics
         raise BadRecordError("invalid_record", f"columns {c['chosen']!r} / {c['rejected']!r}: the chosen and rejected "
                                                "responses are identical")

@@ -103,11 +103,11 @@ def read_json_lines(file: Path) -> tuple[list[tuple[int, dict]], list[tuple[int,
 
 
 def _scan_json_lines(file: Path) -> tuple[np.ndarray, np.ndarray, list[str], list[tuple[int, BadRecordError]]]:
-    """(1-based line, byte offset) of each JSON-object line as int64 arrays, the first row's keys, and
+    """(1-based line, byte offset) of each JSON-object line as int64 arrays, the rows' keys (`_Columns`), and
     (line, error) of each bad one: `read_json_lines` without keeping the objects."""
     lines, offsets = array("q"), array("q")  # 8 bytes a number, not a list slot and a Python int (8 + 28)
     errors: list[tuple[int, BadRecordError]] = []
-    columns: Optional[list[str]] = None
+    columns = _Columns()
     offset = 0
     with open(file, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
@@ -121,11 +121,34 @@ def _scan_json_lines(file: Path) -> tuple[np.ndarray, np.ndarray, list[str], lis
                 # (their lists of every row) alive for as long as the error is kept
                 errors.append((lineno, BadRecordError(e.category, e.detail)))
                 continue
-            if columns is None:
-                columns = list(obj)
+            columns.add(obj)
             lines.append(lineno)
             offsets.append(start)
-    return _int64(lines), _int64(offsets), columns or [], errors
+    return _int64(lines), _int64(offsets), columns.names(), errors
+
+
+class _Columns:
+    """The columns of a JSON file's rows: every key any row has, in the order first seen, as Hugging Face `datasets`
+    infers a JSON file's columns (a row without a key reads null there). Only the first `MAX_SHAPES` distinct key
+    tuples are remembered (rows mostly share a few); past them every row's keys are merged."""
+
+    MAX_SHAPES = 4096
+
+    def __init__(self) -> None:
+        self._keys: dict[str, None] = {}
+        self._shapes: set[tuple] = set()
+
+    def add(self, row: dict) -> None:
+        shape = tuple(row)
+        if shape in self._shapes:
+            return
+        if len(self._shapes) < self.MAX_SHAPES:
+            self._shapes.add(shape)
+        for k in shape:
+            self._keys.setdefault(k)
+
+    def names(self) -> list[str]:
+        return list(self._keys)
 
 
 def _int64(xs: array) -> np.ndarray:
@@ -374,13 +397,13 @@ _raw_decode = json.JSONDecoder().raw_decode
 
 def _scan_json_array(file: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str],
                                           list[tuple[int, BadRecordError]]]:
-    """(0-based index, start byte, end byte) of each object element of a file holding one JSON array, the first
-    object's keys, and (index, error) of each element that is a bad record: not an object, not UTF-8, nested too
+    """(0-based index, start byte, end byte) of each object element of a file holding one JSON array, the objects'
+    keys (`_Columns`), and (index, error) of each element that is a bad record: not an object, not UTF-8, nested too
     deeply to parse (as for a JSON line). DataFileError when the file is not one JSON array (a syntax error, a
     truncated file): its elements cannot be told apart then."""
     indices, starts, ends = array("q"), array("q"), array("q")  # 8 bytes a number, not a Python int's 28 + 8
     errors: list[tuple[int, BadRecordError]] = []
-    columns: Optional[list[str]] = None
+    columns = _Columns()
     scan = _ArrayScan(file)
     for start, end, raw, obj in scan:
         k = scan.k
@@ -401,8 +424,7 @@ def _scan_json_array(file: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, li
             errors.append((k, BadRecordError("malformed_json", f"array element {k}: {e}")))
             continue
         if isinstance(obj, dict):
-            if columns is None:
-                columns = list(obj)
+            columns.add(obj)
             indices.append(k)
             starts.append(start)
             ends.append(end)
@@ -410,7 +432,7 @@ def _scan_json_array(file: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, li
             errors.append((k, BadRecordError("malformed_json", f"array element {k}: expected a JSON object, "
                                                                f"got {type(obj).__name__}")))
         del obj
-    return _int64(indices), _int64(starts), _int64(ends), columns or [], errors
+    return _int64(indices), _int64(starts), _int64(ends), columns.names(), errors
 
 
 class _JsonArrayPart(_JsonLinesPart):
@@ -540,7 +562,8 @@ class TableRows:
         return self.files[self._part(int(i))[0]]
 
     def columns(self, file: Path) -> list[str]:
-        """Column names of one of `files` (a JSON-lines file: the keys of its first row)."""
+        """Column names of one of `files` (a JSON-lines or JSON array file: every key of its rows, in the order first
+        seen, as `datasets` infers a JSON file's columns)."""
         return self._parts[self.files.index(Path(file))].columns
 
     def identity(self) -> list[dict]:

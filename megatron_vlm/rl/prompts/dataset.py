@@ -60,7 +60,7 @@ from megatron_vlm.data.conversations import (
     refuse_markers_beside_items,
 )
 from megatron_vlm.data.data_files import HF_SUFFIXES, RECORD_KEYS, DataFileError, record_columns
-from megatron_vlm.data.messages import Record
+from megatron_vlm.data.messages import Record, image_item_ref, local_path
 from megatron_vlm.data.table_rows import TableRows
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.rl.prompts.framework_rows import (
@@ -173,6 +173,7 @@ def _image_ref(value: Any, root: Path, row_id: str) -> Any:
         if value.get("bytes"):
             return value["bytes"]
         value = value.get("path")
+    value = local_path(value)  # "file:///data/a.png" (qwen-vl-utils) is that file
     if isinstance(value, (bytes, bytearray)):
         return bytes(value)
     if isinstance(value, str) and value:
@@ -258,6 +259,19 @@ def _with_row_images(msgs: list, row: dict) -> list:
             if isinstance(m, dict) and isinstance(m.get("content"), list) else m for m in msgs]
 
 
+def _image_items_read(msgs: list) -> list:
+    """The messages with each image item as {"type": "image", "image": ref}: the ref read under any key SFT reads
+    (`messages.image_item_ref`: transformers' "url" / "path" / "base64", a data URL), None for an item without one."""
+    out = []
+    for i, m in enumerate(msgs):
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            m = {**m, "content": [{"type": "image", "image": image_item_ref(it, f"messages[{i}].content[{j}]")}
+                                  if isinstance(it, dict) and it.get("type") == "image" else it
+                                  for j, it in enumerate(m["content"])]}
+        out.append(m)
+    return out
+
+
 def _templated_question(items: list[dict], template: str) -> tuple[str, list[dict]]:
     """(problem, content) of the question turn: its text (the pieces as the chat template joins them) through
     `template`; images before all text stay in front of it, an image between text pieces (an "<image>" marker in
@@ -287,6 +301,9 @@ def _from_messages_row(row: dict, row_id: str, root: Path, template: str, system
     msgs = row.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise BadRecordError("invalid_record", "'messages' must be a non-empty list")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise BadRecordError("invalid_record", f"messages[{i}] must be an object, got {type(m).__name__}")
     answer = row.get("answer")
     if msgs[-1].get("role") == "assistant":
         if answer is None:
@@ -295,7 +312,7 @@ def _from_messages_row(row: dict, row_id: str, root: Path, template: str, system
     users = [i for i, m in enumerate(msgs) if m.get("role") == "user"]
     if not users:
         raise BadRecordError("invalid_record", "no user turn")
-    msgs = _with_row_images(msgs, row)
+    msgs = _with_row_images(_image_items_read(msgs), row)
     out: list[dict] = []
     if system_prompt and not any(m.get("role") == "system" for m in msgs):
         out.append({"role": "system", "content": system_prompt})

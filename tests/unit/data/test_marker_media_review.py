@@ -8,6 +8,7 @@ were trained as literal text)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,3 +111,16 @@ def test_grpo_and_preference_prompts_refuse_markers_beside_items(root):
     row = {"prompt": mixed, "chosen": "red", "rejected": "blue", "images": ["a.png"]}
     with pytest.raises(BadRecordError, match="marker beside image items"):
         preference_from_row(row, JSONL_COLUMNS, resolve=lambda r: str(root / r), source="t", index=0)
+
+
+@pytest.mark.parametrize("reader", ["messages", "columns"])
+def test_marked_messages_with_a_message_that_is_no_object_is_an_invalid_record(reader):
+    """A marked messages list holding something other than a message object ("oops") is the invalid record the
+    unmarked list gives, naming the message; it was an AttributeError counted as "unexpected_error"."""
+    row = {"messages": [_user("<image> What?"), "oops", _asst("red")], "images": ["a.png"]}
+    with pytest.raises(BadRecordError) as e:
+        if reader == "messages":
+            record_from_messages_row(row, lambda r: r, source="t", index=1)
+        else:
+            record_from_columns(row, {"messages": "messages", "images": "images"}, root=Path("/"), source="t", index=0)
+    assert e.value.category == "invalid_record" and "messages[1]" in e.value.detail

@@ -50,3 +50,29 @@ def test_top_level_images_fill_image_items_or_are_refused(tmp_path, proc, write_
         assert torch.equal(got.input_ids, ref.input_ids) and torch.equal(got.pixel_values, ref.pixel_values)
         assert torch.equal(got.label_mask, ref.label_mask)
     assert recs[3].videos()[0]["video"] == [str(tmp_path / "img" / "a.png")] * 2
+
+
+def test_the_singular_image_key_is_read_as_images_is(tmp_path):
+    """LLaVA's singular top-level "image" beside image items is the row's image, as "images" is (and as the markers
+    layout and the `hf` columns read it): it filled no item (a refused row naming "images"), and beside items with
+    paths it was kept as metadata, an image of the row silently left out."""
+    from megatron_vlm.data.bad_records import BadRecordError
+    from megatron_vlm.data.messages import record_from_messages_row
+
+    def record(row):
+        return record_from_messages_row(row, lambda r: str(tmp_path / r), source="t", index=1)
+
+    turns = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]},
+             {"role": "assistant", "content": "red"}]
+    assert record({"messages": turns, "image": "a.png"}).images() == record({"messages": turns, "images": ["a.png"]}).images()
+    assert record({"messages": turns, "image": "a.png"}).images() == [str(tmp_path / "a.png")]
+    with_path = [{"role": "user", "content": [{"type": "image", "image": "b.png"}, {"type": "text", "text": "What?"}]},
+                 {"role": "assistant", "content": "red"}]
+    text_only = [{"role": "user", "content": [{"type": "text", "text": "What?"}]}, {"role": "assistant", "content": "red"}]
+    for key, value, turns in (("images", ["a.png"], with_path), ("image", "a.png", with_path),
+                              ("image", "a.png", text_only)):
+        try:
+            record({"messages": turns, key: value})
+            raise AssertionError(f"{key}: an image no item takes was accepted")
+        except BadRecordError as e:
+            assert e.category == "placeholder_mismatch", key

@@ -142,3 +142,42 @@ def test_synthetic_pairs_reject_a_wrong_answer(tmp_path):
         same += p.meta["rejected_same_type"]
     assert 0 < same < len(pairs)
     assert [pairs.get(i).rejected for i in range(10)] == [SyntheticPreferencePairs(src, 0).get(i).rejected for i in range(10)]
+
+
+@pytest.mark.parametrize("layout", ["conversational", "implicit"])
+def test_system_column_reaches_a_messages_prompt(layout):
+    """A "system" column is the system turn of every prompt layout, as the SFT reader's messages rows take it (a row
+    whose prompt has its own system turn keeps that one): it was dropped without a word for a messages prompt."""
+    user = {"role": "user", "content": "2+2?"}
+    if layout == "conversational":
+        row, cols = {"prompt": [user], "chosen": "4", "rejected": "5"}, JSONL_COLUMNS
+    else:
+        row = {"chosen": [user, {"role": "assistant", "content": "4"}],
+               "rejected": [user, {"role": "assistant", "content": "5"}]}
+        cols = {"chosen": "chosen", "rejected": "rejected", "system": "system"}
+    c, r = _row({**row, "system": "Be brief."}, cols).halves()
+    for half in (c, r):
+        assert half.messages[:2] == [{"role": "system", "content": "Be brief."}, user]
+    own = {"role": "system", "content": "Mine."}
+    if layout == "conversational":
+        row = {**row, "prompt": [own, user]}
+    else:
+        row = {k: [own, *v] for k, v in row.items()}
+    c, _ = _row({**row, "system": "Be brief."}, cols).halves()
+    assert c.messages[:2] == [own, user]
+
+
+@pytest.mark.parametrize("text", ["[1] Paris, as the atlas says.", "[Paris](https://en.wikipedia.org/wiki/Paris)",
+                                  "[2, 3] are the roots."])
+def test_a_text_that_starts_with_a_bracket_is_text(text):
+    """A response or prompt text that starts with "[" (a citation, a markdown link, a list in prose) is text: it was
+    taken for a JSON-encoded message list and the pair refused as malformed_json. A string that is one (a list of
+    message objects, as a table may store it) is still read as messages, and a broken one still refused."""
+    c, r = _row({"prompt": "[Geography] Capital of France?", "chosen": text, "rejected": "Lyon."}).halves()
+    assert (c.messages[-1]["content"], r.messages[-1]["content"]) == (text, "Lyon.")
+    assert c.messages[0]["content"][-1]["text"] == "[Geography] Capital of France?"
+    encoded = json.dumps([{"role": "assistant", "content": text}])
+    assert _row({"prompt": "q", "chosen": encoded, "rejected": "Lyon."}).chosen == text
+    with pytest.raises(BadRecordError) as e:
+        _row({"prompt": "q", "chosen": encoded[:-2], "rejected": "Lyon."})
+    assert e.value.category == "malformed_json"

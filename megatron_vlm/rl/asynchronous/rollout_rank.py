@@ -59,6 +59,7 @@ from megatron_vlm.models.common.parallel_plan import copy_input_casts
 from megatron_vlm.parallel.collectives import barrier
 from megatron_vlm.parallel.precision import compute_dtype, mixed_param_dtype
 from megatron_vlm.rl.asynchronous.bridge import Role
+from megatron_vlm.rl.asynchronous.prompt_check import prompt_digest
 from megatron_vlm.rl.asynchronous.weights import receive_weights
 from megatron_vlm.rl.prompts.dataset import prompt_batches
 from megatron_vlm.rl.prompts.encoder import PromptEncoder
@@ -97,10 +98,13 @@ class _State:
         """The stop signal this rank received (its `StopFlag`): sent with each step, so the trainer stops too."""
 
 
-def _sample_payload(s) -> dict:
+def _sample_payload(s, digests: list[str]) -> dict:
+    """One sample for the trainer; `digests`: the step's prompts' (`prompt_digest`), which the trainer checks its own
+    encoding of the prompt against."""
     return {"prompt_index": s.prompt_index, "sample_index": s.sample_index, "token_ids": s.token_ids,
             "logprobs": s.logprobs, "token_versions": s.token_versions, "text": s.text,
-            "finish_reason": s.finish_reason, "prompt_length": s.prompt_length, "routes": s.routes}
+            "finish_reason": s.finish_reason, "prompt_length": s.prompt_length, "routes": s.routes,
+            "prompt_digest": digests[s.prompt_index]}
 
 
 def run_rollout_rank(ctx: RunContext, role: Role) -> int:
@@ -241,6 +245,7 @@ def _generate_loop(ctx, role: Role, state: _State, engine, encoder, train_set, t
         if state.stop:
             return
         item = {"step": b, "indices": indices, "result": result, "idle_s": idle, "trajectories": trajs,
+                "digests": [prompt_digest(p.input_ids) for p in prompts],
                 "busy_s": time.perf_counter() - t0, "skipped": encoder.skipped,
                 "bad_records": skips.take() if skips is not None else []}
         if getattr(engine, "kv_block_size", 0):  # samples preempted for lack of KV blocks (the on-demand paged pool)
@@ -310,7 +315,7 @@ def _score_items(state: _State, bridge, todo, manager, train_set) -> None:
             log.warning("rollout rank: stopping: step %d's reward batch given up", b)
             _answer_stopped(state, bridge, b)
             return
-        payload = {"step": b, "indices": item["indices"], "samples": [_sample_payload(s) for s in samples],
+        payload = {"step": b, "indices": item["indices"], "samples": [_sample_payload(s, item["digests"]) for s in samples],
                    "total": scored.total if scored else [], "per_reward": scored.per_reward if scored else {},
                    "reward_s": time.perf_counter() - t0, "idle_s": item["idle_s"], "busy_s": item["busy_s"],
                    "gen_s": result.seconds if result is not None else 0.0, "skipped": item["skipped"],

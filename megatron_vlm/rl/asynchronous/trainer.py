@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -53,6 +53,7 @@ from megatron_vlm.parallel.collectives import all_gather_objects, all_reduce_max
 from megatron_vlm.rl.algorithms.advantage_estimators import AdvantageSpec
 from megatron_vlm.rl.asynchronous.bridge import Bridge, Role
 from megatron_vlm.rl.asynchronous.multiturn import round_trajectories
+from megatron_vlm.rl.asynchronous.prompt_check import check_same_prompt
 from megatron_vlm.rl.asynchronous.weights import push_weights, trainable_names
 from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.metrics import PhaseTimer
@@ -118,17 +119,6 @@ class _Prefetch:
             raise self.error
         assert self.payloads is not None
         return self.payloads
-
-
-def _same_prompt_length(sample: Any, enc: Any, samples: Sequence[dict]) -> None:
-    """Refuse a prompt this trainer encoded to another length than the rollout rank did: the samples' tokens, log-probs
-    and MoE routes (prompt + L - 1 rows, routing replay) belong to the rollout rank's prompt, and trained after another
-    they would be scored in a context the rollout never saw."""
-    other = next((int(s["prompt_length"]) for s in samples if int(s["prompt_length"]) != len(enc)), None)
-    if other is not None:
-        raise RuntimeError(f"asynchronous GRPO: prompt {sample.prompt_id}: {len(enc)} tokens here, {other} on the "
-                           "rollout rank: its encoding differs between processes (e.g. an [rl.env] environment whose "
-                           "tools() lists its specs in no fixed order)")
 
 
 class AsyncGRPOLoopStep(GRPOLoopStep):
@@ -279,7 +269,7 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
             enc = self.encoder.encode(sample)
             if enc is None:
                 raise RuntimeError(f"asynchronous GRPO: prompt {sample.prompt_id} encoded on the rollout rank but not here")
-            _same_prompt_length(sample, enc, samples)
+            check_same_prompt(sample, enc, samples)
             shard_samples.append(sample)
             prompts.append(enc)
             for s in samples:
@@ -306,7 +296,7 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
             raise RuntimeError(f"asynchronous GRPO: prompt {self.train_set[idx].prompt_id} encoded on the rollout rank "
                                "but not here")
         s = samples[0]
-        _same_prompt_length(self.train_set[idx], enc, samples)
+        check_same_prompt(self.train_set[idx], enc, samples)
         dummy = [] if trajs is not None else [RolloutSample(
             prompt_index=0, sample_index=0, token_ids=s["token_ids"], logprobs=s["logprobs"], text=s["text"],
             finish_reason=s["finish_reason"], prompt_length=s["prompt_length"], token_versions=s["token_versions"],

@@ -36,3 +36,28 @@ def test_another_length_is_refused_naming_the_prompt():
         s["prompt_length"] = 4  # what the rollout rank encoded
     with pytest.raises(RuntimeError, match=r"prompt p1: 3 tokens here, 4 on the rollout rank"):
         _trainer(0)._round(0, [payload])
+
+
+def test_other_ids_of_the_same_length_are_refused():
+    """The payload's digest of the rollout rank's prompt ids ([5, 7, 6]: the same length as the trainer's [5, 6, 7])."""
+    from megatron_vlm.rl.asynchronous.prompt_check import prompt_digest
+
+    payload = _payload(0, [1, 2])
+    for s in payload["samples"]:
+        s["prompt_digest"] = prompt_digest(torch.tensor([5, 7, 6]))
+    with pytest.raises(RuntimeError, match=r"prompt p1: 3 tokens here and on the rollout rank, but other token ids"):
+        _trainer(0)._round(0, [payload])
+    for s in payload["samples"]:  # the same ids, sent as another integer dtype
+        s["prompt_digest"] = prompt_digest(torch.tensor([5, 6, 7], dtype=torch.int32))
+    assert [len(p) for p in _trainer(0)._round(0, [payload]).shard.prompts] == [3]
+
+
+def test_the_rollout_rank_sends_each_samples_prompt_digest():
+    from megatron_vlm.rl.asynchronous.prompt_check import prompt_digest
+    from megatron_vlm.rl.asynchronous.rollout_rank import _sample_payload
+
+    digests = [prompt_digest(torch.tensor([1, 2])), prompt_digest(torch.tensor([1, 3]))]
+    assert digests[0] != digests[1]
+    sample = NS(prompt_index=1, sample_index=0, token_ids=None, logprobs=None, token_versions=None, text="",
+                finish_reason="eos", prompt_length=2, routes=None)
+    assert _sample_payload(sample, digests)["prompt_digest"] == digests[1]

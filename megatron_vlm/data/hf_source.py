@@ -17,8 +17,9 @@ row on demand, through the column mapping of the `[data] columns` table:
   the "image" / "images" and "system" columns placed as for a messages column;
 - prompt / answer datasets (Geometry3K, ViRL39K style): {"prompt": col, "answer": col} with
   optional "image" / "images" (one or a list), "video" (frame list or path) and "system" columns;
-  the user turn is [images..., video, prompt text]; "<image>" / "<video>" markers in the prompt are
-  removed because the media are placed before the text. A prompt with markers must have as many as it
+  the media go where the prompt's "<image>" / "<video>" markers are (as GRPO's reader places a row's images:
+  the same row is one prompt in both), before the text in a prompt without markers (the user turn is then
+  [images..., video, prompt text]). A prompt with markers must have as many as it
   has images (videos) (else "placeholder_mismatch", as GRPO's prompt reader decides: a question about two
   images given one must not train); a prompt without markers takes any number. The answer is a
   string or a number / bool (its text); a list or struct cell is an "invalid_record".
@@ -37,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -180,7 +182,7 @@ def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, sourc
             if markers and markers != given:
                 raise BadRecordError("placeholder_mismatch", f"column {c['prompt']!r}: {markers} <{kind}> placeholders "
                                                              f"but {given} {kind}s")
-        items.append({"type": "text", "text": prompt.replace("<image>", "").replace("<video>", "").strip()})
+        items = _at_markers(prompt, items)
         system = row.get(c["system"]) if "system" in c else None
         raw = [{"role": "system", "content": system}] if system else []
         raw += [{"role": "user", "content": items}, {"role": "assistant", "content": answer}]
@@ -289,3 +291,24 @@ class HFRecords(TableRecordSource):
     def get(self, i: int) -> Record:
         row, root, source, index = self._row(i)
         return record_from_columns(row, self.columns, root=root, source=source, index=index)
+
+
+_MARKER = re.compile(r"(<image>|<video>)")
+
+
+def _at_markers(prompt: str, media: list[dict]) -> list[dict]:
+    """The user turn of a prompt / answer row: `media` (images, then the video) where the prompt's "<image>" /
+    "<video>" markers are, in order, the text pieces between them stripped (as GRPO's reader places a row's images,
+    rl/prompts/dataset.py, so the same row is one prompt in both); a prompt without markers has its media before
+    the text. The marker counts were checked against the media given."""
+    if not _MARKER.search(prompt):
+        return [*media, {"type": "text", "text": prompt.strip()}]
+    queues = {kind: [it for it in media if it["type"] == kind] for kind in ("image", "video")}
+    unmarked = {kind for kind in queues if f"<{kind}>" not in prompt}
+    out = [it for it in media if it["type"] in unmarked]  # e.g. images given with only a <video> marker: first
+    for piece in _MARKER.split(prompt):
+        if piece in ("<image>", "<video>"):
+            out.append(queues[piece[1:-1]].pop(0))
+        elif piece.strip():
+            out.append({"type": "text", "text": piece.strip()})
+    return out

@@ -339,7 +339,9 @@ def _from_messages_row(row: dict, row_id: str, root: Path, template: str, system
         out.append({"role": m.get("role"), "content": items if m.get("role") != "system" else content})
     if answer is None or not str(answer).strip():
         raise BadRecordError("invalid_record", "no answer")
-    metadata = {k: v for k, v in row.items() if k not in ("messages", "answer") and isinstance(v, (str, int, float, bool, list))}
+    # the row's images are placed in its turns (`_with_row_images`), not handed to every reward call as well
+    metadata = {k: v for k, v in row.items() if k not in ("messages", "answer", "image", "images")
+                and isinstance(v, (str, int, float, bool, list))}
     return PromptSample(str(row.get("id") or row_id), out, str(answer).strip(), problem, metadata)
 
 

@@ -33,3 +33,15 @@ def test_a_message_that_is_no_object_is_an_invalid_record(tmp_path):
     got = load_prompt_dataset(tmp_path / "m.jsonl")
     assert [(b.index, b.category) for b in got.bad_records.entries] == [(2, "invalid_record"), (3, "invalid_record")]
     assert ["messages[1]" in b.detail for b in got.bad_records.entries] == [True, False]
+
+
+def test_a_rows_image_columns_are_its_images_not_reward_metadata(tmp_path):
+    """A messages row's top-level "images" / "image" are placed in its turns; they were also handed to every reward
+    call as metadata (a parquet image struct with its bytes, on every call), unlike a table row's image column."""
+    Image.new("RGB", (28, 28), "red").save(tmp_path / "a.png")
+    rows = [{"messages": [{"role": "user", "content": "<image>Colour?"}], "answer": "red", key: value, "level": 3}
+            for key, value in (("images", ["a.png"]), ("image", "a.png"))]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = load_prompt_dataset(tmp_path / "m.jsonl")
+    assert [s.images() for s in got.samples] == [[str(tmp_path / "a.png")]] * 2
+    assert [s.metadata for s in got.samples] == [{"level": 3}] * 2

@@ -113,10 +113,26 @@ def test_too_long_prompt_is_counted_by_file_and_line(tmp_path, proc, write_image
     assert [(b.source, b.index, b.category) for b in enc.bad_records.entries] == [(str(path), 1, "too_long")]
 
 
-def test_row_that_breaks_the_mapping_is_skipped_not_fatal(tmp_path):
+def test_row_that_breaks_the_mapping_is_skipped_not_fatal(tmp_path, monkeypatch):
+    import megatron_vlm.rl.prompts.dataset as dataset
+
     path = tmp_path / "p.jsonl"
     good = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]}
     path.write_text(json.dumps(good) + "\n" + json.dumps({"messages": ["not an object"]}) + "\n")
+    out = load_prompt_dataset(path, schema="messages")
+    assert len(out) == 1
+    (bad,) = out.bad_records.entries
+    assert (bad.index, bad.category) == (2, "invalid_record") and "messages[0]" in bad.detail
+    # any other exception while mapping one row: counted as unexpected, the run goes on
+    real = dataset._from_messages_row
+
+    def breaks_on_the_second(row, *args):
+        if row.get("messages", [None])[0] == "boom":
+            raise AttributeError("'str' object has no attribute 'get'")
+        return real(row, *args)
+
+    monkeypatch.setattr(dataset, "_from_messages_row", breaks_on_the_second)
+    path.write_text(json.dumps(good) + "\n" + json.dumps({"messages": ["boom"]}) + "\n")
     out = load_prompt_dataset(path, schema="messages")
     assert len(out) == 1
     (bad,) = out.bad_records.entries

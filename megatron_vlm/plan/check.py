@@ -249,7 +249,7 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
             else:
                 lines.append(f"rollout    {per_rank} prompts per rank and step x group {group}, {rollout_prompts * group} sequences "
                              f"at once ({rollout_prompts} prompts' slots of {tokens} positions), refilled as completions end")
-            lines.append(decode_line(rl, model, rollout_ranks=bool(rollout_ranks)))
+            lines.append(decode_line(cfg, model, rollout_ranks=bool(rollout_ranks)))
         route_lines, routes_bytes = routes_plan(model, rl, per_rank_prompts=per_rank, batch_prompts=rollout_prompts,
                                                 max_tokens=tokens)
         lines += route_lines
@@ -352,6 +352,8 @@ def copy_hint(cfg, copy_bytes: float, peak: float, device_memory_gib: float) -> 
     ro, par = cfg.rl.rollout, cfg.parallel
     if cfg.rl.rollout_backend != "builtin" or ro.weights != "shared" or cfg.rl.env is not None:
         return []
+    if shared_in_place(cfg):  # "shared" already decodes as a copy would, with no copy's memory
+        return []
     if par.tp > 1 or par.pp > 1 or par.ep > 1 or par.backend == "mcore":
         return []
     with_copy = peak + copy_bytes
@@ -362,15 +364,25 @@ def copy_hint(cfg, copy_bytes: float, peak: float, device_memory_gib: float) -> 
             "(rl.rollout.cuda_graphs = \"auto\"); \"shared\" runs eager lock-step steps"]
 
 
-def decode_line(rl, model, *, rollout_ranks: bool) -> str:
+def shared_in_place(cfg) -> bool:
+    """Whether `rl.rollout.weights = "shared"` decodes with the trainer's own bf16 weights as the engine's copy
+    (rl/trainer.py `build_rollout_engine`): `parallel.fsdp = false` in bf16 (the plan's "auto" is bf16, as on an
+    accelerator), where the model holds bf16 weights beside its fp32 masters. Then nothing is gathered and the engine
+    batches continuously, in CUDA graphs on a GPU, as a copy does, without the copy's memory."""
+    return cfg.parallel.fsdp is False and cfg.train.precision != "fp32"
+
+
+def decode_line(cfg, model, *, rollout_ranks: bool) -> str:
     """How the built-in engine's decode steps will run: in CUDA graphs on a GPU, or eager, and why (the choice
-    `rl.rollout.cuda_graphs` and `rl.rollout.weights` make; the step's speed differs several-fold on a GPU)."""
+    `rl.rollout.cuda_graphs` and `rl.rollout.weights` make, and `parallel.fsdp`; the step's speed differs several-fold
+    on a GPU)."""
+    rl = cfg.rl
     from megatron_vlm.inference.policy_engine import cuda_graphs_blocker
 
     mode = rl.rollout.cuda_graphs
     if mode == "off":
         return "decode     eager steps (rl.rollout.cuda_graphs = 'off')"
-    if not rollout_ranks and rl.rollout.weights == "shared":
+    if not rollout_ranks and rl.rollout.weights == "shared" and not shared_in_place(cfg):
         return ("decode     eager lock-step steps through the trainer's FSDP model (rl.rollout.weights = 'shared'; "
                 "an own copy, 'copy', decodes in CUDA graphs on a GPU)")
     why_not = cuda_graphs_blocker(model)
@@ -410,7 +422,9 @@ def rollout_rank_lines(cfg, shape, *, compute_bytes: int, batch_prompts: int, gr
 def rollout_copy_lines(cfg, mem, shape) -> list[str]:
     """The rollout engine's weights (rl.rollout.weights) and the per-rank sum of the plan's parts."""
     weights = cfg.rl.rollout.weights if cfg.rl.rollout_backend == "builtin" else "vllm"
-    what = {"shared": "none: the trainer's parameters, all-gathered block by block at every decode step",
+    what = {"shared": "none: the trainer's bf16 weights, decoded with in place (parallel.fsdp = false)"
+                      if shared_in_place(cfg) else
+                      "none: the trainer's parameters, all-gathered block by block at every decode step",
             "copy": "an unsharded copy of the whole policy",
             "expert_parallel": f"dense weights whole + 1/{cfg.parallel.ep} of the routed experts "
                                f"({shape.expert_params / 1e9:.2f} B of {shape.params / 1e9:.2f} B parameters are experts)",

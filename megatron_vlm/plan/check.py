@@ -454,6 +454,8 @@ def _key_to_change(cfg, mem, side_bytes: float = 0.0, excess: float = 0.0) -> st
             and cfg.parallel.dp_replicate == 1):
         # FSDP already shards over every data-parallel rank: halving the AdamW states is enough, without recomputing
         return "optimizer.moments_dtype"
+    if cfg.parallel.fsdp is False:  # dp_shard is refused beside it; FSDP2 shards over more ranks (and drops the bf16 copy)
+        return "parallel.fsdp"
     return "parallel.dp_shard"
 
 

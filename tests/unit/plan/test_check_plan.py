@@ -493,3 +493,17 @@ def test_check_of_no_fsdp_shared_rollout_says_it_decodes_in_place_without_a_copy
     # in full precision there are no bf16 weights to decode with in place: the engine calls the model in lock-step
     code, out, err = check(['train.precision="fp32"'])
     assert code == 0 and "decode     eager lock-step steps" in out, out + err
+
+
+def test_check_of_no_fsdp_over_memory_names_parallel_fsdp_not_dp_shard(qwen2_5_vl_3b):
+    """A parallel.fsdp = false run whose weights and optimizer states do not fit names parallel.fsdp: dp_shard (the
+    key an FSDP2 run is told to raise) is refused beside fsdp = false, and FSDP2 also drops the bf16 weight copy."""
+    from megatron_vlm.config import load_config_dict
+
+    cfg = load_config_dict({"model": {"path": str(qwen2_5_vl_3b)}, "parallel": {"fsdp": False},
+                            "optimizer": {"moments_dtype": "bf16"},
+                            "train": {"max_steps": 1, "precision": "bf16", "activation_checkpointing": True},
+                            "data": {"type": "synthetic_vqa", "max_tokens_per_pack": 1024}})
+    err = io.StringIO()
+    assert run_check(cfg, world_size=1, device_memory_gib=40.0, out=io.StringIO(), err=err) == 2
+    assert err.getvalue().startswith("check failed: parallel.fsdp: estimated peak"), err.getvalue()

@@ -293,7 +293,7 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
                           activation_checkpointing=True if evaluating else cfg.train.activation_checkpointing,
                           rollout_prompts=0 if rollout_ranks else rollout_prompts, group_size=group, tp=tp,
                           kv_slots=kv_slots, ep=cfg.parallel.ep, routes_bytes=0.0 if rollout_ranks else routes_bytes,
-                          compiled=cfg.parallel.compile,
+                          compiled=cfg.parallel.compile or _splits_for_fp32_units(cfg, model, compute, master),
                           rollout_weights=cfg.rl.rollout.weights if grpo and cfg.rl.rollout_backend == "builtin" else "shared",
                           moment_bytes=moment_bytes(cfg), unsharded=cfg.parallel.fsdp is False)
     if rollout_ranks:
@@ -457,6 +457,17 @@ def _key_to_change(cfg, mem, side_bytes: float = 0.0, excess: float = 0.0) -> st
     if cfg.parallel.fsdp is False:  # dp_shard is refused beside it; FSDP2 shards over more ranks (and drops the bf16 copy)
         return "parallel.fsdp"
     return "parallel.dp_shard"
+
+
+def _splits_for_fp32_units(cfg, model, compute: int, master: int) -> bool:
+    """Whether "selective" checkpointing is split per child and piece without `parallel.compile` too: under FSDP2
+    with fp32 modules (Nemotron-H's routers) made units of their own inside bf16 blocks (parallel/apply.py
+    `parallelize_blocks`); planned as FSDP2 on an accelerator unless `parallel.fsdp = false`."""
+    if cfg.parallel.fsdp is False or ac_policy(cfg.train.activation_checkpointing) != "selective":
+        return False
+    from megatron_vlm.parallel.apply import fp32_units
+
+    return bool(fp32_units(model, torch.bfloat16 if min(compute, master) < 4 else None))
 
 
 def _ac_words(value) -> str:

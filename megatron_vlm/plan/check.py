@@ -193,8 +193,9 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
             raise CheckFailed("parallel.pp", str(e)) from None
     shape = model_shape(model)
     tokens = cfg.data.max_tokens_per_pack
-    compute = 4 if cfg.train.precision == "fp32" else 2
     master = _BYTES[cfg.model.dtype]
+    # full precision computes in the weights' own dtype (nothing is cast: parallel/precision.py compute_dtype)
+    compute = master if cfg.train.precision == "fp32" else 2
     adapters = sum(p.numel() for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n)
     lora = f"+ {adapters / 1e9:.3f} B LoRA, " if adapters else ""
     lines = [f"model      {hf.get('model_type')}: {(shape.params - adapters) / 1e9:.3f} B parameters "

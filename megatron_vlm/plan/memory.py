@@ -6,7 +6,7 @@ conservative; the numbers it uses (all in bytes, per rank):
 
 - F = FSDP shard size (`parallel.dp_shard`, -1 = world / (dp_replicate x tp)); P = parameters, T = trainable
   parameters (`train.train_layers`), m = bytes of `model.dtype` (the master weights the optimizer
-  updates), c = bytes of the compute dtype (`train.precision`: bf16 = 2, fp32 = 4; "auto" = bf16);
+  updates), c = bytes of the compute dtype (`train.precision`: bf16 = 2, fp32 = m (nothing cast: the weights' own); "auto" = bf16);
 - tensor parallelism (`parallel.tp`): the parameters TP splits (attention and dense-MLP projections,
   embedding, lm_head: S of P, S_T of T) count S / tp per rank: P' = P - S + S / tp, likewise T';
 - master weights (params)  = P' x m / F

@@ -507,3 +507,20 @@ def test_check_of_no_fsdp_over_memory_names_parallel_fsdp_not_dp_shard(qwen2_5_v
     err = io.StringIO()
     assert run_check(cfg, world_size=1, device_memory_gib=40.0, out=io.StringIO(), err=err) == 2
     assert err.getvalue().startswith("check failed: parallel.fsdp: estimated peak"), err.getvalue()
+
+
+def test_check_of_bf16_weights_in_full_precision_plans_bf16_activations(qwen2_5_vl_3b):
+    """model.dtype = "bfloat16" with train.precision = "fp32": nothing is cast (no mixed precision), so the forward
+    computes in the weights' bf16 (parallel/precision.py `compute_dtype`): activations and the rollout's KV cache take
+    2 bytes per element, as under bf16 precision, not the 4 of fp32 weights."""
+    from megatron_vlm.config import load_config_dict
+
+    def activations(precision: str) -> float:
+        cfg = load_config_dict({"model": {"path": str(qwen2_5_vl_3b), "dtype": "bfloat16"},
+                                "train": {"max_steps": 1, "precision": precision},
+                                "data": {"type": "synthetic_vqa", "max_tokens_per_pack": 4096}})
+        out = io.StringIO()
+        assert run_check(cfg, world_size=1, device_memory_gib=1000.0, out=out, err=io.StringIO()) == 0
+        return float(re.search(r"activations ([0-9.]+) GiB", out.getvalue()).group(1))
+
+    assert activations("fp32") == activations("bf16")

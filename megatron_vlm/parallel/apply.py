@@ -337,9 +337,10 @@ def parallelize_blocks(
     """
     policy = checkpoint_blocks(blocks, activation_checkpointing)
     if policy == "selective" and mesh is not None and fp32_units(root if root is not None else model, param_dtype):
-        # a nested FSDP2 unit's hooks (gather, casts, profiler ranges) dispatch other operators when the checkpoint
-        # recomputes the block than in its forward, which a selective checkpoint's per-operator replay refuses at
-        # the first backward: checkpointed per child and piece instead, as under parallel.compile, so that the
+        # a nested FSDP2 unit's hooks (gather, casts, profiler ranges) may dispatch other operators when the
+        # checkpoint recomputes the block than in its forward (one rank, torch 2.13), which a selective checkpoint's
+        # per-operator replay refuses at the first backward: checkpointed per child and piece instead, as under
+        # parallel.compile (every layout: what the hooks dispatch is not the model's to promise), so that the
         # router's hooks run outside every checkpoint (its own piece checkpoints its forward, not its hooks)
         split_selective_checkpoints(blocks)
     if getattr(parallel_cfg, "compile", False):

@@ -3,7 +3,9 @@
 Each router (`fp32_weight`) is an FSDP2 unit of its own, so that it is gathered in fp32 inside its bf16 block. Inside
 a block-wide selective checkpoint its FSDP hooks run different operators in the recomputation than in the forward
 (torch 2.13's selective checkpoint counts every dispatched op, FSDP's profiler ranges included), and the first
-backward stopped with "invocation index ... encountered during backward but not found in storage". The tiny
+backward of a one-rank FSDP2 run (one GPU's default in bf16) stopped with "invocation index ... encountered during
+backward but not found in storage" (two CPU ranks happened to dispatch the same ops; torch's own fix, which keeps
+FSDP's internals out of the replay, came later). The tiny
 Nemotron-VL demo job with FSDP2 must train as the same job without FSDP2 units (`parallel.fsdp = false`, where the
 block-wide checkpoint holds no hooks), row for row and export for export, and --check must count what it keeps."""
 from __future__ import annotations
